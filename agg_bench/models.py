@@ -78,14 +78,15 @@ def build_tiny_transformer(family: str, seed: int = 0, dtype: torch.dtype = torc
     with torch.random.fork_rng(devices=[]):
         _seeded(seed)
         model = TRANSFORMER_CLASSES[family](**TINY_TRANSFORMERS[family])
-    return model.to(dtype)
+    return model if dtype == torch.float32 else model.to(dtype)
 
 
 def build_tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32) -> AutoencoderKL:
     with torch.random.fork_rng(devices=[]):
         _seeded(seed + 1)
         vae = AutoencoderKL(**TINY_VAE)
-    return vae.to(dtype).eval().requires_grad_(False)
+    vae = vae if dtype == torch.float32 else vae.to(dtype)
+    return vae.eval().requires_grad_(False)
 
 
 class Policy:

@@ -1,0 +1,138 @@
+"""GRPO pieces that every method shares: advantages, the clipped per-step loss, its gradient with
+respect to the velocity, and ratio statistics.
+
+The objective of one iteration is ``L = 1/(B*N) * sum_i sum_{j in steps(i)} l_ij`` with
+``l_ij = max(-A_i r_ij, -A_i clamp(r_ij, 1-eps, 1+eps)) + beta * KL_ij``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .models import Conditioning
+from .sde import sde_step
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float) -> torch.Tensor:
+    """Per-group standardized rewards, clamped to +-adv_clip_max; ``rewards`` are grouped consecutively."""
+    r = rewards.to(torch.float64).view(-1, group_size)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + 1e-8)
+    return adv.clamp(-adv_clip_max, adv_clip_max).reshape(-1).to(torch.float32)
+
+
+@dataclass
+class TrainBatch:
+    """One iteration's rollout as the methods see it.
+
+    ``latents`` (B, T+1, C, H, W); ``velocities`` (B, T, C, H, W) from the rollout or None;
+    ``log_probs`` (B, T) old log-probs; ``sigmas`` (T+1); ``timesteps`` (T) the exact values given to
+    the model; ``advantages`` (B,); ``train_steps`` (B, N) step indices in denoising order.
+    ``policy_version`` is the policy's version when the rollout was made.
+    """
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+    advantages: torch.Tensor
+    train_steps: torch.Tensor
+    cond: Conditioning
+    sde: str
+    eta: float
+    clip_range: float
+    beta: float = 0.0
+    velocities: torch.Tensor | None = None
+    policy_version: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def steps_per_sample(self) -> int:
+        return self.train_steps.shape[1]
+
+    @property
+    def loss_scale(self) -> float:
+        """1/(B*N): the weight of one (sample, step) term in L."""
+        return 1.0 / (self.batch_size * self.steps_per_sample)
+
+    def states(self, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """x_j for each (row, step) pair."""
+        return self.latents[rows, steps]
+
+    def timestep_values(self, steps: torch.Tensor) -> torch.Tensor:
+        return self.timesteps[steps.to(self.timesteps.device)]
+
+
+@dataclass
+class StepTerms:
+    """Per-sample quantities of one trained step for a batch of samples."""
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def step_terms(batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor, velocity: torch.Tensor,
+               ref_velocity: torch.Tensor | None = None) -> StepTerms:
+    """The GRPO loss l_ij (unscaled) for samples ``rows`` at steps ``steps`` given velocities at x_j."""
+    x = batch.states(rows, steps)
+    x_next = batch.latents[rows, steps + 1]
+    out = sde_step(batch.sde, velocity, x, batch.sigmas, steps, batch.eta, prev_sample=x_next)
+    ratio = torch.exp(out.log_prob - batch.log_probs[rows, steps].to(out.log_prob.dtype))
+    adv = batch.advantages[rows].to(ratio.dtype)
+    eps = batch.clip_range
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps))
+    if batch.beta > 0:
+        if ref_velocity is None:
+            raise ValueError("beta > 0 needs the reference policy's velocity")
+        ref = sde_step(batch.sde, ref_velocity, x, batch.sigmas, steps, batch.eta, prev_sample=x_next)
+        dims = tuple(range(1, x.dim()))
+        kl = ((out.mean - ref.mean) ** 2).mean(dim=dims) / (2 * out.std.reshape(x.shape[0]) ** 2)
+        loss = loss + batch.beta * kl
+    return StepTerms(loss=loss, ratio=ratio, log_prob=out.log_prob)
+
+
+def upstream_grad(batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor, velocity: torch.Tensor,
+                  ref_velocity: torch.Tensor | None = None) -> tuple[torch.Tensor, StepTerms]:
+    """u = d(loss_scale * l_ij)/dv for each (row, step), by autograd through the SDE step and loss only."""
+    with torch.enable_grad():
+        v = velocity.detach().requires_grad_(True)
+        terms = step_terms(batch, rows, steps, v, ref_velocity)
+        (u,) = torch.autograd.grad(terms.loss.sum() * batch.loss_scale, v)
+    return u, StepTerms(terms.loss.detach(), terms.ratio.detach(), terms.log_prob.detach())
+
+
+@dataclass
+class UpdateStats:
+    """Accumulates ratio and loss statistics over all (sample, step) terms of one update."""
+
+    clip_range: float
+    loss_sum: float = 0.0
+    count: int = 0
+    clipped: int = 0
+    sq_logratio_sum: float = 0.0
+    ratio_dev: float = 0.0
+    extras: dict = field(default_factory=dict)
+
+    def add(self, terms: StepTerms, log_prob_old: torch.Tensor, scale: float) -> None:
+        ratio = terms.ratio.detach().double()
+        self.loss_sum += float(terms.loss.detach().double().sum()) * scale
+        self.count += ratio.numel()
+        self.clipped += int(((ratio - 1).abs() > self.clip_range).sum())
+        self.sq_logratio_sum += float(((terms.log_prob.detach().double() - log_prob_old.double()) ** 2).sum())
+        self.ratio_dev = max(self.ratio_dev, float((ratio - 1).abs().max()) if ratio.numel() else 0.0)
+
+    def as_dict(self) -> dict:
+        n = max(self.count, 1)
+        return {"loss": self.loss_sum, "clip_frac": self.clipped / n,
+                "approx_kl": 0.5 * self.sq_logratio_sum / n, "ratio_dev": self.ratio_dev, **self.extras}
+
+
+def micro_batches(n: int, size: int | None):
+    """Index tensors covering range(n) in chunks of ``size`` (all at once when size is None)."""
+    size = n if not size else size
+    for start in range(0, n, size):
+        yield torch.arange(start, min(start + size, n))

@@ -1,0 +1,83 @@
+"""Result files that survive a crash: every file is written to a temporary name and renamed, and
+metric records are appended one flushed line at a time."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def _json_default(obj: Any):
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"cannot write {type(obj).__name__} as JSON")
+
+
+def _clean(value: Any) -> Any:
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write ``data`` as JSON atomically (temp file in the same folder, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump(_clean(data), fh, indent=2, default=_json_default, sort_keys=False)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_path(path: str | Path) -> Path:
+    """A temporary sibling of ``path``; rename it onto ``path`` with ``os.replace`` when complete."""
+    path = Path(path)
+    return path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+
+
+class JsonlWriter:
+    """Appends one JSON record per line, flushed and fsynced, so a killed process leaves whole lines."""
+
+    def __init__(self, path: str | Path, append: bool = False):
+        self.path = Path(path)
+        self._fh = open(self.path, "a" if append else "w")
+
+    def write(self, record: dict) -> None:
+        self._fh.write(json.dumps(_clean(record), default=_json_default) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    """Records of a JSONL file; a torn last line (a run killed mid-write) is skipped."""
+    with open(path) as fh:
+        lines = fh.readlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                return
+            raise

@@ -1,0 +1,143 @@
+"""The Estimator interface and the method registry.
+
+A method decides how the gradient of the GRPO objective is accumulated into the policy's ``.grad``
+for one rollout (and, optionally, which steps are stochastic in the rollout and which hooks run while
+sampling). Adding a method means one module with a config dataclass and an Estimator subclass, and
+one ``@register_method`` line; the training loop never changes.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import typing
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from .errors import ConfigError
+from .grpo import TrainBatch, UpdateStats
+from .models import Policy
+
+METHODS: dict[str, type["Estimator"]] = {}
+# Modules whose import registers methods; imported on first lookup.
+METHOD_MODULES = ("baselines.full",)
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """This method has no options."""
+
+
+class Estimator(ABC):
+    """Accumulates one method's gradient of L into ``policy`` parameters' ``.grad``."""
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type] = NoOptions
+
+    def __init__(self, config: Any = None):
+        self.config = config if config is not None else self.config_cls()
+
+    def sde_mask(self, iteration: int, steps: int, generator: torch.Generator) -> torch.Tensor | None:
+        """Which of the T steps are sampled with the SDE (None: all)."""
+        return None
+
+    def rollout_hooks(self, policy: Policy) -> contextlib.AbstractContextManager[Callable[[int, float], None] | None]:
+        """Context active while sampling; yields ``before_step(j, timestep)`` or None."""
+        return contextlib.nullcontext(None)
+
+    @abstractmethod
+    def accumulate(self, policy: Policy, batch: TrainBatch, stats: UpdateStats,
+                   reference: Policy | None = None) -> None:
+        """Add d L / d theta to ``.grad`` (L as in DESIGN, scaled by ``batch.loss_scale``)."""
+
+    def iteration_metrics(self) -> dict:
+        """Method-specific fields for the iteration's metric record."""
+        return {}
+
+    def close(self) -> None:
+        """Undo anything the method installed on the policy."""
+
+
+def register_method(cls: type[Estimator]) -> type[Estimator]:
+    METHODS[cls.name] = cls
+    return cls
+
+
+def _load_registry() -> None:
+    for module in METHOD_MODULES:
+        importlib.import_module(module)
+
+
+def available_methods() -> list[str]:
+    _load_registry()
+    return sorted(METHODS)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check ``value`` against a dataclass field annotation; return the value as that type."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as err:
+                errors.append(err.expected)
+        raise ConfigError(key, value, " or ".join(errors))
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(key, value, f"one of {list(args)}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, value, "true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, value, "an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, value, "a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, value, "a string")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, value, "a list")
+        item = args[0] if args else Any
+        return [_coerce(key, v, item) for v in value] if item is not Any else list(value)
+    return value
+
+
+def method_config(name: str, options: dict[str, Any], prefix: str = "method") -> Any:
+    """Build ``name``'s config dataclass from ``options``, naming any bad key."""
+    cls = METHODS[name].config_cls
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in options.items():
+        if key not in fields:
+            allowed = ", ".join(sorted(fields)) or "none"
+            raise ConfigError(f"{prefix}.{key}", value, f"a known option of method '{name}' ({allowed})")
+        values[key] = _coerce(f"{prefix}.{key}", value, hints[key])
+    config = cls(**values)
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate()
+    return config
+
+
+def build_method(name: str, options: dict[str, Any] | None = None) -> Estimator:
+    """The estimator registered as ``name`` with ``options`` (the ``method`` config section minus name)."""
+    _load_registry()
+    if name not in METHODS:
+        raise ConfigError("method.name", name, f"one of {sorted(METHODS)}")
+    return METHODS[name](method_config(name, dict(options or {})))

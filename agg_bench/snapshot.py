@@ -1,0 +1,125 @@
+"""Frozen rollouts for replay: every method's gradient can be computed on the very same rollout.
+
+A snapshot folder holds ``transformer/`` (diffusers ``save_pretrained``), ``rollout.safetensors``,
+``rollout.json`` and the run's ``config.json``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import RunConfig, apply_overrides, validate
+from .errors import UserError
+from .grpo import TrainBatch, UpdateStats
+from .io import atomic_path, write_json
+from .methods import build_method
+from .models import DTYPES, POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy
+from .train import Session, prepare_out_dir
+
+ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "encoder_hidden_states",
+                "train_steps")
+
+
+def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
+    """Collect iteration 0 of ``cfg`` and freeze it into ``out_dir``."""
+    out = prepare_out_dir(out_dir)
+    session = Session(cfg)
+    batch = session.collect(0).batch
+    session.policy.transformer.save_pretrained(out / "transformer")
+    tensors = {
+        "latents": batch.latents, "log_probs": batch.log_probs, "sigmas": batch.sigmas,
+        "timesteps": batch.timesteps, "advantages": batch.advantages,
+        "encoder_hidden_states": batch.cond.encoder_hidden_states, "train_steps": batch.train_steps,
+        "velocities": batch.velocities,
+    }
+    if batch.cond.pooled_projections is not None:
+        tensors["pooled_projections"] = batch.cond.pooled_projections
+    tmp = atomic_path(out / "rollout.safetensors")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    tmp.replace(out / "rollout.safetensors")
+    write_json(out / "rollout.json", {
+        "family": cfg.model.family, "sde": batch.sde, "eta": batch.eta, "clip_range": batch.clip_range,
+        "beta": batch.beta, "dtype": cfg.model.dtype, "resolution": cfg.model.resolution,
+    })
+    write_json(out / "config.json", cfg.to_dict())
+    return out
+
+
+@dataclass
+class Snapshot:
+    policy: Policy
+    batch: TrainBatch
+    meta: dict
+    config: dict
+
+
+def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") -> Snapshot:
+    root = Path(snapshot_dir)
+    for name in ("transformer", "rollout.safetensors", "rollout.json"):
+        if not (root / name).exists():
+            raise UserError(f"snapshot {root}: missing {name} (make one with `agg-bench snapshot`)")
+    meta = json.loads((root / "rollout.json").read_text())
+    family = meta["family"]
+    transformer = TRANSFORMER_CLASSES[family].from_pretrained(
+        root / "transformer", torch_dtype=DTYPES[meta.get("dtype", "float32")]).to(device)
+    latent_channels = transformer.config.in_channels // (4 if family == "flux" else 1)
+    policy = POLICIES[family](transformer, None, latent_channels)
+    t = {k: v.to(device) for k, v in load_file(str(root / "rollout.safetensors")).items()}
+    beta = meta.get("beta", 0.0)
+    batch = TrainBatch(
+        latents=t["latents"], log_probs=t["log_probs"], sigmas=t["sigmas"], timesteps=t["timesteps"],
+        advantages=t["advantages"], train_steps=t["train_steps"],
+        cond=Conditioning(t["encoder_hidden_states"], t.get("pooled_projections")),
+        sde=meta["sde"], eta=meta["eta"], clip_range=meta["clip_range"], beta=beta,
+        velocities=t.get("velocities"), policy_version=0,
+    )
+    config_path = root / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    return Snapshot(policy, batch, meta, config)
+
+
+def method_from(snapshot: Snapshot, method: str, overrides: list[str]):
+    """The estimator ``method`` with ``--set`` overrides applied to the snapshot's config."""
+    config = dict(snapshot.config)
+    config["method"] = {"name": method}
+    cfg = validate(apply_overrides(config, overrides))
+    options = dict(cfg.method)
+    return build_method(options.pop("name"), options)
+
+
+def replay_gradient(snapshot: Snapshot, estimator) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """``estimator``'s gradient of L on the snapshot: ({name: grad}, pass counts, update stats)."""
+    policy = snapshot.policy
+    reference = policy.frozen_copy() if snapshot.batch.beta > 0 else None
+    for p in policy.parameters():
+        p.grad = None
+    before = policy.counter.copy()
+    stats = UpdateStats(snapshot.batch.clip_range)
+    estimator.accumulate(policy, snapshot.batch, stats, reference)
+    counts = (policy.counter - before).as_dict()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+             for n, p in policy.named_parameters()}
+    for p in policy.parameters():
+        p.grad = None
+    return grads, counts, {**stats.as_dict(), **estimator.iteration_metrics()}
+
+
+def replay(snapshot_dir: str | Path, method: str, overrides: list[str], out_file: str | Path,
+           device: str = "cpu") -> dict:
+    out_file = Path(out_file)
+    if out_file.suffix != ".safetensors":
+        raise UserError(f"--out {out_file}: expected a FILE.safetensors path")
+    prepare_out_dir(out_file.parent)
+    snapshot = load_snapshot(snapshot_dir, device)
+    estimator = method_from(snapshot, method, overrides)
+    grads, counts, stats = replay_gradient(snapshot, estimator)
+    tmp = atomic_path(out_file)
+    save_file({k: v.contiguous().cpu() for k, v in grads.items()}, str(tmp))
+    tmp.replace(out_file)
+    write_json(out_file.with_suffix(".json"), {**counts, "method": method, "overrides": overrides,
+                                               "stats": stats})
+    return counts

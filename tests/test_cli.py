@@ -1,0 +1,70 @@
+"""The `agg-bench` command line: runs, determinism, and one-line errors with exit code 2."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agg_bench.cli import main
+from agg_bench.io import read_jsonl
+from agg_bench.train import RECORD_KEYS, TIMING_KEYS
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "train.iterations=2",
+         "--set", "progress=false"]
+
+
+def records(out):
+    return list(read_jsonl(Path(out) / "metrics.jsonl"))
+
+
+def test_run_writes_contract_files(tmp_path):
+    assert main(["run", "--config", str(ROOT / "config/config.yaml"), *SMALL, "--out", str(tmp_path / "r")]) == 0
+    recs = records(tmp_path / "r")
+    assert [r["iteration"] for r in recs] == [0, 1]
+    for r in recs:
+        assert set(RECORD_KEYS) <= set(r)
+        assert r["status"] == "ok" and r["gpu_name"] is None and r["peak_alloc_bytes"] is None
+    summary = json.loads((tmp_path / "r/summary.json").read_text())
+    assert summary["status"] == "ok"
+    assert "torch" in json.loads((tmp_path / "r/env.json").read_text())
+
+
+def test_same_seed_twice_gives_identical_non_timing_fields(tmp_path):
+    for name in ("a", "b"):
+        assert main(["run", *SMALL, "--set", "run_id=same", "--out", str(tmp_path / name)]) == 0
+    strip = lambda r: {k: v for k, v in r.items() if k not in TIMING_KEYS and k != "saved_activation_peak_bytes"}  # noqa: E731
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [strip(r) for r in a] == [strip(r) for r in b]
+
+
+def test_flux_preset_runs(tmp_path):
+    assert main(["run", *SMALL, "--set", "model.family=flux", "--out", str(tmp_path / "f")]) == 0
+    assert records(tmp_path / "f")[-1]["model"] == "flux-tiny"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.lrr=1", "train.lrr"),
+    ("train.lr=-1", "train.lr"),
+    ("model.family=sdxl", "model.family"),
+    ("method.name=nope", "method.name"),
+    ("model.resolution=100", "model.resolution"),
+    ("sampling.sde=ddim", "sampling.sde"),
+    ("reward.name=aesthetics", "reward.name"),
+    ("grpo.group_size=1", "grpo.group_size"),
+    ("method.window=3", "method.window"),
+])
+def test_bad_config_is_one_line_and_exit_code_2(tmp_path, override, key):
+    proc = subprocess.run([sys.executable, "-m", "agg_bench", "run", *SMALL, "--set", override,
+                           "--out", str(tmp_path / "x")], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_missing_config_file_is_a_user_error(tmp_path, capsys):
+    assert main(["run", "--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert "--config" in capsys.readouterr().err

@@ -1,0 +1,82 @@
+import math
+
+import pytest
+import torch
+
+from agg_bench.sde import flow_sigmas, ode_step, sde_step
+
+
+def reference(kind, v, x, s, s_next, eta, s1):
+    """Float64 transcription of DESIGN.md's formulas, per sample."""
+    dt = s_next - s
+    if kind == "flow_grpo":
+        sp = s1 if s == 1 else s
+        std_t = eta * math.sqrt(s / (1 - sp))
+        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+        sd = std_t * math.sqrt(-dt)
+    else:
+        x0 = x - s * v
+        score = -(x - x0 * (1 - s)) / s**2
+        mean = x + dt * v - 0.5 * eta**2 * score * dt
+        sd = eta * math.sqrt(s - s_next)
+    return mean, sd
+
+
+@pytest.mark.parametrize("kind", ["flow_grpo", "dance_grpo"])
+def test_sde_step_matches_float64_reference(kind):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs every run
+    sigmas = flow_sigmas(12, 3.0)
+    b = 5
+    v = torch.randn(b, 3, 4, 4, generator=gen, dtype=torch.float64)
+    x = torch.randn(b, 3, 4, 4, generator=gen, dtype=torch.float64)
+    prev = torch.randn(b, 3, 4, 4, generator=gen, dtype=torch.float64)
+    index = torch.tensor([0, 3, 7, 10, 11])
+    eta = 0.3 + torch.rand((), generator=gen).item()
+    out = sde_step(kind, v, x, sigmas, index, eta, prev_sample=prev)
+    for i in range(b):
+        j = int(index[i])
+        mean, sd = reference(kind, v[i], x[i], float(sigmas[j]), float(sigmas[j + 1]), eta, float(sigmas[1]))
+        logp = (-(prev[i] - mean) ** 2 / (2 * sd**2) - math.log(sd) - math.log(math.sqrt(2 * math.pi))).mean()
+        torch.testing.assert_close(out.mean[i], mean, rtol=1e-12, atol=1e-12)
+        assert out.std[i].item() == pytest.approx(sd, rel=1e-12)
+        assert out.log_prob[i].item() == pytest.approx(logp.item(), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["flow_grpo", "dance_grpo"])
+def test_sampled_step_log_prob_is_gaussian_density(kind):
+    sigmas = flow_sigmas(8, 3.0)
+    gen = torch.Generator().manual_seed(7)
+    v = torch.randn(4, 2, 8, 8, dtype=torch.float64)
+    x = torch.randn(4, 2, 8, 8, dtype=torch.float64)
+    out = sde_step(kind, v, x, sigmas, 2, 0.5, generator=gen)
+    dist = torch.distributions.Normal(out.mean, out.std.expand_as(out.mean))
+    expected = dist.log_prob(out.prev_sample).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(out.log_prob, expected, rtol=1e-12, atol=1e-12)
+    # the same draw reproduces from the same generator state
+    again = sde_step(kind, v, x, sigmas, 2, 0.5, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(again.prev_sample, out.prev_sample)
+
+
+def test_float32_inputs_compute_in_float32():
+    sigmas = flow_sigmas(4, 3.0)
+    out = sde_step("flow_grpo", torch.randn(2, 1, 2, 2), torch.randn(2, 1, 2, 2), sigmas, 1, 0.7)
+    assert out.log_prob.dtype == torch.float32
+
+
+def test_ode_step_is_euler():
+    sigmas = flow_sigmas(5, 1.0)
+    v, x = torch.randn(2, 3, 2, 2, dtype=torch.float64), torch.randn(2, 3, 2, 2, dtype=torch.float64)
+    assert torch.equal(ode_step(v, x, sigmas, 2), x + (sigmas[3] - sigmas[2]) * v)
+
+
+def test_sigmas_follow_diffusers_schedule():
+    s = flow_sigmas(10, 3.0)
+    assert s.shape == (11,) and s[0] == 1 and s[-1] == 0
+    assert torch.all(s[1:] < s[:-1])
+
+
+def test_unknown_sde_kind_is_a_config_error():
+    from agg_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sampling.sde"):
+        sde_step("ddim", torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), flow_sigmas(3, 1.0), 0, 0.5)
