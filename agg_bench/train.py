@@ -86,6 +86,7 @@ class Session:
         if estimator is None:
             options = dict(cfg.method)
             estimator = build_method(options.pop("name"), options)
+        estimator.check_run(cfg)
         self.estimator = estimator
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
@@ -208,6 +209,7 @@ def train(cfg: RunConfig, out_dir: str | Path) -> dict:
                 except Exception as exc:  # an OOM ends the run but not the sweep
                     if not tel.is_oom_error(exc):
                         raise
+                    record.update(telemetry.record())
                     record.update(tel.memory_at_failure(session.device), status="oom")
                     writer.write(record)
                     status = "oom"

@@ -1,0 +1,470 @@
+"""Telemetry: NVML arithmetic against a scripted fake NVML, exact saved-activation bytes, CPU records."""
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from agg_bench import telemetry
+from agg_bench.telemetry import (
+    TELEMETRY_KEYS,
+    CudaMemory,
+    NVMLSampler,
+    NVMLSummary,
+    PhaseTimer,
+    SavedActivations,
+    Telemetry,
+    environment,
+    is_oom_error,
+    memory_at_failure,
+    reset_rss_peak,
+    rss_peak_bytes,
+)
+
+NEVER_S = 3600.0  # a polling interval no test reaches: only the start/stop/explicit samples happen
+
+GPU_FIELDS = ("peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "energy_j",
+              "gpu_util_mean", "power_mean_w")
+
+
+# --------------------------------------------------------------------------------------------------
+# A scripted NVML and CUDA device table
+# --------------------------------------------------------------------------------------------------
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+class FakeNVML:
+    """An NVML whose readings come from scripts; a script of None means "not supported"."""
+
+    def __init__(self, uuids, memory_used=None, util=None, power_mw=None, energy_mj=None,
+                 init_fails=False, driver=b"550.54.15"):
+        self.uuids = uuids
+        self.scripts = {
+            "memory": memory_used, "util": util, "power": power_mw, "energy": energy_mj,
+        }
+        self.iterators = {k: iter(v) for k, v in self.scripts.items() if v is not None}
+        self.init_fails = init_fails
+        self.driver = driver
+        self.init_calls = 0
+        self.shutdown_calls = 0
+        self.queried_handles: set[int] = set()
+
+    def _next(self, quantity, handle):
+        self.queried_handles.add(handle[1])
+        if quantity not in self.iterators:
+            raise FakeNVMLError(f"{quantity}: Not Supported")
+        return next(self.iterators[quantity])
+
+    def module(self) -> types.ModuleType:
+        module = types.ModuleType("pynvml")
+        module.NVMLError = FakeNVMLError
+
+        def init():
+            self.init_calls += 1
+            if self.init_fails:
+                raise FakeNVMLError("Driver Not Loaded")
+
+        def shutdown():
+            self.shutdown_calls += 1
+
+        module.nvmlInit = init
+        module.nvmlShutdown = shutdown
+        module.nvmlDeviceGetCount = lambda: len(self.uuids)
+        module.nvmlDeviceGetHandleByIndex = lambda index: ("handle", index)
+        module.nvmlDeviceGetUUID = lambda handle: self.uuids[handle[1]]
+        module.nvmlDeviceGetMemoryInfo = lambda h: SimpleNamespace(used=self._next("memory", h))
+        module.nvmlDeviceGetUtilizationRates = lambda h: SimpleNamespace(gpu=self._next("util", h))
+        module.nvmlDeviceGetPowerUsage = lambda h: self._next("power", h)
+        module.nvmlDeviceGetTotalEnergyConsumption = lambda h: self._next("energy", h)
+        module.nvmlSystemGetDriverVersion = lambda: self.driver
+        return module
+
+
+class FakeCudaUuid:
+    """Like torch's ``_CUuuid``: prints as a dashed hex UUID without the ``GPU-`` prefix."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+# NVML sees four GPUs; torch sees two of them, as with CUDA_VISIBLE_DEVICES=2,0.
+NVML_UUIDS = [
+    "GPU-00000000-aaaa-bbbb-cccc-000000000000",
+    b"GPU-11111111-aaaa-bbbb-cccc-111111111111",
+    "GPU-22222222-aaaa-bbbb-cccc-222222222222",
+    "GPU-33333333-aaaa-bbbb-cccc-333333333333",
+]
+VISIBLE = [2, 0]  # torch cuda index -> NVML index
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    def properties(index):
+        nvml_uuid = NVML_UUIDS[VISIBLE[index]]
+        return SimpleNamespace(uuid=FakeCudaUuid(nvml_uuid.removeprefix("GPU-")))
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+
+
+def install(monkeypatch, fake: FakeNVML) -> FakeNVML:
+    monkeypatch.setitem(sys.modules, "pynvml", fake.module())
+    return fake
+
+
+# --------------------------------------------------------------------------------------------------
+# NVMLSampler
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device, nvml_index", [("cuda:0", 2), ("cuda:1", 0), ("cuda", 0)])
+def test_nvml_device_is_matched_by_uuid(monkeypatch, fake_cuda, device, nvml_index):
+    fake = install(monkeypatch, FakeNVML(NVML_UUIDS, memory_used=[1, 2], util=[0, 0],
+                                         power_mw=[0, 0], energy_mj=[0, 0]))
+    sampler = NVMLSampler(device, NEVER_S)
+    assert sampler.available and sampler.nvml_index == nvml_index
+    sampler.start()
+    sampler.stop()
+    sampler.close()
+    assert fake.queried_handles == {nvml_index}
+    assert fake.shutdown_calls == fake.init_calls == 1
+
+
+def test_nvml_no_matching_uuid_is_a_no_op(monkeypatch, fake_cuda):
+    fake = install(monkeypatch, FakeNVML(NVML_UUIDS[:2], memory_used=[1]))  # GPU 2 not listed
+    sampler = NVMLSampler("cuda:0", NEVER_S)
+    assert not sampler.available and sampler.nvml_index is None
+    assert sampler.start().stop() == NVMLSummary()
+    assert fake.shutdown_calls == 1 and fake.queried_handles == set()
+
+
+def test_nvml_summary_from_scripted_readings(monkeypatch, fake_cuda):
+    install(monkeypatch, FakeNVML(
+        NVML_UUIDS,
+        memory_used=[1_000, 5_000, 3_000],
+        util=[10, 40, 70],
+        power_mw=[100_000, 200_000, 300_000],
+        energy_mj=[1_000_000, 1_012_345],
+    ))
+    sampler = NVMLSampler("cuda:0", NEVER_S)
+    sampler.start()  # energy counter, sample 1
+    sampler.sample()  # sample 2
+    summary = sampler.stop()  # sample 3, energy counter
+    sampler.close()
+    assert summary == NVMLSummary(
+        nvml_peak_used_bytes=5_000, gpu_util_mean=40.0, power_mean_w=200.0, energy_j=12.345, n_samples=3
+    )
+    assert sampler.summary() == summary
+
+
+def test_nvml_energy_falls_back_to_integrated_power(monkeypatch, fake_cuda):
+    install(monkeypatch, FakeNVML(
+        NVML_UUIDS, memory_used=[7, 7, 7], util=[0, 0, 0], power_mw=[100_000, 200_000, 300_000],
+        energy_mj=None,
+    ))
+    clock = iter([0.0, 1.0, 3.0])
+    sampler = NVMLSampler("cuda:0", NEVER_S, clock=lambda: next(clock))
+    sampler.start()
+    sampler.sample()
+    summary = sampler.stop()
+    sampler.close()
+    # Trapezoids: (100 + 200) / 2 * 1 s + (200 + 300) / 2 * 2 s
+    assert summary.energy_j == 650.0
+    assert summary.power_mean_w == 200.0
+
+
+def test_nvml_unsupported_quantities_are_none(monkeypatch, fake_cuda):
+    install(monkeypatch, FakeNVML(NVML_UUIDS, memory_used=[5, 9], util=None, power_mw=None,
+                                  energy_mj=None))
+    with NVMLSampler("cuda:0", NEVER_S) as sampler:
+        pass
+    assert sampler.summary() == NVMLSummary(nvml_peak_used_bytes=9, n_samples=2)
+    sampler.close()
+
+
+def test_nvml_background_thread_samples(monkeypatch, fake_cuda):
+    install(monkeypatch, FakeNVML(
+        NVML_UUIDS, memory_used=itertools.repeat(4_096), util=itertools.repeat(50),
+        power_mw=itertools.repeat(250_000), energy_mj=itertools.count(0, 1_000),
+    ))
+    sampler = NVMLSampler("cuda:0", interval_s=1e-4)
+    for _ in range(2):  # restartable; each window starts from scratch
+        sampler.start()
+        torch.randn(256, 256) @ torch.randn(256, 256)
+        summary = sampler.stop()
+        assert summary.n_samples >= 2
+        assert summary.nvml_peak_used_bytes == 4_096
+        assert summary.gpu_util_mean == 50.0 and summary.power_mean_w == 250.0
+        assert summary.energy_j == 1.0  # one counter read at start, one at stop
+    sampler.close()
+    sampler.close()
+
+
+@pytest.mark.parametrize("how", ["missing", "init_fails", "cpu"])
+def test_nvml_degrades_to_none(monkeypatch, fake_cuda, how):
+    device = "cpu" if how == "cpu" else "cuda:0"
+    if how == "missing":
+        monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
+    else:
+        install(monkeypatch, FakeNVML(NVML_UUIDS, init_fails=how == "init_fails"))
+    with NVMLSampler(device, NEVER_S) as sampler:
+        pass
+    assert not sampler.available
+    assert sampler.summary() == NVMLSummary()
+    sampler.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# SavedActivations
+# --------------------------------------------------------------------------------------------------
+
+F32 = 4  # bytes
+
+
+def small_mlp_loss(device: str) -> torch.Tensor:
+    x = torch.randn(4, 8, device=device)  # input, no grad
+    w1 = nn.Parameter(torch.randn(8, 16, device=device))
+    w2 = nn.Parameter(torch.randn(16, 3, device=device))
+    a = torch.tanh(x @ w1)  # mm saves x (w1 only if x required grad); tanh saves its output a
+    y = torch.sigmoid(a @ w2)  # mm saves a (again) and w2 (a parameter); sigmoid saves y
+    return (y * y).sum()  # mul saves y twice; sum saves no tensor
+
+
+# x + a + y, each storage once; parameters not counted.
+SMALL_MLP_BYTES = (4 * 8 + 4 * 16 + 4 * 3) * F32
+
+
+def test_saved_activation_bytes_of_known_graph():
+    with SavedActivations() as saved:
+        loss = small_mlp_loss("cpu")
+    assert saved.peak_bytes == saved.live_bytes == SMALL_MLP_BYTES == 432
+    loss.backward()
+    assert saved.live_bytes == 0
+    assert saved.peak_bytes == SMALL_MLP_BYTES
+
+
+def test_saved_activation_bytes_are_device_independent():
+    with SavedActivations() as saved:
+        loss = small_mlp_loss("meta")  # no memory at all, same count
+    assert saved.peak_bytes == SMALL_MLP_BYTES
+    del loss
+    assert saved.live_bytes == 0  # dropping the graph releases its saved tensors
+
+
+def test_saved_views_count_their_whole_storage_once():
+    big = torch.randn(4, 32)  # 512 bytes, no grad
+    w = torch.randn(4, 8, requires_grad=True)  # a leaf that is not a parameter: counted
+    with SavedActivations() as saved:
+        z1 = big[:, :8] * w  # saves a view of big: its whole storage (w not: big needs no grad)
+        z2 = big[:, 8:16] * w  # the same storage again: not recounted
+        z3 = w * w  # saves w (twice, one storage)
+    assert saved.peak_bytes == (4 * 32 + 4 * 8) * F32
+    (z1 + z2 + z3).sum().backward()
+    assert saved.live_bytes == 0
+
+
+def test_frozen_parameters_are_not_counted():
+    linear = nn.Linear(8, 4).requires_grad_(False)
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedActivations() as saved:
+        out = torch.relu(linear(x))  # linear saves only weight.t() (frozen): x's grad needs no x
+    assert saved.peak_bytes == 4 * 4 * F32
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, ((out > 0).float() @ linear.weight))
+
+
+def test_saved_peak_is_max_of_live_not_sum():
+    saved = SavedActivations()
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(2):  # one graph at a time: the peak is one graph's bytes
+        with saved:
+            loss = torch.exp(x).sum()  # saves exp's output: 128 bytes
+        loss.backward()
+    assert saved.peak_bytes == 4 * 8 * F32 and saved.live_bytes == 0
+    with saved:
+        loss_b = torch.exp(x).sum()
+    with saved:  # re-entered while loss_b's graph is alive: counts carry over
+        loss_c = torch.exp(x).sum()
+    assert saved.peak_bytes == saved.live_bytes == 2 * 4 * 8 * F32
+    del loss_b
+    saved.reset()
+    assert saved.peak_bytes == saved.live_bytes == 4 * 8 * F32
+    del loss_c
+    assert saved.live_bytes == 0
+
+
+def test_inplace_modification_of_saved_tensor_still_raises():
+    x = torch.randn(5, requires_grad=True)
+    with SavedActivations():
+        y = x * 2
+        z = y.exp()  # saves its output
+    z.add_(1)
+    with pytest.raises(RuntimeError, match="inplace"):
+        z.sum().backward()
+
+
+def test_gradients_unchanged_by_tracking():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(6, 6, dtype=torch.float64))
+    x = torch.randn(3, 6, dtype=torch.float64)
+    expected = torch.autograd.grad(torch.tanh(x @ w).pow(3).sum(), w)[0]
+    with SavedActivations():
+        loss = torch.tanh(x @ w).pow(3).sum()
+    assert torch.equal(torch.autograd.grad(loss, w)[0], expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# Telemetry on CPU
+# --------------------------------------------------------------------------------------------------
+
+
+def run_iteration(tel: Telemetry) -> None:
+    with tel.iteration():
+        with tel.phase("rollout"):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+        with tel.phase("train", saved_activations=True):
+            small_mlp_loss("cpu").backward()
+
+
+def test_cpu_record_has_every_key_and_none_for_gpu_fields():
+    with Telemetry("cpu") as tel:
+        run_iteration(tel)
+        record = tel.record()
+    assert tuple(record) == TELEMETRY_KEYS
+    for key in GPU_FIELDS:
+        assert record[key] is None, key
+    for key in ("t_rollout_s", "t_train_s", "t_iter_s"):
+        assert isinstance(record[key], float) and record[key] > 0, key
+    assert record["t_reward_s"] is None  # the phase did not run
+    assert isinstance(record["rss_peak_bytes"], int) and record["rss_peak_bytes"] > 0
+    assert record["saved_activation_peak_bytes"] == SMALL_MLP_BYTES
+
+
+def test_disabled_telemetry_only_times():
+    tel = Telemetry("cpu", enabled=False)
+    run_iteration(tel)
+    record = tel.record()
+    tel.close()
+    assert tuple(record) == TELEMETRY_KEYS
+    times = {"t_rollout_s", "t_train_s", "t_iter_s"}
+    for key, value in record.items():
+        if key in times:
+            assert isinstance(value, float) and value > 0, key
+        else:
+            assert value is None, key
+
+
+def test_each_iteration_starts_fresh_and_other_phase_names_are_timed():
+    with Telemetry("cpu") as tel:
+        assert all(v is None for v in tel.record().values())
+        run_iteration(tel)
+        with tel.iteration():
+            for _ in range(2):  # a phase may run several times; its times add up
+                with tel.phase("eval"):
+                    torch.randn(8).sum()
+        record = tel.record()
+    assert record["t_rollout_s"] is None and record["t_train_s"] is None
+    assert record["saved_activation_peak_bytes"] is None  # no phase tracked saved tensors
+    assert isinstance(record["t_eval_s"], float) and record["t_eval_s"] > 0
+    assert set(record) == set(TELEMETRY_KEYS) | {"t_eval_s"}
+
+
+def test_nested_tracked_phases_count_once():
+    with Telemetry("cpu") as tel:
+        with tel.iteration():
+            with tel.phase("train", saved_activations=True):
+                with tel.phase("forward", saved_activations=True):
+                    loss = small_mlp_loss("cpu")
+                loss.backward()
+        record = tel.record()
+    assert record["saved_activation_peak_bytes"] == SMALL_MLP_BYTES
+    assert record["t_forward_s"] > 0 and record["t_train_s"] > 0
+
+
+def test_failed_iteration_still_records():
+    with Telemetry("cpu") as tel:
+        with pytest.raises(torch.OutOfMemoryError):
+            with tel.iteration():
+                with tel.phase("train", saved_activations=True):
+                    torch.exp(torch.randn(4, requires_grad=True))
+                    raise torch.OutOfMemoryError("out of memory")
+        record = tel.record()
+    assert record["t_iter_s"] > 0 and record["t_train_s"] > 0
+    assert record["saved_activation_peak_bytes"] == 4 * F32
+    assert record["rss_peak_bytes"] > 0
+
+
+def test_building_blocks_on_cpu():
+    with PhaseTimer("cpu") as timer:
+        torch.randn(32, 32).sum()
+    assert timer.elapsed_s > 0
+    with pytest.raises(RuntimeError, match="before the timed block ended"):
+        PhaseTimer("cpu").elapsed_s
+    with CudaMemory("cpu") as memory:
+        torch.randn(32)
+    assert memory.peak_alloc_bytes is None and memory.peak_reserved_bytes is None
+
+
+def test_rss_peak_resets_and_sees_a_new_allocation():
+    assert isinstance(rss_peak_bytes(), int) and rss_peak_bytes() > 0
+    if not reset_rss_peak():
+        pytest.skip("this kernel does not allow resetting the peak RSS")
+    before = rss_peak_bytes()
+    block = torch.ones(64 * 2**20 // F32)  # 64 MiB, every page touched
+    after = rss_peak_bytes()
+    del block
+    assert after - before >= 32 * 2**20
+
+
+# --------------------------------------------------------------------------------------------------
+# Failures and environment
+# --------------------------------------------------------------------------------------------------
+
+
+def test_is_oom_error():
+    assert is_oom_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom_error(torch.cuda.OutOfMemoryError("boom"))
+    assert is_oom_error(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert is_oom_error(RuntimeError("HIP error: Out Of Memory"))
+    assert is_oom_error(MemoryError())
+    assert not is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_oom_error(ValueError("out of memory"))
+
+
+def test_memory_at_failure_on_cpu():
+    assert memory_at_failure("cpu") == {"allocated_bytes": None, "reserved_bytes": None}
+
+
+def test_environment_describes_the_machine(monkeypatch):
+    install(monkeypatch, FakeNVML(NVML_UUIDS, driver=b"550.54.15"))
+    env = environment()
+    for key in ("python", "platform", "cpu_model", "cpu_count", "torch", "diffusers", "numpy",
+                "cuda_available", "cuda_version", "cudnn", "driver_version", "gpu_count", "gpu_names",
+                "gpu_name", "git_commit", "hostname", "timestamp"):
+        assert key in env, key
+    assert env["torch"] == torch.__version__
+    assert env["driver_version"] == "550.54.15"
+    assert env["cpu_count"] >= 1
+    if not torch.cuda.is_available():
+        assert env["gpu_count"] == 0 and env["gpu_names"] == [] and env["gpu_name"] is None
+    assert env["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}", env["git_commit"])
+
+
+def test_environment_without_nvml_or_git(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr(telemetry, "_git", lambda *args: None)
+    env = environment()
+    assert env["driver_version"] is None
+    assert env["git_commit"] is None and env["git_dirty"] is None
