@@ -19,8 +19,11 @@ def cmd_run(args) -> int:
     from .config import load_config
     from .train import train
 
-    cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, args.out)
+    overrides = list(args.overrides)
+    if args.checkpoint_every is not None:
+        overrides.append(f"train.checkpoint_every={args.checkpoint_every}")
+    cfg = load_config(args.config, overrides)
+    summary = train(cfg, args.out, resume=args.resume)
     print(json.dumps({"out": str(args.out), "status": summary["status"]}))
     return 0
 
@@ -34,11 +37,112 @@ def cmd_snapshot(args) -> int:
     return 0
 
 
+def cmd_embed(args) -> int:
+    from .config import load_config
+    from .text import describe, embed
+    from .train import resolve_device
+
+    cfg = load_config(args.config, args.overrides)
+    print(json.dumps(describe(embed(cfg, args.out, resolve_device(cfg.device)))))
+    return 0
+
+
 def cmd_replay(args) -> int:
     from .snapshot import replay
 
     counts = replay(args.snapshot, args.method, args.overrides, args.out, args.device)
     print(json.dumps({"out": str(args.out), **counts}))
+    return 0
+
+
+def cmd_gradcheck(args) -> int:
+    from .config import load_config
+    from .gradcheck import gradcheck, parse_values
+
+    existing = args.snapshot is not None and (args.snapshot / "rollout.json").exists()
+    if existing and (args.config or args.overrides):
+        raise UserError(f"--snapshot {args.snapshot} already holds a snapshot; --config/--set would not apply to it")
+    cfg = None if existing else load_config(args.config, args.overrides)
+    rows = gradcheck(
+        args.out, cfg, args.snapshot, parse_values(args.windows, "--windows", int),
+        parse_values(args.alphas, "--alphas", str), parse_values(args.route_fracs, "--route-fracs", float),
+        parse_values(args.reuse, "--reuse", bool), args.methods, args.device)
+    print(json.dumps({"out": str(args.out), "rows": len(rows)}))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .report import GradcheckEntry, Manifest, build_report, discover_runs, load_manifest
+
+    if args.tables is None and args.plots is None:
+        raise UserError("report: give --tables DIR and/or --plots DIR")
+    manifest = load_manifest(args.manifest) if args.manifest else Manifest()
+    manifest.runs += discover_runs(args.runs)
+    manifest.gradcheck += [GradcheckEntry(path) for path in args.gradcheck]
+    if args.warmup is not None:
+        manifest.warmup = args.warmup
+    tables = build_report(manifest, args.tables, args.plots)
+    print(json.dumps({"tables": str(args.tables) if args.tables else None,
+                      "plots": str(args.plots) if args.plots else None,
+                      "efficiency_rows": len(tables["efficiency"])}))
+    return 0
+
+
+def cmd_import_log(args) -> int:
+    from .importlog import import_log
+
+    summary = import_log(args.log, args.out, args.method, args.model, args.resolution, args.gpu_name,
+                         args.n_gpus, args.run_id)
+    print(json.dumps({"out": str(args.out), "iterations": summary["iterations"], "status": summary["status"]}))
+    return 0
+
+
+def cmd_profile(args) -> int:
+    import itertools
+
+    from torch.profiler import record_function
+
+    from .config import load_config
+    from .errors import ConfigError
+    from .io import write_json
+    from .profiling import profile_steps
+    from .telemetry import environment
+    from .train import Session, prepare_out_dir
+
+    for flag, value, least in (("--wait", args.wait, 0), ("--warmup", args.warmup, 0), ("--active", args.active, 1)):
+        if value < least:
+            raise ConfigError(flag, value, f"an integer >= {least}")
+    # as in replay: --method replaces the config's method section; --set method.KEY=VALUE adds options
+    cfg = load_config(args.config, [f"method={json.dumps({'name': args.method})}", *args.overrides])
+    session = Session(cfg)
+    out = prepare_out_dir(args.out)
+    write_json(out / "config.json", cfg.to_dict())
+    write_json(out / "env.json", environment())
+    if args.phase == "train":
+        batch = session.collect(0).batch
+
+        def step() -> None:
+            # every profiled update is the first one on its rollout, as in a training iteration
+            # (a method reusing rollout velocities does so only while the policy version matches)
+            batch.policy_version = session.policy.version
+            with record_function("train"):
+                session.update(batch)
+    else:
+        iterations = itertools.count()
+
+        def step() -> None:
+            with record_function("collect"):
+                collected = session.collect(next(iterations))
+            with record_function("train"):
+                session.update(collected.batch)
+    try:
+        written = profile_steps(step, out, session.device, args.wait, args.warmup, args.active)
+    finally:
+        session.estimator.close()
+    schedule = {"method": args.method, "phase": args.phase, "wait": args.wait, "warmup": args.warmup,
+                "active": args.active}
+    write_json(out / "profile.json", {**schedule, "files": written})
+    print(json.dumps({"out": str(out), **written}))
     return 0
 
 
@@ -56,12 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="one training run -> DIR/metrics.jsonl, summary.json, env.json")
     _add_config_args(p)
     p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from DIR/checkpoint.pt (same config; starts over when there is none)")
+    p.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="save DIR/checkpoint.pt every K iterations (= --set train.checkpoint_every=K)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("snapshot", help="freeze one rollout for replay")
     _add_config_args(p)
     p.add_argument("--out", required=True, type=Path)
     p.set_defaults(func=cmd_snapshot)
+
+    p = sub.add_parser("embed", help="prompt embeddings of a local model's text encoders -> the embedding cache")
+    _add_config_args(p)
+    p.add_argument("--out", type=Path, default=None,
+                   help="FILE.safetensors (default: a file in prompts.cache_dir named after model and prompts)")
+    p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("replay", help="one method's gradient on a snapshot")
     p.add_argument("snapshot", type=Path)
@@ -70,6 +184,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", required=True, type=Path, help="FILE.safetensors (+ FILE.json pass counts)")
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("gradcheck", help="every estimator's gradient error against full on one snapshot -> CSV")
+    _add_config_args(p)
+    p.add_argument("--snapshot", type=Path, help="use this snapshot (or make one here and keep it)")
+    p.add_argument("--windows", default="2,3,4,5,8", help="AGG windows W (default: 2,3,4,5,8)")
+    p.add_argument("--alphas", default="index,sigma", help="AGG weights (default: index,sigma)")
+    p.add_argument("--route-fracs", default="0,0.5,1", help="AGG route fractions (default: 0,0.5,1)")
+    p.add_argument("--reuse", default="false", help="AGG rollout-velocity reuse values (default: false)")
+    p.add_argument("--methods", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                   help="more methods to compare, e.g. fraction,cached:cache=fora (repeatable)")
+    p.add_argument("--device", help="default: the run config's device (cpu for an existing snapshot)")
+    p.add_argument("--out", required=True, type=Path, help="FILE.csv")
+    p.set_defaults(func=cmd_gradcheck)
+
+    p = sub.add_parser("report", help="comparison tables (CSV + Markdown) and plots (PNG) from run folders")
+    p.add_argument("--manifest", type=Path, help="the workflow's list of runs and gradcheck CSVs with their labels")
+    p.add_argument("--runs", nargs="*", default=[], type=Path,
+                   help="run folders, or folders of run folders (labels taken from their records)")
+    p.add_argument("--gradcheck", nargs="*", default=[], type=Path, help="gradcheck CSVs")
+    p.add_argument("--warmup", type=int, help="iterations left out of the time averages (default 1)")
+    p.add_argument("--tables", type=Path, help="write efficiency/ablation/gpus .csv + .md and records.csv here")
+    p.add_argument("--plots", type=Path, help="write the PNG plots here")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("import-log", help="a DanceGRPO JSONL training log as a reference run folder")
+    p.add_argument("log", type=Path, help="JSONL with step, avg_reward, step_time, grad_norm per line")
+    p.add_argument("--out", required=True, type=Path, help="run folder to write")
+    p.add_argument("--method", default="full", help="method label in tables (default: full)")
+    p.add_argument("--model", default="unknown", help="model label in tables")
+    p.add_argument("--resolution", type=int, help="image side in pixels")
+    p.add_argument("--gpu-name", help="GPU the log was measured on, e.g. 'NVIDIA H800'")
+    p.add_argument("--n-gpus", type=int, help="GPUs of that run")
+    p.add_argument("--run-id", help="default: the output folder's name")
+    p.set_defaults(func=cmd_import_log)
+
+    p = sub.add_parser("profile", help="torch.profiler traces, operators.csv (and a CUDA memory snapshot) "
+                                       "of one method's training iterations")
+    _add_config_args(p)
+    p.add_argument("--method", required=True, help="the method to profile (replaces the config's method section)")
+    p.add_argument("--phase", choices=("iteration", "train"), default="iteration",
+                   help="iteration: rollout + reward + update per step (default); "
+                        "train: only the update, on one fixed rollout")
+    p.add_argument("--wait", type=int, default=1, help="steps run before the profiler starts (default 1)")
+    p.add_argument("--warmup", type=int, default=1, help="profiled steps that are discarded (default 1)")
+    p.add_argument("--active", type=int, default=2, help="steps recorded in the trace (default 2)")
+    p.add_argument("--out", required=True, type=Path, help="output folder (open with tensorboard --logdir or Perfetto)")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("env", help="print the environment record (versions, GPUs, commit)")
     p.set_defaults(func=cmd_env)
@@ -83,9 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"agg-bench {args.command}: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        # 128 + signal number, as a shell reports a process ended by that signal (130 SIGINT, 143 SIGTERM)
+        signum = getattr(err, "signum", 2)
         print(f"agg-bench {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signum
 
 
 if __name__ == "__main__":

@@ -53,10 +53,13 @@ class JsonlWriter:
         self.path = Path(path)
         self._fh = open(self.path, "a" if append else "w")
 
-    def write(self, record: dict) -> None:
-        self._fh.write(json.dumps(_clean(record), default=_json_default) + "\n")
+    def write(self, record: dict) -> str:
+        """Append ``record``; return the line written (without its newline)."""
+        line = json.dumps(_clean(record), default=_json_default)
+        self._fh.write(line + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())
+        return line
 
     def close(self) -> None:
         self._fh.close()

@@ -22,7 +22,7 @@ from .models import Policy
 
 METHODS: dict[str, type["Estimator"]] = {}
 # Modules whose import registers methods; imported on first lookup.
-METHOD_MODULES = ("baselines.full",)
+METHOD_MODULES = ("baselines.full", "baselines.subsample", "agg_bench.agg", "baselines.cached")
 
 
 @dataclasses.dataclass
@@ -38,6 +38,10 @@ class Estimator(ABC):
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.config_cls()
+
+    def check_run(self, cfg: Any) -> None:
+        """Raise a ConfigError for run settings outside the method's own options that it cannot honour
+        (e.g. a window longer than sampling.steps); called when a run is set up, before anything is written."""
 
     def sde_mask(self, iteration: int, steps: int, generator: torch.Generator) -> torch.Tensor | None:
         """Which of the T steps are sampled with the SDE (None: all)."""

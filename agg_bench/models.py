@@ -3,21 +3,36 @@
 A :class:`Policy` hides how one model family is called: latents are always (B, C, H, W) and the
 timestep is always given as a denoising-step index into the run's schedule. Each family adapter turns
 that into what its diffusers transformer expects (SD3: timestep on the 0-1000 scale; FLUX: packed
-2x2 latents with ``img_ids``/``txt_ids`` and timestep/1000).
+2x2 latents with ``img_ids``/``txt_ids`` and timestep/1000; Qwen-Image: packed 2x2 latents with
+``img_shapes``, a text attention mask and timestep/1000, and a VAE with 5-D latents (B, C, 1, H, W)
+that are normalized per channel).
+
+Precision: parameters are kept in ``model.dtype`` for float32/float64; ``bfloat16`` keeps float32
+master weights and runs the transformer forward under ``torch.autocast`` in bfloat16.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
-from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    FluxTransformer2DModel,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+)
 
 from .counters import PassCounter, count_backward
 from .errors import ConfigError
 
-FAMILIES = ("sd3", "flux")
+FAMILIES = ("sd3", "flux", "qwenimage")
 
 # Tiny presets: real diffusers classes with a few hundred thousand seeded random parameters.
 TINY_TRANSFORMERS: dict[str, dict] = {
@@ -31,36 +46,82 @@ TINY_TRANSFORMERS: dict[str, dict] = {
         num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32,
         axes_dims_rope=(4, 6, 6),
     ),
+    "qwenimage": dict(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 4, 4),
+    ),
 }
 TINY_VAE: dict = dict(
     in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
     up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
     layers_per_block=1, norm_num_groups=4,
 )
-TRANSFORMER_CLASSES = {"sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel}
+# Qwen-Image's VAE: 8x spatial compression like TINY_VAE, 4 latent channels (packed 2x2 -> 16).
+TINY_QWEN_VAE: dict = dict(
+    base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+    latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+)
+TRANSFORMER_CLASSES = {"sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel,
+                       "qwenimage": QwenImageTransformer2DModel}
+VAE_CLASSES = {"sd3": AutoencoderKL, "flux": AutoencoderKL, "qwenimage": AutoencoderKLQwenImage}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How ``model.dtype`` is realised: ``param_dtype`` of the (master) weights and the ``autocast_dtype``
+    of the transformer forward (None: no autocast)."""
+
+    param_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None = None
+
+
+PRECISIONS = {
+    "float32": Precision(torch.float32),
+    "float64": Precision(torch.float64),
+    "bfloat16": Precision(torch.float32, torch.bfloat16),
+}
+
+
+def precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise ConfigError("model.dtype", name, f"one of {sorted(PRECISIONS)}")
+    return PRECISIONS[name]
 
 
 @dataclass
 class Conditioning:
-    """Text conditioning for a batch: token embeddings (B, L, D) and pooled embeddings (B, P)."""
+    """Text conditioning for a batch: token embeddings (B, L, D), pooled embeddings (B, P) and, for models
+    that mask padded text tokens (Qwen-Image), ``encoder_attention_mask`` (B, L) with 1 on valid tokens."""
 
     encoder_hidden_states: torch.Tensor
     pooled_projections: torch.Tensor | None = None
+    encoder_attention_mask: torch.Tensor | None = None
+
+    def _map(self, fn, mask_fn=None) -> "Conditioning":
+        """Apply ``fn`` to every tensor (``mask_fn`` to the mask; default ``fn``); None stays None."""
+        mask_fn = fn if mask_fn is None else mask_fn
+        keep = lambda f, t: None if t is None else f(t)  # noqa: E731
+        return Conditioning(fn(self.encoder_hidden_states), keep(fn, self.pooled_projections),
+                            keep(mask_fn, self.encoder_attention_mask))
 
     def __getitem__(self, rows) -> "Conditioning":
-        return Conditioning(
-            self.encoder_hidden_states[rows],
-            None if self.pooled_projections is None else self.pooled_projections[rows],
-        )
+        return self._map(lambda t: t[rows])
 
     def to(self, device=None, dtype=None) -> "Conditioning":
-        move = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
-        return Conditioning(move(self.encoder_hidden_states), move(self.pooled_projections))
+        # the mask keeps its integer/bool dtype: it selects tokens, it is not a value to compute with
+        return self._map(lambda t: t.to(device=device, dtype=dtype), lambda t: t.to(device=device))
 
     def repeat_interleave(self, n: int) -> "Conditioning":
-        rep = lambda t: None if t is None else t.repeat_interleave(n, dim=0)  # noqa: E731
-        return Conditioning(rep(self.encoder_hidden_states), rep(self.pooled_projections))
+        return self._map(lambda t: t.repeat_interleave(n, dim=0))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that are set, by field name (the names used in snapshot and embedding files)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "Conditioning":
+        return cls(**{f.name: tensors.get(f.name) for f in fields(cls)})
 
     @property
     def batch_size(self) -> int:
@@ -81,12 +142,39 @@ def build_tiny_transformer(family: str, seed: int = 0, dtype: torch.dtype = torc
     return model if dtype == torch.float32 else model.to(dtype)
 
 
-def build_tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32) -> AutoencoderKL:
+def build_tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32, family: str = "sd3"):
+    """A tiny VAE for ``family`` (Qwen-Image has its own VAE class) with weights drawn from ``seed``."""
     with torch.random.fork_rng(devices=[]):
         _seeded(seed + 1)
-        vae = AutoencoderKL(**TINY_VAE)
+        vae = AutoencoderKLQwenImage(**TINY_QWEN_VAE) if family == "qwenimage" else AutoencoderKL(**TINY_VAE)
     vae = vae if dtype == torch.float32 else vae.to(dtype)
     return vae.eval().requires_grad_(False)
+
+
+def has_adapters(module: torch.nn.Module) -> bool:
+    """Whether peft adapters (LoRA) are injected into ``module``."""
+    return bool(getattr(module, "_hf_peft_config_loaded", False))
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: torch.nn.Module):
+    """Run ``module`` as its base model: every peft adapter is bypassed inside the block and restored after.
+
+    peft's switch also flips ``requires_grad`` of the adapter weights; their flags are restored exactly.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 class Policy:
@@ -95,18 +183,31 @@ class Policy:
     ``timesteps`` given to :meth:`velocity` are the exact values the transformer receives; the family
     decides their scale (:attr:`timestep_scale` multiplies sigma). ``counter`` counts every call.
     ``version`` is incremented by the training loop after each optimizer step, so a method can tell
-    whether the parameters still equal those that produced a rollout.
+    whether the parameters still equal those that produced a rollout. ``autocast_dtype`` (bfloat16 runs)
+    is the dtype of the transformer forward; the returned velocity always has the parameters' dtype.
+    ``base_model`` is True for the KL reference of a LoRA policy: the same modules with adapters off.
+    ``scheduler_config`` is the model's FlowMatchEulerDiscreteScheduler config (None: the folder has none).
     """
 
     family: str = ""
     timestep_scale: float = 1000.0
+    packed: bool = False  # 2x2 latent packing: the transformer sees 4x the latent channels
 
-    def __init__(self, transformer: torch.nn.Module, vae: AutoencoderKL | None, latent_channels: int):
+    def __init__(self, transformer: torch.nn.Module, vae: torch.nn.Module | None, latent_channels: int | None = None,
+                 *, autocast_dtype: torch.dtype | None = None, scheduler_config: dict | None = None):
         self.transformer = transformer
         self.vae = vae
-        self.latent_channels = latent_channels
+        self.latent_channels = latent_channels if latent_channels is not None else \
+            self.latent_channels_of(transformer)
+        self.autocast_dtype = autocast_dtype
+        self.scheduler_config = None if scheduler_config is None else dict(scheduler_config)
+        self.base_model = False
         self.counter = PassCounter()
         self.version = 0
+
+    @classmethod
+    def latent_channels_of(cls, transformer) -> int:
+        return transformer.config.in_channels // (4 if cls.packed else 1)
 
     # ----- shapes -------------------------------------------------------------------------
     @property
@@ -140,6 +241,25 @@ class Policy:
             )
         return (self.latent_channels, size, size)
 
+    def image_seq_len(self, latent_shape: tuple[int, int, int]) -> int:
+        """Image tokens the transformer sees for latents of ``latent_shape`` (C, H, W)."""
+        patch = 2 if self.packed else self.transformer.config.patch_size
+        return (latent_shape[1] // patch) * (latent_shape[2] // patch)
+
+    def schedule_shift(self, latent_shape: tuple[int, int, int]) -> float:
+        """The sigma shift of the model's own scheduler config at this latent size (resolution-dependent
+        ``exp(mu)`` for schedulers with dynamic shifting, as the diffusers FLUX / Qwen-Image pipelines do)."""
+        cfg = self.scheduler_config
+        if cfg is None:
+            raise ConfigError("sampling.shift", None, "a number, or a model folder with a scheduler/ config")
+        if not cfg.get("use_dynamic_shifting"):
+            return float(cfg.get("shift", 1.0))
+        base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+        base_shift, max_shift = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        mu = base_shift + slope * (self.image_seq_len(latent_shape) - base_len)
+        return math.exp(mu) if cfg.get("time_shift_type", "exponential") == "exponential" else mu
+
     @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
@@ -153,12 +273,22 @@ class Policy:
         """The values given to the transformer for each step, from the schedule's sigmas (T+1)."""
         return sigmas[:-1] * self.timestep_scale
 
+    def _call_context(self, device: torch.device) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.base_model:
+            stack.enter_context(adapters_disabled(self.transformer))
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(device_type=device.type, dtype=self.autocast_dtype))
+        return stack
+
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Predicted velocity for ``latents`` (b, C, H, W) at ``timesteps`` (b,); counted."""
-        grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.transformer.parameters())
         b = latents.shape[0]
         dtype = self.dtype
-        out = self._forward(latents.to(dtype), timesteps.to(dtype), cond.to(dtype=dtype))
+        with self._call_context(latents.device):
+            grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.transformer.parameters())
+            out = self._forward(latents.to(dtype), timesteps.to(dtype), cond.to(dtype=dtype))
+        out = out.to(dtype)
         if grad:
             self.counter.forward_grad += b
             out = count_backward(out, self.counter)
@@ -169,26 +299,40 @@ class Policy:
     def _forward(self, latents, timesteps, cond: Conditioning) -> torch.Tensor:
         raise NotImplementedError
 
+    def _vae_input(self, latents: torch.Tensor) -> torch.Tensor:
+        """Undo the latent normalization the transformer was trained with (scale and shift)."""
+        cfg = self.vae.config
+        return latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+
+    def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(z, return_dict=False)[0]
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1] from latents."""
         if self.vae is None:
             raise RuntimeError("this policy has no VAE to decode with")
-        cfg = self.vae.config
-        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        images = self.vae.decode(z, return_dict=False)[0]
+        images = self._vae_decode(self._vae_input(latents))
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
     def parameters(self):
+        if self.base_model:
+            return []
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
     def named_parameters(self):
+        if self.base_model:
+            return []
         return [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
 
     def frozen_copy(self) -> "Policy":
-        """A copy with frozen parameters (the KL reference policy); it shares the counter."""
+        """The KL reference policy; it shares the counter. With LoRA adapters it is the same transformer
+        run with the adapters disabled (the base model, no copy); otherwise a frozen deep copy."""
         ref = copy.copy(self)
-        ref.transformer = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+        if has_adapters(self.transformer):
+            ref.base_model = True
+        else:
+            ref.transformer = copy.deepcopy(self.transformer).requires_grad_(False).eval()
         return ref
 
 
@@ -235,6 +379,7 @@ def flux_image_ids(height: int, width: int, device, dtype) -> torch.Tensor:
 class FluxPolicy(Policy):
     family = "flux"
     timestep_scale = 1.0
+    packed = True
 
     def _forward(self, latents, timesteps, cond):
         b, c, h, w = latents.shape
@@ -252,7 +397,48 @@ class FluxPolicy(Policy):
         return unpack_latents(out, c, h, w)
 
 
-POLICIES: dict[str, type[Policy]] = {"sd3": SD3Policy, "flux": FluxPolicy}
+class QwenImagePolicy(Policy):
+    """Qwen-Image: packed 2x2 latents, ``img_shapes`` for RoPE, the text mask, timestep = sigma.
+
+    Its VAE works on video-shaped latents (B, C, 1, H, W) normalized per channel with the VAE config's
+    ``latents_mean`` / ``latents_std``; the policy keeps (B, C, H, W) and adds the frame axis for decoding.
+    """
+
+    family = "qwenimage"
+    timestep_scale = 1.0
+    packed = True
+
+    @property
+    def vae_scale_factor(self) -> int:
+        if self.vae is None:
+            return 8
+        return 2 ** len(self.vae.config.temperal_downsample)
+
+    def _forward(self, latents, timesteps, cond):
+        b, c, h, w = latents.shape
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((b,), 1.0, device=latents.device, dtype=latents.dtype)
+        out = self.transformer(
+            hidden_states=pack_latents(latents), timestep=timesteps, guidance=guidance,
+            encoder_hidden_states=cond.encoder_hidden_states,
+            encoder_hidden_states_mask=cond.encoder_attention_mask,
+            img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False,
+        )[0]
+        return unpack_latents(out, c, h, w)
+
+    def _vae_input(self, latents: torch.Tensor) -> torch.Tensor:
+        cfg = self.vae.config
+        shape = (1, cfg.z_dim, 1, 1, 1)
+        mean = torch.tensor(cfg.latents_mean, dtype=self.vae.dtype, device=latents.device).view(shape)
+        std = torch.tensor(cfg.latents_std, dtype=self.vae.dtype, device=latents.device).view(shape)
+        return latents.to(self.vae.dtype).unsqueeze(2) * std + mean
+
+    def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(z, return_dict=False)[0][:, :, 0]
+
+
+POLICIES: dict[str, type[Policy]] = {"sd3": SD3Policy, "flux": FluxPolicy, "qwenimage": QwenImagePolicy}
 
 
 def text_dims(transformer) -> tuple[int, int | None]:
@@ -261,33 +447,94 @@ def text_dims(transformer) -> tuple[int, int | None]:
     return cfg.joint_attention_dim, getattr(cfg, "pooled_projection_dim", None)
 
 
+def _subfolder(pretrained: str, name: str, what: str) -> str:
+    path = os.path.join(pretrained, name)
+    if not os.path.isdir(path):
+        raise ConfigError("model.pretrained", pretrained,
+                          f"a local diffusers folder with {what} in {name}/ (missing: {path})")
+    return path
+
+
+def _load_component(cls, path: str, pretrained: str, what: str, **kwargs):
+    """``cls.from_pretrained`` on a local folder only; a missing or broken file is a ConfigError."""
+    try:
+        return cls.from_pretrained(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {path} ({first})") from err
+
+
+def _check_class(path: str, expected: type, pretrained: str, key: str, value: str) -> None:
+    """The folder's config.json must name ``expected`` (e.g. an SD3 folder used with model.family=flux)."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ConfigError("model.pretrained", pretrained, f"a diffusers config.json in {path}")
+    with open(config_file) as fh:
+        name = json.load(fh).get("_class_name")
+    if name and name != expected.__name__:
+        raise ConfigError(key, value, f"the family of {pretrained} ({name} in {os.path.basename(path)}/)")
+
+
+def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
+    """(transformer, VAE, scheduler config) from the local diffusers folder ``pretrained``."""
+    if not os.path.isdir(pretrained):
+        raise ConfigError("model.pretrained", pretrained, "an existing local diffusers folder")
+    t_dir = _subfolder(pretrained, "transformer", "the transformer")
+    _check_class(t_dir, TRANSFORMER_CLASSES[family], pretrained, "model.family", family)
+    transformer = _load_component(TRANSFORMER_CLASSES[family], t_dir, pretrained, "transformer weights",
+                                  torch_dtype=param_dtype)
+    vae_dir = _subfolder(pretrained, "vae", "the VAE")
+    _check_class(vae_dir, VAE_CLASSES[family], pretrained, "model.pretrained", pretrained)
+    vae = _load_component(VAE_CLASSES[family], vae_dir, pretrained, "VAE weights").eval().requires_grad_(False)
+    scheduler_config = None
+    sched_dir = os.path.join(pretrained, "scheduler")
+    if os.path.isdir(sched_dir):
+        scheduler_config = dict(_load_component(FlowMatchEulerDiscreteScheduler, sched_dir, pretrained,
+                                                "a scheduler config").config)
+    return transformer, vae, scheduler_config
+
+
 def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "float32",
                 device: str | torch.device = "cpu", seed: int = 0) -> Policy:
-    """Build the tiny preset or load a local diffusers folder (``transformer/`` and ``vae/``)."""
+    """Build the tiny preset or load a local diffusers folder (``transformer/``, ``vae/``, ``scheduler/``)."""
     if family not in POLICIES:
         raise ConfigError("model.family", family, f"one of {sorted(POLICIES)}")
-    if dtype not in DTYPES:
-        raise ConfigError("model.dtype", dtype, f"one of {sorted(DTYPES)}")
-    torch_dtype = DTYPES[dtype]
+    prec = precision(dtype)
+    scheduler_config = None
     if pretrained:
-        if not os.path.isdir(pretrained):
-            raise ConfigError("model.pretrained", pretrained, "an existing local diffusers folder")
-        sub = os.path.join(pretrained, "transformer")
-        root = sub if os.path.isdir(sub) else pretrained
-        transformer = TRANSFORMER_CLASSES[family].from_pretrained(root, torch_dtype=torch_dtype)
-        vae_dir = os.path.join(pretrained, "vae")
-        vae = AutoencoderKL.from_pretrained(vae_dir).eval().requires_grad_(False) if os.path.isdir(vae_dir) \
-            else build_tiny_vae(seed)
+        transformer, vae, scheduler_config = load_pretrained(family, pretrained, prec.param_dtype)
     elif preset == "tiny":
-        transformer = build_tiny_transformer(family, seed, torch_dtype)
-        vae = build_tiny_vae(seed)
+        transformer = build_tiny_transformer(family, seed, prec.param_dtype)
+        vae = build_tiny_vae(seed, family=family)
+        scheduler_config = FlowMatchEulerDiscreteScheduler(shift=3.0).config  # the DESIGN's shift 3
     else:
         raise ConfigError("model.preset", preset, "'tiny', or model.pretrained set to a local folder")
-    latent_channels = transformer.config.in_channels // (4 if family == "flux" else 1)
-    if vae is not None and vae.config.latent_channels != latent_channels:
+    policy_cls = POLICIES[family]
+    latent_channels = policy_cls.latent_channels_of(transformer)
+    vae_channels = vae.config.z_dim if family == "qwenimage" else vae.config.latent_channels
+    if vae_channels != latent_channels:
         raise ConfigError("model.pretrained", pretrained,
                           f"a VAE with {latent_channels} latent channels to match the transformer")
     transformer.to(device)
-    if vae is not None:
-        vae.to(device)
-    return POLICIES[family](transformer, vae, latent_channels)
+    vae.to(device)
+    return policy_cls(transformer, vae, latent_channels, autocast_dtype=prec.autocast_dtype,
+                      scheduler_config=scheduler_config)
+
+
+def build_policy(cfg, device: str | torch.device = "cpu") -> Policy:
+    """The run's policy: loaded (``model``), then gradient checkpointing and LoRA from ``train``.
+
+    Checkpointing with a method that caches block outputs in the training forward is refused by that
+    method's ``check_run`` (``cached`` with ``method.cache_in`` train/both).
+    """
+    train, model = cfg["train"], cfg["model"]
+    policy = load_policy(model["family"], model["preset"], model["pretrained"], model["dtype"], device,
+                         cfg["seed"])
+    if train.get("gradient_checkpointing"):
+        policy.transformer.enable_gradient_checkpointing()
+    if train.get("lora_rank", 0) > 0:
+        from .lora import apply_lora
+
+        apply_lora(policy.transformer, policy.family, train["lora_rank"], train.get("lora_alpha"),
+                   train.get("lora_target_modules"))
+    return policy

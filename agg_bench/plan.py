@@ -2,12 +2,16 @@
 
 Plans return ``train_steps`` (B, N) int64 in denoising order, drawn from the steps that have a
 log-probability (``available``):
-- ``steps``: DanceGRPO's scheme, each sample its own random subset of round(fraction * T) steps;
+- ``steps``: DanceGRPO's scheme, each sample its own random subset of floor(fraction * T) steps;
 - ``groups``: the available steps cut into consecutive groups of ``plan_window`` steps, each sample
-  keeps its own random round(fraction * n_groups) groups (the AGG authors' scheme), so a method
+  keeps its own random floor(fraction * n_groups) groups (the AGG authors' scheme), so a method
   that groups W = plan_window steps sees whole groups. Steps past the last whole group are not trained.
+Counts are floored as the public Flow-GRPO and DanceGRPO code does (``int(fraction * n)``), and never
+fall below one step or group.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -17,7 +21,8 @@ PLANS = ("steps", "groups")
 
 
 def _count(fraction: float, n: int) -> int:
-    return max(1, min(n, int(round(fraction * n))))
+    # the tolerance keeps products like 0.29 * 100 = 28.999999999999996 at 29
+    return max(1, min(n, math.floor(fraction * n + 1e-9)))
 
 
 def plan_steps(kind: str, batch_size: int, available: torch.Tensor, fraction: float, plan_window: int,
@@ -34,8 +39,8 @@ def plan_steps(kind: str, batch_size: int, available: torch.Tensor, fraction: fl
             pick = torch.randperm(steps.numel(), generator=generator)[:n].sort().values
             rows.append(steps[pick])
     elif kind == "groups":
-        n_groups = steps.numel() // plan_window
-        if plan_window < 1 or n_groups == 0:
+        n_groups = steps.numel() // plan_window if plan_window >= 1 else 0
+        if n_groups == 0:
             raise ConfigError("train.plan_window", plan_window,
                               f"an integer in [1, {steps.numel()}] (the number of steps with a log-probability)")
         groups = steps[: n_groups * plan_window].view(n_groups, plan_window)

@@ -68,3 +68,12 @@ def _jpeg_compressibility(options: dict, device) -> RewardFn:
 def _jpeg_incompressibility(options: dict, device) -> RewardFn:
     quality = int(options.get("quality", 95))
     return lambda images, prompts: jpeg_size_kb(images, quality)
+
+
+# --- Learned reward models (optional extras; see agg_bench/reward_models/) ---------------------------
+register_reward("hpsv2", "agg_bench.reward_models.hpsv2:build")
+register_reward("pickscore", "agg_bench.reward_models.pickscore:build")
+register_reward("imagereward", "agg_bench.reward_models.imagereward:build")
+register_reward("clipscore", "agg_bench.reward_models.clipscore:build")
+register_reward("aesthetic", "agg_bench.reward_models.aesthetic:build")
+# --- end of learned reward models --------------------------------------------------------------------

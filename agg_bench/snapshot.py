@@ -1,7 +1,8 @@
 """Frozen rollouts for replay: every method's gradient can be computed on the very same rollout.
 
 A snapshot folder holds ``transformer/`` (diffusers ``save_pretrained``), ``rollout.safetensors``,
-``rollout.json`` and the run's ``config.json``.
+``rollout.json`` and the run's ``config.json``. A LoRA run keeps its base weights in ``transformer/``, the
+adapter in ``lora/`` and the adapter settings under ``lora`` in ``rollout.json``.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from .config import RunConfig, apply_overrides, validate
 from .errors import UserError
 from .grpo import TrainBatch, UpdateStats
 from .io import atomic_path, write_json
+from .lora import load_adapter, lora_info, save_transformer
 from .methods import build_method
-from .models import DTYPES, POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy
+from .models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, precision
 from .train import Session, prepare_out_dir
 
 ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "encoder_hidden_states",
@@ -29,21 +31,20 @@ def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
     out = prepare_out_dir(out_dir)
     session = Session(cfg)
     batch = session.collect(0).batch
-    session.policy.transformer.save_pretrained(out / "transformer")
+    save_transformer(session.policy.transformer, out / "transformer")  # with LoRA: base weights + lora/
     tensors = {
         "latents": batch.latents, "log_probs": batch.log_probs, "sigmas": batch.sigmas,
-        "timesteps": batch.timesteps, "advantages": batch.advantages,
-        "encoder_hidden_states": batch.cond.encoder_hidden_states, "train_steps": batch.train_steps,
+        "timesteps": batch.timesteps, "advantages": batch.advantages, "train_steps": batch.train_steps,
         "velocities": batch.velocities,
+        **batch.cond.tensors(),  # encoder_hidden_states, and pooled_projections / encoder_attention_mask if set
     }
-    if batch.cond.pooled_projections is not None:
-        tensors["pooled_projections"] = batch.cond.pooled_projections
     tmp = atomic_path(out / "rollout.safetensors")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
     tmp.replace(out / "rollout.safetensors")
     write_json(out / "rollout.json", {
         "family": cfg.model.family, "sde": batch.sde, "eta": batch.eta, "clip_range": batch.clip_range,
         "beta": batch.beta, "dtype": cfg.model.dtype, "resolution": cfg.model.resolution,
+        "lora": lora_info(session.policy.transformer),
     })
     write_json(out / "config.json", cfg.to_dict())
     return out
@@ -64,16 +65,18 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
             raise UserError(f"snapshot {root}: missing {name} (make one with `agg-bench snapshot`)")
     meta = json.loads((root / "rollout.json").read_text())
     family = meta["family"]
+    prec = precision(meta.get("dtype", "float32"))
     transformer = TRANSFORMER_CLASSES[family].from_pretrained(
-        root / "transformer", torch_dtype=DTYPES[meta.get("dtype", "float32")]).to(device)
-    latent_channels = transformer.config.in_channels // (4 if family == "flux" else 1)
-    policy = POLICIES[family](transformer, None, latent_channels)
+        root / "transformer", torch_dtype=prec.param_dtype).to(device)
+    if meta.get("lora"):
+        load_adapter(transformer, family, meta["lora"], root / "lora")
+    policy = POLICIES[family](transformer, None, autocast_dtype=prec.autocast_dtype)
     t = {k: v.to(device) for k, v in load_file(str(root / "rollout.safetensors")).items()}
     beta = meta.get("beta", 0.0)
     batch = TrainBatch(
         latents=t["latents"], log_probs=t["log_probs"], sigmas=t["sigmas"], timesteps=t["timesteps"],
         advantages=t["advantages"], train_steps=t["train_steps"],
-        cond=Conditioning(t["encoder_hidden_states"], t.get("pooled_projections")),
+        cond=Conditioning.from_tensors(t),
         sde=meta["sde"], eta=meta["eta"], clip_range=meta["clip_range"], beta=beta,
         velocities=t.get("velocities"), policy_version=0,
     )

@@ -5,26 +5,33 @@
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
+from . import distributed
 from . import telemetry as tel
+from .checkpoint import load_checkpoint, remove_stale_files, save_checkpoint, write_lines
 from .config import RunConfig
 from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats, group_advantages
 from .io import JsonlWriter, write_json
 from .methods import Estimator, build_method
-from .models import Conditioning, Policy, load_policy, text_dims
+from .models import Policy, build_policy
 from .plan import plan_steps
-from .prompts import hash_embed, load_prompts
 from .rewards import build_reward
 from .rollout import initial_noise, rollout
 from .sde import flow_sigmas
+from .text import prompt_conditioning, prompt_set
 
 RECORD_KEYS = (
     "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
@@ -75,13 +82,13 @@ class Session:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
-        self.policy: Policy = load_policy(cfg.model.family, cfg.model.preset, cfg.model.pretrained,
-                                          cfg.model.dtype, self.device, cfg.seed)
+        # model + precision + gradient checkpointing + LoRA; the reference below is LoRA-aware
+        self.policy: Policy = build_policy(cfg, self.device)
         self.latent_shape = self.policy.latent_shape(cfg.model.resolution)
-        self.prompts = load_prompts(cfg.prompts.file) if cfg.prompts.file else \
-            load_prompts(Path(__file__).parent / "data" / "prompts.txt")
-        dim, pooled = text_dims(self.policy.transformer)
-        self.cond_all = hash_embed(self.prompts, dim, pooled, cfg.prompts.max_tokens, cfg.seed)
+        prompts = prompt_set(cfg.prompts.file)
+        self.prompts = prompts.prompts
+        # text-encoder embeddings (cached per model and prompt file) for a local model, token hashes for tiny
+        self.cond_all = prompt_conditioning(cfg, self.policy.transformer, prompts, self.device)
         self.reward_fn = build_reward(cfg.reward.name, cfg.reward.options, self.device)
         if estimator is None:
             options = dict(cfg.method)
@@ -91,7 +98,9 @@ class Session:
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
-        self.sigmas = flow_sigmas(cfg.sampling.steps, cfg.sampling.shift)
+        shift = cfg.sampling.shift if cfg.sampling.shift is not None else \
+            self.policy.schedule_shift(self.latent_shape)
+        self.sigmas = flow_sigmas(cfg.sampling.steps, shift)
 
     # ----- one iteration's data -------------------------------------------------------------
     def pick_prompts(self, generator: torch.Generator) -> torch.Tensor:
@@ -100,27 +109,36 @@ class Session:
         return order[:p]
 
     def collect(self, iteration: int, telemetry: tel.Telemetry | None = None) -> Rollout:
-        """Rollout, reward, advantages and the trained-step plan for ``iteration``."""
+        """Rollout, reward, advantages and the trained-step plan for ``iteration``.
+
+        Under data parallelism the randomness of the whole batch is drawn as one process would and this
+        process keeps its share of the groups (:mod:`agg_bench.distributed`); the result is that share.
+        """
         cfg = self.cfg
         phase = telemetry.phase if telemetry is not None else (lambda name, **kw: _null())
+        shard = distributed.current()
         gen = iteration_generator(cfg.seed, iteration)
         g = cfg.grpo.group_size
         idx = self.pick_prompts(gen)
-        prompts = [self.prompts[i] for i in idx.tolist() for _ in range(g)]
+        total = len(idx) * g
+        prompts = [self.prompts[i] for i in idx.tolist() for _ in range(g)][shard.rows(total)]
         cond = self.cond_all[idx].repeat_interleave(g).to(self.device, self.policy.dtype)
         with phase("rollout"):
             noise = initial_noise(len(idx), g, self.latent_shape, cfg.sampling.same_noise_per_group, gen,
                                   torch.float64 if self.policy.dtype == torch.float64 else torch.float32)
             mask = self.estimator.sde_mask(iteration, cfg.sampling.steps, gen)
             with self.estimator.rollout_hooks(self.policy) as before_step:
-                traj = rollout(self.policy, cond, noise, self.sigmas, cfg.sampling.sde, cfg.sampling.eta, gen,
-                               mask, before_step)
+                traj = rollout(distributed.rollout_policy(self.policy, shard, total), cond, noise, self.sigmas,
+                               cfg.sampling.sde, cfg.sampling.eta, gen, mask, before_step)
+            traj = distributed.take_trajectory(traj, shard)
+        cond = distributed.take(cond, shard, total)
         with phase("reward"):
             images = self.policy.decode(traj.latents[:, -1])
             rewards = self.reward_fn(images, prompts).detach().float().cpu()
         advantages = group_advantages(rewards, g, cfg.grpo.adv_clip_max).to(self.device)
-        train_steps = plan_steps(cfg.train.plan, len(prompts), traj.sde_mask, cfg.train.timestep_fraction,
-                                 cfg.train.plan_window, gen).to(self.device)
+        train_steps = plan_steps(cfg.train.plan, total, traj.sde_mask, cfg.train.timestep_fraction,
+                                 cfg.train.plan_window, gen)
+        train_steps = distributed.take(train_steps, shard, total).to(self.device)
         batch = TrainBatch(
             latents=traj.latents, log_probs=traj.log_probs, sigmas=self.sigmas.to(self.device),
             timesteps=traj.timesteps, advantages=advantages, train_steps=train_steps, cond=cond,
@@ -139,14 +157,18 @@ class Session:
         for epoch in range(cfg.train.inner_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             stats = UpdateStats(cfg.grpo.clip_range)
-            self.estimator.accumulate(self.policy, batch, stats, self.reference)
+            with distributed.failures_shared():  # no process enters the all-reduce while another failed
+                self.estimator.accumulate(self.policy, batch, stats, self.reference)
+            # every backward above accumulated locally; one averaging all-reduce per optimizer step
+            (loss,) = distributed.average_gradients(params, stats.loss_sum)
             grads = [p.grad for p in params if p.grad is not None]
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])) \
                 if grads else torch.zeros((), dtype=torch.float64)
             if cfg.train.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
-            if not torch.isfinite(norm):
-                out["diverged"] = "gradient"
+            # checked before the step, so a non-finite gradient never reaches the weights
+            if not torch.isfinite(norm) or not math.isfinite(loss):
+                out["diverged"] = "gradient" if not torch.isfinite(norm) else "loss"
                 break
             self.optimizer.step()
             self.policy.version += 1
@@ -170,12 +192,13 @@ class _null:
         return False
 
 
-def identity(cfg: RunConfig, run_id: str, device: torch.device) -> dict:
+def identity(cfg: RunConfig, run_id: str, device: torch.device, world_size: int = 1) -> dict:
+    """The identity fields of every record; ``n_gpus`` counts the GPUs of all processes (0 on CPU)."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
         "run_id": run_id, "method": cfg.method.name, "model": model_label(cfg),
         "resolution": cfg.model.resolution, "device": device.type, "gpu_name": gpu,
-        "n_gpus": 1 if device.type == "cuda" else 0, "seed": cfg.seed,
+        "n_gpus": world_size if device.type == "cuda" else 0, "seed": cfg.seed,
     }
 
 
@@ -183,64 +206,218 @@ def _finite(x) -> bool:
     return x is None or math.isfinite(x)
 
 
-def train(cfg: RunConfig, out_dir: str | Path) -> dict:
-    """Run ``train.iterations`` GRPO iterations; write metrics.jsonl, summary.json and env.json."""
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by signal ``signum`` (SIGTERM or SIGINT)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class StopSignals:
+    """While active (in the main thread), SIGTERM and SIGINT raise :class:`Interrupted` at once, except
+    inside :meth:`deferred` blocks (a record or a checkpoint being written), which finish first. Signals
+    after the first are ignored: the run is already stopping and must get to write its summary."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._raised = False
+        self._depth = 0
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        return False
+
+    def _raise(self) -> None:
+        self._raised = True
+        raise Interrupted(self.received)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            return
+        self.received = signum
+        if self._depth == 0:
+            self._raise()
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block that a signal does not cut short; the signal takes effect when it ends."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if self._depth == 0 and self.received is not None and not self._raised:
+            self._raise()
+
+
+def check_plan(cfg: RunConfig) -> None:
+    """Raise the step plan's ConfigError (e.g. ``train.plan_window`` longer than the trajectory) before a
+    run writes anything rather than in its first iteration."""
+    plan_steps(cfg.train.plan, 1, torch.ones(cfg.sampling.steps, dtype=torch.bool), cfg.train.timestep_fraction,
+               cfg.train.plan_window, torch.Generator())
+
+
+def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) -> dict:
+    """Train one iteration on every process; the record fields of the whole batch: telemetry, pass
+    counts, learning statistics, the method's fields and the reward statistics, the processes'
+    shares combined (:func:`agg_bench.distributed.combine`). ``diverged`` is set when the update
+    stopped before its optimizer step."""
+    before = session.policy.counter.copy()
+    with telemetry.iteration():
+        collected = session.collect(iteration, telemetry)
+        with telemetry.phase("train", saved_activations=True):
+            learn = session.update(collected.batch)
+    share = {**telemetry.record(), **(session.policy.counter - before).as_dict(), **learn,
+             **session.estimator.iteration_metrics()}
+    parts = distributed.gather((share, collected.rewards.tolist(), len(collected.prompts)))
+    fields = distributed.combine([p for p, _, _ in parts])
+    rewards = torch.tensor([r for _, rs, _ in parts for r in rs], dtype=torch.float32)
+    fields["reward_mean"] = float(rewards.mean())
+    fields["reward_std"] = float(rewards.std(unbiased=False))
+    fields["images_per_s"] = sum(n for _, _, n in parts) / fields["t_iter_s"] if fields.get("t_iter_s") else None
+    return fields
+
+
+def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> dict:
+    """Run ``train.iterations`` GRPO iterations into ``out_dir``; return the summary.
+
+    Writes ``metrics.jsonl`` (one record per iteration, each line flushed and fsynced as written),
+    ``config.json``, ``env.json``, with ``train.checkpoint_every`` = K > 0 ``checkpoint.pt`` every K
+    iterations, at the end and on interruption, and ``summary.json`` last (every file but the metric
+    lines is written to a temporary name and renamed). Every input error surfaces before anything is
+    written. Without ``resume`` an earlier attempt's files in ``out_dir`` are replaced; with it the run
+    continues after the checkpoint's iteration (later records are dropped and recomputed, so none is
+    duplicated or missing), or starts over when there is no checkpoint.
+
+    Summary ``status``: ok; oom (the run ends, the call returns); diverged (a non-finite reward, loss
+    or gradient: that update never reaches the weights; ``last_good_iteration`` is the one before);
+    interrupted (SIGTERM/SIGINT: :class:`Interrupted` is raised after the summary is written); error
+    (the exception is raised after the summary is written). Started by torchrun, every process trains
+    its share of each batch and rank 0 writes (:mod:`agg_bench.distributed`).
+    """
+    shard = distributed.setup(resolve_device(cfg.device))
+    try:
+        return _train(cfg, Path(out_dir), resume, shard)
+    finally:
+        distributed.teardown()
+
+
+def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) -> dict:
+    shard.check_run(cfg)
     session = Session(cfg)  # every input error surfaces here, before anything is written
-    out = prepare_out_dir(out_dir)
+    check_plan(cfg)
+    distributed.on_main(prepare_out_dir, out)
     run_id = cfg.run_id or out.name
-    write_json(out / "config.json", cfg.to_dict())
-    write_json(out / "env.json", tel.environment())
+    config = cfg.to_dict()
+    restored = load_checkpoint(out, session, config) if resume else None
+    lines = list(restored.records) if restored is not None else []  # records written, as JSON lines
+    start = restored.iteration + 1 if restored is not None else 0
+
+    def begin() -> None:
+        if resume and restored is None:
+            print(f"agg-bench run: no checkpoint in {out}; starting at iteration 0", file=sys.stderr)
+        remove_stale_files(out, keep_checkpoint=restored is not None)
+        write_json(out / "config.json", config)
+        write_json(out / "env.json", tel.environment())
+        write_lines(out / "metrics.jsonl", lines)
+
+    distributed.on_main(begin)
     telemetry = tel.Telemetry(session.device, enabled=cfg.telemetry.enabled,
                               nvml_interval_s=cfg.telemetry.nvml_interval_s)
-    base = identity(cfg, run_id, session.device)
-    status, last_good, error = "ok", None, None
-    bar = tqdm(range(cfg.train.iterations), desc=f"{run_id}", disable=not cfg.progress, unit="it")
-    try:
-        with JsonlWriter(out / "metrics.jsonl") as writer:
+    base = identity(cfg, run_id, session.device, shard.world_size)
+    every = cfg.train.checkpoint_every
+    status, error = "ok", None
+    last_good = start - 1 if start else None
+    saved_at = restored.iteration if restored is not None else None
+    # True from an optimizer step until its record is written: a checkpoint then would not match the records
+    stepped = [False]
+    hook = session.optimizer.register_step_pre_hook(lambda *args: stepped.__setitem__(0, True))
+
+    def checkpoint(iteration: int) -> None:
+        nonlocal saved_at
+        if shard.is_main:
+            save_checkpoint(out, session, iteration, lines, config)
+        saved_at = iteration
+
+    bar = tqdm(range(start, cfg.train.iterations), desc=f"{run_id}", initial=start, total=cfg.train.iterations,
+               disable=not cfg.progress or not shard.is_main, unit="it")
+    writer = JsonlWriter(out / "metrics.jsonl", append=True) if shard.is_main else None
+    stop = StopSignals()
+    with stop:
+        try:
             for iteration in bar:
                 record = dict.fromkeys(RECORD_KEYS)
                 record.update(base, iteration=iteration)
-                before = session.policy.counter.copy()
                 try:
-                    with telemetry.iteration():
-                        collected = session.collect(iteration, telemetry)
-                        with telemetry.phase("train", saved_activations=True):
-                            learn = session.update(collected.batch)
+                    fields = run_iteration(session, telemetry, iteration)
                 except Exception as exc:  # an OOM ends the run but not the sweep
-                    if not tel.is_oom_error(exc):
+                    if isinstance(exc, distributed.PeerFailure):
+                        oom, memory = exc.is_oom, exc.memory
+                    else:
+                        oom = tel.is_oom_error(exc)
+                        memory = tel.memory_at_failure(session.device) if oom else None
+                    distributed.report_failure(exc, memory)
+                    if not oom:
                         raise
                     record.update(telemetry.record())
-                    record.update(tel.memory_at_failure(session.device), status="oom")
-                    writer.write(record)
-                    status = "oom"
+                    record.update(memory, status="oom")
+                    with stop.deferred():
+                        if writer is not None:
+                            lines.append(writer.write(record))
+                    status, error = "oom", f"{type(exc).__name__}: {exc}"
                     break
-                rewards = collected.rewards
-                record.update(telemetry.record())
-                record.update((session.policy.counter - before).as_dict())
-                record.update({k: v for k, v in learn.items() if k != "diverged"})
-                record.update(session.estimator.iteration_metrics())
-                record["reward_mean"] = float(rewards.mean())
-                record["reward_std"] = float(rewards.std(unbiased=False))
-                if record.get("t_iter_s"):
-                    record["images_per_s"] = len(collected.prompts) / record["t_iter_s"]
-                diverged = "diverged" in learn or not all(
-                    _finite(record[k]) for k in ("reward_mean", "loss", "grad_norm"))
-                record["status"] = "diverged" if diverged else "ok"
-                writer.write(record)
+                record.update({k: v for k, v in fields.items() if k != "diverged"})
+                reason = fields.get("diverged") or next(
+                    (k for k in ("reward_mean", "loss", "grad_norm") if not _finite(record[k])), None)
+                record["status"] = "diverged" if reason else "ok"
+                with stop.deferred():
+                    if writer is not None:
+                        lines.append(writer.write(record))
+                    stepped[0] = False
+                    if reason:
+                        status, error = "diverged", f"non-finite {reason} at iteration {iteration}"
+                        break
+                    last_good = iteration
+                    if every and (iteration + 1) % every == 0:
+                        checkpoint(iteration)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3g}", loss=f"{record['loss'] or 0:.3g}")
-                if diverged:
-                    status = "diverged"
-                    break
-                last_good = iteration
-    except Exception as exc:
-        status, error = "error", f"{type(exc).__name__}: {exc}"
-        raise
-    finally:
-        telemetry.close()
-        session.estimator.close()
-        summary = {"run_id": run_id, "status": status, "iterations": cfg.train.iterations,
-                   "last_good_iteration": last_good, "error": error, **base}
-        write_json(out / "summary.json", summary)
+            if status == "ok" and every and last_good is not None and saved_at != last_good:
+                with stop.deferred():
+                    checkpoint(last_good)
+        except Interrupted as exc:
+            status, error = "interrupted", f"stopped by {exc}"
+            # the state still matches the records unless an optimizer step ran since the last one
+            if every and last_good is not None and saved_at != last_good and not stepped[0]:
+                checkpoint(last_good)
+            raise
+        except Exception as exc:
+            status, error = "error", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            hook.remove()
+            bar.close()
+            telemetry.close()
+            session.estimator.close()
+            if writer is not None:
+                writer.close()
+            summary = {"run_id": run_id, "status": status, "iterations": cfg.train.iterations,
+                       "last_good_iteration": last_good, "error": error, **base,
+                       "world_size": shard.world_size, "resumed_from": restored.iteration if restored else None,
+                       "checkpoint_iteration": saved_at}
+            if shard.is_main:
+                write_json(out / "summary.json", summary)
     return summary
 
 

@@ -20,7 +20,7 @@ def records(out):
 
 
 def test_run_writes_contract_files(tmp_path):
-    assert main(["run", "--config", str(ROOT / "config/config.yaml"), *SMALL, "--out", str(tmp_path / "r")]) == 0
+    assert main(["run", "--config", str(ROOT / "config/run.yaml"), *SMALL, "--out", str(tmp_path / "r")]) == 0
     recs = records(tmp_path / "r")
     assert [r["iteration"] for r in recs] == [0, 1]
     for r in recs:

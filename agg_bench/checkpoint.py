@@ -1,0 +1,177 @@
+"""Checkpoints: a run stopped anywhere continues where it stopped (``agg-bench run --resume``).
+
+``DIR/checkpoint.pt`` holds the state after iteration k: the trainable parameters, the optimizer
+state, the policy version, the global RNG states (torch, CUDA, numpy, python), the metric records
+0..k exactly as written to ``metrics.jsonl``, and the run config. Every random draw of an iteration
+comes from ``iteration_generator(seed, iteration)``, so an iteration depends on nothing else: resuming
+after iteration k gives records k+1, ... equal to those of an uninterrupted run (timing fields aside).
+Frozen weights (a LoRA base, the KL reference) are rebuilt from the config, so they are not saved.
+
+The file is written under a temporary name and renamed, so ``checkpoint.pt`` is always complete. The
+records travel inside it, so a resumed ``metrics.jsonl`` is rebuilt from them even when the file was
+deleted or holds records of iterations after the checkpoint (the workflow removes a failed job's outputs).
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, UserError
+from .io import atomic_path
+
+CHECKPOINT_NAME = "checkpoint.pt"
+FORMAT = 1
+# Config keys that may differ between a run and its resumption: they do not change what is computed
+# (the device may: a run can move to another machine; numbers then follow that device's arithmetic).
+RESUMABLE_CHANGES = ("progress", "device", "telemetry", "train.iterations", "train.checkpoint_every")
+
+
+@dataclass
+class Checkpoint:
+    """What a resumed run continues from: the last finished ``iteration`` and its ``records`` (JSON lines)."""
+
+    iteration: int
+    records: list[str]
+
+
+def checkpoint_path(out_dir: str | Path) -> Path:
+    return Path(out_dir) / CHECKPOINT_NAME
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def _relevant(config: dict) -> dict[str, Any]:
+    return {k: v for k, v in _flat(config).items()
+            if not any(k == c or k.startswith(c + ".") for c in RESUMABLE_CHANGES)}
+
+
+def check_same_run(saved: dict, cfg: dict, out_dir: Path) -> None:
+    """Raise a ConfigError naming the first key whose value differs from the checkpoint's config."""
+    old, new = _relevant(saved), _relevant(cfg)
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            raise ConfigError(key, new.get(key),
+                              f"{old.get(key)!r} as in the checkpoint in {out_dir} (or run without --resume)")
+
+
+def _rng_state(device: torch.device) -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None,
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[str], config: dict) -> Path:
+    """Write the state after ``iteration`` (records 0..iteration as JSON lines) to DIR/checkpoint.pt atomically."""
+    path = checkpoint_path(out_dir)
+    state = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "policy_version": session.policy.version,
+        "parameters": {name: p.detach().cpu() for name, p in session.policy.named_parameters()},
+        "optimizer": session.optimizer.state_dict(),
+        "rng": _rng_state(session.device),
+        "records": list(records),
+        "config": config,
+    }
+    tmp = atomic_path(path)
+    with open(tmp, "wb") as fh:
+        torch.save(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return path
+
+
+def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | None:
+    """Restore ``session`` from DIR/checkpoint.pt; None (and nothing changed) when there is none.
+
+    Raises a ConfigError when ``config`` differs from the checkpoint's in a key that changes what is
+    computed, and a UserError when the file is not a checkpoint of this model.
+    """
+    path = checkpoint_path(out_dir)
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a foreign or damaged file: say which, do not show unpickling internals
+        raise UserError(f"--resume: {path} is not a readable checkpoint ({type(err).__name__}); "
+                        "delete it or run without --resume")
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"--resume: {path} is not an agg-bench checkpoint of format {FORMAT}")
+    check_same_run(state["config"], config, Path(out_dir))
+    params = dict(session.policy.named_parameters())
+    saved = state["parameters"]
+    if set(saved) != set(params):
+        missing = sorted(set(params) ^ set(saved))[0]
+        raise UserError(f"--resume: {path} does not match the model's trainable parameters (e.g. {missing!r})")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(saved[name])
+    session.optimizer.load_state_dict(state["optimizer"])
+    session.policy.version = state["policy_version"]
+    _set_rng_state(state["rng"], session.device)
+    return Checkpoint(iteration=state["iteration"], records=list(state["records"]))
+
+
+def write_lines(path: str | Path, lines: list[str]) -> None:
+    """Replace ``path`` with ``lines`` (JSON lines without their newlines) atomically."""
+    path = Path(path)
+    tmp = atomic_path(path)
+    with open(tmp, "w") as fh:
+        fh.writelines(line + "\n" for line in lines)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool) -> None:
+    """Before a run writes into DIR: remove the summary of an earlier attempt (it is written last, so
+    its presence must mean this attempt finished), temporaries a killed process left, and unless
+    resuming, the earlier checkpoint."""
+    out = Path(out_dir)
+    doomed = [out / "summary.json"]
+    if not keep_checkpoint:
+        doomed.append(checkpoint_path(out))
+    # names made by io.write_json / io.atomic_path: ".NAME.tmpPID[.ext]"
+    doomed += [p for p in out.glob(".*.tmp*") if p.is_file()]
+    for p in doomed:
+        p.unlink(missing_ok=True)

@@ -1,0 +1,19 @@
+"""Learned reward models, each an optional extra loaded from local checkpoint files.
+
+One module per reward, each exposing ``build(options, device) -> reward(images, prompts) -> (B,)``;
+:mod:`agg_bench.rewards` registers them by name as ``"module:attr"`` strings, so a reward's packages
+are imported only when that reward is built.
+
+============  ============================================  ======================================
+name          model                                         score
+============  ============================================  ======================================
+hpsv2         OpenCLIP ViT-H-14 + HPSv2(.1) weights          cosine(image, text)
+pickscore     transformers CLIP-H (PickScore_v1)            logit_scale * cosine
+imagereward   BLIP ViT-L + BERT cross-attention + head      standardised head output
+clipscore     transformers CLIP                             2.5 * max(cosine, 0)
+aesthetic     CLIP ViT-L/14 image embedding + LAION head    head output (prompt ignored)
+============  ============================================  ======================================
+
+Images are preprocessed in torch (:class:`~agg_bench.reward_models.common.ImagePreprocess`); scoring
+runs in ``options["batch_size"]`` chunks (default 16) under ``torch.no_grad()`` with the model in eval mode.
+"""

@@ -1,0 +1,48 @@
+"""LAION aesthetic predictor: a small head on L2-normalised CLIP ViT-L/14 image embeddings.
+
+The head is read from ``options["head"]`` and its shape is taken from the file: a single linear
+layer (keys ``weight``/``bias``, the LAION-Aesthetics v1 predictor) or the v2 "improved aesthetic
+predictor" stack (keys ``layers.<i>.weight``/``.bias``: 768-1024-128-64-16-1 linear layers with only
+dropout between them). Prompts are ignored.
+
+Options: ``model`` (folder of a transformers CLIP ViT-L/14, e.g. a local copy of
+openai/clip-vit-large-patch14; a full ``CLIPModel`` folder works), ``processor`` (defaults to ``model``),
+``head`` (the head's state dict, ``.pth`` or ``.safetensors``), ``batch_size`` (16), ``dtype`` ("float32").
+Extra: ``pip install 'agg-bench[aesthetic]'``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from .common import LinearStack, load_state_dict, load_weights, make_reward_fn, require_package, require_path
+from .hf_clip import HFClip
+
+
+def load_head(path) -> torch.nn.Module:
+    """The aesthetic head stored at ``path`` (linear or stacked-linear, see the module docstring)."""
+    state = load_state_dict("aesthetic", path)
+    if set(state) == {"weight", "bias"}:
+        head = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
+    else:
+        try:
+            head = LinearStack.from_state_dict(state)
+        except ValueError:
+            raise UserError(
+                f"reward 'aesthetic': head '{path}' is neither a linear layer (weight, bias) nor an "
+                f"aesthetic MLP (layers.<i>.weight); found keys {sorted(state)[:6]}"
+            ) from None
+    load_weights("aesthetic", head, state, path)
+    return head
+
+
+def build(options: dict, device):
+    require_package("aesthetic", "transformers")
+    head_path = require_path("aesthetic", options, "head", "the aesthetic predictor head (.pth state dict)")
+    clip = HFClip("aesthetic", options, device, vision_only=True)
+    head = load_head(head_path).to(clip.device).eval().requires_grad_(False)
+
+    def score_batch(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return head(clip.image_features(images)).squeeze(-1)
+
+    return make_reward_fn(score_batch, options, device)

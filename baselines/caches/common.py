@@ -1,0 +1,120 @@
+"""What every cache needs to know about a family's transformer: its block lists and how blocks are called.
+
+SD3 runs ``transformer_blocks`` (``JointTransformerBlock``); FLUX runs ``transformer_blocks``
+(``FluxTransformerBlock``) and then ``single_transformer_blocks`` (``FluxSingleTransformerBlock``). Every
+one of these blocks takes ``hidden_states`` and ``encoder_hidden_states`` first (by keyword or by
+position; FLUX blocks also take ``image_rotary_emb``) and returns ``(encoder_hidden_states,
+hidden_states)``. SD3's last block is ``context_pre_only`` and returns ``None`` for the encoder stream.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+from agg_bench.errors import ConfigError, UserError
+from agg_bench.models import POLICIES
+
+# Block lists of each family, in the order the transformer runs them.
+BLOCK_LISTS: dict[str, tuple[str, ...]] = {
+    "sd3": ("transformer_blocks",),
+    "flux": ("transformer_blocks", "single_transformer_blocks"),
+}
+TRANSFORMER_FAMILIES: dict[type, str] = {SD3Transformer2DModel: "sd3", FluxTransformer2DModel: "flux"}
+
+Streams = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def family_of(transformer: torch.nn.Module) -> str:
+    """``"sd3"`` or ``"flux"`` for a supported transformer; a :class:`UserError` otherwise."""
+    for cls, family in TRANSFORMER_FAMILIES.items():
+        if isinstance(transformer, cls):
+            return family
+    names = sorted(cls.__name__ for cls in TRANSFORMER_FAMILIES)
+    raise UserError(f"inference caches support {names}, not {type(transformer).__name__}")
+
+
+def transformer_blocks(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(qualified name, block)`` for every block of the transformer, in the order they run."""
+    blocks = []
+    for list_name in BLOCK_LISTS[family_of(transformer)]:
+        for index, block in enumerate(getattr(transformer, list_name)):
+            blocks.append((f"{list_name}.{index}", block))
+    return blocks
+
+
+def timestep_to_1000(transformer: torch.nn.Module, timestep: float) -> float:
+    """The value a family's transformer receives, put on the 0-1000 scale (1000 = pure noise)."""
+    return timestep * 1000.0 / POLICIES[family_of(transformer)].timestep_scale
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(block_cls: type) -> tuple[str, ...]:
+    return tuple(inspect.signature(block_cls.forward).parameters)[1:]
+
+
+def block_argument(block: torch.nn.Module, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The value of ``block.forward``'s parameter ``name`` in a call made with ``args``/``kwargs``."""
+    if name in kwargs:
+        return kwargs[name]
+    index = _forward_parameters(type(block)).index(name)
+    return args[index] if index < len(args) else None
+
+
+def block_streams(block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Streams:
+    """``(hidden_states, encoder_hidden_states)`` a block was called with."""
+    return (block_argument(block, "hidden_states", args, kwargs),
+            block_argument(block, "encoder_hidden_states", args, kwargs))
+
+
+def block_output(hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None) -> tuple:
+    """A block's return value for the two streams (both families return the encoder stream first)."""
+    return encoder_hidden_states, hidden_states
+
+
+def output_streams(output: tuple) -> Streams:
+    """``(hidden_states, encoder_hidden_states)`` of a block's return value."""
+    encoder_hidden_states, hidden_states = output
+    return hidden_states, encoder_hidden_states
+
+
+def stream_difference(after: Streams, before: Streams) -> Streams:
+    """What a run of blocks added to each stream (``None`` where a stream ends or is missing)."""
+    return tuple(None if a is None or b is None else a - b for a, b in zip(after, before))
+
+
+def add_streams(streams: Streams, residual: Streams) -> Streams:
+    """``streams + residual`` stream by stream; a stream with no residual ends (``None``)."""
+    return tuple(None if s is None or r is None else s + r for s, r in zip(streams, residual))
+
+
+def modulated_input(block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The timestep-modulated image tokens a block feeds its attention (the ``norm1``/``norm`` output)."""
+    hidden_states = block_argument(block, "hidden_states", args, kwargs)
+    temb = block_argument(block, "temb", args, kwargs)
+    norm = block.norm1 if hasattr(block, "norm1") else block.norm
+    return norm(hidden_states, emb=temb)[0]
+
+
+def check_option(key: str, value: Any, ok: bool, expected: str) -> None:
+    """Raise ``ConfigError("method.<key>", ...)`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"method.{key}", value, expected)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def as_range(key: str, value: Any) -> tuple[float, float]:
+    """A ``(low, high)`` pair from a tuple or a YAML list, or a config error."""
+    ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(is_number(v) for v in value)
+    check_option(key, value, ok, "a pair [low, high] of numbers")
+    return (value[0], value[1])

@@ -1,0 +1,149 @@
+"""Timestep-subsampling GRPO baselines: train fewer denoising steps per sample, each one exactly.
+
+- ``fraction`` (DanceGRPO): every sample trains its own random subset of round(train.timestep_fraction * T)
+  steps, the ``steps`` plan of :mod:`agg_bench.plan`; a run asking for ``train.plan: groups`` is refused,
+  because whole groups of consecutive steps are not DanceGRPO's scheme (use ``full`` with that plan).
+- ``window`` (MixGRPO, Flow-GRPO-Fast): the rollout is stochastic only inside a window of
+  ``window_size`` consecutive steps and follows the ODE elsewhere, so only window steps have a
+  log-probability and only they can be trained. The window start is fixed, drawn per iteration, or
+  slides along the trajectory as training progresses.
+
+Both compute the gradient of their trained steps exactly, as ``full`` does: they inherit its
+accumulation and differ from it only in which steps exist to be trained.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from agg_bench.errors import ConfigError
+from agg_bench.methods import register_method
+from baselines.full import FullConfig, FullEstimator
+
+
+@dataclass
+class FractionConfig(FullConfig):
+    """DanceGRPO's random step subset.
+
+    The fraction of steps trained is ``train.timestep_fraction`` (one knob for every method); this
+    method only insists that the steps are drawn one by one (``train.plan: steps``, the default).
+    ``micro_batch``: samples per forward-with-grad (None: the whole batch), as for ``full``.
+    """
+
+
+@register_method
+class FractionEstimator(FullEstimator):
+    """Exact per-step backward on each sample's own random subset of steps."""
+
+    name = "fraction"
+    config_cls = FractionConfig
+
+    def check_run(self, cfg) -> None:
+        if cfg.train.plan != "steps":
+            raise ConfigError("train.plan", cfg.train.plan,
+                              "'steps' for method 'fraction' (random steps per sample; "
+                              "whole groups are method 'full' with train.plan=groups)")
+
+
+@dataclass
+class WindowConfig(FullConfig):
+    """A window of consecutive SDE (and trained) steps; ODE sampling elsewhere.
+
+    ``window_size`` (4): steps in the window, 1 <= window_size <= sampling.steps. MixGRPO uses 4 of 25.
+    ``window_mode`` ("progressive"): where the window starts in iteration m, step 0 being the noisiest:
+      - ``fixed``: at ``window_start`` every iteration;
+      - ``random``: uniformly in [window_start, window_max_start], drawn from the iteration's generator
+        (Flow-GRPO-Fast draws its window among the early steps);
+      - ``progressive`` (MixGRPO): at ``window_start + window_stride * (m // window_interval)``; once that
+        passes sampling.steps - window_size the window stays on the last steps (MixGRPO's
+        ``l = min(l + s, T - w)``), or with ``window_wrap`` starts over at ``window_start``.
+    ``window_start`` (0): the first start (fixed, progressive) or the smallest start (random).
+    ``window_max_start`` (None: sampling.steps - window_size): the largest start drawn in random mode.
+    ``window_stride`` (1): steps the progressive window moves each time it moves.
+    ``window_interval`` (25): iterations between moves of the progressive window (MixGRPO's shift interval).
+    ``window_wrap`` (False): progressive only; restart at ``window_start`` instead of staying at the end.
+    ``micro_batch``: samples per forward-with-grad (None: the whole batch), as for ``full``.
+    """
+
+    window_size: int = 4
+    window_mode: Literal["fixed", "random", "progressive"] = "progressive"
+    window_start: int = 0
+    window_max_start: int | None = None
+    window_stride: int = 1
+    window_interval: int = 25
+    window_wrap: bool = False
+
+    def validate(self) -> None:
+        """Checks that need no run settings; the bounds that depend on sampling.steps come later."""
+        if self.window_size < 1:
+            raise ConfigError("method.window_size", self.window_size, "an integer >= 1")
+        if self.window_start < 0:
+            raise ConfigError("method.window_start", self.window_start, "an integer >= 0")
+        if self.window_stride < 1:
+            raise ConfigError("method.window_stride", self.window_stride, "an integer >= 1")
+        if self.window_interval < 1:
+            raise ConfigError("method.window_interval", self.window_interval, "an integer >= 1 (iterations)")
+
+
+@register_method
+class WindowEstimator(FullEstimator):
+    """SDE sampling and exact per-step training inside one moving window of steps; ODE outside."""
+
+    name = "window"
+    config_cls = WindowConfig
+
+    def __init__(self, config: WindowConfig | None = None):
+        super().__init__(config)
+        self.last_start: int | None = None
+
+    def start_range(self, steps: int) -> tuple[int, int]:
+        """(smallest, largest) window start for a ``steps``-step schedule, or a ConfigError."""
+        c = self.config
+        if not 1 <= c.window_size <= steps:
+            raise ConfigError("method.window_size", c.window_size, f"an integer in [1, {steps}] (sampling.steps)")
+        last = steps - c.window_size
+        if c.window_start > last:
+            raise ConfigError("method.window_start", c.window_start,
+                              f"an integer in [0, {last}] (sampling.steps - method.window_size)")
+        high = last
+        if c.window_max_start is not None:
+            if not c.window_start <= c.window_max_start <= last:
+                raise ConfigError("method.window_max_start", c.window_max_start,
+                                  f"null or an integer in [{c.window_start}, {last}] "
+                                  "(method.window_start .. sampling.steps - method.window_size)")
+            high = c.window_max_start
+        return c.window_start, high
+
+    def window_start(self, iteration: int, steps: int, generator: torch.Generator | None = None) -> int:
+        """The first step of iteration ``iteration``'s window; random mode draws it from ``generator``."""
+        c = self.config
+        low, high = self.start_range(steps)
+        if c.window_mode == "fixed":
+            return low
+        if c.window_mode == "random":
+            return int(torch.randint(low, high + 1, (1,), generator=generator))
+        moves = iteration // c.window_interval
+        last = steps - c.window_size
+        if c.window_wrap:
+            positions = (last - low) // c.window_stride + 1  # starts low, low+s, ... that fit
+            return low + c.window_stride * (moves % positions)
+        return min(low + c.window_stride * moves, last)
+
+    def check_run(self, cfg) -> None:
+        self.start_range(cfg.sampling.steps)
+        if cfg.train.plan == "groups" and cfg.train.plan_window > self.config.window_size:
+            raise ConfigError("train.plan_window", cfg.train.plan_window,
+                              f"at most method.window_size = {self.config.window_size} for method 'window' "
+                              "(only window steps can be trained)")
+
+    def sde_mask(self, iteration, steps, generator):
+        start = self.window_start(iteration, steps, generator)
+        self.last_start = start
+        mask = torch.zeros(steps, dtype=torch.bool)
+        mask[start: start + self.config.window_size] = True
+        return mask
+
+    def iteration_metrics(self) -> dict:
+        return {"window_start": self.last_start}

@@ -1,0 +1,331 @@
+"""The AGG estimator: exactness where the rule is exact, pass counts, rollout-velocity reuse, routing,
+the reference preset's backward ratio, and `replay --method agg` against an independent computation."""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from agg_bench.agg import group_bounds
+from agg_bench.config import load_config
+from agg_bench.errors import ConfigError
+from agg_bench.grpo import TrainBatch, UpdateStats
+from agg_bench.methods import build_method
+from agg_bench.models import Conditioning, Policy
+from agg_bench.sde import flow_sigmas, sde_step
+from agg_bench.snapshot import replay, save_snapshot
+from agg_bench.train import Session
+from helpers import relative_error, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = ROOT / "config/presets/tiny_sd3_reference_cpu.yaml"
+
+
+def gradient(estimator, policy, batch, reference=None):
+    """(estimator's d L / d theta, pass counts, update stats) on ``batch``; leaves .grad cleared."""
+    for p in policy.parameters():
+        p.grad = None
+    before = policy.counter.copy()
+    stats = UpdateStats(batch.clip_range)
+    estimator.accumulate(policy, batch, stats, reference)
+    grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
+    for p in policy.parameters():
+        p.grad = None
+    return grads, (policy.counter - before).as_dict(), stats
+
+
+def agg(**options):
+    return build_method("agg", options)
+
+
+# ----- a velocity model affine in (x, t) on states along a straight line ---------------------------
+class AffineVelocity(torch.nn.Module):
+    """v = A x + t w + c, with x flattened: affine in (x, t), so J(x, t)^T u is linear in (x, t)."""
+
+    def __init__(self, dim: int, generator: torch.Generator):
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim, dtype=torch.float64)
+        with torch.no_grad():
+            self.linear.weight.copy_(0.3 * torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+            self.linear.bias.copy_(torch.randn(dim, generator=generator, dtype=torch.float64))
+        self.time_weight = torch.nn.Parameter(1e-3 * torch.randn(dim, generator=generator, dtype=torch.float64))
+
+    def forward(self, x, t):
+        return (self.linear(x.flatten(1)) + t[:, None] * self.time_weight).view_as(x)
+
+
+class AffinePolicy(Policy):
+    family = "affine"
+
+    def _forward(self, latents, timesteps, cond):
+        return self.transformer(latents, timesteps)
+
+
+def collinear_batch(policy: Policy, generator: torch.Generator, sde: str, beta: float = 0.0,
+                    batch_size: int = 3, steps: int = 8, shape=(2, 2, 2)) -> TrainBatch:
+    """Latents x_j = p + s_j q (a straight line parametrised by sigma), old log-probs near the
+    policy's so that ratios differ from 1 and some are clipped."""
+    sigmas = flow_sigmas(steps, 3.0)
+    p = torch.randn(batch_size, *shape, generator=generator, dtype=torch.float64)
+    q = torch.randn(batch_size, *shape, generator=generator, dtype=torch.float64)
+    latents = p[:, None] + sigmas[None, :, None, None, None] * q[:, None]
+    timesteps = sigmas[:-1] * 1000
+    log_probs = torch.zeros(batch_size, steps, dtype=torch.float64)
+    cond = Conditioning(torch.zeros(batch_size, 1, 4, dtype=torch.float64))
+    with torch.no_grad():
+        for j in range(steps):
+            v = policy.velocity(latents[:, j], timesteps[j].expand(batch_size), cond)
+            log_probs[:, j] = sde_step(sde, v, latents[:, j], sigmas, j, 0.7, prev_sample=latents[:, j + 1]).log_prob
+    log_probs += 0.05 * torch.randn(batch_size, steps, generator=generator, dtype=torch.float64)
+    return TrainBatch(
+        latents=latents, log_probs=log_probs, sigmas=sigmas, timesteps=timesteps,
+        advantages=torch.randn(batch_size, generator=generator, dtype=torch.float64).float(),
+        train_steps=torch.arange(steps).expand(batch_size, steps).contiguous(),
+        cond=cond, sde=sde, eta=0.7, clip_range=0.02, beta=beta,
+    )
+
+
+def affine_policy(generator, shape=(2, 2, 2)) -> AffinePolicy:
+    return AffinePolicy(AffineVelocity(math.prod(shape), generator), None, shape[0])
+
+
+@pytest.mark.parametrize("sde", ["flow_grpo", "dance_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.3])
+def test_sigma_weights_are_exact_for_an_affine_velocity_on_collinear_states(sde, beta):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    policy = affine_policy(gen)
+    reference = None
+    if beta > 0:  # a reference policy that differs from the policy, so the KL term has a gradient
+        reference = affine_policy(gen)
+        reference.counter = policy.counter
+    batch = collinear_batch(policy, gen, sde, beta)
+    full, _, stats = gradient(build_method("full"), policy, batch, reference)
+    assert 0 < stats.clipped < stats.count  # the clip is active for some terms and not for others
+    for window in (3, 4, 5, 8):
+        approx, counts, _ = gradient(agg(window=window, alpha="sigma"), policy, batch, reference)
+        assert relative_error(approx, full) <= 1e-10, window
+        assert counts["backward"] < batch.batch_size * batch.steps_per_sample
+    # index weights interpolate at the wrong points on a shifted schedule: the test can tell them apart
+    approx, _, _ = gradient(agg(window=5, alpha="index"), policy, batch, reference)
+    assert relative_error(approx, full) > 1e-6
+
+
+@pytest.mark.parametrize("steps, window, sizes", [(8, 8, [8]), (7, 3, [3, 3, 1]), (8, 3, [3, 3, 2]), (6, 4, [4, 2])])
+@pytest.mark.parametrize("reuse", [False, True])
+def test_pass_counts_per_group(steps, window, sizes, reuse):
+    """A group of W >= 3 costs W no-grad forwards (0 reused), 2 forwards-with-grad and 2 backwards per
+    sample; groups of 1 or 2 steps cost one forward-with-grad and one backward per step."""
+    gen = torch.Generator().manual_seed(5)
+    policy = affine_policy(gen)
+    batch = collinear_batch(policy, gen, "flow_grpo", steps=steps)
+    with torch.no_grad():
+        batch.velocities = torch.stack([policy.velocity(batch.latents[:, j], batch.timesteps[j].expand(3),
+                                                        batch.cond) for j in range(steps)], 1)
+    assert [b - a for a, b in group_bounds(steps, window)] == sizes
+    _, counts, stats = gradient(agg(window=window, reuse_rollout_velocity=reuse), policy, batch)
+    b = batch.batch_size
+    big = [m for m in sizes if m >= 3]
+    small = [m for m in sizes if m < 3]
+    assert counts == {"forward_nograd": 0 if reuse else b * sum(big),
+                      "forward_grad": b * (2 * len(big) + sum(small)),
+                      "backward": b * (2 * len(big) + sum(small))}
+    assert stats.count == b * steps  # every (sample, step) term enters the ratio statistics once
+
+
+def test_short_windows_and_route_frac_zero_equal_full():
+    session = Session(tiny_config("train.timestep_fraction=0.7", "grpo.beta=0.05"))
+    batch = session.collect(0).batch
+    with torch.no_grad():  # off-policy, so ratios differ from 1 and the clip matters for some terms
+        for p in session.policy.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    full, full_counts, full_stats = gradient(build_method("full"), session.policy, batch, session.reference)
+    for options in (dict(window=1), dict(window=2), dict(window=2, alpha="sigma"),
+                    dict(window=3, route_frac=0.0), dict(window=8, route_frac=0.0, reuse_rollout_velocity=True),
+                    dict(window=3, route_frac=0.01, route_score="state_cosine")):  # rounds to no group
+        grads, counts, stats = gradient(agg(**options), session.policy, batch, session.reference)
+        assert relative_error(grads, full) <= 1e-10, options
+        assert counts == full_counts, options
+        assert stats.as_dict() == pytest.approx(full_stats.as_dict(), rel=1e-12), options
+
+
+def test_reuse_gives_the_recomputed_gradient_and_stops_after_an_optimizer_step():
+    cfg = tiny_config("method.name=agg", "method.window=3", "method.reuse_rollout_velocity=true",
+                      "train.plan=groups", "train.plan_window=3", "train.inner_epochs=2")
+    session = Session(cfg)
+    batch = session.collect(0).batch
+    policy = session.policy
+    b, n = batch.train_steps.shape
+    assert policy.version == batch.policy_version
+    reused, reused_counts, reused_stats = gradient(session.estimator, policy, batch)
+    recomputed, counts, stats = gradient(agg(window=3), policy, batch)
+    assert reused_counts["forward_nograd"] == 0 and counts["forward_nograd"] == b * n
+    # the same numbers up to the summation order of differently batched transformer calls (float64)
+    assert relative_error(reused, recomputed) <= 1e-12
+    assert reused_stats.ratio_dev == stats.ratio_dev == pytest.approx(0.0, abs=1e-12)
+    session.estimator.iteration_metrics()  # start a fresh record for the update below
+
+    before = policy.counter.copy()
+    session.update(batch)  # two optimizer steps on one rollout
+    spent = (policy.counter - before).as_dict()
+    groups = b * n // 3
+    # reuse in the first update only: after the first optimizer step the rollout's velocities are stale
+    assert spent == {"forward_nograd": b * n, "forward_grad": 2 * 2 * groups, "backward": 2 * 2 * groups}
+    assert policy.version == batch.policy_version + 2
+    assert not session.estimator.can_reuse(policy, batch)
+    metrics = session.estimator.iteration_metrics()
+    assert metrics["agg_velocity_reused"] == 1
+    assert metrics["agg_groups"] == metrics["agg_groups_routed"] == 2 * groups
+    assert session.estimator.iteration_metrics()["agg_groups"] == 0  # each record covers one iteration
+
+
+def linearity_reference(v: torch.Tensor) -> float:
+    """Mean cosine of consecutive increments of the rows of ``v`` (m, D), straight from the definition."""
+    inc = [(v[k + 1] - v[k]).double() for k in range(v.shape[0] - 1)]
+    cos = [float(a @ b / (a.norm() * b.norm())) for a, b in zip(inc[:-1], inc[1:])]
+    return sum(cos) / len(cos)
+
+
+@pytest.mark.parametrize("route_score", ["velocity_cosine", "state_cosine"])
+def test_routing_sends_the_most_linear_groups_through_agg(route_score):
+    session = Session(tiny_config("train.plan=groups", "train.plan_window=3"))
+    batch = session.collect(0).batch
+    b, n = batch.train_steps.shape
+    estimator = agg(window=3, route_frac=0.5, route_score=route_score)
+    _, counts, _ = gradient(estimator, session.policy, batch)
+    scores, routed = estimator.last_scores, estimator.last_routed
+    assert scores.shape == routed.shape == (b, n // 3)
+    source = batch.velocities if route_score == "velocity_cosine" else batch.latents
+    for i in range(b):
+        for g in range(n // 3):
+            seq = source[i, batch.train_steps[i, 3 * g: 3 * g + 3]].flatten(1)
+            assert float(scores[i, g]) == pytest.approx(linearity_reference(seq), abs=1e-10)
+    k = round(0.5 * scores.numel())
+    assert int(routed.sum()) == k
+    assert float(scores[routed].min()) >= float(scores[~routed].max())
+    exact = scores.numel() - k
+    # velocity_cosine scores every group from no-grad forwards; state_cosine only the routed ones
+    nograd = scores.numel() * 3 if route_score == "velocity_cosine" else k * 3
+    assert counts == {"forward_nograd": nograd, "forward_grad": 2 * k + 3 * exact, "backward": 2 * k + 3 * exact}
+    metrics = estimator.iteration_metrics()
+    assert metrics["agg_groups_routed"] == k and metrics["agg_groups"] == scores.numel()
+    assert metrics["agg_route_scores"] == pytest.approx(scores[routed].tolist())
+    assert metrics["agg_route_score_mean"] == pytest.approx(float(scores[routed].mean()))
+
+
+@pytest.mark.parametrize("option, value", [("window", 0), ("route_frac", 1.5), ("route_frac", -0.1),
+                                           ("alpha", "linear"), ("nograd_batch", 0), ("route_score", "x")])
+def test_bad_options_name_their_key(option, value):
+    with pytest.raises(ConfigError) as err:
+        build_method("agg", {option: value})
+    assert err.value.key == f"method.{option}"
+
+
+def test_reference_preset_backward_ratio_is_two_over_window():
+    """On the CPU copy of the authors' schedule, AGG and full train the same steps of the same rollout;
+    AGG's backward passes per iteration are 2/W of full's."""
+    cfg = load_config(PRESET, ["progress=false", "telemetry.enabled=false"])
+    window = cfg.method.window
+    session = Session(cfg)
+    batch = session.collect(0).batch
+    b, n = batch.train_steps.shape
+    assert (cfg.sampling.steps, window, n) == (21, 5, 10)  # 4 whole groups of 5, 0.6 of them -> 2
+    work = {}
+    for name in ("full", "agg"):
+        session.estimator = build_method("full") if name == "full" else build_method("agg", {
+            k: v for k, v in cfg.method.items() if k != "name"})
+        before = session.policy.counter.copy()
+        session.update(batch)
+        work[name] = (session.policy.counter - before).as_dict()
+    assert work["full"]["backward"] == b * n
+    assert work["agg"]["backward"] * window == work["full"]["backward"] * 2
+    assert work["agg"]["forward_grad"] * window == work["full"]["forward_grad"] * 2
+    assert session.estimator.iteration_metrics()["agg_groups_routed"] == b * n // window
+
+
+def test_presets_share_the_reference_schedule():
+    qwen = load_config(ROOT / "config/presets/qwenimage_720_reference.yaml")
+    tiny = load_config(PRESET)
+    assert (qwen.model.family, qwen.model.resolution, qwen.sampling.steps, qwen.sampling.sde) == \
+        ("qwenimage", 720, 21, "dance_grpo")
+    assert (qwen.sampling.eta, qwen.sampling.shift) == (0.3, 3.0)
+    assert (qwen.grpo.clip_range, qwen.grpo.adv_clip_max) == (0.1, 5.0)
+    assert (qwen.grpo.group_size, qwen.sampling.same_noise_per_group) == (8, True)
+    assert (qwen.train.plan, qwen.train.plan_window, qwen.train.timestep_fraction) == ("groups", 5, 0.6)
+    assert (qwen.method.name, qwen.method.window) == ("agg", 5)
+    assert tiny.sampling == qwen.sampling
+    for key in ("group_size", "clip_range", "adv_clip_max", "beta"):
+        assert tiny.grpo[key] == qwen.grpo[key], key
+    for key in ("plan", "plan_window", "timestep_fraction", "inner_epochs"):
+        assert tiny.train[key] == qwen.train[key], key
+    for key in ("name", "window", "alpha", "route_frac", "reuse_rollout_velocity"):
+        assert tiny.method[key] == qwen.method[key], key
+
+
+# ----- replay --method agg against the rule written out independently ------------------------------
+def independent_sde_log_prob(kind, v, x, x_next, s, s_next, eta):
+    """DESIGN.md's transition log-density (mean over elements), written without agg_bench.sde."""
+    dt = s_next - s
+    if kind == "flow_grpo":
+        s_prime = s_next if s == 1 else s  # s == 1 only at step 0, whose next sigma is s_1
+        std = eta * math.sqrt(s / (1 - s_prime))
+        mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
+        sd = std * math.sqrt(-dt)
+    else:
+        x0 = x - s * v
+        score = -(x - x0 * (1 - s)) / s**2
+        mean = x + dt * v - 0.5 * eta**2 * score * dt
+        sd = eta * math.sqrt(s - s_next)
+    logp = -((x_next - mean) ** 2) / (2 * sd**2) - math.log(sd) - math.log(math.sqrt(2 * math.pi))
+    return logp.mean()
+
+
+@pytest.mark.parametrize("sde, alpha", [("flow_grpo", "sigma"), ("dance_grpo", "index")])
+def test_replay_agg_matches_an_independent_computation_of_the_rule(tmp_path, sde, alpha):
+    cfg = tiny_config(f"sampling.sde={sde}", "train.plan=groups", "train.plan_window=3",
+                      "train.timestep_fraction=1.0", "sampling.steps=7", "grpo.clip_range=0.1",
+                      "grpo.prompts_per_iteration=1", dtype="float32")
+    snap = save_snapshot(cfg, tmp_path / "snap")
+    counts = replay(snap, "agg", ["method.window=3", f"method.alpha={alpha}"], tmp_path / "agg.safetensors")
+    got = load_file(str(tmp_path / "agg.safetensors"))
+
+    from diffusers import SD3Transformer2DModel
+    model = SD3Transformer2DModel.from_pretrained(snap / "transformer").float()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    t = load_file(str(snap / "rollout.safetensors"))
+    lat, sig, ts, adv = t["latents"], t["sigmas"].double(), t["timesteps"], t["advantages"]
+    old, steps = t["log_probs"], t["train_steps"]
+    b, n = steps.shape
+    scale, eps, eta = 1.0 / (b * n), cfg.grpo.clip_range, cfg.sampling.eta
+
+    def velocity(p, i, j, x):
+        return torch.func.functional_call(model, p, (), dict(
+            hidden_states=x[None], timestep=ts[j:j + 1], encoder_hidden_states=t["encoder_hidden_states"][i:i + 1],
+            pooled_projections=t["pooled_projections"][i:i + 1], return_dict=False))[0][0]
+
+    def loss(i, j, v):
+        ratio = torch.exp(independent_sde_log_prob(sde, v, lat[i, j], lat[i, j + 1], float(sig[j]), float(sig[j + 1]),
+                                                   eta) - old[i, j])
+        return scale * torch.maximum(-adv[i] * ratio, -adv[i] * ratio.clamp(1 - eps, 1 + eps))
+
+    total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
+    for i in range(b):
+        for start in range(0, n, 3):
+            js = steps[i, start: start + 3].tolist()
+            us = []
+            for j in js:
+                with torch.no_grad():
+                    v = velocity(params, i, j, lat[i, j])
+                us.append(torch.func.grad(lambda v_, i=i, j=j: loss(i, j, v_))(v))
+            if alpha == "index":
+                a = [k / (len(js) - 1) for k in range(len(js))]
+            else:
+                a = [float((sig[j] - sig[js[0]]) / (sig[js[-1]] - sig[js[0]])) for j in js]
+            u_base = sum((1 - ak) * uk for ak, uk in zip(a, us))
+            u_corr = sum(ak * uk for ak, uk in zip(a, us))
+            for j, u in ((js[0], u_base), (js[-1], u_corr)):
+                _, vjp = torch.func.vjp(lambda p, i=i, j=j: velocity(p, i, j, lat[i, j]), params)
+                for k, g in vjp(u)[0].items():
+                    total[k] += g.double()
+    assert relative_error(got, total) <= 1e-4
+    assert counts == {"forward_nograd": b * n, "forward_grad": 2 * b * n // 3, "backward": 2 * b * n // 3}

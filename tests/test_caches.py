@@ -1,0 +1,301 @@
+"""Inference caches on tiny SD3 and FLUX: exactness when disabled, counted reuse, reset/remove, training."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agg_bench.errors import ConfigError, UserError
+from agg_bench.models import POLICIES, TINY_TRANSFORMERS, TRANSFORMER_CLASSES, Conditioning
+from baselines.caches import CACHES, apply_cache, cache_options
+
+FAMILIES = ("sd3", "flux")
+STEPS = 5
+NAMES = sorted(CACHES)
+
+# Settings under which each cache never reuses anything.
+NEUTRAL = {
+    "fbc": {"threshold": 0.0},
+    "pab": {"spatial_attention_block_skip_range": 1},
+    "fastercache": {"spatial_attention_block_skip_range": 1},
+    "magcache": {"max_skip_steps": 0},
+    "taylorseer": {"cache_interval": 1},
+    "fora": {"interval": 1},
+    "deltadit": {"interval": 1},
+    "teacache": {"threshold": 0.0},
+}
+# Default options, except FBC: diffusers' default threshold (0.05) is meant for 28-50-step samplers of
+# trained models; on this 5-step trajectory of a random tiny model the first block's residual changes by
+# 30-50% per step, so at its default FBC rightly computes everything. Its reuse is checked at 0.6.
+REUSING = {name: {} for name in NAMES} | {"fbc": {"threshold": 0.6}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and one thread keeps this file fast on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_policy(family: str, **overrides):
+    """A tiny policy without a VAE; ``overrides`` change the tiny transformer's config."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformer = TRANSFORMER_CLASSES[family](**{**TINY_TRANSFORMERS[family], **overrides})
+    return POLICIES[family](transformer, None, 4)
+
+
+@pytest.fixture(params=FAMILIES)
+def policy(request):
+    return make_policy(request.param)
+
+
+@pytest.fixture
+def inputs():
+    g = torch.Generator().manual_seed(7)
+    latents = torch.randn(2, 4, 16, 16, generator=g)
+    return latents, Conditioning(torch.randn(2, 8, 32, generator=g), torch.randn(2, 32, generator=g))
+
+
+def trajectory(policy, inputs, handle=None, train=False, detach=True, after_step=None):
+    """Euler trajectory over a linear sigma schedule; velocities per step. With ``train``, every step's
+    velocity is backpropagated (and the cache detached) before the next step."""
+    latents, cond = inputs
+    sigmas = torch.linspace(1.0, 0.0, STEPS + 1)
+    timesteps = policy.timestep_values(sigmas)
+    x, velocities = latents, []
+    for j in range(STEPS):
+        if handle is not None:
+            handle.begin_step(j, float(timesteps[j]))
+        with torch.set_grad_enabled(train):
+            v = policy.velocity(x, timesteps[j].expand(x.shape[0]), cond)
+        if train:
+            v.square().mean().backward()
+            if handle is not None and detach:
+                handle.detach()
+        if after_step is not None:
+            after_step(j)
+        velocities.append(v.detach())
+        x = (x + (sigmas[j + 1] - sigmas[j]) * v).detach()
+    return velocities
+
+
+def assert_all_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for step, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), f"step {step} differs"
+
+
+def assert_hook_free(transformer) -> None:
+    for name, module in transformer.named_modules():
+        assert not hasattr(module, "_diffusers_hook"), name
+        assert "forward" not in module.__dict__, name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_neutral_setting_is_exact(policy, inputs, name):
+    reference = trajectory(policy, inputs)
+    handle = apply_cache(policy.transformer, name, NEUTRAL[name])
+    assert_all_equal(trajectory(policy, inputs, handle), reference)
+    assert handle.stats["skipped"] == 0 and handle.stats["computed"] > 0
+    handle.remove()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reuse_is_counted_reset_repeats_and_remove_restores(policy, inputs, name):
+    reference = trajectory(policy, inputs)
+    handle = apply_cache(policy.transformer, name, REUSING[name])
+    first = trajectory(policy, inputs, handle)
+    stats = handle.stats
+    assert stats["skipped"] > 0 and stats["computed"] > 0
+    assert stats["hit_rate"] == stats["skipped"] / (stats["computed"] + stats["skipped"])
+    units = len(handle.stats_by_module)
+    assert stats["computed"] + stats["skipped"] == units * STEPS
+
+    handle.reset()
+    assert handle.stats == dict(computed=0, skipped=0, hit_rate=0.0)
+    assert_all_equal(trajectory(policy, inputs, handle), first)
+    assert handle.stats == stats
+
+    handle.remove()
+    assert_hook_free(policy.transformer)
+    assert_all_equal(trajectory(policy, inputs), reference)
+
+
+def test_diffusers_fbc_alone_fails_on_sd3_last_block(inputs):
+    """Why ``fbc.py`` adds a hook on SD3's last block: diffusers' FBC subtracts from its ``None`` output."""
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    policy = make_policy("sd3")
+    apply_first_block_cache(policy.transformer, FirstBlockCacheConfig(threshold=0.05))
+    _set_cache_context(policy.transformer, CacheContext("cond"))
+    latents, cond = inputs
+    with pytest.raises(TypeError), torch.no_grad():
+        policy.velocity(latents, torch.full((2,), 1000.0), cond)
+
+
+def test_fbc_default_is_diffusers_and_works_on_sd3_last_block(inputs):
+    policy = make_policy("sd3")
+    assert policy.transformer.transformer_blocks[-1].context_pre_only
+    handle = apply_cache(policy.transformer, "fbc", {})
+    assert handle.config.threshold == 0.05
+    trajectory(policy, inputs, handle)
+    handle.remove()
+    handle = apply_cache(policy.transformer, "fbc", {"threshold": 0.6})
+    trajectory(policy, inputs, handle)
+    # The head block always runs; on a reused step only the last (context_pre_only) block is skipped.
+    by_block = handle.stats_by_module
+    assert by_block["transformer_blocks.0"] == dict(computed=STEPS, skipped=0)
+    assert by_block["transformer_blocks.1"]["skipped"] > 0
+    handle.remove()
+
+
+def test_fora_interval_two_recomputes_every_other_step(policy, inputs):
+    handle = apply_cache(policy.transformer, "fora", {"interval": 2})
+    blocks = len(handle.stats_by_module)
+    per_step = []
+
+    def record(step):
+        per_step.append((handle.stats["computed"], handle.stats["skipped"]))
+        handle.reset_stats()
+
+    trajectory(policy, inputs, handle, after_step=record)
+    assert per_step == [(blocks, 0), (0, blocks), (blocks, 0), (0, blocks), (blocks, 0)]
+    handle.remove()
+
+
+def count_block_runs(policy) -> dict[str, int]:
+    """Independent evidence of which blocks ran: calls of each block's attention layer."""
+    runs = {}
+    for list_name in ("transformer_blocks", "single_transformer_blocks"):
+        for index, block in enumerate(getattr(policy.transformer, list_name, [])):
+            name = f"{list_name}.{index}"
+            runs[name] = 0
+
+            def bump(module, args, name=name):
+                runs[name] += 1
+
+            block.attn.register_forward_pre_hook(bump)
+    return runs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deltadit_skips_exactly_the_given_block_range(inputs, family):
+    # Four blocks: SD3 with four joint blocks; FLUX with two double and two single blocks.
+    policy = make_policy(family, **({"num_layers": 4} if family == "sd3" else {"num_layers": 2}))
+    names = [f"transformer_blocks.{i}" for i in range(4)] if family == "sd3" else \
+        ["transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0", "single_transformer_blocks.1"]
+    runs = count_block_runs(policy)
+    handle = apply_cache(policy.transformer, "deltadit", {"block_range": [1, 3], "interval": 2})
+    trajectory(policy, inputs, handle)
+    skipped = {name: counts["skipped"] for name, counts in handle.stats_by_module.items()}
+    assert skipped == {names[0]: 0, names[1]: 2, names[2]: 2, names[3]: 0}  # steps 1 and 3
+    assert runs == {name: counts["computed"] for name, counts in handle.stats_by_module.items()}
+    handle.remove()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deltadit_reuses_rear_blocks_early_and_front_blocks_late(inputs, family):
+    policy = make_policy(family, **({"num_layers": 4} if family == "sd3" else {"num_layers": 2}))
+    handle = apply_cache(policy.transformer, "deltadit", {"interval": 2, "boundary": 2})
+    per_step = []
+
+    def record(step):
+        per_step.append([counts["skipped"] for counts in handle.stats_by_module.values()])
+        handle.reset_stats()
+
+    trajectory(policy, inputs, handle, after_step=record)
+    # Front run: the first two blocks; rear run: the last two. Step 1 < boundary reuses the rear run,
+    # step 3 >= boundary the front run; even steps compute everything.
+    assert per_step == [[0, 0, 0, 0], [0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    handle.remove()
+
+
+def test_deltadit_rejects_ranges_that_do_not_fit(policy):
+    with pytest.raises(ConfigError) as err:
+        apply_cache(policy.transformer, "deltadit", {"block_range": [0, 9]})
+    assert err.value.key == "method.block_range"
+    with pytest.raises(ConfigError) as err:
+        apply_cache(policy.transformer, "deltadit", {"num_blocks": 2})
+    assert err.value.key == "method.num_blocks"
+    assert_hook_free(policy.transformer)
+
+
+def test_magcache_follows_given_ratios(policy, inputs):
+    # Ratios far from 1 make the accumulated error exceed the threshold at once: nothing is reused.
+    handle = apply_cache(policy.transformer, "magcache", {"mag_ratios": [1.0, 2.0, 2.0, 2.0, 2.0]})
+    trajectory(policy, inputs, handle)
+    assert handle.stats["skipped"] == 0
+    handle.remove()
+    handle = apply_cache(policy.transformer, "magcache", {"mag_ratios": "flux", "num_inference_steps": STEPS})
+    trajectory(policy, inputs, handle)
+    handle.remove()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_training_forward_and_backward_every_step(policy, inputs, name):
+    policy.transformer.train()
+    handle = apply_cache(policy.transformer, name, REUSING[name])
+    for _ in range(2):  # a second trajectory must backpropagate as well
+        handle.reset()
+        policy.transformer.zero_grad()
+        trajectory(policy, inputs, handle, train=True)
+        assert handle.stats["skipped"] > 0
+        grads = [p.grad for p in policy.transformer.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads)
+    handle.remove()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_training_without_detach_reaches_a_freed_graph(policy, inputs, name):
+    handle = apply_cache(policy.transformer, name, REUSING[name])
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        trajectory(policy, inputs, handle, train=True, detach=False)
+    handle.remove()
+
+
+def test_gradient_checkpointing_is_refused(policy, inputs):
+    policy.transformer.enable_gradient_checkpointing()
+    with pytest.raises(UserError, match="gradient checkpointing"):
+        apply_cache(policy.transformer, "fora", {})
+    policy.transformer.disable_gradient_checkpointing()
+    handle = apply_cache(policy.transformer, "fora", {})
+    policy.transformer.enable_gradient_checkpointing()
+    with pytest.raises(UserError, match="gradient checkpointing"):
+        handle.begin_step(0, 1.0)
+    handle.remove()
+
+
+def test_config_errors_name_the_key(policy):
+    with pytest.raises(ConfigError) as err:
+        apply_cache(policy.transformer, "deepcache", {})
+    assert err.value.key == "method.cache"
+    with pytest.raises(ConfigError) as err:
+        apply_cache(policy.transformer, "fora", {"intervall": 2})
+    assert err.value.key == "method.intervall"
+    with pytest.raises(ConfigError) as err:
+        apply_cache(policy.transformer, "fora", {"interval": 0})
+    assert err.value.key == "method.interval"
+    with pytest.raises(ConfigError) as err:
+        apply_cache(policy.transformer, "pab", {"current_timestep_callback": None})
+    assert err.value.key == "method.current_timestep_callback"
+    assert "current_step_callback" not in cache_options("teacache")
+    assert_hook_free(policy.transformer)
+
+
+def test_usage_errors(policy, inputs):
+    handle = apply_cache(policy.transformer, "fora", {})
+    with pytest.raises(UserError, match="already has an inference cache"):
+        apply_cache(policy.transformer, "teacache", {})
+    latents, cond = inputs
+    with pytest.raises(UserError, match="begin_step"):
+        policy.velocity(latents, torch.ones(2), cond)
+    with pytest.raises(UserError, match="one timestep"):
+        handle.begin_step(0, torch.tensor([1.0, 0.5]))
+    handle.remove()
+    handle.remove()
+    with pytest.raises(UserError, match="removed"):
+        handle.begin_step(0, 1.0)
+    assert_hook_free(policy.transformer)

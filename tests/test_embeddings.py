@@ -1,0 +1,168 @@
+"""Prompt embeddings: the pipelines' own encode_prompt, cached per (model, prompt file), counted encodings."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_pretrained import write_tiny_pretrained
+
+from agg_bench import text
+from agg_bench.cli import main
+from agg_bench.config import load_config
+from agg_bench.errors import ConfigError
+from agg_bench.models import Conditioning
+from agg_bench.text import (
+    ENCODINGS,
+    cache_key,
+    concat_conditionings,
+    encode_prompts,
+    find_cached,
+    load_embeddings,
+    load_text_pipeline,
+    prompt_set,
+)
+from agg_bench.train import Session
+
+PROMPTS = ["a red cat on the moon", "two dogs", "an owl perched on a mossy branch at night in the snow"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    made = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = write_tiny_pretrained(family, root / f"tiny-{family}")
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
+def test_cached_rows_equal_the_pipelines_own_encode_prompt_per_prompt(family, folders):
+    """Encoding a set in batches (padded across batches for Qwen-Image) gives each prompt's embedding as the
+    pipeline computes it for that prompt alone."""
+    folder = folders(family)
+    cond = encode_prompts(family, folder, PROMPTS, max_sequence_length=8 if family != "qwenimage" else None,
+                          batch_size=2)
+    pipe = load_text_pipeline(family, folder)
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            if family == "sd3":
+                embeds, _, pooled, _ = pipe.encode_prompt(prompt, None, None, do_classifier_free_guidance=False,
+                                                          max_sequence_length=8)
+            elif family == "flux":
+                embeds, pooled, _ = pipe.encode_prompt(prompt, None, max_sequence_length=8)
+            else:
+                embeds, _ = pipe.encode_prompt(prompt)
+                pooled = None
+        n = embeds.shape[1]
+        torch.testing.assert_close(cond.encoder_hidden_states[i, :n], embeds[0], rtol=1e-5, atol=1e-6)
+        if pooled is not None:
+            torch.testing.assert_close(cond.pooled_projections[i], pooled[0], rtol=1e-5, atol=1e-6)
+        if family == "qwenimage":
+            # valid tokens: the user turn after the 34 dropped template tokens; padding is zero and masked
+            user = pipe.tokenizer(pipe.prompt_template_encode.format(prompt)).input_ids[34:]
+            assert int(cond.encoder_attention_mask[i].sum()) == n == len(user)
+            assert not cond.encoder_hidden_states[i, n:].any() and not cond.encoder_attention_mask[i, n:].any()
+    if family == "qwenimage":
+        assert cond.encoder_hidden_states.shape[1] == int(cond.encoder_attention_mask.sum(1).max())
+
+
+def test_concat_pads_tokens_and_masks():
+    a = Conditioning(torch.ones(2, 3, 4), None, torch.ones(2, 3, dtype=torch.long))
+    b = Conditioning(torch.full((1, 5, 4), 2.0), None, torch.tensor([[1, 1, 1, 1, 0]]))
+    out = concat_conditionings([a, b])
+    assert out.encoder_hidden_states.shape == (3, 5, 4) and out.encoder_attention_mask.tolist() == [
+        [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]
+    assert float(out.encoder_hidden_states[:2, 3:].abs().sum()) == 0.0
+
+
+def test_conditioning_keeps_its_mask_through_indexing_casting_and_repeats():
+    cond = Conditioning(torch.randn(2, 3, 4), None, torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    moved = cond[torch.tensor([1, 0])].repeat_interleave(2).to(dtype=torch.float64)
+    assert moved.encoder_hidden_states.dtype == torch.float64 and moved.encoder_attention_mask.dtype == torch.long
+    assert moved.encoder_attention_mask.tolist() == [[1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 0]]
+    assert set(Conditioning.from_tensors(cond.tensors()).tensors()) == {"encoder_hidden_states",
+                                                                         "encoder_attention_mask"}
+
+
+def test_second_run_uses_the_cache_and_a_changed_prompt_file_re_encodes(folders, tmp_path, capsys):
+    folder = folders("flux")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\ntwo dogs on a beach\n")
+    cache = tmp_path / "emb"
+    args = ["--set", "model.family=flux", "--set", f"model.pretrained={folder}", "--set", f"prompts.file={prompts}",
+            "--set", f"prompts.cache_dir={cache}", "--set", "prompts.max_sequence_length=8",
+            "--set", "model.resolution=32", "--set", "sampling.steps=2", "--set", "grpo.group_size=2",
+            "--set", "grpo.prompts_per_iteration=1", "--set", "train.iterations=1", "--set", "progress=false",
+            "--set", "telemetry.enabled=false"]
+    start = ENCODINGS.sets
+    # the Snakemake rule's command: fill the cache before the runs
+    assert main(["embed", *args[:10]]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["encoded"] is True and printed["prompts"] == 2 and ENCODINGS.sets == start + 1
+    assert Path(printed["out"]).parent == cache
+    for name in ("first", "second"):
+        assert main(["run", *args, "--out", str(tmp_path / name)]) == 0
+    assert ENCODINGS.sets == start + 1  # both runs read the cache
+    session = Session(load_config(None, [a for a in args if a != "--set"]))
+    cached, meta = load_embeddings(printed["out"])
+    assert torch.equal(session.cond_all.encoder_hidden_states, cached.encoder_hidden_states)
+    assert meta["prompts_sha256"] == text.file_sha256(prompts) and meta["n_prompts"] == "2"
+
+    prompts.write_text("a red cat\ntwo dogs on a beach\na third prompt\n")
+    assert main(["run", *args, "--out", str(tmp_path / "third")]) == 0
+    assert ENCODINGS.sets == start + 2
+    assert len(list(cache.glob("*.safetensors"))) == 2
+    # an explicit --out for a cached set copies instead of encoding; runs find it by key under any name
+    out = cache / "named-by-the-workflow.safetensors"
+    assert main(["embed", *args[:10], "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["encoded"] is False
+    assert ENCODINGS.sets == start + 2 and out.is_file()
+
+
+def test_cache_key_follows_model_prompts_and_settings(folders, tmp_path):
+    folder = folders("flux")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a red cat"}\n')
+    base = cache_key("flux", folder, prompt_set(prompts), None, torch.float32)
+    assert base == cache_key("flux", folder, prompt_set(prompts), None, torch.float32)
+    assert base != cache_key("flux", folder, prompt_set(prompts), 8, torch.float32)
+    assert base != cache_key("flux", folder, prompt_set(prompts), None, torch.bfloat16)
+    prompts.write_text('{"prompt": "a red cat", "tags": []}\n')  # same prompts, other bytes: a new set
+    assert base != cache_key("flux", folder, prompt_set(prompts), None, torch.float32)
+    config = folder / "text_encoder_2" / "config.json"
+    original = config.read_text()
+    try:
+        config.write_text(original + "\n")
+        changed = cache_key("flux", folder, prompt_set(prompts), None, torch.float32)
+    finally:
+        config.write_text(original)
+    assert changed != cache_key("flux", folder, prompt_set(prompts), None, torch.float32)
+    assert find_cached(tmp_path / "absent", base) is None
+
+
+def test_embed_of_the_tiny_preset_writes_its_hash_embedding(tmp_path, capsys):
+    start = ENCODINGS.sets
+    assert main(["embed", "--set", "model.family=flux", "--out", str(tmp_path / "tiny.safetensors")]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cond, meta = load_embeddings(printed["out"])
+    session_cond = Session(load_config(None, ["model.family=flux", "model.resolution=32"])).cond_all
+    assert torch.equal(cond.encoder_hidden_states, session_cond.encoder_hidden_states)
+    assert printed["encoded"] is False and ENCODINGS.sets == start and meta["family"] == "flux"
+
+
+def test_embed_errors_name_the_key(folders, tmp_path, capsys):
+    assert main(["embed", "--set", "model.family=flux", "--out", str(tmp_path / "x.npz")]) == 2
+    assert "--out" in capsys.readouterr().err
+    broken = tmp_path / "no-t5"
+    import shutil
+
+    shutil.copytree(folders("flux"), broken)
+    shutil.rmtree(broken / "text_encoder_2")
+    with pytest.raises(ConfigError) as err:
+        text.embed(load_config(None, ["model.family=flux", f"model.pretrained={broken}",
+                                      f"prompts.cache_dir={tmp_path}"]))
+    assert err.value.key == "model.pretrained" and "text_encoder_2" in err.value.expected

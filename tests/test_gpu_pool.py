@@ -1,0 +1,133 @@
+"""The file-lock GPU pool: concurrent jobs never share a device; locks die with their process."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from agg_bench.errors import ConfigError, UserError
+from agg_bench.gpus import GpuPool, default_lock_dir, visible_devices
+
+
+def test_visible_devices_precedence():
+    assert visible_devices({"AGG_BENCH_GPUS": "3", "CUDA_VISIBLE_DEVICES": "7"}) == ["0", "1", "2"]
+    assert visible_devices({"AGG_BENCH_GPUS": "0,2,5"}) == ["0", "2", "5"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "4,6"}) == ["4", "6"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    with pytest.raises(ConfigError, match="AGG_BENCH_GPUS"):
+        visible_devices({"AGG_BENCH_GPUS": "0,,1"})
+
+
+def test_slurm_jobs_get_their_own_lock_folder(tmp_path):
+    env = {"AGG_BENCH_GPU_LOCK_DIR": str(tmp_path)}
+    assert default_lock_dir(env) == tmp_path
+    assert default_lock_dir({**env, "SLURM_JOB_ID": "42"}) == tmp_path / "slurm-42"
+
+
+def test_leases_are_disjoint_until_released(tmp_path):
+    pool = GpuPool(["0", "1", "2"], tmp_path)
+    a = pool.try_acquire(2)
+    assert a is not None and a.devices == ["0", "1"]
+    assert pool.try_acquire(2) is None  # only one device left: nothing is held while refusing
+    b = pool.try_acquire(1)
+    assert b is not None and b.devices == ["2"]
+    assert pool.try_acquire(1) is None
+    a.release()
+    with pool.acquire(2, timeout_s=0) as c:
+        assert c.devices == ["0", "1"]
+        assert c.environment() == {"CUDA_VISIBLE_DEVICES": "0,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    b.release()
+
+
+def test_impossible_requests_fail_at_once(tmp_path):
+    pool = GpuPool(["0", "1"], tmp_path)
+    with pytest.raises(UserError, match="asks for 3 GPU"):
+        pool.acquire(3)
+    with pytest.raises(ConfigError, match="--count"):
+        pool.acquire(0)
+    held = pool.acquire(2)
+    with pytest.raises(UserError, match="no 1 free GPU"):
+        pool.acquire(1, timeout_s=0)
+    held.release()
+
+
+# Each job marks its devices in a shared folder with O_EXCL while it runs: a second holder of the same
+# device at the same time finds the mark and fails, whatever the timing.
+JOB = textwrap.dedent("""
+    import os, sys, time
+    marks, log = sys.argv[1], sys.argv[2]
+    devices = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+    assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    paths = [os.path.join(marks, d) for d in devices]
+    for p in paths:
+        os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # FileExistsError: shared device
+    time.sleep(0.3)
+    for p in paths:
+        os.unlink(p)
+    with open(log, "a") as fh:
+        fh.write(",".join(devices) + "\\n")
+""")
+
+
+def _launch(tmp_path: Path, count: int, n_devices: int, marks: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "AGG_BENCH_GPUS": str(n_devices), "AGG_BENCH_GPU_LOCK_DIR": str(tmp_path / "locks")}
+    env.pop("SLURM_JOB_ID", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "agg_bench.gpus", "--count", str(count), "--timeout", "120", "--",
+         sys.executable, "-c", JOB, str(marks), str(log)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("count, jobs, n_devices", [(1, 6, 2), (2, 4, 3)])
+def test_concurrent_jobs_never_share_a_device(tmp_path, count, jobs, n_devices):
+    marks, log = tmp_path / "marks", tmp_path / "log.txt"
+    marks.mkdir()
+    procs = [_launch(tmp_path, count, n_devices, marks, log) for _ in range(jobs)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+    leases = [line.split(",") for line in log.read_text().splitlines()]
+    assert len(leases) == jobs
+    for devices in leases:
+        assert len(devices) == count and len(set(devices)) == count
+        assert set(devices) <= {str(i) for i in range(n_devices)}
+    assert list(marks.iterdir()) == []
+
+
+def test_lock_is_dropped_when_the_holder_is_killed(tmp_path):
+    env = {**os.environ, "AGG_BENCH_GPUS": "1", "AGG_BENCH_GPU_LOCK_DIR": str(tmp_path)}
+    env.pop("SLURM_JOB_ID", None)
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "agg_bench.gpus", "--count", "1", "--",
+         sys.executable, "-c", "import sys, time; print('held', flush=True); time.sleep(60)"],
+        env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        pool = GpuPool(["0"], tmp_path)
+        assert pool.try_acquire(1) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    lease = pool.try_acquire(1)
+    assert lease is not None and lease.devices == ["0"]
+    lease.release()
+
+
+def test_command_line_reports_impossible_request(tmp_path):
+    env = {**os.environ, "AGG_BENCH_GPUS": "1", "AGG_BENCH_GPU_LOCK_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "agg_bench.gpus", "--count", "2", "--", "true"],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "asks for 2 GPU" in proc.stderr
+
+
+def test_count_zero_runs_the_command_untouched(tmp_path):
+    env = {**os.environ, "AGG_BENCH_GPUS": "0", "AGG_BENCH_GPU_LOCK_DIR": str(tmp_path)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([sys.executable, "-m", "agg_bench.gpus", "--count", "0", "--", sys.executable, "-c",
+                           "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'))"],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "unset"

@@ -1,0 +1,148 @@
+"""LoRA via peft: only adapters train, the KL reference is the base model (adapters off), snapshots replay."""
+import json
+
+import pytest
+import torch
+from helpers import relative_error, tiny_config
+from safetensors.torch import load_file
+
+from agg_bench.errors import ConfigError
+from agg_bench.grpo import UpdateStats, step_terms
+from agg_bench.lora import LORA_TARGETS
+from agg_bench.models import TRANSFORMER_CLASSES, build_tiny_transformer
+from agg_bench.snapshot import load_snapshot, replay_gradient, save_snapshot
+from agg_bench.train import Session
+from baselines.full import FullEstimator
+
+LORA = ("train.lora_rank=4", "train.lora_alpha=8")
+
+
+def perturb_adapters(policy, scale=0.05):
+    """Move the adapters off their no-op start so that the adapted model differs from the base."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
+def test_only_adapter_parameters_receive_gradients(family):
+    session = Session(tiny_config(*LORA, "grpo.beta=0.1", "sampling.steps=3", family=family))
+    named = dict(session.policy.named_parameters())
+    assert named and all(".lora_A." in n or ".lora_B." in n for n in named)
+    adapted = {n.split(".lora_")[0] for n in named}
+    assert all(any(n.endswith("." + t) for t in LORA_TARGETS[family]) for n in adapted)
+    before = {n: p.detach().clone() for n, p in session.policy.transformer.named_parameters()}
+    batch = session.collect(0).batch
+    session.update(batch)
+    for name, p in session.policy.transformer.named_parameters():
+        if name not in named:
+            assert not p.requires_grad and p.grad is None
+            assert torch.equal(p, before[name]), name  # base weights never move
+    # B starts at 0, so the B matrices get the first nonzero gradients and move (an adapter whose output
+    # never reaches the velocity, e.g. on the text stream of the last block, gets none)
+    assert sum(float(p.grad.abs().sum()) for n, p in named.items() if ".lora_B." in n and p.grad is not None) > 0
+    assert any(not torch.equal(p, before[n]) for n, p in named.items())
+    assert {id(p) for g in session.optimizer.param_groups for p in g["params"]} == {id(p) for p in named.values()}
+
+
+def test_reference_with_adapters_off_equals_the_base_model():
+    session = Session(tiny_config(*LORA, "grpo.beta=0.1"))
+    policy, reference = session.policy, session.reference
+    assert reference.transformer is policy.transformer  # no copy of the weights
+    assert reference.parameters() == []
+    perturb_adapters(policy)
+    base = build_tiny_transformer("sd3", seed=0, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(3, 4, 4, 4, generator=gen, dtype=torch.float64)
+    t = torch.rand(3, generator=gen, dtype=torch.float64) * 1000
+    cond = session.cond_all[torch.tensor([0, 1, 2])].to(dtype=torch.float64)
+    flags = {n: p.requires_grad for n, p in policy.transformer.named_parameters()}
+    with torch.no_grad():
+        ref_v = reference.velocity(x, t, cond)
+        base_v = base(hidden_states=x, timestep=t, encoder_hidden_states=cond.encoder_hidden_states,
+                      pooled_projections=cond.pooled_projections, return_dict=False)[0]
+        policy_v = policy.velocity(x, t, cond)
+    assert torch.equal(ref_v, base_v)  # the same operations on the same weights: exact
+    assert not torch.allclose(policy_v, base_v)  # the adapters are back on after the reference call
+    assert flags == {n: p.requires_grad for n, p in policy.transformer.named_parameters()}
+
+
+def test_kl_gradient_with_lora_matches_a_float64_finite_difference():
+    """d(beta*KL)/d(adapter) through the adapters-off reference, against central differences."""
+    session = Session(tiny_config(*LORA, "grpo.beta=1.0", "sampling.steps=3"))
+    batch = session.collect(0).batch
+    perturb_adapters(session.policy)
+    batch.advantages.zero_()  # only the KL term remains
+    policy, reference = session.policy, session.reference
+    for p in policy.parameters():
+        p.grad = None
+    FullEstimator().accumulate(policy, batch, UpdateStats(batch.clip_range), reference)
+    name, param = next((n, p) for n, p in policy.named_parameters() if ".lora_B." in n)
+    idx = (0, 0)
+
+    def objective() -> float:
+        """beta * KL part of L, recomputed without autograd."""
+        total = 0.0
+        with torch.no_grad():
+            for n in range(batch.steps_per_sample):
+                rows = torch.arange(batch.batch_size)
+                steps = batch.train_steps[rows, n]
+                args = (batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
+                terms = step_terms(batch, rows, steps, policy.velocity(*args), reference.velocity(*args))
+                total += float(terms.loss.sum()) * batch.loss_scale
+        return total
+
+    assert objective() > 0  # the reference (adapters off) differs from the adapted policy
+    h = 1e-6
+    with torch.no_grad():
+        param[idx] += h
+        up = objective()
+        param[idx] -= 2 * h
+        down = objective()
+        param[idx] += h
+    assert abs(float(param.grad[idx]) - (up - down) / (2 * h)) <= 1e-6 * max(1.0, abs((up - down) / (2 * h)))
+
+
+def test_lora_snapshot_keeps_plain_base_weights_and_replays_the_same_gradient(tmp_path):
+    cfg = tiny_config(*LORA, "train.timestep_fraction=0.5")
+    snap = save_snapshot(cfg, tmp_path / "snap")
+    meta = json.loads((snap / "rollout.json").read_text())
+    assert meta["lora"] == {"rank": 4, "alpha": 8.0, "target_modules": LORA_TARGETS["sd3"]}
+    # transformer/ is a plain diffusers folder of the base weights
+    plain = TRANSFORMER_CLASSES["sd3"].from_pretrained(snap / "transformer", torch_dtype=torch.float64)
+    base = build_tiny_transformer("sd3", seed=0, dtype=torch.float64)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), base.state_dict().values()))
+    assert all(".lora_" in k for k in load_file(str(snap / "lora" / "adapter_model.safetensors")))
+
+    loaded = load_snapshot(snap)
+    names = [n for n, _ in loaded.policy.named_parameters()]
+    assert names and all(".lora_" in n for n in names)
+    grads, counts, _ = replay_gradient(loaded, FullEstimator())
+
+    session = Session(cfg)
+    batch = session.collect(0).batch
+    session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
+    expected = {n: p.grad for n, p in session.policy.named_parameters()}
+    assert set(grads) == set(expected)
+    assert relative_error(grads, expected) <= 1e-10
+    b, n = batch.train_steps.shape
+    assert counts == {"forward_nograd": 0, "forward_grad": b * n, "backward": b * n}
+
+
+def test_unknown_target_module_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        Session(tiny_config(*LORA, "train.lora_target_modules=[no_such_layer]"))
+    assert err.value.key == "train.lora_target_modules"
+
+
+def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradient():
+    grads = []
+    for checkpointing in ("false", "true"):
+        session = Session(tiny_config(*LORA, "sampling.steps=3", f"train.gradient_checkpointing={checkpointing}"))
+        batch = session.collect(0).batch
+        session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
+        grads.append({n: p.grad if p.grad is not None else torch.zeros_like(p)
+                      for n, p in session.policy.named_parameters()})
+    assert sum(float(g.abs().sum()) for g in grads[0].values()) > 0
+    assert relative_error(grads[1], grads[0]) <= 1e-12

@@ -1,0 +1,133 @@
+"""The Snakemake workflow: sweep configs check out before any job starts (dry runs of the default, the
+paper-scale config and the SLURM profile), errors name the key, and the smallest sweep runs end to end."""
+import fnmatch
+import itertools
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLES = [f"results/tables/{t}.{ext}" for t in ("efficiency", "ablation", "gpus") for ext in ("csv", "md")]
+PLOTS = [f"results/plots/{p}.png" for p in
+         ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "gradcheck_cosine")]
+
+
+def workdir(tmp_path: Path) -> Path:
+    """A clean working directory holding what a fresh clone has: the Snakefile, workflow/ and config/."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "Snakefile", work)
+    shutil.copytree(ROOT / "workflow", work / "workflow")
+    shutil.copytree(ROOT / "config", work / "config")
+    return work
+
+
+def snakemake(work: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=work, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def job_counts(stdout: str) -> dict[str, int]:
+    """The 'Job stats' table of a dry run as {rule: count}."""
+    block = stdout.split("Job stats:", 1)[1]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", block, re.M)}
+
+
+def expected_runs(sweep: dict) -> int:
+    """Runs of a sweep: every label combination that no `exclude` entry matches."""
+    combos = itertools.product(sweep["methods"], sweep["models"], sweep["resolutions"], sweep["seeds"],
+                               sweep["devices"])
+    keys = ("method", "model", "resolution", "seed", "device")
+    return sum(not any(all(fnmatch.fnmatchcase(str(dict(zip(keys, combo))[k]), str(p)) for k, p in entry.items())
+                       for entry in sweep.get("exclude", []))
+               for combo in combos)
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("config.yaml", ["--cores", "2"]),
+    ("gpu.yaml", ["--cores", "64", "--resources", "gpu=8"]),
+])
+def test_dry_run_expands_every_job(tmp_path, name, extra):
+    work = workdir(tmp_path)
+    sweep = yaml.safe_load((work / "config" / name).read_text())
+    args = ["--configfile", f"config/{name}"] if name != "config.yaml" else []  # the default needs no flag
+    proc = snakemake(work, "-n", *args, *extra)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    counts = job_counts(proc.stdout)
+    assert counts["run"] == expected_runs(sweep)
+    assert counts["gradcheck"] == len(sweep["models"]) * len(sweep["gradcheck"]["resolutions"])
+    assert counts.get("embed", 0) == (len(sweep["models"]) if "embed" in sweep else 0)
+    assert counts["tables"] == counts["plots"] == counts["manifest"] == 1
+    assert not (work / "results").exists()  # a dry run writes nothing
+
+
+def test_dry_run_of_the_slurm_profile(tmp_path):
+    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
+    work = workdir(tmp_path)
+    proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/gpu.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    # the profile's per-rule resources reach the run jobs
+    assert re.search(r"rule run:.*?resources:[^\n]*gpu=1[^\n]*gpu_model=h100[^\n]*cpus_per_gpu=8", proc.stdout, re.S)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda s: s.update(resolutions=["large"]), ["resolutions.0", "large"]),
+    (lambda s: s["methods"]["agg-w3"]["method"].update(windw=3), ["methods.agg-w3", "method.windw"]),
+    (lambda s: s["methods"].update({"bad_label": {"method": {"name": "full"}}}), ["methods", "bad_label"]),
+    (lambda s: s["gradcheck"].update(models=["sdxl"]), ["gradcheck.models", "sdxl"]),
+])
+def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
+    work = workdir(tmp_path)
+    sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
+    edit(sweep)
+    (work / "bad.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    proc = snakemake(work, "--cores", "1", "--configfile", "bad.yaml")
+    assert proc.returncode != 0
+    message = proc.stderr + proc.stdout
+    line = next((ln for ln in message.splitlines() if "sweep config" in ln), message)
+    for word in words:
+        assert word in line, message
+    assert not (work / "results").exists()
+
+
+def dancegrpo_log(path: Path) -> Path:
+    lines = [{"step": s, "avg_reward": 0.3 + 0.05 * s, "step_time": 40.0 + s, "grad_norm": 0.2} for s in range(1, 5)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.slow
+def test_smallest_sweep_end_to_end(tmp_path):
+    work = workdir(tmp_path)
+    sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
+    sweep["references"] = [{"label": "dancegrpo-ref", "log": str(dancegrpo_log(tmp_path / "log.jsonl")),
+                            "method": "full", "model": "flux", "resolution": 720, "gpu_name": "NVIDIA H800",
+                            "n_gpus": 8}]
+    (work / "e2e.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    proc = snakemake(work, "--cores", "2", "--configfile", "e2e.yaml", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = snakemake(work, "--configfile", "e2e.yaml", "--report", "results/report.html")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for path in [*TABLES, "results/tables/records.csv", *PLOTS, "results/report.html"]:
+        assert (work / path).stat().st_size > 0, path
+
+    table = pd.read_csv(work / "results/tables/efficiency.csv")
+    rows = {(r.method, r.source): r for r in table.itertuples()}
+    assert set(rows) == {("full", "measured"), ("agg-w3", "measured"), ("dancegrpo-ref", "imported")}
+    full, agg = rows[("full", "measured")], rows[("agg-w3", "measured")]
+    assert full.status == agg.status == "ok" and full.speedup == 1.0
+    # 2 samples x 6 trained steps; AGG W=3: two groups of 3 steps, 2 backward passes each, per sample
+    assert (full.backward, agg.backward) == (12, 8)
+    assert 0 < agg.grad_cosine < 1 and full.grad_cosine == 1.0
+    assert rows[("dancegrpo-ref", "imported")].hardware == "8x NVIDIA H800"
+    assert "dancegrpo-ref (imported)" in (work / "results/tables/efficiency.md").read_text()
+    ablation = pd.read_csv(work / "results/tables/ablation.csv")
+    assert list(ablation["method"]) == ["full", "agg"] and ablation["window"].iloc[1] == 3
+    assert "efficiency.csv" in (work / "results/report.html").read_text(errors="replace")

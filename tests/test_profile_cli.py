@@ -1,0 +1,87 @@
+"""`agg-bench profile`: traces, an operator table and the run's config and machine for one method."""
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from agg_bench.cli import main
+from agg_bench.methods import available_methods
+
+# a schedule without warmup is fine for checking what gets written
+pytestmark = pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+
+SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "grpo.group_size=2",
+         "--set", "grpo.prompts_per_iteration=1", "--set", "progress=false"]
+
+
+def read_trace(path: Path) -> dict:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt") as handle:
+        return json.load(handle)
+
+
+def operator_calls(path: Path) -> dict[str, int]:
+    """calls per operator name, summed over cycles"""
+    calls: dict[str, int] = {}
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            calls[row["name"]] = calls.get(row["name"], 0) + int(row["calls"])
+    return calls
+
+
+def test_profile_train_phase_writes_trace_and_operator_table(tmp_path, capsys):
+    # the config file names another method with its own option: --method replaces that section
+    config = tmp_path / "run.yaml"
+    config.write_text("method:\n  name: window\n  window_size: 2\n")
+    out = tmp_path / "prof"
+    assert main(["profile", "--config", str(config), "--method", "full", *SMALL, "--phase", "train",
+                 "--wait", "1", "--warmup", "0", "--active", "1", "--out", str(out)]) == 0
+    written = json.loads(capsys.readouterr().out)
+
+    traces = sorted(out.glob("*.pt.trace.json*"))
+    assert [str(t) for t in traces] == [written["trace_0"]]  # one cycle, one trace
+    events = read_trace(traces[0])["traceEvents"]
+    assert any(e.get("name") == "train" for e in events)  # the annotated update
+
+    calls = operator_calls(Path(written["operators"]))
+    assert calls["train"] == 1  # the active step only: the waited one is not recorded
+    assert "collect" not in calls  # the fixed rollout was collected before profiling
+    assert any(name in calls for name in ("aten::mm", "aten::addmm", "aten::linear"))
+    assert "memory_snapshot" not in written  # CUDA only
+
+    assert json.loads((out / "config.json").read_text())["method"] == {"name": "full"}
+    assert "torch" in json.loads((out / "env.json").read_text())
+    manifest = json.loads((out / "profile.json").read_text())
+    assert manifest["phase"] == "train" and manifest["active"] == 1 and manifest["files"] == {
+        k: v for k, v in written.items() if k != "out"}
+
+
+@pytest.mark.skipif("agg" not in available_methods(), reason="the agg method is not registered")
+def test_profile_iterations_of_a_method_with_options(tmp_path, capsys):
+    out = tmp_path / "prof"
+    assert main(["profile", "--method", "agg", *SMALL, "--set", "train.plan=groups", "--set", "train.plan_window=4",
+                 "--set", "method.window=4", "--wait", "0", "--warmup", "0", "--active", "1",
+                 "--out", str(out)]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert Path(written["trace_0"]).is_file()
+    calls = operator_calls(Path(written["operators"]))
+    assert calls["collect"] == 1 and calls["train"] == 1
+    assert json.loads((out / "config.json").read_text())["method"] == {"name": "agg", "window": 4}
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--method", "full", "--active", "0"], "--active"),
+    (["--method", "full", "--wait", "-1"], "--wait"),
+    (["--method", "nope"], "method.name"),
+    (["--method", "full", "--set", "method.window=3"], "method.window"),
+])
+def test_profile_user_errors_are_one_line_and_exit_code_2(tmp_path, capsys, args, key):
+    out = tmp_path / "prof"
+    assert main(["profile", *SMALL, *args, "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agg-bench profile:") and key in lines[0]
+    assert not out.exists()  # nothing is written before the config is known to be good

@@ -1,0 +1,236 @@
+"""Table builders on synthetic run folders with known numbers -> known cells; plots exist."""
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from agg_bench.cli import main
+from agg_bench.errors import UserError
+from agg_bench.importlog import import_log
+from agg_bench.io import JsonlWriter
+from agg_bench.report import (
+    PLOTS, GradcheckEntry, Manifest, RunEntry, ablation_table, build_report, efficiency_table, gpus_table,
+    load_gradcheck, load_records, mean_reward_until, to_markdown,
+)
+from agg_bench.train import RECORD_KEYS
+
+MIB = 1024 ** 2
+
+
+def make_run(root: Path, name: str, method: str, iterations: list[dict], status: str = "ok",
+             options: dict | None = None, **identity) -> Path:
+    """A run folder as `agg-bench run` writes it, with the given per-iteration fields."""
+    run = root / name
+    run.mkdir(parents=True)
+    base = {"run_id": name, "method": method, "model": "sd3-tiny", "resolution": 64, "device": "cpu",
+            "gpu_name": None, "n_gpus": 0, "seed": 0, **identity}
+    with JsonlWriter(run / "metrics.jsonl") as writer:
+        for i, fields in enumerate(iterations):
+            record = dict.fromkeys(RECORD_KEYS)
+            record.update(base, iteration=i, status="ok")
+            record.update(fields)
+            writer.write(record)
+    (run / "summary.json").write_text(json.dumps({"run_id": name, "status": status, **base}))
+    (run / "config.json").write_text(json.dumps({"method": options or {"name": method}}))
+    return run
+
+
+def it(t_iter, reward, t_train=None, backward=None, **extra):
+    """One iteration's fields; rollout/reward phases split the rest of t_iter 3:1."""
+    t_train = t_iter / 2 if t_train is None else t_train
+    rest = t_iter - t_train
+    return {"t_iter_s": t_iter, "t_train_s": t_train, "t_rollout_s": 0.75 * rest, "t_reward_s": 0.25 * rest,
+            "reward_mean": reward, "backward": backward, "forward_grad": backward, **extra}
+
+
+AGG_OPTIONS = {"name": "agg", "window": 5, "alpha": "sigma", "route_frac": 1.0, "reuse_rollout_velocity": False}
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """full and agg at 64 px (two seeds of full), an OOM and a diverged agg cell, one imported log."""
+    runs = tmp_path / "runs"
+    entries = [
+        RunEntry(make_run(runs, "full_s0", "full", [it(10.0, 0.0, 4.0, 80, saved_activation_peak_bytes=8 * MIB),
+                                                     it(2.0, 1.0, 1.5, 80), it(2.0, 2.0, 1.5, 80)]),
+                 method="full", model="sd3", seed=0),
+        RunEntry(make_run(runs, "full_s1", "full", [it(10.0, 0.0, 4.0, 80), it(4.0, 1.0, 1.5, 80),
+                                                     it(4.0, 3.0, 1.5, 80)], seed=1),
+                 method="full", model="sd3", seed=1),
+        RunEntry(make_run(runs, "agg", "agg", [it(10.0, 0.0, 4.0, 32, agg_groups_routed=4),
+                                               it(1.0, 2.0, 0.5, 32, agg_groups_routed=4),
+                                               it(1.0, 4.0, 0.5, 32, agg_groups_routed=2)],
+                          options=AGG_OPTIONS),
+                 method="agg-w5", model="sd3", method_options=AGG_OPTIONS),
+        RunEntry(make_run(runs, "agg_big", "agg", [{"status": "oom", "peak_alloc_bytes": 3 * MIB}],
+                          status="oom", resolution=128), method="agg-w5", model="sd3"),
+        RunEntry(make_run(runs, "full_big", "full", [it(3.0, 1.0, 2.0, 80), it(3.0, 1.0, 2.0, 80)],
+                          resolution=128), method="full", model="sd3"),
+        RunEntry(make_run(runs, "window_big", "window", [it(6.0, 1.0, 1.0, 16), it(6.0, 2.0, 1.0, 16),
+                                                          {**it(6.0, float("nan"), 1.0, 16), "status": "diverged"}],
+                          status="diverged", resolution=128), method="window", model="sd3"),
+    ]
+    log = tmp_path / "dancegrpo.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "avg_reward": r, "step_time": t, "grad_norm": 0.1}) + "\n"
+                           for s, r, t in [(1, 0.5, 30.0), (2, 0.6, 20.0), (3, 0.8, 22.0)]) + '{"step": 4, "avg')
+    import_log(log, tmp_path / "imported" / "ref", method="dancegrpo", model="flux", resolution=720,
+               gpu_name="NVIDIA H800", n_gpus=8)
+    entries.append(RunEntry(tmp_path / "imported" / "ref"))
+    return entries
+
+
+def cell(table, method, resolution, source="measured"):
+    rows = table[(table["method"] == method) & (table["resolution"] == resolution) & (table["source"] == source)]
+    assert len(rows) == 1, rows
+    return rows.iloc[0]
+
+
+def test_efficiency_cells_from_known_numbers(sweep):
+    table = efficiency_table(load_records(sweep), warmup=1)
+    full, agg = cell(table, "full", 64), cell(table, "agg-w5", 64)
+    # seeds averaged after the warm-up iteration: full (2 + 4) / 2 = 3 s, agg 1 s
+    assert full["seeds"] == 2 and full["t_iter_s"] == pytest.approx(3.0, abs=1e-12)
+    assert agg["t_iter_s"] == pytest.approx(1.0, abs=1e-12)
+    assert full["speedup"] == pytest.approx(1.0, abs=1e-12)
+    assert agg["speedup"] == pytest.approx(3.0, abs=1e-12)
+    assert agg["train_speedup"] == pytest.approx(3.0, abs=1e-12)  # 1.5 s / 0.5 s
+    assert agg["t_rollout_s"] == pytest.approx(0.375, abs=1e-12) and agg["t_reward_s"] == pytest.approx(0.125, abs=1e-12)
+    assert (full["backward"], agg["backward"]) == (80, 32)
+    assert full["saved_act_mib"] == pytest.approx(8.0, abs=1e-12)
+    assert agg["final_reward"] == 4.0 and full["final_reward"] == pytest.approx(2.5, abs=1e-12)
+    assert agg["agg_groups_routed"] == pytest.approx(10 / 3, abs=1e-12)  # a method extra, averaged per run
+    # images/s was not measured: empty, not 0
+    assert math.isnan(agg["images_per_s"])
+
+
+def test_reward_area_uses_the_shortest_run_as_horizon():
+    # curve through (0, r0), (end of iteration i, r_i); mean over [0, 1.5]
+    assert mean_reward_until([1.0, 2.0, 3.0], [0.0, 1.0, 2.0], 1.5) == pytest.approx(0.125 / 1.5, abs=1e-12)
+    assert mean_reward_until([0.5, 1.0, 1.5], [0.0, 2.0, 4.0], 1.5) == pytest.approx(2.0 / 1.5, abs=1e-12)
+    assert math.isnan(mean_reward_until([0.5], [1.0], 1.5))  # a run shorter than the horizon has no value
+
+
+def test_reward_area_cells(sweep):
+    table = efficiency_table(load_records(sweep[:1] + sweep[2:3]))
+    # full_s0 ends at 10, 12, 14 s; agg at 10, 11, 12 s -> horizon 12 s
+    full_expected = (10 * 0.0 + 2 * (0.0 + 1.0) / 2) / 12
+    agg_expected = (10 * 0.0 + 1 * (0.0 + 2.0) / 2 + 1 * (2.0 + 4.0) / 2) / 12
+    assert cell(table, "full", 64)["reward_area"] == pytest.approx(full_expected, abs=1e-12)
+    assert cell(table, "agg-w5", 64)["reward_area"] == pytest.approx(agg_expected, abs=1e-12)
+
+
+def test_oom_and_diverged_cells(sweep):
+    table = efficiency_table(load_records(sweep))
+    oom, diverged = cell(table, "agg-w5", 128), cell(table, "window", 128)
+    assert oom["status"] == "oom" and math.isnan(oom["speedup"]) and math.isnan(oom["t_iter_s"])
+    assert oom["peak_alloc_mib"] == pytest.approx(3.0, abs=1e-12)  # memory at the failure is kept
+    assert diverged["status"] == "diverged" and math.isnan(diverged["speedup"])
+    assert diverged["t_iter_s"] == pytest.approx(6.0, abs=1e-12) and diverged["final_reward"] == 2.0
+    md = to_markdown(table).splitlines()
+    header = [c.strip() for c in md[0].strip("|").split("|")]
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line for line in md[2:]}
+    oom_cells = [c.strip() for c in rows[("agg-w5", "sd3", "128")].strip("|").split("|")]
+    assert oom_cells[header.index("speedup")] == "OOM" and oom_cells[header.index("t_iter_s")] == "OOM"
+    assert oom_cells[header.index("status")] == "oom"
+    div_cells = [c.strip() for c in rows[("window", "sd3", "128")].strip("|").split("|")]
+    assert div_cells[header.index("speedup")] == "DIVERGED" and div_cells[header.index("t_iter_s")] == "6"
+    ok_cells = [c.strip() for c in rows[("agg-w5", "sd3", "64")].strip("|").split("|")]
+    assert ok_cells[header.index("speedup")] == "3.00x" and ok_cells[header.index("images_per_s")] == "—"
+
+
+def test_imported_rows_are_labelled(sweep):
+    table = efficiency_table(load_records(sweep))
+    ref = cell(table, "dancegrpo", 720, source="imported")
+    assert ref["hardware"] == "8x NVIDIA H800" and ref["status"] == "ok"
+    assert ref["iterations"] == 3  # the torn last line of the log is skipped
+    assert ref["t_iter_s"] == pytest.approx(21.0, abs=1e-12) and ref["final_reward"] == 0.8
+    assert math.isnan(ref["speedup"])  # no `full` run in its group
+    assert table.iloc[-1]["source"] == "imported"  # after the measured rows
+    assert "| dancegrpo (imported) | flux | 720 |" in to_markdown(table)
+
+
+def test_import_log_names_a_missing_key(tmp_path):
+    log = tmp_path / "bad.jsonl"
+    log.write_text(json.dumps({"step": 1, "avg_reward": 0.5, "grad_norm": 1.0}) + "\n")
+    with pytest.raises(UserError, match="'step_time'"):
+        import_log(log, tmp_path / "out")
+    assert main(["import-log", str(log), "--out", str(tmp_path / "out")]) == 2
+
+
+@pytest.fixture
+def gradcheck_csv(tmp_path):
+    rows = [
+        {"method": "full", "cosine_to_full": 1.0, "relative_error": 0.0, "backward": 80, "seconds": 4.0},
+        {**AGG_OPTIONS, "method": "agg", "cosine_to_full": 0.9, "relative_error": 0.4, "backward": 32, "seconds": 2.0},
+        {**AGG_OPTIONS, "method": "agg", "alpha": "index", "cosine_to_full": 0.8, "relative_error": 0.6,
+         "backward": 32, "seconds": 2.5},
+        {**AGG_OPTIONS, "method": "agg", "window": 3, "cosine_to_full": 0.95, "relative_error": 0.3,
+         "backward": 48, "seconds": 3.2},
+    ]
+    path = tmp_path / "gc.csv"
+    pd.DataFrame([{k: v for k, v in r.items() if k != "name"} | {"model": "sd3"} for r in rows]).to_csv(path, index=False)
+    return path
+
+
+def test_gradient_cosine_matches_options(sweep, gradcheck_csv):
+    gradcheck = load_gradcheck([GradcheckEntry(gradcheck_csv, model="sd3", resolution=64)])
+    table = efficiency_table(load_records(sweep), gradcheck)
+    assert cell(table, "agg-w5", 64)["grad_cosine"] == 0.9
+    assert cell(table, "agg-w5", 64)["grad_rel_error"] == 0.4
+    assert cell(table, "full", 64)["grad_cosine"] == 1.0
+    assert math.isnan(cell(table, "full", 128)["grad_cosine"])  # no gradcheck at 128 px
+    # options that fit two rows (alpha left out) match neither
+    ambiguous = load_records([RunEntry(sweep[2].dir, method="agg-w5", model="sd3",
+                                       method_options={"name": "agg", "window": 5})])
+    assert math.isnan(efficiency_table(ambiguous, gradcheck).iloc[0]["grad_cosine"])
+
+
+def test_ablation_relative_to_full(gradcheck_csv):
+    table = ablation_table(load_gradcheck([GradcheckEntry(gradcheck_csv, model="sd3", resolution=64)]))
+    assert list(table["method"]) == ["full", "agg", "agg", "agg"]
+    w5 = table[(table["window"] == 5) & (table["alpha"] == "sigma")].iloc[0]
+    assert w5["backward_vs_full"] == pytest.approx(0.4, abs=1e-12)
+    assert w5["speedup_vs_full"] == pytest.approx(2.0, abs=1e-12)
+    assert list(table["window"].iloc[1:]) == [3, 5, 5]
+
+
+def test_gpus_table_pivots_by_gpu_name(tmp_path):
+    entries = [
+        RunEntry(make_run(tmp_path, f"{m}_{g}", m, [it(t, 0.0), it(t, 1.0)], device="cuda", gpu_name=g, n_gpus=1),
+                 method=m, model="sd3")
+        for m, g, t in [("full", "GPU-A", 2.0), ("agg", "GPU-A", 1.0), ("full", "GPU-B", 4.0), ("agg", "GPU-B", 1.0)]
+    ]
+    table = gpus_table(efficiency_table(load_records(entries)))
+    assert len(table) == 2
+    agg = table[table["method"] == "agg"].iloc[0]
+    assert agg["speedup [GPU-A]"] == pytest.approx(2.0, abs=1e-12)
+    assert agg["speedup [GPU-B]"] == pytest.approx(4.0, abs=1e-12)
+    assert agg["t_iter_s [GPU-B]"] == pytest.approx(1.0, abs=1e-12)
+
+
+def test_markdown_escapes_and_marks_empty_cells():
+    df = pd.DataFrame([{"method": "a|b", "status": "ok", "x": float("nan"), "source": "measured"}])
+    assert to_markdown(df).splitlines()[2] == "| a\\|b | ok | — | measured |"
+
+
+def test_build_report_writes_every_table_and_plot(sweep, gradcheck_csv, tmp_path):
+    manifest = Manifest(sweep, [GradcheckEntry(gradcheck_csv, model="sd3", resolution=64)])
+    build_report(manifest, tmp_path / "tables", tmp_path / "plots")
+    for name in ("efficiency", "ablation", "gpus"):
+        assert (tmp_path / "tables" / f"{name}.csv").stat().st_size > 0
+        assert (tmp_path / "tables" / f"{name}.md").read_text().startswith("| ")
+    assert len(pd.read_csv(tmp_path / "tables" / "records.csv")) == 18
+    for name in PLOTS:
+        assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_cli(sweep, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "t")]) == 0
+    table = pd.read_csv(tmp_path / "t" / "efficiency.csv")
+    assert set(table["method"]) == {"full", "agg", "window"}  # labels from the records without a manifest
+    assert json.loads(capsys.readouterr().out.strip())["efficiency_rows"] == len(table)
+    assert main(["report", "--runs", str(runs)]) == 2
+    assert "--tables" in capsys.readouterr().err

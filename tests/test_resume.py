@@ -1,0 +1,162 @@
+"""Checkpoint and resume: a run stopped at iteration k and resumed writes the records of an uninterrupted
+run (every field but timings), with no iteration duplicated or missing; reruns start clean."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from agg_bench.checkpoint import CHECKPOINT_NAME
+from agg_bench.cli import main
+from agg_bench.config import load_config
+from agg_bench.io import read_jsonl
+from agg_bench.train import TIMING_KEYS, Interrupted, Session, train
+
+SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "progress=false",
+         "telemetry.enabled=false", "run_id=resume"]
+METHODS = {
+    "full": ["method.name=full"],
+    # reuse needs the restored policy version; two optimizer steps per iteration need the optimizer state
+    "agg": ['method={"name": "agg", "window": 4, "reuse_rollout_velocity": true}', "train.inner_epochs=2"],
+}
+ITERATIONS = 4
+
+
+def config(method: str, *overrides: str):
+    return load_config(None, [*SMALL, *METHODS[method], f"train.iterations={ITERATIONS}", *overrides])
+
+
+def records(out: Path) -> list[dict]:
+    return list(read_jsonl(out / "metrics.jsonl"))
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def learned(recs: list[dict]) -> list[dict]:
+    """Records without the fields that measure time or memory."""
+    skip = set(TIMING_KEYS) | {"saved_activation_peak_bytes"}
+    return [{k: v for k, v in r.items() if k not in skip} for r in recs]
+
+
+_REFERENCE: dict[str, list[dict]] = {}
+
+
+def reference(method: str, tmp_path_factory) -> list[dict]:
+    """Records of the uninterrupted run (made once per method)."""
+    if method not in _REFERENCE:
+        out = tmp_path_factory.mktemp(f"reference-{method}")
+        train(config(method), out)
+        _REFERENCE[method] = records(out)
+    return _REFERENCE[method]
+
+
+def signal_at(monkeypatch, name: str, call: int, after: bool = False) -> None:
+    """Send this process SIGTERM at the ``call``-th (1-based) call of ``Session.<name>``, before it or after it."""
+    original = getattr(Session, name)
+    calls = []
+
+    def wrapped(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == call and not after:
+            os.kill(os.getpid(), signal.SIGTERM)
+        out = original(self, *args, **kwargs)
+        if len(calls) == call and after:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Session, name, wrapped)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_interrupted_between_iterations_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, method,
+                                                                          tmp_path_factory):
+    expected = reference(method, tmp_path_factory)
+    out = tmp_path / "run"
+    signal_at(monkeypatch, "collect", 4)  # during iteration 3, before any optimizer step in it
+    with pytest.raises(Interrupted):
+        train(config(method, "train.checkpoint_every=2"), out)
+    monkeypatch.undo()
+    s = summary(out)
+    # the periodic checkpoint was after iteration 1; the interruption saved the state after iteration 2
+    assert (s["status"], s["last_good_iteration"], s["checkpoint_iteration"]) == ("interrupted", 2, 2)
+    assert [r["iteration"] for r in records(out)] == [0, 1, 2]
+    train(config(method, "train.checkpoint_every=2"), out, resume=True)
+    assert summary(out)["status"] == "ok" and summary(out)["resumed_from"] == 2
+    assert learned(records(out)) == learned(expected)
+
+
+def test_records_after_the_checkpoint_are_recomputed_once(tmp_path, monkeypatch, tmp_path_factory):
+    expected = reference("agg", tmp_path_factory)
+    out = tmp_path / "run"
+    signal_at(monkeypatch, "update", 4, after=True)  # iteration 3 stepped the optimizer, its record is unwritten
+    with pytest.raises(Interrupted):
+        train(config("agg", "train.checkpoint_every=2"), out)
+    monkeypatch.undo()
+    s = summary(out)
+    # the weights no longer match the records: no checkpoint at the interruption, the last one is iteration 1
+    assert (s["last_good_iteration"], s["checkpoint_iteration"]) == (2, 1)
+    assert [r["iteration"] for r in records(out)] == [0, 1, 2]
+    train(config("agg", "train.checkpoint_every=2"), out, resume=True)
+    assert [r["iteration"] for r in records(out)] == list(range(ITERATIONS))
+    assert learned(records(out)) == learned(expected)
+
+
+def test_a_finished_run_resumes_to_more_iterations(tmp_path, tmp_path_factory):
+    expected = reference("full", tmp_path_factory)
+    out = tmp_path / "run"
+    train(config("full", "train.iterations=3", "train.checkpoint_every=10"), out)
+    assert summary(out)["checkpoint_iteration"] == 2  # the end of a run is checkpointed
+    train(config("full", "train.iterations=3", "train.checkpoint_every=10"), out, resume=True)
+    assert [r["iteration"] for r in records(out)] == [0, 1, 2]  # nothing left to do
+    train(config("full", "train.checkpoint_every=10"), out, resume=True)
+    assert learned(records(out)) == learned(expected)
+
+
+def test_resume_with_another_config_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["run", *[a for o in SMALL for a in ("--set", o)], "--set", "train.iterations=2", "--checkpoint-every", "1",
+            "--out", str(out)]
+    assert main(args) == 0
+    before = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main([*args, "--set", "train.lr=0.001", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.lr" in err[0] and "--resume" in err[0]
+    assert (out / "metrics.jsonl").read_text() == before
+    # keys that do not change what is computed may differ
+    assert main([*args, "--set", "train.iterations=3", "--set", "telemetry.enabled=true", "--resume"]) == 0
+    assert [r["iteration"] for r in records(out)] == [0, 1, 2]
+
+
+def test_a_damaged_checkpoint_is_a_user_error(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / CHECKPOINT_NAME).write_bytes(b"not a checkpoint")
+    assert main(["run", *[a for o in SMALL for a in ("--set", o)], "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and CHECKPOINT_NAME in err[0]
+
+
+def test_rerun_starts_clean_and_resume_without_checkpoint_starts_over(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    # what a killed attempt can leave: records, a torn line, a summary of an older attempt, temporaries
+    (out / "metrics.jsonl").write_text('{"iteration": 0, "status": "ok"}\n{"iteration": 1, "sta')
+    (out / "summary.json").write_text('{"status": "ok"}')
+    (out / ".checkpoint.tmp123.pt").write_bytes(b"half")
+    (out / ".summary.json.tmp99").write_text("{")
+    train(load_config(None, [*SMALL, "train.iterations=2"]), out, resume=True)
+    assert "no checkpoint" in capsys.readouterr().err
+    assert [r["iteration"] for r in records(out)] == [0, 1]
+    assert all("loss" in r for r in records(out))  # the old lines are gone
+    assert not list(out.glob(".*.tmp*"))
+    train(load_config(None, [*SMALL, "train.iterations=1", "train.checkpoint_every=1"]), out)
+    assert (out / CHECKPOINT_NAME).exists()
+    train(load_config(None, [*SMALL, "train.iterations=1"]), out)  # no --resume: the old checkpoint goes
+    assert not (out / CHECKPOINT_NAME).exists()
+    assert [r["iteration"] for r in records(out)] == [0]

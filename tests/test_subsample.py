@@ -1,0 +1,194 @@
+"""Timestep-subsampling baselines: `fraction` (random steps per sample) and `window` (SDE window, ODE elsewhere)."""
+import pytest
+import torch
+
+from agg_bench.cli import main
+from agg_bench.errors import ConfigError
+from agg_bench.grpo import UpdateStats
+from agg_bench.io import read_jsonl
+from agg_bench.methods import build_method
+from agg_bench.sde import ode_step
+from agg_bench.train import Session, iteration_generator
+from helpers import one_graph_gradient, relative_error, tiny_config
+
+STEPS = 6  # sampling.steps in helpers.TINY
+SMALL = ["--set", "model.resolution=32", "--set", f"sampling.steps={STEPS}", "--set", "train.iterations=2",
+         "--set", "progress=false"]
+
+
+def window(**options):
+    return build_method("window", options)
+
+
+def starts(estimator, iterations, seed=0):
+    return [estimator.window_start(m, STEPS, iteration_generator(seed, m)) for m in range(iterations)]
+
+
+# ----- window -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_window_rollout_is_ode_outside_and_trains_only_the_window(dtype):
+    size, start = 3, 2
+    session = Session(tiny_config("method.name=window", f"method.window_size={size}", "method.window_mode=fixed",
+                                  f"method.window_start={start}", dtype=dtype))
+    batch = session.collect(0).batch
+    inside = torch.zeros(STEPS, dtype=torch.bool)
+    inside[start: start + size] = True
+
+    assert torch.all(batch.log_probs[:, ~inside] == 0)
+    assert torch.all(batch.log_probs[:, inside] != 0)
+    for j in range(STEPS):
+        x_next = ode_step(batch.velocities[:, j], batch.latents[:, j], batch.sigmas, j)
+        if inside[j]:  # SDE noise moved the sample off the ODE path
+            assert not torch.equal(x_next, batch.latents[:, j + 1])
+        else:
+            assert torch.equal(x_next, batch.latents[:, j + 1]), f"step {j} is not the ODE step"
+    expected = torch.arange(start, start + size).expand(batch.batch_size, size)
+    assert torch.equal(batch.train_steps.cpu(), expected)
+
+    before = session.policy.counter.copy()
+    session.update(batch)
+    work = (session.policy.counter - before).as_dict()
+    b = batch.batch_size
+    assert work == {"forward_nograd": 0, "forward_grad": b * size, "backward": b * size}
+
+
+def test_window_gradient_equals_one_graph_gradient():
+    session = Session(tiny_config("method.name=window", "method.window_size=2", "method.window_mode=fixed",
+                                  "method.window_start=3"))
+    batch = session.collect(0).batch
+    with torch.no_grad():  # off-policy, so that ratios differ from 1 and the clip matters
+        for p in session.policy.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    reference = one_graph_gradient(session.policy, batch)
+    session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
+    grads = {n: p.grad for n, p in session.policy.named_parameters()}
+    assert relative_error(grads, reference) <= 1e-10
+
+
+def test_progressive_window_moves_every_interval_and_stays_at_the_end():
+    est = window(window_size=2, window_mode="progressive", window_start=1, window_stride=2, window_interval=2)
+    assert starts(est, 8) == [1, 1, 3, 3, 4, 4, 4, 4]  # 5 would pass T - w = 4: clamped
+
+
+def test_progressive_window_wraps_to_its_first_start():
+    est = window(window_size=2, window_mode="progressive", window_start=1, window_stride=2, window_interval=2,
+                 window_wrap=True)
+    assert starts(est, 10) == [1, 1, 3, 3, 1, 1, 3, 3, 1, 1]
+    est = window(window_size=1, window_mode="progressive", window_start=0, window_stride=1, window_interval=1,
+                 window_wrap=True)
+    assert starts(est, 8) == [0, 1, 2, 3, 4, 5, 0, 1]
+
+
+def test_progressive_window_reaches_the_rollout():
+    """The trained steps of iteration m are the progressive window of m."""
+    session = Session(tiny_config("method.name=window", "method.window_size=2", "method.window_stride=1",
+                                  "method.window_interval=1", "grpo.prompts_per_iteration=1",
+                                  "model.resolution=16"))
+    for m, start in enumerate([0, 1, 2]):
+        batch = session.collect(m).batch
+        assert torch.equal(torch.nonzero(batch.log_probs[0]).flatten(), torch.tensor([start, start + 1]))
+        assert torch.equal(batch.train_steps[0], torch.tensor([start, start + 1]))
+        assert session.estimator.iteration_metrics() == {"window_start": start}
+
+
+def test_fixed_window_never_moves():
+    assert starts(window(window_size=3, window_mode="fixed", window_start=2), 5) == [2] * 5
+
+
+def test_random_window_is_drawn_per_iteration_within_bounds():
+    est = window(window_size=2, window_mode="random", window_start=1, window_max_start=3)
+    drawn = starts(est, 20)
+    assert set(drawn) <= {1, 2, 3} and len(set(drawn)) > 1
+    assert drawn == starts(est, 20)  # the iteration generator decides: same seed, same windows
+    assert len(set(starts(window(window_size=4, window_mode="random"), 20))) > 1
+
+
+@pytest.mark.parametrize("override, key", [
+    (f"method.window_size={STEPS + 1}", "method.window_size"),
+    ("method.window_size=0", "method.window_size"),
+    ("method.window_start=5", "method.window_start"),  # window_size 4 leaves starts 0..2
+    ("method.window_max_start=3", "method.window_max_start"),
+    ("method.window_mode=sliding", "method.window_mode"),
+    ("method.window_interval=0", "method.window_interval"),
+])
+def test_bad_window_is_a_config_error_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        Session(tiny_config("method.name=window", override))
+    assert err.value.key == key
+    assert "\n" not in str(err.value)
+
+
+def test_window_longer_than_the_schedule_is_one_line_before_anything_is_written(tmp_path, capsys):
+    code = main(["run", *SMALL, "--set", "method.name=window", "--set", f"method.window_size={STEPS + 2}",
+                 "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "method.window_size" in lines[0] and "Traceback" not in err
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_window_with_groups_wider_than_the_window_is_refused():
+    with pytest.raises(ConfigError) as err:
+        Session(tiny_config("method.name=window", "method.window_size=3", "train.plan=groups",
+                            "train.plan_window=4"))
+    assert err.value.key == "train.plan_window"
+
+
+# ----- fraction -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fraction", [0.4, 0.7])
+def test_fraction_trains_its_own_random_subset_per_sample(fraction):
+    session = Session(tiny_config("method.name=fraction", f"train.timestep_fraction={fraction}",
+                                  "grpo.prompts_per_iteration=3"))
+    batch = session.collect(0).batch
+    n = round(fraction * STEPS)
+    assert batch.train_steps.shape == (batch.batch_size, n)
+    for row in batch.train_steps.tolist():
+        assert row == sorted(set(row)) and 0 <= row[0] and row[-1] < STEPS
+    assert len({tuple(r) for r in batch.train_steps.tolist()}) > 1  # not one subset shared by all
+    assert torch.all(batch.log_probs != 0)  # every step is stochastic; only training is subsampled
+
+
+def test_fraction_gradient_equals_one_graph_gradient():
+    session = Session(tiny_config("method.name=fraction", "train.timestep_fraction=0.4"))
+    batch = session.collect(0).batch
+    with torch.no_grad():  # off-policy, so that ratios differ from 1 and the clip matters
+        for p in session.policy.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    reference = one_graph_gradient(session.policy, batch)
+    session.policy.counter.reset()
+    session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
+    grads = {n: p.grad for n, p in session.policy.named_parameters()}
+    assert relative_error(grads, reference) <= 1e-10
+    b, n = batch.train_steps.shape
+    assert n == round(0.4 * STEPS)
+    assert session.policy.counter.as_dict() == {"forward_nograd": 0, "forward_grad": b * n, "backward": b * n}
+
+
+def test_fraction_refuses_the_groups_plan():
+    with pytest.raises(ConfigError) as err:
+        Session(tiny_config("method.name=fraction", "train.plan=groups", "train.plan_window=2"))
+    assert err.value.key == "train.plan" and err.value.value == "groups"
+
+
+# ----- both through `agg-bench run` ---------------------------------------------------------
+
+@pytest.mark.parametrize("method, options, trained", [
+    ("fraction", ["train.timestep_fraction=0.5"], round(0.5 * STEPS)),
+    ("window", ["method.window_size=2", "method.window_interval=1"], 2),
+])
+def test_method_runs_through_the_cli(tmp_path, method, options, trained):
+    extra = [a for o in options for a in ("--set", o)]
+    out = tmp_path / method
+    assert main(["run", *SMALL, "--set", f"method.name={method}", *extra, "--out", str(out)]) == 0
+    recs = list(read_jsonl(out / "metrics.jsonl"))
+    assert [r["iteration"] for r in recs] == [0, 1]
+    b = 4 * 2  # default grpo.group_size * grpo.prompts_per_iteration
+    for r in recs:
+        assert r["status"] == "ok" and r["method"] == method
+        assert r["forward_nograd"] == b * STEPS  # the rollout
+        assert r["backward"] == r["forward_grad"] == b * trained
+    if method == "window":
+        assert [r["window_start"] for r in recs] == [0, 1]
