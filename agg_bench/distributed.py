@@ -107,23 +107,24 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def setup(device: torch.device) -> Shard:
-    """Join torchrun's process group (once): nccl for a CUDA device, after selecting the GPU of
-    ``LOCAL_RANK``; gloo otherwise. Without torchrun, or with one process, nothing happens."""
-    if launched_world_size() <= 1 or dist.is_initialized():
-        return current()
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
-    return current()
-
-
-def teardown() -> None:
-    """Leave the process group that :func:`setup` joined."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+@contextlib.contextmanager
+def process_group(device: torch.device) -> Iterator[Shard]:
+    """This process's shard for the block: under torchrun (WORLD_SIZE > 1) it joins the process group,
+    nccl for a CUDA device after selecting the GPU of ``LOCAL_RANK``, gloo otherwise, and leaves it
+    after the block. Without torchrun it is one process; a group that already exists is used and kept."""
+    joined = False
+    if launched_world_size() > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
+        joined = True
+    try:
+        yield current()
+    finally:
+        if joined and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _comm_device() -> torch.device:
@@ -318,12 +319,18 @@ def gather(payload: Any = None) -> list:
 
 def report_failure(exc: BaseException, memory: dict | None = None) -> None:
     """Tell the other processes that ``exc`` stopped this one, at their next :func:`gather` (once per
-    exception; nothing to do for one process). ``memory``: the allocator's state for an OOM."""
+    exception; nothing to do for one process). ``memory``: the allocator's state for an OOM (taken
+    here when not given)."""
+    from .telemetry import is_oom_error, memory_at_failure
+
     if is_shared(exc):
         return
     _mark(exc)
-    if current().distributed:
-        _exchange(_describe(exc, memory), None)
+    if not current().distributed:
+        return
+    if memory is None and is_oom_error(exc) and torch.cuda.is_available() and torch.cuda.is_initialized():
+        memory = memory_at_failure(torch.device("cuda", torch.cuda.current_device()))
+    _exchange(_describe(exc, memory), None)
 
 
 @contextlib.contextmanager

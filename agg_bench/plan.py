@@ -2,16 +2,14 @@
 
 Plans return ``train_steps`` (B, N) int64 in denoising order, drawn from the steps that have a
 log-probability (``available``):
-- ``steps``: DanceGRPO's scheme, each sample its own random subset of floor(fraction * T) steps;
+- ``steps``: DanceGRPO's scheme, each sample its own random subset of round(fraction * T) steps;
 - ``groups``: the available steps cut into consecutive groups of ``plan_window`` steps, each sample
-  keeps its own random floor(fraction * n_groups) groups (the AGG authors' scheme), so a method
+  keeps its own random round(fraction * n_groups) groups (the AGG authors' scheme), so a method
   that groups W = plan_window steps sees whole groups. Steps past the last whole group are not trained.
-Counts are floored as the public Flow-GRPO and DanceGRPO code does (``int(fraction * n)``), and never
-fall below one step or group.
+Counts are rounded (Python's ``round``, halves to even) and never fall below one step or group; the
+public Flow-GRPO and DanceGRPO code floors instead, which differs only when fraction * n ends in .5 or more.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -21,8 +19,7 @@ PLANS = ("steps", "groups")
 
 
 def _count(fraction: float, n: int) -> int:
-    # the tolerance keeps products like 0.29 * 100 = 28.999999999999996 at 29
-    return max(1, min(n, math.floor(fraction * n + 1e-9)))
+    return max(1, min(n, round(fraction * n)))
 
 
 def plan_steps(kind: str, batch_size: int, available: torch.Tensor, fraction: float, plan_window: int,

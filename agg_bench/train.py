@@ -307,11 +307,8 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> dict:
     (the exception is raised after the summary is written). Started by torchrun, every process trains
     its share of each batch and rank 0 writes (:mod:`agg_bench.distributed`).
     """
-    shard = distributed.setup(resolve_device(cfg.device))
-    try:
+    with distributed.process_group(resolve_device(cfg.device)) as shard:
         return _train(cfg, Path(out_dir), resume, shard)
-    finally:
-        distributed.teardown()
 
 
 def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) -> dict:
@@ -376,7 +373,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
                     with stop.deferred():
                         if writer is not None:
                             lines.append(writer.write(record))
-                    status, error = "oom", f"{type(exc).__name__}: {exc}"
+                    status = "oom"
                     break
                 record.update({k: v for k, v in fields.items() if k != "diverged"})
                 reason = fields.get("diverged") or next(

@@ -132,7 +132,7 @@ def test_share_view_runs_the_transformer_on_its_rows_only():
 
 # ----- two processes ------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_process_gradient_equals_single_process_gradient(tmp_path):
+def test_two_process_gradient_equals_single_process_gradient_and_failures_stop_both(tmp_path):
     proc = torchrun(__file__, str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for method, overrides in METHODS.items():
@@ -142,6 +142,10 @@ def test_two_process_gradient_equals_single_process_gradient(tmp_path):
         err = relative_error(both, single)
         assert err <= GRAD_TOL, (method, err)
         print(f"{method}: relative gradient error, 2 processes vs 1: {err:.2e}")
+    # an OOM on process 1 stopped both processes; rank 0 wrote it down and both exited normally
+    summary = json.loads((tmp_path / "oom/summary.json").read_text())
+    assert (summary["status"], summary["last_good_iteration"], summary["world_size"]) == ("oom", 0, 2)
+    assert [r["status"] for r in read_jsonl(tmp_path / "oom/metrics.jsonl")] == ["ok", "oom"]
 
 
 @pytest.mark.slow
@@ -171,17 +175,32 @@ def test_torchrun_run_writes_the_single_process_records(tmp_path):
 
 
 def _worker(out: Path) -> None:
-    """Run by torchrun: one update per method; rank 0 saves the averaged gradients."""
+    """Run by torchrun: one update per method, rank 0 saving the averaged gradients; then a run in which
+    process 1 runs out of memory in its second update."""
     torch.set_num_threads(1)
-    shard = distributed.setup(torch.device("cpu"))
-    try:
+    with distributed.process_group(torch.device("cpu")) as shard:
         assert shard.world_size == 2
         for method, overrides in METHODS.items():
             grads = one_update_gradient(config(*overrides))
             if shard.is_main:
                 torch.save(grads, out / f"{method}.pt")
-    finally:
-        distributed.teardown()
+        oom_on_rank_1(shard, out)
+
+
+def oom_on_rank_1(shard, out: Path) -> None:
+    from agg_bench.models import Policy
+    from agg_bench.train import train
+
+    velocity = Policy.velocity
+
+    def out_of_memory_on_rank_1(self, latents, timesteps, cond):
+        if shard.rank == 1 and self.version == 1 and torch.is_grad_enabled():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return velocity(self, latents, timesteps, cond)
+
+    Policy.velocity = out_of_memory_on_rank_1
+    summary = train(config("train.iterations=3"), out / "oom")
+    assert summary["status"] == "oom", summary
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
 """Step plans: DanceGRPO's random steps per sample and the AGG authors' random whole groups per sample."""
-import math
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ def all_steps(t: int) -> torch.Tensor:
 @pytest.mark.parametrize("fraction, t", [(0.5, 10), (0.7, 6), (0.29, 100), (0.01, 6)])
 def test_steps_plan_draws_its_own_sorted_subset_per_sample(rng, fraction, t):
     plan = plan_steps("steps", 16, all_steps(t), fraction, 5, rng)
-    n = max(1, math.floor(fraction * t + 1e-9))
+    n = max(1, round(fraction * t))
     assert plan.shape == (16, n) and plan.dtype == torch.int64
     for row in plan:
         assert torch.equal(row, row.unique(sorted=True))  # distinct and in denoising order
@@ -26,16 +25,16 @@ def test_steps_plan_draws_its_own_sorted_subset_per_sample(rng, fraction, t):
         assert len({tuple(r.tolist()) for r in plan}) > 1
 
 
-def test_counts_are_floored_like_the_reference_implementations(rng):
+def test_counts_are_rounded(rng):
     assert plan_steps("steps", 1, all_steps(100), 0.29, 5, rng).shape[1] == 29  # 0.29 * 100 in floats < 29
-    assert plan_steps("steps", 1, all_steps(10), 0.75, 5, rng).shape[1] == 7   # int(7.5), not round
-    assert plan_steps("groups", 1, all_steps(25), 0.7, 5, rng).shape[1] == 3 * 5  # int(3.5) groups
+    assert plan_steps("steps", 1, all_steps(10), 0.75, 5, rng).shape[1] == 8   # round(7.5), not int(7.5)
+    assert plan_steps("groups", 1, all_steps(25), 0.7, 5, rng).shape[1] == 4 * 5  # round(3.5) = 4 groups
 
 
 def test_groups_plan_keeps_whole_groups_of_consecutive_steps(rng):
     """The authors' reference schedule: 21 steps, W = 5, 0.6 of the groups."""
     plan = plan_steps("groups", 64, all_steps(21), 0.6, 5, rng)
-    assert plan.shape == (64, 2 * 5)  # 4 whole groups (step 20 is left over), int(2.4) = 2 trained
+    assert plan.shape == (64, 2 * 5)  # 4 whole groups (step 20 is left over), round(2.4) = 2 trained
     seen = set()
     for row in plan:
         chunks = row.view(-1, 5)

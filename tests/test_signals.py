@@ -100,9 +100,49 @@ def test_kill_9_leaves_whole_lines_and_a_folder_that_a_rerun_completes(tmp_path)
     assert len(records(out)) == killed_at  # readers skip the torn line
     rerun = subprocess.run([*args, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert summary(out)["status"] == "ok" and summary(out)["resumed_from"] >= 1
+    assert summary(out)["status"] == "ok" and summary(out)["resumed_from"] is not None  # from its checkpoint
     assert [r["iteration"] for r in records(out)] == list(range(iterations))
     assert all(line.strip() for line in metrics.read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_killed_workflow_reruns_the_incomplete_run(tmp_path):
+    import shutil
+
+    import yaml
+
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "Snakefile", work)
+    shutil.copytree(ROOT / "workflow", work / "workflow")
+    shutil.copytree(ROOT / "config", work / "config")
+    sweep = yaml.safe_load((work / "config/test.yaml").read_text())
+    iterations = 12
+    sweep["set"].update({"train.iterations": iterations, "train.checkpoint_every": 1})
+    sweep["methods"] = {"full": {"method": {"name": "full"}}}
+    (work / "kill.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    run_dir = work / "results/runs/full_sd3_32px_s0_cpu"
+    target = str((run_dir / "summary.json").relative_to(work))
+    command = [sys.executable, "-m", "snakemake", target, "--cores", "1", "--configfile", "kill.yaml"]
+    log = open(tmp_path / "snakemake.log", "w")
+    proc = subprocess.Popen(command, cwd=work, stdout=log, stderr=log, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, (tmp_path / "snakemake.log").read_text()[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # snakemake, the job's shell and the run, at once
+    proc.wait()
+    log.close()
+    assert not (run_dir / "summary.json").exists()
+    # a killed snakemake leaves its lock and marks the job's outputs incomplete: --unlock, then rerun them
+    assert subprocess.run([*command, "--unlock"], cwd=work, capture_output=True).returncode == 0
+    rerun = subprocess.run([*command, "--rerun-incomplete"], cwd=work, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert summary(run_dir)["status"] == "ok"
+    assert [r["iteration"] for r in records(run_dir)] == list(range(iterations))
 
 
 # ----- divergence ---------------------------------------------------------------------------------

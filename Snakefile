@@ -1,0 +1,40 @@
+# agg-bench workflow: a sweep config -> training runs, gradient replays -> tables, plots, HTML report.
+#   snakemake --cores 2                                   the embedded CPU default (config/config.yaml)
+#   snakemake --cores 32 --resources gpu=8 --configfile config/gpu.yaml    one 8-GPU node
+#   snakemake --workflow-profile workflow/profiles/slurm --configfile config/gpu.yaml     through SLURM
+#   snakemake --report results/report.html                the HTML report of what ran
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+# A --configfile replaces the default instead of being merged into it: sweeps are lists of labels, and
+# a paper-scale sweep must not inherit the CPU default's methods or models.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/runs.smk"
+include: "workflow/rules/report.smk"
+
+
+localrules: all, manifest, tables, plots, import_log
+
+
+wildcard_constraints:
+    run_id=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    name=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    model=r"[A-Za-z0-9][A-Za-z0-9.-]*",
+    label=r"[A-Za-z0-9][A-Za-z0-9.-]*",
+
+
+rule all:
+    default_target: True
+    input:
+        TABLE_FILES,
+        "results/tables/records.csv",
+        [f"results/plots/{name}.png" for name in PLOT_NAMES],

@@ -1,0 +1,77 @@
+"""What telemetry costs: full training iterations (collect + update) with telemetry on and off.
+
+The iteration is measured as the training loop measures it: ``Telemetry.iteration()`` around the
+collect and the update, the update as a ``train`` phase counting saved activations, then ``record()``.
+Off (``enabled=False``) still times the phases, as a run with ``telemetry.enabled: false`` does.
+
+A third variant, on without counting saved activations, tells the exact per-tensor count apart from
+the rest (timers, RSS, NVML). One session runs all three interleaved: each round runs every variant
+once, in rotating order, so drift in the machine's load hits them alike. Every iteration has the same
+shapes and pass counts (only the prompts and noise differ). The benchmark's own time is that of a round;
+``extra_info`` has the per-iteration times and each variant's overhead, the median over rounds of
+variant/off - 1, in wall-clock and in process CPU time (the latter is steadier on a shared machine).
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+
+import pytest
+
+from agg_bench.telemetry import Telemetry
+from cases import FULL
+
+# per-tensor bookkeeping is a larger share of the work at small resolutions
+OVERHEAD_RESOLUTIONS = [64, 128, 256]
+ROUNDS = 10  # at least; --benchmark-min-rounds asks for more
+# (name, telemetry enabled, saved activations counted in the train phase)
+VARIANTS = (("off", False, False), ("on", True, True), ("on_without_saved", True, False))
+
+
+@pytest.mark.parametrize("resolution", OVERHEAD_RESOLUTIONS)
+def test_telemetry_overhead(benchmark, prepare, request, resolution):
+    rounds = max(ROUNDS, request.config.getoption("benchmark_min_rounds"))
+    session = prepare(FULL, resolution).session
+    iterations = itertools.count(1)
+    trackers = {name: Telemetry(session.device, enabled=enabled) for name, enabled, _ in VARIANTS}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in VARIANTS}
+
+    def iteration(name: str, saved_activations: bool) -> tuple[float, float]:
+        telemetry = trackers[name]
+        wall, cpu = time.perf_counter(), time.process_time()
+        with telemetry.iteration():
+            collected = session.collect(next(iterations), telemetry)
+            with telemetry.phase("train", saved_activations=saved_activations):
+                session.update(collected.batch)
+        telemetry.record()  # reads the timers, so queued GPU work is waited for
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    # each round runs every variant once, starting one later each round
+    orders = itertools.cycle([VARIANTS[k:] + VARIANTS[:k] for k in range(len(VARIANTS))])
+
+    def one_round() -> None:
+        for name, _, saved in next(orders):
+            times[name].append(iteration(name, saved))
+
+    try:
+        for name, _, saved in VARIANTS:  # warm-up: optimizer state, allocator, first calls
+            iteration(name, saved)
+        benchmark.group = "telemetry"
+        benchmark.pedantic(one_round, rounds=rounds, iterations=1)
+    finally:
+        for telemetry in trackers.values():
+            telemetry.close()
+
+    def overhead(name: str, index: int) -> float:
+        """median over rounds of (variant / off) - 1, in wall (0) or CPU (1) time"""
+        return statistics.median(t[index] / off[index] for off, t in zip(times["off"], times[name])) - 1
+
+    benchmark.extra_info.update(phase="telemetry", method=FULL.method, resolution=resolution,
+                                device=str(session.device), rounds=rounds)
+    for name, _, _ in VARIANTS:
+        benchmark.extra_info[f"{name}_wall_s"] = [t[0] for t in times[name]]
+        benchmark.extra_info[f"{name}_cpu_s"] = [t[1] for t in times[name]]
+        if name != "off":
+            benchmark.extra_info[f"overhead_{name}_wall"] = overhead(name, 0)
+            benchmark.extra_info[f"overhead_{name}_cpu"] = overhead(name, 1)
