@@ -21,7 +21,8 @@ processes: AGG routes a data-dependent number of groups through its two endpoint
 rest through per-step backwards, and DDP's reducer expects the synchronizing backward to run the same
 buckets on every process. Each process's loss is scaled by 1/(B_local N) and all hold B_local = B/K
 samples, so the average of the local gradients is the single-process gradient of
-L = 1/(B N) sum l_ij. Routing (AGG's ``route_frac``) ranks the groups of each process's share.
+L = 1/(B N) sum l_ij. AGG's routing ranks the groups of each process's own share: with ``route_frac``
+0 or 1 the gradient is the single-process one, in between the routed set can differ from it.
 
 **FSDP** is not supported: its forward passes all-gather parameter shards, a collective that every
 process must call equally often, which AGG's per-process routing does not guarantee. Models that do not
@@ -33,7 +34,8 @@ decisions from it (divergence, stopping) and rank 0 writes it.
 
 **Failures.** A process that fails joins the next collective of the others through
 :func:`report_failure`; their :func:`gather` then raises :class:`PeerFailure` (a :class:`UserError` for a
-user error), so all stop together instead of waiting for each other forever.
+user error), so all stop together instead of waiting for each other forever. Signals are not shared:
+torchrun forwards SIGTERM/SIGINT to every process and each stops on its own.
 """
 from __future__ import annotations
 

@@ -556,7 +556,7 @@ def _panels(plt, keys: list, ncols: int, width: float = 4.2, height: float = 3.2
     return fig, list(axes.flat)
 
 
-def _colors(labels: Iterable[str]) -> dict[str, Any]:
+def _colors(labels: list[str]) -> dict[str, Any]:
     import matplotlib
 
     cmap = matplotlib.colormaps["tab10" if len(set(labels)) <= 10 else "tab20"]
@@ -691,12 +691,16 @@ def plot_gradcheck(ablation: pd.DataFrame, path: Path) -> None:
     keys = list(dict.fromkeys(zip(df["model"], df["resolution"])))
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
     series = ["alpha", "route_frac", "reuse_rollout_velocity"]
+    # color: alpha x route_frac; dashed: rollout-velocity reuse (same gradient, fewer no-grad passes)
+    colors = _colors([f"alpha={a}, route={r:g}" for a, r in zip(df["alpha"], df["route_frac"].astype(float))])
     for ax, (model, resolution) in zip(axes, keys):
         panel = df[(df["model"] == model) & (df["resolution"] == resolution)]
         for key, line in panel.groupby(series, dropna=False, sort=False):
             line = line.sort_values("window")
-            label = f"alpha={key[0]}, route={key[1]:g}" + (", reuse" if _as_bool(key[2]) else "")
-            ax.plot(line["window"].astype(float), line["cosine_to_full"].astype(float), marker="o", label=label)
+            base = f"alpha={key[0]}, route={float(key[1]):g}"
+            reuse = _as_bool(key[2])
+            ax.plot(line["window"].astype(float), line["cosine_to_full"].astype(float), "--" if reuse else "-",
+                    marker="o", color=colors[base], label=base + (", reuse" if reuse else ""))
         ax.set_title(f"{model} {resolution} px", fontsize=9)
         ax.set_xlabel("W (steps per group)")
         ax.set_ylabel("gradient cosine to full")

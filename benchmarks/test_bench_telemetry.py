@@ -1,8 +1,8 @@
 """What telemetry costs: full training iterations (collect + update) with telemetry on and off.
 
-The iteration is measured as the training loop measures it: ``Telemetry.iteration()`` around the
-collect and the update, the update as a ``train`` phase counting saved activations, then ``record()``.
-Off (``enabled=False``) still times the phases, as a run with ``telemetry.enabled: false`` does.
+Each iteration is the training loop's own ``agg_bench.train.run_iteration`` (collect and update
+inside ``Telemetry.iteration()``, the update a ``train`` phase counting saved activations, then the
+record). Off (``enabled=False``) still times the phases, as a run with ``telemetry.enabled: false`` does.
 
 A third variant, on without counting saved activations, tells the exact per-tensor count apart from
 the rest (timers, RSS, NVML). One session runs all three interleaved: each round runs every variant
@@ -20,13 +20,25 @@ import time
 import pytest
 
 from agg_bench.telemetry import Telemetry
+from agg_bench.train import run_iteration
 from cases import FULL
 
 # per-tensor bookkeeping is a larger share of the work at small resolutions
 OVERHEAD_RESOLUTIONS = [64, 128, 256]
 ROUNDS = 10  # at least; --benchmark-min-rounds asks for more
-# (name, telemetry enabled, saved activations counted in the train phase)
-VARIANTS = (("off", False, False), ("on", True, True), ("on_without_saved", True, False))
+
+
+class TelemetryWithoutSavedCount(Telemetry):
+    """Telemetry whose phases never count saved activations."""
+
+    def phase(self, name, saved_activations=False):
+        return super().phase(name, saved_activations=False)
+
+
+# (name, telemetry)
+VARIANTS = (("off", lambda device: Telemetry(device, enabled=False)),
+            ("on", lambda device: Telemetry(device, enabled=True)),
+            ("on_without_saved", lambda device: TelemetryWithoutSavedCount(device, enabled=True)))
 
 
 @pytest.mark.parametrize("resolution", OVERHEAD_RESOLUTIONS)
@@ -34,29 +46,24 @@ def test_telemetry_overhead(benchmark, prepare, request, resolution):
     rounds = max(ROUNDS, request.config.getoption("benchmark_min_rounds"))
     session = prepare(FULL, resolution).session
     iterations = itertools.count(1)
-    trackers = {name: Telemetry(session.device, enabled=enabled) for name, enabled, _ in VARIANTS}
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in VARIANTS}
+    trackers = {name: make(session.device) for name, make in VARIANTS}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in VARIANTS}
 
-    def iteration(name: str, saved_activations: bool) -> tuple[float, float]:
-        telemetry = trackers[name]
+    def iteration(name: str) -> tuple[float, float]:
         wall, cpu = time.perf_counter(), time.process_time()
-        with telemetry.iteration():
-            collected = session.collect(next(iterations), telemetry)
-            with telemetry.phase("train", saved_activations=saved_activations):
-                session.update(collected.batch)
-        telemetry.record()  # reads the timers, so queued GPU work is waited for
+        run_iteration(session, trackers[name], next(iterations))  # reads the timers: GPU work is waited for
         return time.perf_counter() - wall, time.process_time() - cpu
 
     # each round runs every variant once, starting one later each round
     orders = itertools.cycle([VARIANTS[k:] + VARIANTS[:k] for k in range(len(VARIANTS))])
 
     def one_round() -> None:
-        for name, _, saved in next(orders):
-            times[name].append(iteration(name, saved))
+        for name, _ in next(orders):
+            times[name].append(iteration(name))
 
     try:
-        for name, _, saved in VARIANTS:  # warm-up: optimizer state, allocator, first calls
-            iteration(name, saved)
+        for name, _ in VARIANTS:  # warm-up: optimizer state, allocator, first calls
+            iteration(name)
         benchmark.group = "telemetry"
         benchmark.pedantic(one_round, rounds=rounds, iterations=1)
     finally:
@@ -69,7 +76,7 @@ def test_telemetry_overhead(benchmark, prepare, request, resolution):
 
     benchmark.extra_info.update(phase="telemetry", method=FULL.method, resolution=resolution,
                                 device=str(session.device), rounds=rounds)
-    for name, _, _ in VARIANTS:
+    for name, _ in VARIANTS:
         benchmark.extra_info[f"{name}_wall_s"] = [t[0] for t in times[name]]
         benchmark.extra_info[f"{name}_cpu_s"] = [t[1] for t in times[name]]
         if name != "off":

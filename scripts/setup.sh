@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-EXTRAS=${EXTRAS:-test,workflow,gpu,models,clipscore}
+EXTRAS=${EXTRAS:-test,workflow,slurm,gpu,models,clipscore}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
