@@ -28,6 +28,7 @@ from .errors import ConfigError
 from .grpo import TrainBatch, UpdateStats, micro_batches, upstream_grad
 from .methods import Estimator, register_method
 from .models import Policy
+from .plan import steps_per_sample
 
 # Groups at most this long are trained exactly: two endpoint backwards are all the steps they have.
 EXACT_GROUP_MAX = 2
@@ -141,6 +142,15 @@ class AGGEstimator(Estimator):
         # per update, for inspection: scores (B, groups of >= 3 steps) and which groups were routed
         self.last_scores: torch.Tensor | None = None
         self.last_routed: torch.Tensor | None = None
+
+    def check_run(self, cfg) -> None:
+        n = steps_per_sample(cfg.train.plan, cfg.sampling.steps, cfg.train.timestep_fraction,
+                             cfg.train.plan_window)
+        if self.config.window > n:
+            raise ConfigError("method.window", self.config.window,
+                              f"at most the {n} trained steps per sample (train.plan={cfg.train.plan}, "
+                              f"train.timestep_fraction={cfg.train.timestep_fraction}, "
+                              f"sampling.steps={cfg.sampling.steps})")
 
     # ----- velocities ------------------------------------------------------------------------
     def can_reuse(self, policy: Policy, batch: TrainBatch) -> bool:

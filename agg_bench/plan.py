@@ -22,6 +22,14 @@ def _count(fraction: float, n: int) -> int:
     return max(1, min(n, round(fraction * n)))
 
 
+def steps_per_sample(kind: str, available: int, fraction: float, plan_window: int) -> int:
+    """N, the number of trained steps each sample gets from a plan over ``available`` steps."""
+    if kind == "groups":
+        n_groups = available // plan_window if plan_window >= 1 else 0
+        return _count(fraction, n_groups) * plan_window if n_groups else 0
+    return _count(fraction, available)
+
+
 def plan_steps(kind: str, batch_size: int, available: torch.Tensor, fraction: float, plan_window: int,
                generator: torch.Generator) -> torch.Tensor:
     steps = torch.nonzero(available, as_tuple=False).flatten()

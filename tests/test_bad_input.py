@@ -60,8 +60,6 @@ def test_unwritable_output_folder(tmp_path, capsys):
     assert "output folder" in line and str(blocker / "out") in line
 
 
-@pytest.mark.xfail(strict=True, reason="AGGEstimator has no check_run yet: a window longer than the trained "
-                                       "steps trains as one shorter group instead of being refused")
 def test_agg_window_longer_than_the_trained_steps(tmp_path, capsys):
     line = run_fails(tmp_path / "out", capsys, "--set", 'method={"name": "agg", "window": 8}')
     assert "method.window" in line
