@@ -676,11 +676,12 @@ def is_oom_error(exc: BaseException) -> bool:
 
     Covers ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` is the same class), Python's
     ``MemoryError``, and RuntimeErrors whose message says "out of memory" (backends that do not raise
-    the dedicated type).
+    the dedicated type) or "can't allocate memory" (torch's CPU allocator).
     """
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    message = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
 
 
 def memory_at_failure(device: torch.device | str) -> dict[str, int | None]:
