@@ -28,7 +28,7 @@ DEFAULTS: dict[str, Any] = {
               "lora_rank": 0, "lora_alpha": None, "lora_target_modules": None, "checkpoint_every": 0},
     "method": {"name": "full"},
     "reward": {"name": "jpeg_compressibility", "options": {}},
-    "telemetry": {"enabled": True, "nvml_interval_s": 0.05},
+    "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first"},
 }
 
 

@@ -3,7 +3,7 @@
 One snapshot (made from a run config, or an existing one) is replayed with ``full`` as the reference,
 then with every AGG setting of a grid (windows x alphas x route fractions x velocity reuse) and with
 any extra methods. Each replay is one CSV row: its cosine and relative error to the reference, its
-pass counts and its wall time.
+pass counts, its wall time, and a cached method's hit rate in the replayed forwards.
 """
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ from .snapshot import Snapshot, load_snapshot, method_from, replay_gradient, sav
 from .train import prepare_out_dir, resolve_device
 
 COLUMNS = (
-    "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity",
+    "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in",
     "cosine_to_full", "relative_error", "grad_norm", "forward_nograd", "forward_grad", "backward",
-    "seconds", "groups_routed", "route_score_mean", "ratio_dev", "is_reference",
+    "seconds", "groups_routed", "route_score_mean", "ratio_dev", "cache_hit_rate", "is_reference",
     "model", "resolution", "device", "batch_size", "steps_per_sample",
 )
 # estimator options that get their own column (whichever method has them)
-OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity")
+OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in")
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = Tr
         row.update(common, method=job.method, options=job.label, cosine_to_full=cosine, relative_error=rel,
                    grad_norm=norm, seconds=seconds, ratio_dev=stats.get("ratio_dev"),
                    groups_routed=stats.get("agg_groups_routed"), route_score_mean=stats.get("agg_route_score_mean"),
-                   is_reference=not rows, **counts)
+                   cache_hit_rate=stats.get("cache_hit_rate"), is_reference=not rows, **counts)
         row.update({key: getattr(estimator.config, key) for key in OPTION_COLUMNS
                     if hasattr(estimator.config, key)})
         rows.append(row)

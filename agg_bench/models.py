@@ -30,6 +30,7 @@ from diffusers import (
 )
 
 from .counters import PassCounter, count_backward
+from .telemetry import saved_activation_region
 from .errors import ConfigError
 
 FAMILIES = ("sd3", "flux", "qwenimage")
@@ -287,7 +288,9 @@ class Policy:
         dtype = self.dtype
         with self._call_context(latents.device):
             grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.transformer.parameters())
-            out = self._forward(latents.to(dtype), timesteps.to(dtype), cond.to(dtype=dtype))
+            # what the network saves for backward is what a training phase's saved-activation count covers
+            with saved_activation_region() if grad else contextlib.nullcontext():
+                out = self._forward(latents.to(dtype), timesteps.to(dtype), cond.to(dtype=dtype))
         out = out.to(dtype)
         if grad:
             self.counter.forward_grad += b

@@ -46,7 +46,7 @@ ROW_KEYS = ["method", "model", "resolution", "hardware", "source"]
 # rows compared with each other: speedup and the wall-clock horizon are taken within these
 GROUP_KEYS = ["model", "resolution", "hardware", "source"]
 STATUS_ORDER = ("error", "oom", "diverged", "interrupted", "ok")
-GRADCHECK_OPTIONS = ("window", "alpha", "route_frac", "reuse_rollout_velocity")
+GRADCHECK_OPTIONS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in")
 # record keys that are identity, not measurements (method extras are everything else that is numeric)
 _IDENTITY = {"run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
              "status", "source"}
@@ -397,8 +397,8 @@ def _match_gradcheck(table: pd.DataFrame, gradcheck: pd.DataFrame | None) -> tup
 
 
 ABLATION_COLUMNS = ["model", "resolution", "method", "window", "alpha", "route_frac", "reuse_rollout_velocity",
-                    "cosine_to_full", "relative_error", "forward_nograd", "forward_grad", "backward",
-                    "backward_vs_full", "seconds", "speedup_vs_full"]
+                    "cache", "cosine_to_full", "relative_error", "forward_nograd", "forward_grad", "backward",
+                    "backward_vs_full", "seconds", "speedup_vs_full", "cache_hit_rate"]
 
 
 def ablation_table(gradcheck: pd.DataFrame) -> pd.DataFrame:

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from contextlib import ExitStack, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -184,8 +185,9 @@ class _SavedHandle:
 
     def __init__(self, tensor: torch.Tensor, key: Any, owner: "SavedActivations | None"):
         # A detached alias shares storage and version counter but not the graph, so the handle does
-        # not keep the autograd graph alive through a reference cycle.
-        self.tensor = tensor.detach()
+        # not keep the autograd graph alive through a reference cycle (a tensor that does not
+        # require grad has no graph to keep).
+        self.tensor = tensor.detach() if tensor.requires_grad else tensor
         self.version = tensor._version
         self.key = key
         self.owner = owner
@@ -265,30 +267,42 @@ class SavedActivations:
                 self._refs[key] = count
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if _is_parameter_storage(tensor):
+        # Called for every saved tensor: kept to a few attribute reads and dict operations.
+        base = tensor._base
+        if isinstance(tensor if base is None else base, nn.Parameter):
             return tensor
-        key, nbytes = _storage_key_and_bytes(tensor)
+        try:
+            storage = tensor.untyped_storage()
+            key, nbytes = storage._cdata, None
+        except (RuntimeError, NotImplementedError, AttributeError):
+            # Tensors without a plain storage (sparse, some subclasses) count by their own size,
+            # each as its own entry.
+            storage, key, nbytes = None, ("tensor", next(_unshared_keys)), tensor.numel() * tensor.element_size()
         with self._lock:
-            self._settle_releases()
+            if self._released:
+                self._settle_releases()
             count = self._refs.get(key, 0)
             if count == 0:
+                nbytes = int(storage.nbytes()) if nbytes is None else nbytes
                 self._sizes[key] = nbytes
                 self._live_bytes += nbytes
-                self._peak_bytes = max(self._peak_bytes, self._live_bytes)
+                if self._live_bytes > self._peak_bytes:
+                    self._peak_bytes = self._live_bytes
             self._refs[key] = count + 1
         return _SavedHandle(tensor, key, self)
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _SavedHandle):
+        if type(packed) is not _SavedHandle:
             return packed
-        if packed.tensor._version != packed.version:
+        tensor = packed.tensor
+        if tensor._version != packed.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: saved at version {packed.version}, now at version "
-                f"{packed.tensor._version}"
+                f"{tensor._version}"
             )
-        return packed.tensor
+        return tensor
 
     def _release(self, key: Any) -> None:
         self._released.append(key)
@@ -305,22 +319,26 @@ class SavedActivations:
         hooks.__exit__(*exc)
 
 
-def _is_parameter_storage(tensor: torch.Tensor) -> bool:
-    base = tensor._base if tensor._base is not None else tensor
-    return isinstance(base, nn.Parameter)
-
-
 _unshared_keys = itertools.count()
 
 
-def _storage_key_and_bytes(tensor: torch.Tensor) -> tuple[Any, int]:
-    try:
-        storage = tensor.untyped_storage()
-        return ("storage", storage._cdata), int(storage.nbytes())
-    except (RuntimeError, NotImplementedError, AttributeError):
-        # Tensors without a plain storage (sparse, some subclasses) count by their own size, each
-        # as its own entry.
-        return ("tensor", next(_unshared_keys)), tensor.numel() * tensor.element_size()
+# The tracker that ``saved_activation_region()`` blocks count into, set by a phase that counts
+# saved activations in regions only; None outside such a phase.
+_region_tracker: ContextVar[SavedActivations | None] = ContextVar("agg_bench_saved_region", default=None)
+
+
+@contextmanager
+def saved_activation_region() -> Iterator[None]:
+    """Mark a block whose saved tensors belong to the count of a ``Telemetry.phase(...,
+    saved_activations="regions")`` around it (the training loop marks the policy network's
+    forward). Outside such a phase, or inside a tracker that is already counting, it does nothing.
+    """
+    tracker = _region_tracker.get()
+    if tracker is None or tracker.active:
+        yield
+        return
+    with tracker:
+        yield
 
 
 # --------------------------------------------------------------------------------------------------
@@ -568,11 +586,26 @@ class Telemetry:
     times per iteration). With ``enabled=False`` only wall-clock times are taken (``perf_counter``,
     synchronizing a CUDA device at block ends) and every other field is None: the baseline for
     measuring what telemetry itself costs.
+
+    Saved activations are counted exactly, one Python call per saved tensor, which is not free when
+    the network is small (a tiny DiT's forward and backward take a few milliseconds for over a
+    hundred saved tensors). ``saved_activations`` says in which iterations phases that ask for the
+    count get it: ``"every"``, ``"first"`` (the first iteration this object measures; the shapes of
+    an update, hence its count, repeat from one iteration to the next) or ``"never"``. An iteration
+    without the count records None.
     """
 
-    def __init__(self, device: torch.device | str, enabled: bool = True, nvml_interval_s: float = 0.05):
+    SAVED_ACTIVATION_MODES = ("every", "first", "never")
+
+    def __init__(self, device: torch.device | str, enabled: bool = True, nvml_interval_s: float = 0.05,
+                 saved_activations: str = "every"):
+        if saved_activations not in self.SAVED_ACTIVATION_MODES:
+            raise ValueError(f"saved_activations must be one of {', '.join(self.SAVED_ACTIVATION_MODES)}, "
+                             f"not {saved_activations!r}")
         self.device = torch.device(device)
         self.enabled = enabled
+        self.saved_activations = saved_activations
+        self._iterations = 0
         self._sampler = NVMLSampler(self.device, nvml_interval_s) if enabled else None
         self._clear()
 
@@ -592,6 +625,7 @@ class Telemetry:
     def iteration(self) -> Iterator["Telemetry"]:
         """Measure one iteration; fields of the previous one are forgotten on entry."""
         self._clear()
+        self._iterations += 1
         timer = self._timer()
         try:
             with ExitStack() as stack:
@@ -612,20 +646,35 @@ class Telemetry:
         self._nvml = self._sampler.stop()
         self._rss_peak = rss_peak_bytes()
 
+    def _counts_saved(self) -> bool:
+        mode = self.saved_activations
+        return self.enabled and (mode == "every" or (mode == "first" and self._iterations <= 1))
+
     @contextmanager
-    def phase(self, name: str, saved_activations: bool = False) -> Iterator["Telemetry"]:
-        """Time the block as phase ``name``; with ``saved_activations`` also count the bytes autograd
-        saves for backward inside it (see ``SavedActivations``)."""
+    def phase(self, name: str, saved_activations: bool | str = False) -> Iterator["Telemetry"]:
+        """Time the block as phase ``name``.
+
+        ``saved_activations`` also counts the bytes autograd saves for backward (see
+        ``SavedActivations``): ``True`` or ``"all"`` every tensor saved inside the block,
+        ``"regions"`` only those saved inside ``saved_activation_region()`` blocks within it.
+        Whether this iteration counts at all is the object's ``saved_activations`` mode.
+        """
+        if saved_activations not in (False, True, "all", "regions"):
+            raise ValueError(f"saved_activations must be False, True, 'all' or 'regions', not {saved_activations!r}")
         timer = self._timer()
-        track = saved_activations and self.enabled
+        track = bool(saved_activations) and self._counts_saved()
         if track and self._saved is None:
             self._saved = SavedActivations()
         # A tracked phase inside another tracked phase is already being counted.
-        enter_tracker = track and not self._saved.active
+        enter_tracker = track and saved_activations != "regions" and not self._saved.active
+        arm = track and saved_activations == "regions" and _region_tracker.get() is None
+        token = _region_tracker.set(self._saved) if arm else None
         try:
             with timer, (self._saved if enter_tracker else nullcontext()):
                 yield self
         finally:
+            if token is not None:
+                _region_tracker.reset(token)
             self._phase_timers.setdefault(name, []).append(timer)
             self._saved_used = self._saved_used or track
 

@@ -277,7 +277,8 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     before = session.policy.counter.copy()
     with telemetry.iteration():
         collected = session.collect(iteration, telemetry)
-        with telemetry.phase("train", saved_activations=True):
+        # the policy network's saved tensors: what one backward through it holds, whatever the method
+        with telemetry.phase("train", saved_activations="regions"):
             learn = session.update(collected.batch)
     share = {**telemetry.record(), **(session.policy.counter - before).as_dict(), **learn,
              **session.estimator.iteration_metrics()}
@@ -332,7 +333,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
 
     distributed.on_main(begin)
     telemetry = tel.Telemetry(session.device, enabled=cfg.telemetry.enabled,
-                              nvml_interval_s=cfg.telemetry.nvml_interval_s)
+                              nvml_interval_s=cfg.telemetry.nvml_interval_s,
+                              saved_activations=cfg.telemetry.saved_activations)
     base = identity(cfg, run_id, session.device, shard.world_size)
     every = cfg.train.checkpoint_every
     status, error = "ok", None

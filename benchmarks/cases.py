@@ -16,8 +16,10 @@ from agg_bench.train import Session
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "config" / "run.yaml"  # the embedded default's base run config
 
-# Resolutions on the tiny models; 512 px is opt-in (--bench-slow).
-RESOLUTIONS = [64, 128, 256, pytest.param(512, marks=pytest.mark.slow, id="512")]
+# The embedded default's resolutions (config/config.yaml) on the tiny models; 256 and 512 px are
+# opt-in (--bench-slow).
+RESOLUTIONS = [32, 64, 128, pytest.param(256, marks=pytest.mark.slow, id="256"),
+               pytest.param(512, marks=pytest.mark.slow, id="512")]
 
 # Every method trains the same number of steps per sample: 10 sampling steps, plan "groups" of
 # W = 5 consecutive steps, half the groups (one group of 5 steps per sample). full, agg and cached

@@ -10,7 +10,7 @@ Results are stored per hardware model: unless ``--benchmark-storage`` is given, 
 machines. Every saved run carries torch, diffusers, CUDA, driver and GPU in its ``machine_info``.
 
 Options of this suite: ``--bench-config FILE`` (default: ``config/run.yaml``, the embedded default's base),
-``--bench-device`` (default ``auto``: the first GPU, else CPU), ``--bench-slow`` (also run the 512 px
+``--bench-device`` (default ``auto``: the first GPU, else CPU), ``--bench-slow`` (also run the 256 and 512 px
 cases), ``--bench-threads N`` (torch CPU threads). The usual pytest-benchmark options apply
 (``--benchmark-min-rounds``, ``--benchmark-only``, ``--benchmark-timer``, ...). On a CPU shared with
 other jobs, ``--bench-threads 1 --benchmark-timer time.process_time`` keeps the numbers steady: several
@@ -37,7 +37,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--bench-config", default=str(DEFAULT_CONFIG),
                     help="run config the benchmarks start from (default: config/run.yaml)")
     group.addoption("--bench-device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    group.addoption("--bench-slow", action="store_true", help="also run the cases marked slow (512 px)")
+    group.addoption("--bench-slow", action="store_true", help="also run the cases marked slow (256 and 512 px)")
     group.addoption("--bench-threads", type=int, default=None,
                     help="torch CPU threads (default: torch's choice); 1 on a shared CPU machine")
 
@@ -132,10 +132,10 @@ def summary_lines(benchmarks: list[Any]) -> list[str]:
         info = bench.extra_info
         if info.get("phase") == "telemetry":
             lines.append(f"telemetry overhead at {info['resolution']} px, median of {info['rounds']} interleaved "
-                         f"rounds: on {100 * info['overhead_on_wall']:+.1f}% wall, "
-                         f"{100 * info['overhead_on_cpu']:+.1f}% CPU; on without saved-activation counting "
-                         f"{100 * info['overhead_on_without_saved_wall']:+.1f}% wall, "
-                         f"{100 * info['overhead_on_without_saved_cpu']:+.1f}% CPU")
+                         f"rounds: on (default) {100 * info['overhead_on_wall']:+.1f}% wall, "
+                         f"{100 * info['overhead_on_cpu']:+.1f}% CPU; on, counting saved activations every "
+                         f"iteration {100 * info['overhead_on_every_wall']:+.1f}% wall, "
+                         f"{100 * info['overhead_on_every_cpu']:+.1f}% CPU")
         elif info.get("phase") == "train":
             train.setdefault(info["resolution"], {})[info["case"]] = bench
     for resolution, cases in sorted(train.items()):

@@ -1,15 +1,17 @@
 """What telemetry costs: full training iterations (collect + update) with telemetry on and off.
 
 Each iteration is the training loop's own ``agg_bench.train.run_iteration`` (collect and update
-inside ``Telemetry.iteration()``, the update a ``train`` phase counting saved activations, then the
-record). Off (``enabled=False``) still times the phases, as a run with ``telemetry.enabled: false`` does.
-
-A third variant, on without counting saved activations, tells the exact per-tensor count apart from
-the rest (timers, RSS, NVML). One session runs all three interleaved: each round runs every variant
-once, in rotating order, so drift in the machine's load hits them alike. Every iteration has the same
-shapes and pass counts (only the prompts and noise differ). The benchmark's own time is that of a round;
-``extra_info`` has the per-iteration times and each variant's overhead, the median over rounds of
-variant/off - 1, in wall-clock and in process CPU time (the latter is steadier on a shared machine).
+inside ``Telemetry.iteration()``, the update a ``train`` phase counting the policy network's saved
+activations, then the record). Off (``enabled=False``) still times the phases, as a run with
+``telemetry.enabled: false`` does. "on" is a run's default (``telemetry.saved_activations: first``:
+the exact saved-activation count in the first iteration only, here the warm-up); "on_every" counts
+saved activations in every iteration, which tells the per-tensor count's own cost apart from the
+rest (timers, RSS, NVML). One session runs all variants interleaved: each round runs every variant
+once, in rotating order, so drift in the machine's load hits them alike. Every iteration has the
+same shapes and pass counts (only the prompts and noise differ). The benchmark's own time is that of
+a round; ``extra_info`` has the per-iteration times and each variant's overhead, the median over
+rounds of variant/off - 1, in wall-clock and in process CPU time (the latter is steadier on a
+shared machine).
 """
 from __future__ import annotations
 
@@ -19,26 +21,20 @@ import time
 
 import pytest
 
+from agg_bench.config import DEFAULTS
 from agg_bench.telemetry import Telemetry
 from agg_bench.train import run_iteration
 from cases import FULL
 
-# per-tensor bookkeeping is a larger share of the work at small resolutions
-OVERHEAD_RESOLUTIONS = [64, 128, 256]
+# the embedded default's resolutions: per-tensor bookkeeping weighs most at the smallest
+OVERHEAD_RESOLUTIONS = [32, 64, 128]
 ROUNDS = 10  # at least; --benchmark-min-rounds asks for more
-
-
-class TelemetryWithoutSavedCount(Telemetry):
-    """Telemetry whose phases never count saved activations."""
-
-    def phase(self, name, saved_activations=False):
-        return super().phase(name, saved_activations=False)
-
 
 # (name, telemetry)
 VARIANTS = (("off", lambda device: Telemetry(device, enabled=False)),
-            ("on", lambda device: Telemetry(device, enabled=True)),
-            ("on_without_saved", lambda device: TelemetryWithoutSavedCount(device, enabled=True)))
+            ("on", lambda device: Telemetry(device, enabled=True,
+                                            saved_activations=DEFAULTS["telemetry"]["saved_activations"])),
+            ("on_every", lambda device: Telemetry(device, enabled=True, saved_activations="every")))
 
 
 @pytest.mark.parametrize("resolution", OVERHEAD_RESOLUTIONS)

@@ -2,8 +2,8 @@
 
 Training: ``Session.update`` on one fixed collected batch, the policy version reset before every
 round so each round is an iteration's first update (see ``Prepared.update``). One untimed warm-up
-update (optimizer state, allocator) also yields the pass counts and the saved-activation peak that
-``extra_info`` carries.
+update (optimizer state, allocator) also yields the pass counts and the saved-activation peak (the
+policy network's tensors, as in a run's records) that ``extra_info`` carries.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from agg_bench.telemetry import SavedActivations, Telemetry
+from agg_bench.telemetry import Telemetry
 from cases import FULL, RESOLUTIONS, available_cases
 
 
@@ -21,16 +21,18 @@ def test_train_phase(benchmark, prepare, case, resolution):
     prepared = prepare(case, resolution)
     counter = prepared.session.policy.counter
     before = counter.copy()
-    saved = SavedActivations()
-    with saved:
-        prepared.update()
+    telemetry = Telemetry(prepared.session.device)  # counts as a run's records do: the network's tensors
+    with telemetry.iteration():
+        with telemetry.phase("train", saved_activations="regions"):
+            prepared.update()
+    telemetry.close()
     batch = prepared.batch
     benchmark.group = f"train {resolution}px"
     benchmark.extra_info.update(
         phase="train", case=case.id, method=case.method, resolution=resolution,
         device=str(prepared.session.device), batch_size=batch.batch_size,
         trained_steps_per_sample=batch.steps_per_sample,
-        saved_activation_peak_bytes=saved.peak_bytes,
+        saved_activation_peak_bytes=telemetry.record()["saved_activation_peak_bytes"],
         **(counter - before).as_dict(),  # passes per update, per sample as PassCounter counts them
     )
     benchmark(prepared.update)

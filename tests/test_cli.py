@@ -33,9 +33,11 @@ def test_run_writes_contract_files(tmp_path):
 
 def test_same_seed_twice_gives_identical_non_timing_fields(tmp_path):
     for name in ("a", "b"):
-        assert main(["run", *SMALL, "--set", "run_id=same", "--out", str(tmp_path / name)]) == 0
-    strip = lambda r: {k: v for k, v in r.items() if k not in TIMING_KEYS and k != "saved_activation_peak_bytes"}  # noqa: E731
+        assert main(["run", *SMALL, "--set", "run_id=same", "--set", "telemetry.saved_activations=every",
+                     "--out", str(tmp_path / name)]) == 0
+    strip = lambda r: {k: v for k, v in r.items() if k not in TIMING_KEYS}  # noqa: E731
     a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert all(r["saved_activation_peak_bytes"] > 0 for r in a)  # counted, and equal below
     assert [strip(r) for r in a] == [strip(r) for r in b]
 
 
@@ -68,3 +70,18 @@ def test_bad_config_is_one_line_and_exit_code_2(tmp_path, override, key):
 def test_missing_config_file_is_a_user_error(tmp_path, capsys):
     assert main(["run", "--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "o")]) == 2
     assert "--config" in capsys.readouterr().err
+
+
+def test_saved_activations_are_counted_in_the_iterations_the_config_names(tmp_path, capsys):
+    peaks = {}
+    for mode in ("first", "every", "never"):
+        assert main(["run", *SMALL, "--set", "train.iterations=3", "--set", f"telemetry.saved_activations={mode}",
+                     "--out", str(tmp_path / mode)]) == 0
+        peaks[mode] = [r["saved_activation_peak_bytes"] for r in records(tmp_path / mode)]
+    counted = peaks["every"]
+    assert len(counted) == 3 and all(isinstance(p, int) and p > 0 for p in counted)
+    assert peaks["first"] == [counted[0], None, None]
+    assert peaks["never"] == [None, None, None]
+    capsys.readouterr()
+    assert main(["run", *SMALL, "--set", "telemetry.saved_activations=off", "--out", str(tmp_path / "bad")]) == 2
+    assert "telemetry.saved_activations" in capsys.readouterr().err

@@ -61,6 +61,18 @@ def test_gradcheck_on_an_existing_snapshot_matches_replay(tmp_path):
     grads, counts, stats = replay_gradient(snapshot, method_from(snapshot, "agg", ["method.window=3"]))
     assert {k: int(row[k]) for k in counts} == counts
     assert float(row["route_score_mean"]) == pytest.approx(stats["agg_route_score_mean"], rel=1e-9)
+    assert row["cache"] == row["cache_hit_rate"] == ""  # AGG has neither
+
+    # a cached method in the training forwards: its options and hit rate get their columns
+    assert main(["gradcheck", "--snapshot", str(snap), "--windows", "3", "--alphas", "index", "--route-fracs", "1",
+                 "--methods", "cached:cache=fora,cache_in=train", "--out", str(out)]) == 0
+    row = read_rows(out)[-1]
+    cached = method_from(snapshot, "cached", ["method.cache=fora", "method.cache_in=train"])
+    grads, counts, stats = replay_gradient(snapshot, cached)
+    assert (row["method"], row["cache"], row["cache_in"]) == ("cached", "fora", "train")
+    assert 0 < stats["cache_hit_rate"] < 1
+    assert float(row["cache_hit_rate"]) == pytest.approx(stats["cache_hit_rate"], rel=1e-12)
+    assert {k: int(row[k]) for k in counts} == counts
     # a config for an existing snapshot would be silently ignored: refuse it
     assert main(["gradcheck", "--snapshot", str(snap), *SET, "--out", str(out)]) == 2
 

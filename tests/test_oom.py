@@ -16,7 +16,7 @@ from agg_bench.grpo import step_terms
 from agg_bench.io import read_jsonl
 from agg_bench.methods import available_methods
 from agg_bench.models import Policy
-from agg_bench.telemetry import SavedActivations
+from agg_bench.telemetry import SavedActivations, Telemetry
 from agg_bench.train import Session
 from helpers import tiny_config
 
@@ -75,7 +75,8 @@ def inject_failure(monkeypatch, phase: str, error: BaseException) -> None:
 def test_oom_ends_the_run_with_status_oom_and_exit_code_0(tmp_path, monkeypatch, capsys, phase, error):
     inject_failure(monkeypatch, phase, error)
     out = tmp_path / "run"
-    assert run_cli(out, "--set", "train.iterations=3") == 0
+    # counted in every iteration, so the failed one (the second) has its own saved-activation peak
+    assert run_cli(out, "--set", "train.iterations=3", "--set", "telemetry.saved_activations=every") == 0
     assert json.loads(capsys.readouterr().out) == {"out": str(out), "status": "oom"}
 
     ok, oom = records(out)  # the run stops at the failed iteration
@@ -192,7 +193,21 @@ def test_agg_saved_activation_peak_per_backward_equals_full(resolution):
         step_terms(batch, rows, steps, v.detach().requires_grad_(True))
 
     assert dit.peak_bytes > 0 and loss.peak_bytes > 0
-    # AGG's endpoint backward runs from the aggregated upstream gradient, so its graph is the
-    # transformer's alone; full's per-step graph adds the loss. The transformer part is identical.
+    # What the policy network saves for one backward is the same for both methods: one forward with
+    # grad over the B latents. AGG's endpoint backward starts from the aggregated upstream
+    # gradient; full's per-step graph also holds the GRPO loss's own tensors on top of it.
     assert agg_peak == dit.peak_bytes
     assert full_peak == dit.peak_bytes + loss.peak_bytes
+    # The training loop counts the network's tensors (phase "regions", the policy's forward marks
+    # its region): there AGG's peak per backward equals full's exactly.
+    assert regions_peak_of_update(session, batch) == dit.peak_bytes
+    agg_session = saved_peak_of_update("agg", f"model.resolution={resolution}", "method.window=5")[1]
+    assert regions_peak_of_update(agg_session, agg_batch) == dit.peak_bytes
+
+
+def regions_peak_of_update(session: Session, batch) -> int:
+    with Telemetry(session.device) as telemetry:
+        with telemetry.iteration():
+            with telemetry.phase("train", saved_activations="regions"):
+                session.update(batch)
+        return telemetry.record()["saved_activation_peak_bytes"]

@@ -19,6 +19,7 @@ from agg_bench.telemetry import (
     NVMLSummary,
     PhaseTimer,
     SavedActivations,
+    saved_activation_region,
     Telemetry,
     environment,
     is_oom_error,
@@ -391,6 +392,50 @@ def test_nested_tracked_phases_count_once():
         record = tel.record()
     assert record["saved_activation_peak_bytes"] == SMALL_MLP_BYTES
     assert record["t_forward_s"] > 0 and record["t_train_s"] > 0
+
+
+def test_saved_activation_modes_choose_the_counted_iterations():
+    for mode, counted in (("every", [True, True, True]), ("first", [True, False, False]),
+                          ("never", [False, False, False])):
+        with Telemetry("cpu", saved_activations=mode) as tel:
+            peaks = []
+            for _ in counted:
+                run_iteration(tel)
+                peaks.append(tel.record()["saved_activation_peak_bytes"])
+        assert peaks == [SMALL_MLP_BYTES if c else None for c in counted], mode
+    with pytest.raises(ValueError, match="every, first, never"):
+        Telemetry("cpu", saved_activations="off")
+
+
+def test_regions_phase_counts_only_inside_regions():
+    w = nn.Parameter(torch.randn(8, 5))
+    with Telemetry("cpu") as tel:
+        with tel.iteration():
+            with tel.phase("train", saved_activations="regions"):
+                with saved_activation_region():
+                    h = torch.tanh(torch.randn(3, 8) @ w)  # saves the input (3x8) and h (3x5)
+                # outside a region: exp saves its output, a 3x5 tensor that is not counted
+                loss = torch.exp(h).sum()
+                loss.backward()
+        record = tel.record()
+    assert record["saved_activation_peak_bytes"] == (3 * 8 + 3 * 5) * F32
+    # a region outside any regions phase counts nothing and changes nothing
+    with saved_activation_region():
+        y = torch.tanh(torch.randn(3, requires_grad=True))
+    y.sum().backward()
+    with pytest.raises(ValueError, match="saved_activations"):
+        with Telemetry("cpu", enabled=False).phase("train", saved_activations="some"):
+            pass
+
+
+def test_regions_are_counted_in_a_phase_counting_everything_only_once():
+    with Telemetry("cpu") as tel:
+        with tel.iteration():
+            with tel.phase("train", saved_activations=True):
+                with saved_activation_region():  # the phase's tracker is already active
+                    loss = small_mlp_loss("cpu")
+                loss.backward()
+        assert tel.record()["saved_activation_peak_bytes"] == SMALL_MLP_BYTES
 
 
 def test_failed_iteration_still_records():
