@@ -261,6 +261,12 @@ class Policy:
         mu = base_shift + slope * (self.image_seq_len(latent_shape) - base_len)
         return math.exp(mu) if cfg.get("time_shift_type", "exponential") == "exponential" else mu
 
+    def schedule_shift_terminal(self) -> float | None:
+        """The last nonzero sigma the model's scheduler stretches its schedule to (Qwen-Image's
+        ``shift_terminal``); None when its scheduler config has none."""
+        value = (self.scheduler_config or {}).get("shift_terminal")
+        return float(value) if value else None
+
     @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device

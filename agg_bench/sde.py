@@ -31,11 +31,13 @@ class SDEStepOutput:
     std: torch.Tensor
 
 
-def flow_sigmas(steps: int, shift: float) -> torch.Tensor:
-    """The T+1 sigmas of diffusers' FlowMatchEulerDiscreteScheduler with ``shift``, ending at 0 (float64)."""
+def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -> torch.Tensor:
+    """The T+1 sigmas of diffusers' FlowMatchEulerDiscreteScheduler with ``shift`` (and, when given,
+    ``shift_terminal``: the shifted schedule stretched so that its last nonzero sigma is that value,
+    as Qwen-Image's scheduler does), ending at 0 (float64)."""
     if steps < 1:
         raise ConfigError("sampling.steps", steps, "an integer >= 1")
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, shift_terminal=shift_terminal)
     scheduler.set_timesteps(steps)
     return scheduler.sigmas.to(torch.float64)
 

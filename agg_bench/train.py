@@ -98,9 +98,11 @@ class Session:
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
-        shift = cfg.sampling.shift if cfg.sampling.shift is not None else \
-            self.policy.schedule_shift(self.latent_shape)
-        self.sigmas = flow_sigmas(cfg.sampling.steps, shift)
+        if cfg.sampling.shift is not None:
+            self.sigmas = flow_sigmas(cfg.sampling.steps, cfg.sampling.shift)
+        else:  # the model's own schedule
+            self.sigmas = flow_sigmas(cfg.sampling.steps, self.policy.schedule_shift(self.latent_shape),
+                                      self.policy.schedule_shift_terminal())
 
     # ----- one iteration's data -------------------------------------------------------------
     def pick_prompts(self, generator: torch.Generator) -> torch.Tensor:
@@ -314,7 +316,12 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> dict:
 
 def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) -> dict:
     shard.check_run(cfg)
-    session = Session(cfg)  # every input error surfaces here, before anything is written
+    try:
+        session = Session(cfg)  # every input error surfaces here, before anything is written
+    except Exception as exc:
+        if not tel.is_oom_error(exc):
+            raise
+        return _out_of_memory_at_build(cfg, out, shard, exc)
     check_plan(cfg)
     distributed.on_main(prepare_out_dir, out)
     run_id = cfg.run_id or out.name
@@ -417,6 +424,39 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
                        "checkpoint_iteration": saved_at}
             if shard.is_main:
                 write_json(out / "summary.json", summary)
+    return summary
+
+
+def _out_of_memory_at_build(cfg: RunConfig, out: Path, shard: distributed.Shard, exc: BaseException) -> dict:
+    """The model (or its optimizer, reference copy, reward model) did not fit: the run ends as ``oom``
+    like an iteration that runs out of memory, with one record (iteration 0, nothing measured but
+    the memory at failure and the RSS peak) so that the tables show the cell as OOM. A resumed run
+    keeps its earlier records and checkpoint; only its summary says how this attempt ended."""
+    device = resolve_device(cfg.device)
+    memory = tel.memory_at_failure(device)
+    distributed.report_failure(exc, memory)
+    run_id = cfg.run_id or out.name
+    base = identity(cfg, run_id, device, shard.world_size)
+    error = f"out of memory while building the model: {type(exc).__name__}: {exc}".splitlines()[0]
+    summary = {"run_id": run_id, "status": "oom", "iterations": cfg.train.iterations, "last_good_iteration": None,
+               "error": error, **base, "world_size": shard.world_size, "resumed_from": None,
+               "checkpoint_iteration": None}
+    if shard.is_main:
+        prepare_out_dir(out)
+        resumed = (out / "metrics.jsonl").exists() and (out / "checkpoint.pt").exists()
+        if not resumed:
+            remove_stale_files(out, keep_checkpoint=False)
+            write_json(out / "config.json", cfg.to_dict())
+            write_json(out / "env.json", tel.environment())
+            record = dict.fromkeys(RECORD_KEYS)
+            record.update(base, iteration=0, rss_peak_bytes=tel.rss_peak_bytes())
+            record.update(memory, status="oom")
+            write_lines(out / "metrics.jsonl", [])
+            writer = JsonlWriter(out / "metrics.jsonl", append=True)
+            writer.write(record)
+            writer.close()
+        write_json(out / "summary.json", summary)
+    print(f"agg-bench run: {error}", file=sys.stderr)
     return summary
 
 

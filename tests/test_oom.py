@@ -17,6 +17,7 @@ from agg_bench.io import read_jsonl
 from agg_bench.methods import available_methods
 from agg_bench.models import Policy
 from agg_bench.telemetry import SavedActivations, Telemetry
+from agg_bench import train as train_module
 from agg_bench.train import Session
 from helpers import tiny_config
 
@@ -211,3 +212,26 @@ def regions_peak_of_update(session: Session, batch) -> int:
             with telemetry.phase("train", saved_activations="regions"):
                 session.update(batch)
         return telemetry.record()["saved_activation_peak_bytes"]
+
+
+def test_oom_while_building_the_model_is_an_oom_run(tmp_path, monkeypatch, capsys):
+    def build(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(train_module, "build_policy", build)
+    out = tmp_path / "run"
+    assert run_cli(out) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"out": str(out), "status": "oom"}
+    assert "out of memory while building the model" in captured.err
+    (record,) = records(out)
+    assert record["status"] == "oom" and record["iteration"] == 0 and record["method"] == "full"
+    assert set(DESIGN_KEYS) <= set(record)
+    assert record["rss_peak_bytes"] > 0 and record["t_iter_s"] is None and record["reward_mean"] is None
+    assert all(record[key] is None for key in MEMORY_AT_FAILURE_KEYS)  # no allocator on CPU
+    assert summary(out)["status"] == "oom" and (out / "config.json").exists() and (out / "env.json").exists()
+
+    # other errors while building stay errors
+    monkeypatch.setattr(train_module, "build_policy", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad")))
+    with pytest.raises(ValueError):
+        run_cli(tmp_path / "other")

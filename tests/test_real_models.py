@@ -118,6 +118,23 @@ def test_scheduler_config_gives_the_shift_when_sampling_shift_is_null(folders, t
     assert session.policy.schedule_shift((4, 12, 12)) == pytest.approx(2.718281828459045 ** 1.3)
 
 
+def test_scheduler_shift_terminal_stretches_the_model_schedule(folders, tmp_path):
+    folder = tmp_path / "flux"
+    shutil.copytree(folders("flux"), folder)
+    path = folder / "scheduler/scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "shift_terminal": 0.1}))
+    args = ["model.family=flux", f"model.pretrained={folder}", "model.resolution=32", "sampling.steps=4",
+            f"prompts.cache_dir={tmp_path / 'emb'}", "prompts.max_sequence_length=8"]
+    sigmas = Session(load_config(None, ["sampling.shift=null", *args])).sigmas
+    # float64 reference: the shift-3 schedule with 1 - sigma scaled so that the last nonzero sigma is 0.1
+    shifted = flow_sigmas(4, 3.0)[:-1]
+    stretched = 1 - (1 - shifted) * (1 - 0.1) / (1 - shifted[-1])
+    torch.testing.assert_close(sigmas[:-1], stretched, rtol=1e-6, atol=1e-7)
+    assert sigmas[-1] == 0 and sigmas[-2].item() == pytest.approx(0.1, abs=1e-7)
+    # an explicit shift replaces the model's schedule, terminal stretch included
+    assert torch.equal(Session(load_config(None, ["sampling.shift=3", *args])).sigmas, flow_sigmas(4, 3.0))
+
+
 def test_missing_folder_or_subfolder_is_a_config_error_naming_it(folders, tmp_path):
     base = ["model.resolution=32", "model.family=sd3", f"prompts.cache_dir={tmp_path / 'emb'}"]
     with pytest.raises(ConfigError) as err:
