@@ -53,9 +53,14 @@ class JsonlWriter:
         self.path = Path(path)
         self._fh = open(self.path, "a" if append else "w")
 
+    @staticmethod
+    def line(record: dict) -> str:
+        """``record`` as the JSON line ``write`` appends (without its newline)."""
+        return json.dumps(_clean(record), default=_json_default)
+
     def write(self, record: dict) -> str:
         """Append ``record``; return the line written (without its newline)."""
-        line = json.dumps(_clean(record), default=_json_default)
+        line = self.line(record)
         self._fh.write(line + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())

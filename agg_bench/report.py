@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import UserError
+from .gradcheck import OPTION_COLUMNS
 from .io import atomic_path, read_jsonl
 from .train import RECORD_KEYS
 
@@ -46,7 +47,8 @@ ROW_KEYS = ["method", "model", "resolution", "hardware", "source"]
 # rows compared with each other: speedup and the wall-clock horizon are taken within these
 GROUP_KEYS = ["model", "resolution", "hardware", "source"]
 STATUS_ORDER = ("error", "oom", "diverged", "interrupted", "ok")
-GRADCHECK_OPTIONS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in")
+# estimator options a gradcheck row is matched on: those with their own gradcheck column
+GRADCHECK_OPTIONS = OPTION_COLUMNS
 # record keys that are identity, not measurements (method extras are everything else that is numeric)
 _IDENTITY = {"run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
              "status", "source"}

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from . import distributed
 from . import telemetry as tel
-from .checkpoint import load_checkpoint, remove_stale_files, save_checkpoint, write_lines
+from .checkpoint import checkpoint_path, load_checkpoint, remove_stale_files, save_checkpoint, write_lines
 from .config import RunConfig
 from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats, group_advantages
@@ -321,7 +321,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
     except Exception as exc:
         if not tel.is_oom_error(exc):
             raise
-        return _out_of_memory_at_build(cfg, out, shard, exc)
+        return _out_of_memory_at_build(cfg, out, resume, shard, exc)
     check_plan(cfg)
     distributed.on_main(prepare_out_dir, out)
     run_id = cfg.run_id or out.name
@@ -333,10 +333,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
     def begin() -> None:
         if resume and restored is None:
             print(f"agg-bench run: no checkpoint in {out}; starting at iteration 0", file=sys.stderr)
-        remove_stale_files(out, keep_checkpoint=restored is not None)
-        write_json(out / "config.json", config)
-        write_json(out / "env.json", tel.environment())
-        write_lines(out / "metrics.jsonl", lines)
+        _start_files(out, config, lines, keep_checkpoint=restored is not None)
 
     distributed.on_main(begin)
     telemetry = tel.Telemetry(session.device, enabled=cfg.telemetry.enabled,
@@ -418,43 +415,52 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
             session.estimator.close()
             if writer is not None:
                 writer.close()
-            summary = {"run_id": run_id, "status": status, "iterations": cfg.train.iterations,
-                       "last_good_iteration": last_good, "error": error, **base,
-                       "world_size": shard.world_size, "resumed_from": restored.iteration if restored else None,
-                       "checkpoint_iteration": saved_at}
+            summary = _summary(cfg, run_id, status, error, base, shard, last_good=last_good,
+                               resumed_from=restored.iteration if restored else None, checkpoint_iteration=saved_at)
             if shard.is_main:
                 write_json(out / "summary.json", summary)
     return summary
 
 
-def _out_of_memory_at_build(cfg: RunConfig, out: Path, shard: distributed.Shard, exc: BaseException) -> dict:
+def _start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool) -> None:
+    """What a run writes before its first iteration: an earlier attempt's stale files removed, then
+    ``config.json``, ``env.json`` and ``metrics.jsonl`` holding ``lines``."""
+    remove_stale_files(out, keep_checkpoint=keep_checkpoint)
+    write_json(out / "config.json", config)
+    write_json(out / "env.json", tel.environment())
+    write_lines(out / "metrics.jsonl", lines)
+
+
+def _summary(cfg: RunConfig, run_id: str, status: str, error: str | None, base: dict, shard: distributed.Shard,
+             last_good: int | None, resumed_from: int | None, checkpoint_iteration: int | None) -> dict:
+    """The contents of ``summary.json``."""
+    return {"run_id": run_id, "status": status, "iterations": cfg.train.iterations, "last_good_iteration": last_good,
+            "error": error, **base, "world_size": shard.world_size, "resumed_from": resumed_from,
+            "checkpoint_iteration": checkpoint_iteration}
+
+
+def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard,
+                            exc: BaseException) -> dict:
     """The model (or its optimizer, reference copy, reward model) did not fit: the run ends as ``oom``
     like an iteration that runs out of memory, with one record (iteration 0, nothing measured but
-    the memory at failure and the RSS peak) so that the tables show the cell as OOM. A resumed run
-    keeps its earlier records and checkpoint; only its summary says how this attempt ended."""
+    the memory at failure and the RSS peak) so that the tables show the cell as OOM. With ``resume``
+    and a checkpoint in ``out`` the earlier records and checkpoint stay; only the summary says how
+    this attempt ended."""
     device = resolve_device(cfg.device)
     memory = tel.memory_at_failure(device)
     distributed.report_failure(exc, memory)
     run_id = cfg.run_id or out.name
     base = identity(cfg, run_id, device, shard.world_size)
     error = f"out of memory while building the model: {type(exc).__name__}: {exc}".splitlines()[0]
-    summary = {"run_id": run_id, "status": "oom", "iterations": cfg.train.iterations, "last_good_iteration": None,
-               "error": error, **base, "world_size": shard.world_size, "resumed_from": None,
-               "checkpoint_iteration": None}
+    summary = _summary(cfg, run_id, "oom", error, base, shard, last_good=None, resumed_from=None,
+                       checkpoint_iteration=None)
     if shard.is_main:
         prepare_out_dir(out)
-        resumed = (out / "metrics.jsonl").exists() and (out / "checkpoint.pt").exists()
-        if not resumed:
-            remove_stale_files(out, keep_checkpoint=False)
-            write_json(out / "config.json", cfg.to_dict())
-            write_json(out / "env.json", tel.environment())
+        if not (resume and checkpoint_path(out).exists()):
             record = dict.fromkeys(RECORD_KEYS)
             record.update(base, iteration=0, rss_peak_bytes=tel.rss_peak_bytes())
             record.update(memory, status="oom")
-            write_lines(out / "metrics.jsonl", [])
-            writer = JsonlWriter(out / "metrics.jsonl", append=True)
-            writer.write(record)
-            writer.close()
+            _start_files(out, cfg.to_dict(), [JsonlWriter.line(record)], keep_checkpoint=False)
         write_json(out / "summary.json", summary)
     print(f"agg-bench run: {error}", file=sys.stderr)
     return summary

@@ -179,7 +179,7 @@ def saved_peak_of_update(method: str, *overrides: str) -> tuple[int, Session, ob
 @pytest.mark.parametrize("resolution", [32, 64])
 def test_agg_saved_activation_peak_per_backward_equals_full(resolution):
     full_peak, session, batch = saved_peak_of_update("full", f"model.resolution={resolution}")
-    agg_peak, _, agg_batch = saved_peak_of_update("agg", f"model.resolution={resolution}", "method.window=5")
+    agg_peak, agg_session, agg_batch = saved_peak_of_update("agg", f"model.resolution={resolution}", "method.window=5")
     assert torch.equal(batch.train_steps, agg_batch.train_steps)  # same trained steps
 
     # One transformer forward-with-grad on the B latents that one backward covers (both methods use
@@ -202,7 +202,6 @@ def test_agg_saved_activation_peak_per_backward_equals_full(resolution):
     # The training loop counts the network's tensors (phase "regions", the policy's forward marks
     # its region): there AGG's peak per backward equals full's exactly.
     assert regions_peak_of_update(session, batch) == dit.peak_bytes
-    agg_session = saved_peak_of_update("agg", f"model.resolution={resolution}", "method.window=5")[1]
     assert regions_peak_of_update(agg_session, agg_batch) == dit.peak_bytes
 
 
@@ -235,3 +234,17 @@ def test_oom_while_building_the_model_is_an_oom_run(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(train_module, "build_policy", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad")))
     with pytest.raises(ValueError):
         run_cli(tmp_path / "other")
+
+
+def test_oom_while_building_keeps_a_resumed_runs_records_and_replaces_a_rerun(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    assert run_cli(out, "--checkpoint-every", "1") == 0
+    earlier = records(out)
+    monkeypatch.setattr(train_module, "build_policy",
+                        lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("out of memory")))
+    assert run_cli(out, "--checkpoint-every", "1", "--resume") == 0
+    assert records(out) == earlier and (out / "checkpoint.pt").exists()  # the resumed run's state stays
+    assert summary(out)["status"] == "oom"
+    assert run_cli(out, "--checkpoint-every", "1") == 0  # not resumed: the folder is this attempt's alone
+    (record,) = records(out)
+    assert record["status"] == "oom" and not (out / "checkpoint.pt").exists()
