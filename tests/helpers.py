@@ -4,12 +4,25 @@ from __future__ import annotations
 import torch
 
 from agg_bench.config import load_config
-from agg_bench.grpo import TrainBatch, step_terms
+from agg_bench.grpo import TrainBatch, UpdateStats, step_terms
 
 TINY = [
     "model.resolution=32", "sampling.steps=6", "grpo.group_size=3", "grpo.prompts_per_iteration=2",
     "train.iterations=2", "progress=false", "telemetry.enabled=false",
 ]
+
+
+# Settings under which each cache of baselines.caches never reuses anything.
+CACHE_NEUTRAL = {
+    "fbc": {"threshold": 0.0},
+    "pab": {"spatial_attention_block_skip_range": 1},
+    "fastercache": {"spatial_attention_block_skip_range": 1},
+    "magcache": {"max_skip_steps": 0},
+    "taylorseer": {"cache_interval": 1},
+    "fora": {"interval": 1},
+    "deltadit": {"interval": 1},
+    "teacache": {"threshold": 0.0},
+}
 
 
 def tiny_config(*overrides: str, family: str = "sd3", dtype: str = "float64"):
@@ -29,6 +42,21 @@ def one_graph_gradient(policy, batch: TrainBatch) -> dict[str, torch.Tensor]:
             total = total + step_terms(batch, rows, steps, v).loss.sum()
     grads = torch.autograd.grad(total * batch.loss_scale, params)
     return {n: g for (n, _), g in zip(policy.named_parameters(), grads)}
+
+
+def move_off_policy(policy, scale: float = 1e-3) -> None:
+    """Perturb every parameter by ``scale`` x N(0, 1), so that ratios to a rollout's log-probs differ
+    from 1 and the clip matters for some terms."""
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(scale * torch.randn_like(p))
+
+
+def estimator_gradient(session, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    """The session's estimator's gradient on ``batch`` (its passes counted from a reset counter)."""
+    session.policy.counter.reset()
+    session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
+    return {n: p.grad for n, p in session.policy.named_parameters()}
 
 
 def relative_error(a: dict, b: dict) -> float:

@@ -16,7 +16,7 @@ from agg_bench.models import Conditioning, Policy
 from agg_bench.sde import flow_sigmas, sde_step
 from agg_bench.snapshot import replay, save_snapshot
 from agg_bench.train import Session
-from helpers import relative_error, tiny_config
+from helpers import move_off_policy, relative_error, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "config/presets/tiny_sd3_reference_cpu.yaml"
@@ -136,9 +136,7 @@ def test_pass_counts_per_group(steps, window, sizes, reuse):
 def test_short_windows_and_route_frac_zero_equal_full():
     session = Session(tiny_config("train.timestep_fraction=0.7", "grpo.beta=0.05"))
     batch = session.collect(0).batch
-    with torch.no_grad():  # off-policy, so ratios differ from 1 and the clip matters for some terms
-        for p in session.policy.parameters():
-            p.add_(1e-3 * torch.randn_like(p))
+    move_off_policy(session.policy)
     full, full_counts, full_stats = gradient(build_method("full"), session.policy, batch, session.reference)
     for options in (dict(window=1), dict(window=2), dict(window=2, alpha="sigma"),
                     dict(window=3, route_frac=0.0), dict(window=8, route_frac=0.0, reuse_rollout_velocity=True),

@@ -13,26 +13,15 @@ from agg_bench.io import read_jsonl
 from agg_bench.methods import build_method
 from agg_bench.train import Session
 from baselines.caches import CACHES, apply_cache
-from helpers import relative_error, tiny_config
+from helpers import CACHE_NEUTRAL, move_off_policy, relative_error, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_CONFIG = ROOT / ("config/run.yaml" if (ROOT / "config/run.yaml").exists() else "config/config.yaml")
+RUN_CONFIG = ROOT / "config/run.yaml"
 FAMILIES = ("sd3", "flux")
 NAMES = sorted(CACHES)
 STEPS, GROUP = 5, 2
 SMALL = (f"sampling.steps={STEPS}", f"grpo.group_size={GROUP}")
 
-# Settings under which each cache never reuses anything.
-NEUTRAL = {
-    "fbc": {"threshold": 0.0},
-    "pab": {"spatial_attention_block_skip_range": 1},
-    "fastercache": {"spatial_attention_block_skip_range": 1},
-    "magcache": {"max_skip_steps": 0},
-    "taylorseer": {"cache_interval": 1},
-    "fora": {"interval": 1},
-    "deltadit": {"interval": 1},
-    "teacache": {"threshold": 0.0},
-}
 # Defaults, except the two caches that decide from how much their input changed: on a 5-step trajectory
 # of a random tiny model it changes by 30-80% per step, so at their defaults (FBC 0.05, TeaCache 0.2) they
 # rightly compute everything. The thresholds below reuse on tiny SD3 and FLUX in float32 and float64.
@@ -88,7 +77,7 @@ def test_reuse_disabled_equals_full_exactly(family):
     reference, _, full_counts = gradient(session, reference_batch)
     b = reference_batch.batch_size
     for name in NAMES:
-        session.estimator = cached(name, "both", **NEUTRAL[name])
+        session.estimator = cached(name, "both", **CACHE_NEUTRAL[name])
         batch = session.collect(0).batch
         assert torch.equal(batch.latents, reference_batch.latents), name
         assert torch.equal(batch.log_probs, reference_batch.log_probs), name
@@ -110,9 +99,7 @@ def test_reuse_disabled_with_per_sample_steps_and_kl_matches_full(family):
     `full`'s: equal to 1e-12 relative in float64. The KL reference runs outside the cache."""
     session = Session(tiny_config(*SMALL, "train.timestep_fraction=0.4", "grpo.beta=0.1", family=family))
     batch = session.collect(0).batch
-    with torch.no_grad():  # off-policy, so that ratios differ from 1 and the clip and KL matter
-        for p in session.policy.parameters():
-            p.add_(1e-3 * torch.randn_like(p))
+    move_off_policy(session.policy)
     session.policy.version += 1
     for p in session.policy.parameters():
         p.grad = None

@@ -7,22 +7,12 @@ import torch
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.models import POLICIES, TINY_TRANSFORMERS, TRANSFORMER_CLASSES, Conditioning
 from baselines.caches import CACHES, apply_cache, cache_options
+from helpers import CACHE_NEUTRAL
 
 FAMILIES = ("sd3", "flux")
 STEPS = 5
 NAMES = sorted(CACHES)
 
-# Settings under which each cache never reuses anything.
-NEUTRAL = {
-    "fbc": {"threshold": 0.0},
-    "pab": {"spatial_attention_block_skip_range": 1},
-    "fastercache": {"spatial_attention_block_skip_range": 1},
-    "magcache": {"max_skip_steps": 0},
-    "taylorseer": {"cache_interval": 1},
-    "fora": {"interval": 1},
-    "deltadit": {"interval": 1},
-    "teacache": {"threshold": 0.0},
-}
 # Default options, except FBC: diffusers' default threshold (0.05) is meant for 28-50-step samplers of
 # trained models; on this 5-step trajectory of a random tiny model the first block's residual changes by
 # 30-50% per step, so at its default FBC rightly computes everything. Its reuse is checked at 0.6.
@@ -96,7 +86,7 @@ def assert_hook_free(transformer) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_neutral_setting_is_exact(policy, inputs, name):
     reference = trajectory(policy, inputs)
-    handle = apply_cache(policy.transformer, name, NEUTRAL[name])
+    handle = apply_cache(policy.transformer, name, CACHE_NEUTRAL[name])
     assert_all_equal(trajectory(policy, inputs, handle), reference)
     assert handle.stats["skipped"] == 0 and handle.stats["computed"] > 0
     handle.remove()

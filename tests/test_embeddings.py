@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_pretrained import write_tiny_pretrained
 
 from agg_bench import text
 from agg_bench.cli import main
@@ -24,19 +23,6 @@ from agg_bench.text import (
 from agg_bench.train import Session
 
 PROMPTS = ["a red cat on the moon", "two dogs", "an owl perched on a mossy branch at night in the snow"]
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    made = {}
-
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = write_tiny_pretrained(family, root / f"tiny-{family}")
-        return made[family]
-
-    return get
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from agg_bench.grpo import UpdateStats, group_advantages, step_terms
 from agg_bench.snapshot import load_snapshot, replay, save_snapshot
 from agg_bench.train import Session
-from helpers import one_graph_gradient, relative_error, tiny_config
+from helpers import estimator_gradient, move_off_policy, one_graph_gradient, relative_error, tiny_config
 
 
 def test_group_advantages_match_float64_reference():
@@ -37,13 +37,9 @@ def test_full_estimator_equals_one_graph_gradient(family):
     session = Session(tiny_config("train.timestep_fraction=0.5", family=family))
     batch = session.collect(0).batch
     # move off-policy so that ratios differ from 1 and the clip matters for some terms
-    with torch.no_grad():
-        for p in session.policy.parameters():
-            p.add_(1e-3 * torch.randn_like(p))
+    move_off_policy(session.policy)
     reference = one_graph_gradient(session.policy, batch)
-    session.policy.counter.reset()
-    session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
-    grads = {n: p.grad for n, p in session.policy.named_parameters()}
+    grads = estimator_gradient(session, batch)
     assert relative_error(grads, reference) <= 1e-10
     b, n = batch.train_steps.shape
     assert session.policy.counter.as_dict() == {"forward_nograd": 0, "forward_grad": b * n, "backward": b * n}

@@ -8,7 +8,6 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from helpers import one_graph_gradient, relative_error, tiny_config
-from tiny_pretrained import write_tiny_pretrained
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
@@ -25,20 +24,6 @@ FAMILIES = ["sd3", "flux", "qwenimage"]
 RUN = ["--set", "model.resolution=32", "--set", "sampling.steps=3", "--set", "grpo.group_size=2",
        "--set", "grpo.prompts_per_iteration=1", "--set", "train.iterations=2", "--set", "progress=false",
        "--set", "telemetry.enabled=false", "--set", "prompts.max_sequence_length=8"]
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """One tiny model folder per family, written on first use."""
-    root = tmp_path_factory.mktemp("models")
-    made = {}
-
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = write_tiny_pretrained(family, root / f"tiny-{family}")
-        return made[family]
-
-    return get
 
 
 def run_records(out: Path) -> list[dict]:

@@ -4,12 +4,11 @@ import torch
 
 from agg_bench.cli import main
 from agg_bench.errors import ConfigError
-from agg_bench.grpo import UpdateStats
 from agg_bench.io import read_jsonl
 from agg_bench.methods import build_method
 from agg_bench.sde import ode_step
 from agg_bench.train import Session, iteration_generator
-from helpers import one_graph_gradient, relative_error, tiny_config
+from helpers import estimator_gradient, move_off_policy, one_graph_gradient, relative_error, tiny_config
 
 STEPS = 6  # sampling.steps in helpers.TINY
 SMALL = ["--set", "model.resolution=32", "--set", f"sampling.steps={STEPS}", "--set", "train.iterations=2",
@@ -57,12 +56,9 @@ def test_window_gradient_equals_one_graph_gradient():
     session = Session(tiny_config("method.name=window", "method.window_size=2", "method.window_mode=fixed",
                                   "method.window_start=3"))
     batch = session.collect(0).batch
-    with torch.no_grad():  # off-policy, so that ratios differ from 1 and the clip matters
-        for p in session.policy.parameters():
-            p.add_(1e-3 * torch.randn_like(p))
+    move_off_policy(session.policy)
     reference = one_graph_gradient(session.policy, batch)
-    session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
-    grads = {n: p.grad for n, p in session.policy.named_parameters()}
+    grads = estimator_gradient(session, batch)
     assert relative_error(grads, reference) <= 1e-10
 
 
@@ -154,13 +150,9 @@ def test_fraction_trains_its_own_random_subset_per_sample(fraction):
 def test_fraction_gradient_equals_one_graph_gradient():
     session = Session(tiny_config("method.name=fraction", "train.timestep_fraction=0.4"))
     batch = session.collect(0).batch
-    with torch.no_grad():  # off-policy, so that ratios differ from 1 and the clip matters
-        for p in session.policy.parameters():
-            p.add_(1e-3 * torch.randn_like(p))
+    move_off_policy(session.policy)
     reference = one_graph_gradient(session.policy, batch)
-    session.policy.counter.reset()
-    session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
-    grads = {n: p.grad for n, p in session.policy.named_parameters()}
+    grads = estimator_gradient(session, batch)
     assert relative_error(grads, reference) <= 1e-10
     b, n = batch.train_steps.shape
     assert n == round(0.4 * STEPS)
