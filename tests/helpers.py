@@ -1,6 +1,8 @@
 """Shared test helpers: small configs and one-graph reference gradients."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from agg_bench.config import load_config
@@ -57,6 +59,29 @@ def estimator_gradient(session, batch: TrainBatch) -> dict[str, torch.Tensor]:
     session.policy.counter.reset()
     session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
     return {n: p.grad for n, p in session.policy.named_parameters()}
+
+
+def sde_reference(kind: str, v, x, s: float, s_next: float, eta: float, s1: float):
+    """Float64 transcription of DESIGN.md's SDE transition from sigma ``s`` to ``s_next``, written
+    without agg_bench.sde: its mean and standard deviation (``s1``: the schedule's second sigma,
+    which flow_grpo's std uses in place of ``s`` = 1 at step 0)."""
+    dt = s_next - s
+    if kind == "flow_grpo":
+        sp = s1 if s == 1 else s
+        std_t = eta * math.sqrt(s / (1 - sp))
+        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+        sd = std_t * math.sqrt(-dt)
+    else:
+        x0 = x - s * v
+        score = -(x - x0 * (1 - s)) / s**2
+        mean = x + dt * v - 0.5 * eta**2 * score * dt
+        sd = eta * math.sqrt(s - s_next)
+    return mean, sd
+
+
+def gaussian_log_prob(x_next, mean, sd: float):
+    """The log-density of ``x_next`` under N(mean, sd^2), averaged over elements."""
+    return (-((x_next - mean) ** 2) / (2 * sd**2) - math.log(sd) - math.log(math.sqrt(2 * math.pi))).mean()
 
 
 def relative_error(a: dict, b: dict) -> float:

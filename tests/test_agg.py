@@ -16,7 +16,7 @@ from agg_bench.models import Conditioning, Policy
 from agg_bench.sde import flow_sigmas, sde_step
 from agg_bench.snapshot import replay, save_snapshot
 from agg_bench.train import Session
-from helpers import move_off_policy, relative_error, tiny_config
+from helpers import gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "config/presets/tiny_sd3_reference_cpu.yaml"
@@ -263,19 +263,9 @@ def test_presets_share_the_reference_schedule():
 # ----- replay --method agg against the rule written out independently ------------------------------
 def independent_sde_log_prob(kind, v, x, x_next, s, s_next, eta):
     """DESIGN.md's transition log-density (mean over elements), written without agg_bench.sde."""
-    dt = s_next - s
-    if kind == "flow_grpo":
-        s_prime = s_next if s == 1 else s  # s == 1 only at step 0, whose next sigma is s_1
-        std = eta * math.sqrt(s / (1 - s_prime))
-        mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
-        sd = std * math.sqrt(-dt)
-    else:
-        x0 = x - s * v
-        score = -(x - x0 * (1 - s)) / s**2
-        mean = x + dt * v - 0.5 * eta**2 * score * dt
-        sd = eta * math.sqrt(s - s_next)
-    logp = -((x_next - mean) ** 2) / (2 * sd**2) - math.log(sd) - math.log(math.sqrt(2 * math.pi))
-    return logp.mean()
+    # s == 1 only at step 0, whose next sigma is the schedule's second
+    mean, sd = sde_reference(kind, v, x, s, s_next, eta, s1=s_next)
+    return gaussian_log_prob(x_next, mean, sd)
 
 
 @pytest.mark.parametrize("sde, alpha", [("flow_grpo", "sigma"), ("dance_grpo", "index")])

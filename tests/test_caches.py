@@ -272,6 +272,12 @@ def test_config_errors_name_the_key(policy):
         apply_cache(policy.transformer, "pab", {"current_timestep_callback": None})
     assert err.value.key == "method.current_timestep_callback"
     assert "current_step_callback" not in cache_options("teacache")
+    for name in ("pab", "fastercache"):  # the spatial-attention options both share
+        for options, key in (({"spatial_attention_block_skip_range": 0}, "spatial_attention_block_skip_range"),
+                             ({"spatial_attention_timestep_skip_range": [1]}, "spatial_attention_timestep_skip_range")):
+            with pytest.raises(ConfigError) as err:
+                apply_cache(policy.transformer, name, options)
+            assert err.value.key == f"method.{key}", name
     assert_hook_free(policy.transformer)
 
 

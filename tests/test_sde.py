@@ -1,25 +1,8 @@
-import math
-
 import pytest
 import torch
 
 from agg_bench.sde import flow_sigmas, ode_step, sde_step
-
-
-def reference(kind, v, x, s, s_next, eta, s1):
-    """Float64 transcription of DESIGN.md's formulas, per sample."""
-    dt = s_next - s
-    if kind == "flow_grpo":
-        sp = s1 if s == 1 else s
-        std_t = eta * math.sqrt(s / (1 - sp))
-        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
-        sd = std_t * math.sqrt(-dt)
-    else:
-        x0 = x - s * v
-        score = -(x - x0 * (1 - s)) / s**2
-        mean = x + dt * v - 0.5 * eta**2 * score * dt
-        sd = eta * math.sqrt(s - s_next)
-    return mean, sd
+from helpers import gaussian_log_prob, sde_reference
 
 
 @pytest.mark.parametrize("kind", ["flow_grpo", "dance_grpo"])
@@ -35,8 +18,8 @@ def test_sde_step_matches_float64_reference(kind):
     out = sde_step(kind, v, x, sigmas, index, eta, prev_sample=prev)
     for i in range(b):
         j = int(index[i])
-        mean, sd = reference(kind, v[i], x[i], float(sigmas[j]), float(sigmas[j + 1]), eta, float(sigmas[1]))
-        logp = (-(prev[i] - mean) ** 2 / (2 * sd**2) - math.log(sd) - math.log(math.sqrt(2 * math.pi))).mean()
+        mean, sd = sde_reference(kind, v[i], x[i], float(sigmas[j]), float(sigmas[j + 1]), eta, float(sigmas[1]))
+        logp = gaussian_log_prob(prev[i], mean, sd)
         torch.testing.assert_close(out.mean[i], mean, rtol=1e-12, atol=1e-12)
         assert out.std[i].item() == pytest.approx(sd, rel=1e-12)
         assert out.log_prob[i].item() == pytest.approx(logp.item(), rel=1e-12, abs=1e-12)

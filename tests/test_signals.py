@@ -71,6 +71,16 @@ def test_a_signal_waits_for_the_record_being_written():
 
 
 @pytest.mark.slow
+def wait_for_lines(proc: subprocess.Popen, metrics: Path, count: int, log: Path) -> None:
+    """Wait (at most 10 minutes) until ``metrics`` holds ``count`` whole lines; the process must still run."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= count:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it was killed: " + log.read_text()[-3000:]
+
+
 def test_kill_9_leaves_whole_lines_and_a_folder_that_a_rerun_completes(tmp_path):
     out = tmp_path / "run"
     iterations = 12
@@ -80,12 +90,7 @@ def test_kill_9_leaves_whole_lines_and_a_folder_that_a_rerun_completes(tmp_path)
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log, stderr=log)
     metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and metrics.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it was killed: " + (tmp_path / "run.log").read_text()[-2000:]
+    wait_for_lines(proc, metrics, 2, tmp_path / "run.log")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     log.close()
@@ -127,12 +132,7 @@ def test_killed_workflow_reruns_the_incomplete_run(tmp_path):
     log = open(tmp_path / "snakemake.log", "w")
     proc = subprocess.Popen(command, cwd=work, stdout=log, stderr=log, start_new_session=True)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and metrics.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, (tmp_path / "snakemake.log").read_text()[-3000:]
+    wait_for_lines(proc, metrics, 2, tmp_path / "snakemake.log")
     os.killpg(proc.pid, signal.SIGKILL)  # snakemake, the job's shell and the run, at once
     proc.wait()
     log.close()

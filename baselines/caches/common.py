@@ -118,3 +118,12 @@ def as_range(key: str, value: Any) -> tuple[float, float]:
     ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(is_number(v) for v in value)
     check_option(key, value, ok, "a pair [low, high] of numbers")
     return (value[0], value[1])
+
+
+def check_spatial_attention_skip(config: Any) -> None:
+    """Check the spatial-attention options PAB and FasterCache share (``spatial_attention_block_skip_range``
+    an integer >= 1, ``spatial_attention_timestep_skip_range`` a pair of numbers, made a tuple)."""
+    skip = config.spatial_attention_block_skip_range
+    check_option("spatial_attention_block_skip_range", skip, is_int(skip) and skip >= 1, "an integer >= 1")
+    config.spatial_attention_timestep_skip_range = as_range(
+        "spatial_attention_timestep_skip_range", config.spatial_attention_timestep_skip_range)

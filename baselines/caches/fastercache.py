@@ -16,7 +16,7 @@ from diffusers import hooks as diffusers_hooks
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.faster_cache import _FASTER_CACHE_BLOCK_HOOK, FasterCacheBlockHook
 
-from .common import as_range, check_option, is_int, is_number
+from .common import check_option, check_spatial_attention_skip, is_number
 
 FIRST_CALL_HOOK = "faster_cache_first_call"
 
@@ -46,10 +46,7 @@ class FasterCacheConfig:
     current_timestep_callback: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
-        skip = self.spatial_attention_block_skip_range
-        check_option("spatial_attention_block_skip_range", skip, is_int(skip) and skip >= 1, "an integer >= 1")
-        self.spatial_attention_timestep_skip_range = as_range(
-            "spatial_attention_timestep_skip_range", self.spatial_attention_timestep_skip_range)
+        check_spatial_attention_skip(self)
         check_option("attention_weight", self.attention_weight, is_number(self.attention_weight), "a number")
 
 

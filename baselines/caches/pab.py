@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from diffusers import hooks as diffusers_hooks
 
-from .common import as_range, check_option, is_int
+from .common import check_spatial_attention_skip
 
 
 @dataclass
@@ -34,10 +34,7 @@ class PabConfig:
     current_timestep_callback: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
-        skip = self.spatial_attention_block_skip_range
-        check_option("spatial_attention_block_skip_range", skip, is_int(skip) and skip >= 1, "an integer >= 1")
-        self.spatial_attention_timestep_skip_range = as_range(
-            "spatial_attention_timestep_skip_range", self.spatial_attention_timestep_skip_range)
+        check_spatial_attention_skip(self)
 
 
 def apply_pab(module: torch.nn.Module, config: PabConfig) -> None:
