@@ -58,16 +58,50 @@ def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.float32)
 
 
+def check_options(reward: str, options: dict, allowed: dict[str, str]) -> None:
+    """Refuse keys of ``reward.options`` that ``reward`` does not know (``allowed``: key -> what it takes)."""
+    for key in options:
+        if key not in allowed:
+            known = ", ".join(f"{k} ({v})" for k, v in allowed.items()) or "none"
+            raise ConfigError(f"reward.options.{key}", options[key], f"an option of reward {reward!r}: {known}")
+
+
+def _jpeg_quality(reward: str, options: dict) -> int:
+    check_options(reward, options, {"quality": "JPEG quality, an integer in [1, 100]"})
+    quality = options.get("quality", 95)
+    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
+        raise ConfigError("reward.options.quality", quality, "an integer in [1, 100]")
+    return quality
+
+
 @register_reward("jpeg_compressibility")
 def _jpeg_compressibility(options: dict, device) -> RewardFn:
-    quality = int(options.get("quality", 95))
+    quality = _jpeg_quality("jpeg_compressibility", options)
     return lambda images, prompts: -jpeg_size_kb(images, quality)
 
 
 @register_reward("jpeg_incompressibility")
 def _jpeg_incompressibility(options: dict, device) -> RewardFn:
-    quality = int(options.get("quality", 95))
+    quality = _jpeg_quality("jpeg_incompressibility", options)
     return lambda images, prompts: jpeg_size_kb(images, quality)
+
+
+def total_variation(images: torch.Tensor) -> torch.Tensor:
+    """Mean absolute difference of neighbouring pixels (horizontal + vertical) per image, in the images' dtype."""
+    x = images.detach().clamp(0, 1)
+    dy = (x[..., 1:, :] - x[..., :-1, :]).abs().flatten(1).mean(dim=1)
+    dx = (x[..., :, 1:] - x[..., :, :-1]).abs().flatten(1).mean(dim=1)
+    return dy + dx
+
+
+@register_reward("smoothness")
+def _smoothness(options: dict, device) -> RewardFn:
+    """Minus the total variation: a smooth image scores higher. Like JPEG compressibility it rewards the
+    absence of fine detail, but it is a continuous function of the pixels (no 8-bit rounding, no byte
+    counts), so two computations of the same images that differ in the last bits give rewards that differ
+    in the last bits too."""
+    check_options("smoothness", options, {})
+    return lambda images, prompts: -total_variation(images)
 
 
 # --- Learned reward models (optional extras; see agg_bench/reward_models/) ---------------------------

@@ -160,7 +160,10 @@ def test_reuse_gives_the_recomputed_gradient_and_stops_after_an_optimizer_step()
     assert reused_counts["forward_nograd"] == 0 and counts["forward_nograd"] == b * n
     # the same numbers up to the summation order of differently batched transformer calls (float64)
     assert relative_error(reused, recomputed) <= 1e-12
-    assert reused_stats.ratio_dev == stats.ratio_dev == pytest.approx(0.0, abs=1e-12)
+    # both ratios are 1 up to rounding: the reused velocities are the rollout's own, the recomputed ones come
+    # from a differently batched forward and differ in the last bits (float64: |ratio - 1| ~ 1e-16); the
+    # two paths are not compared with each other, each is bounded by float64 rounding (1e-12 ~ 4500 ulp)
+    assert reused_stats.ratio_dev <= 1e-12 and stats.ratio_dev <= 1e-12
     session.estimator.iteration_metrics()  # start a fresh record for the update below
 
     before = policy.counter.copy()
