@@ -70,10 +70,6 @@ class AGGConfig:
             raise ConfigError("method.window", self.window, "an integer >= 1")
         if not 0.0 <= self.route_frac <= 1.0:
             raise ConfigError("method.route_frac", self.route_frac, "a number in [0, 1]")
-        for key in ("nograd_batch", "micro_batch"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"method.{key}", value, "null or an integer >= 1")
 
 
 def group_bounds(steps_per_sample: int, window: int) -> list[tuple[int, int]]:

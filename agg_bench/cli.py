@@ -23,7 +23,7 @@ def cmd_run(args) -> int:
     if args.checkpoint_every is not None:
         overrides.append(f"train.checkpoint_every={args.checkpoint_every}")
     cfg = load_config(args.config, overrides)
-    summary = train(cfg, args.out, resume=args.resume)
+    summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
     print(json.dumps({"out": str(args.out), "status": summary["status"]}))
     return 0
 
@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--resume", action="store_true",
                    help="continue from DIR/checkpoint.pt (same config; starts over when there is none)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished run of another config in DIR (refused without this flag)")
     p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save DIR/checkpoint.pt every K iterations (= --set train.checkpoint_every=K)")
     p.set_defaults(func=cmd_run)

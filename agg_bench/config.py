@@ -5,6 +5,8 @@ Every problem is a :class:`ConfigError` naming the key, the value and what is al
 from __future__ import annotations
 
 import copy
+import math
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,25 @@ DEFAULTS: dict[str, Any] = {
     "reward": {"name": "jpeg_compressibility", "options": {}},
     "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first"},
 }
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as a person means it: ``1e-5`` and ``3E+2`` are numbers (YAML 1.1 wants a dot, ``1.0e-5``,
+    and would read them as strings)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def yaml_load(text: str):
+    """Parse YAML text with :class:`_Loader` (numbers in exponent notation are floats)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
 class RunConfig(dict):
@@ -75,7 +96,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError("--set", item, "key=value with a non-empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -120,8 +141,23 @@ def _describe(error: jsonschema.ValidationError) -> ConfigError:
     return ConfigError(path or "(top level)", error.instance, error.message)
 
 
+def check_finite(value: Any, path: str = "") -> None:
+    """Refuse NaN and infinities anywhere in a config (JSON Schema's ``number`` admits them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(path or "(top level)", value, "a finite number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_finite(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_finite(item, f"{path}[{i}]")
+
+
 def validate(config: dict) -> RunConfig:
     """Check ``config`` against the schema and the method's options; return it as a RunConfig."""
+    check_finite(config)
+    if not isinstance(config.get("method"), dict):
+        raise ConfigError("method", config.get("method"), "a mapping with a name, e.g. {name: agg, window: 5}")
     errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(config),
                     key=lambda e: (len(list(e.absolute_path)), list(map(str, e.absolute_path))))
     if errors:
@@ -141,11 +177,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError("--config", str(path), "an existing YAML file")
         try:
-            user = yaml.safe_load(path.read_text()) or {}
+            user = yaml_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError("--config", str(path), f"UTF-8 text ({err.reason} at byte {err.start})")
         except yaml.YAMLError as err:
             raise ConfigError("--config", str(path), f"valid YAML ({str(err).splitlines()[0]})")
         if not isinstance(user, dict):
             raise ConfigError("--config", str(path), "a YAML mapping of sections")
+        if "method" in user and not isinstance(user["method"], dict):
+            raise ConfigError("method", user["method"], "a mapping with a name, e.g. {name: agg, window: 5}")
     merged = deep_merge(DEFAULTS, user)
     if "method" in user and "name" in user["method"]:
         # a method section replaces the default one, so options of another method do not leak in

@@ -21,6 +21,8 @@ from .grpo import TrainBatch, UpdateStats
 from .models import Policy
 
 METHODS: dict[str, type["Estimator"]] = {}
+# Batch-size options any method may have: null (one call for everything) or at least one latent per call.
+BATCH_OPTIONS = ("micro_batch", "nograd_batch")
 # Modules whose import registers methods; imported on first lookup.
 METHOD_MODULES = ("baselines.full", "baselines.subsample", "agg_bench.agg", "baselines.cached")
 
@@ -133,6 +135,10 @@ def method_config(name: str, options: dict[str, Any], prefix: str = "method") ->
             raise ConfigError(f"{prefix}.{key}", value, f"a known option of method '{name}' ({allowed})")
         values[key] = _coerce(f"{prefix}.{key}", value, hints[key])
     config = cls(**values)
+    for key in BATCH_OPTIONS:
+        value = getattr(config, key, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"{prefix}.{key}", value, "null or an integer >= 1")
     validate = getattr(config, "validate", None)
     if validate is not None:
         validate()

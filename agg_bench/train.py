@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -20,11 +21,12 @@ from tqdm import tqdm
 
 from . import distributed
 from . import telemetry as tel
-from .checkpoint import checkpoint_path, load_checkpoint, remove_stale_files, save_checkpoint, write_lines
+from .checkpoint import (checkpoint_path, first_difference, load_checkpoint, remove_stale_files, save_checkpoint,
+                         write_lines)
 from .config import RunConfig
 from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats, group_advantages
-from .io import JsonlWriter, write_json
+from .io import JsonlWriter, is_temp_name, write_json
 from .methods import Estimator, build_method
 from .models import Policy, build_policy
 from .plan import plan_steps
@@ -293,16 +295,17 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     return fields
 
 
-def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> dict:
+def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False) -> dict:
     """Run ``train.iterations`` GRPO iterations into ``out_dir``; return the summary.
 
     Writes ``metrics.jsonl`` (one record per iteration, each line flushed and fsynced as written),
     ``config.json``, ``env.json``, with ``train.checkpoint_every`` = K > 0 ``checkpoint.pt`` every K
     iterations, at the end and on interruption, and ``summary.json`` last (every file but the metric
     lines is written to a temporary name and renamed). Every input error surfaces before anything is
-    written. Without ``resume`` an earlier attempt's files in ``out_dir`` are replaced; with it the run
-    continues after the checkpoint's iteration (later records are dropped and recomputed, so none is
-    duplicated or missing), or starts over when there is no checkpoint.
+    written. ``out_dir`` must be new, empty or an agg-bench run folder (:func:`check_out_dir`): an
+    earlier attempt's files are replaced, but a finished run of another config only with ``overwrite``.
+    With ``resume`` the run continues after the checkpoint's iteration (later records are dropped and
+    recomputed, so none is duplicated or missing), or starts over when there is no checkpoint.
 
     Summary ``status``: ok; oom (the run ends, the call returns); diverged (a non-finite reward, loss
     or gradient: that update never reaches the weights; ``last_good_iteration`` is the one before);
@@ -311,11 +314,46 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> dict:
     its share of each batch and rank 0 writes (:mod:`agg_bench.distributed`).
     """
     with distributed.process_group(resolve_device(cfg.device)) as shard:
-        return _train(cfg, Path(out_dir), resume, shard)
+        return _train(cfg, Path(out_dir), resume, shard, overwrite)
 
 
-def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) -> dict:
+def _run_config(folder: Path) -> dict | None:
+    """The run config a run folder holds (its ``config.json``), or None when it is not a run folder."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) and {"model", "train", "method"} <= set(config) else None
+
+
+def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> None:
+    """Refuse an output folder whose contents a run would destroy: a folder that holds anything but an
+    agg-bench run, and (unless ``overwrite``, or resuming from a checkpoint, which checks the config
+    itself) a finished run of another config. Reads only."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    entries = sorted(p.name for p in out.iterdir() if not is_temp_name(p.name))
+    if not entries:
+        return
+    previous = _run_config(out)
+    if previous is None:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise UserError(f"--out {out}: the folder holds files that are not an agg-bench run ({shown}); "
+                        "give a new or empty folder")
+    if overwrite or (resume and checkpoint_path(out).is_file()) or not (out / "summary.json").is_file():
+        return
+    diff = first_difference(previous, config, ("progress",))
+    if diff is not None:
+        key, old, new = diff
+        raise UserError(f"--out {out}: holds a finished run of another config ({key} = {old!r} there, {new!r} "
+                        "here); pass --overwrite to replace it, or give another folder")
+
+
+def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, overwrite: bool = False) -> dict:
     shard.check_run(cfg)
+    check_out_dir(out, cfg.to_dict(), resume, overwrite)
     try:
         session = Session(cfg)  # every input error surfaces here, before anything is written
     except Exception as exc:
@@ -327,6 +365,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
     run_id = cfg.run_id or out.name
     config = cfg.to_dict()
     restored = load_checkpoint(out, session, config) if resume else None
+    if restored is not None and cfg.train.iterations <= restored.iteration:
+        raise ConfigError("train.iterations", cfg.train.iterations,
+                          f"more than the checkpoint's last iteration {restored.iteration} (it holds "
+                          f"{restored.iteration + 1} iterations) to resume the run in {out}")
     lines = list(restored.records) if restored is not None else []  # records written, as JSON lines
     start = restored.iteration + 1 if restored is not None else 0
 
