@@ -1,4 +1,4 @@
-"""``agg-bench`` command line. A user error prints one line and exits with code 2."""
+"""The agg-bench command line. A user error prints one line and exits with code 2."""
 from __future__ import annotations
 
 import argparse
@@ -154,7 +154,12 @@ def cmd_env(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agg-bench", description=__doc__.splitlines()[0])
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="agg-bench", description="AGG and the GRPO baselines on diffusion transformers: training runs, "
+        "gradient replays, memory plans, tables and plots. A user error prints one line and exits with code 2.")
+    parser.add_argument("--version", action="version", version=f"agg-bench {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="one training run -> DIR/metrics.jsonl, summary.json, env.json")
@@ -170,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("snapshot", help="freeze one rollout for replay")
     _add_config_args(p)
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path,
+                   help="folder to write: transformer/, rollout.safetensors, rollout.json")
     p.set_defaults(func=cmd_snapshot)
 
     p = sub.add_parser("embed", help="prompt embeddings of a local model's text encoders -> the embedding cache")
@@ -180,10 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("replay", help="one method's gradient on a snapshot")
-    p.add_argument("snapshot", type=Path)
-    p.add_argument("--method", required=True)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("snapshot", type=Path, help="a folder written by agg-bench snapshot")
+    p.add_argument("--method", required=True, help="the method to replay (a registered method name)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a method option, e.g. --set method.window=5 (repeatable)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--out", required=True, type=Path, help="FILE.safetensors (+ FILE.json pass counts)")
     p.set_defaults(func=cmd_replay)
 

@@ -56,7 +56,7 @@ class Estimator(ABC):
     @abstractmethod
     def accumulate(self, policy: Policy, batch: TrainBatch, stats: UpdateStats,
                    reference: Policy | None = None) -> None:
-        """Add d L / d theta to ``.grad`` (L as in DESIGN, scaled by ``batch.loss_scale``)."""
+        """Add d L / d theta to ``.grad`` (L as in docs/design.md, scaled by ``batch.loss_scale``)."""
 
     def iteration_metrics(self) -> dict:
         """Method-specific fields for the iteration's metric record."""

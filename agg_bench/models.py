@@ -515,7 +515,7 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
     elif preset == "tiny":
         transformer = build_tiny_transformer(family, seed, prec.param_dtype)
         vae = build_tiny_vae(seed, family=family)
-        scheduler_config = FlowMatchEulerDiscreteScheduler(shift=3.0).config  # the DESIGN's shift 3
+        scheduler_config = FlowMatchEulerDiscreteScheduler(shift=3.0).config  # shift 3, as docs/design.md's sampler
     else:
         raise ConfigError("model.preset", preset, "'tiny', or model.pretrained set to a local folder")
     policy_cls = POLICIES[family]

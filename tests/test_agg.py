@@ -265,7 +265,7 @@ def test_presets_share_the_reference_schedule():
 
 # ----- replay --method agg against the rule written out independently ------------------------------
 def independent_sde_log_prob(kind, v, x, x_next, s, s_next, eta):
-    """DESIGN.md's transition log-density (mean over elements), written without agg_bench.sde."""
+    """docs/design.md's transition log-density (mean over elements), written without agg_bench.sde."""
     # s == 1 only at step 0, whose next sigma is the schedule's second
     mean, sd = sde_reference(kind, v, x, s, s_next, eta, s1=s_next)
     return gaussian_log_prob(x_next, mean, sd)
