@@ -1,4 +1,4 @@
-"""Training-free DiT inference caches for SD3 and FLUX, as diffusers hooks, for rollouts and training forwards.
+"""Training-free DiT inference caches for SD3, FLUX and Qwen-Image, as diffusers hooks, for rollouts and training forwards.
 
 ``apply_cache(transformer, name, options)`` installs one cache and returns a :class:`CacheHandle`:
 
@@ -67,7 +67,7 @@ def make_config(name: str, options: dict[str, Any] | None = None) -> Any:
 
 
 def apply_cache(transformer: torch.nn.Module, name: str, options: dict[str, Any] | None = None) -> CacheHandle:
-    """Install cache ``name`` with ``options`` on an SD3 or FLUX transformer."""
+    """Install cache ``name`` with ``options`` on an SD3, FLUX or Qwen-Image transformer."""
     config = make_config(name, options)
     if uses_gradient_checkpointing(checkpointable_modules(transformer)):
         raise gradient_checkpointing_error()
