@@ -30,11 +30,37 @@ class NoOptions:
     """This method has no options."""
 
 
+REPLAY_SCOPES = ("as_trained", "replanned", "partial", "not_applicable")
+
+
+@dataclasses.dataclass
+class ReplayPlan:
+    """What replaying a method on a frozen rollout measures (``agg-bench replay`` and ``gradcheck``).
+
+    ``scope`` is one of:
+    - ``as_trained``: the gradient the method computes in a run on this very rollout;
+    - ``replanned``: the method's rollout is distributed as the snapshot's, but it trains other steps,
+      drawn anew from the snapshot's stochastic steps (the row is one random draw of its gradient);
+    - ``partial``: the replay shows only part of what the method changes (``note`` says which part);
+    - ``not_applicable``: the method differs from ``full`` only in its rollout, which a frozen rollout
+      cannot show: ``replay`` refuses it and ``gradcheck`` writes its row without numbers.
+    ``train_steps``: (B, N) the steps to train, in denoising order; None trains the snapshot's.
+    ``note``: one sentence for the reader of the result.
+    """
+
+    scope: str = "as_trained"
+    train_steps: torch.Tensor | None = None
+    note: str = ""
+
+
 class Estimator(ABC):
     """Accumulates one method's gradient of L into ``policy`` parameters' ``.grad``."""
 
     name: ClassVar[str]
     config_cls: ClassVar[type] = NoOptions
+    # Whether the steps it trains on a frozen rollout are its own plan (replay_plan), so that replay
+    # honours --set train.timestep_fraction / train.plan / train.plan_window / seed for it.
+    replans: ClassVar[bool] = False
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.config_cls()
@@ -42,6 +68,13 @@ class Estimator(ABC):
     def check_run(self, cfg: Any) -> None:
         """Raise a ConfigError for run settings outside the method's own options that it cannot honour
         (e.g. a window longer than sampling.steps); called when a run is set up, before anything is written."""
+
+    def replay_plan(self, cfg: Any, stochastic: torch.Tensor, batch_size: int,
+                    generator: torch.Generator) -> ReplayPlan:
+        """How this method is replayed on a frozen rollout whose steps ``stochastic`` (T,) bool have a
+        log-probability, under run config ``cfg``; random draws come from ``generator``. Default: it
+        trains the snapshot's own steps, as it would in a run on that rollout."""
+        return ReplayPlan()
 
     def sde_mask(self, iteration: int, steps: int, generator: torch.Generator) -> torch.Tensor | None:
         """Which of the T steps are sampled with the SDE (None: all)."""
