@@ -44,7 +44,8 @@ def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
     tmp.replace(out / "rollout.safetensors")
     write_json(out / "rollout.json", {
         "family": cfg.model.family, "sde": batch.sde, "eta": batch.eta, "clip_range": batch.clip_range,
-        "beta": batch.beta, "dtype": cfg.model.dtype, "resolution": cfg.model.resolution,
+        "beta": batch.beta, "kl_form": batch.kl_form, "adv_std": cfg.grpo.adv_std, "dtype": cfg.model.dtype,
+        "resolution": cfg.model.resolution,
         "lora": lora_info(session.policy.transformer),
     })
     write_json(out / "config.json", cfg.to_dict())
@@ -79,7 +80,7 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
         advantages=t["advantages"], train_steps=t["train_steps"],
         cond=Conditioning.from_tensors(t),
         sde=meta["sde"], eta=meta["eta"], clip_range=meta["clip_range"], beta=beta,
-        velocities=t.get("velocities"), policy_version=0,
+        velocities=t.get("velocities"), policy_version=0, kl_form=meta.get("kl_form", "transition"),
     )
     config_path = root / "config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
