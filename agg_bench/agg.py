@@ -22,10 +22,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from baselines.full import exact_backward
-
 from .errors import ConfigError
-from .grpo import TrainBatch, UpdateStats, micro_batches, upstream_grad
+from .grpo import TrainBatch, UpdateStats, exact_backward, micro_batches, upstream_grad
 from .methods import Estimator, register_method
 from .models import Policy
 from .plan import steps_per_sample

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
-from .models import Conditioning
+from .models import Conditioning, Policy
 from .sde import SDEStepOutput, sde_step
 
 ADV_STD = ("population", "sample")
@@ -138,6 +138,20 @@ def upstream_grad(batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor, ve
         terms = step_terms(batch, rows, steps, v, ref_velocity)
         (u,) = torch.autograd.grad(terms.loss.sum() * batch.loss_scale, v)
     return u, StepTerms(terms.loss.detach(), terms.ratio.detach(), terms.log_prob.detach())
+
+
+def exact_backward(policy: Policy, batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor,
+                   stats: "UpdateStats", reference: Policy | None = None) -> None:
+    """Exact gradient of the (row, step) terms, the per-step backward of full GRPO (and of every method
+    where it trains a step exactly): forward with grad at x_j, loss, backward, scaled by ``loss_scale``."""
+    ref_v = None
+    if batch.beta > 0 and reference is not None:
+        with torch.no_grad():
+            ref_v = reference.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
+    v = policy.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
+    terms = step_terms(batch, rows, steps, v, ref_v)
+    (terms.loss.sum() * batch.loss_scale).backward()
+    stats.add(terms, batch.log_probs[rows, steps], batch.loss_scale)
 
 
 @dataclass
