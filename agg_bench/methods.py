@@ -3,13 +3,13 @@
 A method decides how the gradient of the GRPO objective is accumulated into the policy's ``.grad``
 for one rollout (and, optionally, which steps are stochastic in the rollout and which hooks run while
 sampling). Adding a method means one module with a config dataclass and an Estimator subclass, and
-one ``@register_method`` line; the training loop never changes.
+one ``@register_method`` line (:class:`agg_bench.registry.Registry`, the style of rewards and caches
+too); the training loop never changes.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import typing
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar
@@ -19,10 +19,11 @@ import torch
 from .errors import ConfigError
 from .grpo import TrainBatch, UpdateStats
 from .models import Policy
+from .registry import Registry
 
-METHODS: dict[str, type["Estimator"]] = {}
 # Modules whose import registers methods; imported on first lookup.
 METHOD_MODULES = ("baselines.full", "baselines.subsample", "agg_bench.agg", "baselines.cached")
+METHODS = Registry("method.name", modules=METHOD_MODULES)
 
 
 @dataclasses.dataclass
@@ -98,18 +99,12 @@ class Estimator(ABC):
 
 
 def register_method(cls: type[Estimator]) -> type[Estimator]:
-    METHODS[cls.name] = cls
-    return cls
-
-
-def _load_registry() -> None:
-    for module in METHOD_MODULES:
-        importlib.import_module(module)
+    """Class decorator: register ``cls`` under ``cls.name``."""
+    return METHODS.register(cls.name, cls)
 
 
 def available_methods() -> list[str]:
-    _load_registry()
-    return sorted(METHODS)
+    return METHODS.names()
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
@@ -174,7 +169,4 @@ def method_config(name: str, options: dict[str, Any], prefix: str = "method") ->
 
 def build_method(name: str, options: dict[str, Any] | None = None) -> Estimator:
     """The estimator registered as ``name`` with ``options`` (the ``method`` config section minus name)."""
-    _load_registry()
-    if name not in METHODS:
-        raise ConfigError("method.name", name, f"one of {sorted(METHODS)}")
-    return METHODS[name](method_config(name, dict(options or {})))
+    return METHODS.resolve(name)(method_config(name, dict(options or {})))
