@@ -22,10 +22,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from baselines.full import exact_backward
-
 from .errors import ConfigError
-from .grpo import TrainBatch, UpdateStats, micro_batches, upstream_grad
+from .grpo import TrainBatch, UpdateStats, exact_backward, micro_batches, upstream_grad
 from .methods import Estimator, register_method
 from .models import Policy
 from .plan import steps_per_sample
@@ -39,8 +37,13 @@ class AGGConfig:
     """Options of the AGG estimator (config keys ``method.<field>``).
 
     ``window`` (5): W, trained steps per group; groups are consecutive chunks of W entries of
-      ``train_steps`` (the last may be shorter). Use ``train.plan: groups`` with ``train.plan_window = W``
-      so that every chunk is a run of W consecutive denoising steps.
+      ``train_steps`` (the last may be shorter). A run checks (:meth:`AGGEstimator.check_run`) that
+      every group it aggregates is a run of consecutive denoising steps: with ``train.plan: groups``,
+      no group may join two plan groups (W = ``train.plan_window`` or a divisor of it) unless every
+      plan group is trained; with ``train.plan: steps``, ``train.timestep_fraction`` must train every
+      step. Otherwise a group would interpolate across steps that are not adjacent, which the rule
+      does not describe, and the run is refused (``replay`` and ``gradcheck`` too). W <= 2 and
+      ``route_frac = 0`` aggregate nothing, so they accept any plan.
     ``alpha`` ("index"): interpolation weight of step k in its group: ``index`` k/(W-1), or ``sigma``
       (s_{j_k} - s_{j_0}) / (s_{j_{W-1}} - s_{j_0}), which is exact when the velocity is affine in (x, t)
       along a straight segment of states.
@@ -140,13 +143,33 @@ class AGGEstimator(Estimator):
         self.last_routed: torch.Tensor | None = None
 
     def check_run(self, cfg) -> None:
-        n = steps_per_sample(cfg.train.plan, cfg.sampling.steps, cfg.train.timestep_fraction,
-                             cfg.train.plan_window)
-        if self.config.window > n:
-            raise ConfigError("method.window", self.config.window,
-                              f"at most the {n} trained steps per sample (train.plan={cfg.train.plan}, "
-                              f"train.timestep_fraction={cfg.train.timestep_fraction}, "
+        """W <= N, and the groups AGG aggregates are runs of consecutive steps (:class:`AGGConfig`)."""
+        train, window = cfg.train, self.config.window
+        n = steps_per_sample(train.plan, cfg.sampling.steps, train.timestep_fraction, train.plan_window)
+        if window > n:
+            raise ConfigError("method.window", window,
+                              f"at most the {n} trained steps per sample (train.plan={train.plan}, "
+                              f"train.timestep_fraction={train.timestep_fraction}, "
                               f"sampling.steps={cfg.sampling.steps})")
+        if window <= EXACT_GROUP_MAX or self.config.route_frac == 0:
+            return  # every group is trained exactly: adjacency does not matter
+        if train.plan == "groups":
+            plan_window = train.plan_window
+            # every plan group trained: the trained steps are 0 .. n-1, so any chunk is consecutive
+            every_group = n == (cfg.sampling.steps // plan_window) * plan_window
+            straddling = [(start, stop) for start, stop in group_bounds(n, window)
+                          if stop - start > EXACT_GROUP_MAX and start // plan_window != (stop - 1) // plan_window]
+            if straddling and not every_group:
+                raise ConfigError("method.window", window,
+                                  f"train.plan_window = {plan_window} or a divisor of it, with train.plan=groups "
+                                  f"and train.timestep_fraction={train.timestep_fraction} (the AGG group of "
+                                  f"entries {list(range(*straddling[0]))} would join steps of two plan groups, "
+                                  "which need not be adjacent)")
+        elif n < cfg.sampling.steps:
+            raise ConfigError("train.timestep_fraction", train.timestep_fraction,
+                              f"1.0 for method 'agg' with train.plan={train.plan} (a random subset of steps "
+                              "puts steps that are not adjacent into one group); train a fraction of whole "
+                              "groups with train.plan=groups and train.plan_window=method.window")
 
     # ----- velocities ------------------------------------------------------------------------
     def can_reuse(self, policy: Policy, batch: TrainBatch) -> bool:

@@ -32,6 +32,7 @@ from diffusers import (
 from .counters import PassCounter, count_backward
 from .telemetry import saved_activation_region
 from .errors import ConfigError
+from .lora import adapters_disabled, apply_lora, has_adapters  # noqa: F401  (has_adapters: also imported from here)
 
 FAMILIES = ("sd3", "flux", "qwenimage")
 
@@ -150,32 +151,6 @@ def build_tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32, family: st
         vae = AutoencoderKLQwenImage(**TINY_QWEN_VAE) if family == "qwenimage" else AutoencoderKL(**TINY_VAE)
     vae = vae if dtype == torch.float32 else vae.to(dtype)
     return vae.eval().requires_grad_(False)
-
-
-def has_adapters(module: torch.nn.Module) -> bool:
-    """Whether peft adapters (LoRA) are injected into ``module``."""
-    return bool(getattr(module, "_hf_peft_config_loaded", False))
-
-
-@contextlib.contextmanager
-def adapters_disabled(module: torch.nn.Module):
-    """Run ``module`` as its base model: every peft adapter is bypassed inside the block and restored after.
-
-    peft's switch also flips ``requires_grad`` of the adapter weights; their flags are restored exactly.
-    """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
-    flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-        for p, flag in flags:
-            p.requires_grad_(flag)
 
 
 class Policy:
@@ -542,8 +517,6 @@ def build_policy(cfg, device: str | torch.device = "cpu") -> Policy:
     if train.get("gradient_checkpointing"):
         policy.transformer.enable_gradient_checkpointing()
     if train.get("lora_rank", 0) > 0:
-        from .lora import apply_lora
-
         apply_lora(policy.transformer, policy.family, train["lora_rank"], train.get("lora_alpha"),
                    train.get("lora_target_modules"))
     return policy

@@ -2,11 +2,11 @@
 
 A reward is a callable ``reward(images, prompts) -> Tensor (B,)`` where ``images`` are decoded images
 (B, 3, H, W) in [0, 1]. Rewards are built by name with :func:`build_reward`; entries may be given as
-``"module:attr"`` strings so that optional extras are imported only when used.
+``"module:attr"`` strings so that optional extras are imported only when used
+(:class:`agg_bench.registry.Registry`, the style of methods and caches too).
 """
 from __future__ import annotations
 
-import importlib
 import io
 from typing import Callable
 
@@ -14,33 +14,20 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .errors import ConfigError
+from .errors import ConfigError  # noqa: F401  (reward factories raise it)
+from .registry import Registry
 
 RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
-REWARDS: dict[str, object] = {}
+REWARDS = Registry("reward.name")
 
 
 def register_reward(name: str, factory: object | None = None):
     """Register ``factory(options: dict, device) -> RewardFn`` under ``name`` (usable as a decorator)."""
-    if factory is not None:
-        REWARDS[name] = factory
-        return factory
-
-    def deco(f):
-        REWARDS[name] = f
-        return f
-
-    return deco
+    return REWARDS.register(name, factory)
 
 
 def build_reward(name: str, options: dict | None = None, device: str | torch.device = "cpu") -> RewardFn:
-    if name not in REWARDS:
-        raise ConfigError("reward.name", name, f"one of {sorted(REWARDS)}")
-    factory = REWARDS[name]
-    if isinstance(factory, str):
-        module, attr = factory.split(":")
-        factory = getattr(importlib.import_module(module), attr)
-    return factory(dict(options or {}), device)
+    return REWARDS.resolve(name)(dict(options or {}), device)
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

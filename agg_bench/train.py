@@ -139,7 +139,8 @@ class Session:
         with phase("reward"):
             images = self.policy.decode(traj.latents[:, -1])
             rewards = self.reward_fn(images, prompts).detach().float().cpu()
-        advantages = group_advantages(rewards, g, cfg.grpo.adv_clip_max).to(self.device)
+        advantages = group_advantages(rewards, g, cfg.grpo.adv_clip_max, cfg.grpo.adv_std,
+                                      traj.latents.dtype).to(self.device)
         train_steps = plan_steps(cfg.train.plan, total, traj.sde_mask, cfg.train.timestep_fraction,
                                  cfg.train.plan_window, gen)
         train_steps = distributed.take(train_steps, shard, total).to(self.device)
@@ -147,7 +148,7 @@ class Session:
             latents=traj.latents, log_probs=traj.log_probs, sigmas=self.sigmas.to(self.device),
             timesteps=traj.timesteps, advantages=advantages, train_steps=train_steps, cond=cond,
             sde=cfg.sampling.sde, eta=cfg.sampling.eta, clip_range=cfg.grpo.clip_range, beta=cfg.grpo.beta,
-            velocities=traj.velocities, policy_version=traj.policy_version,
+            velocities=traj.velocities, policy_version=traj.policy_version, kl_form=cfg.grpo.kl_form,
         )
         return Rollout(batch=batch, prompts=prompts, rewards=rewards)
 

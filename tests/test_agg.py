@@ -320,3 +320,53 @@ def test_replay_agg_matches_an_independent_computation_of_the_rule(tmp_path, sde
                     total[k] += g.double()
     assert relative_error(got, total) <= 1e-4
     assert counts == {"forward_nograd": b * n, "forward_grad": 2 * b * n // 3, "backward": 2 * b * n // 3}
+
+
+# ----- one W: the groups AGG aggregates are runs of consecutive denoising steps --------------------
+def _aggregated_groups_are_consecutive(cfg, window: int, draws: int = 60) -> bool:
+    """Whether every group of more than two entries is a run of consecutive steps in ``draws`` seeded plans."""
+    from agg_bench.plan import plan_steps
+
+    available = torch.ones(cfg.sampling.steps, dtype=torch.bool)
+    for seed in range(draws):  # fixed seeds: the same plans on every run
+        steps = plan_steps(cfg.train.plan, 1, available, cfg.train.timestep_fraction, cfg.train.plan_window,
+                           torch.Generator().manual_seed(seed))[0]
+        for start, stop in group_bounds(steps.numel(), window):
+            chunk = steps[start:stop]
+            if chunk.numel() > 2 and not torch.equal(chunk, torch.arange(int(chunk[0]), int(chunk[0]) + chunk.numel())):
+                return False
+    return True
+
+
+def test_agg_run_check_accepts_exactly_the_plans_whose_groups_are_consecutive():
+    """Over a grid of plans and windows, check_run refuses a run exactly when some seeded plan puts steps
+    that are not adjacent into one aggregated group; the refusal names method.window (plan groups) or
+    train.timestep_fraction (plan steps)."""
+    from agg_bench.plan import steps_per_sample
+
+    refused = accepted = 0
+    for plan, plan_window, fraction in [("groups", 5, 0.5), ("groups", 5, 1.0), ("groups", 3, 0.5),
+                                        ("groups", 2, 0.4), ("groups", 6, 1.0), ("steps", 5, 0.5),
+                                        ("steps", 5, 1.0), ("groups", 4, 0.5)]:
+        cfg = tiny_config("sampling.steps=12", f"train.plan={plan}", f"train.plan_window={plan_window}",
+                          f"train.timestep_fraction={fraction}")
+        n = steps_per_sample(plan, 12, fraction, plan_window)
+        for window in range(1, n + 1):
+            consecutive = _aggregated_groups_are_consecutive(cfg, window)
+            try:
+                agg(window=window).check_run(cfg)
+            except ConfigError as err:
+                assert not consecutive, (plan, plan_window, fraction, window)
+                assert err.key == ("method.window" if plan == "groups" else "train.timestep_fraction")
+                refused += 1
+                continue
+            assert consecutive, (plan, plan_window, fraction, window)
+            accepted += 1
+            # route_frac = 0 aggregates nothing: any plan is accepted
+            agg(window=window, route_frac=0.0).check_run(cfg)
+    assert refused and accepted
+    # the window the plan groups by, and a mismatch: 2 of 3 groups of 5 steps, W = 3 joins entries 3..5
+    plan = ("sampling.steps=15", "train.plan=groups", "train.plan_window=5", "train.timestep_fraction=0.67")
+    agg(window=5).check_run(tiny_config(*plan))
+    with pytest.raises(ConfigError, match=r"train.plan_window = 5 .*\[3, 4, 5\]"):
+        agg(window=3).check_run(tiny_config(*plan))

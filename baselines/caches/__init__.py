@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from agg_bench.errors import ConfigError, UserError
+from agg_bench.registry import Registry
 
 from .deltadit import DeltaDiTConfig, apply_deltadit
 from .fastercache import FasterCacheConfig, apply_fastercache
@@ -35,7 +36,8 @@ from .pab import PabConfig, apply_pab
 from .taylorseer import TaylorSeerConfig, apply_taylorseer
 from .teacache import TeaCacheConfig, apply_teacache
 
-CACHES: dict[str, tuple[type, Callable[[torch.nn.Module, Any], None]]] = {
+# name -> (config dataclass, installer), one file each (agg_bench.registry: the style of methods and rewards)
+CACHES: dict[str, tuple[type, Callable[[torch.nn.Module, Any], None]]] = Registry("method.cache", {
     "fbc": (FbcConfig, apply_fbc),
     "pab": (PabConfig, apply_pab),
     "fastercache": (FasterCacheConfig, apply_fastercache),
@@ -44,14 +46,12 @@ CACHES: dict[str, tuple[type, Callable[[torch.nn.Module, Any], None]]] = {
     "fora": (ForaConfig, apply_fora),
     "deltadit": (DeltaDiTConfig, apply_deltadit),
     "teacache": (TeaCacheConfig, apply_teacache),
-}
+})
 
 
 def cache_options(name: str) -> tuple[str, ...]:
     """The option keys cache ``name`` accepts."""
-    if name not in CACHES:
-        raise ConfigError("method.cache", name, f"one of {sorted(CACHES)}")
-    config_cls, _ = CACHES[name]
+    config_cls, _ = CACHES.resolve(name)
     return tuple(f.name for f in dataclasses.fields(config_cls) if f.name not in CALLBACK_FIELDS)
 
 
@@ -62,7 +62,7 @@ def make_config(name: str, options: dict[str, Any] | None = None) -> Any:
     for key in options:
         if key not in allowed:
             raise ConfigError(f"method.{key}", options[key], f"an option of the {name!r} cache: one of {list(allowed)}")
-    config_cls, _ = CACHES[name]
+    config_cls, _ = CACHES.resolve(name)
     return config_cls(**options)
 
 
@@ -73,7 +73,7 @@ def apply_cache(transformer: torch.nn.Module, name: str, options: dict[str, Any]
         raise gradient_checkpointing_error()
     if has_cache(transformer):
         raise UserError("this transformer already has an inference cache; remove() it before applying another")
-    _, apply_fn = CACHES[name]
+    _, apply_fn = CACHES.resolve(name)
     return CacheHandle(transformer, name, config, apply_fn)
 
 
