@@ -23,6 +23,7 @@ from tqdm import tqdm
 from .config import RunConfig
 from .errors import ConfigError, UserError
 from .io import atomic_path
+from .records import GRADCHECK_OPTION_COLUMNS
 from .snapshot import Snapshot, load_snapshot, method_from, replay_gradient, save_snapshot
 from .train import prepare_out_dir, resolve_device
 
@@ -33,7 +34,7 @@ COLUMNS = (
     "model", "resolution", "device", "batch_size", "steps_per_sample",
 )
 # estimator options that get their own column (whichever method has them)
-OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in")
+OPTION_COLUMNS = GRADCHECK_OPTION_COLUMNS
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,11 @@ import numpy as np
 import pandas as pd
 
 from .errors import UserError
-from .gradcheck import OPTION_COLUMNS
 from .io import atomic_path, read_jsonl
-from .train import RECORD_KEYS
+from .records import GRADCHECK_OPTION_COLUMNS, PASS_KEYS, PHASE_TIME_KEYS, PLOTS, RECORD_KEYS, TABLES
 
 MIB = 1024 ** 2
-PHASES = ("t_rollout_s", "t_reward_s", "t_train_s")
-PASS_KEYS = ("forward_nograd", "forward_grad", "backward")
+PHASES = PHASE_TIME_KEYS
 MEMORY_KEYS = {  # record key (bytes, max over a run) -> table column (MiB)
     "peak_alloc_bytes": "peak_alloc_mib",
     "nvml_peak_used_bytes": "nvml_peak_mib",
@@ -48,7 +46,7 @@ ROW_KEYS = ["method", "model", "resolution", "hardware", "source"]
 GROUP_KEYS = ["model", "resolution", "hardware", "source"]
 STATUS_ORDER = ("error", "oom", "diverged", "interrupted", "ok")
 # estimator options a gradcheck row is matched on: those with their own gradcheck column
-GRADCHECK_OPTIONS = OPTION_COLUMNS
+GRADCHECK_OPTIONS = GRADCHECK_OPTION_COLUMNS
 # record keys that are identity, not measurements (method extras are everything else that is numeric)
 _IDENTITY = {"run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
              "status", "source"}
@@ -516,9 +514,6 @@ def write_table(df: pd.DataFrame, out_dir: str | Path, name: str, status_column:
     return csv_path, md_path
 
 
-TABLES = ("efficiency", "ablation", "gpus")
-
-
 def write_tables(records: pd.DataFrame, gradcheck: pd.DataFrame, out_dir: str | Path, warmup: int = 1) -> dict[str, pd.DataFrame]:
     """Write records.csv and every table (CSV + Markdown) under ``out_dir``; return the tables."""
     out_dir = Path(out_dir)
@@ -537,8 +532,6 @@ def write_tables(records: pd.DataFrame, gradcheck: pd.DataFrame, out_dir: str | 
 # --------------------------------------------------------------------------------------------------
 # Plots
 # --------------------------------------------------------------------------------------------------
-
-PLOTS = ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "gradcheck_cosine")
 
 
 def _pyplot():

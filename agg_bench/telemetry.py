@@ -30,22 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-STANDARD_PHASES = ("rollout", "reward", "train")
-
-TELEMETRY_KEYS = (
-    "t_rollout_s",
-    "t_reward_s",
-    "t_train_s",
-    "t_iter_s",
-    "peak_alloc_bytes",
-    "peak_reserved_bytes",
-    "nvml_peak_used_bytes",
-    "saved_activation_peak_bytes",
-    "rss_peak_bytes",
-    "energy_j",
-    "gpu_util_mean",
-    "power_mean_w",
-)
+from .records import STANDARD_PHASES, TELEMETRY_KEYS  # noqa: F401  (also imported from here)
 
 
 def _is_cuda(device: torch.device) -> bool:

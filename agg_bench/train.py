@@ -28,22 +28,11 @@ from .io import JsonlWriter, write_json
 from .methods import Estimator, build_method
 from .models import Policy, build_policy
 from .plan import plan_steps
+from .records import RECORD_KEYS, TIMING_KEYS  # noqa: F401  (also imported from here)
 from .rewards import build_reward
 from .rollout import initial_noise, rollout
 from .sde import flow_sigmas
 from .text import prompt_conditioning, prompt_set
-
-RECORD_KEYS = (
-    "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
-    "reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "approx_kl",
-    "t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
-    "forward_nograd", "forward_grad", "backward",
-    "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
-    "rss_peak_bytes", "energy_j", "status",
-)
-TIMING_KEYS = ("t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s", "rss_peak_bytes",
-               "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "energy_j",
-               "gpu_util_mean", "power_mean_w")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,6 +1,8 @@
 # Jobs that summarize: the manifest of this sweep's runs, the tables, the plots.
-TABLE_FILES = [f"results/tables/{name}.{ext}" for name in ("efficiency", "ablation", "gpus") for ext in ("csv", "md")]
-PLOT_NAMES = ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "gradcheck_cosine")
+from agg_bench.records import PLOTS as PLOT_NAMES
+from agg_bench.records import table_files
+
+TABLE_FILES = table_files()
 
 
 rule manifest:
