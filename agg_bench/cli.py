@@ -47,6 +47,16 @@ def cmd_embed(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .calibrate import CalibrationConfig, write_calibration
+    from .config import load_config
+
+    options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup)
+    result = write_calibration(load_config(args.config, args.overrides), args.out, options)
+    print(json.dumps({"out": str(args.out), "unit_s_per_sample": result["unit_s_per_sample"]}))
+    return 0
+
+
 def cmd_replay(args) -> int:
     from .snapshot import replay
 
@@ -176,6 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help="FILE.safetensors (default: a file in prompts.cache_dir named after model and prompts)")
     p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser("calibrate", help="per-sample unit costs of a no-grad forward, a forward with grad and a "
+                                         "backward (the report's cost model) -> FILE.json")
+    _add_config_args(p)
+    p.add_argument("--repeats", type=int, default=21, help="measurements of each pass, interleaved (default 21)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--out", required=True, type=Path, help="FILE.json")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("replay", help="one method's gradient on a snapshot")
     p.add_argument("snapshot", type=Path)

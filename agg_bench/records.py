@@ -16,6 +16,10 @@ TELEMETRY_KEYS = (
     "t_reward_s",
     "t_train_s",
     "t_iter_s",
+    "t_rollout_cpu_s",
+    "t_reward_cpu_s",
+    "t_train_cpu_s",
+    "t_iter_cpu_s",
     "peak_alloc_bytes",
     "peak_reserved_bytes",
     "nvml_peak_used_bytes",
@@ -31,22 +35,27 @@ RECORD_KEYS = (
     "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
     "reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "approx_kl",
     "t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
-    "forward_nograd", "forward_grad", "backward",
+    "t_rollout_cpu_s", "t_reward_cpu_s", "t_train_cpu_s", "t_iter_cpu_s",
+    "forward_nograd", "forward_grad", "backward", "train_forward_nograd", "train_forward_grad", "train_backward",
     "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
     "rss_peak_bytes", "energy_j", "status",
 )
 
 # Record keys that depend on the machine's speed or load, not on the computation: two runs that
 # compute the same thing may differ in these and nothing else.
-TIMING_KEYS = ("t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s", "rss_peak_bytes",
+TIMING_KEYS = ("t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
+               "t_rollout_cpu_s", "t_reward_cpu_s", "t_train_cpu_s", "t_iter_cpu_s", "rss_peak_bytes",
                "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "energy_j",
                "gpu_util_mean", "power_mean_w")
 
-# Seconds per phase in a record (wall clock, or CUDA events on a GPU).
+# Seconds per phase in a record: wall clock (CUDA events on a GPU), and the process's CPU time.
 PHASE_TIME_KEYS = tuple(f"t_{phase}_s" for phase in STANDARD_PHASES)
+PHASE_CPU_KEYS = tuple(f"t_{phase}_cpu_s" for phase in STANDARD_PHASES)
 
-# Counted passes of the policy network per iteration (``counters.PassCounter``).
+# Counted passes of the policy network per iteration (``counters.PassCounter``, per sample), and
+# those of the train phase alone (what the cost model of ``agg-bench calibrate`` prices).
 PASS_KEYS = ("forward_nograd", "forward_grad", "backward")
+TRAIN_PASS_KEYS = tuple(f"train_{key}" for key in PASS_KEYS)
 
 # Estimator options that get their own gradcheck column (whichever method has them).
 GRADCHECK_OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in")
