@@ -60,17 +60,20 @@ TRAIN_PASS_KEYS = tuple(f"train_{key}" for key in PASS_KEYS)
 # Estimator options that get their own gradcheck column (whichever method has them).
 GRADCHECK_OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in")
 
-# Tables ``agg-bench report --tables DIR`` writes, each as ``DIR/<name>.csv`` and ``DIR/<name>.md``,
-# besides ``DIR/records.csv`` (every record with its labels).
-TABLES = ("efficiency", "ablation", "gpus")
+# Tables ``agg-bench report --tables DIR`` writes, each as ``DIR/<name>.<format>`` for every format of
+# TABLE_FORMATS (HTML is what the Snakemake report shows in the page), besides ``DIR/records.csv``
+# (every record with its labels).
+TABLES = ("summary", "efficiency", "ablation", "gpus")
+TABLE_FORMATS = ("csv", "md", "html")
 
 # Plots ``agg-bench report --plots DIR`` writes, each as ``DIR/<name>.png``.
-PLOTS = ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "gradcheck_cosine")
+PLOTS = ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "time_resolution",
+         "backward_passes", "cosine_cost", "gradcheck_cosine")
 
 
-def table_files(directory: str = "results/tables") -> list[str]:
-    """Every file of ``TABLES`` under ``directory`` (CSV and Markdown)."""
-    return [f"{directory}/{name}.{ext}" for name in TABLES for ext in ("csv", "md")]
+def table_files(directory: str = "results/tables", formats: tuple[str, ...] = TABLE_FORMATS) -> list[str]:
+    """Every file of ``TABLES`` under ``directory`` in ``formats``."""
+    return [f"{directory}/{name}.{ext}" for name in TABLES for ext in formats]
 
 
 def plot_files(directory: str = "results/plots") -> list[str]:
