@@ -47,6 +47,16 @@ def cmd_embed(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .calibrate import CalibrationConfig, write_calibration
+    from .config import load_config
+
+    options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup)
+    result = write_calibration(load_config(args.config, args.overrides), args.out, options)
+    print(json.dumps({"out": str(args.out), "unit_s_per_sample": result["unit_s_per_sample"]}))
+    return 0
+
+
 def cmd_replay(args) -> int:
     from .snapshot import replay
 
@@ -72,13 +82,16 @@ def cmd_gradcheck(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import GradcheckEntry, Manifest, build_report, discover_runs, load_manifest
+    from .report import CalibrationEntry, GradcheckEntry, Manifest, build_report, check_time_basis, discover_runs, load_manifest
 
     if args.tables is None and args.plots is None:
         raise UserError("report: give --tables DIR and/or --plots DIR")
     manifest = load_manifest(args.manifest) if args.manifest else Manifest()
     manifest.runs += discover_runs(args.runs)
     manifest.gradcheck += [GradcheckEntry(path) for path in args.gradcheck]
+    manifest.calibration += [CalibrationEntry(path) for path in args.calibration]
+    if args.time is not None:
+        manifest.time = check_time_basis(args.time, "--time")
     if args.warmup is not None:
         manifest.warmup = args.warmup
     tables = build_report(manifest, args.tables, args.plots)
@@ -185,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FILE.safetensors (default: a file in prompts.cache_dir named after model and prompts)")
     p.set_defaults(func=cmd_embed)
 
+    p = sub.add_parser("calibrate", help="per-sample unit costs of a no-grad forward, a forward with grad and a "
+                                         "backward (the report's cost model) -> FILE.json")
+    _add_config_args(p)
+    p.add_argument("--repeats", type=int, default=21, help="measurements of each pass, interleaved (default 21)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--out", required=True, type=Path, help="FILE.json")
+    p.set_defaults(func=cmd_calibrate)
+
     p = sub.add_parser("replay", help="one method's gradient on a snapshot")
     p.add_argument("snapshot", type=Path, help="a folder written by agg-bench snapshot")
     p.add_argument("--method", required=True, help="the method to replay (a registered method name)")
@@ -213,7 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run folders, or folders of run folders (labels taken from their records)")
     p.add_argument("--gradcheck", nargs="*", default=[], type=Path, help="gradcheck CSVs")
     p.add_argument("--warmup", type=int, help="iterations left out of the time averages (default 1)")
-    p.add_argument("--tables", type=Path, help="write efficiency/ablation/gpus .csv + .md and records.csv here")
+    p.add_argument("--calibration", nargs="*", default=[], type=Path,
+                   help="agg-bench calibrate JSONs: the cost model behind predicted_train_speedup")
+    p.add_argument("--time", help="seconds the timings use: auto (CPU time on a CPU, CUDA events on a GPU; "
+                                  "default), cpu or wall")
+    p.add_argument("--tables", type=Path, help="write summary/efficiency/ablation/gpus .csv + .md + .html and "
+                                               "records.csv here")
     p.add_argument("--plots", type=Path, help="write the PNG plots here")
     p.set_defaults(func=cmd_report)
 

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from .config import RunConfig
 from .errors import ConfigError, UserError
 from .io import atomic_path
+from .records import GRADCHECK_OPTION_COLUMNS
 from .snapshot import Snapshot, load_snapshot, plan_replay, replay_gradient, replay_setup, save_snapshot
 from .train import prepare_out_dir, resolve_device
 
@@ -38,7 +39,7 @@ COLUMNS = (
     "model", "resolution", "device", "batch_size", "steps_per_sample", "replay", "replay_note",
 )
 # estimator options that get their own column (whichever method has them)
-OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in")
+OPTION_COLUMNS = GRADCHECK_OPTION_COLUMNS
 
 
 @dataclass(frozen=True)

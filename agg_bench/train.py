@@ -30,22 +30,11 @@ from .io import JsonlWriter, is_temp_name, write_json
 from .methods import Estimator, build_method
 from .models import Policy, build_policy
 from .plan import plan_steps
+from .records import RECORD_KEYS, TIMING_KEYS  # noqa: F401  (also imported from here)
 from .rewards import build_reward
 from .rollout import initial_noise, rollout
 from .sde import flow_sigmas
 from .text import prompt_conditioning, prompt_set
-
-RECORD_KEYS = (
-    "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
-    "reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "approx_kl",
-    "t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
-    "forward_nograd", "forward_grad", "backward",
-    "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
-    "rss_peak_bytes", "energy_j", "status",
-)
-TIMING_KEYS = ("t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s", "rss_peak_bytes",
-               "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "energy_j",
-               "gpu_util_mean", "power_mean_w")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -279,13 +268,17 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     counts, learning statistics, the method's fields and the reward statistics, the processes'
     shares combined (:func:`agg_bench.distributed.combine`). ``diverged`` is set when the update
     stopped before its optimizer step."""
-    before = session.policy.counter.copy()
+    counter = session.policy.counter
+    before = counter.copy()
     with telemetry.iteration():
         collected = session.collect(iteration, telemetry)
+        before_train = counter.copy()
         # the policy network's saved tensors: what one backward through it holds, whatever the method
         with telemetry.phase("train", saved_activations="regions"):
             learn = session.update(collected.batch)
-    share = {**telemetry.record(), **(session.policy.counter - before).as_dict(), **learn,
+    # the train phase's own passes, which the cost model prices (the rollout's are the same for most methods)
+    train_passes = {f"train_{k}": v for k, v in (counter - before_train).as_dict().items()}
+    share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn,
              **session.estimator.iteration_metrics()}
     parts = distributed.gather((share, collected.rewards.tolist(), len(collected.prompts)))
     fields = distributed.combine([p for p, _, _ in parts])
@@ -397,8 +390,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
             save_checkpoint(out, session, iteration, lines, config)
         saved_at = iteration
 
+    # a job log (not a terminal) gets one line per iteration instead of a bar it cannot redraw
+    log_lines = shard.is_main and not sys.stderr.isatty()
     bar = tqdm(range(start, cfg.train.iterations), desc=f"{run_id}", initial=start, total=cfg.train.iterations,
-               disable=not cfg.progress or not shard.is_main, unit="it")
+               disable=not cfg.progress or not shard.is_main or log_lines, unit="it")
     writer = JsonlWriter(out / "metrics.jsonl", append=True) if shard.is_main else None
     stop = StopSignals()
     with stop:
@@ -439,6 +434,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
                     if every and (iteration + 1) % every == 0:
                         checkpoint(iteration)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3g}", loss=f"{record['loss'] or 0:.3g}")
+                if log_lines:
+                    print(progress_line(record, cfg.train.iterations), file=sys.stderr, flush=True)
             if status == "ok" and every and last_good is not None and saved_at != last_good:
                 with stop.deferred():
                     checkpoint(last_good)
@@ -463,6 +460,20 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
             if shard.is_main:
                 write_json(out / "summary.json", summary)
     return summary
+
+
+def progress_line(record: dict, iterations: int) -> str:
+    """One log line for an iteration's record: its number, phase times (wall, and CPU in
+    parentheses), reward and status."""
+    def seconds(key: str) -> str:
+        wall, cpu = record.get(f"t_{key}_s"), record.get(f"t_{key}_cpu_s")
+        text = "-" if wall is None else f"{wall:.3f}s"
+        return text if cpu is None else f"{text} (cpu {cpu:.3f}s)"
+
+    reward = record.get("reward_mean")
+    phases = "  ".join(f"{name} {seconds(name)}" for name in ("rollout", "reward", "train", "iter"))
+    return (f"{record.get('run_id')} iteration {record['iteration'] + 1}/{iterations}  {phases}  "
+            f"reward {'-' if reward is None else f'{reward:.4g}'}  {record.get('status')}")
 
 
 def _start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool) -> None:

@@ -104,6 +104,13 @@ class Sweep:
             for model in self.embed_models:
                 self.embeddings[model] = {"device": device, "pairs": self._pairs(device, model, None, None, {})}
         self.references = {ref["label"]: ref for ref in sweep.get("references", [])}
+        # one calibration of the cost model per (model, resolution, device) that runs measure
+        self.calibrations = {}
+        if (sweep.get("calibrate") or {}).get("enabled", True):
+            for run in self.runs.values():
+                name = f"{run['model']}_{run['resolution']}px_{run['device']}"
+                self.calibrations[name] = {key: run[key] for key in ("model", "resolution", "device")}
+                self.calibrations[name]["pairs"] = self._pairs(run["device"], run["model"], run["resolution"], None, {})
 
     def excluded(self, labels: dict) -> bool:
         """Whether an `exclude` entry matches every label it names (shell-style patterns: cache-*)."""
@@ -165,9 +172,10 @@ class Sweep:
     def threads(self, device: str) -> int:
         return int(self.devices[device].get("threads", 1))
 
-    def launch(self, device: str, verb: str) -> str:
-        """How a job of ``device`` starts `agg-bench VERB`: on pooled GPUs, with torchrun for several."""
-        k = self.gpus(device)
+    def launch(self, device: str, verb: str, gpus: int | None = None) -> str:
+        """How a job of ``device`` starts `agg-bench VERB`: on pooled GPUs (``gpus``, default the
+        device's), with torchrun for several."""
+        k = self.gpus(device) if gpus is None else gpus
         cli = f"{PYTHON} -m agg_bench {verb}"
         if k == 0:
             return cli
@@ -188,6 +196,13 @@ class Sweep:
         methods = " ".join(f"--methods {shlex.quote(m)}" for m in part.get("methods", []))
         return (f"{self.launch(job['device'], 'gradcheck')} {self._config_args(job['pairs'])} {args} {methods} "
                 f"--out results/gradcheck/{name}.csv")
+
+    def calibrate_command(self, name: str) -> str:
+        job, part = self.calibrations[name], self.sweep.get("calibrate") or {}
+        options = " ".join(f"--{key} {int(part[key])}" for key in ("repeats", "warmup") if key in part)
+        # unit costs are per GPU: one process on one GPU of the device
+        return (f"{self.launch(job['device'], 'calibrate', min(1, self.gpus(job['device'])))} "
+                f"{self._config_args(job['pairs'])} {options} --out results/calibration/{name}.json")
 
     def embed_command(self, model: str) -> str:
         job = self.embeddings[model]
@@ -218,6 +233,9 @@ class Sweep:
     def gradcheck_files(self) -> list[str]:
         return [f"results/gradcheck/{name}.csv" for name in self.gradchecks]
 
+    def calibration_files(self) -> list[str]:
+        return [f"results/calibration/{name}.json" for name in self.calibrations]
+
     def manifest(self) -> dict:
         """What `agg-bench report --manifest` reads: every run folder with its labels."""
         runs = [{"dir": f"results/runs/{run_id}", "method": r["method"], "model": r["model"],
@@ -228,8 +246,11 @@ class Sweep:
                  for label, ref in self.references.items()]
         checks = [{"file": f"results/gradcheck/{name}.csv", "model": g["model"], "resolution": g["resolution"]}
                   for name, g in self.gradchecks.items()]
-        warmup = (self.sweep.get("report") or {}).get("warmup_iterations", 1)
-        return {"runs": runs, "gradcheck": checks, "warmup": warmup}
+        calibration = [{"file": f"results/calibration/{name}.json", "model": c["model"], "resolution": c["resolution"],
+                        "device": c["device"]} for name, c in self.calibrations.items()]
+        options = self.sweep.get("report") or {}
+        return {"runs": runs, "gradcheck": checks, "calibration": calibration,
+                "warmup": options.get("warmup_iterations", 1), "time": options.get("time", "auto")}
 
 
 EMBED_DIR = "results/embeddings"
