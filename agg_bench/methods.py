@@ -21,8 +21,10 @@ from .grpo import TrainBatch, UpdateStats
 from .models import Policy
 
 METHODS: dict[str, type["Estimator"]] = {}
-# Modules whose import registers methods; imported on first lookup.
-METHOD_MODULES = ("baselines.full", "baselines.subsample", "agg_bench.agg", "baselines.cached")
+# Method name -> the module whose import registers it; a run imports only its own method's module
+# (``cached`` brings in every cache and diffusers' hooks).
+METHOD_MODULES = {"full": "baselines.full", "fraction": "baselines.subsample", "window": "baselines.subsample",
+                  "agg": "agg_bench.agg", "cached": "baselines.cached"}
 
 
 @dataclasses.dataclass
@@ -69,9 +71,11 @@ def register_method(cls: type[Estimator]) -> type[Estimator]:
     return cls
 
 
-def _load_registry() -> None:
-    for module in METHOD_MODULES:
-        importlib.import_module(module)
+def _load_registry(name: str | None = None) -> None:
+    """Import the module of method ``name`` (None: of every method)."""
+    for method, module in METHOD_MODULES.items():
+        if name is None or method == name:
+            importlib.import_module(module)
 
 
 def available_methods() -> list[str]:
@@ -141,7 +145,8 @@ def method_config(name: str, options: dict[str, Any], prefix: str = "method") ->
 
 def build_method(name: str, options: dict[str, Any] | None = None) -> Estimator:
     """The estimator registered as ``name`` with ``options`` (the ``method`` config section minus name)."""
-    _load_registry()
+    _load_registry(name)
     if name not in METHODS:
+        _load_registry()  # the error lists every method
         raise ConfigError("method.name", name, f"one of {sorted(METHODS)}")
     return METHODS[name](method_config(name, dict(options or {})))
