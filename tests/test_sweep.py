@@ -149,3 +149,11 @@ def test_a_failing_methods_check_is_one_line_and_not_cached(tmp_path, monkeypatc
         sweep_module.checked_methods("config/run.yaml", jobs, tmp_path)
     assert str(err.value).startswith("sweep config: run x (methods.bad): ") and "method.window" in str(err.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_imports_only_its_own_method():
+    script = ("import sys; from agg_bench.methods import build_method; build_method('agg', {}); "
+              "print([m for m in ('baselines.cached', 'baselines.caches', 'baselines.subsample') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
