@@ -5,6 +5,7 @@ Every problem is a :class:`ConfigError` naming the key, the value and what is al
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 from importlib import resources
@@ -74,6 +75,7 @@ class RunConfig(dict):
         return copy.deepcopy(dict(self))
 
 
+@functools.lru_cache(maxsize=1)  # parsing the YAML costs more than validating a config against it
 def _schema() -> dict:
     return yaml.safe_load(resources.files("agg_bench").joinpath("run.schema.yaml").read_text())
 
@@ -154,15 +156,23 @@ def check_finite(value: Any, path: str = "") -> None:
             check_finite(item, f"{path}[{i}]")
 
 
-def validate(config: dict) -> RunConfig:
-    """Check ``config`` against the schema and the method's options; return it as a RunConfig."""
-    check_finite(config)
-    if not isinstance(config.get("method"), dict):
-        raise ConfigError("method", config.get("method"), "a mapping with a name, e.g. {name: agg, window: 5}")
-    errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(config),
+def check_schema(instance: Any, schema: dict) -> None:
+    """Raise a ConfigError for ``instance``'s first violation of ``schema`` (the shallowest key first)."""
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(instance),
                     key=lambda e: (len(list(e.absolute_path)), list(map(str, e.absolute_path))))
     if errors:
         raise _describe(errors[0])
+
+
+def validate(config: dict, check_method: bool = True) -> RunConfig:
+    """Check ``config`` against the schema and (``check_method``) the method's options, which imports the
+    method's module and with it torch; return it as a RunConfig."""
+    check_finite(config)
+    if not isinstance(config.get("method"), dict):
+        raise ConfigError("method", config.get("method"), "a mapping with a name, e.g. {name: agg, window: 5}")
+    check_schema(config, _schema())
+    if not check_method:
+        return RunConfig(config)
     from .methods import build_method  # a method's options are checked by its own config class
 
     method = dict(config["method"])
@@ -170,8 +180,9 @@ def validate(config: dict) -> RunConfig:
     return RunConfig(config)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """DEFAULTS <- YAML file <- overrides, validated."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                check_method: bool = True) -> RunConfig:
+    """DEFAULTS <- YAML file <- overrides, validated (the method's options only with ``check_method``)."""
     user: dict = {}
     if path is not None:
         path = Path(path)
@@ -191,4 +202,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if "method" in user and "name" in user["method"]:
         # a method section replaces the default one, so options of another method do not leak in
         merged["method"] = copy.deepcopy(user["method"])
-    return validate(apply_overrides(merged, overrides or []))
+    return validate(apply_overrides(merged, overrides or []), check_method)

@@ -23,8 +23,10 @@ from .registry import Registry
 
 # Batch-size options any method may have: null (one call for everything) or at least one latent per call.
 BATCH_OPTIONS = ("micro_batch", "nograd_batch")
-# Modules whose import registers methods; imported on first lookup.
-METHOD_MODULES = ("baselines.full", "baselines.subsample", "agg_bench.agg", "baselines.cached")
+# Method name -> the module whose import registers it; a run imports only its own method's module
+# (``cached`` brings in every cache and diffusers' hooks).
+METHOD_MODULES = {"full": "baselines.full", "fraction": "baselines.subsample", "window": "baselines.subsample",
+                  "agg": "agg_bench.agg", "cached": "baselines.cached"}
 METHODS = Registry("method.name", modules=METHOD_MODULES)
 
 

@@ -3,8 +3,9 @@
 A plug-in is one module with its config dataclass; its entry (an Estimator class, a reward factory, a
 cache's config class and installer) is registered under its name, directly or as a decorator. An entry
 given as ``"module:attr"`` is imported on first use, so optional extras cost nothing until chosen; the
-``modules`` of a registry are imported on its first lookup, so plug-ins that register themselves on
-import are found. An unknown name is a ConfigError naming the config key, the name and the known names.
+``modules`` of a registry, whose import registers plug-ins, are imported on its first lookup; given as
+``{name: module}``, a lookup of one name imports only that name's module (a run imports only its own
+method's code). An unknown name is a ConfigError naming the config key, the name and the known names.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from .errors import ConfigError
 class Registry(dict):
     """``{name: entry}`` for the config key ``key`` (e.g. ``method.name``); read it with :meth:`resolve`."""
 
-    def __init__(self, key: str, entries: dict[str, Any] | None = None, modules: tuple[str, ...] = ()):
+    def __init__(self, key: str, entries: dict[str, Any] | None = None,
+                 modules: tuple[str, ...] | dict[str, str] = ()):
         super().__init__()
         self.key = key
         self.modules = modules
@@ -39,7 +41,7 @@ class Registry(dict):
     def load(self) -> None:
         """Import the modules whose import registers entries (once)."""
         if not self._loaded:
-            for module in self.modules:
+            for module in dict.fromkeys(self.modules.values() if isinstance(self.modules, dict) else self.modules):
                 importlib.import_module(module)
             self._loaded = True  # only once every module imported: a failed import is raised again
 
@@ -49,7 +51,10 @@ class Registry(dict):
 
     def resolve(self, name: str) -> Any:
         """The entry registered as ``name`` (a ``"module:attr"`` entry imported now), or a ConfigError."""
-        self.load()
+        if isinstance(self.modules, dict) and isinstance(name, str) and name in self.modules and name not in self:
+            importlib.import_module(self.modules[name])  # this name's module only
+        if not isinstance(name, str) or name not in self:
+            self.load()  # every module: the name may be registered elsewhere; the error lists them all
         if not isinstance(name, str) or name not in self:
             raise ConfigError(self.key, name, f"one of {sorted(self)}")
         entry = self[name]

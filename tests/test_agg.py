@@ -15,6 +15,7 @@ from agg_bench.methods import build_method
 from agg_bench.models import Conditioning, Policy
 from agg_bench.sde import flow_sigmas, sde_step
 from agg_bench.snapshot import replay, save_snapshot
+from agg_bench.telemetry import Telemetry
 from agg_bench.train import Session
 from helpers import gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
 
@@ -180,6 +181,77 @@ def test_reuse_gives_the_recomputed_gradient_and_stops_after_an_optimizer_step()
     assert session.estimator.iteration_metrics()["agg_groups"] == 0  # each record covers one iteration
 
 
+# ----- endpoint_velocity: reuse ----------------------------------------------------------------------
+@pytest.mark.parametrize("options, overrides", [
+    (dict(window=5, alpha="sigma"), ("train.plan=groups", "train.plan_window=5", "sampling.steps=10")),
+    (dict(window=3, alpha="index", route_frac=0.5, route_score="state_cosine"),
+     ("train.plan=groups", "train.plan_window=3", "grpo.beta=0.05")),
+    (dict(window=4, alpha="sigma", micro_batch=4), ("train.plan=steps",)),  # groups of 4 and 2 steps
+])
+def test_endpoint_reuse_gives_the_recomputed_gradient_with_two_fewer_nograd_forwards(options, overrides):
+    session = Session(tiny_config(*overrides))
+    batch = session.collect(0).batch
+    seed = torch.seed()  # fresh parameters off the rollout's, so ratios differ from 1
+    move_off_policy(session.policy)
+    policy, reference = session.policy, session.reference
+    recompute = agg(**options)
+    reuse = agg(**options, endpoint_velocity="reuse")
+    expected, counts, stats = gradient(recompute, policy, batch, reference)
+    got, reuse_counts, reuse_stats = gradient(reuse, policy, batch, reference)
+    # the same sums; the endpoints' v come from differently batched calls (float64 rounding)
+    assert relative_error(got, expected) <= 1e-12, seed
+    routed = int(recompute.last_routed.sum())
+    assert routed > 0 and torch.equal(reuse.last_routed, recompute.last_routed)
+    assert reuse.last_scores == pytest.approx(recompute.last_scores, abs=1e-10)
+    # W - 2 no-grad forwards per routed group instead of W; the rest of the work is the same
+    assert reuse_counts == {**counts, "forward_nograd": counts["forward_nograd"] - 2 * routed}
+    if batch.beta == 0 and options.get("route_score") != "state_cosine":
+        assert reuse_counts["forward_nograd"] == routed * (options["window"] - 2)
+    assert reuse_stats.count == stats.count == batch.batch_size * batch.steps_per_sample
+    # continuous statistics agree to rounding (clip_frac counts a threshold crossing: not compared)
+    for key in ("loss", "approx_kl", "ratio_dev"):
+        assert reuse_stats.as_dict()[key] == pytest.approx(stats.as_dict()[key], rel=1e-9, abs=1e-300), key
+
+
+def test_endpoint_reuse_is_moot_while_rollout_velocities_apply():
+    """The first update takes every v from the rollout (no no-grad forward either way); after an optimizer
+    step the rollout's v are stale and the endpoints come from the forwards-with-grad."""
+    cfg = tiny_config("method.name=agg", "method.window=3", "method.reuse_rollout_velocity=true",
+                      "method.endpoint_velocity=reuse", "train.plan=groups", "train.plan_window=3",
+                      "train.inner_epochs=2")
+    session = Session(cfg)
+    batch = session.collect(0).batch
+    policy = session.policy
+    b, n = batch.train_steps.shape
+    groups = b * n // 3
+    both, both_counts, _ = gradient(session.estimator, policy, batch)
+    rollout_only, rollout_counts, _ = gradient(agg(window=3, reuse_rollout_velocity=True), policy, batch)
+    assert both_counts == rollout_counts == {"forward_nograd": 0, "forward_grad": 2 * groups, "backward": 2 * groups}
+    assert relative_error(both, rollout_only) == 0.0  # the same computation: identical by construction
+
+    before = policy.counter.copy()
+    session.update(batch)  # two optimizer steps: the rollout's v, then W - 2 = 1 no-grad forward per group
+    assert (policy.counter - before).as_dict() == {"forward_nograd": groups, "forward_grad": 2 * 2 * groups,
+                                                   "backward": 2 * 2 * groups}
+
+
+def test_endpoint_reuse_keeps_the_saved_activation_peak():
+    """Each endpoint's backward runs right after its own forward, so the policy network never holds more
+    than one forward-with-grad of ``micro_batch`` latents: the peak equals recompute's."""
+    peaks = {}
+    for mode in ("recompute", "reuse"):
+        cfg = tiny_config("sampling.steps=5", "train.plan=groups", "train.plan_window=5", "method.name=agg",
+                          "method.window=5", f"method.endpoint_velocity={mode}", dtype="float32")
+        session = Session(cfg)
+        batch = session.collect(0).batch
+        with Telemetry(session.device) as telemetry:
+            with telemetry.iteration():
+                with telemetry.phase("train", saved_activations="regions"):
+                    session.update(batch)
+            peaks[mode] = telemetry.record()["saved_activation_peak_bytes"]
+    assert peaks["reuse"] == peaks["recompute"] > 0
+
+
 def linearity_reference(v: torch.Tensor) -> float:
     """Mean cosine of consecutive increments of the rows of ``v`` (m, D), straight from the definition."""
     inc = [(v[k + 1] - v[k]).double() for k in range(v.shape[0] - 1)]
@@ -215,11 +287,21 @@ def test_routing_sends_the_most_linear_groups_through_agg(route_score):
 
 
 @pytest.mark.parametrize("option, value", [("window", 0), ("route_frac", 1.5), ("route_frac", -0.1),
-                                           ("alpha", "linear"), ("nograd_batch", 0), ("route_score", "x")])
+                                           ("alpha", "linear"), ("nograd_batch", 0), ("route_score", "x"),
+                                           ("endpoint_velocity", "both"), ("endpoint_velocity", None)])
 def test_bad_options_name_their_key(option, value):
     with pytest.raises(ConfigError) as err:
         build_method("agg", {option: value})
     assert err.value.key == f"method.{option}"
+
+
+def test_endpoint_reuse_refuses_velocity_scores_on_a_partial_route():
+    with pytest.raises(ConfigError) as err:
+        build_method("agg", {"endpoint_velocity": "reuse", "route_frac": 0.5})
+    assert err.value.key == "method.endpoint_velocity"
+    assert "state_cosine" in str(err.value)
+    build_method("agg", {"endpoint_velocity": "reuse", "route_frac": 0.5, "route_score": "state_cosine"})
+    build_method("agg", {"endpoint_velocity": "reuse", "route_frac": 1.0})
 
 
 def test_reference_preset_backward_ratio_is_two_over_window():

@@ -86,6 +86,8 @@ def test_dry_run_of_the_slurm_profile(tmp_path):
     (lambda s: s["methods"]["agg-w3"]["method"].update(windw=3), ["methods.agg-w3", "method.windw"]),
     (lambda s: s["methods"].update({"bad_label": {"method": {"name": "full"}}}), ["methods", "bad_label"]),
     (lambda s: s["gradcheck"].update(models=["sdxl"]), ["gradcheck.models", "sdxl"]),
+    # decided from the model's configs while planning, not job by job
+    (lambda s: s.update(resolutions=[30]), ["run full_sd3_30px", "model.resolution", "30", "multiple of 16"]),
 ])
 def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
     work = workdir(tmp_path)
