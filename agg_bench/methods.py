@@ -57,6 +57,10 @@ class ReplayPlan:
     train_steps: torch.Tensor | None = None
     note: str = ""
 
+    def __post_init__(self) -> None:
+        if self.scope not in REPLAY_SCOPES:
+            raise ValueError(f"replay scope {self.scope!r}: expected one of {list(REPLAY_SCOPES)}")
+
 
 class Estimator(ABC):
     """Accumulates one method's gradient of L into ``policy`` parameters' ``.grad``."""

@@ -101,12 +101,12 @@ def replay_setup(config: dict, method: str, overrides: list[str]) -> tuple[RunCo
     options = dict(cfg.method)
     estimator = build_method(options.pop("name"), options)
     for item in overrides:
-        key = parse_override(item)[0]
+        key, value = parse_override(item)
         if key == "method" or key.startswith("method."):
             continue
         if not (estimator.replans and key in REPLAN_KEYS):
             allowed = f"method.* and {', '.join(REPLAN_KEYS)}" if estimator.replans else "method.* only"
-            raise ConfigError(key, parse_override(item)[1],
+            raise ConfigError(key, value,
                               f"a key a replay of method '{method}' can honour ({allowed}): "
                               "the rest is fixed by the snapshot")
     estimator.check_run(cfg)

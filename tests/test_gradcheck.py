@@ -157,6 +157,7 @@ def test_replay_plans_of_methods_that_train_other_steps_or_differ_in_their_rollo
         assert build_method(name).replay_plan(cfg, every, 5, gen()).scope == "as_trained"
 
 
+@pytest.mark.slow  # one snapshot, four replays and a gradcheck through the CLI: ~30 s on 2 cores
 def test_replay_measures_fraction_and_window_on_their_own_steps_and_refuses_what_it_cannot(tmp_path, capsys):
     import torch
     from safetensors.torch import load_file
