@@ -4,8 +4,9 @@
   the missing package (and the extra that installs it) or the missing file/folder (and its option).
 - :class:`ClipTransform`: the resize / center-crop / normalize of OpenAI CLIP, OpenCLIP and BLIP,
   on 8-bit PIL images exactly as their reference code does it.
-- :func:`load_state_dict` / :func:`load_weights`: read a checkpoint file and load it with a clear error
-  when its keys do not fit the architecture.
+- :func:`load_state_dict` / :func:`load_weights` / :func:`load_pretrained`: read a checkpoint file
+  (weights-only or safetensors), a tokenizer or processor folder, with one-line errors naming the file
+  and what was expected there.
 - :func:`make_reward_fn`: turns a per-batch scorer into the ``reward(images, prompts) -> (B,)`` callable
   of :mod:`agg_bench.rewards` (batched, ``torch.no_grad()``, float32 on the CPU).
 """
@@ -64,12 +65,13 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(err).__name__
 
 
-def load_tokenizer(reward: str, tokenizer_class, folder: Path, what: str):
-    """``tokenizer_class.from_pretrained(folder)``, or a UserError naming the folder and ``what`` it should hold."""
+def load_pretrained(reward: str, cls, folder: Path, what: str):
+    """``cls.from_pretrained(folder)`` (a tokenizer or image processor), or a UserError naming the folder and
+    ``what`` it should hold."""
     try:
-        return tokenizer_class.from_pretrained(str(folder))
+        return cls.from_pretrained(str(folder))
     except Exception as err:  # OSError, ValueError, TypeError depending on which file is missing or broken
-        raise UserError(f"reward {reward!r}: cannot load a {tokenizer_class.__name__} from '{folder}' "
+        raise UserError(f"reward {reward!r}: cannot load a {cls.__name__} from '{folder}' "
                         f"({first_line(err)}); "
                         f"expected {what}") from None
 

@@ -24,7 +24,7 @@ from PIL import Image
 
 from ..errors import UserError
 from ..rewards import to_uint8
-from .common import (ClipTransform, feature_dtype, first_line, load_tokenizer, require_package, require_path,
+from .common import (ClipTransform, feature_dtype, first_line, load_pretrained, require_package, require_path,
                      reward_dtype)
 
 MODEL_FOLDER = "a folder with a transformers CLIP model (config.json + model.safetensors or pytorch_model.bin)"
@@ -87,19 +87,19 @@ class HFClip:
             self.model = _load(reward, transformers, transformers.CLIPModel, model_dir, quiet=False, dtype=self.dtype)
         self.model.to(self.device).eval().requires_grad_(False)
         processor_files = "a folder with the CLIP processor files (preprocessor_config.json, tokenizer files)"
-        processor = load_tokenizer(reward, transformers.CLIPImageProcessorPil, processor_dir, processor_files)
+        processor = load_pretrained(reward, transformers.CLIPImageProcessorPil, processor_dir, processor_files)
         self.preprocess = hf_transform(processor) if transform == "hf" else openai_transform(reward, processor)
-        self.tokenizer = None if vision_only else load_tokenizer(reward, transformers.CLIPTokenizer, processor_dir,
+        self.tokenizer = None if vision_only else load_pretrained(reward, transformers.CLIPTokenizer, processor_dir,
                                                                  processor_files)
 
     def image_features(self, images: torch.Tensor) -> torch.Tensor:
-        """L2-normalised projected image embeddings (B, D), float32."""
+        """L2-normalised projected image embeddings (B, D), float32 (float64 for a float64 model)."""
         pixels = self.preprocess(images).to(self.device, self.dtype)
         pooled = self.model.vision_model(pixel_values=pixels).pooler_output
         return F.normalize(self.model.visual_projection(pooled).to(feature_dtype(self.dtype)), dim=-1)
 
     def text_features(self, prompts: list[str]) -> torch.Tensor:
-        """L2-normalised projected text embeddings (B, D), float32.
+        """L2-normalised projected text embeddings (B, D), float32 (float64 for a float64 model).
 
         Prompts are padded to the full context length so a prompt's tokens never depend on its batch.
         """

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from .common import (CLIP_MEAN, CLIP_STD, ClipTransform, feature_dtype, load_state_dict, load_tokenizer,
+from .common import (CLIP_MEAN, CLIP_STD, ClipTransform, feature_dtype, load_pretrained, load_state_dict,
                      load_weights, make_reward_fn, require_package, require_path, reward_dtype)
 
 REWARD = "hpsv2"
@@ -237,7 +237,7 @@ def build(options: dict, device):
     model = OpenClipModel(cfg)
     load_weights(REWARD, model, load_state_dict(REWARD, checkpoint, CHECKPOINT), checkpoint, what=CHECKPOINT)
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    tokenizer = load_tokenizer(REWARD, transformers.CLIPTokenizer, tokenizer_dir, TOKENIZER)
+    tokenizer = load_pretrained(REWARD, transformers.CLIPTokenizer, tokenizer_dir, TOKENIZER)
     image_size = cfg.vision.image_size
     preprocess = ClipTransform(image_size, image_size, cfg.image_mean, cfg.image_std)
 

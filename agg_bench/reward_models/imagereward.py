@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from .common import (ClipTransform, LinearStack, feature_dtype, load_state_dict, load_tokenizer, load_weights,
+from .common import (ClipTransform, LinearStack, feature_dtype, load_pretrained, load_state_dict, load_weights,
                      make_reward_fn, require_package, require_path, reward_dtype)
 
 REWARD = "imagereward"
@@ -309,7 +309,7 @@ def build(options: dict, device):
                  what=CHECKPOINT)
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.mlp.to(feature_dtype(dtype))  # the head runs in float32 as in the release (float64 for a float64 model)
-    tokenizer = load_tokenizer(REWARD, transformers.BertTokenizer, tokenizer_dir, TOKENIZER)
+    tokenizer = load_pretrained(REWARD, transformers.BertTokenizer, tokenizer_dir, TOKENIZER)
     preprocess = ClipTransform(vision.image_size, vision.image_size)
 
     def score_batch(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
