@@ -14,10 +14,12 @@ transformers-4 internals). The references are therefore:
   the rest;
 - the tokenizer calls and score formulas of each release's README / scoring code.
 
-Tolerance: both paths run in float64 from identical float32 pixel values (the transforms are
-bit-identical by construction: the same PIL calls and the same float32 arithmetic), so they differ only
-by float64 rounding in the networks (~1e-15); the reward returns float32, whose rounding is 6e-8
-relative. ``rtol=1e-6`` bounds both with a wide margin on any CPU and thread count.
+Tolerance: both paths run in float64 (the reward with ``dtype: float64`` returns float64 scores) from
+identical float32 pixel values (the transforms are bit-identical by construction: the same PIL calls and
+the same float32 arithmetic), so they differ only by float64 rounding in the networks: a few hundred
+sums of products at eps 1.1e-16 each, ~1e-13 relative at most. ``rtol=1e-10`` (well inside the 1e-6
+asked of the rewards) bounds that on any CPU and thread count, and still fails on any float32 step,
+such as weights rounded to float32 on loading (~1e-7).
 
 Images have odd sizes (wide, tall and smaller than the model's input, with odd crop margins where
 torchvision's rounding differs from flooring); one prompt is longer than the text context.
@@ -39,7 +41,7 @@ from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # noqa: 
 
 from agg_bench.rewards import build_reward, to_uint8  # noqa: E402
 
-RTOL = 1e-6
+RTOL = 1e-10
 # (height, width): wide with a crop margin of 3 after resizing (torchvision starts the crop at 2, a floor
 # at 1), tall with a margin of 19 (10 vs 9), and smaller than the 32-pixel input (upscaled).
 SIZES = [(37, 41), (75, 47), (21, 29)]
@@ -70,7 +72,8 @@ def assert_scores_equal(ours: torch.Tensor, expected: torch.Tensor):
     assert ours.shape == expected.shape
     # scores of random models are never exactly 0, so a match of zeros (a vacuous check) is excluded
     assert expected.numel() == 0 or expected.abs().min() > 0
-    torch.testing.assert_close(ours.double(), expected, rtol=RTOL, atol=0)
+    assert ours.dtype == torch.float64
+    torch.testing.assert_close(ours, expected, rtol=RTOL, atol=0)
 
 
 @pytest.fixture(scope="module")

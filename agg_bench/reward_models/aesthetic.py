@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UserError
 from .common import (LinearStack, feature_dtype, load_state_dict, load_weights, make_reward_fn, require_package,
-                     require_path)
+                     require_path, reward_dtype)
 from .hf_clip import HFClip
 
 
@@ -25,8 +25,8 @@ HEAD = ("the LAION aesthetic head state dict (e.g. sac+logos+ava1-l14-linearMSE.
         "ava+logos-l14-linearMSE.pth, or .safetensors)")
 
 
-def load_head(path) -> torch.nn.Module:
-    """The aesthetic head stored at ``path`` (linear or stacked-linear, see the module docstring)."""
+def load_head(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The aesthetic head stored at ``path`` (linear or stacked-linear, see the module docstring), in ``dtype``."""
     state = load_state_dict("aesthetic", path, HEAD)
     if set(state) == {"weight", "bias"}:
         head = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
@@ -38,6 +38,7 @@ def load_head(path) -> torch.nn.Module:
                 f"reward 'aesthetic': head '{path}' is neither a linear layer (weight, bias) nor an "
                 f"aesthetic MLP (layers.<i>.weight), found keys {sorted(state)[:4]} ...; expected {HEAD}"
             ) from None
+    head.to(dtype)  # before loading, so float64 weights stay float64
     load_weights("aesthetic", head, state, path, what=HEAD)
     return head
 
@@ -45,9 +46,10 @@ def load_head(path) -> torch.nn.Module:
 def build(options: dict, device):
     require_package("aesthetic", "transformers")
     head_path = require_path("aesthetic", options, "head", HEAD)
-    head = load_head(head_path)  # before the CLIP model: a wrong head file fails at once
+    # the head first: a wrong head file fails before the CLIP model is loaded
+    head = load_head(head_path, feature_dtype(reward_dtype(options)))
     clip = HFClip("aesthetic", options, device, transform="openai", vision_only=True)
-    head = head.to(clip.device, feature_dtype(clip.dtype)).eval().requires_grad_(False)
+    head = head.to(clip.device).eval().requires_grad_(False)
 
     def score_batch(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return head(clip.image_features(images)).squeeze(-1)

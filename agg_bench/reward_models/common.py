@@ -8,7 +8,7 @@
   (weights-only or safetensors), a tokenizer or processor folder, with one-line errors naming the file
   and what was expected there.
 - :func:`make_reward_fn`: turns a per-batch scorer into the ``reward(images, prompts) -> (B,)`` callable
-  of :mod:`agg_bench.rewards` (batched, ``torch.no_grad()``, float32 on the CPU).
+  of :mod:`agg_bench.rewards` (batched, ``torch.no_grad()``, float32 on the CPU; float64 for a float64 model).
 """
 from __future__ import annotations
 
@@ -231,14 +231,16 @@ class LinearStack(torch.nn.Module):
 
 
 def make_reward_fn(score_batch: ScoreBatch, options: Mapping, device) -> RewardFn:
-    """``reward(images, prompts) -> (B,)`` float32 on the CPU, scoring ``options["batch_size"]`` at a time.
+    """``reward(images, prompts) -> (B,)`` on the CPU, scoring ``options["batch_size"]`` at a time.
 
     ``score_batch(images, prompts)`` receives float32 images already on ``device`` and returns (b,).
+    Scores are float32, or float64 when the model runs in float64 (``options["dtype"]``), so that a
+    float64 model can be compared with a reference to float64 precision.
     """
     batch_size = options.get("batch_size", 16)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError("reward.options.batch_size", batch_size, "a positive integer")
-    device = torch.device(device)
+    device, score_dtype = torch.device(device), feature_dtype(reward_dtype(options))
 
     def reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -250,7 +252,8 @@ def make_reward_fn(score_batch: ScoreBatch, options: Mapping, device) -> RewardF
         with torch.no_grad():
             for start in range(0, len(prompts), batch_size):
                 chunk = images[start:start + batch_size].to(device=device, dtype=torch.float32)
-                scores.append(score_batch(chunk, prompts[start:start + batch_size]).float().reshape(-1).cpu())
-        return torch.cat(scores) if scores else torch.zeros(0)
+                batch_scores = score_batch(chunk, prompts[start:start + batch_size])
+                scores.append(batch_scores.to(score_dtype).reshape(-1).cpu())
+        return torch.cat(scores) if scores else torch.zeros(0, dtype=score_dtype)
 
     return reward

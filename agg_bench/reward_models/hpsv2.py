@@ -234,9 +234,9 @@ def build(options: dict, device):
     cfg = resolve_model_config(options.get("model_config"))
     device, dtype = torch.device(device), reward_dtype(options)
 
-    model = OpenClipModel(cfg)
+    model = OpenClipModel(cfg).to(dtype)  # cast before loading, so float64 weights stay float64
     load_weights(REWARD, model, load_state_dict(REWARD, checkpoint, CHECKPOINT), checkpoint, what=CHECKPOINT)
-    model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model.to(device=device).eval().requires_grad_(False)
     tokenizer = load_pretrained(REWARD, transformers.CLIPTokenizer, tokenizer_dir, TOKENIZER)
     image_size = cfg.vision.image_size
     preprocess = ClipTransform(image_size, image_size, cfg.image_mean, cfg.image_std)

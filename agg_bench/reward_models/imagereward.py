@@ -304,11 +304,11 @@ def build(options: dict, device):
     text = _config(TextConfig, options.get("med_config"), "med_config", strict=False)
     device, dtype = torch.device(device), reward_dtype(options)
 
-    model = ImageRewardModel(vision, text)
+    model = ImageRewardModel(vision, text).to(dtype)  # cast before loading, so weights are rounded only once
+    model.mlp.to(feature_dtype(dtype))  # the head runs in float32 as in the release (float64 for a float64 model)
     load_weights(REWARD, model, load_state_dict(REWARD, checkpoint, CHECKPOINT), checkpoint, ignore=IGNORED_KEYS,
                  what=CHECKPOINT)
-    model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    model.mlp.to(feature_dtype(dtype))  # the head runs in float32 as in the release (float64 for a float64 model)
+    model.to(device=device).eval().requires_grad_(False)
     tokenizer = load_pretrained(REWARD, transformers.BertTokenizer, tokenizer_dir, TOKENIZER)
     preprocess = ClipTransform(vision.image_size, vision.image_size)
 
