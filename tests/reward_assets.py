@@ -148,7 +148,7 @@ def image_reward_mlp(width: int, seed: int, dtype=torch.float64) -> nn.Module:
     head.layers = nn.Sequential(nn.Linear(width, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
                                 nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
     head.forward = head.layers.forward
-    return randomize(head.to(dtype).eval(), seed, std=0.05)
+    return randomize(head.to(dtype).eval(), seed, std=0.1)  # large enough that scores vary with the input
 
 
 def hf_blip_to_image_reward(vision, text, mlp: nn.Module) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from reward_assets import (TINY_MED, TINY_OPEN_CLIP, TINY_VIT, hf_blip_to_image_reward,  # noqa: E402
-                           hf_clip_to_open_clip, image_reward_mlp, tiny_hf_blip, tiny_hf_clip,
+                           hf_clip_to_open_clip, image_reward_mlp, randomize, tiny_hf_blip, tiny_hf_clip,
                            torchvision_eval_transform, write_bert_tokenizer, write_clip_tokenizer)
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # noqa: E402
 
@@ -187,4 +187,35 @@ def test_imagereward_equals_blip(tmp_path):
                           encoder_attention_mask=torch.ones(image_embeds.shape[:-1], dtype=torch.long)
                           ).last_hidden_state
             expected = (mlp(hidden[:, 0]).squeeze(-1) - release_mean) / release_std
+        assert_scores_equal(reward(images, prompts), expected)
+
+
+def test_hpsv2_equals_open_clip_package(tmp_path):
+    """Where open-clip-torch imports (it needs a torchvision that loads beside torch, e.g. torch 2.14.1 with
+    torchvision 0.29.1; not the pinned CPU stack, where this test is skipped): OpenCLIP's own ``CLIP`` class,
+    its eval transform and its tokenizer with the real BPE vocabulary, against the hpsv2 reward given that
+    vocabulary as transformers tokenizer files."""
+    open_clip = pytest.importorskip("open_clip")
+    import gzip
+
+    cfg = {**TINY_OPEN_CLIP, "text_cfg": {**TINY_OPEN_CLIP["text_cfg"], "vocab_size": 49408}}
+    model = randomize(open_clip.model.CLIP(**cfg).double().eval(), seed=41)
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "HPS_v2.1_compressed.pt")
+    simple = open_clip.tokenizer.SimpleTokenizer()
+    specials = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}  # same ids, HF spelling
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "vocab.json").write_text(json.dumps({specials.get(k, k): v for k, v in simple.encoder.items()}))
+    merges = gzip.open(open_clip.tokenizer.default_bpe()).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]
+    (tmp_path / "tok" / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    reward = build_reward("hpsv2", {"checkpoint": str(tmp_path / "HPS_v2.1_compressed.pt"),
+                                    "tokenizer": str(tmp_path / "tok"), "model_config": cfg, "dtype": "float64"}, "cpu")
+    transform, tokenize = open_clip.transform.image_transform(32, is_train=False), open_clip.get_tokenizer("ViT-H-14")
+    prompts = ["A Red cat, on the grass!", " ".join(["A photo of a red cat; high-quality & detailed."] * 8), "dog"]
+    gen = torch.Generator().manual_seed(42)
+    for height, width in SIZES + [(333, 1001)]:
+        images = torch.rand(len(prompts), 3, height, width, generator=gen)
+        pixels = torch.stack([transform(im) for im in pil_images(images)]).to(torch.float64)
+        with torch.no_grad():
+            expected = (model.encode_image(pixels, normalize=True)
+                        * model.encode_text(tokenize(prompts), normalize=True)).sum(-1)
         assert_scores_equal(reward(images, prompts), expected)
