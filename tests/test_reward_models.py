@@ -198,6 +198,11 @@ def write_bad_checkpoint(kind: str, folder: Path, assets) -> Path:
     path = folder / "weights.pt"
     if kind == "corrupt":
         path.write_bytes(bytes(range(256)) * 4)
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "corrupt safetensors":
+        path = folder / "weights.safetensors"
+        path.write_bytes(b"not a safetensors header" * 8)
     elif kind == "pickled module":  # torch.save(model) instead of its state dict: refused by weights_only
         torch.save(nn.Linear(2, 2), path)
     elif kind == "list of tensors":
@@ -210,8 +215,15 @@ def write_bad_checkpoint(kind: str, folder: Path, assets) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["corrupt", "pickled module", "list of tensors", "folder",
-                                  "another reward's checkpoint"])
+# kind -> words the message must hold besides the path and the expected file
+BAD_CHECKPOINTS = {"corrupt": "not a readable torch checkpoint", "empty": "not a readable torch checkpoint",
+                   "corrupt safetensors": "not a readable safetensors file",
+                   "pickled module": "pickled torch.nn.modules.linear.Linear, which weights_only=True refuses",
+                   "list of tensors": "holds a list, not a state dict", "folder": "is a folder",
+                   "another reward's checkpoint": "does not fit the configured architecture"}
+
+
+@pytest.mark.parametrize("kind", BAD_CHECKPOINTS)
 @pytest.mark.parametrize("name", STATE_DICT_REWARDS)
 def test_wrong_or_corrupt_checkpoint_is_one_clear_error(name, kind, assets, tmp_path):
     if name == "imagereward" and kind == "another reward's checkpoint":
@@ -221,6 +233,8 @@ def test_wrong_or_corrupt_checkpoint_is_one_clear_error(name, kind, assets, tmp_
         build_reward(name, {**assets[name], CHECKPOINT_OPTION[name]: str(path)}, "cpu")
     message = str(err.value)
     assert str(path) in message and EXPECTED_FILE[name] in message and "\n" not in message, message
+    assert BAD_CHECKPOINTS[kind] in message or (name == "aesthetic" and kind == "another reward's checkpoint"
+                                                 and "neither a linear layer" in message), message
 
 
 @pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic"])

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -61,7 +62,7 @@ def require_path(reward: str, options: Mapping, key: str, what: str, default: st
 
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message (at most 200 characters), for one-line errors."""
-    text = str(err).strip()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()  # without terminal colour codes
     return text.splitlines()[0][:200] if text else type(err).__name__
 
 
@@ -102,15 +103,23 @@ def load_state_dict(reward: str, path: Path, what: str) -> dict[str, torch.Tenso
 
     if path.is_dir():
         raise fail("is a folder")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
 
+        try:
             state = load_file(str(path))
-        else:
+        except Exception as err:  # SafetensorError, OSError
+            raise fail(f"is not a readable safetensors file ({first_line(err)})") from None
+    else:
+        try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle / zip / safetensors errors come in many types; all mean "not readable"
-        raise fail(f"cannot be read as a weights-only checkpoint ({first_line(err)})") from None
+        except Exception as err:  # pickle / zip errors come in many types; all mean "not a plain checkpoint"
+            refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+            if refused:  # a pickled object (e.g. a whole model) rather than tensors
+                raise fail(f"holds a pickled {refused.group(1)}, which weights_only=True refuses (a trusted "
+                           f"file can be re-saved as .safetensors)") from None
+            raise fail(f"is not a readable torch checkpoint ({type(err).__name__}, file corrupt or of another "
+                       f"kind)") from None
     for wrapper in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
             state = state[wrapper]
