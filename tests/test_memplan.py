@@ -10,16 +10,18 @@ from helpers import tiny_config
 
 from agg_bench import telemetry as tel
 from agg_bench.cli import main
-from agg_bench.memplan import GIB, ShapeModel, _Search, plan_memory, run_layout
+from agg_bench.memplan import ShapeModel, _Search, plan_memory, run_layout
 from agg_bench.train import Session, run_iteration
 
 CASES = {
     # family, dtype, extra settings: full with the whole batch per forward; AGG with micro-batches under
     # bf16 autocast and a KL reference copy; LoRA with gradient checkpointing in float64
-    "sd3-full": ("sd3", "float32", ["method.name=full"]),
+    "sd3-full": ("sd3", "float32", ["method.name=full", "sampling.steps=3"]),
     "flux-agg-bf16-kl": ("flux", "bfloat16", ['method={"name": "agg", "window": 3, "micro_batch": 4}',
-                                             "train.plan=groups", "train.plan_window=3", "grpo.beta=0.1"]),
-    "qwen-lora-ckpt": ("qwenimage", "float64", ["train.lora_rank=4", "train.gradient_checkpointing=true"]),
+                                             "train.plan=groups", "train.plan_window=3", "grpo.beta=0.1",
+                                             "sampling.steps=3"]),
+    "qwen-lora-ckpt": ("qwenimage", "float64", ["train.lora_rank=4", "train.gradient_checkpointing=true",
+                                                "sampling.steps=3"]),
 }
 
 
@@ -133,5 +135,3 @@ def test_run_records_its_plan(tmp_path):
     assert record["weights"] == "tiny"
 
 
-def test_gib_is_binary():
-    assert GIB == 2 ** 30
