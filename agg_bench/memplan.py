@@ -12,6 +12,10 @@ Per GPU (one of the run's ``gpus`` processes):
 - ``activations``: what one forward-with-grad of the policy saves for backward at the run's resolution
   and micro-batch, counted by running the run's own model code on fake tensors (shapes and dtypes,
   no memory) under the saved-tensor accounting a run records as ``saved_activation_peak_bytes``.
+  With gradient checkpointing, the inputs each checkpointed block keeps for its recompute are added
+  (``checkpoint_input_bytes``; the run's count does not see them). Under bfloat16 autocast the count
+  includes the bf16 copies of the weights that autocast makes and the matmuls save (2 bytes per
+  parameter a forward uses outside checkpointed blocks).
 
 With ``train.shard: fsdp`` over K GPUs the transformer's parameters, gradients and optimizer state are
 split K ways along their first dimension (FSDP2's padded shards); buffers and the VAE are replicated;
@@ -26,6 +30,7 @@ allocator slack, FSDP's gathered blocks, the rollout's and reward's working memo
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -140,6 +145,45 @@ def _to_fake(module: torch.nn.Module, mode) -> torch.nn.Module:
     return module
 
 
+class _HeldInputs:
+    """Distinct storages of the tensors handed to checkpointed blocks."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._seen: set = set()
+
+    def add(self, args) -> None:
+        for t in args:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage()._cdata
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.bytes += t.untyped_storage().nbytes()
+
+
+@contextlib.contextmanager
+def _checkpoint_inputs(transformer: torch.nn.Module):
+    """Count what gradient checkpointing keeps outside autograd's saved tensors: each checkpointed
+    block's inputs, held for its recompute (the saved-tensor accounting of a run does not see them)."""
+    held = _HeldInputs()
+    wrapped = [m for m in transformer.modules() if getattr(m, "_gradient_checkpointing_func", None) is not None]
+    originals = [m._gradient_checkpointing_func for m in wrapped]
+
+    def counting(original):
+        def call(block, *args):
+            held.add(args)
+            return original(block, *args)
+        return call
+
+    for module, original in zip(wrapped, originals):
+        module._gradient_checkpointing_func = counting(original)
+    try:
+        yield held
+    finally:
+        for module, original in zip(wrapped, originals):
+            module._gradient_checkpointing_func = original
+
+
 def _tensor_bytes(tensors, shards: int = 1) -> int:
     """Bytes of ``tensors``, each split ``shards`` ways along dim 0 with padding (an FSDP2 shard)."""
     total = 0
@@ -164,6 +208,7 @@ class ShapeModel:
         self.mode = FakeTensorMode()
         self._policies: dict[tuple, Policy] = {}
         self._activations: dict[tuple, int] = {}
+        self._checkpoint_inputs: dict[tuple, int] = {}
         self.vae = _to_fake(_shapes(cfg, "vae"), self.mode)
         train = cfg["train"]
         self.latent_shape = self.policy(bool(train["gradient_checkpointing"]), train["lora_rank"]).latent_shape(
@@ -200,10 +245,16 @@ class ShapeModel:
                                     None if pooled is None else torch.zeros(rows, pooled, dtype=dtype), mask)
                 latents = torch.zeros(rows, *self.latent_shape, dtype=dtype)
                 timesteps = torch.full((rows,), 500.0, dtype=dtype)
-                with counting_regions(SavedActivations()) as tracker:
+                with counting_regions(SavedActivations()) as tracker, _checkpoint_inputs(policy.transformer) as held:
                     policy.velocity(latents, timesteps, cond)
-            self._activations[key] = tracker.peak_bytes
+            self._activations[key] = tracker.peak_bytes + held.bytes
+            self._checkpoint_inputs[key] = held.bytes
         return self._activations[key]
+
+    def checkpoint_input_bytes(self, rows: int, checkpointing: bool, lora_rank: int) -> int:
+        """Of :meth:`activations`, the inputs that checkpointed blocks keep for their recompute."""
+        self.activations(rows, checkpointing, lora_rank)
+        return self._checkpoint_inputs[(rows, checkpointing, lora_rank)]
 
     def state_bytes(self, layout: Layout) -> dict[str, int]:
         """Parameter, gradient and optimizer bytes per GPU; parameter counts of the transformer."""
@@ -243,6 +294,7 @@ class MemoryPlan:
     layout: dict
     device: str
     activation_basis: str
+    checkpoint_input_bytes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -365,7 +417,9 @@ def plan_memory(cfg, gpus: int = 1, gpu_memory: float | None = None, suggest: bo
     return MemoryPlan(parameters=state["parameters"], trainable_parameters=state["trainable_parameters"],
                       bytes=counted, fits=fits, suggestions=suggestions, gpus=gpus,
                       gpu_memory_bytes=int(budget_total), reserve_bytes=reserve, layout=asdict(base),
-                      device=device, activation_basis=ACTIVATION_BASIS[device])
+                      device=device, activation_basis=ACTIVATION_BASIS[device],
+                      checkpoint_input_bytes=shapes.checkpoint_input_bytes(
+                          base.micro_batch, base.gradient_checkpointing, base.lora_rank))
 
 
 def run_memory_plan(cfg, gpus: int) -> dict:
