@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from helpers import tiny_config
@@ -12,6 +13,8 @@ from agg_bench import telemetry as tel
 from agg_bench.cli import main
 from agg_bench.memplan import ShapeModel, _Search, plan_memory, run_layout
 from agg_bench.train import Session, run_iteration
+
+ROOT = Path(__file__).parents[1]
 
 CASES = {
     # family, dtype, extra settings: full with the whole batch per forward; AGG with micro-batches under
@@ -138,3 +141,62 @@ def test_run_records_its_plan(tmp_path):
     assert record["weights"] == "tiny"
 
 
+
+
+def _sweep(name: str) -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / "config" / name).read_text())
+
+
+def test_gpu_sweeps_share_their_layouts():
+    """config/gpu.yaml and gpu_random.yaml differ only in where the weights come from (and the reward)."""
+    real, random = _sweep("gpu.yaml"), _sweep("gpu_random.yaml")
+    for key in ("devices", "resolutions", "methods", "exclude"):
+        assert real[key] == random[key], key
+    drop = ("model.preset", "model.pretrained", "model.architecture")
+    for label in real["models"]:
+        assert {k: v for k, v in real["models"][label].items() if k not in drop} == \
+            {k: v for k, v in random["models"][label].items() if k not in drop}
+    assert {k: v for k, v in real["base"].items() if k != "reward"} == \
+        {k: v for k, v in random["base"].items() if k != "reward"}
+
+
+@pytest.mark.slow
+def test_every_paper_scale_layout_fits_one_8_gpu_node(tmp_path):
+    """Each run of config/gpu_random.yaml (the layouts of gpu.yaml, see above), planned on its own layout
+    (the GPUs of its device label) with an H200's memory, fits. Activations grow with the resolution, so
+    each layout is planned at the largest resolution it runs at."""
+    import fnmatch
+
+    import yaml
+
+    from agg_bench.config import load_config
+
+    sweep = _sweep("gpu_random.yaml")
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(sweep["base"]))
+
+    def excluded(labels):
+        return any(all(fnmatch.fnmatchcase(str(labels[k]), str(p)) for k, p in entry.items())
+                   for entry in sweep.get("exclude", []))
+
+    largest = {}  # (model, device, the method's memory settings) -> (resolution, run labels, overrides)
+    for model, model_set in sweep["models"].items():
+        for method, method_set in sweep["methods"].items():
+            for device, spec in sweep["devices"].items():
+                for resolution in sorted(sweep["resolutions"]):
+                    labels = dict(model=model, resolution=resolution, method=method, device=device, seed=0)
+                    if excluded(labels):
+                        continue
+                    memory = {k: v for k, v in method_set.items() if k.startswith("train.")}
+                    memory["micro_batch"] = method_set["method"].get("micro_batch")
+                    key = (model, device, json.dumps(memory, sort_keys=True))
+                    pairs = {**model_set, "model.resolution": resolution, **method_set, "device": "cuda"}
+                    largest[key] = (resolution, labels, pairs, spec["gpus"])
+    for resolution, labels, pairs, gpus in largest.values():
+        cfg = load_config(base, [f"{k}={json.dumps(v)}" for k, v in pairs.items()])
+        plan = plan_memory(cfg, gpus, gpu_memory=139 * 1024 ** 3, suggest=False)
+        assert plan.fits, (labels, plan.bytes)
+    assert {gpus for *_, gpus in largest.values()} == {1, 8}
+    assert {labels["resolution"] for _, labels, _, _ in largest.values()} == {720, 1024}
