@@ -54,6 +54,7 @@ def expected_runs(sweep: dict) -> int:
 @pytest.mark.parametrize("name, extra", [
     ("config.yaml", ["--cores", "2"]),
     ("gpu.yaml", ["--cores", "64", "--resources", "gpu=8"]),
+    ("gpu_random.yaml", ["--cores", "64", "--resources", "gpu=8"]),
 ])
 def test_dry_run_expands_every_job(tmp_path, name, extra):
     work = workdir(tmp_path)
@@ -63,7 +64,8 @@ def test_dry_run_expands_every_job(tmp_path, name, extra):
     assert proc.returncode == 0, proc.stderr + proc.stdout
     counts = job_counts(proc.stdout)
     assert counts["run"] == expected_runs(sweep)
-    assert counts["gradcheck"] == len(sweep["models"]) * len(sweep["gradcheck"]["resolutions"])
+    gradcheck = sweep.get("gradcheck") or {}
+    assert counts.get("gradcheck", 0) == len(gradcheck.get("models", sweep["models"])) * len(gradcheck.get("resolutions", []))
     assert counts.get("embed", 0) == (len(sweep["models"]) if "embed" in sweep else 0)
     assert counts["tables"] == counts["plots"] == counts["manifest"] == 1
     # one cost-model calibration per model x resolution x device that runs use
@@ -79,6 +81,9 @@ def test_dry_run_of_the_slurm_profile(tmp_path):
     assert proc.returncode == 0, proc.stderr + proc.stdout
     # the profile's per-rule resources reach the run jobs
     assert re.search(r"rule run:.*?resources:[^\n]*gpu=1[^\n]*gpu_model=h100[^\n]*cpus_per_gpu=8", proc.stdout, re.S)
+    # a job of an 8-GPU layout asks SLURM for 8 GPUs
+    assert re.search(r"rule run:\n[^\n]*\n\s*output: results/runs/full_flux1dev[^\n]*\n.*?resources:[^\n]*gpu=8",
+                     proc.stdout, re.S)
 
 
 @pytest.mark.parametrize("edit, words", [
