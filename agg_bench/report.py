@@ -638,7 +638,7 @@ FORMATS: dict[str, Callable[[float], str]] = {
 }
 # columns that count things: written as integers wherever every value is one
 COUNT_COLUMNS = {*PASS_KEYS, *TRAIN_PASS_KEYS, "seeds", "iterations", "n_gpus", "resolution", "window",
-                 "batch_size", "steps_per_sample", "groups_routed"}
+                 "batch_size", "steps_per_sample", "groups_routed", "iteration", "seed", "optimizer_steps"}
 
 
 # cells a failed run leaves empty; the Markdown shows the run's status there
@@ -808,7 +808,7 @@ def write_tables(records: pd.DataFrame, gradcheck: pd.DataFrame, out_dir: str | 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = atomic_path(out_dir / "records.csv")
-    records.to_csv(tmp, index=False)
+    integer_columns(records).to_csv(tmp, index=False)
     tmp.replace(out_dir / "records.csv")
     tables = build_tables(records, gradcheck, warmup, time, calibration)
     for name, table in tables.items():

@@ -1,4 +1,5 @@
 """Table builders on synthetic run folders with known numbers -> known cells; plots exist."""
+import csv
 import json
 import math
 from pathlib import Path
@@ -234,6 +235,9 @@ def test_build_report_writes_every_table_and_plot(sweep, gradcheck_csv, tmp_path
     assert summary.loc[("agg-w5", 64), "speedup"].startswith("3.00x [")
     assert str(summary.loc[("window", 128), "final_reward_pm"]) in ("2", "2.0")  # no reward_std recorded: no spread
     assert len(pd.read_csv(tmp_path / "tables" / "records.csv")) == 18
+    with open(tmp_path / "tables" / "records.csv", newline="") as f:
+        records_csv = list(csv.DictReader(f))
+    assert {row["backward"] for row in records_csv} == {"", "80", "32", "16"}  # not 80.0
     for name in PLOTS:
         assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
