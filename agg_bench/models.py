@@ -472,7 +472,9 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
         raise ConfigError("model.pretrained", pretrained,
                           f"a VAE with {latent_channels} latent channels to match the transformer")
     transformer.to(device)
-    vae.to(device)
+    # a float64 run decodes in float64 too: its rewards then carry float64 precision, not float32 rounding
+    # that the advantages' division by a group's spread would magnify
+    vae.to(device, torch.float64 if prec.param_dtype == torch.float64 else None)
     return policy_cls(transformer, vae, latent_channels, autocast_dtype=prec.autocast_dtype,
                       scheduler_config=scheduler_config)
 

@@ -138,7 +138,8 @@ class Session:
         cond = distributed.take(cond, shard, total)
         with phase("reward"):
             images = self.policy.decode(traj.latents[:, -1])
-            rewards = self.reward_fn(images, prompts).detach().float().cpu()
+            # float64: advantages divide by the group's spread, which rounding rewards to float32 would blur
+            rewards = self.reward_fn(images, prompts).detach().to(torch.float64).cpu()
         advantages = group_advantages(rewards, g, cfg.grpo.adv_clip_max, cfg.grpo.adv_std,
                                       traj.latents.dtype).to(self.device)
         train_steps = plan_steps(cfg.train.plan, total, traj.sde_mask, cfg.train.timestep_fraction,
