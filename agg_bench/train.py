@@ -28,7 +28,7 @@ from .io import JsonlWriter, write_json
 from .methods import Estimator, build_method
 from .models import Policy, build_policy
 from .plan import plan_steps
-from .rewards import build_reward
+from .rewards import build_reward, reward_details
 from .rollout import initial_noise, rollout
 from .sde import flow_sigmas
 from .text import prompt_conditioning, prompt_set
@@ -283,7 +283,7 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
         with telemetry.phase("train", saved_activations="regions"):
             learn = session.update(collected.batch)
     share = {**telemetry.record(), **(session.policy.counter - before).as_dict(), **learn,
-             **session.estimator.iteration_metrics()}
+             **session.estimator.iteration_metrics(), **reward_details(session.reward_fn)}
     parts = distributed.gather((share, collected.rewards.tolist(), len(collected.prompts)))
     fields = distributed.combine([p for p, _, _ in parts])
     rewards = torch.tensor([r for _, rs, _ in parts for r in rs], dtype=torch.float32)
