@@ -5,8 +5,11 @@ are flat colours on black, so colour, count, position and shape can be read off 
 
 1. Foreground: pixels whose brightest channel exceeds ``foreground``; each is given the nearest palette
    colour. The *target* pixels are the foreground pixels of the caption's colour.
-2. ``reward_color``: target pixels / foreground pixels (0 for an empty image).
-3. ``reward_position``: the share of target pixels in the caption's half of the image.
+2. ``reward_color``: target mass / foreground mass (0 for an empty image), where a pixel's foreground
+   weight ramps from 0 to 1 as its brightness goes from ``foreground`` - 0.1 to + 0.1, and its target
+   mass is that weight times its likeness to the caption's colour (softmax over the palette of minus the
+   squared RGB distance / 0.05): pixel shares that change a little when the pixels do.
+3. ``reward_position``: the share of the target mass in the caption's half of the image.
 4. Components: 4-connected groups of target pixels with at least ``min_area`` x H x W pixels.
    ``reward_count``: exp(-|n - count|) for n components, 0 when there is none.
 5. ``reward_shape``: each component is compared (IoU) with the circle, square and triangle drawn into its
@@ -29,6 +32,8 @@ from .scenes import COLORS, POSITIONS, SHAPES, Scene, parse_caption, shape_mask
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 SHAPE_TEMPERATURE = 0.05  # IoU gap of 0.05 between two templates = a factor e in probability
+SOFT_BAND = 0.1  # brightness from foreground - 0.1 to + 0.1 ramps a pixel's foreground weight from 0 to 1
+SOFT_COLOR = 0.05  # squared RGB distance scale of the palette likeness (palette colours are > 0.5 apart)
 RADIUS_MARGINS = (0.0, 0.25, 0.5)  # pixels added to the bounding box's half-sides
 DEFAULTS = {"foreground": 0.3, "min_area": 0.005}
 
@@ -89,13 +94,18 @@ class SceneReward:
         """The four sub-scores (B,) of ``images`` (B, 3, H, W) in [0, 1] against ``scenes``."""
         x = images.detach().float().cpu().clamp(0, 1)
         b, _, h, w = x.shape
-        foreground = x.amax(1) > self.foreground  # (B, H, W)
-        nearest = torch.cdist(x.permute(0, 2, 3, 1).reshape(b, h * w, 3), self.palette.expand(b, -1, -1))
-        nearest = nearest.argmin(-1).view(b, h, w)
-        wanted = torch.tensor([self.color_index[s.color] for s in scenes]).view(b, 1, 1)
-        target = foreground & (nearest == wanted)
-        n_fg, n_target = foreground.sum((1, 2)).float(), target.sum((1, 2)).float()
-        color = torch.where(n_fg > 0, n_target / n_fg.clamp(min=1), 0.0)
+        brightness = x.amax(1)  # (B, H, W)
+        foreground = brightness > self.foreground
+        distances = torch.cdist(x.permute(0, 2, 3, 1).reshape(b, h * w, 3), self.palette.expand(b, -1, -1))
+        wanted = torch.tensor([self.color_index[s.color] for s in scenes])
+        target = foreground & (distances.argmin(-1).view(b, h, w) == wanted.view(b, 1, 1))
+        # graded versions of "foreground" and "has the target colour" for the pixel shares: a small change
+        # of the pixels changes these sub-scores a little instead of flipping a threshold
+        weight = ((brightness - self.foreground) / (2 * SOFT_BAND) + 0.5).clamp(0, 1)
+        likeness = torch.softmax(-distances.square() / SOFT_COLOR, -1)[torch.arange(b), :, wanted].view(b, h, w)
+        soft_target = weight * likeness
+        mass_fg, mass_target = weight.sum((1, 2)), soft_target.sum((1, 2))
+        color = torch.where(mass_fg > 0, mass_target / mass_fg.clamp(min=1e-12), 0.0)
         position = torch.zeros(b)
         rows = (torch.arange(h, dtype=torch.float32) + 0.5).view(h, 1).expand(h, w)
         cols = (torch.arange(w, dtype=torch.float32) + 0.5).view(1, w).expand(h, w)
@@ -106,7 +116,7 @@ class SceneReward:
             axis, half = POSITIONS[scene.position]
             along, extent = (rows, h) if axis == 0 else (cols, w)
             inside = (along < extent / 2) if half == 0 else (along >= extent / 2)
-            position[i] = (target[i] & inside).sum() / n_target[i] if n_target[i] > 0 else 0.0
+            position[i] = (soft_target[i] * inside).sum() / mass_target[i] if mass_target[i] > 0 else 0.0
             ids, areas = labels[i][labels[i] > 0].unique(return_counts=True)
             kept = ids[areas >= min_pixels].tolist()
             if kept:

@@ -209,6 +209,9 @@ class Sweep:
         files = [self.base_file] if self.base_file else []
         if model in self.embed_models:
             files.append(f"{EMBED_DIR}/{model}.safetensors")
+        pretrained = dict(flatten(self.sweep["models"][model])).get("model.pretrained")
+        if isinstance(pretrained, str) and pretrained.startswith(PRETRAINED_DIR + "/"):  # made by rule pretrain
+            files.append(pretrained)
         return files
 
     def summaries(self) -> list[str]:
@@ -233,4 +236,5 @@ class Sweep:
 
 
 EMBED_DIR = "results/embeddings"
+PRETRAINED_DIR = "results/pretrained"
 SWEEP = Sweep(config)
