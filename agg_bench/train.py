@@ -32,7 +32,7 @@ from .memplan import run_memory_plan
 from .models import Policy, build_policy
 from .plan import plan_steps
 from .records import RECORD_KEYS, TIMING_KEYS  # noqa: F401  (also imported from here)
-from .rewards import build_reward
+from .rewards import build_reward, reward_details
 from .rollout import initial_noise, rollout
 from .sde import flow_sigmas
 from .text import prompt_conditioning, prompt_set
@@ -291,7 +291,7 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     # the train phase's own passes, which the cost model prices (the rollout's are the same for most methods)
     train_passes = {f"train_{k}": v for k, v in (counter - before_train).as_dict().items()}
     share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn,
-             **session.estimator.iteration_metrics()}
+             **session.estimator.iteration_metrics(), **reward_details(session.reward_fn)}
     parts = distributed.gather((share, collected.rewards.tolist(), len(collected.prompts)))
     fields = distributed.combine([p for p, _, _ in parts])
     rewards = torch.tensor([r for _, rs, _ in parts for r in rs], dtype=torch.float32)
