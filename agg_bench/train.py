@@ -367,7 +367,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
             raise
         return _out_of_memory_at_build(cfg, out, resume, shard, exc)
     check_plan(cfg)
-    memory_plan = run_memory_plan(cfg, shard.world_size) if shard.is_main else None
+    # planned next to measured memory; a run that measures nothing (telemetry off) plans nothing
+    memory_plan = run_memory_plan(cfg, shard.world_size) if shard.is_main and cfg.telemetry.enabled else None
     distributed.on_main(prepare_out_dir, out)
     run_id = cfg.run_id or out.name
     config = cfg.to_dict()
@@ -383,7 +384,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
         if resume and restored is None:
             print(f"agg-bench run: no checkpoint in {out}; starting at iteration 0", file=sys.stderr)
         _start_files(out, config, lines, keep_checkpoint=restored is not None)
-        write_json(out / "plan.json", memory_plan)  # planned bytes, next to the peaks the records measure
+        if memory_plan is not None:
+            write_json(out / "plan.json", memory_plan)  # planned bytes, next to the peaks the records measure
+        else:
+            (out / "plan.json").unlink(missing_ok=True)  # an earlier attempt's plan is not this run's
 
     distributed.on_main(begin)
     telemetry = tel.Telemetry(session.device, enabled=cfg.telemetry.enabled,
