@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import UserError
-from .io import read_jsonl
+from .io import read_jsonl, save_figure, write_text
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
@@ -137,21 +136,15 @@ def to_markdown(table: pd.DataFrame, caption: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_table(table: pd.DataFrame, out_dir: str | Path, average: int, fraction: float) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv, md = out / "learning.csv", out / "learning.md"
-    _write_text(csv, table.to_csv(index=False))
+    write_text(csv, table.to_csv(index=False))
     caption = (f"Reward gain per method (final - initial: means of the last and first {average} iterations), "
                f"mean and standard deviation over seeds; CPU seconds until the running reward first gains "
                f"{fraction:g} x full's mean gain.")
-    _write_text(md, to_markdown(table, caption))
+    write_text(md, to_markdown(table, caption))
     return [csv, md]
 
 
@@ -187,12 +180,9 @@ def plot_rewards(runs: list[Run], path: str | Path, x: str) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return Path(path)
 
 
 def sample_grids(runs: list[Run], path: str | Path, n_captions: int = 6, seed: int = 0) -> Path:

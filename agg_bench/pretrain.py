@@ -26,12 +26,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-import yaml
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from .config import apply_overrides
+from .config import apply_overrides, check_finite, read_yaml_mapping
 from .errors import ConfigError, UserError
-from .io import write_json
+from .io import atomic_path, save_figure, write_json
 from .models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy
 from .pixel_decoder import PixelDecoder
 from .prompts import TOKEN_HASH_FILE, hash_embed
@@ -117,18 +116,9 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
 
 def load_pretrain_config(path: str | Path | None, overrides: list[str] | None = None) -> PretrainConfig:
     """PretrainConfig defaults <- YAML file <- ``--set key=value`` overrides, checked."""
-    user: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError("--config", str(path), "an existing YAML file")
-        try:
-            user = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError("--config", str(path), f"valid YAML ({str(err).splitlines()[0]})")
-        if not isinstance(user, dict):
-            raise ConfigError("--config", str(path), "a YAML mapping of pretrain keys")
+    user = read_yaml_mapping(path, "pretrain keys") if path is not None else {}
     user = apply_overrides(user, overrides or [])
+    check_finite(user)
     known = [f.name for f in fields(PretrainConfig)]
     for key in user:
         if key not in known:
@@ -215,11 +205,8 @@ def save_grid(path: str | Path, images: torch.Tensor, captions: list[str], score
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def check_out_dir(out: Path) -> None:
@@ -291,7 +278,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool = True) ->
         "sample_captions": captions, "sample_reward": float(scores.mean()),
         **{f"sample_{k}": float(v.mean()) for k, v in reward.details.items()},
     }
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp = atomic_path(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ema.save_pretrained(tmp / "transformer")
