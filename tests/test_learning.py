@@ -110,3 +110,17 @@ def test_grpo_raises_the_scene_reward(tmp_path):
     rewards = [r["reward_mean"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
     gain = np.mean(rewards[-3:]) - np.mean(rewards[:3])
     assert gain > MARGIN, rewards
+
+
+def test_learning_sweep_dry_run(tmp_path):
+    """`make learning`'s Snakemake target expands to one pre-training, every method x seed, the gradcheck
+    and the learning report, and writes nothing."""
+    from test_pipeline import job_counts, snakemake, workdir
+
+    work = workdir(tmp_path)
+    proc = snakemake(work, "learning", "-n", "--cores", "2", "--configfile", "config/learning.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    counts = job_counts(proc.stdout)
+    assert counts["pretrain"] == 1 and counts["gradcheck"] == 1 and counts["learning_report"] == 1
+    assert counts["run"] == 6 * 3
+    assert not (work / "results").exists()
