@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 
 from .common import check_reward_options, make_reward_fn
-from .hf_clip import HFClip
+from .hf_clip import CLIP_OPTIONS, HFClip
 
 
 def build(options: dict, device):
-    check_reward_options("clipscore", options, {"model": "the CLIP model folder", "processor": "the CLIP processor folder", "w": "the score's weight (2.5)",
+    check_reward_options("clipscore", options, {**CLIP_OPTIONS, "w": "the score's weight (2.5)",
                                                 "prefix": "text put before each prompt"})
     clip = HFClip("clipscore", options, device, transform="openai")
     weight = float(options.get("w", 2.5))

@@ -56,6 +56,10 @@ def _load(reward: str, transformers, model_class, model_dir: Path, quiet: bool, 
     return model
 
 
+# options of a reward built on HFClip
+CLIP_OPTIONS = {"model": "the CLIP model folder", "processor": "the CLIP processor folder"}
+
+
 class HFClip:
     """A CLIP model in eval mode on ``device``, its image transform and (unless vision-only) tokenizer.
 

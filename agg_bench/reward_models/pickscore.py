@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 
 from .common import check_reward_options, feature_dtype, make_reward_fn
-from .hf_clip import HFClip
+from .hf_clip import CLIP_OPTIONS, HFClip
 
 
 def build(options: dict, device):
-    check_reward_options("pickscore", options, {"model": "the CLIP model folder", "processor": "the CLIP processor folder"})
+    check_reward_options("pickscore", options, CLIP_OPTIONS)
     clip = HFClip("pickscore", options, device, transform="hf")
     logit_scale = clip.model.logit_scale.detach().to(feature_dtype(clip.dtype)).exp()
 
