@@ -24,7 +24,9 @@ import torch.nn.functional as F
 
 from baselines.full import exact_backward
 
+from . import distributed
 from .errors import ConfigError
+from .fsdp import lockstep
 from .grpo import TrainBatch, UpdateStats, micro_batches, upstream_grad
 from .methods import Estimator, register_method
 from .models import Policy
@@ -163,13 +165,12 @@ class AGGEstimator(Estimator):
         """v(x_j) for the flat (row, step) pairs, in the latents' dtype: from the rollout when ``reuse``,
         else from no-grad forwards of up to ``nograd_batch`` latents each."""
         rows, steps = rows.to(batch.latents.device), steps.to(batch.latents.device)
-        if rows.numel() == 0:
-            return batch.latents.new_zeros((0, *batch.latents.shape[2:]))
         if reuse:
             return batch.velocities[rows, steps].to(batch.latents.dtype)
-        out = []
+        chunks = micro_batches(rows.numel(), self.config.nograd_batch) if rows.numel() else []
+        out = [batch.latents.new_zeros((0, *batch.latents.shape[2:]))]
         with torch.no_grad():
-            for idx in micro_batches(rows.numel(), self.config.nograd_batch):
+            for idx in lockstep(policy, batch, chunks, "nograd"):  # a sharded model: as many calls as the others
                 r, s = rows[idx], steps[idx]
                 out.append(policy.velocity(batch.states(r, s), batch.timestep_values(s), batch.cond[r]))
         return torch.cat(out).to(batch.latents.dtype)
@@ -195,6 +196,15 @@ class AGGEstimator(Estimator):
         states = [batch.latents[g.rows[:, None].to(device), g.steps.to(device)] for g in candidates]
         return torch.stack([linearity(x) for x in states], dim=1).cpu(), None
 
+    def _route_shared(self, scores: torch.Tensor) -> torch.Tensor:
+        """:meth:`_route` over the scores of every process's samples at once (the single-process batch),
+        this process's rows of it: the routed set is the single-process one, whatever the process count."""
+        shard = distributed.current()
+        if not shard.distributed:
+            return self._route(scores)
+        everyone = torch.cat(distributed.gather(scores))
+        return self._route(everyone)[shard.rows(everyone.shape[0])]
+
     def _route(self, scores: torch.Tensor) -> torch.Tensor:
         """Mask (B, G) of the route_frac * B * G (rounded half up) highest scores; ties go to earlier groups."""
         total = scores.numel()
@@ -219,7 +229,7 @@ class AGGEstimator(Estimator):
             every = torch.arange(b)
             candidates = [_Groups(every, train_steps[:, slice(*bounds[i])]) for i in eligible]
             scores, velocities = self._scores(policy, batch, candidates, reuse)
-            chosen = self._route(scores)
+            chosen = self._route_shared(scores)
             routed[:, eligible] = chosen
             groups = [g.subset(chosen[:, c]) for c, g in enumerate(candidates)]
             if velocities is None:
@@ -239,6 +249,12 @@ class AGGEstimator(Estimator):
         keep = [c for c, g in enumerate(groups) if g.rows.numel()]
         groups, velocities = [groups[c] for c in keep], [velocities[c] for c in keep]
         if not groups:
+            # none routed here; a sharded model still joins the passes the other processes make
+            if batch.beta > 0 and reference is not None:
+                nothing = torch.zeros(0, dtype=torch.long)
+                self.velocities(reference, batch, nothing, nothing, reuse=False)
+            for _ in lockstep(policy, batch, [], "grad"):
+                pass
             return
         device = batch.latents.device
         rows, steps = (torch.cat(t).to(device) for t in zip(*(g.pairs for g in groups)))
@@ -260,7 +276,8 @@ class AGGEstimator(Estimator):
         end_rows_t = torch.cat(end_rows).to(device)
         end_steps_t = torch.cat(end_steps).to(device)
         end_grads_t = torch.cat(end_grads)
-        for idx in micro_batches(end_rows_t.numel(), self.config.micro_batch or batch.batch_size):
+        chunks = micro_batches(end_rows_t.numel(), self.config.micro_batch or batch.batch_size)
+        for idx in lockstep(policy, batch, chunks, "grad"):
             r, s = end_rows_t[idx.to(device)], end_steps_t[idx.to(device)]
             out = policy.velocity(batch.states(r, s), batch.timestep_values(s), batch.cond[r])
             out.backward(end_grads_t[idx.to(device)].to(out.dtype))
@@ -271,12 +288,11 @@ class AGGEstimator(Estimator):
         device = batch.train_steps.device
         for g, (start, stop) in enumerate(bounds):
             rows = torch.nonzero(~routed[:, g], as_tuple=False).flatten().to(device)
-            if rows.numel() == 0:
-                continue
-            for entry in range(start, stop):
-                for idx in micro_batches(rows.numel(), self.config.micro_batch):
-                    r = rows[idx.to(device)]
-                    exact_backward(policy, batch, r, batch.train_steps[r, entry], stats, reference)
+            calls = [(entry, idx) for entry in range(start, stop)
+                     for idx in micro_batches(rows.numel(), self.config.micro_batch)] if rows.numel() else []
+            for entry, idx in lockstep(policy, batch, calls, "exact", reference):
+                r = rows[idx.to(device)]
+                exact_backward(policy, batch, r, batch.train_steps[r, entry], stats, reference)
 
     def iteration_metrics(self) -> dict:
         """Routing record since the last call (one iteration's updates), then starts a new record.
