@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .errors import ConfigError, UserError
-from .io import atomic_path
+from .io import atomic_path, is_temp_name
 
 CHECKPOINT_NAME = "checkpoint.pt"
 SHARDS_PREFIX = "checkpoint_shards_"
@@ -63,23 +64,24 @@ def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _relevant(config: dict) -> dict[str, Any]:
-    return {k: v for k, v in _flat(config).items()
-            if not any(k == c or k.startswith(c + ".") for c in RESUMABLE_CHANGES)}
+
+def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
+    """(dotted key, old value, new value) of the first key where two configs differ, outside ``ignore``."""
+    keep = lambda k: not any(k == c or k.startswith(c + ".") for c in ignore)  # noqa: E731
+    a = {k: v for k, v in _flat(old).items() if keep(k)}
+    b = {k: v for k, v in _flat(new).items() if keep(k)}
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            return key, a.get(key), b.get(key)
+    return None
 
 
 def check_same_run(saved: dict, cfg: dict, out_dir: Path) -> None:
     """Raise a ConfigError naming the first key whose value differs from the checkpoint's config."""
-    from .config import DEFAULTS
-
-    old, new = _relevant(saved), _relevant(cfg)
-    # a key the saved config lacks did not exist when it was written: that run behaved as its default
-    defaults = _flat(DEFAULTS)
-    old.update({k: defaults[k] for k in set(new) - set(old) if k in defaults})
-    for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            raise ConfigError(key, new.get(key),
-                              f"{old.get(key)!r} as in the checkpoint in {out_dir} (or run without --resume)")
+    diff = first_difference(saved, cfg, RESUMABLE_CHANGES)
+    if diff is not None:
+        key, old, new = diff
+        raise ConfigError(key, new, f"{old!r} as in the checkpoint in {out_dir} (or run without --resume)")
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -128,7 +130,6 @@ def _remove_shard_folders(out_dir: Path, keep: str | None = None) -> None:
 
 def _save_shards(out_dir: Path, session, iteration: int) -> str:
     """Every process writes its shards into a fresh DIR/checkpoint_shards_<iteration>/; its name."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     name = f"{SHARDS_PREFIX}{iteration:06d}"
@@ -157,8 +158,6 @@ def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[
     }
     if is_sharded(session.policy):
         state["shards"] = _save_shards(Path(out_dir), session, iteration)
-        import torch.distributed as dist
-
         if dist.get_rank() != 0:
             return path
     else:
@@ -255,7 +254,7 @@ def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool) -> None:
     if not keep_checkpoint:
         doomed.append(checkpoint_path(out))
         _remove_shard_folders(out)
-    # names made by io.write_json / io.atomic_path: ".NAME.tmpPID[.ext]"
-    doomed += [p for p in out.glob(".*.tmp*") if p.is_file()]
+    # only the harness's own temporary names (io.atomic_path), never a user's look-alike
+    doomed += [p for p in out.iterdir() if p.is_file() and is_temp_name(p.name)]
     for p in doomed:
         p.unlink(missing_ok=True)

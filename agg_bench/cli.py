@@ -1,4 +1,4 @@
-"""``agg-bench`` command line. A user error prints one line and exits with code 2."""
+"""The agg-bench command line. A user error prints one line and exits with code 2."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,7 @@ def cmd_run(args) -> int:
     if args.checkpoint_every is not None:
         overrides.append(f"train.checkpoint_every={args.checkpoint_every}")
     cfg = load_config(args.config, overrides)
-    summary = train(cfg, args.out, resume=args.resume)
+    summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
     if launched_rank() == 0:  # one result line for the job, not one per torchrun process
         print(json.dumps({"out": str(args.out), "status": summary["status"]}))
     return 0
@@ -46,6 +46,16 @@ def cmd_embed(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     print(json.dumps(describe(embed(cfg, args.out, resolve_device(cfg.device)))))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import CalibrationConfig, write_calibration
+    from .config import load_config
+
+    options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup)
+    result = write_calibration(load_config(args.config, args.overrides), args.out, options)
+    print(json.dumps({"out": str(args.out), "unit_s_per_sample": result["unit_s_per_sample"]}))
     return 0
 
 
@@ -74,13 +84,16 @@ def cmd_gradcheck(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import GradcheckEntry, Manifest, build_report, discover_runs, load_manifest
+    from .report import CalibrationEntry, GradcheckEntry, Manifest, build_report, check_time_basis, discover_runs, load_manifest
 
     if args.tables is None and args.plots is None:
         raise UserError("report: give --tables DIR and/or --plots DIR")
     manifest = load_manifest(args.manifest) if args.manifest else Manifest()
     manifest.runs += discover_runs(args.runs)
     manifest.gradcheck += [GradcheckEntry(path) for path in args.gradcheck]
+    manifest.calibration += [CalibrationEntry(path) for path in args.calibration]
+    if args.time is not None:
+        manifest.time = check_time_basis(args.time, "--time")
     if args.warmup is not None:
         manifest.warmup = args.warmup
     tables = build_report(manifest, args.tables, args.plots)
@@ -156,7 +169,12 @@ def cmd_env(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agg-bench", description=__doc__.splitlines()[0])
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="agg-bench", description="AGG and the GRPO baselines on diffusion transformers: training runs, "
+        "gradient replays, memory plans, tables and plots. A user error prints one line and exits with code 2.")
+    parser.add_argument("--version", action="version", version=f"agg-bench {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="one training run -> DIR/metrics.jsonl, summary.json, env.json")
@@ -164,13 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--resume", action="store_true",
                    help="continue from DIR/checkpoint.pt (same config; starts over when there is none)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished run of another config in DIR (refused without this flag)")
     p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save DIR/checkpoint.pt every K iterations (= --set train.checkpoint_every=K)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("snapshot", help="freeze one rollout for replay")
     _add_config_args(p)
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path,
+                   help="folder to write: transformer/, rollout.safetensors, rollout.json")
     p.set_defaults(func=cmd_snapshot)
 
     p = sub.add_parser("embed", help="prompt embeddings of a local model's text encoders -> the embedding cache")
@@ -179,11 +200,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FILE.safetensors (default: a file in prompts.cache_dir named after model and prompts)")
     p.set_defaults(func=cmd_embed)
 
+    p = sub.add_parser("calibrate", help="per-sample unit costs of a no-grad forward, a forward with grad and a "
+                                         "backward (the report's cost model) -> FILE.json")
+    _add_config_args(p)
+    p.add_argument("--repeats", type=int, default=21, help="measurements of each pass, interleaved (default 21)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--out", required=True, type=Path, help="FILE.json")
+    p.set_defaults(func=cmd_calibrate)
+
     p = sub.add_parser("replay", help="one method's gradient on a snapshot")
-    p.add_argument("snapshot", type=Path)
-    p.add_argument("--method", required=True)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("snapshot", type=Path, help="a folder written by agg-bench snapshot")
+    p.add_argument("--method", required=True, help="the method to replay (a registered method name)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a method option, e.g. --set method.window=5 (repeatable)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--out", required=True, type=Path, help="FILE.safetensors (+ FILE.json pass counts)")
     p.set_defaults(func=cmd_replay)
 
@@ -206,7 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run folders, or folders of run folders (labels taken from their records)")
     p.add_argument("--gradcheck", nargs="*", default=[], type=Path, help="gradcheck CSVs")
     p.add_argument("--warmup", type=int, help="iterations left out of the time averages (default 1)")
-    p.add_argument("--tables", type=Path, help="write efficiency/ablation/gpus .csv + .md and records.csv here")
+    p.add_argument("--calibration", nargs="*", default=[], type=Path,
+                   help="agg-bench calibrate JSONs: the cost model behind predicted_train_speedup")
+    p.add_argument("--time", help="seconds the timings use: auto (CPU time on a CPU, CUDA events on a GPU; "
+                                  "default), cpu or wall")
+    p.add_argument("--tables", type=Path, help="write summary/efficiency/ablation/gpus .csv + .md + .html and "
+                                               "records.csv here")
     p.add_argument("--plots", type=Path, help="write the PNG plots here")
     p.set_defaults(func=cmd_report)
 

@@ -5,6 +5,9 @@ Every problem is a :class:`ConfigError` naming the key, the value and what is al
 from __future__ import annotations
 
 import copy
+import functools
+import math
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,8 @@ DEFAULTS: dict[str, Any] = {
     "model": {"family": "sd3", "preset": "tiny", "pretrained": None, "resolution": 128, "dtype": "float32"},
     "prompts": {"file": None, "max_tokens": 16, "max_sequence_length": None, "cache_dir": "results/embeddings"},
     "sampling": {"steps": 10, "sde": "flow_grpo", "eta": 0.7, "shift": 3.0, "same_noise_per_group": True},
-    "grpo": {"group_size": 4, "prompts_per_iteration": 2, "clip_range": 1e-4, "adv_clip_max": 5.0, "beta": 0.0},
+    "grpo": {"group_size": 4, "prompts_per_iteration": 2, "clip_range": 1e-4, "adv_clip_max": 5.0, "beta": 0.0,
+             "adv_std": "population", "kl_form": "transition"},
     "train": {"iterations": 2, "lr": 1e-4, "weight_decay": 0.0, "max_grad_norm": 1.0, "timestep_fraction": 1.0,
               "plan": "steps", "plan_window": 5, "inner_epochs": 1, "gradient_checkpointing": False,
               "lora_rank": 0, "lora_alpha": None, "lora_target_modules": None, "checkpoint_every": 0,
@@ -31,6 +35,25 @@ DEFAULTS: dict[str, Any] = {
     "reward": {"name": "jpeg_compressibility", "options": {}},
     "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first"},
 }
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as a person means it: ``1e-5`` and ``3E+2`` are numbers (YAML 1.1 wants a dot, ``1.0e-5``,
+    and would read them as strings)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def yaml_load(text: str):
+    """Parse YAML text with :class:`_Loader` (numbers in exponent notation are floats)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
 class RunConfig(dict):
@@ -53,6 +76,7 @@ class RunConfig(dict):
         return copy.deepcopy(dict(self))
 
 
+@functools.lru_cache(maxsize=1)  # parsing the YAML costs more than validating a config against it
 def _schema() -> dict:
     return yaml.safe_load(resources.files("agg_bench").joinpath("run.schema.yaml").read_text())
 
@@ -76,7 +100,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError("--set", item, "key=value with a non-empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -121,12 +145,35 @@ def _describe(error: jsonschema.ValidationError) -> ConfigError:
     return ConfigError(path or "(top level)", error.instance, error.message)
 
 
-def validate(config: dict) -> RunConfig:
-    """Check ``config`` against the schema and the method's options; return it as a RunConfig."""
-    errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(config),
+def check_finite(value: Any, path: str = "") -> None:
+    """Refuse NaN and infinities anywhere in a config (JSON Schema's ``number`` admits them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(path or "(top level)", value, "a finite number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_finite(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_finite(item, f"{path}[{i}]")
+
+
+def check_schema(instance: Any, schema: dict) -> None:
+    """Raise a ConfigError for ``instance``'s first violation of ``schema`` (the shallowest key first)."""
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(instance),
                     key=lambda e: (len(list(e.absolute_path)), list(map(str, e.absolute_path))))
     if errors:
         raise _describe(errors[0])
+
+
+def validate(config: dict, check_method: bool = True) -> RunConfig:
+    """Check ``config`` against the schema and (``check_method``) the method's options, which imports the
+    method's module and with it torch; return it as a RunConfig."""
+    check_finite(config)
+    if not isinstance(config.get("method"), dict):
+        raise ConfigError("method", config.get("method"), "a mapping with a name, e.g. {name: agg, window: 5}")
+    check_schema(config, _schema())
+    if not check_method:
+        return RunConfig(config)
     from .methods import build_method  # a method's options are checked by its own config class
 
     method = dict(config["method"])
@@ -134,21 +181,26 @@ def validate(config: dict) -> RunConfig:
     return RunConfig(config)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """DEFAULTS <- YAML file <- overrides, validated."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                check_method: bool = True) -> RunConfig:
+    """DEFAULTS <- YAML file <- overrides, validated (the method's options only with ``check_method``)."""
     user: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError("--config", str(path), "an existing YAML file")
         try:
-            user = yaml.safe_load(path.read_text()) or {}
+            user = yaml_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError("--config", str(path), f"UTF-8 text ({err.reason} at byte {err.start})")
         except yaml.YAMLError as err:
             raise ConfigError("--config", str(path), f"valid YAML ({str(err).splitlines()[0]})")
         if not isinstance(user, dict):
             raise ConfigError("--config", str(path), "a YAML mapping of sections")
+        if "method" in user and not isinstance(user["method"], dict):
+            raise ConfigError("method", user["method"], "a mapping with a name, e.g. {name: agg, window: 5}")
     merged = deep_merge(DEFAULTS, user)
     if "method" in user and "name" in user["method"]:
         # a method section replaces the default one, so options of another method do not leak in
         merged["method"] = copy.deepcopy(user["method"])
-    return validate(apply_overrides(merged, overrides or []))
+    return validate(apply_overrides(merged, overrides or []), check_method)

@@ -63,6 +63,7 @@ from .errors import ConfigError, UserError
 # maxima (times, memory peaks, ratio_dev: see :func:`combine`), means (numbers) or rank 0's value.
 SUMMED_KEYS = frozenset({
     "forward_nograd", "forward_grad", "backward", "energy_j", "power_mean_w",
+    "train_forward_nograd", "train_forward_grad", "train_backward",
     "agg_groups", "agg_groups_routed", "cache_computed", "cache_skipped",
 })
 MAX_KEYS = frozenset({"ratio_dev"})

@@ -4,6 +4,11 @@ One snapshot (made from a run config, or an existing one) is replayed with ``ful
 then with every AGG setting of a grid (windows x alphas x route fractions x velocity reuse) and with
 any extra methods. Each replay is one CSV row: its cosine and relative error to the reference, its
 pass counts, its wall time, and a cached method's hit rate in the replayed forwards.
+
+Column ``replay`` says what a row measures (:class:`agg_bench.methods.ReplayPlan`): ``as_trained`` (the
+method's own gradient on this rollout), ``replanned`` (its trained steps drawn anew from the rollout:
+``fraction``), ``partial`` (part of what the method changes: ``window``, ``cached`` with ``cache_in=both``)
+or ``not_applicable`` (a rollout-only cache: the row has no numbers); ``replay_note`` says why.
 """
 from __future__ import annotations
 
@@ -23,29 +28,31 @@ from tqdm import tqdm
 from .config import RunConfig
 from .errors import ConfigError, UserError
 from .io import atomic_path
-from .snapshot import Snapshot, load_snapshot, method_from, replay_gradient, save_snapshot
+from .records import GRADCHECK_OPTION_COLUMNS
+from .snapshot import Snapshot, load_snapshot, plan_replay, replay_gradient, replay_setup, save_snapshot
 from .train import prepare_out_dir, resolve_device
 
 COLUMNS = (
     "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in",
     "cosine_to_full", "relative_error", "grad_norm", "forward_nograd", "forward_grad", "backward",
     "seconds", "groups_routed", "route_score_mean", "ratio_dev", "cache_hit_rate", "is_reference",
-    "model", "resolution", "device", "batch_size", "steps_per_sample",
+    "model", "resolution", "device", "batch_size", "steps_per_sample", "replay", "replay_note",
 )
 # estimator options that get their own column (whichever method has them)
-OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in")
+OPTION_COLUMNS = GRADCHECK_OPTION_COLUMNS
 
 
 @dataclass(frozen=True)
 class ReplayJob:
-    """One replay: a method and its options as ``(key, YAML text)`` pairs, i.e. ``--set method.key=text``."""
+    """One replay: a method and its options as ``(key, YAML text)`` pairs, i.e. ``--set method.key=text``;
+    a dotted key is a run-config key as it stands (``train.timestep_fraction`` for ``fraction``)."""
 
     method: str
     options: tuple[tuple[str, str], ...] = ()
 
     @property
     def overrides(self) -> list[str]:
-        return [f"method.{key}={text}" for key, text in self.options]
+        return [f"{key if '.' in key else 'method.' + key}={text}" for key, text in self.options]
 
     @property
     def label(self) -> str:
@@ -74,7 +81,8 @@ def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
     """Jobs from ``--methods`` values: ``name`` or ``name:key=value``, comma-separated.
 
     A comma-separated item with ``=`` and no ``:`` adds an option to the method before it, so
-    ``fraction,cached:cache=fora,interval=2`` is ``fraction`` and ``cached`` with two options.
+    ``fraction,cached:cache=fora,interval=2`` is ``fraction`` and ``cached`` with two options; a dotted
+    key sets that run-config key for the job, e.g. ``fraction:train.timestep_fraction=0.5``.
     """
     jobs: list[tuple[str, list[tuple[str, str]]]] = []
     for spec in specs:
@@ -123,49 +131,55 @@ def compare(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
     return cosine, rel, sq ** 0.5
 
 
-def build_estimators(config: dict, jobs: list[ReplayJob]) -> list:
-    """Each job's estimator, its options checked against a run config whose method section it replaces."""
-    holder = Snapshot(policy=None, batch=None, meta={}, config=config)  # method_from reads only .config
-    return [method_from(holder, job.method, job.overrides) for job in jobs]
+def build_estimators(config: dict, jobs: list[ReplayJob]) -> list[tuple[RunConfig, Any]]:
+    """Each job's (replay config, estimator), its options and the method's run checks applied to a run
+    config whose method section it replaces."""
+    return [replay_setup(config, job.method, job.overrides) for job in jobs]
 
 
-def _timed_replay(snapshot: Snapshot, estimator) -> tuple[dict, dict, dict, float]:
+def _timed_replay(snapshot: Snapshot, estimator, cfg: RunConfig, plan) -> tuple[dict, dict, dict, float]:
     device = snapshot.policy.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    grads, counts, stats = replay_gradient(snapshot, estimator)
+    grads, counts, stats = replay_gradient(snapshot, estimator, cfg, plan)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return grads, counts, stats, time.perf_counter() - start
 
 
 def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = True) -> list[dict]:
-    """Replay ``full`` and then every job on ``snapshot``; one row (COLUMNS) per replay, reference first."""
+    """Replay ``full`` and then every job on ``snapshot``; one row (COLUMNS) per replay, reference first.
+    A job whose replay is not applicable gets a row with its options and ``replay_note`` and no numbers."""
     jobs = [ReplayJob("full"), *jobs]
-    estimators = build_estimators(snapshot.config, jobs)  # a bad option fails before any replay runs
+    setups = build_estimators(snapshot.config, jobs)  # a bad option fails before any replay runs
     batch = snapshot.batch
     common = {"model": snapshot.meta.get("family"), "resolution": snapshot.meta.get("resolution"),
               "device": str(snapshot.policy.device), "batch_size": batch.batch_size,
               "steps_per_sample": batch.steps_per_sample}
     rows: list[dict] = []
     reference = None
-    bar = tqdm(list(zip(jobs, estimators)), desc="gradcheck", unit="replay",
+    bar = tqdm(list(zip(jobs, setups)), desc="gradcheck", unit="replay",
                disable=not progress)
-    for job, estimator in bar:
+    for job, (cfg, estimator) in bar:
         bar.set_postfix_str(f"{job.method} {job.label}".strip())
-        grads, counts, stats, seconds = _timed_replay(snapshot, estimator)
-        if reference is None:
-            reference = grads
-        cosine, rel, norm = compare(grads, reference)
+        plan = plan_replay(snapshot, estimator, cfg)
         row: dict[str, Any] = dict.fromkeys(COLUMNS)
-        row.update(common, method=job.method, options=job.label, cosine_to_full=cosine, relative_error=rel,
-                   grad_norm=norm, seconds=seconds, ratio_dev=stats.get("ratio_dev"),
-                   groups_routed=stats.get("agg_groups_routed"), route_score_mean=stats.get("agg_route_score_mean"),
-                   cache_hit_rate=stats.get("cache_hit_rate"), is_reference=not rows, **counts)
+        row.update(common, method=job.method, options=job.label, is_reference=not rows, replay=plan.scope,
+                   replay_note=plan.note)
         row.update({key: getattr(estimator.config, key) for key in OPTION_COLUMNS
                     if hasattr(estimator.config, key)})
         rows.append(row)
+        if plan.scope == "not_applicable":
+            continue
+        grads, counts, stats, seconds = _timed_replay(snapshot, estimator, cfg, plan)
+        if reference is None:
+            reference = grads
+        cosine, rel, norm = compare(grads, reference)
+        row.update(cosine_to_full=cosine, relative_error=rel, grad_norm=norm, seconds=seconds,
+                   ratio_dev=stats.get("ratio_dev"), groups_routed=stats.get("agg_groups_routed"),
+                   route_score_mean=stats.get("agg_route_score_mean"), cache_hit_rate=stats.get("cache_hit_rate"),
+                   steps_per_sample=stats["steps_per_sample"], **counts)
     return rows
 
 

@@ -3,6 +3,15 @@ respect to the velocity, and ratio statistics.
 
 The objective of one iteration is ``L = 1/(B*N) * sum_i sum_{j in steps(i)} l_ij`` with
 ``l_ij = max(-A_i r_ij, -A_i clamp(r_ij, 1-eps, 1+eps)) + beta * KL_ij``.
+
+Two conventions differ between the public implementations and are options:
+- ``grpo.adv_std`` (:data:`ADV_STD`): the group's reward std in ``A = (r - mean) / (std + 1e-8)`` is the
+  population std (divides by G; Flow-GRPO, the default) or the sample std (divides by G - 1; DanceGRPO).
+- ``grpo.kl_form`` (:data:`KL_FORMS`): ``transition`` is the KL between the policy's and the reference's
+  Gaussian transitions, ``||mu - mu_ref||^2 / (2 std^2)`` with ``std = std_t sqrt(|dt|)`` (the Flow-GRPO
+  paper; the default); ``no_dt`` divides by ``2 std_t^2`` instead, without the step size (the form in
+  Flow-GRPO's public training code), i.e. the transition KL times ``|dt|``. Both average over elements,
+  as the log-probability does.
 """
 from __future__ import annotations
 
@@ -10,15 +19,41 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .models import Conditioning
-from .sde import sde_step
+from .errors import ConfigError
+from .models import Conditioning, Policy
+from .sde import SDEStepOutput, sde_step
+
+ADV_STD = ("population", "sample")
+KL_FORMS = ("transition", "no_dt")
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float) -> torch.Tensor:
-    """Per-group standardized rewards, clamped to +-adv_clip_max; ``rewards`` are grouped consecutively."""
+def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float, std: str = "population",
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-group standardized rewards, clamped to +-adv_clip_max; ``rewards`` are grouped consecutively.
+
+    ``std``: ``population`` or ``sample`` std of the group (module docstring). Computed in float64 and
+    returned in ``dtype``, the latents' dtype of the run.
+    """
+    if std not in ADV_STD:
+        raise ConfigError("grpo.adv_std", std, f"one of {list(ADV_STD)}")
     r = rewards.to(torch.float64).view(-1, group_size)
-    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + 1e-8)
-    return adv.clamp(-adv_clip_max, adv_clip_max).reshape(-1).to(torch.float32)
+    spread = r.std(dim=1, unbiased=std == "sample", keepdim=True)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (spread + 1e-8)
+    return adv.clamp(-adv_clip_max, adv_clip_max).reshape(-1).to(dtype)
+
+
+def transition_kl(policy: SDEStepOutput, reference: SDEStepOutput, form: str = "transition") -> torch.Tensor:
+    """KL_ij (B,) between the policy's and the reference's transition of one step, in ``form``
+    (:data:`KL_FORMS`); both transitions share their std, so only the means differ."""
+    b = policy.mean.shape[0]
+    dims = tuple(range(1, policy.mean.dim()))
+    if form == "transition":
+        variance = policy.std.reshape(b) ** 2
+    elif form == "no_dt":
+        variance = policy.std_t.reshape(b) ** 2
+    else:
+        raise ConfigError("grpo.kl_form", form, f"one of {list(KL_FORMS)}")
+    return ((policy.mean - reference.mean) ** 2).mean(dim=dims) / (2 * variance)
 
 
 @dataclass
@@ -28,7 +63,8 @@ class TrainBatch:
     ``latents`` (B, T+1, C, H, W); ``velocities`` (B, T, C, H, W) from the rollout or None;
     ``log_probs`` (B, T) old log-probs; ``sigmas`` (T+1); ``timesteps`` (T) the exact values given to
     the model; ``advantages`` (B,); ``train_steps`` (B, N) step indices in denoising order.
-    ``policy_version`` is the policy's version when the rollout was made.
+    ``policy_version`` is the policy's version when the rollout was made; ``kl_form`` the form of the
+    ``beta`` term (:func:`transition_kl`).
     """
 
     latents: torch.Tensor
@@ -44,6 +80,7 @@ class TrainBatch:
     beta: float = 0.0
     velocities: torch.Tensor | None = None
     policy_version: int = 0
+    kl_form: str = "transition"
 
     @property
     def batch_size(self) -> int:
@@ -89,9 +126,7 @@ def step_terms(batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor, veloc
         if ref_velocity is None:
             raise ValueError("beta > 0 needs the reference policy's velocity")
         ref = sde_step(batch.sde, ref_velocity, x, batch.sigmas, steps, batch.eta, prev_sample=x_next)
-        dims = tuple(range(1, x.dim()))
-        kl = ((out.mean - ref.mean) ** 2).mean(dim=dims) / (2 * out.std.reshape(x.shape[0]) ** 2)
-        loss = loss + batch.beta * kl
+        loss = loss + batch.beta * transition_kl(out, ref, batch.kl_form)
     return StepTerms(loss=loss, ratio=ratio, log_prob=out.log_prob)
 
 
@@ -103,6 +138,20 @@ def upstream_grad(batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor, ve
         terms = step_terms(batch, rows, steps, v, ref_velocity)
         (u,) = torch.autograd.grad(terms.loss.sum() * batch.loss_scale, v)
     return u, StepTerms(terms.loss.detach(), terms.ratio.detach(), terms.log_prob.detach())
+
+
+def exact_backward(policy: Policy, batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor,
+                   stats: "UpdateStats", reference: Policy | None = None) -> None:
+    """Exact gradient of the (row, step) terms, the per-step backward of full GRPO (and of every method
+    where it trains a step exactly): forward with grad at x_j, loss, backward, scaled by ``loss_scale``."""
+    ref_v = None
+    if batch.beta > 0 and reference is not None:
+        with torch.no_grad():
+            ref_v = reference.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
+    v = policy.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
+    terms = step_terms(batch, rows, steps, v, ref_v)
+    (terms.loss.sum() * batch.loss_scale).backward()
+    stats.add(terms, batch.log_probs[rows, steps], batch.loss_scale)
 
 
 @dataclass

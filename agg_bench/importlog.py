@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .io import JsonlWriter, read_jsonl, write_json
-from .train import RECORD_KEYS, prepare_out_dir
+from .records import RECORD_KEYS
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",
@@ -74,6 +74,8 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
         raise UserError(f"log {log}: a line before the last is not JSON ({err.msg})") from None
     if not lines:
         raise UserError(f"log {log}: no records")
+    from .train import prepare_out_dir  # the engine (and torch) only once there is a log to write
+
     out = prepare_out_dir(out_dir)
     run_id = run_id or out.name
     identity = {"run_id": run_id, "method": method, "model": model, "resolution": resolution,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,10 +29,21 @@ def _clean(value: Any) -> Any:
     return value
 
 
+# Temporary names of the harness: ".STEM.agg-bench-tmpPID[.EXT]". Stale ones (a killed process's) are
+# removed by matching exactly this pattern, never a user's ".bashrc.tmpl" or ".notes.tmp".
+TEMP_TAG = ".agg-bench-tmp"
+_TEMP_NAME = re.compile(r"^\..+" + re.escape(TEMP_TAG) + r"[0-9]+(\.[A-Za-z0-9]+)?$")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is one of :func:`atomic_path`'s temporary names."""
+    return _TEMP_NAME.match(name) is not None
+
+
 def write_json(path: str | Path, data: Any) -> None:
     """Write ``data`` as JSON atomically (temp file in the same folder, then rename)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = atomic_path(path)
     with open(tmp, "w") as fh:
         json.dump(_clean(data), fh, indent=2, default=_json_default, sort_keys=False)
         fh.write("\n")
@@ -43,7 +55,7 @@ def write_json(path: str | Path, data: Any) -> None:
 def atomic_path(path: str | Path) -> Path:
     """A temporary sibling of ``path``; rename it onto ``path`` with ``os.replace`` when complete."""
     path = Path(path)
-    return path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    return path.with_name(f".{path.stem}{TEMP_TAG}{os.getpid()}{path.suffix}")
 
 
 class JsonlWriter:
@@ -77,15 +89,24 @@ class JsonlWriter:
 
 
 def read_jsonl(path: str | Path) -> Iterator[dict]:
-    """Records of a JSONL file; a torn last line (a run killed mid-write) is skipped."""
-    with open(path) as fh:
-        lines = fh.readlines()
+    """Records of a JSONL file; a torn last line (a run killed mid-write) is skipped. Any other line that
+    is not a JSON object raises a UserError naming the file and the line."""
+    from .errors import UserError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})")
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
             if i == len(lines) - 1:
                 return
-            raise
+            raise UserError(f"{path}: line {i + 1} is not valid JSON ({err.msg}); the file is damaged")
+        if not isinstance(record, dict):
+            raise UserError(f"{path}: line {i + 1} is not a JSON object")
+        yield record

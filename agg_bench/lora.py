@@ -2,18 +2,19 @@
 
 With ``train.lora_rank > 0`` only adapter weights are trained (the optimizer sees only parameters with
 ``requires_grad``); the KL reference policy is the same transformer with its adapters disabled
-(:meth:`agg_bench.models.Policy.frozen_copy`). Snapshots of a LoRA run keep the base weights in
+(:meth:`agg_bench.models.Policy.frozen_copy`, through :func:`adapters_disabled`). This module imports
+nothing of the models; the models import it. Snapshots of a LoRA run keep the base weights in
 ``transformer/`` (a plain diffusers folder) and the adapter in ``lora/``.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import ConfigError, UserError
-from .models import has_adapters
 
 # Attention projections of the joint (image + text) attention in every family; the single-stream FLUX
 # blocks share the same to_q/to_k/to_v names. Blocks without a projection (SD3's last block has no
@@ -25,6 +26,32 @@ LORA_TARGETS: dict[str, list[str]] = {
     "qwenimage": ATTENTION_PROJECTIONS,
 }
 ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def has_adapters(module: torch.nn.Module) -> bool:
+    """Whether peft adapters (LoRA) are injected into ``module``."""
+    return bool(getattr(module, "_hf_peft_config_loaded", False))
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: torch.nn.Module):
+    """Run ``module`` as its base model: every peft adapter is bypassed inside the block and restored after.
+
+    peft's switch also flips ``requires_grad`` of the adapter weights; their flags are restored exactly.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 def lora_settings(family: str, rank: int, alpha: float | None = None,

@@ -3,13 +3,13 @@
 A method decides how the gradient of the GRPO objective is accumulated into the policy's ``.grad``
 for one rollout (and, optionally, which steps are stochastic in the rollout and which hooks run while
 sampling). Adding a method means one module with a config dataclass and an Estimator subclass, and
-one ``@register_method`` line; the training loop never changes.
+one ``@register_method`` line (:class:`agg_bench.registry.Registry`, the style of rewards and caches
+too); the training loop never changes.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import typing
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar
@@ -19,10 +19,15 @@ import torch
 from .errors import ConfigError
 from .grpo import TrainBatch, UpdateStats
 from .models import Policy
+from .registry import Registry
 
-METHODS: dict[str, type["Estimator"]] = {}
-# Modules whose import registers methods; imported on first lookup.
-METHOD_MODULES = ("baselines.full", "baselines.subsample", "agg_bench.agg", "baselines.cached")
+# Batch-size options any method may have: null (one call for everything) or at least one latent per call.
+BATCH_OPTIONS = ("micro_batch", "nograd_batch")
+# Method name -> the module whose import registers it; a run imports only its own method's module
+# (``cached`` brings in every cache and diffusers' hooks).
+METHOD_MODULES = {"full": "baselines.full", "fraction": "baselines.subsample", "window": "baselines.subsample",
+                  "agg": "agg_bench.agg", "cached": "baselines.cached"}
+METHODS = Registry("method.name", modules=METHOD_MODULES)
 
 
 @dataclasses.dataclass
@@ -30,11 +35,41 @@ class NoOptions:
     """This method has no options."""
 
 
+REPLAY_SCOPES = ("as_trained", "replanned", "partial", "not_applicable")
+
+
+@dataclasses.dataclass
+class ReplayPlan:
+    """What replaying a method on a frozen rollout measures (``agg-bench replay`` and ``gradcheck``).
+
+    ``scope`` is one of:
+    - ``as_trained``: the gradient the method computes in a run on this very rollout;
+    - ``replanned``: the method's rollout is distributed as the snapshot's, but it trains other steps,
+      drawn anew from the snapshot's stochastic steps (the row is one random draw of its gradient);
+    - ``partial``: the replay shows only part of what the method changes (``note`` says which part);
+    - ``not_applicable``: the method differs from ``full`` only in its rollout, which a frozen rollout
+      cannot show: ``replay`` refuses it and ``gradcheck`` writes its row without numbers.
+    ``train_steps``: (B, N) the steps to train, in denoising order; None trains the snapshot's.
+    ``note``: one sentence for the reader of the result.
+    """
+
+    scope: str = "as_trained"
+    train_steps: torch.Tensor | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.scope not in REPLAY_SCOPES:
+            raise ValueError(f"replay scope {self.scope!r}: expected one of {list(REPLAY_SCOPES)}")
+
+
 class Estimator(ABC):
     """Accumulates one method's gradient of L into ``policy`` parameters' ``.grad``."""
 
     name: ClassVar[str]
     config_cls: ClassVar[type] = NoOptions
+    # Whether the steps it trains on a frozen rollout are its own plan (replay_plan), so that replay
+    # honours --set train.timestep_fraction / train.plan / train.plan_window / seed for it.
+    replans: ClassVar[bool] = False
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.config_cls()
@@ -42,6 +77,13 @@ class Estimator(ABC):
     def check_run(self, cfg: Any) -> None:
         """Raise a ConfigError for run settings outside the method's own options that it cannot honour
         (e.g. a window longer than sampling.steps); called when a run is set up, before anything is written."""
+
+    def replay_plan(self, cfg: Any, stochastic: torch.Tensor, batch_size: int,
+                    generator: torch.Generator) -> ReplayPlan:
+        """How this method is replayed on a frozen rollout whose steps ``stochastic`` (T,) bool have a
+        log-probability, under run config ``cfg``; random draws come from ``generator``. Default: it
+        trains the snapshot's own steps, as it would in a run on that rollout."""
+        return ReplayPlan()
 
     def sde_mask(self, iteration: int, steps: int, generator: torch.Generator) -> torch.Tensor | None:
         """Which of the T steps are sampled with the SDE (None: all)."""
@@ -54,7 +96,7 @@ class Estimator(ABC):
     @abstractmethod
     def accumulate(self, policy: Policy, batch: TrainBatch, stats: UpdateStats,
                    reference: Policy | None = None) -> None:
-        """Add d L / d theta to ``.grad`` (L as in DESIGN, scaled by ``batch.loss_scale``)."""
+        """Add d L / d theta to ``.grad`` (L as in docs/design.md, scaled by ``batch.loss_scale``)."""
 
     def iteration_metrics(self) -> dict:
         """Method-specific fields for the iteration's metric record."""
@@ -65,18 +107,12 @@ class Estimator(ABC):
 
 
 def register_method(cls: type[Estimator]) -> type[Estimator]:
-    METHODS[cls.name] = cls
-    return cls
-
-
-def _load_registry() -> None:
-    for module in METHOD_MODULES:
-        importlib.import_module(module)
+    """Class decorator: register ``cls`` under ``cls.name``."""
+    return METHODS.register(cls.name, cls)
 
 
 def available_methods() -> list[str]:
-    _load_registry()
-    return sorted(METHODS)
+    return METHODS.names()
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
@@ -133,6 +169,10 @@ def method_config(name: str, options: dict[str, Any], prefix: str = "method") ->
             raise ConfigError(f"{prefix}.{key}", value, f"a known option of method '{name}' ({allowed})")
         values[key] = _coerce(f"{prefix}.{key}", value, hints[key])
     config = cls(**values)
+    for key in BATCH_OPTIONS:
+        value = getattr(config, key, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"{prefix}.{key}", value, "null or an integer >= 1")
     validate = getattr(config, "validate", None)
     if validate is not None:
         validate()
@@ -141,7 +181,4 @@ def method_config(name: str, options: dict[str, Any], prefix: str = "method") ->
 
 def build_method(name: str, options: dict[str, Any] | None = None) -> Estimator:
     """The estimator registered as ``name`` with ``options`` (the ``method`` config section minus name)."""
-    _load_registry()
-    if name not in METHODS:
-        raise ConfigError("method.name", name, f"one of {sorted(METHODS)}")
-    return METHODS[name](method_config(name, dict(options or {})))
+    return METHODS.resolve(name)(method_config(name, dict(options or {})))

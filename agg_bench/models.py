@@ -32,36 +32,11 @@ from diffusers import (
 from .counters import PassCounter, count_backward
 from .telemetry import saved_activation_region
 from .errors import ConfigError
+from .families import TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, ImageGeometry
+from .lora import adapters_disabled, apply_lora, has_adapters  # noqa: F401  (has_adapters: also imported from here)
 
 FAMILIES = ("sd3", "flux", "qwenimage")
 
-# Tiny presets: real diffusers classes with a few hundred thousand seeded random parameters.
-TINY_TRANSFORMERS: dict[str, dict] = {
-    "sd3": dict(
-        sample_size=32, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
-        attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
-        caption_projection_dim=64, pooled_projection_dim=32, pos_embed_max_size=96,
-    ),
-    "flux": dict(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32,
-        axes_dims_rope=(4, 6, 6),
-    ),
-    "qwenimage": dict(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 4, 4),
-    ),
-}
-TINY_VAE: dict = dict(
-    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
-    layers_per_block=1, norm_num_groups=4,
-)
-# Qwen-Image's VAE: 8x spatial compression like TINY_VAE, 4 latent channels (packed 2x2 -> 16).
-TINY_QWEN_VAE: dict = dict(
-    base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-    latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
-)
 TRANSFORMER_CLASSES = {"sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel,
                        "qwenimage": QwenImageTransformer2DModel}
 VAE_CLASSES = {"sd3": AutoencoderKL, "flux": AutoencoderKL, "qwenimage": AutoencoderKLQwenImage}
@@ -152,32 +127,6 @@ def build_tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32, family: st
     return vae.eval().requires_grad_(False)
 
 
-def has_adapters(module: torch.nn.Module) -> bool:
-    """Whether peft adapters (LoRA) are injected into ``module``."""
-    return bool(getattr(module, "_hf_peft_config_loaded", False))
-
-
-@contextlib.contextmanager
-def adapters_disabled(module: torch.nn.Module):
-    """Run ``module`` as its base model: every peft adapter is bypassed inside the block and restored after.
-
-    peft's switch also flips ``requires_grad`` of the adapter weights; their flags are restored exactly.
-    """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
-    flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-        for p, flag in flags:
-            p.requires_grad_(flag)
-
-
 class Policy:
     """A transformer and VAE of one family, called with latents (B, C, H, W) and step indices.
 
@@ -229,19 +178,8 @@ class Policy:
 
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
         """(C, H, W) of the latents for square images of ``resolution`` pixels, or a clear error."""
-        step = self.vae_scale_factor * self.latent_multiple
-        if not isinstance(resolution, int) or resolution <= 0 or resolution % step:
-            raise ConfigError(
-                "model.resolution", resolution,
-                f"a positive multiple of {step} pixels for {self.family} (VAE factor {self.vae_scale_factor})",
-            )
-        size = resolution // self.vae_scale_factor
-        limit = self.max_latent_size()
-        if limit is not None and size > limit:
-            raise ConfigError(
-                "model.resolution", resolution,
-                f"at most {limit * self.vae_scale_factor} pixels for this {self.family} model",
-            )
+        geometry = ImageGeometry(self.family, self.vae_scale_factor, self.latent_multiple, self.max_latent_size())
+        size = geometry.latent_size(resolution)
         return (self.latent_channels, size, size)
 
     def image_seq_len(self, latent_shape: tuple[int, int, int]) -> int:
@@ -518,7 +456,7 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
     elif preset == "tiny":
         transformer = build_tiny_transformer(family, seed, prec.param_dtype)
         vae = build_tiny_vae(seed, family=family)
-        scheduler_config = FlowMatchEulerDiscreteScheduler(shift=3.0).config  # the DESIGN's shift 3
+        scheduler_config = FlowMatchEulerDiscreteScheduler(shift=3.0).config  # shift 3, as docs/design.md's sampler
     else:
         raise ConfigError("model.preset", preset, "'tiny', or model.pretrained set to a local folder")
     policy_cls = POLICIES[family]
@@ -545,8 +483,6 @@ def build_policy(cfg, device: str | torch.device = "cpu") -> Policy:
     if train.get("gradient_checkpointing"):
         policy.transformer.enable_gradient_checkpointing()
     if train.get("lora_rank", 0) > 0:
-        from .lora import apply_lora
-
         apply_lora(policy.transformer, policy.family, train["lora_rank"], train.get("lora_alpha"),
                    train.get("lora_target_modules"))
     return policy

@@ -28,7 +28,7 @@ def profile_steps(
 ) -> dict[str, str]:
     """Run ``step`` ``(wait + warmup + active) * repeat`` times under ``torch.profiler`` and write:
 
-    - one trace per profiled cycle (``*.pt.trace.json``, TensorBoard / Perfetto readable), returned as
+    - one gzipped trace per profiled cycle (``*.pt.trace.json.gz``, TensorBoard / Perfetto readable), returned as
       ``trace_0``, ``trace_1``, ...;
     - ``operators.csv`` (``operators``): per cycle and operator, calls, self and total CPU time (us),
       CPU memory (bytes) and, on a CUDA device, CUDA time and memory; rows sorted by self device time
@@ -54,7 +54,7 @@ def profile_steps(
     def on_trace_ready(prof: profile) -> None:
         # One worker name per cycle: trace names carry a millisecond timestamp, which two short
         # cycles can share.
-        write_trace = tensorboard_trace_handler(str(out_dir), worker_name=f"{worker}_cycle{len(cycles)}")
+        write_trace = tensorboard_trace_handler(str(out_dir), worker_name=f"{worker}_cycle{len(cycles)}", use_gzip=True)
         before = set(out_dir.iterdir())
         write_trace(prof)
         traces.extend(sorted(set(out_dir.iterdir()) - before))

@@ -21,8 +21,12 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(key, str(path), "an existing .txt or .jsonl prompts file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(key, str(path), f"a UTF-8 text file ({err.reason} at byte {err.start})")
     prompts: list[str] = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line:
             continue

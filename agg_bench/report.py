@@ -13,9 +13,22 @@ Tables (``write_tables``):
 - ``ablation``: gradcheck rows, W x alpha x route_frac x reuse -> cosine, relative error, passes, time;
 - ``gpus``: the efficiency table pivoted by hardware (GPU name, or the device label without a GPU).
 
+- ``summary``: the efficiency table in a few readable columns (time per iteration as median [IQR],
+  speedup [95 % CI], backward passes, peak memory, gradient cosine, final reward +- spread).
+Each table is also written as HTML (``<name>.html``), the form the Snakemake report shows in the page.
+
 Conventions: a value that was not measured is empty (NaN), never 0; a run that ended in OOM, divergence
 or an error keeps its status, and the Markdown tables show that status in the cells it left empty.
-Timings average the iterations after ``warmup`` (the first iteration pays one-off costs).
+
+Timings: every iteration after ``warmup`` (the first pays one-off costs) of every seed of a cell is one
+sample; a cell shows the median of its samples and their 25th / 75th percentiles, and a speedup is the
+ratio of two cells' medians with a seeded percentile-bootstrap 95 % interval (:mod:`agg_bench.stats`).
+Which seconds: ``time="auto"`` takes the process's CPU time (``t_*_cpu_s``) on the CPU, where it does
+not grow while other work shares the cores, and the wall-clock time (CUDA events) on a GPU; ``"cpu"``
+and ``"wall"`` force one (a run without CPU times, e.g. an imported log, falls back to wall). The
+``time_basis`` column says which one each row used. With calibration files (``agg-bench calibrate``),
+``predicted_train_speedup`` is the train-phase speedup that the counted passes explain at the measured
+unit costs, and ``prediction_check`` says whether the measured 95 % interval contains it.
 """
 from __future__ import annotations
 
@@ -29,13 +42,15 @@ import numpy as np
 import pandas as pd
 
 from .errors import UserError
-from .gradcheck import OPTION_COLUMNS
 from .io import atomic_path, read_jsonl
-from .train import RECORD_KEYS
+from .records import (
+    GRADCHECK_OPTION_COLUMNS, PASS_KEYS, PHASE_TIME_KEYS, PLOTS, RECORD_KEYS, STANDARD_PHASES, TABLE_FORMATS, TABLES,
+    TRAIN_PASS_KEYS,
+)
+from .stats import predicted_seconds, quartiles, ratio_of_medians_ci
 
 MIB = 1024 ** 2
-PHASES = ("t_rollout_s", "t_reward_s", "t_train_s")
-PASS_KEYS = ("forward_nograd", "forward_grad", "backward")
+PHASES = PHASE_TIME_KEYS
 MEMORY_KEYS = {  # record key (bytes, max over a run) -> table column (MiB)
     "peak_alloc_bytes": "peak_alloc_mib",
     "nvml_peak_used_bytes": "nvml_peak_mib",
@@ -48,7 +63,7 @@ ROW_KEYS = ["method", "model", "resolution", "hardware", "source"]
 GROUP_KEYS = ["model", "resolution", "hardware", "source"]
 STATUS_ORDER = ("error", "oom", "diverged", "interrupted", "ok")
 # estimator options a gradcheck row is matched on: those with their own gradcheck column
-GRADCHECK_OPTIONS = OPTION_COLUMNS
+GRADCHECK_OPTIONS = GRADCHECK_OPTION_COLUMNS
 # record keys that are identity, not measurements (method extras are everything else that is numeric)
 _IDENTITY = {"run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
              "status", "source"}
@@ -77,21 +92,70 @@ class GradcheckEntry:
 
 
 @dataclass
+class CalibrationEntry:
+    """One ``agg-bench calibrate`` JSON and the model label, resolution and device label it is matched
+    to (None: taken from the file)."""
+
+    file: Path
+    model: str | None = None
+    resolution: int | None = None
+    device: str | None = None
+
+
+TIME_BASES = ("auto", "cpu", "wall")
+
+
+@dataclass
 class Manifest:
+    """What a report reads. ``warmup``: iterations of each run left out of the timings; ``time``: which
+    seconds the timings and speedups use (``TIME_BASES``, see the module docstring)."""
+
     runs: list[RunEntry] = field(default_factory=list)
     gradcheck: list[GradcheckEntry] = field(default_factory=list)
     warmup: int = 1
+    time: str = "auto"
+    calibration: list[CalibrationEntry] = field(default_factory=list)
+
+
+def check_time_basis(value, key: str = "report.time") -> str:
+    """``value`` if it is one of ``TIME_BASES``; else a UserError naming ``key``."""
+    if not isinstance(value, str) or value not in TIME_BASES:
+        raise UserError(f"{key} = {value!r}: expected one of {', '.join(TIME_BASES)}")
+    return value
 
 
 def load_manifest(path: str | Path) -> Manifest:
-    """Read the workflow's manifest: ``{"runs": [...], "gradcheck": [...], "warmup": 1}``."""
+    """Read the workflow's manifest: ``{"runs": [...], "gradcheck": [...], "calibration": [...],
+    "warmup": 1, "time": "auto"}``."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"manifest {path}: no such file")
     data = json.loads(path.read_text())
     runs = [RunEntry(**{**r, "dir": Path(r["dir"])}) for r in data.get("runs", [])]
     checks = [GradcheckEntry(**{**g, "file": Path(g["file"])}) for g in data.get("gradcheck", [])]
-    return Manifest(runs, checks, int(data.get("warmup", 1)))
+    calibration = [CalibrationEntry(**{**c, "file": Path(c["file"])}) for c in data.get("calibration", [])]
+    return Manifest(runs, checks, int(data.get("warmup", 1)), check_time_basis(data.get("time", "auto"), "manifest time"),
+                    calibration)
+
+
+def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
+    """One row per calibration file: model, resolution, device labels and the unit costs as columns
+    ``unit_<basis>_<kind>`` (seconds per sample, per optimizer step for ``optimizer_step``)."""
+    rows = []
+    for entry in entries:
+        path = Path(entry.file)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise UserError(f"calibration {path}: cannot read ({err})") from None
+        row = {"model": entry.model if entry.model is not None else data.get("model"),
+               "resolution": entry.resolution if entry.resolution is not None else data.get("resolution"),
+               "device": entry.device if entry.device is not None else data.get("device")}
+        for kind, by_basis in (data.get("unit_s_per_sample") or {}).items():
+            for basis, values in by_basis.items():
+                row[f"unit_{basis}_{kind}"] = values.get("median")
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
@@ -157,6 +221,8 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
             row["source"] = source
             row["run_status"] = status
             row["run_dir"] = str(run_dir)
+            # optimizer steps per iteration, which the cost model prices; unknown without a config
+            row["optimizer_steps"] = (config.get("train") or {}).get("inner_epochs", 1) if config else None
             rows.append(row)
     df = pd.DataFrame(rows)
     if df.empty:
@@ -238,7 +304,7 @@ def mean_reward_until(times: np.ndarray, rewards: np.ndarray, horizon: float) ->
 def _extra_keys(records: pd.DataFrame) -> list[str]:
     """Method-specific numeric record fields (cache_hit_rate, ratio_dev, ...), averaged per run."""
     known = set(RECORD_KEYS) | _IDENTITY | {"gpu_util_mean", "power_mean_w", "method_name", "method_options",
-                                           "hardware", "source", "run_status", "run_dir"}
+                                           "hardware", "source", "run_status", "run_dir", "optimizer_steps"}
     return [c for c in records.columns if c not in known and pd.api.types.is_numeric_dtype(records[c])
             and records[c].notna().any()]
 
@@ -250,7 +316,7 @@ def run_table(records: pd.DataFrame, warmup: int = 1, extras: list[str] | None =
     for run_dir, run in records.groupby("run_dir", sort=False):
         first = run.iloc[0]
         ok = run[run["status"] == "ok"].sort_values("iteration") if "iteration" in run else run.iloc[0:0]
-        timed = ok.iloc[warmup:] if len(ok) > warmup else ok
+        timed = _after_warmup(ok, warmup)
         row: dict[str, Any] = {k: first.get(k) for k in (*ROW_KEYS, "method_name", "method_options", "device",
                                                          "gpu_name", "n_gpus", "seed", "run_dir")}
         record_status = combine_status(run["status"]) if "status" in run else "ok"
@@ -258,13 +324,16 @@ def run_table(records: pd.DataFrame, warmup: int = 1, extras: list[str] | None =
         row["iterations"] = len(ok)
         for key in (*PHASES, "t_iter_s", "images_per_s"):
             row[key] = _mean(timed, key)
-        for key in PASS_KEYS:
+        for key in (*PASS_KEYS, *TRAIN_PASS_KEYS):
             row[key] = _mean(ok, key)
         for key, column in MEMORY_KEYS.items():
             peak = pd.to_numeric(run[key], errors="coerce").max() if key in run else float("nan")
             row[column] = peak / MIB if _is_number(peak) else float("nan")
         rewards = ok["reward_mean"].dropna() if "reward_mean" in ok else pd.Series(dtype=float)
         row["final_reward"] = float(rewards.iloc[-1]) if len(rewards) else float("nan")
+        # the spread of the final iteration's sample rewards
+        final_std = ok.loc[rewards.index[-1], "reward_std"] if len(rewards) and "reward_std" in ok else None
+        row["final_reward_std"] = float(final_std) if _is_number(final_std) else float("nan")
         times, values = reward_curve(run) if {"t_iter_s", "reward_mean"} <= set(run) else (np.array([]),) * 2
         row["wall_s"] = float(times[-1]) if len(times) else float("nan")
         row["_curve"] = (times, values)
@@ -272,6 +341,44 @@ def run_table(records: pd.DataFrame, warmup: int = 1, extras: list[str] | None =
             row[key] = _mean(ok, key)
         out.append(row)
     return pd.DataFrame(out)
+
+
+def _after_warmup(ok: pd.DataFrame, warmup: int) -> pd.DataFrame:
+    """The ok iterations of one run (sorted) that timings use: all but the first ``warmup``, or all of
+    them when the run has no more than that."""
+    return ok.iloc[warmup:] if len(ok) > warmup else ok
+
+
+def timed_records(records: pd.DataFrame, warmup: int = 1) -> pd.DataFrame:
+    """Every record that timings sample: each run's ok iterations after its first ``warmup``."""
+    if records.empty or "iteration" not in records:
+        return records.iloc[0:0]
+    ok = records[records["status"] == "ok"].sort_values("iteration", kind="stable")
+    parts = [_after_warmup(run, warmup) for _, run in ok.groupby("run_dir", sort=False)]
+    return pd.concat(parts) if parts else ok
+
+
+# phases a table times (``t_<phase>_s``): the standard ones and the whole iteration
+TIME_PHASES = (*STANDARD_PHASES, "iter")
+
+
+def time_key(phase: str, basis: str) -> str:
+    """The record key of ``phase``'s seconds in ``basis`` ("cpu": process CPU time, "wall")."""
+    return f"t_{phase}_cpu_s" if basis == "cpu" else f"t_{phase}_s"
+
+
+def time_basis(rows: pd.DataFrame, time: str) -> str:
+    """The seconds a group of comparable rows is timed in: "wall" on a GPU under ``auto`` (CUDA-event
+    times) or when ``time`` is "wall"; else "cpu" when every row has its CPU time, "wall" when not."""
+    on_gpu = "gpu_name" in rows and rows["gpu_name"].map(lambda g: isinstance(g, str) and bool(g)).any()
+    if time == "wall" or (time == "auto" and on_gpu):
+        return "wall"
+    cpu = pd.to_numeric(rows["t_iter_cpu_s"], errors="coerce") if "t_iter_cpu_s" in rows else None
+    return "cpu" if cpu is not None and len(cpu) and cpu.notna().all() else "wall"
+
+
+def _group_key(values) -> tuple:
+    return tuple(str(v) for v in values)
 
 
 def _mean(df: pd.DataFrame, key: str) -> float:
@@ -290,14 +397,20 @@ def _baseline_mask(df: pd.DataFrame) -> pd.Series:
     return labelled | (is_full & ~has_label)
 
 
-def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = None, warmup: int = 1) -> pd.DataFrame:
-    """method x model x resolution x hardware (x source) -> times, speedup, passes, memory, rewards,
-    gradient cosine to ``full``; seeds averaged; OOM/diverged runs keep their status."""
+def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = None, warmup: int = 1,
+                     time: str = "auto", calibration: pd.DataFrame | None = None) -> pd.DataFrame:
+    """method x model x resolution x hardware (x source) -> times (median and quartiles of the iterations
+    after ``warmup``, seeds pooled), speedups with 95 % intervals, the cost model's predicted train
+    speedup (with ``calibration``, from :func:`load_calibration`), passes, memory, rewards, gradient
+    cosine to ``full``; other numbers averaged over seeds; OOM/diverged runs keep their status."""
+    check_time_basis(time, "time")
     if records.empty:
         return pd.DataFrame(columns=EFFICIENCY_COLUMNS)
     extras = _extra_keys(records)
     runs = run_table(records, warmup, extras)
     runs["resolution"] = runs["resolution"].astype("Int64")
+    timed = timed_records(records, warmup)
+    basis_of = {_group_key(key): time_basis(rows, time) for key, rows in timed.groupby(GROUP_KEYS, dropna=False)}
 
     # common wall-clock horizon per group: the shortest run that finished ok
     runs["reward_area"] = float("nan")
@@ -311,7 +424,8 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
             runs.at[idx, "reward_area"] = mean_reward_until(times, values, horizon)
 
     numeric = [c for c in runs.columns if c not in (*ROW_KEYS, "method_name", "method_options", "device",
-                                                     "gpu_name", "seed", "run_dir", "status", "_curve")]
+                                                     "gpu_name", "seed", "run_dir", "status", "_curve", *PHASES,
+                                                     "t_iter_s")]
     cells = []
     for key, group in runs.groupby(ROW_KEYS, dropna=False, sort=False):
         cell = dict(zip(ROW_KEYS, key))
@@ -324,20 +438,39 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
         for column in numeric:
             values = pd.to_numeric(measured[column], errors="coerce").dropna()
             cell[column] = float(values.mean()) if len(values) else float("nan")
+        samples = timed[timed["run_dir"].isin(set(measured["run_dir"]))]
+        cell["time_basis"] = basis = basis_of.get(_group_key(cell[k] for k in GROUP_KEYS), "wall")
+        cell["_samples"] = {}
+        for phase in TIME_PHASES:
+            key = time_key(phase, basis)
+            values = pd.to_numeric(samples[key], errors="coerce").to_numpy(float) if key in samples else np.array([])
+            cell[f"t_{phase}_p25_s"], cell[f"t_{phase}_s"], cell[f"t_{phase}_p75_s"] = quartiles(values)
+            cell["_samples"][phase] = values
+        cell["predicted_t_train_s"] = _predicted_train_seconds(cell, samples, calibration, basis)
         if cell["status"] == "oom":  # the iteration that ran out of memory has no times or rewards
-            for column in (*PHASES, "t_iter_s", "images_per_s", "final_reward", "reward_area", "wall_s"):
+            for column in (*TIME_COLUMNS, "images_per_s", "final_reward", "final_reward_std", "reward_area", "wall_s"):
                 cell[column] = float("nan")
         cells.append(cell)
     table = pd.DataFrame(cells)
 
     # speedup over the group's `full` row; only between cells that both finished ok
     base = table[_baseline_mask(table)].drop_duplicates(GROUP_KEYS)
-    base = base[GROUP_KEYS + ["t_iter_s", "t_train_s", "status"]].rename(
-        columns={"t_iter_s": "_ref_iter", "t_train_s": "_ref_train", "status": "_ref_status"})
+    base = base[GROUP_KEYS + ["t_iter_s", "t_train_s", "status", "_samples", "predicted_t_train_s"]].rename(
+        columns={"t_iter_s": "_ref_iter", "t_train_s": "_ref_train", "status": "_ref_status",
+                 "_samples": "_ref_samples", "predicted_t_train_s": "_ref_predicted"})
     table = table.merge(base, on=GROUP_KEYS, how="left")
     usable = (table["_ref_status"] == "ok") & (table["status"] == "ok")
     table["speedup"] = (table["_ref_iter"] / table["t_iter_s"]).where(usable)
     table["train_speedup"] = (table["_ref_train"] / table["t_train_s"]).where(usable)
+    for name, phase in (("speedup", "iter"), ("train_speedup", "train")):
+        bounds = [ratio_of_medians_ci(ref[phase], own[phase]) if ok and isinstance(ref, dict) else (float("nan"),) * 2
+                  for ok, ref, own in zip(usable, table["_ref_samples"], table["_samples"])]
+        table[f"{name}_lo"] = [lo for lo, _ in bounds]
+        table[f"{name}_hi"] = [hi for _, hi in bounds]
+    table["predicted_train_speedup"] = (table["_ref_predicted"] / table["predicted_t_train_s"]).where(usable)
+    table["prediction_check"] = [
+        _prediction_check(*values) for values in
+        zip(table["train_speedup"], table["train_speedup_lo"], table["train_speedup_hi"], table["predicted_train_speedup"])]
 
     table["grad_cosine"], table["grad_rel_error"] = _match_gradcheck(table, gradcheck)
     columns = [c for c in EFFICIENCY_COLUMNS if c in table] + extras + ["method_options"]
@@ -346,12 +479,44 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
     return table.drop(columns="_imported").reset_index(drop=True)
 
 
+def _predicted_train_seconds(cell: dict, samples: pd.DataFrame, calibration: pd.DataFrame | None, basis: str) -> float:
+    """Seconds the cell's train phase costs at its calibration's unit costs: the mean counted train
+    passes of its timed iterations and its optimizer steps, priced (NaN without a calibration)."""
+    if calibration is None or calibration.empty or samples.empty:
+        return float("nan")
+    match = calibration[(calibration["model"].astype(str) == str(cell["model"]))
+                        & (pd.to_numeric(calibration["resolution"], errors="coerce") == cell["resolution"])
+                        & (calibration["device"].astype(str) == str(cell["device"]))]
+    if match.empty:
+        return float("nan")
+    units = match.iloc[-1]
+    kinds = (*PASS_KEYS, "optimizer_step")
+    columns = (*TRAIN_PASS_KEYS, "optimizer_steps")
+    counts = {kind: _mean(samples, column) for kind, column in zip(kinds, columns)}
+    return predicted_seconds(counts, {kind: units.get(f"unit_{basis}_{kind}", float("nan")) for kind in kinds})
+
+
+def _prediction_check(measured, lo, hi, predicted) -> str | None:
+    """Whether the measured speedup's interval contains the predicted one: "agrees", "faster than
+    predicted", "slower than predicted"; None when either is missing."""
+    if not all(_is_number(v) for v in (measured, lo, hi, predicted)):
+        return None
+    if lo <= predicted <= hi:
+        return "agrees"
+    return "faster than predicted" if measured > predicted else "slower than predicted"
+
+
+# timing columns: median and quartiles of each phase's seconds
+TIME_COLUMNS = [f"t_{phase}_{stat}" for phase in TIME_PHASES for stat in ("s", "p25_s", "p75_s")]
+
 EFFICIENCY_COLUMNS = [
     "method", "model", "resolution", "hardware", "source", "status", "method_name", "n_gpus", "seeds", "iterations",
-    "t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "speedup", "train_speedup",
-    "forward_nograd", "forward_grad", "backward",
+    "time_basis", *TIME_COLUMNS,
+    "speedup", "speedup_lo", "speedup_hi", "train_speedup", "train_speedup_lo", "train_speedup_hi",
+    "predicted_train_speedup", "prediction_check", "predicted_t_train_s",
+    "forward_nograd", "forward_grad", "backward", *TRAIN_PASS_KEYS,
     "peak_alloc_mib", "nvml_peak_mib", "saved_act_mib", "rss_peak_mib", "images_per_s",
-    "final_reward", "reward_area", "wall_s", "grad_cosine", "grad_rel_error",
+    "final_reward", "final_reward_std", "reward_area", "wall_s", "grad_cosine", "grad_rel_error",
 ]
 
 
@@ -454,15 +619,40 @@ def gpus_table(efficiency: pd.DataFrame) -> pd.DataFrame:
 
 FORMATS: dict[str, Callable[[float], str]] = {
     "speedup": lambda v: f"{v:.2f}x", "train_speedup": lambda v: f"{v:.2f}x",
+    "speedup_lo": lambda v: f"{v:.2f}x", "speedup_hi": lambda v: f"{v:.2f}x",
+    "train_speedup_lo": lambda v: f"{v:.2f}x", "train_speedup_hi": lambda v: f"{v:.2f}x",
+    "predicted_train_speedup": lambda v: f"{v:.2f}x",
     "speedup_vs_full": lambda v: f"{v:.2f}x", "backward_vs_full": lambda v: f"{v:.2f}",
     "cosine_to_full": lambda v: f"{v:.5f}", "grad_cosine": lambda v: f"{v:.5f}",
     "relative_error": lambda v: f"{v:.3g}", "grad_rel_error": lambda v: f"{v:.3g}",
 }
+# columns that count things: written as integers wherever every value is one
+COUNT_COLUMNS = {*PASS_KEYS, *TRAIN_PASS_KEYS, "seeds", "iterations", "n_gpus", "resolution", "window",
+                 "batch_size", "steps_per_sample", "groups_routed"}
 
 
 # cells a failed run leaves empty; the Markdown shows the run's status there
-FAILURE_COLUMNS = (*PHASES, "t_iter_s", "speedup", "train_speedup", "images_per_s", "final_reward",
-                   "reward_area", "wall_s")
+FAILURE_COLUMNS = (*TIME_COLUMNS, "speedup", "train_speedup", "images_per_s", "final_reward", "reward_area", "wall_s",
+                   "s_per_iter", "final_reward_pm")
+
+
+def _is_count_column(column: str) -> bool:
+    return column.split(" [")[0] in COUNT_COLUMNS
+
+
+def integer_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with every count column whose values are all whole numbers as a nullable integer column
+    (written ``40``, not ``40.0``; missing values stay empty)."""
+    out = df.copy()
+    for column in out.columns:
+        if not _is_count_column(column) or not pd.api.types.is_numeric_dtype(out[column]) \
+                or pd.api.types.is_bool_dtype(out[column]):
+            continue
+        values = pd.to_numeric(out[column], errors="coerce")
+        present = values.dropna()
+        if len(present) and np.all(np.isfinite(present)) and np.all(present == np.round(present)):
+            out[column] = values.round().astype("Int64")
+    return out
 
 
 def _format(column: str, value) -> str:
@@ -477,18 +667,18 @@ def _format(column: str, value) -> str:
         return str(int(value))
     if isinstance(value, (float, np.floating)):
         v = float(value)
-        if v.is_integer() and abs(v) < 1e6 and (column in PASS_KEYS or column in ("seeds", "iterations", "n_gpus")):
+        if v.is_integer() and abs(v) < 1e6 and _is_count_column(column):
             return str(int(v))
         return f"{v:.4g}"
-    return str(value).replace("|", "\\|")
+    return str(value)
 
 
-def to_markdown(df: pd.DataFrame, status_column: str | None = "status", empty: str = "—") -> str:
-    """A GitHub Markdown table. In a row whose status is not ok, the time, speedup and reward cells it
-    left empty show the status (``OOM``, ``DIVERGED``, ...); other empty cells show ``empty``. Imported
-    rows are marked in the method column."""
+def formatted_cells(df: pd.DataFrame, status_column: str | None = "status", empty: str = "—") -> tuple[list[str], list[list[str]]]:
+    """(header, rows of cell texts) of ``df`` as the Markdown and HTML tables show it. In a row whose
+    status is not ok, the time, speedup and reward cells it left empty show the status (``OOM``,
+    ``DIVERGED``, ...); other empty cells show ``empty``. Imported rows are marked in the method column."""
     columns = [c for c in df.columns if c != "method_options"]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    rows = []
     for _, row in df.iterrows():
         status = row.get(status_column) if status_column else None
         fill = status.upper() if isinstance(status, str) and status != "ok" else empty
@@ -498,47 +688,127 @@ def to_markdown(df: pd.DataFrame, status_column: str | None = "status", empty: s
             if column == "method" and row.get("source") == "imported":
                 text = f"{text} (imported)"
             cells.append(text or (fill if column in FAILURE_COLUMNS else empty))
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    return columns, rows
+
+
+def to_markdown(df: pd.DataFrame, status_column: str | None = "status", empty: str = "—") -> str:
+    """A GitHub Markdown table (cells as :func:`formatted_cells` gives them)."""
+    columns, rows = formatted_cells(df, status_column, empty)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in rows]
     return "\n".join(lines) + "\n"
 
 
-def write_table(df: pd.DataFrame, out_dir: str | Path, name: str, status_column: str | None = "status") -> tuple[Path, Path]:
-    """``out_dir/name.csv`` (every column, NaN as empty) and ``out_dir/name.md``, each written atomically."""
+_HTML_STYLE = ("body{font-family:sans-serif;font-size:13px;margin:0}"
+               "table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:2px 6px;white-space:nowrap}"
+               "th{background:#f2f2f2;position:sticky;top:0}td.n{text-align:right}tr:nth-child(even){background:#fafafa}")
+
+
+def to_html(df: pd.DataFrame, title: str, status_column: str | None = "status", empty: str = "—") -> str:
+    """A standalone HTML page holding the table (cells as :func:`formatted_cells` gives them), for the
+    Snakemake report, which shows HTML results in the page."""
+    from html import escape
+
+    columns, rows = formatted_cells(df, status_column, empty)
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in columns]
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f'<td{" class=n" if n else ""}>{escape(cell)}</td>' for cell, n in zip(cells, numeric))
+                   + "</tr>" for cells in rows)
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
+            f"<style>{_HTML_STYLE}</style></head><body><table><thead><tr>{head}</tr></thead>"
+            f"<tbody>{body}</tbody></table></body></html>\n")
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = atomic_path(path)
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_table(df: pd.DataFrame, out_dir: str | Path, name: str, status_column: str | None = "status") -> list[Path]:
+    """``out_dir/name.csv`` (every column, NaN as empty, counts as integers), ``name.md`` and
+    ``name.html``, each written atomically; returns their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path, md_path = out_dir / f"{name}.csv", out_dir / f"{name}.md"
-    tmp = atomic_path(csv_path)
-    df.to_csv(tmp, index=False)
-    tmp.replace(csv_path)
-    tmp = atomic_path(md_path)
-    tmp.write_text(to_markdown(df, status_column if status_column in df.columns else None))
-    tmp.replace(md_path)
-    return csv_path, md_path
+    df = integer_columns(df)
+    status = status_column if status_column in df.columns else None
+    paths = [out_dir / f"{name}.{ext}" for ext in TABLE_FORMATS]
+    for path in paths:
+        if path.suffix == ".csv":
+            tmp = atomic_path(path)
+            df.to_csv(tmp, index=False)
+            tmp.replace(path)
+        elif path.suffix == ".md":
+            _write_text(path, to_markdown(df, status))
+        else:
+            _write_text(path, to_html(df, name, status))
+    return paths
 
 
-TABLES = ("efficiency", "ablation", "gpus")
+def _interval(value, lo, hi, digits: int = 2, suffix: str = "x") -> str:
+    if not _is_number(value):
+        return ""
+    text = f"{value:.{digits}f}{suffix}"
+    return text + (f" [{lo:.{digits}f}, {hi:.{digits}f}]" if _is_number(lo) and _is_number(hi) else "")
 
 
-def write_tables(records: pd.DataFrame, gradcheck: pd.DataFrame, out_dir: str | Path, warmup: int = 1) -> dict[str, pd.DataFrame]:
-    """Write records.csv and every table (CSV + Markdown) under ``out_dir``; return the tables."""
+def summary_table(efficiency: pd.DataFrame) -> pd.DataFrame:
+    """The efficiency table in a few readable columns, one row per cell: seconds per iteration as
+    median [p25, p75] (in the row's ``time`` basis), speedup and train speedup over ``full`` with
+    their 95 % intervals, the predicted train speedup, backward passes per iteration, peak memory (MiB,
+    :func:`peak_memory_mib`), gradient cosine to ``full`` and the final reward +- the standard
+    deviation of that iteration's sample rewards."""
+    columns = ["method", "model", "resolution", "hardware", "source", "status", "time", "s_per_iter", "speedup",
+               "train_speedup", "predicted_train_speedup", "backward", "peak_mib", "grad_cosine", "final_reward_pm"]
+    if efficiency.empty:
+        return pd.DataFrame(columns=columns)
+    peak = peak_memory_mib(efficiency)
+    rows = []
+    for idx, r in efficiency.iterrows():
+        med, p25, p75 = r.get("t_iter_s"), r.get("t_iter_p25_s"), r.get("t_iter_p75_s")
+        reward, spread = r.get("final_reward"), r.get("final_reward_std")
+        rows.append({
+            "method": r["method"], "model": r["model"], "resolution": r["resolution"], "hardware": r["hardware"],
+            "source": r["source"], "status": r["status"], "time": r.get("time_basis"),
+            "s_per_iter": _interval(med, p25, p75, 3, "") if _is_number(med) else "",
+            "speedup": _interval(r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi")),
+            "train_speedup": _interval(r.get("train_speedup"), r.get("train_speedup_lo"), r.get("train_speedup_hi")),
+            "predicted_train_speedup": r.get("predicted_train_speedup"),
+            "backward": r.get("backward"),
+            "peak_mib": round(float(peak[idx]), 1) if _is_number(peak[idx]) else float("nan"),
+            "grad_cosine": r.get("grad_cosine"),
+            "final_reward_pm": (f"{reward:.4g} ± {spread:.2g}" if _is_number(spread) else f"{reward:.4g}")
+            if _is_number(reward) else "",
+        })
+    return pd.DataFrame(rows, columns=columns)
+
+
+def build_tables(records: pd.DataFrame, gradcheck: pd.DataFrame, warmup: int = 1, time: str = "auto",
+                 calibration: pd.DataFrame | None = None) -> dict[str, pd.DataFrame]:
+    """Every table of ``TABLES`` from the records, gradcheck rows and calibrations."""
+    efficiency = efficiency_table(records, gradcheck, warmup, time, calibration)
+    return {"summary": summary_table(efficiency), "efficiency": efficiency, "ablation": ablation_table(gradcheck),
+            "gpus": gpus_table(efficiency)}
+
+
+def write_tables(records: pd.DataFrame, gradcheck: pd.DataFrame, out_dir: str | Path, warmup: int = 1,
+                 time: str = "auto", calibration: pd.DataFrame | None = None) -> dict[str, pd.DataFrame]:
+    """Write records.csv and every table (CSV, Markdown, HTML) under ``out_dir``; return the tables."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = atomic_path(out_dir / "records.csv")
     records.to_csv(tmp, index=False)
     tmp.replace(out_dir / "records.csv")
-    efficiency = efficiency_table(records, gradcheck, warmup)
-    tables = {"efficiency": efficiency, "ablation": ablation_table(gradcheck), "gpus": gpus_table(efficiency)}
-    write_table(tables["efficiency"], out_dir, "efficiency")
-    write_table(tables["ablation"], out_dir, "ablation", status_column=None)
-    write_table(tables["gpus"], out_dir, "gpus", status_column=None)
+    tables = build_tables(records, gradcheck, warmup, time, calibration)
+    for name, table in tables.items():
+        write_table(table, out_dir, name, status_column="status" if name in ("summary", "efficiency") else None)
     return tables
 
 
 # --------------------------------------------------------------------------------------------------
 # Plots
 # --------------------------------------------------------------------------------------------------
-
-PLOTS = ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "gradcheck_cosine")
 
 
 def _pyplot():
@@ -674,9 +944,13 @@ def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
         # the rest of the iteration (advantages, optimizer step), or all of it for a log without phases
         rest = np.clip(panel["t_iter_s"].to_numpy(float) - bottom, 0, None)
         ax.bar(range(len(panel)), rest, bottom=bottom, color="#b0b0b0", label="other / not split")
+        # the spread: the iteration's interquartile range around its median (the top of the stack)
+        top = bottom + rest
+        ax.errorbar(range(len(panel)), top, yerr=_iqr_err(panel, "iter", top), fmt="none", ecolor="black",
+                    capsize=3, lw=1, label="iteration IQR")
         ax.set_xticks(range(len(panel)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_title(f"{key[0]} {key[1]} px, {key[2]}", fontsize=9)
-        ax.set_ylabel("seconds per iteration")
+        ax.set_ylabel(f"seconds per iteration, median ({_basis_label(panel)})")
         ax.grid(alpha=0.3, axis="y")
     _legend(fig, axes)
     _save(fig, path)
@@ -705,6 +979,114 @@ def plot_gradcheck(ablation: pd.DataFrame, path: Path) -> None:
                     marker="o", color=colors[base], label=base + (", reuse" if reuse else ""))
         ax.set_title(f"{model} {resolution} px", fontsize=9)
         ax.set_xlabel("W (steps per group)")
+        _integer_axis(ax.xaxis)
+        ax.set_ylabel("gradient cosine to full")
+        ax.grid(alpha=0.3)
+    _legend(fig, axes)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def _integer_axis(axis) -> None:
+    """Ticks at whole numbers only: for axes that count things (passes, W, pixels)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _iqr_err(df: pd.DataFrame, phase: str, center) -> np.ndarray:
+    """(2, n) error-bar lengths from ``center`` down to p25 and up to p75 of ``phase``'s seconds."""
+    center = np.asarray(center, dtype=float)
+    lo = df[f"t_{phase}_p25_s"].to_numpy(float)
+    hi = df[f"t_{phase}_p75_s"].to_numpy(float)
+    return np.vstack([np.clip(center - lo, 0, None), np.clip(hi - center, 0, None)])
+
+
+def _basis_label(df: pd.DataFrame) -> str:
+    bases = sorted(set(df["time_basis"].dropna())) if "time_basis" in df else []
+    names = {"cpu": "process CPU time", "wall": "wall clock / CUDA events"}
+    return ", ".join(names.get(b, b) for b in bases) or "wall clock"
+
+
+def plot_time_resolution(efficiency: pd.DataFrame, path: Path) -> None:
+    """Seconds per iteration (median, with the p25-p75 band and error bars) against resolution, one
+    line per method, one panel per model x hardware."""
+    plt = _pyplot()
+    df = efficiency[(efficiency["source"] == "measured") & efficiency["t_iter_s"].notna()] \
+        if not efficiency.empty else efficiency
+    if df.empty:
+        return _empty_figure(plt, path, "no timed iterations")
+    keys = list(dict.fromkeys(zip(df["model"], df["hardware"])))
+    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
+    colors = _colors(df["method"])
+    for ax, (model, hardware) in zip(axes, keys):
+        panel = df[(df["model"] == model) & (df["hardware"] == hardware)]
+        for method, line in panel.groupby("method", sort=False):
+            line = line.sort_values("resolution")
+            xs, med = line["resolution"].astype(float).to_numpy(), line["t_iter_s"].to_numpy(float)
+            ax.errorbar(xs, med, yerr=_iqr_err(line, "iter", med), marker="o", capsize=3, color=colors[method],
+                        label=method)
+            ax.fill_between(xs, line["t_iter_p25_s"].to_numpy(float), line["t_iter_p75_s"].to_numpy(float),
+                            color=colors[method], alpha=0.15, lw=0)
+        ax.set_xticks(sorted(panel["resolution"].astype(int).unique()))
+        ax.set_title(f"{model}, {hardware}", fontsize=9)
+        ax.set_xlabel("resolution (px)")
+        ax.set_ylabel(f"s / iteration, median + IQR ({_basis_label(panel)})", fontsize=8)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    _legend(fig, axes)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_backward_passes(efficiency: pd.DataFrame, path: Path) -> None:
+    """Backward passes per iteration (counted, per sample) per method, one panel per model x resolution
+    (counts do not depend on the hardware)."""
+    plt = _pyplot()
+    df = efficiency[(efficiency["source"] == "measured") & efficiency["backward"].notna()] \
+        if not efficiency.empty else efficiency
+    if df.empty:
+        return _empty_figure(plt, path, "no counted passes")
+    df = df.drop_duplicates(["method", "model", "resolution"])
+    keys = list(dict.fromkeys(zip(df["model"], df["resolution"])))
+    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
+    colors = _colors(df["method"])
+    for ax, (model, resolution) in zip(axes, keys):
+        panel = df[(df["model"] == model) & (df["resolution"] == resolution)]
+        labels = list(panel["method"])
+        ax.bar(range(len(panel)), panel["backward"].to_numpy(float), color=[colors[m] for m in labels])
+        ax.set_xticks(range(len(panel)), labels, rotation=60, ha="right", fontsize=7)
+        _integer_axis(ax.yaxis)
+        ax.set_title(f"{model} {resolution} px", fontsize=9)
+        ax.set_ylabel("backward passes per iteration")
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_cosine_cost(efficiency: pd.DataFrame, path: Path) -> None:
+    """The accuracy / cost frontier: gradient cosine to ``full`` against the train phase's time relative
+    to ``full`` (1 / train speedup, with its 95 % interval as error bars), one point per method, one
+    panel per model x resolution x hardware with gradient checks."""
+    plt = _pyplot()
+    df = efficiency[efficiency["grad_cosine"].notna() & efficiency["train_speedup"].notna()] \
+        if not efficiency.empty else efficiency
+    if df.empty:
+        return _empty_figure(plt, path, "no run with both a gradient check and a train speedup")
+    keys = list(dict.fromkeys(zip(df["model"], df["resolution"], df["hardware"])))
+    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
+    colors = _colors(df["method"])
+    for ax, key in zip(axes, keys):
+        panel = df[(df["model"] == key[0]) & (df["resolution"] == key[1]) & (df["hardware"] == key[2])]
+        for _, row in panel.iterrows():
+            cost = 1 / row["train_speedup"]
+            lo = 1 / row["train_speedup_hi"] if _is_number(row["train_speedup_hi"]) else cost
+            hi = 1 / row["train_speedup_lo"] if _is_number(row["train_speedup_lo"]) else cost
+            ax.errorbar([cost], [row["grad_cosine"]], xerr=[[max(cost - lo, 0)], [max(hi - cost, 0)]], fmt="o",
+                        capsize=3, color=colors[row["method"]], label=row["method"])
+        ax.set_title(f"{key[0]} {key[1]} px, {key[2]}", fontsize=9)
+        ax.set_xlabel(f"train time relative to full ({_basis_label(panel)})", fontsize=8)
         ax.set_ylabel("gradient cosine to full")
         ax.grid(alpha=0.3)
     _legend(fig, axes)
@@ -716,25 +1098,29 @@ def write_plots(records: pd.DataFrame, tables: dict[str, pd.DataFrame], out_dir:
     """Every plot of PLOTS as ``out_dir/<name>.png``; a plot without data says so in its image."""
     out_dir = Path(out_dir)
     paths = {name: out_dir / f"{name}.png" for name in PLOTS}
+    efficiency = tables["efficiency"]
     plot_rewards(records, paths["reward_iteration"], "iteration")
     plot_rewards(records, paths["reward_wallclock"], "wallclock")
-    plot_memory(tables["efficiency"], paths["memory_resolution"])
-    plot_time_breakdown(tables["efficiency"], paths["time_breakdown"])
+    plot_memory(efficiency, paths["memory_resolution"])
+    plot_time_breakdown(efficiency, paths["time_breakdown"])
+    plot_time_resolution(efficiency, paths["time_resolution"])
+    plot_backward_passes(efficiency, paths["backward_passes"])
+    plot_cosine_cost(efficiency, paths["cosine_cost"])
     plot_gradcheck(tables["ablation"], paths["gradcheck_cosine"])
     return list(paths.values())
 
 
 def build_report(manifest: Manifest, tables_dir: str | Path | None = None, plots_dir: str | Path | None = None) -> dict:
-    """Load ``manifest``'s runs and gradcheck CSVs; write the tables and/or the plots."""
+    """Load ``manifest``'s runs, gradcheck CSVs and calibrations; write the tables and/or the plots."""
     if not manifest.runs:
         raise UserError("report: no runs to report (give --manifest or --runs)")
     records = load_records(manifest.runs)
     gradcheck = load_gradcheck(manifest.gradcheck)
+    calibration = load_calibration(manifest.calibration)
     if tables_dir is not None:
-        tables = write_tables(records, gradcheck, tables_dir, manifest.warmup)
+        tables = write_tables(records, gradcheck, tables_dir, manifest.warmup, manifest.time, calibration)
     else:
-        efficiency = efficiency_table(records, gradcheck, manifest.warmup)
-        tables = {"efficiency": efficiency, "ablation": ablation_table(gradcheck), "gpus": gpus_table(efficiency)}
+        tables = build_tables(records, gradcheck, manifest.warmup, manifest.time, calibration)
     if plots_dir is not None:
         write_plots(records, tables, plots_dir)
     return tables

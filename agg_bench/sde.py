@@ -23,12 +23,15 @@ LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 
 @dataclass
 class SDEStepOutput:
-    """``prev_sample`` x_{j+1}; ``log_prob`` (B,) of it; ``mean`` and ``std`` of the Gaussian transition."""
+    """``prev_sample`` x_{j+1}; ``log_prob`` (B,) of it; ``mean`` and ``std`` of the Gaussian transition;
+    ``std_t`` its noise level before the step size: ``std = std_t * sqrt(s_j - s_{j+1})`` (flow_grpo:
+    ``eta * sqrt(s / (1 - s'))``, dance_grpo: ``eta``). ``std`` and ``std_t`` are (B, 1, ..., 1)."""
 
     prev_sample: torch.Tensor
     log_prob: torch.Tensor | None
     mean: torch.Tensor
     std: torch.Tensor
+    std_t: torch.Tensor | None = None
 
 
 def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -> torch.Tensor:
@@ -67,8 +70,11 @@ def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas
     """One SDE step from ``sample`` = x_j with velocity ``model_output`` to x_{j+1}.
 
     ``index`` is the step j, an int or a (B,) tensor of per-sample steps. If ``prev_sample`` is given
-    its log-probability is returned; otherwise x_{j+1} is drawn with ``generator``.
+    its log-probability is returned; otherwise x_{j+1} is drawn with ``generator``. ``eta`` must be a
+    number > 0: at 0 the transition is deterministic and has no density (use :func:`ode_step`).
     """
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not math.isfinite(eta) or eta <= 0:
+        raise ConfigError("sampling.eta", eta, "a finite number > 0 (eta 0 is the ODE step, which has no log-probability)")
     dtype = _compute_dtype(model_output, sample, prev_sample)
     v = model_output.to(dtype)
     x = sample.to(dtype)
@@ -86,11 +92,13 @@ def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas
         x0 = x - s * v
         score = -(x - x0 * (1 - s)) / s**2
         mean = x + dt * v - 0.5 * eta**2 * score * dt
+        std_t = torch.full_like(dt, eta)
         std = eta * torch.sqrt(-dt)
     else:
         raise ConfigError("sampling.sde", kind, f"one of {list(SDE_KINDS)}")
     ones = [1] * (x.dim() - 1)
     std = std.reshape(-1, *ones).expand(x.shape[0], *ones)  # (B, 1, ..., 1)
+    std_t = std_t.reshape(-1, *ones).expand(x.shape[0], *ones)
     if prev_sample is None:
         if generator is None:
             noise = torch.randn_like(x)
@@ -99,7 +107,8 @@ def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas
         prev = mean + std * noise
     else:
         prev = prev_sample.to(dtype)
-    return SDEStepOutput(prev_sample=prev, log_prob=gaussian_log_prob(prev, mean, std), mean=mean, std=std)
+    return SDEStepOutput(prev_sample=prev, log_prob=gaussian_log_prob(prev, mean, std), mean=mean, std=std,
+                         std_t=std_t)
 
 
 def ode_step(model_output: torch.Tensor, sample: torch.Tensor, sigmas: torch.Tensor, index) -> torch.Tensor:

@@ -6,6 +6,7 @@ adapter in ``lora/`` and the adapter settings under ``lora`` in ``rollout.json``
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,12 +14,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import RunConfig, apply_overrides, validate
-from .errors import UserError
+from .config import RunConfig, apply_overrides, parse_override, validate
+from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats
 from .io import atomic_path, write_json
 from .lora import load_adapter, lora_info, save_transformer
-from .methods import build_method
+from .methods import Estimator, ReplayPlan, build_method
 from .models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, precision
 from .train import Session, prepare_out_dir
 
@@ -43,7 +44,8 @@ def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
     tmp.replace(out / "rollout.safetensors")
     write_json(out / "rollout.json", {
         "family": cfg.model.family, "sde": batch.sde, "eta": batch.eta, "clip_range": batch.clip_range,
-        "beta": batch.beta, "dtype": cfg.model.dtype, "resolution": cfg.model.resolution,
+        "beta": batch.beta, "kl_form": batch.kl_form, "adv_std": cfg.grpo.adv_std, "dtype": cfg.model.dtype,
+        "resolution": cfg.model.resolution,
         "lora": lora_info(session.policy.transformer),
     })
     write_json(out / "config.json", cfg.to_dict())
@@ -78,51 +80,105 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
         advantages=t["advantages"], train_steps=t["train_steps"],
         cond=Conditioning.from_tensors(t),
         sde=meta["sde"], eta=meta["eta"], clip_range=meta["clip_range"], beta=beta,
-        velocities=t.get("velocities"), policy_version=0,
+        velocities=t.get("velocities"), policy_version=0, kl_form=meta.get("kl_form", "transition"),
     )
     config_path = root / "config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
     return Snapshot(policy, batch, meta, config)
 
 
-def method_from(snapshot: Snapshot, method: str, overrides: list[str]):
-    """The estimator ``method`` with ``--set`` overrides applied to the snapshot's config."""
-    config = dict(snapshot.config)
+# Keys outside the method section that a replay may set: the plan of a method that draws its own
+# steps on the snapshot (Estimator.replans). Anything else is fixed by the frozen rollout.
+REPLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "seed")
+
+
+def replay_setup(config: dict, method: str, overrides: list[str]) -> tuple[RunConfig, Estimator]:
+    """The replay's run config (the snapshot's ``config`` with ``method`` and the ``--set`` overrides)
+    and the estimator, after the method's own run checks (``check_run``: W <= N, plan compatibility)."""
+    config = dict(config)
     config["method"] = {"name": method}
     cfg = validate(apply_overrides(config, overrides))
     options = dict(cfg.method)
-    return build_method(options.pop("name"), options)
+    estimator = build_method(options.pop("name"), options)
+    for item in overrides:
+        key, value = parse_override(item)
+        if key == "method" or key.startswith("method."):
+            continue
+        if not (estimator.replans and key in REPLAN_KEYS):
+            allowed = f"method.* and {', '.join(REPLAN_KEYS)}" if estimator.replans else "method.* only"
+            raise ConfigError(key, value,
+                              f"a key a replay of method '{method}' can honour ({allowed}): "
+                              "the rest is fixed by the snapshot")
+    estimator.check_run(cfg)
+    return cfg, estimator
 
 
-def replay_gradient(snapshot: Snapshot, estimator) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """``estimator``'s gradient of L on the snapshot: ({name: grad}, pass counts, update stats)."""
+def method_from(snapshot: Snapshot, method: str, overrides: list[str]) -> Estimator:
+    """The estimator ``method`` with ``--set`` overrides applied to the snapshot's config (run checks done)."""
+    return replay_setup(snapshot.config, method, overrides)[1]
+
+
+def stochastic_steps(batch: TrainBatch) -> torch.Tensor:
+    """(T,) bool: the rollout's steps with a log-probability. An ODE step's log-prob is stored as exactly 0
+    for every sample (:func:`agg_bench.rollout.rollout`), which a Gaussian log-density never is."""
+    return (batch.log_probs != 0).any(dim=0).cpu()
+
+
+def plan_replay(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | None = None) -> ReplayPlan:
+    """What replaying ``estimator`` on ``snapshot`` trains and measures; random draws from ``cfg.seed``
+    (default: the snapshot's own run config, validated when it was made)."""
+    cfg = cfg if cfg is not None else RunConfig(snapshot.config)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    return estimator.replay_plan(cfg, stochastic_steps(snapshot.batch), snapshot.batch.batch_size, generator)
+
+
+def replay_gradient(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | None = None,
+                    plan: ReplayPlan | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """``estimator``'s gradient of L on the snapshot: ({name: grad}, pass counts, update stats).
+
+    The steps trained are those of ``plan`` (default :func:`plan_replay`); the stats carry its
+    ``replay`` scope and ``replay_note``. A method whose replay is not applicable is a UserError.
+    """
+    plan = plan if plan is not None else plan_replay(snapshot, estimator, cfg)
+    if plan.scope == "not_applicable":
+        raise UserError(f"method '{estimator.name}' cannot be measured on a frozen rollout: {plan.note}")
+    batch = snapshot.batch
+    if plan.train_steps is not None:
+        batch = dataclasses.replace(batch, train_steps=plan.train_steps.to(batch.train_steps.device))
     policy = snapshot.policy
-    reference = policy.frozen_copy() if snapshot.batch.beta > 0 else None
+    reference = policy.frozen_copy() if batch.beta > 0 else None
     for p in policy.parameters():
         p.grad = None
     before = policy.counter.copy()
-    stats = UpdateStats(snapshot.batch.clip_range)
-    estimator.accumulate(policy, snapshot.batch, stats, reference)
+    stats = UpdateStats(batch.clip_range)
+    estimator.accumulate(policy, batch, stats, reference)
     counts = (policy.counter - before).as_dict()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
              for n, p in policy.named_parameters()}
     for p in policy.parameters():
         p.grad = None
-    return grads, counts, {**stats.as_dict(), **estimator.iteration_metrics()}
+    return grads, counts, {**stats.as_dict(), **estimator.iteration_metrics(), "replay": plan.scope,
+                           "replay_note": plan.note, "steps_per_sample": batch.steps_per_sample}
 
 
 def replay(snapshot_dir: str | Path, method: str, overrides: list[str], out_file: str | Path,
            device: str = "cpu") -> dict:
+    """Write ``method``'s gradient on the snapshot to ``out_file`` and its pass counts (and the replay's
+    scope, :class:`~agg_bench.methods.ReplayPlan`) to ``out_file`` .json; returns the pass counts.
+    Every check runs before anything is written."""
     out_file = Path(out_file)
     if out_file.suffix != ".safetensors":
         raise UserError(f"--out {out_file}: expected a FILE.safetensors path")
-    prepare_out_dir(out_file.parent)
     snapshot = load_snapshot(snapshot_dir, device)
-    estimator = method_from(snapshot, method, overrides)
-    grads, counts, stats = replay_gradient(snapshot, estimator)
+    cfg, estimator = replay_setup(snapshot.config, method, overrides)
+    plan = plan_replay(snapshot, estimator, cfg)
+    if plan.scope == "not_applicable":
+        raise UserError(f"method '{method}' cannot be measured on a frozen rollout: {plan.note}")
+    prepare_out_dir(out_file.parent)
+    grads, counts, stats = replay_gradient(snapshot, estimator, cfg, plan)
     tmp = atomic_path(out_file)
     save_file({k: v.contiguous().cpu() for k, v in grads.items()}, str(tmp))
     tmp.replace(out_file)
     write_json(out_file.with_suffix(".json"), {**counts, "method": method, "overrides": overrides,
-                                               "stats": stats})
+                                               "replay": plan.scope, "stats": stats})
     return counts

@@ -30,22 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-STANDARD_PHASES = ("rollout", "reward", "train")
-
-TELEMETRY_KEYS = (
-    "t_rollout_s",
-    "t_reward_s",
-    "t_train_s",
-    "t_iter_s",
-    "peak_alloc_bytes",
-    "peak_reserved_bytes",
-    "nvml_peak_used_bytes",
-    "saved_activation_peak_bytes",
-    "rss_peak_bytes",
-    "energy_j",
-    "gpu_util_mean",
-    "power_mean_w",
-)
+from .records import STANDARD_PHASES, TELEMETRY_KEYS  # noqa: F401  (also imported from here)
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -69,6 +54,14 @@ class PhaseTimer:
     synchronizes on the end event before reading. Otherwise ``time.perf_counter`` is used; on a CUDA
     device without events the device is synchronized at both ends so the wall time still covers the
     queued GPU work.
+
+    ``cpu_s`` is the CPU time the whole process used inside the block (``time.process_time``: user +
+    system time of every thread). Process time, not the calling thread's, because torch runs a CPU
+    operator's work on its intra-op threads, which thread time would miss; it therefore exceeds the
+    wall time when several threads compute at once. Unlike wall time it does not grow while other
+    processes hold the cores, which makes it the stable measure of work on a shared CPU. On a GPU it
+    counts only the host's share (launching kernels, waiting), so there the event time is the
+    measure.
     """
 
     def __init__(self, device: torch.device | str = "cpu", use_cuda_events: bool = True):
@@ -76,13 +69,16 @@ class PhaseTimer:
         self._events = use_cuda_events and _is_cuda(self.device)
         self._start: Any = None
         self._end: Any = None
+        self._cpu_start: float | None = None
+        self._cpu_end: float | None = None
 
     def _sync(self) -> None:
         if _is_cuda(self.device):
             torch.cuda.synchronize(self.device)
 
     def __enter__(self) -> "PhaseTimer":
-        self._end = None
+        self._end = self._cpu_end = None
+        self._cpu_start = time.process_time()
         if self._events:
             stream = torch.cuda.current_stream(self.device)
             self._start = torch.cuda.Event(enable_timing=True)
@@ -99,6 +95,7 @@ class PhaseTimer:
         else:
             self._sync()
             self._end = time.perf_counter()
+        self._cpu_end = time.process_time()
 
     @property
     def elapsed_s(self) -> float:
@@ -109,6 +106,13 @@ class PhaseTimer:
             self._end.synchronize()
             return self._start.elapsed_time(self._end) / 1000.0
         return self._end - self._start
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of this process (all its threads) between entering and leaving the block."""
+        if self._cpu_start is None or self._cpu_end is None:
+            raise RuntimeError("PhaseTimer.cpu_s read before the timed block ended")
+        return self._cpu_end - self._cpu_start
 
 
 # --------------------------------------------------------------------------------------------------
@@ -582,10 +586,11 @@ class Telemetry:
         record.update(telemetry.record())
 
     ``iteration()`` resets every peak (allocator, RSS, saved activations, NVML) and times
-    ``t_iter_s``; ``phase(name)`` adds the block's time to ``t_{name}_s`` (a phase may run several
-    times per iteration). With ``enabled=False`` only wall-clock times are taken (``perf_counter``,
-    synchronizing a CUDA device at block ends) and every other field is None: the baseline for
-    measuring what telemetry itself costs.
+    ``t_iter_s`` and ``t_iter_cpu_s``; ``phase(name)`` adds the block's wall time to ``t_{name}_s`` and
+    its CPU time to ``t_{name}_cpu_s`` (a phase may run several times per iteration). With
+    ``enabled=False`` only times are taken (``perf_counter``, synchronizing a CUDA device at block
+    ends, and process CPU time) and every other field is None: the baseline for measuring what
+    telemetry itself costs.
 
     Saved activations are counted exactly, one Python call per saved tensor, which is not free when
     the network is small (a tiny DiT's forward and backward take a few milliseconds for over a
@@ -679,7 +684,9 @@ class Telemetry:
             self._saved_used = self._saved_used or track
 
     def record(self) -> dict[str, Any]:
-        """Fields of the last iteration: ``TELEMETRY_KEYS`` plus ``t_{name}_s`` for any other phase name.
+        """Fields of the last iteration: ``TELEMETRY_KEYS`` plus ``t_{name}_s`` and ``t_{name}_cpu_s``
+        for any other phase name. ``t_*_s`` are wall-clock (CUDA-event) seconds, ``t_*_cpu_s`` the
+        process's CPU seconds (see ``PhaseTimer``).
 
         None marks a value that was not measured: a phase that did not run, a field the device does
         not have, or anything but times when telemetry is disabled.
@@ -690,6 +697,10 @@ class Telemetry:
             timers = self._phase_timers.get(name)
             record[f"t_{name}_s"] = sum(t.elapsed_s for t in timers) if timers else None
         record["t_iter_s"] = self._iteration_timer.elapsed_s if self._iteration_timer else None
+        for name in names:
+            timers = self._phase_timers.get(name)
+            record[f"t_{name}_cpu_s"] = sum(t.cpu_s for t in timers) if timers else None
+        record["t_iter_cpu_s"] = self._iteration_timer.cpu_s if self._iteration_timer else None
         memory = self._memory
         record["peak_alloc_bytes"] = memory.peak_alloc_bytes if memory else None
         record["peak_reserved_bytes"] = memory.peak_reserved_bytes if memory else None

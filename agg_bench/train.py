@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -20,30 +21,20 @@ from tqdm import tqdm
 
 from . import distributed, fsdp
 from . import telemetry as tel
-from .checkpoint import checkpoint_path, load_checkpoint, remove_stale_files, save_checkpoint, write_lines
+from .checkpoint import (checkpoint_path, first_difference, load_checkpoint, remove_stale_files, save_checkpoint,
+                         write_lines)
 from .config import RunConfig
 from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats, group_advantages
-from .io import JsonlWriter, write_json
+from .io import JsonlWriter, is_temp_name, write_json
 from .methods import Estimator, build_method
 from .models import Policy, build_policy
 from .plan import plan_steps
+from .records import RECORD_KEYS, TIMING_KEYS  # noqa: F401  (also imported from here)
 from .rewards import build_reward
 from .rollout import initial_noise, rollout
 from .sde import flow_sigmas
 from .text import prompt_conditioning, prompt_set
-
-RECORD_KEYS = (
-    "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
-    "reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "approx_kl",
-    "t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
-    "forward_nograd", "forward_grad", "backward",
-    "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
-    "rss_peak_bytes", "energy_j", "status",
-)
-TIMING_KEYS = ("t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s", "rss_peak_bytes",
-               "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "energy_j",
-               "gpu_util_mean", "power_mean_w")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -138,7 +129,8 @@ class Session:
         with phase("reward"):
             images = self.policy.decode(traj.latents[:, -1])
             rewards = self.reward_fn(images, prompts).detach().float().cpu()
-        advantages = group_advantages(rewards, g, cfg.grpo.adv_clip_max).to(self.device)
+        advantages = group_advantages(rewards, g, cfg.grpo.adv_clip_max, cfg.grpo.adv_std,
+                                      traj.latents.dtype).to(self.device)
         train_steps = plan_steps(cfg.train.plan, total, traj.sde_mask, cfg.train.timestep_fraction,
                                  cfg.train.plan_window, gen)
         train_steps = distributed.take(train_steps, shard, total).to(self.device)
@@ -146,7 +138,7 @@ class Session:
             latents=traj.latents, log_probs=traj.log_probs, sigmas=self.sigmas.to(self.device),
             timesteps=traj.timesteps, advantages=advantages, train_steps=train_steps, cond=cond,
             sde=cfg.sampling.sde, eta=cfg.sampling.eta, clip_range=cfg.grpo.clip_range, beta=cfg.grpo.beta,
-            velocities=traj.velocities, policy_version=traj.policy_version,
+            velocities=traj.velocities, policy_version=traj.policy_version, kl_form=cfg.grpo.kl_form,
         )
         return Rollout(batch=batch, prompts=prompts, rewards=rewards)
 
@@ -277,13 +269,17 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     counts, learning statistics, the method's fields and the reward statistics, the processes'
     shares combined (:func:`agg_bench.distributed.combine`). ``diverged`` is set when the update
     stopped before its optimizer step."""
-    before = session.policy.counter.copy()
+    counter = session.policy.counter
+    before = counter.copy()
     with telemetry.iteration():
         collected = session.collect(iteration, telemetry)
+        before_train = counter.copy()
         # the policy network's saved tensors: what one backward through it holds, whatever the method
         with telemetry.phase("train", saved_activations="regions"):
             learn = session.update(collected.batch)
-    share = {**telemetry.record(), **(session.policy.counter - before).as_dict(), **learn,
+    # the train phase's own passes, which the cost model prices (the rollout's are the same for most methods)
+    train_passes = {f"train_{k}": v for k, v in (counter - before_train).as_dict().items()}
+    share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn,
              **session.estimator.iteration_metrics()}
     parts = distributed.gather((share, collected.rewards.tolist(), len(collected.prompts)))
     fields = distributed.combine([p for p, _, _ in parts])
@@ -294,16 +290,17 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     return fields
 
 
-def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> dict:
+def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False) -> dict:
     """Run ``train.iterations`` GRPO iterations into ``out_dir``; return the summary.
 
     Writes ``metrics.jsonl`` (one record per iteration, each line flushed and fsynced as written),
     ``config.json``, ``env.json``, with ``train.checkpoint_every`` = K > 0 ``checkpoint.pt`` every K
     iterations, at the end and on interruption, and ``summary.json`` last (every file but the metric
     lines is written to a temporary name and renamed). Every input error surfaces before anything is
-    written. Without ``resume`` an earlier attempt's files in ``out_dir`` are replaced; with it the run
-    continues after the checkpoint's iteration (later records are dropped and recomputed, so none is
-    duplicated or missing), or starts over when there is no checkpoint.
+    written. ``out_dir`` must be new, empty or an agg-bench run folder (:func:`check_out_dir`): an
+    earlier attempt's files are replaced, but a finished run of another config only with ``overwrite``.
+    With ``resume`` the run continues after the checkpoint's iteration (later records are dropped and
+    recomputed, so none is duplicated or missing), or starts over when there is no checkpoint.
 
     Summary ``status``: ok; oom (the run ends, the call returns); diverged (a non-finite reward, loss
     or gradient: that update never reaches the weights; ``last_good_iteration`` is the one before);
@@ -312,12 +309,47 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> dict:
     its share of each batch and rank 0 writes (:mod:`agg_bench.distributed`).
     """
     with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
-        return _train(cfg, Path(out_dir), resume, shard)
+        return _train(cfg, Path(out_dir), resume, shard, overwrite)
 
 
-def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) -> dict:
+def _run_config(folder: Path) -> dict | None:
+    """The run config a run folder holds (its ``config.json``), or None when it is not a run folder."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) and {"model", "train", "method"} <= set(config) else None
+
+
+def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> None:
+    """Refuse an output folder whose contents a run would destroy: a folder that holds anything but an
+    agg-bench run, and (unless ``overwrite``, or resuming from a checkpoint, which checks the config
+    itself) a finished run of another config. Reads only."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    entries = sorted(p.name for p in out.iterdir() if not is_temp_name(p.name))
+    if not entries:
+        return
+    previous = _run_config(out)
+    if previous is None:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise UserError(f"--out {out}: the folder holds files that are not an agg-bench run ({shown}); "
+                        "give a new or empty folder")
+    if overwrite or (resume and checkpoint_path(out).is_file()) or not (out / "summary.json").is_file():
+        return
+    diff = first_difference(previous, config, ("progress",))
+    if diff is not None:
+        key, old, new = diff
+        raise UserError(f"--out {out}: holds a finished run of another config ({key} = {old!r} there, {new!r} "
+                        "here); pass --overwrite to replace it, or give another folder")
+
+
+def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, overwrite: bool = False) -> dict:
     shard.check_run(cfg)
     fsdp.check_run(cfg)
+    check_out_dir(out, cfg.to_dict(), resume, overwrite)
     try:
         session = Session(cfg)  # every input error surfaces here, before anything is written
     except Exception as exc:
@@ -329,6 +361,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
     run_id = cfg.run_id or out.name
     config = cfg.to_dict()
     restored = load_checkpoint(out, session, config) if resume else None
+    if restored is not None and cfg.train.iterations <= restored.iteration:
+        raise ConfigError("train.iterations", cfg.train.iterations,
+                          f"more than the checkpoint's last iteration {restored.iteration} (it holds "
+                          f"{restored.iteration + 1} iterations) to resume the run in {out}")
     lines = list(restored.records) if restored is not None else []  # records written, as JSON lines
     start = restored.iteration + 1 if restored is not None else 0
 
@@ -356,8 +392,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
             save_checkpoint(out, session, iteration, lines, config)
         saved_at = iteration
 
+    # a job log (not a terminal) gets one line per iteration instead of a bar it cannot redraw
+    log_lines = shard.is_main and not sys.stderr.isatty()
     bar = tqdm(range(start, cfg.train.iterations), desc=f"{run_id}", initial=start, total=cfg.train.iterations,
-               disable=not cfg.progress or not shard.is_main, unit="it")
+               disable=not cfg.progress or not shard.is_main or log_lines, unit="it")
     writer = JsonlWriter(out / "metrics.jsonl", append=True) if shard.is_main else None
     stop = StopSignals()
     with stop:
@@ -398,6 +436,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
                     if every and (iteration + 1) % every == 0:
                         checkpoint(iteration)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3g}", loss=f"{record['loss'] or 0:.3g}")
+                if log_lines:
+                    print(progress_line(record, cfg.train.iterations), file=sys.stderr, flush=True)
             if status == "ok" and every and last_good is not None and saved_at != last_good:
                 with stop.deferred():
                     checkpoint(last_good)
@@ -422,6 +462,20 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) ->
             if shard.is_main:
                 write_json(out / "summary.json", summary)
     return summary
+
+
+def progress_line(record: dict, iterations: int) -> str:
+    """One log line for an iteration's record: its number, phase times (wall, and CPU in
+    parentheses), reward and status."""
+    def seconds(key: str) -> str:
+        wall, cpu = record.get(f"t_{key}_s"), record.get(f"t_{key}_cpu_s")
+        text = "-" if wall is None else f"{wall:.3f}s"
+        return text if cpu is None else f"{text} (cpu {cpu:.3f}s)"
+
+    reward = record.get("reward_mean")
+    phases = "  ".join(f"{name} {seconds(name)}" for name in ("rollout", "reward", "train", "iter"))
+    return (f"{record.get('run_id')} iteration {record['iteration'] + 1}/{iterations}  {phases}  "
+            f"reward {'-' if reward is None else f'{reward:.4g}'}  {record.get('status')}")
 
 
 def _start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool) -> None:

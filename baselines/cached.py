@@ -25,6 +25,10 @@ only reuse attention: ``cache_unit``), also split into ``cache_hit_rate_rollout`
 update after a cached rollout, logp_exact being the uncached log-prob under the same parameters (null
 when the rollout was not cached). ``ratio_dev`` (max |ratio - 1| of the first update) comes with the
 update's statistics as for every method.
+
+Replayed on a frozen (uncached) rollout (``replay``, ``gradcheck``): ``cache_in=train`` is the method as
+trained; ``both`` is ``partial`` (the training forward with the cache, but the exact rollout's old
+log-probs); ``rollout`` is ``not_applicable`` (its training is ``full``'s; what it changes is the rollout).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import torch
 from agg_bench.errors import ConfigError
 from agg_bench.fsdp import agreed_max, lockstep
 from agg_bench.grpo import StepTerms, TrainBatch, UpdateStats, step_terms
-from agg_bench.methods import Estimator, register_method
+from agg_bench.methods import Estimator, ReplayPlan, register_method
 from agg_bench.models import Policy
 from baselines.caches import CACHES, CacheHandle, apply_cache, cache_options, make_config
 from baselines.caches.common import BLOCK_LISTS
@@ -199,6 +203,16 @@ class CachedEstimator(Estimator):
             raise ConfigError("train.gradient_checkpointing", True,
                               f"false with method 'cached' and method.cache_in={self.config.cache_in!r}: "
                               "checkpointing re-runs blocks during backward, which would corrupt the cache state")
+
+    def replay_plan(self, cfg, stochastic, batch_size, generator):
+        if not self.caches_training:
+            return ReplayPlan("not_applicable", None,
+                              "the cache runs only in the rollout, which the snapshot froze uncached; "
+                              "on it this method trains exactly as full")
+        if self.caches_rollout:
+            return ReplayPlan("partial", None, "the training forward with the cache; the rollout cache's "
+                                               "off-policy old log-probs are not replayed")
+        return ReplayPlan()
 
     # ----- installing the cache ---------------------------------------------------------------
     @contextlib.contextmanager

@@ -10,6 +10,12 @@
 
 Both compute the gradient of their trained steps exactly, as ``full`` does: they inherit its
 accumulation and differ from it only in which steps exist to be trained.
+
+Replayed on a frozen rollout (``replay``, ``gradcheck``; :class:`agg_bench.methods.ReplayPlan`), both
+draw their own trained steps from the snapshot's stochastic steps, with a generator seeded by ``seed``:
+``fraction`` is then ``replanned`` (its rollout is distributed as ``full``'s), ``window`` is ``partial``
+(its own rollout follows the ODE outside the window, where the snapshot's states come from SDE steps)
+unless the snapshot's stochastic steps are exactly its window.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ from typing import Literal
 import torch
 
 from agg_bench.errors import ConfigError
-from agg_bench.methods import register_method
+from agg_bench.methods import ReplayPlan, register_method
+from agg_bench.plan import plan_steps
 from baselines.full import FullConfig, FullEstimator
 
 
@@ -39,12 +46,21 @@ class FractionEstimator(FullEstimator):
 
     name = "fraction"
     config_cls = FractionConfig
+    replans = True
 
     def check_run(self, cfg) -> None:
         if cfg.train.plan != "steps":
             raise ConfigError("train.plan", cfg.train.plan,
                               "'steps' for method 'fraction' (random steps per sample; "
                               "whole groups are method 'full' with train.plan=groups)")
+
+    def replay_plan(self, cfg, stochastic, batch_size, generator):
+        train = cfg.train
+        steps = plan_steps(train.plan, batch_size, stochastic, train.timestep_fraction, train.plan_window, generator)
+        return ReplayPlan("replanned", steps,
+                          f"{steps.shape[1]} steps per sample drawn anew (train.timestep_fraction="
+                          f"{train.timestep_fraction}, seed={cfg.seed}) from the snapshot's "
+                          f"{int(stochastic.sum())} stochastic steps")
 
 
 @dataclass
@@ -93,6 +109,7 @@ class WindowEstimator(FullEstimator):
 
     name = "window"
     config_cls = WindowConfig
+    replans = True
 
     def __init__(self, config: WindowConfig | None = None):
         super().__init__(config)
@@ -138,12 +155,36 @@ class WindowEstimator(FullEstimator):
                               f"at most method.window_size = {self.config.window_size} for method 'window' "
                               "(only window steps can be trained)")
 
-    def sde_mask(self, iteration, steps, generator):
-        start = self.window_start(iteration, steps, generator)
-        self.last_start = start
+    def window_mask(self, start: int, steps: int) -> torch.Tensor:
+        """(steps,) True on the window that starts at step ``start``."""
         mask = torch.zeros(steps, dtype=torch.bool)
         mask[start: start + self.config.window_size] = True
         return mask
+
+    def sde_mask(self, iteration, steps, generator):
+        start = self.window_start(iteration, steps, generator)
+        self.last_start = start
+        return self.window_mask(start, steps)
+
+    def replay_plan(self, cfg, stochastic, batch_size, generator):
+        """The window of iteration 0 on the snapshot's trajectory; its steps planned as in a run."""
+        steps = stochastic.numel()
+        start = self.window_start(0, steps, generator)
+        window = self.window_mask(start, steps)
+        last = start + self.config.window_size - 1
+        if torch.equal(window, stochastic.cpu()):  # the snapshot is this window's own rollout
+            return ReplayPlan("as_trained", None, f"the snapshot's stochastic steps are the window {start}..{last}")
+        available = window & stochastic.cpu()
+        if not available.any():
+            raise ConfigError("method.window_start", self.config.window_start,
+                              f"a window that overlaps the snapshot's stochastic steps "
+                              f"{torch.nonzero(stochastic).flatten().tolist()}")
+        train = cfg.train
+        planned = plan_steps(train.plan, batch_size, available, train.timestep_fraction, train.plan_window, generator)
+        return ReplayPlan("partial", planned,
+                          f"window steps {start}..{last} of the snapshot's trajectory, stochastic outside the window "
+                          "where the method's own rollout follows the ODE (so the states before the window and "
+                          "the images the advantages come from differ from the method's)")
 
     def iteration_metrics(self) -> dict:
         return {"window_start": self.last_start}

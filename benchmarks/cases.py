@@ -42,6 +42,8 @@ FULL = Case("full", "full")
 CASES = (
     FULL,
     Case("agg", "agg", ("method.window=5",)),
+    # AGG taking v at each group's endpoints from its forwards-with-grad: W - 2 no-grad forwards per group
+    Case("agg-endpoints", "agg", ("method.window=5", "method.endpoint_velocity=reuse")),
     # AGG taking v_k from the rollout (only the first update after a rollout can)
     Case("agg-reuse", "agg", ("method.window=5", "method.reuse_rollout_velocity=true")),
     # DanceGRPO draws single steps, not groups: 5 random steps of 10

@@ -123,9 +123,20 @@ def prepare(request: pytest.FixtureRequest):
 # --------------------------------------------------------------------------------------------------
 
 
+def cost_model(info: dict[str, Any]) -> int:
+    """An update's cost in forward-pass units from its pass counts: a forward 1, a backward 2."""
+    return info["forward_nograd"] + info["forward_grad"] + 2 * info["backward"]
+
+
+def ratio_to_full(bench: Any, full: Any) -> tuple[float, float, float]:
+    """(median / full's median, and a conservative spread: q1 / full's q3, q3 / full's q1)."""
+    return (bench.stats.median / full.stats.median, bench.stats.q1 / full.stats.q3, bench.stats.q3 / full.stats.q1)
+
+
 def summary_lines(benchmarks: list[Any]) -> list[str]:
-    """Telemetry overhead (on vs off) and each method's train phase relative to full (ratio of medians),
-    per resolution, from this run's benchmarks."""
+    """Telemetry overhead (on vs off), each method's train phase relative to full (ratio of medians, with
+    the spread of the quartiles, beside the cost model's ratio from the pass counts), per resolution, and
+    the start-up timings, from this run's benchmarks."""
     lines = []
     train: dict[int, dict[str, Any]] = {}
     for bench in benchmarks:
@@ -138,13 +149,22 @@ def summary_lines(benchmarks: list[Any]) -> list[str]:
                          f"{100 * info['overhead_on_every_cpu']:+.1f}% CPU")
         elif info.get("phase") == "train":
             train.setdefault(info["resolution"], {})[info["case"]] = bench
+        elif info.get("phase") == "startup":
+            target = f" (target <= {info['target_s']} s)" if info.get("target_s") is not None else ""
+            lines.append(f"start-up {info['case']}: wall median {info['wall_median_s']:.2f} s "
+                         f"[{info['wall_min_s']:.2f}-{info['wall_max_s']:.2f}], CPU (user+sys, with children) "
+                         f"median {info['cpu_median_s']:.2f} s [{info['cpu_min_s']:.2f}-{info['cpu_max_s']:.2f}] "
+                         f"over {info['rounds']} runs{target}")
     for resolution, cases in sorted(train.items()):
         full = cases.get("full")
         for case_id, bench in cases.items():
             info = bench.extra_info
             versus = ""
             if full is not None and case_id != "full":
-                versus = f", {full.stats.median / bench.stats.median:.2f}x full's speed"
+                ratio, lo, hi = ratio_to_full(bench, full)
+                limit = cost_model(info) / cost_model(full.extra_info)
+                versus = (f", {ratio:.3f} of full's time [quartiles {lo:.3f}-{hi:.3f}], cost-model limit "
+                          f"{limit:.3f} (forward 1, backward 2)")
             lines.append(f"train {resolution} px {case_id}: median {bench.stats.median:.3f} s per update{versus}; "
                          f"backward {info['backward']}, forward_grad {info['forward_grad']}, "
                          f"forward_nograd {info['forward_nograd']}, saved-activation peak "

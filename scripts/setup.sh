@@ -1,10 +1,30 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs agg-bench with the pinned versions. Safe to run again.
+#
+# torch is installed first and alone. Where no NVIDIA GPU is found it comes from PyTorch's CPU wheel
+# index, because a plain `pip install torch==...` from the public index takes the multi-GB CUDA build.
+#   TORCH_INDEX_URL=URL   take torch from this index instead (e.g. https://download.pytorch.org/whl/cu128)
+#   TORCH_INDEX_URL=      (empty) take torch from pip's configured index, whatever the machine has
+#   PYTHON=python3.12     the interpreter for the venv (3.11 or newer)
+#   EXTRAS=test,workflow  the extras to install
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 EXTRAS=${EXTRAS:-test,workflow,slurm,gpu,models,clipscore}
+TORCH_VERSION=$(sed -n 's/^torch==//p' requirements/constraints.txt)
+CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+if [ -z "${TORCH_INDEX_URL+set}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    TORCH_INDEX_URL=""           # a GPU: the public index's CUDA build
+  else
+    TORCH_INDEX_URL=$CPU_INDEX   # no GPU: the CPU build
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+    echo "setup: agg-bench needs Python 3.11 or newer; $PYTHON is $("$PYTHON" -V 2>&1) (set PYTHON=...)" >&2; exit 2; }
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.agg-bench-installed
@@ -12,8 +32,16 @@ want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -c1-16
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-# torch first and alone: on a CPU-only machine this takes the CPU build instead of a CUDA one.
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -c requirements/constraints.txt -e ".[$EXTRAS]"
+pip=(.venv/bin/python -m pip)
+"${pip[@]}" install -q --upgrade pip
+if .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  :  # the pinned torch is already there (CPU or CUDA build, as the machine chose before)
+elif [ -n "$TORCH_INDEX_URL" ]; then
+  echo "setup: torch $TORCH_VERSION from $TORCH_INDEX_URL (set TORCH_INDEX_URL to choose another index)" >&2
+  # pip also looks in its configured find-links, so a wheel already on disk is used when the index is unreachable
+  "${pip[@]}" install -q --retries 1 --timeout 30 --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
+else
+  "${pip[@]}" install -q "torch==$TORCH_VERSION"
+fi
+"${pip[@]}" install -q -c requirements/constraints.txt -e ".[$EXTRAS]"
 echo "$want" > "$stamp"

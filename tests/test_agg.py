@@ -15,6 +15,7 @@ from agg_bench.methods import build_method
 from agg_bench.models import Conditioning, Policy
 from agg_bench.sde import flow_sigmas, sde_step
 from agg_bench.snapshot import replay, save_snapshot
+from agg_bench.telemetry import Telemetry
 from agg_bench.train import Session
 from helpers import gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
 
@@ -160,7 +161,10 @@ def test_reuse_gives_the_recomputed_gradient_and_stops_after_an_optimizer_step()
     assert reused_counts["forward_nograd"] == 0 and counts["forward_nograd"] == b * n
     # the same numbers up to the summation order of differently batched transformer calls (float64)
     assert relative_error(reused, recomputed) <= 1e-12
-    assert reused_stats.ratio_dev == stats.ratio_dev == pytest.approx(0.0, abs=1e-12)
+    # both ratios are 1 up to rounding: the reused velocities are the rollout's own, the recomputed ones come
+    # from a differently batched forward and differ in the last bits (float64: |ratio - 1| ~ 1e-16); the
+    # two paths are not compared with each other, each is bounded by float64 rounding (1e-12 ~ 4500 ulp)
+    assert reused_stats.ratio_dev <= 1e-12 and stats.ratio_dev <= 1e-12
     session.estimator.iteration_metrics()  # start a fresh record for the update below
 
     before = policy.counter.copy()
@@ -175,6 +179,77 @@ def test_reuse_gives_the_recomputed_gradient_and_stops_after_an_optimizer_step()
     assert metrics["agg_velocity_reused"] == 1
     assert metrics["agg_groups"] == metrics["agg_groups_routed"] == 2 * groups
     assert session.estimator.iteration_metrics()["agg_groups"] == 0  # each record covers one iteration
+
+
+# ----- endpoint_velocity: reuse ----------------------------------------------------------------------
+@pytest.mark.parametrize("options, overrides", [
+    (dict(window=5, alpha="sigma"), ("train.plan=groups", "train.plan_window=5", "sampling.steps=10")),
+    (dict(window=3, alpha="index", route_frac=0.5, route_score="state_cosine"),
+     ("train.plan=groups", "train.plan_window=3", "grpo.beta=0.05")),
+    (dict(window=4, alpha="sigma", micro_batch=4), ("train.plan=steps",)),  # groups of 4 and 2 steps
+])
+def test_endpoint_reuse_gives_the_recomputed_gradient_with_two_fewer_nograd_forwards(options, overrides):
+    session = Session(tiny_config(*overrides))
+    batch = session.collect(0).batch
+    seed = torch.seed()  # fresh parameters off the rollout's, so ratios differ from 1
+    move_off_policy(session.policy)
+    policy, reference = session.policy, session.reference
+    recompute = agg(**options)
+    reuse = agg(**options, endpoint_velocity="reuse")
+    expected, counts, stats = gradient(recompute, policy, batch, reference)
+    got, reuse_counts, reuse_stats = gradient(reuse, policy, batch, reference)
+    # the same sums; the endpoints' v come from differently batched calls (float64 rounding)
+    assert relative_error(got, expected) <= 1e-12, seed
+    routed = int(recompute.last_routed.sum())
+    assert routed > 0 and torch.equal(reuse.last_routed, recompute.last_routed)
+    assert reuse.last_scores == pytest.approx(recompute.last_scores, abs=1e-10)
+    # W - 2 no-grad forwards per routed group instead of W; the rest of the work is the same
+    assert reuse_counts == {**counts, "forward_nograd": counts["forward_nograd"] - 2 * routed}
+    if batch.beta == 0 and options.get("route_score") != "state_cosine":
+        assert reuse_counts["forward_nograd"] == routed * (options["window"] - 2)
+    assert reuse_stats.count == stats.count == batch.batch_size * batch.steps_per_sample
+    # continuous statistics agree to rounding (clip_frac counts a threshold crossing: not compared)
+    for key in ("loss", "approx_kl", "ratio_dev"):
+        assert reuse_stats.as_dict()[key] == pytest.approx(stats.as_dict()[key], rel=1e-9, abs=1e-300), key
+
+
+def test_endpoint_reuse_is_moot_while_rollout_velocities_apply():
+    """The first update takes every v from the rollout (no no-grad forward either way); after an optimizer
+    step the rollout's v are stale and the endpoints come from the forwards-with-grad."""
+    cfg = tiny_config("method.name=agg", "method.window=3", "method.reuse_rollout_velocity=true",
+                      "method.endpoint_velocity=reuse", "train.plan=groups", "train.plan_window=3",
+                      "train.inner_epochs=2")
+    session = Session(cfg)
+    batch = session.collect(0).batch
+    policy = session.policy
+    b, n = batch.train_steps.shape
+    groups = b * n // 3
+    both, both_counts, _ = gradient(session.estimator, policy, batch)
+    rollout_only, rollout_counts, _ = gradient(agg(window=3, reuse_rollout_velocity=True), policy, batch)
+    assert both_counts == rollout_counts == {"forward_nograd": 0, "forward_grad": 2 * groups, "backward": 2 * groups}
+    assert relative_error(both, rollout_only) == 0.0  # the same computation: identical by construction
+
+    before = policy.counter.copy()
+    session.update(batch)  # two optimizer steps: the rollout's v, then W - 2 = 1 no-grad forward per group
+    assert (policy.counter - before).as_dict() == {"forward_nograd": groups, "forward_grad": 2 * 2 * groups,
+                                                   "backward": 2 * 2 * groups}
+
+
+def test_endpoint_reuse_keeps_the_saved_activation_peak():
+    """Each endpoint's backward runs right after its own forward, so the policy network never holds more
+    than one forward-with-grad of ``micro_batch`` latents: the peak equals recompute's."""
+    peaks = {}
+    for mode in ("recompute", "reuse"):
+        cfg = tiny_config("sampling.steps=5", "train.plan=groups", "train.plan_window=5", "method.name=agg",
+                          "method.window=5", f"method.endpoint_velocity={mode}", dtype="float32")
+        session = Session(cfg)
+        batch = session.collect(0).batch
+        with Telemetry(session.device) as telemetry:
+            with telemetry.iteration():
+                with telemetry.phase("train", saved_activations="regions"):
+                    session.update(batch)
+            peaks[mode] = telemetry.record()["saved_activation_peak_bytes"]
+    assert peaks["reuse"] == peaks["recompute"] > 0
 
 
 def linearity_reference(v: torch.Tensor) -> float:
@@ -212,11 +287,21 @@ def test_routing_sends_the_most_linear_groups_through_agg(route_score):
 
 
 @pytest.mark.parametrize("option, value", [("window", 0), ("route_frac", 1.5), ("route_frac", -0.1),
-                                           ("alpha", "linear"), ("nograd_batch", 0), ("route_score", "x")])
+                                           ("alpha", "linear"), ("nograd_batch", 0), ("route_score", "x"),
+                                           ("endpoint_velocity", "both"), ("endpoint_velocity", None)])
 def test_bad_options_name_their_key(option, value):
     with pytest.raises(ConfigError) as err:
         build_method("agg", {option: value})
     assert err.value.key == f"method.{option}"
+
+
+def test_endpoint_reuse_refuses_velocity_scores_on_a_partial_route():
+    with pytest.raises(ConfigError) as err:
+        build_method("agg", {"endpoint_velocity": "reuse", "route_frac": 0.5})
+    assert err.value.key == "method.endpoint_velocity"
+    assert "state_cosine" in str(err.value)
+    build_method("agg", {"endpoint_velocity": "reuse", "route_frac": 0.5, "route_score": "state_cosine"})
+    build_method("agg", {"endpoint_velocity": "reuse", "route_frac": 1.0})
 
 
 def test_reference_preset_backward_ratio_is_two_over_window():
@@ -262,7 +347,7 @@ def test_presets_share_the_reference_schedule():
 
 # ----- replay --method agg against the rule written out independently ------------------------------
 def independent_sde_log_prob(kind, v, x, x_next, s, s_next, eta):
-    """DESIGN.md's transition log-density (mean over elements), written without agg_bench.sde."""
+    """docs/design.md's transition log-density (mean over elements), written without agg_bench.sde."""
     # s == 1 only at step 0, whose next sigma is the schedule's second
     mean, sd = sde_reference(kind, v, x, s, s_next, eta, s1=s_next)
     return gaussian_log_prob(x_next, mean, sd)
@@ -317,3 +402,53 @@ def test_replay_agg_matches_an_independent_computation_of_the_rule(tmp_path, sde
                     total[k] += g.double()
     assert relative_error(got, total) <= 1e-4
     assert counts == {"forward_nograd": b * n, "forward_grad": 2 * b * n // 3, "backward": 2 * b * n // 3}
+
+
+# ----- one W: the groups AGG aggregates are runs of consecutive denoising steps --------------------
+def _aggregated_groups_are_consecutive(cfg, window: int, draws: int = 60) -> bool:
+    """Whether every group of more than two entries is a run of consecutive steps in ``draws`` seeded plans."""
+    from agg_bench.plan import plan_steps
+
+    available = torch.ones(cfg.sampling.steps, dtype=torch.bool)
+    for seed in range(draws):  # fixed seeds: the same plans on every run
+        steps = plan_steps(cfg.train.plan, 1, available, cfg.train.timestep_fraction, cfg.train.plan_window,
+                           torch.Generator().manual_seed(seed))[0]
+        for start, stop in group_bounds(steps.numel(), window):
+            chunk = steps[start:stop]
+            if chunk.numel() > 2 and not torch.equal(chunk, torch.arange(int(chunk[0]), int(chunk[0]) + chunk.numel())):
+                return False
+    return True
+
+
+def test_agg_run_check_accepts_exactly_the_plans_whose_groups_are_consecutive():
+    """Over a grid of plans and windows, check_run refuses a run exactly when some seeded plan puts steps
+    that are not adjacent into one aggregated group; the refusal names method.window (plan groups) or
+    train.timestep_fraction (plan steps)."""
+    from agg_bench.plan import steps_per_sample
+
+    refused = accepted = 0
+    for plan, plan_window, fraction in [("groups", 5, 0.5), ("groups", 5, 1.0), ("groups", 3, 0.5),
+                                        ("groups", 2, 0.4), ("groups", 6, 1.0), ("steps", 5, 0.5),
+                                        ("steps", 5, 1.0), ("groups", 4, 0.5)]:
+        cfg = tiny_config("sampling.steps=12", f"train.plan={plan}", f"train.plan_window={plan_window}",
+                          f"train.timestep_fraction={fraction}")
+        n = steps_per_sample(plan, 12, fraction, plan_window)
+        for window in range(1, n + 1):
+            consecutive = _aggregated_groups_are_consecutive(cfg, window)
+            try:
+                agg(window=window).check_run(cfg)
+            except ConfigError as err:
+                assert not consecutive, (plan, plan_window, fraction, window)
+                assert err.key == ("method.window" if plan == "groups" else "train.timestep_fraction")
+                refused += 1
+                continue
+            assert consecutive, (plan, plan_window, fraction, window)
+            accepted += 1
+            # route_frac = 0 aggregates nothing: any plan is accepted
+            agg(window=window, route_frac=0.0).check_run(cfg)
+    assert refused and accepted
+    # the window the plan groups by, and a mismatch: 2 of 3 groups of 5 steps, W = 3 joins entries 3..5
+    plan = ("sampling.steps=15", "train.plan=groups", "train.plan_window=5", "train.timestep_fraction=0.67")
+    agg(window=5).check_run(tiny_config(*plan))
+    with pytest.raises(ConfigError, match=r"train.plan_window = 5 .*\[3, 4, 5\]"):
+        agg(window=3).check_run(tiny_config(*plan))

@@ -6,6 +6,8 @@ covered in test_cli.py, a window longer than the trajectory in test_subsample.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,76 @@ def test_prompts_that_do_not_split_over_the_processes(tmp_path, capsys, monkeypa
     monkeypatch.setattr(distributed, "process_group", lambda device, single=False: contextlib.nullcontext(distributed.Shard(0, 3)))
     line = run_fails(tmp_path / "out", capsys)
     assert "grpo.prompts_per_iteration" in line and "3" in line
+
+
+@pytest.mark.parametrize("method", ["full", "fraction", "window", "agg", "cached"])
+@pytest.mark.parametrize("key, value", [("micro_batch", -1), ("micro_batch", 0), ("nograd_batch", -3)])
+def test_batch_options_are_null_or_positive_for_every_method(tmp_path, capsys, method, key, value):
+    from agg_bench.methods import METHODS, available_methods
+
+    available_methods()
+    options = {"name": method, key: value, **({"cache": "fora"} if method == "cached" else {})}
+    if key in {f.name for f in dataclasses.fields(METHODS[method].config_cls)}:
+        expected = [f"method.{key}", str(value), "null or an integer >= 1"]
+    else:  # a method without this option (no no-grad forwards, say) refuses the key itself
+        expected = [f"method.{key}", "known option"]
+    line = run_fails(tmp_path / "out", capsys, "--set", f"method={json.dumps(options)}")
+    for word in expected:
+        assert word in line, line
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan", "inf"])
+@pytest.mark.parametrize("key", ["train.lr", "grpo.clip_range", "method.route_frac", "sampling.eta"])
+def test_nan_and_infinity_are_refused_everywhere(tmp_path, capsys, key, value):
+    method = ["--set", 'method={"name": "agg", "window": 2}'] if key.startswith("method.") else []
+    line = run_fails(tmp_path / "out", capsys, *method, "--set", f"{key}={value}")
+    assert key in line and ("finite" in line or "number" in line), line
+
+
+def test_nan_inside_reward_options_is_refused(tmp_path, capsys):
+    line = run_fails(tmp_path / "out", capsys, "--set", 'reward.options={"quality": .nan}')
+    assert "reward.options.quality" in line and "finite" in line
+
+
+@pytest.mark.parametrize("value", ["-1", "4294967296", "1e30", "1.5", "true"])
+def test_the_seed_is_a_bounded_integer(tmp_path, capsys, value):
+    line = run_fails(tmp_path / "out", capsys, "--set", f"seed={value}")
+    assert "seed" in line
+
+
+def test_numbers_in_exponent_notation_are_numbers(tmp_path):
+    from agg_bench.config import load_config
+
+    cfg = load_config(None, ["train.lr=1e-5", "grpo.clip_range=2E-4", "train.weight_decay=+1.5e+0"])
+    assert (cfg.train.lr, cfg.grpo.clip_range, cfg.train.weight_decay) == (1e-5, 2e-4, 1.5)
+    path = tmp_path / "run.yaml"
+    path.write_text("train: {lr: 3e-6, iterations: 2}\nmethod: {name: agg, route_frac: 5e-1}\n")
+    cfg = load_config(path)
+    assert cfg.train.lr == 3e-6 and cfg.method["route_frac"] == 0.5 and cfg.train.iterations == 2
+    assert load_config(None, ["run_id=1e5x"]).run_id == "1e5x"  # not a number: stays a string
+
+
+def test_a_config_or_prompts_file_that_is_not_utf8(tmp_path, capsys):
+    bad = b"train: {lr: 1.0e-4}\n# caf\xe9\n"
+    config = tmp_path / "run.yaml"
+    config.write_bytes(bad)
+    capsys.readouterr()
+    assert main(["run", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--config" in err[0] and "UTF-8" in err[0]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"a red cube\na caf\xe9 at night\n")
+    line = run_fails(tmp_path / "out", capsys, "--set", f"prompts.file={prompts}")
+    assert "prompts.file" in line and "UTF-8" in line
+
+
+@pytest.mark.parametrize("section", ["method:\n", "method: agg\n", "method: [agg]\n"])
+def test_a_method_section_that_is_not_a_mapping(tmp_path, capsys, section):
+    config = tmp_path / "run.yaml"
+    config.write_text(section)
+    capsys.readouterr()
+    assert main(["run", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "method" in err[0] and "mapping" in err[0]
+    line = run_fails(tmp_path / "out", capsys, "--set", "method=null")
+    assert "method" in line and "mapping" in line

@@ -9,7 +9,7 @@ from agg_bench.models import POLICIES, TINY_TRANSFORMERS, TRANSFORMER_CLASSES, C
 from baselines.caches import CACHES, apply_cache, cache_options
 from helpers import CACHE_NEUTRAL
 
-FAMILIES = ("sd3", "flux")
+FAMILIES = ("sd3", "flux", "qwenimage")
 STEPS = 5
 NAMES = sorted(CACHES)
 
@@ -171,11 +171,16 @@ def count_block_runs(policy) -> dict[str, int]:
     return runs
 
 
+def four_blocks(family: str) -> dict:
+    """Transformer options that give a family four blocks (FLUX's num_layers counts double and single)."""
+    return {"num_layers": 2} if family == "flux" else {"num_layers": 4}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_deltadit_skips_exactly_the_given_block_range(inputs, family):
-    # Four blocks: SD3 with four joint blocks; FLUX with two double and two single blocks.
-    policy = make_policy(family, **({"num_layers": 4} if family == "sd3" else {"num_layers": 2}))
-    names = [f"transformer_blocks.{i}" for i in range(4)] if family == "sd3" else \
+    # Four blocks: SD3 and Qwen-Image with four joint blocks; FLUX with two double and two single blocks.
+    policy = make_policy(family, **four_blocks(family))
+    names = [f"transformer_blocks.{i}" for i in range(4)] if family != "flux" else \
         ["transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0", "single_transformer_blocks.1"]
     runs = count_block_runs(policy)
     handle = apply_cache(policy.transformer, "deltadit", {"block_range": [1, 3], "interval": 2})
@@ -188,7 +193,7 @@ def test_deltadit_skips_exactly_the_given_block_range(inputs, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_deltadit_reuses_rear_blocks_early_and_front_blocks_late(inputs, family):
-    policy = make_policy(family, **({"num_layers": 4} if family == "sd3" else {"num_layers": 2}))
+    policy = make_policy(family, **four_blocks(family))
     handle = apply_cache(policy.transformer, "deltadit", {"interval": 2, "boundary": 2})
     per_step = []
 

@@ -19,13 +19,18 @@ def records(out):
     return list(read_jsonl(Path(out) / "metrics.jsonl"))
 
 
-def test_run_writes_contract_files(tmp_path):
+def test_run_writes_contract_files(tmp_path, capsys):
     assert main(["run", "--config", str(ROOT / "config/run.yaml"), *SMALL, "--out", str(tmp_path / "r")]) == 0
     recs = records(tmp_path / "r")
     assert [r["iteration"] for r in recs] == [0, 1]
     for r in recs:
         assert set(RECORD_KEYS) <= set(r)
         assert r["status"] == "ok" and r["gpu_name"] is None and r["peak_alloc_bytes"] is None
+        assert r["t_iter_cpu_s"] > 0 and r["t_train_cpu_s"] > 0
+    # captured stderr is not a terminal: one progress line per iteration, as a job log gets
+    lines = [line for line in capsys.readouterr().err.splitlines() if " iteration " in line]
+    assert [line.split(" iteration ")[1].split()[0] for line in lines] == ["1/2", "2/2"]
+    assert all("train " in line and "(cpu " in line and "reward " in line for line in lines)
     summary = json.loads((tmp_path / "r/summary.json").read_text())
     assert summary["status"] == "ok"
     assert "torch" in json.loads((tmp_path / "r/env.json").read_text())

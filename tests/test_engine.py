@@ -1,24 +1,91 @@
 """The engine: rollout ratios, the full estimator against a one-graph reference, snapshot/replay."""
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from agg_bench.errors import ConfigError
 from agg_bench.grpo import UpdateStats, group_advantages, step_terms
 from agg_bench.snapshot import load_snapshot, replay, save_snapshot
 from agg_bench.train import Session
-from helpers import estimator_gradient, move_off_policy, one_graph_gradient, relative_error, tiny_config
+from helpers import (estimator_gradient, move_off_policy, one_graph_gradient, relative_error, sde_reference,
+                     tiny_config)
 
 
-def test_group_advantages_match_float64_reference():
+@pytest.mark.parametrize("std, divisor", [("population", 4), ("sample", 3)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_group_advantages_match_float64_reference(std, divisor, dtype):
+    """Population std divides the squared deviations by G (Flow-GRPO), sample std by G - 1 (DanceGRPO);
+    the result has the requested dtype (the run's latents')."""
     r = torch.randn(12, generator=torch.Generator().manual_seed(torch.seed() % 2**31))
-    adv = group_advantages(r, 4, 1.5)
+    adv = group_advantages(r, 4, 1.5, std, dtype)
+    assert adv.dtype == dtype
     for g in range(3):
-        x = r[4 * g: 4 * g + 4].double()
-        ref = ((x - x.mean()) / (x.std(unbiased=False) + 1e-8)).clamp(-1.5, 1.5)
-        torch.testing.assert_close(adv[4 * g: 4 * g + 4].double(), ref, rtol=1e-6, atol=1e-6)
+        x = [float(v) for v in r[4 * g: 4 * g + 4]]
+        mean = sum(x) / 4
+        spread = math.sqrt(sum((v - mean) ** 2 for v in x) / divisor)
+        ref = torch.tensor([min(1.5, max(-1.5, (v - mean) / (spread + 1e-8))) for v in x], dtype=torch.float64)
+        # float64: rounding of a few operations; float32: one rounding of the float64 result
+        tol = 1e-12 if dtype == torch.float64 else 2e-7
+        torch.testing.assert_close(adv[4 * g: 4 * g + 4].double(), ref, rtol=tol, atol=tol)
     assert adv.abs().max() <= 1.5
+    with pytest.raises(ConfigError, match="grpo.adv_std"):
+        group_advantages(r, 4, 1.5, "biased")
+
+
+@pytest.mark.parametrize("kind", ["flow_grpo", "dance_grpo"])
+@pytest.mark.parametrize("kl_form", ["transition", "no_dt"])
+def test_kl_forms_match_float64_reference(kind, kl_form):
+    """With zero advantages the loss is beta * KL; KL against DESIGN's transition written out in float64:
+    mean squared difference of the two means over 2 std^2 (transition) or over 2 std_t^2 (no_dt)."""
+    from agg_bench.grpo import TrainBatch
+    from agg_bench.models import Conditioning
+    from agg_bench.sde import flow_sigmas
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    b, steps = 5, 9
+    sig = flow_sigmas(steps, 3.0)
+    lat = torch.randn(b, steps + 1, 2, 3, 3, generator=gen, dtype=torch.float64)
+    eta = 0.2 + torch.rand((), generator=gen).item()
+    beta = 0.1 + torch.rand((), generator=gen).item()
+    index = torch.tensor([0, 2, 4, 7, 8])
+    v = torch.randn(b, 2, 3, 3, generator=gen, dtype=torch.float64)
+    v_ref = v + 0.1 * torch.randn(b, 2, 3, 3, generator=gen, dtype=torch.float64)
+    batch = TrainBatch(latents=lat, log_probs=torch.zeros(b, steps, dtype=torch.float64), sigmas=sig,
+                       timesteps=sig[:-1] * 1000, advantages=torch.zeros(b, dtype=torch.float64),
+                       train_steps=index[:, None], cond=Conditioning(torch.zeros(b, 1, 4)), sde=kind, eta=eta,
+                       clip_range=0.2, beta=beta, kl_form=kl_form)
+    rows = torch.arange(b)
+    loss = step_terms(batch, rows, index, v, v_ref).loss
+    for i in range(b):
+        j = int(index[i])
+        s, s_next = float(sig[j]), float(sig[j + 1])
+        x, x_next = lat[i, j], lat[i, j + 1]
+        mean, sd = sde_reference(kind, v[i], x, s, s_next, eta, float(sig[1]))
+        mean_ref, _ = sde_reference(kind, v_ref[i], x, s, s_next, eta, float(sig[1]))
+        if kl_form == "transition":
+            variance = sd**2
+        elif kind == "flow_grpo":  # std_t: the noise level before the step size
+            variance = eta**2 * s / (1 - (float(sig[1]) if s == 1 else s))
+        else:
+            variance = eta**2
+        kl = ((mean - mean_ref) ** 2).mean().item() / (2 * variance)
+        assert loss[i].item() == pytest.approx(beta * kl, rel=1e-10)
+    with pytest.raises(ConfigError, match="grpo.kl_form"):
+        step_terms(dataclasses.replace(batch, kl_form="reverse"), rows, index, v, v_ref)
+
+
+def test_advantages_keep_the_latents_dtype_and_the_conventions_reach_the_batch():
+    session = Session(tiny_config("grpo.adv_std=sample", "grpo.kl_form=no_dt", "grpo.prompts_per_iteration=1"))
+    batch = session.collect(0).batch
+    assert batch.latents.dtype == batch.advantages.dtype == torch.float64
+    assert batch.kl_form == "no_dt"
+    for key, value in (("grpo.adv_std", "unbiased"), ("grpo.kl_form", 3), ("grpo.kl_form", "nan")):
+        with pytest.raises(ConfigError, match=key):
+            tiny_config(f"{key}={value}")
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])

@@ -133,6 +133,25 @@ def test_single_process_fsdp_run_equals_the_unsharded_run_and_resumes(tmp_path):
     assert json.loads((tmp_path / "fsdp/summary.json").read_text())["resumed_from"] == 0
 
 
+def test_bfloat16_shards_compute_in_bfloat16_and_keep_float32_weights_and_gradients():
+    """``model.dtype: bfloat16`` under FSDP: the forward gathers bfloat16 parameters (MixedPrecisionPolicy),
+    while the sharded master weights and the reduced gradients stay float32."""
+    from torch.distributed.fsdp import FSDPModule
+
+    with distributed.process_group(torch.device("cpu"), single=True):
+        session = Session(config("train.shard=fsdp", "model.dtype=bfloat16"))
+        gathered = []
+        block = session.policy.transformer.transformer_blocks[0]
+        assert isinstance(block, FSDPModule)
+        hook = block.register_forward_pre_hook(lambda module, args: gathered.append(module.attn.to_q.weight.dtype))
+        out = session.update(session.collect(0).batch)
+        hook.remove()
+    assert gathered and set(gathered) == {torch.bfloat16}
+    params = session.policy.parameters()
+    assert {p.dtype for p in params} == {p.grad.dtype for p in params if p.grad is not None} == {torch.float32}
+    assert math.isfinite(out["grad_norm"]) and out["grad_norm"] > 0
+
+
 def assert_same_records(got: list[dict], want: list[dict], rel: float) -> None:
     assert [r["iteration"] for r in got] == [r["iteration"] for r in want]
     skip = set(TIMING_KEYS) | {"saved_activation_peak_bytes", "run_id"}

@@ -102,10 +102,128 @@ def test_parse_values():
     (["--route-fracs", "2"], "method.route_frac"),
     (["--methods", "agg:nope=1"], "method.nope"),
     (["--methods", "sgd"], "method.name"),
+    (["--windows", "2,7"], "method.window"),  # longer than the snapshot's 6 trained steps
+    (["--methods", "fraction"], "train.plan"),  # the snapshot's groups plan is not DanceGRPO's
+    (["--methods", "full:train.plan=steps"], "train.plan"),  # full trains the snapshot's own steps
 ])
 def test_bad_arguments_are_one_line_and_leave_nothing_behind(tmp_path, capsys, args, key):
     out = tmp_path / "o" / "t.csv"
-    assert main(["gradcheck", *SET, *args, "--out", str(out)]) == 2
+    # --windows 3 first: the default grid's W = 8 is itself refused on this 6-step rollout
+    assert main(["gradcheck", *SET, "--windows", "3", *args, "--out", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and key in lines[0], lines
     assert not out.parent.exists() or not any(out.parent.iterdir())  # refused before the rollout
+
+
+# ----- what replay can and cannot measure ----------------------------------------------------------
+def _read_json(path):
+    import json
+
+    return json.loads(path.read_text())
+
+
+def test_replay_plans_of_methods_that_train_other_steps_or_differ_in_their_rollout():
+    """No model: each method's replay plan on given stochastic steps."""
+    import torch
+
+    from agg_bench.methods import build_method
+    from helpers import tiny_config
+
+    cfg = tiny_config("sampling.steps=8", "train.timestep_fraction=0.5", "seed=3")
+    every = torch.ones(8, dtype=torch.bool)
+    gen = lambda: torch.Generator().manual_seed(cfg.seed)  # noqa: E731
+    plan = build_method("fraction").replay_plan(cfg, every, 5, gen())
+    assert plan.scope == "replanned" and plan.train_steps.shape == (5, 4)
+    for row in plan.train_steps:  # 4 distinct steps per sample, in denoising order
+        assert row.tolist() == sorted(set(row.tolist()))
+    assert len({tuple(r) for r in plan.train_steps.tolist()}) > 1  # drawn per sample
+    # the window of iteration 0, on a trajectory stochastic everywhere: its steps, marked partial
+    window = build_method("window", {"window_size": 3, "window_mode": "fixed", "window_start": 2})
+    plan = window.replay_plan(tiny_config("sampling.steps=8"), every, 5, gen())
+    assert plan.scope == "partial" and plan.train_steps.tolist() == [[2, 3, 4]] * 5
+    # the snapshot is the window's own rollout: as trained, on the snapshot's steps
+    own = torch.zeros(8, dtype=torch.bool)
+    own[2:5] = True
+    plan = window.replay_plan(tiny_config("sampling.steps=8"), own, 5, gen())
+    assert (plan.scope, plan.train_steps) == ("as_trained", None)
+    elsewhere = torch.zeros(8, dtype=torch.bool)
+    elsewhere[6:] = True
+    with pytest.raises(ConfigError, match="method.window_start"):
+        window.replay_plan(tiny_config("sampling.steps=8"), elsewhere, 5, gen())
+    scopes = {cache_in: build_method("cached", {"cache": "fora", "cache_in": cache_in}).replay_plan(
+        cfg, every, 5, gen()).scope for cache_in in ("rollout", "train", "both")}
+    assert scopes == {"rollout": "not_applicable", "train": "as_trained", "both": "partial"}
+    for name in ("full", "agg"):
+        assert build_method(name).replay_plan(cfg, every, 5, gen()).scope == "as_trained"
+
+
+@pytest.mark.slow  # one snapshot, four replays and a gradcheck through the CLI: ~30 s on 2 cores
+def test_replay_measures_fraction_and_window_on_their_own_steps_and_refuses_what_it_cannot(tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    from baselines.full import FullEstimator
+
+    snap = tmp_path / "snap"
+    steps_set = [arg for item in [*TINY, "grpo.prompts_per_iteration=1", "model.dtype=float64"]
+                 for arg in ("--set", item)]
+    assert main(["snapshot", *steps_set, "--out", str(snap)]) == 0
+    snapshot = load_snapshot(snap)
+    b, t = snapshot.batch.batch_size, snapshot.batch.timesteps.numel()
+    assert snapshot.batch.steps_per_sample == t  # every step trained: full is the whole trajectory
+
+    full = tmp_path / "full.safetensors"
+    assert main(["replay", str(snap), "--method", "full", "--out", str(full)]) == 0
+    assert _read_json(full.with_suffix(".json"))["replay"] == "as_trained"
+
+    # fraction draws its own half of the steps: half the passes, a gradient that is not full's
+    frac = tmp_path / "fraction.safetensors"
+    assert main(["replay", str(snap), "--method", "fraction", "--set", "train.timestep_fraction=0.5",
+                 "--out", str(frac)]) == 0
+    record = _read_json(frac.with_suffix(".json"))
+    assert record["replay"] == "replanned" and record["backward"] == b * (t // 2) < b * t
+    from agg_bench.gradcheck import compare
+    cosine, rel, _ = compare(load_file(str(frac)), load_file(str(full)))
+    assert rel > 1e-3 and cosine < 1 - 1e-6
+
+    # window: only the window's steps (fixed at 1..2), the same numbers as full on exactly those steps
+    win = tmp_path / "window.safetensors"
+    assert main(["replay", str(snap), "--method", "window", "--set", "method.window_size=2",
+                 "--set", "method.window_mode=fixed", "--set", "method.window_start=1", "--out", str(win)]) == 0
+    record = _read_json(win.with_suffix(".json"))
+    assert record["replay"] == "partial" and record["backward"] == 2 * b
+    import dataclasses
+    only_window = dataclasses.replace(snapshot.batch, train_steps=torch.tensor([[1, 2]] * b))
+    expected = dataclasses.replace(snapshot, batch=only_window)
+    from agg_bench.methods import ReplayPlan
+    grads, counts, _ = replay_gradient(expected, FullEstimator(), plan=ReplayPlan())
+    got = load_file(str(win))
+    # the same function on the same steps and rows in the same order: bit-identical
+    assert all(torch.equal(got[k], grads[k]) for k in grads) and counts["backward"] == 2 * b
+    capsys.readouterr()
+
+    # refused, one line each, nothing written: a rollout-only cache, a window longer than N, a key the
+    # method's replay cannot honour
+    for args, key in ((["--method", "cached", "--set", "method.cache=fora"], "rollout"),
+                      (["--method", "agg", "--set", f"method.window={t + 1}"], "method.window"),
+                      (["--method", "full", "--set", "train.timestep_fraction=0.5"], "train.timestep_fraction"),
+                      (["--method", "agg", "--set", "sampling.eta=0.3"], "sampling.eta")):
+        out = tmp_path / "refused" / "g.safetensors"
+        assert main(["replay", str(snap), *args, "--out", str(out)]) == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and key in lines[0], lines
+        assert not out.parent.exists()
+
+    # gradcheck marks each row; the rollout-only cache gets a row without numbers
+    table = tmp_path / "table.csv"
+    assert main(["gradcheck", "--snapshot", str(snap), "--windows", "3", "--alphas", "index", "--route-fracs", "1",
+                 "--methods", "fraction:train.timestep_fraction=0.5,cached:cache=fora",
+                 "--methods", "window:window_size=2,window_mode=fixed,window_start=1", "--out", str(table)]) == 0
+    rows = {r["method"]: r for r in read_rows(table)}
+    assert {m: r["replay"] for m, r in rows.items()} == {
+        "full": "as_trained", "agg": "as_trained", "fraction": "replanned", "cached": "not_applicable",
+        "window": "partial"}
+    assert rows["cached"]["cosine_to_full"] == rows["cached"]["backward"] == "" and rows["cached"]["replay_note"]
+    assert int(rows["fraction"]["backward"]) == b * (t // 2) and float(rows["fraction"]["cosine_to_full"]) < 1 - 1e-6
+    assert int(rows["fraction"]["steps_per_sample"]) == t // 2 and int(rows["full"]["steps_per_sample"]) == t
+    assert int(rows["window"]["backward"]) == 2 * b

@@ -1,5 +1,5 @@
 """Memory in the metric record: out-of-memory failures end a run cleanly with ``status: oom``, a CPU
-run fills every DESIGN key with null for the GPU-only fields, and the saved-activation peak of one
+run fills every docs/design.md record key with null for the GPU-only fields, and the saved-activation peak of one
 backward is the same for AGG as for full GRPO."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "grpo.group_size=2",
          "--set", "grpo.prompts_per_iteration=1", "--set", "progress=false"]
 
-# The metric record of DESIGN.md, written out here so that a key dropped from the code is caught.
+# The metric record of docs/design.md, written out here so that a key dropped from the code is caught.
 DESIGN_KEYS = (
     "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
     "reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "approx_kl",

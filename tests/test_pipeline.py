@@ -13,10 +13,11 @@ import pandas as pd
 import pytest
 import yaml
 
+from agg_bench.records import plot_files, table_files
+
 ROOT = Path(__file__).resolve().parents[1]
-TABLES = [f"results/tables/{t}.{ext}" for t in ("efficiency", "ablation", "gpus") for ext in ("csv", "md")]
-PLOTS = [f"results/plots/{p}.png" for p in
-         ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "gradcheck_cosine")]
+TABLES = table_files()
+PLOTS = plot_files()
 
 
 def workdir(tmp_path: Path) -> Path:
@@ -65,6 +66,9 @@ def test_dry_run_expands_every_job(tmp_path, name, extra):
     assert counts["gradcheck"] == len(sweep["models"]) * len(sweep["gradcheck"]["resolutions"])
     assert counts.get("embed", 0) == (len(sweep["models"]) if "embed" in sweep else 0)
     assert counts["tables"] == counts["plots"] == counts["manifest"] == 1
+    # one cost-model calibration per model x resolution x device that runs use
+    assert counts["calibrate"] == len({(m, r, d) for m in sweep["models"] for r in sweep["resolutions"]
+                                       for d in sweep["devices"]})
     assert not (work / "results").exists()  # a dry run writes nothing
 
 
@@ -89,6 +93,8 @@ def test_dry_run_of_the_slurm_profile(tmp_path):
     (lambda s: s["methods"]["agg-w3"]["method"].update(windw=3), ["methods.agg-w3", "method.windw"]),
     (lambda s: s["methods"].update({"bad_label": {"method": {"name": "full"}}}), ["methods", "bad_label"]),
     (lambda s: s["gradcheck"].update(models=["sdxl"]), ["gradcheck.models", "sdxl"]),
+    # decided from the model's configs while planning, not job by job
+    (lambda s: s.update(resolutions=[30]), ["run full_sd3_30px", "model.resolution", "30", "multiple of 16"]),
 ])
 def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
     work = workdir(tmp_path)
@@ -138,3 +144,7 @@ def test_smallest_sweep_end_to_end(tmp_path):
     ablation = pd.read_csv(work / "results/tables/ablation.csv")
     assert list(ablation["method"]) == ["full", "agg"] and ablation["window"].iloc[1] == 3
     assert "efficiency.csv" in (work / "results/report.html").read_text(errors="replace")
+    assert "summary.html" in (work / "results/report.html").read_text(errors="replace")
+    # the cost model priced both rows from their counted passes and the calibration
+    assert full.predicted_train_speedup == 1.0 and agg.predicted_train_speedup > 1
+    assert full.time_basis == agg.time_basis == "cpu"

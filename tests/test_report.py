@@ -11,7 +11,7 @@ from agg_bench.errors import UserError
 from agg_bench.importlog import import_log
 from agg_bench.io import JsonlWriter
 from agg_bench.report import (
-    PLOTS, GradcheckEntry, Manifest, RunEntry, ablation_table, build_report, efficiency_table, gpus_table,
+    PLOTS, TABLES, GradcheckEntry, Manifest, RunEntry, ablation_table, build_report, efficiency_table, gpus_table,
     load_gradcheck, load_records, mean_reward_until, to_markdown,
 )
 from agg_bench.train import RECORD_KEYS
@@ -218,9 +218,21 @@ def test_markdown_escapes_and_marks_empty_cells():
 def test_build_report_writes_every_table_and_plot(sweep, gradcheck_csv, tmp_path):
     manifest = Manifest(sweep, [GradcheckEntry(gradcheck_csv, model="sd3", resolution=64)])
     build_report(manifest, tmp_path / "tables", tmp_path / "plots")
-    for name in ("efficiency", "ablation", "gpus"):
+    for name in TABLES:
         assert (tmp_path / "tables" / f"{name}.csv").stat().st_size > 0
         assert (tmp_path / "tables" / f"{name}.md").read_text().startswith("| ")
+        html = (tmp_path / "tables" / f"{name}.html").read_text()
+        assert html.startswith("<!DOCTYPE html>") and "<table>" in html
+    # counts are written as integers, not 80.0
+    efficiency_csv = (tmp_path / "tables" / "efficiency.csv").read_text().splitlines()
+    header = efficiency_csv[0].split(",")
+    full_row = next(line.split(",") for line in efficiency_csv[1:] if line.startswith("full,sd3,64,"))
+    assert full_row[header.index("backward")] == "80" and full_row[header.index("seeds")] == "2"
+    summary = pd.read_csv(tmp_path / "tables" / "summary.csv").set_index(["method", "resolution"])
+    # full at 64 px: iterations 2, 2, 4, 4 s after the warm-up -> median 3 [2, 4]
+    assert summary.loc[("full", 64), "s_per_iter"] == "3.000 [2.000, 4.000]"
+    assert summary.loc[("agg-w5", 64), "speedup"].startswith("3.00x [")
+    assert str(summary.loc[("window", 128), "final_reward_pm"]) in ("2", "2.0")  # no reward_std recorded: no spread
     assert len(pd.read_csv(tmp_path / "tables" / "records.csv")) == 18
     for name in PLOTS:
         assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -145,18 +145,25 @@ def test_a_damaged_checkpoint_is_a_user_error(tmp_path, capsys):
 def test_rerun_starts_clean_and_resume_without_checkpoint_starts_over(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
-    # what a killed attempt can leave: records, a torn line, a summary of an older attempt, temporaries
+    cfg = load_config(None, [*SMALL, "train.iterations=2"])
+    # what a killed attempt can leave: its config, records, a torn line, a summary of an older attempt,
+    # temporaries; and a file of the user's that looks like a temporary, which is not the harness's
+    (out / "config.json").write_text(json.dumps(cfg.to_dict()))
     (out / "metrics.jsonl").write_text('{"iteration": 0, "status": "ok"}\n{"iteration": 1, "sta')
     (out / "summary.json").write_text('{"status": "ok"}')
-    (out / ".checkpoint.tmp123.pt").write_bytes(b"half")
-    (out / ".summary.json.tmp99").write_text("{")
-    train(load_config(None, [*SMALL, "train.iterations=2"]), out, resume=True)
+    (out / ".checkpoint.agg-bench-tmp123.pt").write_bytes(b"half")
+    (out / ".summary.agg-bench-tmp99.json").write_text("{")
+    (out / ".bashrc.tmpl").write_text("mine")
+    train(cfg, out, resume=True)
     assert "no checkpoint" in capsys.readouterr().err
     assert [r["iteration"] for r in records(out)] == [0, 1]
     assert all("loss" in r for r in records(out))  # the old lines are gone
-    assert not list(out.glob(".*.tmp*"))
-    train(load_config(None, [*SMALL, "train.iterations=1", "train.checkpoint_every=1"]), out)
+    assert sorted(p.name for p in out.glob(".*")) == [".bashrc.tmpl"]
+    # another config over a finished run: only with overwrite
+    train(load_config(None, [*SMALL, "train.iterations=1", "train.checkpoint_every=1"]), out, overwrite=True)
     assert (out / CHECKPOINT_NAME).exists()
-    train(load_config(None, [*SMALL, "train.iterations=1"]), out)  # no --resume: the old checkpoint goes
+    train(load_config(None, [*SMALL, "train.iterations=1", "train.checkpoint_every=1"]), out)  # same config
+    assert (out / CHECKPOINT_NAME).exists()
+    train(load_config(None, [*SMALL, "train.iterations=1"]), out, overwrite=True)  # no --resume: the old checkpoint goes
     assert not (out / CHECKPOINT_NAME).exists()
     assert [r["iteration"] for r in records(out)] == [0]

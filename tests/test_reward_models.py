@@ -1,11 +1,13 @@
-"""Learned reward models, built from tiny random checkpoints written to a temp folder.
+"""Learned reward models, built from tiny random checkpoints written to a temp folder in the released
+formats (HPS_v2.1_compressed.pt, a transformers CLIP folder, ImageReward.pt + med_config.json, the LAION
+aesthetic head .pth, and .safetensors copies), and the one-line errors for wrong or corrupt files.
 
 Every reward is loaded through ``build_reward(name, options, "cpu")``, exactly as a run config does.
+Equality with the reference implementations is in test_reward_equality.py.
 """
 from __future__ import annotations
 
 import json
-import string
 import sys
 from pathlib import Path
 
@@ -18,102 +20,52 @@ from agg_bench.rewards import build_reward
 
 transformers = pytest.importorskip("transformers")
 
-from agg_bench.reward_models.common import ImagePreprocess, LinearStack  # noqa: E402
-from agg_bench.reward_models.hpsv2 import OpenClipModel, resolve_model_config  # noqa: E402
-from agg_bench.reward_models.imagereward import ImageRewardModel, TextConfig, VisionConfig  # noqa: E402
+from reward_assets import (TINY_MED, TINY_OPEN_CLIP, TINY_VIT, hf_blip_to_image_reward,  # noqa: E402
+                           hf_clip_to_open_clip, image_reward_mlp, randomize, tiny_hf_blip, tiny_hf_clip,
+                           write_bert_tokenizer, write_clip_tokenizer)
+
+from agg_bench.cli import main  # noqa: E402
+from agg_bench.reward_models.common import LinearStack  # noqa: E402
 
 REWARDS = ("hpsv2", "pickscore", "imagereward", "clipscore", "aesthetic")
 PROMPTS = ["a red cat", "the cat", "a dog on grass", "red", "a tree at night"]
-# Tiny OpenCLIP config in the JSON layout of open_clip's model_configs/.
-TINY_OPEN_CLIP = {
-    "embed_dim": 16,
-    "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 8, "patch_size": 8},
-    "text_cfg": {"context_length": 77, "vocab_size": 64, "width": 32, "heads": 4, "layers": 2},
-}
-TINY_VIT = {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "heads": 4}
-TINY_MED = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "intermediate_size": 64, "max_position_embeddings": 40, "layer_norm_eps": 1e-12,
-            "hidden_act": "gelu", "add_cross_attention": True, "encoder_width": 32}
-
-
-def randomize(module: nn.Module, seed: int, std: float = 0.2) -> nn.Module:
-    """Fill every parameter with seeded N(0, std) noise (zero-initialised weights would give constant scores)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
-    return module
-
-
-def write_clip_tokenizer(folder: Path) -> transformers.CLIPTokenizer:
-    """A CLIP BPE tokenizer over lowercase letters (byte-level ASCII letters map to themselves)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    letters = string.ascii_lowercase
-    # Special tokens last, as in CLIP's vocabulary: the end token has the largest id.
-    tokens = [*letters, *(c + "</w>" for c in letters), "ca", "cat</w>", "re", "red</w>",
-              "<|startoftext|>", "<|endoftext|>"]
-    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
-    (folder / "merges.txt").write_text("#version: 0.2\nc a\nca t</w>\nr e\nre d</w>\n")
-    return transformers.CLIPTokenizer.from_pretrained(str(folder), model_max_length=77)
-
-
-def write_bert_tokenizer(folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *string.ascii_lowercase,
-             *("##" + c for c in string.ascii_lowercase), "a", "red", "cat", "dog", "the"]
-    (folder / "vocab.txt").write_text("\n".join(dict.fromkeys(words)) + "\n")
-    transformers.BertTokenizer.from_pretrained(str(folder)).save_pretrained(str(folder))
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, dict]:
-    """Options of every reward, pointing at tiny checkpoints in a temp folder."""
+    """Options of every reward, pointing at tiny checkpoints in a temp folder, in the released formats."""
     root = tmp_path_factory.mktemp("reward_models")
 
-    # transformers CLIP (PickScore, CLIPScore, aesthetic): model and processor in one folder.
+    # transformers CLIP folder (PickScore's format; CLIPScore and aesthetic read it too).
     clip_dir = root / "clip"
-    tokenizer = write_clip_tokenizer(root / "clip_tokenizer")
-    torch.manual_seed(0)
-    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  image_size=32, patch_size=8)
-    transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
-                           ).save_pretrained(str(clip_dir))
-    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32},
-                                                      crop_size={"height": 32, "width": 32})
-    transformers.CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(str(clip_dir))
+    tokenizer = write_clip_tokenizer(clip_dir)
+    clip = tiny_hf_clip(tokenizer, seed=0, dtype=torch.float32)
+    clip.save_pretrained(str(clip_dir))
+    transformers.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+                                       ).save_pretrained(str(clip_dir))
 
     # LAION aesthetic head in the public layout: Linear/Dropout stack under `layers`.
-    head = nn.Module()
-    head.layers = nn.Sequential(nn.Linear(16, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-                                nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
-    torch.save(randomize(head, 1, std=0.05).state_dict(), root / "aesthetic_head.pth")
+    head = image_reward_mlp(TINY_OPEN_CLIP["embed_dim"], seed=1, dtype=torch.float32)
+    torch.save(head.state_dict(), root / "sac+logos+ava1-l14-linearMSE.pth")
 
-    # HPSv2: OpenCLIP-layout state dict wrapped like the HPS release.
-    hps = randomize(OpenClipModel(resolve_model_config(TINY_OPEN_CLIP)), 2)
-    torch.save({"state_dict": hps.state_dict()}, root / "hps.pt")
+    # HPSv2: OpenCLIP-layout state dict under "state_dict", beside training metadata, as the release has it.
+    torch.save({"epoch": 1, "name": "hps", "state_dict": hf_clip_to_open_clip(clip)}, root / "HPS_v2.1_compressed.pt")
 
-    # ImageReward: full state dict, including the entries the score does not use.
+    # ImageReward: full state dict (including entries the score does not use) and BLIP's med_config.json.
     write_bert_tokenizer(root / "bert")
     (root / "med_config.json").write_text(json.dumps(TINY_MED))
-    text_cfg = TextConfig(**{k: v for k, v in TINY_MED.items() if k in TextConfig.__dataclass_fields__})
-    ir = randomize(ImageRewardModel(VisionConfig(**TINY_VIT), text_cfg), 3)
-    state = ir.state_dict()
-    state.update({"blip.vision_proj.weight": torch.zeros(8, 32), "blip.vision_proj.bias": torch.zeros(8),
-                  "blip.text_proj.weight": torch.zeros(8, 32), "blip.text_proj.bias": torch.zeros(8),
-                  "blip.text_encoder.embeddings.position_ids": torch.arange(40)[None]})
-    torch.save(state, root / "ImageReward.pt")
+    vision, text = tiny_hf_blip(seed=3, dtype=torch.float32)
+    mlp = image_reward_mlp(TINY_MED["hidden_size"], seed=4, dtype=torch.float32)
+    torch.save(hf_blip_to_image_reward(vision, text, mlp), root / "ImageReward.pt")
 
     return {
-        "hpsv2": {"checkpoint": str(root / "hps.pt"), "tokenizer": str(root / "clip_tokenizer"),
+        "hpsv2": {"checkpoint": str(root / "HPS_v2.1_compressed.pt"), "tokenizer": str(clip_dir),
                   "model_config": TINY_OPEN_CLIP},
         "pickscore": {"model": str(clip_dir), "processor": str(clip_dir)},
         "imagereward": {"checkpoint": str(root / "ImageReward.pt"), "tokenizer": str(root / "bert"),
                         "med_config": str(root / "med_config.json"), "vision_config": TINY_VIT},
         "clipscore": {"model": str(clip_dir)},
-        "aesthetic": {"model": str(clip_dir), "head": str(root / "aesthetic_head.pth")},
+        "aesthetic": {"model": str(clip_dir), "head": str(root / "sac+logos+ava1-l14-linearMSE.pth")},
     }
 
 
@@ -172,26 +124,6 @@ def test_missing_package_names_package_and_extra(name, assets, monkeypatch):
         build_reward(name, assets[name], "cpu")
 
 
-def test_pickscore_matches_transformers_forward(assets):
-    """At the model's resolution preprocessing only normalises, so CLIPModel's own logits are the reference."""
-    clip_dir = assets["pickscore"]["model"]
-    model = transformers.CLIPModel.from_pretrained(clip_dir).eval()
-    tokenizer = transformers.CLIPTokenizer.from_pretrained(clip_dir)
-    images = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(7))
-    prompts = PROMPTS[:3]
-    tokens = tokenizer(prompts, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        logits = model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
-                       pixel_values=ImagePreprocess.square(32)(images)).logits_per_image
-    expected = logits.diagonal()
-    torch.testing.assert_close(build_reward("pickscore", assets["pickscore"], "cpu")(images, prompts), expected,
-                               rtol=1e-5, atol=1e-5)
-    # CLIPScore on the same model: w * max(cos, 0) with cos = PickScore / logit_scale.
-    cosine = expected / model.logit_scale.exp()
-    clipscore = build_reward("clipscore", {**assets["clipscore"], "w": 2.5}, "cpu")(images, prompts)
-    torch.testing.assert_close(clipscore, 2.5 * cosine.clamp(min=0), rtol=1e-5, atol=1e-6)
-
-
 def test_aesthetic_linear_head(assets, images, tmp_path):
     """A LAION v1 head (a single nn.Linear state dict) loads too."""
     linear = randomize(nn.Linear(16, 1), 4)
@@ -240,39 +172,108 @@ def test_linear_stack_keeps_checkpoint_indices():
     torch.testing.assert_close(rebuilt(x), stack(x))
 
 
-def test_preprocess_matches_clip_image_processor():
-    """The torch transform agrees with transformers' PIL-based processor up to 8-bit rounding."""
-    np = pytest.importorskip("numpy")
-    PIL = pytest.importorskip("PIL.Image")
-    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 24}, crop_size={"height": 24, "width": 24})
-    smooth = torch.rand(1, 3, 6, 8, generator=torch.Generator().manual_seed(8))
-    image = (torch.nn.functional.interpolate(smooth, size=(60, 80), mode="bilinear") * 255).round() / 255
-    pil = PIL.fromarray((image[0].permute(1, 2, 0) * 255).round().to(torch.uint8).numpy())
-    expected = torch.as_tensor(np.asarray(processor(images=pil, return_tensors="np")["pixel_values"]))
-    ours = ImagePreprocess.from_hf(processor)(image)
-    assert ours.shape == expected.shape == (1, 3, 24, 24)
-    assert (ours - expected).abs().max() < 0.05  # a few 8-bit steps after dividing by std ~0.27
 
 
-def test_preprocess_at_native_size_only_normalizes():
-    image = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(9))
-    pre = ImagePreprocess.square(32)
-    mean, std = torch.tensor(pre.mean).view(1, 3, 1, 1), torch.tensor(pre.std).view(1, 3, 1, 1)
-    torch.testing.assert_close(pre(image), (image - mean) / std, rtol=0, atol=0)
+# What each reward's checkpoint option expects, as its error messages name it.
+EXPECTED_FILE = {"hpsv2": "HPS_v2.1_compressed.pt", "pickscore": "config.json", "imagereward": "ImageReward.pt",
+                 "clipscore": "config.json", "aesthetic": "linearMSE.pth"}
+STATE_DICT_REWARDS = ("hpsv2", "imagereward", "aesthetic")
 
 
-def test_hpsv2_matches_open_clip(assets):
-    """Same weights in open_clip's own CLIP give the same embeddings (runs where open_clip is installed)."""
-    open_clip = pytest.importorskip("open_clip")
-    from agg_bench.reward_models.hpsv2 import tokenize
+@pytest.mark.parametrize("name", STATE_DICT_REWARDS)
+def test_safetensors_checkpoint_scores_like_the_released_file(name, assets, built, images, tmp_path):
+    """The released tensors saved as .safetensors give the same scores (same weights, same kernels: bit-equal)."""
+    from safetensors.torch import save_file
 
-    state = torch.load(assets["hpsv2"]["checkpoint"], weights_only=True)["state_dict"]
-    reference = open_clip.model.CLIP(**TINY_OPEN_CLIP).eval()
-    reference.load_state_dict(state)
-    ours = OpenClipModel(resolve_model_config(TINY_OPEN_CLIP)).eval()
-    ours.load_state_dict(state)
-    tokens, ends = tokenize(transformers.CLIPTokenizer.from_pretrained(assets["hpsv2"]["tokenizer"]), PROMPTS, 77)
-    pixels = torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(ours.encode_image(pixels), reference.encode_image(pixels))
-        torch.testing.assert_close(ours.encode_text(tokens, ends), reference.encode_text(tokens))
+    option = CHECKPOINT_OPTION[name]
+    state = torch.load(assets[name][option], weights_only=True)
+    state = state.get("state_dict", state)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "weights.safetensors"))
+    options = {**assets[name], option: str(tmp_path / "weights.safetensors"), "batch_size": 4}
+    assert torch.equal(build_reward(name, options, "cpu")(images, PROMPTS), built(name, 4)(images, PROMPTS))
+
+
+def write_bad_checkpoint(kind: str, folder: Path, assets) -> Path:
+    """A checkpoint file users get wrong: corrupt bytes, a pickled module, a folder, a list, another model's file."""
+    path = folder / "weights.pt"
+    if kind == "corrupt":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "corrupt safetensors":
+        path = folder / "weights.safetensors"
+        path.write_bytes(b"not a safetensors header" * 8)
+    elif kind == "pickled module":  # torch.save(model) instead of its state dict: refused by weights_only
+        torch.save(nn.Linear(2, 2), path)
+    elif kind == "list of tensors":
+        torch.save([torch.zeros(2)], path)
+    elif kind == "folder":
+        path = folder / "a-folder"
+        path.mkdir()
+    elif kind == "another reward's checkpoint":
+        return Path(assets["imagereward"]["checkpoint"])
+    return path
+
+
+# kind -> words the message must hold besides the path and the expected file
+BAD_CHECKPOINTS = {"corrupt": "not a readable torch checkpoint", "empty": "not a readable torch checkpoint",
+                   "corrupt safetensors": "not a readable safetensors file",
+                   "pickled module": "pickled torch.nn.modules.linear.Linear, which weights_only=True refuses",
+                   "list of tensors": "holds a list, not a state dict", "folder": "is a folder",
+                   "another reward's checkpoint": "does not fit the configured architecture"}
+
+
+@pytest.mark.parametrize("kind", BAD_CHECKPOINTS)
+@pytest.mark.parametrize("name", STATE_DICT_REWARDS)
+def test_wrong_or_corrupt_checkpoint_is_one_clear_error(name, kind, assets, tmp_path):
+    if name == "imagereward" and kind == "another reward's checkpoint":
+        kind = "list of tensors"  # ImageReward.pt is that reward's own file
+    path = write_bad_checkpoint(kind, tmp_path, assets)
+    with pytest.raises(UserError) as err:
+        build_reward(name, {**assets[name], CHECKPOINT_OPTION[name]: str(path)}, "cpu")
+    message = str(err.value)
+    assert str(path) in message and EXPECTED_FILE[name] in message and "\n" not in message, message
+    assert BAD_CHECKPOINTS[kind] in message or (name == "aesthetic" and kind == "another reward's checkpoint"
+                                                 and "neither a linear layer" in message), message
+
+
+@pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic"])
+@pytest.mark.parametrize("kind", ["corrupt weights", "a file"])
+def test_wrong_or_corrupt_model_folder_is_one_clear_error(name, kind, assets, tmp_path):
+    """PickScore's format is a transformers folder: a corrupt model.safetensors, or a file given for the folder."""
+    import shutil
+
+    if kind == "a file":
+        path = Path(assets["imagereward"]["checkpoint"])
+    else:
+        path = tmp_path / "clip"
+        shutil.copytree(assets[name]["model"], path)
+        assert (path / "model.safetensors").is_file()  # save_pretrained's format, the one released folders use
+        (path / "model.safetensors").write_bytes(b"not a safetensors file" * 10)
+    with pytest.raises(UserError) as err:
+        build_reward(name, {**assets[name], "model": str(path), "processor": assets[name]["model"]}, "cpu")
+    message = str(err.value)
+    assert str(path) in message and "config.json + model.safetensors" in message and "\n" not in message, message
+
+
+def run_cli(tmp_path, capsys, name: str, options: dict) -> tuple[int, str]:
+    """``agg-bench run`` of one tiny iteration with the given reward; (exit code, stderr)."""
+    capsys.readouterr()
+    code = main(["run", "--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "train.iterations=1",
+                 "--set", "progress=false", "--set", f"reward.name={name}",
+                 "--set", f"reward.options={json.dumps(options)}", "--out", str(tmp_path / "out")])
+    return code, capsys.readouterr().err
+
+
+def test_cli_corrupt_checkpoint_exits_2_naming_file_and_expectation(assets, tmp_path, capsys):
+    path = write_bad_checkpoint("corrupt", tmp_path, assets)
+    code, err = run_cli(tmp_path, capsys, "hpsv2", {**assets["hpsv2"], "checkpoint": str(path)})
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(path) in err and "HPS_v2.1_compressed.pt" in err
+
+
+def test_cli_missing_extra_exits_2_naming_the_extra(assets, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    code, err = run_cli(tmp_path, capsys, "imagereward", assets["imagereward"])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "agg-bench[imagereward]" in err

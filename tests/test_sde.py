@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -22,6 +24,8 @@ def test_sde_step_matches_float64_reference(kind):
         logp = gaussian_log_prob(prev[i], mean, sd)
         torch.testing.assert_close(out.mean[i], mean, rtol=1e-12, atol=1e-12)
         assert out.std[i].item() == pytest.approx(sd, rel=1e-12)
+        # std_t: the noise level before the step size, std = std_t * sqrt(s_j - s_{j+1})
+        assert out.std_t[i].item() == pytest.approx(sd / math.sqrt(float(sigmas[j] - sigmas[j + 1])), rel=1e-12)
         assert out.log_prob[i].item() == pytest.approx(logp.item(), rel=1e-12, abs=1e-12)
 
 
@@ -63,3 +67,12 @@ def test_unknown_sde_kind_is_a_config_error():
 
     with pytest.raises(ConfigError, match="sampling.sde"):
         sde_step("ddim", torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), flow_sigmas(3, 1.0), 0, 0.5)
+
+
+@pytest.mark.parametrize("eta", [0.0, -0.3, float("nan"), float("inf"), True, "0.5"])
+def test_sde_step_refuses_an_eta_that_is_not_a_positive_number(eta):
+    from agg_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        sde_step("flow_grpo", torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), flow_sigmas(3, 1.0), 1, eta)
+    assert err.value.key == "sampling.eta"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import re
 import sys
+import time
 import types
 from types import SimpleNamespace
 
@@ -359,7 +360,7 @@ def test_disabled_telemetry_only_times():
     record = tel.record()
     tel.close()
     assert tuple(record) == TELEMETRY_KEYS
-    times = {"t_rollout_s", "t_train_s", "t_iter_s"}
+    times = {"t_rollout_s", "t_train_s", "t_iter_s", "t_rollout_cpu_s", "t_train_cpu_s", "t_iter_cpu_s"}
     for key, value in record.items():
         if key in times:
             assert isinstance(value, float) and value > 0, key
@@ -379,7 +380,8 @@ def test_each_iteration_starts_fresh_and_other_phase_names_are_timed():
     assert record["t_rollout_s"] is None and record["t_train_s"] is None
     assert record["saved_activation_peak_bytes"] is None  # no phase tracked saved tensors
     assert isinstance(record["t_eval_s"], float) and record["t_eval_s"] > 0
-    assert set(record) == set(TELEMETRY_KEYS) | {"t_eval_s"}
+    assert isinstance(record["t_eval_cpu_s"], float) and record["t_eval_cpu_s"] >= 0
+    assert set(record) == set(TELEMETRY_KEYS) | {"t_eval_s", "t_eval_cpu_s"}
 
 
 def test_nested_tracked_phases_count_once():
@@ -457,6 +459,23 @@ def test_building_blocks_on_cpu():
     assert timer.elapsed_s > 0
     with pytest.raises(RuntimeError, match="before the timed block ended"):
         PhaseTimer("cpu").elapsed_s
+    with pytest.raises(RuntimeError, match="before the timed block ended"):
+        PhaseTimer("cpu").cpu_s
+
+
+def test_cpu_time_counts_work_not_waiting():
+    # sleeping takes wall time but (almost) no CPU time: what other processes do to the cores while
+    # a phase waits for them does not enter t_*_cpu_s
+    with PhaseTimer("cpu") as sleeping:
+        time.sleep(0.2)
+    assert sleeping.elapsed_s >= 0.2
+    assert sleeping.cpu_s < 0.1
+    # computing until the process has used 0.05 CPU seconds: the timer sees at least that much
+    with PhaseTimer("cpu") as working:
+        start = time.process_time()
+        while time.process_time() - start < 0.05:
+            torch.randn(16, 16).sum()
+    assert working.cpu_s >= 0.05
     with CudaMemory("cpu") as memory:
         torch.randn(32)
     assert memory.peak_alloc_bytes is None and memory.peak_reserved_bytes is None

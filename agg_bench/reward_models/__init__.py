@@ -14,6 +14,7 @@ clipscore     transformers CLIP                             2.5 * max(cosine, 0)
 aesthetic     CLIP ViT-L/14 image embedding + LAION head    head output (prompt ignored)
 ============  ============================================  ======================================
 
-Images are preprocessed in torch (:class:`~agg_bench.reward_models.common.ImagePreprocess`); scoring
+Images are made 8-bit and preprocessed with PIL as each model's reference code does
+(:class:`~agg_bench.reward_models.common.ClipTransform`, or transformers' PIL processor for PickScore); scoring
 runs in ``options["batch_size"]`` chunks (default 16) under ``torch.no_grad()`` with the model in eval mode.
 """

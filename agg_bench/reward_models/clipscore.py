@@ -2,6 +2,8 @@
 
 The paper uses CLIP ViT-B/32 and prefixes each caption with "A photo depicts"; the prefix is the
 ``prefix`` option (empty by default, since prompts here are generation prompts, not captions).
+Images are prepared with OpenAI CLIP's own transform (the paper's code uses the ``clip`` package), at the
+size and statistics of the processor config.
 
 Options: ``model`` (folder of a transformers ``CLIPModel``, e.g. a local copy of
 openai/clip-vit-base-patch32), ``processor`` (defaults to ``model``), ``w`` (2.5), ``prefix`` (""),
@@ -16,7 +18,7 @@ from .hf_clip import HFClip
 
 
 def build(options: dict, device):
-    clip = HFClip("clipscore", options, device)
+    clip = HFClip("clipscore", options, device, transform="openai")
     weight = float(options.get("w", 2.5))
     prefix = str(options.get("prefix", ""))
 

@@ -2,35 +2,36 @@
 
 - :func:`require_package` / :func:`require_path`: one :class:`~agg_bench.errors.UserError` that names
   the missing package (and the extra that installs it) or the missing file/folder (and its option).
-- :class:`ImagePreprocess`: resize / center-crop / normalize done in torch on (B, 3, H, W) images in
-  [0, 1], so decoded images never round-trip through PIL.
-- :func:`load_state_dict` / :func:`load_weights`: read a checkpoint file and load it with a clear error
-  when its keys do not fit the architecture.
+- :class:`ClipTransform`: the resize / center-crop / normalize of OpenAI CLIP, OpenCLIP and BLIP,
+  on 8-bit PIL images exactly as their reference code does it.
+- :func:`load_state_dict` / :func:`load_weights` / :func:`load_pretrained`: read a checkpoint file
+  (weights-only or safetensors), a tokenizer or processor folder, with one-line errors naming the file
+  and what was expected there.
 - :func:`make_reward_fn`: turns a per-batch scorer into the ``reward(images, prompts) -> (B,)`` callable
-  of :mod:`agg_bench.rewards` (batched, ``torch.no_grad()``, float32 on the CPU).
+  of :mod:`agg_bench.rewards` (batched, ``torch.no_grad()``, float32 on the CPU; float64 for a float64 model).
 """
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
-import torch.nn.functional as F
+from PIL import Image
 
 from ..errors import ConfigError, UserError
-from ..rewards import RewardFn
+from ..rewards import RewardFn, to_uint8
 
 # Image statistics of OpenAI CLIP, used by CLIP-family models and by BLIP / ImageReward.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# PIL resampling codes, as stored in Hugging Face processor configs.
-_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+# float64 is for checking a scorer against a reference implementation.
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 ScoreBatch = Callable[[torch.Tensor, list[str]], torch.Tensor]
 
@@ -59,6 +60,23 @@ def require_path(reward: str, options: Mapping, key: str, what: str, default: st
     return path
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (at most 200 characters), for one-line errors."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()  # without terminal colour codes
+    return text.splitlines()[0][:200] if text else type(err).__name__
+
+
+def load_pretrained(reward: str, cls, folder: Path, what: str):
+    """``cls.from_pretrained(folder)`` (a tokenizer or image processor), or a UserError naming the folder and
+    ``what`` it should hold."""
+    try:
+        return cls.from_pretrained(str(folder))
+    except Exception as err:  # OSError, ValueError, TypeError depending on which file is missing or broken
+        raise UserError(f"reward {reward!r}: cannot load a {cls.__name__} from '{folder}' "
+                        f"({first_line(err)}); "
+                        f"expected {what}") from None
+
+
 def reward_dtype(options: Mapping) -> torch.dtype:
     """The model dtype from ``options["dtype"]`` (default float32)."""
     name = options.get("dtype", "float32")
@@ -67,29 +85,50 @@ def reward_dtype(options: Mapping) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_state_dict(reward: str, path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a ``.safetensors`` file or of a torch checkpoint.
+def feature_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Embeddings and heads run in float32 (as the released scorers do), or in float64 for a float64 model."""
+    return torch.float64 if model_dtype == torch.float64 else torch.float32
+
+
+def load_state_dict(reward: str, path: Path, what: str) -> dict[str, torch.Tensor]:
+    """Tensors of a ``.safetensors`` file or of a torch checkpoint read with ``weights_only=True``.
 
     A torch checkpoint may hold the tensors directly or under ``"state_dict"`` / ``"model"``; a
-    ``"module."`` prefix left by DistributedDataParallel is removed.
+    ``"module."`` prefix left by DistributedDataParallel is removed. ``what`` names the expected file
+    (e.g. "the HPSv2 checkpoint (HPS_v2.1_compressed.pt)") in the one-line error raised for a folder,
+    an unreadable or corrupt file, a pickled object that is not a state dict, or one holding no tensors.
     """
+    def fail(problem: str) -> UserError:
+        return UserError(f"reward {reward!r}: '{path}' {problem}; expected {what}")
+
     if path.is_dir():
-        raise UserError(f"reward {reward!r}: '{path}' is a folder; expected a checkpoint file")
+        raise fail("is a folder")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        state = load_file(str(path))
+        try:
+            state = load_file(str(path))
+        except Exception as err:  # SafetensorError, OSError
+            raise fail(f"is not a readable safetensors file ({first_line(err)})") from None
     else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # pickle errors come in many types; all mean "not a plain checkpoint"
-            raise UserError(f"reward {reward!r}: cannot read checkpoint '{path}': {err}") from None
+        except Exception as err:  # pickle / zip errors come in many types; all mean "not a plain checkpoint"
+            refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+            if refused:  # a pickled object (e.g. a whole model) rather than tensors
+                raise fail(f"holds a pickled {refused.group(1)}, which weights_only=True refuses (a trusted "
+                           f"file can be re-saved as .safetensors)") from None
+            raise fail(f"is not a readable torch checkpoint ({type(err).__name__}, file corrupt or of another "
+                       f"kind)") from None
     for wrapper in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
             state = state[wrapper]
     if not isinstance(state, dict):
-        raise UserError(f"reward {reward!r}: checkpoint '{path}' holds no state dict")
-    return {k.removeprefix("module."): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        raise fail(f"holds a {type(state).__name__}, not a state dict")
+    tensors = {k.removeprefix("module."): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
+        raise fail("holds no tensors")
+    return tensors
 
 
 def load_weights(
@@ -98,11 +137,12 @@ def load_weights(
     state: Mapping[str, torch.Tensor],
     path: Path,
     ignore: Sequence[str] = (),
+    what: str = "",
 ) -> None:
     """Load ``state`` into ``model``; keys starting with a prefix in ``ignore`` are dropped first.
 
-    Raises a UserError naming ``path`` and a few of the missing / unexpected keys when the checkpoint
-    does not fit the architecture (usually a wrong architecture option).
+    Raises a UserError naming ``path``, ``what`` was expected there and a few of the missing /
+    unexpected keys when the checkpoint does not fit the architecture (a wrong file or architecture option).
     """
     state = {k: v for k, v in state.items() if not k.startswith(tuple(ignore))}
     expected = model.state_dict()
@@ -114,88 +154,57 @@ def load_weights(
     if any(problems.values()):
         found = "; ".join(f"{label} {keys[:5]}{' ...' if len(keys) > 5 else ''}"
                           for label, keys in problems.items() if keys)
-        raise UserError(f"reward {reward!r}: checkpoint '{path}' does not fit the configured architecture: "
-                        f"{found}")
+        expected_file = f" (expected {what})" if what else ""
+        raise UserError(f"reward {reward!r}: checkpoint '{path}'{expected_file} does not fit the configured "
+                        f"architecture: {found}")
     model.load_state_dict(state)
 
 
 @dataclass(frozen=True)
-class ImagePreprocess:
-    """Torch version of the usual CLIP-style image transform.
+class ClipTransform:
+    """The evaluation transform of OpenAI CLIP, OpenCLIP and BLIP, done on 8-bit PIL images as they do.
 
-    ``resize``: target shortest edge (int) or exact (height, width), None to skip resizing.
-    ``crop``: (height, width) of the center crop, None to skip. ``mean``/``std``: per-channel statistics
-    applied to [0, 1] pixels. ``interpolation``: "bicubic" | "bilinear" | "nearest"; downscaling is
-    antialiased like PIL. Resized pixels are clamped to [0, 1], as an 8-bit image would be.
+    Their reference code scores PIL images through torchvision's ``Resize(resize, BICUBIC)``,
+    ``CenterCrop(crop)``, ``ToTensor()`` and ``Normalize(mean, std)``. Those steps are reproduced here
+    without torchvision (whose PyPI wheels do not load beside the CPU build of torch):
+
+    - images are first made 8-bit with :func:`agg_bench.rewards.to_uint8`, as saving a sample would;
+    - the shortest edge becomes ``resize`` and the other ``int(resize * long / short)`` (PIL bicubic,
+      antialiased when shrinking; an image already at that size is left as is);
+    - the ``crop`` x ``crop`` center crop starts at ``int(round((h - crop) / 2))``, Python's round
+      (half to even), which is torchvision's rule (Hugging Face processors floor instead);
+    - pixels become float32 ``/ 255`` and are normalised with float32 ``mean`` / ``std``.
     """
 
-    resize: int | tuple[int, int] | None
-    crop: tuple[int, int] | None
+    resize: int
+    crop: int
     mean: tuple[float, float, float] = CLIP_MEAN
     std: tuple[float, float, float] = CLIP_STD
-    interpolation: str = "bicubic"
 
-    @classmethod
-    def square(cls, size: int, mean=CLIP_MEAN, std=CLIP_STD) -> "ImagePreprocess":
-        """Resize the shortest edge to ``size`` and center-crop ``size`` x ``size``."""
-        return cls(resize=size, crop=(size, size), mean=tuple(mean), std=tuple(std))
+    def __post_init__(self):
+        if self.crop > self.resize:
+            raise ValueError(f"crop {self.crop} larger than the resized shortest edge {self.resize}")
 
-    @classmethod
-    def from_hf(cls, processor) -> "ImagePreprocess":
-        """The transform described by a Hugging Face image processor (e.g. ``CLIPImageProcessor``)."""
-
-        def field(container, key):
-            if container is None:
-                return None
-            return container.get(key) if isinstance(container, Mapping) else getattr(container, key, None)
-
-        resize = None
-        if getattr(processor, "do_resize", True):
-            size = processor.size
-            if field(size, "shortest_edge"):
-                resize = int(field(size, "shortest_edge"))
-            else:
-                resize = (int(field(size, "height")), int(field(size, "width")))
-        crop = None
-        if getattr(processor, "do_center_crop", False):
-            crop = (int(field(processor.crop_size, "height")), int(field(processor.crop_size, "width")))
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-        if getattr(processor, "do_normalize", True):
-            mean, std = tuple(processor.image_mean), tuple(processor.image_std)
-        resample = getattr(processor, "resample", 3)
-        resample = getattr(resample, "value", resample)  # PIL enum or int
-        interpolation = _RESAMPLE.get(int(resample), "bicubic")
-        return cls(resize=resize, crop=crop, mean=mean, std=std, interpolation=interpolation)
-
-    def output_size(self, height: int, width: int) -> tuple[int, int]:
-        """(height, width) after resizing an image of the given size."""
-        if self.resize is None:
-            return height, width
-        if isinstance(self.resize, int):
-            short, long = sorted((height, width))
-            new_short, new_long = self.resize, int(self.resize * long / short)
-            return (new_short, new_long) if height <= width else (new_long, new_short)
-        return tuple(self.resize)
+    def pil_image(self, pixels: np.ndarray) -> Image.Image:
+        """One (H, W, 3) uint8 array resized and center-cropped."""
+        image = Image.fromarray(pixels)
+        width, height = image.size
+        short, long = sorted((height, width))
+        new_long = int(self.resize * long / short)
+        size = (self.resize, new_long) if width <= height else (new_long, self.resize)  # PIL: (w, h)
+        if size != image.size:
+            image = image.resize(size, Image.BICUBIC)
+        width, height = image.size
+        top, left = int(round((height - self.crop) / 2.0)), int(round((width - self.crop) / 2.0))
+        return image.crop((left, top, left + self.crop, top + self.crop))
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) in [0, 1] -> normalized float32 model input."""
-        x = images.float()
-        size = self.output_size(*x.shape[-2:])
-        if size != tuple(x.shape[-2:]):
-            smooth = self.interpolation != "nearest"
-            x = F.interpolate(x, size=size, mode=self.interpolation, antialias=smooth)
-            x = x.clamp(0.0, 1.0)
-        if self.crop is not None:
-            (h, w), (ch, cw) = x.shape[-2:], self.crop
-            pad_h, pad_w = max(ch - h, 0), max(cw - w, 0)
-            if pad_h or pad_w:  # zero borders, as Hugging Face processors pad too-small images
-                x = F.pad(x, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2))
-                h, w = x.shape[-2:]
-            top, left = (h - ch) // 2, (w - cw) // 2
-            x = x[..., top:top + ch, left:left + cw]
-        mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
-        return (x - mean) / std
+        """(B, 3, H, W) in [0, 1] -> normalised float32 (B, 3, crop, crop) on the images' device."""
+        crops = [np.asarray(self.pil_image(arr)) for arr in to_uint8(images)]
+        x = torch.from_numpy(np.stack(crops)).permute(0, 3, 1, 2).to(torch.float32).div(255)
+        mean = torch.tensor(self.mean, dtype=torch.float32).view(1, 3, 1, 1)
+        std = torch.tensor(self.std, dtype=torch.float32).view(1, 3, 1, 1)
+        return ((x - mean) / std).to(images.device)
 
 
 class LinearStack(torch.nn.Module):
@@ -231,14 +240,16 @@ class LinearStack(torch.nn.Module):
 
 
 def make_reward_fn(score_batch: ScoreBatch, options: Mapping, device) -> RewardFn:
-    """``reward(images, prompts) -> (B,)`` float32 on the CPU, scoring ``options["batch_size"]`` at a time.
+    """``reward(images, prompts) -> (B,)`` on the CPU, scoring ``options["batch_size"]`` at a time.
 
     ``score_batch(images, prompts)`` receives float32 images already on ``device`` and returns (b,).
+    Scores are float32, or float64 when the model runs in float64 (``options["dtype"]``), so that a
+    float64 model can be compared with a reference to float64 precision.
     """
     batch_size = options.get("batch_size", 16)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError("reward.options.batch_size", batch_size, "a positive integer")
-    device = torch.device(device)
+    device, score_dtype = torch.device(device), feature_dtype(reward_dtype(options))
 
     def reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -250,7 +261,8 @@ def make_reward_fn(score_batch: ScoreBatch, options: Mapping, device) -> RewardF
         with torch.no_grad():
             for start in range(0, len(prompts), batch_size):
                 chunk = images[start:start + batch_size].to(device=device, dtype=torch.float32)
-                scores.append(score_batch(chunk, prompts[start:start + batch_size]).float().reshape(-1).cpu())
-        return torch.cat(scores) if scores else torch.zeros(0)
+                batch_scores = score_batch(chunk, prompts[start:start + batch_size])
+                scores.append(batch_scores.to(score_dtype).reshape(-1).cpu())
+        return torch.cat(scores) if scores else torch.zeros(0, dtype=score_dtype)
 
     return reward

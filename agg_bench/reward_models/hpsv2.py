@@ -3,14 +3,23 @@
 Score = cosine of the L2-normalised image and text embeddings, the quantity the HPSv2 README reports
 (about 0.2-0.35; no logit scale is applied).
 
-The model is built here in OpenCLIP's layout (same module names, so the HPS ``.pt`` state dict loads
-as is), which keeps ``open_clip_torch`` and its torchvision/timm dependencies out of the reward path.
-Text is tokenized with a transformers ``CLIPTokenizer`` (OpenCLIP's ViT-H-14 uses the same BPE
-vocabulary) and laid out like OpenCLIP: start token, up to ``context_length - 2`` tokens, end token,
-zero padding; the text embedding is read at the end token.
+Why not the packages the model ships with: ``hpsv2`` pins ``pytest==7.2.0`` (this project pins pytest 9)
+and, like ``open-clip-torch``, needs torchvision. PyPI's torchvision wheels are linked against the CUDA
+build of torch: beside the CPU build they fail to import ("operator torchvision::nms does not exist"),
+and once installed they also break ``from transformers import CLIPModel``, which the other rewards need.
+So the model is built here in OpenCLIP's layout (same module names, so the HPS ``.pt`` state dict loads
+as is). tests/test_reward_equality.py proves it scores like transformers' CLIP (the same architecture,
+used by the HF conversions of OpenCLIP checkpoints) fed OpenCLIP's published preprocessing.
+
+Images go through :class:`~agg_bench.reward_models.common.ClipTransform` (OpenCLIP's eval transform:
+PIL bicubic resize, torchvision center crop, CLIP mean/std). Text is tokenized with a transformers
+``CLIPTokenizer`` (OpenCLIP's ViT-H-14 uses the same BPE vocabulary) and laid out like OpenCLIP: start
+token, up to ``context_length - 2`` tokens, end token, zero padding; the text embedding is read at the
+end token.
 
 Options:
-- ``checkpoint``: the HPS state dict (e.g. HPS_v2.1_compressed.pt; a ``"state_dict"`` wrapper is fine).
+- ``checkpoint``: the HPS state dict, HPS_v2.1_compressed.pt or HPS_v2_compressed.pt (tensors, possibly
+  under ``"state_dict"``, read with ``weights_only=True``), or the same tensors as ``.safetensors``.
 - ``tokenizer``: folder with CLIP tokenizer files (e.g. a local copy of laion/CLIP-ViT-H-14-laion2B-s32B-b79K
   or openai/clip-vit-large-patch14).
 - ``model_config``: "ViT-H-14" (default), or an OpenCLIP model config as a dict or a JSON file
@@ -30,10 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from .common import (CLIP_MEAN, CLIP_STD, ImagePreprocess, load_state_dict, load_weights, make_reward_fn,
-                     require_package, require_path, reward_dtype)
+from .common import (CLIP_MEAN, CLIP_STD, ClipTransform, feature_dtype, load_pretrained, load_state_dict,
+                     load_weights, make_reward_fn, require_package, require_path, reward_dtype)
 
 REWARD = "hpsv2"
+CHECKPOINT = "the HPSv2 state dict (HPS_v2.1_compressed.pt, or .safetensors)"
+TOKENIZER = "a folder with CLIP tokenizer files (vocab.json + merges.txt, or tokenizer.json)"
 
 MODEL_CONFIGS = {
     "ViT-H-14": {
@@ -218,22 +229,24 @@ def tokenize(tokenizer, prompts: list[str], context_length: int) -> tuple[torch.
 
 def build(options: dict, device):
     transformers = require_package(REWARD, "transformers")
-    checkpoint = require_path(REWARD, options, "checkpoint",
-                              "the HPSv2 checkpoint file (e.g. HPS_v2.1_compressed.pt)")
-    tokenizer_dir = require_path(REWARD, options, "tokenizer", "a folder with CLIP tokenizer files")
+    checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT)
+    tokenizer_dir = require_path(REWARD, options, "tokenizer", TOKENIZER)
     cfg = resolve_model_config(options.get("model_config"))
     device, dtype = torch.device(device), reward_dtype(options)
 
-    model = OpenClipModel(cfg)
-    load_weights(REWARD, model, load_state_dict(REWARD, checkpoint), checkpoint)
-    model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    tokenizer = transformers.CLIPTokenizer.from_pretrained(str(tokenizer_dir))
-    preprocess = ImagePreprocess.square(cfg.vision.image_size, cfg.image_mean, cfg.image_std)
+    model = OpenClipModel(cfg).to(dtype)  # cast before loading, so float64 weights stay float64
+    load_weights(REWARD, model, load_state_dict(REWARD, checkpoint, CHECKPOINT), checkpoint, what=CHECKPOINT)
+    model.to(device=device).eval().requires_grad_(False)
+    tokenizer = load_pretrained(REWARD, transformers.CLIPTokenizer, tokenizer_dir, TOKENIZER)
+    image_size = cfg.vision.image_size
+    preprocess = ClipTransform(image_size, image_size, cfg.image_mean, cfg.image_std)
+
+    features = feature_dtype(dtype)
 
     def score_batch(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         tokens, ends = tokenize(tokenizer, prompts, cfg.text.context_length)
-        image_features = F.normalize(model.encode_image(preprocess(images).to(dtype)).float(), dim=-1)
-        text_features = F.normalize(model.encode_text(tokens.to(device), ends.to(device)).float(), dim=-1)
+        image_features = F.normalize(model.encode_image(preprocess(images).to(dtype)).to(features), dim=-1)
+        text_features = F.normalize(model.encode_text(tokens.to(device), ends.to(device)).to(features), dim=-1)
         return (image_features * text_features).sum(-1)
 
     return make_reward_fn(score_batch, options, device)

@@ -4,13 +4,26 @@ The image goes through BLIP's ViT; the prompt goes through BLIP's BERT text enco
 cross-attends to the image tokens; the [CLS] output is scored by a stack of linear layers and
 standardised with the fixed mean/std from the ImageReward release.
 
+Why not the ``image-reward`` package: it pins ``timm==0.6.13`` (which needs torchvision, whose PyPI
+wheels fail to import beside the CPU build of torch and then break ``from transformers import ...``),
+imports OpenAI's ``clip`` package (not on PyPI), and its BLIP text encoder imports
+``find_pruneable_heads_and_indices`` / ``apply_chunking_to_forward`` from ``transformers.modeling_utils``,
+which transformers 5 no longer has. So the model is built here; tests/test_reward_equality.py proves it
+scores like transformers' BLIP (``BlipVisionModel`` + ``BlipTextModel``, the same architecture) with the
+release's preprocessing, tokenizer call and head.
+
+Images go through :class:`~agg_bench.reward_models.common.ClipTransform` (the release's
+``Resize(224, BICUBIC)``, ``CenterCrop(224)``, CLIP mean/std on PIL images); prompts are tokenized as the
+release does: ``padding="max_length", truncation=True, max_length=35``.
+
 The modules here use the parameter names of the public code, so ``ImageReward.pt`` loads without a
 key mapping (``blip.visual_encoder.*``, ``blip.text_encoder.*``, ``mlp.layers.*``). Checkpoint entries
 the score never uses are skipped: BLIP's pre-training projections ``blip.vision_proj`` /
 ``blip.text_proj`` and the ``position_ids`` index buffer.
 
 Options:
-- ``checkpoint``: ImageReward.pt.
+- ``checkpoint``: ImageReward.pt (a state dict, read with ``weights_only=True``), or its tensors as
+  ``.safetensors``.
 - ``tokenizer``: folder with the bert-base-uncased tokenizer files (BLIP's tokenizer; the two extra
   tokens BLIP adds never occur in prompts).
 - ``med_config``: BLIP's ``med_config.json`` (path or dict); defaults to the BERT-base values of the release.
@@ -30,10 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from .common import (ImagePreprocess, LinearStack, load_state_dict, load_weights, make_reward_fn, require_package,
-                     require_path, reward_dtype)
+from .common import (ClipTransform, LinearStack, feature_dtype, load_pretrained, load_state_dict, load_weights,
+                     make_reward_fn, require_package, require_path, reward_dtype)
 
 REWARD = "imagereward"
+CHECKPOINT = "the ImageReward state dict (ImageReward.pt, or .safetensors)"
+TOKENIZER = "a folder with the bert-base-uncased tokenizer files (vocab.txt)"
 
 # Standardisation of the raw head output, from the ImageReward release.
 SCORE_MEAN = 0.16717362830052426
@@ -277,24 +292,25 @@ class ImageRewardModel(nn.Module):
     def forward(self, pixels: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         image_tokens = self.blip.visual_encoder(pixels)
         cls = self.blip.text_encoder(ids, mask, image_tokens)[:, 0]
-        return (self.mlp(cls.float()).squeeze(-1) - SCORE_MEAN) / SCORE_STD
+        head = self.mlp.layers[0].weight.dtype
+        return (self.mlp(cls.to(head)).squeeze(-1) - SCORE_MEAN) / SCORE_STD
 
 
 def build(options: dict, device):
     transformers = require_package(REWARD, "transformers")
-    checkpoint = require_path(REWARD, options, "checkpoint", "the ImageReward checkpoint file (ImageReward.pt)")
-    tokenizer_dir = require_path(REWARD, options, "tokenizer",
-                                 "a folder with the bert-base-uncased tokenizer files")
+    checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT)
+    tokenizer_dir = require_path(REWARD, options, "tokenizer", TOKENIZER)
     vision = _config(VisionConfig, options.get("vision_config"), "vision_config", strict=True)
     text = _config(TextConfig, options.get("med_config"), "med_config", strict=False)
     device, dtype = torch.device(device), reward_dtype(options)
 
-    model = ImageRewardModel(vision, text)
-    load_weights(REWARD, model, load_state_dict(REWARD, checkpoint), checkpoint, ignore=IGNORED_KEYS)
-    model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    model.mlp.float()  # the head runs in float32, as in the release
-    tokenizer = transformers.BertTokenizer.from_pretrained(str(tokenizer_dir))
-    preprocess = ImagePreprocess.square(vision.image_size)
+    model = ImageRewardModel(vision, text).to(dtype)  # cast before loading, so weights are rounded only once
+    model.mlp.to(feature_dtype(dtype))  # the head runs in float32 as in the release (float64 for a float64 model)
+    load_weights(REWARD, model, load_state_dict(REWARD, checkpoint, CHECKPOINT), checkpoint, ignore=IGNORED_KEYS,
+                 what=CHECKPOINT)
+    model.to(device=device).eval().requires_grad_(False)
+    tokenizer = load_pretrained(REWARD, transformers.BertTokenizer, tokenizer_dir, TOKENIZER)
+    preprocess = ClipTransform(vision.image_size, vision.image_size)
 
     def score_batch(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         tokens = tokenizer(prompts, padding="max_length", truncation=True, max_length=MAX_PROMPT_TOKENS,

@@ -1,7 +1,8 @@
 """PickScore (Kirstain et al., 2023): a CLIP-H model fine-tuned on Pick-a-Pic preferences.
 
 Score = ``logit_scale.exp() * cos(image_embedding, text_embedding)``, as in the PickScore README
-(about 20-23 for typical images).
+(about 20-23 for typical images). Images are prepared by transformers' PIL CLIP image processor from
+``processor``'s config, prompts tokenized with truncation at 77 tokens, as in that README.
 
 Options: ``model`` (folder of the PickScore ``CLIPModel``, e.g. a local copy of
 yuvalkirstain/PickScore_v1), ``processor`` (folder of the processor it was trained with, e.g.
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from .common import make_reward_fn
+from .common import feature_dtype, make_reward_fn
 from .hf_clip import HFClip
 
 
 def build(options: dict, device):
-    clip = HFClip("pickscore", options, device)
-    logit_scale = clip.model.logit_scale.detach().float().exp()
+    clip = HFClip("pickscore", options, device, transform="hf")
+    logit_scale = clip.model.logit_scale.detach().to(feature_dtype(clip.dtype)).exp()
 
     def score_batch(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         cosine = (clip.image_features(images) * clip.text_features(prompts)).sum(-1)

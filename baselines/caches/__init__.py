@@ -1,4 +1,4 @@
-"""Training-free DiT inference caches for SD3 and FLUX, as diffusers hooks, for rollouts and training forwards.
+"""Training-free DiT inference caches for SD3, FLUX and Qwen-Image, as diffusers hooks, for rollouts and training forwards.
 
 ``apply_cache(transformer, name, options)`` installs one cache and returns a :class:`CacheHandle`:
 
@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from agg_bench.errors import ConfigError, UserError
+from agg_bench.registry import Registry
 
 from .deltadit import DeltaDiTConfig, apply_deltadit
 from .fastercache import FasterCacheConfig, apply_fastercache
@@ -35,7 +36,8 @@ from .pab import PabConfig, apply_pab
 from .taylorseer import TaylorSeerConfig, apply_taylorseer
 from .teacache import TeaCacheConfig, apply_teacache
 
-CACHES: dict[str, tuple[type, Callable[[torch.nn.Module, Any], None]]] = {
+# name -> (config dataclass, installer), one file each (agg_bench.registry: the style of methods and rewards)
+CACHES: dict[str, tuple[type, Callable[[torch.nn.Module, Any], None]]] = Registry("method.cache", {
     "fbc": (FbcConfig, apply_fbc),
     "pab": (PabConfig, apply_pab),
     "fastercache": (FasterCacheConfig, apply_fastercache),
@@ -44,14 +46,12 @@ CACHES: dict[str, tuple[type, Callable[[torch.nn.Module, Any], None]]] = {
     "fora": (ForaConfig, apply_fora),
     "deltadit": (DeltaDiTConfig, apply_deltadit),
     "teacache": (TeaCacheConfig, apply_teacache),
-}
+})
 
 
 def cache_options(name: str) -> tuple[str, ...]:
     """The option keys cache ``name`` accepts."""
-    if name not in CACHES:
-        raise ConfigError("method.cache", name, f"one of {sorted(CACHES)}")
-    config_cls, _ = CACHES[name]
+    config_cls, _ = CACHES.resolve(name)
     return tuple(f.name for f in dataclasses.fields(config_cls) if f.name not in CALLBACK_FIELDS)
 
 
@@ -62,18 +62,18 @@ def make_config(name: str, options: dict[str, Any] | None = None) -> Any:
     for key in options:
         if key not in allowed:
             raise ConfigError(f"method.{key}", options[key], f"an option of the {name!r} cache: one of {list(allowed)}")
-    config_cls, _ = CACHES[name]
+    config_cls, _ = CACHES.resolve(name)
     return config_cls(**options)
 
 
 def apply_cache(transformer: torch.nn.Module, name: str, options: dict[str, Any] | None = None) -> CacheHandle:
-    """Install cache ``name`` with ``options`` on an SD3 or FLUX transformer."""
+    """Install cache ``name`` with ``options`` on an SD3, FLUX or Qwen-Image transformer."""
     config = make_config(name, options)
     if uses_gradient_checkpointing(checkpointable_modules(transformer)):
         raise gradient_checkpointing_error()
     if has_cache(transformer):
         raise UserError("this transformer already has an inference cache; remove() it before applying another")
-    _, apply_fn = CACHES[name]
+    _, apply_fn = CACHES.resolve(name)
     return CacheHandle(transformer, name, config, apply_fn)
 
 

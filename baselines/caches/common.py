@@ -1,10 +1,11 @@
 """What every cache needs to know about a family's transformer: its block lists and how blocks are called.
 
 SD3 runs ``transformer_blocks`` (``JointTransformerBlock``); FLUX runs ``transformer_blocks``
-(``FluxTransformerBlock``) and then ``single_transformer_blocks`` (``FluxSingleTransformerBlock``). Every
-one of these blocks takes ``hidden_states`` and ``encoder_hidden_states`` first (by keyword or by
-position; FLUX blocks also take ``image_rotary_emb``) and returns ``(encoder_hidden_states,
-hidden_states)``. SD3's last block is ``context_pre_only`` and returns ``None`` for the encoder stream.
+(``FluxTransformerBlock``) and then ``single_transformer_blocks`` (``FluxSingleTransformerBlock``);
+Qwen-Image runs ``transformer_blocks`` (``QwenImageTransformerBlock``). Every one of these blocks takes
+``hidden_states`` and ``encoder_hidden_states`` first (by keyword or by position; FLUX and Qwen-Image
+blocks also take ``image_rotary_emb``) and returns ``(encoder_hidden_states, hidden_states)``. SD3's last
+block is ``context_pre_only`` and returns ``None`` for the encoder stream.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import inspect
 from typing import Any
 
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
 
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.models import POLICIES
@@ -22,14 +23,16 @@ from agg_bench.models import POLICIES
 BLOCK_LISTS: dict[str, tuple[str, ...]] = {
     "sd3": ("transformer_blocks",),
     "flux": ("transformer_blocks", "single_transformer_blocks"),
+    "qwenimage": ("transformer_blocks",),
 }
-TRANSFORMER_FAMILIES: dict[type, str] = {SD3Transformer2DModel: "sd3", FluxTransformer2DModel: "flux"}
+TRANSFORMER_FAMILIES: dict[type, str] = {SD3Transformer2DModel: "sd3", FluxTransformer2DModel: "flux",
+                                         QwenImageTransformer2DModel: "qwenimage"}
 
 Streams = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
 def family_of(transformer: torch.nn.Module) -> str:
-    """``"sd3"`` or ``"flux"`` for a supported transformer; a :class:`UserError` otherwise."""
+    """``"sd3"``, ``"flux"`` or ``"qwenimage"`` for a supported transformer; a :class:`UserError` otherwise."""
     for cls, family in TRANSFORMER_FAMILIES.items():
         if isinstance(transformer, cls):
             return family
@@ -92,9 +95,12 @@ def add_streams(streams: Streams, residual: Streams) -> Streams:
 
 
 def modulated_input(block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
-    """The timestep-modulated image tokens a block feeds its attention (the ``norm1``/``norm`` output)."""
+    """The timestep-modulated image tokens a block feeds its attention (the ``norm1``/``norm`` output; for
+    Qwen-Image the image stream's ``img_norm1`` modulated by the first half of ``img_mod(temb)``)."""
     hidden_states = block_argument(block, "hidden_states", args, kwargs)
     temb = block_argument(block, "temb", args, kwargs)
+    if hasattr(block, "img_mod"):
+        return block._modulate(block.img_norm1(hidden_states), block.img_mod(temb).chunk(2, dim=-1)[0])[0]
     norm = block.norm1 if hasattr(block, "norm1") else block.norm
     return norm(hidden_states, emb=temb)[0]
 

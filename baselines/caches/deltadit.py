@@ -96,7 +96,7 @@ class DeltaDiTRunHook(RunHeadHook):
 
 
 def apply_deltadit(module: torch.nn.Module, config: DeltaDiTConfig) -> None:
-    """Apply Delta-DiT to an SD3 or FLUX transformer."""
+    """Apply Delta-DiT to an SD3, FLUX or Qwen-Image transformer."""
     if config.current_step_callback is None:
         raise ValueError("Delta-DiT needs `current_step_callback` in its config")
     blocks = [block for _, block in transformer_blocks(module)]

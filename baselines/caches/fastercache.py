@@ -1,4 +1,4 @@
-"""FasterCache (diffusers' ``apply_faster_cache``) on SD3 and FLUX rollouts without classifier-free guidance.
+"""FasterCache (diffusers' ``apply_faster_cache``) on SD3, FLUX and Qwen-Image rollouts without classifier-free guidance.
 
 diffusers' FasterCache has two parts: reusing attention outputs across steps (extrapolated from the last
 two computed outputs) and approximating the unconditional half of a CFG batch. GRPO rollouts here call

@@ -1,4 +1,4 @@
-"""First Block Cache (diffusers' ``apply_first_block_cache``) on SD3 and FLUX.
+"""First Block Cache (diffusers' ``apply_first_block_cache``) on SD3, FLUX and Qwen-Image.
 
 diffusers' FBC computes the tail block's residual for both streams, and SD3's last block is
 ``context_pre_only``: it returns ``None`` for the encoder stream, so the tail's subtraction fails. SD3
@@ -51,7 +51,7 @@ class EncoderPassThroughHook(ModelHook):
 
 
 def apply_fbc(module: torch.nn.Module, config: FbcConfig) -> None:
-    """Apply diffusers' First Block Cache to an SD3 or FLUX transformer."""
+    """Apply diffusers' First Block Cache to an SD3, FLUX or Qwen-Image transformer."""
     blocks = transformer_blocks(module)
     if len(blocks) < 2:
         raise UserError("First Block Cache needs a transformer with at least two blocks")

@@ -51,7 +51,7 @@ class ForaBlockHook(RunHeadHook):
 
 
 def apply_fora(module: torch.nn.Module, config: ForaConfig) -> None:
-    """Apply FORA to every block of an SD3 or FLUX transformer."""
+    """Apply FORA to every block of an SD3, FLUX or Qwen-Image transformer."""
     if config.current_step_callback is None:
         raise ValueError("FORA needs `current_step_callback` in its config")
     for _, block in transformer_blocks(module):

@@ -1,4 +1,4 @@
-"""MagCache (diffusers' ``apply_mag_cache``) on SD3 and FLUX, driven by the handle's step index.
+"""MagCache (diffusers' ``apply_mag_cache``) on SD3, FLUX and Qwen-Image, driven by the handle's step index.
 
 MagCache skips every block and adds the previous step's whole-stack residual, while the accumulated
 error ``sum |1 - prod(mag_ratios)|`` over the skipped steps stays within ``threshold``. ``mag_ratios[j]``

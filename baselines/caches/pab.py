@@ -1,6 +1,6 @@
-"""Pyramid Attention Broadcast (diffusers' ``apply_pyramid_attention_broadcast``) on SD3 and FLUX.
+"""Pyramid Attention Broadcast (diffusers' ``apply_pyramid_attention_broadcast``) on SD3, FLUX and Qwen-Image.
 
-SD3 and FLUX have joint self-attention only (no separate cross- or temporal attention), so every block's
+SD3, FLUX and Qwen-Image have joint self-attention only (no separate cross- or temporal attention), so every block's
 attention is broadcast with the spatial settings.
 """
 from __future__ import annotations

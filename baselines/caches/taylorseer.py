@@ -1,4 +1,4 @@
-"""TaylorSeer (diffusers' ``apply_taylorseer_cache``) on SD3 and FLUX.
+"""TaylorSeer (diffusers' ``apply_taylorseer_cache``) on SD3, FLUX and Qwen-Image.
 
 Every attention layer of the transformer blocks keeps finite-difference Taylor factors of its output
 over the steps it computed, and on the other steps returns the Taylor prediction instead of computing.

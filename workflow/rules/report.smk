@@ -1,6 +1,8 @@
 # Jobs that summarize: the manifest of this sweep's runs, the tables, the plots.
-TABLE_FILES = [f"results/tables/{name}.{ext}" for name in ("efficiency", "ablation", "gpus") for ext in ("csv", "md")]
-PLOT_NAMES = ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "gradcheck_cosine")
+from agg_bench.records import PLOTS as PLOT_NAMES
+from agg_bench.records import TABLES, table_files
+
+TABLE_FILES = table_files()
 
 
 rule manifest:
@@ -14,16 +16,22 @@ rule manifest:
         write_json(output[0], params.manifest)
 
 
+# each table in the report: its HTML page, shown in place, and its CSV, grouped by table
+TABLE_SECTIONS = {"summary": "Summary", "efficiency": "Efficiency", "ablation": "Gradient ablation", "gpus": "Hardware"}
+
+
 rule tables:
     input:
         manifest="results/manifest.json",
         runs=SWEEP.summaries(),
         gradcheck=SWEEP.gradcheck_files(),
+        calibration=SWEEP.calibration_files(),
     output:
-        efficiency=report("results/tables/efficiency.csv", caption="../report/efficiency.rst", category="Tables"),
-        ablation=report("results/tables/ablation.csv", caption="../report/ablation.rst", category="Tables"),
-        gpus=report("results/tables/gpus.csv", caption="../report/gpus.rst", category="Tables"),
-        markdown=[f for f in TABLE_FILES if f.endswith(".md")],
+        html=[report(f"results/tables/{name}.html", caption=f"../report/{name}.rst", category="Tables",
+                     subcategory=TABLE_SECTIONS[name]) for name in TABLES],
+        csv=[report(f"results/tables/{name}.csv", caption=f"../report/{name}.rst", category="Tables",
+                    subcategory=TABLE_SECTIONS[name]) for name in TABLES],
+        markdown=table_files(formats=("md",)),
         records="results/tables/records.csv",
     log:
         "results/logs/tables.log",
@@ -36,6 +44,7 @@ rule plots:
         manifest="results/manifest.json",
         runs=SWEEP.summaries(),
         gradcheck=SWEEP.gradcheck_files(),
+        calibration=SWEEP.calibration_files(),
     output:
         [report(f"results/plots/{name}.png", caption=f"../report/{name}.rst", category="Plots")
          for name in PLOT_NAMES],

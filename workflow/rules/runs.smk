@@ -1,4 +1,5 @@
-# Jobs that measure: prompt embeddings, training runs, gradient replays, imported reference logs.
+# Jobs that measure: prompt embeddings, training runs, gradient replays, cost-model calibrations,
+# imported reference logs.
 # Each is one `agg-bench` command (see common.smk for how the command lines are composed).
 
 
@@ -46,6 +47,22 @@ rule gradcheck:
         gpu=lambda wc: SWEEP.gpus(SWEEP.gradchecks[wc.name]["device"]),
     params:
         command=lambda wc: SWEEP.gradcheck_command(wc.name),
+    shell:
+        "OMP_NUM_THREADS={threads} {params.command} > {log} 2>&1"
+
+
+rule calibrate:
+    input:
+        lambda wc: SWEEP.inputs(SWEEP.calibrations[wc.name]["model"]),
+    output:
+        "results/calibration/{name}.json",
+    log:
+        "results/logs/calibrate/{name}.log",
+    threads: lambda wc: SWEEP.threads(SWEEP.calibrations[wc.name]["device"])
+    resources:
+        gpu=lambda wc: min(1, SWEEP.gpus(SWEEP.calibrations[wc.name]["device"])),
+    params:
+        command=lambda wc: SWEEP.calibrate_command(wc.name),
     shell:
         "OMP_NUM_THREADS={threads} {params.command} > {log} 2>&1"
 

@@ -1,0 +1,134 @@
+"""``agg-bench calibrate``: per-sample unit costs of the policy network's three kinds of pass.
+
+A run's counted passes (``train_forward_nograd``, ``train_forward_grad``, ``train_backward``) times
+these unit costs predict its train phase's time, and the ratio of two predictions is the speedup that
+the work alone explains (``report``'s ``predicted_train_speedup``). A measured speedup far from its
+prediction then comes from something else: overheads the passes do not show, or noise.
+
+The three passes are measured on one real rollout of the run config (its states, timesteps and
+conditioning), on batches of the training batch's size (what ``full`` and AGG's endpoint backwards
+use), many times and interleaved: repetition ``r`` measures every kind once, in an order rotated by
+``r``, so that a slow stretch of a shared machine falls on every kind alike. The unit cost of a kind
+is the median over repetitions of (seconds of one call) / (latents in it), in CPU time of the process
+and in wall-clock (CUDA-event) time.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import RunConfig
+from .errors import ConfigError
+from .io import write_json
+from .records import PASS_KEYS
+from .telemetry import PhaseTimer, environment
+
+
+@dataclass
+class CalibrationConfig:
+    """What ``calibrate`` measures.
+
+    repeats: measurements of each kind of pass (interleaved); the medians are over these.
+    warmup: untimed repetitions first (one-off allocation and kernel selection costs).
+    """
+
+    repeats: int = 21
+    warmup: int = 2
+
+    def __post_init__(self) -> None:
+        for key, low in (("repeats", 1), ("warmup", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 100_000:
+                raise ConfigError(f"calibrate.{key}", value, f"an integer from {low} to 100000")
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0], ordered[0], ordered[0]
+    p25, p50, p75 = statistics.quantiles(ordered, n=4, method="inclusive")
+    return p25, p50, p75
+
+
+def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None) -> dict:
+    """Unit costs (seconds per latent) of a no-grad forward, a forward with grad and a backward for
+    ``cfg``'s model, resolution and device; see the module docstring."""
+    from .train import Session, model_label  # the engine only when measuring
+
+    options = options or CalibrationConfig()
+    session = Session(cfg)
+    policy, device = session.policy, session.device
+    batch = session.collect(0).batch
+    b, steps = batch.latents.shape[0], batch.timesteps.shape[0]
+    rows = torch.arange(b, device=batch.latents.device)
+    samples: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in PASS_KEYS}
+
+    every_row = rows.repeat_interleave(steps)
+    every_step = torch.arange(steps, device=rows.device).repeat(b)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = session.optimizer
+    max_norm = cfg.train.max_grad_norm
+
+    def measure(kind: str, step: int) -> dict[str, tuple[float, float, int]]:
+        """(cpu s, wall s, latents) of the given kind; the grad kind is measured as a forward, a backward
+        and the optimizer step that follows an update's backwards."""
+        if kind == "forward_nograd":
+            # the train phase's no-grad forwards are AGG's velocity recomputations: one call over every
+            # (sample, step) pair of its groups
+            x, t, c = batch.states(every_row, every_step), batch.timestep_values(every_step), batch.cond[every_row]
+            with torch.no_grad(), PhaseTimer(device) as timer:
+                policy.velocity(x, t, c)
+            return {kind: (timer.cpu_s, timer.elapsed_s, len(every_row))}
+        # the train phase's forwards with grad run on the training batch, one step at a time
+        s = torch.full((b,), step, dtype=torch.long, device=rows.device)
+        with PhaseTimer(device) as forward:
+            out = policy.velocity(batch.states(rows, s), batch.timestep_values(s), batch.cond[rows])
+        upstream = torch.ones_like(out)
+        with PhaseTimer(device) as backward:
+            out.backward(upstream)
+        # what Session.update does once per optimizer step, whatever the method: gradient norm, clip, step
+        with PhaseTimer(device) as update:
+            grads = [p.grad for p in params if p.grad is not None]
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return {"forward_grad": (forward.cpu_s, forward.elapsed_s, b),
+                "backward": (backward.cpu_s, backward.elapsed_s, b),
+                "optimizer_step": (update.cpu_s, update.elapsed_s, 1)}
+
+    kinds = ("forward_nograd", "forward_grad")  # the second measures the backward and the step too
+    samples["optimizer_step"] = {"cpu": [], "wall": []}
+    for r in range(options.warmup + options.repeats):
+        order = kinds if r % 2 == 0 else kinds[::-1]
+        for kind in order:
+            for name, (cpu, wall, n) in measure(kind, r % steps).items():
+                if r >= options.warmup:
+                    samples[name]["cpu"].append(cpu / n)
+                    samples[name]["wall"].append(wall / n)
+    env = environment()
+    units = {}
+    for kind, by_basis in samples.items():
+        units[kind] = {}
+        for basis, values in by_basis.items():
+            p25, p50, p75 = _quartiles(values)
+            units[kind][basis] = {"median": p50, "p25": p25, "p75": p75}
+    return {
+        "model": model_label(cfg), "resolution": cfg.model.resolution, "device": device.type,
+        "gpu_name": env["gpu_name"] if device.type == "cuda" else None, "batch": b,
+        "repeats": options.repeats, "warmup": options.warmup, "threads": torch.get_num_threads(),
+        "unit_s_per_sample": units, "env": env,
+    }
+
+
+def write_calibration(cfg: RunConfig, out: str | Path, options: CalibrationConfig | None = None) -> dict:
+    """Measure (``calibrate``) and write the result to ``out`` as JSON; return it."""
+    result = calibrate(cfg, options)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, result)
+    return result

@@ -1,0 +1,61 @@
+"""The package layout: the engine (agg_bench) never imports the baselines (methods register themselves by
+module name), and no module-level import cycle exists among agg_bench and baselines modules."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, top_level_only: bool) -> set[str]:
+    """Project modules ``path`` imports (absolute names; relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            out.add(base)
+            out |= {f"{base}.{alias.name}" for alias in node.names}
+    return {name for name in out if name.split(".")[0] in ("agg_bench", "baselines")}
+
+
+def project_files():
+    return [p for folder in ("agg_bench", "baselines") for p in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def test_the_engine_never_imports_the_baselines():
+    for path in (ROOT / "agg_bench").rglob("*.py"):
+        assert not {m for m in imported_modules(path, top_level_only=False) if m.startswith("baselines")}, path
+
+
+def test_no_module_level_import_cycle():
+    files = {module_name(p): p for p in project_files()}
+    graph = {name: {m for m in imported_modules(path, top_level_only=True) if m in files and m != name}
+             for name, path in files.items()}
+    # the LoRA helpers sit below the models: models import lora, never the other way
+    assert "agg_bench.lora" in graph["agg_bench.models"] and "agg_bench.models" not in graph["agg_bench.lora"]
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for nxt in sorted(graph[name]):
+            assert state.get(nxt) != 1, " -> ".join([*path, name, nxt])
+            if nxt not in state:
+                visit(nxt, [*path, name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert len(state) == len(files) > 20

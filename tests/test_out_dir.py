@@ -1,0 +1,102 @@
+"""`agg-bench run --out DIR` never destroys what the harness did not write: a folder holding anything but
+an agg-bench run is refused, a finished run of another config is replaced only with --overwrite, stale
+temporaries are recognised by the harness's own name pattern only; and resuming cannot go backwards."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agg_bench.cli import main
+from agg_bench.io import atomic_path, is_temp_name, read_jsonl
+from agg_bench.errors import UserError
+
+SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "train.iterations=1", "progress=false",
+         "telemetry.enabled=false"]
+
+
+def run(out: Path, *extra: str) -> list[str]:
+    return ["run", *[a for o in SMALL for a in ("--set", o)], *extra, "--out", str(out)]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def one_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_temporary_names_are_the_harness_s_own():
+    tmp = atomic_path(Path("/x/summary.json"))
+    assert is_temp_name(tmp.name) and tmp.name.startswith(".summary.") and tmp.suffix == ".json"
+    assert is_temp_name(atomic_path(Path("checkpoint.pt")).name)
+    for name in (".bashrc.tmpl", ".notes.tmp", ".summary.json.tmp99", "summary.agg-bench-tmp1.json", ".x.tmp1"):
+        assert not is_temp_name(name), name
+
+
+def test_a_user_folder_is_refused_and_left_as_it_was(tmp_path, capsys):
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / ".bashrc.tmpl").write_text("export A=1\n")
+    (out / "summary.json").write_text('{"mine": true}\n')
+    (out / "metrics.jsonl").write_text('{"mine": 1}\n')
+    before = snapshot(out)
+    capsys.readouterr()
+    assert main(run(out)) == 2
+    line = one_error_line(capsys)
+    assert str(out) in line and "not an agg-bench run" in line
+    assert snapshot(out) == before
+    assert main(run(out, "--overwrite")) == 2  # --overwrite replaces runs, never other files
+    assert snapshot(out) == before
+
+
+def test_a_finished_run_of_another_config_needs_overwrite(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(run(out)) == 0
+    assert main(run(out)) == 0  # the same config again: a rerun replaces it
+    before = snapshot(out)
+    capsys.readouterr()
+    assert main(run(out, "--set", "train.lr=1e-3")) == 2
+    line = one_error_line(capsys)
+    assert "train.lr" in line and "--overwrite" in line
+    assert snapshot(out) == before
+    assert main(run(out, "--set", "train.lr=1e-3", "--overwrite")) == 0
+    assert json.loads((out / "config.json").read_text())["train"]["lr"] == 1e-3
+    assert [r["iteration"] for r in read_jsonl(out / "metrics.jsonl")] == [0]
+
+
+def test_an_unfinished_run_is_replaced_by_a_rerun(tmp_path):
+    """What Snakemake leaves when it reruns a job: the run's files without summary.json (it deletes the
+    job's outputs first), so a rerun with changed parameters goes ahead."""
+    out = tmp_path / "run"
+    assert main(run(out)) == 0
+    (out / "summary.json").unlink()
+    assert main(run(out, "--set", "train.lr=1e-3")) == 0
+
+
+def test_resume_cannot_go_back_before_the_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(run(out, "--set", "train.iterations=3", "--checkpoint-every", "1")) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    for iterations in (1, 2):
+        assert main(run(out, "--set", f"train.iterations={iterations}", "--checkpoint-every", "1", "--resume")) == 2
+        line = one_error_line(capsys)
+        assert "train.iterations" in line and "2" in line
+    assert snapshot(out) == before
+    # as many iterations as the checkpoint holds: nothing left to do
+    assert main(run(out, "--set", "train.iterations=3", "--checkpoint-every", "1", "--resume")) == 0
+    assert [r["iteration"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_a_damaged_line_before_the_last_names_the_file_and_the_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 0}\n{"iteration": 1, "lo\n{"iteration": 2}\n')
+    with pytest.raises(UserError, match=r"metrics\.jsonl: line 2 "):
+        list(read_jsonl(path))
+    path.write_text('{"iteration": 0}\n{"iteration": 1, "lo')  # a torn last line: skipped
+    assert list(read_jsonl(path)) == [{"iteration": 0}]

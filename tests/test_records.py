@@ -1,0 +1,29 @@
+"""The names module and the result readers stay light: importing them loads no torch."""
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("module", ["agg_bench.records", "agg_bench.report", "agg_bench.importlog"])
+def test_reading_results_imports_no_torch(module):
+    # a fresh interpreter: this test process has torch loaded already
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"{module} imports torch: {out.stdout.strip()[:200]}"
+
+
+def test_records_imports_only_the_standard_library():
+    code = ("import sys; before = set(sys.modules); import agg_bench.records; "
+            "print(sorted(m for m in set(sys.modules) - before if not m.startswith('agg_bench')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    new = eval(out.stdout)  # a list literal of module names
+    assert not [m for m in new if m.split(".")[0] in ("torch", "numpy", "pandas", "yaml", "diffusers")], new
+
+
+def test_engine_names_are_the_records_names():
+    from agg_bench import records, report, telemetry, train
+
+    assert train.RECORD_KEYS is records.RECORD_KEYS and train.TIMING_KEYS is records.TIMING_KEYS
+    assert telemetry.TELEMETRY_KEYS is records.TELEMETRY_KEYS
+    assert report.PLOTS is records.PLOTS and report.TABLES is records.TABLES

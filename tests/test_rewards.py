@@ -1,0 +1,66 @@
+"""Download-free rewards: values against float64 references, and their options checked like config keys."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from agg_bench.cli import main
+from agg_bench.errors import ConfigError
+from agg_bench.rewards import build_reward
+
+
+def smoothness_reference(image: np.ndarray) -> float:
+    """Minus the mean absolute neighbour difference, down and across, one pixel pair at a time."""
+    x = np.clip(image, 0.0, 1.0)
+    c, h, w = x.shape
+    down = sum(abs(x[k, i + 1, j] - x[k, i, j]) for k in range(c) for i in range(h - 1) for j in range(w))
+    across = sum(abs(x[k, i, j + 1] - x[k, i, j]) for k in range(c) for i in range(h) for j in range(w - 1))
+    return -(down / (c * (h - 1) * w) + across / (c * h * (w - 1)))
+
+
+def test_smoothness_matches_a_float64_reference_and_prefers_flat_images():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    images = torch.rand(3, 3, 7, 5, generator=gen, dtype=torch.float64) * 1.4 - 0.2  # some pixels outside [0, 1]
+    reward = build_reward("smoothness", {})
+    got = reward(images, ["a"] * 3)
+    assert got.dtype == torch.float64
+    for i in range(3):
+        assert float(got[i]) == pytest.approx(smoothness_reference(images[i].numpy()), rel=1e-12)
+    flat = torch.full((1, 3, 8, 8), 0.5, dtype=torch.float64)
+    assert float(reward(flat, ["a"])[0]) == 0.0 and float(reward(flat + 0.01 * torch.randn_like(flat), ["a"])[0]) < 0
+
+
+def test_smoothness_is_continuous_in_the_pixels():
+    """A last-bit change of the pixels moves smoothness by about as much (a JPEG byte count of 8-bit pixels
+    can jump instead, which is why cross-path equality tests use this reward)."""
+    gen = torch.Generator().manual_seed(3)
+    images = torch.rand(16, 3, 16, 16, generator=gen, dtype=torch.float64)
+    nudged = images * (1 + 1e-15)
+    reward = build_reward("smoothness", {})
+    assert torch.allclose(reward(images, [""] * 16), reward(nudged, [""] * 16), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("name, options, key", [
+    ("jpeg_compressibility", {"quality": 0}, "reward.options.quality"),
+    ("jpeg_compressibility", {"quality": 101}, "reward.options.quality"),
+    ("jpeg_incompressibility", {"quality": 50.5}, "reward.options.quality"),
+    ("jpeg_compressibility", {"quality": "high"}, "reward.options.quality"),
+    ("jpeg_compressibility", {"quality": True}, "reward.options.quality"),
+    ("jpeg_compressibility", {"qualty": 90}, "reward.options.qualty"),
+    ("smoothness", {"scale": 2}, "reward.options.scale"),
+])
+def test_reward_options_are_checked(name, options, key):
+    with pytest.raises(ConfigError) as err:
+        build_reward(name, options)
+    assert err.value.key == key
+
+
+def test_a_bad_reward_option_exits_2_before_the_run_writes_anything(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["run", "--set", "reward.options.quality=0", "--set", "model.resolution=32",
+                 "--set", "progress=false", "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reward.options.quality" in err[0] and "[1, 100]" in err[0]
+    assert not out.exists() or not any(out.iterdir())

@@ -1,0 +1,118 @@
+"""Timing statistics: quartiles and the bootstrap interval against float64 loops written out here,
+the prediction from counted passes, and the efficiency table's cost-model columns."""
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from agg_bench.report import CalibrationEntry, load_calibration, efficiency_table, load_records, RunEntry
+from agg_bench.stats import predicted_seconds, quartiles, ratio_of_medians_ci
+
+EPS = np.finfo(np.float64).eps
+
+
+def percentile_reference(values, q):
+    """Linear interpolation between order statistics at rank q * (n - 1), in Python floats."""
+    ordered = sorted(float(v) for v in values)
+    rank = q * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (rank - low) * (ordered[high] - ordered[low])
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 101])
+def test_quartiles_match_the_order_statistics(n):
+    values = np.random.default_rng(n).lognormal(size=n)
+    got = quartiles(values)
+    want = [percentile_reference(values, q) for q in (0.25, 0.5, 0.75)]
+    # one interpolation step: a few ulps of the largest value
+    assert got == pytest.approx(want, rel=0, abs=8 * EPS * float(np.max(values)))
+    assert got[1] == pytest.approx(statistics.median(values.tolist()), rel=0, abs=8 * EPS * float(np.max(values)))
+
+
+def test_quartiles_skip_missing_values_and_say_nan_when_none():
+    assert quartiles([1.0, float("nan"), 3.0]) == (1.5, 2.0, 2.5)
+    assert all(math.isnan(v) for v in quartiles([float("nan")]))
+
+
+def test_bootstrap_interval_matches_a_float64_loop_with_the_same_draws():
+    rng = np.random.default_rng(7)
+    num, den = rng.lognormal(1.0, 0.2, size=7), rng.lognormal(0.3, 0.3, size=5)
+    resamples, seed = 500, 11
+    lo, hi = ratio_of_medians_ci(num, den, level=0.9, resamples=resamples, seed=seed)
+    # the documented draw order: every numerator index as (resamples, n), then every denominator index
+    draws = np.random.default_rng(seed)
+    num_idx = draws.integers(0, num.size, size=(resamples, num.size))
+    den_idx = draws.integers(0, den.size, size=(resamples, den.size))
+    ratios = [statistics.median(num[i].tolist()) / statistics.median(den[j].tolist())
+              for i, j in zip(num_idx, den_idx)]
+    want = (percentile_reference(ratios, 0.05), percentile_reference(ratios, 0.95))
+    # a median of floats and one division: within a few ulps of the ratio
+    assert (lo, hi) == pytest.approx(want, rel=16 * EPS, abs=0)
+    assert lo <= np.median(num) / np.median(den) <= hi
+
+
+def test_bootstrap_is_seeded_and_handles_degenerate_input():
+    num, den = [3.0, 3.1, 2.9, 3.05], [1.0, 1.1, 0.95]
+    assert ratio_of_medians_ci(num, den) == ratio_of_medians_ci(num, den)  # same seed, same interval
+    spread = np.random.default_rng(3).lognormal(size=(2, 9))  # continuous values: seeds give other draws
+    assert ratio_of_medians_ci(*spread, seed=1) != ratio_of_medians_ci(*spread, seed=2)
+    assert ratio_of_medians_ci([2.0] * 4, [1.0] * 3) == (2.0, 2.0)  # no spread: a point
+    assert all(math.isnan(v) for v in ratio_of_medians_ci([], den))
+    for bad in ({"level": 1.0}, {"level": float("nan")}, {"resamples": 0}):
+        with pytest.raises(ValueError):
+            ratio_of_medians_ci(num, den, **bad)
+
+
+def test_predicted_seconds_is_the_priced_count_and_nan_when_part_is_missing():
+    units = {"forward_nograd": 0.25, "forward_grad": 1.0, "backward": 2.0, "optimizer_step": 5.0}
+    counts = {"forward_nograd": 40, "forward_grad": 16, "backward": 16, "optimizer_step": 1}
+    assert predicted_seconds(counts, units) == 40 * 0.25 + 16 * 1.0 + 16 * 2.0 + 5.0
+    assert math.isnan(predicted_seconds({**counts, "backward": None}, units))
+    assert math.isnan(predicted_seconds(counts, {**units, "backward": float("nan")}))
+    assert math.isnan(predicted_seconds({**counts, "other": 1}, units))
+
+
+def _run(root, name, method, t_train_cpu, passes, iterations=6):
+    run = root / name
+    run.mkdir(parents=True)
+    lines = []
+    for i in range(iterations):
+        lines.append({"run_id": name, "method": method, "model": "m", "resolution": 64, "device": "cpu", "seed": 0,
+                      "iteration": i, "status": "ok", "reward_mean": 0.0, "reward_std": 0.5,
+                      "t_iter_s": 9.0, "t_train_s": 9.0, "t_iter_cpu_s": 2 * t_train_cpu[i],
+                      "t_train_cpu_s": t_train_cpu[i], "t_rollout_cpu_s": 0.1, "t_reward_cpu_s": 0.1,
+                      **{f"train_{k}": v for k, v in passes.items()}})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (run / "summary.json").write_text(json.dumps({"status": "ok"}))
+    (run / "config.json").write_text(json.dumps({"method": {"name": method}, "train": {"inner_epochs": 1}}))
+    return RunEntry(run, method=method)
+
+
+def test_efficiency_table_times_in_cpu_seconds_and_predicts_from_counts(tmp_path):
+    full = _run(tmp_path, "full", "full", [50, 4, 4.2, 3.8, 4.1, 3.9],
+                {"forward_nograd": 0, "forward_grad": 40, "backward": 40})
+    agg = _run(tmp_path, "agg", "agg", [50, 2, 2.1, 1.9, 2.05, 1.95],
+               {"forward_nograd": 40, "forward_grad": 16, "backward": 16})
+    units = {"forward_nograd": 0.02, "forward_grad": 0.04, "backward": 0.05, "optimizer_step": 0.1}
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"model": "m", "resolution": 64, "device": "cpu", "unit_s_per_sample": {
+        k: {"cpu": {"median": v}, "wall": {"median": 10 * v}} for k, v in units.items()}}))
+    calibration = load_calibration([CalibrationEntry(cal)])
+    table = efficiency_table(load_records([full, agg]), warmup=1, calibration=calibration)
+    row = table.set_index("method").loc["agg"]
+    assert row["time_basis"] == "cpu"  # CPU times present on a CPU: auto takes them, not the 9 s wall
+    assert row["t_train_s"] == 2.0 and (row["t_train_p25_s"], row["t_train_p75_s"]) == (1.95, 2.05)
+    assert row["train_speedup"] == 4.0 / 2.0
+    assert row["train_speedup_lo"] <= 2.0 <= row["train_speedup_hi"]
+    predicted_full = 40 * 0.04 + 40 * 0.05 + 0.1
+    predicted_agg = 40 * 0.02 + 16 * 0.04 + 16 * 0.05 + 0.1
+    assert row["predicted_train_speedup"] == pytest.approx(predicted_full / predicted_agg, rel=4 * EPS)
+    # 3.7 / 2.34 = 1.58 lies below every resampled ratio (at least 3.8 / 2.1 = 1.81): flagged
+    assert row["prediction_check"] == "faster than predicted"
+    wall = efficiency_table(load_records([full, agg]), warmup=1, time="wall", calibration=calibration)
+    row = wall.set_index("method").loc["agg"]
+    assert row["time_basis"] == "wall" and row["t_train_s"] == 9.0 and row["train_speedup"] == 1.0
+    assert row["predicted_train_speedup"] == pytest.approx(predicted_full / predicted_agg, rel=4 * EPS)

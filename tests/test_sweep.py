@@ -1,0 +1,159 @@
+"""agg_bench.sweep and agg_bench.families: a sweep config expanded into jobs and checked without importing
+torch, resolutions checked from the model's configs, and the methods' check kept between parses."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agg_bench import sweep as sweep_module
+from agg_bench.errors import ConfigError, UserError
+from agg_bench.families import ImageGeometry, check_resolution, model_geometry
+from agg_bench.models import build_tiny_transformer, build_tiny_vae, load_policy
+from agg_bench.sweep import Sweep, SweepError, flatten, set_arg
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
+HEAVY = ("torch", "diffusers", "peft", "transformers")
+
+
+def sweep_config(name: str = "test.yaml") -> dict:
+    return yaml.safe_load((ROOT / "config" / name).read_text())
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """The methods' check run in this process (torch is already imported here), counting its calls."""
+    calls = []
+
+    def check(base_file, jobs, cache_dir=None):
+        calls.append(list(jobs))
+        return sweep_module.check_methods(base_file, jobs)
+
+    monkeypatch.setattr(sweep_module, "checked_methods", check)
+    monkeypatch.chdir(ROOT)  # base: config/run.yaml is relative to the working directory
+    return calls
+
+
+def test_sweep_jobs_commands_and_manifest(in_process):
+    sweep = Sweep(sweep_config(), SCHEMA)
+    assert sorted(sweep.runs) == ["agg-w3_sd3_32px_s0_cpu", "full_sd3_32px_s0_cpu"]
+    assert list(sweep.gradchecks) == ["sd3_32px_cpu"]
+    # one methods' check for every run and gradcheck of the sweep
+    assert len(in_process) == 1 and len(in_process[0]) == 3
+    command = sweep.run_command("agg-w3_sd3_32px_s0_cpu")
+    assert command.startswith(f"{sweep_module.PYTHON} -m agg_bench run --config config/run.yaml ")
+    assert "--set 'method={name: agg, window: 3, alpha: sigma}'" in command
+    assert "--set model.resolution=32" in command and command.endswith("--out results/runs/agg-w3_sd3_32px_s0_cpu")
+    runs = {Path(r["dir"]).name: r for r in sweep.manifest()["runs"]}
+    options = runs["agg-w3_sd3_32px_s0_cpu"]["method_options"]
+    # the method's resolved options: the sweep's plus the defaults of the rest
+    assert options["name"] == "agg" and (options["window"], options["alpha"]) == (3, "sigma")
+    assert (options["route_frac"], options["endpoint_velocity"]) == (1.0, "recompute")
+    assert runs["full_sd3_32px_s0_cpu"]["method_options"] == {"name": "full", "micro_batch": None}
+
+
+def test_flatten_keeps_method_sections_whole():
+    assert flatten({"train": {"lr": 1e-5, "plan": "groups"}, "method": {"name": "agg", "window": 3},
+                    "reward": {"options": {"quality": 50}}}) == [
+        ("train.lr", 1e-5), ("train.plan", "groups"), ("method", {"name": "agg", "window": 3}),
+        ("reward.options", {"quality": 50})]
+    assert set_arg("sampling.steps", 10) == "--set sampling.steps=10"
+
+
+@pytest.mark.parametrize("resolution, expected", [(30, "a positive multiple of 16 pixels for sd3"),
+                                                  (1600, "at most 1536 pixels")])
+def test_resolutions_fail_before_the_methods_check(in_process, resolution, expected):
+    config = sweep_config()
+    config["resolutions"] = [resolution]
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    message = str(err.value)
+    assert message.startswith("sweep config: run full_sd3_") and "model.resolution" in message
+    assert str(resolution) in message and expected in message
+    assert in_process == []  # decided from the configs, before any method is built
+
+
+def test_method_errors_name_the_job_and_the_key(in_process):
+    config = sweep_config()
+    config["methods"]["agg-w3"]["method"]["window"] = 9  # more than the 6 trained steps
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    assert "run agg-w3_sd3_32px_s0_cpu (methods.agg-w3, models.sd3)" in str(err.value)
+    assert "method.window" in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
+def test_geometry_from_configs_matches_the_built_model(tmp_path, family):
+    """The geometry read from a model folder's config.json files (and the tiny preset's configs) is the
+    one the built policy checks resolutions with."""
+    policy = load_policy(family, "tiny", None)
+    expected = ImageGeometry(family, policy.vae_scale_factor, policy.latent_multiple, policy.max_latent_size())
+    build_tiny_transformer(family).save_config(tmp_path / "transformer")
+    build_tiny_vae(family=family).save_config(tmp_path / "vae")
+    assert model_geometry({"family": family, "preset": "pretrained", "pretrained": str(tmp_path)}) == expected
+    assert model_geometry({"family": family, "preset": "tiny", "pretrained": None}) == expected
+    step = expected.vae_scale_factor * expected.latent_multiple
+    for resolution in (step, 4 * step):
+        assert policy.latent_shape(resolution)[1] == expected.latent_size(resolution) == resolution // expected.vae_scale_factor
+    for bad in (step + 8, 0, -step, 2.5 * step, True, None):
+        with pytest.raises(ConfigError) as err:
+            check_resolution({"family": family, "preset": "tiny", "resolution": bad})
+        assert err.value.key == "model.resolution"
+        with pytest.raises(ConfigError):
+            policy.latent_shape(bad)
+
+
+def test_unknown_geometry_is_left_to_the_run(tmp_path):
+    # a folder without configs: nothing to read, the run itself reports what is missing
+    assert model_geometry({"family": "sd3", "preset": "pretrained", "pretrained": str(tmp_path)}) is None
+    check_resolution({"family": "sd3", "preset": "pretrained", "pretrained": str(tmp_path), "resolution": 30})
+
+
+# A fresh interpreter: what the workflow's parse and the command line import. The sweep is the embedded
+# default; its methods' check runs in a child process the first time and is read from the cache the
+# second time (the script fails if a second child starts).
+NO_TORCH_SCRIPT = """
+import json, subprocess, sys
+from pathlib import Path
+import agg_bench.cli, agg_bench.sweep, agg_bench.families, agg_bench.config
+from agg_bench.sweep import Sweep
+cache = Path(sys.argv[1])
+first = Sweep(__import__("yaml").safe_load(open("config/config.yaml")), "workflow/schemas/config.schema.yaml", cache)
+def refuse(*args, **kwargs):
+    raise AssertionError("the methods' check ran again")
+subprocess.run = refuse
+second = Sweep(__import__("yaml").safe_load(open("config/config.yaml")), "workflow/schemas/config.schema.yaml", cache)
+assert second.manifest() == first.manifest()
+print(json.dumps({"heavy": [m for m in %r if m in sys.modules], "runs": len(first.runs)}))
+""" % (HEAVY,)
+
+
+def test_cli_and_sweep_import_no_torch(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH_SCRIPT, str(tmp_path / "cache")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answer["heavy"] == []
+    config = sweep_config("config.yaml")
+    assert answer["runs"] == len(config["methods"]) * len(config["models"]) * len(config["resolutions"])
+    assert len(list((tmp_path / "cache").glob("methods-*.json"))) == 1
+
+
+def test_a_failing_methods_check_is_one_line_and_not_cached(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    jobs = {"run x (methods.bad)": [["method", {"name": "agg", "window": 0}]]}
+    with pytest.raises(UserError) as err:
+        sweep_module.checked_methods("config/run.yaml", jobs, tmp_path)
+    assert str(err.value).startswith("sweep config: run x (methods.bad): ") and "method.window" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_imports_only_its_own_method():
+    script = ("import sys; from agg_bench.methods import build_method; build_method('agg', {}); "
+              "print([m for m in ('baselines.cached', 'baselines.caches', 'baselines.subsample') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
