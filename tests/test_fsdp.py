@@ -41,6 +41,9 @@ CASES = {
     "agg_half_state": [AGG % (0.5, "false"), "method.route_score=state_cosine", "method.nograd_batch=2"],
     # a separate sharded KL reference, and its passes padded in lockstep too
     "agg_half_kl": [AGG % (0.5, "false"), "method.route_score=state_cosine", "grpo.beta=0.1"],
+    # endpoint velocities from the endpoint forwards-with-grad: interior no-grad passes only
+    "agg_half_endpoints_kl": [AGG % (0.5, "false"), "method.route_score=state_cosine",
+                              "method.endpoint_velocity=reuse", "grpo.beta=0.1"],
     # LoRA (the KL reference is the policy's own sharded transformer, adapters off) and checkpointing
     "full_lora_checkpointing": ["method.name=full", "train.lora_rank=2", "train.gradient_checkpointing=true",
                                 "grpo.beta=0.1"],
