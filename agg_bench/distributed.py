@@ -153,8 +153,8 @@ def process_group(device: torch.device, single: bool = False) -> Iterator[Shard]
     if not dist.is_initialized() and (launched_world_size() > 1 or single):
         timeout = collective_timeout()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if device.type == "cuda":  # torchrun: the GPU of LOCAL_RANK; one process: the configured one
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", device.index or 0)))
         if launched_world_size() > 1 or "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:

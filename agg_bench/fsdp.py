@@ -35,7 +35,6 @@ from .errors import ConfigError
 # Module lists that hold a family's transformer blocks (SD3 and Qwen-Image: transformer_blocks; FLUX
 # also single_transformer_blocks): each block is one FSDP unit, the rest of the transformer the root's.
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
-SHARD_MODES = ("none", "fsdp")
 T = TypeVar("T")
 Kind = Literal["nograd", "grad", "exact"]
 
@@ -125,8 +124,8 @@ def agreed_max(policy, counts: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 def lockstep(policy, batch, items: Iterable[T], kind: Kind, reference=None) -> Iterator[T]:
     """Yield ``items``, one per transformer call of the given ``kind`` the caller makes for it; when
-    ``policy`` is sharded and another process has more, then make :func:`padding_pass` es until every
-    process made as many. ``kind``: ``nograd`` (a no-grad forward), ``grad`` (a forward with grad and
+    ``policy`` is sharded and another process has more items, then make padding passes
+    (:func:`padding_pass`) until this process made as many calls as the one with the most. ``kind``: ``nograd`` (a no-grad forward), ``grad`` (a forward with grad and
     its backward), ``exact`` (``full``'s per-step backward: ``reference``'s no-grad forward when
     ``batch.beta`` > 0, then forward with grad and backward).
 
