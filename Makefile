@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 pipeline: setup
-	.venv/bin/snakemake --workflow-profile workflow/profiles/default --cores $(CORES)
+	.venv/bin/snakemake --cores $(CORES)
 	.venv/bin/snakemake --cores $(CORES) --report results/report.html
 
 test: setup

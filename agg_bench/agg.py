@@ -10,14 +10,14 @@ and interpolates the Jacobian linearly between the group's first and last step:
     v(x_{j_0}).backward(u_base),    v(x_{j_{W-1}}).backward(u_corr)
 
 so a group costs 2 forwards-with-grad and 2 backwards instead of W. Groups of 1 or 2 steps get
-exact per-step backward (AGG would cost the same).
+exact per-step backward (AGG would cost the same). Routing sends only the ``route_frac`` most linear
+groups through AGG and the rest through exact per-step backward; ``route_frac = 0`` is full GRPO.
 
 The endpoint forwards-with-grad compute v at x_{j_0} and x_{j_{W-1}} anyway; with
 ``endpoint_velocity: reuse`` those outputs (detached) are the endpoints' v_k, so a group needs only
 W - 2 no-grad forwards. The gradient is unchanged: a_0 = 0 and a_{W-1} = 1 exactly, so u_base does
 not involve v_{W-1} and u_corr does not involve v_0, and each endpoint's upstream gradient is complete
-once its own forward and the interior's no-grad forwards have run. Routing sends only the ``route_frac`` most linear
-groups through AGG and the rest through exact per-step backward; ``route_frac = 0`` is full GRPO.
+once its own forward and the interior's no-grad forwards have run.
 """
 from __future__ import annotations
 

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
-from .errors import UserError
+from .errors import ConfigError, UserError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -161,6 +162,20 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .config import load_config
+    from .memplan import GIB, format_plan, plan_memory
+
+    memory = None
+    if args.gpu_memory is not None:
+        if not math.isfinite(args.gpu_memory) or args.gpu_memory <= 0:
+            raise ConfigError("--gpu-memory", args.gpu_memory, "a positive number of GiB")
+        memory = args.gpu_memory * GIB
+    plan = plan_memory(load_config(args.config, args.overrides), args.gpus, memory)
+    print(json.dumps(plan.as_dict()) if args.json else format_plan(plan))
+    return 0
+
+
 def cmd_env(args) -> int:
     from .telemetry import environment
 
@@ -268,6 +283,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--active", type=int, default=2, help="steps recorded in the trace (default 2)")
     p.add_argument("--out", required=True, type=Path, help="output folder (open with tensorboard --logdir or Perfetto)")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("plan", help="will it fit? bytes per GPU of params, grads, optimizer state and "
+                                    "activations, before anything is allocated")
+    _add_config_args(p)
+    p.add_argument("--gpu-memory", type=float, metavar="GIB",
+                   help="memory of one GPU in GiB (default: the visible GPU's; an H200's 139 GiB without one; "
+                        "the machine's memory for device cpu)")
+    p.add_argument("--gpus", type=int, default=1, help="processes (GPUs) the run is started on (default 1)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("env", help="print the environment record (versions, GPUs, commit)")
     p.set_defaults(func=cmd_env)

@@ -22,7 +22,8 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "device": "cpu",
     "progress": True,
-    "model": {"family": "sd3", "preset": "tiny", "pretrained": None, "resolution": 128, "dtype": "float32"},
+    "model": {"family": "sd3", "preset": "tiny", "pretrained": None, "resolution": 128, "dtype": "float32",
+              "architecture": None},
     "prompts": {"file": None, "max_tokens": 16, "max_sequence_length": None, "cache_dir": "results/embeddings"},
     "sampling": {"steps": 10, "sde": "flow_grpo", "eta": 0.7, "shift": 3.0, "same_noise_per_group": True},
     "grpo": {"group_size": 4, "prompts_per_iteration": 2, "clip_range": 1e-4, "adv_clip_max": 5.0, "beta": 0.0,
@@ -172,6 +173,13 @@ def validate(config: dict, check_method: bool = True) -> RunConfig:
     if not isinstance(config.get("method"), dict):
         raise ConfigError("method", config.get("method"), "a mapping with a name, e.g. {name: agg, window: 5}")
     check_schema(config, _schema())
+    model = config["model"]
+    if model["preset"] == "random" and not model["pretrained"]:
+        from .architectures import architecture
+
+        architecture(model["family"], model["architecture"])
+    elif model["architecture"] is not None:
+        raise ConfigError("model.architecture", model["architecture"], "null unless model.preset is random")
     if not check_method:
         return RunConfig(config)
     from .methods import build_method  # a method's options are checked by its own config class

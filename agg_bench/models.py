@@ -445,8 +445,10 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
 
 
 def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "float32",
-                device: str | torch.device = "cpu", seed: int = 0) -> Policy:
-    """Build the tiny preset or load a local diffusers folder (``transformer/``, ``vae/``, ``scheduler/``)."""
+                device: str | torch.device = "cpu", seed: int = 0, architecture: str | None = None) -> Policy:
+    """Build the tiny preset, a public ``architecture`` with random weights (preset ``random``, created on
+    the meta device and materialised on ``device``), or load a local diffusers folder (``transformer/``,
+    ``vae/``, ``scheduler/``)."""
     if family not in POLICIES:
         raise ConfigError("model.family", family, f"one of {sorted(POLICIES)}")
     prec = precision(dtype)
@@ -457,8 +459,15 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
         transformer = build_tiny_transformer(family, seed, prec.param_dtype)
         vae = build_tiny_vae(seed, family=family)
         scheduler_config = FlowMatchEulerDiscreteScheduler(shift=3.0).config  # shift 3, as docs/design.md's sampler
+    elif preset == "random":
+        from .architectures import architecture as find_architecture, build_random
+
+        arch = find_architecture(family, architecture)
+        transformer = build_random(TRANSFORMER_CLASSES[family], arch.transformer, device, seed, prec.param_dtype)
+        vae = build_random(VAE_CLASSES[family], arch.vae, device, seed + 1).eval().requires_grad_(False)
+        scheduler_config = FlowMatchEulerDiscreteScheduler(**arch.scheduler).config
     else:
-        raise ConfigError("model.preset", preset, "'tiny', or model.pretrained set to a local folder")
+        raise ConfigError("model.preset", preset, "'tiny', 'random', or model.pretrained set to a local folder")
     policy_cls = POLICIES[family]
     latent_channels = policy_cls.latent_channels_of(transformer)
     vae_channels = vae.config.z_dim if family == "qwenimage" else vae.config.latent_channels
@@ -466,7 +475,9 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
         raise ConfigError("model.pretrained", pretrained,
                           f"a VAE with {latent_channels} latent channels to match the transformer")
     transformer.to(device)
-    vae.to(device)
+    # a float64 run decodes in float64 too: its rewards then carry float64 precision, not float32 rounding
+    # that the advantages' division by a group's spread would magnify
+    vae.to(device, torch.float64 if prec.param_dtype == torch.float64 else None)
     return policy_cls(transformer, vae, latent_channels, autocast_dtype=prec.autocast_dtype,
                       scheduler_config=scheduler_config)
 
@@ -477,12 +488,18 @@ def build_policy(cfg, device: str | torch.device = "cpu") -> Policy:
     Checkpointing with a method that caches block outputs in the training forward is refused by that
     method's ``check_run`` (``cached`` with ``method.cache_in`` train/both).
     """
-    train, model = cfg["train"], cfg["model"]
+    model = cfg["model"]
     policy = load_policy(model["family"], model["preset"], model["pretrained"], model["dtype"], device,
-                         cfg["seed"])
-    if train.get("gradient_checkpointing"):
-        policy.transformer.enable_gradient_checkpointing()
-    if train.get("lora_rank", 0) > 0:
-        apply_lora(policy.transformer, policy.family, train["lora_rank"], train.get("lora_alpha"),
-                   train.get("lora_target_modules"))
+                         cfg["seed"], model.get("architecture"))
+    prepare_training(policy.transformer, policy.family, cfg["train"])
     return policy
+
+
+def prepare_training(transformer: torch.nn.Module, family: str, train: dict) -> None:
+    """Gradient checkpointing and LoRA adapters as the ``train`` section asks (the memory planner
+    applies the same to its shape-only model)."""
+    if train.get("gradient_checkpointing"):
+        transformer.enable_gradient_checkpointing()
+    if train.get("lora_rank", 0) > 0:
+        apply_lora(transformer, family, train["lora_rank"], train.get("lora_alpha"),
+                   train.get("lora_target_modules"))

@@ -56,6 +56,9 @@ MEMORY_KEYS = {  # record key (bytes, max over a run) -> table column (MiB)
     "nvml_peak_used_bytes": "nvml_peak_mib",
     "saved_activation_peak_bytes": "saved_act_mib",
     "rss_peak_bytes": "rss_peak_mib",
+    # the run's plan.json (agg_bench.memplan), shown beside the peaks it predicts
+    "planned_activation_bytes": "planned_act_mib",
+    "planned_total_bytes": "planned_total_mib",
 }
 # columns that identify a row of the efficiency table; seeds are averaged inside a row
 ROW_KEYS = ["method", "model", "resolution", "hardware", "source"]
@@ -66,7 +69,7 @@ STATUS_ORDER = ("error", "oom", "diverged", "interrupted", "ok")
 GRADCHECK_OPTIONS = GRADCHECK_OPTION_COLUMNS
 # record keys that are identity, not measurements (method extras are everything else that is numeric)
 _IDENTITY = {"run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
-             "status", "source"}
+             "status", "source", "weights", *MEMORY_KEYS}
 
 
 @dataclass
@@ -210,6 +213,7 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
         if options is None:
             options = dict(config.get("method") or {"name": records[0].get("method")})
         source = summary.get("source") or records[0].get("source") or "measured"
+        planned = _read_json(run_dir / "plan.json").get("bytes") or {}
         for record in records:
             row = dict(record)
             row["method_name"] = options.get("name", record.get("method"))
@@ -219,6 +223,9 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
                 if value is not None:
                     row[key] = value
             row["source"] = source
+            row["weights"] = record.get("weights") or summary.get("weights")
+            row["planned_activation_bytes"] = planned.get("activations")
+            row["planned_total_bytes"] = planned.get("total_per_gpu")
             row["run_status"] = status
             row["run_dir"] = str(run_dir)
             # optimizer steps per iteration, which the cost model prices; unknown without a config
@@ -318,7 +325,7 @@ def run_table(records: pd.DataFrame, warmup: int = 1, extras: list[str] | None =
         ok = run[run["status"] == "ok"].sort_values("iteration") if "iteration" in run else run.iloc[0:0]
         timed = _after_warmup(ok, warmup)
         row: dict[str, Any] = {k: first.get(k) for k in (*ROW_KEYS, "method_name", "method_options", "device",
-                                                         "gpu_name", "n_gpus", "seed", "run_dir")}
+                                                         "gpu_name", "n_gpus", "seed", "run_dir", "weights")}
         record_status = combine_status(run["status"]) if "status" in run else "ok"
         row["status"] = combine_status([first["run_status"], record_status])
         row["iterations"] = len(ok)
@@ -335,6 +342,8 @@ def run_table(records: pd.DataFrame, warmup: int = 1, extras: list[str] | None =
         final_std = ok.loc[rewards.index[-1], "reward_std"] if len(rewards) and "reward_std" in ok else None
         row["final_reward_std"] = float(final_std) if _is_number(final_std) else float("nan")
         times, values = reward_curve(run) if {"t_iter_s", "reward_mean"} <= set(run) else (np.array([]),) * 2
+        if row["weights"] == "random":  # random weights: rewards say nothing about quality
+            row["final_reward"], values = float("nan"), np.full(len(values), np.nan)
         row["wall_s"] = float(times[-1]) if len(times) else float("nan")
         row["_curve"] = (times, values)
         for key in extras:
@@ -425,13 +434,13 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
 
     numeric = [c for c in runs.columns if c not in (*ROW_KEYS, "method_name", "method_options", "device",
                                                      "gpu_name", "seed", "run_dir", "status", "_curve", *PHASES,
-                                                     "t_iter_s")]
+                                                     "t_iter_s", "weights")]
     cells = []
     for key, group in runs.groupby(ROW_KEYS, dropna=False, sort=False):
         cell = dict(zip(ROW_KEYS, key))
         first = group.iloc[0]
         cell.update(method_name=first["method_name"], method_options=first["method_options"],
-                    device=first["device"], gpu_name=first["gpu_name"],
+                    device=first["device"], gpu_name=first["gpu_name"], weights=first["weights"],
                     status=combine_status(group["status"]), seeds=int(group["seed"].nunique(dropna=False)))
         ok = group[group["status"] == "ok"]
         measured = ok if len(ok) else group  # a failed cell shows what its runs measured before failing
@@ -510,12 +519,13 @@ def _prediction_check(measured, lo, hi, predicted) -> str | None:
 TIME_COLUMNS = [f"t_{phase}_{stat}" for phase in TIME_PHASES for stat in ("s", "p25_s", "p75_s")]
 
 EFFICIENCY_COLUMNS = [
-    "method", "model", "resolution", "hardware", "source", "status", "method_name", "n_gpus", "seeds", "iterations",
-    "time_basis", *TIME_COLUMNS,
+    "method", "model", "resolution", "hardware", "source", "weights", "status", "method_name", "n_gpus", "seeds",
+    "iterations", "time_basis", *TIME_COLUMNS,
     "speedup", "speedup_lo", "speedup_hi", "train_speedup", "train_speedup_lo", "train_speedup_hi",
     "predicted_train_speedup", "prediction_check", "predicted_t_train_s",
     "forward_nograd", "forward_grad", "backward", *TRAIN_PASS_KEYS,
-    "peak_alloc_mib", "nvml_peak_mib", "saved_act_mib", "rss_peak_mib", "images_per_s",
+    "peak_alloc_mib", "nvml_peak_mib", "saved_act_mib", "planned_act_mib", "planned_total_mib", "rss_peak_mib",
+    "images_per_s",
     "final_reward", "final_reward_std", "reward_area", "wall_s", "grad_cosine", "grad_rel_error",
 ]
 
@@ -628,7 +638,7 @@ FORMATS: dict[str, Callable[[float], str]] = {
 }
 # columns that count things: written as integers wherever every value is one
 COUNT_COLUMNS = {*PASS_KEYS, *TRAIN_PASS_KEYS, "seeds", "iterations", "n_gpus", "resolution", "window",
-                 "batch_size", "steps_per_sample", "groups_routed"}
+                 "batch_size", "steps_per_sample", "groups_routed", "iteration", "seed", "optimizer_steps"}
 
 
 # cells a failed run leaves empty; the Markdown shows the run's status there
@@ -798,7 +808,7 @@ def write_tables(records: pd.DataFrame, gradcheck: pd.DataFrame, out_dir: str | 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = atomic_path(out_dir / "records.csv")
-    records.to_csv(tmp, index=False)
+    integer_columns(records).to_csv(tmp, index=False)
     tmp.replace(out_dir / "records.csv")
     tables = build_tables(records, gradcheck, warmup, time, calibration)
     for name, table in tables.items():
@@ -859,6 +869,8 @@ def plot_rewards(records: pd.DataFrame, path: Path, x: str) -> None:
     per method, one panel per model x resolution x hardware."""
     plt = _pyplot()
     ok = records[(records["status"] == "ok") & records["reward_mean"].notna()] if not records.empty else records
+    if "weights" in ok:  # random-weight rewards compare nothing
+        ok = ok[ok["weights"] != "random"]
     if ok.empty:
         return _empty_figure(plt, path, "no iteration finished")
     ok = ok.sort_values("iteration")

@@ -345,6 +345,17 @@ def saved_activation_region() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def counting_regions(tracker: SavedActivations) -> Iterator[SavedActivations]:
+    """Count what ``saved_activation_region()`` blocks save into ``tracker``, as a phase with
+    ``saved_activations="regions"`` does (the memory planner counts a forward this way)."""
+    token = _region_tracker.set(tracker)
+    try:
+        yield tracker
+    finally:
+        _region_tracker.reset(token)
+
+
 # --------------------------------------------------------------------------------------------------
 # NVML
 # --------------------------------------------------------------------------------------------------

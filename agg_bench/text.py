@@ -291,12 +291,24 @@ def check_dims(cond: Conditioning, transformer, n_prompts: int, source: str) -> 
         raise UserError(f"{source}: pooled embeddings do not have the width {pooled} the transformer expects")
 
 
+def hash_tokens(cfg) -> int:
+    """Tokens of the hash embedding: ``prompts.max_tokens`` for the tiny preset; for ``random`` the text
+    length the architecture's pipeline gives (``prompts.max_sequence_length`` or its default)."""
+    model = cfg["model"]
+    if model["preset"] == "random":
+        from .architectures import architecture
+
+        return architecture(model["family"], model["architecture"]).sequence_length(
+            cfg["prompts"]["max_sequence_length"])
+    return cfg["prompts"]["max_tokens"]
+
+
 def prompt_conditioning(cfg, transformer, prompts: PromptSet, device: str | torch.device = "cpu") -> Conditioning:
     """Conditioning for every prompt of the run (float32, CPU): the text encoders' (cached) for a local
-    model folder, the token-hash embedding for the tiny preset."""
+    model folder, the token-hash embedding for the tiny and random presets."""
     if not cfg["model"]["pretrained"]:
         dim, pooled = text_dims(transformer)
-        return hash_embed(prompts.prompts, dim, pooled, cfg["prompts"]["max_tokens"], cfg["seed"])
+        return hash_embed(prompts.prompts, dim, pooled, hash_tokens(cfg), cfg["seed"])
     emb = run_embeddings(cfg, prompts, device)
     check_dims(emb.cond, transformer, len(prompts.prompts), str(emb.path))
     return emb.cond
@@ -313,12 +325,11 @@ def embed(cfg, out: str | Path | None = None, device: str | torch.device = "cpu"
         raise UserError(f"--out {out}: expected a FILE.safetensors path")
     prompts = prompt_set(cfg["prompts"]["file"])
     if not cfg["model"]["pretrained"]:
-        from .models import build_tiny_transformer
-
         family = cfg["model"]["family"]
-        cond = prompt_conditioning(cfg, build_tiny_transformer(family), prompts)
-        key = hashlib.sha256("\0".join([FORMAT, "tiny", family, prompts.sha256, str(cfg["prompts"]["max_tokens"]),
-                                        str(cfg["seed"])]).encode()).hexdigest()
+        cond = prompt_conditioning(cfg, _unloaded_transformer(cfg), prompts)
+        tokens = hash_tokens(cfg)
+        key = hashlib.sha256("\0".join([FORMAT, "tiny", family, prompts.sha256, str(tokens),
+                                        str(cfg["seed"])] + _architecture_key(cfg)).encode()).hexdigest()
         path = out if out is not None else default_cache_path(cfg["prompts"]["cache_dir"], family, None, prompts, key)
         meta = {"key": key, "family": family, "pretrained": "", "prompts_file": str(prompts.path),
                 "prompts_sha256": prompts.sha256, "n_prompts": len(prompts.prompts)}
@@ -329,6 +340,24 @@ def embed(cfg, out: str | Path | None = None, device: str | torch.device = "cpu"
         meta.pop("format", None)
         emb.path = save_embeddings(out, emb.cond, meta)
     return emb
+
+
+def _unloaded_transformer(cfg):
+    """The transformer whose text widths a download-free preset needs (random: on the meta device)."""
+    from .models import TRANSFORMER_CLASSES, build_tiny_transformer
+
+    model = cfg["model"]
+    if model["preset"] == "random":
+        from .architectures import architecture, build_on_meta
+
+        arch = architecture(model["family"], model["architecture"])
+        return build_on_meta(TRANSFORMER_CLASSES[model["family"]], arch.transformer)
+    return build_tiny_transformer(model["family"])
+
+
+def _architecture_key(cfg) -> list[str]:
+    # the tiny preset's key stays what it was; a random architecture adds its name
+    return [cfg["model"]["architecture"] or "default"] if cfg["model"]["preset"] == "random" else []
 
 
 def describe(emb: Embeddings) -> dict:

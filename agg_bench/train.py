@@ -28,6 +28,7 @@ from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats, group_advantages
 from .io import JsonlWriter, is_temp_name, write_json
 from .methods import Estimator, build_method
+from .memplan import run_memory_plan
 from .models import Policy, build_policy
 from .plan import plan_steps
 from .records import RECORD_KEYS, TIMING_KEYS  # noqa: F401  (also imported from here)
@@ -54,7 +55,17 @@ def iteration_generator(seed: int, iteration: int) -> torch.Generator:
 def model_label(cfg: RunConfig) -> str:
     if cfg.model.pretrained:
         return f"{cfg.model.family}:{Path(cfg.model.pretrained).name}"
+    if cfg.model.preset == "random":
+        from .architectures import architecture
+
+        return f"{architecture(cfg.model.family, cfg.model.architecture).name}-random"
     return f"{cfg.model.family}-{cfg.model.preset}"
+
+
+def weights_label(cfg: RunConfig) -> str:
+    """Where the weights come from: ``pretrained`` (a local folder), ``random`` (a full-size architecture
+    with random weights: its rewards say nothing about quality) or ``tiny``."""
+    return "pretrained" if cfg.model.pretrained else cfg.model.preset
 
 
 @dataclass
@@ -128,7 +139,8 @@ class Session:
         cond = distributed.take(cond, shard, total)
         with phase("reward"):
             images = self.policy.decode(traj.latents[:, -1])
-            rewards = self.reward_fn(images, prompts).detach().float().cpu()
+            # float64: advantages divide by the group's spread, which rounding rewards to float32 would blur
+            rewards = self.reward_fn(images, prompts).detach().to(torch.float64).cpu()
         advantages = group_advantages(rewards, g, cfg.grpo.adv_clip_max, cfg.grpo.adv_std,
                                       traj.latents.dtype).to(self.device)
         train_steps = plan_steps(cfg.train.plan, total, traj.sde_mask, cfg.train.timestep_fraction,
@@ -193,7 +205,7 @@ def identity(cfg: RunConfig, run_id: str, device: torch.device, world_size: int 
     return {
         "run_id": run_id, "method": cfg.method.name, "model": model_label(cfg),
         "resolution": cfg.model.resolution, "device": device.type, "gpu_name": gpu,
-        "n_gpus": world_size if device.type == "cuda" else 0, "seed": cfg.seed,
+        "n_gpus": world_size if device.type == "cuda" else 0, "seed": cfg.seed, "weights": weights_label(cfg),
     }
 
 
@@ -357,6 +369,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
             raise
         return _out_of_memory_at_build(cfg, out, resume, shard, exc)
     check_plan(cfg)
+    memory_plan = run_memory_plan(cfg, shard.world_size) if shard.is_main else None
     distributed.on_main(prepare_out_dir, out)
     run_id = cfg.run_id or out.name
     config = cfg.to_dict()
@@ -372,6 +385,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
         if resume and restored is None:
             print(f"agg-bench run: no checkpoint in {out}; starting at iteration 0", file=sys.stderr)
         _start_files(out, config, lines, keep_checkpoint=restored is not None)
+        write_json(out / "plan.json", memory_plan)  # planned bytes, next to the peaks the records measure
 
     distributed.on_main(begin)
     telemetry = tel.Telemetry(session.device, enabled=cfg.telemetry.enabled,

@@ -54,6 +54,7 @@ def expected_runs(sweep: dict) -> int:
 @pytest.mark.parametrize("name, extra", [
     ("config.yaml", ["--cores", "2"]),
     ("gpu.yaml", ["--cores", "64", "--resources", "gpu=8"]),
+    ("gpu_random.yaml", ["--cores", "64", "--resources", "gpu=8"]),
 ])
 def test_dry_run_expands_every_job(tmp_path, name, extra):
     work = workdir(tmp_path)
@@ -63,7 +64,8 @@ def test_dry_run_expands_every_job(tmp_path, name, extra):
     assert proc.returncode == 0, proc.stderr + proc.stdout
     counts = job_counts(proc.stdout)
     assert counts["run"] == expected_runs(sweep)
-    assert counts["gradcheck"] == len(sweep["models"]) * len(sweep["gradcheck"]["resolutions"])
+    gradcheck = sweep.get("gradcheck") or {}
+    assert counts.get("gradcheck", 0) == len(gradcheck.get("models", sweep["models"])) * len(gradcheck.get("resolutions", []))
     assert counts.get("embed", 0) == (len(sweep["models"]) if "embed" in sweep else 0)
     assert counts["tables"] == counts["plots"] == counts["manifest"] == 1
     # one cost-model calibration per model x resolution x device that runs use
@@ -75,17 +77,13 @@ def test_dry_run_expands_every_job(tmp_path, name, extra):
 def test_dry_run_of_the_slurm_profile(tmp_path):
     pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
     work = workdir(tmp_path)
-    # devices of 2 GPUs: each run is one SLURM job asking for 2 GPUs, which starts torchrun over them
-    sweep = yaml.safe_load((work / "config" / "gpu.yaml").read_text())
-    for device in sweep["devices"].values():
-        device["gpus"] = 2
-    (work / "two_gpus.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
-    proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "two_gpus.yaml")
+    proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/gpu.yaml")
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    # the profile's per-rule resources reach the run jobs, with the sweep device's GPU count
-    run = re.search(r"rule run:.*?resources:([^\n]*)\n(.*?)\n\n", proc.stdout, re.S)
-    assert run and all(word in run.group(1) for word in ("gpu=2", "gpu_model=h100", "cpus_per_gpu=8")), proc.stdout
-    assert "agg_bench.gpus --count 2 -- " in run.group(2) and "--nproc_per_node 2 -m agg_bench run" in run.group(2)
+    # the profile's per-rule resources reach the run jobs
+    assert re.search(r"rule run:.*?resources:[^\n]*gpu=1[^\n]*gpu_model=h100[^\n]*cpus_per_gpu=8", proc.stdout, re.S)
+    # a job of an 8-GPU layout asks SLURM for 8 GPUs
+    assert re.search(r"rule run:\n[^\n]*\n\s*output: results/runs/full_flux1dev[^\n]*\n.*?resources:[^\n]*gpu=8",
+                     proc.stdout, re.S)
 
 
 @pytest.mark.parametrize("edit, words", [

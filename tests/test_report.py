@@ -1,4 +1,5 @@
 """Table builders on synthetic run folders with known numbers -> known cells; plots exist."""
+import csv
 import json
 import math
 from pathlib import Path
@@ -234,6 +235,9 @@ def test_build_report_writes_every_table_and_plot(sweep, gradcheck_csv, tmp_path
     assert summary.loc[("agg-w5", 64), "speedup"].startswith("3.00x [")
     assert str(summary.loc[("window", 128), "final_reward_pm"]) in ("2", "2.0")  # no reward_std recorded: no spread
     assert len(pd.read_csv(tmp_path / "tables" / "records.csv")) == 18
+    with open(tmp_path / "tables" / "records.csv", newline="") as f:
+        records_csv = list(csv.DictReader(f))
+    assert {row["backward"] for row in records_csv} == {"", "80", "32", "16"}  # not 80.0
     for name in PLOTS:
         assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -246,3 +250,19 @@ def test_report_cli(sweep, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip())["efficiency_rows"] == len(table)
     assert main(["report", "--runs", str(runs)]) == 2
     assert "--tables" in capsys.readouterr().err
+
+
+def test_random_weight_rows_keep_rewards_out_and_show_the_plan(tmp_path):
+    """A random-weights run: labelled, its rewards out of the table; planned bytes beside the measured peak."""
+    run = make_run(tmp_path, "full_random", "full", [it(2.0, 5.0, saved_activation_peak_bytes=3 * MIB),
+                                                     it(2.0, 6.0)], weights="random", model="sd3.5-medium-random")
+    (run / "plan.json").write_text(json.dumps({"bytes": {"activations": 3 * MIB, "total_per_gpu": 10 * MIB}}))
+    tiny = make_run(tmp_path, "full_tiny", "full", [it(2.0, 5.0), it(2.0, 6.0)], weights="tiny")
+    table = efficiency_table(load_records([RunEntry(run), RunEntry(tiny)]), warmup=0)
+    random_row = table[table["weights"] == "random"].iloc[0]
+    tiny_row = table[table["weights"] == "tiny"].iloc[0]
+    assert math.isnan(random_row["final_reward"]) and math.isnan(random_row["reward_area"])
+    assert tiny_row["final_reward"] == 6.0
+    assert random_row["saved_act_mib"] == random_row["planned_act_mib"] == 3.0
+    assert random_row["planned_total_mib"] == 10.0
+    assert math.isnan(tiny_row["planned_act_mib"])

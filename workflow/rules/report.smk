@@ -8,12 +8,17 @@ TABLE_FILES = table_files()
 rule manifest:
     output:
         "results/manifest.json",
+    log:
+        "results/logs/manifest.log",
     params:
         manifest=SWEEP.manifest(),
     run:
         from agg_bench.io import write_json
 
         write_json(output[0], params.manifest)
+        with open(log[0], "w") as handle:
+            handle.write(f"{output[0]}: {len(params.manifest['runs'])} runs, "
+                         f"{len(params.manifest['gradcheck'])} gradcheck tables\n")
 
 
 # each table in the report: its HTML page, shown in place, and its CSV, grouped by table

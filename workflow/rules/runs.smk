@@ -8,6 +8,8 @@ rule embed:
         f"{EMBED_DIR}/{{model}}.safetensors",
     log:
         "results/logs/embed/{model}.log",
+    benchmark:
+        "results/benchmarks/embed/{model}.tsv"
     threads: lambda wc: SWEEP.threads(SWEEP.embeddings[wc.model]["device"])
     resources:
         gpu=lambda wc: SWEEP.gpus(SWEEP.embeddings[wc.model]["device"]),
@@ -26,6 +28,8 @@ rule run:
         env="results/runs/{run_id}/env.json",
     log:
         "results/logs/run/{run_id}.log",
+    benchmark:
+        "results/benchmarks/run/{run_id}.tsv"
     threads: lambda wc: SWEEP.threads(SWEEP.runs[wc.run_id]["device"])
     resources:
         gpu=lambda wc: SWEEP.gpus(SWEEP.runs[wc.run_id]["device"]),
@@ -42,6 +46,8 @@ rule gradcheck:
         "results/gradcheck/{name}.csv",
     log:
         "results/logs/gradcheck/{name}.log",
+    benchmark:
+        "results/benchmarks/gradcheck/{name}.tsv"
     threads: lambda wc: SWEEP.threads(SWEEP.gradchecks[wc.name]["device"])
     resources:
         gpu=lambda wc: SWEEP.gpus(SWEEP.gradchecks[wc.name]["device"]),
@@ -58,6 +64,8 @@ rule calibrate:
         "results/calibration/{name}.json",
     log:
         "results/logs/calibrate/{name}.log",
+    benchmark:
+        "results/benchmarks/calibrate/{name}.tsv"
     threads: lambda wc: SWEEP.threads(SWEEP.calibrations[wc.name]["device"])
     resources:
         gpu=lambda wc: min(1, SWEEP.gpus(SWEEP.calibrations[wc.name]["device"])),

@@ -1,0 +1,38 @@
+"""Snakemake conventions of the workflow: every job rule keeps a log, the rules that measure keep a
+benchmark, and the default profile is found without a flag."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURING = {"embed", "run", "gradcheck", "calibrate"}
+
+
+def rules() -> dict[str, str]:
+    """Rule name -> its body, from the Snakefile and every workflow/rules/*.smk."""
+    found = {}
+    for path in [ROOT / "Snakefile", *sorted((ROOT / "workflow" / "rules").glob("*.smk"))]:
+        text = path.read_text()
+        starts = [(m.group(1), m.start()) for m in re.finditer(r"^rule (\w+):", text, flags=re.M)]
+        for (name, start), nxt in zip(starts, [s for _, s in starts[1:]] + [len(text)]):
+            found[name] = text[start:nxt]
+    return found
+
+
+def test_every_job_rule_logs_and_measuring_rules_keep_a_benchmark():
+    found = rules()
+    assert MEASURING <= set(found)
+    for name, body in found.items():
+        if name == "all":  # the target rule runs no job
+            continue
+        assert re.search(r"^    log:", body, flags=re.M), f"rule {name} has no log:"
+        if name in MEASURING:
+            assert re.search(r"^    benchmark:", body, flags=re.M), f"rule {name} has no benchmark:"
+
+
+def test_the_default_profile_is_where_snakemake_looks_without_a_flag():
+    # Snakemake reads profiles/default/ next to the Snakefile when --workflow-profile is not given
+    profile = ROOT / "profiles" / "default" / "config.yaml"
+    assert profile.is_file()
+    assert profile.resolve() == (ROOT / "workflow" / "profiles" / "default" / "config.yaml").resolve()
