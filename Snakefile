@@ -20,6 +20,7 @@ report: "workflow/report/workflow.rst"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/runs.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/learning.smk"
 
 
 localrules: all, manifest, tables, plots, import_log

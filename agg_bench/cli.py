@@ -176,6 +176,15 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_pretrain(args) -> int:
+    from .pretrain import load_pretrain_config, pretrain
+
+    summary = pretrain(load_pretrain_config(args.config, args.overrides), args.out)
+    print(json.dumps({"out": str(args.out), "train_cpu_s": round(summary["train_cpu_s"], 1),
+                      "sample_reward": round(summary["sample_reward"], 4)}))
+    return 0
+
+
 def cmd_env(args) -> int:
     from .telemetry import environment
 
@@ -293,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=1, help="processes (GPUs) the run is started on (default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("pretrain", help="train a small DiT on drawn scenes -> a model folder for model.preset: pretrained")
+    p.add_argument("--config", help="pretrain config YAML (keys: agg_bench.pretrain.PretrainConfig)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a pretrain key, e.g. --set family=flux (repeatable)")
+    p.add_argument("--out", required=True, type=Path, help="model folder to write (replaced only if it is one)")
+    p.set_defaults(func=cmd_pretrain)
 
     p = sub.add_parser("env", help="print the environment record (versions, GPUs, commit)")
     p.set_defaults(func=cmd_env)

@@ -189,22 +189,28 @@ def validate(config: dict, check_method: bool = True) -> RunConfig:
     return RunConfig(config)
 
 
+def read_yaml_mapping(path: str | Path, what: str = "sections") -> dict:
+    """The YAML mapping in the file ``path`` (``--config``), or a ConfigError saying what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--config", str(path), "an existing YAML file")
+    try:
+        user = yaml_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError("--config", str(path), f"UTF-8 text ({err.reason} at byte {err.start})")
+    except yaml.YAMLError as err:
+        raise ConfigError("--config", str(path), f"valid YAML ({str(err).splitlines()[0]})")
+    if not isinstance(user, dict):
+        raise ConfigError("--config", str(path), f"a YAML mapping of {what}")
+    return user
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 check_method: bool = True) -> RunConfig:
     """DEFAULTS <- YAML file <- overrides, validated (the method's options only with ``check_method``)."""
     user: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError("--config", str(path), "an existing YAML file")
-        try:
-            user = yaml_load(path.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as err:
-            raise ConfigError("--config", str(path), f"UTF-8 text ({err.reason} at byte {err.start})")
-        except yaml.YAMLError as err:
-            raise ConfigError("--config", str(path), f"valid YAML ({str(err).splitlines()[0]})")
-        if not isinstance(user, dict):
-            raise ConfigError("--config", str(path), "a YAML mapping of sections")
+        user = read_yaml_mapping(path)
         if "method" in user and not isinstance(user["method"], dict):
             raise ConfigError("method", user["method"], "a mapping with a name, e.g. {name: agg, window: 5}")
     merged = deep_merge(DEFAULTS, user)

@@ -58,6 +58,24 @@ def atomic_path(path: str | Path) -> Path:
     return path.with_name(f".{path.stem}{TEMP_TAG}{os.getpid()}{path.suffix}")
 
 
+def write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary sibling, then rename)."""
+    path = Path(path)
+    tmp = atomic_path(path)
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Write a matplotlib figure as a PNG atomically (the folder is made if needed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = atomic_path(path)
+    fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
+    os.replace(tmp, path)
+    return path
+
+
 class JsonlWriter:
     """Appends one JSON record per line, flushed and fsynced, so a killed process leaves whole lines."""
 

@@ -34,6 +34,7 @@ from .telemetry import saved_activation_region
 from .errors import ConfigError
 from .families import TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, ImageGeometry
 from .lora import adapters_disabled, apply_lora, has_adapters  # noqa: F401  (has_adapters: also imported from here)
+from .pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 
 FAMILIES = ("sd3", "flux", "qwenimage")
 
@@ -166,6 +167,8 @@ class Policy:
     def vae_scale_factor(self) -> int:
         if self.vae is None:
             return 8
+        if isinstance(self.vae, PixelDecoder):
+            return self.vae.spatial_factor
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     @property
@@ -434,8 +437,14 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
     transformer = _load_component(TRANSFORMER_CLASSES[family], t_dir, pretrained, "transformer weights",
                                   torch_dtype=param_dtype)
     vae_dir = _subfolder(pretrained, "vae", "the VAE")
-    _check_class(vae_dir, VAE_CLASSES[family], pretrained, "model.pretrained", pretrained)
-    vae = _load_component(VAE_CLASSES[family], vae_dir, pretrained, "VAE weights").eval().requires_grad_(False)
+    if is_pixel_decoder_folder(vae_dir):  # a pixel-space model (agg-bench pretrain)
+        try:
+            vae = PixelDecoder.from_folder(vae_dir)
+        except TypeError as err:
+            raise ConfigError("model.pretrained", pretrained, f"a readable pixel decoder config in {vae_dir} ({err})")
+    else:
+        _check_class(vae_dir, VAE_CLASSES[family], pretrained, "model.pretrained", pretrained)
+        vae = _load_component(VAE_CLASSES[family], vae_dir, pretrained, "VAE weights").eval().requires_grad_(False)
     scheduler_config = None
     sched_dir = os.path.join(pretrained, "scheduler")
     if os.path.isdir(sched_dir):

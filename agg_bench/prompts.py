@@ -64,3 +64,20 @@ def hash_embed(prompts: list[str], dim: int, pooled_dim: int | None, max_tokens:
         if pooled is not None:
             pooled[i] = torch.stack([_token_vector(tok, pooled_dim, seed + 1) for tok in tokens]).mean(0)
     return Conditioning(states, pooled)
+
+
+TOKEN_HASH_FILE = "token_hash.json"  # in a model folder: its conditioning is this embedding, not text encoders
+
+
+def token_hash_settings(folder: str | Path) -> dict | None:
+    """``{"max_tokens": int, "seed": int}`` of a model folder conditioned by the token-hash embedding
+    (written by ``agg-bench pretrain``), or None when the folder has text encoders instead."""
+    path = Path(folder) / TOKEN_HASH_FILE
+    if not path.is_file():
+        return None
+    try:
+        settings = json.loads(path.read_text())
+        return {"max_tokens": int(settings["max_tokens"]), "seed": int(settings["seed"])}
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError("model.pretrained", str(folder),
+                          f'a {TOKEN_HASH_FILE} with integer "max_tokens" and "seed"') from None

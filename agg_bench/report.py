@@ -42,9 +42,9 @@ import numpy as np
 import pandas as pd
 
 from .errors import UserError
-from .io import atomic_path, read_jsonl
+from .io import atomic_path, read_jsonl, save_figure
 from .records import (
-    GRADCHECK_OPTION_COLUMNS, PASS_KEYS, PHASE_TIME_KEYS, PLOTS, RECORD_KEYS, STANDARD_PHASES, TABLE_FORMATS, TABLES,
+    GRADCHECK_OPTION_COLUMNS, PASS_KEYS, PHASE_TIME_KEYS, PLOTS, RECORD_KEYS, STANDARD_PHASES, TABLE_FORMATS,
     TRAIN_PASS_KEYS,
 )
 from .stats import predicted_seconds, quartiles, ratio_of_medians_ci
@@ -845,18 +845,11 @@ def _colors(labels: list[str]) -> dict[str, Any]:
     return {label: cmap(i % cmap.N) for i, label in enumerate(dict.fromkeys(labels))}
 
 
-def _save(fig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = atomic_path(path)
-    fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
-    tmp.replace(path)
-
-
 def _empty_figure(plt, path: Path, message: str) -> None:
     fig, ax = plt.subplots(figsize=(5, 2))
     ax.axis("off")
     ax.text(0.5, 0.5, message, ha="center", va="center")
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -888,7 +881,7 @@ def plot_rewards(records: pd.DataFrame, path: Path, x: str) -> None:
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
     _legend(fig, axes)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -930,7 +923,7 @@ def plot_memory(efficiency: pd.DataFrame, path: Path) -> None:
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
     _legend(fig, axes)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -965,7 +958,7 @@ def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
         ax.set_ylabel(f"seconds per iteration, median ({_basis_label(panel)})")
         ax.grid(alpha=0.3, axis="y")
     _legend(fig, axes)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -995,7 +988,7 @@ def plot_gradcheck(ablation: pd.DataFrame, path: Path) -> None:
         ax.set_ylabel("gradient cosine to full")
         ax.grid(alpha=0.3)
     _legend(fig, axes)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -1047,7 +1040,7 @@ def plot_time_resolution(efficiency: pd.DataFrame, path: Path) -> None:
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
     _legend(fig, axes)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -1073,7 +1066,7 @@ def plot_backward_passes(efficiency: pd.DataFrame, path: Path) -> None:
         ax.set_ylabel("backward passes per iteration")
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -1102,7 +1095,7 @@ def plot_cosine_cost(efficiency: pd.DataFrame, path: Path) -> None:
         ax.set_ylabel("gradient cosine to full")
         ax.grid(alpha=0.3)
     _legend(fig, axes)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 

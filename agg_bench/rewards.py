@@ -30,6 +30,12 @@ def build_reward(name: str, options: dict | None = None, device: str | torch.dev
     return REWARDS.resolve(name)(dict(options or {}), device)
 
 
+def reward_details(reward: RewardFn) -> dict[str, float]:
+    """Batch means of the sub-scores a reward keeps of its last call (its ``details``: name -> (B,)), as
+    extra record keys; {} for rewards without sub-scores."""
+    return {name: float(values.float().mean()) for name, values in getattr(reward, "details", {}).items()}
+
+
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """(B, 3, H, W) in [0, 1] -> (B, H, W, 3) uint8."""
     return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
@@ -97,4 +103,5 @@ register_reward("pickscore", "agg_bench.reward_models.pickscore:build")
 register_reward("imagereward", "agg_bench.reward_models.imagereward:build")
 register_reward("clipscore", "agg_bench.reward_models.clipscore:build")
 register_reward("aesthetic", "agg_bench.reward_models.aesthetic:build")
+register_reward("scene", "agg_bench.scene_reward:build")  # verifiable: colour, shape, position, count
 # --- end of learned reward models --------------------------------------------------------------------

@@ -38,6 +38,12 @@ from .io import atomic_path
 
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
 EMBED_DIR = "results/embeddings"
+PRETRAINED_DIR = "results/pretrained"  # model folders the workflow's pretrain rule makes
+
+
+def is_pretrained_here(path: Any) -> bool:
+    """Whether a ``model.pretrained`` value names a folder that the workflow's pretrain rule makes."""
+    return isinstance(path, str) and path.startswith(PRETRAINED_DIR + "/")
 CACHE_DIR = Path(".snakemake") / "agg-bench"
 # keys whose value is one whole section: a method's options must not mix with another method's
 WHOLE_SECTIONS = ("method", "options")
@@ -335,6 +341,9 @@ class Sweep:
         files = [self.base_file] if self.base_file else []
         if model in self.embed_models:
             files.append(f"{EMBED_DIR}/{model}.safetensors")
+        pretrained = dict(flatten(self.sweep["models"][model])).get("model.pretrained")
+        if is_pretrained_here(pretrained):  # made by rule pretrain
+            files.append(pretrained)
         return files
 
     def summaries(self) -> list[str]:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from .errors import ConfigError, UserError
 from .io import atomic_path
 from .models import Conditioning, text_dims
-from .prompts import hash_embed, load_prompts
+from .prompts import hash_embed, load_prompts, token_hash_settings
 
 FORMAT = "agg-bench-embeddings/1"
 BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.txt"
@@ -309,6 +309,10 @@ def prompt_conditioning(cfg, transformer, prompts: PromptSet, device: str | torc
     if not cfg["model"]["pretrained"]:
         dim, pooled = text_dims(transformer)
         return hash_embed(prompts.prompts, dim, pooled, hash_tokens(cfg), cfg["seed"])
+    hashed = token_hash_settings(cfg["model"]["pretrained"])
+    if hashed is not None:  # a model trained on token hashes (agg-bench pretrain): the same ones, whatever the seed
+        dim, pooled = text_dims(transformer)
+        return hash_embed(prompts.prompts, dim, pooled, hashed["max_tokens"], hashed["seed"])
     emb = run_embeddings(cfg, prompts, device)
     check_dims(emb.cond, transformer, len(prompts.prompts), str(emb.path))
     return emb.cond

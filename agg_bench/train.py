@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -32,7 +31,7 @@ from .memplan import run_memory_plan
 from .models import Policy, build_policy
 from .plan import plan_steps
 from .records import RECORD_KEYS, TIMING_KEYS  # noqa: F401  (also imported from here)
-from .rewards import build_reward
+from .rewards import build_reward, reward_details
 from .rollout import initial_noise, rollout
 from .sde import flow_sigmas
 from .text import prompt_conditioning, prompt_set
@@ -292,7 +291,7 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     # the train phase's own passes, which the cost model prices (the rollout's are the same for most methods)
     train_passes = {f"train_{k}": v for k, v in (counter - before_train).as_dict().items()}
     share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn,
-             **session.estimator.iteration_metrics()}
+             **session.estimator.iteration_metrics(), **reward_details(session.reward_fn)}
     parts = distributed.gather((share, collected.rewards.tolist(), len(collected.prompts)))
     fields = distributed.combine([p for p, _, _ in parts])
     rewards = torch.tensor([r for _, rs, _ in parts for r in rs], dtype=torch.float32)
@@ -369,7 +368,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
             raise
         return _out_of_memory_at_build(cfg, out, resume, shard, exc)
     check_plan(cfg)
-    memory_plan = run_memory_plan(cfg, shard.world_size) if shard.is_main else None
+    # planned next to measured memory; a run that measures nothing (telemetry off) plans nothing
+    memory_plan = run_memory_plan(cfg, shard.world_size) if shard.is_main and cfg.telemetry.enabled else None
     distributed.on_main(prepare_out_dir, out)
     run_id = cfg.run_id or out.name
     config = cfg.to_dict()
@@ -385,7 +385,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
         if resume and restored is None:
             print(f"agg-bench run: no checkpoint in {out}; starting at iteration 0", file=sys.stderr)
         _start_files(out, config, lines, keep_checkpoint=restored is not None)
-        write_json(out / "plan.json", memory_plan)  # planned bytes, next to the peaks the records measure
+        if memory_plan is not None:
+            write_json(out / "plan.json", memory_plan)  # planned bytes, next to the peaks the records measure
+        else:
+            (out / "plan.json").unlink(missing_ok=True)  # an earlier attempt's plan is not this run's
 
     distributed.on_main(begin)
     telemetry = tel.Telemetry(session.device, enabled=cfg.telemetry.enabled,

@@ -11,11 +11,11 @@ from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.importlog import import_log
 from agg_bench.io import JsonlWriter
+from agg_bench.records import PLOTS, RECORD_KEYS, TABLES
 from agg_bench.report import (
-    PLOTS, TABLES, GradcheckEntry, Manifest, RunEntry, ablation_table, build_report, efficiency_table, gpus_table,
-    load_gradcheck, load_records, mean_reward_until, to_markdown,
+    GradcheckEntry, Manifest, RunEntry, ablation_table, build_report, efficiency_table, gpus_table, load_gradcheck,
+    load_records, mean_reward_until, to_markdown,
 )
-from agg_bench.train import RECORD_KEYS
 
 MIB = 1024 ** 2
 

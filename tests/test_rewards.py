@@ -64,3 +64,10 @@ def test_a_bad_reward_option_exits_2_before_the_run_writes_anything(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "reward.options.quality" in err[0] and "[1, 100]" in err[0]
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize("name", ["hpsv2", "pickscore", "imagereward", "clipscore", "aesthetic"])
+def test_learned_rewards_refuse_unknown_options_before_loading_anything(name):
+    with pytest.raises(ConfigError) as err:
+        build_reward(name, {"checkpont": "x.pt", "batch_size": 4})
+    assert err.value.key == "reward.options.checkpont" and "batch_size" in err.value.expected

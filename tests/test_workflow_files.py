@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MEASURING = {"embed", "run", "gradcheck", "calibrate"}
+MEASURING = {"embed", "run", "gradcheck", "calibrate", "pretrain"}
 
 
 def rules() -> dict[str, str]:

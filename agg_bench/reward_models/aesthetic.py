@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from .common import (LinearStack, feature_dtype, load_state_dict, load_weights, make_reward_fn, require_package,
-                     require_path, reward_dtype)
+from .common import (check_reward_options, feature_dtype, LinearStack, load_state_dict, load_weights, make_reward_fn,
+                     require_package, require_path, reward_dtype)
 from .hf_clip import HFClip
 
 
@@ -44,6 +44,7 @@ def load_head(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 
 def build(options: dict, device):
+    check_reward_options("aesthetic", options, {"head": "the aesthetic MLP file", "model": "the CLIP model folder", "processor": "the CLIP processor folder"})
     require_package("aesthetic", "transformers")
     head_path = require_path("aesthetic", options, "head", HEAD)
     # the head first: a wrong head file fails before the CLIP model is loaded

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from .common import make_reward_fn
+from .common import check_reward_options, make_reward_fn
 from .hf_clip import HFClip
 
 
 def build(options: dict, device):
+    check_reward_options("clipscore", options, {"model": "the CLIP model folder", "processor": "the CLIP processor folder", "w": "the score's weight (2.5)",
+                                                "prefix": "text put before each prompt"})
     clip = HFClip("clipscore", options, device, transform="openai")
     weight = float(options.get("w", 2.5))
     prefix = str(options.get("prefix", ""))

@@ -77,6 +77,18 @@ def load_pretrained(reward: str, cls, folder: Path, what: str):
                         f"expected {what}") from None
 
 
+# options every learned reward takes (make_reward_fn, reward_dtype)
+COMMON_OPTIONS = {"batch_size": "images per scoring call, an integer >= 1", "dtype": "float32 or float64"}
+
+
+def check_reward_options(reward: str, options: Mapping, own: dict[str, str]) -> None:
+    """Refuse a ``reward.options`` key that neither ``reward`` (``own``: key -> what it takes) nor every
+    learned reward knows."""
+    from agg_bench.rewards import check_options
+
+    check_options(reward, dict(options), {**own, **COMMON_OPTIONS})
+
+
 def reward_dtype(options: Mapping) -> torch.dtype:
     """The model dtype from ``options["dtype"]`` (default float32)."""
     name = options.get("dtype", "float32")

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from .common import (CLIP_MEAN, CLIP_STD, ClipTransform, feature_dtype, load_pretrained, load_state_dict,
-                     load_weights, make_reward_fn, require_package, require_path, reward_dtype)
+from .common import (check_reward_options, CLIP_MEAN, CLIP_STD, ClipTransform, feature_dtype, load_pretrained,
+                     load_state_dict, load_weights, make_reward_fn, require_package, require_path, reward_dtype)
 
 REWARD = "hpsv2"
 CHECKPOINT = "the HPSv2 state dict (HPS_v2.1_compressed.pt, or .safetensors)"
@@ -228,6 +228,8 @@ def tokenize(tokenizer, prompts: list[str], context_length: int) -> tuple[torch.
 
 
 def build(options: dict, device):
+    check_reward_options(REWARD, options, {"checkpoint": CHECKPOINT, "tokenizer": TOKENIZER,
+                                           "model_config": "the OpenCLIP model config (a mapping or JSON file)"})
     transformers = require_package(REWARD, "transformers")
     checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT)
     tokenizer_dir = require_path(REWARD, options, "tokenizer", TOKENIZER)

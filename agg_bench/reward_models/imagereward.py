@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from .common import (ClipTransform, LinearStack, feature_dtype, load_pretrained, load_state_dict, load_weights,
-                     make_reward_fn, require_package, require_path, reward_dtype)
+from .common import (check_reward_options, ClipTransform, feature_dtype, LinearStack, load_pretrained,
+                     load_state_dict, load_weights, make_reward_fn, require_package, require_path, reward_dtype)
 
 REWARD = "imagereward"
 CHECKPOINT = "the ImageReward state dict (ImageReward.pt, or .safetensors)"
@@ -297,6 +297,8 @@ class ImageRewardModel(nn.Module):
 
 
 def build(options: dict, device):
+    check_reward_options(REWARD, options, {"checkpoint": CHECKPOINT, "tokenizer": TOKENIZER,
+                                           "vision_config": "the BLIP vision config", "med_config": "the med_config"})
     transformers = require_package(REWARD, "transformers")
     checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT)
     tokenizer_dir = require_path(REWARD, options, "tokenizer", TOKENIZER)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from .common import feature_dtype, make_reward_fn
+from .common import check_reward_options, feature_dtype, make_reward_fn
 from .hf_clip import HFClip
 
 
 def build(options: dict, device):
+    check_reward_options("pickscore", options, {"model": "the CLIP model folder", "processor": "the CLIP processor folder"})
     clip = HFClip("pickscore", options, device, transform="hf")
     logit_scale = clip.model.logit_scale.detach().to(feature_dtype(clip.dtype)).exp()
 

@@ -1,0 +1,267 @@
+"""The learning sweep's tables and plots: does each method raise the reward, how reliably, how fast?
+
+Input: the workflow's manifest (``{"runs": [{"dir", "method", "seed", ...}]}``) of runs on one model
+(config/learning.yaml). Per run, the *initial* and *final* rewards are the means of ``reward_mean``
+over its first and last ``average`` iterations; its *gain* is final - initial. Per method:
+
+- ``learning.csv`` / ``.md``: seeds, initial, final, gain (mean over seeds), ``gain_std`` (standard
+  deviation of the gain over seeds, ddof 1), ``gain_over_spread`` = gain / gain_std, the sub-score gains
+  of the scene reward, the CPU seconds per iteration, and ``cpu_s_to_target``: the CPU time (cumulative
+  ``t_iter_cpu_s``, or ``t_iter_s`` where a record has no CPU time: ``time_key`` says which) a run takes
+  until its running mean reward over ``average`` iterations first reaches initial + ``fraction`` x the
+  mean gain of ``full`` (mean over the seeds that reach it; ``reached`` counts them).
+- ``reward_iteration.png`` / ``reward_time.png``: mean reward over seeds against iteration / cumulative
+  CPU time, with a band of +- one standard deviation over seeds.
+- ``samples.png`` (:func:`sample_grids`): the same captions and noise sampled from the pre-trained model
+  and from each method's final weights (``checkpoint.pt`` of one seed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .errors import UserError
+from .io import read_jsonl, save_figure, write_text
+
+SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
+TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
+
+
+@dataclass
+class Run:
+    method: str
+    seed: int
+    dir: Path
+    records: pd.DataFrame
+
+
+def load_runs(manifest: str | Path) -> list[Run]:
+    """Every run of the manifest that has records, ordered by iteration."""
+    path = Path(manifest)
+    if not path.is_file():
+        raise UserError(f"manifest {path}: no such file")
+    runs = []
+    for entry in json.loads(path.read_text()).get("runs", []):
+        metrics = Path(entry["dir"]) / "metrics.jsonl"
+        if not metrics.is_file():
+            raise UserError(f"{metrics}: no such file (has the run finished?)")
+        records = pd.DataFrame(list(read_jsonl(metrics)))
+        if records.empty:
+            continue
+        records = records[records["status"] == "ok"].sort_values("iteration").reset_index(drop=True)
+        runs.append(Run(entry["method"], int(entry.get("seed") or 0), Path(entry["dir"]), records))
+    if not runs:
+        raise UserError(f"manifest {path}: no run with records")
+    return runs
+
+
+def iteration_times(records: pd.DataFrame) -> tuple[np.ndarray, str]:
+    """Per-iteration CPU seconds (wall seconds where a record has no CPU time) and the key used."""
+    for key in TIME_KEYS:
+        if key in records and records[key].notna().all():
+            return records[key].to_numpy(float), key
+    raise UserError("records without t_iter_s: cannot place them in time")
+
+
+def run_gain(records: pd.DataFrame, average: int) -> dict:
+    """Initial, final and gain of one run's reward (and of each scene sub-score it records)."""
+    if len(records) < 2 * average:
+        raise UserError(f"a run of {len(records)} iterations: the learning table needs at least {2 * average}")
+    out = {}
+    for key in ("reward_mean", *SUBSCORES):
+        if key in records and records[key].notna().all():
+            values = records[key].to_numpy(float)
+            first, last = values[:average].mean(), values[-average:].mean()
+            name = "reward" if key == "reward_mean" else key
+            out[f"{name}_initial"], out[f"{name}_final"], out[f"{name}_gain"] = first, last, last - first
+    return out
+
+
+def cpu_time_to_reach(records: pd.DataFrame, target_gain: float, average: int) -> float | None:
+    """Cumulative seconds until the running mean reward (window ``average``) first exceeds the run's
+    initial reward by ``target_gain``; None if it never does."""
+    rewards = records["reward_mean"].to_numpy(float)
+    times, _ = iteration_times(records)
+    initial = rewards[:average].mean()
+    running = np.convolve(rewards, np.ones(average) / average, mode="valid")  # ends at iteration average-1+i
+    for i, value in enumerate(running):
+        if value - initial >= target_gain and i > 0:
+            return float(times[: i + average].sum())
+    return None
+
+
+def learning_table(runs: list[Run], average: int = 3, fraction: float = 0.8, baseline: str = "full") -> pd.DataFrame:
+    """One row per method (order of first appearance); see the module docstring for the columns."""
+    gains = {id(run): run_gain(run.records, average) for run in runs}
+    base = [gains[id(r)]["reward_gain"] for r in runs if r.method == baseline]
+    target = fraction * float(np.mean(base)) if base else None
+    rows = []
+    for method in dict.fromkeys(r.method for r in runs):
+        mine = [r for r in runs if r.method == method]
+        frame = pd.DataFrame([gains[id(r)] for r in mine])
+        row: dict = {"method": method, "seeds": len(mine)}
+        for column in frame.columns:
+            row[column] = float(frame[column].mean())
+        row["gain_std"] = float(frame["reward_gain"].std(ddof=1)) if len(mine) > 1 else math.nan
+        row["gain_over_spread"] = row["reward_gain"] / row["gain_std"] if row["gain_std"] > 0 else math.nan
+        cpu, key = zip(*(iteration_times(r.records) for r in mine))
+        row["time_key"] = ",".join(sorted(set(key)))
+        row["cpu_s_per_iteration"] = float(np.mean([c.mean() for c in cpu]))
+        reached = [cpu_time_to_reach(r.records, target, average) for r in mine] if target and target > 0 else []
+        hits = [t for t in reached if t is not None]
+        row["reached"] = f"{len(hits)}/{len(mine)}" if target and target > 0 else "no full gain"
+        row["cpu_s_to_target"] = float(np.mean(hits)) if hits else math.nan
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    leading = ["method", "seeds", "reward_initial", "reward_final", "reward_gain", "gain_std", "gain_over_spread",
+               "cpu_s_to_target", "reached", "cpu_s_per_iteration", "time_key"]
+    return table[[c for c in leading if c in table] + [c for c in table if c not in leading]]
+
+
+def to_markdown(table: pd.DataFrame, caption: str) -> str:
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return "—" if math.isnan(value) else f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
+        return str(value)
+
+    lines = [caption, "", "| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(table: pd.DataFrame, out_dir: str | Path, average: int, fraction: float) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv, md = out / "learning.csv", out / "learning.md"
+    write_text(csv, table.to_csv(index=False))
+    caption = (f"Reward gain per method (final - initial: means of the last and first {average} iterations), "
+               f"mean and standard deviation over seeds; CPU seconds until the running reward first gains "
+               f"{fraction:g} x full's mean gain.")
+    write_text(md, to_markdown(table, caption))
+    return [csv, md]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_rewards(runs: list[Run], path: str | Path, x: str) -> Path:
+    """Mean reward over seeds against ``x`` ("iteration" or "time"), with a +- 1 std band."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for k, method in enumerate(dict.fromkeys(r.method for r in runs)):
+        mine = [r for r in runs if r.method == method]
+        n = min(len(r.records) for r in mine)
+        rewards = np.stack([r.records["reward_mean"].to_numpy(float)[:n] for r in mine])
+        if x == "iteration":
+            xs = np.arange(n)
+        else:
+            xs = np.stack([np.cumsum(iteration_times(r.records)[0][:n]) for r in mine]).mean(0)
+        mean, std = rewards.mean(0), rewards.std(0)
+        color = plt.get_cmap("tab10")(k % 10)
+        ax.plot(xs, mean, color=color, label=f"{method} ({len(mine)} seeds)")
+        ax.fill_between(xs, mean - std, mean + std, color=color, alpha=0.15, linewidth=0)
+    key = iteration_times(runs[0].records)[1]
+    ax.set_xlabel("iteration" if x == "iteration" else
+                  ("cumulative CPU seconds" if key == "t_iter_cpu_s" else "cumulative wall seconds"))
+    ax.set_ylabel("scene reward (batch mean)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+    return Path(path)
+
+
+def sample_grids(runs: list[Run], path: str | Path, n_captions: int = 6, seed: int = 0) -> Path:
+    """One row per model state: the pre-trained model, then each method's final weights (its first seed's
+    ``checkpoint.pt``); the same captions (the runs' prompts) and the same initial noise in every row."""
+    import torch
+
+    from .config import RunConfig
+    from .models import load_policy
+    from .pretrain import save_grid
+    from .rollout import initial_noise
+    from .scene_reward import SceneReward
+    from .sde import flow_sigmas, ode_step
+    from .text import prompt_conditioning, prompt_set
+
+    first = {}
+    for run in runs:
+        first.setdefault(run.method, run)
+    config = RunConfig(json.loads((next(iter(first.values())).dir / "config.json").read_text()))
+    model = config["model"]
+    policy = load_policy(model["family"], model["preset"], model["pretrained"], model["dtype"])
+    prompts = prompt_set(config["prompts"]["file"])
+    captions = prompts.prompts[:n_captions]
+    cond = prompt_conditioning(config, policy.transformer, prompts)[torch.arange(len(captions))]
+    noise = initial_noise(len(captions), 1, policy.latent_shape(model["resolution"]), False,
+                          torch.Generator().manual_seed(seed))
+    sigmas = flow_sigmas(config["sampling"]["steps"], config["sampling"]["shift"] or 3.0)
+    timesteps = policy.timestep_values(sigmas).float()
+    base = {k: v.clone() for k, v in policy.transformer.state_dict().items()}
+    reward = SceneReward()
+    rows, labels, scores = [], [], []
+    for label, run in [("pre-trained", None), *first.items()]:
+        policy.transformer.load_state_dict(base)
+        if run is not None:
+            state = run.dir / "checkpoint.pt"
+            if not state.is_file():
+                continue
+            params = torch.load(state, map_location="cpu", weights_only=False)["parameters"]
+            policy.transformer.load_state_dict(params, strict=False)
+        x = noise.clone()
+        with torch.no_grad():
+            for j in range(len(timesteps)):
+                x = ode_step(policy.velocity(x, timesteps[j].expand(len(x)), cond), x, sigmas, j)
+        images = policy.decode(x)
+        rows.append(images)
+        scores += reward(images, captions).tolist()
+        labels += [f"{label}: {c}" for c in captions]
+    path = Path(path)
+    save_grid(path, torch.cat(rows), labels, scores, columns=len(captions),
+              title="rows: pre-trained, then each method's final weights (same noise per column)")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agg_bench.learning", description=__doc__.splitlines()[0])
+    parser.add_argument("--manifest", required=True, type=Path)
+    parser.add_argument("--tables", type=Path, help="write learning.csv and learning.md here")
+    parser.add_argument("--plots", type=Path, help="write reward_iteration.png, reward_time.png, samples.png here")
+    parser.add_argument("--average", type=int, default=3, help="iterations averaged at each end (default 3)")
+    parser.add_argument("--fraction", type=float, default=0.8, help="fraction of full's gain to reach (default 0.8)")
+    args = parser.parse_args(argv)
+    try:
+        if args.average < 1:
+            raise UserError(f"--average {args.average}: expected an integer >= 1")
+        if not 0 < args.fraction <= 1:
+            raise UserError(f"--fraction {args.fraction}: expected a number in (0, 1]")
+        runs = load_runs(args.manifest)
+        if args.tables:
+            write_table(learning_table(runs, args.average, args.fraction), args.tables, args.average, args.fraction)
+        if args.plots:
+            args.plots.mkdir(parents=True, exist_ok=True)
+            plot_rewards(runs, args.plots / "reward_iteration.png", "iteration")
+            plot_rewards(runs, args.plots / "reward_time.png", "time")
+            sample_grids(runs, args.plots / "samples.png")
+    except UserError as err:
+        print(f"agg_bench.learning: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One-shot check of every GPU code path, and the paper-scale numbers that matter, in a few minutes:
+#   scripts/gpu_check.sh          on one GPU: SD3.5-Medium with random weights (nothing downloaded)
+#   scripts/gpu_check.sh --cpu    the same steps on the tiny models on the CPU (the test suite runs this)
+# Steps: the environment record; full and AGG W=5 without and with rollout-velocity reuse at two
+# resolutions (train-phase time, CUDA and NVML peaks, energy, saved activations against the planner's
+# prediction; bf16 autocast on the GPU); a cached rollout; FSDP (train.shard fsdp) under torchrun with one
+# process (nccl on the GPU, gloo on the CPU); a run through the GPU pool; a profile with the CUDA memory
+# snapshot. Writes results/gpu_check/summary.json and summary.md (AGG_BENCH_CHECK_OUT changes the folder)
+# and exits 1 if any step failed.
+set -uo pipefail
+
+MODE=gpu
+if [[ "${1:-}" == "--cpu" ]]; then MODE=cpu; elif [[ $# -gt 0 ]]; then
+  echo "usage: scripts/gpu_check.sh [--cpu]" >&2; exit 2
+fi
+OUT=${AGG_BENCH_CHECK_OUT:-results/gpu_check}
+PY=${PYTHON:-python}
+rm -rf "$OUT"
+mkdir -p "$OUT/runs" "$OUT/logs"
+: > "$OUT/steps.tsv"
+
+COMMON=(--set model.family=sd3 --set sampling.steps=10 --set grpo.group_size=4 --set grpo.prompts_per_iteration=1
+        --set train.plan=groups --set train.plan_window=5 --set train.timestep_fraction=1.0
+        --set progress=false --set telemetry.saved_activations=every)
+if [[ $MODE == gpu ]]; then
+  COMMON+=(--set device=cuda --set model.dtype=bfloat16 --set model.preset=random --set model.architecture=sd3.5-medium)
+  RESOLUTIONS=(512 1024)
+  ITERATIONS=3
+else
+  COMMON+=(--set device=cpu --set model.dtype=float32 --set model.preset=tiny)
+  RESOLUTIONS=(32 64)
+  ITERATIONS=2
+fi
+SMALL=${RESOLUTIONS[0]}
+
+# step NAME COMMAND...: run it, log to $OUT/logs/NAME.log, record its exit code
+step() {
+  local name=$1; shift
+  local log="$OUT/logs/$name.log"
+  echo "gpu_check: $name" >&2
+  "$@" > "$log" 2>&1
+  local code=$?
+  printf '%s\t%s\t%s\n' "$name" "$code" "$log" >> "$OUT/steps.tsv"
+  [[ $code -eq 0 ]] || echo "gpu_check: $name FAILED (exit $code, see $log)" >&2
+}
+run() {  # run NAME [--set ...]: one training run into $OUT/runs/NAME
+  local name=$1; shift
+  step "$name" $PY -m agg_bench run "${COMMON[@]}" --set train.iterations=$ITERATIONS "$@" --out "$OUT/runs/$name"
+}
+
+step env sh -c "$PY -m agg_bench env > '$OUT/env.json'"
+for res in "${RESOLUTIONS[@]}"; do
+  run "full_${res}" --set model.resolution=$res --set 'method={"name": "full"}'
+  run "agg-w5_${res}" --set model.resolution=$res --set 'method={"name": "agg", "window": 5, "alpha": "sigma"}'
+  run "agg-w5-reuse_${res}" --set model.resolution=$res \
+      --set 'method={"name": "agg", "window": 5, "alpha": "sigma", "reuse_rollout_velocity": true}'
+done
+run "cached-fora_${SMALL}" --set model.resolution=$SMALL --set 'method={"name": "cached", "cache": "fora", "cache_in": "rollout"}'
+step "fsdp_${SMALL}" $PY -m torch.distributed.run --standalone --nproc_per_node 1 -m agg_bench run "${COMMON[@]}" \
+    --set train.iterations=1 --set model.resolution=$SMALL --set train.shard=fsdp --out "$OUT/runs/fsdp_${SMALL}"
+if [[ $MODE == gpu ]]; then
+  step "pool_${SMALL}" $PY -m agg_bench.gpus --count 1 --timeout 60 -- $PY -m agg_bench run "${COMMON[@]}" \
+      --set train.iterations=1 --set model.resolution=$SMALL --out "$OUT/runs/pool_${SMALL}"
+else  # a pretend one-GPU machine: the pool's locking and CUDA_VISIBLE_DEVICES, the run itself on the CPU
+  step "pool_${SMALL}" env AGG_BENCH_GPUS=1 AGG_BENCH_GPU_LOCK_DIR="$OUT/locks" $PY -m agg_bench.gpus --count 1 \
+      --timeout 60 -- $PY -m agg_bench run "${COMMON[@]}" --set train.iterations=1 --set model.resolution=$SMALL \
+      --out "$OUT/runs/pool_${SMALL}"
+fi
+step "profile_${SMALL}" $PY -m agg_bench profile "${COMMON[@]}" --set model.resolution=$SMALL --method agg \
+    --set method.window=5 --phase train --wait 0 --warmup 0 --active 1 --out "$OUT/profile"
+if [[ $MODE == gpu ]]; then
+  step memory_snapshot test -s "$OUT/profile/memory_snapshot.pickle"
+fi
+$PY -m agg_bench.gpucheck "$OUT" "$MODE"

@@ -1,0 +1,122 @@
+"""`agg-bench pretrain`: the saved folder loads as `model.preset: pretrained`, its output is atomic and
+guarded, and its config is checked. Models here train for a few steps only (seconds)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from agg_bench.config import load_config
+from agg_bench.errors import ConfigError, UserError
+from agg_bench.models import load_policy
+from agg_bench.pixel_decoder import PixelDecoder
+from agg_bench.pretrain import MARKER, SceneConditioning, load_pretrain_config, pretrain
+from agg_bench.scenes import all_scenes, draw_batch
+from agg_bench.text import prompt_conditioning, prompt_set
+
+QUICK = ["steps=2", "batch_size=4", "num_layers=1", "sample_steps=2", "warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """``pretrained(family)``: a model folder trained for 2 steps, made once per module."""
+    root = tmp_path_factory.mktemp("pretrained")
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = root / family
+            pretrain(load_pretrain_config(None, [f"family={family}", *QUICK]), made[family], progress=False)
+        return made[family]
+
+    return get
+
+
+def test_pixel_decoder_round_trip(rng):
+    """decode(un-normalise(encode(x))) returns the image: a rearrangement and an affine map (float error only)."""
+    decoder = PixelDecoder(2, scaling_factor=1.7, shift_factor=-0.6)
+    images = torch.rand(3, 3, 16, 16, generator=rng)
+    latents = decoder.encode_images(images)
+    assert latents.shape == (3, 12, 8, 8)
+    back = decoder.decode(latents / 1.7 + -0.6)[0] / 2 + 0.5
+    torch.testing.assert_close(back, images, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_folder_loads_as_a_pretrained_model(pretrained, family, tmp_path):
+    folder = pretrained(family)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["transformer", "vae", "scheduler", "token_hash.json", "samples.png", MARKER])
+    summary = json.loads((folder / MARKER).read_text())
+    assert summary["config"]["family"] == family and summary["config"]["steps"] == 2
+    policy = load_policy(family, "pretrained", str(folder))
+    assert isinstance(policy.vae, PixelDecoder)
+    assert policy.latent_shape(32) == (12, 16, 16)
+    # the run's conditioning is the token-hash embedding the model was trained with, whatever the run seed
+    prompts_file = tmp_path / "p.txt"
+    captions = [s.caption for s in all_scenes()[:3]]
+    prompts_file.write_text("\n".join(captions) + "\n")
+    cfg = load_config(None, [f"model.family={family}", "model.preset=pretrained", f"model.pretrained={folder}",
+                             f"prompts.file={prompts_file}", "seed=5"])
+    cond = prompt_conditioning(cfg, policy.transformer, prompt_set(str(prompts_file)))
+    trained = SceneConditioning(load_pretrain_config(None, [f"family={family}", *QUICK]))(captions)
+    assert torch.equal(cond.encoder_hidden_states, trained.encoder_hidden_states)
+    assert torch.equal(cond.pooled_projections, trained.pooled_projections)
+    # decoding data latents gives the data back
+    images = draw_batch(all_scenes()[:2], 32, torch.Generator())
+    torch.testing.assert_close(policy.decode(policy.vae.encode_images(images)), images, rtol=0, atol=1e-6)
+
+
+def test_run_on_a_pretrained_folder_records_scene_subscores(pretrained, tmp_path):
+    from agg_bench.train import train
+
+    prompts_file = tmp_path / "p.txt"
+    prompts_file.write_text("\n".join(s.caption for s in all_scenes()[:2]) + "\n")
+    cfg = load_config(None, ["model.family=sd3", "model.preset=pretrained", f"model.pretrained={pretrained('sd3')}",
+                             "model.resolution=32", f"prompts.file={prompts_file}", "reward.name=scene",
+                             "train.iterations=1", "sampling.steps=2", "grpo.group_size=2", "progress=false"])
+    summary = train(cfg, tmp_path / "run")
+    assert summary["status"] == "ok"
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    parts = [record[k] for k in ("reward_color", "reward_shape", "reward_position", "reward_count")]
+    assert all(0 <= p <= 1 for p in parts)
+    assert record["reward_mean"] == pytest.approx(sum(parts) / 4, abs=1e-6)
+
+
+def test_output_is_guarded_and_replaced_whole(pretrained, tmp_path):
+    cfg = load_pretrain_config(None, ["family=sd3", *QUICK])
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(UserError, match="not an agg-bench pretrain output"):
+        pretrain(cfg, foreign, progress=False)
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    # an earlier output is replaced by a complete new one; no temporary folder is left beside it
+    out = tmp_path / "model"
+    pretrain(cfg, out, progress=False)
+    (out / "stale.txt").write_text("from the earlier output")
+    pretrain(cfg, out, progress=False)
+    assert not (out / "stale.txt").exists() and (out / MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign", "model"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("family=qwenimage", "family"), ("steps=-1", "steps"), ("steps=10000000", "steps"), ("lr=.nan", "lr"),
+    ("lr=abc", "lr"), ("batch_size=2.5", "batch_size"), ("resolution=30", "resolution"),
+    ("pixel_factor=3", "pixel_factor"), ("ema_decay=1", "ema_decay"), ("colour=red", "colour"),
+    ("steps=true", "steps"),
+])
+def test_bad_config_names_the_key(override, key):
+    with pytest.raises(ConfigError, match=f"config error: {key} = "):
+        load_pretrain_config(None, [override])
+
+
+def test_cli_errors_exit_2_and_leave_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "agg_bench", "pretrain", "--set", "steps=0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "steps = 0" in proc.stderr
+    assert not out.exists()

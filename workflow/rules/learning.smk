@@ -1,0 +1,70 @@
+# The learning testbed (config/learning.yaml; docs/learning.md): scene models pre-trained once into
+# results/pretrained/<label>/ (later runs reuse them), then the learning tables and plots of the sweep's runs.
+#   snakemake --cores 2 --configfile config/learning.yaml learning      (make learning)
+PRETRAIN = config.get("pretrain") or {}
+LEARNING = config.get("learning") or {}
+LEARNING_DIR = "results/learning"
+LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + \
+    [f"{LEARNING_DIR}/{name}.png" for name in ("reward_iteration", "reward_time", "samples")]
+
+
+def pretrain_command(name: str) -> str:
+    spec = PRETRAIN[name]
+    sets = " ".join(set_arg(k, v) for k, v in (spec.get("set") or {}).items())
+    return f"{PYTHON} -m agg_bench pretrain --config {shlex.quote(spec['config'])} {sets} --out {PRETRAINED_DIR}/{name}"
+
+
+localrules: learning, learning_manifest
+
+
+rule pretrain:
+    input:
+        lambda wc: PRETRAIN[wc.name]["config"],
+    output:
+        directory(f"{PRETRAINED_DIR}/{{name}}"),
+    log:
+        "results/logs/pretrain/{name}.log",
+    benchmark:
+        "results/benchmarks/pretrain/{name}.tsv"
+    threads: 1
+    params:
+        command=lambda wc: pretrain_command(wc.name),
+    shell:
+        "OMP_NUM_THREADS={threads} {params.command} > {log} 2>&1"
+
+
+rule learning_manifest:
+    output:
+        f"{LEARNING_DIR}/manifest.json",
+    log:
+        "results/logs/learning_manifest.log",
+    params:
+        manifest=SWEEP.manifest(),
+    run:
+        from agg_bench.io import write_json
+
+        write_json(output[0], params.manifest)
+        with open(log[0], "w") as handle:
+            handle.write(f"{output[0]}: {len(params.manifest['runs'])} runs\n")
+
+
+rule learning_report:
+    input:
+        manifest=f"{LEARNING_DIR}/manifest.json",
+        runs=SWEEP.summaries(),
+    output:
+        LEARNING_FILES,
+    log:
+        "results/logs/learning.log",
+    params:
+        options=f"--average {int(LEARNING.get('average_iterations', 3))} --fraction {float(LEARNING.get('fraction_of_full', 0.8))}",
+    shell:
+        "{PYTHON} -m agg_bench.learning --manifest {input.manifest} {params.options} "
+        "--tables {LEARNING_DIR} --plots {LEARNING_DIR} > {log} 2>&1"
+
+
+rule learning:
+    input:
+        LEARNING_FILES,
+        SWEEP.gradcheck_files(),
+        [f"{PRETRAINED_DIR}/{name}" for name in PRETRAIN],
