@@ -28,7 +28,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from . import distributed
 from .errors import ConfigError
+from .fsdp import lockstep
 from .grpo import TrainBatch, UpdateStats, exact_backward, micro_batches, upstream_grad
 from .methods import Estimator, register_method
 from .models import Policy
@@ -211,13 +213,12 @@ class AGGEstimator(Estimator):
         """v(x_j) for the flat (row, step) pairs, in the latents' dtype: from the rollout when ``reuse``,
         else from no-grad forwards of up to ``nograd_batch`` latents each."""
         rows, steps = rows.to(batch.latents.device), steps.to(batch.latents.device)
-        if rows.numel() == 0:
-            return batch.latents.new_zeros((0, *batch.latents.shape[2:]))
         if reuse:
             return batch.velocities[rows, steps].to(batch.latents.dtype)
-        out = []
+        chunks = micro_batches(rows.numel(), self.config.nograd_batch) if rows.numel() else []
+        out = [batch.latents.new_zeros((0, *batch.latents.shape[2:]))]
         with torch.no_grad():
-            for idx in micro_batches(rows.numel(), self.config.nograd_batch):
+            for idx in lockstep(policy, batch, chunks, "nograd"):  # a sharded model: as many calls as the others
                 r, s = rows[idx], steps[idx]
                 out.append(policy.velocity(batch.states(r, s), batch.timestep_values(s), batch.cond[r]))
         return torch.cat(out).to(batch.latents.dtype)
@@ -242,6 +243,15 @@ class AGGEstimator(Estimator):
         device = batch.latents.device
         states = [batch.latents[g.rows[:, None].to(device), g.steps.to(device)] for g in candidates]
         return torch.stack([linearity(x) for x in states], dim=1).cpu(), None
+
+    def _route_shared(self, scores: torch.Tensor) -> torch.Tensor:
+        """:meth:`_route` over the scores of every process's samples at once (the single-process batch),
+        this process's rows of it: the routed set is the single-process one, whatever the process count."""
+        shard = distributed.current()
+        if not shard.distributed:
+            return self._route(scores)
+        everyone = torch.cat(distributed.gather(scores))
+        return self._route(everyone)[shard.rows(everyone.shape[0])]
 
     def _route(self, scores: torch.Tensor) -> torch.Tensor:
         """Mask (B, G) of the route_frac * B * G (rounded half up) highest scores; ties go to earlier groups."""
@@ -275,7 +285,7 @@ class AGGEstimator(Estimator):
                 chosen = torch.ones(b, len(candidates), dtype=torch.bool)
             else:
                 scores, velocities = self._scores(policy, batch, candidates, reuse)
-                chosen = self._route(scores)
+                chosen = self._route_shared(scores)
             routed[:, eligible] = chosen
             groups = [g.subset(chosen[:, c]) for c, g in enumerate(candidates)]
             if endpoints_from_grad:
@@ -305,6 +315,13 @@ class AGGEstimator(Estimator):
         if velocities is not None:
             velocities = [v for v in velocities if v.shape[0]]
         if not groups:
+            # none routed here; a sharded model still joins the passes the other processes make
+            nothing = torch.zeros(0, dtype=torch.long)
+            if batch.beta > 0 and reference is not None:
+                self.velocities(reference, batch, nothing, nothing, reuse=False)
+            if velocities is None:  # the interior's no-grad forwards
+                self.velocities(policy, batch, nothing, nothing, reuse=False)
+            self._endpoint_backwards(policy, batch, None, None, None, None, None, stats)
             return []
         device = batch.latents.device
         shapes = [g.steps.shape for g in groups]
@@ -372,7 +389,9 @@ class AGGEstimator(Estimator):
         ``own_weights`` x its u, from the forward's detached output (and ``own_ref``, the reference's v);
         those outputs are returned."""
         outputs = []
-        for idx in micro_batches(rows.numel(), self.config.micro_batch or batch.batch_size):
+        # rows None: none here; a sharded model still makes as many calls as the other processes
+        chunks = [] if rows is None else micro_batches(rows.numel(), self.config.micro_batch or batch.batch_size)
+        for idx in lockstep(policy, batch, chunks, "grad"):
             idx = idx.to(rows.device)
             r, s = rows[idx], steps[idx]
             out = policy.velocity(batch.states(r, s), batch.timestep_values(s), batch.cond[r])
@@ -392,12 +411,11 @@ class AGGEstimator(Estimator):
         device = batch.train_steps.device
         for g, (start, stop) in enumerate(bounds):
             rows = torch.nonzero(~routed[:, g], as_tuple=False).flatten().to(device)
-            if rows.numel() == 0:
-                continue
-            for entry in range(start, stop):
-                for idx in micro_batches(rows.numel(), self.config.micro_batch):
-                    r = rows[idx.to(device)]
-                    exact_backward(policy, batch, r, batch.train_steps[r, entry], stats, reference)
+            calls = [(entry, idx) for entry in range(start, stop)
+                     for idx in micro_batches(rows.numel(), self.config.micro_batch)] if rows.numel() else []
+            for entry, idx in lockstep(policy, batch, calls, "exact", reference):
+                r = rows[idx.to(device)]
+                exact_backward(policy, batch, r, batch.train_steps[r, entry], stats, reference)
 
     def iteration_metrics(self) -> dict:
         """Routing record since the last call (one iteration's updates), then starts a new record.

@@ -7,6 +7,12 @@ comes from ``iteration_generator(seed, iteration)``, so an iteration depends on 
 after iteration k gives records k+1, ... equal to those of an uninterrupted run (timing fields aside).
 Frozen weights (a LoRA base, the KL reference) are rebuilt from the config, so they are not saved.
 
+**Sharded** (``train.shard: fsdp``): the parameters and optimizer state are written by every process,
+each its own shards, with ``torch.distributed.checkpoint`` into ``DIR/checkpoint_shards_<iteration>/``;
+``checkpoint.pt`` then holds everything else and the name of that folder, and is written last, so it
+only ever names a complete folder; older shard folders are removed after it. Resuming loads the shards
+into the sharded model (the process count may differ: the checkpoint is resharded on load).
+
 The file is written under a temporary name and renamed, so ``checkpoint.pt`` is always complete. The
 records travel inside it, so a resumed ``metrics.jsonl`` is rebuilt from them even when the file was
 deleted or holds records of iterations after the checkpoint (the workflow removes a failed job's outputs).
@@ -15,17 +21,20 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .errors import ConfigError, UserError
 from .io import atomic_path, is_temp_name
 
 CHECKPOINT_NAME = "checkpoint.pt"
+SHARDS_PREFIX = "checkpoint_shards_"
 FORMAT = 1
 # Config keys that may differ between a run and its resumption: they do not change what is computed
 # (the device may: a run can move to another machine; numbers then follow that device's arithmetic).
@@ -104,19 +113,56 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _sharded_state(session) -> dict:
+    """The trainable parameters and optimizer state of a sharded session, as DCP state dicts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optimizer = get_state_dict(session.policy.transformer, session.optimizer,
+                                      options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model, "optimizer": optimizer}
+
+
+def _remove_shard_folders(out_dir: Path, keep: str | None = None) -> None:
+    for folder in Path(out_dir).glob(SHARDS_PREFIX + "*"):
+        if folder.is_dir() and folder.name != keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _save_shards(out_dir: Path, session, iteration: int) -> str:
+    """Every process writes its shards into a fresh DIR/checkpoint_shards_<iteration>/; its name."""
+    import torch.distributed.checkpoint as dcp
+
+    name = f"{SHARDS_PREFIX}{iteration:06d}"
+    if dist.get_rank() == 0:  # a folder a failed attempt left under this name: not the one checkpoint.pt names
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+    dist.barrier()
+    dcp.save(_sharded_state(session), checkpoint_id=out_dir / name)
+    dist.barrier()
+    return name
+
+
 def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[str], config: dict) -> Path:
-    """Write the state after ``iteration`` (records 0..iteration as JSON lines) to DIR/checkpoint.pt atomically."""
+    """Write the state after ``iteration`` (records 0..iteration as JSON lines) to DIR/checkpoint.pt atomically.
+
+    A sharded session is saved by every process (its shards); only rank 0 writes ``checkpoint.pt``."""
+    from .fsdp import is_sharded
+
     path = checkpoint_path(out_dir)
     state = {
         "format": FORMAT,
         "iteration": iteration,
         "policy_version": session.policy.version,
-        "parameters": {name: p.detach().cpu() for name, p in session.policy.named_parameters()},
-        "optimizer": session.optimizer.state_dict(),
         "rng": _rng_state(session.device),
         "records": list(records),
         "config": config,
     }
+    if is_sharded(session.policy):
+        state["shards"] = _save_shards(Path(out_dir), session, iteration)
+        if dist.get_rank() != 0:
+            return path
+    else:
+        state["parameters"] = {name: p.detach().cpu() for name, p in session.policy.named_parameters()}
+        state["optimizer"] = session.optimizer.state_dict()
     tmp = atomic_path(path)
     with open(tmp, "wb") as fh:
         torch.save(state, fh)
@@ -124,6 +170,7 @@ def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+    _remove_shard_folders(path.parent, keep=state.get("shards"))
     return path
 
 
@@ -144,6 +191,38 @@ def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | 
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"--resume: {path} is not an agg-bench checkpoint of format {FORMAT}")
     check_same_run(state["config"], config, Path(out_dir))
+    if "shards" in state:
+        _load_shards(Path(out_dir), session, state["shards"], path)
+    else:
+        _load_parameters(session, state, path)
+    session.policy.version = state["policy_version"]
+    _set_rng_state(state["rng"], session.device)
+    return Checkpoint(iteration=state["iteration"], records=list(state["records"]))
+
+
+def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:
+    """Load the shard folder ``name`` that ``path`` names into the sharded session."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from .fsdp import is_sharded
+
+    folder = out_dir / name
+    if not is_sharded(session.policy) or not (folder / ".metadata").is_file():
+        raise UserError(f"--resume: {path} names the shard folder {folder}, which is missing or incomplete; "
+                        "delete the checkpoint or run without --resume")
+    state = _sharded_state(session)
+    try:
+        dcp.load(state, checkpoint_id=folder)
+    except Exception as err:  # e.g. another model's parameter names
+        raise UserError(f"--resume: {folder} does not match the model's trainable parameters "
+                        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+    set_state_dict(session.policy.transformer, session.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=StateDictOptions(ignore_frozen_params=True))
+
+
+def _load_parameters(session, state: dict, path: Path) -> None:
+    """Copy a whole (unsharded) checkpoint's parameters and optimizer state into the session."""
     params = dict(session.policy.named_parameters())
     saved = state["parameters"]
     if set(saved) != set(params):
@@ -153,9 +232,6 @@ def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | 
         for name, p in params.items():
             p.copy_(saved[name])
     session.optimizer.load_state_dict(state["optimizer"])
-    session.policy.version = state["policy_version"]
-    _set_rng_state(state["rng"], session.device)
-    return Checkpoint(iteration=state["iteration"], records=list(state["records"]))
 
 
 def write_lines(path: str | Path, lines: list[str]) -> None:
@@ -177,6 +253,7 @@ def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool) -> None:
     doomed = [out / "summary.json"]
     if not keep_checkpoint:
         doomed.append(checkpoint_path(out))
+        _remove_shard_folders(out)
     # only the harness's own temporary names (io.atomic_path), never a user's look-alike
     doomed += [p for p in out.iterdir() if p.is_file() and is_temp_name(p.name)]
     for p in doomed:

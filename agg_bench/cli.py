@@ -18,6 +18,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(args) -> int:
     from .config import load_config
+    from .distributed import launched_rank
     from .train import train
 
     overrides = list(args.overrides)
@@ -25,7 +26,8 @@ def cmd_run(args) -> int:
         overrides.append(f"train.checkpoint_every={args.checkpoint_every}")
     cfg = load_config(args.config, overrides)
     summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
-    print(json.dumps({"out": str(args.out), "status": summary["status"]}))
+    if launched_rank() == 0:  # one result line for the job, not one per torchrun process
+        print(json.dumps({"out": str(args.out), "status": summary["status"]}))
     return 0
 
 

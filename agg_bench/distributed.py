@@ -11,7 +11,8 @@ no-op and a run is one process.
 whole batch so that its random draws match, but the transformer only evaluates this process's rows
 (:class:`ShareView`); the rows of other processes get a zero velocity and are dropped after sampling.
 The price is the whole batch's latent buffers during the rollout, not its transformer work. So the
-union of the K shares is the single-process batch, sample for sample.
+union of the K shares is the single-process batch, sample for sample. Every process calls the
+transformer once per step, on equal shares, as a sharded model needs.
 
 **The gradient.** Every backward pass of an update accumulates into the local ``.grad`` without any
 communication; :func:`average_gradients` then averages every ``.grad`` over the processes in one
@@ -21,12 +22,15 @@ processes: AGG routes a data-dependent number of groups through its two endpoint
 rest through per-step backwards, and DDP's reducer expects the synchronizing backward to run the same
 buckets on every process. Each process's loss is scaled by 1/(B_local N) and all hold B_local = B/K
 samples, so the average of the local gradients is the single-process gradient of
-L = 1/(B N) sum l_ij. AGG's routing ranks the groups of each process's own share: with ``route_frac``
-0 or 1 the gradient is the single-process one, in between the routed set can differ from it.
+L = 1/(B N) sum l_ij. AGG routes on the scores of all processes' groups at once (gathered), so the routed
+set, and with it the gradient, is the single-process one for every ``route_frac``.
 
-**FSDP** is not supported: its forward passes all-gather parameter shards, a collective that every
-process must call equally often, which AGG's per-process routing does not guarantee. Models that do not
-fit one device train with LoRA (``train.lora_rank``) and gradient checkpointing.
+**FSDP** (``train.shard: fsdp``, :mod:`agg_bench.fsdp`): parameters, gradients and optimizer state are
+sharded with FSDP2 instead of replicated. Its reduce-scatter in every backward already averages the
+gradients, so :func:`average_gradients` then averages only the loss. Its forwards and backwards are
+collectives, so every method makes the same sequence of transformer calls on every process: loops whose
+length depends on the data agree their length first and pad with passes that change no gradient
+(:func:`agg_bench.fsdp.lockstep`). Without torchrun, ``fsdp`` runs on a process group of one process.
 
 **Records.** Each process measures its share; :func:`gather` brings all shares to every process,
 :func:`combine` merges them into one record (rules at :data:`SUMMED_KEYS`), every process takes the same
@@ -35,14 +39,19 @@ decisions from it (divergence, stopping) and rank 0 writes it.
 **Failures.** A process that fails joins the next collective of the others through
 :func:`report_failure`; their :func:`gather` then raises :class:`PeerFailure` (a :class:`UserError` for a
 user error), so all stop together instead of waiting for each other forever. Signals are not shared:
-torchrun forwards SIGTERM/SIGINT to every process and each stops on its own.
+torchrun forwards SIGTERM/SIGINT to every process and each stops on its own. A process that is stuck
+but alive, or that fails inside a sharded forward the others are waiting in, ends the job when their
+collective times out: after ``AGG_BENCH_DIST_TIMEOUT_S`` seconds (:func:`collective_timeout`, default
+600) instead of the backend's 30 minutes. Only rank 0 writes files and prints the CLI's result line.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -61,6 +70,9 @@ MAX_KEYS = frozenset({"ratio_dev"})
 # elements per all-reduce call: the flat copy of one bucket is the extra memory of averaging
 BUCKET_ELEMENTS = 1 << 25
 _SHARED = "_agg_bench_shared"
+TIMEOUT_ENV = "AGG_BENCH_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -110,18 +122,43 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """This process's rank among those torchrun started (0 without torchrun); valid before and after
+    the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective waits for the other processes before it fails: ``AGG_BENCH_DIST_TIMEOUT_S``
+    seconds (default :data:`DEFAULT_TIMEOUT_S`). A process that is stuck but alive then ends the job
+    instead of blocking the others for the backend's default 30 minutes."""
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_TIMEOUT_S:
+        raise UserError(f"environment variable {TIMEOUT_ENV}={raw!r}: expected seconds in (0, {MAX_TIMEOUT_S}]")
+    return timedelta(seconds=seconds)
+
+
 @contextlib.contextmanager
-def process_group(device: torch.device) -> Iterator[Shard]:
+def process_group(device: torch.device, single: bool = False) -> Iterator[Shard]:
     """This process's shard for the block: under torchrun (WORLD_SIZE > 1) it joins the process group,
     nccl for a CUDA device after selecting the GPU of ``LOCAL_RANK``, gloo otherwise, and leaves it
-    after the block. Without torchrun it is one process; a group that already exists is used and kept."""
+    after the block. Without torchrun it is one process, and with ``single`` (FSDP needs a group) it
+    joins a group of this one process (an in-memory store: nothing listens on the network). A group
+    that already exists is used and kept. Collectives time out after :func:`collective_timeout`."""
     joined = False
-    if launched_world_size() > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl")
+    if not dist.is_initialized() and (launched_world_size() > 1 or single):
+        timeout = collective_timeout()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":  # torchrun: the GPU of LOCAL_RANK; one process: the configured one
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", device.index or 0)))
+        if launched_world_size() > 1 or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         joined = True
     try:
         yield current()

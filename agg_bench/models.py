@@ -143,6 +143,8 @@ class Policy:
     family: str = ""
     timestep_scale: float = 1000.0
     packed: bool = False  # 2x2 latent packing: the transformer sees 4x the latent channels
+    compute_device: torch.device | None = None  # set when sharded (agg_bench.fsdp)
+    padding_passes: int = 0  # lockstep padding calls of a sharded policy (agg_bench.fsdp)
 
     def __init__(self, transformer: torch.nn.Module, vae: torch.nn.Module | None, latent_channels: int | None = None,
                  *, autocast_dtype: torch.dtype | None = None, scheduler_config: dict | None = None):
@@ -210,7 +212,8 @@ class Policy:
 
     @property
     def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
+        # FSDP with CPU offload keeps the parameters in host memory and computes on compute_device
+        return self.compute_device or next(self.transformer.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:

@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from . import distributed
+from . import distributed, fsdp
 from . import telemetry as tel
 from .checkpoint import (checkpoint_path, first_difference, load_checkpoint, remove_stale_files, save_checkpoint,
                          write_lines)
@@ -97,6 +97,7 @@ class Session:
         estimator.check_run(cfg)
         self.estimator = estimator
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
+        fsdp.shard_run(cfg, self.policy, self.reference)  # train.shard: fsdp; before the optimizer sees the parameters
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
         if cfg.sampling.shift is not None:
@@ -165,10 +166,10 @@ class Session:
             with distributed.failures_shared():  # no process enters the all-reduce while another failed
                 self.estimator.accumulate(self.policy, batch, stats, self.reference)
             # every backward above accumulated locally; one averaging all-reduce per optimizer step
-            (loss,) = distributed.average_gradients(params, stats.loss_sum)
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])) \
-                if grads else torch.zeros((), dtype=torch.float64)
+            # (FSDP already averaged each backward's gradients in its reduce-scatter: only the loss is left)
+            sharded = fsdp.is_sharded(self.policy)
+            (loss,) = distributed.average_gradients([] if sharded else params, stats.loss_sum)
+            norm = fsdp.gradient_norm(params)
             if cfg.train.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
             # checked before the step, so a non-finite gradient never reaches the weights
@@ -318,7 +319,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     (the exception is raised after the summary is written). Started by torchrun, every process trains
     its share of each batch and rank 0 writes (:mod:`agg_bench.distributed`).
     """
-    with distributed.process_group(resolve_device(cfg.device)) as shard:
+    with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
         return _train(cfg, Path(out_dir), resume, shard, overwrite)
 
 
@@ -358,6 +359,7 @@ def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> Non
 
 def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, overwrite: bool = False) -> dict:
     shard.check_run(cfg)
+    fsdp.check_run(cfg)
     check_out_dir(out, cfg.to_dict(), resume, overwrite)
     try:
         session = Session(cfg)  # every input error surfaces here, before anything is written
@@ -403,7 +405,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
 
     def checkpoint(iteration: int) -> None:
         nonlocal saved_at
-        if shard.is_main:
+        if shard.is_main or fsdp.is_sharded(session.policy):  # every process writes its shards
             save_checkpoint(out, session, iteration, lines, config)
         saved_at = iteration
 

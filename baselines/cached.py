@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 
 from agg_bench.errors import ConfigError
+from agg_bench.fsdp import agreed_max, lockstep
 from agg_bench.grpo import StepTerms, TrainBatch, UpdateStats, step_terms
 from agg_bench.methods import Estimator, ReplayPlan, register_method
 from agg_bench.models import Policy
@@ -49,6 +50,9 @@ from baselines.caches.handle import checkpointable_modules
 from baselines.full import FullEstimator
 
 CACHE_IN = ("rollout", "train", "both")
+# Caches that decide from the activations whether to skip: with a sharded model each process would
+# decide on its own samples, and the processes' FSDP collectives would no longer match.
+DATA_DEPENDENT_CACHES = ("fbc", "teacache")
 
 
 @dataclass
@@ -191,6 +195,10 @@ class CachedEstimator(Estimator):
         if cfg.model.family not in BLOCK_LISTS:
             raise ConfigError("model.family", cfg.model.family,
                               f"one of {sorted(BLOCK_LISTS)} for method 'cached' (the families the caches support)")
+        if cfg.train.get("shard") == "fsdp" and self.config.cache in DATA_DEPENDENT_CACHES:
+            raise ConfigError("method.cache", self.config.cache,
+                              f"a cache that skips by step, not by data, with train.shard=fsdp (not one of "
+                              f"{list(DATA_DEPENDENT_CACHES)}: each process would skip different blocks)")
         if self.caches_training and cfg.train.gradient_checkpointing:
             raise ConfigError("train.gradient_checkpointing", True,
                               f"false with method 'cached' and method.cache_in={self.config.cache_in!r}: "
@@ -264,24 +272,28 @@ class CachedEstimator(Estimator):
         b = batch.batch_size
         trains = torch.zeros(b, batch.timesteps.numel(), dtype=torch.bool, device=device)
         trains[torch.arange(b, device=device)[:, None], batch.train_steps] = True
-        last = int(batch.train_steps.max())
+        # steps some sample trains, on any process when the model is sharded (they walk in lockstep)
+        trained = agreed_max(policy, trains.any(dim=0).cpu()).bool()
+        last = int(torch.nonzero(trained).max())
         every = torch.arange(b, device=device)
         trainers = {j: trains[:, j].nonzero().flatten() for j in range(last + 1)}
         # The reference may be this very transformer with adapters off (LoRA): run it before the cache is on.
         ref_velocity = {}
         if batch.beta > 0 and reference is not None:
             with torch.no_grad():
-                for j, rows in trainers.items():
-                    if rows.numel():
-                        steps = torch.full_like(rows, j)
-                        ref_velocity[j] = reference.velocity(batch.states(rows, steps), batch.timestep_values(steps),
-                                                             batch.cond[rows])
+                for j in lockstep(reference, batch, [j for j, rows in trainers.items() if rows.numel()], "nograd"):
+                    rows = trainers[j]
+                    steps = torch.full_like(rows, j)
+                    ref_velocity[j] = reference.velocity(batch.states(rows, steps), batch.timestep_values(steps),
+                                                         batch.cond[rows])
         with self._cache_on(policy, self.train_work) as handle:
             for j, rows in trainers.items():
                 steps = torch.full((b,), j, device=device)
                 handle.begin_step(j, batch.timesteps[j])
-                with torch.set_grad_enabled(rows.numel() > 0):
+                with torch.set_grad_enabled(bool(trained[j])):
                     v = policy.velocity(batch.states(every, steps), batch.timestep_values(steps), batch.cond)
+                if not rows.numel() and v.requires_grad:
+                    v.backward(torch.zeros_like(v))  # another process trains step j: join its backward
                 if rows.numel():
                     terms = step_terms(batch, rows, steps[rows], v[rows], ref_velocity.get(j))
                     loss = terms.loss.sum() * batch.loss_scale

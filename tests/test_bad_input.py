@@ -69,7 +69,7 @@ def test_agg_window_longer_than_the_trained_steps(tmp_path, capsys):
 
 def test_prompts_that_do_not_split_over_the_processes(tmp_path, capsys, monkeypatch):
     # as torchrun with 3 processes would see it: 2 prompts per iteration cannot be split into whole groups
-    monkeypatch.setattr(distributed, "process_group", lambda device: contextlib.nullcontext(distributed.Shard(0, 3)))
+    monkeypatch.setattr(distributed, "process_group", lambda device, single=False: contextlib.nullcontext(distributed.Shard(0, 3)))
     line = run_fails(tmp_path / "out", capsys)
     assert "grpo.prompts_per_iteration" in line and "3" in line
 

@@ -158,6 +158,9 @@ def test_torchrun_run_writes_the_single_process_records(tmp_path):
                                                     "--set", 'method={"name": "agg", "window": 3}']
     proc = torchrun("-m", "agg_bench", "run", *args, "--out", str(tmp_path / "two"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # one result line for the job: rank 0's, not one per process
+    assert [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")] == \
+        [{"out": str(tmp_path / "two"), "status": "ok"}]
     assert main(["run", *args, "--out", str(tmp_path / "one")]) == 0
     two = list(read_jsonl(tmp_path / "two/metrics.jsonl"))
     one = list(read_jsonl(tmp_path / "one/metrics.jsonl"))
