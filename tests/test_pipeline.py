@@ -41,14 +41,18 @@ def job_counts(stdout: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", block, re.M)}
 
 
-def expected_runs(sweep: dict) -> int:
-    """Runs of a sweep: every label combination that no `exclude` entry matches."""
-    combos = itertools.product(sweep["methods"], sweep["models"], sweep["resolutions"], sweep["seeds"],
-                               sweep["devices"])
+def expected_run_labels(sweep: dict) -> list[dict]:
+    """The label combinations of a sweep's runs: every one that no `exclude` entry matches."""
     keys = ("method", "model", "resolution", "seed", "device")
-    return sum(not any(all(fnmatch.fnmatchcase(str(dict(zip(keys, combo))[k]), str(p)) for k, p in entry.items())
-                       for entry in sweep.get("exclude", []))
-               for combo in combos)
+    combos = [dict(zip(keys, combo)) for combo in itertools.product(
+        sweep["methods"], sweep["models"], sweep["resolutions"], sweep["seeds"], sweep["devices"])]
+    return [c for c in combos
+            if not any(all(fnmatch.fnmatchcase(str(c[k]), str(p)) for k, p in entry.items())
+                       for entry in sweep.get("exclude", []))]
+
+
+def expected_runs(sweep: dict) -> int:
+    return len(expected_run_labels(sweep))
 
 
 @pytest.mark.parametrize("name, extra", [
@@ -69,8 +73,7 @@ def test_dry_run_expands_every_job(tmp_path, name, extra):
     assert counts.get("embed", 0) == (len(sweep["models"]) if "embed" in sweep else 0)
     assert counts["tables"] == counts["plots"] == counts["manifest"] == 1
     # one cost-model calibration per model x resolution x device that runs use
-    assert counts["calibrate"] == len({(m, r, d) for m in sweep["models"] for r in sweep["resolutions"]
-                                       for d in sweep["devices"]})
+    assert counts["calibrate"] == len({(c["model"], c["resolution"], c["device"]) for c in expected_run_labels(sweep)})
     assert not (work / "results").exists()  # a dry run writes nothing
 
 
