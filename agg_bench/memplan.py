@@ -41,7 +41,7 @@ import torch
 from . import distributed
 from .errors import ConfigError
 from .models import (POLICIES, TRANSFORMER_CLASSES, VAE_CLASSES, Conditioning, Policy, build_tiny_transformer,
-                     build_tiny_vae, prepare_training, precision, text_dims)
+                     build_tiny_vae, prepare_training, precision, text_dims, vae_dtype)
 from .telemetry import SavedActivations, counting_regions
 
 GIB = 1024 ** 3
@@ -209,7 +209,7 @@ class ShapeModel:
         self._policies: dict[tuple, Policy] = {}
         self._activations: dict[tuple, int] = {}
         self._checkpoint_inputs: dict[tuple, int] = {}
-        self.vae = _to_fake(_shapes(cfg, "vae"), self.mode)
+        self.vae = _to_fake(_shapes(cfg, "vae", vae_dtype(self.precision)), self.mode)
         train = cfg["train"]
         self.latent_shape = self.policy(bool(train["gradient_checkpointing"]), train["lora_rank"]).latent_shape(
             cfg["model"]["resolution"])

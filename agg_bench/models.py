@@ -60,6 +60,12 @@ PRECISIONS = {
 }
 
 
+def vae_dtype(prec: Precision) -> torch.dtype:
+    """The VAE's dtype: float64 in a float64 run, so that its rewards carry float64 precision rather than
+    float32 rounding, which the advantages' division by a group's spread would magnify; float32 otherwise."""
+    return torch.float64 if prec.param_dtype == torch.float64 else torch.float32
+
+
 def precision(name: str) -> Precision:
     if name not in PRECISIONS:
         raise ConfigError("model.dtype", name, f"one of {sorted(PRECISIONS)}")
@@ -484,9 +490,7 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
         raise ConfigError("model.pretrained", pretrained,
                           f"a VAE with {latent_channels} latent channels to match the transformer")
     transformer.to(device)
-    # a float64 run decodes in float64 too: its rewards then carry float64 precision, not float32 rounding
-    # that the advantages' division by a group's spread would magnify
-    vae.to(device, torch.float64 if prec.param_dtype == torch.float64 else None)
+    vae.to(device, vae_dtype(prec))
     return policy_cls(transformer, vae, latent_channels, autocast_dtype=prec.autocast_dtype,
                       scheduler_config=scheduler_config)
 

@@ -26,4 +26,4 @@ def test_engine_names_are_the_records_names():
 
     assert train.RECORD_KEYS is records.RECORD_KEYS and train.TIMING_KEYS is records.TIMING_KEYS
     assert telemetry.TELEMETRY_KEYS is records.TELEMETRY_KEYS
-    assert report.PLOTS is records.PLOTS and report.TABLES is records.TABLES
+    assert report.PLOTS is records.PLOTS
