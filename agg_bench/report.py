@@ -898,6 +898,24 @@ def _legend(fig, axes) -> None:
         fig.tight_layout()
 
 
+def _resolution_panels(plt, df: pd.DataFrame):
+    """A figure of one panel per model x hardware, each with a line per method over resolution:
+    ``(fig, axes, [(ax, panel rows, [(method, its rows by resolution, color), ...]), ...])``."""
+    keys = list(dict.fromkeys(zip(df["model"], df["hardware"])))
+    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
+    colors = _colors(df["method"])
+    panels = []
+    for ax, (model, hardware) in zip(axes, keys):
+        panel = df[(df["model"] == model) & (df["hardware"] == hardware)]
+        lines = [(method, line.sort_values("resolution"), colors[method])
+                 for method, line in panel.groupby("method", sort=False)]
+        ax.set_title(f"{model}, {hardware}", fontsize=9)
+        ax.set_xlabel("resolution (px)")
+        ax.grid(alpha=0.3)
+        panels.append((ax, panel, lines))
+    return fig, axes, panels
+
+
 def plot_memory(efficiency: pd.DataFrame, path: Path) -> None:
     """Peak memory vs resolution per method, one panel per model x hardware. CUDA allocator peak where
     measured, else the peak of saved activations (on CPU the allocator has no peak)."""
@@ -908,20 +926,13 @@ def plot_memory(efficiency: pd.DataFrame, path: Path) -> None:
     use_alloc = df["peak_alloc_mib"].notna().any()
     column = "peak_alloc_mib" if use_alloc else "saved_act_mib"
     what = "peak allocated (MiB)" if use_alloc else "peak saved activations (MiB)"
-    keys = list(dict.fromkeys(zip(df["model"], df["hardware"])))
-    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
-    colors = _colors(df["method"])
-    for ax, (model, hardware) in zip(axes, keys):
-        panel = df[(df["model"] == model) & (df["hardware"] == hardware)]
-        for method, line in panel.groupby("method", sort=False):
-            line = line.sort_values("resolution")
-            ax.plot(line["resolution"].astype(float), line[column], marker="o", color=colors[method], label=method)
+    fig, axes, panels = _resolution_panels(plt, df)
+    for ax, _, lines in panels:
+        for method, line, color in lines:
+            ax.plot(line["resolution"].astype(float), line[column], marker="o", color=color, label=method)
             for _, bad in line[line["status"] == "oom"].iterrows():
-                ax.annotate("OOM", (float(bad["resolution"]), 0), color=colors[method], fontsize=7)
-        ax.set_title(f"{model}, {hardware}", fontsize=9)
-        ax.set_xlabel("resolution (px)")
+                ax.annotate("OOM", (float(bad["resolution"]), 0), color=color, fontsize=7)
         ax.set_ylabel(what)
-        ax.grid(alpha=0.3)
     _legend(fig, axes)
     save_figure(fig, path)
     plt.close(fig)
@@ -1021,24 +1032,16 @@ def plot_time_resolution(efficiency: pd.DataFrame, path: Path) -> None:
         if not efficiency.empty else efficiency
     if df.empty:
         return _empty_figure(plt, path, "no timed iterations")
-    keys = list(dict.fromkeys(zip(df["model"], df["hardware"])))
-    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
-    colors = _colors(df["method"])
-    for ax, (model, hardware) in zip(axes, keys):
-        panel = df[(df["model"] == model) & (df["hardware"] == hardware)]
-        for method, line in panel.groupby("method", sort=False):
-            line = line.sort_values("resolution")
+    fig, axes, panels = _resolution_panels(plt, df)
+    for ax, panel, lines in panels:
+        for method, line, color in lines:
             xs, med = line["resolution"].astype(float).to_numpy(), line["t_iter_s"].to_numpy(float)
-            ax.errorbar(xs, med, yerr=_iqr_err(line, "iter", med), marker="o", capsize=3, color=colors[method],
-                        label=method)
+            ax.errorbar(xs, med, yerr=_iqr_err(line, "iter", med), marker="o", capsize=3, color=color, label=method)
             ax.fill_between(xs, line["t_iter_p25_s"].to_numpy(float), line["t_iter_p75_s"].to_numpy(float),
-                            color=colors[method], alpha=0.15, lw=0)
+                            color=color, alpha=0.15, lw=0)
         ax.set_xticks(sorted(panel["resolution"].astype(int).unique()))
-        ax.set_title(f"{model}, {hardware}", fontsize=9)
-        ax.set_xlabel("resolution (px)")
         ax.set_ylabel(f"s / iteration, median + IQR ({_basis_label(panel)})", fontsize=8)
         ax.set_yscale("log")
-        ax.grid(alpha=0.3)
     _legend(fig, axes)
     save_figure(fig, path)
     plt.close(fig)
