@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import os
 import socket
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -58,7 +59,14 @@ def profile_steps(
         before = set(out_dir.iterdir())
         write_trace(prof)
         traces.extend(sorted(set(out_dir.iterdir()) - before))
-        cycles.append(prof.key_averages())
+        try:
+            cycles.append(prof.key_averages())
+        except UnicodeDecodeError as err:
+            # torch's parser of the profiler's memory events sometimes meets a garbled event name; the
+            # trace is written, only this cycle's rows of the operator table are lost
+            print(f"agg-bench profile: cycle {len(cycles)}: no operator table ({err}); its trace is written",
+                  file=sys.stderr)
+            cycles.append(None)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     profiler = profile(
@@ -112,7 +120,7 @@ def _write_operator_table(path: Path, cycles: list[Any], on_cuda: bool) -> None:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         for cycle, events in enumerate(cycles):
-            for event in sorted(events, key=sort_key, reverse=True):
+            for event in sorted(events or [], key=sort_key, reverse=True):
                 row = {
                     "cycle": cycle,
                     "name": event.key,

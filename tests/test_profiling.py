@@ -76,3 +76,19 @@ def test_profile_rejects_an_empty_schedule(tmp_path):
     with pytest.raises(ValueError, match="active = 0"):
         profile_steps(step, tmp_path, "cpu", active=0)
     assert calls == []
+
+
+def test_a_cycle_whose_events_cannot_be_parsed_keeps_its_trace(tmp_path, monkeypatch, capsys):
+    """torch's parser of memory events can fail on a garbled event name: that cycle's trace is still
+    written and only its operator rows are missing, with a line on stderr saying so."""
+    from torch.profiler import profile
+
+    def garbled(self, *args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid continuation byte")
+
+    monkeypatch.setattr(profile, "key_averages", garbled)
+    step, _ = tiny_step()
+    written = profile_steps(step, tmp_path / "profile", "cpu", wait=0, warmup=0, active=1, with_stack=False)
+    assert read_trace(Path(written["trace_0"]))["traceEvents"]
+    assert read_operators(Path(written["operators"])) == []
+    assert "cycle 0: no operator table" in capsys.readouterr().err
