@@ -225,7 +225,7 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
             raise UserError("gradcheck needs a run config to make a snapshot from (or --snapshot DIR of one)")
         build_estimators(cfg.to_dict(), jobs)  # fail on a bad option before the rollout, not after
         folder = Path(snapshot_dir) if snapshot_dir is not None else \
-            out.parent / f".{out.stem}.snapshot.tmp{os.getpid()}"
+            atomic_path(out.parent / f"{out.stem}-snapshot")
         temporary = None if snapshot_dir is not None else folder
     try:
         if not _has_snapshot(folder):

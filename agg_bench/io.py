@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from .errors import UserError
+
 
 def _json_default(obj: Any):
     if hasattr(obj, "item"):
@@ -109,8 +111,6 @@ class JsonlWriter:
 def read_jsonl(path: str | Path) -> Iterator[dict]:
     """Records of a JSONL file; a torn last line (a run killed mid-write) is skipped. Any other line that
     is not a JSON object raises a UserError naming the file and the line."""
-    from .errors import UserError
-
     try:
         with open(path, encoding="utf-8") as fh:
             lines = fh.readlines()

@@ -491,7 +491,9 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
                           f"a VAE with {latent_channels} latent channels to match the transformer")
     transformer.to(device)
     # .to(dtype) only when it changes something: diffusers warns about any dtype cast of a model
-    vae.to(device) if vae.dtype == vae_dtype(prec) else vae.to(device, vae_dtype(prec))
+    vae.to(device)
+    if vae.dtype != vae_dtype(prec):
+        vae.to(vae_dtype(prec))
     return policy_cls(transformer, vae, latent_channels, autocast_dtype=prec.autocast_dtype,
                       scheduler_config=scheduler_config)
 

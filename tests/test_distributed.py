@@ -8,7 +8,6 @@ worker they run (``python -m torch.distributed.run ... tests/test_distributed.py
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from agg_bench.config import load_config
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.train import TIMING_KEYS, Session
+from helpers import relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
 # float64, so that the only difference between one and two processes is the order of additions. Each
@@ -41,11 +41,6 @@ GRAD_TOL = 1e-6
 def config(*overrides: str):
     return load_config(None, [*DDP, *overrides])
 
-
-def relative_error(a: dict, b: dict) -> float:
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
-    den = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return math.sqrt(num / den)
 
 
 def one_update_gradient(cfg) -> dict[str, torch.Tensor]:

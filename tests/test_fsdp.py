@@ -26,6 +26,7 @@ from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.models import Policy
 from agg_bench.train import TIMING_KEYS, Session, train
+from helpers import relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["model.resolution=32", "model.dtype=float64", "sampling.steps=6", "grpo.group_size=3",
@@ -60,11 +61,6 @@ LAUNCH_TIMEOUT_S = 600
 def config(*overrides: str):
     return load_config(None, [*BASE, *overrides])
 
-
-def relative_error(a: dict, b: dict) -> float:
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
-    den = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return math.sqrt(num / den)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
