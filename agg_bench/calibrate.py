@@ -11,12 +11,24 @@ use), many times and interleaved: repetition ``r`` measures every kind once, in 
 ``r``, so that a slow stretch of a shared machine falls on every kind alike. The unit cost of a kind
 is the median over repetitions of (seconds of one call) / (latents in it), in CPU time of the process
 and in wall-clock (CUDA-event) time.
+
+With ``methods`` (label -> run-config overrides, as a sweep's ``methods:`` entries), the same process
+also times each method's whole train phase on that rollout: ``Session.update`` with the method's
+estimator, the steps it would train planned on the frozen rollout (:func:`agg_bench.snapshot.plan_replay`),
+gradient, clipping and optimizer step included. Rounds are interleaved like the passes (round ``r``
+times every method once, in an order rotated by ``r``), and the weights are put back after each update,
+so every round of every method does the same work on the same weights. The ratio of two methods'
+medians is then a speedup measured under one machine state, paired round by round, which separate runs
+(taken minutes apart while other jobs come and go) cannot give; the report takes its train speedups
+from it (``train_speedup_basis: paired``).
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
@@ -32,14 +44,17 @@ class CalibrationConfig:
     """What ``calibrate`` measures.
 
     repeats: measurements of each kind of pass (interleaved); the medians are over these.
-    warmup: untimed repetitions first (one-off allocation and kernel selection costs).
+    warmup: untimed repetitions first (one-off allocation and kernel selection costs); also the untimed
+        rounds before the methods' timed ones.
+    method_repeats: timed rounds of the methods' train phases (each round times every method once).
     """
 
     repeats: int = 21
     warmup: int = 2
+    method_repeats: int = 9
 
     def __post_init__(self) -> None:
-        for key, low in (("repeats", 1), ("warmup", 0)):
+        for key, low in (("repeats", 1), ("warmup", 0), ("method_repeats", 1)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 100_000:
                 raise ConfigError(f"calibrate.{key}", value, f"an integer from {low} to 100000")
@@ -53,15 +68,86 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return p25, p50, p75
 
 
-def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None) -> dict:
+def method_overrides(label: str, overrides: Any) -> tuple[str, list[str]]:
+    """(method name, ``--set`` strings) of a ``methods`` entry: a mapping of run-config overrides that
+    names the method (``method: {name: ...}`` or ``method.name``), as in a sweep's ``methods:``."""
+    from .sweep import flatten, overrides_of  # torch-free composition of overrides, as the sweep's own
+
+    pairs = flatten(dict(overrides)) if isinstance(overrides, Mapping) else []
+    names = [v.get("name") if k == "method" and isinstance(v, Mapping) else v
+             for k, v in pairs if k in ("method", "method.name")]
+    if not names or not isinstance(names[-1], str):
+        raise ConfigError(f"--method {label}", overrides,
+                          "a mapping of run-config overrides that names the method, "
+                          "e.g. '{method: {name: agg, window: 5}}'")
+    return names[-1], overrides_of(pairs)
+
+
+def time_methods(session, batch, methods: Mapping[str, Any], options: CalibrationConfig) -> dict[str, dict]:
+    """Each method's train phase on ``batch``, interleaved over rounds (see the module docstring):
+    {label: {"replay", "replay_note", "passes", "optimizer_steps", "cpu_s": [...], "wall_s": [...]}}. A
+    method whose train phase cannot run on a frozen rollout (a rollout-only cache, or overrides that
+    change the rollout) gets its replay scope and note and no times."""
+    from .snapshot import Snapshot, plan_replay, replay_setup
+
+    policy = session.policy
+    snapshot = Snapshot(policy, batch, {}, session.cfg.to_dict())
+    setups, out = {}, {}
+    for label, overrides in methods.items():
+        name, sets = method_overrides(label, overrides)
+        try:
+            cfg, estimator = replay_setup(snapshot.config, name, sets)
+        except ConfigError as err:  # a key the frozen rollout fixes: this method needs its own rollout
+            out[label] = {"replay": "not_applicable", "replay_note": str(err)}
+            continue
+        plan = plan_replay(snapshot, estimator, cfg)
+        out[label] = {"replay": plan.scope, "replay_note": plan.note}
+        if plan.scope == "not_applicable":
+            continue
+        planned = batch if plan.train_steps is None else \
+            dataclasses.replace(batch, train_steps=plan.train_steps.to(batch.train_steps.device))
+        setups[label] = (estimator, planned)
+        out[label].update(cpu_s=[], wall_s=[])
+    weights = [p.detach().clone() for p in policy.parameters()]
+    version, estimator_of_run = policy.version, session.estimator
+    labels = list(setups)
+    try:
+        for r in range(options.warmup + options.method_repeats):
+            shift = r % max(len(labels), 1)
+            for label in labels[shift:] + labels[:shift]:
+                estimator, planned = setups[label]
+                session.estimator = estimator
+                before = policy.counter.copy()
+                with PhaseTimer(session.device) as timer:
+                    session.update(planned)
+                passes = (policy.counter - before).as_dict()
+                with torch.no_grad():  # the same weights (and policy version: AGG's velocity reuse) every round
+                    for p, w in zip(policy.parameters(), weights):
+                        p.copy_(w)
+                policy.version = version
+                if r >= options.warmup:
+                    out[label]["cpu_s"].append(timer.cpu_s)
+                    out[label]["wall_s"].append(timer.elapsed_s)
+                    out[label].update(passes=passes, optimizer_steps=session.cfg.train.inner_epochs)
+    finally:
+        session.estimator = estimator_of_run
+    return out
+
+
+def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
+              methods: Mapping[str, Any] | None = None) -> dict:
     """Unit costs (seconds per latent) of a no-grad forward, a forward with grad and a backward for
-    ``cfg``'s model, resolution and device; see the module docstring."""
+    ``cfg``'s model, resolution and device, and with ``methods`` each one's train phase timed in the
+    same process; see the module docstring."""
     from .train import Session, model_label  # the engine only when measuring
 
     options = options or CalibrationConfig()
+    for label, overrides in (methods or {}).items():
+        method_overrides(label, overrides)  # a malformed entry fails before the model is built
     session = Session(cfg)
     policy, device = session.policy, session.device
     batch = session.collect(0).batch
+    timed_methods = time_methods(session, batch, methods, options) if methods else {}
     b, steps = batch.latents.shape[0], batch.timesteps.shape[0]
     rows = torch.arange(b, device=batch.latents.device)
     samples: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in PASS_KEYS}
@@ -121,13 +207,15 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None) -> dict:
         "model": model_label(cfg), "resolution": cfg.model.resolution, "device": device.type,
         "gpu_name": env["gpu_name"] if device.type == "cuda" else None, "batch": b,
         "repeats": options.repeats, "warmup": options.warmup, "threads": torch.get_num_threads(),
-        "unit_s_per_sample": units, "env": env,
+        "unit_s_per_sample": units, "method_repeats": options.method_repeats, "methods": timed_methods,
+        "env": env,
     }
 
 
-def write_calibration(cfg: RunConfig, out: str | Path, options: CalibrationConfig | None = None) -> dict:
+def write_calibration(cfg: RunConfig, out: str | Path, options: CalibrationConfig | None = None,
+                      methods: Mapping[str, Any] | None = None) -> dict:
     """Measure (``calibrate``) and write the result to ``out`` as JSON; return it."""
-    result = calibrate(cfg, options)
+    result = calibrate(cfg, options, methods)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, result)

@@ -51,12 +51,23 @@ def cmd_embed(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import CalibrationConfig, write_calibration
-    from .config import load_config
+    import yaml
 
-    options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup)
-    result = write_calibration(load_config(args.config, args.overrides), args.out, options)
-    print(json.dumps({"out": str(args.out), "unit_s_per_sample": result["unit_s_per_sample"]}))
+    from .calibrate import CalibrationConfig, write_calibration
+    from .config import load_config, yaml_load
+
+    options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup, method_repeats=args.method_repeats)
+    methods = {}
+    for label, text in args.methods:
+        if label in methods:
+            raise UserError(f"--method {label}: given twice (each label once)")
+        try:
+            methods[label] = yaml_load(text)
+        except yaml.YAMLError as err:
+            raise UserError(f"--method {label}: not YAML ({str(err).splitlines()[0]})") from None
+    result = write_calibration(load_config(args.config, args.overrides), args.out, options, methods)
+    print(json.dumps({"out": str(args.out), "unit_s_per_sample": result["unit_s_per_sample"],
+                      "methods_timed": [label for label, m in result["methods"].items() if m.get("cpu_s")]}))
     return 0
 
 
@@ -229,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--repeats", type=int, default=21, help="measurements of each pass, interleaved (default 21)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--method", dest="methods", nargs=2, action="append", default=[], metavar=("LABEL", "OVERRIDES"),
+                   help="also time this method's train phase on the same rollout, interleaved with the others "
+                        "given: LABEL and a YAML mapping of run-config overrides, e.g. agg-w5 "
+                        "'{method: {name: agg, window: 5}}' (repeatable)")
+    p.add_argument("--method-repeats", type=int, default=9,
+                   help="timed rounds of the methods' train phases (default 9)")
     p.add_argument("--out", required=True, type=Path, help="FILE.json")
     p.set_defaults(func=cmd_calibrate)
 

@@ -47,7 +47,7 @@ from .records import (
     GRADCHECK_OPTION_COLUMNS, PASS_KEYS, PHASE_TIME_KEYS, PLOTS, RECORD_KEYS, STANDARD_PHASES, TABLE_FORMATS,
     TRAIN_PASS_KEYS,
 )
-from .stats import predicted_seconds, quartiles, ratio_of_medians_ci
+from .stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
 
 MIB = 1024 ** 2
 PHASES = PHASE_TIME_KEYS
@@ -157,6 +157,8 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
         for kind, by_basis in (data.get("unit_s_per_sample") or {}).items():
             for basis, values in by_basis.items():
                 row[f"unit_{basis}_{kind}"] = values.get("median")
+        # method label -> its train phase's seconds per round, timed side by side ({basis}_s lists)
+        row["methods"] = data.get("methods") or {}
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -456,6 +458,8 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
             cell[f"t_{phase}_p25_s"], cell[f"t_{phase}_s"], cell[f"t_{phase}_p75_s"] = quartiles(values)
             cell["_samples"][phase] = values
         cell["predicted_t_train_s"] = _predicted_train_seconds(cell, samples, calibration, basis)
+        cell["_paired"] = _paired_train_seconds(cell, calibration, basis)
+        cell["t_train_paired_s"] = float(np.median(cell["_paired"])) if len(cell["_paired"]) else float("nan")
         if cell["status"] == "oom":  # the iteration that ran out of memory has no times or rewards
             for column in (*TIME_COLUMNS, "images_per_s", "final_reward", "final_reward_std", "reward_area", "wall_s"):
                 cell[column] = float("nan")
@@ -464,18 +468,30 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
 
     # speedup over the group's `full` row; only between cells that both finished ok
     base = table[_baseline_mask(table)].drop_duplicates(GROUP_KEYS)
-    base = base[GROUP_KEYS + ["t_iter_s", "t_train_s", "status", "_samples", "predicted_t_train_s"]].rename(
+    base = base[GROUP_KEYS + ["t_iter_s", "t_train_s", "status", "_samples", "predicted_t_train_s", "_paired"]].rename(
         columns={"t_iter_s": "_ref_iter", "t_train_s": "_ref_train", "status": "_ref_status",
-                 "_samples": "_ref_samples", "predicted_t_train_s": "_ref_predicted"})
+                 "_samples": "_ref_samples", "predicted_t_train_s": "_ref_predicted", "_paired": "_ref_paired"})
     table = table.merge(base, on=GROUP_KEYS, how="left")
     usable = (table["_ref_status"] == "ok") & (table["status"] == "ok")
     table["speedup"] = (table["_ref_iter"] / table["t_iter_s"]).where(usable)
-    table["train_speedup"] = (table["_ref_train"] / table["t_train_s"]).where(usable)
-    for name, phase in (("speedup", "iter"), ("train_speedup", "train")):
+    table["run_train_speedup"] = (table["_ref_train"] / table["t_train_s"]).where(usable)
+    for name, phase in (("speedup", "iter"), ("run_train_speedup", "train")):
         bounds = [ratio_of_medians_ci(ref[phase], own[phase]) if ok and isinstance(ref, dict) else (float("nan"),) * 2
                   for ok, ref, own in zip(usable, table["_ref_samples"], table["_samples"])]
         table[f"{name}_lo"] = [lo for lo, _ in bounds]
         table[f"{name}_hi"] = [hi for _, hi in bounds]
+    # the train speedup from the calibration's side-by-side timings where both rows have them (paired
+    # rounds: one machine state for both), else from the runs' own iterations
+    paired = [bool(ok) and isinstance(ref, np.ndarray) and len(ref) > 0 and len(ref) == len(own)
+              for ok, ref, own in zip(usable, table["_ref_paired"], table["_paired"])]
+    table["train_speedup_basis"] = ["paired" if p else ("runs" if ok else None) for p, ok in zip(paired, usable)]
+    table["train_speedup"] = [
+        float(np.median(ref) / np.median(own)) if p else run
+        for p, ref, own, run in zip(paired, table["_ref_paired"], table["_paired"], table["run_train_speedup"])]
+    for side, index in (("lo", 0), ("hi", 1)):
+        table[f"train_speedup_{side}"] = [
+            paired_ratio_of_medians_ci(ref, own)[index] if p else run
+            for p, ref, own, run in zip(paired, table["_ref_paired"], table["_paired"], table[f"run_train_speedup_{side}"])]
     table["predicted_train_speedup"] = (table["_ref_predicted"] / table["predicted_t_train_s"]).where(usable)
     table["prediction_check"] = [
         _prediction_check(*values) for values in
@@ -505,6 +521,20 @@ def _predicted_train_seconds(cell: dict, samples: pd.DataFrame, calibration: pd.
     return predicted_seconds(counts, {kind: units.get(f"unit_{basis}_{kind}", float("nan")) for kind in kinds})
 
 
+def _paired_train_seconds(cell: dict, calibration: pd.DataFrame | None, basis: str) -> np.ndarray:
+    """The cell's method's train-phase seconds per round from its calibration's side-by-side timings
+    (``agg-bench calibrate --method``), in ``basis``; empty when it has none."""
+    if calibration is None or calibration.empty or "methods" not in calibration:
+        return np.array([])
+    match = calibration[(calibration["model"].astype(str) == str(cell["model"]))
+                        & (pd.to_numeric(calibration["resolution"], errors="coerce") == cell["resolution"])
+                        & (calibration["device"].astype(str) == str(cell["device"]))]
+    if match.empty:
+        return np.array([])
+    timed = (match.iloc[-1]["methods"] or {}).get(str(cell["method"])) or {}
+    return np.asarray(timed.get(f"{basis}_s") or [], dtype=np.float64)
+
+
 def _prediction_check(measured, lo, hi, predicted) -> str | None:
     """Whether the measured speedup's interval contains the predicted one: "agrees", "faster than
     predicted", "slower than predicted"; None when either is missing."""
@@ -522,7 +552,8 @@ EFFICIENCY_COLUMNS = [
     "method", "model", "resolution", "hardware", "source", "weights", "status", "method_name", "n_gpus", "seeds",
     "iterations", "time_basis", *TIME_COLUMNS,
     "speedup", "speedup_lo", "speedup_hi", "train_speedup", "train_speedup_lo", "train_speedup_hi",
-    "predicted_train_speedup", "prediction_check", "predicted_t_train_s",
+    "train_speedup_basis", "predicted_train_speedup", "prediction_check", "predicted_t_train_s", "t_train_paired_s",
+    "run_train_speedup", "run_train_speedup_lo", "run_train_speedup_hi",
     "forward_nograd", "forward_grad", "backward", *TRAIN_PASS_KEYS,
     "peak_alloc_mib", "nvml_peak_mib", "saved_act_mib", "planned_act_mib", "planned_total_mib", "rss_peak_mib",
     "images_per_s",
@@ -631,7 +662,8 @@ FORMATS: dict[str, Callable[[float], str]] = {
     "speedup": lambda v: f"{v:.2f}x", "train_speedup": lambda v: f"{v:.2f}x",
     "speedup_lo": lambda v: f"{v:.2f}x", "speedup_hi": lambda v: f"{v:.2f}x",
     "train_speedup_lo": lambda v: f"{v:.2f}x", "train_speedup_hi": lambda v: f"{v:.2f}x",
-    "predicted_train_speedup": lambda v: f"{v:.2f}x",
+    "predicted_train_speedup": lambda v: f"{v:.2f}x", "run_train_speedup": lambda v: f"{v:.2f}x",
+    "run_train_speedup_lo": lambda v: f"{v:.2f}x", "run_train_speedup_hi": lambda v: f"{v:.2f}x",
     "speedup_vs_full": lambda v: f"{v:.2f}x", "backward_vs_full": lambda v: f"{v:.2f}",
     "cosine_to_full": lambda v: f"{v:.5f}", "grad_cosine": lambda v: f"{v:.5f}",
     "relative_error": lambda v: f"{v:.3g}", "grad_rel_error": lambda v: f"{v:.3g}",

@@ -1,5 +1,5 @@
-"""Statistics of repeated timings: quartiles, a bootstrap interval for a ratio of medians, and the time
-a run's counted passes predict from unit costs.
+"""Statistics of repeated timings: quartiles, bootstrap intervals for a ratio of medians (independent
+or paired samples), and the time a run's counted passes predict from unit costs.
 
 Timings of one configuration repeat over iterations (and seeds); a table shows their median with the
 interquartile range, and a speedup (a ratio of two medians) with a percentile bootstrap interval that
@@ -54,6 +54,31 @@ def ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float]
     num_idx = rng.integers(0, num.size, size=(resamples, num.size))
     den_idx = rng.integers(0, den.size, size=(resamples, den.size))
     ratios = np.median(num[num_idx], axis=1) / np.median(den[den_idx], axis=1)
+    tail = (1 - level) / 2
+    lo, hi = np.percentile(ratios, [100 * tail, 100 * (1 - tail)])
+    return float(lo), float(hi)
+
+
+def paired_ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float], level: float = 0.95,
+                               resamples: int = BOOTSTRAP_RESAMPLES,
+                               seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
+    """Percentile bootstrap interval of median(numerator) / median(denominator) for paired samples:
+    ``numerator[i]`` and ``denominator[i]`` were measured in the same round (``agg-bench calibrate``'s
+    interleaved method timings), so a resample draws round indices, the same ones for both sides. Rounds
+    where either side is not finite are left out; NaNs when none is left or the lengths differ."""
+    if not 0 < level < 1:
+        raise ValueError(f"level = {level!r}: expected a number between 0 and 1")
+    if resamples < 1:
+        raise ValueError(f"resamples = {resamples!r}: expected at least 1")
+    num, den = np.asarray(numerator, dtype=np.float64).ravel(), np.asarray(denominator, dtype=np.float64).ravel()
+    if num.size != den.size:
+        return float("nan"), float("nan")
+    both = np.isfinite(num) & np.isfinite(den)
+    num, den = num[both], den[both]
+    if num.size == 0:
+        return float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, num.size, size=(resamples, num.size))
+    ratios = np.median(num[idx], axis=1) / np.median(den[idx], axis=1)
     tail = (1 - level) / 2
     lo, hi = np.percentile(ratios, [100 * tail, 100 * (1 - tail)])
     return float(lo), float(hi)

@@ -243,8 +243,14 @@ class Sweep:
         if (sweep.get("calibrate") or {}).get("enabled", True):
             for run in self.runs.values():
                 name = f"{run['model']}_{run['resolution']}px_{run['device']}"
-                self.calibrations[name] = {key: run[key] for key in ("model", "resolution", "device")}
-                self.calibrations[name]["pairs"] = self._pairs(run["device"], run["model"], run["resolution"], None, {})
+                if name not in self.calibrations:
+                    self.calibrations[name] = {key: run[key] for key in ("model", "resolution", "device")}
+                    self.calibrations[name]["pairs"] = self._pairs(run["device"], run["model"], run["resolution"],
+                                                                   None, {})
+                    self.calibrations[name]["methods"] = []
+                # the cell's methods, whose train phases the calibration times side by side
+                if run["method"] not in self.calibrations[name]["methods"]:
+                    self.calibrations[name]["methods"].append(run["method"])
         options = checked_methods(self.base_file, checks, cache_dir) if checks else {}
         for run in self.runs.values():
             run["method_options"] = options[run.pop("check")]
@@ -316,7 +322,11 @@ class Sweep:
 
     def calibrate_command(self, name: str) -> str:
         job, part = self.calibrations[name], self.sweep.get("calibrate") or {}
-        options = " ".join(f"--{key} {int(part[key])}" for key in ("repeats", "warmup") if key in part)
+        options = " ".join(f"--{key.replace('_', '-')} {int(part[key])}"
+                           for key in ("repeats", "warmup", "method_repeats") if key in part)
+        if part.get("time_methods", True):
+            options += "".join(f" --method {shlex.quote(label)} {shlex.quote(yaml_text(self.sweep['methods'][label]))}"
+                               for label in job["methods"])
         # unit costs are per GPU: one process on one GPU of the device
         return (f"{self.launch(job['device'], 'calibrate', min(1, self.gpus(job['device'])))} "
                 f"{self._config_args(job['pairs'])} {options} --out results/calibration/{name}.json")

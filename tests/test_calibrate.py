@@ -39,3 +39,50 @@ def test_bad_repeats_on_the_command_line_is_exit_2_and_writes_nothing(tmp_path, 
     out = tmp_path / "cal.json"
     assert main(["calibrate", *SMALL, "--repeats", "0", "--out", str(out)]) == 2
     assert "calibrate.repeats" in capsys.readouterr().err and not out.exists()
+
+
+METHODS = ["--method", "full", "{method: {name: full}}",
+           "--method", "agg-w4", "{method: {name: agg, window: 4, alpha: sigma}}",
+           "--method", "fora", "{method: {name: cached, cache: fora, cache_in: rollout}}",
+           "--method", "eta", "{method: {name: full}, sampling.eta: 0.5}"]
+
+
+def test_calibrate_times_each_methods_train_phase_in_rounds_with_its_counted_passes(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--repeats", "2", "--warmup", "1", "--method-repeats", "3", *METHODS,
+                 "--out", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    b, steps = 4, 4  # one prompt x a group of 4 images, 4 steps, every step trained
+    assert methods["full"]["passes"] == {"forward_nograd": 0, "forward_grad": b * steps, "backward": b * steps}
+    # AGG with one group of W=4: a forward with grad and a backward at both ends, W no-grad velocities
+    assert methods["agg-w4"]["passes"] == {"forward_nograd": b * steps, "forward_grad": 2 * b, "backward": 2 * b}
+    for label in ("full", "agg-w4"):
+        timed = methods[label]
+        assert timed["replay"] == "as_trained" and timed["optimizer_steps"] == 1
+        assert len(timed["cpu_s"]) == len(timed["wall_s"]) == 3 and min(timed["cpu_s"]) > 0
+    # a rollout-only cache trains as full on a frozen rollout; a rollout setting needs its own rollout
+    assert methods["fora"]["replay"] == "not_applicable" and "cpu_s" not in methods["fora"]
+    assert methods["eta"]["replay"] == "not_applicable" and "sampling.eta" in methods["eta"]["replay_note"]
+    assert json.loads(capsys.readouterr().out)["methods_timed"] == ["full", "agg-w4"]
+
+
+@pytest.mark.parametrize("label, text, expected", [
+    ("a", "{method: {name: full}", "not YAML"),
+    ("a", "[1, 2]", "names the method"),
+    ("a", "{method: {window: 5}}", "names the method"),
+    ("a", "{sampling.eta: 0.5}", "names the method"),
+])
+def test_bad_method_entries_are_exit_2_before_anything_runs(tmp_path, capsys, label, text, expected):
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--method", label, text, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and f"--method {label}" in err and not out.exists()
+
+
+def test_a_label_given_twice_and_bad_method_repeats_are_refused(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    twice = ["--method", "a", "{method: {name: full}}", "--method", "a", "{method: {name: agg}}"]
+    assert main(["calibrate", *SMALL, *twice, "--out", str(out)]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert main(["calibrate", *SMALL, "--method-repeats", "0", "--out", str(out)]) == 2
+    assert "calibrate.method_repeats" in capsys.readouterr().err and not out.exists()

@@ -148,4 +148,7 @@ def test_smallest_sweep_end_to_end(tmp_path):
     assert "summary.html" in (work / "results/report.html").read_text(errors="replace")
     # the cost model priced both rows from their counted passes and the calibration
     assert full.predicted_train_speedup == 1.0 and agg.predicted_train_speedup > 1
+    # the calibration timed both methods' train phases side by side: the table's train speedup is paired
+    assert full.train_speedup_basis == agg.train_speedup_basis == "paired" and full.train_speedup == 1.0
+    assert agg.train_speedup_lo <= agg.train_speedup <= agg.train_speedup_hi and agg.run_train_speedup > 0
     assert full.time_basis == agg.time_basis == "cpu"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agg_bench.report import CalibrationEntry, load_calibration, efficiency_table, load_records, RunEntry
-from agg_bench.stats import predicted_seconds, quartiles, ratio_of_medians_ci
+from agg_bench.stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
 
 EPS = np.finfo(np.float64).eps
 
@@ -116,3 +116,44 @@ def test_efficiency_table_times_in_cpu_seconds_and_predicts_from_counts(tmp_path
     row = wall.set_index("method").loc["agg"]
     assert row["time_basis"] == "wall" and row["t_train_s"] == 9.0 and row["train_speedup"] == 1.0
     assert row["predicted_train_speedup"] == pytest.approx(predicted_full / predicted_agg, rel=4 * EPS)
+
+
+def test_paired_interval_resamples_rounds_together():
+    rng = np.random.default_rng(5)
+    machine = rng.lognormal(sigma=0.5, size=15)  # each round's machine state slows both methods alike
+    full, agg = 4.0 * machine, 2.0 * machine
+    assert paired_ratio_of_medians_ci(full, agg) == pytest.approx((2.0, 2.0), rel=1e-12)
+    lo, hi = ratio_of_medians_ci(full, agg)  # taken as independent samples the shared noise stays in
+    assert lo < 1.9 and hi > 2.1
+    noisy = paired_ratio_of_medians_ci(full * rng.lognormal(sigma=0.1, size=15), agg)
+    assert noisy[0] < 2.0 < noisy[1]
+    assert all(math.isnan(v) for v in paired_ratio_of_medians_ci([1.0, 2.0], [1.0]))  # rounds must pair up
+    assert all(math.isnan(v) for v in paired_ratio_of_medians_ci([float("nan")], [1.0]))
+    for bad in ({"level": 0.0}, {"resamples": 0}):
+        with pytest.raises(ValueError):
+            paired_ratio_of_medians_ci(full, agg, **bad)
+
+
+def test_train_speedup_comes_from_the_calibrations_paired_rounds_when_both_rows_have_them(tmp_path):
+    full = _run(tmp_path, "full", "full", [50, 4, 4.2, 3.8, 4.1, 3.9],
+                {"forward_nograd": 0, "forward_grad": 40, "backward": 40})
+    agg = _run(tmp_path, "agg", "agg", [50, 2, 2.1, 1.9, 2.05, 1.95],
+               {"forward_nograd": 40, "forward_grad": 16, "backward": 16})
+    other = _run(tmp_path, "other", "other", [50, 1, 1, 1, 1, 1], {"forward_nograd": 0, "forward_grad": 8, "backward": 8})
+    units = {"forward_nograd": 0.02, "forward_grad": 0.04, "backward": 0.05, "optimizer_step": 0.1}
+    rounds = {"full": [6.0, 6.6, 5.4], "agg": [2.0, 2.2, 1.8]}  # 3x, where the runs say 2x
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"model": "m", "resolution": 64, "device": "cpu", "unit_s_per_sample": {
+        k: {"cpu": {"median": v}, "wall": {"median": v}} for k, v in units.items()},
+        "methods": {label: {"replay": "as_trained", "cpu_s": t, "wall_s": [10 * x for x in t]}
+                    for label, t in rounds.items()}}))
+    table = efficiency_table(load_records([full, agg, other]), warmup=1,
+                             calibration=load_calibration([CalibrationEntry(cal)])).set_index("method")
+    row = table.loc["agg"]
+    assert row["train_speedup_basis"] == "paired" and row["train_speedup"] == 6.0 / 2.0
+    assert row["train_speedup_lo"] == pytest.approx(3.0, rel=1e-12) == row["train_speedup_hi"]  # rounds in step
+    assert row["t_train_paired_s"] == 2.0 and row["run_train_speedup"] == 4.0 / 2.0
+    assert row["run_train_speedup_lo"] <= 2.0 <= row["run_train_speedup_hi"]
+    # a method the calibration did not time keeps the runs' speedup
+    assert table.loc["other", "train_speedup_basis"] == "runs" and table.loc["other", "train_speedup"] == 4.0
+    assert math.isnan(table.loc["other", "t_train_paired_s"])
