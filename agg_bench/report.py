@@ -889,27 +889,47 @@ def _label(row) -> str:
     return f"{row['method']} (imported)" if row.get("source") == "imported" else str(row["method"])
 
 
+def reward_curves(panel: pd.DataFrame, x: str) -> dict[str, dict]:
+    """Per method label of one panel: x (iteration, or the median over seeds of the cumulative wall
+    seconds at each iteration), the mean reward over seeds and its band: +-1 standard deviation over
+    seeds, or with one seed over the iteration's images (``reward_std``); ``band`` names which."""
+    curves = {}
+    for label, rows in panel.assign(label=panel.apply(_label, axis=1)).groupby("label", sort=False):
+        rows = rows.sort_values("iteration").assign(_t=lambda d: d.groupby("run_dir")["t_iter_s"].cumsum())
+        by_iteration = rows.groupby("iteration", sort=True)
+        seeds = rows["run_dir"].nunique()
+        mean = by_iteration["reward_mean"].mean()
+        spread = by_iteration["reward_mean"].std(ddof=0) if seeds > 1 else by_iteration["reward_std"].mean()
+        xs = mean.index.to_numpy(float) if x == "iteration" else by_iteration["_t"].median().to_numpy(float)
+        curves[label] = {"x": xs, "mean": mean.to_numpy(float), "spread": spread.fillna(0).to_numpy(float),
+                         "band": f"+-1 std over {seeds} seeds" if seeds > 1 else "+-1 std over the images"}
+    return curves
+
+
 def plot_rewards(records: pd.DataFrame, path: Path, x: str) -> None:
     """Reward per iteration (``x="iteration"``) or per wall-clock second (``x="wallclock"``), one line
-    per method, one panel per model x resolution x hardware."""
+    per method (the mean over seeds) with its band (:func:`reward_curves`), one panel per model x
+    resolution x hardware."""
     plt = _pyplot()
     ok = records[(records["status"] == "ok") & records["reward_mean"].notna()] if not records.empty else records
     if "weights" in ok:  # random-weight rewards compare nothing
         ok = ok[ok["weights"] != "random"]
     if ok.empty:
         return _empty_figure(plt, path, "no iteration finished")
-    ok = ok.sort_values("iteration")
     keys = list(dict.fromkeys(zip(ok["model"], ok["resolution"], ok["hardware"])))
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
     colors = _colors(ok.apply(_label, axis=1))
     for ax, key in zip(axes, keys):
         panel = ok[(ok["model"] == key[0]) & (ok["resolution"] == key[1]) & (ok["hardware"] == key[2])]
-        for (label, _), curve in panel.assign(label=panel.apply(_label, axis=1)).groupby(["label", "run_dir"], sort=False):
-            xs = curve["iteration"] if x == "iteration" else curve["t_iter_s"].cumsum()
+        bands = set()
+        for label, curve in reward_curves(panel, x).items():
             style = "--" if "(imported)" in label else "-"
-            ax.plot(xs, curve["reward_mean"], style, marker=".", color=colors[label], label=label)
-        ax.set_title(f"{key[0]} {key[1]} px, {key[2]}", fontsize=9)
-        ax.set_xlabel("iteration" if x == "iteration" else "wall-clock (s)")
+            ax.plot(curve["x"], curve["mean"], style, marker=".", color=colors[label], label=label)
+            ax.fill_between(curve["x"], curve["mean"] - curve["spread"], curve["mean"] + curve["spread"],
+                            color=colors[label], alpha=0.15, linewidth=0)
+            bands.add(curve["band"])
+        ax.set_title(f"{key[0]} {key[1]} px, {key[2]}\nbands: {'; '.join(sorted(bands))}", fontsize=8)
+        ax.set_xlabel("iteration" if x == "iteration" else "wall-clock (s), median over seeds")
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
     _legend(fig, axes)

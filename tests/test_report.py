@@ -4,6 +4,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -266,3 +267,23 @@ def test_random_weight_rows_keep_rewards_out_and_show_the_plan(tmp_path):
     assert random_row["saved_act_mib"] == random_row["planned_act_mib"] == 3.0
     assert random_row["planned_total_mib"] == 10.0
     assert math.isnan(tiny_row["planned_act_mib"])
+
+
+def test_reward_curves_average_seeds_with_their_spread_and_fall_back_to_the_images_spread():
+    from agg_bench.report import reward_curves
+
+    rows = []
+    for run, rewards, seconds in (("a0", [1.0, 3.0], [2.0, 2.0]), ("a1", [3.0, 7.0], [4.0, 4.0]),
+                                  ("a2", [2.0, 5.0], [3.0, 1.0])):
+        rows += [{"method": "agg", "source": "measured", "run_dir": run, "iteration": i, "reward_mean": r,
+                  "reward_std": 9.0, "t_iter_s": t} for i, (r, t) in enumerate(zip(rewards, seconds))]
+    rows += [{"method": "full", "source": "measured", "run_dir": "f0", "iteration": i, "reward_mean": r,
+              "reward_std": s, "t_iter_s": 1.5} for i, (r, s) in enumerate([(0.5, 0.25), (0.75, 0.125)])]
+    curves = reward_curves(pd.DataFrame(rows), "wallclock")
+    agg = curves["agg"]
+    assert list(agg["mean"]) == [2.0, 5.0] and agg["band"] == "+-1 std over 3 seeds"
+    assert list(agg["spread"]) == pytest.approx([np.std([1.0, 3.0, 2.0]), np.std([3.0, 7.0, 5.0])], rel=1e-15)
+    assert list(agg["x"]) == [3.0, 4.0]  # medians of the cumulative seconds (2, 4, 3) and (4, 8, 4)
+    full = curves["full"]
+    assert list(full["spread"]) == [0.25, 0.125] and full["band"] == "+-1 std over the images"
+    assert list(reward_curves(pd.DataFrame(rows), "iteration")["full"]["x"]) == [0.0, 1.0]
