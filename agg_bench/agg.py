@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +33,10 @@ from .errors import ConfigError
 from .fsdp import lockstep
 from .grpo import TrainBatch, UpdateStats, exact_backward, micro_batches, upstream_grad
 from .methods import Estimator, register_method
-from .models import Policy
 from .plan import steps_per_sample
+
+if TYPE_CHECKING:  # annotations only: checking a method's options imports neither the models nor diffusers
+    from .models import Policy
 
 # Groups at most this long are trained exactly: two endpoint backwards are all the steps they have.
 EXACT_GROUP_MAX = 2

@@ -16,12 +16,15 @@ Two conventions differ between the public implementations and are options:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import ConfigError
-from .models import Conditioning, Policy
 from .sde import SDEStepOutput, sde_step
+
+if TYPE_CHECKING:  # annotations only: checking a method's options imports neither the models nor diffusers
+    from .models import Conditioning, Policy
 
 ADV_STD = ("population", "sample")
 KL_FORMS = ("transition", "no_dt")

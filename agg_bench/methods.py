@@ -12,14 +12,16 @@ import contextlib
 import dataclasses
 import typing
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
 from .errors import ConfigError
 from .grpo import TrainBatch, UpdateStats
-from .models import Policy
 from .registry import Registry
+
+if TYPE_CHECKING:  # annotations only: checking a method's options imports neither the models nor diffusers
+    from .models import Policy
 
 # Batch-size options any method may have: null (one call for everything) or at least one latent per call.
 BATCH_OPTIONS = ("micro_batch", "nograd_batch")

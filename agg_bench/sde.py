@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from .errors import ConfigError
 
@@ -40,6 +39,10 @@ def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -
     as Qwen-Image's scheduler does), ending at 0 (float64)."""
     if steps < 1:
         raise ConfigError("sampling.steps", steps, "an integer >= 1")
+    # imported here: the training step (agg_bench.grpo) imports this module, and checking a method's
+    # options must not import diffusers (agg_bench.sweep)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, shift_terminal=shift_terminal)
     scheduler.set_timesteps(steps)
     return scheduler.sigmas.to(torch.float64)

@@ -9,7 +9,7 @@ peft). The checks come in two stages:
    its cross-references; each composed run config against the run schema; each run's resolution against
    its model family's latent multiple and maximum (:mod:`agg_bench.families`).
 2. The methods' own options and run checks (``Estimator.check_run``), which live with the methods and
-   need torch: one child process (``python -m agg_bench.sweep``) checks every job and answers each method's
+   need torch (not diffusers, peft or transformers: ``tests/test_import_graph.py``): one child process (``python -m agg_bench.sweep``) checks every job and answers each method's
    resolved options (the manifest records them). The answer is kept in ``.snakemake/agg-bench/``
    under a hash of all it depends on (the composed jobs, the base config file, the ``agg_bench`` and
    ``baselines`` sources, the interpreter), so parsing the same sweep again (another dry run, a cluster

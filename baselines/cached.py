@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -43,11 +43,13 @@ from agg_bench.errors import ConfigError
 from agg_bench.fsdp import agreed_max, lockstep
 from agg_bench.grpo import StepTerms, TrainBatch, UpdateStats, step_terms
 from agg_bench.methods import Estimator, ReplayPlan, register_method
-from agg_bench.models import Policy
-from baselines.caches import CACHES, CacheHandle, apply_cache, cache_options, make_config
-from baselines.caches.common import BLOCK_LISTS
-from baselines.caches.handle import checkpointable_modules
+from baselines.caches import CACHES, apply_cache, cache_options, make_config
+from baselines.caches.configs import BLOCK_LISTS
 from baselines.full import FullEstimator
+
+if TYPE_CHECKING:  # annotations only: checking a method's options imports neither the models nor diffusers
+    from agg_bench.models import Policy
+    from baselines.caches.handle import CacheHandle
 
 CACHE_IN = ("rollout", "train", "both")
 # Caches that decide from the activations whether to skip: with a sharded model each process would
@@ -153,6 +155,8 @@ class GapMeter:
 def checkpointing_paused(transformer: torch.nn.Module):
     """Gradient checkpointing off inside the block, restored after. diffusers only checkpoints under grad,
     so a no-grad rollout computes the same with it off; the cache refuses to start while it is on."""
+    from baselines.caches.handle import checkpointable_modules  # diffusers: only when a cache is used
+
     flags = [(m, m.gradient_checkpointing) for m in checkpointable_modules(transformer)]
     for module, _ in flags:
         module.gradient_checkpointing = False

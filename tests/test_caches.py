@@ -7,6 +7,8 @@ import torch
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.models import POLICIES, TINY_TRANSFORMERS, TRANSFORMER_CLASSES, Conditioning
 from baselines.caches import CACHES, apply_cache, cache_options
+from baselines.caches.configs import MAGCACHE_PRESETS
+from baselines.caches.magcache import PRESET_RATIOS
 from helpers import CACHE_NEUTRAL
 
 FAMILIES = ("sd3", "flux", "qwenimage")
@@ -227,6 +229,8 @@ def test_magcache_follows_given_ratios(policy, inputs):
     handle = apply_cache(policy.transformer, "magcache", {"mag_ratios": "flux", "num_inference_steps": STEPS})
     trajectory(policy, inputs, handle)
     handle.remove()
+    # the preset names the config accepts (configs.py, no diffusers) are the tables the hook has
+    assert set(PRESET_RATIOS) == set(MAGCACHE_PRESETS)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,7 +1,13 @@
 """The package layout: the engine (agg_bench) never imports the baselines (methods register themselves by
-module name), and no module-level import cycle exists among agg_bench and baselines modules."""
+module name), no module-level import cycle exists among agg_bench and baselines modules, and the methods'
+checks (what the workflow's parse runs in a child process) import no diffusers, peft or transformers."""
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +65,39 @@ def test_no_module_level_import_cycle():
         if name not in state:
             visit(name, [])
     assert len(state) == len(files) > 20
+
+
+# A fresh interpreter runs the methods' check of the embedded default's every job, then of every cache with
+# each cache_in, as `python -m agg_bench.sweep` does for a sweep, and reports what it imported.
+METHOD_CHECKS_SCRIPT = """
+import json, sys, yaml
+from agg_bench import sweep
+from baselines.caches import CACHES
+jobs = {}
+def check_here(base_file, checks, cache_dir=None):  # the child process's check, run in this one
+    jobs.update(checks)
+    return sweep.check_methods(base_file, checks)
+sweep.checked_methods = check_here
+embedded = sweep.Sweep(yaml.safe_load(open("config/config.yaml")), "workflow/schemas/config.schema.yaml", None)
+pairs = next(iter(jobs.values()))
+caches = sweep.check_methods(embedded.base_file, {
+    f"{name} in {where}": [*pairs, ["method", {"name": "cached", "cache": name, "cache_in": where}]]
+    for name in CACHES for where in ("rollout", "train", "both")})
+print(json.dumps({"runs": {run_id: run["method_options"]["name"] for run_id, run in embedded.runs.items()},
+                  "caches": sorted({options["cache"] for options in caches.values()}), "known_caches": sorted(CACHES),
+                  "modules": sorted({name.partition(".")[0] for name in sys.modules})}))
+"""
+
+
+def test_the_methods_checks_import_no_diffusers():
+    proc = subprocess.run([sys.executable, "-c", METHOD_CHECKS_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    embedded = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    checked = {answer["runs"][run_id] for run_id in answer["runs"]}
+    assert checked == {section["method"]["name"] for section in embedded["methods"].values()}
+    assert len(answer["runs"]) == len(embedded["methods"]) * len(embedded["models"]) * len(embedded["resolutions"])
+    assert answer["caches"] == answer["known_caches"] and len(answer["caches"]) >= 8
+    assert "torch" in answer["modules"]  # the checks did build the methods
+    assert {"diffusers", "peft", "transformers"} & set(answer["modules"]) == set()

@@ -18,40 +18,39 @@ not mix. A lossy cache in the rollout changes the old log-probs GRPO divides by;
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.registry import Registry
 
-from .deltadit import DeltaDiTConfig, apply_deltadit
-from .fastercache import FasterCacheConfig, apply_fastercache
-from .fbc import FbcConfig, apply_fbc
-from .fora import ForaConfig, apply_fora
-from .handle import (CALLBACK_FIELDS, CacheHandle, checkpointable_modules, gradient_checkpointing_error,
-                     has_cache, uses_gradient_checkpointing)
-from .magcache import MagCacheConfig, apply_magcache
-from .pab import PabConfig, apply_pab
-from .taylorseer import TaylorSeerConfig, apply_taylorseer
-from .teacache import TeaCacheConfig, apply_teacache
+from .configs import (CALLBACK_FIELDS, DeltaDiTConfig, FasterCacheConfig, FbcConfig, ForaConfig, MagCacheConfig,
+                      PabConfig, TaylorSeerConfig, TeaCacheConfig)
 
-# name -> (config dataclass, installer), one file each (agg_bench.registry: the style of methods and rewards)
-CACHES: dict[str, tuple[type, Callable[[torch.nn.Module, Any], None]]] = Registry("method.cache", {
-    "fbc": (FbcConfig, apply_fbc),
-    "pab": (PabConfig, apply_pab),
-    "fastercache": (FasterCacheConfig, apply_fastercache),
-    "magcache": (MagCacheConfig, apply_magcache),
-    "taylorseer": (TaylorSeerConfig, apply_taylorseer),
-    "fora": (ForaConfig, apply_fora),
-    "deltadit": (DeltaDiTConfig, apply_deltadit),
-    "teacache": (TeaCacheConfig, apply_teacache),
+if TYPE_CHECKING:
+    from .handle import CacheHandle
+
+# name -> config dataclass (agg_bench.registry: the style of methods and rewards). The configs import no
+# diffusers, so a cache's options are checked without it (agg_bench.sweep checks a sweep's methods so).
+CACHES: dict[str, type] = Registry("method.cache", {
+    "fbc": FbcConfig,
+    "pab": PabConfig,
+    "fastercache": FasterCacheConfig,
+    "magcache": MagCacheConfig,
+    "taylorseer": TaylorSeerConfig,
+    "fora": ForaConfig,
+    "deltadit": DeltaDiTConfig,
+    "teacache": TeaCacheConfig,
 })
+# name -> installer: ``apply_<name>`` of module ``<name>`` (one file per cache), imported with the cache's
+# hooks and diffusers when the cache is first applied
+INSTALLERS = Registry("method.cache", {name: f"{__name__}.{name}:apply_{name}" for name in CACHES})
 
 
 def cache_options(name: str) -> tuple[str, ...]:
     """The option keys cache ``name`` accepts."""
-    config_cls, _ = CACHES.resolve(name)
+    config_cls = CACHES.resolve(name)
     return tuple(f.name for f in dataclasses.fields(config_cls) if f.name not in CALLBACK_FIELDS)
 
 
@@ -62,21 +61,22 @@ def make_config(name: str, options: dict[str, Any] | None = None) -> Any:
     for key in options:
         if key not in allowed:
             raise ConfigError(f"method.{key}", options[key], f"an option of the {name!r} cache: one of {list(allowed)}")
-    config_cls, _ = CACHES.resolve(name)
-    return config_cls(**options)
+    return CACHES.resolve(name)(**options)
 
 
 def apply_cache(transformer: torch.nn.Module, name: str, options: dict[str, Any] | None = None) -> CacheHandle:
     """Install cache ``name`` with ``options`` on an SD3, FLUX or Qwen-Image transformer."""
+    from .handle import (CacheHandle, checkpointable_modules, gradient_checkpointing_error, has_cache,
+                         uses_gradient_checkpointing)  # diffusers: only once a cache is applied
+
     config = make_config(name, options)
     if uses_gradient_checkpointing(checkpointable_modules(transformer)):
         raise gradient_checkpointing_error()
     if has_cache(transformer):
         raise UserError("this transformer already has an inference cache; remove() it before applying another")
-    _, apply_fn = CACHES.resolve(name)
-    return CacheHandle(transformer, name, config, apply_fn)
+    return CacheHandle(transformer, name, config, INSTALLERS.resolve(name))
 
 
-__all__ = ["CACHES", "CacheHandle", "apply_cache", "cache_options", "make_config",
+__all__ = ["CACHES", "apply_cache", "cache_options", "make_config",
            "DeltaDiTConfig", "FasterCacheConfig", "FbcConfig", "ForaConfig", "MagCacheConfig", "PabConfig",
            "TaylorSeerConfig", "TeaCacheConfig"]

@@ -16,15 +16,10 @@ from typing import Any
 import torch
 from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
 
-from agg_bench.errors import ConfigError, UserError
+from agg_bench.errors import UserError
 from agg_bench.models import POLICIES
 
-# Block lists of each family, in the order the transformer runs them.
-BLOCK_LISTS: dict[str, tuple[str, ...]] = {
-    "sd3": ("transformer_blocks",),
-    "flux": ("transformer_blocks", "single_transformer_blocks"),
-    "qwenimage": ("transformer_blocks",),
-}
+from .configs import BLOCK_LISTS
 TRANSFORMER_FAMILIES: dict[type, str] = {SD3Transformer2DModel: "sd3", FluxTransformer2DModel: "flux",
                                          QwenImageTransformer2DModel: "qwenimage"}
 
@@ -104,32 +99,3 @@ def modulated_input(block: torch.nn.Module, args: tuple, kwargs: dict[str, Any])
     norm = block.norm1 if hasattr(block, "norm1") else block.norm
     return norm(hidden_states, emb=temb)[0]
 
-
-def check_option(key: str, value: Any, ok: bool, expected: str) -> None:
-    """Raise ``ConfigError("method.<key>", ...)`` unless ``ok``."""
-    if not ok:
-        raise ConfigError(f"method.{key}", value, expected)
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def as_range(key: str, value: Any) -> tuple[float, float]:
-    """A ``(low, high)`` pair from a tuple or a YAML list, or a config error."""
-    ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(is_number(v) for v in value)
-    check_option(key, value, ok, "a pair [low, high] of numbers")
-    return (value[0], value[1])
-
-
-def check_spatial_attention_skip(config: Any) -> None:
-    """Check the spatial-attention options PAB and FasterCache share (``spatial_attention_block_skip_range``
-    an integer >= 1, ``spatial_attention_timestep_skip_range`` a pair of numbers, made a tuple)."""
-    skip = config.spatial_attention_block_skip_range
-    check_option("spatial_attention_block_skip_range", skip, is_int(skip) and skip >= 1, "an integer >= 1")
-    config.spatial_attention_timestep_skip_range = as_range(
-        "spatial_attention_timestep_skip_range", config.spatial_attention_timestep_skip_range)

@@ -7,75 +7,15 @@ computes every block and records both runs' residuals; the other steps reuse the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from agg_bench.errors import ConfigError, UserError
-
-from .common import check_option, is_int, transformer_blocks
+from .common import transformer_blocks
+from .configs import ALWAYS, EARLY, DeltaDiTConfig
 from .runs import RunDecision, RunHeadHook, RunState, register_run
 
 DELTADIT_BLOCK_HOOK = "deltadit_block"
-EARLY, LATE, ALWAYS = "early", "late", "always"
-
-
-@dataclass
-class DeltaDiTConfig:
-    """Options of Delta-DiT.
-
-    Args:
-        interval (`int`, defaults to `2`):
-            Steps with ``step % interval == 0`` compute every block and record the runs' residuals; the
-            other steps reuse the active run. 1 never reuses.
-        boundary (`int`, defaults to `10`):
-            Steps ``< boundary`` reuse the rear run, steps ``>= boundary`` the front run.
-        num_blocks (`int`, defaults to `None`):
-            Length of the front run (the first blocks) and of the rear run (the last blocks). `None` is half
-            the stack, rounded down. The runs may not overlap.
-        block_range (`tuple[int, int]`, defaults to `None`):
-            ``[start, end)`` block indices (in running order; FLUX's single blocks follow its double
-            blocks) of one run that is reused on every non-computing step, whatever `boundary` says.
-            Overrides `num_blocks`.
-        current_step_callback (`Callable[[], int]`, set by `apply_cache`):
-            Returns the index of the denoising step of the current call.
-    """
-
-    interval: int = 2
-    boundary: int = 10
-    num_blocks: int | None = None
-    block_range: tuple[int, int] | None = None
-    current_step_callback: Callable[[], int] | None = None
-
-    def __post_init__(self) -> None:
-        check_option("interval", self.interval, is_int(self.interval) and self.interval >= 1, "an integer >= 1")
-        check_option("boundary", self.boundary, is_int(self.boundary) and self.boundary >= 0, "an integer >= 0")
-        n = self.num_blocks
-        check_option("num_blocks", n, n is None or (is_int(n) and n >= 1), "an integer >= 1, or null")
-        r = self.block_range
-        ok = r is None or (isinstance(r, (tuple, list)) and len(r) == 2 and all(is_int(v) for v in r)
-                           and 0 <= r[0] < r[1])
-        check_option("block_range", r, ok, "a pair [start, end) of block indices with 0 <= start < end")
-        if r is not None:
-            self.block_range = (r[0], r[1])
-
-    def runs(self, num_stack_blocks: int) -> list[tuple[range, str]]:
-        """The runs (block indices) and when each is reused, for a stack of ``num_stack_blocks`` blocks."""
-        if self.block_range is not None:
-            start, end = self.block_range
-            if end > num_stack_blocks:
-                raise ConfigError("method.block_range", list(self.block_range),
-                                  f"indices within the transformer's {num_stack_blocks} blocks")
-            return [(range(start, end), ALWAYS)]
-        if num_stack_blocks < 2:
-            raise UserError("Delta-DiT's front and rear runs need at least two blocks; set method.block_range")
-        n = self.num_blocks if self.num_blocks is not None else num_stack_blocks // 2
-        if 2 * n > num_stack_blocks:
-            raise ConfigError("method.num_blocks", n,
-                              f"at most {num_stack_blocks // 2}, so the front and rear runs of the "
-                              f"{num_stack_blocks} blocks do not overlap")
-        return [(range(0, n), LATE), (range(num_stack_blocks - n, num_stack_blocks), EARLY)]
 
 
 class DeltaDiTRunHook(RunHeadHook):

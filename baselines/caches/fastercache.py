@@ -8,46 +8,15 @@ the transformer on conditional batches only, so the CFG part is switched off
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from diffusers import hooks as diffusers_hooks
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.faster_cache import _FASTER_CACHE_BLOCK_HOOK, FasterCacheBlockHook
 
-from .common import check_option, check_spatial_attention_skip, is_number
+from .configs import FasterCacheConfig
 
 FIRST_CALL_HOOK = "faster_cache_first_call"
-
-
-@dataclass
-class FasterCacheConfig:
-    """Options of FasterCache's attention reuse.
-
-    Args:
-        spatial_attention_block_skip_range (`int`, defaults to `2`):
-            Inside the timestep range, each attention layer computes on every N-th call and extrapolates
-            from its last two computed outputs on the others. 1 never reuses. diffusers' default.
-        spatial_attention_timestep_skip_range (`tuple[float, float]`, defaults to `(-1, 681)`):
-            Open interval of timesteps (0-1000 scale for every family) inside which attention may be reused.
-            diffusers' default.
-        attention_weight (`float`, defaults to `0.5`):
-            Reused output = last + (last - second to last) * weight. diffusers' default.
-        current_timestep_callback (`Callable[[], float]`, set by `apply_cache`):
-            Returns the current timestep on the 0-1000 scale.
-
-    The first call after a reset always computes, whatever the timestep: there is nothing to reuse yet.
-    """
-
-    spatial_attention_block_skip_range: int = 2
-    spatial_attention_timestep_skip_range: tuple[float, float] = (-1, 681)
-    attention_weight: float = 0.5
-    current_timestep_callback: Callable[[], float] | None = None
-
-    def __post_init__(self) -> None:
-        check_spatial_attention_skip(self)
-        check_option("attention_weight", self.attention_weight, is_number(self.attention_weight), "a number")
 
 
 class FirstCallHook(ModelHook):

@@ -8,36 +8,16 @@ transformer's output, is unchanged, and FBC's encoder residual becomes that of t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from diffusers import hooks as diffusers_hooks
 from diffusers.hooks import HookRegistry, ModelHook
 
 from agg_bench.errors import UserError
 
-from .common import block_argument, check_option, is_number, transformer_blocks
+from .common import block_argument, transformer_blocks
+from .configs import FbcConfig
 
 ENCODER_PASS_THROUGH_HOOK = "encoder_pass_through"
-
-
-@dataclass
-class FbcConfig:
-    """Options of First Block Cache.
-
-    Args:
-        threshold (`float`, defaults to `0.05`):
-            diffusers' default. The first block always runs; the remaining blocks are skipped (their cached
-            residual added instead) while the relative mean absolute change of the first block's residual
-            since the last computed step stays at or below this value. 0 never skips (unless the first
-            block's residual repeats exactly).
-    """
-
-    threshold: float = 0.05
-
-    def __post_init__(self) -> None:
-        check_option("threshold", self.threshold, is_number(self.threshold) and self.threshold >= 0,
-                     "a number >= 0")
 
 
 class EncoderPassThroughHook(ModelHook):

@@ -7,35 +7,15 @@ recorded at the last step it computed, so the residual stream itself is never fr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .common import check_option, is_int, transformer_blocks
+from .common import transformer_blocks
+from .configs import ForaConfig
 from .runs import RunDecision, RunHeadHook, RunState, register_run
 
 FORA_BLOCK_HOOK = "fora_block"
-
-
-@dataclass
-class ForaConfig:
-    """Options of FORA.
-
-    Args:
-        interval (`int`, defaults to `3`):
-            N: every block computes on steps with ``step % N == 0`` and reuses its residual on the other
-            N - 1 steps. 1 never reuses. A block with nothing recorded yet (e.g. a trajectory that does not
-            start at step 0) computes.
-        current_step_callback (`Callable[[], int]`, set by `apply_cache`):
-            Returns the index of the denoising step of the current call.
-    """
-
-    interval: int = 3
-    current_step_callback: Callable[[], int] | None = None
-
-    def __post_init__(self) -> None:
-        check_option("interval", self.interval, is_int(self.interval) and self.interval >= 1, "an integer >= 1")
 
 
 class ForaBlockHook(RunHeadHook):

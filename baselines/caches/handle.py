@@ -22,14 +22,12 @@ from diffusers.models.attention_processor import Attention
 from agg_bench.errors import UserError
 
 from .common import timestep_to_1000, transformer_blocks
+from .configs import STEP_CALLBACK, TIMESTEP_CALLBACK
 
 COMPUTED_HOOK = "cache_stats_computed"
 CALLED_HOOK = "cache_stats_called"
 CONTEXT_NAME = "denoise"
 ATTENTION_CLASSES = (Attention, AttentionModuleMixin)
-STEP_CALLBACK = "current_step_callback"
-TIMESTEP_CALLBACK = "current_timestep_callback"
-CALLBACK_FIELDS = (STEP_CALLBACK, TIMESTEP_CALLBACK)
 
 
 @dataclass

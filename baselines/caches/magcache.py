@@ -13,7 +13,6 @@ the trajectory may have up to :data:`MAX_STEPS` steps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,68 +23,25 @@ from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK, FLUX_MAG_RAT
 
 from agg_bench.errors import UserError
 
-from .common import check_option, is_int, is_number, transformer_blocks
+from .common import transformer_blocks
+from .configs import MAGCACHE_MAX_STEPS as MAX_STEPS
+from .configs import MagCacheConfig
 
-MAX_STEPS = 1000
 STEP_HOOK = "mag_cache_step"
-PRESET_RATIOS = {"flux": FLUX_MAG_RATIOS}
+PRESET_RATIOS = {"flux": FLUX_MAG_RATIOS}  # keys: MAGCACHE_PRESETS, the names the config accepts
 
 
-@dataclass
-class MagCacheConfig:
-    """Options of MagCache.
-
-    Args:
-        threshold (`float`, defaults to `0.06`):
-            Largest accumulated magnitude error at which the blocks are still skipped. diffusers' default.
-        max_skip_steps (`int`, defaults to `3`):
-            Most consecutive steps skipped. 0 never skips. diffusers' default.
-        retention_steps (`int`, defaults to `2`):
-            The first this many steps of a trajectory are always computed. (diffusers sets this as a fraction
-            of the step count; the step count is not known when the cache is applied.)
-        mag_ratios (`list[float]` or `"flux"`, defaults to `None`):
-            Per-step magnitude ratios, indexed by step; steps past the list use 1. `"flux"` is diffusers'
-            FLUX.1 table (28 steps). `None` is all ones (see the module docstring).
-        num_inference_steps (`int`, defaults to `None`):
-            If set, `mag_ratios` is resampled (nearest) to this many steps, e.g. to use the 28-step FLUX
-            table with a 10-step sampler. `None` uses the ratios as given.
-        current_step_callback (`Callable[[], int]`, set by `apply_cache`):
-            Returns the current step index.
-    """
-
-    threshold: float = 0.06
-    max_skip_steps: int = 3
-    retention_steps: int = 2
-    mag_ratios: list[float] | str | None = None
-    num_inference_steps: int | None = None
-    current_step_callback: Callable[[], int] | None = None
-
-    def __post_init__(self) -> None:
-        check_option("threshold", self.threshold, is_number(self.threshold) and self.threshold >= 0,
-                     "a number >= 0")
-        for key in ("max_skip_steps", "retention_steps"):
-            value = getattr(self, key)
-            check_option(key, value, is_int(value) and value >= 0, "an integer >= 0")
-        ratios = self.mag_ratios
-        ok = ratios is None or (isinstance(ratios, str) and ratios in PRESET_RATIOS) or (
-            isinstance(ratios, (list, tuple)) and 0 < len(ratios) <= MAX_STEPS and all(is_number(r) for r in ratios))
-        check_option("mag_ratios", ratios, ok,
-                     f"a list of at most {MAX_STEPS} numbers, one per step, or one of {sorted(PRESET_RATIOS)}")
-        steps = self.num_inference_steps
-        check_option("num_inference_steps", steps, steps is None or (is_int(steps) and 1 <= steps <= MAX_STEPS),
-                     f"an integer from 1 to {MAX_STEPS}")
-
-    def step_ratios(self) -> torch.Tensor:
-        """The ratio of every step up to :data:`MAX_STEPS` (ones past the given ones)."""
-        ratios = torch.ones(MAX_STEPS)
-        given = self.mag_ratios
-        if given is None:
-            return ratios
-        given = PRESET_RATIOS[given] if isinstance(given, str) else torch.tensor(given, dtype=torch.float32)
-        if self.num_inference_steps is not None:
-            given = nearest_interp(given, self.num_inference_steps)
-        ratios[: len(given)] = given
+def step_ratios(config: MagCacheConfig) -> torch.Tensor:
+    """The ratio of every step up to :data:`MAX_STEPS` (ones past the given ones)."""
+    ratios = torch.ones(MAX_STEPS)
+    given = config.mag_ratios
+    if given is None:
         return ratios
+    given = PRESET_RATIOS[given] if isinstance(given, str) else torch.tensor(given, dtype=torch.float32)
+    if config.num_inference_steps is not None:
+        given = nearest_interp(given, config.num_inference_steps)
+    ratios[: len(given)] = given
+    return ratios
 
 
 class MagCacheStepHook(ModelHook):
@@ -111,7 +67,7 @@ def apply_magcache(module: torch.nn.Module, config: MagCacheConfig) -> None:
         max_skip_steps=config.max_skip_steps,
         retention_ratio=config.retention_steps / MAX_STEPS,
         num_inference_steps=MAX_STEPS,
-        mag_ratios=config.step_ratios(),
+        mag_ratios=step_ratios(config),
     )
     diffusers_hooks.apply_mag_cache(module, diffusers_config)
     head = transformer_blocks(module)[0][1]

@@ -8,57 +8,14 @@ the last computed step. Computing resets the sum.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 from diffusers.hooks.hooks import BaseState
 
-from .common import check_option, is_int, is_number, modulated_input, transformer_blocks
+from .common import modulated_input, transformer_blocks
+from .configs import TeaCacheConfig
 from .runs import RunDecision, RunHeadHook, RunState, register_run
 
 TEACACHE_BLOCK_HOOK = "teacache_block"
-
-
-@dataclass
-class TeaCacheConfig:
-    """Options of TeaCache.
-
-    Args:
-        threshold (`float`, defaults to `0.2`):
-            The blocks are skipped while the accumulated rescaled change is below this. 0 never skips. With
-            the identity rescaling the sum is the raw relative L1 change, and 0.2 is a starting point to
-            tune per model, not a calibrated speed/quality trade-off.
-        coefficients (`list[float]`, defaults to `[1.0, 0.0]`):
-            Rescaling polynomial applied to each relative L1 change, highest degree first (as
-            ``numpy.polyval``). The default is the identity; TeaCache fits one per model so that the
-            rescaled input change tracks the change of the model's output.
-        warmup_steps (`int`, defaults to `1`):
-            Steps with an index below this always compute.
-        current_step_callback (`Callable[[], int]`, set by `apply_cache`):
-            Returns the index of the denoising step of the current call.
-    """
-
-    threshold: float = 0.2
-    coefficients: list[float] = field(default_factory=lambda: [1.0, 0.0])
-    warmup_steps: int = 1
-    current_step_callback: Callable[[], int] | None = None
-
-    def __post_init__(self) -> None:
-        check_option("threshold", self.threshold, is_number(self.threshold) and self.threshold >= 0,
-                     "a number >= 0")
-        c = self.coefficients
-        check_option("coefficients", c, isinstance(c, (list, tuple)) and len(c) > 0 and all(is_number(v) for v in c),
-                     "a non-empty list of numbers, highest degree first")
-        self.coefficients = [float(v) for v in c]
-        check_option("warmup_steps", self.warmup_steps, is_int(self.warmup_steps) and self.warmup_steps >= 1,
-                     "an integer >= 1")
-
-    def rescale(self, change: float) -> float:
-        value = 0.0
-        for coefficient in self.coefficients:
-            value = value * change + coefficient
-        return value
 
 
 class TeaCacheState(BaseState):
