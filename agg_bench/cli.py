@@ -132,15 +132,16 @@ def cmd_profile(args) -> int:
     from .config import load_config
     from .errors import ConfigError
     from .io import write_json
-    from .profiling import profile_steps
+    from .profiling import is_profile_file, profile_steps
     from .telemetry import environment
-    from .train import Session, prepare_out_dir
+    from .train import Session, prepare_out_dir, refuse_foreign_out
 
     for flag, value, least in (("--wait", args.wait, 0), ("--warmup", args.warmup, 0), ("--active", args.active, 1)):
         if value < least:
             raise ConfigError(flag, value, f"an integer >= {least}")
     # as in replay: --method replaces the config's method section; --set method.KEY=VALUE adds options
     cfg = load_config(args.config, [f"method={json.dumps({'name': args.method})}", *args.overrides])
+    refuse_foreign_out(args.out, is_profile_file, "a profile")
     session = Session(cfg)
     out = prepare_out_dir(args.out)
     write_json(out / "config.json", cfg.to_dict())

@@ -15,6 +15,12 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 MEMORY_HISTORY_MAX_ENTRIES = 100_000
 
 
+def is_profile_file(name: str) -> bool:
+    """Whether ``name`` is one that ``agg-bench profile`` writes into its folder."""
+    return name in ("config.json", "env.json", "profile.json", "operators.csv", "memory_snapshot.pickle") \
+        or name.endswith((".pt.trace.json", ".pt.trace.json.gz"))
+
+
 def profile_steps(
     step: Callable[[], None],
     out_dir: str | Path,

@@ -21,14 +21,19 @@ from .io import atomic_path, write_json
 from .lora import load_adapter, lora_info, save_transformer
 from .methods import Estimator, ReplayPlan, build_method
 from .models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, precision
-from .train import Session, prepare_out_dir
+from .train import Session, prepare_out_dir, refuse_foreign_out
 
 ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "encoder_hidden_states",
                 "train_steps")
 
 
+# what a snapshot folder holds; any other file in --out is someone else's
+SNAPSHOT_NAMES = ("transformer", "lora", "rollout.safetensors", "rollout.json", "config.json")
+
+
 def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
-    """Collect iteration 0 of ``cfg`` and freeze it into ``out_dir``."""
+    """Collect iteration 0 of ``cfg`` and freeze it into ``out_dir`` (new, empty or an earlier snapshot)."""
+    refuse_foreign_out(Path(out_dir), lambda name: name in SNAPSHOT_NAMES, "a snapshot")
     out = prepare_out_dir(out_dir)
     session = Session(cfg)
     batch = session.collect(0).batch

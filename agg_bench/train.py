@@ -539,6 +539,21 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
     return summary
 
 
+def refuse_foreign_out(out: Path, ours, what: str) -> None:
+    """Refuse an output folder that holds anything ``what`` does not write (``ours(name)`` is False for a
+    name in it, temporaries aside): those files would be overwritten or mixed with its own. Reads only."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    foreign = sorted(p.name for p in out.iterdir() if not is_temp_name(p.name) and not ours(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise UserError(f"--out {out}: the folder holds files that are not {what} ({shown}); "
+                        "give a new or empty folder")
+
+
 def prepare_out_dir(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     try:

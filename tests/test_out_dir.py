@@ -100,3 +100,21 @@ def test_a_damaged_line_before_the_last_names_the_file_and_the_line(tmp_path):
         list(read_jsonl(path))
     path.write_text('{"iteration": 0}\n{"iteration": 1, "lo')  # a torn last line: skipped
     assert list(read_jsonl(path)) == [{"iteration": 0}]
+
+
+@pytest.mark.parametrize("verb, extra", [("snapshot", []), ("profile", ["--method", "full", "--active", "1"])])
+def test_snapshot_and_profile_refuse_a_folder_of_other_files_and_rerun_into_their_own(tmp_path, capsys, verb, extra):
+    sets = [a for o in SMALL for a in ("--set", o)]
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.json").write_text('{"mine": true}\n')  # a name the verb writes too, beside one it doesn't
+    (home / "notes.txt").write_text("mine\n")
+    before = snapshot(home)
+    capsys.readouterr()
+    assert main([verb, *sets, *extra, "--out", str(home)]) == 2
+    line = one_error_line(capsys)
+    assert str(home) in line and "notes.txt" in line
+    assert snapshot(home) == before
+    out = tmp_path / verb
+    assert main([verb, *sets, *extra, "--out", str(out)]) == 0
+    assert main([verb, *sets, *extra, "--out", str(out)]) == 0  # its own earlier output: written again
