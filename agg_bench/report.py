@@ -929,7 +929,7 @@ def plot_rewards(records: pd.DataFrame, path: Path, x: str) -> None:
                             color=colors[label], alpha=0.15, linewidth=0)
             bands.add(curve["band"])
         ax.set_title(f"{key[0]} {key[1]} px, {key[2]}\nbands: {'; '.join(sorted(bands))}", fontsize=8)
-        ax.set_xlabel("iteration" if x == "iteration" else "wall-clock (s), median over seeds")
+        ax.set_xlabel("iteration" if x == "iteration" else "cumulative wall-clock (s; with seeds, their median)")
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
     _legend(fig, axes)
