@@ -33,7 +33,8 @@ from .snapshot import Snapshot, load_snapshot, plan_replay, replay_gradient, rep
 from .train import prepare_out_dir, resolve_device
 
 COLUMNS = (
-    "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in",
+    "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
+    "cache_in",
     "cosine_to_full", "relative_error", "grad_norm", "forward_nograd", "forward_grad", "backward",
     "seconds", "groups_routed", "route_score_mean", "ratio_dev", "cache_hit_rate", "is_reference",
     "model", "resolution", "device", "batch_size", "steps_per_sample", "replay", "replay_note",

@@ -58,7 +58,8 @@ PASS_KEYS = ("forward_nograd", "forward_grad", "backward")
 TRAIN_PASS_KEYS = tuple(f"train_{key}" for key in PASS_KEYS)
 
 # Estimator options that get their own gradcheck column (whichever method has them).
-GRADCHECK_OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "cache", "cache_in")
+GRADCHECK_OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
+                            "cache_in")
 
 # Tables ``agg-bench report --tables DIR`` writes, each as ``DIR/<name>.<format>`` for every format of
 # TABLE_FORMATS (HTML is what the Snakemake report shows in the page), besides ``DIR/records.csv``

@@ -605,12 +605,12 @@ def _match_gradcheck(table: pd.DataFrame, gradcheck: pd.DataFrame | None) -> tup
 
 
 ABLATION_COLUMNS = ["model", "resolution", "method", "window", "alpha", "route_frac", "reuse_rollout_velocity",
-                    "cache", "cosine_to_full", "relative_error", "forward_nograd", "forward_grad", "backward",
+                    "endpoint_velocity", "cache", "cosine_to_full", "relative_error", "forward_nograd", "forward_grad", "backward",
                     "backward_vs_full", "seconds", "speedup_vs_full", "cache_hit_rate"]
 
 
 def ablation_table(gradcheck: pd.DataFrame) -> pd.DataFrame:
-    """Gradcheck rows: W x alpha x route_frac x reuse -> cosine, relative error, passes, replay seconds,
+    """Gradcheck rows: W x alpha x route_frac x reuse (x endpoint velocity) -> cosine, relative error, passes, replay seconds,
     with the backward passes and the time relative to the ``full`` replay of the same snapshot."""
     if gradcheck.empty:
         return pd.DataFrame(columns=ABLATION_COLUMNS)
@@ -627,7 +627,7 @@ def ablation_table(gradcheck: pd.DataFrame) -> pd.DataFrame:
     order = {"full": 0, "agg": 1}
     df["_order"] = df["method"].map(lambda m: order.get(m, 2))
     df = df.sort_values(["model", "resolution", "_order", "method", "window", "alpha", "route_frac",
-                         "reuse_rollout_velocity"], kind="stable", na_position="first")
+                         "reuse_rollout_velocity", "endpoint_velocity"], kind="stable", na_position="first")
     return df[ABLATION_COLUMNS].reset_index(drop=True)
 
 

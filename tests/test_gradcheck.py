@@ -50,6 +50,22 @@ def test_gradcheck_table_against_full(tmp_path):
             assert 0 < float(row["relative_error"]) and float(row["cosine_to_full"]) < 1
 
 
+def test_endpoint_velocity_reuse_has_its_own_row_the_same_gradient_and_fewer_no_grad_forwards(tmp_path):
+    out = tmp_path / "gc.csv"
+    assert main(["gradcheck", *SET, "--windows", "3", "--alphas", "sigma", "--route-fracs", "1",
+                 "--methods", "agg:window=3,alpha=sigma,endpoint_velocity=reuse", "--out", str(out)]) == 0
+    full, recompute, reuse = read_rows(out)
+    assert (recompute["endpoint_velocity"], reuse["endpoint_velocity"]) == ("recompute", "reuse")
+    b, n = int(full["batch_size"]), int(full["steps_per_sample"])
+    groups = b * n // 3
+    assert [int(recompute[k]) for k in ("forward_nograd", "forward_grad", "backward")] == [b * n, 2 * groups, 2 * groups]
+    # v at both ends of each group comes from its forwards with grad: W - 2 no-grad forwards per group
+    assert [int(reuse[k]) for k in ("forward_nograd", "forward_grad", "backward")] == [groups, 2 * groups, 2 * groups]
+    # the same gradient up to float64 rounding (tests/test_agg.py bounds it at 1e-12 relative)
+    assert abs(float(reuse["relative_error"]) - float(recompute["relative_error"])) <= 1e-10
+    assert float(reuse["cosine_to_full"]) == pytest.approx(float(recompute["cosine_to_full"]), abs=1e-10)
+
+
 def test_gradcheck_on_an_existing_snapshot_matches_replay(tmp_path):
     snap = tmp_path / "snap"
     assert main(["snapshot", *SET, "--out", str(snap)]) == 0
