@@ -65,10 +65,14 @@ def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
 
 
 
-def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
-    """(dotted key, old value, new value) of the first key where two configs differ, outside ``ignore``."""
+def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = (),
+                     defaults: dict | None = None) -> tuple[str, Any, Any] | None:
+    """(dotted key, old value, new value) of the first key where two configs differ, outside ``ignore``.
+    A key of ``defaults`` that ``old`` lacks (a config written before the key existed) counts as its
+    default there."""
     keep = lambda k: not any(k == c or k.startswith(c + ".") for c in ignore)  # noqa: E731
-    a = {k: v for k, v in _flat(old).items() if keep(k)}
+    a = {**_flat(defaults or {}), **_flat(old)}
+    a = {k: v for k, v in a.items() if keep(k)}
     b = {k: v for k, v in _flat(new).items() if keep(k)}
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -78,7 +82,9 @@ def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = ()) -> tupl
 
 def check_same_run(saved: dict, cfg: dict, out_dir: Path) -> None:
     """Raise a ConfigError naming the first key whose value differs from the checkpoint's config."""
-    diff = first_difference(saved, cfg, RESUMABLE_CHANGES)
+    from .config import DEFAULTS
+
+    diff = first_difference(saved, cfg, RESUMABLE_CHANGES, DEFAULTS)
     if diff is not None:
         key, old, new = diff
         raise ConfigError(key, new, f"{old!r} as in the checkpoint in {out_dir} (or run without --resume)")

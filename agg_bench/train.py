@@ -22,7 +22,7 @@ from . import distributed, fsdp
 from . import telemetry as tel
 from .checkpoint import (checkpoint_path, first_difference, load_checkpoint, remove_stale_files, save_checkpoint,
                          write_lines)
-from .config import RunConfig
+from .config import DEFAULTS, RunConfig
 from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats, group_advantages
 from .io import JsonlWriter, is_temp_name, write_json
@@ -350,7 +350,7 @@ def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> Non
                         "give a new or empty folder")
     if overwrite or (resume and checkpoint_path(out).is_file()) or not (out / "summary.json").is_file():
         return
-    diff = first_difference(previous, config, ("progress",))
+    diff = first_difference(previous, config, ("progress",), DEFAULTS)
     if diff is not None:
         key, old, new = diff
         raise UserError(f"--out {out}: holds a finished run of another config ({key} = {old!r} there, {new!r} "

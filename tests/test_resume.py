@@ -167,3 +167,17 @@ def test_rerun_starts_clean_and_resume_without_checkpoint_starts_over(tmp_path, 
     train(load_config(None, [*SMALL, "train.iterations=1"]), out, overwrite=True)  # no --resume: the old checkpoint goes
     assert not (out / CHECKPOINT_NAME).exists()
     assert [r["iteration"] for r in records(out)] == [0]
+
+
+def test_a_checkpoint_from_before_a_key_existed_reads_it_as_its_default(tmp_path):
+    import copy
+
+    from agg_bench.checkpoint import check_same_run
+    from agg_bench.errors import ConfigError
+
+    cfg = config("full").to_dict()
+    older = copy.deepcopy(cfg)
+    del older["grpo"]["kl_form"], older["grpo"]["adv_std"]  # keys added after that checkpoint was written
+    check_same_run(older, cfg, tmp_path)  # the defaults: the same run
+    with pytest.raises(ConfigError, match="grpo.kl_form"):
+        check_same_run(older, config("full", "grpo.kl_form=no_dt").to_dict(), tmp_path)
