@@ -798,11 +798,13 @@ def _interval(value, lo, hi, digits: int = 2, suffix: str = "x") -> str:
 def summary_table(efficiency: pd.DataFrame) -> pd.DataFrame:
     """The efficiency table in a few readable columns, one row per cell: seconds per iteration as
     median [p25, p75] (in the row's ``time`` basis), speedup and train speedup over ``full`` with
-    their 95 % intervals, the predicted train speedup, backward passes per iteration, peak memory (MiB,
+    their 95 % intervals (the train speedup's basis: paired rounds or the runs), the predicted train
+    speedup, backward passes per iteration, peak memory (MiB,
     :func:`peak_memory_mib`), gradient cosine to ``full`` and the final reward +- the standard
     deviation of that iteration's sample rewards."""
     columns = ["method", "model", "resolution", "hardware", "source", "status", "time", "s_per_iter", "speedup",
-               "train_speedup", "predicted_train_speedup", "backward", "peak_mib", "grad_cosine", "final_reward_pm"]
+               "train_speedup", "train_speedup_basis", "predicted_train_speedup", "backward", "peak_mib", "grad_cosine",
+               "final_reward_pm"]
     if efficiency.empty:
         return pd.DataFrame(columns=columns)
     peak = peak_memory_mib(efficiency)
@@ -816,6 +818,7 @@ def summary_table(efficiency: pd.DataFrame) -> pd.DataFrame:
             "s_per_iter": _interval(med, p25, p75, 3, "") if _is_number(med) else "",
             "speedup": _interval(r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi")),
             "train_speedup": _interval(r.get("train_speedup"), r.get("train_speedup_lo"), r.get("train_speedup_hi")),
+            "train_speedup_basis": r.get("train_speedup_basis"),
             "predicted_train_speedup": r.get("predicted_train_speedup"),
             "backward": r.get("backward"),
             "peak_mib": round(float(peak[idx]), 1) if _is_number(peak[idx]) else float("nan"),

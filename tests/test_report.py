@@ -234,6 +234,7 @@ def test_build_report_writes_every_table_and_plot(sweep, gradcheck_csv, tmp_path
     # full at 64 px: iterations 2, 2, 4, 4 s after the warm-up -> median 3 [2, 4]
     assert summary.loc[("full", 64), "s_per_iter"] == "3.000 [2.000, 4.000]"
     assert summary.loc[("agg-w5", 64), "speedup"].startswith("3.00x [")
+    assert summary.loc[("agg-w5", 64), "train_speedup_basis"] == "runs"  # no calibration timed these methods
     assert str(summary.loc[("window", 128), "final_reward_pm"]) in ("2", "2.0")  # no reward_std recorded: no spread
     assert len(pd.read_csv(tmp_path / "tables" / "records.csv")) == 18
     with open(tmp_path / "tables" / "records.csv", newline="") as f:
