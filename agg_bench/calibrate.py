@@ -214,9 +214,17 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
 
 def write_calibration(cfg: RunConfig, out: str | Path, options: CalibrationConfig | None = None,
                       methods: Mapping[str, Any] | None = None) -> dict:
-    """Measure (``calibrate``) and write the result to ``out`` as JSON; return it."""
-    result = calibrate(cfg, options, methods)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, result)
+    """Measure (``calibrate``) and write the result to ``out`` as JSON; return it. Under torchrun every
+    process measures its share of the batch, as the runs of a cell on that many GPUs do (sharded with
+    ``train.shard: fsdp``: all-gathers and reduce-scatters included), and rank 0 writes its numbers."""
+    from . import distributed, fsdp
+    from .train import resolve_device
+
+    with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
+        shard.check_run(cfg)  # whole groups per process, as a run checks it
+        result = {**calibrate(cfg, options, methods), "processes": shard.world_size}
+        if shard.is_main:
+            out = Path(out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_json(out, result)
     return result

@@ -327,8 +327,9 @@ class Sweep:
         if part.get("time_methods", True):
             options += "".join(f" --method {shlex.quote(label)} {shlex.quote(yaml_text(self.sweep['methods'][label]))}"
                                for label in job["methods"])
-        # unit costs are per GPU: one process on one GPU of the device
-        return (f"{self.launch(job['device'], 'calibrate', min(1, self.gpus(job['device'])))} "
+        # on the GPUs of the cell's runs: a sharded model needs them all, and the times include the
+        # collectives its runs pay; unit costs are per sample on each process
+        return (f"{self.launch(job['device'], 'calibrate')} "
                 f"{self._config_args(job['pairs'])} {options} --out results/calibration/{name}.json")
 
     def embed_command(self, model: str) -> str:

@@ -285,3 +285,22 @@ def _hang(out: Path) -> None:
 
 if __name__ == "__main__":
     (_hang if "--hang" in sys.argv else _worker)(Path(sys.argv[1]))
+
+
+def test_a_sharded_calibration_runs_on_two_processes_and_rank_0_writes_it(tmp_path):
+    """The workflow calibrates a sharded cell on its runs' GPUs: every process measures its share with
+    the collectives the runs pay (the model may fit only when sharded), and one file is written."""
+    out = tmp_path / "cal.json"
+    sets = [a for item in ("model.resolution=32", "sampling.steps=4", "grpo.prompts_per_iteration=2",
+                           "train.shard=fsdp", "progress=false") for a in ("--set", item)]
+    proc = torchrun("-m", "agg_bench", "calibrate", "--config", "config/run.yaml", *sets, "--repeats", "2",
+                    "--warmup", "1", "--method-repeats", "2", "--method", "full", "{method: {name: full}}",
+                    "--method", "agg", "{method: {name: agg, window: 4}}", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    b, steps = 4, 4  # each process: one of the 2 groups of 4 images
+    assert (result["processes"], result["batch"]) == (2, b)
+    assert result["methods"]["full"]["passes"] == {"forward_nograd": 0, "forward_grad": b * steps, "backward": b * steps}
+    assert result["methods"]["agg"]["passes"] == {"forward_nograd": b * steps, "forward_grad": 2 * b, "backward": 2 * b}
+    assert all(len(m["cpu_s"]) == 2 for m in result["methods"].values())
+    assert [p.name for p in tmp_path.iterdir()] == ["cal.json"]
