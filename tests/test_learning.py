@@ -124,3 +124,84 @@ def test_learning_sweep_dry_run(tmp_path):
     assert counts["pretrain"] == 1 and counts["gradcheck"] == 1 and counts["learning_report"] == 1
     assert counts["run"] == 6 * 3
     assert not (work / "results").exists()
+
+
+def test_evaluation_columns_by_hand():
+    """The evaluation's gain is each seed's final score minus the pre-trained one (shared by all)."""
+    import pandas as pd
+
+    from agg_bench.learning import evaluation_columns
+
+    scores = pd.DataFrame([
+        {"state": "pre-trained", "method": None, "seed": None, "eval_reward": 0.5, "eval_reward_count": 0.2},
+        {"state": "full/0", "method": "full", "seed": 0, "eval_reward": 0.6, "eval_reward_count": 0.4},
+        {"state": "full/1", "method": "full", "seed": 1, "eval_reward": 0.7, "eval_reward_count": 0.3},
+        {"state": "full/2", "method": "full", "seed": 2, "eval_reward": 0.8, "eval_reward_count": 0.5}])
+    row = evaluation_columns(scores, "full")
+    gains = np.array([0.6, 0.7, 0.8]) - 0.5
+    assert row["eval_initial"] == 0.5 and row["eval_final"] == pytest.approx(0.7)
+    assert row["eval_gain"] == pytest.approx(gains.mean()) and row["eval_gain_std"] == pytest.approx(gains.std(ddof=1))
+    assert row["eval_gain_over_spread"] == pytest.approx(gains.mean() / gains.std(ddof=1))
+    assert row["eval_reward_count_gain"] == pytest.approx(0.2)
+    assert evaluation_columns(scores, "agg") == {}
+
+
+def test_evaluation_on_trained_runs(tmp_path):
+    """The held-out evaluation on a 2-step pre-trained model and two 1-iteration runs: every state is
+    sampled from the same noise, so a run whose checkpoint holds the pre-trained weights scores exactly
+    the pre-trained score (same weights, same noise, same operations: bit-identical), and a trained run's
+    images differ; the table and the CLI carry the evaluation columns."""
+    import shutil
+
+    import torch
+
+    from agg_bench.config import load_config
+    from agg_bench.learning import Evaluation, evaluate
+    from agg_bench.pretrain import load_pretrain_config, pretrain
+    from agg_bench.scenes import all_scenes
+    from agg_bench.train import train
+
+    model = tmp_path / "model"
+    pretrain(load_pretrain_config(None, ["steps=2", "batch_size=4", "num_layers=1", "sample_steps=2",
+                                         "warmup_steps=1"]), model, progress=False)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(s.caption for s in all_scenes()[:2]) + "\n")
+    entries = []
+    for seed in (0, 1):
+        cfg = load_config(None, ["model.family=sd3", "model.preset=pretrained", f"model.pretrained={model}",
+                                 "model.resolution=32", f"prompts.file={prompts}", "reward.name=scene",
+                                 "train.iterations=2", "train.checkpoint_every=2", "train.lr=1e-2",
+                                 "sampling.steps=2", "grpo.group_size=2", "progress=false", f"seed={seed}"])
+        assert train(cfg, tmp_path / f"run{seed}")["status"] == "ok"
+        entries.append({"dir": str(tmp_path / f"run{seed}"), "method": "full", "seed": seed})
+    # a run folder whose "final" weights are the pre-trained ones
+    shutil.copytree(tmp_path / "run0", tmp_path / "same")
+    state = torch.load(tmp_path / "same" / "checkpoint.pt", weights_only=False)
+    base = load_pretrained_parameters(model)
+    state["parameters"] = {k: base[k] for k in state["parameters"]}
+    torch.save(state, tmp_path / "same" / "checkpoint.pt")
+    entries.append({"dir": str(tmp_path / "same"), "method": "unchanged", "seed": 0})
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": entries}))
+    runs = load_runs(manifest)
+    evaluation = Evaluation(runs, noises=3, seed=4)
+    assert len(evaluation.captions) == 6
+    scores, images = evaluate(runs, evaluation)
+    assert list(scores["state"]) == ["pre-trained", "full/0", "full/1", "unchanged/0"]
+    assert torch.equal(images["unchanged/0"], images["pre-trained"])
+    assert not torch.equal(images["full/0"], images["pre-trained"])
+    table = learning_table(runs, average=1, evaluation=scores).set_index("method")
+    assert table.loc["unchanged", "eval_gain"] == 0.0
+    assert table.loc["full", "eval_initial"] == scores["eval_reward"][0]
+    out = tmp_path / "out"
+    assert main(["--manifest", str(manifest), "--tables", str(out), "--plots", str(out), "--average", "1",
+                 "--eval-noises", "3"]) == 0
+    assert "eval_gain_over_spread" in (out / "learning.md").read_text()
+    assert (out / "samples.png").is_file() and len((out / "evaluation.csv").read_text().splitlines()) == 5
+    assert main(["--manifest", str(manifest), "--tables", str(out), "--eval-noises", "-1"]) == 2
+
+
+def load_pretrained_parameters(model):
+    from agg_bench.models import load_policy
+
+    return load_policy("sd3", "pretrained", str(model)).transformer.state_dict()

@@ -4,7 +4,7 @@
 PRETRAIN = config.get("pretrain") or {}
 LEARNING = config.get("learning") or {}
 LEARNING_DIR = "results/learning"
-LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + \
+LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + [f"{LEARNING_DIR}/evaluation.csv"] + \
     [f"{LEARNING_DIR}/{name}.png" for name in ("reward_iteration", "reward_time", "samples")]
 
 
@@ -57,7 +57,8 @@ rule learning_report:
     log:
         "results/logs/learning.log",
     params:
-        options=f"--average {int(LEARNING.get('average_iterations', 3))} --fraction {float(LEARNING.get('fraction_of_full', 0.8))}",
+        options=f"--average {int(LEARNING.get('average_iterations', 3))} --fraction {float(LEARNING.get('fraction_of_full', 0.8))} "
+        f"--eval-noises {int(LEARNING.get('eval_noises', 16))} --eval-seed {int(LEARNING.get('eval_seed', 0))}",
     shell:
         "{PYTHON} -m agg_bench.learning --manifest {input.manifest} {params.options} "
         "--tables {LEARNING_DIR} --plots {LEARNING_DIR} > {log} 2>&1"
