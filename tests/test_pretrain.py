@@ -134,3 +134,16 @@ def test_cli_errors_exit_2_and_leave_nothing(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "steps = 0" in proc.stderr
     assert not out.exists()
+
+
+def test_embed_refuses_a_token_hash_folder(pretrained, tmp_path, capsys):
+    """`agg-bench embed` on a pre-trained scene model: one line naming the folder and why, exit 2, no file."""
+    from agg_bench.cli import main
+
+    out = tmp_path / "e.safetensors"
+    code = main(["embed", "--set", "model.family=sd3", "--set", "model.preset=pretrained",
+                 "--set", f"model.pretrained={pretrained('sd3')}", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "token_hash.json" in err
+    assert not out.exists()
