@@ -32,6 +32,7 @@ from .io import read_jsonl, save_figure, write_text
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
+SAMPLERS = ("ode", "sde")  # the held-out evaluation's
 
 
 @dataclass
@@ -191,13 +192,15 @@ def plot_rewards(runs: list[Run], path: str | Path, x: str) -> Path:
 
 
 class Evaluation:
-    """The held-out evaluation: every caption of the runs' prompt file x ``noises`` fixed initial noises
-    (seeded by ``seed``: identical for every method, seed and model state), sampled by the deterministic
-    Euler (ODE) sampler with the runs' step count and shift, and scored by the scene reward. Without the
-    SDE's noise, a model state's score depends on its weights alone, so the pre-trained weights' score is
-    one number shared by every run and a run's gain differs from another's only by what training did."""
+    """The held-out evaluation: every caption of the runs' prompt file x ``noises`` fixed noises (seeded
+    by ``seed``: identical for every method, seed and model state), sampled with the runs' step count and
+    shift, and scored by the scene reward. ``sampler``: ``ode`` (the deterministic Euler sampler) or
+    ``sde`` (the rollouts' own SDE and eta, :func:`~agg_bench.rollout.rollout`, its step noise drawn from
+    the same seeded generator for every state). Either way a model state's score depends on its weights
+    alone, so the pre-trained weights' score is one number shared by every run and a run's gain differs
+    from another's only by what training did."""
 
-    def __init__(self, runs: list[Run], noises: int = 16, seed: int = 0):
+    def __init__(self, runs: list[Run], noises: int = 16, seed: int = 0, sampler: str = "ode"):
         from .config import RunConfig
         from .models import load_policy
         from .text import prompt_conditioning, prompt_set
@@ -212,7 +215,10 @@ class Evaluation:
         self.cond = prompt_conditioning(config, self.policy.transformer, prompts)[index]
         self.latent_shape = self.policy.latent_shape(model["resolution"])
         self.steps, self.shift = config["sampling"]["steps"], config["sampling"]["shift"] or 3.0
-        self.seed = seed
+        self.sde, self.eta = config["sampling"]["sde"], config["sampling"]["eta"]
+        if sampler not in SAMPLERS:
+            raise UserError(f"evaluation sampler {sampler!r}: expected one of {', '.join(SAMPLERS)}")
+        self.sampler, self.seed = sampler, seed
         self.base = {k: v.clone() for k, v in self.policy.transformer.state_dict().items()}
 
     def images(self, run: Run | None):
@@ -221,6 +227,8 @@ class Evaluation:
         import torch
 
         from .pretrain import sample
+        from .rollout import rollout
+        from .sde import flow_sigmas
 
         self.policy.transformer.load_state_dict(self.base)
         if run is not None:
@@ -231,8 +239,13 @@ class Evaluation:
             unexpected = self.policy.transformer.load_state_dict(params, strict=False).unexpected_keys
             if unexpected:  # a checkpoint of another model: its weights would be silently ignored
                 raise UserError(f"{state}: parameters the model does not have ({unexpected[0]}, ...)")
-        return sample(self.policy, self.cond, self.latent_shape, self.steps, self.shift,
-                      torch.Generator().manual_seed(self.seed))
+        generator = torch.Generator().manual_seed(self.seed)
+        if self.sampler == "ode":
+            return sample(self.policy, self.cond, self.latent_shape, self.steps, self.shift, generator)
+        noise = torch.randn((self.cond.batch_size, *self.latent_shape), generator=generator)
+        sigmas = flow_sigmas(self.steps, self.shift)
+        latents = rollout(self.policy, self.cond, noise, sigmas, self.sde, self.eta, generator).latents[:, -1]
+        return self.policy.decode(latents.float())
 
     def score(self, images) -> dict[str, np.ndarray]:
         """Per-image scene reward (``reward``) and sub-scores (``reward_color`` ...)."""
@@ -316,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-noises", type=int, default=0,
                         help="held-out evaluation: noises per caption (default 0: no evaluation columns)")
     parser.add_argument("--eval-seed", type=int, default=0, help="seed of the evaluation's noise (default 0)")
+    parser.add_argument("--eval-sampler", default="ode", choices=SAMPLERS,
+                        help="ode: deterministic Euler; sde: the rollouts' SDE with seeded step noise (default ode)")
     args = parser.parse_args(argv)
     try:
         if args.average < 1:
@@ -329,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = load_runs(args.manifest)
         scores = images = None
         if args.eval_noises or args.plots:  # the sample grid shows the evaluation's first images
-            evaluation = Evaluation(runs, max(args.eval_noises, 1), args.eval_seed)
+            evaluation = Evaluation(runs, max(args.eval_noises, 1), args.eval_seed, args.eval_sampler)
             scores, images = evaluate(runs, evaluation)
         if args.tables:
             table = learning_table(runs, args.average, args.fraction, evaluation=scores if args.eval_noises else None)

@@ -190,12 +190,18 @@ def test_evaluation_on_trained_runs(tmp_path):
     assert list(scores["state"]) == ["pre-trained", "full/0", "full/1", "unchanged/0"]
     assert torch.equal(images["unchanged/0"], images["pre-trained"])
     assert not torch.equal(images["full/0"], images["pre-trained"])
+    # the SDE sampler (the rollouts'), its step noise seeded too: as reproducible per state
+    sde_scores, sde_images = evaluate(runs, Evaluation(runs, noises=3, seed=4, sampler="sde"))
+    assert torch.equal(sde_images["unchanged/0"], sde_images["pre-trained"])
+    assert not torch.equal(sde_images["pre-trained"], images["pre-trained"])
+    with pytest.raises(UserError, match="sampler"):
+        Evaluation(runs, sampler="euler")
     table = learning_table(runs, average=1, evaluation=scores).set_index("method")
     assert table.loc["unchanged", "eval_gain"] == 0.0
     assert table.loc["full", "eval_initial"] == scores["eval_reward"][0]
     out = tmp_path / "out"
     assert main(["--manifest", str(manifest), "--tables", str(out), "--plots", str(out), "--average", "1",
-                 "--eval-noises", "3"]) == 0
+                 "--eval-noises", "3", "--eval-sampler", "sde"]) == 0
     assert "eval_gain_over_spread" in (out / "learning.md").read_text()
     assert (out / "samples.png").is_file() and len((out / "evaluation.csv").read_text().splitlines()) == 5
     assert main(["--manifest", str(manifest), "--tables", str(out), "--eval-noises", "-1"]) == 2
