@@ -234,11 +234,20 @@ def check_out_dir(out: Path) -> None:
 
 
 def pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool = True) -> dict:
-    """Train, sample and save the model folder ``out_dir``; return what ``pretrain.json`` holds."""
-    out = Path(out_dir)
-    check_out_dir(out)
+    """Train, sample and save the model folder ``out_dir``; return what ``pretrain.json`` holds. The
+    torch thread count ``threads`` holds during the call only (a caller's later work keeps its own)."""
+    threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _pretrain(cfg, out_dir, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool) -> dict:
+    out = Path(out_dir)
+    check_out_dir(out)
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     shift_factor, std = data_statistics(cfg)
     decoder = PixelDecoder(cfg.pixel_factor, scaling_factor=1.0 / std, shift_factor=shift_factor)
