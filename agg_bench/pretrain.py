@@ -39,6 +39,7 @@ from .sde import flow_sigmas, ode_step
 
 MARKER = "pretrain.json"
 FAMILIES = ("sd3", "flux")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -47,8 +48,9 @@ class PretrainConfig:
 
     family: ``sd3`` or ``flux`` (the diffusers transformer class). resolution: image side in pixels (a
     multiple of 4 x ``pixel_factor``). steps: optimizer steps. batch_size: images per step. lr: AdamW
-    learning rate (linear warm-up over the first ``warmup_steps``). ema_decay: decay of the saved
-    weights' moving average. seed: data, noise and initial weights. num_layers: transformer blocks (FLUX:
+    learning rate (linear warm-up over the first ``warmup_steps``). lr_schedule: after the warm-up,
+    ``constant`` or ``cosine`` (down to 0 at the last step: late steps refine instead of wander).
+    ema_decay: decay of the saved weights' moving average. seed: data, noise and initial weights. num_layers: transformer blocks (FLUX:
     this many double-stream and this many single-stream blocks). num_attention_heads /
     attention_head_dim: attention width. text_dim: token and pooled embedding width. max_tokens: caption
     tokens embedded. pixel_factor: the pixel decoder's rearrangement factor. shift: the scheduler's sigma
@@ -62,6 +64,7 @@ class PretrainConfig:
     batch_size: int = 32
     lr: float = 1e-3
     warmup_steps: int = 50
+    lr_schedule: str = "constant"
     ema_decay: float = 0.995
     seed: int = 0
     num_layers: int = 4
@@ -85,6 +88,8 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f.name, value, "a finite number")
             setattr(cfg, f.name, float(value))
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError("lr_schedule", cfg.lr_schedule, f"one of {list(LR_SCHEDULES)}")
     if cfg.family not in FAMILIES:
         raise ConfigError("family", cfg.family, f"one of {list(FAMILIES)}")
     positive = ("steps", "batch_size", "num_layers", "num_attention_heads", "attention_head_dim", "text_dim",
@@ -209,6 +214,16 @@ def save_grid(path: str | Path, images: torch.Tensor, captions: list[str], score
     plt.close(fig)
 
 
+def learning_rate(cfg: PretrainConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): linear warm-up, then ``lr_schedule``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def check_out_dir(out: Path) -> None:
     """An output folder may be new, empty, or an earlier ``agg-bench pretrain`` output (replaced)."""
     if out.exists() and not out.is_dir():
@@ -219,11 +234,20 @@ def check_out_dir(out: Path) -> None:
 
 
 def pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool = True) -> dict:
-    """Train, sample and save the model folder ``out_dir``; return what ``pretrain.json`` holds."""
-    out = Path(out_dir)
-    check_out_dir(out)
+    """Train, sample and save the model folder ``out_dir``; return what ``pretrain.json`` holds. The
+    torch thread count ``threads`` holds during the call only (a caller's later work keeps its own)."""
+    threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _pretrain(cfg, out_dir, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool) -> dict:
+    out = Path(out_dir)
+    check_out_dir(out)
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     shift_factor, std = data_statistics(cfg)
     decoder = PixelDecoder(cfg.pixel_factor, scaling_factor=1.0 / std, shift_factor=shift_factor)
@@ -237,7 +261,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool = True) ->
     losses = []
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+            group["lr"] = learning_rate(cfg, step)
         scenes = sample_scenes(cfg.batch_size, gen)
         data = decoder.encode_images(draw_batch(scenes, cfg.resolution, gen))
         noise = torch.randn(data.shape, generator=gen)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from .errors import ConfigError, UserError
 from .io import atomic_path
 from .models import Conditioning, text_dims
-from .prompts import hash_embed, load_prompts, token_hash_settings
+from .prompts import TOKEN_HASH_FILE, hash_embed, load_prompts, token_hash_settings
 
 FORMAT = "agg-bench-embeddings/1"
 BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.txt"
@@ -338,6 +338,9 @@ def embed(cfg, out: str | Path | None = None, device: str | torch.device = "cpu"
         meta = {"key": key, "family": family, "pretrained": "", "prompts_file": str(prompts.path),
                 "prompts_sha256": prompts.sha256, "n_prompts": len(prompts.prompts)}
         return Embeddings(cond, save_embeddings(path, cond, meta), False, key)
+    if token_hash_settings(cfg["model"]["pretrained"]) is not None:
+        raise UserError(f"model.pretrained {cfg['model']['pretrained']}: conditioned on token hashes "
+                        f"({TOKEN_HASH_FILE}), which every run computes itself; no text encoders, nothing to embed")
     emb = run_embeddings(cfg, prompts, device, write_to=out)
     if out is not None and Path(out).resolve() != emb.path.resolve():
         meta = read_metadata(emb.path)

@@ -103,11 +103,25 @@ def test_output_is_guarded_and_replaced_whole(pretrained, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign", "model"]
 
 
+def test_learning_rate_schedules():
+    """Linear warm-up to lr, then constant, or cosine down to 0 at the last step (exact at its ends)."""
+    from agg_bench.pretrain import learning_rate
+
+    cosine = load_pretrain_config(None, ["steps=110", "warmup_steps=10", "lr=0.5", "lr_schedule=cosine"])
+    constant = load_pretrain_config(None, ["steps=110", "warmup_steps=10", "lr=0.5"])
+    assert [learning_rate(cosine, s) for s in (0, 4, 9)] == [0.05, 0.25, 0.5]
+    assert learning_rate(cosine, 10) == 0.5 and learning_rate(cosine, 60) == pytest.approx(0.25, abs=1e-15)
+    assert learning_rate(cosine, 110) == pytest.approx(0.0, abs=1e-15)
+    values = [learning_rate(cosine, s) for s in range(10, 110)]
+    assert all(a > b for a, b in zip(values, values[1:]))
+    assert {learning_rate(constant, s) for s in range(10, 110)} == {0.5}
+
+
 @pytest.mark.parametrize("override, key", [
     ("family=qwenimage", "family"), ("steps=-1", "steps"), ("steps=10000000", "steps"), ("lr=.nan", "lr"),
     ("lr=abc", "lr"), ("batch_size=2.5", "batch_size"), ("resolution=30", "resolution"),
     ("pixel_factor=3", "pixel_factor"), ("ema_decay=1", "ema_decay"), ("colour=red", "colour"),
-    ("steps=true", "steps"),
+    ("steps=true", "steps"), ("lr_schedule=linear", "lr_schedule"), ("lr_schedule=5", "lr_schedule"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"config error: {key} = "):
@@ -119,4 +133,17 @@ def test_cli_errors_exit_2_and_leave_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "agg_bench", "pretrain", "--set", "steps=0", "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "steps = 0" in proc.stderr
+    assert not out.exists()
+
+
+def test_embed_refuses_a_token_hash_folder(pretrained, tmp_path, capsys):
+    """`agg-bench embed` on a pre-trained scene model: one line naming the folder and why, exit 2, no file."""
+    from agg_bench.cli import main
+
+    out = tmp_path / "e.safetensors"
+    code = main(["embed", "--set", "model.family=sd3", "--set", "model.preset=pretrained",
+                 "--set", f"model.pretrained={pretrained('sd3')}", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "token_hash.json" in err
     assert not out.exists()

@@ -4,7 +4,7 @@
 PRETRAIN = config.get("pretrain") or {}
 LEARNING = config.get("learning") or {}
 LEARNING_DIR = "results/learning"
-LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + \
+LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + [f"{LEARNING_DIR}/evaluation.csv"] + \
     [f"{LEARNING_DIR}/{name}.png" for name in ("reward_iteration", "reward_time", "samples")]
 
 
@@ -12,6 +12,15 @@ def pretrain_command(name: str) -> str:
     spec = PRETRAIN[name]
     sets = " ".join(set_arg(k, v) for k, v in (spec.get("set") or {}).items())
     return f"{PYTHON} -m agg_bench pretrain --config {shlex.quote(spec['config'])} {sets} --out {PRETRAINED_DIR}/{name}"
+
+
+def pretrain_threads(name: str) -> int:
+    """The pretrain config's `threads` (its --set first; 0 or absent: 1), so Snakemake reserves those cores."""
+    from agg_bench.pretrain import load_pretrain_config
+
+    spec = PRETRAIN[name]
+    sets = [f"{k}={v}" for k, v in (spec.get("set") or {}).items()]
+    return max(1, load_pretrain_config(spec["config"], sets).threads)
 
 
 localrules: learning, learning_manifest
@@ -26,7 +35,7 @@ rule pretrain:
         "results/logs/pretrain/{name}.log",
     benchmark:
         "results/benchmarks/pretrain/{name}.tsv"
-    threads: 1
+    threads: lambda wc: pretrain_threads(wc.name)
     params:
         command=lambda wc: pretrain_command(wc.name),
     shell:
@@ -57,7 +66,9 @@ rule learning_report:
     log:
         "results/logs/learning.log",
     params:
-        options=f"--average {int(LEARNING.get('average_iterations', 3))} --fraction {float(LEARNING.get('fraction_of_full', 0.8))}",
+        options=f"--average {int(LEARNING.get('average_iterations', 3))} --fraction {float(LEARNING.get('fraction_of_full', 0.8))} "
+        f"--eval-noises {int(LEARNING.get('eval_noises', 16))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
+        f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')}",
     shell:
         "{PYTHON} -m agg_bench.learning --manifest {input.manifest} {params.options} "
         "--tables {LEARNING_DIR} --plots {LEARNING_DIR} > {log} 2>&1"
