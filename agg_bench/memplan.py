@@ -42,6 +42,7 @@ from . import distributed
 from .errors import ConfigError
 from .models import (POLICIES, TRANSFORMER_CLASSES, VAE_CLASSES, Conditioning, Policy, build_tiny_transformer,
                      build_tiny_vae, prepare_training, precision, text_dims, vae_dtype)
+from .pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 from .telemetry import SavedActivations, counting_regions
 
 GIB = 1024 ** 3
@@ -95,11 +96,16 @@ def run_layout(cfg, gpus: int = 1) -> Layout:
 def text_tokens(cfg) -> int:
     """Text tokens of the run's conditioning: the hash embedding's for the tiny and random presets; for a
     local model folder, the text-encoder length of its family's public pipeline (an upper bound:
-    prompts may be shorter)."""
+    prompts may be shorter), or its ``token_hash.json``'s length (``agg-bench pretrain``'s folders)."""
     from .architectures import architecture
     from .text import hash_tokens
 
+    from .prompts import token_hash_settings
+
     if cfg["model"]["pretrained"]:
+        settings = token_hash_settings(cfg["model"]["pretrained"])  # a folder conditioned by the hash embedding
+        if settings is not None:
+            return settings["max_tokens"]
         return architecture(cfg["model"]["family"]).sequence_length(cfg["prompts"]["max_sequence_length"])
     return hash_tokens(cfg)
 
@@ -114,7 +120,10 @@ def _shapes(cfg, part: str, dtype: torch.dtype = torch.float32) -> torch.nn.Modu
 
             cls = classes[family]
             folder = _subfolder(model["pretrained"], part, f"the {part}")
-            module = cls.from_config(cls.load_config(folder))
+            if part == "vae" and is_pixel_decoder_folder(folder):  # a pixel-space model: no weights
+                module = PixelDecoder.from_folder(folder)
+            else:
+                module = cls.from_config(cls.load_config(folder))
         elif model["preset"] == "random":
             from .architectures import architecture
 

@@ -84,6 +84,9 @@ def test_run_on_a_pretrained_folder_records_scene_subscores(pretrained, tmp_path
     parts = [record[k] for k in ("reward_color", "reward_shape", "reward_position", "reward_count")]
     assert all(0 <= p <= 1 for p in parts)
     assert record["reward_mean"] == pytest.approx(sum(parts) / 4, abs=1e-6)
+    # the planner reads the pixel decoder's folder too: its counted activations are what the run measured
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert "error" not in plan and plan["bytes"]["activations"] == record["saved_activation_peak_bytes"]
 
 
 def test_output_is_guarded_and_replaced_whole(pretrained, tmp_path):
