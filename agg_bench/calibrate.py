@@ -25,7 +25,6 @@ from it (``train_speedup_basis: paired``).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,6 +35,7 @@ from .config import RunConfig
 from .errors import ConfigError
 from .io import write_json
 from .records import PASS_KEYS
+from .stats import quartiles
 from .telemetry import PhaseTimer, environment
 
 
@@ -60,14 +60,6 @@ class CalibrationConfig:
                 raise ConfigError(f"calibrate.{key}", value, f"an integer from {low} to 100000")
 
 
-def _quartiles(values: list[float]) -> tuple[float, float, float]:
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0], ordered[0], ordered[0]
-    p25, p50, p75 = statistics.quantiles(ordered, n=4, method="inclusive")
-    return p25, p50, p75
-
-
 def method_overrides(label: str, overrides: Any) -> tuple[str, list[str]]:
     """(method name, ``--set`` strings) of a ``methods`` entry: a mapping of run-config overrides that
     names the method (``method: {name: ...}`` or ``method.name``), as in a sweep's ``methods:``."""
@@ -83,8 +75,10 @@ def method_overrides(label: str, overrides: Any) -> tuple[str, list[str]]:
     return names[-1], overrides_of(pairs)
 
 
-def time_methods(session, batch, methods: Mapping[str, Any], options: CalibrationConfig) -> dict[str, dict]:
+def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
+                 options: CalibrationConfig) -> dict[str, dict]:
     """Each method's train phase on ``batch``, interleaved over rounds (see the module docstring):
+    ``methods``: label -> (method name, ``--set`` strings), from :func:`method_overrides`. Returns
     {label: {"replay", "replay_note", "passes", "optimizer_steps", "cpu_s": [...], "wall_s": [...]}}. A
     method whose train phase cannot run on a frozen rollout (a rollout-only cache, or overrides that
     change the rollout) gets its replay scope and note and no times."""
@@ -93,8 +87,7 @@ def time_methods(session, batch, methods: Mapping[str, Any], options: Calibratio
     policy = session.policy
     snapshot = Snapshot(policy, batch, {}, session.cfg.to_dict())
     setups, out = {}, {}
-    for label, overrides in methods.items():
-        name, sets = method_overrides(label, overrides)
+    for label, (name, sets) in methods.items():
         try:
             cfg, estimator = replay_setup(snapshot.config, name, sets)
         except ConfigError as err:  # a key the frozen rollout fixes: this method needs its own rollout
@@ -142,12 +135,12 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
     from .train import Session, model_label  # the engine only when measuring
 
     options = options or CalibrationConfig()
-    for label, overrides in (methods or {}).items():
-        method_overrides(label, overrides)  # a malformed entry fails before the model is built
+    # a malformed entry fails before the model is built
+    parsed = {label: method_overrides(label, overrides) for label, overrides in (methods or {}).items()}
     session = Session(cfg)
     policy, device = session.policy, session.device
     batch = session.collect(0).batch
-    timed_methods = time_methods(session, batch, methods, options) if methods else {}
+    timed_methods = time_methods(session, batch, parsed, options) if parsed else {}
     b, steps = batch.latents.shape[0], batch.timesteps.shape[0]
     rows = torch.arange(b, device=batch.latents.device)
     samples: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in PASS_KEYS}
@@ -201,7 +194,7 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
     for kind, by_basis in samples.items():
         units[kind] = {}
         for basis, values in by_basis.items():
-            p25, p50, p75 = _quartiles(values)
+            p25, p50, p75 = quartiles(values)
             units[kind][basis] = {"median": p50, "p25": p25, "p75": p75}
     return {
         "model": model_label(cfg), "resolution": cfg.model.resolution, "device": device.type,

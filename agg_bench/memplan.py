@@ -98,9 +98,8 @@ def text_tokens(cfg) -> int:
     local model folder, the text-encoder length of its family's public pipeline (an upper bound:
     prompts may be shorter), or its ``token_hash.json``'s length (``agg-bench pretrain``'s folders)."""
     from .architectures import architecture
-    from .text import hash_tokens
-
     from .prompts import token_hash_settings
+    from .text import hash_tokens
 
     if cfg["model"]["pretrained"]:
         settings = token_hash_settings(cfg["model"]["pretrained"])  # a folder conditioned by the hash embedding

@@ -32,6 +32,20 @@ def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
     return float(p25), float(p50), float(p75)
 
 
+def _check_bootstrap(level: float, resamples: int) -> None:
+    if not 0 < level < 1:
+        raise ValueError(f"level = {level!r}: expected a number between 0 and 1")
+    if resamples < 1:
+        raise ValueError(f"resamples = {resamples!r}: expected at least 1")
+
+
+def _percentile_interval(ratios: np.ndarray, level: float) -> tuple[float, float]:
+    """The ``(1 - level) / 2`` and ``(1 + level) / 2`` percentiles of the resampled ``ratios``."""
+    tail = (1 - level) / 2
+    lo, hi = np.percentile(ratios, [100 * tail, 100 * (1 - tail)])
+    return float(lo), float(hi)
+
+
 def ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float], level: float = 0.95,
                         resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
     """Percentile bootstrap interval of median(numerator) / median(denominator).
@@ -43,20 +57,14 @@ def ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float]
     numerator index, as a (resamples, n) array, then every denominator index. NaNs when either side has
     no finite value.
     """
-    if not 0 < level < 1:
-        raise ValueError(f"level = {level!r}: expected a number between 0 and 1")
-    if resamples < 1:
-        raise ValueError(f"resamples = {resamples!r}: expected at least 1")
+    _check_bootstrap(level, resamples)
     num, den = _finite(numerator), _finite(denominator)
     if num.size == 0 or den.size == 0:
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     num_idx = rng.integers(0, num.size, size=(resamples, num.size))
     den_idx = rng.integers(0, den.size, size=(resamples, den.size))
-    ratios = np.median(num[num_idx], axis=1) / np.median(den[den_idx], axis=1)
-    tail = (1 - level) / 2
-    lo, hi = np.percentile(ratios, [100 * tail, 100 * (1 - tail)])
-    return float(lo), float(hi)
+    return _percentile_interval(np.median(num[num_idx], axis=1) / np.median(den[den_idx], axis=1), level)
 
 
 def paired_ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float], level: float = 0.95,
@@ -66,10 +74,7 @@ def paired_ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence
     ``numerator[i]`` and ``denominator[i]`` were measured in the same round (``agg-bench calibrate``'s
     interleaved method timings), so a resample draws round indices, the same ones for both sides. Rounds
     where either side is not finite are left out; NaNs when none is left or the lengths differ."""
-    if not 0 < level < 1:
-        raise ValueError(f"level = {level!r}: expected a number between 0 and 1")
-    if resamples < 1:
-        raise ValueError(f"resamples = {resamples!r}: expected at least 1")
+    _check_bootstrap(level, resamples)
     num, den = np.asarray(numerator, dtype=np.float64).ravel(), np.asarray(denominator, dtype=np.float64).ravel()
     if num.size != den.size:
         return float("nan"), float("nan")
@@ -78,10 +83,7 @@ def paired_ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence
     if num.size == 0:
         return float("nan"), float("nan")
     idx = np.random.default_rng(seed).integers(0, num.size, size=(resamples, num.size))
-    ratios = np.median(num[idx], axis=1) / np.median(den[idx], axis=1)
-    tail = (1 - level) / 2
-    lo, hi = np.percentile(ratios, [100 * tail, 100 * (1 - tail)])
-    return float(lo), float(hi)
+    return _percentile_interval(np.median(num[idx], axis=1) / np.median(den[idx], axis=1), level)
 
 
 def predicted_seconds(counts: Mapping[str, float], unit_seconds: Mapping[str, float]) -> float:

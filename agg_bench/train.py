@@ -336,18 +336,10 @@ def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> Non
     """Refuse an output folder whose contents a run would destroy: a folder that holds anything but an
     agg-bench run, and (unless ``overwrite``, or resuming from a checkpoint, which checks the config
     itself) a finished run of another config. Reads only."""
-    if not out.exists():
+    previous = _run_config(out) if out.is_dir() else None
+    if previous is None:  # anything in it (temporaries aside) is someone else's
+        refuse_foreign_out(out, lambda name: False, "an agg-bench run")
         return
-    if not out.is_dir():
-        raise UserError(f"--out {out}: exists and is not a folder")
-    entries = sorted(p.name for p in out.iterdir() if not is_temp_name(p.name))
-    if not entries:
-        return
-    previous = _run_config(out)
-    if previous is None:
-        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
-        raise UserError(f"--out {out}: the folder holds files that are not an agg-bench run ({shown}); "
-                        "give a new or empty folder")
     if overwrite or (resume and checkpoint_path(out).is_file()) or not (out / "summary.json").is_file():
         return
     diff = first_difference(previous, config, ("progress",), DEFAULTS)
