@@ -28,9 +28,11 @@ SHAPES = ("circle", "square", "triangle")
 POSITIONS: dict[str, tuple[int, int]] = {"left": (1, 0), "right": (1, 1), "top": (0, 0), "bottom": (0, 1)}
 POSITION_PHRASES = {"left": "on the left", "right": "on the right", "top": "at the top", "bottom": "at the bottom"}
 COUNT_WORDS = ("one", "two", "three")
-# Shape half-size as a fraction of the image side; three shapes of the largest size fit in one half.
-RADIUS_RANGE = (0.11, 0.14)
+# Shape half-size as a fraction of its slot's shorter side (a slot: the half's short side x its long side
+# / count), drawn once per scene: as large as the slot allows with room for the gap and some jitter.
+RADIUS_RANGE = (0.34, 0.42)
 GAP = 0.04  # least free space between two shapes, as a fraction of the image side
+JITTER = 0.06  # most a shape moves from its slot's centre, as a fraction of the image side
 
 
 @dataclass(frozen=True)
@@ -91,23 +93,28 @@ def region_bounds(position: str, size: int) -> tuple[float, float, float, float]
     return (0.0, float(size), lo, hi) if axis == 0 else (lo, hi, 0.0, float(size))
 
 
-def place(scene: Scene, size: int, generator: torch.Generator, attempts: int = 200) -> list[tuple[float, float, float]]:
-    """(cx, cy, r) of each shape: inside the scene's half, their bounding boxes apart by at least GAP."""
+def place(scene: Scene, size: int, generator: torch.Generator) -> list[tuple[float, float, float]]:
+    """(cx, cy, r) of each shape: the shapes in ``count`` equal slots along the long side of the scene's
+    half, one radius per scene (RADIUS_RANGE of the slot's shorter side), each centred in its slot and moved by up to JITTER x ``size`` along either
+    axis, as far as keeps it inside its slot with GAP to spare (so shapes never touch)."""
     x0, x1, y0, y1 = region_bounds(scene.position, size)
-    gap = GAP * size
-    for _ in range(attempts):
-        r = float(RADIUS_RANGE[0] + (RADIUS_RANGE[1] - RADIUS_RANGE[0]) * torch.rand((), generator=generator)) * size
-        placed: list[tuple[float, float, float]] = []
-        for _ in range(attempts):
-            u, v = torch.rand(2, generator=generator).tolist()
-            # centres on pixel corners: every shape is drawn symmetric about its centre
-            cx = float(math.floor(x0 + r + u * (x1 - x0 - 2 * r) + 0.5))
-            cy = float(math.floor(y0 + r + v * (y1 - y0 - 2 * r) + 0.5))
-            if all(max(abs(cx - px), abs(cy - py)) >= 2 * r + gap for px, py, _ in placed):
-                placed.append((cx, cy, r))
-                if len(placed) == scene.count:
-                    return placed
-    raise RuntimeError(f"could not place {scene.caption!r} in a {size} px image")
+    along_x = POSITIONS[scene.position][0] == 0  # top/bottom halves are wide: slots side by side
+    long_lo, long_hi, short_lo, short_hi = (x0, x1, y0, y1) if along_x else (y0, y1, x0, x1)
+    slot = (long_hi - long_lo) / scene.count
+    fraction = RADIUS_RANGE[0] + (RADIUS_RANGE[1] - RADIUS_RANGE[0]) * float(torch.rand((), generator=generator))
+    r = fraction * min(slot, short_hi - short_lo)
+    # one pixel less: rounding the centres to pixel corners moves two neighbours up to 1 px closer
+    reach_long = min(JITTER * size, max(0.0, (slot - 2 * r - GAP * size - 1) / 2))
+    reach_short = min(JITTER * size, max(0.0, (short_hi - short_lo - 2 * r - 1) / 2))
+    placed = []
+    for k in range(scene.count):
+        u, v = (2 * torch.rand(2, generator=generator) - 1).tolist()
+        along = long_lo + (k + 0.5) * slot + u * reach_long
+        across = (short_lo + short_hi) / 2 + v * reach_short
+        cx, cy = (along, across) if along_x else (across, along)
+        # centres on pixel corners: every shape is drawn symmetric about its centre
+        placed.append((float(math.floor(cx + 0.5)), float(math.floor(cy + 0.5)), r))
+    return placed
 
 
 def draw(scene: Scene, size: int, generator: torch.Generator) -> torch.Tensor:

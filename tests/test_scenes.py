@@ -31,16 +31,31 @@ def test_drawing_is_seeded_and_shows_the_scene():
     b = draw_batch(scenes, SIZE, torch.Generator().manual_seed(3))
     c = draw_batch(scenes, SIZE, torch.Generator().manual_seed(4))
     assert torch.equal(a, b) and not torch.equal(a, c)
-    for scene, image in zip(scenes, a):
+
+
+@pytest.mark.parametrize("size", [16, 24, 32, 48])
+def test_every_scene_is_drawn_as_its_caption_says(size):
+    gen = torch.Generator().manual_seed(size)
+    for scene in all_scenes():
+        image = draw(scene, size, gen)
         mask = image.amax(0) > 0
         # only the scene's colour, exactly
         assert torch.equal(image[:, mask], torch.tensor(COLORS[scene.color]).view(3, 1).expand(3, int(mask.sum())))
         # every pixel in the scene's half
-        x0, x1, y0, y1 = region_bounds(scene.position, SIZE)
+        x0, x1, y0, y1 = region_bounds(scene.position, size)
         ys, xs = mask.nonzero(as_tuple=True)
-        assert xs.min() >= x0 and xs.max() < x1 and ys.min() >= y0 and ys.max() < y1
-        # as many separate shapes as the caption says
-        assert components(mask[None]).unique().numel() - 1 == scene.count
+        assert xs.min() >= x0 and xs.max() < x1 and ys.min() >= y0 and ys.max() < y1, scene.caption
+        # as many separate shapes as the caption says (shapes never touch)
+        assert components(mask[None]).unique().numel() - 1 == scene.count, scene.caption
+        # the shapes sit in count slots along the half's long side, in order
+        labels = components(mask[None])[0]
+        axis = 1 if POSITIONS[scene.position][0] == 0 else 0  # top/bottom: slots side by side (x)
+        lo, hi = (x0, x1) if axis == 1 else (y0, y1)
+        slot = (hi - lo) / scene.count
+        for label in labels.unique()[1:]:
+            coords = (labels == label).nonzero()[:, 0 if axis == 0 else 1].float()
+            k = int((coords.mean() - lo) // slot)
+            assert lo + k * slot <= coords.min() and coords.max() < lo + (k + 1) * slot, scene.caption
 
 
 def flood_fill_count(mask: torch.Tensor) -> int:
