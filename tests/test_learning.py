@@ -87,7 +87,7 @@ def test_plots_and_cli(manifest, tmp_path):
 # 6,000-step model, +0.014 from 4,000 steps, +0.001 from 3,000 and -0.023 (20 iterations) from 1,500.
 # Measured on an idle 2-core Xeon: pre-training 340 s of wall time (665 CPU-s over 2 threads; sample
 # reward 0.880), 40 iterations 63 CPU-s at 1 thread, the evaluation 0.871 -> 0.898 (+0.027) in 1 CPU-s;
-# the whole test 7 min 46 s of wall time (910 CPU-s).
+# this file took 9 min 27 s of wall time (997 CPU-s), nearly all of it this test.
 ROOT = Path(__file__).resolve().parents[1]
 SLOW_RUN = ["train.iterations=40", "train.checkpoint_every=40"]
 SLOW_NOISES = 16
