@@ -95,8 +95,9 @@ def region_bounds(position: str, size: int) -> tuple[float, float, float, float]
 
 def place(scene: Scene, size: int, generator: torch.Generator) -> list[tuple[float, float, float]]:
     """(cx, cy, r) of each shape: the shapes in ``count`` equal slots along the long side of the scene's
-    half, one radius per scene (RADIUS_RANGE of the slot's shorter side), each centred in its slot and moved by up to JITTER x ``size`` along either
-    axis, as far as keeps it inside its slot with GAP to spare (so shapes never touch)."""
+    half, one radius per scene (RADIUS_RANGE of the slot's shorter side), each centred in its slot and
+    moved by up to JITTER x ``size`` along either axis, as far as keeps it inside its slot with GAP to
+    spare (so shapes never touch)."""
     x0, x1, y0, y1 = region_bounds(scene.position, size)
     along_x = POSITIONS[scene.position][0] == 0  # top/bottom halves are wide: slots side by side
     long_lo, long_hi, short_lo, short_hi = (x0, x1, y0, y1) if along_x else (y0, y1, x0, x1)

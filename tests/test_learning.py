@@ -9,9 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from agg_bench.errors import UserError
 from agg_bench.learning import cpu_time_to_reach, learning_table, load_runs, main, plot_rewards
+from agg_bench.sweep import flatten, overrides_of
 
 
 def write_run(folder, rewards, cpu_s, method, seed):
@@ -110,12 +112,11 @@ def test_grpo_raises_the_scene_reward(tmp_path):
     cli = [sys.executable, "-m", "agg_bench"]
     subprocess.run([*cli, "pretrain", "--config", str(ROOT / "config" / "pretrain.yaml"), "--out", str(model)],
                    check=True, timeout=SLOW_TIMEOUT_S)
-    overrides = [
+    # the sweep's own run settings (its base and set), on this model, for SLOW_RUN's iterations
+    sweep = yaml.safe_load((ROOT / "config" / "learning.yaml").read_text())
+    overrides = overrides_of([*flatten(sweep["base"]), *flatten(sweep["set"])]) + [
         "model.family=sd3", "model.preset=pretrained", f"model.pretrained={model}", "model.resolution=32",
-        f"prompts.file={ROOT / 'config' / 'prompts' / 'scenes.txt'}", "reward.name=scene", "sampling.steps=10",
-        "sampling.eta=0.7", "sampling.same_noise_per_group=false", "grpo.group_size=8",
-        "grpo.prompts_per_iteration=4", "train.lr=3.0e-4", "grpo.beta=0.04", "progress=false",
-        "telemetry.saved_activations=never", *SLOW_RUN]
+        f"prompts.file={ROOT / sweep['set']['prompts.file']}", *SLOW_RUN]
     subprocess.run([*cli, "run", *(arg for key in overrides for arg in ("--set", key)), "--out",
                     str(tmp_path / "run")], check=True, timeout=SLOW_TIMEOUT_S,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})

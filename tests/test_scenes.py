@@ -46,9 +46,9 @@ def test_every_scene_is_drawn_as_its_caption_says(size):
         ys, xs = mask.nonzero(as_tuple=True)
         assert xs.min() >= x0 and xs.max() < x1 and ys.min() >= y0 and ys.max() < y1, scene.caption
         # as many separate shapes as the caption says (shapes never touch)
-        assert components(mask[None]).unique().numel() - 1 == scene.count, scene.caption
-        # the shapes sit in count slots along the half's long side, in order
         labels = components(mask[None])[0]
+        assert labels.unique().numel() - 1 == scene.count, scene.caption
+        # each shape lies inside one of the count slots along the half's long side
         axis = 1 if POSITIONS[scene.position][0] == 0 else 0  # top/bottom: slots side by side (x)
         lo, hi = (x0, x1) if axis == 1 else (y0, y1)
         slot = (hi - lo) / scene.count
