@@ -24,6 +24,7 @@ from it (``train_speedup_basis: paired``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 from .config import RunConfig
 from .errors import ConfigError
 from .io import write_json
+from .outdir import claim_files, json_file_with
 from .records import PASS_KEYS
 from .stats import quartiles
 from .telemetry import PhaseTimer, environment
@@ -213,11 +215,14 @@ def write_calibration(cfg: RunConfig, out: str | Path, options: CalibrationConfi
     from . import distributed, fsdp
     from .train import resolve_device
 
+    out = Path(out)
     with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
         shard.check_run(cfg)  # whole groups per process, as a run checks it
-        result = {**calibrate(cfg, options, methods), "processes": shard.world_size}
-        if shard.is_main:
-            out = Path(out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            write_json(out, result)
+        # claimed before minutes of timing: a file that is not a calibration, or a second writer, is refused first
+        claim = distributed.on_main(
+            lambda: claim_files({out: (json_file_with("unit_s_per_sample"), "a calibration")}).acquire())
+        with claim or contextlib.nullcontext():
+            result = {**calibrate(cfg, options, methods), "processes": shard.world_size}
+            if shard.is_main:
+                write_json(out, result)
     return result

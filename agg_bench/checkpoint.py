@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError, UserError
-from .io import atomic_path, is_temp_name
+from .io import atomic_file, is_temp_name
 
 CHECKPOINT_NAME = "checkpoint.pt"
 SHARDS_PREFIX = "checkpoint_shards_"
@@ -169,15 +169,26 @@ def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[
     else:
         state["parameters"] = {name: p.detach().cpu() for name, p in session.policy.named_parameters()}
         state["optimizer"] = session.optimizer.state_dict()
-    tmp = atomic_path(path)
-    with open(tmp, "wb") as fh:
+    with atomic_file(path, "wb") as fh:
         torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
     _fsync_dir(path.parent)
     _remove_shard_folders(path.parent, keep=state.get("shards"))
     return path
+
+
+def read_checkpoint(path: str | Path, prefix: str = "", advice: str = "") -> dict:
+    """The state dict of the checkpoint file ``path``, read with ``weights_only=True``: tensors, numbers,
+    strings and containers only, so a crafted file cannot run code. A foreign, damaged or pickled-object
+    file is a UserError (``prefix`` + the reason + ``advice``), never an unpickling traceback."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle / zip errors come in many types; all mean "not our checkpoint"
+        raise UserError(f"{prefix}{path} is not a readable agg-bench checkpoint ({type(err).__name__}){advice}") \
+            from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"{prefix}{path} is not an agg-bench checkpoint of format {FORMAT}{advice}")
+    return state
 
 
 def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | None:
@@ -189,13 +200,7 @@ def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | 
     path = checkpoint_path(out_dir)
     if not path.is_file():
         return None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a foreign or damaged file: say which, do not show unpickling internals
-        raise UserError(f"--resume: {path} is not a readable checkpoint ({type(err).__name__}); "
-                        "delete it or run without --resume")
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UserError(f"--resume: {path} is not an agg-bench checkpoint of format {FORMAT}")
+    state = read_checkpoint(path, "--resume: ", "; delete it or run without --resume")
     check_same_run(state["config"], config, Path(out_dir))
     if "shards" in state:
         _load_shards(Path(out_dir), session, state["shards"], path)
@@ -238,17 +243,6 @@ def _load_parameters(session, state: dict, path: Path) -> None:
         for name, p in params.items():
             p.copy_(saved[name])
     session.optimizer.load_state_dict(state["optimizer"])
-
-
-def write_lines(path: str | Path, lines: list[str]) -> None:
-    """Replace ``path`` with ``lines`` (JSON lines without their newlines) atomically."""
-    path = Path(path)
-    tmp = atomic_path(path)
-    with open(tmp, "w") as fh:
-        fh.writelines(line + "\n" for line in lines)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool) -> None:

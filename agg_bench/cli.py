@@ -42,11 +42,16 @@ def cmd_snapshot(args) -> int:
 
 def cmd_embed(args) -> int:
     from .config import load_config
-    from .text import describe, embed
+    from .outdir import claim_files
+    from .text import describe, embed, is_embeddings_file
     from .train import resolve_device
 
     cfg = load_config(args.config, args.overrides)
-    print(json.dumps(describe(embed(cfg, args.out, resolve_device(cfg.device)))))
+    if args.out is None:
+        print(json.dumps(describe(embed(cfg, None, resolve_device(cfg.device)))))
+        return 0
+    with claim_files({args.out: (is_embeddings_file, "an agg-bench embedding file")}):
+        print(json.dumps(describe(embed(cfg, args.out, resolve_device(cfg.device)))))
     return 0
 
 
@@ -132,44 +137,45 @@ def cmd_profile(args) -> int:
     from .config import load_config
     from .errors import ConfigError
     from .io import write_json
-    from .profiling import is_profile_file, profile_steps
+    from .outdir import claim_folder
+    from .profiling import PROFILE_CONTENTS, profile_steps
     from .telemetry import environment
-    from .train import Session, prepare_out_dir, refuse_foreign_out
+    from .train import Session
 
     for flag, value, least in (("--wait", args.wait, 0), ("--warmup", args.warmup, 0), ("--active", args.active, 1)):
         if value < least:
             raise ConfigError(flag, value, f"an integer >= {least}")
     # as in replay: --method replaces the config's method section; --set method.KEY=VALUE adds options
     cfg = load_config(args.config, [f"method={json.dumps({'name': args.method})}", *args.overrides])
-    refuse_foreign_out(args.out, is_profile_file, "a profile")
-    session = Session(cfg)
-    out = prepare_out_dir(args.out)
-    write_json(out / "config.json", cfg.to_dict())
-    write_json(out / "env.json", environment())
-    if args.phase == "train":
-        batch = session.collect(0).batch
+    out = args.out
+    with claim_folder(out, PROFILE_CONTENTS):
+        session = Session(cfg)
+        write_json(out / "config.json", cfg.to_dict())
+        write_json(out / "env.json", environment())
+        if args.phase == "train":
+            batch = session.collect(0).batch
 
-        def step() -> None:
-            # every profiled update is the first one on its rollout, as in a training iteration
-            # (a method reusing rollout velocities does so only while the policy version matches)
-            batch.policy_version = session.policy.version
-            with record_function("train"):
-                session.update(batch)
-    else:
-        iterations = itertools.count()
+            def step() -> None:
+                # every profiled update is the first one on its rollout, as in a training iteration
+                # (a method reusing rollout velocities does so only while the policy version matches)
+                batch.policy_version = session.policy.version
+                with record_function("train"):
+                    session.update(batch)
+        else:
+            iterations = itertools.count()
 
-        def step() -> None:
-            with record_function("collect"):
-                collected = session.collect(next(iterations))
-            with record_function("train"):
-                session.update(collected.batch)
-    try:
-        written = profile_steps(step, out, session.device, args.wait, args.warmup, args.active)
-    finally:
-        session.estimator.close()
-    schedule = {"method": args.method, "phase": args.phase, "wait": args.wait, "warmup": args.warmup,
-                "active": args.active}
-    write_json(out / "profile.json", {**schedule, "files": written})
+            def step() -> None:
+                with record_function("collect"):
+                    collected = session.collect(next(iterations))
+                with record_function("train"):
+                    session.update(collected.batch)
+        try:
+            written = profile_steps(step, out, session.device, args.wait, args.warmup, args.active)
+        finally:
+            session.estimator.close()
+        schedule = {"method": args.method, "phase": args.phase, "wait": args.wait, "warmup": args.warmup,
+                    "active": args.active}
+        write_json(out / "profile.json", {**schedule, "files": written})
     print(json.dumps({"out": str(out), **written}))
     return 0
 

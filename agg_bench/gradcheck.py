@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import itertools
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -27,10 +26,11 @@ from tqdm import tqdm
 
 from .config import RunConfig
 from .errors import ConfigError, UserError
-from .io import atomic_path
+from .io import atomic_file, atomic_path
+from .outdir import claim_files
 from .records import GRADCHECK_OPTION_COLUMNS
 from .snapshot import Snapshot, load_snapshot, plan_replay, replay_gradient, replay_setup, save_snapshot
-from .train import prepare_out_dir, resolve_device
+from .train import resolve_device
 
 COLUMNS = (
     "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
@@ -187,16 +187,22 @@ def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = Tr
 def write_csv(rows: list[dict], out: str | Path) -> Path:
     """Write ``rows`` (COLUMNS) to ``out`` atomically; missing values are empty cells."""
     out = Path(out)
-    tmp = atomic_path(out)
-    with open(tmp, "w", newline="") as fh:
+    with atomic_file(out) as fh:
         writer = csv.DictWriter(fh, fieldnames=list(COLUMNS))
         writer.writeheader()
         for row in rows:
             writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in COLUMNS})
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out)
     return out
+
+
+def is_gradcheck_csv(path: Path) -> bool:
+    """Whether ``path`` is a table :func:`write_csv` wrote (its header starts with the first COLUMNS)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            header = fh.readline(4096)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return header.split(",")[:3] == list(COLUMNS[:3])
 
 
 def _has_snapshot(folder: Path) -> bool:
@@ -216,7 +222,12 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
     out = Path(out)
     if out.suffix != ".csv":
         raise UserError(f"--out {out}: expected a FILE.csv path")
-    prepare_out_dir(out.parent)
+    with claim_files({out: (is_gradcheck_csv, "a gradcheck table")}):
+        return _gradcheck(out, cfg, snapshot_dir, windows, alphas, route_fracs, reuse, methods, device)
+
+
+def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, route_fracs, reuse, methods,
+               device) -> list[dict]:
     jobs = agg_grid(list(windows), list(alphas), list(route_fracs), list(reuse)) + parse_method_specs(methods)
     temporary = None
     if snapshot_dir is not None and _has_snapshot(Path(snapshot_dir)):

@@ -6,8 +6,10 @@ import json
 import math
 import os
 import re
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 from .errors import UserError
 
@@ -42,39 +44,83 @@ def is_temp_name(name: str) -> bool:
     return _TEMP_NAME.match(name) is not None
 
 
-def write_json(path: str | Path, data: Any) -> None:
-    """Write ``data`` as JSON atomically (temp file in the same folder, then rename)."""
-    path = Path(path)
-    tmp = atomic_path(path)
-    with open(tmp, "w") as fh:
-        json.dump(_clean(data), fh, indent=2, default=_json_default, sort_keys=False)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def atomic_path(path: str | Path) -> Path:
     """A temporary sibling of ``path``; rename it onto ``path`` with ``os.replace`` when complete."""
     path = Path(path)
     return path.with_name(f".{path.stem}{TEMP_TAG}{os.getpid()}{path.suffix}")
 
 
-def write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary sibling, then rename)."""
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_target(path: str | Path) -> Iterator[Path]:
+    """A temporary sibling of ``path`` (a file or a folder) for the caller to write; renamed onto ``path``
+    when the block ends (a folder replaces an earlier folder at ``path``), removed if it raises (a full disk
+    leaves nothing half-written behind). Renaming replaces a symbolic link at ``path``; it never writes
+    through one."""
     path = Path(path)
     tmp = atomic_path(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    _remove(tmp)  # a killed earlier process of the same PID
+    try:
+        yield tmp
+        if tmp.is_dir() and path.is_dir() and not path.is_symlink():  # a folder replaces a folder
+            aside = atomic_path(path.with_name(f"{path.name}-old"))
+            _remove(aside)
+            os.replace(path, aside)
+            os.replace(tmp, path)
+            _remove(aside)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _open_nofollow(path, flags):
+    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+
+
+@contextmanager
+def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO]:
+    """An open temporary sibling of ``path`` (text ``w`` or binary ``wb``), flushed, fsynced and renamed
+    onto ``path`` when the block ends; removed if it raises."""
+    with atomic_target(path) as tmp:
+        with open(tmp, mode, opener=_open_nofollow, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write ``data`` as JSON atomically (temp file in the same folder, then rename)."""
+    with atomic_file(path) as fh:
+        json.dump(_clean(data), fh, indent=2, default=_json_default, sort_keys=False)
+        fh.write("\n")
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary sibling, then rename)."""
+    with atomic_file(path) as fh:
+        fh.write(text)
+
+
+def write_lines(path: str | Path, lines: list[str]) -> None:
+    """Replace ``path`` with ``lines`` (JSON lines without their newlines) atomically."""
+    with atomic_file(path) as fh:
+        fh.writelines(line + "\n" for line in lines)
 
 
 def save_figure(fig: Any, path: str | Path) -> Path:
     """Write a matplotlib figure as a PNG atomically (the folder is made if needed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = atomic_path(path)
-    fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
-    os.replace(tmp, path)
+    with atomic_target(path) as tmp:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
     return path
 
 
@@ -83,7 +129,8 @@ class JsonlWriter:
 
     def __init__(self, path: str | Path, append: bool = False):
         self.path = Path(path)
-        self._fh = open(self.path, "a" if append else "w")
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+        self._fh = open(self.path, "a" if append else "w", encoding="utf-8", opener=lambda p, _: _open_nofollow(p, flags))
 
     @staticmethod
     def line(record: dict) -> str:

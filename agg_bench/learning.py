@@ -29,10 +29,15 @@ import pandas as pd
 
 from .errors import UserError
 from .io import read_jsonl, save_figure, write_text
+from .outdir import Contents, claimed_folders
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
 SAMPLERS = ("ode", "sde")  # the held-out evaluation's
+# what --tables DIR and --plots DIR hold (the workflow writes its manifest.json beside them)
+TABLES_CONTENTS = Contents("learning tables", ("learning.csv", "learning.md", "evaluation.csv", "manifest.json"))
+PLOTS_CONTENTS = Contents("learning plots", ("reward_iteration.png", "reward_time.png", "samples.png",
+                                             "manifest.json"))
 
 
 @dataclass
@@ -226,6 +231,7 @@ class Evaluation:
         the run saved no checkpoint."""
         import torch
 
+        from .checkpoint import read_checkpoint
         from .pretrain import sample
         from .rollout import rollout
         from .sde import flow_sigmas
@@ -235,7 +241,10 @@ class Evaluation:
             state = run.dir / "checkpoint.pt"
             if not state.is_file():
                 return None
-            params = torch.load(state, map_location="cpu", weights_only=False)["parameters"]
+            params = read_checkpoint(state).get("parameters")
+            if not isinstance(params, dict):  # a sharded run's checkpoint names its shard folder instead
+                raise UserError(f"{state}: holds no whole parameters (a sharded run's checkpoint); the "
+                                "evaluation reads unsharded runs")
             unexpected = self.policy.transformer.load_state_dict(params, strict=False).unexpected_keys
             if unexpected:  # a checkpoint of another model: its weights would be silently ignored
                 raise UserError(f"{state}: parameters the model does not have ({unexpected[0]}, ...)")
@@ -319,6 +328,24 @@ def sample_grids(runs: list[Run], images: dict, captions: list[str], path: str |
     return path
 
 
+def write_outputs(args: argparse.Namespace, runs: list[Run]) -> None:
+    """The tables and plots that the command line asks for."""
+    scores = images = None
+    if args.eval_noises or args.plots:  # the sample grid shows the evaluation's first images
+        evaluation = Evaluation(runs, max(args.eval_noises, 1), args.eval_seed, args.eval_sampler)
+        scores, images = evaluate(runs, evaluation)
+    if args.tables:
+        table = learning_table(runs, args.average, args.fraction, evaluation=scores if args.eval_noises else None)
+        write_table(table, args.tables, args.average, args.fraction)
+        if args.eval_noises:
+            write_text(args.tables / "evaluation.csv", scores.to_csv(index=False))
+    if args.plots:
+        plot_rewards(runs, args.plots / "reward_iteration.png", "iteration")
+        plot_rewards(runs, args.plots / "reward_time.png", "time")
+        n_captions = len(evaluation.captions) // max(args.eval_noises, 1)
+        sample_grids(runs, images, evaluation.captions, args.plots / "samples.png", min(n_captions, 6))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agg_bench.learning", description=__doc__.splitlines()[0])
     parser.add_argument("--manifest", required=True, type=Path)
@@ -342,21 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.eval_seed < 0:
             raise UserError(f"--eval-seed {args.eval_seed}: expected an integer >= 0")
         runs = load_runs(args.manifest)
-        scores = images = None
-        if args.eval_noises or args.plots:  # the sample grid shows the evaluation's first images
-            evaluation = Evaluation(runs, max(args.eval_noises, 1), args.eval_seed, args.eval_sampler)
-            scores, images = evaluate(runs, evaluation)
-        if args.tables:
-            table = learning_table(runs, args.average, args.fraction, evaluation=scores if args.eval_noises else None)
-            write_table(table, args.tables, args.average, args.fraction)
-            if args.eval_noises:
-                write_text(args.tables / "evaluation.csv", scores.to_csv(index=False))
-        if args.plots:
-            args.plots.mkdir(parents=True, exist_ok=True)
-            plot_rewards(runs, args.plots / "reward_iteration.png", "iteration")
-            plot_rewards(runs, args.plots / "reward_time.png", "time")
-            n_captions = len(evaluation.captions) // max(args.eval_noises, 1)
-            sample_grids(runs, images, evaluation.captions, args.plots / "samples.png", min(n_captions, 6))
+        with claimed_folders([(args.tables, TABLES_CONTENTS), (args.plots, PLOTS_CONTENTS)], ("--tables", "--plots")):
+            write_outputs(args, runs)
     except UserError as err:
         print(f"agg_bench.learning: {err}", file=sys.stderr)
         return 2

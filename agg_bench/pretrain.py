@@ -18,8 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -30,8 +28,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from .config import apply_overrides, check_finite, read_yaml_mapping
 from .errors import ConfigError, UserError
-from .io import atomic_path, save_figure, write_json
+from .io import atomic_target, save_figure, write_json, write_text
 from .models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy
+from .outdir import Claim, Contents, check_folder, is_harness_name
 from .pixel_decoder import PixelDecoder
 from .prompts import TOKEN_HASH_FILE, hash_embed
 from .scenes import all_scenes, draw_batch, sample_scenes
@@ -224,11 +223,16 @@ def learning_rate(cfg: PretrainConfig, step: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+# what a pretrain output folder holds; it is replaced whole, so anything else in it would be lost
+PRETRAIN_CONTENTS = Contents("an agg-bench pretrain output", ("transformer", "vae", "scheduler", TOKEN_HASH_FILE,
+                                                              "samples.png", MARKER))
+
+
 def check_out_dir(out: Path) -> None:
-    """An output folder may be new, empty, or an earlier ``agg-bench pretrain`` output (replaced)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+    """An output folder may be new, empty, or an earlier ``agg-bench pretrain`` output (replaced): only its
+    files, with its ``pretrain.json``. Reads only."""
+    check_folder(out, PRETRAIN_CONTENTS)
+    if out.is_dir() and any(not is_harness_name(p.name) for p in out.iterdir()) and not (out / MARKER).is_file():
         raise UserError(f"--out {out}: a non-empty folder that is not an agg-bench pretrain output "
                         f"(no {MARKER}); give a new or empty folder")
 
@@ -248,6 +252,12 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool = True) ->
 def _pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool) -> dict:
     out = Path(out_dir)
     check_out_dir(out)
+    # the new folder is written beside --out and renamed over it: the lock lies beside it too
+    with Claim(out, folder=True, lock_inside=False, check=lambda: check_out_dir(out)):
+        return _train_and_save(cfg, out, progress)
+
+
+def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     shift_factor, std = data_statistics(cfg)
     decoder = PixelDecoder(cfg.pixel_factor, scaling_factor=1.0 / std, shift_factor=shift_factor)
@@ -302,22 +312,15 @@ def _pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool) -> dict:
         "sample_captions": captions, "sample_reward": float(scores.mean()),
         **{f"sample_{k}": float(v.mean()) for k, v in reward.details.items()},
     }
-    tmp = atomic_path(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    ema.save_pretrained(tmp / "transformer")
-    decoder.save_pretrained(tmp / "vae")
-    FlowMatchEulerDiscreteScheduler(shift=cfg.shift).save_pretrained(tmp / "scheduler")
-    (tmp / TOKEN_HASH_FILE).write_text(json.dumps({"max_tokens": cfg.max_tokens, "seed": cfg.seed}) + "\n")
-    save_grid(tmp / "samples.png", images, captions, scores.tolist(),
-              title=f"{cfg.family}, {cfg.steps} steps, {cfg.sample_steps} Euler steps: "
-                    f"mean scene reward {float(scores.mean()):.2f}")
-    summary["wall_s"] = time.perf_counter() - start_wall
-    write_json(tmp / MARKER, summary)
-    # replace an earlier output only once the new one is complete
-    old = out.with_name(f".{out.name}.old{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_target(out) as tmp:  # an earlier output is replaced only once the new one is complete
+        tmp.mkdir(parents=True)
+        ema.save_pretrained(tmp / "transformer")
+        decoder.save_pretrained(tmp / "vae")
+        FlowMatchEulerDiscreteScheduler(shift=cfg.shift).save_pretrained(tmp / "scheduler")
+        write_text(tmp / TOKEN_HASH_FILE, json.dumps({"max_tokens": cfg.max_tokens, "seed": cfg.seed}) + "\n")
+        save_grid(tmp / "samples.png", images, captions, scores.tolist(),
+                  title=f"{cfg.family}, {cfg.steps} steps, {cfg.sample_steps} Euler steps: "
+                        f"mean scene reward {float(scores.mean()):.2f}")
+        summary["wall_s"] = time.perf_counter() - start_wall
+        write_json(tmp / MARKER, summary)
     return summary

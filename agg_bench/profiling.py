@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+from .outdir import Contents
+
 MEMORY_HISTORY_MAX_ENTRIES = 100_000
 
 
@@ -19,6 +21,9 @@ def is_profile_file(name: str) -> bool:
     """Whether ``name`` is one that ``agg-bench profile`` writes into its folder."""
     return name in ("config.json", "env.json", "profile.json", "operators.csv", "memory_snapshot.pickle") \
         or name.endswith((".pt.trace.json", ".pt.trace.json.gz"))
+
+
+PROFILE_CONTENTS = Contents("a profile", match=is_profile_file)
 
 
 def profile_steps(

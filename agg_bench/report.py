@@ -42,9 +42,10 @@ import numpy as np
 import pandas as pd
 
 from .errors import UserError
-from .io import atomic_path, read_jsonl, save_figure
+from .io import read_jsonl, save_figure, write_text
+from .outdir import Contents, claimed_folders
 from .records import (
-    GRADCHECK_OPTION_COLUMNS, PASS_KEYS, PHASE_TIME_KEYS, PLOTS, RECORD_KEYS, STANDARD_PHASES, TABLE_FORMATS,
+    GRADCHECK_OPTION_COLUMNS, PASS_KEYS, PHASE_TIME_KEYS, PLOTS, RECORD_KEYS, STANDARD_PHASES, TABLE_FORMATS, TABLES,
     TRAIN_PASS_KEYS,
 )
 from .stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
@@ -762,12 +763,6 @@ def to_html(df: pd.DataFrame, title: str, status_column: str | None = "status", 
             f"<tbody>{body}</tbody></table></body></html>\n")
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = atomic_path(path)
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write_table(df: pd.DataFrame, out_dir: str | Path, name: str, status_column: str | None = "status") -> list[Path]:
     """``out_dir/name.csv`` (every column, NaN as empty, counts as integers), ``name.md`` and
     ``name.html``, each written atomically; returns their paths."""
@@ -778,13 +773,11 @@ def write_table(df: pd.DataFrame, out_dir: str | Path, name: str, status_column:
     paths = [out_dir / f"{name}.{ext}" for ext in TABLE_FORMATS]
     for path in paths:
         if path.suffix == ".csv":
-            tmp = atomic_path(path)
-            df.to_csv(tmp, index=False)
-            tmp.replace(path)
+            write_text(path, df.to_csv(index=False))
         elif path.suffix == ".md":
-            _write_text(path, to_markdown(df, status))
+            write_text(path, to_markdown(df, status))
         else:
-            _write_text(path, to_html(df, name, status))
+            write_text(path, to_html(df, name, status))
     return paths
 
 
@@ -842,9 +835,7 @@ def write_tables(records: pd.DataFrame, gradcheck: pd.DataFrame, out_dir: str | 
     """Write records.csv and every table (CSV, Markdown, HTML) under ``out_dir``; return the tables."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = atomic_path(out_dir / "records.csv")
-    integer_columns(records).to_csv(tmp, index=False)
-    tmp.replace(out_dir / "records.csv")
+    write_text(out_dir / "records.csv", integer_columns(records).to_csv(index=False))
     tables = build_tables(records, gradcheck, warmup, time, calibration)
     for name, table in tables.items():
         write_table(table, out_dir, name, status_column="status" if name in ("summary", "efficiency") else None)
@@ -1173,10 +1164,21 @@ def write_plots(records: pd.DataFrame, tables: dict[str, pd.DataFrame], out_dir:
     return list(paths.values())
 
 
+# what --tables DIR and --plots DIR hold; any other file there is someone else's
+TABLES_CONTENTS = Contents("agg-bench report tables",
+                           ("records.csv", *(f"{name}.{ext}" for name in TABLES for ext in TABLE_FORMATS)))
+PLOTS_CONTENTS = Contents("agg-bench report plots", tuple(f"{name}.png" for name in PLOTS))
+
+
 def build_report(manifest: Manifest, tables_dir: str | Path | None = None, plots_dir: str | Path | None = None) -> dict:
     """Load ``manifest``'s runs, gradcheck CSVs and calibrations; write the tables and/or the plots."""
     if not manifest.runs:
         raise UserError("report: no runs to report (give --manifest or --runs)")
+    with claimed_folders([(tables_dir, TABLES_CONTENTS), (plots_dir, PLOTS_CONTENTS)], ("--tables", "--plots")):
+        return _build_report(manifest, tables_dir, plots_dir)
+
+
+def _build_report(manifest: Manifest, tables_dir: str | Path | None, plots_dir: str | Path | None) -> dict:
     records = load_records(manifest.runs)
     gradcheck = load_gradcheck(manifest.gradcheck)
     calibration = load_calibration(manifest.calibration)

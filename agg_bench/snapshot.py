@@ -17,25 +17,34 @@ from safetensors.torch import load_file, save_file
 from .config import RunConfig, apply_overrides, parse_override, validate
 from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats
-from .io import atomic_path, write_json
+from .io import atomic_target, write_json
 from .lora import load_adapter, lora_info, save_transformer
 from .methods import Estimator, ReplayPlan, build_method
 from .models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, precision
-from .train import Session, prepare_out_dir, refuse_foreign_out
+from .outdir import Contents, claim_files, claim_folder, json_file_with
+from .train import Session
 
 ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "encoder_hidden_states",
                 "train_steps")
 
 
 # what a snapshot folder holds; any other file in --out is someone else's
-SNAPSHOT_NAMES = ("transformer", "lora", "rollout.safetensors", "rollout.json", "config.json")
+SNAPSHOT_CONTENTS = Contents("a snapshot", ("transformer", "lora", "rollout.safetensors", "rollout.json",
+                                            "config.json"))
+# what a replay's FILE.json holds (its pass counts); an existing FILE.json without them is someone else's
+REPLAY_KEYS = ("forward_nograd", "forward_grad", "backward", "method", "replay")
+REPLAY_FORMAT = "agg-bench-replay/1"  # in a replay's gradient file's safetensors metadata
 
 
 def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
     """Collect iteration 0 of ``cfg`` and freeze it into ``out_dir`` (new, empty or an earlier snapshot)."""
-    refuse_foreign_out(Path(out_dir), lambda name: name in SNAPSHOT_NAMES, "a snapshot")
-    out = prepare_out_dir(out_dir)
-    session = Session(cfg)
+    out = Path(out_dir)
+    with claim_folder(out, SNAPSHOT_CONTENTS):
+        _save_snapshot(Session(cfg), cfg, out)
+    return out
+
+
+def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
     batch = session.collect(0).batch
     save_transformer(session.policy.transformer, out / "transformer")  # with LoRA: base weights + lora/
     tensors = {
@@ -44,9 +53,8 @@ def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
         "velocities": batch.velocities,
         **batch.cond.tensors(),  # encoder_hidden_states, and pooled_projections / encoder_attention_mask if set
     }
-    tmp = atomic_path(out / "rollout.safetensors")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-    tmp.replace(out / "rollout.safetensors")
+    with atomic_target(out / "rollout.safetensors") as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
     write_json(out / "rollout.json", {
         "family": cfg.model.family, "sde": batch.sde, "eta": batch.eta, "clip_range": batch.clip_range,
         "beta": batch.beta, "kl_form": batch.kl_form, "adv_std": cfg.grpo.adv_std, "dtype": cfg.model.dtype,
@@ -54,7 +62,6 @@ def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
         "lora": lora_info(session.policy.transformer),
     })
     write_json(out / "config.json", cfg.to_dict())
-    return out
 
 
 @dataclass
@@ -179,11 +186,26 @@ def replay(snapshot_dir: str | Path, method: str, overrides: list[str], out_file
     plan = plan_replay(snapshot, estimator, cfg)
     if plan.scope == "not_applicable":
         raise UserError(f"method '{method}' cannot be measured on a frozen rollout: {plan.note}")
-    prepare_out_dir(out_file.parent)
-    grads, counts, stats = replay_gradient(snapshot, estimator, cfg, plan)
-    tmp = atomic_path(out_file)
-    save_file({k: v.contiguous().cpu() for k, v in grads.items()}, str(tmp))
-    tmp.replace(out_file)
-    write_json(out_file.with_suffix(".json"), {**counts, "method": method, "overrides": overrides,
-                                               "replay": plan.scope, "stats": stats})
+    counts_file = out_file.with_suffix(".json")
+    with claim_files({out_file: (lambda path: _is_replay_gradient(path, counts_file), "a replay's gradients"),
+                      counts_file: (json_file_with(*REPLAY_KEYS), "a replay's pass counts")}):
+        grads, counts, stats = replay_gradient(snapshot, estimator, cfg, plan)
+        with atomic_target(out_file) as tmp:
+            save_file({k: v.contiguous().cpu() for k, v in grads.items()}, str(tmp),
+                      metadata={"format": REPLAY_FORMAT, "method": method})
+        write_json(counts_file, {**counts, "method": method, "overrides": overrides, "replay": plan.scope,
+                                 "stats": stats})
     return counts
+
+
+def _is_replay_gradient(path: Path, counts_file: Path) -> bool:
+    """Whether ``path`` is an earlier replay's gradient file: marked so in its metadata, or (written before
+    the mark) beside that replay's pass counts."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as handle:
+            marked = (handle.metadata() or {}).get("format") == REPLAY_FORMAT
+    except Exception:  # not a safetensors file at all
+        return False
+    return marked or json_file_with(*REPLAY_KEYS)(counts_file)

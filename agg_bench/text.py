@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .errors import ConfigError, UserError
-from .io import atomic_path
+from .io import atomic_target
 from .models import Conditioning, text_dims
 from .prompts import TOKEN_HASH_FILE, hash_embed, load_prompts, token_hash_settings
 
@@ -206,10 +206,14 @@ def save_embeddings(path: str | Path, cond: Conditioning, metadata: dict[str, st
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in cond.tensors().items()}
-    tmp = atomic_path(path)
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, **{k: str(v) for k, v in metadata.items()}})
-    tmp.replace(path)
+    with atomic_target(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, **{k: str(v) for k, v in metadata.items()}})
     return path
+
+
+def is_embeddings_file(path: str | Path) -> bool:
+    """Whether ``path`` is an embedding file this module wrote (its metadata's format)."""
+    return read_metadata(path).get("format") == FORMAT
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:

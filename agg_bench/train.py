@@ -20,13 +20,14 @@ from tqdm import tqdm
 
 from . import distributed, fsdp
 from . import telemetry as tel
-from .checkpoint import (checkpoint_path, first_difference, load_checkpoint, remove_stale_files, save_checkpoint,
-                         write_lines)
+from .checkpoint import (CHECKPOINT_NAME, SHARDS_PREFIX, checkpoint_path, first_difference, load_checkpoint,
+                         remove_stale_files, save_checkpoint)
 from .config import DEFAULTS, RunConfig
 from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats, group_advantages
-from .io import JsonlWriter, is_temp_name, write_json
+from .io import JsonlWriter, write_json, write_lines
 from .methods import Estimator, build_method
+from .outdir import Claim, Contents, check_folder
 from .memplan import run_memory_plan
 from .models import Policy, build_policy
 from .plan import plan_steps
@@ -323,6 +324,11 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
         return _train(cfg, Path(out_dir), resume, shard, overwrite)
 
 
+# what a run folder holds; anything else in --out is someone else's
+RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics.jsonl", "summary.json", "plan.json",
+                                             CHECKPOINT_NAME), (f"{SHARDS_PREFIX}*",))
+
+
 def _run_config(folder: Path) -> dict | None:
     """The run config a run folder holds (its ``config.json``), or None when it is not a run folder."""
     try:
@@ -333,12 +339,14 @@ def _run_config(folder: Path) -> dict | None:
 
 
 def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> None:
-    """Refuse an output folder whose contents a run would destroy: a folder that holds anything but an
-    agg-bench run, and (unless ``overwrite``, or resuming from a checkpoint, which checks the config
+    """Refuse an output folder whose contents a run would destroy: a folder that holds anything a run does
+    not write, or a symbolic link (:func:`~agg_bench.outdir.check_folder`), a run's file names without a
+    run's config, and (unless ``overwrite``, or resuming from a checkpoint, which checks the config
     itself) a finished run of another config. Reads only."""
+    check_folder(out, RUN_CONTENTS)
     previous = _run_config(out) if out.is_dir() else None
-    if previous is None:  # anything in it (temporaries aside) is someone else's
-        refuse_foreign_out(out, lambda name: False, "an agg-bench run")
+    if previous is None:  # its files, if any, are not an agg-bench run's
+        check_folder(out, Contents(RUN_CONTENTS.what))
         return
     if overwrite or (resume and checkpoint_path(out).is_file()) or not (out / "summary.json").is_file():
         return
@@ -350,9 +358,18 @@ def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> Non
 
 
 def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, overwrite: bool = False) -> dict:
+    """Claim ``out`` (rank 0: checked, locked against a second writer, made if new) and run there."""
     shard.check_run(cfg)
     fsdp.check_run(cfg)
-    check_out_dir(out, cfg.to_dict(), resume, overwrite)
+    config = cfg.to_dict()
+    distributed.on_main(check_out_dir, out, config, resume, overwrite)  # refused before anything is made
+    claim = distributed.on_main(lambda: Claim(out, folder=True, lock_inside=True,
+                                              check=lambda: check_out_dir(out, config, resume, overwrite)).acquire())
+    with claim or contextlib.nullcontext():  # a folder this run made and left empty goes if it fails
+        return _train_claimed(cfg, out, resume, shard)
+
+
+def _train_claimed(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard) -> dict:
     try:
         session = Session(cfg)  # every input error surfaces here, before anything is written
     except Exception as exc:
@@ -362,7 +379,6 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
     check_plan(cfg)
     # planned next to measured memory; a run that measures nothing (telemetry off) plans nothing
     memory_plan = run_memory_plan(cfg, shard.world_size) if shard.is_main and cfg.telemetry.enabled else None
-    distributed.on_main(prepare_out_dir, out)
     run_id = cfg.run_id or out.name
     config = cfg.to_dict()
     restored = load_checkpoint(out, session, config) if resume else None
@@ -469,7 +485,12 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
             summary = _summary(cfg, run_id, status, error, base, shard, last_good=last_good,
                                resumed_from=restored.iteration if restored else None, checkpoint_iteration=saved_at)
             if shard.is_main:
-                write_json(out / "summary.json", summary)
+                try:
+                    write_json(out / "summary.json", summary)
+                except OSError:
+                    if status == "ok":
+                        raise
+                    # e.g. a full disk: the error that ended the run is the one to report
     return summary
 
 
@@ -520,7 +541,6 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
     summary = _summary(cfg, run_id, "oom", error, base, shard, last_good=None, resumed_from=None,
                        checkpoint_iteration=None)
     if shard.is_main:
-        prepare_out_dir(out)
         if not (resume and checkpoint_path(out).exists()):
             record = dict.fromkeys(RECORD_KEYS)
             record.update(base, iteration=0, rss_peak_bytes=tel.rss_peak_bytes())
@@ -529,30 +549,3 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
         write_json(out / "summary.json", summary)
     print(f"agg-bench run: {error}", file=sys.stderr)
     return summary
-
-
-def refuse_foreign_out(out: Path, ours, what: str) -> None:
-    """Refuse an output folder that holds anything ``what`` does not write (``ours(name)`` is False for a
-    name in it, temporaries aside): those files would be overwritten or mixed with its own. Reads only."""
-    out = Path(out)
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise UserError(f"--out {out}: exists and is not a folder")
-    foreign = sorted(p.name for p in out.iterdir() if not is_temp_name(p.name) and not ours(p.name))
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise UserError(f"--out {out}: the folder holds files that are not {what} ({shown}); "
-                        "give a new or empty folder")
-
-
-def prepare_out_dir(out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise UserError(f"output folder {out}: cannot write there ({err.strerror or err})")
-    return out

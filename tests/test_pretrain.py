@@ -100,9 +100,15 @@ def test_output_is_guarded_and_replaced_whole(pretrained, tmp_path):
     # an earlier output is replaced by a complete new one; no temporary folder is left beside it
     out = tmp_path / "model"
     pretrain(cfg, out, progress=False)
-    (out / "stale.txt").write_text("from the earlier output")
+    # a file someone added to an earlier output would be lost with it: refused, and kept
+    (out / "notes.txt").write_text("added later")
+    before = (out / MARKER).read_bytes()
+    with pytest.raises(UserError, match=r"not an agg-bench pretrain output \(notes.txt\)"):
+        pretrain(cfg, out, progress=False)
+    assert (out / "notes.txt").read_text() == "added later" and (out / MARKER).read_bytes() == before
+    (out / "notes.txt").unlink()
     pretrain(cfg, out, progress=False)
-    assert not (out / "stale.txt").exists() and (out / MARKER).is_file()
+    assert (out / MARKER).read_bytes() != before  # a new output (its timings differ)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign", "model"]
 
 

@@ -12,6 +12,7 @@ import pytest
 from agg_bench.checkpoint import CHECKPOINT_NAME
 from agg_bench.cli import main
 from agg_bench.config import load_config
+from agg_bench.errors import UserError
 from agg_bench.io import read_jsonl
 from agg_bench.train import TIMING_KEYS, Interrupted, Session, train
 
@@ -154,11 +155,15 @@ def test_rerun_starts_clean_and_resume_without_checkpoint_starts_over(tmp_path, 
     (out / ".checkpoint.agg-bench-tmp123.pt").write_bytes(b"half")
     (out / ".summary.agg-bench-tmp99.json").write_text("{")
     (out / ".bashrc.tmpl").write_text("mine")
+    with pytest.raises(UserError, match=r"not an agg-bench run \(.bashrc.tmpl\)"):  # the user's: refused, kept
+        train(cfg, out, resume=True)
+    assert (out / ".bashrc.tmpl").read_text() == "mine" and (out / ".summary.agg-bench-tmp99.json").exists()
+    (out / ".bashrc.tmpl").unlink()
     train(cfg, out, resume=True)
     assert "no checkpoint" in capsys.readouterr().err
     assert [r["iteration"] for r in records(out)] == [0, 1]
     assert all("loss" in r for r in records(out))  # the old lines are gone
-    assert sorted(p.name for p in out.glob(".*")) == [".bashrc.tmpl"]
+    assert not list(out.glob(".*"))  # the temporaries of the killed attempt are gone
     # another config over a finished run: only with overwrite
     train(load_config(None, [*SMALL, "train.iterations=1", "train.checkpoint_every=1"]), out, overwrite=True)
     assert (out / CHECKPOINT_NAME).exists()

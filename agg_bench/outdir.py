@@ -1,0 +1,275 @@
+"""Output folders and files: one writer each, nothing of anyone else's touched, no write through a link.
+
+Every command that writes (``run``, ``import-log``, ``snapshot``, ``profile``, ``replay``, ``calibrate``,
+``gradcheck``, ``report``, ``pretrain``, ``embed`` and the learning report) claims its output here first,
+before anything is written, and holds the claim until it is done:
+
+- **Its own files only.** A folder output may be new, empty, or hold only what that command writes
+  (:class:`Contents`); a file output may be new or that command's earlier output. Anything else is
+  someone's: the command refuses (one line, exit 2) and touches nothing.
+- **No symbolic links.** An output that is a link, or a folder holding one anywhere inside, is refused,
+  so no write can land outside the folder the user named. Files are opened with ``O_NOFOLLOW`` and
+  replaced by rename, which replaces a link instead of writing through it.
+- **One writer.** An exclusive ``fcntl.flock`` on a lock file (``DIR/.agg-bench.lock`` inside a folder
+  output; ``.NAME.agg-bench.lock`` beside a file output, or beside a folder that is replaced whole) is
+  held for the claim's life. A second writer is refused and told the holder's PID. The kernel releases
+  the lock when its process dies, however it dies; the file is removed when the claim ends.
+- **Nothing left by a failure.** A folder the claim created is removed again if the command fails
+  before writing anything into it.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import fnmatch
+import json
+import os
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .errors import UserError
+from .io import is_temp_name
+
+LOCK_SUFFIX = ".agg-bench.lock"
+FOLDER_LOCK = LOCK_SUFFIX  # inside a folder output: DIR/.agg-bench.lock
+
+
+def is_lock_name(name: str) -> bool:
+    """Whether ``name`` is one of the lock files of this module."""
+    return name.startswith(".") and name.endswith(LOCK_SUFFIX)
+
+
+def is_harness_name(name: str) -> bool:
+    """A temporary or lock file of the harness: never a user's file, never a command's output."""
+    return is_temp_name(name) or is_lock_name(name)
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What one command writes into its output folder: exact ``names`` and shell-style ``patterns``
+    (``checkpoint_shards_*``), or a predicate ``match`` on a name; ``what`` names the kind of folder in
+    errors ("an agg-bench run")."""
+
+    what: str
+    names: tuple[str, ...] = ()
+    patterns: tuple[str, ...] = ()
+    match: Callable[[str], bool] | None = field(default=None, compare=False)
+
+    def ours(self, name: str) -> bool:
+        return name in self.names or any(fnmatch.fnmatchcase(name, p) for p in self.patterns) or \
+            (self.match is not None and self.match(name))
+
+    def __or__(self, other: "Contents") -> "Contents":
+        """The files of both (two commands' outputs in one folder, e.g. ``--tables DIR --plots DIR``)."""
+        return Contents(f"{self.what} or {other.what}", self.names + other.names, self.patterns + other.patterns,
+                        lambda name: self.ours(name) or other.ours(name))
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def find_links(folder: Path) -> list[str]:
+    """Symbolic links anywhere under ``folder`` (paths relative to it), without following any."""
+    links = []
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in dirs + files:
+            if os.path.islink(os.path.join(root, name)):
+                links.append(os.path.relpath(os.path.join(root, name), folder))
+    return sorted(links)
+
+
+def check_folder(out: Path, contents: Contents, flag: str = "--out") -> None:
+    """Refuse ``out`` unless it is new, or a folder holding only ``contents`` (harness temporaries and
+    locks aside) and no symbolic link. Reads only."""
+    if out.is_symlink():
+        raise UserError(f"{flag} {out}: is a symbolic link; give the folder it points to, or another folder")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"{flag} {out}: exists and is not a folder")
+    foreign = sorted(p.name for p in out.iterdir() if not is_harness_name(p.name) and not contents.ours(p.name))
+    if foreign:
+        raise UserError(f"{flag} {out}: the folder holds files that are not {contents.what} ({_shown(foreign)}); "
+                        "give a new or empty folder")
+    links = find_links(out)
+    if links:
+        raise UserError(f"{flag} {out}: holds symbolic links ({_shown(links)}), which a write could follow out "
+                        "of the folder; remove them or give another folder")
+
+
+def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = "--out") -> None:
+    """Refuse ``path`` unless it is new or ``what`` (``ours(path)``): not a folder, not a link. Reads only."""
+    if path.is_symlink():
+        raise UserError(f"{flag} {path}: is a symbolic link; give a plain file path")
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a folder; expected a file path")
+    if path.exists() and not ours(path):
+        raise UserError(f"{flag} {path}: the file exists and is not {what}; give a new path")
+
+
+def _holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return f" (PID {text})" if text.isdigit() else ""
+
+
+class Claim:
+    """An exclusive hold on an output (a folder or a file); use as a context manager, or ``acquire()`` and
+    ``release(failed)``. ``target`` is created as a folder when ``folder`` is true and it does not exist.
+    ``check`` runs again once the lock is held: another writer may have finished in between."""
+
+    def __init__(self, target: str | Path, folder: bool, lock_inside: bool, flag: str = "--out",
+                 check: Callable[[], object] | None = None):
+        self.target = Path(target)
+        self.folder, self.lock_inside, self.flag, self.check = folder, lock_inside, flag, check
+        if not self.target.name:
+            raise UserError(f"{flag} {target}: give a named folder or file, not a file-system root")
+        self.lock_path = self.target / FOLDER_LOCK if lock_inside else \
+            self.target.parent / f".{self.target.name}{LOCK_SUFFIX}"
+        self._fd: int | None = None
+        self._created: list[Path] = []
+
+    def _make_folders(self) -> None:
+        folder = self.target if self.lock_inside else self.target.parent
+        missing = []
+        for p in (folder, *folder.parents):
+            if p.exists() or p.is_symlink():
+                break
+            missing.append(p)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"output folder {folder}: cannot write there ({err.strerror or err})") from None
+        self._created = missing  # deepest first
+
+    def acquire(self) -> "Claim":
+        self._make_folders()
+        try:
+            self._fd = self._lock()
+            if self.check is not None:
+                self.check()
+        except BaseException:
+            self.release(failed=True)
+            raise
+        return self
+
+    def _lock(self) -> int:
+        what = "folder" if self.folder else "file"
+        for _ in range(5):
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as err:
+                if err.errno == errno.ELOOP:
+                    raise UserError(f"{self.flag} {self.target}: {self.lock_path.name} is a symbolic link; "
+                                    "remove it") from None
+                raise UserError(f"output folder {self.lock_path.parent}: cannot write there "
+                                f"({err.strerror or err})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise UserError(f"{self.flag} {self.target}: another agg-bench process{holder} is writing this "
+                                f"{what}; wait until it ends or give another {what}") from None
+            # a holder that was releasing may have removed the file between our open and our lock
+            try:
+                current = os.stat(self.lock_path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                return fd
+            os.close(fd)
+        raise UserError(f"{self.flag} {self.target}: the lock {self.lock_path} keeps changing; another process "
+                        "is claiming it, try again")
+
+    def release(self, failed: bool = False) -> None:
+        """Give up the hold (the lock file removed while still held, so no one locks a stale file); with
+        ``failed``, remove the folders the claim made if they are still empty."""
+        if self._fd is not None:
+            try:
+                os.unlink(self.lock_path)
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = None
+        if failed:
+            self._remove_created()
+
+    def _remove_created(self) -> None:
+        for folder in self._created:
+            try:
+                folder.rmdir()  # only if empty
+            except OSError:
+                break
+        self._created = []
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> "Claim":
+        return self if self.held else self.acquire()  # acquired already: under torchrun, by rank 0 alone
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.release(failed=exc_type is not None)
+
+
+def claim_folder(out: str | Path, contents: Contents, flag: str = "--out", replaced_whole: bool = False) -> Claim:
+    """Check ``out`` (:func:`check_folder`) and return its claim, not yet acquired (``with`` acquires it).
+    ``replaced_whole``: the command writes a new folder beside ``out`` and renames it over ``out``, so the
+    lock lies beside it instead of inside."""
+    out = Path(out)
+    check = lambda: check_folder(out, contents, flag)  # noqa: E731
+    check()
+    return Claim(out, folder=True, lock_inside=not replaced_whole, flag=flag, check=check)
+
+
+@contextmanager
+def claimed_folders(folders: list[tuple[str | Path | None, Contents]], flags: tuple[str, ...] = ()) -> Iterator[None]:
+    """Hold the claims of several folder outputs (``(folder, contents)``; a None folder is skipped, a folder
+    named twice holds both contents), each checked before any is made. ``flags`` name them in errors."""
+    merged: dict[str, tuple[Path, Contents, str]] = {}
+    for i, (folder, contents) in enumerate(folders):
+        if folder is None:
+            continue
+        key = os.path.abspath(folder)
+        flag = flags[i] if i < len(flags) else "--out"
+        merged[key] = (Path(folder), merged[key][1] | contents, merged[key][2]) if key in merged else \
+            (Path(folder), contents, flag)
+    claims = [claim_folder(folder, contents, flag) for folder, contents, flag in merged.values()]
+    with ExitStack() as stack:
+        for claim in claims:
+            stack.enter_context(claim)
+        yield
+
+
+def claim_files(paths: dict[str | Path, tuple[Callable[[Path], bool], str]], flag: str = "--out") -> Claim:
+    """Check each file of ``paths`` ({path: (ours, what)}, :func:`check_file`) and return the claim of the
+    first (its companions, e.g. ``FILE.json`` beside ``FILE.safetensors``, are written under the same hold)."""
+    items = [(Path(p), ours, what) for p, (ours, what) in paths.items()]
+
+    def check() -> None:
+        for path, ours, what in items:
+            check_file(path, ours, what, flag)
+
+    check()
+    return Claim(items[0][0], folder=False, lock_inside=False, flag=flag, check=check)
+
+
+def json_file_with(*keys: str) -> Callable[[Path], bool]:
+    """``ours`` for a JSON output: an existing file is ours if it is a JSON object holding ``keys``."""
+    def ours(path: Path) -> bool:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        return isinstance(data, dict) and all(k in data for k in keys)
+
+    return ours
