@@ -67,7 +67,7 @@ def cmd_calibrate(args) -> int:
         if label in methods:
             raise UserError(f"--method {label}: given twice (each label once)")
         try:
-            methods[label] = yaml_load(text)
+            methods[label] = yaml_load(text, f"--method {label}", text)
         except yaml.YAMLError as err:
             raise UserError(f"--method {label}: not YAML ({str(err).splitlines()[0]})") from None
     result = write_calibration(load_config(args.config, args.overrides), args.out, options, methods)
@@ -101,10 +101,13 @@ def cmd_gradcheck(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import CalibrationEntry, GradcheckEntry, Manifest, build_report, check_time_basis, discover_runs, load_manifest
+    from .report import (CalibrationEntry, GradcheckEntry, Manifest, build_report, check_time_basis, check_warmup,
+                         discover_runs, load_manifest)
 
     if args.tables is None and args.plots is None:
         raise UserError("report: give --tables DIR and/or --plots DIR")
+    if args.warmup is not None:
+        check_warmup(args.warmup, "--warmup")
     manifest = load_manifest(args.manifest) if args.manifest else Manifest()
     manifest.runs += discover_runs(args.runs)
     manifest.gradcheck += [GradcheckEntry(path) for path in args.gradcheck]

@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, clip
 
 DEFAULTS: dict[str, Any] = {
     "run_id": None,
@@ -38,9 +38,44 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+# Bounds on any YAML read (run, sweep and pretrain configs, --set values, calibrate --method): a file
+# larger than this is not read, and a document is refused when writing out its aliases would give more
+# values, or deeper nesting, than this. Real configs are a few kB with a few hundred values.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+MAX_YAML_DEPTH = 50
+
+
+class YamlRefused(Exception):
+    """A YAML document outside the bounds above (not a syntax error): ``reason`` says what is wrong."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class _Loader(yaml.SafeLoader):
     """YAML as a person means it: ``1e-5`` and ``3E+2`` are numbers (YAML 1.1 wants a dot, ``1.0e-5``,
-    and would read them as strings)."""
+    and would read them as strings); every mapping key is a string given once (a repeated key is refused
+    instead of the last one winning; ``<<: *base`` merges stay allowed and its keys may be overridden)."""
+
+    def compose_mapping_node(self, anchor):
+        node = super().compose_mapping_node(anchor)
+        first_line: dict[str, int] = {}
+        for key, _ in node.value:
+            line = key.start_mark.line + 1
+            if key.tag == "tag:yaml.org,2002:merge":
+                continue
+            if not isinstance(key, yaml.ScalarNode):
+                raise YamlRefused(f"text keys (line {line}: a key that is a {key.id})")
+            if key.tag != "tag:yaml.org,2002:str":
+                kind = key.tag.rsplit(":", 1)[-1]
+                raise YamlRefused(f"text keys (line {line}: the key {clip(key.value)!r} reads as {kind}; quote it)")
+            if key.value in first_line:
+                raise YamlRefused(f"each key once in a mapping ({clip(key.value)!r} at line {line} repeats line "
+                                  f"{first_line[key.value]})")
+            first_line[key.value] = line
+        return node
 
 
 _Loader.add_implicit_resolver(
@@ -52,9 +87,76 @@ _Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-def yaml_load(text: str):
-    """Parse YAML text with :class:`_Loader` (numbers in exponent notation are floats)."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+def _node_children(node: yaml.Node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _object_children(value: Any) -> list:
+    if isinstance(value, dict):
+        return [part for pair in value.items() for part in pair]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return []
+
+
+def check_expanded_size(root: Any, children=_object_children) -> None:
+    """Raise :class:`YamlRefused` when ``root`` written out (every alias or shared object in full) would hold
+    more than :data:`MAX_YAML_VALUES` values or nest deeper than :data:`MAX_YAML_DEPTH`, or never end (an
+    alias inside itself). Counted without writing it out: each distinct object's size and depth are
+    memoised by identity, so the work grows with the objects there are, not with their expansion.
+    ``children``: an object's direct parts (default: of parsed YAML data; ``_node_children`` for nodes)."""
+    done: dict[int, tuple[int, int]] = {}  # id -> (values, depth) of the expansion
+    open_ids: set[int] = set()  # started, not done: met again below itself, it is a cycle
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        item, finished = stack.pop()
+        key = id(item)
+        if finished:
+            parts = [done[id(part)] for part in children(item)]
+            size = 1 + sum(values for values, _ in parts)
+            depth = 1 + max((d for _, d in parts), default=0)
+            open_ids.discard(key)
+            if size > MAX_YAML_VALUES:
+                raise YamlRefused(f"at most {MAX_YAML_VALUES} values with its aliases written out (this one has more)")
+            if depth > MAX_YAML_DEPTH:
+                raise YamlRefused(f"at most {MAX_YAML_DEPTH} levels of nesting")
+            done[key] = (size, depth)
+            continue
+        if key in done:
+            continue
+        if key in open_ids:
+            raise YamlRefused("no alias inside itself (it would never end)")
+        open_ids.add(key)
+        stack.append((item, True))
+        stack.extend((part, False) for part in children(item) if id(part) not in done)
+
+
+def yaml_load(text: str, key: str, value: Any) -> Any:
+    """Parse YAML ``text`` with :class:`_Loader`, within the bounds above: a ConfigError naming ``key`` and
+    ``value`` (the option and the file or text it came from) for a document outside them, which is
+    refused before any of it is constructed; ``yaml.YAMLError`` for text that is not YAML."""
+    try:
+        if len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES:
+            raise YamlRefused(f"at most {MAX_YAML_BYTES // (1 << 20)} MiB of YAML")
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            check_expanded_size(node, _node_children)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except YamlRefused as err:
+        raise ConfigError(key, value, err.reason) from None
+    except RecursionError:
+        raise ConfigError(key, value, f"at most {MAX_YAML_DEPTH} levels of nesting") from None
+    except (ValueError, OverflowError) as err:  # e.g. an integer of 5000 digits, a date 2024-13-45
+        raise ConfigError(key, value, f"values that YAML can read ({clip(str(err), 120)})") from None
 
 
 class RunConfig(dict):
@@ -101,7 +203,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError("--set", item, "key=value with a non-empty key")
     try:
-        value = yaml_load(raw) if raw.strip() else ""
+        value = yaml_load(raw, "--set", item) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -124,6 +226,20 @@ def apply_overrides(config: dict, overrides: list[str]) -> dict:
     return config
 
 
+# how a schema type reads in an error: "expected an integer", "expected a string or null"
+TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+              "object": "a mapping", "array": "a list", "null": "null"}
+
+
+SIZE_WORDS = {"minLength": lambda n: f"at least {n} characters",
+              "maxLength": lambda n: f"at most {n} characters",
+              "minItems": lambda n: f"a list of at least {n} items",
+              "maxItems": lambda n: f"a list of at most {n} items",
+              "minProperties": lambda n: f"at least {n} entries",
+              "maxProperties": lambda n: f"at most {n} entries",
+              "uniqueItems": lambda _: "a list without repeated items"}
+
+
 def _describe(error: jsonschema.ValidationError) -> ConfigError:
     path = ".".join(str(p) for p in error.absolute_path)
     schema = error.schema if isinstance(error.schema, dict) else {}
@@ -137,13 +253,17 @@ def _describe(error: jsonschema.ValidationError) -> ConfigError:
     if error.validator == "required":
         return ConfigError(path or "(top level)", error.instance, error.message)
     if error.validator == "type":
-        return ConfigError(path, error.instance, f"type {schema['type']}")
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        return ConfigError(path, error.instance, " or ".join(TYPE_WORDS.get(t, t) for t in types))
     if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         words = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
         return ConfigError(path, error.instance, f"a value {words[error.validator]} {error.validator_value}")
     if error.validator == "pattern":
         return ConfigError(path, error.instance, schema.get("description", f"to match {error.validator_value}"))
-    return ConfigError(path or "(top level)", error.instance, error.message)
+    if error.validator in SIZE_WORDS:
+        return ConfigError(path or "(top level)", error.instance, SIZE_WORDS[error.validator](error.validator_value))
+    # jsonschema's own message quotes the whole value: kept short
+    return ConfigError(path or "(top level)", error.instance, clip(error.message))
 
 
 def check_finite(value: Any, path: str = "") -> None:
@@ -158,9 +278,21 @@ def check_finite(value: Any, path: str = "") -> None:
             check_finite(item, f"{path}[{i}]")
 
 
+def _is_integer(checker, instance: Any) -> bool:
+    # JSON Schema's integer admits 2.0 (and Python's int admits True): here an integer is an int, so a
+    # whole-number float is refused where an integer goes, as the methods' and pretrain options refuse it
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+# Draft 2020-12 with integers that are ints, for the run schema and the sweep schema alike
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+
+
 def check_schema(instance: Any, schema: dict) -> None:
     """Raise a ConfigError for ``instance``'s first violation of ``schema`` (the shallowest key first)."""
-    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(instance),
+    errors = sorted(_Validator(schema).iter_errors(instance),
                     key=lambda e: (len(list(e.absolute_path)), list(map(str, e.absolute_path))))
     if errors:
         raise _describe(errors[0])
@@ -189,19 +321,42 @@ def validate(config: dict, check_method: bool = True) -> RunConfig:
     return RunConfig(config)
 
 
-def read_yaml_mapping(path: str | Path, what: str = "sections") -> dict:
-    """The YAML mapping in the file ``path`` (``--config``), or a ConfigError saying what is wrong with it."""
+def check_data_parallel(cfg: dict, processes: int) -> None:
+    """Raise a ConfigError for a run config that ``processes`` data-parallel processes (torchrun, a sweep
+    device's ``gpus``) cannot split: each process trains whole GRPO groups, so ``grpo.prompts_per_iteration``
+    is a multiple of ``processes``, and each takes the GPU of its LOCAL_RANK, so ``device`` names no GPU."""
+    if processes <= 1:
+        return
+    prompts = cfg["grpo"]["prompts_per_iteration"]
+    if prompts % processes:
+        raise ConfigError("grpo.prompts_per_iteration", prompts,
+                          f"a multiple of the {processes} data-parallel processes (each process trains whole "
+                          "GRPO groups)")
+    if cfg["device"].startswith("cuda:"):
+        raise ConfigError("device", cfg["device"],
+                          "'cuda' or 'auto' under torchrun (each process takes the GPU of its LOCAL_RANK)")
+
+
+def read_yaml_mapping(path: str | Path, what: str = "sections", key: str = "--config") -> dict:
+    """The YAML mapping in the file ``path`` (given as option ``key``), or a ConfigError saying what is wrong
+    with it. A file over :data:`MAX_YAML_BYTES` is refused before it is read."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError("--config", str(path), "an existing YAML file")
+        raise ConfigError(key, str(path), "an existing YAML file")
     try:
-        user = yaml_load(path.read_text(encoding="utf-8")) or {}
+        size = path.stat().st_size
+        if size > MAX_YAML_BYTES:
+            raise ConfigError(key, str(path), f"a YAML file of at most {MAX_YAML_BYTES // (1 << 20)} MiB "
+                              f"(this one has {size} bytes)")
+        user = yaml_load(path.read_text(encoding="utf-8"), key, str(path)) or {}
+    except OSError as err:
+        raise ConfigError(key, str(path), f"a readable file ({err.strerror or err})") from None
     except UnicodeDecodeError as err:
-        raise ConfigError("--config", str(path), f"UTF-8 text ({err.reason} at byte {err.start})")
+        raise ConfigError(key, str(path), f"UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
-        raise ConfigError("--config", str(path), f"valid YAML ({str(err).splitlines()[0]})")
+        raise ConfigError(key, str(path), f"valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(user, dict):
-        raise ConfigError("--config", str(path), f"a YAML mapping of {what}")
+        raise ConfigError(key, str(path), f"a YAML mapping of {what}")
     return user
 
 

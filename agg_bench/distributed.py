@@ -57,7 +57,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, UserError
+from .config import check_data_parallel
+from .errors import UserError
 
 # Per-record fields whose shares add up (work done, energy, power of all GPUs); the others are
 # maxima (times, memory peaks, ratio_dev: see :func:`combine`), means (numbers) or rank 0's value.
@@ -98,16 +99,7 @@ class Shard:
 
     def check_run(self, cfg) -> None:
         """Raise a ConfigError for a run that cannot be split into whole GRPO groups per process."""
-        if not self.distributed:
-            return
-        p = cfg.grpo.prompts_per_iteration
-        if p % self.world_size:
-            raise ConfigError("grpo.prompts_per_iteration", p,
-                              f"a multiple of the {self.world_size} data-parallel processes "
-                              "(each process trains whole GRPO groups)")
-        if cfg.device.startswith("cuda:"):
-            raise ConfigError("device", cfg.device,
-                              "'cuda' or 'auto' under torchrun (each process takes the GPU of its LOCAL_RANK)")
+        check_data_parallel(cfg, self.world_size)
 
 
 def current() -> Shard:

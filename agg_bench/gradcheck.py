@@ -24,7 +24,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from .config import RunConfig
+from .config import RunConfig, yaml_load
 from .errors import ConfigError, UserError
 from .io import atomic_file, atomic_path
 from .outdir import claim_files
@@ -69,7 +69,10 @@ def parse_values(text: str, flag: str, kind: type) -> list:
         raise ConfigError(flag, text, expected[kind])
     out = []
     for item in items:
-        value = item if kind is str else yaml.safe_load(item)
+        try:
+            value = item if kind is str else yaml_load(item, flag, text)
+        except yaml.YAMLError:
+            raise ConfigError(flag, text, expected[kind]) from None
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import pandas as pd
 
-from .errors import UserError
+from .errors import ConfigError, UserError
 from .io import read_jsonl, save_figure, write_text
 from .outdir import Contents, claimed_folders
 from .records import (
@@ -128,6 +128,13 @@ def check_time_basis(value, key: str = "report.time") -> str:
     return value
 
 
+def check_warmup(value, key: str = "report.warmup") -> int:
+    """``value`` if it is an integer >= 0 (iterations left out of the timings); else a ConfigError naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(key, value, "an integer >= 0 (iterations of each run left out of the timings)")
+    return value
+
+
 def load_manifest(path: str | Path) -> Manifest:
     """Read the workflow's manifest: ``{"runs": [...], "gradcheck": [...], "calibration": [...],
     "warmup": 1, "time": "auto"}``."""
@@ -138,8 +145,8 @@ def load_manifest(path: str | Path) -> Manifest:
     runs = [RunEntry(**{**r, "dir": Path(r["dir"])}) for r in data.get("runs", [])]
     checks = [GradcheckEntry(**{**g, "file": Path(g["file"])}) for g in data.get("gradcheck", [])]
     calibration = [CalibrationEntry(**{**c, "file": Path(c["file"])}) for c in data.get("calibration", [])]
-    return Manifest(runs, checks, int(data.get("warmup", 1)), check_time_basis(data.get("time", "auto"), "manifest time"),
-                    calibration)
+    return Manifest(runs, checks, check_warmup(data.get("warmup", 1), "manifest warmup"),
+                    check_time_basis(data.get("time", "auto"), "manifest time"), calibration)
 
 
 def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:

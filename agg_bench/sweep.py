@@ -5,9 +5,15 @@ so every check below happens before any job starts, and a bad sweep fails with o
 job and the key. Parsing stays fast because this module imports nothing heavy (no torch, diffusers or
 peft). The checks come in two stages:
 
-1. In this process, from configs alone: the sweep against ``workflow/schemas/config.schema.yaml`` and
+1. In this process, from configs alone: the sweep's files read again with agg-bench's YAML loader
+   (Snakemake's takes repeated keys, last wins, and aliases that nest without a bound) and the parsed
+   sweep's size with its aliases written out (:func:`agg_bench.config.check_expanded_size`), both before
+   anything walks the whole sweep; the sweep against ``workflow/schemas/config.schema.yaml`` and
    its cross-references; each composed run config against the run schema; each run's resolution against
-   its model family's latent multiple and maximum (:mod:`agg_bench.families`).
+   its model family's latent multiple and maximum (:mod:`agg_bench.families`); an ``exclude`` that leaves
+   no run.
+   Every run and calibration on several processes splits its batch into whole GRPO groups per process
+   (:func:`agg_bench.config.check_data_parallel`, as the run checks it).
 2. The methods' own options and run checks (``Estimator.check_run``), which live with the methods and
    need torch (not diffusers, peft or transformers: ``tests/test_import_graph.py``): one child process (``python -m agg_bench.sweep``) checks every job and answers each method's
    resolved options (the manifest records them). The answer is kept in ``.snakemake/agg-bench/``
@@ -31,8 +37,9 @@ from typing import Any
 
 import yaml
 
-from .config import check_schema, load_config
-from .errors import UserError
+from .config import (YamlRefused, check_data_parallel, check_expanded_size, check_schema, load_config,
+                     read_yaml_mapping)
+from .errors import UserError, quote
 from .families import check_resolution
 from .io import atomic_path
 
@@ -58,8 +65,24 @@ class SweepError(UserError):
         super().__init__(f"sweep config: {message}")
 
 
+def check_sweep_files(paths) -> None:
+    """Each file the sweep config came from (Snakemake's ``workflow.configfiles``) read again with agg-bench's
+    YAML loader, which refuses what Snakemake's takes: a repeated key, a key that is not text, aliases
+    that nest into a huge document, a file over the size limit."""
+    for path in paths:
+        try:
+            read_yaml_mapping(path, "sweep sections", "--configfile")
+        except UserError as err:
+            raise SweepError(str(err)) from None
+
+
 def check_sweep(sweep: dict, schema: dict) -> None:
-    """The sweep's structure against ``schema``, then the cross-references between its sections."""
+    """The sweep's size (aliases written out: before anything walks it), its structure against ``schema``,
+    then the cross-references between its sections."""
+    try:
+        check_expanded_size(sweep)
+    except YamlRefused as err:
+        raise SweepError(f"expected {err.reason}") from None
     try:
         check_schema(sweep, schema)
     except UserError as err:
@@ -68,10 +91,10 @@ def check_sweep(sweep: dict, schema: dict) -> None:
         part = sweep.get(section) or {}
         for label in part.get("models", []):
             if label not in sweep["models"]:
-                raise SweepError(f"{section}.models: {label!r} is not a label under models "
+                raise SweepError(f"{section}.models: {quote(label)} is not a label under models "
                                  f"({', '.join(sweep['models'])})")
         if "device" in part and part["device"] not in sweep["devices"]:
-            raise SweepError(f"{section}.device: {part['device']!r} is not a label under devices "
+            raise SweepError(f"{section}.device: {quote(part['device'])} is not a label under devices "
                              f"({', '.join(sweep['devices'])})")
     labels = [ref["label"] for ref in sweep.get("references", [])]
     if len(set(labels)) != len(labels):
@@ -188,9 +211,12 @@ class Sweep:
 
     ``schema``: the sweep schema (``workflow/schemas/config.schema.yaml``) as a path or a dict.
     ``cache_dir``: where the methods' check keeps its answers (None: not kept).
+    ``files``: the files ``sweep`` was read from (Snakemake's ``workflow.configfiles``), read again first.
     """
 
-    def __init__(self, sweep: dict, schema: str | Path | dict, cache_dir: Path | None = CACHE_DIR):
+    def __init__(self, sweep: dict, schema: str | Path | dict, cache_dir: Path | None = CACHE_DIR,
+                 files=()):
+        check_sweep_files(files)
         schema = schema if isinstance(schema, dict) else yaml.safe_load(Path(schema).read_text())
         check_sweep(sweep, schema)
         self.sweep = sweep
@@ -198,7 +224,7 @@ class Sweep:
         self.base_file = base if isinstance(base, str) else None
         self.base_pairs = [] if isinstance(base, str) else flatten(base)
         if self.base_file is not None and not Path(self.base_file).is_file():
-            raise SweepError(f"base: {self.base_file!r} is not a file "
+            raise SweepError(f"base: {quote(self.base_file)} is not a file "
                              "(a run config YAML, relative to the working directory)")
         self.devices = sweep["devices"]
         self.embed = sweep.get("embed")
@@ -217,9 +243,12 @@ class Sweep:
                                 run_id = f"{method}_{model}_{resolution}px_s{seed}_{device}"
                                 pairs = self._pairs(device, model, resolution, seed, sweep["methods"][method])
                                 what = f"run {run_id} (methods.{method}, models.{model})"
-                                self._check(what, pairs)
+                                self._check(what, pairs, device)
                                 checks[what] = pairs
                                 self.runs[run_id] = {**labels, "pairs": pairs, "check": what}
+        if not self.runs:
+            raise SweepError("exclude: no runs left after exclude (every method x model x resolution x seed x "
+                             "device combination matches an entry)")
         self.gradchecks: dict[str, dict] = {}
         part = sweep.get("gradcheck")
         if part:
@@ -248,6 +277,8 @@ class Sweep:
                     self.calibrations[name]["pairs"] = self._pairs(run["device"], run["model"], run["resolution"],
                                                                    None, {})
                     self.calibrations[name]["methods"] = []
+                    if self.gpus(run["device"]) > 1:  # timed on the cell's processes, each with its share
+                        self._check(f"calibrate {name}", self.calibrations[name]["pairs"], run["device"])
                 # the cell's methods, whose train phases the calibration times side by side
                 if run["method"] not in self.calibrations[name]["methods"]:
                     self.calibrations[name]["methods"].append(run["method"])
@@ -273,14 +304,20 @@ class Sweep:
             pairs.append(("prompts.cache_dir", EMBED_DIR))
         return pairs
 
-    def _check(self, what: str, pairs: list[tuple[str, Any]]) -> None:
-        """The composed run config against the run schema, and its resolution against its model's
-        configs, as `agg-bench run` would check them; an error names the job and the key."""
+    def _check(self, what: str, pairs: list[tuple[str, Any]], device: str | None = None) -> None:
+        """The composed run config against the run schema, its resolution against its model's configs,
+        and (on ``device``) its batch against the device's processes, as `agg-bench run` would check
+        them; an error names the job and the key."""
         try:
             cfg = load_config(self.base_file, overrides_of(pairs), check_method=False)
             check_resolution(cfg["model"])
         except UserError as err:
             raise SweepError(f"{what}: {err}") from None
+        processes = 1 if device is None else max(1, self.gpus(device))
+        try:
+            check_data_parallel(cfg, processes)
+        except UserError as err:
+            raise SweepError(f"{what}: {err} (devices.{device}.gpus: {processes})") from None
 
     # ----- command lines ------------------------------------------------------------------------
     def _config_args(self, pairs) -> str:

@@ -9,6 +9,9 @@ from agg_bench.errors import UserError
 from agg_bench.sweep import EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, set_arg
 
 try:
-    SWEEP = Sweep(config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml")
+    # the files the config came from are read again with agg-bench's YAML loader first (Snakemake's takes
+    # repeated keys and nesting aliases without a bound)
+    SWEEP = Sweep(config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml",
+                  files=workflow.configfiles)
 except UserError as err:
     raise WorkflowError(str(err)) from None
