@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from . import distributed, fsdp
 from . import telemetry as tel
-from .checkpoint import (checkpoint_path, first_difference, load_checkpoint, remove_stale_files, save_checkpoint,
-                         write_lines)
+from .checkpoint import (SAME_RUN_CHANGES, checkpoint_path, first_difference, load_checkpoint, remove_stale_files,
+                         save_checkpoint, write_lines)
 from .config import DEFAULTS, RunConfig
 from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats, group_advantages
@@ -342,7 +342,7 @@ def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> Non
         return
     if overwrite or (resume and checkpoint_path(out).is_file()) or not (out / "summary.json").is_file():
         return
-    diff = first_difference(previous, config, ("progress",), DEFAULTS)
+    diff = first_difference(previous, config, SAME_RUN_CHANGES, DEFAULTS)
     if diff is not None:
         key, old, new = diff
         raise UserError(f"--out {out}: holds a finished run of another config ({key} = {old!r} there, {new!r} "
@@ -385,7 +385,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, ov
     distributed.on_main(begin)
     telemetry = tel.Telemetry(session.device, enabled=cfg.telemetry.enabled,
                               nvml_interval_s=cfg.telemetry.nvml_interval_s,
-                              saved_activations=cfg.telemetry.saved_activations)
+                              saved_activations=cfg.telemetry.saved_activations, iterations_before=start)
     base = identity(cfg, run_id, session.device, shard.world_size)
     every = cfg.train.checkpoint_every
     status, error = "ok", None
