@@ -216,6 +216,9 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
     out = Path(out)
     if out.suffix != ".csv":
         raise UserError(f"--out {out}: expected a FILE.csv path")
+    # the device first: a GPU this machine lacks is refused before anything is written or computed
+    device = resolve_device(device, "--device") if device is not None else \
+        resolve_device(cfg.device if cfg is not None else "cpu")
     prepare_out_dir(out.parent)
     jobs = agg_grid(list(windows), list(alphas), list(route_fracs), list(reuse)) + parse_method_specs(methods)
     temporary = None
@@ -231,7 +234,7 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
     try:
         if not _has_snapshot(folder):
             save_snapshot(cfg, folder)
-        snapshot = load_snapshot(folder, resolve_device(device or (cfg.device if cfg is not None else "cpu")))
+        snapshot = load_snapshot(folder, device)
         progress = cfg.progress if cfg is not None else bool(snapshot.config.get("progress", True))
         rows = run_gradcheck(snapshot, jobs, progress)
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import signal
 import sys
 import threading
@@ -37,12 +38,21 @@ from .sde import flow_sigmas
 from .text import prompt_conditioning, prompt_set
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, key: str = "device") -> torch.device:
+    """The torch device ``name`` (cpu, cuda, cuda:N or auto: cuda where available) names; a ConfigError
+    naming ``key`` (the config key or flag it came from) for another name or a GPU this machine lacks."""
+    if not isinstance(name, str) or not re.fullmatch(r"cpu|auto|cuda(:\d{1,9})?", name):
+        raise ConfigError(key, name, "cpu, cuda, cuda:N or auto")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", name, "'cpu' or 'auto' on a machine without CUDA")
+        why = f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None else \
+            "no CUDA device is visible"
+        raise ConfigError(key, name, f"cpu or auto: CUDA is not available on this machine ({why})")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(key, name, f"a CUDA device this machine has ({torch.cuda.device_count()} visible: "
+                                     f"cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return device
 
 
