@@ -32,8 +32,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .config import RunConfig
-from .errors import ConfigError
+from .config import RunConfig, apply_overrides, validate
+from .errors import ConfigError, UserError
 from .io import write_json
 from .outdir import claim_files, json_file_with
 from .records import PASS_KEYS
@@ -75,6 +75,19 @@ def method_overrides(label: str, overrides: Any) -> tuple[str, list[str]]:
                           "a mapping of run-config overrides that names the method, "
                           "e.g. '{method: {name: agg, window: 5}}'")
     return names[-1], overrides_of(pairs)
+
+
+def check_method(cfg: RunConfig, label: str, sets: list[str]) -> None:
+    """Refuse a ``methods`` entry that no run could use, before anything is timed: an unknown method name,
+    a bad option, or settings the method cannot honour (its ``check_run``). A UserError names the label."""
+    from .methods import build_method
+
+    try:
+        method_cfg = validate(apply_overrides(cfg.to_dict(), sets))
+        options = dict(method_cfg.method)
+        build_method(options.pop("name"), options).check_run(method_cfg)
+    except UserError as err:
+        raise UserError(f"--method {label}: {err}") from None
 
 
 def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
@@ -139,6 +152,8 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
     options = options or CalibrationConfig()
     # a malformed entry fails before the model is built
     parsed = {label: method_overrides(label, overrides) for label, overrides in (methods or {}).items()}
+    for label, (_, sets) in parsed.items():
+        check_method(cfg, label, sets)
     session = Session(cfg)
     policy, device = session.policy, session.device
     batch = session.collect(0).batch

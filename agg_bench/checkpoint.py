@@ -36,9 +36,14 @@ from .io import atomic_file, is_temp_name
 CHECKPOINT_NAME = "checkpoint.pt"
 SHARDS_PREFIX = "checkpoint_shards_"
 FORMAT = 1
-# Config keys that may differ between a run and its resumption: they do not change what is computed
-# (the device may: a run can move to another machine; numbers then follow that device's arithmetic).
-RESUMABLE_CHANGES = ("progress", "device", "telemetry", "train.iterations", "train.checkpoint_every")
+# Config keys that change neither what a run computes nor what it records: a finished run rerun with other
+# values of these is the same run (a rerun replaces it without --overwrite).
+SAME_RUN_CHANGES = ("progress", "train.checkpoint_every")
+# Config keys that may differ between a run and its resumption: those above, and keys that change what is
+# measured or how far the run goes but not the iterations' numbers (the device may: a run can move to another
+# machine; numbers then follow that device's arithmetic). A finished run rerun with other values of these
+# is another run: its records would differ.
+RESUMABLE_CHANGES = (*SAME_RUN_CHANGES, "device", "telemetry", "train.iterations")
 
 
 @dataclass

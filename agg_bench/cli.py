@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from .errors import ConfigError, UserError
+from .errors import ConfigError, UserError, run_command
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -24,9 +24,10 @@ def cmd_run(args) -> int:
     overrides = list(args.overrides)
     if args.checkpoint_every is not None:
         overrides.append(f"train.checkpoint_every={args.checkpoint_every}")
+    rank = launched_rank()  # a bad launcher environment (RANK, WORLD_SIZE) is refused before the run
     cfg = load_config(args.config, overrides)
     summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
-    if launched_rank() == 0:  # one result line for the job, not one per torchrun process
+    if rank == 0:  # one result line for the job, not one per torchrun process
         print(json.dumps({"out": str(args.out), "status": summary["status"]}))
     return 0
 
@@ -78,8 +79,9 @@ def cmd_calibrate(args) -> int:
 
 def cmd_replay(args) -> int:
     from .snapshot import replay
+    from .train import resolve_device
 
-    counts = replay(args.snapshot, args.method, args.overrides, args.out, args.device)
+    counts = replay(args.snapshot, args.method, args.overrides, args.out, resolve_device(args.device, "--device"))
     print(json.dumps({"out": str(args.out), **counts}))
     return 0
 
@@ -343,17 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; the exit code: 0, 2 for a user error (one line on stderr), 1 for a bug in agg-bench
+    (a line saying so, then the traceback), 128 + N for a run stopped by signal N
+    (:func:`agg_bench.errors.run_command`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except UserError as err:
-        print(f"agg-bench {args.command}: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as err:
-        # 128 + signal number, as a shell reports a process ended by that signal (130 SIGINT, 143 SIGTERM)
-        signum = getattr(err, "signum", 2)
-        print(f"agg-bench {args.command}: interrupted", file=sys.stderr)
-        return 128 + signum
+    return run_command(f"agg-bench {args.command}", lambda: args.func(args), ["agg-bench", *argv],
+                       getattr(args, "out", None))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator, Sequence
@@ -109,15 +110,34 @@ def current() -> Shard:
     return Shard()
 
 
+def _launch_variable(name: str, default: int, low: int, high: int | None = None) -> int:
+    """The integer torchrun put in environment variable ``name`` (``default`` when unset); a UserError
+    naming the variable when it is not an integer from ``low`` to ``high``."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = int(raw.strip()) if re.fullmatch(r"\s*[+-]?\d{1,9}\s*", raw) else None
+    if value is None or value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise UserError(f"environment variable {name}={raw[:40]!r}: expected an integer {bounds} "
+                        "(torchrun sets it; unset it to run one process)")
+    return value
+
+
 def launched_world_size() -> int:
     """Processes torchrun started for this job (1 without torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return _launch_variable("WORLD_SIZE", 1, 1)
 
 
 def launched_rank() -> int:
     """This process's rank among those torchrun started (0 without torchrun); valid before and after
     the process group exists."""
-    return int(os.environ.get("RANK", "0"))
+    return _launch_variable("RANK", 0, 0, launched_world_size() - 1)
+
+
+def launched_local_rank(default: int) -> int:
+    """This process's rank on its machine, which picks its GPU (``default`` without torchrun)."""
+    return _launch_variable("LOCAL_RANK", default, 0)
 
 
 def collective_timeout() -> timedelta:
@@ -142,11 +162,12 @@ def process_group(device: torch.device, single: bool = False) -> Iterator[Shard]
     joins a group of this one process (an in-memory store: nothing listens on the network). A group
     that already exists is used and kept. Collectives time out after :func:`collective_timeout`."""
     joined = False
+    launched_rank(), launched_local_rank(0)  # the launcher's variables are checked, joined or not
     if not dist.is_initialized() and (launched_world_size() > 1 or single):
         timeout = collective_timeout()
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":  # torchrun: the GPU of LOCAL_RANK; one process: the configured one
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", device.index or 0)))
+            torch.cuda.set_device(launched_local_rank(device.index or 0))
         if launched_world_size() > 1 or "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:

@@ -12,7 +12,9 @@ import math
 import sys
 from pathlib import Path
 
+from .errors import UserError, run_command
 from .io import read_jsonl, write_json
+from .jsonfiles import read_json_object
 
 MIB = 1024 ** 2
 WARMUP = 1  # the first iteration (allocator and kernel warm-up) is left out of the time means
@@ -28,11 +30,23 @@ def _max(values: list) -> float | None:
     return max(values) if values else None
 
 
+def _written(path: Path) -> dict:
+    """The JSON object a step wrote to ``path``; {} when the step failed before writing it whole (its
+    failure is in ``steps.tsv`` already, so the summary still gets written)."""
+    try:
+        return read_json_object(path, "what the step writes")
+    except UserError:
+        return {}
+
+
 def summarize_run(run_dir: Path) -> dict:
     """One run folder -> its row: status, mean train-phase seconds after warm-up, peaks, plan."""
-    records = list(read_jsonl(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else []
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").exists() else {}
+    try:
+        records = list(read_jsonl(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else []
+    except UserError:  # damaged records: the row shows the run's status without its numbers
+        records = []
+    summary = _written(run_dir / "summary.json")
+    plan = _written(run_dir / "plan.json")
     timed = records[WARMUP:] if len(records) > WARMUP else records
     first = records[0] if records else {}
     return {
@@ -93,8 +107,7 @@ def summarize(root: str | Path, mode: str) -> dict:
     for r in runs:
         base = full.get(r["resolution"]) if r["run"].startswith("agg") else None
         r["train_speedup"] = base / r["t_train_s"] if base and r["t_train_s"] else None
-    env = root / "env.json"
-    environment = json.loads(env.read_text()) if env.exists() else {}
+    environment = _written(root / "env.json")
     summary = {"mode": mode, "device": "cuda" if mode == "gpu" else "cpu", "gpu_name": environment.get("gpu_name"),
                "torch": environment.get("torch"), "git_commit": environment.get("git_commit"),
                "steps": read_steps(root / "steps.tsv"), "runs": runs}
@@ -104,14 +117,18 @@ def summarize(root: str | Path, mode: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     if len(argv) != 2 or argv[1] not in ("gpu", "cpu"):
         print("usage: python -m agg_bench.gpucheck DIR gpu|cpu", file=sys.stderr)
         return 2
-    summary = summarize(argv[0], argv[1])
-    failed = [s["step"] for s in summary["steps"] if not s["ok"]]
-    print(json.dumps({"out": str(Path(argv[0]) / "summary.json"), "failed_steps": failed}))
-    return 1 if failed else 0
+
+    def body() -> int:
+        summary = summarize(argv[0], argv[1])
+        failed = [s["step"] for s in summary["steps"] if not s["ok"]]
+        print(json.dumps({"out": str(Path(argv[0]) / "summary.json"), "failed_steps": failed}))
+        return 1 if failed else 0
+
+    return run_command("agg_bench.gpucheck", body, ["python", "-m", "agg_bench.gpucheck", *argv], argv[0])
 
 
 if __name__ == "__main__":

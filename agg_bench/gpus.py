@@ -31,6 +31,7 @@ import argparse
 import errno
 import fcntl
 import getpass
+import math
 import os
 import re
 import sys
@@ -39,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, UserError
+from .errors import ConfigError, UserError, run_command
 
 ENV_DEVICES = "AGG_BENCH_GPUS"
 ENV_LOCK_DIR = "AGG_BENCH_GPU_LOCK_DIR"
@@ -63,13 +64,24 @@ def _nvml_count() -> int:
             pass
 
 
+# what CUDA_VISIBLE_DEVICES takes: device indices, or the UUIDs nvidia-smi -L shows (GPU-..., MIG-...)
+_DEVICE_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z/-]+")
+MAX_DEVICES = 1024
+
+
 def _parse_ids(text: str, source: str) -> list[str]:
+    """The device ids of ``source``'s value ``text``: a count, or a comma list of distinct device ids; a
+    UserError naming the variable otherwise (its value is passed on as CUDA_VISIBLE_DEVICES)."""
     text = text.strip()
-    if re.fullmatch(r"\d+", text):
-        return [str(i) for i in range(int(text))]
+    count = (int(text) if len(text) <= 9 else MAX_DEVICES + 1) if re.fullmatch(r"\d+", text) else None
     ids = [part.strip() for part in text.split(",")]
-    if any(not part for part in ids):
-        raise ConfigError(source, text, "a device count (e.g. 4) or a comma list of device ids (e.g. 0,2,5)")
+    if count is not None and count <= MAX_DEVICES:
+        return [str(i) for i in range(count)]
+    if count is not None or not all(_DEVICE_ID.fullmatch(part) for part in ids) or len(set(ids)) != len(ids) \
+            or len(ids) > MAX_DEVICES:
+        raise UserError(f"environment variable {source}={text[:80]!r}: expected a device count from 0 to "
+                        f"{MAX_DEVICES} (e.g. 4) or a comma list of distinct device ids: indices (e.g. 0,2,5) "
+                        "or the GPU-/MIG- UUIDs that nvidia-smi -L shows")
     return ids
 
 
@@ -208,21 +220,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("agg-bench gpus: no command given (usage: --count K -- COMMAND ...)", file=sys.stderr)
         return 2
     env = dict(os.environ)
-    try:
+
+    def take_devices() -> int:
+        if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout >= 0):
+            raise ConfigError("--timeout", args.timeout, "seconds >= 0")
         if args.count != 0:
             lease = GpuPool.from_environment().acquire(args.count, args.timeout)
             lease.keep_across_exec()
             env.update(lease.environment())
             print(f"agg-bench gpus: CUDA_VISIBLE_DEVICES={lease.cuda_visible_devices}", file=sys.stderr)
-    except UserError as err:
-        print(f"agg-bench gpus: {err}", file=sys.stderr)
-        return 2
+        return 0
+
+    code = run_command("agg-bench gpus", take_devices, ["python", "-m", "agg_bench.gpus", *argv])
+    if code:
+        return code
     sys.stderr.flush()
     try:
         os.execvpe(command[0], command, env)

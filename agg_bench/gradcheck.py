@@ -225,12 +225,15 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
     out = Path(out)
     if out.suffix != ".csv":
         raise UserError(f"--out {out}: expected a FILE.csv path")
+    # the device first: a GPU this machine lacks is refused before anything is written or computed
+    device = resolve_device(device, "--device") if device is not None else \
+        resolve_device(cfg.device if cfg is not None else "cpu")
     with claim_files({out: (is_gradcheck_csv, "a gradcheck table")}):
         return _gradcheck(out, cfg, snapshot_dir, windows, alphas, route_fracs, reuse, methods, device)
 
 
 def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, route_fracs, reuse, methods,
-               device) -> list[dict]:
+               device: torch.device) -> list[dict]:
     jobs = agg_grid(list(windows), list(alphas), list(route_fracs), list(reuse)) + parse_method_specs(methods)
     temporary = None
     if snapshot_dir is not None and _has_snapshot(Path(snapshot_dir)):
@@ -245,7 +248,7 @@ def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, 
     try:
         if not _has_snapshot(folder):
             save_snapshot(cfg, folder)
-        snapshot = load_snapshot(folder, resolve_device(device or (cfg.device if cfg is not None else "cpu")))
+        snapshot = load_snapshot(folder, device)
         progress = cfg.progress if cfg is not None else bool(snapshot.config.get("progress", True))
         rows = run_gradcheck(snapshot, jobs, progress)
     finally:

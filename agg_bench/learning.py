@@ -27,9 +27,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .errors import UserError
+from .errors import UserError, quote, run_command
 from .io import read_jsonl, save_figure, write_text
 from .outdir import Contents, claimed_folders
+from .jsonfiles import read_json_object
+from .plotting import pyplot
+from .records import record_problem
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
@@ -54,11 +57,22 @@ def load_runs(manifest: str | Path) -> list[Run]:
     if not path.is_file():
         raise UserError(f"manifest {path}: no such file")
     runs = []
-    for entry in json.loads(path.read_text()).get("runs", []):
+    entries = read_json_object(path, "a learning manifest (an object with a list of runs)").get("runs", [])
+    if not isinstance(entries, list):
+        raise UserError(f"manifest {path}: runs = {quote(entries)}: expected a list")
+    for i, entry in enumerate(entries):
+        if not (isinstance(entry, dict) and isinstance(entry.get("dir"), str) and isinstance(entry.get("method"), str)
+                and type(entry.get("seed")) in (int, type(None))):
+            raise UserError(f"manifest {path}: runs[{i}] = {quote(entry)}: expected an object with the run's "
+                            "dir and method (strings) and its seed (an integer)")
         metrics = Path(entry["dir"]) / "metrics.jsonl"
         if not metrics.is_file():
             raise UserError(f"{metrics}: no such file (has the run finished?)")
-        records = pd.DataFrame(list(read_jsonl(metrics)))
+        lines = list(read_jsonl(metrics))
+        for k, record in enumerate(lines):
+            if record_problem(record) is not None:
+                raise UserError(f"{metrics}: record {k + 1}: {record_problem(record)}")
+        records = pd.DataFrame(lines)
         if records.empty:
             continue
         records = records[records["status"] == "ok"].sort_values("iteration").reset_index(drop=True)
@@ -159,18 +173,9 @@ def write_table(table: pd.DataFrame, out_dir: str | Path, average: int, fraction
     return [csv, md]
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_rewards(runs: list[Run], path: str | Path, x: str) -> Path:
     """Mean reward over seeds against ``x`` ("iteration" or "time"), with a +- 1 std band."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for k, method in enumerate(dict.fromkeys(r.method for r in runs)):
         mine = [r for r in runs if r.method == method]
@@ -358,8 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-seed", type=int, default=0, help="seed of the evaluation's noise (default 0)")
     parser.add_argument("--eval-sampler", default="ode", choices=SAMPLERS,
                         help="ode: deterministic Euler; sde: the rollouts' SDE with seeded step noise (default ode)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
         if args.average < 1:
             raise UserError(f"--average {args.average}: expected an integer >= 1")
         if not 0 < args.fraction <= 1:
@@ -371,10 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = load_runs(args.manifest)
         with claimed_folders([(args.tables, TABLES_CONTENTS), (args.plots, PLOTS_CONTENTS)], ("--tables", "--plots")):
             write_outputs(args, runs)
-    except UserError as err:
-        print(f"agg_bench.learning: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_command("agg_bench.learning", body, ["python", "-m", "agg_bench.learning", *argv])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 from dataclasses import dataclass, fields
@@ -32,6 +31,7 @@ from diffusers import (
 from .counters import PassCounter, count_backward
 from .telemetry import saved_activation_region
 from .errors import ConfigError
+from .jsonfiles import JsonFileError, read_json_object
 from .families import TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, ImageGeometry
 from .lora import adapters_disabled, apply_lora, has_adapters  # noqa: F401  (has_adapters: also imported from here)
 from .pixel_decoder import PixelDecoder, is_pixel_decoder_folder
@@ -414,24 +414,31 @@ def _subfolder(pretrained: str, name: str, what: str) -> str:
     return path
 
 
+def folder_json(pretrained: str, name: str, what: str) -> dict:
+    """The JSON object in the model folder's file ``name`` (e.g. ``transformer/config.json``); a ConfigError
+    naming ``model.pretrained``, the file and its problem when it is not one (``what``: what it should hold)."""
+    try:
+        return read_json_object(os.path.join(pretrained, name), what)
+    except JsonFileError as err:
+        raise ConfigError("model.pretrained", pretrained,
+                          f"a folder whose {name} is {what}, a JSON object ({name} {err.problem})") from None
+
+
 def _load_component(cls, path: str, pretrained: str, what: str, **kwargs):
     """``cls.from_pretrained`` on a local folder only; a missing or broken file is a ConfigError."""
     try:
         return cls.from_pretrained(path, local_files_only=True, **kwargs)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, TypeError) as err:  # TypeError: a config value of the wrong type
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {path} ({first})") from err
 
 
-def _check_class(path: str, expected: type, pretrained: str, key: str, value: str) -> None:
-    """The folder's config.json must name ``expected`` (e.g. an SD3 folder used with model.family=flux)."""
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        raise ConfigError("model.pretrained", pretrained, f"a diffusers config.json in {path}")
-    with open(config_file) as fh:
-        name = json.load(fh).get("_class_name")
+def _check_class(pretrained: str, component: str, expected: type, key: str, value: str) -> None:
+    """The component's config.json must be a diffusers config naming ``expected`` (e.g. an SD3 folder used
+    with model.family=flux)."""
+    name = folder_json(pretrained, f"{component}/config.json", f"the {component}'s diffusers config").get("_class_name")
     if name and name != expected.__name__:
-        raise ConfigError(key, value, f"the family of {pretrained} ({name} in {os.path.basename(path)}/)")
+        raise ConfigError(key, value, f"the family of {pretrained} ({name} in {component}/)")
 
 
 def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
@@ -439,7 +446,7 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
     if not os.path.isdir(pretrained):
         raise ConfigError("model.pretrained", pretrained, "an existing local diffusers folder")
     t_dir = _subfolder(pretrained, "transformer", "the transformer")
-    _check_class(t_dir, TRANSFORMER_CLASSES[family], pretrained, "model.family", family)
+    _check_class(pretrained, "transformer", TRANSFORMER_CLASSES[family], "model.family", family)
     transformer = _load_component(TRANSFORMER_CLASSES[family], t_dir, pretrained, "transformer weights",
                                   torch_dtype=param_dtype)
     vae_dir = _subfolder(pretrained, "vae", "the VAE")
@@ -449,11 +456,12 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
         except TypeError as err:
             raise ConfigError("model.pretrained", pretrained, f"a readable pixel decoder config in {vae_dir} ({err})")
     else:
-        _check_class(vae_dir, VAE_CLASSES[family], pretrained, "model.pretrained", pretrained)
+        _check_class(pretrained, "vae", VAE_CLASSES[family], "model.pretrained", pretrained)
         vae = _load_component(VAE_CLASSES[family], vae_dir, pretrained, "VAE weights").eval().requires_grad_(False)
     scheduler_config = None
     sched_dir = os.path.join(pretrained, "scheduler")
     if os.path.isdir(sched_dir):
+        folder_json(pretrained, "scheduler/scheduler_config.json", "the scheduler's diffusers config")
         scheduler_config = dict(_load_component(FlowMatchEulerDiscreteScheduler, sched_dir, pretrained,
                                                 "a scheduler config").config)
     return transformer, vae, scheduler_config

@@ -32,6 +32,7 @@ from .io import atomic_target, save_figure, write_json, write_text
 from .models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy
 from .outdir import Claim, Contents, check_folder, is_harness_name
 from .pixel_decoder import PixelDecoder
+from .plotting import pyplot
 from .prompts import TOKEN_HASH_FILE, hash_embed
 from .scenes import all_scenes, draw_batch, sample_scenes
 from .sde import flow_sigmas, ode_step
@@ -191,11 +192,7 @@ def grid_captions(n: int = 16) -> list[str]:
 def save_grid(path: str | Path, images: torch.Tensor, captions: list[str], scores: list[float] | None = None,
               columns: int = 4, title: str | None = None) -> None:
     """A PNG grid of images with their captions (and scene rewards) written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = math.ceil(len(captions) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(2.2 * columns, 2.4 * rows), squeeze=False)
     for k, ax in enumerate(axes.flat):

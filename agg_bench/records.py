@@ -1,11 +1,13 @@
 """Names shared by the code that writes results and the code that reads them: metric record keys,
 timing keys, gradcheck option columns, and the names of the tables and plots.
 
-This module imports nothing but the standard library, so that reading results (``report``,
-``import-log``, the workflow's table and plot jobs) never has to import torch or the training engine
-just to know what a record holds.
+This module imports nothing but the standard library and :mod:`agg_bench.errors`, so that reading
+results (``report``, ``import-log``, the workflow's table and plot jobs) never has to import torch or the
+training engine just to know what a record holds.
 """
 from __future__ import annotations
+
+from .errors import quote
 
 # Training phases timed in every iteration (``t_{phase}_s``, ``t_{phase}_cpu_s``).
 STANDARD_PHASES = ("rollout", "reward", "train")
@@ -40,6 +42,27 @@ RECORD_KEYS = (
     "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
     "rss_peak_bytes", "energy_j", "status",
 )
+
+# Record keys that hold text; every other key of RECORD_KEYS and TELEMETRY_KEYS holds a number. Any of
+# them may be null (not measured).
+TEXT_KEYS = ("run_id", "method", "model", "device", "gpu_name", "status", "weights", "source")
+NUMBER_KEYS = tuple(key for key in dict.fromkeys((*RECORD_KEYS, *TELEMETRY_KEYS)) if key not in TEXT_KEYS)
+
+
+def record_problem(record: dict) -> str | None:
+    """What is wrong with a metric record (or a run summary, which repeats its identity keys): the first
+    known key holding the wrong kind of value, e.g. ``'t_iter_s' = 'fast': expected a number or null``;
+    None when nothing is. Keys a method adds are its own business."""
+    for key in (*TEXT_KEYS, *NUMBER_KEYS):
+        value = record.get(key)
+        if value is None:
+            continue
+        if key in TEXT_KEYS and not isinstance(value, str):
+            return f"{key!r} = {quote(value)}: expected a string or null"
+        if key not in TEXT_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{key!r} = {quote(value)}: expected a number or null"
+    return None
+
 
 # Record keys that depend on the machine's speed or load, not on the computation: two runs that
 # compute the same thing may differ in these and nothing else.

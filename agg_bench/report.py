@@ -41,12 +41,14 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import pandas as pd
 
-from .errors import ConfigError, UserError
+from .errors import ConfigError, UserError, quote
 from .io import read_jsonl, save_figure, write_text
+from .jsonfiles import read_json_object
 from .outdir import Contents, claimed_folders
+from .plotting import pyplot
 from .records import (
     GRADCHECK_OPTION_COLUMNS, PASS_KEYS, PHASE_TIME_KEYS, PLOTS, RECORD_KEYS, STANDARD_PHASES, TABLE_FORMATS, TABLES,
-    TRAIN_PASS_KEYS,
+    TRAIN_PASS_KEYS, record_problem,
 )
 from .stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
 
@@ -135,37 +137,91 @@ def check_warmup(value, key: str = "report.warmup") -> int:
     return value
 
 
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# what a value of a report input holds: (test, words for the error)
+TEXT = (lambda v: isinstance(v, str), "a string")
+INTEGER = (_is_integer, "an integer")
+NUMBER = (lambda v: _is_number(v) or (isinstance(v, float) and math.isnan(v)), "a number")
+OBJECT = (lambda v: isinstance(v, dict), "an object")
+# manifest section -> (its entry class, the key every entry needs, the keys an entry may have)
+MANIFEST_SECTIONS = {
+    "runs": (RunEntry, "dir", {"dir": TEXT, "method": TEXT, "model": TEXT, "resolution": INTEGER, "device": TEXT,
+                               "seed": INTEGER, "method_options": OBJECT}),
+    "gradcheck": (GradcheckEntry, "file", {"file": TEXT, "model": TEXT, "resolution": INTEGER}),
+    "calibration": (CalibrationEntry, "file", {"file": TEXT, "model": TEXT, "resolution": INTEGER, "device": TEXT}),
+}
+
+
+def _check(where: str, value, kind: tuple, nullable: bool = True) -> None:
+    """A UserError naming ``where`` unless ``value`` is of ``kind`` (or None, when ``nullable``)."""
+    test, words = kind
+    if not (test(value) or (nullable and value is None)):
+        raise UserError(f"{where} = {quote(value)}: expected {words}{' or null' if nullable else ''}")
+
+
 def load_manifest(path: str | Path) -> Manifest:
     """Read the workflow's manifest: ``{"runs": [...], "gradcheck": [...], "calibration": [...],
-    "warmup": 1, "time": "auto"}``."""
+    "warmup": 1, "time": "auto"}`` (each entry an object; see ``MANIFEST_SECTIONS``). Anything else is a
+    UserError naming the manifest and the key."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"manifest {path}: no such file")
-    data = json.loads(path.read_text())
-    runs = [RunEntry(**{**r, "dir": Path(r["dir"])}) for r in data.get("runs", [])]
-    checks = [GradcheckEntry(**{**g, "file": Path(g["file"])}) for g in data.get("gradcheck", [])]
-    calibration = [CalibrationEntry(**{**c, "file": Path(c["file"])}) for c in data.get("calibration", [])]
-    return Manifest(runs, checks, check_warmup(data.get("warmup", 1), "manifest warmup"),
-                    check_time_basis(data.get("time", "auto"), "manifest time"), calibration)
+    data = read_json_object(path, "a report manifest (an object with runs, gradcheck, calibration, warmup, time)")
+    unknown = sorted(set(data) - {*MANIFEST_SECTIONS, "warmup", "time"})
+    if unknown:
+        raise UserError(f"manifest {path}: unknown key {unknown[0]!r}; expected some of "
+                        f"{', '.join([*MANIFEST_SECTIONS, 'warmup', 'time'])}")
+    sections = {}
+    for section, (entry_class, required, keys) in MANIFEST_SECTIONS.items():
+        entries = data.get(section, [])
+        _check(f"manifest {path}: {section}", entries, (lambda v: isinstance(v, list), "a list"))
+        sections[section] = []
+        for i, entry in enumerate(entries or []):
+            where = f"manifest {path}: {section}[{i}]"
+            _check(where, entry, OBJECT, nullable=False)
+            if required not in entry:
+                raise UserError(f"{where}: missing {required!r}")
+            for key, value in entry.items():
+                if key not in keys:
+                    raise UserError(f"{where}: unknown key {key!r}; expected some of {', '.join(keys)}")
+                _check(f"{where}.{key}", value, keys[key], nullable=key != required)
+            sections[section].append(entry_class(**{**entry, required: Path(entry[required])}))
+    warmup = check_warmup(data.get("warmup", 1), f"manifest {path}: warmup")
+    return Manifest(sections["runs"], sections["gradcheck"], warmup,
+                    check_time_basis(data.get("time", "auto"), f"manifest {path}: time"), sections["calibration"])
 
 
 def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
     """One row per calibration file: model, resolution, device labels and the unit costs as columns
-    ``unit_<basis>_<kind>`` (seconds per sample, per optimizer step for ``optimizer_step``)."""
+    ``unit_<basis>_<kind>`` (seconds per sample, per optimizer step for ``optimizer_step``). A file that
+    is not what ``agg-bench calibrate`` writes is a UserError naming it and the key."""
     rows = []
     for entry in entries:
         path = Path(entry.file)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"calibration {path}: cannot read ({err})") from None
+        data = read_json_object(path, "an agg-bench calibrate JSON")
+        where = f"calibration {path}"
+        for key, kind in (("model", TEXT), ("resolution", INTEGER), ("device", TEXT),
+                          ("unit_s_per_sample", OBJECT), ("methods", OBJECT)):
+            _check(f"{where}: {key}", data.get(key), kind)
         row = {"model": entry.model if entry.model is not None else data.get("model"),
                "resolution": entry.resolution if entry.resolution is not None else data.get("resolution"),
                "device": entry.device if entry.device is not None else data.get("device")}
         for kind, by_basis in (data.get("unit_s_per_sample") or {}).items():
+            _check(f"{where}: unit_s_per_sample.{kind}", by_basis, OBJECT, nullable=False)
             for basis, values in by_basis.items():
+                _check(f"{where}: unit_s_per_sample.{kind}.{basis}", values, OBJECT, nullable=False)
+                _check(f"{where}: unit_s_per_sample.{kind}.{basis}.median", values.get("median"), NUMBER)
                 row[f"unit_{basis}_{kind}"] = values.get("median")
         # method label -> its train phase's seconds per round, timed side by side ({basis}_s lists)
+        for label, timed in (data.get("methods") or {}).items():
+            _check(f"{where}: methods.{label}", timed, OBJECT, nullable=False)
+            for basis in TIME_BASES:
+                seconds = timed.get(f"{basis}_s")
+                _check(f"{where}: methods.{label}.{basis}_s", seconds,
+                       (lambda v: isinstance(v, list) and all(NUMBER[0](x) for x in v), "a list of numbers"))
         row["methods"] = data.get("methods") or {}
         rows.append(row)
     return pd.DataFrame(rows)
@@ -190,11 +246,17 @@ def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+def _run_file(run_dir: Path, name: str) -> dict:
+    """The JSON object in the run folder's file ``name`` ({} when the run did not write one); a UserError
+    naming the file when it is not a JSON object."""
+    path = run_dir / name
+    return read_json_object(path, f"the {name} of an agg-bench run (a JSON object)") if path.exists() else {}
+
+
+def _run_section(data: dict, key: str, where: str) -> dict:
+    """``data[key]``, an object ({} when absent or null); a UserError naming ``where`` and ``key`` otherwise."""
+    _check(f"{where}: {key}", data.get(key), OBJECT)
+    return data.get(key) or {}
 
 
 def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
@@ -207,12 +269,17 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
     rows = []
     for entry in entries:
         run_dir = Path(entry.dir)
-        summary = _read_json(run_dir / "summary.json")
-        config = _read_json(run_dir / "config.json")
+        summary = _run_file(run_dir, "summary.json")
+        config = _run_file(run_dir, "config.json")
         metrics = run_dir / "metrics.jsonl"
         records = list(read_jsonl(metrics)) if metrics.exists() else []
         if not summary and not records:
             raise UserError(f"run {run_dir}: no summary.json or metrics.jsonl")
+        for where, record in [(run_dir / "summary.json", summary),
+                              *((f"{metrics}: record {i + 1}", r) for i, r in enumerate(records))]:
+            problem = record_problem(record)
+            if problem is not None:
+                raise UserError(f"{where}: {problem}")
         # a run killed before writing its summary has records but no final status
         status = summary.get("status") or "interrupted"
         if not records:
@@ -221,9 +288,14 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
             records[0]["status"] = status
         options = entry.method_options
         if options is None:
-            options = dict(config.get("method") or {"name": records[0].get("method")})
+            options = dict(_run_section(config, "method", run_dir / "config.json")
+                           or {"name": records[0].get("method")})
         source = summary.get("source") or records[0].get("source") or "measured"
-        planned = _read_json(run_dir / "plan.json").get("bytes") or {}
+        planned = _run_section(_run_file(run_dir, "plan.json"), "bytes", run_dir / "plan.json")
+        # optimizer steps per iteration, which the cost model prices; unknown without a config
+        optimizer_steps = _run_section(config, "train", run_dir / "config.json").get("inner_epochs", 1) \
+            if config else None
+        _check(f"{run_dir / 'config.json'}: train.inner_epochs", optimizer_steps, INTEGER)
         for record in records:
             row = dict(record)
             row["method_name"] = options.get("name", record.get("method"))
@@ -238,8 +310,7 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
             row["planned_total_bytes"] = planned.get("total_per_gpu")
             row["run_status"] = status
             row["run_dir"] = str(run_dir)
-            # optimizer steps per iteration, which the cost model prices; unknown without a config
-            row["optimizer_steps"] = (config.get("train") or {}).get("inner_epochs", 1) if config else None
+            row["optimizer_steps"] = optimizer_steps
             rows.append(row)
     df = pd.DataFrame(rows)
     if df.empty:
@@ -854,15 +925,6 @@ def write_tables(records: pd.DataFrame, gradcheck: pd.DataFrame, out_dir: str | 
 # --------------------------------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _panels(plt, keys: list, ncols: int, width: float = 4.2, height: float = 3.2):
     nrows = max(1, math.ceil(len(keys) / ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
@@ -911,7 +973,7 @@ def plot_rewards(records: pd.DataFrame, path: Path, x: str) -> None:
     """Reward per iteration (``x="iteration"``) or per wall-clock second (``x="wallclock"``), one line
     per method (the mean over seeds) with its band (:func:`reward_curves`), one panel per model x
     resolution x hardware."""
-    plt = _pyplot()
+    plt = pyplot()
     ok = records[(records["status"] == "ok") & records["reward_mean"].notna()] if not records.empty else records
     if "weights" in ok:  # random-weight rewards compare nothing
         ok = ok[ok["weights"] != "random"]
@@ -972,7 +1034,7 @@ def _resolution_panels(plt, df: pd.DataFrame):
 def plot_memory(efficiency: pd.DataFrame, path: Path) -> None:
     """Peak memory vs resolution per method, one panel per model x hardware. CUDA allocator peak where
     measured, else the peak of saved activations (on CPU the allocator has no peak)."""
-    plt = _pyplot()
+    plt = pyplot()
     df = efficiency[efficiency["source"] == "measured"] if not efficiency.empty else efficiency
     if df.empty:
         return _empty_figure(plt, path, "no measured runs")
@@ -994,7 +1056,7 @@ def plot_memory(efficiency: pd.DataFrame, path: Path) -> None:
 def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
     """Stacked seconds per iteration (rollout / reward / train / the rest) per method, one panel per
     model x resolution x hardware."""
-    plt = _pyplot()
+    plt = pyplot()
     df = efficiency[efficiency["t_iter_s"].notna()] if not efficiency.empty else efficiency
     if df.empty:
         return _empty_figure(plt, path, "no timed iterations")
@@ -1029,7 +1091,7 @@ def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
 def plot_gradcheck(ablation: pd.DataFrame, path: Path) -> None:
     """Gradient cosine to ``full`` vs W, one line per alpha x route_frac x reuse, one panel per model x
     resolution."""
-    plt = _pyplot()
+    plt = pyplot()
     df = ablation[(ablation["method"] == "agg") & ablation["window"].notna()] if not ablation.empty else ablation
     if df.empty:
         return _empty_figure(plt, path, "no AGG gradcheck results")
@@ -1080,7 +1142,7 @@ def _basis_label(df: pd.DataFrame) -> str:
 def plot_time_resolution(efficiency: pd.DataFrame, path: Path) -> None:
     """Seconds per iteration (median, with the p25-p75 band and error bars) against resolution, one
     line per method, one panel per model x hardware."""
-    plt = _pyplot()
+    plt = pyplot()
     df = efficiency[(efficiency["source"] == "measured") & efficiency["t_iter_s"].notna()] \
         if not efficiency.empty else efficiency
     if df.empty:
@@ -1103,7 +1165,7 @@ def plot_time_resolution(efficiency: pd.DataFrame, path: Path) -> None:
 def plot_backward_passes(efficiency: pd.DataFrame, path: Path) -> None:
     """Backward passes per iteration (counted, per sample) per method, one panel per model x resolution
     (counts do not depend on the hardware)."""
-    plt = _pyplot()
+    plt = pyplot()
     df = efficiency[(efficiency["source"] == "measured") & efficiency["backward"].notna()] \
         if not efficiency.empty else efficiency
     if df.empty:
@@ -1130,7 +1192,7 @@ def plot_cosine_cost(efficiency: pd.DataFrame, path: Path) -> None:
     """The accuracy / cost frontier: gradient cosine to ``full`` against the train phase's time relative
     to ``full`` (1 / train speedup, with its 95 % interval as error bars), one point per method, one
     panel per model x resolution x hardware with gradient checks."""
-    plt = _pyplot()
+    plt = pyplot()
     df = efficiency[efficiency["grad_cosine"].notna() & efficiency["train_speedup"].notna()] \
         if not efficiency.empty else efficiency
     if df.empty:

@@ -606,22 +606,24 @@ class Telemetry:
     Saved activations are counted exactly, one Python call per saved tensor, which is not free when
     the network is small (a tiny DiT's forward and backward take a few milliseconds for over a
     hundred saved tensors). ``saved_activations`` says in which iterations phases that ask for the
-    count get it: ``"every"``, ``"first"`` (the first iteration this object measures; the shapes of
-    an update, hence its count, repeat from one iteration to the next) or ``"never"``. An iteration
-    without the count records None.
+    count get it: ``"every"``, ``"first"`` (the run's first iteration; the shapes of an update, hence
+    its count, repeat from one iteration to the next) or ``"never"``. An iteration without the count
+    records None. ``iterations_before``: iterations of the run measured before this object, by the
+    process that a resumed run continues; with any, this object measures no first iteration, so a resumed
+    run records what an uninterrupted one does.
     """
 
     SAVED_ACTIVATION_MODES = ("every", "first", "never")
 
     def __init__(self, device: torch.device | str, enabled: bool = True, nvml_interval_s: float = 0.05,
-                 saved_activations: str = "every"):
+                 saved_activations: str = "every", iterations_before: int = 0):
         if saved_activations not in self.SAVED_ACTIVATION_MODES:
             raise ValueError(f"saved_activations must be one of {', '.join(self.SAVED_ACTIVATION_MODES)}, "
                              f"not {saved_activations!r}")
         self.device = torch.device(device)
         self.enabled = enabled
         self.saved_activations = saved_activations
-        self._iterations = 0
+        self._iterations = iterations_before  # iterations of the run measured so far
         self._sampler = NVMLSampler(self.device, nvml_interval_s) if enabled else None
         self._clear()
 

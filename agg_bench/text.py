@@ -23,9 +23,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .errors import ConfigError, UserError
+from .errors import ConfigError, UserError, quote
 from .io import atomic_target
-from .models import Conditioning, text_dims
+from .models import Conditioning, folder_json, text_dims
 from .prompts import TOKEN_HASH_FILE, hash_embed, load_prompts, token_hash_settings
 
 FORMAT = "agg-bench-embeddings/1"
@@ -125,10 +125,19 @@ def load_text_pipeline(family: str, pretrained: str | Path, dtype: torch.dtype =
     if missing:
         raise ConfigError("model.pretrained", str(pretrained),
                           f"a local diffusers folder with the {family} text encoders (missing: {', '.join(missing)})")
+    index = folder_json(str(pretrained), "model_index.json", "the pipeline's diffusers index")
+    if not isinstance(index.get("_class_name"), str):
+        raise ConfigError("model.pretrained", str(pretrained), "a model_index.json that names the pipeline's "
+                          f"_class_name (found {quote(index.get('_class_name'))})")
+    for key in TEXT_COMPONENTS[family]:
+        entry = index.get(key)
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
+            raise ConfigError("model.pretrained", str(pretrained),
+                              f"a model_index.json that names the {key} as [library, class] (found {quote(entry)})")
     try:
         pipe = _pipeline_class(family).from_pretrained(str(root), transformer=None, vae=None, dtype=dtype,
                                                        local_files_only=True)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, TypeError, KeyError) as err:  # Type/KeyError: a config of the wrong shape
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("model.pretrained", str(pretrained),
                           f"loadable text encoders and tokenizers ({first})") from err

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import signal
 import sys
 import threading
@@ -20,8 +21,8 @@ from tqdm import tqdm
 
 from . import distributed, fsdp
 from . import telemetry as tel
-from .checkpoint import (CHECKPOINT_NAME, SHARDS_PREFIX, checkpoint_path, first_difference, load_checkpoint,
-                         remove_stale_files, save_checkpoint)
+from .checkpoint import (CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference,
+                         load_checkpoint, remove_stale_files, save_checkpoint)
 from .config import DEFAULTS, RunConfig
 from .errors import ConfigError, UserError
 from .grpo import TrainBatch, UpdateStats, group_advantages
@@ -38,12 +39,21 @@ from .sde import flow_sigmas
 from .text import prompt_conditioning, prompt_set
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, key: str = "device") -> torch.device:
+    """The torch device ``name`` (cpu, cuda, cuda:N or auto: cuda where available) names; a ConfigError
+    naming ``key`` (the config key or flag it came from) for another name or a GPU this machine lacks."""
+    if not isinstance(name, str) or not re.fullmatch(r"cpu|auto|cuda(:\d{1,9})?", name):
+        raise ConfigError(key, name, "cpu, cuda, cuda:N or auto")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", name, "'cpu' or 'auto' on a machine without CUDA")
+        why = f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None else \
+            "no CUDA device is visible"
+        raise ConfigError(key, name, f"cpu or auto: CUDA is not available on this machine ({why})")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(key, name, f"a CUDA device this machine has ({torch.cuda.device_count()} visible: "
+                                     f"cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return device
 
 
@@ -350,7 +360,7 @@ def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> Non
         return
     if overwrite or (resume and checkpoint_path(out).is_file()) or not (out / "summary.json").is_file():
         return
-    diff = first_difference(previous, config, ("progress",), DEFAULTS)
+    diff = first_difference(previous, config, SAME_RUN_CHANGES, DEFAULTS)
     if diff is not None:
         key, old, new = diff
         raise UserError(f"--out {out}: holds a finished run of another config ({key} = {old!r} there, {new!r} "
@@ -401,7 +411,7 @@ def _train_claimed(cfg: RunConfig, out: Path, resume: bool, shard: distributed.S
     distributed.on_main(begin)
     telemetry = tel.Telemetry(session.device, enabled=cfg.telemetry.enabled,
                               nvml_interval_s=cfg.telemetry.nvml_interval_s,
-                              saved_activations=cfg.telemetry.saved_activations)
+                              saved_activations=cfg.telemetry.saved_activations, iterations_before=start)
     base = identity(cfg, run_id, session.device, shard.world_size)
     every = cfg.train.checkpoint_every
     status, error = "ok", None

@@ -8,14 +8,38 @@
 # process (nccl on the GPU, gloo on the CPU); a run through the GPU pool; a profile with the CUDA memory
 # snapshot. Writes results/gpu_check/summary.json and summary.md (AGG_BENCH_CHECK_OUT changes the folder)
 # and exits 1 if any step failed.
+# Python: the project's .venv, set up first by scripts/setup.sh as `make` does (fast when it is already
+# set up); PYTHON=/path/to/python runs another interpreter that has agg-bench installed instead. A missing
+# environment (no torch, no agg-bench, no CUDA device for the GPU check) is one line and exit code 2,
+# before anything is run or written.
 set -uo pipefail
 
 MODE=gpu
 if [[ "${1:-}" == "--cpu" ]]; then MODE=cpu; elif [[ $# -gt 0 ]]; then
   echo "usage: scripts/gpu_check.sh [--cpu]" >&2; exit 2
 fi
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${AGG_BENCH_CHECK_OUT:-results/gpu_check}
-PY=${PYTHON:-python}
+if [[ -n "${PYTHON:-}" ]]; then
+  PY=$PYTHON
+  FIX="set PYTHON to an interpreter with agg-bench installed, or unset it to use $ROOT/.venv"
+else
+  bash "$ROOT/scripts/setup.sh" || {
+    echo "gpu_check: setting up $ROOT/.venv failed (bash scripts/setup.sh, exit $?; see its message above)" >&2
+    exit 2; }
+  PY=$ROOT/.venv/bin/python
+  FIX="run bash scripts/setup.sh (or set PYTHON to an interpreter with agg-bench installed)"
+fi
+if ! missing=$("$PY" -c 'import torch, agg_bench' 2>&1); then
+  echo "gpu_check: $PY cannot import torch and agg_bench ($(printf '%s\n' "$missing" | tail -n 1)); $FIX" >&2
+  exit 2
+fi
+if [[ $MODE == gpu ]] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+  echo "gpu_check: torch $("$PY" -c 'import torch; print(torch.__version__)') in $PY sees no CUDA device;" \
+       "run scripts/gpu_check.sh --cpu on a machine without one, or install torch's CUDA build" \
+       "(TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh)" >&2
+  exit 2
+fi
 rm -rf "$OUT"
 mkdir -p "$OUT/runs" "$OUT/logs"
 : > "$OUT/steps.tsv"
@@ -46,10 +70,10 @@ step() {
 }
 run() {  # run NAME [--set ...]: one training run into $OUT/runs/NAME
   local name=$1; shift
-  step "$name" $PY -m agg_bench run "${COMMON[@]}" --set train.iterations=$ITERATIONS "$@" --out "$OUT/runs/$name"
+  step "$name" "$PY" -m agg_bench run "${COMMON[@]}" --set train.iterations=$ITERATIONS "$@" --out "$OUT/runs/$name"
 }
 
-step env sh -c "$PY -m agg_bench env > '$OUT/env.json'"
+step env sh -c '"$0" -m agg_bench env > "$1"' "$PY" "$OUT/env.json"
 for res in "${RESOLUTIONS[@]}"; do
   run "full_${res}" --set model.resolution=$res --set 'method={"name": "full"}'
   run "agg-w5_${res}" --set model.resolution=$res --set 'method={"name": "agg", "window": 5, "alpha": "sigma"}'
@@ -57,19 +81,19 @@ for res in "${RESOLUTIONS[@]}"; do
       --set 'method={"name": "agg", "window": 5, "alpha": "sigma", "reuse_rollout_velocity": true}'
 done
 run "cached-fora_${SMALL}" --set model.resolution=$SMALL --set 'method={"name": "cached", "cache": "fora", "cache_in": "rollout"}'
-step "fsdp_${SMALL}" $PY -m torch.distributed.run --standalone --nproc_per_node 1 -m agg_bench run "${COMMON[@]}" \
+step "fsdp_${SMALL}" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m agg_bench run "${COMMON[@]}" \
     --set train.iterations=1 --set model.resolution=$SMALL --set train.shard=fsdp --out "$OUT/runs/fsdp_${SMALL}"
 if [[ $MODE == gpu ]]; then
-  step "pool_${SMALL}" $PY -m agg_bench.gpus --count 1 --timeout 60 -- $PY -m agg_bench run "${COMMON[@]}" \
+  step "pool_${SMALL}" "$PY" -m agg_bench.gpus --count 1 --timeout 60 -- "$PY" -m agg_bench run "${COMMON[@]}" \
       --set train.iterations=1 --set model.resolution=$SMALL --out "$OUT/runs/pool_${SMALL}"
 else  # a pretend one-GPU machine: the pool's locking and CUDA_VISIBLE_DEVICES, the run itself on the CPU
-  step "pool_${SMALL}" env AGG_BENCH_GPUS=1 AGG_BENCH_GPU_LOCK_DIR="$OUT/locks" $PY -m agg_bench.gpus --count 1 \
-      --timeout 60 -- $PY -m agg_bench run "${COMMON[@]}" --set train.iterations=1 --set model.resolution=$SMALL \
+  step "pool_${SMALL}" env AGG_BENCH_GPUS=1 AGG_BENCH_GPU_LOCK_DIR="$OUT/locks" "$PY" -m agg_bench.gpus --count 1 \
+      --timeout 60 -- "$PY" -m agg_bench run "${COMMON[@]}" --set train.iterations=1 --set model.resolution=$SMALL \
       --out "$OUT/runs/pool_${SMALL}"
 fi
-step "profile_${SMALL}" $PY -m agg_bench profile "${COMMON[@]}" --set model.resolution=$SMALL --method agg \
+step "profile_${SMALL}" "$PY" -m agg_bench profile "${COMMON[@]}" --set model.resolution=$SMALL --method agg \
     --set method.window=5 --phase train --wait 0 --warmup 0 --active 1 --out "$OUT/profile"
 if [[ $MODE == gpu ]]; then
   step memory_snapshot test -s "$OUT/profile/memory_snapshot.pickle"
 fi
-$PY -m agg_bench.gpucheck "$OUT" "$MODE"
+"$PY" -m agg_bench.gpucheck "$OUT" "$MODE"

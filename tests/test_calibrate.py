@@ -86,3 +86,21 @@ def test_a_label_given_twice_and_bad_method_repeats_are_refused(tmp_path, capsys
     assert "given twice" in capsys.readouterr().err
     assert main(["calibrate", *SMALL, "--method-repeats", "0", "--out", str(out)]) == 2
     assert "calibrate.method_repeats" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("{method: {name: nosuch}}", "method.name = 'nosuch'"),
+    ("{method: {name: agg-w5}}", "method.name = 'agg-w5'"),  # a sweep label given for the method's name
+    ("{method: {name: agg, window: 0}}", "method.window"),
+    ("{method: {name: agg, window: 8}}", "method.window"),  # longer than the 4 steps: the method's own run check
+    ("{method: {name: full}, train.lr: -1}", "train.lr"),
+])
+def test_a_method_no_run_could_use_is_exit_2_before_anything_is_timed(tmp_path, capsys, monkeypatch, text, expected):
+    import agg_bench.train
+
+    monkeypatch.setattr(agg_bench.train, "Session", lambda cfg: pytest.fail("timing started"))
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--method", "mine", text, "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agg-bench calibrate: --method mine: ") and expected in lines[0]
+    assert not any(tmp_path.iterdir())

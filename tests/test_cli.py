@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from agg_bench.cli import main
 from agg_bench.io import read_jsonl
@@ -90,3 +91,34 @@ def test_saved_activations_are_counted_in_the_iterations_the_config_names(tmp_pa
     capsys.readouterr()
     assert main(["run", *SMALL, "--set", "telemetry.saved_activations=off", "--out", str(tmp_path / "bad")]) == 2
     assert "telemetry.saved_activations" in capsys.readouterr().err
+
+
+def one_line_exit_2(capsys, argv: list[str], tmp_path: Path) -> str:
+    """Run ``argv``; assert exit code 2, one stderr line, nothing written under ``tmp_path``; return the line."""
+    capsys.readouterr()
+    code = main(argv)
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert not any(tmp_path.iterdir())
+    return lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("verb, argv, flag", [
+    ("replay", ["replay", "{tmp}/snapshot", "--method", "full", "--device", "cuda", "--out", "{tmp}/out/g.safetensors"],
+     "--device"),
+    ("gradcheck", ["gradcheck", *SMALL, "--device", "cuda:0", "--out", "{tmp}/out/g.csv"], "--device"),
+    ("gradcheck", ["gradcheck", *SMALL, "--set", "device=cuda", "--out", "{tmp}/out/g.csv"], "device"),
+    ("run", ["run", *SMALL, "--set", "device=cuda", "--out", "{tmp}/out"], "device"),
+    ("profile", ["profile", *SMALL, "--method", "full", "--set", "device=cuda", "--out", "{tmp}/out"], "device"),
+])
+def test_cuda_on_a_machine_without_it_is_one_line(tmp_path, capsys, verb, argv, flag):
+    line = one_line_exit_2(capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv], tmp_path)
+    assert line.startswith(f"agg-bench {verb}: config error: {flag} = 'cuda") and "CUDA is not available" in line
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:1234567890123", "cuda:-1", ""])
+def test_a_device_name_torch_does_not_take_is_one_line(tmp_path, capsys, device):
+    line = one_line_exit_2(capsys, ["replay", str(tmp_path / "snapshot"), "--method", "full", "--device", device,
+                                    "--out", str(tmp_path / "out" / "g.safetensors")], tmp_path)
+    assert f"--device = {device!r}: expected cpu, cuda, cuda:N or auto" in line

@@ -91,6 +91,24 @@ def test_prompts_must_split_into_whole_groups():
     distributed.Shard(0, 1).check_run(config("grpo.prompts_per_iteration=3"))
 
 
+@pytest.mark.parametrize("env, name", [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE"), ({"WORLD_SIZE": "-2"}, "WORLD_SIZE"),
+    ({"WORLD_SIZE": "2.0"}, "WORLD_SIZE"), ({"WORLD_SIZE": ""}, "WORLD_SIZE"),
+    ({"RANK": "abc"}, "RANK"), ({"RANK": "-1"}, "RANK"), ({"RANK": "1"}, "RANK"),  # one process: rank 0 only
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK"),
+    ({"LOCAL_RANK": "x"}, "LOCAL_RANK"), ({"LOCAL_RANK": "-1"}, "LOCAL_RANK"),
+])
+def test_a_bad_launcher_variable_is_one_line_before_anything_runs(tmp_path, capsys, monkeypatch, env, name):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "out"
+    assert main(["run", "--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "train.iterations=1",
+                 "--set", "progress=false", "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"agg-bench run: environment variable {name}="), lines
+    assert "expected an integer" in lines[0] and not out.exists()
+
+
 def test_one_process_communicates_nothing():
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.full((3,), 2.0)

@@ -17,8 +17,14 @@ def test_visible_devices_precedence():
     assert visible_devices({"CUDA_VISIBLE_DEVICES": "4,6"}) == ["4", "6"]
     assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}) == []
     assert visible_devices({"CUDA_VISIBLE_DEVICES": "-1"}) == []
-    with pytest.raises(ConfigError, match="AGG_BENCH_GPUS"):
-        visible_devices({"AGG_BENCH_GPUS": "0,,1"})
+    # device indices or the UUIDs nvidia-smi -L shows, as CUDA_VISIBLE_DEVICES takes them
+    uuids = "GPU-8a7c4b1e-2f3d-4c5b-9e6f-0a1b2c3d4e5f,MIG-0c9d7e6f-1a2b-3c4d-5e6f-7a8b9c0d1e2f"
+    assert visible_devices({"AGG_BENCH_GPUS": uuids}) == uuids.split(",")
+    assert visible_devices({"AGG_BENCH_GPUS": " 0"}) == []
+    # anything else would be passed on as CUDA_VISIBLE_DEVICES: refused, naming the variable
+    for value in ("0,,1", "abc", "0,abc", "-1", "1,1", "2000", "99999999999", "0;1"):
+        with pytest.raises(UserError, match=f"environment variable AGG_BENCH_GPUS={value!r}: expected a device count"):
+            visible_devices({"AGG_BENCH_GPUS": value})
 
 
 def test_slurm_jobs_get_their_own_lock_folder(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from agg_bench.checkpoint import RESUMABLE_CHANGES, SAME_RUN_CHANGES
 from agg_bench.cli import main
 from agg_bench.io import atomic_path, is_temp_name, read_jsonl
 from agg_bench.errors import UserError
@@ -67,6 +68,26 @@ def test_a_finished_run_of_another_config_needs_overwrite(tmp_path, capsys):
     assert main(run(out, "--set", "train.lr=1e-3", "--overwrite")) == 0
     assert json.loads((out / "config.json").read_text())["train"]["lr"] == 1e-3
     assert [r["iteration"] for r in read_jsonl(out / "metrics.jsonl")] == [0]
+
+
+def test_keys_that_change_nothing_a_run_records_do_not_make_another_config(tmp_path, capsys):
+    """A finished run rerun with another checkpoint interval or progress display is the same run; keys that
+    change its records (how far it goes, what it measures) make another one."""
+    out = tmp_path / "run"
+    assert main(run(out)) == 0
+    assert main(run(out, "--checkpoint-every", "1", "--set", "progress=true")) == 0
+    assert json.loads((out / "config.json").read_text())["train"]["checkpoint_every"] == 1
+    assert (out / "checkpoint.pt").is_file()
+    assert main(run(out)) == 0  # and back
+    before = snapshot(out)
+    for key, value in (("train.iterations", "2"), ("telemetry.enabled", "true")):
+        capsys.readouterr()
+        assert main(run(out, "--set", f"{key}={value}")) == 2
+        line = one_error_line(capsys)
+        assert "another config" in line and key in line
+        assert snapshot(out) == before
+    # one list: what may differ between a finished run and its rerun may differ on resuming too
+    assert set(SAME_RUN_CHANGES) < set(RESUMABLE_CHANGES)
 
 
 def test_an_unfinished_run_is_replaced_by_a_rerun(tmp_path):

@@ -137,6 +137,37 @@ def test_missing_folder_or_subfolder_is_a_config_error_naming_it(folders, tmp_pa
     assert err.value.key == "model.family" and "SD3Transformer2DModel" in err.value.expected
 
 
+@pytest.mark.parametrize("name, content, problem", [
+    ("transformer/config.json", b"[1, 2]", "holds a list, not a JSON object"),
+    ("transformer/config.json", b"not json", "is not JSON (Expecting value at line 1 column 1)"),
+    ("transformer/config.json", b"\xff\xfe{}", "is not UTF-8 text"),
+    ("vae/config.json", b'"AutoencoderKL"', "holds a string, not a JSON object"),
+    ("vae/config.json", b"{", "is not JSON"),
+    ("scheduler/scheduler_config.json", b"[1]", "holds a list, not a JSON object"),
+    ("model_index.json", b"[1]", "holds a list, not a JSON object"),
+    ("model_index.json", b"{}", "names the pipeline's _class_name"),
+    ("model_index.json", b'{"_class_name": "StableDiffusion3Pipeline", "text_encoder": 7}',
+     "names the text_encoder as [library, class] (found 7)"),
+])
+def test_a_model_folder_json_that_is_not_a_json_object_is_a_config_error_naming_it(folders, tmp_path, capsys, name,
+                                                                                    content, problem):
+    broken = tmp_path / "broken"
+    shutil.copytree(folders("sd3"), broken)
+    (broken / name).write_bytes(content)
+    base = ["model.resolution=32", "model.family=sd3", f"prompts.cache_dir={tmp_path / 'emb'}",
+            f"model.pretrained={broken}"]
+    with pytest.raises(ConfigError) as err:
+        Session(load_config(None, base))
+    assert err.value.key == "model.pretrained" and name in str(err.value) and problem in str(err.value), str(err.value)
+    # the command line: one line, exit code 2, nothing written
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["run", *[a for o in base for a in ("--set", o)], "--set", "train.iterations=1", "--set", "progress=false",
+                 "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and problem in lines[0] and not out.exists(), lines
+
+
 def test_bfloat16_keeps_float32_master_weights_and_autocasts_the_forward():
     cfg32, cfg16 = tiny_config(dtype="float32"), tiny_config(dtype="bfloat16")
     p32, p16 = build_policy(cfg32), build_policy(cfg16)

@@ -288,3 +288,102 @@ def test_reward_curves_average_seeds_with_their_spread_and_fall_back_to_the_imag
     full = curves["full"]
     assert list(full["spread"]) == [0.25, 0.125] and full["band"] == "+-1 std over the images"
     assert list(reward_curves(pd.DataFrame(rows), "iteration")["full"]["x"]) == [0.0, 1.0]
+
+
+# ----- bad input: one line naming the file, the key and what was expected; exit code 2; nothing written ----
+def report_fails(capsys, tmp_path, *args: str) -> str:
+    capsys.readouterr()
+    out = tmp_path / "out"
+    code = main(["report", *args, "--tables", str(out / "tables"), "--plots", str(out / "plots")])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("agg-bench report: "), lines
+    assert not out.exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("t_iter_s", "fast", "expected a number or null"),
+    ("backward", [80], "expected a number or null"),
+    ("reward_mean", True, "expected a number or null"),
+    ("model", {"name": "sd3"}, "expected a string or null"),
+    ("status", 1, "expected a string or null"),
+])
+def test_a_record_with_the_wrong_kind_of_value(tmp_path, capsys, key, value, expected):
+    make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), {**it(2.0, 1.0), key: value}])
+    line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
+    assert f"{tmp_path / 'runs' / 'a' / 'metrics.jsonl'}: record 2: {key!r} = {value!r}: {expected}" in line
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("summary.json", "[1, 2]", "summary.json: holds a list, not a JSON object"),
+    ("summary.json", '{"status": ', "summary.json: is not JSON"),
+    ("summary.json", '{"status": ["ok"]}', "summary.json: 'status' = ['ok']: expected a string or null"),
+    ("config.json", '{"method": "agg"}', "config.json: method = 'agg': expected an object or null"),
+    ("config.json", '{"method": {"name": "agg"}, "train": {"inner_epochs": "2"}}', "train.inner_epochs = '2'"),
+    ("plan.json", '{"bytes": 5}', "plan.json: bytes = 5: expected an object or null"),
+])
+def test_a_run_file_that_is_not_what_a_run_writes(tmp_path, capsys, name, content, expected):
+    run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
+    (run / name).write_text(content)
+    assert expected in report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
+
+
+def test_labels_with_dollars_are_drawn_as_text(tmp_path, capsys):
+    """Matplotlib's mathtext would parse $...$ in a model or method label (and fail on an unbalanced one)."""
+    runs = tmp_path / "runs"
+    make_run(runs, "a", "full", [it(2.0, 1.0, backward=8), it(2.0, 2.0, backward=8)], model="$x^$")
+    make_run(runs, "b", "agg$W=5$", [it(1.0, 1.0, backward=4), it(1.0, 3.0, backward=4)], model="$x^$")
+    assert main(["report", "--runs", str(runs), "--plots", str(tmp_path / "plots")]) == 0
+    for name in PLOTS:
+        assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+MANIFEST_RUN = {"dir": "RUN", "method": "full", "model": "sd3", "resolution": 64, "seed": 0}
+
+
+@pytest.mark.parametrize("manifest, expected", [
+    ("not json", "is not JSON (Expecting value at line 1 column 1)"),
+    ('["runs"]', "holds a list, not a JSON object; expected a report manifest"),
+    ({"runs": {"dir": "RUN"}}, "manifest MANIFEST: runs = {'dir': 'RUN'}: expected a list"),
+    ({"runs": ["RUN"]}, "runs[0] = 'RUN': expected an object"),
+    ({"runs": [{"method": "full"}]}, "runs[0]: missing 'dir'"),
+    ({"runs": [{**MANIFEST_RUN, "resolution": "64"}]}, "runs[0].resolution = '64': expected an integer or null"),
+    ({"runs": [{**MANIFEST_RUN, "seed": 1.5}]}, "runs[0].seed = 1.5: expected an integer"),
+    ({"runs": [{**MANIFEST_RUN, "method_options": "agg"}]}, "runs[0].method_options = 'agg': expected an object"),
+    ({"runs": [{**MANIFEST_RUN, "colour": "red"}]}, "runs[0]: unknown key 'colour'"),
+    ({"runs": [MANIFEST_RUN], "gradcheck": [{"file": 3}]}, "gradcheck[0].file = 3: expected a string"),
+    ({"runs": [MANIFEST_RUN], "calibration": [{"model": "sd3"}]}, "calibration[0]: missing 'file'"),
+    ({"runs": [MANIFEST_RUN], "warmup": -1}, "warmup = -1: expected an integer >= 0"),
+    ({"runs": [MANIFEST_RUN], "warmup": "1"}, "warmup = '1': expected an integer >= 0"),
+    ({"runs": [MANIFEST_RUN], "time": "gpu"}, "time = 'gpu': expected one of auto, cpu, wall"),
+    ({"runs": [MANIFEST_RUN], "run": []}, "unknown key 'run'"),
+])
+def test_a_bad_manifest_names_the_file_and_the_key(tmp_path, capsys, manifest, expected):
+    run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
+    path = tmp_path / "manifest.json"
+    text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+    path.write_text(text.replace("RUN", str(run)))
+    line = report_fails(capsys, tmp_path, "--manifest", str(path))
+    assert str(path) in line and expected.replace("RUN", str(run)).replace("MANIFEST", str(path)) in line
+
+
+@pytest.mark.parametrize("calibration, expected", [
+    (b"\xff\xfe", "is not UTF-8 text"),
+    (b"", "is not JSON"),
+    (b"[1]", "holds a list, not a JSON object; expected an agg-bench calibrate JSON"),
+    ({"resolution": "64"}, "resolution = '64': expected an integer or null"),
+    ({"unit_s_per_sample": [1]}, "unit_s_per_sample = [1]: expected an object"),
+    ({"unit_s_per_sample": {"backward": {"cpu": 0.1}}}, "unit_s_per_sample.backward.cpu = 0.1: expected an object"),
+    ({"unit_s_per_sample": {"backward": {"cpu": {"median": "x"}}}}, "backward.cpu.median = 'x': expected a number"),
+    ({"methods": {"agg": {"cpu_s": [1, "x"]}}}, "methods.agg.cpu_s = [1, 'x']: expected a list of numbers"),
+])
+def test_a_bad_calibration_file_names_the_file_and_the_key(tmp_path, capsys, calibration, expected):
+    make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
+    path = tmp_path / "calibration.json"
+    path.write_bytes(calibration if isinstance(calibration, bytes) else json.dumps(calibration).encode())
+    line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"), "--calibration", str(path))
+    assert str(path) in line and expected in line
+    # the same file named by a manifest
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": str(tmp_path / "runs" / "a")}], "calibration": [{"file": str(path)}]}))
+    assert expected in report_fails(capsys, tmp_path, "--manifest", str(manifest))

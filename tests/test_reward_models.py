@@ -277,3 +277,22 @@ def test_cli_missing_extra_exits_2_naming_the_extra(assets, tmp_path, capsys, mo
     code, err = run_cli(tmp_path, capsys, "imagereward", assets["imagereward"])
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "agg-bench[imagereward]" in err
+
+
+@pytest.mark.parametrize("name, option", [("imagereward", "med_config"), ("hpsv2", "model_config")])
+@pytest.mark.parametrize("content, problem", [
+    (b"\xff\xfe{}", "is not UTF-8 text"),
+    (b"{", "is not JSON"),
+    (b"[1, 2]", "holds a list, not a JSON object"),
+])
+def test_a_json_config_file_that_is_not_a_json_object_is_one_clear_error(name, option, content, problem, assets,
+                                                                         tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    with pytest.raises(UserError) as err:
+        build_reward(name, {**assets[name], option: str(path)}, "cpu")
+    message = str(err.value)
+    assert f"reward.options.{option}: {path}: {problem}" in message and "\n" not in message, message
+    code, stderr = run_cli(tmp_path, capsys, name, {**assets[name], option: str(path)})
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and problem in stderr, stderr
+    assert not (tmp_path / "out").exists()

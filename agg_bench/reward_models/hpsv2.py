@@ -29,7 +29,6 @@ Extra: ``pip install 'agg-bench[hpsv2]'``.
 """
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
+from ..jsonfiles import read_json_object
 from .common import (check_reward_options, CLIP_MEAN, CLIP_STD, ClipTransform, feature_dtype, load_pretrained,
                      load_state_dict, load_weights, make_reward_fn, require_package, require_path, reward_dtype)
 
@@ -116,7 +116,11 @@ def resolve_model_config(value) -> OpenClipConfig:
         if not path.is_file():
             raise UserError(f"reward {REWARD!r}: reward.options.model_config = {value!r} is neither one of "
                             f"{sorted(MODEL_CONFIGS)} nor an existing JSON file")
-        value = json.loads(path.read_text())
+        try:
+            value = read_json_object(path, "an OpenCLIP model config (a JSON object with embed_dim, vision_cfg "
+                                           "and text_cfg)")
+        except UserError as err:
+            raise UserError(f"reward {REWARD!r}: reward.options.model_config: {err}") from None
     if not isinstance(value, dict) or "embed_dim" not in value:
         raise UserError(f"reward {REWARD!r}: reward.options.model_config must be a model name, or a dict or "
                         f"JSON file with embed_dim, vision_cfg and text_cfg")

@@ -34,7 +34,6 @@ Extra: ``pip install 'agg-bench[imagereward]'``.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
+from ..jsonfiles import read_json_object
 from .common import (check_reward_options, ClipTransform, feature_dtype, LinearStack, load_pretrained,
                      load_state_dict, load_weights, make_reward_fn, require_package, require_path, reward_dtype)
 
@@ -91,7 +91,10 @@ def _config(cls, value, option: str, strict: bool):
         if not path.is_file():
             raise UserError(f"reward {REWARD!r}: reward.options.{option} = '{path}' does not exist; "
                             f"expected a JSON file")
-        value = json.loads(path.read_text())
+        try:
+            value = read_json_object(path, "a JSON object of BLIP's text-encoder fields (med_config.json)")
+        except UserError as err:
+            raise UserError(f"reward {REWARD!r}: reward.options.{option}: {err}") from None
     if not isinstance(value, dict):
         raise UserError(f"reward {REWARD!r}: reward.options.{option} must be a dict or a JSON file path")
     if value.get("hidden_act", "gelu") != "gelu":
