@@ -329,7 +329,7 @@ def test_a_manifest_warmup_is_a_non_negative_integer(tmp_path, capsys, warmup):
     manifest.write_text(json.dumps({"runs": [], "warmup": warmup}))
     line = refused(capsys, tmp_path / "tables", "report", "--manifest", str(manifest),
                    "--tables", str(tmp_path / "tables"))
-    assert "manifest warmup" in line and "an integer >= 0" in line
+    assert "manifest.json: warmup" in line and "an integer >= 0" in line
     assert not (tmp_path / "tables").exists()
 
 

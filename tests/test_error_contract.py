@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from agg_bench import cli, gpus, learning
-from agg_bench.errors import MAX_LINE, UserError, run_command
+from agg_bench.errors import MESSAGE_CHARS, UserError, run_command
 
 
 def contract(capsys, body, out=None) -> tuple[int, list[str]]:
@@ -36,7 +36,7 @@ def test_a_user_error_is_one_line_and_exit_code_2(capsys):
 
 def test_a_very_long_message_keeps_its_head_and_its_tail(capsys):
     code, lines = contract(capsys, raises(UserError("key = '" + "a" * 10 ** 6 + "': expected a short value")))
-    assert code == 2 and len(lines) == 1 and len(lines[0]) < MAX_LINE + 100
+    assert code == 2 and len(lines) == 1 and len(lines[0]) < MESSAGE_CHARS + 100
     assert lines[0].startswith("agg-bench test: key = 'aaa") and lines[0].endswith("expected a short value")
 
 
