@@ -131,15 +131,20 @@ def test_grpo_raises_the_scene_reward(tmp_path):
 
 def test_learning_sweep_dry_run(tmp_path):
     """`make learning`'s Snakemake target expands to one pre-training, every method x seed, the gradcheck
-    and the learning report, and writes nothing."""
+    and the learning report, and writes nothing. With one core the pre-training (2 threads in its config)
+    runs on the one thread it gets."""
     from test_pipeline import job_counts, snakemake, workdir
 
     work = workdir(tmp_path)
-    proc = snakemake(work, "learning", "-n", "--cores", "2", "--configfile", "config/learning.yaml")
+    proc = snakemake(work, "learning", "-n", "-p", "--cores", "1", "--configfile", "config/learning.yaml")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     counts = job_counts(proc.stdout)
     assert counts["pretrain"] == 1 and counts["gradcheck"] == 1 and counts["learning_report"] == 1
     assert counts["run"] == 6 * 3
+    [command] = [line.removeprefix("Shell command:").strip() for line in proc.stdout.splitlines()
+                 if "-m agg_bench pretrain" in line]
+    assert command.startswith("OMP_NUM_THREADS=1 ") and command.count("--set threads=") == 1
+    assert "--set threads=1 " in command
     assert not (work / "results").exists()
 
 
