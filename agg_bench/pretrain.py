@@ -36,6 +36,7 @@ from .plotting import pyplot
 from .prompts import TOKEN_HASH_FILE, hash_embed
 from .scenes import all_scenes, draw_batch, sample_scenes
 from .sde import flow_sigmas, ode_step
+from .threads import usable_cores
 
 MARKER = "pretrain.json"
 FAMILIES = ("sd3", "flux")
@@ -55,7 +56,7 @@ class PretrainConfig:
     attention_head_dim: attention width. text_dim: token and pooled embedding width. max_tokens: caption
     tokens embedded. pixel_factor: the pixel decoder's rearrangement factor. shift: the scheduler's sigma
     shift, also used to draw the training sigmas. sample_steps: Euler steps of the sample grid. threads:
-    torch CPU threads (0: leave as is).
+    torch CPU threads, at most as many as the cores this process may use (0: leave as is).
     """
 
     family: str = "sd3"
@@ -236,10 +237,11 @@ def check_out_dir(out: Path) -> None:
 
 def pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool = True) -> dict:
     """Train, sample and save the model folder ``out_dir``; return what ``pretrain.json`` holds. The
-    torch thread count ``threads`` holds during the call only (a caller's later work keeps its own)."""
+    torch thread count ``threads`` (capped at the usable cores: more would wait for each other) holds
+    during the call only (a caller's later work keeps its own)."""
     threads = torch.get_num_threads()
     if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(min(cfg.threads, usable_cores() or cfg.threads))
     try:
         return _pretrain(cfg, out_dir, progress)
     finally:

@@ -185,9 +185,11 @@ def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Pat
             return json.loads(cached.read_text())["options"]
         except (ValueError, KeyError):
             pass  # a torn or foreign file: check again
-    # the child imports agg_bench from where this process did
+    # the child imports agg_bench from where this process did; it builds configs, no tensors: one thread
+    # (with the short OpenMP waits this process's `import agg_bench` put in the environment)
     root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "agg_bench.sweep"], input=json.dumps(request, default=str),
                           capture_output=True, text=True, env=env)
     try:

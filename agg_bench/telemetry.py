@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .records import STANDARD_PHASES, TELEMETRY_KEYS  # noqa: F401  (also imported from here)
+from .threads import usable_cores
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -791,13 +792,6 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def _usable_cpu_count() -> int | None:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count()
-
-
 def _git(*args: str) -> str | None:
     repo_dir = Path(__file__).resolve().parent
     try:
@@ -847,7 +841,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "cpu_count_usable": _usable_cpu_count(),
+        "cpu_count_usable": usable_cores(),
         "torch": torch.__version__,
         "diffusers": _package_version("diffusers"),
         "numpy": _package_version("numpy"),

@@ -1,13 +1,18 @@
 import os
 from pathlib import Path
 
-import pytest
-import torch
-from tiny_pretrained import write_tiny_pretrained
+# Before torch loads its OpenMP runtime, which reads them once: short OpenMP spin-waits (importing agg_bench
+# sets them unless the user chose a wait: agg_bench/threads.py), and two intra-op threads, or one where
+# this process may use one core only, unless OMP_NUM_THREADS says otherwise (the suite must pass at any
+# thread count). Both in the environment, so the tests' subprocesses run the same way.
+from agg_bench.threads import usable_cores  # first: before torch
 
-# two intra-op threads unless OMP_NUM_THREADS says otherwise (the suite must pass at any thread count)
-if "OMP_NUM_THREADS" not in os.environ:
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not os.environ.get("OMP_NUM_THREADS"):
+    os.environ["OMP_NUM_THREADS"] = str(max(1, min(2, usable_cores() or 1)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tiny_pretrained import write_tiny_pretrained  # noqa: E402
 
 
 @pytest.fixture

@@ -37,3 +37,16 @@ def test_the_default_profile_is_where_snakemake_looks_without_a_flag():
     profile = ROOT / "profiles" / "default" / "config.yaml"
     assert profile.is_file()
     assert profile.resolve() == (ROOT / "workflow" / "profiles" / "default" / "config.yaml").resolve()
+
+
+def test_every_job_runs_on_the_threads_it_reserves():
+    """Every shell job sets OMP_NUM_THREADS to the cores Snakemake reserved for it (`threads:`, default 1):
+    torch would otherwise start a thread per core beside the other jobs. (The pretrain job also passes
+    them as its config's `threads`: tests/test_learning.py's dry run.)"""
+    shells = 0
+    for name, body in rules().items():
+        shell = re.search(r"^    shell:\n((?:        .*\n?)+)", body, flags=re.M)
+        if shell:
+            shells += 1
+            assert shell.group(1).strip().startswith('"OMP_NUM_THREADS={threads} '), f"rule {name}"
+    assert shells >= len(MEASURING)

@@ -8,9 +8,11 @@ LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + [
     [f"{LEARNING_DIR}/{name}.png" for name in ("reward_iteration", "reward_time", "samples")]
 
 
-def pretrain_command(name: str) -> str:
+def pretrain_command(name: str, threads: int) -> str:
+    """The pretrain job's command line, on the `threads` cores Snakemake gave it (fewer than the config's
+    where --cores is smaller): never more threads than the job reserves."""
     spec = PRETRAIN[name]
-    sets = " ".join(set_arg(k, v) for k, v in (spec.get("set") or {}).items())
+    sets = " ".join(set_arg(k, v) for k, v in {**(spec.get("set") or {}), "threads": threads}.items())
     return f"{PYTHON} -m agg_bench pretrain --config {shlex.quote(spec['config'])} {sets} --out {PRETRAINED_DIR}/{name}"
 
 
@@ -37,7 +39,7 @@ rule pretrain:
         "results/benchmarks/pretrain/{name}.tsv"
     threads: lambda wc: pretrain_threads(wc.name)
     params:
-        command=lambda wc: pretrain_command(wc.name),
+        command=lambda wc, threads: pretrain_command(wc.name, threads),
     shell:
         "OMP_NUM_THREADS={threads} {params.command} > {log} 2>&1"
 
@@ -70,7 +72,7 @@ rule learning_report:
         f"--eval-noises {int(LEARNING.get('eval_noises', 16))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
         f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')}",
     shell:
-        "{PYTHON} -m agg_bench.learning --manifest {input.manifest} {params.options} "
+        "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench.learning --manifest {input.manifest} {params.options} "
         "--tables {LEARNING_DIR} --plots {LEARNING_DIR} > {log} 2>&1"
 
 

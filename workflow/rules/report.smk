@@ -41,7 +41,7 @@ rule tables:
     log:
         "results/logs/tables.log",
     shell:
-        "{PYTHON} -m agg_bench report --manifest {input.manifest} --tables results/tables > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench report --manifest {input.manifest} --tables results/tables > {log} 2>&1"
 
 
 rule plots:
@@ -56,4 +56,4 @@ rule plots:
     log:
         "results/logs/plots.log",
     shell:
-        "{PYTHON} -m agg_bench report --manifest {input.manifest} --plots results/plots > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench report --manifest {input.manifest} --plots results/plots > {log} 2>&1"

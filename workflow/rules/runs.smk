@@ -86,4 +86,4 @@ rule import_log:
     params:
         command=lambda wc: SWEEP.import_command(wc.label),
     shell:
-        "{params.command} > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} {params.command} > {log} 2>&1"
