@@ -210,7 +210,7 @@ def test_evaluation_on_trained_runs(tmp_path):
         entries.append({"dir": str(tmp_path / f"run{seed}"), "method": "full", "seed": seed})
     # a run folder whose "final" weights are the pre-trained ones
     shutil.copytree(tmp_path / "run0", tmp_path / "same")
-    state = torch.load(tmp_path / "same" / "checkpoint.pt", weights_only=False)
+    state = torch.load(tmp_path / "same" / "checkpoint.pt", weights_only=True)
     base = load_pretrained_parameters(model)
     state["parameters"] = {k: base[k] for k in state["parameters"]}
     torch.save(state, tmp_path / "same" / "checkpoint.pt")
