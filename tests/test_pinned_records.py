@@ -1,0 +1,49 @@
+"""Behaviour pinned: every method of the embedded default gives the stored records (tests/pinned.py) in every
+non-timing field. Integers, text and flags are equal exactly; numbers to a relative 1e-6 or an absolute
+1e-8. Other kernels move them less: with ATEN_CPU_CAPABILITY=default against AVX-512, float64 records
+differ by at most 4e-9 (the routing scores, cosines of small velocity increments) and 2e-9 relative in
+grad_norm; a change of behaviour (another step, sample, weight or pass) moves rewards and gradient norms
+at the first digits. The loss (about 1e-11 here: the first update's ratio is 1 and the advantages sum to 0)
+and approx_kl (1e-16) are pinned only to that absolute bound."""
+from __future__ import annotations
+
+import json
+import math
+
+from pinned import PINNED, compute, pinned_fields
+
+
+def differences(expected, actual, where: str = "") -> list[str]:
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        out = [f"{where}.{k}: missing" for k in expected if k not in actual]
+        out += [f"{where}.{k}: not pinned ({actual[k]!r})" for k in actual if k not in expected]
+        for k in expected:
+            if k in actual:
+                out += differences(expected[k], actual[k], f"{where}.{k}")
+        return out
+    if isinstance(expected, list) and isinstance(actual, list):
+        if len(expected) != len(actual):
+            return [f"{where}: {len(actual)} items, pinned {len(expected)}"]
+        return [d for i, (e, a) in enumerate(zip(expected, actual)) for d in differences(e, a, f"{where}[{i}]")]
+    if isinstance(expected, float) and isinstance(actual, float) and not isinstance(expected, bool):
+        return [] if math.isclose(expected, actual, rel_tol=1e-6, abs_tol=1e-8) else \
+            [f"{where}: {actual!r}, pinned {expected!r}"]
+    return [] if expected == actual and type(expected) is type(actual) else [f"{where}: {actual!r}, pinned {expected!r}"]
+
+
+def test_the_comparison_sees_a_change():
+    pinned = {"run": [{"loss": 0.25, "backward": 8, "status": "ok"}]}
+    assert differences(pinned, json.loads(json.dumps(pinned))) == []
+    assert differences(pinned, {"run": [{"loss": 0.25 * (1 + 1e-5), "backward": 8, "status": "ok"}]})
+    assert not differences(pinned, {"run": [{"loss": 0.25 * (1 + 1e-7), "backward": 8, "status": "ok"}]})
+    assert differences(pinned, {"run": [{"loss": 0.25, "backward": 8.0, "status": "ok"}]})
+    assert differences(pinned, {"run": [{"loss": 0.25, "backward": 8, "status": "ok", "new": 1}]})
+    assert pinned_fields({"t_iter_s": 1.0, "rss_peak_bytes": 5, "loss": 1.0}) == {"loss": 1.0}
+
+
+def test_every_method_gives_the_pinned_records():
+    expected = json.loads(PINNED.read_text())
+    actual = json.loads(json.dumps(compute()))  # as stored: NaN and tuples as JSON has them
+    assert sorted(actual) == sorted(expected)
+    problems = differences(expected, actual)
+    assert not problems, problems[:20]
