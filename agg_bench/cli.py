@@ -18,8 +18,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(args) -> int:
     from .config import load_config
-    from .distributed import launched_rank
-    from .train import train
+    from .machine.distributed import launched_rank
+    from .runtime.train import train
 
     overrides = list(args.overrides)
     if args.checkpoint_every is not None:
@@ -34,7 +34,7 @@ def cmd_run(args) -> int:
 
 def cmd_snapshot(args) -> int:
     from .config import load_config
-    from .snapshot import save_snapshot
+    from .tools.snapshot import save_snapshot
 
     out = save_snapshot(load_config(args.config, args.overrides), args.out)
     print(json.dumps({"out": str(out)}))
@@ -43,9 +43,9 @@ def cmd_snapshot(args) -> int:
 
 def cmd_embed(args) -> int:
     from .config import load_config
+    from .engine.text import describe, embed, is_embeddings_file
     from .outdir import claim_files
-    from .text import describe, embed, is_embeddings_file
-    from .train import resolve_device
+    from .runtime.train import resolve_device
 
     cfg = load_config(args.config, args.overrides)
     if args.out is None:
@@ -59,8 +59,8 @@ def cmd_embed(args) -> int:
 def cmd_calibrate(args) -> int:
     import yaml
 
-    from .calibrate import CalibrationConfig, write_calibration
     from .config import load_config, yaml_load
+    from .tools.calibrate import CalibrationConfig, write_calibration
 
     options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup, method_repeats=args.method_repeats)
     methods = {}
@@ -78,8 +78,8 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from .snapshot import replay
-    from .train import resolve_device
+    from .runtime.train import resolve_device
+    from .tools.snapshot import replay
 
     counts = replay(args.snapshot, args.method, args.overrides, args.out, resolve_device(args.device, "--device"))
     print(json.dumps({"out": str(args.out), **counts}))
@@ -88,7 +88,7 @@ def cmd_replay(args) -> int:
 
 def cmd_gradcheck(args) -> int:
     from .config import load_config
-    from .gradcheck import gradcheck, parse_values
+    from .tools.gradcheck import gradcheck, parse_values
 
     existing = args.snapshot is not None and (args.snapshot / "rollout.json").exists()
     if existing and (args.config or args.overrides):
@@ -103,8 +103,8 @@ def cmd_gradcheck(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import (CalibrationEntry, GradcheckEntry, Manifest, build_report, check_time_basis, check_warmup,
-                         discover_runs, load_manifest)
+    from .results.report import (CalibrationEntry, GradcheckEntry, Manifest, build_report, check_time_basis,
+                                 check_warmup, discover_runs, load_manifest)
 
     if args.tables is None and args.plots is None:
         raise UserError("report: give --tables DIR and/or --plots DIR")
@@ -126,7 +126,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_import_log(args) -> int:
-    from .importlog import import_log
+    from .tools.importlog import import_log
 
     summary = import_log(args.log, args.out, args.method, args.model, args.resolution, args.gpu_name,
                          args.n_gpus, args.run_id)
@@ -142,10 +142,10 @@ def cmd_profile(args) -> int:
     from .config import load_config
     from .errors import ConfigError
     from .io import write_json
+    from .machine.telemetry import environment
     from .outdir import claim_folder
-    from .profiling import PROFILE_CONTENTS, profile_steps
-    from .telemetry import environment
-    from .train import Session
+    from .runtime.train import Session
+    from .tools.profiling import PROFILE_CONTENTS, profile_steps
 
     for flag, value, least in (("--wait", args.wait, 0), ("--warmup", args.warmup, 0), ("--active", args.active, 1)):
         if value < least:
@@ -187,7 +187,7 @@ def cmd_profile(args) -> int:
 
 def cmd_plan(args) -> int:
     from .config import load_config
-    from .memplan import GIB, format_plan, plan_memory
+    from .runtime.memplan import GIB, format_plan, plan_memory
 
     memory = None
     if args.gpu_memory is not None:
@@ -200,7 +200,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from .pretrain import load_pretrain_config, pretrain
+    from .tools.pretrain import load_pretrain_config, pretrain
 
     summary = pretrain(load_pretrain_config(args.config, args.overrides), args.out)
     print(json.dumps({"out": str(args.out), "train_cpu_s": round(summary["train_cpu_s"], 1),
@@ -209,7 +209,7 @@ def cmd_pretrain(args) -> int:
 
 
 def cmd_env(args) -> int:
-    from .telemetry import environment
+    from .machine.telemetry import environment
 
     print(json.dumps(environment(), indent=2, default=str))
     return 0
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("pretrain", help="train a small DiT on drawn scenes -> a model folder for model.preset: pretrained")
-    p.add_argument("--config", help="pretrain config YAML (keys: agg_bench.pretrain.PretrainConfig)")
+    p.add_argument("--config", help="pretrain config YAML (keys: agg_bench.tools.pretrain.PretrainConfig)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a pretrain key, e.g. --set family=flux (repeatable)")
     p.add_argument("--out", required=True, type=Path, help="model folder to write (replaced only if it is one)")

@@ -307,14 +307,14 @@ def validate(config: dict, check_method: bool = True) -> RunConfig:
     check_schema(config, _schema())
     model = config["model"]
     if model["preset"] == "random" and not model["pretrained"]:
-        from .architectures import architecture
+        from .engine.architectures import architecture
 
         architecture(model["family"], model["architecture"])
     elif model["architecture"] is not None:
         raise ConfigError("model.architecture", model["architecture"], "null unless model.preset is random")
     if not check_method:
         return RunConfig(config)
-    from .methods import build_method  # a method's options are checked by its own config class
+    from .methods.base import build_method  # a method's options are checked by its own config class
 
     method = dict(config["method"])
     build_method(method.pop("name"), method)

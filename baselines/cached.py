@@ -39,16 +39,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from agg_bench.engine.grpo import StepTerms, TrainBatch, UpdateStats, step_terms
 from agg_bench.errors import ConfigError
-from agg_bench.fsdp import agreed_max, lockstep
-from agg_bench.grpo import StepTerms, TrainBatch, UpdateStats, step_terms
-from agg_bench.methods import Estimator, ReplayPlan, register_method
+from agg_bench.machine.fsdp import agreed_max, lockstep
+from agg_bench.methods.base import Estimator, ReplayPlan, register_method
 from baselines.caches import CACHES, apply_cache, cache_options, make_config
 from baselines.caches.configs import BLOCK_LISTS
 from baselines.full import FullEstimator
 
 if TYPE_CHECKING:  # annotations only: checking a method's options imports neither the models nor diffusers
-    from agg_bench.models import Policy
+    from agg_bench.engine.models import Policy
     from baselines.caches.handle import CacheHandle
 
 CACHE_IN = ("rollout", "train", "both")

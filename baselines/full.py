@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agg_bench.grpo import exact_backward, micro_batches
-from agg_bench.methods import Estimator, register_method
+from agg_bench.engine.grpo import exact_backward, micro_batches
+from agg_bench.methods.base import Estimator, register_method
 
-__all__ = ["FullConfig", "FullEstimator", "exact_backward"]  # exact_backward lives in agg_bench.grpo
+__all__ = ["FullConfig", "FullEstimator", "exact_backward"]  # exact_backward lives in agg_bench.engine.grpo
 
 
 @dataclass

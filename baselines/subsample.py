@@ -1,7 +1,7 @@
 """Timestep-subsampling GRPO baselines: train fewer denoising steps per sample, each one exactly.
 
 - ``fraction`` (DanceGRPO): every sample trains its own random subset of round(train.timestep_fraction * T)
-  steps, the ``steps`` plan of :mod:`agg_bench.plan`; a run asking for ``train.plan: groups`` is refused,
+  steps, the ``steps`` plan of :mod:`agg_bench.engine.plan`; a run asking for ``train.plan: groups`` is refused,
   because whole groups of consecutive steps are not DanceGRPO's scheme (use ``full`` with that plan).
 - ``window`` (MixGRPO, Flow-GRPO-Fast): the rollout is stochastic only inside a window of
   ``window_size`` consecutive steps and follows the ODE elsewhere, so only window steps have a
@@ -11,7 +11,7 @@
 Both compute the gradient of their trained steps exactly, as ``full`` does: they inherit its
 accumulation and differ from it only in which steps exist to be trained.
 
-Replayed on a frozen rollout (``replay``, ``gradcheck``; :class:`agg_bench.methods.ReplayPlan`), both
+Replayed on a frozen rollout (``replay``, ``gradcheck``; :class:`agg_bench.methods.base.ReplayPlan`), both
 draw their own trained steps from the snapshot's stochastic steps, with a generator seeded by ``seed``:
 ``fraction`` is then ``replanned`` (its rollout is distributed as ``full``'s), ``window`` is ``partial``
 (its own rollout follows the ODE outside the window, where the snapshot's states come from SDE steps)
@@ -24,9 +24,9 @@ from typing import Literal
 
 import torch
 
+from agg_bench.engine.plan import plan_steps
 from agg_bench.errors import ConfigError
-from agg_bench.methods import ReplayPlan, register_method
-from agg_bench.plan import plan_steps
+from agg_bench.methods.base import ReplayPlan, register_method
 from baselines.full import FullConfig, FullEstimator
 
 

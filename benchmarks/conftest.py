@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import torch
 
-from agg_bench import telemetry as tel
 from agg_bench.errors import ConfigError
-from agg_bench.train import Session, resolve_device
+from agg_bench.machine import telemetry as tel
+from agg_bench.runtime.train import Session, resolve_device
 from cases import DEFAULT_CONFIG, FULL, Case, Prepared, case_config
 
 DEFAULT_STORAGE = "file://./.benchmarks"

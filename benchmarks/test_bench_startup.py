@@ -1,7 +1,7 @@
 """Start-up: the commands that only plan or read results, each timed as a fresh process.
 
 ``agg-bench --help``; ``snakemake -n`` on the embedded default (config/config.yaml), both the first
-parse of a sweep (the methods' check runs in a child process, see ``agg_bench.sweep``) and a later one
+parse of a sweep (the methods' check runs in a child process, see ``agg_bench.tools.sweep``) and a later one
 (its answer read back); a table job and a plot job (``agg-bench report`` on the manifest of two small
 runs). Each command runs ROUNDS times (or ``--benchmark-min-rounds``, if more); ``extra_info`` carries every round's
 wall-clock time and CPU time (user + sys of the process and the children it waited for), and the

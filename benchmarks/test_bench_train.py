@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from agg_bench.telemetry import Telemetry
+from agg_bench.machine.telemetry import Telemetry
 from cases import FULL, RESOLUTIONS, available_cases
 
 

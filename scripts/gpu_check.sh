@@ -84,10 +84,10 @@ run "cached-fora_${SMALL}" --set model.resolution=$SMALL --set 'method={"name": 
 step "fsdp_${SMALL}" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m agg_bench run "${COMMON[@]}" \
     --set train.iterations=1 --set model.resolution=$SMALL --set train.shard=fsdp --out "$OUT/runs/fsdp_${SMALL}"
 if [[ $MODE == gpu ]]; then
-  step "pool_${SMALL}" "$PY" -m agg_bench.gpus --count 1 --timeout 60 -- "$PY" -m agg_bench run "${COMMON[@]}" \
+  step "pool_${SMALL}" "$PY" -m agg_bench.machine.gpus --count 1 --timeout 60 -- "$PY" -m agg_bench run "${COMMON[@]}" \
       --set train.iterations=1 --set model.resolution=$SMALL --out "$OUT/runs/pool_${SMALL}"
 else  # a pretend one-GPU machine: the pool's locking and CUDA_VISIBLE_DEVICES, the run itself on the CPU
-  step "pool_${SMALL}" env AGG_BENCH_GPUS=1 AGG_BENCH_GPU_LOCK_DIR="$OUT/locks" "$PY" -m agg_bench.gpus --count 1 \
+  step "pool_${SMALL}" env AGG_BENCH_GPUS=1 AGG_BENCH_GPU_LOCK_DIR="$OUT/locks" "$PY" -m agg_bench.machine.gpus --count 1 \
       --timeout 60 -- "$PY" -m agg_bench run "${COMMON[@]}" --set train.iterations=1 --set model.resolution=$SMALL \
       --out "$OUT/runs/pool_${SMALL}"
 fi
@@ -96,4 +96,4 @@ step "profile_${SMALL}" "$PY" -m agg_bench profile "${COMMON[@]}" --set model.re
 if [[ $MODE == gpu ]]; then
   step memory_snapshot test -s "$OUT/profile/memory_snapshot.pickle"
 fi
-"$PY" -m agg_bench.gpucheck "$OUT" "$MODE"
+"$PY" -m agg_bench.tools.gpucheck "$OUT" "$MODE"

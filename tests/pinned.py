@@ -32,8 +32,8 @@ def compute() -> dict[str, list[dict]]:
 
     from agg_bench.config import load_config
     from agg_bench.io import read_jsonl
-    from agg_bench.sweep import Sweep, overrides_of
-    from agg_bench.train import train
+    from agg_bench.runtime.train import train
+    from agg_bench.tools.sweep import Sweep, overrides_of
 
     sweep = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     sweep["base"] = str(ROOT / sweep["base"])

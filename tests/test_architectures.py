@@ -10,13 +10,13 @@ import torch
 from diffusers.models.embeddings import PatchEmbed
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
-from agg_bench import architectures as A
 from agg_bench.cli import main
 from agg_bench.config import load_config
+from agg_bench.engine import architectures as A
+from agg_bench.engine.models import POLICIES, TRANSFORMER_CLASSES, VAE_CLASSES, Conditioning, load_policy
+from agg_bench.engine.text import hash_tokens
 from agg_bench.errors import ConfigError
-from agg_bench.models import POLICIES, TRANSFORMER_CLASSES, VAE_CLASSES, Conditioning, load_policy
-from agg_bench.text import hash_tokens
-from agg_bench.train import model_label, weights_label
+from agg_bench.runtime.train import model_label, weights_label
 
 # The public sizes of the transformers, in billions (SD3.5-Medium's 2.5 B includes its stored
 # position table, a buffer in diffusers; the others are the parameters alone).

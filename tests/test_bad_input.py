@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from agg_bench import distributed
 from agg_bench.cli import main
+from agg_bench.machine import distributed
 
 SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "train.iterations=1",
          "--set", "progress=false"]
@@ -77,7 +77,7 @@ def test_prompts_that_do_not_split_over_the_processes(tmp_path, capsys, monkeypa
 @pytest.mark.parametrize("method", ["full", "fraction", "window", "agg", "cached"])
 @pytest.mark.parametrize("key, value", [("micro_batch", -1), ("micro_batch", 0), ("nograd_batch", -3)])
 def test_batch_options_are_null_or_positive_for_every_method(tmp_path, capsys, method, key, value):
-    from agg_bench.methods import METHODS, available_methods
+    from agg_bench.methods.base import METHODS, available_methods
 
     available_methods()
     options = {"name": method, key: value, **({"cache": "fora"} if method == "cached" else {})}

@@ -14,12 +14,12 @@ import pytest
 import yaml
 
 from agg_bench import config as config_module
-from agg_bench import sweep as sweep_module
 from agg_bench.cli import main
 from agg_bench.config import (MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, YamlRefused, check_expanded_size,
                               load_config, yaml_load)
 from agg_bench.errors import QUOTE_CHARS, ConfigError, UserError, quote
-from agg_bench.sweep import Sweep, SweepError
+from agg_bench.tools import sweep as sweep_module
+from agg_bench.tools.sweep import Sweep, SweepError
 from test_pipeline import snakemake, workdir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,7 +304,7 @@ def test_values_that_set_work_have_a_maximum(key, limit):
 
 
 def test_plan_refuses_a_huge_resolution_before_planning(tmp_path, capsys, monkeypatch):
-    from agg_bench import memplan
+    from agg_bench.runtime import memplan
 
     def never(*args, **kwargs):
         raise AssertionError("planned")

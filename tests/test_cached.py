@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from agg_bench.cli import main
+from agg_bench.engine.grpo import UpdateStats
 from agg_bench.errors import ConfigError
-from agg_bench.grpo import UpdateStats
 from agg_bench.io import read_jsonl
-from agg_bench.methods import build_method
-from agg_bench.train import Session
+from agg_bench.methods.base import build_method
+from agg_bench.runtime.train import Session
 from baselines.caches import CACHES, apply_cache
 from helpers import CACHE_NEUTRAL, move_off_policy, relative_error, tiny_config
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agg_bench.engine.models import POLICIES, TINY_TRANSFORMERS, TRANSFORMER_CLASSES, Conditioning
 from agg_bench.errors import ConfigError, UserError
-from agg_bench.models import POLICIES, TINY_TRANSFORMERS, TRANSFORMER_CLASSES, Conditioning
 from baselines.caches import CACHES, apply_cache, cache_options
 from baselines.caches.configs import MAGCACHE_PRESETS
 from baselines.caches.magcache import PRESET_RATIOS

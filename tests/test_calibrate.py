@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from agg_bench.calibrate import CalibrationConfig
 from agg_bench.cli import main
 from agg_bench.errors import ConfigError
+from agg_bench.tools.calibrate import CalibrationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config", str(ROOT / "config/run.yaml"), "--set", "model.resolution=32", "--set", "sampling.steps=4",
@@ -96,9 +96,9 @@ def test_a_label_given_twice_and_bad_method_repeats_are_refused(tmp_path, capsys
     ("{method: {name: full}, train.lr: -1}", "train.lr"),
 ])
 def test_a_method_no_run_could_use_is_exit_2_before_anything_is_timed(tmp_path, capsys, monkeypatch, text, expected):
-    import agg_bench.train
+    import agg_bench.runtime.train
 
-    monkeypatch.setattr(agg_bench.train, "Session", lambda cfg: pytest.fail("timing started"))
+    monkeypatch.setattr(agg_bench.runtime.train, "Session", lambda cfg: pytest.fail("timing started"))
     out = tmp_path / "cal.json"
     assert main(["calibrate", *SMALL, "--method", "mine", text, "--out", str(out)]) == 2
     lines = capsys.readouterr().err.splitlines()

@@ -9,7 +9,7 @@ import torch
 
 from agg_bench.cli import main
 from agg_bench.io import read_jsonl
-from agg_bench.train import RECORD_KEYS, TIMING_KEYS
+from agg_bench.runtime.train import RECORD_KEYS, TIMING_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "train.iterations=2",

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from agg_bench import distributed
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
-from agg_bench.train import TIMING_KEYS, Session
+from agg_bench.machine import distributed
+from agg_bench.runtime.train import TIMING_KEYS, Session
 from helpers import relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,8 +211,8 @@ def _worker(out: Path) -> None:
 
 
 def oom_on_rank_1(shard, out: Path) -> None:
-    from agg_bench.models import Policy
-    from agg_bench.train import train
+    from agg_bench.engine.models import Policy
+    from agg_bench.runtime.train import train
 
     velocity = Policy.velocity
 

@@ -5,12 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from agg_bench import text
 from agg_bench.cli import main
 from agg_bench.config import load_config
-from agg_bench.errors import ConfigError
-from agg_bench.models import Conditioning
-from agg_bench.text import (
+from agg_bench.engine import text
+from agg_bench.engine.models import Conditioning
+from agg_bench.engine.text import (
     ENCODINGS,
     cache_key,
     concat_conditionings,
@@ -20,7 +19,8 @@ from agg_bench.text import (
     load_text_pipeline,
     prompt_set,
 )
-from agg_bench.train import Session
+from agg_bench.errors import ConfigError
+from agg_bench.runtime.train import Session
 
 PROMPTS = ["a red cat on the moon", "two dogs", "an owl perched on a mossy branch at night in the snow"]
 

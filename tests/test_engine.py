@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from agg_bench.engine.grpo import UpdateStats, group_advantages, step_terms
 from agg_bench.errors import ConfigError
-from agg_bench.grpo import UpdateStats, group_advantages, step_terms
-from agg_bench.snapshot import load_snapshot, replay, save_snapshot
-from agg_bench.train import Session
+from agg_bench.runtime.train import Session
+from agg_bench.tools.snapshot import load_snapshot, replay, save_snapshot
 from helpers import (estimator_gradient, move_off_policy, one_graph_gradient, relative_error, sde_reference,
                      tiny_config)
 
@@ -41,9 +41,9 @@ def test_group_advantages_match_float64_reference(std, divisor, dtype):
 def test_kl_forms_match_float64_reference(kind, kl_form):
     """With zero advantages the loss is beta * KL; KL against DESIGN's transition written out in float64:
     mean squared difference of the two means over 2 std^2 (transition) or over 2 std_t^2 (no_dt)."""
-    from agg_bench.grpo import TrainBatch
-    from agg_bench.models import Conditioning
-    from agg_bench.sde import flow_sigmas
+    from agg_bench.engine.grpo import TrainBatch
+    from agg_bench.engine.models import Conditioning
+    from agg_bench.engine.sde import flow_sigmas
 
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     b, steps = 5, 9
@@ -138,9 +138,9 @@ def test_snapshot_then_replay_full_reproduces_gradient(tmp_path):
 
 def test_step_terms_clip_is_pessimistic():
     """l = max(-A r, -A clip(r)): for A>0 and r above 1+eps the clipped value wins."""
-    from agg_bench.grpo import TrainBatch
-    from agg_bench.models import Conditioning
-    from agg_bench.sde import flow_sigmas
+    from agg_bench.engine.grpo import TrainBatch
+    from agg_bench.engine.models import Conditioning
+    from agg_bench.engine.sde import flow_sigmas
 
     sig = flow_sigmas(2, 1.0)
     lat = torch.randn(2, 3, 1, 2, 2, dtype=torch.float64)

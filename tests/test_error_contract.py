@@ -1,7 +1,7 @@
 """One error contract for every command: a user error (and a full disk) is one line on stderr and exit code
 2; anything else is a bug in agg-bench: one line that says so and names the command, then the traceback,
-exit code 1. The same holds for `agg-bench VERB`, `python -m agg_bench.learning`, `python -m agg_bench.gpus`
-and `python -m agg_bench.gpucheck` (tests/test_gpu_check.py)."""
+exit code 1. The same holds for `agg-bench VERB`, `python -m agg_bench.results.learning`,
+`python -m agg_bench.machine.gpus` and `python -m agg_bench.tools.gpucheck` (tests/test_gpu_check.py)."""
 from __future__ import annotations
 
 import errno
@@ -12,8 +12,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from agg_bench import cli, gpus, learning
+from agg_bench import cli
 from agg_bench.errors import MESSAGE_CHARS, UserError, run_command
+from agg_bench.machine import gpus
+from agg_bench.results import learning
 
 
 def contract(capsys, body, out=None) -> tuple[int, list[str]]:
@@ -95,7 +97,7 @@ def test_cli_bug_names_the_command(capsys, monkeypatch):
 
 
 def test_cli_full_disk_while_writing_tables(tmp_path, capsys, monkeypatch):
-    import agg_bench.report as report
+    import agg_bench.results.report as report
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "t" / "summary.csv"))
@@ -108,7 +110,8 @@ def test_cli_full_disk_while_writing_tables(tmp_path, capsys, monkeypatch):
 
 def test_learning_main_keeps_the_contract(tmp_path, capsys, monkeypatch):
     assert learning.main(["--manifest", str(tmp_path / "none.json")]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"agg_bench.learning: manifest {tmp_path / 'none.json'}: no such file"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"agg_bench.results.learning: manifest {tmp_path / 'none.json'}: no such file"]
     (tmp_path / "m.json").write_text('{"runs": [{"dir": 5}]}')
     assert learning.main(["--manifest", str(tmp_path / "m.json")]) == 2
     line, = capsys.readouterr().err.splitlines()
@@ -116,7 +119,7 @@ def test_learning_main_keeps_the_contract(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(learning, "load_runs", lambda path: [][0])
     assert learning.main(["--manifest", str(tmp_path / "m.json")]) == 1
     lines = capsys.readouterr().err.splitlines()
-    assert "bug in agg-bench" in lines[0] and "python -m agg_bench.learning --manifest" in lines[0]
+    assert "bug in agg-bench" in lines[0] and "python -m agg_bench.results.learning --manifest" in lines[0]
     assert lines[-1].startswith("IndexError")
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from agg_bench import distributed, fsdp
 from agg_bench.config import load_config
+from agg_bench.engine.models import Policy
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
-from agg_bench.models import Policy
-from agg_bench.train import TIMING_KEYS, Session, train
+from agg_bench.machine import distributed, fsdp
+from agg_bench.runtime.train import TIMING_KEYS, Session, train
 from helpers import relative_error
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agg_bench.gpucheck import main as gpucheck_main
+from agg_bench.tools.gpucheck import main as gpucheck_main
 
 ROOT = Path(__file__).parents[1]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from agg_bench.errors import ConfigError, UserError
-from agg_bench.gpus import GpuPool, default_lock_dir, visible_devices
+from agg_bench.machine.gpus import GpuPool, default_lock_dir, visible_devices
 
 
 def test_visible_devices_precedence():
@@ -82,7 +82,7 @@ def _launch(tmp_path: Path, count: int, n_devices: int, marks: Path, log: Path) 
     env = {**os.environ, "AGG_BENCH_GPUS": str(n_devices), "AGG_BENCH_GPU_LOCK_DIR": str(tmp_path / "locks")}
     env.pop("SLURM_JOB_ID", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "agg_bench.gpus", "--count", str(count), "--timeout", "120", "--",
+        [sys.executable, "-m", "agg_bench.machine.gpus", "--count", str(count), "--timeout", "120", "--",
          sys.executable, "-c", JOB, str(marks), str(log)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -107,7 +107,7 @@ def test_lock_is_dropped_when_the_holder_is_killed(tmp_path):
     env = {**os.environ, "AGG_BENCH_GPUS": "1", "AGG_BENCH_GPU_LOCK_DIR": str(tmp_path)}
     env.pop("SLURM_JOB_ID", None)
     holder = subprocess.Popen(
-        [sys.executable, "-m", "agg_bench.gpus", "--count", "1", "--",
+        [sys.executable, "-m", "agg_bench.machine.gpus", "--count", "1", "--",
          sys.executable, "-c", "import sys, time; print('held', flush=True); time.sleep(60)"],
         env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -124,7 +124,7 @@ def test_lock_is_dropped_when_the_holder_is_killed(tmp_path):
 
 def test_command_line_reports_impossible_request(tmp_path):
     env = {**os.environ, "AGG_BENCH_GPUS": "1", "AGG_BENCH_GPU_LOCK_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "agg_bench.gpus", "--count", "2", "--", "true"],
+    proc = subprocess.run([sys.executable, "-m", "agg_bench.machine.gpus", "--count", "2", "--", "true"],
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "asks for 2 GPU" in proc.stderr
@@ -133,7 +133,7 @@ def test_command_line_reports_impossible_request(tmp_path):
 def test_count_zero_runs_the_command_untouched(tmp_path):
     env = {**os.environ, "AGG_BENCH_GPUS": "0", "AGG_BENCH_GPU_LOCK_DIR": str(tmp_path)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run([sys.executable, "-m", "agg_bench.gpus", "--count", "0", "--", sys.executable, "-c",
+    proc = subprocess.run([sys.executable, "-m", "agg_bench.machine.gpus", "--count", "0", "--", sys.executable, "-c",
                            "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'))"],
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "unset"

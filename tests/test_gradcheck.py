@@ -5,8 +5,8 @@ import pytest
 
 from agg_bench.cli import main
 from agg_bench.errors import ConfigError
-from agg_bench.gradcheck import COLUMNS, ReplayJob, parse_method_specs, parse_values
-from agg_bench.snapshot import load_snapshot, method_from, replay_gradient
+from agg_bench.tools.gradcheck import COLUMNS, ReplayJob, parse_method_specs, parse_values
+from agg_bench.tools.snapshot import load_snapshot, method_from, replay_gradient
 from helpers import TINY
 
 SET = [arg for item in [*TINY, "grpo.prompts_per_iteration=1", "model.dtype=float64", "train.plan=groups",
@@ -142,7 +142,7 @@ def test_replay_plans_of_methods_that_train_other_steps_or_differ_in_their_rollo
     """No model: each method's replay plan on given stochastic steps."""
     import torch
 
-    from agg_bench.methods import build_method
+    from agg_bench.methods.base import build_method
     from helpers import tiny_config
 
     cfg = tiny_config("sampling.steps=8", "train.timestep_fraction=0.5", "seed=3")
@@ -198,7 +198,7 @@ def test_replay_measures_fraction_and_window_on_their_own_steps_and_refuses_what
                  "--out", str(frac)]) == 0
     record = _read_json(frac.with_suffix(".json"))
     assert record["replay"] == "replanned" and record["backward"] == b * (t // 2) < b * t
-    from agg_bench.gradcheck import compare
+    from agg_bench.tools.gradcheck import compare
     cosine, rel, _ = compare(load_file(str(frac)), load_file(str(full)))
     assert rel > 1e-3 and cosine < 1 - 1e-6
 
@@ -211,7 +211,7 @@ def test_replay_measures_fraction_and_window_on_their_own_steps_and_refuses_what
     import dataclasses
     only_window = dataclasses.replace(snapshot.batch, train_steps=torch.tensor([[1, 2]] * b))
     expected = dataclasses.replace(snapshot, batch=only_window)
-    from agg_bench.methods import ReplayPlan
+    from agg_bench.methods.base import ReplayPlan
     grads, counts, _ = replay_gradient(expected, FullEstimator(), plan=ReplayPlan())
     got = load_file(str(win))
     # the same function on the same steps and rows in the same order: bit-identical

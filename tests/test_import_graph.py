@@ -50,7 +50,8 @@ def test_no_module_level_import_cycle():
     graph = {name: {m for m in imported_modules(path, top_level_only=True) if m in files and m != name}
              for name, path in files.items()}
     # the LoRA helpers sit below the models: models import lora, never the other way
-    assert "agg_bench.lora" in graph["agg_bench.models"] and "agg_bench.models" not in graph["agg_bench.lora"]
+    assert "agg_bench.engine.lora" in graph["agg_bench.engine.models"]
+    assert "agg_bench.engine.models" not in graph["agg_bench.engine.lora"]
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(name: str, path: list[str]) -> None:
@@ -68,10 +69,10 @@ def test_no_module_level_import_cycle():
 
 
 # A fresh interpreter runs the methods' check of the embedded default's every job, then of every cache with
-# each cache_in, as `python -m agg_bench.sweep` does for a sweep, and reports what it imported.
+# each cache_in, as `python -m agg_bench.tools.sweep` does for a sweep, and reports what it imported.
 METHOD_CHECKS_SCRIPT = """
 import json, sys, yaml
-from agg_bench import sweep
+from agg_bench.tools import sweep
 from baselines.caches import CACHES
 jobs = {}
 def check_here(base_file, checks, cache_dir=None):  # the child process's check, run in this one

@@ -1,4 +1,4 @@
-"""The learning tables and plots (agg_bench.learning) on run folders with known rewards and times."""
+"""The learning tables and plots (agg_bench.results.learning) on run folders with known rewards and times."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from agg_bench.errors import UserError
-from agg_bench.learning import cpu_time_to_reach, learning_table, load_runs, main, plot_rewards
-from agg_bench.sweep import flatten, overrides_of
+from agg_bench.results.learning import cpu_time_to_reach, learning_table, load_runs, main, plot_rewards
+from agg_bench.tools.sweep import flatten, overrides_of
 
 
 def write_run(folder, rewards, cpu_s, method, seed):
@@ -106,7 +106,7 @@ def test_grpo_raises_the_scene_reward(tmp_path):
     pre-trained weights to the final ones by more than MARGIN. The margin is a fraction of the gain
     measured on this configuration, so other CPUs' arithmetic (a different but equally valid trajectory)
     keeps it; a run that does not change the weights scores exactly the pre-trained score and fails it."""
-    from agg_bench.learning import Evaluation, evaluate
+    from agg_bench.results.learning import Evaluation, evaluate
 
     # the sweep's own run settings (its base and set), on this model, for SLOW_RUN's iterations, through the
     # CLI in a fresh 1-thread process as the workflow runs it
@@ -130,8 +130,8 @@ def test_the_committed_scene_model_is_the_recipes():
     """tests/data/sd3-scenes is `agg-bench pretrain --config config/pretrain.yaml`'s output (its recorded
     config is what the file resolves to: the model cannot drift from the recipe unnoticed), holds what
     loading needs, and loads as the sweep loads it."""
-    from agg_bench.models import load_policy
-    from agg_bench.pretrain import MARKER, load_pretrain_config
+    from agg_bench.engine.models import load_policy
+    from agg_bench.tools.pretrain import MARKER, load_pretrain_config
 
     summary = json.loads((SCENE_MODEL / MARKER).read_text())
     assert summary["config"] == dataclasses.asdict(load_pretrain_config(ROOT / "config" / "pretrain.yaml"))
@@ -164,7 +164,7 @@ def test_evaluation_columns_by_hand():
     """The evaluation's gain is each seed's final score minus the pre-trained one (shared by all)."""
     import pandas as pd
 
-    from agg_bench.learning import evaluation_columns
+    from agg_bench.results.learning import evaluation_columns
 
     scores = pd.DataFrame([
         {"state": "pre-trained", "method": None, "seed": None, "eval_reward": 0.5, "eval_reward_count": 0.2},
@@ -190,10 +190,10 @@ def test_evaluation_on_trained_runs(tmp_path):
     import torch
 
     from agg_bench.config import load_config
-    from agg_bench.learning import Evaluation, evaluate
-    from agg_bench.pretrain import load_pretrain_config, pretrain
-    from agg_bench.scenes import all_scenes
-    from agg_bench.train import train
+    from agg_bench.engine.scenes import all_scenes
+    from agg_bench.results.learning import Evaluation, evaluate
+    from agg_bench.runtime.train import train
+    from agg_bench.tools.pretrain import load_pretrain_config, pretrain
 
     model = tmp_path / "model"
     pretrain(load_pretrain_config(None, ["steps=2", "batch_size=4", "num_layers=1", "sample_steps=2",
@@ -242,6 +242,6 @@ def test_evaluation_on_trained_runs(tmp_path):
 
 
 def load_pretrained_parameters(model):
-    from agg_bench.models import load_policy
+    from agg_bench.engine.models import load_policy
 
     return load_policy("sd3", "pretrained", str(model)).transformer.state_dict()

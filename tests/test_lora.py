@@ -6,12 +6,12 @@ import torch
 from helpers import relative_error, tiny_config
 from safetensors.torch import load_file
 
+from agg_bench.engine.grpo import UpdateStats, step_terms
+from agg_bench.engine.lora import LORA_TARGETS
+from agg_bench.engine.models import TRANSFORMER_CLASSES, build_tiny_transformer
 from agg_bench.errors import ConfigError
-from agg_bench.grpo import UpdateStats, step_terms
-from agg_bench.lora import LORA_TARGETS
-from agg_bench.models import TRANSFORMER_CLASSES, build_tiny_transformer
-from agg_bench.snapshot import load_snapshot, replay_gradient, save_snapshot
-from agg_bench.train import Session
+from agg_bench.runtime.train import Session
+from agg_bench.tools.snapshot import load_snapshot, replay_gradient, save_snapshot
 from baselines.full import FullEstimator
 
 LORA = ("train.lora_rank=4", "train.lora_alpha=8")

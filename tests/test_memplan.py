@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from helpers import tiny_config
 
-from agg_bench import telemetry as tel
 from agg_bench.cli import main
-from agg_bench.memplan import ShapeModel, _Search, plan_memory, run_layout
-from agg_bench.train import Session, run_iteration
+from agg_bench.machine import telemetry as tel
+from agg_bench.runtime.memplan import ShapeModel, _Search, plan_memory, run_layout
+from agg_bench.runtime.train import Session, run_iteration
 
 ROOT = Path(__file__).parents[1]
 
@@ -131,7 +131,7 @@ def test_cli_plan_bad_input(args, key, capsys):
 
 def test_run_records_its_plan(tmp_path):
     from agg_bench.config import load_config
-    from agg_bench.train import train
+    from agg_bench.runtime.train import train
 
     cfg = load_config(None, ["model.resolution=32", "sampling.steps=3", "train.iterations=1", "progress=false"])
     train(cfg, tmp_path / "run")

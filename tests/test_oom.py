@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from agg_bench.cli import main
-from agg_bench.grpo import step_terms
+from agg_bench.engine.grpo import step_terms
+from agg_bench.engine.models import Policy
 from agg_bench.io import read_jsonl
-from agg_bench.methods import available_methods
-from agg_bench.models import Policy
-from agg_bench.telemetry import SavedActivations, Telemetry
-from agg_bench import train as train_module
-from agg_bench.train import Session
+from agg_bench.machine.telemetry import SavedActivations, Telemetry
+from agg_bench.methods.base import available_methods
+from agg_bench.runtime import train as train_module
+from agg_bench.runtime.train import Session
 from helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def test_agg_bench_run_process_exits_0_on_oom(tmp_path):
     script = (
         "import sys, torch\n"
         "from agg_bench.cli import main\n"
-        "from agg_bench.models import Policy\n"
+        "from agg_bench.engine.models import Policy\n"
         "def velocity(self, *args):\n"
         "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 80.00 GiB')\n"
         "Policy.velocity = velocity\n"

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from agg_bench.checkpoint import RESUMABLE_CHANGES, SAME_RUN_CHANGES
 from agg_bench.cli import main
-from agg_bench.io import atomic_path, is_temp_name, read_jsonl
 from agg_bench.errors import UserError
+from agg_bench.io import atomic_path, is_temp_name, read_jsonl
+from agg_bench.runtime.checkpoint import RESUMABLE_CHANGES, SAME_RUN_CHANGES
 
 SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "train.iterations=1", "progress=false",
          "telemetry.enabled=false"]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from agg_bench.engine.plan import plan_steps
 from agg_bench.errors import ConfigError
-from agg_bench.plan import plan_steps
-from agg_bench.train import Session
+from agg_bench.runtime.train import Session
 from helpers import tiny_config
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from agg_bench.config import load_config
+from agg_bench.engine.models import load_policy
+from agg_bench.engine.pixel_decoder import PixelDecoder
+from agg_bench.engine.scenes import all_scenes, draw_batch
+from agg_bench.engine.text import prompt_conditioning, prompt_set
 from agg_bench.errors import ConfigError, UserError
-from agg_bench.models import load_policy
-from agg_bench.pixel_decoder import PixelDecoder
-from agg_bench.pretrain import MARKER, SceneConditioning, load_pretrain_config, pretrain
-from agg_bench.scenes import all_scenes, draw_batch
-from agg_bench.text import prompt_conditioning, prompt_set
+from agg_bench.tools.pretrain import MARKER, SceneConditioning, load_pretrain_config, pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["steps=2", "batch_size=4", "num_layers=1", "sample_steps=2", "warmup_steps=1"]
@@ -74,7 +74,7 @@ def test_folder_loads_as_a_pretrained_model(pretrained, family, tmp_path):
 
 
 def test_run_on_a_pretrained_folder_records_scene_subscores(pretrained, tmp_path):
-    from agg_bench.train import train
+    from agg_bench.runtime.train import train
 
     prompts_file = tmp_path / "p.txt"
     prompts_file.write_text("\n".join(s.caption for s in all_scenes()[:2]) + "\n")
@@ -117,7 +117,7 @@ def test_output_is_guarded_and_replaced_whole(pretrained, tmp_path):
 
 def test_learning_rate_schedules():
     """Linear warm-up to lr, then constant, or cosine down to 0 at the last step (exact at its ends)."""
-    from agg_bench.pretrain import learning_rate
+    from agg_bench.tools.pretrain import learning_rate
 
     cosine = load_pretrain_config(None, ["steps=110", "warmup_steps=10", "lr=0.5", "lr_schedule=cosine"])
     constant = load_pretrain_config(None, ["steps=110", "warmup_steps=10", "lr=0.5"])

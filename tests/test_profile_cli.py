@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agg_bench.cli import main
-from agg_bench.methods import available_methods
+from agg_bench.methods.base import available_methods
 
 # a schedule without warmup is fine for checking what gets written
 pytestmark = pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")

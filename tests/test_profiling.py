@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from agg_bench.profiling import profile_steps
+from agg_bench.tools.profiling import profile_steps
 
 
 def tiny_step():

@@ -11,14 +11,14 @@ from helpers import one_graph_gradient, relative_error, tiny_config
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
+from agg_bench.engine.grpo import UpdateStats
+from agg_bench.engine.models import build_policy, load_policy, unpack_latents
+from agg_bench.engine.rollout import rollout
+from agg_bench.engine.sde import flow_sigmas
+from agg_bench.engine.text import encode_prompts, prompt_set
 from agg_bench.errors import ConfigError
-from agg_bench.grpo import UpdateStats
 from agg_bench.io import read_jsonl
-from agg_bench.models import build_policy, load_policy, unpack_latents
-from agg_bench.rollout import rollout
-from agg_bench.sde import flow_sigmas
-from agg_bench.text import encode_prompts, prompt_set
-from agg_bench.train import Session
+from agg_bench.runtime.train import Session
 
 FAMILIES = ["sd3", "flux", "qwenimage"]
 RUN = ["--set", "model.resolution=32", "--set", "sampling.steps=3", "--set", "grpo.group_size=2",

@@ -5,7 +5,8 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("module", ["agg_bench.records", "agg_bench.report", "agg_bench.importlog"])
+@pytest.mark.parametrize("module", ["agg_bench.results.records", "agg_bench.results.report",
+                                    "agg_bench.tools.importlog"])
 def test_reading_results_imports_no_torch(module):
     # a fresh interpreter: this test process has torch loaded already
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
@@ -14,7 +15,7 @@ def test_reading_results_imports_no_torch(module):
 
 
 def test_records_imports_only_the_standard_library():
-    code = ("import sys; before = set(sys.modules); import agg_bench.records; "
+    code = ("import sys; before = set(sys.modules); import agg_bench.results.records; "
             "print(sorted(m for m in set(sys.modules) - before if not m.startswith('agg_bench')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     new = eval(out.stdout)  # a list literal of module names
@@ -22,7 +23,9 @@ def test_records_imports_only_the_standard_library():
 
 
 def test_engine_names_are_the_records_names():
-    from agg_bench import records, report, telemetry, train
+    from agg_bench.machine import telemetry
+    from agg_bench.results import records, report
+    from agg_bench.runtime import train
 
     assert train.RECORD_KEYS is records.RECORD_KEYS and train.TIMING_KEYS is records.TIMING_KEYS
     assert telemetry.TELEMETRY_KEYS is records.TELEMETRY_KEYS

@@ -1,10 +1,10 @@
 """Methods, rewards and caches share one registry style: a name -> entry table with one lookup error."""
 import pytest
 
+from agg_bench.engine.rewards import REWARDS, build_reward, jpeg_size_kb
 from agg_bench.errors import ConfigError
-from agg_bench.methods import METHODS, build_method
+from agg_bench.methods.base import METHODS, build_method
 from agg_bench.registry import Registry
-from agg_bench.rewards import REWARDS, build_reward, jpeg_size_kb
 from baselines.caches import CACHES, make_config
 
 
@@ -24,8 +24,8 @@ def test_every_plugin_table_is_a_registry_with_one_lookup_error(registry, key, l
 
 
 def test_lazy_entries_duplicates_and_decorators():
-    registry = Registry("thing.name", {"jpeg": "agg_bench.rewards:jpeg_size_kb"})
-    assert dict.get(registry, "jpeg") == "agg_bench.rewards:jpeg_size_kb"  # not imported until used
+    registry = Registry("thing.name", {"jpeg": "agg_bench.engine.rewards:jpeg_size_kb"})
+    assert dict.get(registry, "jpeg") == "agg_bench.engine.rewards:jpeg_size_kb"  # not imported until used
     assert registry.resolve("jpeg") is jpeg_size_kb and dict.get(registry, "jpeg") is jpeg_size_kb
 
     @registry.register("double")

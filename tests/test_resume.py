@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from agg_bench.checkpoint import CHECKPOINT_NAME
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.errors import UserError
 from agg_bench.io import read_jsonl
-from agg_bench.train import TIMING_KEYS, Interrupted, Session, train
+from agg_bench.runtime.checkpoint import CHECKPOINT_NAME
+from agg_bench.runtime.train import TIMING_KEYS, Interrupted, Session, train
 
 # telemetry on, with its default saved_activations: first, so that the comparison covers the saved-activation
 # count of the run's first iteration (and its absence after)
@@ -180,8 +180,8 @@ def test_rerun_starts_clean_and_resume_without_checkpoint_starts_over(tmp_path, 
 def test_a_checkpoint_from_before_a_key_existed_reads_it_as_its_default(tmp_path):
     import copy
 
-    from agg_bench.checkpoint import check_same_run
     from agg_bench.errors import ConfigError
+    from agg_bench.runtime.checkpoint import check_same_run
 
     cfg = config("full").to_dict()
     older = copy.deepcopy(cfg)

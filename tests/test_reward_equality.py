@@ -39,7 +39,7 @@ from reward_assets import (TINY_MED, TINY_OPEN_CLIP, TINY_VIT, hf_blip_to_image_
                            torchvision_eval_transform, write_bert_tokenizer, write_clip_tokenizer)
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # noqa: E402
 
-from agg_bench.rewards import build_reward, to_uint8  # noqa: E402
+from agg_bench.engine.rewards import build_reward, to_uint8  # noqa: E402
 
 RTOL = 1e-10
 # (height, width): wide with a crop margin of 3 after resizing (torchvision starts the crop at 2, a floor

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from agg_bench.engine.rewards import build_reward
 from agg_bench.errors import UserError
-from agg_bench.rewards import build_reward
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +25,7 @@ from reward_assets import (TINY_MED, TINY_OPEN_CLIP, TINY_VIT, hf_blip_to_image_
                            write_bert_tokenizer, write_clip_tokenizer)
 
 from agg_bench.cli import main  # noqa: E402
-from agg_bench.reward_models.common import LinearStack  # noqa: E402
+from agg_bench.engine.reward_models.common import LinearStack  # noqa: E402
 
 REWARDS = ("hpsv2", "pickscore", "imagereward", "clipscore", "aesthetic")
 PROMPTS = ["a red cat", "the cat", "a dog on grass", "red", "a tree at night"]

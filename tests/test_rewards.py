@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from agg_bench.cli import main
+from agg_bench.engine.rewards import build_reward
 from agg_bench.errors import ConfigError
-from agg_bench.rewards import build_reward
 
 
 def smoothness_reference(image: np.ndarray) -> float:

@@ -6,10 +6,11 @@ import dataclasses
 import pytest
 import torch
 
+from agg_bench.engine.rewards import build_reward, reward_details
+from agg_bench.engine.scene_reward import SUBSCORES, components
+from agg_bench.engine.scenes import (COLORS, POSITIONS, SHAPES, all_scenes, draw, draw_batch, parse_caption,
+                                     region_bounds)
 from agg_bench.errors import ConfigError, UserError
-from agg_bench.rewards import build_reward, reward_details
-from agg_bench.scene_reward import SUBSCORES, components
-from agg_bench.scenes import COLORS, POSITIONS, SHAPES, all_scenes, draw, draw_batch, parse_caption, region_bounds
 
 SIZE = 32
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from agg_bench.sde import flow_sigmas, ode_step, sde_step
+from agg_bench.engine.sde import flow_sigmas, ode_step, sde_step
 from helpers import gaussian_log_prob, sde_reference
 
 

@@ -152,9 +152,9 @@ def test_resume_refuses_a_crafted_checkpoint(tmp_path, capsys):
 
 def test_the_learning_report_refuses_a_crafted_checkpoint(tmp_path):
     """The learning rule's evaluation reads each run's checkpoint.pt: a crafted one is refused, unexecuted."""
-    from agg_bench import learning
-    from agg_bench.pretrain import load_pretrain_config, pretrain
-    from agg_bench.scenes import all_scenes
+    from agg_bench.engine.scenes import all_scenes
+    from agg_bench.results import learning
+    from agg_bench.tools.pretrain import load_pretrain_config, pretrain
 
     model, marker = tmp_path / "model", tmp_path / "ran"
     pretrain(load_pretrain_config(None, ["steps=1", "batch_size=2", "num_layers=1", "sample_steps=1",
@@ -182,8 +182,8 @@ def test_model_and_reward_loaders_refuse_crafted_pickles(tmp_path, folders):
     """A pretrained model folder whose weights are a crafted .bin, and a reward checkpoint: refused, unexecuted."""
     import shutil
 
-    from agg_bench.models import load_policy
-    from agg_bench.reward_models.common import load_state_dict
+    from agg_bench.engine.models import load_policy
+    from agg_bench.engine.reward_models.common import load_state_dict
 
     marker = tmp_path / "ran"
     model = tmp_path / "model"
@@ -360,7 +360,7 @@ def test_import_log_steps_increase(tmp_path, capsys, steps, words):
 
 
 def test_import_log_refuses_a_huge_file_unread(tmp_path, capsys, monkeypatch):
-    from agg_bench import importlog
+    from agg_bench.tools import importlog
 
     log = tmp_path / "huge.jsonl"
     with open(log, "wb") as fh:  # sparse: no disk used
@@ -388,7 +388,7 @@ def test_replay_and_calibrate_keep_a_user_s_files(tmp_path, capsys, snapshot_dir
 
 
 def test_report_and_learning_tables_keep_a_user_s_files(tmp_path, capsys):
-    from agg_bench import learning
+    from agg_bench.results import learning
 
     imported = tmp_path / "imported"
     assert main(["import-log", str(dance_log(tmp_path / "log.jsonl", 12)), "--out", str(imported)]) == 0
@@ -459,7 +459,7 @@ def _enospc(*args, **kwargs):
 def test_a_full_disk_mid_checkpoint_ends_the_run_as_an_error(tmp_path, capsys, monkeypatch):
     """The disk fills while the checkpoint is written: the half-written temporary is removed, summary.json
     says error, and the command ends with one line and exit 2."""
-    from agg_bench import checkpoint
+    from agg_bench.runtime import checkpoint
 
     real_save = torch.save
 

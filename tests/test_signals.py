@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import agg_bench.train as train_module
+import agg_bench.runtime.train as train_module
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
-from agg_bench.train import Interrupted, Session, StopSignals
+from agg_bench.runtime.train import Interrupted, Session, StopSignals
 from baselines.full import FullEstimator
 
 ROOT = Path(__file__).resolve().parents[1]

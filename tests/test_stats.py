@@ -7,8 +7,8 @@ import statistics
 import numpy as np
 import pytest
 
-from agg_bench.report import CalibrationEntry, load_calibration, efficiency_table, load_records, RunEntry
-from agg_bench.stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
+from agg_bench.results.report import CalibrationEntry, load_calibration, efficiency_table, load_records, RunEntry
+from agg_bench.results.stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
 
 EPS = np.finfo(np.float64).eps
 

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from agg_bench.cli import main
+from agg_bench.engine.sde import ode_step
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
-from agg_bench.methods import build_method
-from agg_bench.sde import ode_step
-from agg_bench.train import Session, iteration_generator
+from agg_bench.methods.base import build_method
+from agg_bench.runtime.train import Session, iteration_generator
 from helpers import estimator_gradient, move_off_policy, one_graph_gradient, relative_error, tiny_config
 
 STEPS = 6  # sampling.steps in helpers.TINY

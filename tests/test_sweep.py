@@ -1,4 +1,4 @@
-"""agg_bench.sweep and agg_bench.families: a sweep config expanded into jobs and checked without importing
+"""agg_bench.tools.sweep and agg_bench.engine.families: a sweep config expanded into jobs and checked without importing
 torch, resolutions checked from the model's configs, and the methods' check kept between parses."""
 import json
 import subprocess
@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agg_bench import sweep as sweep_module
+from agg_bench.engine.families import ImageGeometry, check_resolution, model_geometry
+from agg_bench.engine.models import build_tiny_transformer, build_tiny_vae, load_policy
 from agg_bench.errors import ConfigError, UserError
-from agg_bench.families import ImageGeometry, check_resolution, model_geometry
-from agg_bench.models import build_tiny_transformer, build_tiny_vae, load_policy
-from agg_bench.sweep import Sweep, SweepError, flatten, set_arg
+from agg_bench.tools import sweep as sweep_module
+from agg_bench.tools.sweep import Sweep, SweepError, flatten, set_arg
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -118,8 +118,8 @@ def test_unknown_geometry_is_left_to_the_run(tmp_path):
 NO_TORCH_SCRIPT = """
 import json, subprocess, sys
 from pathlib import Path
-import agg_bench.cli, agg_bench.sweep, agg_bench.families, agg_bench.config
-from agg_bench.sweep import Sweep
+import agg_bench.cli, agg_bench.tools.sweep, agg_bench.engine.families, agg_bench.config
+from agg_bench.tools.sweep import Sweep
 cache = Path(sys.argv[1])
 first = Sweep(__import__("yaml").safe_load(open("config/config.yaml")), "workflow/schemas/config.schema.yaml", cache)
 def refuse(*args, **kwargs):
@@ -152,7 +152,7 @@ def test_a_failing_methods_check_is_one_line_and_not_cached(tmp_path, monkeypatc
 
 
 def test_a_run_imports_only_its_own_method():
-    script = ("import sys; from agg_bench.methods import build_method; build_method('agg', {}); "
+    script = ("import sys; from agg_bench.methods.base import build_method; build_method('agg', {}); "
               "print([m for m in ('baselines.cached', 'baselines.caches', 'baselines.subsample') if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

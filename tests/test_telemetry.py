@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from agg_bench import telemetry
-from agg_bench.telemetry import (
+from agg_bench.machine import telemetry
+from agg_bench.machine.telemetry import (
     TELEMETRY_KEYS,
     CudaMemory,
     NVMLSampler,

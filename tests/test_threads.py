@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from agg_bench.pretrain import load_pretrain_config, pretrain
 from agg_bench.threads import usable_cores
+from agg_bench.tools.pretrain import load_pretrain_config, pretrain
 
 # a CLI command that imports torch (loading libgomp) and stops with a config error, writing nothing
 CLI = ["-m", "agg_bench", "pretrain", "--set", "steps=0", "--out"]

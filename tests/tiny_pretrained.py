@@ -30,7 +30,7 @@ from transformers import (
     T5Tokenizer,
 )
 
-from agg_bench.models import TINY_QWEN_VAE, TINY_VAE, build_tiny_transformer
+from agg_bench.engine.models import TINY_QWEN_VAE, TINY_VAE, build_tiny_transformer
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 PUNCT = ".,'\"-:!?"

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
 
+from agg_bench.engine.models import POLICIES
 from agg_bench.errors import UserError
-from agg_bench.models import POLICIES
 
 from .configs import BLOCK_LISTS
 TRANSFORMER_FAMILIES: dict[type, str] = {SD3Transformer2DModel: "sd3", FluxTransformer2DModel: "flux",

@@ -2,7 +2,7 @@
 
 Each cache's hooks live in its own module (:mod:`.fbc`, :mod:`.teacache`, ...) and import diffusers; the
 configs live here and import neither diffusers nor the models, so a sweep's methods are checked
-(``agg_bench.sweep``) without importing diffusers, peft or transformers. A cache's module docstring says
+(``agg_bench.tools.sweep``) without importing diffusers, peft or transformers. A cache's module docstring says
 what the cache does; its config's docstring documents each option.
 """
 from __future__ import annotations

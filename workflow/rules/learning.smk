@@ -18,7 +18,7 @@ def pretrain_command(name: str, threads: int) -> str:
 
 def pretrain_threads(name: str) -> int:
     """The pretrain config's `threads` (its --set first; 0 or absent: 1), so Snakemake reserves those cores."""
-    from agg_bench.pretrain import load_pretrain_config
+    from agg_bench.tools.pretrain import load_pretrain_config
 
     spec = PRETRAIN[name]
     sets = [f"{k}={v}" for k, v in (spec.get("set") or {}).items()]
@@ -72,7 +72,7 @@ rule learning_report:
         f"--eval-noises {int(LEARNING.get('eval_noises', 16))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
         f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')}",
     shell:
-        "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench.learning --manifest {input.manifest} {params.options} "
+        "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench.results.learning --manifest {input.manifest} {params.options} "
         "--tables {LEARNING_DIR} --plots {LEARNING_DIR} > {log} 2>&1"
 
 

@@ -1,0 +1,529 @@
+"""DiTs, VAEs and the per-family calling conventions.
+
+A :class:`Policy` hides how one model family is called: latents are always (B, C, H, W) and the
+timestep is always given as a denoising-step index into the run's schedule. Each family adapter turns
+that into what its diffusers transformer expects (SD3: timestep on the 0-1000 scale; FLUX: packed
+2x2 latents with ``img_ids``/``txt_ids`` and timestep/1000; Qwen-Image: packed 2x2 latents with
+``img_shapes``, a text attention mask and timestep/1000, and a VAE with 5-D latents (B, C, 1, H, W)
+that are normalized per channel).
+
+Precision: parameters are kept in ``model.dtype`` for float32/float64; ``bfloat16`` keeps float32
+master weights and runs the transformer forward under ``torch.autocast`` in bfloat16.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    FluxTransformer2DModel,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+)
+
+from ..errors import ConfigError
+from ..jsonfiles import JsonFileError, read_json_object
+from ..machine.telemetry import saved_activation_region
+from .counters import PassCounter, count_backward
+from .families import TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, ImageGeometry
+from .lora import adapters_disabled, apply_lora, has_adapters  # noqa: F401  (has_adapters: also imported from here)
+from .pixel_decoder import PixelDecoder, is_pixel_decoder_folder
+
+FAMILIES = ("sd3", "flux", "qwenimage")
+
+TRANSFORMER_CLASSES = {"sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel,
+                       "qwenimage": QwenImageTransformer2DModel}
+VAE_CLASSES = {"sd3": AutoencoderKL, "flux": AutoencoderKL, "qwenimage": AutoencoderKLQwenImage}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How ``model.dtype`` is realised: ``param_dtype`` of the (master) weights and the ``autocast_dtype``
+    of the transformer forward (None: no autocast)."""
+
+    param_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None = None
+
+
+PRECISIONS = {
+    "float32": Precision(torch.float32),
+    "float64": Precision(torch.float64),
+    "bfloat16": Precision(torch.float32, torch.bfloat16),
+}
+
+
+def vae_dtype(prec: Precision) -> torch.dtype:
+    """The VAE's dtype: float64 in a float64 run, so that its rewards carry float64 precision rather than
+    float32 rounding, which the advantages' division by a group's spread would magnify; float32 otherwise."""
+    return torch.float64 if prec.param_dtype == torch.float64 else torch.float32
+
+
+def precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise ConfigError("model.dtype", name, f"one of {sorted(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+@dataclass
+class Conditioning:
+    """Text conditioning for a batch: token embeddings (B, L, D), pooled embeddings (B, P) and, for models
+    that mask padded text tokens (Qwen-Image), ``encoder_attention_mask`` (B, L) with 1 on valid tokens."""
+
+    encoder_hidden_states: torch.Tensor
+    pooled_projections: torch.Tensor | None = None
+    encoder_attention_mask: torch.Tensor | None = None
+
+    def _map(self, fn, mask_fn=None) -> "Conditioning":
+        """Apply ``fn`` to every tensor (``mask_fn`` to the mask; default ``fn``); None stays None."""
+        mask_fn = fn if mask_fn is None else mask_fn
+        keep = lambda f, t: None if t is None else f(t)  # noqa: E731
+        return Conditioning(fn(self.encoder_hidden_states), keep(fn, self.pooled_projections),
+                            keep(mask_fn, self.encoder_attention_mask))
+
+    def __getitem__(self, rows) -> "Conditioning":
+        return self._map(lambda t: t[rows])
+
+    def to(self, device=None, dtype=None) -> "Conditioning":
+        # the mask keeps its integer/bool dtype: it selects tokens, it is not a value to compute with
+        return self._map(lambda t: t.to(device=device, dtype=dtype), lambda t: t.to(device=device))
+
+    def repeat_interleave(self, n: int) -> "Conditioning":
+        return self._map(lambda t: t.repeat_interleave(n, dim=0))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that are set, by field name (the names used in snapshot and embedding files)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "Conditioning":
+        return cls(**{f.name: tensors.get(f.name) for f in fields(cls)})
+
+    @property
+    def batch_size(self) -> int:
+        return self.encoder_hidden_states.shape[0]
+
+
+def _seeded(seed: int):
+    torch.manual_seed(seed)
+
+
+def build_tiny_transformer(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A tiny transformer of ``family`` with weights drawn from ``seed``."""
+    if family not in TINY_TRANSFORMERS:
+        raise ConfigError("model.family", family, f"one of {sorted(TINY_TRANSFORMERS)} for the tiny preset")
+    with torch.random.fork_rng(devices=[]):
+        _seeded(seed)
+        model = TRANSFORMER_CLASSES[family](**TINY_TRANSFORMERS[family])
+    return model if dtype == torch.float32 else model.to(dtype)
+
+
+def build_tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32, family: str = "sd3"):
+    """A tiny VAE for ``family`` (Qwen-Image has its own VAE class) with weights drawn from ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        _seeded(seed + 1)
+        vae = AutoencoderKLQwenImage(**TINY_QWEN_VAE) if family == "qwenimage" else AutoencoderKL(**TINY_VAE)
+    vae = vae if dtype == torch.float32 else vae.to(dtype)
+    return vae.eval().requires_grad_(False)
+
+
+class Policy:
+    """A transformer and VAE of one family, called with latents (B, C, H, W) and step indices.
+
+    ``timesteps`` given to :meth:`velocity` are the exact values the transformer receives; the family
+    decides their scale (:attr:`timestep_scale` multiplies sigma). ``counter`` counts every call.
+    ``version`` is incremented by the training loop after each optimizer step, so a method can tell
+    whether the parameters still equal those that produced a rollout. ``autocast_dtype`` (bfloat16 runs)
+    is the dtype of the transformer forward; the returned velocity always has the parameters' dtype.
+    ``base_model`` is True for the KL reference of a LoRA policy: the same modules with adapters off.
+    ``scheduler_config`` is the model's FlowMatchEulerDiscreteScheduler config (None: the folder has none).
+    """
+
+    family: str = ""
+    timestep_scale: float = 1000.0
+    packed: bool = False  # 2x2 latent packing: the transformer sees 4x the latent channels
+    compute_device: torch.device | None = None  # set when sharded (agg_bench.machine.fsdp)
+    padding_passes: int = 0  # lockstep padding calls of a sharded policy (agg_bench.machine.fsdp)
+
+    def __init__(self, transformer: torch.nn.Module, vae: torch.nn.Module | None, latent_channels: int | None = None,
+                 *, autocast_dtype: torch.dtype | None = None, scheduler_config: dict | None = None):
+        self.transformer = transformer
+        self.vae = vae
+        self.latent_channels = latent_channels if latent_channels is not None else \
+            self.latent_channels_of(transformer)
+        self.autocast_dtype = autocast_dtype
+        self.scheduler_config = None if scheduler_config is None else dict(scheduler_config)
+        self.base_model = False
+        self.counter = PassCounter()
+        self.version = 0
+
+    @classmethod
+    def latent_channels_of(cls, transformer) -> int:
+        return transformer.config.in_channels // (4 if cls.packed else 1)
+
+    # ----- shapes -------------------------------------------------------------------------
+    @property
+    def vae_scale_factor(self) -> int:
+        if self.vae is None:
+            return 8
+        if isinstance(self.vae, PixelDecoder):
+            return self.vae.spatial_factor
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def latent_multiple(self) -> int:
+        """Latent height/width must be a multiple of this."""
+        return 2
+
+    def max_latent_size(self) -> int | None:
+        return None
+
+    def latent_shape(self, resolution: int) -> tuple[int, int, int]:
+        """(C, H, W) of the latents for square images of ``resolution`` pixels, or a clear error."""
+        geometry = ImageGeometry(self.family, self.vae_scale_factor, self.latent_multiple, self.max_latent_size())
+        size = geometry.latent_size(resolution)
+        return (self.latent_channels, size, size)
+
+    def image_seq_len(self, latent_shape: tuple[int, int, int]) -> int:
+        """Image tokens the transformer sees for latents of ``latent_shape`` (C, H, W)."""
+        patch = 2 if self.packed else self.transformer.config.patch_size
+        return (latent_shape[1] // patch) * (latent_shape[2] // patch)
+
+    def schedule_shift(self, latent_shape: tuple[int, int, int]) -> float:
+        """The sigma shift of the model's own scheduler config at this latent size (resolution-dependent
+        ``exp(mu)`` for schedulers with dynamic shifting, as the diffusers FLUX / Qwen-Image pipelines do)."""
+        cfg = self.scheduler_config
+        if cfg is None:
+            raise ConfigError("sampling.shift", None, "a number, or a model folder with a scheduler/ config")
+        if not cfg.get("use_dynamic_shifting"):
+            return float(cfg.get("shift", 1.0))
+        base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+        base_shift, max_shift = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        mu = base_shift + slope * (self.image_seq_len(latent_shape) - base_len)
+        return math.exp(mu) if cfg.get("time_shift_type", "exponential") == "exponential" else mu
+
+    def schedule_shift_terminal(self) -> float | None:
+        """The last nonzero sigma the model's scheduler stretches its schedule to (Qwen-Image's
+        ``shift_terminal``); None when its scheduler config has none."""
+        value = (self.scheduler_config or {}).get("shift_terminal")
+        return float(value) if value else None
+
+    @property
+    def device(self) -> torch.device:
+        # FSDP with CPU offload keeps the parameters in host memory and computes on compute_device
+        return self.compute_device or next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    # ----- calls --------------------------------------------------------------------------
+    def timestep_values(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """The values given to the transformer for each step, from the schedule's sigmas (T+1)."""
+        return sigmas[:-1] * self.timestep_scale
+
+    def _call_context(self, device: torch.device) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.base_model:
+            stack.enter_context(adapters_disabled(self.transformer))
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(device_type=device.type, dtype=self.autocast_dtype))
+        return stack
+
+    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """Predicted velocity for ``latents`` (b, C, H, W) at ``timesteps`` (b,); counted."""
+        b = latents.shape[0]
+        dtype = self.dtype
+        with self._call_context(latents.device):
+            grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.transformer.parameters())
+            # what the network saves for backward is what a training phase's saved-activation count covers
+            with saved_activation_region() if grad else contextlib.nullcontext():
+                out = self._forward(latents.to(dtype), timesteps.to(dtype), cond.to(dtype=dtype))
+        out = out.to(dtype)
+        if grad:
+            self.counter.forward_grad += b
+            out = count_backward(out, self.counter)
+        else:
+            self.counter.forward_nograd += b
+        return out
+
+    def _forward(self, latents, timesteps, cond: Conditioning) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _vae_input(self, latents: torch.Tensor) -> torch.Tensor:
+        """Undo the latent normalization the transformer was trained with (scale and shift)."""
+        cfg = self.vae.config
+        return latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+
+    def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(z, return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1] from latents."""
+        if self.vae is None:
+            raise RuntimeError("this policy has no VAE to decode with")
+        images = self._vae_decode(self._vae_input(latents))
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def parameters(self):
+        if self.base_model:
+            return []
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def named_parameters(self):
+        if self.base_model:
+            return []
+        return [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
+
+    def frozen_copy(self) -> "Policy":
+        """The KL reference policy; it shares the counter. With LoRA adapters it is the same transformer
+        run with the adapters disabled (the base model, no copy); otherwise a frozen deep copy."""
+        ref = copy.copy(self)
+        if has_adapters(self.transformer):
+            ref.base_model = True
+        else:
+            ref.transformer = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+        return ref
+
+
+class SD3Policy(Policy):
+    family = "sd3"
+    timestep_scale = 1000.0
+
+    @property
+    def latent_multiple(self) -> int:
+        return self.transformer.config.patch_size
+
+    def max_latent_size(self) -> int | None:
+        return self.transformer.config.pos_embed_max_size * self.transformer.config.patch_size
+
+    def _forward(self, latents, timesteps, cond):
+        return self.transformer(
+            hidden_states=latents, timestep=timesteps,
+            encoder_hidden_states=cond.encoder_hidden_states,
+            pooled_projections=cond.pooled_projections, return_dict=False,
+        )[0]
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C), FLUX's 2x2 patch packing."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(packed: torch.Tensor, channels: int, height: int, width: int) -> torch.Tensor:
+    b = packed.shape[0]
+    x = packed.view(b, height // 2, width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, channels, height, width)
+
+
+def flux_image_ids(height: int, width: int, device, dtype) -> torch.Tensor:
+    """Position ids (H/2 * W/2, 3) of packed FLUX latents."""
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] = torch.arange(height // 2)[:, None]
+    ids[..., 2] = torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+class FluxPolicy(Policy):
+    family = "flux"
+    timestep_scale = 1.0
+    packed = True
+
+    def _forward(self, latents, timesteps, cond):
+        b, c, h, w = latents.shape
+        ehs = cond.encoder_hidden_states
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((b,), 1.0, device=latents.device, dtype=latents.dtype)
+        out = self.transformer(
+            hidden_states=pack_latents(latents), timestep=timesteps,
+            encoder_hidden_states=ehs, pooled_projections=cond.pooled_projections,
+            img_ids=flux_image_ids(h, w, latents.device, latents.dtype),
+            txt_ids=torch.zeros(ehs.shape[1], 3, device=latents.device, dtype=latents.dtype),
+            guidance=guidance, return_dict=False,
+        )[0]
+        return unpack_latents(out, c, h, w)
+
+
+class QwenImagePolicy(Policy):
+    """Qwen-Image: packed 2x2 latents, ``img_shapes`` for RoPE, the text mask, timestep = sigma.
+
+    Its VAE works on video-shaped latents (B, C, 1, H, W) normalized per channel with the VAE config's
+    ``latents_mean`` / ``latents_std``; the policy keeps (B, C, H, W) and adds the frame axis for decoding.
+    """
+
+    family = "qwenimage"
+    timestep_scale = 1.0
+    packed = True
+
+    @property
+    def vae_scale_factor(self) -> int:
+        if self.vae is None:
+            return 8
+        return 2 ** len(self.vae.config.temperal_downsample)
+
+    def _forward(self, latents, timesteps, cond):
+        b, c, h, w = latents.shape
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((b,), 1.0, device=latents.device, dtype=latents.dtype)
+        out = self.transformer(
+            hidden_states=pack_latents(latents), timestep=timesteps, guidance=guidance,
+            encoder_hidden_states=cond.encoder_hidden_states,
+            encoder_hidden_states_mask=cond.encoder_attention_mask,
+            img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False,
+        )[0]
+        return unpack_latents(out, c, h, w)
+
+    def _vae_input(self, latents: torch.Tensor) -> torch.Tensor:
+        cfg = self.vae.config
+        shape = (1, cfg.z_dim, 1, 1, 1)
+        mean = torch.tensor(cfg.latents_mean, dtype=self.vae.dtype, device=latents.device).view(shape)
+        std = torch.tensor(cfg.latents_std, dtype=self.vae.dtype, device=latents.device).view(shape)
+        return latents.to(self.vae.dtype).unsqueeze(2) * std + mean
+
+    def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(z, return_dict=False)[0][:, :, 0]
+
+
+POLICIES: dict[str, type[Policy]] = {"sd3": SD3Policy, "flux": FluxPolicy, "qwenimage": QwenImagePolicy}
+
+
+def text_dims(transformer) -> tuple[int, int | None]:
+    """(token embedding dim, pooled embedding dim) the transformer expects."""
+    cfg = transformer.config
+    return cfg.joint_attention_dim, getattr(cfg, "pooled_projection_dim", None)
+
+
+def _subfolder(pretrained: str, name: str, what: str) -> str:
+    path = os.path.join(pretrained, name)
+    if not os.path.isdir(path):
+        raise ConfigError("model.pretrained", pretrained,
+                          f"a local diffusers folder with {what} in {name}/ (missing: {path})")
+    return path
+
+
+def folder_json(pretrained: str, name: str, what: str) -> dict:
+    """The JSON object in the model folder's file ``name`` (e.g. ``transformer/config.json``); a ConfigError
+    naming ``model.pretrained``, the file and its problem when it is not one (``what``: what it should hold)."""
+    try:
+        return read_json_object(os.path.join(pretrained, name), what)
+    except JsonFileError as err:
+        raise ConfigError("model.pretrained", pretrained,
+                          f"a folder whose {name} is {what}, a JSON object ({name} {err.problem})") from None
+
+
+def _load_component(cls, path: str, pretrained: str, what: str, **kwargs):
+    """``cls.from_pretrained`` on a local folder only; a missing or broken file is a ConfigError."""
+    try:
+        return cls.from_pretrained(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError, TypeError) as err:  # TypeError: a config value of the wrong type
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {path} ({first})") from err
+
+
+def _check_class(pretrained: str, component: str, expected: type, key: str, value: str) -> None:
+    """The component's config.json must be a diffusers config naming ``expected`` (e.g. an SD3 folder used
+    with model.family=flux)."""
+    name = folder_json(pretrained, f"{component}/config.json", f"the {component}'s diffusers config").get("_class_name")
+    if name and name != expected.__name__:
+        raise ConfigError(key, value, f"the family of {pretrained} ({name} in {component}/)")
+
+
+def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
+    """(transformer, VAE, scheduler config) from the local diffusers folder ``pretrained``."""
+    if not os.path.isdir(pretrained):
+        raise ConfigError("model.pretrained", pretrained, "an existing local diffusers folder")
+    t_dir = _subfolder(pretrained, "transformer", "the transformer")
+    _check_class(pretrained, "transformer", TRANSFORMER_CLASSES[family], "model.family", family)
+    transformer = _load_component(TRANSFORMER_CLASSES[family], t_dir, pretrained, "transformer weights",
+                                  torch_dtype=param_dtype)
+    vae_dir = _subfolder(pretrained, "vae", "the VAE")
+    if is_pixel_decoder_folder(vae_dir):  # a pixel-space model (agg-bench pretrain)
+        try:
+            vae = PixelDecoder.from_folder(vae_dir)
+        except TypeError as err:
+            raise ConfigError("model.pretrained", pretrained, f"a readable pixel decoder config in {vae_dir} ({err})")
+    else:
+        _check_class(pretrained, "vae", VAE_CLASSES[family], "model.pretrained", pretrained)
+        vae = _load_component(VAE_CLASSES[family], vae_dir, pretrained, "VAE weights").eval().requires_grad_(False)
+    scheduler_config = None
+    sched_dir = os.path.join(pretrained, "scheduler")
+    if os.path.isdir(sched_dir):
+        folder_json(pretrained, "scheduler/scheduler_config.json", "the scheduler's diffusers config")
+        scheduler_config = dict(_load_component(FlowMatchEulerDiscreteScheduler, sched_dir, pretrained,
+                                                "a scheduler config").config)
+    return transformer, vae, scheduler_config
+
+
+def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "float32",
+                device: str | torch.device = "cpu", seed: int = 0, architecture: str | None = None) -> Policy:
+    """Build the tiny preset, a public ``architecture`` with random weights (preset ``random``, created on
+    the meta device and materialised on ``device``), or load a local diffusers folder (``transformer/``,
+    ``vae/``, ``scheduler/``)."""
+    if family not in POLICIES:
+        raise ConfigError("model.family", family, f"one of {sorted(POLICIES)}")
+    prec = precision(dtype)
+    scheduler_config = None
+    if pretrained:
+        transformer, vae, scheduler_config = load_pretrained(family, pretrained, prec.param_dtype)
+    elif preset == "tiny":
+        transformer = build_tiny_transformer(family, seed, prec.param_dtype)
+        vae = build_tiny_vae(seed, family=family)
+        scheduler_config = FlowMatchEulerDiscreteScheduler(shift=3.0).config  # shift 3, as docs/design.md's sampler
+    elif preset == "random":
+        from .architectures import architecture as find_architecture, build_random
+
+        arch = find_architecture(family, architecture)
+        transformer = build_random(TRANSFORMER_CLASSES[family], arch.transformer, device, seed, prec.param_dtype)
+        vae = build_random(VAE_CLASSES[family], arch.vae, device, seed + 1).eval().requires_grad_(False)
+        scheduler_config = FlowMatchEulerDiscreteScheduler(**arch.scheduler).config
+    else:
+        raise ConfigError("model.preset", preset, "'tiny', 'random', or model.pretrained set to a local folder")
+    policy_cls = POLICIES[family]
+    latent_channels = policy_cls.latent_channels_of(transformer)
+    vae_channels = vae.config.z_dim if family == "qwenimage" else vae.config.latent_channels
+    if vae_channels != latent_channels:
+        raise ConfigError("model.pretrained", pretrained,
+                          f"a VAE with {latent_channels} latent channels to match the transformer")
+    transformer.to(device)
+    # .to(dtype) only when it changes something: diffusers warns about any dtype cast of a model
+    vae.to(device)
+    if vae.dtype != vae_dtype(prec):
+        vae.to(vae_dtype(prec))
+    return policy_cls(transformer, vae, latent_channels, autocast_dtype=prec.autocast_dtype,
+                      scheduler_config=scheduler_config)
+
+
+def build_policy(cfg, device: str | torch.device = "cpu") -> Policy:
+    """The run's policy: loaded (``model``), then gradient checkpointing and LoRA from ``train``.
+
+    Checkpointing with a method that caches block outputs in the training forward is refused by that
+    method's ``check_run`` (``cached`` with ``method.cache_in`` train/both).
+    """
+    model = cfg["model"]
+    policy = load_policy(model["family"], model["preset"], model["pretrained"], model["dtype"], device,
+                         cfg["seed"], model.get("architecture"))
+    prepare_training(policy.transformer, policy.family, cfg["train"])
+    return policy
+
+
+def prepare_training(transformer: torch.nn.Module, family: str, train: dict) -> None:
+    """Gradient checkpointing and LoRA adapters as the ``train`` section asks (the memory planner
+    applies the same to its shape-only model)."""
+    if train.get("gradient_checkpointing"):
+        transformer.enable_gradient_checkpointing()
+    if train.get("lora_rank", 0) > 0:
+        apply_lora(transformer, family, train["lora_rank"], train.get("lora_alpha"),
+                   train.get("lora_target_modules"))

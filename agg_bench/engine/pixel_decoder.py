@@ -1,0 +1,75 @@
+"""A pixel-space "VAE": latents are the image's pixels, rearranged, with no learned weights.
+
+The pre-trained scene models (:mod:`agg_bench.tools.pretrain`) denoise pixels directly; their ``vae/`` folder
+holds this decoder's ``config.json`` (``_class_name: PixelDecoder``) instead of a VAE. Latents of an image
+of side S are ``pixel_unshuffle((2 * image - 1 - shift_factor) * scaling_factor, factor)``: shape
+(3 factor^2, S / factor, S / factor). A 2x2 rearrangement halves the side the transformer patches, so a
+32 px image is 8 x 8 tokens for SD3 (patch 2) and for FLUX (2x2 packing) alike.
+
+It offers what :class:`agg_bench.engine.models.Policy` uses of a VAE: ``config.latent_channels``,
+``config.scaling_factor``, ``config.shift_factor``, ``decode(z, return_dict=False)`` (images in [-1, 1])
+and ``dtype``; :attr:`spatial_factor` is its VAE scale factor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+CLASS_NAME = "PixelDecoder"
+
+
+class PixelDecoder(torch.nn.Module):
+    """``factor``: side reduction of the rearrangement (a power of 2); ``scaling_factor`` and
+    ``shift_factor``: the latent normalisation (diffusers' convention: ``latent / scaling_factor +
+    shift_factor`` is the decoder's input); ``image_channels``: 3 (RGB)."""
+
+    def __init__(self, factor: int = 2, scaling_factor: float = 1.0, shift_factor: float = 0.0,
+                 image_channels: int = 3):
+        super().__init__()
+        self.config = SimpleNamespace(factor=factor, scaling_factor=scaling_factor, shift_factor=shift_factor,
+                                      image_channels=image_channels,
+                                      latent_channels=image_channels * factor * factor)
+        # a buffer gives the module a dtype and device, as a VAE's weights do
+        self.register_buffer("anchor", torch.zeros(()), persistent=False)
+
+    @property
+    def spatial_factor(self) -> int:
+        return self.config.factor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.anchor.dtype
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Normalised latents of images (B, 3, S, S) in [0, 1]."""
+        cfg = self.config
+        return F.pixel_unshuffle((images * 2 - 1 - cfg.shift_factor) * cfg.scaling_factor, cfg.factor)
+
+    def decode(self, z: torch.Tensor, return_dict: bool = False):
+        """Images in [-1, 1] (unclamped) from decoder inputs (latents already un-normalised)."""
+        return (F.pixel_shuffle(z, self.config.factor),)
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg = {k: v for k, v in vars(self.config).items() if k != "latent_channels"}
+        (folder / "config.json").write_text(json.dumps({"_class_name": CLASS_NAME, **cfg}, indent=2) + "\n")
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "PixelDecoder":
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        cfg.pop("_class_name", None)
+        return cls(**cfg)
+
+
+def is_pixel_decoder_folder(folder: str | Path) -> bool:
+    """Whether ``folder/config.json`` names this decoder."""
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text()).get("_class_name") == CLASS_NAME
+    except (OSError, ValueError, AttributeError):
+        return False

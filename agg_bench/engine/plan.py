@@ -1,0 +1,58 @@
+"""Which denoising steps each sample trains on.
+
+Plans return ``train_steps`` (B, N) int64 in denoising order, drawn from the steps that have a
+log-probability (``available``):
+- ``steps``: DanceGRPO's scheme, each sample its own random subset of round(fraction * T) steps;
+- ``groups``: the available steps cut into consecutive groups of ``plan_window`` steps, each sample
+  keeps its own random round(fraction * n_groups) groups (the AGG authors' scheme), so a method
+  that groups W = plan_window steps sees whole groups. Steps past the last whole group are not trained.
+Counts are rounded (Python's ``round``, halves to even) and never fall below one step or group; the
+public Flow-GRPO and DanceGRPO code floors instead, which differs only when fraction * n ends in .5 or more.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+
+PLANS = ("steps", "groups")
+
+
+def _count(fraction: float, n: int) -> int:
+    return max(1, min(n, round(fraction * n)))
+
+
+def steps_per_sample(kind: str, available: int, fraction: float, plan_window: int) -> int:
+    """N, the number of trained steps each sample gets from a plan over ``available`` steps."""
+    if kind == "groups":
+        n_groups = available // plan_window if plan_window >= 1 else 0
+        return _count(fraction, n_groups) * plan_window if n_groups else 0
+    return _count(fraction, available)
+
+
+def plan_steps(kind: str, batch_size: int, available: torch.Tensor, fraction: float, plan_window: int,
+               generator: torch.Generator) -> torch.Tensor:
+    steps = torch.nonzero(available, as_tuple=False).flatten()
+    if steps.numel() == 0:
+        raise ConfigError("train.plan", kind, "at least one step with a log-probability")
+    if not 0 < fraction <= 1:
+        raise ConfigError("train.timestep_fraction", fraction, "a number in (0, 1]")
+    rows = []
+    if kind == "steps":
+        n = _count(fraction, steps.numel())
+        for _ in range(batch_size):
+            pick = torch.randperm(steps.numel(), generator=generator)[:n].sort().values
+            rows.append(steps[pick])
+    elif kind == "groups":
+        n_groups = steps.numel() // plan_window if plan_window >= 1 else 0
+        if n_groups == 0:
+            raise ConfigError("train.plan_window", plan_window,
+                              f"an integer in [1, {steps.numel()}] (the number of steps with a log-probability)")
+        groups = steps[: n_groups * plan_window].view(n_groups, plan_window)
+        n = _count(fraction, n_groups)
+        for _ in range(batch_size):
+            pick = torch.randperm(n_groups, generator=generator)[:n].sort().values
+            rows.append(groups[pick].flatten())
+    else:
+        raise ConfigError("train.plan", kind, f"one of {list(PLANS)}")
+    return torch.stack(rows).to(torch.int64)

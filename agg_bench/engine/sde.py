@@ -1,0 +1,124 @@
+"""Stochastic flow-matching sampler steps with log-probabilities, and the schedule.
+
+Sigmas run from ``s_0 = 1`` down to ``s_T = 0``; the model predicts the velocity ``v`` and a
+deterministic Euler step is ``x + (s_{j+1} - s_j) v``. The SDE steps below add noise so that each
+transition is Gaussian and has a log-probability, which GRPO's importance ratio needs.
+
+Everything is computed in float32 (float64 when the inputs are float64). ``log_prob`` is the mean
+over all non-batch dimensions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+SDE_KINDS = ("flow_grpo", "dance_grpo")
+LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
+
+
+@dataclass
+class SDEStepOutput:
+    """``prev_sample`` x_{j+1}; ``log_prob`` (B,) of it; ``mean`` and ``std`` of the Gaussian transition;
+    ``std_t`` its noise level before the step size: ``std = std_t * sqrt(s_j - s_{j+1})`` (flow_grpo:
+    ``eta * sqrt(s / (1 - s'))``, dance_grpo: ``eta``). ``std`` and ``std_t`` are (B, 1, ..., 1)."""
+
+    prev_sample: torch.Tensor
+    log_prob: torch.Tensor | None
+    mean: torch.Tensor
+    std: torch.Tensor
+    std_t: torch.Tensor | None = None
+
+
+def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -> torch.Tensor:
+    """The T+1 sigmas of diffusers' FlowMatchEulerDiscreteScheduler with ``shift`` (and, when given,
+    ``shift_terminal``: the shifted schedule stretched so that its last nonzero sigma is that value,
+    as Qwen-Image's scheduler does), ending at 0 (float64)."""
+    if steps < 1:
+        raise ConfigError("sampling.steps", steps, "an integer >= 1")
+    # imported here: the training step (agg_bench.engine.grpo) imports this module, and checking a method's
+    # options must not import diffusers (agg_bench.tools.sweep)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, shift_terminal=shift_terminal)
+    scheduler.set_timesteps(steps)
+    return scheduler.sigmas.to(torch.float64)
+
+
+def _per_sample(values: torch.Tensor, index, like: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` shaped to broadcast against ``like`` (B, ...); ``index`` is an int or (B,)."""
+    picked = values[index] if isinstance(index, int) else values[torch.as_tensor(index, device=values.device)]
+    picked = picked.to(device=like.device, dtype=like.dtype)
+    if picked.dim() == 0:
+        return picked
+    return picked.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Mean over non-batch dims of the elementwise Gaussian log-density."""
+    logp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI
+    return logp.mean(dim=tuple(range(1, logp.dim())))
+
+
+def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas: torch.Tensor, index,
+             eta: float, prev_sample: torch.Tensor | None = None,
+             generator: torch.Generator | None = None) -> SDEStepOutput:
+    """One SDE step from ``sample`` = x_j with velocity ``model_output`` to x_{j+1}.
+
+    ``index`` is the step j, an int or a (B,) tensor of per-sample steps. If ``prev_sample`` is given
+    its log-probability is returned; otherwise x_{j+1} is drawn with ``generator``. ``eta`` must be a
+    number > 0: at 0 the transition is deterministic and has no density (use :func:`ode_step`).
+    """
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not math.isfinite(eta) or eta <= 0:
+        raise ConfigError("sampling.eta", eta, "a finite number > 0 (eta 0 is the ODE step, which has no log-probability)")
+    dtype = _compute_dtype(model_output, sample, prev_sample)
+    v = model_output.to(dtype)
+    x = sample.to(dtype)
+    sig = sigmas.to(dtype)
+    s = _per_sample(sig, index, x)
+    nxt = index + 1 if isinstance(index, int) else torch.as_tensor(index) + 1
+    s_next = _per_sample(sig, nxt, x)
+    dt = s_next - s
+    if kind == "flow_grpo":
+        s_safe = torch.where(s == 1, sig[1].to(x.device), s)
+        std_t = eta * torch.sqrt(s / (1 - s_safe))
+        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+        std = std_t * torch.sqrt(-dt)
+    elif kind == "dance_grpo":
+        x0 = x - s * v
+        score = -(x - x0 * (1 - s)) / s**2
+        mean = x + dt * v - 0.5 * eta**2 * score * dt
+        std_t = torch.full_like(dt, eta)
+        std = eta * torch.sqrt(-dt)
+    else:
+        raise ConfigError("sampling.sde", kind, f"one of {list(SDE_KINDS)}")
+    ones = [1] * (x.dim() - 1)
+    std = std.reshape(-1, *ones).expand(x.shape[0], *ones)  # (B, 1, ..., 1)
+    std_t = std_t.reshape(-1, *ones).expand(x.shape[0], *ones)
+    if prev_sample is None:
+        if generator is None:
+            noise = torch.randn_like(x)
+        else:  # drawn on the generator's device, so a CPU generator gives the same noise everywhere
+            noise = torch.randn(x.shape, generator=generator, device=generator.device, dtype=dtype).to(x.device)
+        prev = mean + std * noise
+    else:
+        prev = prev_sample.to(dtype)
+    return SDEStepOutput(prev_sample=prev, log_prob=gaussian_log_prob(prev, mean, std), mean=mean, std=std,
+                         std_t=std_t)
+
+
+def ode_step(model_output: torch.Tensor, sample: torch.Tensor, sigmas: torch.Tensor, index) -> torch.Tensor:
+    """Deterministic Euler step x + (s_{j+1} - s_j) v."""
+    dtype = _compute_dtype(model_output, sample)
+    x = sample.to(dtype)
+    s = _per_sample(sigmas.to(dtype), index, x)
+    nxt = index + 1 if isinstance(index, int) else torch.as_tensor(index) + 1
+    s_next = _per_sample(sigmas.to(dtype), nxt, x)
+    return x + (s_next - s) * model_output.to(dtype)

@@ -1,0 +1,391 @@
+"""Prompt embeddings from a model's own text encoders, computed once per prompt set and cached on disk.
+
+Real models (``model.pretrained``) are conditioned with the embeddings their diffusers pipeline makes
+(``encode_prompt`` of StableDiffusion3Pipeline / FluxPipeline / QwenImagePipeline, loaded from the local
+folder without transformer and VAE). They are computed once per (model, prompt file) and stored as
+safetensors under ``prompts.cache_dir``; a run looks there first and only encodes on a miss.
+``agg-bench embed`` fills the cache ahead of the runs. The tiny preset keeps the download-free token-hash
+embedding of :mod:`agg_bench.engine.prompts`.
+
+An embeddings file holds ``encoder_hidden_states`` (N, L, D) float32, ``pooled_projections`` (N, P) for SD3
+and FLUX, ``encoder_attention_mask`` (N, L) int64 for Qwen-Image (prompts are padded to the longest one),
+and string metadata: ``format``, ``key`` (the cache key), ``family``, ``pretrained``, ``prompts_file``,
+``prompts_sha256``, ``n_prompts``, ``max_sequence_length``, ``encoder_dtype``.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ..errors import ConfigError, UserError, quote
+from ..io import atomic_target
+from .models import Conditioning, folder_json, text_dims
+from .prompts import TOKEN_HASH_FILE, hash_embed, load_prompts, token_hash_settings
+
+FORMAT = "agg-bench-embeddings/1"
+BUILTIN_PROMPTS = Path(__file__).parent.parent / "data" / "prompts.txt"
+# Text-encoder components of each family's pipeline (folder names in a diffusers model folder).
+TEXT_COMPONENTS: dict[str, tuple[str, ...]] = {
+    "sd3": ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3"),
+    "flux": ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"),
+    "qwenimage": ("text_encoder", "tokenizer"),
+}
+ENCODE_BATCH = 8  # prompts per text-encoder call
+# Files whose content identifies a text encoder without reading its weights (weights count by size).
+CONFIG_SUFFIXES = (".json", ".txt", ".model", ".tiktoken")
+
+
+@dataclass
+class EncodeCounter:
+    """Text-encoder work done in this process: ``sets`` prompt sets and ``prompts`` prompts encoded."""
+
+    sets: int = 0
+    prompts: int = 0
+
+
+ENCODINGS = EncodeCounter()
+
+
+@dataclass
+class PromptSet:
+    """The prompts of a run, the file they came from and the SHA-256 of its bytes."""
+
+    prompts: list[str]
+    path: Path
+    sha256: str
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def prompt_set(file: str | Path | None) -> PromptSet:
+    """The prompt set of ``prompts.file`` (None: the built-in set)."""
+    path = Path(file) if file else BUILTIN_PROMPTS
+    prompts = load_prompts(path)
+    return PromptSet(prompts, path, file_sha256(path))
+
+
+def model_identity(family: str, pretrained: str | Path) -> str:
+    """A hash of the resolved folder path, ``model_index.json`` and the text encoders' and tokenizers'
+    config and vocabulary files (weight files enter by name and size only, so large folders hash fast)."""
+    root = Path(pretrained).resolve()
+    digest = hashlib.sha256(f"{family}\0{root}\0".encode())
+    files = [root / "model_index.json"] if (root / "model_index.json").is_file() else []
+    for component in TEXT_COMPONENTS[family]:
+        folder = root / component
+        if folder.is_dir():
+            files += sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        if path.suffix in CONFIG_SUFFIXES:
+            digest.update(f"{rel}\0{file_sha256(path)}\0".encode())
+        else:
+            digest.update(f"{rel}\0{path.stat().st_size}\0".encode())
+    return digest.hexdigest()
+
+
+def encoder_dtype(model_dtype: str) -> torch.dtype:
+    """Text encoders run in bfloat16 for bfloat16 runs, float32 otherwise."""
+    return torch.bfloat16 if model_dtype == "bfloat16" else torch.float32
+
+
+def cache_key(family: str, pretrained: str | Path, prompts: PromptSet, max_sequence_length: int | None,
+              dtype: torch.dtype) -> str:
+    """The cache key: model identity, prompt-file content and encoding settings."""
+    parts = [FORMAT, family, model_identity(family, pretrained), prompts.sha256, str(max_sequence_length),
+             str(dtype).removeprefix("torch.")]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+# ----- encoding with the pipelines' own encode_prompt ----------------------------------------------
+def _pipeline_class(family: str):
+    from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
+
+    return {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline, "qwenimage": QwenImagePipeline}[family]
+
+
+def load_text_pipeline(family: str, pretrained: str | Path, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu"):
+    """The family's diffusers pipeline from the local folder with text encoders and tokenizers only."""
+    root = Path(pretrained)
+    if not root.is_dir():
+        raise ConfigError("model.pretrained", str(pretrained), "an existing local diffusers folder")
+    missing = [c for c in ("model_index.json", *TEXT_COMPONENTS[family]) if not (root / c).exists()]
+    if missing:
+        raise ConfigError("model.pretrained", str(pretrained),
+                          f"a local diffusers folder with the {family} text encoders (missing: {', '.join(missing)})")
+    index = folder_json(str(pretrained), "model_index.json", "the pipeline's diffusers index")
+    if not isinstance(index.get("_class_name"), str):
+        raise ConfigError("model.pretrained", str(pretrained), "a model_index.json that names the pipeline's "
+                          f"_class_name (found {quote(index.get('_class_name'))})")
+    for key in TEXT_COMPONENTS[family]:
+        entry = index.get(key)
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
+            raise ConfigError("model.pretrained", str(pretrained),
+                              f"a model_index.json that names the {key} as [library, class] (found {quote(entry)})")
+    try:
+        pipe = _pipeline_class(family).from_pretrained(str(root), transformer=None, vae=None, dtype=dtype,
+                                                       local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as err:  # Type/KeyError: a config of the wrong shape
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError("model.pretrained", str(pretrained),
+                          f"loadable text encoders and tokenizers ({first})") from err
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def _encode_sd3(pipe, prompts: list[str], device, max_sequence_length: int | None) -> Conditioning:
+    extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+    embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+                                              do_classifier_free_guidance=False, **extra)
+    return Conditioning(embeds, pooled)
+
+
+def _encode_flux(pipe, prompts: list[str], device, max_sequence_length: int | None) -> Conditioning:
+    extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+    embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, **extra)
+    return Conditioning(embeds, pooled)
+
+
+def _encode_qwenimage(pipe, prompts: list[str], device, max_sequence_length: int | None) -> Conditioning:
+    extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+    embeds, mask = pipe.encode_prompt(prompt=prompts, device=device, **extra)
+    if mask is None:  # the pipeline drops an all-ones mask; a cache spanning batches needs it explicit
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    return Conditioning(embeds, None, mask.to(torch.long))
+
+
+ENCODERS = {"sd3": _encode_sd3, "flux": _encode_flux, "qwenimage": _encode_qwenimage}
+
+
+def concat_conditionings(parts: list[Conditioning]) -> Conditioning:
+    """Stack batches along the batch axis; token axes are zero-padded (mask 0) to the longest batch."""
+    length = max(p.encoder_hidden_states.shape[1] for p in parts)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        extra = length - t.shape[1]
+        if extra == 0:
+            return t
+        return torch.cat([t, t.new_zeros((t.shape[0], extra, *t.shape[2:]))], dim=1)
+
+    masked = parts[0].encoder_attention_mask is not None
+    return Conditioning(
+        torch.cat([pad(p.encoder_hidden_states) for p in parts]),
+        None if parts[0].pooled_projections is None else torch.cat([p.pooled_projections for p in parts]),
+        torch.cat([pad(p.encoder_attention_mask) for p in parts]) if masked else None,
+    )
+
+
+def encode_prompts(family: str, pretrained: str | Path, prompts: list[str], device: str | torch.device = "cpu",
+                   max_sequence_length: int | None = None, dtype: torch.dtype = torch.float32,
+                   batch_size: int = ENCODE_BATCH) -> Conditioning:
+    """Embeddings of ``prompts`` by the model's own text encoders (float32, on CPU); counted in ENCODINGS."""
+    pipe = load_text_pipeline(family, pretrained, dtype, device)
+    encode = ENCODERS[family]
+    parts = []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(prompts), batch_size):
+                part = encode(pipe, prompts[start:start + batch_size], device, max_sequence_length)
+                parts.append(part.to("cpu", torch.float32))
+    finally:
+        del pipe
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    ENCODINGS.sets += 1
+    ENCODINGS.prompts += len(prompts)
+    return concat_conditionings(parts)
+
+
+# ----- the cache --------------------------------------------------------------------------------
+def save_embeddings(path: str | Path, cond: Conditioning, metadata: dict[str, str]) -> Path:
+    """Write ``cond`` and ``metadata`` to ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in cond.tensors().items()}
+    with atomic_target(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, **{k: str(v) for k, v in metadata.items()}})
+    return path
+
+
+def is_embeddings_file(path: str | Path) -> bool:
+    """Whether ``path`` is an embedding file this module wrote (its metadata's format)."""
+    return read_metadata(path).get("format") == FORMAT
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return dict(fh.metadata() or {})
+    except Exception:  # a foreign or torn file is not a cache entry
+        return {}
+
+
+def load_embeddings(path: str | Path) -> tuple[Conditioning, dict[str, str]]:
+    meta = read_metadata(path)
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{path}: not an agg-bench embeddings file (write one with `agg-bench embed`)")
+    return Conditioning.from_tensors(load_file(str(path))), meta
+
+
+def find_cached(cache_dir: str | Path, key: str) -> Path | None:
+    """A file in ``cache_dir`` whose metadata carries ``key`` (any name: `agg-bench embed --out` picks it)."""
+    folder = Path(cache_dir)
+    if not folder.is_dir():
+        return None
+    for path in sorted(folder.glob("*.safetensors")):
+        if read_metadata(path).get("key") == key:
+            return path
+    return None
+
+
+def default_cache_path(cache_dir: str | Path, family: str, pretrained: str | Path | None, prompts: PromptSet,
+                       key: str) -> Path:
+    model = Path(pretrained).name if pretrained else "tiny"
+    return Path(cache_dir) / f"{family}-{model}-{prompts.path.stem}-{key[:12]}.safetensors"
+
+
+@dataclass
+class Embeddings:
+    """A run's prompt embeddings, the file they live in, and whether this call ran the text encoders."""
+
+    cond: Conditioning
+    path: Path | None
+    encoded: bool
+    key: str
+
+
+def run_embeddings(cfg, prompts: PromptSet, device: str | torch.device = "cpu",
+                   write_to: str | Path | None = None) -> Embeddings:
+    """Embeddings of ``prompts`` for the run ``cfg``: from ``prompts.cache_dir`` when cached, else encoded
+    once with the model's text encoders and written there (to ``write_to`` when given)."""
+    family, pretrained = cfg["model"]["family"], cfg["model"]["pretrained"]
+    options = cfg["prompts"]
+    max_len = options.get("max_sequence_length")
+    dtype = encoder_dtype(cfg["model"]["dtype"])
+    if not Path(pretrained).is_dir():
+        raise ConfigError("model.pretrained", pretrained, "an existing local diffusers folder")
+    key = cache_key(family, pretrained, prompts, max_len, dtype)
+    cache_dir = options.get("cache_dir") or "results/embeddings"
+    hit = find_cached(cache_dir, key)
+    if hit is not None:
+        cond, _ = load_embeddings(hit)
+        return Embeddings(cond, hit, False, key)
+    cond = encode_prompts(family, pretrained, prompts.prompts, device, max_len, dtype)
+    meta = {"key": key, "family": family, "pretrained": str(Path(pretrained).resolve()),
+            "prompts_file": str(prompts.path), "prompts_sha256": prompts.sha256, "n_prompts": len(prompts.prompts),
+            "max_sequence_length": max_len, "encoder_dtype": str(dtype).removeprefix("torch.")}
+    target = write_to if write_to is not None else default_cache_path(cache_dir, family, pretrained, prompts, key)
+    path = save_embeddings(target, cond, meta)
+    return Embeddings(cond, path, True, key)
+
+
+def check_dims(cond: Conditioning, transformer, n_prompts: int, source: str) -> None:
+    """The embeddings must fit the transformer (token and pooled widths) and the prompt count."""
+    dim, pooled = text_dims(transformer)
+    if cond.batch_size != n_prompts:
+        raise UserError(f"{source}: {cond.batch_size} prompt embeddings for {n_prompts} prompts")
+    if cond.encoder_hidden_states.shape[-1] != dim:
+        raise UserError(f"{source}: token embeddings of width {cond.encoder_hidden_states.shape[-1]}, "
+                        f"the transformer expects {dim}")
+    if pooled is not None and (cond.pooled_projections is None or cond.pooled_projections.shape[-1] != pooled):
+        raise UserError(f"{source}: pooled embeddings do not have the width {pooled} the transformer expects")
+
+
+def hash_tokens(cfg) -> int:
+    """Tokens of the hash embedding: ``prompts.max_tokens`` for the tiny preset; for ``random`` the text
+    length the architecture's pipeline gives (``prompts.max_sequence_length`` or its default)."""
+    model = cfg["model"]
+    if model["preset"] == "random":
+        from .architectures import architecture
+
+        return architecture(model["family"], model["architecture"]).sequence_length(
+            cfg["prompts"]["max_sequence_length"])
+    return cfg["prompts"]["max_tokens"]
+
+
+def prompt_conditioning(cfg, transformer, prompts: PromptSet, device: str | torch.device = "cpu") -> Conditioning:
+    """Conditioning for every prompt of the run (float32, CPU): the text encoders' (cached) for a local
+    model folder, the token-hash embedding for the tiny and random presets."""
+    if not cfg["model"]["pretrained"]:
+        dim, pooled = text_dims(transformer)
+        return hash_embed(prompts.prompts, dim, pooled, hash_tokens(cfg), cfg["seed"])
+    hashed = token_hash_settings(cfg["model"]["pretrained"])
+    if hashed is not None:  # a model trained on token hashes (agg-bench pretrain): the same ones, whatever the seed
+        dim, pooled = text_dims(transformer)
+        return hash_embed(prompts.prompts, dim, pooled, hashed["max_tokens"], hashed["seed"])
+    emb = run_embeddings(cfg, prompts, device)
+    check_dims(emb.cond, transformer, len(prompts.prompts), str(emb.path))
+    return emb.cond
+
+
+def embed(cfg, out: str | Path | None = None, device: str | torch.device = "cpu") -> Embeddings:
+    """``agg-bench embed``: make sure the run's embeddings are in ``prompts.cache_dir``; with ``out``, write
+    them to that file as well (a file in the cache folder is found by its key, whatever its name).
+
+    The tiny preset needs no cache (its token-hash embedding is computed in no time); the file is still
+    written so that a workflow can treat every model alike.
+    """
+    if out is not None and Path(out).suffix != ".safetensors":
+        raise UserError(f"--out {out}: expected a FILE.safetensors path")
+    prompts = prompt_set(cfg["prompts"]["file"])
+    if not cfg["model"]["pretrained"]:
+        family = cfg["model"]["family"]
+        cond = prompt_conditioning(cfg, _unloaded_transformer(cfg), prompts)
+        tokens = hash_tokens(cfg)
+        key = hashlib.sha256("\0".join([FORMAT, "tiny", family, prompts.sha256, str(tokens),
+                                        str(cfg["seed"])] + _architecture_key(cfg)).encode()).hexdigest()
+        path = out if out is not None else default_cache_path(cfg["prompts"]["cache_dir"], family, None, prompts, key)
+        meta = {"key": key, "family": family, "pretrained": "", "prompts_file": str(prompts.path),
+                "prompts_sha256": prompts.sha256, "n_prompts": len(prompts.prompts)}
+        return Embeddings(cond, save_embeddings(path, cond, meta), False, key)
+    if token_hash_settings(cfg["model"]["pretrained"]) is not None:
+        raise UserError(f"model.pretrained {cfg['model']['pretrained']}: conditioned on token hashes "
+                        f"({TOKEN_HASH_FILE}), which every run computes itself; no text encoders, nothing to embed")
+    emb = run_embeddings(cfg, prompts, device, write_to=out)
+    if out is not None and Path(out).resolve() != emb.path.resolve():
+        meta = read_metadata(emb.path)
+        meta.pop("format", None)
+        emb.path = save_embeddings(out, emb.cond, meta)
+    return emb
+
+
+def _unloaded_transformer(cfg):
+    """The transformer whose text widths a download-free preset needs (random: on the meta device)."""
+    from .models import TRANSFORMER_CLASSES, build_tiny_transformer
+
+    model = cfg["model"]
+    if model["preset"] == "random":
+        from .architectures import architecture, build_on_meta
+
+        arch = architecture(model["family"], model["architecture"])
+        return build_on_meta(TRANSFORMER_CLASSES[model["family"]], arch.transformer)
+    return build_tiny_transformer(model["family"])
+
+
+def _architecture_key(cfg) -> list[str]:
+    # the tiny preset's key stays what it was; a random architecture adds its name
+    return [cfg["model"]["architecture"] or "default"] if cfg["model"]["preset"] == "random" else []
+
+
+def describe(emb: Embeddings) -> dict:
+    """The one-line JSON the CLI prints."""
+    return {"out": None if emb.path is None else str(emb.path), "encoded": emb.encoded, "key": emb.key,
+            "prompts": emb.cond.batch_size}
+
+
+__all__ = ["ENCODINGS", "Embeddings", "PromptSet", "cache_key", "describe", "embed", "encode_prompts",
+           "find_cached", "load_embeddings", "model_identity", "prompt_conditioning", "prompt_set",
+           "run_embeddings", "save_embeddings"]

@@ -1,0 +1,253 @@
+"""A file-lock pool of GPUs for jobs that share one machine.
+
+Snakemake counts GPUs (``resources: gpu=k``) but does not say which device a local job gets. A job
+therefore takes its devices itself: it holds an exclusive ``flock`` on one lock file per device for as
+long as it runs, and sees only those devices through ``CUDA_VISIBLE_DEVICES``. The kernel drops a
+``flock`` when the holding process exits, however it exits, so a killed job never leaves a device
+locked.
+
+Which devices exist, in order of precedence:
+
+- ``AGG_BENCH_GPUS``: a count (``"4"``: devices 0-3) or a comma list of ids (``"0,2,5"``); also how
+  tests fake a machine;
+- ``CUDA_VISIBLE_DEVICES`` when set (the devices a scheduler gave this process);
+- NVML's device count (``nvidia-ml-py``), else none.
+
+Lock files live in ``AGG_BENCH_GPU_LOCK_DIR`` (default ``$TMPDIR/agg-bench-gpus-$USER``). Inside a
+SLURM job the folder gets the job id appended: SLURM already gives each job its own devices, and two
+jobs on one node may both see their (different) device as ``0``.
+
+Command line, as the workflow uses it::
+
+    python -m agg_bench.machine.gpus --count 2 -- torchrun --nproc_per_node 2 -m agg_bench run ...
+
+acquires two devices (waiting while fewer are free), sets ``CUDA_VISIBLE_DEVICES`` and
+``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (so ids mean what ``nvidia-smi`` shows), and replaces itself with the
+command, which inherits the locks. ``--count 0`` runs the command unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import getpass
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError, UserError, run_command
+
+ENV_DEVICES = "AGG_BENCH_GPUS"
+ENV_LOCK_DIR = "AGG_BENCH_GPU_LOCK_DIR"
+
+
+def _nvml_count() -> int:
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver on this machine
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+# what CUDA_VISIBLE_DEVICES takes: device indices, or the UUIDs nvidia-smi -L shows (GPU-..., MIG-...)
+_DEVICE_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z/-]+")
+MAX_DEVICES = 1024
+
+
+def _parse_ids(text: str, source: str) -> list[str]:
+    """The device ids of ``source``'s value ``text``: a count, or a comma list of distinct device ids; a
+    UserError naming the variable otherwise (its value is passed on as CUDA_VISIBLE_DEVICES)."""
+    text = text.strip()
+    count = (int(text) if len(text) <= 9 else MAX_DEVICES + 1) if re.fullmatch(r"\d+", text) else None
+    ids = [part.strip() for part in text.split(",")]
+    if count is not None and count <= MAX_DEVICES:
+        return [str(i) for i in range(count)]
+    if count is not None or not all(_DEVICE_ID.fullmatch(part) for part in ids) or len(set(ids)) != len(ids) \
+            or len(ids) > MAX_DEVICES:
+        raise UserError(f"environment variable {source}={text[:80]!r}: expected a device count from 0 to "
+                        f"{MAX_DEVICES} (e.g. 4) or a comma list of distinct device ids: indices (e.g. 0,2,5) "
+                        "or the GPU-/MIG- UUIDs that nvidia-smi -L shows")
+    return ids
+
+
+def visible_devices(environ: dict[str, str] | None = None) -> list[str]:
+    """The device ids jobs on this machine may take (see the module docstring for the precedence)."""
+    env = os.environ if environ is None else environ
+    if env.get(ENV_DEVICES, "").strip():
+        return _parse_ids(env[ENV_DEVICES], ENV_DEVICES)
+    cuda = env.get("CUDA_VISIBLE_DEVICES")
+    if cuda is not None:
+        # set but empty (or -1) means "no GPU", as CUDA reads it
+        ids = [part.strip() for part in cuda.split(",") if part.strip()]
+        return [] if ids in ([], ["-1"]) else ids
+    return [str(i) for i in range(_nvml_count())]
+
+
+def default_lock_dir(environ: dict[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    if env.get(ENV_LOCK_DIR):
+        root = Path(env[ENV_LOCK_DIR])
+    else:
+        try:
+            user = getpass.getuser()
+        except Exception:  # no passwd entry (some containers)
+            user = str(os.getuid())
+        root = Path(tempfile.gettempdir()) / f"agg-bench-gpus-{user}"
+    job = env.get("SLURM_JOB_ID")
+    return root / f"slurm-{job}" if job else root
+
+
+def _lock_name(device: str) -> str:
+    return "gpu-" + re.sub(r"[^A-Za-z0-9_.-]", "_", device) + ".lock"
+
+
+@dataclass
+class Lease:
+    """Devices held by this process; ``release`` (or leaving the ``with`` block) frees them."""
+
+    devices: list[str]
+    _fds: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return ",".join(self.devices)
+
+    def environment(self) -> dict[str, str]:
+        """Variables a job needs to see exactly the leased devices, numbered as ``nvidia-smi`` does."""
+        return {"CUDA_VISIBLE_DEVICES": self.cuda_visible_devices, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+    def keep_across_exec(self) -> None:
+        """Let a program started with ``os.exec*`` inherit the locks (they end when it exits)."""
+        for fd in self._fds:
+            os.set_inheritable(fd, True)
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)  # closing the only descriptor drops the flock
+        self._fds.clear()
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@dataclass
+class GpuPool:
+    """``devices`` shared by every process that uses the same ``lock_dir``."""
+
+    devices: list[str]
+    lock_dir: Path
+    poll_s: float = 0.5
+
+    @classmethod
+    def from_environment(cls, environ: dict[str, str] | None = None) -> "GpuPool":
+        return cls(visible_devices(environ), default_lock_dir(environ))
+
+    def _try_lock(self, device: str) -> int | None:
+        fd = os.open(self.lock_dir / _lock_name(device), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            raise
+        return fd
+
+    def try_acquire(self, count: int) -> Lease | None:
+        """``count`` free devices (lowest ids first), or None without waiting when fewer are free."""
+        self._check(count)
+        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        lease = Lease([])
+        for device in self.devices:
+            if len(lease.devices) == count:
+                break
+            fd = self._try_lock(device)
+            if fd is not None:
+                lease.devices.append(device)
+                lease._fds.append(fd)
+        if len(lease.devices) < count:
+            # hold nothing while waiting, so two jobs asking for 2 of 3 devices cannot deadlock
+            lease.release()
+            return None
+        return lease
+
+    def acquire(self, count: int, timeout_s: float | None = None) -> Lease:
+        """``count`` devices, waiting while fewer are free; a UserError after ``timeout_s`` seconds."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            lease = self.try_acquire(count)
+            if lease is not None:
+                return lease
+            if deadline is not None and time.monotonic() >= deadline:
+                raise UserError(f"no {count} free GPU(s) among {','.join(self.devices)} after {timeout_s:g} s "
+                                f"(locks in {self.lock_dir})")
+            time.sleep(self.poll_s)
+
+    def _check(self, count: int) -> None:
+        if count < 1:
+            raise ConfigError("--count", count, "an integer >= 1")
+        if count > len(self.devices):
+            found = ",".join(self.devices) or "none"
+            raise UserError(f"a job asks for {count} GPU(s) but this machine has {len(self.devices)} "
+                            f"(devices: {found}; set {ENV_DEVICES} or CUDA_VISIBLE_DEVICES to change)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m agg_bench.machine.gpus",
+                                description="Run a command on free GPUs taken from the file-lock pool.")
+    p.add_argument("--count", type=int, required=True, help="GPUs the command needs (0: run it as is)")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds of waiting")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("agg-bench gpus: no command given (usage: --count K -- COMMAND ...)", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+
+    def take_devices() -> int:
+        if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout >= 0):
+            raise ConfigError("--timeout", args.timeout, "seconds >= 0")
+        if args.count != 0:
+            lease = GpuPool.from_environment().acquire(args.count, args.timeout)
+            lease.keep_across_exec()
+            env.update(lease.environment())
+            print(f"agg-bench gpus: CUDA_VISIBLE_DEVICES={lease.cuda_visible_devices}", file=sys.stderr)
+        return 0
+
+    code = run_command("agg-bench gpus", take_devices, ["python", "-m", "agg_bench.machine.gpus", *argv])
+    if code:
+        return code
+    sys.stderr.flush()
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as err:
+        print(f"agg-bench gpus: cannot run {command[0]!r}: {err.strerror or err}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The Estimator interface and the method registry.
+
+A method decides how the gradient of the GRPO objective is accumulated into the policy's ``.grad``
+for one rollout (and, optionally, which steps are stochastic in the rollout and which hooks run while
+sampling). Adding a method means one module with a config dataclass and an Estimator subclass, and
+one ``@register_method`` line (:class:`agg_bench.registry.Registry`, the style of rewards and caches
+too); the training loop never changes.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import typing
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+import torch
+
+from ..engine.grpo import TrainBatch, UpdateStats
+from ..errors import ConfigError
+from ..registry import Registry
+
+if TYPE_CHECKING:  # annotations only: checking a method's options imports neither the models nor diffusers
+    from ..engine.models import Policy
+
+# Batch-size options any method may have: null (one call for everything) or at least one latent per call.
+BATCH_OPTIONS = ("micro_batch", "nograd_batch")
+# Method name -> the module whose import registers it; a run imports only its own method's module
+# (``cached`` brings in every cache and diffusers' hooks).
+METHOD_MODULES = {"full": "baselines.full", "fraction": "baselines.subsample", "window": "baselines.subsample",
+                  "agg": "agg_bench.methods.agg", "cached": "baselines.cached"}
+METHODS = Registry("method.name", modules=METHOD_MODULES)
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """This method has no options."""
+
+
+REPLAY_SCOPES = ("as_trained", "replanned", "partial", "not_applicable")
+
+
+@dataclasses.dataclass
+class ReplayPlan:
+    """What replaying a method on a frozen rollout measures (``agg-bench replay`` and ``gradcheck``).
+
+    ``scope`` is one of:
+    - ``as_trained``: the gradient the method computes in a run on this very rollout;
+    - ``replanned``: the method's rollout is distributed as the snapshot's, but it trains other steps,
+      drawn anew from the snapshot's stochastic steps (the row is one random draw of its gradient);
+    - ``partial``: the replay shows only part of what the method changes (``note`` says which part);
+    - ``not_applicable``: the method differs from ``full`` only in its rollout, which a frozen rollout
+      cannot show: ``replay`` refuses it and ``gradcheck`` writes its row without numbers.
+    ``train_steps``: (B, N) the steps to train, in denoising order; None trains the snapshot's.
+    ``note``: one sentence for the reader of the result.
+    """
+
+    scope: str = "as_trained"
+    train_steps: torch.Tensor | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.scope not in REPLAY_SCOPES:
+            raise ValueError(f"replay scope {self.scope!r}: expected one of {list(REPLAY_SCOPES)}")
+
+
+class Estimator(ABC):
+    """Accumulates one method's gradient of L into ``policy`` parameters' ``.grad``."""
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type] = NoOptions
+    # Whether the steps it trains on a frozen rollout are its own plan (replay_plan), so that replay
+    # honours --set train.timestep_fraction / train.plan / train.plan_window / seed for it.
+    replans: ClassVar[bool] = False
+
+    def __init__(self, config: Any = None):
+        self.config = config if config is not None else self.config_cls()
+
+    def check_run(self, cfg: Any) -> None:
+        """Raise a ConfigError for run settings outside the method's own options that it cannot honour
+        (e.g. a window longer than sampling.steps); called when a run is set up, before anything is written."""
+
+    def replay_plan(self, cfg: Any, stochastic: torch.Tensor, batch_size: int,
+                    generator: torch.Generator) -> ReplayPlan:
+        """How this method is replayed on a frozen rollout whose steps ``stochastic`` (T,) bool have a
+        log-probability, under run config ``cfg``; random draws come from ``generator``. Default: it
+        trains the snapshot's own steps, as it would in a run on that rollout."""
+        return ReplayPlan()
+
+    def sde_mask(self, iteration: int, steps: int, generator: torch.Generator) -> torch.Tensor | None:
+        """Which of the T steps are sampled with the SDE (None: all)."""
+        return None
+
+    def rollout_hooks(self, policy: Policy) -> contextlib.AbstractContextManager[Callable[[int, float], None] | None]:
+        """Context active while sampling; yields ``before_step(j, timestep)`` or None."""
+        return contextlib.nullcontext(None)
+
+    @abstractmethod
+    def accumulate(self, policy: Policy, batch: TrainBatch, stats: UpdateStats,
+                   reference: Policy | None = None) -> None:
+        """Add d L / d theta to ``.grad`` (L as in docs/design.md, scaled by ``batch.loss_scale``)."""
+
+    def iteration_metrics(self) -> dict:
+        """Method-specific fields for the iteration's metric record."""
+        return {}
+
+    def close(self) -> None:
+        """Undo anything the method installed on the policy."""
+
+
+def register_method(cls: type[Estimator]) -> type[Estimator]:
+    """Class decorator: register ``cls`` under ``cls.name``."""
+    return METHODS.register(cls.name, cls)
+
+
+def available_methods() -> list[str]:
+    return METHODS.names()
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check ``value`` against a dataclass field annotation; return the value as that type."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as err:
+                errors.append(err.expected)
+        raise ConfigError(key, value, " or ".join(errors))
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(key, value, f"one of {list(args)}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, value, "true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, value, "an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, value, "a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, value, "a string")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, value, "a list")
+        item = args[0] if args else Any
+        return [_coerce(key, v, item) for v in value] if item is not Any else list(value)
+    return value
+
+
+def method_config(name: str, options: dict[str, Any], prefix: str = "method") -> Any:
+    """Build ``name``'s config dataclass from ``options``, naming any bad key."""
+    cls = METHODS[name].config_cls
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in options.items():
+        if key not in fields:
+            allowed = ", ".join(sorted(fields)) or "none"
+            raise ConfigError(f"{prefix}.{key}", value, f"a known option of method '{name}' ({allowed})")
+        values[key] = _coerce(f"{prefix}.{key}", value, hints[key])
+    config = cls(**values)
+    for key in BATCH_OPTIONS:
+        value = getattr(config, key, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"{prefix}.{key}", value, "null or an integer >= 1")
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate()
+    return config
+
+
+def build_method(name: str, options: dict[str, Any] | None = None) -> Estimator:
+    """The estimator registered as ``name`` with ``options`` (the ``method`` config section minus name)."""
+    return METHODS.resolve(name)(method_config(name, dict(options or {})))

@@ -1,0 +1,105 @@
+"""Names shared by the code that writes results and the code that reads them: metric record keys,
+timing keys, gradcheck option columns, and the names of the tables and plots.
+
+This module imports nothing but the standard library and :mod:`agg_bench.errors`, so that reading
+results (``report``, ``import-log``, the workflow's table and plot jobs) never has to import torch or the
+training engine just to know what a record holds.
+"""
+from __future__ import annotations
+
+from ..errors import quote
+
+# Training phases timed in every iteration (``t_{phase}_s``, ``t_{phase}_cpu_s``).
+STANDARD_PHASES = ("rollout", "reward", "train")
+
+# Fields ``telemetry.Telemetry.record()`` returns for one iteration, in this order.
+TELEMETRY_KEYS = (
+    "t_rollout_s",
+    "t_reward_s",
+    "t_train_s",
+    "t_iter_s",
+    "t_rollout_cpu_s",
+    "t_reward_cpu_s",
+    "t_train_cpu_s",
+    "t_iter_cpu_s",
+    "peak_alloc_bytes",
+    "peak_reserved_bytes",
+    "nvml_peak_used_bytes",
+    "saved_activation_peak_bytes",
+    "rss_peak_bytes",
+    "energy_j",
+    "gpu_util_mean",
+    "power_mean_w",
+)
+
+# Every key of a metric record (one line of ``metrics.jsonl``); methods may add their own fields.
+RECORD_KEYS = (
+    "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
+    "reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "approx_kl",
+    "t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
+    "t_rollout_cpu_s", "t_reward_cpu_s", "t_train_cpu_s", "t_iter_cpu_s",
+    "forward_nograd", "forward_grad", "backward", "train_forward_nograd", "train_forward_grad", "train_backward",
+    "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
+    "rss_peak_bytes", "energy_j", "status",
+)
+
+# Record keys that hold text; every other key of RECORD_KEYS and TELEMETRY_KEYS holds a number. Any of
+# them may be null (not measured).
+TEXT_KEYS = ("run_id", "method", "model", "device", "gpu_name", "status", "weights", "source")
+NUMBER_KEYS = tuple(key for key in dict.fromkeys((*RECORD_KEYS, *TELEMETRY_KEYS)) if key not in TEXT_KEYS)
+
+
+def record_problem(record: dict) -> str | None:
+    """What is wrong with a metric record (or a run summary, which repeats its identity keys): the first
+    known key holding the wrong kind of value, e.g. ``'t_iter_s' = 'fast': expected a number or null``;
+    None when nothing is. Keys a method adds are its own business."""
+    for key in (*TEXT_KEYS, *NUMBER_KEYS):
+        value = record.get(key)
+        if value is None:
+            continue
+        if key in TEXT_KEYS and not isinstance(value, str):
+            return f"{key!r} = {quote(value)}: expected a string or null"
+        if key not in TEXT_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{key!r} = {quote(value)}: expected a number or null"
+    return None
+
+
+# Record keys that depend on the machine's speed or load, not on the computation: two runs that
+# compute the same thing may differ in these and nothing else.
+TIMING_KEYS = ("t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
+               "t_rollout_cpu_s", "t_reward_cpu_s", "t_train_cpu_s", "t_iter_cpu_s", "rss_peak_bytes",
+               "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "energy_j",
+               "gpu_util_mean", "power_mean_w")
+
+# Seconds per phase in a record: wall clock (CUDA events on a GPU), and the process's CPU time.
+PHASE_TIME_KEYS = tuple(f"t_{phase}_s" for phase in STANDARD_PHASES)
+PHASE_CPU_KEYS = tuple(f"t_{phase}_cpu_s" for phase in STANDARD_PHASES)
+
+# Counted passes of the policy network per iteration (``counters.PassCounter``, per sample), and
+# those of the train phase alone (what the cost model of ``agg-bench calibrate`` prices).
+PASS_KEYS = ("forward_nograd", "forward_grad", "backward")
+TRAIN_PASS_KEYS = tuple(f"train_{key}" for key in PASS_KEYS)
+
+# Estimator options that get their own gradcheck column (whichever method has them).
+GRADCHECK_OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
+                            "cache_in")
+
+# Tables ``agg-bench report --tables DIR`` writes, each as ``DIR/<name>.<format>`` for every format of
+# TABLE_FORMATS (HTML is what the Snakemake report shows in the page), besides ``DIR/records.csv``
+# (every record with its labels).
+TABLES = ("summary", "efficiency", "ablation", "gpus")
+TABLE_FORMATS = ("csv", "md", "html")
+
+# Plots ``agg-bench report --plots DIR`` writes, each as ``DIR/<name>.png``.
+PLOTS = ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "time_resolution",
+         "backward_passes", "cosine_cost", "gradcheck_cosine")
+
+
+def table_files(directory: str = "results/tables", formats: tuple[str, ...] = TABLE_FORMATS) -> list[str]:
+    """Every file of ``TABLES`` under ``directory`` in ``formats``."""
+    return [f"{directory}/{name}.{ext}" for name in TABLES for ext in formats]
+
+
+def plot_files(directory: str = "results/plots") -> list[str]:
+    """Every file of ``PLOTS`` under ``directory``."""
+    return [f"{directory}/{name}.png" for name in PLOTS]

@@ -1,0 +1,265 @@
+"""Checkpoints: a run stopped anywhere continues where it stopped (``agg-bench run --resume``).
+
+``DIR/checkpoint.pt`` holds the state after iteration k: the trainable parameters, the optimizer
+state, the policy version, the global RNG states (torch, CUDA, numpy, python), the metric records
+0..k exactly as written to ``metrics.jsonl``, and the run config. Every random draw of an iteration
+comes from ``iteration_generator(seed, iteration)``, so an iteration depends on nothing else: resuming
+after iteration k gives records k+1, ... equal to those of an uninterrupted run (timing fields aside).
+Frozen weights (a LoRA base, the KL reference) are rebuilt from the config, so they are not saved.
+
+**Sharded** (``train.shard: fsdp``): the parameters and optimizer state are written by every process,
+each its own shards, with ``torch.distributed.checkpoint`` into ``DIR/checkpoint_shards_<iteration>/``;
+``checkpoint.pt`` then holds everything else and the name of that folder, and is written last, so it
+only ever names a complete folder; older shard folders are removed after it. Resuming loads the shards
+into the sharded model (the process count may differ: the checkpoint is resharded on load).
+
+The file is written under a temporary name and renamed, so ``checkpoint.pt`` is always complete. The
+records travel inside it, so a resumed ``metrics.jsonl`` is rebuilt from them even when the file was
+deleted or holds records of iterations after the checkpoint (the workflow removes a failed job's outputs).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, UserError
+from ..io import atomic_file, is_temp_name
+
+CHECKPOINT_NAME = "checkpoint.pt"
+SHARDS_PREFIX = "checkpoint_shards_"
+FORMAT = 1
+# Config keys that change neither what a run computes nor what it records: a finished run rerun with other
+# values of these is the same run (a rerun replaces it without --overwrite).
+SAME_RUN_CHANGES = ("progress", "train.checkpoint_every")
+# Config keys that may differ between a run and its resumption: those above, and keys that change what is
+# measured or how far the run goes but not the iterations' numbers (the device may: a run can move to another
+# machine; numbers then follow that device's arithmetic). A finished run rerun with other values of these
+# is another run: its records would differ.
+RESUMABLE_CHANGES = (*SAME_RUN_CHANGES, "device", "telemetry", "train.iterations")
+
+
+@dataclass
+class Checkpoint:
+    """What a resumed run continues from: the last finished ``iteration`` and its ``records`` (JSON lines)."""
+
+    iteration: int
+    records: list[str]
+
+
+def checkpoint_path(out_dir: str | Path) -> Path:
+    return Path(out_dir) / CHECKPOINT_NAME
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+
+def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = (),
+                     defaults: dict | None = None) -> tuple[str, Any, Any] | None:
+    """(dotted key, old value, new value) of the first key where two configs differ, outside ``ignore``.
+    A key of ``defaults`` that ``old`` lacks (a config written before the key existed) counts as its
+    default there."""
+    keep = lambda k: not any(k == c or k.startswith(c + ".") for c in ignore)  # noqa: E731
+    a = {**_flat(defaults or {}), **_flat(old)}
+    a = {k: v for k, v in a.items() if keep(k)}
+    b = {k: v for k, v in _flat(new).items() if keep(k)}
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            return key, a.get(key), b.get(key)
+    return None
+
+
+def check_same_run(saved: dict, cfg: dict, out_dir: Path) -> None:
+    """Raise a ConfigError naming the first key whose value differs from the checkpoint's config."""
+    from ..config import DEFAULTS
+
+    diff = first_difference(saved, cfg, RESUMABLE_CHANGES, DEFAULTS)
+    if diff is not None:
+        key, old, new = diff
+        raise ConfigError(key, new, f"{old!r} as in the checkpoint in {out_dir} (or run without --resume)")
+
+
+def _rng_state(device: torch.device) -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None,
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sharded_state(session) -> dict:
+    """The trainable parameters and optimizer state of a sharded session, as DCP state dicts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optimizer = get_state_dict(session.policy.transformer, session.optimizer,
+                                      options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model, "optimizer": optimizer}
+
+
+def _remove_shard_folders(out_dir: Path, keep: str | None = None) -> None:
+    for folder in Path(out_dir).glob(SHARDS_PREFIX + "*"):
+        if folder.is_dir() and folder.name != keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _save_shards(out_dir: Path, session, iteration: int) -> str:
+    """Every process writes its shards into a fresh DIR/checkpoint_shards_<iteration>/; its name."""
+    import torch.distributed.checkpoint as dcp
+
+    name = f"{SHARDS_PREFIX}{iteration:06d}"
+    if dist.get_rank() == 0:  # a folder a failed attempt left under this name: not the one checkpoint.pt names
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+    dist.barrier()
+    dcp.save(_sharded_state(session), checkpoint_id=out_dir / name)
+    dist.barrier()
+    return name
+
+
+def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[str], config: dict) -> Path:
+    """Write the state after ``iteration`` (records 0..iteration as JSON lines) to DIR/checkpoint.pt atomically.
+
+    A sharded session is saved by every process (its shards); only rank 0 writes ``checkpoint.pt``."""
+    from ..machine.fsdp import is_sharded
+
+    path = checkpoint_path(out_dir)
+    state = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "policy_version": session.policy.version,
+        "rng": _rng_state(session.device),
+        "records": list(records),
+        "config": config,
+    }
+    if is_sharded(session.policy):
+        state["shards"] = _save_shards(Path(out_dir), session, iteration)
+        if dist.get_rank() != 0:
+            return path
+    else:
+        state["parameters"] = {name: p.detach().cpu() for name, p in session.policy.named_parameters()}
+        state["optimizer"] = session.optimizer.state_dict()
+    with atomic_file(path, "wb") as fh:
+        torch.save(state, fh)
+    _fsync_dir(path.parent)
+    _remove_shard_folders(path.parent, keep=state.get("shards"))
+    return path
+
+
+def read_checkpoint(path: str | Path, prefix: str = "", advice: str = "") -> dict:
+    """The state dict of the checkpoint file ``path``, read with ``weights_only=True``: tensors, numbers,
+    strings and containers only, so a crafted file cannot run code. A foreign, damaged or pickled-object
+    file is a UserError (``prefix`` + the reason + ``advice``), never an unpickling traceback."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle / zip errors come in many types; all mean "not our checkpoint"
+        raise UserError(f"{prefix}{path} is not a readable agg-bench checkpoint ({type(err).__name__}){advice}") \
+            from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"{prefix}{path} is not an agg-bench checkpoint of format {FORMAT}{advice}")
+    return state
+
+
+def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | None:
+    """Restore ``session`` from DIR/checkpoint.pt; None (and nothing changed) when there is none.
+
+    Raises a ConfigError when ``config`` differs from the checkpoint's in a key that changes what is
+    computed, and a UserError when the file is not a checkpoint of this model.
+    """
+    path = checkpoint_path(out_dir)
+    if not path.is_file():
+        return None
+    state = read_checkpoint(path, "--resume: ", "; delete it or run without --resume")
+    check_same_run(state["config"], config, Path(out_dir))
+    if "shards" in state:
+        _load_shards(Path(out_dir), session, state["shards"], path)
+    else:
+        _load_parameters(session, state, path)
+    session.policy.version = state["policy_version"]
+    _set_rng_state(state["rng"], session.device)
+    return Checkpoint(iteration=state["iteration"], records=list(state["records"]))
+
+
+def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:
+    """Load the shard folder ``name`` that ``path`` names into the sharded session."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from ..machine.fsdp import is_sharded
+
+    folder = out_dir / name
+    if not is_sharded(session.policy) or not (folder / ".metadata").is_file():
+        raise UserError(f"--resume: {path} names the shard folder {folder}, which is missing or incomplete; "
+                        "delete the checkpoint or run without --resume")
+    state = _sharded_state(session)
+    try:
+        dcp.load(state, checkpoint_id=folder)
+    except Exception as err:  # e.g. another model's parameter names
+        raise UserError(f"--resume: {folder} does not match the model's trainable parameters "
+                        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+    set_state_dict(session.policy.transformer, session.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=StateDictOptions(ignore_frozen_params=True))
+
+
+def _load_parameters(session, state: dict, path: Path) -> None:
+    """Copy a whole (unsharded) checkpoint's parameters and optimizer state into the session."""
+    params = dict(session.policy.named_parameters())
+    saved = state["parameters"]
+    if set(saved) != set(params):
+        missing = sorted(set(params) ^ set(saved))[0]
+        raise UserError(f"--resume: {path} does not match the model's trainable parameters (e.g. {missing!r})")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(saved[name])
+    session.optimizer.load_state_dict(state["optimizer"])
+
+
+def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool) -> None:
+    """Before a run writes into DIR: remove the summary of an earlier attempt (it is written last, so
+    its presence must mean this attempt finished), temporaries a killed process left, and unless
+    resuming, the earlier checkpoint."""
+    out = Path(out_dir)
+    doomed = [out / "summary.json"]
+    if not keep_checkpoint:
+        doomed.append(checkpoint_path(out))
+        _remove_shard_folders(out)
+    # only the harness's own temporary names (io.atomic_path), never a user's look-alike
+    doomed += [p for p in out.iterdir() if p.is_file() and is_temp_name(p.name)]
+    for p in doomed:
+        p.unlink(missing_ok=True)

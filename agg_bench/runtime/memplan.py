@@ -1,0 +1,461 @@
+"""Will it fit? The bytes per GPU of a run, before anything is allocated (``agg-bench plan``).
+
+Per GPU (one of the run's ``gpus`` processes):
+
+- ``params``: the transformer's parameters and buffers, the VAE's, and the frozen reference copy that a
+  KL penalty (``grpo.beta > 0``) keeps without LoRA; ``model.dtype: bfloat16`` keeps float32 master
+  weights (:data:`agg_bench.engine.models.PRECISIONS`).
+- ``grads``: one gradient per trainable parameter, in the parameters' dtype (a parameter the forward
+  never reaches, such as the text output of Qwen-Image's last block, gets none in a run).
+- ``optimizer``: AdamW's two moments per trainable parameter (its per-tensor step counters, 4 bytes
+  each and kept on the CPU, are left out).
+- ``activations``: what one forward-with-grad of the policy saves for backward at the run's resolution
+  and micro-batch, counted by running the run's own model code on fake tensors (shapes and dtypes,
+  no memory) under the saved-tensor accounting a run records as ``saved_activation_peak_bytes``.
+  With gradient checkpointing, the inputs each checkpointed block keeps for its recompute are added
+  (``checkpoint_input_bytes``; the run's count does not see them). Under bfloat16 autocast the count
+  includes the bf16 copies of the weights that autocast makes and the matmuls save (2 bytes per
+  parameter a forward uses outside checkpointed blocks).
+
+With ``train.shard: fsdp`` over K GPUs the transformer's parameters, gradients and optimizer state are
+split K ways along their first dimension (FSDP2's padded shards); buffers and the VAE are replicated;
+``train.cpu_offload`` keeps the shards in CPU memory. Every process trains its 1/K of the batch.
+
+Device: for a CPU run the count is exact (fake CPU tensors save what real ones do). For a CUDA run it
+is counted with the CPU kernels: attention keeps what the CPU flash kernel keeps (q, k, v, output and a
+float32 logsumexp per head and token), which is what CUDA's flash and memory-efficient kernels keep up
+to a few bytes of RNG state; bfloat16 autocast follows the CPU's op lists, which differ from CUDA's for
+a few reductions. ``fits``: the total plus a reserve of 10 % of the GPU's memory (CUDA context,
+allocator slack, FSDP's gathered blocks, the rollout's and reward's working memory) is within it.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from ..engine.models import (POLICIES, TRANSFORMER_CLASSES, VAE_CLASSES, Conditioning, Policy,
+                             build_tiny_transformer, build_tiny_vae, prepare_training, precision, text_dims,
+                             vae_dtype)
+from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
+from ..errors import ConfigError
+from ..machine import distributed
+from ..machine.telemetry import SavedActivations, counting_regions
+
+GIB = 1024 ** 3
+H200_GIB = 139.0  # an H200's memory as CUDA reports it: the default budget where no GPU is visible
+RESERVE_FRACTION = 0.10
+SUGGESTED_LORA_RANK = 64
+FSDP_SIZES = (2, 4, 8)  # GPUs of one node that FSDP suggestions try
+ACTIVATION_BASIS = {
+    "cpu": "counted exactly (fake CPU tensors, the CPU kernels a run uses)",
+    "cuda": "counted with CPU kernels on fake tensors: attention as flash kernels keep it (q, k, v, output, "
+            "float32 logsumexp); bf16 autocast by the CPU op lists",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run spreads over its GPUs.
+
+    ``gpus``: processes (torchrun), one GPU each; ``shard``: ``none`` (each process holds the whole model)
+    or ``fsdp``; ``cpu_offload``: FSDP shards kept in CPU memory; ``micro_batch``: rows per
+    forward-with-grad; ``gradient_checkpointing``; ``lora_rank`` (0: full fine-tune);
+    ``prompts_per_iteration``: prompts of one iteration over all processes (a multiple of ``gpus``).
+    """
+
+    gpus: int
+    shard: str
+    cpu_offload: bool
+    micro_batch: int
+    gradient_checkpointing: bool
+    lora_rank: int
+    prompts_per_iteration: int
+
+    @property
+    def shards(self) -> int:
+        return self.gpus if self.shard == "fsdp" else 1
+
+
+def run_layout(cfg, gpus: int = 1) -> Layout:
+    """The layout ``cfg`` asks for on ``gpus`` processes (a ConfigError when its batch cannot be split)."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError("--gpus", gpus, "an integer >= 1")
+    distributed.Shard(0, gpus).check_run(cfg)
+    local = cfg["grpo"]["prompts_per_iteration"] * cfg["grpo"]["group_size"] // gpus
+    micro = cfg["method"].get("micro_batch") or local
+    train = cfg["train"]
+    return Layout(gpus=gpus, shard=train.get("shard", "none"), cpu_offload=bool(train.get("cpu_offload")),
+                  micro_batch=min(micro, local), gradient_checkpointing=bool(train["gradient_checkpointing"]),
+                  lora_rank=int(train["lora_rank"]), prompts_per_iteration=cfg["grpo"]["prompts_per_iteration"])
+
+
+def text_tokens(cfg) -> int:
+    """Text tokens of the run's conditioning: the hash embedding's for the tiny and random presets; for a
+    local model folder, the text-encoder length of its family's public pipeline (an upper bound:
+    prompts may be shorter), or its ``token_hash.json``'s length (``agg-bench pretrain``'s folders)."""
+    from ..engine.architectures import architecture
+    from ..engine.prompts import token_hash_settings
+    from ..engine.text import hash_tokens
+
+    if cfg["model"]["pretrained"]:
+        settings = token_hash_settings(cfg["model"]["pretrained"])  # a folder conditioned by the hash embedding
+        if settings is not None:
+            return settings["max_tokens"]
+        return architecture(cfg["model"]["family"]).sequence_length(cfg["prompts"]["max_sequence_length"])
+    return hash_tokens(cfg)
+
+
+def _shapes(cfg, part: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The run's transformer or VAE (``part``) on the meta device, built from its config alone."""
+    model, family = cfg["model"], cfg["model"]["family"]
+    classes = TRANSFORMER_CLASSES if part == "transformer" else VAE_CLASSES
+    with torch.device("meta"):
+        if model["pretrained"]:
+            from ..engine.models import _subfolder
+
+            cls = classes[family]
+            folder = _subfolder(model["pretrained"], part, f"the {part}")
+            if part == "vae" and is_pixel_decoder_folder(folder):  # a pixel-space model: no weights
+                module = PixelDecoder.from_folder(folder)
+            else:
+                module = cls.from_config(cls.load_config(folder))
+        elif model["preset"] == "random":
+            from ..engine.architectures import architecture
+
+            arch = architecture(family, model["architecture"])
+            module = classes[family](**(arch.transformer if part == "transformer" else arch.vae))
+        elif part == "transformer":
+            module = build_tiny_transformer(family, cfg["seed"])
+        else:
+            module = build_tiny_vae(cfg["seed"], family=family)
+    return module if dtype == torch.float32 else module.to(dtype)
+
+
+def _to_fake(module: torch.nn.Module, mode) -> torch.nn.Module:
+    """Replace the meta tensors of ``module`` in place by fake CPU tensors of ``mode`` (same shapes, dtypes
+    and flags), so that a forward runs the CPU kernels' shape logic without memory."""
+    convert = mode.fake_tensor_converter.from_meta_and_device
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None:
+                sub._parameters[name] = torch.nn.Parameter(convert(mode, p, torch.device("cpu")),
+                                                           requires_grad=p.requires_grad)
+        for name, b in list(sub._buffers.items()):
+            if b is not None:
+                sub._buffers[name] = convert(mode, b, torch.device("cpu"))
+        for name, value in list(vars(sub).items()):  # tensors kept as plain attributes (RoPE tables)
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(sub, name, convert(mode, value, torch.device("cpu")))
+    return module
+
+
+class _HeldInputs:
+    """Distinct storages of the tensors handed to checkpointed blocks."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._seen: set = set()
+
+    def add(self, args) -> None:
+        for t in args:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage()._cdata
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.bytes += t.untyped_storage().nbytes()
+
+
+@contextlib.contextmanager
+def _checkpoint_inputs(transformer: torch.nn.Module):
+    """Count what gradient checkpointing keeps outside autograd's saved tensors: each checkpointed
+    block's inputs, held for its recompute (the saved-tensor accounting of a run does not see them)."""
+    held = _HeldInputs()
+    wrapped = [m for m in transformer.modules() if getattr(m, "_gradient_checkpointing_func", None) is not None]
+    originals = [m._gradient_checkpointing_func for m in wrapped]
+
+    def counting(original):
+        def call(block, *args):
+            held.add(args)
+            return original(block, *args)
+        return call
+
+    for module, original in zip(wrapped, originals):
+        module._gradient_checkpointing_func = counting(original)
+    try:
+        yield held
+    finally:
+        for module, original in zip(wrapped, originals):
+            module._gradient_checkpointing_func = original
+
+
+def _tensor_bytes(tensors, shards: int = 1) -> int:
+    """Bytes of ``tensors``, each split ``shards`` ways along dim 0 with padding (an FSDP2 shard)."""
+    total = 0
+    for t in tensors:
+        if shards > 1 and t.dim() > 0:
+            total += math.ceil(t.shape[0] / shards) * (t.numel() // t.shape[0]) * t.element_size()
+        else:
+            total += t.numel() * t.element_size()
+    return total
+
+
+class ShapeModel:
+    """The run's policy on fake tensors: each (gradient checkpointing, LoRA rank) variant built once,
+    each activation count done once."""
+
+    def __init__(self, cfg):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.cfg = cfg
+        self.family = cfg["model"]["family"]
+        self.precision = precision(cfg["model"]["dtype"])
+        self.mode = FakeTensorMode()
+        self._policies: dict[tuple, Policy] = {}
+        self._activations: dict[tuple, int] = {}
+        self._checkpoint_inputs: dict[tuple, int] = {}
+        self.vae = _to_fake(_shapes(cfg, "vae", vae_dtype(self.precision)), self.mode)
+        train = cfg["train"]
+        self.latent_shape = self.policy(bool(train["gradient_checkpointing"]), train["lora_rank"]).latent_shape(
+            cfg["model"]["resolution"])
+        self.text_tokens = text_tokens(cfg)
+
+    def policy(self, checkpointing: bool, lora_rank: int) -> Policy:
+        key = (checkpointing, lora_rank)
+        if key not in self._policies:
+            train = dict(self.cfg["train"], gradient_checkpointing=checkpointing, lora_rank=lora_rank)
+            if lora_rank != self.cfg["train"]["lora_rank"]:  # a suggested adapter: the family's defaults
+                train.update(lora_alpha=None, lora_target_modules=None)
+            with torch.random.fork_rng(devices=[]):
+                transformer = _shapes(self.cfg, "transformer", self.precision.param_dtype)
+                prepare_training(transformer, self.family, train)
+            _to_fake(transformer, self.mode)
+            self._policies[key] = POLICIES[self.family](transformer, self.vae,
+                                                        autocast_dtype=self.precision.autocast_dtype)
+        return self._policies[key]
+
+    def activations(self, rows: int, checkpointing: bool, lora_rank: int) -> int:
+        """Bytes one forward-with-grad of ``rows`` latents saves for backward."""
+        key = (rows, checkpointing, lora_rank)
+        if key not in self._activations:
+            policy = self.policy(checkpointing, lora_rank)
+            dim, pooled = text_dims(policy.transformer)
+            length = self.text_tokens
+            with self.mode, torch.enable_grad():
+                dtype = policy.dtype
+                mask = None
+                if self.family == "qwenimage" and self.cfg["model"]["pretrained"]:
+                    mask = torch.ones(rows, length, dtype=torch.long)  # a local model's embeddings carry one
+                cond = Conditioning(torch.zeros(rows, length, dim, dtype=dtype),
+                                    None if pooled is None else torch.zeros(rows, pooled, dtype=dtype), mask)
+                latents = torch.zeros(rows, *self.latent_shape, dtype=dtype)
+                timesteps = torch.full((rows,), 500.0, dtype=dtype)
+                with counting_regions(SavedActivations()) as tracker, _checkpoint_inputs(policy.transformer) as held:
+                    policy.velocity(latents, timesteps, cond)
+            self._activations[key] = tracker.peak_bytes + held.bytes
+            self._checkpoint_inputs[key] = held.bytes
+        return self._activations[key]
+
+    def checkpoint_input_bytes(self, rows: int, checkpointing: bool, lora_rank: int) -> int:
+        """Of :meth:`activations`, the inputs that checkpointed blocks keep for their recompute."""
+        self.activations(rows, checkpointing, lora_rank)
+        return self._checkpoint_inputs[(rows, checkpointing, lora_rank)]
+
+    def state_bytes(self, layout: Layout) -> dict[str, int]:
+        """Parameter, gradient and optimizer bytes per GPU; parameter counts of the transformer."""
+        transformer = self.policy(layout.gradient_checkpointing, layout.lora_rank).transformer
+        params = list(transformer.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        shards = layout.shards
+        model = _tensor_bytes(params, shards) + _tensor_bytes(transformer.buffers())
+        vae = _tensor_bytes(self.vae.parameters()) + _tensor_bytes(self.vae.buffers())
+        reference = model if self.cfg["grpo"]["beta"] > 0 and layout.lora_rank == 0 else 0
+        grads = _tensor_bytes(trainable, shards)
+        on_gpu = 0 if layout.cpu_offload and layout.shard == "fsdp" else 1
+        return {"params": on_gpu * (model + reference) + vae, "grads": on_gpu * grads,
+                "optimizer": on_gpu * 2 * grads, "parameters": sum(p.numel() for p in params),
+                "trainable_parameters": sum(p.numel() for p in trainable)}
+
+    def bytes_per_gpu(self, layout: Layout) -> dict[str, int]:
+        state = self.state_bytes(layout)
+        out = {k: state[k] for k in ("params", "grads", "optimizer")}
+        out["activations"] = self.activations(layout.micro_batch, layout.gradient_checkpointing, layout.lora_rank)
+        out["total_per_gpu"] = sum(out.values())
+        return out
+
+
+@dataclass
+class MemoryPlan:
+    """``agg-bench plan``'s answer; :meth:`as_dict` is its JSON."""
+
+    parameters: int
+    trainable_parameters: int
+    bytes: dict
+    fits: bool
+    suggestions: list[str]
+    gpus: int
+    gpu_memory_bytes: int
+    reserve_bytes: int
+    layout: dict
+    device: str
+    activation_basis: str
+    checkpoint_input_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def gpu_memory_bytes(device_type: str) -> int:
+    """The default budget: the visible GPU's memory, the machine's memory for a CPU run, else an H200's."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    if device_type == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(H200_GIB * GIB)
+
+
+def _device_type(cfg) -> str:
+    device = cfg["device"]
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def _describe(layout: Layout, base: Layout) -> str:
+    """The settings in which ``layout`` differs from ``base``, as --set items and torchrun processes."""
+    parts = []
+    if layout.micro_batch != base.micro_batch:
+        parts.append(f"method.micro_batch={layout.micro_batch}")
+    if layout.gradient_checkpointing != base.gradient_checkpointing:
+        parts.append("train.gradient_checkpointing=true")
+    if layout.lora_rank != base.lora_rank:
+        parts.append(f"train.lora_rank={layout.lora_rank}")
+    if layout.shard != base.shard or layout.gpus != base.gpus:
+        parts.append(f"train.shard=fsdp on {layout.gpus} GPUs (torchrun --nproc_per_node {layout.gpus})")
+    if layout.prompts_per_iteration != base.prompts_per_iteration:
+        parts.append(f"grpo.prompts_per_iteration={layout.prompts_per_iteration}")
+    if layout.cpu_offload != base.cpu_offload:
+        parts.append("train.cpu_offload=true")
+    return ", ".join(parts)
+
+
+class _Search:
+    """Layouts near the run's, tried in order of cost; keeps those that fit."""
+
+    def __init__(self, shapes: ShapeModel, base: Layout, budget: int, has_micro_batch: bool, group_size: int):
+        self.shapes, self.base, self.budget = shapes, base, budget
+        self.has_micro_batch, self.group_size = has_micro_batch, group_size
+
+    def fits(self, layout: Layout) -> bool:
+        return self.shapes.bytes_per_gpu(layout)["total_per_gpu"] <= self.budget
+
+    def sharded(self, layout: Layout, gpus: int, **changes) -> Layout:
+        """``layout`` under FSDP over ``gpus``: whole GRPO groups per process, the micro-batch within one."""
+        prompts = math.ceil(layout.prompts_per_iteration / gpus) * gpus
+        local = prompts * self.group_size // gpus
+        return replace(layout, gpus=gpus, shard="fsdp", prompts_per_iteration=prompts,
+                       micro_batch=min(layout.micro_batch, local), **changes)
+
+    def smaller_batches(self, layout: Layout) -> list[Layout]:
+        if not self.has_micro_batch:
+            return []
+        sizes = sorted({max(1, layout.micro_batch >> i) for i in range(1, layout.micro_batch.bit_length() + 1)},
+                       reverse=True)
+        return [replace(layout, micro_batch=m) for m in sizes if m < layout.micro_batch]
+
+    def first_fit(self, layouts: list[Layout]) -> Layout | None:
+        return next((layout for layout in layouts if self.fits(layout)), None)
+
+    def suggestions(self) -> list[Layout]:
+        """One change each, cheapest first (a smaller micro-batch, gradient checkpointing, FSDP over K,
+        LoRA); if none fits alone, the first combination of them that does."""
+        base, out = self.base, []
+        candidates = [self.smaller_batches(base)]
+        if not base.gradient_checkpointing:
+            candidates.append([replace(base, gradient_checkpointing=True)])
+        candidates.append([self.sharded(base, k) for k in FSDP_SIZES if k > base.shards])
+        if base.lora_rank == 0:
+            candidates.append([replace(base, lora_rank=SUGGESTED_LORA_RANK)])
+        for group in candidates:
+            found = self.first_fit(group)
+            if found is not None:
+                out.append(found)
+        if out:
+            return out
+        one = lambda layout: replace(layout, micro_batch=1) if self.has_micro_batch else layout  # noqa: E731
+        ckpt = replace(base, gradient_checkpointing=True)
+        widest = max(FSDP_SIZES + (base.shards,))
+        lora = base.lora_rank or SUGGESTED_LORA_RANK
+        combos = [one(ckpt), self.sharded(ckpt, widest), one(self.sharded(ckpt, widest)),
+                  one(replace(ckpt, lora_rank=lora)), one(self.sharded(replace(ckpt, lora_rank=lora), widest)),
+                  one(self.sharded(replace(ckpt, lora_rank=lora), widest, cpu_offload=True))]
+        found = self.first_fit(combos)
+        return [] if found is None else [found]
+
+
+def plan_memory(cfg, gpus: int = 1, gpu_memory: float | None = None, suggest: bool = True) -> MemoryPlan:
+    """The memory plan of run config ``cfg`` on ``gpus`` processes with ``gpu_memory`` bytes each (None:
+    :func:`gpu_memory_bytes`); ``suggest`` searches for changes when it does not fit."""
+    device = _device_type(cfg)
+    budget_total = gpu_memory_bytes(device) if gpu_memory is None else gpu_memory
+    if isinstance(budget_total, bool) or not isinstance(budget_total, (int, float)) \
+            or not math.isfinite(budget_total) or budget_total <= 0:
+        raise ConfigError("--gpu-memory", budget_total, "a positive, finite amount of memory")
+    base = run_layout(cfg, gpus)
+    with torch.random.fork_rng(devices=[]):  # building shapes must not move the run's random streams
+        shapes = ShapeModel(cfg)
+        counted = shapes.bytes_per_gpu(base)
+        state = shapes.state_bytes(base)
+        reserve = int(RESERVE_FRACTION * budget_total)
+        budget = budget_total - reserve
+        fits = counted["total_per_gpu"] <= budget
+        suggestions = []
+        if suggest and not fits:
+            from ..methods.base import build_method
+
+            options = dict(cfg["method"])
+            estimator = build_method(options.pop("name"), options)
+            search = _Search(shapes, base, budget, hasattr(estimator.config, "micro_batch"), cfg["grpo"]["group_size"])
+            for layout in search.suggestions():
+                total = shapes.bytes_per_gpu(layout)["total_per_gpu"]
+                suggestions.append(f"{_describe(layout, base)}: {total / GIB:.1f} GiB per GPU")
+    return MemoryPlan(parameters=state["parameters"], trainable_parameters=state["trainable_parameters"],
+                      bytes=counted, fits=fits, suggestions=suggestions, gpus=gpus,
+                      gpu_memory_bytes=int(budget_total), reserve_bytes=reserve, layout=asdict(base),
+                      device=device, activation_basis=ACTIVATION_BASIS[device],
+                      checkpoint_input_bytes=shapes.checkpoint_input_bytes(
+                          base.micro_batch, base.gradient_checkpointing, base.lora_rank))
+
+
+def run_memory_plan(cfg, gpus: int) -> dict:
+    """What a run records in ``plan.json``: its plan on ``gpus`` processes (no suggestions), or the error
+    that kept it from being made (a run does not fail for want of a plan)."""
+    try:
+        return plan_memory(cfg, gpus, suggest=False).as_dict()
+    except Exception as exc:  # noqa: BLE001 - recorded, and the run goes on
+        print(f"agg-bench run: no memory plan: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a few lines of text."""
+    b = plan.bytes
+    lines = [f"transformer parameters: {plan.parameters:,} ({plan.trainable_parameters:,} trainable)",
+             f"per GPU ({plan.gpus} GPU{'s' if plan.gpus > 1 else ''}, {plan.layout['shard']}, micro-batch "
+             f"{plan.layout['micro_batch']}):"]
+    for key in ("params", "grads", "optimizer", "activations", "total_per_gpu"):
+        lines.append(f"  {key:<14} {b[key] / GIB:10.2f} GiB")
+    lines.append(f"  budget         {(plan.gpu_memory_bytes - plan.reserve_bytes) / GIB:10.2f} GiB "
+                 f"({plan.gpu_memory_bytes / GIB:.1f} GiB less a {RESERVE_FRACTION:.0%} reserve)")
+    lines.append(f"fits: {'yes' if plan.fits else 'no'}")
+    if not plan.fits:
+        lines += [f"  try: {s}" for s in plan.suggestions] or ["  nothing tried fits (see README: Will it fit?)"]
+    lines.append(f"activations: {plan.activation_basis}")
+    return "\n".join(lines)
+
+
+__all__ = ["Layout", "MemoryPlan", "ShapeModel", "format_plan", "gpu_memory_bytes", "plan_memory", "run_layout"]

@@ -1,0 +1,243 @@
+"""``agg-bench calibrate``: per-sample unit costs of the policy network's three kinds of pass.
+
+A run's counted passes (``train_forward_nograd``, ``train_forward_grad``, ``train_backward``) times
+these unit costs predict its train phase's time, and the ratio of two predictions is the speedup that
+the work alone explains (``report``'s ``predicted_train_speedup``). A measured speedup far from its
+prediction then comes from something else: overheads the passes do not show, or noise.
+
+The three passes are measured on one real rollout of the run config (its states, timesteps and
+conditioning), on batches of the training batch's size (what ``full`` and AGG's endpoint backwards
+use), many times and interleaved: repetition ``r`` measures every kind once, in an order rotated by
+``r``, so that a slow stretch of a shared machine falls on every kind alike. The unit cost of a kind
+is the median over repetitions of (seconds of one call) / (latents in it), in CPU time of the process
+and in wall-clock (CUDA-event) time.
+
+With ``methods`` (label -> run-config overrides, as a sweep's ``methods:`` entries), the same process
+also times each method's whole train phase on that rollout: ``Session.update`` with the method's
+estimator, the steps it would train planned on the frozen rollout (:func:`agg_bench.tools.snapshot.plan_replay`),
+gradient, clipping and optimizer step included. Rounds are interleaved like the passes (round ``r``
+times every method once, in an order rotated by ``r``), and the weights are put back after each update,
+so every round of every method does the same work on the same weights. The ratio of two methods'
+medians is then a speedup measured under one machine state, paired round by round, which separate runs
+(taken minutes apart while other jobs come and go) cannot give; the report takes its train speedups
+from it (``train_speedup_basis: paired``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..config import RunConfig, apply_overrides, validate
+from ..errors import ConfigError, UserError
+from ..io import write_json
+from ..machine.telemetry import PhaseTimer, environment
+from ..outdir import claim_files, json_file_with
+from ..results.records import PASS_KEYS
+from ..results.stats import quartiles
+
+
+@dataclass
+class CalibrationConfig:
+    """What ``calibrate`` measures.
+
+    repeats: measurements of each kind of pass (interleaved); the medians are over these.
+    warmup: untimed repetitions first (one-off allocation and kernel selection costs); also the untimed
+        rounds before the methods' timed ones.
+    method_repeats: timed rounds of the methods' train phases (each round times every method once).
+    """
+
+    repeats: int = 21
+    warmup: int = 2
+    method_repeats: int = 9
+
+    def __post_init__(self) -> None:
+        for key, low in (("repeats", 1), ("warmup", 0), ("method_repeats", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 100_000:
+                raise ConfigError(f"calibrate.{key}", value, f"an integer from {low} to 100000")
+
+
+def method_overrides(label: str, overrides: Any) -> tuple[str, list[str]]:
+    """(method name, ``--set`` strings) of a ``methods`` entry: a mapping of run-config overrides that
+    names the method (``method: {name: ...}`` or ``method.name``), as in a sweep's ``methods:``."""
+    from .sweep import flatten, overrides_of  # torch-free composition of overrides, as the sweep's own
+
+    pairs = flatten(dict(overrides)) if isinstance(overrides, Mapping) else []
+    names = [v.get("name") if k == "method" and isinstance(v, Mapping) else v
+             for k, v in pairs if k in ("method", "method.name")]
+    if not names or not isinstance(names[-1], str):
+        raise ConfigError(f"--method {label}", overrides,
+                          "a mapping of run-config overrides that names the method, "
+                          "e.g. '{method: {name: agg, window: 5}}'")
+    return names[-1], overrides_of(pairs)
+
+
+def check_method(cfg: RunConfig, label: str, sets: list[str]) -> None:
+    """Refuse a ``methods`` entry that no run could use, before anything is timed: an unknown method name,
+    a bad option, or settings the method cannot honour (its ``check_run``). A UserError names the label."""
+    from ..methods.base import build_method
+
+    try:
+        method_cfg = validate(apply_overrides(cfg.to_dict(), sets))
+        options = dict(method_cfg.method)
+        build_method(options.pop("name"), options).check_run(method_cfg)
+    except UserError as err:
+        raise UserError(f"--method {label}: {err}") from None
+
+
+def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
+                 options: CalibrationConfig) -> dict[str, dict]:
+    """Each method's train phase on ``batch``, interleaved over rounds (see the module docstring):
+    ``methods``: label -> (method name, ``--set`` strings), from :func:`method_overrides`. Returns
+    {label: {"replay", "replay_note", "passes", "optimizer_steps", "cpu_s": [...], "wall_s": [...]}}. A
+    method whose train phase cannot run on a frozen rollout (a rollout-only cache, or overrides that
+    change the rollout) gets its replay scope and note and no times."""
+    from .snapshot import Snapshot, plan_replay, replay_setup
+
+    policy = session.policy
+    snapshot = Snapshot(policy, batch, {}, session.cfg.to_dict())
+    setups, out = {}, {}
+    for label, (name, sets) in methods.items():
+        try:
+            cfg, estimator = replay_setup(snapshot.config, name, sets)
+        except ConfigError as err:  # a key the frozen rollout fixes: this method needs its own rollout
+            out[label] = {"replay": "not_applicable", "replay_note": str(err)}
+            continue
+        plan = plan_replay(snapshot, estimator, cfg)
+        out[label] = {"replay": plan.scope, "replay_note": plan.note}
+        if plan.scope == "not_applicable":
+            continue
+        planned = batch if plan.train_steps is None else \
+            dataclasses.replace(batch, train_steps=plan.train_steps.to(batch.train_steps.device))
+        setups[label] = (estimator, planned)
+        out[label].update(cpu_s=[], wall_s=[])
+    weights = [p.detach().clone() for p in policy.parameters()]
+    version, estimator_of_run = policy.version, session.estimator
+    labels = list(setups)
+    try:
+        for r in range(options.warmup + options.method_repeats):
+            shift = r % max(len(labels), 1)
+            for label in labels[shift:] + labels[:shift]:
+                estimator, planned = setups[label]
+                session.estimator = estimator
+                before = policy.counter.copy()
+                with PhaseTimer(session.device) as timer:
+                    session.update(planned)
+                passes = (policy.counter - before).as_dict()
+                with torch.no_grad():  # the same weights (and policy version: AGG's velocity reuse) every round
+                    for p, w in zip(policy.parameters(), weights):
+                        p.copy_(w)
+                policy.version = version
+                if r >= options.warmup:
+                    out[label]["cpu_s"].append(timer.cpu_s)
+                    out[label]["wall_s"].append(timer.elapsed_s)
+                    out[label].update(passes=passes, optimizer_steps=session.cfg.train.inner_epochs)
+    finally:
+        session.estimator = estimator_of_run
+    return out
+
+
+def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
+              methods: Mapping[str, Any] | None = None) -> dict:
+    """Unit costs (seconds per latent) of a no-grad forward, a forward with grad and a backward for
+    ``cfg``'s model, resolution and device, and with ``methods`` each one's train phase timed in the
+    same process; see the module docstring."""
+    from ..runtime.train import Session, model_label  # the engine only when measuring
+
+    options = options or CalibrationConfig()
+    # a malformed entry fails before the model is built
+    parsed = {label: method_overrides(label, overrides) for label, overrides in (methods or {}).items()}
+    for label, (_, sets) in parsed.items():
+        check_method(cfg, label, sets)
+    session = Session(cfg)
+    policy, device = session.policy, session.device
+    batch = session.collect(0).batch
+    timed_methods = time_methods(session, batch, parsed, options) if parsed else {}
+    b, steps = batch.latents.shape[0], batch.timesteps.shape[0]
+    rows = torch.arange(b, device=batch.latents.device)
+    samples: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in PASS_KEYS}
+
+    every_row = rows.repeat_interleave(steps)
+    every_step = torch.arange(steps, device=rows.device).repeat(b)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = session.optimizer
+    max_norm = cfg.train.max_grad_norm
+
+    def measure(kind: str, step: int) -> dict[str, tuple[float, float, int]]:
+        """(cpu s, wall s, latents) of the given kind; the grad kind is measured as a forward, a backward
+        and the optimizer step that follows an update's backwards."""
+        if kind == "forward_nograd":
+            # the train phase's no-grad forwards are AGG's velocity recomputations: one call over every
+            # (sample, step) pair of its groups
+            x, t, c = batch.states(every_row, every_step), batch.timestep_values(every_step), batch.cond[every_row]
+            with torch.no_grad(), PhaseTimer(device) as timer:
+                policy.velocity(x, t, c)
+            return {kind: (timer.cpu_s, timer.elapsed_s, len(every_row))}
+        # the train phase's forwards with grad run on the training batch, one step at a time
+        s = torch.full((b,), step, dtype=torch.long, device=rows.device)
+        with PhaseTimer(device) as forward:
+            out = policy.velocity(batch.states(rows, s), batch.timestep_values(s), batch.cond[rows])
+        upstream = torch.ones_like(out)
+        with PhaseTimer(device) as backward:
+            out.backward(upstream)
+        # what Session.update does once per optimizer step, whatever the method: gradient norm, clip, step
+        with PhaseTimer(device) as update:
+            grads = [p.grad for p in params if p.grad is not None]
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return {"forward_grad": (forward.cpu_s, forward.elapsed_s, b),
+                "backward": (backward.cpu_s, backward.elapsed_s, b),
+                "optimizer_step": (update.cpu_s, update.elapsed_s, 1)}
+
+    kinds = ("forward_nograd", "forward_grad")  # the second measures the backward and the step too
+    samples["optimizer_step"] = {"cpu": [], "wall": []}
+    for r in range(options.warmup + options.repeats):
+        order = kinds if r % 2 == 0 else kinds[::-1]
+        for kind in order:
+            for name, (cpu, wall, n) in measure(kind, r % steps).items():
+                if r >= options.warmup:
+                    samples[name]["cpu"].append(cpu / n)
+                    samples[name]["wall"].append(wall / n)
+    env = environment()
+    units = {}
+    for kind, by_basis in samples.items():
+        units[kind] = {}
+        for basis, values in by_basis.items():
+            p25, p50, p75 = quartiles(values)
+            units[kind][basis] = {"median": p50, "p25": p25, "p75": p75}
+    return {
+        "model": model_label(cfg), "resolution": cfg.model.resolution, "device": device.type,
+        "gpu_name": env["gpu_name"] if device.type == "cuda" else None, "batch": b,
+        "repeats": options.repeats, "warmup": options.warmup, "threads": torch.get_num_threads(),
+        "unit_s_per_sample": units, "method_repeats": options.method_repeats, "methods": timed_methods,
+        "env": env,
+    }
+
+
+def write_calibration(cfg: RunConfig, out: str | Path, options: CalibrationConfig | None = None,
+                      methods: Mapping[str, Any] | None = None) -> dict:
+    """Measure (``calibrate``) and write the result to ``out`` as JSON; return it. Under torchrun every
+    process measures its share of the batch, as the runs of a cell on that many GPUs do (sharded with
+    ``train.shard: fsdp``: all-gathers and reduce-scatters included), and rank 0 writes its numbers."""
+    from ..machine import distributed, fsdp
+    from ..runtime.train import resolve_device
+
+    out = Path(out)
+    with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
+        shard.check_run(cfg)  # whole groups per process, as a run checks it
+        # claimed before minutes of timing: a file that is not a calibration, or a second writer, is refused first
+        claim = distributed.on_main(
+            lambda: claim_files({out: (json_file_with("unit_s_per_sample"), "a calibration")}).acquire())
+        with claim or contextlib.nullcontext():
+            result = {**calibrate(cfg, options, methods), "processes": shard.world_size}
+            if shard.is_main:
+                write_json(out, result)
+    return result

@@ -1,0 +1,258 @@
+"""``agg-bench gradcheck``: what each estimator costs in gradient accuracy, on one frozen rollout.
+
+One snapshot (made from a run config, or an existing one) is replayed with ``full`` as the reference,
+then with every AGG setting of a grid (windows x alphas x route fractions x velocity reuse) and with
+any extra methods. Each replay is one CSV row: its cosine and relative error to the reference, its
+pass counts, its wall time, and a cached method's hit rate in the replayed forwards.
+
+Column ``replay`` says what a row measures (:class:`agg_bench.methods.base.ReplayPlan`): ``as_trained`` (the
+method's own gradient on this rollout), ``replanned`` (its trained steps drawn anew from the rollout:
+``fraction``), ``partial`` (part of what the method changes: ``window``, ``cached`` with ``cache_in=both``)
+or ``not_applicable`` (a rollout-only cache: the row has no numbers); ``replay_note`` says why.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from ..config import RunConfig, yaml_load
+from ..errors import ConfigError, UserError
+from ..io import atomic_file, atomic_path
+from ..outdir import claim_files
+from ..results.records import GRADCHECK_OPTION_COLUMNS
+from ..runtime.train import resolve_device
+from .snapshot import Snapshot, load_snapshot, plan_replay, replay_gradient, replay_setup, save_snapshot
+
+COLUMNS = (
+    "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
+    "cache_in",
+    "cosine_to_full", "relative_error", "grad_norm", "forward_nograd", "forward_grad", "backward",
+    "seconds", "groups_routed", "route_score_mean", "ratio_dev", "cache_hit_rate", "is_reference",
+    "model", "resolution", "device", "batch_size", "steps_per_sample", "replay", "replay_note",
+)
+# estimator options that get their own column (whichever method has them)
+OPTION_COLUMNS = GRADCHECK_OPTION_COLUMNS
+
+
+@dataclass(frozen=True)
+class ReplayJob:
+    """One replay: a method and its options as ``(key, YAML text)`` pairs, i.e. ``--set method.key=text``;
+    a dotted key is a run-config key as it stands (``train.timestep_fraction`` for ``fraction``)."""
+
+    method: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{key if '.' in key else 'method.' + key}={text}" for key, text in self.options]
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{key}={text}" for key, text in self.options)
+
+
+def parse_values(text: str, flag: str, kind: type) -> list:
+    """Comma-separated ``text`` of ``--flag`` as a list of ``kind`` (int, float, str or bool)."""
+    expected = {int: "comma-separated integers, e.g. 2,3,5", float: "comma-separated numbers, e.g. 0,0.5,1",
+                str: "comma-separated names, e.g. index,sigma", bool: "comma-separated booleans, e.g. false,true"}
+    items = [item.strip() for item in str(text).split(",")]
+    if not items or any(not item for item in items):
+        raise ConfigError(flag, text, expected[kind])
+    out = []
+    for item in items:
+        try:
+            value = item if kind is str else yaml_load(item, flag, text)
+        except yaml.YAMLError:
+            raise ConfigError(flag, text, expected[kind]) from None
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ConfigError(flag, text, expected[kind])
+        out.append(value)
+    return out
+
+
+def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
+    """Jobs from ``--methods`` values: ``name`` or ``name:key=value``, comma-separated.
+
+    A comma-separated item with ``=`` and no ``:`` adds an option to the method before it, so
+    ``fraction,cached:cache=fora,interval=2`` is ``fraction`` and ``cached`` with two options; a dotted
+    key sets that run-config key for the job, e.g. ``fraction:train.timestep_fraction=0.5``.
+    """
+    jobs: list[tuple[str, list[tuple[str, str]]]] = []
+    for spec in specs:
+        for item in (part.strip() for part in spec.split(",")):
+            if not item:
+                continue
+            if "=" in item and ":" not in item.split("=", 1)[0]:
+                if not jobs:
+                    raise ConfigError("--methods", spec, "name or name:key=value items, a name first")
+                key, text = item.split("=", 1)
+                jobs[-1][1].append((key.strip(), text.strip()))
+                continue
+            name, _, option = item.partition(":")
+            if not name.strip():
+                raise ConfigError("--methods", spec, "name or name:key=value items, e.g. fraction,cached:cache=fora")
+            jobs.append((name.strip(), []))
+            if option:
+                if "=" not in option:
+                    raise ConfigError("--methods", spec, f"key=value after '{name}:'")
+                key, text = option.split("=", 1)
+                jobs[-1][1].append((key.strip(), text.strip()))
+    return [ReplayJob(name, tuple(options)) for name, options in jobs]
+
+
+def agg_grid(windows: list[int], alphas: list[str], route_fracs: list[float],
+             reuse: list[bool]) -> list[ReplayJob]:
+    """One ``agg`` job per combination, in the order given."""
+    return [
+        ReplayJob("agg", (("window", str(w)), ("alpha", a), ("route_frac", repr(f)),
+                          ("reuse_rollout_velocity", "true" if r else "false")))
+        for w, a, f, r in itertools.product(windows, alphas, route_fracs, reuse)
+    ]
+
+
+def compare(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+    """(cosine, relative error ||g - g_ref|| / ||g_ref||, ||g||) over all parameters, in float64."""
+    dot = num = ref_sq = sq = 0.0
+    for name, ref in reference.items():
+        g, r = grads[name].double(), ref.double()
+        dot += float((g * r).sum())
+        num += float((g - r).pow(2).sum())
+        ref_sq += float(r.pow(2).sum())
+        sq += float(g.pow(2).sum())
+    cosine = dot / (sq * ref_sq) ** 0.5 if sq > 0 and ref_sq > 0 else float("nan")
+    rel = (num / ref_sq) ** 0.5 if ref_sq > 0 else float("nan")
+    return cosine, rel, sq ** 0.5
+
+
+def build_estimators(config: dict, jobs: list[ReplayJob]) -> list[tuple[RunConfig, Any]]:
+    """Each job's (replay config, estimator), its options and the method's run checks applied to a run
+    config whose method section it replaces."""
+    return [replay_setup(config, job.method, job.overrides) for job in jobs]
+
+
+def _timed_replay(snapshot: Snapshot, estimator, cfg: RunConfig, plan) -> tuple[dict, dict, dict, float]:
+    device = snapshot.policy.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    grads, counts, stats = replay_gradient(snapshot, estimator, cfg, plan)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return grads, counts, stats, time.perf_counter() - start
+
+
+def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = True) -> list[dict]:
+    """Replay ``full`` and then every job on ``snapshot``; one row (COLUMNS) per replay, reference first.
+    A job whose replay is not applicable gets a row with its options and ``replay_note`` and no numbers."""
+    jobs = [ReplayJob("full"), *jobs]
+    setups = build_estimators(snapshot.config, jobs)  # a bad option fails before any replay runs
+    batch = snapshot.batch
+    common = {"model": snapshot.meta.get("family"), "resolution": snapshot.meta.get("resolution"),
+              "device": str(snapshot.policy.device), "batch_size": batch.batch_size,
+              "steps_per_sample": batch.steps_per_sample}
+    rows: list[dict] = []
+    reference = None
+    bar = tqdm(list(zip(jobs, setups)), desc="gradcheck", unit="replay",
+               disable=not progress)
+    for job, (cfg, estimator) in bar:
+        bar.set_postfix_str(f"{job.method} {job.label}".strip())
+        plan = plan_replay(snapshot, estimator, cfg)
+        row: dict[str, Any] = dict.fromkeys(COLUMNS)
+        row.update(common, method=job.method, options=job.label, is_reference=not rows, replay=plan.scope,
+                   replay_note=plan.note)
+        row.update({key: getattr(estimator.config, key) for key in OPTION_COLUMNS
+                    if hasattr(estimator.config, key)})
+        rows.append(row)
+        if plan.scope == "not_applicable":
+            continue
+        grads, counts, stats, seconds = _timed_replay(snapshot, estimator, cfg, plan)
+        if reference is None:
+            reference = grads
+        cosine, rel, norm = compare(grads, reference)
+        row.update(cosine_to_full=cosine, relative_error=rel, grad_norm=norm, seconds=seconds,
+                   ratio_dev=stats.get("ratio_dev"), groups_routed=stats.get("agg_groups_routed"),
+                   route_score_mean=stats.get("agg_route_score_mean"), cache_hit_rate=stats.get("cache_hit_rate"),
+                   steps_per_sample=stats["steps_per_sample"], **counts)
+    return rows
+
+
+def write_csv(rows: list[dict], out: str | Path) -> Path:
+    """Write ``rows`` (COLUMNS) to ``out`` atomically; missing values are empty cells."""
+    out = Path(out)
+    with atomic_file(out) as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(COLUMNS))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in COLUMNS})
+    return out
+
+
+def is_gradcheck_csv(path: Path) -> bool:
+    """Whether ``path`` is a table :func:`write_csv` wrote (its header starts with the first COLUMNS)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            header = fh.readline(4096)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return header.split(",")[:3] == list(COLUMNS[:3])
+
+
+def _has_snapshot(folder: Path) -> bool:
+    return (folder / "rollout.json").exists()
+
+
+def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str | Path | None = None,
+              windows: Iterable[int] = (2, 3, 4, 5, 8), alphas: Iterable[str] = ("index", "sigma"),
+              route_fracs: Iterable[float] = (0.0, 0.5, 1.0), reuse: Iterable[bool] = (False,),
+              methods: Iterable[str] = (), device: str | None = None) -> list[dict]:
+    """Replay the grid and ``methods`` on one snapshot and write ``out`` (CSV); returns the rows.
+
+    With ``snapshot_dir`` holding a snapshot, that one is used; with ``snapshot_dir`` empty or new,
+    one is made there from ``cfg`` and kept; without it, one is made next to ``out`` and removed.
+    ``device`` defaults to ``cfg.device``, or cpu for an existing snapshot (as ``replay``).
+    """
+    out = Path(out)
+    if out.suffix != ".csv":
+        raise UserError(f"--out {out}: expected a FILE.csv path")
+    # the device first: a GPU this machine lacks is refused before anything is written or computed
+    device = resolve_device(device, "--device") if device is not None else \
+        resolve_device(cfg.device if cfg is not None else "cpu")
+    with claim_files({out: (is_gradcheck_csv, "a gradcheck table")}):
+        return _gradcheck(out, cfg, snapshot_dir, windows, alphas, route_fracs, reuse, methods, device)
+
+
+def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, route_fracs, reuse, methods,
+               device: torch.device) -> list[dict]:
+    jobs = agg_grid(list(windows), list(alphas), list(route_fracs), list(reuse)) + parse_method_specs(methods)
+    temporary = None
+    if snapshot_dir is not None and _has_snapshot(Path(snapshot_dir)):
+        folder = Path(snapshot_dir)
+    else:
+        if cfg is None:
+            raise UserError("gradcheck needs a run config to make a snapshot from (or --snapshot DIR of one)")
+        build_estimators(cfg.to_dict(), jobs)  # fail on a bad option before the rollout, not after
+        folder = Path(snapshot_dir) if snapshot_dir is not None else \
+            atomic_path(out.parent / f"{out.stem}-snapshot")
+        temporary = None if snapshot_dir is not None else folder
+    try:
+        if not _has_snapshot(folder):
+            save_snapshot(cfg, folder)
+        snapshot = load_snapshot(folder, device)
+        progress = cfg.progress if cfg is not None else bool(snapshot.config.get("progress", True))
+        rows = run_gradcheck(snapshot, jobs, progress)
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+    write_csv(rows, out)
+    return rows

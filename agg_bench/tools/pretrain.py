@@ -1,0 +1,325 @@
+"""``agg-bench pretrain``: a small DiT taught the drawn scenes by rectified-flow matching, saved as a model
+folder that ``model.preset: pretrained`` loads.
+
+The model denoises pixels (:class:`~agg_bench.engine.pixel_decoder.PixelDecoder`, no VAE to train) and is
+conditioned on the captions' token-hash embedding (:func:`agg_bench.engine.prompts.hash_embed`, learned through
+the transformer's own context and pooled projections). Training: x_s = (1 - s) x_data + s noise, target
+velocity noise - x_data (the sampler's convention, :mod:`agg_bench.engine.sde`), s drawn uniformly and shifted as
+the sampling schedule is (``shift``); AdamW; the saved weights are an exponential moving average.
+
+The output folder: ``transformer/`` (diffusers ``save_pretrained``), ``vae/`` (the pixel decoder's
+config), ``scheduler/`` (FlowMatchEulerDiscreteScheduler with ``shift``), ``token_hash.json``,
+``samples.png`` (a grid of samples with their captions and scene rewards) and ``pretrain.json`` (the
+config, the loss curve, the duration and the samples' rewards). It is written to a temporary folder and
+renamed into place; an existing folder is replaced only if it holds a ``pretrain.json``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from ..config import apply_overrides, check_finite, read_yaml_mapping
+from ..engine.models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy
+from ..engine.pixel_decoder import PixelDecoder
+from ..engine.prompts import TOKEN_HASH_FILE, hash_embed
+from ..engine.scenes import all_scenes, draw_batch, sample_scenes
+from ..engine.sde import flow_sigmas, ode_step
+from ..errors import ConfigError, UserError
+from ..io import atomic_target, save_figure, write_json, write_text
+from ..outdir import Claim, Contents, check_folder, is_harness_name
+from ..results.plotting import pyplot
+from ..threads import usable_cores
+
+MARKER = "pretrain.json"
+FAMILIES = ("sd3", "flux")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class PretrainConfig:
+    """What ``agg-bench pretrain`` trains.
+
+    family: ``sd3`` or ``flux`` (the diffusers transformer class). resolution: image side in pixels (a
+    multiple of 4 x ``pixel_factor``). steps: optimizer steps. batch_size: images per step. lr: AdamW
+    learning rate (linear warm-up over the first ``warmup_steps``). lr_schedule: after the warm-up,
+    ``constant`` or ``cosine`` (down to 0 at the last step: late steps refine instead of wander).
+    ema_decay: decay of the saved weights' moving average. seed: data, noise and initial weights. num_layers: transformer blocks (FLUX:
+    this many double-stream and this many single-stream blocks). num_attention_heads /
+    attention_head_dim: attention width. text_dim: token and pooled embedding width. max_tokens: caption
+    tokens embedded. pixel_factor: the pixel decoder's rearrangement factor. shift: the scheduler's sigma
+    shift, also used to draw the training sigmas. sample_steps: Euler steps of the sample grid. threads:
+    torch CPU threads, at most as many as the cores this process may use (0: leave as is).
+    """
+
+    family: str = "sd3"
+    resolution: int = 32
+    steps: int = 1500
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    lr_schedule: str = "constant"
+    ema_decay: float = 0.995
+    seed: int = 0
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    attention_head_dim: int = 16
+    text_dim: int = 32
+    max_tokens: int = 6
+    pixel_factor: int = 2
+    shift: float = 3.0
+    sample_steps: int = 20
+    threads: int = 0
+
+
+def _check(cfg: PretrainConfig) -> PretrainConfig:
+    """Every field's type and range, as ConfigErrors naming the key."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f.name, value, "an integer")
+        if f.type == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f.name, value, "a finite number")
+            setattr(cfg, f.name, float(value))
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError("lr_schedule", cfg.lr_schedule, f"one of {list(LR_SCHEDULES)}")
+    if cfg.family not in FAMILIES:
+        raise ConfigError("family", cfg.family, f"one of {list(FAMILIES)}")
+    positive = ("steps", "batch_size", "num_layers", "num_attention_heads", "attention_head_dim", "text_dim",
+                "max_tokens", "sample_steps")
+    limits = {"steps": 1_000_000, "batch_size": 4096, "num_layers": 64, "num_attention_heads": 64,
+              "attention_head_dim": 512, "text_dim": 4096, "max_tokens": 64, "sample_steps": 1000}
+    for name in positive:
+        value = getattr(cfg, name)
+        if not 1 <= value <= limits[name]:
+            raise ConfigError(name, value, f"an integer from 1 to {limits[name]}")
+    for name, low in (("warmup_steps", 0), ("seed", 0), ("threads", 0)):
+        if getattr(cfg, name) < low:
+            raise ConfigError(name, getattr(cfg, name), f"an integer >= {low}")
+    if cfg.pixel_factor not in (1, 2, 4):
+        raise ConfigError("pixel_factor", cfg.pixel_factor, "1, 2 or 4")
+    step = 4 * cfg.pixel_factor
+    if not 16 <= cfg.resolution <= 256 or cfg.resolution % step:
+        raise ConfigError("resolution", cfg.resolution, f"a multiple of {step} from 16 to 256")
+    if not 0 < cfg.lr <= 1:
+        raise ConfigError("lr", cfg.lr, "a number in (0, 1]")
+    if not 0 <= cfg.ema_decay < 1:
+        raise ConfigError("ema_decay", cfg.ema_decay, "a number in [0, 1)")
+    if not 0 < cfg.shift <= 100:
+        raise ConfigError("shift", cfg.shift, "a number in (0, 100]")
+    if cfg.family == "flux" and cfg.attention_head_dim % 16:
+        raise ConfigError("attention_head_dim", cfg.attention_head_dim, "a multiple of 16 for flux (its RoPE axes)")
+    return cfg
+
+
+def load_pretrain_config(path: str | Path | None, overrides: list[str] | None = None) -> PretrainConfig:
+    """PretrainConfig defaults <- YAML file <- ``--set key=value`` overrides, checked."""
+    user = read_yaml_mapping(path, "pretrain keys") if path is not None else {}
+    user = apply_overrides(user, overrides or [])
+    check_finite(user)
+    known = [f.name for f in fields(PretrainConfig)]
+    for key in user:
+        if key not in known:
+            raise ConfigError(key, user[key], f"a pretrain key (one of {', '.join(known)})")
+    return _check(PretrainConfig(**user))
+
+
+def build_transformer(cfg: PretrainConfig):
+    """The family's diffusers transformer for pixel latents of ``cfg`` (seeded random weights)."""
+    channels = 3 * cfg.pixel_factor ** 2
+    side = cfg.resolution // cfg.pixel_factor
+    common = dict(num_layers=cfg.num_layers, attention_head_dim=cfg.attention_head_dim,
+                  num_attention_heads=cfg.num_attention_heads, joint_attention_dim=cfg.text_dim,
+                  pooled_projection_dim=cfg.text_dim)
+    if cfg.family == "sd3":
+        kwargs = dict(sample_size=side, patch_size=2, in_channels=channels, out_channels=channels,
+                      caption_projection_dim=cfg.num_attention_heads * cfg.attention_head_dim,
+                      pos_embed_max_size=side // 2, **common)
+    else:
+        # RoPE axes (text, row, column) summing to the head width, each even (a quarter and 3/8 each)
+        head = cfg.attention_head_dim
+        kwargs = dict(patch_size=1, in_channels=4 * channels, num_single_layers=cfg.num_layers,
+                      axes_dims_rope=(head // 4, 3 * head // 8, 3 * head // 8), **common)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return TRANSFORMER_CLASSES[cfg.family](**kwargs)
+
+
+class SceneConditioning:
+    """The token-hash conditioning of every caption of the grammar, looked up by caption."""
+
+    def __init__(self, cfg: PretrainConfig):
+        self.captions = [s.caption for s in all_scenes()]
+        self.index = {c: i for i, c in enumerate(self.captions)}
+        self.table = hash_embed(self.captions, cfg.text_dim, cfg.text_dim, cfg.max_tokens, cfg.seed)
+
+    def __call__(self, captions: list[str]) -> Conditioning:
+        return self.table[torch.tensor([self.index[c] for c in captions])]
+
+
+def data_statistics(cfg: PretrainConfig, n: int = 512) -> tuple[float, float]:
+    """(mean, std) of the images' pixels in [-1, 1]: the decoder's shift and 1 / scale."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    pixels = draw_batch(sample_scenes(n, gen), cfg.resolution, gen) * 2 - 1
+    return float(pixels.mean()), float(pixels.std())
+
+
+@torch.no_grad()
+def sample(policy: Policy, cond: Conditioning, latent_shape: tuple[int, ...], steps: int, shift: float,
+           generator: torch.Generator) -> torch.Tensor:
+    """Images (B, 3, S, S) in [0, 1] by the deterministic Euler sampler from seeded noise."""
+    sigmas = flow_sigmas(steps, shift)
+    x = torch.randn((cond.batch_size, *latent_shape), generator=generator)
+    timesteps = policy.timestep_values(sigmas).float()
+    for j in range(steps):
+        x = ode_step(policy.velocity(x, timesteps[j].expand(x.shape[0]), cond), x, sigmas, j)
+    return policy.decode(x)
+
+
+def grid_captions(n: int = 16) -> list[str]:
+    """``n`` captions spread over the grammar (every colour, shape, position and count appears)."""
+    scenes = all_scenes()
+    return [scenes[(i * 37) % len(scenes)].caption for i in range(n)]
+
+
+def save_grid(path: str | Path, images: torch.Tensor, captions: list[str], scores: list[float] | None = None,
+              columns: int = 4, title: str | None = None) -> None:
+    """A PNG grid of images with their captions (and scene rewards) written atomically."""
+    plt = pyplot()
+    rows = math.ceil(len(captions) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.2 * columns, 2.4 * rows), squeeze=False)
+    for k, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if k < len(captions):
+            ax.imshow(images[k].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
+            label = captions[k].replace(" on the", "\non the").replace(" at the", "\nat the")
+            if scores is not None:
+                label += f"\nreward {scores[k]:.2f}"
+            ax.set_title(label, fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def learning_rate(cfg: PretrainConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): linear warm-up, then ``lr_schedule``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# what a pretrain output folder holds; it is replaced whole, so anything else in it would be lost
+PRETRAIN_CONTENTS = Contents("an agg-bench pretrain output", ("transformer", "vae", "scheduler", TOKEN_HASH_FILE,
+                                                              "samples.png", MARKER))
+
+
+def check_out_dir(out: Path) -> None:
+    """An output folder may be new, empty, or an earlier ``agg-bench pretrain`` output (replaced): only its
+    files, with its ``pretrain.json``. Reads only."""
+    check_folder(out, PRETRAIN_CONTENTS)
+    if out.is_dir() and any(not is_harness_name(p.name) for p in out.iterdir()) and not (out / MARKER).is_file():
+        raise UserError(f"--out {out}: a non-empty folder that is not an agg-bench pretrain output "
+                        f"(no {MARKER}); give a new or empty folder")
+
+
+def pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool = True) -> dict:
+    """Train, sample and save the model folder ``out_dir``; return what ``pretrain.json`` holds. The
+    torch thread count ``threads`` (capped at the usable cores: more would wait for each other) holds
+    during the call only (a caller's later work keeps its own)."""
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(min(cfg.threads, usable_cores() or cfg.threads))
+    try:
+        return _pretrain(cfg, out_dir, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool) -> dict:
+    out = Path(out_dir)
+    check_out_dir(out)
+    # the new folder is written beside --out and renamed over it: the lock lies beside it too
+    with Claim(out, folder=True, lock_inside=False, check=lambda: check_out_dir(out)):
+        return _train_and_save(cfg, out, progress)
+
+
+def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
+    start_wall, start_cpu = time.perf_counter(), time.process_time()
+    shift_factor, std = data_statistics(cfg)
+    decoder = PixelDecoder(cfg.pixel_factor, scaling_factor=1.0 / std, shift_factor=shift_factor)
+    transformer = build_transformer(cfg)
+    policy = POLICIES[cfg.family](transformer, decoder)
+    latent_shape = policy.latent_shape(cfg.resolution)
+    conditioning = SceneConditioning(cfg)
+    ema = copy.deepcopy(transformer).requires_grad_(False)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=cfg.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg.seed + 2)
+    losses = []
+    for step in range(cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        scenes = sample_scenes(cfg.batch_size, gen)
+        data = decoder.encode_images(draw_batch(scenes, cfg.resolution, gen))
+        noise = torch.randn(data.shape, generator=gen)
+        u = torch.rand(cfg.batch_size, generator=gen)
+        sigma = (cfg.shift * u / (1 + (cfg.shift - 1) * u)).view(-1, 1, 1, 1)
+        noisy = (1 - sigma) * data + sigma * noise
+        velocity = policy.velocity(noisy, sigma.flatten() * policy.timestep_scale,
+                                   conditioning([s.caption for s in scenes]))
+        loss = torch.nn.functional.mse_loss(velocity, noise - data)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        decay = min(cfg.ema_decay, (1 + step) / (10 + step))  # short runs: the average starts from recent weights
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), transformer.parameters()):
+                e.lerp_(p, 1 - decay)
+        losses.append(loss.item())
+        if progress and (step % 100 == 0 or step == cfg.steps - 1):
+            recent = losses[-100:]
+            print(f"pretrain {cfg.family} step {step + 1}/{cfg.steps} loss {sum(recent) / len(recent):.4f} "
+                  f"({time.perf_counter() - start_wall:.0f} s)", file=sys.stderr, flush=True)
+    train_wall, train_cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
+    from ..engine.scene_reward import SceneReward
+
+    policy.transformer = ema.eval()
+    captions = grid_captions()
+    images = sample(policy, conditioning(captions), latent_shape, cfg.sample_steps, cfg.shift,
+                    torch.Generator().manual_seed(cfg.seed + 3))
+    reward = SceneReward()
+    scores = reward(images, captions)
+    window = max(1, min(100, cfg.steps // 10))
+    summary = {
+        "format": "agg-bench-pretrain/1", "config": asdict(cfg), "parameters": sum(p.numel() for p in ema.parameters()),
+        "train_wall_s": train_wall, "train_cpu_s": train_cpu, "threads": torch.get_num_threads(),
+        "loss_first": sum(losses[:window]) / window, "loss_last": sum(losses[-window:]) / window,
+        "loss_curve": [sum(losses[i:i + window]) / len(losses[i:i + window]) for i in range(0, len(losses), window)],
+        "sample_captions": captions, "sample_reward": float(scores.mean()),
+        **{f"sample_{k}": float(v.mean()) for k, v in reward.details.items()},
+    }
+    with atomic_target(out) as tmp:  # an earlier output is replaced only once the new one is complete
+        tmp.mkdir(parents=True)
+        ema.save_pretrained(tmp / "transformer")
+        decoder.save_pretrained(tmp / "vae")
+        FlowMatchEulerDiscreteScheduler(shift=cfg.shift).save_pretrained(tmp / "scheduler")
+        write_text(tmp / TOKEN_HASH_FILE, json.dumps({"max_tokens": cfg.max_tokens, "seed": cfg.seed}) + "\n")
+        save_grid(tmp / "samples.png", images, captions, scores.tolist(),
+                  title=f"{cfg.family}, {cfg.steps} steps, {cfg.sample_steps} Euler steps: "
+                        f"mean scene reward {float(scores.mean()):.2f}")
+        summary["wall_s"] = time.perf_counter() - start_wall
+        write_json(tmp / MARKER, summary)
+    return summary

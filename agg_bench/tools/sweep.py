@@ -1,0 +1,428 @@
+"""The workflow's sweep: a sweep config checked and expanded into jobs, and the jobs' command lines.
+
+The Snakefile builds one :class:`Sweep` while Snakemake parses the workflow (``workflow/rules/common.smk``),
+so every check below happens before any job starts, and a bad sweep fails with one line that names the
+job and the key. Parsing stays fast because this module imports nothing heavy (no torch, diffusers or
+peft). The checks come in two stages:
+
+1. In this process, from configs alone: the sweep's files read again with agg-bench's YAML loader
+   (Snakemake's takes repeated keys, last wins, and aliases that nest without a bound) and the parsed
+   sweep's size with its aliases written out (:func:`agg_bench.config.check_expanded_size`), both before
+   anything walks the whole sweep; the sweep against ``workflow/schemas/config.schema.yaml`` and
+   its cross-references; each composed run config against the run schema; each run's resolution against
+   its model family's latent multiple and maximum (:mod:`agg_bench.engine.families`); an ``exclude`` that leaves
+   no run.
+   Every run and calibration on several processes splits its batch into whole GRPO groups per process
+   (:func:`agg_bench.config.check_data_parallel`, as the run checks it).
+2. The methods' own options and run checks (``Estimator.check_run``), which live with the methods and
+   need torch (not diffusers, peft or transformers: ``tests/test_import_graph.py``): one child process
+   (``python -m agg_bench.tools.sweep``) checks every job and answers each method's
+   resolved options (the manifest records them). The answer is kept in ``.snakemake/agg-bench/``
+   under a hash of all it depends on (the composed jobs, the base config file, the ``agg_bench`` and
+   ``baselines`` sources, the interpreter), so parsing the same sweep again (another dry run, a cluster
+   job) does not start the child again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_schema, load_config,
+                      read_yaml_mapping)
+from ..engine.families import check_resolution
+from ..errors import UserError, quote
+from ..io import atomic_path
+
+PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
+EMBED_DIR = "results/embeddings"
+PRETRAINED_DIR = "results/pretrained"  # model folders the workflow's pretrain rule makes
+
+
+def is_pretrained_here(path: Any) -> bool:
+    """Whether a ``model.pretrained`` value names a folder that the workflow's pretrain rule makes."""
+    return isinstance(path, str) and path.startswith(PRETRAINED_DIR + "/")
+CACHE_DIR = Path(".snakemake") / "agg-bench"
+# keys whose value is one whole section: a method's options must not mix with another method's
+WHOLE_SECTIONS = ("method", "options")
+# what the method check's answer depends on besides the jobs themselves
+SOURCE_PACKAGES = ("agg_bench", "baselines")
+
+
+class SweepError(UserError):
+    """A sweep config that cannot run as written; the message starts with ``sweep config:``."""
+
+    def __init__(self, message: str):
+        super().__init__(f"sweep config: {message}")
+
+
+def check_sweep_files(paths) -> None:
+    """Each file the sweep config came from (Snakemake's ``workflow.configfiles``) read again with agg-bench's
+    YAML loader, which refuses what Snakemake's takes: a repeated key, a key that is not text, aliases
+    that nest into a huge document, a file over the size limit."""
+    for path in paths:
+        try:
+            read_yaml_mapping(path, "sweep sections", "--configfile")
+        except UserError as err:
+            raise SweepError(str(err)) from None
+
+
+def check_sweep(sweep: dict, schema: dict) -> None:
+    """The sweep's size (aliases written out: before anything walks it), its structure against ``schema``,
+    then the cross-references between its sections."""
+    try:
+        check_expanded_size(sweep)
+    except YamlRefused as err:
+        raise SweepError(f"expected {err.reason}") from None
+    try:
+        check_schema(sweep, schema)
+    except UserError as err:
+        raise SweepError(str(err)) from None
+    for section in ("gradcheck", "embed"):
+        part = sweep.get(section) or {}
+        for label in part.get("models", []):
+            if label not in sweep["models"]:
+                raise SweepError(f"{section}.models: {quote(label)} is not a label under models "
+                                 f"({', '.join(sweep['models'])})")
+        if "device" in part and part["device"] not in sweep["devices"]:
+            raise SweepError(f"{section}.device: {quote(part['device'])} is not a label under devices "
+                             f"({', '.join(sweep['devices'])})")
+    labels = [ref["label"] for ref in sweep.get("references", [])]
+    if len(set(labels)) != len(labels):
+        raise SweepError(f"references: labels must be unique ({', '.join(labels)})")
+
+
+def flatten(overrides: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """Dotted (key, value) leaves of ``overrides``; `method` and `*.options` stay whole."""
+    out = []
+    for key, value in overrides.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value and dotted.split(".")[-1] not in WHOLE_SECTIONS:
+            out.extend(flatten(value, dotted + "."))
+        else:
+            out.append((dotted, value))
+    return out
+
+
+def yaml_text(value: Any) -> str:
+    """``value`` as one line of YAML, which is how `agg-bench --set key=value` parses it."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 30, sort_keys=False).strip()
+    return text[:-3].strip() if text.endswith("\n...") else text
+
+
+def set_arg(key: str, value: Any) -> str:
+    """``--set key=value`` quoted for the shell."""
+    return "--set " + shlex.quote(f"{key}={yaml_text(value)}")
+
+
+def overrides_of(pairs: list[tuple[str, Any]]) -> list[str]:
+    """``pairs`` as the ``key=value`` strings `agg-bench --set` takes."""
+    return [f"{k}={yaml_text(v)}" for k, v in pairs]
+
+
+# ----- stage 2: the methods' own checks (imports torch; run in a child process) ------------------------
+def check_methods(base_file: str | None, jobs: dict[str, list]) -> dict[str, dict]:
+    """Each job's method built from its composed config and run through ``check_run``: {job: the method's
+    resolved options (name first)}. Raises a SweepError naming the first job that fails."""
+    from ..methods.base import build_method  # torch: only in the child process that runs this
+
+    options = {}
+    for what, pairs in jobs.items():
+        try:
+            cfg = load_config(base_file, overrides_of(pairs), check_method=False)  # built once, below
+            section = dict(cfg.method)
+            estimator = build_method(section.pop("name"), section)
+            estimator.check_run(cfg)
+        except UserError as err:
+            raise SweepError(f"{what}: {err}") from None
+        options[what] = {"name": cfg.method["name"], **dataclasses.asdict(estimator.config)}
+    return options
+
+
+def _main() -> int:
+    """``python -m agg_bench.tools.sweep``: {"base", "jobs"} on stdin -> {"options"} or {"error"} on stdout."""
+    request = json.load(sys.stdin)
+    try:
+        answer = {"options": check_methods(request["base"], request["jobs"])}
+    except UserError as err:
+        answer = {"error": str(err)}
+    json.dump(answer, sys.stdout)
+    return 0
+
+
+def source_digest() -> str:
+    """A hash of the ``agg_bench`` and ``baselines`` sources (Python and YAML), found without importing them."""
+    digest = hashlib.sha256()
+    for package in SOURCE_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            for path in sorted(Path(root).rglob("*")):
+                if path.suffix in (".py", ".yaml") and "__pycache__" not in path.parts:
+                    digest.update(str(path.relative_to(root)).encode())
+                    digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Path | None = CACHE_DIR) -> dict[str, dict]:
+    """:func:`check_methods` in a child process, its answer cached in ``cache_dir`` (None: not cached)."""
+    request = {"base": base_file, "jobs": jobs}
+    key = hashlib.sha256(json.dumps({
+        "request": request, "python": sys.executable, "sources": source_digest(),
+        "base_text": Path(base_file).read_text() if base_file else None,
+    }, sort_keys=True, default=str).encode()).hexdigest()
+    cached = None if cache_dir is None else cache_dir / f"methods-{key[:32]}.json"
+    if cached is not None and cached.is_file():
+        try:
+            return json.loads(cached.read_text())["options"]
+        except (ValueError, KeyError):
+            pass  # a torn or foreign file: check again
+    # the child imports agg_bench from where this process did; it builds configs, no tensors: one thread
+    # (with the short OpenMP waits this process's `import agg_bench` put in the environment)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "agg_bench.tools.sweep"], input=json.dumps(request, default=str),
+                          capture_output=True, text=True, env=env)
+    try:
+        answer = json.loads(proc.stdout)
+    except ValueError:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        raise SweepError(f"checking the methods' options failed: {tail[0]}") from None
+    if "error" in answer:
+        raise UserError(answer["error"])
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = atomic_path(cached)
+        tmp.write_text(json.dumps(answer))
+        os.replace(tmp, cached)
+    return answer["options"]
+
+
+# ----- the jobs -----------------------------------------------------------------------------------------
+class Sweep:
+    """The jobs of a sweep config: runs, gradchecks, embeddings and imported references.
+
+    ``schema``: the sweep schema (``workflow/schemas/config.schema.yaml``) as a path or a dict.
+    ``cache_dir``: where the methods' check keeps its answers (None: not kept).
+    ``files``: the files ``sweep`` was read from (Snakemake's ``workflow.configfiles``), read again first.
+    """
+
+    def __init__(self, sweep: dict, schema: str | Path | dict, cache_dir: Path | None = CACHE_DIR,
+                 files=()):
+        check_sweep_files(files)
+        schema = schema if isinstance(schema, dict) else yaml.safe_load(Path(schema).read_text())
+        check_sweep(sweep, schema)
+        self.sweep = sweep
+        base = sweep["base"]
+        self.base_file = base if isinstance(base, str) else None
+        self.base_pairs = [] if isinstance(base, str) else flatten(base)
+        if self.base_file is not None and not Path(self.base_file).is_file():
+            raise SweepError(f"base: {quote(self.base_file)} is not a file "
+                             "(a run config YAML, relative to the working directory)")
+        self.devices = sweep["devices"]
+        self.embed = sweep.get("embed")
+        # models whose runs read prompt embeddings made by the embed rule
+        self.embed_models = [] if self.embed is None else self.embed.get("models", list(sweep["models"]))
+        self.runs: dict[str, dict] = {}
+        checks: dict[str, list] = {}  # job description -> composed pairs, for the methods' check
+        for method in sweep["methods"]:
+            for model in sweep["models"]:
+                for resolution in sweep["resolutions"]:
+                    for seed in sweep["seeds"]:
+                        for device in self.devices:
+                            labels = {"method": method, "model": model, "resolution": resolution, "seed": seed,
+                                      "device": device}
+                            if not self.excluded(labels):
+                                run_id = f"{method}_{model}_{resolution}px_s{seed}_{device}"
+                                pairs = self._pairs(device, model, resolution, seed, sweep["methods"][method])
+                                what = f"run {run_id} (methods.{method}, models.{model})"
+                                self._check(what, pairs, device)
+                                checks[what] = pairs
+                                self.runs[run_id] = {**labels, "pairs": pairs, "check": what}
+        if not self.runs:
+            raise SweepError("exclude: no runs left after exclude (every method x model x resolution x seed x "
+                             "device combination matches an entry)")
+        self.gradchecks: dict[str, dict] = {}
+        part = sweep.get("gradcheck")
+        if part:
+            device = part.get("device", next(iter(self.devices)))
+            for model in part.get("models", list(sweep["models"])):
+                for resolution in part.get("resolutions", sweep["resolutions"][:1]):
+                    name = f"{model}_{resolution}px_{device}"
+                    pairs = self._pairs(device, model, resolution, None, part.get("set") or {})
+                    self._check(f"gradcheck {name}", pairs)
+                    checks[f"gradcheck {name}"] = pairs
+                    self.gradchecks[name] = {"model": model, "resolution": resolution, "device": device,
+                                             "pairs": pairs}
+        self.embeddings = {}
+        if self.embed is not None:
+            device = self.embed.get("device", next(iter(self.devices)))
+            for model in self.embed_models:
+                self.embeddings[model] = {"device": device, "pairs": self._pairs(device, model, None, None, {})}
+        self.references = {ref["label"]: ref for ref in sweep.get("references", [])}
+        # one calibration of the cost model per (model, resolution, device) that runs measure
+        self.calibrations: dict[str, dict] = {}
+        if (sweep.get("calibrate") or {}).get("enabled", True):
+            for run in self.runs.values():
+                name = f"{run['model']}_{run['resolution']}px_{run['device']}"
+                if name not in self.calibrations:
+                    self.calibrations[name] = {key: run[key] for key in ("model", "resolution", "device")}
+                    self.calibrations[name]["pairs"] = self._pairs(run["device"], run["model"], run["resolution"],
+                                                                   None, {})
+                    self.calibrations[name]["methods"] = []
+                    if self.gpus(run["device"]) > 1:  # timed on the cell's processes, each with its share
+                        self._check(f"calibrate {name}", self.calibrations[name]["pairs"], run["device"])
+                # the cell's methods, whose train phases the calibration times side by side
+                if run["method"] not in self.calibrations[name]["methods"]:
+                    self.calibrations[name]["methods"].append(run["method"])
+        options = checked_methods(self.base_file, checks, cache_dir) if checks else {}
+        for run in self.runs.values():
+            run["method_options"] = options[run.pop("check")]
+
+    def excluded(self, labels: dict) -> bool:
+        """Whether an `exclude` entry matches every label it names (shell-style patterns: cache-*)."""
+        return any(all(fnmatch.fnmatchcase(str(labels[key]), str(pattern)) for key, pattern in entry.items())
+                   for entry in self.sweep.get("exclude", []))
+
+    # ----- composing run configs ----------------------------------------------------------------
+    def _pairs(self, device: str, model: str, resolution, seed, extra: dict) -> list[tuple[str, Any]]:
+        pairs = [*self.base_pairs, *flatten(self.sweep.get("set") or {}),
+                 ("device", self.devices[device]["device"]), *flatten(self.sweep["models"][model])]
+        if resolution is not None:
+            pairs.append(("model.resolution", resolution))
+        if seed is not None:
+            pairs.append(("seed", seed))
+        pairs.extend(flatten(extra))
+        if model in self.embed_models:
+            pairs.append(("prompts.cache_dir", EMBED_DIR))
+        return pairs
+
+    def _check(self, what: str, pairs: list[tuple[str, Any]], device: str | None = None) -> None:
+        """The composed run config against the run schema, its resolution against its model's configs,
+        and (on ``device``) its batch against the device's processes, as `agg-bench run` would check
+        them; an error names the job and the key."""
+        try:
+            cfg = load_config(self.base_file, overrides_of(pairs), check_method=False)
+            check_resolution(cfg["model"])
+        except UserError as err:
+            raise SweepError(f"{what}: {err}") from None
+        processes = 1 if device is None else max(1, self.gpus(device))
+        try:
+            check_data_parallel(cfg, processes)
+        except UserError as err:
+            raise SweepError(f"{what}: {err} (devices.{device}.gpus: {processes})") from None
+
+    # ----- command lines ------------------------------------------------------------------------
+    def _config_args(self, pairs) -> str:
+        args = [f"--config {shlex.quote(self.base_file)}"] if self.base_file else []
+        args += [set_arg(k, v) for k, v in pairs]
+        return " ".join(args)
+
+    def gpus(self, device: str) -> int:
+        spec = self.devices[device]
+        return int(spec.get("gpus", 1 if spec["device"] == "cuda" else 0))
+
+    def threads(self, device: str) -> int:
+        return int(self.devices[device].get("threads", 1))
+
+    def launch(self, device: str, verb: str, gpus: int | None = None) -> str:
+        """How a job of ``device`` starts `agg-bench VERB`: on pooled GPUs (``gpus``, default the
+        device's), with torchrun for several."""
+        k = self.gpus(device) if gpus is None else gpus
+        cli = f"{PYTHON} -m agg_bench {verb}"
+        if k == 0:
+            return cli
+        if k > 1:
+            cli = f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node {k} -m agg_bench {verb}"
+        return f"{PYTHON} -m agg_bench.machine.gpus --count {k} -- {cli}"
+
+    def run_command(self, run_id: str) -> str:
+        run = self.runs[run_id]
+        return f"{self.launch(run['device'], 'run')} {self._config_args(run['pairs'])} --out results/runs/{run_id}"
+
+    def gradcheck_command(self, name: str) -> str:
+        job, part = self.gradchecks[name], self.sweep["gradcheck"]
+        lists = {"--windows": part.get("windows", [2, 3, 5]), "--alphas": part.get("alphas", ["index", "sigma"]),
+                 "--route-fracs": part.get("route_fracs", [0, 0.5, 1]), "--reuse": part.get("reuse", [False])}
+        args = " ".join(f"{flag} {shlex.quote(','.join(json.dumps(v) if not isinstance(v, str) else v for v in values))}"
+                        for flag, values in lists.items())
+        methods = " ".join(f"--methods {shlex.quote(m)}" for m in part.get("methods", []))
+        return (f"{self.launch(job['device'], 'gradcheck')} {self._config_args(job['pairs'])} {args} {methods} "
+                f"--out results/gradcheck/{name}.csv")
+
+    def calibrate_command(self, name: str) -> str:
+        job, part = self.calibrations[name], self.sweep.get("calibrate") or {}
+        options = " ".join(f"--{key.replace('_', '-')} {int(part[key])}"
+                           for key in ("repeats", "warmup", "method_repeats") if key in part)
+        if part.get("time_methods", True):
+            options += "".join(f" --method {shlex.quote(label)} {shlex.quote(yaml_text(self.sweep['methods'][label]))}"
+                               for label in job["methods"])
+        # on the GPUs of the cell's runs: a sharded model needs them all, and the times include the
+        # collectives its runs pay; unit costs are per sample on each process
+        return (f"{self.launch(job['device'], 'calibrate')} "
+                f"{self._config_args(job['pairs'])} {options} --out results/calibration/{name}.json")
+
+    def embed_command(self, model: str) -> str:
+        job = self.embeddings[model]
+        return f"{self.launch(job['device'], 'embed')} {self._config_args(job['pairs'])} --out {EMBED_DIR}/{model}.safetensors"
+
+    def import_command(self, label: str) -> str:
+        ref = self.references[label]
+        args = [f"--method {shlex.quote(ref.get('method', 'full'))}"]
+        for key, flag in (("model", "--model"), ("resolution", "--resolution"), ("gpu_name", "--gpu-name"),
+                          ("n_gpus", "--n-gpus")):
+            if key in ref:
+                args.append(f"{flag} {shlex.quote(str(ref[key]))}")
+        return (f"{PYTHON} -m agg_bench import-log {shlex.quote(ref['log'])} {' '.join(args)} "
+                f"--out results/imported/{label}")
+
+    # ----- files --------------------------------------------------------------------------------
+    def inputs(self, model: str) -> list[str]:
+        """Files a run or gradcheck of ``model`` reads: the base config and the model's embeddings."""
+        files = [self.base_file] if self.base_file else []
+        if model in self.embed_models:
+            files.append(f"{EMBED_DIR}/{model}.safetensors")
+        pretrained = dict(flatten(self.sweep["models"][model])).get("model.pretrained")
+        if is_pretrained_here(pretrained):  # made by rule pretrain
+            files.append(pretrained)
+        return files
+
+    def summaries(self) -> list[str]:
+        return [f"results/runs/{r}/summary.json" for r in self.runs] + \
+            [f"results/imported/{label}/summary.json" for label in self.references]
+
+    def gradcheck_files(self) -> list[str]:
+        return [f"results/gradcheck/{name}.csv" for name in self.gradchecks]
+
+    def calibration_files(self) -> list[str]:
+        return [f"results/calibration/{name}.json" for name in self.calibrations]
+
+    def manifest(self) -> dict:
+        """What `agg-bench report --manifest` reads: every run folder with its labels."""
+        runs = [{"dir": f"results/runs/{run_id}", "method": r["method"], "model": r["model"],
+                 "resolution": r["resolution"], "seed": r["seed"], "device": r["device"],
+                 "method_options": r["method_options"]} for run_id, r in self.runs.items()]
+        runs += [{"dir": f"results/imported/{label}", "method": label,
+                  "model": ref.get("model"), "resolution": ref.get("resolution")}
+                 for label, ref in self.references.items()]
+        checks = [{"file": f"results/gradcheck/{name}.csv", "model": g["model"], "resolution": g["resolution"]}
+                  for name, g in self.gradchecks.items()]
+        calibration = [{"file": f"results/calibration/{name}.json", "model": c["model"], "resolution": c["resolution"],
+                        "device": c["device"]} for name, c in self.calibrations.items()]
+        options = self.sweep.get("report") or {}
+        return {"runs": runs, "gradcheck": checks, "calibration": calibration,
+                "warmup": options.get("warmup_iterations", 1), "time": options.get("time", "auto")}
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
