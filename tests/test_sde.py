@@ -76,3 +76,12 @@ def test_sde_step_refuses_an_eta_that_is_not_a_positive_number(eta):
     with pytest.raises(ConfigError) as err:
         sde_step("flow_grpo", torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), flow_sigmas(3, 1.0), 1, eta)
     assert err.value.key == "sampling.eta"
+
+
+def test_the_contract_path_is_the_engine_step():
+    # docs/design.md's Python contract: agg_bench.sde.sde_step, the engine's own function object
+    import agg_bench.engine.sde
+    import agg_bench.sde
+
+    assert agg_bench.sde.sde_step is agg_bench.engine.sde.sde_step
+    assert agg_bench.sde.__all__ == ["sde_step"]
