@@ -1,6 +1,6 @@
 """One error contract for every command: a user error (and a full disk) is one line on stderr and exit code
 2; anything else is a bug in agg-bench: one line that says so and names the command, then the traceback,
-exit code 1. The same holds for `agg-bench VERB`, `python -m agg_bench.results.learning`,
+exit code 1. The same holds for `agg-bench VERB`, `python -m agg_bench.tools.learning`,
 `python -m agg_bench.machine.gpus` and `python -m agg_bench.tools.gpucheck` (tests/test_gpu_check.py)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from agg_bench import cli
 from agg_bench.errors import MESSAGE_CHARS, UserError, run_command
 from agg_bench.machine import gpus
-from agg_bench.results import learning
+from agg_bench.tools import learning
 
 
 def contract(capsys, body, out=None) -> tuple[int, list[str]]:
@@ -111,7 +111,7 @@ def test_cli_full_disk_while_writing_tables(tmp_path, capsys, monkeypatch):
 def test_learning_main_keeps_the_contract(tmp_path, capsys, monkeypatch):
     assert learning.main(["--manifest", str(tmp_path / "none.json")]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"agg_bench.results.learning: manifest {tmp_path / 'none.json'}: no such file"]
+        f"agg_bench.tools.learning: manifest {tmp_path / 'none.json'}: no such file"]
     (tmp_path / "m.json").write_text('{"runs": [{"dir": 5}]}')
     assert learning.main(["--manifest", str(tmp_path / "m.json")]) == 2
     line, = capsys.readouterr().err.splitlines()
@@ -119,7 +119,7 @@ def test_learning_main_keeps_the_contract(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(learning, "load_runs", lambda path: [][0])
     assert learning.main(["--manifest", str(tmp_path / "m.json")]) == 1
     lines = capsys.readouterr().err.splitlines()
-    assert "bug in agg-bench" in lines[0] and "python -m agg_bench.results.learning --manifest" in lines[0]
+    assert "bug in agg-bench" in lines[0] and "python -m agg_bench.tools.learning --manifest" in lines[0]
     assert lines[-1].startswith("IndexError")
 
 
@@ -135,10 +135,12 @@ def test_learning_records_with_a_string_for_a_number(tmp_path, capsys):
 
 
 def test_learning_plot_labels_with_dollars_are_drawn_as_text(tmp_path):
+    from agg_bench.results.learning import Run, plot_rewards
+
     records = pd.DataFrame({"reward_mean": np.linspace(0, 1, 4), "t_iter_cpu_s": np.ones(4)})
-    runs = [learning.Run("a$b$^{", 0, tmp_path, records), learning.Run("$x$", 1, tmp_path, records)]
+    runs = [Run("a$b$^{", 0, tmp_path, records), Run("$x$", 1, tmp_path, records)]
     for x in ("iteration", "time"):
-        path = learning.plot_rewards(runs, tmp_path / f"{x}.png", x)
+        path = plot_rewards(runs, tmp_path / f"{x}.png", x)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,4 +1,5 @@
-"""The learning tables and plots (agg_bench.results.learning) on run folders with known rewards and times."""
+"""The learning tables and plots (agg_bench.results.learning, written by agg_bench.tools.learning) on run folders
+with known rewards and times."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,8 @@ import pytest
 import yaml
 
 from agg_bench.errors import UserError
-from agg_bench.results.learning import cpu_time_to_reach, learning_table, load_runs, main, plot_rewards
+from agg_bench.results.learning import cpu_time_to_reach, learning_table, load_runs, plot_rewards
+from agg_bench.tools.learning import main
 from agg_bench.tools.sweep import flatten, overrides_of
 
 
@@ -106,7 +108,7 @@ def test_grpo_raises_the_scene_reward(tmp_path):
     pre-trained weights to the final ones by more than MARGIN. The margin is a fraction of the gain
     measured on this configuration, so other CPUs' arithmetic (a different but equally valid trajectory)
     keeps it; a run that does not change the weights scores exactly the pre-trained score and fails it."""
-    from agg_bench.results.learning import Evaluation, evaluate
+    from agg_bench.tools.learning import Evaluation, evaluate
 
     # the sweep's own run settings (its base and set), on this model, for SLOW_RUN's iterations, through the
     # CLI in a fresh 1-thread process as the workflow runs it
@@ -191,7 +193,7 @@ def test_evaluation_on_trained_runs(tmp_path):
 
     from agg_bench.config import load_config
     from agg_bench.engine.scenes import all_scenes
-    from agg_bench.results.learning import Evaluation, evaluate
+    from agg_bench.tools.learning import Evaluation, evaluate
     from agg_bench.runtime.train import train
     from agg_bench.tools.pretrain import load_pretrain_config, pretrain
 

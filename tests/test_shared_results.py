@@ -153,7 +153,8 @@ def test_resume_refuses_a_crafted_checkpoint(tmp_path, capsys):
 def test_the_learning_report_refuses_a_crafted_checkpoint(tmp_path):
     """The learning rule's evaluation reads each run's checkpoint.pt: a crafted one is refused, unexecuted."""
     from agg_bench.engine.scenes import all_scenes
-    from agg_bench.results import learning
+    from agg_bench.results.learning import load_runs
+    from agg_bench.tools import learning
     from agg_bench.tools.pretrain import load_pretrain_config, pretrain
 
     model, marker = tmp_path / "model", tmp_path / "ran"
@@ -170,7 +171,7 @@ def test_the_learning_report_refuses_a_crafted_checkpoint(tmp_path):
     crafted(run / "checkpoint.pt", marker)
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"runs": [{"dir": str(run), "method": "full", "seed": 0}]}))
-    runs = learning.load_runs(manifest)
+    runs = load_runs(manifest)
     with pytest.raises(UserError, match="not a readable agg-bench checkpoint"):
         learning.evaluate(runs, learning.Evaluation(runs, noises=1))
     assert learning.main(["--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "1",
@@ -388,7 +389,7 @@ def test_replay_and_calibrate_keep_a_user_s_files(tmp_path, capsys, snapshot_dir
 
 
 def test_report_and_learning_tables_keep_a_user_s_files(tmp_path, capsys):
-    from agg_bench.results import learning
+    from agg_bench.tools import learning
 
     imported = tmp_path / "imported"
     assert main(["import-log", str(dance_log(tmp_path / "log.jsonl", 12)), "--out", str(imported)]) == 0
