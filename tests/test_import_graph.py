@@ -1,6 +1,7 @@
-"""The package layout: the engine (agg_bench) never imports the baselines (methods register themselves by
-module name), no module-level import cycle exists among agg_bench and baselines modules, and the methods'
-checks (what the workflow's parse runs in a child process) import no diffusers, peft or transformers."""
+"""The package layout: every module imports only its own wing and the wings below it, agg_bench never
+imports the baselines (methods register themselves by module name), no module-level import cycle exists
+among agg_bench and baselines modules, and the methods' checks (what the workflow's parse runs in a child
+process) import no diffusers, peft or transformers."""
 import ast
 import json
 import subprocess
@@ -38,6 +39,77 @@ def imported_modules(path: Path, top_level_only: bool) -> set[str]:
 
 def project_files():
     return [p for folder in ("agg_bench", "baselines") for p in sorted((ROOT / folder).rglob("*.py"))]
+
+
+# The wings of agg_bench, lowest first. A module imports (at module level or inside a function) only modules
+# of its own wing and of the wings below it. The basics are agg_bench's top-level modules; the results
+# readers import nothing but the basics; the baselines are methods; cli.py and __main__.py, the entry
+# points, sit above every wing.
+WINGS = ("basics", "results", "machine", "engine", "methods", "runtime", "tools", "entry")
+ENTRY_POINTS = ("agg_bench.cli", "agg_bench.__main__")
+# Upward imports that stay, each with the reason why moving the code would be wrong.
+UPWARD = {
+    ("agg_bench.config", "agg_bench.engine.architectures"):
+        "the run config is checked whole when it is loaded, before any job starts: model.architecture must "
+        "name a known architecture, which the engine's architectures module owns (imported in validate())",
+    ("agg_bench.config", "agg_bench.methods.base"):
+        "the same check covers the method section, whose options only the method's own config class knows "
+        "(build_method, imported in validate() so that a config without check_method imports no torch)",
+    ("agg_bench.sde", "agg_bench.engine.sde"):
+        "agg_bench.sde.sde_step is a public contract (docs/design.md); this module only re-exports the "
+        "engine's step, and nothing in the repository imports it",
+}
+
+
+def wing(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "baselines":
+        return "methods"
+    if module in ENTRY_POINTS:
+        return "entry"
+    if len(parts) > 1 and (ROOT / "agg_bench" / parts[1] / "__init__.py").is_file():
+        assert parts[1] in WINGS, f"agg_bench/{parts[1]}/ is not a wing of tests/test_import_graph.py's WINGS"
+        return parts[1]
+    return "basics"
+
+
+def project_imports() -> dict[str, set[str]]:
+    """Every project module -> the project modules it imports anywhere (names resolved to their module)."""
+    files = {module_name(p): p for p in project_files()}
+
+    def module_of(name: str) -> str:
+        while name not in files and "." in name:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {name: {module_of(m) for m in imported_modules(path, top_level_only=False)} - {name}
+            for name, path in files.items()}
+
+
+def test_every_module_imports_only_its_own_wing_and_the_wings_below():
+    upward, used = [], set()
+    for name, imported in project_imports().items():
+        for target in sorted(imported):
+            if WINGS.index(wing(target)) > WINGS.index(wing(name)):
+                if (name, target) in UPWARD:
+                    used.add((name, target))
+                else:
+                    upward.append(f"{name} ({wing(name)}) imports {target} ({wing(target)})")
+    assert not upward, "\n".join(upward)
+    assert used == set(UPWARD), f"allowed upward imports that no longer exist: {set(UPWARD) - used}"
+
+
+def test_the_wings_are_in_place():
+    assert {wing(name) for name in project_imports()} == set(WINGS)
+    assert wing("agg_bench.engine.reward_models.hpsv2") == "engine" and wing("baselines.caches.fora") == "methods"
+    assert wing("agg_bench.config") == "basics" and wing("agg_bench.cli") == "entry"
+
+
+def test_the_contract_alias_is_imported_by_nothing_in_the_repository():
+    # one way to import each thing: code imports agg_bench.engine.sde; agg_bench.sde is for other tools
+    sources = [*project_files(), *(ROOT / "benchmarks").rglob("*.py"),
+               *(p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_sde.py")]
+    assert [p for p in sources if "agg_bench.sde" in imported_modules(p, top_level_only=False)] == []
 
 
 def test_the_engine_never_imports_the_baselines():
