@@ -1,7 +1,7 @@
 """The package layout: every module imports only its own wing and the wings below it, agg_bench never
 imports the baselines (methods register themselves by module name), no module-level import cycle exists
-among agg_bench and baselines modules, and the methods' checks (what the workflow's parse runs in a child
-process) import no diffusers, peft or transformers."""
+among agg_bench and baselines modules, the methods' checks (what the workflow's parse runs in a child
+process) import no diffusers, peft or transformers, and docs/design.md's Architecture tree names every module."""
 import ast
 import json
 import subprocess
@@ -174,3 +174,28 @@ def test_the_methods_checks_import_no_diffusers():
     assert answer["caches"] == answer["known_caches"] and len(answer["caches"]) >= 8
     assert "torch" in answer["modules"]  # the checks did build the methods
     assert {"diffusers", "peft", "transformers"} & set(answer["modules"]) == set()
+
+
+
+def architecture_tree() -> set[str]:
+    """The paths that docs/design.md's Architecture tree names under agg_bench/ and baselines/, from the
+    indentation of each line's first word. A package's line stands for its __init__.py."""
+    section = (ROOT / "docs" / "design.md").read_text().split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
+    named, folders = set(), []
+    for line in section.split("```\n", 2)[1].splitlines():
+        depth, name = (len(line) - len(line.lstrip(" "))) // 2, line.split()[0]
+        del folders[depth:]
+        if depth == 0 and name not in ("agg_bench/", "baselines/"):
+            folders.append(None)  # Snakefile, config/, tests/ ...: outside the packages
+        elif None not in folders:
+            path = "".join(folders) + name
+            named.add(path + "__init__.py" if (ROOT / path / "__init__.py").is_file() else path)
+            if name.endswith("/"):
+                folders.append(name)
+    return named
+
+
+def test_the_design_document_names_every_module():
+    named = architecture_tree()
+    assert {str(p.relative_to(ROOT)) for p in project_files()} - named == set(), "not in docs/design.md's tree"
+    assert {name for name in named if not (ROOT / name).exists()} == set(), "named in docs/design.md, not here"
