@@ -1,8 +1,13 @@
-"""What a user meets before running anything: the version, help for every option, the package metadata."""
+"""What a user meets before running anything: the version, help for every option, the package metadata and
+the wheel's contents."""
 from __future__ import annotations
 
 import argparse
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -35,3 +40,24 @@ def test_package_metadata():
     assert project["requires-python"] == ">=3.11"
     assert project["license"] == "Apache-2.0"  # an SPDX expression, not a table
     assert project["version"] == agg_bench.__version__
+
+
+def test_the_wheel_holds_every_module_and_the_package_data(tmp_path):
+    """pyproject's package discovery finds every wing (subpackage), and the run schema and the built-in
+    prompts travel as package data."""
+    pytest.importorskip("setuptools", minversion="77")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for package in ("agg_bench", "baselines"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "--quiet", "--wheel-dir", str(tmp_path / "dist"), str(src)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wheel, = (tmp_path / "dist").glob("agg_bench-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {p.relative_to(ROOT).as_posix() for package in ("agg_bench", "baselines")
+               for p in (ROOT / package).rglob("*.py")}
+    assert modules | {"agg_bench/run.schema.yaml", "agg_bench/data/prompts.txt"} <= names
