@@ -25,7 +25,7 @@ _ITEMS = 12  # items of a list or mapping written out before '...'
 
 class _BoundedRepr(reprlib.Repr):
     """``repr`` that writes out at most :data:`_ITEMS` items per list or mapping, 4 levels deep; mappings in
-    their own order (reprlib sorts them), subclasses of dict, list and tuple (OrderedDict, RunConfig) as those."""
+    their own order (reprlib sorts them), subclasses of dict, list and tuple (OrderedDict, say) as those."""
 
     def __init__(self):
         super().__init__()

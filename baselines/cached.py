@@ -199,7 +199,7 @@ class CachedEstimator(Estimator):
         if cfg.model.family not in BLOCK_LISTS:
             raise ConfigError("model.family", cfg.model.family,
                               f"one of {sorted(BLOCK_LISTS)} for method 'cached' (the families the caches support)")
-        if cfg.train.get("shard") == "fsdp" and self.config.cache in DATA_DEPENDENT_CACHES:
+        if cfg.train.shard == "fsdp" and self.config.cache in DATA_DEPENDENT_CACHES:
             raise ConfigError("method.cache", self.config.cache,
                               f"a cache that skips by step, not by data, with train.shard=fsdp (not one of "
                               f"{list(DATA_DEPENDENT_CACHES)}: each process would skip different blocks)")

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from agg_bench.config import DEFAULTS
+from agg_bench.config import TelemetryConfig
 from agg_bench.machine.telemetry import Telemetry
 from agg_bench.runtime.train import run_iteration
 from cases import FULL
@@ -33,7 +33,7 @@ ROUNDS = 10  # at least; --benchmark-min-rounds asks for more
 # (name, telemetry)
 VARIANTS = (("off", lambda device: Telemetry(device, enabled=False)),
             ("on", lambda device: Telemetry(device, enabled=True,
-                                            saved_activations=DEFAULTS["telemetry"]["saved_activations"])),
+                                            saved_activations=TelemetryConfig().saved_activations)),
             ("on_every", lambda device: Telemetry(device, enabled=True, saved_activations="every")))
 
 

@@ -14,7 +14,7 @@ from agg_bench.engine.sde import flow_sigmas, sde_step
 from agg_bench.errors import ConfigError
 from agg_bench.machine.telemetry import Telemetry
 from agg_bench.methods.agg import group_bounds
-from agg_bench.methods.base import build_method
+from agg_bench.methods.base import build_estimator, build_method
 from agg_bench.runtime.train import Session
 from agg_bench.tools.snapshot import replay, save_snapshot
 from helpers import gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
@@ -308,15 +308,14 @@ def test_reference_preset_backward_ratio_is_two_over_window():
     """On the CPU copy of the authors' schedule, AGG and full train the same steps of the same rollout;
     AGG's backward passes per iteration are 2/W of full's."""
     cfg = load_config(PRESET, ["progress=false", "telemetry.enabled=false"])
-    window = cfg.method.window
+    window = cfg.method.options.window
     session = Session(cfg)
     batch = session.collect(0).batch
     b, n = batch.train_steps.shape
     assert (cfg.sampling.steps, window, n) == (21, 5, 10)  # 4 whole groups of 5, 0.6 of them -> 2
     work = {}
     for name in ("full", "agg"):
-        session.estimator = build_method("full") if name == "full" else build_method("agg", {
-            k: v for k, v in cfg.method.items() if k != "name"})
+        session.estimator = build_method("full") if name == "full" else build_estimator(cfg)
         before = session.policy.counter.copy()
         session.update(batch)
         work[name] = (session.policy.counter - before).as_dict()
@@ -335,14 +334,15 @@ def test_presets_share_the_reference_schedule():
     assert (qwen.grpo.clip_range, qwen.grpo.adv_clip_max) == (0.1, 5.0)
     assert (qwen.grpo.group_size, qwen.sampling.same_noise_per_group) == (8, True)
     assert (qwen.train.plan, qwen.train.plan_window, qwen.train.timestep_fraction) == ("groups", 5, 0.6)
-    assert (qwen.method.name, qwen.method.window) == ("agg", 5)
+    assert (qwen.method.name, qwen.method.options.window) == ("agg", 5)
     assert tiny.sampling == qwen.sampling
     for key in ("group_size", "clip_range", "adv_clip_max", "beta"):
-        assert tiny.grpo[key] == qwen.grpo[key], key
+        assert getattr(tiny.grpo, key) == getattr(qwen.grpo, key), key
     for key in ("plan", "plan_window", "timestep_fraction", "inner_epochs"):
-        assert tiny.train[key] == qwen.train[key], key
-    for key in ("name", "window", "alpha", "route_frac", "reuse_rollout_velocity"):
-        assert tiny.method[key] == qwen.method[key], key
+        assert getattr(tiny.train, key) == getattr(qwen.train, key), key
+    assert tiny.method.name == qwen.method.name
+    for key in ("window", "alpha", "route_frac", "reuse_rollout_velocity"):
+        assert getattr(tiny.method.options, key) == getattr(qwen.method.options, key), key
 
 
 # ----- replay --method agg against the rule written out independently ------------------------------

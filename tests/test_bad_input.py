@@ -117,7 +117,7 @@ def test_numbers_in_exponent_notation_are_numbers(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("train: {lr: 3e-6, iterations: 2}\nmethod: {name: agg, route_frac: 5e-1}\n")
     cfg = load_config(path)
-    assert cfg.train.lr == 3e-6 and cfg.method["route_frac"] == 0.5 and cfg.train.iterations == 2
+    assert cfg.train.lr == 3e-6 and cfg.method.options.route_frac == 0.5 and cfg.train.iterations == 2
     assert load_config(None, ["run_id=1e5x"]).run_id == "1e5x"  # not a number: stays a string
 
 

@@ -138,7 +138,7 @@ def test_a_real_cpu_allocation_failure_is_an_oom(tmp_path):
     # config's bounds refuse such a resolution, so it is set after validation, as a bug could set it.
     out = tmp_path / "run"
     cfg = tiny_config("model.resolution=32", "train.iterations=1", "progress=false", family="flux", dtype="float32")
-    cfg["model"]["resolution"] = 2 ** 29
+    cfg.model.resolution = 2 ** 29
     assert train_module.train(cfg, out)["status"] == "oom"
     assert records(out)[0]["status"] == "oom"
     assert summary(out)["status"] == "oom"

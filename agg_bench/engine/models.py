@@ -28,6 +28,7 @@ from diffusers import (
     SD3Transformer2DModel,
 )
 
+from ..config import RunConfig, TrainConfig
 from ..errors import ConfigError
 from ..jsonfiles import JsonFileError, read_json_object
 from ..machine.telemetry import saved_activation_region
@@ -506,24 +507,23 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
                       scheduler_config=scheduler_config)
 
 
-def build_policy(cfg, device: str | torch.device = "cpu") -> Policy:
+def build_policy(cfg: RunConfig, device: str | torch.device = "cpu") -> Policy:
     """The run's policy: loaded (``model``), then gradient checkpointing and LoRA from ``train``.
 
     Checkpointing with a method that caches block outputs in the training forward is refused by that
     method's ``check_run`` (``cached`` with ``method.cache_in`` train/both).
     """
-    model = cfg["model"]
-    policy = load_policy(model["family"], model["preset"], model["pretrained"], model["dtype"], device,
-                         cfg["seed"], model.get("architecture"))
-    prepare_training(policy.transformer, policy.family, cfg["train"])
+    model = cfg.model
+    policy = load_policy(model.family, model.preset, model.pretrained, model.dtype, device, cfg.seed,
+                         model.architecture)
+    prepare_training(policy.transformer, policy.family, cfg.train)
     return policy
 
 
-def prepare_training(transformer: torch.nn.Module, family: str, train: dict) -> None:
+def prepare_training(transformer: torch.nn.Module, family: str, train: TrainConfig) -> None:
     """Gradient checkpointing and LoRA adapters as the ``train`` section asks (the memory planner
     applies the same to its shape-only model)."""
-    if train.get("gradient_checkpointing"):
+    if train.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    if train.get("lora_rank", 0) > 0:
-        apply_lora(transformer, family, train["lora_rank"], train.get("lora_alpha"),
-                   train.get("lora_target_modules"))
+    if train.lora_rank > 0:
+        apply_lora(transformer, family, train.lora_rank, train.lora_alpha, train.lora_target_modules)

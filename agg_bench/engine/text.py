@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..config import RunConfig
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target
 from .models import Conditioning, folder_json, text_dims
@@ -267,18 +268,17 @@ class Embeddings:
     key: str
 
 
-def run_embeddings(cfg, prompts: PromptSet, device: str | torch.device = "cpu",
+def run_embeddings(cfg: RunConfig, prompts: PromptSet, device: str | torch.device = "cpu",
                    write_to: str | Path | None = None) -> Embeddings:
     """Embeddings of ``prompts`` for the run ``cfg``: from ``prompts.cache_dir`` when cached, else encoded
     once with the model's text encoders and written there (to ``write_to`` when given)."""
-    family, pretrained = cfg["model"]["family"], cfg["model"]["pretrained"]
-    options = cfg["prompts"]
-    max_len = options.get("max_sequence_length")
-    dtype = encoder_dtype(cfg["model"]["dtype"])
+    family, pretrained = cfg.model.family, cfg.model.pretrained
+    max_len = cfg.prompts.max_sequence_length
+    dtype = encoder_dtype(cfg.model.dtype)
     if not Path(pretrained).is_dir():
         raise ConfigError("model.pretrained", pretrained, "an existing local diffusers folder")
     key = cache_key(family, pretrained, prompts, max_len, dtype)
-    cache_dir = options.get("cache_dir") or "results/embeddings"
+    cache_dir = cfg.prompts.cache_dir or "results/embeddings"
     hit = find_cached(cache_dir, key)
     if hit is not None:
         cond, _ = load_embeddings(hit)
@@ -304,25 +304,25 @@ def check_dims(cond: Conditioning, transformer, n_prompts: int, source: str) -> 
         raise UserError(f"{source}: pooled embeddings do not have the width {pooled} the transformer expects")
 
 
-def hash_tokens(cfg) -> int:
+def hash_tokens(cfg: RunConfig) -> int:
     """Tokens of the hash embedding: ``prompts.max_tokens`` for the tiny preset; for ``random`` the text
     length the architecture's pipeline gives (``prompts.max_sequence_length`` or its default)."""
-    model = cfg["model"]
-    if model["preset"] == "random":
+    model = cfg.model
+    if model.preset == "random":
         from .architectures import architecture
 
-        return architecture(model["family"], model["architecture"]).sequence_length(
-            cfg["prompts"]["max_sequence_length"])
-    return cfg["prompts"]["max_tokens"]
+        return architecture(model.family, model.architecture).sequence_length(cfg.prompts.max_sequence_length)
+    return cfg.prompts.max_tokens
 
 
-def prompt_conditioning(cfg, transformer, prompts: PromptSet, device: str | torch.device = "cpu") -> Conditioning:
+def prompt_conditioning(cfg: RunConfig, transformer, prompts: PromptSet,
+                        device: str | torch.device = "cpu") -> Conditioning:
     """Conditioning for every prompt of the run (float32, CPU): the text encoders' (cached) for a local
     model folder, the token-hash embedding for the tiny and random presets."""
-    if not cfg["model"]["pretrained"]:
+    if not cfg.model.pretrained:
         dim, pooled = text_dims(transformer)
-        return hash_embed(prompts.prompts, dim, pooled, hash_tokens(cfg), cfg["seed"])
-    hashed = token_hash_settings(cfg["model"]["pretrained"])
+        return hash_embed(prompts.prompts, dim, pooled, hash_tokens(cfg), cfg.seed)
+    hashed = token_hash_settings(cfg.model.pretrained)
     if hashed is not None:  # a model trained on token hashes (agg-bench pretrain): the same ones, whatever the seed
         dim, pooled = text_dims(transformer)
         return hash_embed(prompts.prompts, dim, pooled, hashed["max_tokens"], hashed["seed"])
@@ -331,7 +331,7 @@ def prompt_conditioning(cfg, transformer, prompts: PromptSet, device: str | torc
     return emb.cond
 
 
-def embed(cfg, out: str | Path | None = None, device: str | torch.device = "cpu") -> Embeddings:
+def embed(cfg: RunConfig, out: str | Path | None = None, device: str | torch.device = "cpu") -> Embeddings:
     """``agg-bench embed``: make sure the run's embeddings are in ``prompts.cache_dir``; with ``out``, write
     them to that file as well (a file in the cache folder is found by its key, whatever its name).
 
@@ -340,19 +340,19 @@ def embed(cfg, out: str | Path | None = None, device: str | torch.device = "cpu"
     """
     if out is not None and Path(out).suffix != ".safetensors":
         raise UserError(f"--out {out}: expected a FILE.safetensors path")
-    prompts = prompt_set(cfg["prompts"]["file"])
-    if not cfg["model"]["pretrained"]:
-        family = cfg["model"]["family"]
+    prompts = prompt_set(cfg.prompts.file)
+    if not cfg.model.pretrained:
+        family = cfg.model.family
         cond = prompt_conditioning(cfg, _unloaded_transformer(cfg), prompts)
         tokens = hash_tokens(cfg)
         key = hashlib.sha256("\0".join([FORMAT, "tiny", family, prompts.sha256, str(tokens),
-                                        str(cfg["seed"])] + _architecture_key(cfg)).encode()).hexdigest()
-        path = out if out is not None else default_cache_path(cfg["prompts"]["cache_dir"], family, None, prompts, key)
+                                        str(cfg.seed)] + _architecture_key(cfg)).encode()).hexdigest()
+        path = out if out is not None else default_cache_path(cfg.prompts.cache_dir, family, None, prompts, key)
         meta = {"key": key, "family": family, "pretrained": "", "prompts_file": str(prompts.path),
                 "prompts_sha256": prompts.sha256, "n_prompts": len(prompts.prompts)}
         return Embeddings(cond, save_embeddings(path, cond, meta), False, key)
-    if token_hash_settings(cfg["model"]["pretrained"]) is not None:
-        raise UserError(f"model.pretrained {cfg['model']['pretrained']}: conditioned on token hashes "
+    if token_hash_settings(cfg.model.pretrained) is not None:
+        raise UserError(f"model.pretrained {cfg.model.pretrained}: conditioned on token hashes "
                         f"({TOKEN_HASH_FILE}), which every run computes itself; no text encoders, nothing to embed")
     emb = run_embeddings(cfg, prompts, device, write_to=out)
     if out is not None and Path(out).resolve() != emb.path.resolve():
@@ -362,22 +362,22 @@ def embed(cfg, out: str | Path | None = None, device: str | torch.device = "cpu"
     return emb
 
 
-def _unloaded_transformer(cfg):
+def _unloaded_transformer(cfg: RunConfig):
     """The transformer whose text widths a download-free preset needs (random: on the meta device)."""
     from .models import TRANSFORMER_CLASSES, build_tiny_transformer
 
-    model = cfg["model"]
-    if model["preset"] == "random":
+    model = cfg.model
+    if model.preset == "random":
         from .architectures import architecture, build_on_meta
 
-        arch = architecture(model["family"], model["architecture"])
-        return build_on_meta(TRANSFORMER_CLASSES[model["family"]], arch.transformer)
-    return build_tiny_transformer(model["family"])
+        arch = architecture(model.family, model.architecture)
+        return build_on_meta(TRANSFORMER_CLASSES[model.family], arch.transformer)
+    return build_tiny_transformer(model.family)
 
 
-def _architecture_key(cfg) -> list[str]:
+def _architecture_key(cfg: RunConfig) -> list[str]:
     # the tiny preset's key stays what it was; a random architecture adds its name
-    return [cfg["model"]["architecture"] or "default"] if cfg["model"]["preset"] == "random" else []
+    return [cfg.model.architecture or "default"] if cfg.model.preset == "random" else []
 
 
 def describe(emb: Embeddings) -> dict:

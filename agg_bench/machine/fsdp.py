@@ -30,6 +30,7 @@ from typing import Iterable, Iterator, Literal, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..config import RunConfig
 from ..errors import ConfigError
 
 # Module lists that hold a family's transformer blocks (SD3 and Qwen-Image: transformer_blocks; FLUX
@@ -39,18 +40,18 @@ T = TypeVar("T")
 Kind = Literal["nograd", "grad", "exact"]
 
 
-def enabled(cfg) -> bool:
+def enabled(cfg: RunConfig) -> bool:
     """True when the run asks for FSDP sharding."""
-    return cfg.train.get("shard", "none") == "fsdp"
+    return cfg.train.shard == "fsdp"
 
 
-def check_run(cfg) -> None:
+def check_run(cfg: RunConfig) -> None:
     """Raise a ConfigError for sharding options that cannot be honoured, before anything is written."""
     train = cfg.train
-    if train.get("cpu_offload") and not enabled(cfg):
+    if train.cpu_offload and not enabled(cfg):
         raise ConfigError("train.cpu_offload", True, "false unless train.shard is 'fsdp' (it offloads FSDP shards)")
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    if train.get("cpu_offload") and on_cpu:
+    if train.cpu_offload and on_cpu:
         raise ConfigError("train.cpu_offload", True, f"false with device {cfg.device!r} (it moves GPU shards to "
                           "host memory; on the CPU they are there already)")
 
@@ -97,7 +98,7 @@ def shard_policy(policy, dtype: str, cpu_offload: bool) -> None:
     policy.padding_passes = 0
 
 
-def shard_run(cfg, policy, reference=None) -> None:
+def shard_run(cfg: RunConfig, policy, reference=None) -> None:
     """Shard the run's policy and, when it is a separate copy, its KL reference (a no-op without
     ``train.shard: fsdp``). A LoRA reference is the policy's own transformer and is sharded with it."""
     if not enabled(cfg):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
+from ..config import RunConfig
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..errors import ConfigError
 from ..registry import Registry
@@ -76,11 +77,11 @@ class Estimator(ABC):
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.config_cls()
 
-    def check_run(self, cfg: Any) -> None:
+    def check_run(self, cfg: RunConfig) -> None:
         """Raise a ConfigError for run settings outside the method's own options that it cannot honour
         (e.g. a window longer than sampling.steps); called when a run is set up, before anything is written."""
 
-    def replay_plan(self, cfg: Any, stochastic: torch.Tensor, batch_size: int,
+    def replay_plan(self, cfg: RunConfig, stochastic: torch.Tensor, batch_size: int,
                     generator: torch.Generator) -> ReplayPlan:
         """How this method is replayed on a frozen rollout whose steps ``stochastic`` (T,) bool have a
         log-probability, under run config ``cfg``; random draws come from ``generator``. Default: it
@@ -160,8 +161,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
 
 
 def method_config(name: str, options: dict[str, Any], prefix: str = "method") -> Any:
-    """Build ``name``'s config dataclass from ``options``, naming any bad key."""
-    cls = METHODS[name].config_cls
+    """Build ``name``'s config dataclass from ``options``, naming any bad key (or an unknown method)."""
+    cls = METHODS.resolve(name).config_cls
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     values = {}
@@ -184,3 +185,16 @@ def method_config(name: str, options: dict[str, Any], prefix: str = "method") ->
 def build_method(name: str, options: dict[str, Any] | None = None) -> Estimator:
     """The estimator registered as ``name`` with ``options`` (the ``method`` config section minus name)."""
     return METHODS.resolve(name)(method_config(name, dict(options or {})))
+
+
+def method_options(cfg: RunConfig) -> Any:
+    """The typed options of run config ``cfg``'s method: those :func:`agg_bench.config.validate` built
+    (``cfg.method.options``), or built now for a config loaded without the method check."""
+    method = cfg.method
+    return method.options if method.options is not None else method_config(method.name, method.given)
+
+
+def build_estimator(cfg: RunConfig) -> Estimator:
+    """The run's estimator, from the options its validated config carries (not checked again). The one
+    way a run, a replay, a calibration, the planner and the workflow's method check build one."""
+    return METHODS.resolve(cfg.method.name)(method_options(cfg))

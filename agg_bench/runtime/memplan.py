@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ..config import RunConfig
 from ..engine.models import (POLICIES, TRANSFORMER_CLASSES, VAE_CLASSES, Conditioning, Policy,
                              build_tiny_transformer, build_tiny_vae, prepare_training, precision, text_dims,
                              vae_dtype)
@@ -45,6 +46,7 @@ from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 from ..errors import ConfigError
 from ..machine import distributed
 from ..machine.telemetry import SavedActivations, counting_regions
+from ..methods.base import method_options
 
 GIB = 1024 ** 3
 H200_GIB = 139.0  # an H200's memory as CUDA reports it: the default budget where no GPU is visible
@@ -81,20 +83,20 @@ class Layout:
         return self.gpus if self.shard == "fsdp" else 1
 
 
-def run_layout(cfg, gpus: int = 1) -> Layout:
+def run_layout(cfg: RunConfig, gpus: int = 1) -> Layout:
     """The layout ``cfg`` asks for on ``gpus`` processes (a ConfigError when its batch cannot be split)."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ConfigError("--gpus", gpus, "an integer >= 1")
     distributed.Shard(0, gpus).check_run(cfg)
-    local = cfg["grpo"]["prompts_per_iteration"] * cfg["grpo"]["group_size"] // gpus
-    micro = cfg["method"].get("micro_batch") or local
-    train = cfg["train"]
-    return Layout(gpus=gpus, shard=train.get("shard", "none"), cpu_offload=bool(train.get("cpu_offload")),
-                  micro_batch=min(micro, local), gradient_checkpointing=bool(train["gradient_checkpointing"]),
-                  lora_rank=int(train["lora_rank"]), prompts_per_iteration=cfg["grpo"]["prompts_per_iteration"])
+    local = cfg.grpo.prompts_per_iteration * cfg.grpo.group_size // gpus
+    micro = getattr(method_options(cfg), "micro_batch", None) or local
+    train = cfg.train
+    return Layout(gpus=gpus, shard=train.shard, cpu_offload=train.cpu_offload, micro_batch=min(micro, local),
+                  gradient_checkpointing=train.gradient_checkpointing, lora_rank=train.lora_rank,
+                  prompts_per_iteration=cfg.grpo.prompts_per_iteration)
 
 
-def text_tokens(cfg) -> int:
+def text_tokens(cfg: RunConfig) -> int:
     """Text tokens of the run's conditioning: the hash embedding's for the tiny and random presets; for a
     local model folder, the text-encoder length of its family's public pipeline (an upper bound:
     prompts may be shorter), or its ``token_hash.json``'s length (``agg-bench pretrain``'s folders)."""
@@ -102,37 +104,37 @@ def text_tokens(cfg) -> int:
     from ..engine.prompts import token_hash_settings
     from ..engine.text import hash_tokens
 
-    if cfg["model"]["pretrained"]:
-        settings = token_hash_settings(cfg["model"]["pretrained"])  # a folder conditioned by the hash embedding
+    if cfg.model.pretrained:
+        settings = token_hash_settings(cfg.model.pretrained)  # a folder conditioned by the hash embedding
         if settings is not None:
             return settings["max_tokens"]
-        return architecture(cfg["model"]["family"]).sequence_length(cfg["prompts"]["max_sequence_length"])
+        return architecture(cfg.model.family).sequence_length(cfg.prompts.max_sequence_length)
     return hash_tokens(cfg)
 
 
-def _shapes(cfg, part: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def _shapes(cfg: RunConfig, part: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The run's transformer or VAE (``part``) on the meta device, built from its config alone."""
-    model, family = cfg["model"], cfg["model"]["family"]
+    model, family = cfg.model, cfg.model.family
     classes = TRANSFORMER_CLASSES if part == "transformer" else VAE_CLASSES
     with torch.device("meta"):
-        if model["pretrained"]:
+        if model.pretrained:
             from ..engine.models import _subfolder
 
             cls = classes[family]
-            folder = _subfolder(model["pretrained"], part, f"the {part}")
+            folder = _subfolder(model.pretrained, part, f"the {part}")
             if part == "vae" and is_pixel_decoder_folder(folder):  # a pixel-space model: no weights
                 module = PixelDecoder.from_folder(folder)
             else:
                 module = cls.from_config(cls.load_config(folder))
-        elif model["preset"] == "random":
+        elif model.preset == "random":
             from ..engine.architectures import architecture
 
-            arch = architecture(family, model["architecture"])
+            arch = architecture(family, model.architecture)
             module = classes[family](**(arch.transformer if part == "transformer" else arch.vae))
         elif part == "transformer":
-            module = build_tiny_transformer(family, cfg["seed"])
+            module = build_tiny_transformer(family, cfg.seed)
         else:
-            module = build_tiny_vae(cfg["seed"], family=family)
+            module = build_tiny_vae(cfg.seed, family=family)
     return module if dtype == torch.float32 else module.to(dtype)
 
 
@@ -208,28 +210,28 @@ class ShapeModel:
     """The run's policy on fake tensors: each (gradient checkpointing, LoRA rank) variant built once,
     each activation count done once."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: RunConfig):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.cfg = cfg
-        self.family = cfg["model"]["family"]
-        self.precision = precision(cfg["model"]["dtype"])
+        self.family = cfg.model.family
+        self.precision = precision(cfg.model.dtype)
         self.mode = FakeTensorMode()
         self._policies: dict[tuple, Policy] = {}
         self._activations: dict[tuple, int] = {}
         self._checkpoint_inputs: dict[tuple, int] = {}
         self.vae = _to_fake(_shapes(cfg, "vae", vae_dtype(self.precision)), self.mode)
-        train = cfg["train"]
-        self.latent_shape = self.policy(bool(train["gradient_checkpointing"]), train["lora_rank"]).latent_shape(
-            cfg["model"]["resolution"])
+        train = cfg.train
+        self.latent_shape = self.policy(train.gradient_checkpointing, train.lora_rank).latent_shape(
+            cfg.model.resolution)
         self.text_tokens = text_tokens(cfg)
 
     def policy(self, checkpointing: bool, lora_rank: int) -> Policy:
         key = (checkpointing, lora_rank)
         if key not in self._policies:
-            train = dict(self.cfg["train"], gradient_checkpointing=checkpointing, lora_rank=lora_rank)
-            if lora_rank != self.cfg["train"]["lora_rank"]:  # a suggested adapter: the family's defaults
-                train.update(lora_alpha=None, lora_target_modules=None)
+            train = replace(self.cfg.train, gradient_checkpointing=checkpointing, lora_rank=lora_rank)
+            if lora_rank != self.cfg.train.lora_rank:  # a suggested adapter: the family's defaults
+                train = replace(train, lora_alpha=None, lora_target_modules=None)
             with torch.random.fork_rng(devices=[]):
                 transformer = _shapes(self.cfg, "transformer", self.precision.param_dtype)
                 prepare_training(transformer, self.family, train)
@@ -248,7 +250,7 @@ class ShapeModel:
             with self.mode, torch.enable_grad():
                 dtype = policy.dtype
                 mask = None
-                if self.family == "qwenimage" and self.cfg["model"]["pretrained"]:
+                if self.family == "qwenimage" and self.cfg.model.pretrained:
                     mask = torch.ones(rows, length, dtype=torch.long)  # a local model's embeddings carry one
                 cond = Conditioning(torch.zeros(rows, length, dim, dtype=dtype),
                                     None if pooled is None else torch.zeros(rows, pooled, dtype=dtype), mask)
@@ -273,7 +275,7 @@ class ShapeModel:
         shards = layout.shards
         model = _tensor_bytes(params, shards) + _tensor_bytes(transformer.buffers())
         vae = _tensor_bytes(self.vae.parameters()) + _tensor_bytes(self.vae.buffers())
-        reference = model if self.cfg["grpo"]["beta"] > 0 and layout.lora_rank == 0 else 0
+        reference = model if self.cfg.grpo.beta > 0 and layout.lora_rank == 0 else 0
         grads = _tensor_bytes(trainable, shards)
         on_gpu = 0 if layout.cpu_offload and layout.shard == "fsdp" else 1
         return {"params": on_gpu * (model + reference) + vae, "grads": on_gpu * grads,
@@ -318,8 +320,8 @@ def gpu_memory_bytes(device_type: str) -> int:
     return int(H200_GIB * GIB)
 
 
-def _device_type(cfg) -> str:
-    device = cfg["device"]
+def _device_type(cfg: RunConfig) -> str:
+    device = cfg.device
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return "cuda" if device.startswith("cuda") else "cpu"
@@ -397,7 +399,7 @@ class _Search:
         return [] if found is None else [found]
 
 
-def plan_memory(cfg, gpus: int = 1, gpu_memory: float | None = None, suggest: bool = True) -> MemoryPlan:
+def plan_memory(cfg: RunConfig, gpus: int = 1, gpu_memory: float | None = None, suggest: bool = True) -> MemoryPlan:
     """The memory plan of run config ``cfg`` on ``gpus`` processes with ``gpu_memory`` bytes each (None:
     :func:`gpu_memory_bytes`); ``suggest`` searches for changes when it does not fit."""
     device = _device_type(cfg)
@@ -415,11 +417,7 @@ def plan_memory(cfg, gpus: int = 1, gpu_memory: float | None = None, suggest: bo
         fits = counted["total_per_gpu"] <= budget
         suggestions = []
         if suggest and not fits:
-            from ..methods.base import build_method
-
-            options = dict(cfg["method"])
-            estimator = build_method(options.pop("name"), options)
-            search = _Search(shapes, base, budget, hasattr(estimator.config, "micro_batch"), cfg["grpo"]["group_size"])
+            search = _Search(shapes, base, budget, hasattr(method_options(cfg), "micro_batch"), cfg.grpo.group_size)
             for layout in search.suggestions():
                 total = shapes.bytes_per_gpu(layout)["total_per_gpu"]
                 suggestions.append(f"{_describe(layout, base)}: {total / GIB:.1f} GiB per GPU")
@@ -431,7 +429,7 @@ def plan_memory(cfg, gpus: int = 1, gpu_memory: float | None = None, suggest: bo
                           base.micro_batch, base.gradient_checkpointing, base.lora_rank))
 
 
-def run_memory_plan(cfg, gpus: int) -> dict:
+def run_memory_plan(cfg: RunConfig, gpus: int) -> dict:
     """What a run records in ``plan.json``: its plan on ``gpus`` processes (no suggestions), or the error
     that kept it from being made (a run does not fail for want of a plan)."""
     try:

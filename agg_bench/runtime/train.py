@@ -31,7 +31,7 @@ from ..errors import ConfigError, UserError
 from ..io import JsonlWriter, write_json, write_lines
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
-from ..methods.base import Estimator, build_method
+from ..methods.base import Estimator, build_estimator
 from ..outdir import Claim, Contents, check_folder
 from ..results.records import RECORD_KEYS, TIMING_KEYS  # noqa: F401  (also imported from here)
 from .checkpoint import (CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference,
@@ -103,8 +103,7 @@ class Session:
         self.cond_all = prompt_conditioning(cfg, self.policy.transformer, prompts, self.device)
         self.reward_fn = build_reward(cfg.reward.name, cfg.reward.options, self.device)
         if estimator is None:
-            options = dict(cfg.method)
-            estimator = build_method(options.pop("name"), options)
+            estimator = build_estimator(cfg)  # from the options the config was validated with
         estimator.check_run(cfg)
         self.estimator = estimator
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None

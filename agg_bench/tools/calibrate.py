@@ -80,12 +80,11 @@ def method_overrides(label: str, overrides: Any) -> tuple[str, list[str]]:
 def check_method(cfg: RunConfig, label: str, sets: list[str]) -> None:
     """Refuse a ``methods`` entry that no run could use, before anything is timed: an unknown method name,
     a bad option, or settings the method cannot honour (its ``check_run``). A UserError names the label."""
-    from ..methods.base import build_method
+    from ..methods.base import build_estimator
 
     try:
         method_cfg = validate(apply_overrides(cfg.to_dict(), sets))
-        options = dict(method_cfg.method)
-        build_method(options.pop("name"), options).check_run(method_cfg)
+        build_estimator(method_cfg).check_run(method_cfg)
     except UserError as err:
         raise UserError(f"--method {label}: {err}") from None
 

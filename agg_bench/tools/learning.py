@@ -39,17 +39,17 @@ class Evaluation:
         from ..engine.models import load_policy
         from ..engine.text import prompt_conditioning, prompt_set
 
-        config = RunConfig(json.loads((runs[0].dir / "config.json").read_text()))
-        model = config["model"]
-        self.policy = load_policy(model["family"], model["preset"], model["pretrained"], model["dtype"])
-        prompts = prompt_set(config["prompts"]["file"])
+        config = RunConfig.from_dict(json.loads((runs[0].dir / "config.json").read_text()))
+        model = config.model
+        self.policy = load_policy(model.family, model.preset, model.pretrained, model.dtype)
+        prompts = prompt_set(config.prompts.file)
         # noise-major: the first len(prompts) images are each caption with the first noise
         index = [i for _ in range(noises) for i in range(len(prompts.prompts))]
         self.captions = [prompts.prompts[i] for i in index]
         self.cond = prompt_conditioning(config, self.policy.transformer, prompts)[index]
-        self.latent_shape = self.policy.latent_shape(model["resolution"])
-        self.steps, self.shift = config["sampling"]["steps"], config["sampling"]["shift"] or 3.0
-        self.sde, self.eta = config["sampling"]["sde"], config["sampling"]["eta"]
+        self.latent_shape = self.policy.latent_shape(model.resolution)
+        self.steps, self.shift = config.sampling.steps, config.sampling.shift or 3.0
+        self.sde, self.eta = config.sampling.sde, config.sampling.eta
         if sampler not in SAMPLERS:
             raise UserError(f"evaluation sampler {sampler!r}: expected one of {', '.join(SAMPLERS)}")
         self.sampler, self.seed = sampler, seed

@@ -20,7 +20,7 @@ from ..engine.lora import load_adapter, lora_info, save_transformer
 from ..engine.models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, precision
 from ..errors import ConfigError, UserError
 from ..io import atomic_target, write_json
-from ..methods.base import Estimator, ReplayPlan, build_method
+from ..methods.base import Estimator, ReplayPlan, build_estimator
 from ..outdir import Contents, claim_files, claim_folder, json_file_with
 from ..runtime.train import Session
 
@@ -110,8 +110,7 @@ def replay_setup(config: dict, method: str, overrides: list[str]) -> tuple[RunCo
     config = dict(config)
     config["method"] = {"name": method}
     cfg = validate(apply_overrides(config, overrides))
-    options = dict(cfg.method)
-    estimator = build_method(options.pop("name"), options)
+    estimator = build_estimator(cfg)
     for item in overrides:
         key, value = parse_override(item)
         if key == "method" or key.startswith("method."):
@@ -139,7 +138,7 @@ def stochastic_steps(batch: TrainBatch) -> torch.Tensor:
 def plan_replay(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | None = None) -> ReplayPlan:
     """What replaying ``estimator`` on ``snapshot`` trains and measures; random draws from ``cfg.seed``
     (default: the snapshot's own run config, validated when it was made)."""
-    cfg = cfg if cfg is not None else RunConfig(snapshot.config)
+    cfg = cfg if cfg is not None else RunConfig.from_dict(snapshot.config)
     generator = torch.Generator().manual_seed(cfg.seed)
     return estimator.replay_plan(cfg, stochastic_steps(snapshot.batch), snapshot.batch.batch_size, generator)
 

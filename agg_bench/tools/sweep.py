@@ -132,20 +132,19 @@ def overrides_of(pairs: list[tuple[str, Any]]) -> list[str]:
 
 # ----- stage 2: the methods' own checks (imports torch; run in a child process) ------------------------
 def check_methods(base_file: str | None, jobs: dict[str, list]) -> dict[str, dict]:
-    """Each job's method built from its composed config and run through ``check_run``: {job: the method's
-    resolved options (name first)}. Raises a SweepError naming the first job that fails."""
-    from ..methods.base import build_method  # torch: only in the child process that runs this
+    """Each job's method built from its composed config, as `agg-bench run` builds it, and run through
+    ``check_run``: {job: the method's resolved options (name first)}. Raises a SweepError naming the first
+    job that fails."""
+    from ..methods.base import build_estimator  # torch: only in the child process that runs this
 
     options = {}
     for what, pairs in jobs.items():
         try:
-            cfg = load_config(base_file, overrides_of(pairs), check_method=False)  # built once, below
-            section = dict(cfg.method)
-            estimator = build_method(section.pop("name"), section)
-            estimator.check_run(cfg)
+            cfg = load_config(base_file, overrides_of(pairs))  # the method's options typed here, once
+            build_estimator(cfg).check_run(cfg)
         except UserError as err:
             raise SweepError(f"{what}: {err}") from None
-        options[what] = {"name": cfg.method["name"], **dataclasses.asdict(estimator.config)}
+        options[what] = {"name": cfg.method.name, **dataclasses.asdict(cfg.method.options)}
     return options
 
 
@@ -313,7 +312,7 @@ class Sweep:
         them; an error names the job and the key."""
         try:
             cfg = load_config(self.base_file, overrides_of(pairs), check_method=False)
-            check_resolution(cfg["model"])
+            check_resolution(cfg.model.to_dict())
         except UserError as err:
             raise SweepError(f"{what}: {err}") from None
         processes = 1 if device is None else max(1, self.gpus(device))

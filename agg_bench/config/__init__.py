@@ -1,0 +1,23 @@
+"""The run config: one typed source of truth, with everything else generated from it.
+
+- ``sections.py``: the typed sections (one dataclass each) composed into :class:`RunConfig`; every key's
+  default, meaning and constraints, written once.
+- ``schema.py``: the JSON schema generated from them, and the checker behind every one-line ConfigError.
+- ``load.py``: defaults <- YAML file <- ``--set`` overrides, validated and typed (:func:`load_config`).
+- ``yamlio.py``: the one bounded YAML loader of the harness.
+- ``docs.py``: the reference table of ``docs/configuration.md`` (``python -m agg_bench.config.docs``).
+
+The package imports no torch: the workflow checks every composed run config while Snakemake parses.
+"""
+from .load import apply_overrides, check_data_parallel, deep_merge, load_config, parse_override, validate
+from .schema import check_finite, check_schema, run_schema
+from .sections import (DEFAULTS, GRPOConfig, MethodSection, ModelConfig, PromptsConfig, RewardConfig, RunConfig,
+                       SamplingConfig, TelemetryConfig, TrainConfig)
+from .yamlio import (MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, YamlRefused, check_expanded_size,
+                     read_yaml_mapping, yaml_load)
+
+__all__ = ["DEFAULTS", "GRPOConfig", "MAX_YAML_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_VALUES", "MethodSection",
+           "ModelConfig", "PromptsConfig", "RewardConfig", "RunConfig", "SamplingConfig", "TelemetryConfig",
+           "TrainConfig", "YamlRefused", "apply_overrides", "check_data_parallel", "check_expanded_size",
+           "check_finite", "check_schema", "deep_merge", "load_config", "parse_override", "read_yaml_mapping",
+           "run_schema", "validate", "yaml_load"]

@@ -1,0 +1,116 @@
+"""Loading a run config: the defaults <- a YAML file <- ``--set key=value`` overrides, checked whole, typed.
+
+Every problem is a :class:`~agg_bench.errors.ConfigError` naming the key, the value and what is allowed,
+raised before any job starts.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+from .schema import check_finite, check_schema, run_schema
+from .sections import DEFAULTS, RunConfig
+from .yamlio import read_yaml_mapping, yaml_load
+
+NOT_A_METHOD_MAPPING = "a mapping with a name, e.g. {name: agg, window: 5}"
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "options":
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``key.sub=value`` -> (``key.sub``, YAML-parsed value)."""
+    if "=" not in item:
+        raise ConfigError("--set", item, "key=value, e.g. train.lr=1e-5")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError("--set", item, "key=value with a non-empty key")
+    try:
+        value = yaml_load(raw, "--set", item) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(config: dict, overrides: list[str]) -> dict:
+    config = copy.deepcopy(config)
+    for item in overrides:
+        key, value = parse_override(item)
+        parts = key.split(".")
+        node = config
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(parts[: i + 1]), child, f"a section to hold '{key}'")
+            node = child
+        node[parts[-1]] = value
+    return config
+
+
+def validate(config: dict, check_method: bool = True) -> RunConfig:
+    """``config`` (plain data) checked against the run schema and typed; with ``check_method`` the method's
+    options are also checked, and typed once, by the method's own config class (``cfg.method.options``),
+    which imports the method's module and with it torch."""
+    check_finite(config)
+    if not isinstance(config.get("method"), dict):
+        raise ConfigError("method", config.get("method"), NOT_A_METHOD_MAPPING)
+    check_schema(config, run_schema())
+    cfg = RunConfig.from_dict(config)
+    model = cfg.model
+    if model.preset == "random" and not model.pretrained:
+        from ..engine.architectures import architecture
+
+        architecture(model.family, model.architecture)
+    elif model.architecture is not None:
+        raise ConfigError("model.architecture", model.architecture, "null unless model.preset is random")
+    if check_method:
+        from ..methods.base import method_config  # a method's options are checked by its own config class
+
+        cfg.method.options = method_config(cfg.method.name, cfg.method.given)
+    return cfg
+
+
+def check_data_parallel(cfg: RunConfig, processes: int) -> None:
+    """Raise a ConfigError for a run config that ``processes`` data-parallel processes (torchrun, a sweep
+    device's ``gpus``) cannot split: each process trains whole GRPO groups, so ``grpo.prompts_per_iteration``
+    is a multiple of ``processes``, and each takes the GPU of its LOCAL_RANK, so ``device`` names no GPU."""
+    if processes <= 1:
+        return
+    prompts = cfg.grpo.prompts_per_iteration
+    if prompts % processes:
+        raise ConfigError("grpo.prompts_per_iteration", prompts,
+                          f"a multiple of the {processes} data-parallel processes (each process trains whole "
+                          "GRPO groups)")
+    if cfg.device.startswith("cuda:"):
+        raise ConfigError("device", cfg.device,
+                          "'cuda' or 'auto' under torchrun (each process takes the GPU of its LOCAL_RANK)")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                check_method: bool = True) -> RunConfig:
+    """DEFAULTS <- YAML file <- overrides, validated and typed (the method's options only with
+    ``check_method``)."""
+    user: dict = {}
+    if path is not None:
+        user = read_yaml_mapping(path)
+        if "method" in user and not isinstance(user["method"], dict):
+            raise ConfigError("method", user["method"], NOT_A_METHOD_MAPPING)
+    merged = deep_merge(DEFAULTS, user)
+    if "method" in user and "name" in user["method"]:
+        # a method section replaces the default one, so options of another method do not leak in
+        merged["method"] = copy.deepcopy(user["method"])
+    return validate(apply_overrides(merged, overrides or []), check_method)

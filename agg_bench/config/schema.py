@@ -1,0 +1,150 @@
+"""The run config's JSON schema, generated from the typed sections, and the checker that turns a schema
+violation into one ConfigError naming the key, the value and what is allowed.
+
+The schema is built from :mod:`agg_bench.config.sections` when it is first needed (a few dozen fields:
+well under a millisecond), not kept in a file: there is nothing to regenerate and nothing to drift.
+``python -m agg_bench.config.docs --schema`` prints it. :func:`check_schema` also checks the workflow's
+sweep config against its own schema (``workflow/schemas/config.schema.yaml``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from typing import Any, Literal
+
+import jsonschema
+
+from ..errors import ConfigError, clip
+from .sections import RunConfig, Section, section_class
+
+JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", list: "array"}
+# option() keywords -> JSON Schema keywords
+KEYWORDS = {"minimum": "minimum", "maximum": "maximum", "exclusive_minimum": "exclusiveMinimum",
+            "exclusive_maximum": "exclusiveMaximum", "pattern": "pattern", "min_items": "minItems",
+            "expected": "x-expected"}
+
+
+def type_schema(annotation: Any) -> dict:
+    """The JSON Schema of a field's annotation: its type (or enum) and, for a list, its items' type."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        assert len(args) == 1, f"one type or null, not {annotation}"
+        inner = type_schema(args[0])
+        if "enum" in inner:
+            return {**inner, "enum": [*inner["enum"], None]}
+        return {**inner, "type": [inner["type"], "null"]}
+    if typing.get_origin(annotation) is Literal:
+        return {"enum": list(typing.get_args(annotation))}
+    origin = typing.get_origin(annotation) or annotation
+    schema = {"type": JSON_TYPES[origin]}
+    if origin is list and typing.get_args(annotation):
+        schema["items"] = type_schema(typing.get_args(annotation)[0])
+    return schema
+
+
+def section_schema(cls: type[Section], doc: str | None = None) -> dict:
+    """The JSON Schema of a section: its fields' types and constraints, each with its meaning."""
+    hints = typing.get_type_hints(cls)
+    properties = {}
+    for f in dataclasses.fields(cls):
+        if "internal" in f.metadata or "key" in f.metadata:  # kept by the section itself, not a key of its own
+            continue
+        nested = section_class(f)
+        if nested is not None:
+            properties[f.name] = section_schema(nested, f.metadata["doc"])
+            continue
+        schema = type_schema(hints[f.name])
+        schema.update({KEYWORDS[k]: v for k, v in f.metadata["constraints"].items()})
+        schema["description"] = f.metadata["doc"]
+        properties[f.name] = schema
+    schema = {"type": "object", "description": doc or (cls.__doc__ or "").split("\n")[0]}
+    if cls.REQUIRED:
+        schema["required"] = list(cls.REQUIRED)
+    if not cls.OPEN:
+        schema["additionalProperties"] = False
+    schema["properties"] = properties
+    return schema
+
+
+@functools.lru_cache(maxsize=1)
+def run_schema() -> dict:
+    """The run config's JSON Schema (draft 2020-12), from :class:`~agg_bench.config.sections.RunConfig`."""
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "agg-bench run config",
+            **section_schema(RunConfig, "One training run. Every key has a default; docs/configuration.md "
+                                        "lists them (generated from agg_bench/config/sections.py).")}
+
+
+# how a schema type reads in an error: "expected an integer", "expected a string or null"
+TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+              "object": "a mapping", "array": "a list", "null": "null"}
+
+
+SIZE_WORDS = {"minLength": lambda n: f"at least {n} characters",
+              "maxLength": lambda n: f"at most {n} characters",
+              "minItems": lambda n: f"a list of at least {n} items",
+              "maxItems": lambda n: f"a list of at most {n} items",
+              "minProperties": lambda n: f"at least {n} entries",
+              "maxProperties": lambda n: f"at most {n} entries",
+              "uniqueItems": lambda _: "a list without repeated items"}
+
+
+def _describe(error: jsonschema.ValidationError) -> ConfigError:
+    path = ".".join(str(p) for p in error.absolute_path)
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed))
+        key = f"{path}.{extra[0]}" if path else extra[0]
+        return ConfigError(key, error.instance[extra[0]], f"a known key here (one of {', '.join(allowed)})")
+    if error.validator == "enum":
+        return ConfigError(path, error.instance, f"one of {schema['enum']}")
+    if error.validator == "required":
+        return ConfigError(path or "(top level)", error.instance, error.message)
+    if error.validator == "type":
+        types_ = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        return ConfigError(path, error.instance, " or ".join(TYPE_WORDS.get(t, t) for t in types_))
+    if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        words = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
+        return ConfigError(path, error.instance, f"a value {words[error.validator]} {error.validator_value}")
+    if error.validator == "pattern":
+        expected = schema.get("x-expected") or schema.get("description") or f"to match {error.validator_value}"
+        return ConfigError(path, error.instance, expected)
+    if error.validator in SIZE_WORDS:
+        return ConfigError(path or "(top level)", error.instance, SIZE_WORDS[error.validator](error.validator_value))
+    # jsonschema's own message quotes the whole value: kept short
+    return ConfigError(path or "(top level)", error.instance, clip(error.message))
+
+
+def check_finite(value: Any, path: str = "") -> None:
+    """Refuse NaN and infinities anywhere in a config (JSON Schema's ``number`` admits them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(path or "(top level)", value, "a finite number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_finite(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_finite(item, f"{path}[{i}]")
+
+
+def _is_integer(checker, instance: Any) -> bool:
+    # JSON Schema's integer admits 2.0 (and Python's int admits True): here an integer is an int, so a
+    # whole-number float is refused where an integer goes, as the methods' and pretrain options refuse it
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+# Draft 2020-12 with integers that are ints, for the run schema and the sweep schema alike
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+
+
+def check_schema(instance: Any, schema: dict) -> None:
+    """Raise a ConfigError for ``instance``'s first violation of ``schema`` (the shallowest key first)."""
+    errors = sorted(_Validator(schema).iter_errors(instance),
+                    key=lambda e: (len(list(e.absolute_path)), list(map(str, e.absolute_path))))
+    if errors:
+        raise _describe(errors[0])

@@ -1,0 +1,267 @@
+"""The run config, typed: one dataclass per section, composed into :class:`RunConfig`.
+
+This module is the one place a run-config key is written down. Each field carries its default, its
+meaning (``doc``, the reference table's text) and its constraints beyond its annotation (bounds, a
+pattern, a list length) once, through :func:`option`. From these fields come the defaults
+(:data:`DEFAULTS`), the JSON schema that validation and the workflow's sweep check with
+(:func:`agg_bench.config.schema.run_schema`) and the table of ``docs/configuration.md``
+(:mod:`agg_bench.config.docs`).
+
+A field's annotation gives its JSON type: ``int`` an integer (never ``2.0`` or ``true``), ``float`` a
+number, ``str`` text, ``bool`` true or false, ``Literal[...]`` one of the listed values, ``list[str]``
+a list of text, ``dict`` a free mapping, ``X | None`` X or null.
+
+Values are kept as written, never converted (an integer written for a ``float`` key stays an
+integer), so that :meth:`RunConfig.to_dict` gives back exactly what a run's ``config.json`` has always
+held: resuming and rerunning compare it key by key.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Mapping
+
+
+def option(default: Any, doc: str, **constraints: Any) -> Any:
+    """A config field: its ``default``, its meaning ``doc`` and its ``constraints``, JSON Schema keywords
+    written in snake case (``minimum``, ``maximum``, ``exclusive_minimum``, ``pattern``, ``min_items``),
+    plus ``expected``: how an error and the table say what a ``pattern`` allows."""
+    metadata = {"doc": doc, "constraints": constraints}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def section(cls: type, doc: str) -> Any:
+    """A field that holds a whole section (``cls``, default: its defaults)."""
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+class Section:
+    """What every section does: built from a mapping, written back as one (in field order)."""
+
+    # keys a mapping of this section must have, and whether keys beyond the fields are allowed
+    REQUIRED: tuple[str, ...] = ()
+    OPEN = False
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Section":
+        """The section a checked mapping describes (:func:`agg_bench.config.load.validate` checks it, or a
+        run's own ``config.json``); a key it lacks takes its default, as in a config written before the
+        key existed."""
+        values = {}
+        for f in fields(cls):
+            if f.name in data:
+                nested = section_class(f)
+                value = data[f.name]
+                values[f.name] = nested.from_dict(value) if nested is not None else copy.deepcopy(value)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as plain data, keys in field order: what ``config.json`` holds."""
+        return {f.name: (value.to_dict() if isinstance(value := getattr(self, f.name), Section)
+                         else copy.deepcopy(value)) for f in fields(self)}
+
+
+def section_class(f: dataclasses.Field) -> type | None:
+    factory = f.default_factory
+    return factory if isinstance(factory, type) and issubclass(factory, Section) else None
+
+
+@dataclass
+class ModelConfig(Section):
+    """``model``: which diffusion transformer is trained, at what size and precision."""
+
+    family: Literal["sd3", "flux", "qwenimage"] = option("sd3", "the model family")
+    preset: Literal["tiny", "pretrained", "random"] = option(
+        "tiny", "`tiny`: seeded random weights (a few hundred thousand parameters); `random`: a full-size public "
+        "architecture (`model.architecture`) with seeded random weights; `pretrained`: the local folder "
+        "`model.pretrained`")
+    pretrained: str | None = option(None, "local diffusers folder (`transformer/`, `vae/`, `scheduler/`, "
+                                          "text encoders)")
+    resolution: int = option(
+        128, "image side in pixels; latent side = resolution / VAE factor; a size the model cannot take is an "
+        "error (the family's own limit applies too, e.g. 1536 px for the tiny SD3, 3072 px for SD3.5-Large's "
+        "position embedding)", minimum=1, maximum=4096)
+    dtype: Literal["float32", "float64", "bfloat16"] = option(
+        "float32", "`float64` for tests; `bfloat16`: float32 master weights, bf16 autocast forward")
+    architecture: str | None = option(
+        None, "with preset `random`: `sd3.5-medium` (sd3 default), `sd3.5-large`, `flux.1-dev` (flux default), "
+        "`qwen-image` (qwenimage default); null: the family's default; null unless the preset is `random`")
+
+
+@dataclass
+class PromptsConfig(Section):
+    """``prompts``: the prompt set and how it becomes the transformer's text conditioning."""
+
+    file: str | None = option(None, '`.txt` (one per line) or `.jsonl` (`{"prompt": ...}`); null: the built-in set')
+    max_tokens: int = option(16, "tokens of the tiny models' download-free hash embedding", minimum=1, maximum=4096)
+    max_sequence_length: int | None = option(
+        None, "text-encoder tokens of a local model (T5 / Qwen) or of a random architecture's hash embedding "
+        "(null: the pipeline's default)", minimum=1, maximum=4096)
+    cache_dir: str = option("results/embeddings", "folder of cached prompt embeddings of local models "
+                                                  "(`agg-bench embed` writes there)")
+
+
+@dataclass
+class SamplingConfig(Section):
+    """``sampling``: the rollout's sigma schedule and SDE."""
+
+    steps: int = option(10, "denoising steps T (at most the schedulers' 1000 training timesteps)",
+                        minimum=1, maximum=1000)
+    sde: Literal["flow_grpo", "dance_grpo"] = option("flow_grpo", "the SDE step and its log-probability "
+                                                                  "(formulas in `docs/design.md`)")
+    eta: float = option(0.7, "SDE noise level", exclusive_minimum=0)
+    shift: float | None = option(
+        3.0, "sigma shift of FlowMatchEulerDiscreteScheduler (null: the model's scheduler config, with its "
+        "dynamic shift and `shift_terminal`)", exclusive_minimum=0)
+    same_noise_per_group: bool = option(True, "the G samples of a prompt start from the same noise")
+
+
+@dataclass
+class GRPOConfig(Section):
+    """``grpo``: groups, advantages and the clipped objective."""
+
+    group_size: int = option(4, "G samples per prompt", minimum=2, maximum=256)
+    prompts_per_iteration: int = option(
+        2, "P prompts per iteration (B = P x G); a multiple of the data-parallel processes", minimum=1, maximum=1024)
+    clip_range: float = option(1e-4, "PPO ratio clip eps", exclusive_minimum=0)
+    adv_clip_max: float = option(5.0, "advantage clamp", exclusive_minimum=0)
+    beta: float = option(0.0, "KL weight to the reference policy (the initial weights, or LoRA adapters off)",
+                         minimum=0)
+    adv_std: Literal["population", "sample"] = option(
+        "population", "std of a group's rewards in the advantage: `population` (divides by G; Flow-GRPO) or "
+        "`sample` (G - 1; DanceGRPO)")
+    kl_form: Literal["transition", "no_dt"] = option(
+        "transition", "the `beta` term: `transition`, the KL of the two Gaussian transitions, mean squared "
+        "difference / (2 std^2) with std = std_t sqrt(dt) (Flow-GRPO paper); `no_dt`, divided by 2 std_t^2 "
+        "without dt (Flow-GRPO's code: the transition KL times dt)")
+
+
+@dataclass
+class TrainConfig(Section):
+    """``train``: the optimizer, which steps are trained, memory options and checkpoints."""
+
+    iterations: int = option(2, "GRPO iterations", minimum=1, maximum=100_000)
+    lr: float = option(1e-4, "AdamW learning rate", exclusive_minimum=0)
+    weight_decay: float = option(0.0, "AdamW weight decay", minimum=0)
+    max_grad_norm: float | None = option(1.0, "gradient-norm clip (null: none)", exclusive_minimum=0)
+    timestep_fraction: float = option(1.0, "fraction of steps (plan `steps`) or of groups (plan `groups`) trained",
+                                      exclusive_minimum=0, maximum=1)
+    plan: Literal["steps", "groups"] = option(
+        "steps", "`steps`: a random subset of steps per sample (DanceGRPO); `groups`: random whole groups of "
+        "`plan_window` consecutive steps (the AGG authors' scheme, shared by `full` and `agg`)")
+    plan_window: int = option(5, "group length of the `groups` plan", minimum=1, maximum=1000)
+    inner_epochs: int = option(1, "optimizer steps per rollout", minimum=1, maximum=100)
+    gradient_checkpointing: bool = option(False, "recompute transformer blocks in backward (refused with "
+                                                 "training-time caches)")
+    lora_rank: int = option(0, "0: full fine-tune; >0: LoRA adapters (peft) of this rank", minimum=0, maximum=4096)
+    lora_alpha: float | None = option(None, "LoRA alpha; the adapters' scale is alpha / rank (null: the rank)",
+                                      exclusive_minimum=0)
+    lora_target_modules: list[str] | None = option(
+        None, "module names to adapt (null: the family's attention projections)", min_items=1)
+    checkpoint_every: int = option(
+        0, "save a resumable `DIR/checkpoint.pt` every K iterations, at the end and on SIGTERM/SIGINT "
+        "(`agg-bench run --resume` continues from it); 0: never", minimum=0)
+    shard: Literal["none", "fsdp"] = option(
+        "none", "`none`: each process holds the whole model; `fsdp`: FSDP2 `fully_shard` of each transformer "
+        "block and the root, under torchrun (docs/sharding.md)")
+    cpu_offload: bool = option(False, "with `train.shard: fsdp`: keep sharded parameters, gradients and "
+                                      "optimizer state in host memory (FSDP2 `CPUOffloadPolicy`; refused "
+                                      "without `fsdp` and on the CPU)")
+
+
+@dataclass
+class MethodSection(Section):
+    """``method``: the gradient estimator, by its registered name, with its own options.
+
+    ``options`` is the method's own config dataclass (``Estimator.config_cls``, whose docstring documents
+    every option), built once when the run config is validated with the method check; None for a config
+    loaded without it. ``written`` is the section as written, which ``config.json`` keeps.
+    """
+
+    REQUIRED = ("name",)
+    OPEN = True  # the options are checked by the method's config class, not by the run schema
+
+    name: str = option("full", "a registered method: `full`, `fraction`, `window`, `agg`, `cached`, ... "
+                               "(`METHOD_MODULES` in `agg_bench/methods/base.py` names each one's module)")
+    options: Any = field(default=None, metadata={
+        "key": "<option>", "default": "per method", "allowed": "the method's config class",
+        "doc": "the method's own options, checked by its config dataclass (unknown keys refused); a `method` "
+               "section in a config file replaces the default one whole, so options of another method never "
+               "leak in"})
+    written: dict | None = field(default=None, repr=False, compare=False, metadata={"internal": True})
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "MethodSection":
+        return cls(name=data["name"], written=copy.deepcopy(dict(data)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.written) if self.written is not None else {"name": self.name}
+
+    @property
+    def given(self) -> dict[str, Any]:
+        """The options as written (the section without its name)."""
+        return {k: v for k, v in self.to_dict().items() if k != "name"}
+
+
+@dataclass
+class RewardConfig(Section):
+    """``reward``: what scores the images."""
+
+    name: str = option(
+        "jpeg_compressibility", "`jpeg_compressibility`, `jpeg_incompressibility` (option `quality`, 1-100), "
+        "`smoothness` (minus the total variation: continuous in the pixels), `scene` (the learning testbed's "
+        "colour, shape, position and count), and the learned `hpsv2`, `pickscore`, `imagereward`, `clipscore`, "
+        "`aesthetic` (local checkpoints; `agg_bench/engine/reward_models/`)")
+    options: dict = option({}, "the reward's options (checkpoint paths, batch_size, ...), checked by the reward "
+                               "(unknown keys refused)")
+
+
+@dataclass
+class TelemetryConfig(Section):
+    """``telemetry``: what a run measures besides wall-clock time."""
+
+    enabled: bool = option(True, "off: wall-clock timings only")
+    nvml_interval_s: float = option(0.05, "NVML sampling period in seconds", exclusive_minimum=0)
+    saved_activations: Literal["every", "first", "never"] = option(
+        "first", "iterations whose saved-activation peak is counted: `every`, `first` (the run's first "
+        "iteration; a resumed run records what an uninterrupted one does), `never`; the others record null")
+
+
+@dataclass
+class RunConfig(Section):
+    """One training run: ``agg-bench run --config FILE [--set key=value ...]``, resolved and checked.
+
+    Built by :func:`agg_bench.config.load.load_config` (defaults <- YAML file <- ``--set`` overrides); code
+    reads typed sections (``cfg.train.lr``, ``cfg.method.options.window``), and ``to_dict()`` is what a run
+    folder's ``config.json`` holds.
+    """
+
+    run_id: str | None = option(None, "name of the run (null: the output folder's name)")
+    seed: int = option(0, "all randomness of iteration i comes from a generator seeded by (seed, i)",
+                          minimum=0, maximum=2**32 - 1)
+    device: str = option("cpu", "where the run computes (`auto`: cuda where available)",
+                         pattern="^(cpu|auto|cuda(:[0-9]+)?)$", expected="cpu, cuda, cuda:N or auto")
+    progress: bool = option(True, "progress bar (a job log that is not a terminal gets one line per iteration)")
+    model: ModelConfig = section(ModelConfig, "the model")
+    prompts: PromptsConfig = section(PromptsConfig, "the prompts")
+    sampling: SamplingConfig = section(SamplingConfig, "the rollout's sampler")
+    grpo: GRPOConfig = section(GRPOConfig, "the GRPO objective")
+    train: TrainConfig = section(TrainConfig, "the training loop")
+    method: MethodSection = section(MethodSection, "the gradient estimator")
+    reward: RewardConfig = section(RewardConfig, "the reward")
+    telemetry: TelemetryConfig = section(TelemetryConfig, "the measurements")
+
+    def get_path(self, dotted: str) -> Any:
+        """The value of a dotted key (``train.lr``, ``method.window``) as ``config.json`` holds it."""
+        node: Any = self.to_dict()
+        for part in dotted.split("."):
+            node = node[part]
+        return node
+
+
+# The defaults as plain data: what a config file is merged over, and what a key missing from an older run's
+# config.json counts as.
+DEFAULTS: dict[str, Any] = RunConfig().to_dict()

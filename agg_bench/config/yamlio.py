@@ -1,0 +1,155 @@
+"""YAML as the harness reads it: one loader for every YAML it takes (run, sweep and pretrain configs, ``--set``
+values, ``calibrate --method``, gradcheck lists), within bounds, every problem a one-line ConfigError.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError, clip
+
+# Bounds on any YAML read (run, sweep and pretrain configs, --set values, calibrate --method): a file
+# larger than this is not read, and a document is refused when writing out its aliases would give more
+# values, or deeper nesting, than this. Real configs are a few kB with a few hundred values.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+MAX_YAML_DEPTH = 50
+
+
+class YamlRefused(Exception):
+    """A YAML document outside the bounds above (not a syntax error): ``reason`` says what is wrong."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as a person means it: ``1e-5`` and ``3E+2`` are numbers (YAML 1.1 wants a dot, ``1.0e-5``,
+    and would read them as strings); every mapping key is a string given once (a repeated key is refused
+    instead of the last one winning; ``<<: *base`` merges stay allowed and its keys may be overridden)."""
+
+    def compose_mapping_node(self, anchor):
+        node = super().compose_mapping_node(anchor)
+        first_line: dict[str, int] = {}
+        for key, _ in node.value:
+            line = key.start_mark.line + 1
+            if key.tag == "tag:yaml.org,2002:merge":
+                continue
+            if not isinstance(key, yaml.ScalarNode):
+                raise YamlRefused(f"text keys (line {line}: a key that is a {key.id})")
+            if key.tag != "tag:yaml.org,2002:str":
+                kind = key.tag.rsplit(":", 1)[-1]
+                raise YamlRefused(f"text keys (line {line}: the key {clip(key.value)!r} reads as {kind}; quote it)")
+            if key.value in first_line:
+                raise YamlRefused(f"each key once in a mapping ({clip(key.value)!r} at line {line} repeats line "
+                                  f"{first_line[key.value]})")
+            first_line[key.value] = line
+        return node
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _node_children(node: yaml.Node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _object_children(value: Any) -> list:
+    if isinstance(value, dict):
+        return [part for pair in value.items() for part in pair]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return []
+
+
+def check_expanded_size(root: Any, children=_object_children) -> None:
+    """Raise :class:`YamlRefused` when ``root`` written out (every alias or shared object in full) would hold
+    more than :data:`MAX_YAML_VALUES` values or nest deeper than :data:`MAX_YAML_DEPTH`, or never end (an
+    alias inside itself). Counted without writing it out: each distinct object's size and depth are
+    memoised by identity, so the work grows with the objects there are, not with their expansion.
+    ``children``: an object's direct parts (default: of parsed YAML data; ``_node_children`` for nodes)."""
+    done: dict[int, tuple[int, int]] = {}  # id -> (values, depth) of the expansion
+    open_ids: set[int] = set()  # started, not done: met again below itself, it is a cycle
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        item, finished = stack.pop()
+        key = id(item)
+        if finished:
+            parts = [done[id(part)] for part in children(item)]
+            size = 1 + sum(values for values, _ in parts)
+            depth = 1 + max((d for _, d in parts), default=0)
+            open_ids.discard(key)
+            if size > MAX_YAML_VALUES:
+                raise YamlRefused(f"at most {MAX_YAML_VALUES} values with its aliases written out (this one has more)")
+            if depth > MAX_YAML_DEPTH:
+                raise YamlRefused(f"at most {MAX_YAML_DEPTH} levels of nesting")
+            done[key] = (size, depth)
+            continue
+        if key in done:
+            continue
+        if key in open_ids:
+            raise YamlRefused("no alias inside itself (it would never end)")
+        open_ids.add(key)
+        stack.append((item, True))
+        stack.extend((part, False) for part in children(item) if id(part) not in done)
+
+
+def yaml_load(text: str, key: str, value: Any) -> Any:
+    """Parse YAML ``text`` with :class:`_Loader`, within the bounds above: a ConfigError naming ``key`` and
+    ``value`` (the option and the file or text it came from) for a document outside them, which is
+    refused before any of it is constructed; ``yaml.YAMLError`` for text that is not YAML."""
+    try:
+        if len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES:
+            raise YamlRefused(f"at most {MAX_YAML_BYTES // (1 << 20)} MiB of YAML")
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            check_expanded_size(node, _node_children)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except YamlRefused as err:
+        raise ConfigError(key, value, err.reason) from None
+    except RecursionError:
+        raise ConfigError(key, value, f"at most {MAX_YAML_DEPTH} levels of nesting") from None
+    except (ValueError, OverflowError) as err:  # e.g. an integer of 5000 digits, a date 2024-13-45
+        raise ConfigError(key, value, f"values that YAML can read ({clip(str(err), 120)})") from None
+
+
+def read_yaml_mapping(path: str | Path, what: str = "sections", key: str = "--config") -> dict:
+    """The YAML mapping in the file ``path`` (given as option ``key``), or a ConfigError saying what is wrong
+    with it. A file over :data:`MAX_YAML_BYTES` is refused before it is read."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(key, str(path), "an existing YAML file")
+    try:
+        size = path.stat().st_size
+        if size > MAX_YAML_BYTES:
+            raise ConfigError(key, str(path), f"a YAML file of at most {MAX_YAML_BYTES // (1 << 20)} MiB "
+                              f"(this one has {size} bytes)")
+        user = yaml_load(path.read_text(encoding="utf-8"), key, str(path)) or {}
+    except OSError as err:
+        raise ConfigError(key, str(path), f"a readable file ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(key, str(path), f"UTF-8 text ({err.reason} at byte {err.start})") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(key, str(path), f"valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(user, dict):
+        raise ConfigError(key, str(path), f"a YAML mapping of {what}")
+    return user
