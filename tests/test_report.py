@@ -22,15 +22,16 @@ MIB = 1024 ** 2
 
 
 def make_run(root: Path, name: str, method: str, iterations: list[dict], status: str = "ok",
-             options: dict | None = None, **identity) -> Path:
-    """A run folder as `agg-bench run` writes it, with the given per-iteration fields."""
+             options: dict | None = None, keys: tuple[str, ...] = RECORD_KEYS, **identity) -> Path:
+    """A run folder as `agg-bench run` writes it, with the given per-iteration fields (every record holds
+    ``keys``, null where not given)."""
     run = root / name
     run.mkdir(parents=True)
     base = {"run_id": name, "method": method, "model": "sd3-tiny", "resolution": 64, "device": "cpu",
             "gpu_name": None, "n_gpus": 0, "seed": 0, **identity}
     with JsonlWriter(run / "metrics.jsonl") as writer:
         for i, fields in enumerate(iterations):
-            record = dict.fromkeys(RECORD_KEYS)
+            record = dict.fromkeys(keys)
             record.update(base, iteration=i, status="ok")
             record.update(fields)
             writer.write(record)
@@ -53,26 +54,34 @@ AGG_OPTIONS = {"name": "agg", "window": 5, "alpha": "sigma", "route_frac": 1.0, 
 @pytest.fixture
 def sweep(tmp_path):
     """full and agg at 64 px (two seeds of full), an OOM and a diverged agg cell, one imported log."""
+    return sweep_entries(tmp_path)
+
+
+def sweep_entries(tmp_path: Path, keys: tuple[str, ...] = RECORD_KEYS) -> list[RunEntry]:
+    """The runs of the ``sweep`` fixture under ``tmp_path`` (their records holding ``keys``)."""
     runs = tmp_path / "runs"
+
+    def run(name, method, iterations, **kwargs):
+        return make_run(runs, name, method, iterations, keys=keys, **kwargs)
+
     entries = [
-        RunEntry(make_run(runs, "full_s0", "full", [it(10.0, 0.0, 4.0, 80, saved_activation_peak_bytes=8 * MIB),
-                                                     it(2.0, 1.0, 1.5, 80), it(2.0, 2.0, 1.5, 80)]),
+        RunEntry(run("full_s0", "full", [it(10.0, 0.0, 4.0, 80, saved_activation_peak_bytes=8 * MIB),
+                                         it(2.0, 1.0, 1.5, 80), it(2.0, 2.0, 1.5, 80)]),
                  method="full", model="sd3", seed=0),
-        RunEntry(make_run(runs, "full_s1", "full", [it(10.0, 0.0, 4.0, 80), it(4.0, 1.0, 1.5, 80),
-                                                     it(4.0, 3.0, 1.5, 80)], seed=1),
+        RunEntry(run("full_s1", "full", [it(10.0, 0.0, 4.0, 80), it(4.0, 1.0, 1.5, 80), it(4.0, 3.0, 1.5, 80)],
+                     seed=1),
                  method="full", model="sd3", seed=1),
-        RunEntry(make_run(runs, "agg", "agg", [it(10.0, 0.0, 4.0, 32, agg_groups_routed=4),
-                                               it(1.0, 2.0, 0.5, 32, agg_groups_routed=4),
-                                               it(1.0, 4.0, 0.5, 32, agg_groups_routed=2)],
-                          options=AGG_OPTIONS),
+        RunEntry(run("agg", "agg", [it(10.0, 0.0, 4.0, 32, agg_groups_routed=4),
+                                    it(1.0, 2.0, 0.5, 32, agg_groups_routed=4),
+                                    it(1.0, 4.0, 0.5, 32, agg_groups_routed=2)], options=AGG_OPTIONS),
                  method="agg-w5", model="sd3", method_options=AGG_OPTIONS),
-        RunEntry(make_run(runs, "agg_big", "agg", [{"status": "oom", "peak_alloc_bytes": 3 * MIB}],
-                          status="oom", resolution=128), method="agg-w5", model="sd3"),
-        RunEntry(make_run(runs, "full_big", "full", [it(3.0, 1.0, 2.0, 80), it(3.0, 1.0, 2.0, 80)],
-                          resolution=128), method="full", model="sd3"),
-        RunEntry(make_run(runs, "window_big", "window", [it(6.0, 1.0, 1.0, 16), it(6.0, 2.0, 1.0, 16),
-                                                          {**it(6.0, float("nan"), 1.0, 16), "status": "diverged"}],
-                          status="diverged", resolution=128), method="window", model="sd3"),
+        RunEntry(run("agg_big", "agg", [{"status": "oom", "peak_alloc_bytes": 3 * MIB}], status="oom", resolution=128),
+                 method="agg-w5", model="sd3"),
+        RunEntry(run("full_big", "full", [it(3.0, 1.0, 2.0, 80), it(3.0, 1.0, 2.0, 80)], resolution=128),
+                 method="full", model="sd3"),
+        RunEntry(run("window_big", "window", [it(6.0, 1.0, 1.0, 16), it(6.0, 2.0, 1.0, 16),
+                                              {**it(6.0, float("nan"), 1.0, 16), "status": "diverged"}],
+                     status="diverged", resolution=128), method="window", model="sd3"),
     ]
     log = tmp_path / "dancegrpo.jsonl"
     log.write_text("".join(json.dumps({"step": s, "avg_reward": r, "step_time": t, "grad_norm": 0.1}) + "\n"
@@ -163,6 +172,11 @@ def test_import_log_names_a_missing_key(tmp_path):
 
 @pytest.fixture
 def gradcheck_csv(tmp_path):
+    return write_gradcheck_csv(tmp_path / "gc.csv")
+
+
+def write_gradcheck_csv(path: Path, more: list[dict] = ()) -> Path:
+    """A gradcheck CSV of sd3: full and three AGG rows (and ``more``)."""
     rows = [
         {"method": "full", "cosine_to_full": 1.0, "relative_error": 0.0, "backward": 80, "seconds": 4.0},
         {**AGG_OPTIONS, "method": "agg", "cosine_to_full": 0.9, "relative_error": 0.4, "backward": 32, "seconds": 2.0},
@@ -170,8 +184,8 @@ def gradcheck_csv(tmp_path):
          "backward": 32, "seconds": 2.5},
         {**AGG_OPTIONS, "method": "agg", "window": 3, "cosine_to_full": 0.95, "relative_error": 0.3,
          "backward": 48, "seconds": 3.2},
+        *more,
     ]
-    path = tmp_path / "gc.csv"
     pd.DataFrame([{k: v for k, v in r.items() if k != "name"} | {"model": "sd3"} for r in rows]).to_csv(path, index=False)
     return path
 
@@ -387,3 +401,14 @@ def test_a_bad_calibration_file_names_the_file_and_the_key(tmp_path, capsys, cal
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"runs": [{"dir": str(tmp_path / "runs" / "a")}], "calibration": [{"file": str(path)}]}))
     assert expected in report_fails(capsys, tmp_path, "--manifest", str(manifest))
+
+
+def test_the_tables_are_the_pinned_ones():
+    """Every table file of a fixed set of inputs (tests/pinned_report.py) is the stored one, byte for byte:
+    the same columns, cells and formatting."""
+    from pinned_report import PINNED_TABLES, compute
+
+    expected = {path.name: path.read_text() for path in sorted(PINNED_TABLES.iterdir())}
+    actual = compute()
+    assert sorted(actual) == sorted(expected)
+    assert [name for name in expected if actual[name] != expected[name]] == []
