@@ -103,8 +103,9 @@ def cmd_gradcheck(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .results.report import (CalibrationEntry, GradcheckEntry, Manifest, build_report, check_time_basis,
-                                 check_warmup, discover_runs, load_manifest)
+    from .results.loading import (CalibrationEntry, GradcheckEntry, Manifest, check_time_basis, check_warmup,
+                                  discover_runs, load_manifest)
+    from .results.report import build_report
 
     if args.tables is None and args.plots is None:
         raise UserError("report: give --tables DIR and/or --plots DIR")

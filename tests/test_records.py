@@ -5,7 +5,9 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("module", ["agg_bench.results.records", "agg_bench.results.report",
+@pytest.mark.parametrize("module", ["agg_bench.results.records", "agg_bench.results.loading",
+                                    "agg_bench.results.tables", "agg_bench.results.formatting",
+                                    "agg_bench.results.plots", "agg_bench.results.report",
                                     "agg_bench.results.learning", "agg_bench.tools.importlog"])
 def test_reading_results_imports_no_torch(module):
     # a fresh interpreter: this test process has torch loaded already
@@ -24,9 +26,9 @@ def test_records_imports_only_the_standard_library():
 
 def test_engine_names_are_the_records_names():
     from agg_bench.machine import telemetry
-    from agg_bench.results import records, report
+    from agg_bench.results import plots, records
     from agg_bench.runtime import train
 
     assert train.RECORD_KEYS is records.RECORD_KEYS and train.TIMING_KEYS is records.TIMING_KEYS
     assert telemetry.TELEMETRY_KEYS is records.TELEMETRY_KEYS
-    assert report.PLOTS is records.PLOTS
+    assert plots.PLOTS is records.PLOTS

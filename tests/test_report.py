@@ -12,10 +12,10 @@ from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.io import JsonlWriter
 from agg_bench.results.records import PLOTS, RECORD_KEYS, TABLES
-from agg_bench.results.report import (
-    GradcheckEntry, Manifest, RunEntry, ablation_table, build_report, efficiency_table, gpus_table, load_gradcheck,
-    load_records, mean_reward_until, to_markdown,
-)
+from agg_bench.results.formatting import to_markdown
+from agg_bench.results.loading import GradcheckEntry, Manifest, RunEntry, load_gradcheck, load_records
+from agg_bench.results.report import build_report
+from agg_bench.results.tables import ablation_table, efficiency_table, gpus_table, mean_reward_until
 from agg_bench.tools.importlog import import_log
 
 MIB = 1024 ** 2
@@ -285,7 +285,7 @@ def test_random_weight_rows_keep_rewards_out_and_show_the_plan(tmp_path):
 
 
 def test_reward_curves_average_seeds_with_their_spread_and_fall_back_to_the_images_spread():
-    from agg_bench.results.report import reward_curves
+    from agg_bench.results.plots import reward_curves
 
     rows = []
     for run, rewards, seconds in (("a0", [1.0, 3.0], [2.0, 2.0]), ("a1", [3.0, 7.0], [4.0, 4.0]),

@@ -1,0 +1,327 @@
+"""The report's plots (``PLOTS``, each ``<name>.png``), drawn from the tables: the records (reward curves),
+the efficiency table (memory, time, passes, the cosine / cost frontier) and the ablation table (gradient
+cosine against W). A plot without data says so in its image.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..io import save_figure
+from .loading import as_bool, is_number
+from .plotting import pyplot
+from .records import PHASE_TIME_KEYS, PLOTS
+
+PHASES = PHASE_TIME_KEYS
+
+def _panels(plt, keys: list, ncols: int, width: float = 4.2, height: float = 3.2):
+    nrows = max(1, math.ceil(len(keys) / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)
+
+
+def _colors(labels: list[str]) -> dict[str, Any]:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if len(set(labels)) <= 10 else "tab20"]
+    return {label: cmap(i % cmap.N) for i, label in enumerate(dict.fromkeys(labels))}
+
+
+def _empty_figure(plt, path: Path, message: str) -> None:
+    fig, ax = plt.subplots(figsize=(5, 2))
+    ax.axis("off")
+    ax.text(0.5, 0.5, message, ha="center", va="center")
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def _label(row) -> str:
+    return f"{row['method']} (imported)" if row.get("source") == "imported" else str(row["method"])
+
+
+def reward_curves(panel: pd.DataFrame, x: str) -> dict[str, dict]:
+    """Per method label of one panel: x (iteration, or the median over seeds of the cumulative wall
+    seconds at each iteration), the mean reward over seeds and its band: +-1 standard deviation over
+    seeds, or with one seed over the iteration's images (``reward_std``); ``band`` names which."""
+    curves = {}
+    for label, rows in panel.assign(label=panel.apply(_label, axis=1)).groupby("label", sort=False):
+        rows = rows.sort_values("iteration").assign(_t=lambda d: d.groupby("run_dir")["t_iter_s"].cumsum())
+        by_iteration = rows.groupby("iteration", sort=True)
+        seeds = rows["run_dir"].nunique()
+        mean = by_iteration["reward_mean"].mean()
+        spread = by_iteration["reward_mean"].std(ddof=0) if seeds > 1 else by_iteration["reward_std"].mean()
+        xs = mean.index.to_numpy(float) if x == "iteration" else by_iteration["_t"].median().to_numpy(float)
+        curves[label] = {"x": xs, "mean": mean.to_numpy(float), "spread": spread.fillna(0).to_numpy(float),
+                         "band": f"+-1 std over {seeds} seeds" if seeds > 1 else "+-1 std over the images"}
+    return curves
+
+
+def plot_rewards(records: pd.DataFrame, path: Path, x: str) -> None:
+    """Reward per iteration (``x="iteration"``) or per wall-clock second (``x="wallclock"``), one line
+    per method (the mean over seeds) with its band (:func:`reward_curves`), one panel per model x
+    resolution x hardware."""
+    plt = pyplot()
+    ok = records[(records["status"] == "ok") & records["reward_mean"].notna()] if not records.empty else records
+    if "weights" in ok:  # random-weight rewards compare nothing
+        ok = ok[ok["weights"] != "random"]
+    if ok.empty:
+        return _empty_figure(plt, path, "no iteration finished")
+    keys = list(dict.fromkeys(zip(ok["model"], ok["resolution"], ok["hardware"])))
+    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
+    colors = _colors(ok.apply(_label, axis=1))
+    for ax, key in zip(axes, keys):
+        panel = ok[(ok["model"] == key[0]) & (ok["resolution"] == key[1]) & (ok["hardware"] == key[2])]
+        bands = set()
+        for label, curve in reward_curves(panel, x).items():
+            style = "--" if "(imported)" in label else "-"
+            ax.plot(curve["x"], curve["mean"], style, marker=".", color=colors[label], label=label)
+            ax.fill_between(curve["x"], curve["mean"] - curve["spread"], curve["mean"] + curve["spread"],
+                            color=colors[label], alpha=0.15, linewidth=0)
+            bands.add(curve["band"])
+        ax.set_title(f"{key[0]} {key[1]} px, {key[2]}\nbands: {'; '.join(sorted(bands))}", fontsize=8)
+        ax.set_xlabel("iteration" if x == "iteration" else "cumulative wall-clock (s; with seeds, their median)")
+        ax.set_ylabel("mean reward")
+        ax.grid(alpha=0.3)
+    _legend(fig, axes)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def _legend(fig, axes) -> None:
+    handles, labels = {}, []
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in handles:
+                handles[label] = h
+                labels.append(label)
+    if handles:
+        fig.legend([handles[k] for k in labels], labels, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+                   ncol=min(5, len(labels)), fontsize=8, frameon=False)
+        fig.tight_layout()
+
+
+def _resolution_panels(plt, df: pd.DataFrame):
+    """A figure of one panel per model x hardware, each with a line per method over resolution:
+    ``(fig, axes, [(ax, panel rows, [(method, its rows by resolution, color), ...]), ...])``."""
+    keys = list(dict.fromkeys(zip(df["model"], df["hardware"])))
+    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
+    colors = _colors(df["method"])
+    panels = []
+    for ax, (model, hardware) in zip(axes, keys):
+        panel = df[(df["model"] == model) & (df["hardware"] == hardware)]
+        lines = [(method, line.sort_values("resolution"), colors[method])
+                 for method, line in panel.groupby("method", sort=False)]
+        ax.set_title(f"{model}, {hardware}", fontsize=9)
+        ax.set_xlabel("resolution (px)")
+        ax.grid(alpha=0.3)
+        panels.append((ax, panel, lines))
+    return fig, axes, panels
+
+
+def plot_memory(efficiency: pd.DataFrame, path: Path) -> None:
+    """Peak memory vs resolution per method, one panel per model x hardware. CUDA allocator peak where
+    measured, else the peak of saved activations (on CPU the allocator has no peak)."""
+    plt = pyplot()
+    df = efficiency[efficiency["source"] == "measured"] if not efficiency.empty else efficiency
+    if df.empty:
+        return _empty_figure(plt, path, "no measured runs")
+    use_alloc = df["peak_alloc_mib"].notna().any()
+    column = "peak_alloc_mib" if use_alloc else "saved_act_mib"
+    what = "peak allocated (MiB)" if use_alloc else "peak saved activations (MiB)"
+    fig, axes, panels = _resolution_panels(plt, df)
+    for ax, _, lines in panels:
+        for method, line, color in lines:
+            ax.plot(line["resolution"].astype(float), line[column], marker="o", color=color, label=method)
+            for _, bad in line[line["status"] == "oom"].iterrows():
+                ax.annotate("OOM", (float(bad["resolution"]), 0), color=color, fontsize=7)
+        ax.set_ylabel(what)
+    _legend(fig, axes)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
+    """Stacked seconds per iteration (rollout / reward / train / the rest) per method, one panel per
+    model x resolution x hardware."""
+    plt = pyplot()
+    df = efficiency[efficiency["t_iter_s"].notna()] if not efficiency.empty else efficiency
+    if df.empty:
+        return _empty_figure(plt, path, "no timed iterations")
+    keys = list(dict.fromkeys(zip(df["model"], df["resolution"], df["hardware"])))
+    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)), width=5.0)
+    phase_colors = {"t_rollout_s": "#4c72b0", "t_reward_s": "#dd8452", "t_train_s": "#55a868"}
+    names = {"t_rollout_s": "rollout", "t_reward_s": "reward", "t_train_s": "train"}
+    for ax, key in zip(axes, keys):
+        panel = df[(df["model"] == key[0]) & (df["resolution"] == key[1]) & (df["hardware"] == key[2])]
+        labels = [_label(r) for _, r in panel.iterrows()]
+        bottom = np.zeros(len(panel))
+        for phase in PHASES:
+            values = panel[phase].fillna(0).to_numpy(float)
+            ax.bar(range(len(panel)), values, bottom=bottom, color=phase_colors[phase], label=names[phase])
+            bottom += values
+        # the rest of the iteration (advantages, optimizer step), or all of it for a log without phases
+        rest = np.clip(panel["t_iter_s"].to_numpy(float) - bottom, 0, None)
+        ax.bar(range(len(panel)), rest, bottom=bottom, color="#b0b0b0", label="other / not split")
+        # the spread: the iteration's interquartile range around its median (the top of the stack)
+        top = bottom + rest
+        ax.errorbar(range(len(panel)), top, yerr=_iqr_err(panel, "iter", top), fmt="none", ecolor="black",
+                    capsize=3, lw=1, label="iteration IQR")
+        ax.set_xticks(range(len(panel)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"{key[0]} {key[1]} px, {key[2]}", fontsize=9)
+        ax.set_ylabel(f"seconds per iteration, median ({_basis_label(panel)})")
+        ax.grid(alpha=0.3, axis="y")
+    _legend(fig, axes)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_gradcheck(ablation: pd.DataFrame, path: Path) -> None:
+    """Gradient cosine to ``full`` vs W, one line per alpha x route_frac x reuse, one panel per model x
+    resolution."""
+    plt = pyplot()
+    df = ablation[(ablation["method"] == "agg") & ablation["window"].notna()] if not ablation.empty else ablation
+    if df.empty:
+        return _empty_figure(plt, path, "no AGG gradcheck results")
+    keys = list(dict.fromkeys(zip(df["model"], df["resolution"])))
+    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
+    series = ["alpha", "route_frac", "reuse_rollout_velocity"]
+    # color: alpha x route_frac; dashed: rollout-velocity reuse (same gradient, fewer no-grad passes)
+    colors = _colors([f"alpha={a}, route={r:g}" for a, r in zip(df["alpha"], df["route_frac"].astype(float))])
+    for ax, (model, resolution) in zip(axes, keys):
+        panel = df[(df["model"] == model) & (df["resolution"] == resolution)]
+        for key, line in panel.groupby(series, dropna=False, sort=False):
+            line = line.sort_values("window")
+            base = f"alpha={key[0]}, route={float(key[1]):g}"
+            reuse = as_bool(key[2])
+            ax.plot(line["window"].astype(float), line["cosine_to_full"].astype(float), "--" if reuse else "-",
+                    marker="o", color=colors[base], label=base + (", reuse" if reuse else ""))
+        ax.set_title(f"{model} {resolution} px", fontsize=9)
+        ax.set_xlabel("W (steps per group)")
+        _integer_axis(ax.xaxis)
+        ax.set_ylabel("gradient cosine to full")
+        ax.grid(alpha=0.3)
+    _legend(fig, axes)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def _integer_axis(axis) -> None:
+    """Ticks at whole numbers only: for axes that count things (passes, W, pixels)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _iqr_err(df: pd.DataFrame, phase: str, center) -> np.ndarray:
+    """(2, n) error-bar lengths from ``center`` down to p25 and up to p75 of ``phase``'s seconds."""
+    center = np.asarray(center, dtype=float)
+    lo = df[f"t_{phase}_p25_s"].to_numpy(float)
+    hi = df[f"t_{phase}_p75_s"].to_numpy(float)
+    return np.vstack([np.clip(center - lo, 0, None), np.clip(hi - center, 0, None)])
+
+
+def _basis_label(df: pd.DataFrame) -> str:
+    bases = sorted(set(df["time_basis"].dropna())) if "time_basis" in df else []
+    names = {"cpu": "process CPU time", "wall": "wall clock / CUDA events"}
+    return ", ".join(names.get(b, b) for b in bases) or "wall clock"
+
+
+def plot_time_resolution(efficiency: pd.DataFrame, path: Path) -> None:
+    """Seconds per iteration (median, with the p25-p75 band and error bars) against resolution, one
+    line per method, one panel per model x hardware."""
+    plt = pyplot()
+    df = efficiency[(efficiency["source"] == "measured") & efficiency["t_iter_s"].notna()] \
+        if not efficiency.empty else efficiency
+    if df.empty:
+        return _empty_figure(plt, path, "no timed iterations")
+    fig, axes, panels = _resolution_panels(plt, df)
+    for ax, panel, lines in panels:
+        for method, line, color in lines:
+            xs, med = line["resolution"].astype(float).to_numpy(), line["t_iter_s"].to_numpy(float)
+            ax.errorbar(xs, med, yerr=_iqr_err(line, "iter", med), marker="o", capsize=3, color=color, label=method)
+            ax.fill_between(xs, line["t_iter_p25_s"].to_numpy(float), line["t_iter_p75_s"].to_numpy(float),
+                            color=color, alpha=0.15, lw=0)
+        ax.set_xticks(sorted(panel["resolution"].astype(int).unique()))
+        ax.set_ylabel(f"s / iteration, median + IQR ({_basis_label(panel)})", fontsize=8)
+        ax.set_yscale("log")
+    _legend(fig, axes)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_backward_passes(efficiency: pd.DataFrame, path: Path) -> None:
+    """Backward passes per iteration (counted, per sample) per method, one panel per model x resolution
+    (counts do not depend on the hardware)."""
+    plt = pyplot()
+    df = efficiency[(efficiency["source"] == "measured") & efficiency["backward"].notna()] \
+        if not efficiency.empty else efficiency
+    if df.empty:
+        return _empty_figure(plt, path, "no counted passes")
+    df = df.drop_duplicates(["method", "model", "resolution"])
+    keys = list(dict.fromkeys(zip(df["model"], df["resolution"])))
+    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
+    colors = _colors(df["method"])
+    for ax, (model, resolution) in zip(axes, keys):
+        panel = df[(df["model"] == model) & (df["resolution"] == resolution)]
+        labels = list(panel["method"])
+        ax.bar(range(len(panel)), panel["backward"].to_numpy(float), color=[colors[m] for m in labels])
+        ax.set_xticks(range(len(panel)), labels, rotation=60, ha="right", fontsize=7)
+        _integer_axis(ax.yaxis)
+        ax.set_title(f"{model} {resolution} px", fontsize=9)
+        ax.set_ylabel("backward passes per iteration")
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_cosine_cost(efficiency: pd.DataFrame, path: Path) -> None:
+    """The accuracy / cost frontier: gradient cosine to ``full`` against the train phase's time relative
+    to ``full`` (1 / train speedup, with its 95 % interval as error bars), one point per method, one
+    panel per model x resolution x hardware with gradient checks."""
+    plt = pyplot()
+    df = efficiency[efficiency["grad_cosine"].notna() & efficiency["train_speedup"].notna()] \
+        if not efficiency.empty else efficiency
+    if df.empty:
+        return _empty_figure(plt, path, "no run with both a gradient check and a train speedup")
+    keys = list(dict.fromkeys(zip(df["model"], df["resolution"], df["hardware"])))
+    fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
+    colors = _colors(df["method"])
+    for ax, key in zip(axes, keys):
+        panel = df[(df["model"] == key[0]) & (df["resolution"] == key[1]) & (df["hardware"] == key[2])]
+        for _, row in panel.iterrows():
+            cost = 1 / row["train_speedup"]
+            lo = 1 / row["train_speedup_hi"] if is_number(row["train_speedup_hi"]) else cost
+            hi = 1 / row["train_speedup_lo"] if is_number(row["train_speedup_lo"]) else cost
+            ax.errorbar([cost], [row["grad_cosine"]], xerr=[[max(cost - lo, 0)], [max(hi - cost, 0)]], fmt="o",
+                        capsize=3, color=colors[row["method"]], label=row["method"])
+        ax.set_title(f"{key[0]} {key[1]} px, {key[2]}", fontsize=9)
+        ax.set_xlabel(f"train time relative to full ({_basis_label(panel)})", fontsize=8)
+        ax.set_ylabel("gradient cosine to full")
+        ax.grid(alpha=0.3)
+    _legend(fig, axes)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def write_plots(records: pd.DataFrame, tables: dict[str, pd.DataFrame], out_dir: str | Path) -> list[Path]:
+    """Every plot of PLOTS as ``out_dir/<name>.png``; a plot without data says so in its image."""
+    out_dir = Path(out_dir)
+    paths = {name: out_dir / f"{name}.png" for name in PLOTS}
+    efficiency = tables["efficiency"]
+    plot_rewards(records, paths["reward_iteration"], "iteration")
+    plot_rewards(records, paths["reward_wallclock"], "wallclock")
+    plot_memory(efficiency, paths["memory_resolution"])
+    plot_time_breakdown(efficiency, paths["time_breakdown"])
+    plot_time_resolution(efficiency, paths["time_resolution"])
+    plot_backward_passes(efficiency, paths["backward_passes"])
+    plot_cosine_cost(efficiency, paths["cosine_cost"])
+    plot_gradcheck(tables["ablation"], paths["gradcheck_cosine"])
+    return list(paths.values())
+
