@@ -105,21 +105,33 @@ def cmd_gradcheck(args) -> int:
 def cmd_report(args) -> int:
     from .results.loading import (CalibrationEntry, GradcheckEntry, Manifest, check_time_basis, check_warmup,
                                   discover_runs, load_manifest)
-    from .results.report import build_report
+    from .results.report import build_report, plot_tables
 
-    if args.tables is None and args.plots is None:
-        raise UserError("report: give --tables DIR and/or --plots DIR")
-    if args.warmup is not None:
-        check_warmup(args.warmup, "--warmup")
-    manifest = load_manifest(args.manifest) if args.manifest else Manifest()
-    manifest.runs += discover_runs(args.runs)
-    manifest.gradcheck += [GradcheckEntry(path) for path in args.gradcheck]
-    manifest.calibration += [CalibrationEntry(path) for path in args.calibration]
-    if args.time is not None:
-        manifest.time = check_time_basis(args.time, "--time")
-    if args.warmup is not None:
-        manifest.warmup = args.warmup
-    tables = build_report(manifest, args.tables, args.plots)
+    if args.tables_in is not None:
+        given = [flag for flag, value in (("--manifest", args.manifest), ("--runs", args.runs),
+                                          ("--gradcheck", args.gradcheck), ("--calibration", args.calibration),
+                                          ("--warmup", args.warmup), ("--time", args.time), ("--tables", args.tables))
+                 if value not in (None, [])]
+        if given:
+            raise UserError(f"--tables-in plots tables already written; {given[0]} is for writing them "
+                            "(give one or the other)")
+        if args.plots is None:
+            raise UserError("--tables-in DIR needs --plots DIR")
+        tables = plot_tables(args.tables_in, args.plots)
+    else:
+        if args.tables is None and args.plots is None:
+            raise UserError("give --tables DIR and/or --plots DIR")
+        if args.warmup is not None:
+            check_warmup(args.warmup, "--warmup")
+        manifest = load_manifest(args.manifest) if args.manifest else Manifest()
+        manifest.runs += discover_runs(args.runs)
+        manifest.gradcheck += [GradcheckEntry(path) for path in args.gradcheck]
+        manifest.calibration += [CalibrationEntry(path) for path in args.calibration]
+        if args.time is not None:
+            manifest.time = check_time_basis(args.time, "--time")
+        if args.warmup is not None:
+            manifest.warmup = args.warmup
+        tables = build_report(manifest, args.tables, args.plots)
     print(json.dumps({"tables": str(args.tables) if args.tables else None,
                       "plots": str(args.plots) if args.plots else None,
                       "efficiency_rows": len(tables["efficiency"])}))
@@ -284,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="FILE.csv")
     p.set_defaults(func=cmd_gradcheck)
 
-    p = sub.add_parser("report", help="comparison tables (CSV + Markdown) and plots (PNG) from run folders")
+    p = sub.add_parser("report", help="comparison tables (CSV, Markdown, HTML) from run folders, and plots (PNG) "
+                                      "drawn from the tables")
     p.add_argument("--manifest", type=Path, help="the workflow's list of runs and gradcheck CSVs with their labels")
     p.add_argument("--runs", nargs="*", default=[], type=Path,
                    help="run folders, or folders of run folders (labels taken from their records)")
@@ -296,7 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   "default), cpu or wall")
     p.add_argument("--tables", type=Path, help="write summary/efficiency/ablation/gpus .csv + .md + .html and "
                                                "records.csv here")
-    p.add_argument("--plots", type=Path, help="write the PNG plots here")
+    p.add_argument("--plots", type=Path, help="write the PNG plots here (drawn from the tables)")
+    p.add_argument("--tables-in", type=Path, metavar="DIR",
+                   help="draw the plots from the tables an earlier --tables DIR wrote (records.csv, efficiency.csv, "
+                        "ablation.csv) instead of reading runs")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("import-log", help="a DanceGRPO JSONL training log as a reference run folder")

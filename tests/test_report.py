@@ -268,6 +268,77 @@ def test_report_cli(sweep, tmp_path, capsys):
     assert "--tables" in capsys.readouterr().err
 
 
+
+def test_plots_are_drawn_from_the_written_tables(sweep, gradcheck_csv, tmp_path, capsys):
+    """The plots job reads the tables job's files (--tables-in); a report that writes both, or the plots
+    alone, draws the same images from the same tables."""
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": str(e.dir), **{k: v for k, v in vars(e).items()
+                                                                    if k != "dir" and v is not None}}
+                                             for e in sweep],
+                                    "gradcheck": [{"file": str(gradcheck_csv), "model": "sd3", "resolution": 64}]}))
+    tables = tmp_path / "tables"
+    assert main(["report", "--manifest", str(manifest), "--tables", str(tables), "--plots", str(tmp_path / "both")]) == 0
+    assert main(["report", "--manifest", str(manifest), "--plots", str(tmp_path / "alone")]) == 0
+    capsys.readouterr()
+    assert main(["report", "--tables-in", str(tables), "--plots", str(tmp_path / "from_tables")]) == 0
+    assert json.loads(capsys.readouterr().out)["efficiency_rows"] == len(pd.read_csv(tables / "efficiency.csv"))
+    for name in PLOTS:
+        image = (tmp_path / "from_tables" / f"{name}.png").read_bytes()
+        assert image == (tmp_path / "both" / f"{name}.png").read_bytes() == \
+            (tmp_path / "alone" / f"{name}.png").read_bytes(), name
+    # the plots may go into the tables' own folder
+    assert main(["report", "--tables-in", str(tables), "--plots", str(tables)]) == 0
+    assert (tables / "time_breakdown.png").is_file() and (tables / "efficiency.csv").is_file()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--tables-in", "TABLES"], "--tables-in DIR needs --plots DIR"),
+    (["--tables-in", "TABLES", "--plots", "OUT", "--runs", "TABLES"], "--runs is for writing them"),
+    (["--tables-in", "TABLES", "--plots", "OUT", "--tables", "OUT"], "--tables is for writing them"),
+    (["--tables-in", "TABLES", "--plots", "OUT", "--warmup", "0"], "--warmup is for writing them"),
+    (["--tables-in", "NOWHERE", "--plots", "OUT"], "--tables-in NOWHERE: no records.csv"),
+])
+def test_tables_in_takes_only_plots(sweep, tmp_path, capsys, args, expected):
+    tables = tmp_path / "tables"
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--tables", str(tables)]) == 0
+    capsys.readouterr()
+    paths = {"TABLES": str(tables), "OUT": str(tmp_path / "out"), "NOWHERE": str(tmp_path / "nowhere")}
+    assert main(["report", *(paths.get(a, a) for a in args)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    expected = expected.replace("NOWHERE", paths["NOWHERE"])
+    assert len(lines) == 1 and lines[0].startswith("agg-bench report: ") and expected in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, edit, expected", [
+    ("efficiency.csv", lambda text: text.replace("t_iter_p25_s", "t_iter_q1_s"), "no column 't_iter_p25_s'"),
+    ("records.csv", lambda text: "", "records.csv: not a table CSV"),
+    ("ablation.csv", lambda text: '"unclosed\n' + text, "ablation.csv: not a table CSV"),
+])
+def test_tables_in_names_a_table_that_is_not_what_the_report_wrote(sweep, tmp_path, capsys, name, edit, expected):
+    tables = tmp_path / "tables"
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--tables", str(tables)]) == 0
+    (tables / name).write_text(edit((tables / name).read_text()))
+    capsys.readouterr()
+    assert main(["report", "--tables-in", str(tables), "--plots", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and str(tables / name) in lines[0] and expected in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_labels_that_look_like_numbers_or_missing_values_stay_labels(tmp_path):
+    """A written table gives its labels back as text: a method called "NA" or "1" is not a missing value
+    or a number."""
+    runs = tmp_path / "runs"
+    make_run(runs, "a", "NA", [it(2.0, 1.0, backward=8), it(2.0, 2.0, backward=8)], model="1")
+    make_run(runs, "b", "full", [it(1.0, 1.0, backward=4), it(1.0, 3.0, backward=4)], model="1")
+    assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "t")]) == 0
+    from agg_bench.results.loading import load_tables
+
+    efficiency = load_tables(tmp_path / "t")["efficiency"]
+    assert sorted(efficiency["method"]) == ["NA", "full"] and list(efficiency["model"]) == ["1", "1"]
+
 def test_random_weight_rows_keep_rewards_out_and_show_the_plan(tmp_path):
     """A random-weights run: labelled, its rewards out of the table; planned bytes beside the measured peak."""
     run = make_run(tmp_path, "full_random", "full", [it(2.0, 5.0, saved_activation_peak_bytes=3 * MIB),

@@ -1,6 +1,7 @@
 """What the report reads: the manifest, run folders (every record with the labels the tables group by),
-gradcheck CSVs and calibrations. Every input is checked as it is read; anything that is not what the
-command that wrote it writes is a UserError naming the file and the key.
+gradcheck CSVs and calibrations; and, for the plots, the tables it wrote (:func:`load_tables`). Every input
+is checked as it is read; anything that is not what the command that wrote it writes is a UserError naming
+the file and the key.
 
 The workflow passes a manifest (JSON) that names every run with its sweep labels; without one, labels
 come from the records themselves (:func:`discover_runs`).
@@ -11,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import IO, Iterable
 
 import numpy as np
 import pandas as pd
@@ -19,7 +20,7 @@ import pandas as pd
 from ..errors import ConfigError, UserError, quote
 from ..io import read_jsonl
 from ..jsonfiles import read_json_object
-from .records import record_problem
+from .records import PLOT_TABLES, TEXT_KEYS, record_problem
 
 
 @dataclass
@@ -303,3 +304,46 @@ def as_bool(value) -> bool | None:
         return bool(value)
     return None
 
+
+
+# The columns the plots read from each written table, and the columns of each that hold text (labels; read
+# as text even where a label looks like a number).
+PLOT_COLUMNS = {
+    "records": ("run_dir", "iteration", "status", "reward_mean", "reward_std", "t_iter_s", "method", "model",
+                "resolution", "hardware", "source"),
+    "efficiency": ("method", "model", "resolution", "hardware", "source", "status", "time_basis", "t_rollout_s",
+                   "t_reward_s", "t_train_s", "t_iter_s", "t_iter_p25_s", "t_iter_p75_s", "peak_alloc_mib",
+                   "saved_act_mib", "backward", "grad_cosine", "train_speedup", "train_speedup_lo",
+                   "train_speedup_hi"),
+    "ablation": ("model", "resolution", "method", "window", "alpha", "route_frac", "reuse_rollout_velocity",
+                 "cosine_to_full"),
+}
+TEXT_COLUMNS = (*TEXT_KEYS, "method_name", "method_options", "hardware", "run_status", "run_dir", "time_basis",
+                "train_speedup_basis", "prediction_check", "family", "alpha", "endpoint_velocity", "cache")
+
+
+def parse_table(source: str | Path | IO[str], where: str | Path, columns: Iterable[str] = ()) -> pd.DataFrame:
+    """A table CSV as :func:`agg_bench.results.formatting.table_csv` writes it: an empty cell is NaN (and
+    nothing else is: a label "NA" stays text), ``TEXT_COLUMNS`` are text. A file that is not such a CSV,
+    or lacks one of ``columns``, is a UserError naming ``where``."""
+    try:
+        table = pd.read_csv(source, keep_default_na=False, na_values=[""], low_memory=False,
+                            dtype=dict.fromkeys(TEXT_COLUMNS, str))
+    except ValueError as err:  # pandas' parser and empty-data errors, and UnicodeDecodeError, are ValueErrors
+        raise UserError(f"{where}: not a table CSV ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+    missing = [column for column in columns if column not in table.columns]
+    if missing:
+        raise UserError(f"{where}: no column {missing[0]!r} (expected the table agg-bench report --tables writes)")
+    return table
+
+
+def load_tables(folder: str | Path) -> dict[str, pd.DataFrame]:
+    """The tables the plots read (``PLOT_TABLES``) from ``folder``, as an earlier ``agg-bench report --tables
+    folder`` wrote them."""
+    tables = {}
+    for name in PLOT_TABLES:
+        path = Path(folder) / f"{name}.csv"
+        if not path.is_file():
+            raise UserError(f"--tables-in {folder}: no {name}.csv (agg-bench report --tables {folder} writes it)")
+        tables[name] = parse_table(path, path, PLOT_COLUMNS[name])
+    return tables

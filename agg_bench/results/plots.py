@@ -1,12 +1,12 @@
-"""The report's plots (``PLOTS``, each ``<name>.png``), drawn from the tables: the records (reward curves),
-the efficiency table (memory, time, passes, the cosine / cost frontier) and the ablation table (gradient
-cosine against W). A plot without data says so in its image.
+"""The report's plots (``PLOTS``, each ``<name>.png``), drawn from the tables as the report wrote them
+(``PLOT_TABLES``): the records (reward curves), the efficiency table (memory, time, passes, the cosine /
+cost frontier) and the ablation table (gradient cosine against W). Nothing here recomputes a table.
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
@@ -310,11 +310,12 @@ def plot_cosine_cost(efficiency: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def write_plots(records: pd.DataFrame, tables: dict[str, pd.DataFrame], out_dir: str | Path) -> list[Path]:
-    """Every plot of PLOTS as ``out_dir/<name>.png``; a plot without data says so in its image."""
+def write_plots(tables: Mapping[str, pd.DataFrame], out_dir: str | Path) -> list[Path]:
+    """Every plot of PLOTS as ``out_dir/<name>.png``, from the tables of ``PLOT_TABLES`` as written
+    (:func:`agg_bench.results.loading.load_tables`); a plot without data says so in its image."""
     out_dir = Path(out_dir)
     paths = {name: out_dir / f"{name}.png" for name in PLOTS}
-    efficiency = tables["efficiency"]
+    records, efficiency = tables["records"], tables["efficiency"]
     plot_rewards(records, paths["reward_iteration"], "iteration")
     plot_rewards(records, paths["reward_wallclock"], "wallclock")
     plot_memory(efficiency, paths["memory_resolution"])
@@ -324,4 +325,3 @@ def write_plots(records: pd.DataFrame, tables: dict[str, pd.DataFrame], out_dir:
     plot_cosine_cost(efficiency, paths["cosine_cost"])
     plot_gradcheck(tables["ablation"], paths["gradcheck_cosine"])
     return list(paths.values())
-

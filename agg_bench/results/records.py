@@ -93,6 +93,8 @@ TABLE_FORMATS = ("csv", "md", "html")
 # Plots ``agg-bench report --plots DIR`` writes, each as ``DIR/<name>.png``.
 PLOTS = ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "time_resolution",
          "backward_passes", "cosine_cost", "gradcheck_cosine")
+# The tables the plots are drawn from, read from the tables folder as ``DIR/<name>.csv``.
+PLOT_TABLES = ("records", "efficiency", "ablation")
 
 
 def table_files(directory: str = "results/tables", formats: tuple[str, ...] = TABLE_FORMATS) -> list[str]:
@@ -103,3 +105,8 @@ def table_files(directory: str = "results/tables", formats: tuple[str, ...] = TA
 def plot_files(directory: str = "results/plots") -> list[str]:
     """Every file of ``PLOTS`` under ``directory``."""
     return [f"{directory}/{name}.png" for name in PLOTS]
+
+
+def plot_table_files(directory: str = "results/tables") -> list[str]:
+    """The files of ``PLOT_TABLES`` under ``directory``: what the plots read."""
+    return [f"{directory}/{name}.csv" for name in PLOT_TABLES]

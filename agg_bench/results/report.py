@@ -1,27 +1,33 @@
-"""``agg-bench report``: comparison tables (CSV, Markdown, HTML) and plots (PNG) from run folders,
-gradcheck CSVs and calibrations.
+"""``agg-bench report``: comparison tables (CSV, Markdown, HTML) from run folders, gradcheck CSVs and
+calibrations, and plots (PNG) from those tables.
 
 Inputs are what other commands wrote: run folders (``metrics.jsonl``, ``summary.json``,
 ``config.json``) from ``agg-bench run`` or ``agg-bench import-log``, gradcheck CSVs from
-``agg-bench gradcheck`` and calibrations from ``agg-bench calibrate``. The rooms of the report:
+``agg-bench gradcheck`` and calibrations from ``agg-bench calibrate``. The plots are drawn from the
+tables as written (``records.csv``, ``efficiency.csv``, ``ablation.csv``), so that the workflow's plots
+job reads its tables job's outputs (``--tables-in``) and a report that writes both draws the same plots.
+The rooms of the report:
 
-- :mod:`~agg_bench.results.loading`: the manifest and every input, checked as it is read;
+- :mod:`~agg_bench.results.loading`: the manifest and every input, checked as it is read; the written tables;
 - :mod:`~agg_bench.results.tables`: the tables (what every column means, and the timing statistics);
 - :mod:`~agg_bench.results.formatting`: the tables as CSV, Markdown and HTML files;
 - :mod:`~agg_bench.results.plots`: the plots.
 """
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 
 import pandas as pd
 
 from ..errors import UserError
 from ..outdir import Contents, claimed_folders
-from .formatting import write_tables
-from .loading import Manifest, load_calibration, load_gradcheck, load_records
+from .formatting import table_csv, write_tables
+from .loading import (PLOT_COLUMNS, Manifest, load_calibration, load_gradcheck, load_records, load_tables,
+                      parse_table)
 from .plots import write_plots
-from .records import PLOTS, TABLE_FORMATS, TABLES
+from .records import PLOT_TABLES, PLOTS, TABLE_FORMATS, TABLES
 from .tables import build_tables
 
 # what --tables DIR and --plots DIR hold; any other file there is someone else's
@@ -32,10 +38,11 @@ PLOTS_CONTENTS = Contents("agg-bench report plots", tuple(f"{name}.png" for name
 
 def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
                  plots_dir: str | Path | None = None) -> dict[str, pd.DataFrame]:
-    """Load ``manifest``'s runs, gradcheck CSVs and calibrations; write the tables and/or the plots;
-    return the tables."""
+    """Load ``manifest``'s runs, gradcheck CSVs and calibrations; write the tables and/or the plots (drawn
+    from the tables as written: read back from ``tables_dir``, or from their CSV text without one); return
+    the tables."""
     if not manifest.runs:
-        raise UserError("report: no runs to report (give --manifest or --runs)")
+        raise UserError("no runs to report (give --manifest or --runs)")
     with claimed_folders([(tables_dir, TABLES_CONTENTS), (plots_dir, PLOTS_CONTENTS)], ("--tables", "--plots")):
         records = load_records(manifest.runs)
         gradcheck = load_gradcheck(manifest.gradcheck)
@@ -44,5 +51,22 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
         if tables_dir is not None:
             write_tables(records, tables, tables_dir)
         if plots_dir is not None:
-            write_plots(records, tables, plots_dir)
+            write_plots(load_tables(tables_dir) if tables_dir is not None else _as_written({"records": records, **tables}),
+                        plots_dir)
         return tables
+
+
+def plot_tables(tables_dir: str | Path, plots_dir: str | Path) -> dict[str, pd.DataFrame]:
+    """The plots of the tables that ``agg-bench report --tables tables_dir`` wrote, into ``plots_dir``
+    (which may be that folder); returns the tables read."""
+    same = os.path.abspath(tables_dir) == os.path.abspath(plots_dir)
+    with claimed_folders([(plots_dir, PLOTS_CONTENTS | TABLES_CONTENTS if same else PLOTS_CONTENTS)], ("--plots",)):
+        tables = load_tables(tables_dir)
+        write_plots(tables, plots_dir)
+        return tables
+
+
+def _as_written(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """The tables the plots read as their CSV files would give them back, without writing the files."""
+    return {name: parse_table(io.StringIO(table_csv(tables[name])), f"report: the {name} table", PLOT_COLUMNS[name])
+            for name in PLOT_TABLES}
