@@ -423,6 +423,27 @@ def test_labels_with_dollars_are_drawn_as_text(tmp_path, capsys):
         assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+
+def test_time_plots_have_one_y_label_and_plain_tick_labels(sweep, tmp_path, monkeypatch):
+    """The time plots' panels share one y label for the figure (a label per panel ran into the neighbouring
+    panels), and the log axis of time vs resolution labels its ticks as numbers, not as mathtext source."""
+    import agg_bench.results.plots as plots
+
+    figures = {}
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        figures[Path(path).stem] = fig
+
+    monkeypatch.setattr(plots, "save_figure", keep)
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--plots", str(tmp_path / "plots")]) == 0
+    for name in ("time_breakdown", "time_resolution"):
+        fig = figures[name]
+        assert fig.get_supylabel().startswith("seconds per iteration, median"), name
+        assert [ax.get_ylabel() for ax in fig.axes if ax.get_visible() and ax.get_ylabel()] == [], name
+    ticks = [t.get_text() for ax in figures["time_resolution"].axes for t in ax.get_yticklabels(which="both")]
+    assert any(ticks) and not [t for t in ticks if "$" in t or "mathdefault" in t], ticks
+
 MANIFEST_RUN = {"dir": "RUN", "method": "full", "model": "sd3", "resolution": 64, "seed": 0}
 
 

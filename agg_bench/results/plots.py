@@ -13,10 +13,11 @@ import pandas as pd
 
 from ..io import save_figure
 from .loading import as_bool, is_number
-from .plotting import pyplot
+from .plotting import log_scale, pyplot
 from .records import PHASE_TIME_KEYS, PLOTS
 
 PHASES = PHASE_TIME_KEYS
+SHARED_YLABEL_IN = 0.45  # inches a figure's one y label takes left of its panels (two lines of 10 pt text)
 
 def _panels(plt, keys: list, ncols: int, width: float = 4.2, height: float = 3.2):
     nrows = max(1, math.ceil(len(keys) / ncols))
@@ -93,7 +94,10 @@ def plot_rewards(records: pd.DataFrame, path: Path, x: str) -> None:
     plt.close(fig)
 
 
-def _legend(fig, axes) -> None:
+def _legend(fig, axes, ylabel: str | None = None) -> None:
+    """One legend for the figure, below its panels (each label once), and the panels laid out around it.
+    ``ylabel``: one y label for the whole figure, left of the panels, for figures whose panels share one
+    (a label per panel runs into the neighbouring panels when it is long)."""
     handles, labels = {}, []
     for ax in axes:
         for h, label in zip(*ax.get_legend_handles_labels()):
@@ -103,7 +107,18 @@ def _legend(fig, axes) -> None:
     if handles:
         fig.legend([handles[k] for k in labels], labels, loc="upper center", bbox_to_anchor=(0.5, 0.0),
                    ncol=min(5, len(labels)), fontsize=8, frameon=False)
-        fig.tight_layout()
+    if ylabel is None:
+        if handles:
+            fig.tight_layout()
+        return
+    fig.tight_layout(rect=(SHARED_YLABEL_IN / fig.get_figwidth(), 0, 1, 1))
+    # just left of the panels' tick labels, centred on the panels
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.get_tightbbox(renderer) for ax in axes if ax.get_visible()]
+    x0 = min(box.x0 for box in boxes) / fig.bbox.width
+    y = (min(ax.get_position().y0 for ax in axes if ax.get_visible())
+         + max(ax.get_position().y1 for ax in axes if ax.get_visible())) / 2
+    fig.supylabel(ylabel, x=x0 - 0.005, y=y, ha="right", va="center", fontsize=10)
 
 
 def _resolution_panels(plt, df: pd.DataFrame):
@@ -119,28 +134,33 @@ def _resolution_panels(plt, df: pd.DataFrame):
                  for method, line in panel.groupby("method", sort=False)]
         ax.set_title(f"{model}, {hardware}", fontsize=9)
         ax.set_xlabel("resolution (px)")
+        ax.set_xticks(sorted(panel["resolution"].astype(int).unique()))
         ax.grid(alpha=0.3)
         panels.append((ax, panel, lines))
     return fig, axes, panels
 
 
 def plot_memory(efficiency: pd.DataFrame, path: Path) -> None:
-    """Peak memory vs resolution per method, one panel per model x hardware. CUDA allocator peak where
-    measured, else the peak of saved activations (on CPU the allocator has no peak)."""
+    """Peak memory vs resolution per method, one panel per model x hardware: the CUDA allocator peak in a
+    panel that measured one, else the peak of saved activations (on a CPU the allocator has no peak). A
+    cell that ran out of memory is marked OOM at the bottom of its panel."""
     plt = pyplot()
     df = efficiency[efficiency["source"] == "measured"] if not efficiency.empty else efficiency
     if df.empty:
         return _empty_figure(plt, path, "no measured runs")
-    use_alloc = df["peak_alloc_mib"].notna().any()
-    column = "peak_alloc_mib" if use_alloc else "saved_act_mib"
-    what = "peak allocated (MiB)" if use_alloc else "peak saved activations (MiB)"
     fig, axes, panels = _resolution_panels(plt, df)
-    for ax, _, lines in panels:
+    for ax, panel, lines in panels:
+        use_alloc = panel["peak_alloc_mib"].notna().any()
+        column = "peak_alloc_mib" if use_alloc else "saved_act_mib"
         for method, line, color in lines:
+            oom = line[line["status"] == "oom"]
+            if line[column].isna().all() and oom.empty:  # nothing to draw: no legend entry either
+                continue
             ax.plot(line["resolution"].astype(float), line[column], marker="o", color=color, label=method)
-            for _, bad in line[line["status"] == "oom"].iterrows():
-                ax.annotate("OOM", (float(bad["resolution"]), 0), color=color, fontsize=7)
-        ax.set_ylabel(what)
+            for _, bad in oom.iterrows():
+                ax.annotate("OOM", (float(bad["resolution"]), 0.02), xycoords=ax.get_xaxis_transform(),
+                            color=color, fontsize=7, ha="center")
+        ax.set_ylabel("peak allocated (MiB)" if use_alloc else "peak saved activations (MiB)")
     _legend(fig, axes)
     save_figure(fig, path)
     plt.close(fig)
@@ -148,7 +168,7 @@ def plot_memory(efficiency: pd.DataFrame, path: Path) -> None:
 
 def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
     """Stacked seconds per iteration (rollout / reward / train / the rest) per method, one panel per
-    model x resolution x hardware."""
+    model x resolution x hardware; one y label for the figure (:func:`_seconds_label`)."""
     plt = pyplot()
     df = efficiency[efficiency["t_iter_s"].notna()] if not efficiency.empty else efficiency
     if df.empty:
@@ -157,6 +177,7 @@ def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)), width=5.0)
     phase_colors = {"t_rollout_s": "#4c72b0", "t_reward_s": "#dd8452", "t_train_s": "#55a868"}
     names = {"t_rollout_s": "rollout", "t_reward_s": "reward", "t_train_s": "train"}
+    ylabel, basis_in_titles = _seconds_label(df, "seconds per iteration, median")
     for ax, key in zip(axes, keys):
         panel = df[(df["model"] == key[0]) & (df["resolution"] == key[1]) & (df["hardware"] == key[2])]
         labels = [_label(r) for _, r in panel.iterrows()]
@@ -170,13 +191,18 @@ def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
         ax.bar(range(len(panel)), rest, bottom=bottom, color="#b0b0b0", label="other / not split")
         # the spread: the iteration's interquartile range around its median (the top of the stack)
         top = bottom + rest
-        ax.errorbar(range(len(panel)), top, yerr=_iqr_err(panel, "iter", top), fmt="none", ecolor="black",
-                    capsize=3, lw=1, label="iteration IQR")
+        err = _iqr_err(panel, "iter", top)
+        ax.errorbar(range(len(panel)), top, yerr=err, fmt="none", ecolor="black", capsize=3, lw=1,
+                    label="iteration IQR")
+        # room above the tallest bar or whisker: a stacked bar's top edge is sticky, so no margin by itself
+        highest = np.nanmax(np.concatenate([top, top + err[1]]))
+        if np.isfinite(highest) and highest > 0:
+            ax.set_ylim(0, 1.05 * highest)
         ax.set_xticks(range(len(panel)), labels, rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"{key[0]} {key[1]} px, {key[2]}", fontsize=9)
-        ax.set_ylabel(f"seconds per iteration, median ({_basis_label(panel)})")
+        ax.set_title(f"{key[0]} {key[1]} px, {key[2]}" + (f"\n{_basis_label(panel)}" if basis_in_titles else ""),
+                     fontsize=9)
         ax.grid(alpha=0.3, axis="y")
-    _legend(fig, axes)
+    _legend(fig, axes, ylabel)
     save_figure(fig, path)
     plt.close(fig)
 
@@ -227,30 +253,39 @@ def _iqr_err(df: pd.DataFrame, phase: str, center) -> np.ndarray:
 
 
 def _basis_label(df: pd.DataFrame) -> str:
+    """Which seconds the rows of ``df`` are timed in, in words."""
     bases = sorted(set(df["time_basis"].dropna())) if "time_basis" in df else []
     names = {"cpu": "process CPU time", "wall": "wall clock / CUDA events"}
     return ", ".join(names.get(b, b) for b in bases) or "wall clock"
 
 
+def _seconds_label(df: pd.DataFrame, what: str) -> tuple[str, bool]:
+    """The figure's one y label: ``what`` and the seconds it is timed in when every panel has the same;
+    and whether they differ, so that each panel title names its own."""
+    shared = len({_basis_label(panel) for _, panel in df.groupby(["model", "hardware"], dropna=False)}) == 1
+    return (f"{what}\n({_basis_label(df)})" if shared else what), not shared
+
+
 def plot_time_resolution(efficiency: pd.DataFrame, path: Path) -> None:
-    """Seconds per iteration (median, with the p25-p75 band and error bars) against resolution, one
-    line per method, one panel per model x hardware."""
+    """Seconds per iteration (median, with the p25-p75 band and error bars) against resolution on a log
+    axis, one line per method, one panel per model x hardware; one y label for the figure."""
     plt = pyplot()
     df = efficiency[(efficiency["source"] == "measured") & efficiency["t_iter_s"].notna()] \
         if not efficiency.empty else efficiency
     if df.empty:
         return _empty_figure(plt, path, "no timed iterations")
     fig, axes, panels = _resolution_panels(plt, df)
+    ylabel, basis_in_titles = _seconds_label(df, "seconds per iteration, median and IQR")
     for ax, panel, lines in panels:
         for method, line, color in lines:
             xs, med = line["resolution"].astype(float).to_numpy(), line["t_iter_s"].to_numpy(float)
             ax.errorbar(xs, med, yerr=_iqr_err(line, "iter", med), marker="o", capsize=3, color=color, label=method)
             ax.fill_between(xs, line["t_iter_p25_s"].to_numpy(float), line["t_iter_p75_s"].to_numpy(float),
                             color=color, alpha=0.15, lw=0)
-        ax.set_xticks(sorted(panel["resolution"].astype(int).unique()))
-        ax.set_ylabel(f"s / iteration, median + IQR ({_basis_label(panel)})", fontsize=8)
-        ax.set_yscale("log")
-    _legend(fig, axes)
+        if basis_in_titles:
+            ax.set_title(f"{ax.get_title()}\n{_basis_label(panel)}", fontsize=9)
+        log_scale(ax, "y")
+    _legend(fig, axes, ylabel)
     save_figure(fig, path)
     plt.close(fig)
 
