@@ -444,6 +444,23 @@ def test_time_plots_have_one_y_label_and_plain_tick_labels(sweep, tmp_path, monk
     ticks = [t.get_text() for ax in figures["time_resolution"].axes for t in ax.get_yticklabels(which="both")]
     assert any(ticks) and not [t for t in ticks if "$" in t or "mathdefault" in t], ticks
 
+
+def test_a_log_without_a_resolution_is_one_panel(tmp_path, monkeypatch):
+    """Missing labels are one value: an imported log without --resolution is one panel with its data (not
+    one empty panel per iteration)."""
+    import agg_bench.results.plots as plots
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "avg_reward": 0.1 * s, "step_time": 10.0 + s, "grad_norm": 0.1})
+                           + "\n" for s in range(1, 6)))
+    import_log(log, tmp_path / "ref")
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.setdefault(Path(path).stem, fig))
+    assert main(["report", "--runs", str(tmp_path / "ref"), "--plots", str(tmp_path / "plots")]) == 0
+    for name in ("reward_iteration", "reward_wallclock", "time_breakdown"):
+        [panel] = [ax for ax in figures[name].axes if ax.get_visible()]
+        assert panel.lines or panel.patches, name
+
 MANIFEST_RUN = {"dir": "RUN", "method": "full", "model": "sd3", "resolution": 64, "seed": 0}
 
 

@@ -42,6 +42,21 @@ def _empty_figure(plt, path: Path, message: str) -> None:
     plt.close(fig)
 
 
+def _panel_keys(df: pd.DataFrame, columns: tuple[str, ...]) -> list[tuple]:
+    """The distinct values of ``columns`` in ``df``, one panel each, in the order they first appear (missing
+    values are one value: an imported log without a resolution gets one panel, not one per row)."""
+    return list(df[list(columns)].drop_duplicates().itertuples(index=False, name=None))
+
+
+def _rows(df: pd.DataFrame, columns: tuple[str, ...], key: tuple) -> pd.DataFrame:
+    """The rows of one panel: ``columns`` equal to ``key``, a missing value matching a missing value (an
+    imported log without a resolution still has its panel)."""
+    match = pd.Series(True, index=df.index)
+    for column, value in zip(columns, key):
+        match &= df[column].isna() if pd.isna(value) else df[column] == value
+    return df[match]
+
+
 def _label(row) -> str:
     return f"{row['method']} (imported)" if row.get("source") == "imported" else str(row["method"])
 
@@ -73,11 +88,11 @@ def plot_rewards(records: pd.DataFrame, path: Path, x: str) -> None:
         ok = ok[ok["weights"] != "random"]
     if ok.empty:
         return _empty_figure(plt, path, "no iteration finished")
-    keys = list(dict.fromkeys(zip(ok["model"], ok["resolution"], ok["hardware"])))
+    keys = _panel_keys(ok, ("model", "resolution", "hardware"))
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
     colors = _colors(ok.apply(_label, axis=1))
     for ax, key in zip(axes, keys):
-        panel = ok[(ok["model"] == key[0]) & (ok["resolution"] == key[1]) & (ok["hardware"] == key[2])]
+        panel = _rows(ok, ("model", "resolution", "hardware"), key)
         bands = set()
         for label, curve in reward_curves(panel, x).items():
             style = "--" if "(imported)" in label else "-"
@@ -124,12 +139,12 @@ def _legend(fig, axes, ylabel: str | None = None) -> None:
 def _resolution_panels(plt, df: pd.DataFrame):
     """A figure of one panel per model x hardware, each with a line per method over resolution:
     ``(fig, axes, [(ax, panel rows, [(method, its rows by resolution, color), ...]), ...])``."""
-    keys = list(dict.fromkeys(zip(df["model"], df["hardware"])))
+    keys = _panel_keys(df, ("model", "hardware"))
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
     colors = _colors(df["method"])
     panels = []
     for ax, (model, hardware) in zip(axes, keys):
-        panel = df[(df["model"] == model) & (df["hardware"] == hardware)]
+        panel = _rows(df, ("model", "hardware"), (model, hardware))
         lines = [(method, line.sort_values("resolution"), colors[method])
                  for method, line in panel.groupby("method", sort=False)]
         ax.set_title(f"{model}, {hardware}", fontsize=9)
@@ -173,13 +188,13 @@ def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
     df = efficiency[efficiency["t_iter_s"].notna()] if not efficiency.empty else efficiency
     if df.empty:
         return _empty_figure(plt, path, "no timed iterations")
-    keys = list(dict.fromkeys(zip(df["model"], df["resolution"], df["hardware"])))
+    keys = _panel_keys(df, ("model", "resolution", "hardware"))
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)), width=5.0)
     phase_colors = {"t_rollout_s": "#4c72b0", "t_reward_s": "#dd8452", "t_train_s": "#55a868"}
     names = {"t_rollout_s": "rollout", "t_reward_s": "reward", "t_train_s": "train"}
     ylabel, basis_in_titles = _seconds_label(df, "seconds per iteration, median")
     for ax, key in zip(axes, keys):
-        panel = df[(df["model"] == key[0]) & (df["resolution"] == key[1]) & (df["hardware"] == key[2])]
+        panel = _rows(df, ("model", "resolution", "hardware"), key)
         labels = [_label(r) for _, r in panel.iterrows()]
         bottom = np.zeros(len(panel))
         for phase in PHASES:
@@ -195,7 +210,7 @@ def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
         ax.errorbar(range(len(panel)), top, yerr=err, fmt="none", ecolor="black", capsize=3, lw=1,
                     label="iteration IQR")
         # room above the tallest bar or whisker: a stacked bar's top edge is sticky, so no margin by itself
-        highest = np.nanmax(np.concatenate([top, top + err[1]]))
+        highest = np.nanmax(np.concatenate([top, top + err[1]])) if len(top) else np.nan
         if np.isfinite(highest) and highest > 0:
             ax.set_ylim(0, 1.05 * highest)
         ax.set_xticks(range(len(panel)), labels, rotation=60, ha="right", fontsize=7)
@@ -214,13 +229,13 @@ def plot_gradcheck(ablation: pd.DataFrame, path: Path) -> None:
     df = ablation[(ablation["method"] == "agg") & ablation["window"].notna()] if not ablation.empty else ablation
     if df.empty:
         return _empty_figure(plt, path, "no AGG gradcheck results")
-    keys = list(dict.fromkeys(zip(df["model"], df["resolution"])))
+    keys = _panel_keys(df, ("model", "resolution"))
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
     series = ["alpha", "route_frac", "reuse_rollout_velocity"]
     # color: alpha x route_frac; dashed: rollout-velocity reuse (same gradient, fewer no-grad passes)
     colors = _colors([f"alpha={a}, route={r:g}" for a, r in zip(df["alpha"], df["route_frac"].astype(float))])
     for ax, (model, resolution) in zip(axes, keys):
-        panel = df[(df["model"] == model) & (df["resolution"] == resolution)]
+        panel = _rows(df, ("model", "resolution"), (model, resolution))
         for key, line in panel.groupby(series, dropna=False, sort=False):
             line = line.sort_values("window")
             base = f"alpha={key[0]}, route={float(key[1]):g}"
@@ -299,11 +314,11 @@ def plot_backward_passes(efficiency: pd.DataFrame, path: Path) -> None:
     if df.empty:
         return _empty_figure(plt, path, "no counted passes")
     df = df.drop_duplicates(["method", "model", "resolution"])
-    keys = list(dict.fromkeys(zip(df["model"], df["resolution"])))
+    keys = _panel_keys(df, ("model", "resolution"))
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
     colors = _colors(df["method"])
     for ax, (model, resolution) in zip(axes, keys):
-        panel = df[(df["model"] == model) & (df["resolution"] == resolution)]
+        panel = _rows(df, ("model", "resolution"), (model, resolution))
         labels = list(panel["method"])
         ax.bar(range(len(panel)), panel["backward"].to_numpy(float), color=[colors[m] for m in labels])
         ax.set_xticks(range(len(panel)), labels, rotation=60, ha="right", fontsize=7)
@@ -325,11 +340,11 @@ def plot_cosine_cost(efficiency: pd.DataFrame, path: Path) -> None:
         if not efficiency.empty else efficiency
     if df.empty:
         return _empty_figure(plt, path, "no run with both a gradient check and a train speedup")
-    keys = list(dict.fromkeys(zip(df["model"], df["resolution"], df["hardware"])))
+    keys = _panel_keys(df, ("model", "resolution", "hardware"))
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
     colors = _colors(df["method"])
     for ax, key in zip(axes, keys):
-        panel = df[(df["model"] == key[0]) & (df["resolution"] == key[1]) & (df["hardware"] == key[2])]
+        panel = _rows(df, ("model", "resolution", "hardware"), key)
         for _, row in panel.iterrows():
             cost = 1 / row["train_speedup"]
             lo = 1 / row["train_speedup_hi"] if is_number(row["train_speedup_hi"]) else cost
