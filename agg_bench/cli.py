@@ -138,6 +138,16 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_learning(args) -> int:
+    from .tools.learning import LearningOptions, learning_report
+
+    options = LearningOptions(args.average, args.fraction, args.eval_noises, args.eval_seed, args.eval_sampler)
+    runs = learning_report(args.manifest, args.tables, args.plots, options)
+    print(json.dumps({"tables": str(args.tables) if args.tables else None,
+                      "plots": str(args.plots) if args.plots else None, "runs": len(runs)}))
+    return 0
+
+
 def cmd_import_log(args) -> int:
     from .tools.importlog import import_log
 
@@ -314,6 +324,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw the plots from the tables an earlier --tables DIR wrote (records.csv, efficiency.csv, "
                         "ablation.csv) instead of reading runs")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("learning", help="the learning sweep's tables and plots: each method's reward gain, its "
+                                        "spread over seeds, the CPU time to a target; a held-out evaluation")
+    p.add_argument("--manifest", required=True, type=Path, help="the learning sweep's runs (the workflow's manifest)")
+    p.add_argument("--tables", type=Path, help="write learning.csv, learning.md (and evaluation.csv) here")
+    p.add_argument("--plots", type=Path, help="write reward_iteration.png, reward_time.png, samples.png here")
+    p.add_argument("--average", type=int, default=3, help="iterations averaged at each end (default 3)")
+    p.add_argument("--fraction", type=float, default=0.8, help="fraction of full's gain to reach (default 0.8)")
+    p.add_argument("--eval-noises", type=int, default=0,
+                   help="held-out evaluation: noises per caption (default 0: no evaluation columns)")
+    p.add_argument("--eval-seed", type=int, default=0, help="seed of the evaluation's noise (default 0)")
+    p.add_argument("--eval-sampler", default="ode",
+                   help="ode: deterministic Euler; sde: the rollouts' SDE with seeded step noise (default ode)")
+    p.set_defaults(func=cmd_learning)
 
     p = sub.add_parser("import-log", help="a DanceGRPO JSONL training log as a reference run folder")
     p.add_argument("log", type=Path, help="JSONL with step, avg_reward, step_time, grad_norm per line")
