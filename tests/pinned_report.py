@@ -17,7 +17,8 @@ PINNED_TABLES = ROOT / "tests" / "data" / "report_tables"
 PLACEHOLDER = "<RUNS>"  # the temporary folder the run folders were built in, as written in records.csv
 MIB = 1024 ** 2
 
-# The record keys of the fixture's runs, written out (not taken from the code) so that the inputs stay fixed.
+# The record keys of the fixture's runs (an imported log's records hold `source` too), written out, not taken
+# from the code, so that the inputs stay fixed.
 FIXTURE_KEYS = (
     "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
     "reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "approx_kl",
@@ -49,6 +50,12 @@ def build_inputs(root: Path):
     from test_report import AGG_OPTIONS, it, make_run, sweep_entries, write_gradcheck_csv
 
     entries = sweep_entries(root, keys=FIXTURE_KEYS)
+    for entry in entries:  # the imported log's records too: FIXTURE_KEYS and its source, whatever import-log adds
+        metrics = entry.dir / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        if records and "source" in records[0]:
+            metrics.write_text("".join(json.dumps({k: r[k] for k in (*FIXTURE_KEYS, "source")}) + "\n"
+                                       for r in records))
 
     def run(name, method, iterations, **kwargs):
         return make_run(root / "more", name, method, iterations, keys=FIXTURE_KEYS, **kwargs)

@@ -156,6 +156,8 @@ def test_imported_rows_are_labelled(sweep):
     ref = cell(table, "dancegrpo", 720, source="imported")
     assert ref["hardware"] == "8x NVIDIA H800" and ref["status"] == "ok"
     assert ref["iterations"] == 3  # the torn last line of the log is skipped
+    imported = [json.loads(line) for line in (sweep[-1].dir / "metrics.jsonl").read_text().splitlines()]
+    assert [list(r) for r in imported] == [[*RECORD_KEYS, "source"]] * 3  # every record key, then its source
     assert ref["t_iter_s"] == pytest.approx(21.0, abs=1e-12) and ref["final_reward"] == 0.8
     assert math.isnan(ref["speedup"])  # no `full` run in its group
     assert table.iloc[-1]["source"] == "imported"  # after the measured rows

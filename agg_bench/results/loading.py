@@ -202,6 +202,12 @@ def _run_section(data: dict, key: str, where: str) -> dict:
     return data.get(key) or {}
 
 
+# Columns load_records adds to every record: its labels and what its run folder says beside the records
+# (the summary's status, the plan's bytes, the config's optimizer steps).
+ADDED_COLUMNS = ("method_name", "method_options", "source", "weights", "planned_activation_bytes",
+                 "planned_total_bytes", "run_status", "run_dir", "optimizer_steps", "hardware")
+
+
 def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
     """One row per iteration record, with the labels the tables group by.
 

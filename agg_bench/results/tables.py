@@ -31,8 +31,9 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
-from .loading import as_bool, check_time_basis, is_number
-from .records import GRADCHECK_OPTION_COLUMNS, PASS_KEYS, PHASE_TIME_KEYS, RECORD_KEYS, STANDARD_PHASES, TRAIN_PASS_KEYS
+from .loading import ADDED_COLUMNS, as_bool, check_time_basis, is_number
+from .records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE_TIME_KEYS, RECORD_KEYS, STANDARD_PHASES,
+                      TRAIN_PASS_KEYS)
 from .stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
 
 MIB = 1024 ** 2
@@ -53,9 +54,6 @@ GROUP_KEYS = ["model", "resolution", "hardware", "source"]
 STATUS_ORDER = ("error", "oom", "diverged", "interrupted", "ok")
 # estimator options a gradcheck row is matched on: those with their own gradcheck column
 GRADCHECK_OPTIONS = GRADCHECK_OPTION_COLUMNS
-# record keys that are identity, not measurements (method extras are everything else that is numeric)
-_IDENTITY = {"run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
-             "status", "source", "weights", *MEMORY_KEYS}
 
 # phases a table times (``t_<phase>_s``): the standard ones and the whole iteration
 TIME_PHASES = (*STANDARD_PHASES, "iter")
@@ -113,9 +111,9 @@ def mean_reward_until(times: np.ndarray, rewards: np.ndarray, horizon: float) ->
 
 
 def _extra_keys(records: pd.DataFrame) -> list[str]:
-    """Method-specific numeric record fields (cache_hit_rate, ratio_dev, ...), averaged per run."""
-    known = set(RECORD_KEYS) | _IDENTITY | {"gpu_util_mean", "power_mean_w", "method_name", "method_options",
-                                           "hardware", "source", "run_status", "run_dir", "optimizer_steps"}
+    """Method-specific numeric record fields (cache_hit_rate, ratio_dev, ...), averaged per run: the numeric
+    columns that are neither a record key nor a column :func:`load_records` adds."""
+    known = {*RECORD_KEYS, *IMPORTED_KEYS, *ADDED_COLUMNS}
     return [c for c in records.columns if c not in known and pd.api.types.is_numeric_dtype(records[c])
             and records[c].notna().any()]
 
