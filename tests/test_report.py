@@ -280,7 +280,8 @@ def test_plots_are_drawn_from_the_written_tables(sweep, gradcheck_csv, tmp_path,
                                              for e in sweep],
                                     "gradcheck": [{"file": str(gradcheck_csv), "model": "sd3", "resolution": 64}]}))
     tables = tmp_path / "tables"
-    assert main(["report", "--manifest", str(manifest), "--tables", str(tables), "--plots", str(tmp_path / "both")]) == 0
+    both = ["--tables", str(tables), "--plots", str(tmp_path / "both")]
+    assert main(["report", "--manifest", str(manifest), *both]) == 0
     assert main(["report", "--manifest", str(manifest), "--plots", str(tmp_path / "alone")]) == 0
     capsys.readouterr()
     assert main(["report", "--tables-in", str(tables), "--plots", str(tmp_path / "from_tables")]) == 0

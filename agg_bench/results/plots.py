@@ -19,6 +19,7 @@ from .records import PHASE_TIME_KEYS, PLOTS
 PHASES = PHASE_TIME_KEYS
 SHARED_YLABEL_IN = 0.45  # inches a figure's one y label takes left of its panels (two lines of 10 pt text)
 
+
 def _panels(plt, keys: list, ncols: int, width: float = 4.2, height: float = 3.2):
     nrows = max(1, math.ceil(len(keys) / ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
@@ -128,11 +129,10 @@ def _legend(fig, axes, ylabel: str | None = None) -> None:
         return
     fig.tight_layout(rect=(SHARED_YLABEL_IN / fig.get_figwidth(), 0, 1, 1))
     # just left of the panels' tick labels, centred on the panels
+    shown = [ax for ax in axes if ax.get_visible()]
     renderer = fig.canvas.get_renderer()
-    boxes = [ax.get_tightbbox(renderer) for ax in axes if ax.get_visible()]
-    x0 = min(box.x0 for box in boxes) / fig.bbox.width
-    y = (min(ax.get_position().y0 for ax in axes if ax.get_visible())
-         + max(ax.get_position().y1 for ax in axes if ax.get_visible())) / 2
+    x0 = min(ax.get_tightbbox(renderer).x0 for ax in shown) / fig.bbox.width
+    y = (min(ax.get_position().y0 for ax in shown) + max(ax.get_position().y1 for ax in shown)) / 2
     fig.supylabel(ylabel, x=x0 - 0.005, y=y, ha="right", va="center", fontsize=10)
 
 
@@ -149,7 +149,7 @@ def _resolution_panels(plt, df: pd.DataFrame):
                  for method, line in panel.groupby("method", sort=False)]
         ax.set_title(f"{model}, {hardware}", fontsize=9)
         ax.set_xlabel("resolution (px)")
-        ax.set_xticks(sorted(panel["resolution"].astype(int).unique()))
+        ax.set_xticks(sorted(panel["resolution"].dropna().astype(int).unique()))
         ax.grid(alpha=0.3)
         panels.append((ax, panel, lines))
     return fig, axes, panels
@@ -192,7 +192,7 @@ def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)), width=5.0)
     phase_colors = {"t_rollout_s": "#4c72b0", "t_reward_s": "#dd8452", "t_train_s": "#55a868"}
     names = {"t_rollout_s": "rollout", "t_reward_s": "reward", "t_train_s": "train"}
-    ylabel, basis_in_titles = _seconds_label(df, "seconds per iteration, median")
+    ylabel, basis_in_titles = _seconds_label(df, "seconds per iteration, median", ("model", "resolution", "hardware"))
     for ax, key in zip(axes, keys):
         panel = _rows(df, ("model", "resolution", "hardware"), key)
         labels = [_label(r) for _, r in panel.iterrows()]
@@ -274,10 +274,10 @@ def _basis_label(df: pd.DataFrame) -> str:
     return ", ".join(names.get(b, b) for b in bases) or "wall clock"
 
 
-def _seconds_label(df: pd.DataFrame, what: str) -> tuple[str, bool]:
-    """The figure's one y label: ``what`` and the seconds it is timed in when every panel has the same;
-    and whether they differ, so that each panel title names its own."""
-    shared = len({_basis_label(panel) for _, panel in df.groupby(["model", "hardware"], dropna=False)}) == 1
+def _seconds_label(df: pd.DataFrame, what: str, panels: tuple[str, ...]) -> tuple[str, bool]:
+    """The figure's one y label: ``what`` and the seconds it is timed in when every panel (a value of the
+    ``panels`` columns) has the same; and whether they differ, so that each panel title names its own."""
+    shared = len({_basis_label(panel) for _, panel in df.groupby(list(panels), dropna=False)}) == 1
     return (f"{what}\n({_basis_label(df)})" if shared else what), not shared
 
 
@@ -290,7 +290,7 @@ def plot_time_resolution(efficiency: pd.DataFrame, path: Path) -> None:
     if df.empty:
         return _empty_figure(plt, path, "no timed iterations")
     fig, axes, panels = _resolution_panels(plt, df)
-    ylabel, basis_in_titles = _seconds_label(df, "seconds per iteration, median and IQR")
+    ylabel, basis_in_titles = _seconds_label(df, "seconds per iteration, median and IQR", ("model", "hardware"))
     for ax, panel, lines in panels:
         for method, line, color in lines:
             xs, med = line["resolution"].astype(float).to_numpy(), line["t_iter_s"].to_numpy(float)

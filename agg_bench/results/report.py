@@ -51,8 +51,8 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
         if tables_dir is not None:
             write_tables(records, tables, tables_dir)
         if plots_dir is not None:
-            write_plots(load_tables(tables_dir) if tables_dir is not None else _as_written({"records": records, **tables}),
-                        plots_dir)
+            written = load_tables(tables_dir) if tables_dir is not None else _as_written({"records": records, **tables})
+            write_plots(written, plots_dir)
         return tables
 
 
@@ -68,5 +68,5 @@ def plot_tables(tables_dir: str | Path, plots_dir: str | Path) -> dict[str, pd.D
 
 def _as_written(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     """The tables the plots read as their CSV files would give them back, without writing the files."""
-    return {name: parse_table(io.StringIO(table_csv(tables[name])), f"report: the {name} table", PLOT_COLUMNS[name])
+    return {name: parse_table(io.StringIO(table_csv(tables[name])), f"the {name} table", PLOT_COLUMNS[name])
             for name in PLOT_TABLES}
