@@ -103,25 +103,48 @@ def cmd_gradcheck(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .results.report import (CalibrationEntry, GradcheckEntry, Manifest, build_report, check_time_basis,
-                                 check_warmup, discover_runs, load_manifest)
+    from .results.loading import (CalibrationEntry, GradcheckEntry, Manifest, check_time_basis, check_warmup,
+                                  discover_runs, load_manifest)
+    from .results.report import build_report, plot_tables
 
-    if args.tables is None and args.plots is None:
-        raise UserError("report: give --tables DIR and/or --plots DIR")
-    if args.warmup is not None:
-        check_warmup(args.warmup, "--warmup")
-    manifest = load_manifest(args.manifest) if args.manifest else Manifest()
-    manifest.runs += discover_runs(args.runs)
-    manifest.gradcheck += [GradcheckEntry(path) for path in args.gradcheck]
-    manifest.calibration += [CalibrationEntry(path) for path in args.calibration]
-    if args.time is not None:
-        manifest.time = check_time_basis(args.time, "--time")
-    if args.warmup is not None:
-        manifest.warmup = args.warmup
-    tables = build_report(manifest, args.tables, args.plots)
+    if args.tables_in is not None:
+        given = [flag for flag, value in (("--manifest", args.manifest), ("--runs", args.runs),
+                                          ("--gradcheck", args.gradcheck), ("--calibration", args.calibration),
+                                          ("--warmup", args.warmup), ("--time", args.time), ("--tables", args.tables))
+                 if value not in (None, [])]
+        if given:
+            raise UserError(f"--tables-in plots tables already written; {given[0]} is for writing them "
+                            "(give one or the other)")
+        if args.plots is None:
+            raise UserError("--tables-in DIR needs --plots DIR")
+        tables = plot_tables(args.tables_in, args.plots)
+    else:
+        if args.tables is None and args.plots is None:
+            raise UserError("give --tables DIR and/or --plots DIR")
+        if args.warmup is not None:
+            check_warmup(args.warmup, "--warmup")
+        manifest = load_manifest(args.manifest) if args.manifest else Manifest()
+        manifest.runs += discover_runs(args.runs)
+        manifest.gradcheck += [GradcheckEntry(path) for path in args.gradcheck]
+        manifest.calibration += [CalibrationEntry(path) for path in args.calibration]
+        if args.time is not None:
+            manifest.time = check_time_basis(args.time, "--time")
+        if args.warmup is not None:
+            manifest.warmup = args.warmup
+        tables = build_report(manifest, args.tables, args.plots)
     print(json.dumps({"tables": str(args.tables) if args.tables else None,
                       "plots": str(args.plots) if args.plots else None,
                       "efficiency_rows": len(tables["efficiency"])}))
+    return 0
+
+
+def cmd_learning(args) -> int:
+    from .tools.learning import LearningOptions, learning_report
+
+    options = LearningOptions(args.average, args.fraction, args.eval_noises, args.eval_seed, args.eval_sampler)
+    runs = learning_report(args.manifest, args.tables, args.plots, options)
+    print(json.dumps({"tables": str(args.tables) if args.tables else None,
+                      "plots": str(args.plots) if args.plots else None, "runs": len(runs)}))
     return 0
 
 
@@ -283,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="FILE.csv")
     p.set_defaults(func=cmd_gradcheck)
 
-    p = sub.add_parser("report", help="comparison tables (CSV + Markdown) and plots (PNG) from run folders")
+    p = sub.add_parser("report", help="comparison tables (CSV, Markdown, HTML) from run folders, and plots (PNG) "
+                                      "drawn from the tables")
     p.add_argument("--manifest", type=Path, help="the workflow's list of runs and gradcheck CSVs with their labels")
     p.add_argument("--runs", nargs="*", default=[], type=Path,
                    help="run folders, or folders of run folders (labels taken from their records)")
@@ -295,8 +319,25 @@ def build_parser() -> argparse.ArgumentParser:
                                   "default), cpu or wall")
     p.add_argument("--tables", type=Path, help="write summary/efficiency/ablation/gpus .csv + .md + .html and "
                                                "records.csv here")
-    p.add_argument("--plots", type=Path, help="write the PNG plots here")
+    p.add_argument("--plots", type=Path, help="write the PNG plots here (drawn from the tables)")
+    p.add_argument("--tables-in", type=Path, metavar="DIR",
+                   help="draw the plots from the tables an earlier --tables DIR wrote (records.csv, efficiency.csv, "
+                        "ablation.csv) instead of reading runs")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("learning", help="the learning sweep's tables and plots: each method's reward gain, its "
+                                        "spread over seeds, the CPU time to a target; a held-out evaluation")
+    p.add_argument("--manifest", required=True, type=Path, help="the learning sweep's runs (the workflow's manifest)")
+    p.add_argument("--tables", type=Path, help="write learning.csv, learning.md (and evaluation.csv) here")
+    p.add_argument("--plots", type=Path, help="write reward_iteration.png, reward_time.png, samples.png here")
+    p.add_argument("--average", type=int, default=3, help="iterations averaged at each end (default 3)")
+    p.add_argument("--fraction", type=float, default=0.8, help="fraction of full's gain to reach (default 0.8)")
+    p.add_argument("--eval-noises", type=int, default=0,
+                   help="held-out evaluation: noises per caption (default 0: no evaluation columns)")
+    p.add_argument("--eval-seed", type=int, default=0, help="seed of the evaluation's noise (default 0)")
+    p.add_argument("--eval-sampler", default="ode",
+                   help="ode: deterministic Euler; sde: the rollouts' SDE with seeded step noise (default ode)")
+    p.set_defaults(func=cmd_learning)
 
     p = sub.add_parser("import-log", help="a DanceGRPO JSONL training log as a reference run folder")
     p.add_argument("log", type=Path, help="JSONL with step, avg_reward, step_time, grad_norm per line")

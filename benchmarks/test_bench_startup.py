@@ -2,11 +2,11 @@
 
 ``agg-bench --help``; ``snakemake -n`` on the embedded default (config/config.yaml), both the first
 parse of a sweep (the methods' check runs in a child process, see ``agg_bench.tools.sweep``) and a later one
-(its answer read back); a table job and a plot job (``agg-bench report`` on the manifest of two small
-runs). Each command runs ROUNDS times (or ``--benchmark-min-rounds``, if more); ``extra_info`` carries every round's
-wall-clock time and CPU time (user + sys of the process and the children it waited for), and the
-summary prints median, min and max beside the target of each. Wall time depends on the machine's load;
-CPU time much less so.
+(its answer read back); a table job (``agg-bench report`` on the manifest of two small runs) and a plot
+job (``agg-bench report --tables-in`` on its tables). Each command runs ROUNDS times (or
+``--benchmark-min-rounds``, if more); ``extra_info`` carries every round's wall-clock time and CPU time
+(user + sys of the process and the children it waited for), and the summary prints median, min and max
+beside the target of each. Wall time depends on the machine's load; CPU time much less so.
 """
 from __future__ import annotations
 
@@ -109,6 +109,12 @@ def test_dry_run_of_the_embedded_default(benchmark, request, workdir, cache):
 
 @pytest.mark.parametrize("job", ["tables", "plots"])
 def test_report_job(benchmark, request, workdir, manifest, job):
-    out = workdir / "results" / job
-    measure(benchmark, request, f"{job} job (agg-bench report --{job})",
-            [*CLI, "report", "--manifest", str(manifest), f"--{job}", str(out)], workdir, 3.0)
+    """The workflow's two report jobs: the tables from the runs, the plots from those tables."""
+    tables = [*CLI, "report", "--manifest", str(manifest), "--tables", str(workdir / "results" / "tables")]
+    if job == "tables":
+        command = tables
+    else:
+        run(tables, workdir)  # what the plots read
+        command = [*CLI, "report", "--tables-in", str(workdir / "results" / "tables"),
+                   "--plots", str(workdir / "results" / "plots")]
+    measure(benchmark, request, f"{job} job (agg-bench report --{job})", command, workdir, 3.0)

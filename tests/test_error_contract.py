@@ -1,7 +1,7 @@
 """One error contract for every command: a user error (and a full disk) is one line on stderr and exit code
 2; anything else is a bug in agg-bench: one line that says so and names the command, then the traceback,
-exit code 1. The same holds for `agg-bench VERB`, `python -m agg_bench.tools.learning`,
-`python -m agg_bench.machine.gpus` and `python -m agg_bench.tools.gpucheck` (tests/test_gpu_check.py)."""
+exit code 1. The same holds for `agg-bench VERB` (`agg-bench learning` included), `python -m agg_bench.machine.gpus`
+and `python -m agg_bench.tools.gpucheck` (tests/test_gpu_check.py)."""
 from __future__ import annotations
 
 import errno
@@ -108,18 +108,21 @@ def test_cli_full_disk_while_writing_tables(tmp_path, capsys, monkeypatch):
         f"agg-bench report: {tmp_path / 't' / 'summary.csv'}: no space left on device"]
 
 
-def test_learning_main_keeps_the_contract(tmp_path, capsys, monkeypatch):
-    assert learning.main(["--manifest", str(tmp_path / "none.json")]) == 2
+def test_learning_keeps_the_contract(tmp_path, capsys, monkeypatch):
+    assert cli.main(["learning", "--manifest", str(tmp_path / "none.json")]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"agg_bench.tools.learning: manifest {tmp_path / 'none.json'}: no such file"]
+        f"agg-bench learning: manifest {tmp_path / 'none.json'}: no such file"]
     (tmp_path / "m.json").write_text('{"runs": [{"dir": 5}]}')
-    assert learning.main(["--manifest", str(tmp_path / "m.json")]) == 2
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json")]) == 2
     line, = capsys.readouterr().err.splitlines()
     assert "runs[0]" in line and "m.json" in line
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), "--eval-sampler", "euler"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "agg-bench learning: --eval-sampler 'euler': expected one of ode, sde"]
     monkeypatch.setattr(learning, "load_runs", lambda path: [][0])
-    assert learning.main(["--manifest", str(tmp_path / "m.json")]) == 1
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json")]) == 1
     lines = capsys.readouterr().err.splitlines()
-    assert "bug in agg-bench" in lines[0] and "python -m agg_bench.tools.learning --manifest" in lines[0]
+    assert "bug in agg-bench" in lines[0] and "agg-bench learning --manifest" in lines[0]
     assert lines[-1].startswith("IndexError")
 
 
@@ -128,7 +131,7 @@ def test_learning_records_with_a_string_for_a_number(tmp_path, capsys):
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "status": "ok", "reward_mean": "high"}) + "\n")
     (tmp_path / "m.json").write_text(json.dumps({"runs": [{"dir": str(run), "method": "full", "seed": 0}]}))
-    assert learning.main(["--manifest", str(tmp_path / "m.json"), "--tables", str(tmp_path / "t")]) == 2
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), "--tables", str(tmp_path / "t")]) == 2
     line, = capsys.readouterr().err.splitlines()
     assert "metrics.jsonl: record 1: 'reward_mean' = 'high': expected a number" in line
     assert not (tmp_path / "t").exists()

@@ -1,4 +1,4 @@
-"""The learning tables and plots (agg_bench.results.learning, written by agg_bench.tools.learning) on run folders
+"""The learning tables and plots (agg_bench.results.learning, written by `agg-bench learning`) on run folders
 with known rewards and times."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import yaml
 
 from agg_bench.errors import UserError
 from agg_bench.results.learning import cpu_time_to_reach, learning_table, load_runs, plot_rewards
-from agg_bench.tools.learning import main
+from agg_bench.cli import main
 from agg_bench.tools.sweep import flatten, overrides_of
 
 
@@ -77,10 +77,10 @@ def test_plots_and_cli(manifest, tmp_path):
     for x in ("iteration", "time"):
         path = plot_rewards(runs, tmp_path / f"{x}.png", x)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "2"]) == 0
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "2"]) == 0
     assert (tmp_path / "t" / "learning.md").read_text().count("\n| ") == 3  # header + 2 methods
-    assert main(["--manifest", str(tmp_path / "missing.json"), "--tables", str(tmp_path)]) == 2
-    assert main(["--manifest", str(manifest), "--tables", str(tmp_path), "--fraction", "nan"]) == 2
+    assert main(["learning", "--manifest", str(tmp_path / "missing.json"), "--tables", str(tmp_path)]) == 2
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path), "--fraction", "nan"]) == 2
     with pytest.raises(UserError, match="at least 10"):
         learning_table(runs, average=5)
 
@@ -236,11 +236,11 @@ def test_evaluation_on_trained_runs(tmp_path):
     assert table.loc["unchanged", "eval_gain"] == 0.0
     assert table.loc["full", "eval_initial"] == scores["eval_reward"][0]
     out = tmp_path / "out"
-    assert main(["--manifest", str(manifest), "--tables", str(out), "--plots", str(out), "--average", "1",
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--plots", str(out), "--average", "1",
                  "--eval-noises", "3", "--eval-sampler", "sde"]) == 0
     assert "eval_gain_over_spread" in (out / "learning.md").read_text()
     assert (out / "samples.png").is_file() and len((out / "evaluation.csv").read_text().splitlines()) == 5
-    assert main(["--manifest", str(manifest), "--tables", str(out), "--eval-noises", "-1"]) == 2
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--eval-noises", "-1"]) == 2
 
 
 def load_pretrained_parameters(model):

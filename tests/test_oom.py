@@ -17,6 +17,7 @@ from agg_bench.engine.models import Policy
 from agg_bench.io import read_jsonl
 from agg_bench.machine.telemetry import SavedActivations, Telemetry
 from agg_bench.methods.base import available_methods
+from agg_bench.results.records import RECORD_KEYS
 from agg_bench.runtime import train as train_module
 from agg_bench.runtime.train import Session
 from helpers import tiny_config
@@ -230,6 +231,7 @@ def test_oom_while_building_the_model_is_an_oom_run(tmp_path, monkeypatch, capsy
     (record,) = records(out)
     assert record["status"] == "oom" and record["iteration"] == 0 and record["method"] == "full"
     assert set(DESIGN_KEYS) <= set(record)
+    assert list(record)[:len(RECORD_KEYS)] == list(RECORD_KEYS)  # every key, as every record holds them
     assert record["rss_peak_bytes"] > 0 and record["t_iter_s"] is None and record["reward_mean"] is None
     assert all(record[key] is None for key in MEMORY_AT_FAILURE_KEYS)  # no allocator on CPU
     assert summary(out)["status"] == "oom" and (out / "config.json").exists() and (out / "env.json").exists()

@@ -12,25 +12,26 @@ from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.io import JsonlWriter
 from agg_bench.results.records import PLOTS, RECORD_KEYS, TABLES
-from agg_bench.results.report import (
-    GradcheckEntry, Manifest, RunEntry, ablation_table, build_report, efficiency_table, gpus_table, load_gradcheck,
-    load_records, mean_reward_until, to_markdown,
-)
+from agg_bench.results.formatting import to_markdown
+from agg_bench.results.loading import GradcheckEntry, Manifest, RunEntry, load_gradcheck, load_records
+from agg_bench.results.report import build_report
+from agg_bench.results.tables import ablation_table, efficiency_table, gpus_table, mean_reward_until
 from agg_bench.tools.importlog import import_log
 
 MIB = 1024 ** 2
 
 
 def make_run(root: Path, name: str, method: str, iterations: list[dict], status: str = "ok",
-             options: dict | None = None, **identity) -> Path:
-    """A run folder as `agg-bench run` writes it, with the given per-iteration fields."""
+             options: dict | None = None, keys: tuple[str, ...] = RECORD_KEYS, **identity) -> Path:
+    """A run folder as `agg-bench run` writes it, with the given per-iteration fields (every record holds
+    ``keys``, null where not given)."""
     run = root / name
     run.mkdir(parents=True)
     base = {"run_id": name, "method": method, "model": "sd3-tiny", "resolution": 64, "device": "cpu",
             "gpu_name": None, "n_gpus": 0, "seed": 0, **identity}
     with JsonlWriter(run / "metrics.jsonl") as writer:
         for i, fields in enumerate(iterations):
-            record = dict.fromkeys(RECORD_KEYS)
+            record = dict.fromkeys(keys)
             record.update(base, iteration=i, status="ok")
             record.update(fields)
             writer.write(record)
@@ -53,26 +54,34 @@ AGG_OPTIONS = {"name": "agg", "window": 5, "alpha": "sigma", "route_frac": 1.0, 
 @pytest.fixture
 def sweep(tmp_path):
     """full and agg at 64 px (two seeds of full), an OOM and a diverged agg cell, one imported log."""
+    return sweep_entries(tmp_path)
+
+
+def sweep_entries(tmp_path: Path, keys: tuple[str, ...] = RECORD_KEYS) -> list[RunEntry]:
+    """The runs of the ``sweep`` fixture under ``tmp_path`` (their records holding ``keys``)."""
     runs = tmp_path / "runs"
+
+    def run(name, method, iterations, **kwargs):
+        return make_run(runs, name, method, iterations, keys=keys, **kwargs)
+
     entries = [
-        RunEntry(make_run(runs, "full_s0", "full", [it(10.0, 0.0, 4.0, 80, saved_activation_peak_bytes=8 * MIB),
-                                                     it(2.0, 1.0, 1.5, 80), it(2.0, 2.0, 1.5, 80)]),
+        RunEntry(run("full_s0", "full", [it(10.0, 0.0, 4.0, 80, saved_activation_peak_bytes=8 * MIB),
+                                         it(2.0, 1.0, 1.5, 80), it(2.0, 2.0, 1.5, 80)]),
                  method="full", model="sd3", seed=0),
-        RunEntry(make_run(runs, "full_s1", "full", [it(10.0, 0.0, 4.0, 80), it(4.0, 1.0, 1.5, 80),
-                                                     it(4.0, 3.0, 1.5, 80)], seed=1),
+        RunEntry(run("full_s1", "full", [it(10.0, 0.0, 4.0, 80), it(4.0, 1.0, 1.5, 80), it(4.0, 3.0, 1.5, 80)],
+                     seed=1),
                  method="full", model="sd3", seed=1),
-        RunEntry(make_run(runs, "agg", "agg", [it(10.0, 0.0, 4.0, 32, agg_groups_routed=4),
-                                               it(1.0, 2.0, 0.5, 32, agg_groups_routed=4),
-                                               it(1.0, 4.0, 0.5, 32, agg_groups_routed=2)],
-                          options=AGG_OPTIONS),
+        RunEntry(run("agg", "agg", [it(10.0, 0.0, 4.0, 32, agg_groups_routed=4),
+                                    it(1.0, 2.0, 0.5, 32, agg_groups_routed=4),
+                                    it(1.0, 4.0, 0.5, 32, agg_groups_routed=2)], options=AGG_OPTIONS),
                  method="agg-w5", model="sd3", method_options=AGG_OPTIONS),
-        RunEntry(make_run(runs, "agg_big", "agg", [{"status": "oom", "peak_alloc_bytes": 3 * MIB}],
-                          status="oom", resolution=128), method="agg-w5", model="sd3"),
-        RunEntry(make_run(runs, "full_big", "full", [it(3.0, 1.0, 2.0, 80), it(3.0, 1.0, 2.0, 80)],
-                          resolution=128), method="full", model="sd3"),
-        RunEntry(make_run(runs, "window_big", "window", [it(6.0, 1.0, 1.0, 16), it(6.0, 2.0, 1.0, 16),
-                                                          {**it(6.0, float("nan"), 1.0, 16), "status": "diverged"}],
-                          status="diverged", resolution=128), method="window", model="sd3"),
+        RunEntry(run("agg_big", "agg", [{"status": "oom", "peak_alloc_bytes": 3 * MIB}], status="oom", resolution=128),
+                 method="agg-w5", model="sd3"),
+        RunEntry(run("full_big", "full", [it(3.0, 1.0, 2.0, 80), it(3.0, 1.0, 2.0, 80)], resolution=128),
+                 method="full", model="sd3"),
+        RunEntry(run("window_big", "window", [it(6.0, 1.0, 1.0, 16), it(6.0, 2.0, 1.0, 16),
+                                              {**it(6.0, float("nan"), 1.0, 16), "status": "diverged"}],
+                     status="diverged", resolution=128), method="window", model="sd3"),
     ]
     log = tmp_path / "dancegrpo.jsonl"
     log.write_text("".join(json.dumps({"step": s, "avg_reward": r, "step_time": t, "grad_norm": 0.1}) + "\n"
@@ -147,6 +156,8 @@ def test_imported_rows_are_labelled(sweep):
     ref = cell(table, "dancegrpo", 720, source="imported")
     assert ref["hardware"] == "8x NVIDIA H800" and ref["status"] == "ok"
     assert ref["iterations"] == 3  # the torn last line of the log is skipped
+    imported = [json.loads(line) for line in (sweep[-1].dir / "metrics.jsonl").read_text().splitlines()]
+    assert [list(r) for r in imported] == [[*RECORD_KEYS, "source"]] * 3  # every record key, then its source
     assert ref["t_iter_s"] == pytest.approx(21.0, abs=1e-12) and ref["final_reward"] == 0.8
     assert math.isnan(ref["speedup"])  # no `full` run in its group
     assert table.iloc[-1]["source"] == "imported"  # after the measured rows
@@ -163,6 +174,11 @@ def test_import_log_names_a_missing_key(tmp_path):
 
 @pytest.fixture
 def gradcheck_csv(tmp_path):
+    return write_gradcheck_csv(tmp_path / "gc.csv")
+
+
+def write_gradcheck_csv(path: Path, more: list[dict] = ()) -> Path:
+    """A gradcheck CSV of sd3: full and three AGG rows (and ``more``)."""
     rows = [
         {"method": "full", "cosine_to_full": 1.0, "relative_error": 0.0, "backward": 80, "seconds": 4.0},
         {**AGG_OPTIONS, "method": "agg", "cosine_to_full": 0.9, "relative_error": 0.4, "backward": 32, "seconds": 2.0},
@@ -170,8 +186,8 @@ def gradcheck_csv(tmp_path):
          "backward": 32, "seconds": 2.5},
         {**AGG_OPTIONS, "method": "agg", "window": 3, "cosine_to_full": 0.95, "relative_error": 0.3,
          "backward": 48, "seconds": 3.2},
+        *more,
     ]
-    path = tmp_path / "gc.csv"
     pd.DataFrame([{k: v for k, v in r.items() if k != "name"} | {"model": "sd3"} for r in rows]).to_csv(path, index=False)
     return path
 
@@ -254,6 +270,78 @@ def test_report_cli(sweep, tmp_path, capsys):
     assert "--tables" in capsys.readouterr().err
 
 
+
+def test_plots_are_drawn_from_the_written_tables(sweep, gradcheck_csv, tmp_path, capsys):
+    """The plots job reads the tables job's files (--tables-in); a report that writes both, or the plots
+    alone, draws the same images from the same tables."""
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": str(e.dir), **{k: v for k, v in vars(e).items()
+                                                                    if k != "dir" and v is not None}}
+                                             for e in sweep],
+                                    "gradcheck": [{"file": str(gradcheck_csv), "model": "sd3", "resolution": 64}]}))
+    tables = tmp_path / "tables"
+    both = ["--tables", str(tables), "--plots", str(tmp_path / "both")]
+    assert main(["report", "--manifest", str(manifest), *both]) == 0
+    assert main(["report", "--manifest", str(manifest), "--plots", str(tmp_path / "alone")]) == 0
+    capsys.readouterr()
+    assert main(["report", "--tables-in", str(tables), "--plots", str(tmp_path / "from_tables")]) == 0
+    assert json.loads(capsys.readouterr().out)["efficiency_rows"] == len(pd.read_csv(tables / "efficiency.csv"))
+    for name in PLOTS:
+        image = (tmp_path / "from_tables" / f"{name}.png").read_bytes()
+        assert image == (tmp_path / "both" / f"{name}.png").read_bytes() == \
+            (tmp_path / "alone" / f"{name}.png").read_bytes(), name
+    # the plots may go into the tables' own folder
+    assert main(["report", "--tables-in", str(tables), "--plots", str(tables)]) == 0
+    assert (tables / "time_breakdown.png").is_file() and (tables / "efficiency.csv").is_file()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--tables-in", "TABLES"], "--tables-in DIR needs --plots DIR"),
+    (["--tables-in", "TABLES", "--plots", "OUT", "--runs", "TABLES"], "--runs is for writing them"),
+    (["--tables-in", "TABLES", "--plots", "OUT", "--tables", "OUT"], "--tables is for writing them"),
+    (["--tables-in", "TABLES", "--plots", "OUT", "--warmup", "0"], "--warmup is for writing them"),
+    (["--tables-in", "NOWHERE", "--plots", "OUT"], "--tables-in NOWHERE: no records.csv"),
+])
+def test_tables_in_takes_only_plots(sweep, tmp_path, capsys, args, expected):
+    tables = tmp_path / "tables"
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--tables", str(tables)]) == 0
+    capsys.readouterr()
+    paths = {"TABLES": str(tables), "OUT": str(tmp_path / "out"), "NOWHERE": str(tmp_path / "nowhere")}
+    assert main(["report", *(paths.get(a, a) for a in args)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    expected = expected.replace("NOWHERE", paths["NOWHERE"])
+    assert len(lines) == 1 and lines[0].startswith("agg-bench report: ") and expected in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, edit, expected", [
+    ("efficiency.csv", lambda text: text.replace("t_iter_p25_s", "t_iter_q1_s"), "no column 't_iter_p25_s'"),
+    ("records.csv", lambda text: "", "records.csv: not a table CSV"),
+    ("ablation.csv", lambda text: '"unclosed\n' + text, "ablation.csv: not a table CSV"),
+])
+def test_tables_in_names_a_table_that_is_not_what_the_report_wrote(sweep, tmp_path, capsys, name, edit, expected):
+    tables = tmp_path / "tables"
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--tables", str(tables)]) == 0
+    (tables / name).write_text(edit((tables / name).read_text()))
+    capsys.readouterr()
+    assert main(["report", "--tables-in", str(tables), "--plots", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and str(tables / name) in lines[0] and expected in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_labels_that_look_like_numbers_or_missing_values_stay_labels(tmp_path):
+    """A written table gives its labels back as text: a method called "NA" or "1" is not a missing value
+    or a number."""
+    runs = tmp_path / "runs"
+    make_run(runs, "a", "NA", [it(2.0, 1.0, backward=8), it(2.0, 2.0, backward=8)], model="1")
+    make_run(runs, "b", "full", [it(1.0, 1.0, backward=4), it(1.0, 3.0, backward=4)], model="1")
+    assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "t")]) == 0
+    from agg_bench.results.loading import load_tables
+
+    efficiency = load_tables(tmp_path / "t")["efficiency"]
+    assert sorted(efficiency["method"]) == ["NA", "full"] and list(efficiency["model"]) == ["1", "1"]
+
 def test_random_weight_rows_keep_rewards_out_and_show_the_plan(tmp_path):
     """A random-weights run: labelled, its rewards out of the table; planned bytes beside the measured peak."""
     run = make_run(tmp_path, "full_random", "full", [it(2.0, 5.0, saved_activation_peak_bytes=3 * MIB),
@@ -271,7 +359,7 @@ def test_random_weight_rows_keep_rewards_out_and_show_the_plan(tmp_path):
 
 
 def test_reward_curves_average_seeds_with_their_spread_and_fall_back_to_the_images_spread():
-    from agg_bench.results.report import reward_curves
+    from agg_bench.results.plots import reward_curves
 
     rows = []
     for run, rewards, seconds in (("a0", [1.0, 3.0], [2.0, 2.0]), ("a1", [3.0, 7.0], [4.0, 4.0]),
@@ -338,6 +426,44 @@ def test_labels_with_dollars_are_drawn_as_text(tmp_path, capsys):
         assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+
+def test_time_plots_have_one_y_label_and_plain_tick_labels(sweep, tmp_path, monkeypatch):
+    """The time plots' panels share one y label for the figure (a label per panel ran into the neighbouring
+    panels), and the log axis of time vs resolution labels its ticks as numbers, not as mathtext source."""
+    import agg_bench.results.plots as plots
+
+    figures = {}
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        figures[Path(path).stem] = fig
+
+    monkeypatch.setattr(plots, "save_figure", keep)
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--plots", str(tmp_path / "plots")]) == 0
+    for name in ("time_breakdown", "time_resolution"):
+        fig = figures[name]
+        assert fig.get_supylabel().startswith("seconds per iteration, median"), name
+        assert [ax.get_ylabel() for ax in fig.axes if ax.get_visible() and ax.get_ylabel()] == [], name
+    ticks = [t.get_text() for ax in figures["time_resolution"].axes for t in ax.get_yticklabels(which="both")]
+    assert any(ticks) and not [t for t in ticks if "$" in t or "mathdefault" in t], ticks
+
+
+def test_a_log_without_a_resolution_is_one_panel(tmp_path, monkeypatch):
+    """Missing labels are one value: an imported log without --resolution is one panel with its data (not
+    one empty panel per iteration)."""
+    import agg_bench.results.plots as plots
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "avg_reward": 0.1 * s, "step_time": 10.0 + s, "grad_norm": 0.1})
+                           + "\n" for s in range(1, 6)))
+    import_log(log, tmp_path / "ref")
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.setdefault(Path(path).stem, fig))
+    assert main(["report", "--runs", str(tmp_path / "ref"), "--plots", str(tmp_path / "plots")]) == 0
+    for name in ("reward_iteration", "reward_wallclock", "time_breakdown"):
+        [panel] = [ax for ax in figures[name].axes if ax.get_visible()]
+        assert panel.lines or panel.patches, name
+
 MANIFEST_RUN = {"dir": "RUN", "method": "full", "model": "sd3", "resolution": 64, "seed": 0}
 
 
@@ -387,3 +513,14 @@ def test_a_bad_calibration_file_names_the_file_and_the_key(tmp_path, capsys, cal
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"runs": [{"dir": str(tmp_path / "runs" / "a")}], "calibration": [{"file": str(path)}]}))
     assert expected in report_fails(capsys, tmp_path, "--manifest", str(manifest))
+
+
+def test_the_tables_are_the_pinned_ones():
+    """Every table file of a fixed set of inputs (tests/pinned_report.py) is the stored one, byte for byte:
+    the same columns, cells and formatting."""
+    from pinned_report import PINNED_TABLES, compute
+
+    expected = {path.name: path.read_text() for path in sorted(PINNED_TABLES.iterdir())}
+    actual = compute()
+    assert sorted(actual) == sorted(expected)
+    assert [name for name in expected if actual[name] != expected[name]] == []

@@ -174,7 +174,7 @@ def test_the_learning_report_refuses_a_crafted_checkpoint(tmp_path):
     runs = load_runs(manifest)
     with pytest.raises(UserError, match="not a readable agg-bench checkpoint"):
         learning.evaluate(runs, learning.Evaluation(runs, noises=1))
-    assert learning.main(["--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "1",
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "1",
                           "--eval-noises", "1"]) == 2
     assert not marker.exists()
 
@@ -389,8 +389,6 @@ def test_replay_and_calibrate_keep_a_user_s_files(tmp_path, capsys, snapshot_dir
 
 
 def test_report_and_learning_tables_keep_a_user_s_files(tmp_path, capsys):
-    from agg_bench.tools import learning
-
     imported = tmp_path / "imported"
     assert main(["import-log", str(dance_log(tmp_path / "log.jsonl", 12)), "--out", str(imported)]) == 0
     tables = tmp_path / "tables"
@@ -402,7 +400,7 @@ def test_report_and_learning_tables_keep_a_user_s_files(tmp_path, capsys):
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"runs": [{"dir": str(imported), "method": "full", "seed": 0}]}))
     capsys.readouterr()
-    assert learning.main(["--manifest", str(manifest), "--tables", str(tables), "--average", "1"]) == 2
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(tables), "--average", "1"]) == 2
     assert "thesis.tex" in capsys.readouterr().err and files(tables) == {"thesis.tex": b"mine"}
     # the report's own folder, tables and plots together: written, and written again
     both = tmp_path / "both"

@@ -7,8 +7,9 @@ import statistics
 import numpy as np
 import pytest
 
-from agg_bench.results.report import CalibrationEntry, load_calibration, efficiency_table, load_records, RunEntry
+from agg_bench.results.loading import CalibrationEntry, RunEntry, load_calibration, load_records
 from agg_bench.results.stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
+from agg_bench.results.tables import efficiency_table
 
 EPS = np.finfo(np.float64).eps
 

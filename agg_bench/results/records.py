@@ -1,11 +1,14 @@
-"""Names shared by the code that writes results and the code that reads them: metric record keys,
-timing keys, gradcheck option columns, and the names of the tables and plots.
+"""Names shared by the code that writes results and the code that reads them: every metric record key
+(and :func:`new_record`, the one builder of a record), timing keys, gradcheck option columns, and the
+names of the tables and plots.
 
 This module imports nothing but the standard library and :mod:`agg_bench.errors`, so that reading
 results (``report``, ``import-log``, the workflow's table and plot jobs) never has to import torch or the
 training engine just to know what a record holds.
 """
 from __future__ import annotations
+
+from typing import Mapping
 
 from ..errors import quote
 
@@ -32,7 +35,10 @@ TELEMETRY_KEYS = (
     "power_mean_w",
 )
 
-# Every key of a metric record (one line of ``metrics.jsonl``); methods may add their own fields.
+# Every key of a metric record (one line of ``metrics.jsonl``), in the order a run writes them: the run's
+# identity, learning, time, work, memory, energy, status, the weights label (tiny, random, pretrained) and
+# NVML's means over the iteration. Every record holds every key (:func:`new_record`; null: not measured),
+# TELEMETRY_KEYS included; a method adds its own fields after them.
 RECORD_KEYS = (
     "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
     "reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "approx_kl",
@@ -40,13 +46,27 @@ RECORD_KEYS = (
     "t_rollout_cpu_s", "t_reward_cpu_s", "t_train_cpu_s", "t_iter_cpu_s",
     "forward_nograd", "forward_grad", "backward", "train_forward_nograd", "train_forward_grad", "train_backward",
     "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
-    "rss_peak_bytes", "energy_j", "status",
+    "rss_peak_bytes", "energy_j", "status", "weights", "gpu_util_mean", "power_mean_w",
 )
+# The key only an imported record holds (``agg-bench import-log``: "imported"); a run's records, without
+# it, are "measured".
+IMPORTED_KEYS = ("source",)
 
-# Record keys that hold text; every other key of RECORD_KEYS and TELEMETRY_KEYS holds a number. Any of
-# them may be null (not measured).
-TEXT_KEYS = ("run_id", "method", "model", "device", "gpu_name", "status", "weights", "source")
-NUMBER_KEYS = tuple(key for key in dict.fromkeys((*RECORD_KEYS, *TELEMETRY_KEYS)) if key not in TEXT_KEYS)
+# Record keys that hold text; every other key of RECORD_KEYS holds a number. Any of them may be null (not
+# measured).
+TEXT_KEYS = ("run_id", "method", "model", "device", "gpu_name", "status", "weights", *IMPORTED_KEYS)
+NUMBER_KEYS = tuple(key for key in RECORD_KEYS if key not in TEXT_KEYS)
+
+
+def new_record(*fields: Mapping, **more) -> dict:
+    """A metric record: every key of RECORD_KEYS, in order, null unless ``fields`` (mappings, applied in
+    order) or ``more`` give it a value; their other keys (a method's own, an imported record's ``source``)
+    follow."""
+    record = dict.fromkeys(RECORD_KEYS)
+    for values in fields:
+        record.update(values)
+    record.update(more)
+    return record
 
 
 def record_problem(record: dict) -> str | None:
@@ -93,6 +113,8 @@ TABLE_FORMATS = ("csv", "md", "html")
 # Plots ``agg-bench report --plots DIR`` writes, each as ``DIR/<name>.png``.
 PLOTS = ("reward_iteration", "reward_wallclock", "memory_resolution", "time_breakdown", "time_resolution",
          "backward_passes", "cosine_cost", "gradcheck_cosine")
+# The tables the plots are drawn from, read from the tables folder as ``DIR/<name>.csv``.
+PLOT_TABLES = ("records", "efficiency", "ablation")
 
 
 def table_files(directory: str = "results/tables", formats: tuple[str, ...] = TABLE_FORMATS) -> list[str]:
@@ -103,3 +125,8 @@ def table_files(directory: str = "results/tables", formats: tuple[str, ...] = TA
 def plot_files(directory: str = "results/plots") -> list[str]:
     """Every file of ``PLOTS`` under ``directory``."""
     return [f"{directory}/{name}.png" for name in PLOTS]
+
+
+def plot_table_files(directory: str = "results/tables") -> list[str]:
+    """The files of ``PLOT_TABLES`` under ``directory``: what the plots read."""
+    return [f"{directory}/{name}.csv" for name in PLOT_TABLES]

@@ -33,7 +33,7 @@ from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..methods.base import Estimator, build_estimator
 from ..outdir import Claim, Contents, check_folder
-from ..results.records import RECORD_KEYS, TIMING_KEYS  # noqa: F401  (also imported from here)
+from ..results.records import RECORD_KEYS, TIMING_KEYS, new_record  # noqa: F401  (also imported from here)
 from .checkpoint import (CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference,
                          load_checkpoint, remove_stale_files, save_checkpoint)
 from .memplan import run_memory_plan
@@ -435,8 +435,7 @@ def _train_claimed(cfg: RunConfig, out: Path, resume: bool, shard: distributed.S
     with stop:
         try:
             for iteration in bar:
-                record = dict.fromkeys(RECORD_KEYS)
-                record.update(base, iteration=iteration)
+                record = new_record(base, iteration=iteration)
                 try:
                     fields = run_iteration(session, telemetry, iteration)
                 except Exception as exc:  # an OOM ends the run but not the sweep
@@ -551,8 +550,7 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
                        checkpoint_iteration=None)
     if shard.is_main:
         if not (resume and checkpoint_path(out).exists()):
-            record = dict.fromkeys(RECORD_KEYS)
-            record.update(base, iteration=0, rss_peak_bytes=tel.rss_peak_bytes())
+            record = new_record(base, iteration=0, rss_peak_bytes=tel.rss_peak_bytes())
             record.update(memory, status="oom")
             _start_files(out, cfg.to_dict(), [JsonlWriter.line(record)], keep_checkpoint=False)
         write_json(out / "summary.json", summary)

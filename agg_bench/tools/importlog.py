@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..io import JsonlWriter, read_jsonl, write_json, write_lines
 from ..outdir import Claim, Contents, check_folder
-from ..results.records import RECORD_KEYS
+from ..results.records import RECORD_KEYS, new_record
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",
@@ -52,9 +52,7 @@ def convert_records(lines: list[dict], identity: dict, where: str = "log") -> li
         if missing:
             raise UserError(f"{at}: missing {', '.join(repr(k) for k in missing)} "
                             f"(DanceGRPO log lines have {', '.join(DANCEGRPO_KEYS)})")
-        record = dict.fromkeys(RECORD_KEYS)
-        record.update({k: v for k, v in line.items() if k in RECORD_KEYS})
-        record.update(identity)
+        record = new_record({k: v for k, v in line.items() if k in RECORD_KEYS}, identity)
         step = line["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UserError(f"{at}: 'step' = {step!r}: expected an integer >= 0")

@@ -1,22 +1,21 @@
 """The learning sweep's tables and plots: does each method raise the reward, how reliably, how fast?
 
-The command, ``python -m agg_bench.tools.learning --manifest FILE [--tables DIR] [--plots DIR] ...``,
-reads the runs of the workflow's manifest, evaluates each model state on held-out noise
-(:class:`Evaluation`, which samples the models: the engine and torch are imported here, not in the
-results wing) and writes the tables and plots of :mod:`agg_bench.results.learning` (its docstring
+The command, ``agg-bench learning --manifest FILE [--tables DIR] [--plots DIR] ...``
+(:func:`learning_report`), reads the runs of the workflow's manifest, evaluates each model state on
+held-out noise (:class:`Evaluation`, which samples the models: the engine and torch are imported here, not
+in the results wing) and writes the tables and plots of :mod:`agg_bench.results.learning` (its docstring
 says what every column and plot is).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from ..errors import UserError, run_command
+from ..errors import UserError
 from ..io import write_text
 from ..outdir import claimed_folders
 from ..results.learning import (PLOTS_CONTENTS, TABLES_CONTENTS, Run, learning_table, load_runs, plot_rewards,
@@ -138,55 +137,59 @@ def sample_grids(runs: list[Run], images: dict, captions: list[str], path: str |
     return path
 
 
-def write_outputs(args: argparse.Namespace, runs: list[Run]) -> None:
-    """The tables and plots that the command line asks for."""
-    scores = images = None
-    if args.eval_noises or args.plots:  # the sample grid shows the evaluation's first images
-        evaluation = Evaluation(runs, max(args.eval_noises, 1), args.eval_seed, args.eval_sampler)
-        scores, images = evaluate(runs, evaluation)
-    if args.tables:
-        table = learning_table(runs, args.average, args.fraction, evaluation=scores if args.eval_noises else None)
-        write_table(table, args.tables, args.average, args.fraction)
-        if args.eval_noises:
-            write_text(args.tables / "evaluation.csv", scores.to_csv(index=False))
-    if args.plots:
-        plot_rewards(runs, args.plots / "reward_iteration.png", "iteration")
-        plot_rewards(runs, args.plots / "reward_time.png", "time")
-        n_captions = len(evaluation.captions) // max(args.eval_noises, 1)
-        sample_grids(runs, images, evaluation.captions, args.plots / "samples.png", min(n_captions, 6))
+@dataclass
+class LearningOptions:
+    """What ``agg-bench learning`` computes (each field is the command's option of the same name).
+
+    average: iterations averaged at each end of a run (its initial and final reward); at least 1.
+    fraction: the target, as a fraction of ``full``'s mean gain; in (0, 1].
+    eval_noises: the held-out evaluation's noises per caption, 0 to 1024 (0: no evaluation columns).
+    eval_seed: the seed of the evaluation's noise, >= 0.
+    eval_sampler: ``ode`` (deterministic Euler) or ``sde`` (the rollouts' SDE, step noise seeded).
+    """
+
+    average: int = 3
+    fraction: float = 0.8
+    eval_noises: int = 0
+    eval_seed: int = 0
+    eval_sampler: str = "ode"
+
+    def check(self) -> None:
+        """A UserError naming the option of the first field out of range."""
+        if self.average < 1:
+            raise UserError(f"--average {self.average}: expected an integer >= 1")
+        if not 0 < self.fraction <= 1:
+            raise UserError(f"--fraction {self.fraction}: expected a number in (0, 1]")
+        if not 0 <= self.eval_noises <= 1024:
+            raise UserError(f"--eval-noises {self.eval_noises}: expected an integer from 0 to 1024")
+        if self.eval_seed < 0:
+            raise UserError(f"--eval-seed {self.eval_seed}: expected an integer >= 0")
+        if self.eval_sampler not in SAMPLERS:
+            raise UserError(f"--eval-sampler {self.eval_sampler!r}: expected one of {', '.join(SAMPLERS)}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agg_bench.tools.learning", description=__doc__.splitlines()[0])
-    parser.add_argument("--manifest", required=True, type=Path)
-    parser.add_argument("--tables", type=Path, help="write learning.csv, learning.md (and evaluation.csv) here")
-    parser.add_argument("--plots", type=Path, help="write reward_iteration.png, reward_time.png, samples.png here")
-    parser.add_argument("--average", type=int, default=3, help="iterations averaged at each end (default 3)")
-    parser.add_argument("--fraction", type=float, default=0.8, help="fraction of full's gain to reach (default 0.8)")
-    parser.add_argument("--eval-noises", type=int, default=0,
-                        help="held-out evaluation: noises per caption (default 0: no evaluation columns)")
-    parser.add_argument("--eval-seed", type=int, default=0, help="seed of the evaluation's noise (default 0)")
-    parser.add_argument("--eval-sampler", default="ode", choices=SAMPLERS,
-                        help="ode: deterministic Euler; sde: the rollouts' SDE with seeded step noise (default ode)")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
-
-    def body() -> int:
-        if args.average < 1:
-            raise UserError(f"--average {args.average}: expected an integer >= 1")
-        if not 0 < args.fraction <= 1:
-            raise UserError(f"--fraction {args.fraction}: expected a number in (0, 1]")
-        if not 0 <= args.eval_noises <= 1024:
-            raise UserError(f"--eval-noises {args.eval_noises}: expected an integer from 0 to 1024")
-        if args.eval_seed < 0:
-            raise UserError(f"--eval-seed {args.eval_seed}: expected an integer >= 0")
-        runs = load_runs(args.manifest)
-        with claimed_folders([(args.tables, TABLES_CONTENTS), (args.plots, PLOTS_CONTENTS)], ("--tables", "--plots")):
-            write_outputs(args, runs)
-        return 0
-
-    return run_command("agg_bench.tools.learning", body, ["python", "-m", "agg_bench.tools.learning", *argv])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def learning_report(manifest: str | Path, tables: Path | None, plots: Path | None,
+                    options: LearningOptions | None = None) -> list[Run]:
+    """The tables (``learning.csv``, ``learning.md``, and ``evaluation.csv`` with an evaluation) into
+    ``tables`` and the plots (``reward_iteration.png``, ``reward_time.png``, ``samples.png``) into ``plots``
+    of the manifest's runs (``options``: :class:`LearningOptions`, its defaults without); returns the runs."""
+    options = options or LearningOptions()
+    options.check()
+    runs = load_runs(manifest)
+    with claimed_folders([(tables, TABLES_CONTENTS), (plots, PLOTS_CONTENTS)], ("--tables", "--plots")):
+        scores = images = None
+        if options.eval_noises or plots:  # the sample grid shows the evaluation's first images
+            evaluation = Evaluation(runs, max(options.eval_noises, 1), options.eval_seed, options.eval_sampler)
+            scores, images = evaluate(runs, evaluation)
+        if tables:
+            table = learning_table(runs, options.average, options.fraction,
+                                   evaluation=scores if options.eval_noises else None)
+            write_table(table, tables, options.average, options.fraction)
+            if options.eval_noises:
+                write_text(tables / "evaluation.csv", scores.to_csv(index=False))
+        if plots:
+            plot_rewards(runs, plots / "reward_iteration.png", "iteration")
+            plot_rewards(runs, plots / "reward_time.png", "time")
+            n_captions = len(evaluation.captions) // max(options.eval_noises, 1)
+            sample_grids(runs, images, evaluation.captions, plots / "samples.png", min(n_captions, 6))
+    return runs

@@ -72,7 +72,7 @@ rule learning_report:
         f"--eval-noises {int(LEARNING.get('eval_noises', 16))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
         f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')}",
     shell:
-        "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench.tools.learning --manifest {input.manifest} {params.options} "
+        "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench learning --manifest {input.manifest} {params.options} "
         "--tables {LEARNING_DIR} --plots {LEARNING_DIR} > {log} 2>&1"
 
 

@@ -1,6 +1,6 @@
 # Jobs that summarize: the manifest of this sweep's runs, the tables, the plots.
 from agg_bench.results.records import PLOTS as PLOT_NAMES
-from agg_bench.results.records import TABLES, table_files
+from agg_bench.results.records import TABLES, plot_table_files, table_files
 
 TABLE_FILES = table_files()
 
@@ -44,16 +44,14 @@ rule tables:
         "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench report --manifest {input.manifest} --tables results/tables > {log} 2>&1"
 
 
+# the plots are drawn from the tables job's files, not from the runs again
 rule plots:
     input:
-        manifest="results/manifest.json",
-        runs=SWEEP.summaries(),
-        gradcheck=SWEEP.gradcheck_files(),
-        calibration=SWEEP.calibration_files(),
+        plot_table_files("results/tables"),
     output:
         [report(f"results/plots/{name}.png", caption=f"../report/{name}.rst", category="Plots")
          for name in PLOT_NAMES],
     log:
         "results/logs/plots.log",
     shell:
-        "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench report --manifest {input.manifest} --plots results/plots > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench report --tables-in results/tables --plots results/plots > {log} 2>&1"
