@@ -451,7 +451,7 @@ def format_plan(plan: MemoryPlan) -> str:
                  f"({plan.gpu_memory_bytes / GIB:.1f} GiB less a {RESERVE_FRACTION:.0%} reserve)")
     lines.append(f"fits: {'yes' if plan.fits else 'no'}")
     if not plan.fits:
-        lines += [f"  try: {s}" for s in plan.suggestions] or ["  nothing tried fits (see README: Will it fit?)"]
+        lines += [f"  try: {s}" for s in plan.suggestions] or ["  nothing tried fits (see docs/paper-scale.md: Will it fit?)"]
     lines.append(f"activations: {plan.activation_basis}")
     return "\n".join(lines)
 
