@@ -27,3 +27,13 @@ def test_the_readme_is_a_front_door():
     assert len(readme.splitlines()) <= 150
     for doc in sorted((ROOT / "docs").glob("*.md")):  # every document is reachable from it
         assert f"(docs/{doc.name})" in readme, doc.name
+
+
+def test_every_verb_is_in_the_command_line_reference():
+    from agg_bench.cli import build_parser
+
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    reference = (ROOT / "docs" / "cli.md").read_text()
+    missing = [verb for verb in verbs if f"agg-bench {verb}" not in reference]
+    assert len(verbs) >= 10 and not missing, missing
