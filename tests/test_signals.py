@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import agg_bench.runtime.train as train_module
+import agg_bench.runtime.session as session_module
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
@@ -176,7 +176,7 @@ def test_a_non_finite_update_never_reaches_the_weights(what):
 
 
 def test_a_nan_reward_stops_the_run_as_diverged(tmp_path, monkeypatch):
-    build = train_module.build_reward
+    build = session_module.build_reward
 
     def nan_on_second_call(*args, **kwargs):
         reward = build(*args, **kwargs)
@@ -189,7 +189,7 @@ def test_a_nan_reward_stops_the_run_as_diverged(tmp_path, monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(train_module, "build_reward", nan_on_second_call)
+    monkeypatch.setattr(session_module, "build_reward", nan_on_second_call)
     out = tmp_path / "run"
     assert main(["run", *SET, "--set", "train.iterations=3", "--set", "train.checkpoint_every=1",
                  "--out", str(out)]) == 0
