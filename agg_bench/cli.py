@@ -45,7 +45,7 @@ def cmd_embed(args) -> int:
     from .config import load_config
     from .engine.text import describe, embed, is_embeddings_file
     from .outdir import claim_files
-    from .runtime.train import resolve_device
+    from .machine.devices import resolve_device
 
     cfg = load_config(args.config, args.overrides)
     if args.out is None:
@@ -78,7 +78,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from .runtime.train import resolve_device
+    from .machine.devices import resolve_device
     from .tools.snapshot import replay
 
     counts = replay(args.snapshot, args.method, args.overrides, args.out, resolve_device(args.device, "--device"))
@@ -167,7 +167,7 @@ def cmd_profile(args) -> int:
     from .io import write_json
     from .machine.telemetry import environment
     from .outdir import claim_folder
-    from .runtime.train import Session
+    from .runtime.session import Session
     from .tools.profiling import PROFILE_CONTENTS, profile_steps
 
     for flag, value, least in (("--wait", args.wait, 0), ("--warmup", args.warmup, 0), ("--active", args.active, 1)):

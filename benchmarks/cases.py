@@ -11,7 +11,7 @@ import torch
 from agg_bench.config import load_config
 from agg_bench.engine.grpo import TrainBatch
 from agg_bench.methods.base import available_methods
-from agg_bench.runtime.train import Session
+from agg_bench.runtime.session import Session
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "config" / "run.yaml"  # the embedded default's base run config

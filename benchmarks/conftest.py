@@ -26,7 +26,8 @@ import torch
 
 from agg_bench.errors import ConfigError
 from agg_bench.machine import telemetry as tel
-from agg_bench.runtime.train import Session, resolve_device
+from agg_bench.machine.devices import resolve_device
+from agg_bench.runtime.session import Session
 from cases import DEFAULT_CONFIG, FULL, Case, Prepared, case_config
 
 DEFAULT_STORAGE = "file://./.benchmarks"

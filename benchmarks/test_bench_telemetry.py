@@ -1,6 +1,6 @@
 """What telemetry costs: full training iterations (collect + update) with telemetry on and off.
 
-Each iteration is the training loop's own ``agg_bench.runtime.train.run_iteration`` (collect and update
+Each iteration is the training loop's own ``agg_bench.runtime.session.run_iteration`` (collect and update
 inside ``Telemetry.iteration()``, the update a ``train`` phase counting the policy network's saved
 activations, then the record). Off (``enabled=False``) still times the phases, as a run with
 ``telemetry.enabled: false`` does. "on" is a run's default (``telemetry.saved_activations: first``:
@@ -23,7 +23,7 @@ import pytest
 
 from agg_bench.config import TelemetryConfig
 from agg_bench.machine.telemetry import Telemetry
-from agg_bench.runtime.train import run_iteration
+from agg_bench.runtime.session import run_iteration
 from cases import FULL
 
 # the embedded default's resolutions: per-tensor bookkeeping weighs most at the smallest

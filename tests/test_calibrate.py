@@ -96,9 +96,9 @@ def test_a_label_given_twice_and_bad_method_repeats_are_refused(tmp_path, capsys
     ("{method: {name: full}, train.lr: -1}", "train.lr"),
 ])
 def test_a_method_no_run_could_use_is_exit_2_before_anything_is_timed(tmp_path, capsys, monkeypatch, text, expected):
-    import agg_bench.runtime.train
+    import agg_bench.runtime.session
 
-    monkeypatch.setattr(agg_bench.runtime.train, "Session", lambda cfg: pytest.fail("timing started"))
+    monkeypatch.setattr(agg_bench.runtime.session, "Session", lambda cfg: pytest.fail("timing started"))
     out = tmp_path / "cal.json"
     assert main(["calibrate", *SMALL, "--method", "mine", text, "--out", str(out)]) == 2
     lines = capsys.readouterr().err.splitlines()

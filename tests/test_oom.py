@@ -18,6 +18,7 @@ from agg_bench.io import read_jsonl
 from agg_bench.machine.telemetry import SavedActivations, Telemetry
 from agg_bench.methods.base import available_methods
 from agg_bench.results.records import RECORD_KEYS
+from agg_bench.runtime import session as session_module
 from agg_bench.runtime import train as train_module
 from agg_bench.runtime.train import Session
 from helpers import tiny_config
@@ -222,7 +223,7 @@ def test_oom_while_building_the_model_is_an_oom_run(tmp_path, monkeypatch, capsy
     def build(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(train_module, "build_policy", build)
+    monkeypatch.setattr(session_module, "build_policy", build)
     out = tmp_path / "run"
     assert run_cli(out) == 0
     captured = capsys.readouterr()
@@ -237,7 +238,7 @@ def test_oom_while_building_the_model_is_an_oom_run(tmp_path, monkeypatch, capsy
     assert summary(out)["status"] == "oom" and (out / "config.json").exists() and (out / "env.json").exists()
 
     # other errors while building stay errors
-    monkeypatch.setattr(train_module, "build_policy", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad")))
+    monkeypatch.setattr(session_module, "build_policy", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad")))
     capsys.readouterr()
     assert run_cli(tmp_path / "other") == 1
     assert "bug in agg-bench" in capsys.readouterr().err
@@ -247,7 +248,7 @@ def test_oom_while_building_keeps_a_resumed_runs_records_and_replaces_a_rerun(tm
     out = tmp_path / "run"
     assert run_cli(out, "--checkpoint-every", "1") == 0
     earlier = records(out)
-    monkeypatch.setattr(train_module, "build_policy",
+    monkeypatch.setattr(session_module, "build_policy",
                         lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("out of memory")))
     assert run_cli(out, "--checkpoint-every", "1", "--resume") == 0
     assert records(out) == earlier and (out / "checkpoint.pt").exists()  # the resumed run's state stays

@@ -9,17 +9,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-import agg_bench.runtime.train as train_module
+import agg_bench.runtime.session as session_module
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
-from agg_bench.runtime.train import Interrupted, Session, StopSignals
+from agg_bench.results.records import TIMING_KEYS
+from agg_bench.runtime.train import Interrupted, Session, StopSignals, train
 from baselines.full import FullEstimator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +58,47 @@ def test_signal_writes_an_interrupted_summary(tmp_path, monkeypatch, capsys, sig
     assert signal.Signals(signum).name in s["error"]
     assert [r["iteration"] for r in records(out)] == [0]
     assert signal.getsignal(signum) is handler  # the caller's handler is back
+
+
+def test_runs_in_one_process_leave_nothing_behind(tmp_path, monkeypatch):
+    """A command that runs several configs calls train() again and again in one process: a call that ends
+    interrupted or failed between two good ones leaves the handlers, threads and process group as it found
+    them, and the next call's records are those of the first (timing aside)."""
+    cfg = load_config(None, [*SMALL, "telemetry.enabled=true", "train.iterations=2", "train.checkpoint_every=1"])
+
+    def state() -> tuple:
+        # tqdm keeps one monitor thread per process, whatever the bars: not the run's
+        threads = sorted(t.name for t in threading.enumerate() if t.name != "tqdm_monitor")
+        return ({s: signal.getsignal(s) for s in StopSignals.SIGNALS}, threads, dist.is_initialized(),
+                torch.is_grad_enabled(), torch.get_default_dtype())
+
+    def untimed(out: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records(out)]
+
+    before = state()
+    train(cfg, tmp_path / "first" / "run")
+    assert state() == before
+    collect = Session.collect
+
+    def collect_then_stop(self, iteration, telemetry=None):
+        if iteration == 1 and self.cfg.seed == cfg.seed:
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif iteration == 1:
+            raise ValueError("a bug in iteration 1")
+        return collect(self, iteration, telemetry)
+
+    monkeypatch.setattr(Session, "collect", collect_then_stop)
+    with pytest.raises(Interrupted):
+        train(cfg, tmp_path / "interrupted" / "run")
+    assert state() == before and summary(tmp_path / "interrupted" / "run")["status"] == "interrupted"
+    with pytest.raises(ValueError):
+        train(load_config(None, [*SMALL, "seed=7", "train.iterations=2"]), tmp_path / "failed" / "run")
+    assert state() == before and summary(tmp_path / "failed" / "run")["status"] == "error"
+    monkeypatch.undo()
+    train(cfg, tmp_path / "second" / "run")
+    assert state() == before
+    assert untimed(tmp_path / "second" / "run") == untimed(tmp_path / "first" / "run")
+    assert summary(tmp_path / "second" / "run") == summary(tmp_path / "first" / "run")
 
 
 def test_a_signal_waits_for_the_record_being_written():
@@ -176,7 +220,7 @@ def test_a_non_finite_update_never_reaches_the_weights(what):
 
 
 def test_a_nan_reward_stops_the_run_as_diverged(tmp_path, monkeypatch):
-    build = train_module.build_reward
+    build = session_module.build_reward
 
     def nan_on_second_call(*args, **kwargs):
         reward = build(*args, **kwargs)
@@ -189,7 +233,7 @@ def test_a_nan_reward_stops_the_run_as_diverged(tmp_path, monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(train_module, "build_reward", nan_on_second_call)
+    monkeypatch.setattr(session_module, "build_reward", nan_on_second_call)
     out = tmp_path / "run"
     assert main(["run", *SET, "--set", "train.iterations=3", "--set", "train.checkpoint_every=1",
                  "--out", str(out)]) == 0

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, UserError
-from ..io import atomic_file, is_temp_name
+from ..io import atomic_file
 
 CHECKPOINT_NAME = "checkpoint.pt"
 SHARDS_PREFIX = "checkpoint_shards_"
@@ -133,7 +133,8 @@ def _sharded_state(session) -> dict:
     return {"model": model, "optimizer": optimizer}
 
 
-def _remove_shard_folders(out_dir: Path, keep: str | None = None) -> None:
+def remove_shard_folders(out_dir: Path, keep: str | None = None) -> None:
+    """Remove the shard folders in ``out_dir`` but ``keep`` (the one ``checkpoint.pt`` names)."""
     for folder in Path(out_dir).glob(SHARDS_PREFIX + "*"):
         if folder.is_dir() and folder.name != keep:
             shutil.rmtree(folder, ignore_errors=True)
@@ -177,7 +178,7 @@ def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[
     with atomic_file(path, "wb") as fh:
         torch.save(state, fh)
     _fsync_dir(path.parent)
-    _remove_shard_folders(path.parent, keep=state.get("shards"))
+    remove_shard_folders(path.parent, keep=state.get("shards"))
     return path
 
 
@@ -248,18 +249,3 @@ def _load_parameters(session, state: dict, path: Path) -> None:
         for name, p in params.items():
             p.copy_(saved[name])
     session.optimizer.load_state_dict(state["optimizer"])
-
-
-def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool) -> None:
-    """Before a run writes into DIR: remove the summary of an earlier attempt (it is written last, so
-    its presence must mean this attempt finished), temporaries a killed process left, and unless
-    resuming, the earlier checkpoint."""
-    out = Path(out_dir)
-    doomed = [out / "summary.json"]
-    if not keep_checkpoint:
-        doomed.append(checkpoint_path(out))
-        _remove_shard_folders(out)
-    # only the harness's own temporary names (io.atomic_path), never a user's look-alike
-    doomed += [p for p in out.iterdir() if p.is_file() and is_temp_name(p.name)]
-    for p in doomed:
-        p.unlink(missing_ok=True)

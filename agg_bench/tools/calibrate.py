@@ -146,7 +146,7 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
     """Unit costs (seconds per latent) of a no-grad forward, a forward with grad and a backward for
     ``cfg``'s model, resolution and device, and with ``methods`` each one's train phase timed in the
     same process; see the module docstring."""
-    from ..runtime.train import Session, model_label  # the engine only when measuring
+    from ..runtime.session import Session, model_label  # the engine only when measuring
 
     options = options or CalibrationConfig()
     # a malformed entry fails before the model is built
@@ -227,7 +227,7 @@ def write_calibration(cfg: RunConfig, out: str | Path, options: CalibrationConfi
     process measures its share of the batch, as the runs of a cell on that many GPUs do (sharded with
     ``train.shard: fsdp``: all-gathers and reduce-scatters included), and rank 0 writes its numbers."""
     from ..machine import distributed, fsdp
-    from ..runtime.train import resolve_device
+    from ..machine.devices import resolve_device
 
     out = Path(out)
     with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:

@@ -29,7 +29,7 @@ from ..errors import ConfigError, UserError
 from ..io import atomic_file, atomic_path
 from ..outdir import claim_files
 from ..results.records import GRADCHECK_OPTION_COLUMNS
-from ..runtime.train import resolve_device
+from ..machine.devices import resolve_device
 from .snapshot import Snapshot, load_snapshot, plan_replay, replay_gradient, replay_setup, save_snapshot
 
 COLUMNS = (

@@ -22,7 +22,7 @@ from ..errors import ConfigError, UserError
 from ..io import atomic_target, write_json
 from ..methods.base import Estimator, ReplayPlan, build_estimator
 from ..outdir import Contents, claim_files, claim_folder, json_file_with
-from ..runtime.train import Session
+from ..runtime.session import Session
 
 ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "encoder_hidden_states",
                 "train_steps")

@@ -1,0 +1,32 @@
+"""The torch device a config or a flag names.
+
+``device: cpu | cuda | cuda:N | auto`` (or ``--device``) is checked here once, for a run and for every
+command that runs a model (``snapshot``, ``replay``, ``gradcheck``, ``calibrate``, ``embed``, ``profile``):
+a name torch would take but this machine cannot serve is a :class:`~agg_bench.errors.ConfigError` before
+anything is built.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..errors import ConfigError
+
+
+def resolve_device(name: str, key: str = "device") -> torch.device:
+    """The torch device ``name`` (cpu, cuda, cuda:N or auto: cuda where available) names; a ConfigError
+    naming ``key`` (the config key or flag it came from) for another name or a GPU this machine lacks."""
+    if not isinstance(name, str) or not re.fullmatch(r"cpu|auto|cuda(:\d{1,9})?", name):
+        raise ConfigError(key, name, "cpu, cuda, cuda:N or auto")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None else \
+            "no CUDA device is visible"
+        raise ConfigError(key, name, f"cpu or auto: CUDA is not available on this machine ({why})")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(key, name, f"a CUDA device this machine has ({torch.cuda.device_count()} visible: "
+                                     f"cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    return device

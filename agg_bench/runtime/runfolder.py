@@ -1,0 +1,138 @@
+"""The run folder: what ``agg-bench run --out DIR`` holds, and the rules for writing it.
+
+A run folder holds these files and nothing else (:data:`RUN_CONTENTS`):
+
+- ``config.json``: the run config, as validated;
+- ``env.json``: the machine and software it ran on (:func:`agg_bench.machine.telemetry.environment`);
+- ``plan.json``: the memory planner's bytes, beside the peaks the records measure (a run whose telemetry
+  is off measures nothing and plans nothing);
+- ``metrics.jsonl``: one record per iteration (:func:`agg_bench.results.records.new_record` builds each),
+  every line flushed and fsynced as it is appended;
+- ``checkpoint.pt``, and with ``train.shard: fsdp`` its ``checkpoint_shards_<iteration>/`` folder
+  (:mod:`agg_bench.runtime.checkpoint`);
+- ``summary.json``: written last, so that it exists only once an attempt has ended. Its ``status`` is
+  ``ok``; ``oom`` (out of memory while building the model or in an iteration, on any process: the run
+  ends and returns, so a sweep goes on); ``diverged`` (a non-finite reward, loss or gradient: that update
+  never reached the weights, and ``last_good_iteration`` is the one before); ``interrupted`` (SIGTERM or
+  SIGINT) or ``error`` (any other exception; both are raised again once the summary is written).
+
+Every file but the metric lines is written to a temporary name and renamed (:mod:`agg_bench.io`), so a
+killed run leaves whole files. The rules, in the order a run meets them:
+
+1. **Which folder** (:func:`check_out_dir`, :func:`claim`). ``--out`` must be new, empty or a run folder:
+   no one else's file, no symbolic link (:mod:`agg_bench.outdir`). An earlier attempt of the same config,
+   or one that never finished (no ``summary.json``, as when Snakemake reruns a job), is replaced; a
+   finished run of another config only with ``--overwrite``; ``--resume`` with a checkpoint compares the
+   config with the checkpoint's instead. The claim locks the folder against a second writer for the
+   whole run and removes the folder it made if the run fails before writing into it.
+2. **Starting** (:func:`start_files`, :func:`write_plan`). An earlier attempt's summary, a killed
+   process's temporaries and, unless resuming, its checkpoint go; then ``config.json``, ``env.json``,
+   ``metrics.jsonl`` (holding the records a resumed run keeps) and ``plan.json`` are written, in that order.
+3. **Ending** (:func:`run_summary`, :func:`write_summary`). The summary repeats the run's identity
+   fields and says how the attempt ended, how far it got and which checkpoint it left.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import DEFAULTS
+from ..errors import UserError
+from ..io import JsonlWriter, is_temp_name, write_json, write_lines
+from ..machine.telemetry import environment
+from ..outdir import Claim, Contents, check_folder
+from .checkpoint import (CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference,
+                         remove_shard_folders)
+
+RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics.jsonl", "summary.json", "plan.json",
+                                             CHECKPOINT_NAME), (f"{SHARDS_PREFIX}*",))
+
+
+def _run_config(folder: Path) -> dict | None:
+    """The run config a run folder holds (its ``config.json``), or None when it is not a run folder."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) and {"model", "train", "method"} <= set(config) else None
+
+
+def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> None:
+    """Refuse an output folder whose contents a run would destroy: a folder that holds anything a run does
+    not write, or a symbolic link (:func:`~agg_bench.outdir.check_folder`), a run's file names without a
+    run's config, and (unless ``overwrite``, or resuming from a checkpoint, which checks the config
+    itself) a finished run of another config. Reads only."""
+    check_folder(out, RUN_CONTENTS)
+    previous = _run_config(out) if out.is_dir() else None
+    if previous is None:  # its files, if any, are not an agg-bench run's
+        check_folder(out, Contents(RUN_CONTENTS.what))
+        return
+    if overwrite or (resume and checkpoint_path(out).is_file()) or not (out / "summary.json").is_file():
+        return
+    diff = first_difference(previous, config, SAME_RUN_CHANGES, DEFAULTS)
+    if diff is not None:
+        key, old, new = diff
+        raise UserError(f"--out {out}: holds a finished run of another config ({key} = {old!r} there, {new!r} "
+                        "here); pass --overwrite to replace it, or give another folder")
+
+
+def claim(out: Path, config: dict, resume: bool, overwrite: bool) -> Claim:
+    """Hold ``out`` for a run of ``config``: checked (:func:`check_out_dir`, refused before anything is
+    made), made if new, locked against a second writer and checked again under the lock (another writer
+    may have finished in between). Release it with ``with`` or ``release(failed)``."""
+    check_out_dir(out, config, resume, overwrite)
+    return Claim(out, folder=True, lock_inside=True,
+                 check=lambda: check_out_dir(out, config, resume, overwrite)).acquire()
+
+
+def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool) -> None:
+    """Before a run writes into DIR: remove the summary of an earlier attempt (it is written last, so
+    its presence must mean this attempt finished), temporaries a killed process left, and unless
+    resuming, the earlier checkpoint."""
+    out = Path(out_dir)
+    doomed = [out / "summary.json"]
+    if not keep_checkpoint:
+        doomed.append(checkpoint_path(out))
+        remove_shard_folders(out)
+    # only the harness's own temporary names (io.atomic_path), never a user's look-alike
+    doomed += [p for p in out.iterdir() if p.is_file() and is_temp_name(p.name)]
+    for p in doomed:
+        p.unlink(missing_ok=True)
+
+
+def start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool) -> None:
+    """What a run writes before its first iteration: an earlier attempt's stale files removed, then
+    ``config.json``, ``env.json`` and ``metrics.jsonl`` holding ``lines`` (records as JSON lines)."""
+    remove_stale_files(out, keep_checkpoint=keep_checkpoint)
+    write_json(out / "config.json", config)
+    write_json(out / "env.json", environment())
+    write_lines(out / "metrics.jsonl", lines)
+
+
+def write_plan(out: Path, plan: dict | None) -> None:
+    """``plan.json`` holds ``plan``; without one, an earlier attempt's plan (not this run's) goes."""
+    if plan is not None:
+        write_json(out / "plan.json", plan)
+    else:
+        (out / "plan.json").unlink(missing_ok=True)
+
+
+def metrics_writer(out: Path) -> JsonlWriter:
+    """The writer that appends a run's records to ``metrics.jsonl`` after the lines it starts with."""
+    return JsonlWriter(out / "metrics.jsonl", append=True)
+
+
+def run_summary(identity: dict, status: str, error: str | None, iterations: int, world_size: int,
+                last_good: int | None = None, resumed_from: int | None = None,
+                checkpoint_iteration: int | None = None) -> dict:
+    """The contents of ``summary.json``: how an attempt ended (``status``, ``error``), ``iterations``
+    asked for, the last iteration whose update was good, the run's ``identity`` (a record's identity
+    fields), the process count, the checkpoint's iteration it resumed from and the one it leaves."""
+    return {"run_id": identity["run_id"], "status": status, "iterations": iterations,
+            "last_good_iteration": last_good, "error": error, **identity, "world_size": world_size,
+            "resumed_from": resumed_from, "checkpoint_iteration": checkpoint_iteration}
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    """Write ``summary.json``, the file that says the attempt ended; the run's last write."""
+    write_json(out / "summary.json", summary)

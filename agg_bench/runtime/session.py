@@ -1,0 +1,217 @@
+"""A configured run and what one of its iterations computes.
+
+:class:`Session` owns everything a run needs (policy, reference, optimizer, reward, method, sigma schedule)
+and exists once: a training run (:mod:`agg_bench.runtime.train`), ``snapshot``, ``profile`` and
+``calibrate`` all go through it. :func:`run_iteration` is one training iteration, rollout -> reward ->
+advantages -> plan -> method -> clip -> AdamW, and returns the record fields of the whole batch;
+:func:`identity` the fields that say which run a record belongs to.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from ..engine.grpo import TrainBatch, UpdateStats, group_advantages
+from ..engine.models import Policy, build_policy
+from ..engine.plan import plan_steps
+from ..engine.rewards import build_reward, reward_details
+from ..engine.rollout import initial_noise, rollout
+from ..engine.sde import flow_sigmas
+from ..engine.text import prompt_conditioning, prompt_set
+from ..machine import distributed, fsdp
+from ..machine import telemetry as tel
+from ..machine.devices import resolve_device
+from ..methods.base import Estimator, build_estimator
+
+
+def iteration_generator(seed: int, iteration: int) -> torch.Generator:
+    """All randomness of one iteration (prompts, noise, SDE, plan) comes from this CPU generator."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
+
+
+def model_label(cfg: RunConfig) -> str:
+    """The model a record names: the family and a local folder's name, an architecture's name and
+    ``-random``, or the family and preset (``sd3-tiny``)."""
+    if cfg.model.pretrained:
+        return f"{cfg.model.family}:{Path(cfg.model.pretrained).name}"
+    if cfg.model.preset == "random":
+        from ..engine.architectures import architecture
+
+        return f"{architecture(cfg.model.family, cfg.model.architecture).name}-random"
+    return f"{cfg.model.family}-{cfg.model.preset}"
+
+
+def weights_label(cfg: RunConfig) -> str:
+    """Where the weights come from: ``pretrained`` (a local folder), ``random`` (a full-size architecture
+    with random weights: its rewards say nothing about quality) or ``tiny``."""
+    return "pretrained" if cfg.model.pretrained else cfg.model.preset
+
+
+@dataclass
+class Rollout:
+    """What one iteration collects before training."""
+
+    batch: TrainBatch
+    prompts: list[str]
+    rewards: torch.Tensor
+
+
+class Session:
+    """A configured run: policy, reference, optimizer, reward, method and schedule."""
+
+    def __init__(self, cfg: RunConfig, estimator: Estimator | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        # model + precision + gradient checkpointing + LoRA; the reference below is LoRA-aware
+        self.policy: Policy = build_policy(cfg, self.device)
+        self.latent_shape = self.policy.latent_shape(cfg.model.resolution)
+        prompts = prompt_set(cfg.prompts.file)
+        self.prompts = prompts.prompts
+        # text-encoder embeddings (cached per model and prompt file) for a local model, token hashes for tiny
+        self.cond_all = prompt_conditioning(cfg, self.policy.transformer, prompts, self.device)
+        self.reward_fn = build_reward(cfg.reward.name, cfg.reward.options, self.device)
+        if estimator is None:
+            estimator = build_estimator(cfg)  # from the options the config was validated with
+        estimator.check_run(cfg)
+        self.estimator = estimator
+        self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
+        fsdp.shard_run(cfg, self.policy, self.reference)  # train.shard: fsdp; before the optimizer sees the parameters
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
+                                           weight_decay=cfg.train.weight_decay)
+        if cfg.sampling.shift is not None:
+            self.sigmas = flow_sigmas(cfg.sampling.steps, cfg.sampling.shift)
+        else:  # the model's own schedule
+            self.sigmas = flow_sigmas(cfg.sampling.steps, self.policy.schedule_shift(self.latent_shape),
+                                      self.policy.schedule_shift_terminal())
+
+    # ----- one iteration's data -------------------------------------------------------------
+    def pick_prompts(self, generator: torch.Generator) -> torch.Tensor:
+        n, p = len(self.prompts), self.cfg.grpo.prompts_per_iteration
+        order = torch.cat([torch.randperm(n, generator=generator) for _ in range(math.ceil(p / n))])
+        return order[:p]
+
+    def collect(self, iteration: int, telemetry: tel.Telemetry | None = None) -> Rollout:
+        """Rollout, reward, advantages and the trained-step plan for ``iteration``.
+
+        Under data parallelism the randomness of the whole batch is drawn as one process would and this
+        process keeps its share of the groups (:mod:`agg_bench.machine.distributed`); the result is that share.
+        """
+        cfg = self.cfg
+        phase = telemetry.phase if telemetry is not None else (lambda name, **kw: contextlib.nullcontext())
+        shard = distributed.current()
+        gen = iteration_generator(cfg.seed, iteration)
+        g = cfg.grpo.group_size
+        idx = self.pick_prompts(gen)
+        total = len(idx) * g
+        prompts = [self.prompts[i] for i in idx.tolist() for _ in range(g)][shard.rows(total)]
+        cond = self.cond_all[idx].repeat_interleave(g).to(self.device, self.policy.dtype)
+        with phase("rollout"):
+            noise = initial_noise(len(idx), g, self.latent_shape, cfg.sampling.same_noise_per_group, gen,
+                                  torch.float64 if self.policy.dtype == torch.float64 else torch.float32)
+            mask = self.estimator.sde_mask(iteration, cfg.sampling.steps, gen)
+            with self.estimator.rollout_hooks(self.policy) as before_step:
+                traj = rollout(distributed.rollout_policy(self.policy, shard, total), cond, noise, self.sigmas,
+                               cfg.sampling.sde, cfg.sampling.eta, gen, mask, before_step)
+            traj = distributed.take_trajectory(traj, shard)
+        cond = distributed.take(cond, shard, total)
+        with phase("reward"):
+            images = self.policy.decode(traj.latents[:, -1])
+            # float64: advantages divide by the group's spread, which rounding rewards to float32 would blur
+            rewards = self.reward_fn(images, prompts).detach().to(torch.float64).cpu()
+        advantages = group_advantages(rewards, g, cfg.grpo.adv_clip_max, cfg.grpo.adv_std,
+                                      traj.latents.dtype).to(self.device)
+        train_steps = plan_steps(cfg.train.plan, total, traj.sde_mask, cfg.train.timestep_fraction,
+                                 cfg.train.plan_window, gen)
+        train_steps = distributed.take(train_steps, shard, total).to(self.device)
+        batch = TrainBatch(
+            latents=traj.latents, log_probs=traj.log_probs, sigmas=self.sigmas.to(self.device),
+            timesteps=traj.timesteps, advantages=advantages, train_steps=train_steps, cond=cond,
+            sde=cfg.sampling.sde, eta=cfg.sampling.eta, clip_range=cfg.grpo.clip_range, beta=cfg.grpo.beta,
+            velocities=traj.velocities, policy_version=traj.policy_version, kl_form=cfg.grpo.kl_form,
+        )
+        return Rollout(batch=batch, prompts=prompts, rewards=rewards)
+
+    # ----- one update ---------------------------------------------------------------------
+    def update(self, batch: TrainBatch) -> dict:
+        """``train.inner_epochs`` optimizer steps on one rollout; learning statistics of them all."""
+        cfg = self.cfg
+        params = self.policy.parameters()
+        out: dict = {}
+        losses, clips, kls, norms = [], [], [], []
+        for epoch in range(cfg.train.inner_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            stats = UpdateStats(cfg.grpo.clip_range)
+            with distributed.failures_shared():  # no process enters the all-reduce while another failed
+                self.estimator.accumulate(self.policy, batch, stats, self.reference)
+            # every backward above accumulated locally; one averaging all-reduce per optimizer step
+            # (FSDP already averaged each backward's gradients in its reduce-scatter: only the loss is left)
+            sharded = fsdp.is_sharded(self.policy)
+            (loss,) = distributed.average_gradients([] if sharded else params, stats.loss_sum)
+            norm = fsdp.gradient_norm(params)
+            if cfg.train.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+            # checked before the step, so a non-finite gradient never reaches the weights
+            if not torch.isfinite(norm) or not math.isfinite(loss):
+                out["diverged"] = "gradient" if not torch.isfinite(norm) else "loss"
+                break
+            self.optimizer.step()
+            self.policy.version += 1
+            summary = stats.as_dict()
+            if epoch == 0:
+                out.update({k: v for k, v in summary.items() if k not in ("loss", "clip_frac", "approx_kl")})
+            losses.append(summary["loss"])
+            clips.append(summary["clip_frac"])
+            kls.append(summary["approx_kl"])
+            norms.append(float(norm))
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        out.update(loss=mean(losses), clip_frac=mean(clips), approx_kl=mean(kls), grad_norm=mean(norms))
+        return out
+
+
+def identity(cfg: RunConfig, run_id: str, device: torch.device, world_size: int = 1) -> dict:
+    """The identity fields of every record; ``n_gpus`` counts the GPUs of all processes (0 on CPU)."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "run_id": run_id, "method": cfg.method.name, "model": model_label(cfg),
+        "resolution": cfg.model.resolution, "device": device.type, "gpu_name": gpu,
+        "n_gpus": world_size if device.type == "cuda" else 0, "seed": cfg.seed, "weights": weights_label(cfg),
+    }
+
+
+def check_plan(cfg: RunConfig) -> None:
+    """Raise the step plan's ConfigError (e.g. ``train.plan_window`` longer than the trajectory) before a
+    run writes anything rather than in its first iteration."""
+    plan_steps(cfg.train.plan, 1, torch.ones(cfg.sampling.steps, dtype=torch.bool), cfg.train.timestep_fraction,
+               cfg.train.plan_window, torch.Generator())
+
+
+def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) -> dict:
+    """Train one iteration on every process; the record fields of the whole batch: telemetry, pass
+    counts, learning statistics, the method's fields and the reward statistics, the processes'
+    shares combined (:func:`agg_bench.machine.distributed.combine`). ``diverged`` is set when the update
+    stopped before its optimizer step."""
+    counter = session.policy.counter
+    before = counter.copy()
+    with telemetry.iteration():
+        collected = session.collect(iteration, telemetry)
+        before_train = counter.copy()
+        # the policy network's saved tensors: what one backward through it holds, whatever the method
+        with telemetry.phase("train", saved_activations="regions"):
+            learn = session.update(collected.batch)
+    # the train phase's own passes, which the cost model prices (the rollout's are the same for most methods)
+    train_passes = {f"train_{k}": v for k, v in (counter - before_train).as_dict().items()}
+    share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn,
+             **session.estimator.iteration_metrics(), **reward_details(session.reward_fn)}
+    parts = distributed.gather((share, collected.rewards.tolist(), len(collected.prompts)))
+    fields = distributed.combine([p for p, _, _ in parts])
+    rewards = torch.tensor([r for _, rs, _ in parts for r in rs], dtype=torch.float32)
+    fields["reward_mean"] = float(rewards.mean())
+    fields["reward_std"] = float(rewards.std(unbiased=False))
+    fields["images_per_s"] = sum(n for _, _, n in parts) / fields["t_iter_s"] if fields.get("t_iter_s") else None
+    return fields
