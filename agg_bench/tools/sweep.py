@@ -214,7 +214,8 @@ def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Pat
 
 # ----- the jobs -----------------------------------------------------------------------------------------
 class Sweep:
-    """The jobs of a sweep config: runs, gradchecks, embeddings and imported references.
+    """The jobs of a sweep config: runs (on a CPU, grouped into cell jobs that run them in one process),
+    gradchecks, embeddings and imported references.
 
     ``schema``: the sweep schema (``workflow/schemas/config.schema.yaml``) as a path or a dict.
     ``cache_dir``: where the methods' check keeps its answers (None: not kept).
