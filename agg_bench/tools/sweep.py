@@ -294,14 +294,14 @@ class Sweep:
         for run in self.runs.values():
             run["method_options"] = options[run.pop("check")]
         self.cells = self._cells()
-        # runs that no cell job takes: one `run` job each
-        self.single_runs = [r for r in self.runs if not any(r in ids for ids in self.cells.values())]
+        in_cells = {run_id for run_ids in self.cells.values() for run_id in run_ids}
+        self.single_runs = [run_id for run_id in self.runs if run_id not in in_cells]  # one `run` job each
 
     # ----- cells: runs that share one process --------------------------------------------------
     def runs_per_job(self, device: str) -> int:
-        """The most runs one job of ``device`` runs one after the other in one process (``devices.<d>.runs_per_job``);
-        0: all runs of a cell. Default 0 on a device without GPUs, 1 with GPUs (a run holds its GPUs
-        and their memory alone)."""
+        """The most runs one job of ``device`` runs one after the other in one process
+        (``devices.<d>.runs_per_job``); 0: all runs of a cell. Default 0 on a device without GPUs, 1 with
+        GPUs (a run holds its GPUs and their memory alone)."""
         spec = self.devices[device]
         return int(spec.get("runs_per_job", 1 if self.gpus(device) else 0))
 
