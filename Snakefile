@@ -23,7 +23,7 @@ include: "workflow/rules/report.smk"
 include: "workflow/rules/learning.smk"
 
 
-localrules: all, manifest, tables, plots, import_log
+localrules: all, manifest, tables, plots, import_log, cell_jobs
 
 
 wildcard_constraints:

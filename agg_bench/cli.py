@@ -32,6 +32,12 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_cell(args) -> int:
+    from .runtime.cell import run_cell
+
+    return run_cell(args.jobs)
+
+
 def cmd_snapshot(args) -> int:
     from .config import load_config
     from .tools.snapshot import save_snapshot
@@ -257,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save DIR/checkpoint.pt every K iterations (= --set train.checkpoint_every=K)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("cell", help="several training runs one after the other in one process (a workflow cell): "
+                                    "each into its own folder, as agg-bench run writes it")
+    p.add_argument("jobs", type=Path, metavar="JOBS.json",
+                   help='{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR}, ...]}')
+    p.set_defaults(func=cmd_cell)
 
     p = sub.add_parser("snapshot", help="freeze one rollout for replay")
     _add_config_args(p)

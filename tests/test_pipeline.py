@@ -51,6 +51,22 @@ def expected_run_labels(sweep: dict) -> list[dict]:
                        for entry in sweep.get("exclude", []))]
 
 
+def run_id(labels: dict) -> str:
+    return f"{labels['method']}_{labels['model']}_{labels['resolution']}px_s{labels['seed']}_{labels['device']}"
+
+
+def planned_runs(stdout: str) -> dict[str, str]:
+    """{run id: the rule of the job that writes its summary} from a dry run's job list."""
+    runs = {}
+    for block in re.split(r"^(?=(?:local)?rule \w+:$)", stdout, flags=re.M)[1:]:
+        rule = re.match(r"(?:local)?rule (\w+):", block).group(1)
+        outputs = re.search(r"^\s*output: (.*)$", block, re.M)
+        for found in re.findall(r"results/runs/([^/,\s]+)/summary\.json", outputs.group(1) if outputs else ""):
+            assert found not in runs, found  # one job per run
+            runs[found] = rule
+    return runs
+
+
 def expected_runs(sweep: dict) -> int:
     return len(expected_run_labels(sweep))
 
@@ -67,7 +83,16 @@ def test_dry_run_expands_every_job(tmp_path, name, extra):
     proc = snakemake(work, "-n", *args, *extra)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     counts = job_counts(proc.stdout)
-    assert counts["run"] == expected_runs(sweep)
+    cells = {rule: n for rule, n in counts.items() if rule.startswith("cell_") and rule != "cell_jobs"}
+    runs = planned_runs(proc.stdout)
+    assert sorted(runs) == sorted(run_id(c) for c in expected_run_labels(sweep))
+    if name == "config.yaml":  # on a CPU: one cell job per model x resolution, each running all its runs
+        assert "run" not in counts
+        assert counts["cell_jobs"] == len(cells) == len(sweep["models"]) * len(sweep["resolutions"])
+        assert set(cells.values()) == {1} and set(runs.values()) == set(cells)
+        assert len(runs) // len(cells) == len(sweep["methods"]) * len(sweep["seeds"])
+    else:  # on GPUs: one job per run (its GPUs and their memory its own)
+        assert not cells and "cell_jobs" not in counts and counts["run"] == expected_runs(sweep)
     gradcheck = sweep.get("gradcheck") or {}
     assert counts.get("gradcheck", 0) == len(gradcheck.get("models", sweep["models"])) * len(gradcheck.get("resolutions", []))
     assert counts.get("embed", 0) == (len(sweep["models"]) if "embed" in sweep else 0)

@@ -1,6 +1,7 @@
 """agg_bench.tools.sweep and agg_bench.engine.families: a sweep config expanded into jobs and checked without importing
 torch, resolutions checked from the model's configs, and the methods' check kept between parses."""
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,33 @@ def test_a_run_imports_only_its_own_method():
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_cells_group_a_cpu_devices_runs(in_process):
+    """A CPU device's runs of one model x resolution go to one cell job (or `runs_per_job` at a time); a
+    cell's job file holds each run's `agg-bench run` arguments; GPU runs stay one job each."""
+    config = sweep_config()
+    config["seeds"] = [0, 1, 2]
+    sweep = Sweep(config, SCHEMA)
+    assert sweep.cells == {"sd3_32px_cpu": list(sweep.runs)} and sweep.single_runs == []
+    assert sweep.cell_rule("sd3_32px_cpu") == "cell_sd3_32px_cpu"
+    jobs = sweep.cell_jobs("sd3_32px_cpu")["runs"]
+    assert [job["out"] for job in jobs] == [f"results/runs/{r}" for r in sweep.runs]
+    for job, run_id in zip(jobs, sweep.runs):  # the arguments the run's own job would give `agg-bench run`
+        sets = " ".join(f"--set {shlex.quote(item)}" for item in job["set"])
+        assert sweep.run_command(run_id) == \
+            f"{sweep_module.PYTHON} -m agg_bench run --config {job['config']} {sets} --out {job['out']}"
+    assert sweep.cell_command("sd3_32px_cpu") == \
+        f"{sweep_module.PYTHON} -m agg_bench cell results/cells/sd3_32px_cpu.json"
+    assert sweep.cell_outputs("sd3_32px_cpu")[:3] == [f"{jobs[0]['out']}/{name}"
+                                                      for name in ("summary.json", "metrics.jsonl", "env.json")]
+    config["devices"]["cpu"]["runs_per_job"] = 4  # 6 runs: two jobs of 3
+    split = Sweep(config, SCHEMA)
+    assert {name: len(ids) for name, ids in split.cells.items()} == {"sd3_32px_cpu_1of2": 3, "sd3_32px_cpu_2of2": 3}
+    config["devices"]["cpu"]["runs_per_job"] = 1
+    assert Sweep(config, SCHEMA).cells == {} and Sweep(config, SCHEMA).single_runs == list(sweep.runs)
+    config["devices"] = {"gpu1": {"device": "cuda", "gpus": 1, "runs_per_job": 2}}
+    with pytest.raises(SweepError, match=r"devices\.gpu1\.runs_per_job: 2: a job on GPUs runs one run"):
+        Sweep(config, SCHEMA)
+    del config["devices"]["gpu1"]["runs_per_job"]
+    assert Sweep(config, SCHEMA).cells == {}

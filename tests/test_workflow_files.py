@@ -3,20 +3,23 @@ benchmark, and the default profile is found without a flag."""
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MEASURING = {"embed", "run", "gradcheck", "calibrate", "pretrain"}
+MEASURING = {"embed", "run", "cell", "gradcheck", "calibrate", "pretrain"}
 
 
 def rules() -> dict[str, str]:
-    """Rule name -> its body, from the Snakefile and every workflow/rules/*.smk."""
+    """Rule name -> its body (dedented), from the Snakefile and every workflow/rules/*.smk. A rule made in a
+    loop (`rule:` with a `name:` directive, one per cell) goes by the first word of the name it is given."""
     found = {}
     for path in [ROOT / "Snakefile", *sorted((ROOT / "workflow" / "rules").glob("*.smk"))]:
         text = path.read_text()
-        starts = [(m.group(1), m.start()) for m in re.finditer(r"^rule (\w+):", text, flags=re.M)]
+        starts = [(m.group(1), m.start()) for m in re.finditer(r"^ *rule( \w+)?:", text, flags=re.M)]
         for (name, start), nxt in zip(starts, [s for _, s in starts[1:]] + [len(text)]):
-            found[name] = text[start:nxt]
+            body = textwrap.dedent(text[start:nxt])
+            found[name.strip() if name else re.search(r"name:\s+\w+\.(\w+?)_", body).group(1)] = body
     return found
 
 

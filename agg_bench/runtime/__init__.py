@@ -1,8 +1,9 @@
-"""The runtime: one training run.
+"""The runtime: one training run, or several in one process.
 
 The configured run and one iteration (session), the GRPO loop that turns iterations into metric
-records (train), the run folder's files and rules (runfolder), resumable checkpoints (checkpoint) and
-the memory planner that a run and ``agg-bench plan`` consult (memplan).
+records (train), the run folder's files and rules (runfolder), resumable checkpoints (checkpoint), the
+memory planner that a run and ``agg-bench plan`` consult (memplan) and the cell job that runs a
+workflow cell's runs one after the other in one process (cell).
 It imports every wing below it (basics, results, machine, engine, methods); never the tools
 (``tests/test_import_graph.py``).
 """

@@ -43,15 +43,20 @@ from ..config import (YamlRefused, check_data_parallel, check_expanded_size, che
 from ..engine.families import check_resolution
 from ..errors import UserError, quote
 from ..io import atomic_path
+from ..runtime.cell import job_entry
 
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
 EMBED_DIR = "results/embeddings"
 PRETRAINED_DIR = "results/pretrained"  # model folders the workflow's pretrain rule makes
+CELL_DIR = "results/cells"  # the cell jobs' job files
+RUN_OUTPUTS = ("summary.json", "metrics.jsonl", "env.json")  # a run job's declared outputs
 
 
 def is_pretrained_here(path: Any) -> bool:
     """Whether a ``model.pretrained`` value names a folder that the workflow's pretrain rule makes."""
     return isinstance(path, str) and path.startswith(PRETRAINED_DIR + "/")
+
+
 CACHE_DIR = Path(".snakemake") / "agg-bench"
 # keys whose value is one whole section: a method's options must not mix with another method's
 WHOLE_SECTIONS = ("method", "options")
@@ -209,7 +214,8 @@ def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Pat
 
 # ----- the jobs -----------------------------------------------------------------------------------------
 class Sweep:
-    """The jobs of a sweep config: runs, gradchecks, embeddings and imported references.
+    """The jobs of a sweep config: runs (on a CPU, grouped into cell jobs that run them in one process),
+    gradchecks, embeddings and imported references.
 
     ``schema``: the sweep schema (``workflow/schemas/config.schema.yaml``) as a path or a dict.
     ``cache_dir``: where the methods' check keeps its answers (None: not kept).
@@ -287,6 +293,58 @@ class Sweep:
         options = checked_methods(self.base_file, checks, cache_dir) if checks else {}
         for run in self.runs.values():
             run["method_options"] = options[run.pop("check")]
+        self.cells = self._cells()
+        in_cells = {run_id for run_ids in self.cells.values() for run_id in run_ids}
+        self.single_runs = [run_id for run_id in self.runs if run_id not in in_cells]  # one `run` job each
+
+    # ----- cells: runs that share one process --------------------------------------------------
+    def runs_per_job(self, device: str) -> int:
+        """The most runs one job of ``device`` runs one after the other in one process
+        (``devices.<d>.runs_per_job``); 0: all runs of a cell. Default 0 on a device without GPUs, 1 with
+        GPUs (a run holds its GPUs and their memory alone)."""
+        spec = self.devices[device]
+        return int(spec.get("runs_per_job", 1 if self.gpus(device) else 0))
+
+    def _cells(self) -> dict[str, list[str]]:
+        """{cell job: its run ids}: the runs of one model x resolution x device, in sweep order, split into
+        jobs of at most ``runs_per_job`` runs of as even a size as may be. A job of one run is a `run`
+        job and not listed."""
+        groups: dict[str, list[str]] = {}
+        for run_id, run in self.runs.items():
+            groups.setdefault(f"{run['model']}_{run['resolution']}px_{run['device']}", []).append(run_id)
+        cells = {}
+        for name, run_ids in groups.items():
+            device = self.runs[run_ids[0]]["device"]
+            size = self.runs_per_job(device) or len(run_ids)
+            if size > 1 and self.gpus(device):
+                raise SweepError(f"devices.{device}.runs_per_job: {size}: a job on GPUs runs one run (each run "
+                                 "holds its GPUs and their memory alone); expected 1 or no key")
+            count = -(-len(run_ids) // size)
+            for part in range(count):
+                ids = run_ids[len(run_ids) * part // count:len(run_ids) * (part + 1) // count]
+                if len(ids) > 1:
+                    cells[name if count == 1 else f"{name}_{part + 1}of{count}"] = ids
+        return cells
+
+    def cell_rule(self, cell: str) -> str:
+        """The Snakemake rule of cell job ``cell`` (one rule per cell: a rule's outputs are its runs' files)."""
+        def rule(name: str) -> str:
+            return "cell_" + "".join(c if c.isalnum() else "_" for c in name)
+
+        same = [name for name in self.cells if rule(name) == rule(cell)]  # labels that differ in '.' and '-'
+        return rule(cell) if len(same) == 1 else f"{rule(cell)}_{same.index(cell) + 1}"
+
+    def cell_jobs(self, cell: str) -> dict:
+        """The job file of ``cell`` (:mod:`agg_bench.runtime.cell`): each run's `agg-bench run` arguments."""
+        return {"runs": [job_entry(self.base_file, overrides_of(self.runs[run_id]["pairs"]), f"results/runs/{run_id}")
+                         for run_id in self.cells[cell]]}
+
+    def cell_command(self, cell: str) -> str:
+        return f"{PYTHON} -m agg_bench cell {CELL_DIR}/{cell}.json"
+
+    def cell_outputs(self, cell: str) -> list[str]:
+        """Every file of the cell's run folders that a `run` job declares."""
+        return [f"results/runs/{run_id}/{name}" for run_id in self.cells[cell] for name in RUN_OUTPUTS]
 
     def excluded(self, labels: dict) -> bool:
         """Whether an `exclude` entry matches every label it names (shell-style patterns: cache-*)."""

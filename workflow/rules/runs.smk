@@ -19,7 +19,10 @@ rule embed:
         "OMP_NUM_THREADS={threads} {params.command} > {log} 2>&1"
 
 
+# a run on its own: GPU runs (each holds its GPUs and their memory alone), and CPU runs a cell job does not take
 rule run:
+    wildcard_constraints:
+        run_id="|".join(re.escape(run_id) for run_id in SWEEP.single_runs) or "(?!)",
     input:
         lambda wc: SWEEP.inputs(SWEEP.runs[wc.run_id]["model"]),
     output:
@@ -37,6 +40,50 @@ rule run:
         command=lambda wc: SWEEP.run_command(wc.run_id),
     shell:
         "OMP_NUM_THREADS={threads} {params.command} > {log} 2>&1"
+
+
+# Cell jobs: the runs of one model x resolution on a CPU device in one process (`agg-bench cell`), which pays
+# torch's and diffusers' imports once instead of once per run (docs/workflow.md, "Cell jobs"). Each run still
+# writes its own folder; the cell's job file lists the runs' `agg-bench run` arguments.
+rule cell_jobs:
+    output:
+        f"{CELL_DIR}/{{cell}}.json",
+    wildcard_constraints:
+        cell="|".join(re.escape(cell) for cell in SWEEP.cells) or "(?!)",
+    log:
+        "results/logs/cell_jobs/{cell}.log",
+    params:
+        jobs=lambda wc: SWEEP.cell_jobs(wc.cell),
+    run:
+        from agg_bench.io import write_json
+
+        write_json(output[0], params.jobs)
+        with open(log[0], "w") as handle:
+            handle.write(f"{output[0]}: {len(params.jobs['runs'])} runs\n")
+
+
+# one rule per cell job: a rule's outputs are named by its wildcards, and a cell's are its runs' files
+for CELL, RUN_IDS in SWEEP.cells.items():
+
+    rule:
+        name:
+            SWEEP.cell_rule(CELL)
+        input:
+            f"{CELL_DIR}/{CELL}.json",
+            SWEEP.inputs(SWEEP.runs[RUN_IDS[0]]["model"]),
+        output:
+            SWEEP.cell_outputs(CELL),
+        log:
+            f"results/logs/cell/{CELL}.log",
+        benchmark:
+            f"results/benchmarks/cell/{CELL}.tsv"
+        threads: SWEEP.threads(SWEEP.runs[RUN_IDS[0]]["device"])
+        resources:
+            gpu=0,
+        params:
+            command=SWEEP.cell_command(CELL),
+        shell:
+            "OMP_NUM_THREADS={threads} {params.command} > {log} 2>&1"
 
 
 rule gradcheck:

@@ -1,0 +1,134 @@
+"""A cell job: several training runs one after the other in one process (``agg-bench cell JOBS.json``).
+
+A run job's process spends most of its life importing torch and diffusers (3.5 s on a 2-core Xeon, 9 s on
+a 2-core EPYC) when the run itself trains tiny models for 1-3 s. Runs that could share a process (the same
+device, model and resolution on a CPU: the workflow's cells) therefore run in one, each into its own run
+folder exactly as ``agg-bench run --config C --set ... --out DIR`` writes it: the same files and records,
+its own folder claim and summary status. A run that ends in oom or diverged, or fails, does not stop the
+others; a signal stops the cell.
+
+The job file is a JSON object ``{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR},
+...]}``: each run's ``agg-bench run`` arguments (:func:`job_entry` writes one). Every run's config is
+loaded and checked before the first run starts, so a bad job file writes nothing.
+
+This module imports no torch at module level: the workflow's parse (:mod:`agg_bench.tools.sweep`)
+writes job files with :func:`job_entry`.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError, run_command
+from ..jsonfiles import json_type, read_json_object
+
+EXPECTED = ('an agg-bench cell job file: {"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], '
+            '"out": DIR}, ...]}')
+ENTRY_KEYS = ("config", "set", "out")
+# the exit codes of failed runs, mildest first: a user error (2), then a bug in agg-bench (1)
+SEVERITY = {0: 0, 2: 1, 1: 2}
+
+
+@dataclass(frozen=True)
+class CellRun:
+    """One run of a cell: what ``agg-bench run --config CONFIG --set SET... --out OUT`` is given."""
+
+    config: str | None
+    overrides: tuple[str, ...]
+    out: Path
+
+
+def job_entry(config: str | None, overrides: list[str], out: str) -> dict[str, Any]:
+    """One run's entry in a job file."""
+    return {"config": config, "set": list(overrides), "out": out}
+
+
+def _entry(path: Path, index: int, entry: Any) -> CellRun:
+    where = f"runs[{index}]"
+    if not isinstance(entry, dict):
+        raise UserError(f"{path}: {where} is {json_type(entry)}; expected an object with keys {', '.join(ENTRY_KEYS)}")
+    unknown = [key for key in entry if key not in ENTRY_KEYS]
+    if unknown:
+        raise UserError(f"{path}: {where}.{unknown[0]} is not a key of a run (allowed: {', '.join(ENTRY_KEYS)})")
+    config, overrides, out = entry.get("config"), entry.get("set", []), entry.get("out")
+    if config is not None and not (isinstance(config, str) and config):
+        raise UserError(f"{path}: {where}.config is {json_type(config)}; expected a run config file or null")
+    if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
+        raise UserError(f"{path}: {where}.set is {json_type(overrides)}; expected a list of KEY=VALUE strings")
+    if not (isinstance(out, str) and out):
+        raise UserError(f"{path}: {where}.out is {json_type(out)}; expected the run folder")
+    return CellRun(config, tuple(overrides), Path(out))
+
+
+def read_jobs(path: str | Path) -> list[CellRun]:
+    """The runs a job file lists, checked in form (not yet their configs): a UserError naming the file and
+    the entry for anything else, or for two runs into one folder."""
+    path = Path(path)
+    runs = read_json_object(path, EXPECTED).get("runs")
+    if not isinstance(runs, list) or not runs:
+        raise UserError(f"{path}: runs is {json_type(runs) if runs != [] else 'an empty list'}; "
+                        "expected a list of one or more runs")
+    jobs = [_entry(path, index, entry) for index, entry in enumerate(runs)]
+    seen: dict[Path, int] = {}
+    for index, job in enumerate(jobs):
+        folder = Path(job.out).resolve()
+        if folder in seen:
+            raise UserError(f"{path}: runs[{index}].out {job.out} is also runs[{seen[folder]}].out; "
+                            "expected a folder of its own for each run")
+        seen[folder] = index
+    return jobs
+
+
+def load_jobs(path: str | Path) -> list[tuple[CellRun, Any]]:
+    """Each run of the job file with its loaded run config (:func:`agg_bench.config.load_config`, as
+    ``agg-bench run`` loads it); the first bad one raises a UserError naming the entry and its folder."""
+    from ..config import load_config
+
+    loaded = []
+    for index, job in enumerate(read_jobs(path)):
+        try:
+            loaded.append((job, load_config(job.config, list(job.overrides))))
+        except UserError as err:
+            raise UserError(f"{path}: runs[{index}] (--out {job.out}): {err}") from None
+    return loaded
+
+
+def run_cell(path: str | Path) -> int:
+    """Every run of job file ``path``, in its order, through :func:`agg_bench.runtime.train.train`; the
+    exit code ``agg-bench run`` gives for the worst of them (a bug: 1, before a user error: 2, before 0), or
+    128 + N at once when signal N stops a run. Each run's failure prints as ``agg-bench run`` prints it,
+    named by its folder; stderr gets one line as each run starts and one as it ends, stdout each run's
+    result line ``{"out", "status"}``."""
+    from ..machine.distributed import launched_world_size
+
+    if launched_world_size() > 1:
+        raise UserError("agg-bench cell runs its runs in one process; start a run on several GPUs with "
+                        "torchrun ... agg-bench run")
+    jobs = load_jobs(path)  # every config checked before the first run writes anything
+    from .train import train
+
+    worst = 0
+    for number, (job, cfg) in enumerate(jobs, 1):
+        print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} started", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        status: list[str] = []
+
+        def one_run() -> int:
+            status.append(train(cfg, job.out)["status"])
+            print(json.dumps({"out": str(job.out), "status": status[0]}), flush=True)
+            return 0
+
+        code = run_command(f"agg-bench cell: {job.out}", one_run, ["agg-bench", "cell", str(path)], job.out)
+        ended = status[0] if status else f"failed (exit code {code})"
+        print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} {ended} in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr, flush=True)
+        if code >= 128:  # stopped by a signal: the cell stops with it
+            return code
+        worst = max(worst, code, key=SEVERITY.__getitem__)
+        gc.collect()  # the finished run's models and tensors, before the next run measures its memory
+    return worst
