@@ -9,6 +9,8 @@ from typing import Any
 
 from .errors import UserError
 
+MAX_JSON_BYTES = 64 * 2**20  # far above any manifest, calibration or config; read whole, so bounded
+
 JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "true or false", int: "a number",
               float: "a number", type(None): "null"}
 
@@ -33,6 +35,9 @@ def read_json_object(path: str | Path, expected: str) -> dict:
     JSON, or holds another JSON value."""
     path = Path(path)
     try:
+        if path.is_file() and path.stat().st_size > MAX_JSON_BYTES:
+            raise JsonFileError(path, f"is {path.stat().st_size:,} bytes, over the {MAX_JSON_BYTES // 2**20} MiB "
+                                "such a file may have", expected)
         text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise JsonFileError(path, "no such file", expected) from None

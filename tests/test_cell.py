@@ -82,6 +82,8 @@ def run(out: Path, *overrides: str) -> dict:
      ["runs[1].resume", "allowed: config, set, out"]),
     (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "set": "seed=1"}]}, ["runs[1].set", "a string", "KEY=VALUE"]),
     (lambda t: {"runs": [run(t / "a"), run(t / "a")]}, ["runs[1].out", "also runs[0].out"]),
+    (lambda t: {"runs": [run(t / f"r{i}") for i in range(4097)]}, ["4,097 runs", "at most 4,096"]),
+    (lambda t: " " * (64 * 2**20 + 1), ["jobs.json", "over the 64 MiB"]),
     # a config error in a later run: found before the first run writes anything
     (lambda t: {"runs": [run(t / "a"), run(t / "b", "train.lr=fast")]}, ["runs[1]", "train.lr", "'fast'"]),
 ])

@@ -30,6 +30,7 @@ from ..jsonfiles import json_type, read_json_object
 EXPECTED = ('an agg-bench cell job file: {"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], '
             '"out": DIR}, ...]}')
 ENTRY_KEYS = ("config", "set", "out")
+MAX_RUNS = 4096  # a cell is one model x resolution: its methods x seeds; every run's config is checked first
 # the exit codes of failed runs, mildest first: a user error (2), then a bug in agg-bench (1)
 SEVERITY = {0: 0, 2: 1, 1: 2}
 
@@ -73,6 +74,8 @@ def read_jobs(path: str | Path) -> list[CellRun]:
     if not isinstance(runs, list) or not runs:
         raise UserError(f"{path}: runs is {json_type(runs) if runs != [] else 'an empty list'}; "
                         "expected a list of one or more runs")
+    if len(runs) > MAX_RUNS:
+        raise UserError(f"{path}: runs lists {len(runs):,} runs; expected at most {MAX_RUNS:,} in one cell")
     jobs = [_entry(path, index, entry) for index, entry in enumerate(runs)]
     seen: dict[Path, int] = {}
     for index, job in enumerate(jobs):
