@@ -171,7 +171,7 @@ def cmd_profile(args) -> int:
     from .config import load_config
     from .errors import ConfigError
     from .io import write_json
-    from .machine.telemetry import environment
+    from .machine.envinfo import environment
     from .outdir import claim_folder
     from .runtime.session import Session
     from .tools.profiling import PROFILE_CONTENTS, profile_steps
@@ -238,7 +238,7 @@ def cmd_pretrain(args) -> int:
 
 
 def cmd_env(args) -> int:
-    from .machine.telemetry import environment
+    from .machine.envinfo import environment
 
     print(json.dumps(environment(), indent=2, default=str))
     return 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from agg_bench.machine import telemetry
+from agg_bench.machine import envinfo, telemetry
 from agg_bench.machine.telemetry import (
     TELEMETRY_KEYS,
     CudaMemory,
@@ -528,7 +528,7 @@ def test_environment_describes_the_machine(monkeypatch):
 
 def test_environment_without_nvml_or_git(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    monkeypatch.setattr(telemetry, "_git", lambda *args: None)
+    monkeypatch.setattr(envinfo, "_git", lambda *args: None)
     env = environment()
     assert env["driver_version"] is None
     assert env["git_commit"] is None and env["git_dirty"] is None

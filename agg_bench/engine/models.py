@@ -31,7 +31,7 @@ from diffusers import (
 from ..config import RunConfig, TrainConfig
 from ..errors import ConfigError
 from ..jsonfiles import JsonFileError, read_json_object
-from ..machine.telemetry import saved_activation_region
+from ..machine.activations import saved_activation_region
 from .counters import PassCounter, count_backward
 from .families import TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, ImageGeometry
 from .lora import adapters_disabled, apply_lora, has_adapters  # noqa: F401  (has_adapters: also imported from here)

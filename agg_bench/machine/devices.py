@@ -30,3 +30,12 @@ def resolve_device(name: str, key: str = "device") -> torch.device:
         raise ConfigError(key, name, f"a CUDA device this machine has ({torch.cuda.device_count()} visible: "
                                      f"cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return device
+
+
+def is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def cuda_index(device: torch.device) -> int:
+    """The CUDA ordinal of ``device`` (the current device where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()

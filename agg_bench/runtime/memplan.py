@@ -45,7 +45,7 @@ from ..engine.models import (POLICIES, TRANSFORMER_CLASSES, VAE_CLASSES, Conditi
 from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 from ..errors import ConfigError
 from ..machine import distributed
-from ..machine.telemetry import SavedActivations, counting_regions
+from ..machine.activations import SavedActivations, counting_regions
 from ..methods.base import method_options
 
 GIB = 1024 ** 3

@@ -39,7 +39,7 @@ from pathlib import Path
 from ..config import DEFAULTS
 from ..errors import UserError
 from ..io import JsonlWriter, is_temp_name, write_json, write_lines
-from ..machine.telemetry import environment
+from ..machine.envinfo import environment
 from ..outdir import Claim, Contents, check_folder
 from .checkpoint import (CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference,
                          remove_shard_folders)

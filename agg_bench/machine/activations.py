@@ -1,0 +1,193 @@
+"""Saved activations: the bytes autograd keeps for backward, counted through saved-tensor hooks
+(``SavedActivations``), and the regions of a training step whose saves are counted
+(``saved_activation_region``, ``counting_regions``). Part of the run's telemetry
+(:mod:`agg_bench.machine.telemetry`, which re-exports these names)."""
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+
+class _SavedHandle:
+    """What autograd stores in place of a saved tensor while ``SavedActivations`` is active.
+
+    Releasing the handle (when autograd frees the graph) releases its bytes from the live count.
+    """
+
+    __slots__ = ("tensor", "version", "key", "owner")
+
+    def __init__(self, tensor: torch.Tensor, key: Any, owner: "SavedActivations | None"):
+        # A detached alias shares storage and version counter but not the graph, so the handle does
+        # not keep the autograd graph alive through a reference cycle (a tensor that does not
+        # require grad has no graph to keep).
+        self.tensor = tensor.detach() if tensor.requires_grad else tensor
+        self.version = tensor._version
+        self.key = key
+        self.owner = owner
+
+    def __del__(self) -> None:
+        if self.owner is not None:
+            self.owner._release(self.key)
+
+
+class SavedActivations:
+    """Peak bytes of tensors that autograd holds for a backward pass, counted exactly.
+
+    Accounting rule: every tensor saved for backward while the tracker is active is counted by the
+    size of its underlying storage (``untyped_storage().nbytes()``), and each storage once however
+    many saved tensors or views share it. A storage leaves the count when autograd frees the last
+    saved tensor that uses it (after backward, or when the graph is dropped). Storages of
+    ``nn.Parameter`` objects (saved directly or as a view such as ``weight.t()``) are not counted,
+    trainable or frozen: they live as long as the model whether or not a backward runs. Everything
+    else is counted, including inputs that do not require grad (latents, conditioning) and buffers,
+    since the graph keeps them alive. The count depends only on which tensors autograd saves, never
+    on an allocator, so it is the same on every device for the same kernels (attention backends on
+    different devices may save different tensors) and works on the ``meta`` device.
+
+    ``peak_bytes`` is the largest live count seen while active; ``live_bytes`` is the current count.
+    The tracker can be entered several times; counts carry over, and ``reset()`` restarts the peak.
+    Trackers do not nest: an inner one sees the tensors saved inside it, the outer one does not.
+
+    While active, autograd skips its own in-place modification check for saved tensors (a property
+    of ``saved_tensors_hooks``); the tracker restores it by comparing version counters on unpack.
+    Tensors saved inside non-reentrant gradient checkpointing regions are handled by checkpointing's
+    own hooks and are not seen.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._refs: dict[Any, int] = {}
+        self._sizes: dict[Any, int] = {}
+        # Handles are released from finalizers, which can run on any thread and at any allocation,
+        # even inside ``_pack``; they only queue the key, and the count is settled under the lock.
+        self._released: deque[Any] = deque()
+        self._live_bytes = 0
+        self._peak_bytes = 0
+        self._hooks: Any = None
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of saved storages autograd still holds."""
+        with self._lock:
+            self._settle_releases()
+            return self._live_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Largest ``live_bytes`` since creation or ``reset()``."""
+        with self._lock:
+            return self._peak_bytes
+
+    def reset(self) -> None:
+        """Forget the peak: it restarts from the bytes that are live now."""
+        with self._lock:
+            self._settle_releases()
+            self._peak_bytes = self._live_bytes
+
+    @property
+    def active(self) -> bool:
+        """Whether the tracker's hooks are installed (inside its ``with`` block)."""
+        return self._hooks is not None
+
+    def _settle_releases(self) -> None:
+        while self._released:
+            key = self._released.popleft()
+            count = self._refs[key] - 1
+            if count == 0:
+                del self._refs[key]
+                self._live_bytes -= self._sizes.pop(key)
+            else:
+                self._refs[key] = count
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        # Called for every saved tensor: kept to a few attribute reads and dict operations.
+        base = tensor._base
+        if isinstance(tensor if base is None else base, nn.Parameter):
+            return tensor
+        try:
+            storage = tensor.untyped_storage()
+            key, nbytes = storage._cdata, None
+        except (RuntimeError, NotImplementedError, AttributeError):
+            # Tensors without a plain storage (sparse, some subclasses) count by their own size,
+            # each as its own entry.
+            storage, key, nbytes = None, ("tensor", next(_unshared_keys)), tensor.numel() * tensor.element_size()
+        with self._lock:
+            if self._released:
+                self._settle_releases()
+            count = self._refs.get(key, 0)
+            if count == 0:
+                nbytes = int(storage.nbytes()) if nbytes is None else nbytes
+                self._sizes[key] = nbytes
+                self._live_bytes += nbytes
+                if self._live_bytes > self._peak_bytes:
+                    self._peak_bytes = self._live_bytes
+            self._refs[key] = count + 1
+        return _SavedHandle(tensor, key, self)
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        if type(packed) is not _SavedHandle:
+            return packed
+        tensor = packed.tensor
+        if tensor._version != packed.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: saved at version {packed.version}, now at version "
+                f"{tensor._version}"
+            )
+        return tensor
+
+    def _release(self, key: Any) -> None:
+        self._released.append(key)
+
+    def __enter__(self) -> "SavedActivations":
+        if self.active:
+            raise RuntimeError("SavedActivations is already active")
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
+
+
+_unshared_keys = itertools.count()
+
+
+# The tracker that ``saved_activation_region()`` blocks count into, set by a phase that counts
+# saved activations in regions only; None outside such a phase.
+region_tracker: ContextVar[SavedActivations | None] = ContextVar("agg_bench_saved_region", default=None)
+
+
+@contextmanager
+def saved_activation_region() -> Iterator[None]:
+    """Mark a block whose saved tensors belong to the count of a ``Telemetry.phase(...,
+    saved_activations="regions")`` around it (the training loop marks the policy network's
+    forward). Outside such a phase, or inside a tracker that is already counting, it does nothing.
+    """
+    tracker = region_tracker.get()
+    if tracker is None or tracker.active:
+        yield
+        return
+    with tracker:
+        yield
+
+
+@contextmanager
+def counting_regions(tracker: SavedActivations) -> Iterator[SavedActivations]:
+    """Count what ``saved_activation_region()`` blocks save into ``tracker``, as a phase with
+    ``saved_activations="regions"`` does (the memory planner counts a forward this way)."""
+    token = region_tracker.set(tracker)
+    try:
+        yield tracker
+    finally:
+        region_tracker.reset(token)

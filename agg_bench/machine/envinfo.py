@@ -1,0 +1,103 @@
+"""The machine and software a run measured on: ``environment()``, what a run folder's env.json holds
+(versions of Python, torch and the packages, CPU model, GPUs, driver, git commit, host). Re-exported by
+:mod:`agg_bench.machine.telemetry`."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..threads import usable_cores
+from .nvml import _shutdown_quietly
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _git(*args: str) -> str | None:
+    repo_dir = Path(__file__).resolve().parent
+    try:
+        result = subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(repo_dir), *args],
+            capture_output=True, text=True, timeout=10, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip()
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:
+        return None
+    finally:
+        _shutdown_quietly(pynvml)
+
+
+def environment() -> dict[str, Any]:
+    """The machine and software a result was measured on, for ``env.json`` and every benchmark row.
+
+    GPU fields describe the GPUs this process can see (``CUDA_VISIBLE_DEVICES`` applies);
+    ``git_commit`` is the commit of the repository holding this package (None outside git) and
+    ``git_dirty`` whether tracked files differ from it.
+    """
+    cuda_available = torch.cuda.is_available()
+    gpu_count = torch.cuda.device_count() if cuda_available else 0
+    gpu_names = [torch.cuda.get_device_name(i) for i in range(gpu_count)]
+    gpu_memory = [int(torch.cuda.get_device_properties(i).total_memory) for i in range(gpu_count)]
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_count_usable": usable_cores(),
+        "torch": torch.__version__,
+        "diffusers": _package_version("diffusers"),
+        "numpy": _package_version("numpy"),
+        "cuda_available": cuda_available,
+        "cuda_version": torch.version.cuda,
+        "cudnn": cudnn,
+        "driver_version": _driver_version(),
+        "gpu_count": gpu_count,
+        "gpu_names": gpu_names,
+        "gpu_name": gpu_names[0] if gpu_names else None,
+        "gpu_total_memory_bytes": gpu_memory,
+        "git_commit": commit or None,
+        "git_dirty": bool(status) if status is not None else None,
+        "hostname": socket.gethostname(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
