@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 
-
 class _SavedHandle:
     """What autograd stores in place of a saved tensor while ``SavedActivations`` is active.
 
