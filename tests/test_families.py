@@ -76,7 +76,8 @@ def test_no_module_outside_the_families_branches_on_a_family_name():
     sources = [p for folder in ("agg_bench", "baselines") for p in sorted((ROOT / folder).rglob("*.py"))
                if FAMILIES_DIR not in p.parents and p not in CONFIG_VALIDATION]
     assert len(sources) > 50
-    found = {str(p.relative_to(ROOT)): hits for p in sources if (hits := family_names_used(ast.parse(p.read_text()), names))}
+    found = {str(p.relative_to(ROOT)): hits for p in sources
+             if (hits := family_names_used(ast.parse(p.read_text()), names))}
     assert found == {}
 
 

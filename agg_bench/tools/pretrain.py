@@ -49,9 +49,10 @@ class PretrainConfig:
     """What ``agg-bench pretrain`` trains.
 
     family: a model family with a pixel-space scene model (its spec's ``pixel_transformer``: ``sd3``,
-    ``flux``). resolution: image side in pixels (a multiple of 4 x ``pixel_factor``). steps: optimizer steps. batch_size: images per step. lr: AdamW
-    learning rate (linear warm-up over the first ``warmup_steps``). lr_schedule: after the warm-up,
-    ``constant`` or ``cosine`` (down to 0 at the last step: late steps refine instead of wander).
+    ``flux``). resolution: image side in pixels (a multiple of 4 x ``pixel_factor``). steps: optimizer
+    steps. batch_size: images per step. lr: AdamW learning rate (linear warm-up over the first
+    ``warmup_steps``). lr_schedule: after the warm-up, ``constant`` or ``cosine`` (down to 0 at the last
+    step: late steps refine instead of wander).
     ema_decay: decay of the saved weights' moving average. seed: data, noise and initial weights. num_layers: transformer blocks (FLUX:
     this many double-stream and this many single-stream blocks). num_attention_heads /
     attention_head_dim: attention width. text_dim: token and pooled embedding width. max_tokens: caption
