@@ -1,8 +1,8 @@
 """The engine: what one GRPO update computes.
 
-The DiT policies and their conditioning (models, text, prompts, lora, architectures, families,
-pixel_decoder), the sampler (sde, rollout), advantages, the clipped loss and its upstream gradients
-(grpo), which steps each sample trains (plan), the pass counter (counters) and the rewards (rewards,
-scenes, scene_reward, reward_models/). It imports the top-level basics, the results readers and the
+The model families' specs (families/), the DiT policies and their conditioning (models, text, prompts,
+lora, architectures, pixel_decoder), the sampler (sde, rollout), advantages, the clipped loss and its
+upstream gradients (grpo), which steps each sample trains (plan), the pass counter (counters) and the
+rewards (rewards, scenes, scene_reward, reward_models/). It imports the top-level basics, the results readers and the
 machine wing; never methods, runtime, tools or the baselines (``tests/test_import_graph.py``).
 """

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning through peft: adapters on the attention projections of each family.
+"""LoRA fine-tuning through peft: adapters on the modules each family's spec names (``lora_targets``).
 
 With ``train.lora_rank > 0`` only adapter weights are trained (the optimizer sees only parameters with
 ``requires_grad``); the KL reference policy is the same transformer with its adapters disabled
@@ -15,16 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import ConfigError, UserError
+from .families import FAMILY_SPECS, family_spec
 
-# Attention projections of the joint (image + text) attention in every family; the single-stream FLUX
-# blocks share the same to_q/to_k/to_v names. Blocks without a projection (SD3's last block has no
-# to_add_out) simply have no adapter there.
-ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-LORA_TARGETS: dict[str, list[str]] = {
-    "sd3": ATTENTION_PROJECTIONS,
-    "flux": ATTENTION_PROJECTIONS,
-    "qwenimage": ATTENTION_PROJECTIONS,
-}
+# The default train.lora_target_modules of each registered family.
+LORA_TARGETS: dict[str, list[str]] = {name: list(spec.lora_targets) for name, spec in FAMILY_SPECS.items()}
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
@@ -58,7 +52,7 @@ def lora_settings(family: str, rank: int, alpha: float | None = None,
                   target_modules: list[str] | None = None) -> dict:
     """The adapter settings a run uses (``alpha`` defaults to ``rank``: scale 1)."""
     return {"rank": int(rank), "alpha": float(rank if alpha is None else alpha),
-            "target_modules": list(target_modules or LORA_TARGETS[family])}
+            "target_modules": list(target_modules or family_spec(family).lora_targets)}
 
 
 def apply_lora(transformer: torch.nn.Module, family: str, rank: int, alpha: float | None = None,

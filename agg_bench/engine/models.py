@@ -1,11 +1,11 @@
-"""DiTs, VAEs and the per-family calling conventions.
+"""DiTs, VAEs and the policy that calls them the same way for every family.
 
 A :class:`Policy` hides how one model family is called: latents are always (B, C, H, W) and the
-timestep is always given as a denoising-step index into the run's schedule. Each family adapter turns
-that into what its diffusers transformer expects (SD3: timestep on the 0-1000 scale; FLUX: packed
-2x2 latents with ``img_ids``/``txt_ids`` and timestep/1000; Qwen-Image: packed 2x2 latents with
-``img_shapes``, a text attention mask and timestep/1000, and a VAE with 5-D latents (B, C, 1, H, W)
-that are normalized per channel).
+timestep is always given as a denoising-step index into the run's schedule. A family's policy
+(:func:`policy_class`) turns that into what its diffusers transformer expects, as the family's spec
+says (:mod:`agg_bench.engine.families`: the timestep's scale, 2x2 latent packing, the transformer's
+keyword arguments, the VAE's latent normalization); the tiny preset, a public architecture with random
+weights and a local diffusers folder are built from the spec's classes and configs.
 
 Precision: parameters are kept in ``model.dtype`` for float32/float64; ``bfloat16`` keeps float32
 master weights and runs the transformer forward under ``torch.autocast`` in bfloat16.
@@ -19,29 +19,23 @@ import os
 from dataclasses import dataclass, fields
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    FluxTransformer2DModel,
-    QwenImageTransformer2DModel,
-    SD3Transformer2DModel,
-)
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 from ..config import RunConfig, TrainConfig
 from ..errors import ConfigError
 from ..jsonfiles import JsonFileError, read_json_object
 from ..machine.activations import saved_activation_region
 from .counters import PassCounter, count_backward
-from .families import TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, ImageGeometry
+from .families import (  # noqa: F401  (TINY_*: the tiny presets' configs, also imported from here)
+    DEFAULT_VAE_SCALE_FACTOR, FAMILY_SPECS, TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, FamilySpec, ImageGeometry,
+    family_spec,
+)
 from .lora import adapters_disabled, apply_lora, has_adapters  # noqa: F401  (has_adapters: also imported from here)
 from .pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 
-FAMILIES = ("sd3", "flux", "qwenimage")
-
-TRANSFORMER_CLASSES = {"sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel,
-                       "qwenimage": QwenImageTransformer2DModel}
-VAE_CLASSES = {"sd3": AutoencoderKL, "flux": AutoencoderKL, "qwenimage": AutoencoderKLQwenImage}
+FAMILIES = tuple(FAMILY_SPECS)
+TRANSFORMER_CLASSES = {name: spec.transformer_cls() for name, spec in FAMILY_SPECS.items()}
+VAE_CLASSES = {name: spec.vae_cls() for name, spec in FAMILY_SPECS.items()}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -118,19 +112,21 @@ def _seeded(seed: int):
 
 def build_tiny_transformer(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A tiny transformer of ``family`` with weights drawn from ``seed``."""
-    if family not in TINY_TRANSFORMERS:
-        raise ConfigError("model.family", family, f"one of {sorted(TINY_TRANSFORMERS)} for the tiny preset")
+    if not isinstance(family, str) or family not in FAMILY_SPECS:
+        raise ConfigError("model.family", family, f"one of {sorted(FAMILY_SPECS)} for the tiny preset")
+    spec = FAMILY_SPECS[family]
     with torch.random.fork_rng(devices=[]):
         _seeded(seed)
-        model = TRANSFORMER_CLASSES[family](**TINY_TRANSFORMERS[family])
+        model = spec.transformer_cls()(**spec.tiny_transformer)
     return model if dtype == torch.float32 else model.to(dtype)
 
 
 def build_tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32, family: str = "sd3"):
-    """A tiny VAE for ``family`` (Qwen-Image has its own VAE class) with weights drawn from ``seed``."""
+    """The tiny VAE of ``family`` with weights drawn from ``seed``."""
+    spec = family_spec(family)
     with torch.random.fork_rng(devices=[]):
         _seeded(seed + 1)
-        vae = AutoencoderKLQwenImage(**TINY_QWEN_VAE) if family == "qwenimage" else AutoencoderKL(**TINY_VAE)
+        vae = spec.vae_cls()(**spec.tiny_vae)
     vae = vae if dtype == torch.float32 else vae.to(dtype)
     return vae.eval().requires_grad_(False)
 
@@ -150,6 +146,7 @@ class Policy:
     family: str = ""
     timestep_scale: float = 1000.0
     packed: bool = False  # 2x2 latent packing: the transformer sees 4x the latent channels
+    spec: FamilySpec | None = None  # a family's policy (policy_class); None: a bare velocity model
     compute_device: torch.device | None = None  # set when sharded (agg_bench.machine.fsdp)
     padding_passes: int = 0  # lockstep padding calls of a sharded policy (agg_bench.machine.fsdp)
 
@@ -173,18 +170,18 @@ class Policy:
     @property
     def vae_scale_factor(self) -> int:
         if self.vae is None:
-            return 8
+            return DEFAULT_VAE_SCALE_FACTOR
         if isinstance(self.vae, PixelDecoder):
             return self.vae.spatial_factor
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+        return self.spec.vae_scale_factor(self.vae.config)
 
     @property
     def latent_multiple(self) -> int:
         """Latent height/width must be a multiple of this."""
-        return 2
+        return 2 if self.spec is None else self.spec.latent_grid(self.transformer.config)[0]
 
     def max_latent_size(self) -> int | None:
-        return None
+        return None if self.spec is None else self.spec.latent_grid(self.transformer.config)[1]
 
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
         """(C, H, W) of the latents for square images of ``resolution`` pixels, or a clear error."""
@@ -257,14 +254,24 @@ class Policy:
         return out
 
     def _forward(self, latents, timesteps, cond: Conditioning) -> torch.Tensor:
-        raise NotImplementedError
+        """One transformer call as the family's spec says: latents packed 2x2 and unpacked where it packs."""
+        _, c, h, w = latents.shape
+        hidden = pack_latents(latents) if self.packed else latents
+        inputs = self.spec.transformer_inputs(self.transformer, hidden, timesteps, cond, h, w)
+        out = self.transformer(**inputs, return_dict=False)[0]
+        return unpack_latents(out, c, h, w) if self.packed else out
 
     def _vae_input(self, latents: torch.Tensor) -> torch.Tensor:
-        """Undo the latent normalization the transformer was trained with (scale and shift)."""
+        """Undo the latent normalization the transformer was trained with (the family's, or AutoencoderKL's
+        scale and shift)."""
+        if self.spec is not None and self.spec.vae_input is not None:
+            return self.spec.vae_input(self.vae, latents)
         cfg = self.vae.config
         return latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
 
     def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
+        if self.spec is not None and self.spec.vae_decode is not None:
+            return self.spec.vae_decode(self.vae, z)
         return self.vae.decode(z, return_dict=False)[0]
 
     @torch.no_grad()
@@ -296,27 +303,8 @@ class Policy:
         return ref
 
 
-class SD3Policy(Policy):
-    family = "sd3"
-    timestep_scale = 1000.0
-
-    @property
-    def latent_multiple(self) -> int:
-        return self.transformer.config.patch_size
-
-    def max_latent_size(self) -> int | None:
-        return self.transformer.config.pos_embed_max_size * self.transformer.config.patch_size
-
-    def _forward(self, latents, timesteps, cond):
-        return self.transformer(
-            hidden_states=latents, timestep=timesteps,
-            encoder_hidden_states=cond.encoder_hidden_states,
-            pooled_projections=cond.pooled_projections, return_dict=False,
-        )[0]
-
-
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/2 * W/2, 4C), FLUX's 2x2 patch packing."""
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C), the 2x2 patch packing of FLUX and Qwen-Image."""
     b, c, h, w = latents.shape
     x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
     return x.reshape(b, (h // 2) * (w // 2), c * 4)
@@ -328,77 +316,22 @@ def unpack_latents(packed: torch.Tensor, channels: int, height: int, width: int)
     return x.reshape(b, channels, height, width)
 
 
-def flux_image_ids(height: int, width: int, device, dtype) -> torch.Tensor:
-    """Position ids (H/2 * W/2, 3) of packed FLUX latents."""
-    ids = torch.zeros(height // 2, width // 2, 3)
-    ids[..., 1] = torch.arange(height // 2)[:, None]
-    ids[..., 2] = torch.arange(width // 2)[None, :]
-    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+def _family_policy(spec: FamilySpec) -> type[Policy]:
+    name = "".join(ch for ch in spec.title if ch.isalnum()) + "Policy"  # e.g. SD3Policy, QwenImagePolicy
+    return type(name, (Policy,), {
+        "__module__": __name__, "__doc__": f"The {spec.title} policy (model.family {spec.name}).",
+        "spec": spec, "family": spec.name, "timestep_scale": spec.timestep_scale, "packed": spec.packed})
 
 
-class FluxPolicy(Policy):
-    family = "flux"
-    timestep_scale = 1.0
-    packed = True
-
-    def _forward(self, latents, timesteps, cond):
-        b, c, h, w = latents.shape
-        ehs = cond.encoder_hidden_states
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((b,), 1.0, device=latents.device, dtype=latents.dtype)
-        out = self.transformer(
-            hidden_states=pack_latents(latents), timestep=timesteps,
-            encoder_hidden_states=ehs, pooled_projections=cond.pooled_projections,
-            img_ids=flux_image_ids(h, w, latents.device, latents.dtype),
-            txt_ids=torch.zeros(ehs.shape[1], 3, device=latents.device, dtype=latents.dtype),
-            guidance=guidance, return_dict=False,
-        )[0]
-        return unpack_latents(out, c, h, w)
+# The policy class of each registered family (the spec decides its calling convention).
+POLICIES: dict[str, type[Policy]] = {name: _family_policy(spec) for name, spec in FAMILY_SPECS.items()}
 
 
-class QwenImagePolicy(Policy):
-    """Qwen-Image: packed 2x2 latents, ``img_shapes`` for RoPE, the text mask, timestep = sigma.
-
-    Its VAE works on video-shaped latents (B, C, 1, H, W) normalized per channel with the VAE config's
-    ``latents_mean`` / ``latents_std``; the policy keeps (B, C, H, W) and adds the frame axis for decoding.
-    """
-
-    family = "qwenimage"
-    timestep_scale = 1.0
-    packed = True
-
-    @property
-    def vae_scale_factor(self) -> int:
-        if self.vae is None:
-            return 8
-        return 2 ** len(self.vae.config.temperal_downsample)
-
-    def _forward(self, latents, timesteps, cond):
-        b, c, h, w = latents.shape
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((b,), 1.0, device=latents.device, dtype=latents.dtype)
-        out = self.transformer(
-            hidden_states=pack_latents(latents), timestep=timesteps, guidance=guidance,
-            encoder_hidden_states=cond.encoder_hidden_states,
-            encoder_hidden_states_mask=cond.encoder_attention_mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False,
-        )[0]
-        return unpack_latents(out, c, h, w)
-
-    def _vae_input(self, latents: torch.Tensor) -> torch.Tensor:
-        cfg = self.vae.config
-        shape = (1, cfg.z_dim, 1, 1, 1)
-        mean = torch.tensor(cfg.latents_mean, dtype=self.vae.dtype, device=latents.device).view(shape)
-        std = torch.tensor(cfg.latents_std, dtype=self.vae.dtype, device=latents.device).view(shape)
-        return latents.to(self.vae.dtype).unsqueeze(2) * std + mean
-
-    def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
-        return self.vae.decode(z, return_dict=False)[0][:, :, 0]
-
-
-POLICIES: dict[str, type[Policy]] = {"sd3": SD3Policy, "flux": FluxPolicy, "qwenimage": QwenImagePolicy}
+def policy_class(family: str) -> type[Policy]:
+    """The policy class of ``family`` (a ConfigError naming ``model.family`` when it is not registered)."""
+    spec = family_spec(family)
+    cls = POLICIES.get(family)
+    return cls if cls is not None and cls.spec is spec else _family_policy(spec)  # registered after import
 
 
 def text_dims(transformer) -> tuple[int, int | None]:
@@ -447,8 +380,9 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
     if not os.path.isdir(pretrained):
         raise ConfigError("model.pretrained", pretrained, "an existing local diffusers folder")
     t_dir = _subfolder(pretrained, "transformer", "the transformer")
-    _check_class(pretrained, "transformer", TRANSFORMER_CLASSES[family], "model.family", family)
-    transformer = _load_component(TRANSFORMER_CLASSES[family], t_dir, pretrained, "transformer weights",
+    spec = family_spec(family)
+    _check_class(pretrained, "transformer", spec.transformer_cls(), "model.family", family)
+    transformer = _load_component(spec.transformer_cls(), t_dir, pretrained, "transformer weights",
                                   torch_dtype=param_dtype)
     vae_dir = _subfolder(pretrained, "vae", "the VAE")
     if is_pixel_decoder_folder(vae_dir):  # a pixel-space model (agg-bench pretrain)
@@ -457,8 +391,8 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
         except TypeError as err:
             raise ConfigError("model.pretrained", pretrained, f"a readable pixel decoder config in {vae_dir} ({err})")
     else:
-        _check_class(pretrained, "vae", VAE_CLASSES[family], "model.pretrained", pretrained)
-        vae = _load_component(VAE_CLASSES[family], vae_dir, pretrained, "VAE weights").eval().requires_grad_(False)
+        _check_class(pretrained, "vae", spec.vae_cls(), "model.pretrained", pretrained)
+        vae = _load_component(spec.vae_cls(), vae_dir, pretrained, "VAE weights").eval().requires_grad_(False)
     scheduler_config = None
     sched_dir = os.path.join(pretrained, "scheduler")
     if os.path.isdir(sched_dir):
@@ -473,8 +407,7 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
     """Build the tiny preset, a public ``architecture`` with random weights (preset ``random``, created on
     the meta device and materialised on ``device``), or load a local diffusers folder (``transformer/``,
     ``vae/``, ``scheduler/``)."""
-    if family not in POLICIES:
-        raise ConfigError("model.family", family, f"one of {sorted(POLICIES)}")
+    spec = family_spec(family)
     prec = precision(dtype)
     scheduler_config = None
     if pretrained:
@@ -487,14 +420,14 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
         from .architectures import architecture as find_architecture, build_random
 
         arch = find_architecture(family, architecture)
-        transformer = build_random(TRANSFORMER_CLASSES[family], arch.transformer, device, seed, prec.param_dtype)
-        vae = build_random(VAE_CLASSES[family], arch.vae, device, seed + 1).eval().requires_grad_(False)
+        transformer = build_random(spec.transformer_cls(), arch.transformer, device, seed, prec.param_dtype)
+        vae = build_random(spec.vae_cls(), arch.vae, device, seed + 1).eval().requires_grad_(False)
         scheduler_config = FlowMatchEulerDiscreteScheduler(**arch.scheduler).config
     else:
         raise ConfigError("model.preset", preset, "'tiny', 'random', or model.pretrained set to a local folder")
-    policy_cls = POLICIES[family]
+    policy_cls = policy_class(family)
     latent_channels = policy_cls.latent_channels_of(transformer)
-    vae_channels = vae.config.z_dim if family == "qwenimage" else vae.config.latent_channels
+    vae_channels = getattr(vae.config, spec.vae_latent_channels)
     if vae_channels != latent_channels:
         raise ConfigError("model.pretrained", pretrained,
                           f"a VAE with {latent_channels} latent channels to match the transformer")

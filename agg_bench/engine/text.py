@@ -1,14 +1,15 @@
 """Prompt embeddings from a model's own text encoders, computed once per prompt set and cached on disk.
 
 Real models (``model.pretrained``) are conditioned with the embeddings their diffusers pipeline makes
-(``encode_prompt`` of StableDiffusion3Pipeline / FluxPipeline / QwenImagePipeline, loaded from the local
-folder without transformer and VAE). They are computed once per (model, prompt file) and stored as
+(``encode_prompt`` of the pipeline the family's spec names, e.g. StableDiffusion3Pipeline, loaded from
+the local folder without transformer and VAE). They are computed once per (model, prompt file) and stored as
 safetensors under ``prompts.cache_dir``; a run looks there first and only encodes on a miss.
 ``agg-bench embed`` fills the cache ahead of the runs. The tiny preset keeps the download-free token-hash
 embedding of :mod:`agg_bench.engine.prompts`.
 
-An embeddings file holds ``encoder_hidden_states`` (N, L, D) float32, ``pooled_projections`` (N, P) for SD3
-and FLUX, ``encoder_attention_mask`` (N, L) int64 for Qwen-Image (prompts are padded to the longest one),
+An embeddings file holds ``encoder_hidden_states`` (N, L, D) float32, ``pooled_projections`` (N, P) where
+the family has pooled embeddings (SD3, FLUX), ``encoder_attention_mask`` (N, L) int64 where its
+embeddings carry a mask (Qwen-Image: prompts are padded to the longest one),
 and string metadata: ``format``, ``key`` (the cache key), ``family``, ``pretrained``, ``prompts_file``,
 ``prompts_sha256``, ``n_prompts``, ``max_sequence_length``, ``encoder_dtype``.
 """
@@ -26,17 +27,12 @@ from safetensors.torch import load_file, save_file
 from ..config import RunConfig
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target
+from .families import family_spec
 from .models import Conditioning, folder_json, text_dims
 from .prompts import TOKEN_HASH_FILE, hash_embed, load_prompts, token_hash_settings
 
 FORMAT = "agg-bench-embeddings/1"
 BUILTIN_PROMPTS = Path(__file__).parent.parent / "data" / "prompts.txt"
-# Text-encoder components of each family's pipeline (folder names in a diffusers model folder).
-TEXT_COMPONENTS: dict[str, tuple[str, ...]] = {
-    "sd3": ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3"),
-    "flux": ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"),
-    "qwenimage": ("text_encoder", "tokenizer"),
-}
 ENCODE_BATCH = 8  # prompts per text-encoder call
 # Files whose content identifies a text encoder without reading its weights (weights count by size).
 CONFIG_SUFFIXES = (".json", ".txt", ".model", ".tiktoken")
@@ -83,7 +79,7 @@ def model_identity(family: str, pretrained: str | Path) -> str:
     root = Path(pretrained).resolve()
     digest = hashlib.sha256(f"{family}\0{root}\0".encode())
     files = [root / "model_index.json"] if (root / "model_index.json").is_file() else []
-    for component in TEXT_COMPONENTS[family]:
+    for component in family_spec(family).text_components:
         folder = root / component
         if folder.is_dir():
             files += sorted(p for p in folder.rglob("*") if p.is_file())
@@ -110,19 +106,14 @@ def cache_key(family: str, pretrained: str | Path, prompts: PromptSet, max_seque
 
 
 # ----- encoding with the pipelines' own encode_prompt ----------------------------------------------
-def _pipeline_class(family: str):
-    from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
-
-    return {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline, "qwenimage": QwenImagePipeline}[family]
-
-
 def load_text_pipeline(family: str, pretrained: str | Path, dtype: torch.dtype = torch.float32,
                        device: str | torch.device = "cpu"):
     """The family's diffusers pipeline from the local folder with text encoders and tokenizers only."""
     root = Path(pretrained)
     if not root.is_dir():
         raise ConfigError("model.pretrained", str(pretrained), "an existing local diffusers folder")
-    missing = [c for c in ("model_index.json", *TEXT_COMPONENTS[family]) if not (root / c).exists()]
+    spec = family_spec(family)
+    missing = [c for c in ("model_index.json", *spec.text_components) if not (root / c).exists()]
     if missing:
         raise ConfigError("model.pretrained", str(pretrained),
                           f"a local diffusers folder with the {family} text encoders (missing: {', '.join(missing)})")
@@ -130,13 +121,13 @@ def load_text_pipeline(family: str, pretrained: str | Path, dtype: torch.dtype =
     if not isinstance(index.get("_class_name"), str):
         raise ConfigError("model.pretrained", str(pretrained), "a model_index.json that names the pipeline's "
                           f"_class_name (found {quote(index.get('_class_name'))})")
-    for key in TEXT_COMPONENTS[family]:
+    for key in spec.text_components:
         entry = index.get(key)
         if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
             raise ConfigError("model.pretrained", str(pretrained),
                               f"a model_index.json that names the {key} as [library, class] (found {quote(entry)})")
     try:
-        pipe = _pipeline_class(family).from_pretrained(str(root), transformer=None, vae=None, dtype=dtype,
+        pipe = spec.pipeline_cls().from_pretrained(str(root), transformer=None, vae=None, dtype=dtype,
                                                        local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as err:  # Type/KeyError: a config of the wrong shape
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -144,30 +135,6 @@ def load_text_pipeline(family: str, pretrained: str | Path, dtype: torch.dtype =
                           f"loadable text encoders and tokenizers ({first})") from err
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
-
-
-def _encode_sd3(pipe, prompts: list[str], device, max_sequence_length: int | None) -> Conditioning:
-    extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
-    embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-                                              do_classifier_free_guidance=False, **extra)
-    return Conditioning(embeds, pooled)
-
-
-def _encode_flux(pipe, prompts: list[str], device, max_sequence_length: int | None) -> Conditioning:
-    extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
-    embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, **extra)
-    return Conditioning(embeds, pooled)
-
-
-def _encode_qwenimage(pipe, prompts: list[str], device, max_sequence_length: int | None) -> Conditioning:
-    extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
-    embeds, mask = pipe.encode_prompt(prompt=prompts, device=device, **extra)
-    if mask is None:  # the pipeline drops an all-ones mask; a cache spanning batches needs it explicit
-        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-    return Conditioning(embeds, None, mask.to(torch.long))
-
-
-ENCODERS = {"sd3": _encode_sd3, "flux": _encode_flux, "qwenimage": _encode_qwenimage}
 
 
 def concat_conditionings(parts: list[Conditioning]) -> Conditioning:
@@ -193,12 +160,13 @@ def encode_prompts(family: str, pretrained: str | Path, prompts: list[str], devi
                    batch_size: int = ENCODE_BATCH) -> Conditioning:
     """Embeddings of ``prompts`` by the model's own text encoders (float32, on CPU); counted in ENCODINGS."""
     pipe = load_text_pipeline(family, pretrained, dtype, device)
-    encode = ENCODERS[family]
+    encode = family_spec(family).encode_prompts
+    options = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
     parts = []
     try:
         with torch.no_grad():
             for start in range(0, len(prompts), batch_size):
-                part = encode(pipe, prompts[start:start + batch_size], device, max_sequence_length)
+                part = Conditioning(*encode(pipe, prompts[start:start + batch_size], device, options))
                 parts.append(part.to("cpu", torch.float32))
     finally:
         del pipe
@@ -364,14 +332,14 @@ def embed(cfg: RunConfig, out: str | Path | None = None, device: str | torch.dev
 
 def _unloaded_transformer(cfg: RunConfig):
     """The transformer whose text widths a download-free preset needs (random: on the meta device)."""
-    from .models import TRANSFORMER_CLASSES, build_tiny_transformer
+    from .models import build_tiny_transformer
 
     model = cfg.model
     if model.preset == "random":
         from .architectures import architecture, build_on_meta
 
         arch = architecture(model.family, model.architecture)
-        return build_on_meta(TRANSFORMER_CLASSES[model.family], arch.transformer)
+        return build_on_meta(family_spec(model.family).transformer_cls(), arch.transformer)
     return build_tiny_transformer(model.family)
 
 

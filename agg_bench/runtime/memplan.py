@@ -39,9 +39,9 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from ..config import RunConfig
-from ..engine.models import (POLICIES, TRANSFORMER_CLASSES, VAE_CLASSES, Conditioning, Policy,
-                             build_tiny_transformer, build_tiny_vae, prepare_training, precision, text_dims,
-                             vae_dtype)
+from ..engine.families import family_spec
+from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build_tiny_vae, policy_class,
+                             prepare_training, precision, text_dims, vae_dtype)
 from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 from ..errors import ConfigError
 from ..machine import distributed
@@ -115,12 +115,12 @@ def text_tokens(cfg: RunConfig) -> int:
 def _shapes(cfg: RunConfig, part: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The run's transformer or VAE (``part``) on the meta device, built from its config alone."""
     model, family = cfg.model, cfg.model.family
-    classes = TRANSFORMER_CLASSES if part == "transformer" else VAE_CLASSES
+    spec = family_spec(family)
+    cls = spec.transformer_cls() if part == "transformer" else spec.vae_cls()
     with torch.device("meta"):
         if model.pretrained:
             from ..engine.models import _subfolder
 
-            cls = classes[family]
             folder = _subfolder(model.pretrained, part, f"the {part}")
             if part == "vae" and is_pixel_decoder_folder(folder):  # a pixel-space model: no weights
                 module = PixelDecoder.from_folder(folder)
@@ -130,7 +130,7 @@ def _shapes(cfg: RunConfig, part: str, dtype: torch.dtype = torch.float32) -> to
             from ..engine.architectures import architecture
 
             arch = architecture(family, model.architecture)
-            module = classes[family](**(arch.transformer if part == "transformer" else arch.vae))
+            module = cls(**(arch.transformer if part == "transformer" else arch.vae))
         elif part == "transformer":
             module = build_tiny_transformer(family, cfg.seed)
         else:
@@ -215,6 +215,7 @@ class ShapeModel:
 
         self.cfg = cfg
         self.family = cfg.model.family
+        self.spec = family_spec(self.family)
         self.precision = precision(cfg.model.dtype)
         self.mode = FakeTensorMode()
         self._policies: dict[tuple, Policy] = {}
@@ -236,8 +237,8 @@ class ShapeModel:
                 transformer = _shapes(self.cfg, "transformer", self.precision.param_dtype)
                 prepare_training(transformer, self.family, train)
             _to_fake(transformer, self.mode)
-            self._policies[key] = POLICIES[self.family](transformer, self.vae,
-                                                        autocast_dtype=self.precision.autocast_dtype)
+            self._policies[key] = policy_class(self.family)(transformer, self.vae,
+                                                            autocast_dtype=self.precision.autocast_dtype)
         return self._policies[key]
 
     def activations(self, rows: int, checkpointing: bool, lora_rank: int) -> int:
@@ -250,8 +251,8 @@ class ShapeModel:
             with self.mode, torch.enable_grad():
                 dtype = policy.dtype
                 mask = None
-                if self.family == "qwenimage" and self.cfg.model.pretrained:
-                    mask = torch.ones(rows, length, dtype=torch.long)  # a local model's embeddings carry one
+                if self.spec.text_attention_mask and self.cfg.model.pretrained:
+                    mask = torch.ones(rows, length, dtype=torch.long)  # its text encoders' embeddings carry one
                 cond = Conditioning(torch.zeros(rows, length, dim, dtype=dtype),
                                     None if pooled is None else torch.zeros(rows, pooled, dtype=dtype), mask)
                 latents = torch.zeros(rows, *self.latent_shape, dtype=dtype)

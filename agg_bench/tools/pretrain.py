@@ -27,7 +27,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from ..config import apply_overrides, check_finite, read_yaml_mapping
-from ..engine.models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy
+from ..engine.families import FAMILY_SPECS
+from ..engine.models import Conditioning, Policy, policy_class
 from ..engine.pixel_decoder import PixelDecoder
 from ..engine.prompts import TOKEN_HASH_FILE, hash_embed
 from ..engine.scenes import all_scenes, draw_batch, sample_scenes
@@ -39,7 +40,7 @@ from ..results.plotting import pyplot
 from ..threads import usable_cores
 
 MARKER = "pretrain.json"
-FAMILIES = ("sd3", "flux")
+FAMILIES = tuple(name for name, spec in FAMILY_SPECS.items() if spec.pixel_transformer is not None)
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -47,10 +48,11 @@ LR_SCHEDULES = ("constant", "cosine")
 class PretrainConfig:
     """What ``agg-bench pretrain`` trains.
 
-    family: ``sd3`` or ``flux`` (the diffusers transformer class). resolution: image side in pixels (a
-    multiple of 4 x ``pixel_factor``). steps: optimizer steps. batch_size: images per step. lr: AdamW
-    learning rate (linear warm-up over the first ``warmup_steps``). lr_schedule: after the warm-up,
-    ``constant`` or ``cosine`` (down to 0 at the last step: late steps refine instead of wander).
+    family: a model family with a pixel-space scene model (its spec's ``pixel_transformer``: ``sd3``,
+    ``flux``). resolution: image side in pixels (a multiple of 4 x ``pixel_factor``). steps: optimizer
+    steps. batch_size: images per step. lr: AdamW learning rate (linear warm-up over the first
+    ``warmup_steps``). lr_schedule: after the warm-up, ``constant`` or ``cosine`` (down to 0 at the last
+    step: late steps refine instead of wander).
     ema_decay: decay of the saved weights' moving average. seed: data, noise and initial weights. num_layers: transformer blocks (FLUX:
     this many double-stream and this many single-stream blocks). num_attention_heads /
     attention_head_dim: attention width. text_dim: token and pooled embedding width. max_tokens: caption
@@ -115,8 +117,7 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
         raise ConfigError("ema_decay", cfg.ema_decay, "a number in [0, 1)")
     if not 0 < cfg.shift <= 100:
         raise ConfigError("shift", cfg.shift, "a number in (0, 100]")
-    if cfg.family == "flux" and cfg.attention_head_dim % 16:
-        raise ConfigError("attention_head_dim", cfg.attention_head_dim, "a multiple of 16 for flux (its RoPE axes)")
+    transformer_config(cfg)  # the family's own limits on the sizes
     return cfg
 
 
@@ -132,25 +133,20 @@ def load_pretrain_config(path: str | Path | None, overrides: list[str] | None = 
     return _check(PretrainConfig(**user))
 
 
+def transformer_config(cfg: PretrainConfig) -> dict:
+    """The family's transformer config for pixel latents of ``cfg`` (its spec's ``pixel_transformer``; a
+    ConfigError naming the key a value the family cannot take)."""
+    return FAMILY_SPECS[cfg.family].pixel_transformer(
+        3 * cfg.pixel_factor ** 2, cfg.resolution // cfg.pixel_factor, cfg.num_layers, cfg.num_attention_heads,
+        cfg.attention_head_dim, cfg.text_dim)
+
+
 def build_transformer(cfg: PretrainConfig):
     """The family's diffusers transformer for pixel latents of ``cfg`` (seeded random weights)."""
-    channels = 3 * cfg.pixel_factor ** 2
-    side = cfg.resolution // cfg.pixel_factor
-    common = dict(num_layers=cfg.num_layers, attention_head_dim=cfg.attention_head_dim,
-                  num_attention_heads=cfg.num_attention_heads, joint_attention_dim=cfg.text_dim,
-                  pooled_projection_dim=cfg.text_dim)
-    if cfg.family == "sd3":
-        kwargs = dict(sample_size=side, patch_size=2, in_channels=channels, out_channels=channels,
-                      caption_projection_dim=cfg.num_attention_heads * cfg.attention_head_dim,
-                      pos_embed_max_size=side // 2, **common)
-    else:
-        # RoPE axes (text, row, column) summing to the head width, each even (a quarter and 3/8 each)
-        head = cfg.attention_head_dim
-        kwargs = dict(patch_size=1, in_channels=4 * channels, num_single_layers=cfg.num_layers,
-                      axes_dims_rope=(head // 4, 3 * head // 8, 3 * head // 8), **common)
+    kwargs = transformer_config(cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return TRANSFORMER_CLASSES[cfg.family](**kwargs)
+        return FAMILY_SPECS[cfg.family].transformer_cls()(**kwargs)
 
 
 class SceneConditioning:
@@ -261,7 +257,7 @@ def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
     shift_factor, std = data_statistics(cfg)
     decoder = PixelDecoder(cfg.pixel_factor, scaling_factor=1.0 / std, shift_factor=shift_factor)
     transformer = build_transformer(cfg)
-    policy = POLICIES[cfg.family](transformer, decoder)
+    policy = policy_class(cfg.family)(transformer, decoder)
     latent_shape = policy.latent_shape(cfg.resolution)
     conditioning = SceneConditioning(cfg)
     ema = copy.deepcopy(transformer).requires_grad_(False)

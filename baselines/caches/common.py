@@ -1,11 +1,10 @@
 """What every cache needs to know about a family's transformer: its block lists and how blocks are called.
 
-SD3 runs ``transformer_blocks`` (``JointTransformerBlock``); FLUX runs ``transformer_blocks``
-(``FluxTransformerBlock``) and then ``single_transformer_blocks`` (``FluxSingleTransformerBlock``);
-Qwen-Image runs ``transformer_blocks`` (``QwenImageTransformerBlock``). Every one of these blocks takes
-``hidden_states`` and ``encoder_hidden_states`` first (by keyword or by position; FLUX and Qwen-Image
-blocks also take ``image_rotary_emb``) and returns ``(encoder_hidden_states, hidden_states)``. SD3's last
-block is ``context_pre_only`` and returns ``None`` for the encoder stream.
+The block lists come from the family's spec (``cache_block_lists``; e.g. FLUX runs ``transformer_blocks``
+and then ``single_transformer_blocks``). Every block of the registered families takes ``hidden_states``
+and ``encoder_hidden_states`` first (by keyword or by position; FLUX and Qwen-Image blocks also take
+``image_rotary_emb``) and returns ``(encoder_hidden_states, hidden_states)``. SD3's last block is
+``context_pre_only`` and returns ``None`` for the encoder stream.
 """
 from __future__ import annotations
 
@@ -14,20 +13,18 @@ import inspect
 from typing import Any
 
 import torch
-from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
 
-from agg_bench.engine.models import POLICIES
+from agg_bench.engine.families import FAMILY_SPECS, FamilySpec
 from agg_bench.errors import UserError
 
-from .configs import BLOCK_LISTS
-TRANSFORMER_FAMILIES: dict[type, str] = {SD3Transformer2DModel: "sd3", FluxTransformer2DModel: "flux",
-                                         QwenImageTransformer2DModel: "qwenimage"}
+# The transformer class of each family the caches support.
+TRANSFORMER_FAMILIES: dict[type, str] = {spec.transformer_cls(): name for name, spec in FAMILY_SPECS.items()}
 
 Streams = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
 def family_of(transformer: torch.nn.Module) -> str:
-    """``"sd3"``, ``"flux"`` or ``"qwenimage"`` for a supported transformer; a :class:`UserError` otherwise."""
+    """The family (``model.family``) of a supported transformer; a :class:`UserError` otherwise."""
     for cls, family in TRANSFORMER_FAMILIES.items():
         if isinstance(transformer, cls):
             return family
@@ -35,10 +32,15 @@ def family_of(transformer: torch.nn.Module) -> str:
     raise UserError(f"inference caches support {names}, not {type(transformer).__name__}")
 
 
+def spec_of(transformer: torch.nn.Module) -> FamilySpec:
+    """The spec of a supported transformer's family (a :class:`UserError` otherwise)."""
+    return FAMILY_SPECS[family_of(transformer)]
+
+
 def transformer_blocks(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(qualified name, block)`` for every block of the transformer, in the order they run."""
     blocks = []
-    for list_name in BLOCK_LISTS[family_of(transformer)]:
+    for list_name in spec_of(transformer).cache_block_lists:
         for index, block in enumerate(getattr(transformer, list_name)):
             blocks.append((f"{list_name}.{index}", block))
     return blocks
@@ -46,7 +48,7 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[tuple[str, torch.nn
 
 def timestep_to_1000(transformer: torch.nn.Module, timestep: float) -> float:
     """The value a family's transformer receives, put on the 0-1000 scale (1000 = pure noise)."""
-    return timestep * 1000.0 / POLICIES[family_of(transformer)].timestep_scale
+    return timestep * 1000.0 / spec_of(transformer).timestep_scale
 
 
 @functools.lru_cache(maxsize=None)

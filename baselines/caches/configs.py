@@ -12,14 +12,12 @@ from typing import Any, Callable
 
 import torch
 
+from agg_bench.engine.families import FAMILY_SPECS
 from agg_bench.errors import ConfigError, UserError
 
-# Block lists of each family, in the order the transformer runs them; its keys are the families the caches support.
-BLOCK_LISTS: dict[str, tuple[str, ...]] = {
-    "sd3": ("transformer_blocks",),
-    "flux": ("transformer_blocks", "single_transformer_blocks"),
-    "qwenimage": ("transformer_blocks",),
-}
+# Block lists of each family (its spec's cache_block_lists), in the order the transformer runs them; its
+# keys are the families the caches support.
+BLOCK_LISTS: dict[str, tuple[str, ...]] = {name: spec.cache_block_lists for name, spec in FAMILY_SPECS.items()}
 # Config fields that apply_cache fills with the handle's step clock; they are not user options.
 STEP_CALLBACK = "current_step_callback"
 TIMESTEP_CALLBACK = "current_timestep_callback"
