@@ -35,8 +35,8 @@ def read_json_object(path: str | Path, expected: str) -> dict:
     JSON, or holds another JSON value."""
     path = Path(path)
     try:
-        if path.is_file() and path.stat().st_size > MAX_JSON_BYTES:
-            raise JsonFileError(path, f"is {path.stat().st_size:,} bytes, over the {MAX_JSON_BYTES // 2**20} MiB "
+        if path.is_file() and (size := path.stat().st_size) > MAX_JSON_BYTES:
+            raise JsonFileError(path, f"is {size:,} bytes, over the {MAX_JSON_BYTES // 2**20} MiB "
                                 "such a file may have", expected)
         text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
