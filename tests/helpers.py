@@ -71,6 +71,10 @@ def sde_reference(kind: str, v, x, s: float, s_next: float, eta: float, s1: floa
         std_t = eta * math.sqrt(s / (1 - sp))
         mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
         sd = std_t * math.sqrt(-dt)
+    elif kind == "cps":  # arXiv 2509.05952: x' = (1 - s') x0 + s' (cos(eta pi/2) x1 + sin(eta pi/2) noise)
+        x0, x1 = x - s * v, x + (1 - s) * v
+        mean = (1 - s_next) * x0 + s_next * math.cos(eta * math.pi / 2) * x1
+        sd = s_next * math.sin(eta * math.pi / 2)
     else:
         x0 = x - s * v
         score = -(x - x0 * (1 - s)) / s**2

@@ -1,13 +1,16 @@
+import copy
 import math
 
 import pytest
 import torch
 
-from agg_bench.engine.sde import flow_sigmas, ode_step, sde_step
+from agg_bench.config import DEFAULTS, validate
+from agg_bench.engine.sde import flow_sigmas, ode_step, sde_step, stochastic_steps
+from agg_bench.errors import ConfigError
 from helpers import gaussian_log_prob, sde_reference
 
 
-@pytest.mark.parametrize("kind", ["flow_grpo", "dance_grpo"])
+@pytest.mark.parametrize("kind", ["flow_grpo", "dance_grpo", "cps"])
 def test_sde_step_matches_float64_reference(kind):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs every run
     sigmas = flow_sigmas(12, 3.0)
@@ -15,8 +18,9 @@ def test_sde_step_matches_float64_reference(kind):
     v = torch.randn(b, 3, 4, 4, generator=gen, dtype=torch.float64)
     x = torch.randn(b, 3, 4, 4, generator=gen, dtype=torch.float64)
     prev = torch.randn(b, 3, 4, 4, generator=gen, dtype=torch.float64)
-    index = torch.tensor([0, 3, 7, 10, 11])
-    eta = 0.3 + torch.rand((), generator=gen).item()
+    # cps: the step into sigma 0 has std 0 and no density (test_cps_last_step_is_the_euler_step)
+    index = torch.tensor([0, 3, 7, 10, 11 if kind != "cps" else 9])
+    eta = (0.3 + torch.rand((), generator=gen).item()) * (0.75 if kind == "cps" else 1)
     out = sde_step(kind, v, x, sigmas, index, eta, prev_sample=prev)
     for i in range(b):
         j = int(index[i])
@@ -29,7 +33,7 @@ def test_sde_step_matches_float64_reference(kind):
         assert out.log_prob[i].item() == pytest.approx(logp.item(), rel=1e-12, abs=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["flow_grpo", "dance_grpo"])
+@pytest.mark.parametrize("kind", ["flow_grpo", "dance_grpo", "cps"])
 def test_sampled_step_log_prob_is_gaussian_density(kind):
     sigmas = flow_sigmas(8, 3.0)
     gen = torch.Generator().manual_seed(7)
@@ -42,6 +46,44 @@ def test_sampled_step_log_prob_is_gaussian_density(kind):
     # the same draw reproduces from the same generator state
     again = sde_step(kind, v, x, sigmas, 2, 0.5, generator=torch.Generator().manual_seed(7))
     assert torch.equal(again.prev_sample, out.prev_sample)
+
+
+def test_cps_keeps_the_flows_coefficients():
+    """Mean and noise together: x' = (1 - s') x0 + s' * (unit-variance mixture of x1 and fresh noise),
+    i.e. the squared coefficients of x1 and of the noise add up to s'^2 at every eta."""
+    sigmas = flow_sigmas(10, 3.0)
+    x0, x1 = torch.randn(1, 2, 4, 4, dtype=torch.float64), torch.randn(1, 2, 4, 4, dtype=torch.float64)
+    j = 4
+    s, s_next = float(sigmas[j]), float(sigmas[j + 1])
+    x = (1 - s) * x0 + s * x1
+    v = x1 - x0  # the flow's velocity for this pair
+    for eta in (0.1, 0.5, 1.0):
+        out = sde_step("cps", v, x, sigmas, j, eta, prev_sample=x)
+        c = (out.mean - (1 - s_next) * x0) / x1  # x1's coefficient in the mean
+        torch.testing.assert_close(c, torch.full_like(c, c.flatten()[0].item()), rtol=1e-9, atol=1e-12)
+        assert c.flatten()[0].item() ** 2 + out.std.flatten()[0].item() ** 2 == pytest.approx(s_next**2, rel=1e-12)
+
+
+def test_cps_last_step_is_the_euler_step():
+    """The step into sigma 0 has no density, so a rollout takes it as an ODE step whatever the mask."""
+    sigmas = flow_sigmas(6, 3.0)
+    assert stochastic_steps("cps", sigmas).tolist() == [True] * 5 + [False]
+    assert stochastic_steps("flow_grpo", sigmas).tolist() == [True] * 6
+    v, x = torch.randn(2, 3, 2, 2, dtype=torch.float64), torch.randn(2, 3, 2, 2, dtype=torch.float64)
+    out = sde_step("cps", v, x, sigmas, 5, 0.7, prev_sample=x)
+    torch.testing.assert_close(out.mean, ode_step(v, x, sigmas, 5), rtol=0, atol=1e-15)
+    assert float(out.std.max()) == 0.0
+
+
+@pytest.mark.parametrize("eta", [1.5, 2.0])
+def test_cps_refuses_an_eta_above_one(eta):
+    sigmas = flow_sigmas(4, 3.0)
+    with pytest.raises(ConfigError) as err:
+        sde_step("cps", torch.randn(1, 1, 2, 2), torch.randn(1, 1, 2, 2), sigmas, 1, eta)
+    assert err.value.key == "sampling.eta"
+    with pytest.raises(ConfigError) as err:
+        validate({**copy.deepcopy(DEFAULTS), "sampling": {**DEFAULTS["sampling"], "sde": "cps", "eta": eta}})
+    assert err.value.key == "sampling.eta"
 
 
 def test_float32_inputs_compute_in_float32():

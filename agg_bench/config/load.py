@@ -77,6 +77,9 @@ def validate(config: dict, check_method: bool = True) -> RunConfig:
         architecture(model.family, model.architecture)
     elif model.architecture is not None:
         raise ConfigError("model.architecture", model.architecture, "null unless model.preset is random")
+    if cfg.sampling.sde == "cps" and not cfg.sampling.eta <= 1:
+        raise ConfigError("sampling.eta", cfg.sampling.eta,
+                          "a number in (0, 1] for sampling.sde 'cps' (std = s' sin(eta pi/2))")
     if check_method:
         from ..methods.base import method_config  # a method's options are checked by its own config class
 

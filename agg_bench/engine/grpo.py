@@ -65,9 +65,11 @@ class TrainBatch:
 
     ``latents`` (B, T+1, C, H, W); ``velocities`` (B, T, C, H, W) from the rollout or None;
     ``log_probs`` (B, T) old log-probs; ``sigmas`` (T+1); ``timesteps`` (T) the exact values given to
-    the model; ``advantages`` (B,); ``train_steps`` (B, N) step indices in denoising order.
-    ``policy_version`` is the policy's version when the rollout was made; ``kl_form`` the form of the
-    ``beta`` term (:func:`transition_kl`).
+    the model; ``advantages`` (B,), or (B, T) where a method gives each step its own (BranchGRPO's
+    depth-wise ones); ``train_steps`` (B, N) step indices in denoising order. ``policy_version`` is the
+    policy's version when the rollout was made; ``kl_form`` the form of the ``beta`` term
+    (:func:`transition_kl`). ``transitions`` and ``forwarded`` are the trajectory's
+    (:class:`agg_bench.engine.rollout.Trajectory`): shared transitions and guessed velocities.
     """
 
     latents: torch.Tensor
@@ -84,6 +86,8 @@ class TrainBatch:
     velocities: torch.Tensor | None = None
     policy_version: int = 0
     kl_form: str = "transition"
+    transitions: torch.Tensor | None = None
+    forwarded: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -105,6 +109,12 @@ class TrainBatch:
     def timestep_values(self, steps: torch.Tensor) -> torch.Tensor:
         return self.timesteps[steps.to(self.timesteps.device)]
 
+    def advantage(self, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """A_i of each (row, step) pair: the sample's, or the step's own where advantages are per step."""
+        if self.advantages.dim() == 1:
+            return self.advantages[rows]
+        return self.advantages[rows, steps.to(self.advantages.device)]
+
 
 @dataclass
 class StepTerms:
@@ -122,7 +132,7 @@ def step_terms(batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor, veloc
     x_next = batch.latents[rows, steps + 1]
     out = sde_step(batch.sde, velocity, x, batch.sigmas, steps, batch.eta, prev_sample=x_next)
     ratio = torch.exp(out.log_prob - batch.log_probs[rows, steps].to(out.log_prob.dtype))
-    adv = batch.advantages[rows].to(ratio.dtype)
+    adv = batch.advantage(rows, steps).to(ratio.dtype)
     eps = batch.clip_range
     loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps))
     if batch.beta > 0:

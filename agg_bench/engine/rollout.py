@@ -1,4 +1,10 @@
-"""Trajectories: sample latents with the SDE (ODE where a method asks) and keep what GRPO needs."""
+"""Trajectories: sample latents with the SDE (ODE where a method asks) and keep what GRPO needs.
+
+:func:`rollout` is the sampler every method starts from; a method that owns its rollout
+(:meth:`agg_bench.methods.base.Estimator.rollout`) passes its own pieces: which steps are stochastic,
+hooks before each step, a ``velocity`` rule (e.g. a guessed velocity in place of a forward) and an ``ode``
+rule (e.g. a multistep solver on the deterministic steps), or builds its own trajectory (a tree).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,13 +13,26 @@ from typing import Callable
 import torch
 
 from .models import Conditioning, Policy
-from .sde import ode_step, sde_step
+from .sde import ode_step, sde_step, stochastic_steps
+
+# velocity(j, x, timesteps (B,), cond) -> v: the velocity used at step j (default: the policy's forward)
+VelocityRule = Callable[[int, torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
+# ode(j, x, v) -> x_{j+1}: a deterministic step (default: Euler, :func:`agg_bench.engine.sde.ode_step`)
+ODERule = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class Trajectory:
     """``latents`` (B, T+1, C, H, W), ``velocities`` (B, T, ...), ``log_probs`` (B, T) (0 on ODE steps),
-    ``sde_mask`` (T,) True where the step was stochastic, ``sigmas`` (T+1), ``timesteps`` (T)."""
+    ``sde_mask`` (T,) True where the step was stochastic, ``sigmas`` (T+1), ``timesteps`` (T); T is the
+    rollout's own number of steps (a method may sample on another grid than the run's schedule, e.g. a
+    shorter one after MixGRPO-Flash's window), and the training batch takes these sigmas.
+
+    Two optional facts for rollouts other than B independent chains:
+    ``transitions`` (B, T) int64: rows with the same id at a step share that transition (a tree's common
+    prefix; its forward ran once); None: every (row, step) is its own.
+    ``forwarded`` (B, T) bool: False where the velocity was not the policy's forward (a guess); None: all were.
+    """
 
     latents: torch.Tensor
     velocities: torch.Tensor
@@ -22,6 +41,8 @@ class Trajectory:
     timesteps: torch.Tensor
     sde_mask: torch.Tensor
     policy_version: int
+    transitions: torch.Tensor | None = None
+    forwarded: torch.Tensor | None = None
 
 
 def initial_noise(n_prompts: int, group_size: int, shape: tuple[int, ...], same_per_group: bool,
@@ -36,14 +57,18 @@ def initial_noise(n_prompts: int, group_size: int, shape: tuple[int, ...], same_
 @torch.no_grad()
 def rollout(policy: Policy, cond: Conditioning, noise: torch.Tensor, sigmas: torch.Tensor, sde: str,
             eta: float, generator: torch.Generator, sde_mask: torch.Tensor | None = None,
-            before_step: Callable[[int, float], None] | None = None) -> Trajectory:
+            before_step: Callable[[int, float], None] | None = None, velocity: VelocityRule | None = None,
+            ode: ODERule | None = None) -> Trajectory:
     """Sample from x_0 = ``noise`` through all T steps; SDE on ``sde_mask`` steps, ODE elsewhere.
 
     ``before_step(j, timestep)`` is called before the model call of step j (cache hooks use it).
+    Steps whose SDE transition has no density (``cps`` into sigma 0) are ODE steps whatever the mask says.
+    ``velocity`` replaces the policy's forward and ``ode`` the Euler step (module docstring).
     """
     steps = sigmas.numel() - 1
     device = policy.device
     mask = torch.ones(steps, dtype=torch.bool) if sde_mask is None else sde_mask.to(torch.bool).cpu()
+    mask = mask & stochastic_steps(sde, sigmas)
     timesteps = policy.timestep_values(sigmas).to(device=device, dtype=policy.dtype)
     x = noise.to(device)
     cond = cond.to(device)
@@ -54,12 +79,16 @@ def rollout(policy: Policy, cond: Conditioning, noise: torch.Tensor, sigmas: tor
     for j in range(steps):
         if before_step is not None:
             before_step(j, float(timesteps[j]))
-        v = policy.velocity(x, timesteps[j].expand(b), cond).to(compute)
+        if velocity is None:
+            v = policy.velocity(x, timesteps[j].expand(b), cond).to(compute)
+        else:
+            v = velocity(j, x, timesteps[j].expand(b), cond).to(compute)
         if mask[j]:
             out = sde_step(sde, v, x, sigmas, j, eta, generator=generator)
             x, logp = out.prev_sample, out.log_prob
         else:
-            x, logp = ode_step(v, x, sigmas, j), torch.zeros(b, dtype=compute, device=device)
+            x = ode_step(v, x, sigmas, j) if ode is None else ode(j, x, v)
+            logp = torch.zeros(b, dtype=compute, device=device)
         latents.append(x)
         velocities.append(v)
         log_probs.append(logp)

@@ -4,6 +4,18 @@ Sigmas run from ``s_0 = 1`` down to ``s_T = 0``; the model predicts the velocity
 deterministic Euler step is ``x + (s_{j+1} - s_j) v``. The SDE steps below add noise so that each
 transition is Gaussian and has a log-probability, which GRPO's importance ratio needs.
 
+Three SDEs (``sampling.sde``), each a Gaussian transition ``x_{j+1} ~ N(mean, std^2)``:
+- ``flow_grpo`` (Flow-GRPO): std = eta sqrt(s / (1 - s)) sqrt(s - s');
+- ``dance_grpo`` (DanceGRPO): std = eta sqrt(s - s');
+- ``cps``: coefficients-preserving sampling (Wang and Yu, arXiv 2509.05952, eq. 9-10; FlowCPS): with the
+  predicted data x0 = x - s v and noise x1 = x + (1 - s) v, ``std = s' sin(eta pi / 2)`` and
+  ``mean = (1 - s') x0 + sqrt(s'^2 - std^2) x1``, so that mean and noise together keep the flow's
+  coefficients (1 - s') and s' of x0 and of unit noise: no excess noise at low sigmas. ``eta`` is in
+  (0, 1] (1: all of the next step's noise drawn afresh). The last step (s' = 0) has std 0: it is the
+  Euler step and has no density, so it is an ODE step in every rollout (:func:`stochastic_steps`).
+  The log-probability is the full Gaussian one, like the others; FlowCPS's code drops its constants and
+  the 1 / (2 std^2) factor, which scales the log-ratio and so the ratio's clipping, not the sampler.
+
 Everything is computed in float32 (float64 when the inputs are float64). ``log_prob`` is the mean
 over all non-batch dimensions.
 """
@@ -16,7 +28,7 @@ import torch
 
 from ..errors import ConfigError
 
-SDE_KINDS = ("flow_grpo", "dance_grpo")
+SDE_KINDS = ("flow_grpo", "dance_grpo", "cps")
 LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 
 
@@ -86,7 +98,14 @@ def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas
     nxt = index + 1 if isinstance(index, int) else torch.as_tensor(index) + 1
     s_next = _per_sample(sig, nxt, x)
     dt = s_next - s
-    if kind == "flow_grpo":
+    if kind == "cps":
+        check_cps_eta(eta)
+        std = s_next * math.sin(eta * math.pi / 2)
+        x0 = x - s * v
+        x1 = x + (1 - s) * v
+        mean = (1 - s_next) * x0 + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * x1
+        std_t = std / torch.sqrt(-dt)
+    elif kind == "flow_grpo":
         s_safe = torch.where(s == 1, sig[1].to(x.device), s)
         std_t = eta * torch.sqrt(s / (1 - s_safe))
         mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
@@ -112,6 +131,21 @@ def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas
         prev = prev_sample.to(dtype)
     return SDEStepOutput(prev_sample=prev, log_prob=gaussian_log_prob(prev, mean, std), mean=mean, std=std,
                          std_t=std_t)
+
+
+def check_cps_eta(eta: float) -> None:
+    """The ``cps`` noise level is an angle's fraction: std = s' sin(eta pi / 2) needs eta in (0, 1]."""
+    if not 0 < eta <= 1:
+        raise ConfigError("sampling.eta", eta, "a number in (0, 1] for sampling.sde 'cps' (std = s' sin(eta pi/2))")
+
+
+def stochastic_steps(kind: str, sigmas: torch.Tensor) -> torch.Tensor:
+    """(T,) True where ``kind``'s transition has a density: every step, except for ``cps`` the steps into
+    sigma 0, whose std is 0 (they are Euler steps)."""
+    steps = sigmas.numel() - 1
+    if kind == "cps":
+        return sigmas[1:].cpu() > 0
+    return torch.ones(steps, dtype=torch.bool)
 
 
 def ode_step(model_output: torch.Tensor, sample: torch.Tensor, sigmas: torch.Tensor, index) -> torch.Tensor:

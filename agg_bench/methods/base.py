@@ -1,9 +1,15 @@
 """The Estimator interface and the method registry.
 
 A method decides how the gradient of the GRPO objective is accumulated into the policy's ``.grad``
-for one rollout (and, optionally, which steps are stochastic in the rollout and which hooks run while
-sampling). Adding a method means one module with a config dataclass and an Estimator subclass, and
-one ``@register_method`` line (:class:`agg_bench.registry.Registry`, the style of rewards and caches
+for one rollout, and may own the rest of what one iteration does before it:
+- the rollout (:meth:`Estimator.rollout`): which steps are stochastic, hooks before each step, the
+  velocity used at a step (a guess in place of a forward), the solver of the deterministic steps
+  (e.g. a multistep ODE solver), or a trajectory of another shape (a tree whose samples share prefixes);
+- the advantages (:meth:`Estimator.advantages`): one per sample, or one per (sample, step);
+- the trained steps (:meth:`Estimator.plan`).
+The defaults are GRPO's: B independent chains, group-standardised rewards, ``train.plan`` over the
+stochastic steps. Adding a method means one module with a config dataclass and an Estimator subclass,
+and one ``@register_method`` line (:class:`agg_bench.registry.Registry`, the style of rewards and caches
 too); the training loop never changes.
 """
 from __future__ import annotations
@@ -17,12 +23,15 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import torch
 
 from ..config import RunConfig
-from ..engine.grpo import TrainBatch, UpdateStats
+from ..engine.grpo import TrainBatch, UpdateStats, group_advantages
+from ..engine.plan import plan_steps
 from ..errors import ConfigError
 from ..registry import Registry
 
 if TYPE_CHECKING:  # annotations only: checking a method's options imports neither the models nor diffusers
-    from ..engine.models import Policy
+    from ..config.sections import GRPOConfig, SamplingConfig, TrainConfig
+    from ..engine.models import Conditioning, Policy
+    from ..engine.rollout import Trajectory
 
 # Batch-size options any method may have: null (one call for everything) or at least one latent per call.
 BATCH_OPTIONS = ("micro_batch", "nograd_batch")
@@ -95,6 +104,29 @@ class Estimator(ABC):
     def rollout_hooks(self, policy: Policy) -> contextlib.AbstractContextManager[Callable[[int, float], None] | None]:
         """Context active while sampling; yields ``before_step(j, timestep)`` or None."""
         return contextlib.nullcontext(None)
+
+    def rollout(self, policy: Policy, cond: Conditioning, noise: torch.Tensor, sigmas: torch.Tensor,
+                sampling: SamplingConfig, generator: torch.Generator, iteration: int) -> Trajectory:
+        """The iteration's trajectories from x_0 = ``noise`` (P x G rows, grouped consecutively); random
+        draws come from ``generator``, after the noise. Default: :func:`agg_bench.engine.rollout.rollout`
+        with :meth:`sde_mask` and :meth:`rollout_hooks`, Euler steps where it is not stochastic."""
+        from ..engine.rollout import rollout  # the sampler imports the models (diffusers); a method's options do not
+
+        mask = self.sde_mask(iteration, sampling.steps, generator)
+        with self.rollout_hooks(policy) as before_step:
+            return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, mask, before_step)
+
+    def advantages(self, rewards: torch.Tensor, trajectory: Trajectory, grpo: GRPOConfig) -> torch.Tensor:
+        """A (B,) per sample or (B, T) per (sample, step), in the trajectory's dtype, from the rewards (B,)
+        float64 of the trajectory's final images. Default: GRPO's group-standardised rewards."""
+        return group_advantages(rewards, grpo.group_size, grpo.adv_clip_max, grpo.adv_std, trajectory.latents.dtype)
+
+    def plan(self, train: TrainConfig, trajectory: Trajectory, batch_size: int,
+             generator: torch.Generator) -> torch.Tensor:
+        """``train_steps`` (B, N): the steps each sample trains, from the trajectory's stochastic steps.
+        Default: ``train.plan`` (:func:`agg_bench.engine.plan.plan_steps`)."""
+        return plan_steps(train.plan, batch_size, trajectory.sde_mask, train.timestep_fraction, train.plan_window,
+                          generator)
 
     @abstractmethod
     def accumulate(self, policy: Policy, batch: TrainBatch, stats: UpdateStats,

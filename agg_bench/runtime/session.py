@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from ..config import RunConfig
-from ..engine.grpo import TrainBatch, UpdateStats, group_advantages
+from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.models import Policy, build_policy
 from ..engine.plan import plan_steps
 from ..engine.rewards import build_reward, reward_details
-from ..engine.rollout import initial_noise, rollout
-from ..engine.sde import flow_sigmas
+from ..engine.rollout import initial_noise
+from ..engine.sde import flow_sigmas, stochastic_steps
 from ..engine.text import prompt_conditioning, prompt_set
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
@@ -114,26 +114,23 @@ class Session:
         with phase("rollout"):
             noise = initial_noise(len(idx), g, self.latent_shape, cfg.sampling.same_noise_per_group, gen,
                                   torch.float64 if self.policy.dtype == torch.float64 else torch.float32)
-            mask = self.estimator.sde_mask(iteration, cfg.sampling.steps, gen)
-            with self.estimator.rollout_hooks(self.policy) as before_step:
-                traj = rollout(distributed.rollout_policy(self.policy, shard, total), cond, noise, self.sigmas,
-                               cfg.sampling.sde, cfg.sampling.eta, gen, mask, before_step)
+            traj = self.estimator.rollout(distributed.rollout_policy(self.policy, shard, total), cond, noise,
+                                          self.sigmas, cfg.sampling, gen, iteration)
             traj = distributed.take_trajectory(traj, shard)
         cond = distributed.take(cond, shard, total)
         with phase("reward"):
             images = self.policy.decode(traj.latents[:, -1])
             # float64: advantages divide by the group's spread, which rounding rewards to float32 would blur
             rewards = self.reward_fn(images, prompts).detach().to(torch.float64).cpu()
-        advantages = group_advantages(rewards, g, cfg.grpo.adv_clip_max, cfg.grpo.adv_std,
-                                      traj.latents.dtype).to(self.device)
-        train_steps = plan_steps(cfg.train.plan, total, traj.sde_mask, cfg.train.timestep_fraction,
-                                 cfg.train.plan_window, gen)
+        advantages = self.estimator.advantages(rewards, traj, cfg.grpo).to(self.device)
+        train_steps = self.estimator.plan(cfg.train, traj, total, gen)
         train_steps = distributed.take(train_steps, shard, total).to(self.device)
         batch = TrainBatch(
-            latents=traj.latents, log_probs=traj.log_probs, sigmas=self.sigmas.to(self.device),
+            latents=traj.latents, log_probs=traj.log_probs, sigmas=traj.sigmas.to(self.device),
             timesteps=traj.timesteps, advantages=advantages, train_steps=train_steps, cond=cond,
             sde=cfg.sampling.sde, eta=cfg.sampling.eta, clip_range=cfg.grpo.clip_range, beta=cfg.grpo.beta,
             velocities=traj.velocities, policy_version=traj.policy_version, kl_form=cfg.grpo.kl_form,
+            transitions=traj.transitions, forwarded=traj.forwarded,
         )
         return Rollout(batch=batch, prompts=prompts, rewards=rewards)
 
@@ -187,7 +184,8 @@ def identity(cfg: RunConfig, run_id: str, device: torch.device, world_size: int 
 def check_plan(cfg: RunConfig) -> None:
     """Raise the step plan's ConfigError (e.g. ``train.plan_window`` longer than the trajectory) before a
     run writes anything rather than in its first iteration."""
-    plan_steps(cfg.train.plan, 1, torch.ones(cfg.sampling.steps, dtype=torch.bool), cfg.train.timestep_fraction,
+    available = stochastic_steps(cfg.sampling.sde, torch.linspace(1, 0, cfg.sampling.steps + 1))
+    plan_steps(cfg.train.plan, 1, available, cfg.train.timestep_fraction,
                cfg.train.plan_window, torch.Generator())
 
 
