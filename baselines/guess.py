@@ -1,0 +1,252 @@
+"""Guessed rollouts (MTA-AB2): some generations of a group skip the transformer at a step and take a
+velocity extrapolated from their own past velocities, blended early on with the group's real ones.
+
+Source: the public code of the AGG authors, github.com/SchumiDing/eff_grpo (HEAD ae14d64),
+``fastvideo/train_grpo_qwenimage_eff_mta_ab2.py`` (rollout ``run_sample_step``, blend weight
+``_velocity_mix_alpha``, loss ``train_one_step``), its algorithm note
+``fastvideo/train_grpo_qwenimage_eff_mta_ab2_algorithm.md`` and the ablation script
+``fastvideo/train_grpo_qwenimage_eff_mta_ab2_ablate.py`` (presets ``canonical`` and ``ef04_strong``);
+the run script ``run_eff_mta_ab2.sh`` at commit b695a45 (12 generations: 8 forwarded + 4 guessed, 20 steps).
+There is no paper section; the formulas below are written from that code.
+
+At step j of a rollout with T steps, in each group of G generations (consecutive rows):
+- which rows are guessed: at most ``guessed`` rows, only at steps ``guess_from <= j < guess_until``; a row
+  guessed at step j - 1 is not guessed at j (so its last velocity is always a real one), and among the
+  others the rows guessed least often so far come first (ties: the lower row), the code's round robin;
+- the other rows are forwarded, and only they: the forward batch shrinks by the guessed rows;
+- ``v_group`` is the mean of the real velocities of the group at step j (guessed rows excluded);
+- ``v_so = c1 v_{j-1} + c2 v_{j-2}`` from the row's own stored velocities (a guess where it was guessed),
+  ``(c1, c2) = ab2``; at j = 1 only ``v_so = v_0`` exists (first order, as the code does at step 1);
+- for ``j < blend_until * T``: ``v_hat = a v_so + (1 - a) v_group`` with ``a = (1 + cos(v_so, v_group)) / 2``
+  per row over the whole latent (denominator clamped to 1e-8, cosine clamped to [-1, 1]) for
+  ``blend: cosine``, or the fixed number ``a = blend``; later ``v_hat = v_so``;
+- the guessed row then takes the ordinary SDE step with ``v_hat``, and its log-probability is that of
+  the guessed mean, which the ratio of its training term divides by.
+The code guesses from step 0, where no velocity is stored yet: its zeros make ``v_so = 0`` and
+``v_hat = v_group / 2`` (alpha 1/2), half the group's mean. Here step 0 is never guessed
+(``guess_from >= 1``) and the default starts at step 2, the first with the two velocities AB2 needs.
+
+Training is GRPO's on ``train.plan``'s steps, each term recomputed with the real policy (a guessed term
+too, as the code does), with the loss of a guessed (row, step) weighted by ``guessed_weight`` (the code's
+``1 - 0.9 mock_flag``); weight 0 skips those terms' forward and backward. The advantages are GRPO's over
+all G rewards, guessed generations included. The code also drops the last step from training
+(``--ignore_last``) and its ablation's ``--zero_loss_on_guess`` draws the trained steps among the
+forwarded ones only; here the plan is ``train.plan`` for every method, whose normalisation 1/(B N) stays.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from agg_bench.engine.grpo import StepTerms, micro_batches, step_terms
+from agg_bench.errors import ConfigError
+from agg_bench.machine import distributed
+from agg_bench.methods.base import Estimator, ReplayPlan, register_method
+
+
+@dataclass
+class GuessConfig:
+    """Guessed rollouts (module docstring); defaults are the code's canonical preset.
+
+    ``guessed`` (None: ``grpo.group_size // 3``, the code's 4 of 12): generations of each group guessed at
+      each guessed step, 0 <= guessed < grpo.group_size (one real generation at least, for the group mean).
+    ``guess_from`` (2): the first step that may be guessed, >= 1 (step 0 has no velocity to extrapolate;
+      the code guesses from step 0, module docstring; 1 guesses step 1 to first order as the code does).
+    ``guess_until`` (None: sampling.steps - 1, every step but the last as in the code): guessed steps are
+      ``guess_from <= j < guess_until``, with guess_from <= guess_until <= sampling.steps.
+    ``blend_until`` (0.5, the code's ``early_frac``; 0.4 in ``ef04_strong``): steps j < blend_until * T
+      blend the extrapolation with the group's mean velocity; a fraction in [0, 1].
+    ``blend`` ("cosine", the code's ``_velocity_mix_alpha``): the extrapolation's weight in the blend:
+      (1 + cos(v_so, v_group)) / 2 per row, or a fixed number in [0, 1].
+    ``ab2`` ([1.5, -0.5], equal-step Adams-Bashforth 2; ``ef04_strong``: [2, -1], linear extrapolation):
+      (c1, c2) in ``v_so = c1 v_{j-1} + c2 v_{j-2}``.
+    ``guessed_weight`` (0.1, the code's ``1 - 0.9 mock_flag``): the loss weight of a guessed (row, step)
+      term, >= 0; 0 skips those terms.
+    ``micro_batch``: samples per forward-with-grad (None: the whole batch), as for ``full``.
+    """
+
+    guessed: int | None = None
+    guess_from: int = 2
+    guess_until: int | None = None
+    blend_until: float = 0.5
+    blend: Literal["cosine"] | float = "cosine"
+    ab2: list[float] = field(default_factory=lambda: [1.5, -0.5])
+    guessed_weight: float = 0.1
+    micro_batch: int | None = None
+
+    def validate(self) -> None:
+        """Checks that need no run settings; those against the group and the schedule come in check_run."""
+        if self.guessed is not None and self.guessed < 0:
+            raise ConfigError("method.guessed", self.guessed, "null or an integer >= 0")
+        if self.guess_from < 1:
+            raise ConfigError("method.guess_from", self.guess_from,
+                              "an integer >= 1 (step 0 has no earlier velocity to extrapolate from)")
+        if not (math.isfinite(self.blend_until) and 0 <= self.blend_until <= 1):
+            raise ConfigError("method.blend_until", self.blend_until, "a fraction of the rollout in [0, 1]")
+        if self.blend != "cosine" and not (math.isfinite(self.blend) and 0 <= self.blend <= 1):
+            raise ConfigError("method.blend", self.blend, "'cosine' or a number in [0, 1]")
+        if len(self.ab2) != 2 or not all(math.isfinite(c) for c in self.ab2):
+            raise ConfigError("method.ab2", self.ab2, "two finite numbers [c1, c2] (v_so = c1 v_{j-1} + c2 v_{j-2})")
+        if not (math.isfinite(self.guessed_weight) and self.guessed_weight >= 0):
+            raise ConfigError("method.guessed_weight", self.guessed_weight, "a finite number >= 0")
+
+    def guessed_per_group(self, group_size: int) -> int:
+        return group_size // 3 if self.guessed is None else self.guessed
+
+    def guessed_steps(self, steps: int) -> range:
+        return range(self.guess_from, steps - 1 if self.guess_until is None else self.guess_until)
+
+
+class GuessedVelocity:
+    """The engine rollout's ``velocity`` rule of one rollout (module docstring): forwards the real rows
+    of each step, guesses the others, and records which were forwarded (``forwarded`` (B, T))."""
+
+    def __init__(self, config: GuessConfig, policy, group_size: int, rows: int, steps: int):
+        self.config = config
+        self.policy = policy
+        self.group_size = group_size
+        self.guessed = config.guessed_per_group(group_size)
+        self.window = config.guessed_steps(steps)
+        self.blend_steps = config.blend_until * steps
+        self.history: list[torch.Tensor] = []  # v_{j-1}, v_{j-2} of every row, newest first
+        self.guessed_last = torch.zeros(rows, dtype=torch.bool)
+        self.guess_counts = torch.zeros(rows, dtype=torch.int64)
+        self.forwarded = torch.ones(rows, steps, dtype=torch.bool)
+
+    def pick(self, j: int) -> torch.Tensor:
+        """(B,) True on the rows guessed at step ``j``."""
+        rows = self.guessed_last.numel()
+        chosen = torch.zeros(rows, dtype=torch.bool)
+        if self.guessed == 0 or j not in self.window:
+            return chosen
+        for start in range(0, rows, self.group_size):
+            group = torch.arange(start, start + self.group_size)
+            eligible = group[~self.guessed_last[group]]
+            order = torch.argsort(self.guess_counts[eligible], stable=True)
+            chosen[eligible[order[: self.guessed]]] = True
+        return chosen
+
+    def guess(self, j: int, v_group: torch.Tensor) -> torch.Tensor:
+        """v_hat of every row at step ``j`` from its stored velocities and the group's mean ``v_group``."""
+        c1, c2 = self.config.ab2
+        v_so = c1 * self.history[0] + c2 * self.history[1] if j >= 2 else self.history[0]
+        if j >= self.blend_steps:
+            return v_so
+        if self.config.blend == "cosine":
+            a, b = v_so.flatten(1), v_group.flatten(1)
+            cos = ((a * b).sum(1) / (a.norm(dim=1) * b.norm(dim=1)).clamp_min(1e-8)).clamp(-1, 1)
+            alpha = ((1 + cos) / 2).view(-1, *[1] * (v_so.dim() - 1))
+        else:
+            alpha = self.config.blend
+        return alpha * v_so + (1 - alpha) * v_group
+
+    def __call__(self, j: int, x: torch.Tensor, timesteps: torch.Tensor, cond) -> torch.Tensor:
+        compute = torch.float64 if self.policy.dtype == torch.float64 else torch.float32
+        guessed = self.pick(j)
+        if not guessed.any():
+            v = self.policy.velocity(x, timesteps, cond).to(compute)
+        else:
+            real = torch.nonzero(~guessed).flatten()
+            on = real.to(x.device)
+            v = torch.zeros(x.shape, dtype=compute, device=x.device)
+            v[on] = self.policy.velocity(x[on], timesteps[on], cond[on]).to(compute)
+            mask = (~guessed).to(device=x.device, dtype=compute).view(-1, self.group_size, *[1] * (x.dim() - 1))
+            grouped = v.view(-1, self.group_size, *x.shape[1:])
+            mean = (grouped * mask).sum(1) / mask.sum(1)
+            v_group = mean.repeat_interleave(self.group_size, dim=0)
+            g = guessed.to(x.device)
+            v[g] = self.guess(j, v_group)[g]
+        self.forwarded[:, j] = ~guessed
+        self.guess_counts += guessed.to(torch.int64)
+        self.guessed_last = guessed
+        self.history = [v, *self.history[:1]]
+        return v
+
+
+@register_method
+class GuessEstimator(Estimator):
+    """Guessed velocities in the rollout; exact per-step training with guessed terms down-weighted."""
+
+    name = "guess"
+    config_cls = GuessConfig
+
+    def __init__(self, config: GuessConfig | None = None):
+        super().__init__(config)
+        self.group_size: int | None = None
+        self.last_guessed: int | None = None
+
+    def check_run(self, cfg) -> None:
+        """The options against the group and the schedule; keeps the group size the rollout needs."""
+        c, group, steps = self.config, cfg.grpo.group_size, cfg.sampling.steps
+        guessed = c.guessed_per_group(group)
+        if guessed >= group:
+            raise ConfigError("method.guessed", guessed,
+                              f"an integer in [0, {group - 1}]: fewer guessed generations than grpo.group_size "
+                              f"= {group} (the group mean needs at least one real generation)")
+        if c.guess_from > steps:
+            raise ConfigError("method.guess_from", c.guess_from, f"an integer in [1, {steps}] (sampling.steps)")
+        if c.guess_until is not None and not c.guess_from <= c.guess_until <= steps:
+            raise ConfigError("method.guess_until", c.guess_until,
+                              f"null or an integer in [{c.guess_from}, {steps}] (method.guess_from .. sampling.steps)")
+        if distributed.current().distributed:
+            raise ConfigError("method.name", self.name, "a single-process run (a step's group mean needs every "
+                              "real velocity of the group, and each process samples only its own rows)")
+        self.group_size = group
+
+    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
+        from agg_bench.engine.rollout import rollout  # imports the models (diffusers); the options do not
+
+        if self.group_size is None:
+            raise RuntimeError("GuessEstimator.rollout needs check_run(cfg) first (it gives the group size)")
+        rule = GuessedVelocity(self.config, policy, self.group_size, noise.shape[0], sigmas.numel() - 1)
+        traj = rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, velocity=rule)
+        traj.forwarded = rule.forwarded
+        self.last_guessed = int((~rule.forwarded).sum())
+        return traj
+
+    def term_weights(self, batch, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """(len(rows),) the loss weight of each (row, step) term: 1, or ``guessed_weight`` where guessed."""
+        ones = torch.ones(rows.numel(), dtype=torch.float64)
+        if batch.forwarded is None:
+            return ones
+        forwarded = batch.forwarded.cpu()[rows.cpu(), steps.cpu()]
+        return torch.where(forwarded, ones, torch.full_like(ones, self.config.guessed_weight))
+
+    def accumulate(self, policy, batch, stats, reference=None):
+        """Exact per-step backward (``full``'s), each term's loss times its weight; weight-0 terms skipped."""
+        for n in range(batch.steps_per_sample):
+            for rows in micro_batches(batch.batch_size, self.config.micro_batch):
+                steps = batch.train_steps[rows, n]
+                weights = self.term_weights(batch, rows, steps)
+                keep = weights != 0
+                if not keep.any():
+                    continue
+                rows, steps, weights = rows[keep], steps[keep.to(steps.device)], weights[keep]
+                weighted_backward(policy, batch, rows, steps, weights, stats, reference)
+
+    def replay_plan(self, cfg, stochastic, batch_size, generator):
+        return ReplayPlan("not_applicable", None,
+                          "every velocity of a frozen rollout was forwarded, so guess's gradient on it is full's; "
+                          "what guess changes (guessed velocities in the rollout, down-weighted guessed terms) "
+                          "exists only in its own rollout")
+
+    def iteration_metrics(self) -> dict:
+        return {"guessed_velocities": self.last_guessed}
+
+
+def weighted_backward(policy, batch, rows: torch.Tensor, steps: torch.Tensor, weights: torch.Tensor,
+                      stats, reference=None) -> None:
+    """:func:`agg_bench.engine.grpo.exact_backward` with each (row, step) term's loss times ``weights``."""
+    ref_v = None
+    if batch.beta > 0 and reference is not None:
+        with torch.no_grad():
+            ref_v = reference.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
+    v = policy.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
+    terms = step_terms(batch, rows, steps, v, ref_v)
+    loss = terms.loss * weights.to(device=terms.loss.device, dtype=terms.loss.dtype)
+    (loss.sum() * batch.loss_scale).backward()
+    stats.add(StepTerms(loss.detach(), terms.ratio.detach(), terms.log_prob.detach()),
+              batch.log_probs[rows, steps], batch.loss_scale)
