@@ -47,7 +47,8 @@ from agg_bench.methods.base import Estimator, ReplayPlan, register_method
 # the released script's split points for its 20 steps (scripts/finetune/finetune_flux_branchgrpo_8gpus.sh)
 PAPER_STEPS = 20
 PAPER_BRANCH_POINTS = (0, 3, 6, 9)
-TINY_STD = 1e-6  # a depth whose node rewards spread less than this gets A = 0 (compute_hierarchical_advantages_by_depth)
+# a depth whose node rewards spread less than this gets A = 0 (the code's compute_hierarchical_advantages_by_depth)
+TINY_STD = 1e-6
 
 
 @dataclass
@@ -173,7 +174,8 @@ class BranchEstimator(Estimator):
                               f"len(method.branch_points) = {c.branch_factor} ** {len(points)}")
         if any(d > steps for d in c.depth_pruning):
             raise ConfigError("method.depth_pruning", c.depth_pruning,
-                              f"depths in [1, {steps}] (a transition's depth is its step + 1; sampling.steps = {steps})")
+                              f"depths in [1, {steps}] (a transition's depth is its step + 1; "
+                              f"sampling.steps = {steps})")
         if not self.trained_steps(stochastic).any():
             raise ConfigError("method.depth_pruning", c.depth_pruning, "at least one trained depth left")
         if cfg.train.timestep_fraction != 1.0:

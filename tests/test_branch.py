@@ -297,6 +297,28 @@ def test_replay_is_not_applicable():
     assert plan.scope == "not_applicable" and plan.train_steps is None and "tree" in plan.note
 
 
+def test_replay_refuses_and_gradcheck_lists_without_numbers(tmp_path, capsys):
+    """On a snapshot whose run settings the method accepts (4 steps: its default splits 0, 1 give the
+    group's 4 leaves), ``replay`` is one line and exit 2, and ``gradcheck`` writes the row without numbers."""
+    import csv
+    settings = [arg for item in ["model.resolution=32", "sampling.steps=4", "grpo.group_size=4",
+                                 "grpo.prompts_per_iteration=1", "progress=false", "telemetry.enabled=false"]
+                for arg in ("--set", item)]
+    snap = tmp_path / "snap"
+    assert main(["snapshot", *settings, "--out", str(snap)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(snap), "--method", "branch", "--out", str(tmp_path / "g.safetensors")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "frozen rollout" in err[0]
+    out = tmp_path / "table.csv"
+    assert main(["gradcheck", "--snapshot", str(snap), "--windows", "2", "--alphas", "index", "--route-fracs", "1",
+                 "--methods", "branch", "--out", str(out)]) == 0
+    with open(out, newline="") as fh:
+        row = list(csv.DictReader(fh))[-1]
+    assert (row["method"], row["replay"], row["relative_error"]) == ("branch", "not_applicable", "")
+    assert not (tmp_path / "g.safetensors").exists()
+
+
 # ----- the preset -----------------------------------------------------------------------------------
 
 def test_preset_scales_the_public_setting_and_loads_with_random_weights():
