@@ -76,7 +76,7 @@ class BranchConfig:
         every depth, so in effect its first steps);
       - ``best_worst`` (mode 2): all those transitions of the iteration pooled (the code pools one GPU's
         trees; a branch run is one process), keep = max(2, floor(width_ratio * N)) of them: the keep // 2
-        with the highest and the keep - keep // 2 with the lowest advantage (earliest first among equals).
+        with the highest and the keep - keep // 2 with the lowest advantage (ties in row-major order).
     ``width_ratio`` (0.5): the kept fraction, in (0, 1] (``--width_pruning_ratio``).
     ``micro_batch``: transitions per forward-with-grad (None: all of one step at once).
     """
@@ -258,7 +258,7 @@ class BranchEstimator(Estimator):
         out = [r]
         for j in range(steps - 2, -1, -1):
             children = out[0]
-            if nodes[j + 1] == nodes[j]:  # only children pass their rewards up
+            if nodes[j + 1] == nodes[j]:  # an only child passes its reward up
                 out.insert(0, children)
                 continue
             per_child = group // nodes[j + 1]
@@ -270,8 +270,6 @@ class BranchEstimator(Estimator):
 
     def advantages(self, rewards, trajectory, grpo):
         """(B, T): each transition's advantage, that of the node it leads to (module docstring)."""
-        if grpo.adv_std not in ("population", "sample"):
-            raise ConfigError("grpo.adv_std", grpo.adv_std, "one of ['population', 'sample']")
         columns = []
         fused = self.node_rewards(rewards, trajectory.log_probs.cpu())
         group = fused[-1].shape[1]
@@ -307,8 +305,7 @@ class BranchEstimator(Estimator):
         after = torch.zeros(steps, dtype=torch.bool)
         after[max(self.points(steps)) + 1:] = True
         pool = keep & after  # after the last split every leaf row is its own transition
-        adv = batch.advantages.detach().cpu().to(torch.float64)
-        adv = adv if adv.dim() == 2 else adv[:, None].expand(b, steps)
+        adv = batch.advantages.detach().cpu().to(torch.float64)  # (B, T): this method's own
         ratio = self.config.width_ratio
         chosen = torch.zeros_like(pool)
         if self.config.width_pruning == "best_per_branch":
@@ -318,7 +315,7 @@ class BranchEstimator(Estimator):
                     order = torch.sort(adv[row, cols], descending=True, stable=True).indices
                     chosen[row, cols[order[:max(1, int(ratio * cols.numel()))]]] = True
         else:
-            rows, cols = torch.nonzero(pool, as_tuple=True)  # row-major: the earliest first among equals
+            rows, cols = torch.nonzero(pool, as_tuple=True)  # row-major; the stable sort keeps that order among equals
             if rows.numel():
                 order = torch.sort(adv[rows, cols], descending=True, stable=True).indices
                 n = rows.numel()
