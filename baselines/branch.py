@@ -188,8 +188,8 @@ class BranchEstimator(Estimator):
         processes = max(distributed.current().world_size, distributed.launched_world_size())
         if processes > 1:
             raise ConfigError("method.name", "branch",
-                              f"one process for method 'branch' (its width pruning pools the whole iteration's "
-                              f"trees); this run has {processes} data-parallel processes")
+                              f"one process for method 'branch' (a tree's batch grows inside the rollout and its "
+                              f"width pruning pools every tree); this run has {processes} data-parallel processes")
 
     def replay_plan(self, cfg, stochastic, batch_size, generator):
         return ReplayPlan("not_applicable", None,
