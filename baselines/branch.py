@@ -1,0 +1,340 @@
+"""BranchGRPO (Li et al., arXiv 2509.06040; public code github.com/Fredreic1849/BranchGRPO,
+``fastvideo/train_branchgrpo_flux.py``): GRPO on one tree of samples per prompt, whose shared prefixes
+are sampled once and trained once.
+
+Rollout. One root x_0 per prompt (the first noise row of its group). Every step j is the run's SDE step
+(``sampling.sde``, ``sampling.eta``): one forward v = v_theta(x_j, t_j) per node alive before step j gives
+the Gaussian transition N(mu_j, sigma_j^2). At a branch point j in S (``branch_points``) each node gets
+K (``branch_factor``) children x_{j+1}^(k) = mu_j + s sigma_j eps_k with independent eps_k
+(s = ``split_noise_scale``), elsewhere one child x_{j+1} = mu_j + sigma_j eps. A prompt's tree thus runs
+K^|{b in S: b < j}| forwards at step j, has n_j = K^|{b in S: b <= j}| transitions there, and ends in
+G = K^|S| leaves: the prompt's group. The trajectory holds the G leaf rows with their prefixes repeated;
+``Trajectory.transitions`` names the transition each (row, step) belongs to.
+
+Node rewards. A leaf's reward is its image's. An internal node's (``reward_fusion``):
+- ``mean``: the mean reward of the leaves below it (the released script, ``TREE_PROB_WEIGHTED=false``);
+- ``prob_weighted``: R(n) = sum_c softmax_c(log p(n -> c)) R(c) over its children c, log p the rollout's
+  log-probability of the edge (the per-element mean, as stored); an only child passes its reward up.
+
+Depth-wise advantages. Per prompt and per step j, over the n_j nodes step j produces:
+A = clamp((R - mean) / (std + 1e-8), -grpo.adv_clip_max, grpo.adv_clip_max), std as ``grpo.adv_std``
+says (the public code uses torch's unbiased std, ``sample``); A = 0 where n_j = 1 or std < 1e-6.
+The transition into a node carries that node's A.
+
+Training. Every distinct transition that is not pruned is trained once, exactly: a forward with grad at
+its parent's state and a backward (as ``full``), on one row among the leaves that share it, and
+L = 1/K_t sum_transitions l with K_t the transitions trained this iteration (l: GRPO's clipped term and
+its ``beta`` term). The public code also weighs every transition alike, but divides each loss by
+(gradient-accumulation steps x transitions per tree) and steps the optimizer every 12 transitions, so
+one iteration is ~36 optimizer steps; here an iteration's mean is one step, as for every method.
+Replay on a frozen rollout is ``not_applicable``: a tree is not a chain rollout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from agg_bench.engine.grpo import TrainBatch, exact_backward, micro_batches
+from agg_bench.engine.sde import gaussian_log_prob, ode_step, sde_step, stochastic_steps
+from agg_bench.errors import ConfigError
+from agg_bench.machine import distributed
+from agg_bench.methods.base import Estimator, ReplayPlan, register_method
+
+# the released script's split points for its 20 steps (scripts/finetune/finetune_flux_branchgrpo_8gpus.sh)
+PAPER_STEPS = 20
+PAPER_BRANCH_POINTS = (0, 3, 6, 9)
+# a depth whose node rewards spread less than this gets A = 0 (the code's compute_hierarchical_advantages_by_depth)
+TINY_STD = 1e-6
+
+
+@dataclass
+class BranchConfig:
+    """BranchGRPO's tree, reward fusion and pruning.
+
+    ``branch_points`` (None): the steps j (0-based, the split happens at step j) where every node splits;
+      strictly increasing, in [0, sampling.steps - 1]. None scales the released script's 0,3,6,9 of 20
+      steps to the run: floor(b * sampling.steps / 20), duplicates dropped (0,1,3,4 for 10 steps).
+    ``branch_factor`` (2): children per split, >= 2; the public code hard-codes 2. ``grpo.group_size``
+      must be branch_factor ** len(branch_points), the leaves per prompt.
+    ``split_noise_scale`` (1.0): multiplies the noise of the children at split steps. 1.0 is the SDE
+      itself. The released script uses 4.0 (``--tree_split_noise_scale``, argparse default 0.3) and keeps
+      the log-probability of the unscaled sigma_j (code l.274-279), as this option does: the ratio stays
+      consistent (old and new use the same density) but it is not the sampling density.
+    ``reward_fusion`` ("mean"): internal nodes' rewards, ``mean`` (released script) or ``prob_weighted``
+      (``--tree_prob_weighted``: softmax of the child edges' log-probs, alpha = 1), module docstring.
+    ``depth_pruning`` ([]): depths whose transitions are not trained (``--depth_pruning``); a transition's
+      depth is its child's, step + 1, so depth sampling.steps is the last step. The code's sliding window
+      (``--depth_pruning_slide``) is off in the released script and not offered here.
+    ``width_pruning`` ("none"): trains only part of the transitions after the last branch point (the
+      code's ``--width_pruning_mode`` 0/1/2, off in the released script):
+      - ``best_per_branch`` (mode 1): per leaf, the max(1, floor(width_ratio * m)) of its m transitions
+        there with the highest advantage, the earliest among equals (a leaf's chain has one advantage at
+        every depth, so in effect its first steps);
+      - ``best_worst`` (mode 2): all those transitions of the iteration pooled (the code pools one GPU's
+        trees; a branch run is one process), keep = max(2, floor(width_ratio * N)) of them: the keep // 2
+        with the highest and the keep - keep // 2 with the lowest advantage (ties in row-major order).
+    ``width_ratio`` (0.5): the kept fraction, in (0, 1] (``--width_pruning_ratio``).
+    ``micro_batch``: transitions per forward-with-grad (None: all of one step at once).
+    """
+
+    branch_points: list[int] | None = None
+    branch_factor: int = 2
+    split_noise_scale: float = 1.0
+    reward_fusion: Literal["mean", "prob_weighted"] = "mean"
+    depth_pruning: list[int] = dataclasses.field(default_factory=list)
+    width_pruning: Literal["none", "best_per_branch", "best_worst"] = "none"
+    width_ratio: float = 0.5
+    micro_batch: int | None = None
+
+    def validate(self) -> None:
+        """Checks that need no run settings; the bounds that depend on sampling.steps come in check_run."""
+        if self.branch_factor < 2:
+            raise ConfigError("method.branch_factor", self.branch_factor, "an integer >= 2 (children per split)")
+        points = self.branch_points
+        if points is not None and (not points or points[0] < 0
+                                   or any(a >= b for a, b in zip(points, points[1:]))):
+            raise ConfigError("method.branch_points", points,
+                              "null or a non-empty list of strictly increasing steps >= 0")
+        if not math.isfinite(self.split_noise_scale) or self.split_noise_scale <= 0:
+            raise ConfigError("method.split_noise_scale", self.split_noise_scale, "a finite number > 0")
+        if any(d < 1 for d in self.depth_pruning) or len(set(self.depth_pruning)) != len(self.depth_pruning):
+            raise ConfigError("method.depth_pruning", self.depth_pruning, "a list of distinct depths >= 1")
+        if not 0 < self.width_ratio <= 1:
+            raise ConfigError("method.width_ratio", self.width_ratio, "a number in (0, 1]")
+
+
+@dataclass
+class TreeBatch(TrainBatch):
+    """A TrainBatch whose loss is the mean over its ``trained`` distinct transitions (not over B x N)."""
+
+    trained: int = 1
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 / self.trained
+
+
+@register_method
+class BranchEstimator(Estimator):
+    """Tree rollout with shared prefixes, depth-wise advantages, each distinct transition trained once."""
+
+    name = "branch"
+    config_cls = BranchConfig
+
+    def __init__(self, config: BranchConfig | None = None):
+        super().__init__(config)
+        self.last_trained: int | None = None
+
+    # ----- the tree's shape ------------------------------------------------------------------
+    def points(self, steps: int) -> list[int]:
+        """The branch points of a ``steps``-step rollout (the configured ones, or the paper's scaled)."""
+        if self.config.branch_points is not None:
+            return list(self.config.branch_points)
+        return sorted({b * steps // PAPER_STEPS for b in PAPER_BRANCH_POINTS})
+
+    def nodes(self, steps: int) -> list[int]:
+        """n_j per prompt: the nodes step j produces (= its transitions), j = 0 .. steps - 1."""
+        points = self.points(steps)
+        return [self.config.branch_factor ** sum(b <= j for b in points) for j in range(steps)]
+
+    def forwards(self, steps: int) -> list[int]:
+        """Per prompt, the forwards step j runs: one per node alive before it."""
+        points = self.points(steps)
+        return [self.config.branch_factor ** sum(b < j for b in points) for j in range(steps)]
+
+    def trained_steps(self, stochastic: torch.Tensor) -> torch.Tensor:
+        """(T,) True on the steps whose transitions are trained: stochastic and not depth-pruned."""
+        keep = stochastic.to(torch.bool).cpu().clone()
+        for depth in self.config.depth_pruning:
+            if depth <= keep.numel():
+                keep[depth - 1] = False
+        return keep
+
+    # ----- run checks --------------------------------------------------------------------------
+    def check_run(self, cfg) -> None:
+        steps, c = cfg.sampling.steps, self.config
+        points = self.points(steps)
+        if points[-1] > steps - 1:
+            raise ConfigError("method.branch_points", points,
+                              f"branch points inside the steps: strictly increasing integers in [0, {steps - 1}] "
+                              f"(sampling.steps = {steps})")
+        stochastic = stochastic_steps(cfg.sampling.sde, torch.linspace(1, 0, steps + 1))
+        if not all(stochastic[b] for b in points):
+            raise ConfigError("method.branch_points", points,
+                              f"steps with a density (sampling.sde {cfg.sampling.sde!r} has none at steps "
+                              f"{torch.nonzero(~stochastic).flatten().tolist()}): children would be identical")
+        leaves = c.branch_factor ** len(points)
+        if cfg.grpo.group_size != leaves:
+            raise ConfigError("grpo.group_size", cfg.grpo.group_size,
+                              f"{leaves} for method 'branch': the leaves per prompt, method.branch_factor ** "
+                              f"len(method.branch_points) = {c.branch_factor} ** {len(points)}")
+        if any(d > steps for d in c.depth_pruning):
+            raise ConfigError("method.depth_pruning", c.depth_pruning,
+                              f"depths in [1, {steps}] (a transition's depth is its step + 1; "
+                              f"sampling.steps = {steps})")
+        if not self.trained_steps(stochastic).any():
+            raise ConfigError("method.depth_pruning", c.depth_pruning, "at least one trained depth left")
+        if cfg.train.timestep_fraction != 1.0:
+            raise ConfigError("train.timestep_fraction", cfg.train.timestep_fraction,
+                              "1.0 for method 'branch' (it trains every transition of its trees; "
+                              "prune with method.depth_pruning or method.width_pruning)")
+        if cfg.train.plan != "steps":
+            raise ConfigError("train.plan", cfg.train.plan,
+                              "'steps' for method 'branch' (its trees decide the trained transitions)")
+        processes = max(distributed.current().world_size, distributed.launched_world_size())
+        if processes > 1:
+            raise ConfigError("method.name", "branch",
+                              f"one process for method 'branch' (a tree's batch grows inside the rollout and its "
+                              f"width pruning pools every tree); this run has {processes} data-parallel processes")
+
+    def replay_plan(self, cfg, stochastic, batch_size, generator):
+        return ReplayPlan("not_applicable", None,
+                          "BranchGRPO samples a tree per prompt (shared prefixes, children split from one "
+                          "parent's mean); a frozen rollout of independent chains has no tree to train")
+
+    # ----- rollout ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
+        from agg_bench.engine.rollout import Trajectory  # the sampler imports the models; the options do not
+
+        steps = sigmas.numel() - 1
+        total = noise.shape[0]
+        group = self.config.branch_factor ** len(self.points(steps))
+        roots = torch.arange(0, total, group)
+        mask = stochastic_steps(sampling.sde, sigmas)
+        device = policy.device
+        compute = torch.float64 if policy.dtype == torch.float64 else torch.float32
+        timesteps = policy.timestep_values(sigmas).to(device=device, dtype=policy.dtype)
+        x = noise[roots].to(device)
+        node_cond = cond[roots].to(device)
+        splits = set(self.points(steps))
+        factor = self.config.branch_factor
+        latents, velocities, log_probs = [x.to(compute)], [], []
+        for j in range(steps):
+            v = policy.velocity(x, timesteps[j].expand(x.shape[0]), node_cond).to(compute)
+            velocities.append(v)
+            if j in splits:  # each child draws its own noise around its parent's mean
+                x, v = x.repeat_interleave(factor, 0), v.repeat_interleave(factor, 0)
+                node_cond = node_cond.repeat_interleave(factor)
+            if mask[j]:
+                out = sde_step(sampling.sde, v, x, sigmas, j, sampling.eta, generator=generator)
+                x, logp = out.prev_sample, out.log_prob
+                if j in splits and self.config.split_noise_scale != 1.0:
+                    x = out.mean + self.config.split_noise_scale * (out.prev_sample - out.mean)
+                    logp = gaussian_log_prob(x, out.mean, out.std)  # the unscaled std, as the public code
+            else:
+                x = ode_step(v, x, sigmas, j)
+                logp = torch.zeros(x.shape[0], dtype=compute, device=device)
+            latents.append(x)
+            log_probs.append(logp)
+        leaves = lambda t: t.repeat_interleave(total // t.shape[0], 0)  # noqa: E731  (prefix rows repeated)
+        ids, offset = [], 0
+        for n in self.nodes(steps):
+            width = n * roots.numel()
+            ids.append(offset + torch.arange(total) // (total // width))
+            offset += width
+        return Trajectory(
+            latents=torch.stack([leaves(t) for t in latents], 1),
+            velocities=torch.stack([leaves(t) for t in velocities], 1),
+            log_probs=torch.stack([leaves(t) for t in log_probs], 1), sigmas=sigmas, timesteps=timesteps,
+            sde_mask=mask, policy_version=policy.version, transitions=torch.stack(ids, 1),
+        )
+
+    # ----- advantages --------------------------------------------------------------------------
+    def node_rewards(self, rewards: torch.Tensor, log_probs: torch.Tensor) -> list[torch.Tensor]:
+        """Per step j, (P, n_j) float64 rewards of the nodes step j produces (``reward_fusion``), from the
+        leaves' ``rewards`` (B,) and the rollout's edge ``log_probs`` (B, T), rows grouped per prompt."""
+        steps = log_probs.shape[1]
+        nodes = self.nodes(steps)
+        group = nodes[-1]
+        r = rewards.to(torch.float64).view(-1, group)
+        prompts = r.shape[0]
+        if self.config.reward_fusion == "mean":
+            return [r.view(prompts, n, group // n).mean(-1) for n in nodes]
+        out = [r]
+        for j in range(steps - 2, -1, -1):
+            children = out[0]
+            if nodes[j + 1] == nodes[j]:  # an only child passes its reward up
+                out.insert(0, children)
+                continue
+            per_child = group // nodes[j + 1]
+            edge = log_probs[:, j + 1].to(torch.float64).view(prompts, nodes[j + 1], per_child)[..., 0]
+            factor = nodes[j + 1] // nodes[j]
+            weights = torch.softmax(edge.view(prompts, nodes[j], factor), -1)
+            out.insert(0, (weights * children.view(prompts, nodes[j], factor)).sum(-1))
+        return out
+
+    def advantages(self, rewards, trajectory, grpo):
+        """(B, T): each transition's advantage, that of the node it leads to (module docstring)."""
+        columns = []
+        fused = self.node_rewards(rewards, trajectory.log_probs.cpu())
+        group = fused[-1].shape[1]
+        for r in fused:
+            n = r.shape[1]
+            if n == 1:
+                adv = torch.zeros_like(r)
+            else:
+                spread = r.std(dim=1, unbiased=grpo.adv_std == "sample", keepdim=True)
+                adv = (r - r.mean(dim=1, keepdim=True)) / (spread + 1e-8)
+                adv = torch.where(spread < TINY_STD, torch.zeros_like(adv), adv)
+            adv = adv.clamp(-grpo.adv_clip_max, grpo.adv_clip_max)
+            columns.append(adv.repeat_interleave(group // n, 1).reshape(-1))  # to every leaf below the node
+        return torch.stack(columns, 1).to(trajectory.latents.dtype)
+
+    def plan(self, train, trajectory, batch_size, generator):
+        """Every row lists every trained step; the tree's distinct transitions are picked in accumulate."""
+        steps = torch.nonzero(self.trained_steps(trajectory.sde_mask), as_tuple=False).flatten()
+        return steps.expand(batch_size, -1).clone()
+
+    # ----- training ----------------------------------------------------------------------------
+    def trained_mask(self, batch: TrainBatch) -> torch.Tensor:
+        """(B, T) bool: True at one row of each distinct transition that is trained (planned, not pruned)."""
+        ids = batch.transitions.cpu()
+        b, steps = ids.shape
+        planned = torch.zeros(b, steps, dtype=torch.bool)
+        planned.scatter_(1, batch.train_steps.cpu(), True)
+        first = torch.ones(b, steps, dtype=torch.bool)
+        first[1:] = ids[1:] != ids[:-1]  # a transition's rows are consecutive: keep its first
+        keep = planned & first
+        if self.config.width_pruning == "none":
+            return keep
+        after = torch.zeros(steps, dtype=torch.bool)
+        after[max(self.points(steps)) + 1:] = True
+        pool = keep & after  # after the last split every leaf row is its own transition
+        adv = batch.advantages.detach().cpu().to(torch.float64)  # (B, T): this method's own
+        ratio = self.config.width_ratio
+        chosen = torch.zeros_like(pool)
+        if self.config.width_pruning == "best_per_branch":
+            for row in range(b):
+                cols = torch.nonzero(pool[row]).flatten()
+                if cols.numel():
+                    order = torch.sort(adv[row, cols], descending=True, stable=True).indices
+                    chosen[row, cols[order[:max(1, int(ratio * cols.numel()))]]] = True
+        else:
+            rows, cols = torch.nonzero(pool, as_tuple=True)  # row-major; the stable sort keeps that order among equals
+            if rows.numel():
+                order = torch.sort(adv[rows, cols], descending=True, stable=True).indices
+                n = rows.numel()
+                count = max(2, int(ratio * n))
+                best, worst = count // 2, count - count // 2
+                picked = torch.cat([order[:best], order[max(best, n - worst):]])
+                chosen[rows[picked], cols[picked]] = True
+        return (keep & ~after) | chosen
+
+    def accumulate(self, policy, batch, stats, reference=None):
+        trained = self.trained_mask(batch)
+        self.last_trained = int(trained.sum())
+        tree = TreeBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)},
+                         trained=max(self.last_trained, 1))
+        for j in torch.nonzero(trained.any(0)).flatten().tolist():
+            rows = torch.nonzero(trained[:, j]).flatten()
+            for chunk in micro_batches(rows.numel(), self.config.micro_batch):
+                picked = rows[chunk]
+                exact_backward(policy, tree, picked, torch.full_like(picked, j), stats, reference)
+
+    def iteration_metrics(self) -> dict:
+        return {"trained_transitions": self.last_trained}
