@@ -38,7 +38,8 @@ BATCH_OPTIONS = ("micro_batch", "nograd_batch")
 # Method name -> the module whose import registers it; a run imports only its own method's module
 # (``cached`` brings in every cache and diffusers' hooks).
 METHOD_MODULES = {"full": "baselines.full", "fraction": "baselines.subsample", "window": "baselines.subsample",
-                  "agg": "agg_bench.methods.agg", "cached": "baselines.cached"}
+                  "agg": "agg_bench.methods.agg", "cached": "baselines.cached",
+                  "mixgrpo_flash": "baselines.mixgrpo_flash"}
 METHODS = Registry("method.name", modules=METHOD_MODULES)
 
 
