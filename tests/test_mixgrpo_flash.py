@@ -134,7 +134,8 @@ def test_rollout_equals_the_float64_reference_on_the_same_noise(sde, start, size
     gen.set_state(state)
     latents, log_probs = reference_rollout(session.policy, cond, noise, grid, start, last, sde, 0.7, order, gen)
 
-    assert traj.sigmas.numel() == len(grid) and float((traj.sigmas - torch.tensor(grid, dtype=torch.float64)).abs().max()) <= 1e-15
+    assert traj.sigmas.numel() == len(grid)
+    assert float((traj.sigmas - torch.tensor(grid, dtype=torch.float64)).abs().max()) <= 1e-15
     assert float((traj.latents - latents).abs().max() / latents.abs().max()) <= 1e-12
     assert float((traj.log_probs - log_probs).abs().max()) <= 1e-10 * float(log_probs.abs().max())
     window = torch.zeros(len(grid) - 1, dtype=torch.bool)
