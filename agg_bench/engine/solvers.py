@@ -1,0 +1,88 @@
+"""Multistep ODE solvers for the deterministic steps of a flow-matching rollout.
+
+DPM-Solver++ (Lu et al., arXiv 2211.01095, Algorithm 2: multistep, data prediction) written for the
+flow's noise schedule: at sigma ``s`` the state is ``x = alpha x_data + sigma noise`` with ``alpha = 1 - s``
+and ``sigma = s``, the data prediction of velocity ``v`` is ``x0 = x - s v``, and the half log-SNR is
+``lambda = log(alpha / sigma)``. One step from ``s`` to ``s'`` with ``h = lambda' - lambda``:
+
+- first order (DPM-Solver++1, which is DDIM and, on this schedule, exactly the Euler step):
+  ``x' = (s'/s) x - alpha' (e^{-h} - 1) x0``;
+- second order multistep "2M", midpoint form (diffusers' ``solver_type="midpoint"``), with the data
+  prediction ``x0_prev`` of the step before, made at sigma ``s_prev``:
+  ``x' = (s'/s) x - alpha' (e^{-h} - 1) D0 - 0.5 alpha' (e^{-h} - 1) D1``, ``D0 = x0``,
+  ``D1 = (x0 - x0_prev) / r0``, ``r0 = h_0 / h``, ``h_0 = lambda - lambda_prev``.
+
+A step into sigma 0 (lambda' = +inf) is first order and returns ``x0`` exactly (diffusers'
+``final_sigmas_type="zero"``). The previous prediction may come from a step on another grid (MixGRPO-Flash
+feeds the predictions of its Euler and SDE steps to the first solver step after its window): ``h_0`` is
+measured between the sigmas the predictions were made at, so the ratio ``r0`` absorbs the change of grid.
+Coefficients are float64 numbers; the states keep their dtype.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DPM_SOLVER_ORDERS = (1, 2)
+
+
+def half_log_snr(sigma: float) -> float:
+    """lambda = log(alpha / sigma) = log((1 - s) / s) for 0 < s < 1."""
+    return math.log(1.0 - sigma) - math.log(sigma)
+
+
+@dataclass
+class DataPrediction:
+    """A step's predicted data ``x0`` = x - s v, made at sigma ``sigma``."""
+
+    x0: torch.Tensor
+    sigma: float
+
+
+def dpm_solver_pp_step(x: torch.Tensor, current: DataPrediction, sigma_next: float,
+                       previous: DataPrediction | None = None) -> torch.Tensor:
+    """One DPM-Solver++ step of ``x`` from ``current.sigma`` to ``sigma_next``: 2M midpoint when
+    ``previous`` is given, first order otherwise, and first order (``current.x0``) into sigma 0."""
+    s, x0 = current.sigma, current.x0
+    if sigma_next == 0:
+        return x0.clone()
+    if not 0 < sigma_next < s < 1:
+        raise ValueError(f"a DPM-Solver++ step needs 0 <= sigma' < sigma < 1, got {s} -> {sigma_next}")
+    lam, lam_next = half_log_snr(s), half_log_snr(sigma_next)
+    h = lam_next - lam
+    alpha_next = 1.0 - sigma_next
+    phi = alpha_next * math.expm1(-h)  # alpha' (e^{-h} - 1)
+    x_next = (sigma_next / s) * x - phi * x0
+    if previous is not None:
+        r0 = (lam - half_log_snr(previous.sigma)) / h
+        x_next = x_next - (0.5 * phi / r0) * (x0 - previous.x0)
+    return x_next
+
+
+class MultistepDPMSolverPP:
+    """DPM-Solver++ of ``order`` (1 or 2) as the deterministic steps of a rollout on ``sigmas``.
+
+    :meth:`observe` is told every step's state and velocity (whatever sampler takes that step), so that
+    the first solver step can be second order on the prediction of the step before it; :meth:`step`
+    takes step j with the predictions observed at steps j and j - 1.
+    """
+
+    def __init__(self, sigmas: torch.Tensor, order: int = 2):
+        if order not in DPM_SOLVER_ORDERS:
+            raise ValueError(f"DPM-Solver++ order {order}: expected one of {list(DPM_SOLVER_ORDERS)}")
+        self.sigmas = [float(s) for s in sigmas.to(torch.float64)]
+        self.order = order
+        self.observed: dict[int, DataPrediction] = {}
+
+    def observe(self, j: int, x: torch.Tensor, v: torch.Tensor) -> None:
+        """Remember step j's data prediction x - s_j v (only the last two are kept)."""
+        s = self.sigmas[j]
+        self.observed[j] = DataPrediction(x - s * v, s)
+        self.observed.pop(j - 2, None)
+
+    def step(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """x_{j+1} from x_j by the solver, step j's prediction observed before."""
+        previous = self.observed.get(j - 1) if self.order == 2 else None
+        return dpm_solver_pp_step(x, self.observed[j], self.sigmas[j + 1], previous)

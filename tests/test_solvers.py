@@ -1,0 +1,153 @@
+"""DPM-Solver++ on the flow schedule (agg_bench/engine/solvers.py) against diffusers' scheduler stepped in
+float64 and against the paper's update equations written here."""
+import math
+
+import pytest
+import torch
+from diffusers import DPMSolverMultistepScheduler
+
+from agg_bench.engine.sde import ode_step
+from agg_bench.engine.solvers import DataPrediction, MultistepDPMSolverPP, dpm_solver_pp_step
+
+SHAPE = (2, 3, 4, 4)
+
+
+def diffusers_scheduler(order: int, steps: int, shift: float) -> DPMSolverMultistepScheduler:
+    scheduler = DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
+                                            flow_shift=shift, algorithm_type="dpmsolver++", solver_order=order,
+                                            solver_type="midpoint", final_sigmas_type="zero",
+                                            lower_order_final=True)
+    scheduler.set_timesteps(steps)
+    return scheduler
+
+
+def diffusers_float64_rollout(scheduler, x, velocities):
+    """diffusers' own update functions on float64 states and sigmas: ``step`` casts the sample to float32,
+    so this drives what ``step`` does (convert the output, shift the history, pick the order, update)
+    with the scheduler's sigmas made float64; :func:`test_the_float64_driver_is_what_step_does` checks
+    it against ``step`` itself in float32."""
+    scheduler.sigmas = scheduler.sigmas.to(torch.float64)
+    n = len(scheduler.timesteps)
+    states = [x]
+    for i in range(n):
+        scheduler._step_index = i
+        m = scheduler.convert_model_output(velocities[i], sample=x)
+        scheduler.model_outputs = [*scheduler.model_outputs[1:], m]
+        final = i == n - 1  # final_sigmas_type "zero": the last step is first order
+        if scheduler.config.solver_order == 1 or scheduler.lower_order_nums < 1 or final:
+            x = scheduler.dpm_solver_first_order_update(m, sample=x)
+        else:
+            x = scheduler.multistep_dpm_solver_second_order_update(scheduler.model_outputs, sample=x)
+        scheduler.lower_order_nums = min(scheduler.lower_order_nums + 1, scheduler.config.solver_order)
+        states.append(x)
+    return states
+
+
+def our_rollout(sigmas, order, x, velocities):
+    solver = MultistepDPMSolverPP(sigmas, order)
+    states = [x]
+    for j, v in enumerate(velocities):
+        solver.observe(j, x, v)
+        x = solver.step(j, x)
+        states.append(x)
+    return states
+
+
+def paper_rollout(sigmas, order, x, velocities):
+    """arXiv 2211.01095, Algorithm 2 (DPM-Solver++(2M)) with alpha = 1 - s, sigma = s, data prediction
+    x - s v; the last step (into sigma 0) is first order, as diffusers' ``lower_order_final`` does."""
+    s = [float(v) for v in sigmas]
+    lam = [math.log((1 - v) / v) if 0 < v < 1 else math.inf for v in s]
+    x0 = [None] * len(velocities)
+    x0[0] = x - s[0] * velocities[0]
+    # first step: x_1 = (sigma_1 / sigma_0) x_0 - alpha_1 (e^{-h_1} - 1) x0_0
+    h = lam[1] - lam[0]
+    states = [x, (s[1] / s[0]) * x - (1 - s[1]) * (math.exp(-h) - 1) * x0[0]]
+    for i in range(1, len(velocities)):
+        x = states[-1]
+        x0[i] = x - s[i] * velocities[i]
+        h = lam[i + 1] - lam[i]
+        if order == 1 or s[i + 1] == 0:
+            d = x0[i]
+        else:
+            r = (lam[i] - lam[i - 1]) / h
+            d = (1 + 1 / (2 * r)) * x0[i] - 1 / (2 * r) * x0[i - 1]
+        states.append((s[i + 1] / s[i]) * x - (1 - s[i + 1]) * (math.exp(-h) - 1) * d)
+    return states
+
+
+def random_velocities(n, generator):
+    return [torch.randn(SHAPE, generator=generator, dtype=torch.float64) for _ in range(n)]
+
+
+def max_relative(a, b):
+    return max(float((p - q).abs().max() / q.abs().max()) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("order", [1, 2])
+@pytest.mark.parametrize("steps, shift", [(7, 3.0), (12, 1.0), (3, 5.0)])
+def test_steps_equal_diffusers_in_float64(order, steps, shift):
+    scheduler = diffusers_scheduler(order, steps, shift)
+    gen = torch.Generator().manual_seed(steps * 10 + order)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    velocities = random_velocities(steps, gen)
+    sigmas = scheduler.sigmas.to(torch.float64)  # its grid, as our solver takes it
+    expected = diffusers_float64_rollout(scheduler, x, velocities)
+    assert expected[-1].dtype == torch.float64
+    ours = our_rollout(sigmas, order, x, velocities)
+    assert max_relative(ours, expected) <= 1e-12
+    assert torch.equal(ours[-1], ours[-2] - sigmas[-2] * velocities[-1])  # the step into 0 returns x0
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_steps_equal_the_papers_update_equations(order):
+    gen = torch.Generator().manual_seed(5)
+    u = torch.sort(torch.rand(6, generator=gen, dtype=torch.float64), descending=True).values
+    sigmas = torch.cat([0.98 * u + 0.01, torch.zeros(1, dtype=torch.float64)])  # an irregular grid in (0, 1)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    velocities = random_velocities(6, gen)
+    assert max_relative(our_rollout(sigmas, order, x, velocities), paper_rollout(sigmas, order, x, velocities)) <= 1e-12
+
+
+def test_first_order_is_the_euler_step():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    v = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    sigmas = torch.tensor([0.83, 0.41], dtype=torch.float64)
+    dpm = dpm_solver_pp_step(x, DataPrediction(x - 0.83 * v, 0.83), 0.41)
+    assert float((dpm - ode_step(v, x, sigmas, 0)).abs().max()) <= 1e-14
+
+
+def test_a_prediction_from_another_grid_makes_the_first_step_second_order():
+    """A previous prediction made on another grid makes the first step second order: h_0 is measured
+    between the sigmas the two predictions were made at."""
+    gen = torch.Generator().manual_seed(2)
+    x_prev = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    v_prev, v = (torch.randn(SHAPE, generator=gen, dtype=torch.float64) for _ in range(2))
+    s_prev, s, s_next = 0.9, 0.7, 0.35
+    previous = DataPrediction(x_prev - s_prev * v_prev, s_prev)
+    paper = paper_rollout(torch.tensor([s_prev, s, s_next, 0.0], dtype=torch.float64), 2, x_prev, [v_prev, v, v])
+    # paper_rollout's second state is its own first-order step from x_prev; start ours from it
+    ours = dpm_solver_pp_step(paper[1], DataPrediction(paper[1] - s * v, s), s_next, previous)
+    assert float((ours - paper[2]).abs().max() / paper[2].abs().max()) <= 1e-12
+    first = dpm_solver_pp_step(paper[1], DataPrediction(paper[1] - s * v, s), s_next)
+    assert not torch.allclose(first, ours)
+
+
+def test_the_float64_driver_is_what_step_does():
+    """diffusers_float64_rollout follows ``step``: the same states as ``step`` itself in float32."""
+    steps, order = 6, 2
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    velocities = random_velocities(steps, gen)
+    ours = diffusers_float64_rollout(diffusers_scheduler(order, steps, 3.0), x, velocities)
+    scheduler = diffusers_scheduler(order, steps, 3.0)
+    y = x.float()
+    for t, v in zip(scheduler.timesteps, velocities):
+        y = scheduler.step(v.float(), t, y).prev_sample
+    assert float((y.double() - ours[-1]).abs().max() / ours[-1].abs().max()) <= 1e-5
+
+
+def test_orders_other_than_one_and_two_are_refused():
+    with pytest.raises(ValueError):
+        MultistepDPMSolverPP(torch.tensor([1.0, 0.0]), order=3)
