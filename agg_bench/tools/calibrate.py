@@ -141,6 +141,69 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
     return out
 
 
+# Run-config keys every method's rollout round shares with the run's (the policy, the prompts, their
+# conditioning, x_0 and the schedule it starts from): a method whose overrides change one needs its own run.
+ROLLOUT_SHARED_KEYS = ("seed", "device", "model", "prompts", "grpo.group_size", "grpo.prompts_per_iteration",
+                       "sampling.steps", "sampling.shift", "sampling.same_noise_per_group",
+                       "train.gradient_checkpointing", "train.lora_rank", "train.lora_alpha",
+                       "train.lora_target_modules", "train.shard", "train.cpu_offload")
+
+
+def _at(config: Mapping, key: str) -> Any:
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, Mapping) else None
+    return config
+
+
+def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
+                  options: CalibrationConfig) -> dict[str, dict]:
+    """Each method's rollout of iteration 0, interleaved over ``options.method_repeats`` rounds (see the
+    module docstring): every round gives every method the same prompts' conditioning, the same x_0 and a
+    generator in the same state (iteration 0's, after the noise). ``methods`` as in :func:`time_methods`.
+    Returns {label: {"rollout_forwards": no-grad forwards per sample, "rollout_cpu_s": [...],
+    "rollout_wall_s": [...]}}, or {label: {"rollout_note": why not}} for a method whose overrides change
+    what the rollouts share (:data:`ROLLOUT_SHARED_KEYS`)."""
+    from ..machine import distributed
+    from ..methods.base import build_estimator
+
+    policy, run_config = session.policy, session.cfg.to_dict()
+    shard = distributed.current()
+    generator, prompts, cond = session.rollout_prompts(0)
+    total = len(prompts)
+    noise = session.rollout_noise(total, generator)
+    start = generator.get_state()
+    rows = shard.rows(total)
+    sampler = distributed.rollout_policy(policy, shard, total)
+    setups, out = {}, {}
+    for label, (_, sets) in methods.items():
+        cfg = validate(apply_overrides(run_config, sets))
+        changed = [key for key in ROLLOUT_SHARED_KEYS if _at(cfg.to_dict(), key) != _at(run_config, key)]
+        if changed:
+            out[label] = {"rollout_note": f"sets {', '.join(changed)}, which every rollout round shares with "
+                                          "the run's: its rollout needs a run of its own"}
+            continue
+        setups[label] = (build_estimator(cfg), cfg.sampling)
+        out[label] = {"rollout_cpu_s": [], "rollout_wall_s": []}
+    labels = list(setups)
+    try:
+        for r in range(options.method_repeats):
+            shift = r % max(len(labels), 1)
+            for label in labels[shift:] + labels[:shift]:
+                estimator, sampling = setups[label]
+                round_generator = torch.Generator().set_state(start)
+                before = policy.counter.copy()
+                with PhaseTimer(session.device) as timer:
+                    estimator.rollout(sampler, cond, noise, session.sigmas, sampling, round_generator, 0)
+                forwards = (policy.counter - before).forward_nograd
+                out[label]["rollout_cpu_s"].append(timer.cpu_s)
+                out[label]["rollout_wall_s"].append(timer.elapsed_s)
+                out[label]["rollout_forwards"] = forwards / (rows.stop - rows.start)
+    finally:
+        for estimator, _ in setups.values():
+            estimator.close()
+    return out
+
+
 def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
               methods: Mapping[str, Any] | None = None) -> dict:
     """Unit costs (seconds per latent) of a no-grad forward, a forward with grad and a backward for
@@ -157,6 +220,9 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
     policy, device = session.policy, session.device
     batch = session.collect(0).batch
     timed_methods = time_methods(session, batch, parsed, options) if parsed else {}
+    # after the train rounds, which warmed the forwards up: no untimed rollouts
+    for label, timed in (time_rollouts(session, parsed, options) if parsed else {}).items():
+        timed_methods[label].update(timed)
     b, steps = batch.latents.shape[0], batch.timesteps.shape[0]
     rows = torch.arange(b, device=batch.latents.device)
     samples: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in PASS_KEYS}
