@@ -4,6 +4,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from agg_bench.cli import main
 from agg_bench.engine.rollout import rollout
@@ -151,3 +152,29 @@ def test_calibrate_times_each_methods_rollout_in_rounds_with_its_counted_forward
     # a method that samples on another schedule cannot share the rounds' start
     assert "rollout_cpu_s" not in methods["steps"] and "sampling.steps" in methods["steps"]["rollout_note"]
     capsys.readouterr()
+
+
+def test_every_rollout_round_samples_what_the_runs_first_rollout_samples(monkeypatch):
+    """Each round gives each method iteration 0's conditioning, x_0 and generator state: ``full``'s rollout in
+    every round is the run's own first rollout, bit for bit, and the weights are untouched."""
+    from agg_bench.config import load_config
+    from agg_bench.runtime.session import Session
+    from agg_bench.tools.calibrate import method_overrides, time_rollouts
+
+    cfg = load_config(ROOT / "config/run.yaml", SMALL[3::2])
+    session = Session(cfg)
+    first = session.collect(0).batch.latents
+    weights = [p.detach().clone() for p in session.policy.parameters()]
+    sampled, original = [], FullEstimator.rollout
+
+    def kept(self, *args):
+        sampled.append(original(self, *args))
+        return sampled[-1]
+
+    monkeypatch.setattr(FullEstimator, "rollout", kept)
+    parsed = {"full": method_overrides("full", {"method": {"name": "full"}})}
+    timed = time_rollouts(session, parsed, CalibrationConfig(method_repeats=2))
+    assert len(sampled) == len(timed["full"]["rollout_cpu_s"]) == 2
+    for trajectory in sampled:
+        assert torch.equal(trajectory.latents, first)
+    assert all(torch.equal(p, w) for p, w in zip(session.policy.parameters(), weights))
