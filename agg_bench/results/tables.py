@@ -2,7 +2,8 @@
 :mod:`agg_bench.results.loading` reads (:func:`build_tables`; :mod:`agg_bench.results.formatting` writes them):
 
 - ``efficiency``: one row per method x model x resolution x hardware (seeds averaged): seconds per
-  iteration split into rollout / reward / train, speedup over ``full``, passes per iteration, peak
+  iteration split into rollout / reward / train, speedups over ``full`` (whole iteration, train phase,
+  rollout) with their predictions from counted passes, passes per iteration, peak
   memory, images/s, final reward, mean reward over a common wall-clock horizon, gradient cosine;
 - ``summary``: the efficiency table in a few readable columns (time per iteration as median [IQR],
   speedup [95 % CI], backward passes, peak memory, gradient cosine, final reward +- spread);
@@ -20,7 +21,10 @@ not grow while other work shares the cores, and the wall-clock time (CUDA events
 and ``"wall"`` force one (a run without CPU times, e.g. an imported log, falls back to wall). The
 ``time_basis`` column says which one each row used. With calibration files (``agg-bench calibrate``),
 ``predicted_train_speedup`` is the train-phase speedup that the counted passes explain at the measured
-unit costs, and ``prediction_check`` says whether the measured 95 % interval contains it.
+unit costs, and ``prediction_check`` says whether the measured 95 % interval contains it. With the
+calibration's paired rollout rounds, ``rollout_speedup`` is the rollout's, beside
+``predicted_rollout_speedup``, the ratio of the counted rollout forwards per sample
+(``rollout_prediction_check``).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import pandas as pd
 from .loading import ADDED_COLUMNS, as_bool, check_time_basis, is_number
 from .records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE_TIME_KEYS, RECORD_KEYS, STANDARD_PHASES,
                       TRAIN_PASS_KEYS)
-from .stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
+from .stats import paired_speedup, predicted_seconds, quartiles, ratio_of_medians_ci
 
 MIB = 1024 ** 2
 PHASES = PHASE_TIME_KEYS
@@ -223,8 +227,8 @@ def _baseline_mask(df: pd.DataFrame) -> pd.Series:
 def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = None, warmup: int = 1,
                      time: str = "auto", calibration: pd.DataFrame | None = None) -> pd.DataFrame:
     """method x model x resolution x hardware (x source) -> times (median and quartiles of the iterations
-    after ``warmup``, seeds pooled), speedups with 95 % intervals, the cost model's predicted train
-    speedup (with ``calibration``, from :func:`load_calibration`), passes, memory, rewards, gradient
+    after ``warmup``, seeds pooled), speedups with 95 % intervals, the cost model's predicted train and
+    rollout speedups (with ``calibration``, from :func:`load_calibration`), passes, memory, rewards, gradient
     cosine to ``full``; other numbers averaged over seeds; OOM/diverged runs keep their status."""
     check_time_basis(time, "time")
     if records.empty:
@@ -306,7 +310,7 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
     table["train_speedup_basis"] = ["paired" if p else ("runs" if ok else None) for p, ok in zip(paired, usable)]
     runs_speedup = table[["run_train_speedup", "run_train_speedup_lo", "run_train_speedup_hi"]].to_numpy(float)
     table["train_speedup"], table["train_speedup_lo"], table["train_speedup_hi"] = zip(*[
-        _paired_speedup(ref, own) if p else tuple(run)
+        paired_speedup(ref, own) if p else tuple(run)
         for p, ref, own, run in zip(paired, table["_ref_paired"], table["_paired"], runs_speedup)])
     table["predicted_train_speedup"] = (table["_ref_predicted"] / table["predicted_t_train_s"]).where(usable)
     table["prediction_check"] = [
@@ -316,7 +320,7 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
     # its iteration with the others' costs); its cost model: every rollout forward is one no-grad forward
     # of the batch, so the ratio of the counted forwards per sample
     table["rollout_speedup"], table["rollout_speedup_lo"], table["rollout_speedup_hi"] = zip(*[
-        _paired_speedup(ref, own) if ok else (float("nan"),) * 3
+        paired_speedup(ref, own) if ok else (float("nan"),) * 3
         for ok, ref, own in zip(usable, table["_ref_paired_rollout"], table["_paired_rollout"])])
     table["predicted_rollout_speedup"] = (table["_ref_rollout_forwards"] / table["rollout_forwards"]).where(usable)
     table["rollout_prediction_check"] = [
@@ -363,14 +367,6 @@ def _calibrated_method(cell: dict, calibration: pd.DataFrame | None) -> dict:
 def _seconds(values) -> np.ndarray:
     """Seconds per round (a calibration's list; missing: none)."""
     return np.asarray(values or [], dtype=np.float64)
-
-
-def _paired_speedup(ref: np.ndarray, own: np.ndarray) -> tuple[float, float, float]:
-    """(median(ref) / median(own), and its paired bootstrap 95 % interval) of two methods' seconds in
-    the same rounds; NaNs unless both have the same, non-zero number of rounds."""
-    if not (isinstance(ref, np.ndarray) and isinstance(own, np.ndarray) and 0 < len(ref) == len(own)):
-        return (float("nan"),) * 3
-    return (float(np.median(ref) / np.median(own)), *paired_ratio_of_medians_ci(ref, own))
 
 
 def _prediction_check(measured, lo, hi, predicted) -> str | None:
@@ -473,7 +469,7 @@ def summary_table(efficiency: pd.DataFrame) -> pd.DataFrame:
     """The efficiency table in a few readable columns, one row per cell: seconds per iteration as
     median [p25, p75] (in the row's ``time`` basis), speedup and train speedup over ``full`` with
     their 95 % intervals (the train speedup's basis: paired rounds or the runs), the predicted train
-    speedup, backward passes per iteration, peak memory (MiB,
+    speedup, the rollout speedup from paired rounds with its interval, backward passes per iteration, peak memory (MiB,
     :func:`peak_memory_mib`), gradient cosine to ``full`` and the final reward +- the standard
     deviation of that iteration's sample rewards."""
     columns = ["method", "model", "resolution", "hardware", "source", "status", "time", "s_per_iter", "speedup",

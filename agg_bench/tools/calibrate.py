@@ -21,6 +21,16 @@ so every round of every method does the same work on the same weights. The ratio
 medians is then a speedup measured under one machine state, paired round by round, which separate runs
 (taken minutes apart while other jobs come and go) cannot give; the report takes its train speedups
 from it (``train_speedup_basis: paired``).
+
+The rollout is timed the same way, since a method may own it (:meth:`agg_bench.methods.base.Estimator.rollout`:
+fewer forwards, guessed velocities, a tree, a cache in the sampler): after the train rounds (their warm-up
+serves these too), ``method_repeats`` rounds each run every method's rollout of iteration 0 once, in an
+order rotated by the round, from the same prompts' conditioning, the same x_0 and a generator in the same
+state (iteration 0's after the noise), so each round samples exactly what the method's run samples first;
+no weights change. The policy's counter around each rollout gives its no-grad forwards per sample
+(``rollout_forwards``), the rollout's cost model; the report takes its ``rollout_speedup`` from these rounds.
+A method's rollout is timed whether or not its train phase can be replayed, unless its overrides change
+what the rounds share (:data:`ROLLOUT_SHARED_KEYS`).
 """
 from __future__ import annotations
 
@@ -48,7 +58,8 @@ class CalibrationConfig:
     repeats: measurements of each kind of pass (interleaved); the medians are over these.
     warmup: untimed repetitions first (one-off allocation and kernel selection costs); also the untimed
         rounds before the methods' timed ones.
-    method_repeats: timed rounds of the methods' train phases (each round times every method once).
+    method_repeats: timed rounds of the methods' train phases, and as many of their rollouts (each round
+        times every method once).
     """
 
     repeats: int = 21
@@ -207,8 +218,8 @@ def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
 def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
               methods: Mapping[str, Any] | None = None) -> dict:
     """Unit costs (seconds per latent) of a no-grad forward, a forward with grad and a backward for
-    ``cfg``'s model, resolution and device, and with ``methods`` each one's train phase timed in the
-    same process; see the module docstring."""
+    ``cfg``'s model, resolution and device, and with ``methods`` each one's train phase and rollout timed
+    in the same process; see the module docstring."""
     from ..runtime.session import Session, model_label  # the engine only when measuring
 
     options = options or CalibrationConfig()
