@@ -45,7 +45,8 @@ def cpu_it(t_iter: float, reward: float, t_train: float, passes: tuple[int, int,
 
 def build_inputs(root: Path):
     """The report's inputs under ``root``: tests/test_report.py's sweep and gradcheck CSV, a calibrated pair
-    timed in CPU seconds (train phases and rollouts in paired rounds), a pair on two GPUs and a random-weights run with its plan; returns the Manifest."""
+    timed in CPU seconds (train phases and rollouts in paired rounds), a pair on two GPUs and a
+    random-weights run with its plan; returns the Manifest."""
     from agg_bench.results.loading import CalibrationEntry, GradcheckEntry, Manifest, RunEntry
     from test_report import AGG_OPTIONS, it, make_run, sweep_entries, write_gradcheck_csv
 

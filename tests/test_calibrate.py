@@ -151,7 +151,7 @@ def test_calibrate_times_each_methods_rollout_in_rounds_with_its_counted_forward
     assert methods["fora"]["replay"] == "not_applicable" and "cpu_s" not in methods["fora"]
     # a method that samples on another schedule cannot share the rounds' start
     assert "rollout_cpu_s" not in methods["steps"] and "sampling.steps" in methods["steps"]["rollout_note"]
-    capsys.readouterr()
+    assert json.loads(capsys.readouterr().out)["rollouts_timed"] == ["full", "guess", "fora", "eta"]
 
 
 def test_every_rollout_round_samples_what_the_runs_first_rollout_samples(monkeypatch):

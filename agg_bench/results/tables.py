@@ -473,8 +473,8 @@ def summary_table(efficiency: pd.DataFrame) -> pd.DataFrame:
     :func:`peak_memory_mib`), gradient cosine to ``full`` and the final reward +- the standard
     deviation of that iteration's sample rewards."""
     columns = ["method", "model", "resolution", "hardware", "source", "status", "time", "s_per_iter", "speedup",
-               "train_speedup", "train_speedup_basis", "predicted_train_speedup", "rollout_speedup", "backward", "peak_mib", "grad_cosine",
-               "final_reward_pm"]
+               "train_speedup", "train_speedup_basis", "predicted_train_speedup", "rollout_speedup", "backward",
+               "peak_mib", "grad_cosine", "final_reward_pm"]
     if efficiency.empty:
         return pd.DataFrame(columns=columns)
     peak = peak_memory_mib(efficiency)
@@ -490,7 +490,8 @@ def summary_table(efficiency: pd.DataFrame) -> pd.DataFrame:
             "train_speedup": _interval(r.get("train_speedup"), r.get("train_speedup_lo"), r.get("train_speedup_hi")),
             "train_speedup_basis": r.get("train_speedup_basis"),
             "predicted_train_speedup": r.get("predicted_train_speedup"),
-            "rollout_speedup": _interval(r.get("rollout_speedup"), r.get("rollout_speedup_lo"), r.get("rollout_speedup_hi")),
+            "rollout_speedup": _interval(r.get("rollout_speedup"), r.get("rollout_speedup_lo"),
+                                         r.get("rollout_speedup_hi")),
             "backward": r.get("backward"),
             "peak_mib": round(float(peak[idx]), 1) if is_number(peak[idx]) else float("nan"),
             "grad_cosine": r.get("grad_cosine"),

@@ -161,6 +161,7 @@ ROLLOUT_SHARED_KEYS = ("seed", "device", "model", "prompts", "grpo.group_size", 
 
 
 def _at(config: Mapping, key: str) -> Any:
+    """The value of dotted ``key`` in a nested config dict (None where a level is missing)."""
     for part in key.split("."):
         config = config.get(part) if isinstance(config, Mapping) else None
     return config
