@@ -79,7 +79,8 @@ def cmd_calibrate(args) -> int:
             raise UserError(f"--method {label}: not YAML ({str(err).splitlines()[0]})") from None
     result = write_calibration(load_config(args.config, args.overrides), args.out, options, methods)
     print(json.dumps({"out": str(args.out), "unit_s_per_sample": result["unit_s_per_sample"],
-                      "methods_timed": [label for label, m in result["methods"].items() if m.get("cpu_s")]}))
+                      "methods_timed": [label for label, m in result["methods"].items() if m.get("cpu_s")],
+                      "rollouts_timed": [label for label, m in result["methods"].items() if m.get("rollout_cpu_s")]}))
     return 0
 
 

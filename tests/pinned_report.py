@@ -45,7 +45,8 @@ def cpu_it(t_iter: float, reward: float, t_train: float, passes: tuple[int, int,
 
 def build_inputs(root: Path):
     """The report's inputs under ``root``: tests/test_report.py's sweep and gradcheck CSV, a calibrated pair
-    timed in CPU seconds, a pair on two GPUs and a random-weights run with its plan; returns the Manifest."""
+    timed in CPU seconds (train phases and rollouts in paired rounds), a pair on two GPUs and a
+    random-weights run with its plan; returns the Manifest."""
     from agg_bench.results.loading import CalibrationEntry, GradcheckEntry, Manifest, RunEntry
     from test_report import AGG_OPTIONS, it, make_run, sweep_entries, write_gradcheck_csv
 
@@ -60,7 +61,8 @@ def build_inputs(root: Path):
     def run(name, method, iterations, **kwargs):
         return make_run(root / "more", name, method, iterations, keys=FIXTURE_KEYS, **kwargs)
 
-    # a pair timed in CPU seconds at 32 px, with the calibration's unit costs and side-by-side timings
+    # a pair timed in CPU seconds at 32 px, with the calibration's unit costs and side-by-side timings (train
+    # phases and rollouts; AGG samples as full does)
     entries += [
         RunEntry(run("full_cpu", "full", [cpu_it(t, r, 0.6 * t, (0, 20, 20)) for t, r in
                                           [(9.0, 0.1), (3.0, 0.2), (3.5, 0.4), (2.5, 0.5)]], resolution=32),
@@ -77,8 +79,12 @@ def build_inputs(root: Path):
                                 ("optimizer_step", 0.02))}
     calibration.write_text(json.dumps({
         "model": "sd3-tiny", "resolution": 32, "device": "cpu", "unit_s_per_sample": units,
-        "methods": {"full": {"cpu_s": [1.6, 1.8, 1.5, 1.7], "wall_s": [1.8, 2.0, 1.6, 1.9]},
-                    "agg-w5": {"cpu_s": [0.9, 0.8, 1.0, 0.85], "wall_s": [1.0, 0.9, 1.1, 0.95]}}}))
+        "methods": {"full": {"cpu_s": [1.6, 1.8, 1.5, 1.7], "wall_s": [1.8, 2.0, 1.6, 1.9],
+                             "rollout_cpu_s": [0.5, 0.55, 0.45, 0.6], "rollout_wall_s": [0.55, 0.6, 0.5, 0.65],
+                             "rollout_forwards": 4},
+                    "agg-w5": {"cpu_s": [0.9, 0.8, 1.0, 0.85], "wall_s": [1.0, 0.9, 1.1, 0.95],
+                               "rollout_cpu_s": [0.52, 0.5, 0.47, 0.58], "rollout_wall_s": [0.57, 0.55, 0.52, 0.64],
+                               "rollout_forwards": 4}}}))
     # the same methods on two GPUs
     for gpu, (full_s, agg_s) in {"GPU-A": (2.0, 1.0), "GPU-B": (4.0, 1.5)}.items():
         entries += [RunEntry(run(f"{method}_{gpu}", method,

@@ -4,10 +4,14 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from agg_bench.cli import main
+from agg_bench.engine.rollout import rollout
 from agg_bench.errors import ConfigError
+from agg_bench.methods.base import METHODS as METHOD_REGISTRY
 from agg_bench.tools.calibrate import CalibrationConfig
+from baselines.full import FullEstimator
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config", str(ROOT / "config/run.yaml"), "--set", "model.resolution=32", "--set", "sampling.steps=4",
@@ -104,3 +108,73 @@ def test_a_method_no_run_could_use_is_exit_2_before_anything_is_timed(tmp_path, 
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("agg-bench calibrate: --method mine: ") and expected in lines[0]
     assert not any(tmp_path.iterdir())
+
+
+class GuessEveryOtherVelocity(FullEstimator):
+    """``full`` whose rollout forwards the policy on even steps only and reuses the last velocity on odd ones:
+    a rollout with half the forwards, as the methods that guess velocities have."""
+
+    name = "test-guess"
+
+    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
+        last = {}
+
+        def velocity(j, x, t, c):
+            if j % 2 == 0:
+                last["v"] = policy.velocity(x, t, c)
+            return last["v"]
+
+        return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, velocity=velocity)
+
+
+def test_calibrate_times_each_methods_rollout_in_rounds_with_its_counted_forwards(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(METHOD_REGISTRY, GuessEveryOtherVelocity.name, GuessEveryOtherVelocity)
+    out = tmp_path / "cal.json"
+    rollout_methods = ["--method", "full", "{method: {name: full}}",
+                       "--method", "guess", "{method: {name: test-guess}}",
+                       "--method", "fora", "{method: {name: cached, cache: fora, cache_in: rollout}}",
+                       "--method", "eta", "{method: {name: full}, sampling.eta: 0.5}",
+                       "--method", "steps", "{method: {name: full}, sampling.steps: 2}"]
+    assert main(["calibrate", *SMALL, "--repeats", "1", "--warmup", "0", "--method-repeats", "3", *rollout_methods,
+                 "--out", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    steps = 4
+    # forwards per sample: one per step, but the guessing rollout's every other; FORA's cache skips blocks
+    # inside each forward, not forwards
+    assert {label: methods[label]["rollout_forwards"] for label in ("full", "guess", "fora", "eta")} == {
+        "full": steps, "guess": steps // 2, "fora": steps, "eta": steps}
+    for label in ("full", "guess", "fora", "eta"):
+        timed = methods[label]
+        assert len(timed["rollout_cpu_s"]) == len(timed["rollout_wall_s"]) == 3 and min(timed["rollout_cpu_s"]) > 0
+    # the train rounds' keys are all still there, beside the rollout's
+    assert methods["full"]["passes"]["backward"] == 4 * steps and len(methods["full"]["cpu_s"]) == 3
+    assert methods["fora"]["replay"] == "not_applicable" and "cpu_s" not in methods["fora"]
+    # a method that samples on another schedule cannot share the rounds' start
+    assert "rollout_cpu_s" not in methods["steps"] and "sampling.steps" in methods["steps"]["rollout_note"]
+    assert json.loads(capsys.readouterr().out)["rollouts_timed"] == ["full", "guess", "fora", "eta"]
+
+
+def test_every_rollout_round_samples_what_the_runs_first_rollout_samples(monkeypatch):
+    """Each round gives each method iteration 0's conditioning, x_0 and generator state: ``full``'s rollout in
+    every round is the run's own first rollout, bit for bit, and the weights are untouched."""
+    from agg_bench.config import load_config
+    from agg_bench.runtime.session import Session
+    from agg_bench.tools.calibrate import method_overrides, time_rollouts
+
+    cfg = load_config(ROOT / "config/run.yaml", SMALL[3::2])
+    session = Session(cfg)
+    first = session.collect(0).batch.latents
+    weights = [p.detach().clone() for p in session.policy.parameters()]
+    sampled, original = [], FullEstimator.rollout
+
+    def kept(self, *args):
+        sampled.append(original(self, *args))
+        return sampled[-1]
+
+    monkeypatch.setattr(FullEstimator, "rollout", kept)
+    parsed = {"full": method_overrides("full", {"method": {"name": "full"}})}
+    timed = time_rollouts(session, parsed, CalibrationConfig(method_repeats=2))
+    assert len(sampled) == len(timed["full"]["rollout_cpu_s"]) == 2
+    for trajectory in sampled:
+        assert torch.equal(trajectory.latents, first)
+    assert all(torch.equal(p, w) for p, w in zip(session.policy.parameters(), weights))

@@ -502,6 +502,8 @@ def test_a_bad_manifest_names_the_file_and_the_key(tmp_path, capsys, manifest, e
     ({"unit_s_per_sample": {"backward": {"cpu": 0.1}}}, "unit_s_per_sample.backward.cpu = 0.1: expected an object"),
     ({"unit_s_per_sample": {"backward": {"cpu": {"median": "x"}}}}, "backward.cpu.median = 'x': expected a number"),
     ({"methods": {"agg": {"cpu_s": [1, "x"]}}}, "methods.agg.cpu_s = [1, 'x']: expected a list of numbers"),
+    ({"methods": {"agg": {"rollout_wall_s": 1.0}}}, "methods.agg.rollout_wall_s = 1.0: expected a list of numbers"),
+    ({"methods": {"agg": {"rollout_forwards": "4"}}}, "methods.agg.rollout_forwards = '4': expected a number"),
 ])
 def test_a_bad_calibration_file_names_the_file_and_the_key(tmp_path, capsys, calibration, expected):
     make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])

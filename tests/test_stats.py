@@ -5,11 +5,12 @@ import math
 import statistics
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from agg_bench.results.loading import CalibrationEntry, RunEntry, load_calibration, load_records
 from agg_bench.results.stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
-from agg_bench.results.tables import efficiency_table
+from agg_bench.results.tables import efficiency_table, summary_table
 
 EPS = np.finfo(np.float64).eps
 
@@ -76,7 +77,7 @@ def test_predicted_seconds_is_the_priced_count_and_nan_when_part_is_missing():
     assert math.isnan(predicted_seconds({**counts, "other": 1}, units))
 
 
-def _run(root, name, method, t_train_cpu, passes, iterations=6):
+def _run(root, name, method, t_train_cpu, passes, iterations=6, **fields):
     run = root / name
     run.mkdir(parents=True)
     lines = []
@@ -85,7 +86,7 @@ def _run(root, name, method, t_train_cpu, passes, iterations=6):
                       "iteration": i, "status": "ok", "reward_mean": 0.0, "reward_std": 0.5,
                       "t_iter_s": 9.0, "t_train_s": 9.0, "t_iter_cpu_s": 2 * t_train_cpu[i],
                       "t_train_cpu_s": t_train_cpu[i], "t_rollout_cpu_s": 0.1, "t_reward_cpu_s": 0.1,
-                      **{f"train_{k}": v for k, v in passes.items()}})
+                      **{f"train_{k}": v for k, v in passes.items()}, **fields})
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (run / "summary.json").write_text(json.dumps({"status": "ok"}))
     (run / "config.json").write_text(json.dumps({"method": {"name": method}, "train": {"inner_epochs": 1}}))
@@ -158,3 +159,55 @@ def test_train_speedup_comes_from_the_calibrations_paired_rounds_when_both_rows_
     # a method the calibration did not time keeps the runs' speedup
     assert table.loc["other", "train_speedup_basis"] == "runs" and table.loc["other", "train_speedup"] == 4.0
     assert math.isnan(table.loc["other", "t_train_paired_s"])
+
+
+def paired_bootstrap_reference(numerator, denominator, resamples=2000, seed=0):
+    """The paired percentile-bootstrap 95 % interval of median(numerator) / median(denominator), written out:
+    each resample draws round indices (numpy's generator, as the report), the same for both sides."""
+    n = len(numerator)
+    draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n)).tolist()
+    ratios = [statistics.median(numerator[i] for i in rounds) / statistics.median(denominator[i] for i in rounds)
+              for rounds in draws]
+    return percentile_reference(ratios, 0.025), percentile_reference(ratios, 0.975)
+
+
+def test_rollout_speedup_comes_from_the_calibrations_paired_rollout_rounds_and_its_prediction_from_forwards(tmp_path):
+    train = {"forward_nograd": 0, "forward_grad": 40, "backward": 40}
+    full = _run(tmp_path, "full", "full", [50, 4, 4.2, 3.8, 4.1, 3.9], train)
+    # the guessing method's records say how many forwards its rollout ran: 8 images (8/9 per s over 9 s),
+    # 16 rollout forwards besides the train phase's 40
+    guess = _run(tmp_path, "guess", "guess", [50, 4, 4.2, 3.8, 4.1, 3.9], {**train, "forward_nograd": 40},
+                 forward_nograd=56, images_per_s=8 / 9)
+    other = _run(tmp_path, "other", "other", [50, 1, 1, 1, 1, 1], train)
+    # every round's full rollout is above twice the guessing one's: so is every resampled ratio of medians
+    rollouts = {"full": [3.0, 3.3, 2.7, 3.6, 2.4], "guess": [1.2, 1.3, 1.1, 1.5, 1.0]}
+    units = {"forward_nograd": 0.02, "forward_grad": 0.04, "backward": 0.05, "optimizer_step": 0.1}
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"model": "m", "resolution": 64, "device": "cpu", "unit_s_per_sample": {
+        k: {"cpu": {"median": v}, "wall": {"median": v}} for k, v in units.items()},
+        "methods": {label: {"replay": "as_trained", "cpu_s": [1.0] * 5, "wall_s": [1.0] * 5, "rollout_cpu_s": t,
+                            "rollout_wall_s": [x + 1 for x in t], "rollout_forwards": {"full": 4, "guess": 3}[label]}
+                    for label, t in rollouts.items()}}))
+    calibration = load_calibration([CalibrationEntry(cal)])
+    table = efficiency_table(load_records([full, guess, other]), warmup=1, calibration=calibration).set_index("method")
+    row = table.loc["guess"]
+    assert row["rollout_speedup"] == 3.0 / 1.2  # the medians of the rounds
+    lo, hi = paired_bootstrap_reference(rollouts["full"], rollouts["guess"])
+    assert (row["rollout_speedup_lo"], row["rollout_speedup_hi"]) == pytest.approx((lo, hi), rel=4 * EPS)
+    # forwards per sample: full's from the calibration (its records have no images), the guess's from its records
+    assert table.loc["full", "rollout_forwards"] == 4 and row["rollout_forwards"] == (56 - 40) / 8
+    assert row["predicted_rollout_speedup"] == 4 / 2
+    want = "agrees" if lo <= 2 <= hi else ("faster than predicted" if 3.0 / 1.2 > 2 else "slower than predicted")
+    assert row["rollout_prediction_check"] == want == "faster than predicted"
+    assert table.loc["full", "rollout_speedup"] == 1.0 and table.loc["full", "rollout_prediction_check"] == "agrees"
+    # in wall-clock seconds the wall rounds
+    wall = efficiency_table(load_records([full, guess, other]), warmup=1, time="wall",
+                            calibration=calibration).set_index("method")
+    assert wall.loc["guess", "rollout_speedup"] == 4.0 / 2.2
+    # a method without rollout rounds or counted rollout forwards: not measured, not 0
+    assert all(math.isnan(table.loc["other", key]) for key in
+               ("rollout_speedup", "rollout_speedup_lo", "rollout_speedup_hi", "rollout_forwards",
+                "predicted_rollout_speedup"))
+    assert pd.isna(table.loc["other", "rollout_prediction_check"])
+    summary = summary_table(table.reset_index())
+    assert summary.set_index("method").loc["guess", "rollout_speedup"] == f"{3.0 / 1.2:.2f}x [{lo:.2f}, {hi:.2f}]"

@@ -163,13 +163,14 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
                 _check(f"{where}: unit_s_per_sample.{kind}.{basis}", values, OBJECT, nullable=False)
                 _check(f"{where}: unit_s_per_sample.{kind}.{basis}.median", values.get("median"), NUMBER)
                 row[f"unit_{basis}_{kind}"] = values.get("median")
-        # method label -> its train phase's seconds per round, timed side by side ({basis}_s lists)
+        # method label -> its train phase's and its rollout's seconds per round, timed side by side
+        # ({basis}_s and rollout_{basis}_s lists), and its rollout's counted forwards per sample
         for label, timed in (data.get("methods") or {}).items():
             _check(f"{where}: methods.{label}", timed, OBJECT, nullable=False)
-            for basis in TIME_BASES:
-                seconds = timed.get(f"{basis}_s")
-                _check(f"{where}: methods.{label}.{basis}_s", seconds,
+            for key in (f"{phase}{basis}_s" for phase in ("", "rollout_") for basis in TIME_BASES):
+                _check(f"{where}: methods.{label}.{key}", timed.get(key),
                        (lambda v: isinstance(v, list) and all(NUMBER[0](x) for x in v), "a list of numbers"))
+            _check(f"{where}: methods.{label}.rollout_forwards", timed.get("rollout_forwards"), NUMBER)
         row["methods"] = data.get("methods") or {}
         rows.append(row)
     return pd.DataFrame(rows)

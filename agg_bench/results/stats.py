@@ -1,5 +1,5 @@
 """Statistics of repeated timings: quartiles, bootstrap intervals for a ratio of medians (independent
-or paired samples), and the time a run's counted passes predict from unit costs.
+or paired samples), a paired speedup, and the time a run's counted passes predict from unit costs.
 
 Timings of one configuration repeat over iterations (and seeds); a table shows their median with the
 interquartile range, and a speedup (a ratio of two medians) with a percentile bootstrap interval that
@@ -84,6 +84,15 @@ def paired_ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence
         return float("nan"), float("nan")
     idx = np.random.default_rng(seed).integers(0, num.size, size=(resamples, num.size))
     return _percentile_interval(np.median(num[idx], axis=1) / np.median(den[idx], axis=1), level)
+
+
+def paired_speedup(reference: Sequence[float], own: Sequence[float]) -> tuple[float, float, float]:
+    """(median(reference) / median(own), and its :func:`paired_ratio_of_medians_ci` interval) of two methods'
+    seconds in the same rounds; NaNs unless both have the same, non-zero number of rounds."""
+    ref, mine = np.asarray(reference, dtype=np.float64).ravel(), np.asarray(own, dtype=np.float64).ravel()
+    if not 0 < ref.size == mine.size:
+        return (float("nan"),) * 3
+    return (float(np.median(ref) / np.median(mine)), *paired_ratio_of_medians_ci(ref, mine))
 
 
 def predicted_seconds(counts: Mapping[str, float], unit_seconds: Mapping[str, float]) -> float:

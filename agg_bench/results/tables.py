@@ -2,7 +2,8 @@
 :mod:`agg_bench.results.loading` reads (:func:`build_tables`; :mod:`agg_bench.results.formatting` writes them):
 
 - ``efficiency``: one row per method x model x resolution x hardware (seeds averaged): seconds per
-  iteration split into rollout / reward / train, speedup over ``full``, passes per iteration, peak
+  iteration split into rollout / reward / train, speedups over ``full`` (whole iteration, train phase,
+  rollout) with their predictions from counted passes, passes per iteration, peak
   memory, images/s, final reward, mean reward over a common wall-clock horizon, gradient cosine;
 - ``summary``: the efficiency table in a few readable columns (time per iteration as median [IQR],
   speedup [95 % CI], backward passes, peak memory, gradient cosine, final reward +- spread);
@@ -20,7 +21,10 @@ not grow while other work shares the cores, and the wall-clock time (CUDA events
 and ``"wall"`` force one (a run without CPU times, e.g. an imported log, falls back to wall). The
 ``time_basis`` column says which one each row used. With calibration files (``agg-bench calibrate``),
 ``predicted_train_speedup`` is the train-phase speedup that the counted passes explain at the measured
-unit costs, and ``prediction_check`` says whether the measured 95 % interval contains it.
+unit costs, and ``prediction_check`` says whether the measured 95 % interval contains it. With the
+calibration's paired rollout rounds, ``rollout_speedup`` is the rollout's, beside
+``predicted_rollout_speedup``, the ratio of the counted rollout forwards per sample
+(``rollout_prediction_check``).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import pandas as pd
 from .loading import ADDED_COLUMNS, as_bool, check_time_basis, is_number
 from .records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE_TIME_KEYS, RECORD_KEYS, STANDARD_PHASES,
                       TRAIN_PASS_KEYS)
-from .stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
+from .stats import paired_speedup, predicted_seconds, quartiles, ratio_of_medians_ci
 
 MIB = 1024 ** 2
 PHASES = PHASE_TIME_KEYS
@@ -66,6 +70,8 @@ EFFICIENCY_COLUMNS = [
     "speedup", "speedup_lo", "speedup_hi", "train_speedup", "train_speedup_lo", "train_speedup_hi",
     "train_speedup_basis", "predicted_train_speedup", "prediction_check", "predicted_t_train_s", "t_train_paired_s",
     "run_train_speedup", "run_train_speedup_lo", "run_train_speedup_hi",
+    "rollout_speedup", "rollout_speedup_lo", "rollout_speedup_hi", "rollout_forwards", "predicted_rollout_speedup",
+    "rollout_prediction_check",
     "forward_nograd", "forward_grad", "backward", *TRAIN_PASS_KEYS,
     "peak_alloc_mib", "nvml_peak_mib", "saved_act_mib", "planned_act_mib", "planned_total_mib", "rss_peak_mib",
     "images_per_s",
@@ -135,6 +141,7 @@ def run_table(records: pd.DataFrame, warmup: int = 1, extras: list[str] | None =
             row[key] = _mean(timed, key)
         for key in (*PASS_KEYS, *TRAIN_PASS_KEYS):
             row[key] = _mean(ok, key)
+        row["rollout_forwards"] = _rollout_forwards(ok)
         for key, column in MEMORY_KEYS.items():
             peak = pd.to_numeric(run[key], errors="coerce").max() if key in run else float("nan")
             row[column] = peak / MIB if is_number(peak) else float("nan")
@@ -152,6 +159,19 @@ def run_table(records: pd.DataFrame, warmup: int = 1, extras: list[str] | None =
             row[key] = _mean(ok, key)
         out.append(row)
     return pd.DataFrame(out)
+
+
+def _rollout_forwards(ok: pd.DataFrame) -> float:
+    """The rollout's no-grad forwards per sample, averaged over a run's ok iterations: the iteration's
+    forwards less its train phase's, over its images (``images_per_s`` x ``t_iter_s``, the count it was
+    computed from); NaN where a record lacks one of them."""
+    keys = ("forward_nograd", "train_forward_nograd", "images_per_s", "t_iter_s")
+    if ok.empty or not set(keys) <= set(ok):
+        return float("nan")
+    nograd, train_nograd, per_s, seconds = (pd.to_numeric(ok[key], errors="coerce").to_numpy(float) for key in keys)
+    per_sample = (nograd - train_nograd) / np.round(per_s * seconds)
+    per_sample = per_sample[np.isfinite(per_sample)]
+    return float(per_sample.mean()) if len(per_sample) == len(ok) else float("nan")
 
 
 def _after_warmup(ok: pd.DataFrame, warmup: int) -> pd.DataFrame:
@@ -207,8 +227,8 @@ def _baseline_mask(df: pd.DataFrame) -> pd.Series:
 def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = None, warmup: int = 1,
                      time: str = "auto", calibration: pd.DataFrame | None = None) -> pd.DataFrame:
     """method x model x resolution x hardware (x source) -> times (median and quartiles of the iterations
-    after ``warmup``, seeds pooled), speedups with 95 % intervals, the cost model's predicted train
-    speedup (with ``calibration``, from :func:`load_calibration`), passes, memory, rewards, gradient
+    after ``warmup``, seeds pooled), speedups with 95 % intervals, the cost model's predicted train and
+    rollout speedups (with ``calibration``, from :func:`load_calibration`), passes, memory, rewards, gradient
     cosine to ``full``; other numbers averaged over seeds; OOM/diverged runs keep their status."""
     check_time_basis(time, "time")
     if records.empty:
@@ -254,7 +274,12 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
             cell[f"t_{phase}_p25_s"], cell[f"t_{phase}_s"], cell[f"t_{phase}_p75_s"] = quartiles(values)
             cell["_samples"][phase] = values
         cell["predicted_t_train_s"] = _predicted_train_seconds(cell, samples, calibration, basis)
-        cell["_paired"] = _paired_train_seconds(cell, calibration, basis)
+        timed_side_by_side = _calibrated_method(cell, calibration)
+        cell["_paired"] = _seconds(timed_side_by_side.get(f"{basis}_s"))
+        cell["_paired_rollout"] = _seconds(timed_side_by_side.get(f"rollout_{basis}_s"))
+        if not is_number(cell.get("rollout_forwards")):  # the runs' records do not say: the calibration's count
+            counted = timed_side_by_side.get("rollout_forwards")
+            cell["rollout_forwards"] = float(counted) if is_number(counted) else float("nan")
         cell["t_train_paired_s"] = float(np.median(cell["_paired"])) if len(cell["_paired"]) else float("nan")
         if cell["status"] == "oom":  # the iteration that ran out of memory has no times or rewards
             for column in (*TIME_COLUMNS, "images_per_s", "final_reward", "final_reward_std", "reward_area", "wall_s"):
@@ -264,9 +289,11 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
 
     # speedup over the group's `full` row; only between cells that both finished ok
     base = table[_baseline_mask(table)].drop_duplicates(GROUP_KEYS)
-    base = base[GROUP_KEYS + ["t_iter_s", "t_train_s", "status", "_samples", "predicted_t_train_s", "_paired"]].rename(
+    base = base[GROUP_KEYS + ["t_iter_s", "t_train_s", "status", "_samples", "predicted_t_train_s", "_paired",
+                              "_paired_rollout", "rollout_forwards"]].rename(
         columns={"t_iter_s": "_ref_iter", "t_train_s": "_ref_train", "status": "_ref_status",
-                 "_samples": "_ref_samples", "predicted_t_train_s": "_ref_predicted", "_paired": "_ref_paired"})
+                 "_samples": "_ref_samples", "predicted_t_train_s": "_ref_predicted", "_paired": "_ref_paired",
+                 "_paired_rollout": "_ref_paired_rollout", "rollout_forwards": "_ref_rollout_forwards"})
     table = table.merge(base, on=GROUP_KEYS, how="left")
     usable = (table["_ref_status"] == "ok") & (table["status"] == "ok")
     table["speedup"] = (table["_ref_iter"] / table["t_iter_s"]).where(usable)
@@ -281,17 +308,24 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
     paired = [bool(ok) and isinstance(ref, np.ndarray) and len(ref) > 0 and len(ref) == len(own)
               for ok, ref, own in zip(usable, table["_ref_paired"], table["_paired"])]
     table["train_speedup_basis"] = ["paired" if p else ("runs" if ok else None) for p, ok in zip(paired, usable)]
-    table["train_speedup"] = [
-        float(np.median(ref) / np.median(own)) if p else run
-        for p, ref, own, run in zip(paired, table["_ref_paired"], table["_paired"], table["run_train_speedup"])]
-    for side, index in (("lo", 0), ("hi", 1)):
-        table[f"train_speedup_{side}"] = [
-            paired_ratio_of_medians_ci(ref, own)[index] if p else run
-            for p, ref, own, run in zip(paired, table["_ref_paired"], table["_paired"], table[f"run_train_speedup_{side}"])]
+    runs_speedup = table[["run_train_speedup", "run_train_speedup_lo", "run_train_speedup_hi"]].to_numpy(float)
+    table["train_speedup"], table["train_speedup_lo"], table["train_speedup_hi"] = zip(*[
+        paired_speedup(ref, own) if p else tuple(run)
+        for p, ref, own, run in zip(paired, table["_ref_paired"], table["_paired"], runs_speedup)])
     table["predicted_train_speedup"] = (table["_ref_predicted"] / table["predicted_t_train_s"]).where(usable)
     table["prediction_check"] = [
         _prediction_check(*values) for values in
         zip(table["train_speedup"], table["train_speedup_lo"], table["train_speedup_hi"], table["predicted_train_speedup"])]
+    # the rollout's speedup from the calibration's paired rollout rounds only (a run's rollout phase shares
+    # its iteration with the others' costs); its cost model: every rollout forward is one no-grad forward
+    # of the batch, so the ratio of the counted forwards per sample
+    table["rollout_speedup"], table["rollout_speedup_lo"], table["rollout_speedup_hi"] = zip(*[
+        paired_speedup(ref, own) if ok else (float("nan"),) * 3
+        for ok, ref, own in zip(usable, table["_ref_paired_rollout"], table["_paired_rollout"])])
+    table["predicted_rollout_speedup"] = (table["_ref_rollout_forwards"] / table["rollout_forwards"]).where(usable)
+    table["rollout_prediction_check"] = [
+        _prediction_check(*values) for values in zip(table["rollout_speedup"], table["rollout_speedup_lo"],
+                                                     table["rollout_speedup_hi"], table["predicted_rollout_speedup"])]
 
     table["grad_cosine"], table["grad_rel_error"] = _match_gradcheck(table, gradcheck)
     columns = [c for c in EFFICIENCY_COLUMNS if c in table] + extras + ["method_options"]
@@ -317,18 +351,22 @@ def _predicted_train_seconds(cell: dict, samples: pd.DataFrame, calibration: pd.
     return predicted_seconds(counts, {kind: units.get(f"unit_{basis}_{kind}", float("nan")) for kind in kinds})
 
 
-def _paired_train_seconds(cell: dict, calibration: pd.DataFrame | None, basis: str) -> np.ndarray:
-    """The cell's method's train-phase seconds per round from its calibration's side-by-side timings
-    (``agg-bench calibrate --method``), in ``basis``; empty when it has none."""
+def _calibrated_method(cell: dict, calibration: pd.DataFrame | None) -> dict:
+    """The cell's method's entry in its calibration's side-by-side timings (``agg-bench calibrate
+    --method``: train and rollout seconds per round, counted passes); empty when it has none."""
     if calibration is None or calibration.empty or "methods" not in calibration:
-        return np.array([])
+        return {}
     match = calibration[(calibration["model"].astype(str) == str(cell["model"]))
                         & (pd.to_numeric(calibration["resolution"], errors="coerce") == cell["resolution"])
                         & (calibration["device"].astype(str) == str(cell["device"]))]
     if match.empty:
-        return np.array([])
-    timed = (match.iloc[-1]["methods"] or {}).get(str(cell["method"])) or {}
-    return np.asarray(timed.get(f"{basis}_s") or [], dtype=np.float64)
+        return {}
+    return (match.iloc[-1]["methods"] or {}).get(str(cell["method"])) or {}
+
+
+def _seconds(values) -> np.ndarray:
+    """Seconds per round (a calibration's list; missing: none)."""
+    return np.asarray(values or [], dtype=np.float64)
 
 
 def _prediction_check(measured, lo, hi, predicted) -> str | None:
@@ -431,12 +469,12 @@ def summary_table(efficiency: pd.DataFrame) -> pd.DataFrame:
     """The efficiency table in a few readable columns, one row per cell: seconds per iteration as
     median [p25, p75] (in the row's ``time`` basis), speedup and train speedup over ``full`` with
     their 95 % intervals (the train speedup's basis: paired rounds or the runs), the predicted train
-    speedup, backward passes per iteration, peak memory (MiB,
+    speedup, the rollout speedup from paired rounds with its interval, backward passes per iteration, peak memory (MiB,
     :func:`peak_memory_mib`), gradient cosine to ``full`` and the final reward +- the standard
     deviation of that iteration's sample rewards."""
     columns = ["method", "model", "resolution", "hardware", "source", "status", "time", "s_per_iter", "speedup",
-               "train_speedup", "train_speedup_basis", "predicted_train_speedup", "backward", "peak_mib", "grad_cosine",
-               "final_reward_pm"]
+               "train_speedup", "train_speedup_basis", "predicted_train_speedup", "rollout_speedup", "backward",
+               "peak_mib", "grad_cosine", "final_reward_pm"]
     if efficiency.empty:
         return pd.DataFrame(columns=columns)
     peak = peak_memory_mib(efficiency)
@@ -452,6 +490,8 @@ def summary_table(efficiency: pd.DataFrame) -> pd.DataFrame:
             "train_speedup": _interval(r.get("train_speedup"), r.get("train_speedup_lo"), r.get("train_speedup_hi")),
             "train_speedup_basis": r.get("train_speedup_basis"),
             "predicted_train_speedup": r.get("predicted_train_speedup"),
+            "rollout_speedup": _interval(r.get("rollout_speedup"), r.get("rollout_speedup_lo"),
+                                         r.get("rollout_speedup_hi")),
             "backward": r.get("backward"),
             "peak_mib": round(float(peak[idx]), 1) if is_number(peak[idx]) else float("nan"),
             "grad_cosine": r.get("grad_cosine"),

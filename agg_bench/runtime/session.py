@@ -17,7 +17,7 @@ import torch
 
 from ..config import RunConfig
 from ..engine.grpo import TrainBatch, UpdateStats
-from ..engine.models import Policy, build_policy
+from ..engine.models import Conditioning, Policy, build_policy
 from ..engine.plan import plan_steps
 from ..engine.rewards import build_reward, reward_details
 from ..engine.rollout import initial_noise
@@ -96,6 +96,21 @@ class Session:
         order = torch.cat([torch.randperm(n, generator=generator) for _ in range(math.ceil(p / n))])
         return order[:p]
 
+    def rollout_prompts(self, iteration: int) -> tuple[torch.Generator, list[str], Conditioning]:
+        """``iteration``'s generator (after its prompt draw), the whole batch's prompts (P x G, grouped
+        consecutively) and their conditioning on the device: what the iteration's rollout is conditioned on."""
+        gen = iteration_generator(self.cfg.seed, iteration)
+        g = self.cfg.grpo.group_size
+        idx = self.pick_prompts(gen)
+        prompts = [self.prompts[i] for i in idx.tolist() for _ in range(g)]
+        return gen, prompts, self.cond_all[idx].repeat_interleave(g).to(self.device, self.policy.dtype)
+
+    def rollout_noise(self, total: int, generator: torch.Generator) -> torch.Tensor:
+        """x_0 of a rollout of ``total`` rows (whole groups), drawn from ``generator`` after the prompts."""
+        g = self.cfg.grpo.group_size
+        return initial_noise(total // g, g, self.latent_shape, self.cfg.sampling.same_noise_per_group, generator,
+                             torch.float64 if self.policy.dtype == torch.float64 else torch.float32)
+
     def collect(self, iteration: int, telemetry: tel.Telemetry | None = None) -> Rollout:
         """Rollout, reward, advantages and the trained-step plan for ``iteration``.
 
@@ -105,15 +120,11 @@ class Session:
         cfg = self.cfg
         phase = telemetry.phase if telemetry is not None else (lambda name, **kw: contextlib.nullcontext())
         shard = distributed.current()
-        gen = iteration_generator(cfg.seed, iteration)
-        g = cfg.grpo.group_size
-        idx = self.pick_prompts(gen)
-        total = len(idx) * g
-        prompts = [self.prompts[i] for i in idx.tolist() for _ in range(g)][shard.rows(total)]
-        cond = self.cond_all[idx].repeat_interleave(g).to(self.device, self.policy.dtype)
+        gen, prompts, cond = self.rollout_prompts(iteration)
+        total = len(prompts)
+        prompts = prompts[shard.rows(total)]
         with phase("rollout"):
-            noise = initial_noise(len(idx), g, self.latent_shape, cfg.sampling.same_noise_per_group, gen,
-                                  torch.float64 if self.policy.dtype == torch.float64 else torch.float32)
+            noise = self.rollout_noise(total, gen)
             traj = self.estimator.rollout(distributed.rollout_policy(self.policy, shard, total), cond, noise,
                                           self.sigmas, cfg.sampling, gen, iteration)
             traj = distributed.take_trajectory(traj, shard)

@@ -21,6 +21,16 @@ so every round of every method does the same work on the same weights. The ratio
 medians is then a speedup measured under one machine state, paired round by round, which separate runs
 (taken minutes apart while other jobs come and go) cannot give; the report takes its train speedups
 from it (``train_speedup_basis: paired``).
+
+The rollout is timed the same way, since a method may own it (:meth:`agg_bench.methods.base.Estimator.rollout`:
+fewer forwards, guessed velocities, a tree, a cache in the sampler): after the train rounds (their warm-up
+serves these too), ``method_repeats`` rounds each run every method's rollout of iteration 0 once, in an
+order rotated by the round, from the same prompts' conditioning, the same x_0 and a generator in the same
+state (iteration 0's after the noise), so each round samples exactly what the method's run samples first;
+no weights change. The policy's counter around each rollout gives its no-grad forwards per sample
+(``rollout_forwards``), the rollout's cost model; the report takes its ``rollout_speedup`` from these rounds.
+A method's rollout is timed whether or not its train phase can be replayed, unless its overrides change
+what the rounds share (:data:`ROLLOUT_SHARED_KEYS`).
 """
 from __future__ import annotations
 
@@ -48,7 +58,8 @@ class CalibrationConfig:
     repeats: measurements of each kind of pass (interleaved); the medians are over these.
     warmup: untimed repetitions first (one-off allocation and kernel selection costs); also the untimed
         rounds before the methods' timed ones.
-    method_repeats: timed rounds of the methods' train phases (each round times every method once).
+    method_repeats: timed rounds of the methods' train phases, and as many of their rollouts (each round
+        times every method once).
     """
 
     repeats: int = 21
@@ -141,11 +152,75 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
     return out
 
 
+# Run-config keys every method's rollout round shares with the run's (the policy, the prompts, their
+# conditioning, x_0 and the schedule it starts from): a method whose overrides change one needs its own run.
+ROLLOUT_SHARED_KEYS = ("seed", "device", "model", "prompts", "grpo.group_size", "grpo.prompts_per_iteration",
+                       "sampling.steps", "sampling.shift", "sampling.same_noise_per_group",
+                       "train.gradient_checkpointing", "train.lora_rank", "train.lora_alpha",
+                       "train.lora_target_modules", "train.shard", "train.cpu_offload")
+
+
+def _at(config: Mapping, key: str) -> Any:
+    """The value of dotted ``key`` in a nested config dict (None where a level is missing)."""
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, Mapping) else None
+    return config
+
+
+def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
+                  options: CalibrationConfig) -> dict[str, dict]:
+    """Each method's rollout of iteration 0, interleaved over ``options.method_repeats`` rounds (see the
+    module docstring): every round gives every method the same prompts' conditioning, the same x_0 and a
+    generator in the same state (iteration 0's, after the noise). ``methods`` as in :func:`time_methods`.
+    Returns {label: {"rollout_forwards": no-grad forwards per sample, "rollout_cpu_s": [...],
+    "rollout_wall_s": [...]}}, or {label: {"rollout_note": why not}} for a method whose overrides change
+    what the rollouts share (:data:`ROLLOUT_SHARED_KEYS`)."""
+    from ..machine import distributed
+    from ..methods.base import build_estimator
+
+    policy, run_config = session.policy, session.cfg.to_dict()
+    shard = distributed.current()
+    generator, prompts, cond = session.rollout_prompts(0)
+    total = len(prompts)
+    noise = session.rollout_noise(total, generator)
+    start = generator.get_state()
+    rows = shard.rows(total)
+    sampler = distributed.rollout_policy(policy, shard, total)
+    setups, out = {}, {}
+    for label, (_, sets) in methods.items():
+        cfg = validate(apply_overrides(run_config, sets))
+        changed = [key for key in ROLLOUT_SHARED_KEYS if _at(cfg.to_dict(), key) != _at(run_config, key)]
+        if changed:
+            out[label] = {"rollout_note": f"sets {', '.join(changed)}, which every rollout round shares with "
+                                          "the run's: its rollout needs a run of its own"}
+            continue
+        setups[label] = (build_estimator(cfg), cfg.sampling)
+        out[label] = {"rollout_cpu_s": [], "rollout_wall_s": []}
+    labels = list(setups)
+    try:
+        for r in range(options.method_repeats):
+            shift = r % max(len(labels), 1)
+            for label in labels[shift:] + labels[:shift]:
+                estimator, sampling = setups[label]
+                round_generator = torch.Generator().set_state(start)
+                before = policy.counter.copy()
+                with PhaseTimer(session.device) as timer:
+                    estimator.rollout(sampler, cond, noise, session.sigmas, sampling, round_generator, 0)
+                forwards = (policy.counter - before).forward_nograd
+                out[label]["rollout_cpu_s"].append(timer.cpu_s)
+                out[label]["rollout_wall_s"].append(timer.elapsed_s)
+                out[label]["rollout_forwards"] = forwards / (rows.stop - rows.start)
+    finally:
+        for estimator, _ in setups.values():
+            estimator.close()
+    return out
+
+
 def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
               methods: Mapping[str, Any] | None = None) -> dict:
     """Unit costs (seconds per latent) of a no-grad forward, a forward with grad and a backward for
-    ``cfg``'s model, resolution and device, and with ``methods`` each one's train phase timed in the
-    same process; see the module docstring."""
+    ``cfg``'s model, resolution and device, and with ``methods`` each one's train phase and rollout timed
+    in the same process; see the module docstring."""
     from ..runtime.session import Session, model_label  # the engine only when measuring
 
     options = options or CalibrationConfig()
@@ -157,6 +232,9 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
     policy, device = session.policy, session.device
     batch = session.collect(0).batch
     timed_methods = time_methods(session, batch, parsed, options) if parsed else {}
+    # after the train rounds, which warmed the forwards up: no untimed rollouts
+    for label, timed in (time_rollouts(session, parsed, options) if parsed else {}).items():
+        timed_methods[label].update(timed)
     b, steps = batch.latents.shape[0], batch.timesteps.shape[0]
     rows = torch.arange(b, device=batch.latents.device)
     samples: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in PASS_KEYS}
