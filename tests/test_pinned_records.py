@@ -6,7 +6,9 @@ in grad_norm. Another CPU vendor moves them more: on an AMD EPYC the routing sco
 velocity increments, so a difference of nearly equal velocities; values about 1e-2) differ from the Xeon's
 by up to 5e-7, and every other field by at most 3e-6 relative or 1e-8 absolute. A change of behaviour (another step, sample, weight or pass) moves rewards and gradient norms
 at the first digits. The loss (about 1e-11 here: the first update's ratio is 1 and the advantages sum to 0)
-and approx_kl (1e-16) are pinned only to that absolute bound."""
+and approx_kl (1e-16) are pinned only to that absolute bound. A method that joins the embedded default joins
+the pin with its first records (the field's GRPO variants: cps, flow-grpo-fast, mixgrpo-flash, branch, guess),
+and the records pinned before it stay as they were."""
 from __future__ import annotations
 
 import json
