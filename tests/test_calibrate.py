@@ -178,3 +178,31 @@ def test_every_rollout_round_samples_what_the_runs_first_rollout_samples(monkeyp
     for trajectory in sampled:
         assert torch.equal(trajectory.latents, first)
     assert all(torch.equal(p, w) for p, w in zip(session.policy.parameters(), weights))
+
+
+def test_a_method_that_owns_its_rollout_is_timed_on_a_rollout_of_its_own(tmp_path):
+    """branch and guess cannot train a frozen rollout of independent chains (their replay is not
+    applicable), so calibrate times their train phase on their own rollout of the run's first iteration:
+    the tree's distinct edges, the guessed generations' terms; their rollout rounds count the forwards
+    they skip."""
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--repeats", "1", "--warmup", "0", "--method-repeats", "2",
+                 "--method", "full", "{method: {name: full}}",
+                 "--method", "branch", "{method: {name: branch, branch_factor: 2, branch_points: [0, 2]}}",
+                 "--method", "guess", "{method: {name: guess, guessed: 1, guess_from: 2}}",
+                 "--out", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    b, steps = 4, 4
+    # the tree of one prompt: 2 edges at steps 0 and 1, 4 at steps 2 and 3, each trained once
+    assert methods["branch"]["passes"] == {"forward_nograd": 0, "forward_grad": 12, "backward": 12}
+    # its rollout: one node at step 0, 2 at step 1, 2 at step 2, 4 at step 3, per sample of the group
+    assert methods["branch"]["rollout_forwards"] == (1 + 2 + 2 + 4) / b
+    # guess trains every planned term (a guessed one down-weighted); it skips one forward at step 2 (the last
+    # step, 3, is never guessed)
+    assert methods["guess"]["passes"] == {"forward_nograd": 0, "forward_grad": b * steps, "backward": b * steps}
+    assert methods["guess"]["rollout_forwards"] == (b * steps - 1) / b
+    for label in ("branch", "guess"):
+        timed = methods[label]
+        assert timed["replay"] == "not_applicable" and timed["train_rollout"] == "own"
+        assert len(timed["cpu_s"]) == 2 and len(timed["rollout_cpu_s"]) == 2
+    assert "train_rollout" not in methods["full"]

@@ -105,8 +105,11 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
     """Each method's train phase on ``batch``, interleaved over rounds (see the module docstring):
     ``methods``: label -> (method name, ``--set`` strings), from :func:`method_overrides`. Returns
     {label: {"replay", "replay_note", "passes", "optimizer_steps", "cpu_s": [...], "wall_s": [...]}}. A
-    method whose train phase cannot run on a frozen rollout (a rollout-only cache, or overrides that
-    change the rollout) gets its replay scope and note and no times."""
+    method whose train phase cannot run on a frozen rollout because it owns its rollout (a tree, guessed
+    velocities) is timed on a rollout of its own from the run's prompts, noise and generator
+    (``"train_rollout": "own"``); one that differs from ``full`` only in its rollout (a rollout-only
+    cache) or sets keys a frozen rollout fixes gets its replay scope and note and no times."""
+    from ..methods.base import Estimator
     from .snapshot import Snapshot, plan_replay, replay_setup
 
     policy = session.policy
@@ -121,9 +124,15 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
         plan = plan_replay(snapshot, estimator, cfg)
         out[label] = {"replay": plan.scope, "replay_note": plan.note}
         if plan.scope == "not_applicable":
-            continue
-        planned = batch if plan.train_steps is None else \
-            dataclasses.replace(batch, train_steps=plan.train_steps.to(batch.train_steps.device))
+            if type(estimator).rollout is Estimator.rollout:  # it differs from full only in what a rollout shows
+                continue
+            # it owns its rollout (a tree, guessed velocities): its train phase is timed on a rollout of its own,
+            # from the same prompts, noise and generator as the run's first
+            planned = own_rollout(session, estimator)
+            out[label]["train_rollout"] = "own"
+        else:
+            planned = batch if plan.train_steps is None else \
+                dataclasses.replace(batch, train_steps=plan.train_steps.to(batch.train_steps.device))
         setups[label] = (estimator, planned)
         out[label].update(cpu_s=[], wall_s=[])
     weights = [p.detach().clone() for p in policy.parameters()]
@@ -150,6 +159,17 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
     finally:
         session.estimator = estimator_of_run
     return out
+
+
+def own_rollout(session, estimator):
+    """Iteration 0's training batch as ``estimator``'s own rollout, advantages and plan make it (the run's
+    prompts, noise and generator), with the policy's weights untouched."""
+    estimator_of_run = session.estimator
+    session.estimator = estimator
+    try:
+        return session.collect(0).batch
+    finally:
+        session.estimator = estimator_of_run
 
 
 # Run-config keys every method's rollout round shares with the run's (the policy, the prompts, their
@@ -194,7 +214,9 @@ def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
             out[label] = {"rollout_note": f"sets {', '.join(changed)}, which every rollout round shares with "
                                           "the run's: its rollout needs a run of its own"}
             continue
-        setups[label] = (build_estimator(cfg), cfg.sampling)
+        estimator = build_estimator(cfg)
+        estimator.check_run(cfg)  # what a run checks first, and what a method that owns its rollout learns from it
+        setups[label] = (estimator, cfg.sampling)
         out[label] = {"rollout_cpu_s": [], "rollout_wall_s": []}
     labels = list(setups)
     try:
