@@ -211,3 +211,23 @@ def test_rollout_speedup_comes_from_the_calibrations_paired_rollout_rounds_and_i
     assert pd.isna(table.loc["other", "rollout_prediction_check"])
     summary = summary_table(table.reset_index())
     assert summary.set_index("method").loc["guess", "rollout_speedup"] == f"{3.0 / 1.2:.2f}x [{lo:.2f}, {hi:.2f}]"
+
+
+def test_full_under_another_label_has_no_gradient_comparison():
+    """``cps`` runs ``full`` with another sampler; the replay compared ``full`` on the sweep's own sampler,
+    so its cosine of 1 belongs to the row labelled ``full`` only."""
+    import pandas as pd
+
+    from agg_bench.results.tables import _match_gradcheck
+
+    table = pd.DataFrame([
+        {"method": "full", "method_name": "full", "method_options": '{"name": "full"}', "model": "sd3",
+         "resolution": 64, "source": "measured"},
+        {"method": "cps", "method_name": "full", "method_options": '{"name": "full"}', "model": "sd3",
+         "resolution": 64, "source": "measured"},
+    ])
+    gradcheck = pd.DataFrame([{"method": "full", "model": "sd3", "resolution": 64, "cosine_to_full": 1.0,
+                               "relative_error": 0.0}])
+    cosines, errors = _match_gradcheck(table, gradcheck)
+    assert cosines[0] == 1.0 and errors[0] == 0.0
+    assert math.isnan(cosines[1]) and math.isnan(errors[1])

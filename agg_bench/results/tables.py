@@ -390,11 +390,14 @@ def _same(a, b) -> bool:
 
 def _match_gradcheck(table: pd.DataFrame, gradcheck: pd.DataFrame | None) -> tuple[list, list]:
     """Each row's cosine / relative error to ``full`` from the gradcheck row of the same model,
-    resolution, estimator and options (NaN when none, or more than one, matches)."""
+    resolution, estimator and options (NaN when none, or more than one, matches). A row that runs ``full``
+    under another label (another sampler, e.g. ``cps``) has none: the replayed snapshot is the sweep's own
+    sampler's, so ``full``'s cosine of 1 would say nothing about it."""
     cos, rel = [], []
     for _, row in table.iterrows():
         c = r = float("nan")
-        if gradcheck is not None and not gradcheck.empty and row["source"] == "measured":
+        other_full = row["method_name"] == "full" and row["method"] != "full"
+        if gradcheck is not None and not gradcheck.empty and row["source"] == "measured" and not other_full:
             options = json.loads(row["method_options"]) if isinstance(row["method_options"], str) else {}
             here = gradcheck[(gradcheck["model"] == row["model"])
                              & (pd.to_numeric(gradcheck["resolution"]) == row["resolution"])
