@@ -277,9 +277,10 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
         timed_side_by_side = _calibrated_method(cell, calibration)
         cell["_paired"] = _seconds(timed_side_by_side.get(f"{basis}_s"))
         cell["_paired_rollout"] = _seconds(timed_side_by_side.get(f"rollout_{basis}_s"))
+        counted = timed_side_by_side.get("rollout_forwards")
+        cell["_timed_rollout_forwards"] = float(counted) if is_number(counted) else float("nan")
         if not is_number(cell.get("rollout_forwards")):  # the runs' records do not say: the calibration's count
-            counted = timed_side_by_side.get("rollout_forwards")
-            cell["rollout_forwards"] = float(counted) if is_number(counted) else float("nan")
+            cell["rollout_forwards"] = cell["_timed_rollout_forwards"]
         cell["t_train_paired_s"] = float(np.median(cell["_paired"])) if len(cell["_paired"]) else float("nan")
         if cell["status"] == "oom":  # the iteration that ran out of memory has no times or rewards
             for column in (*TIME_COLUMNS, "images_per_s", "final_reward", "final_reward_std", "reward_area", "wall_s"):
@@ -290,10 +291,11 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
     # speedup over the group's `full` row; only between cells that both finished ok
     base = table[_baseline_mask(table)].drop_duplicates(GROUP_KEYS)
     base = base[GROUP_KEYS + ["t_iter_s", "t_train_s", "status", "_samples", "predicted_t_train_s", "_paired",
-                              "_paired_rollout", "rollout_forwards"]].rename(
+                              "_paired_rollout", "rollout_forwards", "_timed_rollout_forwards"]].rename(
         columns={"t_iter_s": "_ref_iter", "t_train_s": "_ref_train", "status": "_ref_status",
                  "_samples": "_ref_samples", "predicted_t_train_s": "_ref_predicted", "_paired": "_ref_paired",
-                 "_paired_rollout": "_ref_paired_rollout", "rollout_forwards": "_ref_rollout_forwards"})
+                 "_paired_rollout": "_ref_paired_rollout", "rollout_forwards": "_ref_rollout_forwards",
+                 "_timed_rollout_forwards": "_ref_timed_rollout_forwards"})
     table = table.merge(base, on=GROUP_KEYS, how="left")
     usable = (table["_ref_status"] == "ok") & (table["status"] == "ok")
     table["speedup"] = (table["_ref_iter"] / table["t_iter_s"]).where(usable)
@@ -322,7 +324,11 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
     table["rollout_speedup"], table["rollout_speedup_lo"], table["rollout_speedup_hi"] = zip(*[
         paired_speedup(ref, own) if ok else (float("nan"),) * 3
         for ok, ref, own in zip(usable, table["_ref_paired_rollout"], table["_paired_rollout"])])
-    table["predicted_rollout_speedup"] = (table["_ref_rollout_forwards"] / table["rollout_forwards"]).where(usable)
+    # predicted from the forwards of the very rollouts the rounds timed where both rows have them (a method
+    # whose rollout changes over a run, e.g. a moving window, was timed on iteration 0's), else the runs'
+    timed = table["_ref_timed_rollout_forwards"] / table["_timed_rollout_forwards"]
+    table["predicted_rollout_speedup"] = timed.where(timed.notna(), table["_ref_rollout_forwards"]
+                                                     / table["rollout_forwards"]).where(usable)
     table["rollout_prediction_check"] = [
         _prediction_check(*values) for values in zip(table["rollout_speedup"], table["rollout_speedup_lo"],
                                                      table["rollout_speedup_hi"], table["predicted_rollout_speedup"])]
