@@ -198,7 +198,7 @@ class BranchEstimator(Estimator):
 
     # ----- rollout ---------------------------------------------------------------------------
     @torch.no_grad()
-    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
+    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
         from agg_bench.engine.rollout import Trajectory  # the sampler imports the models; the options do not
 
         steps = sigmas.numel() - 1

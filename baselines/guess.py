@@ -175,11 +175,10 @@ class GuessEstimator(Estimator):
 
     def __init__(self, config: GuessConfig | None = None):
         super().__init__(config)
-        self.group_size: int | None = None
         self.last_guessed: int | None = None
 
     def check_run(self, cfg) -> None:
-        """The options against the group and the schedule; keeps the group size the rollout needs."""
+        """The options against the group and the schedule, and a single process."""
         c, group, steps = self.config, cfg.grpo.group_size, cfg.sampling.steps
         guessed = c.guessed_per_group(group)
         if guessed >= group:
@@ -194,14 +193,11 @@ class GuessEstimator(Estimator):
         if distributed.current().distributed:
             raise ConfigError("method.name", self.name, "a single-process run (a step's group mean needs every "
                               "real velocity of the group, and each process samples only its own rows)")
-        self.group_size = group
 
-    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
+    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
         from agg_bench.engine.rollout import rollout  # imports the models (diffusers); the options do not
 
-        if self.group_size is None:
-            raise RuntimeError("GuessEstimator.rollout needs check_run(cfg) first (it gives the group size)")
-        rule = GuessedVelocity(self.config, policy, self.group_size, noise.shape[0], sigmas.numel() - 1)
+        rule = GuessedVelocity(self.config, policy, group_size, noise.shape[0], sigmas.numel() - 1)
         traj = rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, velocity=rule)
         traj.forwarded = rule.forwarded
         self.last_guessed = int((~rule.forwarded).sum())

@@ -97,7 +97,7 @@ class MixGRPOFlashEstimator(WindowEstimator):
                               "a number for method 'mixgrpo_flash' (its grid after the window is the shifted "
                               "linspace of MixGRPO-Flash, built with this shift)")
 
-    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
+    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
         from agg_bench.engine.rollout import rollout  # the sampler imports the models; a method's options do not
         from agg_bench.engine.sde import ode_step
         from agg_bench.engine.solvers import MultistepDPMSolverPP

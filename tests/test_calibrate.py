@@ -116,7 +116,7 @@ class GuessEveryOtherVelocity(FullEstimator):
 
     name = "test-guess"
 
-    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
+    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
         last = {}
 
         def velocity(j, x, t, c):

@@ -34,7 +34,7 @@ def rollout(session, seed=3):
                         dtype=torch.float64)
     session.policy.counter.reset()
     traj = session.estimator.rollout(session.policy, cond, noise, session.sigmas, cfg.sampling,
-                                     torch.Generator().manual_seed(seed + 1), 0)
+                                     torch.Generator().manual_seed(seed + 1), 0, g)
     return traj, session.policy.counter.as_dict(), cond, noise, torch.Generator().manual_seed(seed + 1)
 
 

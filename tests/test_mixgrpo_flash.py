@@ -90,7 +90,8 @@ def rollout_of(session, iteration=0, seed=7):
     cond = session.cond_all[torch.zeros(b, dtype=torch.long)]
     state = gen.get_state()
     session.policy.counter.reset()
-    traj = session.estimator.rollout(session.policy, cond, noise, session.sigmas, session.cfg.sampling, gen, iteration)
+    traj = session.estimator.rollout(session.policy, cond, noise, session.sigmas, session.cfg.sampling, gen, iteration,
+                                     session.cfg.grpo.group_size)
     return traj, noise, cond, state, session.policy.counter.forward_nograd
 
 

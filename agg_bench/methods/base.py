@@ -107,9 +107,9 @@ class Estimator(ABC):
         return contextlib.nullcontext(None)
 
     def rollout(self, policy: Policy, cond: Conditioning, noise: torch.Tensor, sigmas: torch.Tensor,
-                sampling: SamplingConfig, generator: torch.Generator, iteration: int) -> Trajectory:
-        """The iteration's trajectories from x_0 = ``noise`` (P x G rows, grouped consecutively); random
-        draws come from ``generator``, after the noise. Default: :func:`agg_bench.engine.rollout.rollout`
+                sampling: SamplingConfig, generator: torch.Generator, iteration: int, group_size: int) -> Trajectory:
+        """The iteration's trajectories from x_0 = ``noise`` (P x G rows, G = ``group_size``, grouped
+        consecutively); random draws come from ``generator``, after the noise. Default: :func:`agg_bench.engine.rollout.rollout`
         with :meth:`sde_mask` and :meth:`rollout_hooks`, Euler steps where it is not stochastic."""
         from ..engine.rollout import rollout  # the sampler imports the models (diffusers); a method's options do not
 

@@ -126,7 +126,7 @@ class Session:
         with phase("rollout"):
             noise = self.rollout_noise(total, gen)
             traj = self.estimator.rollout(distributed.rollout_policy(self.policy, shard, total), cond, noise,
-                                          self.sigmas, cfg.sampling, gen, iteration)
+                                          self.sigmas, cfg.sampling, gen, iteration, cfg.grpo.group_size)
             traj = distributed.take_trajectory(traj, shard)
         cond = distributed.take(cond, shard, total)
         with phase("reward"):

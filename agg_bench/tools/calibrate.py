@@ -227,7 +227,8 @@ def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
                 round_generator = torch.Generator().set_state(start)
                 before = policy.counter.copy()
                 with PhaseTimer(session.device) as timer:
-                    estimator.rollout(sampler, cond, noise, session.sigmas, sampling, round_generator, 0)
+                    estimator.rollout(sampler, cond, noise, session.sigmas, sampling, round_generator, 0,
+                                      session.cfg.grpo.group_size)
                 forwards = (policy.counter - before).forward_nograd
                 out[label]["rollout_cpu_s"].append(timer.cpu_s)
                 out[label]["rollout_wall_s"].append(timer.elapsed_s)
