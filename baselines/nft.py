@@ -50,6 +50,7 @@ Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -139,7 +140,8 @@ class NFTEstimator(Estimator):
     def __init__(self, config: NFTConfig | None = None):
         super().__init__(config)
         self.noise_seed = 0
-        self.old: tuple[int, int, torch.Tensor] | None = None  # (id of batch, its policy version, v_old)
+        # (the rollout's batch, weakly: an id could be reused by the next one; its old velocities)
+        self.old: tuple[weakref.ref, torch.Tensor] | None = None
         self.clip = 1.0
 
     def check_run(self, cfg) -> None:
@@ -192,7 +194,7 @@ class NFTEstimator(Estimator):
             timesteps = batch.timesteps[steps.to(batch.timesteps.device)]
         else:
             t = torch.rand((b, k), generator=gen, dtype=torch.float64).to(x0.device, x0.dtype)
-            timesteps = policy.timestep_values(t.reshape(-1)).reshape(b, k).to(batch.timesteps.dtype)
+            timesteps = (t * policy.timestep_scale).to(batch.timesteps.dtype)  # as Policy.timestep_values
         return eps, t, timesteps
 
     def accumulate(self, policy, batch, stats, reference=None):
@@ -200,14 +202,13 @@ class NFTEstimator(Estimator):
         x0 = batch.latents[:, -1]
         b, k = batch.train_steps.shape
         eps, t, timesteps = self.draws(policy, batch)
-        fresh = self.old is None or self.old[:2] != (id(batch), batch.policy_version)
+        fresh = self.old is None or self.old[0]() is not batch
         if fresh:
             if policy.version != batch.policy_version:
                 raise RuntimeError("method 'nft' needs the old policy's velocities: the policy stepped "
                                    "before the first inner epoch on this rollout")
-            self.old = (id(batch), batch.policy_version, torch.empty((b, k, *x0.shape[1:]), dtype=x0.dtype,
-                                                                     device=x0.device))
-        old = self.old[2]
+            self.old = (weakref.ref(batch), torch.empty((b, k, *x0.shape[1:]), dtype=x0.dtype, device=x0.device))
+        old = self.old[1]
         r = batch.advantages.to(x0.dtype)
         for slot in range(k):
             for rows in micro_batches(b, c.micro_batch):

@@ -187,13 +187,15 @@ def test_replay_is_not_applicable(tmp_path, capsys):
     plan = build_estimator(cfg).replay_plan(cfg, torch.zeros(STEPS, dtype=torch.bool), 6, torch.Generator())
     assert plan.scope == "not_applicable" and plan.train_steps is None and "GRPO gradient" in plan.note
     settings = [a for item in ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2",
-                               "grpo.prompts_per_iteration=1", "progress=false", "telemetry.enabled=false"]
+                               "grpo.prompts_per_iteration=1", "progress=false", "telemetry.enabled=false",
+                               "sampling.same_noise_per_group=false"]
                 for a in ("--set", item)]
     snap = tmp_path / "snap"
     assert main(["snapshot", *settings, "--out", str(snap)]) == 0
     capsys.readouterr()
     assert main(["replay", str(snap), "--method", "nft", "--out", str(tmp_path / "g.safetensors")]) == 2
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "frozen rollout" in err[0]
     table = tmp_path / "table.csv"
     assert main(["gradcheck", "--snapshot", str(snap), "--windows", "2", "--alphas", "index", "--route-fracs", "1",
                  "--methods", "nft", "--out", str(table)]) == 0
