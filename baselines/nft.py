@@ -5,13 +5,13 @@ DiffusionNFT has no per-step likelihood. The rollout is deterministic (ODE; the 
 a DPM-Solver-2 ODE, ``config.sample.deterministic = True``, ``solver = "dpm2"``; here the engine's Euler ODE
 on the run's ``sampling.steps`` grid). Only each sample's final latent x0 and its reward are kept.
 
-Rewards become an optimality probability per sample (the paper's reward normalisation, §3):
+Rewards become an optimality probability per sample (the paper's reward normalisation, in its method section):
 ``r = 1/2 + 1/2 clip(A / Z, -1, 1)`` with ``A`` the group-standardised reward (GRPO's, clipped to
 +-``grpo.adv_clip_max``) and ``Z = grpo.adv_clip_max`` (the code divides by ``train.adv_clip_max``, 5,
 after clipping to it, then clamps to [0, 1]). ``method.adv_mode`` transforms ``A`` first as the code's
 ``train.adv_mode`` does.
 
-The loss (the paper's NFT objective, §3, and the code's ``policy_loss``): x0 is noised at K times
+The loss (the paper's NFT objective, in its method section, and the code's ``policy_loss``): x0 is noised at K times
 ``t`` with fresh noise ``eps``, ``x_t = (1 - t) x0 + t eps``, whose flow-matching target is ``v = eps - x0``.
 With the current policy's velocity ``v_theta(x_t, t)`` (with grad) and the old policy's ``v_old`` (no grad),
 the implicit positive and negative policies are
@@ -28,7 +28,7 @@ accumulates over its K times); with ``grpo.beta > 0`` the code's KL term ``grpo.
 (the reference being the run's frozen reference policy) is added to every term.
 
 The old policy: in the code, an EMA "old" adapter that samples the rollout and stays fixed through the
-update. Here the old policy is the rollout's weights (the code's decay 0 schedule). Within the first inner
+update. Here the old policy is the rollout's weights (the code's ``decay_type = 0``; its sd3 configs use 1, a decay rising to 0.5). Within the first inner
 epoch the policy has not stepped yet, so a no-grad forward of the policy now IS the old policy; its
 velocities are kept for the later inner epochs of the same rollout, whose (t, eps) draws are the same.
 Passes per inner epoch: B*K forward_grad and B*K backward, plus B*K forward_nograd in the first one (and
