@@ -28,9 +28,10 @@ accumulates over its K times); with ``grpo.beta > 0`` the code's KL term ``grpo.
 (the reference being the run's frozen reference policy) is added to every term.
 
 The old policy: in the code, an EMA "old" adapter that samples the rollout and stays fixed through the
-update. Here the old policy is the rollout's weights (the code's ``decay_type = 0``; its sd3 configs use 1, a decay rising to 0.5). Within the first inner
-epoch the policy has not stepped yet, so a no-grad forward of the policy now IS the old policy; its
-velocities are kept for the later inner epochs of the same rollout, whose (t, eps) draws are the same.
+update. Here the old policy is the rollout's weights (the code's ``decay_type = 0``; its sd3 configs use 1,
+a decay rising to 0.5). Within the first inner epoch the policy has not stepped yet, so a no-grad forward
+of the policy now IS the old policy; its velocities are kept for the later inner epochs of the same
+rollout, whose (t, eps) draws are the same.
 Passes per inner epoch: B*K forward_grad and B*K backward, plus B*K forward_nograd in the first one (and
 B*K more for the reference when ``grpo.beta > 0``).
 
