@@ -1,0 +1,231 @@
+"""DiffusionNFT: negative-aware finetuning on the forward process (Zheng et al., arXiv 2509.16117;
+public code github.com/NVlabs/DiffusionNFT, ``scripts/train_nft_sd3.py`` and ``config/nft.py``).
+
+DiffusionNFT has no per-step likelihood. The rollout is deterministic (ODE; the public code samples with
+a DPM-Solver-2 ODE, ``config.sample.deterministic = True``, ``solver = "dpm2"``; here the engine's Euler ODE
+on the run's ``sampling.steps`` grid). Only each sample's final latent x0 and its reward are kept.
+
+Rewards become an optimality probability per sample (the paper's reward normalisation, in its method section):
+``r = 1/2 + 1/2 clip(A / Z, -1, 1)`` with ``A`` the group-standardised reward (GRPO's, clipped to
++-``grpo.adv_clip_max``) and ``Z = grpo.adv_clip_max`` (the code divides by ``train.adv_clip_max``, 5,
+after clipping to it, then clamps to [0, 1]). ``method.adv_mode`` transforms ``A`` first as the code's
+``train.adv_mode`` does.
+
+The loss (the paper's NFT objective, in its method section, and the code's ``policy_loss``): x0 is noised at K times
+``t`` with fresh noise ``eps``, ``x_t = (1 - t) x0 + t eps``, whose flow-matching target is ``v = eps - x0``.
+With the current policy's velocity ``v_theta(x_t, t)`` (with grad) and the old policy's ``v_old`` (no grad),
+the implicit positive and negative policies are
+
+    v+ = (1 - beta) v_old + beta v_theta,        v- = (1 + beta) v_old - beta v_theta,
+
+and each (sample, time) term is ``Z / beta * (r l(v+) + (1 - r) l(v-))`` where
+- ``weighting: velocity``: ``l(u) = mean ||u - v||^2`` (the paper's equation, mean over elements);
+- ``weighting: adaptive`` (the code's default and only form): the x0-space error ``x0(u) = x_t - t u``,
+  ``l(u) = mean (x0(u) - x0)^2 / w`` with ``w = max(mean |x0(u) - x0|, 1e-5)`` held constant (no grad).
+The factor ``Z / beta`` is the code's (``ori_policy_loss / beta * adv_clip_max``): it keeps the gradient's
+size independent of beta. ``L = 1/(B*K) sum_i sum_k term_ik`` (the code averages over the batch and
+accumulates over its K times); with ``grpo.beta > 0`` the code's KL term ``grpo.beta * mean ||v_theta - v_ref||^2``
+(the reference being the run's frozen reference policy) is added to every term.
+
+The old policy: in the code, an EMA "old" adapter that samples the rollout and stays fixed through the
+update. Here the old policy is the rollout's weights (the code's ``decay_type = 0``; its sd3 configs use 1,
+a decay rising to 0.5). Within the first inner epoch the policy has not stepped yet, so a no-grad forward
+of the policy now IS the old policy; its velocities are kept for the later inner epochs of the same
+rollout, whose (t, eps) draws are the same.
+Passes per inner epoch: B*K forward_grad and B*K backward, plus B*K forward_nograd in the first one (and
+B*K more for the reference when ``grpo.beta > 0``).
+
+The K times per sample (``time_distribution``):
+- ``schedule`` (the code): K distinct steps of the rollout's own schedule per sample, drawn without
+  replacement (``torch.randperm`` per sample, the first K), t = sigma_j, the model given timestep_j;
+  the code's K is ``int(sample.num_steps * train.timestep_fraction)`` = int(10 * 0.99) = 9;
+- ``uniform``: t ~ U(0, 1) per (sample, slot).
+The steps (schedule) are drawn in :meth:`NFTEstimator.plan` from the iteration's generator, as is the seed of
+a generator that draws the noise (and uniform times): deterministic given the run's seed.
+
+Not ported: the batch-wide reward std of the code's default (``sample.global_std = True``; here the group's,
+``grpo.adv_std``, and the 1e-8 of GRPO's standardisation in place of 1e-4), the EMA of the old adapter, LoRA.
+An ODE rollout from one noise is one image, so ``sampling.same_noise_per_group`` must be false.
+
+Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from agg_bench.engine.grpo import group_advantages, micro_batches
+from agg_bench.errors import ConfigError
+from agg_bench.methods.base import Estimator, ReplayPlan, register_method
+
+TIME_DISTRIBUTIONS = ("schedule", "uniform")
+ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
+WEIGHT_FLOOR = 1e-5  # the code's clip(min=0.00001) on the adaptive weight
+
+
+@dataclass
+class NFTConfig:
+    """DiffusionNFT's options (defaults from github.com/NVlabs/DiffusionNFT ``config/nft.py``).
+
+    ``beta`` (1.0; ``config.beta = 1.0``, 0.1 for OCR and multi-reward): the step of the implicit policies
+      v+- = v_old +- beta (v_theta - v_old); 0 < beta <= 1.
+    ``times_per_sample`` (None: int(0.99 * sampling.steps), the code's ``num_steps * timestep_fraction``):
+      K >= 1 noised copies of each final latent; at most sampling.steps with the ``schedule`` distribution.
+    ``time_distribution`` ("schedule", the code): where t comes from (module docstring); or ``uniform``.
+    ``adv_mode`` ("all"; the code's ``train.adv_mode``): ``all`` keeps A, ``positive_only``/``negative_only``
+      clamp it to [0, Z]/[-Z, 0], ``one_only`` maps A > 0 to 1 and else 0, ``binary`` takes sign(A).
+    ``weighting`` ("adaptive", the code's x0-space adaptive weight) or ``velocity`` (the paper's equation).
+    ``micro_batch``: samples per forward-with-grad (None: the whole batch).
+    """
+
+    beta: float = 1.0
+    times_per_sample: int | None = None
+    time_distribution: Literal["schedule", "uniform"] = "schedule"
+    adv_mode: Literal["all", "positive_only", "negative_only", "one_only", "binary"] = "all"
+    weighting: Literal["adaptive", "velocity"] = "adaptive"
+    micro_batch: int | None = None
+
+    def validate(self) -> None:
+        if not 0 < self.beta <= 1:
+            raise ConfigError("method.beta", self.beta, "a number in (0, 1] (DiffusionNFT's policy step)")
+        if self.times_per_sample is not None and self.times_per_sample < 1:
+            raise ConfigError("method.times_per_sample", self.times_per_sample, "null or an integer >= 1")
+
+    def times(self, steps: int) -> int:
+        """K for a ``steps``-step rollout."""
+        return self.times_per_sample if self.times_per_sample is not None else max(1, int(steps * 0.99))
+
+
+def optimality(advantages: torch.Tensor, clip: float, mode: str = "all") -> torch.Tensor:
+    """r in [0, 1] from advantages already clipped to +-``clip`` (the code's normalisation)."""
+    a = advantages
+    if mode == "positive_only":
+        a = a.clamp(0, clip)
+    elif mode == "negative_only":
+        a = a.clamp(-clip, 0)
+    elif mode == "one_only":
+        a = (a > 0).to(a.dtype)
+    elif mode == "binary":
+        a = torch.sign(a)
+    return (a / clip / 2 + 0.5).clamp(0, 1)
+
+
+def nft_terms(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor,
+              t: torch.Tensor, r: torch.Tensor, beta: float, scale: float, weighting: str) -> torch.Tensor:
+    """The per-sample term ``scale / beta * (r l(v+) + (1 - r) l(v-))`` (rows,) (module docstring)."""
+    dims = tuple(range(1, v.dim()))
+    positive = (1 - beta) * v_old + beta * v
+    negative = (1 + beta) * v_old - beta * v
+
+    def error(u: torch.Tensor) -> torch.Tensor:
+        if weighting == "velocity":
+            return ((u - (eps - x0)) ** 2).mean(dim=dims)
+        te = t.view(-1, *([1] * (v.dim() - 1)))
+        diff = x_t - te * u - x0
+        weight = diff.detach().abs().mean(dim=dims).clamp(min=WEIGHT_FLOOR)
+        return (diff ** 2).mean(dim=dims) / weight
+
+    return scale / beta * (r * error(positive) + (1 - r) * error(negative))
+
+
+@register_method
+class NFTEstimator(Estimator):
+    """Flow-matching loss on each final latent at K noised times, contrasting implicit +- policies."""
+
+    name = "nft"
+    config_cls = NFTConfig
+
+    def __init__(self, config: NFTConfig | None = None):
+        super().__init__(config)
+        self.noise_seed = 0
+        # (the rollout's batch, weakly: an id could be reused by the next one; its old velocities)
+        self.old: tuple[weakref.ref, torch.Tensor] | None = None
+        self.clip = 1.0
+
+    def check_run(self, cfg) -> None:
+        c = self.config
+        self.clip = cfg.grpo.adv_clip_max
+        if cfg.sampling.same_noise_per_group:
+            raise ConfigError("sampling.same_noise_per_group", True,
+                              "false for method 'nft' (its ODE rollout turns one noise into one image, so a "
+                              "group sharing its noise has one reward and every r is 1/2)")
+        k = c.times(cfg.sampling.steps)
+        if c.time_distribution == "schedule" and k > cfg.sampling.steps:
+            raise ConfigError("method.times_per_sample", c.times_per_sample,
+                              f"null or an integer in [1, {cfg.sampling.steps}] (sampling.steps; distinct steps "
+                              "of the schedule with method.time_distribution=schedule)")
+
+    def replay_plan(self, cfg, stochastic, batch_size, generator):
+        return ReplayPlan("not_applicable", note="DiffusionNFT trains a flow-matching loss on final latents: "
+                                                 "there is no per-step GRPO gradient to compare")
+
+    def sde_mask(self, iteration, steps, generator):
+        return torch.zeros(steps, dtype=torch.bool)
+
+    def advantages(self, rewards, trajectory, grpo):
+        """r (B,) in [0, 1], the optimality probability of each sample."""
+        self.clip = grpo.adv_clip_max
+        a = group_advantages(rewards, grpo.group_size, grpo.adv_clip_max, grpo.adv_std, torch.float64)
+        return optimality(a, grpo.adv_clip_max, self.config.adv_mode).to(trajectory.latents.dtype)
+
+    def plan(self, train, trajectory, batch_size, generator):
+        """(B, K): the schedule steps of each sample's K times (``schedule``) or the slots 0..K-1 (``uniform``);
+        the seed of the noise generator is drawn after them."""
+        steps = trajectory.sigmas.numel() - 1
+        k = self.config.times(steps)
+        if self.config.time_distribution == "schedule":
+            planned = torch.stack([torch.randperm(steps, generator=generator)[:k] for _ in range(batch_size)])
+        else:
+            planned = torch.arange(k).expand(batch_size, k).clone()
+        self.noise_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        return planned
+
+    def draws(self, policy, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """eps (B, K, ...), t (B, K) and the model's timesteps (B, K) of every (sample, slot)."""
+        x0 = batch.latents[:, -1]
+        b, k = batch.train_steps.shape
+        gen = torch.Generator().manual_seed(self.noise_seed)
+        eps = torch.randn((b, k, *x0.shape[1:]), generator=gen, dtype=x0.dtype).to(x0.device)
+        if self.config.time_distribution == "schedule":
+            steps = batch.train_steps.to(batch.sigmas.device)
+            t = batch.sigmas[steps].to(x0.device, x0.dtype)
+            timesteps = batch.timesteps[steps.to(batch.timesteps.device)]
+        else:
+            t = torch.rand((b, k), generator=gen, dtype=torch.float64).to(x0.device, x0.dtype)
+            timesteps = (t * policy.timestep_scale).to(batch.timesteps.dtype)  # as Policy.timestep_values
+        return eps, t, timesteps
+
+    def accumulate(self, policy, batch, stats, reference=None):
+        c = self.config
+        x0 = batch.latents[:, -1]
+        b, k = batch.train_steps.shape
+        eps, t, timesteps = self.draws(policy, batch)
+        fresh = self.old is None or self.old[0]() is not batch
+        if fresh:
+            if policy.version != batch.policy_version:
+                raise RuntimeError("method 'nft' needs the old policy's velocities: the policy stepped "
+                                   "before the first inner epoch on this rollout")
+            self.old = (weakref.ref(batch), torch.empty((b, k, *x0.shape[1:]), dtype=x0.dtype, device=x0.device))
+        old = self.old[1]
+        r = batch.advantages.to(x0.dtype)
+        for slot in range(k):
+            for rows in micro_batches(b, c.micro_batch):
+                te = t[rows, slot].view(-1, *([1] * (x0.dim() - 1)))
+                x_t = (1 - te) * x0[rows] + te * eps[rows, slot]
+                cond = batch.cond[rows]
+                if fresh:
+                    with torch.no_grad():
+                        old[rows, slot] = policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                v = policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                terms = nft_terms(v, old[rows, slot], x_t, x0[rows], eps[rows, slot], t[rows, slot], r[rows],
+                                  c.beta, self.clip, c.weighting)
+                if batch.beta > 0 and reference is not None:
+                    with torch.no_grad():
+                        v_ref = reference.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                    terms = terms + batch.beta * ((v - v_ref) ** 2).mean(dim=tuple(range(1, v.dim())))
+                (terms.sum() * batch.loss_scale).backward()
+                stats.loss_sum += float(terms.detach().double().sum()) * batch.loss_scale
+                stats.count += int(rows.numel())
