@@ -39,7 +39,8 @@ BATCH_OPTIONS = ("micro_batch", "nograd_batch")
 # (``cached`` brings in every cache and diffusers' hooks).
 METHOD_MODULES = {"full": "baselines.full", "fraction": "baselines.subsample", "window": "baselines.subsample",
                   "agg": "agg_bench.methods.agg", "cached": "baselines.cached", "guess": "baselines.guess",
-                  "branch": "baselines.branch", "mixgrpo_flash": "baselines.mixgrpo_flash"}
+                  "branch": "baselines.branch", "mixgrpo_flash": "baselines.mixgrpo_flash",
+                  "dgpo": "baselines.dgpo"}
 METHODS = Registry("method.name", modules=METHOD_MODULES)
 
 
