@@ -41,7 +41,7 @@ from typing import Literal
 
 import torch
 
-from agg_bench.engine.grpo import StepTerms, micro_batches, step_terms
+from agg_bench.engine.grpo import exact_backward, micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.machine import distributed
 from agg_bench.methods.base import Estimator, ReplayPlan, register_method
@@ -221,7 +221,7 @@ class GuessEstimator(Estimator):
                 if not keep.any():
                     continue
                 rows, steps, weights = rows[keep], steps[keep.to(steps.device)], weights[keep]
-                weighted_backward(policy, batch, rows, steps, weights, stats, reference)
+                exact_backward(policy, batch, rows, steps, stats, reference, weights)
 
     def replay_plan(self, cfg, stochastic, batch_size, generator):
         return ReplayPlan("not_applicable", None,
@@ -232,17 +232,3 @@ class GuessEstimator(Estimator):
     def iteration_metrics(self) -> dict:
         return {"guessed_velocities": self.last_guessed}
 
-
-def weighted_backward(policy, batch, rows: torch.Tensor, steps: torch.Tensor, weights: torch.Tensor,
-                      stats, reference=None) -> None:
-    """:func:`agg_bench.engine.grpo.exact_backward` with each (row, step) term's loss times ``weights``."""
-    ref_v = None
-    if batch.beta > 0 and reference is not None:
-        with torch.no_grad():
-            ref_v = reference.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
-    v = policy.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
-    terms = step_terms(batch, rows, steps, v, ref_v)
-    loss = terms.loss * weights.to(device=terms.loss.device, dtype=terms.loss.dtype)
-    (loss.sum() * batch.loss_scale).backward()
-    stats.add(StepTerms(loss.detach(), terms.ratio.detach(), terms.log_prob.detach()),
-              batch.log_probs[rows, steps], batch.loss_scale)

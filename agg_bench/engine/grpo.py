@@ -154,15 +154,19 @@ def upstream_grad(batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor, ve
 
 
 def exact_backward(policy: Policy, batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor,
-                   stats: "UpdateStats", reference: Policy | None = None) -> None:
+                   stats: "UpdateStats", reference: Policy | None = None,
+                   weights: torch.Tensor | None = None) -> None:
     """Exact gradient of the (row, step) terms, the per-step backward of full GRPO (and of every method
-    where it trains a step exactly): forward with grad at x_j, loss, backward, scaled by ``loss_scale``."""
+    where it trains a step exactly): forward with grad at x_j, loss, backward, scaled by ``loss_scale``.
+    ``weights`` (len(rows),): each term's loss times its weight (``guess``'s guessed terms); None: all 1."""
     ref_v = None
     if batch.beta > 0 and reference is not None:
         with torch.no_grad():
             ref_v = reference.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
     v = policy.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
     terms = step_terms(batch, rows, steps, v, ref_v)
+    if weights is not None:
+        terms.loss = terms.loss * weights.to(device=terms.loss.device, dtype=terms.loss.dtype)
     (terms.loss.sum() * batch.loss_scale).backward()
     stats.add(terms, batch.log_probs[rows, steps], batch.loss_scale)
 
