@@ -19,7 +19,9 @@ equation). ``w`` (``weighting``): ``uniform`` w = e (the paper's equation), or `
 power p = ``ghuber_power``): ``w = ((e + 1e-10)^p - 1e-10^p) t / p``.
 The code writes the loss as a PPO ratio surrogate ``-A exp(log_p - log_p_old)`` with ``log_p = -w``: on the
 policy that sampled the rollout the ratio is 1 and its gradient is exactly dL/dtheta above. Only that case
-is built here, so ``train.inner_epochs`` must be 1 (refused otherwise).
+is built here, so ``train.inner_epochs`` must be 1 (refused otherwise). The rollout being deterministic, the
+G samples of a prompt need their own initial noise (the code draws one per image):
+``sampling.same_noise_per_group`` must be false.
 The KL option is the code's ``train.beta`` (``kl_weight = 'Uniform'``): velocity matching to the base model,
 here the session's reference policy (a frozen copy, or the LoRA base) when ``grpo.beta > 0``; one no-grad
 forward per (sample, time), counted. The code's second term to an EMA adapter (``ema_beta``) is not built.
@@ -138,6 +140,10 @@ class AWMEstimator(Estimator):
 
     def check_run(self, cfg) -> None:
         self.shift = cfg.sampling.shift
+        if cfg.sampling.same_noise_per_group:
+            raise ConfigError("sampling.same_noise_per_group", True,
+                              "false with method.name=awm (an ODE rollout from one noise gives the group "
+                              "identical samples and every advantage 0)")
         if cfg.train.inner_epochs != 1:
             raise ConfigError("train.inner_epochs", cfg.train.inner_epochs,
                               "1 with method.name=awm (the on-policy ratio-1 gradient of the code's surrogate)")
