@@ -49,6 +49,7 @@ import torch
 from agg_bench.engine.grpo import group_advantages, micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import Estimator, ReplayPlan, register_method
+from baselines.final_latent import noised_draws
 
 TIME_DISTRIBUTIONS = ("discrete", "logit_normal", "uniform")
 WEIGHTINGS = ("uniform", "ghuber")
@@ -168,33 +169,28 @@ class AWMEstimator(Estimator):
         self.noise_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         return torch.arange(k).expand(batch_size, k).clone()
 
-    def draws(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """eps (B, K, ...) and t (B, K) of every (sample, slot), in the latents' dtype."""
-        x0 = batch.latents[:, -1]
-        b, k = batch.train_steps.shape
-        gen = torch.Generator().manual_seed(self.noise_seed)
-        eps = torch.randn((b, k, *x0.shape[1:]), generator=gen, dtype=x0.dtype).to(x0.device)
-        return eps, self.times.to(x0.device, x0.dtype)
+    def draws(self, policy, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """eps (B, K, ...), t (B, K) and the model's timesteps (B, K) of every (sample, slot)."""
+        return noised_draws(policy, batch, self.noise_seed, self.times)
 
     def accumulate(self, policy, batch, stats, reference=None):
         c = self.config
         x0 = batch.latents[:, -1]
         b, k = batch.train_steps.shape
-        eps, t = self.draws(batch)
+        eps, t, timesteps = self.draws(policy, batch)
         a = batch.advantages.to(x0.dtype)
         shape = (-1, *([1] * (x0.dim() - 1)))
         for slot in range(k):
             for rows in micro_batches(b, c.micro_batch):
                 te = t[rows, slot]
                 x_t = (1 - te.view(shape)) * x0[rows] + te.view(shape) * eps[rows, slot]
-                timesteps = (te * policy.timestep_scale).to(batch.timesteps.dtype)
                 cond = batch.cond[rows]
-                v = policy.velocity(x_t, timesteps, cond).to(x0.dtype)
+                v = policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
                 terms = a[rows] * weighted(matching_error(v, x0[rows], eps[rows, slot]), te, c.weighting,
                                            c.ghuber_power)
                 if batch.beta > 0 and reference is not None:
                     with torch.no_grad():
-                        v_ref = reference.velocity(x_t, timesteps, cond).to(x0.dtype)
+                        v_ref = reference.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
                     terms = terms + batch.beta * ((v - v_ref) ** 2).mean(dim=tuple(range(1, v.dim())))
                 (terms.sum() * batch.loss_scale).backward()
                 stats.loss_sum += float(terms.detach().double().sum()) * batch.loss_scale
