@@ -71,6 +71,7 @@ import torch
 from agg_bench.engine.grpo import micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import Estimator, ReplayPlan, register_method
+from baselines.final_latent import noised_draws
 
 TIME_DISTRIBUTIONS = ("schedule", "uniform")
 
@@ -167,23 +168,8 @@ class DGPOEstimator(Estimator):
 
     def draws(self, policy, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """eps (B, K, ...), t (B, K) and the model's timesteps (B, K) of every (sample, slot)."""
-        x0 = batch.latents[:, -1]
-        b, k = batch.train_steps.shape
-        gen = torch.Generator().manual_seed(self.noise_seed)
-        if self.config.shared_noise:
-            eps = torch.randn((b // self.group_size, k, *x0.shape[1:]), generator=gen, dtype=x0.dtype)
-            eps = eps.repeat_interleave(self.group_size, dim=0)
-        else:
-            eps = torch.randn((b, k, *x0.shape[1:]), generator=gen, dtype=x0.dtype)
-        eps = eps.to(x0.device)
-        if self.config.time_distribution == "schedule":
-            steps = batch.train_steps
-            t = batch.sigmas[steps.to(batch.sigmas.device)].to(x0.device, x0.dtype)
-            timesteps = batch.timesteps[steps.to(batch.timesteps.device)]
-        else:
-            t = torch.rand((b, k), generator=gen, dtype=torch.float64).to(x0.device, x0.dtype)
-            timesteps = (t * policy.timestep_scale).to(batch.timesteps.dtype)  # as timestep_values scales sigma
-        return eps, t, timesteps
+        return noised_draws(policy, batch, self.noise_seed, self.config.time_distribution,
+                            self.group_size if self.config.shared_noise else None)
 
     def accumulate(self, policy, batch, stats, reference=None):
         c = self.config

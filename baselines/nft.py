@@ -60,6 +60,7 @@ import torch
 from agg_bench.engine.grpo import group_advantages, micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import Estimator, ReplayPlan, register_method
+from baselines.final_latent import noised_draws
 
 TIME_DISTRIBUTIONS = ("schedule", "uniform")
 ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
@@ -185,18 +186,7 @@ class NFTEstimator(Estimator):
 
     def draws(self, policy, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """eps (B, K, ...), t (B, K) and the model's timesteps (B, K) of every (sample, slot)."""
-        x0 = batch.latents[:, -1]
-        b, k = batch.train_steps.shape
-        gen = torch.Generator().manual_seed(self.noise_seed)
-        eps = torch.randn((b, k, *x0.shape[1:]), generator=gen, dtype=x0.dtype).to(x0.device)
-        if self.config.time_distribution == "schedule":
-            steps = batch.train_steps.to(batch.sigmas.device)
-            t = batch.sigmas[steps].to(x0.device, x0.dtype)
-            timesteps = batch.timesteps[steps.to(batch.timesteps.device)]
-        else:
-            t = torch.rand((b, k), generator=gen, dtype=torch.float64).to(x0.device, x0.dtype)
-            timesteps = (t * policy.timestep_scale).to(batch.timesteps.dtype)  # as Policy.timestep_values
-        return eps, t, timesteps
+        return noised_draws(policy, batch, self.noise_seed, self.config.time_distribution)
 
     def accumulate(self, policy, batch, stats, reference=None):
         c = self.config

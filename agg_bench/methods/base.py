@@ -40,7 +40,7 @@ BATCH_OPTIONS = ("micro_batch", "nograd_batch")
 METHOD_MODULES = {"full": "baselines.full", "fraction": "baselines.subsample", "window": "baselines.subsample",
                   "agg": "agg_bench.methods.agg", "cached": "baselines.cached", "guess": "baselines.guess",
                   "branch": "baselines.branch", "mixgrpo_flash": "baselines.mixgrpo_flash",
-                  "nft": "baselines.nft", "dgpo": "baselines.dgpo"}
+                  "nft": "baselines.nft", "dgpo": "baselines.dgpo", "awm": "baselines.awm"}
 METHODS = Registry("method.name", modules=METHOD_MODULES)
 
 

@@ -1,0 +1,197 @@
+"""Advantage-Weighted Matching (Xue et al., arXiv 2509.25050; public code github.com/scxue/advantage_weighted_matching,
+``advantage_weighted_matching/scripts/train_sd3_awm.py`` and ``config/dgx_awm.py``).
+
+AWM keeps diffusion RL on the pre-training objective: no per-step likelihood, only each sample's FINAL latent x0
+and its reward. The rollout is deterministic (the code's ``sample.sde_frac = 0.0``: no SDE step; here the
+engine's Euler ODE on the run's ``sampling.steps`` grid; the code samples 14 steps, ``sample.num_steps``).
+
+The loss (the paper's AWM objective, §3: the flow-matching loss of each sample weighted by its advantage).
+x0 is noised at K times ``t`` with fresh noise ``eps``: ``x_t = (1 - t) x0 + t eps``, target ``eps - x0``
+(``compute_log_prob_awm``). With the current policy's velocity ``v_theta(x_t, t)`` (with grad),
+
+    e_ik = mean over elements (v_theta(x_t, t) - (eps - x0))^2,
+    L = 1/(B K) sum_i sum_k A_i w(e_ik, t_k)  [+ grpo.beta * 1/(B K) sum_i sum_k mean (v_theta - v_ref)^2],
+
+``A_i`` the group-standardised reward clipped to +-``grpo.adv_clip_max`` and rescaled to +-``advantage_max``
+(the code: ``clamp(A, -adv_clip_max, adv_clip_max) / adv_clip_max * advantage_max``, advantage_max = 1).
+Minimising L lowers the matching error of samples with A > 0 and raises it for A < 0 (the sign of the paper's
+equation). ``w`` (``weighting``): ``uniform`` w = e (the paper's equation), or ``ghuber`` (the code's default,
+power p = ``ghuber_power``): ``w = ((e + 1e-10)^p - 1e-10^p) t / p``.
+The code writes the loss as a PPO ratio surrogate ``-A exp(log_p - log_p_old)`` with ``log_p = -w``: on the
+policy that sampled the rollout the ratio is 1 and its gradient is exactly dL/dtheta above. Only that case
+is built here, so ``train.inner_epochs`` must be 1 (refused otherwise). The rollout being deterministic, the
+G samples of a prompt need their own initial noise (the code draws one per image):
+``sampling.same_noise_per_group`` must be false.
+The KL option is the code's ``train.beta`` (``kl_weight = 'Uniform'``): velocity matching to the base model,
+here the session's reference policy (a frozen copy, or the LoRA base) when ``grpo.beta > 0``; one no-grad
+forward per (sample, time), counted. The code's second term to an EMA adapter (``ema_beta``) is not built.
+
+The K times per sample (``time_distribution``, one t per slot shared by the batch's samples, as in the code):
+- ``discrete`` (the code's default ``time_type = 'discrete_wo_init'``): schedule indices stratified over
+  [1, int(steps * 0.9)] (``timestep_fraction = 0.9``) in K strata, one uniform index per stratum,
+  t = the rollout's sigma at it;
+- ``logit_normal`` (the code's ``logit_normal``): K stratified quantiles of N(0, 1), shuffled, t = sigmoid(u)
+  shifted by ``sampling.shift`` (``time_shift = 3``), at least 0.01;
+- ``uniform``: t ~ U(0, 1) per (sample, slot).
+The times and the seed of the noise generator are drawn in :meth:`AWMEstimator.plan` from the iteration's
+generator: deterministic given the run's seed. Passes: B*K forward_grad and B*K backward (plus B*K
+forward_nograd with ``grpo.beta > 0``).
+
+Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from agg_bench.engine.grpo import group_advantages, micro_batches
+from agg_bench.errors import ConfigError
+from agg_bench.methods.base import Estimator, ReplayPlan, register_method
+from baselines.final_latent import noised_draws
+
+TIME_DISTRIBUTIONS = ("discrete", "logit_normal", "uniform")
+WEIGHTINGS = ("uniform", "ghuber")
+GHUBER_EPS = 1e-10  # the code's offset inside the generalised Huber power
+DISCRETE_FRACTION = 0.9  # the code's train.timestep_fraction for discrete_wo_init
+MIN_TIME = 0.01  # the code's clamp(min=0.01) on logit-normal times
+
+
+@dataclass
+class AWMConfig:
+    """AWM's options (defaults from github.com/scxue/advantage_weighted_matching ``config/dgx_awm.py``).
+
+    ``times_per_sample`` (6; ``train.train_timesteps = 6``): K >= 1 noised copies of each final latent.
+    ``time_distribution`` ("discrete", the code's ``discrete_wo_init``), ``logit_normal`` or ``uniform``
+      (module docstring).
+    ``weighting`` ("uniform", the paper's equation) or ``ghuber`` (the code's ``train.weighting``).
+    ``ghuber_power`` (0.25; ``train.ghuber_power``): p in (0, 1] of the ``ghuber`` weighting.
+    ``advantage_max`` (1.0; ``train.advantage_max``): clipped advantages are rescaled to +-this; > 0.
+    ``micro_batch``: samples per forward-with-grad (None: the whole batch).
+    The KL coefficient is the run's ``grpo.beta`` (the code's ``train.beta``, 0.001 for PickScore).
+    """
+
+    times_per_sample: int = 6
+    time_distribution: Literal["discrete", "logit_normal", "uniform"] = "discrete"
+    weighting: Literal["uniform", "ghuber"] = "uniform"
+    ghuber_power: float = 0.25
+    advantage_max: float = 1.0
+    micro_batch: int | None = None
+
+    def validate(self) -> None:
+        if self.times_per_sample < 1:
+            raise ConfigError("method.times_per_sample", self.times_per_sample, "an integer >= 1")
+        if self.time_distribution not in TIME_DISTRIBUTIONS:
+            raise ConfigError("method.time_distribution", self.time_distribution, f"one of {list(TIME_DISTRIBUTIONS)}")
+        if self.weighting not in WEIGHTINGS:
+            raise ConfigError("method.weighting", self.weighting, f"one of {list(WEIGHTINGS)}")
+        if not 0 < self.ghuber_power <= 1:
+            raise ConfigError("method.ghuber_power", self.ghuber_power, "a number in (0, 1]")
+        if not self.advantage_max > 0:
+            raise ConfigError("method.advantage_max", self.advantage_max, "a number > 0")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ConfigError("method.micro_batch", self.micro_batch, "null or an integer >= 1")
+
+
+def matching_error(v: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """e (rows,): the mean squared flow-matching error of ``v`` against the target ``eps - x0``."""
+    return ((v - (eps - x0)) ** 2).mean(dim=tuple(range(1, v.dim())))
+
+
+def weighted(error: torch.Tensor, t: torch.Tensor, weighting: str, power: float) -> torch.Tensor:
+    """w(e, t) of the module docstring."""
+    if weighting == "uniform":
+        return error
+    floor = torch.tensor(GHUBER_EPS, dtype=error.dtype, device=error.device) ** power
+    return ((error + GHUBER_EPS) ** power - floor) * t / power
+
+
+def draw_times(kind: str, k: int, batch_size: int, sigmas: torch.Tensor, shift: float,
+               generator: torch.Generator) -> torch.Tensor:
+    """t (B, K) float64 of the K slots (module docstring)."""
+    if kind == "uniform":
+        return torch.rand((batch_size, k), generator=generator, dtype=torch.float64)
+    if kind == "discrete":
+        steps = sigmas.numel() - 1
+        bounds = torch.linspace(1, max(1, int(steps * DISCRETE_FRACTION)), k + 1, dtype=torch.float64).long()
+        u = torch.rand(k, generator=generator, dtype=torch.float64)
+        index = bounds[:-1] + (u * (bounds[1:] - bounds[:-1])).long()
+        t = sigmas.detach().cpu().double()[index]
+    else:
+        base = (torch.arange(k, dtype=torch.float64) + torch.rand(k, generator=generator, dtype=torch.float64)) / k
+        u = torch.distributions.Normal(0.0, 1.0).icdf(base.clamp(1e-7, 1 - 1e-7))
+        t = torch.sigmoid(u[torch.randperm(k, generator=generator)])
+        t = (shift * t / (1 + (shift - 1) * t)).clamp(min=MIN_TIME)
+    return t.expand(batch_size, k).clone()
+
+
+@register_method
+class AWMEstimator(Estimator):
+    """Advantage-weighted flow-matching loss on each final latent at K noised times."""
+
+    name = "awm"
+    config_cls = AWMConfig
+
+    def __init__(self, config: AWMConfig | None = None):
+        super().__init__(config)
+        self.noise_seed = 0
+        self.times = torch.zeros(0, 0, dtype=torch.float64)
+        self.shift = 1.0
+
+    def check_run(self, cfg) -> None:
+        self.shift = cfg.sampling.shift
+        if cfg.sampling.same_noise_per_group:
+            raise ConfigError("sampling.same_noise_per_group", True,
+                              "false with method.name=awm (an ODE rollout from one noise gives the group "
+                              "identical samples and every advantage 0)")
+        if cfg.train.inner_epochs != 1:
+            raise ConfigError("train.inner_epochs", cfg.train.inner_epochs,
+                              "1 with method.name=awm (the on-policy ratio-1 gradient of the code's surrogate)")
+
+    def replay_plan(self, cfg, stochastic, batch_size, generator):
+        return ReplayPlan("not_applicable", note="AWM trains an advantage-weighted flow-matching loss on final "
+                                                 "latents: there is no per-step GRPO gradient to compare")
+
+    def sde_mask(self, iteration, steps, generator):
+        return torch.zeros(steps, dtype=torch.bool)
+
+    def advantages(self, rewards, trajectory, grpo):
+        """A (B,): group-standardised, clipped to +-adv_clip_max, rescaled to +-advantage_max."""
+        a = group_advantages(rewards, grpo.group_size, grpo.adv_clip_max, grpo.adv_std, torch.float64)
+        return (a / grpo.adv_clip_max * self.config.advantage_max).to(trajectory.latents.dtype)
+
+    def plan(self, train, trajectory, batch_size, generator):
+        """(B, K) slots 0..K-1; the times and then the seed of the noise generator are drawn here."""
+        k = self.config.times_per_sample
+        self.times = draw_times(self.config.time_distribution, k, batch_size, trajectory.sigmas, self.shift,
+                                generator)
+        self.noise_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        return torch.arange(k).expand(batch_size, k).clone()
+
+    def draws(self, policy, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """eps (B, K, ...), t (B, K) and the model's timesteps (B, K) of every (sample, slot)."""
+        return noised_draws(policy, batch, self.noise_seed, self.times)
+
+    def accumulate(self, policy, batch, stats, reference=None):
+        c = self.config
+        x0 = batch.latents[:, -1]
+        b, k = batch.train_steps.shape
+        eps, t, timesteps = self.draws(policy, batch)
+        a = batch.advantages.to(x0.dtype)
+        shape = (-1, *([1] * (x0.dim() - 1)))
+        for slot in range(k):
+            for rows in micro_batches(b, c.micro_batch):
+                te = t[rows, slot]
+                x_t = (1 - te.view(shape)) * x0[rows] + te.view(shape) * eps[rows, slot]
+                cond = batch.cond[rows]
+                v = policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                terms = a[rows] * weighted(matching_error(v, x0[rows], eps[rows, slot]), te, c.weighting,
+                                           c.ghuber_power)
+                if batch.beta > 0 and reference is not None:
+                    with torch.no_grad():
+                        v_ref = reference.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                    terms = terms + batch.beta * ((v - v_ref) ** 2).mean(dim=tuple(range(1, v.dim())))
+                (terms.sum() * batch.loss_scale).backward()
+                stats.loss_sum += float(terms.detach().double().sum()) * batch.loss_scale
+                stats.count += int(rows.numel())

@@ -1,0 +1,37 @@
+"""What the likelihood-free methods (``nft``, ``awm``, ``dgpo``) share: each trains on a rollout's final latent
+x0 noised at K times, ``x_t = (1 - t) x0 + t eps``, with fresh noise from a generator seeded in the method's
+``plan`` (so the draws are deterministic given the run's seed and the same in every inner epoch).
+
+:func:`noised_draws` draws, in this order from one generator seeded by ``seed``: the noise ``eps`` (B, K, ...)
+(one per group and slot, repeated over the group's rows, when ``group_size`` is given), then, for
+``times="uniform"``, t ~ U(0, 1) per (sample, slot). ``times="schedule"`` takes t at the schedule steps the
+plan put in ``batch.train_steps`` (the model given those steps' timesteps); a tensor of times (B, K) is used
+as it is. The model's timestep of a time that is not a schedule step is ``t * policy.timestep_scale``, as
+:meth:`agg_bench.engine.models.Policy.timestep_values` scales a sigma.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def noised_draws(policy, batch, seed: int, times: str | torch.Tensor,
+                 group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """eps (B, K, ...), t (B, K) and the model's timesteps (B, K) of every (sample, slot), in the latents'
+    dtype and device (module docstring)."""
+    x0 = batch.latents[:, -1]
+    b, k = batch.train_steps.shape
+    gen = torch.Generator().manual_seed(seed)
+    if group_size is None:
+        eps = torch.randn((b, k, *x0.shape[1:]), generator=gen, dtype=x0.dtype)
+    else:
+        eps = torch.randn((b // group_size, k, *x0.shape[1:]), generator=gen, dtype=x0.dtype)
+        eps = eps.repeat_interleave(group_size, dim=0)
+    eps = eps.to(x0.device)
+    if isinstance(times, str) and times == "schedule":
+        steps = batch.train_steps
+        t = batch.sigmas[steps.to(batch.sigmas.device)].to(x0.device, x0.dtype)
+        return eps, t, batch.timesteps[steps.to(batch.timesteps.device)]
+    if isinstance(times, str):  # "uniform"
+        times = torch.rand((b, k), generator=gen, dtype=torch.float64)
+    t = times.to(x0.device, x0.dtype)
+    return eps, t, (t * policy.timestep_scale).to(batch.timesteps.dtype)

@@ -1,0 +1,171 @@
+"""Advantage-Weighted Matching: the update against a float64 reference written from the paper's equation,
+pass counts, the time distributions, bad options, replay scope, a CLI run and the preset."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from agg_bench.cli import main
+from agg_bench.config import load_config
+from agg_bench.engine.grpo import UpdateStats
+from agg_bench.errors import ConfigError
+from agg_bench.io import read_jsonl
+from agg_bench.methods.base import build_estimator, build_method
+from agg_bench.runtime.train import Session
+from baselines.awm import draw_times
+from helpers import move_off_policy, relative_error, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = ROOT / "config/presets/awm.yaml"
+STEPS = 6  # sampling.steps in helpers.TINY
+K = 3
+AWM = ["method.name=awm", "sampling.same_noise_per_group=false"]  # an ODE group needs its own noises
+
+
+def reference_gradient(session, batch, weighting="uniform", power=0.25):
+    """dL/dtheta of the paper's loss, one graph over every (sample, time), float64, from the rewards:
+    L = 1/(BK) sum_ik A_i w(||v_theta(x_t, t) - (eps - x0)||^2 mean, t) + beta mean ||v_theta - v_ref||^2."""
+    est, policy = session.estimator, session.policy
+    cfg = session.cfg
+    r = session.last_rewards.view(-1, cfg.grpo.group_size)
+    a = ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-8)).view(-1)
+    a = a.clamp(-cfg.grpo.adv_clip_max, cfg.grpo.adv_clip_max) / cfg.grpo.adv_clip_max * est.config.advantage_max
+    x0 = batch.latents[:, -1]
+    b = x0.shape[0]
+    eps = torch.randn((b, K, *x0.shape[1:]), generator=torch.Generator().manual_seed(est.noise_seed),
+                      dtype=torch.float64)
+    for p in policy.parameters():
+        p.grad = None
+    total = 0
+    for i in range(b):
+        for k in range(K):
+            t = est.times[i, k]
+            x_t = (1 - t) * x0[i:i + 1] + t * eps[i:i + 1, k]
+            ts = (t * 1000).view(1)
+            v = policy.velocity(x_t, ts, batch.cond[[i]])
+            e = ((v - (eps[i:i + 1, k] - x0[i:i + 1])) ** 2).mean()
+            if weighting == "ghuber":
+                e = ((e + 1e-10) ** power - 1e-10 ** power) * t / power
+            term = a[i] * e
+            if cfg.grpo.beta > 0:
+                with torch.no_grad():
+                    v_ref = session.reference.velocity(x_t, ts, batch.cond[[i]])
+                term = term + cfg.grpo.beta * ((v - v_ref) ** 2).mean()
+            total = total + term
+    (total / (b * K)).backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    for p in policy.parameters():
+        p.grad = None
+    return grads
+
+
+@pytest.mark.parametrize("options", [["method.time_distribution=uniform"],
+                                     ["method.time_distribution=discrete", "method.weighting=ghuber"],
+                                     ["method.time_distribution=logit_normal", "grpo.beta=0.01",
+                                      "method.micro_batch=4"]])
+def test_gradient_equals_the_papers_loss_and_counts_passes(options):
+    session = Session(tiny_config(*AWM, f"method.times_per_sample={K}", *options))
+    rollout = session.collect(0)
+    batch = rollout.batch
+    session.last_rewards = rollout.rewards
+    assert torch.equal(batch.train_steps, torch.arange(K).expand(batch.batch_size, K))
+    move_off_policy(session.policy)
+    c = session.estimator.config
+    reference = reference_gradient(session, batch, c.weighting, c.ghuber_power)
+    session.policy.counter.reset()
+    session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range), session.reference)
+    grads = {n: p.grad for n, p in session.policy.named_parameters()}
+    assert relative_error(grads, reference) <= 1e-10
+    b = batch.batch_size
+    nograd = b * K if session.cfg.grpo.beta > 0 else 0
+    assert session.policy.counter.as_dict() == {"forward_nograd": nograd, "forward_grad": b * K, "backward": b * K}
+
+
+def test_rollout_is_ode_and_update_counts():
+    session = Session(tiny_config(*AWM, f"method.times_per_sample={K}"))
+    before = session.policy.counter.copy()
+    batch = session.collect(0).batch
+    b = batch.batch_size
+    assert (session.policy.counter - before).as_dict() == {"forward_nograd": b * STEPS, "forward_grad": 0,
+                                                           "backward": 0}
+    before = session.policy.counter.copy()
+    session.update(batch)
+    assert (session.policy.counter - before).as_dict() == {"forward_nograd": 0, "forward_grad": b * K,
+                                                           "backward": b * K}
+
+
+def test_times_follow_the_distributions():
+    sigmas = torch.linspace(1, 0, 15, dtype=torch.float64)
+    t = draw_times("discrete", 6, 4, sigmas, 3.0, torch.Generator().manual_seed(0))
+    index = [int((sigmas - s).abs().argmin()) for s in t[0]]
+    bounds = torch.linspace(1, 12, 7).long()  # int(14 * 0.9) = 12, 6 strata
+    assert all(int(lo) <= j <= max(int(lo), int(hi) - 1) for j, lo, hi in zip(index, bounds[:-1], bounds[1:]))
+    assert torch.equal(t, t[:1].expand(4, 6))  # one time per slot, shared by the samples
+    t = draw_times("logit_normal", 6, 2, sigmas, 3.0, torch.Generator().manual_seed(0))
+    assert bool(((t >= 0.01) & (t < 1)).all()) and torch.equal(t[0], t[1])
+    t = draw_times("uniform", 6, 2, sigmas, 3.0, torch.Generator().manual_seed(0))
+    assert not torch.equal(t[0], t[1])
+
+
+@pytest.mark.parametrize("key,value", [("times_per_sample", 0), ("time_distribution", "lognorm"),
+                                       ("weighting", "huber"), ("ghuber_power", 0.0), ("advantage_max", 0.0)])
+def test_bad_options_are_refused(key, value, tmp_path, capsys):
+    with pytest.raises(ConfigError, match=f"method.{key}"):
+        build_method("awm", {key: value})
+    out = tmp_path / "run"
+    assert main(["run", "--config", str(PRESET), "--set", f"method.{key}={value}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"method.{key}" in err[0] and not out.exists()
+
+
+@pytest.mark.parametrize("key,value", [("train.inner_epochs", 2), ("sampling.same_noise_per_group", "true")])
+def test_run_settings_it_cannot_honour_are_refused(key, value, tmp_path, capsys):
+    cfg = tiny_config(*AWM, f"{key}={value}")
+    with pytest.raises(ConfigError, match=key):
+        build_estimator(cfg).check_run(cfg)
+    out = tmp_path / "run"
+    assert main(["run", "--config", str(PRESET), "--set", f"{key}={value}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0] and not out.exists()
+
+
+def test_replay_is_not_applicable():
+    cfg = tiny_config(*AWM)
+    plan = build_estimator(cfg).replay_plan(cfg, torch.zeros(STEPS, dtype=torch.bool), 6, torch.Generator())
+    assert plan.scope == "not_applicable" and "no per-step GRPO gradient" in plan.note
+
+
+def test_replay_refuses_and_gradcheck_lists_without_numbers(tmp_path, capsys):
+    import csv
+    settings = [arg for item in ["model.resolution=32", "sampling.steps=4", "grpo.group_size=4",
+                                 "grpo.prompts_per_iteration=1", "progress=false",
+                                 "sampling.same_noise_per_group=false", "telemetry.enabled=false"]
+                for arg in ("--set", item)]
+    snap = tmp_path / "snap"
+    assert main(["snapshot", *settings, "--out", str(snap)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(snap), "--method", "awm", "--out", str(tmp_path / "g.safetensors")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    out = tmp_path / "table.csv"
+    assert main(["gradcheck", "--snapshot", str(snap), "--windows", "2", "--alphas", "index", "--route-fracs", "1",
+                 "--methods", "awm", "--out", str(out)]) == 0
+    with open(out, newline="") as fh:
+        row = list(csv.DictReader(fh))[-1]
+    assert (row["method"], row["replay"], row["relative_error"]) == ("awm", "not_applicable", "")
+
+
+def test_preset_scales_the_public_setting_and_loads_with_random_weights():
+    cfg = load_config(PRESET)
+    options = cfg.method.options
+    assert (cfg.sampling.steps, cfg.sampling.shift, cfg.grpo.beta, cfg.grpo.adv_clip_max) == (14, 3.0, 0.001, 5.0)
+    assert (options.times_per_sample, options.time_distribution, options.advantage_max) == (6, "discrete", 1.0)
+    assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
+
+
+@pytest.mark.parametrize("extra", [[], ["--set", "model.preset=random"]])
+def test_preset_runs_through_the_cli(tmp_path, extra):
+    out = tmp_path / "run"
+    assert main(["run", "--config", str(PRESET), "--set", "train.iterations=1", "--set", "progress=false",
+                 "--set", "model.resolution=32", *extra, "--out", str(out)]) == 0
+    records = list(read_jsonl(out / "metrics.jsonl"))
+    assert len(records) == 1 and records[0]["method"] == "awm"
