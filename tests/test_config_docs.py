@@ -31,7 +31,7 @@ WRITTEN_DEFAULTS = {
               "shard": "none", "cpu_offload": False},
     "method": {"name": "full"},
     "reward": {"name": "jpeg_compressibility", "options": {}},
-    "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first"},
+    "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first", "tensorboard": False},
 }
 
 

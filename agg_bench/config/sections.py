@@ -229,6 +229,10 @@ class TelemetryConfig(Section):
     saved_activations: Literal["every", "first", "never"] = option(
         "first", "iterations whose saved-activation peak is counted: `every`, `first` (the run's first "
         "iteration; a resumed run records what an uninterrupted one does), `never`; the others record null")
+    tensorboard: bool = option(
+        False, "also write each record's numbers as TensorBoard scalars in `DIR/tensorboard/` (step: the "
+        "iteration), flushed per record, so that `tensorboard --logdir results/runs` shows runs as they train; "
+        "needs the `profile` extra (`pip install 'agg-bench[profile]'`), else the run is refused")
 
 
 @dataclass

@@ -36,9 +36,9 @@ from ..io import atomic_file
 CHECKPOINT_NAME = "checkpoint.pt"
 SHARDS_PREFIX = "checkpoint_shards_"
 FORMAT = 1
-# Config keys that change neither what a run computes nor what it records: a finished run rerun with other
-# values of these is the same run (a rerun replaces it without --overwrite).
-SAME_RUN_CHANGES = ("progress", "train.checkpoint_every")
+# Config keys that change neither what a run computes nor what it records in metrics.jsonl: a finished run
+# rerun with other values of these is the same run (a rerun replaces it without --overwrite).
+SAME_RUN_CHANGES = ("progress", "train.checkpoint_every", "telemetry.tensorboard")
 # Config keys that may differ between a run and its resumption: those above, and keys that change what is
 # measured or how far the run goes but not the iterations' numbers (the device may: a run can move to another
 # machine; numbers then follow that device's arithmetic). A finished run rerun with other values of these

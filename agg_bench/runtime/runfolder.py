@@ -10,6 +10,8 @@ A run folder holds these files and nothing else (:data:`RUN_CONTENTS`):
   every line flushed and fsynced as it is appended;
 - ``checkpoint.pt``, and with ``train.shard: fsdp`` its ``checkpoint_shards_<iteration>/`` folder
   (:mod:`agg_bench.runtime.checkpoint`);
+- ``tensorboard/``, with ``telemetry.tensorboard: true``: the records' numbers as TensorBoard scalars
+  (:mod:`agg_bench.runtime.curves`);
 - ``summary.json``: written last, so that it exists only once an attempt has ended. Its ``status`` is
   ``ok``; ``oom`` (out of memory while building the model or in an iteration, on any process: the run
   ends and returns, so a sweep goes on); ``diverged`` (a non-finite reward, loss or gradient: that update
@@ -26,7 +28,8 @@ killed run leaves whole files. The rules, in the order a run meets them:
    config with the checkpoint's instead. The claim locks the folder against a second writer for the
    whole run and removes the folder it made if the run fails before writing into it.
 2. **Starting** (:func:`start_files`, :func:`write_plan`). An earlier attempt's summary, a killed
-   process's temporaries and, unless resuming, its checkpoint go; then ``config.json``, ``env.json``,
+   process's temporaries and, unless resuming, its checkpoint go, and its ``tensorboard/`` folder unless
+   this attempt continues it; then ``config.json``, ``env.json``,
    ``metrics.jsonl`` (holding the records a resumed run keeps) and ``plan.json`` are written, in that order.
 3. **Ending** (:func:`run_summary`, :func:`write_summary`). The summary repeats the run's identity
    fields and says how the attempt ended, how far it got and which checkpoint it left.
@@ -34,6 +37,7 @@ killed run leaves whole files. The rules, in the order a run meets them:
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from ..config import DEFAULTS
@@ -43,9 +47,10 @@ from ..machine.envinfo import environment
 from ..outdir import Claim, Contents, check_folder
 from .checkpoint import (CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference,
                          remove_shard_folders)
+from .curves import FOLDER as CURVES_FOLDER
 
 RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics.jsonl", "summary.json", "plan.json",
-                                             CHECKPOINT_NAME), (f"{SHARDS_PREFIX}*",))
+                                             CHECKPOINT_NAME, CURVES_FOLDER), (f"{SHARDS_PREFIX}*",))
 
 
 def _run_config(folder: Path) -> dict | None:
@@ -85,25 +90,28 @@ def claim(out: Path, config: dict, resume: bool, overwrite: bool) -> Claim:
                  check=lambda: check_out_dir(out, config, resume, overwrite)).acquire()
 
 
-def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool) -> None:
+def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool, keep_curves: bool) -> None:
     """Before a run writes into DIR: remove the summary of an earlier attempt (it is written last, so
-    its presence must mean this attempt finished), temporaries a killed process left, and unless
-    resuming, the earlier checkpoint."""
+    its presence must mean this attempt finished), temporaries a killed process left, unless resuming,
+    the earlier checkpoint, and unless this attempt appends to them, the earlier TensorBoard curves."""
     out = Path(out_dir)
     doomed = [out / "summary.json"]
     if not keep_checkpoint:
         doomed.append(checkpoint_path(out))
         remove_shard_folders(out)
+    curves = out / CURVES_FOLDER
+    if not keep_curves and curves.is_dir() and not curves.is_symlink():
+        shutil.rmtree(curves)
     # only the harness's own temporary names (io.atomic_path), never a user's look-alike
     doomed += [p for p in out.iterdir() if p.is_file() and is_temp_name(p.name)]
     for p in doomed:
         p.unlink(missing_ok=True)
 
 
-def start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool) -> None:
+def start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool, keep_curves: bool) -> None:
     """What a run writes before its first iteration: an earlier attempt's stale files removed, then
     ``config.json``, ``env.json`` and ``metrics.jsonl`` holding ``lines`` (records as JSON lines)."""
-    remove_stale_files(out, keep_checkpoint=keep_checkpoint)
+    remove_stale_files(out, keep_checkpoint=keep_checkpoint, keep_curves=keep_curves)
     write_json(out / "config.json", config)
     write_json(out / "env.json", environment())
     write_lines(out / "metrics.jsonl", lines)

@@ -24,7 +24,7 @@ from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
 from ..results.records import RECORD_KEYS, TIMING_KEYS, new_record
-from . import runfolder
+from . import curves, runfolder
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from .memplan import run_memory_plan
 from .session import Session, check_plan, identity, iteration_generator, model_label, run_iteration, weights_label
@@ -116,6 +116,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
         shard.check_run(cfg)
         fsdp.check_run(cfg)
+        curves.check_run(cfg)
         # rank 0 checks, locks and (if new) makes the folder; a folder it made and left empty goes if the run fails
         claim = distributed.on_main(runfolder.claim, out, cfg.to_dict(), resume, overwrite)
         with claim or contextlib.nullcontext():
@@ -133,10 +134,11 @@ class Training:
 
     Its life cycle: constructing it checks the step plan, restores the checkpoint (with ``resume``) and
     writes nothing; :meth:`begin` starts the folder's files and opens what the iterations use (telemetry,
-    the record writer, the progress bar, a hook on the optimizer); :meth:`iterate` trains one iteration,
-    appends its record and writes the checkpoint it is due; :meth:`finish` closes what ``begin`` opened
-    and writes the summary. :meth:`run` calls them in that order, with SIGTERM and SIGINT turned into
-    :class:`Interrupted` between records, and maps how the loop ended to the summary's status.
+    the record writer, with ``telemetry.tensorboard`` the live curves, the progress bar, a hook on the
+    optimizer); :meth:`iterate` trains one iteration, appends its record and writes the checkpoint it is
+    due; :meth:`finish` closes what ``begin`` opened and writes the summary. :meth:`run` calls them in that
+    order, with SIGTERM and SIGINT turned into :class:`Interrupted` between records, and maps how the loop
+    ended to the summary's status.
     """
 
     def __init__(self, cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, session: Session):
@@ -163,6 +165,7 @@ class Training:
         self.log_lines = shard.is_main and not sys.stderr.isatty()
         self.telemetry: tel.Telemetry | None = None
         self.writer: JsonlWriter | None = None
+        self.live_curves: curves.LiveCurves | None = None
         self.bar: tqdm | None = None
         self._step_hook = None
 
@@ -209,11 +212,15 @@ class Training:
                         total=cfg.train.iterations, unit="it",
                         disable=not cfg.progress or not self.shard.is_main or self.log_lines)
         self.writer = runfolder.metrics_writer(self.out) if self.shard.is_main else None
+        if self.shard.is_main and cfg.telemetry.tensorboard:
+            self.live_curves = curves.LiveCurves(self.out, self.start, skip=self.identity)
 
     def _start_files(self) -> None:
         if self.resume and self.restored is None:
             print(f"agg-bench run: no checkpoint in {self.out}; starting at iteration 0", file=sys.stderr)
-        runfolder.start_files(self.out, self.config, self.lines, keep_checkpoint=self.restored is not None)
+        resumed = self.restored is not None
+        runfolder.start_files(self.out, self.config, self.lines, keep_checkpoint=resumed,
+                              keep_curves=resumed and self.cfg.telemetry.tensorboard)
         runfolder.write_plan(self.out, self.memory_plan)
 
     def _stepping(self, *args) -> None:
@@ -256,9 +263,12 @@ class Training:
         return None
 
     def _write(self, record: dict) -> None:
-        """Append ``record`` to ``metrics.jsonl`` (rank 0) and keep its line for the checkpoints."""
+        """Append ``record`` to ``metrics.jsonl`` (rank 0), keep its line for the checkpoints and add its
+        numbers to the live curves."""
         if self.writer is not None:
             self.lines.append(self.writer.write(record))
+        if self.live_curves is not None:
+            self.live_curves.write(record)
 
     def _checkpoint(self, iteration: int) -> None:
         if self.shard.is_main or fsdp.is_sharded(self.session.policy):  # every process writes its shards
@@ -299,6 +309,8 @@ class Training:
         self.session.estimator.close()
         if self.writer is not None:
             self.writer.close()
+        if self.live_curves is not None:
+            self.live_curves.close()
 
 
 def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard,
@@ -317,7 +329,11 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
     if shard.is_main:
         if not (resume and checkpoint_path(out).exists()):
             record = new_record(base, {"iteration": 0, "rss_peak_bytes": tel.rss_peak_bytes()}, memory, status="oom")
-            runfolder.start_files(out, cfg.to_dict(), [JsonlWriter.line(record)], keep_checkpoint=False)
+            runfolder.start_files(out, cfg.to_dict(), [JsonlWriter.line(record)], keep_checkpoint=False,
+                                  keep_curves=False)
+            if cfg.telemetry.tensorboard:
+                with curves.LiveCurves(out, 0, skip=base) as live:
+                    live.write(record)
         runfolder.write_summary(out, summary)
     print(f"agg-bench run: {error}", file=sys.stderr)
     return summary
