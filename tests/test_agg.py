@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from agg_bench.config import load_config
-from agg_bench.engine.grpo import TrainBatch, UpdateStats
+from agg_bench.engine.grpo import TrainBatch, UpdateStats, micro_batches
 from agg_bench.engine.models import Conditioning, Policy
 from agg_bench.engine.sde import flow_sigmas, sde_step
 from agg_bench.errors import ConfigError
@@ -284,6 +284,43 @@ def test_routing_sends_the_most_linear_groups_through_agg(route_score):
     assert metrics["agg_groups_routed"] == k and metrics["agg_groups"] == scores.numel()
     assert metrics["agg_route_scores"] == pytest.approx(scores[routed].tolist())
     assert metrics["agg_route_score_mean"] == pytest.approx(float(scores[routed].mean()))
+
+
+@pytest.mark.parametrize("route_score", ["velocity_cosine", "state_cosine"])
+def test_routing_counts_the_calls_it_makes(route_score):
+    """Routing trains the groups it leaves exact one step at a time on the rows left in each group: calls of
+    fewer latents than the batch, which the cost model prices per call. The counter's calls and latents are
+    those the transformer saw (observed around it), and they follow from the routed mask."""
+    session = Session(tiny_config())
+    batch = session.collect(0).batch
+    policy, (b, n) = session.policy, batch.train_steps.shape
+    seen = {"forward_nograd": [], "forward_grad": [], "backward": []}
+    forward = policy._forward
+
+    def observed(latents, timesteps, cond):
+        out = forward(latents, timesteps, cond)
+        if out.requires_grad:
+            seen["forward_grad"].append(len(latents))
+            out.register_hook(lambda grad: seen["backward"].append(len(grad)))
+        else:
+            seen["forward_nograd"].append(len(latents))
+        return out
+
+    policy._forward = observed
+    estimator = agg(window=3, route_frac=0.5, route_score=route_score)
+    before = policy.counter.copy()
+    gradient(estimator, policy, batch)
+    work = policy.counter - before
+    assert work.calls() == {kind: len(sizes) for kind, sizes in seen.items()}
+    assert work.as_dict() == {kind: sum(sizes) for kind, sizes in seen.items()}
+    routed = estimator.last_routed
+    k, left = int(routed.sum()), (~routed).sum(dim=0).tolist()  # rows each group leaves exact
+    assert k == round(0.5 * routed.numel()) and any(0 < m < b for m in left)  # some exact calls are small
+    # the endpoint backwards in calls of the batch's size, then each group's steps on its rows left exact
+    calls = [len(idx) for idx in micro_batches(2 * k, b)] + [m for m in left if m for _ in range(3)]
+    assert seen["forward_grad"] == seen["backward"] == calls
+    # velocity_cosine scores every group from one no-grad call; state_cosine recomputes the routed ones'
+    assert seen["forward_nograd"] == [b * n if route_score == "velocity_cosine" else 3 * k]
 
 
 @pytest.mark.parametrize("option, value", [("window", 0), ("route_frac", 1.5), ("route_frac", -0.1),

@@ -29,6 +29,18 @@ def test_calibrate_writes_a_unit_cost_per_pass_and_basis(tmp_path, capsys):
         for basis in ("cpu", "wall"):
             p25, median, p75 = (by_basis[basis][k] for k in ("p25", "median", "p75"))
             assert math.isfinite(median) and median > 0 and p25 <= median <= p75, (kind, basis)
+    # each pass also at one latent: a call of n latents costs call + latent * n, exactly the per-sample
+    # unit cost times n at the large size (every (sample, step) pair without grad, the batch with)
+    per_call = result["unit_s_per_call"]
+    assert {kind: per_call[kind]["latents"] for kind in per_call} == {
+        "forward_nograd": [4 * 4, 1], "forward_grad": [4, 1], "backward": [4, 1]}
+    for kind, entry in per_call.items():
+        big = entry["latents"][0]
+        for basis in ("cpu", "wall"):
+            fit = entry[basis]
+            assert fit["call"] >= 0 and fit["latent"] >= 0 and len(fit["median"]) == 2, (kind, basis)
+            assert fit["call"] + fit["latent"] * big == pytest.approx(fit["median"][0], rel=1e-12)
+            assert fit["median"][0] == pytest.approx(big * units[kind][basis]["median"], rel=1e-9)
     assert json.loads(capsys.readouterr().out)["out"] == str(out)
 
 
@@ -60,6 +72,10 @@ def test_calibrate_times_each_methods_train_phase_in_rounds_with_its_counted_pas
     assert methods["full"]["passes"] == {"forward_nograd": 0, "forward_grad": b * steps, "backward": b * steps}
     # AGG with one group of W=4: a forward with grad and a backward at both ends, W no-grad velocities
     assert methods["agg-w4"]["passes"] == {"forward_nograd": b * steps, "forward_grad": 2 * b, "backward": 2 * b}
+    # and the calls that made them: full one per step; AGG one no-grad call over every pair, its 2b endpoints
+    # in calls of the batch's size
+    assert methods["full"]["calls"] == {"forward_nograd": 0, "forward_grad": steps, "backward": steps}
+    assert methods["agg-w4"]["calls"] == {"forward_nograd": 1, "forward_grad": 2, "backward": 2}
     for label in ("full", "agg-w4"):
         timed = methods[label]
         assert timed["replay"] == "as_trained" and timed["optimizer_steps"] == 1
@@ -201,6 +217,11 @@ def test_a_method_that_owns_its_rollout_is_timed_on_a_rollout_of_its_own(tmp_pat
     # step, 3, is never guessed)
     assert methods["guess"]["passes"] == {"forward_nograd": 0, "forward_grad": b * steps, "backward": b * steps}
     assert methods["guess"]["rollout_forwards"] == (b * steps - 1) / b
+    # one call per step, whatever its latents: the tree's and the guessing rollout's as many as full's
+    for label, latents in (("full", b * steps), ("branch", 1 + 2 + 2 + 4), ("guess", b * steps - 1)):
+        assert methods[label]["rollout_passes"] == {"forward_nograd": latents, "forward_grad": 0, "backward": 0}
+        assert methods[label]["rollout_calls"] == {"forward_nograd": steps, "forward_grad": 0, "backward": 0}
+    assert methods["branch"]["calls"] == {"forward_nograd": 0, "forward_grad": steps, "backward": steps}
     for label in ("branch", "guess"):
         timed = methods[label]
         assert timed["replay"] == "not_applicable" and timed["train_rollout"] == "own"

@@ -1,5 +1,5 @@
 """Timing statistics: quartiles and the bootstrap interval against float64 loops written out here,
-the prediction from counted passes, and the efficiency table's cost-model columns."""
+the prediction from counted passes and calls, and the efficiency table's cost-model columns."""
 import json
 import math
 import statistics
@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from agg_bench.results.loading import CalibrationEntry, RunEntry, load_calibration, load_records
+from agg_bench.results.costmodel import fit_call_cost, priced_calls
 from agg_bench.results.stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
 from agg_bench.results.tables import efficiency_table, summary_table
 
@@ -75,6 +76,50 @@ def test_predicted_seconds_is_the_priced_count_and_nan_when_part_is_missing():
     assert math.isnan(predicted_seconds({**counts, "backward": None}, units))
     assert math.isnan(predicted_seconds(counts, {**units, "backward": float("nan")}))
     assert math.isnan(predicted_seconds({**counts, "other": 1}, units))
+
+
+def test_a_call_cost_splits_into_a_per_call_and_a_per_latent_part():
+    # calls of two sizes on the line 2 + 0.5 n: both parts back, whichever size comes first
+    assert fit_call_cost([4, 1], [4.0, 2.5]) == (2.0, 0.5)
+    assert fit_call_cost([1, 40], [2.5, 22.0]) == (2.0, 0.5)
+    # noise that makes 1 latent look dearer than 4: no per-latent part, every call the larger one's cost
+    assert fit_call_cost([4, 1], [3.0, 3.2]) == (3.0, 0.0)
+    # 1 latent cheaper than its share of the larger call: no per-call part, the per-sample cost
+    assert fit_call_cost([40, 1], [4.0, 0.01]) == pytest.approx((0.0, 0.1), abs=1e-15)
+    # one size tells the parts not apart: all per latent
+    assert fit_call_cost([4], [2.0]) == (0.0, 0.5)
+
+
+# The embedded default's cell (4 samples, 10 trained steps): full, and AGG (W = 5) with route_frac 0.5, which
+# scores its 8 groups from one no-grad call over the 40 (sample, step) pairs, routes 4 (2 calls of 4 endpoints)
+# and trains the 4 it leaves exact, 3 rows of one group and 1 of the other, a call per step: 5 of 3 and 5 of 1.
+PER_CALL = {"forward_nograd": 2.0, "forward_grad": 2.5, "backward": 2.25}
+PER_LATENT = {"forward_nograd": 0.1, "forward_grad": 0.2, "backward": 0.25}
+PER_STEP = 3.0
+FULL_WORK = ({"forward_nograd": 0, "forward_grad": 40, "backward": 40},
+             {"forward_nograd": 0, "forward_grad": 10, "backward": 10})
+ROUTED_WORK = ({"forward_nograd": 40, "forward_grad": 28, "backward": 28},
+               {"forward_nograd": 1, "forward_grad": 12, "backward": 12})
+FULL_S = 10 * (2.5 + 4 * 0.2) + 10 * (2.25 + 4 * 0.25) + PER_STEP
+ROUTED_S = (2.0 + 40 * 0.1) + sum(2.5 + 0.2 * n + 2.25 + 0.25 * n for n in [4] * 2 + [3] * 5 + [1] * 5) + PER_STEP
+# per sample at the sizes measured (40 latents without grad, the batch of 4 with): what the records can price
+PER_SAMPLE = {"forward_nograd": 2.0 / 40 + 0.1, "forward_grad": 2.5 / 4 + 0.2, "backward": 2.25 / 4 + 0.25,
+              "optimizer_step": PER_STEP}
+
+
+def test_priced_calls_charge_every_call_and_every_latent():
+    assert priced_calls(*FULL_WORK, 1, PER_CALL, PER_LATENT, PER_STEP) == pytest.approx(FULL_S, rel=4 * EPS)
+    assert priced_calls(*ROUTED_WORK, 1, PER_CALL, PER_LATENT, PER_STEP) == pytest.approx(ROUTED_S, rel=4 * EPS)
+    # calls of 4 latents: the same price as per sample at the batch's size
+    assert predicted_seconds({**FULL_WORK[0], "optimizer_step": 1}, PER_SAMPLE) == pytest.approx(FULL_S, rel=4 * EPS)
+    # the routed update's small calls: per sample it looks 1.25x faster than full, per call it is 0.87x
+    per_sample = predicted_seconds({**ROUTED_WORK[0], "optimizer_step": 1}, PER_SAMPLE)
+    assert FULL_S / per_sample == pytest.approx(1.249, abs=1e-3) and FULL_S / ROUTED_S == pytest.approx(0.872, abs=1e-3)
+    # part of the work uncounted or unpriced: no prediction
+    uncounted = {"forward_grad": 12, "backward": 12}
+    assert math.isnan(priced_calls(ROUTED_WORK[0], uncounted, 1, PER_CALL, PER_LATENT, PER_STEP))
+    assert math.isnan(priced_calls(*ROUTED_WORK, 1, {**PER_CALL, "backward": None}, PER_LATENT, PER_STEP))
+    assert math.isnan(priced_calls(*ROUTED_WORK, None, PER_CALL, PER_LATENT, PER_STEP))
 
 
 def _run(root, name, method, t_train_cpu, passes, iterations=6, **fields):
@@ -159,6 +204,70 @@ def test_train_speedup_comes_from_the_calibrations_paired_rounds_when_both_rows_
     # a method the calibration did not time keeps the runs' speedup
     assert table.loc["other", "train_speedup_basis"] == "runs" and table.loc["other", "train_speedup"] == 4.0
     assert math.isnan(table.loc["other", "t_train_paired_s"])
+
+
+def test_prediction_prices_the_calls_of_the_timed_updates_where_both_rows_have_them(tmp_path):
+    full = _run(tmp_path, "full", "full", [50, 4, 4.2, 3.8, 4.1, 3.9], FULL_WORK[0])
+    routed = _run(tmp_path, "agg", "agg", [50, 5, 5.2, 4.8, 5.1, 4.9], ROUTED_WORK[0])
+    other = _run(tmp_path, "other", "other", [50, 1, 1, 1, 1, 1],
+                 {"forward_nograd": 0, "forward_grad": 8, "backward": 8})
+    rounds = {"full": [FULL_S, 1.1 * FULL_S, 0.9 * FULL_S], "agg": [ROUTED_S, 0.9 * ROUTED_S, 1.1 * ROUTED_S]}
+    sizes = {"forward_nograd": [40, 1], "forward_grad": [4, 1], "backward": [4, 1]}
+    calibration = {"model": "m", "resolution": 64, "device": "cpu",
+                   "unit_s_per_sample": {k: {"cpu": {"median": v}, "wall": {"median": v}}
+                                         for k, v in PER_SAMPLE.items()},
+                   "methods": {label: {"replay": "as_trained", "cpu_s": t, "wall_s": t, "passes": work[0],
+                                       "calls": work[1], "optimizer_steps": 1}
+                               for (label, t), work in zip(rounds.items(), (FULL_WORK, ROUTED_WORK))}}
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({**calibration, "unit_s_per_call": {
+        k: {"latents": sizes[k], **{basis: {"call": PER_CALL[k], "latent": PER_LATENT[k]} for basis in ("cpu", "wall")}}
+        for k in PER_CALL}}))
+    table = efficiency_table(load_records([full, routed, other]), warmup=1,
+                             calibration=load_calibration([CalibrationEntry(cal)])).set_index("method")
+    row = table.loc["agg"]
+    assert row["predicted_t_train_s"] == pytest.approx(ROUTED_S, rel=4 * EPS)
+    assert table.loc["full", "predicted_t_train_s"] == pytest.approx(FULL_S, rel=4 * EPS)
+    assert row["predicted_train_speedup"] == pytest.approx(FULL_S / ROUTED_S, rel=8 * EPS)
+    assert row["train_speedup"] == pytest.approx(FULL_S / ROUTED_S, rel=4 * EPS) and row["prediction_check"] == "agrees"
+    # a method the calibration did not time: its runs' passes, per sample, against full's
+    assert table.loc["other", "predicted_train_speedup"] == pytest.approx(
+        FULL_S / predicted_seconds({**{f: 8 for f in ("forward_grad", "backward")}, "forward_nograd": 0,
+                                    "optimizer_step": 1}, PER_SAMPLE), rel=8 * EPS)
+    # a calibration without per-call costs prices every row per sample: the routed update looks faster than it is
+    cal.write_text(json.dumps(calibration))
+    table = efficiency_table(load_records([full, routed, other]), warmup=1,
+                             calibration=load_calibration([CalibrationEntry(cal)])).set_index("method")
+    assert table.loc["agg", "predicted_train_speedup"] == pytest.approx(1.249, abs=1e-3)
+    assert table.loc["agg", "prediction_check"] == "slower than predicted"
+
+
+def test_rollout_prediction_prices_the_calls_of_the_timed_rollouts(tmp_path):
+    """A tree's rollout (branch: 4 leaves from 1 root, splitting at steps 0 and 3 of 10) makes as many calls
+    as full's but on fewer latents at first: 1 call of 1, 3 of 2, 6 of 4. Per forward it looks 40 / 31 =
+    1.29x faster; a call of 1 or 2 latents costs nearly what one of 4 does, and per call it is 1.04x."""
+    train = {"forward_nograd": 0, "forward_grad": 40, "backward": 40}
+    full = _run(tmp_path, "full", "full", [50, 4, 4.2, 3.8, 4.1, 3.9], train)
+    tree = _run(tmp_path, "branch", "branch", [50, 4, 4.2, 3.8, 4.1, 3.9], train)
+    rollouts = {"full": ({"forward_nograd": 40, "forward_grad": 0, "backward": 0}, 10, 10.0),
+                "branch": ({"forward_nograd": 31, "forward_grad": 0, "backward": 0}, 10, 31 / 4)}
+    full_s, tree_s = 10 * 2.0 + 40 * 0.1, 10 * 2.0 + 31 * 0.1
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({
+        "model": "m", "resolution": 64, "device": "cpu",
+        "unit_s_per_sample": {k: {"cpu": {"median": v}, "wall": {"median": v}} for k, v in PER_SAMPLE.items()},
+        "unit_s_per_call": {k: {"latents": [4, 1], **{basis: {"call": PER_CALL[k], "latent": PER_LATENT[k]}
+                                                      for basis in ("cpu", "wall")}} for k in PER_CALL},
+        "methods": {label: {"replay": "as_trained", "cpu_s": [1.0] * 3, "wall_s": [1.0] * 3, "rollout_passes": passes,
+                            "rollout_calls": {"forward_nograd": calls, "forward_grad": 0, "backward": 0},
+                            "rollout_forwards": forwards, "rollout_cpu_s": [seconds, 1.1 * seconds, 0.9 * seconds],
+                            "rollout_wall_s": [seconds] * 3}
+                    for (label, (passes, calls, forwards)), seconds in zip(rollouts.items(), (full_s, tree_s))}}))
+    table = efficiency_table(load_records([full, tree]), warmup=1,
+                             calibration=load_calibration([CalibrationEntry(cal)])).set_index("method")
+    row = table.loc["branch"]
+    assert row["rollout_forwards"] == 31 / 4 and row["predicted_rollout_speedup"] == pytest.approx(full_s / tree_s)
+    assert row["rollout_speedup"] == pytest.approx(full_s / tree_s) and row["rollout_prediction_check"] == "agrees"
 
 
 def paired_bootstrap_reference(numerator, denominator, resamples=2000, seed=0):

@@ -248,9 +248,11 @@ class Policy:
         out = out.to(dtype)
         if grad:
             self.counter.forward_grad += b
+            self.counter.forward_grad_calls += 1
             out = count_backward(out, self.counter)
         else:
             self.counter.forward_nograd += b
+            self.counter.forward_nograd_calls += 1
         return out
 
     def _forward(self, latents, timesteps, cond: Conditioning) -> torch.Tensor:

@@ -144,15 +144,17 @@ def load_manifest(path: str | Path) -> Manifest:
 
 def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
     """One row per calibration file: model, resolution, device labels and the unit costs as columns
-    ``unit_<basis>_<kind>`` (seconds per sample, per optimizer step for ``optimizer_step``). A file that
-    is not what ``agg-bench calibrate`` writes is a UserError naming it and the key."""
+    ``unit_<basis>_<kind>`` (seconds per sample, per optimizer step for ``optimizer_step``) and, where the
+    file has them, ``call_<basis>_<kind>`` and ``latent_<basis>_<kind>`` (a call of n latents costs
+    call + latent * n seconds); ``methods``, the side-by-side timings. A file that is not what
+    ``agg-bench calibrate`` writes is a UserError naming it and the key."""
     rows = []
     for entry in entries:
         path = Path(entry.file)
         data = read_json_object(path, "an agg-bench calibrate JSON")
         where = f"calibration {path}"
         for key, kind in (("model", TEXT), ("resolution", INTEGER), ("device", TEXT),
-                          ("unit_s_per_sample", OBJECT), ("methods", OBJECT)):
+                          ("unit_s_per_sample", OBJECT), ("unit_s_per_call", OBJECT), ("methods", OBJECT)):
             _check(f"{where}: {key}", data.get(key), kind)
         row = {"model": entry.model if entry.model is not None else data.get("model"),
                "resolution": entry.resolution if entry.resolution is not None else data.get("resolution"),
@@ -163,6 +165,14 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
                 _check(f"{where}: unit_s_per_sample.{kind}.{basis}", values, OBJECT, nullable=False)
                 _check(f"{where}: unit_s_per_sample.{kind}.{basis}.median", values.get("median"), NUMBER)
                 row[f"unit_{basis}_{kind}"] = values.get("median")
+        for kind, by_basis in (data.get("unit_s_per_call") or {}).items():
+            _check(f"{where}: unit_s_per_call.{kind}", by_basis, OBJECT, nullable=False)
+            for basis in ("cpu", "wall"):
+                values = by_basis.get(basis)
+                _check(f"{where}: unit_s_per_call.{kind}.{basis}", values, OBJECT, nullable=False)
+                for part in ("call", "latent"):
+                    _check(f"{where}: unit_s_per_call.{kind}.{basis}.{part}", values.get(part), NUMBER)
+                    row[f"{part}_{basis}_{kind}"] = values.get(part)
         # method label -> its train phase's and its rollout's seconds per round, timed side by side
         # ({basis}_s and rollout_{basis}_s lists), and its rollout's counted forwards per sample
         for label, timed in (data.get("methods") or {}).items():
@@ -171,6 +181,13 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
                 _check(f"{where}: methods.{label}.{key}", timed.get(key),
                        (lambda v: isinstance(v, list) and all(NUMBER[0](x) for x in v), "a list of numbers"))
             _check(f"{where}: methods.{label}.rollout_forwards", timed.get("rollout_forwards"), NUMBER)
+            # the passes (latents) and calls of each kind in one timed update and one rollout, and the
+            # update's optimizer steps
+            for key in ("passes", "calls", "rollout_passes", "rollout_calls"):
+                _check(f"{where}: methods.{label}.{key}", timed.get(key),
+                       (lambda v: isinstance(v, dict) and all(NUMBER[0](x) for x in v.values()),
+                        "an object of numbers"))
+            _check(f"{where}: methods.{label}.optimizer_steps", timed.get("optimizer_steps"), NUMBER)
         row["methods"] = data.get("methods") or {}
         rows.append(row)
     return pd.DataFrame(rows)

@@ -20,10 +20,11 @@ Which seconds: ``time="auto"`` takes the process's CPU time (``t_*_cpu_s``) on t
 not grow while other work shares the cores, and the wall-clock time (CUDA events) on a GPU; ``"cpu"``
 and ``"wall"`` force one (a run without CPU times, e.g. an imported log, falls back to wall). The
 ``time_basis`` column says which one each row used. With calibration files (``agg-bench calibrate``),
-``predicted_train_speedup`` is the train-phase speedup that the counted passes explain at the measured
-unit costs, and ``prediction_check`` says whether the measured 95 % interval contains it. With the
-calibration's paired rollout rounds, ``rollout_speedup`` is the rollout's, beside
-``predicted_rollout_speedup``, the ratio of the counted rollout forwards per sample
+``predicted_train_speedup`` is the train-phase speedup that the counted work explains at the measured
+unit costs (calls and latents of the updates the calibration timed, each call priced per call and per
+latent; else the runs' passes per sample), and ``prediction_check`` says whether the measured 95 %
+interval contains it. With the calibration's paired rollout rounds, ``rollout_speedup`` is the rollout's,
+beside ``predicted_rollout_speedup``, priced the same way from the counted rollout calls and forwards
 (``rollout_prediction_check``).
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ import pandas as pd
 from .loading import ADDED_COLUMNS, as_bool, check_time_basis, is_number
 from .records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE_TIME_KEYS, RECORD_KEYS, STANDARD_PHASES,
                       TRAIN_PASS_KEYS)
-from .stats import paired_speedup, predicted_seconds, quartiles, ratio_of_medians_ci
+from .costmodel import calibration_of, counted_seconds, per_sample_seconds
+from .stats import paired_speedup, quartiles, ratio_of_medians_ci
 
 MIB = 1024 ** 2
 PHASES = PHASE_TIME_KEYS
@@ -273,8 +275,14 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
             values = pd.to_numeric(samples[key], errors="coerce").to_numpy(float) if key in samples else np.array([])
             cell[f"t_{phase}_p25_s"], cell[f"t_{phase}_s"], cell[f"t_{phase}_p75_s"] = quartiles(values)
             cell["_samples"][phase] = values
-        cell["predicted_t_train_s"] = _predicted_train_seconds(cell, samples, calibration, basis)
-        timed_side_by_side = _calibrated_method(cell, calibration)
+        # the cost model (agg_bench.results.costmodel): the runs' passes, the calibration's counted work
+        units = calibration_of(calibration, cell["model"], cell["resolution"], cell["device"])
+        methods = None if units is None else units.get("methods")
+        timed_side_by_side = (methods.get(str(cell["method"])) if isinstance(methods, dict) else None) or {}
+        cell["_predicted_runs"] = per_sample_seconds({kind: _mean(samples, f"train_{kind}") for kind in PASS_KEYS},
+                                                     _mean(samples, "optimizer_steps"), units, basis)
+        cell["_predicted_timed"] = counted_seconds(timed_side_by_side, units, basis)
+        cell["_priced_rollout_s"] = counted_seconds(timed_side_by_side, units, basis, rollout=True)
         cell["_paired"] = _seconds(timed_side_by_side.get(f"{basis}_s"))
         cell["_paired_rollout"] = _seconds(timed_side_by_side.get(f"rollout_{basis}_s"))
         counted = timed_side_by_side.get("rollout_forwards")
@@ -290,12 +298,15 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
 
     # speedup over the group's `full` row; only between cells that both finished ok
     base = table[_baseline_mask(table)].drop_duplicates(GROUP_KEYS)
-    base = base[GROUP_KEYS + ["t_iter_s", "t_train_s", "status", "_samples", "predicted_t_train_s", "_paired",
-                              "_paired_rollout", "rollout_forwards", "_timed_rollout_forwards"]].rename(
+    base = base[GROUP_KEYS + ["t_iter_s", "t_train_s", "status", "_samples", "_predicted_runs", "_predicted_timed",
+                              "_paired", "_paired_rollout", "rollout_forwards", "_timed_rollout_forwards",
+                              "_priced_rollout_s"]].rename(
         columns={"t_iter_s": "_ref_iter", "t_train_s": "_ref_train", "status": "_ref_status",
-                 "_samples": "_ref_samples", "predicted_t_train_s": "_ref_predicted", "_paired": "_ref_paired",
+                 "_samples": "_ref_samples", "_predicted_runs": "_ref_predicted_runs",
+                 "_predicted_timed": "_ref_predicted_timed", "_paired": "_ref_paired",
                  "_paired_rollout": "_ref_paired_rollout", "rollout_forwards": "_ref_rollout_forwards",
-                 "_timed_rollout_forwards": "_ref_timed_rollout_forwards"})
+                 "_timed_rollout_forwards": "_ref_timed_rollout_forwards",
+                 "_priced_rollout_s": "_ref_priced_rollout_s"})
     table = table.merge(base, on=GROUP_KEYS, how="left")
     usable = (table["_ref_status"] == "ok") & (table["status"] == "ok")
     table["speedup"] = (table["_ref_iter"] / table["t_iter_s"]).where(usable)
@@ -314,21 +325,29 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
     table["train_speedup"], table["train_speedup_lo"], table["train_speedup_hi"] = zip(*[
         paired_speedup(ref, own) if p else tuple(run)
         for p, ref, own, run in zip(paired, table["_ref_paired"], table["_paired"], runs_speedup)])
-    table["predicted_train_speedup"] = (table["_ref_predicted"] / table["predicted_t_train_s"]).where(usable)
+    # predicted from the work counted in the very updates the paired rounds timed (calls and latents, priced
+    # per call and per latent) where both rows have it, else from the runs' mean passes at the per-sample
+    # unit costs; predicted_t_train_s is the row's seconds on the basis its prediction uses
+    timed_basis = table["_predicted_timed"].notna() & table["_ref_predicted_timed"].notna()
+    table["predicted_t_train_s"] = table["_predicted_timed"].where(timed_basis, table["_predicted_runs"])
+    reference = table["_ref_predicted_timed"].where(timed_basis, table["_ref_predicted_runs"])
+    table["predicted_train_speedup"] = (reference / table["predicted_t_train_s"]).where(usable)
     table["prediction_check"] = [
         _prediction_check(*values) for values in
         zip(table["train_speedup"], table["train_speedup_lo"], table["train_speedup_hi"], table["predicted_train_speedup"])]
     # the rollout's speedup from the calibration's paired rollout rounds only (a run's rollout phase shares
-    # its iteration with the others' costs); its cost model: every rollout forward is one no-grad forward
-    # of the batch, so the ratio of the counted forwards per sample
+    # its iteration with the others' costs)
     table["rollout_speedup"], table["rollout_speedup_lo"], table["rollout_speedup_hi"] = zip(*[
         paired_speedup(ref, own) if ok else (float("nan"),) * 3
         for ok, ref, own in zip(usable, table["_ref_paired_rollout"], table["_paired_rollout"])])
-    # predicted from the forwards of the very rollouts the rounds timed where both rows have them (a method
-    # whose rollout changes over a run, e.g. a moving window, was timed on iteration 0's), else the runs'
+    # predicted from the very rollouts the rounds timed where both rows have them (a method whose rollout
+    # changes over a run, e.g. a moving window, was timed on iteration 0's): their calls and forwards priced
+    # per call and per latent, else the ratio of their forwards per sample; else of the runs' forwards (every
+    # forward taken for a call of the batch)
+    priced = table["_ref_priced_rollout_s"] / table["_priced_rollout_s"]
     timed = table["_ref_timed_rollout_forwards"] / table["_timed_rollout_forwards"]
-    table["predicted_rollout_speedup"] = timed.where(timed.notna(), table["_ref_rollout_forwards"]
-                                                     / table["rollout_forwards"]).where(usable)
+    runs = table["_ref_rollout_forwards"] / table["rollout_forwards"]
+    table["predicted_rollout_speedup"] = priced.where(priced.notna(), timed.where(timed.notna(), runs)).where(usable)
     table["rollout_prediction_check"] = [
         _prediction_check(*values) for values in zip(table["rollout_speedup"], table["rollout_speedup_lo"],
                                                      table["rollout_speedup_hi"], table["predicted_rollout_speedup"])]
@@ -338,36 +357,6 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
     table = table.assign(_imported=table["source"] == "imported")[columns + ["_imported"]]
     table = table.sort_values(["_imported", "model", "resolution", "hardware"], kind="stable")
     return table.drop(columns="_imported").reset_index(drop=True)
-
-
-def _predicted_train_seconds(cell: dict, samples: pd.DataFrame, calibration: pd.DataFrame | None, basis: str) -> float:
-    """Seconds the cell's train phase costs at its calibration's unit costs: the mean counted train
-    passes of its timed iterations and its optimizer steps, priced (NaN without a calibration)."""
-    if calibration is None or calibration.empty or samples.empty:
-        return float("nan")
-    match = calibration[(calibration["model"].astype(str) == str(cell["model"]))
-                        & (pd.to_numeric(calibration["resolution"], errors="coerce") == cell["resolution"])
-                        & (calibration["device"].astype(str) == str(cell["device"]))]
-    if match.empty:
-        return float("nan")
-    units = match.iloc[-1]
-    kinds = (*PASS_KEYS, "optimizer_step")
-    columns = (*TRAIN_PASS_KEYS, "optimizer_steps")
-    counts = {kind: _mean(samples, column) for kind, column in zip(kinds, columns)}
-    return predicted_seconds(counts, {kind: units.get(f"unit_{basis}_{kind}", float("nan")) for kind in kinds})
-
-
-def _calibrated_method(cell: dict, calibration: pd.DataFrame | None) -> dict:
-    """The cell's method's entry in its calibration's side-by-side timings (``agg-bench calibrate
-    --method``: train and rollout seconds per round, counted passes); empty when it has none."""
-    if calibration is None or calibration.empty or "methods" not in calibration:
-        return {}
-    match = calibration[(calibration["model"].astype(str) == str(cell["model"]))
-                        & (pd.to_numeric(calibration["resolution"], errors="coerce") == cell["resolution"])
-                        & (calibration["device"].astype(str) == str(cell["device"]))]
-    if match.empty:
-        return {}
-    return (match.iloc[-1]["methods"] or {}).get(str(cell["method"])) or {}
 
 
 def _seconds(values) -> np.ndarray:

@@ -1,23 +1,30 @@
-"""``agg-bench calibrate``: per-sample unit costs of the policy network's three kinds of pass.
+"""``agg-bench calibrate``: unit costs of the policy network's three kinds of pass, per call and per latent.
 
-A run's counted passes (``train_forward_nograd``, ``train_forward_grad``, ``train_backward``) times
-these unit costs predict its train phase's time, and the ratio of two predictions is the speedup that
-the work alone explains (``report``'s ``predicted_train_speedup``). A measured speedup far from its
-prediction then comes from something else: overheads the passes do not show, or noise.
+A method's counted work in its train phase (calls and latents of each kind of pass, and optimizer steps)
+priced at these unit costs predicts its train phase's time, and the ratio of two predictions is the
+speedup that the work alone explains (``report``'s ``predicted_train_speedup``). A measured speedup far
+from its prediction then comes from something else: overheads the counts do not show, or noise.
 
 The three passes are measured on one real rollout of the run config (its states, timesteps and
-conditioning), on batches of the training batch's size (what ``full`` and AGG's endpoint backwards
-use), many times and interleaved: repetition ``r`` measures every kind once, in an order rotated by
-``r``, so that a slow stretch of a shared machine falls on every kind alike. The unit cost of a kind
-is the median over repetitions of (seconds of one call) / (latents in it), in CPU time of the process
-and in wall-clock (CUDA-event) time.
+conditioning), each at two sizes: the size the train phase mostly calls it with (the training batch for
+a forward with grad and its backward, what ``full`` and AGG's endpoint backwards use; every (sample,
+step) pair for a no-grad forward, AGG's velocity recomputation) and one latent (what a method that
+splits the batch calls, e.g. AGG's routing, which trains the groups it leaves exact on a few rows at a
+time). Each is measured many times and interleaved: repetition ``r`` measures every kind and size once,
+in an order rotated by ``r``, so that a slow stretch of a shared machine falls on all alike; a cost is
+the median over repetitions, in CPU time of the process and in wall-clock (CUDA-event) time.
+``unit_s_per_sample`` holds the per-sample cost at the large size, (seconds of one call) / (latents in it);
+``unit_s_per_call`` the cost of a call of ``n`` latents as ``call + latent * n``
+(:func:`agg_bench.results.costmodel.fit_call_cost`), which prices a call of a few latents at what it costs:
+at the tiny models' sizes a call of 1 latent costs nearly what one of 4 costs.
 
 With ``methods`` (label -> run-config overrides, as a sweep's ``methods:`` entries), the same process
 also times each method's whole train phase on that rollout: ``Session.update`` with the method's
 estimator, the steps it would train planned on the frozen rollout (:func:`agg_bench.tools.snapshot.plan_replay`),
 gradient, clipping and optimizer step included. Rounds are interleaved like the passes (round ``r``
 times every method once, in an order rotated by ``r``), and the weights are put back after each update,
-so every round of every method does the same work on the same weights. The ratio of two methods'
+so every round of every method does the same work on the same weights; the policy's counter around the
+update gives its passes and calls of each kind (``passes``, ``calls``). The ratio of two methods'
 medians is then a speedup measured under one machine state, paired round by round, which separate runs
 (taken minutes apart while other jobs come and go) cannot give; the report takes its train speedups
 from it (``train_speedup_basis: paired``).
@@ -28,7 +35,8 @@ serves these too), ``method_repeats`` rounds each run every method's rollout of 
 order rotated by the round, from the same prompts' conditioning, the same x_0 and a generator in the same
 state (iteration 0's after the noise), so each round samples exactly what the method's run samples first;
 no weights change. The policy's counter around each rollout gives its no-grad forwards per sample
-(``rollout_forwards``), the rollout's cost model; the report takes its ``rollout_speedup`` from these rounds.
+(``rollout_forwards``), and its passes and calls (``rollout_passes``, ``rollout_calls``), which the cost
+model prices like a train phase's; the report takes its ``rollout_speedup`` from these rounds.
 A method's rollout is timed whether or not its train phase can be replayed, unless its overrides change
 what the rounds share (:data:`ROLLOUT_SHARED_KEYS`).
 """
@@ -48,6 +56,7 @@ from ..io import write_json
 from ..machine.telemetry import PhaseTimer, environment
 from ..outdir import claim_files, json_file_with
 from ..results.records import PASS_KEYS
+from ..results.costmodel import fit_call_cost
 from ..results.stats import quartiles
 
 
@@ -104,7 +113,7 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
                  options: CalibrationConfig) -> dict[str, dict]:
     """Each method's train phase on ``batch``, interleaved over rounds (see the module docstring):
     ``methods``: label -> (method name, ``--set`` strings), from :func:`method_overrides`. Returns
-    {label: {"replay", "replay_note", "passes", "optimizer_steps", "cpu_s": [...], "wall_s": [...]}}. A
+    {label: {"replay", "replay_note", "passes", "calls", "optimizer_steps", "cpu_s": [...], "wall_s": [...]}}. A
     method whose train phase cannot run on a frozen rollout because it owns its rollout (a tree, guessed
     velocities) is timed on a rollout of its own from the run's prompts, noise and generator
     (``"train_rollout": "own"``); one that differs from ``full`` only in its rollout (a rollout-only
@@ -147,7 +156,7 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
                 before = policy.counter.copy()
                 with PhaseTimer(session.device) as timer:
                     session.update(planned)
-                passes = (policy.counter - before).as_dict()
+                work = policy.counter - before
                 with torch.no_grad():  # the same weights (and policy version: AGG's velocity reuse) every round
                     for p, w in zip(policy.parameters(), weights):
                         p.copy_(w)
@@ -155,7 +164,8 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
                 if r >= options.warmup:
                     out[label]["cpu_s"].append(timer.cpu_s)
                     out[label]["wall_s"].append(timer.elapsed_s)
-                    out[label].update(passes=passes, optimizer_steps=session.cfg.train.inner_epochs)
+                    out[label].update(passes=work.as_dict(), calls=work.calls(),
+                                      optimizer_steps=session.cfg.train.inner_epochs)
     finally:
         session.estimator = estimator_of_run
     return out
@@ -192,9 +202,9 @@ def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
     """Each method's rollout of iteration 0, interleaved over ``options.method_repeats`` rounds (see the
     module docstring): every round gives every method the same prompts' conditioning, the same x_0 and a
     generator in the same state (iteration 0's, after the noise). ``methods`` as in :func:`time_methods`.
-    Returns {label: {"rollout_forwards": no-grad forwards per sample, "rollout_cpu_s": [...],
-    "rollout_wall_s": [...]}}, or {label: {"rollout_note": why not}} for a method whose overrides change
-    what the rollouts share (:data:`ROLLOUT_SHARED_KEYS`)."""
+    Returns {label: {"rollout_forwards": no-grad forwards per sample, "rollout_passes", "rollout_calls" (of
+    each kind, in one rollout), "rollout_cpu_s": [...], "rollout_wall_s": [...]}}, or {label: {"rollout_note":
+    why not}} for a method whose overrides change what the rollouts share (:data:`ROLLOUT_SHARED_KEYS`)."""
     from ..machine import distributed
     from ..methods.base import build_estimator
 
@@ -229,10 +239,11 @@ def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
                 with PhaseTimer(session.device) as timer:
                     estimator.rollout(sampler, cond, noise, session.sigmas, sampling, round_generator, 0,
                                       session.cfg.grpo.group_size)
-                forwards = (policy.counter - before).forward_nograd
+                work = policy.counter - before
                 out[label]["rollout_cpu_s"].append(timer.cpu_s)
                 out[label]["rollout_wall_s"].append(timer.elapsed_s)
-                out[label]["rollout_forwards"] = forwards / (rows.stop - rows.start)
+                out[label].update(rollout_forwards=work.forward_nograd / (rows.stop - rows.start),
+                                  rollout_passes=work.as_dict(), rollout_calls=work.calls())
     finally:
         for estimator, _ in setups.values():
             estimator.close()
@@ -241,9 +252,10 @@ def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
 
 def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
               methods: Mapping[str, Any] | None = None) -> dict:
-    """Unit costs (seconds per latent) of a no-grad forward, a forward with grad and a backward for
-    ``cfg``'s model, resolution and device, and with ``methods`` each one's train phase and rollout timed
-    in the same process; see the module docstring."""
+    """Unit costs of a no-grad forward, a forward with grad and a backward (seconds per latent at the usual
+    size, and per call and per latent) and of the optimizer step for ``cfg``'s model, resolution and
+    device, and with ``methods`` each one's train phase and rollout timed in the same process; see the
+    module docstring."""
     from ..runtime.session import Session, model_label  # the engine only when measuring
 
     options = options or CalibrationConfig()
@@ -260,28 +272,34 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
         timed_methods[label].update(timed)
     b, steps = batch.latents.shape[0], batch.timesteps.shape[0]
     rows = torch.arange(b, device=batch.latents.device)
-    samples: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in PASS_KEYS}
-
     every_row = rows.repeat_interleave(steps)
     every_step = torch.arange(steps, device=rows.device).repeat(b)
+    # latents per call of each kind: the train phase's usual size, then one latent (a backward has its
+    # forward's sizes: the forward-with-grad measurement times both)
+    sizes = {"forward_nograd": tuple(dict.fromkeys((len(every_row), 1))), "forward_grad": tuple(dict.fromkeys((b, 1)))}
+    sizes["backward"] = sizes["forward_grad"]
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = session.optimizer
     max_norm = cfg.train.max_grad_norm
 
-    def measure(kind: str, step: int) -> dict[str, tuple[float, float, int]]:
-        """(cpu s, wall s, latents) of the given kind; the grad kind is measured as a forward, a backward
-        and the optimizer step that follows an update's backwards."""
+    def inputs(n: int, step: int):
+        """States, timesteps and conditioning of ``n`` latents: every (sample, step) pair (how AGG recomputes
+        velocities: one call over its groups), or the first ``n`` samples at ``step`` (a forward with grad
+        runs one step of the training batch at a time)."""
+        r, s = (every_row, every_step) if n == len(every_row) else \
+            (rows[:n], torch.full((n,), step, dtype=torch.long, device=rows.device))
+        return batch.states(r, s), batch.timestep_values(s), batch.cond[r]
+
+    def measure(kind: str, n: int, step: int) -> dict[str, tuple[float, float]]:
+        """(cpu s, wall s) of one call of ``kind`` on ``n`` latents; the grad kind is measured as a forward,
+        a backward and the optimizer step that follows an update's backwards."""
+        x, t, c = inputs(n, step)
         if kind == "forward_nograd":
-            # the train phase's no-grad forwards are AGG's velocity recomputations: one call over every
-            # (sample, step) pair of its groups
-            x, t, c = batch.states(every_row, every_step), batch.timestep_values(every_step), batch.cond[every_row]
             with torch.no_grad(), PhaseTimer(device) as timer:
                 policy.velocity(x, t, c)
-            return {kind: (timer.cpu_s, timer.elapsed_s, len(every_row))}
-        # the train phase's forwards with grad run on the training batch, one step at a time
-        s = torch.full((b,), step, dtype=torch.long, device=rows.device)
+            return {kind: (timer.cpu_s, timer.elapsed_s)}
         with PhaseTimer(device) as forward:
-            out = policy.velocity(batch.states(rows, s), batch.timestep_values(s), batch.cond[rows])
+            out = policy.velocity(x, t, c)
         upstream = torch.ones_like(out)
         with PhaseTimer(device) as backward:
             out.backward(upstream)
@@ -293,33 +311,45 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
                 torch.nn.utils.clip_grad_norm_(params, max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return {"forward_grad": (forward.cpu_s, forward.elapsed_s, b),
-                "backward": (backward.cpu_s, backward.elapsed_s, b),
-                "optimizer_step": (update.cpu_s, update.elapsed_s, 1)}
+        return {"forward_grad": (forward.cpu_s, forward.elapsed_s), "backward": (backward.cpu_s, backward.elapsed_s),
+                "optimizer_step": (update.cpu_s, update.elapsed_s)}
 
-    kinds = ("forward_nograd", "forward_grad")  # the second measures the backward and the step too
-    samples["optimizer_step"] = {"cpu": [], "wall": []}
+    # seconds per call of each (kind, latents), and of each optimizer step
+    seconds = {(kind, n): {"cpu": [], "wall": []} for kind, pair in sizes.items() for n in pair}
+    seconds.update({("optimizer_step", 1): {"cpu": [], "wall": []}})
+    cases = [(kind, n) for kind in ("forward_nograd", "forward_grad") for n in sizes[kind]]
     for r in range(options.warmup + options.repeats):
-        order = kinds if r % 2 == 0 else kinds[::-1]
-        for kind in order:
-            for name, (cpu, wall, n) in measure(kind, r % steps).items():
+        shift = r % len(cases)
+        for kind, n in cases[shift:] + cases[:shift]:
+            for name, (cpu, wall) in measure(kind, n, r % steps).items():
                 if r >= options.warmup:
-                    samples[name]["cpu"].append(cpu / n)
-                    samples[name]["wall"].append(wall / n)
+                    key = (name, n if name in sizes else 1)
+                    seconds[key]["cpu"].append(cpu)
+                    seconds[key]["wall"].append(wall)
     env = environment()
-    units = {}
-    for kind, by_basis in samples.items():
-        units[kind] = {}
-        for basis, values in by_basis.items():
-            p25, p50, p75 = quartiles(values)
-            units[kind][basis] = {"median": p50, "p25": p25, "p75": p75}
+    units, per_call = {}, {}
+    for kind in (*PASS_KEYS, "optimizer_step"):
+        n = sizes[kind][0] if kind in sizes else 1
+        units[kind] = {basis: _quartiles([x / n for x in values]) for basis, values in seconds[(kind, n)].items()}
+    for kind, pair in sizes.items():
+        per_call[kind] = {"latents": list(pair)}
+        for basis in ("cpu", "wall"):
+            quarts = [_quartiles(seconds[(kind, n)][basis]) for n in pair]
+            call, latent = fit_call_cost(pair, [q["median"] for q in quarts])
+            per_call[kind][basis] = {"call": call, "latent": latent,
+                                     **{stat: [q[stat] for q in quarts] for stat in ("median", "p25", "p75")}}
     return {
         "model": model_label(cfg), "resolution": cfg.model.resolution, "device": device.type,
         "gpu_name": env["gpu_name"] if device.type == "cuda" else None, "batch": b,
         "repeats": options.repeats, "warmup": options.warmup, "threads": torch.get_num_threads(),
-        "unit_s_per_sample": units, "method_repeats": options.method_repeats, "methods": timed_methods,
-        "env": env,
+        "unit_s_per_sample": units, "unit_s_per_call": per_call, "method_repeats": options.method_repeats,
+        "methods": timed_methods, "env": env,
     }
+
+
+def _quartiles(values: list[float]) -> dict[str, float]:
+    p25, p50, p75 = quartiles(values)
+    return {"median": p50, "p25": p25, "p75": p75}
 
 
 def write_calibration(cfg: RunConfig, out: str | Path, options: CalibrationConfig | None = None,
