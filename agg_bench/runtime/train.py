@@ -199,7 +199,9 @@ class Training:
         status, error = "ok", None
         with self.stop:
             try:
-                self._evaluate_if_due(self.start)  # the starting weights (or a resumed run's missing evaluation)
+                evaluated = self._evaluate_if_due(self.start)  # the starting weights (or a resumed run's missing one)
+                if evaluated and self.log_lines:
+                    print(evaluated, file=sys.stderr, flush=True)
                 for iteration in self.bar:
                     if self.budget_reached:  # a resumed run whose checkpoint spent the budget already
                         break
@@ -282,14 +284,16 @@ class Training:
             self.last_good = iteration
             budget = self.cfg.train.budget
             self.budget_reached = budget is not None and self.cost >= budget
-        self.bar.set_postfix(reward=f"{record['reward_mean']:.3g}", loss=f"{record['loss'] or 0:.3g}")
-        if self.log_lines:
-            print(progress_line(record, self.cfg.train.iterations), file=sys.stderr, flush=True)
-        self._evaluate_if_due(iteration + 1)  # before the checkpoint of this state, which then carries it
+        evaluated = self._evaluate_if_due(iteration + 1)  # before the checkpoint of this state, which carries it
         with self.stop.deferred():
             every = self.cfg.train.checkpoint_every
             if every and (iteration + 1) % every == 0:
                 self._checkpoint(iteration)
+        self.bar.set_postfix(reward=f"{record['reward_mean']:.3g}", loss=f"{record['loss'] or 0:.3g}")
+        if self.log_lines:
+            print(progress_line(record, self.cfg.train.iterations), file=sys.stderr, flush=True)
+            if evaluated:
+                print(evaluated, file=sys.stderr, flush=True)
         return None
 
     def _write(self, record: dict) -> None:
@@ -297,14 +301,15 @@ class Training:
         if self.writer is not None:
             self.lines.append(self.writer.write(record))
 
-    def _evaluate_if_due(self, done: int) -> None:
+    def _evaluate_if_due(self, done: int) -> str | None:
         """Evaluate the weights after ``done`` iterations (every process: a sharded forward needs them all)
         and append the line (rank 0), if ``eval.every`` asks for that state and it is not evaluated yet:
-        every ``eval.every``-th state from 0 on, and the last one (``train.iterations`` or the budget)."""
+        every ``eval.every``-th state from 0 on, and the last one (``train.iterations`` or the budget).
+        The job log's line about it, or None when nothing was evaluated."""
         every = self.cfg.eval.every
         last = done >= self.cfg.train.iterations or self.budget_reached
         if self.evaluation is None or done in self.evaluated or not (done % every == 0 or last):
-            return
+            return None
         with tel.PhaseTimer(self.session.device) as timer:
             scores = self.evaluation.means(self.evaluation.images())
         line = {"iteration": done, **scores, "t_eval_s": timer.elapsed_s, "t_eval_cpu_s": timer.cpu_s}
@@ -312,9 +317,8 @@ class Training:
             if self.eval_writer is not None:
                 self.eval_lines.append(self.eval_writer.write(line))
             self.evaluated.add(done)
-        if self.log_lines:
-            print(f"{self.run_id} evaluation after {done} iterations: reward {scores['eval_reward']:.4g} "
-                  f"({timer.cpu_s:.3f} CPU-s)", file=sys.stderr, flush=True)
+        return (f"{self.run_id} evaluation after {done} iterations: reward {scores['eval_reward']:.4g} "
+                f"({timer.cpu_s:.3f} CPU-s)")
 
     def _checkpoint(self, iteration: int) -> None:
         if self.shard.is_main or fsdp.is_sharded(self.session.policy):  # every process writes its shards
