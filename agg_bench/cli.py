@@ -148,7 +148,8 @@ def cmd_report(args) -> int:
 def cmd_learning(args) -> int:
     from .tools.learning import LearningOptions, learning_report
 
-    options = LearningOptions(args.average, args.fraction, args.eval_noises, args.eval_seed, args.eval_sampler)
+    options = LearningOptions(args.average, args.fraction, args.eval_noises, args.eval_seed, args.eval_sampler,
+                              args.target_fraction, args.reference)
     runs = learning_report(args.manifest, args.tables, args.plots, options)
     print(json.dumps({"tables": str(args.tables) if args.tables else None,
                       "plots": str(args.plots) if args.plots else None, "runs": len(runs)}))
@@ -339,10 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("learning", help="the learning sweep's tables and plots: each method's reward gain, its "
-                                        "spread over seeds, the CPU time to a target; a held-out evaluation")
+                                        "spread over seeds, the CPU time to a target; a held-out evaluation, "
+                                        "and the cost to reach a held-out target")
     p.add_argument("--manifest", required=True, type=Path, help="the learning sweep's runs (the workflow's manifest)")
-    p.add_argument("--tables", type=Path, help="write learning.csv, learning.md (and evaluation.csv) here")
-    p.add_argument("--plots", type=Path, help="write reward_iteration.png, reward_time.png, samples.png here")
+    p.add_argument("--tables", type=Path,
+                   help="write learning.csv, learning.md, curves.csv (and evaluation.csv) here")
+    p.add_argument("--plots", type=Path, help="write reward_iteration.png, reward_time.png, samples.png, "
+                                              "eval_reward_cost.png, eval_reward_cpu.png, eval_pareto.png here")
     p.add_argument("--average", type=int, default=3, help="iterations averaged at each end (default 3)")
     p.add_argument("--fraction", type=float, default=0.8, help="fraction of full's gain to reach (default 0.8)")
     p.add_argument("--eval-noises", type=int, default=0,
@@ -350,6 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-seed", type=int, default=0, help="seed of the evaluation's noise (default 0)")
     p.add_argument("--eval-sampler", default="ode",
                    help="ode: deterministic Euler; sde: the rollouts' SDE with seeded step noise (default ode)")
+    p.add_argument("--target-fraction", type=float, default=0.9,
+                   help="the held-out target: this fraction of the reference's mean held-out gain (default 0.9)")
+    p.add_argument("--reference", default="full",
+                   help="the method label both targets and speedup_to_target refer to (default full)")
     p.set_defaults(func=cmd_learning)
 
     p = sub.add_parser("import-log", help="a DanceGRPO JSONL training log as a reference run folder")

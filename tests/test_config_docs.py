@@ -28,10 +28,12 @@ WRITTEN_DEFAULTS = {
     "train": {"iterations": 2, "lr": 1e-4, "weight_decay": 0.0, "max_grad_norm": 1.0, "timestep_fraction": 1.0,
               "plan": "steps", "plan_window": 5, "inner_epochs": 1, "gradient_checkpointing": False,
               "lora_rank": 0, "lora_alpha": None, "lora_target_modules": None, "checkpoint_every": 0,
-              "shard": "none", "cpu_offload": False},
+              "shard": "none", "cpu_offload": False, "budget": None,
+              "pass_costs": {"forward_nograd": 1.0, "forward_grad": 1.1, "backward": 1.6}},
     "method": {"name": "full"},
     "reward": {"name": "jpeg_compressibility", "options": {}},
     "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first", "tensorboard": False},
+    "eval": {"every": 0, "noises": 16, "seed": 0, "sampler": "sde"},
 }
 
 
@@ -100,9 +102,11 @@ def test_config_json_keeps_the_values_and_order_as_written(tmp_path):
 
 def test_an_older_config_json_reads_with_the_defaults_of_keys_it_lacks():
     older = json.loads(json.dumps(WRITTEN_DEFAULTS))
-    del older["grpo"]["kl_form"], older["train"]["shard"], older["telemetry"]
+    del older["grpo"]["kl_form"], older["train"]["shard"], older["telemetry"], older["train"]["pass_costs"]
+    del older["eval"]
     cfg = RunConfig.from_dict(older)
     assert (cfg.grpo.kl_form, cfg.train.shard, cfg.telemetry.saved_activations) == ("transition", "none", "first")
+    assert (cfg.train.pass_costs.backward, cfg.train.budget, cfg.eval.every) == (1.6, None, 0)
 
 
 def test_sections_are_typed():

@@ -168,7 +168,8 @@ def test_two_process_gradient_equals_single_process_gradient_and_failures_stop_b
 @pytest.mark.slow
 def test_torchrun_run_writes_the_single_process_records(tmp_path):
     args = [a for o in DDP for a in ("--set", o)] + ["--set", "train.iterations=2", "--set", "run_id=ddp",
-                                                    "--set", 'method={"name": "agg", "window": 3}']
+                                                    "--set", 'method={"name": "agg", "window": 3}',
+                                                    "--set", "eval.every=1", "--set", "eval.noises=2"]
     proc = torchrun("-m", "agg_bench", "run", *args, "--out", str(tmp_path / "two"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # one result line for the job: rank 0's, not one per process
@@ -193,8 +194,15 @@ def test_torchrun_run_writes_the_single_process_records(tmp_path):
                 assert r2[key] == pytest.approx(r1[key], rel=1e-9), key
             else:
                 assert r2[key] == r1[key], key
-    # work is counted over both processes: the same total as one process
+    # work is counted over both processes: the same total as one process, and so is the cost
     assert [r["backward"] for r in two] == [r["backward"] for r in one]
+    assert [r["cost"] for r in two] == [r["cost"] for r in one]
+    # every process evaluates (a sharded forward needs them all), rank 0 writes each evaluation once
+    evals_two = list(read_jsonl(tmp_path / "two/evaluations.jsonl"))
+    evals_one = list(read_jsonl(tmp_path / "one/evaluations.jsonl"))
+    assert [e["iteration"] for e in evals_two] == [0, 1, 2]
+    for e2, e1 in zip(evals_two, evals_one):
+        assert e2["eval_reward"] == pytest.approx(e1["eval_reward"], rel=1e-9, abs=1e-12)
 
 
 def _worker(out: Path) -> None:

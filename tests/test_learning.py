@@ -108,7 +108,7 @@ def test_grpo_raises_the_scene_reward(tmp_path):
     pre-trained weights to the final ones by more than MARGIN. The margin is a fraction of the gain
     measured on this configuration, so other CPUs' arithmetic (a different but equally valid trajectory)
     keeps it; a run that does not change the weights scores exactly the pre-trained score and fails it."""
-    from agg_bench.tools.learning import Evaluation, evaluate
+    from agg_bench.tools.learning import CheckpointEvaluation, evaluate
 
     # the sweep's own run settings (its base and set), on this model, for SLOW_RUN's iterations, through the
     # CLI in a fresh 1-thread process as the workflow runs it
@@ -123,7 +123,7 @@ def test_grpo_raises_the_scene_reward(tmp_path):
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"runs": [{"dir": str(tmp_path / "run"), "method": "full", "seed": 0}]}))
     runs = load_runs(manifest)
-    scores, _ = evaluate(runs, Evaluation(runs, SLOW_NOISES, sampler="sde"))
+    scores, _ = evaluate(runs, CheckpointEvaluation(runs, SLOW_NOISES, sampler="sde"))
     initial, final = scores["eval_reward"]
     assert final - initial > MARGIN, scores
 
@@ -195,7 +195,7 @@ def test_evaluation_on_trained_runs(tmp_path):
 
     from agg_bench.config import load_config
     from agg_bench.engine.scenes import all_scenes
-    from agg_bench.tools.learning import Evaluation, evaluate
+    from agg_bench.tools.learning import CheckpointEvaluation, evaluate
     from agg_bench.runtime.train import train
     from agg_bench.tools.pretrain import load_pretrain_config, pretrain
 
@@ -209,7 +209,9 @@ def test_evaluation_on_trained_runs(tmp_path):
         cfg = load_config(None, ["model.family=sd3", "model.preset=pretrained", f"model.pretrained={model}",
                                  "model.resolution=32", f"prompts.file={prompts}", "reward.name=scene",
                                  "train.iterations=2", "train.checkpoint_every=2", "train.lr=1e-2",
-                                 "sampling.steps=2", "grpo.group_size=2", "progress=false", f"seed={seed}"])
+                                 "sampling.steps=2", "grpo.group_size=2", "progress=false", f"seed={seed}",
+                                 # the in-run evaluation with the checkpoint evaluation's settings below
+                                 "eval.every=2", "eval.noises=3", "eval.seed=4", "eval.sampler=ode"])
         assert train(cfg, tmp_path / f"run{seed}")["status"] == "ok"
         entries.append({"dir": str(tmp_path / f"run{seed}"), "method": "full", "seed": seed})
     # a run folder whose "final" weights are the pre-trained ones
@@ -218,30 +220,39 @@ def test_evaluation_on_trained_runs(tmp_path):
     base = load_pretrained_parameters(model)
     state["parameters"] = {k: base[k] for k in state["parameters"]}
     torch.save(state, tmp_path / "same" / "checkpoint.pt")
+    (tmp_path / "same" / "evaluations.jsonl").unlink()  # run0's, not these weights': its table row uses the checkpoint
     entries.append({"dir": str(tmp_path / "same"), "method": "unchanged", "seed": 0})
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"runs": entries}))
     runs = load_runs(manifest)
-    evaluation = Evaluation(runs, noises=3, seed=4)
+    evaluation = CheckpointEvaluation(runs, noises=3, seed=4)
     assert len(evaluation.captions) == 6
     scores, images = evaluate(runs, evaluation)
     assert list(scores["state"]) == ["pre-trained", "full/0", "full/1", "unchanged/0"]
     assert torch.equal(images["unchanged/0"], images["pre-trained"])
     assert not torch.equal(images["full/0"], images["pre-trained"])
     # the SDE sampler (the rollouts'), its step noise seeded too: as reproducible per state
-    sde_scores, sde_images = evaluate(runs, Evaluation(runs, noises=3, seed=4, sampler="sde"))
+    sde_scores, sde_images = evaluate(runs, CheckpointEvaluation(runs, noises=3, seed=4, sampler="sde"))
     assert torch.equal(sde_images["unchanged/0"], sde_images["pre-trained"])
     assert not torch.equal(sde_images["pre-trained"], images["pre-trained"])
     with pytest.raises(UserError, match="sampler"):
-        Evaluation(runs, sampler="euler")
+        CheckpointEvaluation(runs, sampler="euler")
+    # a run's own evaluations are this evaluation of its starting and final weights: the same numbers
+    for k, run in enumerate(runs[:2]):
+        in_run = run.evaluations.set_index("iteration")["eval_reward"]
+        assert list(in_run.index) == [0, 2]
+        assert in_run[0] == scores["eval_reward"][0] and in_run[2] == scores["eval_reward"][k + 1]
     table = learning_table(runs, average=1, evaluation=scores).set_index("method")
-    assert table.loc["unchanged", "eval_gain"] == 0.0
-    assert table.loc["full", "eval_initial"] == scores["eval_reward"][0]
+    assert table.loc["unchanged", "eval_gain"] == 0.0 and table.loc["unchanged", "eval_source"] == "checkpoint"
+    assert table.loc["full", "eval_initial"] == scores["eval_reward"][0] and table.loc["full", "eval_source"] == "in-run"
+    assert table.loc["full", "eval_gain"] == pytest.approx(scores["eval_reward"][1:3].mean() - scores["eval_reward"][0])
     out = tmp_path / "out"
     assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--plots", str(out), "--average", "1",
                  "--eval-noises", "3", "--eval-sampler", "sde"]) == 0
     assert "eval_gain_over_spread" in (out / "learning.md").read_text()
     assert (out / "samples.png").is_file() and len((out / "evaluation.csv").read_text().splitlines()) == 5
+    assert len((out / "curves.csv").read_text().splitlines()) == 1 + 2 * 2  # the two full runs' evaluations
+    assert all((out / f"{name}.png").is_file() for name in ("eval_reward_cost", "eval_reward_cpu", "eval_pareto"))
     assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--eval-noises", "-1"]) == 2
 
 

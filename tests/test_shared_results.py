@@ -173,7 +173,7 @@ def test_the_learning_report_refuses_a_crafted_checkpoint(tmp_path):
     manifest.write_text(json.dumps({"runs": [{"dir": str(run), "method": "full", "seed": 0}]}))
     runs = load_runs(manifest)
     with pytest.raises(UserError, match="not a readable agg-bench checkpoint"):
-        learning.evaluate(runs, learning.Evaluation(runs, noises=1))
+        learning.evaluate(runs, learning.CheckpointEvaluation(runs, noises=1))
     assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "1",
                           "--eval-noises", "1"]) == 2
     assert not marker.exists()

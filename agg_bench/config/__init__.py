@@ -11,13 +11,13 @@ The package imports no torch: the workflow checks every composed run config whil
 """
 from .load import apply_overrides, check_data_parallel, deep_merge, load_config, parse_override, validate
 from .schema import check_finite, check_schema, run_schema
-from .sections import (DEFAULTS, GRPOConfig, MethodSection, ModelConfig, PromptsConfig, RewardConfig, RunConfig,
-                       SamplingConfig, TelemetryConfig, TrainConfig)
+from .sections import (DEFAULTS, EvalConfig, GRPOConfig, MethodSection, ModelConfig, PassCosts, PromptsConfig,
+                       RewardConfig, RunConfig, SamplingConfig, TelemetryConfig, TrainConfig)
 from .yamlio import (MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, YamlRefused, check_expanded_size,
                      read_yaml_mapping, yaml_load)
 
-__all__ = ["DEFAULTS", "GRPOConfig", "MAX_YAML_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_VALUES", "MethodSection",
-           "ModelConfig", "PromptsConfig", "RewardConfig", "RunConfig", "SamplingConfig", "TelemetryConfig",
+__all__ = ["DEFAULTS", "EvalConfig", "GRPOConfig", "MAX_YAML_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_VALUES",
+           "MethodSection", "ModelConfig", "PassCosts", "PromptsConfig", "RewardConfig", "RunConfig", "SamplingConfig", "TelemetryConfig",
            "TrainConfig", "YamlRefused", "apply_overrides", "check_data_parallel", "check_expanded_size",
            "check_finite", "check_schema", "deep_merge", "load_config", "parse_override", "read_yaml_mapping",
            "run_schema", "validate", "yaml_load"]

@@ -141,6 +141,36 @@ class GRPOConfig(Section):
 
 
 @dataclass
+class PassCosts(Section):
+    """``train.pass_costs``: the price of one pass of each kind the policy counter counts, per sample, in
+    cost units; the unit is one no-grad forward of one sample (``forward_nograd`` 1.0).
+
+    A run's cost is the sum over its counted passes of count x price (``forward_nograd``, ``forward_grad``
+    and ``backward`` of every record: rollout forwards, train passes and the KL reference's or an old
+    policy's no-grad forwards alike; the ``train_`` counts are shares of these, not added again): exact and
+    independent of the machine's load, so ``train.budget`` stops every method at the same spent work.
+
+    The defaults are measured on the learning testbed's model (the committed ``tests/data/sd3-scenes``,
+    32 px, the sweep's settings, 1 thread, CPU time of the process, a shared 2-core AMD EPYC), at the
+    32-latent batch on which its runs make all three kinds of pass (the rollout's and the KL reference's
+    forwards, the trained steps' forwards and backwards): per sample 0.99 / 1.11 / 1.55 ms and 1.20 /
+    1.31 / 1.93 ms in two measurements (no-grad forward / forward with grad / backward; medians of 22
+    interleaved repetitions), ratios 1.09-1.12 and 1.56-1.60. ``agg-bench calibrate`` on the same config
+    reported 1.15 / 1.00 / 1.45 and 1.30 / 1.16 / 1.60 ms (ratios 0.87-0.89 and 1.24-1.27), but it times
+    the no-grad forward on one 320-latent batch (AGG's velocity recomputation without reuse), which is
+    slower per sample on this CPU: its ratios would price every rollout forward at a batch only that
+    recomputation uses.
+    """
+
+    forward_nograd: float = option(1.0, "cost units of one no-grad forward of one sample (the unit)",
+                                   exclusive_minimum=0)
+    forward_grad: float = option(1.1, "cost units of one forward with grad of one sample (measured on the learning "
+                                      "testbed: 1.09-1.12 no-grad forwards)", exclusive_minimum=0)
+    backward: float = option(1.6, "cost units of one backward of one sample (measured on the learning testbed: "
+                                  "1.56-1.60 no-grad forwards)", exclusive_minimum=0)
+
+
+@dataclass
 class TrainConfig(Section):
     """``train``: the optimizer, which steps are trained, memory options and checkpoints."""
 
@@ -171,6 +201,11 @@ class TrainConfig(Section):
     cpu_offload: bool = option(False, "with `train.shard: fsdp`: keep sharded parameters, gradients and "
                                       "optimizer state in host memory (FSDP2 `CPUOffloadPolicy`; refused "
                                       "without `fsdp` and on the CPU)")
+    budget: float | None = option(
+        None, "cost units (`train.pass_costs`) to spend: the run stops after the first iteration whose cumulative "
+        "`cost` reaches it, or after `train.iterations` if those come first (set iterations as a cap); null: run "
+        "`train.iterations`", exclusive_minimum=0)
+    pass_costs: PassCosts = section(PassCosts, "the price of each counted pass in cost units (a record's `cost`)")
 
 
 @dataclass
@@ -236,6 +271,28 @@ class TelemetryConfig(Section):
 
 
 @dataclass
+class EvalConfig(Section):
+    """``eval``: the held-out evaluation inside a run (:class:`agg_bench.runtime.evaluation.Evaluation`).
+
+    Every caption of the run's prompt file x ``noises`` fixed noises (seeded by ``seed``: the same for
+    every method, seed and iteration), sampled with the run's steps and schedule and scored by the run's
+    reward, of the starting weights and then every ``every`` iterations and after the last. It is not
+    charged: it draws from its own generator, its passes are not counted (no `cost`, no pass counts) and
+    its time is not the iterations' (``t_iter_cpu_s``); ``evaluations.jsonl`` in the run folder holds one
+    line per evaluation with its own seconds. Training is the same with it or without it.
+    """
+
+    every: int = option(0, "evaluate the policy before the first iteration, every K iterations and after the last "
+                           "(`DIR/evaluations.jsonl`); 0: never", minimum=0, maximum=100_000)
+    noises: int = option(16, "fixed noises per caption", minimum=1, maximum=1024)
+    seed: int = option(0, "seed of the evaluation's noise (and of the SDE's step noise)", minimum=0,
+                       maximum=2**32 - 1)
+    sampler: Literal["ode", "sde"] = option(
+        "sde", "`sde`: the rollouts' own SDE (`sampling.sde`, `sampling.eta`: the policy GRPO trains), its step "
+        "noise seeded; `ode`: the deterministic Euler sampler")
+
+
+@dataclass
 class RunConfig(Section):
     """One training run: ``agg-bench run --config FILE [--set key=value ...]``, resolved and checked.
 
@@ -258,6 +315,7 @@ class RunConfig(Section):
     method: MethodSection = section(MethodSection, "the gradient estimator")
     reward: RewardConfig = section(RewardConfig, "the reward")
     telemetry: TelemetryConfig = section(TelemetryConfig, "the measurements")
+    eval: EvalConfig = section(EvalConfig, "the held-out evaluation inside the run")
 
     def get_path(self, dotted: str) -> Any:
         """The value of a dotted key (``train.lr``, ``method.window``) as ``config.json`` holds it."""

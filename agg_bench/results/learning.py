@@ -10,6 +10,16 @@ over its first and last ``average`` iterations; its *gain* is final - initial. P
   ``t_iter_cpu_s``, or ``t_iter_s`` where a record has no CPU time: ``time_key`` says which) a run takes
   until its running mean reward over ``average`` iterations first reaches initial + ``fraction`` x the
   mean gain of ``full`` (mean over the seeds that reach it; ``reached`` counts them).
+- the held-out evaluation's columns (``eval_initial``, ``eval_final``, ``eval_gain``, ``eval_gain_std``,
+  ``eval_gain_over_spread``, ``eval_reward_<sub-score>_gain``; ``eval_source`` says whence): from the
+  runs' in-run evaluations (``eval.every``: the last one minus the starting one, per seed) where every
+  run of the method has them, else from ``agg-bench learning``'s own evaluation of the starting weights
+  and each run's final checkpoint (``--eval-noises``: :func:`evaluation_columns`); NaN without either.
+  The two agree where their settings do (the same weights, noise, sampler and reward), up to the
+  arithmetic of the thread counts they ran with.
+- the equal-compute columns (``target_reached``, ``target_cost`` ..., ``speedup_to_target`` ...) and
+  ``curves.csv``, ``eval_reward_cost.png``, ``eval_reward_cpu.png``, ``eval_pareto.png``: from the in-run
+  evaluations, :mod:`agg_bench.results.curves` (its docstring says what each is).
 - ``reward_iteration.png`` / ``reward_time.png``: mean reward over seeds against iteration / cumulative
   CPU time, with a band of +- one standard deviation over seeds.
 - ``samples.png`` (:func:`agg_bench.tools.learning.sample_grids`): the same captions and noise sampled
@@ -31,23 +41,30 @@ from ..errors import UserError, quote
 from ..io import read_jsonl, save_figure, write_text
 from ..jsonfiles import read_json_object
 from ..outdir import Contents
+from .curves import (CURVE_PLOTS, TARGET_COLUMNS, curve_gain_columns, curves_table, plot_curves, plot_pareto,
+                     run_curve, target_columns)
 from .plotting import pyplot
-from .records import record_problem
+from .records import EVALUATIONS_FILE, record_problem
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
 # what --tables DIR and --plots DIR hold (the workflow writes its manifest.json beside them)
-TABLES_CONTENTS = Contents("learning tables", ("learning.csv", "learning.md", "evaluation.csv", "manifest.json"))
+TABLES_CONTENTS = Contents("learning tables", ("learning.csv", "learning.md", "evaluation.csv", "curves.csv",
+                                               "manifest.json"))
 PLOTS_CONTENTS = Contents("learning plots", ("reward_iteration.png", "reward_time.png", "samples.png",
-                                             "manifest.json"))
+                                             *(f"{name}.png" for name in CURVE_PLOTS), "manifest.json"))
 
 
 @dataclass
 class Run:
+    """One run of the manifest: its ok records in iteration order, and its in-run evaluations in order
+    (None: the run has none)."""
+
     method: str
     seed: int
     dir: Path
     records: pd.DataFrame
+    evaluations: pd.DataFrame | None = None
 
 
 def load_runs(manifest: str | Path) -> list[Run]:
@@ -75,10 +92,40 @@ def load_runs(manifest: str | Path) -> list[Run]:
         if records.empty:
             continue
         records = records[records["status"] == "ok"].sort_values("iteration").reset_index(drop=True)
-        runs.append(Run(entry["method"], int(entry.get("seed") or 0), Path(entry["dir"]), records))
+        runs.append(Run(entry["method"], int(entry.get("seed") or 0), Path(entry["dir"]), records,
+                        load_evaluations(Path(entry["dir"]) / EVALUATIONS_FILE)))
     if not runs:
         raise UserError(f"manifest {path}: no run with records")
     return runs
+
+
+def load_evaluations(path: Path) -> pd.DataFrame | None:
+    """A run's in-run evaluations (``evaluations.jsonl``) in iteration order; None if it has none."""
+    if not path.is_file():
+        return None
+    lines = list(read_jsonl(path))
+    for k, line in enumerate(lines):
+        iteration, reward = line.get("iteration"), line.get("eval_reward")
+        if type(iteration) is not int or iteration < 0 or isinstance(reward, bool) or \
+                not isinstance(reward, (int, float)):
+            raise UserError(f"{path}: line {k + 1}: expected an iteration (an integer >= 0) and an eval_reward "
+                            f"(a number), not {quote(line)}")
+    if not lines:
+        return None
+    if not any(line["iteration"] == 0 for line in lines):  # every gain and target is measured from it
+        raise UserError(f"{path}: no evaluation of the starting weights (iteration 0)")
+    return pd.DataFrame(lines).sort_values("iteration").reset_index(drop=True)
+
+
+def held_out_curves(runs: list[Run]) -> tuple[dict[int, pd.DataFrame], dict[str, list[int]]]:
+    """The runs' held-out curves (:func:`agg_bench.results.curves.run_curve`) by their index in ``runs``
+    (runs without in-run evaluations have none), and each method's run indices (order of first appearance)."""
+    curves = {i: run_curve(run.evaluations, run.records, iteration_times(run.records)[0])
+              for i, run in enumerate(runs) if run.evaluations is not None}
+    methods: dict[str, list[int]] = {}
+    for i, run in enumerate(runs):
+        methods.setdefault(run.method, []).append(i)
+    return curves, methods
 
 
 def iteration_times(records: pd.DataFrame) -> tuple[np.ndarray, str]:
@@ -117,10 +164,13 @@ def cpu_time_to_reach(records: pd.DataFrame, target_gain: float, average: int) -
 
 
 def learning_table(runs: list[Run], average: int = 3, fraction: float = 0.8, baseline: str = "full",
-                   evaluation: pd.DataFrame | None = None) -> pd.DataFrame:
+                   evaluation: pd.DataFrame | None = None, target_fraction: float = 0.9) -> pd.DataFrame:
     """One row per method (order of first appearance); see the module docstring for the columns.
-    ``evaluation`` (:func:`agg_bench.tools.learning.evaluate`'s scores) adds the held-out evaluation's
-    columns."""
+    ``baseline`` is the reference method of both targets (``fraction`` of its rollout gain,
+    ``target_fraction`` of its held-out gain); ``evaluation`` (:func:`agg_bench.tools.learning.evaluate`'s
+    scores) gives the held-out evaluation's columns of methods without in-run evaluations."""
+    curves, by_method = held_out_curves(runs)
+    targets = target_columns(curves, by_method, baseline, target_fraction)
     gains = {id(run): run_gain(run.records, average) for run in runs}
     base = [gains[id(r)]["reward_gain"] for r in runs if r.method == baseline]
     target = fraction * float(np.mean(base)) if base else None
@@ -138,15 +188,22 @@ def learning_table(runs: list[Run], average: int = 3, fraction: float = 0.8, bas
         row["cpu_s_per_iteration"] = float(np.mean([c.mean() for c in cpu]))
         reached = [cpu_time_to_reach(r.records, target, average) for r in mine] if target and target > 0 else []
         hits = [t for t in reached if t is not None]
-        row["reached"] = f"{len(hits)}/{len(mine)}" if target and target > 0 else "no full gain"
+        row["reached"] = f"{len(hits)}/{len(mine)}" if target and target > 0 else f"no {baseline} gain"
         row["cpu_s_to_target"] = float(np.mean(hits)) if hits else math.nan
-        if evaluation is not None:
-            row.update(evaluation_columns(evaluation, method))
+        if all(i in curves for i in by_method[method]):
+            row.update(curve_gain_columns([curves[i] for i in by_method[method]]), eval_source="in-run")
+        elif evaluation is not None and (checkpoint := evaluation_columns(evaluation, method)):
+            row.update(checkpoint, eval_source="checkpoint")
+        row.update(targets[method])
         rows.append(row)
     table = pd.DataFrame(rows)
+    for column in ("eval_gain", "eval_gain_std", "eval_source"):  # the table's contract, even with no evaluation
+        if column not in table:
+            table[column] = math.nan
+    table["target_reached"] = table["target_reached"].astype("Int64")  # a count, empty where there is no target
     leading = ["method", "seeds", "eval_initial", "eval_final", "eval_gain", "eval_gain_std", "eval_gain_over_spread",
-               "reward_initial", "reward_final", "reward_gain", "gain_std", "gain_over_spread",
-               "cpu_s_to_target", "reached", "cpu_s_per_iteration", "time_key"]
+               "eval_source", *TARGET_COLUMNS, "reward_initial", "reward_final", "reward_gain", "gain_std",
+               "gain_over_spread", "cpu_s_to_target", "reached", "cpu_s_per_iteration", "time_key"]
     return table[[c for c in leading if c in table] + [c for c in table if c not in leading]]
 
 
@@ -161,16 +218,50 @@ def to_markdown(table: pd.DataFrame, caption: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_table(table: pd.DataFrame, out_dir: str | Path, average: int, fraction: float) -> list[Path]:
+def write_table(table: pd.DataFrame, out_dir: str | Path, average: int, fraction: float,
+                target_fraction: float = 0.9, reference: str = "full") -> list[Path]:
+    """``learning.csv`` and ``learning.md`` of ``table``; in the Markdown ``target_reached`` reads
+    ``k/n`` (seeds) and a method with a seed that never reaches the target shows ``not reached``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv, md = out / "learning.csv", out / "learning.md"
     write_text(csv, table.to_csv(index=False))
     caption = (f"Reward gain per method (final - initial: means of the last and first {average} iterations), "
                f"mean and standard deviation over seeds; CPU seconds until the running reward first gains "
-               f"{fraction:g} x full's mean gain.")
-    write_text(md, to_markdown(table, caption))
+               f"{fraction:g} x {reference}'s mean gain. Held-out evaluation (eval_*; eval_source: in-run or "
+               f"checkpoint): final - starting score; target: {target_fraction:g} x {reference}'s mean held-out "
+               f"gain, target_cost in cost units (train.pass_costs) with a 95 % bootstrap interval over seeds, "
+               f"speedup_to_target = {reference}'s target cost / the method's.")
+    shown = table.astype(object)
+    for i, row in table.iterrows():
+        if not pd.isna(row["target_reached"]):
+            shown.at[i, "target_reached"] = f"{int(row['target_reached'])}/{row['seeds']}"
+            if pd.isna(row["target_cost"]):
+                shown.at[i, "target_cost"] = "not reached"
+    write_text(md, to_markdown(shown.where(shown.notna(), math.nan), caption))
     return [csv, md]
+
+
+def write_curves(runs: list[Run], out_dir: str | Path) -> Path:
+    """``curves.csv``: one row per in-run evaluation of every run (:data:`~agg_bench.results.curves.CURVE_COLUMNS`;
+    only the header when no run evaluated)."""
+    curves, _ = held_out_curves(runs)
+    table = curves_table(curves, {i: (runs[i].method, runs[i].seed) for i in curves})
+    path = Path(out_dir) / "curves.csv"
+    write_text(path, table.to_csv(index=False))
+    return path
+
+
+def plot_held_out(runs: list[Run], out_dir: str | Path) -> list[Path]:
+    """The held-out curves against cost and CPU time, and the final reward against total cost
+    (:data:`~agg_bench.results.curves.CURVE_PLOTS`)."""
+    curves, methods = held_out_curves(runs)
+    key = iteration_times(runs[0].records)[1]
+    out = Path(out_dir)
+    return [plot_curves(curves, methods, out / "eval_reward_cost.png", "cost"),
+            plot_curves(curves, methods, out / "eval_reward_cpu.png", "cpu_s",
+                        "CPU seconds" if key == "t_iter_cpu_s" else "wall seconds"),
+            plot_pareto(curves, methods, out / "eval_pareto.png")]
 
 
 def plot_rewards(runs: list[Run], path: str | Path, x: str) -> Path:

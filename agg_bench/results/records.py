@@ -36,8 +36,9 @@ TELEMETRY_KEYS = (
 )
 
 # Every key of a metric record (one line of ``metrics.jsonl``), in the order a run writes them: the run's
-# identity, learning, time, work, memory, energy, status, the weights label (tiny, random, pretrained) and
-# NVML's means over the iteration. Every record holds every key (:func:`new_record`; null: not measured),
+# identity, learning, time, work (the counted passes and ``cost``, the run's cumulative cost in units of
+# ``train.pass_costs`` up to and including this iteration: :func:`passes_cost`), memory, energy, status, the
+# weights label (tiny, random, pretrained) and NVML's means over the iteration. Every record holds every key (:func:`new_record`; null: not measured),
 # TELEMETRY_KEYS included; a method adds its own fields after them.
 RECORD_KEYS = (
     "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
@@ -45,7 +46,7 @@ RECORD_KEYS = (
     "t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
     "t_rollout_cpu_s", "t_reward_cpu_s", "t_train_cpu_s", "t_iter_cpu_s",
     "forward_nograd", "forward_grad", "backward", "train_forward_nograd", "train_forward_grad", "train_backward",
-    "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
+    "cost", "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
     "rss_peak_bytes", "energy_j", "status", "weights", "gpu_util_mean", "power_mean_w",
 )
 # The key only an imported record holds (``agg-bench import-log``: "imported"); a run's records, without
@@ -84,6 +85,11 @@ def record_problem(record: dict) -> str | None:
     return None
 
 
+# A run folder's held-out evaluations (``eval.every``): one JSON line per evaluated state, ``iteration`` (the
+# iterations trained before it; 0: the starting weights), ``eval_reward``, ``eval_<sub-score>``, ``t_eval_s``
+# and ``t_eval_cpu_s`` (agg_bench.runtime.train writes it, agg_bench.results.learning reads it).
+EVALUATIONS_FILE = "evaluations.jsonl"
+
 # Record keys that depend on the machine's speed or load, not on the computation: two runs that
 # compute the same thing may differ in these and nothing else.
 TIMING_KEYS = ("t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
@@ -99,6 +105,15 @@ PHASE_CPU_KEYS = tuple(f"t_{phase}_cpu_s" for phase in STANDARD_PHASES)
 # those of the train phase alone (what the cost model of ``agg-bench calibrate`` prices).
 PASS_KEYS = ("forward_nograd", "forward_grad", "backward")
 TRAIN_PASS_KEYS = tuple(f"train_{key}" for key in PASS_KEYS)
+
+
+def passes_cost(counts: Mapping[str, float], prices: Mapping[str, float]) -> float:
+    """Cost units of the passes ``counts`` holds (a record's ``forward_nograd``, ``forward_grad`` and
+    ``backward``, per sample) at ``prices`` (``train.pass_costs``): the sum of count x price over
+    PASS_KEYS, in that order, so that the same counts always give the same float. The ``train_`` counts
+    are shares of these and are not added again."""
+    return sum(float(counts[key]) * float(prices[key]) for key in PASS_KEYS)
+
 
 # Estimator options that get their own gradcheck column (whichever method has them).
 GRADCHECK_OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",

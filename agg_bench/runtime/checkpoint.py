@@ -2,7 +2,8 @@
 
 ``DIR/checkpoint.pt`` holds the state after iteration k: the trainable parameters, the optimizer
 state, the policy version, the global RNG states (torch, CUDA, numpy, python), the metric records
-0..k exactly as written to ``metrics.jsonl``, and the run config. Every random draw of an iteration
+0..k exactly as written to ``metrics.jsonl``, the held-out evaluations of the states up to it as written
+to ``evaluations.jsonl`` (none in a checkpoint written before the evaluations existed), and the run config. Every random draw of an iteration
 comes from ``iteration_generator(seed, iteration)``, so an iteration depends on nothing else: resuming
 after iteration k gives records k+1, ... equal to those of an uninterrupted run (timing fields aside).
 Frozen weights (a LoRA base, the KL reference) are rebuilt from the config, so they are not saved.
@@ -14,7 +15,7 @@ only ever names a complete folder; older shard folders are removed after it. Res
 into the sharded model (the process count may differ: the checkpoint is resharded on load).
 
 The file is written under a temporary name and renamed, so ``checkpoint.pt`` is always complete. The
-records travel inside it, so a resumed ``metrics.jsonl`` is rebuilt from them even when the file was
+records and evaluations travel inside it, so a resumed ``metrics.jsonl`` (and ``evaluations.jsonl``) is rebuilt from them even when the file was
 deleted or holds records of iterations after the checkpoint (the workflow removes a failed job's outputs).
 """
 from __future__ import annotations
@@ -43,15 +44,17 @@ SAME_RUN_CHANGES = ("progress", "train.checkpoint_every", "telemetry.tensorboard
 # measured or how far the run goes but not the iterations' numbers (the device may: a run can move to another
 # machine; numbers then follow that device's arithmetic). A finished run rerun with other values of these
 # is another run: its records would differ.
-RESUMABLE_CHANGES = (*SAME_RUN_CHANGES, "device", "telemetry", "train.iterations")
+RESUMABLE_CHANGES = (*SAME_RUN_CHANGES, "device", "telemetry", "train.iterations", "train.budget")
 
 
 @dataclass
 class Checkpoint:
-    """What a resumed run continues from: the last finished ``iteration`` and its ``records`` (JSON lines)."""
+    """What a resumed run continues from: the last finished ``iteration``, its ``records`` and the
+    ``evaluations`` of the states up to it (JSON lines)."""
 
     iteration: int
     records: list[str]
+    evaluations: list[str]
 
 
 def checkpoint_path(out_dir: str | Path) -> Path:
@@ -153,8 +156,10 @@ def _save_shards(out_dir: Path, session, iteration: int) -> str:
     return name
 
 
-def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[str], config: dict) -> Path:
-    """Write the state after ``iteration`` (records 0..iteration as JSON lines) to DIR/checkpoint.pt atomically.
+def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[str], config: dict,
+                    evaluations: list[str] = ()) -> Path:
+    """Write the state after ``iteration`` (records 0..iteration and the evaluations up to it, as JSON lines)
+    to DIR/checkpoint.pt atomically.
 
     A sharded session is saved by every process (its shards); only rank 0 writes ``checkpoint.pt``."""
     from ..machine.fsdp import is_sharded
@@ -166,6 +171,7 @@ def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[
         "policy_version": session.policy.version,
         "rng": _rng_state(session.device),
         "records": list(records),
+        "evaluations": list(evaluations),
         "config": config,
     }
     if is_sharded(session.policy):
@@ -214,7 +220,8 @@ def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | 
         _load_parameters(session, state, path)
     session.policy.version = state["policy_version"]
     _set_rng_state(state["rng"], session.device)
-    return Checkpoint(iteration=state["iteration"], records=list(state["records"]))
+    return Checkpoint(iteration=state["iteration"], records=list(state["records"]),
+                      evaluations=list(state.get("evaluations", [])))
 
 
 def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:

@@ -8,6 +8,8 @@ A run folder holds these files and nothing else (:data:`RUN_CONTENTS`):
   is off measures nothing and plans nothing);
 - ``metrics.jsonl``: one record per iteration (:func:`agg_bench.results.records.new_record` builds each),
   every line flushed and fsynced as it is appended;
+- ``evaluations.jsonl`` (with ``eval.every`` > 0): one line per held-out evaluation
+  (:mod:`agg_bench.runtime.evaluation`), appended the same way;
 - ``checkpoint.pt``, and with ``train.shard: fsdp`` its ``checkpoint_shards_<iteration>/`` folder
   (:mod:`agg_bench.runtime.checkpoint`);
 - ``tensorboard/``, with ``telemetry.tensorboard: true``: the records' numbers as TensorBoard scalars
@@ -29,8 +31,9 @@ killed run leaves whole files. The rules, in the order a run meets them:
    whole run and removes the folder it made if the run fails before writing into it.
 2. **Starting** (:func:`start_files`, :func:`write_plan`). An earlier attempt's summary, a killed
    process's temporaries and, unless resuming, its checkpoint go, and its ``tensorboard/`` folder unless
-   this attempt continues it; then ``config.json``, ``env.json``,
-   ``metrics.jsonl`` (holding the records a resumed run keeps) and ``plan.json`` are written, in that order.
+   this attempt continues it; then ``config.json``, ``env.json``, ``metrics.jsonl`` (holding the records a
+   resumed run keeps), ``evaluations.jsonl`` (the evaluations it keeps; an earlier attempt's goes when this
+   one evaluates nothing) and ``plan.json`` are written, in that order.
 3. **Ending** (:func:`run_summary`, :func:`write_summary`). The summary repeats the run's identity
    fields and says how the attempt ended, how far it got and which checkpoint it left.
 """
@@ -45,12 +48,14 @@ from ..errors import UserError
 from ..io import JsonlWriter, is_temp_name, write_json, write_lines
 from ..machine.envinfo import environment
 from ..outdir import Claim, Contents, check_folder
+from ..results.records import EVALUATIONS_FILE
 from .checkpoint import (CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference,
                          remove_shard_folders)
 from .curves import FOLDER as CURVES_FOLDER
 
-RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics.jsonl", "summary.json", "plan.json",
-                                             CHECKPOINT_NAME, CURVES_FOLDER), (f"{SHARDS_PREFIX}*",))
+RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics.jsonl", EVALUATIONS_FILE,
+                                             "summary.json", "plan.json", CHECKPOINT_NAME, CURVES_FOLDER),
+                        (f"{SHARDS_PREFIX}*",))
 
 
 def _run_config(folder: Path) -> dict | None:
@@ -108,13 +113,19 @@ def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool, keep_curves: 
         p.unlink(missing_ok=True)
 
 
-def start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool, keep_curves: bool) -> None:
+def start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool, keep_curves: bool,
+                evaluations: list[str] | None = None) -> None:
     """What a run writes before its first iteration: an earlier attempt's stale files removed, then
-    ``config.json``, ``env.json`` and ``metrics.jsonl`` holding ``lines`` (records as JSON lines)."""
+    ``config.json``, ``env.json``, ``metrics.jsonl`` holding ``lines`` (records as JSON lines) and
+    ``evaluations.jsonl`` holding ``evaluations`` (None: a run that evaluates nothing, which has none)."""
     remove_stale_files(out, keep_checkpoint=keep_checkpoint, keep_curves=keep_curves)
     write_json(out / "config.json", config)
     write_json(out / "env.json", environment())
     write_lines(out / "metrics.jsonl", lines)
+    if evaluations is None:
+        (out / EVALUATIONS_FILE).unlink(missing_ok=True)
+    else:
+        write_lines(out / EVALUATIONS_FILE, evaluations)
 
 
 def write_plan(out: Path, plan: dict | None) -> None:
@@ -130,15 +141,22 @@ def metrics_writer(out: Path) -> JsonlWriter:
     return JsonlWriter(out / "metrics.jsonl", append=True)
 
 
+def evaluations_writer(out: Path) -> JsonlWriter:
+    """The writer that appends a run's evaluations to ``evaluations.jsonl`` after the lines it starts with."""
+    return JsonlWriter(out / EVALUATIONS_FILE, append=True)
+
+
 def run_summary(identity: dict, status: str, error: str | None, iterations: int, world_size: int,
                 last_good: int | None = None, resumed_from: int | None = None,
-                checkpoint_iteration: int | None = None) -> dict:
+                checkpoint_iteration: int | None = None, budget_reached: bool = False) -> dict:
     """The contents of ``summary.json``: how an attempt ended (``status``, ``error``), ``iterations``
     asked for, the last iteration whose update was good, the run's ``identity`` (a record's identity
-    fields), the process count, the checkpoint's iteration it resumed from and the one it leaves."""
+    fields), the process count, the checkpoint's iteration it resumed from and the one it leaves, and
+    whether the run's cost reached ``train.budget`` (what stopped it, unless that was ``iterations``)."""
     return {"run_id": identity["run_id"], "status": status, "iterations": iterations,
             "last_good_iteration": last_good, "error": error, **identity, "world_size": world_size,
-            "resumed_from": resumed_from, "checkpoint_iteration": checkpoint_iteration}
+            "resumed_from": resumed_from, "checkpoint_iteration": checkpoint_iteration,
+            "budget_reached": budget_reached}
 
 
 def write_summary(out: Path, summary: dict) -> None:

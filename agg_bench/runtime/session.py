@@ -34,6 +34,13 @@ def iteration_generator(seed: int, iteration: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
 
 
+def run_sigmas(cfg: RunConfig, policy: Policy, latent_shape: tuple[int, int, int]) -> torch.Tensor:
+    """The run's sigma schedule (T+1): ``sampling.shift``'s, or with a null shift the model's own."""
+    if cfg.sampling.shift is not None:
+        return flow_sigmas(cfg.sampling.steps, cfg.sampling.shift)
+    return flow_sigmas(cfg.sampling.steps, policy.schedule_shift(latent_shape), policy.schedule_shift_terminal())
+
+
 def model_label(cfg: RunConfig) -> str:
     """The model a record names: the family and a local folder's name, an architecture's name and
     ``-random``, or the family and preset (``sd3-tiny``)."""
@@ -84,11 +91,7 @@ class Session:
         fsdp.shard_run(cfg, self.policy, self.reference)  # train.shard: fsdp; before the optimizer sees the parameters
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
-        if cfg.sampling.shift is not None:
-            self.sigmas = flow_sigmas(cfg.sampling.steps, cfg.sampling.shift)
-        else:  # the model's own schedule
-            self.sigmas = flow_sigmas(cfg.sampling.steps, self.policy.schedule_shift(self.latent_shape),
-                                      self.policy.schedule_shift_terminal())
+        self.sigmas = run_sigmas(cfg, self.policy, self.latent_shape)
 
     # ----- one iteration's data -------------------------------------------------------------
     def pick_prompts(self, generator: torch.Generator) -> torch.Tensor:

@@ -8,6 +8,7 @@ re-exported.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import sys
@@ -23,9 +24,10 @@ from ..io import JsonlWriter
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
-from ..results.records import RECORD_KEYS, TIMING_KEYS, new_record
+from ..results.records import RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
 from . import curves, runfolder
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from .evaluation import Evaluation
 from .memplan import run_memory_plan
 from .session import Session, check_plan, identity, iteration_generator, model_label, run_iteration, weights_label
 
@@ -96,7 +98,8 @@ class StopSignals:
 
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False) -> dict:
-    """Run ``train.iterations`` GRPO iterations into the run folder ``out_dir``; return the summary.
+    """Run ``train.iterations`` GRPO iterations into the run folder ``out_dir`` (with ``train.budget``, until
+    the first iteration whose cumulative ``cost`` reaches it, if that comes first); return the summary.
 
     The folder's files, which ``out_dir`` may be, and the summary's statuses are
     :mod:`agg_bench.runtime.runfolder`'s: ``out_dir`` must be new, empty or a run folder; an earlier
@@ -104,7 +107,9 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     input error surfaces before anything is written. With ``resume`` the run continues after the
     checkpoint's iteration (later records are dropped and recomputed, so none is duplicated or missing),
     or starts over when there is no checkpoint; ``train.checkpoint_every`` = K > 0 writes
-    ``checkpoint.pt`` every K iterations, at the end and on interruption.
+    ``checkpoint.pt`` every K iterations, at the end and on interruption. ``eval.every`` = K > 0 evaluates
+    the policy on held-out noise (:mod:`agg_bench.runtime.evaluation`) before the first iteration, every K
+    iterations and after the last, into ``evaluations.jsonl``, outside what the records count and time.
 
     An ``oom`` or ``diverged`` run returns its summary; an interrupted one raises :class:`Interrupted`
     and a failed one its exception, each after the summary is written. Started by torchrun, every
@@ -133,12 +138,21 @@ class Training:
     """The iterations of one run in its claimed folder ``out``; rank 0 writes.
 
     Its life cycle: constructing it checks the step plan, restores the checkpoint (with ``resume``) and
-    writes nothing; :meth:`begin` starts the folder's files and opens what the iterations use (telemetry,
-    the record writer, with ``telemetry.tensorboard`` the live curves, the progress bar, a hook on the
-    optimizer); :meth:`iterate` trains one iteration, appends its record and writes the checkpoint it is
-    due; :meth:`finish` closes what ``begin`` opened and writes the summary. :meth:`run` calls them in that
-    order, with SIGTERM and SIGINT turned into :class:`Interrupted` between records, and maps how the loop
-    ended to the summary's status.
+    writes nothing; :meth:`begin` starts the folder's files, opens what the iterations use (telemetry,
+    the record writer, with ``telemetry.tensorboard`` the live curves, the progress bar, a hook on the optimizer) and evaluates the starting state if that
+    is due; :meth:`iterate` trains one iteration, appends its record, evaluates and writes the checkpoint
+    it is due; :meth:`finish` closes what ``begin`` opened and writes the summary. :meth:`run` calls them
+    in that order, with SIGTERM and SIGINT turned into :class:`Interrupted` between records, stops after
+    ``train.iterations`` or the iteration whose cost reaches ``train.budget``, and maps how the loop ended
+    to the summary's status.
+
+    The cost (``cost`` of every record) is the running sum of :func:`~agg_bench.results.records.passes_cost`
+    over the records at ``train.pass_costs``; a resumed run continues it from the checkpoint's records, so
+    it equals an uninterrupted run's. Evaluations (``eval.every``) use their own pass counter and
+    generator and run outside the telemetry's iteration, so the records are those of a run without them;
+    the evaluation of the state after ``n`` iterations is ``evaluations.jsonl``'s line ``iteration: n``
+    (0: the starting weights), written before the checkpoint of that state, which carries it; a resumed
+    run first evaluates its starting state if that is due and the checkpoint does not hold it.
     """
 
     def __init__(self, cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, session: Session):
@@ -154,6 +168,13 @@ class Training:
                               f"{self.restored.iteration + 1} iterations) to resume the run in {out}")
         self.lines = list(self.restored.records) if self.restored is not None else []  # records written, as JSON lines
         self.start = self.restored.iteration + 1 if self.restored is not None else 0
+        self.prices = cfg.train.pass_costs.to_dict()
+        self.cost = running_cost([json.loads(line) for line in self.lines], self.prices)
+        self.budget_reached = cfg.train.budget is not None and self.cost >= cfg.train.budget
+        # held-out evaluations written (JSON lines), and the iterations after which each was taken
+        self.evaluation = Evaluation.of_session(session) if cfg.eval.every else None
+        self.eval_lines = list(self.restored.evaluations) if self.restored is not None else []
+        self.evaluated = {json.loads(line)["iteration"] for line in self.eval_lines}
         self.last_good = self.start - 1 if self.start else None  # the last iteration whose record is ok
         self.saved_at = self.restored.iteration if self.restored is not None else None  # the checkpoint's iteration
         # True from an optimizer step until its record is written: a checkpoint then would not match the records
@@ -166,6 +187,7 @@ class Training:
         self.telemetry: tel.Telemetry | None = None
         self.writer: JsonlWriter | None = None
         self.live_curves: curves.LiveCurves | None = None
+        self.eval_writer: JsonlWriter | None = None
         self.bar: tqdm | None = None
         self._step_hook = None
 
@@ -179,7 +201,12 @@ class Training:
         status, error = "ok", None
         with self.stop:
             try:
+                evaluated = self._evaluate_if_due(self.start)  # the starting weights (or a resumed run's missing one)
+                if evaluated and self.log_lines:
+                    print(evaluated, file=sys.stderr, flush=True)
                 for iteration in self.bar:
+                    if self.budget_reached:  # a resumed run whose checkpoint spent the budget already
+                        break
                     ended = self.iterate(iteration)
                     if ended is not None:
                         status, error = ended
@@ -214,22 +241,27 @@ class Training:
         self.writer = runfolder.metrics_writer(self.out) if self.shard.is_main else None
         if self.shard.is_main and cfg.telemetry.tensorboard:
             self.live_curves = curves.LiveCurves(self.out, self.start, skip=self.identity)
+        if self.evaluation is not None and self.shard.is_main:
+            self.eval_writer = runfolder.evaluations_writer(self.out)
 
     def _start_files(self) -> None:
         if self.resume and self.restored is None:
             print(f"agg-bench run: no checkpoint in {self.out}; starting at iteration 0", file=sys.stderr)
         resumed = self.restored is not None
         runfolder.start_files(self.out, self.config, self.lines, keep_checkpoint=resumed,
-                              keep_curves=resumed and self.cfg.telemetry.tensorboard)
+                              keep_curves=resumed and self.cfg.telemetry.tensorboard,
+                              evaluations=self.eval_lines if self.evaluation is not None else None)
         runfolder.write_plan(self.out, self.memory_plan)
 
     def _stepping(self, *args) -> None:
         self.stepped = True
 
     def iterate(self, iteration: int) -> tuple[str, str | None] | None:
-        """Train ``iteration``, append its record and write the checkpoint due after it; None while the run
-        goes on, else the status and error that end it: ``oom`` (out of memory on any process: its record
-        holds the memory at the failure) or ``diverged``. Any other failure raises."""
+        """Train ``iteration``, append its record (with the cumulative ``cost``), take the evaluation and
+        write the checkpoint due after it; None while the run goes on (``budget_reached`` says whether the
+        cost reached ``train.budget``: the loop then ends), else the status and error that end it: ``oom``
+        (out of memory on any process: its record holds the memory at the failure) or ``diverged``. Any
+        other failure raises."""
         try:
             fields = run_iteration(self.session, self.telemetry, iteration)
         except Exception as exc:  # an OOM ends the run but not the sweep
@@ -247,19 +279,27 @@ class Training:
             return "oom", None
         reason = fields.pop("diverged", None) or next(
             (k for k in ("reward_mean", "loss", "grad_norm") if not _finite(fields.get(k))), None)
-        record = new_record(self.identity, {"iteration": iteration}, fields, status="diverged" if reason else "ok")
+        self.cost += passes_cost(fields, self.prices)
+        record = new_record(self.identity, {"iteration": iteration}, fields, {"cost": self.cost},
+                            status="diverged" if reason else "ok")
         with self.stop.deferred():
             self._write(record)
             self.stepped = False
             if reason:
                 return "diverged", f"non-finite {reason} at iteration {iteration}"
             self.last_good = iteration
+            budget = self.cfg.train.budget
+            self.budget_reached = budget is not None and self.cost >= budget
+        evaluated = self._evaluate_if_due(iteration + 1)  # before the checkpoint of this state, which carries it
+        with self.stop.deferred():
             every = self.cfg.train.checkpoint_every
             if every and (iteration + 1) % every == 0:
                 self._checkpoint(iteration)
         self.bar.set_postfix(reward=f"{record['reward_mean']:.3g}", loss=f"{record['loss'] or 0:.3g}")
         if self.log_lines:
             print(progress_line(record, self.cfg.train.iterations), file=sys.stderr, flush=True)
+            if evaluated:
+                print(evaluated, file=sys.stderr, flush=True)
         return None
 
     def _write(self, record: dict) -> None:
@@ -270,9 +310,28 @@ class Training:
         if self.live_curves is not None:
             self.live_curves.write(record)
 
+    def _evaluate_if_due(self, done: int) -> str | None:
+        """Evaluate the weights after ``done`` iterations (every process: a sharded forward needs them all)
+        and append the line (rank 0), if ``eval.every`` asks for that state and it is not evaluated yet:
+        every ``eval.every``-th state from 0 on, and the last one (``train.iterations`` or the budget).
+        The job log's line about it, or None when nothing was evaluated."""
+        every = self.cfg.eval.every
+        last = done >= self.cfg.train.iterations or self.budget_reached
+        if self.evaluation is None or done in self.evaluated or not (done % every == 0 or last):
+            return None
+        with tel.PhaseTimer(self.session.device) as timer:
+            scores = self.evaluation.means(self.evaluation.images())
+        line = {"iteration": done, **scores, "t_eval_s": timer.elapsed_s, "t_eval_cpu_s": timer.cpu_s}
+        with self.stop.deferred():
+            if self.eval_writer is not None:
+                self.eval_lines.append(self.eval_writer.write(line))
+            self.evaluated.add(done)
+        return (f"{self.run_id} evaluation after {done} iterations: reward {scores['eval_reward']:.4g} "
+                f"({timer.cpu_s:.3f} CPU-s)")
+
     def _checkpoint(self, iteration: int) -> None:
         if self.shard.is_main or fsdp.is_sharded(self.session.policy):  # every process writes its shards
-            save_checkpoint(self.out, self.session, iteration, self.lines, self.config)
+            save_checkpoint(self.out, self.session, iteration, self.lines, self.config, self.eval_lines)
         self.saved_at = iteration
 
     def _checkpoint_last_good(self) -> None:
@@ -287,7 +346,7 @@ class Training:
         summary = runfolder.run_summary(self.identity, status, error, self.cfg.train.iterations,
                                         self.shard.world_size, last_good=self.last_good,
                                         resumed_from=self.restored.iteration if self.restored else None,
-                                        checkpoint_iteration=self.saved_at)
+                                        checkpoint_iteration=self.saved_at, budget_reached=self.budget_reached)
         if self.shard.is_main:
             try:
                 runfolder.write_summary(self.out, summary)
@@ -311,6 +370,18 @@ class Training:
             self.writer.close()
         if self.live_curves is not None:
             self.live_curves.close()
+        if self.eval_writer is not None:
+            self.eval_writer.close()
+
+
+def running_cost(records: list[dict], prices: dict) -> float:
+    """The cumulative cost after ``records`` (in iteration order): the last one's ``cost``, continued by
+    :func:`~agg_bench.results.records.passes_cost` over records without one (written before records had
+    it); 0.0 for none."""
+    cost = 0.0
+    for record in records:
+        cost = record["cost"] if record.get("cost") is not None else cost + passes_cost(record, prices)
+    return cost
 
 
 def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard,

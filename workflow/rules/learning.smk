@@ -1,11 +1,14 @@
 # The learning testbed (config/learning.yaml; docs/learning.md): scene models pre-trained once into
-# results/pretrained/<label>/ (later runs reuse them), then the learning tables and plots of the sweep's runs.
+# results/pretrained/<label>/ (later runs reuse them), then the learning tables and plots of the sweep's runs
+# (with the runs' in-run evaluations, eval.every > 0: the held-out curves against cost and the cost to a target).
 #   snakemake --cores 2 --configfile config/learning.yaml learning      (make learning)
 PRETRAIN = config.get("pretrain") or {}
 LEARNING = config.get("learning") or {}
 LEARNING_DIR = "results/learning"
-LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + [f"{LEARNING_DIR}/evaluation.csv"] + \
-    [f"{LEARNING_DIR}/{name}.png" for name in ("reward_iteration", "reward_time", "samples")]
+LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + \
+    [f"{LEARNING_DIR}/{name}.csv" for name in ("evaluation", "curves")] + \
+    [f"{LEARNING_DIR}/{name}.png" for name in ("reward_iteration", "reward_time", "samples", "eval_reward_cost",
+                                              "eval_reward_cpu", "eval_pareto")]
 
 
 def pretrain_command(name: str, threads: int) -> str:
@@ -70,7 +73,9 @@ rule learning_report:
     params:
         options=f"--average {int(LEARNING.get('average_iterations', 3))} --fraction {float(LEARNING.get('fraction_of_full', 0.8))} "
         f"--eval-noises {int(LEARNING.get('eval_noises', 16))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
-        f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')}",
+        f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')} "
+        f"--target-fraction {float(LEARNING.get('target_fraction', 0.9))} "
+        f"--reference {shlex.quote(str(LEARNING.get('reference', 'full')))}",
     shell:
         "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench learning --manifest {input.manifest} {params.options} "
         "--tables {LEARNING_DIR} --plots {LEARNING_DIR} > {log} 2>&1"

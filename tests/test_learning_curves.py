@@ -1,0 +1,136 @@
+"""Quality at equal compute (agg_bench.results.curves, through `agg-bench learning`): curves.csv and the
+target-cost columns of learning.csv on run folders with in-run evaluations of known rewards and costs, the
+crossings worked out by hand."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from agg_bench.cli import main
+from agg_bench.errors import UserError
+from agg_bench.results.curves import CURVE_COLUMNS, crossing
+from agg_bench.results.learning import learning_table, load_runs, plot_held_out
+
+COST, CPU_S = {"full": 10.0, "agg": 5.0, "window": 5.0, "plain": 5.0}, 2.0  # per iteration
+# held-out reward after 0, 2 and 4 iterations, per method and seed
+EVALS = {
+    "full": [[0.5, 0.60, 0.7], [0.5, 0.62, 0.7], [0.5, 0.64, 0.7]],  # every seed gains 0.2
+    "agg": [[0.5, 0.65, 0.69], [0.5, 0.65, 0.70], [0.5, 0.65, 0.71]],
+    "window": [[0.5, 0.55, 0.69], [0.5, 0.55, 0.69], [0.5, 0.55, 0.60]],  # seed 2 never reaches the target
+}
+# target: 0.9 x full's mean gain 0.2 = 0.18, so each curve must reach 0.5 + 0.18 = 0.68. Between the
+# evaluations after 2 and 4 iterations (costs 2 and 4 iterations' worth) it crosses at
+# cost(2) + (0.68 - r(2)) / (r(4) - r(2)) x (cost(4) - cost(2)):
+FULL_COSTS = [20 + 0.08 / 0.10 * 20, 20 + 0.06 / 0.08 * 20, 20 + 0.04 / 0.06 * 20]  # 36, 35, 33.33
+AGG_COSTS = [10 + 0.03 / 0.04 * 10, 10 + 0.03 / 0.05 * 10, 10 + 0.03 / 0.06 * 10]  # 17.5, 16, 15
+
+
+def write_run(folder, method, seed, evals):
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.jsonl", "w") as fh:
+        for i in range(4):
+            fh.write(json.dumps({"iteration": i, "method": method, "seed": seed, "status": "ok", "reward_mean": 0.5,
+                                 "t_iter_s": 3.0, "t_iter_cpu_s": CPU_S, "cost": COST[method] * (i + 1)}) + "\n")
+    if evals is not None:
+        with open(folder / "evaluations.jsonl", "w") as fh:
+            for n, reward in zip((0, 2, 4), evals):
+                fh.write(json.dumps({"iteration": n, "eval_reward": reward, "eval_reward_shape": reward / 2,
+                                     "t_eval_s": 0.1, "t_eval_cpu_s": 0.1}) + "\n")
+    return {"dir": str(folder), "method": method, "seed": seed}
+
+
+@pytest.fixture
+def manifest(tmp_path):
+    runs = [write_run(tmp_path / f"{method}{seed}", method, seed, curves[seed])
+            for method, curves in EVALS.items() for seed in range(3)]
+    runs += [write_run(tmp_path / "plain0", "plain", 0, None)]  # a run without in-run evaluations
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps({"runs": runs}))
+    return path
+
+
+def test_crossing_by_hand():
+    xs, rewards = np.array([0.0, 10.0, 20.0]), np.array([0.1, 0.3, 0.5])
+    assert crossing(xs, rewards, 0.4) == pytest.approx(15.0)
+    assert crossing(xs, rewards, 0.3) == 10.0  # on an evaluation: that evaluation's cost
+    assert crossing(xs, np.array([0.1, 0.5, 0.3]), 0.4) == pytest.approx(7.5)  # the first crossing counts
+    assert math.isnan(crossing(xs, rewards, 0.6))
+
+
+def test_target_costs_and_speedups(manifest):
+    table = learning_table(load_runs(manifest), average=1).set_index("method")
+    full, agg = np.array(FULL_COSTS), np.array(AGG_COSTS)
+    assert table.loc["full", "eval_gain"] == pytest.approx(0.2) and table.loc["full", "eval_source"] == "in-run"
+    assert table.loc["agg", "eval_gain_std"] == pytest.approx(0.01)
+    assert table.loc["agg", "eval_reward_shape_gain"] == pytest.approx(0.1)
+    assert table.loc["full", "target_cost"] == pytest.approx(full.mean())
+    assert table.loc["full", "target_cpu_s"] == pytest.approx(full.mean() / COST["full"] * CPU_S)
+    assert table.loc["agg", "target_cost"] == pytest.approx(agg.mean())
+    assert table.loc["agg", "target_cpu_s"] == pytest.approx(agg.mean() / COST["agg"] * CPU_S)
+    for method, costs in (("full", full), ("agg", agg)):
+        row = table.loc[method]
+        assert row["target_reached"] == 3
+        # a mean of resampled seeds lies between the seeds' extremes (up to rounding: 1e-9)
+        assert costs.min() - 1e-9 <= row["target_cost_lo"] <= row["target_cost"] <= row["target_cost_hi"] \
+            <= costs.max() + 1e-9
+        assert row["speedup_to_target_lo"] <= row["speedup_to_target"] <= row["speedup_to_target_hi"]
+    assert table.loc["full", "speedup_to_target"] == pytest.approx(1.0)
+    assert table.loc["agg", "speedup_to_target"] == pytest.approx(full.mean() / agg.mean())
+    assert table.loc["agg", "speedup_to_target_lo"] > 1  # every resample of agg's seeds is cheaper than full's
+    # a seed that never reaches the target: the method is not reached
+    assert table.loc["window", "target_reached"] == 2
+    assert table.loc[["window", "plain"], ["target_cost", "target_cpu_s", "speedup_to_target"]].isna().all().all()
+    assert pd.isna(table.loc["plain", "target_reached"]) and pd.isna(table.loc["plain", "eval_gain"])
+    # another target and reference
+    other = learning_table(load_runs(manifest), average=1, baseline="agg", target_fraction=0.5).set_index("method")
+    # 0.5 x agg's mean gain 0.2 = 0.1: full crosses 0.6 at 20, 20 x 0.1 / 0.12, 20 x 0.1 / 0.14
+    assert other.loc["full", "target_cost"] == pytest.approx(np.mean([20, 20 * 0.1 / 0.12, 20 * 0.1 / 0.14]))
+
+
+def test_the_command_writes_curves_and_the_table(manifest, tmp_path):
+    out = tmp_path / "out"
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 0
+    curves = pd.read_csv(out / "curves.csv")
+    assert tuple(curves.columns) == CURVE_COLUMNS and len(curves) == 9 * 3
+    seed1 = curves[(curves["method"] == "agg") & (curves["seed"] == 1)]
+    assert seed1["iteration"].tolist() == [0, 2, 4] and seed1["cost"].tolist() == [0.0, 10.0, 20.0]
+    assert seed1["cpu_s"].tolist() == [0.0, 4.0, 8.0] and seed1["eval_reward"].tolist() == EVALS["agg"][1]
+    table = pd.read_csv(out / "learning.csv")
+    for column in ("method", "seeds", "eval_gain", "eval_gain_std", "target_cost", "target_cost_lo",
+                   "target_cost_hi", "target_cpu_s", "speedup_to_target", "speedup_to_target_lo",
+                   "speedup_to_target_hi", "target_reached", "reward_gain", "cpu_s_to_target"):
+        assert column in table.columns, column
+    assert table.set_index("method").loc["agg", "target_reached"] == 3
+    markdown = (out / "learning.md").read_text()
+    window = next(line for line in markdown.splitlines() if line.startswith("| window |"))
+    assert "not reached" in window and "2/3" in window
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--target-fraction", "0"]) == 2
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--target-fraction", "1.5"]) == 2
+
+
+def test_plots_with_and_without_in_run_evaluations(manifest, tmp_path):
+    paths = plot_held_out(load_runs(manifest), tmp_path / "with")
+    assert [p.name for p in paths] == ["eval_reward_cost.png", "eval_reward_cpu.png", "eval_pareto.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"runs": [write_run(tmp_path / "p1", "plain", 1, None)]}))
+    assert all(p.is_file() for p in plot_held_out(load_runs(bare), tmp_path / "without"))
+    assert main(["learning", "--manifest", str(bare), "--tables", str(tmp_path / "t"), "--average", "1"]) == 0
+    assert (tmp_path / "t" / "curves.csv").read_text().strip() == ",".join(CURVE_COLUMNS)
+
+
+def test_a_malformed_evaluation_line_is_named(tmp_path):
+    entry = write_run(tmp_path / "run", "full", 0, [0.5, 0.6, 0.7])
+    with open(tmp_path / "run" / "evaluations.jsonl", "a") as fh:
+        fh.write(json.dumps({"iteration": "late", "eval_reward": 0.1}) + "\n")
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": [entry]}))
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "t")]) == 2
+    lines = (tmp_path / "run" / "evaluations.jsonl").read_text().splitlines()
+    (tmp_path / "run" / "evaluations.jsonl").write_text("\n".join(lines[1:3]) + "\n")  # no starting evaluation
+    with pytest.raises(UserError, match="iteration 0"):
+        load_runs(manifest)
