@@ -133,3 +133,36 @@ def test_bad_captions_and_options_are_clear_errors():
                     {"foreground": True}, {"colour": 1}):
         with pytest.raises(ConfigError, match="reward.options"):
             build_reward("scene", options, "cpu")
+
+
+def test_weighted_scene_reward_is_the_weighted_mean_of_its_subscores():
+    """``reward.options.weights``: sum w_k s_k / sum w_k over the sub-scores (unnamed ones weigh 0), the
+    sub-scores themselves unchanged; the default is the plain mean."""
+    from agg_bench.engine.rewards import build_reward
+
+    gen = torch.Generator().manual_seed(11)
+    scenes = [all_scenes()[i] for i in torch.randperm(144, generator=gen)[:6].tolist()]
+    images = torch.rand(6, 3, 32, 32, generator=gen)  # noise, then three true drawings
+    images[:3] = torch.stack([draw(s, 32, torch.Generator().manual_seed(i)) for i, s in enumerate(scenes[:3])])
+    captions = [s.caption for s in scenes]
+    plain = build_reward("scene", {})
+    mean = plain(images, captions)
+    weights = {"shape": 3.0, "count": 1.0}
+    weighted = build_reward("scene", {"weights": weights})
+    got = weighted(images, captions)
+    d = {k: v.double() for k, v in plain.details.items()}
+    expected = (3 * d["reward_shape"] + d["reward_count"]) / 4
+    assert torch.allclose(got.double(), expected, rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(weighted.details[k], plain.details[k]) for k in SUBSCORES)
+    assert torch.equal(mean, torch.stack([plain.details[k] for k in SUBSCORES]).mean(0))
+
+
+@pytest.mark.parametrize("value", [{"shape": -1}, {"shape": 0}, {"size": 1}, {"shape": float("nan")},
+                                   {"shape": True}, {}, "shape", [1, 0, 0, 0]])
+def test_bad_scene_weights_are_refused(value):
+    from agg_bench.engine.rewards import build_reward
+    from agg_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        build_reward("scene", {"weights": value})
+    assert err.value.key == "reward.options.weights"

@@ -16,8 +16,11 @@ are flat colours on black, so colour, count, position and shape can be read off 
    bounding box by the data set's own rasteriser; softmax(IoU / 0.05) gives the probability of the
    caption's shape; the mean over components (0 when there is none).
 
-The reward is the mean of the four sub-scores, in [0, 1]; all four are kept (``details``) and become
-record keys of the iteration (their batch means).
+The reward is the mean of the four sub-scores, in [0, 1], or with ``weights`` (``reward.options.weights``,
+e.g. ``{shape: 1}``: sub-score name without ``reward_`` -> a weight >= 0, those not named 0, not all 0) their
+weighted mean, sum w_k s_k / sum w_k: a reward that weighs what a model still gets wrong (the learning
+testbed's, docs/learning.md). All four are kept (``details``) and become record keys of the iteration
+(their batch means), whatever the weights.
 """
 from __future__ import annotations
 
@@ -35,7 +38,20 @@ SHAPE_TEMPERATURE = 0.05  # IoU gap of 0.05 between two templates = a factor e i
 SOFT_BAND = 0.1  # brightness from foreground - 0.1 to + 0.1 ramps a pixel's foreground weight from 0 to 1
 SOFT_COLOR = 0.05  # squared RGB distance scale of the palette likeness (palette colours are > 0.5 apart)
 RADIUS_MARGINS = (0.0, 0.25, 0.5)  # pixels added to the bounding box's half-sides
-DEFAULTS = {"foreground": 0.3, "min_area": 0.005}
+DEFAULTS = {"foreground": 0.3, "min_area": 0.005, "weights": None}
+
+
+def _weights(value) -> dict[str, float] | None:
+    """``reward.options.weights`` checked: None (the plain mean) or sub-score key -> weight."""
+    allowed = "null or a mapping of color, shape, position, count to numbers >= 0, not all 0"
+    if value is None:
+        return None
+    names = [k.removeprefix("reward_") for k in SUBSCORES]
+    if not isinstance(value, Mapping) or not value or any(k not in names for k in value) or any(
+            isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
+            for w in value.values()) or not sum(value.values()) > 0:
+        raise ConfigError("reward.options.weights", value, allowed)
+    return {f"reward_{k}": float(value.get(k, 0.0)) for k in names}
 
 
 def _option(options: Mapping, key: str) -> float:
@@ -83,9 +99,11 @@ def shape_probabilities(component: torch.Tensor) -> torch.Tensor:
 class SceneReward:
     """``reward(images, prompts) -> (B,)``; ``details`` holds the sub-scores (B,) of the last call."""
 
-    def __init__(self, foreground: float = DEFAULTS["foreground"], min_area: float = DEFAULTS["min_area"]):
+    def __init__(self, foreground: float = DEFAULTS["foreground"], min_area: float = DEFAULTS["min_area"],
+                 weights: Mapping[str, float] | None = None):
         self.foreground = foreground
         self.min_area = min_area
+        self.weights = dict(weights) if weights is not None else None
         self.palette = torch.tensor(list(COLORS.values()))  # (K, 3)
         self.color_index = {name: i for i, name in enumerate(COLORS)}
         self.details: dict[str, torch.Tensor] = {}
@@ -136,7 +154,10 @@ class SceneReward:
         except ValueError as err:
             raise UserError(f"reward 'scene' scores scene captions only: {err}") from None
         self.details = self.score(images, scenes)
-        return torch.stack([self.details[k] for k in SUBSCORES]).mean(0)
+        if self.weights is None:
+            return torch.stack([self.details[k] for k in SUBSCORES]).mean(0)
+        total = sum(self.weights.values())
+        return sum(self.details[k] * (w / total) for k, w in self.weights.items())
 
 
 def build(options: Mapping, device) -> SceneReward:
@@ -144,4 +165,4 @@ def build(options: Mapping, device) -> SceneReward:
     if unknown:
         raise ConfigError(f"reward.options.{unknown[0]}", options[unknown[0]],
                           f"an option of the scene reward (one of {', '.join(DEFAULTS)})")
-    return SceneReward(_option(options, "foreground"), _option(options, "min_area"))
+    return SceneReward(_option(options, "foreground"), _option(options, "min_area"), _weights(options.get("weights")))
