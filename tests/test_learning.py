@@ -155,8 +155,8 @@ def test_learning_sweep_dry_run(tmp_path):
     counts = job_counts(proc.stdout)
     assert counts["pretrain"] == 1 and counts["gradcheck"] == 1 and counts["learning_report"] == 1
     sweep = yaml.safe_load((ROOT / "config" / "learning.yaml").read_text())
-    assert len(sweep["methods"]) == 14 and sweep["seeds"] == [0, 1, 2]
-    assert counts["run"] == 14 * 3
+    assert len(sweep["methods"]) == 13 and sweep["seeds"] == [0, 1, 2, 3, 4]
+    assert counts["run"] == 2 * 5 + 11 * 3  # full and AGG on 5 seeds, the other 11 methods on 3
     [command] = [line.removeprefix("Shell command:").strip() for line in proc.stdout.splitlines()
                  if "-m agg_bench pretrain" in line]
     assert command.startswith("OMP_NUM_THREADS=1 ") and command.count("--set threads=") == 1
