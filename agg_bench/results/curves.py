@@ -10,15 +10,21 @@ state, ``iteration`` n = the iterations trained before it, 0 = the starting weig
   the starting weights) and ``eval_reward``.
 - the equal-compute columns of ``learning.csv`` (:func:`target_columns`): the *target* is
   ``target_fraction`` (default 0.9) x the reference method's (``full``) mean held-out gain, the gain of a
-  run being its final evaluation minus its starting one. A run reaches it at the first evaluation whose
-  reward is at least its starting reward + target; its ``target_cost`` is the cost there, linearly
-  interpolated between that evaluation and the one before (the curve is taken as straight between
-  evaluations: cost = c0 + (start + target - r0) / (r1 - r0) x (c1 - c0)), and ``target_cpu_s`` the same
-  for CPU seconds. A method's value is the mean over its seeds with a 95 % bootstrap interval over seeds
-  (``_lo``, ``_hi``: :func:`~agg_bench.results.stats.mean_ci`); ``target_reached`` counts the seeds that
-  reach it, and a method with a seed that never does is *not reached* (NaN in every numeric target
-  column). ``speedup_to_target`` = the reference's mean target cost / the method's, its interval
-  resampling both methods' seeds independently (:func:`~agg_bench.results.stats.ratio_of_means_ci`).
+  run being its final evaluation minus its starting one. A method's held-out curve is the mean over its
+  seeds (:func:`mean_curve`: evaluations matched by position, each coordinate averaged, up to the shortest
+  run: the curve the plots draw). It reaches the target at the first evaluation whose mean reward is at
+  least its starting reward + target; ``target_cost`` is the cost there, linearly interpolated between that
+  evaluation and the one before (the curve is taken as straight between evaluations: cost = c0 + (start +
+  target - r0) / (r1 - r0) x (c1 - c0)), and ``target_cpu_s`` the same for CPU seconds; NaN where the mean
+  curve never reaches it (*not reached*). ``target_cost_lo`` / ``_hi``: a 95 % percentile bootstrap interval
+  over seeds: 2,000 resamples of the method's seeds with replacement, each one's mean curve crossed the same
+  way; a resample whose curve never reaches the target counts as infinitely costly, so ``_hi`` is ``inf``
+  where more than 2.5 % of them do not. The mean curve, not the mean of each seed's crossing, because one
+  noisy seed that ends below the target would otherwise leave the whole method, the reference included, with
+  no cost at all. ``target_reached`` counts the seeds whose own curve reaches it. ``speedup_to_target`` =
+  the reference's target cost / the method's, its interval from the two methods' resamples drawn
+  independently (separate runs), paired replicate by replicate (a replicate where neither reaches it is left
+  out).
 - ``eval_reward_cost.png`` / ``eval_reward_cpu.png``: the mean held-out reward over seeds against cost
   units / CPU seconds, with a band of +- one standard deviation over seeds (evaluations matched by their
   position in each run, the x value their mean over seeds; a method's curve ends at its shortest run's);
@@ -36,7 +42,7 @@ import pandas as pd
 from ..errors import UserError
 from ..io import save_figure
 from .plotting import pyplot
-from .stats import mean_ci, ratio_of_means_ci
+from .stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 
 CURVE_COLUMNS = ("method", "seed", "iteration", "cost", "cpu_s", "eval_reward")
 TARGET_COLUMNS = ("target_reached", "target_cost", "target_cost_lo", "target_cost_hi", "target_cpu_s",
@@ -96,32 +102,62 @@ def seed_targets(curve: pd.DataFrame, target: float) -> tuple[float, float]:
             crossing(curve["cpu_s"].to_numpy(float), rewards, threshold))
 
 
+def mean_curve(curves: list[pd.DataFrame]) -> pd.DataFrame:
+    """The seeds' mean curve: evaluations matched by their position in each run (the same iterations for
+    every seed of a method), up to the shortest run, ``iteration``, ``cost``, ``cpu_s`` and ``eval_reward``
+    each the mean over the runs."""
+    n = min(len(c) for c in curves)
+    columns = ("iteration", "cost", "cpu_s", "eval_reward")
+    return pd.DataFrame({k: np.mean([c[k].to_numpy(float)[:n] for c in curves], axis=0) for k in columns})
+
+
+def resampled_costs(curves: list[pd.DataFrame], target: float) -> np.ndarray:
+    """The target cost of the mean curve of each of :data:`BOOTSTRAP_RESAMPLES` resamples of ``curves``
+    (with replacement, seeded); ``inf`` where it is not reached."""
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    picks = rng.integers(0, len(curves), size=(BOOTSTRAP_RESAMPLES, len(curves)))
+    costs = np.array([seed_targets(mean_curve([curves[i] for i in pick]), target)[0] for pick in picks])
+    return np.where(np.isnan(costs), np.inf, costs)
+
+
+def _interval(values: np.ndarray) -> tuple[float, float]:
+    """2.5 and 97.5 % quantiles of ``values`` as drawn (inverted CDF: no interpolation, so an ``inf`` stays
+    one); NaNs without a value."""
+    values = values[~np.isnan(values)]
+    if values.size == 0:
+        return math.nan, math.nan
+    lo, hi = np.quantile(values, [0.025, 0.975], method="inverted_cdf")
+    return float(lo), float(hi)
+
+
 def target_columns(curves: dict, methods: dict, reference: str, fraction: float) -> dict[str, dict]:
     """method -> its :data:`TARGET_COLUMNS` (module docstring); ``curves`` maps a run's key to its curve,
     ``methods`` a method to its runs' keys. All NaN for a method without curves or without a target."""
     target = target_gain(curves, methods, reference, fraction)
-    reached: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
-    for method, keys in methods.items():
-        mine = [curves[key] for key in keys if key in curves]
-        if target is None or not mine or len(mine) < len(keys):
-            reached[method] = None
-            continue
-        reached[method] = tuple(np.array(v) for v in zip(*(seed_targets(c, target) for c in mine)))
+    found: dict[str, tuple[tuple[float, float], np.ndarray] | None] = {}
     out = {}
-    for method in methods:
+    for method, keys in methods.items():
         row = dict.fromkeys(TARGET_COLUMNS, math.nan)
-        if reached[method] is not None:
-            costs, cpus = reached[method]
-            row["target_reached"] = int(np.isfinite(costs).sum())
-            if np.isfinite(costs).all():
-                row["target_cost"] = float(costs.mean())
-                row["target_cost_lo"], row["target_cost_hi"] = mean_ci(costs)
-                row["target_cpu_s"] = float(cpus.mean())
-                ref = reached.get(reference)
-                if ref is not None and np.isfinite(ref[0]).all():
-                    row["speedup_to_target"] = float(ref[0].mean() / costs.mean())
-                    row["speedup_to_target_lo"], row["speedup_to_target_hi"] = ratio_of_means_ci(ref[0], costs)
-        out[method] = row
+        mine = [curves[key] for key in keys if key in curves]
+        out[method], found[method] = row, None
+        if target is None or not mine or len(mine) < len(keys):
+            continue
+        row["target_reached"] = int(sum(np.isfinite(seed_targets(c, target)[0]) for c in mine))
+        point = seed_targets(mean_curve(mine), target)
+        found[method] = (point, resampled_costs(mine, target))
+        row["target_cost_lo"], row["target_cost_hi"] = _interval(found[method][1])
+        if np.isfinite(point[0]):
+            row["target_cost"], row["target_cpu_s"] = point
+    ref = found.get(reference)
+    for method, row in out.items():
+        if ref is None or found[method] is None:
+            continue
+        (cost, _), costs = found[method]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if np.isfinite(ref[0][0]) and np.isfinite(cost):
+                row["speedup_to_target"] = ref[0][0] / cost
+            row["speedup_to_target_lo"], row["speedup_to_target_hi"] = _interval(
+                ref[1][np.random.default_rng(BOOTSTRAP_SEED + 1).permutation(ref[1].size)] / costs)
     return out
 
 

@@ -221,7 +221,8 @@ def to_markdown(table: pd.DataFrame, caption: str) -> str:
 def write_table(table: pd.DataFrame, out_dir: str | Path, average: int, fraction: float,
                 target_fraction: float = 0.9, reference: str = "full") -> list[Path]:
     """``learning.csv`` and ``learning.md`` of ``table``; in the Markdown ``target_reached`` reads
-    ``k/n`` (seeds) and a method with a seed that never reaches the target shows ``not reached``."""
+    ``k/n`` (seeds whose own curve reaches the target) and a method whose mean curve never reaches it shows
+    ``not reached``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv, md = out / "learning.csv", out / "learning.md"
@@ -230,7 +231,8 @@ def write_table(table: pd.DataFrame, out_dir: str | Path, average: int, fraction
                f"mean and standard deviation over seeds; CPU seconds until the running reward first gains "
                f"{fraction:g} x {reference}'s mean gain. Held-out evaluation (eval_*; eval_source: in-run or "
                f"checkpoint): final - starting score; target: {target_fraction:g} x {reference}'s mean held-out "
-               f"gain, target_cost in cost units (train.pass_costs) with a 95 % bootstrap interval over seeds, "
+               f"gain, target_cost in cost units (train.pass_costs) where the seeds' mean curve reaches it, with a "
+               f"95 % bootstrap interval over seeds (inf: resamples that do not reach it), "
                f"speedup_to_target = {reference}'s target cost / the method's.")
     shown = table.astype(object)
     for i, row in table.iterrows():
