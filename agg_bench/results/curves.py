@@ -199,7 +199,8 @@ def plot_curves(curves: dict, methods: dict, path: str | Path, x: str, time_labe
         xs = np.stack([c[x].to_numpy(float)[:n] for c in mine]).mean(0)
         mean, std = rewards.mean(0), rewards.std(0)
         color = plt.get_cmap("tab10")(k % 10)
-        ax.plot(xs, mean, color=color, marker=".", label=f"{method} ({len(mine)} seeds)")
+        ax.plot(xs, mean, color=color, marker="." if k < 10 else "x", linestyle="-" if k < 10 else "--",
+                label=f"{method} ({len(mine)} seeds)")
         ax.fill_between(xs, mean - std, mean + std, color=color, alpha=0.15, linewidth=0)
     ax.set_title("mean over seeds, band +- 1 std", fontsize=8)
     _finish(ax, "cost units (train.pass_costs)" if x == "cost" else f"cumulative {time_label}", curves)
@@ -219,7 +220,7 @@ def plot_pareto(curves: dict, methods: dict, path: str | Path) -> Path:
         if not len(finals):
             continue
         mean, std = finals.mean(0), finals.std(0)
-        ax.errorbar(mean[0], mean[1], xerr=std[0], yerr=std[1], fmt="o", capsize=3,
+        ax.errorbar(mean[0], mean[1], xerr=std[0], yerr=std[1], fmt="o" if k < 10 else "s", capsize=3,
                     color=plt.get_cmap("tab10")(k % 10), label=f"{method} ({len(finals)} seeds)")
     ax.set_title("means over seeds, bars +- 1 std", fontsize=8)
     _finish(ax, "total cost units (train.pass_costs)", curves, "final held-out reward")
