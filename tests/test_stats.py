@@ -10,8 +10,7 @@ import pytest
 
 from agg_bench.results.loading import CalibrationEntry, RunEntry, load_calibration, load_records
 from agg_bench.results.costmodel import fit_call_cost, priced_calls
-from agg_bench.results.stats import (mean_ci, paired_ratio_of_medians_ci, predicted_seconds, quartiles,
-                                     ratio_of_means_ci, ratio_of_medians_ci)
+from agg_bench.results.stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
 from agg_bench.results.tables import efficiency_table, summary_table
 
 EPS = np.finfo(np.float64).eps
@@ -68,31 +67,6 @@ def test_bootstrap_is_seeded_and_handles_degenerate_input():
     for bad in ({"level": 1.0}, {"level": float("nan")}, {"resamples": 0}):
         with pytest.raises(ValueError):
             ratio_of_medians_ci(num, den, **bad)
-
-
-def test_bootstrap_of_means_matches_a_float64_loop_with_the_same_draws():
-    """The learning report's intervals over seeds: a mean, and a ratio of two methods' means."""
-    rng = np.random.default_rng(5)
-    num, den = rng.lognormal(1.0, 0.2, size=3), rng.lognormal(0.3, 0.3, size=4)
-    resamples, seed = 400, 2
-    draws = np.random.default_rng(seed)
-    idx = draws.integers(0, num.size, size=(resamples, num.size))
-    means = [math.fsum(num[i].tolist()) / num.size for i in idx]
-    want = (percentile_reference(means, 0.025), percentile_reference(means, 0.975))
-    assert mean_ci(num, resamples=resamples, seed=seed) == pytest.approx(want, rel=16 * EPS, abs=0)
-    draws = np.random.default_rng(seed)  # numerator indices first, then denominator indices
-    num_idx = draws.integers(0, num.size, size=(resamples, num.size))
-    den_idx = draws.integers(0, den.size, size=(resamples, den.size))
-    ratios = [math.fsum(num[i].tolist()) / num.size / (math.fsum(den[j].tolist()) / den.size)
-              for i, j in zip(num_idx, den_idx)]
-    want = (percentile_reference(ratios, 0.025), percentile_reference(ratios, 0.975))
-    lo, hi = ratio_of_means_ci(num, den, resamples=resamples, seed=seed)
-    assert (lo, hi) == pytest.approx(want, rel=16 * EPS, abs=0)
-    assert lo <= num.mean() / den.mean() <= hi
-    assert mean_ci([2.0] * 3) == (2.0, 2.0) and ratio_of_means_ci([2.0] * 3, [4.0] * 2) == (0.5, 0.5)
-    assert all(math.isnan(v) for v in (*mean_ci([float("nan")]), *ratio_of_means_ci([1.0], [])))
-    with pytest.raises(ValueError):
-        mean_ci(num, resamples=0)
 
 
 def test_predicted_seconds_is_the_priced_count_and_nan_when_part_is_missing():

@@ -68,34 +68,6 @@ def ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float]
     return _percentile_interval(np.median(num[num_idx], axis=1) / np.median(den[den_idx], axis=1), level)
 
 
-def mean_ci(values: Sequence[float], level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,
-            seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``values`` (e.g. one number per seed): each resample
-    draws ``len(values)`` of them with replacement from ``numpy.random.default_rng(seed)``. NaNs when no
-    value is finite."""
-    _check_bootstrap(level, resamples)
-    array = _finite(values)
-    if array.size == 0:
-        return float("nan"), float("nan")
-    idx = np.random.default_rng(seed).integers(0, array.size, size=(resamples, array.size))
-    return _percentile_interval(array[idx].mean(axis=1), level)
-
-
-def ratio_of_means_ci(numerator: Sequence[float], denominator: Sequence[float], level: float = 0.95,
-                      resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
-    """Percentile bootstrap interval of mean(numerator) / mean(denominator), the two sides resampled
-    independently (different runs, e.g. two methods' seeds), in the order :func:`ratio_of_medians_ci`
-    draws them. NaNs when either side has no finite value."""
-    _check_bootstrap(level, resamples)
-    num, den = _finite(numerator), _finite(denominator)
-    if num.size == 0 or den.size == 0:
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    num_idx = rng.integers(0, num.size, size=(resamples, num.size))
-    den_idx = rng.integers(0, den.size, size=(resamples, den.size))
-    return _percentile_interval(num[num_idx].mean(axis=1) / den[den_idx].mean(axis=1), level)
-
-
 def paired_ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float], level: float = 0.95,
                                resamples: int = BOOTSTRAP_RESAMPLES,
                                seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
