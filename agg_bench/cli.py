@@ -149,7 +149,7 @@ def cmd_learning(args) -> int:
     from .tools.learning import LearningOptions, learning_report
 
     options = LearningOptions(args.average, args.fraction, args.eval_noises, args.eval_seed, args.eval_sampler,
-                              args.target_fraction, args.reference)
+                              args.target_fraction, args.reference, args.eval_source)
     runs = learning_report(args.manifest, args.tables, args.plots, options)
     print(json.dumps({"tables": str(args.tables) if args.tables else None,
                       "plots": str(args.plots) if args.plots else None, "runs": len(runs)}))
@@ -358,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the held-out target: this fraction of the reference's mean held-out gain (default 0.9)")
     p.add_argument("--reference", default="full",
                    help="the method label both targets and speedup_to_target refer to (default full)")
+    p.add_argument("--eval-source", default="auto",
+                   help="the held-out gain columns: auto (a method's in-run evaluations where all its runs have them, "
+                        "else this command's evaluation) or checkpoint (this command's evaluation of every run's "
+                        "final checkpoint, e.g. with more noises than the runs'; needs --eval-noises) (default auto)")
     p.set_defaults(func=cmd_learning)
 
     p = sub.add_parser("import-log", help="a DanceGRPO JSONL training log as a reference run folder")

@@ -192,6 +192,7 @@ def test_evaluation_on_trained_runs(tmp_path):
     images differ; the table and the CLI carry the evaluation columns."""
     import shutil
 
+    import pandas as pd
     import torch
 
     from agg_bench.config import load_config
@@ -255,6 +256,12 @@ def test_evaluation_on_trained_runs(tmp_path):
     assert len((out / "curves.csv").read_text().splitlines()) == 1 + 2 * 2  # the two full runs' evaluations
     assert all((out / f"{name}.png").is_file() for name in ("eval_reward_cost", "eval_reward_cpu", "eval_pareto"))
     assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--eval-noises", "-1"]) == 2
+    # the gain from this command's evaluation for every method: with the runs' own settings, the same gain
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "ckpt"), "--average", "1",
+                 "--eval-noises", "3", "--eval-seed", "4", "--eval-source", "checkpoint"]) == 0
+    ckpt = pd.read_csv(tmp_path / "ckpt" / "learning.csv").set_index("method")
+    assert set(ckpt["eval_source"]) == {"checkpoint"}
+    assert ckpt.loc["full", "eval_gain"] == pytest.approx(table.loc["full", "eval_gain"], abs=1e-6)
 
 
 def load_pretrained_parameters(model):

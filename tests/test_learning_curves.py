@@ -94,6 +94,41 @@ def test_target_costs_and_speedups(manifest):
     assert other.loc["full", "target_cost"] == pytest.approx(20 * 0.1 / 0.12)
 
 
+def test_the_gain_from_the_checkpoint_evaluation(manifest, capsys, tmp_path):
+    """``eval_source`` checkpoint: every method's held-out gain columns from agg-bench learning's own
+    evaluation (e.g. on more noises than the runs'), even where the runs have in-run evaluations; the
+    curves' target columns do not change. Bad values and a checkpoint source without an evaluation are
+    refused with one line, exit 2, nothing written."""
+    runs = load_runs(manifest)
+    finals = {"full": [0.7, 0.8, 0.9], "agg": [0.6, 0.6, 0.9], "window": [0.5, 0.4, 0.6], "plain": [0.45]}
+    scores = pd.DataFrame([{"state": "pre-trained", "method": None, "seed": None, "eval_reward": 0.4}] + [
+        {"state": f"{m}/{k}", "method": m, "seed": k, "eval_reward": r} for m, rs in finals.items()
+        for k, r in enumerate(rs)])
+    auto = learning_table(runs, average=1, evaluation=scores).set_index("method")
+    table = learning_table(runs, average=1, evaluation=scores, eval_source="checkpoint").set_index("method")
+    assert auto.loc["full", "eval_gain"] == pytest.approx(0.2) and auto.loc["full", "eval_source"] == "in-run"
+    assert auto.loc["plain", "eval_source"] == "checkpoint"
+    for method, rs in finals.items():
+        gains = np.array(rs) - 0.4
+        assert table.loc[method, "eval_source"] == "checkpoint"
+        assert table.loc[method, "eval_initial"] == 0.4
+        assert table.loc[method, "eval_gain"] == pytest.approx(gains.mean())
+        if len(rs) > 1:
+            assert table.loc[method, "eval_gain_std"] == pytest.approx(gains.std(ddof=1))
+    target = ["target_cost", "target_cost_lo", "target_cost_hi", "speedup_to_target", "target_reached"]
+    pd.testing.assert_frame_equal(table[target], auto[target])
+    with pytest.raises(ValueError, match="eval_source"):
+        learning_table(runs, eval_source="in-run")
+    out = tmp_path / "out"
+    for bad, says in ((["--eval-source", "checkpoint"], "--eval-noises >= 1"),
+                      (["--eval-source", "in_run"], "expected one of auto, checkpoint")):
+        capsys.readouterr()
+        assert main(["learning", "--manifest", str(manifest), "--tables", str(out), *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err and "--eval-source" in err, err
+        assert not out.exists()
+
+
 def test_the_command_writes_curves_and_the_table(manifest, tmp_path):
     out = tmp_path / "out"
     assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 0

@@ -15,6 +15,8 @@ over its first and last ``average`` iterations; its *gain* is final - initial. P
   runs' in-run evaluations (``eval.every``: the last one minus the starting one, per seed) where every
   run of the method has them, else from ``agg-bench learning``'s own evaluation of the starting weights
   and each run's final checkpoint (``--eval-noises``: :func:`evaluation_columns`); NaN without either.
+  ``--eval-source checkpoint`` takes every method's from the checkpoint evaluation: one with more noises
+  than the runs' own (a gain measured more precisely; the curves and target columns stay the runs').
   The two agree where their settings do (the same weights, noise, sampler and reward), up to the
   arithmetic of the thread counts they ran with.
 - the equal-compute columns (``target_reached``, ``target_cost`` ..., ``speedup_to_target`` ...) and
@@ -48,6 +50,7 @@ from .records import EVALUATIONS_FILE, record_problem
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
+EVAL_SOURCES = ("auto", "checkpoint")  # the held-out gain: the runs' in-run evaluations where all have them / always agg-bench learning's
 # what --tables DIR and --plots DIR hold (the workflow writes its manifest.json beside them)
 TABLES_CONTENTS = Contents("learning tables", ("learning.csv", "learning.md", "evaluation.csv", "curves.csv",
                                                "manifest.json"))
@@ -164,11 +167,15 @@ def cpu_time_to_reach(records: pd.DataFrame, target_gain: float, average: int) -
 
 
 def learning_table(runs: list[Run], average: int = 3, fraction: float = 0.8, baseline: str = "full",
-                   evaluation: pd.DataFrame | None = None, target_fraction: float = 0.9) -> pd.DataFrame:
+                   evaluation: pd.DataFrame | None = None, target_fraction: float = 0.9,
+                   eval_source: str = "auto") -> pd.DataFrame:
     """One row per method (order of first appearance); see the module docstring for the columns.
     ``baseline`` is the reference method of both targets (``fraction`` of its rollout gain,
     ``target_fraction`` of its held-out gain); ``evaluation`` (:func:`agg_bench.tools.learning.evaluate`'s
-    scores) gives the held-out evaluation's columns of methods without in-run evaluations."""
+    scores) gives the held-out evaluation's columns of methods without in-run evaluations
+    (``eval_source`` ``auto``), or of every method (``checkpoint``)."""
+    if eval_source not in EVAL_SOURCES:
+        raise ValueError(f"eval_source {eval_source!r}: expected one of {', '.join(EVAL_SOURCES)}")
     curves, by_method = held_out_curves(runs)
     targets = target_columns(curves, by_method, baseline, target_fraction)
     gains = {id(run): run_gain(run.records, average) for run in runs}
@@ -190,7 +197,7 @@ def learning_table(runs: list[Run], average: int = 3, fraction: float = 0.8, bas
         hits = [t for t in reached if t is not None]
         row["reached"] = f"{len(hits)}/{len(mine)}" if target and target > 0 else f"no {baseline} gain"
         row["cpu_s_to_target"] = float(np.mean(hits)) if hits else math.nan
-        if all(i in curves for i in by_method[method]):
+        if eval_source == "auto" and all(i in curves for i in by_method[method]):
             row.update(curve_gain_columns([curves[i] for i in by_method[method]]), eval_source="in-run")
         elif evaluation is not None and (checkpoint := evaluation_columns(evaluation, method)):
             row.update(checkpoint, eval_source="checkpoint")

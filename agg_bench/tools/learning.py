@@ -18,8 +18,8 @@ import pandas as pd
 from ..errors import UserError
 from ..io import write_text
 from ..outdir import claimed_folders
-from ..results.learning import (PLOTS_CONTENTS, TABLES_CONTENTS, Run, learning_table, load_runs, plot_held_out,
-                                plot_rewards, write_curves, write_table)
+from ..results.learning import (EVAL_SOURCES, PLOTS_CONTENTS, TABLES_CONTENTS, Run, learning_table, load_runs,
+                                plot_held_out, plot_rewards, write_curves, write_table)
 from ..runtime.evaluation import SAMPLERS
 
 
@@ -126,6 +126,9 @@ class LearningOptions:
     target_fraction: the held-out target (``target_cost`` ...), as a fraction of the reference's mean
         held-out gain; in (0, 1].
     reference: the method label both targets and ``speedup_to_target`` refer to.
+    eval_source: where the held-out gain columns come from: ``auto`` (each method's in-run evaluations
+        where all its runs have them, else the checkpoint evaluation) or ``checkpoint`` (the checkpoint
+        evaluation for every method; needs ``eval_noises`` >= 1).
     """
 
     average: int = 3
@@ -135,6 +138,7 @@ class LearningOptions:
     eval_sampler: str = "ode"
     target_fraction: float = 0.9
     reference: str = "full"
+    eval_source: str = "auto"
 
     def check(self) -> None:
         """A UserError naming the option of the first field out of range."""
@@ -152,6 +156,10 @@ class LearningOptions:
             raise UserError(f"--target-fraction {self.target_fraction}: expected a number in (0, 1]")
         if not self.reference:
             raise UserError("--reference '': expected a method label of the manifest, e.g. full")
+        if self.eval_source not in EVAL_SOURCES:
+            raise UserError(f"--eval-source {self.eval_source!r}: expected one of {', '.join(EVAL_SOURCES)}")
+        if self.eval_source == "checkpoint" and not self.eval_noises:
+            raise UserError("--eval-source checkpoint: the checkpoint evaluation needs --eval-noises >= 1")
 
 
 def learning_report(manifest: str | Path, tables: Path | None, plots: Path | None,
@@ -171,7 +179,8 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
             scores, images = evaluate(runs, evaluation)
         if tables:
             table = learning_table(runs, options.average, options.fraction, options.reference,
-                                   scores if options.eval_noises else None, options.target_fraction)
+                                   scores if options.eval_noises else None, options.target_fraction,
+                                   options.eval_source)
             write_table(table, tables, options.average, options.fraction, options.target_fraction, options.reference)
             write_curves(runs, tables)
             if options.eval_noises:
