@@ -48,8 +48,8 @@ import torch
 
 from agg_bench.engine.grpo import group_advantages, micro_batches
 from agg_bench.errors import ConfigError
-from agg_bench.methods.base import Estimator, ReplayPlan, register_method
-from baselines.final_latent import noised_draws
+from agg_bench.methods.base import register_method
+from baselines.final_latent import FinalLatentEstimator, noised_draws
 
 TIME_DISTRIBUTIONS = ("discrete", "logit_normal", "uniform")
 WEIGHTINGS = ("uniform", "ghuber")
@@ -127,34 +127,24 @@ def draw_times(kind: str, k: int, batch_size: int, sigmas: torch.Tensor, shift: 
 
 
 @register_method
-class AWMEstimator(Estimator):
+class AWMEstimator(FinalLatentEstimator):
     """Advantage-weighted flow-matching loss on each final latent at K noised times."""
 
     name = "awm"
     config_cls = AWMConfig
+    paper, trains = "AWM", "an advantage-weighted flow-matching loss on final latents"
 
     def __init__(self, config: AWMConfig | None = None):
         super().__init__(config)
-        self.noise_seed = 0
         self.times = torch.zeros(0, 0, dtype=torch.float64)
         self.shift = 1.0
 
     def check_run(self, cfg) -> None:
+        super().check_run(cfg)
         self.shift = cfg.sampling.shift
-        if cfg.sampling.same_noise_per_group:
-            raise ConfigError("sampling.same_noise_per_group", True,
-                              "false with method.name=awm (an ODE rollout from one noise gives the group "
-                              "identical samples and every advantage 0)")
         if cfg.train.inner_epochs != 1:
             raise ConfigError("train.inner_epochs", cfg.train.inner_epochs,
                               "1 with method.name=awm (the on-policy ratio-1 gradient of the code's surrogate)")
-
-    def replay_plan(self, cfg, stochastic, batch_size, generator):
-        return ReplayPlan("not_applicable", note="AWM trains an advantage-weighted flow-matching loss on final "
-                                                 "latents: there is no per-step GRPO gradient to compare")
-
-    def sde_mask(self, iteration, steps, generator):
-        return torch.zeros(steps, dtype=torch.bool)
 
     def advantages(self, rewards, trajectory, grpo):
         """A (B,): group-standardised, clipped to +-adv_clip_max, rescaled to +-advantage_max."""
@@ -166,7 +156,7 @@ class AWMEstimator(Estimator):
         k = self.config.times_per_sample
         self.times = draw_times(self.config.time_distribution, k, batch_size, trajectory.sigmas, self.shift,
                                 generator)
-        self.noise_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        self.draw_noise_seed(generator)
         return torch.arange(k).expand(batch_size, k).clone()
 
     def draws(self, policy, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

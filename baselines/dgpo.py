@@ -70,8 +70,8 @@ import torch
 
 from agg_bench.engine.grpo import micro_batches
 from agg_bench.errors import ConfigError
-from agg_bench.methods.base import Estimator, ReplayPlan, register_method
-from baselines.final_latent import noised_draws
+from agg_bench.methods.base import register_method
+from baselines.final_latent import FinalLatentEstimator, noised_draws
 
 TIME_DISTRIBUTIONS = ("schedule", "uniform")
 
@@ -117,37 +117,27 @@ def group_weights(advantages: torch.Tensor, delta: torch.Tensor, group_size: int
 
 
 @register_method
-class DGPOEstimator(Estimator):
+class DGPOEstimator(FinalLatentEstimator):
     """Group DPO on flow-matching errors of each final latent at K noised times, against a frozen reference."""
 
     name = "dgpo"
     config_cls = DGPOConfig
+    paper, trains = "DGPO", "a group preference loss on flow-matching errors of final latents"
 
     def __init__(self, config: DGPOConfig | None = None):
         super().__init__(config)
-        self.noise_seed = 0
         self.group_size = 1
         self.frozen = None  # the reference when the session has none (grpo.beta = 0)
         self.own_reference = True
 
     def check_run(self, cfg) -> None:
+        super().check_run(cfg)
         c = self.config
         self.group_size = cfg.grpo.group_size
         self.own_reference = not cfg.grpo.beta > 0
-        if cfg.sampling.same_noise_per_group:
-            raise ConfigError("sampling.same_noise_per_group", True,
-                              "false for method 'dgpo' (its ODE rollout turns one noise into one image, so a "
-                              "group sharing its noise has one reward and every advantage is 0)")
         if c.time_distribution == "schedule" and c.trunc_steps >= cfg.sampling.steps:
             raise ConfigError("method.trunc_steps", c.trunc_steps,
                               f"an integer in [0, {cfg.sampling.steps - 1}] (below sampling.steps)")
-
-    def replay_plan(self, cfg, stochastic, batch_size, generator):
-        return ReplayPlan("not_applicable", note="DGPO trains a group preference loss on flow-matching errors of "
-                                                 "final latents: there is no per-step GRPO gradient to compare")
-
-    def sde_mask(self, iteration, steps, generator):
-        return torch.zeros(steps, dtype=torch.bool)
 
     def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
         self.group_size = group_size
@@ -163,7 +153,7 @@ class DGPOEstimator(Estimator):
             planned = torch.randperm(self.config.trunc_steps + 1, generator=generator)[:k].expand(batch_size, k)
         else:
             planned = torch.arange(k).expand(batch_size, k)
-        self.noise_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        self.draw_noise_seed(generator)
         return planned.clone()
 
     def draws(self, policy, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,6 +2,10 @@
 x0 noised at K times, ``x_t = (1 - t) x0 + t eps``, with fresh noise from a generator seeded in the method's
 ``plan`` (so the draws are deterministic given the run's seed and the same in every inner epoch).
 
+:class:`FinalLatentEstimator` is their common base: an ODE rollout (no step is sampled with the SDE), one
+noise per image (a group sharing its noise would give one image and one reward), no frozen-rollout replay
+(there is no per-step GRPO gradient to compare), and the noise seed drawn in ``plan``.
+
 :func:`noised_draws` draws, in this order from one generator seeded by ``seed``: the noise ``eps`` (B, K, ...)
 (one per group and slot, repeated over the group's rows, when ``group_size`` is given), then, for
 ``times="uniform"``, t ~ U(0, 1) per (sample, slot). ``times="schedule"`` takes t at the schedule steps the
@@ -11,7 +15,43 @@ as it is. The model's timestep of a time that is not a schedule step is ``t * po
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
+
+from agg_bench.errors import ConfigError
+from agg_bench.methods.base import Estimator, ReplayPlan
+
+
+class FinalLatentEstimator(Estimator):
+    """A method that trains a loss on each final latent at K noised times (module docstring); a subclass
+    names its paper and what it trains instead of a per-step GRPO gradient (``paper``, ``trains``), and what
+    a group sharing its noise would break (``shared_noise_breaks``), and calls :meth:`draw_noise_seed` at the end of its plan."""
+
+    paper: ClassVar[str]  # the method's name in its paper, e.g. "DGPO"
+    trains: ClassVar[str]  # e.g. "a flow-matching loss on final latents"
+    shared_noise_breaks: ClassVar[str] = "every advantage is 0"
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.noise_seed = 0
+
+    def check_run(self, cfg) -> None:
+        if cfg.sampling.same_noise_per_group:
+            raise ConfigError("sampling.same_noise_per_group", True,
+                              f"false for method '{self.name}' (its ODE rollout turns one noise into one image, "
+                              f"so a group sharing its noise has one reward and {self.shared_noise_breaks})")
+
+    def replay_plan(self, cfg, stochastic, batch_size, generator):
+        return ReplayPlan("not_applicable", note=f"{self.paper} trains {self.trains}: there is no per-step GRPO "
+                                                 "gradient to compare")
+
+    def sde_mask(self, iteration, steps, generator):
+        return torch.zeros(steps, dtype=torch.bool)
+
+    def draw_noise_seed(self, generator: torch.Generator) -> None:
+        """The seed of this update's noise (:func:`noised_draws`), drawn after the plan's own draws."""
+        self.noise_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
 
 
 def noised_draws(policy, batch, seed: int, times: str | torch.Tensor,

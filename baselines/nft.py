@@ -59,8 +59,8 @@ import torch
 
 from agg_bench.engine.grpo import group_advantages, micro_batches
 from agg_bench.errors import ConfigError
-from agg_bench.methods.base import Estimator, ReplayPlan, register_method
-from baselines.final_latent import noised_draws
+from agg_bench.methods.base import register_method
+from baselines.final_latent import FinalLatentEstimator, noised_draws
 
 TIME_DISTRIBUTIONS = ("schedule", "uniform")
 ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
@@ -133,38 +133,28 @@ def nft_terms(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch
 
 
 @register_method
-class NFTEstimator(Estimator):
+class NFTEstimator(FinalLatentEstimator):
     """Flow-matching loss on each final latent at K noised times, contrasting implicit +- policies."""
 
     name = "nft"
     config_cls = NFTConfig
+    paper, trains, shared_noise_breaks = "DiffusionNFT", "a flow-matching loss on final latents", "every r is 1/2"
 
     def __init__(self, config: NFTConfig | None = None):
         super().__init__(config)
-        self.noise_seed = 0
         # (the rollout's batch, weakly: an id could be reused by the next one; its old velocities)
         self.old: tuple[weakref.ref, torch.Tensor] | None = None
         self.clip = 1.0
 
     def check_run(self, cfg) -> None:
+        super().check_run(cfg)
         c = self.config
         self.clip = cfg.grpo.adv_clip_max
-        if cfg.sampling.same_noise_per_group:
-            raise ConfigError("sampling.same_noise_per_group", True,
-                              "false for method 'nft' (its ODE rollout turns one noise into one image, so a "
-                              "group sharing its noise has one reward and every r is 1/2)")
         k = c.times(cfg.sampling.steps)
         if c.time_distribution == "schedule" and k > cfg.sampling.steps:
             raise ConfigError("method.times_per_sample", c.times_per_sample,
                               f"null or an integer in [1, {cfg.sampling.steps}] (sampling.steps; distinct steps "
                               "of the schedule with method.time_distribution=schedule)")
-
-    def replay_plan(self, cfg, stochastic, batch_size, generator):
-        return ReplayPlan("not_applicable", note="DiffusionNFT trains a flow-matching loss on final latents: "
-                                                 "there is no per-step GRPO gradient to compare")
-
-    def sde_mask(self, iteration, steps, generator):
-        return torch.zeros(steps, dtype=torch.bool)
 
     def advantages(self, rewards, trajectory, grpo):
         """r (B,) in [0, 1], the optimality probability of each sample."""
@@ -181,7 +171,7 @@ class NFTEstimator(Estimator):
             planned = torch.stack([torch.randperm(steps, generator=generator)[:k] for _ in range(batch_size)])
         else:
             planned = torch.arange(k).expand(batch_size, k).clone()
-        self.noise_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        self.draw_noise_seed(generator)
         return planned
 
     def draws(self, policy, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

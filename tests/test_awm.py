@@ -1,5 +1,6 @@
 """Advantage-Weighted Matching: the update against a float64 reference written from the paper's equation,
-pass counts, the time distributions, bad options, replay scope, a CLI run and the preset."""
+pass counts, the time distributions, bad options, a CLI run and the preset's values (the replay scope and a
+run of the preset: tests/test_final_latent.py, for the three likelihood-free methods)."""
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,6 @@ from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.errors import ConfigError
-from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_estimator, build_method
 from agg_bench.runtime.train import Session
 from baselines.awm import draw_times
@@ -129,31 +129,6 @@ def test_run_settings_it_cannot_honour_are_refused(key, value, tmp_path, capsys)
     assert len(err) == 1 and key in err[0] and not out.exists()
 
 
-def test_replay_is_not_applicable():
-    cfg = tiny_config(*AWM)
-    plan = build_estimator(cfg).replay_plan(cfg, torch.zeros(STEPS, dtype=torch.bool), 6, torch.Generator())
-    assert plan.scope == "not_applicable" and "no per-step GRPO gradient" in plan.note
-
-
-def test_replay_refuses_and_gradcheck_lists_without_numbers(tmp_path, capsys):
-    import csv
-    settings = [arg for item in ["model.resolution=32", "sampling.steps=4", "grpo.group_size=4",
-                                 "grpo.prompts_per_iteration=1", "progress=false",
-                                 "sampling.same_noise_per_group=false", "telemetry.enabled=false"]
-                for arg in ("--set", item)]
-    snap = tmp_path / "snap"
-    assert main(["snapshot", *settings, "--out", str(snap)]) == 0
-    capsys.readouterr()
-    assert main(["replay", str(snap), "--method", "awm", "--out", str(tmp_path / "g.safetensors")]) == 2
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1
-    out = tmp_path / "table.csv"
-    assert main(["gradcheck", "--snapshot", str(snap), "--windows", "2", "--alphas", "index", "--route-fracs", "1",
-                 "--methods", "awm", "--out", str(out)]) == 0
-    with open(out, newline="") as fh:
-        row = list(csv.DictReader(fh))[-1]
-    assert (row["method"], row["replay"], row["relative_error"]) == ("awm", "not_applicable", "")
-
-
 def test_preset_scales_the_public_setting_and_loads_with_random_weights():
     cfg = load_config(PRESET)
     options = cfg.method.options
@@ -161,12 +136,3 @@ def test_preset_scales_the_public_setting_and_loads_with_random_weights():
     assert (options.times_per_sample, options.time_distribution, options.advantage_max) == (6, "discrete", 1.0)
     assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
 
-
-def test_preset_runs_through_the_cli(tmp_path):
-    """The preset as it is, on the tiny model (with model.preset=random it only loads: tests/test_presets.py;
-    a run would build SD3.5-Medium's 2.5 B parameters)."""
-    out = tmp_path / "run"
-    assert main(["run", "--config", str(PRESET), "--set", "train.iterations=1", "--set", "progress=false",
-                 "--set", "model.resolution=32", "--out", str(out)]) == 0
-    records = list(read_jsonl(out / "metrics.jsonl"))
-    assert len(records) == 1 and records[0]["method"] == "awm"

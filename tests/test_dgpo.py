@@ -1,6 +1,6 @@
 """DGPO (`dgpo`): the ODE rollout, the group preference loss's gradient against the paper's equation written
-out here, the reference, the pass counts, the options, the replay scope and the preset."""
-import csv
+out here, the reference, the pass counts, the options and the preset's values (the replay scope and a run of
+the preset: tests/test_final_latent.py, for the three likelihood-free methods)."""
 from pathlib import Path
 
 import pytest
@@ -11,7 +11,6 @@ from agg_bench.config import load_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
-from agg_bench.methods.base import build_estimator
 from agg_bench.runtime.train import Session
 from helpers import move_off_policy, relative_error, tiny_config
 
@@ -178,27 +177,6 @@ def test_uniform_times_accept_more_than_the_clip():
     assert torch.equal(batch.train_steps[0], torch.arange(8))
 
 
-def test_replay_is_not_applicable(tmp_path, capsys):
-    cfg = tiny_config(*DGPO)
-    plan = build_estimator(cfg).replay_plan(cfg, torch.zeros(STEPS, dtype=torch.bool), 6, torch.Generator())
-    assert plan.scope == "not_applicable" and plan.train_steps is None and "GRPO gradient" in plan.note
-    settings = [a for item in ["model.resolution=32", f"sampling.steps={STEPS}", "grpo.group_size=2",
-                               "grpo.prompts_per_iteration=1", "progress=false", "telemetry.enabled=false",
-                               "sampling.same_noise_per_group=false"]
-                for a in ("--set", item)]
-    snap = tmp_path / "snap"
-    assert main(["snapshot", *settings, "--out", str(snap)]) == 0
-    capsys.readouterr()
-    assert main(["replay", str(snap), "--method", "dgpo", "--out", str(tmp_path / "g.safetensors")]) == 2
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1
-    table = tmp_path / "table.csv"
-    assert main(["gradcheck", "--snapshot", str(snap), "--windows", "2", "--alphas", "index", "--route-fracs", "1",
-                 "--methods", "dgpo", "--out", str(table)]) == 0
-    with open(table, newline="") as fh:
-        row = list(csv.DictReader(fh))[-1]
-    assert (row["method"], row["replay"], row["relative_error"]) == ("dgpo", "not_applicable", "")
-
-
 def test_runs_through_the_cli(tmp_path):
     out = tmp_path / "dgpo"
     assert main(["run", *SMALL, "--set", "method.name=dgpo", "--set", "method.times_per_sample=3",
@@ -221,11 +199,3 @@ def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
     assert (cfg.sampling.steps, cfg.grpo.adv_clip_max, cfg.grpo.beta, cfg.train.lr) == (10, 5.0, 0.02, 3e-4)
     assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
 
-
-def test_preset_runs_one_iteration_through_the_cli(tmp_path):
-    out = tmp_path / "preset"
-    assert main(["run", "--config", str(PRESET), "--set", "train.iterations=1", "--set", "progress=false",
-                 "--out", str(out)]) == 0
-    (rec,) = list(read_jsonl(out / "metrics.jsonl"))
-    assert rec["status"] == "ok" and rec["method"] == "dgpo"
-    assert rec["train_forward_grad"] == rec["train_backward"] == 12 * 4

@@ -1,0 +1,84 @@
+"""What the likelihood-free methods (nft, awm, dgpo; baselines/final_latent.py) share, checked for each: no
+frozen-rollout replay (the command refuses it in one line; gradcheck lists the method without numbers), an
+ODE rollout with one noise per image, and each paper's preset running one iteration through the CLI on the
+tiny model with its counted passes. Each method's own loss, options and counts: tests/test_<method>.py."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from agg_bench.cli import main
+from agg_bench.errors import ConfigError
+from agg_bench.io import read_jsonl
+from agg_bench.methods.base import build_estimator
+from helpers import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6  # sampling.steps in helpers.TINY
+METHODS = ["nft", "awm", "dgpo"]
+# preset file, the sets it runs with here, and its forward-with-grad (= backward) passes in one iteration:
+# the preset's images (group size x prompts per iteration) x K times each
+PRESETS = {
+    "nft": ("diffusionnft.yaml", [], 12 * 9),  # 12 images, K = 9 of its 10 steps
+    "awm": ("awm.yaml", ["model.resolution=32"], 8 * 6),  # one group of 8, K = 6 discrete times (run at 32 px)
+    "dgpo": ("dgpo.yaml", [], 12 * 4),  # 12 images, K = 4 steps at or below sigma_4
+}
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    """One frozen rollout of the tiny model (one noise per image, as these methods need)."""
+    snap = tmp_path_factory.mktemp("final_latent") / "snap"
+    settings = [a for item in ["model.resolution=32", f"sampling.steps={STEPS}", "grpo.group_size=2",
+                               "grpo.prompts_per_iteration=1", "progress=false", "telemetry.enabled=false",
+                               "sampling.same_noise_per_group=false"]
+                for a in ("--set", item)]
+    assert main(["snapshot", *settings, "--out", str(snap)]) == 0
+    return snap
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_replay_is_refused_and_gradcheck_lists_it_without_numbers(method, snapshot, tmp_path, capsys):
+    cfg = tiny_config(f"method.name={method}", "sampling.same_noise_per_group=false")
+    estimator = build_estimator(cfg)
+    plan = estimator.replay_plan(cfg, torch.zeros(STEPS, dtype=torch.bool), 6, torch.Generator())
+    assert plan.scope == "not_applicable" and plan.train_steps is None
+    assert plan.note.startswith(estimator.paper) and "no per-step GRPO gradient" in plan.note
+    capsys.readouterr()
+    out = tmp_path / "g.safetensors"
+    assert main(["replay", str(snapshot), "--method", method, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "frozen rollout" in err[0] and not out.exists()
+    table = tmp_path / "table.csv"
+    assert main(["gradcheck", "--snapshot", str(snapshot), "--windows", "2", "--alphas", "index", "--route-fracs",
+                 "1", "--methods", method, "--out", str(table)]) == 0
+    with open(table, newline="") as fh:
+        row = list(csv.DictReader(fh))[-1]
+    assert (row["method"], row["replay"], row["relative_error"]) == (method, "not_applicable", "")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ode_rollout_with_one_noise_per_image(method):
+    cfg = tiny_config(f"method.name={method}", "sampling.same_noise_per_group=false")
+    estimator = build_estimator(cfg)
+    assert torch.equal(estimator.sde_mask(0, STEPS, torch.Generator()), torch.zeros(STEPS, dtype=torch.bool))
+    with pytest.raises(ConfigError) as err:
+        estimator.check_run(tiny_config(f"method.name={method}", "sampling.same_noise_per_group=true"))
+    assert err.value.key == "sampling.same_noise_per_group" and f"method '{method}'" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_preset_runs_one_iteration_through_the_cli(method, tmp_path):
+    """The paper's preset as it is, on the tiny model (with model.preset=random it only loads:
+    tests/test_presets.py; a run would build the full-size architecture)."""
+    name, sets, passes = PRESETS[method]
+    out = tmp_path / "preset"
+    args = [arg for item in ["train.iterations=1", "progress=false", *sets] for arg in ("--set", item)]
+    assert main(["run", "--config", str(ROOT / "config" / "presets" / name), *args, "--out", str(out)]) == 0
+    (rec,) = list(read_jsonl(out / "metrics.jsonl"))
+    assert rec["status"] == "ok" and rec["method"] == method
+    assert rec["train_forward_grad"] == rec["train_backward"] == passes
