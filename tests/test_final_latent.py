@@ -1,7 +1,7 @@
 """What the likelihood-free methods (nft, awm, dgpo; baselines/final_latent.py) share, checked for each: no
 frozen-rollout replay (the command refuses it in one line; gradcheck lists the method without numbers), an
-ODE rollout with one noise per image, and each paper's preset running one iteration through the CLI on the
-tiny model with its counted passes. Each method's own loss, options and counts: tests/test_<method>.py."""
+ODE rollout with one noise per image, bad options refused in one line with exit 2, and each paper's preset
+running one iteration through the CLI on the tiny model with its counted passes. Each method's own loss, options and counts: tests/test_<method>.py."""
 from __future__ import annotations
 
 import csv
@@ -14,6 +14,7 @@ from agg_bench.cli import main
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_estimator
+from agg_bench.runtime.train import Session
 from helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,48 @@ def test_ode_rollout_with_one_noise_per_image(method):
         estimator.check_run(tiny_config(f"method.name={method}", "sampling.same_noise_per_group=true"))
     assert err.value.key == "sampling.same_noise_per_group" and f"method '{method}'" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("method, override, key", [
+    *[("nft", override, key) for override, key in [
+        ("method.beta=0", "method.beta"),
+        ("method.beta=1.5", "method.beta"),
+        ("method.times_per_sample=0", "method.times_per_sample"),
+        (f"method.times_per_sample={STEPS + 1}", "method.times_per_sample"),  # distinct steps of the schedule
+        ("method.time_distribution=logit_normal", "method.time_distribution"),
+        ("method.adv_mode=soft", "method.adv_mode"),
+        ("method.weighting=none", "method.weighting")]],
+    *[("awm", override, key) for override, key in [
+        ("method.times_per_sample=0", "method.times_per_sample"),
+        ("method.time_distribution=lognorm", "method.time_distribution"),
+        ("method.weighting=huber", "method.weighting"),
+        ("method.ghuber_power=0", "method.ghuber_power"),
+        ("method.advantage_max=0", "method.advantage_max"),
+        ("train.inner_epochs=2", "train.inner_epochs")]],  # only the on-policy ratio-1 gradient
+    *[("dgpo", override, key) for override, key in [
+        ("method.beta=0", "method.beta"),
+        ("method.beta=-1", "method.beta"),
+        ("method.times_per_sample=0", "method.times_per_sample"),
+        ("method.times_per_sample=6", "method.times_per_sample"),  # more than the trunc_steps + 1 = 5 steps
+        ("method.trunc_steps=6", "method.trunc_steps"),
+        ("method.time_distribution=logit_normal", "method.time_distribution")]],
+    *[(method, "sampling.same_noise_per_group=true", "sampling.same_noise_per_group") for method in METHODS],
+])
+def test_bad_options_are_one_line_exit_2(method, override, key, tmp_path, capsys):
+    """Refused when the run is set up (the session) and through the CLI: one line naming the key, exit 2,
+    nothing written."""
+    with pytest.raises(ConfigError) as err:
+        Session(tiny_config(f"method.name={method}", "sampling.same_noise_per_group=false", override))
+    assert err.value.key == key and "\n" not in str(err.value)
+    out = tmp_path / "x"
+    args = [arg for item in ["model.resolution=32", f"sampling.steps={STEPS}", "train.iterations=2", "progress=false",
+                             "sampling.same_noise_per_group=false", f"method.name={method}", override]
+            for arg in ("--set", item)]
+    capsys.readouterr()
+    assert main(["run", *args, "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0] and "Traceback" not in lines[0]
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("method", METHODS)
