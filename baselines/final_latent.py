@@ -49,6 +49,26 @@ class FinalLatentEstimator(Estimator):
     def sde_mask(self, iteration, steps, generator):
         return torch.zeros(steps, dtype=torch.bool)
 
+    @staticmethod
+    def with_velocity_kl(terms: torch.Tensor, v: torch.Tensor, reference, x_t: torch.Tensor,
+                         timesteps: torch.Tensor, cond, beta: float) -> torch.Tensor:
+        """``terms`` plus the KL term of ``grpo.beta``: beta x the mean squared difference of the policy's
+        velocity ``v`` and the reference's at the same ``x_t`` (no gradient through the reference); as they
+        are without a reference or with beta 0."""
+        if beta > 0 and reference is not None:
+            with torch.no_grad():
+                v_ref = reference.velocity(x_t, timesteps, cond).to(v.dtype)
+            terms = terms + beta * ((v - v_ref) ** 2).mean(dim=tuple(range(1, v.dim())))
+        return terms
+
+    @staticmethod
+    def backward(terms: torch.Tensor, batch, stats) -> None:
+        """Back-propagates the rows' loss ``terms`` (B_rows,) scaled by the batch's share of the update,
+        and adds their value and count to ``stats``."""
+        (terms.sum() * batch.loss_scale).backward()
+        stats.loss_sum += float(terms.detach().double().sum()) * batch.loss_scale
+        stats.count += int(terms.numel())
+
     def draw_noise_seed(self, generator: torch.Generator) -> None:
         """The seed of this update's noise (:func:`noised_draws`), drawn after the plan's own draws."""
         self.noise_seed = int(torch.randint(0, 2**62, (1,), generator=generator))

@@ -202,10 +202,5 @@ class NFTEstimator(FinalLatentEstimator):
                 v = policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
                 terms = nft_terms(v, old[rows, slot], x_t, x0[rows], eps[rows, slot], t[rows, slot], r[rows],
                                   c.beta, self.clip, c.weighting)
-                if batch.beta > 0 and reference is not None:
-                    with torch.no_grad():
-                        v_ref = reference.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
-                    terms = terms + batch.beta * ((v - v_ref) ** 2).mean(dim=tuple(range(1, v.dim())))
-                (terms.sum() * batch.loss_scale).backward()
-                stats.loss_sum += float(terms.detach().double().sum()) * batch.loss_scale
-                stats.count += int(rows.numel())
+                terms = self.with_velocity_kl(terms, v, reference, x_t, timesteps[rows, slot], cond, batch.beta)
+                self.backward(terms, batch, stats)
