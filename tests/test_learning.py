@@ -162,6 +162,8 @@ def test_learning_sweep_dry_run(tmp_path):
                  if "-m agg_bench pretrain" in line]
     assert command.startswith("OMP_NUM_THREADS=1 ") and command.count("--set threads=") == 1
     assert "--set threads=1 " in command
+    [report] = [line for line in proc.stdout.splitlines() if "-m agg_bench learning " in line]
+    assert "--eval-noises 16 --eval-seed 0 --eval-sampler sde " in report and "--eval-source auto " in report
     assert not (work / "results").exists()
 
 

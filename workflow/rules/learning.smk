@@ -75,6 +75,7 @@ rule learning_report:
         f"--eval-noises {int(LEARNING.get('eval_noises', 16))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
         f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')} "
         f"--target-fraction {float(LEARNING.get('target_fraction', 0.9))} "
+        f"--eval-source {LEARNING.get('eval_source', 'auto')} "
         f"--reference {shlex.quote(str(LEARNING.get('reference', 'full')))}",
     shell:
         "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench learning --manifest {input.manifest} {params.options} "
