@@ -89,15 +89,15 @@ def test_resume_continues_the_cost_and_the_evaluations(tmp_path, monkeypatch):
 
     out = tmp_path / "run2"
     calls = []
-    real = Evaluation.images
+    real = Evaluation.evaluate
 
-    def interrupted_second_evaluation(self):
+    def interrupted_second_evaluation(self, keep=0):
         calls.append(1)
         if len(calls) == 2:  # the evaluation after iteration 1 (2 iterations trained)
             raise Interrupted(15)
-        return real(self)
+        return real(self, keep)
 
-    monkeypatch.setattr(Evaluation, "images", interrupted_second_evaluation)
+    monkeypatch.setattr(Evaluation, "evaluate", interrupted_second_evaluation)
     with pytest.raises(Interrupted):
         train(config(*settings), out)
     monkeypatch.undo()
@@ -138,9 +138,9 @@ def test_evaluations_leave_training_identical_and_are_not_counted_or_timed(tmp_p
                 inside.pop()
 
     seen = []
-    real_images = Evaluation.images
+    real_sample = Evaluation.sample
     monkeypatch.setattr(train_module.tel.Telemetry, "iteration", iteration)
-    monkeypatch.setattr(Evaluation, "images", lambda self: seen.append(bool(inside)) or real_images(self))
+    monkeypatch.setattr(Evaluation, "sample", lambda self, k: seen.append(bool(inside)) or real_sample(self, k))
     train(config("train.iterations=3", "eval.every=1", "eval.noises=2", *method), tmp_path / "evaluated")
     assert seen == [False] * 4  # the start and after each iteration, never inside a timed iteration
     # every field but timings is the run's without evaluations: its random streams, counts and cost
@@ -174,8 +174,73 @@ def test_the_evaluation_samples_the_same_noise_for_the_same_weights(tmp_path):
     ("train.pass_costs.optimizer_step=1", ["train.pass_costs.optimizer_step", "backward, forward_grad, forward_nograd"]),
     ("eval.every=-1", ["eval.every", "-1", ">= 0"]),
     ("eval.sampler=euler", ["eval.sampler", "euler", "ode"]),
+    ("eval.batch_size=0", ["eval.batch_size", "0", ">= 1"]),
+    ("eval.batch_size=-3", ["eval.batch_size", "-3", ">= 1"]),
+    ("eval.batch_size=5000", ["eval.batch_size", "5000", "4096"]),
+    ("eval.batch_size=2.5", ["eval.batch_size", "2.5", "integer"]),
+    ("eval.batch_size=all", ["eval.batch_size", "all", "integer"]),
 ])
 def test_bad_budget_prices_and_evaluation_settings(tmp_path, capsys, setting, expected):
     line = run_fails(tmp_path / "out", capsys, "--set", setting)
     for word in expected:
         assert word in line, (setting, line)
+
+
+def evaluation_of(session, batch_size: int, noises: int = 4, sampler: str = "sde") -> Evaluation:
+    return Evaluation(session.policy, session.prompts, session.cond_all, session.latent_shape, session.sigmas,
+                      session.cfg.sampling.sde, session.cfg.sampling.eta, session.reward_fn, noises, 3, sampler,
+                      batch_size)
+
+
+@pytest.mark.parametrize("sampler", ["sde", "ode"])
+def test_an_evaluation_in_one_chunk_is_the_single_batch(sampler):
+    """At most eval.batch_size images: one call, sampled as one batch of every caption x noise from
+    eval.seed (noise, then the SDE's step noise, from one generator), written out here."""
+    import torch
+
+    from agg_bench.engine.rollout import rollout
+    from agg_bench.runtime.session import Session
+
+    session = Session(config())
+    evaluation = evaluation_of(session, batch_size=64, sampler=sampler)
+    means, kept = evaluation.evaluate(keep=3)
+    prompts = session.prompts
+    index = [i for _ in range(4) for i in range(len(prompts))]
+    generator = torch.Generator().manual_seed(3)
+    noise = torch.randn((len(index), *session.latent_shape), generator=generator, dtype=torch.float32)
+    mask = None if sampler == "sde" else torch.zeros(session.sigmas.numel() - 1, dtype=torch.bool)
+    latents = rollout(session.policy, session.cond_all[index], noise, session.sigmas, session.cfg.sampling.sde,
+                      session.cfg.sampling.eta, generator, sde_mask=mask).latents
+    images = session.policy.decode(latents[:, -1].float())
+    rewards = session.reward_fn(images, [prompts[i] for i in index])
+    assert means["eval_reward"] == float(rewards.detach().float().numpy().mean())
+    assert torch.equal(kept, images[:3])
+
+
+def test_chunks_bound_every_call_and_score_every_image(monkeypatch):
+    """More images than eval.batch_size: every model call sees at most batch_size rows (its trajectory is
+    all the memory the evaluation holds), the chunks cover every caption x noise once, each chunk is
+    reproducible on its own, the means are over every image and the first images are kept."""
+    import numpy as np
+    import torch
+
+    from agg_bench.runtime.session import Session
+
+    session = Session(config())
+    evaluation = evaluation_of(session, batch_size=3)
+    n = len(session.prompts) * 4  # every caption x 4 noises, in calls of 3 and the rest
+    assert n % 3 and [(c.start, c.stop) for c in evaluation.chunks()] == [(s, min(s + 3, n)) for s in range(0, n, 3)]
+    rows = []
+    real = type(evaluation.policy).velocity
+    monkeypatch.setattr(type(evaluation.policy), "velocity",
+                        lambda self, x, t, cond: rows.append(x.shape[0]) or real(self, x, t, cond))
+    means, kept = evaluation.evaluate(keep=4)
+    assert max(rows) == 3 and sum(rows) == n * (session.sigmas.numel() - 1)
+    monkeypatch.undo()
+    chunks = [evaluation.sample(k) for k in range(len(evaluation.chunks()))]
+    scores = np.concatenate([evaluation.score(images, evaluation.captions[c])["reward"]
+                             for images, c in zip(chunks, evaluation.chunks())])
+    assert means["eval_reward"] == float(scores.mean())
+    assert torch.equal(kept, torch.cat([chunks[0], chunks[1][:1]]))
+    assert not torch.equal(chunks[0][:2], chunks[1][:2])  # each chunk its own noise
+    assert evaluation.evaluate()[0] == means  # the same weights, the same numbers

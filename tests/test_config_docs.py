@@ -33,7 +33,7 @@ WRITTEN_DEFAULTS = {
     "method": {"name": "full"},
     "reward": {"name": "jpeg_compressibility", "options": {}},
     "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first", "tensorboard": False},
-    "eval": {"every": 0, "noises": 16, "seed": 0, "sampler": "sde"},
+    "eval": {"every": 0, "noises": 16, "seed": 0, "sampler": "sde", "batch_size": 64},
 }
 
 

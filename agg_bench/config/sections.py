@@ -279,7 +279,8 @@ class EvalConfig(Section):
     reward, of the starting weights and then every ``every`` iterations and after the last. It is not
     charged: it draws from its own generator, its passes are not counted (no `cost`, no pass counts) and
     its time is not the iterations' (``t_iter_cpu_s``); ``evaluations.jsonl`` in the run folder holds one
-    line per evaluation with its own seconds. Training is the same with it or without it.
+    line per evaluation with its own seconds. Training is the same with it or without it. The images are
+    sampled ``batch_size`` at a time, each call from a generator of its own (one call: ``seed``'s).
     """
 
     every: int = option(0, "evaluate the policy before the first iteration, every K iterations and after the last "
@@ -290,6 +291,9 @@ class EvalConfig(Section):
     sampler: Literal["ode", "sde"] = option(
         "sde", "`sde`: the rollouts' own SDE (`sampling.sde`, `sampling.eta`: the policy GRPO trains), its step "
         "noise seeded; `ode`: the deterministic Euler sampler")
+    batch_size: int = option(64, "images sampled per call (memory: one call's trajectory, whatever the prompt file "
+                                 "and noises; an evaluation of at most this many images is one call)",
+                             minimum=1, maximum=4096)
 
 
 @dataclass

@@ -13,7 +13,13 @@ Two callers: a run evaluates its own policy every ``eval.every`` iterations (:mo
 final checkpoint (:mod:`agg_bench.tools.learning`). Neither is charged to the run: the evaluation calls
 the policy through its own pass counter (the run's counter, and with it the run's ``cost``, never sees
 it) and draws from its own generator (the run's global and per-iteration random streams never see it).
-The whole evaluation is one batch (captions x noises), as the learning testbed's 4 x 16 is small.
+The images are sampled ``batch_size`` at a time (``eval.batch_size``, default 64), noise-major: chunk k
+holds images k x batch_size onwards, conditioned on their captions' rows only, and draws its initial noise
+and then its SDE step noise from a generator of its own, the first chunk's seeded with ``seed``, chunk k's
+with a seed derived from (``seed``, k). Memory is one chunk's trajectory whatever the prompt file and
+``noises``; an evaluation of at most ``batch_size`` images (the learning testbed's 4 captions x 16) is one
+chunk, sampled exactly as one batch from ``seed``. Only the per-image scores and, on request, the first
+images are kept.
 """
 from __future__ import annotations
 
@@ -44,17 +50,20 @@ class Evaluation:
 
     def __init__(self, policy: Policy, prompts: list[str], cond_all: Conditioning, latent_shape: tuple[int, ...],
                  sigmas: torch.Tensor, sde: str, eta: float, reward: RewardFn, noises: int = 16, seed: int = 0,
-                 sampler: str = "sde"):
+                 sampler: str = "sde", batch_size: int = 64):
         if sampler not in SAMPLERS:
             raise UserError(f"evaluation sampler {sampler!r}: expected one of {', '.join(SAMPLERS)}")
+        if batch_size < 1:
+            raise UserError(f"evaluation batch size {batch_size}: expected an integer >= 1")
         # the same modules through a counter of its own: the run's counter (its cost) never sees the evaluation
         self.policy = copy.copy(policy)
         self.policy.counter = PassCounter()
-        index = [i for _ in range(noises) for i in range(len(prompts))]
-        self.captions = [prompts[i] for i in index]
-        self.cond = cond_all[index]
+        self.index = [i for _ in range(noises) for i in range(len(prompts))]
+        self.captions = [prompts[i] for i in self.index]
+        self.cond_all = cond_all
         self.latent_shape, self.sigmas, self.sde, self.eta = latent_shape, sigmas, sde, eta
         self.reward, self.noises, self.seed, self.sampler = reward, noises, seed, sampler
+        self.batch_size = batch_size
 
     @classmethod
     def of_session(cls, session: "Session") -> "Evaluation":
@@ -63,29 +72,51 @@ class Evaluation:
         cfg = session.cfg
         return cls(session.policy, session.prompts, session.cond_all, session.latent_shape, session.sigmas,
                    cfg.sampling.sde, cfg.sampling.eta, session.reward_fn, cfg.eval.noises, cfg.eval.seed,
-                   cfg.eval.sampler)
+                   cfg.eval.sampler, cfg.eval.batch_size)
 
-    def images(self) -> torch.Tensor:
-        """Images (B, 3, H, W) in [0, 1] of the policy's current weights, from the fixed noise (on the
-        policy's device, where the run's reward takes them)."""
-        policy = self.policy
-        generator = torch.Generator().manual_seed(self.seed)
+    def chunks(self) -> list[slice]:
+        """The images of each sampling call, in order (module docstring)."""
+        n = len(self.index)
+        return [slice(start, min(start + self.batch_size, n)) for start in range(0, n, self.batch_size)]
+
+    def chunk_generator(self, k: int) -> torch.Generator:
+        """Chunk ``k``'s generator: seeded with ``seed`` for the first, else with a seed derived from
+        (``seed``, k) (independent streams, none another evaluation seed's first)."""
+        if k == 0:
+            return torch.Generator().manual_seed(self.seed)
+        return torch.Generator().manual_seed(int(np.random.SeedSequence([self.seed, k]).generate_state(1)[0]))
+
+    def sample(self, k: int) -> torch.Tensor:
+        """Images (b, 3, H, W) in [0, 1] of chunk ``k`` of the policy's current weights (on the policy's
+        device, where the run's reward takes them)."""
+        policy, rows = self.policy, self.chunks()[k]
+        generator = self.chunk_generator(k)
         dtype = torch.float64 if policy.dtype == torch.float64 else torch.float32
-        noise = torch.randn((self.cond.batch_size, *self.latent_shape), generator=generator, dtype=dtype)
+        cond = self.cond_all[self.index[rows]]
+        noise = torch.randn((cond.batch_size, *self.latent_shape), generator=generator, dtype=dtype)
         steps = self.sigmas.numel() - 1
         mask = None if self.sampler == "sde" else torch.zeros(steps, dtype=torch.bool)
-        cond = self.cond.to(policy.device, policy.dtype)
+        cond = cond.to(policy.device, policy.dtype)
         latents = rollout(policy, cond, noise, self.sigmas, self.sde, self.eta, generator, sde_mask=mask).latents
         return policy.decode(latents[:, -1].float())
 
-    def score(self, images: torch.Tensor) -> dict[str, np.ndarray]:
+    def score(self, images: torch.Tensor, captions: list[str]) -> dict[str, np.ndarray]:
         """Per-image reward (``reward``) and the reward's sub-scores (``reward_color`` ...) of ``images``."""
-        total = self.reward(images, self.captions)
+        total = self.reward(images, captions)
         details = getattr(self.reward, "details", {})
         return {"reward": total.detach().float().cpu().numpy(),
                 **{k: v.detach().float().cpu().numpy() for k, v in details.items()}}
 
-    def means(self, images: torch.Tensor) -> dict[str, float]:
-        """The evaluation's numbers of ``images``: ``eval_reward`` and ``eval_<sub-score>``, means over the
-        images."""
-        return {f"eval_{k}": float(v.mean()) for k, v in self.score(images).items()}
+    def evaluate(self, keep: int = 0) -> tuple[dict[str, float], torch.Tensor]:
+        """The evaluation of the policy's current weights: ``eval_reward`` and ``eval_<sub-score>``, means
+        over every image, and the first ``keep`` images (on the CPU), chunk by chunk."""
+        scores: dict[str, list[np.ndarray]] = {}
+        kept = []
+        for k, rows in enumerate(self.chunks()):
+            images = self.sample(k)
+            for key, values in self.score(images, self.captions[rows]).items():
+                scores.setdefault(key, []).append(values)
+            if rows.start < keep:
+                kept.append(images[:keep - rows.start].cpu())
+        means = {f"eval_{k}": float(np.concatenate(v).mean()) for k, v in scores.items()}
+        return means, torch.cat(kept) if kept else torch.zeros(0)

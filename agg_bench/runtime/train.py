@@ -320,7 +320,7 @@ class Training:
         if self.evaluation is None or done in self.evaluated or not (done % every == 0 or last):
             return None
         with tel.PhaseTimer(self.session.device) as timer:
-            scores = self.evaluation.means(self.evaluation.images())
+            scores, _ = self.evaluation.evaluate()
         line = {"iteration": done, **scores, "t_eval_s": timer.elapsed_s, "t_eval_cpu_s": timer.cpu_s}
         with self.stop.deferred():
             if self.eval_writer is not None:

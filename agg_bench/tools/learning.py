@@ -22,6 +22,8 @@ from ..results.learning import (EVAL_SOURCES, PLOTS_CONTENTS, TABLES_CONTENTS, R
                                 plot_held_out, plot_rewards, write_curves, write_table)
 from ..runtime.evaluation import SAMPLERS
 
+GRID_CAPTIONS = 6  # the sample grid's columns: the first captions of the evaluation's first noise
+
 
 class CheckpointEvaluation:
     """The held-out evaluation (:class:`agg_bench.runtime.evaluation.Evaluation`) of the runs' starting
@@ -46,13 +48,15 @@ class CheckpointEvaluation:
         self.evaluation = Evaluation(
             policy, prompts.prompts, prompt_conditioning(config, policy.transformer, prompts), latent_shape,
             run_sigmas(config, policy, latent_shape), config.sampling.sde, config.sampling.eta,
-            build_reward(config.reward.name, config.reward.options), noises, seed, sampler)
+            build_reward(config.reward.name, config.reward.options), noises, seed, sampler, config.eval.batch_size)
         self.captions = self.evaluation.captions
+        self.keep = min(len(prompts.prompts), GRID_CAPTIONS)  # what the sample grid shows of each state
         self.base = {k: v.clone() for k, v in policy.transformer.state_dict().items()}
 
-    def images(self, run: Run | None):
-        """Images of the starting weights (``run`` None) or of the run's final ``checkpoint.pt``; None if
-        the run saved no checkpoint."""
+    def images(self, run: Run | None) -> tuple | None:
+        """The evaluation's means and first images (:meth:`Evaluation.evaluate`, ``keep`` of them) of the
+        starting weights (``run`` None) or of the run's final ``checkpoint.pt``; None if the run saved no
+        checkpoint."""
         from ..runtime.checkpoint import read_checkpoint
 
         transformer = self.evaluation.policy.transformer
@@ -68,22 +72,23 @@ class CheckpointEvaluation:
             unexpected = transformer.load_state_dict(params, strict=False).unexpected_keys
             if unexpected:  # a checkpoint of another model: its weights would be silently ignored
                 raise UserError(f"{state}: parameters the model does not have ({unexpected[0]}, ...)")
-        return self.evaluation.images().cpu()
+        return self.evaluation.evaluate(self.keep)
 
 
 def evaluate(runs: list[Run], evaluation: CheckpointEvaluation) -> tuple[pd.DataFrame, dict]:
     """One row per model state (``pre-trained``, then every run with a checkpoint): method, seed and the
-    mean evaluation reward and sub-scores (``eval_reward``, ``eval_reward_color`` ...); and the images of
-    each state, by label (``pre-trained`` or ``method/seed``)."""
+    mean evaluation reward and sub-scores (``eval_reward``, ``eval_reward_color`` ...); and the first images
+    of each state (the captions of the first noise, as many as the sample grid shows), by label
+    (``pre-trained`` or ``method/seed``)."""
     rows, images = [], {}
     for run in [None, *runs]:
-        sampled = evaluation.images(run)
-        if sampled is None:
+        evaluated = evaluation.images(run)
+        if evaluated is None:
             continue
         label = "pre-trained" if run is None else f"{run.method}/{run.seed}"
-        images[label] = sampled
+        means, images[label] = evaluated
         rows.append({"state": label, "method": None if run is None else run.method,
-                     "seed": None if run is None else run.seed, **evaluation.evaluation.means(sampled)})
+                     "seed": None if run is None else run.seed, **means})
     return pd.DataFrame(rows), images
 
 
@@ -190,5 +195,5 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
             plot_rewards(runs, plots / "reward_time.png", "time")
             plot_held_out(runs, plots)
             n_captions = len(evaluation.captions) // max(options.eval_noises, 1)
-            sample_grids(runs, images, evaluation.captions, plots / "samples.png", min(n_captions, 6))
+            sample_grids(runs, images, evaluation.captions, plots / "samples.png", min(n_captions, GRID_CAPTIONS))
     return runs
