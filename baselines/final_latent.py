@@ -25,8 +25,9 @@ from agg_bench.methods.base import Estimator, ReplayPlan
 
 class FinalLatentEstimator(Estimator):
     """A method that trains a loss on each final latent at K noised times (module docstring); a subclass
-    names its paper and what it trains instead of a per-step GRPO gradient (``paper``, ``trains``), and what
-    a group sharing its noise would break (``shared_noise_breaks``), and calls :meth:`draw_noise_seed` at the end of its plan."""
+    names its paper and what it trains instead of a per-step GRPO gradient (``paper``, ``trains``) and what
+    a group sharing its noise would break (``shared_noise_breaks``), and calls :meth:`draw_noise_seed` at
+    the end of its plan."""
 
     paper: ClassVar[str]  # the method's name in its paper, e.g. "DGPO"
     trains: ClassVar[str]  # e.g. "a flow-matching loss on final latents"

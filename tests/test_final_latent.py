@@ -1,7 +1,8 @@
 """What the likelihood-free methods (nft, awm, dgpo; baselines/final_latent.py) share, checked for each: no
 frozen-rollout replay (the command refuses it in one line; gradcheck lists the method without numbers), an
 ODE rollout with one noise per image, bad options refused in one line with exit 2, and each paper's preset
-running one iteration through the CLI on the tiny model with its counted passes. Each method's own loss, options and counts: tests/test_<method>.py."""
+running one iteration through the CLI on the tiny model with its counted passes. Each method's own loss,
+options and counts: tests/test_<method>.py."""
 from __future__ import annotations
 
 import csv

@@ -1,17 +1,17 @@
 """Behaviour pinned: every method of the embedded default gives the stored records (tests/pinned.py) in every
-non-timing field. Integers, text and flags are equal exactly; numbers to a relative 1e-6 or an absolute
-1e-8, AGG's routing scores to an absolute 1e-6. Other kernels move them less: with ATEN_CPU_CAPABILITY=default
-against AVX-512 on one Xeon, float64 records differ by at most 4e-9 (the routing scores) and 2e-9 relative
-in grad_norm. Another CPU vendor moves them more: on an AMD EPYC the routing scores (cosines of small
-velocity increments, so a difference of nearly equal velocities; values about 1e-2) differ from the Xeon's
-by up to 5e-7, and every other field by at most 3e-6 relative or 1e-8 absolute. A change of behaviour (another step, sample, weight or pass) moves rewards and gradient norms
-at the first digits. The loss (about 1e-11 here: the first update's ratio is 1 and the advantages sum to 0)
-and approx_kl (1e-16) are pinned only to that absolute bound. A method that joins the embedded default joins
-the pin with its first records (the field's GRPO variants: cps, flow-grpo-fast, mixgrpo-flash, branch, guess;
-then the likelihood-free nft, awm, dgpo), and the records pinned before it stay as they were. A key every record gained after the pin was stored
-(ADDED_KEYS) is not in the stored file: it is checked against the pinned fields it is computed from, then
-left out of the comparison, so the stored records stay as they were and a key nobody accounted for still
-shows as "not pinned"."""
+non-timing field. Integers, text and flags are equal exactly; numbers to a relative 1e-6 or an absolute 1e-8,
+AGG's routing scores to an absolute 1e-6. Other kernels move them less: with ATEN_CPU_CAPABILITY=default against
+AVX-512 on one Xeon, float64 records differ by at most 4e-9 (the routing scores) and 2e-9 relative in grad_norm.
+Another CPU vendor moves them more: on an AMD EPYC the routing scores (cosines of small velocity increments, so
+a difference of nearly equal velocities; values about 1e-2) differ from the Xeon's by up to 5e-7, and every
+other field by at most 3e-6 relative or 1e-8 absolute. A change of behaviour (another step, sample, weight or
+pass) moves rewards and gradient norms at the first digits. The loss (about 1e-11 here: the first update's ratio
+is 1 and the advantages sum to 0) and approx_kl (1e-16) are pinned only to that absolute bound. A method that
+joins the embedded default joins the pin with its first records (the field's GRPO variants: cps, flow-grpo-fast,
+mixgrpo-flash, branch, guess; then the likelihood-free nft, awm, dgpo), and the records pinned before it stay as
+they were. A key every record gained after the pin was stored (ADDED_KEYS) is not in the stored file: it is
+checked against the pinned fields it is computed from, then left out of the comparison, so the stored records
+stay as they were and a key nobody accounted for still shows as "not pinned"."""
 from __future__ import annotations
 
 import json

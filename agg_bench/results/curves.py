@@ -149,15 +149,18 @@ def target_columns(curves: dict, methods: dict, reference: str, fraction: float)
         if np.isfinite(point[0]):
             row["target_cost"], row["target_cpu_s"] = point
     ref = found.get(reference)
+    if ref is None:
+        return out
+    # the reference's resamples in another order, so that its replicates pair with a method's independently
+    ref_costs = ref[1][np.random.default_rng(BOOTSTRAP_SEED + 1).permutation(ref[1].size)]
     for method, row in out.items():
-        if ref is None or found[method] is None:
+        if found[method] is None:
             continue
         (cost, _), costs = found[method]
         with np.errstate(divide="ignore", invalid="ignore"):
             if np.isfinite(ref[0][0]) and np.isfinite(cost):
                 row["speedup_to_target"] = ref[0][0] / cost
-            row["speedup_to_target_lo"], row["speedup_to_target_hi"] = _interval(
-                ref[1][np.random.default_rng(BOOTSTRAP_SEED + 1).permutation(ref[1].size)] / costs)
+            row["speedup_to_target_lo"], row["speedup_to_target_hi"] = _interval(ref_costs / costs)
     return out
 
 

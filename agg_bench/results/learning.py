@@ -50,7 +50,8 @@ from .records import EVALUATIONS_FILE, record_problem
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
-EVAL_SOURCES = ("auto", "checkpoint")  # the held-out gain: the runs' in-run evaluations where all have them / always agg-bench learning's
+# the held-out gain: the runs' in-run evaluations where all of a method's have them / always agg-bench learning's
+EVAL_SOURCES = ("auto", "checkpoint")
 # what --tables DIR and --plots DIR hold (the workflow writes its manifest.json beside them)
 TABLES_CONTENTS = Contents("learning tables", ("learning.csv", "learning.md", "evaluation.csv", "curves.csv",
                                                "manifest.json"))

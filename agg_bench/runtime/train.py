@@ -139,8 +139,8 @@ class Training:
 
     Its life cycle: constructing it checks the step plan, restores the checkpoint (with ``resume``) and
     writes nothing; :meth:`begin` starts the folder's files, opens what the iterations use (telemetry,
-    the record writer, with ``telemetry.tensorboard`` the live curves, the progress bar, a hook on the optimizer) and evaluates the starting state if that
-    is due; :meth:`iterate` trains one iteration, appends its record, evaluates and writes the checkpoint
+    the record writer, with ``telemetry.tensorboard`` the live curves, the progress bar, a hook on the
+    optimizer) and evaluates the starting state if that is due; :meth:`iterate` trains one iteration, appends its record, evaluates and writes the checkpoint
     it is due; :meth:`finish` closes what ``begin`` opened and writes the summary. :meth:`run` calls them
     in that order, with SIGTERM and SIGINT turned into :class:`Interrupted` between records, stops after
     ``train.iterations`` or the iteration whose cost reaches ``train.budget``, and maps how the loop ended

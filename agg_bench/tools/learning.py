@@ -53,7 +53,7 @@ class CheckpointEvaluation:
         self.keep = min(len(prompts.prompts), GRID_CAPTIONS)  # what the sample grid shows of each state
         self.base = {k: v.clone() for k, v in policy.transformer.state_dict().items()}
 
-    def images(self, run: Run | None) -> tuple | None:
+    def evaluate_weights(self, run: Run | None) -> tuple | None:
         """The evaluation's means and first images (:meth:`Evaluation.evaluate`, ``keep`` of them) of the
         starting weights (``run`` None) or of the run's final ``checkpoint.pt``; None if the run saved no
         checkpoint."""
@@ -82,7 +82,7 @@ def evaluate(runs: list[Run], evaluation: CheckpointEvaluation) -> tuple[pd.Data
     (``pre-trained`` or ``method/seed``)."""
     rows, images = [], {}
     for run in [None, *runs]:
-        evaluated = evaluation.images(run)
+        evaluated = evaluation.evaluate_weights(run)
         if evaluated is None:
             continue
         label = "pre-trained" if run is None else f"{run.method}/{run.seed}"
@@ -194,6 +194,5 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
             plot_rewards(runs, plots / "reward_iteration.png", "iteration")
             plot_rewards(runs, plots / "reward_time.png", "time")
             plot_held_out(runs, plots)
-            n_captions = len(evaluation.captions) // max(options.eval_noises, 1)
-            sample_grids(runs, images, evaluation.captions, plots / "samples.png", min(n_captions, GRID_CAPTIONS))
+            sample_grids(runs, images, evaluation.captions, plots / "samples.png", evaluation.keep)
     return runs
