@@ -183,8 +183,15 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     assert {name: len(ids) for name, ids in split.cells.items()} == {"sd3_32px_cpu_1of2": 3, "sd3_32px_cpu_2of2": 3}
     config["devices"]["cpu"]["runs_per_job"] = 1
     assert Sweep(config, SCHEMA).cells == {} and Sweep(config, SCHEMA).single_runs == list(sweep.runs)
-    config["devices"] = {"gpu1": {"device": "cuda", "gpus": 1, "runs_per_job": 2}}
-    with pytest.raises(SweepError, match=r"devices\.gpu1\.runs_per_job: 2: a job on GPUs runs one run"):
+    config["devices"] = {"gpu2": {"device": "cuda", "gpus": 2, "runs_per_job": 2}}
+    config["set"]["grpo.prompts_per_iteration"] = 2
+    with pytest.raises(SweepError, match=r"devices\.gpu2\.runs_per_job: 2: a job on several GPUs runs one run"):
         Sweep(config, SCHEMA)
-    del config["devices"]["gpu1"]["runs_per_job"]
-    assert Sweep(config, SCHEMA).cells == {}
+    config["devices"] = {"gpu1": {"device": "cuda", "gpus": 1}}
+    del config["set"]["grpo.prompts_per_iteration"]
+    assert Sweep(config, SCHEMA).cells == {}  # by default a GPU run is a job of its own
+    config["devices"]["gpu1"]["runs_per_job"] = 100  # one GPU: the cell's runs in one process on a pooled GPU
+    gpu = Sweep(config, SCHEMA)
+    assert gpu.cells == {"sd3_32px_gpu1": list(gpu.runs)} and gpu.single_runs == []
+    assert gpu.cell_command("sd3_32px_gpu1") == (f"{sweep_module.PYTHON} -m agg_bench.machine.gpus --count 1 -- "
+                                                 f"{sweep_module.PYTHON} -m agg_bench cell results/cells/sd3_32px_gpu1.json")

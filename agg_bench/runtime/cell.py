@@ -5,7 +5,9 @@ a 2-core EPYC) when the run itself trains tiny models for 1-3 s. Runs that could
 device, model and resolution on a CPU: the workflow's cells) therefore run in one, each into its own run
 folder exactly as ``agg-bench run --config C --set ... --out DIR`` writes it: the same files and records,
 its own folder claim and summary status. A run that ends in oom or diverged, or fails, does not stop the
-others; a signal stops the cell.
+others; a signal stops the cell. The runs share one built model where their model configurations agree
+(:mod:`agg_bench.runtime.model_reuse`: each starts from it as built), and with a deadline a run is not
+started when the longest run so far would end after it.
 
 The job file is a JSON object ``{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR},
 ...]}``: each run's ``agg-bench run`` arguments (:func:`job_entry` writes one). Every run's config is
@@ -101,22 +103,35 @@ def load_jobs(path: str | Path) -> list[tuple[CellRun, Any]]:
     return loaded
 
 
-def run_cell(path: str | Path) -> int:
+def run_cell(path: str | Path, deadline: float | None = None) -> int:
     """Every run of job file ``path``, in its order, through :func:`agg_bench.runtime.train.train`; the
     exit code ``agg-bench run`` gives for the worst of them (a bug: 1, before a user error: 2, before 0), or
     128 + N at once when signal N stops a run. Each run's failure prints as ``agg-bench run`` prints it,
     named by its folder; stderr gets one line as each run starts and one as it ends, stdout each run's
-    result line ``{"out", "status"}``."""
+    result line ``{"out", "status"}``. The runs share a built model (:func:`reusing_models`). With
+    ``deadline`` (seconds since the epoch) the runs left are not started once the longest run so far would
+    not end before it; stderr says so and they leave no folder."""
     from ..machine.distributed import launched_world_size
 
     if launched_world_size() > 1:
         raise UserError("agg-bench cell runs its runs in one process; start a run on several GPUs with "
                         "torchrun ... agg-bench run")
     jobs = load_jobs(path)  # every config checked before the first run writes anything
+    from .model_reuse import reusing_models
+
+    with reusing_models():
+        return _run_jobs(path, jobs, deadline)
+
+
+def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], deadline: float | None) -> int:
     from .train import train
 
-    worst = 0
+    worst, longest = 0, 0.0
     for number, (job, cfg) in enumerate(jobs, 1):
+        if deadline is not None and number > 1 and time.time() + longest > deadline:
+            print(f"agg-bench cell: runs {number}-{len(jobs)} not started: the longest run so far "
+                  f"({longest:.1f} s) would end after the deadline", file=sys.stderr, flush=True)
+            break
         print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} started", file=sys.stderr, flush=True)
         start = time.perf_counter()
         status: list[str] = []
@@ -128,7 +143,9 @@ def run_cell(path: str | Path) -> int:
 
         code = run_command(f"agg-bench cell: {job.out}", one_run, ["agg-bench", "cell", str(path)], job.out)
         ended = status[0] if status else f"failed (exit code {code})"
-        print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} {ended} in {time.perf_counter() - start:.1f} s",
+        seconds = time.perf_counter() - start
+        longest = max(longest, seconds)
+        print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} {ended} in {seconds:.1f} s",
               file=sys.stderr, flush=True)
         if code >= 128:  # stopped by a signal: the cell stops with it
             return code

@@ -27,6 +27,7 @@ from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
 from ..methods.base import Estimator, build_estimator
+from .model_reuse import policy_for
 
 
 def iteration_generator(seed: int, iteration: int) -> torch.Generator:
@@ -75,8 +76,9 @@ class Session:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
-        # model + precision + gradient checkpointing + LoRA; the reference below is LoRA-aware
-        self.policy: Policy = build_policy(cfg, self.device)
+        # model + precision + gradient checkpointing + LoRA (built, or a cell job's kept model as built); the
+        # reference below is LoRA-aware
+        self.policy: Policy = policy_for(cfg, self.device, build_policy)
         self.latent_shape = self.policy.latent_shape(cfg.model.resolution)
         prompts = prompt_set(cfg.prompts.file)
         self.prompts = prompts.prompts

@@ -43,6 +43,7 @@ from ..config import (YamlRefused, check_data_parallel, check_expanded_size, che
 from ..engine.families import check_resolution
 from ..errors import UserError, quote
 from ..io import atomic_path
+from ..jsonfiles import read_json_object
 from ..runtime.cell import job_entry
 
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
@@ -301,7 +302,8 @@ class Sweep:
     def runs_per_job(self, device: str) -> int:
         """The most runs one job of ``device`` runs one after the other in one process
         (``devices.<d>.runs_per_job``); 0: all runs of a cell. Default 0 on a device without GPUs, 1 with
-        GPUs (a run holds its GPUs and their memory alone)."""
+        GPUs (a run holds its GPUs and their memory alone); a one-GPU device may set it (the cell's runs
+        then share one process, one model build and one GPU, one run at a time)."""
         spec = self.devices[device]
         return int(spec.get("runs_per_job", 1 if self.gpus(device) else 0))
 
@@ -316,9 +318,9 @@ class Sweep:
         for name, run_ids in groups.items():
             device = self.runs[run_ids[0]]["device"]
             size = self.runs_per_job(device) or len(run_ids)
-            if size > 1 and self.gpus(device):
-                raise SweepError(f"devices.{device}.runs_per_job: {size}: a job on GPUs runs one run (each run "
-                                 "holds its GPUs and their memory alone); expected 1 or no key")
+            if size > 1 and self.gpus(device) > 1:
+                raise SweepError(f"devices.{device}.runs_per_job: {size}: a job on several GPUs runs one run "
+                                 "(torchrun starts a process per GPU for each run); expected 1 or no key")
             count = -(-len(run_ids) // size)
             for part in range(count):
                 ids = run_ids[len(run_ids) * part // count:len(run_ids) * (part + 1) // count]
@@ -340,7 +342,12 @@ class Sweep:
                          for run_id in self.cells[cell]]}
 
     def cell_command(self, cell: str) -> str:
-        return f"{PYTHON} -m agg_bench cell {CELL_DIR}/{cell}.json"
+        """The cell job's command: on the CPU, or on one GPU taken from the pool."""
+        return f"{self.launch(self.cell_device(cell), 'cell')} {CELL_DIR}/{cell}.json"
+
+    def cell_device(self, cell: str) -> str:
+        """The device label of ``cell``'s runs."""
+        return self.runs[self.cells[cell][0]]["device"]
 
     def cell_outputs(self, cell: str) -> list[str]:
         """Every file of the cell's run folders that a `run` job declares."""

@@ -42,9 +42,10 @@ rule run:
         "OMP_NUM_THREADS={threads} {params.command} > {log} 2>&1"
 
 
-# Cell jobs: the runs of one model x resolution on a CPU device in one process (`agg-bench cell`), which pays
-# torch's and diffusers' imports once instead of once per run (docs/workflow.md, "Cell jobs"). Each run still
-# writes its own folder; the cell's job file lists the runs' `agg-bench run` arguments.
+# Cell jobs: the runs of one model x resolution on a CPU device, or on a one-GPU device whose runs_per_job asks
+# for it, in one process (`agg-bench cell`), which pays torch's and diffusers' imports and the model's build once
+# instead of once per run (docs/workflow.md, "Cell jobs"). Each run still writes its own folder; the cell's job
+# file lists the runs' `agg-bench run` arguments.
 rule cell_jobs:
     output:
         f"{CELL_DIR}/{{cell}}.json",
@@ -79,7 +80,7 @@ for CELL, RUN_IDS in SWEEP.cells.items():
             f"results/benchmarks/cell/{CELL}.tsv"
         threads: SWEEP.threads(SWEEP.runs[RUN_IDS[0]]["device"])
         resources:
-            gpu=0,
+            gpu=SWEEP.gpus(SWEEP.cell_device(CELL)),
         params:
             command=SWEEP.cell_command(CELL),
         shell:
