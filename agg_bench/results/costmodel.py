@@ -53,15 +53,24 @@ def priced_calls(passes: Mapping[str, float], calls: Mapping[str, float], optimi
     return predicted_seconds(counts, units)
 
 
-def calibration_of(calibration: pd.DataFrame | None, model, resolution, device) -> pd.Series | None:
-    """The calibration of a cell (same model, resolution and device; the last one given), a row of
-    :func:`agg_bench.results.loading.load_calibration`; None when there is none."""
+def calibration_of(calibration: pd.DataFrame | None, model, resolution, device, method=None,
+                   source="measured") -> pd.Series | None:
+    """The calibration of a cell (same model, resolution, device and source), a row of
+    :func:`agg_bench.results.loading.load_calibration`: the last one given that timed ``method`` side by
+    side, else the last one given; None when there is none. A cell may have several: a campaign that
+    fills a cell over several sessions times each session's methods beside ``full`` in a calibration of
+    their own."""
     if calibration is None or calibration.empty:
         return None
+    sources = calibration["source"] if "source" in calibration else pd.Series("measured", index=calibration.index)
     match = calibration[(calibration["model"].astype(str) == str(model))
                         & (pd.to_numeric(calibration["resolution"], errors="coerce") == resolution)
-                        & (calibration["device"].astype(str) == str(device))]
-    return None if match.empty else match.iloc[-1]
+                        & (calibration["device"].astype(str) == str(device))
+                        & (sources.fillna("measured").astype(str) == str(source))]
+    if match.empty:
+        return None
+    timing = match[match["methods"].map(lambda m: isinstance(m, dict) and str(method) in m)]
+    return (timing if len(timing) else match).iloc[-1]
 
 
 def counted_seconds(timed: Mapping, units: pd.Series | None, basis: str, rollout: bool = False) -> float:

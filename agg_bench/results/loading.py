@@ -34,6 +34,7 @@ class RunEntry:
     device: str | None = None
     seed: int | None = None
     method_options: dict | None = None
+    source: str | None = None  # "reference": a committed reference run, shown beside the user's own
 
 
 @dataclass
@@ -54,7 +55,12 @@ class CalibrationEntry:
     model: str | None = None
     resolution: int | None = None
     device: str | None = None
+    source: str | None = None  # "reference": it prices the reference runs' rows
 
+
+# a manifest entry's `source`: a reference run (results/reference/<hardware>/, the runs of a committed campaign)
+# is shown in rows of its own, its hardware named "<GPU> (reference)", priced by the reference's calibrations
+ENTRY_SOURCES = ("reference",)
 
 TIME_BASES = ("auto", "cpu", "wall")
 
@@ -94,12 +100,14 @@ TEXT = (lambda v: isinstance(v, str), "a string")
 INTEGER = (_is_integer, "an integer")
 NUMBER = (lambda v: is_number(v) or (isinstance(v, float) and math.isnan(v)), "a number")
 OBJECT = (lambda v: isinstance(v, dict), "an object")
+SOURCE = (lambda v: v in ENTRY_SOURCES, f"one of {', '.join(ENTRY_SOURCES)}")
 # manifest section -> (its entry class, the key every entry needs, the keys an entry may have)
 MANIFEST_SECTIONS = {
     "runs": (RunEntry, "dir", {"dir": TEXT, "method": TEXT, "model": TEXT, "resolution": INTEGER, "device": TEXT,
-                               "seed": INTEGER, "method_options": OBJECT}),
+                               "seed": INTEGER, "method_options": OBJECT, "source": SOURCE}),
     "gradcheck": (GradcheckEntry, "file", {"file": TEXT, "model": TEXT, "resolution": INTEGER}),
-    "calibration": (CalibrationEntry, "file", {"file": TEXT, "model": TEXT, "resolution": INTEGER, "device": TEXT}),
+    "calibration": (CalibrationEntry, "file", {"file": TEXT, "model": TEXT, "resolution": INTEGER, "device": TEXT,
+                                               "source": SOURCE}),
 }
 
 
@@ -158,7 +166,8 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
             _check(f"{where}: {key}", data.get(key), kind)
         row = {"model": entry.model if entry.model is not None else data.get("model"),
                "resolution": entry.resolution if entry.resolution is not None else data.get("resolution"),
-               "device": entry.device if entry.device is not None else data.get("device")}
+               "device": entry.device if entry.device is not None else data.get("device"),
+               "source": entry.source or "measured"}
         for kind, by_basis in (data.get("unit_s_per_sample") or {}).items():
             _check(f"{where}: unit_s_per_sample.{kind}", by_basis, OBJECT, nullable=False)
             for basis, values in by_basis.items():
@@ -257,7 +266,7 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
         if options is None:
             options = dict(_run_section(config, "method", run_dir / "config.json")
                            or {"name": records[0].get("method")})
-        source = summary.get("source") or records[0].get("source") or "measured"
+        source = entry.source or summary.get("source") or records[0].get("source") or "measured"
         planned = _run_section(_run_file(run_dir, "plan.json"), "bytes", run_dir / "plan.json")
         # optimizer steps per iteration, which the cost model prices; unknown without a config
         optimizer_steps = _run_section(config, "train", run_dir / "config.json").get("inner_epochs", 1) \
@@ -285,16 +294,20 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
     for key in ("gpu_name", "n_gpus", "device", "status"):
         if key not in df:
             df[key] = None
-    df["hardware"] = [_hardware(g, n, d) for g, n, d in zip(df["gpu_name"], df["n_gpus"], df["device"])]
+    df["hardware"] = [_hardware(g, n, d, s) for g, n, d, s in zip(df["gpu_name"], df["n_gpus"], df["device"],
+                                                                    df["source"])]
     return df
 
 
-def _hardware(gpu_name, n_gpus, device) -> str:
-    """"NVIDIA H200", "8x NVIDIA H200", or the device label when no GPU is named."""
+def _hardware(gpu_name, n_gpus, device, source=None) -> str:
+    """"NVIDIA H200", "8x NVIDIA H200", or the device label when no GPU is named; a reference run's with
+    " (reference)" after it."""
     if isinstance(gpu_name, str) and gpu_name:
         n = int(n_gpus) if is_number(n_gpus) else 1
-        return gpu_name if n <= 1 else f"{n}x {gpu_name}"
-    return str(device) if isinstance(device, str) and device else "unknown"
+        name = gpu_name if n <= 1 else f"{n}x {gpu_name}"
+    else:
+        name = str(device) if isinstance(device, str) and device else "unknown"
+    return f"{name} (reference)" if source == "reference" else name
 
 
 def is_number(value) -> bool:

@@ -75,8 +75,8 @@ EFFICIENCY_COLUMNS = [
     "rollout_speedup", "rollout_speedup_lo", "rollout_speedup_hi", "rollout_forwards", "predicted_rollout_speedup",
     "rollout_prediction_check",
     "forward_nograd", "forward_grad", "backward", *TRAIN_PASS_KEYS,
-    "peak_alloc_mib", "nvml_peak_mib", "saved_act_mib", "planned_act_mib", "planned_total_mib", "rss_peak_mib",
-    "images_per_s",
+    "peak_alloc_mib", "nvml_peak_mib", "saved_act_mib", "planned_act_mib", "planned_total_mib", "planned_over_peak",
+    "rss_peak_mib", "images_per_s", "energy_j",
     "final_reward", "final_reward_std", "reward_area", "wall_s", "grad_cosine", "grad_rel_error",
 ]
 # the ablation table's columns, in order
@@ -139,7 +139,7 @@ def run_table(records: pd.DataFrame, warmup: int = 1, extras: list[str] | None =
         record_status = combine_status(run["status"]) if "status" in run else "ok"
         row["status"] = combine_status([first["run_status"], record_status])
         row["iterations"] = len(ok)
-        for key in (*PHASES, "t_iter_s", "images_per_s"):
+        for key in (*PHASES, "t_iter_s", "images_per_s", "energy_j"):  # energy: joules per iteration (NVML)
             row[key] = _mean(timed, key)
         for key in (*PASS_KEYS, *TRAIN_PASS_KEYS):
             row[key] = _mean(ok, key)
@@ -276,17 +276,13 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
             cell[f"t_{phase}_p25_s"], cell[f"t_{phase}_s"], cell[f"t_{phase}_p75_s"] = quartiles(values)
             cell["_samples"][phase] = values
         # the cost model (agg_bench.results.costmodel): the runs' passes, the calibration's counted work
-        units = calibration_of(calibration, cell["model"], cell["resolution"], cell["device"])
-        methods = None if units is None else units.get("methods")
-        timed_side_by_side = (methods.get(str(cell["method"])) if isinstance(methods, dict) else None) or {}
+        # (a reference row's from the reference's calibrations; the last one that timed this method)
+        units = calibration_of(calibration, cell["model"], cell["resolution"], cell["device"], cell["method"],
+                               "reference" if cell["source"] == "reference" else "measured")
+        cell["_units"], cell["_basis"] = units, basis
         cell["_predicted_runs"] = per_sample_seconds({kind: _mean(samples, f"train_{kind}") for kind in PASS_KEYS},
                                                      _mean(samples, "optimizer_steps"), units, basis)
-        cell["_predicted_timed"] = counted_seconds(timed_side_by_side, units, basis)
-        cell["_priced_rollout_s"] = counted_seconds(timed_side_by_side, units, basis, rollout=True)
-        cell["_paired"] = _seconds(timed_side_by_side.get(f"{basis}_s"))
-        cell["_paired_rollout"] = _seconds(timed_side_by_side.get(f"rollout_{basis}_s"))
-        counted = timed_side_by_side.get("rollout_forwards")
-        cell["_timed_rollout_forwards"] = float(counted) if is_number(counted) else float("nan")
+        cell.update(_timed_fields(units, cell["method"], basis))
         if not is_number(cell.get("rollout_forwards")):  # the runs' records do not say: the calibration's count
             cell["rollout_forwards"] = cell["_timed_rollout_forwards"]
         cell["t_train_paired_s"] = float(np.median(cell["_paired"])) if len(cell["_paired"]) else float("nan")
@@ -298,16 +294,23 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
 
     # speedup over the group's `full` row; only between cells that both finished ok
     base = table[_baseline_mask(table)].drop_duplicates(GROUP_KEYS)
-    base = base[GROUP_KEYS + ["t_iter_s", "t_train_s", "status", "_samples", "_predicted_runs", "_predicted_timed",
-                              "_paired", "_paired_rollout", "rollout_forwards", "_timed_rollout_forwards",
-                              "_priced_rollout_s"]].rename(
-        columns={"t_iter_s": "_ref_iter", "t_train_s": "_ref_train", "status": "_ref_status",
+    base = base[GROUP_KEYS + ["method", "t_iter_s", "t_train_s", "status", "_samples", "_predicted_runs",
+                              "_predicted_timed", "_paired", "_paired_rollout", "rollout_forwards",
+                              "_timed_rollout_forwards", "_priced_rollout_s"]].rename(
+        columns={"method": "_ref_method", "t_iter_s": "_ref_iter", "t_train_s": "_ref_train", "status": "_ref_status",
                  "_samples": "_ref_samples", "_predicted_runs": "_ref_predicted_runs",
                  "_predicted_timed": "_ref_predicted_timed", "_paired": "_ref_paired",
                  "_paired_rollout": "_ref_paired_rollout", "rollout_forwards": "_ref_rollout_forwards",
                  "_timed_rollout_forwards": "_ref_timed_rollout_forwards",
                  "_priced_rollout_s": "_ref_priced_rollout_s"})
     table = table.merge(base, on=GROUP_KEYS, how="left")
+    # the reference's side-by-side timings from the calibration that timed this row's method (the same
+    # rounds, when a cell has several calibrations), where it timed the reference too
+    for i, (units, reference, basis) in enumerate(zip(table["_units"], table["_ref_method"], table["_basis"])):
+        timed = _timed_fields(units, reference, basis) if isinstance(reference, str) else None
+        if timed is not None and len(timed["_paired"]):
+            for key, value in timed.items():
+                table.at[i, f"_ref{key}"] = value
     usable = (table["_ref_status"] == "ok") & (table["status"] == "ok")
     table["speedup"] = (table["_ref_iter"] / table["t_iter_s"]).where(usable)
     table["run_train_speedup"] = (table["_ref_train"] / table["t_train_s"]).where(usable)
@@ -352,6 +355,8 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
         _prediction_check(*values) for values in zip(table["rollout_speedup"], table["rollout_speedup_lo"],
                                                      table["rollout_speedup_hi"], table["predicted_rollout_speedup"])]
 
+    # the planner's total over torch's CUDA peak (both per GPU): how far the plan was off (CUDA runs only)
+    table["planned_over_peak"] = table["planned_total_mib"] / table["peak_alloc_mib"]
     table["grad_cosine"], table["grad_rel_error"] = _match_gradcheck(table, gradcheck)
     columns = [c for c in EFFICIENCY_COLUMNS if c in table] + extras + ["method_options"]
     table = table.assign(_imported=table["source"] == "imported")[columns + ["_imported"]]
@@ -362,6 +367,20 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
 def _seconds(values) -> np.ndarray:
     """Seconds per round (a calibration's list; missing: none)."""
     return np.asarray(values or [], dtype=np.float64)
+
+
+def _timed_fields(units: pd.Series | None, method, basis: str) -> dict[str, Any]:
+    """What calibration ``units`` timed of ``method`` side by side: its train phase's and rollout's seconds
+    per round (``_paired``, ``_paired_rollout``), their counted work priced (``_predicted_timed``,
+    ``_priced_rollout_s``) and the rollout's forwards per sample (``_timed_rollout_forwards``)."""
+    methods = None if units is None else units.get("methods")
+    timed = (methods.get(str(method)) if isinstance(methods, dict) else None) or {}
+    counted = timed.get("rollout_forwards")
+    return {"_predicted_timed": counted_seconds(timed, units, basis),
+            "_priced_rollout_s": counted_seconds(timed, units, basis, rollout=True),
+            "_paired": _seconds(timed.get(f"{basis}_s")),
+            "_paired_rollout": _seconds(timed.get(f"rollout_{basis}_s")),
+            "_timed_rollout_forwards": float(counted) if is_number(counted) else float("nan")}
 
 
 def _prediction_check(measured, lo, hi, predicted) -> str | None:
