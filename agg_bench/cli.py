@@ -35,7 +35,9 @@ def cmd_run(args) -> int:
 def cmd_cell(args) -> int:
     from .runtime.cell import run_cell
 
-    return run_cell(args.jobs)
+    if args.deadline is not None and not (math.isfinite(args.deadline) and args.deadline > 0):
+        raise ConfigError("--deadline", args.deadline, "a time in seconds since the epoch (e.g. $(date +%s) + 600)")
+    return run_cell(args.jobs, args.deadline)
 
 
 def cmd_snapshot(args) -> int:
@@ -156,6 +158,25 @@ def cmd_learning(args) -> int:
     return 0
 
 
+def cmd_campaign(args) -> int:
+    from .tools.campaign import Campaign, check_minutes, run_window, status, unpack
+
+    if args.action == "run":
+        check_minutes(args.minutes)
+    campaign = Campaign(args.config, cpu=args.cpu)
+    if args.action == "run":
+        log = run_window(campaign, args.minutes, args.work, args.reference, args.archive)
+        print(json.dumps({"archive": log["archive"], "finished": log["finished_in_window"], "left": log["left"],
+                          "seconds": log["seconds"]}))
+    elif args.action == "unpack":
+        if args.archive is None:
+            raise UserError("campaign unpack needs the archive (--archive FILE)")
+        print(json.dumps(unpack(campaign, args.archive, args.reference)))
+    else:
+        print(json.dumps(status(campaign, args.reference, args.work), indent=1))
+    return 0
+
+
 def cmd_import_log(args) -> int:
     from .tools.importlog import import_log
 
@@ -270,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "each into its own folder, as agg-bench run writes it")
     p.add_argument("jobs", type=Path, metavar="JOBS.json",
                    help='{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR}, ...]}')
+    p.add_argument("--deadline", type=float, metavar="EPOCH_S",
+                   help="seconds since the epoch: a run is not started when the longest run so far would end "
+                        "after this time")
     p.set_defaults(func=cmd_cell)
 
     p = sub.add_parser("snapshot", help="freeze one rollout for replay")
@@ -363,6 +387,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "else this command's evaluation) or checkpoint (this command's evaluation of every run's "
                         "final checkpoint, e.g. with more noises than the runs'; needs --eval-noises) (default auto)")
     p.set_defaults(func=cmd_learning)
+
+    p = sub.add_parser("campaign", help="a sweep filled in over short windows of GPU time into committed reference "
+                                        "results: run one window, unpack its archive, or say what is missing")
+    p.add_argument("action", choices=("run", "unpack", "status"),
+                   help="run: one window of --minutes, its finished runs packed into --archive; unpack: add "
+                        "--archive to --reference (refused whole unless it is a campaign archive of this sweep); "
+                        "status: the runs done and missing, in the order the next window takes them")
+    p.add_argument("--config", required=True, help="the campaign's sweep config (e.g. config/h200.yaml)")
+    p.add_argument("--cpu", action="store_true", help="the same campaign on the tiny models on the CPU (minutes; "
+                                                      "what the test suite runs)")
+    p.add_argument("--reference", type=Path, help="the reference folder (e.g. results/reference/h200): its runs "
+                                                  "count as done; unpack writes into it")
+    p.add_argument("--work", type=Path, default=Path("results/campaign"),
+                   help="run: the window's runs, logs and calibrations (default results/campaign; earlier windows' "
+                        "finished runs there count as done)")
+    p.add_argument("--minutes", type=float, help="run: the window's length; it stops cleanly before its end")
+    p.add_argument("--archive", type=Path, help="run: where to write the archive (default WORK/campaign.tar.gz); "
+                                                "unpack: the archive to add")
+    p.set_defaults(func=cmd_campaign)
 
     p = sub.add_parser("import-log", help="a DanceGRPO JSONL training log as a reference run folder")
     p.add_argument("log", type=Path, help="JSONL with step, avg_reward, step_time, grad_norm per line")

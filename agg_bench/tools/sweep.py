@@ -484,8 +484,33 @@ class Sweep:
         calibration = [{"file": f"results/calibration/{name}.json", "model": c["model"], "resolution": c["resolution"],
                         "device": c["device"]} for name, c in self.calibrations.items()]
         options = self.sweep.get("report") or {}
+        for folder in options.get("compare_with", []):  # committed reference runs, shown beside these
+            reference = reference_manifest(folder)
+            runs += reference["runs"]
+            calibration += reference["calibration"]
         return {"runs": runs, "gradcheck": checks, "calibration": calibration,
                 "warmup": options.get("warmup_iterations", 1), "time": options.get("time", "auto")}
+
+
+def reference_manifest(folder: str) -> dict[str, list]:
+    """The runs and calibrations of the reference folder ``folder`` (its ``manifest.json``, which ``agg-bench
+    campaign unpack`` writes), each marked ``source: reference``; a SweepError naming ``report.compare_with``
+    when it has none."""
+    path = Path(folder) / "manifest.json"
+    if not path.is_file():
+        raise SweepError(f"report.compare_with: {quote(folder)} has no manifest.json (a reference folder that "
+                         "agg-bench campaign unpack wrote, e.g. results/reference/h200)")
+    try:
+        data = read_json_object(path, "a reference manifest")
+    except UserError as err:
+        raise SweepError(f"report.compare_with: {err}") from None
+    out = {}
+    for section in ("runs", "calibration"):
+        entries = data.get(section, [])
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise SweepError(f"report.compare_with: {path}: {section} is not a list of objects")
+        out[section] = [{**entry, "source": "reference"} for entry in entries]
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One window of the H200 campaign (config/h200.yaml; docs/paper-scale.md, "The H200 campaign"):
+#   scripts/gpu_campaign.sh --minutes 8          on a GPU machine: the most valuable runs that
+#                                                 results/reference/h200/ lacks, stopped cleanly before 8 minutes
+#   scripts/gpu_campaign.sh --cpu --minutes 3    the same campaign on the tiny models on the CPU (the test suite
+#                                                 runs a short window of it)
+# What finished is packed into one archive, results/campaign/campaign.tar.gz (AGG_BENCH_CAMPAIGN_OUT changes the
+# folder); add it to the reference with
+#   agg-bench campaign unpack --config config/h200.yaml --archive results/campaign/campaign.tar.gz \
+#       --reference results/reference/h200
+# Python: the project's .venv, set up first by scripts/setup.sh as `make` does; PYTHON=/path/to/python runs
+# another interpreter that has agg-bench's requirements (the repository is put on its path). A missing
+# environment (no torch, no agg-bench, no CUDA device without --cpu) or a bad option is one line and exit code 2,
+# before anything is run or written.
+set -uo pipefail
+
+MODE=gpu
+MINUTES=
+usage() { echo "usage: scripts/gpu_campaign.sh [--cpu] --minutes N" >&2; exit 2; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --cpu) MODE=cpu; shift ;;
+    --minutes) [[ $# -ge 2 ]] || usage; MINUTES=$2; shift 2 ;;
+    *) usage ;;
+  esac
+done
+[[ -n "$MINUTES" ]] || usage
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${AGG_BENCH_CAMPAIGN_OUT:-results/campaign}
+REFERENCE=${AGG_BENCH_CAMPAIGN_REFERENCE:-results/reference/h200}
+if [[ -n "${PYTHON:-}" ]]; then
+  PY=$PYTHON
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  FIX="set PYTHON to an interpreter with agg-bench's requirements, or unset it to use $ROOT/.venv"
+else
+  bash "$ROOT/scripts/setup.sh" || {
+    echo "gpu_campaign: setting up $ROOT/.venv failed (bash scripts/setup.sh, exit $?; see its message above)" >&2
+    exit 2; }
+  PY=$ROOT/.venv/bin/python
+  FIX="run bash scripts/setup.sh (or set PYTHON to an interpreter with agg-bench's requirements)"
+fi
+if ! missing=$("$PY" -c 'import torch, diffusers, agg_bench' 2>&1); then
+  echo "gpu_campaign: $PY cannot import torch, diffusers and agg_bench ($(printf '%s\n' "$missing" | tail -n 1)); $FIX" >&2
+  exit 2
+fi
+ARGS=(--config config/h200.yaml --minutes "$MINUTES" --work "$OUT" --reference "$REFERENCE")
+if [[ $MODE == gpu ]]; then
+  if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    echo "gpu_campaign: torch $("$PY" -c 'import torch; print(torch.__version__)') in $PY sees no CUDA device;" \
+         "run scripts/gpu_campaign.sh --cpu on a machine without one, or install torch's CUDA build" >&2
+    exit 2
+  fi
+else
+  ARGS+=(--cpu)
+fi
+cd "$ROOT" && exec "$PY" -m agg_bench campaign run "${ARGS[@]}"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The wheels a GPU machine that cannot download anything needs besides its own torch, peft, pandas, matplotlib,
+# PyYAML and tqdm to run scripts/gpu_check.sh and scripts/gpu_campaign.sh: diffusers at the pinned version and
+# jsonschema with what it needs, for that machine's Python (default 3.12, x86-64 Linux), into .whl/ (ignored
+# by git), about 10 MB. On the GPU machine, before PYTHON=python3 scripts/gpu_campaign.sh --minutes 8:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+#   scripts/gpu_wheels.sh [PYTHON_VERSION]     e.g. scripts/gpu_wheels.sh 3.12
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=${1:-3.12}
+[[ $VERSION =~ ^3\.[0-9]+$ ]] || { echo "usage: scripts/gpu_wheels.sh [PYTHON_VERSION, e.g. 3.12]" >&2; exit 2; }
+PIN() { sed -n "s/^$1==//p" requirements/constraints.txt; }
+WHEELS=("diffusers==$(PIN diffusers)" "jsonschema==$(PIN jsonschema)" "jsonschema-specifications" "referencing"
+        "rpds-py")
+mkdir -p .whl
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+PLATFORMS=()
+for p in manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_34_x86_64; do
+  PLATFORMS+=(--platform "$p")
+done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$VERSION" --implementation cp \
+    "${PLATFORMS[@]}" -d .whl "${WHEELS[@]}"
+ls -l .whl
