@@ -14,8 +14,9 @@ before anything is written, and holds the claim until it is done:
   output; ``.NAME.agg-bench.lock`` beside a file output, or beside a folder that is replaced whole) is
   held for the claim's life. A second writer is refused and told the holder's PID. The kernel releases
   the lock when its process dies, however it dies; the file is removed when the claim ends.
-- **Nothing left by a failure.** A folder the claim created is removed again if the command fails
-  before writing anything into it.
+- **Nothing left by a failure.** A folder the claim created is removed again if the command fails, or
+  is stopped by a signal, before writing anything into it; a second signal, which ends the process at
+  once (:mod:`agg_bench.stopping`), still removes the lock file and such an empty folder first.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from . import stopping
 from .errors import UserError
 from .io import is_temp_name
 
@@ -184,6 +186,7 @@ class Claim:
             if current == os.fstat(fd).st_ino:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                stopping.at_exit_at_once(id(self), self._release_at_once)
                 return fd
             os.close(fd)
         raise UserError(f"{self.flag} {self.target}: the lock {self.lock_path} keeps changing; another process "
@@ -199,8 +202,22 @@ class Claim:
                 pass
             os.close(self._fd)
             self._fd = None
+            stopping.at_exit_at_once(id(self), None)
         if failed:
             self._remove_created()
+
+    def _release_at_once(self) -> None:
+        """What a second signal's ``os._exit`` must not leave behind (:mod:`agg_bench.stopping`): the lock
+        file, and the folders the claim made while they are still empty."""
+        try:
+            os.unlink(self.lock_path)
+        except OSError:
+            pass
+        for folder in self._created:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
     def _remove_created(self) -> None:
         for folder in self._created:

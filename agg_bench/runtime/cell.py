@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import stopping
 from ..errors import UserError, run_command
 from ..jsonfiles import json_type, read_json_object
 
@@ -117,6 +118,7 @@ def run_cell(path: str | Path) -> int:
 
     worst = 0
     for number, (job, cfg) in enumerate(jobs, 1):
+        stopping.check()  # a signal between two runs stops the cell before the next one starts
         print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} started", file=sys.stderr, flush=True)
         start = time.perf_counter()
         status: list[str] = []
