@@ -82,6 +82,11 @@ def run(out: Path, *overrides: str) -> dict:
      ["runs[1].resume", "allowed: config, set, out"]),
     (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "set": "seed=1"}]}, ["runs[1].set", "a string", "KEY=VALUE"]),
     (lambda t: {"runs": [run(t / "a"), run(t / "a")]}, ["runs[1].out", "also runs[0].out"]),
+    # issue 37: a run folder inside another's, in either order, is refused before either run writes
+    (lambda t: {"runs": [run(t / "n1"), run(t / "n1" / "inner")]}, ["runs[1].out", "inside runs[0].out"]),
+    (lambda t: {"runs": [run(t / "n1" / "inner"), run(t / "n1")]}, ["runs[0].out", "inside runs[1].out"]),
+    (lambda t: {"runs": [run(t / "n1"), run(t / "x"), run(t / "x" / ".." / "n1" / "deep" / "er")]},
+     ["runs[2].out", "inside runs[0].out"]),
     (lambda t: {"runs": [run(t / f"r{i}") for i in range(4097)]}, ["4,097 runs", "at most 4,096"]),
     (lambda t: " " * (64 * 2**20 + 1), ["jobs.json", "over the 64 MiB"]),
     # a config error in a later run: found before the first run writes anything

@@ -9,7 +9,8 @@ others; a signal stops the cell.
 
 The job file is a JSON object ``{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR},
 ...]}``: each run's ``agg-bench run`` arguments (:func:`job_entry` writes one). Every run's config is
-loaded and checked before the first run starts, so a bad job file writes nothing.
+loaded and checked, and every run's folder compared with the others' (one folder each, none inside
+another), before the first run starts, so a bad job file writes nothing.
 
 This module imports no torch at module level: the workflow's parse (:mod:`agg_bench.tools.sweep`)
 writes job files with :func:`job_entry`.
@@ -69,7 +70,7 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
 
 def read_jobs(path: str | Path) -> list[CellRun]:
     """The runs a job file lists, checked in form (not yet their configs): a UserError naming the file and
-    the entry for anything else, or for two runs into one folder."""
+    the entry for anything else, for two runs into one folder, or for a run folder inside another's."""
     path = Path(path)
     runs = read_json_object(path, EXPECTED).get("runs")
     if not isinstance(runs, list) or not runs:
@@ -85,6 +86,12 @@ def read_jobs(path: str | Path) -> list[CellRun]:
             raise UserError(f"{path}: runs[{index}].out {job.out} is also runs[{seen[folder]}].out; "
                             "expected a folder of its own for each run")
         seen[folder] = index
+    # a run folder holds only a run's files: another run's folder inside it would be someone else's
+    for index, job in enumerate(jobs):
+        outer = next((seen[p] for p in Path(job.out).resolve().parents if p in seen), None)
+        if outer is not None:
+            raise UserError(f"{path}: runs[{index}].out {job.out} is inside runs[{outer}].out {jobs[outer].out}; "
+                            "expected run folders that do not hold one another")
     return jobs
 
 
