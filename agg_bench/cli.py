@@ -35,7 +35,7 @@ def cmd_run(args) -> int:
 def cmd_cell(args) -> int:
     from .runtime.cell import run_cell
 
-    return run_cell(args.jobs)
+    return run_cell(args.jobs, keep_going=args.keep_going)
 
 
 def cmd_snapshot(args) -> int:
@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "each into its own folder, as agg-bench run writes it")
     p.add_argument("jobs", type=Path, metavar="JOBS.json",
                    help='{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR}, ...]}')
+    p.add_argument("--keep-going", action="store_true",
+                   help="record a run that fails in its folder (summary.json, status: error) and exit 0 once every "
+                        "run's end is recorded (the workflow's cell jobs: a failed job's files would be removed)")
     p.set_defaults(func=cmd_cell)
 
     p = sub.add_parser("snapshot", help="freeze one rollout for replay")

@@ -5,7 +5,9 @@ a 2-core EPYC) when the run itself trains tiny models for 1-3 s. Runs that could
 device, model and resolution on a CPU: the workflow's cells) therefore run in one, each into its own run
 folder exactly as ``agg-bench run --config C --set ... --out DIR`` writes it: the same files and records,
 its own folder claim and summary status. A run that ends in oom or diverged, or fails, does not stop the
-others; a signal stops the cell.
+others; a signal stops the cell. With ``--keep-going`` (the workflow's cell jobs) a failed run is recorded
+in its folder (``summary.json``, ``status: error``) and the cell exits 0 once every run's end is recorded,
+so that the workflow keeps the finished runs' files and reports the failure itself (:func:`run_cell`).
 
 The job file is a JSON object ``{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR},
 ...]}``: each run's ``agg-bench run`` arguments (:func:`job_entry` writes one). Every run's config is
@@ -109,19 +111,28 @@ def load_jobs(path: str | Path) -> list[tuple[CellRun, Any]]:
     return loaded
 
 
-def run_cell(path: str | Path) -> int:
+def run_cell(path: str | Path, keep_going: bool = False) -> int:
     """Every run of job file ``path``, in its order, through :func:`agg_bench.runtime.train.train`; the
     exit code ``agg-bench run`` gives for the worst of them (a bug: 1, before a user error: 2, before 0), or
     128 + N at once when signal N stops a run. Each run's failure prints as ``agg-bench run`` prints it,
     named by its folder; stderr gets one line as each run starts and one as it ends, stdout each run's
-    result line ``{"out", "status"}``."""
+    result line ``{"out", "status"}``.
+
+    With ``keep_going`` a run that fails is recorded in its own folder, ``summary.json`` with ``status:
+    error`` (the run writes it when it fails after starting its files; :func:`~agg_bench.runtime.train.
+    record_failure` when it failed before), and such a failure no longer counts in the exit code: it is 0
+    once every run's end is recorded. A workflow removes every declared output of a job that fails, so
+    a cell job that failed for one run would take the finished runs' records with it; the workflow's
+    manifest reports the recorded failures instead (:func:`agg_bench.tools.sweep.failed_runs`). A failure
+    that cannot be recorded (the folder holds someone else's files, another process writes it) still
+    counts."""
     from ..machine.distributed import launched_world_size
 
     if launched_world_size() > 1:
         raise UserError("agg-bench cell runs its runs in one process; start a run on several GPUs with "
                         "torchrun ... agg-bench run")
     jobs = load_jobs(path)  # every config checked before the first run writes anything
-    from .train import train
+    from .train import record_failure, train
 
     worst = 0
     for number, (job, cfg) in enumerate(jobs, 1):
@@ -129,14 +140,26 @@ def run_cell(path: str | Path) -> int:
         print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} started", file=sys.stderr, flush=True)
         start = time.perf_counter()
         status: list[str] = []
+        failure: list[Exception] = []
+        summary_before = _file_identity(job.out / "summary.json")
 
         def one_run() -> int:
-            status.append(train(cfg, job.out)["status"])
+            try:
+                status.append(train(cfg, job.out)["status"])
+            except Exception as exc:
+                failure.append(exc)
+                raise
             print(json.dumps({"out": str(job.out), "status": status[0]}), flush=True)
             return 0
 
         code = run_command(f"agg-bench cell: {job.out}", one_run, ["agg-bench", "cell", str(path)], job.out)
         ended = status[0] if status else f"failed (exit code {code})"
+        if keep_going and failure and code < 128:
+            error = f"{type(failure[0]).__name__}: {failure[0]}".splitlines()[0]
+            written = _file_identity(job.out / "summary.json") != summary_before  # by this attempt, on failing
+            if written or record_failure(cfg, job.out, error):
+                print(json.dumps({"out": str(job.out), "status": "error"}), flush=True)
+                ended, code = f"{ended}, recorded in its summary.json", 0
         print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} {ended} in {time.perf_counter() - start:.1f} s",
               file=sys.stderr, flush=True)
         if code >= 128:  # stopped by a signal: the cell stops with it
@@ -144,3 +167,12 @@ def run_cell(path: str | Path) -> int:
         worst = max(worst, code, key=SEVERITY.__getitem__)
         gc.collect()  # the finished run's models and tensors, before the next run measures its memory
     return worst
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """(inode, modification time) of ``path``, or None: a file replaced by rename has another."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from .. import stopping
 from ..config import RunConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from ..io import JsonlWriter
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
@@ -32,8 +32,8 @@ from .session import Session, check_plan, identity, iteration_generator, model_l
 
 # the names callers import from here, wherever they are defined
 __all__ = ["RECORD_KEYS", "TIMING_KEYS", "Interrupted", "Session", "Training", "check_plan",
-           "identity", "iteration_generator", "model_label", "progress_line", "resolve_device", "run_iteration",
-           "train", "weights_label"]
+           "identity", "iteration_generator", "model_label", "progress_line", "record_failure", "resolve_device",
+           "run_iteration", "train", "weights_label"]
 
 
 def _finite(x) -> bool:
@@ -358,6 +358,29 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
         runfolder.write_summary(out, summary)
     print(f"agg-bench run: {error}", file=sys.stderr)
     return summary
+
+
+def record_failure(cfg: RunConfig, out_dir: str | Path, error: str) -> bool:
+    """Record that a run of ``cfg`` into ``out_dir`` failed before it wrote a summary of its own (``error``:
+    the failure's line), as an attempt that wrote no record: the folder's files started as a run starts
+    them (an earlier attempt's replaced; no records) and ``summary.json`` with ``status: error``. What a cell
+    job that keeps going writes for such a run (:func:`agg_bench.runtime.cell.run_cell`), so that its
+    workflow sees the failure among finished runs instead of a job that failed. False, with nothing
+    written, when the folder does not take a run of ``cfg`` (someone else's files, a finished run of another
+    config, another writer) or its device cannot be named."""
+    out = Path(out_dir)
+    config = cfg.to_dict()
+    try:
+        device = resolve_device(cfg.device)
+        claim = runfolder.claim(out, config, resume=False, overwrite=False)
+    except UserError:
+        return False
+    with stopping.safe_points(), claim:
+        base = identity(cfg, cfg.run_id or out.name, device)
+        runfolder.start_files(out, config, [], keep_checkpoint=False, keep_curves=False)
+        runfolder.write_plan(out, None)
+        runfolder.write_summary(out, runfolder.run_summary(base, "error", error, cfg.train.iterations, 1))
+    return True
 
 
 def progress_line(record: dict, iterations: int) -> str:
