@@ -4,9 +4,11 @@ Each trial starts the run below (issue 37's reproduction: one iteration whose ro
 take seconds each on a CPU), sends it SIGTERM after a seeded random delay and records the exit code,
 the seconds from the signal to the exit, and what the output folder holds: nothing, or a summary and its
 status. A trial passes when the process ends within ``--limit`` seconds with exit code 143 (128 + SIGTERM)
-and the folder is absent or its summary says ``interrupted``. A first, uninterrupted run measures the
-phases (start-up until the folder's files are written, rollout, reward, train) so that the delays can
-be drawn over all of them and each trial says which phase its signal landed in.
+and the folder is absent or its summary says ``interrupted``. The signals land while the command loads
+(``--startup`` trials), just after its folder is claimed while the model is built (``--claimed``), and
+the rest at a random moment of the iteration after the folder's files are written; a first,
+uninterrupted run measures the iteration's phases (rollout, reward, train), over which those delays are
+drawn and by which each trial says where its signal landed.
 
     python scripts/signal_trials.py --trials 12 --seed 0 --work /tmp/signal-trials
 
@@ -67,25 +69,29 @@ def reference(python: str, work: Path, env: dict) -> dict:
 
 
 def phase_at(delay: float, ref: dict) -> str:
-    """The phase a signal after ``delay`` seconds lands in, by the reference run's times."""
-    edges = [("start-up", ref["begun_s"]), ("rollout", ref["rollout_s"]), ("reward", ref["reward_s"]),
-             ("train", ref["train_s"])]
+    """The phase of the iteration a signal ``delay`` seconds after the folder's files appeared lands in, by
+    the reference run's times."""
     t = 0.0
-    for name, length in edges:
-        t += length
+    for name in ("rollout", "reward", "train"):
+        t += ref[f"{name}_s"]
         if delay < t:
             return name
     return "finishing"
 
 
-def trial(python: str, out: Path, delay: float, limit: float, env: dict, after_claim: bool = False) -> dict:
-    """One run, SIGTERM ``delay`` seconds after it starts (``after_claim``: after its folder appears)."""
+def wait_for(path: Path, proc: subprocess.Popen) -> None:
+    while not path.exists() and proc.poll() is None:
+        time.sleep(0.002)
+
+
+def trial(python: str, out: Path, delay: float, limit: float, env: dict, after: str | None = None) -> dict:
+    """One run, SIGTERM ``delay`` seconds after it starts, or after its folder (``after`` = "claim") or its
+    files (``after`` = "files") appear."""
     shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.Popen(command(python, out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
-    if after_claim:
-        while not out.exists() and proc.poll() is None:
-            time.sleep(0.002)
+    if after is not None:
+        wait_for(out if after == "claim" else out / "metrics.jsonl", proc)
     time.sleep(delay)
     if proc.poll() is not None:
         return {"delay_s": round(delay, 2), "result": f"ended before the signal (exit {proc.returncode})", "ok": False}
@@ -122,15 +128,16 @@ def main() -> int:
     ref = reference(args.python, args.work, env)
     print(json.dumps({"reference": {k: round(v, 2) for k, v in ref.items()}}), flush=True)
     rng = random.Random(args.seed)
-    # (delay, after the claim?, phase): the command starting, the folder just claimed, then anywhere in the
-    # rest of the run (its rollout and train phase are most of it)
-    plan = [(rng.uniform(0.2, 2.0), False, "start-up: loading") for _ in range(args.startup)]
-    plan += [(rng.uniform(0.0, 0.3), True, "start-up: folder claimed") for _ in range(args.claimed)]
-    rest = args.trials - len(plan)
-    plan += [(rng.uniform(ref["begun_s"], ref["total_s"] - 1.0), False, None) for _ in range(rest)]
+    # (delay, after what, phase): the command starting, the folder just claimed, then anywhere in the
+    # iteration once the folder's files are written (its rollout and train phase are most of it; the delay
+    # stops short of the reference's end, since a run on a busy machine may finish sooner)
+    plan = [(rng.uniform(0.2, 2.0), None, "start-up: loading") for _ in range(args.startup)]
+    plan += [(rng.uniform(0.0, 0.3), "claim", "start-up: folder claimed") for _ in range(args.claimed)]
+    iteration_s = ref["rollout_s"] + ref["reward_s"] + ref["train_s"]
+    plan += [(rng.uniform(0.0, 0.9 * iteration_s), "files", None) for _ in range(args.trials - len(plan))]
     passed = 0
-    for number, (delay, after_claim, phase) in enumerate(plan, 1):
-        result = trial(args.python, args.work / f"trial{number}", delay, args.limit, env, after_claim)
+    for number, (delay, after, phase) in enumerate(plan, 1):
+        result = trial(args.python, args.work / f"trial{number}", delay, args.limit, env, after)
         result["phase"] = phase or phase_at(delay, ref)
         passed += result["ok"]
         print(json.dumps({"trial": number, **result}), flush=True)
