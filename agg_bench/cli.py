@@ -37,7 +37,7 @@ def cmd_cell(args) -> int:
 
     if args.deadline is not None and not (math.isfinite(args.deadline) and args.deadline > 0):
         raise ConfigError("--deadline", args.deadline, "a time in seconds since the epoch (e.g. $(date +%s) + 600)")
-    return run_cell(args.jobs, args.deadline)
+    return run_cell(args.jobs, keep_going=args.keep_going, deadline=args.deadline)
 
 
 def cmd_snapshot(args) -> int:
@@ -291,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "each into its own folder, as agg-bench run writes it")
     p.add_argument("jobs", type=Path, metavar="JOBS.json",
                    help='{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR}, ...]}')
+    p.add_argument("--keep-going", action="store_true",
+                   help="record a run that fails in its folder (summary.json, status: error) and exit 0 once every "
+                        "run's end is recorded (the workflow's cell jobs: a failed job's files would be removed)")
     p.add_argument("--deadline", type=float, metavar="EPOCH_S",
                    help="seconds since the epoch: a run is not started when the longest run so far would end "
                         "after this time")

@@ -18,6 +18,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .stopping import handled, stop_signals
+
 QUOTE_CHARS = 200  # of one quoted key or value
 MESSAGE_CHARS = 1000  # of a whole message (a safety net for messages that quote values themselves)
 _ITEMS = 12  # items of a list or mapping written out before '...'
@@ -126,16 +128,20 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
 
     A :class:`UserError` prints ``name: message`` on one line and exits with 2, as does a full disk (an
     ``ENOSPC`` / ``EDQUOT`` anywhere in the exception's chain: the line names the file being written, else
-    ``out``). An interruption prints ``name: interrupted`` and exits with 128 + the signal's number, as a
-    shell reports a process ended by it (130 SIGINT, 143 SIGTERM). Anything else is a bug in agg-bench:
-    one line that says so and names the command to report (``argv``), then the traceback, exit code 1.
+    ``out``). SIGTERM and SIGINT are taken as :mod:`agg_bench.stopping` says (``body`` runs under its
+    :func:`~agg_bench.stopping.stop_signals`): an interruption prints ``name: interrupted`` and exits with
+    128 + the signal's number, as a shell reports a process ended by it (130 SIGINT, 143 SIGTERM), and a
+    second signal ends the process at once with that code. Anything else is a bug in agg-bench: one line
+    that says so and names the command to report (``argv``), then the traceback, exit code 1.
     """
     try:
-        return body()
+        with stop_signals(name):
+            return body()
     except UserError as err:
         print(f"{name}: {one_line(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
+        handled(err)
         signum = getattr(err, "signum", 2)
         print(f"{name}: interrupted", file=sys.stderr)
         return 128 + signum

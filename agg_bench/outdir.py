@@ -5,8 +5,12 @@ Every command that writes (``run``, ``import-log``, ``snapshot``, ``profile``, `
 before anything is written, and holds the claim until it is done:
 
 - **Its own files only.** A folder output may be new, empty, or hold only what that command writes
-  (:class:`Contents`); a file output may be new or that command's earlier output. Anything else is
-  someone's: the command refuses (one line, exit 2) and touches nothing.
+  (:class:`Contents`), each of its kind: a folder where the command writes a file (or a file where it
+  owns a folder) is refused before anything is written, not found when writing. A folder the command
+  owns inside its output (a run's ``tensorboard/`` and checkpoint shards, a pretrain output's
+  ``transformer/``) is checked the same way, since the command removes or replaces it whole; a file
+  output may be new or that command's earlier output. Anything else is someone's: the command refuses
+  (one line, exit 2) and touches nothing.
 - **No symbolic links.** An output that is a link, or a folder holding one anywhere inside, is refused,
   so no write can land outside the folder the user named. Files are opened with ``O_NOFOLLOW`` and
   replaced by rename, which replaces a link instead of writing through it.
@@ -14,8 +18,9 @@ before anything is written, and holds the claim until it is done:
   output; ``.NAME.agg-bench.lock`` beside a file output, or beside a folder that is replaced whole) is
   held for the claim's life. A second writer is refused and told the holder's PID. The kernel releases
   the lock when its process dies, however it dies; the file is removed when the claim ends.
-- **Nothing left by a failure.** A folder the claim created is removed again if the command fails
-  before writing anything into it.
+- **Nothing left by a failure.** A folder the claim created is removed again if the command fails, or
+  is stopped by a signal, before writing anything into it; a second signal, which ends the process at
+  once (:mod:`agg_bench.stopping`), still removes the lock file and such an empty folder first.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from . import stopping
 from .errors import UserError
 from .io import is_temp_name
 
@@ -48,23 +54,39 @@ def is_harness_name(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Contents:
-    """What one command writes into its output folder: exact ``names`` and shell-style ``patterns``
-    (``checkpoint_shards_*``), or a predicate ``match`` on a name; ``what`` names the kind of folder in
-    errors ("an agg-bench run")."""
+    """What one command writes into its output folder: files by exact ``names``, shell-style ``patterns``
+    (``config.json``, ``*.pt.trace.json``) or a predicate ``match`` on a name, and the ``folders`` it owns
+    inside, each a (name or pattern, what that folder holds) pair: a :class:`Contents` that is checked too
+    (the command removes or replaces such a folder, so nothing else may be in it), or None for a folder
+    the command writes into without removing anything (not looked into). ``what`` names the kind of
+    folder in errors ("an agg-bench run")."""
 
     what: str
     names: tuple[str, ...] = ()
     patterns: tuple[str, ...] = ()
     match: Callable[[str], bool] | None = field(default=None, compare=False)
+    folders: tuple[tuple[str, "Contents | None"], ...] = ()
 
-    def ours(self, name: str) -> bool:
+    def file(self, name: str) -> bool:
+        """Whether the command writes a file called ``name`` here."""
         return name in self.names or any(fnmatch.fnmatchcase(name, p) for p in self.patterns) or \
             (self.match is not None and self.match(name))
+
+    def folder(self, name: str) -> tuple[bool, "Contents | None"]:
+        """Whether the command owns a folder called ``name`` here, and what that folder holds."""
+        for pattern, contents in self.folders:
+            if name == pattern or fnmatch.fnmatchcase(name, pattern):
+                return True, contents
+        return False, None
+
+    def ours(self, name: str) -> bool:
+        """Whether ``name`` is one of the command's files or folders here, whatever its kind."""
+        return self.file(name) or self.folder(name)[0]
 
     def __or__(self, other: "Contents") -> "Contents":
         """The files of both (two commands' outputs in one folder, e.g. ``--tables DIR --plots DIR``)."""
         return Contents(f"{self.what} or {other.what}", self.names + other.names, self.patterns + other.patterns,
-                        lambda name: self.ours(name) or other.ours(name))
+                        lambda name: self.file(name) or other.file(name), self.folders + other.folders)
 
 
 def _shown(names: list[str]) -> str:
@@ -81,16 +103,57 @@ def find_links(folder: Path) -> list[str]:
     return sorted(links)
 
 
+def _strangers(folder: Path, contents: Contents, prefix: str = "") -> tuple[list[str], list[str]]:
+    """Paths under ``folder`` (relative to the folder first checked, folders with a trailing ``/``) that
+    ``contents`` does not name, and those of the wrong kind (a folder where the command writes a file, a
+    file where it owns a folder); the owned folders are looked into. Harness temporaries and locks are
+    never strangers; a symbolic link is judged by its name only (:func:`find_links` refuses it)."""
+    foreign, wrong_kind = [], []
+    for path in sorted(folder.iterdir()):
+        name = path.name
+        if is_harness_name(name):
+            continue
+        shown = prefix + name
+        if path.is_symlink():
+            if not contents.ours(name):
+                foreign.append(shown)
+            continue
+        owned, inner = contents.folder(name)
+        if path.is_dir():
+            if owned:
+                if inner is not None:
+                    more, kinds = _strangers(path, inner, shown + "/")
+                    foreign += more
+                    wrong_kind += kinds
+            elif contents.file(name):
+                wrong_kind.append(shown + "/")
+            else:
+                foreign.append(shown + "/")
+        elif contents.file(name):
+            continue
+        elif owned:
+            wrong_kind.append(shown)
+        else:
+            foreign.append(shown)
+    return foreign, wrong_kind
+
+
 def check_folder(out: Path, contents: Contents, flag: str = "--out") -> None:
     """Refuse ``out`` unless it is new, or a folder holding only ``contents`` (harness temporaries and
-    locks aside) and no symbolic link. Reads only."""
+    locks aside), each of its kind (a file where the command writes a file, a folder where it owns one),
+    with nothing but their own contents in the folders it owns, and no symbolic link. Reads only."""
     if out.is_symlink():
         raise UserError(f"{flag} {out}: is a symbolic link; give the folder it points to, or another folder")
     if not out.exists():
         return
     if not out.is_dir():
         raise UserError(f"{flag} {out}: exists and is not a folder")
-    foreign = sorted(p.name for p in out.iterdir() if not is_harness_name(p.name) and not contents.ours(p.name))
+    foreign, wrong_kind = _strangers(out, contents)
+    if wrong_kind:
+        kind = "a folder" if wrong_kind[0].endswith("/") else "a file"
+        raise UserError(f"{flag} {out}: {wrong_kind[0].rstrip('/')} is {kind}, where {contents.what} has "
+                        f"{'a file' if kind == 'a folder' else 'a folder'}; remove or rename it, or give "
+                        "another folder")
     if foreign:
         raise UserError(f"{flag} {out}: the folder holds files that are not {contents.what} ({_shown(foreign)}); "
                         "give a new or empty folder")
@@ -98,6 +161,29 @@ def check_folder(out: Path, contents: Contents, flag: str = "--out") -> None:
     if links:
         raise UserError(f"{flag} {out}: holds symbolic links ({_shown(links)}), which a write could follow out "
                         "of the folder; remove them or give another folder")
+
+
+def remove_owned(folder: Path, contents: Contents) -> None:
+    """Remove what ``contents`` names inside ``folder`` (its files, and the folders it owns with what they
+    hold), harness temporaries and locks, then ``folder`` itself if nothing is left. Anything else stays
+    where it is, and with it the folder: the harness removes only what it wrote (:func:`check_folder`
+    refuses such a folder before anything is written, so this only matters if someone adds a file while
+    the command runs)."""
+    if folder.is_symlink() or not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if path.is_symlink():
+            continue
+        owned, inner = contents.folder(path.name)
+        if path.is_dir():
+            if owned and inner is not None:
+                remove_owned(path, inner)
+        elif contents.file(path.name) or is_harness_name(path.name):
+            path.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # something that is not the harness's stays, and so does its folder
+        pass
 
 
 def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = "--out") -> None:
@@ -184,6 +270,7 @@ class Claim:
             if current == os.fstat(fd).st_ino:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                stopping.at_exit_at_once(id(self), self._release_at_once)
                 return fd
             os.close(fd)
         raise UserError(f"{self.flag} {self.target}: the lock {self.lock_path} keeps changing; another process "
@@ -199,8 +286,22 @@ class Claim:
                 pass
             os.close(self._fd)
             self._fd = None
+            stopping.at_exit_at_once(id(self), None)
         if failed:
             self._remove_created()
+
+    def _release_at_once(self) -> None:
+        """What a second signal's ``os._exit`` must not leave behind (:mod:`agg_bench.stopping`): the lock
+        file, and the folders the claim made while they are still empty."""
+        try:
+            os.unlink(self.lock_path)
+        except OSError:
+            pass
+        for folder in self._created:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
     def _remove_created(self) -> None:
         for folder in self._created:

@@ -171,6 +171,9 @@ def test_the_evaluation_samples_the_same_noise_for_the_same_weights(tmp_path):
     ("train.pass_costs.backward=0", ["train.pass_costs.backward", "0", "> 0"]),
     ("train.pass_costs.forward_grad=-1", ["train.pass_costs.forward_grad", "-1", "> 0"]),
     ("train.pass_costs.forward_nograd=.nan", ["train.pass_costs.forward_nograd", "nan", "finite"]),
+    # issue 37: a price of 1e308 made the cost overflow to null, which only an out-of-memory record has
+    ("train.pass_costs.backward=1e308", ["train.pass_costs.backward", "1e+308", "<= 1000000"]),
+    ("train.pass_costs.forward_nograd=1000001", ["train.pass_costs.forward_nograd", "1000001", "<= 1000000"]),
     ("train.pass_costs.optimizer_step=1", ["train.pass_costs.optimizer_step", "backward, forward_grad, forward_nograd"]),
     ("eval.every=-1", ["eval.every", "-1", ">= 0"]),
     ("eval.sampler=euler", ["eval.sampler", "euler", "ode"]),

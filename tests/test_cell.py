@@ -82,6 +82,11 @@ def run(out: Path, *overrides: str) -> dict:
      ["runs[1].resume", "allowed: config, set, out"]),
     (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "set": "seed=1"}]}, ["runs[1].set", "a string", "KEY=VALUE"]),
     (lambda t: {"runs": [run(t / "a"), run(t / "a")]}, ["runs[1].out", "also runs[0].out"]),
+    # issue 37: a run folder inside another's, in either order, is refused before either run writes
+    (lambda t: {"runs": [run(t / "n1"), run(t / "n1" / "inner")]}, ["runs[1].out", "inside runs[0].out"]),
+    (lambda t: {"runs": [run(t / "n1" / "inner"), run(t / "n1")]}, ["runs[0].out", "inside runs[1].out"]),
+    (lambda t: {"runs": [run(t / "n1"), run(t / "x"), run(t / "x" / ".." / "n1" / "deep" / "er")]},
+     ["runs[2].out", "inside runs[0].out"]),
     (lambda t: {"runs": [run(t / f"r{i}") for i in range(4097)]}, ["4,097 runs", "at most 4,096"]),
     (lambda t: " " * (64 * 2**20 + 1), ["jobs.json", "over the 64 MiB"]),
     # a config error in a later run: found before the first run writes anything
@@ -145,6 +150,51 @@ def test_a_cell_runs_into_its_folders(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["notes.txt"]
     err = capsys.readouterr().err
     assert f"agg-bench cell: {tmp_path / 'b'}: " in err and "run 2/2" in err
+
+
+@pytest.mark.parametrize("keep_going", [True, False])
+def test_keep_going_records_a_failed_run_and_keeps_the_others(tmp_path, capsys, monkeypatch, keep_going):
+    """Issue 37: a failed run made the cell job fail, and Snakemake removed every output of the job, the
+    finished runs' records with them. With --keep-going a run that fails is recorded in its own folder
+    (summary.json, status: error: written by the run when it fails in an iteration, by the cell when it
+    fails before writing anything) and the cell exits 0; a failure that cannot be recorded still counts."""
+    session_class, update = train_module.Session, train_module.Session.update
+
+    def failing_session(cfg, *args, **kwargs):
+        if cfg.seed == 7:
+            raise RuntimeError("broken while building")
+        return session_class(cfg, *args, **kwargs)
+
+    def failing_update(self, batch):
+        if self.cfg.seed == 8 and self.policy.version == 1:
+            raise RuntimeError("broken in iteration 1")
+        return update(self, batch)
+
+    monkeypatch.setattr(train_module, "Session", failing_session)
+    monkeypatch.setattr(session_class, "update", failing_update)
+    flag = ["--keep-going"] if keep_going else []
+    runs = [run(tmp_path / "a"), run(tmp_path / "b", "seed=8"), run(tmp_path / "c", "seed=7")]
+    assert main(["cell", *flag, str(job_file(tmp_path, runs))]) == (0 if keep_going else 1)
+    summaries = {name: json.loads((tmp_path / name / "summary.json").read_text())
+                 for name in "abc" if (tmp_path / name / "summary.json").exists()}
+    assert summaries["a"]["status"] == "ok" and len(list(read_jsonl(tmp_path / "a" / "metrics.jsonl"))) == 2
+    b = summaries["b"]  # failed in an iteration: the run wrote its records and its summary
+    assert (b["status"], b["last_good_iteration"]) == ("error", 0) and "broken in iteration 1" in b["error"]
+    if keep_going:  # failed while building: the cell recorded it as an attempt without records
+        c = summaries["c"]
+        assert (c["status"], c["error"], c["run_id"]) == ("error", "RuntimeError: broken while building", "c")
+        assert list(read_jsonl(tmp_path / "c" / "metrics.jsonl")) == []
+        assert json.loads((tmp_path / "c" / "config.json").read_text())["seed"] == 7
+    else:
+        assert not (tmp_path / "c").exists()
+    out = capsys.readouterr().out
+    assert [json.loads(line)["status"] for line in out.splitlines()] == (["ok", "error", "error"] if keep_going
+                                                                         else ["ok"])
+    # a failure that cannot be recorded (someone else's folder) counts with --keep-going too
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("mine")
+    assert main(["cell", *flag, str(job_file(tmp_path, [run(tmp_path / "d")]))]) == 2
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["notes.txt"]
 
 
 def test_the_cell_command_runs_in_one_process(tmp_path, monkeypatch):

@@ -139,3 +139,91 @@ def test_snapshot_and_profile_refuse_a_folder_of_other_files_and_rerun_into_thei
     out = tmp_path / verb
     assert main([verb, *sets, *extra, "--out", str(out)]) == 0
     assert main([verb, *sets, *extra, "--out", str(out)]) == 0  # its own earlier output: written again
+
+
+def tree(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder`` with its bytes (None for a folder)."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("inside", ["tensorboard/notes.txt", "tensorboard/otherrun/events.out.tfevents.1.h.2.0",
+                                    "checkpoint_shards_000001/notes.txt", "checkpoint_shards_000002/mine/x"])
+def test_a_rerun_refuses_a_user_s_files_inside_the_folders_a_run_removes(tmp_path, capsys, inside):
+    """Issue 37: a rerun (no tensorboard, no checkpoint) removes the earlier attempt's tensorboard/ and shard
+    folders; one that holds anything but what the harness writes there is someone's, and refused."""
+    out = tmp_path / "run"
+    assert main(run(out)) == 0
+    (out / inside).parent.mkdir(parents=True, exist_ok=True)
+    (out / inside).write_text("mine\n")
+    before = tree(out)
+    capsys.readouterr()
+    assert main(run(out)) == 2
+    line = one_error_line(capsys)
+    assert str(out) in line and inside.split("/")[1] in line and "not an agg-bench run" in line
+    assert tree(out) == before
+
+
+def test_a_rerun_removes_the_harness_s_own_curves_and_shards(tmp_path):
+    out = tmp_path / "run"
+    assert main(run(out)) == 0
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1700000000.host.123.0").write_bytes(b"\0events")
+    (out / "checkpoint_shards_000003").mkdir()
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
+        (out / "checkpoint_shards_000003" / name).write_bytes(b"\0shard")
+    assert main(run(out)) == 0
+    assert not (out / "tensorboard").exists() and not (out / "checkpoint_shards_000003").exists()
+
+
+@pytest.mark.parametrize("name, folder", [("summary.json", True), ("metrics.jsonl", True), ("env.json", True),
+                                          ("plan.json", True), ("tensorboard", False),
+                                          ("checkpoint_shards_000001", False)])
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_name_of_the_wrong_kind_is_refused_before_anything_is_written(tmp_path, capsys, name, folder, resume):
+    """Issue 37: a summary.json or metrics.jsonl that is a folder failed only after config.json and env.json
+    were rewritten; a file named tensorboard failed on --resume after the summary was gone. Each is one line
+    and exit 2 now, and the folder is as it was."""
+    out = tmp_path / "run"
+    assert main(run(out, "--checkpoint-every", "1")) == 0
+    target = out / name
+    if target.exists():
+        target.unlink()
+    if folder:
+        target.mkdir()
+        (target / "x").write_text("mine\n")
+    else:
+        target.write_text("mine\n")
+    before = tree(out)
+    capsys.readouterr()
+    assert main(run(out, "--checkpoint-every", "1", *(["--resume"] if resume else []))) == 2
+    line = one_error_line(capsys)
+    assert f"{name} is {'a folder' if folder else 'a file'}" in line and str(out) in line
+    assert tree(out) == before
+
+
+def test_pretrain_refuses_a_user_s_file_inside_its_model_folders(tmp_path, capsys):
+    """Issue 37: pretrain --out over an earlier output replaces it whole, with whatever a user had put into
+    its transformer/ or scheduler/; such an output is refused now and stays as it was."""
+    from agg_bench.tools.pretrain import PRETRAIN_CONTENTS, check_out_dir
+
+    out = tmp_path / "model"
+    for sub, files in (("transformer", ("config.json", "diffusion_pytorch_model.safetensors")),
+                       ("vae", ("config.json",)), ("scheduler", ("scheduler_config.json",))):
+        (out / sub).mkdir(parents=True)
+        for file in files:
+            (out / sub / file).write_text("{}")
+    for file in ("pretrain.json", "token_hash.json", "samples.png"):
+        (out / file).write_text("{}")
+    check_out_dir(out)  # an earlier output: replaced
+    for inside in ("transformer/notes.txt", "scheduler/mine/x", "vae/weights.bin"):
+        (out / inside).parent.mkdir(parents=True, exist_ok=True)
+        (out / inside).write_text("mine\n")
+        before = tree(out)
+        assert main(["pretrain", "--set", "steps=1", "--out", str(out)]) == 2
+        line = one_error_line(capsys)
+        assert inside.split("/")[1] in line and PRETRAIN_CONTENTS.what in line
+        assert tree(out) == before
+        (out / inside).unlink()
+        if (out / inside).parent.name == "mine":
+            (out / inside).parent.rmdir()
+    check_out_dir(out)

@@ -177,3 +177,31 @@ def test_smallest_sweep_end_to_end(tmp_path):
     assert full.train_speedup_basis == agg.train_speedup_basis == "paired" and full.train_speedup == 1.0
     assert agg.train_speedup_lo <= agg.train_speedup <= agg.train_speedup_hi and agg.run_train_speedup > 0
     assert full.time_basis == agg.time_basis == "cpu"
+
+
+@pytest.mark.slow
+def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
+    """Issue 37: a cell job whose second run failed made Snakemake remove every output of the job, the finished
+    run's metrics.jsonl, summary.json and env.json with them. The cell records the failed run and succeeds; the
+    manifest fails naming it (the tables wait), and the next invocation reruns the cell. The failure injected:
+    the scene reward on captions that are not scenes, which the sweep's checks accept and the first reward of
+    the run refuses."""
+    work = workdir(tmp_path)
+    sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
+    sweep["methods"] = {"full": {"method": {"name": "full"}},
+                        "broken": {"method": {"name": "full"}, "reward": {"name": "scene"}}}
+    sweep["set"]["sampling.steps"] = 4
+    del sweep["gradcheck"]
+    sweep["calibrate"] = {"enabled": False}
+    (work / "fail.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    proc = snakemake(work, "--cores", "2", "--configfile", "fail.yaml", "--keep-going")
+    assert proc.returncode != 0
+    broken, full = work / "results/runs/broken_sd3_32px_s0_cpu", work / "results/runs/full_sd3_32px_s0_cpu"
+    assert "1 run of this sweep failed" in proc.stderr and "broken_sd3_32px_s0_cpu: UserError: reward 'scene'" \
+        in proc.stderr and "results/logs/cell/sd3_32px_cpu.log" in proc.stderr, proc.stderr[-4000:]
+    assert json.loads((full / "summary.json").read_text())["status"] == "ok"
+    assert len((full / "metrics.jsonl").read_text().splitlines()) == 2 and (full / "env.json").is_file()
+    assert not (broken / "summary.json").exists() and (broken / "config.json").is_file()  # its cell reruns
+    assert not (work / "results/tables").exists()
+    plan = snakemake(work, "-n", "--configfile", "fail.yaml")
+    assert job_counts(plan.stdout).get("cell_sd3_32px_cpu") == 1, plan.stdout[-3000:]

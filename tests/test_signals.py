@@ -22,7 +22,8 @@ from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
 from agg_bench.results.records import TIMING_KEYS
-from agg_bench.runtime.train import Interrupted, Session, StopSignals, train
+from agg_bench import stopping
+from agg_bench.runtime.train import Interrupted, Session, train
 from baselines.full import FullEstimator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,7 @@ def test_runs_in_one_process_leave_nothing_behind(tmp_path, monkeypatch):
     def state() -> tuple:
         # tqdm keeps one monitor thread per process, whatever the bars: not the run's
         threads = sorted(t.name for t in threading.enumerate() if t.name != "tqdm_monitor")
-        return ({s: signal.getsignal(s) for s in StopSignals.SIGNALS}, threads, dist.is_initialized(),
+        return ({s: signal.getsignal(s) for s in stopping.SIGNALS}, threads, dist.is_initialized(),
                 torch.is_grad_enabled(), torch.get_default_dtype())
 
     def untimed(out: Path) -> list[dict]:
@@ -101,17 +102,171 @@ def test_runs_in_one_process_leave_nothing_behind(tmp_path, monkeypatch):
     assert summary(tmp_path / "second" / "run") == summary(tmp_path / "first" / "run")
 
 
-def test_a_signal_waits_for_the_record_being_written():
-    stop = StopSignals()
-    with stop:
-        with pytest.raises(Interrupted):
-            with stop.deferred():
-                os.kill(os.getpid(), signal.SIGTERM)
-                finished = True  # still runs: the block is not cut short
-        assert finished and stop.received == signal.SIGTERM
-        os.kill(os.getpid(), signal.SIGTERM)  # a second signal is ignored while stopping
-        with stop.deferred():
-            pass
+class Marker(Exception):
+    """Raised by the test's own SIGTERM handler: a signal that reached it was not taken by the run."""
+
+
+@pytest.fixture
+def sigterm_marker():
+    """A SIGTERM handler of the test's own while it runs, so that a signal the run does not take raises
+    :class:`Marker` instead of ending pytest; the run's handlers replace it for the run's duration."""
+    def raise_marker(signum, frame):
+        raise Marker(signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_marker)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_in_a_finaliser_stays_pending():
+    """A signal whose handler runs inside a finaliser, where an exception can only be printed and dropped,
+    is still raised at the next safe point; outside safe points too, where the handler raises at once."""
+    class Finalised:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0)  # a call: the handler runs here, inside the finaliser
+
+    with stopping.stop_signals():
+        with pytest.raises(Interrupted) as raised:
+            with stopping.safe_points():
+                Finalised()  # dropped at once: its finaliser sends the signal
+                assert stopping.pending() == signal.SIGTERM
+                stopping.check()
+        assert raised.value.signum == signal.SIGTERM
+        stopping.handled(raised.value)
+        stopping.check()  # reported: no longer raised
+    with pytest.raises(Interrupted):  # caught but never reported: the end of the outermost block raises it
+        with stopping.stop_signals():
+            with pytest.raises(Interrupted):
+                old_hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+                try:
+                    Finalised()  # the handler raises inside __del__, where Python drops the exception
+                finally:
+                    sys.unraisablehook = old_hook
+                assert stopping.pending() == signal.SIGTERM
+                stopping.check()
+    assert stopping.pending() is None  # the outermost block ended: nothing stays pending
+
+
+def test_a_signal_while_autograd_frees_saved_tensors_stops_the_run(tmp_path, monkeypatch, sigterm_marker):
+    """Issue 37's lost SIGTERM: the signal lands while a saved activation's finaliser runs (the graph of the
+    train phase being freed; saved activations are counted in a run's first iteration). The run stops at
+    its next safe point with an interrupted summary, and the iteration of the signal has no record."""
+    from agg_bench.machine import activations
+
+    updates, sent = [], []
+    update, release = Session.update, activations._SavedHandle.__del__
+
+    def counted_update(self, batch):
+        updates.append(1)
+        return update(self, batch)
+
+    def release_then_signal(self):
+        if updates and not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        release(self)  # a call: the handler runs inside this finaliser
+
+    monkeypatch.setattr(Session, "update", counted_update)
+    monkeypatch.setattr(activations._SavedHandle, "__del__", release_then_signal)
+    out = tmp_path / "run"
+    cfg = load_config(None, [*SMALL, "telemetry.enabled=true", "train.iterations=3"])
+    with pytest.raises(Interrupted):
+        train(cfg, out)
+    assert sent
+    s = summary(out)
+    assert (s["status"], s["last_good_iteration"]) == ("interrupted", None)
+    assert records(out) == []
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["new folder", "earlier attempt"])
+def test_a_signal_while_the_model_is_built_leaves_no_folder_and_no_lock(tmp_path, monkeypatch, sigterm_marker,
+                                                                      earlier):
+    """SIGTERM in start-up, after the folder is claimed and before anything is written: a folder the claim
+    made goes again, an earlier attempt's files stay as they were, and no lock file is left."""
+    out = tmp_path / "run"
+    cfg = load_config(None, [*SMALL, "train.iterations=1"])
+    if earlier:
+        train(cfg, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if earlier else None
+    build = session_module.build_policy
+
+    def build_with_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "build_policy", build_with_signal)
+    with pytest.raises(Interrupted):
+        train(cfg, out)
+    if earlier:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    else:
+        assert not out.exists()
+
+
+def test_a_signal_while_the_files_are_started_gives_an_interrupted_summary(tmp_path, monkeypatch, sigterm_marker):
+    from agg_bench.runtime import runfolder
+
+    start = runfolder.start_files
+
+    def start_with_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        start(*args, **kwargs)
+
+    monkeypatch.setattr(runfolder, "start_files", start_with_signal)
+    out = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        train(load_config(None, [*SMALL, "train.iterations=2"]), out)
+    assert summary(out)["status"] == "interrupted" and records(out) == []
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no lock left
+
+
+def test_a_signal_after_the_summary_is_still_raised(tmp_path, monkeypatch, sigterm_marker):
+    """A signal that comes once the run has written its summary (``ok``: every iteration is done) is not
+    dropped: the call raises it, so a command exits with 128 + N and a cell starts no further run."""
+    from agg_bench.runtime import runfolder
+
+    write = runfolder.write_summary
+
+    def write_then_signal(*args, **kwargs):
+        write(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(runfolder, "write_summary", write_then_signal)
+    out = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        train(load_config(None, [*SMALL, "train.iterations=1"]), out)
+    assert summary(out)["status"] == "ok"
+
+
+SECOND_SIGNAL = """
+import os, signal, sys, time
+from pathlib import Path
+from agg_bench import stopping
+from agg_bench.errors import run_command
+from agg_bench.outdir import Claim
+
+def body():
+    with stopping.safe_points(), Claim(Path(sys.argv[1]), folder=True, lock_inside=True):
+        os.kill(os.getpid(), signal.SIGTERM)  # remembered: the block stops at its next safe point
+        time.sleep(0)
+        os.kill(os.getpid(), signal.SIGTERM)  # the second ends the process at once
+        time.sleep(30)
+        print("not reached")
+    return 0
+
+sys.exit(run_command("agg-bench test", body, []))
+"""
+
+
+def test_a_second_signal_ends_the_process_at_once_without_a_lone_lock(tmp_path):
+    out = tmp_path / "new" / "run"
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGNAL, str(out)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert proc.stderr.strip() == "agg-bench test: SIGTERM again: stopping at once"
+    assert "not reached" not in proc.stdout
+    assert not (tmp_path / "new").exists()  # the folders the claim made, and its lock, are gone
 
 
 @pytest.mark.slow

@@ -175,7 +175,7 @@ def test_cells_group_a_cpu_devices_runs(in_process):
         assert sweep.run_command(run_id) == \
             f"{sweep_module.PYTHON} -m agg_bench run --config {job['config']} {sets} --out {job['out']}"
     assert sweep.cell_command("sd3_32px_cpu") == \
-        f"{sweep_module.PYTHON} -m agg_bench cell results/cells/sd3_32px_cpu.json"
+        f"{sweep_module.PYTHON} -m agg_bench cell --keep-going results/cells/sd3_32px_cpu.json"
     assert sweep.cell_outputs("sd3_32px_cpu")[:3] == [f"{jobs[0]['out']}/{name}"
                                                       for name in ("summary.json", "metrics.jsonl", "env.json")]
     config["devices"]["cpu"]["runs_per_job"] = 4  # 6 runs: two jobs of 3
@@ -194,4 +194,29 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     gpu = Sweep(config, SCHEMA)
     assert gpu.cells == {"sd3_32px_gpu1": list(gpu.runs)} and gpu.single_runs == []
     assert gpu.cell_command("sd3_32px_gpu1") == (f"{sweep_module.PYTHON} -m agg_bench.machine.gpus --count 1 -- "
-                                                 f"{sweep_module.PYTHON} -m agg_bench cell results/cells/sd3_32px_gpu1.json")
+                                                 f"{sweep_module.PYTHON} -m agg_bench cell --keep-going results/cells/sd3_32px_gpu1.json")
+
+
+def test_failed_runs_are_reported_and_their_summaries_removed(tmp_path):
+    """What the workflow's manifest does after a cell job recorded a failed run (agg-bench cell --keep-going):
+    names each failed run, its error and its log, and removes only those runs' summaries, so that the next
+    invocation reruns their cells while every other file stays."""
+    from agg_bench.tools.sweep import failed_runs, report_failed_runs
+
+    statuses = {"ok": "ok", "oom": "oom", "failed": "error", "failed2": "error"}
+    for name, status in statuses.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"status": status, "error": f"E in {name}"}))
+        (tmp_path / name / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "unfinished").mkdir()
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "summary.json").write_text("{not json")
+    folders = [str(tmp_path / name) for name in [*statuses, "unfinished", "damaged"]]
+    failed = failed_runs(folders)
+    assert failed == [(str(tmp_path / "failed"), "E in failed"), (str(tmp_path / "failed2"), "E in failed2")]
+    message = report_failed_runs(failed, {str(tmp_path / "failed"): "results/logs/cell/x.log"})
+    assert message.startswith("2 runs of this sweep failed") and "E in failed2" in message
+    assert f"{tmp_path / 'failed'}: E in failed (log: results/logs/cell/x.log)" in message
+    assert [p.name for p in sorted(tmp_path.rglob("summary.json"))] == ["summary.json"] * 3  # ok, oom, damaged
+    assert not (tmp_path / "failed" / "summary.json").exists() and (tmp_path / "failed" / "metrics.jsonl").exists()
+    assert failed_runs(folders) == []

@@ -140,6 +140,13 @@ class GRPOConfig(Section):
         "without dt (Flow-GRPO's code: the transition KL times dt)")
 
 
+# The largest price of one pass (cost units). Prices are ratios near 1 (the defaults: 1, 1.1, 1.6), or a
+# time per sample in the user's unit; the bound keeps every run's cumulative cost a finite number (passes
+# of at most 100,000 iterations x 262,144 samples x 1,000 steps each, priced at 1e6, stay below 1e26),
+# since a record's null cost means an out-of-memory record and nothing else.
+MAX_PASS_COST = 1e6
+
+
 @dataclass
 class PassCosts(Section):
     """``train.pass_costs``: the price of one pass of each kind the policy counter counts, per sample, in
@@ -163,11 +170,12 @@ class PassCosts(Section):
     """
 
     forward_nograd: float = option(1.0, "cost units of one no-grad forward of one sample (the unit)",
-                                   exclusive_minimum=0)
+                                   exclusive_minimum=0, maximum=MAX_PASS_COST)
     forward_grad: float = option(1.1, "cost units of one forward with grad of one sample (measured on the learning "
-                                      "testbed: 1.09-1.12 no-grad forwards)", exclusive_minimum=0)
+                                      "testbed: 1.09-1.12 no-grad forwards)", exclusive_minimum=0,
+                                 maximum=MAX_PASS_COST)
     backward: float = option(1.6, "cost units of one backward of one sample (measured on the learning testbed: "
-                                  "1.56-1.60 no-grad forwards)", exclusive_minimum=0)
+                                  "1.56-1.60 no-grad forwards)", exclusive_minimum=0, maximum=MAX_PASS_COST)
 
 
 @dataclass

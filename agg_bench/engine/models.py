@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from .. import stopping
 from ..config import RunConfig, TrainConfig
 from ..errors import ConfigError
 from ..jsonfiles import JsonFileError, read_json_object
@@ -237,7 +238,9 @@ class Policy:
         return stack
 
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        """Predicted velocity for ``latents`` (b, C, H, W) at ``timesteps`` (b,); counted."""
+        """Predicted velocity for ``latents`` (b, C, H, W) at ``timesteps`` (b,); counted. A safe point of a
+        run: a pending SIGTERM or SIGINT is raised here, before the call (:func:`agg_bench.stopping.check`)."""
+        stopping.check()
         b = latents.shape[0]
         dtype = self.dtype
         with self._call_context(latents.device):

@@ -5,13 +5,17 @@ a 2-core EPYC) when the run itself trains tiny models for 1-3 s. Runs that could
 device, model and resolution on a CPU: the workflow's cells) therefore run in one, each into its own run
 folder exactly as ``agg-bench run --config C --set ... --out DIR`` writes it: the same files and records,
 its own folder claim and summary status. A run that ends in oom or diverged, or fails, does not stop the
-others; a signal stops the cell. The runs share one built model where their model configurations agree
-(:mod:`agg_bench.runtime.model_reuse`: each starts from it as built), and with a deadline a run is not
-started when the longest run so far would end after it.
+others; a signal stops the cell. With ``--keep-going`` (the workflow's cell jobs) a failed run is recorded
+in its folder (``summary.json``, ``status: error``) and the cell exits 0 once every run's end is recorded,
+so that the workflow keeps the finished runs' files and reports the failure itself (:func:`run_cell`). The
+runs share one built model where their model configurations agree (:mod:`agg_bench.runtime.model_reuse`:
+each starts from it as built), and with a deadline a run is not started when the longest run so far would
+end after it.
 
 The job file is a JSON object ``{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR},
 ...]}``: each run's ``agg-bench run`` arguments (:func:`job_entry` writes one). Every run's config is
-loaded and checked before the first run starts, so a bad job file writes nothing.
+loaded and checked, and every run's folder compared with the others' (one folder each, none inside
+another), before the first run starts, so a bad job file writes nothing.
 
 This module imports no torch at module level: the workflow's parse (:mod:`agg_bench.tools.sweep`)
 writes job files with :func:`job_entry`.
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import stopping
 from ..errors import UserError, run_command
 from ..jsonfiles import json_type, read_json_object
 
@@ -70,7 +75,7 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
 
 def read_jobs(path: str | Path) -> list[CellRun]:
     """The runs a job file lists, checked in form (not yet their configs): a UserError naming the file and
-    the entry for anything else, or for two runs into one folder."""
+    the entry for anything else, for two runs into one folder, or for a run folder inside another's."""
     path = Path(path)
     runs = read_json_object(path, EXPECTED).get("runs")
     if not isinstance(runs, list) or not runs:
@@ -86,6 +91,12 @@ def read_jobs(path: str | Path) -> list[CellRun]:
             raise UserError(f"{path}: runs[{index}].out {job.out} is also runs[{seen[folder]}].out; "
                             "expected a folder of its own for each run")
         seen[folder] = index
+    # a run folder holds only a run's files: another run's folder inside it would be someone else's
+    for index, job in enumerate(jobs):
+        outer = next((seen[p] for p in Path(job.out).resolve().parents if p in seen), None)
+        if outer is not None:
+            raise UserError(f"{path}: runs[{index}].out {job.out} is inside runs[{outer}].out {jobs[outer].out}; "
+                            "expected run folders that do not hold one another")
     return jobs
 
 
@@ -103,14 +114,23 @@ def load_jobs(path: str | Path) -> list[tuple[CellRun, Any]]:
     return loaded
 
 
-def run_cell(path: str | Path, deadline: float | None = None) -> int:
+def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None = None) -> int:
     """Every run of job file ``path``, in its order, through :func:`agg_bench.runtime.train.train`; the
     exit code ``agg-bench run`` gives for the worst of them (a bug: 1, before a user error: 2, before 0), or
     128 + N at once when signal N stops a run. Each run's failure prints as ``agg-bench run`` prints it,
     named by its folder; stderr gets one line as each run starts and one as it ends, stdout each run's
     result line ``{"out", "status"}``. The runs share a built model (:func:`reusing_models`). With
     ``deadline`` (seconds since the epoch) the runs left are not started once the longest run so far would
-    not end before it; stderr says so and they leave no folder."""
+    not end before it; stderr says so and they leave no folder.
+
+    With ``keep_going`` a run that fails is recorded in its own folder, ``summary.json`` with ``status:
+    error`` (the run writes it when it fails after starting its files; :func:`~agg_bench.runtime.train.
+    record_failure` when it failed before), and such a failure no longer counts in the exit code: it is 0
+    once every run's end is recorded. A workflow removes every declared output of a job that fails, so
+    a cell job that failed for one run would take the finished runs' records with it; the workflow's
+    manifest reports the recorded failures instead (:func:`agg_bench.tools.sweep.failed_runs`). A failure
+    that cannot be recorded (the folder holds someone else's files, another process writes it) still
+    counts."""
     from ..machine.distributed import launched_world_size
 
     if launched_world_size() > 1:
@@ -120,14 +140,15 @@ def run_cell(path: str | Path, deadline: float | None = None) -> int:
     from .model_reuse import reusing_models
 
     with reusing_models():
-        return _run_jobs(path, jobs, deadline)
+        return _run_jobs(path, jobs, keep_going, deadline)
 
 
-def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], deadline: float | None) -> int:
-    from .train import train
+def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, deadline: float | None) -> int:
+    from .train import record_failure, train
 
     worst, longest = 0, 0.0
     for number, (job, cfg) in enumerate(jobs, 1):
+        stopping.check()  # a signal between two runs stops the cell before the next one starts
         if deadline is not None and number > 1 and time.time() + longest > deadline:
             print(f"agg-bench cell: runs {number}-{len(jobs)} not started: the longest run so far "
                   f"({longest:.1f} s) would end after the deadline", file=sys.stderr, flush=True)
@@ -135,14 +156,26 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], deadline: float | Non
         print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} started", file=sys.stderr, flush=True)
         start = time.perf_counter()
         status: list[str] = []
+        failure: list[Exception] = []
+        summary_before = _file_identity(job.out / "summary.json")
 
         def one_run() -> int:
-            status.append(train(cfg, job.out)["status"])
+            try:
+                status.append(train(cfg, job.out)["status"])
+            except Exception as exc:
+                failure.append(exc)
+                raise
             print(json.dumps({"out": str(job.out), "status": status[0]}), flush=True)
             return 0
 
         code = run_command(f"agg-bench cell: {job.out}", one_run, ["agg-bench", "cell", str(path)], job.out)
         ended = status[0] if status else f"failed (exit code {code})"
+        if keep_going and failure and code < 128:
+            error = f"{type(failure[0]).__name__}: {failure[0]}".splitlines()[0]
+            written = _file_identity(job.out / "summary.json") != summary_before  # by this attempt, on failing
+            if written or record_failure(cfg, job.out, error):
+                print(json.dumps({"out": str(job.out), "status": "error"}), flush=True)
+                ended, code = f"{ended}, recorded in its summary.json", 0
         seconds = time.perf_counter() - start
         longest = max(longest, seconds)
         print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} {ended} in {seconds:.1f} s",
@@ -152,3 +185,12 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], deadline: float | Non
         worst = max(worst, code, key=SEVERITY.__getitem__)
         gc.collect()  # the finished run's models and tensors, before the next run measures its memory
     return worst
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """(inode, modification time) of ``path``, or None: a file replaced by rename has another."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns

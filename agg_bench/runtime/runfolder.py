@@ -24,7 +24,9 @@ Every file but the metric lines is written to a temporary name and renamed (:mod
 killed run leaves whole files. The rules, in the order a run meets them:
 
 1. **Which folder** (:func:`check_out_dir`, :func:`claim`). ``--out`` must be new, empty or a run folder:
-   no one else's file, no symbolic link (:mod:`agg_bench.outdir`). An earlier attempt of the same config,
+   no one else's file, no symbolic link (:mod:`agg_bench.outdir`), each name of its kind (a ``summary.json``
+   that is a folder, or a ``tensorboard`` that is a file, is refused before anything is written), and
+   nothing but the harness's files inside ``tensorboard/`` and the shard folders, which a run removes. An earlier attempt of the same config,
    or one that never finished (no ``summary.json``, as when Snakemake reruns a job), is replaced; a
    finished run of another config only with ``--overwrite``; ``--resume`` with a checkpoint compares the
    config with the checkpoint's instead. The claim locks the folder against a second writer for the
@@ -40,22 +42,25 @@ killed run leaves whole files. The rules, in the order a run meets them:
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from ..config import DEFAULTS
 from ..errors import UserError
 from ..io import JsonlWriter, is_temp_name, write_json, write_lines
 from ..machine.envinfo import environment
-from ..outdir import Claim, Contents, check_folder
+from ..outdir import Claim, Contents, check_folder, remove_owned
 from ..results.records import EVALUATIONS_FILE
-from .checkpoint import (CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference,
-                         remove_shard_folders)
+from .checkpoint import CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference
+from .curves import CONTENTS as CURVES_CONTENTS
 from .curves import FOLDER as CURVES_FOLDER
 
+# what torch.distributed.checkpoint's FileSystemWriter puts in a shard folder: each process's data files,
+# the metadata (renamed into place from a temporary)
+SHARD_CONTENTS = Contents("a checkpoint's shards", patterns=("__*_*.distcp", ".metadata", ".metadata.tmp",
+                                                             "__*.metadata", "__*.metadata.tmp"))
 RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics.jsonl", EVALUATIONS_FILE,
-                                             "summary.json", "plan.json", CHECKPOINT_NAME, CURVES_FOLDER),
-                        (f"{SHARDS_PREFIX}*",))
+                                             "summary.json", "plan.json", CHECKPOINT_NAME),
+                        folders=((CURVES_FOLDER, CURVES_CONTENTS), (f"{SHARDS_PREFIX}*", SHARD_CONTENTS)))
 
 
 def _run_config(folder: Path) -> dict | None:
@@ -98,15 +103,17 @@ def claim(out: Path, config: dict, resume: bool, overwrite: bool) -> Claim:
 def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool, keep_curves: bool) -> None:
     """Before a run writes into DIR: remove the summary of an earlier attempt (it is written last, so
     its presence must mean this attempt finished), temporaries a killed process left, unless resuming,
-    the earlier checkpoint, and unless this attempt appends to them, the earlier TensorBoard curves."""
+    the earlier checkpoint (and its shard folders), and unless this attempt appends to them, the earlier
+    TensorBoard curves. Folders go with what the harness wrote in them and nothing else
+    (:func:`~agg_bench.outdir.remove_owned`; :func:`check_out_dir` refused anything else already)."""
     out = Path(out_dir)
     doomed = [out / "summary.json"]
     if not keep_checkpoint:
         doomed.append(checkpoint_path(out))
-        remove_shard_folders(out)
-    curves = out / CURVES_FOLDER
-    if not keep_curves and curves.is_dir() and not curves.is_symlink():
-        shutil.rmtree(curves)
+        for shards in out.glob(f"{SHARDS_PREFIX}*"):
+            remove_owned(shards, SHARD_CONTENTS)
+    if not keep_curves:
+        remove_owned(out / CURVES_FOLDER, CURVES_CONTENTS)
     # only the harness's own temporary names (io.atomic_path), never a user's look-alike
     doomed += [p for p in out.iterdir() if p.is_file() and is_temp_name(p.name)]
     for p in doomed:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .. import stopping
 from ..config import RunConfig
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.models import Conditioning, Policy, build_policy
@@ -79,12 +80,15 @@ class Session:
         # model + precision + gradient checkpointing + LoRA (built, or a cell job's kept model as built); the
         # reference below is LoRA-aware
         self.policy: Policy = policy_for(cfg, self.device, build_policy)
+        stopping.check()  # a signal while the model was built (a run takes it only at safe points)
         self.latent_shape = self.policy.latent_shape(cfg.model.resolution)
         prompts = prompt_set(cfg.prompts.file)
         self.prompts = prompts.prompts
         # text-encoder embeddings (cached per model and prompt file) for a local model, token hashes for tiny
         self.cond_all = prompt_conditioning(cfg, self.policy.transformer, prompts, self.device)
+        stopping.check()
         self.reward_fn = build_reward(cfg.reward.name, cfg.reward.options, self.device)
+        stopping.check()
         if estimator is None:
             estimator = build_estimator(cfg)  # from the options the config was validated with
         estimator.check_run(cfg)
@@ -214,10 +218,12 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     before = counter.copy()
     with telemetry.iteration():
         collected = session.collect(iteration, telemetry)
+        stopping.check()  # a signal in the reward phase: before the train phase starts
         before_train = counter.copy()
         # the policy network's saved tensors: what one backward through it holds, whatever the method
         with telemetry.phase("train", saved_activations="regions"):
             learn = session.update(collected.batch)
+    stopping.check()  # the update's record is not written: a checkpoint taken now would not match the records
     # the train phase's own passes, which the cost model prices (the rollout's are the same for most methods)
     train_passes = {f"train_{k}": v for k, v in (counter - before_train).as_dict().items()}
     share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn,

@@ -10,21 +10,20 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import signal
 import sys
-import threading
 from pathlib import Path
-from typing import Iterator
 
 from tqdm import tqdm
 
+from .. import stopping
 from ..config import RunConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from ..io import JsonlWriter
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
 from ..results.records import RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
+from ..stopping import Interrupted
 from . import curves, runfolder
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from .evaluation import Evaluation
@@ -32,69 +31,13 @@ from .memplan import run_memory_plan
 from .session import Session, check_plan, identity, iteration_generator, model_label, run_iteration, weights_label
 
 # the names callers import from here, wherever they are defined
-__all__ = ["RECORD_KEYS", "TIMING_KEYS", "Interrupted", "Session", "StopSignals", "Training", "check_plan",
-           "identity", "iteration_generator", "model_label", "progress_line", "resolve_device", "run_iteration",
-           "train", "weights_label"]
+__all__ = ["RECORD_KEYS", "TIMING_KEYS", "Interrupted", "Session", "Training", "check_plan",
+           "identity", "iteration_generator", "model_label", "progress_line", "record_failure", "resolve_device",
+           "run_iteration", "train", "weights_label"]
 
 
 def _finite(x) -> bool:
     return x is None or math.isfinite(x)
-
-
-class Interrupted(KeyboardInterrupt):
-    """The run was stopped by signal ``signum`` (SIGTERM or SIGINT)."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
-
-class StopSignals:
-    """While active (in the main thread), SIGTERM and SIGINT raise :class:`Interrupted` at once, except
-    inside :meth:`deferred` blocks (a record or a checkpoint being written), which finish first. Signals
-    after the first are ignored: the run is already stopping and must get to write its summary."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.received: int | None = None
-        self._raised = False
-        self._depth = 0
-        self._previous: dict = {}
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
-        return False
-
-    def _raise(self) -> None:
-        self._raised = True
-        raise Interrupted(self.received)
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            return
-        self.received = signum
-        if self._depth == 0:
-            self._raise()
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        """A block that a signal does not cut short; the signal takes effect when it ends."""
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-        if self._depth == 0 and self.received is not None and not self._raised:
-            self._raise()
 
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False) -> dict:
@@ -112,26 +55,34 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     iterations and after the last, into ``evaluations.jsonl``, outside what the records count and time.
 
     An ``oom`` or ``diverged`` run returns its summary; an interrupted one raises :class:`Interrupted`
-    and a failed one its exception, each after the summary is written. Started by torchrun, every
+    and a failed one its exception, each after the summary is written. SIGTERM and SIGINT are taken at
+    the run's safe points (:mod:`agg_bench.stopping`): from before the folder is claimed until the summary
+    is written a signal is remembered, and the run stops at its next transformer call, phase or step of
+    building the model. One that comes before anything is written leaves no folder the claim made (and
+    an earlier attempt's files as they were); after that the summary says ``interrupted``. A signal
+    that comes once the summary is written is raised when the call returns. Started by torchrun, every
     process trains its share of each batch and rank 0 writes (:mod:`agg_bench.machine.distributed`).
     Nothing outlives the call: signal handlers, the process group it joined, telemetry and the folder's
     lock are released however it ends, so one process may call it again.
     """
     out = Path(out_dir)
-    with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
-        shard.check_run(cfg)
-        fsdp.check_run(cfg)
-        curves.check_run(cfg)
-        # rank 0 checks, locks and (if new) makes the folder; a folder it made and left empty goes if the run fails
-        claim = distributed.on_main(runfolder.claim, out, cfg.to_dict(), resume, overwrite)
-        with claim or contextlib.nullcontext():
-            try:
-                session = Session(cfg)  # every input error surfaces here, before anything is written
-            except Exception as exc:
-                if not tel.is_oom_error(exc):
-                    raise
-                return _out_of_memory_at_build(cfg, out, resume, shard, exc)
-            return Training(cfg, out, resume, shard, session).run()
+    with stopping.stop_signals("agg-bench run"), stopping.safe_points():
+        stopping.check()  # a signal that came before (while the command loaded): nothing is made
+        with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
+            shard.check_run(cfg)
+            fsdp.check_run(cfg)
+            curves.check_run(cfg)
+            # rank 0 checks, locks and (if new) makes the folder; a folder it made and left empty goes if the
+            # run fails or is stopped before writing into it
+            claim = distributed.on_main(runfolder.claim, out, cfg.to_dict(), resume, overwrite)
+            with claim or contextlib.nullcontext():
+                try:
+                    session = Session(cfg)  # every input error surfaces here, before anything is written
+                except Exception as exc:
+                    if not tel.is_oom_error(exc):
+                        raise
+                    return _out_of_memory_at_build(cfg, out, resume, shard, exc)
+                return Training(cfg, out, resume, shard, session).run()
 
 
 class Training:
@@ -142,7 +93,9 @@ class Training:
     the record writer, with ``telemetry.tensorboard`` the live curves, the progress bar, a hook on the
     optimizer) and evaluates the starting state if that is due; :meth:`iterate` trains one iteration, appends its record, evaluates and writes the checkpoint
     it is due; :meth:`finish` closes what ``begin`` opened and writes the summary. :meth:`run` calls them
-    in that order, with SIGTERM and SIGINT turned into :class:`Interrupted` between records, stops after
+    in that order, with a SIGTERM or SIGINT raised as :class:`Interrupted` at the run's safe points (before
+    each iteration, between its phases, at every transformer call: :func:`agg_bench.stopping.check`; never
+    while a record, an evaluation line or a checkpoint is written), stops after
     ``train.iterations`` or the iteration whose cost reaches ``train.budget``, and maps how the loop ended
     to the summary's status.
 
@@ -181,7 +134,6 @@ class Training:
         self.stepped = False
         self.run_id = cfg.run_id or out.name
         self.identity = identity(cfg, self.run_id, session.device, shard.world_size)
-        self.stop = StopSignals()
         # a job log (not a terminal) gets one line per iteration instead of a bar it cannot redraw
         self.log_lines = shard.is_main and not sys.stderr.isatty()
         self.telemetry: tel.Telemetry | None = None
@@ -192,38 +144,41 @@ class Training:
         self._step_hook = None
 
     def run(self) -> dict:
-        """Begin, iterate from the first iteration not done to ``train.iterations`` and finish; the summary."""
+        """Begin, iterate from the first iteration not done to ``train.iterations`` and finish; the summary.
+        A signal that came while the session was built stops the run before anything is written."""
         try:
+            stopping.check()
             self.begin()
         except BaseException:
             self._close()
             raise
         status, error = "ok", None
-        with self.stop:
-            try:
-                evaluated = self._evaluate_if_due(self.start)  # the starting weights (or a resumed run's missing one)
-                if evaluated and self.log_lines:
-                    print(evaluated, file=sys.stderr, flush=True)
-                for iteration in self.bar:
-                    if self.budget_reached:  # a resumed run whose checkpoint spent the budget already
-                        break
-                    ended = self.iterate(iteration)
-                    if ended is not None:
-                        status, error = ended
-                        break
-                if status == "ok":
-                    self._checkpoint_last_good()
-            except Interrupted as exc:
-                status, error = "interrupted", f"stopped by {exc}"
-                # the state still matches the records unless an optimizer step ran since the last one
-                if not self.stepped:
-                    self._checkpoint_last_good()
-                raise
-            except Exception as exc:
-                status, error = "error", f"{type(exc).__name__}: {exc}"
-                raise
-            finally:
-                summary = self.finish(status, error)
+        try:
+            stopping.check()  # a signal while the folder's files were started
+            evaluated = self._evaluate_if_due(self.start)  # the starting weights (or a resumed run's missing one)
+            if evaluated and self.log_lines:
+                print(evaluated, file=sys.stderr, flush=True)
+            for iteration in self.bar:
+                if self.budget_reached:  # a resumed run whose checkpoint spent the budget already
+                    break
+                stopping.check()
+                ended = self.iterate(iteration)
+                if ended is not None:
+                    status, error = ended
+                    break
+            if status == "ok":
+                self._checkpoint_last_good()
+        except Interrupted as exc:
+            status, error = "interrupted", f"stopped by {exc}"
+            # the state still matches the records unless an optimizer step ran since the last one
+            if not self.stepped:
+                self._checkpoint_last_good()
+            raise
+        except Exception as exc:
+            status, error = "error", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            summary = self.finish(status, error)
         return summary
 
     def begin(self) -> None:
@@ -273,28 +228,25 @@ class Training:
             distributed.report_failure(exc, memory)
             if not oom:
                 raise
-            with self.stop.deferred():
-                self._write(new_record(self.identity, {"iteration": iteration}, self.telemetry.record(), memory,
-                                       status="oom"))
+            self._write(new_record(self.identity, {"iteration": iteration}, self.telemetry.record(), memory,
+                                   status="oom"))
             return "oom", None
         reason = fields.pop("diverged", None) or next(
             (k for k in ("reward_mean", "loss", "grad_norm") if not _finite(fields.get(k))), None)
         self.cost += passes_cost(fields, self.prices)
         record = new_record(self.identity, {"iteration": iteration}, fields, {"cost": self.cost},
                             status="diverged" if reason else "ok")
-        with self.stop.deferred():
-            self._write(record)
-            self.stepped = False
-            if reason:
-                return "diverged", f"non-finite {reason} at iteration {iteration}"
-            self.last_good = iteration
-            budget = self.cfg.train.budget
-            self.budget_reached = budget is not None and self.cost >= budget
+        self._write(record)
+        self.stepped = False
+        if reason:
+            return "diverged", f"non-finite {reason} at iteration {iteration}"
+        self.last_good = iteration
+        budget = self.cfg.train.budget
+        self.budget_reached = budget is not None and self.cost >= budget
         evaluated = self._evaluate_if_due(iteration + 1)  # before the checkpoint of this state, which carries it
-        with self.stop.deferred():
-            every = self.cfg.train.checkpoint_every
-            if every and (iteration + 1) % every == 0:
-                self._checkpoint(iteration)
+        every = self.cfg.train.checkpoint_every
+        if every and (iteration + 1) % every == 0:
+            self._checkpoint(iteration)
         self.bar.set_postfix(reward=f"{record['reward_mean']:.3g}", loss=f"{record['loss'] or 0:.3g}")
         if self.log_lines:
             print(progress_line(record, self.cfg.train.iterations), file=sys.stderr, flush=True)
@@ -322,10 +274,9 @@ class Training:
         with tel.PhaseTimer(self.session.device) as timer:
             scores, _ = self.evaluation.evaluate()
         line = {"iteration": done, **scores, "t_eval_s": timer.elapsed_s, "t_eval_cpu_s": timer.cpu_s}
-        with self.stop.deferred():
-            if self.eval_writer is not None:
-                self.eval_lines.append(self.eval_writer.write(line))
-            self.evaluated.add(done)
+        if self.eval_writer is not None:
+            self.eval_lines.append(self.eval_writer.write(line))
+        self.evaluated.add(done)
         return (f"{self.run_id} evaluation after {done} iterations: reward {scores['eval_reward']:.4g} "
                 f"({timer.cpu_s:.3f} CPU-s)")
 
@@ -337,8 +288,7 @@ class Training:
     def _checkpoint_last_good(self) -> None:
         """Checkpoint the last good iteration unless it is saved already or the run keeps no checkpoints."""
         if self.cfg.train.checkpoint_every and self.last_good is not None and self.saved_at != self.last_good:
-            with self.stop.deferred():
-                self._checkpoint(self.last_good)
+            self._checkpoint(self.last_good)
 
     def finish(self, status: str, error: str | None) -> dict:
         """Close what :meth:`begin` opened and write ``summary.json`` (rank 0); the summary."""
@@ -408,6 +358,29 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
         runfolder.write_summary(out, summary)
     print(f"agg-bench run: {error}", file=sys.stderr)
     return summary
+
+
+def record_failure(cfg: RunConfig, out_dir: str | Path, error: str) -> bool:
+    """Record that a run of ``cfg`` into ``out_dir`` failed before it wrote a summary of its own (``error``:
+    the failure's line), as an attempt that wrote no record: the folder's files started as a run starts
+    them (an earlier attempt's replaced; no records) and ``summary.json`` with ``status: error``. What a cell
+    job that keeps going writes for such a run (:func:`agg_bench.runtime.cell.run_cell`), so that its
+    workflow sees the failure among finished runs instead of a job that failed. False, with nothing
+    written, when the folder does not take a run of ``cfg`` (someone else's files, a finished run of another
+    config, another writer) or its device cannot be named."""
+    out = Path(out_dir)
+    config = cfg.to_dict()
+    try:
+        device = resolve_device(cfg.device)
+        claim = runfolder.claim(out, config, resume=False, overwrite=False)
+    except UserError:
+        return False
+    with stopping.safe_points(), claim:
+        base = identity(cfg, cfg.run_id or out.name, device)
+        runfolder.start_files(out, config, [], keep_checkpoint=False, keep_curves=False)
+        runfolder.write_plan(out, None)
+        runfolder.write_summary(out, runfolder.run_summary(base, "error", error, cfg.train.iterations, 1))
+    return True
 
 
 def progress_line(record: dict, iterations: int) -> str:

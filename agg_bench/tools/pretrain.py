@@ -11,7 +11,8 @@ The output folder: ``transformer/`` (diffusers ``save_pretrained``), ``vae/`` (t
 config), ``scheduler/`` (FlowMatchEulerDiscreteScheduler with ``shift``), ``token_hash.json``,
 ``samples.png`` (a grid of samples with their captions and scene rewards) and ``pretrain.json`` (the
 config, the loss curve, the duration and the samples' rewards). It is written to a temporary folder and
-renamed into place; an existing folder is replaced only if it holds a ``pretrain.json``.
+renamed into place; an existing folder is replaced only if it holds a ``pretrain.json`` and nothing but
+these files, its model folders included (a file of someone else's inside ``transformer/`` refuses it).
 """
 from __future__ import annotations
 
@@ -217,9 +218,15 @@ def learning_rate(cfg: PretrainConfig, step: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# what a pretrain output folder holds; it is replaced whole, so anything else in it would be lost
-PRETRAIN_CONTENTS = Contents("an agg-bench pretrain output", ("transformer", "vae", "scheduler", TOKEN_HASH_FILE,
-                                                              "samples.png", MARKER))
+# what a pretrain output folder holds, its model folders included (diffusers' save_pretrained: a config and
+# the weights, whole or in shards with their index); it is replaced whole, so anything else in it would be lost
+_MODEL_FOLDER = Contents("a saved model", ("config.json", "diffusion_pytorch_model.safetensors",
+                                           "diffusion_pytorch_model.safetensors.index.json"),
+                         ("diffusion_pytorch_model-*-of-*.safetensors",))
+PRETRAIN_CONTENTS = Contents("an agg-bench pretrain output", (TOKEN_HASH_FILE, "samples.png", MARKER),
+                             folders=(("transformer", _MODEL_FOLDER),
+                                      ("vae", Contents("a pixel decoder", ("config.json",))),
+                                      ("scheduler", Contents("a scheduler", ("scheduler_config.json",)))))
 
 
 def check_out_dir(out: Path) -> None:

@@ -29,8 +29,8 @@ ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "en
 
 
 # what a snapshot folder holds; any other file in --out is someone else's
-SNAPSHOT_CONTENTS = Contents("a snapshot", ("transformer", "lora", "rollout.safetensors", "rollout.json",
-                                            "config.json"))
+SNAPSHOT_CONTENTS = Contents("a snapshot", ("rollout.safetensors", "rollout.json", "config.json"),
+                             folders=(("transformer", None), ("lora", None)))  # written into, never removed
 # what a replay's FILE.json holds (its pass counts); an existing FILE.json without them is someone else's
 REPLAY_KEYS = ("forward_nograd", "forward_grad", "backward", "method", "replay")
 REPLAY_FORMAT = "agg-bench-replay/1"  # in a replay's gradient file's safetensors metadata

@@ -41,7 +41,7 @@ import yaml
 from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_schema, load_config,
                       read_yaml_mapping)
 from ..engine.families import check_resolution
-from ..errors import UserError, quote
+from ..errors import UserError, clip, quote
 from ..io import atomic_path
 from ..jsonfiles import read_json_object
 from ..runtime.cell import job_entry
@@ -342,8 +342,10 @@ class Sweep:
                          for run_id in self.cells[cell]]}
 
     def cell_command(self, cell: str) -> str:
-        """The cell job's command: on the CPU, or on one GPU taken from the pool."""
-        return f"{self.launch(self.cell_device(cell), 'cell')} {CELL_DIR}/{cell}.json"
+        """The cell job's command: on the CPU, or on one GPU taken from the pool. --keep-going: a failed run
+        is recorded in its folder and the job succeeds, so that Snakemake keeps the cell's finished runs (it
+        removes a failed job's outputs); the manifest reports the failure."""
+        return f"{self.launch(self.cell_device(cell), 'cell')} --keep-going {CELL_DIR}/{cell}.json"
 
     def cell_device(self, cell: str) -> str:
         """The device label of ``cell``'s runs."""
@@ -511,6 +513,32 @@ def reference_manifest(folder: str) -> dict[str, list]:
             raise SweepError(f"report.compare_with: {path}: {section} is not a list of objects")
         out[section] = [{**entry, "source": "reference"} for entry in entries]
     return out
+
+
+def failed_runs(folders: list[str]) -> list[tuple[str, str]]:
+    """The run folders among ``folders`` whose ``summary.json`` says ``status: error``, each with its error:
+    runs a cell job recorded as failed (``agg-bench cell --keep-going``) instead of failing the job."""
+    failed = []
+    for folder in folders:
+        try:
+            summary = json.loads((Path(folder) / "summary.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(summary, dict) and summary.get("status") == "error":
+            failed.append((folder, str(summary.get("error"))))
+    return failed
+
+
+def report_failed_runs(failed: list[tuple[str, str]], logs: dict[str, str]) -> str:
+    """Remove the ``summary.json`` of each failed run (its cell job's output is then missing, so the next
+    invocation reruns the cell; the run's other files stay) and say so in one line that names each run,
+    its error (at most 200 characters) and its log (``logs``: run folder -> log file)."""
+    for folder, _ in failed:
+        (Path(folder) / "summary.json").unlink(missing_ok=True)
+    runs = "; ".join(f"{folder}: {clip(error)} (log: {logs.get(folder, 'its job log')})" for folder, error in failed)
+    return (f"{len(failed)} run{'s' if len(failed) > 1 else ''} of this sweep failed, and the tables wait for "
+            f"{'them' if len(failed) > 1 else 'it'}: {runs}. The other runs' files are kept; the next snakemake "
+            "reruns the failed runs' cells.")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from agg_bench.errors import UserError
-from agg_bench.tools.sweep import CELL_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, set_arg
+from agg_bench.tools.sweep import (CELL_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, failed_runs,
+                                   report_failed_runs, set_arg)
 
 try:
     # the files the config came from are read again with agg-bench's YAML loader first (Snakemake's takes
@@ -16,3 +17,14 @@ try:
                   files=workflow.configfiles)
 except UserError as err:
     raise WorkflowError(str(err)) from None
+
+
+def check_finished_runs():
+    """Before a manifest is written: a run that failed in a cell job is recorded in its folder (the job
+    succeeds, so Snakemake keeps the cell's other runs); report those runs as this job's failure, so the
+    tables wait, and remove their summaries, so the next invocation reruns their cells."""
+    failed = failed_runs([f"results/runs/{run_id}" for run_id in SWEEP.runs])
+    if failed:
+        logs = {f"results/runs/{run_id}": f"results/logs/cell/{cell}.log"
+                for cell, run_ids in SWEEP.cells.items() for run_id in run_ids}
+        raise WorkflowError(report_failed_runs(failed, logs))

@@ -48,6 +48,8 @@ rule pretrain:
 
 
 rule learning_manifest:
+    input:
+        SWEEP.summaries(),
     output:
         f"{LEARNING_DIR}/manifest.json",
     log:
@@ -57,6 +59,7 @@ rule learning_manifest:
     run:
         from agg_bench.io import write_json
 
+        check_finished_runs()
         write_json(output[0], params.manifest)
         with open(log[0], "w") as handle:
             handle.write(f"{output[0]}: {len(params.manifest['runs'])} runs\n")

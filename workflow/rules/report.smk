@@ -5,7 +5,10 @@ from agg_bench.results.records import TABLES, plot_table_files, table_files
 TABLE_FILES = table_files()
 
 
+# written once every run has ended; a run that failed in a cell job fails this job instead (common.smk)
 rule manifest:
+    input:
+        SWEEP.summaries(),
     output:
         "results/manifest.json",
     log:
@@ -15,6 +18,7 @@ rule manifest:
     run:
         from agg_bench.io import write_json
 
+        check_finished_runs()
         write_json(output[0], params.manifest)
         with open(log[0], "w") as handle:
             handle.write(f"{output[0]}: {len(params.manifest['runs'])} runs, "

@@ -1,0 +1,167 @@
+"""How a command stops on SIGTERM and SIGINT: the signal is never lost, and a second one ends the process.
+
+Every command runs under :func:`stop_signals` (:func:`agg_bench.errors.run_command` enters it), whose
+handler, in the main thread, remembers the first signal and then:
+
+- **outside safe points** (importing, loading a config, a command that writes nothing until its end)
+  raises :class:`Interrupted` at once, so the command stops where it is and its claims clean up as for
+  any exception;
+- **inside** :func:`safe_points` (a training run from before its folder is claimed until its summary is
+  written) only remembers it. The run raises :class:`Interrupted` itself, at points where stopping leaves
+  consistent files: :func:`check` is called before every transformer call (rollout, train phase,
+  evaluation), between the phases of an iteration, between the steps of building the model, and the
+  block raises the signal when it ends.
+
+A signal is only ever *remembered* by the handler; raising is a consequence, never the only trace. Code
+that runs in a finaliser (``__del__``, a weakref callback) cannot let an exception out: Python prints
+"Exception ignored in ..." and goes on. A handler that raised there would lose the signal, and one that
+had marked it as delivered would then ignore every later one. Here the signal stays pending until a
+command reports it (:func:`handled`, which ``run_command`` calls when it turns :class:`Interrupted` into
+exit code 128 + N): every :func:`check` until then raises again, and so does the end of the outermost
+:func:`stop_signals` block.
+
+A **second** signal ends the process at once, with exit code 128 + N: the user (or a scheduler whose
+grace period ran out) wants it gone. The handler writes one line to stderr, releases the output claims
+of :mod:`agg_bench.outdir` (their lock files, and folders they made that are still empty: no lone lock
+is left behind) and calls ``os._exit``. What the command had written stays as a killed process leaves
+it: whole files, and no ``summary.json`` for a run (a rerun replaces the attempt, ``--resume``
+continues it).
+
+Outside the main thread no handler can be installed; there, and outside any :func:`stop_signals`
+block, :func:`check` does nothing. Nothing is left installed after the outermost block ends: the
+caller's handlers are back and the pending state is cleared, so one process may run many commands.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from typing import Callable, Iterator
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(KeyboardInterrupt):
+    """The command was stopped by signal ``signum`` (SIGTERM or SIGINT)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class _StopState:
+    """The process's one pending-signal state (signal handlers are per process, so this is too)."""
+
+    def __init__(self) -> None:
+        self.depth = 0  # nested stop_signals blocks
+        self.installed = False  # handlers installed by the outermost block (main thread only)
+        self.previous: dict[int, object] = {}
+        self.name = "agg-bench"
+        self.received: int | None = None  # the first signal, until the outermost block ends
+        self.handled = False  # a command reported it (exit code 128 + N)
+        self.safe_depth = 0  # inside safe_points(): the handler only remembers
+        self.at_exit: dict[int, Callable[[], None]] = {}  # cleanups before a second signal's os._exit
+
+    def reset(self) -> None:
+        self.received, self.handled, self.safe_depth = None, False, 0
+
+
+_STATE = _StopState()
+
+
+def _exit_at_once(signum: int) -> None:
+    """The second signal: one line, the registered cleanups (claims' locks), then ``os._exit(128 + N)``."""
+    name = signal.Signals(signum).name
+    try:
+        os.write(2, f"{_STATE.name}: {name} again: stopping at once\n".encode())
+    except OSError:
+        pass
+    for cleanup in list(_STATE.at_exit.values()):
+        try:
+            cleanup()
+        except Exception:  # noqa: BLE001 (the process ends whatever a cleanup does)
+            pass
+    os._exit(128 + signum)
+
+
+def _handle(signum: int, frame) -> None:
+    if _STATE.received is not None:
+        _exit_at_once(signum)
+    _STATE.received = signum
+    if _STATE.safe_depth == 0:
+        raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def stop_signals(name: str = "agg-bench") -> Iterator[None]:
+    """While active, SIGTERM and SIGINT stop the command as the module docstring says; ``name`` (the
+    command, ``agg-bench run``) heads the line a second signal prints. Blocks nest; the outermost one
+    installs the handlers (in the main thread), and when it ends without an exception a signal that no
+    code has raised yet is raised (:class:`Interrupted`), then the caller's handlers are restored and
+    the pending state cleared."""
+    state = _STATE
+    outermost = state.depth == 0
+    if outermost:
+        state.reset()
+        state.name = name
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                state.previous[signum] = signal.signal(signum, _handle)
+            state.installed = True
+    state.depth += 1
+    try:
+        yield
+        if outermost:
+            check()
+    finally:
+        state.depth -= 1
+        if outermost:
+            if state.installed:
+                for signum, handler in state.previous.items():
+                    signal.signal(signum, handler)
+            state.previous.clear()
+            state.installed = False
+            state.reset()
+
+
+@contextlib.contextmanager
+def safe_points() -> Iterator[None]:
+    """A block in which a first signal only is remembered: the block's code stops at its own
+    :func:`check` calls, and a signal still pending when the block ends is raised then. Outside
+    :func:`stop_signals` (no handler of ours) it changes nothing."""
+    _STATE.safe_depth += 1
+    try:
+        yield
+    finally:
+        _STATE.safe_depth -= 1
+    check()
+
+
+def check() -> None:
+    """Raise :class:`Interrupted` if a signal arrived and no command has reported it yet; cheap (a
+    safe point of a loop calls it every transformer call)."""
+    state = _STATE
+    if state.received is not None and not state.handled:
+        raise Interrupted(state.received)
+
+
+def pending() -> int | None:
+    """The signal that arrived and was not reported yet, or None."""
+    return None if _STATE.handled else _STATE.received
+
+
+def handled(err: BaseException) -> None:
+    """``err`` (an :class:`Interrupted`) was reported as the command's exit code: its signal is done with,
+    and later checks of this command no longer raise. A second signal still ends the process at once."""
+    if isinstance(err, Interrupted) and err.signum == _STATE.received:
+        _STATE.handled = True
+
+
+def at_exit_at_once(key: int, cleanup: Callable[[], None] | None) -> None:
+    """Register (or, with None, remove) ``cleanup`` under ``key``: run before a second signal ends the
+    process. Kept to a few system calls (an output claim unlinks its lock file)."""
+    if cleanup is None:
+        _STATE.at_exit.pop(key, None)
+    else:
+        _STATE.at_exit[key] = cleanup
