@@ -298,18 +298,17 @@ def test_the_script_says_in_one_line_what_is_missing(tmp_path):
 
 def test_a_process_is_stopped_at_the_deadline_and_killed_when_it_does_not_stop(tmp_path, monkeypatch):
     monkeypatch.setattr(campaign_module, "KILL_AFTER_S", 1.0)
-    stop = campaign_module._Stop()
     stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                 "print('up', flush=True); time.sleep(60)"]
     polite = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
     env = dict(os.environ)
     began = time.monotonic()
-    code, how = campaign_module._supervise(polite, tmp_path / "a.log", env, time.time() + 1.0, stop)
+    code, how = campaign_module._supervise(polite, tmp_path / "a.log", env, time.time() + 1.0)
     assert code == -signal.SIGTERM and how == "stopped at the deadline" and time.monotonic() - began < 10
-    code, how = campaign_module._supervise(stubborn, tmp_path / "b.log", env, time.time() + 1.0, stop)
+    code, how = campaign_module._supervise(stubborn, tmp_path / "b.log", env, time.time() + 1.0)
     assert code == -signal.SIGKILL and how == "stopped at the deadline (killed)"
-    stop.signum = signal.SIGTERM  # the campaign itself was told to stop: its process is stopped at once
-    code, how = campaign_module._supervise(polite, tmp_path / "c.log", env, time.time() + 60, stop)
+    # the campaign itself was told to stop: its process is stopped at once
+    code, how = campaign_module._supervise(polite, tmp_path / "c.log", env, time.time() + 60, lambda: True)
     assert code == -signal.SIGTERM and how == "interrupted"
 
 
@@ -365,8 +364,8 @@ def test_a_users_tables_show_the_reference_rows_beside_their_own(window, tmp_pat
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     tables = build_report(load_manifest(tmp_path / "manifest.json"), tmp_path / "tables")
     summary = tables["summary"]
-    mine = summary[(summary["method"] == ref_run["method"]) & (summary["hardware"] == "cpu")]
-    theirs = summary[(summary["method"] == ref_run["method"]) & (summary["hardware"] == "cpu (reference)")]
+    cell = summary[(summary["method"] == ref_run["method"]) & (summary["resolution"] == ref_run["resolution"])]
+    mine, theirs = cell[cell["hardware"] == "cpu"], cell[cell["hardware"] == "cpu (reference)"]
     assert len(mine) == 1 and len(theirs) == 1 and list(theirs["source"]) == ["reference"]
     assert list(mine["source"]) == ["measured"]
     with pytest.raises(SweepError, match="report.compare_with: .* has no manifest.json"):
@@ -390,3 +389,25 @@ def test_full_fine_tunes_of_flux_and_qwen_do_not_fit_one_h200_and_the_lora_layou
         plan = plan_memory(validate(full), 1, suggest=False)
         assert not plan.fits and plan.bytes["params"] + plan.bytes["grads"] + plan.bytes["optimizer"] > \
             plan.gpu_memory_bytes, model
+
+
+def test_a_signal_to_the_campaign_stops_it_and_packs_what_finished(tmp_path, monkeypatch, capsys):
+    """SIGTERM while a process runs: that process is stopped, no other starts, the archive and the window's log
+    are written, and the command exits 143."""
+    started = []
+
+    def process(campaign, process, number, stamp, work, stop_at, python):
+        started.append(process.cell)
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the window runs; only remembered there
+        time.sleep(0.1)
+        return {"cell": process.cell, "runs": list(process.run_ids), "finished": [], "exit_code": -15,
+                "ended": "interrupted", "seconds": 0.1}
+
+    monkeypatch.setattr(campaign_module, "_run_process", process)
+    work = tmp_path / "w"
+    assert main(["campaign", "run", "--config", str(CONFIG), "--cpu", "--minutes", "5", "--work", str(work)]) == 143
+    assert len(started) == 1 and "interrupted" in capsys.readouterr().err
+    [log] = (work / "windows").glob("*.json")
+    assert json.loads(log.read_text())["stopped_by_signal"] == "SIGTERM"
+    with tarfile.open(work / "campaign.tar.gz") as tar:
+        assert tar.getnames() == [f"windows/{log.name}"]

@@ -54,12 +54,15 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
-from ..io import write_json
-from ..outdir import Contents, claim_files, claim_folder
+from ..io import atomic_path, atomic_target, write_json
+from ..outdir import Contents, claim_files, claim_folder, remove_owned
+from ..results.report import TABLES_CONTENTS
 from ..results.records import record_problem
 from ..runtime.cell import job_entry
+from ..runtime.runfolder import RUN_CONTENTS
 from .sweep import Sweep, SweepError, check_sweep_files, overrides_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,10 +81,18 @@ STOP_MARGIN_S = 20.0  # SIGTERM this long before the deadline: the run ends, the
 KILL_AFTER_S = 12.0  # a process that has not ended this long after SIGTERM is killed
 POLL_S = 0.25
 
-WORK_CONTENTS = Contents("an agg-bench campaign work folder",
-                         ("runs", "cells", "calibration", "logs", "windows", "campaign.tar.gz"))
-REFERENCE_CONTENTS = Contents("agg-bench reference results", ("runs", "calibration", "windows", "manifest.json",
-                                                              "tables"))
+def _json_files(what: str) -> Contents:
+    return Contents(what, patterns=("*.json",))
+
+
+WORK_CONTENTS = Contents("an agg-bench campaign work folder", ("campaign.tar.gz",), folders=(
+    ("runs", Contents("a campaign's run folders", folders=(("*", RUN_CONTENTS),))),
+    ("cells", _json_files("cell job files")), ("calibration", _json_files("calibrations")),
+    ("logs", Contents("logs", patterns=("*.log",))), ("windows", _json_files("window logs"))))
+REFERENCE_CONTENTS = Contents("agg-bench reference results", ("manifest.json",), folders=(
+    ("runs", Contents("reference runs", folders=(("*", Contents("a reference run", RUN_FILES)),))),
+    ("calibration", _json_files("calibrations")), ("windows", _json_files("window logs")),
+    ("tables", TABLES_CONTENTS)))
 
 
 def _is_archive(path: Path) -> bool:
@@ -219,36 +230,21 @@ class Campaign:
 
 
 # ----- one window --------------------------------------------------------------------------------------------
-class _Stop:
-    """SIGTERM / SIGINT to the campaign: remembered, acted on at the next poll."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> "_Stop":
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.signum = signum
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+def _stopped() -> bool:
+    """Whether the campaign was sent SIGTERM or SIGINT (:mod:`agg_bench.stopping` remembers it)."""
+    return stopping.pending() is not None
 
 
-def _supervise(argv: list[str], log: Path, env: dict, stop_at: float, stop: _Stop) -> tuple[int | None, str]:
-    """Run ``argv`` until it ends, SIGTERM it at ``stop_at`` or when the campaign is stopped, kill it
-    ``KILL_AFTER_S`` later; (its exit code, how it ended: finished, stopped at the deadline, interrupted)."""
+def _supervise(argv: list[str], log: Path, env: dict, stop_at: float, stopped=_stopped) -> tuple[int | None, str]:
+    """Run ``argv`` until it ends, SIGTERM it at ``stop_at`` or once ``stopped()``, kill it ``KILL_AFTER_S``
+    later; (its exit code, how it ended: finished, stopped at the deadline, interrupted)."""
     with open(log, "ab") as handle:
         proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
         how, termed = "finished", None
         while proc.poll() is None:
             now = time.time()
-            if termed is None and (now >= stop_at or stop.signum is not None):
-                how = "interrupted" if stop.signum is not None else "stopped at the deadline"
+            if termed is None and (now >= stop_at or stopped()):
+                how = "interrupted" if stopped() else "stopped at the deadline"
                 proc.send_signal(signal.SIGTERM)
                 termed = now
             elif termed is not None and now - termed > KILL_AFTER_S:
@@ -285,33 +281,31 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     reference = Path(reference) if reference is not None else None
     archive = Path(archive) if archive is not None else work / "campaign.tar.gz"
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(start))
+    # a first SIGTERM / SIGINT is only remembered here: the process in flight is stopped, the finished runs
+    # are packed, and the end of the block raises it (exit code 128 + N)
     with claim_folder(work, WORK_CONTENTS, "--work"), \
-            claim_files({archive: (_is_archive, "a campaign archive")}, "--archive"), _Stop() as stop:
+            claim_files({archive: (_is_archive, "a campaign archive")}, "--archive"), stopping.safe_points():
         for sub in ("runs", "cells", "calibration", "logs", "windows"):
             (work / sub).mkdir(exist_ok=True)
         done = campaign.done(reference, work)
         log: dict[str, Any] = {"started": stamp, "minutes": minutes, "config": str(campaign.config_path),
                                "done_before": len(done), "runs": len(campaign.sweep.runs), "processes": []}
         for number, process in enumerate(campaign.processes(done), 1):
-            if time.time() >= stop_at or stop.signum is not None:
+            if time.time() >= stop_at or _stopped():
                 break
-            log["processes"].append(_run_process(campaign, process, number, stamp, work, stop_at, stop, python))
-        log["stopped_by_signal"] = None if stop.signum is None else signal.Signals(stop.signum).name
+            log["processes"].append(_run_process(campaign, process, number, stamp, work, stop_at, python))
+        log["stopped_by_signal"] = signal.Signals(stopping.pending()).name if _stopped() else None
         log["seconds"] = round(time.time() - start, 1)
         log["finished_in_window"] = sorted(r for p in log["processes"] for r in p["finished"])
         log["left"] = len(campaign.sweep.runs) - len(campaign.done(reference, work))
         write_json(work / "windows" / f"{stamp}.json", log)
         _pack(campaign, work, reference, archive)
         log["archive"] = str(archive)
-    if stop.signum is not None:  # the archive holds what finished; the exit code says how the window ended
-        interrupted = KeyboardInterrupt(signal.Signals(stop.signum).name)
-        interrupted.signum = stop.signum
-        raise interrupted
     return log
 
 
 def _run_process(campaign: Campaign, process: Process, number: int, stamp: str, work: Path, stop_at: float,
-                 stop: _Stop, python: str) -> dict:
+                 python: str) -> dict:
     sweep = campaign.sweep
     device = sweep.runs[process.run_ids[0]]["device"]
     env = _child_env(sweep.threads(device))
@@ -322,23 +316,23 @@ def _run_process(campaign: Campaign, process: Process, number: int, stamp: str, 
     for run_id in process.run_ids:  # an earlier attempt of the same run in this work folder is replaced
         folder = work / "runs" / run_id
         if folder.exists() and not campaign.finished(folder, run_id):
-            shutil.rmtree(folder)
+            remove_owned(folder, RUN_CONTENTS)
     began = time.time()
     code, how = _supervise([python, "-m", "agg_bench", "cell", str(work / "cells" / f"{name}.json"),
-                            "--deadline", f"{stop_at:.3f}"], work / "logs" / f"{name}.log", env, stop_at, stop)
+                            "--deadline", f"{stop_at:.3f}"], work / "logs" / f"{name}.log", env, stop_at)
     finished = [r for r in process.run_ids if campaign.finished(work / "runs" / r, r)]
     entry: dict[str, Any] = {"cell": process.cell, "runs": list(process.run_ids), "finished": finished,
                              "exit_code": code, "ended": how, "seconds": round(time.time() - began, 1)}
     labels = [sweep.runs[r]["method"] for r in finished]
-    if campaign.calibrate and labels and time.time() < stop_at and stop.signum is None:
-        entry["calibration"] = _calibrate(campaign, process.cell, labels, name, work, stop_at, stop, python, env)
+    if campaign.calibrate and labels and time.time() < stop_at and not _stopped():
+        entry["calibration"] = _calibrate(campaign, process.cell, labels, name, work, stop_at, python, env)
     print(f"agg-bench campaign: {process.cell}: {len(finished)}/{len(process.run_ids)} runs finished "
           f"({how}, {entry['seconds']} s)", file=sys.stderr, flush=True)
     return entry
 
 
 def _calibrate(campaign: Campaign, cell: str, labels: list[str], name: str, work: Path, stop_at: float,
-               stop: _Stop, python: str, env: dict) -> dict:
+               python: str, env: dict) -> dict:
     """Time ``labels`` beside ``full`` (when the sweep has it) on one rollout of ``cell``."""
     sweep = campaign.sweep
     methods = sweep.sweep["methods"]
@@ -358,7 +352,7 @@ def _calibrate(campaign: Campaign, cell: str, labels: list[str], name: str, work
     out = work / "calibration" / f"{name}.json"
     argv += ["--out", str(out)]
     began = time.time()
-    code, how = _supervise(argv, work / "logs" / f"{name}.calibrate.log", env, stop_at, stop)
+    code, how = _supervise(argv, work / "logs" / f"{name}.calibrate.log", env, stop_at)
     ok = code == 0 and out.is_file()
     if not ok and out.exists():
         out.unlink()
@@ -379,11 +373,9 @@ def _pack(campaign: Campaign, work: Path, reference: Path | None, archive: Path)
     for sub in ("calibration", "windows"):
         for path in sorted((work / sub).glob("*.json")):
             members.append((f"{sub}/{path.name}", path))
-    tmp = archive.with_name(f".{archive.name}.tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
+    with atomic_target(archive) as tmp, tarfile.open(tmp, "w:gz") as tar:
         for arcname, path in members:
             tar.add(path, arcname=arcname, recursive=False)
-    os.replace(tmp, archive)
 
 
 # ----- unpacking into the reference ---------------------------------------------------------------------------
@@ -613,7 +605,8 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
         for run_id, run_files in new_runs.items():
             _check_counts(where, run_id, _json_lines(where, run_files["metrics.jsonl"]),
                           json.loads(run_files["config.json"]))
-        staging = Path(tempfile.mkdtemp(prefix=".campaign-unpack-", dir=reference))
+        staging = atomic_path(reference / "unpack")  # a harness temporary: never someone's file
+        staging.mkdir()
         try:
             for run_id, run_files in new_runs.items():
                 (staging / "runs" / run_id).mkdir(parents=True)
