@@ -60,6 +60,18 @@ def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -
     return scheduler.sigmas.to(torch.float64)
 
 
+def linspace_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """The T+1 sigmas shift(linspace(1, 0, T + 1)), shift(u) = a u / (1 + (a - 1) u) with a = ``shift``: the
+    schedule of DanceGRPO, MixGRPO, BranchGRPO and the AGG authors' eff_grpo (``sampling.schedule: linspace``),
+    float64. diffusers' schedule (:func:`flow_sigmas`) spaces the unshifted times from 1 to 1/T instead and
+    appends 0, so its last steps are shorter (10 steps, shift 3: tail 0.465, 0.278, 0.0089, 0 against 0.5625,
+    0.4286, 0.25, 0 here)."""
+    if steps < 1:
+        raise ConfigError("sampling.steps", steps, "an integer >= 1")
+    u = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    return shift * u / (1 + (shift - 1) * u)
+
+
 def _per_sample(values: torch.Tensor, index, like: torch.Tensor) -> torch.Tensor:
     """``values[index]`` shaped to broadcast against ``like`` (B, ...); ``index`` is an int or (B,)."""
     picked = values[index] if isinstance(index, int) else values[torch.as_tensor(index, device=values.device)]

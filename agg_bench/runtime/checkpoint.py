@@ -77,9 +77,12 @@ def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = (),
                      defaults: dict | None = None) -> tuple[str, Any, Any] | None:
     """(dotted key, old value, new value) of the first key where two configs differ, outside ``ignore``.
     A key of ``defaults`` that ``old`` lacks (a config written before the key existed) counts as its
-    default there."""
+    default there, and a value an older run wrote reads as the keys it stands for today
+    (:func:`agg_bench.config.upgrade_written`)."""
+    from ..config import upgrade_written
+
     keep = lambda k: not any(k == c or k.startswith(c + ".") for c in ignore)  # noqa: E731
-    a = {**_flat(defaults or {}), **_flat(old)}
+    a = {**_flat(defaults or {}), **_flat(upgrade_written(old))}
     a = {k: v for k, v in a.items() if keep(k)}
     b = {k: v for k, v in _flat(new).items() if keep(k)}
     for key in sorted(set(a) | set(b)):
