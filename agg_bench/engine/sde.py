@@ -13,8 +13,12 @@ Three SDEs (``sampling.sde``), each a Gaussian transition ``x_{j+1} ~ N(mean, st
   coefficients (1 - s') and s' of x0 and of unit noise: no excess noise at low sigmas. ``eta`` is in
   (0, 1] (1: all of the next step's noise drawn afresh). The last step (s' = 0) has std 0: it is the
   Euler step and has no density, so it is an ODE step in every rollout (:func:`stochastic_steps`).
-  The log-probability is the full Gaussian one, like the others; FlowCPS's code drops its constants and
-  the 1 / (2 std^2) factor, which scales the log-ratio and so the ratio's clipping, not the sampler.
+  The log-probability is the full Gaussian one, like the others. FlowCPS's code (and Flow-GRPO's
+  ``sde_type = "cps"``) keeps ``-(x' - mean)^2`` only, without the constants and the 1 / (2 std^2) factor: the
+  sampler is the same, but each step's log-ratio, and with it the step's gradient, is the code's times
+  1 / (2 std^2), which differs from step to step (within Flow-GRPO-Fast's 3-step window at eta 0.8, 10 steps,
+  shift 3, up to 1.47x), and the ratio clip acts where that factor makes the log-ratio cross eps: less often
+  than the code's where 1 / (2 std^2) < 1 (its steps 0-3), more often where it is above 1.
 
 Everything is computed in float32 (float64 when the inputs are float64). ``log_prob`` is the mean
 over all non-batch dimensions.
