@@ -28,7 +28,7 @@ import contextlib
 
 import torch
 
-from agg_bench.errors import ConfigError
+from agg_bench.errors import ConfigError, UserError
 from agg_bench.methods.base import Estimator, ReplayPlan
 
 
@@ -59,8 +59,35 @@ class EMAPolicy:
 
     def __init__(self, policy):
         self.policy = policy.weights_copy()
+        self.names = [name for name, _ in policy.named_parameters()]  # the weights it averages
         self.steps = policy.version
         self.version: int | None = policy.version
+
+    def state_dict(self) -> dict:
+        """Its averaged weights (by the policy's parameter names), ``steps`` and ``version``: a checkpoint's."""
+        own = dict(self.policy.transformer.named_parameters())
+        return {"weights": {name: own[name].detach().cpu().clone() for name in self.names}, "steps": self.steps,
+                "version": self.version}
+
+    @classmethod
+    def from_state(cls, policy, state: dict) -> "EMAPolicy":
+        """The moving average ``state_dict`` saved, for ``policy``; a UserError where it does not fit."""
+        ema = cls(policy)
+        weights, own = state.get("weights"), dict(ema.policy.transformer.named_parameters())
+        names = {name for name, _ in policy.named_parameters()}
+        if not isinstance(weights, dict) or set(weights) != names or not all(
+                isinstance(w, torch.Tensor) and w.shape == own[n].shape for n, w in weights.items()):
+            raise UserError("--resume: the checkpoint's moving average of the policy does not match the model's "
+                            "trainable parameters; delete it or run without --resume")
+        steps, version = state.get("steps"), state.get("version")
+        if type(steps) is not int or not (version is None or type(version) is int):
+            raise UserError(f"--resume: the checkpoint's moving average has steps = {steps!r}, version = "
+                            f"{version!r}: expected integers (version may be null)")
+        with torch.no_grad():
+            for name, w in weights.items():
+                own[name].copy_(w)
+        ema.steps, ema.version = steps, version
+        return ema
 
     def equals(self, policy) -> bool:
         """Whether its weights are the policy's own right now (a forward of it would repeat the policy's)."""
@@ -122,6 +149,16 @@ class FinalLatentEstimator(Estimator):
     def moving_average(self) -> str | None:
         """The option that makes this run keep an :class:`EMAPolicy` (None: it keeps none)."""
         return None
+
+    ema: EMAPolicy | None = None  # the run's moving average, where moving_average() names an option
+
+    def state_dict(self) -> dict | None:
+        """The moving average, so that a resumed run goes on with it (a checkpoint holds it)."""
+        return None if self.ema is None else {"ema": self.ema.state_dict()}
+
+    def load_state_dict(self, state: dict, policy) -> None:
+        if isinstance(state.get("ema"), dict):
+            self.ema = EMAPolicy.from_state(policy, state["ema"])
 
     def replay_plan(self, cfg, stochastic, batch_size, generator):
         return ReplayPlan("not_applicable", note=f"{self.paper} trains {self.trains}: there is no per-step GRPO "

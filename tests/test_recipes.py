@@ -426,3 +426,40 @@ def test_every_preset_runs_with_its_described_passes_and_their_cost(preset, tmp_
         assert passes == described_passes(cfg, record["iteration"]), (preset, record["iteration"])
         cost += passes_cost(record, cfg.train.pass_costs.to_dict())
         assert record["cost"] == cost
+
+
+@pytest.mark.parametrize("method, override, key", [
+    *[("nft", f"method.{k}={v}", f"method.{k}") for k, v in (
+        ("old_decay_rate", -0.1), ("old_decay_rate", 2), ("old_decay_rate", "fast"), ("old_decay_rate", ".nan"),
+        ("old_decay_max", 1.5), ("old_decay_max", -1), ("old_decay_after", -1), ("old_decay_after", 1.5),
+        ("old_decay_after", 10**12))],
+    *[("awm", f"method.{k}={v}", f"method.{k}") for k, v in (
+        ("ema_kl_beta", -1), ("ema_kl_beta", 1e300), ("ema_kl_beta", ".inf"), ("ema_kl_beta", "[1]"),
+        ("ema_decay_rate", -0.001), ("ema_decay_max", 3))],
+    *[("dgpo", f"method.{k}={v}", f"method.{k}") for k, v in (
+        ("clip_dsm", "yes please"), ("clip_dsm", 1), ("ema_decay_rate", 1.5), ("ema_rollout_after", -1),
+        ("ema_rollout_after", 2.5), ("ema_rollout_after", 10**12), ("rollout_guidance", 0.5),
+        ("rollout_guidance", 1e9), ("rollout_guidance", ".nan"), ("rollout_guidance", "cfg"))],
+    *[("window", f"method.window_end={v}", "method.window_end") for v in (0, -3, 2.0, 7, 10**6, "end")],
+])
+def test_bad_method_options_are_one_line_naming_the_key(method, override, key):
+    """Every option the recipes added refuses a wrong type, a negative, NaN or infinity and a huge value; the
+    window's end must hold a whole window and stay in the schedule (6 steps, windows of 4 here)."""
+    with pytest.raises(ConfigError) as err:
+        Session(tiny_config(f"method.name={method}", *FINAL, "method.window_size=4" if method == "window" else
+                            "progress=false", override))
+    assert err.value.key == key and "\n" not in str(err.value) and len(str(err.value)) < 400
+
+
+def test_a_checkpoints_moving_average_that_does_not_fit_is_one_line():
+    from agg_bench.errors import UserError
+    from baselines.final_latent import EMAPolicy
+
+    policy = Session(tiny_config()).policy
+    state = EMAPolicy(policy).state_dict()
+    assert EMAPolicy.from_state(policy, state).equals(policy)
+    name = next(iter(state["weights"]))
+    for bad in ({**state, "weights": {**state["weights"], name: torch.zeros(3)}},
+                {**state, "weights": {}}, {**state, "steps": "two"}, {**state, "weights": "x"}):
+        with pytest.raises(UserError, match="--resume: the checkpoint's moving average"):
+            EMAPolicy.from_state(policy, bad)

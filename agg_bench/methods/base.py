@@ -146,6 +146,15 @@ class Estimator(ABC):
         """Method-specific fields for the iteration's metric record."""
         return {}
 
+    def state_dict(self) -> dict | None:
+        """What the method keeps from one iteration to the next that a resumed run needs (tensors, numbers,
+        strings: a checkpoint holds it); None: nothing."""
+        return None
+
+    def load_state_dict(self, state: dict, policy: Policy) -> None:
+        """Take back :meth:`state_dict`'s ``state`` for ``policy`` (restored first); a UserError where it does
+        not fit."""
+
     def close(self) -> None:
         """Undo anything the method installed on the policy."""
 
