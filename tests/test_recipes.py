@@ -301,11 +301,11 @@ def test_dgpo_clip_detaches_the_clipped_samples_errors():
             with torch.no_grad():
                 ref_error = ((ref.velocity(*args)[0] - target) ** 2).mean()
                 old_error = ((old.velocity(*args)[0] - target) ** 2).mean()
-            ratio = math.exp(float(old_error - error))
+            ratio = math.exp(float(old_error - error.detach()))
             a = float(batch.advantages[i])
             kept.append(not (ratio > 1 + 1e-9 if a > 0 else ratio < 1 - 1e-9))
             errors.append(error)
-            deltas.append(float(error) - float(ref_error))
+            deltas.append(float(error.detach()) - float(ref_error))
         for g in range(b // G):
             rows = range(g * G, (g + 1) * G)
             w = 1 / (1 + math.exp(-100.0 / G * sum(float(batch.advantages[i]) * deltas[i] for i in rows)))
