@@ -374,6 +374,10 @@ def described_passes(cfg: RunConfig, iteration: int) -> dict[str, int]:
     """The passes of one iteration of ``cfg``'s method, from its algorithm's description (docs/methods.md)."""
     o, b, steps = cfg.method.options, cfg.grpo.group_size * cfg.grpo.prompts_per_iteration, cfg.sampling.steps
     name, kl = cfg.method.name, cfg.grpo.beta > 0
+    if name in ("full", "fraction"):  # every step with a density (cps: not the one into 0), or a fraction of them
+        dense = steps - (cfg.sampling.sde == "cps")
+        trained = b * round(cfg.train.timestep_fraction * dense)
+        return {"forward_nograd": b * steps + trained * kl, "forward_grad": trained, "backward": trained}
     if name == "window":  # a forward per step; the window's steps trained exactly
         return {"forward_nograd": b * steps, "forward_grad": b * o.window_size, "backward": b * o.window_size}
     if name == "mixgrpo_flash":  # window 0..3 (start 0 for the first 20 iterations), then 8 grid points
@@ -407,6 +411,18 @@ def described_passes(cfg: RunConfig, iteration: int) -> dict[str, int]:
         old = k if o.clip_dsm and iteration >= 2 else 0
         return {"forward_nograd": guided * b * steps + b * (k + old), "forward_grad": b * k, "backward": b * k}
     raise AssertionError(f"no description for method {name}")
+
+
+@pytest.mark.parametrize("sets", [
+    ["method.name=full"], ["method.name=full", "grpo.beta=0.04"], ["method.name=full", "sampling.sde=cps"],
+    ["method.name=fraction", "train.timestep_fraction=0.5"],
+])
+def test_grpo_methods_run_with_their_described_passes(sets, tmp_path):
+    """Full GRPO (with the KL reference's forward per trained step, with cps) and DanceGRPO's fraction."""
+    cfg = tiny_config(*sets, "train.iterations=1", "model.dtype=float32")
+    train(cfg, tmp_path / "run")
+    (record,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert {k: record[k] for k in ("forward_nograd", "forward_grad", "backward")} == described_passes(cfg, 0)
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS.glob("*.yaml")))
