@@ -22,9 +22,8 @@ anyway, and the methods use the policy's own value instead (:meth:`EMAPolicy.equ
 """
 from __future__ import annotations
 
-from typing import ClassVar
-
 import contextlib
+from typing import ClassVar
 
 import torch
 
@@ -130,6 +129,7 @@ class FinalLatentEstimator(Estimator):
     the end of its plan."""
 
     paper: ClassVar[str]  # the method's name in its paper, e.g. "DGPO"
+    ema: EMAPolicy | None = None  # the run's moving average of the policy, where moving_average() names an option
     trains: ClassVar[str]  # e.g. "a flow-matching loss on final latents"
     shared_noise_breaks: ClassVar[str] = "every advantage is 0"
 
@@ -149,8 +149,6 @@ class FinalLatentEstimator(Estimator):
     def moving_average(self) -> str | None:
         """The option that makes this run keep an :class:`EMAPolicy` (None: it keeps none)."""
         return None
-
-    ema: EMAPolicy | None = None  # the run's moving average, where moving_average() names an option
 
     def state_dict(self) -> dict | None:
         """The moving average, so that a resumed run goes on with it (a checkpoint holds it)."""

@@ -95,7 +95,7 @@ class NFTConfig:
     ``old_decay_rate`` (0.0: the old policy is the rollout's weights, the code's ``decay_type = 0``; 0.001 for its
       sd3 configs' ``decay_type = 1``, 0.0075 for ``decay_type = 2``), ``old_decay_max`` (0.5; 0.999 for type 2)
       and ``old_decay_after`` (0 optimizer steps; 75 for type 2): the old policy's moving-average schedule
-      (module docstring); rate >= 0, max in [0, 1], after >= 0.
+      (module docstring); rate and max in [0, 1], after an integer >= 0.
     """
 
     beta: float = 1.0
