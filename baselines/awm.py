@@ -24,9 +24,20 @@ G samples of a prompt need their own initial noise (the code draws one per image
 ``sampling.same_noise_per_group`` must be false.
 The KL option is the code's ``train.beta`` (``kl_weight = 'Uniform'``): velocity matching to the base model,
 here the session's reference policy (a frozen copy, or the LoRA base) when ``grpo.beta > 0``; one no-grad
-forward per (sample, time), counted. The code's second term to an EMA adapter (``ema_beta``) is not built.
+forward per (sample, time), counted.
 
-The K times per sample (``time_distribution``, one t per slot shared by the batch's samples, as in the code):
+EMA-KL (the code's second term, ``train.ema_beta`` with ``kl_ema_weight = 'Uniform'``):
+``+ ema_kl_beta * 1/(B K) sum_ik mean (v_theta - v_ema)^2``, v_ema the velocity of an
+:class:`~baselines.final_latent.EMAPolicy` of the policy, which after each iteration takes in the trained
+weights with the decay ``min(ema_decay_max, ema_decay_rate * n)`` after n optimizer steps (the code's
+``kl_ema_decay_type = 'linear'``: ``min(kl_ema_decay, 0.001 * global_step)``, kl_ema_decay 0.3). Every public
+config sets ``ema_beta = 1``; the code adds the term only inside its ``train.beta > 0`` branch (every config
+has one), here it does not depend on ``grpo.beta``. One no-grad forward of the moving average per (sample,
+time), counted and charged; none while its weights are the policy's (the first iteration: the term and its
+gradient are then exactly 0). ``ema_kl_beta`` 0, the default, keeps no moving average.
+
+The K times per sample (``time_distribution``; one t per slot shared by the whole batch, where the code draws
+them once per micro-batch of ``train.batch_size`` samples):
 - ``discrete`` (the code's default ``time_type = 'discrete_wo_init'``): schedule indices stratified over
   [1, int(steps * 0.9)] (``timestep_fraction = 0.9``) in K strata, one uniform index per stratum,
   t = the rollout's sigma at it;
@@ -34,8 +45,14 @@ The K times per sample (``time_distribution``, one t per slot shared by the batc
   shifted by ``sampling.shift`` (``time_shift = 3``), at least 0.01;
 - ``uniform``: t ~ U(0, 1) per (sample, slot).
 The times and the seed of the noise generator are drawn in :meth:`AWMEstimator.plan` from the iteration's
-generator: deterministic given the run's seed. Passes: B*K forward_grad and B*K backward (plus B*K
-forward_nograd with ``grpo.beta > 0``).
+generator: deterministic given the run's seed. Passes: B*T rollout forwards, B*K forward_grad and B*K backward,
+plus B*K forward_nograd with ``grpo.beta > 0`` and B*K more for the EMA-KL term where its moving average differs
+from the policy.
+
+The code's advantages take the batch-wide reward std plus 1e-4 (``sample.global_std = True``): here
+``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). Not ported: the SA-Solver sampler
+(``use_sa_solver``), the EMA of the trained weights that only evaluations and checkpoints use (``train.ema``,
+decay 0.99), the code's skipping of its first two epochs, LoRA.
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
 """
@@ -46,10 +63,10 @@ from typing import Literal
 
 import torch
 
-from agg_bench.engine.grpo import group_advantages, micro_batches
+from agg_bench.engine.grpo import grpo_advantages, micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import register_method
-from baselines.final_latent import FinalLatentEstimator, noised_draws
+from baselines.final_latent import EMAPolicy, FinalLatentEstimator, check_decay, ema_decay, noised_draws
 
 TIME_DISTRIBUTIONS = ("discrete", "logit_normal", "uniform")
 WEIGHTINGS = ("uniform", "ghuber")
@@ -69,6 +86,9 @@ class AWMConfig:
     ``ghuber_power`` (0.25; ``train.ghuber_power``): p in (0, 1] of the ``ghuber`` weighting.
     ``advantage_max`` (1.0; ``train.advantage_max``): clipped advantages are rescaled to +-this; > 0.
     ``micro_batch``: samples per forward-with-grad (None: the whole batch).
+    ``ema_kl_beta`` (0.0: no EMA-KL term; the code's ``train.ema_beta = 1``): the weight of the EMA-KL term, >= 0.
+    ``ema_decay_rate`` (0.001) and ``ema_decay_max`` (0.3; the code's ``kl_ema_decay``): its moving average's
+      decay, min(max, rate x optimizer steps); rate and max in [0, 1].
     The KL coefficient is the run's ``grpo.beta`` (the code's ``train.beta``, 0.001 for PickScore).
     """
 
@@ -78,6 +98,9 @@ class AWMConfig:
     ghuber_power: float = 0.25
     advantage_max: float = 1.0
     micro_batch: int | None = None
+    ema_kl_beta: float = 0.0
+    ema_decay_rate: float = 0.001
+    ema_decay_max: float = 0.3
 
     def validate(self) -> None:
         if self.times_per_sample < 1:
@@ -92,6 +115,9 @@ class AWMConfig:
             raise ConfigError("method.advantage_max", self.advantage_max, "a number > 0")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ConfigError("method.micro_batch", self.micro_batch, "null or an integer >= 1")
+        if not 0 <= self.ema_kl_beta <= 1e6:
+            raise ConfigError("method.ema_kl_beta", self.ema_kl_beta, "a number from 0 to 1000000")
+        check_decay("method.ema_decay", self.ema_decay_rate, self.ema_decay_max)
 
 
 def matching_error(v: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -138,6 +164,20 @@ class AWMEstimator(FinalLatentEstimator):
         super().__init__(config)
         self.times = torch.zeros(0, 0, dtype=torch.float64)
         self.shift = 1.0
+        self.ema: EMAPolicy | None = None  # the EMA-KL term's moving average
+
+    def moving_average(self) -> str | None:
+        return "ema_kl_beta" if self.config.ema_kl_beta > 0 else None
+
+    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
+        """The policy's own rollout; the EMA-KL term's moving average takes in the steps since the last one."""
+        c = self.config
+        if c.ema_kl_beta > 0:
+            if self.ema is None:
+                self.ema = EMAPolicy(policy)
+            elif policy.version != self.ema.steps:
+                self.ema.update(policy, ema_decay(policy.version, c.ema_decay_rate, c.ema_decay_max))
+        return super().rollout(policy, cond, noise, sigmas, sampling, generator, iteration, group_size)
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
@@ -148,7 +188,7 @@ class AWMEstimator(FinalLatentEstimator):
 
     def advantages(self, rewards, trajectory, grpo):
         """A (B,): group-standardised, clipped to +-adv_clip_max, rescaled to +-advantage_max."""
-        a = group_advantages(rewards, grpo.group_size, grpo.adv_clip_max, grpo.adv_std, torch.float64)
+        a = grpo_advantages(rewards, grpo, torch.float64)
         return (a / grpo.adv_clip_max * self.config.advantage_max).to(trajectory.latents.dtype)
 
     def plan(self, train, trajectory, batch_size, generator):
@@ -170,6 +210,9 @@ class AWMEstimator(FinalLatentEstimator):
         eps, t, timesteps = self.draws(policy, batch)
         a = batch.advantages.to(x0.dtype)
         shape = (-1, *([1] * (x0.dim() - 1)))
+        dims = tuple(range(1, x0.dim()))
+        # the EMA-KL term is exactly 0, gradient included, while the moving average is the policy itself
+        ema = self.ema if c.ema_kl_beta > 0 and self.ema is not None and not self.ema.equals(policy) else None
         for slot in range(k):
             for rows in micro_batches(b, c.micro_batch):
                 te = t[rows, slot]
@@ -179,4 +222,8 @@ class AWMEstimator(FinalLatentEstimator):
                 terms = a[rows] * weighted(matching_error(v, x0[rows], eps[rows, slot]), te, c.weighting,
                                            c.ghuber_power)
                 terms = self.with_velocity_kl(terms, v, reference, x_t, timesteps[rows, slot], cond, batch.beta)
+                if ema is not None:
+                    with torch.no_grad():
+                        v_ema = ema.policy.velocity(x_t, timesteps[rows, slot], cond).to(v.dtype)
+                    terms = terms + c.ema_kl_beta * ((v - v_ema) ** 2).mean(dim=dims)
                 self.backward(terms, batch, stats)

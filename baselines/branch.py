@@ -17,8 +17,9 @@ Node rewards. A leaf's reward is its image's. An internal node's (``reward_fusio
   log-probability of the edge (the per-element mean, as stored); an only child passes its reward up.
 
 Depth-wise advantages. Per prompt and per step j, over the n_j nodes step j produces:
-A = clamp((R - mean) / (std + 1e-8), -grpo.adv_clip_max, grpo.adv_clip_max), std as ``grpo.adv_std``
-says (the public code uses torch's unbiased std, ``sample``); A = 0 where n_j = 1 or std < 1e-6.
+A = clamp((R - mean) / (std + grpo.adv_eps), -grpo.adv_clip_max, grpo.adv_clip_max), the std with
+``grpo.adv_ddof`` (the public code: torch's unbiased std, ddof 1, and 1e-8); A = 0 where n_j = 1 or
+std < 1e-6. ``grpo.adv_std`` must be ``group`` (the spread is each prompt's nodes' at that depth).
 The transition into a node carries that node's A.
 
 Training. Every distinct transition that is not pruned is trained once, exactly: a forward with grad at
@@ -185,6 +186,10 @@ class BranchEstimator(Estimator):
         if cfg.train.plan != "steps":
             raise ConfigError("train.plan", cfg.train.plan,
                               "'steps' for method 'branch' (its trees decide the trained transitions)")
+        if cfg.grpo.adv_std != "group":
+            raise ConfigError("grpo.adv_std", cfg.grpo.adv_std,
+                              "'group' for method 'branch' (its advantages are standardised over each prompt's "
+                              "nodes at one depth)")
         processes = max(distributed.current().world_size, distributed.launched_world_size())
         if processes > 1:
             raise ConfigError("method.name", "branch",
@@ -278,8 +283,8 @@ class BranchEstimator(Estimator):
             if n == 1:
                 adv = torch.zeros_like(r)
             else:
-                spread = r.std(dim=1, unbiased=grpo.adv_std == "sample", keepdim=True)
-                adv = (r - r.mean(dim=1, keepdim=True)) / (spread + 1e-8)
+                spread = r.std(dim=1, correction=grpo.adv_ddof, keepdim=True)
+                adv = (r - r.mean(dim=1, keepdim=True)) / (spread + grpo.adv_eps)
                 adv = torch.where(spread < TINY_STD, torch.zeros_like(adv), adv)
             adv = adv.clamp(-grpo.adv_clip_max, grpo.adv_clip_max)
             columns.append(adv.repeat_interleave(group // n, 1).reshape(-1))  # to every leaf below the node

@@ -3,9 +3,12 @@ Preference Optimization", arXiv 2510.08425; public code github.com/Luo-Yihong/DG
 ``scripts/train_sd3_dgpo.py``: ``compute_group_dgpo_loss_allreduce``, the training loop; ``config/base.py``,
 ``config/dgpo.py``: defaults).
 
-DGPO has no per-step likelihood. The rollout is deterministic: the public code samples with its SDE
-pipeline at ``sample.noise_level = 0``, which is the Euler ODE on the run's grid, the engine's ODE here
-(every step deterministic, ``sampling.steps`` steps). Only each sample's final latent x0 and its reward are kept.
+DGPO has no per-step likelihood. The rollout is deterministic (``sample.noise_level = 0``; the public code
+samples with diffusers' ``DPMSolverMultistepScheduler`` of Sana's config at ``flow_shift = 3``, here the engine's
+Euler ODE on the run's grid, ``sampling.steps`` steps), and in the public configs with classifier-free guidance
+``sample.guidance_scale = 4.5``: v = v_u + g (v_c - v_u) from the prompt's (v_c) and the empty prompt's (v_u)
+velocities, ``rollout_guidance`` here (1, the default: no guidance; two no-grad forwards per sample and step
+otherwise, counted and charged). Only each sample's final latent x0 and its reward are kept.
 
 The group preference (the paper's DGPO objective, §3: DPO's Bradley-Terry likelihood between a positive
 group G+ and a negative group G- of one prompt's G samples, in place of a pair). A sample belongs to G+ when
@@ -38,7 +41,22 @@ The reference. In the code it is the base model (the LoRA adapter disabled), the
 run. Here: the session's reference when ``grpo.beta > 0`` (the same frozen start), otherwise a frozen copy of
 the policy (:meth:`agg_bench.engine.models.Policy.frozen_copy`) made at the first rollout of the estimator;
 a resumed run takes it from the weights it resumes from. Its velocity at every (row, time) is one no-grad
-forward (shared with the KL term). Passes per inner epoch: B K forward_grad, B K backward, B K forward_nograd.
+forward (shared with the KL term); the training forwards are conditional only, as the code's
+(``predict_v(..., cfg=False)``; ``kl_cfg = 1``).
+
+The clip (``clip_dsm``, the code's ``config.clip_dsm = True`` with ``config.clip_range``, here ``grpo.clip_range``:
+0.01 in its geneval and ocr configs). A PPO-style clip of each sample's matching error against an "old" model,
+the code's ``ema_ref``: an :class:`~baselines.final_latent.EMAPolicy` that takes in the weights after every
+optimizer step k with the decay ``min(ema_decay_max, ema_decay_rate (k - 1))`` (``min(0.3, 0.001 * global_step)``,
+global_step counted before that step). With ``ratio = exp(l_old - l_theta)`` a sample's l_theta is detached
+(its gradient dropped, its value kept) where A > 0 and ratio > 1 + eps, or A <= 0 and ratio < 1 - eps. One
+no-grad forward of the moving average per (row, time), counted and charged; none while it equals the policy
+(the first two iterations: the ratio is then exactly 1 and nothing is clipped). The record's ``clip_frac`` is
+the clipped share. ``ema_rollout_after`` (the code's ``switch_ema_ref``, 500 for geneval): after that many
+optimizer steps the rollout samples with the moving average's weights (swapped in, as the code swaps them).
+Passes per iteration: B T rollout forwards (2 B T with guidance); per inner epoch B K forward_grad, B K backward,
+B K forward_nograd of the reference, and B K forward_nograd of the moving average with ``clip_dsm`` where it
+differs from the policy.
 
 The K times per sample (``time_distribution``):
 - ``schedule`` (the code): K distinct steps j of the rollout's own schedule among its first
@@ -54,15 +72,18 @@ each time (``generate_shared_noise_for_groups``); otherwise each row draws its o
 ``micro_batch`` splits the forwards with grad; the graphs of one time stay alive until its group weights are
 known (a weight needs every member's error; the code all-reduces the group sums), then one backward.
 
-Not ported: the PPO-style clip of the DSM loss against an EMA "old" model (``clip_dsm``, ``clip_range``) and
-the EMA reference (``use_ema_ref``, ``switch_ema_ref``), CFG in training (``train.cfg``), the batch-wide reward
-std (``sample.global_std``; the group's here, ``grpo.adv_std``), LoRA. An ODE rollout from one noise is one
-image, so ``sampling.same_noise_per_group`` must be false.
+The advantages: the geneval config standardises within the group (``sample.global_std = False``), the ocr one
+over the batch (True), both with np.std plus 1e-4 (``grpo.adv_eps``). Not ported: the DPM-Solver sampler of
+the rollout, the moving average as the DPO reference (``use_ema_ref``, a variant config's), the accelerate loop's
+optimizer step every ``gradient_accumulation_steps`` (batch, time) passes (here one step per iteration on all of
+them), the EMA of the trained weights that only evaluations use (``train.ema``), LoRA. An ODE rollout from one
+noise is one image, so ``sampling.same_noise_per_group`` must be false.
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,7 +92,9 @@ import torch
 from agg_bench.engine.grpo import micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import register_method
-from baselines.final_latent import FinalLatentEstimator, noised_draws
+from baselines.final_latent import EMAPolicy, FinalLatentEstimator, check_decay, ema_decay, noised_draws
+
+EMA_AFTER = 1  # the code steps its ema_ref with global_step counted before the step: a first decay of 0
 
 TIME_DISTRIBUTIONS = ("schedule", "uniform")
 
@@ -88,6 +111,13 @@ class DGPOConfig:
       0..trunc_steps are eligible (the timestep clip, t >= sigma_{trunc_steps}); less than sampling.steps.
     ``shared_noise`` (true; ``config.use_shared_noise = True``): the samples of a group share the noise at a time.
     ``micro_batch``: samples per forward with grad (None: the whole batch).
+    ``clip_dsm`` (false; the code's ``clip_dsm = True``): the PPO-style clip of each sample's matching error
+      against the moving average, with ``grpo.clip_range`` (module docstring).
+    ``ema_decay_rate`` (0.001) and ``ema_decay_max`` (0.3): that moving average's decay schedule; in [0, 1].
+    ``ema_rollout_after`` (None: never; the code's ``switch_ema_ref = 500`` for geneval): optimizer steps after which
+      the rollout samples with the moving average; an integer >= 0.
+    ``rollout_guidance`` (1.0: none; the code's ``sample.guidance_scale = 4.5``): classifier-free guidance of the
+      rollout, in [1, 100].
     """
 
     beta: float = 100.0
@@ -96,6 +126,11 @@ class DGPOConfig:
     trunc_steps: int = 4
     shared_noise: bool = True
     micro_batch: int | None = None
+    clip_dsm: bool = False
+    ema_decay_rate: float = 0.001
+    ema_decay_max: float = 0.3
+    ema_rollout_after: int | None = None
+    rollout_guidance: float = 1.0
 
     def validate(self) -> None:
         if not self.beta > 0:
@@ -108,6 +143,13 @@ class DGPOConfig:
             raise ConfigError("method.times_per_sample", self.times_per_sample,
                               f"an integer in [1, {self.trunc_steps + 1}] (method.trunc_steps + 1; distinct steps "
                               "of the schedule with method.time_distribution=schedule)")
+        check_decay("method.ema_decay", self.ema_decay_rate, self.ema_decay_max)
+        if self.ema_rollout_after is not None and not 0 <= self.ema_rollout_after <= 10**9:
+            raise ConfigError("method.ema_rollout_after", self.ema_rollout_after,
+                              "null or an integer from 0 to 1000000000 (optimizer steps)")
+        if not 1 <= self.rollout_guidance <= 100:
+            raise ConfigError("method.rollout_guidance", self.rollout_guidance,
+                              "a number in [1, 100] (classifier-free guidance of the rollout; 1: none)")
 
 
 def group_weights(advantages: torch.Tensor, delta: torch.Tensor, group_size: int, beta: float) -> torch.Tensor:
@@ -129,21 +171,70 @@ class DGPOEstimator(FinalLatentEstimator):
         self.group_size = 1
         self.frozen = None  # the reference when the session has none (grpo.beta = 0)
         self.own_reference = True
+        self.clip_range = 0.0
+        self.ema: EMAPolicy | None = None  # the code's ema_ref: clip_dsm's old model, the late rollouts' sampler
+
+    def moving_average(self) -> str | None:
+        c = self.config
+        return "clip_dsm" if c.clip_dsm else "ema_rollout_after" if c.ema_rollout_after is not None else None
+
+    def needs_unconditional(self) -> bool:
+        return self.config.rollout_guidance != 1
+
+    def take_in(self, policy) -> None:
+        """The moving average made, or updated with the optimizer steps taken since it last was (one per
+        inner epoch: this runs before each)."""
+        c = self.config
+        if self.moving_average() is None:
+            return
+        if self.ema is None:
+            self.ema = EMAPolicy(policy)
+        elif policy.version != self.ema.steps:
+            self.ema.update(policy, ema_decay(policy.version, c.ema_decay_rate, c.ema_decay_max, EMA_AFTER))
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
         c = self.config
         self.group_size = cfg.grpo.group_size
         self.own_reference = not cfg.grpo.beta > 0
+        self.clip_range = cfg.grpo.clip_range
         if c.time_distribution == "schedule" and c.trunc_steps >= cfg.sampling.steps:
             raise ConfigError("method.trunc_steps", c.trunc_steps,
                               f"an integer in [0, {cfg.sampling.steps - 1}] (below sampling.steps)")
 
     def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
+        """The ODE rollout, with classifier-free guidance where asked, by the moving average's weights after
+        ``ema_rollout_after`` optimizer steps."""
+        c = self.config
         self.group_size = group_size
         if self.own_reference and self.frozen is None:
             self.frozen = policy.frozen_copy()
-        return super().rollout(policy, cond, noise, sigmas, sampling, generator, iteration, group_size)
+        self.take_in(policy)
+        late = c.ema_rollout_after is not None and policy.version > c.ema_rollout_after
+        weights = self.ema.weights_in(policy) if late and not self.ema.equals(policy) else \
+            contextlib.nullcontext(policy)
+        with weights as sampler:
+            if c.rollout_guidance == 1:
+                return super().rollout(sampler, cond, noise, sigmas, sampling, generator, iteration, group_size)
+            return self.guided_rollout(sampler, cond, noise, sigmas, sampling, generator, iteration)
+
+    def guided_rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
+        """The ODE rollout on v = v_u + g (v_c - v_u): per step a forward on the prompts and one on the empty
+        prompt (two calls, each of the whole batch)."""
+        from agg_bench.engine.rollout import rollout  # the sampler imports the models; a method's options do not
+
+        if self.unconditional is None:
+            raise RuntimeError("method 'dgpo' with rollout_guidance needs the empty prompt's conditioning")
+        g = self.config.rollout_guidance
+
+        def guided(j, x, timesteps, cond_):
+            empty = self.unconditional.to(x.device).repeat_interleave(x.shape[0])
+            v_c = policy.velocity(x, timesteps, cond_)
+            v_u = policy.velocity(x, timesteps, empty)
+            return v_u + g * (v_c - v_u)
+
+        mask = self.sde_mask(iteration, sigmas.numel() - 1, generator)
+        return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, mask, velocity=guided)
 
     def plan(self, train, trajectory, batch_size, generator):
         """(B, K): the K schedule steps shared by the batch (``schedule``) or the slots 0..K-1 (``uniform``);
@@ -172,8 +263,11 @@ class DGPOEstimator(FinalLatentEstimator):
         eps, t, timesteps = self.draws(policy, batch)
         a = batch.advantages.to(x0.dtype)
         kl_beta = batch.beta if reference is not None else 0.0
+        self.take_in(policy)
+        # the ratio is exactly 1 while the moving average is the policy: nothing to clip, nothing to forward
+        old = self.ema.policy if c.clip_dsm and not self.ema.equals(policy) else None
         for slot in range(k):
-            errors, ref_errors, kls = [], [], []
+            errors, ref_errors, kls, old_errors = [], [], [], []
             for rows in micro_batches(b, c.micro_batch):
                 te = t[rows, slot].view(-1, *([1] * (x0.dim() - 1)))
                 x_t = (1 - te) * x0[rows] + te * eps[rows, slot]
@@ -186,9 +280,19 @@ class DGPOEstimator(FinalLatentEstimator):
                 ref_errors.append(((v_ref - target) ** 2).mean(dim=dims))
                 if kl_beta > 0:
                     kls.append(kl_beta * ((v - v_ref) ** 2).mean(dim=dims))
+                if old is not None:
+                    with torch.no_grad():
+                        v_old = old.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                    old_errors.append(((v_old - target) ** 2).mean(dim=dims))
             error, ref_error = torch.cat(errors), torch.cat(ref_errors)
             w = group_weights(a, error.detach() - ref_error, self.group_size, c.beta)
-            terms = w * a * error
+            trained = error
+            if old_errors:
+                ratio = torch.exp(torch.cat(old_errors) - error.detach())
+                clipped = torch.where(a > 0, ratio > 1 + self.clip_range, ratio < 1 - self.clip_range)
+                trained = torch.where(clipped, error.detach(), error)
+                stats.clipped += int(clipped.sum())
+            terms = w * a * trained
             if kls:
                 terms = terms + torch.cat(kls)
             (terms.sum() * batch.loss_scale).backward()

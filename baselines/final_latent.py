@@ -12,15 +12,114 @@ noise per image (a group sharing its noise would give one image and one reward),
 plan put in ``batch.train_steps`` (the model given those steps' timesteps); a tensor of times (B, K) is used
 as it is. The model's timestep of a time that is not a schedule step is ``t * policy.timestep_scale``, as
 :meth:`agg_bench.engine.models.Policy.timestep_values` scales a sigma.
+
+:class:`EMAPolicy` is the moving average of the policy that the public recipes keep beside it (DiffusionNFT's
+"old" adapter, AWM's EMA for its second KL term, DGPO's ``ema_ref``): a frozen copy of the weights updated as
+``w_ema <- w_ema + (1 - d)(w - w_ema)`` with the decay d of :func:`ema_decay` after n optimizer steps. Its
+forwards go through the policy's counter, so they are charged; while its weights are exactly the policy's (made
+from it, or updated with d = 0, and no optimizer step since) a forward of it would repeat one the method makes
+anyway, and the methods use the policy's own value instead (:meth:`EMAPolicy.equals`).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import ClassVar
 
 import torch
 
-from agg_bench.errors import ConfigError
+from agg_bench.errors import ConfigError, UserError
 from agg_bench.methods.base import Estimator, ReplayPlan
+
+
+def ema_decay(steps: int, rate: float, maximum: float, after: int = 0) -> float:
+    """The decay of the moving average's update after ``steps`` optimizer steps: 0 before ``after`` steps, then
+    ``rate * (steps - after)``, at most ``maximum`` (DiffusionNFT's ``return_decay``: rate 0.001, maximum 0.5,
+    after 0 for its sd3 configs' ``decay_type = 1``; AWM's and DGPO's ``min(0.3, 0.001 * global_step)``)."""
+    if steps < after:
+        return 0.0
+    return min(rate * (steps - after), maximum)
+
+
+def check_decay(prefix: str, rate: float, maximum: float, after: int | None = None) -> None:
+    """ConfigErrors for a moving average's schedule: ``<prefix>_rate`` >= 0 (at most 1: a decay grows by it per
+    optimizer step), ``<prefix>_max`` in [0, 1] and ``<prefix>_after`` >= 0 (optimizer steps)."""
+    if not 0 <= rate <= 1:
+        raise ConfigError(f"{prefix}_rate", rate, "a number in [0, 1] (the decay's growth per optimizer step)")
+    if not 0 <= maximum <= 1:
+        raise ConfigError(f"{prefix}_max", maximum, "a number in [0, 1] (the largest decay)")
+    if after is not None and not 0 <= after <= 10**9:
+        raise ConfigError(f"{prefix}_after", after, "an integer from 0 to 1000000000 (optimizer steps)")
+
+
+class EMAPolicy:
+    """A moving average of the policy's trainable weights (module docstring), as a frozen policy that shares
+    the policy's counter. ``steps``: the optimizer steps it has taken in; ``version``: the policy version its
+    weights are exactly (None after an update with a decay above 0)."""
+
+    def __init__(self, policy):
+        self.policy = policy.weights_copy()
+        self.names = [name for name, _ in policy.named_parameters()]  # the weights it averages
+        self.steps = policy.version
+        self.version: int | None = policy.version
+
+    def state_dict(self) -> dict:
+        """Its averaged weights (by the policy's parameter names), ``steps`` and ``version``: a checkpoint's."""
+        own = dict(self.policy.transformer.named_parameters())
+        return {"weights": {name: own[name].detach().cpu().clone() for name in self.names}, "steps": self.steps,
+                "version": self.version}
+
+    @classmethod
+    def from_state(cls, policy, state: dict) -> "EMAPolicy":
+        """The moving average ``state_dict`` saved, for ``policy``; a UserError where it does not fit."""
+        ema = cls(policy)
+        weights, own = state.get("weights"), dict(ema.policy.transformer.named_parameters())
+        names = {name for name, _ in policy.named_parameters()}
+        if not isinstance(weights, dict) or set(weights) != names or not all(
+                isinstance(w, torch.Tensor) and w.shape == own[n].shape for n, w in weights.items()):
+            raise UserError("--resume: the checkpoint's moving average of the policy does not match the model's "
+                            "trainable parameters; delete it or run without --resume")
+        steps, version = state.get("steps"), state.get("version")
+        if type(steps) is not int or not (version is None or type(version) is int):
+            raise UserError(f"--resume: the checkpoint's moving average has steps = {steps!r}, version = "
+                            f"{version!r}: expected integers (version may be null)")
+        with torch.no_grad():
+            for name, w in weights.items():
+                own[name].copy_(w)
+        ema.steps, ema.version = steps, version
+        return ema
+
+    def equals(self, policy) -> bool:
+        """Whether its weights are the policy's own right now (a forward of it would repeat the policy's)."""
+        return self.version == policy.version
+
+    @torch.no_grad()
+    def update(self, policy, decay: float) -> None:
+        """Take in the policy's weights with ``decay`` (0: a copy of them, exactly)."""
+        own = dict(self.policy.transformer.named_parameters())
+        for name, weight in policy.named_parameters():
+            if decay == 0:
+                own[name].copy_(weight)
+            else:
+                own[name].add_(weight.detach() - own[name], alpha=1 - decay)
+        self.steps = policy.version
+        self.version = policy.version if decay == 0 else None
+
+    @contextlib.contextmanager
+    def weights_in(self, policy):
+        """The policy itself (whatever wraps it) computing with these weights, its own put back after: a
+        rollout sampled by the moving average, as the public code swaps its adapters."""
+        params = dict(policy.named_parameters())
+        own = dict(self.policy.transformer.named_parameters())
+        saved = {name: p.detach().clone() for name, p in params.items()}
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(own[name])
+        try:
+            yield policy
+        finally:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(saved[name])
 
 
 class FinalLatentEstimator(Estimator):
@@ -30,6 +129,7 @@ class FinalLatentEstimator(Estimator):
     the end of its plan."""
 
     paper: ClassVar[str]  # the method's name in its paper, e.g. "DGPO"
+    ema: EMAPolicy | None = None  # the run's moving average of the policy, where moving_average() names an option
     trains: ClassVar[str]  # e.g. "a flow-matching loss on final latents"
     shared_noise_breaks: ClassVar[str] = "every advantage is 0"
 
@@ -42,6 +142,21 @@ class FinalLatentEstimator(Estimator):
             raise ConfigError("sampling.same_noise_per_group", True,
                               f"false for method '{self.name}' (its ODE rollout turns one noise into one image, "
                               f"so a group sharing its noise has one reward and {self.shared_noise_breaks})")
+        if self.moving_average() is not None and cfg.train.shard == "fsdp":
+            raise ConfigError("train.shard", "fsdp", f"'none' with method.{self.moving_average()} (the moving "
+                                                     "average of the policy is a whole copy of its weights)")
+
+    def moving_average(self) -> str | None:
+        """The option that makes this run keep an :class:`EMAPolicy` (None: it keeps none)."""
+        return None
+
+    def state_dict(self) -> dict | None:
+        """The moving average, so that a resumed run goes on with it (a checkpoint holds it)."""
+        return None if self.ema is None else {"ema": self.ema.state_dict()}
+
+    def load_state_dict(self, state: dict, policy) -> None:
+        if isinstance(state.get("ema"), dict):
+            self.ema = EMAPolicy.from_state(policy, state["ema"])
 
     def replay_plan(self, cfg, stochastic, batch_size, generator):
         return ReplayPlan("not_applicable", note=f"{self.paper} trains {self.trains}: there is no per-step GRPO "

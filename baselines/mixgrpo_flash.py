@@ -18,7 +18,8 @@ The rollout of iteration m, on a schedule of T steps with sigmas s_0 = 1 > ... >
   (its grid would stop at s_{L+1} and never reach 0) it is 2: one first-order step into 0.
 The solver's history holds the data prediction x - s v of every step before it, so that its first step
 is second order on the prediction of step L (on the run's grid); its step into 0 is first order and returns
-the prediction. The trajectory has its own sigmas and its own number of steps, L + num_post; the window
+the prediction (the code's ``lower_order_final``). ``solver_orders`` lists the order of each solver step of the
+last rollout. A window cut at ``window_end`` (MixGRPO's truncation at T - 2) ends at its cut. The trajectory has its own sigmas and its own number of steps, L + num_post; the window
 steps keep their sigmas, so training them is training the same transitions as on the run's grid.
 
 Flash takes r = 0.4 and a window that moves by 1 every 20 iterations; Flash* a frozen window
@@ -90,6 +91,10 @@ class MixGRPOFlashEstimator(WindowEstimator):
     name = "mixgrpo_flash"
     config_cls = MixGRPOFlashConfig
 
+    def __init__(self, config: MixGRPOFlashConfig | None = None):
+        super().__init__(config)
+        self.solver_orders: list[int] = []  # the order of each solver step of the last rollout, in order
+
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
         if cfg.sampling.shift is None:
@@ -105,9 +110,10 @@ class MixGRPOFlashEstimator(WindowEstimator):
         steps = sigmas.numel() - 1
         self.sde_mask(iteration, steps, generator)  # sets last_start; a random window is drawn here, as in window
         start = self.last_start
-        last = start + self.config.window_size - 1
+        last = self.window_last(start, steps)
         grid = post_window_grid(sigmas, last, self.config.post_compress_ratio, sampling.shift)
         solver = MultistepDPMSolverPP(grid, self.config.solver_order)
+        self.solver_orders = solver.orders  # filled as the rollout takes the steps after the window
 
         def velocity(j, x, timesteps, cond_):
             v = policy.velocity(x, timesteps, cond_).to(x.dtype)

@@ -27,13 +27,24 @@ size independent of beta. ``L = 1/(B*K) sum_i sum_k term_ik`` (the code averages
 accumulates over its K times); with ``grpo.beta > 0`` the code's KL term ``grpo.beta * mean ||v_theta - v_ref||^2``
 (the reference being the run's frozen reference policy) is added to every term.
 
-The old policy: in the code, an EMA "old" adapter that samples the rollout and stays fixed through the
-update. Here the old policy is the rollout's weights (the code's ``decay_type = 0``; its sd3 configs use 1,
-a decay rising to 0.5). Within the first inner epoch the policy has not stepped yet, so a no-grad forward
-of the policy now IS the old policy; its velocities are kept for the later inner epochs of the same
-rollout, whose (t, eps) draws are the same.
-Passes per inner epoch: B*K forward_grad and B*K backward, plus B*K forward_nograd in the first one (and
-B*K more for the reference when ``grpo.beta > 0``).
+The old policy (``scripts/train_nft_sd3.py``: the "old" adapter, ``return_decay``). In the code it samples the
+rollout and stays fixed through the update; after each epoch it takes in the trained weights,
+``old <- d old + (1 - d) theta`` with ``d = return_decay(global_step, decay_type)``: ``decay_type`` 0 is d = 0
+(the old policy is the rollout's weights, the trained ones), 1 (its sd3 configs) d = min(0.001 n, 0.5) after n
+optimizer steps, 2 (``sd3_ocr``) 0 for 75 steps, then min(0.0075 (n - 75), 0.999). Here ``old_decay_rate``,
+``old_decay_max`` and ``old_decay_after`` are that schedule (:func:`baselines.final_latent.ema_decay`): rate 0 (the
+default) keeps no copy, the old policy being the weights that sampled the rollout; a rate above 0 keeps an
+:class:`~baselines.final_latent.EMAPolicy` that samples the rollout (its weights swapped into the policy, as the
+code swaps adapters) and gives v_old.
+Charged for what is computed: where the old policy's weights are the policy's own (rate 0 in the first inner
+epoch, whose update has not stepped yet; or an EMA equal to the policy, at the first iteration), v_old is the
+forward with grad's own value (``v_theta.detach()``, which a no-grad forward would only repeat: the two agree
+exactly), and no no-grad forward is made. Otherwise v_old is a no-grad forward of the moving average. The first
+inner epoch's v_old are kept for the later inner epochs of the same rollout, whose (t, eps) draws are the same
+and whose old policy has not changed.
+Passes per iteration: B*T rollout forwards; per inner epoch B*K forward_grad and B*K backward (B*K forward_nograd
+more for the reference when ``grpo.beta > 0``); and B*K forward_nograd of the old policy once per rollout where
+it is a moving average that differs from the policy.
 
 The K times per sample (``time_distribution``):
 - ``schedule`` (the code): K distinct steps of the rollout's own schedule per sample, drawn without
@@ -43,9 +54,10 @@ The K times per sample (``time_distribution``):
 The steps (schedule) are drawn in :meth:`NFTEstimator.plan` from the iteration's generator, as is the seed of
 a generator that draws the noise (and uniform times): deterministic given the run's seed.
 
-Not ported: the batch-wide reward std of the code's default (``sample.global_std = True``; here the group's,
-``grpo.adv_std``, and the 1e-8 of GRPO's standardisation in place of 1e-4), the EMA of the old adapter, LoRA.
-An ODE rollout from one noise is one image, so ``sampling.same_noise_per_group`` must be false.
+The code's advantages take the batch-wide reward std (``sample.global_std = True``) plus 1e-4: here
+``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). Not ported: the DPM-Solver-2 sampler, the EMA of
+the trained weights that only evaluations and checkpoints use (``train.ema``, decay 0.9), LoRA. An ODE rollout
+from one noise is one image, so ``sampling.same_noise_per_group`` must be false.
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
 """
@@ -57,10 +69,10 @@ from typing import Literal
 
 import torch
 
-from agg_bench.engine.grpo import group_advantages, micro_batches
+from agg_bench.engine.grpo import grpo_advantages, micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import register_method
-from baselines.final_latent import FinalLatentEstimator, noised_draws
+from baselines.final_latent import EMAPolicy, FinalLatentEstimator, check_decay, ema_decay, noised_draws
 
 TIME_DISTRIBUTIONS = ("schedule", "uniform")
 ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
@@ -80,6 +92,10 @@ class NFTConfig:
       clamp it to [0, Z]/[-Z, 0], ``one_only`` maps A > 0 to 1 and else 0, ``binary`` takes sign(A).
     ``weighting`` ("adaptive", the code's x0-space adaptive weight) or ``velocity`` (the paper's equation).
     ``micro_batch``: samples per forward-with-grad (None: the whole batch).
+    ``old_decay_rate`` (0.0: the old policy is the rollout's weights, the code's ``decay_type = 0``; 0.001 for its
+      sd3 configs' ``decay_type = 1``, 0.0075 for ``decay_type = 2``), ``old_decay_max`` (0.5; 0.999 for type 2)
+      and ``old_decay_after`` (0 optimizer steps; 75 for type 2): the old policy's moving-average schedule
+      (module docstring); rate and max in [0, 1], after an integer >= 0.
     """
 
     beta: float = 1.0
@@ -88,12 +104,16 @@ class NFTConfig:
     adv_mode: Literal["all", "positive_only", "negative_only", "one_only", "binary"] = "all"
     weighting: Literal["adaptive", "velocity"] = "adaptive"
     micro_batch: int | None = None
+    old_decay_rate: float = 0.0
+    old_decay_max: float = 0.5
+    old_decay_after: int = 0
 
     def validate(self) -> None:
         if not 0 < self.beta <= 1:
             raise ConfigError("method.beta", self.beta, "a number in (0, 1] (DiffusionNFT's policy step)")
         if self.times_per_sample is not None and self.times_per_sample < 1:
             raise ConfigError("method.times_per_sample", self.times_per_sample, "null or an integer >= 1")
+        check_decay("method.old_decay", self.old_decay_rate, self.old_decay_max, self.old_decay_after)
 
     def times(self, steps: int) -> int:
         """K for a ``steps``-step rollout."""
@@ -145,6 +165,24 @@ class NFTEstimator(FinalLatentEstimator):
         # (the rollout's batch, weakly: an id could be reused by the next one; its old velocities)
         self.old: tuple[weakref.ref, torch.Tensor] | None = None
         self.clip = 1.0
+        self.ema: EMAPolicy | None = None  # the old policy, where it is a moving average
+
+    def moving_average(self) -> str | None:
+        return "old_decay_rate" if self.config.old_decay_rate > 0 else None
+
+    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
+        """Sampled by the old policy: the policy itself, or its moving average (taken in first)."""
+        c = self.config
+        if c.old_decay_rate == 0:
+            return super().rollout(policy, cond, noise, sigmas, sampling, generator, iteration, group_size)
+        if self.ema is None:
+            self.ema = EMAPolicy(policy)
+        elif policy.version != self.ema.steps:
+            self.ema.update(policy, ema_decay(policy.version, c.old_decay_rate, c.old_decay_max, c.old_decay_after))
+        if self.ema.equals(policy):
+            return super().rollout(policy, cond, noise, sigmas, sampling, generator, iteration, group_size)
+        with self.ema.weights_in(policy) as sampler:
+            return super().rollout(sampler, cond, noise, sigmas, sampling, generator, iteration, group_size)
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
@@ -159,7 +197,7 @@ class NFTEstimator(FinalLatentEstimator):
     def advantages(self, rewards, trajectory, grpo):
         """r (B,) in [0, 1], the optimality probability of each sample."""
         self.clip = grpo.adv_clip_max
-        a = group_advantages(rewards, grpo.group_size, grpo.adv_clip_max, grpo.adv_std, torch.float64)
+        a = grpo_advantages(rewards, grpo, torch.float64)
         return optimality(a, grpo.adv_clip_max, self.config.adv_mode).to(trajectory.latents.dtype)
 
     def plan(self, train, trajectory, batch_size, generator):
@@ -190,16 +228,20 @@ class NFTEstimator(FinalLatentEstimator):
                                    "before the first inner epoch on this rollout")
             self.old = (weakref.ref(batch), torch.empty((b, k, *x0.shape[1:]), dtype=x0.dtype, device=x0.device))
         old = self.old[1]
+        # the old policy's velocity is the policy's own while their weights are the same (module docstring)
+        moving = self.ema is not None and not self.ema.equals(policy)
         r = batch.advantages.to(x0.dtype)
         for slot in range(k):
             for rows in micro_batches(b, c.micro_batch):
                 te = t[rows, slot].view(-1, *([1] * (x0.dim() - 1)))
                 x_t = (1 - te) * x0[rows] + te * eps[rows, slot]
                 cond = batch.cond[rows]
-                if fresh:
-                    with torch.no_grad():
-                        old[rows, slot] = policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
                 v = policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                if fresh and moving:
+                    with torch.no_grad():
+                        old[rows, slot] = self.ema.policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                elif fresh:
+                    old[rows, slot] = v.detach()
                 terms = nft_terms(v, old[rows, slot], x_t, x0[rows], eps[rows, slot], t[rows, slot], r[rows],
                                   c.beta, self.clip, c.weighting)
                 terms = self.with_velocity_kl(terms, v, reference, x_t, timesteps[rows, slot], cond, batch.beta)

@@ -73,13 +73,19 @@ class WindowConfig(FullConfig):
       - ``random``: uniformly in [window_start, window_max_start], drawn from the iteration's generator
         (Flow-GRPO-Fast draws its window among the early steps);
       - ``progressive`` (MixGRPO): at ``window_start + window_stride * (m // window_interval)``; once that
-        passes sampling.steps - window_size the window stays on the last steps (MixGRPO's
-        ``l = min(l + s, T - w)``), or with ``window_wrap`` starts over at ``window_start``.
+        passes its last start the window stays there, or with ``window_wrap`` starts over at ``window_start``
+        (MixGRPO's ``--roll_back``). The last start is sampling.steps - window_size (the window whole), or with
+        ``window_end`` window_end - 1: the window goes on past window_end - window_size, cut at window_end.
     ``window_start`` (0): the first start (fixed, progressive) or the smallest start (random).
-    ``window_max_start`` (None: sampling.steps - window_size): the largest start drawn in random mode.
+    ``window_max_start`` (None: window_end, or sampling.steps, minus window_size): the largest start drawn in
+      random mode.
     ``window_stride`` (1): steps the progressive window moves each time it moves.
     ``window_interval`` (25): iterations between moves of the progressive window (MixGRPO's shift interval).
     ``window_wrap`` (False): progressive only; restart at ``window_start`` instead of staying at the end.
+    ``window_end`` (None: sampling.steps): no window reaches this step; windows are cut at it, steps
+      start..min(start + window_size, window_end) - 1. MixGRPO truncates at T - 2 (``max_timesteps =
+      sampling_steps - 2``, its windows ``range(cur, min(cur + group_size, max_timesteps))``; its iterations at the
+      start T - 2 itself, whose window is empty, are not taken here). In [window_size, sampling.steps].
     ``micro_batch``: samples per forward-with-grad (None: the whole batch), as for ``full``.
     """
 
@@ -90,6 +96,7 @@ class WindowConfig(FullConfig):
     window_stride: int = 1
     window_interval: int = 25
     window_wrap: bool = False
+    window_end: int | None = None
 
     def validate(self) -> None:
         """Checks that need no run settings; the bounds that depend on sampling.steps come later."""
@@ -101,6 +108,8 @@ class WindowConfig(FullConfig):
             raise ConfigError("method.window_stride", self.window_stride, "an integer >= 1")
         if self.window_interval < 1:
             raise ConfigError("method.window_interval", self.window_interval, "an integer >= 1 (iterations)")
+        if self.window_end is not None and not 1 <= self.window_end <= 1000:
+            raise ConfigError("method.window_end", self.window_end, "null or an integer from 1 to 1000 (a step)")
 
 
 @register_method
@@ -115,21 +124,30 @@ class WindowEstimator(FullEstimator):
         super().__init__(config)
         self.last_start: int | None = None
 
+    def end(self, steps: int) -> int:
+        """The step no window reaches (``window_end``, or the schedule's end)."""
+        return steps if self.config.window_end is None else self.config.window_end
+
     def start_range(self, steps: int) -> tuple[int, int]:
-        """(smallest, largest) window start for a ``steps``-step schedule, or a ConfigError."""
+        """(smallest, largest) start of a whole window for a ``steps``-step schedule, or a ConfigError."""
         c = self.config
         if not 1 <= c.window_size <= steps:
             raise ConfigError("method.window_size", c.window_size, f"an integer in [1, {steps}] (sampling.steps)")
-        last = steps - c.window_size
+        if c.window_end is not None and not c.window_size <= c.window_end <= steps:
+            raise ConfigError("method.window_end", c.window_end,
+                              f"null or an integer in [{c.window_size}, {steps}] "
+                              "(method.window_size .. sampling.steps)")
+        bound = "sampling.steps" if c.window_end is None else "method.window_end"
+        last = self.end(steps) - c.window_size
         if c.window_start > last:
             raise ConfigError("method.window_start", c.window_start,
-                              f"an integer in [0, {last}] (sampling.steps - method.window_size)")
+                              f"an integer in [0, {last}] ({bound} - method.window_size)")
         high = last
         if c.window_max_start is not None:
             if not c.window_start <= c.window_max_start <= last:
                 raise ConfigError("method.window_max_start", c.window_max_start,
                                   f"null or an integer in [{c.window_start}, {last}] "
-                                  "(method.window_start .. sampling.steps - method.window_size)")
+                                  f"(method.window_start .. {bound} - method.window_size)")
             high = c.window_max_start
         return c.window_start, high
 
@@ -142,7 +160,7 @@ class WindowEstimator(FullEstimator):
         if c.window_mode == "random":
             return int(torch.randint(low, high + 1, (1,), generator=generator))
         moves = iteration // c.window_interval
-        last = steps - c.window_size
+        last = steps - c.window_size if c.window_end is None else c.window_end - 1  # cut windows go on to it
         if c.window_wrap:
             positions = (last - low) // c.window_stride + 1  # starts low, low+s, ... that fit
             return low + c.window_stride * (moves % positions)
@@ -155,10 +173,14 @@ class WindowEstimator(FullEstimator):
                               f"at most method.window_size = {self.config.window_size} for method 'window' "
                               "(only window steps can be trained)")
 
+    def window_last(self, start: int, steps: int) -> int:
+        """The last step of the window that starts at ``start`` (cut at ``window_end``)."""
+        return min(start + self.config.window_size, self.end(steps)) - 1
+
     def window_mask(self, start: int, steps: int) -> torch.Tensor:
-        """(steps,) True on the window that starts at step ``start``."""
+        """(steps,) True on the window that starts at step ``start`` (cut at ``window_end``)."""
         mask = torch.zeros(steps, dtype=torch.bool)
-        mask[start: start + self.config.window_size] = True
+        mask[start: self.window_last(start, steps) + 1] = True
         return mask
 
     def sde_mask(self, iteration, steps, generator):
@@ -171,7 +193,7 @@ class WindowEstimator(FullEstimator):
         steps = stochastic.numel()
         start = self.window_start(0, steps, generator)
         window = self.window_mask(start, steps)
-        last = start + self.config.window_size - 1
+        last = self.window_last(start, steps)
         if torch.equal(window, stochastic.cpu()):  # the snapshot is this window's own rollout
             return ReplayPlan("as_trained", None, f"the snapshot's stochastic steps are the window {start}..{last}")
         available = window & stochastic.cpu()

@@ -107,7 +107,7 @@ def test_depth_wise_advantages_by_hand_sample_std():
     """Prompt 0: leaves 1, 2, 4, 7; nodes of steps 0-1 (means of their leaves) 1.5 and 5.5: sample std
     2 sqrt 2, so -+2 / (2 sqrt 2). Leaves: mean 3.5, sample std sqrt 7. Prompt 1: leaves 5, 3, 5, 3;
     nodes 4 and 4 (std 0 < 1e-6: A = 0); leaves: mean 4, sample std 2 / sqrt 3."""
-    a = advantages("grpo.adv_std=sample", "grpo.adv_clip_max=5")
+    a = advantages("grpo.adv_ddof=1", "grpo.adv_clip_max=5")
     two = 2 / (2 * math.sqrt(2) + 1e-8)
     p0 = [(r - 3.5) / (math.sqrt(7) + 1e-8) for r in (1, 2, 4, 7)]
     p1 = [s / (2 / math.sqrt(3) + 1e-8) for s in (1, -1, 1, -1)]
@@ -119,7 +119,7 @@ def test_depth_wise_advantages_by_hand_sample_std():
 
 
 def test_depth_wise_advantages_by_hand_population_std_and_clamp():
-    a = advantages("grpo.adv_std=population", "grpo.adv_clip_max=0.9")
+    a = advantages("grpo.adv_ddof=0", "grpo.adv_clip_max=0.9")
     two = 2 / (2 + 1e-8)  # population std of 1.5, 5.5 is 2
     p0 = [min(max((r - 3.5) / (math.sqrt(21 / 4) + 1e-8), -0.9), 0.9) for r in (1, 2, 4, 7)]
     p1 = [min(max(s / (1 + 1e-8), -0.9), 0.9) for s in (1, -1, 1, -1)]
@@ -143,7 +143,7 @@ def test_prob_weighted_fusion_by_hand():
         assert torch.allclose(fused[j], torch.tensor([[1.75, 4.75], expected_p1], dtype=torch.float64),
                               rtol=0, atol=1e-15)
     assert torch.equal(fused[2], REWARDS.view(2, 4)) and torch.equal(fused[3], REWARDS.view(2, 4))
-    grpo = tiny_config(*TREE, "grpo.adv_std=sample").grpo
+    grpo = tiny_config(*TREE, "grpo.adv_ddof=1").grpo
     a = est.advantages(REWARDS, traj, grpo)
     b = (4.75 - 1.75) / 2 / (math.sqrt(2 * 1.5**2) + 1e-8)
     assert torch.allclose(a[0:4, 0], torch.tensor([-b, -b, b, b], dtype=torch.float64), rtol=0, atol=1e-14)
@@ -153,8 +153,8 @@ def test_prob_weighted_fusion_by_hand():
 
 def test_leaf_depth_advantages_are_the_groups_grpo_advantages():
     from agg_bench.engine.grpo import group_advantages
-    a = advantages("grpo.adv_std=sample")
-    assert torch.allclose(a[:, 3], group_advantages(REWARDS, 4, 5.0, "sample", torch.float64), rtol=0, atol=1e-15)
+    a = advantages("grpo.adv_ddof=1")
+    assert torch.allclose(a[:, 3], group_advantages(REWARDS, 4, 5.0, "group", torch.float64, 1), rtol=0, atol=1e-15)
 
 
 # ----- the update against a single graph --------------------------------------------------------
@@ -324,16 +324,19 @@ def test_replay_refuses_and_gradcheck_lists_without_numbers(tmp_path, capsys):
 def test_preset_scales_the_public_setting_and_loads_with_random_weights():
     cfg = load_config(PRESET)
     options = cfg.method.options
-    assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (10, "dance_grpo", 0.3, 3.0)
-    assert (options.branch_points, options.branch_factor, cfg.grpo.group_size) == ([0, 1, 3, 4], 2, 16)
-    assert options.branch_points == build_method("branch").points(10)  # the paper's 0,3,6,9 of 20, scaled
-    assert (cfg.grpo.clip_range, cfg.grpo.adv_clip_max, cfg.grpo.adv_std, cfg.grpo.beta) == (1e-3, 5.0, "sample", 0)
+    assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (20, "dance_grpo", 0.3, 3.0)
+    assert (options.branch_points, options.branch_factor, cfg.grpo.group_size) == ([0, 3, 6, 9], 2, 16)
+    assert options.branch_points == build_method("branch").points(20)  # the released script's 0,3,6,9 of 20
+    assert (cfg.grpo.clip_range, cfg.grpo.adv_clip_max, cfg.grpo.beta) == (1e-3, 5.0, 0)
+    assert (cfg.grpo.adv_std, cfg.grpo.adv_ddof, cfg.grpo.adv_eps) == ("group", 1, 1e-8)  # torch's std() + 1e-8
+    assert (cfg.sampling.schedule, cfg.reward.on, options.split_noise_scale) == ("linspace", "x0", 4.0)
     assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
 
 
 def test_preset_pass_counts_against_full_with_the_same_group():
-    """Per prompt and iteration: 99 forwards in the rollout and 114 trained transitions, against full
-    GRPO's 160 and 160 on 16 chains of 10 steps."""
+    """Per prompt and iteration, from the tree (splits in two at steps 0, 3, 6, 9 of 20): a forward per node,
+    1 + 2 * 3 + 4 * 3 + 8 * 3 + 16 * 10 = 203, and a trained transition per edge, 2 * 3 + 4 * 3 + 8 * 3 + 16 * 11
+    = 218; full GRPO on 16 chains of 20 steps: 320 and 320."""
     cfg = load_config(PRESET, ["progress=false", "telemetry.enabled=false", "model.resolution=32"])
     session = Session(cfg)
     before = session.policy.counter.copy()
@@ -342,12 +345,13 @@ def test_preset_pass_counts_against_full_with_the_same_group():
     before = session.policy.counter.copy()
     session.update(batch)
     train = (session.policy.counter - before).as_dict()
-    assert rollout["forward_nograd"] == 99 and train["forward_grad"] == train["backward"] == 114
+    assert rollout["forward_nograd"] == 1 + 2 * 3 + 4 * 3 + 8 * 3 + 16 * 10
+    assert train["forward_grad"] == train["backward"] == 2 * 3 + 4 * 3 + 8 * 3 + 16 * 11
     full = Session(load_config(PRESET, ["progress=false", "telemetry.enabled=false", "model.resolution=32",
                                         "method={name: full}"]))
     before = full.policy.counter.copy()
     full.update(full.collect(0).batch)
-    assert (full.policy.counter - before).as_dict() == {"forward_nograd": 160, "forward_grad": 160, "backward": 160}
+    assert (full.policy.counter - before).as_dict() == {"forward_nograd": 320, "forward_grad": 320, "backward": 320}
 
 
 def test_preset_runs_through_the_cli(tmp_path):
@@ -355,4 +359,4 @@ def test_preset_runs_through_the_cli(tmp_path):
     assert main(["run", "--config", str(PRESET), "--set", "train.iterations=1", "--set", "progress=false",
                  "--out", str(out)]) == 0
     records = list(read_jsonl(out / "metrics.jsonl"))
-    assert len(records) == 1 and records[0]["method"] == "branch" and records[0]["trained_transitions"] == 114
+    assert len(records) == 1 and records[0]["method"] == "branch" and records[0]["trained_transitions"] == 218

@@ -15,23 +15,25 @@ from agg_bench.config.sections import Section
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
 
-# The defaults as config.json files have always held them, keys in this order: a rerun and --resume compare
-# old files against these (a key a file lacks counts as its default here).
+# The defaults as config.json files hold them, keys in this order: a rerun and --resume compare old files
+# against these (a key a file lacks counts as its default here, and a value an older file wrote for a key whose
+# values changed reads as the keys it stands for: tests/test_recipes.py).
 WRITTEN_DEFAULTS = {
     "run_id": None, "seed": 0, "device": "cpu", "progress": True,
     "model": {"family": "sd3", "preset": "tiny", "pretrained": None, "resolution": 128, "dtype": "float32",
               "architecture": None},
     "prompts": {"file": None, "max_tokens": 16, "max_sequence_length": None, "cache_dir": "results/embeddings"},
-    "sampling": {"steps": 10, "sde": "flow_grpo", "eta": 0.7, "shift": 3.0, "same_noise_per_group": True},
+    "sampling": {"steps": 10, "sde": "flow_grpo", "eta": 0.7, "shift": 3.0, "same_noise_per_group": True,
+                 "schedule": "diffusers"},
     "grpo": {"group_size": 4, "prompts_per_iteration": 2, "clip_range": 1e-4, "adv_clip_max": 5.0, "beta": 0.0,
-             "adv_std": "population", "kl_form": "transition"},
+             "adv_std": "group", "adv_ddof": 0, "adv_eps": 1e-8, "kl_form": "transition"},
     "train": {"iterations": 2, "lr": 1e-4, "weight_decay": 0.0, "max_grad_norm": 1.0, "timestep_fraction": 1.0,
               "plan": "steps", "plan_window": 5, "inner_epochs": 1, "gradient_checkpointing": False,
               "lora_rank": 0, "lora_alpha": None, "lora_target_modules": None, "checkpoint_every": 0,
               "shard": "none", "cpu_offload": False, "budget": None,
               "pass_costs": {"forward_nograd": 1.0, "forward_grad": 1.1, "backward": 1.6}},
     "method": {"name": "full"},
-    "reward": {"name": "jpeg_compressibility", "options": {}},
+    "reward": {"name": "jpeg_compressibility", "options": {}, "on": "final"},
     "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first", "tensorboard": False},
     "eval": {"every": 0, "noises": 16, "seed": 0, "sampler": "sde", "batch_size": 64},
 }
@@ -95,7 +97,7 @@ def test_config_json_keeps_the_values_and_order_as_written(tmp_path):
     assert written["train"]["lr"] == 1 and isinstance(written["train"]["lr"], int)  # not converted to 1.0
     assert list(written["method"].items()) == [("window", 3), ("name", "agg")]
     assert list(written) == list(DEFAULTS) and list(written["train"]) == list(DEFAULTS["train"])
-    assert written["reward"] == {"name": "jpeg_compressibility", "options": {"quality": 50}}
+    assert written["reward"] == {"name": "jpeg_compressibility", "options": {"quality": 50}, "on": "final"}
     assert RunConfig.from_dict(written).to_dict() == written
     assert cfg.get_path("method.window") == 3 and cfg.get_path("train.max_grad_norm") == 2
 

@@ -15,19 +15,27 @@ from helpers import (estimator_gradient, move_off_policy, one_graph_gradient, re
                      tiny_config)
 
 
-@pytest.mark.parametrize("std, divisor", [("population", 4), ("sample", 3)])
+@pytest.mark.parametrize("std", ["group", "global"])
+@pytest.mark.parametrize("ddof, eps", [(0, 1e-8), (1, 1e-8), (0, 1e-4)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_group_advantages_match_float64_reference(std, divisor, dtype):
-    """Population std divides the squared deviations by G (Flow-GRPO), sample std by G - 1 (DanceGRPO);
-    the result has the requested dtype (the run's latents')."""
+def test_group_advantages_match_float64_reference(std, ddof, eps, dtype):
+    """ddof 0 divides the squared deviations by n (numpy: Flow-GRPO), 1 by n - 1 (torch: DanceGRPO); ``group``
+    takes them over the group, ``global`` over the whole batch (Flow-GRPO's global_std), the mean is the group's
+    either way; the result has the requested dtype (the run's latents')."""
     r = torch.randn(12, generator=torch.Generator().manual_seed(torch.seed() % 2**31))
-    adv = group_advantages(r, 4, 1.5, std, dtype)
+    adv = group_advantages(r, 4, 1.5, std, dtype, ddof, eps)
     assert adv.dtype == dtype
+    every = [float(v) for v in r]
+
+    def spread_of(x):
+        mean = sum(x) / len(x)
+        return math.sqrt(sum((v - mean) ** 2 for v in x) / (len(x) - ddof))
+
     for g in range(3):
         x = [float(v) for v in r[4 * g: 4 * g + 4]]
         mean = sum(x) / 4
-        spread = math.sqrt(sum((v - mean) ** 2 for v in x) / divisor)
-        ref = torch.tensor([min(1.5, max(-1.5, (v - mean) / (spread + 1e-8))) for v in x], dtype=torch.float64)
+        spread = spread_of(x if std == "group" else every)
+        ref = torch.tensor([min(1.5, max(-1.5, (v - mean) / (spread + eps))) for v in x], dtype=torch.float64)
         # float64: rounding of a few operations; float32: one rounding of the float64 result
         tol = 1e-12 if dtype == torch.float64 else 2e-7
         torch.testing.assert_close(adv[4 * g: 4 * g + 4].double(), ref, rtol=tol, atol=tol)
@@ -79,7 +87,7 @@ def test_kl_forms_match_float64_reference(kind, kl_form):
 
 
 def test_advantages_keep_the_latents_dtype_and_the_conventions_reach_the_batch():
-    session = Session(tiny_config("grpo.adv_std=sample", "grpo.kl_form=no_dt", "grpo.prompts_per_iteration=1"))
+    session = Session(tiny_config("grpo.adv_ddof=1", "grpo.kl_form=no_dt", "grpo.prompts_per_iteration=1"))
     batch = session.collect(0).batch
     assert batch.latents.dtype == batch.advantages.dtype == torch.float64
     assert batch.kl_form == "no_dt"

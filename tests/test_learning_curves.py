@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -36,7 +37,8 @@ def write_run(folder, method, seed, evals):
     with open(folder / "metrics.jsonl", "w") as fh:
         for i in range(4):
             fh.write(json.dumps({"iteration": i, "method": method, "seed": seed, "status": "ok", "reward_mean": 0.5,
-                                 "t_iter_s": 3.0, "t_iter_cpu_s": CPU_S, "cost": COST[method] * (i + 1)}) + "\n")
+                                 "t_iter_s": 3.0, "t_iter_cpu_s": CPU_S, "cost": COST.get(method, 5.0) * (i + 1)})
+                     + "\n")
     if evals is not None:
         with open(folder / "evaluations.jsonl", "w") as fh:
             for n, reward in zip((0, 2, 4), evals):
@@ -172,3 +174,108 @@ def test_a_malformed_evaluation_line_is_named(tmp_path):
     (tmp_path / "run" / "evaluations.jsonl").write_text("\n".join(lines[1:3]) + "\n")  # no starting evaluation
     with pytest.raises(UserError, match="iteration 0"):
         load_runs(manifest)
+
+
+# ----- what the reward does not see ----------------------------------------------------------------
+
+PARTS = ("color", "shape", "position", "count")
+# per seed: the held-out sub-scores at the start and at the end (the reward weighs the shape only)
+SUBSCORES = {
+    "full": [({"color": 0.9, "shape": 0.5, "position": 1.0, "count": 0.9},
+              {"color": 0.9, "shape": 0.7, "position": 1.0, "count": 0.8}),
+             ({"color": 0.9, "shape": 0.5, "position": 1.0, "count": 0.9},
+              {"color": 0.8, "shape": 0.6, "position": 1.0, "count": 0.9})],
+    "nft": [({"color": 0.9, "shape": 0.5, "position": 1.0, "count": 0.9},
+             {"color": 0.9, "shape": 0.9, "position": 0.9, "count": 0.6}),
+            ({"color": 0.9, "shape": 0.5, "position": 1.0, "count": 0.9},
+             {"color": 0.8, "shape": 0.8, "position": 1.0, "count": 0.5})],
+}
+
+
+def write_scene_run(folder, method, seed, start, end, weights):
+    entry = write_run(folder, method, seed, None)
+    with open(folder / "evaluations.jsonl", "w") as fh:
+        for n, parts in ((0, start), (4, end)):
+            fh.write(json.dumps({"iteration": n, "eval_reward": parts["shape"],
+                                 **{f"eval_reward_{k}": v for k, v in parts.items()}}) + "\n")
+    options = {} if weights is None else {"weights": weights}
+    (folder / "config.json").write_text(json.dumps({"reward": {"name": "scene", "options": options}}))
+    return entry
+
+
+@pytest.fixture
+def scene_manifest(tmp_path):
+    runs = [write_scene_run(tmp_path / f"{method}{seed}", method, seed, *ends, {"shape": 1})
+            for method, seeds in SUBSCORES.items() for seed, ends in enumerate(seeds)]
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps({"runs": runs}))
+    return path
+
+
+def test_unseen_change_is_the_mean_change_of_the_unweighted_sub_scores(scene_manifest, tmp_path):
+    """The reward weighs the shape alone: colour, position and count are unseen. Per seed their mean change,
+    then the mean (and ddof-1 std) over seeds; each sub-score's change with its own spread; the same from the
+    runs' curves and from the checkpoint evaluation of the same scores."""
+    table = learning_table(load_runs(scene_manifest), average=1).set_index("method")
+    for method, seeds in SUBSCORES.items():
+        changes = {k: np.array([end[k] - start[k] for start, end in seeds]) for k in PARTS}
+        per_seed = (changes["color"] + changes["position"] + changes["count"]) / 3
+        assert table.loc[method, "unseen_change"] == pytest.approx(per_seed.mean(), abs=1e-12)
+        assert table.loc[method, "unseen_change_std"] == pytest.approx(per_seed.std(ddof=1), abs=1e-12)
+        for k in PARTS:
+            assert table.loc[method, f"eval_reward_{k}_gain"] == pytest.approx(changes[k].mean(), abs=1e-12)
+            assert table.loc[method, f"eval_reward_{k}_std"] == pytest.approx(changes[k].std(ddof=1), abs=1e-12)
+    assert table.loc["nft", "unseen_change"] < table.loc["full", "unseen_change"] < 0
+    scores = pd.DataFrame([{"state": "pre-trained", "method": None, "seed": None, "eval_reward": 0.5,
+                            **{f"eval_reward_{k}": v for k, v in SUBSCORES["full"][0][0].items()}}] + [
+        {"state": f"{m}/{s}", "method": m, "seed": s, "eval_reward": end["shape"],
+         **{f"eval_reward_{k}": v for k, v in end.items()}} for m, seeds in SUBSCORES.items()
+        for s, (_, end) in enumerate(seeds)])
+    checkpoint = learning_table(load_runs(scene_manifest), average=1, evaluation=scores,
+                                eval_source="checkpoint").set_index("method")
+    columns = ["unseen_change", "unseen_change_std", *(f"eval_reward_{k}_{s}" for k in PARTS for s in ("gain", "std"))]
+    pd.testing.assert_frame_equal(checkpoint[columns], table[columns])
+    out = tmp_path / "tables"
+    assert main(["learning", "--manifest", str(scene_manifest), "--tables", str(out), "--average", "1"]) == 0
+    written = pd.read_csv(out / "learning.csv")
+    for column in ("unseen_change", "eval_reward_count_gain", "eval_reward_count_std", "eval_reward_color_std"):
+        assert column in written.columns
+
+
+def test_a_reward_that_weighs_every_sub_score_leaves_nothing_unseen(tmp_path):
+    runs = [write_scene_run(tmp_path / f"r{seed}", "full", seed, *SUBSCORES["full"][seed], weights)
+            for seed, weights in enumerate([None, None])]
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps({"runs": runs}))
+    table = learning_table(load_runs(path), average=1)
+    assert table["unseen_change"].isna().all() and "eval_reward_count_std" in table
+    (tmp_path / "r0" / "config.json").write_text(json.dumps({"reward": {"name": "scene", "options": {"weights": 3}}}))
+    with pytest.raises(UserError, match="reward.options.weights"):
+        load_runs(path)
+
+
+def test_every_method_has_its_own_colour_and_marker_and_the_pareto_plots_gain_against_unseen(
+        scene_manifest, monkeypatch, tmp_path):
+    from agg_bench.results import curves as curves_module
+    from agg_bench.results.plotting import method_style
+
+    styles = [method_style(k) for k in range(16)]
+    assert len({s["color"] for s in styles}) == len({s["marker"] for s in styles}) == 16
+    figures = {}
+    monkeypatch.setattr(curves_module, "save_figure", lambda fig, path: figures.setdefault(Path(path).name, fig))
+    manifest = json.loads(scene_manifest.read_text())
+    for k in range(13):  # thirteen methods, as the learning sweep has
+        manifest["runs"].append(write_run(tmp_path / f"m{k}", f"m{k}", 0, [0.5, 0.55, 0.6]))
+    scene_manifest.write_text(json.dumps(manifest))
+    plot_held_out(load_runs(scene_manifest), tmp_path / "plots")
+    lines = figures["eval_reward_cost.png"].axes[0].get_lines()
+    assert len(lines) == 15
+    assert len({line.get_color() for line in lines}) == len({line.get_marker() for line in lines}) == 15
+    table = learning_table(load_runs(scene_manifest), average=1).set_index("method")
+    points = {}
+    for container in figures["eval_pareto.png"].axes[0].containers:  # errorbar containers: (line, caps, bars)
+        x, y = container.lines[0].get_data()
+        points[container.get_label().split(" (")[0]] = (float(x[0]), float(y[0]))
+    assert set(points) == {"full", "nft"}  # the other methods' runs do not say what their reward weighs
+    for method, (x, y) in points.items():
+        assert (x, y) == pytest.approx((table.loc[method, "unseen_change"], table.loc[method, "eval_gain"]))

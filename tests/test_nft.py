@@ -133,6 +133,8 @@ def test_times_are_distinct_schedule_steps_and_reproducible():
 
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_pass_counts(epochs):
+    """The old policy is the rollout's weights: in the first inner epoch they are the policy's, so v_old is the
+    forward with grad's own value and no no-grad forward is made (or charged); later epochs keep it."""
     k = 4
     s = session(f"method.times_per_sample={k}", f"train.inner_epochs={epochs}", "method.micro_batch=4")
     batch = collect(s)
@@ -140,7 +142,7 @@ def test_pass_counts(epochs):
     s.update(batch)
     b = batch.batch_size
     assert (s.policy.counter - before).as_dict() == {
-        "forward_nograd": b * k, "forward_grad": epochs * b * k, "backward": epochs * b * k}
+        "forward_nograd": 0, "forward_grad": epochs * b * k, "backward": epochs * b * k}
 
 
 def test_kl_to_the_reference_counts_its_forward():
@@ -149,7 +151,7 @@ def test_kl_to_the_reference_counts_its_forward():
     before = s.policy.counter.copy()
     s.update(batch)
     b = batch.batch_size
-    assert (s.policy.counter - before).as_dict() == {"forward_nograd": 2 * b * 2, "forward_grad": b * 2,
+    assert (s.policy.counter - before).as_dict() == {"forward_nograd": b * 2, "forward_grad": b * 2,
                                                      "backward": b * 2}
 
 
@@ -168,7 +170,7 @@ def test_runs_through_the_cli(tmp_path):
     b = 4 * 2  # default grpo.group_size * grpo.prompts_per_iteration
     for r in recs:
         assert r["status"] == "ok" and r["method"] == "nft"
-        assert r["forward_nograd"] == b * STEPS + b * 3  # the rollout, then the old policy's velocities
+        assert r["forward_nograd"] == b * STEPS  # the rollout; the old policy's velocities are the policy's own
         assert r["backward"] == r["forward_grad"] == b * 3
 
 
@@ -178,6 +180,8 @@ def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
     assert cfg.method.name == "nft" and cfg.model.preset == "tiny" and cfg.device == "cpu"
     assert (o.beta, o.times_per_sample, o.time_distribution, o.adv_mode, o.weighting) == \
         (1.0, 9, "schedule", "all", "adaptive")
+    assert (o.old_decay_rate, o.old_decay_max, o.old_decay_after) == (0.001, 0.5, 0)  # decay_type 1
     assert (cfg.sampling.steps, cfg.grpo.adv_clip_max, cfg.train.lr) == (10, 5.0, 3e-4)
+    assert (cfg.grpo.adv_std, cfg.grpo.adv_ddof, cfg.grpo.adv_eps) == ("global", 0, 1e-4)
     assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
 

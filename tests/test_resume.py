@@ -23,6 +23,9 @@ METHODS = {
     "full": ["method.name=full"],
     # reuse needs the restored policy version; two optimizer steps per iteration need the optimizer state
     "agg": ['method={"name": "agg", "window": 4, "reuse_rollout_velocity": true}', "train.inner_epochs=2"],
+    # a moving average of the policy (the old policy: it samples the rollout and is charged) kept across iterations
+    "nft": ['method={"name": "nft", "times_per_sample": 2, "old_decay_rate": 0.3, "old_decay_max": 0.6}',
+            "sampling.same_noise_per_group=false"],
 }
 ITERATIONS = 4
 

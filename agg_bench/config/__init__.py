@@ -12,7 +12,7 @@ The package imports no torch: the workflow checks every composed run config whil
 from .load import apply_overrides, check_data_parallel, deep_merge, load_config, parse_override, validate
 from .schema import check_finite, check_schema, run_schema
 from .sections import (DEFAULTS, EvalConfig, GRPOConfig, MethodSection, ModelConfig, PassCosts, PromptsConfig,
-                       RewardConfig, RunConfig, SamplingConfig, TelemetryConfig, TrainConfig)
+                       RewardConfig, RunConfig, SamplingConfig, TelemetryConfig, TrainConfig, upgrade_written)
 from .yamlio import (MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, YamlRefused, check_expanded_size,
                      read_yaml_mapping, yaml_load)
 
@@ -20,4 +20,4 @@ __all__ = ["DEFAULTS", "EvalConfig", "GRPOConfig", "MAX_YAML_BYTES", "MAX_YAML_D
            "MethodSection", "ModelConfig", "PassCosts", "PromptsConfig", "RewardConfig", "RunConfig", "SamplingConfig", "TelemetryConfig",
            "TrainConfig", "YamlRefused", "apply_overrides", "check_data_parallel", "check_expanded_size",
            "check_finite", "check_schema", "deep_merge", "load_config", "parse_override", "read_yaml_mapping",
-           "run_schema", "validate", "yaml_load"]
+           "run_schema", "upgrade_written", "validate", "yaml_load"]

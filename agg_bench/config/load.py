@@ -6,6 +6,7 @@ raised before any job starts.
 from __future__ import annotations
 
 import copy
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import yaml
 
 from ..errors import ConfigError
 from .schema import check_finite, check_schema, run_schema
-from .sections import DEFAULTS, RunConfig
+from .sections import DEFAULTS, WRITTEN_BEFORE, RunConfig, written_before
 from .yamlio import read_yaml_mapping, yaml_load
 
 NOT_A_METHOD_MAPPING = "a mapping with a name, e.g. {name: agg, window: 5}"
@@ -68,6 +69,7 @@ def validate(config: dict, check_method: bool = True) -> RunConfig:
     check_finite(config)
     if not isinstance(config.get("method"), dict):
         raise ConfigError("method", config.get("method"), NOT_A_METHOD_MAPPING)
+    refuse_written_before(config)
     check_schema(config, run_schema())
     cfg = RunConfig.from_dict(config)
     model = cfg.model
@@ -77,6 +79,9 @@ def validate(config: dict, check_method: bool = True) -> RunConfig:
         architecture(model.family, model.architecture)
     elif model.architecture is not None:
         raise ConfigError("model.architecture", model.architecture, "null unless model.preset is random")
+    if cfg.sampling.schedule == "linspace" and cfg.sampling.shift is None:
+        raise ConfigError("sampling.shift", None, "a number with sampling.schedule 'linspace' (the sigmas are "
+                                                  "shift(linspace(1, 0, T + 1)) with this shift)")
     if cfg.sampling.sde == "cps" and not cfg.sampling.eta <= 1:
         raise ConfigError("sampling.eta", cfg.sampling.eta,
                           "a number in (0, 1] for sampling.sde 'cps' (std = s' sin(eta pi/2))")
@@ -87,12 +92,29 @@ def validate(config: dict, check_method: bool = True) -> RunConfig:
     return cfg
 
 
+def refuse_written_before(config: dict) -> None:
+    """A ConfigError for a value only older run folders hold (``grpo.adv_std: population``), naming the keys
+    that say it today: a config is written one way, and an old ``config.json`` given as ``--config`` says what
+    to write instead."""
+    for (section, key) in WRITTEN_BEFORE:
+        part = config.get(section)
+        if isinstance(part, dict) and (now := written_before(section, key, part.get(key))) is not None:
+            hints = typing.get_type_hints(type(getattr(RunConfig(), section)))
+            allowed = " or ".join(repr(v) for v in typing.get_args(hints[key]))  # today's values of the key
+            today = ", ".join(f"{section}.{k}: {v}" for k, v in now.items())
+            raise ConfigError(f"{section}.{key}", part[key], f"{allowed} (older run folders wrote {part[key]!r} for "
+                                                              f"what is now {today})")
+
+
 def check_data_parallel(cfg: RunConfig, processes: int) -> None:
     """Raise a ConfigError for a run config that ``processes`` data-parallel processes (torchrun, a sweep
     device's ``gpus``) cannot split: each process trains whole GRPO groups, so ``grpo.prompts_per_iteration``
     is a multiple of ``processes``, and each takes the GPU of its LOCAL_RANK, so ``device`` names no GPU."""
     if processes <= 1:
         return
+    if cfg.grpo.adv_std == "global":
+        raise ConfigError("grpo.adv_std", "global", f"'group' with {processes} data-parallel processes (each "
+                                                    "process standardises its own share of the groups)")
     prompts = cfg.grpo.prompts_per_iteration
     if prompts % processes:
         raise ConfigError("grpo.prompts_per_iteration", prompts,

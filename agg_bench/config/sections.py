@@ -118,6 +118,10 @@ class SamplingConfig(Section):
         3.0, "sigma shift of FlowMatchEulerDiscreteScheduler (null: the model's scheduler config, with its "
         "dynamic shift and `shift_terminal`)", exclusive_minimum=0)
     same_noise_per_group: bool = option(True, "the G samples of a prompt start from the same noise")
+    schedule: Literal["diffusers", "linspace"] = option(
+        "diffusers", "the sigmas: `diffusers`, FlowMatchEulerDiscreteScheduler's (Flow-GRPO, DiffusionNFT, AWM, DGPO); "
+        "`linspace`, shift(linspace(1, 0, T + 1)) with `sampling.shift` (DanceGRPO, MixGRPO, BranchGRPO, the AGG "
+        "authors' eff_grpo; needs a number for `sampling.shift`)")
 
 
 @dataclass
@@ -131,9 +135,15 @@ class GRPOConfig(Section):
     adv_clip_max: float = option(5.0, "advantage clamp", exclusive_minimum=0)
     beta: float = option(0.0, "KL weight to the reference policy (the initial weights, or LoRA adapters off)",
                          minimum=0)
-    adv_std: Literal["population", "sample"] = option(
-        "population", "std of a group's rewards in the advantage: `population` (divides by G; Flow-GRPO) or "
-        "`sample` (G - 1; DanceGRPO)")
+    adv_std: Literal["group", "global"] = option(
+        "group", "the spread A = (r - group mean) / (std + `adv_eps`) divides by: `group`, the std of the group's "
+        "rewards; `global`, the std of the whole batch's rewards (Flow-GRPO's `sample.global_std`, DiffusionNFT, "
+        "AWM; one data-parallel process)")
+    adv_ddof: int = option(0, "delta degrees of freedom of that std: 0 divides by n (numpy's `np.std`: Flow-GRPO, "
+                              "DiffusionNFT, AWM, DGPO), 1 by n - 1 (torch's `.std()`: DanceGRPO, MixGRPO, "
+                              "BranchGRPO, eff_grpo)", minimum=0, maximum=1)
+    adv_eps: float = option(1e-8, "added to the std before dividing (1e-8: the DanceGRPO family; 1e-4: Flow-GRPO's "
+                                  "stat tracker, DiffusionNFT, AWM, DGPO)", exclusive_minimum=0, maximum=1)
     kl_form: Literal["transition", "no_dt"] = option(
         "transition", "the `beta` term: `transition`, the KL of the two Gaussian transitions, mean squared "
         "difference / (2 std^2) with std = std_t sqrt(dt) (Flow-GRPO paper); `no_dt`, divided by 2 std_t^2 "
@@ -261,6 +271,10 @@ class RewardConfig(Section):
         "`aesthetic` (local checkpoints; `agg_bench/engine/reward_models/`)")
     options: dict = option({}, "the reward's options (checkpoint paths, batch_size, ...), checked by the reward "
                                "(unknown keys refused)")
+    on: Literal["final", "x0"] = option(
+        "final", "what the reward scores: `final`, the decoded last latent; `x0`, the last step's data prediction "
+        "x_{T-1} - s_{T-1} v_{T-1} (DanceGRPO, BranchGRPO, eff_grpo). The held-out evaluation scores the final latent. "
+        "In a YAML file quote the key, `\"on\": x0` (YAML reads a bare `on` as true)")
 
 
 @dataclass
@@ -329,12 +343,48 @@ class RunConfig(Section):
     telemetry: TelemetryConfig = section(TelemetryConfig, "the measurements")
     eval: EvalConfig = section(EvalConfig, "the held-out evaluation inside the run")
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        """The run config a checked mapping or a run folder's ``config.json`` describes; values an older run
+        wrote for a key that has changed meaning read as today's (:func:`upgrade_written`)."""
+        return super().from_dict(upgrade_written(data))
+
     def get_path(self, dotted: str) -> Any:
         """The value of a dotted key (``train.lr``, ``method.window``) as ``config.json`` holds it."""
         node: Any = self.to_dict()
         for part in dotted.split("."):
             node = node[part]
         return node
+
+
+# Values that older run folders wrote (config.json, a checkpoint's config) for a key whose values have changed
+# meaning, and the keys each stands for today: `grpo.adv_std` once named the ddof of the group's std. Only what a
+# run wrote is read this way (upgrade_written); a config a user writes takes today's values alone.
+WRITTEN_BEFORE: dict[tuple[str, str], dict[Any, dict[str, Any]]] = {
+    ("grpo", "adv_std"): {"population": {"adv_std": "group", "adv_ddof": 0},
+                          "sample": {"adv_std": "group", "adv_ddof": 1}},
+}
+
+
+def written_before(section: str, key: str, value: Any) -> dict[str, Any] | None:
+    """The keys of ``section`` an older run's ``value`` of ``section.key`` stands for today; None when the
+    value is no older one."""
+    try:
+        return WRITTEN_BEFORE.get((section, key), {}).get(value)
+    except TypeError:  # an unhashable value is no older one
+        return None
+
+
+def upgrade_written(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with every value an older run wrote (:data:`WRITTEN_BEFORE`) replaced by the keys it stands
+    for, so that an old run folder reads and compares as the run it was (a key the file lacks still takes its
+    default). A copy; a config without such values comes back equal."""
+    out = copy.deepcopy(dict(config))
+    for (section, key) in WRITTEN_BEFORE:
+        part = out.get(section)
+        if isinstance(part, dict) and (now := written_before(section, key, part.get(key))) is not None:
+            part.update(now)
+    return out
 
 
 # The defaults as plain data: what a config file is merged over, and what a key missing from an older run's

@@ -4,9 +4,13 @@ respect to the velocity, and ratio statistics.
 The objective of one iteration is ``L = 1/(B*N) * sum_i sum_{j in steps(i)} l_ij`` with
 ``l_ij = max(-A_i r_ij, -A_i clamp(r_ij, 1-eps, 1+eps)) + beta * KL_ij``.
 
-Two conventions differ between the public implementations and are options:
-- ``grpo.adv_std`` (:data:`ADV_STD`): the group's reward std in ``A = (r - mean) / (std + 1e-8)`` is the
-  population std (divides by G; Flow-GRPO, the default) or the sample std (divides by G - 1; DanceGRPO).
+Conventions that differ between the public implementations are options:
+- the advantage ``A = (r - mean of the group) / (std + grpo.adv_eps)``: ``grpo.adv_std`` (:data:`ADV_STD`) takes
+  the std over the ``group`` (the default) or over the whole batch's rewards (``global``: Flow-GRPO's
+  ``sample.global_std``, DiffusionNFT, AWM), ``grpo.adv_ddof`` its delta degrees of freedom (0, numpy's
+  ``np.std`` of the Flow-GRPO family, the default; 1, torch's ``.std()`` of DanceGRPO, MixGRPO, BranchGRPO and
+  eff_grpo) and ``grpo.adv_eps`` the constant (1e-8, the default and the DanceGRPO family's; 1e-4, Flow-GRPO's
+  stat tracker);
 - ``grpo.kl_form`` (:data:`KL_FORMS`): ``transition`` is the KL between the policy's and the reference's
   Gaussian transitions, ``||mu - mu_ref||^2 / (2 std^2)`` with ``std = std_t sqrt(|dt|)`` (the Flow-GRPO
   paper; the default); ``no_dt`` divides by ``2 std_t^2`` instead, without the step size (the form in
@@ -24,25 +28,33 @@ from ..errors import ConfigError
 from .sde import SDEStepOutput, sde_step
 
 if TYPE_CHECKING:  # annotations only: checking a method's options imports neither the models nor diffusers
+    from ..config.sections import GRPOConfig
     from .models import Conditioning, Policy
 
-ADV_STD = ("population", "sample")
+ADV_STD = ("group", "global")
 KL_FORMS = ("transition", "no_dt")
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float, std: str = "population",
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Per-group standardized rewards, clamped to +-adv_clip_max; ``rewards`` are grouped consecutively.
-
-    ``std``: ``population`` or ``sample`` std of the group (module docstring). Computed in float64 and
-    returned in ``dtype``, the latents' dtype of the run.
-    """
+def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float, std: str = "group",
+                     dtype: torch.dtype = torch.float32, ddof: int = 0, eps: float = 1e-8) -> torch.Tensor:
+    """Rewards minus their group's mean, divided by ``std`` (``group``: each group's std; ``global``: the std
+    of all of ``rewards``) with ``ddof`` plus ``eps``, clamped to +-adv_clip_max; ``rewards`` are grouped
+    consecutively (module docstring). Computed in float64 and returned in ``dtype``, the latents' dtype."""
     if std not in ADV_STD:
         raise ConfigError("grpo.adv_std", std, f"one of {list(ADV_STD)}")
     r = rewards.to(torch.float64).view(-1, group_size)
-    spread = r.std(dim=1, unbiased=std == "sample", keepdim=True)
-    adv = (r - r.mean(dim=1, keepdim=True)) / (spread + 1e-8)
+    if std == "group":
+        spread = r.std(dim=1, correction=ddof, keepdim=True)
+    else:
+        spread = r.std(correction=ddof)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (spread + eps)
     return adv.clamp(-adv_clip_max, adv_clip_max).reshape(-1).to(dtype)
+
+
+def grpo_advantages(rewards: torch.Tensor, grpo: GRPOConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`group_advantages` with the run's ``grpo`` settings (group size, clamp, std, ddof, eps)."""
+    return group_advantages(rewards, grpo.group_size, grpo.adv_clip_max, grpo.adv_std, dtype, grpo.adv_ddof,
+                            grpo.adv_eps)
 
 
 def transition_kl(policy: SDEStepOutput, reference: SDEStepOutput, form: str = "transition") -> torch.Tensor:

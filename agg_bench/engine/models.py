@@ -307,6 +307,14 @@ class Policy:
             ref.transformer = copy.deepcopy(self.transformer).requires_grad_(False).eval()
         return ref
 
+    def weights_copy(self) -> "Policy":
+        """A frozen copy of the policy's current weights (LoRA adapters included and enabled) that shares the
+        counter: where a method keeps a moving average of the policy (an EMA old or reference policy)."""
+        ref = copy.copy(self)
+        ref.base_model = False
+        ref.transformer = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+        return ref
+
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, H, W) -> (B, H/2 * W/2, 4C), the 2x2 patch packing of FLUX and Qwen-Image."""

@@ -13,8 +13,12 @@ Three SDEs (``sampling.sde``), each a Gaussian transition ``x_{j+1} ~ N(mean, st
   coefficients (1 - s') and s' of x0 and of unit noise: no excess noise at low sigmas. ``eta`` is in
   (0, 1] (1: all of the next step's noise drawn afresh). The last step (s' = 0) has std 0: it is the
   Euler step and has no density, so it is an ODE step in every rollout (:func:`stochastic_steps`).
-  The log-probability is the full Gaussian one, like the others; FlowCPS's code drops its constants and
-  the 1 / (2 std^2) factor, which scales the log-ratio and so the ratio's clipping, not the sampler.
+  The log-probability is the full Gaussian one, like the others. FlowCPS's code (and Flow-GRPO's
+  ``sde_type = "cps"``) keeps ``-(x' - mean)^2`` only, without the constants and the 1 / (2 std^2) factor: the
+  sampler is the same, but each step's log-ratio, and with it the step's gradient, is the code's times
+  1 / (2 std^2), which differs from step to step (within Flow-GRPO-Fast's 3-step window at eta 0.8, 10 steps,
+  shift 3, up to 1.47x), and the ratio clip acts where that factor makes the log-ratio cross eps: less often
+  than the code's where 1 / (2 std^2) < 1 (its steps 0-3), more often where it is above 1.
 
 Everything is computed in float32 (float64 when the inputs are float64). ``log_prob`` is the mean
 over all non-batch dimensions.
@@ -58,6 +62,18 @@ def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, shift_terminal=shift_terminal)
     scheduler.set_timesteps(steps)
     return scheduler.sigmas.to(torch.float64)
+
+
+def linspace_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """The T+1 sigmas shift(linspace(1, 0, T + 1)), shift(u) = a u / (1 + (a - 1) u) with a = ``shift``: the
+    schedule of DanceGRPO, MixGRPO, BranchGRPO and the AGG authors' eff_grpo (``sampling.schedule: linspace``),
+    float64. diffusers' schedule (:func:`flow_sigmas`) spaces the unshifted times from 1 to 1/T instead and
+    appends 0, so its last steps are shorter (10 steps, shift 3: tail 0.465, 0.278, 0.0089, 0 against 0.5625,
+    0.4286, 0.25, 0 here)."""
+    if steps < 1:
+        raise ConfigError("sampling.steps", steps, "an integer >= 1")
+    u = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    return shift * u / (1 + (shift - 1) * u)
 
 
 def _per_sample(values: torch.Tensor, index, like: torch.Tensor) -> torch.Tensor:

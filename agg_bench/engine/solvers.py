@@ -66,7 +66,8 @@ class MultistepDPMSolverPP:
 
     :meth:`observe` is told every step's state and velocity (whatever sampler takes that step), so that
     the first solver step can be second order on the prediction of the step before it; :meth:`step`
-    takes step j with the predictions observed at steps j and j - 1.
+    takes step j with the predictions observed at steps j and j - 1. ``orders`` lists the order each step
+    it took was of (1 or 2; a step into sigma 0 is first order).
     """
 
     def __init__(self, sigmas: torch.Tensor, order: int = 2):
@@ -75,6 +76,7 @@ class MultistepDPMSolverPP:
         self.sigmas = [float(s) for s in sigmas.to(torch.float64)]
         self.order = order
         self.observed: dict[int, DataPrediction] = {}
+        self.orders: list[int] = []
 
     def observe(self, j: int, x: torch.Tensor, v: torch.Tensor) -> None:
         """Remember step j's data prediction x - s_j v (only the last two are kept)."""
@@ -85,4 +87,5 @@ class MultistepDPMSolverPP:
     def step(self, j: int, x: torch.Tensor) -> torch.Tensor:
         """x_{j+1} from x_j by the solver, step j's prediction observed before."""
         previous = self.observed.get(j - 1) if self.order == 2 else None
+        self.orders.append(2 if previous is not None and self.sigmas[j + 1] > 0 else 1)
         return dpm_solver_pp_step(x, self.observed[j], self.sigmas[j + 1], previous)

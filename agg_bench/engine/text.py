@@ -299,6 +299,23 @@ def prompt_conditioning(cfg: RunConfig, transformer, prompts: PromptSet,
     return emb.cond
 
 
+def empty_prompt_conditioning(cfg: RunConfig, transformer, device: str | torch.device = "cpu") -> Conditioning:
+    """The conditioning of the empty prompt ``""`` (one row, float32, CPU), made as the run's prompts are: the
+    unconditional half of classifier-free guidance (the negative prompt the public pipelines encode). A model
+    with text encoders encodes it each time it is asked (once per run), without the cache."""
+    if not cfg.model.pretrained:
+        dim, pooled = text_dims(transformer)
+        return hash_embed([""], dim, pooled, hash_tokens(cfg), cfg.seed)
+    hashed = token_hash_settings(cfg.model.pretrained)
+    if hashed is not None:
+        dim, pooled = text_dims(transformer)
+        return hash_embed([""], dim, pooled, hashed["max_tokens"], hashed["seed"])
+    cond = encode_prompts(cfg.model.family, cfg.model.pretrained, [""], device, cfg.prompts.max_sequence_length,
+                          encoder_dtype(cfg.model.dtype))
+    check_dims(cond, transformer, 1, "the empty prompt's embedding")
+    return cond
+
+
 def embed(cfg: RunConfig, out: str | Path | None = None, device: str | torch.device = "cpu") -> Embeddings:
     """``agg-bench embed``: make sure the run's embeddings are in ``prompts.cache_dir``; with ``out``, write
     them to that file as well (a file in the cache folder is found by its key, whatever its name).

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import torch
 
 from ..config import RunConfig
-from ..engine.grpo import TrainBatch, UpdateStats, group_advantages
+from ..engine.grpo import TrainBatch, UpdateStats, grpo_advantages
 from ..engine.plan import plan_steps
 from ..errors import ConfigError
 from ..registry import Registry
@@ -87,6 +87,13 @@ class Estimator(ABC):
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.config_cls()
+        # the empty prompt's conditioning (one row), set before the first rollout where needs_unconditional()
+        self.unconditional: Conditioning | None = None
+
+    def needs_unconditional(self) -> bool:
+        """Whether the rollout needs the empty prompt's conditioning (classifier-free guidance); the run sets
+        :attr:`unconditional` then (:func:`agg_bench.runtime.session.ready_estimator`)."""
+        return False
 
     def check_run(self, cfg: RunConfig) -> None:
         """Raise a ConfigError for run settings outside the method's own options that it cannot honour
@@ -121,7 +128,7 @@ class Estimator(ABC):
     def advantages(self, rewards: torch.Tensor, trajectory: Trajectory, grpo: GRPOConfig) -> torch.Tensor:
         """A (B,) per sample or (B, T) per (sample, step), in the trajectory's dtype, from the rewards (B,)
         float64 of the trajectory's final images. Default: GRPO's group-standardised rewards."""
-        return group_advantages(rewards, grpo.group_size, grpo.adv_clip_max, grpo.adv_std, trajectory.latents.dtype)
+        return grpo_advantages(rewards, grpo, trajectory.latents.dtype)
 
     def plan(self, train: TrainConfig, trajectory: Trajectory, batch_size: int,
              generator: torch.Generator) -> torch.Tensor:
@@ -138,6 +145,15 @@ class Estimator(ABC):
     def iteration_metrics(self) -> dict:
         """Method-specific fields for the iteration's metric record."""
         return {}
+
+    def state_dict(self) -> dict | None:
+        """What the method keeps from one iteration to the next that a resumed run needs (tensors, numbers,
+        strings: a checkpoint holds it); None: nothing."""
+        return None
+
+    def load_state_dict(self, state: dict, policy: Policy) -> None:
+        """Take back :meth:`state_dict`'s ``state`` for ``policy`` (restored first); a UserError where it does
+        not fit."""
 
     def close(self) -> None:
         """Undo anything the method installed on the policy."""

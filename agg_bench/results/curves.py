@@ -25,11 +25,19 @@ state, ``iteration`` n = the iterations trained before it, 0 = the starting weig
   the reference's target cost / the method's, its interval from the two methods' resamples drawn
   independently (separate runs), paired replicate by replicate (a replicate where neither reaches it is left
   out).
+- the held-out gain columns of ``learning.csv`` from the runs' curves (:func:`curve_gain_columns`): the starting
+  and final reward, the gain and its standard deviation over seeds, each sub-score's gain
+  (``eval_reward_<sub-score>_gain``) with its standard deviation (``_std``), and ``unseen_change``: the mean gain
+  of the sub-scores the reward does not weigh (``unseen``: e.g. colour, position and count for the learning
+  sweep's shape reward), per seed and then averaged, with ``unseen_change_std``; NaN where the reward weighs
+  every sub-score or the runs do not say.
 - ``eval_reward_cost.png`` / ``eval_reward_cpu.png``: the mean held-out reward over seeds against cost
   units / CPU seconds, with a band of +- one standard deviation over seeds (evaluations matched by their
   position in each run, the x value their mean over seeds; a method's curve ends at its shortest run's);
-  ``eval_pareto.png``: each method's final held-out reward against its total cost, means over seeds with
-  +- one standard deviation as error bars.
+  ``eval_pareto.png``: what the reward sees against what it does not: each method's held-out gain of the
+  trained reward (y) against its ``unseen_change`` (x), means over seeds with +- one standard deviation (ddof 1)
+  as error bars. Every method has its own colour and marker in every plot (:func:`~agg_bench.results.plotting.
+  method_style`).
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ import pandas as pd
 
 from ..errors import UserError
 from ..io import save_figure
-from .plotting import pyplot
+from .plotting import method_style, pyplot
 from .stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 
 CURVE_COLUMNS = ("method", "seed", "iteration", "cost", "cpu_s", "eval_reward")
@@ -164,21 +172,37 @@ def target_columns(curves: dict, methods: dict, reference: str, fraction: float)
     return out
 
 
-def curve_gain_columns(curves: list[pd.DataFrame]) -> dict:
-    """A method's held-out evaluation columns from its runs' in-run curves: the starting and final rewards
-    (means over seeds), the gain (final - starting) with its standard deviation over seeds (ddof 1) and
-    their ratio, and the sub-scores' gains; the same names as the checkpoint evaluation's
-    (:func:`agg_bench.results.learning.evaluation_columns`)."""
-    first = pd.DataFrame([c[c["iteration"] == 0].iloc[0] for c in curves])
-    last = pd.DataFrame([c.iloc[-1] for c in curves])
+def seed_std(values: np.ndarray) -> float:
+    """The standard deviation over seeds (ddof 1); NaN for one seed."""
+    return float(values.std(ddof=1)) if len(values) > 1 else math.nan
+
+
+def gain_columns(first: pd.DataFrame, last: pd.DataFrame, unseen: tuple[str, ...] | None) -> dict:
+    """The held-out gain columns of one method from its runs' starting and final scores (a row per run, with
+    ``eval_reward`` and the sub-scores ``eval_reward_<name>``): the module docstring's, the same names whether
+    the scores come from the runs' curves or from agg-bench learning's checkpoint evaluation."""
     gains = last["eval_reward"].to_numpy(float) - first["eval_reward"].to_numpy(float)
-    std = float(gains.std(ddof=1)) if len(gains) > 1 else math.nan
+    std = seed_std(gains)
     row = {"eval_initial": float(first["eval_reward"].mean()), "eval_final": float(last["eval_reward"].mean()),
            "eval_gain": float(gains.mean()), "eval_gain_std": std,
            "eval_gain_over_spread": float(gains.mean()) / std if std > 0 else math.nan}
-    for key in [c for c in last.columns if c.startswith("eval_reward_")]:
-        row[f"{key}_gain"] = float((last[key].to_numpy(float) - first[key].to_numpy(float)).mean())
+    changes = {}
+    for key in [c for c in last.columns if c.startswith("eval_reward_") and c in first]:
+        changes[key] = last[key].to_numpy(float) - first[key].to_numpy(float)
+        row[f"{key}_gain"], row[f"{key}_std"] = float(changes[key].mean()), seed_std(changes[key])
+    unseen_keys = [f"eval_reward_{name}" for name in unseen or ()]
+    if unseen_keys and all(key in changes for key in unseen_keys):
+        per_seed = np.mean([changes[key] for key in unseen_keys], axis=0)
+        row["unseen_change"], row["unseen_change_std"] = float(per_seed.mean()), seed_std(per_seed)
     return row
+
+
+def curve_gain_columns(curves: list[pd.DataFrame], unseen: tuple[str, ...] | None = None) -> dict:
+    """A method's held-out evaluation columns from its runs' in-run curves (:func:`gain_columns`): from each
+    curve's starting evaluation to its last; ``unseen``: the sub-scores the reward does not weigh."""
+    first = pd.DataFrame([c[c["iteration"] == 0].iloc[0] for c in curves])
+    last = pd.DataFrame([c.iloc[-1] for c in curves])
+    return gain_columns(first, last, unseen)
 
 
 def curves_table(curves: dict, labels: dict) -> pd.DataFrame:
@@ -201,10 +225,9 @@ def plot_curves(curves: dict, methods: dict, path: str | Path, x: str, time_labe
         rewards = np.stack([c["eval_reward"].to_numpy(float)[:n] for c in mine])
         xs = np.stack([c[x].to_numpy(float)[:n] for c in mine]).mean(0)
         mean, std = rewards.mean(0), rewards.std(0)
-        color = plt.get_cmap("tab10")(k % 10)
-        ax.plot(xs, mean, color=color, marker="." if k < 10 else "x", linestyle="-" if k < 10 else "--",
-                label=f"{method} ({len(mine)} seeds)")
-        ax.fill_between(xs, mean - std, mean + std, color=color, alpha=0.15, linewidth=0)
+        style = method_style(k)
+        ax.plot(xs, mean, **style, markersize=4, label=f"{method} ({len(mine)} seeds)")
+        ax.fill_between(xs, mean - std, mean + std, color=style["color"], alpha=0.15, linewidth=0)
     ax.set_title("mean over seeds, band +- 1 std", fontsize=8)
     _finish(ax, "cost units (train.pass_costs)" if x == "cost" else f"cumulative {time_label}", curves)
     fig.tight_layout()
@@ -213,20 +236,33 @@ def plot_curves(curves: dict, methods: dict, path: str | Path, x: str, time_labe
     return Path(path)
 
 
-def plot_pareto(curves: dict, methods: dict, path: str | Path) -> Path:
-    """Each method's final held-out reward against its total cost: means over seeds, +- 1 std bars."""
+def plot_pareto(curves: dict, methods: dict, path: str | Path, unseen: dict | None = None) -> Path:
+    """Each method's held-out gain of the trained reward (y) against its ``unseen_change`` (x; ``unseen``:
+    method -> the sub-scores its reward does not weigh): means over seeds, +- 1 std bars (ddof 1)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    drawn = False
     for k, (method, keys) in enumerate(methods.items()):
-        finals = np.array([[curves[key]["cost"].iloc[-1], curves[key]["eval_reward"].iloc[-1]]
-                           for key in keys if key in curves], dtype=float)
-        if not len(finals):
+        mine = [curves[key] for key in keys if key in curves]
+        columns = curve_gain_columns(mine, (unseen or {}).get(method)) if mine else {}
+        if "unseen_change" not in columns:
             continue
-        mean, std = finals.mean(0), finals.std(0)
-        ax.errorbar(mean[0], mean[1], xerr=std[0], yerr=std[1], fmt="o" if k < 10 else "s", capsize=3,
-                    color=plt.get_cmap("tab10")(k % 10), label=f"{method} ({len(finals)} seeds)")
-    ax.set_title("means over seeds, bars +- 1 std", fontsize=8)
-    _finish(ax, "total cost units (train.pass_costs)", curves, "final held-out reward")
+        bars = [0.0 if math.isnan(v) else v for v in (columns["unseen_change_std"], columns["eval_gain_std"])]
+        style = method_style(k)
+        ax.errorbar(columns["unseen_change"], columns["eval_gain"], xerr=bars[0], yerr=bars[1], fmt=style["marker"],
+                    color=style["color"], capsize=3, label=f"{method} ({len(mine)} seeds)")
+        drawn = True
+    ax.axhline(0, color="0.6", linewidth=0.8)
+    ax.axvline(0, color="0.6", linewidth=0.8)
+    ax.set_title("means over seeds, bars +- 1 std: what the reward sees against what it does not", fontsize=8)
+    ax.set_xlabel("unseen_change: held-out change of the sub-scores the reward does not weigh")
+    ax.set_ylabel("held-out gain of the trained reward (eval_gain)")
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=7)
+    else:  # no in-run evaluations, or a reward that weighs every sub-score
+        ax.text(0.5, 0.5, "no unseen sub-scores (in-run evaluations of a reward that leaves some out)",
+                ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)

@@ -11,7 +11,8 @@ over its first and last ``average`` iterations; its *gain* is final - initial. P
   until its running mean reward over ``average`` iterations first reaches initial + ``fraction`` x the
   mean gain of ``full`` (mean over the seeds that reach it; ``reached`` counts them).
 - the held-out evaluation's columns (``eval_initial``, ``eval_final``, ``eval_gain``, ``eval_gain_std``,
-  ``eval_gain_over_spread``, ``eval_reward_<sub-score>_gain``; ``eval_source`` says whence): from the
+  ``eval_gain_over_spread``, ``eval_reward_<sub-score>_gain`` and ``_std``, ``unseen_change`` and
+  ``unseen_change_std``: :func:`agg_bench.results.curves.gain_columns`; ``eval_source`` says whence): from the
   runs' in-run evaluations (``eval.every``: the last one minus the starting one, per seed) where every
   run of the method has them, else from ``agg-bench learning``'s own evaluation of the starting weights
   and each run's final checkpoint (``--eval-noises``: :func:`evaluation_columns`); NaN without either.
@@ -43,12 +44,13 @@ from ..errors import UserError, quote
 from ..io import read_jsonl, save_figure, write_text
 from ..jsonfiles import read_json_object
 from ..outdir import Contents
-from .curves import (CURVE_PLOTS, TARGET_COLUMNS, curve_gain_columns, curves_table, plot_curves, plot_pareto,
-                     run_curve, target_columns)
-from .plotting import pyplot
+from .curves import (CURVE_PLOTS, TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
+                     plot_pareto, run_curve, target_columns)
+from .plotting import method_style, pyplot
 from .records import EVALUATIONS_FILE, record_problem
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
+SCENE_PARTS = tuple(key.removeprefix("reward_") for key in SUBSCORES)  # the scene reward's sub-scores
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
 # the held-out gain: the runs' in-run evaluations where all of a method's have them / always agg-bench learning's
 EVAL_SOURCES = ("auto", "checkpoint")
@@ -69,6 +71,25 @@ class Run:
     dir: Path
     records: pd.DataFrame
     evaluations: pd.DataFrame | None = None
+    unseen: tuple[str, ...] | None = None  # the sub-scores its reward does not weigh (None: it does not say)
+
+
+def unweighted_parts(folder: Path) -> tuple[str, ...] | None:
+    """The scene reward's sub-scores a run gave weight 0 (its ``config.json``'s ``reward.options.weights``;
+    unnamed ones weigh 0): what its reward does not see. () where it weighs all four (no weights: their mean);
+    None for a run without ``config.json`` or with another reward."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return None
+    reward = read_json_object(path, "a run config (an object)").get("reward")
+    if not isinstance(reward, dict) or reward.get("name") != "scene":
+        return None
+    weights = (reward.get("options") or {}).get("weights") if isinstance(reward.get("options"), dict) else None
+    if weights is None:
+        return ()
+    if not isinstance(weights, dict):
+        raise UserError(f"{path}: reward.options.weights = {quote(weights)}: expected a mapping of sub-scores")
+    return tuple(part for part in SCENE_PARTS if not weights.get(part))
 
 
 def load_runs(manifest: str | Path) -> list[Run]:
@@ -97,7 +118,7 @@ def load_runs(manifest: str | Path) -> list[Run]:
             continue
         records = records[records["status"] == "ok"].sort_values("iteration").reset_index(drop=True)
         runs.append(Run(entry["method"], int(entry.get("seed") or 0), Path(entry["dir"]), records,
-                        load_evaluations(Path(entry["dir"]) / EVALUATIONS_FILE)))
+                        load_evaluations(Path(entry["dir"]) / EVALUATIONS_FILE), unweighted_parts(Path(entry["dir"]))))
     if not runs:
         raise UserError(f"manifest {path}: no run with records")
     return runs
@@ -198,19 +219,22 @@ def learning_table(runs: list[Run], average: int = 3, fraction: float = 0.8, bas
         hits = [t for t in reached if t is not None]
         row["reached"] = f"{len(hits)}/{len(mine)}" if target and target > 0 else f"no {baseline} gain"
         row["cpu_s_to_target"] = float(np.mean(hits)) if hits else math.nan
+        unseen = mine[0].unseen
         if eval_source == "auto" and all(i in curves for i in by_method[method]):
-            row.update(curve_gain_columns([curves[i] for i in by_method[method]]), eval_source="in-run")
-        elif evaluation is not None and (checkpoint := evaluation_columns(evaluation, method)):
+            row.update(curve_gain_columns([curves[i] for i in by_method[method]], unseen), eval_source="in-run")
+        elif evaluation is not None and (checkpoint := evaluation_columns(evaluation, method, unseen)):
             row.update(checkpoint, eval_source="checkpoint")
         row.update(targets[method])
         rows.append(row)
     table = pd.DataFrame(rows)
-    for column in ("eval_gain", "eval_gain_std", "eval_source"):  # the table's contract, even with no evaluation
+    # the table's contract, even with no evaluation or no sub-score the reward leaves out
+    for column in ("eval_gain", "eval_gain_std", "eval_source", "unseen_change", "unseen_change_std"):
         if column not in table:
             table[column] = math.nan
     table["target_reached"] = table["target_reached"].astype("Int64")  # a count, empty where there is no target
     leading = ["method", "seeds", "eval_initial", "eval_final", "eval_gain", "eval_gain_std", "eval_gain_over_spread",
-               "eval_source", *TARGET_COLUMNS, "reward_initial", "reward_final", "reward_gain", "gain_std",
+               "unseen_change", "unseen_change_std", "eval_source", *TARGET_COLUMNS, "reward_initial", "reward_final",
+               "reward_gain", "gain_std",
                "gain_over_spread", "cpu_s_to_target", "reached", "cpu_s_per_iteration", "time_key"]
     return table[[c for c in leading if c in table] + [c for c in table if c not in leading]]
 
@@ -241,7 +265,9 @@ def write_table(table: pd.DataFrame, out_dir: str | Path, average: int, fraction
                f"checkpoint): final - starting score; target: {target_fraction:g} x {reference}'s mean held-out "
                f"gain, target_cost in cost units (train.pass_costs) where the seeds' mean curve reaches it, with a "
                f"95 % bootstrap interval over seeds (inf: resamples that do not reach it), "
-               f"speedup_to_target = {reference}'s target cost / the method's.")
+               f"speedup_to_target = {reference}'s target cost / the method's. unseen_change: the mean held-out change "
+               f"of the sub-scores the reward does not weigh (eval_reward_<sub-score>_gain, each with its _std over "
+               f"seeds).")
     shown = table.astype(object)
     for i, row in table.iterrows():
         if not pd.isna(row["target_reached"]):
@@ -268,10 +294,11 @@ def plot_held_out(runs: list[Run], out_dir: str | Path) -> list[Path]:
     curves, methods = held_out_curves(runs)
     key = iteration_times(runs[0].records)[1]
     out = Path(out_dir)
+    unseen = {method: runs[keys[0]].unseen for method, keys in methods.items()}
     return [plot_curves(curves, methods, out / "eval_reward_cost.png", "cost"),
             plot_curves(curves, methods, out / "eval_reward_cpu.png", "cpu_s",
                         "CPU seconds" if key == "t_iter_cpu_s" else "wall seconds"),
-            plot_pareto(curves, methods, out / "eval_pareto.png")]
+            plot_pareto(curves, methods, out / "eval_pareto.png", unseen)]
 
 
 def plot_rewards(runs: list[Run], path: str | Path, x: str) -> Path:
@@ -287,9 +314,9 @@ def plot_rewards(runs: list[Run], path: str | Path, x: str) -> Path:
         else:
             xs = np.stack([np.cumsum(iteration_times(r.records)[0][:n]) for r in mine]).mean(0)
         mean, std = rewards.mean(0), rewards.std(0)
-        color = plt.get_cmap("tab10")(k % 10)
-        ax.plot(xs, mean, color=color, label=f"{method} ({len(mine)} seeds)")
-        ax.fill_between(xs, mean - std, mean + std, color=color, alpha=0.15, linewidth=0)
+        style = method_style(k)
+        ax.plot(xs, mean, **style, markersize=3, markevery=max(1, n // 10), label=f"{method} ({len(mine)} seeds)")
+        ax.fill_between(xs, mean - std, mean + std, color=style["color"], alpha=0.15, linewidth=0)
     key = iteration_times(runs[0].records)[1]
     ax.set_xlabel("iteration" if x == "iteration" else
                   ("cumulative CPU seconds" if key == "t_iter_cpu_s" else "cumulative wall seconds"))
@@ -302,20 +329,15 @@ def plot_rewards(runs: list[Run], path: str | Path, x: str) -> Path:
     return Path(path)
 
 
-def evaluation_columns(scores: pd.DataFrame, method: str) -> dict:
-    """A method's evaluation columns: the pre-trained score (``eval_initial``), the mean final score over
-    its seeds, the gain with its standard deviation over seeds (ddof 1) and their ratio, and the sub-scores'
-    gains. Empty if the method has no evaluated run."""
+def evaluation_columns(scores: pd.DataFrame, method: str, unseen: tuple[str, ...] | None = None) -> dict:
+    """A method's evaluation columns from the checkpoint evaluation (:func:`~agg_bench.results.curves.
+    gain_columns`): each seed's final weights against the pre-trained score; ``unseen``: the sub-scores its
+    reward does not weigh. Empty if the method has no evaluated run."""
     initial = scores[scores["state"] == "pre-trained"].iloc[0]
     mine = scores[scores["method"] == method]
     if mine.empty:
         return {}
-    gains = mine["eval_reward"] - initial["eval_reward"]
-    std = float(gains.std(ddof=1)) if len(gains) > 1 else math.nan
-    row = {"eval_initial": float(initial["eval_reward"]), "eval_final": float(mine["eval_reward"].mean()),
-           "eval_gain": float(gains.mean()), "eval_gain_std": std,
-           "eval_gain_over_spread": float(gains.mean()) / std if std > 0 else math.nan}
-    for key in SUBSCORES:
-        if f"eval_{key}" in mine:
-            row[f"eval_{key}_gain"] = float((mine[f"eval_{key}"] - initial[f"eval_{key}"]).mean())
-    return row
+    keys = ["eval_reward", *(f"eval_{key}" for key in SUBSCORES if f"eval_{key}" in mine)]
+    first = pd.DataFrame([initial[keys]] * len(mine)).reset_index(drop=True)
+    # one starting score for every seed: itself, not a mean of its copies (which can round)
+    return {**gain_columns(first, mine[keys].reset_index(drop=True), unseen), "eval_initial": float(initial["eval_reward"])}

@@ -6,7 +6,9 @@ state, the policy version, the global RNG states (torch, CUDA, numpy, python), t
 to ``evaluations.jsonl`` (none in a checkpoint written before the evaluations existed), and the run config. Every random draw of an iteration
 comes from ``iteration_generator(seed, iteration)``, so an iteration depends on nothing else: resuming
 after iteration k gives records k+1, ... equal to those of an uninterrupted run (timing fields aside).
-Frozen weights (a LoRA base, the KL reference) are rebuilt from the config, so they are not saved.
+Frozen weights (a LoRA base, the KL reference) are rebuilt from the config, so they are not saved; what a method
+keeps from one iteration to the next (``Estimator.state_dict``: a moving average of the policy) is saved as
+``method_state`` and given back to the method on resume.
 
 **Sharded** (``train.shard: fsdp``): the parameters and optimizer state are written by every process,
 each its own shards, with ``torch.distributed.checkpoint`` into ``DIR/checkpoint_shards_<iteration>/``;
@@ -77,9 +79,12 @@ def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = (),
                      defaults: dict | None = None) -> tuple[str, Any, Any] | None:
     """(dotted key, old value, new value) of the first key where two configs differ, outside ``ignore``.
     A key of ``defaults`` that ``old`` lacks (a config written before the key existed) counts as its
-    default there."""
+    default there, and a value an older run wrote reads as the keys it stands for today
+    (:func:`agg_bench.config.upgrade_written`)."""
+    from ..config import upgrade_written
+
     keep = lambda k: not any(k == c or k.startswith(c + ".") for c in ignore)  # noqa: E731
-    a = {**_flat(defaults or {}), **_flat(old)}
+    a = {**_flat(defaults or {}), **_flat(upgrade_written(old))}
     a = {k: v for k, v in a.items() if keep(k)}
     b = {k: v for k, v in _flat(new).items() if keep(k)}
     for key in sorted(set(a) | set(b)):
@@ -181,6 +186,9 @@ def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[
     else:
         state["parameters"] = {name: p.detach().cpu() for name, p in session.policy.named_parameters()}
         state["optimizer"] = session.optimizer.state_dict()
+    method_state = session.estimator.state_dict()  # e.g. a moving average of the policy
+    if method_state is not None:
+        state["method_state"] = method_state
     with atomic_file(path, "wb") as fh:
         torch.save(state, fh)
     _fsync_dir(path.parent)
@@ -219,6 +227,8 @@ def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | 
     else:
         _load_parameters(session, state, path)
     session.policy.version = state["policy_version"]
+    if isinstance(state.get("method_state"), dict):
+        session.estimator.load_state_dict(state["method_state"], session.policy)
     _set_rng_state(state["rng"], session.device)
     return Checkpoint(iteration=state["iteration"], records=list(state["records"]),
                       evaluations=list(state.get("evaluations", [])))

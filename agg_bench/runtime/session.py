@@ -21,9 +21,9 @@ from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.models import Conditioning, Policy, build_policy
 from ..engine.plan import plan_steps
 from ..engine.rewards import build_reward, reward_details
-from ..engine.rollout import initial_noise
-from ..engine.sde import flow_sigmas, stochastic_steps
-from ..engine.text import prompt_conditioning, prompt_set
+from ..engine.rollout import Trajectory, initial_noise
+from ..engine.sde import flow_sigmas, linspace_sigmas, stochastic_steps
+from ..engine.text import empty_prompt_conditioning, prompt_conditioning, prompt_set
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
@@ -37,10 +37,21 @@ def iteration_generator(seed: int, iteration: int) -> torch.Generator:
 
 
 def run_sigmas(cfg: RunConfig, policy: Policy, latent_shape: tuple[int, int, int]) -> torch.Tensor:
-    """The run's sigma schedule (T+1): ``sampling.shift``'s, or with a null shift the model's own."""
+    """The run's sigma schedule (T+1): ``sampling.schedule`` with ``sampling.shift``, or for ``diffusers`` with a
+    null shift the model's own."""
+    if cfg.sampling.schedule == "linspace":
+        return linspace_sigmas(cfg.sampling.steps, cfg.sampling.shift)
     if cfg.sampling.shift is not None:
         return flow_sigmas(cfg.sampling.steps, cfg.sampling.shift)
     return flow_sigmas(cfg.sampling.steps, policy.schedule_shift(latent_shape), policy.schedule_shift_terminal())
+
+
+def ready_estimator(estimator: Estimator, cfg: RunConfig, policy: Policy, device: torch.device) -> None:
+    """The method's run checks (:meth:`Estimator.check_run`), then what it asks of the run: the empty prompt's
+    conditioning where its rollout guides (:meth:`Estimator.needs_unconditional`)."""
+    estimator.check_run(cfg)
+    if estimator.needs_unconditional():
+        estimator.unconditional = empty_prompt_conditioning(cfg, policy.transformer, device)
 
 
 def model_label(cfg: RunConfig) -> str:
@@ -59,6 +70,15 @@ def weights_label(cfg: RunConfig) -> str:
     """Where the weights come from: ``pretrained`` (a local folder), ``random`` (a full-size architecture
     with random weights: its rewards say nothing about quality) or ``tiny``."""
     return "pretrained" if cfg.model.pretrained else cfg.model.preset
+
+
+def rewarded_latents(traj: Trajectory, on: str) -> torch.Tensor:
+    """The latents the reward scores (``reward.on``): the final ones, or the last step's data prediction
+    x_{T-1} - s_{T-1} v_{T-1} (``x0``; the velocity the rollout used at that step)."""
+    if on == "final":
+        return traj.latents[:, -1]
+    x, v = traj.latents[:, -2], traj.velocities[:, -1].to(traj.latents.dtype)
+    return x - traj.sigmas[-2].to(device=x.device, dtype=x.dtype) * v
 
 
 @dataclass
@@ -91,7 +111,7 @@ class Session:
         stopping.check()
         if estimator is None:
             estimator = build_estimator(cfg)  # from the options the config was validated with
-        estimator.check_run(cfg)
+        ready_estimator(estimator, cfg, self.policy, self.device)
         self.estimator = estimator
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
         fsdp.shard_run(cfg, self.policy, self.reference)  # train.shard: fsdp; before the optimizer sees the parameters
@@ -139,7 +159,7 @@ class Session:
             traj = distributed.take_trajectory(traj, shard)
         cond = distributed.take(cond, shard, total)
         with phase("reward"):
-            images = self.policy.decode(traj.latents[:, -1])
+            images = self.policy.decode(rewarded_latents(traj, cfg.reward.on))
             # float64: advantages divide by the group's spread, which rounding rewards to float32 would blur
             rewards = self.reward_fn(images, prompts).detach().to(torch.float64).cpu()
         advantages = self.estimator.advantages(rewards, traj, cfg.grpo).to(self.device)

@@ -207,6 +207,7 @@ def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
     why not}} for a method whose overrides change what the rollouts share (:data:`ROLLOUT_SHARED_KEYS`)."""
     from ..machine import distributed
     from ..methods.base import build_estimator
+    from ..runtime.session import ready_estimator
 
     policy, run_config = session.policy, session.cfg.to_dict()
     shard = distributed.current()
@@ -225,7 +226,8 @@ def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
                                           "the run's: its rollout needs a run of its own"}
             continue
         estimator = build_estimator(cfg)
-        estimator.check_run(cfg)  # what a run checks first, and what a method that owns its rollout learns from it
+        # what a run checks first, and what a method that owns its rollout learns from it or asks of it
+        ready_estimator(estimator, cfg, policy, session.device)
         setups[label] = (estimator, cfg.sampling)
         out[label] = {"rollout_cpu_s": [], "rollout_wall_s": []}
     labels = list(setups)
