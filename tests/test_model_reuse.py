@@ -21,6 +21,7 @@ TINY = ["model.preset=tiny", "model.resolution=32", "train.iterations=1", "sampl
 RUNS = {  # label -> overrides, in the order they run
     "fora": ["method={name: cached, cache: fora, cache_in: rollout}"],
     "agg-kl": ["method={name: agg, window: 3}", "train.plan_window=3", "grpo.beta=0.1"],
+    "awm-ema": ["method={name: awm, ema_kl_beta: 0.5}", "sampling.same_noise_per_group=false"],  # a moving average
     "seed1": ["method={name: full}", "seed=1"],  # another seed: another build
     "lora-kl": ["method={name: full}", "train.lora_rank=2", "grpo.beta=0.1"],  # adapters: another build
     "lora": ["method={name: full}", "train.lora_rank=2"],
@@ -48,7 +49,7 @@ def test_runs_that_share_a_model_write_the_records_of_runs_that_build_their_own(
     for label in runs:
         assert len(together[label]) == 1 and together[label][0]["status"] == "ok"
         assert together[label] == apart[label], label
-    # seed 0, seed 1, LoRA, seed 0 again: four builds for six runs
+    # seed 0, seed 1, LoRA, seed 0 again: four builds for seven runs
     assert reuse.builds == 4
     assert model_reuse._active is None  # nothing kept after the block
 
