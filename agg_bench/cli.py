@@ -166,7 +166,7 @@ def cmd_campaign(args) -> int:
     campaign = Campaign(args.config, cpu=args.cpu)
     if args.action == "run":
         log = run_window(campaign, args.minutes, args.work, args.reference, args.archive)
-        print(json.dumps({"archive": log["archive"], "finished": log["finished_in_window"], "left": log["left"],
+        print(json.dumps({"archive": log["archive"], "finished": len(log["finished_in_window"]), "left": log["left"],
                           "seconds": log["seconds"]}))
     elif args.action == "unpack":
         if args.archive is None:

@@ -26,7 +26,7 @@ from agg_bench.tools.campaign import Campaign, cpu_resolution, tiny_counterpart
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config" / "h200.yaml"
 SCRIPT = ROOT / "scripts" / "gpu_campaign.sh"
-MINUTES = 0.75
+MINUTES = 0.6
 PRIORITY_FIRST = ["full", "agg-w5-sigma", "agg-w5-sigma-reuse"]  # config/h200.yaml's first selector
 
 
@@ -71,7 +71,7 @@ def test_a_window_stops_before_its_deadline_and_packs_only_finished_runs(window,
     [log_file] = (window["tmp"] / "work" / "windows").glob("*.json")
     log = json.loads(log_file.read_text())
     finished = log["finished_in_window"]
-    assert finished and finished == window["out"]["finished"]
+    assert finished and len(finished) == window["out"]["finished"]
     # the most valuable runs first: the first selector's methods on the first cell, in one process
     first = log["processes"][0]
     runs = cpu_campaign.sweep.runs
@@ -97,10 +97,12 @@ def test_a_window_stops_before_its_deadline_and_packs_only_finished_runs(window,
 @pytest.mark.slow
 def test_the_reference_regenerates_its_tables_and_the_next_window_resumes(window, cpu_campaign, tmp_path):
     reference = window["reference"]
-    assert sorted(window["unpacked"]["runs_added"]) == sorted(window["out"]["finished"])
+    [log_file] = (window["tmp"] / "work" / "windows").glob("*.json")
+    finished = json.loads(log_file.read_text())["finished_in_window"]
+    assert sorted(window["unpacked"]["runs_added"]) == sorted(finished)
     manifest = json.loads((reference / "manifest.json").read_text())
     assert {e["source"] for e in manifest["runs"] + manifest["calibration"]} == {"reference"}
-    assert len(manifest["runs"]) == len(window["out"]["finished"])
+    assert len(manifest["runs"]) == len(finished)
     # `agg-bench report` on the reference regenerates its committed tables byte for byte
     assert main(["report", "--manifest", str(reference / "manifest.json"), "--tables", str(tmp_path / "t")]) == 0
     assert tree(tmp_path / "t") == tree(reference / "tables")
@@ -113,7 +115,7 @@ def test_the_reference_regenerates_its_tables_and_the_next_window_resumes(window
     assert tree(reference) == before
     # the next window (any machine, a new work folder) starts with what the reference lacks
     done = cpu_campaign.done(reference)
-    assert done == set(window["out"]["finished"])
+    assert done == set(finished)
     processes = cpu_campaign.processes(done)
     order = [r for r in cpu_campaign.order() if r not in done]
     assert [r for p in processes for r in p.run_ids] == order and not done & set(order)
