@@ -22,6 +22,14 @@ import torch
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import Estimator, ReplayPlan
 
+# K, the noised times per final latent, is at most this many times sampling.steps. Every (sample, time) costs
+# a forward with grad and a backward, and the noise of all K times is drawn at once (B, K, latent): at this
+# bound an update does at most 4x the train-phase passes of full GRPO on the same schedule (T per sample), and
+# the draws hold at most 4x the rollout's own trajectory (B, T + 1, latent). The public recipes use K <= T
+# (DiffusionNFT 9 of 10 steps, AWM 6 of 14, DGPO 4); times drawn off the schedule (``uniform``, ``logit_normal``)
+# may usefully exceed T as a finer sample of t, but not by orders of magnitude.
+TIMES_PER_STEP = 4
+
 
 class FinalLatentEstimator(Estimator):
     """A method that trains a loss on each final latent at K noised times (module docstring); a subclass
@@ -42,6 +50,16 @@ class FinalLatentEstimator(Estimator):
             raise ConfigError("sampling.same_noise_per_group", True,
                               f"false for method '{self.name}' (its ODE rollout turns one noise into one image, "
                               f"so a group sharing its noise has one reward and {self.shared_noise_breaks})")
+        steps = cfg.sampling.steps
+        if self.times_per_sample(steps) > TIMES_PER_STEP * steps:
+            raise ConfigError("method.times_per_sample", self.config.times_per_sample,
+                              f"an integer in [1, {TIMES_PER_STEP * steps}] ({TIMES_PER_STEP} x sampling.steps: "
+                              "each time costs a forward and a backward per sample, and its noise is held "
+                              "beside the others)")
+
+    def times_per_sample(self, steps: int) -> int:
+        """K for a ``steps``-step rollout (a subclass whose K has a default from the schedule says so)."""
+        return self.config.times_per_sample
 
     def replay_plan(self, cfg, stochastic, batch_size, generator):
         return ReplayPlan("not_applicable", note=f"{self.paper} trains {self.trains}: there is no per-step GRPO "

@@ -74,6 +74,9 @@ class Session:
     def __init__(self, cfg: RunConfig, estimator: Estimator | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if estimator is None:
+            estimator = build_estimator(cfg)  # from the options the config was validated with
+        estimator.check_run(cfg)  # the method's bounds (its sizes among them) before anything is allocated
         torch.manual_seed(cfg.seed)
         # model + precision + gradient checkpointing + LoRA; the reference below is LoRA-aware
         self.policy: Policy = build_policy(cfg, self.device)
@@ -83,9 +86,6 @@ class Session:
         # text-encoder embeddings (cached per model and prompt file) for a local model, token hashes for tiny
         self.cond_all = prompt_conditioning(cfg, self.policy.transformer, prompts, self.device)
         self.reward_fn = build_reward(cfg.reward.name, cfg.reward.options, self.device)
-        if estimator is None:
-            estimator = build_estimator(cfg)  # from the options the config was validated with
-        estimator.check_run(cfg)
         self.estimator = estimator
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
         fsdp.shard_run(cfg, self.policy, self.reference)  # train.shard: fsdp; before the optimizer sees the parameters
