@@ -64,7 +64,8 @@ class AWMConfig:
     """AWM's options (defaults from github.com/scxue/advantage_weighted_matching ``config/dgx_awm.py``).
 
     ``times_per_sample`` (6; ``train.train_timesteps = 6``): K >= 1 noised copies of each final latent, at most
-      4 x sampling.steps (each time is a forward and a backward per sample: :data:`baselines.final_latent.TIMES_PER_STEP`).
+      4 x sampling.steps (each time is a forward and a backward per sample:
+      :data:`baselines.final_latent.TIMES_PER_STEP`).
     ``time_distribution`` ("discrete", the code's ``discrete_wo_init``), ``logit_normal`` or ``uniform``
       (module docstring).
     ``weighting`` ("uniform", the paper's equation) or ``ghuber`` (the code's ``train.weighting``).
