@@ -27,6 +27,7 @@ from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
 from ..methods.base import Estimator, build_estimator
+from .memplan import check_weights_fit
 
 
 def iteration_generator(seed: int, iteration: int) -> torch.Generator:
@@ -77,6 +78,7 @@ class Session:
         if estimator is None:
             estimator = build_estimator(cfg)  # from the options the config was validated with
         estimator.check_run(cfg)  # the method's bounds (its sizes among them) before anything is allocated
+        check_weights_fit(cfg)  # a model folder's sizes, and whether its weights fit, before it is loaded
         torch.manual_seed(cfg.seed)
         # model + precision + gradient checkpointing + LoRA; the reference below is LoRA-aware
         self.policy: Policy = build_policy(cfg, self.device)
