@@ -167,3 +167,192 @@ def test_pretrain_memory_is_planned_before_anything_is_allocated():
     assert check_size(PretrainConfig(num_layers=1, batch_size=8))["activations"] > plan["activations"]
 
 
+# ----- agg-bench learning: the run folders it reads --------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(model, tmp_path_factory) -> tuple[Path, Path]:
+    """A run of 2 iterations from the scene model with its final checkpoint, and its prompts file."""
+    root = tmp_path_factory.mktemp("learning")
+    prompts = root / "p.txt"
+    prompts.write_text("\n".join(s.caption for s in all_scenes()[:2]) + "\n")
+    cfg = model_config(model, f"prompts.file={prompts}", "grpo.prompts_per_iteration=1", "train.iterations=2",
+                       "train.checkpoint_every=2", "train.lr=1e-2")
+    assert train(cfg, root / "run")["status"] == "ok"
+    return root / "run", prompts
+
+
+def learning_runs(trained, tmp_path: Path, n: int = 2) -> tuple[Path, list[Path]]:
+    """``n`` copies of the trained run as seeds of ``full`` in a manifest; (the manifest, the run folders)."""
+    runs = []
+    for seed in range(n):
+        runs.append(tmp_path / f"full{seed}")
+        shutil.copytree(trained[0], runs[-1])
+    manifest = tmp_path / "manifest.json"
+    entries = [{"dir": str(r), "method": "full", "seed": i} for i, r in enumerate(runs)]
+    manifest.write_text(json.dumps({"runs": entries}))
+    return manifest, runs
+
+
+def learning_fails(capsys, tmp_path: Path, manifest: Path, *options: str) -> str:
+    """``agg-bench learning`` with tables and plots: one line, exit 2, neither folder written."""
+    tables, plots = tmp_path / "tables", tmp_path / "plots"
+    capsys.readouterr()
+    line = one_line(capsys, main(["learning", "--manifest", str(manifest), "--tables", str(tables), "--plots",
+                                  str(plots), "--average", "1", "--eval-noises", "1", *options]))
+    assert not tables.exists() and not plots.exists()
+    return line
+
+
+def edit_config(run: Path, change) -> None:
+    config = json.loads((run / "config.json").read_text())
+    change(config)
+    (run / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("case, words", [
+    ("steps", "config.json: config error: sampling.steps = 10000000: expected a value <= 1000"),  # hung
+    ("not json", "config.json: is not JSON"),  # a JSONDecodeError traceback
+    ("a list", "config.json: holds a list, not a JSON object"),  # the defaults, then a size mismatch
+    ("no model", "trains model.preset = 'tiny'"),  # the defaults: another model than the first run's
+    ("another model", "trains model.pretrained"),  # two pre-trained models in one manifest
+    ("no file", "no config.json"),
+])
+def test_learning_reads_config_json_through_the_typed_config(trained, tmp_path, capsys, case, words):
+    manifest, runs = learning_runs(trained, tmp_path)
+    run = runs[1]
+    if case == "steps":
+        edit_config(runs[0], lambda c: c["sampling"].update(steps=10_000_000))
+        run = runs[0]
+    elif case == "not json":
+        (run / "config.json").write_text("{not json")
+    elif case == "a list":
+        (run / "config.json").write_text("[1, 2]")
+    elif case == "no model":
+        edit_config(run, lambda c: c.pop("model"))
+    elif case == "another model":
+        edit_config(run, lambda c: c["model"].update(pretrained=str(tmp_path / "elsewhere")))
+    else:
+        (run / "config.json").unlink()
+    line = learning_fails(capsys, tmp_path, manifest)
+    assert words in line and str(run) in line, line
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda r: r.pop("status"), "record 1: no 'status'"),
+    (lambda r: r.pop("iteration"), "record 1: no 'iteration'"),
+    (lambda r: r.pop("reward_mean"), "record 1: no 'reward_mean' (an ok record has one)"),
+    (lambda r: r.update(reward_mean=float("nan")), "record 1: 'reward_mean' = nan: expected a finite number"),
+    (lambda r: r.update(iteration=1), "record 2: 'iteration' = 1: expected each iteration once"),
+])
+def test_learning_reads_records_through_the_record_contract(trained, tmp_path, capsys, change, words):
+    """Records missing a key learning needs, or with a NaN reward (a run writes null), gave KeyError tracebacks."""
+    manifest, runs = learning_runs(trained, tmp_path, 1)
+    path = runs[0] / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    change(records[0])
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert words in learning_fails(capsys, tmp_path, manifest)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("wrong shape", "has shape (3,)"),
+    ("integer", "torch.int64 tensor; expected floating-point parameters"),
+    ("empty", "parameters: expected the trainable parameters"),  # was scored as the starting weights
+    ("half", "parameters missing"),  # was scored with half the starting weights, silently
+    ("negative iteration", "iteration = -5"),
+])
+def test_learning_reads_checkpoints_through_the_one_validator(trained, tmp_path, capsys, case, words):
+    """The checkpoint evaluation loads every trainable parameter strictly (strict=False scored an empty or
+    half-filled checkpoint as the starting weights: eval_gain exactly 0.0), and its error names the run."""
+    manifest, runs = learning_runs(trained, tmp_path)
+    path = runs[1] / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    params = state["parameters"]
+    first = next(iter(params))
+    if case == "wrong shape":
+        params[first] = torch.zeros(3)
+    elif case == "integer":
+        params[first] = params[first].long()
+    elif case == "empty":
+        state["parameters"] = {}
+    elif case == "half":
+        state["parameters"] = dict(list(params.items())[::2])
+    else:
+        state["iteration"] = -5
+    torch.save(state, path)
+    line = learning_fails(capsys, tmp_path, manifest, "--eval-source", "checkpoint")
+    assert words in line and "run full/1" in line and str(path) in line, line
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--eval-seed", "100000000000000000000000"], "--eval-seed 100000000000000000000000: expected an integer "
+                                                  "from 0 to 4294967295"),
+    (["--eval-seed", "4294967296"], "expected an integer from 0 to 4294967295"),
+    (["--eval-seed", "-1"], "expected an integer from 0 to 4294967295"),
+    (["--reference", "nosuch"], "--reference 'nosuch': expected a method label of the manifest ('full')"),
+    (["--reference", "x" * 300], "expected a method label of the manifest"),
+])
+def test_learning_options_are_bounded(trained, tmp_path, capsys, options, words):
+    manifest, _ = learning_runs(trained, tmp_path, 1)
+    assert words in learning_fails(capsys, tmp_path, manifest, *options)
+
+
+def test_learning_refuses_a_run_listed_twice(trained, tmp_path, capsys):
+    """Duplicate entries counted as two seeds: the same folder twice, or one method and seed twice."""
+    manifest, runs = learning_runs(trained, tmp_path)
+    entries = json.loads(manifest.read_text())["runs"]
+    manifest.write_text(json.dumps({"runs": [entries[0], {**entries[0], "seed": 5}]}))
+    line = learning_fails(capsys, tmp_path, manifest)
+    assert "runs[1]: dir" in line and "is also runs[0]'s" in line
+    manifest.write_text(json.dumps({"runs": [entries[0], {**entries[1], "seed": 0}]}))
+    assert "method 'full' seed 0 is also runs[0]'s" in learning_fails(capsys, tmp_path, manifest)
+
+
+def test_learning_checks_the_captions_before_writing_anything(trained, tmp_path, capsys):
+    """With --plots the sample grid scores the images with the scene reward: a sweep whose captions are not
+    scene captions exited 2 only after learning.csv, learning.md, curves.csv and 5 PNGs were written. The
+    caption is quoted in at most 200 characters (a prompts file such as /etc/passwd had its first line
+    printed)."""
+    manifest, runs = learning_runs(trained, tmp_path, 1)
+    prompts = tmp_path / "not-scenes.txt"
+    prompts.write_text("root:" + "x" * 5000 + "\nsecond line\n")
+    edit_config(runs[0], lambda c: (c["prompts"].update(file=str(prompts)),
+                                    c["reward"].update(name="jpeg_compressibility")))
+    line = learning_fails(capsys, tmp_path, manifest)
+    assert "caption 1 'root:xxx" in line and "(5005 characters) is not a scene caption" in line
+    assert "samples.png" in line and "x" * 201 not in line
+    # the run's own reward is the scene reward: every caption is checked, before the model is loaded
+    edit_config(runs[0], lambda c: c["reward"].update(name="scene"))
+    prompts.write_text("two red circles on the left\nsecond line\n")
+    line = learning_fails(capsys, tmp_path, manifest)
+    assert "caption 2 'second line' is not a scene caption" in line and "reward 'scene'" in line
+
+
+# ----- agg-bench replay: a snapshot folder --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory) -> Path:
+    snap = tmp_path_factory.mktemp("snapshot") / "snap"
+    settings = ["model.resolution=32", "sampling.steps=3", "grpo.group_size=2", "grpo.prompts_per_iteration=1",
+                "progress=false", "telemetry.enabled=false"]
+    assert main(["snapshot", *[a for s in settings for a in ("--set", s)], "--out", str(snap)]) == 0
+    return snap
+
+
+@pytest.mark.parametrize("name, change, words", [
+    ("config.json", lambda c: c["sampling"].update(steps=10_000_000), "config.json: config error: sampling.steps"),
+    ("config.json", lambda c: [1], "config.json: holds a list"),
+    ("rollout.json", lambda c: c.update(family="nosuch"), "rollout.json: family = 'nosuch': expected one of"),
+    ("rollout.json", lambda c: c.update(eta="x"), "rollout.json: eta = 'x': expected a finite number"),
+    ("transformer/config.json", lambda c: c.update(num_layers=100_000), "num_layers = 100000: expected an integer"),
+])
+def test_replay_reads_a_snapshot_through_the_same_checks(snapshot, tmp_path, capsys, name, change, words):
+    """The snapshot's config.json through the typed config with its bounds, its rollout.json's keys and its
+    transformer's sizes: one line, exit 2, no gradient file (a crafted file gave a KeyError or TypeError)."""
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshot, snap)
+    data = json.loads((snap / name).read_text())
+    changed = change(data)
+    (snap / name).write_text(json.dumps(changed if changed is not None else data))
+    out = tmp_path / "g.safetensors"
+    capsys.readouterr()
+    line = one_line(capsys, main(["replay", str(snap), "--method", "full", "--out", str(out)]))
+    assert words in line and not out.exists(), line
