@@ -224,3 +224,14 @@ def test_a_sweep_of_more_runs_than_the_bound_is_refused(in_process):
         Sweep(config, SCHEMA)
     config["exclude"] = [{"method": "agg-w3", "seed": "1*"}]  # leaves 4,096 - 1,111 runs
     assert len(Sweep(config, SCHEMA).runs) <= sweep_module.MAX_RUNS
+
+
+def test_the_learning_reference_is_a_method_of_the_sweep(in_process):
+    """agg-bench learning refuses a --reference that is not a method of its manifest; the workflow passes
+    learning.reference, so the sweep refuses it before any job runs rather than after every run."""
+    config = sweep_config()
+    config["learning"] = {"reference": "nosuch"}
+    with pytest.raises(SweepError, match="learning.reference: 'nosuch' is not a label under methods"):
+        Sweep(config, SCHEMA)
+    config["learning"] = {"reference": "agg-w3"}
+    assert len(Sweep(config, SCHEMA).runs) == 2

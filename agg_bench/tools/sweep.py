@@ -110,6 +110,10 @@ def check_sweep(sweep: dict, schema: dict) -> None:
     labels = [ref["label"] for ref in sweep.get("references", [])]
     if len(set(labels)) != len(labels):
         raise SweepError(f"references: labels must be unique ({', '.join(labels)})")
+    reference = (sweep.get("learning") or {}).get("reference")
+    if reference is not None and reference not in sweep["methods"]:  # agg-bench learning refuses it at the end
+        raise SweepError(f"learning.reference: {quote(reference)} is not a label under methods "
+                         f"({', '.join(sweep['methods'])})")
 
 
 def flatten(overrides: dict, prefix: str = "") -> list[tuple[str, Any]]:
