@@ -383,8 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ode: deterministic Euler; sde: the rollouts' SDE with seeded step noise (default ode)")
     p.add_argument("--target-fraction", type=float, default=0.9,
                    help="the held-out target: this fraction of the reference's mean held-out gain (default 0.9)")
-    p.add_argument("--reference", default="full",
-                   help="the method label both targets and speedup_to_target refer to (default full)")
+    p.add_argument("--reference", default=None,
+                   help="the method label both targets and speedup_to_target refer to, a method of the manifest "
+                        "(default full, whose targets stay empty in a manifest without it)")
     p.add_argument("--eval-source", default="auto",
                    help="the held-out gain columns: auto (a method's in-run evaluations where all its runs have them, "
                         "else this command's evaluation) or checkpoint (this command's evaluation of every run's "

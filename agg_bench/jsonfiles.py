@@ -10,6 +10,7 @@ from typing import Any
 from .errors import UserError
 
 MAX_JSON_BYTES = 64 * 2**20  # far above any manifest, calibration or config; read whole, so bounded
+MAX_CONFIG_BYTES = 2**20  # a model folder's config files: a diffusers config.json is a few KB
 
 JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "true or false", int: "a number",
               float: "a number", type(None): "null"}
@@ -24,20 +25,28 @@ class JsonFileError(UserError):
         super().__init__(f"{path}: {problem}; expected {expected}")
 
 
+def _size(n: int) -> str:
+    """A size limit in words: "64 MiB", "64 KiB", "100 bytes"."""
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n:,} bytes"
+
+
 def json_type(value: Any) -> str:
     """What ``value`` is in JSON's words: "an object", "a list", "a string", "a number", ..."""
     return JSON_TYPES.get(type(value), type(value).__name__)
 
 
-def read_json_object(path: str | Path, expected: str) -> dict:
+def read_json_object(path: str | Path, expected: str, max_bytes: int = MAX_JSON_BYTES) -> dict:
     """The JSON object in file ``path``; a JsonFileError naming ``path`` and ``expected`` (what belongs
-    there, e.g. "an agg-bench calibrate JSON") when the file is missing or unreadable, not UTF-8 text, not
-    JSON, or holds another JSON value."""
+    there, e.g. "an agg-bench calibrate JSON") when the file is missing or unreadable, larger than
+    ``max_bytes`` (refused before it is read), not UTF-8 text, not JSON, or holds another JSON value."""
     path = Path(path)
     try:
-        if path.is_file() and (size := path.stat().st_size) > MAX_JSON_BYTES:
-            raise JsonFileError(path, f"is {size:,} bytes, over the {MAX_JSON_BYTES // 2**20} MiB "
-                                "such a file may have", expected)
+        if path.is_file() and (size := path.stat().st_size) > max_bytes:
+            raise JsonFileError(path, f"is {size:,} bytes, over the {_size(max_bytes)} such a file may have",
+                                expected)
         text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise JsonFileError(path, "no such file", expected) from None

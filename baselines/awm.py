@@ -42,7 +42,8 @@ them once per micro-batch of ``train.batch_size`` samples):
   [1, int(steps * 0.9)] (``timestep_fraction = 0.9``) in K strata, one uniform index per stratum,
   t = the rollout's sigma at it;
 - ``logit_normal`` (the code's ``logit_normal``): K stratified quantiles of N(0, 1), shuffled, t = sigmoid(u)
-  shifted by ``sampling.shift`` (``time_shift = 3``), at least 0.01;
+  shifted by ``sampling.shift`` (``time_shift = 3``, a number of the recipe's own), at least 0.01; a null
+  ``sampling.shift`` (the schedule from the model's scheduler config) is refused with it;
 - ``uniform``: t ~ U(0, 1) per (sample, slot).
 The times and the seed of the noise generator are drawn in :meth:`AWMEstimator.plan` from the iteration's
 generator: deterministic given the run's seed. Passes: B*T rollout forwards, B*K forward_grad and B*K backward,
@@ -79,7 +80,9 @@ MIN_TIME = 0.01  # the code's clamp(min=0.01) on logit-normal times
 class AWMConfig:
     """AWM's options (defaults from github.com/scxue/advantage_weighted_matching ``config/dgx_awm.py``).
 
-    ``times_per_sample`` (6; ``train.train_timesteps = 6``): K >= 1 noised copies of each final latent.
+    ``times_per_sample`` (6; ``train.train_timesteps = 6``): K >= 1 noised copies of each final latent, at most
+      4 x sampling.steps (each time is a forward and a backward per sample:
+      :data:`baselines.final_latent.TIMES_PER_STEP`).
     ``time_distribution`` ("discrete", the code's ``discrete_wo_init``), ``logit_normal`` or ``uniform``
       (module docstring).
     ``weighting`` ("uniform", the paper's equation) or ``ghuber`` (the code's ``train.weighting``).
@@ -181,6 +184,11 @@ class AWMEstimator(FinalLatentEstimator):
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
+        if self.config.time_distribution == "logit_normal" and cfg.sampling.shift is None:
+            raise ConfigError("sampling.shift", None,
+                              "a number for method 'awm' with method.time_distribution=logit_normal (its times are "
+                              "shifted by it, the public code's time_shift; a null shift leaves the schedule to "
+                              "the model's scheduler config, which gives the times no shift of their own)")
         self.shift = cfg.sampling.shift
         if cfg.train.inner_epochs != 1:
             raise ConfigError("train.inner_epochs", cfg.train.inner_epochs,

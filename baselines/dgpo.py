@@ -105,7 +105,8 @@ class DGPOConfig:
 
     ``beta`` (100.0; ``config.train.beta_dpo = 100``, 10 for pickscore): the DPO temperature, > 0.
     ``times_per_sample`` (4; ``config.num_train_timesteps = 4``): K >= 1 noised copies of each final latent;
-      at most ``trunc_steps + 1`` with the ``schedule`` distribution.
+      at most ``trunc_steps + 1`` with the ``schedule`` distribution, and at most 4 x sampling.steps with
+      ``uniform`` (each time is a forward and a backward per sample: :data:`baselines.final_latent.TIMES_PER_STEP`).
     ``time_distribution`` ("schedule", the code): where t comes from (module docstring); or ``uniform``.
     ``trunc_steps`` (4; ``config.trunc_steps = 4`` for geneval, 6 in ``compressibility``): the schedule's steps
       0..trunc_steps are eligible (the timestep clip, t >= sigma_{trunc_steps}); less than sampling.steps.

@@ -30,6 +30,14 @@ import torch
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.methods.base import Estimator, ReplayPlan
 
+# K, the noised times per final latent, is at most this many times sampling.steps. Every (sample, time) costs
+# a forward with grad and a backward, and the noise of all K times is drawn at once (B, K, latent): at this
+# bound an update does at most 4x the train-phase passes of full GRPO on the same schedule (T per sample), and
+# the draws hold at most 4x the rollout's own trajectory (B, T + 1, latent). The public recipes use K <= T
+# (DiffusionNFT 9 of 10 steps, AWM 6 of 14, DGPO 4); times drawn off the schedule (``uniform``, ``logit_normal``)
+# may usefully exceed T as a finer sample of t, but not by orders of magnitude.
+TIMES_PER_STEP = 4
+
 
 def ema_decay(steps: int, rate: float, maximum: float, after: int = 0) -> float:
     """The decay of the moving average's update after ``steps`` optimizer steps: 0 before ``after`` steps, then
@@ -145,6 +153,16 @@ class FinalLatentEstimator(Estimator):
         if self.moving_average() is not None and cfg.train.shard == "fsdp":
             raise ConfigError("train.shard", "fsdp", f"'none' with method.{self.moving_average()} (the moving "
                                                      "average of the policy is a whole copy of its weights)")
+        steps = cfg.sampling.steps
+        if self.times_per_sample(steps) > TIMES_PER_STEP * steps:
+            raise ConfigError("method.times_per_sample", self.config.times_per_sample,
+                              f"an integer in [1, {TIMES_PER_STEP * steps}] ({TIMES_PER_STEP} x sampling.steps: "
+                              "each time costs a forward and a backward per sample, and its noise is held "
+                              "beside the others)")
+
+    def times_per_sample(self, steps: int) -> int:
+        """K for a ``steps``-step rollout (a subclass whose K has a default from the schedule says so)."""
+        return self.config.times_per_sample
 
     def moving_average(self) -> str | None:
         """The option that makes this run keep an :class:`EMAPolicy` (None: it keeps none)."""

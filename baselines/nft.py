@@ -86,7 +86,9 @@ class NFTConfig:
     ``beta`` (1.0; ``config.beta = 1.0``, 0.1 for OCR and multi-reward): the step of the implicit policies
       v+- = v_old +- beta (v_theta - v_old); 0 < beta <= 1.
     ``times_per_sample`` (None: int(0.99 * sampling.steps), the code's ``num_steps * timestep_fraction``):
-      K >= 1 noised copies of each final latent; at most sampling.steps with the ``schedule`` distribution.
+      K >= 1 noised copies of each final latent; at most sampling.steps with the ``schedule`` distribution, and
+      at most 4 x sampling.steps with ``uniform`` (each time is a forward and a backward per sample:
+      :data:`baselines.final_latent.TIMES_PER_STEP` says why).
     ``time_distribution`` ("schedule", the code): where t comes from (module docstring); or ``uniform``.
     ``adv_mode`` ("all"; the code's ``train.adv_mode``): ``all`` keeps A, ``positive_only``/``negative_only``
       clamp it to [0, Z]/[-Z, 0], ``one_only`` maps A > 0 to 1 and else 0, ``binary`` takes sign(A).
@@ -188,11 +190,14 @@ class NFTEstimator(FinalLatentEstimator):
         super().check_run(cfg)
         c = self.config
         self.clip = cfg.grpo.adv_clip_max
-        k = c.times(cfg.sampling.steps)
+        k = self.times_per_sample(cfg.sampling.steps)
         if c.time_distribution == "schedule" and k > cfg.sampling.steps:
             raise ConfigError("method.times_per_sample", c.times_per_sample,
                               f"null or an integer in [1, {cfg.sampling.steps}] (sampling.steps; distinct steps "
                               "of the schedule with method.time_distribution=schedule)")
+
+    def times_per_sample(self, steps: int) -> int:
+        return self.config.times(steps)
 
     def advantages(self, rewards, trajectory, grpo):
         """r (B,) in [0, 1], the optimality probability of each sample."""

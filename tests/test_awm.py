@@ -111,3 +111,33 @@ def test_preset_scales_the_public_setting_and_loads_with_random_weights():
     assert (options.times_per_sample, options.time_distribution, options.advantage_max) == (6, "discrete", 1.0)
     assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
 
+
+
+def test_logit_normal_times_need_a_shift_of_their_own(tmp_path, capsys):
+    """A null sampling.shift leaves the schedule to the model's scheduler config; logit-normal times are
+    shifted by the recipe's own number (time_shift), so that pair is refused by the method's run check, which
+    the workflow's method check also runs (it ended in a TypeError in the first update). Schedule times
+    (discrete) take their sigmas from the rollout and run with a null shift."""
+    from agg_bench.cli import main
+    from agg_bench.errors import ConfigError, UserError
+    from agg_bench.methods.base import build_estimator
+    from agg_bench.tools.sweep import check_methods
+
+    bad = [*AWM, "method.time_distribution=logit_normal", "sampling.shift=null"]
+    cfg = tiny_config(*bad)
+    with pytest.raises(ConfigError) as err:
+        build_estimator(cfg).check_run(cfg)
+    assert err.value.key == "sampling.shift" and "logit_normal" in str(err.value)
+    with pytest.raises(UserError, match="sampling.shift"):
+        check_methods(str(PRESET), {"job": [("method.time_distribution", "logit_normal"), ("sampling.shift", None)]})
+    out = tmp_path / "run"
+    args = [a for item in ["model.resolution=32", "train.iterations=1", "progress=false",
+                           "method.time_distribution=logit_normal", "sampling.shift=null"] for a in ("--set", item)]
+    capsys.readouterr()
+    assert main(["run", "--config", str(PRESET), *args, "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "sampling.shift" in lines[0] and not out.exists()
+    discrete = tiny_config(*AWM, "sampling.shift=null")
+    build_estimator(discrete).check_run(discrete)
+    session = Session(discrete)
+    session.update(session.collect(0).batch)  # the schedule's times: no shift needed

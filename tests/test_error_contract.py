@@ -133,7 +133,7 @@ def test_learning_records_with_a_string_for_a_number(tmp_path, capsys):
     (tmp_path / "m.json").write_text(json.dumps({"runs": [{"dir": str(run), "method": "full", "seed": 0}]}))
     assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), "--tables", str(tmp_path / "t")]) == 2
     line, = capsys.readouterr().err.splitlines()
-    assert "metrics.jsonl: record 1: 'reward_mean' = 'high': expected a number" in line
+    assert "metrics.jsonl: record 1: 'reward_mean' = 'high': expected a finite number" in line
     assert not (tmp_path / "t").exists()
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from agg_bench.cli import main
-from agg_bench.errors import ConfigError
+from agg_bench.errors import ConfigError, UserError
 from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_estimator
 from agg_bench.runtime.train import Session
@@ -126,3 +127,36 @@ def test_preset_runs_one_iteration_through_the_cli(method, tmp_path):
     (rec,) = list(read_jsonl(out / "metrics.jsonl"))
     assert rec["status"] == "ok" and rec["method"] == method
     assert rec["train_forward_grad"] == rec["train_backward"] == passes
+
+
+@pytest.mark.parametrize("method, sets", [
+    ("nft", ["method.time_distribution=uniform"]),
+    ("awm", []),  # discrete times of the schedule
+    ("awm", ["method.time_distribution=uniform"]),
+    ("dgpo", ["method.time_distribution=uniform"]),
+])
+def test_times_per_sample_is_bounded_before_anything_is_allocated(method, sets, monkeypatch):
+    """K is at most TIMES_PER_STEP x sampling.steps (24 here): a larger K (or 1e8, which grew a run to 13.7 GB)
+    is refused by the method's run check, which a session runs before it builds the model and the workflow's
+    method check (snakemake -n) runs for every job."""
+    from agg_bench.runtime import session as session_module
+    from agg_bench.tools.sweep import check_methods
+    from baselines.final_latent import TIMES_PER_STEP
+
+    base = [f"method.name={method}", "sampling.same_noise_per_group=false", *sets]
+    bound = TIMES_PER_STEP * STEPS
+    cfg = tiny_config(*base, f"method.times_per_sample={bound}")
+    build_estimator(cfg).check_run(cfg)  # the bound itself is a run
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the method's run check")
+
+    monkeypatch.setattr(session_module, "build_policy", no_model)
+    for k in (bound + 1, 10**8):
+        with pytest.raises(ConfigError) as err:
+            Session(tiny_config(*base, f"method.times_per_sample={k}"))
+        assert err.value.key == "method.times_per_sample" and f"[1, {bound}]" in str(err.value)
+        pairs = [tuple(item.split("=", 1)) for item in ["model.resolution=32", f"sampling.steps={STEPS}", *base,
+                                                        f"method.times_per_sample={k}"]]
+        with pytest.raises(UserError, match=f"method.times_per_sample = {k}"):
+            check_methods(None, {"the job": [(key, yaml.safe_load(value)) for key, value in pairs]})

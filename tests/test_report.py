@@ -390,9 +390,12 @@ def report_fails(capsys, tmp_path, *args: str) -> str:
 
 
 @pytest.mark.parametrize("key, value, expected", [
-    ("t_iter_s", "fast", "expected a number or null"),
-    ("backward", [80], "expected a number or null"),
-    ("reward_mean", True, "expected a number or null"),
+    ("t_iter_s", "fast", "expected a finite number or null"),
+    ("backward", [80], "expected a finite number or null"),
+    ("reward_mean", True, "expected a finite number or null"),
+    ("iteration", -1, "expected an integer >= 0"),
+    ("iteration", 1.5, "expected an integer >= 0"),
+    ("iteration", 0, "expected each iteration once (record 1 has it)"),
     ("model", {"name": "sd3"}, "expected a string or null"),
     ("status", 1, "expected a string or null"),
 ])
@@ -406,14 +409,26 @@ def test_a_record_with_the_wrong_kind_of_value(tmp_path, capsys, key, value, exp
     ("summary.json", "[1, 2]", "summary.json: holds a list, not a JSON object"),
     ("summary.json", '{"status": ', "summary.json: is not JSON"),
     ("summary.json", '{"status": ["ok"]}', "summary.json: 'status' = ['ok']: expected a string or null"),
-    ("config.json", '{"method": "agg"}', "config.json: method = 'agg': expected an object or null"),
+    ("config.json", '{"method": "agg"}', "config.json: config error: method = 'agg': expected a mapping"),
     ("config.json", '{"method": {"name": "agg"}, "train": {"inner_epochs": "2"}}', "train.inner_epochs = '2'"),
+    ("config.json", '{"method": {"name": "agg"}, "sampling": {"steps": 10000000}}',
+     "config.json: config error: sampling.steps = 10000000: expected a value <= 1000"),
+    ("config.json", '[1]', "config.json: holds a list, not a JSON object"),
     ("plan.json", '{"bytes": 5}', "plan.json: bytes = 5: expected an object or null"),
 ])
 def test_a_run_file_that_is_not_what_a_run_writes(tmp_path, capsys, name, content, expected):
     run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
     (run / name).write_text(content)
     assert expected in report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
+
+
+def test_a_record_written_with_a_non_finite_number(tmp_path, capsys):
+    """A run writes NaN and infinities as null; a file holding one was not written by a run."""
+    run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write('{"iteration": 1, "status": "ok", "reward_mean": NaN}\n{"iteration": 2}\n')
+    line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
+    assert "metrics.jsonl: record 2: 'reward_mean' = nan: expected a finite number or null" in line
 
 
 def test_labels_with_dollars_are_drawn_as_text(tmp_path, capsys):

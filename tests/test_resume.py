@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
@@ -192,3 +193,64 @@ def test_a_checkpoint_from_before_a_key_existed_reads_it_as_its_default(tmp_path
     check_same_run(older, cfg, tmp_path)  # the defaults: the same run
     with pytest.raises(ConfigError, match="grpo.kl_form"):
         check_same_run(older, config("full", "grpo.kl_form=no_dt").to_dict(), tmp_path)
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    """A finished run of 2 iterations with a checkpoint after each, and its run arguments."""
+    out = tmp_path_factory.mktemp("checkpointed") / "run"
+    args = [a for o in [*SMALL, "train.iterations=2"] for a in ("--set", o)]
+    assert main(["run", *args, "--checkpoint-every", "1", "--out", str(out)]) == 0
+    return out, args
+
+
+def _first(state):
+    return next(iter(state["parameters"]))
+
+
+# what a crafted checkpoint.pt changes, and what the one line then says
+CRAFTED = {
+    "no config": (lambda s: s.pop("config"), "config"),
+    "config of another shape": (lambda s: s.update(config=[1, 2]), "config"),
+    "config out of bounds": (lambda s: s["config"]["sampling"].update(steps=10_000_000), "sampling.steps"),
+    "records not JSON": (lambda s: s.update(records=["{not json"]), "records line 1"),
+    "records not lines": (lambda s: s.update(records="x"), "records"),
+    "a record's text iteration": (lambda s: s["records"].__setitem__(0, '{"iteration": "0"}'), "iteration"),
+    "records of other iterations": (lambda s: s["records"].reverse(), "records: iterations"),
+    "text iteration": (lambda s: s.update(iteration="1"), "iteration = '1'"),
+    "negative iteration": (lambda s: s.update(iteration=-5), "iteration = -5"),
+    "negative policy version": (lambda s: s.update(policy_version=-1), "policy_version"),
+    "wrong-shape parameter": (lambda s: s["parameters"].__setitem__(_first(s), torch.zeros(3)), "shape (3,)"),
+    "integer parameter": (lambda s: s["parameters"].__setitem__(_first(s), s["parameters"][_first(s)].long()),
+                          "torch.int64"),
+    "no parameters": (lambda s: s.update(parameters={}), "parameters"),
+    "half the parameters": (lambda s: s.update(parameters=dict(list(s["parameters"].items())[::2])), "missing"),
+    "another model's parameter": (lambda s: s["parameters"].update(extra=torch.zeros(1)), "'extra'"),
+    "optimizer state of another shape": (
+        lambda s: next(iter(s["optimizer"]["state"].values())).update(exp_avg=torch.zeros(7)), "optimizer state"),
+    "random states of another kind": (lambda s: s["rng"].update(torch=torch.zeros(3)), "rng.torch"),
+    "shard folder outside the run": (lambda s: s.update(shards="../../elsewhere"), "shards"),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_checkpoint_is_refused_in_one_line_and_nothing_is_touched(case, checkpointed, tmp_path, capsys):
+    """--resume reads checkpoint.pt through one validator (keys, types, shapes, iteration >= 0, records 0..k,
+    every trainable parameter and nothing else, strict loading): each crafted file is one line, exit 2, and
+    the run folder is left as it was (an iteration of -5 used to give status ok and records -4..-1, then
+    0..2 again)."""
+    import shutil
+
+    source, args = checkpointed
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    state = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    change, expected = CRAFTED[case]
+    change(state)
+    torch.save(state, out / CHECKPOINT_NAME)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["run", *args, "--set", "train.iterations=3", "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and CHECKPOINT_NAME in err[0] and expected in err[0] and "Traceback" not in err[0], err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

@@ -220,3 +220,50 @@ def test_failed_runs_are_reported_and_their_summaries_removed(tmp_path):
     assert [p.name for p in sorted(tmp_path.rglob("summary.json"))] == ["summary.json"] * 3  # ok, oom, damaged
     assert not (tmp_path / "failed" / "summary.json").exists() and (tmp_path / "failed" / "metrics.jsonl").exists()
     assert failed_runs(folders) == []
+
+
+def test_runs_that_differ_only_in_their_seed_are_checked_once(in_process, monkeypatch):
+    """snakemake -n with 20,000 seeds took over 5 minutes: every run's config was loaded, checked and its
+    method built again (21 ms a run). No check but the seed's own range reads the seed, so one job per seedless
+    config is checked, in this process and in the methods' check, and every run gets its method's options."""
+    loads = []
+    original = sweep_module.load_config
+
+    def counting(*args, **kwargs):
+        loads.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_module, "load_config", counting)
+    config = sweep_config()
+    config["seeds"] = list(range(50))
+    sweep = Sweep(config, SCHEMA)
+    assert len(sweep.runs) == 2 * 50
+    # the two methods and the gradcheck, each loaded by the sweep's check and by the methods' check
+    assert len(in_process) == 1 and len(in_process[0]) == 3 and len(loads) == 2 * 3
+    assert {r["method_options"]["name"] for r in sweep.runs.values() if r["method"] == "agg-w3"} == {"agg"}
+    assert all(r["method_options"] == {"name": "full", "micro_batch": None}
+               for r in sweep.runs.values() if r["method"] == "full")
+    assert len({run["seed"] for run in sweep.runs.values()}) == 50
+    assert "--set seed=49" in sweep.run_command("full_sd3_32px_s49_cpu")
+
+
+def test_a_sweep_of_more_runs_than_the_bound_is_refused(in_process):
+    """Snakemake's own parse grows faster than the runs (8,192 of them: 26 s; 20,000: 4 min 45 s), so a sweep
+    holds at most MAX_RUNS runs, counted after exclude, refused in one line before its jobs are composed."""
+    config = sweep_config()
+    config["seeds"] = list(range(sweep_module.MAX_RUNS // 2 + 1))
+    with pytest.raises(SweepError, match=f"more than {sweep_module.MAX_RUNS:,} runs after exclude"):
+        Sweep(config, SCHEMA)
+    config["exclude"] = [{"method": "agg-w3", "seed": "1*"}]  # leaves 4,096 - 1,111 runs
+    assert len(Sweep(config, SCHEMA).runs) <= sweep_module.MAX_RUNS
+
+
+def test_the_learning_reference_is_a_method_of_the_sweep(in_process):
+    """agg-bench learning refuses a --reference that is not a method of its manifest; the workflow passes
+    learning.reference, so the sweep refuses it before any job runs rather than after every run."""
+    config = sweep_config()
+    config["learning"] = {"reference": "nosuch"}
+    with pytest.raises(SweepError, match="learning.reference: 'nosuch' is not a label under methods"):
+        Sweep(config, SCHEMA)
+    config["learning"] = {"reference": "agg-w3"}
+    assert len(Sweep(config, SCHEMA).runs) == 2

@@ -23,8 +23,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from .. import stopping
 from ..config import RunConfig, TrainConfig
-from ..errors import ConfigError
-from ..jsonfiles import JsonFileError, read_json_object
+from ..errors import ConfigError, quote
+from ..jsonfiles import MAX_CONFIG_BYTES, JsonFileError, read_json_object
 from ..machine.activations import saved_activation_region
 from .counters import PassCounter, count_backward
 from .families import (  # noqa: F401  (TINY_*: the tiny presets' configs, also imported from here)
@@ -362,13 +362,57 @@ def _subfolder(pretrained: str, name: str, what: str) -> str:
 
 
 def folder_json(pretrained: str, name: str, what: str) -> dict:
-    """The JSON object in the model folder's file ``name`` (e.g. ``transformer/config.json``); a ConfigError
-    naming ``model.pretrained``, the file and its problem when it is not one (``what``: what it should hold)."""
+    """The JSON object in the model folder's file ``name`` (e.g. ``transformer/config.json``, at most
+    :data:`~agg_bench.jsonfiles.MAX_CONFIG_BYTES`); a ConfigError naming ``model.pretrained``, the file and its
+    problem when it is not one (``what``: what it should hold)."""
     try:
-        return read_json_object(os.path.join(pretrained, name), what)
+        return read_json_object(os.path.join(pretrained, name), what, MAX_CONFIG_BYTES)
     except JsonFileError as err:
         raise ConfigError("model.pretrained", pretrained,
                           f"a folder whose {name} is {what}, a JSON object ({name} {err.problem})") from None
+
+
+# Bounds on a model folder's transformer config, checked before anything is built from it. The public models
+# have at most 60 blocks of one kind (Qwen-Image; FLUX.1 19 + 38, SD3.5-Large 38) and no size above 4,096
+# (joint_attention_dim); how much memory the sizes add up to is the memory planner's question
+# (agg_bench.runtime.memplan.check_weights_fit), asked before a model is loaded.
+MAX_MODEL_LAYERS = 256  # a key ending in "layers" (num_layers, num_single_layers)
+MAX_MODEL_SIZE = 16384  # any other integer: widths, heads, channels, patch and sample sizes, RoPE axes
+
+
+def transformer_config_problem(config: dict) -> str | None:
+    """What keeps a model folder's transformer config from being built: an integer outside its bound (a
+    layer count in [1, MAX_MODEL_LAYERS], any other size in [1, MAX_MODEL_SIZE], an integer in a list, such
+    as a block index or RoPE axis, in [0, MAX_MODEL_SIZE]); None when nothing does. (A number of another
+    type where an integer goes is refused by diffusers, as a ConfigError of :func:`load_pretrained`.)"""
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for key, value in config.items():
+        top = MAX_MODEL_LAYERS if key.endswith("layers") else MAX_MODEL_SIZE
+        if is_int(value) and not 1 <= value <= top:
+            return f"{key} = {quote(value)}: expected an integer from 1 to {top}"
+        if isinstance(value, list):
+            bad = next((v for v in value if is_int(v) and not 0 <= v <= MAX_MODEL_SIZE), None)
+            if bad is not None:
+                return f"{key} holds {quote(bad)}: expected integers from 0 to {MAX_MODEL_SIZE}"
+    return None
+
+
+def pretrained_transformer_config(pretrained: str, family: str) -> dict:
+    """The model folder's ``transformer/config.json``, checked: a diffusers config of ``family``'s transformer
+    (a ConfigError naming ``model.family`` for another family's) whose sizes are within
+    :func:`transformer_config_problem`'s bounds (a ConfigError naming ``model.pretrained``)."""
+    expected = family_spec(family).transformer_cls()
+    config = folder_json(pretrained, "transformer/config.json", "the transformer's diffusers config")
+    name = config.get("_class_name")
+    if name and name != expected.__name__:
+        raise ConfigError("model.family", family, f"the family of {pretrained} ({quote(name)} in transformer/)")
+    problem = transformer_config_problem(config)
+    if problem is not None:
+        raise ConfigError("model.pretrained", pretrained, f"a model folder whose transformer/config.json has sizes "
+                          f"a model can have ({problem})")
+    return config
 
 
 def _load_component(cls, path: str, pretrained: str, what: str, **kwargs):
@@ -394,7 +438,7 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
         raise ConfigError("model.pretrained", pretrained, "an existing local diffusers folder")
     t_dir = _subfolder(pretrained, "transformer", "the transformer")
     spec = family_spec(family)
-    _check_class(pretrained, "transformer", spec.transformer_cls(), "model.family", family)
+    pretrained_transformer_config(pretrained, family)  # its class and its sizes, before anything is built
     transformer = _load_component(spec.transformer_cls(), t_dir, pretrained, "transformer weights",
                                   torch_dtype=param_dtype)
     vae_dir = _subfolder(pretrained, "vae", "the VAE")

@@ -19,6 +19,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserError
+from ..jsonfiles import MAX_CONFIG_BYTES, read_json_object
+
 CLASS_NAME = "PixelDecoder"
 
 
@@ -61,15 +64,18 @@ class PixelDecoder(torch.nn.Module):
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "PixelDecoder":
-        cfg = json.loads((Path(folder) / "config.json").read_text())
+        """The decoder ``folder/config.json`` describes (read bounded: a JsonFileError, a UserError, otherwise;
+        a TypeError for keys this decoder does not take)."""
+        cfg = read_json_object(Path(folder) / "config.json", "the pixel decoder's config", MAX_CONFIG_BYTES)
         cfg.pop("_class_name", None)
         return cls(**cfg)
 
 
 def is_pixel_decoder_folder(folder: str | Path) -> bool:
-    """Whether ``folder/config.json`` names this decoder."""
-    path = Path(folder) / "config.json"
+    """Whether ``folder/config.json`` names this decoder (a file that is not a JSON object of at most
+    :data:`~agg_bench.jsonfiles.MAX_CONFIG_BYTES` does not)."""
     try:
-        return json.loads(path.read_text()).get("_class_name") == CLASS_NAME
-    except (OSError, ValueError, AttributeError):
+        return read_json_object(Path(folder) / "config.json", "a config", MAX_CONFIG_BYTES).get("_class_name") \
+            == CLASS_NAME
+    except UserError:
         return False

@@ -12,15 +12,25 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, quote
+from ..jsonfiles import JsonFileError, read_json_object
 from .models import Conditioning
 
 
+MAX_PROMPT_FILE_BYTES = 64 * 2**20  # read whole: far above a public prompt set (HPDv2's 100k prompts: ~10 MB)
+
+
 def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
-    """Prompts from a .txt file (one per line) or a .jsonl file (``{"prompt": ...}`` per line)."""
+    """Prompts from a .txt file (one per line) or a .jsonl file (``{"prompt": ...}`` per line), at most
+    :data:`MAX_PROMPT_FILE_BYTES` (refused before it is read). An error names the file and the line, never
+    more than 200 characters of what it holds."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(key, str(path), "an existing .txt or .jsonl prompts file")
+    size = path.stat().st_size
+    if size > MAX_PROMPT_FILE_BYTES:
+        raise ConfigError(key, str(path), f"a prompts file of at most {MAX_PROMPT_FILE_BYTES:,} bytes "
+                                          f"(it has {size:,})")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -69,15 +79,32 @@ def hash_embed(prompts: list[str], dim: int, pooled_dim: int | None, max_tokens:
 TOKEN_HASH_FILE = "token_hash.json"  # in a model folder: its conditioning is this embedding, not text encoders
 
 
+MAX_TOKEN_HASH_BYTES = 64 * 2**10  # the file pretrain writes is one short line
+# the embedding's length: prompts.max_tokens's maximum; its seed: a run seed's
+TOKEN_HASH_BOUNDS = {"max_tokens": (1, 4096), "seed": (0, 2**32 - 1)}
+
+
 def token_hash_settings(folder: str | Path) -> dict | None:
     """``{"max_tokens": int, "seed": int}`` of a model folder conditioned by the token-hash embedding
-    (written by ``agg-bench pretrain``), or None when the folder has text encoders instead."""
+    (written by ``agg-bench pretrain``), or None when the folder has text encoders instead. The file is at
+    most :data:`MAX_TOKEN_HASH_BYTES` and its values integers within :data:`TOKEN_HASH_BOUNDS` (never a float,
+    which would be truncated); anything else is a ConfigError naming the folder, the file and the key."""
     path = Path(folder) / TOKEN_HASH_FILE
     if not path.is_file():
         return None
     try:
-        settings = json.loads(path.read_text())
-        return {"max_tokens": int(settings["max_tokens"]), "seed": int(settings["seed"])}
-    except (ValueError, KeyError, TypeError):
+        settings = read_json_object(path, 'the token-hash settings ({"max_tokens": ..., "seed": ...})',
+                                    MAX_TOKEN_HASH_BYTES)
+    except JsonFileError as err:
         raise ConfigError("model.pretrained", str(folder),
-                          f'a {TOKEN_HASH_FILE} with integer "max_tokens" and "seed"') from None
+                          f"a folder whose {TOKEN_HASH_FILE} holds the token-hash settings ({TOKEN_HASH_FILE} "
+                          f"{err.problem})") from None
+    out = {}
+    for key, (low, high) in TOKEN_HASH_BOUNDS.items():
+        value = settings.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError("model.pretrained", str(folder),
+                              f"a folder whose {TOKEN_HASH_FILE} has an integer {key} from {low} to {high} (it has "
+                              f"{quote(value)})")
+        out[key] = value
+    return out

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, quote
 
 COLORS: dict[str, tuple[float, float, float]] = {
     "red": (0.9, 0.1, 0.1),
@@ -62,7 +62,7 @@ def parse_caption(caption: str) -> Scene:
     """The scene a caption describes; ValueError for text outside the grammar (case and spacing are free)."""
     scene = _BY_CAPTION.get(" ".join(caption.lower().split()))
     if scene is None:
-        raise ValueError(f"{caption!r} is not a scene caption (e.g. {all_scenes()[13].caption!r})")
+        raise ValueError(f"{quote(caption)} is not a scene caption (e.g. {all_scenes()[13].caption!r})")
     return scene
 
 

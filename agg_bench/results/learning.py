@@ -41,13 +41,13 @@ import numpy as np
 import pandas as pd
 
 from ..errors import UserError, quote
-from ..io import read_jsonl, save_figure, write_text
+from ..io import save_figure, write_text
 from ..jsonfiles import read_json_object
 from ..outdir import Contents
 from .curves import (CURVE_PLOTS, TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
                      plot_pareto, run_curve, target_columns)
 from .plotting import method_style, pyplot
-from .records import EVALUATIONS_FILE, record_problem
+from .reading import METRICS_FILE, RunFolder
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 SCENE_PARTS = tuple(key.removeprefix("reward_") for key in SUBSCORES)  # the scene reward's sub-scores
@@ -93,7 +93,10 @@ def unweighted_parts(folder: Path) -> tuple[str, ...] | None:
 
 
 def load_runs(manifest: str | Path) -> list[Run]:
-    """Every run of the manifest that has records, ordered by iteration."""
+    """Every run of the manifest that has records, ordered by iteration. Each run folder is read by
+    :class:`agg_bench.results.reading.RunFolder`: every record by the record contract, with ``status`` and
+    ``iteration``, and ``reward_mean`` in an ok one; the in-run evaluations checked. A folder listed twice,
+    or two runs of one method and seed, is refused (a seed counts once)."""
     path = Path(manifest)
     if not path.is_file():
         raise UserError(f"manifest {path}: no such file")
@@ -101,45 +104,42 @@ def load_runs(manifest: str | Path) -> list[Run]:
     entries = read_json_object(path, "a learning manifest (an object with a list of runs)").get("runs", [])
     if not isinstance(entries, list):
         raise UserError(f"manifest {path}: runs = {quote(entries)}: expected a list")
+    folders: dict[Path, int] = {}
+    seeds: dict[tuple[str, int], int] = {}
     for i, entry in enumerate(entries):
         if not (isinstance(entry, dict) and isinstance(entry.get("dir"), str) and isinstance(entry.get("method"), str)
                 and type(entry.get("seed")) in (int, type(None))):
             raise UserError(f"manifest {path}: runs[{i}] = {quote(entry)}: expected an object with the run's "
                             "dir and method (strings) and its seed (an integer)")
-        metrics = Path(entry["dir"]) / "metrics.jsonl"
-        if not metrics.is_file():
-            raise UserError(f"{metrics}: no such file (has the run finished?)")
-        lines = list(read_jsonl(metrics))
-        for k, record in enumerate(lines):
-            if record_problem(record) is not None:
-                raise UserError(f"{metrics}: record {k + 1}: {record_problem(record)}")
+        method, seed, folder = entry["method"], int(entry.get("seed") or 0), RunFolder(entry["dir"])
+        where = f"manifest {path}: runs[{i}]"
+        resolved = folder.dir.resolve()
+        if resolved in folders:
+            raise UserError(f"{where}: dir {quote(entry['dir'])} is also runs[{folders[resolved]}]'s; expected each "
+                            "run once")
+        if (method, seed) in seeds:
+            raise UserError(f"{where}: method {quote(method)} seed {seed} is also runs[{seeds[method, seed]}]'s; "
+                            "expected one run per method and seed (each counts as a seed)")
+        folders[resolved], seeds[method, seed] = i, i
+        if not folder.has(METRICS_FILE):
+            raise UserError(f"{folder.path(METRICS_FILE)}: no such file (has the run finished?)")
+        lines = folder.records(required=("status", "iteration"))
+        missing = next((k for k, r in enumerate(lines, 1) if r["status"] == "ok" and r.get("reward_mean") is None),
+                       None)
+        if missing is not None:
+            raise UserError(f"{folder.path(METRICS_FILE)}: record {missing}: no 'reward_mean' (an ok record has one)")
         records = pd.DataFrame(lines)
         if records.empty:
             continue
         records = records[records["status"] == "ok"].sort_values("iteration").reset_index(drop=True)
-        runs.append(Run(entry["method"], int(entry.get("seed") or 0), Path(entry["dir"]), records,
-                        load_evaluations(Path(entry["dir"]) / EVALUATIONS_FILE), unweighted_parts(Path(entry["dir"]))))
+        evaluations = folder.evaluations()
+        runs.append(Run(method, seed, folder.dir, records,
+                        None if evaluations is None else
+                        pd.DataFrame(evaluations).sort_values("iteration").reset_index(drop=True),
+                        unweighted_parts(folder.dir)))
     if not runs:
         raise UserError(f"manifest {path}: no run with records")
     return runs
-
-
-def load_evaluations(path: Path) -> pd.DataFrame | None:
-    """A run's in-run evaluations (``evaluations.jsonl``) in iteration order; None if it has none."""
-    if not path.is_file():
-        return None
-    lines = list(read_jsonl(path))
-    for k, line in enumerate(lines):
-        iteration, reward = line.get("iteration"), line.get("eval_reward")
-        if type(iteration) is not int or iteration < 0 or isinstance(reward, bool) or \
-                not isinstance(reward, (int, float)):
-            raise UserError(f"{path}: line {k + 1}: expected an iteration (an integer >= 0) and an eval_reward "
-                            f"(a number), not {quote(line)}")
-    if not lines:
-        return None
-    if not any(line["iteration"] == 0 for line in lines):  # every gain and target is measured from it
-        raise UserError(f"{path}: no evaluation of the starting weights (iteration 0)")
-    return pd.DataFrame(lines).sort_values("iteration").reset_index(drop=True)
 
 
 def held_out_curves(runs: list[Run]) -> tuple[dict[int, pd.DataFrame], dict[str, list[int]]]:

@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 
 from ..errors import ConfigError, UserError, quote
-from ..io import read_jsonl
 from ..jsonfiles import read_json_object
-from .records import PLOT_TABLES, TEXT_KEYS, record_problem
+from .reading import RunFolder
+from .records import PLOT_TABLES, TEXT_KEYS
 
 
 @dataclass
@@ -216,19 +216,6 @@ def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
     return out
 
 
-def _run_file(run_dir: Path, name: str) -> dict:
-    """The JSON object in the run folder's file ``name`` ({} when the run did not write one); a UserError
-    naming the file when it is not a JSON object."""
-    path = run_dir / name
-    return read_json_object(path, f"the {name} of an agg-bench run (a JSON object)") if path.exists() else {}
-
-
-def _run_section(data: dict, key: str, where: str) -> dict:
-    """``data[key]``, an object ({} when absent or null); a UserError naming ``where`` and ``key`` otherwise."""
-    _check(f"{where}: {key}", data.get(key), OBJECT)
-    return data.get(key) or {}
-
-
 # Columns load_records adds to every record: its labels and what its run folder says beside the records
 # (the summary's status, the plan's bytes, the config's optimizer steps).
 ADDED_COLUMNS = ("method_name", "method_options", "source", "weights", "planned_activation_bytes",
@@ -240,22 +227,19 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
 
     Added columns: ``method_name`` (the estimator), ``method_options`` (JSON), ``hardware``, ``source``
     (measured | imported), ``run_status`` (the summary's status) and ``run_dir``. A run that wrote no
-    record (it failed while starting) still gets one row, with its status and no measurements.
+    record (it failed while starting) still gets one row, with its status and no measurements. Each run
+    folder is read by :class:`agg_bench.results.reading.RunFolder` (its config typed and bounded, its
+    records by the record contract).
     """
     rows = []
     for entry in entries:
         run_dir = Path(entry.dir)
-        summary = _run_file(run_dir, "summary.json")
-        config = _run_file(run_dir, "config.json")
-        metrics = run_dir / "metrics.jsonl"
-        records = list(read_jsonl(metrics)) if metrics.exists() else []
+        folder = RunFolder(run_dir)  # every file read and checked by the one reader of a run folder
+        summary = folder.summary()
+        config = folder.config(required=False)
+        records = folder.records()
         if not summary and not records:
             raise UserError(f"run {run_dir}: no summary.json or metrics.jsonl")
-        for where, record in [(run_dir / "summary.json", summary),
-                              *((f"{metrics}: record {i + 1}", r) for i, r in enumerate(records))]:
-            problem = record_problem(record)
-            if problem is not None:
-                raise UserError(f"{where}: {problem}")
         # a run killed before writing its summary has records but no final status
         status = summary.get("status") or "interrupted"
         if not records:
@@ -264,14 +248,11 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
             records[0]["status"] = status
         options = entry.method_options
         if options is None:
-            options = dict(_run_section(config, "method", run_dir / "config.json")
-                           or {"name": records[0].get("method")})
+            options = config.method.to_dict() if config is not None else {"name": records[0].get("method")}
         source = entry.source or summary.get("source") or records[0].get("source") or "measured"
-        planned = _run_section(_run_file(run_dir, "plan.json"), "bytes", run_dir / "plan.json")
+        planned = folder.plan()
         # optimizer steps per iteration, which the cost model prices; unknown without a config
-        optimizer_steps = _run_section(config, "train", run_dir / "config.json").get("inner_epochs", 1) \
-            if config else None
-        _check(f"{run_dir / 'config.json'}: train.inner_epochs", optimizer_steps, INTEGER)
+        optimizer_steps = config.train.inner_epochs if config is not None else None
         for record in records:
             row = dict(record)
             row["method_name"] = options.get("name", record.get("method"))

@@ -8,6 +8,7 @@ training engine just to know what a record holds.
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from ..errors import quote
@@ -70,18 +71,43 @@ def new_record(*fields: Mapping, **more) -> dict:
     return record
 
 
-def record_problem(record: dict) -> str | None:
-    """What is wrong with a metric record (or a run summary, which repeats its identity keys): the first
-    known key holding the wrong kind of value, e.g. ``'t_iter_s' = 'fast': expected a number or null``;
-    None when nothing is. Keys a method adds are its own business."""
+def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
+    """What is wrong with a metric record (or a run summary, which repeats its identity keys): a key of
+    ``required`` missing or null, or the first known key holding the wrong kind of value, e.g. ``'t_iter_s' =
+    'fast': expected a finite number or null``; None when nothing is. A number is finite (a run writes a
+    non-finite value as null) and ``iteration`` an integer >= 0. Keys a method adds are its own business."""
+    for key in required:
+        if record.get(key) is None:
+            return f"no {key!r} (expected in every record)"
     for key in (*TEXT_KEYS, *NUMBER_KEYS):
         value = record.get(key)
         if value is None:
             continue
         if key in TEXT_KEYS and not isinstance(value, str):
             return f"{key!r} = {quote(value)}: expected a string or null"
-        if key not in TEXT_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            return f"{key!r} = {quote(value)}: expected a number or null"
+        if key not in TEXT_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                     or not math.isfinite(value)):
+            return f"{key!r} = {quote(value)}: expected a finite number or null"
+    iteration = record.get("iteration")
+    if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
+        return f"'iteration' = {quote(iteration)}: expected an integer >= 0"
+    return None
+
+
+def records_problem(records: list[dict], required: tuple[str, ...] = ()) -> str | None:
+    """What is wrong with a run's records: the first record's :func:`record_problem` (``record k: ...``,
+    counted from 1), or an iteration recorded twice; None when nothing is."""
+    seen: dict[int, int] = {}
+    for k, record in enumerate(records, 1):
+        problem = record_problem(record, required)
+        if problem is not None:
+            return f"record {k}: {problem}"
+        iteration = record.get("iteration")
+        if iteration is not None:
+            if iteration in seen:
+                return (f"record {k}: 'iteration' = {iteration}: expected each iteration once (record "
+                        f"{seen[iteration]} has it)")
+            seen[iteration] = k
     return None
 
 

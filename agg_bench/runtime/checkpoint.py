@@ -22,8 +22,10 @@ deleted or holds records of iterations after the checkpoint (the workflow remove
 """
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +35,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError, UserError, quote
 from ..io import atomic_file
 
 CHECKPOINT_NAME = "checkpoint.pt"
 SHARDS_PREFIX = "checkpoint_shards_"
+SHARDS_NAME = re.compile(re.escape(SHARDS_PREFIX) + r"[0-9]+")  # a folder beside checkpoint.pt, never a path
 FORMAT = 1
 # Config keys that change neither what a run computes nor what it records in metrics.jsonl: a finished run
 # rerun with other values of these is the same run (a rerun replaces it without --overwrite).
@@ -196,40 +199,177 @@ def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[
     return path
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_lines(lines: Any, what: str) -> tuple[list[dict] | None, str | None]:
+    """``lines`` (a list of JSON texts, each an object) parsed; or the problem."""
+    if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
+        return None, f"{what} = {quote(lines)}: expected a list of JSON lines"
+    parsed = []
+    for k, line in enumerate(lines, 1):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            return None, f"{what} line {k} = {quote(line)}: expected a JSON object"
+        if not isinstance(value, dict):
+            return None, f"{what} line {k} = {quote(line)}: expected a JSON object"
+        parsed.append(value)
+    return parsed, None
+
+
+def _rng_problem(rng: Any) -> str | None:
+    """What keeps ``rng`` from being the random states :func:`_rng_state` writes; None when nothing does."""
+    if not isinstance(rng, dict):
+        return f"rng = {quote(rng)}: expected the random states (an object)"
+    if not (isinstance(rng.get("torch"), torch.Tensor) and rng["torch"].dtype == torch.uint8):
+        return "rng.torch: expected torch's random state (a uint8 tensor)"
+    if rng.get("cuda") is not None and not (isinstance(rng["cuda"], torch.Tensor) and rng["cuda"].dtype == torch.uint8):
+        return "rng.cuda: expected CUDA's random state (a uint8 tensor) or null"
+    n = rng.get("numpy")
+    if not (isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("keys"), torch.Tensor)
+            and tuple(n["keys"].shape) == (624,) and _is_int(n.get("pos")) and _is_int(n.get("has_gauss"))
+            and isinstance(n.get("cached"), float)):
+        return "rng.numpy: expected numpy's random state (name, 624 keys, pos, has_gauss, cached)"
+    p = rng.get("python")
+    if not (isinstance(p, (tuple, list)) and len(p) == 3 and _is_int(p[0]) and isinstance(p[1], (tuple, list))
+            and all(_is_int(v) for v in p[1]) and (p[2] is None or isinstance(p[2], float))):
+        return "rng.python: expected Python's random state (version, internal state, gauss)"
+    return None
+
+
+def checkpoint_problem(state: Any) -> str | None:
+    """What keeps ``state`` from being a checkpoint :func:`save_checkpoint` writes; None when nothing does.
+
+    Checked: the format; ``iteration`` and ``policy_version`` integers >= 0; ``records`` the JSON lines of
+    iterations 0..``iteration`` in order, each by the record contract; ``evaluations`` JSON lines of the
+    states up to it; ``config`` the typed run config with its bounds; the random states; and either the
+    whole ``parameters`` (names to floating-point tensors) with the ``optimizer`` state, or the name of its
+    shard folder. Whether the parameters are this model's is :func:`parameters_problem`'s question."""
+    from ..results.reading import evaluations_problem, run_config
+    from ..results.records import records_problem
+
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        return f"not an agg-bench checkpoint of format {FORMAT}"
+    iteration = state.get("iteration")
+    if not _is_int(iteration) or iteration < 0:
+        return f"iteration = {quote(iteration)}: expected an integer >= 0"
+    version = state.get("policy_version")
+    if not _is_int(version) or version < 0:
+        return f"policy_version = {quote(version)}: expected an integer >= 0"
+    records, problem = _json_lines(state.get("records"), "records")
+    if problem is None:
+        problem = records_problem(records, ("iteration",))
+        problem = None if problem is None else f"records: {problem}"
+    if problem is None and [r["iteration"] for r in records] != list(range(iteration + 1)):
+        problem = f"records: iterations {quote([r['iteration'] for r in records])}: expected 0 to {iteration} in order"
+    if problem is not None:
+        return problem
+    evaluations, problem = _json_lines(state.get("evaluations", []), "evaluations")
+    if problem is None:
+        problem = evaluations_problem(evaluations)
+        problem = None if problem is None else f"evaluations: {problem}"
+    if problem is None and any(e["iteration"] > iteration + 1 for e in evaluations):
+        problem = f"evaluations: a state after iteration {iteration}, the checkpoint's"
+    if problem is not None:
+        return problem
+    try:
+        run_config(state.get("config"), "config")
+    except UserError as err:
+        return str(err)
+    problem = _rng_problem(state.get("rng"))
+    if problem is not None:
+        return problem
+    if "shards" in state:
+        name = state["shards"]
+        if not (isinstance(name, str) and SHARDS_NAME.fullmatch(name)):
+            return f"shards = {quote(name)}: expected the name of a shard folder beside it ({SHARDS_PREFIX}NNNNNN)"
+        return None
+    params = state.get("parameters")
+    if not isinstance(params, dict) or not params or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()):
+        return "parameters: expected the trainable parameters (names to tensors)"
+    name = next((k for k, v in params.items() if not v.is_floating_point()), None)
+    if name is not None:
+        return f"parameters: {quote(name)} is a {params[name].dtype} tensor; expected floating-point parameters"
+    optimizer = state.get("optimizer")
+    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
+            and isinstance(optimizer.get("param_groups"), list)):
+        return "optimizer: expected the optimizer's state (state, param_groups)"
+    return None
+
+
 def read_checkpoint(path: str | Path, prefix: str = "", advice: str = "") -> dict:
-    """The state dict of the checkpoint file ``path``, read with ``weights_only=True``: tensors, numbers,
-    strings and containers only, so a crafted file cannot run code. A foreign, damaged or pickled-object
-    file is a UserError (``prefix`` + the reason + ``advice``), never an unpickling traceback."""
+    """The state dict of the checkpoint file ``path``, read with ``weights_only=True`` (tensors, numbers,
+    strings and containers only, so a crafted file cannot run code) and checked whole
+    (:func:`checkpoint_problem`). A foreign, damaged, pickled-object or malformed file is a UserError
+    (``prefix`` + the file + the reason + ``advice``), never an unpickling traceback."""
     path = Path(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle / zip errors come in many types; all mean "not our checkpoint"
         raise UserError(f"{prefix}{path} is not a readable agg-bench checkpoint ({type(err).__name__}){advice}") \
             from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UserError(f"{prefix}{path} is not an agg-bench checkpoint of format {FORMAT}{advice}")
+    problem = checkpoint_problem(state)
+    if problem is not None:
+        raise UserError(f"{prefix}{path}: {problem}{advice}")
     return state
+
+
+def parameters_problem(saved: dict, params: dict[str, torch.Tensor]) -> str | None:
+    """What keeps a checkpoint's ``saved`` parameters from being exactly the model's trainable ``params``
+    (every one present, no other, each of its shape); None when nothing does."""
+    missing = [name for name in params if name not in saved]
+    if missing:
+        return (f"holds no {quote(missing[0])} ({len(missing)} of the model's {len(params)} trainable parameters "
+                "missing)")
+    unexpected = [name for name in saved if name not in params]
+    if unexpected:
+        return f"holds {quote(unexpected[0])}, which the model does not train ({len(unexpected)} such parameters)"
+    for name, p in params.items():
+        if tuple(saved[name].shape) != tuple(p.shape):
+            return f"parameter {quote(name)} has shape {tuple(saved[name].shape)}; the model's is {tuple(p.shape)}"
+    return None
+
+
+def load_parameters(module_params: dict[str, torch.Tensor], saved: dict, path: Path, prefix: str = "",
+                    advice: str = "") -> None:
+    """Copy ``saved`` (a checked checkpoint's parameters) into the model's trainable parameters, strictly:
+    a UserError naming ``path`` unless they are exactly those parameters, each of its shape."""
+    problem = parameters_problem(saved, module_params)
+    if problem is not None:
+        raise UserError(f"{prefix}{path} does not match the model: it {problem}{advice}")
+    with torch.no_grad():
+        for name, p in module_params.items():
+            p.copy_(saved[name])
 
 
 def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | None:
     """Restore ``session`` from DIR/checkpoint.pt; None (and nothing changed) when there is none.
 
     Raises a ConfigError when ``config`` differs from the checkpoint's in a key that changes what is
-    computed, and a UserError when the file is not a checkpoint of this model.
+    computed, and a UserError when the file is not a checkpoint of this model (:func:`read_checkpoint`,
+    then its parameters, optimizer state and random states as this session takes them).
     """
     path = checkpoint_path(out_dir)
     if not path.is_file():
         return None
-    state = read_checkpoint(path, "--resume: ", "; delete it or run without --resume")
+    advice = "; delete it or run without --resume"
+    state = read_checkpoint(path, "--resume: ", advice)
     check_same_run(state["config"], config, Path(out_dir))
     if "shards" in state:
         _load_shards(Path(out_dir), session, state["shards"], path)
     else:
-        _load_parameters(session, state, path)
+        _load_parameters(session, state, path, advice)
     session.policy.version = state["policy_version"]
     if isinstance(state.get("method_state"), dict):
         session.estimator.load_state_dict(state["method_state"], session.policy)
-    _set_rng_state(state["rng"], session.device)
+    try:
+        _set_rng_state(state["rng"], session.device)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise UserError(f"--resume: {path}: rng: not random states this machine takes ({type(err).__name__}){advice}") \
+            from None
     return Checkpoint(iteration=state["iteration"], records=list(state["records"]),
                       evaluations=list(state.get("evaluations", [])))
 
@@ -255,14 +395,35 @@ def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:
                    optim_state_dict=state["optimizer"], options=StateDictOptions(ignore_frozen_params=True))
 
 
-def _load_parameters(session, state: dict, path: Path) -> None:
-    """Copy a whole (unsharded) checkpoint's parameters and optimizer state into the session."""
+def _load_parameters(session, state: dict, path: Path, advice: str) -> None:
+    """Copy a whole (unsharded) checkpoint's parameters and optimizer state into the session, both checked
+    against the session's trainable parameters first (nothing is changed when either does not match)."""
     params = dict(session.policy.named_parameters())
-    saved = state["parameters"]
-    if set(saved) != set(params):
-        missing = sorted(set(params) ^ set(saved))[0]
-        raise UserError(f"--resume: {path} does not match the model's trainable parameters (e.g. {missing!r})")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(saved[name])
-    session.optimizer.load_state_dict(state["optimizer"])
+    problem = parameters_problem(state["parameters"], params)
+    if problem is None:
+        problem = _optimizer_problem(state["optimizer"], list(params.values()))
+    if problem is not None:
+        raise UserError(f"--resume: {path} does not match the model: it {problem}{advice}")
+    load_parameters(params, state["parameters"], path, "--resume: ", advice)
+    try:
+        session.optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise UserError(f"--resume: {path}: optimizer: not this run's optimizer state ({type(err).__name__})"
+                        f"{advice}") from None
+
+
+def _optimizer_problem(optimizer: dict, params: list[torch.Tensor]) -> str | None:
+    """What keeps ``optimizer`` from being the state of an optimizer over ``params`` (in order): every
+    per-parameter tensor that is not a scalar has its parameter's shape; None when nothing does."""
+    groups = optimizer["param_groups"]
+    ids = [i for g in groups if isinstance(g, dict) for i in (g.get("params") or [])]
+    if not all(isinstance(g, dict) for g in groups) or sorted(ids) != list(range(len(params))):
+        return f"holds the optimizer state of {len(ids)} parameters; the model trains {len(params)}"
+    for index, values in optimizer["state"].items():
+        if not (_is_int(index) and 0 <= index < len(params) and isinstance(values, dict)):
+            return f"holds optimizer state for parameter {quote(index)}, which it does not train"
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(params[index].shape):
+                return (f"holds optimizer state {key!r} of shape {tuple(value.shape)} for a parameter of shape "
+                        f"{tuple(params[index].shape)}")
+    return None

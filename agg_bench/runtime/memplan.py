@@ -41,7 +41,7 @@ import torch
 from ..config import RunConfig
 from ..engine.families import family_spec
 from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build_tiny_vae, policy_class,
-                             prepare_training, precision, text_dims, vae_dtype)
+                             precision, prepare_training, pretrained_transformer_config, text_dims, vae_dtype)
 from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 from ..errors import ConfigError
 from ..machine import distributed
@@ -124,6 +124,8 @@ def _shapes(cfg: RunConfig, part: str, dtype: torch.dtype = torch.float32) -> to
             folder = _subfolder(model.pretrained, part, f"the {part}")
             if part == "vae" and is_pixel_decoder_folder(folder):  # a pixel-space model: no weights
                 module = PixelDecoder.from_folder(folder)
+            elif part == "transformer":  # its sizes checked before anything is built from them
+                module = cls.from_config(pretrained_transformer_config(model.pretrained, family))
             else:
                 module = cls.from_config(cls.load_config(folder))
         elif model.preset == "random":
@@ -195,6 +197,43 @@ def _checkpoint_inputs(transformer: torch.nn.Module):
             module._gradient_checkpointing_func = original
 
 
+def saved_bytes(policy: Policy, mode, rows: int, latent_shape: tuple[int, ...], text_tokens: int,
+                mask: bool = False) -> tuple[int, int]:
+    """What one forward-with-grad of ``policy`` (on fake tensors of ``mode``) on ``rows`` latents of
+    ``latent_shape`` and ``text_tokens`` text tokens (with an attention ``mask``) saves for backward, in bytes,
+    and of that the inputs that checkpointed blocks keep for their recompute."""
+    dim, pooled = text_dims(policy.transformer)
+    with mode, torch.enable_grad():
+        dtype = policy.dtype
+        cond = Conditioning(torch.zeros(rows, text_tokens, dim, dtype=dtype),
+                            None if pooled is None else torch.zeros(rows, pooled, dtype=dtype),
+                            torch.ones(rows, text_tokens, dtype=torch.long) if mask else None)
+        latents = torch.zeros(rows, *latent_shape, dtype=dtype)
+        timesteps = torch.full((rows,), 500.0, dtype=dtype)
+        with counting_regions(SavedActivations()) as tracker, _checkpoint_inputs(policy.transformer) as held:
+            policy.velocity(latents, timesteps, cond)
+    return tracker.peak_bytes + held.bytes, held.bytes
+
+
+def training_bytes(transformer: torch.nn.Module, family: str, vae: torch.nn.Module, resolution: int, rows: int,
+                   text_tokens: int, state_copies: int) -> dict[str, int]:
+    """The memory of training ``transformer`` (built on the meta device; replaced by fake tensors here) that
+    is not a run's (``agg-bench pretrain``'s model), counted as the planner counts a run's: ``parameters``,
+    ``state`` (``state_copies`` tensors the size of the parameters: the weights, their gradients, AdamW's two
+    moments, an average) and ``activations`` (what one forward-with-grad of ``rows`` latents at ``resolution``
+    saves), and their ``total``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    _to_fake(transformer, mode)
+    policy = policy_class(family)(transformer, vae)
+    params = list(transformer.parameters())
+    state = state_copies * _tensor_bytes(params) + _tensor_bytes(transformer.buffers())
+    activations, _ = saved_bytes(policy, mode, rows, policy.latent_shape(resolution), text_tokens)
+    return {"parameters": sum(p.numel() for p in params), "state": state, "activations": activations,
+            "total": state + activations}
+
+
 def _tensor_bytes(tensors, shards: int = 1) -> int:
     """Bytes of ``tensors``, each split ``shards`` ways along dim 0 with padding (an FSDP2 shard)."""
     total = 0
@@ -245,22 +284,10 @@ class ShapeModel:
         """Bytes one forward-with-grad of ``rows`` latents saves for backward."""
         key = (rows, checkpointing, lora_rank)
         if key not in self._activations:
-            policy = self.policy(checkpointing, lora_rank)
-            dim, pooled = text_dims(policy.transformer)
-            length = self.text_tokens
-            with self.mode, torch.enable_grad():
-                dtype = policy.dtype
-                mask = None
-                if self.spec.text_attention_mask and self.cfg.model.pretrained:
-                    mask = torch.ones(rows, length, dtype=torch.long)  # its text encoders' embeddings carry one
-                cond = Conditioning(torch.zeros(rows, length, dim, dtype=dtype),
-                                    None if pooled is None else torch.zeros(rows, pooled, dtype=dtype), mask)
-                latents = torch.zeros(rows, *self.latent_shape, dtype=dtype)
-                timesteps = torch.full((rows,), 500.0, dtype=dtype)
-                with counting_regions(SavedActivations()) as tracker, _checkpoint_inputs(policy.transformer) as held:
-                    policy.velocity(latents, timesteps, cond)
-            self._activations[key] = tracker.peak_bytes + held.bytes
-            self._checkpoint_inputs[key] = held.bytes
+            # a local model's text encoders give embeddings with a mask
+            mask = bool(self.spec.text_attention_mask and self.cfg.model.pretrained)
+            self._activations[key], self._checkpoint_inputs[key] = saved_bytes(
+                self.policy(checkpointing, lora_rank), self.mode, rows, self.latent_shape, self.text_tokens, mask)
         return self._activations[key]
 
     def checkpoint_input_bytes(self, rows: int, checkpointing: bool, lora_rank: int) -> int:
@@ -430,6 +457,36 @@ def plan_memory(cfg: RunConfig, gpus: int = 1, gpu_memory: float | None = None, 
                           base.micro_batch, base.gradient_checkpointing, base.lora_rank))
 
 
+def check_weights_fit(cfg: RunConfig) -> None:
+    """Before a model folder (``model.pretrained``) is loaded: its transformer's weights, counted on the meta
+    device from its ``transformer/config.json`` (whose sizes are checked first), must fit the memory of the
+    run's device (:func:`gpu_memory_bytes`: the GPU's, or this machine's for a CPU run); a ConfigError naming
+    ``model.pretrained`` says "does not fit" otherwise. Every process loads the whole model before any
+    sharding, so this holds for any layout; whether training fits too is :func:`plan_memory`'s answer. The
+    tiny and random presets are built from configs of the harness's own and are not checked here."""
+    if not cfg.model.pretrained:
+        return
+    device = _device_type(cfg)
+    budget = gpu_memory_bytes(device)
+    with torch.random.fork_rng(devices=[]):
+        transformer = _shapes(cfg, "transformer", precision(cfg.model.dtype).param_dtype)
+    weights = _tensor_bytes(transformer.parameters()) + _tensor_bytes(transformer.buffers())
+    if weights > budget:
+        count = sum(p.numel() for p in transformer.parameters())
+        raise ConfigError("model.pretrained", cfg.model.pretrained,
+                          f"a model whose weights fit: its transformer/config.json describes {count:,} parameters, "
+                          f"{bytes_text(weights)} in {cfg.model.dtype}, more than the {bytes_text(budget)} of this "
+                          f"{device} (the memory planner: does not fit)")
+
+
+def bytes_text(n: float) -> str:
+    """``n`` bytes in words: "512 B", "3.2 MiB", "1.5 GiB"."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def run_memory_plan(cfg: RunConfig, gpus: int) -> dict:
     """What a run records in ``plan.json``: its plan on ``gpus`` processes (no suggestions), or the error
     that kept it from being made (a run does not fail for want of a plan)."""
@@ -457,4 +514,5 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Layout", "MemoryPlan", "ShapeModel", "format_plan", "gpu_memory_bytes", "plan_memory", "run_layout"]
+__all__ = ["Layout", "MemoryPlan", "ShapeModel", "check_weights_fit", "format_plan", "gpu_memory_bytes", "plan_memory",
+           "run_layout", "saved_bytes", "training_bytes", "bytes_text"]

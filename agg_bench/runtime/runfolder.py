@@ -41,7 +41,6 @@ killed run leaves whole files. The rules, in the order a run meets them:
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..config import DEFAULTS
@@ -49,6 +48,7 @@ from ..errors import UserError
 from ..io import JsonlWriter, is_temp_name, write_json, write_lines
 from ..machine.envinfo import environment
 from ..outdir import Claim, Contents, check_folder, remove_owned
+from ..results.reading import RunFolder
 from ..results.records import EVALUATIONS_FILE
 from .checkpoint import CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference
 from .curves import CONTENTS as CURVES_CONTENTS
@@ -66,8 +66,8 @@ RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics
 def _run_config(folder: Path) -> dict | None:
     """The run config a run folder holds (its ``config.json``), or None when it is not a run folder."""
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        config = RunFolder(folder).config_object()  # the one reader of a run folder: bounded, one line if bad
+    except UserError:
         return None
     return config if isinstance(config, dict) and {"model", "train", "method"} <= set(config) else None
 

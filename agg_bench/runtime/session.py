@@ -28,6 +28,7 @@ from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
 from ..methods.base import Estimator, build_estimator
+from .memplan import check_weights_fit
 from .model_reuse import policy_for
 
 
@@ -96,6 +97,10 @@ class Session:
     def __init__(self, cfg: RunConfig, estimator: Estimator | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if estimator is None:
+            estimator = build_estimator(cfg)  # from the options the config was validated with
+        estimator.check_run(cfg)  # the method's bounds (its sizes among them) before anything is allocated
+        check_weights_fit(cfg)  # a model folder's sizes, and whether its weights fit, before it is loaded
         torch.manual_seed(cfg.seed)
         # model + precision + gradient checkpointing + LoRA (built, or a cell job's kept model as built); the
         # reference below is LoRA-aware
@@ -109,9 +114,7 @@ class Session:
         stopping.check()
         self.reward_fn = build_reward(cfg.reward.name, cfg.reward.options, self.device)
         stopping.check()
-        if estimator is None:
-            estimator = build_estimator(cfg)  # from the options the config was validated with
-        ready_estimator(estimator, cfg, self.policy, self.device)
+        ready_estimator(estimator, cfg, self.policy, self.device)  # the empty prompt, where its rollout guides
         self.estimator = estimator
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
         fsdp.shard_run(cfg, self.policy, self.reference)  # train.shard: fsdp; before the optimizer sees the parameters

@@ -5,73 +5,104 @@ The command, ``agg-bench learning --manifest FILE [--tables DIR] [--plots DIR] .
 each run's final checkpoint on held-out noise (:class:`CheckpointEvaluation`, which samples the models: the
 engine and torch are imported here, not in the results wing) and writes the tables and plots of
 :mod:`agg_bench.results.learning` and :mod:`agg_bench.results.curves` (their docstrings say what every
-column and plot is), the latter from the runs' own in-run evaluations.
+column and plot is), the latter from the runs' own in-run evaluations. Every input is checked before a
+model is sampled or a file written (:func:`learning_report`), run folders through the one reader of a run
+folder (:mod:`agg_bench.results.reading`) and checkpoints through the resume validator
+(:func:`agg_bench.runtime.checkpoint.read_checkpoint`).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from ..errors import UserError
+from ..errors import UserError, quote
 from ..io import write_text
 from ..outdir import claimed_folders
 from ..results.learning import (EVAL_SOURCES, PLOTS_CONTENTS, TABLES_CONTENTS, Run, learning_table, load_runs,
                                 plot_held_out, plot_rewards, write_curves, write_table)
+from ..results.reading import RunFolder
 from ..runtime.evaluation import SAMPLERS
 
 GRID_CAPTIONS = 6  # the sample grid's columns: the first captions of the evaluation's first noise
+MAX_EVAL_SEED = 2**32 - 1  # eval.seed's maximum: the seed of the first chunk's generator
+MAX_LABEL = 200  # characters of a method label
+DEFAULT_REFERENCE = "full"  # the reference method when --reference is not given
+
+
+def scene_caption_problem(captions: list[str]) -> str | None:
+    """The first caption the scene reward cannot score (quoted, at most 200 characters), or None."""
+    from ..engine.scenes import parse_caption
+
+    for k, caption in enumerate(captions, 1):
+        try:
+            parse_caption(caption)
+        except ValueError as err:
+            return f"caption {k} {err}"
+    return None
 
 
 class CheckpointEvaluation:
     """The held-out evaluation (:class:`agg_bench.runtime.evaluation.Evaluation`) of the runs' starting
     weights and of each run's final ``checkpoint.pt``: the model, prompts, schedule, SDE and reward of the
-    first run's config, ``noises`` fixed noises per caption seeded by ``seed``, ``sampler`` ``ode`` or
-    ``sde``. A run's in-run evaluations (``eval.every``) are the same evaluation of its weights along the
-    way."""
+    first run's ``config`` (the typed run config its folder holds), ``noises`` fixed noises per caption
+    seeded by ``seed``, ``sampler`` ``ode`` or ``sde``. A run's in-run evaluations (``eval.every``) are the
+    same evaluation of its weights along the way. ``grid``: the sample grid will score the first images
+    with the scene reward, so their captions must be scene captions. The captions are checked against the
+    reward before the model is loaded, and the model folder by the memory planner
+    (:func:`agg_bench.runtime.memplan.check_weights_fit`)."""
 
-    def __init__(self, runs: list[Run], noises: int = 16, seed: int = 0, sampler: str = "ode"):
-        from ..config import RunConfig
+    def __init__(self, runs: list[Run], noises: int = 16, seed: int = 0, sampler: str = "ode",
+                 config=None, grid: bool = False):
         from ..engine.models import load_policy
         from ..engine.rewards import build_reward
         from ..engine.text import prompt_conditioning, prompt_set
         from ..runtime.evaluation import Evaluation
+        from ..runtime.memplan import check_weights_fit
         from ..runtime.session import run_sigmas
 
-        config = RunConfig.from_dict(json.loads((runs[0].dir / "config.json").read_text()))
+        if sampler not in SAMPLERS:
+            raise UserError(f"evaluation sampler {sampler!r}: expected one of {', '.join(SAMPLERS)}")
+        config = config if config is not None else RunFolder(runs[0].dir).config()
         model = config.model
-        policy = load_policy(model.family, model.preset, model.pretrained, model.dtype)
         prompts = prompt_set(config.prompts.file)
+        self.keep = min(len(prompts.prompts), GRID_CAPTIONS)  # what the sample grid shows of each state
+        where = f"{runs[0].dir / 'config.json'}: prompts.file"
+        if config.reward.name == "scene" and (problem := scene_caption_problem(prompts.prompts)):
+            raise UserError(f"{where}: {problem}; the run's reward 'scene' scores scene captions only")
+        if grid and (problem := scene_caption_problem(prompts.prompts[:self.keep])):
+            raise UserError(f"{where}: {problem}; --plots scores the sample grid (samples.png) with the scene "
+                            "reward, which scores scene captions only")
+        check_weights_fit(config)
+        policy = load_policy(model.family, model.preset, model.pretrained, model.dtype)
         latent_shape = policy.latent_shape(model.resolution)
         self.evaluation = Evaluation(
             policy, prompts.prompts, prompt_conditioning(config, policy.transformer, prompts), latent_shape,
             run_sigmas(config, policy, latent_shape), config.sampling.sde, config.sampling.eta,
             build_reward(config.reward.name, config.reward.options), noises, seed, sampler, config.eval.batch_size)
         self.captions = self.evaluation.captions
-        self.keep = min(len(prompts.prompts), GRID_CAPTIONS)  # what the sample grid shows of each state
         self.base = {k: v.clone() for k, v in policy.transformer.state_dict().items()}
 
     def evaluate_weights(self, run: Run | None) -> tuple | None:
         """The evaluation's means and first images (:meth:`Evaluation.evaluate`, ``keep`` of them) of the
-        starting weights (``run`` None) or of the run's final ``checkpoint.pt``; None if the run saved no
-        checkpoint."""
-        from ..runtime.checkpoint import read_checkpoint
+        starting weights (``run`` None) or of the run's final ``checkpoint.pt``, read and checked by
+        :func:`agg_bench.runtime.checkpoint.read_checkpoint` and loaded strictly (every trainable parameter
+        of the model, each of its shape); None if the run saved no checkpoint."""
+        from ..runtime.checkpoint import load_parameters, read_checkpoint
 
         transformer = self.evaluation.policy.transformer
         transformer.load_state_dict(self.base)
         if run is not None:
-            state = run.dir / "checkpoint.pt"
-            if not state.is_file():
+            path = run.dir / "checkpoint.pt"
+            if not path.is_file():
                 return None
-            params = read_checkpoint(state).get("parameters")
-            if not isinstance(params, dict):  # a sharded run's checkpoint names its shard folder instead
-                raise UserError(f"{state}: holds no whole parameters (a sharded run's checkpoint); the "
+            state = read_checkpoint(path)
+            if "shards" in state:  # a sharded run's checkpoint names its shard folder instead
+                raise UserError(f"{path}: holds no whole parameters (a sharded run's checkpoint); the "
                                 "evaluation reads unsharded runs")
-            unexpected = transformer.load_state_dict(params, strict=False).unexpected_keys
-            if unexpected:  # a checkpoint of another model: its weights would be silently ignored
-                raise UserError(f"{state}: parameters the model does not have ({unexpected[0]}, ...)")
+            params = {name: p for name, p in transformer.named_parameters() if p.requires_grad}
+            load_parameters(params, state["parameters"], path)
         return self.evaluation.evaluate(self.keep)
 
 
@@ -79,10 +110,15 @@ def evaluate(runs: list[Run], evaluation: CheckpointEvaluation) -> tuple[pd.Data
     """One row per model state (``pre-trained``, then every run with a checkpoint): method, seed and the
     mean evaluation reward and sub-scores (``eval_reward``, ``eval_reward_color`` ...); and the first images
     of each state (the captions of the first noise, as many as the sample grid shows), by label
-    (``pre-trained`` or ``method/seed``)."""
+    (``pre-trained`` or ``method/seed``). An error names the run it came from."""
     rows, images = [], {}
     for run in [None, *runs]:
-        evaluated = evaluation.evaluate_weights(run)
+        try:
+            evaluated = evaluation.evaluate_weights(run)
+        except UserError as err:
+            if run is None:
+                raise
+            raise UserError(f"run {run.method}/{run.seed} ({run.dir}): {err}") from None
         if evaluated is None:
             continue
         label = "pre-trained" if run is None else f"{run.method}/{run.seed}"
@@ -90,6 +126,23 @@ def evaluate(runs: list[Run], evaluation: CheckpointEvaluation) -> tuple[pd.Data
         rows.append({"state": label, "method": None if run is None else run.method,
                      "seed": None if run is None else run.seed, **means})
     return pd.DataFrame(rows), images
+
+
+def one_model(runs: list[Run]):
+    """The typed run config of the first run, after checking that every run of the manifest trained the
+    same model (its ``model`` section): the starting weights are evaluated once, and each checkpoint is
+    loaded into that model. A UserError names the first run of another model and the key."""
+    configs = [RunFolder(run.dir).config() for run in runs]
+    first = configs[0].model.to_dict()
+    for run, config in zip(runs[1:], configs[1:]):
+        other = config.model.to_dict()
+        key = next((k for k in first if first[k] != other.get(k)), None)
+        if key is not None:
+            raise UserError(f"run {run.method}/{run.seed} ({run.dir}) trains model.{key} = {quote(other.get(key))}, "
+                            f"run {runs[0].method}/{runs[0].seed} model.{key} = {quote(first[key])}; expected "
+                            "one model per manifest (the evaluation loads every checkpoint into the first run's "
+                            "model)")
+    return configs[0]
 
 
 def sample_grids(runs: list[Run], images: dict, captions: list[str], path: str | Path, n_captions: int) -> Path:
@@ -126,11 +179,12 @@ class LearningOptions:
     fraction: the rollout reward's target, as a fraction of the reference's mean gain; in (0, 1].
     eval_noises: the checkpoint evaluation's noises per caption, 0 to 1024 (0: none, and no evaluation
         columns for methods without in-run evaluations).
-    eval_seed: the seed of the checkpoint evaluation's noise, >= 0.
+    eval_seed: the seed of the checkpoint evaluation's noise, 0 to 2^32 - 1 (``eval.seed``'s range).
     eval_sampler: ``ode`` (deterministic Euler) or ``sde`` (the rollouts' SDE, step noise seeded).
     target_fraction: the held-out target (``target_cost`` ...), as a fraction of the reference's mean
         held-out gain; in (0, 1].
-    reference: the method label both targets and ``speedup_to_target`` refer to.
+    reference: the method label both targets and ``speedup_to_target`` refer to, a method of the manifest;
+        None: ``full`` (:data:`DEFAULT_REFERENCE`), whose targets are left empty in a manifest without it.
     eval_source: where the held-out gain columns come from: ``auto`` (each method's in-run evaluations
         where all its runs have them, else the checkpoint evaluation) or ``checkpoint`` (the checkpoint
         evaluation for every method; needs ``eval_noises`` >= 1).
@@ -142,25 +196,28 @@ class LearningOptions:
     eval_seed: int = 0
     eval_sampler: str = "ode"
     target_fraction: float = 0.9
-    reference: str = "full"
+    reference: str | None = None
     eval_source: str = "auto"
 
     def check(self) -> None:
-        """A UserError naming the option of the first field out of range."""
+        """A UserError naming the option of the first field out of range (the runs are not read yet)."""
         if self.average < 1:
             raise UserError(f"--average {self.average}: expected an integer >= 1")
         if not 0 < self.fraction <= 1:
             raise UserError(f"--fraction {self.fraction}: expected a number in (0, 1]")
         if not 0 <= self.eval_noises <= 1024:
             raise UserError(f"--eval-noises {self.eval_noises}: expected an integer from 0 to 1024")
-        if self.eval_seed < 0:
-            raise UserError(f"--eval-seed {self.eval_seed}: expected an integer >= 0")
+        if not 0 <= self.eval_seed <= MAX_EVAL_SEED:
+            raise UserError(f"--eval-seed {quote(self.eval_seed)}: expected an integer from 0 to {MAX_EVAL_SEED} "
+                            "(eval.seed's range)")
         if self.eval_sampler not in SAMPLERS:
             raise UserError(f"--eval-sampler {self.eval_sampler!r}: expected one of {', '.join(SAMPLERS)}")
         if not 0 < self.target_fraction <= 1:
             raise UserError(f"--target-fraction {self.target_fraction}: expected a number in (0, 1]")
-        if not self.reference:
+        if self.reference is not None and not self.reference:
             raise UserError("--reference '': expected a method label of the manifest, e.g. full")
+        if self.reference is not None and len(self.reference) > MAX_LABEL:
+            raise UserError(f"--reference {quote(self.reference)}: expected a method label of the manifest")
         if self.eval_source not in EVAL_SOURCES:
             raise UserError(f"--eval-source {self.eval_source!r}: expected one of {', '.join(EVAL_SOURCES)}")
         if self.eval_source == "checkpoint" and not self.eval_noises:
@@ -172,21 +229,35 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
     """The tables (``learning.csv``, ``learning.md``, ``curves.csv``, and ``evaluation.csv`` with a
     checkpoint evaluation) into ``tables`` and the plots (``reward_iteration.png``, ``reward_time.png``,
     ``samples.png``, ``eval_reward_cost.png``, ``eval_reward_cpu.png``, ``eval_pareto.png``) into ``plots``
-    of the manifest's runs (``options``: :class:`LearningOptions`, its defaults without); returns the runs."""
+    of the manifest's runs (``options``: :class:`LearningOptions`, its defaults without); returns the runs.
+
+    Everything it reads is checked before a model is sampled and before anything is written: the options,
+    every run folder (:func:`agg_bench.results.learning.load_runs`: records, evaluations, no run twice), the
+    reference's name, and with an evaluation one model for every run (:func:`one_model`), the captions against
+    the reward and the model folder (:class:`CheckpointEvaluation`); each checkpoint is checked as it is
+    evaluated, still before anything is written, its error naming the run."""
     options = options or LearningOptions()
     options.check()
-    runs = load_runs(manifest)
+    runs = load_runs(manifest)  # every run folder read and checked (records, evaluations, duplicates)
+    methods = list(dict.fromkeys(run.method for run in runs))
+    if options.reference is not None and options.reference not in methods:
+        raise UserError(f"--reference {quote(options.reference)}: expected a method label of the manifest "
+                        f"({', '.join(quote(m) for m in methods[:12])}{', ...' if len(methods) > 12 else ''})")
+    reference = options.reference or DEFAULT_REFERENCE
+    evaluation = None
+    if options.eval_noises or plots:  # the sample grid shows the evaluation's first images
+        # every input of the evaluation checked before the model is sampled and before anything is written
+        evaluation = CheckpointEvaluation(runs, max(options.eval_noises, 1), options.eval_seed, options.eval_sampler,
+                                          one_model(runs), grid=plots is not None)
     with claimed_folders([(tables, TABLES_CONTENTS), (plots, PLOTS_CONTENTS)], ("--tables", "--plots")):
         scores = images = None
-        if options.eval_noises or plots:  # the sample grid shows the evaluation's first images
-            evaluation = CheckpointEvaluation(runs, max(options.eval_noises, 1), options.eval_seed,
-                                              options.eval_sampler)
+        if evaluation is not None:
             scores, images = evaluate(runs, evaluation)
         if tables:
-            table = learning_table(runs, options.average, options.fraction, options.reference,
+            table = learning_table(runs, options.average, options.fraction, reference,
                                    scores if options.eval_noises else None, options.target_fraction,
                                    options.eval_source)
-            write_table(table, tables, options.average, options.fraction, options.target_fraction, options.reference)
+            write_table(table, tables, options.average, options.fraction, options.target_fraction, reference)
             write_curves(runs, tables)
             if options.eval_noises:
                 write_text(tables / "evaluation.csv", scores.to_csv(index=False))

@@ -41,6 +41,12 @@ from ..results.plotting import pyplot
 from ..threads import usable_cores
 
 MARKER = "pretrain.json"
+MAX_SEED = 2**32 - 1  # as a run's seed; the data, noise and sample generators take seed + 1, + 2, + 3
+# A pixel-space scene model taught on a CPU: the recipe's has 0.6 M parameters, and a step of 100 M (at the
+# sweep's batch of 32) takes seconds on a CPU core; its weights, gradients, AdamW's moments and the average are
+# STATE_COPIES x 4 bytes per parameter.
+MAX_PARAMETERS = 100_000_000
+STATE_COPIES = 5
 FAMILIES = tuple(name for name, spec in FAMILY_SPECS.items() if spec.pixel_transformer is not None)
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -104,9 +110,11 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
         value = getattr(cfg, name)
         if not 1 <= value <= limits[name]:
             raise ConfigError(name, value, f"an integer from 1 to {limits[name]}")
-    for name, low in (("warmup_steps", 0), ("seed", 0), ("threads", 0)):
+    for name, low in (("warmup_steps", 0), ("threads", 0)):
         if getattr(cfg, name) < low:
             raise ConfigError(name, getattr(cfg, name), f"an integer >= {low}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError("seed", cfg.seed, f"an integer from 0 to {MAX_SEED} (a run's seed range)")
     if cfg.pixel_factor not in (1, 2, 4):
         raise ConfigError("pixel_factor", cfg.pixel_factor, "1, 2 or 4")
     step = 4 * cfg.pixel_factor
@@ -119,7 +127,37 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
     if not 0 < cfg.shift <= 100:
         raise ConfigError("shift", cfg.shift, "a number in (0, 100]")
     transformer_config(cfg)  # the family's own limits on the sizes
+    check_size(cfg)  # and the sizes together
     return cfg
+
+
+def check_size(cfg: PretrainConfig, memory: int | None = None) -> dict[str, int]:
+    """The model's sizes together, counted before anything is allocated (a shape-only model on the meta
+    device and the memory planner's count of a training step on fake tensors,
+    :func:`agg_bench.runtime.memplan.training_bytes`): at most :data:`MAX_PARAMETERS` parameters, and the
+    weights, gradients, AdamW's moments, the average and one batch's saved activations within ``memory``
+    (default: this machine's, :func:`agg_bench.runtime.memplan.gpu_memory_bytes` less the planner's
+    reserve). A ConfigError names the sizes otherwise; the plan's numbers when they fit."""
+    from ..runtime.memplan import RESERVE_FRACTION, bytes_text, gpu_memory_bytes, training_bytes
+
+    sizes = (f"num_layers={cfg.num_layers}, num_attention_heads={cfg.num_attention_heads}, "
+             f"attention_head_dim={cfg.attention_head_dim}, text_dim={cfg.text_dim}")
+    with torch.device("meta"):
+        transformer = FAMILY_SPECS[cfg.family].transformer_cls()(**transformer_config(cfg))
+    parameters = sum(p.numel() for p in transformer.parameters())
+    if parameters > MAX_PARAMETERS:
+        raise ConfigError("num_layers", cfg.num_layers, f"sizes of at most {MAX_PARAMETERS:,} parameters together "
+                          f"({sizes}: {parameters:,} parameters)")
+    plan = training_bytes(transformer, cfg.family, PixelDecoder(cfg.pixel_factor), cfg.resolution, cfg.batch_size,
+                          cfg.max_tokens, STATE_COPIES)
+    budget = memory if memory is not None else int((1 - RESERVE_FRACTION) * gpu_memory_bytes("cpu"))
+    if plan["total"] > budget:
+        raise ConfigError("batch_size", cfg.batch_size,
+                          f"a model and batch that fit this machine's {bytes_text(budget)} ({sizes}, batch_size="
+                          f"{cfg.batch_size}, resolution={cfg.resolution}: {bytes_text(plan['state'])} of weights, "
+                          f"gradients, AdamW moments and average, {bytes_text(plan['activations'])} of activations; "
+                          "the memory planner: does not fit)")
+    return plan
 
 
 def load_pretrain_config(path: str | Path | None, overrides: list[str] | None = None) -> PretrainConfig:

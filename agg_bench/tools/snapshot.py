@@ -7,7 +7,7 @@ adapter in ``lora/`` and the adapter settings under ``lora`` in ``rollout.json``
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,11 +17,14 @@ from safetensors.torch import load_file, save_file
 from ..config import RunConfig, apply_overrides, parse_override, validate
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.lora import load_adapter, lora_info, save_transformer
-from ..engine.models import POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, precision
-from ..errors import ConfigError, UserError
+from ..engine.models import (DTYPES, POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, precision,
+                             transformer_config_problem)
+from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, write_json
+from ..jsonfiles import MAX_CONFIG_BYTES, read_json_object
 from ..methods.base import Estimator, ReplayPlan, build_estimator
 from ..outdir import Contents, claim_files, claim_folder, json_file_with
+from ..results.reading import run_config
 from ..runtime.session import Session
 
 ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "encoder_hidden_states",
@@ -72,13 +75,45 @@ class Snapshot:
     config: dict
 
 
+def _rollout_meta(root: Path) -> dict:
+    """``rollout.json`` of the snapshot folder ``root``, checked: a UserError naming the file and key for
+    anything ``agg-bench snapshot`` does not write."""
+    path = root / "rollout.json"
+    meta = read_json_object(path, "the rollout settings of an agg-bench snapshot (a JSON object)")
+    kinds = {"family": (lambda v: v in TRANSFORMER_CLASSES, f"one of {', '.join(TRANSFORMER_CLASSES)}"),
+             "sde": (lambda v: isinstance(v, str), "a string"),
+             "eta": (lambda v: _finite(v), "a finite number"),
+             "clip_range": (lambda v: _finite(v), "a finite number"),
+             "beta": (lambda v: v is None or _finite(v), "a finite number"),
+             "dtype": (lambda v: v is None or v in DTYPES, f"one of {', '.join(DTYPES)}")}
+    for key, (ok, expected) in kinds.items():
+        if not ok(meta.get(key)):
+            raise UserError(f"{path}: {key} = {quote(meta.get(key))}: expected {expected}")
+    return meta
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") -> Snapshot:
+    """The snapshot folder ``snapshot_dir``, every file checked before a tensor is made: ``rollout.json``,
+    ``config.json`` (the typed run config with its bounds, :func:`agg_bench.results.reading.run_config`) and
+    the transformer's config (:func:`agg_bench.engine.models.transformer_config_problem`)."""
     root = Path(snapshot_dir)
     for name in ("transformer", "rollout.safetensors", "rollout.json"):
         if not (root / name).exists():
             raise UserError(f"snapshot {root}: missing {name} (make one with `agg-bench snapshot`)")
-    meta = json.loads((root / "rollout.json").read_text())
+    meta = _rollout_meta(root)
     family = meta["family"]
+    config_path = root / "config.json"
+    config = run_config(read_json_object(config_path, "the run config of an agg-bench snapshot (a JSON object)"),
+                        config_path).to_dict() if config_path.exists() else {}
+    transformer_config = root / "transformer" / "config.json"
+    problem = transformer_config_problem(read_json_object(transformer_config, "a diffusers transformer config",
+                                                          MAX_CONFIG_BYTES))
+    if problem is not None:
+        raise UserError(f"{transformer_config}: {problem}")
     prec = precision(meta.get("dtype", "float32"))
     transformer = TRANSFORMER_CLASSES[family].from_pretrained(
         root / "transformer", torch_dtype=prec.param_dtype).to(device)
@@ -94,8 +129,6 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
         sde=meta["sde"], eta=meta["eta"], clip_range=meta["clip_range"], beta=beta,
         velocities=t.get("velocities"), policy_version=0, kl_form=meta.get("kl_form", "transition"),
     )
-    config_path = root / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
     return Snapshot(policy, batch, meta, config)
 
 

@@ -12,12 +12,12 @@ This module imports nothing heavy, so that the workflow can check a sweep's reso
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import ConfigError, UserError
+from ...jsonfiles import MAX_CONFIG_BYTES, read_json_object
 from .registry import FAMILY_SPECS, family_spec
 
 # VAE factor when a policy has no VAE
@@ -58,9 +58,10 @@ def geometry_from_configs(family: str, transformer: dict, vae: dict | None) -> I
 
 
 def _read_json(path: Path) -> dict | None:
+    """The JSON object of a model folder's config file (at most MAX_CONFIG_BYTES); None when it is not one."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        return read_json_object(path, "a diffusers config", MAX_CONFIG_BYTES)
+    except UserError:
         return None
 
 

@@ -1,0 +1,143 @@
+"""One reader for a run folder: every verb that reads what a run wrote goes through :class:`RunFolder`, so
+each file is checked once and the same way, before anything is computed from it or written.
+
+- ``config.json``: a JSON object of at most :data:`agg_bench.jsonfiles.MAX_JSON_BYTES`, then the typed run
+  config with its bounds (:func:`run_config`: :func:`agg_bench.config.validate`, the schema's types and
+  limits, ``sampling.steps <= 1000`` among them; the method's own options too where the caller will build
+  the method, which imports it). A key an older ``config.json`` lacks takes its default.
+- ``metrics.jsonl``: records by the record contract (:func:`agg_bench.results.records.records_problem`):
+  every known key of its kind, numbers finite, ``iteration`` an integer >= 0 and recorded once, and the keys
+  the caller needs (``required``) present.
+- ``summary.json``: the identity keys it repeats, by the same contract.
+- ``evaluations.jsonl``: ``iteration`` an integer >= 0, once each, ``eval_reward`` a finite number, and the
+  starting weights' evaluation (iteration 0) among them.
+- ``plan.json``: ``bytes`` an object.
+
+Every problem is a :class:`~agg_bench.errors.UserError` that names the file (and the record or key), quotes
+at most 200 characters of the value and says what was expected. ``checkpoint.pt`` holds tensors, so torch
+reads it (:func:`agg_bench.runtime.checkpoint.read_checkpoint`), and its config and records are checked by
+:func:`run_config` and the record contract as these files are. This module imports nothing but the basics and
+the record contract (no torch): the report reads run folders with it.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import UserError, quote
+from ..io import read_jsonl
+from ..jsonfiles import read_json_object
+from .records import EVALUATIONS_FILE, record_problem, records_problem
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+PLAN_FILE = "plan.json"
+
+
+def run_config(data: Any, where: str | Path, check_method: bool = False) -> RunConfig:
+    """The run config ``data`` (a ``config.json``'s or a checkpoint's) checked and typed as ``agg-bench
+    run`` checks a config (:func:`agg_bench.config.validate`; with ``check_method`` the method's own options
+    too, which imports the method); a UserError naming ``where`` otherwise."""
+    from ..config import upgrade_written, validate
+
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: holds {quote(data)}; expected a run config (a JSON object)")
+    try:  # values an older run wrote read as the keys they stand for today (grpo.adv_std: population)
+        return validate(upgrade_written(data), check_method)
+    except UserError as err:
+        raise UserError(f"{where}: {err}") from None
+
+
+def evaluations_problem(lines: list[dict]) -> str | None:
+    """What is wrong with a run's held-out evaluations (``evaluations.jsonl``); None when nothing is."""
+    seen = set()
+    for k, line in enumerate(lines, 1):
+        iteration, reward = line.get("iteration"), line.get("eval_reward")
+        if type(iteration) is not int or iteration < 0 or isinstance(reward, bool) or \
+                not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            return (f"line {k}: expected an iteration (an integer >= 0) and an eval_reward (a finite number), "
+                    f"not {quote(line)}")
+        if iteration in seen:
+            return f"line {k}: iteration {iteration} is evaluated twice"
+        seen.add(iteration)
+    if lines and 0 not in seen:  # every gain and target is measured from it
+        return "no evaluation of the starting weights (iteration 0)"
+    return None
+
+
+class RunFolder:
+    """The files of one run folder ``dir``, each read and checked when asked for (module docstring)."""
+
+    def __init__(self, path: str | Path):
+        self.dir = Path(path)
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+    def has(self, name: str) -> bool:
+        return self.path(name).exists()
+
+    def _object(self, name: str, expected: str) -> dict:
+        """The JSON object of file ``name`` ({} when the run did not write it)."""
+        path = self.path(name)
+        return read_json_object(path, expected) if path.exists() else {}
+
+    def config_object(self) -> dict:
+        """``config.json`` as the JSON object it holds (bounded in size, not yet typed): what a rerun compares
+        with its own config to tell whether the folder holds the same run. A UserError if it is not one."""
+        return read_json_object(self.path(CONFIG_FILE), "the run config of an agg-bench run (a JSON object)")
+
+    def config(self, check_method: bool = False, required: bool = True) -> RunConfig | None:
+        """``config.json`` as the typed run config (:func:`run_config`); None when there is none and it is
+        not ``required`` (else a UserError naming the folder)."""
+        path = self.path(CONFIG_FILE)
+        if not path.exists():
+            if required:
+                raise UserError(f"run {self.dir}: no {CONFIG_FILE} (every run folder holds its run config)")
+            return None
+        return run_config(self.config_object(), path, check_method)
+
+    def records(self, required: tuple[str, ...] = ()) -> list[dict]:
+        """The metric records of ``metrics.jsonl`` in file order ([] when there is none), each by the record
+        contract with the keys of ``required`` present."""
+        path = self.path(METRICS_FILE)
+        if not path.exists():
+            return []
+        records = list(read_jsonl(path))
+        problem = records_problem(records, required)
+        if problem is not None:
+            raise UserError(f"{path}: {problem}")
+        return records
+
+    def summary(self) -> dict:
+        """``summary.json`` ({} when the run has not ended), its identity keys by the record contract."""
+        summary = self._object(SUMMARY_FILE, f"the {SUMMARY_FILE} of an agg-bench run (a JSON object)")
+        problem = record_problem(summary)
+        if problem is not None:
+            raise UserError(f"{self.path(SUMMARY_FILE)}: {problem}")
+        return summary
+
+    def plan(self) -> dict:
+        """The planned bytes of ``plan.json`` ({} when there is none)."""
+        plan = self._object(PLAN_FILE, f"the {PLAN_FILE} of an agg-bench run (a JSON object)")
+        value = plan.get("bytes")
+        if value is not None and not isinstance(value, dict):
+            raise UserError(f"{self.path(PLAN_FILE)}: bytes = {quote(value)}: expected an object or null")
+        return value or {}
+
+    def evaluations(self) -> list[dict] | None:
+        """The held-out evaluations of ``evaluations.jsonl`` in file order; None when the run has none."""
+        path = self.path(EVALUATIONS_FILE)
+        if not path.is_file():
+            return None
+        lines = list(read_jsonl(path))
+        problem = evaluations_problem(lines)
+        if problem is not None:
+            raise UserError(f"{path}: {problem}")
+        return lines or None
