@@ -76,7 +76,7 @@ def quote(value: object) -> str:
         return repr(value) if len(value) <= QUOTE_CHARS else f"{value[:QUOTE_CHARS]!r}... ({len(value)} characters)"
     try:
         text = _REPR.repr(value)
-    except Exception:  # noqa: BLE001 (a value whose repr fails still gets a message)
+    except Exception:  # a value whose repr fails still gets a message
         text = f"<{type(value).__name__}>"
     if not isinstance(value, (list, tuple, dict, set, frozenset)):
         return clip(text)

@@ -162,7 +162,7 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
         with open(path, encoding="utf-8") as fh:
             lines = fh.readlines()
     except UnicodeDecodeError as err:
-        raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})")
+        raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -171,7 +171,7 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
         except json.JSONDecodeError as err:
             if i == len(lines) - 1:
                 return
-            raise UserError(f"{path}: line {i + 1} is not valid JSON ({err.msg}); the file is damaged")
+            raise UserError(f"{path}: line {i + 1} is not valid JSON ({err.msg}); the file is damaged") from err
         if not isinstance(record, dict):
             raise UserError(f"{path}: line {i + 1} is not a JSON object")
         yield record

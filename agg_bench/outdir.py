@@ -327,7 +327,7 @@ def claim_folder(out: str | Path, contents: Contents, flag: str = "--out", repla
     ``replaced_whole``: the command writes a new folder beside ``out`` and renames it over ``out``, so the
     lock lies beside it instead of inside."""
     out = Path(out)
-    check = lambda: check_folder(out, contents, flag)  # noqa: E731
+    check = lambda: check_folder(out, contents, flag)
     check()
     return Claim(out, folder=True, lock_inside=not replaced_whole, flag=flag, check=check)
 

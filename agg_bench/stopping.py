@@ -80,7 +80,7 @@ def _exit_at_once(signum: int) -> None:
     for cleanup in list(_STATE.at_exit.values()):
         try:
             cleanup()
-        except Exception:  # noqa: BLE001 (the process ends whatever a cleanup does)
+        except Exception:  # the process ends whatever a cleanup does
             pass
     os._exit(128 + signum)
 

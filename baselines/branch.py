@@ -236,7 +236,7 @@ class BranchEstimator(Estimator):
                 logp = torch.zeros(x.shape[0], dtype=compute, device=device)
             latents.append(x)
             log_probs.append(logp)
-        leaves = lambda t: t.repeat_interleave(total // t.shape[0], 0)  # noqa: E731  (prefix rows repeated)
+        leaves = lambda t: t.repeat_interleave(total // t.shape[0], 0)  # prefix rows repeated
         ids, offset = [], 0
         for n in self.nodes(steps):
             width = n * roots.numel()

@@ -10,9 +10,9 @@ from agg_bench.threads import usable_cores  # first: before torch
 if not os.environ.get("OMP_NUM_THREADS"):
     os.environ["OMP_NUM_THREADS"] = str(max(1, min(2, usable_cores() or 1)))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from tiny_pretrained import write_tiny_pretrained  # noqa: E402
+import pytest
+import torch
+from tiny_pretrained import write_tiny_pretrained
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ def test_materialised_weights_are_seeded_and_computed_tables_exact(name):
     first = A.init_random_weights(emptied, seed=3)
     second = A.build_random(cls, arch.transformer, "cpu", seed=3)
     other = A.build_random(cls, arch.transformer, "cpu", seed=4)
-    for (n, a), (_, b), (_, c) in zip(first.state_dict().items(), second.state_dict().items(),
+    for (n, a), (_, b), (_, _c) in zip(first.state_dict().items(), second.state_dict().items(),
                                       other.state_dict().items()):
         assert torch.isfinite(a).all(), n
         assert torch.equal(a, b), n

@@ -6,7 +6,6 @@ refusal is shown to be cheap by counting work (what the loader visits, what is n
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 

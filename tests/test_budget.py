@@ -75,7 +75,7 @@ def test_resume_continues_the_cost_and_the_evaluations(tmp_path, monkeypatch):
     train(config(*settings), tmp_path / "whole")
     expected, expected_evals = records(tmp_path / "whole"), evaluations(tmp_path / "whole")
     assert [e["iteration"] for e in expected_evals] == [0, 2, 3]  # the start, every 2nd, and the last (budget)
-    untimed = lambda evals: [{k: v for k, v in e.items() if not k.startswith("t_")} for e in evals]  # noqa: E731
+    untimed = lambda evals: [{k: v for k, v in e.items() if not k.startswith("t_")} for e in evals]
 
     out = tmp_path / "run"
     signal_at(monkeypatch, "collect", 3)  # during iteration 2

@@ -41,7 +41,7 @@ def test_same_seed_twice_gives_identical_non_timing_fields(tmp_path):
     for name in ("a", "b"):
         assert main(["run", *SMALL, "--set", "run_id=same", "--set", "telemetry.saved_activations=every",
                      "--out", str(tmp_path / name)]) == 0
-    strip = lambda r: {k: v for k, v in r.items() if k not in TIMING_KEYS}  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if k not in TIMING_KEYS}
     a, b = records(tmp_path / "a"), records(tmp_path / "b")
     assert all(r["saved_activation_peak_bytes"] > 0 for r in a)  # counted, and equal below
     assert [strip(r) for r in a] == [strip(r) for r in b]

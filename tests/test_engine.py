@@ -71,7 +71,7 @@ def test_kl_forms_match_float64_reference(kind, kl_form):
     for i in range(b):
         j = int(index[i])
         s, s_next = float(sig[j]), float(sig[j + 1])
-        x, x_next = lat[i, j], lat[i, j + 1]
+        x = lat[i, j]
         mean, sd = sde_reference(kind, v[i], x, s, s_next, eta, float(sig[1]))
         mean_ref, _ = sde_reference(kind, v_ref[i], x, s, s_next, eta, float(sig[1]))
         if kl_form == "transition":

@@ -191,7 +191,7 @@ def test_two_sharded_processes_give_the_single_process_update(launched, case):
     assert calls[0] == calls[1] and len(calls[0]) > 0
     # the work of both processes is the single-process work plus the padding passes, which are counted
     padding = sum(two["padding"])
-    forwards = lambda c: c["forward_nograd"] + c["forward_grad"]  # noqa: E731
+    forwards = lambda c: c["forward_nograd"] + c["forward_grad"]
     assert sum(forwards(c) for c in two["counts"]) == forwards(one["counts"]) + padding
     extra_backward = sum(c["backward"] for c in two["counts"]) - one["counts"]["backward"]
     assert 0 <= extra_backward <= padding
@@ -265,7 +265,7 @@ def _worker(out: Path) -> None:
                 result.update(calls=[p[0] for p in parts], counts=[p[1] for p in parts],
                               padding=[p[2] for p in parts], loss=sum(p[3] for p in parts) / len(parts))
                 torch.save(result, out / f"{case}.pt")
-        cfg = lambda *o: load_config(None, [*RESUME, "train.shard=fsdp", *o])  # noqa: E731
+        cfg = lambda *o: load_config(None, [*RESUME, "train.shard=fsdp", *o])
         assert train(cfg("train.iterations=2"), out / "whole")["status"] == "ok"
         assert train(cfg("train.iterations=1", "train.checkpoint_every=1"), out / "resumed")["status"] == "ok"
         assert train(cfg("train.iterations=2", "train.checkpoint_every=1"), out / "resumed", resume=True)["status"] == "ok"

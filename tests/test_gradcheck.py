@@ -147,7 +147,7 @@ def test_replay_plans_of_methods_that_train_other_steps_or_differ_in_their_rollo
 
     cfg = tiny_config("sampling.steps=8", "train.timestep_fraction=0.5", "seed=3")
     every = torch.ones(8, dtype=torch.bool)
-    gen = lambda: torch.Generator().manual_seed(cfg.seed)  # noqa: E731
+    gen = lambda: torch.Generator().manual_seed(cfg.seed)
     plan = build_method("fraction").replay_plan(cfg, every, 5, gen())
     assert plan.scope == "replanned" and plan.train_steps.shape == (5, 4)
     for row in plan.train_steps:  # 4 distinct steps per sample, in denoising order

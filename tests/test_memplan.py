@@ -194,7 +194,7 @@ def test_every_paper_scale_layout_fits_one_8_gpu_node(tmp_path):
                     key = (model, device, json.dumps(memory, sort_keys=True))
                     pairs = {**model_set, "model.resolution": resolution, **method_set, "device": "cuda"}
                     largest[key] = (resolution, labels, pairs, spec["gpus"])
-    for resolution, labels, pairs, gpus in largest.values():
+    for _resolution, labels, pairs, gpus in largest.values():
         cfg = load_config(base, [f"{k}={json.dumps(v)}" for k, v in pairs.items()])
         plan = plan_memory(cfg, gpus, gpu_memory=139 * 1024 ** 3, suggest=False)
         assert plan.fits, (labels, plan.bytes)

@@ -52,7 +52,7 @@ def reference_gradient(policy, batch, v_old, eps, t, timesteps, beta, z, weighti
             vp = (1 - beta) * v_old[i, s] + beta * v
             vn = (1 + beta) * v_old[i, s] - beta * v
 
-            def loss(u):
+            def loss(u, i=i, s=s, x0=x0, x_t=x_t, ti=ti):  # bound now, called in this iteration
                 if weighting == "velocity":
                     return ((u - (eps[i, s] - x0)) ** 2).mean()
                 err = (x_t - ti * u) - x0

@@ -197,7 +197,7 @@ def test_nft_old_policy_is_charged_only_where_it_is_not_the_policy():
     b, t, k = 6, 6, 2
     rate0 = counts(Session(tiny_config("method={name: nft, times_per_sample: 2}", *FINAL)), 2)
     ema = counts(Session(tiny_config("method={name: nft, times_per_sample: 2, old_decay_rate: 0.001}", *FINAL)), 2)
-    for it, (rollout, update) in enumerate(rate0):
+    for rollout, update in rate0:
         assert rollout == {"forward_nograd": b * t, "forward_grad": 0, "backward": 0}
         assert update == {"forward_nograd": 0, "forward_grad": b * k, "backward": b * k}
     for it, (rollout, update) in enumerate(ema):

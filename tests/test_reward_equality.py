@@ -34,12 +34,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from reward_assets import (TINY_MED, TINY_OPEN_CLIP, TINY_VIT, hf_blip_to_image_reward,  # noqa: E402
+from reward_assets import (TINY_MED, TINY_OPEN_CLIP, TINY_VIT, hf_blip_to_image_reward,
                            hf_clip_to_open_clip, image_reward_mlp, randomize, tiny_hf_blip, tiny_hf_clip,
                            torchvision_eval_transform, write_bert_tokenizer, write_clip_tokenizer)
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # noqa: E402
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from agg_bench.engine.rewards import build_reward, to_uint8  # noqa: E402
+from agg_bench.engine.rewards import build_reward, to_uint8
 
 RTOL = 1e-10
 # (height, width): wide with a crop margin of 3 after resizing (torchvision starts the crop at 2, a floor

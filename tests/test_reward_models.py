@@ -20,12 +20,12 @@ from agg_bench.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 
-from reward_assets import (TINY_MED, TINY_OPEN_CLIP, TINY_VIT, hf_blip_to_image_reward,  # noqa: E402
+from reward_assets import (TINY_MED, TINY_OPEN_CLIP, TINY_VIT, hf_blip_to_image_reward,
                            hf_clip_to_open_clip, image_reward_mlp, randomize, tiny_hf_blip, tiny_hf_clip,
                            write_bert_tokenizer, write_clip_tokenizer)
 
-from agg_bench.cli import main  # noqa: E402
-from agg_bench.engine.reward_models.common import LinearStack  # noqa: E402
+from agg_bench.cli import main
+from agg_bench.engine.reward_models.common import LinearStack
 
 REWARDS = ("hpsv2", "pickscore", "imagereward", "clipscore", "aesthetic")
 PROMPTS = ["a red cat", "the cat", "a dog on grass", "red", "a tree at night"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from agg_bench.machine import envinfo, telemetry
+from agg_bench.machine import envinfo
 from agg_bench.machine.telemetry import (
     TELEMETRY_KEYS,
     CudaMemory,
@@ -458,9 +458,9 @@ def test_building_blocks_on_cpu():
         torch.randn(32, 32).sum()
     assert timer.elapsed_s > 0
     with pytest.raises(RuntimeError, match="before the timed block ended"):
-        PhaseTimer("cpu").elapsed_s
+        _ = PhaseTimer("cpu").elapsed_s
     with pytest.raises(RuntimeError, match="before the timed block ended"):
-        PhaseTimer("cpu").cpu_s
+        _ = PhaseTimer("cpu").cpu_s
 
 
 def test_cpu_time_counts_work_not_waiting():

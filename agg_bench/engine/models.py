@@ -27,11 +27,11 @@ from ..errors import ConfigError, quote
 from ..jsonfiles import MAX_CONFIG_BYTES, JsonFileError, read_json_object
 from ..machine.activations import saved_activation_region
 from .counters import PassCounter, count_backward
-from .families import (  # noqa: F401  (TINY_*: the tiny presets' configs, also imported from here)
+from .families import (  # noqa: F401 (TINY_*: the tiny presets' configs, also imported from here)
     DEFAULT_VAE_SCALE_FACTOR, FAMILY_SPECS, TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, FamilySpec, ImageGeometry,
     family_spec,
 )
-from .lora import adapters_disabled, apply_lora, has_adapters  # noqa: F401  (has_adapters: also imported from here)
+from .lora import adapters_disabled, apply_lora, has_adapters
 from .pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 
 FAMILIES = tuple(FAMILY_SPECS)
@@ -80,7 +80,7 @@ class Conditioning:
     def _map(self, fn, mask_fn=None) -> "Conditioning":
         """Apply ``fn`` to every tensor (``mask_fn`` to the mask; default ``fn``); None stays None."""
         mask_fn = fn if mask_fn is None else mask_fn
-        keep = lambda f, t: None if t is None else f(t)  # noqa: E731
+        keep = lambda f, t: None if t is None else f(t)
         return Conditioning(fn(self.encoder_hidden_states), keep(fn, self.pooled_projections),
                             keep(mask_fn, self.encoder_attention_mask))
 
@@ -446,7 +446,7 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
         try:
             vae = PixelDecoder.from_folder(vae_dir)
         except TypeError as err:
-            raise ConfigError("model.pretrained", pretrained, f"a readable pixel decoder config in {vae_dir} ({err})")
+            raise ConfigError("model.pretrained", pretrained, f"a readable pixel decoder config in {vae_dir} ({err})") from err
     else:
         _check_class(pretrained, "vae", spec.vae_cls(), "model.pretrained", pretrained)
         vae = _load_component(spec.vae_cls(), vae_dir, pretrained, "VAE weights").eval().requires_grad_(False)

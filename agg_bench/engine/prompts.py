@@ -34,7 +34,7 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(key, str(path), f"a UTF-8 text file ({err.reason} at byte {err.start})")
+        raise ConfigError(key, str(path), f"a UTF-8 text file ({err.reason} at byte {err.start})") from err
     prompts: list[str] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -46,8 +46,8 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
                 prompt = item["prompt"]
                 if not isinstance(prompt, str):
                     raise TypeError
-            except (ValueError, KeyError, TypeError):
-                raise ConfigError(key, f"{path}:{lineno}", 'one JSON object per line with a string "prompt"')
+            except (ValueError, KeyError, TypeError) as err:
+                raise ConfigError(key, f"{path}:{lineno}", 'one JSON object per line with a string "prompt"') from err
             prompts.append(prompt)
         else:
             prompts.append(line)

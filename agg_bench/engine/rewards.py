@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import ConfigError  # noqa: F401  (reward factories raise it)
+from ..errors import ConfigError
 from ..registry import Registry
 
 RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]

@@ -229,7 +229,7 @@ def take_trajectory(traj, shard: Shard):
     if not shard.distributed:
         return traj
     total = traj.latents.shape[0]
-    rows = lambda t: None if t is None else take(t, shard, total)  # noqa: E731
+    rows = lambda t: None if t is None else take(t, shard, total)
     return dataclasses.replace(traj, latents=take(traj.latents, shard, total),
                                velocities=take(traj.velocities, shard, total),
                                log_probs=take(traj.log_probs, shard, total),

@@ -22,10 +22,10 @@ from typing import Any, Iterator
 
 import torch
 
-from ..results.records import STANDARD_PHASES, TELEMETRY_KEYS  # noqa: F401  (also imported from here)
+from ..results.records import STANDARD_PHASES, TELEMETRY_KEYS  # noqa: F401 (also imported from here)
 # re-exported: the activations' trackers and the environment are imported from here too
-from .activations import SavedActivations, counting_regions, region_tracker, saved_activation_region  # noqa: F401
-from .envinfo import environment  # noqa: F401
+from .activations import SavedActivations, counting_regions, region_tracker, saved_activation_region  # noqa: F401 (re-exported)
+from .envinfo import environment  # noqa: F401 (re-exported)
 from .devices import is_cuda
 from .nvml import NVMLSampler, NVMLSummary
 

@@ -95,7 +95,7 @@ class Estimator(ABC):
         :attr:`unconditional` then (:func:`agg_bench.runtime.session.ready_estimator`)."""
         return False
 
-    def check_run(self, cfg: RunConfig) -> None:
+    def check_run(self, cfg: RunConfig) -> None:  # noqa: B027 (an optional hook: by default nothing to refuse)
         """Raise a ConfigError for run settings outside the method's own options that it cannot honour
         (e.g. a window longer than sampling.steps); called when a run is set up, before anything is written."""
 
@@ -151,11 +151,11 @@ class Estimator(ABC):
         strings: a checkpoint holds it); None: nothing."""
         return None
 
-    def load_state_dict(self, state: dict, policy: Policy) -> None:
+    def load_state_dict(self, state: dict, policy: Policy) -> None:  # noqa: B027 (optional: no state by default)
         """Take back :meth:`state_dict`'s ``state`` for ``policy`` (restored first); a UserError where it does
         not fit."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook: by default nothing was installed)
         """Undo anything the method installed on the policy."""
 
 

@@ -348,7 +348,8 @@ def parse_table(source: str | Path | IO[str], where: str | Path, columns: Iterab
         table = pd.read_csv(source, keep_default_na=False, na_values=[""], low_memory=False,
                             dtype=dict.fromkeys(TEXT_COLUMNS, str))
     except ValueError as err:  # pandas' parser and empty-data errors, and UnicodeDecodeError, are ValueErrors
-        raise UserError(f"{where}: not a table CSV ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+        raise UserError(f"{where}: not a table CSV ({str(err).splitlines()[0] if str(err) else type(err).__name__})") \
+            from err
     missing = [column for column in columns if column not in table.columns]
     if missing:
         raise UserError(f"{where}: no column {missing[0]!r} (expected the table agg-bench report --tables writes)")

@@ -130,7 +130,7 @@ def run_table(records: pd.DataFrame, warmup: int = 1, extras: list[str] | None =
     """One row per run folder: status, mean phase times after ``warmup``, passes, memory peaks, rewards."""
     extras = _extra_keys(records) if extras is None else extras
     out = []
-    for run_dir, run in records.groupby("run_dir", sort=False):
+    for _run_dir, run in records.groupby("run_dir", sort=False):
         first = run.iloc[0]
         ok = run[run["status"] == "ok"].sort_values("iteration") if "iteration" in run else run.iloc[0:0]
         timed = _after_warmup(ok, warmup)

@@ -159,7 +159,9 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
         failure: list[Exception] = []
         summary_before = _file_identity(job.out / "summary.json")
 
-        def one_run() -> int:
+        # bound now: run_command calls it at once, in this iteration
+        def one_run(job: CellRun = job, cfg: Any = cfg, status: list[str] = status,
+                    failure: list[Exception] = failure) -> int:
             try:
                 status.append(train(cfg, job.out)["status"])
             except Exception as exc:

@@ -86,7 +86,7 @@ def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = (),
     (:func:`agg_bench.config.upgrade_written`)."""
     from ..config import upgrade_written
 
-    keep = lambda k: not any(k == c or k.startswith(c + ".") for c in ignore)  # noqa: E731
+    keep = lambda k: not any(k == c or k.startswith(c + ".") for c in ignore)
     a = {**_flat(defaults or {}), **_flat(upgrade_written(old))}
     a = {k: v for k, v in a.items() if keep(k)}
     b = {k: v for k, v in _flat(new).items() if keep(k)}

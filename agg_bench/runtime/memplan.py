@@ -416,7 +416,7 @@ class _Search:
                 out.append(found)
         if out:
             return out
-        one = lambda layout: replace(layout, micro_batch=1) if self.has_micro_batch else layout  # noqa: E731
+        one = lambda layout: replace(layout, micro_batch=1) if self.has_micro_batch else layout
         ckpt = replace(base, gradient_checkpointing=True)
         widest = max(FSDP_SIZES + (base.shards,))
         lora = base.lora_rank or SUGGESTED_LORA_RANK
@@ -492,7 +492,7 @@ def run_memory_plan(cfg: RunConfig, gpus: int) -> dict:
     that kept it from being made (a run does not fail for want of a plan)."""
     try:
         return plan_memory(cfg, gpus, suggest=False).as_dict()
-    except Exception as exc:  # noqa: BLE001 - recorded, and the run goes on
+    except Exception as exc:  # recorded, and the run goes on
         print(f"agg-bench run: no memory plan: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return {"error": f"{type(exc).__name__}: {exc}"}
 

@@ -209,7 +209,7 @@ class Session:
             clips.append(summary["clip_frac"])
             kls.append(summary["approx_kl"])
             norms.append(float(norm))
-        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        mean = lambda xs: sum(xs) / len(xs) if xs else None
         out.update(loss=mean(losses), clip_frac=mean(clips), approx_kl=mean(kls), grad_norm=mean(norms))
         return out
 

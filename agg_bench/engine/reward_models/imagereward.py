@@ -112,7 +112,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
                mask: torch.Tensor | None = None) -> torch.Tensor:
     """Multi-head attention on (B, L, D) projections; ``mask`` (B, Lk) is True for keys to attend to."""
     b, lq, d = q.shape
-    split = lambda t: t.view(b, t.shape[1], heads, d // heads).transpose(1, 2)  # noqa: E731
+    split = lambda t: t.view(b, t.shape[1], heads, d // heads).transpose(1, 2)
     mask = None if mask is None else mask[:, None, None, :]
     out = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)
     return out.transpose(1, 2).reshape(b, lq, d)
