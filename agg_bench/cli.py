@@ -16,8 +16,16 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set train.lr=1e-5 (repeatable)")
 
 
-def cmd_run(args) -> int:
+def _run_config(path, overrides: list[str]):
+    """The run config a verb runs: loaded (no torch), then checked whole, the method's own options among
+    the checks (:func:`agg_bench.runtime.config_check.check_config`), before anything is written."""
     from .config import load_config
+    from .runtime.config_check import check_config
+
+    return check_config(load_config(path, overrides))
+
+
+def cmd_run(args) -> int:
     from .machine.distributed import launched_rank
     from .runtime.train import train
 
@@ -25,7 +33,7 @@ def cmd_run(args) -> int:
     if args.checkpoint_every is not None:
         overrides.append(f"train.checkpoint_every={args.checkpoint_every}")
     rank = launched_rank()  # a bad launcher environment (RANK, WORLD_SIZE) is refused before the run
-    cfg = load_config(args.config, overrides)
+    cfg = _run_config(args.config, overrides)
     summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
     if rank == 0:  # one result line for the job, not one per torchrun process
         print(json.dumps({"out": str(args.out), "status": summary["status"]}))
@@ -41,21 +49,19 @@ def cmd_cell(args) -> int:
 
 
 def cmd_snapshot(args) -> int:
-    from .config import load_config
     from .tools.snapshot import save_snapshot
 
-    out = save_snapshot(load_config(args.config, args.overrides), args.out)
+    out = save_snapshot(_run_config(args.config, args.overrides), args.out)
     print(json.dumps({"out": str(out)}))
     return 0
 
 
 def cmd_embed(args) -> int:
-    from .config import load_config
     from .engine.text import describe, embed, is_embeddings_file
     from .outdir import claim_files
     from .machine.devices import resolve_device
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _run_config(args.config, args.overrides)
     if args.out is None:
         print(json.dumps(describe(embed(cfg, None, resolve_device(cfg.device)))))
         return 0
@@ -67,7 +73,7 @@ def cmd_embed(args) -> int:
 def cmd_calibrate(args) -> int:
     import yaml
 
-    from .config import load_config, yaml_load
+    from .config import yaml_load
     from .tools.calibrate import CalibrationConfig, write_calibration
 
     options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup, method_repeats=args.method_repeats)
@@ -79,7 +85,7 @@ def cmd_calibrate(args) -> int:
             methods[label] = yaml_load(text, f"--method {label}", text)
         except yaml.YAMLError as err:
             raise UserError(f"--method {label}: not YAML ({str(err).splitlines()[0]})") from None
-    result = write_calibration(load_config(args.config, args.overrides), args.out, options, methods)
+    result = write_calibration(_run_config(args.config, args.overrides), args.out, options, methods)
     print(json.dumps({"out": str(args.out), "unit_s_per_sample": result["unit_s_per_sample"],
                       "methods_timed": [label for label, m in result["methods"].items() if m.get("cpu_s")],
                       "rollouts_timed": [label for label, m in result["methods"].items() if m.get("rollout_cpu_s")]}))
@@ -96,13 +102,12 @@ def cmd_replay(args) -> int:
 
 
 def cmd_gradcheck(args) -> int:
-    from .config import load_config
     from .tools.gradcheck import gradcheck, parse_values
 
     existing = args.snapshot is not None and (args.snapshot / "rollout.json").exists()
     if existing and (args.config or args.overrides):
         raise UserError(f"--snapshot {args.snapshot} already holds a snapshot; --config/--set would not apply to it")
-    cfg = None if existing else load_config(args.config, args.overrides)
+    cfg = None if existing else _run_config(args.config, args.overrides)
     rows = gradcheck(
         args.out, cfg, args.snapshot, parse_values(args.windows, "--windows", int),
         parse_values(args.alphas, "--alphas", str), parse_values(args.route_fracs, "--route-fracs", float),
@@ -191,7 +196,6 @@ def cmd_profile(args) -> int:
 
     from torch.profiler import record_function
 
-    from .config import load_config
     from .errors import ConfigError
     from .io import write_json
     from .machine.envinfo import environment
@@ -203,7 +207,7 @@ def cmd_profile(args) -> int:
         if value < least:
             raise ConfigError(flag, value, f"an integer >= {least}")
     # as in replay: --method replaces the config's method section; --set method.KEY=VALUE adds options
-    cfg = load_config(args.config, [f"method={json.dumps({'name': args.method})}", *args.overrides])
+    cfg = _run_config(args.config, [f"method={json.dumps({'name': args.method})}", *args.overrides])
     out = args.out
     with claim_folder(out, PROFILE_CONTENTS):
         session = Session(cfg)
@@ -238,7 +242,6 @@ def cmd_profile(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .config import load_config
     from .runtime.memplan import GIB, format_plan, plan_memory
 
     memory = None
@@ -246,7 +249,7 @@ def cmd_plan(args) -> int:
         if not math.isfinite(args.gpu_memory) or args.gpu_memory <= 0:
             raise ConfigError("--gpu-memory", args.gpu_memory, "a positive number of GiB")
         memory = args.gpu_memory * GIB
-    plan = plan_memory(load_config(args.config, args.overrides), args.gpus, memory)
+    plan = plan_memory(_run_config(args.config, args.overrides), args.gpus, memory)
     print(json.dumps(plan.as_dict()) if args.json else format_plan(plan))
     return 0
 

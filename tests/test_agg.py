@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import TrainBatch, UpdateStats, micro_batches
 from agg_bench.engine.models import Conditioning, Policy
 from agg_bench.engine.sde import flow_sigmas, sde_step
@@ -344,7 +345,7 @@ def test_endpoint_reuse_refuses_velocity_scores_on_a_partial_route():
 def test_reference_preset_backward_ratio_is_two_over_window():
     """On the CPU copy of the authors' schedule, AGG and full train the same steps of the same rollout;
     AGG's backward passes per iteration are 2/W of full's."""
-    cfg = load_config(PRESET, ["progress=false", "telemetry.enabled=false"])
+    cfg = check_config(load_config(PRESET, ["progress=false", "telemetry.enabled=false"]))
     window = cfg.method.options.window
     session = Session(cfg)
     batch = session.collect(0).batch
@@ -363,8 +364,8 @@ def test_reference_preset_backward_ratio_is_two_over_window():
 
 
 def test_presets_share_the_reference_schedule():
-    qwen = load_config(ROOT / "config/presets/qwenimage_720_reference.yaml")
-    tiny = load_config(PRESET)
+    qwen = check_config(load_config(ROOT / "config/presets/qwenimage_720_reference.yaml"))
+    tiny = check_config(load_config(PRESET))
     assert (qwen.model.family, qwen.model.resolution, qwen.sampling.steps, qwen.sampling.sde) == \
         ("qwenimage", 720, 21, "dance_grpo")
     assert (qwen.sampling.eta, qwen.sampling.shift) == (0.3, 3.0)

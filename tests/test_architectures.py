@@ -13,6 +13,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.engine import architectures as A
+from agg_bench.engine import families as F
 from agg_bench.engine.models import POLICIES, TRANSFORMER_CLASSES, VAE_CLASSES, Conditioning, load_policy
 from agg_bench.engine.text import hash_tokens
 from agg_bench.errors import ConfigError
@@ -25,7 +26,7 @@ PUBLIC_BILLIONS = {"sd3.5-medium": 2.5, "sd3.5-large": 8.1, "flux.1-dev": 11.9, 
 
 @pytest.mark.parametrize("name", list(PUBLIC_BILLIONS))
 def test_parameter_counts_on_the_meta_device(name):
-    arch = A.ARCHITECTURES[name]
+    arch = F.ARCHITECTURES[name]
     transformer = A.build_on_meta(TRANSFORMER_CLASSES[arch.family], arch.transformer)
     assert all(p.is_meta for p in transformer.parameters())
     params = A.parameter_count(transformer)
@@ -39,17 +40,17 @@ def test_parameter_counts_on_the_meta_device(name):
 
 
 def test_defaults_and_unknown_architectures():
-    assert [A.architecture(f).name for f in ("sd3", "flux", "qwenimage")] == ["sd3.5-medium", "flux.1-dev",
+    assert [F.architecture(f).name for f in ("sd3", "flux", "qwenimage")] == ["sd3.5-medium", "flux.1-dev",
                                                                             "qwen-image"]
     with pytest.raises(ConfigError, match="sd3.5-large"):
-        A.architecture("sd3", "sd4")
+        F.architecture("sd3", "sd4")
     with pytest.raises(ConfigError, match="flux.1-dev"):  # another family's architecture
-        A.architecture("flux", "qwen-image")
+        F.architecture("flux", "qwen-image")
 
 
 def shrunk(name: str) -> A.Architecture:
     """The architecture with a handful of small layers: same classes and code paths, CPU-sized."""
-    arch = A.ARCHITECTURES[name]
+    arch = F.ARCHITECTURES[name]
     small = dict(num_layers=1, num_attention_heads=2, attention_head_dim=16, joint_attention_dim=16)
     if arch.family == "sd3":
         small.update(caption_projection_dim=32, pooled_projection_dim=16, pos_embed_max_size=16,
@@ -102,7 +103,7 @@ def test_unknown_parameters_are_refused():
 @pytest.mark.parametrize("name", ["sd3.5-medium", "flux.1-dev", "qwen-image"])
 def test_random_preset_runs_a_shrunk_architecture(name, monkeypatch):
     arch = shrunk(name)
-    monkeypatch.setitem(A.ARCHITECTURES, name, arch)
+    monkeypatch.setitem(F.ARCHITECTURES, name, arch)
     cfg = load_config(None, [f"model.family={arch.family}", "model.preset=random", f"model.architecture={name}",
                              "model.resolution=32"])
     assert hash_tokens(cfg) == arch.prefix_tokens + 5

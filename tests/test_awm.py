@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.runtime.train import Session
 from baselines.awm import draw_times
@@ -105,11 +106,11 @@ def test_times_follow_the_distributions():
 
 
 def test_preset_scales_the_public_setting_and_loads_with_random_weights():
-    cfg = load_config(PRESET)
+    cfg = check_config(load_config(PRESET))
     options = cfg.method.options
     assert (cfg.sampling.steps, cfg.sampling.shift, cfg.grpo.beta, cfg.grpo.adv_clip_max) == (14, 3.0, 0.001, 5.0)
     assert (options.times_per_sample, options.time_distribution, options.advantage_max) == (6, "discrete", 1.0)
-    assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
+    assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
 
 

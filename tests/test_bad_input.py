@@ -111,12 +111,13 @@ def test_the_seed_is_a_bounded_integer(tmp_path, capsys, value):
 
 def test_numbers_in_exponent_notation_are_numbers(tmp_path):
     from agg_bench.config import load_config
+    from agg_bench.runtime.config_check import check_config
 
     cfg = load_config(None, ["train.lr=1e-5", "grpo.clip_range=2E-4", "train.weight_decay=+1.5e+0"])
     assert (cfg.train.lr, cfg.grpo.clip_range, cfg.train.weight_decay) == (1e-5, 2e-4, 1.5)
     path = tmp_path / "run.yaml"
     path.write_text("train: {lr: 3e-6, iterations: 2}\nmethod: {name: agg, route_frac: 5e-1}\n")
-    cfg = load_config(path)
+    cfg = check_config(load_config(path))
     assert cfg.train.lr == 3e-6 and cfg.method.options.route_frac == 0.5 and cfg.train.iterations == 2
     assert load_config(None, ["run_id=1e5x"]).run_id == "1e5x"  # not a number: stays a string
 

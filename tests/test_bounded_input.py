@@ -17,6 +17,7 @@ from agg_bench.cli import main
 from agg_bench.config import (MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, YamlRefused, check_expanded_size,
                               load_config, yaml_load)
 from agg_bench.errors import QUOTE_CHARS, ConfigError, UserError, quote
+from agg_bench.runtime.config_check import check_config
 from agg_bench.tools import sweep as sweep_module
 from agg_bench.tools.sweep import Sweep, SweepError
 from test_pipeline import snakemake, workdir
@@ -126,7 +127,7 @@ def test_anchors_and_merge_keys_of_a_normal_config_still_work(tmp_path):
         "train: &train {iterations: 2, lr: 1.0e-4}\n"
         "method:\n  <<: {name: agg, window: 3}\n  window: 2\n"   # a merged key overridden: not a repeat
         "reward: {name: jpeg_compressibility, options: {quality: 50}}\n")
-    cfg = load_config(path, check_method=False)
+    cfg = load_config(path)
     assert cfg.method.to_dict() == {"name": "agg", "window": 2} and cfg.train.iterations == 2
     shared = yaml_load("base: &b {x: 1, y: [1, 2]}\nfirst: *b\nsecond:\n  <<: [*b, {z: 3}]\n  y: []\n", "k", "v")
     assert shared["second"] == {"x": 1, "y": [], "z": 3} and shared["first"] is shared["base"]
@@ -285,7 +286,7 @@ def test_an_integer_key_written_as_a_float_in_a_config_file(tmp_path, capsys):
 ])
 def test_method_options_refuse_floats_for_integers(method, words):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [f"method={json.dumps(method)}"])
+        check_config(load_config(None, [f"method={json.dumps(method)}"]))
     for word in words:
         assert word in str(err.value), str(err.value)
 
@@ -296,9 +297,9 @@ def test_method_options_refuse_floats_for_integers(method, words):
                                         ("train.inner_epochs", 100), ("train.plan_window", 1000),
                                         ("train.lora_rank", 4096), ("prompts.max_tokens", 4096)])
 def test_values_that_set_work_have_a_maximum(key, limit):
-    assert load_config(None, [f"{key}={limit}"], check_method=False).get_path(key) == limit
+    assert load_config(None, [f"{key}={limit}"]).get_path(key) == limit
     with pytest.raises(ConfigError) as err:
-        load_config(None, [f"{key}={limit + 1}"], check_method=False)
+        load_config(None, [f"{key}={limit + 1}"])
     assert f"{key} = {limit + 1}: expected a value <= {limit}" in str(err.value)
 
 

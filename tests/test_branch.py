@@ -8,6 +8,7 @@ import torch
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.rollout import Trajectory, initial_noise
 from agg_bench.engine.sde import sde_step
 from agg_bench.errors import ConfigError
@@ -322,7 +323,7 @@ def test_replay_refuses_and_gradcheck_lists_without_numbers(tmp_path, capsys):
 # ----- the preset -----------------------------------------------------------------------------------
 
 def test_preset_scales_the_public_setting_and_loads_with_random_weights():
-    cfg = load_config(PRESET)
+    cfg = check_config(load_config(PRESET))
     options = cfg.method.options
     assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (20, "dance_grpo", 0.3, 3.0)
     assert (options.branch_points, options.branch_factor, cfg.grpo.group_size) == ([0, 3, 6, 9], 2, 16)
@@ -330,7 +331,7 @@ def test_preset_scales_the_public_setting_and_loads_with_random_weights():
     assert (cfg.grpo.clip_range, cfg.grpo.adv_clip_max, cfg.grpo.beta) == (1e-3, 5.0, 0)
     assert (cfg.grpo.adv_std, cfg.grpo.adv_ddof, cfg.grpo.adv_eps) == ("group", 1, 1e-8)  # torch's std() + 1e-8
     assert (cfg.sampling.schedule, cfg.reward.on, options.split_noise_scale) == ("linspace", "x0", 4.0)
-    assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
+    assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
 
 def test_preset_pass_counts_against_full_with_the_same_group():

@@ -13,7 +13,7 @@ from test_resume import learned, signal_at
 
 from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
-from agg_bench.results.records import passes_cost
+from agg_bench.records import passes_cost
 from agg_bench.runtime import train as train_module
 from agg_bench.runtime.evaluation import Evaluation
 from agg_bench.runtime.train import Interrupted, running_cost, train

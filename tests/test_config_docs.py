@@ -1,16 +1,19 @@
 """The typed run config is the one source: docs/configuration.md's table is the generated one, the defaults
-and the schema come from the same fields, config.json keeps its format, and the method's options are typed
-once, when the config is validated."""
+and the schema come from the same fields, config.json keeps its format, loading imports no torch and no method,
+and the method's options are typed once, when the loaded config is checked (check_config)."""
+import copy
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from agg_bench.config import DEFAULTS, RunConfig, load_config, run_schema
 from agg_bench.config import docs as config_docs
 from agg_bench.config.sections import Section
+from agg_bench.runtime.config_check import check_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
@@ -112,24 +115,34 @@ def test_an_older_config_json_reads_with_the_defaults_of_keys_it_lacks():
 
 
 def test_sections_are_typed():
-    cfg = load_config(None, ['method={"name": "agg", "window": 2}'])
+    cfg = check_config(load_config(None, ['method={"name": "agg", "window": 2}']))
     assert isinstance(cfg.train, Section) and cfg.train.lr == 1e-4 and cfg.model.family == "sd3"
     assert cfg.method.name == "agg" and cfg.method.options.window == 2 and cfg.method.options.route_frac == 1.0
-    assert load_config(None, check_method=False).method.options is None
+    assert load_config(None).method.options is None
 
 
 def test_the_method_is_checked_and_typed_once(monkeypatch):
     from agg_bench.methods import base
     from agg_bench.methods.base import build_estimator
+    from agg_bench.runtime import config_check
 
     calls = []
     real = base.method_config
-    monkeypatch.setattr(base, "method_config", lambda *a, **k: calls.append(a) or real(*a, **k))
+
+    def counted(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(base, "method_config", counted)
+    monkeypatch.setattr(config_check, "method_config", counted)
     cfg = load_config(None, ['method={"name": "agg", "window": 2}'])
+    assert calls == []  # loading does not check the method
+    cfg = check_config(cfg)
     assert len(calls) == 1
     estimator = build_estimator(cfg)
     assert len(calls) == 1 and estimator.config is cfg.method.options
-    unchecked = load_config(None, ['method={"name": "agg", "window": 2}'], check_method=False)
+    assert check_config(cfg).method.options is estimator.config and len(calls) == 1
+    unchecked = load_config(None, ['method={"name": "agg", "window": 2}'])
     assert build_estimator(unchecked).config == cfg.method.options and len(calls) == 2
 
 
@@ -143,9 +156,34 @@ def test_the_docs_command_prints_the_schema_and_the_table(capsys, flag):
         assert out.strip() == config_docs.reference_table()
 
 
-def test_loading_a_config_imports_no_torch():
-    script = ("import sys; from agg_bench.config import load_config; load_config(None, ['train.lr=1e-5'], "
-              "check_method=False); print('torch' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+LOADING_SCRIPT = """
+import json, sys
+from agg_bench.config import load_config
+from agg_bench.reading import RunFolder
+run = load_config("config/run.yaml")
+agg = load_config(None, ['method={"name": "agg", "window": 2}', "model.preset=random", "model.family=flux"])
+folder = RunFolder(sys.argv[1]).config()
+print(json.dumps({"names": [run.method.name, agg.method.name, folder.model.preset, folder.method.name],
+                  "modules": sorted({name.partition(".")[0] for name in sys.modules})}))
+"""
+
+
+def test_loading_a_config_imports_no_torch_and_no_method(tmp_path):
+    """Loading a run config (a random preset's, a method with options) and reading a run folder's config.json
+    (a random preset, a method named by a dotted path) import no torch, no diffusers and no baseline: a
+    results folder never names code to load."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    written = {**copy.deepcopy(DEFAULTS), "model": {**DEFAULTS["model"], "preset": "random"},
+               "method": {"name": "not_a_package.anywhere:Estimator", "window": 3}}
+    (folder / "config.json").write_text(json.dumps(written))
+    proc = subprocess.run([sys.executable, "-c", LOADING_SCRIPT, str(folder)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "False"
+    answer = json.loads(proc.stdout)
+    assert answer["names"] == [yaml_method_name(), "agg", "random", "not_a_package.anywhere:Estimator"]
+    assert {"torch", "diffusers", "baselines", "not_a_package"} & set(answer["modules"]) == set()
+
+
+def yaml_method_name() -> str:
+    return yaml.safe_load((ROOT / "config" / "run.yaml").read_text())["method"]["name"]

@@ -8,6 +8,7 @@ import torch
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.io import read_jsonl
 from agg_bench.runtime.train import Session
@@ -170,11 +171,11 @@ def test_runs_through_the_cli(tmp_path):
 
 
 def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
-    cfg = load_config(PRESET)
+    cfg = check_config(load_config(PRESET))
     o = cfg.method.options
     assert cfg.method.name == "dgpo" and cfg.model.preset == "tiny" and cfg.device == "cpu"
     assert (o.beta, o.times_per_sample, o.time_distribution, o.trunc_steps, o.shared_noise) == \
         (100.0, 4, "schedule", 4, True)
     assert (cfg.sampling.steps, cfg.grpo.adv_clip_max, cfg.grpo.beta, cfg.train.lr) == (10, 5.0, 0.02, 3e-4)
-    assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
+    assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agg_bench.config.sections import ModelConfig
-from agg_bench.engine.architectures import architecture
+from agg_bench.engine.families import architecture
 from agg_bench.engine.families import FAMILY_SPECS, family_spec
 from agg_bench.engine.families.registry import SD3
 from agg_bench.engine.models import Conditioning, build_tiny_transformer, load_policy, text_dims

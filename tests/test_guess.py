@@ -9,6 +9,7 @@ import torch
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats, step_terms
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
@@ -256,14 +257,14 @@ def test_bad_options_are_a_config_error_naming_the_key(override, key, tmp_path, 
 # ----- the preset -------------------------------------------------------------------------------
 
 def test_preset_scales_the_authors_run():
-    cfg = load_config(PRESET)
+    cfg = check_config(load_config(PRESET))
     assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (20, "dance_grpo", 0.3, 3.0)
     assert (cfg.grpo.group_size, cfg.method.options.guessed) == (6, 2)  # the authors' 12 with 4 guessed, halved
     assert (cfg.method.options.ab2, cfg.method.options.blend_until, cfg.method.options.guessed_weight) == \
         ([1.5, -0.5], 0.5, 0.1)
     assert (cfg.train.plan, cfg.train.timestep_fraction, cfg.grpo.clip_range, cfg.grpo.adv_clip_max) == \
         ("steps", 0.6, 0.1, 5.0)
-    assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
+    assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
 
 def test_preset_runs_through_the_cli_and_records_its_forwards(tmp_path):

@@ -9,6 +9,7 @@ import torch
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.sde import flow_sigmas
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
@@ -251,13 +252,13 @@ def test_a_short_run_writes_records(tmp_path):
 # ----- the preset ---------------------------------------------------------------------------
 
 def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
-    cfg = load_config(PRESET)
+    cfg = check_config(load_config(PRESET))
     options = cfg.method.options
     assert cfg.method.name == "mixgrpo_flash" and cfg.model.preset == "tiny" and cfg.device == "cpu"
     assert (options.window_size, options.window_mode, options.window_stride) == (4, "progressive", 1)
     assert (options.solver_order, options.post_compress_ratio) == (2, 0.4)
     assert (cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == ("flow_grpo", 0.7, 3.0)
-    assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
+    assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
 
 def test_preset_runs_one_iteration_through_the_cli(tmp_path):

@@ -8,6 +8,7 @@ import torch
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.io import read_jsonl
 from agg_bench.runtime.train import Session
@@ -175,7 +176,7 @@ def test_runs_through_the_cli(tmp_path):
 
 
 def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
-    cfg = load_config(PRESET)
+    cfg = check_config(load_config(PRESET))
     o = cfg.method.options
     assert cfg.method.name == "nft" and cfg.model.preset == "tiny" and cfg.device == "cpu"
     assert (o.beta, o.times_per_sample, o.time_distribution, o.adv_mode, o.weighting) == \
@@ -183,5 +184,5 @@ def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
     assert (o.old_decay_rate, o.old_decay_max, o.old_decay_after) == (0.001, 0.5, 0)  # decay_type 1
     assert (cfg.sampling.steps, cfg.grpo.adv_clip_max, cfg.train.lr) == (10, 5.0, 3e-4)
     assert (cfg.grpo.adv_std, cfg.grpo.adv_ddof, cfg.grpo.adv_eps) == ("global", 0, 1e-4)
-    assert load_config(PRESET, ["model.preset=random"]).model.preset == "random"
+    assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 

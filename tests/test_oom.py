@@ -17,7 +17,7 @@ from agg_bench.engine.models import Policy
 from agg_bench.io import read_jsonl
 from agg_bench.machine.telemetry import SavedActivations, Telemetry
 from agg_bench.methods.base import available_methods
-from agg_bench.results.records import RECORD_KEYS
+from agg_bench.records import RECORD_KEYS
 from agg_bench.runtime import session as session_module
 from agg_bench.runtime import train as train_module
 from agg_bench.runtime.train import Session

@@ -20,7 +20,7 @@ import math
 from pinned import PINNED, compute, pinned_fields
 
 from agg_bench.config import DEFAULTS
-from agg_bench.results.records import passes_cost
+from agg_bench.records import passes_cost
 
 ROUTING = {"agg_route_scores", "agg_route_score_mean"}
 ROUTING_ABS = 1e-6

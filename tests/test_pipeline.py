@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from agg_bench.results.records import plot_files, table_files
+from agg_bench.records import plot_files, table_files
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = table_files()

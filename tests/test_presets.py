@@ -9,6 +9,7 @@ import torch
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
 from agg_bench.io import read_jsonl
 from agg_bench.runtime.session import Session
 
@@ -18,14 +19,14 @@ PRESETS = sorted((ROOT / "config/presets").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
 def test_every_preset_loads_as_it_is_and_at_full_size(path):
-    cfg = load_config(path)
+    cfg = check_config(load_config(path))
     assert cfg.method.options is not None
-    full = load_config(path, ["model.preset=random"])
+    full = check_config(load_config(path, ["model.preset=random"]))
     assert full.model.preset == "random" and full.method == cfg.method
 
 
 def test_flow_grpo_fast_keeps_the_public_schedule():
-    cfg = load_config(ROOT / "config/presets/flow_grpo_fast.yaml")
+    cfg = check_config(load_config(ROOT / "config/presets/flow_grpo_fast.yaml"))
     assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (10, "cps", 0.8, 3.0)
     assert (cfg.grpo.clip_range, cfg.grpo.beta) == (1e-5, 0.0)
     options = cfg.method.options

@@ -19,7 +19,7 @@ from agg_bench.config import DEFAULTS, RunConfig, check_data_parallel, load_conf
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
-from agg_bench.results.records import passes_cost
+from agg_bench.records import passes_cost
 from agg_bench.runtime.session import Session, rewarded_latents
 from agg_bench.runtime.train import train
 from helpers import move_off_policy, relative_error, tiny_config

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("module", ["agg_bench.results.records", "agg_bench.results.loading",
+@pytest.mark.parametrize("module", ["agg_bench.records", "agg_bench.results.loading",
                                     "agg_bench.results.tables", "agg_bench.results.formatting",
                                     "agg_bench.results.plots", "agg_bench.results.report",
                                     "agg_bench.results.learning", "agg_bench.tools.importlog"])
@@ -18,7 +18,7 @@ def test_reading_results_imports_no_torch(module):
 
 
 def test_records_imports_only_the_standard_library():
-    code = ("import sys; before = set(sys.modules); import agg_bench.results.records; "
+    code = ("import sys; before = set(sys.modules); import agg_bench.records; "
             "print(sorted(m for m in set(sys.modules) - before if not m.startswith('agg_bench')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     new = ast.literal_eval(out.stdout)  # a list literal of module names
@@ -27,7 +27,8 @@ def test_records_imports_only_the_standard_library():
 
 def test_engine_names_are_the_records_names():
     from agg_bench.machine import telemetry
-    from agg_bench.results import plots, records
+    from agg_bench import records
+    from agg_bench.results import plots
     from agg_bench.runtime import train
 
     assert train.RECORD_KEYS is records.RECORD_KEYS and train.TIMING_KEYS is records.TIMING_KEYS
@@ -38,7 +39,7 @@ def test_engine_names_are_the_records_names():
 def test_records_own_every_key_and_the_builder_gives_each():
     """Every key a record can hold is in records.py: what telemetry measures, the weights label; the builder
     gives a record with each of them (null where not given), in order, and keeps a method's own after."""
-    from agg_bench.results.records import IMPORTED_KEYS, NUMBER_KEYS, RECORD_KEYS, TELEMETRY_KEYS, TEXT_KEYS, new_record
+    from agg_bench.records import IMPORTED_KEYS, NUMBER_KEYS, RECORD_KEYS, TELEMETRY_KEYS, TEXT_KEYS, new_record
 
     assert set(TELEMETRY_KEYS) <= set(RECORD_KEYS) and {"weights", "gpu_util_mean", "power_mean_w"} <= set(RECORD_KEYS)
     assert len(set(RECORD_KEYS)) == len(RECORD_KEYS)

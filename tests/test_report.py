@@ -11,7 +11,7 @@ import pytest
 from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.io import JsonlWriter
-from agg_bench.results.records import PLOTS, RECORD_KEYS, TABLES
+from agg_bench.records import PLOTS, RECORD_KEYS, TABLES
 from agg_bench.results.formatting import to_markdown
 from agg_bench.results.loading import GradcheckEntry, Manifest, RunEntry, load_gradcheck, load_records
 from agg_bench.results.report import build_report

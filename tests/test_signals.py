@@ -21,7 +21,7 @@ import agg_bench.runtime.session as session_module
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
-from agg_bench.results.records import TIMING_KEYS
+from agg_bench.records import TIMING_KEYS
 from agg_bench import stopping
 from agg_bench.runtime.train import Interrupted, Session, train
 from baselines.full import FullEstimator

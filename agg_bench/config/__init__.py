@@ -3,11 +3,13 @@
 - ``sections.py``: the typed sections (one dataclass each) composed into :class:`RunConfig`; every key's
   default, meaning and constraints, written once.
 - ``schema.py``: the JSON schema generated from them, and the checker behind every one-line ConfigError.
-- ``load.py``: defaults <- YAML file <- ``--set`` overrides, validated and typed (:func:`load_config`).
+- ``load.py``: defaults <- YAML file <- ``--set`` overrides, validated and typed (:func:`load_config`); the
+  method's own options are checked after loading (:mod:`agg_bench.runtime.config_check`).
 - ``yamlio.py``: the one bounded YAML loader of the harness.
 - ``docs.py``: the reference table of ``docs/configuration.md`` (``python -m agg_bench.config.docs``).
 
-The package imports no torch: the workflow checks every composed run config while Snakemake parses.
+The package imports no torch, no diffusers and no method: the workflow checks every composed run config while
+Snakemake parses, and a report reads any run folder's ``config.json``.
 """
 from .load import apply_overrides, check_data_parallel, deep_merge, load_config, parse_override, validate
 from .schema import check_finite, check_schema, run_schema

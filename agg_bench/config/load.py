@@ -1,7 +1,9 @@
-"""Loading a run config: the defaults <- a YAML file <- ``--set key=value`` overrides, checked whole, typed.
+"""Loading a run config: the defaults <- a YAML file <- ``--set key=value`` overrides, checked, typed.
 
 Every problem is a :class:`~agg_bench.errors.ConfigError` naming the key, the value and what is allowed,
-raised before any job starts.
+raised before any job starts. Loading imports no torch, no diffusers and no method: what only the engine or
+a method knows (the method's own options, a random preset's architecture name) is checked after loading by
+whoever runs something (:func:`agg_bench.runtime.config_check.check_config`).
 """
 from __future__ import annotations
 
@@ -62,10 +64,10 @@ def apply_overrides(config: dict, overrides: list[str]) -> dict:
     return config
 
 
-def validate(config: dict, check_method: bool = True) -> RunConfig:
-    """``config`` (plain data) checked against the run schema and typed; with ``check_method`` the method's
-    options are also checked, and typed once, by the method's own config class (``cfg.method.options``),
-    which imports the method's module and with it torch."""
+def validate(config: dict) -> RunConfig:
+    """``config`` (plain data) checked against the run schema and typed. The method's options stay as written
+    (``cfg.method.given``; ``cfg.method.options`` is None until
+    :func:`~agg_bench.runtime.config_check.check_config` types them)."""
     check_finite(config)
     if not isinstance(config.get("method"), dict):
         raise ConfigError("method", config.get("method"), NOT_A_METHOD_MAPPING)
@@ -73,11 +75,7 @@ def validate(config: dict, check_method: bool = True) -> RunConfig:
     check_schema(config, run_schema())
     cfg = RunConfig.from_dict(config)
     model = cfg.model
-    if model.preset == "random" and not model.pretrained:
-        from ..engine.architectures import architecture
-
-        architecture(model.family, model.architecture)
-    elif model.architecture is not None:
+    if model.architecture is not None and not (model.preset == "random" and not model.pretrained):
         raise ConfigError("model.architecture", model.architecture, "null unless model.preset is random")
     if cfg.sampling.schedule == "linspace" and cfg.sampling.shift is None:
         raise ConfigError("sampling.shift", None, "a number with sampling.schedule 'linspace' (the sigmas are "
@@ -85,10 +83,6 @@ def validate(config: dict, check_method: bool = True) -> RunConfig:
     if cfg.sampling.sde == "cps" and not cfg.sampling.eta <= 1:
         raise ConfigError("sampling.eta", cfg.sampling.eta,
                           "a number in (0, 1] for sampling.sde 'cps' (std = s' sin(eta pi/2))")
-    if check_method:
-        from ..methods.base import method_config  # a method's options are checked by its own config class
-
-        cfg.method.options = method_config(cfg.method.name, cfg.method.given)
     return cfg
 
 
@@ -125,10 +119,8 @@ def check_data_parallel(cfg: RunConfig, processes: int) -> None:
                           "'cuda' or 'auto' under torchrun (each process takes the GPU of its LOCAL_RANK)")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                check_method: bool = True) -> RunConfig:
-    """DEFAULTS <- YAML file <- overrides, validated and typed (the method's options only with
-    ``check_method``)."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """DEFAULTS <- YAML file <- overrides, validated and typed (:func:`validate`)."""
     user: dict = {}
     if path is not None:
         user = read_yaml_mapping(path)
@@ -138,4 +130,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if "method" in user and "name" in user["method"]:
         # a method section replaces the default one, so options of another method do not leak in
         merged["method"] = copy.deepcopy(user["method"])
-    return validate(apply_overrides(merged, overrides or []), check_method)
+    return validate(apply_overrides(merged, overrides or []))

@@ -231,8 +231,9 @@ class MethodSection(Section):
     """``method``: the gradient estimator, by its registered name, with its own options.
 
     ``options`` is the method's own config dataclass (``Estimator.config_cls``, whose docstring documents
-    every option), built once when the run config is validated with the method check; None for a config
-    loaded without it. ``written`` is the section as written, which ``config.json`` keeps.
+    every option), built once when a loaded run config is checked
+    (:func:`agg_bench.runtime.config_check.check_config`, which imports the method); None until then, and
+    for a config read from a run folder. ``written`` is the section as written, which ``config.json`` keeps.
     """
 
     REQUIRED = ("name",)

@@ -21,25 +21,6 @@ import torch
 from diffusers.models.embeddings import PatchEmbed, get_2d_sincos_pos_embed
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
-from ..errors import ConfigError
-from .families import FAMILY_SPECS, Architecture
-
-# The public checkpoints of every registered family, by model.architecture name, and each family's default.
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for spec in FAMILY_SPECS.values() for a in spec.architectures}
-DEFAULT_ARCHITECTURE: dict[str, str] = {name: spec.default_architecture for name, spec in FAMILY_SPECS.items()}
-
-
-def architecture(family: str, name: str | None = None) -> Architecture:
-    """The architecture ``name`` of ``family`` (None: the family's default), or a ConfigError naming the
-    allowed ones."""
-    name = DEFAULT_ARCHITECTURE.get(family) if name is None else name
-    arch = ARCHITECTURES.get(name) if isinstance(name, str) else None
-    if arch is None or arch.family != family:
-        allowed = sorted(a.name for a in ARCHITECTURES.values() if a.family == family)
-        raise ConfigError("model.architecture", name,
-                          f"one of {allowed} for model.family {family} (all: {sorted(ARCHITECTURES)})")
-    return arch
-
 
 def build_on_meta(cls, config: dict, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """``cls(**config)`` on the meta device: shapes only, no memory, no initialisation work."""
@@ -128,5 +109,4 @@ def parameter_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "DEFAULT_ARCHITECTURE", "architecture", "build_on_meta",
-           "build_random", "init_random_weights", "materialize", "parameter_count"]
+__all__ = ["build_on_meta", "build_random", "init_random_weights", "materialize", "parameter_count"]

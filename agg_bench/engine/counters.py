@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from ..results.records import PASS_KEYS
+from ..records import PASS_KEYS
 
 
 @dataclass

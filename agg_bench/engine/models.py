@@ -474,7 +474,8 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
         vae = build_tiny_vae(seed, family=family)
         scheduler_config = FlowMatchEulerDiscreteScheduler(shift=3.0).config  # shift 3, as docs/design.md's sampler
     elif preset == "random":
-        from .architectures import architecture as find_architecture, build_random
+        from .architectures import build_random
+        from .families import architecture as find_architecture
 
         arch = find_architecture(family, architecture)
         transformer = build_random(spec.transformer_cls(), arch.transformer, device, seed, prec.param_dtype)

@@ -277,7 +277,7 @@ def hash_tokens(cfg: RunConfig) -> int:
     length the architecture's pipeline gives (``prompts.max_sequence_length`` or its default)."""
     model = cfg.model
     if model.preset == "random":
-        from .architectures import architecture
+        from .families import architecture
 
         return architecture(model.family, model.architecture).sequence_length(cfg.prompts.max_sequence_length)
     return cfg.prompts.max_tokens
@@ -353,7 +353,8 @@ def _unloaded_transformer(cfg: RunConfig):
 
     model = cfg.model
     if model.preset == "random":
-        from .architectures import architecture, build_on_meta
+        from .architectures import build_on_meta
+        from .families import architecture
 
         arch = architecture(model.family, model.architecture)
         return build_on_meta(family_spec(model.family).transformer_cls(), arch.transformer)

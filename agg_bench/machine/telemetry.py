@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..results.records import STANDARD_PHASES, TELEMETRY_KEYS  # noqa: F401 (also imported from here)
+from ..records import STANDARD_PHASES, TELEMETRY_KEYS  # noqa: F401 (also imported from here)
 # re-exported: the activations' trackers and the environment are imported from here too
 from .activations import SavedActivations, counting_regions, region_tracker, saved_activation_region  # noqa: F401 (re-exported)
 from .envinfo import environment  # noqa: F401 (re-exported)

@@ -238,13 +238,14 @@ def build_method(name: str, options: dict[str, Any] | None = None) -> Estimator:
 
 
 def method_options(cfg: RunConfig) -> Any:
-    """The typed options of run config ``cfg``'s method: those :func:`agg_bench.config.validate` built
-    (``cfg.method.options``), or built now for a config loaded without the method check."""
+    """The typed options of run config ``cfg``'s method: those
+    :func:`~agg_bench.runtime.config_check.check_config` built (``cfg.method.options``), or built now for a
+    config that was not checked."""
     method = cfg.method
     return method.options if method.options is not None else method_config(method.name, method.given)
 
 
 def build_estimator(cfg: RunConfig) -> Estimator:
-    """The run's estimator, from the options its validated config carries (not checked again). The one
+    """The run's estimator, from the options its checked config carries (not checked again). The one
     way a run, a replay, a calibration, the planner and the workflow's method check build one."""
     return METHODS.resolve(cfg.method.name)(method_options(cfg))

@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from .records import PASS_KEYS
+from ..records import PASS_KEYS
 from .stats import predicted_seconds
 
 

@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..io import write_text
 from .loading import is_number
-from .records import PASS_KEYS, TABLE_FORMATS, TRAIN_PASS_KEYS
+from ..records import PASS_KEYS, TABLE_FORMATS, TRAIN_PASS_KEYS
 from .tables import TIME_COLUMNS
 
 FORMATS: dict[str, Callable[[float], str]] = {

@@ -47,7 +47,7 @@ from ..outdir import Contents
 from .curves import (CURVE_PLOTS, TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
                      plot_pareto, run_curve, target_columns)
 from .plotting import method_style, pyplot
-from .reading import METRICS_FILE, RunFolder
+from ..reading import METRICS_FILE, RunFolder
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 SCENE_PARTS = tuple(key.removeprefix("reward_") for key in SUBSCORES)  # the scene reward's sub-scores
@@ -94,7 +94,7 @@ def unweighted_parts(folder: Path) -> tuple[str, ...] | None:
 
 def load_runs(manifest: str | Path) -> list[Run]:
     """Every run of the manifest that has records, ordered by iteration. Each run folder is read by
-    :class:`agg_bench.results.reading.RunFolder`: every record by the record contract, with ``status`` and
+    :class:`agg_bench.reading.RunFolder`: every record by the record contract, with ``status`` and
     ``iteration``, and ``reward_mean`` in an ok one; the in-run evaluations checked. A folder listed twice,
     or two runs of one method and seed, is refused (a seed counts once)."""
     path = Path(manifest)

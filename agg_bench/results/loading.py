@@ -19,8 +19,8 @@ import pandas as pd
 
 from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import read_json_object
-from .reading import RunFolder
-from .records import PLOT_TABLES, TEXT_KEYS
+from ..reading import RunFolder
+from ..records import PLOT_TABLES, TEXT_KEYS
 
 
 @dataclass
@@ -228,7 +228,7 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
     Added columns: ``method_name`` (the estimator), ``method_options`` (JSON), ``hardware``, ``source``
     (measured | imported), ``run_status`` (the summary's status) and ``run_dir``. A run that wrote no
     record (it failed while starting) still gets one row, with its status and no measurements. Each run
-    folder is read by :class:`agg_bench.results.reading.RunFolder` (its config typed and bounded, its
+    folder is read by :class:`agg_bench.reading.RunFolder` (its config typed and bounded, its
     records by the record contract).
     """
     rows = []

@@ -14,7 +14,7 @@ import pandas as pd
 from ..io import save_figure
 from .loading import as_bool, is_number
 from .plotting import log_scale, pyplot
-from .records import PHASE_TIME_KEYS, PLOTS
+from ..records import PHASE_TIME_KEYS, PLOTS
 
 PHASES = PHASE_TIME_KEYS
 SHARED_YLABEL_IN = 0.45  # inches a figure's one y label takes left of its panels (two lines of 10 pt text)

@@ -27,7 +27,7 @@ from .formatting import table_csv, write_tables
 from .loading import (PLOT_COLUMNS, Manifest, load_calibration, load_gradcheck, load_records, load_tables,
                       parse_table)
 from .plots import write_plots
-from .records import PLOT_TABLES, PLOTS, TABLE_FORMATS, TABLES
+from ..records import PLOT_TABLES, PLOTS, TABLE_FORMATS, TABLES
 from .tables import build_tables
 
 # what --tables DIR and --plots DIR hold; any other file there is someone else's

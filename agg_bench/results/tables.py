@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from .loading import ADDED_COLUMNS, as_bool, check_time_basis, is_number
-from .records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE_TIME_KEYS, RECORD_KEYS, STANDARD_PHASES,
+from ..records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE_TIME_KEYS, RECORD_KEYS, STANDARD_PHASES,
                       TRAIN_PASS_KEYS)
 from .costmodel import calibration_of, counted_seconds, per_sample_seconds
 from .stats import paired_speedup, quartiles, ratio_of_medians_ci

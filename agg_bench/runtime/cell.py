@@ -101,14 +101,16 @@ def read_jobs(path: str | Path) -> list[CellRun]:
 
 
 def load_jobs(path: str | Path) -> list[tuple[CellRun, Any]]:
-    """Each run of the job file with its loaded run config (:func:`agg_bench.config.load_config`, as
-    ``agg-bench run`` loads it); the first bad one raises a UserError naming the entry and its folder."""
+    """Each run of the job file with its loaded and checked run config (:func:`agg_bench.config.load_config`
+    and :func:`~agg_bench.runtime.config_check.check_config`, as ``agg-bench run`` loads and checks it); the
+    first bad one raises a UserError naming the entry and its folder."""
     from ..config import load_config
+    from .config_check import check_config
 
     loaded = []
     for index, job in enumerate(read_jobs(path)):
         try:
-            loaded.append((job, load_config(job.config, list(job.overrides))))
+            loaded.append((job, check_config(load_config(job.config, list(job.overrides)))))
         except UserError as err:
             raise UserError(f"{path}: runs[{index}] (--out {job.out}): {err}") from None
     return loaded

@@ -247,8 +247,8 @@ def checkpoint_problem(state: Any) -> str | None:
     states up to it; ``config`` the typed run config with its bounds; the random states; and either the
     whole ``parameters`` (names to floating-point tensors) with the ``optimizer`` state, or the name of its
     shard folder. Whether the parameters are this model's is :func:`parameters_problem`'s question."""
-    from ..results.reading import evaluations_problem, run_config
-    from ..results.records import records_problem
+    from ..reading import evaluations_problem, run_config
+    from ..records import records_problem
 
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         return f"not an agg-bench checkpoint of format {FORMAT}"

@@ -100,7 +100,7 @@ def text_tokens(cfg: RunConfig) -> int:
     """Text tokens of the run's conditioning: the hash embedding's for the tiny and random presets; for a
     local model folder, the text-encoder length of its family's public pipeline (an upper bound:
     prompts may be shorter), or its ``token_hash.json``'s length (``agg-bench pretrain``'s folders)."""
-    from ..engine.architectures import architecture
+    from ..engine.families import architecture
     from ..engine.prompts import token_hash_settings
     from ..engine.text import hash_tokens
 
@@ -129,7 +129,7 @@ def _shapes(cfg: RunConfig, part: str, dtype: torch.dtype = torch.float32) -> to
             else:
                 module = cls.from_config(cls.load_config(folder))
         elif model.preset == "random":
-            from ..engine.architectures import architecture
+            from ..engine.families import architecture
 
             arch = architecture(family, model.architecture)
             module = cls(**(arch.transformer if part == "transformer" else arch.vae))

@@ -6,7 +6,7 @@ A run folder holds these files and nothing else (:data:`RUN_CONTENTS`):
 - ``env.json``: the machine and software it ran on (:func:`agg_bench.machine.telemetry.environment`);
 - ``plan.json``: the memory planner's bytes, beside the peaks the records measure (a run whose telemetry
   is off measures nothing and plans nothing);
-- ``metrics.jsonl``: one record per iteration (:func:`agg_bench.results.records.new_record` builds each),
+- ``metrics.jsonl``: one record per iteration (:func:`agg_bench.records.new_record` builds each),
   every line flushed and fsynced as it is appended;
 - ``evaluations.jsonl`` (with ``eval.every`` > 0): one line per held-out evaluation
   (:mod:`agg_bench.runtime.evaluation`), appended the same way;
@@ -48,8 +48,8 @@ from ..errors import UserError
 from ..io import JsonlWriter, is_temp_name, write_json, write_lines
 from ..machine.envinfo import environment
 from ..outdir import Claim, Contents, check_folder, remove_owned
-from ..results.reading import RunFolder
-from ..results.records import EVALUATIONS_FILE
+from ..reading import RunFolder
+from ..records import EVALUATIONS_FILE
 from .checkpoint import CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference
 from .curves import CONTENTS as CURVES_CONTENTS
 from .curves import FOLDER as CURVES_FOLDER

@@ -28,6 +28,7 @@ from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
 from ..methods.base import Estimator, build_estimator
+from .config_check import check_config
 from .memplan import check_weights_fit
 from .model_reuse import policy_for
 
@@ -61,7 +62,7 @@ def model_label(cfg: RunConfig) -> str:
     if cfg.model.pretrained:
         return f"{cfg.model.family}:{Path(cfg.model.pretrained).name}"
     if cfg.model.preset == "random":
-        from ..engine.architectures import architecture
+        from ..engine.families import architecture
 
         return f"{architecture(cfg.model.family, cfg.model.architecture).name}-random"
     return f"{cfg.model.family}-{cfg.model.preset}"
@@ -95,7 +96,7 @@ class Session:
     """A configured run: policy, reference, optimizer, reward, method and schedule."""
 
     def __init__(self, cfg: RunConfig, estimator: Estimator | None = None):
-        self.cfg = cfg
+        self.cfg = check_config(cfg)  # the method's options typed (once), a random preset's architecture named
         self.device = resolve_device(cfg.device)
         if estimator is None:
             estimator = build_estimator(cfg)  # from the options the config was validated with

@@ -22,10 +22,11 @@ from ..io import JsonlWriter
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
-from ..results.records import RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
+from ..records import RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
 from ..stopping import Interrupted
 from . import curves, runfolder
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from .config_check import check_config
 from .evaluation import Evaluation
 from .memplan import run_memory_plan
 from .session import Session, check_plan, identity, iteration_generator, model_label, run_iteration, weights_label
@@ -68,6 +69,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     out = Path(out_dir)
     with stopping.stop_signals("agg-bench run"), stopping.safe_points():
         stopping.check()  # a signal that came before (while the command loaded): nothing is made
+        check_config(cfg)  # the method's options and a random preset's architecture, before the folder is claimed
         with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
             shard.check_run(cfg)
             fsdp.check_run(cfg)
@@ -99,7 +101,7 @@ class Training:
     ``train.iterations`` or the iteration whose cost reaches ``train.budget``, and maps how the loop ended
     to the summary's status.
 
-    The cost (``cost`` of every record) is the running sum of :func:`~agg_bench.results.records.passes_cost`
+    The cost (``cost`` of every record) is the running sum of :func:`~agg_bench.records.passes_cost`
     over the records at ``train.pass_costs``; a resumed run continues it from the checkpoint's records, so
     it equals an uninterrupted run's. Evaluations (``eval.every``) use their own pass counter and
     generator and run outside the telemetry's iteration, so the records are those of a run without them;
@@ -326,7 +328,7 @@ class Training:
 
 def running_cost(records: list[dict], prices: dict) -> float:
     """The cumulative cost after ``records`` (in iteration order): the last one's ``cost``, continued by
-    :func:`~agg_bench.results.records.passes_cost` over records without one (written before records had
+    :func:`~agg_bench.records.passes_cost` over records without one (written before records had
     it); 0.0 for none."""
     cost = 0.0
     for record in records:

@@ -55,7 +55,7 @@ from ..errors import ConfigError, UserError
 from ..io import write_json
 from ..machine.telemetry import PhaseTimer, environment
 from ..outdir import claim_files, json_file_with
-from ..results.records import PASS_KEYS
+from ..records import PASS_KEYS
 from ..results.costmodel import fit_call_cost
 from ..results.stats import quartiles
 

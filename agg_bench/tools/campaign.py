@@ -60,7 +60,7 @@ from ..errors import ConfigError, UserError, quote
 from ..io import atomic_path, atomic_target, write_json
 from ..outdir import Contents, claim_files, claim_folder, remove_owned
 from ..results.report import TABLES_CONTENTS
-from ..results.records import record_problem
+from ..records import record_problem
 from ..runtime.cell import job_entry
 from ..runtime.runfolder import RUN_CONTENTS
 from .sweep import Sweep, SweepError, check_sweep_files, overrides_of

@@ -28,7 +28,7 @@ from ..config import RunConfig, yaml_load
 from ..errors import ConfigError, UserError
 from ..io import atomic_file, atomic_path
 from ..outdir import claim_files
-from ..results.records import GRADCHECK_OPTION_COLUMNS
+from ..records import GRADCHECK_OPTION_COLUMNS
 from ..machine.devices import resolve_device
 from .snapshot import Snapshot, load_snapshot, plan_replay, replay_gradient, replay_setup, save_snapshot
 

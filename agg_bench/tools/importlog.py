@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..io import JsonlWriter, read_jsonl, write_json, write_lines
 from ..outdir import Claim, Contents, check_folder
-from ..results.records import RECORD_KEYS, new_record
+from ..records import RECORD_KEYS, new_record
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",

@@ -7,7 +7,7 @@ engine and torch are imported here, not in the results wing) and writes the tabl
 :mod:`agg_bench.results.learning` and :mod:`agg_bench.results.curves` (their docstrings say what every
 column and plot is), the latter from the runs' own in-run evaluations. Every input is checked before a
 model is sampled or a file written (:func:`learning_report`), run folders through the one reader of a run
-folder (:mod:`agg_bench.results.reading`) and checkpoints through the resume validator
+folder (:mod:`agg_bench.reading`) and checkpoints through the resume validator
 (:func:`agg_bench.runtime.checkpoint.read_checkpoint`).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..io import write_text
 from ..outdir import claimed_folders
 from ..results.learning import (EVAL_SOURCES, PLOTS_CONTENTS, TABLES_CONTENTS, Run, learning_table, load_runs,
                                 plot_held_out, plot_rewards, write_curves, write_table)
-from ..results.reading import RunFolder
+from ..reading import RunFolder
 from ..runtime.evaluation import SAMPLERS
 
 GRID_CAPTIONS = 6  # the sample grid's columns: the first captions of the evaluation's first noise

@@ -24,7 +24,7 @@ from ..io import atomic_target, write_json
 from ..jsonfiles import MAX_CONFIG_BYTES, read_json_object
 from ..methods.base import Estimator, ReplayPlan, build_estimator
 from ..outdir import Contents, claim_files, claim_folder, json_file_with
-from ..results.reading import run_config
+from ..reading import run_config
 from ..runtime.session import Session
 
 ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "encoder_hidden_states",
@@ -98,7 +98,7 @@ def _finite(value) -> bool:
 
 def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") -> Snapshot:
     """The snapshot folder ``snapshot_dir``, every file checked before a tensor is made: ``rollout.json``,
-    ``config.json`` (the typed run config with its bounds, :func:`agg_bench.results.reading.run_config`) and
+    ``config.json`` (the typed run config with its bounds, :func:`agg_bench.reading.run_config`) and
     the transformer's config (:func:`agg_bench.engine.models.transformer_config_problem`)."""
     root = Path(snapshot_dir)
     for name in ("transformer", "rollout.safetensors", "rollout.json"):

@@ -40,7 +40,7 @@ import yaml
 
 from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_schema, load_config,
                       read_yaml_mapping)
-from ..engine.families import check_resolution
+from ..engine.families import architecture, check_resolution
 from ..errors import UserError, clip, quote
 from ..io import atomic_path
 from ..jsonfiles import read_json_object
@@ -160,11 +160,12 @@ def check_methods(base_file: str | None, jobs: dict[str, list]) -> dict[str, dic
     ``check_run``: {job: the method's resolved options (name first)}. Raises a SweepError naming the first
     job that fails."""
     from ..methods.base import build_estimator  # torch: only in the child process that runs this
+    from ..runtime.config_check import check_config
 
     options = {}
     for what, pairs in jobs.items():
         try:
-            cfg = load_config(base_file, overrides_of(pairs))  # the method's options typed here, once
+            cfg = check_config(load_config(base_file, overrides_of(pairs)))  # the method's options typed here, once
             build_estimator(cfg).check_run(cfg)
         except UserError as err:
             raise SweepError(f"{what}: {err}") from None
@@ -408,7 +409,9 @@ class Sweep:
         and (on ``device``) its batch against the device's processes, as `agg-bench run` would check
         them; an error names the job and the key."""
         try:
-            cfg = load_config(self.base_file, overrides_of(pairs), check_method=False)
+            cfg = load_config(self.base_file, overrides_of(pairs))
+            if cfg.model.preset == "random" and not cfg.model.pretrained:  # the name, from the specs (no torch)
+                architecture(cfg.model.family, cfg.model.architecture)
             check_resolution(cfg.model.to_dict())
         except UserError as err:
             raise SweepError(f"{what}: {err}") from None

@@ -1,6 +1,6 @@
 # Jobs that summarize: the manifest of this sweep's runs, the tables, the plots.
-from agg_bench.results.records import PLOTS as PLOT_NAMES
-from agg_bench.results.records import TABLES, plot_table_files, table_files
+from agg_bench.records import PLOTS as PLOT_NAMES
+from agg_bench.records import TABLES, plot_table_files, table_files
 
 TABLE_FILES = table_files()
 

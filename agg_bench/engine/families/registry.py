@@ -1,4 +1,6 @@
-"""The registered model families: ``model.family`` value -> its :class:`FamilySpec`.
+"""The registered model families: ``model.family`` value -> its :class:`FamilySpec`; ``model.architecture``
+value -> the public architecture of ``model.preset: random`` (:func:`architecture`, no torch: the runtime's
+config check and the workflow's methods check name a bad one without importing the models).
 
 Adding a family is a module next to this one that defines its ``SPEC`` (see ``sd3.py``), one entry
 below, and its name in ``ModelConfig.family``'s allowed values (``agg_bench/config/sections.py``, which
@@ -10,9 +12,12 @@ from ...errors import ConfigError
 from .flux import SPEC as FLUX
 from .qwenimage import SPEC as QWENIMAGE
 from .sd3 import SPEC as SD3
-from .spec import FamilySpec
+from .spec import Architecture, FamilySpec
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (SD3, FLUX, QWENIMAGE)}
+# The public checkpoints of every registered family, by model.architecture name, and each family's default.
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for spec in FAMILY_SPECS.values() for a in spec.architectures}
+DEFAULT_ARCHITECTURE: dict[str, str] = {name: spec.default_architecture for name, spec in FAMILY_SPECS.items()}
 
 
 def family_spec(family: str, key: str = "model.family") -> FamilySpec:
@@ -23,4 +28,16 @@ def family_spec(family: str, key: str = "model.family") -> FamilySpec:
     return spec
 
 
-__all__ = ["FAMILY_SPECS", "family_spec"]
+def architecture(family: str, name: str | None = None) -> Architecture:
+    """The architecture ``name`` of ``family`` (None: the family's default), or a ConfigError naming the
+    allowed ones."""
+    name = DEFAULT_ARCHITECTURE.get(family) if name is None else name
+    arch = ARCHITECTURES.get(name) if isinstance(name, str) else None
+    if arch is None or arch.family != family:
+        allowed = sorted(a.name for a in ARCHITECTURES.values() if a.family == family)
+        raise ConfigError("model.architecture", name,
+                          f"one of {allowed} for model.family {family} (all: {sorted(ARCHITECTURES)})")
+    return arch
+
+
+__all__ = ["ARCHITECTURES", "DEFAULT_ARCHITECTURE", "FAMILY_SPECS", "architecture", "family_spec"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from ..errors import quote
+from .errors import quote
 
 # Training phases timed in every iteration (``t_{phase}_s``, ``t_{phase}_cpu_s``).
 STANDARD_PHASES = ("rollout", "reward", "train")

@@ -3,9 +3,11 @@ each file is checked once and the same way, before anything is computed from it 
 
 - ``config.json``: a JSON object of at most :data:`agg_bench.jsonfiles.MAX_JSON_BYTES`, then the typed run
   config with its bounds (:func:`run_config`: :func:`agg_bench.config.validate`, the schema's types and
-  limits, ``sampling.steps <= 1000`` among them; the method's own options too where the caller will build
-  the method, which imports it). A key an older ``config.json`` lacks takes its default.
-- ``metrics.jsonl``: records by the record contract (:func:`agg_bench.results.records.records_problem`):
+  limits, ``sampling.steps <= 1000`` among them). A key an older ``config.json`` lacks takes its default.
+  The method's options stay as written: reading a folder never imports a method, so a results folder never
+  names code to load (a caller that builds the method checks them with
+  :func:`agg_bench.runtime.config_check.check_config`).
+- ``metrics.jsonl``: records by the record contract (:func:`agg_bench.records.records_problem`):
   every known key of its kind, numbers finite, ``iteration`` an integer >= 0 and recorded once, and the keys
   the caller needs (``required``) present.
 - ``summary.json``: the identity keys it repeats, by the same contract.
@@ -16,23 +18,23 @@ each file is checked once and the same way, before anything is computed from it 
 Every problem is a :class:`~agg_bench.errors.UserError` that names the file (and the record or key), quotes
 at most 200 characters of the value and says what was expected. ``checkpoint.pt`` holds tensors, so torch
 reads it (:func:`agg_bench.runtime.checkpoint.read_checkpoint`), and its config and records are checked by
-:func:`run_config` and the record contract as these files are. This module imports nothing but the basics and
-the record contract (no torch): the report reads run folders with it.
+:func:`run_config` and the record contract as these files are. This module is part of the contract, a basic
+beside the record contract (:mod:`agg_bench.records`): the runtime checks a folder it resumes or replaces
+with it, and the results readers read run folders with it; it imports no torch.
 """
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UserError, quote
-from ..io import read_jsonl
-from ..jsonfiles import read_json_object
+from .errors import UserError, quote
+from .io import read_jsonl
+from .jsonfiles import read_json_object
 from .records import EVALUATIONS_FILE, record_problem, records_problem
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from .config import RunConfig
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -40,16 +42,15 @@ SUMMARY_FILE = "summary.json"
 PLAN_FILE = "plan.json"
 
 
-def run_config(data: Any, where: str | Path, check_method: bool = False) -> RunConfig:
+def run_config(data: Any, where: str | Path) -> RunConfig:
     """The run config ``data`` (a ``config.json``'s or a checkpoint's) checked and typed as ``agg-bench
-    run`` checks a config (:func:`agg_bench.config.validate`; with ``check_method`` the method's own options
-    too, which imports the method); a UserError naming ``where`` otherwise."""
-    from ..config import upgrade_written, validate
+    run`` loads a config (:func:`agg_bench.config.validate`); a UserError naming ``where`` otherwise."""
+    from .config import upgrade_written, validate
 
     if not isinstance(data, dict):
         raise UserError(f"{where}: holds {quote(data)}; expected a run config (a JSON object)")
     try:  # values an older run wrote read as the keys they stand for today (grpo.adv_std: population)
-        return validate(upgrade_written(data), check_method)
+        return validate(upgrade_written(data))
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
 
@@ -93,7 +94,7 @@ class RunFolder:
         with its own config to tell whether the folder holds the same run. A UserError if it is not one."""
         return read_json_object(self.path(CONFIG_FILE), "the run config of an agg-bench run (a JSON object)")
 
-    def config(self, check_method: bool = False, required: bool = True) -> RunConfig | None:
+    def config(self, required: bool = True) -> RunConfig | None:
         """``config.json`` as the typed run config (:func:`run_config`); None when there is none and it is
         not ``required`` (else a UserError naming the folder)."""
         path = self.path(CONFIG_FILE)
@@ -101,7 +102,7 @@ class RunFolder:
             if required:
                 raise UserError(f"run {self.dir}: no {CONFIG_FILE} (every run folder holds its run config)")
             return None
-        return run_config(self.config_object(), path, check_method)
+        return run_config(self.config_object(), path)
 
     def records(self, required: tuple[str, ...] = ()) -> list[dict]:
         """The metric records of ``metrics.jsonl`` in file order ([] when there is none), each by the record

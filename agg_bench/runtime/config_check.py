@@ -1,0 +1,37 @@
+"""The checks of a loaded run config that need more than the config package: the method and the model.
+
+:func:`agg_bench.config.load_config` checks every key against the run schema and imports no torch, no
+diffusers and no baseline, so that a report, the workflow's parse and a results reader can load any
+``config.json``. What only the engine or a method knows is checked here, after loading, by whoever is about
+to run something (the training loop, a cell's jobs, the session, the command line's verbs, the sweep's
+methods check in its child process), before anything is written:
+
+- ``model.architecture`` names a public architecture of ``model.family`` (``model.preset: random``), from
+  the family specs (:func:`agg_bench.engine.families.architecture`, no torch);
+- the method's options are checked, and typed once, by the method's own config class
+  (:func:`agg_bench.methods.base.method_config`; ``cfg.method.options``), which imports the method's module
+  and with it torch.
+
+A method named by a dotted path (``method.name: mypkg.module:MyEstimator``) is imported here: code the user
+chose in their own config. A config read from a run folder is never checked here, so a results folder never
+names code to load.
+"""
+from __future__ import annotations
+
+from ..config import RunConfig
+from ..engine.families import architecture
+from ..methods.base import method_config
+
+
+def check_config(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with its method's options typed (``cfg.method.options``), after the checks above; a
+    ConfigError naming the key otherwise. Options already typed are kept."""
+    model = cfg.model
+    if model.preset == "random" and not model.pretrained:
+        architecture(model.family, model.architecture)
+    if cfg.method.options is None:
+        cfg.method.options = method_config(cfg.method.name, cfg.method.given)
+    return cfg
+
+
+__all__ = ["check_config"]
