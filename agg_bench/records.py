@@ -113,7 +113,7 @@ def records_problem(records: list[dict], required: tuple[str, ...] = ()) -> str 
 
 # A run folder's held-out evaluations (``eval.every``): one JSON line per evaluated state, ``iteration`` (the
 # iterations trained before it; 0: the starting weights), ``eval_reward``, ``eval_<sub-score>``, ``t_eval_s``
-# and ``t_eval_cpu_s`` (agg_bench.runtime.train writes it, agg_bench.results.learning reads it).
+# and ``t_eval_cpu_s`` (agg_bench.runtime.train writes it, agg_bench.results.learning_tables reads it).
 EVALUATIONS_FILE = "evaluations.jsonl"
 
 # Record keys that depend on the machine's speed or load, not on the computation: two runs that

@@ -2,9 +2,9 @@
 
 Tools outside this repository call ``agg_bench.sde.sde_step(kind, model_output, sample, sigmas, index,
 eta, prev_sample=None, generator=None)`` (docs/design.md, Contracts), so that name stays here. The step
-lives in the engine (:mod:`agg_bench.engine.sde`); this module re-exports that one function object and
+lives in the engine (:mod:`agg_bench.engine.sampler`); this module re-exports that one function object and
 nothing else, and no module of the repository imports it (``tests/test_import_graph.py``).
 """
-from .engine.sde import sde_step
+from .engine.sampler import sde_step
 
 __all__ = ["sde_step"]

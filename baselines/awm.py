@@ -199,7 +199,7 @@ class AWMEstimator(FinalLatentEstimator):
         a = grpo_advantages(rewards, grpo, torch.float64)
         return (a / grpo.adv_clip_max * self.config.advantage_max).to(trajectory.latents.dtype)
 
-    def plan(self, train, trajectory, batch_size, generator):
+    def trained_steps(self, train, trajectory, batch_size, generator):
         """(B, K) slots 0..K-1; the times and then the seed of the noise generator are drawn here."""
         k = self.config.times_per_sample
         self.times = draw_times(self.config.time_distribution, k, batch_size, trajectory.sigmas, self.shift,

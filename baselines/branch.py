@@ -40,10 +40,10 @@ from typing import Literal
 import torch
 
 from agg_bench.engine.grpo import TrainBatch, exact_backward, micro_batches
-from agg_bench.engine.sde import gaussian_log_prob, ode_step, sde_step, stochastic_steps
+from agg_bench.engine.sampler import gaussian_log_prob, ode_step, sde_step, stochastic_steps
 from agg_bench.errors import ConfigError
 from agg_bench.machine import distributed
-from agg_bench.methods.base import Estimator, ReplayPlan, register_method
+from agg_bench.methods.base import Estimator, ReplayCase, register_method
 
 # the released script's split points for its 20 steps (scripts/finetune/finetune_flux_branchgrpo_8gpus.sh)
 PAPER_STEPS = 20
@@ -147,7 +147,7 @@ class BranchEstimator(Estimator):
         points = self.points(steps)
         return [self.config.branch_factor ** sum(b < j for b in points) for j in range(steps)]
 
-    def trained_steps(self, stochastic: torch.Tensor) -> torch.Tensor:
+    def trained_step_mask(self, stochastic: torch.Tensor) -> torch.Tensor:
         """(T,) True on the steps whose transitions are trained: stochastic and not depth-pruned."""
         keep = stochastic.to(torch.bool).cpu().clone()
         for depth in self.config.depth_pruning:
@@ -177,7 +177,7 @@ class BranchEstimator(Estimator):
             raise ConfigError("method.depth_pruning", c.depth_pruning,
                               f"depths in [1, {steps}] (a transition's depth is its step + 1; "
                               f"sampling.steps = {steps})")
-        if not self.trained_steps(stochastic).any():
+        if not self.trained_step_mask(stochastic).any():
             raise ConfigError("method.depth_pruning", c.depth_pruning, "at least one trained depth left")
         if cfg.train.timestep_fraction != 1.0:
             raise ConfigError("train.timestep_fraction", cfg.train.timestep_fraction,
@@ -196,15 +196,15 @@ class BranchEstimator(Estimator):
                               f"one process for method 'branch' (a tree's batch grows inside the rollout and its "
                               f"width pruning pools every tree); this run has {processes} data-parallel processes")
 
-    def replay_plan(self, cfg, stochastic, batch_size, generator):
-        return ReplayPlan("not_applicable", None,
+    def replay_case(self, cfg, stochastic, batch_size, generator):
+        return ReplayCase("not_applicable", None,
                           "BranchGRPO samples a tree per prompt (shared prefixes, children split from one "
                           "parent's mean); a frozen rollout of independent chains has no tree to train")
 
     # ----- rollout ---------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
-        from agg_bench.engine.rollout import Trajectory  # the sampler imports the models; the options do not
+        from agg_bench.engine.rollout import Trajectory  # the rollout module imports the models; the options do not
 
         steps = sigmas.numel() - 1
         total = noise.shape[0]
@@ -290,9 +290,9 @@ class BranchEstimator(Estimator):
             columns.append(adv.repeat_interleave(group // n, 1).reshape(-1))  # to every leaf below the node
         return torch.stack(columns, 1).to(trajectory.latents.dtype)
 
-    def plan(self, train, trajectory, batch_size, generator):
+    def trained_steps(self, train, trajectory, batch_size, generator):
         """Every row lists every trained step; the tree's distinct transitions are picked in accumulate."""
-        steps = torch.nonzero(self.trained_steps(trajectory.sde_mask), as_tuple=False).flatten()
+        steps = torch.nonzero(self.trained_step_mask(trajectory.sde_mask), as_tuple=False).flatten()
         return steps.expand(batch_size, -1).clone()
 
     # ----- training ----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ import torch
 from agg_bench.engine.grpo import StepTerms, TrainBatch, UpdateStats, step_terms
 from agg_bench.errors import ConfigError
 from agg_bench.machine.fsdp import agreed_max, lockstep
-from agg_bench.methods.base import Estimator, ReplayPlan, register_method
+from agg_bench.methods.base import Estimator, ReplayCase, register_method
 from baselines.caches import CACHES, apply_cache, cache_options, make_config
 from baselines.caches.configs import BLOCK_LISTS
 from baselines.full import FullEstimator
@@ -208,15 +208,15 @@ class CachedEstimator(Estimator):
                               f"false with method 'cached' and method.cache_in={self.config.cache_in!r}: "
                               "checkpointing re-runs blocks during backward, which would corrupt the cache state")
 
-    def replay_plan(self, cfg, stochastic, batch_size, generator):
+    def replay_case(self, cfg, stochastic, batch_size, generator):
         if not self.caches_training:
-            return ReplayPlan("not_applicable", None,
+            return ReplayCase("not_applicable", None,
                               "the cache runs only in the rollout, which the snapshot froze uncached; "
                               "on it this method trains exactly as full")
         if self.caches_rollout:
-            return ReplayPlan("partial", None, "the training forward with the cache; the rollout cache's "
+            return ReplayCase("partial", None, "the training forward with the cache; the rollout cache's "
                                                "off-policy old log-probs are not replayed")
-        return ReplayPlan()
+        return ReplayCase()
 
     # ----- installing the cache ---------------------------------------------------------------
     @contextlib.contextmanager

@@ -222,7 +222,7 @@ class DGPOEstimator(FinalLatentEstimator):
     def guided_rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
         """The ODE rollout on v = v_u + g (v_c - v_u): per step a forward on the prompts and one on the empty
         prompt (two calls, each of the whole batch)."""
-        from agg_bench.engine.rollout import rollout  # the sampler imports the models; a method's options do not
+        from agg_bench.engine.rollout import rollout  # the rollout imports the models; a method's options do not
 
         if self.unconditional is None:
             raise RuntimeError("method 'dgpo' with rollout_guidance needs the empty prompt's conditioning")
@@ -237,7 +237,7 @@ class DGPOEstimator(FinalLatentEstimator):
         mask = self.sde_mask(iteration, sigmas.numel() - 1, generator)
         return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, mask, velocity=guided)
 
-    def plan(self, train, trajectory, batch_size, generator):
+    def trained_steps(self, train, trajectory, batch_size, generator):
         """(B, K): the K schedule steps shared by the batch (``schedule``) or the slots 0..K-1 (``uniform``);
         the seed of the noise generator is drawn after them."""
         k = self.config.times_per_sample

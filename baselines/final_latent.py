@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from agg_bench.errors import ConfigError, UserError
-from agg_bench.methods.base import Estimator, ReplayPlan
+from agg_bench.methods.base import Estimator, ReplayCase
 
 # K, the noised times per final latent, is at most this many times sampling.steps. Every (sample, time) costs
 # a forward with grad and a backward, and the noise of all K times is drawn at once (B, K, latent): at this
@@ -176,8 +176,8 @@ class FinalLatentEstimator(Estimator):
         if isinstance(state.get("ema"), dict):
             self.ema = EMAPolicy.from_state(policy, state["ema"])
 
-    def replay_plan(self, cfg, stochastic, batch_size, generator):
-        return ReplayPlan("not_applicable", note=f"{self.paper} trains {self.trains}: there is no per-step GRPO "
+    def replay_case(self, cfg, stochastic, batch_size, generator):
+        return ReplayCase("not_applicable", note=f"{self.paper} trains {self.trains}: there is no per-step GRPO "
                                                  "gradient to compare")
 
     def sde_mask(self, iteration, steps, generator):

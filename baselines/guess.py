@@ -44,7 +44,7 @@ import torch
 from agg_bench.engine.grpo import exact_backward, micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.machine import distributed
-from agg_bench.methods.base import Estimator, ReplayPlan, register_method
+from agg_bench.methods.base import Estimator, ReplayCase, register_method
 
 
 @dataclass
@@ -223,8 +223,8 @@ class GuessEstimator(Estimator):
                 rows, steps, weights = rows[keep], steps[keep.to(steps.device)], weights[keep]
                 exact_backward(policy, batch, rows, steps, stats, reference, weights)
 
-    def replay_plan(self, cfg, stochastic, batch_size, generator):
-        return ReplayPlan("not_applicable", None,
+    def replay_case(self, cfg, stochastic, batch_size, generator):
+        return ReplayCase("not_applicable", None,
                           "every velocity of a frozen rollout was forwarded, so guess's gradient on it is full's; "
                           "what guess changes (guessed velocities in the rollout, down-weighted guessed terms) "
                           "exists only in its own rollout")

@@ -34,7 +34,7 @@ import torch
 
 from agg_bench.engine.solvers import DPM_SOLVER_ORDERS
 from agg_bench.errors import ConfigError
-from agg_bench.methods.base import ReplayPlan, register_method
+from agg_bench.methods.base import ReplayCase, register_method
 from baselines.subsample import WindowConfig, WindowEstimator
 
 
@@ -103,8 +103,8 @@ class MixGRPOFlashEstimator(WindowEstimator):
                               "linspace of MixGRPO-Flash, built with this shift)")
 
     def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
-        from agg_bench.engine.rollout import rollout  # the sampler imports the models; a method's options do not
-        from agg_bench.engine.sde import ode_step
+        from agg_bench.engine.rollout import rollout  # the rollout imports the models; a method's options do not
+        from agg_bench.engine.sampler import ode_step
         from agg_bench.engine.solvers import MultistepDPMSolverPP
 
         steps = sigmas.numel() - 1
@@ -126,10 +126,10 @@ class MixGRPOFlashEstimator(WindowEstimator):
         return rollout(policy, cond, noise, grid, sampling.sde, sampling.eta, generator,
                        self.window_mask(start, grid.numel() - 1), velocity=velocity, ode=deterministic)
 
-    def replay_plan(self, cfg, stochastic, batch_size, generator):
+    def replay_case(self, cfg, stochastic, batch_size, generator):
         """The window's steps, planned as ``window`` plans them; ``partial``, because the run's rollout after
         the window (a compressed grid, DPM-Solver++) and so its final images are not the snapshot's."""
-        plan = super().replay_plan(cfg, stochastic, batch_size, generator)
-        return ReplayPlan("partial", plan.train_steps,
-                          f"{plan.note}; the method's rollout after the window is DPM-Solver++ on a compressed grid, "
+        case = super().replay_case(cfg, stochastic, batch_size, generator)
+        return ReplayCase("partial", case.train_steps,
+                          f"{case.note}; the method's rollout after the window is DPM-Solver++ on a compressed grid, "
                           "not the snapshot's steps, so the images its advantages come from differ")

@@ -205,7 +205,7 @@ class NFTEstimator(FinalLatentEstimator):
         a = grpo_advantages(rewards, grpo, torch.float64)
         return optimality(a, grpo.adv_clip_max, self.config.adv_mode).to(trajectory.latents.dtype)
 
-    def plan(self, train, trajectory, batch_size, generator):
+    def trained_steps(self, train, trajectory, batch_size, generator):
         """(B, K): the schedule steps of each sample's K times (``schedule``) or the slots 0..K-1 (``uniform``);
         the seed of the noise generator is drawn after them."""
         steps = trajectory.sigmas.numel() - 1

@@ -1,7 +1,7 @@
 """Timestep-subsampling GRPO baselines: train fewer denoising steps per sample, each one exactly.
 
 - ``fraction`` (DanceGRPO): every sample trains its own random subset of round(train.timestep_fraction * T)
-  steps, the ``steps`` plan of :mod:`agg_bench.engine.plan`; a run asking for ``train.plan: groups`` is refused,
+  steps, the ``steps`` plan of :mod:`agg_bench.engine.trained_steps`; a run asking for ``train.plan: groups`` is refused,
   because whole groups of consecutive steps are not DanceGRPO's scheme (use ``full`` with that plan).
 - ``window`` (MixGRPO, Flow-GRPO-Fast): the rollout is stochastic only inside a window of
   ``window_size`` consecutive steps and follows the ODE elsewhere, so only window steps have a
@@ -11,7 +11,7 @@
 Both compute the gradient of their trained steps exactly, as ``full`` does: they inherit its
 accumulation and differ from it only in which steps exist to be trained.
 
-Replayed on a frozen rollout (``replay``, ``gradcheck``; :class:`agg_bench.methods.base.ReplayPlan`), both
+Replayed on a frozen rollout (``replay``, ``gradcheck``; :class:`agg_bench.methods.base.ReplayCase`), both
 draw their own trained steps from the snapshot's stochastic steps, with a generator seeded by ``seed``:
 ``fraction`` is then ``replanned`` (its rollout is distributed as ``full``'s), ``window`` is ``partial``
 (its own rollout follows the ODE outside the window, where the snapshot's states come from SDE steps)
@@ -24,9 +24,9 @@ from typing import Literal
 
 import torch
 
-from agg_bench.engine.plan import plan_steps
+from agg_bench.engine.trained_steps import draw_trained_steps
 from agg_bench.errors import ConfigError
-from agg_bench.methods.base import ReplayPlan, register_method
+from agg_bench.methods.base import ReplayCase, register_method
 from baselines.full import FullConfig, FullEstimator
 
 
@@ -54,10 +54,10 @@ class FractionEstimator(FullEstimator):
                               "'steps' for method 'fraction' (random steps per sample; "
                               "whole groups are method 'full' with train.plan=groups)")
 
-    def replay_plan(self, cfg, stochastic, batch_size, generator):
+    def replay_case(self, cfg, stochastic, batch_size, generator):
         train = cfg.train
-        steps = plan_steps(train.plan, batch_size, stochastic, train.timestep_fraction, train.plan_window, generator)
-        return ReplayPlan("replanned", steps,
+        steps = draw_trained_steps(train.plan, batch_size, stochastic, train.timestep_fraction, train.plan_window, generator)
+        return ReplayCase("replanned", steps,
                           f"{steps.shape[1]} steps per sample drawn anew (train.timestep_fraction="
                           f"{train.timestep_fraction}, seed={cfg.seed}) from the snapshot's "
                           f"{int(stochastic.sum())} stochastic steps")
@@ -188,22 +188,22 @@ class WindowEstimator(FullEstimator):
         self.last_start = start
         return self.window_mask(start, steps)
 
-    def replay_plan(self, cfg, stochastic, batch_size, generator):
+    def replay_case(self, cfg, stochastic, batch_size, generator):
         """The window of iteration 0 on the snapshot's trajectory; its steps planned as in a run."""
         steps = stochastic.numel()
         start = self.window_start(0, steps, generator)
         window = self.window_mask(start, steps)
         last = self.window_last(start, steps)
         if torch.equal(window, stochastic.cpu()):  # the snapshot is this window's own rollout
-            return ReplayPlan("as_trained", None, f"the snapshot's stochastic steps are the window {start}..{last}")
+            return ReplayCase("as_trained", None, f"the snapshot's stochastic steps are the window {start}..{last}")
         available = window & stochastic.cpu()
         if not available.any():
             raise ConfigError("method.window_start", self.config.window_start,
                               f"a window that overlaps the snapshot's stochastic steps "
                               f"{torch.nonzero(stochastic).flatten().tolist()}")
         train = cfg.train
-        planned = plan_steps(train.plan, batch_size, available, train.timestep_fraction, train.plan_window, generator)
-        return ReplayPlan("partial", planned,
+        planned = draw_trained_steps(train.plan, batch_size, available, train.timestep_fraction, train.plan_window, generator)
+        return ReplayCase("partial", planned,
                           f"window steps {start}..{last} of the snapshot's trajectory, stochastic outside the window "
                           "where the method's own rollout follows the ODE (so the states before the window and "
                           "the images the advantages come from differ from the method's)")

@@ -63,7 +63,7 @@ def estimator_gradient(session, batch: TrainBatch) -> dict[str, torch.Tensor]:
 
 def sde_reference(kind: str, v, x, s: float, s_next: float, eta: float, s1: float):
     """Float64 transcription of docs/design.md's SDE transition from sigma ``s`` to ``s_next``, written
-    without agg_bench.engine.sde: its mean and standard deviation (``s1``: the schedule's second sigma,
+    without agg_bench.engine.sampler: its mean and standard deviation (``s1``: the schedule's second sigma,
     which flow_grpo's std uses in place of ``s`` = 1 at step 0)."""
     dt = s_next - s
     if kind == "flow_grpo":

@@ -11,7 +11,7 @@ from agg_bench.config import load_config
 from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import TrainBatch, UpdateStats, micro_batches
 from agg_bench.engine.models import Conditioning, Policy
-from agg_bench.engine.sde import flow_sigmas, sde_step
+from agg_bench.engine.sampler import flow_sigmas, sde_step
 from agg_bench.errors import ConfigError
 from agg_bench.machine.telemetry import Telemetry
 from agg_bench.methods.agg import group_bounds
@@ -385,7 +385,7 @@ def test_presets_share_the_reference_schedule():
 
 # ----- replay --method agg against the rule written out independently ------------------------------
 def independent_sde_log_prob(kind, v, x, x_next, s, s_next, eta):
-    """docs/design.md's transition log-density (mean over elements), written without agg_bench.engine.sde."""
+    """docs/design.md's transition log-density (mean over elements), written without agg_bench.engine.sampler."""
     # s == 1 only at step 0, whose next sigma is the schedule's second
     mean, sd = sde_reference(kind, v, x, s, s_next, eta, s1=s_next)
     return gaussian_log_prob(x_next, mean, sd)
@@ -445,11 +445,11 @@ def test_replay_agg_matches_an_independent_computation_of_the_rule(tmp_path, sde
 # ----- one W: the groups AGG aggregates are runs of consecutive denoising steps --------------------
 def _aggregated_groups_are_consecutive(cfg, window: int, draws: int = 60) -> bool:
     """Whether every group of more than two entries is a run of consecutive steps in ``draws`` seeded plans."""
-    from agg_bench.engine.plan import plan_steps
+    from agg_bench.engine.trained_steps import draw_trained_steps
 
     available = torch.ones(cfg.sampling.steps, dtype=torch.bool)
     for seed in range(draws):  # fixed seeds: the same plans on every run
-        steps = plan_steps(cfg.train.plan, 1, available, cfg.train.timestep_fraction, cfg.train.plan_window,
+        steps = draw_trained_steps(cfg.train.plan, 1, available, cfg.train.timestep_fraction, cfg.train.plan_window,
                            torch.Generator().manual_seed(seed))[0]
         for start, stop in group_bounds(steps.numel(), window):
             chunk = steps[start:stop]
@@ -462,7 +462,7 @@ def test_agg_run_check_accepts_exactly_the_plans_whose_groups_are_consecutive():
     """Over a grid of plans and windows, check_run refuses a run exactly when some seeded plan puts steps
     that are not adjacent into one aggregated group; the refusal names method.window (plan groups) or
     train.timestep_fraction (plan steps)."""
-    from agg_bench.engine.plan import steps_per_sample
+    from agg_bench.engine.trained_steps import steps_per_sample
 
     refused = accepted = 0
     for plan, plan_window, fraction in [("groups", 5, 0.5), ("groups", 5, 1.0), ("groups", 3, 0.5),

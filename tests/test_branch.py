@@ -10,7 +10,7 @@ from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.rollout import Trajectory, initial_noise
-from agg_bench.engine.sde import sde_step
+from agg_bench.engine.sampler import sde_step
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.machine import distributed
@@ -294,8 +294,8 @@ def test_bad_options_exit_2_through_the_cli_before_anything_is_written(tmp_path,
 
 def test_replay_is_not_applicable():
     cfg = tiny_config(*TREE)
-    plan = build_estimator(cfg).replay_plan(cfg, torch.ones(4, dtype=torch.bool), 8, torch.Generator())
-    assert plan.scope == "not_applicable" and plan.train_steps is None and "tree" in plan.note
+    case = build_estimator(cfg).replay_case(cfg, torch.ones(4, dtype=torch.bool), 8, torch.Generator())
+    assert case.scope == "not_applicable" and case.train_steps is None and "tree" in case.note
 
 
 def test_replay_refuses_and_gradcheck_lists_without_numbers(tmp_path, capsys):

@@ -51,7 +51,7 @@ def test_kl_forms_match_float64_reference(kind, kl_form):
     mean squared difference of the two means over 2 std^2 (transition) or over 2 std_t^2 (no_dt)."""
     from agg_bench.engine.grpo import TrainBatch
     from agg_bench.engine.models import Conditioning
-    from agg_bench.engine.sde import flow_sigmas
+    from agg_bench.engine.sampler import flow_sigmas
 
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     b, steps = 5, 9
@@ -148,7 +148,7 @@ def test_step_terms_clip_is_pessimistic():
     """l = max(-A r, -A clip(r)): for A>0 and r above 1+eps the clipped value wins."""
     from agg_bench.engine.grpo import TrainBatch
     from agg_bench.engine.models import Conditioning
-    from agg_bench.engine.sde import flow_sigmas
+    from agg_bench.engine.sampler import flow_sigmas
 
     sig = flow_sigmas(2, 1.0)
     lat = torch.randn(2, 3, 1, 2, 2, dtype=torch.float64)

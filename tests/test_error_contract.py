@@ -138,7 +138,7 @@ def test_learning_records_with_a_string_for_a_number(tmp_path, capsys):
 
 
 def test_learning_plot_labels_with_dollars_are_drawn_as_text(tmp_path):
-    from agg_bench.results.learning import Run, plot_rewards
+    from agg_bench.results.learning_tables import Run, plot_rewards
 
     records = pd.DataFrame({"reward_mean": np.linspace(0, 1, 4), "t_iter_cpu_s": np.ones(4)})
     runs = [Run("a$b$^{", 0, tmp_path, records), Run("$x$", 1, tmp_path, records)]

@@ -12,11 +12,11 @@ import torch
 from agg_bench.config.sections import ModelConfig
 from agg_bench.engine.families import architecture
 from agg_bench.engine.families import FAMILY_SPECS, family_spec
-from agg_bench.engine.families.registry import SD3
+from agg_bench.engine.families.catalog import SD3
 from agg_bench.engine.models import Conditioning, build_tiny_transformer, load_policy, text_dims
 from agg_bench.engine.prompts import hash_embed
 from agg_bench.engine.rollout import rollout
-from agg_bench.engine.sde import flow_sigmas
+from agg_bench.engine.sampler import flow_sigmas
 from agg_bench.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

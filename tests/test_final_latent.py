@@ -47,9 +47,9 @@ def snapshot(tmp_path_factory):
 def test_replay_is_refused_and_gradcheck_lists_it_without_numbers(method, snapshot, tmp_path, capsys):
     cfg = tiny_config(f"method.name={method}", "sampling.same_noise_per_group=false")
     estimator = build_estimator(cfg)
-    plan = estimator.replay_plan(cfg, torch.zeros(STEPS, dtype=torch.bool), 6, torch.Generator())
-    assert plan.scope == "not_applicable" and plan.train_steps is None
-    assert plan.note.startswith(estimator.paper) and "no per-step GRPO gradient" in plan.note
+    case = estimator.replay_case(cfg, torch.zeros(STEPS, dtype=torch.bool), 6, torch.Generator())
+    assert case.scope == "not_applicable" and case.train_steps is None
+    assert case.note.startswith(estimator.paper) and "no per-step GRPO gradient" in case.note
     capsys.readouterr()
     out = tmp_path / "g.safetensors"
     assert main(["replay", str(snapshot), "--method", method, "--out", str(out)]) == 2

@@ -138,8 +138,8 @@ def _read_json(path):
     return json.loads(path.read_text())
 
 
-def test_replay_plans_of_methods_that_train_other_steps_or_differ_in_their_rollout():
-    """No model: each method's replay plan on given stochastic steps."""
+def test_replay_cases_of_methods_that_train_other_steps_or_differ_in_their_rollout():
+    """No model: each method's replay case on given stochastic steps."""
     import torch
 
     from agg_bench.methods.base import build_method
@@ -148,29 +148,29 @@ def test_replay_plans_of_methods_that_train_other_steps_or_differ_in_their_rollo
     cfg = tiny_config("sampling.steps=8", "train.timestep_fraction=0.5", "seed=3")
     every = torch.ones(8, dtype=torch.bool)
     gen = lambda: torch.Generator().manual_seed(cfg.seed)
-    plan = build_method("fraction").replay_plan(cfg, every, 5, gen())
-    assert plan.scope == "replanned" and plan.train_steps.shape == (5, 4)
-    for row in plan.train_steps:  # 4 distinct steps per sample, in denoising order
+    case = build_method("fraction").replay_case(cfg, every, 5, gen())
+    assert case.scope == "replanned" and case.train_steps.shape == (5, 4)
+    for row in case.train_steps:  # 4 distinct steps per sample, in denoising order
         assert row.tolist() == sorted(set(row.tolist()))
-    assert len({tuple(r) for r in plan.train_steps.tolist()}) > 1  # drawn per sample
+    assert len({tuple(r) for r in case.train_steps.tolist()}) > 1  # drawn per sample
     # the window of iteration 0, on a trajectory stochastic everywhere: its steps, marked partial
     window = build_method("window", {"window_size": 3, "window_mode": "fixed", "window_start": 2})
-    plan = window.replay_plan(tiny_config("sampling.steps=8"), every, 5, gen())
-    assert plan.scope == "partial" and plan.train_steps.tolist() == [[2, 3, 4]] * 5
+    case = window.replay_case(tiny_config("sampling.steps=8"), every, 5, gen())
+    assert case.scope == "partial" and case.train_steps.tolist() == [[2, 3, 4]] * 5
     # the snapshot is the window's own rollout: as trained, on the snapshot's steps
     own = torch.zeros(8, dtype=torch.bool)
     own[2:5] = True
-    plan = window.replay_plan(tiny_config("sampling.steps=8"), own, 5, gen())
-    assert (plan.scope, plan.train_steps) == ("as_trained", None)
+    case = window.replay_case(tiny_config("sampling.steps=8"), own, 5, gen())
+    assert (case.scope, case.train_steps) == ("as_trained", None)
     elsewhere = torch.zeros(8, dtype=torch.bool)
     elsewhere[6:] = True
     with pytest.raises(ConfigError, match="method.window_start"):
-        window.replay_plan(tiny_config("sampling.steps=8"), elsewhere, 5, gen())
-    scopes = {cache_in: build_method("cached", {"cache": "fora", "cache_in": cache_in}).replay_plan(
+        window.replay_case(tiny_config("sampling.steps=8"), elsewhere, 5, gen())
+    scopes = {cache_in: build_method("cached", {"cache": "fora", "cache_in": cache_in}).replay_case(
         cfg, every, 5, gen()).scope for cache_in in ("rollout", "train", "both")}
     assert scopes == {"rollout": "not_applicable", "train": "as_trained", "both": "partial"}
     for name in ("full", "agg"):
-        assert build_method(name).replay_plan(cfg, every, 5, gen()).scope == "as_trained"
+        assert build_method(name).replay_case(cfg, every, 5, gen()).scope == "as_trained"
 
 
 @pytest.mark.slow  # one snapshot, four replays and a gradcheck through the CLI: ~30 s on 2 cores
@@ -211,8 +211,8 @@ def test_replay_measures_fraction_and_window_on_their_own_steps_and_refuses_what
     import dataclasses
     only_window = dataclasses.replace(snapshot.batch, train_steps=torch.tensor([[1, 2]] * b))
     expected = dataclasses.replace(snapshot, batch=only_window)
-    from agg_bench.methods.base import ReplayPlan
-    grads, counts, _ = replay_gradient(expected, FullEstimator(), plan=ReplayPlan())
+    from agg_bench.methods.base import ReplayCase
+    grads, counts, _ = replay_gradient(expected, FullEstimator(), case=ReplayCase())
     got = load_file(str(win))
     # the same function on the same steps and rows in the same order: bit-identical
     assert all(torch.equal(got[k], grads[k]) for k in grads) and counts["backward"] == 2 * b

@@ -215,9 +215,9 @@ def test_update_equals_a_weighted_one_graph_reference(weight):
 
 
 def test_replay_is_not_applicable():
-    plan = build_method("guess").replay_plan(tiny_config("method.name=guess"), torch.ones(STEPS, dtype=torch.bool),
+    case = build_method("guess").replay_case(tiny_config("method.name=guess"), torch.ones(STEPS, dtype=torch.bool),
                                              6, torch.Generator())
-    assert plan.scope == "not_applicable" and "frozen rollout" in plan.note
+    assert case.scope == "not_applicable" and "frozen rollout" in case.note
 
 
 # ----- options ----------------------------------------------------------------------------------

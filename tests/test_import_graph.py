@@ -95,8 +95,18 @@ def test_the_wings_are_in_place():
     assert wing("agg_bench.records") == "basics" and wing("agg_bench.reading") == "basics"
 
 
+def test_a_module_name_means_one_thing():
+    """No two modules of agg_bench and baselines share a file name (a package's __init__.py aside), so that a
+    name found by grep is one module."""
+    names: dict[str, list[str]] = {}
+    for path in project_files():
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
 def test_the_contract_alias_is_imported_by_nothing_in_the_repository():
-    # one way to import each thing: code imports agg_bench.engine.sde; agg_bench.sde is for other tools
+    # one way to import each thing: code imports agg_bench.engine.sampler; agg_bench.sde is for other tools
     sources = [*project_files(), *(ROOT / "benchmarks").rglob("*.py"),
                *(p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_sde.py")]
     assert [p for p in sources if "agg_bench.sde" in imported_modules(p, top_level_only=False)] == []

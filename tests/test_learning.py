@@ -1,4 +1,4 @@
-"""The learning tables and plots (agg_bench.results.learning, written by `agg-bench learning`) on run folders
+"""The learning tables and plots (agg_bench.results.learning_tables, written by `agg-bench learning`) on run folders
 with known rewards and times."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from agg_bench.errors import UserError
-from agg_bench.results.learning import cpu_time_to_reach, learning_table, load_runs, plot_rewards
+from agg_bench.results.learning_tables import cpu_time_to_reach, learning_table, load_runs, plot_rewards
 from agg_bench.cli import main
 from agg_bench.tools.sweep import flatten, overrides_of
 
@@ -171,7 +171,7 @@ def test_evaluation_columns_by_hand():
     """The evaluation's gain is each seed's final score minus the pre-trained one (shared by all)."""
     import pandas as pd
 
-    from agg_bench.results.learning import evaluation_columns
+    from agg_bench.results.learning_tables import evaluation_columns
 
     scores = pd.DataFrame([
         {"state": "pre-trained", "method": None, "seed": None, "eval_reward": 0.5, "eval_reward_count": 0.2},

@@ -14,7 +14,7 @@ import pytest
 from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.results.curves import CURVE_COLUMNS, crossing
-from agg_bench.results.learning import learning_table, load_runs, plot_held_out
+from agg_bench.results.learning_tables import learning_table, load_runs, plot_held_out
 
 COST, CPU_S = {"full": 10.0, "agg": 5.0, "window": 5.0, "plain": 5.0}, 2.0  # per iteration
 # held-out reward after 0, 2 and 4 iterations, per method and seed

@@ -10,7 +10,7 @@ import torch
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.runtime.config_check import check_config
-from agg_bench.engine.sde import flow_sigmas
+from agg_bench.engine.sampler import flow_sigmas
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_method
@@ -197,13 +197,13 @@ def test_replay_is_partial_with_the_window_steps():
     cfg = flash("method.window_mode=fixed", "method.window_start=1", "method.window_size=2")
     estimator = build_method("mixgrpo_flash", {"window_mode": "fixed", "window_start": 1, "window_size": 2})
     stochastic = torch.ones(STEPS, dtype=torch.bool)
-    plan = estimator.replay_plan(cfg, stochastic, 3, torch.Generator().manual_seed(0))
-    assert plan.scope == "partial" and "DPM-Solver++" in plan.note
-    assert torch.equal(plan.train_steps, torch.tensor([[1, 2]] * 3))
+    case = estimator.replay_case(cfg, stochastic, 3, torch.Generator().manual_seed(0))
+    assert case.scope == "partial" and "DPM-Solver++" in case.note
+    assert torch.equal(case.train_steps, torch.tensor([[1, 2]] * 3))
     own = torch.zeros(STEPS, dtype=torch.bool)
     own[1:3] = True  # the snapshot of its own rollout: the window's steps as they were, still partial
-    plan = estimator.replay_plan(cfg, own, 3, torch.Generator().manual_seed(0))
-    assert plan.scope == "partial" and plan.train_steps is None
+    case = estimator.replay_case(cfg, own, 3, torch.Generator().manual_seed(0))
+    assert case.scope == "partial" and case.train_steps is None
 
 
 # ----- options ------------------------------------------------------------------------------

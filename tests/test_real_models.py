@@ -14,7 +14,7 @@ from agg_bench.config import load_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.engine.models import build_policy, load_policy, unpack_latents
 from agg_bench.engine.rollout import rollout
-from agg_bench.engine.sde import flow_sigmas
+from agg_bench.engine.sampler import flow_sigmas
 from agg_bench.engine.text import encode_prompts, prompt_set
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl

@@ -9,7 +9,7 @@ import pytest
 @pytest.mark.parametrize("module", ["agg_bench.records", "agg_bench.results.loading",
                                     "agg_bench.results.tables", "agg_bench.results.formatting",
                                     "agg_bench.results.plots", "agg_bench.results.report",
-                                    "agg_bench.results.learning", "agg_bench.tools.importlog"])
+                                    "agg_bench.results.learning_tables", "agg_bench.tools.importlog"])
 def test_reading_results_imports_no_torch(module):
     # a fresh interpreter: this test process has torch loaded already
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from agg_bench.config import DEFAULTS, validate
-from agg_bench.engine.sde import flow_sigmas, ode_step, sde_step, stochastic_steps
+from agg_bench.engine.sampler import flow_sigmas, ode_step, sde_step, stochastic_steps
 from agg_bench.errors import ConfigError
 from helpers import gaussian_log_prob, sde_reference
 
@@ -122,8 +122,8 @@ def test_sde_step_refuses_an_eta_that_is_not_a_positive_number(eta):
 
 def test_the_contract_path_is_the_engine_step():
     # docs/design.md's Python contract: agg_bench.sde.sde_step, the engine's own function object
-    import agg_bench.engine.sde
+    import agg_bench.engine.sampler
     import agg_bench.sde
 
-    assert agg_bench.sde.sde_step is agg_bench.engine.sde.sde_step
+    assert agg_bench.sde.sde_step is agg_bench.engine.sampler.sde_step
     assert agg_bench.sde.__all__ == ["sde_step"]

@@ -153,7 +153,7 @@ def test_resume_refuses_a_crafted_checkpoint(tmp_path, capsys):
 def test_the_learning_report_refuses_a_crafted_checkpoint(tmp_path):
     """The learning rule's evaluation reads each run's checkpoint.pt: a crafted one is refused, unexecuted."""
     from agg_bench.engine.scenes import all_scenes
-    from agg_bench.results.learning import load_runs
+    from agg_bench.results.learning_tables import load_runs
     from agg_bench.tools import learning
     from agg_bench.tools.pretrain import load_pretrain_config, pretrain
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler
 
-from agg_bench.engine.sde import ode_step
+from agg_bench.engine.sampler import ode_step
 from agg_bench.engine.solvers import DataPrediction, MultistepDPMSolverPP, dpm_solver_pp_step
 
 SHAPE = (2, 3, 4, 4)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from agg_bench.cli import main
-from agg_bench.engine.sde import ode_step
+from agg_bench.engine.sampler import ode_step
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_method

@@ -22,7 +22,7 @@ from agg_bench.cli import main
 from agg_bench.config import DEFAULTS
 from agg_bench.io import read_jsonl
 from agg_bench.runtime import session as session_module
-from agg_bench.runtime.curves import FOLDER, scalars
+from agg_bench.runtime.scalar_events import FOLDER, scalars
 from agg_bench.runtime.train import Session, train
 from helpers import tiny_config
 

@@ -2,7 +2,7 @@
 
 The model families' specs (families/), the DiT policies and their conditioning (models, text, prompts,
 lora, architectures, pixel_decoder), the sampler (sde, rollout), advantages, the clipped loss and its
-upstream gradients (grpo), which steps each sample trains (plan), the pass counter (counters) and the
+upstream gradients (grpo), which steps each sample trains (trained_steps), the pass counter (counters) and the
 rewards (rewards, scenes, scene_reward, reward_models/). It imports the top-level basics, the results readers and the
 machine wing; never methods, runtime, tools or the baselines (``tests/test_import_graph.py``).
 """

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ConfigError
-from .sde import SDEStepOutput, sde_step
+from .sampler import SDEStepOutput, sde_step
 
 if TYPE_CHECKING:  # annotations only: checking a method's options imports neither the models nor diffusers
     from ..config.sections import GRPOConfig

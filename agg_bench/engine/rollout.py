@@ -13,11 +13,11 @@ from typing import Callable
 import torch
 
 from .models import Conditioning, Policy
-from .sde import ode_step, sde_step, stochastic_steps
+from .sampler import ode_step, sde_step, stochastic_steps
 
 # velocity(j, x, timesteps (B,), cond) -> v: the velocity used at step j (default: the policy's forward)
 VelocityRule = Callable[[int, torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
-# ode(j, x, v) -> x_{j+1}: a deterministic step (default: Euler, :func:`agg_bench.engine.sde.ode_step`)
+# ode(j, x, v) -> x_{j+1}: a deterministic step (default: Euler, :func:`agg_bench.engine.sampler.ode_step`)
 ODERule = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -5,7 +5,7 @@ CUDA, one GPU per process: ``cuda:$LOCAL_RANK``). Without torchrun's environment
 no-op and a run is one process.
 
 **The batch.** Every process draws the whole iteration's randomness exactly as a single process would
-(prompts, initial noise, the SDE noise of every rollout step, the trained-step plan) from the shared
+(prompts, initial noise, the SDE noise of every rollout step, the trained steps) from the shared
 ``iteration_generator``, and keeps one consecutive share of the prompts, each with its whole GRPO group
 (``grpo.prompts_per_iteration`` must be a multiple of K). During the rollout the sampler runs on the
 whole batch so that its random draws match, but the transformer only evaluates this process's rows

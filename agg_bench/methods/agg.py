@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.grpo import TrainBatch, UpdateStats, exact_backward, micro_batches, upstream_grad
-from ..engine.plan import steps_per_sample
+from ..engine.trained_steps import steps_per_sample
 from ..errors import ConfigError
 from ..machine import distributed
 from ..machine.fsdp import lockstep

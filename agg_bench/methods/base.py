@@ -6,7 +6,7 @@ for one rollout, and may own the rest of what one iteration does before it:
   velocity used at a step (a guess in place of a forward), the solver of the deterministic steps
   (e.g. a multistep ODE solver), or a trajectory of another shape (a tree whose samples share prefixes);
 - the advantages (:meth:`Estimator.advantages`): one per sample, or one per (sample, step);
-- the trained steps (:meth:`Estimator.plan`).
+- the trained steps (:meth:`Estimator.trained_steps`).
 The defaults are GRPO's: B independent chains, group-standardised rewards, ``train.plan`` over the
 stochastic steps. Adding a method means one module with a config dataclass and an Estimator subclass,
 and one ``@register_method`` line (:class:`agg_bench.registry.Registry`, the style of rewards and caches
@@ -24,7 +24,7 @@ import torch
 
 from ..config import RunConfig
 from ..engine.grpo import TrainBatch, UpdateStats, grpo_advantages
-from ..engine.plan import plan_steps
+from ..engine.trained_steps import draw_trained_steps
 from ..errors import ConfigError
 from ..registry import Registry
 
@@ -53,7 +53,7 @@ REPLAY_SCOPES = ("as_trained", "replanned", "partial", "not_applicable")
 
 
 @dataclasses.dataclass
-class ReplayPlan:
+class ReplayCase:
     """What replaying a method on a frozen rollout measures (``agg-bench replay`` and ``gradcheck``).
 
     ``scope`` is one of:
@@ -81,7 +81,7 @@ class Estimator(ABC):
 
     name: ClassVar[str]
     config_cls: ClassVar[type] = NoOptions
-    # Whether the steps it trains on a frozen rollout are its own plan (replay_plan), so that replay
+    # Whether the steps it trains on a frozen rollout are its own draw (replay_case), so that replay
     # honours --set train.timestep_fraction / train.plan / train.plan_window / seed for it.
     replans: ClassVar[bool] = False
 
@@ -99,12 +99,12 @@ class Estimator(ABC):
         """Raise a ConfigError for run settings outside the method's own options that it cannot honour
         (e.g. a window longer than sampling.steps); called when a run is set up, before anything is written."""
 
-    def replay_plan(self, cfg: RunConfig, stochastic: torch.Tensor, batch_size: int,
-                    generator: torch.Generator) -> ReplayPlan:
+    def replay_case(self, cfg: RunConfig, stochastic: torch.Tensor, batch_size: int,
+                    generator: torch.Generator) -> ReplayCase:
         """How this method is replayed on a frozen rollout whose steps ``stochastic`` (T,) bool have a
         log-probability, under run config ``cfg``; random draws come from ``generator``. Default: it
         trains the snapshot's own steps, as it would in a run on that rollout."""
-        return ReplayPlan()
+        return ReplayCase()
 
     def sde_mask(self, iteration: int, steps: int, generator: torch.Generator) -> torch.Tensor | None:
         """Which of the T steps are sampled with the SDE (None: all)."""
@@ -119,7 +119,7 @@ class Estimator(ABC):
         """The iteration's trajectories from x_0 = ``noise`` (P x G rows, G = ``group_size``, grouped
         consecutively); random draws come from ``generator``, after the noise. Default: :func:`agg_bench.engine.rollout.rollout`
         with :meth:`sde_mask` and :meth:`rollout_hooks`, Euler steps where it is not stochastic."""
-        from ..engine.rollout import rollout  # the sampler imports the models (diffusers); a method's options do not
+        from ..engine.rollout import rollout  # the rollout imports the models (diffusers); a method's options do not
 
         mask = self.sde_mask(iteration, sampling.steps, generator)
         with self.rollout_hooks(policy) as before_step:
@@ -130,11 +130,11 @@ class Estimator(ABC):
         float64 of the trajectory's final images. Default: GRPO's group-standardised rewards."""
         return grpo_advantages(rewards, grpo, trajectory.latents.dtype)
 
-    def plan(self, train: TrainConfig, trajectory: Trajectory, batch_size: int,
-             generator: torch.Generator) -> torch.Tensor:
+    def trained_steps(self, train: TrainConfig, trajectory: Trajectory, batch_size: int,
+                      generator: torch.Generator) -> torch.Tensor:
         """``train_steps`` (B, N): the steps each sample trains, from the trajectory's stochastic steps.
-        Default: ``train.plan`` (:func:`agg_bench.engine.plan.plan_steps`)."""
-        return plan_steps(train.plan, batch_size, trajectory.sde_mask, train.timestep_fraction, train.plan_window,
+        Default: ``train.plan`` (:func:`agg_bench.engine.trained_steps.draw_trained_steps`)."""
+        return draw_trained_steps(train.plan, batch_size, trajectory.sde_mask, train.timestep_fraction, train.plan_window,
                           generator)
 
     @abstractmethod

@@ -13,7 +13,7 @@ A run folder holds these files and nothing else (:data:`RUN_CONTENTS`):
 - ``checkpoint.pt``, and with ``train.shard: fsdp`` its ``checkpoint_shards_<iteration>/`` folder
   (:mod:`agg_bench.runtime.checkpoint`);
 - ``tensorboard/``, with ``telemetry.tensorboard: true``: the records' numbers as TensorBoard scalars
-  (:mod:`agg_bench.runtime.curves`);
+  (:mod:`agg_bench.runtime.scalar_events`);
 - ``summary.json``: written last, so that it exists only once an attempt has ended. Its ``status`` is
   ``ok``; ``oom`` (out of memory while building the model or in an iteration, on any process: the run
   ends and returns, so a sweep goes on); ``diverged`` (a non-finite reward, loss or gradient: that update
@@ -51,8 +51,8 @@ from ..outdir import Claim, Contents, check_folder, remove_owned
 from ..reading import RunFolder
 from ..records import EVALUATIONS_FILE
 from .checkpoint import CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference
-from .curves import CONTENTS as CURVES_CONTENTS
-from .curves import FOLDER as CURVES_FOLDER
+from .scalar_events import CONTENTS as EVENTS_CONTENTS
+from .scalar_events import FOLDER as EVENTS_FOLDER
 
 # what torch.distributed.checkpoint's FileSystemWriter puts in a shard folder: each process's data files,
 # the metadata (renamed into place from a temporary)
@@ -60,7 +60,7 @@ SHARD_CONTENTS = Contents("a checkpoint's shards", patterns=("__*_*.distcp", ".m
                                                              "__*.metadata", "__*.metadata.tmp"))
 RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics.jsonl", EVALUATIONS_FILE,
                                              "summary.json", "plan.json", CHECKPOINT_NAME),
-                        folders=((CURVES_FOLDER, CURVES_CONTENTS), (f"{SHARDS_PREFIX}*", SHARD_CONTENTS)))
+                        folders=((EVENTS_FOLDER, EVENTS_CONTENTS), (f"{SHARDS_PREFIX}*", SHARD_CONTENTS)))
 
 
 def _run_config(folder: Path) -> dict | None:
@@ -100,11 +100,11 @@ def claim(out: Path, config: dict, resume: bool, overwrite: bool) -> Claim:
                  check=lambda: check_out_dir(out, config, resume, overwrite)).acquire()
 
 
-def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool, keep_curves: bool) -> None:
+def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool, keep_events: bool) -> None:
     """Before a run writes into DIR: remove the summary of an earlier attempt (it is written last, so
     its presence must mean this attempt finished), temporaries a killed process left, unless resuming,
     the earlier checkpoint (and its shard folders), and unless this attempt appends to them, the earlier
-    TensorBoard curves. Folders go with what the harness wrote in them and nothing else
+    TensorBoard events. Folders go with what the harness wrote in them and nothing else
     (:func:`~agg_bench.outdir.remove_owned`; :func:`check_out_dir` refused anything else already)."""
     out = Path(out_dir)
     doomed = [out / "summary.json"]
@@ -112,20 +112,20 @@ def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool, keep_curves: 
         doomed.append(checkpoint_path(out))
         for shards in out.glob(f"{SHARDS_PREFIX}*"):
             remove_owned(shards, SHARD_CONTENTS)
-    if not keep_curves:
-        remove_owned(out / CURVES_FOLDER, CURVES_CONTENTS)
+    if not keep_events:
+        remove_owned(out / EVENTS_FOLDER, EVENTS_CONTENTS)
     # only the harness's own temporary names (io.atomic_path), never a user's look-alike
     doomed += [p for p in out.iterdir() if p.is_file() and is_temp_name(p.name)]
     for p in doomed:
         p.unlink(missing_ok=True)
 
 
-def start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool, keep_curves: bool,
+def start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool, keep_events: bool,
                 evaluations: list[str] | None = None) -> None:
     """What a run writes before its first iteration: an earlier attempt's stale files removed, then
     ``config.json``, ``env.json``, ``metrics.jsonl`` holding ``lines`` (records as JSON lines) and
     ``evaluations.jsonl`` holding ``evaluations`` (None: a run that evaluates nothing, which has none)."""
-    remove_stale_files(out, keep_checkpoint=keep_checkpoint, keep_curves=keep_curves)
+    remove_stale_files(out, keep_checkpoint=keep_checkpoint, keep_events=keep_events)
     write_json(out / "config.json", config)
     write_json(out / "env.json", environment())
     write_lines(out / "metrics.jsonl", lines)

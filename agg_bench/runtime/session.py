@@ -3,7 +3,7 @@
 :class:`Session` owns everything a run needs (policy, reference, optimizer, reward, method, sigma schedule)
 and exists once: a training run (:mod:`agg_bench.runtime.train`), ``snapshot``, ``profile`` and
 ``calibrate`` all go through it. :func:`run_iteration` is one training iteration, rollout -> reward ->
-advantages -> plan -> method -> clip -> AdamW, and returns the record fields of the whole batch;
+advantages -> trained steps -> method -> clip -> AdamW, and returns the record fields of the whole batch;
 :func:`identity` the fields that say which run a record belongs to.
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ from .. import stopping
 from ..config import RunConfig
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.models import Conditioning, Policy, build_policy
-from ..engine.plan import plan_steps
+from ..engine.trained_steps import draw_trained_steps
 from ..engine.rewards import build_reward, reward_details
 from ..engine.rollout import Trajectory, initial_noise
-from ..engine.sde import flow_sigmas, linspace_sigmas, stochastic_steps
+from ..engine.sampler import flow_sigmas, linspace_sigmas, stochastic_steps
 from ..engine.text import empty_prompt_conditioning, prompt_conditioning, prompt_set
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
@@ -34,7 +34,7 @@ from .model_reuse import policy_for
 
 
 def iteration_generator(seed: int, iteration: int) -> torch.Generator:
-    """All randomness of one iteration (prompts, noise, SDE, plan) comes from this CPU generator."""
+    """All randomness of one iteration (prompts, noise, SDE, trained steps) comes from this CPU generator."""
     return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
 
 
@@ -145,7 +145,7 @@ class Session:
                              torch.float64 if self.policy.dtype == torch.float64 else torch.float32)
 
     def collect(self, iteration: int, telemetry: tel.Telemetry | None = None) -> Rollout:
-        """Rollout, reward, advantages and the trained-step plan for ``iteration``.
+        """Rollout, reward, advantages and the trained steps for ``iteration``.
 
         Under data parallelism the randomness of the whole batch is drawn as one process would and this
         process keeps its share of the groups (:mod:`agg_bench.machine.distributed`); the result is that share.
@@ -167,7 +167,7 @@ class Session:
             # float64: advantages divide by the group's spread, which rounding rewards to float32 would blur
             rewards = self.reward_fn(images, prompts).detach().to(torch.float64).cpu()
         advantages = self.estimator.advantages(rewards, traj, cfg.grpo).to(self.device)
-        train_steps = self.estimator.plan(cfg.train, traj, total, gen)
+        train_steps = self.estimator.trained_steps(cfg.train, traj, total, gen)
         train_steps = distributed.take(train_steps, shard, total).to(self.device)
         batch = TrainBatch(
             latents=traj.latents, log_probs=traj.log_probs, sigmas=traj.sigmas.to(self.device),
@@ -225,11 +225,11 @@ def identity(cfg: RunConfig, run_id: str, device: torch.device, world_size: int 
     }
 
 
-def check_plan(cfg: RunConfig) -> None:
+def check_trained_steps(cfg: RunConfig) -> None:
     """Raise the step plan's ConfigError (e.g. ``train.plan_window`` longer than the trajectory) before a
     run writes anything rather than in its first iteration."""
     available = stochastic_steps(cfg.sampling.sde, torch.linspace(1, 0, cfg.sampling.steps + 1))
-    plan_steps(cfg.train.plan, 1, available, cfg.train.timestep_fraction,
+    draw_trained_steps(cfg.train.plan, 1, available, cfg.train.timestep_fraction,
                cfg.train.plan_window, torch.Generator())
 
 

@@ -24,15 +24,15 @@ from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
 from ..records import RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
 from ..stopping import Interrupted
-from . import curves, runfolder
+from . import runfolder, scalar_events
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from .config_check import check_config
 from .evaluation import Evaluation
 from .memplan import run_memory_plan
-from .session import Session, check_plan, identity, iteration_generator, model_label, run_iteration, weights_label
+from .session import Session, check_trained_steps, identity, iteration_generator, model_label, run_iteration, weights_label
 
 # the names callers import from here, wherever they are defined
-__all__ = ["RECORD_KEYS", "TIMING_KEYS", "Interrupted", "Session", "Training", "check_plan",
+__all__ = ["RECORD_KEYS", "TIMING_KEYS", "Interrupted", "Session", "Training", "check_trained_steps",
            "identity", "iteration_generator", "model_label", "progress_line", "record_failure", "resolve_device",
            "run_iteration", "train", "weights_label"]
 
@@ -73,7 +73,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
         with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
             shard.check_run(cfg)
             fsdp.check_run(cfg)
-            curves.check_run(cfg)
+            scalar_events.check_run(cfg)
             # rank 0 checks, locks and (if new) makes the folder; a folder it made and left empty goes if the
             # run fails or is stopped before writing into it
             claim = distributed.on_main(runfolder.claim, out, cfg.to_dict(), resume, overwrite)
@@ -90,9 +90,9 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
 class Training:
     """The iterations of one run in its claimed folder ``out``; rank 0 writes.
 
-    Its life cycle: constructing it checks the step plan, restores the checkpoint (with ``resume``) and
+    Its life cycle: constructing it checks the trained-step draw (``train.plan``), restores the checkpoint (with ``resume``) and
     writes nothing; :meth:`begin` starts the folder's files, opens what the iterations use (telemetry,
-    the record writer, with ``telemetry.tensorboard`` the live curves, the progress bar, a hook on the
+    the record writer, with ``telemetry.tensorboard`` the TensorBoard events, the progress bar, a hook on the
     optimizer) and evaluates the starting state if that is due; :meth:`iterate` trains one iteration, appends its record, evaluates and writes the checkpoint
     it is due; :meth:`finish` closes what ``begin`` opened and writes the summary. :meth:`run` calls them
     in that order, with a SIGTERM or SIGINT raised as :class:`Interrupted` at the run's safe points (before
@@ -112,7 +112,7 @@ class Training:
 
     def __init__(self, cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, session: Session):
         self.cfg, self.out, self.resume, self.shard, self.session = cfg, out, resume, shard, session
-        check_plan(cfg)
+        check_trained_steps(cfg)
         # planned next to measured memory; a run that measures nothing (telemetry off) plans nothing
         self.memory_plan = run_memory_plan(cfg, shard.world_size) if shard.is_main and cfg.telemetry.enabled else None
         self.config = cfg.to_dict()
@@ -140,7 +140,7 @@ class Training:
         self.log_lines = shard.is_main and not sys.stderr.isatty()
         self.telemetry: tel.Telemetry | None = None
         self.writer: JsonlWriter | None = None
-        self.live_curves: curves.LiveCurves | None = None
+        self.scalar_events: scalar_events.TensorBoardEvents | None = None
         self.eval_writer: JsonlWriter | None = None
         self.bar: tqdm | None = None
         self._step_hook = None
@@ -197,7 +197,7 @@ class Training:
                         disable=not cfg.progress or not self.shard.is_main or self.log_lines)
         self.writer = runfolder.metrics_writer(self.out) if self.shard.is_main else None
         if self.shard.is_main and cfg.telemetry.tensorboard:
-            self.live_curves = curves.LiveCurves(self.out, self.start, skip=self.identity)
+            self.scalar_events = scalar_events.TensorBoardEvents(self.out, self.start, skip=self.identity)
         if self.evaluation is not None and self.shard.is_main:
             self.eval_writer = runfolder.evaluations_writer(self.out)
 
@@ -206,7 +206,7 @@ class Training:
             print(f"agg-bench run: no checkpoint in {self.out}; starting at iteration 0", file=sys.stderr)
         resumed = self.restored is not None
         runfolder.start_files(self.out, self.config, self.lines, keep_checkpoint=resumed,
-                              keep_curves=resumed and self.cfg.telemetry.tensorboard,
+                              keep_events=resumed and self.cfg.telemetry.tensorboard,
                               evaluations=self.eval_lines if self.evaluation is not None else None)
         runfolder.write_plan(self.out, self.memory_plan)
 
@@ -258,11 +258,11 @@ class Training:
 
     def _write(self, record: dict) -> None:
         """Append ``record`` to ``metrics.jsonl`` (rank 0), keep its line for the checkpoints and add its
-        numbers to the live curves."""
+        numbers to the TensorBoard events."""
         if self.writer is not None:
             self.lines.append(self.writer.write(record))
-        if self.live_curves is not None:
-            self.live_curves.write(record)
+        if self.scalar_events is not None:
+            self.scalar_events.write(record)
 
     def _evaluate_if_due(self, done: int) -> str | None:
         """Evaluate the weights after ``done`` iterations (every process: a sharded forward needs them all)
@@ -320,8 +320,8 @@ class Training:
         self.session.estimator.close()
         if self.writer is not None:
             self.writer.close()
-        if self.live_curves is not None:
-            self.live_curves.close()
+        if self.scalar_events is not None:
+            self.scalar_events.close()
         if self.eval_writer is not None:
             self.eval_writer.close()
 
@@ -353,9 +353,9 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
         if not (resume and checkpoint_path(out).exists()):
             record = new_record(base, {"iteration": 0, "rss_peak_bytes": tel.rss_peak_bytes()}, memory, status="oom")
             runfolder.start_files(out, cfg.to_dict(), [JsonlWriter.line(record)], keep_checkpoint=False,
-                                  keep_curves=False)
+                                  keep_events=False)
             if cfg.telemetry.tensorboard:
-                with curves.LiveCurves(out, 0, skip=base) as live:
+                with scalar_events.TensorBoardEvents(out, 0, skip=base) as live:
                     live.write(record)
         runfolder.write_summary(out, summary)
     print(f"agg-bench run: {error}", file=sys.stderr)
@@ -379,7 +379,7 @@ def record_failure(cfg: RunConfig, out_dir: str | Path, error: str) -> bool:
         return False
     with stopping.safe_points(), claim:
         base = identity(cfg, cfg.run_id or out.name, device)
-        runfolder.start_files(out, config, [], keep_checkpoint=False, keep_curves=False)
+        runfolder.start_files(out, config, [], keep_checkpoint=False, keep_events=False)
         runfolder.write_plan(out, None)
         runfolder.write_summary(out, runfolder.run_summary(base, "error", error, cfg.train.iterations, 1))
     return True

@@ -20,7 +20,7 @@ at the tiny models' sizes a call of 1 latent costs nearly what one of 4 costs.
 
 With ``methods`` (label -> run-config overrides, as a sweep's ``methods:`` entries), the same process
 also times each method's whole train phase on that rollout: ``Session.update`` with the method's
-estimator, the steps it would train planned on the frozen rollout (:func:`agg_bench.tools.snapshot.plan_replay`),
+estimator, the steps it would train planned on the frozen rollout (:func:`agg_bench.tools.snapshot.replay_case_of`),
 gradient, clipping and optimizer step included. Rounds are interleaved like the passes (round ``r``
 times every method once, in an order rotated by ``r``), and the weights are put back after each update,
 so every round of every method does the same work on the same weights; the policy's counter around the
@@ -119,7 +119,7 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
     (``"train_rollout": "own"``); one that differs from ``full`` only in its rollout (a rollout-only
     cache) or sets keys a frozen rollout fixes gets its replay scope and note and no times."""
     from ..methods.base import Estimator
-    from .snapshot import Snapshot, plan_replay, replay_setup
+    from .snapshot import Snapshot, replay_case_of, replay_setup
 
     policy = session.policy
     snapshot = Snapshot(policy, batch, {}, session.cfg.to_dict())
@@ -130,9 +130,9 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
         except ConfigError as err:  # a key the frozen rollout fixes: this method needs its own rollout
             out[label] = {"replay": "not_applicable", "replay_note": str(err)}
             continue
-        plan = plan_replay(snapshot, estimator, cfg)
-        out[label] = {"replay": plan.scope, "replay_note": plan.note}
-        if plan.scope == "not_applicable":
+        case = replay_case_of(snapshot, estimator, cfg)
+        out[label] = {"replay": case.scope, "replay_note": case.note}
+        if case.scope == "not_applicable":
             if type(estimator).rollout is Estimator.rollout:  # it differs from full only in what a rollout shows
                 continue
             # it owns its rollout (a tree, guessed velocities): its train phase is timed on a rollout of its own,
@@ -140,8 +140,8 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
             planned = own_rollout(session, estimator)
             out[label]["train_rollout"] = "own"
         else:
-            planned = batch if plan.train_steps is None else \
-                dataclasses.replace(batch, train_steps=plan.train_steps.to(batch.train_steps.device))
+            planned = batch if case.train_steps is None else \
+                dataclasses.replace(batch, train_steps=case.train_steps.to(batch.train_steps.device))
         setups[label] = (estimator, planned)
         out[label].update(cpu_s=[], wall_s=[])
     weights = [p.detach().clone() for p in policy.parameters()]
@@ -172,7 +172,7 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
 
 
 def own_rollout(session, estimator):
-    """Iteration 0's training batch as ``estimator``'s own rollout, advantages and plan make it (the run's
+    """Iteration 0's training batch as ``estimator``'s own rollout, advantages and trained steps make it (the run's
     prompts, noise and generator), with the policy's weights untouched."""
     estimator_of_run = session.estimator
     session.estimator = estimator

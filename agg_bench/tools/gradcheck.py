@@ -5,7 +5,7 @@ then with every AGG setting of a grid (windows x alphas x route fractions x velo
 any extra methods. Each replay is one CSV row: its cosine and relative error to the reference, its
 pass counts, its wall time, and a cached method's hit rate in the replayed forwards.
 
-Column ``replay`` says what a row measures (:class:`agg_bench.methods.base.ReplayPlan`): ``as_trained`` (the
+Column ``replay`` says what a row measures (:class:`agg_bench.methods.base.ReplayCase`): ``as_trained`` (the
 method's own gradient on this rollout), ``replanned`` (its trained steps drawn anew from the rollout:
 ``fraction``), ``partial`` (part of what the method changes: ``window``, ``cached`` with ``cache_in=both``)
 or ``not_applicable`` (a rollout-only cache: the row has no numbers); ``replay_note`` says why.
@@ -30,7 +30,7 @@ from ..io import atomic_file, atomic_path
 from ..outdir import claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS
 from ..machine.devices import resolve_device
-from .snapshot import Snapshot, load_snapshot, plan_replay, replay_gradient, replay_setup, save_snapshot
+from .snapshot import Snapshot, load_snapshot, replay_case_of, replay_gradient, replay_setup, save_snapshot
 
 COLUMNS = (
     "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
@@ -141,12 +141,12 @@ def build_estimators(config: dict, jobs: list[ReplayJob]) -> list[tuple[RunConfi
     return [replay_setup(config, job.method, job.overrides) for job in jobs]
 
 
-def _timed_replay(snapshot: Snapshot, estimator, cfg: RunConfig, plan) -> tuple[dict, dict, dict, float]:
+def _timed_replay(snapshot: Snapshot, estimator, cfg: RunConfig, case) -> tuple[dict, dict, dict, float]:
     device = snapshot.policy.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    grads, counts, stats = replay_gradient(snapshot, estimator, cfg, plan)
+    grads, counts, stats = replay_gradient(snapshot, estimator, cfg, case)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return grads, counts, stats, time.perf_counter() - start
@@ -167,16 +167,16 @@ def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = Tr
                disable=not progress)
     for job, (cfg, estimator) in bar:
         bar.set_postfix_str(f"{job.method} {job.label}".strip())
-        plan = plan_replay(snapshot, estimator, cfg)
+        case = replay_case_of(snapshot, estimator, cfg)
         row: dict[str, Any] = dict.fromkeys(COLUMNS)
-        row.update(common, method=job.method, options=job.label, is_reference=not rows, replay=plan.scope,
-                   replay_note=plan.note)
+        row.update(common, method=job.method, options=job.label, is_reference=not rows, replay=case.scope,
+                   replay_note=case.note)
         row.update({key: getattr(estimator.config, key) for key in OPTION_COLUMNS
                     if hasattr(estimator.config, key)})
         rows.append(row)
-        if plan.scope == "not_applicable":
+        if case.scope == "not_applicable":
             continue
-        grads, counts, stats, seconds = _timed_replay(snapshot, estimator, cfg, plan)
+        grads, counts, stats, seconds = _timed_replay(snapshot, estimator, cfg, case)
         if reference is None:
             reference = grads
         cosine, rel, norm = compare(grads, reference)

@@ -4,7 +4,7 @@ The command, ``agg-bench learning --manifest FILE [--tables DIR] [--plots DIR] .
 (:func:`learning_report`), reads the runs of the workflow's manifest, evaluates the starting weights and
 each run's final checkpoint on held-out noise (:class:`CheckpointEvaluation`, which samples the models: the
 engine and torch are imported here, not in the results wing) and writes the tables and plots of
-:mod:`agg_bench.results.learning` and :mod:`agg_bench.results.curves` (their docstrings say what every
+:mod:`agg_bench.results.learning_tables` and :mod:`agg_bench.results.curves` (their docstrings say what every
 column and plot is), the latter from the runs' own in-run evaluations. Every input is checked before a
 model is sampled or a file written (:func:`learning_report`), run folders through the one reader of a run
 folder (:mod:`agg_bench.reading`) and checkpoints through the resume validator
@@ -20,7 +20,7 @@ import pandas as pd
 from ..errors import UserError, quote
 from ..io import write_text
 from ..outdir import claimed_folders
-from ..results.learning import (EVAL_SOURCES, PLOTS_CONTENTS, TABLES_CONTENTS, Run, learning_table, load_runs,
+from ..results.learning_tables import (EVAL_SOURCES, PLOTS_CONTENTS, TABLES_CONTENTS, Run, learning_table, load_runs,
                                 plot_held_out, plot_rewards, write_curves, write_table)
 from ..reading import RunFolder
 from ..runtime.evaluation import SAMPLERS
@@ -232,7 +232,7 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
     of the manifest's runs (``options``: :class:`LearningOptions`, its defaults without); returns the runs.
 
     Everything it reads is checked before a model is sampled and before anything is written: the options,
-    every run folder (:func:`agg_bench.results.learning.load_runs`: records, evaluations, no run twice), the
+    every run folder (:func:`agg_bench.results.learning_tables.load_runs`: records, evaluations, no run twice), the
     reference's name, and with an evaluation one model for every run (:func:`one_model`), the captions against
     the reward and the model folder (:class:`CheckpointEvaluation`); each checkpoint is checked as it is
     evaluated, still before anything is written, its error naming the run."""

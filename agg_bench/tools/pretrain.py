@@ -4,7 +4,7 @@ folder that ``model.preset: pretrained`` loads.
 The model denoises pixels (:class:`~agg_bench.engine.pixel_decoder.PixelDecoder`, no VAE to train) and is
 conditioned on the captions' token-hash embedding (:func:`agg_bench.engine.prompts.hash_embed`, learned through
 the transformer's own context and pooled projections). Training: x_s = (1 - s) x_data + s noise, target
-velocity noise - x_data (the sampler's convention, :mod:`agg_bench.engine.sde`), s drawn uniformly and shifted as
+velocity noise - x_data (the sampler's convention, :mod:`agg_bench.engine.sampler`), s drawn uniformly and shifted as
 the sampling schedule is (``shift``); AdamW; the saved weights are an exponential moving average.
 
 The output folder: ``transformer/`` (diffusers ``save_pretrained``), ``vae/`` (the pixel decoder's
@@ -33,7 +33,7 @@ from ..engine.models import Conditioning, Policy, policy_class
 from ..engine.pixel_decoder import PixelDecoder
 from ..engine.prompts import TOKEN_HASH_FILE, hash_embed
 from ..engine.scenes import all_scenes, draw_batch, sample_scenes
-from ..engine.sde import flow_sigmas, ode_step
+from ..engine.sampler import flow_sigmas, ode_step
 from ..errors import ConfigError, UserError
 from ..io import atomic_target, save_figure, write_json, write_text
 from ..outdir import Claim, Contents, check_folder, is_harness_name

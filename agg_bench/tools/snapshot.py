@@ -22,7 +22,7 @@ from ..engine.models import (DTYPES, POLICIES, TRANSFORMER_CLASSES, Conditioning
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, write_json
 from ..jsonfiles import MAX_CONFIG_BYTES, read_json_object
-from ..methods.base import Estimator, ReplayPlan, build_estimator
+from ..methods.base import Estimator, ReplayCase, build_estimator
 from ..outdir import Contents, claim_files, claim_folder, json_file_with
 from ..reading import run_config
 from ..runtime.session import Session
@@ -132,14 +132,14 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
     return Snapshot(policy, batch, meta, config)
 
 
-# Keys outside the method section that a replay may set: the plan of a method that draws its own
+# Keys outside the method section that a replay may set: the trained-step draw (train.plan) of a method that draws its own
 # steps on the snapshot (Estimator.replans). Anything else is fixed by the frozen rollout.
 REPLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "seed")
 
 
 def replay_setup(config: dict, method: str, overrides: list[str]) -> tuple[RunConfig, Estimator]:
     """The replay's run config (the snapshot's ``config`` with ``method`` and the ``--set`` overrides)
-    and the estimator, after the method's own run checks (``check_run``: W <= N, plan compatibility)."""
+    and the estimator, after the method's own run checks (``check_run``: W <= N, train.plan compatibility)."""
     config = dict(config)
     config["method"] = {"name": method}
     cfg = validate(apply_overrides(config, overrides))
@@ -168,27 +168,27 @@ def stochastic_steps(batch: TrainBatch) -> torch.Tensor:
     return (batch.log_probs != 0).any(dim=0).cpu()
 
 
-def plan_replay(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | None = None) -> ReplayPlan:
+def replay_case_of(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | None = None) -> ReplayCase:
     """What replaying ``estimator`` on ``snapshot`` trains and measures; random draws from ``cfg.seed``
     (default: the snapshot's own run config, validated when it was made)."""
     cfg = cfg if cfg is not None else RunConfig.from_dict(snapshot.config)
     generator = torch.Generator().manual_seed(cfg.seed)
-    return estimator.replay_plan(cfg, stochastic_steps(snapshot.batch), snapshot.batch.batch_size, generator)
+    return estimator.replay_case(cfg, stochastic_steps(snapshot.batch), snapshot.batch.batch_size, generator)
 
 
 def replay_gradient(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | None = None,
-                    plan: ReplayPlan | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
+                    case: ReplayCase | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """``estimator``'s gradient of L on the snapshot: ({name: grad}, pass counts, update stats).
 
-    The steps trained are those of ``plan`` (default :func:`plan_replay`); the stats carry its
+    The steps trained are those of ``case`` (default :func:`replay_case_of`); the stats carry its
     ``replay`` scope and ``replay_note``. A method whose replay is not applicable is a UserError.
     """
-    plan = plan if plan is not None else plan_replay(snapshot, estimator, cfg)
-    if plan.scope == "not_applicable":
-        raise UserError(f"method '{estimator.name}' cannot be measured on a frozen rollout: {plan.note}")
+    case = case if case is not None else replay_case_of(snapshot, estimator, cfg)
+    if case.scope == "not_applicable":
+        raise UserError(f"method '{estimator.name}' cannot be measured on a frozen rollout: {case.note}")
     batch = snapshot.batch
-    if plan.train_steps is not None:
-        batch = dataclasses.replace(batch, train_steps=plan.train_steps.to(batch.train_steps.device))
+    if case.train_steps is not None:
+        batch = dataclasses.replace(batch, train_steps=case.train_steps.to(batch.train_steps.device))
     policy = snapshot.policy
     reference = policy.frozen_copy() if batch.beta > 0 else None
     for p in policy.parameters():
@@ -201,31 +201,31 @@ def replay_gradient(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | N
              for n, p in policy.named_parameters()}
     for p in policy.parameters():
         p.grad = None
-    return grads, counts, {**stats.as_dict(), **estimator.iteration_metrics(), "replay": plan.scope,
-                           "replay_note": plan.note, "steps_per_sample": batch.steps_per_sample}
+    return grads, counts, {**stats.as_dict(), **estimator.iteration_metrics(), "replay": case.scope,
+                           "replay_note": case.note, "steps_per_sample": batch.steps_per_sample}
 
 
 def replay(snapshot_dir: str | Path, method: str, overrides: list[str], out_file: str | Path,
            device: str = "cpu") -> dict:
     """Write ``method``'s gradient on the snapshot to ``out_file`` and its pass counts (and the replay's
-    scope, :class:`~agg_bench.methods.base.ReplayPlan`) to ``out_file`` .json; returns the pass counts.
+    scope, :class:`~agg_bench.methods.base.ReplayCase`) to ``out_file`` .json; returns the pass counts.
     Every check runs before anything is written."""
     out_file = Path(out_file)
     if out_file.suffix != ".safetensors":
         raise UserError(f"--out {out_file}: expected a FILE.safetensors path")
     snapshot = load_snapshot(snapshot_dir, device)
     cfg, estimator = replay_setup(snapshot.config, method, overrides)
-    plan = plan_replay(snapshot, estimator, cfg)
-    if plan.scope == "not_applicable":
-        raise UserError(f"method '{method}' cannot be measured on a frozen rollout: {plan.note}")
+    case = replay_case_of(snapshot, estimator, cfg)
+    if case.scope == "not_applicable":
+        raise UserError(f"method '{method}' cannot be measured on a frozen rollout: {case.note}")
     counts_file = out_file.with_suffix(".json")
     with claim_files({out_file: (lambda path: _is_replay_gradient(path, counts_file), "a replay's gradients"),
                       counts_file: (json_file_with(*REPLAY_KEYS), "a replay's pass counts")}):
-        grads, counts, stats = replay_gradient(snapshot, estimator, cfg, plan)
+        grads, counts, stats = replay_gradient(snapshot, estimator, cfg, case)
         with atomic_target(out_file) as tmp:
             save_file({k: v.contiguous().cpu() for k, v in grads.items()}, str(tmp),
                       metadata={"format": REPLAY_FORMAT, "method": method})
-        write_json(counts_file, {**counts, "method": method, "overrides": overrides, "replay": plan.scope,
+        write_json(counts_file, {**counts, "method": method, "overrides": overrides, "replay": case.scope,
                                  "stats": stats})
     return counts
 

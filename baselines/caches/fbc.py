@@ -14,7 +14,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from agg_bench.errors import UserError
 
-from .common import block_argument, transformer_blocks
+from .blocks import block_argument, transformer_blocks
 from .configs import FbcConfig
 
 ENCODER_PASS_THROUGH_HOOK = "encoder_pass_through"

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .common import transformer_blocks
+from .blocks import transformer_blocks
 from .configs import ForaConfig
 from .runs import RunDecision, RunHeadHook, RunState, register_run
 

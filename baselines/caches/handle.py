@@ -21,7 +21,7 @@ from diffusers.models.attention_processor import Attention
 
 from agg_bench.errors import UserError
 
-from .common import timestep_to_1000, transformer_blocks
+from .blocks import timestep_to_1000, transformer_blocks
 from .configs import STEP_CALLBACK, TIMESTEP_CALLBACK
 
 COMPUTED_HOOK = "cache_stats_computed"

@@ -23,7 +23,7 @@ from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK, FLUX_MAG_RAT
 
 from agg_bench.errors import UserError
 
-from .common import transformer_blocks
+from .blocks import transformer_blocks
 from .configs import MAGCACHE_MAX_STEPS as MAX_STEPS
 from .configs import MagCacheConfig
 

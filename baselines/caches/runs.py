@@ -14,7 +14,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.hooks import BaseState
 
-from .common import Streams, add_streams, block_output, block_streams, output_streams, stream_difference
+from .blocks import Streams, add_streams, block_output, block_streams, output_streams, stream_difference
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from diffusers.hooks.hooks import BaseState
 
-from .common import modulated_input, transformer_blocks
+from .blocks import modulated_input, transformer_blocks
 from .configs import TeaCacheConfig
 from .runs import RunDecision, RunHeadHook, RunState, register_run
 

@@ -1,13 +1,13 @@
 """Model families: one spec per family, everything family-specific in one file.
 
 ``spec.py`` defines :class:`FamilySpec`; ``sd3.py``, ``flux.py`` and ``qwenimage.py`` each define one
-(``SPEC``); ``registry.py`` maps ``model.family`` to it and ``model.architecture`` to a public architecture; ``geometry.py`` reads the image sizes a family
-accepts from its configs. Nothing here imports torch or diffusers (the workflow's parse reads the
+(``SPEC``); ``catalog.py`` maps ``model.family`` to it and ``model.architecture`` to a public architecture;
+``geometry.py`` reads the image sizes a family accepts from its configs. Nothing here imports torch or diffusers (the workflow's parse reads the
 geometry); classes are resolved from diffusers when a model is built.
 """
+from .catalog import ARCHITECTURES, DEFAULT_ARCHITECTURE, FAMILY_SPECS, architecture, family_spec
 from .geometry import DEFAULT_VAE_SCALE_FACTOR, ImageGeometry, check_resolution, geometry_from_configs, model_geometry
 from .qwenimage import TINY_QWEN_VAE
-from .registry import ARCHITECTURES, DEFAULT_ARCHITECTURE, FAMILY_SPECS, architecture, family_spec
 from .sd3 import TINY_VAE
 from .spec import JOINT_ATTENTION_PROJECTIONS, Architecture, FamilySpec, diffusers_class
 

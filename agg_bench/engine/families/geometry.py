@@ -18,7 +18,7 @@ from typing import Any
 
 from ...errors import ConfigError, UserError
 from ...jsonfiles import MAX_CONFIG_BYTES, read_json_object
-from .registry import FAMILY_SPECS, family_spec
+from .catalog import FAMILY_SPECS, family_spec
 
 # VAE factor when a policy has no VAE
 DEFAULT_VAE_SCALE_FACTOR = 8

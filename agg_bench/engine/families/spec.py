@@ -5,7 +5,7 @@ transformer is called, how its text encoders make prompt embeddings, where LoRA 
 caches attach, and its public architectures. The models, text encoding, LoRA, the memory planner and the
 caches read these fields; none of them branches on a family's name.
 
-Specs import no torch and no diffusers: the workflow's parse reads the registry (image geometry,
+Specs import no torch and no diffusers: the workflow's parse reads the catalog (image geometry,
 ``agg_bench.tools.sweep``) in a process that never imports them. Classes are therefore named, and
 resolved from diffusers when a model is built; the calling-convention hooks import torch when called.
 """

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from agg_bench.engine.plan import plan_steps
+from agg_bench.engine.trained_steps import draw_trained_steps
 from agg_bench.errors import ConfigError
 from agg_bench.runtime.train import Session
 from helpers import tiny_config
@@ -15,7 +15,7 @@ def all_steps(t: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fraction, t", [(0.5, 10), (0.7, 6), (0.29, 100), (0.01, 6)])
 def test_steps_plan_draws_its_own_sorted_subset_per_sample(rng, fraction, t):
-    plan = plan_steps("steps", 16, all_steps(t), fraction, 5, rng)
+    plan = draw_trained_steps("steps", 16, all_steps(t), fraction, 5, rng)
     n = max(1, round(fraction * t))
     assert plan.shape == (16, n) and plan.dtype == torch.int64
     for row in plan:
@@ -26,14 +26,14 @@ def test_steps_plan_draws_its_own_sorted_subset_per_sample(rng, fraction, t):
 
 
 def test_counts_are_rounded(rng):
-    assert plan_steps("steps", 1, all_steps(100), 0.29, 5, rng).shape[1] == 29  # 0.29 * 100 in floats < 29
-    assert plan_steps("steps", 1, all_steps(10), 0.75, 5, rng).shape[1] == 8   # round(7.5), not int(7.5)
-    assert plan_steps("groups", 1, all_steps(25), 0.7, 5, rng).shape[1] == 4 * 5  # round(3.5) = 4 groups
+    assert draw_trained_steps("steps", 1, all_steps(100), 0.29, 5, rng).shape[1] == 29  # 0.29 * 100 in floats < 29
+    assert draw_trained_steps("steps", 1, all_steps(10), 0.75, 5, rng).shape[1] == 8   # round(7.5), not int(7.5)
+    assert draw_trained_steps("groups", 1, all_steps(25), 0.7, 5, rng).shape[1] == 4 * 5  # round(3.5) = 4 groups
 
 
 def test_groups_plan_keeps_whole_groups_of_consecutive_steps(rng):
     """The authors' reference schedule: 21 steps, W = 5, 0.6 of the groups."""
-    plan = plan_steps("groups", 64, all_steps(21), 0.6, 5, rng)
+    plan = draw_trained_steps("groups", 64, all_steps(21), 0.6, 5, rng)
     assert plan.shape == (64, 2 * 5)  # 4 whole groups (step 20 is left over), round(2.4) = 2 trained
     seen = set()
     for row in plan:
@@ -51,7 +51,7 @@ def test_groups_plan_keeps_whole_groups_of_consecutive_steps(rng):
 def test_groups_plan_uses_only_steps_with_a_log_probability(rng):
     available = torch.zeros(12, dtype=torch.bool)
     available[3:10] = True  # an SDE window of 7 steps: groups [3..5], [6..8]; step 9 left over
-    plan = plan_steps("groups", 8, available, 1.0, 3, rng)
+    plan = draw_trained_steps("groups", 8, available, 1.0, 3, rng)
     assert plan.tolist() == [[3, 4, 5, 6, 7, 8]] * 8
 
 
@@ -64,7 +64,7 @@ def test_groups_plan_uses_only_steps_with_a_log_probability(rng):
 ])
 def test_bad_plan_settings_name_their_key(rng, kind, fraction, window, key):
     with pytest.raises(ConfigError) as err:
-        plan_steps(kind, 2, all_steps(6), fraction, window, rng)
+        draw_trained_steps(kind, 2, all_steps(6), fraction, window, rng)
     assert err.value.key == key
 
 

@@ -4,7 +4,7 @@ config check and the workflow's methods check name a bad one without importing t
 
 Adding a family is a module next to this one that defines its ``SPEC`` (see ``sd3.py``), one entry
 below, and its name in ``ModelConfig.family``'s allowed values (``agg_bench/config/sections.py``, which
-sits below the engine and so cannot read this registry; a test keeps the two equal).
+sits below the engine and so cannot read this catalog; a test keeps the two equal).
 """
 from __future__ import annotations
 

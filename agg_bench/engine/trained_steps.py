@@ -1,7 +1,7 @@
-"""Which denoising steps each sample trains on.
+"""Which denoising steps each sample trains on: the draw that ``train.plan`` names.
 
-Plans return ``train_steps`` (B, N) int64 in denoising order, drawn from the steps that have a
-log-probability (``available``):
+The two kinds of draw return ``train_steps`` (B, N) int64 in denoising order, drawn from the steps that
+have a log-probability (``available``):
 - ``steps``: DanceGRPO's scheme, each sample its own random subset of round(fraction * T) steps;
 - ``groups``: the available steps cut into consecutive groups of ``plan_window`` steps, each sample
   keeps its own random round(fraction * n_groups) groups (the AGG authors' scheme), so a method
@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError
 
-PLANS = ("steps", "groups")
+KINDS = ("steps", "groups")
 
 
 def _count(fraction: float, n: int) -> int:
@@ -23,15 +23,15 @@ def _count(fraction: float, n: int) -> int:
 
 
 def steps_per_sample(kind: str, available: int, fraction: float, plan_window: int) -> int:
-    """N, the number of trained steps each sample gets from a plan over ``available`` steps."""
+    """N, the number of trained steps each sample gets from a draw of ``kind`` over ``available`` steps."""
     if kind == "groups":
         n_groups = available // plan_window if plan_window >= 1 else 0
         return _count(fraction, n_groups) * plan_window if n_groups else 0
     return _count(fraction, available)
 
 
-def plan_steps(kind: str, batch_size: int, available: torch.Tensor, fraction: float, plan_window: int,
-               generator: torch.Generator) -> torch.Tensor:
+def draw_trained_steps(kind: str, batch_size: int, available: torch.Tensor, fraction: float, plan_window: int,
+                       generator: torch.Generator) -> torch.Tensor:
     steps = torch.nonzero(available, as_tuple=False).flatten()
     if steps.numel() == 0:
         raise ConfigError("train.plan", kind, "at least one step with a log-probability")
@@ -54,5 +54,5 @@ def plan_steps(kind: str, batch_size: int, available: torch.Tensor, fraction: fl
             pick = torch.randperm(n_groups, generator=generator)[:n].sort().values
             rows.append(groups[pick].flatten())
     else:
-        raise ConfigError("train.plan", kind, f"one of {list(PLANS)}")
+        raise ConfigError("train.plan", kind, f"one of {list(KINDS)}")
     return torch.stack(rows).to(torch.int64)

@@ -1,4 +1,4 @@
-"""Live curves: a run's records as TensorBoard scalars in ``DIR/tensorboard/`` (``telemetry.tensorboard``).
+"""TensorBoard events: a run's records as TensorBoard scalars in ``DIR/tensorboard/`` (``telemetry.tensorboard``).
 
 Every record a run appends to ``metrics.jsonl`` is also written there, its numbers only: each finite int,
 float or bool value (a bool as 0 or 1) becomes the scalar of its key at step = the record's iteration;
@@ -59,7 +59,7 @@ def scalars(record: dict, skip: Iterable[str] = ()) -> dict[str, float]:
             if key not in left_out and isinstance(value, numbers.Real) and math.isfinite(value)}
 
 
-class LiveCurves:
+class TensorBoardEvents:
     """The scalar events of one run attempt in ``run_folder/tensorboard/``; its first record is that of
     ``first_iteration`` (events of that step and later from an earlier attempt are purged). ``skip``: the
     record keys that are no curve (the run's identity; the iteration is the step)."""
@@ -77,7 +77,7 @@ class LiveCurves:
     def close(self) -> None:
         self._writer.close()
 
-    def __enter__(self) -> "LiveCurves":
+    def __enter__(self) -> "TensorBoardEvents":
         return self
 
     def __exit__(self, *exc) -> None:
