@@ -64,63 +64,43 @@ from typing import Literal
 
 import torch
 
+from agg_bench.config.options import Options, batch_option, option
 from agg_bench.engine.grpo import grpo_advantages, micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import register_method
-from baselines.final_latent import EMAPolicy, FinalLatentEstimator, check_decay, ema_decay, noised_draws
+from baselines.final_latent import EMAPolicy, FinalLatentEstimator, ema_decay, noised_draws
 
-TIME_DISTRIBUTIONS = ("discrete", "logit_normal", "uniform")
-WEIGHTINGS = ("uniform", "ghuber")
 GHUBER_EPS = 1e-10  # the code's offset inside the generalised Huber power
 DISCRETE_FRACTION = 0.9  # the code's train.timestep_fraction for discrete_wo_init
 MIN_TIME = 0.01  # the code's clamp(min=0.01) on logit-normal times
 
 
 @dataclass
-class AWMConfig:
-    """AWM's options (defaults from github.com/scxue/advantage_weighted_matching ``config/dgx_awm.py``).
+class AWMConfig(Options):
+    """Options of AWM (defaults from github.com/scxue/advantage_weighted_matching ``config/dgx_awm.py``). The
+    KL coefficient is the run's ``grpo.beta`` (the code's ``train.beta``, 0.001 for PickScore)."""
 
-    ``times_per_sample`` (6; ``train.train_timesteps = 6``): K >= 1 noised copies of each final latent, at most
-      4 x sampling.steps (each time is a forward and a backward per sample:
-      :data:`baselines.final_latent.TIMES_PER_STEP`).
-    ``time_distribution`` ("discrete", the code's ``discrete_wo_init``), ``logit_normal`` or ``uniform``
-      (module docstring).
-    ``weighting`` ("uniform", the paper's equation) or ``ghuber`` (the code's ``train.weighting``).
-    ``ghuber_power`` (0.25; ``train.ghuber_power``): p in (0, 1] of the ``ghuber`` weighting.
-    ``advantage_max`` (1.0; ``train.advantage_max``): clipped advantages are rescaled to +-this; > 0.
-    ``micro_batch``: samples per forward-with-grad (None: the whole batch).
-    ``ema_kl_beta`` (0.0: no EMA-KL term; the code's ``train.ema_beta = 1``): the weight of the EMA-KL term, >= 0.
-    ``ema_decay_rate`` (0.001) and ``ema_decay_max`` (0.3; the code's ``kl_ema_decay``): its moving average's
-      decay, min(max, rate x optimizer steps); rate and max in [0, 1].
-    The KL coefficient is the run's ``grpo.beta`` (the code's ``train.beta``, 0.001 for PickScore).
-    """
-
-    times_per_sample: int = 6
-    time_distribution: Literal["discrete", "logit_normal", "uniform"] = "discrete"
-    weighting: Literal["uniform", "ghuber"] = "uniform"
-    ghuber_power: float = 0.25
-    advantage_max: float = 1.0
-    micro_batch: int | None = None
-    ema_kl_beta: float = 0.0
-    ema_decay_rate: float = 0.001
-    ema_decay_max: float = 0.3
-
-    def validate(self) -> None:
-        if self.times_per_sample < 1:
-            raise ConfigError("method.times_per_sample", self.times_per_sample, "an integer >= 1")
-        if self.time_distribution not in TIME_DISTRIBUTIONS:
-            raise ConfigError("method.time_distribution", self.time_distribution, f"one of {list(TIME_DISTRIBUTIONS)}")
-        if self.weighting not in WEIGHTINGS:
-            raise ConfigError("method.weighting", self.weighting, f"one of {list(WEIGHTINGS)}")
-        if not 0 < self.ghuber_power <= 1:
-            raise ConfigError("method.ghuber_power", self.ghuber_power, "a number in (0, 1]")
-        if not self.advantage_max > 0:
-            raise ConfigError("method.advantage_max", self.advantage_max, "a number > 0")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise ConfigError("method.micro_batch", self.micro_batch, "null or an integer >= 1")
-        if not 0 <= self.ema_kl_beta <= 1e6:
-            raise ConfigError("method.ema_kl_beta", self.ema_kl_beta, "a number from 0 to 1000000")
-        check_decay("method.ema_decay", self.ema_decay_rate, self.ema_decay_max)
+    times_per_sample: int = option(
+        6, "K noised copies of each final latent (`train.train_timesteps = 6`), at most 4 x sampling.steps (each "
+        "time is a forward and a backward per sample: `baselines.final_latent.TIMES_PER_STEP`)",
+        minimum=1, maximum=10**9)
+    time_distribution: Literal["discrete", "logit_normal", "uniform"] = option(
+        "discrete", "where t comes from: `discrete` (the code's `discrete_wo_init`: stratified schedule steps in "
+        "[1, 0.9 T]), `logit_normal` (shift `sampling.shift`, which must be a number with it) or `uniform` "
+        "(module docstring)")
+    weighting: Literal["uniform", "ghuber"] = option(
+        "uniform", "`uniform` (the paper's equation) or `ghuber` (the code's `train.weighting`, every public config)")
+    ghuber_power: float = option(0.25, "p of the `ghuber` weighting (`train.ghuber_power`)",
+                                 exclusive_minimum=0, maximum=1)
+    advantage_max: float = option(1.0, "clipped advantages are rescaled to +-this (`train.advantage_max`)",
+                                  exclusive_minimum=0, maximum=1e6)
+    micro_batch: int | None = batch_option("samples per forward-with-grad; null: the whole batch")
+    ema_kl_beta: float = option(0.0, "the weight of the EMA-KL term (0: no term; the code's `train.ema_beta = 1`)",
+                                minimum=0, maximum=1e6)
+    ema_decay_rate: float = option(0.001, "its moving average's decay grows by this per optimizer step: min(max, "
+                                          "rate x optimizer steps)", minimum=0, maximum=1)
+    ema_decay_max: float = option(0.3, "the largest decay of that moving average (the code's `kl_ema_decay`)",
+                                  minimum=0, maximum=1)
 
 
 def matching_error(v: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:

@@ -33,12 +33,12 @@ Replay on a frozen rollout is ``not_applicable``: a tree is not a chain rollout.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from agg_bench.config.options import Options, batch_option, option
 from agg_bench.engine.grpo import TrainBatch, exact_backward, micro_batches
 from agg_bench.engine.sampler import gaussian_log_prob, ode_step, sde_step, stochastic_steps
 from agg_bench.errors import ConfigError
@@ -53,59 +53,52 @@ TINY_STD = 1e-6
 
 
 @dataclass
-class BranchConfig:
-    """BranchGRPO's tree, reward fusion and pruning.
+class BranchConfig(Options):
+    """Options of BranchGRPO's tree, reward fusion and pruning. The bounds that depend on the schedule and the
+    group are checked when a run is set up (``check_run``).
 
-    ``branch_points`` (None): the steps j (0-based, the split happens at step j) where every node splits;
-      strictly increasing, in [0, sampling.steps - 1]. None scales the released script's 0,3,6,9 of 20
-      steps to the run: floor(b * sampling.steps / 20), duplicates dropped (0,1,3,4 for 10 steps).
-    ``branch_factor`` (2): children per split, >= 2; the public code hard-codes 2. ``grpo.group_size``
-      must be branch_factor ** len(branch_points), the leaves per prompt.
-    ``split_noise_scale`` (1.0): multiplies the noise of the children at split steps. 1.0 is the SDE
-      itself. The released script uses 4.0 (``--tree_split_noise_scale``, argparse default 0.3) and keeps
-      the log-probability of the unscaled sigma_j (code l.274-279), as this option does: the ratio stays
-      consistent (old and new use the same density) but it is not the sampling density.
-    ``reward_fusion`` ("mean"): internal nodes' rewards, ``mean`` (released script) or ``prob_weighted``
-      (``--tree_prob_weighted``: softmax of the child edges' log-probs, alpha = 1), module docstring.
-    ``depth_pruning`` ([]): depths whose transitions are not trained (``--depth_pruning``); a transition's
-      depth is its child's, step + 1, so depth sampling.steps is the last step. The code's sliding window
-      (``--depth_pruning_slide``) is off in the released script and not offered here.
-    ``width_pruning`` ("none"): trains only part of the transitions after the last branch point (the
-      code's ``--width_pruning_mode`` 0/1/2, off in the released script):
-      - ``best_per_branch`` (mode 1): per leaf, the max(1, floor(width_ratio * m)) of its m transitions
-        there with the highest advantage, the earliest among equals (a leaf's chain has one advantage at
-        every depth, so in effect its first steps);
-      - ``best_worst`` (mode 2): all those transitions of the iteration pooled (the code pools one GPU's
-        trees; a branch run is one process), keep = max(2, floor(width_ratio * N)) of them: the keep // 2
-        with the highest and the keep - keep // 2 with the lowest advantage (ties in row-major order).
-    ``width_ratio`` (0.5): the kept fraction, in (0, 1] (``--width_pruning_ratio``).
-    ``micro_batch``: transitions per forward-with-grad (None: all of one step at once).
+    ``width_pruning`` (the code's ``--width_pruning_mode`` 0/1/2, off in the released script) trains only part
+    of the transitions after the last branch point:
+    - ``best_per_branch`` (mode 1): per leaf, the max(1, floor(width_ratio * m)) of its m transitions there
+      with the highest advantage, the earliest among equals (a leaf's chain has one advantage at every depth,
+      so in effect its first steps);
+    - ``best_worst`` (mode 2): all those transitions of the iteration pooled (the code pools one GPU's trees; a
+      branch run is one process), keep = max(2, floor(width_ratio * N)) of them: the keep // 2 with the
+      highest and the keep - keep // 2 with the lowest advantage (ties in row-major order).
     """
 
-    branch_points: list[int] | None = None
-    branch_factor: int = 2
-    split_noise_scale: float = 1.0
-    reward_fusion: Literal["mean", "prob_weighted"] = "mean"
-    depth_pruning: list[int] = dataclasses.field(default_factory=list)
-    width_pruning: Literal["none", "best_per_branch", "best_worst"] = "none"
-    width_ratio: float = 0.5
-    micro_batch: int | None = None
+    branch_points: list[int] | None = option(
+        None, "the steps j (0-based, the split happens at step j) where every node splits; strictly increasing, "
+        "in [0, sampling.steps - 1]. null scales the released script's 0,3,6,9 of 20 steps to the run: floor(b * "
+        "sampling.steps / 20), duplicates dropped (0,1,3,4 for 10 steps)", min_items=1, max_items=64,
+        items={"minimum": 0, "maximum": 999})
+    branch_factor: int = option(
+        2, "children per split (the public code hard-codes 2); `grpo.group_size` must be branch_factor ** "
+        "len(branch_points), the leaves per prompt", minimum=2, maximum=256)
+    split_noise_scale: float = option(
+        1.0, "multiplies the noise of the children at split steps; 1.0 is the SDE itself. The released script "
+        "uses 4.0 (`--tree_split_noise_scale`, argparse default 0.3) and keeps the log-probability of the unscaled "
+        "sigma_j (code l.274-279), as this option does: the ratio stays consistent (old and new use the same "
+        "density) but it is not the sampling density", exclusive_minimum=0, maximum=1000)
+    reward_fusion: Literal["mean", "prob_weighted"] = option(
+        "mean", "internal nodes' rewards: `mean` (released script) or `prob_weighted` (`--tree_prob_weighted`: "
+        "softmax of the child edges' log-probs, alpha = 1), module docstring")
+    depth_pruning: list[int] = option(
+        [], "distinct depths whose transitions are not trained (`--depth_pruning`); a transition's depth is its "
+        "child's, step + 1, so depth sampling.steps is the last step. The code's sliding window "
+        "(`--depth_pruning_slide`) is off in the released script and not offered here", unique_items=True,
+        max_items=1000, items={"minimum": 1, "maximum": 1000})
+    width_pruning: Literal["none", "best_per_branch", "best_worst"] = option(
+        "none", "train only part of the transitions after the last branch point (class docstring)")
+    width_ratio: float = option(0.5, "the kept fraction of `width_pruning` (`--width_pruning_ratio`)",
+                                exclusive_minimum=0, maximum=1)
+    micro_batch: int | None = batch_option("transitions per forward-with-grad; null: all of one step at once")
 
-    def validate(self) -> None:
-        """Checks that need no run settings; the bounds that depend on sampling.steps come in check_run."""
-        if self.branch_factor < 2:
-            raise ConfigError("method.branch_factor", self.branch_factor, "an integer >= 2 (children per split)")
+    def check(self) -> None:
         points = self.branch_points
-        if points is not None and (not points or points[0] < 0
-                                   or any(a >= b for a, b in zip(points, points[1:]))):
+        if points is not None and any(a >= b for a, b in zip(points, points[1:])):
             raise ConfigError("method.branch_points", points,
                               "null or a non-empty list of strictly increasing steps >= 0")
-        if not math.isfinite(self.split_noise_scale) or self.split_noise_scale <= 0:
-            raise ConfigError("method.split_noise_scale", self.split_noise_scale, "a finite number > 0")
-        if any(d < 1 for d in self.depth_pruning) or len(set(self.depth_pruning)) != len(self.depth_pruning):
-            raise ConfigError("method.depth_pruning", self.depth_pruning, "a list of distinct depths >= 1")
-        if not 0 < self.width_ratio <= 1:
-            raise ConfigError("method.width_ratio", self.width_ratio, "a number in (0, 1]")
 
 
 @dataclass

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from agg_bench.config.options import Options, option
 from agg_bench.engine.grpo import StepTerms, TrainBatch, UpdateStats, step_terms
 from agg_bench.errors import ConfigError
 from agg_bench.machine.fsdp import agreed_max, lockstep
@@ -51,33 +52,32 @@ if TYPE_CHECKING:  # annotations only: checking a method's options imports neith
     from agg_bench.engine.models import Policy
     from baselines.caches.handle import CacheHandle
 
-CACHE_IN = ("rollout", "train", "both")
 # Caches that decide from the activations whether to skip: with a sharded model each process would
 # decide on its own samples, and the processes' FSDP collectives would no longer match.
 DATA_DEPENDENT_CACHES = ("fbc", "teacache")
 
 
 @dataclass
-class CachedMethodOptions:
-    """The ``cached`` method's own options; :data:`CachedConfig` adds the caches' options to them.
-
-    ``cache`` (required): one of fbc, pab, fastercache, magcache, taylorseer, fora, deltadit, teacache.
-    ``cache_in`` ("rollout"): where the cache runs: ``rollout``, ``train`` or ``both`` (module docstring).
-    ``measure_offpolicy_gap`` (True): with ``cache_in=both`` the exact log-probs of the trained steps
-      are recomputed at the first update by no-grad forwards, counted in ``forward_nograd``, to measure
-      ``offpolicy_gap``; false skips them and records null. With ``cache_in=rollout`` the gap comes free
-      from the exact training forward and is always measured.
+class CachedMethodOptions(Options):
+    """Options of the ``cached`` method; :data:`CachedConfig` adds the caches' options to them.
 
     The chosen cache's options are flat keys of the method section (``method.threshold``,
-    ``method.interval``, ``method.block_range``, ...): every option of every cache config in
-    :mod:`baselines.caches` is a field of :data:`CachedConfig`, documented (with its default) in that
-    cache's config class. An option left unset (null) takes the chosen cache's default; an option the
-    chosen cache does not have is a ConfigError naming it.
+    ``method.interval``, ``method.block_range``, ...): every option of every cache's options in
+    :mod:`baselines.caches.configs` is a field of :data:`CachedConfig`, typed and bounded by that cache's own
+    class. An option left unset (null) takes the chosen cache's default; an option the chosen cache does not
+    have is a ConfigError naming it.
     """
 
-    cache: str | None = None
-    cache_in: Literal["rollout", "train", "both"] = "rollout"
-    measure_offpolicy_gap: bool = True
+    # the key that picks the options class (a cache's) whose options are this section's other keys
+    CHOSEN = ("cache", CACHES)
+
+    cache: str | None = option(None, "the cache (required): one of " + ", ".join(f"`{name}`" for name in CACHES))
+    cache_in: Literal["rollout", "train", "both"] = option(
+        "rollout", "where the cache runs: the rollout, the training forward or both (module docstring)")
+    measure_offpolicy_gap: bool = option(
+        True, "with `cache_in: both`, recompute the exact log-probs of the trained steps at the first update by "
+        "no-grad forwards (counted in `forward_nograd`) to measure `offpolicy_gap`; false skips them and records "
+        "null. With `cache_in: rollout` the gap comes free from the exact training forward and is always measured")
 
     def cache_settings(self) -> dict[str, Any]:
         """The options given for the cache (flat keys that are set)."""
@@ -85,7 +85,7 @@ class CachedMethodOptions:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in own and getattr(self, f.name) is not None}
 
-    def validate(self) -> None:
+    def check(self) -> None:
         if self.cache not in CACHES:
             raise ConfigError("method.cache", self.cache, f"one of {sorted(CACHES)}")
         make_config(self.cache, self.cache_settings())  # names the first unknown or bad option
@@ -95,9 +95,12 @@ def _cache_option_names() -> list[str]:
     return sorted({option for name in CACHES for option in cache_options(name)})
 
 
-# Generated from the cache configs so that a new cache option is a method option without an edit here.
+# Generated from the caches' options so that a new cache option is a method option without an edit here; each
+# is typed and bounded by the chosen cache's class when the section is checked (CachedMethodOptions.check).
 CachedConfig = dataclasses.make_dataclass(
-    "CachedConfig", [(option, Any, dataclasses.field(default=None)) for option in _cache_option_names()],
+    "CachedConfig", [(name, Any, dataclasses.field(default=None, metadata={
+        "doc": "an option of the chosen cache (its table)", "constraints": {}, "chosen": True}))
+        for name in _cache_option_names()],
     bases=(CachedMethodOptions,), namespace={"__doc__": CachedMethodOptions.__doc__, "__module__": __name__},
 )
 

@@ -89,68 +89,52 @@ from typing import Literal
 
 import torch
 
+from agg_bench.config.options import Options, batch_option, option
 from agg_bench.engine.grpo import micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import register_method
-from baselines.final_latent import EMAPolicy, FinalLatentEstimator, check_decay, ema_decay, noised_draws
+from baselines.final_latent import EMAPolicy, FinalLatentEstimator, ema_decay, noised_draws
 
 EMA_AFTER = 1  # the code steps its ema_ref with global_step counted before the step: a first decay of 0
 
-TIME_DISTRIBUTIONS = ("schedule", "uniform")
 
 
 @dataclass
-class DGPOConfig:
-    """DGPO's options (defaults from github.com/Luo-Yihong/DGPO ``config/dgpo.py``, ``config/base.py``).
+class DGPOConfig(Options):
+    """Options of DGPO (defaults from github.com/Luo-Yihong/DGPO ``config/dgpo.py``, ``config/base.py``)."""
 
-    ``beta`` (100.0; ``config.train.beta_dpo = 100``, 10 for pickscore): the DPO temperature, > 0.
-    ``times_per_sample`` (4; ``config.num_train_timesteps = 4``): K >= 1 noised copies of each final latent;
-      at most ``trunc_steps + 1`` with the ``schedule`` distribution, and at most 4 x sampling.steps with
-      ``uniform`` (each time is a forward and a backward per sample: :data:`baselines.final_latent.TIMES_PER_STEP`).
-    ``time_distribution`` ("schedule", the code): where t comes from (module docstring); or ``uniform``.
-    ``trunc_steps`` (4; ``config.trunc_steps = 4`` for geneval, 6 in ``compressibility``): the schedule's steps
-      0..trunc_steps are eligible (the timestep clip, t >= sigma_{trunc_steps}); less than sampling.steps.
-    ``shared_noise`` (true; ``config.use_shared_noise = True``): the samples of a group share the noise at a time.
-    ``micro_batch``: samples per forward with grad (None: the whole batch).
-    ``clip_dsm`` (false; the code's ``clip_dsm = True``): the PPO-style clip of each sample's matching error
-      against the moving average, with ``grpo.clip_range`` (module docstring).
-    ``ema_decay_rate`` (0.001) and ``ema_decay_max`` (0.3): that moving average's decay schedule; in [0, 1].
-    ``ema_rollout_after`` (None: never; the code's ``switch_ema_ref = 500`` for geneval): optimizer steps after which
-      the rollout samples with the moving average; an integer >= 0.
-    ``rollout_guidance`` (1.0: none; the code's ``sample.guidance_scale = 4.5``): classifier-free guidance of the
-      rollout, in [1, 100].
-    """
+    beta: float = option(100.0, "the DPO temperature (`config.train.beta_dpo = 100`, 10 for pickscore)",
+                         exclusive_minimum=0, maximum=1e6)
+    times_per_sample: int = option(
+        4, "K noised copies of each final latent (`config.num_train_timesteps = 4`); at most `trunc_steps + 1` "
+        "with the `schedule` distribution and 4 x sampling.steps with `uniform` (each time is a forward and a "
+        "backward per sample: `baselines.final_latent.TIMES_PER_STEP`)", minimum=1, maximum=10**9)
+    time_distribution: Literal["schedule", "uniform"] = option(
+        "schedule", "where t comes from: `schedule` (the code; module docstring) or `uniform`")
+    trunc_steps: int = option(
+        4, "the schedule's steps 0..trunc_steps are eligible (the timestep clip, t >= sigma_{trunc_steps}; "
+        "`config.trunc_steps = 4` for geneval, 6 in `compressibility`); less than sampling.steps",
+        minimum=0, maximum=999)
+    shared_noise: bool = option(True, "the samples of a group share the noise at a time "
+                                      "(`config.use_shared_noise = True`)")
+    micro_batch: int | None = batch_option("samples per forward with grad; null: the whole batch")
+    clip_dsm: bool = option(False, "the PPO-style clip of each sample's matching error against the moving average, "
+                                   "with `grpo.clip_range` (module docstring; the code's `clip_dsm = True`)")
+    ema_decay_rate: float = option(0.001, "that moving average's decay grows by this per optimizer step",
+                                   minimum=0, maximum=1)
+    ema_decay_max: float = option(0.3, "the largest decay of that moving average", minimum=0, maximum=1)
+    ema_rollout_after: int | None = option(
+        None, "optimizer steps after which the rollout samples with the moving average (null: never; the code's "
+        "`switch_ema_ref = 500` for geneval)", minimum=0, maximum=10**9)
+    rollout_guidance: float = option(
+        1.0, "classifier-free guidance of the rollout (1.0: none; the code's `sample.guidance_scale = 4.5`)",
+        minimum=1, maximum=100)
 
-    beta: float = 100.0
-    times_per_sample: int = 4
-    time_distribution: Literal["schedule", "uniform"] = "schedule"
-    trunc_steps: int = 4
-    shared_noise: bool = True
-    micro_batch: int | None = None
-    clip_dsm: bool = False
-    ema_decay_rate: float = 0.001
-    ema_decay_max: float = 0.3
-    ema_rollout_after: int | None = None
-    rollout_guidance: float = 1.0
-
-    def validate(self) -> None:
-        if not self.beta > 0:
-            raise ConfigError("method.beta", self.beta, "a number > 0 (DGPO's DPO temperature)")
-        if self.times_per_sample < 1:
-            raise ConfigError("method.times_per_sample", self.times_per_sample, "an integer >= 1")
-        if self.trunc_steps < 0:
-            raise ConfigError("method.trunc_steps", self.trunc_steps, "an integer >= 0")
+    def check(self) -> None:
         if self.time_distribution == "schedule" and self.times_per_sample > self.trunc_steps + 1:
             raise ConfigError("method.times_per_sample", self.times_per_sample,
                               f"an integer in [1, {self.trunc_steps + 1}] (method.trunc_steps + 1; distinct steps "
                               "of the schedule with method.time_distribution=schedule)")
-        check_decay("method.ema_decay", self.ema_decay_rate, self.ema_decay_max)
-        if self.ema_rollout_after is not None and not 0 <= self.ema_rollout_after <= 10**9:
-            raise ConfigError("method.ema_rollout_after", self.ema_rollout_after,
-                              "null or an integer from 0 to 1000000000 (optimizer steps)")
-        if not 1 <= self.rollout_guidance <= 100:
-            raise ConfigError("method.rollout_guidance", self.rollout_guidance,
-                              "a number in [1, 100] (classifier-free guidance of the rollout; 1: none)")
 
 
 def group_weights(advantages: torch.Tensor, delta: torch.Tensor, group_size: int, beta: float) -> torch.Tensor:

@@ -48,17 +48,6 @@ def ema_decay(steps: int, rate: float, maximum: float, after: int = 0) -> float:
     return min(rate * (steps - after), maximum)
 
 
-def check_decay(prefix: str, rate: float, maximum: float, after: int | None = None) -> None:
-    """ConfigErrors for a moving average's schedule: ``<prefix>_rate`` >= 0 (at most 1: a decay grows by it per
-    optimizer step), ``<prefix>_max`` in [0, 1] and ``<prefix>_after`` >= 0 (optimizer steps)."""
-    if not 0 <= rate <= 1:
-        raise ConfigError(f"{prefix}_rate", rate, "a number in [0, 1] (the decay's growth per optimizer step)")
-    if not 0 <= maximum <= 1:
-        raise ConfigError(f"{prefix}_max", maximum, "a number in [0, 1] (the largest decay)")
-    if after is not None and not 0 <= after <= 10**9:
-        raise ConfigError(f"{prefix}_after", after, "an integer from 0 to 1000000000 (optimizer steps)")
-
-
 class EMAPolicy:
     """A moving average of the policy's trainable weights (module docstring), as a frozen policy that shares
     the policy's counter. ``steps``: the optimizer steps it has taken in; ``version``: the policy version its

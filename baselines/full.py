@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agg_bench.config.options import Options, batch_option
 from agg_bench.engine.grpo import exact_backward, micro_batches
 from agg_bench.methods.base import Estimator, register_method
 
@@ -11,10 +12,10 @@ __all__ = ["FullConfig", "FullEstimator", "exact_backward"]  # exact_backward li
 
 
 @dataclass
-class FullConfig:
-    """``micro_batch``: samples per forward-with-grad (None: the whole batch)."""
+class FullConfig(Options):
+    """Options of full-trajectory GRPO."""
 
-    micro_batch: int | None = None
+    micro_batch: int | None = batch_option("samples per forward-with-grad; null: the whole batch")
 
 
 @register_method

@@ -35,12 +35,12 @@ forwarded ones only; here the plan is ``train.plan`` for every method, whose nor
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from agg_bench.config.options import Options, batch_option, option
 from agg_bench.engine.grpo import exact_backward, micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.machine import distributed
@@ -48,50 +48,35 @@ from agg_bench.methods.base import Estimator, ReplayCase, register_method
 
 
 @dataclass
-class GuessConfig:
-    """Guessed rollouts (module docstring); defaults are the code's canonical preset.
+class GuessConfig(Options):
+    """Options of guessed rollouts (module docstring); defaults are the code's canonical preset. The bounds
+    against the group and the schedule are checked when a run is set up (``check_run``)."""
 
-    ``guessed`` (None: ``grpo.group_size // 3``, the code's 4 of 12): generations of each group guessed at
-      each guessed step, 0 <= guessed < grpo.group_size (one real generation at least, for the group mean).
-    ``guess_from`` (2): the first step that may be guessed, >= 1 (step 0 has no velocity to extrapolate;
-      the code guesses from step 0, module docstring; 1 guesses step 1 to first order as the code does).
-    ``guess_until`` (None: sampling.steps - 1, every step but the last as in the code): guessed steps are
-      ``guess_from <= j < guess_until``, with guess_from <= guess_until <= sampling.steps.
-    ``blend_until`` (0.5, the code's ``early_frac``; 0.4 in ``ef04_strong``): steps j < blend_until * T
-      blend the extrapolation with the group's mean velocity; a fraction in [0, 1].
-    ``blend`` ("cosine", the code's ``_velocity_mix_alpha``): the extrapolation's weight in the blend:
-      (1 + cos(v_so, v_group)) / 2 per row, or a fixed number in [0, 1].
-    ``ab2`` ([1.5, -0.5], equal-step Adams-Bashforth 2; ``ef04_strong``: [2, -1], linear extrapolation):
-      (c1, c2) in ``v_so = c1 v_{j-1} + c2 v_{j-2}``.
-    ``guessed_weight`` (0.1, the code's ``1 - 0.9 mock_flag``): the loss weight of a guessed (row, step)
-      term, >= 0; 0 skips those terms.
-    ``micro_batch``: samples per forward-with-grad (None: the whole batch), as for ``full``.
-    """
-
-    guessed: int | None = None
-    guess_from: int = 2
-    guess_until: int | None = None
-    blend_until: float = 0.5
-    blend: Literal["cosine"] | float = "cosine"
-    ab2: list[float] = field(default_factory=lambda: [1.5, -0.5])
-    guessed_weight: float = 0.1
-    micro_batch: int | None = None
-
-    def validate(self) -> None:
-        """Checks that need no run settings; those against the group and the schedule come in check_run."""
-        if self.guessed is not None and self.guessed < 0:
-            raise ConfigError("method.guessed", self.guessed, "null or an integer >= 0")
-        if self.guess_from < 1:
-            raise ConfigError("method.guess_from", self.guess_from,
-                              "an integer >= 1 (step 0 has no earlier velocity to extrapolate from)")
-        if not (math.isfinite(self.blend_until) and 0 <= self.blend_until <= 1):
-            raise ConfigError("method.blend_until", self.blend_until, "a fraction of the rollout in [0, 1]")
-        if self.blend != "cosine" and not (math.isfinite(self.blend) and 0 <= self.blend <= 1):
-            raise ConfigError("method.blend", self.blend, "'cosine' or a number in [0, 1]")
-        if len(self.ab2) != 2 or not all(math.isfinite(c) for c in self.ab2):
-            raise ConfigError("method.ab2", self.ab2, "two finite numbers [c1, c2] (v_so = c1 v_{j-1} + c2 v_{j-2})")
-        if not (math.isfinite(self.guessed_weight) and self.guessed_weight >= 0):
-            raise ConfigError("method.guessed_weight", self.guessed_weight, "a finite number >= 0")
+    guessed: int | None = option(
+        None, "generations of each group guessed at each guessed step, less than `grpo.group_size` (one real "
+        "generation at least, for the group mean); null: `grpo.group_size // 3`, the code's 4 of 12",
+        minimum=0, maximum=255)
+    guess_from: int = option(
+        2, "the first step that may be guessed (step 0 has no velocity to extrapolate; the code guesses from step 0, "
+        "module docstring; 1 guesses step 1 to first order as the code does)", minimum=1, maximum=1000)
+    guess_until: int | None = option(
+        None, "guessed steps are guess_from <= j < guess_until, with guess_from <= guess_until <= sampling.steps; "
+        "null: sampling.steps - 1, every step but the last as in the code", minimum=0, maximum=1000)
+    blend_until: float = option(
+        0.5, "steps j < blend_until * T blend the extrapolation with the group's mean velocity (the code's "
+        "`early_frac`; 0.4 in `ef04_strong`)", minimum=0, maximum=1)
+    blend: Literal["cosine"] | float = option(
+        "cosine", "the extrapolation's weight in the blend: `cosine`, (1 + cos(v_so, v_group)) / 2 per row (the "
+        "code's `_velocity_mix_alpha`), or a fixed number", minimum=0, maximum=1,
+        expected="'cosine' or a number in [0, 1]")
+    ab2: list[float] = option(
+        [1.5, -0.5], "(c1, c2) in v_so = c1 v_{j-1} + c2 v_{j-2}: equal-step Adams-Bashforth 2; `ef04_strong`: "
+        "[2, -1], linear extrapolation", min_items=2, max_items=2, items={"minimum": -1000, "maximum": 1000},
+        expected="two numbers [c1, c2] (v_so = c1 v_{j-1} + c2 v_{j-2})")
+    guessed_weight: float = option(
+        0.1, "the loss weight of a guessed (row, step) term (the code's `1 - 0.9 mock_flag`); 0 skips those terms",
+        minimum=0, maximum=1000)
+    micro_batch: int | None = batch_option("samples per forward-with-grad; null: the whole batch, as for `full`")
 
     def guessed_per_group(self, group_size: int) -> int:
         return group_size // 3 if self.guessed is None else self.guessed

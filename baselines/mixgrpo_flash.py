@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agg_bench.config.options import option
 from agg_bench.engine.solvers import DPM_SOLVER_ORDERS
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import ReplayCase, register_method
@@ -40,29 +41,17 @@ from baselines.subsample import WindowConfig, WindowEstimator
 
 @dataclass
 class MixGRPOFlashConfig(WindowConfig):
-    """The window's options (:class:`baselines.subsample.WindowConfig`: ``window_size`` 4,
-    ``window_mode`` progressive, ``window_start`` 0, ``window_stride`` 1, ``window_interval`` 25, ...) and the
-    solver after the window.
+    """Options of MixGRPO-Flash: the window's (:class:`baselines.subsample.WindowConfig`) and the solver after
+    the window."""
 
-    ``solver_order`` (2): DPM-Solver++'s order after the window, 1 (DDIM, which is Euler on the compressed
-    grid) or 2 (2M, midpoint form). Public code: ``--dpm_solver_order 2``, ``--dpm_solver_type midpoint``
-    in the Flash scripts (its order 3 is not ported).
-    ``post_compress_ratio`` (0.4): r in (0, 1], the compressed grid after the window has
-    ``max(int((T - L) * r), 1)`` points (at least 2). Public code: ``--dpm_post_compress_ratio``, 0.4 in
-    ``finetune_flux_grpo_MixGRPO_Flash.sh``, 0.2 in ``finetune_flux_grpo_MixGRPO_Flash*.sh``.
-    """
-
-    solver_order: int = 2
-    post_compress_ratio: float = 0.4
-
-    def validate(self) -> None:
-        super().validate()
-        if self.solver_order not in DPM_SOLVER_ORDERS:
-            raise ConfigError("method.solver_order", self.solver_order,
-                              f"one of {list(DPM_SOLVER_ORDERS)} (the DPM-Solver++ orders this method has)")
-        if not 0 < self.post_compress_ratio <= 1:
-            raise ConfigError("method.post_compress_ratio", self.post_compress_ratio,
-                              "a number in (0, 1] (points of the grid after the window per step of the run's)")
+    solver_order: int = option(
+        2, "DPM-Solver++'s order after the window: 1 (DDIM, which is Euler on the compressed grid) or 2 (2M, "
+        "midpoint form). Public code: `--dpm_solver_order 2`, `--dpm_solver_type midpoint` in the Flash scripts "
+        "(its order 3 is not ported)", minimum=min(DPM_SOLVER_ORDERS), maximum=max(DPM_SOLVER_ORDERS))
+    post_compress_ratio: float = option(
+        0.4, "r: the compressed grid after the window has max(int((T - L) r), 1) points (at least 2). Public code: "
+        "`--dpm_post_compress_ratio`, 0.4 in `finetune_flux_grpo_MixGRPO_Flash.sh`, 0.2 in "
+        "`finetune_flux_grpo_MixGRPO_Flash*.sh`", exclusive_minimum=0, maximum=1)
 
 
 def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:

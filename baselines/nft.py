@@ -69,53 +69,43 @@ from typing import Literal
 
 import torch
 
+from agg_bench.config.options import Options, batch_option, option
 from agg_bench.engine.grpo import grpo_advantages, micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import register_method
-from baselines.final_latent import EMAPolicy, FinalLatentEstimator, check_decay, ema_decay, noised_draws
+from baselines.final_latent import EMAPolicy, FinalLatentEstimator, ema_decay, noised_draws
 
-TIME_DISTRIBUTIONS = ("schedule", "uniform")
 ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
 WEIGHT_FLOOR = 1e-5  # the code's clip(min=0.00001) on the adaptive weight
 
 
 @dataclass
-class NFTConfig:
-    """DiffusionNFT's options (defaults from github.com/NVlabs/DiffusionNFT ``config/nft.py``).
+class NFTConfig(Options):
+    """Options of DiffusionNFT (defaults from github.com/NVlabs/DiffusionNFT ``config/nft.py``)."""
 
-    ``beta`` (1.0; ``config.beta = 1.0``, 0.1 for OCR and multi-reward): the step of the implicit policies
-      v+- = v_old +- beta (v_theta - v_old); 0 < beta <= 1.
-    ``times_per_sample`` (None: int(0.99 * sampling.steps), the code's ``num_steps * timestep_fraction``):
-      K >= 1 noised copies of each final latent; at most sampling.steps with the ``schedule`` distribution, and
-      at most 4 x sampling.steps with ``uniform`` (each time is a forward and a backward per sample:
-      :data:`baselines.final_latent.TIMES_PER_STEP` says why).
-    ``time_distribution`` ("schedule", the code): where t comes from (module docstring); or ``uniform``.
-    ``adv_mode`` ("all"; the code's ``train.adv_mode``): ``all`` keeps A, ``positive_only``/``negative_only``
-      clamp it to [0, Z]/[-Z, 0], ``one_only`` maps A > 0 to 1 and else 0, ``binary`` takes sign(A).
-    ``weighting`` ("adaptive", the code's x0-space adaptive weight) or ``velocity`` (the paper's equation).
-    ``micro_batch``: samples per forward-with-grad (None: the whole batch).
-    ``old_decay_rate`` (0.0: the old policy is the rollout's weights, the code's ``decay_type = 0``; 0.001 for its
-      sd3 configs' ``decay_type = 1``, 0.0075 for ``decay_type = 2``), ``old_decay_max`` (0.5; 0.999 for type 2)
-      and ``old_decay_after`` (0 optimizer steps; 75 for type 2): the old policy's moving-average schedule
-      (module docstring); rate and max in [0, 1], after an integer >= 0.
-    """
-
-    beta: float = 1.0
-    times_per_sample: int | None = None
-    time_distribution: Literal["schedule", "uniform"] = "schedule"
-    adv_mode: Literal["all", "positive_only", "negative_only", "one_only", "binary"] = "all"
-    weighting: Literal["adaptive", "velocity"] = "adaptive"
-    micro_batch: int | None = None
-    old_decay_rate: float = 0.0
-    old_decay_max: float = 0.5
-    old_decay_after: int = 0
-
-    def validate(self) -> None:
-        if not 0 < self.beta <= 1:
-            raise ConfigError("method.beta", self.beta, "a number in (0, 1] (DiffusionNFT's policy step)")
-        if self.times_per_sample is not None and self.times_per_sample < 1:
-            raise ConfigError("method.times_per_sample", self.times_per_sample, "null or an integer >= 1")
-        check_decay("method.old_decay", self.old_decay_rate, self.old_decay_max, self.old_decay_after)
+    beta: float = option(1.0, "the step of the implicit policies v+- = v_old +- beta (v_theta - v_old) "
+                              "(`config.beta = 1.0`, 0.1 for OCR and multi-reward)", exclusive_minimum=0, maximum=1)
+    times_per_sample: int | None = option(
+        None, "K noised copies of each final latent; at most sampling.steps with the `schedule` distribution and "
+        "4 x sampling.steps with `uniform` (each time is a forward and a backward per sample: "
+        "`baselines.final_latent.TIMES_PER_STEP`); null: int(0.99 * sampling.steps), the code's "
+        "`num_steps * timestep_fraction`", minimum=1, maximum=10**9)
+    time_distribution: Literal["schedule", "uniform"] = option(
+        "schedule", "where t comes from: `schedule` (the code; module docstring) or `uniform`")
+    adv_mode: Literal["all", "positive_only", "negative_only", "one_only", "binary"] = option(
+        "all", "the code's `train.adv_mode`: `all` keeps A, `positive_only` / `negative_only` clamp it to [0, Z] / "
+        "[-Z, 0], `one_only` maps A > 0 to 1 and else 0, `binary` takes sign(A)")
+    weighting: Literal["adaptive", "velocity"] = option(
+        "adaptive", "`adaptive` (the code's x0-space adaptive weight) or `velocity` (the paper's equation)")
+    micro_batch: int | None = batch_option("samples per forward-with-grad; null: the whole batch")
+    old_decay_rate: float = option(
+        0.0, "the old policy's moving-average schedule (module docstring): 0, the rollout's weights (the code's "
+        "`decay_type = 0`); 0.001 for its sd3 configs' `decay_type = 1`, 0.0075 for `decay_type = 2`",
+        minimum=0, maximum=1)
+    old_decay_max: float = option(0.5, "the largest decay of the old policy's moving average (0.999 for "
+                                       "`decay_type = 2`)", minimum=0, maximum=1)
+    old_decay_after: int = option(0, "optimizer steps before the old policy's moving average starts to move (75 for "
+                                     "`decay_type = 2`)", minimum=0, maximum=10**9)
 
     def times(self, steps: int) -> int:
         """K for a ``steps``-step rollout."""

@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from agg_bench.config.options import option
 from agg_bench.engine.trained_steps import draw_trained_steps
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import ReplayCase, register_method
@@ -32,11 +33,10 @@ from baselines.full import FullConfig, FullEstimator
 
 @dataclass
 class FractionConfig(FullConfig):
-    """DanceGRPO's random step subset.
+    """Options of DanceGRPO's random step subset: ``full``'s.
 
     The fraction of steps trained is ``train.timestep_fraction`` (one knob for every method); this
     method only insists that the steps are drawn one by one (``train.plan: steps``, the default).
-    ``micro_batch``: samples per forward-with-grad (None: the whole batch), as for ``full``.
     """
 
 
@@ -65,51 +65,37 @@ class FractionEstimator(FullEstimator):
 
 @dataclass
 class WindowConfig(FullConfig):
-    """A window of consecutive SDE (and trained) steps; ODE sampling elsewhere.
+    """Options of a window of consecutive SDE (and trained) steps; ODE sampling elsewhere.
 
-    ``window_size`` (4): steps in the window, 1 <= window_size <= sampling.steps. MixGRPO uses 4 of 25.
-    ``window_mode`` ("progressive"): where the window starts in iteration m, step 0 being the noisiest:
-      - ``fixed``: at ``window_start`` every iteration;
-      - ``random``: uniformly in [window_start, window_max_start], drawn from the iteration's generator
-        (Flow-GRPO-Fast draws its window among the early steps);
-      - ``progressive`` (MixGRPO): at ``window_start + window_stride * (m // window_interval)``; once that
-        passes its last start the window stays there, or with ``window_wrap`` starts over at ``window_start``
-        (MixGRPO's ``--roll_back``). The last start is sampling.steps - window_size (the window whole), or with
-        ``window_end`` window_end - 1: the window goes on past window_end - window_size, cut at window_end.
-    ``window_start`` (0): the first start (fixed, progressive) or the smallest start (random).
-    ``window_max_start`` (None: window_end, or sampling.steps, minus window_size): the largest start drawn in
-      random mode.
-    ``window_stride`` (1): steps the progressive window moves each time it moves.
-    ``window_interval`` (25): iterations between moves of the progressive window (MixGRPO's shift interval).
-    ``window_wrap`` (False): progressive only; restart at ``window_start`` instead of staying at the end.
-    ``window_end`` (None: sampling.steps): no window reaches this step; windows are cut at it, steps
-      start..min(start + window_size, window_end) - 1. MixGRPO truncates at T - 2 (``max_timesteps =
-      sampling_steps - 2``, its windows ``range(cur, min(cur + group_size, max_timesteps))``; its iterations at the
-      start T - 2 itself, whose window is empty, are not taken here). In [window_size, sampling.steps].
-    ``micro_batch``: samples per forward-with-grad (None: the whole batch), as for ``full``.
+    Where the window starts in iteration m, step 0 being the noisiest (``window_mode``):
+    - ``fixed``: at ``window_start`` every iteration;
+    - ``random``: uniformly in [window_start, window_max_start], drawn from the iteration's generator
+      (Flow-GRPO-Fast draws its window among the early steps);
+    - ``progressive`` (MixGRPO): at ``window_start + window_stride * (m // window_interval)``; once that passes
+      its last start the window stays there, or with ``window_wrap`` starts over at ``window_start``
+      (MixGRPO's ``--roll_back``). The last start is sampling.steps - window_size (the window whole), or with
+      ``window_end`` window_end - 1: the window goes on past window_end - window_size, cut at window_end.
+    The bounds that depend on ``sampling.steps`` are checked when a run is set up (``check_run``).
     """
 
-    window_size: int = 4
-    window_mode: Literal["fixed", "random", "progressive"] = "progressive"
-    window_start: int = 0
-    window_max_start: int | None = None
-    window_stride: int = 1
-    window_interval: int = 25
-    window_wrap: bool = False
-    window_end: int | None = None
-
-    def validate(self) -> None:
-        """Checks that need no run settings; the bounds that depend on sampling.steps come later."""
-        if self.window_size < 1:
-            raise ConfigError("method.window_size", self.window_size, "an integer >= 1")
-        if self.window_start < 0:
-            raise ConfigError("method.window_start", self.window_start, "an integer >= 0")
-        if self.window_stride < 1:
-            raise ConfigError("method.window_stride", self.window_stride, "an integer >= 1")
-        if self.window_interval < 1:
-            raise ConfigError("method.window_interval", self.window_interval, "an integer >= 1 (iterations)")
-        if self.window_end is not None and not 1 <= self.window_end <= 1000:
-            raise ConfigError("method.window_end", self.window_end, "null or an integer from 1 to 1000 (a step)")
+    window_size: int = option(4, "steps in the window, at most `sampling.steps` (MixGRPO: 4 of 25)",
+                              minimum=1, maximum=1000)
+    window_mode: Literal["fixed", "random", "progressive"] = option(
+        "progressive", "where the window starts each iteration: `fixed`, `random` or `progressive` (class docstring)")
+    window_start: int = option(0, "the first start (`fixed`, `progressive`) or the smallest start (`random`)",
+                               minimum=0, maximum=1000)
+    window_max_start: int | None = option(
+        None, "the largest start drawn in `random` mode (null: `window_end`, or `sampling.steps`, minus "
+        "`window_size`)", minimum=0, maximum=1000)
+    window_stride: int = option(1, "steps the progressive window moves each time it moves", minimum=1, maximum=1000)
+    window_interval: int = option(25, "iterations between moves of the progressive window (MixGRPO's shift "
+                                      "interval)", minimum=1, maximum=100_000)
+    window_wrap: bool = option(False, "`progressive` only: restart at `window_start` instead of staying at the end")
+    window_end: int | None = option(
+        None, "no window reaches this step (null: `sampling.steps`); windows are cut at it, steps start .. "
+        "min(start + window_size, window_end) - 1; in [window_size, sampling.steps]. MixGRPO truncates at T - 2 "
+        "(`max_timesteps = sampling_steps - 2`, its windows `range(cur, min(cur + group_size, max_timesteps))`; its "
+        "iterations at the start T - 2 itself, whose window is empty, are not taken here)", minimum=1, maximum=1000)
 
 
 @register_method

@@ -210,7 +210,7 @@ BAD = {
                     "is not a run of the sweep"),
     "another config": (lambda m: replace(m, "config.json", lambda d: json.dumps(
         {**json.loads(d), "seed": 7}).encode()), "is not the config"),
-    "bad record": (lambda m: replace(m, "metrics.jsonl", record_edit("t_iter_s", "fast")), "expected a number"),
+    "bad record": (lambda m: replace(m, "metrics.jsonl", record_edit("t_iter_s", "fast")), "expected a finite number or null"),
     "wrong pass count": (lambda m: replace(m, "metrics.jsonl", record_edit("backward", 3)),
                          "on the tiny model on the CPU counts"),
     "bad calibration": (lambda m: {**m, "calibration/20260101T000000_01_sd35m_64px_cpu.json": b'{"methods": 3}'},

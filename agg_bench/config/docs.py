@@ -40,6 +40,9 @@ def default_text(value: Any) -> str:
 
 
 def _number(value: Any) -> str:
+    """A bound, short: ``4096``, ``262,144``, ``1,000,000`` (a whole float too), ``0.5``."""
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 10_000:
+        value = int(value)
     return f"{value:,}" if isinstance(value, int) and abs(value) >= 10_000 else default_text(value)
 
 
@@ -51,6 +54,8 @@ def allowed_text(schema: dict) -> str:
     """What a key's property schema allows, in words: ``integer from 1 to 4096``, ``number > 0 or null``."""
     if "enum" in schema:
         return _or([f"`{default_text(v)}`" for v in schema["enum"]])
+    if "anyOf" in schema or "type" not in schema:  # a union of types, or anything (said by the key's doc)
+        return schema.get("x-expected", "see the meaning")
     types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
     kind, nullable = types[0], "null" in types
     if "x-expected" in schema:
@@ -65,19 +70,23 @@ def allowed_text(schema: dict) -> str:
             text = " and ".join([" ".join([kind, *low]), *high]) if low else " ".join([kind, *high])
     elif kind == "array":
         items = allowed_text(schema["items"]) if "items" in schema else "anything"
-        text = f"list of {items}" + (f" (at least {schema['minItems']})" if "minItems" in schema else "")
+        sizes = [f"at least {schema['minItems']}"] if "minItems" in schema else []
+        sizes += [f"at most {schema['maxItems']:,}"] if "maxItems" in schema else []
+        sizes += ["distinct"] if schema.get("uniqueItems") else []
+        text = f"list of {items}" + (f" ({', '.join(sizes)})" if sizes else "")
     else:
         text = {"string": "text", "boolean": "true or false", "object": "mapping"}[kind]
     return f"{text} or null" if nullable else text
 
 
 def reference_rows(cls: type[Section] = RunConfig, prefix: str = "", schema: dict | None = None) -> list[list[str]]:
-    """[key, default, allowed, meaning] of every key of ``cls``, sections in field order."""
+    """[key, default, allowed, meaning] of every key of ``cls`` (the run config, or a method's or a cache's
+    options with their schema), sections in field order."""
     schema = run_schema() if schema is None else schema
     defaults = cls()
     rows = []
     for f in dataclasses.fields(cls):
-        if "internal" in f.metadata:
+        if "internal" in f.metadata or "chosen" in f.metadata:  # set by code; another class's options
             continue
         key = prefix + f.metadata.get("key", f.name)
         nested = section_class(f)

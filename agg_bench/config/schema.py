@@ -3,8 +3,9 @@ violation into one ConfigError naming the key, the value and what is allowed.
 
 The schema is built from :mod:`agg_bench.config.sections` when it is first needed (a few dozen fields:
 well under a millisecond), not kept in a file: there is nothing to regenerate and nothing to drift.
-``python -m agg_bench.config.docs --schema`` prints it. :func:`check_schema` also checks the workflow's
-sweep config against its own schema (``workflow/schemas/config.schema.yaml``).
+``python -m agg_bench.config.docs --schema`` prints it. The same functions give the schema of a method's or a
+cache's options (:mod:`agg_bench.config.options`), and :func:`check_schema` also checks the workflow's sweep
+config against its own schema (``workflow/schemas/config.schema.yaml``).
 """
 from __future__ import annotations
 
@@ -20,18 +21,24 @@ import jsonschema
 from ..errors import ConfigError, clip
 from .sections import RunConfig, Section, section_class
 
-JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", list: "array"}
-# option() keywords -> JSON Schema keywords
+JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", list: "array",
+              tuple: "array"}
+# option() keywords -> JSON Schema keywords; ``items`` holds keywords of a list's items (``{"minimum": 1}``)
 KEYWORDS = {"minimum": "minimum", "maximum": "maximum", "exclusive_minimum": "exclusiveMinimum",
             "exclusive_maximum": "exclusiveMaximum", "pattern": "pattern", "min_items": "minItems",
-            "expected": "x-expected"}
+            "max_items": "maxItems", "unique_items": "uniqueItems", "expected": "x-expected"}
 
 
 def type_schema(annotation: Any) -> dict:
-    """The JSON Schema of a field's annotation: its type (or enum) and, for a list, its items' type."""
+    """The JSON Schema of a field's annotation: its type (or enum) and, for a list, its items' type. ``Any``
+    allows anything; a union of more than one type besides null is an ``anyOf`` of them."""
+    if annotation is Any:
+        return {}
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        nullable = type(None) in typing.get_args(annotation)
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        assert len(args) == 1, f"one type or null, not {annotation}"
+        if len(args) > 1:
+            return {"anyOf": [type_schema(a) for a in args] + ([{"type": "null"}] if nullable else [])}
         inner = type_schema(args[0])
         if "enum" in inner:
             return {**inner, "enum": [*inner["enum"], None]}
@@ -40,8 +47,24 @@ def type_schema(annotation: Any) -> dict:
         return {"enum": list(typing.get_args(annotation))}
     origin = typing.get_origin(annotation) or annotation
     schema = {"type": JSON_TYPES[origin]}
-    if origin is list and typing.get_args(annotation):
-        schema["items"] = type_schema(typing.get_args(annotation)[0])
+    args = typing.get_args(annotation)
+    if origin is list and args:
+        schema["items"] = type_schema(args[0])
+    elif origin is tuple and args:  # tuple[X, X]: a list of exactly that many X (a pair [low, high], ...)
+        assert len(set(args)) == 1 and Ellipsis not in args, f"a tuple of one type, not {annotation}"
+        schema.update(items=type_schema(args[0]), minItems=len(args), maxItems=len(args))
+    return schema
+
+
+def field_schema(annotation: Any, constraints: dict, doc: str) -> dict:
+    """A field's property schema: its type, its ``option()`` constraints and its meaning."""
+    schema = type_schema(annotation)
+    for key, value in constraints.items():
+        if key == "items":
+            schema["items"] = {**schema.get("items", {}), **{KEYWORDS[k]: v for k, v in value.items()}}
+        else:
+            schema[KEYWORDS[key]] = value
+    schema["description"] = doc
     return schema
 
 
@@ -56,10 +79,7 @@ def section_schema(cls: type[Section], doc: str | None = None) -> dict:
         if nested is not None:
             properties[f.name] = section_schema(nested, f.metadata["doc"])
             continue
-        schema = type_schema(hints[f.name])
-        schema.update({KEYWORDS[k]: v for k, v in f.metadata["constraints"].items()})
-        schema["description"] = f.metadata["doc"]
-        properties[f.name] = schema
+        properties[f.name] = field_schema(hints[f.name], f.metadata["constraints"], f.metadata["doc"])
     schema = {"type": "object", "description": doc or (cls.__doc__ or "").split("\n")[0]}
     if cls.REQUIRED:
         schema["required"] = list(cls.REQUIRED)
@@ -108,14 +128,27 @@ def _describe(error: jsonschema.ValidationError) -> ConfigError:
         return ConfigError(path, error.instance, " or ".join(TYPE_WORDS.get(t, t) for t in types_))
     if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         words = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
-        return ConfigError(path, error.instance, f"a value {words[error.validator]} {error.validator_value}")
+        expected = schema.get("x-expected") or f"a value {words[error.validator]} {error.validator_value}"
+        return ConfigError(path, error.instance, expected)
     if error.validator == "pattern":
         expected = schema.get("x-expected") or schema.get("description") or f"to match {error.validator_value}"
         return ConfigError(path, error.instance, expected)
+    if error.validator == "anyOf":
+        expected = schema.get("x-expected") or " or ".join(_words(arm) for arm in schema["anyOf"])
+        return ConfigError(path, error.instance, expected)
     if error.validator in SIZE_WORDS:
-        return ConfigError(path or "(top level)", error.instance, SIZE_WORDS[error.validator](error.validator_value))
+        expected = schema.get("x-expected") or SIZE_WORDS[error.validator](error.validator_value)
+        return ConfigError(path or "(top level)", error.instance, expected)
     # jsonschema's own message quotes the whole value: kept short
     return ConfigError(path or "(top level)", error.instance, clip(error.message))
+
+
+def _words(schema: dict) -> str:
+    """One arm of a union in words: ``one of ['flux']``, ``a list``, ``null``."""
+    if "enum" in schema:
+        return f"one of {schema['enum']}"
+    kinds = schema.get("type", [])
+    return " or ".join(TYPE_WORDS.get(t, t) for t in (kinds if isinstance(kinds, list) else [kinds]))
 
 
 def check_finite(value: Any, path: str = "") -> None:

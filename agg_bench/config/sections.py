@@ -25,8 +25,11 @@ from typing import Any, Literal, Mapping
 
 def option(default: Any, doc: str, **constraints: Any) -> Any:
     """A config field: its ``default``, its meaning ``doc`` and its ``constraints``, JSON Schema keywords
-    written in snake case (``minimum``, ``maximum``, ``exclusive_minimum``, ``pattern``, ``min_items``),
-    plus ``expected``: how an error and the table say what a ``pattern`` allows."""
+    written in snake case (``minimum``, ``maximum``, ``exclusive_minimum``, ``exclusive_maximum``,
+    ``pattern``, ``min_items``, ``max_items``, ``unique_items``; ``items``: such keywords for a list's items),
+    plus ``expected``: how an error and the table say what a ``pattern``, a union or a list size allows. The
+    run config's keys, and a method's or a cache's options (:mod:`agg_bench.config.options`), are written
+    with it."""
     metadata = {"doc": doc, "constraints": constraints}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)

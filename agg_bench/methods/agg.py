@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
+from ..config.options import Options, batch_option, option
 from ..engine.grpo import TrainBatch, UpdateStats, exact_backward, micro_batches, upstream_grad
 from ..engine.trained_steps import steps_per_sample
 from ..errors import ConfigError
@@ -43,64 +44,56 @@ EXACT_GROUP_MAX = 2
 
 
 @dataclass
-class AGGConfig:
-    """Options of the AGG estimator (config keys ``method.<field>``).
+class AGGConfig(Options):
+    """Options of the AGG estimator (config keys ``method.<option>``).
 
-    ``window`` (5): W, trained steps per group; groups are consecutive chunks of W entries of
-      ``train_steps`` (the last may be shorter). A run checks (:meth:`AGGEstimator.check_run`) that
-      every group it aggregates is a run of consecutive denoising steps: with ``train.plan: groups``,
-      no group may join two plan groups (W = ``train.plan_window`` or a divisor of it) unless every
-      plan group is trained; with ``train.plan: steps``, ``train.timestep_fraction`` must train every
-      step. Otherwise a group would interpolate across steps that are not adjacent, which the rule
-      does not describe, and the run is refused (``replay`` and ``gradcheck`` too). W <= 2 and
-      ``route_frac = 0`` aggregate nothing, so they accept any plan.
-    ``alpha`` ("index"): interpolation weight of step k in its group: ``index`` k/(W-1), or ``sigma``
-      (s_{j_k} - s_{j_0}) / (s_{j_{W-1}} - s_{j_0}), which is exact when the velocity is affine in (x, t)
-      along a straight segment of states.
-    ``route_frac`` (1.0): fraction in [0, 1] of the groups of 3 or more steps that use AGG, the highest
-      ``route_score`` first; the others get exact per-step backward. 0 is full GRPO, 1 routes them all.
-    ``route_score`` ("velocity_cosine"): how linear a group is. ``velocity_cosine``: mean cosine of
-      consecutive velocity increments v_{k+1} - v_k (needs every group's velocities, so groups left
-      exact also pay their no-grad forwards unless reused); ``state_cosine``: the same on the states
-      x_{j_k} (costs nothing; only routed groups run no-grad forwards).
-    ``reuse_rollout_velocity`` (False): while the policy's ``version`` equals the rollout's, take v_k from
-      the rollout instead of running the no-grad forwards; after any optimizer step they are recomputed.
-    ``endpoint_velocity`` ("recompute"): where a routed group's v at its first and last step come from.
-      ``recompute`` (the authors' recipe): W no-grad forwards per group, then the two endpoint
-      forwards-with-grad compute those two velocities again. ``reuse``: the endpoint forwards-with-grad
-      run first and their detached outputs are the endpoints' v; only the W - 2 interior steps get no-grad
-      forwards; same gradient (up to float rounding of differently batched calls). Memory: no second
-      graph is kept alive. Because a_0 = 0 and a_{W-1} = 1, the first endpoint's upstream gradient u_base
-      needs v_0 and the interior, never v_{W-1} (and u_corr the reverse), so each endpoint forward is
-      followed by its own backward at once, as with ``recompute``: the same ``micro_batch`` latents per
-      forward-with-grad and the same peak of what the network saves (tests/test_agg.py measures both
-      equal). On top of it, while an endpoint's graph is alive, its SDE-step and loss tensors (elementwise,
-      one latent's size each) are saved for the analytic u: tiny SD3, B = 8, W = 5, 64 px: network peak
-      2,515,968 B either way, all saved tensors 2,524,416 B (reuse) vs 2,515,968 B (+0.3 %). Meanwhile
-      ``reuse`` holds the interior's velocities and upstream gradients, W - 2 latents per group without a
-      graph, instead of W. Interactions: while ``reuse_rollout_velocity`` applies (the
-      first update after a rollout) every v comes from the rollout and there is nothing to reuse, so both
-      settings do the same; ``route_frac`` < 1 with ``route_score: velocity_cosine`` needs every step's v
-      to score groups before any is routed, so that combination is refused (use ``state_cosine``).
-    ``nograd_batch`` (None): latents per no-grad forward; None runs all of an update's in one call.
-    ``micro_batch`` (None): latents per forward-with-grad; None uses the batch size, the per-call
-      activation memory of ``full``.
+    Every group AGG aggregates must be a run of consecutive denoising steps. A run checks that
+    (:meth:`AGGEstimator.check_run`): with ``train.plan: groups``, no group may join two plan groups (W =
+    ``train.plan_window`` or a divisor of it) unless every plan group is trained; with ``train.plan: steps``,
+    ``train.timestep_fraction`` must train every step. Otherwise a group would interpolate across steps that
+    are not adjacent, which the rule does not describe, and the run is refused (``replay`` and ``gradcheck``
+    too). W <= 2 and ``route_frac = 0`` aggregate nothing, so they accept any plan.
+
+    ``endpoint_velocity: reuse`` in detail: a_0 = 0 and a_{W-1} = 1, so the first endpoint's upstream gradient
+    u_base needs v_0 and the interior, never v_{W-1} (and u_corr the reverse), so each endpoint forward is
+    followed by its own backward at once, as with ``recompute``: the same ``micro_batch`` latents per
+    forward-with-grad and the same peak of what the network saves (tests/test_agg.py measures both equal). On
+    top of it, while an endpoint's graph is alive, its SDE-step and loss tensors (elementwise, one latent's size
+    each) are saved for the analytic u: tiny SD3, B = 8, W = 5, 64 px: network peak 2,515,968 B either way, all
+    saved tensors 2,524,416 B (reuse) vs 2,515,968 B (+0.3 %). Meanwhile ``reuse`` holds the interior's
+    velocities and upstream gradients, W - 2 latents per group without a graph, instead of W.
     """
 
-    window: int = 5
-    alpha: Literal["index", "sigma"] = "index"
-    route_frac: float = 1.0
-    route_score: Literal["velocity_cosine", "state_cosine"] = "velocity_cosine"
-    reuse_rollout_velocity: bool = False
-    endpoint_velocity: Literal["recompute", "reuse"] = "recompute"
-    nograd_batch: int | None = None
-    micro_batch: int | None = None
+    window: int = option(5, "W, trained steps per group; groups are consecutive chunks of W entries of "
+                            "`train_steps` (the last may be shorter); each must be consecutive denoising steps "
+                            "(class docstring)", minimum=1, maximum=1000)
+    alpha: Literal["index", "sigma"] = option(
+        "index", "interpolation weight of step k in its group: `index` k/(W-1), or `sigma` (s_{j_k} - s_{j_0}) / "
+        "(s_{j_{W-1}} - s_{j_0}), exact when the velocity is affine in (x, t) along a straight segment of states")
+    route_frac: float = option(
+        1.0, "fraction of the groups of 3 or more steps that use AGG, the highest `route_score` first; the others "
+        "get exact per-step backward. 0 is full GRPO, 1 routes them all", minimum=0, maximum=1)
+    route_score: Literal["velocity_cosine", "state_cosine"] = option(
+        "velocity_cosine", "how linear a group is: `velocity_cosine`, the mean cosine of consecutive velocity "
+        "increments v_{k+1} - v_k (needs every group's velocities, so groups left exact also pay their no-grad "
+        "forwards unless reused); `state_cosine`, the same on the states x_{j_k} (costs nothing; only routed "
+        "groups run no-grad forwards)")
+    reuse_rollout_velocity: bool = option(
+        False, "while the policy's version equals the rollout's, take v_k from the rollout instead of running the "
+        "no-grad forwards; after any optimizer step they are recomputed")
+    endpoint_velocity: Literal["recompute", "reuse"] = option(
+        "recompute", "where a routed group's v at its first and last step come from: `recompute` (the authors' "
+        "recipe), W no-grad forwards per group, then the two endpoint forwards-with-grad compute those two "
+        "again; `reuse`, the endpoint forwards-with-grad run first and their detached outputs are the endpoints' "
+        "v, so only the W - 2 interior steps get no-grad forwards: the same gradient (up to float rounding of "
+        "differently batched calls) and the same saved-activation peak (class docstring). While "
+        "`reuse_rollout_velocity` applies both do the same; `route_frac` < 1 with `route_score: "
+        "velocity_cosine` needs every v first and is refused with `reuse`")
+    nograd_batch: int | None = batch_option("latents per no-grad forward; null runs all of an update's in one call")
+    micro_batch: int | None = batch_option("latents per forward-with-grad; null uses the batch size, the per-call "
+                                           "activation memory of `full`")
 
-    def validate(self) -> None:
-        if self.window < 1:
-            raise ConfigError("method.window", self.window, "an integer >= 1")
-        if not 0.0 <= self.route_frac <= 1.0:
-            raise ConfigError("method.route_frac", self.route_frac, "a number in [0, 1]")
+    def check(self) -> None:
         if self.endpoint_velocity == "reuse" and self.route_frac < 1 and self.route_score == "velocity_cosine":
             raise ConfigError("method.endpoint_velocity", self.endpoint_velocity,
                               "'recompute' when method.route_frac < 1 with method.route_score=velocity_cosine "

@@ -8,21 +8,28 @@ for one rollout, and may own the rest of what one iteration does before it:
 - the advantages (:meth:`Estimator.advantages`): one per sample, or one per (sample, step);
 - the trained steps (:meth:`Estimator.trained_steps`).
 The defaults are GRPO's: B independent chains, group-standardised rewards, ``train.plan`` over the
-stochastic steps. Adding a method means one module with a config dataclass and an Estimator subclass,
-and one ``@register_method`` line (:class:`agg_bench.registry.Registry`, the style of rewards and caches
-too); the training loop never changes.
+stochastic steps. Adding a method means one module with its options (an
+:class:`~agg_bench.config.options.Options` dataclass whose fields are ``option(default, doc, bounds)``) and
+an Estimator subclass, and one ``@register_method`` line (:class:`agg_bench.registry.Registry`, the style of
+rewards and caches too); the training loop never changes.
+
+``method.name`` is a registered name, or a dotted path ``package.module:Class`` to an Estimator subclass of
+the user's own (it needs no registration): the user's config names code to import, as a Python import would.
+Only a config the user gives is checked and built this way (``check_config``); a config read from a run
+folder is never, so a results folder never names code to load.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import typing
+import importlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
 from ..config import RunConfig
+from ..config.options import Options, typed_options
 from ..engine.grpo import TrainBatch, UpdateStats, grpo_advantages
 from ..engine.trained_steps import draw_trained_steps
 from ..errors import ConfigError
@@ -33,8 +40,6 @@ if TYPE_CHECKING:  # annotations only: checking a method's options imports neith
     from ..engine.models import Conditioning, Policy
     from ..engine.rollout import Trajectory
 
-# Batch-size options any method may have: null (one call for everything) or at least one latent per call.
-BATCH_OPTIONS = ("micro_batch", "nograd_batch")
 # Method name -> the module whose import registers it; a run imports only its own method's module
 # (``cached`` brings in every cache and diffusers' hooks).
 METHOD_MODULES = {"full": "baselines.full", "fraction": "baselines.subsample", "window": "baselines.subsample",
@@ -45,7 +50,7 @@ METHODS = Registry("method.name", modules=METHOD_MODULES)
 
 
 @dataclasses.dataclass
-class NoOptions:
+class NoOptions(Options):
     """This method has no options."""
 
 
@@ -80,7 +85,7 @@ class Estimator(ABC):
     """Accumulates one method's gradient of L into ``policy`` parameters' ``.grad``."""
 
     name: ClassVar[str]
-    config_cls: ClassVar[type] = NoOptions
+    config_cls: ClassVar[type[Options]] = NoOptions
     # Whether the steps it trains on a frozen rollout are its own draw (replay_case), so that replay
     # honours --set train.timestep_fraction / train.plan / train.plan_window / seed for it.
     replans: ClassVar[bool] = False
@@ -168,73 +173,42 @@ def available_methods() -> list[str]:
     return METHODS.names()
 
 
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Check ``value`` against a dataclass field annotation; return the value as that type."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(key, value, arg)
-            except ConfigError as err:
-                errors.append(err.expected)
-        raise ConfigError(key, value, " or ".join(errors))
-    if origin is typing.Literal:
-        if value not in args:
-            raise ConfigError(key, value, f"one of {list(args)}")
-        return value
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(key, value, "true or false")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(key, value, "an integer")
-        return value
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(key, value, "a number")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ConfigError(key, value, "a string")
-        return value
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(key, value, "a list")
-        item = args[0] if args else Any
-        return [_coerce(key, v, item) for v in value] if item is not Any else list(value)
-    return value
+def is_method_path(name: Any) -> bool:
+    """Whether ``method.name`` is a dotted path ``package.module:Class`` rather than a registered name."""
+    return isinstance(name, str) and ":" in name
 
 
-def method_config(name: str, options: dict[str, Any], prefix: str = "method") -> Any:
-    """Build ``name``'s config dataclass from ``options``, naming any bad key (or an unknown method)."""
-    cls = METHODS.resolve(name).config_cls
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {}
-    for key, value in options.items():
-        if key not in fields:
-            allowed = ", ".join(sorted(fields)) or "none"
-            raise ConfigError(f"{prefix}.{key}", value, f"a known option of method '{name}' ({allowed})")
-        values[key] = _coerce(f"{prefix}.{key}", value, hints[key])
-    config = cls(**values)
-    for key in BATCH_OPTIONS:
-        value = getattr(config, key, None)
-        if value is not None and value < 1:
-            raise ConfigError(f"{prefix}.{key}", value, "null or an integer >= 1")
-    validate = getattr(config, "validate", None)
-    if validate is not None:
-        validate()
-    return config
+def resolve_method(name: str) -> type[Estimator]:
+    """The Estimator class ``method.name`` names: a registered method, or the class a dotted path
+    ``package.module:Class`` names, imported now (module docstring); a ConfigError otherwise."""
+    if not is_method_path(name):
+        return METHODS.resolve(name)
+    module_name, _, attr = name.partition(":")
+    expected = (f"a registered method (one of {sorted(METHOD_MODULES)}) or a path package.module:Class to an "
+                "Estimator subclass")
+    if not module_name or not attr or not all(part.isidentifier() for part in (*module_name.split("."), attr)):
+        raise ConfigError("method.name", name, expected)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise  # a module the user's own module imports is missing: their code's error, not the name's
+        raise ConfigError("method.name", name, f"{expected} (no module {err.name!r})") from err
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Estimator)):
+        raise ConfigError("method.name", name, f"{expected} ({module_name} has no Estimator subclass {attr!r})")
+    return cls
+
+
+def method_config(name: str, options: dict[str, Any], prefix: str = "method") -> Options:
+    """``name``'s options typed by its config class (:func:`agg_bench.config.options.typed_options`), naming
+    any bad key (or an unknown method)."""
+    return typed_options(resolve_method(name).config_cls, options, prefix, f"method {name!r}")
 
 
 def build_method(name: str, options: dict[str, Any] | None = None) -> Estimator:
     """The estimator registered as ``name`` with ``options`` (the ``method`` config section minus name)."""
-    return METHODS.resolve(name)(method_config(name, dict(options or {})))
+    return resolve_method(name)(method_config(name, dict(options or {})))
 
 
 def method_options(cfg: RunConfig) -> Any:
@@ -248,4 +222,4 @@ def method_options(cfg: RunConfig) -> Any:
 def build_estimator(cfg: RunConfig) -> Estimator:
     """The run's estimator, from the options its checked config carries (not checked again). The one
     way a run, a replay, a calibration, the planner and the workflow's method check build one."""
-    return METHODS.resolve(cfg.method.name)(method_options(cfg))
+    return resolve_method(cfg.method.name)(method_options(cfg))

@@ -17,15 +17,15 @@ not mix. A lossy cache in the rollout changes the old log-probs GRPO divides by;
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agg_bench.errors import ConfigError, UserError
+from agg_bench.config.options import option_names, typed_options
+from agg_bench.errors import UserError
 from agg_bench.registry import Registry
 
-from .configs import (CALLBACK_FIELDS, DeltaDiTConfig, FasterCacheConfig, FbcConfig, ForaConfig, MagCacheConfig,
+from .configs import (DeltaDiTConfig, FasterCacheConfig, FbcConfig, ForaConfig, MagCacheConfig,
                       PabConfig, TaylorSeerConfig, TeaCacheConfig)
 
 if TYPE_CHECKING:
@@ -50,18 +50,13 @@ INSTALLERS = Registry("method.cache", {name: f"{__name__}.{name}:apply_{name}" f
 
 def cache_options(name: str) -> tuple[str, ...]:
     """The option keys cache ``name`` accepts."""
-    config_cls = CACHES.resolve(name)
-    return tuple(f.name for f in dataclasses.fields(config_cls) if f.name not in CALLBACK_FIELDS)
+    return option_names(CACHES.resolve(name))
 
 
 def make_config(name: str, options: dict[str, Any] | None = None) -> Any:
-    """The config of cache ``name`` with ``options`` applied, or a ConfigError naming the bad key."""
-    allowed = cache_options(name)
-    options = dict(options or {})
-    for key in options:
-        if key not in allowed:
-            raise ConfigError(f"method.{key}", options[key], f"an option of the {name!r} cache: one of {list(allowed)}")
-    return CACHES.resolve(name)(**options)
+    """The options of cache ``name`` with ``options`` applied (keys of the ``method`` section), typed and bounded
+    by its options class (:func:`agg_bench.config.options.typed_options`), or a ConfigError naming the bad key."""
+    return typed_options(CACHES.resolve(name), dict(options or {}), "method", f"the {name!r} cache")
 
 
 def apply_cache(transformer: torch.nn.Module, name: str, options: dict[str, Any] | None = None) -> CacheHandle:
