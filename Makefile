@@ -1,11 +1,12 @@
 # The two commands a new user needs; both set up .venv first.
 #   make pipeline   the Snakemake sweep on the embedded default (tiny DiTs, CPU, minutes)
-#   make test       ruff, then the test suite (what CI runs)
+#   make test       ruff, then the test suite: tests/unit and tests/integration (what CI runs)
+#   make test-fast  ruff, then tests/unit only (in-process, a few minutes)
 #   make learning   the learning testbed: a DiT pre-trained on drawn scenes, GRPO per method x 3 seeds (docs/learning.md)
 CORES ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup pipeline test report clean learning
+.PHONY: setup pipeline test test-fast lint report clean learning
 setup:
 	@bash scripts/setup.sh
 
@@ -16,9 +17,14 @@ pipeline: setup
 learning: setup
 	.venv/bin/snakemake learning --cores $(CORES) --configfile config/learning.yaml
 
-test: setup
+lint: setup
 	.venv/bin/ruff check agg_bench baselines tests benchmarks scripts
+
+test: lint
 	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: lint
+	.venv/bin/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
 clean:
 	rm -rf results .snakemake

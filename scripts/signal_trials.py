@@ -13,7 +13,7 @@ drawn and by which each trial says where its signal landed.
     python scripts/signal_trials.py --trials 12 --seed 0 --work /tmp/signal-trials
 
 Too slow for the test suite (a run takes about 25 s on 2 cores); the mechanism has fast tests in
-tests/test_signals.py.
+tests/integration/test_signals.py.
 """
 from __future__ import annotations
 

@@ -1,5 +1,10 @@
 import os
+import sys
 from pathlib import Path
+
+# tests/unit and tests/integration import the shared helpers (helpers.py, pinned.py, tiny_pretrained.py,
+# reward_assets.py) from here
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Before torch loads its OpenMP runtime, which reads them once: short OpenMP spin-waits (importing agg_bench
 # sets them unless the user chose a wait: agg_bench/threads.py), and two intra-op threads, or one where

@@ -1,6 +1,6 @@
 """The records that pin the engine's behaviour: every method of the embedded default (config/config.yaml) on
 both tiny models at 32 px, two iterations from seed 0, in float64, and every non-timing field of their
-records. `tests/test_pinned_records.py` compares a fresh computation with the stored file, so that a change
+records. `tests/integration/test_pinned_records.py` compares a fresh computation with the stored file, so that a change
 meant to move code (not behaviour) shows every field it changed.
 
     python tests/pinned.py     # rewrite tests/data/pinned_records.json (only for an intended change)

@@ -1,6 +1,6 @@
 """The tables that pin the report: every table file that `agg-bench report --tables` writes for a fixed set of
-run folders, gradcheck CSVs and calibrations (built from tests/test_report.py's fixtures), stored in
-tests/data/report_tables/. `tests/test_report.py` compares a fresh report with them byte for byte, so that a
+run folders, gradcheck CSVs and calibrations (built from tests/unit/test_report.py's fixtures), stored in
+tests/data/report_tables/. `tests/unit/test_report.py` compares a fresh report with them byte for byte, so that a
 change meant to move code (not what the tables hold) shows every cell it changed.
 
     python tests/pinned_report.py     # rewrite tests/data/report_tables/ (only for an intended change)
@@ -44,7 +44,7 @@ def cpu_it(t_iter: float, reward: float, t_train: float, passes: tuple[int, int,
 
 
 def build_inputs(root: Path):
-    """The report's inputs under ``root``: tests/test_report.py's sweep and gradcheck CSV, a calibrated pair
+    """The report's inputs under ``root``: tests/unit/test_report.py's sweep and gradcheck CSV, a calibrated pair
     timed in CPU seconds (train phases and rollouts in paired rounds), a pair on two GPUs and a
     random-weights run with its plan; returns the Manifest."""
     from agg_bench.results.loading import CalibrationEntry, GradcheckEntry, Manifest, RunEntry
@@ -133,6 +133,7 @@ def compute(plots: Path | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "tests" / "unit"))  # the fixtures of tests/unit/test_report.py
     PINNED_TABLES.mkdir(parents=True, exist_ok=True)
     for name, text in compute(Path(sys.argv[1]) if len(sys.argv) > 1 else None).items():
         (PINNED_TABLES / name).write_text(text)

@@ -1,7 +1,7 @@
 """The run config's reference table, generated from the typed sections (:mod:`agg_bench.config.sections`).
 
 ``docs/configuration.md`` holds the table between two markers; the prose around it is written by hand.
-``tests/test_config_docs.py`` fails when the file's table differs from this module's. Regenerate it with::
+``tests/unit/test_config_docs.py`` fails when the file's table differs from this module's. Regenerate it with::
 
     python -m agg_bench.config.docs --write docs/configuration.md
 

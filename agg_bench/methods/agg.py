@@ -57,7 +57,7 @@ class AGGConfig(Options):
     ``endpoint_velocity: reuse`` in detail: a_0 = 0 and a_{W-1} = 1, so the first endpoint's upstream gradient
     u_base needs v_0 and the interior, never v_{W-1} (and u_corr the reverse), so each endpoint forward is
     followed by its own backward at once, as with ``recompute``: the same ``micro_batch`` latents per
-    forward-with-grad and the same peak of what the network saves (tests/test_agg.py measures both equal). On
+    forward-with-grad and the same peak of what the network saves (tests/unit/test_agg.py measures both equal). On
     top of it, while an endpoint's graph is alive, its SDE-step and loss tensors (elementwise, one latent's size
     each) are saved for the analytic u: tiny SD3, B = 8, W = 5, 64 px: network peak 2,515,968 B either way, all
     saved tensors 2,524,416 B (reuse) vs 2,515,968 B (+0.3 %). Meanwhile ``reuse`` holds the interior's

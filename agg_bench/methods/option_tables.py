@@ -2,7 +2,7 @@
 methods' and the caches' options classes (:class:`agg_bench.config.options.Options`).
 
 ``docs/methods.md`` holds the tables between two markers; the prose around them is written by hand.
-``tests/test_method_options.py`` fails when the file's tables differ from this module's. Regenerate them with::
+``tests/unit/test_method_options.py`` fails when the file's tables differ from this module's. Regenerate them with::
 
     python -m agg_bench.methods.option_tables --write docs/methods.md
 

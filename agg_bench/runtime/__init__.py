@@ -6,5 +6,5 @@ files and rules (runfolder), resumable checkpoints (checkpoint), the memory plan
 ``agg-bench plan`` consult (memplan) and the cell job that runs a workflow cell's runs one after the other in
 one process (cell).
 It imports every wing below it (basics, machine, engine, methods); never the results readers or the tools
-(``tests/test_import_graph.py``).
+(``tests/unit/test_import_graph.py``).
 """

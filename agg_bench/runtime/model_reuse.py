@@ -10,7 +10,7 @@ gradient checkpointing and the LoRA adapters) gets the same modules back in the 
 them in: every trainable parameter copied back from that copy, no gradients, every module's train/eval
 flag and ``requires_grad`` as built, and the global random generators (CPU and CUDA) in the state the
 build left them, so that nothing a run draws afterwards differs. Its records then equal those of a run
-that built its own model, in every non-timing field (``tests/test_cell.py`` compares them, LoRA, a KL
+that built its own model, in every non-timing field (``tests/integration/test_cell.py`` compares them, LoRA, a KL
 reference and an inference cache's hooks included).
 
 A policy is built anew, and the kept one dropped first (one model in memory at a time), when the key

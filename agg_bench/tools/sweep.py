@@ -15,7 +15,7 @@ peft). The checks come in two stages:
    Every run and calibration on several processes splits its batch into whole GRPO groups per process
    (:func:`agg_bench.config.check_data_parallel`, as the run checks it).
 2. The methods' own options and run checks (``Estimator.check_run``), which live with the methods and
-   need torch (not diffusers, peft or transformers: ``tests/test_import_graph.py``): one child process
+   need torch (not diffusers, peft or transformers: ``tests/integration/test_fresh_interpreters.py``): one child process
    (``python -m agg_bench.tools.sweep``) checks every job and answers each method's
    resolved options (the manifest records them). The answer is kept in ``.snakemake/agg-bench/``
    under a hash of all it depends on (the composed jobs, the base config file, the ``agg_bench`` and

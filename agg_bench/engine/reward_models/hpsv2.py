@@ -8,7 +8,7 @@ and, like ``open-clip-torch``, needs torchvision. PyPI's torchvision wheels are 
 build of torch: beside the CPU build they fail to import ("operator torchvision::nms does not exist"),
 and once installed they also break ``from transformers import CLIPModel``, which the other rewards need.
 So the model is built here in OpenCLIP's layout (same module names, so the HPS ``.pt`` state dict loads
-as is). tests/test_reward_equality.py proves it scores like transformers' CLIP (the same architecture,
+as is). tests/unit/test_reward_equality.py proves it scores like transformers' CLIP (the same architecture,
 used by the HF conversions of OpenCLIP checkpoints) fed OpenCLIP's published preprocessing.
 
 Images go through :class:`~agg_bench.engine.reward_models.common.ClipTransform` (OpenCLIP's eval transform:

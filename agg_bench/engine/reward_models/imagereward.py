@@ -8,7 +8,7 @@ Why not the ``image-reward`` package: it pins ``timm==0.6.13`` (which needs torc
 wheels fail to import beside the CPU build of torch and then break ``from transformers import ...``),
 imports OpenAI's ``clip`` package (not on PyPI), and its BLIP text encoder imports
 ``find_pruneable_heads_and_indices`` / ``apply_chunking_to_forward`` from ``transformers.modeling_utils``,
-which transformers 5 no longer has. So the model is built here; tests/test_reward_equality.py proves it
+which transformers 5 no longer has. So the model is built here; tests/unit/test_reward_equality.py proves it
 scores like transformers' BLIP (``BlipVisionModel`` + ``BlipTextModel``, the same architecture) with the
 release's preprocessing, tokenizer call and head.
 

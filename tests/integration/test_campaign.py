@@ -1,0 +1,415 @@
+"""The H200 campaign (config/h200.yaml, agg_bench/tools/campaign.py, scripts/gpu_campaign.sh) on the CPU, so that
+it cannot rot: one short window of its --cpu form stops before its deadline and packs only finished runs, most
+valuable first; its archive unpacks into a reference whose tables regenerate byte for byte; the next window
+starts where it stopped; an archive that is not a window's, or a bad option, is one line and exit code 2 with
+the reference untouched."""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from agg_bench.cli import main
+from agg_bench.tools import campaign as campaign_module
+from agg_bench.tools.campaign import Campaign, cpu_resolution, tiny_counterpart
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "config" / "h200.yaml"
+SCRIPT = ROOT / "scripts" / "gpu_campaign.sh"
+MINUTES = 0.6
+PRIORITY_FIRST = ["full", "agg-w5-sigma", "agg-w5-sigma-reuse"]  # config/h200.yaml's first selector
+
+
+def script_env(tmp: Path, **extra: str) -> dict:
+    return {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "AGG_BENCH_CAMPAIGN_OUT": str(tmp / "work"),
+            "AGG_BENCH_CAMPAIGN_REFERENCE": str(tmp / "reference"), **extra}
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} \
+        if folder.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def window(tmp_path_factory):
+    """One window of the --cpu campaign through the script, then its archive unpacked into a reference."""
+    tmp = tmp_path_factory.mktemp("campaign")
+    began = time.monotonic()
+    proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", str(MINUTES)], cwd=tmp, env=script_env(tmp),
+                          capture_output=True, text=True, timeout=600)
+    seconds = time.monotonic() - began
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    archive = tmp / "work" / "campaign.tar.gz"
+    reference = tmp / "reference"
+    unpacked = subprocess.run([sys.executable, "-m", "agg_bench", "campaign", "unpack", "--config", str(CONFIG), "--cpu",
+                               "--archive", str(archive), "--reference", str(reference)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+    assert unpacked.returncode == 0, unpacked.stderr[-3000:]
+    return {"tmp": tmp, "seconds": seconds, "out": json.loads(proc.stdout), "archive": archive,
+            "reference": reference, "unpacked": json.loads(unpacked.stdout)}
+
+
+@pytest.fixture(scope="module")
+def cpu_campaign():
+    return Campaign(CONFIG, cpu=True)
+
+
+@pytest.mark.slow
+def test_a_window_stops_before_its_deadline_and_packs_only_finished_runs(window, cpu_campaign):
+    # stopped cleanly before the deadline (start-up and packing included)
+    assert window["seconds"] <= MINUTES * 60 + 10
+    [log_file] = (window["tmp"] / "work" / "windows").glob("*.json")
+    log = json.loads(log_file.read_text())
+    finished = log["finished_in_window"]
+    assert finished and len(finished) == window["out"]["finished"]
+    # the most valuable runs first: the first selector's methods on the first cell, in one process
+    first = log["processes"][0]
+    runs = cpu_campaign.sweep.runs
+    assert [runs[r]["method"] for r in first["runs"][:3]] == PRIORITY_FIRST
+    assert len({cpu_campaign.cell_of(runs[r]) for r in first["runs"]}) == 1
+    # the archive holds exactly the finished runs (whole, no checkpoint) and the window's own files
+    with tarfile.open(window["archive"]) as tar:
+        names = tar.getnames()
+    archived = {name.split("/")[1] for name in names if name.startswith("runs/")}
+    assert archived == set(finished)
+    assert all(name.split("/")[-1] in campaign_module.RUN_FILES for name in names if name.startswith("runs/"))
+    for run_id in archived:
+        assert {"config.json", "metrics.jsonl", "summary.json", "env.json"} <= \
+            {n.split("/")[2] for n in names if n.startswith(f"runs/{run_id}/")}
+    # a run the deadline cut off left nothing in the archive
+    attempted = {r for p in log["processes"] for r in p["runs"]}
+    for run_id in attempted - set(finished):
+        assert not any(name.startswith(f"runs/{run_id}/") for name in names)
+    assert f"windows/{log_file.name}" in names
+    assert log["left"] == len(runs) - len(finished)
+
+
+@pytest.mark.slow
+def test_the_reference_regenerates_its_tables_and_the_next_window_resumes(window, cpu_campaign, tmp_path):
+    reference = window["reference"]
+    [log_file] = (window["tmp"] / "work" / "windows").glob("*.json")
+    finished = json.loads(log_file.read_text())["finished_in_window"]
+    assert sorted(window["unpacked"]["runs_added"]) == sorted(finished)
+    manifest = json.loads((reference / "manifest.json").read_text())
+    assert {e["source"] for e in manifest["runs"] + manifest["calibration"]} == {"reference"}
+    assert len(manifest["runs"]) == len(finished)
+    # `agg-bench report` on the reference regenerates its committed tables byte for byte
+    assert main(["report", "--manifest", str(reference / "manifest.json"), "--tables", str(tmp_path / "t")]) == 0
+    assert tree(tmp_path / "t") == tree(reference / "tables")
+    summary = pd.read_csv(reference / "tables" / "summary.csv")
+    assert set(summary["hardware"]) == {"cpu (reference)"} and set(summary["source"]) == {"reference"}
+    # a second unpack of the same archive changes nothing
+    before = tree(reference)
+    assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(window["archive"]),
+                 "--reference", str(reference)]) == 0
+    assert tree(reference) == before
+    # the next window (any machine, a new work folder) starts with what the reference lacks
+    done = cpu_campaign.done(reference)
+    assert done == set(finished)
+    processes = cpu_campaign.processes(done)
+    order = [r for r in cpu_campaign.order() if r not in done]
+    assert [r for p in processes for r in p.run_ids] == order and not done & set(order)
+
+
+def test_processes_follow_the_priority_cell_by_cell(cpu_campaign):
+    runs = cpu_campaign.sweep.runs
+    processes = cpu_campaign.processes(set())
+    assert sum(len(p.run_ids) for p in processes) == len(runs)
+    first, second = processes[0], processes[1]
+    assert (first.cell, [runs[r]["method"] for r in first.run_ids][:3]) == (f"sd35m_{cpu_resolution(1024)}px_cpu",
+                                                                            PRIORITY_FIRST)
+    assert second.cell == f"sd35m_{cpu_resolution(512)}px_cpu"
+    # every run of a process shares its cell, and consecutive processes differ in cell
+    for p in processes:
+        assert {cpu_campaign.cell_of(runs[r]) for r in p.run_ids} == {p.cell}
+    assert all(a.cell != b.cell for a, b in zip(processes, processes[1:]))
+
+
+def test_the_cpu_form_keeps_every_run_of_the_h200_sweep():
+    gpu, cpu = Campaign(CONFIG), Campaign(CONFIG, cpu=True)
+
+    def key(run):
+        return run["method"], run["model"], cpu_resolution(run["resolution"])
+
+    assert sorted(key(r) for r in gpu.sweep.runs.values()) == sorted(
+        (r["method"], r["model"], r["resolution"]) for r in cpu.sweep.runs.values())
+    # the GPU form: one GPU, every model x resolution one process
+    assert {r["device"] for r in gpu.sweep.runs.values()} == {"h200"} and not gpu.sweep.single_runs
+    # a full-size run's tiny counterpart keeps its schedule, group and method
+    run_id = next(r for r, run in gpu.sweep.runs.items() if run["model"] == "qwenimage-ref")
+    full = gpu.config_of(run_id)
+    tiny = tiny_counterpart(full)
+    assert (tiny["model"]["preset"], tiny["device"], tiny["train"]["iterations"]) == ("tiny", "cpu", 1)
+    for section in ("sampling", "grpo", "method"):
+        assert tiny[section] == full[section]
+
+
+# ----- archives that are not a window's ---------------------------------------------------------------------
+def crafted(path: Path, base: Path, edit) -> Path:
+    """A copy of archive ``base`` rewritten by ``edit(members) -> members`` ({name: bytes or TarInfo})."""
+    with tarfile.open(base) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar if m.isreg()}
+    members = edit(members)
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            if isinstance(data, tarfile.TarInfo):
+                tar.addfile(data)
+                continue
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def first_run(members: dict) -> str:
+    return sorted(n.split("/")[1] for n in members if n.startswith("runs/"))[0]
+
+
+def replace(members: dict, suffix: str, change) -> dict:
+    name = f"runs/{first_run(members)}/{suffix}"
+    return {**members, name: change(members[name])}
+
+
+def link(name: str, kind=tarfile.SYMTYPE, target: str = "/etc/passwd") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info
+
+
+def record_edit(key: str, value):
+    def change(data: bytes) -> bytes:
+        lines = data.decode().splitlines()
+        first = json.loads(lines[0])
+        first[key] = value
+        return "\n".join([json.dumps(first), *lines[1:]]).encode() + b"\n"
+    return change
+
+
+BAD = {
+    "symlink": (lambda m: {**m, "runs/x/summary.json": link("runs/x/summary.json")}, "not a plain file"),
+    "hardlink": (lambda m: {**m, "runs/x/env.json": link("runs/x/env.json", tarfile.LNKTYPE, "calibration")},
+                 "not a plain file"),
+    "parent path": (lambda m: {**m, "../escape.json": b"{}"}, "not a path of a campaign archive"),
+    "absolute path": (lambda m: {**m, "/tmp/escape.json": b"{}"}, "not a path of a campaign archive"),
+    "foreign file": (lambda m: {**m, f"runs/{first_run(m)}/notes.txt": b"mine"}, "not a path of a campaign archive"),
+    "checkpoint": (lambda m: {**m, f"runs/{first_run(m)}/checkpoint.pt": b"x"}, "not a path of a campaign archive"),
+    "not json": (lambda m: replace(m, "summary.json", lambda d: b"not json"), "not JSON"),
+    "unfinished run": (lambda m: replace(m, "summary.json", lambda d: json.dumps(
+        {**json.loads(d), "status": "interrupted"}).encode()), "is not finished"),
+    "unknown run": (lambda m: {**{n.replace(first_run(m), "full_sd99_32px_s0_cpu"): d for n, d in m.items()}},
+                    "is not a run of the sweep"),
+    "another config": (lambda m: replace(m, "config.json", lambda d: json.dumps(
+        {**json.loads(d), "seed": 7}).encode()), "is not the config"),
+    "bad record": (lambda m: replace(m, "metrics.jsonl", record_edit("t_iter_s", "fast")), "expected a finite number or null"),
+    "wrong pass count": (lambda m: replace(m, "metrics.jsonl", record_edit("backward", 3)),
+                         "on the tiny model on the CPU counts"),
+    "bad calibration": (lambda m: {**m, "calibration/20260101T000000_01_sd35m_64px_cpu.json": b'{"methods": 3}'},
+                        "calibration/"),
+    "calibration of no cell": (lambda m: {**m, "calibration/20260101T000000_01_nope_64px_cpu.json": b"{}"},
+                               "after a cell of the sweep"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BAD)
+def test_a_bad_archive_is_one_line_and_leaves_the_reference_untouched(window, tmp_path, capsys, case):
+    edit, words = BAD[case]
+    path = crafted(tmp_path / "bad.tar.gz", window["archive"], edit)
+    # the pass counts are compared for runs the reference does not hold yet: into a new reference
+    reference = tmp_path / "new" if case == "wrong pass count" else window["reference"]
+    before = tree(reference)
+    code = main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(path), "--reference",
+                 str(reference)])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "comparing their pass counts" not in line]
+    assert code == 2 and len(err) == 1 and words in err[0], err
+    assert tree(reference) == before and (reference.exists() or case == "wrong pass count")
+    assert not (tmp_path / "new").exists() and not (tmp_path / "escape.json").exists()
+
+
+@pytest.mark.slow
+def test_a_run_the_reference_holds_otherwise_and_sizes_are_refused(window, tmp_path, capsys, monkeypatch):
+    reference = window["reference"]
+    before = tree(reference)
+    # the same run id with other bytes: refused (a run is replaced only by removing it first)
+    changed = crafted(tmp_path / "other.tar.gz", window["archive"],
+                      lambda m: replace(m, "env.json", lambda d: json.dumps({**json.loads(d), "note": 1}).encode()))
+    assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(changed), "--reference",
+                 str(reference)]) == 2
+    assert "in the reference" in capsys.readouterr().err and tree(reference) == before
+    # a member over the size bound, and a file that is not an archive
+    monkeypatch.setattr(campaign_module, "MAX_MEMBER_BYTES", 100)
+    assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(window["archive"]),
+                 "--reference", str(reference)]) == 2
+    assert "expected at most 100" in capsys.readouterr().err
+    (tmp_path / "plain.tar.gz").write_text("hello")
+    assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(tmp_path / "plain.tar.gz"),
+                 "--reference", str(reference)]) == 2
+    assert "not a readable tar archive" in capsys.readouterr().err and tree(reference) == before
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--minutes", "-1"], "--minutes = -1.0"),
+    (["--minutes", "nan"], "--minutes = nan"),
+    (["--minutes", "1e9"], "expected a number of minutes in (0, 1440]"),
+    ([], "--minutes = None"),
+])
+def test_bad_options_are_one_line(tmp_path, capsys, args, words):
+    code = main(["campaign", "run", "--config", str(CONFIG), "--cpu", "--work", str(tmp_path / "w"), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0], err
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_work_folder_of_other_files_is_refused(tmp_path, capsys):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "notes.txt").write_text("mine")
+    assert main(["campaign", "run", "--config", str(CONFIG), "--cpu", "--minutes", "1", "--work",
+                 str(tmp_path / "w")]) == 2
+    assert "notes.txt" in capsys.readouterr().err and tree(tmp_path / "w") == {"notes.txt": b"mine"}
+
+
+def test_the_script_says_in_one_line_what_is_missing(tmp_path):
+    def script(*args: str, **env: str):
+        proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=script_env(tmp_path, **env),
+                              capture_output=True, text=True, timeout=300)
+        return proc.returncode, proc.stderr.strip().splitlines()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        code, err = script("--minutes", "1")
+        assert code == 2 and len(err) == 1 and "sees no CUDA device" in err[0] and "--cpu" in err[0]
+    code, err = script("--gpu")
+    assert code == 2 and "usage" in err[-1]
+    code, err = script("--cpu")  # no --minutes
+    assert code == 2 and "usage" in err[-1]
+    code, err = script("--cpu", "--minutes", "1", PYTHON="/nonexistent/python")
+    assert code == 2 and len(err) == 1 and "cannot import torch" in err[0]
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_process_is_stopped_at_the_deadline_and_killed_when_it_does_not_stop(tmp_path, monkeypatch):
+    monkeypatch.setattr(campaign_module, "KILL_AFTER_S", 1.0)
+    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('up', flush=True); time.sleep(60)"]
+    polite = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+    env = dict(os.environ)
+    began = time.monotonic()
+    code, how = campaign_module._supervise(polite, tmp_path / "a.log", env, time.time() + 1.0)
+    assert code == -signal.SIGTERM and how == "stopped at the deadline" and time.monotonic() - began < 10
+    code, how = campaign_module._supervise(stubborn, tmp_path / "b.log", env, time.time() + 1.0)
+    assert code == -signal.SIGKILL and how == "stopped at the deadline (killed)"
+    # the campaign itself was told to stop: its process is stopped at once
+    code, how = campaign_module._supervise(polite, tmp_path / "c.log", env, time.time() + 60, lambda: True)
+    assert code == -signal.SIGTERM and how == "interrupted"
+
+
+def test_a_cell_starts_no_run_that_would_end_after_its_deadline(tmp_path, capsys):
+    tiny = ["model.preset=tiny", "model.resolution=32", "train.iterations=1", "sampling.steps=4", "grpo.group_size=2",
+            "grpo.prompts_per_iteration=1", "progress=false"]
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps({"runs": [{"config": None, "set": tiny, "out": str(tmp_path / name)}
+                                         for name in ("a", "b", "c")]}))
+    # the first run always starts; none after it fits before a deadline that has passed by then
+    assert main(["cell", str(jobs), "--deadline", f"{time.time() + 0.01:.3f}"]) == 0
+    assert (tmp_path / "a" / "summary.json").is_file()
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    assert "runs 2-3 not started" in capsys.readouterr().err
+    for bad in ("nan", "-5", "inf"):
+        assert main(["cell", str(jobs), "--deadline", bad]) == 2
+        assert "--deadline" in capsys.readouterr().err
+
+
+def test_a_cells_calibrations_each_price_the_rows_they_timed():
+    """A cell filled over two windows has two calibrations; each row is priced and paired by the last one that
+    timed its method, against the reference timed in those same rounds."""
+    from agg_bench.results.costmodel import calibration_of
+
+    first = {"full": {"wall_s": [2.0, 2.0]}, "agg": {"wall_s": [1.0, 1.0]}}
+    second = {"full": {"wall_s": [4.0, 4.0]}, "fraction": {"wall_s": [2.0, 2.0]}}
+    calibration = pd.DataFrame([{"model": "m", "resolution": 64, "device": "d", "source": "reference", "methods": m}
+                                for m in (first, second)])
+    assert calibration_of(calibration, "m", 64, "d", "agg", "reference")["methods"] is first
+    assert calibration_of(calibration, "m", 64, "d", "fraction", "reference")["methods"] is second
+    assert calibration_of(calibration, "m", 64, "d", "full", "reference")["methods"] is second  # the last
+    assert calibration_of(calibration, "m", 64, "d", "agg", "measured") is None  # a user's rows: not these
+    assert math.isclose(cpu_resolution(720), 48)
+
+
+@pytest.mark.slow
+def test_a_users_tables_show_the_reference_rows_beside_their_own(window, tmp_path):
+    """`report.compare_with` in a sweep config: the reference's runs in the user's tables, in rows of their
+    own whose hardware says "(reference)", priced by the reference's calibrations."""
+    from agg_bench.results.loading import load_manifest
+    from agg_bench.results.report import build_report
+    from agg_bench.tools.sweep import SweepError, reference_manifest
+
+    ref_run = json.loads((window["reference"] / "manifest.json").read_text())["runs"][0]
+    own = tmp_path / "own"
+    config = json.loads((Path(ref_run["dir"]) / "config.json").read_text())
+    overrides = [f"{section}={json.dumps(config[section])}" for section in ("model", "sampling", "grpo", "method")]
+    assert main(["run", "--set", "train.iterations=2", "--set", "progress=false", *(a for o in overrides
+                 for a in ("--set", o)), "--out", str(own)]) == 0
+    reference = reference_manifest(str(window["reference"]))
+    manifest = {"runs": [{**{k: v for k, v in ref_run.items() if k not in ("dir", "source")}, "dir": str(own)},
+                         *reference["runs"]], "calibration": reference["calibration"]}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    tables = build_report(load_manifest(tmp_path / "manifest.json"), tmp_path / "tables")
+    summary = tables["summary"]
+    cell = summary[(summary["method"] == ref_run["method"]) & (summary["resolution"] == ref_run["resolution"])]
+    mine, theirs = cell[cell["hardware"] == "cpu"], cell[cell["hardware"] == "cpu (reference)"]
+    assert len(mine) == 1 and len(theirs) == 1 and list(theirs["source"]) == ["reference"]
+    assert list(mine["source"]) == ["measured"]
+    with pytest.raises(SweepError, match="report.compare_with: .* has no manifest.json"):
+        reference_manifest(str(tmp_path / "nothing"))
+
+
+@pytest.mark.slow
+def test_full_fine_tunes_of_flux_and_qwen_do_not_fit_one_h200_and_the_lora_layouts_do():
+    """What config/h200.yaml's layouts rest on, as `agg-bench plan` computes it (an H200's 139 GiB): the LoRA
+    layouts fit at the largest resolution, and a full fine-tune of either model does not fit even at 512 px."""
+    from agg_bench.config import validate
+    from agg_bench.runtime.memplan import plan_memory
+
+    campaign = Campaign(CONFIG)
+    for model in ("flux1dev", "qwenimage"):
+        lora = campaign.config_of(f"full_{model}_1024px_s0_h200")
+        assert lora["train"]["lora_rank"] == 64
+        assert plan_memory(validate(lora), 1, suggest=False).fits, model
+        full = campaign.config_of(f"full_{model}_512px_s0_h200")
+        full["train"]["lora_rank"] = 0
+        plan = plan_memory(validate(full), 1, suggest=False)
+        assert not plan.fits and plan.bytes["params"] + plan.bytes["grads"] + plan.bytes["optimizer"] > \
+            plan.gpu_memory_bytes, model
+
+
+def test_a_signal_to_the_campaign_stops_it_and_packs_what_finished(tmp_path, monkeypatch, capsys):
+    """SIGTERM while a process runs: that process is stopped, no other starts, the archive and the window's log
+    are written, and the command exits 143."""
+    started = []
+
+    def process(campaign, process, number, stamp, work, stop_at, python):
+        started.append(process.cell)
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the window runs; only remembered there
+        time.sleep(0.1)
+        return {"cell": process.cell, "runs": list(process.run_ids), "finished": [], "exit_code": -15,
+                "ended": "interrupted", "seconds": 0.1}
+
+    monkeypatch.setattr(campaign_module, "_run_process", process)
+    work = tmp_path / "w"
+    assert main(["campaign", "run", "--config", str(CONFIG), "--cpu", "--minutes", "5", "--work", str(work)]) == 143
+    assert len(started) == 1 and "interrupted" in capsys.readouterr().err
+    [log] = (work / "windows").glob("*.json")
+    assert json.loads(log.read_text())["stopped_by_signal"] == "SIGTERM"
+    with tarfile.open(work / "campaign.tar.gz") as tar:
+        assert tar.getnames() == [f"windows/{log.name}"]

@@ -1,0 +1,204 @@
+"""agg-bench cell: a cell's runs in one process write what separate `agg-bench run` processes write (every
+non-timing record field, as tests/pinned.py compares them), a bad job file writes nothing, and one run's
+failure neither stops the others nor hides in the exit code."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agg_bench.cli import main
+from agg_bench.io import read_jsonl
+from agg_bench.runtime import train as train_module
+from agg_bench.tools.sweep import Sweep
+from pinned import pinned_fields
+from test_pinned_records import differences
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
+TINY = ["model.preset=tiny", "model.resolution=32", "train.iterations=2", "sampling.steps=6", "grpo.group_size=2",
+        "grpo.prompts_per_iteration=1", "progress=false"]
+
+
+def small_cell() -> Sweep:
+    """Two methods of the embedded default (a stateful estimator, a cache's hooks) x two seeds on the tiny
+    SD3 at 32 px, two iterations in float64 (as tests/pinned.py runs them): one cell job."""
+    sweep = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    sweep["base"] = str(ROOT / sweep["base"])
+    sweep["set"].update({"train.iterations": 2, "model.dtype": "float64"})
+    del sweep["gradcheck"]
+    sweep.update(models={"sd3": sweep["models"]["sd3"]}, resolutions=[32], seeds=[0, 1],
+                 methods={label: sweep["methods"][label] for label in ("agg-w5-sigma-reuse", "cache-fora")})
+    return Sweep(sweep, SCHEMA, cache_dir=None)
+
+
+def shell(command: str, cwd: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # as the workflow's jobs run
+    proc = subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_cell_writes_the_records_of_separate_runs(tmp_path):
+    sweep = small_cell()
+    [cell] = sweep.cells
+    assert len(sweep.cells[cell]) == 4 and not sweep.single_runs
+    together, apart = tmp_path / "cell", tmp_path / "runs"
+    (together / "results" / "cells").mkdir(parents=True)
+    (together / "results" / "cells" / f"{cell}.json").write_text(json.dumps(sweep.cell_jobs(cell)))
+    shell(sweep.cell_command(cell), together)
+    apart.mkdir()
+    for run_id in sweep.cells[cell]:
+        shell(sweep.run_command(run_id), apart)
+    for run_id in sweep.cells[cell]:
+        a, b = together / "results" / "runs" / run_id, apart / "results" / "runs" / run_id
+        assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+        expected = [pinned_fields(r) for r in read_jsonl(b / "metrics.jsonl")]
+        actual = [pinned_fields(r) for r in read_jsonl(a / "metrics.jsonl")]
+        assert len(actual) == 2 and not differences(expected, actual, run_id), differences(expected, actual, run_id)
+        for name in ("summary.json", "config.json"):
+            assert json.loads((a / name).read_text()) == json.loads((b / name).read_text()), (run_id, name)
+        env_a, env_b = (json.loads((folder / "env.json").read_text()) for folder in (a, b))
+        assert env_a.pop("timestamp") and env_b.pop("timestamp") and env_a == env_b
+
+
+def job_file(tmp_path: Path, runs: list) -> Path:
+    path = tmp_path / "jobs.json"
+    path.write_text(json.dumps({"runs": runs}))
+    return path
+
+
+def run(out: Path, *overrides: str) -> dict:
+    return {"config": None, "set": [*TINY, *overrides], "out": str(out)}
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda t: "not json", ["jobs.json", "is not JSON"]),
+    (lambda t: {"runs": []}, ["runs is an empty list"]),
+    (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "resume": True}]},
+     ["runs[1].resume", "allowed: config, set, out"]),
+    (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "set": "seed=1"}]}, ["runs[1].set", "a string", "KEY=VALUE"]),
+    (lambda t: {"runs": [run(t / "a"), run(t / "a")]}, ["runs[1].out", "also runs[0].out"]),
+    # issue 37: a run folder inside another's, in either order, is refused before either run writes
+    (lambda t: {"runs": [run(t / "n1"), run(t / "n1" / "inner")]}, ["runs[1].out", "inside runs[0].out"]),
+    (lambda t: {"runs": [run(t / "n1" / "inner"), run(t / "n1")]}, ["runs[0].out", "inside runs[1].out"]),
+    (lambda t: {"runs": [run(t / "n1"), run(t / "x"), run(t / "x" / ".." / "n1" / "deep" / "er")]},
+     ["runs[2].out", "inside runs[0].out"]),
+    (lambda t: {"runs": [run(t / f"r{i}") for i in range(4097)]}, ["4,097 runs", "at most 4,096"]),
+    (lambda t: " " * (64 * 2**20 + 1), ["jobs.json", "over the 64 MiB"]),
+    # a config error in a later run: found before the first run writes anything
+    (lambda t: {"runs": [run(t / "a"), run(t / "b", "train.lr=fast")]}, ["runs[1]", "train.lr", "'fast'"]),
+])
+def test_a_bad_job_file_is_one_line_and_writes_nothing(tmp_path, capsys, make, words):
+    content = make(tmp_path)
+    path = tmp_path / "jobs.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    assert main(["cell", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("agg-bench cell: "), err
+    for word in words:
+        assert word in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jobs.json"]
+
+
+@pytest.mark.parametrize("outcomes, code, started", [
+    (["oom", "diverged", "ok"], 0, 3),
+    (["oom", "user", "ok"], 2, 3),  # the next runs still run
+    (["bug", "user", "ok"], 1, 3),  # a bug is the worse failure
+    (["ok", "interrupt", "ok"], 130, 2),  # a signal stops the cell
+])
+def test_each_run_ends_on_its_own(tmp_path, capsys, monkeypatch, outcomes, code, started):
+    from agg_bench.errors import UserError
+
+    calls = []
+
+    def fake_train(cfg, out, resume=False, overwrite=False):
+        outcome = outcomes[len(calls)]
+        calls.append(Path(out).name)
+        if outcome == "user":
+            raise UserError(f"--out {out}: refused")
+        if outcome == "bug":
+            raise RuntimeError("broken")
+        if outcome == "interrupt":
+            raise KeyboardInterrupt
+        return {"status": outcome}
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    path = job_file(tmp_path, [run(tmp_path / name) for name in "abc"])
+    assert main(["cell", str(path)]) == code
+    assert calls == list("abc")[:started]
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["status"] for line in out.splitlines()] == [o for o in outcomes[:started]
+                                                                          if o in ("ok", "oom", "diverged")]
+    progress = [line for line in err.splitlines() if line.startswith("agg-bench cell: run ")]
+    assert len(progress) == 2 * started and progress[0].endswith(f"{tmp_path / 'a'} started")
+    assert all(f"{tmp_path / n}: refused" in err for n, o in zip("abc", outcomes) if o == "user")
+
+
+def test_a_cell_runs_into_its_folders(tmp_path, capsys):
+    """Two real runs; the second's folder holds someone else's file, so it is refused (exit 2) and the
+    first run's folder is complete."""
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "notes.txt").write_text("mine")
+    path = job_file(tmp_path, [run(tmp_path / "a", "method={name: full}"), run(tmp_path / "b", "method={name: full}")])
+    assert main(["cell", str(path)]) == 2
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["status"] == "ok"
+    assert len(list(read_jsonl(tmp_path / "a" / "metrics.jsonl"))) == 2
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["notes.txt"]
+    err = capsys.readouterr().err
+    assert f"agg-bench cell: {tmp_path / 'b'}: " in err and "run 2/2" in err
+
+
+@pytest.mark.parametrize("keep_going", [True, False])
+def test_keep_going_records_a_failed_run_and_keeps_the_others(tmp_path, capsys, monkeypatch, keep_going):
+    """Issue 37: a failed run made the cell job fail, and Snakemake removed every output of the job, the
+    finished runs' records with them. With --keep-going a run that fails is recorded in its own folder
+    (summary.json, status: error: written by the run when it fails in an iteration, by the cell when it
+    fails before writing anything) and the cell exits 0; a failure that cannot be recorded still counts."""
+    session_class, update = train_module.Session, train_module.Session.update
+
+    def failing_session(cfg, *args, **kwargs):
+        if cfg.seed == 7:
+            raise RuntimeError("broken while building")
+        return session_class(cfg, *args, **kwargs)
+
+    def failing_update(self, batch):
+        if self.cfg.seed == 8 and self.policy.version == 1:
+            raise RuntimeError("broken in iteration 1")
+        return update(self, batch)
+
+    monkeypatch.setattr(train_module, "Session", failing_session)
+    monkeypatch.setattr(session_class, "update", failing_update)
+    flag = ["--keep-going"] if keep_going else []
+    runs = [run(tmp_path / "a"), run(tmp_path / "b", "seed=8"), run(tmp_path / "c", "seed=7")]
+    assert main(["cell", *flag, str(job_file(tmp_path, runs))]) == (0 if keep_going else 1)
+    summaries = {name: json.loads((tmp_path / name / "summary.json").read_text())
+                 for name in "abc" if (tmp_path / name / "summary.json").exists()}
+    assert summaries["a"]["status"] == "ok" and len(list(read_jsonl(tmp_path / "a" / "metrics.jsonl"))) == 2
+    b = summaries["b"]  # failed in an iteration: the run wrote its records and its summary
+    assert (b["status"], b["last_good_iteration"]) == ("error", 0) and "broken in iteration 1" in b["error"]
+    if keep_going:  # failed while building: the cell recorded it as an attempt without records
+        c = summaries["c"]
+        assert (c["status"], c["error"], c["run_id"]) == ("error", "RuntimeError: broken while building", "c")
+        assert list(read_jsonl(tmp_path / "c" / "metrics.jsonl")) == []
+        assert json.loads((tmp_path / "c" / "config.json").read_text())["seed"] == 7
+    else:
+        assert not (tmp_path / "c").exists()
+    out = capsys.readouterr().out
+    assert [json.loads(line)["status"] for line in out.splitlines()] == (["ok", "error", "error"] if keep_going
+                                                                         else ["ok"])
+    # a failure that cannot be recorded (someone else's folder) counts with --keep-going too
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("mine")
+    assert main(["cell", *flag, str(job_file(tmp_path, [run(tmp_path / "d")]))]) == 2
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["notes.txt"]
+
+
+def test_the_cell_command_runs_in_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["cell", str(job_file(tmp_path, [run(tmp_path / "a")]))]) == 2
+    assert not (tmp_path / "a").exists()

@@ -1,0 +1,240 @@
+"""Data-parallel training: every process's share of the batch is exactly its slice of the single-process
+batch, the averaged gradient equals the single-process gradient, and a torchrun run writes the records
+of a single-process run.
+
+The torchrun tests start ``torch.distributed.run`` with two CPU processes (gloo); this file is also the
+worker they run (``python -m torch.distributed.run ... tests/integration/test_distributed.py OUT``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agg_bench.cli import main
+from agg_bench.config import load_config
+from agg_bench.errors import ConfigError
+from agg_bench.io import read_jsonl
+from agg_bench.machine import distributed
+from agg_bench.runtime.train import TIMING_KEYS, Session
+from helpers import relative_error
+
+ROOT = Path(__file__).resolve().parents[2]
+# float64, so that the only difference between one and two processes is the order of additions. Each
+# process runs the transformer on its share only, so the kernels see other batch shapes and the latents
+# differ from one process's in the last bits: the reward must be continuous in the pixels (smoothness),
+# not a JPEG byte count, which a last-bit change of one decoded pixel can move by whole bytes.
+DDP = ["model.resolution=32", "model.dtype=float64", "reward.name=smoothness", "sampling.steps=6", "grpo.group_size=3",
+       "grpo.prompts_per_iteration=4", "train.plan=groups", "train.plan_window=3", "progress=false",
+       "telemetry.enabled=false"]
+# the raw gradient is compared: clipping would scale a wrong gradient to the right norm
+METHODS = {"full": ["method.name=full", "train.max_grad_norm=null"],
+           "agg": ['method={"name": "agg", "window": 3, "alpha": "sigma"}', "train.max_grad_norm=null"]}
+GRAD_TOL = 1e-6
+
+
+def config(*overrides: str):
+    return load_config(None, [*DDP, *overrides])
+
+
+
+def one_update_gradient(cfg) -> dict[str, torch.Tensor]:
+    """``.grad`` after the first update of iteration 0 (averaged over the processes under torchrun)."""
+    session = Session(cfg)
+    session.update(session.collect(0).batch)
+    return {name: p.grad.detach().clone() for name, p in session.policy.named_parameters()}
+
+
+def torchrun(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    # this file is the workers' script too: they import the shared helpers from tests/
+    shared = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": shared}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+# ----- one process, as each rank would see it ---------------------------------------------------
+@pytest.mark.parametrize("method", ["full", "window"])
+def test_each_share_is_its_slice_of_the_single_process_batch(monkeypatch, method):
+    overrides = [f"method.name={method}"] + (["method.window_size=3", "method.window_mode=random"]
+                                             if method == "window" else [])
+    cfg = config(*overrides)
+    whole = Session(cfg).collect(1)
+    b = whole.batch.batch_size
+    for rank in range(2):
+        monkeypatch.setattr(distributed, "current", lambda rank=rank: distributed.Shard(rank, 2))
+        session = Session(cfg)
+        share = session.collect(1)
+        rows = slice(rank * b // 2, (rank + 1) * b // 2)
+        assert share.prompts == whole.prompts[rows]
+        assert torch.equal(share.batch.train_steps, whole.batch.train_steps[rows])  # the same plan draws
+        for name in ("latents", "log_probs", "velocities", "advantages"):
+            torch.testing.assert_close(getattr(share.batch, name), getattr(whole.batch, name)[rows],
+                                       rtol=1e-12, atol=1e-12, msg=name)
+        # float64 rewards of float64 images that differ in the last bits: continuous, so as close
+        torch.testing.assert_close(share.rewards, whole.rewards[rows], rtol=1e-12, atol=1e-12)
+        # the transformer ran on this share only: T rollout forwards per sample of the share
+        assert session.policy.counter.forward_nograd == (b // 2) * cfg.sampling.steps
+
+
+def test_prompts_must_split_into_whole_groups():
+    with pytest.raises(ConfigError) as err:
+        distributed.Shard(0, 3).check_run(config())
+    assert err.value.key == "grpo.prompts_per_iteration"
+    with pytest.raises(ConfigError) as err:
+        distributed.Shard(1, 2).check_run(config("device=cuda:1"))
+    assert err.value.key == "device"
+    distributed.Shard(1, 2).check_run(config())  # 4 prompts over 2 processes
+    distributed.Shard(0, 1).check_run(config("grpo.prompts_per_iteration=3"))
+
+
+@pytest.mark.parametrize("env, name", [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE"), ({"WORLD_SIZE": "-2"}, "WORLD_SIZE"),
+    ({"WORLD_SIZE": "2.0"}, "WORLD_SIZE"), ({"WORLD_SIZE": ""}, "WORLD_SIZE"),
+    ({"RANK": "abc"}, "RANK"), ({"RANK": "-1"}, "RANK"), ({"RANK": "1"}, "RANK"),  # one process: rank 0 only
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK"),
+    ({"LOCAL_RANK": "x"}, "LOCAL_RANK"), ({"LOCAL_RANK": "-1"}, "LOCAL_RANK"),
+])
+def test_a_bad_launcher_variable_is_one_line_before_anything_runs(tmp_path, capsys, monkeypatch, env, name):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "out"
+    assert main(["run", "--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "train.iterations=1",
+                 "--set", "progress=false", "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"agg-bench run: environment variable {name}="), lines
+    assert "expected an integer" in lines[0] and not out.exists()
+
+
+def test_one_process_communicates_nothing():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    assert distributed.average_gradients([p], 1.5, float("nan"))[0] == 1.5
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
+    assert distributed.gather({"a": 1}) == [{"a": 1}]
+
+
+def test_combine_rules():
+    a = {"forward_grad": 8, "t_train_s": 1.0, "peak_alloc_bytes": 10, "loss": 0.2, "ratio_dev": 0.1,
+         "agg_route_scores": [0.9], "cache": "fora", "gpu_name": None, "grad_norm": 3.0}
+    b = {"forward_grad": 8, "t_train_s": 2.0, "peak_alloc_bytes": 30, "loss": 0.4, "ratio_dev": 0.3,
+         "agg_route_scores": [0.5, 0.7], "cache": "fora", "gpu_name": None, "grad_norm": 3.0}
+    out = distributed.combine([a, b])
+    assert out == {"forward_grad": 16, "t_train_s": 2.0, "peak_alloc_bytes": 30, "loss": pytest.approx(0.3),
+                   "ratio_dev": 0.3, "agg_route_scores": [0.9, 0.5, 0.7], "cache": "fora", "gpu_name": None,
+                   "grad_norm": 3.0}
+    assert distributed.combine([a]) == a
+
+
+def test_share_view_runs_the_transformer_on_its_rows_only():
+    calls = []
+
+    class Recorder:
+        dtype = torch.float64
+
+        def velocity(self, x, t, cond):
+            calls.append(x.shape[0])
+            return x * 2
+
+    view = distributed.ShareView(Recorder(), slice(2, 4))
+    x = torch.arange(6.0, dtype=torch.float64).view(6, 1)
+    out = view.velocity(x, torch.zeros(6), torch.zeros(6, 1))
+    assert calls == [2]
+    assert out.flatten().tolist() == [0, 0, 4, 6, 0, 0]
+    assert view.dtype == torch.float64  # everything else is the policy's
+
+
+# ----- two processes ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_process_gradient_equals_single_process_gradient_and_failures_stop_both(tmp_path):
+    proc = torchrun(__file__, str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for method, overrides in METHODS.items():
+        single = one_update_gradient(config(*overrides))
+        both = torch.load(tmp_path / f"{method}.pt")
+        assert set(both) == set(single)
+        err = relative_error(both, single)
+        assert err <= GRAD_TOL, (method, err)
+        print(f"{method}: relative gradient error, 2 processes vs 1: {err:.2e}")
+    # an OOM on process 1 stopped both processes; rank 0 wrote it down and both exited normally
+    summary = json.loads((tmp_path / "oom/summary.json").read_text())
+    assert (summary["status"], summary["last_good_iteration"], summary["world_size"]) == ("oom", 0, 2)
+    assert [r["status"] for r in read_jsonl(tmp_path / "oom/metrics.jsonl")] == ["ok", "oom"]
+
+
+@pytest.mark.slow
+def test_torchrun_run_writes_the_single_process_records(tmp_path):
+    args = [a for o in DDP for a in ("--set", o)] + ["--set", "train.iterations=2", "--set", "run_id=ddp",
+                                                    "--set", 'method={"name": "agg", "window": 3}',
+                                                    "--set", "eval.every=1", "--set", "eval.noises=2"]
+    proc = torchrun("-m", "agg_bench", "run", *args, "--out", str(tmp_path / "two"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # one result line for the job: rank 0's, not one per process
+    assert [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")] == \
+        [{"out": str(tmp_path / "two"), "status": "ok"}]
+    assert main(["run", *args, "--out", str(tmp_path / "one")]) == 0
+    two = list(read_jsonl(tmp_path / "two/metrics.jsonl"))
+    one = list(read_jsonl(tmp_path / "one/metrics.jsonl"))
+    assert [r["iteration"] for r in two] == [0, 1]
+    summary = json.loads((tmp_path / "two/summary.json").read_text())
+    assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["n_gpus"] == 0
+    skip = set(TIMING_KEYS) | {"saved_activation_peak_bytes"}
+    # float64 throughout, with a continuous reward (DDP): the two runs differ by the order of additions,
+    # ~1e-16 relative per operation, grown by at most a few orders of magnitude over two iterations of
+    # this small model; 1e-9 leaves room for that and still catches any real difference.
+    for r2, r1 in zip(two, one):
+        assert set(r2) == set(r1)
+        for key in set(r1) - skip:
+            if isinstance(r1[key], float):
+                assert r2[key] == pytest.approx(r1[key], rel=1e-9, abs=1e-12), key
+            elif isinstance(r1[key], list) and r1[key] and isinstance(r1[key][0], float):
+                assert r2[key] == pytest.approx(r1[key], rel=1e-9), key
+            else:
+                assert r2[key] == r1[key], key
+    # work is counted over both processes: the same total as one process, and so is the cost
+    assert [r["backward"] for r in two] == [r["backward"] for r in one]
+    assert [r["cost"] for r in two] == [r["cost"] for r in one]
+    # every process evaluates (a sharded forward needs them all), rank 0 writes each evaluation once
+    evals_two = list(read_jsonl(tmp_path / "two/evaluations.jsonl"))
+    evals_one = list(read_jsonl(tmp_path / "one/evaluations.jsonl"))
+    assert [e["iteration"] for e in evals_two] == [0, 1, 2]
+    for e2, e1 in zip(evals_two, evals_one):
+        assert e2["eval_reward"] == pytest.approx(e1["eval_reward"], rel=1e-9, abs=1e-12)
+
+
+def _worker(out: Path) -> None:
+    """Run by torchrun: one update per method, rank 0 saving the averaged gradients; then a run in which
+    process 1 runs out of memory in its second update."""
+    torch.set_num_threads(1)
+    with distributed.process_group(torch.device("cpu")) as shard:
+        assert shard.world_size == 2
+        for method, overrides in METHODS.items():
+            grads = one_update_gradient(config(*overrides))
+            if shard.is_main:
+                torch.save(grads, out / f"{method}.pt")
+        oom_on_rank_1(shard, out)
+
+
+def oom_on_rank_1(shard, out: Path) -> None:
+    from agg_bench.engine.models import Policy
+    from agg_bench.runtime.train import train
+
+    velocity = Policy.velocity
+
+    def out_of_memory_on_rank_1(self, latents, timesteps, cond):
+        if shard.rank == 1 and self.version == 1 and torch.is_grad_enabled():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return velocity(self, latents, timesteps, cond)
+
+    Policy.velocity = out_of_memory_on_rank_1
+    summary = train(config("train.iterations=3"), out / "oom")
+    assert summary["status"] == "oom", summary
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))

@@ -1,0 +1,138 @@
+"""What a fresh interpreter imports: reading results and loading a config import no torch (and no method); the
+record contract imports only the standard library; the workflow's methods check imports no diffusers, peft or
+transformers; a run without telemetry.tensorboard imports no tensorboard. Each starts a Python process of its
+own, because this test process has all of those loaded already."""
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agg_bench.config import DEFAULTS
+from agg_bench.runtime.scalar_events import FOLDER
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "grpo.prompts_per_iteration=1",
+         "progress=false"]
+
+
+# ----- the results readers and the record contract (tests/unit/test_records.py) -----
+
+
+@pytest.mark.parametrize("module", ["agg_bench.records", "agg_bench.results.loading",
+                                    "agg_bench.results.tables", "agg_bench.results.formatting",
+                                    "agg_bench.results.plots", "agg_bench.results.report",
+                                    "agg_bench.results.learning_tables", "agg_bench.tools.importlog"])
+def test_reading_results_imports_no_torch(module):
+    # a fresh interpreter: this test process has torch loaded already
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"{module} imports torch: {out.stdout.strip()[:200]}"
+
+
+def test_records_imports_only_the_standard_library():
+    code = ("import sys; before = set(sys.modules); import agg_bench.records; "
+            "print(sorted(m for m in set(sys.modules) - before if not m.startswith('agg_bench')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    new = ast.literal_eval(out.stdout)  # a list literal of module names
+    assert not [m for m in new if m.split(".")[0] in ("torch", "numpy", "pandas", "yaml", "diffusers")], new
+
+
+# ----- loading a config (tests/unit/test_config_docs.py) -----
+
+
+LOADING_SCRIPT = """
+import json, sys
+from agg_bench.config import load_config
+from agg_bench.reading import RunFolder
+run = load_config("config/run.yaml")
+agg = load_config(None, ['method={"name": "agg", "window": 2}', "model.preset=random", "model.family=flux"])
+folder = RunFolder(sys.argv[1]).config()
+print(json.dumps({"names": [run.method.name, agg.method.name, folder.model.preset, folder.method.name],
+                  "modules": sorted({name.partition(".")[0] for name in sys.modules})}))
+"""
+
+
+def test_loading_a_config_imports_no_torch_and_no_method(tmp_path):
+    """Loading a run config (a random preset's, a method with options) and reading a run folder's config.json
+    (a random preset, a method named by a dotted path) import no torch, no diffusers and no baseline: a
+    results folder never names code to load."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    written = {**copy.deepcopy(DEFAULTS), "model": {**DEFAULTS["model"], "preset": "random"},
+               "method": {"name": "not_a_package.anywhere:Estimator", "window": 3}}
+    (folder / "config.json").write_text(json.dumps(written))
+    proc = subprocess.run([sys.executable, "-c", LOADING_SCRIPT, str(folder)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout)
+    assert answer["names"] == [yaml_method_name(), "agg", "random", "not_a_package.anywhere:Estimator"]
+    assert {"torch", "diffusers", "baselines", "not_a_package"} & set(answer["modules"]) == set()
+
+
+def yaml_method_name() -> str:
+    return yaml.safe_load((ROOT / "config" / "run.yaml").read_text())["method"]["name"]
+
+
+# ----- the workflow's methods check (tests/unit/test_import_graph.py) -----
+
+
+# A fresh interpreter runs the methods' check of the embedded default's every job, then of every cache with
+# each cache_in, as `python -m agg_bench.tools.sweep` does for a sweep, and reports what it imported.
+METHOD_CHECKS_SCRIPT = """
+import json, sys, yaml
+from agg_bench.tools import sweep
+from baselines.caches import CACHES
+jobs = {}
+def check_here(base_file, checks, cache_dir=None):  # the child process's check, run in this one
+    jobs.update(checks)
+    return sweep.check_methods(base_file, checks)
+sweep.checked_methods = check_here
+embedded = sweep.Sweep(yaml.safe_load(open("config/config.yaml")), "workflow/schemas/config.schema.yaml", None)
+pairs = next(iter(jobs.values()))
+caches = sweep.check_methods(embedded.base_file, {
+    f"{name} in {where}": [*pairs, ["method", {"name": "cached", "cache": name, "cache_in": where}]]
+    for name in CACHES for where in ("rollout", "train", "both")})
+print(json.dumps({"runs": {run_id: run["method_options"]["name"] for run_id, run in embedded.runs.items()},
+                  "caches": sorted({options["cache"] for options in caches.values()}), "known_caches": sorted(CACHES),
+                  "modules": sorted({name.partition(".")[0] for name in sys.modules})}))
+"""
+
+
+def test_the_methods_checks_import_no_diffusers():
+    proc = subprocess.run([sys.executable, "-c", METHOD_CHECKS_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    embedded = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    checked = {answer["runs"][run_id] for run_id in answer["runs"]}
+    assert checked == {section["method"]["name"] for section in embedded["methods"].values()}
+    assert len(answer["runs"]) == len(embedded["methods"]) * len(embedded["models"]) * len(embedded["resolutions"])
+    assert answer["caches"] == answer["known_caches"] and len(answer["caches"]) >= 8
+    assert "torch" in answer["modules"]  # the checks did build the methods
+    assert {"diffusers", "peft", "transformers"} & set(answer["modules"]) == set()
+
+
+# ----- a run with telemetry.tensorboard off (tests/unit/test_tensorboard.py) -----
+
+
+def test_off_by_default_no_folder_and_no_tensorboard_imported(tmp_path):
+    assert DEFAULTS["telemetry"]["tensorboard"] is False
+    out = tmp_path / "run"
+    args = ["run", *[a for o in (*SMALL, "train.iterations=1") for a in ("--set", o)], "--out", str(out)]
+    # a fresh process: what the run imports, printed last
+    script = ("import json, sys; from agg_bench.cli import main; code = main(sys.argv[1:]); "
+              "print(json.dumps(sorted(m for m in sys.modules if 'tensorboard' in m)), file=sys.stderr); "
+              "sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stderr.strip().splitlines()[-1]) == []
+    assert not (out / FOLDER).exists()

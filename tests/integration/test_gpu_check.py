@@ -1,0 +1,120 @@
+"""scripts/gpu_check.sh --cpu: every step of the GPU check on the tiny models on the CPU, so the script
+cannot rot (about 1 CPU-minute: 11 short processes). And what it does before any step: it sets up and uses
+the project's .venv unless PYTHON names an interpreter, and a missing torch, agg-bench or CUDA device is
+one line and exit code 2; a step that fails before writing its files is a failed step in the summary."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agg_bench.tools.gpucheck import main as gpucheck_main
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.mark.slow
+def test_gpu_check_script_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu_check"
+    env = {**os.environ, "PYTHON": sys.executable, "AGG_BENCH_CHECK_OUT": str(out), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    report = (out / "summary.md").read_text() if (out / "summary.md").exists() else ""
+    assert proc.returncode == 0, proc.stderr[-3000:] + report
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "cpu" and (out / "summary.md").read_text().startswith("# GPU check (cpu)")
+    steps = {s["step"]: s["ok"] for s in summary["steps"]}
+    assert all(steps.values()) and {"env", "fsdp_32", "pool_32", "profile_32", "cached-fora_32"} <= set(steps)
+    runs = {r["run"]: r for r in summary["runs"]}
+    for res in (32, 64):
+        full, agg, reuse = runs[f"full_{res}"], runs[f"agg-w5_{res}"], runs[f"agg-w5-reuse_{res}"]
+        # 10 steps x 4 samples exact; AGG W=5: 2 groups x 2 endpoint backwards x 4 samples
+        assert (full["backward"], agg["backward"], reuse["backward"]) == (40, 16, 16)
+        for run in (full, agg, reuse):
+            assert run["status"] == "ok" and run["t_train_s"] > 0, report
+            # on the CPU the planner's count is exact
+            assert run["saved_activation_peak_bytes"] == run["planned_activation_bytes"]
+            assert run["planned_total_bytes"] > run["planned_activation_bytes"]
+        assert agg["train_speedup"] is not None and full["train_speedup"] is None
+    # anything but --cpu is refused
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--gpu"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+# ----- the environment it runs in: the project's .venv, set up first; what is missing, in one line ---------
+def check(tmp_path: Path, *args: str, script: Path = ROOT / "scripts" / "gpu_check.sh", **env: str):
+    """Run the script with ``env`` (PYTHON only when given); (exit code, stderr lines); nothing may be written."""
+    out = tmp_path / "gpu_check"
+    base = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    base.update(AGG_BENCH_CHECK_OUT=str(out), PYTHONPATH=str(ROOT), **env)
+    proc = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=base, capture_output=True, text=True,
+                          timeout=300)
+    assert not out.exists()
+    return proc.returncode, proc.stderr.splitlines()
+
+
+def python_without_torch(folder: Path) -> Path:
+    """An interpreter that cannot import torch: this one without its site-packages."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "python"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def test_a_python_without_torch_is_one_line_and_exit_code_2(tmp_path):
+    python = python_without_torch(tmp_path / "bin")
+    code, lines = check(tmp_path, "--cpu", PYTHON=str(python))
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"gpu_check: {python} cannot import torch and agg_bench (ModuleNotFoundError: "
+                               "No module named 'torch'); set PYTHON to an interpreter with agg-bench installed")
+
+
+def test_without_python_it_sets_up_and_uses_the_project_venv(tmp_path):
+    """As `make` does: scripts/setup.sh first, then .venv/bin/python (here a fake setup makes a venv without
+    torch, so the check stops at once, naming that interpreter)."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "gpu_check.sh", repo / "scripts" / "gpu_check.sh")
+    (repo / "scripts" / "setup.sh").write_text(
+        f'cd "$(dirname "$0")/.."\ntouch setup-ran\nmkdir -p .venv/bin\n'
+        f'printf \'#!/bin/sh\\nexec "{sys.executable}" -S "$@"\\n\' > .venv/bin/python\nchmod +x .venv/bin/python\n')
+    code, lines = check(tmp_path, "--cpu", script=repo / "scripts" / "gpu_check.sh")
+    assert code == 2 and len(lines) == 1 and (repo / "setup-ran").exists(), lines
+    assert lines[0].startswith(f"gpu_check: {repo}/.venv/bin/python cannot import torch and agg_bench")
+    assert lines[0].endswith("run bash scripts/setup.sh (or set PYTHON to an interpreter with agg-bench installed)")
+    # a setup that fails (no network, no Python 3.11) stops the check too
+    (repo / "scripts" / "setup.sh").write_text('echo "setup: no Python 3.11" >&2; exit 3\n')
+    code, lines = check(tmp_path, "--cpu", script=repo / "scripts" / "gpu_check.sh")
+    assert code == 2 and lines == ["setup: no Python 3.11",
+                                   f"gpu_check: setting up {repo}/.venv failed (bash scripts/setup.sh, exit 3; "
+                                   "see its message above)"], lines
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_the_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
+    code, lines = check(tmp_path, PYTHON=sys.executable)
+    assert code == 2 and len(lines) == 1 and "sees no CUDA device" in lines[0] and "--cpu" in lines[0], lines
+
+
+def test_gpucheck_summary_of_steps_that_failed_before_writing(tmp_path, capsys):
+    """A step that died before writing whole files (an env.json left empty, a damaged summary) is a failed
+    step in the summary, not a traceback in the summary step."""
+    (tmp_path / "env.json").write_text("")
+    run = tmp_path / "runs" / "full_32"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text('{"status": ')
+    (run / "metrics.jsonl").write_text("[1]\n{}\n")
+    (tmp_path / "steps.tsv").write_text(f"env\t1\t{tmp_path}/logs/env.log\nfull_32\t1\tx\n")
+    assert gpucheck_main([str(tmp_path), "cpu"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "" and json.loads(captured.out)["failed_steps"] == ["env", "full_32"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["runs"][0]["status"] == "missing" and summary["gpu_name"] is None

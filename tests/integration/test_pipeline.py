@@ -1,0 +1,207 @@
+"""The Snakemake workflow: sweep configs check out before any job starts (dry runs of the default, the
+paper-scale config and the SLURM profile), errors name the key, and the smallest sweep runs end to end."""
+import fnmatch
+import itertools
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from agg_bench.records import plot_files, table_files
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLES = table_files()
+PLOTS = plot_files()
+
+
+def workdir(tmp_path: Path) -> Path:
+    """A clean working directory holding what a fresh clone has: the Snakefile, workflow/ and config/."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "Snakefile", work)
+    shutil.copytree(ROOT / "workflow", work / "workflow")
+    shutil.copytree(ROOT / "config", work / "config")
+    return work
+
+
+def snakemake(work: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=work, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def job_counts(stdout: str) -> dict[str, int]:
+    """The 'Job stats' table of a dry run as {rule: count}."""
+    block = stdout.split("Job stats:", 1)[1]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", block, re.M)}
+
+
+def expected_run_labels(sweep: dict) -> list[dict]:
+    """The label combinations of a sweep's runs: every one that no `exclude` entry matches."""
+    keys = ("method", "model", "resolution", "seed", "device")
+    combos = [dict(zip(keys, combo)) for combo in itertools.product(
+        sweep["methods"], sweep["models"], sweep["resolutions"], sweep["seeds"], sweep["devices"])]
+    return [c for c in combos
+            if not any(all(fnmatch.fnmatchcase(str(c[k]), str(p)) for k, p in entry.items())
+                       for entry in sweep.get("exclude", []))]
+
+
+def run_id(labels: dict) -> str:
+    return f"{labels['method']}_{labels['model']}_{labels['resolution']}px_s{labels['seed']}_{labels['device']}"
+
+
+def planned_runs(stdout: str) -> dict[str, str]:
+    """{run id: the rule of the job that writes its summary} from a dry run's job list."""
+    runs = {}
+    for block in re.split(r"^(?=(?:local)?rule \w+:$)", stdout, flags=re.M)[1:]:
+        rule = re.match(r"(?:local)?rule (\w+):", block).group(1)
+        outputs = re.search(r"^\s*output: (.*)$", block, re.M)
+        for found in re.findall(r"results/runs/([^/,\s]+)/summary\.json", outputs.group(1) if outputs else ""):
+            assert found not in runs, found  # one job per run
+            runs[found] = rule
+    return runs
+
+
+def expected_runs(sweep: dict) -> int:
+    return len(expected_run_labels(sweep))
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("config.yaml", ["--cores", "2"]),
+    ("gpu.yaml", ["--cores", "64", "--resources", "gpu=8"]),
+    ("gpu_random.yaml", ["--cores", "64", "--resources", "gpu=8"]),
+])
+def test_dry_run_expands_every_job(tmp_path, name, extra):
+    work = workdir(tmp_path)
+    sweep = yaml.safe_load((work / "config" / name).read_text())
+    args = ["--configfile", f"config/{name}"] if name != "config.yaml" else []  # the default needs no flag
+    proc = snakemake(work, "-n", *args, *extra)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    counts = job_counts(proc.stdout)
+    cells = {rule: n for rule, n in counts.items() if rule.startswith("cell_") and rule != "cell_jobs"}
+    runs = planned_runs(proc.stdout)
+    assert sorted(runs) == sorted(run_id(c) for c in expected_run_labels(sweep))
+    if name == "config.yaml":  # on a CPU: one cell job per model x resolution, each running all its runs
+        assert "run" not in counts
+        assert counts["cell_jobs"] == len(cells) == len(sweep["models"]) * len(sweep["resolutions"])
+        assert set(cells.values()) == {1} and set(runs.values()) == set(cells)
+        assert len(runs) // len(cells) == len(sweep["methods"]) * len(sweep["seeds"])
+    else:  # on GPUs: one job per run (its GPUs and their memory its own)
+        assert not cells and "cell_jobs" not in counts and counts["run"] == expected_runs(sweep)
+    gradcheck = sweep.get("gradcheck") or {}
+    assert counts.get("gradcheck", 0) == len(gradcheck.get("models", sweep["models"])) * len(gradcheck.get("resolutions", []))
+    assert counts.get("embed", 0) == (len(sweep["models"]) if "embed" in sweep else 0)
+    assert counts["tables"] == counts["plots"] == counts["manifest"] == 1
+    # one cost-model calibration per model x resolution x device that runs use
+    assert counts["calibrate"] == len({(c["model"], c["resolution"], c["device"]) for c in expected_run_labels(sweep)})
+    assert not (work / "results").exists()  # a dry run writes nothing
+
+
+def test_dry_run_of_the_slurm_profile(tmp_path):
+    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
+    work = workdir(tmp_path)
+    proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/gpu.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    # the profile's per-rule resources reach the run jobs
+    assert re.search(r"rule run:.*?resources:[^\n]*gpu=1[^\n]*gpu_model=h100[^\n]*cpus_per_gpu=8", proc.stdout, re.S)
+    # a job of an 8-GPU layout asks SLURM for 8 GPUs
+    assert re.search(r"rule run:\n[^\n]*\n\s*output: results/runs/full_flux1dev[^\n]*\n.*?resources:[^\n]*gpu=8",
+                     proc.stdout, re.S)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda s: s.update(resolutions=["large"]), ["resolutions.0", "large"]),
+    (lambda s: s["methods"]["agg-w3"]["method"].update(windw=3), ["methods.agg-w3", "method.windw"]),
+    (lambda s: s["methods"].update({"bad_label": {"method": {"name": "full"}}}), ["methods", "bad_label"]),
+    (lambda s: s["gradcheck"].update(models=["sdxl"]), ["gradcheck.models", "sdxl"]),
+    # decided from the model's configs while planning, not job by job
+    (lambda s: s.update(resolutions=[30]), ["run full_sd3_30px", "model.resolution", "30", "multiple of 16"]),
+])
+def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
+    work = workdir(tmp_path)
+    sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
+    edit(sweep)
+    (work / "bad.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    proc = snakemake(work, "--cores", "1", "--configfile", "bad.yaml")
+    assert proc.returncode != 0
+    message = proc.stderr + proc.stdout
+    line = next((ln for ln in message.splitlines() if "sweep config" in ln), message)
+    for word in words:
+        assert word in line, message
+    assert not (work / "results").exists()
+
+
+def dancegrpo_log(path: Path) -> Path:
+    lines = [{"step": s, "avg_reward": 0.3 + 0.05 * s, "step_time": 40.0 + s, "grad_norm": 0.2} for s in range(1, 5)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.slow
+def test_smallest_sweep_end_to_end(tmp_path):
+    work = workdir(tmp_path)
+    sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
+    sweep["references"] = [{"label": "dancegrpo-ref", "log": str(dancegrpo_log(tmp_path / "log.jsonl")),
+                            "method": "full", "model": "flux", "resolution": 720, "gpu_name": "NVIDIA H800",
+                            "n_gpus": 8}]
+    (work / "e2e.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    proc = snakemake(work, "--cores", "2", "--configfile", "e2e.yaml", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = snakemake(work, "--configfile", "e2e.yaml", "--report", "results/report.html")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for path in [*TABLES, "results/tables/records.csv", *PLOTS, "results/report.html"]:
+        assert (work / path).stat().st_size > 0, path
+
+    table = pd.read_csv(work / "results/tables/efficiency.csv")
+    rows = {(r.method, r.source): r for r in table.itertuples()}
+    assert set(rows) == {("full", "measured"), ("agg-w3", "measured"), ("dancegrpo-ref", "imported")}
+    full, agg = rows[("full", "measured")], rows[("agg-w3", "measured")]
+    assert full.status == agg.status == "ok" and full.speedup == 1.0
+    # 2 samples x 6 trained steps; AGG W=3: two groups of 3 steps, 2 backward passes each, per sample
+    assert (full.backward, agg.backward) == (12, 8)
+    assert 0 < agg.grad_cosine < 1 and full.grad_cosine == 1.0
+    assert rows[("dancegrpo-ref", "imported")].hardware == "8x NVIDIA H800"
+    assert "dancegrpo-ref (imported)" in (work / "results/tables/efficiency.md").read_text()
+    ablation = pd.read_csv(work / "results/tables/ablation.csv")
+    assert list(ablation["method"]) == ["full", "agg"] and ablation["window"].iloc[1] == 3
+    assert "efficiency.csv" in (work / "results/report.html").read_text(errors="replace")
+    assert "summary.html" in (work / "results/report.html").read_text(errors="replace")
+    # the cost model priced both rows from their counted passes and the calibration
+    assert full.predicted_train_speedup == 1.0 and agg.predicted_train_speedup > 1
+    # the calibration timed both methods' train phases side by side: the table's train speedup is paired
+    assert full.train_speedup_basis == agg.train_speedup_basis == "paired" and full.train_speedup == 1.0
+    assert agg.train_speedup_lo <= agg.train_speedup <= agg.train_speedup_hi and agg.run_train_speedup > 0
+    assert full.time_basis == agg.time_basis == "cpu"
+
+
+@pytest.mark.slow
+def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
+    """Issue 37: a cell job whose second run failed made Snakemake remove every output of the job, the finished
+    run's metrics.jsonl, summary.json and env.json with them. The cell records the failed run and succeeds; the
+    manifest fails naming it (the tables wait), and the next invocation reruns the cell. The failure injected:
+    the scene reward on captions that are not scenes, which the sweep's checks accept and the first reward of
+    the run refuses."""
+    work = workdir(tmp_path)
+    sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
+    sweep["methods"] = {"full": {"method": {"name": "full"}},
+                        "broken": {"method": {"name": "full"}, "reward": {"name": "scene"}}}
+    sweep["set"]["sampling.steps"] = 4
+    del sweep["gradcheck"]
+    sweep["calibrate"] = {"enabled": False}
+    (work / "fail.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    proc = snakemake(work, "--cores", "2", "--configfile", "fail.yaml", "--keep-going")
+    assert proc.returncode != 0
+    broken, full = work / "results/runs/broken_sd3_32px_s0_cpu", work / "results/runs/full_sd3_32px_s0_cpu"
+    assert "1 run of this sweep failed" in proc.stderr and "broken_sd3_32px_s0_cpu: UserError: reward 'scene'" \
+        in proc.stderr and "results/logs/cell/sd3_32px_cpu.log" in proc.stderr, proc.stderr[-4000:]
+    assert json.loads((full / "summary.json").read_text())["status"] == "ok"
+    assert len((full / "metrics.jsonl").read_text().splitlines()) == 2 and (full / "env.json").is_file()
+    assert not (broken / "summary.json").exists() and (broken / "config.json").is_file()  # its cell reruns
+    assert not (work / "results/tables").exists()
+    plan = snakemake(work, "-n", "--configfile", "fail.yaml")
+    assert job_counts(plan.stdout).get("cell_sd3_32px_cpu") == 1, plan.stdout[-3000:]

@@ -1,0 +1,400 @@
+"""How a run stops: SIGTERM/SIGINT write an ``interrupted`` summary; ``kill -9`` leaves metric lines that
+read back whole and a folder that a rerun completes; a non-finite reward, loss or gradient stops the run as
+``diverged`` before the weights take that step."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import agg_bench.runtime.session as session_module
+from agg_bench.cli import main
+from agg_bench.config import load_config
+from agg_bench.io import read_jsonl
+from agg_bench.records import TIMING_KEYS
+from agg_bench import stopping
+from agg_bench.runtime.train import Interrupted, Session, train
+from baselines.full import FullEstimator
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "progress=false", "telemetry.enabled=false"]
+SET = [a for o in SMALL for a in ("--set", o)]
+
+
+def records(out: Path) -> list[dict]:
+    return list(read_jsonl(out / "metrics.jsonl"))
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+# ----- signals ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_writes_an_interrupted_summary(tmp_path, monkeypatch, capsys, signum, code):
+    collect = Session.collect
+
+    def collect_then_signal(self, iteration, telemetry=None):
+        if iteration == 1:
+            os.kill(os.getpid(), signum)
+        return collect(self, iteration, telemetry)
+
+    monkeypatch.setattr(Session, "collect", collect_then_signal)
+    handler = signal.getsignal(signum)
+    out = tmp_path / "run"
+    assert main(["run", *SET, "--set", "train.iterations=3", "--out", str(out)]) == code
+    assert capsys.readouterr().err.strip().endswith("interrupted")
+    s = summary(out)
+    assert (s["status"], s["last_good_iteration"]) == ("interrupted", 0)
+    assert signal.Signals(signum).name in s["error"]
+    assert [r["iteration"] for r in records(out)] == [0]
+    assert signal.getsignal(signum) is handler  # the caller's handler is back
+
+
+def test_runs_in_one_process_leave_nothing_behind(tmp_path, monkeypatch):
+    """A command that runs several configs calls train() again and again in one process: a call that ends
+    interrupted or failed between two good ones leaves the handlers, threads and process group as it found
+    them, and the next call's records are those of the first (timing aside)."""
+    cfg = load_config(None, [*SMALL, "telemetry.enabled=true", "train.iterations=2", "train.checkpoint_every=1"])
+
+    def state() -> tuple:
+        # tqdm keeps one monitor thread per process, whatever the bars: not the run's
+        threads = sorted(t.name for t in threading.enumerate() if t.name != "tqdm_monitor")
+        return ({s: signal.getsignal(s) for s in stopping.SIGNALS}, threads, dist.is_initialized(),
+                torch.is_grad_enabled(), torch.get_default_dtype())
+
+    def untimed(out: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records(out)]
+
+    before = state()
+    train(cfg, tmp_path / "first" / "run")
+    assert state() == before
+    collect = Session.collect
+
+    def collect_then_stop(self, iteration, telemetry=None):
+        if iteration == 1 and self.cfg.seed == cfg.seed:
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif iteration == 1:
+            raise ValueError("a bug in iteration 1")
+        return collect(self, iteration, telemetry)
+
+    monkeypatch.setattr(Session, "collect", collect_then_stop)
+    with pytest.raises(Interrupted):
+        train(cfg, tmp_path / "interrupted" / "run")
+    assert state() == before and summary(tmp_path / "interrupted" / "run")["status"] == "interrupted"
+    with pytest.raises(ValueError):
+        train(load_config(None, [*SMALL, "seed=7", "train.iterations=2"]), tmp_path / "failed" / "run")
+    assert state() == before and summary(tmp_path / "failed" / "run")["status"] == "error"
+    monkeypatch.undo()
+    train(cfg, tmp_path / "second" / "run")
+    assert state() == before
+    assert untimed(tmp_path / "second" / "run") == untimed(tmp_path / "first" / "run")
+    assert summary(tmp_path / "second" / "run") == summary(tmp_path / "first" / "run")
+
+
+class Marker(Exception):
+    """Raised by the test's own SIGTERM handler: a signal that reached it was not taken by the run."""
+
+
+@pytest.fixture
+def sigterm_marker():
+    """A SIGTERM handler of the test's own while it runs, so that a signal the run does not take raises
+    :class:`Marker` instead of ending pytest; the run's handlers replace it for the run's duration."""
+    def raise_marker(signum, frame):
+        raise Marker(signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_marker)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_in_a_finaliser_stays_pending():
+    """A signal whose handler runs inside a finaliser, where an exception can only be printed and dropped,
+    is still raised at the next safe point; outside safe points too, where the handler raises at once."""
+    class Finalised:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0)  # a call: the handler runs here, inside the finaliser
+
+    with stopping.stop_signals():
+        with pytest.raises(Interrupted) as raised:
+            with stopping.safe_points():
+                Finalised()  # dropped at once: its finaliser sends the signal
+                assert stopping.pending() == signal.SIGTERM
+                stopping.check()
+        assert raised.value.signum == signal.SIGTERM
+        stopping.handled(raised.value)
+        stopping.check()  # reported: no longer raised
+    with pytest.raises(Interrupted):  # caught but never reported: the end of the outermost block raises it
+        with stopping.stop_signals():
+            with pytest.raises(Interrupted):
+                old_hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+                try:
+                    Finalised()  # the handler raises inside __del__, where Python drops the exception
+                finally:
+                    sys.unraisablehook = old_hook
+                assert stopping.pending() == signal.SIGTERM
+                stopping.check()
+    assert stopping.pending() is None  # the outermost block ended: nothing stays pending
+
+
+def test_a_signal_while_autograd_frees_saved_tensors_stops_the_run(tmp_path, monkeypatch, sigterm_marker):
+    """Issue 37's lost SIGTERM: the signal lands while a saved activation's finaliser runs (the graph of the
+    train phase being freed; saved activations are counted in a run's first iteration). The run stops at
+    its next safe point with an interrupted summary, and the iteration of the signal has no record."""
+    from agg_bench.machine import activations
+
+    updates, sent = [], []
+    update, release = Session.update, activations._SavedHandle.__del__
+
+    def counted_update(self, batch):
+        updates.append(1)
+        return update(self, batch)
+
+    def release_then_signal(self):
+        if updates and not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        release(self)  # a call: the handler runs inside this finaliser
+
+    monkeypatch.setattr(Session, "update", counted_update)
+    monkeypatch.setattr(activations._SavedHandle, "__del__", release_then_signal)
+    out = tmp_path / "run"
+    cfg = load_config(None, [*SMALL, "telemetry.enabled=true", "train.iterations=3"])
+    with pytest.raises(Interrupted):
+        train(cfg, out)
+    assert sent
+    s = summary(out)
+    assert (s["status"], s["last_good_iteration"]) == ("interrupted", None)
+    assert records(out) == []
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["new folder", "earlier attempt"])
+def test_a_signal_while_the_model_is_built_leaves_no_folder_and_no_lock(tmp_path, monkeypatch, sigterm_marker,
+                                                                      earlier):
+    """SIGTERM in start-up, after the folder is claimed and before anything is written: a folder the claim
+    made goes again, an earlier attempt's files stay as they were, and no lock file is left."""
+    out = tmp_path / "run"
+    cfg = load_config(None, [*SMALL, "train.iterations=1"])
+    if earlier:
+        train(cfg, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if earlier else None
+    build = session_module.build_policy
+
+    def build_with_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "build_policy", build_with_signal)
+    with pytest.raises(Interrupted):
+        train(cfg, out)
+    if earlier:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    else:
+        assert not out.exists()
+
+
+def test_a_signal_while_the_files_are_started_gives_an_interrupted_summary(tmp_path, monkeypatch, sigterm_marker):
+    from agg_bench.runtime import runfolder
+
+    start = runfolder.start_files
+
+    def start_with_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        start(*args, **kwargs)
+
+    monkeypatch.setattr(runfolder, "start_files", start_with_signal)
+    out = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        train(load_config(None, [*SMALL, "train.iterations=2"]), out)
+    assert summary(out)["status"] == "interrupted" and records(out) == []
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no lock left
+
+
+def test_a_signal_after_the_summary_is_still_raised(tmp_path, monkeypatch, sigterm_marker):
+    """A signal that comes once the run has written its summary (``ok``: every iteration is done) is not
+    dropped: the call raises it, so a command exits with 128 + N and a cell starts no further run."""
+    from agg_bench.runtime import runfolder
+
+    write = runfolder.write_summary
+
+    def write_then_signal(*args, **kwargs):
+        write(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(runfolder, "write_summary", write_then_signal)
+    out = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        train(load_config(None, [*SMALL, "train.iterations=1"]), out)
+    assert summary(out)["status"] == "ok"
+
+
+SECOND_SIGNAL = """
+import os, signal, sys, time
+from pathlib import Path
+from agg_bench import stopping
+from agg_bench.errors import run_command
+from agg_bench.outdir import Claim
+
+def body():
+    with stopping.safe_points(), Claim(Path(sys.argv[1]), folder=True, lock_inside=True):
+        os.kill(os.getpid(), signal.SIGTERM)  # remembered: the block stops at its next safe point
+        time.sleep(0)
+        os.kill(os.getpid(), signal.SIGTERM)  # the second ends the process at once
+        time.sleep(30)
+        print("not reached")
+    return 0
+
+sys.exit(run_command("agg-bench test", body, []))
+"""
+
+
+def test_a_second_signal_ends_the_process_at_once_without_a_lone_lock(tmp_path):
+    out = tmp_path / "new" / "run"
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGNAL, str(out)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert proc.stderr.strip() == "agg-bench test: SIGTERM again: stopping at once"
+    assert "not reached" not in proc.stdout
+    assert not (tmp_path / "new").exists()  # the folders the claim made, and its lock, are gone
+
+
+@pytest.mark.slow
+def wait_for_lines(proc: subprocess.Popen, metrics: Path, count: int, log: Path) -> None:
+    """Wait (at most 10 minutes) until ``metrics`` holds ``count`` whole lines; the process must still run."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= count:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it was killed: " + log.read_text()[-3000:]
+
+
+def test_kill_9_leaves_whole_lines_and_a_folder_that_a_rerun_completes(tmp_path):
+    out = tmp_path / "run"
+    iterations = 12
+    args = [sys.executable, "-m", "agg_bench", "run", *SET, "--set", f"train.iterations={iterations}",
+            "--checkpoint-every", "1", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log, stderr=log)
+    metrics = out / "metrics.jsonl"
+    wait_for_lines(proc, metrics, 2, tmp_path / "run.log")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    log.close()
+    lines = metrics.read_text().split("\n")
+    for line in lines[:-1]:  # every line but an unfinished last one is a whole record
+        json.loads(line)
+    killed_at = len(records(out))
+    assert 2 <= killed_at < iterations
+    assert not (out / "summary.json").exists()  # the workflow's declared output: absent, so the job reruns
+    with open(metrics, "a") as fh:  # the worst case: the kill came in the middle of a line
+        fh.write('{"iteration": 99, "loss": 0.')
+    assert len(records(out)) == killed_at  # readers skip the torn line
+    rerun = subprocess.run([*args, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert summary(out)["status"] == "ok" and summary(out)["resumed_from"] is not None  # from its checkpoint
+    assert [r["iteration"] for r in records(out)] == list(range(iterations))
+    assert all(line.strip() for line in metrics.read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_killed_workflow_reruns_the_incomplete_run(tmp_path):
+    import shutil
+
+    import yaml
+
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "Snakefile", work)
+    shutil.copytree(ROOT / "workflow", work / "workflow")
+    shutil.copytree(ROOT / "config", work / "config")
+    sweep = yaml.safe_load((work / "config/test.yaml").read_text())
+    iterations = 12
+    sweep["set"].update({"train.iterations": iterations, "train.checkpoint_every": 1})
+    sweep["methods"] = {"full": {"method": {"name": "full"}}}
+    (work / "kill.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    run_dir = work / "results/runs/full_sd3_32px_s0_cpu"
+    target = str((run_dir / "summary.json").relative_to(work))
+    command = [sys.executable, "-m", "snakemake", target, "--cores", "1", "--configfile", "kill.yaml"]
+    log = open(tmp_path / "snakemake.log", "w")
+    proc = subprocess.Popen(command, cwd=work, stdout=log, stderr=log, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    wait_for_lines(proc, metrics, 2, tmp_path / "snakemake.log")
+    os.killpg(proc.pid, signal.SIGKILL)  # snakemake, the job's shell and the run, at once
+    proc.wait()
+    log.close()
+    assert not (run_dir / "summary.json").exists()
+    # a killed snakemake leaves its lock and marks the job's outputs incomplete: --unlock, then rerun them
+    assert subprocess.run([*command, "--unlock"], cwd=work, capture_output=True).returncode == 0
+    rerun = subprocess.run([*command, "--rerun-incomplete"], cwd=work, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert summary(run_dir)["status"] == "ok"
+    assert [r["iteration"] for r in records(run_dir)] == list(range(iterations))
+
+
+# ----- divergence ---------------------------------------------------------------------------------
+class Poisoned(FullEstimator):
+    """``full``, then a non-finite gradient element or loss, as a numerical blow-up would leave them."""
+
+    name = "poisoned"
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def accumulate(self, policy, batch, stats, reference=None):
+        super().accumulate(policy, batch, stats, reference)
+        if self.what == "gradient":
+            next(p for p in policy.parameters() if p.grad is not None).grad.view(-1)[0] = math.inf
+        else:
+            stats.loss_sum = math.nan
+
+
+@pytest.mark.parametrize("what", ["gradient", "loss"])
+def test_a_non_finite_update_never_reaches_the_weights(what):
+    cfg = load_config(None, [*SMALL, "train.max_grad_norm=null"])
+    session = Session(cfg, estimator=Poisoned(what))
+    before = [p.detach().clone() for p in session.policy.parameters()]
+    learn = session.update(session.collect(0).batch)
+    assert learn["diverged"] == what
+    assert session.policy.version == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, session.policy.parameters()))
+    assert not session.optimizer.state  # no step was taken
+
+
+def test_a_nan_reward_stops_the_run_as_diverged(tmp_path, monkeypatch):
+    build = session_module.build_reward
+
+    def nan_on_second_call(*args, **kwargs):
+        reward = build(*args, **kwargs)
+        calls = []
+
+        def wrapped(images, prompts):
+            calls.append(1)
+            out = reward(images, prompts)
+            return out.fill_(math.nan) if len(calls) == 2 else out
+
+        return wrapped
+
+    monkeypatch.setattr(session_module, "build_reward", nan_on_second_call)
+    out = tmp_path / "run"
+    assert main(["run", *SET, "--set", "train.iterations=3", "--set", "train.checkpoint_every=1",
+                 "--out", str(out)]) == 0
+    s = summary(out)
+    assert (s["status"], s["last_good_iteration"], s["checkpoint_iteration"]) == ("diverged", 0, 0)
+    assert "iteration 1" in s["error"]
+    recs = records(out)
+    assert [(r["iteration"], r["status"]) for r in recs] == [(0, "ok"), (1, "diverged")]
+    assert recs[1]["reward_mean"] is None  # NaN is written as null

@@ -1,0 +1,269 @@
+"""agg_bench.tools.sweep and agg_bench.engine.families: a sweep config expanded into jobs and checked without importing
+torch, resolutions checked from the model's configs, and the methods' check kept between parses."""
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agg_bench.engine.families import ImageGeometry, check_resolution, model_geometry
+from agg_bench.engine.models import build_tiny_transformer, build_tiny_vae, load_policy
+from agg_bench.errors import ConfigError, UserError
+from agg_bench.tools import sweep as sweep_module
+from agg_bench.tools.sweep import Sweep, SweepError, flatten, set_arg
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
+HEAVY = ("torch", "diffusers", "peft", "transformers")
+
+
+def sweep_config(name: str = "test.yaml") -> dict:
+    return yaml.safe_load((ROOT / "config" / name).read_text())
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """The methods' check run in this process (torch is already imported here), counting its calls."""
+    calls = []
+
+    def check(base_file, jobs, cache_dir=None):
+        calls.append(list(jobs))
+        return sweep_module.check_methods(base_file, jobs)
+
+    monkeypatch.setattr(sweep_module, "checked_methods", check)
+    monkeypatch.chdir(ROOT)  # base: config/run.yaml is relative to the working directory
+    return calls
+
+
+def test_sweep_jobs_commands_and_manifest(in_process):
+    sweep = Sweep(sweep_config(), SCHEMA)
+    assert sorted(sweep.runs) == ["agg-w3_sd3_32px_s0_cpu", "full_sd3_32px_s0_cpu"]
+    assert list(sweep.gradchecks) == ["sd3_32px_cpu"]
+    # one methods' check for every run and gradcheck of the sweep
+    assert len(in_process) == 1 and len(in_process[0]) == 3
+    command = sweep.run_command("agg-w3_sd3_32px_s0_cpu")
+    assert command.startswith(f"{sweep_module.PYTHON} -m agg_bench run --config config/run.yaml ")
+    assert "--set 'method={name: agg, window: 3, alpha: sigma}'" in command
+    assert "--set model.resolution=32" in command and command.endswith("--out results/runs/agg-w3_sd3_32px_s0_cpu")
+    runs = {Path(r["dir"]).name: r for r in sweep.manifest()["runs"]}
+    options = runs["agg-w3_sd3_32px_s0_cpu"]["method_options"]
+    # the method's resolved options: the sweep's plus the defaults of the rest
+    assert options["name"] == "agg" and (options["window"], options["alpha"]) == (3, "sigma")
+    assert (options["route_frac"], options["endpoint_velocity"]) == (1.0, "recompute")
+    assert runs["full_sd3_32px_s0_cpu"]["method_options"] == {"name": "full", "micro_batch": None}
+
+
+def test_flatten_keeps_method_sections_whole():
+    assert flatten({"train": {"lr": 1e-5, "plan": "groups"}, "method": {"name": "agg", "window": 3},
+                    "reward": {"options": {"quality": 50}}}) == [
+        ("train.lr", 1e-5), ("train.plan", "groups"), ("method", {"name": "agg", "window": 3}),
+        ("reward.options", {"quality": 50})]
+    assert set_arg("sampling.steps", 10) == "--set sampling.steps=10"
+
+
+@pytest.mark.parametrize("resolution, expected", [(30, "a positive multiple of 16 pixels for sd3"),
+                                                  (1600, "at most 1536 pixels")])
+def test_resolutions_fail_before_the_methods_check(in_process, resolution, expected):
+    config = sweep_config()
+    config["resolutions"] = [resolution]
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    message = str(err.value)
+    assert message.startswith("sweep config: run full_sd3_") and "model.resolution" in message
+    assert str(resolution) in message and expected in message
+    assert in_process == []  # decided from the configs, before any method is built
+
+
+def test_method_errors_name_the_job_and_the_key(in_process):
+    config = sweep_config()
+    config["methods"]["agg-w3"]["method"]["window"] = 9  # more than the 6 trained steps
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    assert "run agg-w3_sd3_32px_s0_cpu (methods.agg-w3, models.sd3)" in str(err.value)
+    assert "method.window" in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
+def test_geometry_from_configs_matches_the_built_model(tmp_path, family):
+    """The geometry read from a model folder's config.json files (and the tiny preset's configs) is the
+    one the built policy checks resolutions with."""
+    policy = load_policy(family, "tiny", None)
+    expected = ImageGeometry(family, policy.vae_scale_factor, policy.latent_multiple, policy.max_latent_size())
+    build_tiny_transformer(family).save_config(tmp_path / "transformer")
+    build_tiny_vae(family=family).save_config(tmp_path / "vae")
+    assert model_geometry({"family": family, "preset": "pretrained", "pretrained": str(tmp_path)}) == expected
+    assert model_geometry({"family": family, "preset": "tiny", "pretrained": None}) == expected
+    step = expected.vae_scale_factor * expected.latent_multiple
+    for resolution in (step, 4 * step):
+        assert policy.latent_shape(resolution)[1] == expected.latent_size(resolution) == resolution // expected.vae_scale_factor
+    for bad in (step + 8, 0, -step, 2.5 * step, True, None):
+        with pytest.raises(ConfigError) as err:
+            check_resolution({"family": family, "preset": "tiny", "resolution": bad})
+        assert err.value.key == "model.resolution"
+        with pytest.raises(ConfigError):
+            policy.latent_shape(bad)
+
+
+def test_unknown_geometry_is_left_to_the_run(tmp_path):
+    # a folder without configs: nothing to read, the run itself reports what is missing
+    assert model_geometry({"family": "sd3", "preset": "pretrained", "pretrained": str(tmp_path)}) is None
+    check_resolution({"family": "sd3", "preset": "pretrained", "pretrained": str(tmp_path), "resolution": 30})
+
+
+# A fresh interpreter: what the workflow's parse and the command line import. The sweep is the embedded
+# default; its methods' check runs in a child process the first time and is read from the cache the
+# second time (the script fails if a second child starts).
+NO_TORCH_SCRIPT = """
+import json, subprocess, sys
+from pathlib import Path
+import agg_bench.cli, agg_bench.tools.sweep, agg_bench.engine.families, agg_bench.config
+from agg_bench.tools.sweep import Sweep
+cache = Path(sys.argv[1])
+first = Sweep(__import__("yaml").safe_load(open("config/config.yaml")), "workflow/schemas/config.schema.yaml", cache)
+def refuse(*args, **kwargs):
+    raise AssertionError("the methods' check ran again")
+subprocess.run = refuse
+second = Sweep(__import__("yaml").safe_load(open("config/config.yaml")), "workflow/schemas/config.schema.yaml", cache)
+assert second.manifest() == first.manifest()
+print(json.dumps({"heavy": [m for m in %r if m in sys.modules], "runs": len(first.runs)}))
+""" % (HEAVY,)
+
+
+def test_cli_and_sweep_import_no_torch(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH_SCRIPT, str(tmp_path / "cache")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answer["heavy"] == []
+    config = sweep_config("config.yaml")
+    assert answer["runs"] == len(config["methods"]) * len(config["models"]) * len(config["resolutions"])
+    assert len(list((tmp_path / "cache").glob("methods-*.json"))) == 1
+
+
+def test_a_failing_methods_check_is_one_line_and_not_cached(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    jobs = {"run x (methods.bad)": [["method", {"name": "agg", "window": 0}]]}
+    with pytest.raises(UserError) as err:
+        sweep_module.checked_methods("config/run.yaml", jobs, tmp_path)
+    assert str(err.value).startswith("sweep config: run x (methods.bad): ") and "method.window" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_imports_only_its_own_method():
+    script = ("import sys; from agg_bench.methods.base import build_method; build_method('agg', {}); "
+              "print([m for m in ('baselines.cached', 'baselines.caches', 'baselines.subsample') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_cells_group_a_cpu_devices_runs(in_process):
+    """A CPU device's runs of one model x resolution go to one cell job (or `runs_per_job` at a time); a
+    cell's job file holds each run's `agg-bench run` arguments; GPU runs stay one job each."""
+    config = sweep_config()
+    config["seeds"] = [0, 1, 2]
+    sweep = Sweep(config, SCHEMA)
+    assert sweep.cells == {"sd3_32px_cpu": list(sweep.runs)} and sweep.single_runs == []
+    assert sweep.cell_rule("sd3_32px_cpu") == "cell_sd3_32px_cpu"
+    jobs = sweep.cell_jobs("sd3_32px_cpu")["runs"]
+    assert [job["out"] for job in jobs] == [f"results/runs/{r}" for r in sweep.runs]
+    for job, run_id in zip(jobs, sweep.runs):  # the arguments the run's own job would give `agg-bench run`
+        sets = " ".join(f"--set {shlex.quote(item)}" for item in job["set"])
+        assert sweep.run_command(run_id) == \
+            f"{sweep_module.PYTHON} -m agg_bench run --config {job['config']} {sets} --out {job['out']}"
+    assert sweep.cell_command("sd3_32px_cpu") == \
+        f"{sweep_module.PYTHON} -m agg_bench cell --keep-going results/cells/sd3_32px_cpu.json"
+    assert sweep.cell_outputs("sd3_32px_cpu")[:3] == [f"{jobs[0]['out']}/{name}"
+                                                      for name in ("summary.json", "metrics.jsonl", "env.json")]
+    config["devices"]["cpu"]["runs_per_job"] = 4  # 6 runs: two jobs of 3
+    split = Sweep(config, SCHEMA)
+    assert {name: len(ids) for name, ids in split.cells.items()} == {"sd3_32px_cpu_1of2": 3, "sd3_32px_cpu_2of2": 3}
+    config["devices"]["cpu"]["runs_per_job"] = 1
+    assert Sweep(config, SCHEMA).cells == {} and Sweep(config, SCHEMA).single_runs == list(sweep.runs)
+    config["devices"] = {"gpu2": {"device": "cuda", "gpus": 2, "runs_per_job": 2}}
+    config["set"]["grpo.prompts_per_iteration"] = 2
+    with pytest.raises(SweepError, match=r"devices\.gpu2\.runs_per_job: 2: a job on several GPUs runs one run"):
+        Sweep(config, SCHEMA)
+    config["devices"] = {"gpu1": {"device": "cuda", "gpus": 1}}
+    del config["set"]["grpo.prompts_per_iteration"]
+    assert Sweep(config, SCHEMA).cells == {}  # by default a GPU run is a job of its own
+    config["devices"]["gpu1"]["runs_per_job"] = 100  # one GPU: the cell's runs in one process on a pooled GPU
+    gpu = Sweep(config, SCHEMA)
+    assert gpu.cells == {"sd3_32px_gpu1": list(gpu.runs)} and gpu.single_runs == []
+    assert gpu.cell_command("sd3_32px_gpu1") == (f"{sweep_module.PYTHON} -m agg_bench.machine.gpus --count 1 -- "
+                                                 f"{sweep_module.PYTHON} -m agg_bench cell --keep-going results/cells/sd3_32px_gpu1.json")
+
+
+def test_failed_runs_are_reported_and_their_summaries_removed(tmp_path):
+    """What the workflow's manifest does after a cell job recorded a failed run (agg-bench cell --keep-going):
+    names each failed run, its error and its log, and removes only those runs' summaries, so that the next
+    invocation reruns their cells while every other file stays."""
+    from agg_bench.tools.sweep import failed_runs, report_failed_runs
+
+    statuses = {"ok": "ok", "oom": "oom", "failed": "error", "failed2": "error"}
+    for name, status in statuses.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"status": status, "error": f"E in {name}"}))
+        (tmp_path / name / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "unfinished").mkdir()
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "summary.json").write_text("{not json")
+    folders = [str(tmp_path / name) for name in [*statuses, "unfinished", "damaged"]]
+    failed = failed_runs(folders)
+    assert failed == [(str(tmp_path / "failed"), "E in failed"), (str(tmp_path / "failed2"), "E in failed2")]
+    message = report_failed_runs(failed, {str(tmp_path / "failed"): "results/logs/cell/x.log"})
+    assert message.startswith("2 runs of this sweep failed") and "E in failed2" in message
+    assert f"{tmp_path / 'failed'}: E in failed (log: results/logs/cell/x.log)" in message
+    assert [p.name for p in sorted(tmp_path.rglob("summary.json"))] == ["summary.json"] * 3  # ok, oom, damaged
+    assert not (tmp_path / "failed" / "summary.json").exists() and (tmp_path / "failed" / "metrics.jsonl").exists()
+    assert failed_runs(folders) == []
+
+
+def test_runs_that_differ_only_in_their_seed_are_checked_once(in_process, monkeypatch):
+    """snakemake -n with 20,000 seeds took over 5 minutes: every run's config was loaded, checked and its
+    method built again (21 ms a run). No check but the seed's own range reads the seed, so one job per seedless
+    config is checked, in this process and in the methods' check, and every run gets its method's options."""
+    loads = []
+    original = sweep_module.load_config
+
+    def counting(*args, **kwargs):
+        loads.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_module, "load_config", counting)
+    config = sweep_config()
+    config["seeds"] = list(range(50))
+    sweep = Sweep(config, SCHEMA)
+    assert len(sweep.runs) == 2 * 50
+    # the two methods and the gradcheck, each loaded by the sweep's check and by the methods' check
+    assert len(in_process) == 1 and len(in_process[0]) == 3 and len(loads) == 2 * 3
+    assert {r["method_options"]["name"] for r in sweep.runs.values() if r["method"] == "agg-w3"} == {"agg"}
+    assert all(r["method_options"] == {"name": "full", "micro_batch": None}
+               for r in sweep.runs.values() if r["method"] == "full")
+    assert len({run["seed"] for run in sweep.runs.values()}) == 50
+    assert "--set seed=49" in sweep.run_command("full_sd3_32px_s49_cpu")
+
+
+def test_a_sweep_of_more_runs_than_the_bound_is_refused(in_process):
+    """Snakemake's own parse grows faster than the runs (8,192 of them: 26 s; 20,000: 4 min 45 s), so a sweep
+    holds at most MAX_RUNS runs, counted after exclude, refused in one line before its jobs are composed."""
+    config = sweep_config()
+    config["seeds"] = list(range(sweep_module.MAX_RUNS // 2 + 1))
+    with pytest.raises(SweepError, match=f"more than {sweep_module.MAX_RUNS:,} runs after exclude"):
+        Sweep(config, SCHEMA)
+    config["exclude"] = [{"method": "agg-w3", "seed": "1*"}]  # leaves 4,096 - 1,111 runs
+    assert len(Sweep(config, SCHEMA).runs) <= sweep_module.MAX_RUNS
+
+
+def test_the_learning_reference_is_a_method_of_the_sweep(in_process):
+    """agg-bench learning refuses a --reference that is not a method of its manifest; the workflow passes
+    learning.reference, so the sweep refuses it before any job runs rather than after every run."""
+    config = sweep_config()
+    config["learning"] = {"reference": "nosuch"}
+    with pytest.raises(SweepError, match="learning.reference: 'nosuch' is not a label under methods"):
+        Sweep(config, SCHEMA)
+    config["learning"] = {"reference": "agg-w3"}
+    assert len(Sweep(config, SCHEMA).runs) == 2

@@ -1,0 +1,55 @@
+"""Snakemake conventions of the workflow: every job rule keeps a log, the rules that measure keep a
+benchmark, and the default profile is found without a flag."""
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MEASURING = {"embed", "run", "cell", "gradcheck", "calibrate", "pretrain"}
+
+
+def rules() -> dict[str, str]:
+    """Rule name -> its body (dedented), from the Snakefile and every workflow/rules/*.smk. A rule made in a
+    loop (`rule:` with a `name:` directive, one per cell) goes by the first word of the name it is given."""
+    found = {}
+    for path in [ROOT / "Snakefile", *sorted((ROOT / "workflow" / "rules").glob("*.smk"))]:
+        text = path.read_text()
+        starts = [(m.group(1), m.start()) for m in re.finditer(r"^ *rule( \w+)?:", text, flags=re.M)]
+        for (name, start), nxt in zip(starts, [s for _, s in starts[1:]] + [len(text)]):
+            body = textwrap.dedent(text[start:nxt])
+            found[name.strip() if name else re.search(r"name:\s+\w+\.(\w+?)_", body).group(1)] = body
+    return found
+
+
+def test_every_job_rule_logs_and_measuring_rules_keep_a_benchmark():
+    found = rules()
+    assert MEASURING <= set(found)
+    for name, body in found.items():
+        if not re.search(r"^    (shell|run):", body, flags=re.M):  # a target rule (all, learning) runs no job
+            assert name in ("all", "learning"), f"rule {name} runs nothing"
+            continue
+        assert re.search(r"^    log:", body, flags=re.M), f"rule {name} has no log:"
+        if name in MEASURING:
+            assert re.search(r"^    benchmark:", body, flags=re.M), f"rule {name} has no benchmark:"
+
+
+def test_the_default_profile_is_where_snakemake_looks_without_a_flag():
+    # Snakemake reads profiles/default/ next to the Snakefile when --workflow-profile is not given
+    profile = ROOT / "profiles" / "default" / "config.yaml"
+    assert profile.is_file()
+    assert profile.resolve() == (ROOT / "workflow" / "profiles" / "default" / "config.yaml").resolve()
+
+
+def test_every_job_runs_on_the_threads_it_reserves():
+    """Every shell job sets OMP_NUM_THREADS to the cores Snakemake reserved for it (`threads:`, default 1):
+    torch would otherwise start a thread per core beside the other jobs. (The pretrain job also passes
+    them as its config's `threads`: tests/integration/test_learning.py's dry run.)"""
+    shells = 0
+    for name, body in rules().items():
+        shell = re.search(r"^    shell:\n((?:        .*\n?)+)", body, flags=re.M)
+        if shell:
+            shells += 1
+            assert shell.group(1).strip().startswith('"OMP_NUM_THREADS={threads} '), f"rule {name}"
+    assert shells >= len(MEASURING)

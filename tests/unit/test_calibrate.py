@@ -1,0 +1,229 @@
+"""agg-bench calibrate: unit costs of each pass from interleaved repetitions; bad options refused."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from agg_bench.cli import main
+from agg_bench.engine.rollout import rollout
+from agg_bench.errors import ConfigError
+from agg_bench.methods.base import METHODS as METHOD_REGISTRY
+from agg_bench.tools.calibrate import CalibrationConfig
+from baselines.full import FullEstimator
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--config", str(ROOT / "config/run.yaml"), "--set", "model.resolution=32", "--set", "sampling.steps=4",
+         "--set", "grpo.prompts_per_iteration=1"]
+
+
+def test_calibrate_writes_a_unit_cost_per_pass_and_basis(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--repeats", "3", "--warmup", "0", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["model"], result["resolution"], result["device"], result["batch"]) == ("sd3-tiny", 32, "cpu", 4)
+    units = result["unit_s_per_sample"]
+    assert set(units) == {"forward_nograd", "forward_grad", "backward", "optimizer_step"}
+    for kind, by_basis in units.items():
+        for basis in ("cpu", "wall"):
+            p25, median, p75 = (by_basis[basis][k] for k in ("p25", "median", "p75"))
+            assert math.isfinite(median) and median > 0 and p25 <= median <= p75, (kind, basis)
+    # each pass also at one latent: a call of n latents costs call + latent * n, exactly the per-sample
+    # unit cost times n at the large size (every (sample, step) pair without grad, the batch with)
+    per_call = result["unit_s_per_call"]
+    assert {kind: per_call[kind]["latents"] for kind in per_call} == {
+        "forward_nograd": [4 * 4, 1], "forward_grad": [4, 1], "backward": [4, 1]}
+    for kind, entry in per_call.items():
+        big = entry["latents"][0]
+        for basis in ("cpu", "wall"):
+            fit = entry[basis]
+            assert fit["call"] >= 0 and fit["latent"] >= 0 and len(fit["median"]) == 2, (kind, basis)
+            assert fit["call"] + fit["latent"] * big == pytest.approx(fit["median"][0], rel=1e-12)
+            assert fit["median"][0] == pytest.approx(big * units[kind][basis]["median"], rel=1e-9)
+    assert json.loads(capsys.readouterr().out)["out"] == str(out)
+
+
+@pytest.mark.parametrize("key, value", [("repeats", 0), ("repeats", -1), ("repeats", 10 ** 9), ("repeats", 2.5),
+                                        ("repeats", True), ("warmup", -1), ("warmup", float("nan"))])
+def test_bad_calibration_options_are_refused(key, value):
+    with pytest.raises(ConfigError, match=f"calibrate.{key}"):
+        CalibrationConfig(**{key: value})
+
+
+def test_bad_repeats_on_the_command_line_is_exit_2_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--repeats", "0", "--out", str(out)]) == 2
+    assert "calibrate.repeats" in capsys.readouterr().err and not out.exists()
+
+
+METHODS = ["--method", "full", "{method: {name: full}}",
+           "--method", "agg-w4", "{method: {name: agg, window: 4, alpha: sigma}}",
+           "--method", "fora", "{method: {name: cached, cache: fora, cache_in: rollout}}",
+           "--method", "eta", "{method: {name: full}, sampling.eta: 0.5}"]
+
+
+def test_calibrate_times_each_methods_train_phase_in_rounds_with_its_counted_passes(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--repeats", "2", "--warmup", "1", "--method-repeats", "3", *METHODS,
+                 "--out", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    b, steps = 4, 4  # one prompt x a group of 4 images, 4 steps, every step trained
+    assert methods["full"]["passes"] == {"forward_nograd": 0, "forward_grad": b * steps, "backward": b * steps}
+    # AGG with one group of W=4: a forward with grad and a backward at both ends, W no-grad velocities
+    assert methods["agg-w4"]["passes"] == {"forward_nograd": b * steps, "forward_grad": 2 * b, "backward": 2 * b}
+    # and the calls that made them: full one per step; AGG one no-grad call over every pair, its 2b endpoints
+    # in calls of the batch's size
+    assert methods["full"]["calls"] == {"forward_nograd": 0, "forward_grad": steps, "backward": steps}
+    assert methods["agg-w4"]["calls"] == {"forward_nograd": 1, "forward_grad": 2, "backward": 2}
+    for label in ("full", "agg-w4"):
+        timed = methods[label]
+        assert timed["replay"] == "as_trained" and timed["optimizer_steps"] == 1
+        assert len(timed["cpu_s"]) == len(timed["wall_s"]) == 3 and min(timed["cpu_s"]) > 0
+    # a rollout-only cache trains as full on a frozen rollout; a rollout setting needs its own rollout
+    assert methods["fora"]["replay"] == "not_applicable" and "cpu_s" not in methods["fora"]
+    assert methods["eta"]["replay"] == "not_applicable" and "sampling.eta" in methods["eta"]["replay_note"]
+    assert json.loads(capsys.readouterr().out)["methods_timed"] == ["full", "agg-w4"]
+
+
+@pytest.mark.parametrize("label, text, expected", [
+    ("a", "{method: {name: full}", "not YAML"),
+    ("a", "[1, 2]", "names the method"),
+    ("a", "{method: {window: 5}}", "names the method"),
+    ("a", "{sampling.eta: 0.5}", "names the method"),
+])
+def test_bad_method_entries_are_exit_2_before_anything_runs(tmp_path, capsys, label, text, expected):
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--method", label, text, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and f"--method {label}" in err and not out.exists()
+
+
+def test_a_label_given_twice_and_bad_method_repeats_are_refused(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    twice = ["--method", "a", "{method: {name: full}}", "--method", "a", "{method: {name: agg}}"]
+    assert main(["calibrate", *SMALL, *twice, "--out", str(out)]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert main(["calibrate", *SMALL, "--method-repeats", "0", "--out", str(out)]) == 2
+    assert "calibrate.method_repeats" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("{method: {name: nosuch}}", "method.name = 'nosuch'"),
+    ("{method: {name: agg-w5}}", "method.name = 'agg-w5'"),  # a sweep label given for the method's name
+    ("{method: {name: agg, window: 0}}", "method.window"),
+    ("{method: {name: agg, window: 8}}", "method.window"),  # longer than the 4 steps: the method's own run check
+    ("{method: {name: full}, train.lr: -1}", "train.lr"),
+])
+def test_a_method_no_run_could_use_is_exit_2_before_anything_is_timed(tmp_path, capsys, monkeypatch, text, expected):
+    import agg_bench.runtime.session
+
+    monkeypatch.setattr(agg_bench.runtime.session, "Session", lambda cfg: pytest.fail("timing started"))
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--method", "mine", text, "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agg-bench calibrate: --method mine: ") and expected in lines[0]
+    assert not any(tmp_path.iterdir())
+
+
+class GuessEveryOtherVelocity(FullEstimator):
+    """``full`` whose rollout forwards the policy on even steps only and reuses the last velocity on odd ones:
+    a rollout with half the forwards, as the methods that guess velocities have."""
+
+    name = "test-guess"
+
+    def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
+        last = {}
+
+        def velocity(j, x, t, c):
+            if j % 2 == 0:
+                last["v"] = policy.velocity(x, t, c)
+            return last["v"]
+
+        return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, velocity=velocity)
+
+
+def test_calibrate_times_each_methods_rollout_in_rounds_with_its_counted_forwards(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(METHOD_REGISTRY, GuessEveryOtherVelocity.name, GuessEveryOtherVelocity)
+    out = tmp_path / "cal.json"
+    rollout_methods = ["--method", "full", "{method: {name: full}}",
+                       "--method", "guess", "{method: {name: test-guess}}",
+                       "--method", "fora", "{method: {name: cached, cache: fora, cache_in: rollout}}",
+                       "--method", "eta", "{method: {name: full}, sampling.eta: 0.5}",
+                       "--method", "steps", "{method: {name: full}, sampling.steps: 2}"]
+    assert main(["calibrate", *SMALL, "--repeats", "1", "--warmup", "0", "--method-repeats", "3", *rollout_methods,
+                 "--out", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    steps = 4
+    # forwards per sample: one per step, but the guessing rollout's every other; FORA's cache skips blocks
+    # inside each forward, not forwards
+    assert {label: methods[label]["rollout_forwards"] for label in ("full", "guess", "fora", "eta")} == {
+        "full": steps, "guess": steps // 2, "fora": steps, "eta": steps}
+    for label in ("full", "guess", "fora", "eta"):
+        timed = methods[label]
+        assert len(timed["rollout_cpu_s"]) == len(timed["rollout_wall_s"]) == 3 and min(timed["rollout_cpu_s"]) > 0
+    # the train rounds' keys are all still there, beside the rollout's
+    assert methods["full"]["passes"]["backward"] == 4 * steps and len(methods["full"]["cpu_s"]) == 3
+    assert methods["fora"]["replay"] == "not_applicable" and "cpu_s" not in methods["fora"]
+    # a method that samples on another schedule cannot share the rounds' start
+    assert "rollout_cpu_s" not in methods["steps"] and "sampling.steps" in methods["steps"]["rollout_note"]
+    assert json.loads(capsys.readouterr().out)["rollouts_timed"] == ["full", "guess", "fora", "eta"]
+
+
+def test_every_rollout_round_samples_what_the_runs_first_rollout_samples(monkeypatch):
+    """Each round gives each method iteration 0's conditioning, x_0 and generator state: ``full``'s rollout in
+    every round is the run's own first rollout, bit for bit, and the weights are untouched."""
+    from agg_bench.config import load_config
+    from agg_bench.runtime.session import Session
+    from agg_bench.tools.calibrate import method_overrides, time_rollouts
+
+    cfg = load_config(ROOT / "config/run.yaml", SMALL[3::2])
+    session = Session(cfg)
+    first = session.collect(0).batch.latents
+    weights = [p.detach().clone() for p in session.policy.parameters()]
+    sampled, original = [], FullEstimator.rollout
+
+    def kept(self, *args):
+        sampled.append(original(self, *args))
+        return sampled[-1]
+
+    monkeypatch.setattr(FullEstimator, "rollout", kept)
+    parsed = {"full": method_overrides("full", {"method": {"name": "full"}})}
+    timed = time_rollouts(session, parsed, CalibrationConfig(method_repeats=2))
+    assert len(sampled) == len(timed["full"]["rollout_cpu_s"]) == 2
+    for trajectory in sampled:
+        assert torch.equal(trajectory.latents, first)
+    assert all(torch.equal(p, w) for p, w in zip(session.policy.parameters(), weights))
+
+
+def test_a_method_that_owns_its_rollout_is_timed_on_a_rollout_of_its_own(tmp_path):
+    """branch and guess cannot train a frozen rollout of independent chains (their replay is not
+    applicable), so calibrate times their train phase on their own rollout of the run's first iteration:
+    the tree's distinct edges, the guessed generations' terms; their rollout rounds count the forwards
+    they skip."""
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--repeats", "1", "--warmup", "0", "--method-repeats", "2",
+                 "--method", "full", "{method: {name: full}}",
+                 "--method", "branch", "{method: {name: branch, branch_factor: 2, branch_points: [0, 2]}}",
+                 "--method", "guess", "{method: {name: guess, guessed: 1, guess_from: 2}}",
+                 "--out", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    b, steps = 4, 4
+    # the tree of one prompt: 2 edges at steps 0 and 1, 4 at steps 2 and 3, each trained once
+    assert methods["branch"]["passes"] == {"forward_nograd": 0, "forward_grad": 12, "backward": 12}
+    # its rollout: one node at step 0, 2 at step 1, 2 at step 2, 4 at step 3, per sample of the group
+    assert methods["branch"]["rollout_forwards"] == (1 + 2 + 2 + 4) / b
+    # guess trains every planned term (a guessed one down-weighted); it skips one forward at step 2 (the last
+    # step, 3, is never guessed)
+    assert methods["guess"]["passes"] == {"forward_nograd": 0, "forward_grad": b * steps, "backward": b * steps}
+    assert methods["guess"]["rollout_forwards"] == (b * steps - 1) / b
+    # one call per step, whatever its latents: the tree's and the guessing rollout's as many as full's
+    for label, latents in (("full", b * steps), ("branch", 1 + 2 + 2 + 4), ("guess", b * steps - 1)):
+        assert methods[label]["rollout_passes"] == {"forward_nograd": latents, "forward_grad": 0, "backward": 0}
+        assert methods[label]["rollout_calls"] == {"forward_nograd": steps, "forward_grad": 0, "backward": 0}
+    assert methods["branch"]["calls"] == {"forward_nograd": 0, "forward_grad": steps, "backward": steps}
+    for label in ("branch", "guess"):
+        timed = methods[label]
+        assert timed["replay"] == "not_applicable" and timed["train_rollout"] == "own"
+        assert len(timed["cpu_s"]) == 2 and len(timed["rollout_cpu_s"]) == 2
+    assert "train_rollout" not in methods["full"]

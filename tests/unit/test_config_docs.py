@@ -1,0 +1,155 @@
+"""The typed run config is the one source: docs/configuration.md's table is the generated one, the defaults
+and the schema come from the same fields, config.json keeps its format, and the method's options are typed once,
+when the loaded config is checked (check_config). (That loading imports no torch and no method needs a fresh
+interpreter: tests/integration/test_fresh_interpreters.py.)"""
+import json
+from pathlib import Path
+
+import pytest
+
+from agg_bench.config import DEFAULTS, RunConfig, load_config, run_schema
+from agg_bench.config import docs as config_docs
+from agg_bench.config.sections import Section
+from agg_bench.runtime.config_check import check_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "configuration.md"
+
+# The defaults as config.json files hold them, keys in this order: a rerun and --resume compare old files
+# against these (a key a file lacks counts as its default here, and a value an older file wrote for a key whose
+# values changed reads as the keys it stands for: tests/unit/test_recipes.py).
+WRITTEN_DEFAULTS = {
+    "run_id": None, "seed": 0, "device": "cpu", "progress": True,
+    "model": {"family": "sd3", "preset": "tiny", "pretrained": None, "resolution": 128, "dtype": "float32",
+              "architecture": None},
+    "prompts": {"file": None, "max_tokens": 16, "max_sequence_length": None, "cache_dir": "results/embeddings"},
+    "sampling": {"steps": 10, "sde": "flow_grpo", "eta": 0.7, "shift": 3.0, "same_noise_per_group": True,
+                 "schedule": "diffusers"},
+    "grpo": {"group_size": 4, "prompts_per_iteration": 2, "clip_range": 1e-4, "adv_clip_max": 5.0, "beta": 0.0,
+             "adv_std": "group", "adv_ddof": 0, "adv_eps": 1e-8, "kl_form": "transition"},
+    "train": {"iterations": 2, "lr": 1e-4, "weight_decay": 0.0, "max_grad_norm": 1.0, "timestep_fraction": 1.0,
+              "plan": "steps", "plan_window": 5, "inner_epochs": 1, "gradient_checkpointing": False,
+              "lora_rank": 0, "lora_alpha": None, "lora_target_modules": None, "checkpoint_every": 0,
+              "shard": "none", "cpu_offload": False, "budget": None,
+              "pass_costs": {"forward_nograd": 1.0, "forward_grad": 1.1, "backward": 1.6}},
+    "method": {"name": "full"},
+    "reward": {"name": "jpeg_compressibility", "options": {}, "on": "final"},
+    "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first", "tensorboard": False},
+    "eval": {"every": 0, "noises": 16, "seed": 0, "sampler": "sde", "batch_size": 64},
+}
+
+
+def test_the_docs_table_is_the_generated_one():
+    text = DOC.read_text(encoding="utf-8")
+    assert config_docs.with_table(text) == text, \
+        "docs/configuration.md is stale: python -m agg_bench.config.docs --write docs/configuration.md"
+    assert config_docs.main(["--check", str(DOC)]) == 0
+
+
+def test_the_table_lists_every_key_with_its_default_once():
+    rows = config_docs.reference_rows()
+    keys = [row[0].strip("`") for row in rows]
+    assert len(keys) == len(set(keys))
+
+    def leaves(data, prefix=""):
+        for key, value in data.items():
+            if isinstance(value, dict) and value and key != "options":
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield prefix + key
+
+    assert set(leaves(DEFAULTS)) | {"method.<option>"} == set(keys)
+    assert all(row[3] for row in rows), "every key has a meaning"
+    row = dict((r[0].strip("`"), r) for r in rows)
+    assert row["model.resolution"][1:3] == ["`128`", "integer from 1 to 4096"]
+    assert row["grpo.clip_range"][1:3] == ["`1e-4`", "number > 0"]
+    assert row["sampling.shift"][2] == "number > 0 or null"
+    assert row["device"][2] == "cpu, cuda, cuda:N or auto"
+
+
+def test_the_defaults_are_what_config_json_files_hold():
+    assert json.dumps(DEFAULTS) == json.dumps(WRITTEN_DEFAULTS)  # values and key order
+    assert RunConfig().to_dict() == DEFAULTS
+
+
+def test_the_schema_has_every_key_and_nothing_else():
+    def keys(schema, prefix=""):
+        for key, prop in schema["properties"].items():
+            if prop.get("type") == "object" and "properties" in prop:
+                yield from keys(prop, f"{prefix}{key}.")
+            else:
+                yield prefix + key
+
+    schema = run_schema()
+    assert set(keys(schema)) == {k.strip("`") for k, *_ in config_docs.reference_rows()} - {"method.<option>"}
+    assert schema["additionalProperties"] is False and schema["properties"]["model"]["additionalProperties"] is False
+    assert schema["properties"]["method"]["required"] == ["name"]
+    assert "additionalProperties" not in schema["properties"]["method"]  # the method's class checks the rest
+    assert schema["properties"]["seed"] == {"type": "integer", "minimum": 0, "maximum": 4294967295,
+                                            "description": schema["properties"]["seed"]["description"]}
+
+
+def test_config_json_keeps_the_values_and_order_as_written(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train: {lr: 1}\nmethod: {window: 3, name: agg}\nreward: {options: {quality: 50}}\n")
+    cfg = load_config(path, ["train.max_grad_norm=2"])
+    written = cfg.to_dict()
+    assert written["train"]["lr"] == 1 and isinstance(written["train"]["lr"], int)  # not converted to 1.0
+    assert list(written["method"].items()) == [("window", 3), ("name", "agg")]
+    assert list(written) == list(DEFAULTS) and list(written["train"]) == list(DEFAULTS["train"])
+    assert written["reward"] == {"name": "jpeg_compressibility", "options": {"quality": 50}, "on": "final"}
+    assert RunConfig.from_dict(written).to_dict() == written
+    assert cfg.get_path("method.window") == 3 and cfg.get_path("train.max_grad_norm") == 2
+
+
+def test_an_older_config_json_reads_with_the_defaults_of_keys_it_lacks():
+    older = json.loads(json.dumps(WRITTEN_DEFAULTS))
+    del older["grpo"]["kl_form"], older["train"]["shard"], older["telemetry"], older["train"]["pass_costs"]
+    del older["eval"]
+    cfg = RunConfig.from_dict(older)
+    assert (cfg.grpo.kl_form, cfg.train.shard, cfg.telemetry.saved_activations) == ("transition", "none", "first")
+    assert (cfg.train.pass_costs.backward, cfg.train.budget, cfg.eval.every) == (1.6, None, 0)
+
+
+def test_sections_are_typed():
+    cfg = check_config(load_config(None, ['method={"name": "agg", "window": 2}']))
+    assert isinstance(cfg.train, Section) and cfg.train.lr == 1e-4 and cfg.model.family == "sd3"
+    assert cfg.method.name == "agg" and cfg.method.options.window == 2 and cfg.method.options.route_frac == 1.0
+    assert load_config(None).method.options is None
+
+
+def test_the_method_is_checked_and_typed_once(monkeypatch):
+    from agg_bench.methods import base
+    from agg_bench.methods.base import build_estimator
+    from agg_bench.runtime import config_check
+
+    calls = []
+    real = base.method_config
+
+    def counted(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(base, "method_config", counted)
+    monkeypatch.setattr(config_check, "method_config", counted)
+    cfg = load_config(None, ['method={"name": "agg", "window": 2}'])
+    assert calls == []  # loading does not check the method
+    cfg = check_config(cfg)
+    assert len(calls) == 1
+    estimator = build_estimator(cfg)
+    assert len(calls) == 1 and estimator.config is cfg.method.options
+    assert check_config(cfg).method.options is estimator.config and len(calls) == 1
+    unchecked = load_config(None, ['method={"name": "agg", "window": 2}'])
+    assert build_estimator(unchecked).config == cfg.method.options and len(calls) == 2
+
+
+@pytest.mark.parametrize("flag", ["--schema", None])
+def test_the_docs_command_prints_the_schema_and_the_table(capsys, flag):
+    assert config_docs.main([flag] if flag else []) == 0
+    out = capsys.readouterr().out
+    if flag:
+        assert json.loads(out) == run_schema()
+    else:
+        assert out.strip() == config_docs.reference_table()
+
+

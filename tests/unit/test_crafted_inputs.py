@@ -1,0 +1,358 @@
+"""Crafted inputs that a command reads: a model folder (``token_hash.json``, ``transformer/config.json``),
+``agg-bench pretrain``'s sizes and seed, and the run folders ``agg-bench learning`` reads (config.json,
+records, checkpoints, the manifest and its options). Each is refused with one line naming the file or key, exit
+code 2, before anything is allocated or written; or works.
+
+The model is the committed learning-testbed model (tests/data/sd3-scenes, 0.6 M parameters), copied; the
+learning runs are one run of 2 iterations on it, copied and edited.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from agg_bench.cli import main
+from agg_bench.config import load_config
+from agg_bench.engine.scenes import all_scenes
+from agg_bench.errors import ConfigError
+from agg_bench.runtime import memplan
+from agg_bench.runtime.train import Session, train
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENE_MODEL = ROOT / "tests" / "data" / "sd3-scenes"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("model") / "sd3-scenes"
+    shutil.copytree(SCENE_MODEL, folder)
+    return folder
+
+
+def model_copy(model: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(model, folder)
+    return folder
+
+
+def model_config(folder: Path, *overrides: str):
+    return load_config(None, ["model.family=sd3", "model.preset=pretrained", f"model.pretrained={folder}",
+                              "model.resolution=32", "sampling.steps=2", "grpo.group_size=2", "progress=false",
+                              "reward.name=scene", *overrides])
+
+
+def one_line(capsys, code: int) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+# ----- a model folder -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, words", [
+    ('{"max_tokens": -1, "seed": 0}', "max_tokens from 1 to 4096 (it has -1)"),
+    ('{"max_tokens": Infinity, "seed": 0}', "max_tokens from 1 to 4096 (it has inf)"),
+    ('{"max_tokens": 6.9, "seed": 0}', "max_tokens from 1 to 4096 (it has 6.9)"),  # was truncated to 6
+    ('{"max_tokens": 6, "seed": 100000000000000000000000}', "seed from 0 to 4294967295"),
+    ('{"max_tokens": 6}', "seed from 0 to 4294967295 (it has None)"),
+    ("[6, 0]", "holds a list, not a JSON object"),
+    ('{"max_tokens": 6, "seed": 0, "pad": "' + "x" * 70_000 + '"}', "over the 64 KiB such a file may have"),
+])
+def test_a_crafted_token_hash_file_is_refused(model, tmp_path, capsys, text, words):
+    """token_hash.json is read bounded (64 KiB: the 200 MB file was read whole) and its values are integers
+    within bounds (-1 gave a traceback, Infinity an overflow, 6.9 was silently truncated)."""
+    folder = model_copy(model, tmp_path)
+    (folder / "token_hash.json").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        Session(model_config(folder))
+    assert err.value.key == "model.pretrained" and "token_hash.json" in str(err.value) and words in str(err.value)
+    out = tmp_path / "run"
+    args = [a for item in ["model.family=sd3", "model.preset=pretrained", f"model.pretrained={folder}",
+                           "model.resolution=32", "train.iterations=1", "progress=false"] for a in ("--set", item)]
+    capsys.readouterr()
+    line = one_line(capsys, main(["run", *args, "--out", str(out)]))
+    assert words in line and len(line) < 600 and not out.exists()
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("num_layers", 100_000, "num_layers = 100000: expected an integer from 1 to 256"),
+    ("num_attention_heads", 0, "num_attention_heads = 0: expected an integer from 1 to 16384"),
+    ("patch_size", -2, "patch_size = -2"),
+    ("dual_attention_layers", [0, 10**9], "dual_attention_layers holds 1000000000"),
+])
+def test_a_transformer_config_out_of_bounds_is_refused_before_a_model_is_built(model, tmp_path, monkeypatch, key,
+                                                                               value, words):
+    """num_layers = 100,000 ran for minutes at 4.4 GB while diffusers built the model: the sizes are checked
+    before anything is built from them, by the run and by the memory planner."""
+    import diffusers
+
+    folder = model_copy(model, tmp_path)
+    path = folder / "transformer" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+
+    def never(*args, **kwargs):
+        raise AssertionError("a transformer was built from the crafted config")
+
+    monkeypatch.setattr(diffusers.SD3Transformer2DModel, "__init__", never)
+    for build in (Session, memplan.plan_memory):
+        with pytest.raises(ConfigError) as err:
+            build(model_config(folder))
+        assert err.value.key == "model.pretrained" and words in str(err.value)
+
+
+def test_a_model_whose_weights_do_not_fit_is_refused_before_it_is_loaded(model, monkeypatch):
+    """The memory planner counts the folder's transformer on the meta device before a run loads it: weights
+    larger than the device's memory are refused ("does not fit"), the committed model fits."""
+    from agg_bench.engine import models
+
+    weights = 4 * json.loads((SCENE_MODEL / "pretrain.json").read_text())["parameters"]
+    loaded = []
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(
+        AssertionError("the model was loaded")))
+    monkeypatch.setattr(memplan, "gpu_memory_bytes", lambda device: weights - 1)
+    with pytest.raises(ConfigError) as err:
+        memplan.check_weights_fit(model_config(model))
+    assert err.value.key == "model.pretrained" and "does not fit" in str(err.value)
+    assert f"{weights // 4:,} parameters" in str(err.value)
+    with pytest.raises(ConfigError, match="does not fit"):
+        Session(model_config(model))
+    assert not loaded
+    monkeypatch.setattr(memplan, "gpu_memory_bytes", lambda device: 2 * weights)
+    memplan.check_weights_fit(model_config(model))
+
+
+# ----- agg-bench pretrain ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("sets, key, words", [
+    (["num_layers=64", "num_attention_heads=16", "attention_head_dim=128"], "num_layers",
+     "at most 100,000,000 parameters together"),
+    (["seed=100000000000000000000000"], "seed", "an integer from 0 to 4294967295"),
+    (["seed=4294967296"], "seed", "an integer from 0 to 4294967295"),
+])
+def test_pretrain_sizes_are_bounded_together_and_its_seed(tmp_path, capsys, monkeypatch, sets, key, words):
+    """Each size within its own limit, together 9.6 billion parameters: they allocated until a RuntimeError at
+    9.5 GB. Counted on the meta device before anything is allocated; the seed bounded as a run's."""
+    from agg_bench.tools import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "build_transformer", lambda cfg: (_ for _ in ()).throw(
+        AssertionError("a model was built")))
+    with pytest.raises(ConfigError) as err:
+        pretrain_module.load_pretrain_config(None, sets)
+    assert err.value.key == key and words in str(err.value)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_line(capsys, main(["pretrain", *[a for s in sets for a in ("--set", s)], "--out", str(out)]))
+    assert words in line and not out.exists()
+
+
+def test_pretrain_memory_is_planned_before_anything_is_allocated():
+    """Weights, gradients, AdamW's moments and the average (5 x 4 bytes per parameter) and one batch's saved
+    activations, counted on fake tensors; more than the memory given is "does not fit", naming the sizes."""
+    from agg_bench.tools.pretrain import PretrainConfig, check_size
+
+    cfg = PretrainConfig(num_layers=1, batch_size=4)
+    plan = check_size(cfg)
+    with torch.device("meta"):
+        from agg_bench.tools.pretrain import transformer_config
+        from agg_bench.engine.families import FAMILY_SPECS
+
+        count = sum(p.numel() for p in FAMILY_SPECS["sd3"].transformer_cls()(**transformer_config(cfg)).parameters())
+    assert plan["parameters"] == count and plan["state"] >= 5 * 4 * count and plan["activations"] > 0
+    assert check_size(cfg, memory=plan["total"]) == plan
+    with pytest.raises(ConfigError, match="does not fit") as err:
+        check_size(cfg, memory=plan["total"] - 1)
+    assert err.value.key == "batch_size" and "num_layers=1" in str(err.value)
+    assert check_size(PretrainConfig(num_layers=1, batch_size=8))["activations"] > plan["activations"]
+
+
+# ----- agg-bench learning: the run folders it reads --------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(model, tmp_path_factory) -> tuple[Path, Path]:
+    """A run of 2 iterations from the scene model with its final checkpoint, and its prompts file."""
+    root = tmp_path_factory.mktemp("learning")
+    prompts = root / "p.txt"
+    prompts.write_text("\n".join(s.caption for s in all_scenes()[:2]) + "\n")
+    cfg = model_config(model, f"prompts.file={prompts}", "grpo.prompts_per_iteration=1", "train.iterations=2",
+                       "train.checkpoint_every=2", "train.lr=1e-2")
+    assert train(cfg, root / "run")["status"] == "ok"
+    return root / "run", prompts
+
+
+def learning_runs(trained, tmp_path: Path, n: int = 2) -> tuple[Path, list[Path]]:
+    """``n`` copies of the trained run as seeds of ``full`` in a manifest; (the manifest, the run folders)."""
+    runs = []
+    for seed in range(n):
+        runs.append(tmp_path / f"full{seed}")
+        shutil.copytree(trained[0], runs[-1])
+    manifest = tmp_path / "manifest.json"
+    entries = [{"dir": str(r), "method": "full", "seed": i} for i, r in enumerate(runs)]
+    manifest.write_text(json.dumps({"runs": entries}))
+    return manifest, runs
+
+
+def learning_fails(capsys, tmp_path: Path, manifest: Path, *options: str) -> str:
+    """``agg-bench learning`` with tables and plots: one line, exit 2, neither folder written."""
+    tables, plots = tmp_path / "tables", tmp_path / "plots"
+    capsys.readouterr()
+    line = one_line(capsys, main(["learning", "--manifest", str(manifest), "--tables", str(tables), "--plots",
+                                  str(plots), "--average", "1", "--eval-noises", "1", *options]))
+    assert not tables.exists() and not plots.exists()
+    return line
+
+
+def edit_config(run: Path, change) -> None:
+    config = json.loads((run / "config.json").read_text())
+    change(config)
+    (run / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("case, words", [
+    ("steps", "config.json: config error: sampling.steps = 10000000: expected a value <= 1000"),  # hung
+    ("not json", "config.json: is not JSON"),  # a JSONDecodeError traceback
+    ("a list", "config.json: holds a list, not a JSON object"),  # the defaults, then a size mismatch
+    ("no model", "trains model.preset = 'tiny'"),  # the defaults: another model than the first run's
+    ("another model", "trains model.pretrained"),  # two pre-trained models in one manifest
+    ("no file", "no config.json"),
+])
+def test_learning_reads_config_json_through_the_typed_config(trained, tmp_path, capsys, case, words):
+    manifest, runs = learning_runs(trained, tmp_path)
+    run = runs[1]
+    if case == "steps":
+        edit_config(runs[0], lambda c: c["sampling"].update(steps=10_000_000))
+        run = runs[0]
+    elif case == "not json":
+        (run / "config.json").write_text("{not json")
+    elif case == "a list":
+        (run / "config.json").write_text("[1, 2]")
+    elif case == "no model":
+        edit_config(run, lambda c: c.pop("model"))
+    elif case == "another model":
+        edit_config(run, lambda c: c["model"].update(pretrained=str(tmp_path / "elsewhere")))
+    else:
+        (run / "config.json").unlink()
+    line = learning_fails(capsys, tmp_path, manifest)
+    assert words in line and str(run) in line, line
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda r: r.pop("status"), "record 1: no 'status'"),
+    (lambda r: r.pop("iteration"), "record 1: no 'iteration'"),
+    (lambda r: r.pop("reward_mean"), "record 1: no 'reward_mean' (an ok record has one)"),
+    (lambda r: r.update(reward_mean=float("nan")), "record 1: 'reward_mean' = nan: expected a finite number"),
+    (lambda r: r.update(iteration=1), "record 2: 'iteration' = 1: expected each iteration once"),
+])
+def test_learning_reads_records_through_the_record_contract(trained, tmp_path, capsys, change, words):
+    """Records missing a key learning needs, or with a NaN reward (a run writes null), gave KeyError tracebacks."""
+    manifest, runs = learning_runs(trained, tmp_path, 1)
+    path = runs[0] / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    change(records[0])
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert words in learning_fails(capsys, tmp_path, manifest)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("wrong shape", "has shape (3,)"),
+    ("integer", "torch.int64 tensor; expected floating-point parameters"),
+    ("empty", "parameters: expected the trainable parameters"),  # was scored as the starting weights
+    ("half", "parameters missing"),  # was scored with half the starting weights, silently
+    ("negative iteration", "iteration = -5"),
+])
+def test_learning_reads_checkpoints_through_the_one_validator(trained, tmp_path, capsys, case, words):
+    """The checkpoint evaluation loads every trainable parameter strictly (strict=False scored an empty or
+    half-filled checkpoint as the starting weights: eval_gain exactly 0.0), and its error names the run."""
+    manifest, runs = learning_runs(trained, tmp_path)
+    path = runs[1] / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    params = state["parameters"]
+    first = next(iter(params))
+    if case == "wrong shape":
+        params[first] = torch.zeros(3)
+    elif case == "integer":
+        params[first] = params[first].long()
+    elif case == "empty":
+        state["parameters"] = {}
+    elif case == "half":
+        state["parameters"] = dict(list(params.items())[::2])
+    else:
+        state["iteration"] = -5
+    torch.save(state, path)
+    line = learning_fails(capsys, tmp_path, manifest, "--eval-source", "checkpoint")
+    assert words in line and "run full/1" in line and str(path) in line, line
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--eval-seed", "100000000000000000000000"], "--eval-seed 100000000000000000000000: expected an integer "
+                                                  "from 0 to 4294967295"),
+    (["--eval-seed", "4294967296"], "expected an integer from 0 to 4294967295"),
+    (["--eval-seed", "-1"], "expected an integer from 0 to 4294967295"),
+    (["--reference", "nosuch"], "--reference 'nosuch': expected a method label of the manifest ('full')"),
+    (["--reference", "x" * 300], "expected a method label of the manifest"),
+])
+def test_learning_options_are_bounded(trained, tmp_path, capsys, options, words):
+    manifest, _ = learning_runs(trained, tmp_path, 1)
+    assert words in learning_fails(capsys, tmp_path, manifest, *options)
+
+
+def test_learning_refuses_a_run_listed_twice(trained, tmp_path, capsys):
+    """Duplicate entries counted as two seeds: the same folder twice, or one method and seed twice."""
+    manifest, runs = learning_runs(trained, tmp_path)
+    entries = json.loads(manifest.read_text())["runs"]
+    manifest.write_text(json.dumps({"runs": [entries[0], {**entries[0], "seed": 5}]}))
+    line = learning_fails(capsys, tmp_path, manifest)
+    assert "runs[1]: dir" in line and "is also runs[0]'s" in line
+    manifest.write_text(json.dumps({"runs": [entries[0], {**entries[1], "seed": 0}]}))
+    assert "method 'full' seed 0 is also runs[0]'s" in learning_fails(capsys, tmp_path, manifest)
+
+
+def test_learning_checks_the_captions_before_writing_anything(trained, tmp_path, capsys):
+    """With --plots the sample grid scores the images with the scene reward: a sweep whose captions are not
+    scene captions exited 2 only after learning.csv, learning.md, curves.csv and 5 PNGs were written. The
+    caption is quoted in at most 200 characters (a prompts file such as /etc/passwd had its first line
+    printed)."""
+    manifest, runs = learning_runs(trained, tmp_path, 1)
+    prompts = tmp_path / "not-scenes.txt"
+    prompts.write_text("root:" + "x" * 5000 + "\nsecond line\n")
+    edit_config(runs[0], lambda c: (c["prompts"].update(file=str(prompts)),
+                                    c["reward"].update(name="jpeg_compressibility")))
+    line = learning_fails(capsys, tmp_path, manifest)
+    assert "caption 1 'root:xxx" in line and "(5005 characters) is not a scene caption" in line
+    assert "samples.png" in line and "x" * 201 not in line
+    # the run's own reward is the scene reward: every caption is checked, before the model is loaded
+    edit_config(runs[0], lambda c: c["reward"].update(name="scene"))
+    prompts.write_text("two red circles on the left\nsecond line\n")
+    line = learning_fails(capsys, tmp_path, manifest)
+    assert "caption 2 'second line' is not a scene caption" in line and "reward 'scene'" in line
+
+
+# ----- agg-bench replay: a snapshot folder --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory) -> Path:
+    snap = tmp_path_factory.mktemp("snapshot") / "snap"
+    settings = ["model.resolution=32", "sampling.steps=3", "grpo.group_size=2", "grpo.prompts_per_iteration=1",
+                "progress=false", "telemetry.enabled=false"]
+    assert main(["snapshot", *[a for s in settings for a in ("--set", s)], "--out", str(snap)]) == 0
+    return snap
+
+
+@pytest.mark.parametrize("name, change, words", [
+    ("config.json", lambda c: c["sampling"].update(steps=10_000_000), "config.json: config error: sampling.steps"),
+    ("config.json", lambda c: [1], "config.json: holds a list"),
+    ("rollout.json", lambda c: c.update(family="nosuch"), "rollout.json: family = 'nosuch': expected one of"),
+    ("rollout.json", lambda c: c.update(eta="x"), "rollout.json: eta = 'x': expected a finite number"),
+    ("transformer/config.json", lambda c: c.update(num_layers=100_000), "num_layers = 100000: expected an integer"),
+])
+def test_replay_reads_a_snapshot_through_the_same_checks(snapshot, tmp_path, capsys, name, change, words):
+    """The snapshot's config.json through the typed config with its bounds, its rollout.json's keys and its
+    transformer's sizes: one line, exit 2, no gradient file (a crafted file gave a KeyError or TypeError)."""
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshot, snap)
+    data = json.loads((snap / name).read_text())
+    changed = change(data)
+    (snap / name).write_text(json.dumps(changed if changed is not None else data))
+    out = tmp_path / "g.safetensors"
+    capsys.readouterr()
+    line = one_line(capsys, main(["replay", str(snap), "--method", "full", "--out", str(out)]))
+    assert words in line and not out.exists(), line

@@ -1,0 +1,181 @@
+"""DGPO (`dgpo`): the ODE rollout, the group preference loss's gradient against the paper's equation written
+out here, the reference, the pass counts, a CLI run and the preset's values (bad options, the replay scope
+and a run of the preset: tests/unit/test_final_latent.py, for the three likelihood-free methods)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from agg_bench.cli import main
+from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
+from agg_bench.engine.grpo import UpdateStats
+from agg_bench.io import read_jsonl
+from agg_bench.runtime.train import Session
+from helpers import move_off_policy, relative_error, tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESET = ROOT / "config/presets/dgpo.yaml"
+STEPS = 6  # sampling.steps in helpers.TINY
+G = 3  # grpo.group_size in helpers.TINY
+DGPO = ("method.name=dgpo", "sampling.same_noise_per_group=false", "reward.name=smoothness")
+SMALL = ["--set", "model.resolution=32", "--set", f"sampling.steps={STEPS}", "--set", "train.iterations=2",
+         "--set", "progress=false", "--set", "sampling.same_noise_per_group=false"]
+
+
+def session(*overrides):
+    return Session(tiny_config(*DGPO, *overrides))
+
+
+def collect(s, seed=0):
+    """The iteration-0 batch with advantages spread over [-2, 2] summing to 0 in each group (the tiny model's
+    rewards barely differ), so that every term of the loss matters."""
+    batch = s.collect(0).batch
+    a = torch.randn(batch.batch_size, generator=torch.Generator().manual_seed(seed), dtype=batch.latents.dtype)
+    a = a.view(-1, G)
+    batch.advantages = (a - a.mean(1, keepdim=True)).reshape(-1)
+    return batch
+
+
+def reference_gradient(policy, ref, batch, eps, t, timesteps, beta, kl_beta=0.0):
+    """d L / d theta from the paper's DGPO objective, one graph in float64:
+    L = 1/(K P beta) sum_k sum_g -log sigmoid(-beta/G [sum_{G+} |A| (l_theta - l_ref) - sum_{G-} |A| (l_theta - l_ref)])
+    with l_m = mean (v_m(x_t, t) - (eps - x0))^2, x_t = (1-t) x0 + t eps; plus kl_beta/(B K) sum mean (v - v_ref)^2."""
+    params = [p for _, p in policy.named_parameters()]
+    b, k = batch.train_steps.shape
+    p = b // G
+    total = 0
+    for s in range(k):
+        for g in range(p):
+            positive, negative = 0, 0
+            for i in range(g * G, (g + 1) * G):
+                x0 = batch.latents[i, -1]
+                x_t = (1 - t[i, s]) * x0 + t[i, s] * eps[i, s]
+                args = (x_t[None], timesteps[i, s].reshape(1), batch.cond[torch.tensor([i])])
+                v = policy.velocity(*args)[0]
+                with torch.no_grad():
+                    v_ref = ref.velocity(*args)[0]
+                target = eps[i, s] - x0
+                delta = ((v - target) ** 2).mean() - ((v_ref - target) ** 2).mean()
+                a = batch.advantages[i]
+                if a > 0:
+                    positive = positive + a.abs() * delta
+                else:
+                    negative = negative + a.abs() * delta
+                total = total + kl_beta * ((v - v_ref) ** 2).mean() / (b * k)
+            z = -beta / G * (positive - negative)
+            total = total - torch.nn.functional.logsigmoid(z) / (k * p * beta)
+    grads = torch.autograd.grad(total, params)
+    return {n: g for (n, _), g in zip(policy.named_parameters(), grads)}
+
+
+def grads_of(policy):
+    return {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+
+@pytest.mark.parametrize("options", [
+    (),
+    ("method.beta=0.5", "method.micro_batch=4", "method.shared_noise=false"),
+    ("method.time_distribution=uniform", "method.times_per_sample=3", "method.beta=20"),
+    ("grpo.beta=0.05", "method.times_per_sample=2"),
+])
+def test_gradient_equals_the_papers_loss_written_out(options):
+    s = session(*options)
+    batch = collect(s)
+    c = s.estimator.config
+    eps, t, timesteps = s.estimator.draws(s.policy, batch)
+    move_off_policy(s.policy, 3e-2)  # away from the reference: the implicit rewards differ from 0
+    ref = s.reference if s.reference is not None else s.estimator.frozen
+    s.estimator.accumulate(s.policy, batch, UpdateStats(0.1), s.reference)
+    expected = reference_gradient(s.policy, ref, batch, eps, t, timesteps, c.beta, s.cfg.grpo.beta)
+    assert relative_error(grads_of(s.policy), expected) <= 1e-10
+
+
+def test_rollout_is_ode_and_times_are_shared_schedule_steps():
+    a, b = session(), session()
+    ba, bb = a.collect(0).batch, b.collect(0).batch
+    assert torch.all(ba.log_probs == 0)
+    for j in range(STEPS):  # Euler: x_{j+1} = x_j + (sigma_{j+1} - sigma_j) v_j
+        x_next = ba.latents[:, j] + (ba.sigmas[j + 1] - ba.sigmas[j]) * ba.velocities[:, j]
+        torch.testing.assert_close(x_next, ba.latents[:, j + 1], rtol=0, atol=1e-12)
+    k = 4
+    assert ba.train_steps.shape == (ba.batch_size, k) and torch.equal(ba.train_steps, bb.train_steps)
+    assert torch.all(ba.train_steps == ba.train_steps[0]) and len(set(ba.train_steps[0].tolist())) == k
+    assert int(ba.train_steps.max()) <= 4  # method.trunc_steps
+    ea, ta, _ = a.estimator.draws(a.policy, ba)
+    eb, tb, _ = b.estimator.draws(b.policy, bb)
+    assert torch.equal(ea, eb) and torch.equal(ta, tb)
+    torch.testing.assert_close(ta, ba.sigmas[ba.train_steps].to(ta.dtype))
+    for g in range(ba.batch_size // G):  # shared_noise: one eps per group and time
+        assert torch.equal(ea[g * G], ea[g * G + G - 1]) and not torch.equal(ea[0], ea[G])
+
+
+def test_reference_is_the_start_of_the_run():
+    s = session()
+    assert s.estimator.frozen is None  # made at the first rollout
+    batch = s.collect(0).batch
+    frozen = s.estimator.frozen
+    x, ts, cond = batch.latents[:, 2], batch.timesteps[2].expand(batch.batch_size), batch.cond
+    with torch.no_grad():
+        before = frozen.velocity(x, ts, cond)
+    s.update(batch)
+    with torch.no_grad():
+        assert not torch.equal(s.policy.velocity(x, ts, cond), before)
+        assert torch.equal(frozen.velocity(x, ts, cond), before)
+    s.collect(1)
+    assert s.estimator.frozen is frozen
+    with_kl = session("grpo.beta=0.01")  # the session's reference serves: no copy of its own
+    with_kl.collect(0)
+    assert with_kl.estimator.frozen is None and with_kl.reference is not None
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_pass_counts(epochs):
+    k = 3
+    s = session(f"method.times_per_sample={k}", f"train.inner_epochs={epochs}", "method.micro_batch=4")
+    batch = collect(s)
+    before = s.policy.counter.copy()
+    s.update(batch)
+    b = batch.batch_size
+    assert (s.policy.counter - before).as_dict() == {
+        "forward_nograd": epochs * b * k, "forward_grad": epochs * b * k, "backward": epochs * b * k}
+
+
+def test_kl_shares_the_reference_forward():
+    s = session("method.times_per_sample=2", "grpo.beta=0.01")
+    batch = collect(s)
+    before = s.policy.counter.copy()
+    s.update(batch)
+    b = batch.batch_size
+    assert (s.policy.counter - before).as_dict() == {"forward_nograd": b * 2, "forward_grad": b * 2,
+                                                     "backward": b * 2}
+
+
+def test_uniform_times_accept_more_than_the_clip():
+    s = session("method.times_per_sample=8", "method.time_distribution=uniform")
+    batch = s.collect(0).batch
+    assert torch.equal(batch.train_steps[0], torch.arange(8))
+
+
+def test_runs_through_the_cli(tmp_path):
+    out = tmp_path / "dgpo"
+    assert main(["run", *SMALL, "--set", "method.name=dgpo", "--set", "method.times_per_sample=3",
+                 "--out", str(out)]) == 0
+    recs = list(read_jsonl(out / "metrics.jsonl"))
+    assert [r["iteration"] for r in recs] == [0, 1]
+    b = 4 * 2  # default grpo.group_size * grpo.prompts_per_iteration
+    for r in recs:
+        assert r["status"] == "ok" and r["method"] == "dgpo"
+        assert r["forward_nograd"] == b * STEPS + b * 3  # the rollout, then the reference's velocities
+        assert r["backward"] == r["forward_grad"] == b * 3
+
+
+def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
+    cfg = check_config(load_config(PRESET))
+    o = cfg.method.options
+    assert cfg.method.name == "dgpo" and cfg.model.preset == "tiny" and cfg.device == "cpu"
+    assert (o.beta, o.times_per_sample, o.time_distribution, o.trunc_steps, o.shared_noise) == \
+        (100.0, 4, "schedule", 4, True)
+    assert (cfg.sampling.steps, cfg.grpo.adv_clip_max, cfg.grpo.beta, cfg.train.lr) == (10, 5.0, 0.02, 3e-4)
+    assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
+

@@ -1,0 +1,165 @@
+"""One error contract for every command: a user error (and a full disk) is one line on stderr and exit code
+2; anything else is a bug in agg-bench: one line that says so and names the command, then the traceback,
+exit code 1. The same holds for `agg-bench VERB` (`agg-bench learning` included), `python -m agg_bench.machine.gpus`
+and `python -m agg_bench.tools.gpucheck` (tests/integration/test_gpu_check.py)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from agg_bench import cli
+from agg_bench.errors import MESSAGE_CHARS, UserError, run_command
+from agg_bench.machine import gpus
+from agg_bench.tools import learning
+
+
+def contract(capsys, body, out=None) -> tuple[int, list[str]]:
+    """Exit code and stderr lines of ``body`` run under the contract as `agg-bench test`."""
+    capsys.readouterr()
+    code = run_command("agg-bench test", body, ["agg-bench", "test", "--out", "the dir"], out)
+    return code, capsys.readouterr().err.splitlines()
+
+
+def raises(exc: BaseException):
+    def body() -> int:
+        raise exc
+    return body
+
+
+def test_a_user_error_is_one_line_and_exit_code_2(capsys):
+    code, lines = contract(capsys, raises(UserError("--x 5: expected\nan integer\n\n< 3")))
+    assert code == 2 and lines == ["agg-bench test: --x 5: expected an integer < 3"]
+
+
+def test_a_very_long_message_keeps_its_head_and_its_tail(capsys):
+    code, lines = contract(capsys, raises(UserError("key = '" + "a" * 10 ** 6 + "': expected a short value")))
+    assert code == 2 and len(lines) == 1 and len(lines[0]) < MESSAGE_CHARS + 100
+    assert lines[0].startswith("agg-bench test: key = 'aaa") and lines[0].endswith("expected a short value")
+
+
+def test_anything_else_is_a_bug_to_report_with_its_traceback(capsys):
+    def body() -> int:
+        return {}["missing"]
+
+    code, lines = contract(capsys, body)
+    assert code == 1
+    assert lines[0].startswith("agg-bench test: internal error: this is a bug in agg-bench; please report it")
+    assert "agg-bench test --out 'the dir'" in lines[0]  # the command, as the shell would take it
+    assert lines[1] == "Traceback (most recent call last):" and lines[-1] == "KeyError: 'missing'"
+
+
+@pytest.mark.parametrize("exc, shown", [
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/run/metrics.jsonl"), "/data/run/metrics.jsonl"),
+    (OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), "/data/run/ckpt.pt"), "/data/run/ckpt.pt"),
+    # torch.save and safetensors wrap the OS error in their own, with its text
+    (RuntimeError(f"PytorchStreamWriter failed writing file data/0: {os.strerror(errno.ENOSPC)}"), "writing the dir"),
+])
+def test_a_full_disk_is_one_line_naming_the_path(capsys, exc, shown):
+    code, lines = contract(capsys, raises(exc), out="the dir")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"agg-bench test: {shown}: no space left on device"), lines
+
+
+def test_a_full_disk_is_found_in_the_exception_chain(capsys):
+    def body() -> int:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/run/summary.json")
+        except OSError as err:
+            raise RuntimeError("could not write the summary") from err
+
+    code, lines = contract(capsys, body)
+    assert code == 2 and lines == ["agg-bench test: /data/run/summary.json: no space left on device"]
+
+
+def test_another_os_error_is_a_bug(capsys):
+    code, lines = contract(capsys, raises(OSError(errno.EIO, "Input/output error", "/x")))
+    assert code == 1 and "bug in agg-bench" in lines[0]
+
+
+def test_an_interruption_keeps_its_exit_code(capsys):
+    interrupt = KeyboardInterrupt()
+    interrupt.signum = 15
+    assert contract(capsys, raises(interrupt)) == (143, ["agg-bench test: interrupted"])
+    assert contract(capsys, raises(KeyboardInterrupt())) == (130, ["agg-bench test: interrupted"])
+
+
+# ----- every entry point keeps it ----------------------------------------------------------------
+def test_cli_bug_names_the_command(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "cmd_env", lambda args: 1 / 0)
+    assert cli.main(["env"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert "bug in agg-bench" in lines[0] and "(agg-bench env)" in lines[0] and lines[-1].startswith("ZeroDivisionError")
+
+
+def test_cli_full_disk_while_writing_tables(tmp_path, capsys, monkeypatch):
+    import agg_bench.results.report as report
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "t" / "summary.csv"))
+
+    monkeypatch.setattr(report, "build_report", full)
+    assert cli.main(["report", "--runs", str(tmp_path), "--tables", str(tmp_path / "t")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"agg-bench report: {tmp_path / 't' / 'summary.csv'}: no space left on device"]
+
+
+def test_learning_keeps_the_contract(tmp_path, capsys, monkeypatch):
+    assert cli.main(["learning", "--manifest", str(tmp_path / "none.json")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"agg-bench learning: manifest {tmp_path / 'none.json'}: no such file"]
+    (tmp_path / "m.json").write_text('{"runs": [{"dir": 5}]}')
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json")]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert "runs[0]" in line and "m.json" in line
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), "--eval-sampler", "euler"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "agg-bench learning: --eval-sampler 'euler': expected one of ode, sde"]
+    monkeypatch.setattr(learning, "load_runs", lambda path: [][0])  # noqa: PLE0643 (a bug on purpose)
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json")]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert "bug in agg-bench" in lines[0] and "agg-bench learning --manifest" in lines[0]
+    assert lines[-1].startswith("IndexError")
+
+
+def test_learning_records_with_a_string_for_a_number(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "status": "ok", "reward_mean": "high"}) + "\n")
+    (tmp_path / "m.json").write_text(json.dumps({"runs": [{"dir": str(run), "method": "full", "seed": 0}]}))
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), "--tables", str(tmp_path / "t")]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert "metrics.jsonl: record 1: 'reward_mean' = 'high': expected a finite number" in line
+    assert not (tmp_path / "t").exists()
+
+
+def test_learning_plot_labels_with_dollars_are_drawn_as_text(tmp_path):
+    from agg_bench.results.learning_tables import Run, plot_rewards
+
+    records = pd.DataFrame({"reward_mean": np.linspace(0, 1, 4), "t_iter_cpu_s": np.ones(4)})
+    runs = [Run("a$b$^{", 0, tmp_path, records), Run("$x$", 1, tmp_path, records)]
+    for x in ("iteration", "time"):
+        path = plot_rewards(runs, tmp_path / f"{x}.png", x)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("value", ["abc", "0,x", "1,1", "-1", " , ", "99999999999"])
+def test_gpus_entry_point_refuses_a_bad_device_list(tmp_path, capsys, monkeypatch, value):
+    monkeypatch.setattr(gpus.os, "execvpe", lambda *args: pytest.fail("the command ran"))
+    monkeypatch.setenv("AGG_BENCH_GPUS", value)
+    monkeypatch.setenv("AGG_BENCH_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    assert gpus.main(["--count", "1", "--", "true"]) == 2  # refused before the command would replace this process
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith("agg-bench gpus: environment variable AGG_BENCH_GPUS=") and "device count" in line
+    assert not (tmp_path / "locks").exists()
+
+
+def test_gpus_entry_point_refuses_a_timeout_that_never_ends(capsys, monkeypatch):
+    monkeypatch.setattr(gpus.os, "execvpe", lambda *args: pytest.fail("the command ran"))
+    monkeypatch.setenv("AGG_BENCH_GPUS", "1")
+    assert gpus.main(["--count", "1", "--timeout", "nan", "--", "true"]) == 2
+    assert "--timeout" in capsys.readouterr().err

@@ -1,0 +1,245 @@
+"""`agg-bench gradcheck`: every estimator replayed on one snapshot against `full`, one CSV row each."""
+import csv
+
+import pytest
+
+from agg_bench.cli import main
+from agg_bench.errors import ConfigError
+from agg_bench.tools.gradcheck import COLUMNS, ReplayJob, parse_method_specs, parse_values
+from agg_bench.tools.snapshot import load_snapshot, method_from, replay_gradient
+from helpers import TINY
+
+SET = [arg for item in [*TINY, "grpo.prompts_per_iteration=1", "model.dtype=float64", "train.plan=groups",
+                         "train.plan_window=3"]
+       for arg in ("--set", item)]
+
+
+def read_rows(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_gradcheck_table_against_full(tmp_path):
+    out = tmp_path / "gc" / "table.csv"
+    assert main(["gradcheck", *SET, "--windows", "2,3", "--alphas", "sigma", "--route-fracs", "1",
+                 "--reuse", "false,true", "--methods", "full", "--out", str(out)]) == 0
+    rows = read_rows(out)
+    assert list(rows[0]) == list(COLUMNS)
+    assert [r["method"] for r in rows] == ["full"] + ["agg"] * 4 + ["full"]
+    assert [(r["window"], r["reuse_rollout_velocity"]) for r in rows[1:-1]] == [
+        ("2", "False"), ("2", "True"), ("3", "False"), ("3", "True")]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["table.csv"]  # no snapshot or temp file left
+    ref = rows[0]
+    assert ref["is_reference"] == "True" and float(ref["relative_error"]) == 0.0
+    assert float(ref["cosine_to_full"]) == pytest.approx(1.0, abs=1e-12)
+    b, n = int(ref["batch_size"]), int(ref["steps_per_sample"])
+    assert (int(ref["forward_grad"]), int(ref["backward"])) == (b * n, b * n)
+    # a second replay of `full` is the same computation: exactly no error
+    assert float(rows[-1]["relative_error"]) == 0.0 and rows[-1]["window"] == ""
+    for row in rows[1:-1]:
+        window, frac, reuse = int(row["window"]), float(row["route_frac"]), row["reuse_rollout_velocity"] == "True"
+        assert row["alpha"] == "sigma" and float(row["seconds"]) > 0
+        counts = tuple(int(row[k]) for k in ("forward_nograd", "forward_grad", "backward"))
+        if window <= 2 or frac == 0:
+            assert float(row["relative_error"]) <= 1e-10
+            assert counts == (0, b * n, b * n)
+        else:
+            groups = b * n // window
+            assert counts == (0 if reuse else b * n, 2 * groups, 2 * groups)
+            assert int(row["groups_routed"]) == groups
+            assert 0 < float(row["relative_error"]) and float(row["cosine_to_full"]) < 1
+
+
+def test_endpoint_velocity_reuse_has_its_own_row_the_same_gradient_and_fewer_no_grad_forwards(tmp_path):
+    out = tmp_path / "gc.csv"
+    assert main(["gradcheck", *SET, "--windows", "3", "--alphas", "sigma", "--route-fracs", "1",
+                 "--methods", "agg:window=3,alpha=sigma,endpoint_velocity=reuse", "--out", str(out)]) == 0
+    full, recompute, reuse = read_rows(out)
+    assert (recompute["endpoint_velocity"], reuse["endpoint_velocity"]) == ("recompute", "reuse")
+    b, n = int(full["batch_size"]), int(full["steps_per_sample"])
+    groups = b * n // 3
+    assert [int(recompute[k]) for k in ("forward_nograd", "forward_grad", "backward")] == [b * n, 2 * groups, 2 * groups]
+    # v at both ends of each group comes from its forwards with grad: W - 2 no-grad forwards per group
+    assert [int(reuse[k]) for k in ("forward_nograd", "forward_grad", "backward")] == [groups, 2 * groups, 2 * groups]
+    # the same gradient up to float64 rounding (tests/unit/test_agg.py bounds it at 1e-12 relative)
+    assert abs(float(reuse["relative_error"]) - float(recompute["relative_error"])) <= 1e-10
+    assert float(reuse["cosine_to_full"]) == pytest.approx(float(recompute["cosine_to_full"]), abs=1e-10)
+
+
+def test_gradcheck_on_an_existing_snapshot_matches_replay(tmp_path):
+    snap = tmp_path / "snap"
+    assert main(["snapshot", *SET, "--out", str(snap)]) == 0
+    out = tmp_path / "table.csv"
+    assert main(["gradcheck", "--snapshot", str(snap), "--windows", "3", "--alphas", "index",
+                 "--route-fracs", "1", "--out", str(out)]) == 0
+    row = read_rows(out)[1]
+    snapshot = load_snapshot(snap)
+    grads, counts, stats = replay_gradient(snapshot, method_from(snapshot, "agg", ["method.window=3"]))
+    assert {k: int(row[k]) for k in counts} == counts
+    assert float(row["route_score_mean"]) == pytest.approx(stats["agg_route_score_mean"], rel=1e-9)
+    assert row["cache"] == row["cache_hit_rate"] == ""  # AGG has neither
+
+    # a cached method in the training forwards: its options and hit rate get their columns
+    assert main(["gradcheck", "--snapshot", str(snap), "--windows", "3", "--alphas", "index", "--route-fracs", "1",
+                 "--methods", "cached:cache=fora,cache_in=train", "--out", str(out)]) == 0
+    row = read_rows(out)[-1]
+    cached = method_from(snapshot, "cached", ["method.cache=fora", "method.cache_in=train"])
+    grads, counts, stats = replay_gradient(snapshot, cached)
+    assert (row["method"], row["cache"], row["cache_in"]) == ("cached", "fora", "train")
+    assert 0 < stats["cache_hit_rate"] < 1
+    assert float(row["cache_hit_rate"]) == pytest.approx(stats["cache_hit_rate"], rel=1e-12)
+    assert {k: int(row[k]) for k in counts} == counts
+    # a config for an existing snapshot would be silently ignored: refuse it
+    assert main(["gradcheck", "--snapshot", str(snap), *SET, "--out", str(out)]) == 2
+
+
+def test_parse_method_specs():
+    assert parse_method_specs(["full,fraction", "cached:cache=fora,interval=2", "agg:window=4"]) == [
+        ReplayJob("full"), ReplayJob("fraction"), ReplayJob("cached", (("cache", "fora"), ("interval", "2"))),
+        ReplayJob("agg", (("window", "4"),))]
+    assert ReplayJob("cached", (("cache", "fora"),)).overrides == ["method.cache=fora"]
+    for bad in ("interval=2", ":x=1", "cached:fora"):
+        with pytest.raises(ConfigError):
+            parse_method_specs([bad])
+
+
+def test_parse_values():
+    assert parse_values("2, 3,5", "--windows", int) == [2, 3, 5]
+    assert parse_values("0,0.5,1", "--route-fracs", float) == [0.0, 0.5, 1.0]
+    assert parse_values("false,true", "--reuse", bool) == [False, True]
+    for text, kind in (("2,x", int), ("2,,3", int), ("true", int), ("0,high", float), ("maybe", bool)):
+        with pytest.raises(ConfigError):
+            parse_values(text, "--flag", kind)
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--windows", "2,x"], "--windows"),
+    (["--windows", "0"], "method.window"),
+    (["--route-fracs", "2"], "method.route_frac"),
+    (["--methods", "agg:nope=1"], "method.nope"),
+    (["--methods", "sgd"], "method.name"),
+    (["--windows", "2,7"], "method.window"),  # longer than the snapshot's 6 trained steps
+    (["--methods", "fraction"], "train.plan"),  # the snapshot's groups plan is not DanceGRPO's
+    (["--methods", "full:train.plan=steps"], "train.plan"),  # full trains the snapshot's own steps
+])
+def test_bad_arguments_are_one_line_and_leave_nothing_behind(tmp_path, capsys, args, key):
+    out = tmp_path / "o" / "t.csv"
+    # --windows 3 first: the default grid's W = 8 is itself refused on this 6-step rollout
+    assert main(["gradcheck", *SET, "--windows", "3", *args, "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], lines
+    assert not out.parent.exists() or not any(out.parent.iterdir())  # refused before the rollout
+
+
+# ----- what replay can and cannot measure ----------------------------------------------------------
+def _read_json(path):
+    import json
+
+    return json.loads(path.read_text())
+
+
+def test_replay_cases_of_methods_that_train_other_steps_or_differ_in_their_rollout():
+    """No model: each method's replay case on given stochastic steps."""
+    import torch
+
+    from agg_bench.methods.base import build_method
+    from helpers import tiny_config
+
+    cfg = tiny_config("sampling.steps=8", "train.timestep_fraction=0.5", "seed=3")
+    every = torch.ones(8, dtype=torch.bool)
+    gen = lambda: torch.Generator().manual_seed(cfg.seed)
+    case = build_method("fraction").replay_case(cfg, every, 5, gen())
+    assert case.scope == "replanned" and case.train_steps.shape == (5, 4)
+    for row in case.train_steps:  # 4 distinct steps per sample, in denoising order
+        assert row.tolist() == sorted(set(row.tolist()))
+    assert len({tuple(r) for r in case.train_steps.tolist()}) > 1  # drawn per sample
+    # the window of iteration 0, on a trajectory stochastic everywhere: its steps, marked partial
+    window = build_method("window", {"window_size": 3, "window_mode": "fixed", "window_start": 2})
+    case = window.replay_case(tiny_config("sampling.steps=8"), every, 5, gen())
+    assert case.scope == "partial" and case.train_steps.tolist() == [[2, 3, 4]] * 5
+    # the snapshot is the window's own rollout: as trained, on the snapshot's steps
+    own = torch.zeros(8, dtype=torch.bool)
+    own[2:5] = True
+    case = window.replay_case(tiny_config("sampling.steps=8"), own, 5, gen())
+    assert (case.scope, case.train_steps) == ("as_trained", None)
+    elsewhere = torch.zeros(8, dtype=torch.bool)
+    elsewhere[6:] = True
+    with pytest.raises(ConfigError, match="method.window_start"):
+        window.replay_case(tiny_config("sampling.steps=8"), elsewhere, 5, gen())
+    scopes = {cache_in: build_method("cached", {"cache": "fora", "cache_in": cache_in}).replay_case(
+        cfg, every, 5, gen()).scope for cache_in in ("rollout", "train", "both")}
+    assert scopes == {"rollout": "not_applicable", "train": "as_trained", "both": "partial"}
+    for name in ("full", "agg"):
+        assert build_method(name).replay_case(cfg, every, 5, gen()).scope == "as_trained"
+
+
+@pytest.mark.slow  # one snapshot, four replays and a gradcheck through the CLI: ~30 s on 2 cores
+def test_replay_measures_fraction_and_window_on_their_own_steps_and_refuses_what_it_cannot(tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    from baselines.full import FullEstimator
+
+    snap = tmp_path / "snap"
+    steps_set = [arg for item in [*TINY, "grpo.prompts_per_iteration=1", "model.dtype=float64"]
+                 for arg in ("--set", item)]
+    assert main(["snapshot", *steps_set, "--out", str(snap)]) == 0
+    snapshot = load_snapshot(snap)
+    b, t = snapshot.batch.batch_size, snapshot.batch.timesteps.numel()
+    assert snapshot.batch.steps_per_sample == t  # every step trained: full is the whole trajectory
+
+    full = tmp_path / "full.safetensors"
+    assert main(["replay", str(snap), "--method", "full", "--out", str(full)]) == 0
+    assert _read_json(full.with_suffix(".json"))["replay"] == "as_trained"
+
+    # fraction draws its own half of the steps: half the passes, a gradient that is not full's
+    frac = tmp_path / "fraction.safetensors"
+    assert main(["replay", str(snap), "--method", "fraction", "--set", "train.timestep_fraction=0.5",
+                 "--out", str(frac)]) == 0
+    record = _read_json(frac.with_suffix(".json"))
+    assert record["replay"] == "replanned" and record["backward"] == b * (t // 2) < b * t
+    from agg_bench.tools.gradcheck import compare
+    cosine, rel, _ = compare(load_file(str(frac)), load_file(str(full)))
+    assert rel > 1e-3 and cosine < 1 - 1e-6
+
+    # window: only the window's steps (fixed at 1..2), the same numbers as full on exactly those steps
+    win = tmp_path / "window.safetensors"
+    assert main(["replay", str(snap), "--method", "window", "--set", "method.window_size=2",
+                 "--set", "method.window_mode=fixed", "--set", "method.window_start=1", "--out", str(win)]) == 0
+    record = _read_json(win.with_suffix(".json"))
+    assert record["replay"] == "partial" and record["backward"] == 2 * b
+    import dataclasses
+    only_window = dataclasses.replace(snapshot.batch, train_steps=torch.tensor([[1, 2]] * b))
+    expected = dataclasses.replace(snapshot, batch=only_window)
+    from agg_bench.methods.base import ReplayCase
+    grads, counts, _ = replay_gradient(expected, FullEstimator(), case=ReplayCase())
+    got = load_file(str(win))
+    # the same function on the same steps and rows in the same order: bit-identical
+    assert all(torch.equal(got[k], grads[k]) for k in grads) and counts["backward"] == 2 * b
+    capsys.readouterr()
+
+    # refused, one line each, nothing written: a rollout-only cache, a window longer than N, a key the
+    # method's replay cannot honour
+    for args, key in ((["--method", "cached", "--set", "method.cache=fora"], "rollout"),
+                      (["--method", "agg", "--set", f"method.window={t + 1}"], "method.window"),
+                      (["--method", "full", "--set", "train.timestep_fraction=0.5"], "train.timestep_fraction"),
+                      (["--method", "agg", "--set", "sampling.eta=0.3"], "sampling.eta")):
+        out = tmp_path / "refused" / "g.safetensors"
+        assert main(["replay", str(snap), *args, "--out", str(out)]) == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and key in lines[0], lines
+        assert not out.parent.exists()
+
+    # gradcheck marks each row; the rollout-only cache gets a row without numbers
+    table = tmp_path / "table.csv"
+    assert main(["gradcheck", "--snapshot", str(snap), "--windows", "3", "--alphas", "index", "--route-fracs", "1",
+                 "--methods", "fraction:train.timestep_fraction=0.5,cached:cache=fora",
+                 "--methods", "window:window_size=2,window_mode=fixed,window_start=1", "--out", str(table)]) == 0
+    rows = {r["method"]: r for r in read_rows(table)}
+    assert {m: r["replay"] for m, r in rows.items()} == {
+        "full": "as_trained", "agg": "as_trained", "fraction": "replanned", "cached": "not_applicable",
+        "window": "partial"}
+    assert rows["cached"]["cosine_to_full"] == rows["cached"]["backward"] == "" and rows["cached"]["replay_note"]
+    assert int(rows["fraction"]["backward"]) == b * (t // 2) and float(rows["fraction"]["cosine_to_full"]) < 1 - 1e-6
+    assert int(rows["fraction"]["steps_per_sample"]) == t // 2 and int(rows["full"]["steps_per_sample"]) == t
+    assert int(rows["window"]["backward"]) == 2 * b

@@ -1,0 +1,280 @@
+"""Method `guess` (guessed rollouts, MTA-AB2): the guessed velocity, the rollout and the update against
+float64 references written here from the formulas of baselines/guess.py's docstring; exact pass counts."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from agg_bench.cli import main
+from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
+from agg_bench.engine.grpo import UpdateStats, step_terms
+from agg_bench.errors import ConfigError
+from agg_bench.io import read_jsonl
+from agg_bench.methods.base import build_method
+from agg_bench.runtime.train import Session
+from baselines.guess import GuessConfig
+from helpers import gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESET = ROOT / "config/presets/guess_ab2.yaml"
+STEPS = 6  # sampling.steps in helpers.TINY
+# groups of 4 with 2 guessed from step 1: the cosine blend at steps 1, 2 (< 0.5 * 6), pure AB2 at 3, 4
+GUESS = ["method.name=guess", "grpo.group_size=4", "method.guessed=2", "method.guess_from=1"]
+
+
+def rollout(session, seed=3):
+    """The estimator's rollout of prompts 0 and 1 from fresh noise, its pass counts, and the conditioning,
+    the noise and a generator in the state the rollout's generator started from (for a reference rollout)."""
+    cfg = session.cfg
+    g = cfg.grpo.group_size
+    cond = session.cond_all[torch.tensor([0, 1])].repeat_interleave(g)
+    noise = torch.randn((2 * g, *session.latent_shape), generator=torch.Generator().manual_seed(seed),
+                        dtype=torch.float64)
+    session.policy.counter.reset()
+    traj = session.estimator.rollout(session.policy, cond, noise, session.sigmas, cfg.sampling,
+                                     torch.Generator().manual_seed(seed + 1), 0, g)
+    return traj, session.policy.counter.as_dict(), cond, noise, torch.Generator().manual_seed(seed + 1)
+
+
+def guessed_velocity(j, steps, own, group_real, blend, c1=1.5, c2=-0.5, blend_until=0.5):
+    """v_hat of one row in float64: ``own`` its velocities before step j, ``group_real`` the real velocities
+    of its group at step j."""
+    v_so = c1 * own[j - 1] + c2 * own[j - 2] if j >= 2 else own[j - 1]
+    if j >= blend_until * steps:
+        return v_so
+    v_group = sum(group_real) / len(group_real)
+    if blend == "cosine":
+        a, b = v_so.flatten(), v_group.flatten()
+        cos = min(max(float(a @ b) / max(float(a.norm() * b.norm()), 1e-8), -1.0), 1.0)
+        alpha = (1 + cos) / 2
+    else:
+        alpha = blend
+    return alpha * v_so + (1 - alpha) * v_group
+
+
+def reference_choice(counts, last, group, guessed):
+    """The rows of ``group`` guessed at a step: not guessed at the step before, fewest guesses, lower row."""
+    eligible = [i for i in group if not last[i]]
+    return sorted(eligible, key=lambda i: (counts[i], i))[:guessed]
+
+
+def reference_rollout(session, cond, noise, generator, guessed, first, until, blend="cosine"):
+    """The whole rollout row by row in float64: which rows are guessed, their velocities, the SDE steps."""
+    policy, sigmas, cfg = session.policy, session.sigmas, session.cfg
+    g, eta = cfg.grpo.group_size, cfg.sampling.eta
+    b, steps = noise.shape[0], sigmas.numel() - 1
+    timesteps = policy.timestep_values(sigmas).to(torch.float64)
+    counts, last = [0] * b, [False] * b
+    x = noise.clone()
+    latents, velocities, log_probs = [x], [[] for _ in range(b)], []
+    forwarded = torch.ones(b, steps, dtype=torch.bool)
+    for j in range(steps):
+        chosen = set()
+        if first <= j < until:
+            for start in range(0, b, g):
+                chosen |= set(reference_choice(counts, last, range(start, start + g), guessed))
+        real = {i: policy.velocity(x[i:i + 1], timesteps[j:j + 1], cond[[i]])[0]
+                for i in range(b) if i not in chosen}
+        v = []
+        for i in range(b):
+            if i in real:
+                v.append(real[i])
+            else:
+                group = range(i - i % g, i - i % g + g)
+                v.append(guessed_velocity(j, steps, velocities[i], [real[k] for k in group if k in real], blend))
+                forwarded[i, j] = False
+        noise_j = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+        s, s_next = float(sigmas[j]), float(sigmas[j + 1])
+        x_next, logp = [], []
+        for i in range(b):
+            mean, sd = sde_reference(cfg.sampling.sde, v[i], x[i], s, s_next, eta, float(sigmas[1]))
+            x_next.append(mean + sd * noise_j[i])
+            logp.append(gaussian_log_prob(x_next[-1], mean, sd))
+            velocities[i].append(v[i])
+        x = torch.stack(x_next)
+        latents.append(x)
+        log_probs.append(torch.stack(logp))
+        for i in range(b):
+            counts[i] += i in chosen
+            last[i] = i in chosen
+    return (torch.stack(latents, 1), torch.stack([torch.stack(r) for r in velocities]),
+            torch.stack(log_probs, 1), forwarded)
+
+
+def guessed_count(rows, groups, guessed, first, until):
+    """Rollout forwards of a guessed rollout: every (row, step) but ``guessed`` per group per guessed step."""
+    return rows * STEPS - groups * guessed * (until - first)
+
+
+# ----- the rollout ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("blend", ["cosine", 0.3])
+@torch.no_grad()
+def test_rollout_equals_a_float64_reference_rollout(blend):
+    session = Session(tiny_config(*GUESS, f"method.blend={blend}"))
+    traj, work, cond, noise, generator = rollout(session)
+    latents, velocities, log_probs, forwarded = reference_rollout(session, cond, noise, generator, 2, 1, STEPS - 1,
+                                                                  blend)
+    assert torch.equal(traj.forwarded, forwarded)
+    assert float((traj.velocities - velocities).abs().max()) <= 1e-10
+    assert float((traj.latents - latents).abs().max()) <= 1e-10
+    assert float((traj.log_probs - log_probs).abs().max()) <= 1e-10
+    # only the real rows were forwarded: the forward batch shrank at every guessed step
+    assert work == {
+        "forward_nograd": guessed_count(8, 2, 2, 1, STEPS - 1), "forward_grad": 0, "backward": 0}
+    assert session.estimator.iteration_metrics() == {"guessed_velocities": 2 * 2 * (STEPS - 2)}
+
+
+def test_guessed_velocities_follow_the_formulas_from_the_stored_ones():
+    """Each guessed velocity from the trajectory's own earlier velocities and its group's real ones."""
+    session = Session(tiny_config(*GUESS, "method.ab2=[2, -1]", "method.blend_until=0.4"))
+    traj, work, *_ = rollout(session)
+    v, fwd = traj.velocities, traj.forwarded
+    guesses = 0
+    for i, j in torch.nonzero(~fwd).tolist():
+        group = range(i - i % 4, i - i % 4 + 4)
+        real = [v[k, j] for k in group if fwd[k, j]]
+        expected = guessed_velocity(j, STEPS, v[i], real, "cosine", c1=2.0, c2=-1.0, blend_until=0.4)
+        assert float((v[i, j] - expected).abs().max()) <= 1e-12 * float(expected.abs().max())
+        guesses += 1
+    assert guesses == 2 * 2 * (STEPS - 2)
+    assert work["forward_nograd"] == guessed_count(8, 2, 2, 1, STEPS - 1)
+
+
+def test_who_is_guessed():
+    """Exactly `guessed` per group at each guessed step, never two steps in a row, evenly spread."""
+    session = Session(tiny_config("method.name=guess", "grpo.group_size=6", "method.guessed=2",
+                                  "method.guess_until=6", "sampling.steps=6"))
+    traj, work, *_ = rollout(session)
+    guessed = (~traj.forwarded).view(2, 6, STEPS)
+    assert guessed[:, :, :2].sum() == 0  # guess_from 2: AB2 needs two earlier velocities
+    assert torch.all(guessed[:, :, 2:].sum(1) == 2)
+    assert not torch.any(guessed[:, :, 1:] & guessed[:, :, :-1])
+    per_row = guessed.sum(2)
+    assert torch.all(per_row.max(1).values - per_row.min(1).values <= 1)
+    assert work["forward_nograd"] == guessed_count(12, 2, 2, 2, STEPS) == 12 * STEPS - 16  # the last step too
+
+
+def test_no_guesses_is_full_bit_for_bit():
+    """guessed 0 forwards every row: the rollout and the update are full's exactly."""
+    work, grads, batches = {}, {}, {}
+    for name in ("full", "guess"):
+        options = ["method.guessed=0"] if name == "guess" else []
+        session = Session(tiny_config(f"method.name={name}", *options))
+        batch = session.collect(0).batch
+        move_off_policy(session.policy)
+        before = session.policy.counter.copy()
+        session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
+        work[name] = (session.policy.counter - before).as_dict()
+        grads[name] = {n: p.grad for n, p in session.policy.named_parameters()}
+        batches[name] = batch
+    assert torch.equal(batches["full"].latents, batches["guess"].latents)
+    assert not torch.any(~batches["guess"].forwarded)
+    assert work["full"] == work["guess"]
+    assert all(torch.equal(grads["full"][n], grads["guess"][n]) for n in grads["full"])
+
+
+# ----- the update -------------------------------------------------------------------------------
+
+def weighted_one_graph_gradient(policy, batch, guessed_weight):
+    """d L / d theta with L = 1/(B N) sum_i sum_j w_ij l_ij as one autograd graph, w_ij = guessed_weight
+    where the rollout guessed (i, j), 1 elsewhere."""
+    params = list(policy.parameters())
+    total = 0
+    for i in range(batch.batch_size):
+        rows = torch.tensor([i])
+        for j in batch.train_steps[i].tolist():
+            steps = torch.tensor([j])
+            v = policy.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
+            weight = 1.0 if batch.forwarded[i, j] else guessed_weight
+            total = total + weight * step_terms(batch, rows, steps, v).loss.sum()
+    grads = torch.autograd.grad(total * batch.loss_scale, params)
+    return {n: g for (n, _), g in zip(policy.named_parameters(), grads)}
+
+
+@pytest.mark.parametrize("weight", [0.1, 0.0, 1.0])
+def test_update_equals_a_weighted_one_graph_reference(weight):
+    session = Session(tiny_config(*GUESS, f"method.guessed_weight={weight}", "train.timestep_fraction=0.67",
+                                  "method.micro_batch=3"))
+    batch = session.collect(0).batch
+    move_off_policy(session.policy)
+    reference = weighted_one_graph_gradient(session.policy, batch, weight)
+    before = session.policy.counter.copy()
+    session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
+    work = (session.policy.counter - before).as_dict()
+    grads = {n: p.grad for n, p in session.policy.named_parameters()}
+    assert relative_error(grads, reference) <= 1e-10
+    b, n = batch.train_steps.shape
+    trained_guesses = int((~batch.forwarded.gather(1, batch.train_steps.cpu())).sum())
+    assert trained_guesses > 0  # the weights are exercised
+    terms = b * n - (trained_guesses if weight == 0 else 0)  # weight 0 skips the guessed terms' passes
+    assert work == {"forward_nograd": 0, "forward_grad": terms, "backward": terms}
+
+
+def test_replay_is_not_applicable():
+    case = build_method("guess").replay_case(tiny_config("method.name=guess"), torch.ones(STEPS, dtype=torch.bool),
+                                             6, torch.Generator())
+    assert case.scope == "not_applicable" and "frozen rollout" in case.note
+
+
+# ----- options ----------------------------------------------------------------------------------
+
+def test_default_guesses_a_third_of_the_group():
+    assert [GuessConfig().guessed_per_group(g) for g in (12, 6, 3, 2)] == [4, 2, 1, 0]
+    assert list(GuessConfig().guessed_steps(20)) == list(range(2, 19))  # every step but the last, from 2
+
+
+@pytest.mark.parametrize("override, key", [
+    ("method.guessed=3", "method.guessed"),  # group_size 3: no real generation left for the mean
+    ("method.guessed=-1", "method.guessed"),
+    ("method.guess_from=0", "method.guess_from"),
+    (f"method.guess_from={STEPS + 1}", "method.guess_from"),
+    (f"method.guess_until={STEPS + 1}", "method.guess_until"),
+    ("method.guess_until=1", "method.guess_until"),
+    ("method.blend_until=1.5", "method.blend_until"),
+    ("method.blend=2", "method.blend"),
+    ("method.blend=linear", "method.blend"),
+    ("method.ab2=[1, 2, 3]", "method.ab2"),
+    ("method.guessed_weight=-0.1", "method.guessed_weight"),
+])
+def test_bad_options_are_a_config_error_naming_the_key(override, key, tmp_path, capsys):
+    with pytest.raises(ConfigError) as err:
+        Session(tiny_config("method.name=guess", override))
+    assert err.value.key == key and "\n" not in str(err.value)
+    name, value = override.split("=", 1)
+    code = main(["run", "--set", "model.resolution=32", "--set", f"sampling.steps={STEPS}", "--set",
+                 "grpo.group_size=3", "--set", "progress=false", "--set", "method.name=guess",
+                 "--set", f"{name}={value}", "--out", str(tmp_path / "x")])
+    err_text = capsys.readouterr().err
+    lines = err_text.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and key in lines[0] and "Traceback" not in err_text
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+# ----- the preset -------------------------------------------------------------------------------
+
+def test_preset_scales_the_authors_run():
+    cfg = check_config(load_config(PRESET))
+    assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (20, "dance_grpo", 0.3, 3.0)
+    assert (cfg.grpo.group_size, cfg.method.options.guessed) == (6, 2)  # the authors' 12 with 4 guessed, halved
+    assert (cfg.method.options.ab2, cfg.method.options.blend_until, cfg.method.options.guessed_weight) == \
+        ([1.5, -0.5], 0.5, 0.1)
+    assert (cfg.train.plan, cfg.train.timestep_fraction, cfg.grpo.clip_range, cfg.grpo.adv_clip_max) == \
+        ("steps", 0.6, 0.1, 5.0)
+    assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
+
+
+def test_preset_runs_through_the_cli_and_records_its_forwards(tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", "--config", str(PRESET), "--set", "train.iterations=1", "--set", "progress=false",
+                 "--set", "telemetry.enabled=false", "--out", str(out)]) == 0
+    (record,) = [r for r in read_jsonl(out / "metrics.jsonl") if "iteration" in r]
+    guesses = 2 * (20 - 1 - 2)  # 2 per step at steps 2..18
+    assert record["guessed_velocities"] == guesses
+    assert record["forward_nograd"] == 6 * 20 - guesses  # 86, against 120 for full at group 6
+    assert record["forward_grad"] == record["backward"] == 6 * round(0.6 * 20)
+    assert json.loads((out / "config.json").read_text())["method"]["name"] == "guess"
+    assert math.isfinite(record["loss"])

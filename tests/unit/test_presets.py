@@ -1,0 +1,71 @@
+"""The run configs in config/presets/: each loads as it is and at full size (``model.preset=random``),
+and the Flow-GRPO-Fast preset keeps the public schedule and trains only its window."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agg_bench.cli import main
+from agg_bench.config import load_config
+from agg_bench.runtime.config_check import check_config
+from agg_bench.io import read_jsonl
+from agg_bench.runtime.session import Session
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = sorted((ROOT / "config/presets").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_loads_as_it_is_and_at_full_size(path):
+    cfg = check_config(load_config(path))
+    assert cfg.method.options is not None
+    full = check_config(load_config(path, ["model.preset=random"]))
+    assert full.model.preset == "random" and full.method == cfg.method
+
+
+def test_flow_grpo_fast_keeps_the_public_schedule():
+    cfg = check_config(load_config(ROOT / "config/presets/flow_grpo_fast.yaml"))
+    assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (10, "cps", 0.8, 3.0)
+    assert (cfg.grpo.clip_range, cfg.grpo.beta) == (1e-5, 0.0)
+    options = cfg.method.options
+    assert (cfg.method.name, options.window_size, options.window_mode) == ("window", 3, "random")
+    assert (options.window_start, options.window_max_start) == (0, 10 // 2 - 3)
+
+
+def test_flow_grpo_fast_samples_cps_in_its_window_only(tmp_path):
+    cfg = load_config(ROOT / "config/presets/flow_grpo_fast.yaml",
+                      ["model.resolution=32", "model.dtype=float64", "telemetry.enabled=false", "progress=false"])
+    session = Session(cfg)
+    starts = set()
+    for iteration in range(6):
+        batch = session.collect(iteration).batch
+        stochastic = torch.nonzero(batch.log_probs[0] != 0).flatten().tolist()
+        start = session.estimator.last_start
+        starts.add(start)
+        assert stochastic == list(range(start, start + 3))
+        assert batch.train_steps.tolist() == [list(range(start, start + 3))] * batch.batch_size
+    assert starts <= {0, 1, 2}
+
+
+def test_flow_grpo_fast_runs_through_the_cli(tmp_path):
+    out = tmp_path / "fast"
+    assert main(["run", "--config", str(ROOT / "config/presets/flow_grpo_fast.yaml"), "--set", "train.iterations=1",
+                 "--set", "model.resolution=32", "--set", "progress=false", "--out", str(out)]) == 0
+    (record,) = read_jsonl(out / "metrics.jsonl")
+    b = 4 * 2
+    assert record["status"] == "ok" and record["method"] == "window"
+    assert record["forward_nograd"] == b * 10  # the rollout: every step forwards
+    assert record["train_forward_grad"] == record["train_backward"] == b * 3  # the window's three steps
+
+
+def test_cps_rollout_never_samples_the_step_into_sigma_zero():
+    cfg = load_config(None, ["model.resolution=32", "model.dtype=float64", "sampling.steps=4", "sampling.sde=cps",
+                             "grpo.group_size=2", "grpo.prompts_per_iteration=1", "telemetry.enabled=false"])
+    session = Session(cfg)
+    batch = session.collect(0).batch
+    assert (batch.log_probs[:, :3] != 0).all() and (batch.log_probs[:, 3] == 0).all()
+    assert batch.train_steps.tolist() == [[0, 1, 2]] * 2
+    x, v = batch.latents[:, 3], batch.velocities[:, 3]
+    assert torch.equal(batch.latents[:, 4], x + (batch.sigmas[4] - batch.sigmas[3]) * v)
