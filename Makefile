@@ -1,6 +1,7 @@
 # The two commands a new user needs; both set up .venv first.
 #   make pipeline   the Snakemake sweep on the embedded default (tiny DiTs, CPU, minutes)
-#   make test       ruff, then the test suite: tests/unit and tests/integration (what CI runs)
+#   make test       ruff, then the test suite: tests/unit and tests/integration, as two streams on two cores
+#                   (scripts/test.sh; what CI runs)
 #   make test-fast  ruff, then tests/unit only (in-process, a few minutes)
 #   make learning   the learning testbed: a DiT pre-trained on drawn scenes, GRPO per method x 3 seeds (docs/learning.md)
 CORES ?= 2
@@ -21,7 +22,7 @@ lint: setup
 	.venv/bin/ruff check agg_bench baselines tests benchmarks scripts
 
 test: lint
-	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+	bash scripts/test.sh $(PYTEST_ARGS)
 
 test-fast: lint
 	.venv/bin/python -m pytest -q tests/unit $(PYTEST_ARGS)

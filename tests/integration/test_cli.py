@@ -63,12 +63,23 @@ def test_flux_preset_runs(tmp_path):
     ("grpo.group_size=1", "grpo.group_size"),
     ("method.window=3", "method.window"),
 ])
-def test_bad_config_is_one_line_and_exit_code_2(tmp_path, override, key):
-    proc = subprocess.run([sys.executable, "-m", "agg_bench", "run", *SMALL, "--set", override,
+def test_bad_config_is_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch, override, key):
+    # in-process: `python -m agg_bench` exits with main's code (test_a_bad_config_ends_the_process_with_one_line_...)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", *SMALL, "--set", override, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_a_bad_config_ends_the_process_with_one_line_and_exit_code_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "agg_bench", "run", *SMALL, "--set", "train.lr=-1",
                            "--out", str(tmp_path / "x")], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and key in lines[0], proc.stderr
+    assert len(lines) == 1 and "train.lr" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# make test: the whole suite as two pytest processes side by side, one core and one OpenMP thread each.
+#
+# One pytest process keeps about one core busy (most tests wait for a process they started, or run small
+# tensors on one thread), so on two cores the suite's wall time halves when it runs as two streams of about
+# equal length: tests/unit with the integration files that each run one long process chain (the learning
+# run, the GPU check script, the pre-training recipe), and the rest of tests/integration. Each stream runs
+# with OMP_NUM_THREADS=1 unless it is set (the suite passes at any thread count). With fewer than two usable
+# cores the streams run one after the other. Arguments go to both streams (make test PYTEST_ARGS="-m 'not
+# slow'"); a stream whose selection is empty counts as passed. The second stream's report follows the first's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+LONG=(tests/integration/test_learning.py tests/integration/test_gpu_check.py tests/integration/test_pretrain.py)
+
+first=(tests/unit "${LONG[@]}")
+second=(tests/integration)
+for file in "${LONG[@]}"; do second+=("--ignore=$file"); done
+
+passed() { [ "$1" -eq 0 ] || [ "$1" -eq 5 ]; }  # 5: pytest collected nothing
+
+cores=$("$PYTHON" -c "import os; print(len(os.sched_getaffinity(0)))" 2>/dev/null || echo 1)
+if [ "$cores" -lt 2 ]; then
+  "$PYTHON" -m pytest -q "${first[@]}" "$@"; a=$?
+  "$PYTHON" -m pytest -q "${second[@]}" "$@"; b=$?
+else
+  log=$(mktemp)
+  "$PYTHON" -m pytest -q "${second[@]}" "$@" >"$log" 2>&1 &
+  pid=$!
+  trap 'kill "$pid" 2>/dev/null; rm -f "$log"; exit 130' INT TERM
+  "$PYTHON" -m pytest -q "${first[@]}" "$@"; a=$?
+  wait "$pid"; b=$?
+  trap - INT TERM
+  echo "----- ${second[*]} -----"
+  cat "$log"
+  rm -f "$log"
+fi
+passed "$a" && passed "$b"
