@@ -1,8 +1,8 @@
 # The two commands a new user needs; both set up .venv first.
 #   make pipeline   the Snakemake sweep on the embedded default (tiny DiTs, CPU, minutes)
-#   make test       ruff, then the test suite: tests/unit and tests/integration, as two streams on two cores
+#   make test       ruff and mypy, then the test suite: tests/unit and tests/integration, as two streams on two cores
 #                   (scripts/test.sh; what CI runs)
-#   make test-fast  ruff, then tests/unit only (in-process, a few minutes)
+#   make test-fast  ruff and mypy, then tests/unit only (in-process, a few minutes)
 #   make learning   the learning testbed: a DiT pre-trained on drawn scenes, GRPO per method x 3 seeds (docs/learning.md)
 CORES ?= 2
 PYTEST_ARGS ?=
@@ -20,6 +20,7 @@ learning: setup
 
 lint: setup
 	.venv/bin/ruff check agg_bench baselines tests benchmarks scripts
+	.venv/bin/mypy
 
 test: lint
 	bash scripts/test.sh $(PYTEST_ARGS)

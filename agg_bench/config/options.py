@@ -17,7 +17,6 @@ This module imports no torch: the option classes of the caches are read while a 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 import typing
 from typing import Any, Literal, Mapping
@@ -53,10 +52,15 @@ def option_names(cls: type[Options]) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls) if "internal" not in f.metadata)
 
 
-@functools.lru_cache(maxsize=None)
+_SCHEMAS: dict[type, dict] = {}
+
+
 def options_schema(cls: type[Options]) -> dict:
-    """The JSON schema of ``cls``'s options: an object of those keys, each with its type, bounds and meaning."""
-    return section_schema(cls, (cls.__doc__ or "").strip().split("\n")[0])
+    """The JSON schema of ``cls``'s options: an object of those keys, each with its type, bounds and meaning
+    (built once per class)."""
+    if cls not in _SCHEMAS:
+        _SCHEMAS[cls] = section_schema(cls, (cls.__doc__ or "").strip().split("\n")[0])
+    return _SCHEMAS[cls]
 
 
 def typed_options(cls: type[Options], given: Mapping[str, Any], prefix: str = "method",

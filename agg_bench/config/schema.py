@@ -36,17 +36,17 @@ def type_schema(annotation: Any) -> dict:
         return {}
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         nullable = type(None) in typing.get_args(annotation)
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) > 1:
-            return {"anyOf": [type_schema(a) for a in args] + ([{"type": "null"}] if nullable else [])}
-        inner = type_schema(args[0])
+        arms = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(arms) > 1:
+            return {"anyOf": [type_schema(a) for a in arms] + ([{"type": "null"}] if nullable else [])}
+        inner = type_schema(arms[0])
         if "enum" in inner:
             return {**inner, "enum": [*inner["enum"], None]}
         return {**inner, "type": [inner["type"], "null"]}
     if typing.get_origin(annotation) is Literal:
         return {"enum": list(typing.get_args(annotation))}
     origin = typing.get_origin(annotation) or annotation
-    schema = {"type": JSON_TYPES[origin]}
+    schema: dict[str, Any] = {"type": JSON_TYPES[origin]}
     args = typing.get_args(annotation)
     if origin is list and args:
         schema["items"] = type_schema(args[0])
@@ -80,7 +80,7 @@ def section_schema(cls: type[Section], doc: str | None = None) -> dict:
             properties[f.name] = section_schema(nested, f.metadata["doc"])
             continue
         properties[f.name] = field_schema(hints[f.name], f.metadata["constraints"], f.metadata["doc"])
-    schema = {"type": "object", "description": doc or (cls.__doc__ or "").split("\n")[0]}
+    schema: dict[str, Any] = {"type": "object", "description": doc or (cls.__doc__ or "").split("\n")[0]}
     if cls.REQUIRED:
         schema["required"] = list(cls.REQUIRED)
     if not cls.OPEN:
@@ -114,18 +114,19 @@ SIZE_WORDS = {"minLength": lambda n: f"at least {n} characters",
 def _describe(error: jsonschema.ValidationError) -> ConfigError:
     path = ".".join(str(p) for p in error.absolute_path)
     schema = error.schema if isinstance(error.schema, dict) else {}
+    instance: Any = error.instance
     if error.validator == "additionalProperties":
-        allowed = sorted(error.schema.get("properties", {}))
-        extra = sorted(set(error.instance) - set(allowed))
+        allowed = sorted(schema.get("properties", {}))
+        extra = sorted(set(instance) - set(allowed))
         key = f"{path}.{extra[0]}" if path else extra[0]
-        return ConfigError(key, error.instance[extra[0]], f"a known key here (one of {', '.join(allowed)})")
+        return ConfigError(key, instance[extra[0]], f"a known key here (one of {', '.join(allowed)})")
     if error.validator == "enum":
         return ConfigError(path, error.instance, f"one of {schema['enum']}")
     if error.validator == "required":
         return ConfigError(path or "(top level)", error.instance, error.message)
     if error.validator == "type":
         types_ = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        return ConfigError(path, error.instance, " or ".join(TYPE_WORDS.get(t, t) for t in types_))
+        return ConfigError(path, error.instance, " or ".join(TYPE_WORDS.get(t, str(t)) for t in types_))
     if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         words = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
         expected = schema.get("x-expected") or f"a value {words[error.validator]} {error.validator_value}"
@@ -148,7 +149,7 @@ def _words(schema: dict) -> str:
     if "enum" in schema:
         return f"one of {schema['enum']}"
     kinds = schema.get("type", [])
-    return " or ".join(TYPE_WORDS.get(t, t) for t in (kinds if isinstance(kinds, list) else [kinds]))
+    return " or ".join(TYPE_WORDS.get(t, str(t)) for t in (kinds if isinstance(kinds, list) else [kinds]))
 
 
 def check_finite(value: Any, path: str = "") -> None:

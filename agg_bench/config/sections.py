@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping, Self
 
 
 def option(default: Any, doc: str, **constraints: Any) -> Any:
@@ -47,9 +47,10 @@ class Section:
     # keys a mapping of this section must have, and whether keys beyond the fields are allowed
     REQUIRED: tuple[str, ...] = ()
     OPEN = False
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field]]  # every section is a dataclass
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Section":
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
         """The section a checked mapping describes (:func:`agg_bench.config.load.validate` checks it, or a
         run's own ``config.json``); a key it lacks takes its default, as in a config written before the
         key existed."""
@@ -67,7 +68,7 @@ class Section:
                          else copy.deepcopy(value)) for f in fields(self)}
 
 
-def section_class(f: dataclasses.Field) -> type | None:
+def section_class(f: dataclasses.Field) -> type[Section] | None:
     factory = f.default_factory
     return factory if isinstance(factory, type) and issubclass(factory, Section) else None
 
@@ -252,7 +253,7 @@ class MethodSection(Section):
     written: dict | None = field(default=None, repr=False, compare=False, metadata={"internal": True})
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MethodSection":
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
         return cls(name=data["name"], written=copy.deepcopy(dict(data)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -348,7 +349,7 @@ class RunConfig(Section):
     eval: EvalConfig = section(EvalConfig, "the held-out evaluation inside the run")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
         """The run config a checked mapping or a run folder's ``config.json`` describes; values an older run
         wrote for a key that has changed meaning read as today's (:func:`upgrade_written`)."""
         return super().from_dict(upgrade_written(data))

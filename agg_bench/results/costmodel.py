@@ -40,13 +40,15 @@ def fit_call_cost(latents: Sequence[int], seconds: Sequence[float]) -> tuple[flo
     return s_big - slope * n_big, slope
 
 
-def priced_calls(passes: Mapping[str, float], calls: Mapping[str, float], optimizer_steps: float,
-                 per_call: Mapping[str, float], per_latent: Mapping[str, float], per_step: float) -> float:
+def priced_calls(passes: Mapping[str, float], calls: Mapping[str, float], optimizer_steps: float | None,
+                 per_call: Mapping[str, float | None], per_latent: Mapping[str, float | None],
+                 per_step: float | None) -> float:
     """Seconds that counted work costs when a call of ``n`` latents of a kind costs ``per_call[kind] +
     per_latent[kind] * n`` (:func:`fit_call_cost`): over the kinds, ``calls[kind]`` x its per-call cost plus
     ``passes[kind]`` (latents) x its per-latent cost, and ``optimizer_steps`` x ``per_step``. NaN when a
     count or a cost of a kind is missing or not finite (:func:`agg_bench.results.stats.predicted_seconds`)."""
-    counts, units = {"optimizer_step": optimizer_steps}, {"optimizer_step": per_step}
+    counts: dict[str, float | None] = {"optimizer_step": optimizer_steps}
+    units: dict[str, float | None] = {"optimizer_step": per_step}
     for kind in dict.fromkeys([*passes, *calls]):
         counts[f"{kind}/calls"], units[f"{kind}/calls"] = calls.get(kind), per_call.get(kind)
         counts[f"{kind}/latents"], units[f"{kind}/latents"] = passes.get(kind), per_latent.get(kind)

@@ -152,8 +152,9 @@ def target_columns(curves: dict, methods: dict, reference: str, fraction: float)
             continue
         row["target_reached"] = int(sum(np.isfinite(seed_targets(c, target)[0]) for c in mine))
         point = seed_targets(mean_curve(mine), target)
-        found[method] = (point, resampled_costs(mine, target))
-        row["target_cost_lo"], row["target_cost_hi"] = _interval(found[method][1])
+        resampled = resampled_costs(mine, target)
+        found[method] = (point, resampled)
+        row["target_cost_lo"], row["target_cost_hi"] = _interval(resampled)
         if np.isfinite(point[0]):
             row["target_cost"], row["target_cpu_s"] = point
     ref = found.get(reference)
@@ -162,9 +163,10 @@ def target_columns(curves: dict, methods: dict, reference: str, fraction: float)
     # the reference's resamples in another order, so that its replicates pair with a method's independently
     ref_costs = ref[1][np.random.default_rng(BOOTSTRAP_SEED + 1).permutation(ref[1].size)]
     for method, row in out.items():
-        if found[method] is None:
+        entry = found[method]
+        if entry is None:
             continue
-        (cost, _), costs = found[method]
+        (cost, _), costs = entry
         with np.errstate(divide="ignore", invalid="ignore"):
             if np.isfinite(ref[0][0]) and np.isfinite(cost):
                 row["speedup_to_target"] = ref[0][0] / cost

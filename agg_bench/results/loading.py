@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Iterable, TypeGuard
 
 import numpy as np
 import pandas as pd
@@ -130,7 +130,7 @@ def load_manifest(path: str | Path) -> Manifest:
     if unknown:
         raise UserError(f"manifest {path}: unknown key {unknown[0]!r}; expected some of "
                         f"{', '.join([*MANIFEST_SECTIONS, 'warmup', 'time'])}")
-    sections = {}
+    sections: dict[str, list] = {}
     for section, (entry_class, required, keys) in MANIFEST_SECTIONS.items():
         entries = data.get(section, [])
         _check(f"manifest {path}: {section}", entries, (lambda v: isinstance(v, list), "a list"))
@@ -291,7 +291,7 @@ def _hardware(gpu_name, n_gpus, device, source=None) -> str:
     return f"{name} (reference)" if source == "reference" else name
 
 
-def is_number(value) -> bool:
+def is_number(value) -> TypeGuard[float]:
     """A finite int or float (numpy's included), not a bool."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
         and math.isfinite(float(value))

@@ -18,12 +18,12 @@ BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 
 
-def _finite(values: Sequence[float]) -> np.ndarray:
+def _finite(values: Sequence[float] | np.ndarray) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64).ravel()
     return array[np.isfinite(array)]
 
 
-def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
+def quartiles(values: Sequence[float] | np.ndarray) -> tuple[float, float, float]:
     """(p25, median, p75) of the finite ``values`` (linear interpolation between order statistics,
     numpy's default); NaNs when there is none."""
     array = _finite(values)
@@ -68,7 +68,8 @@ def ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float]
     return _percentile_interval(np.median(num[num_idx], axis=1) / np.median(den[den_idx], axis=1), level)
 
 
-def paired_ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float], level: float = 0.95,
+def paired_ratio_of_medians_ci(numerator: Sequence[float] | np.ndarray, denominator: Sequence[float] | np.ndarray,
+                               level: float = 0.95,
                                resamples: int = BOOTSTRAP_RESAMPLES,
                                seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
     """Percentile bootstrap interval of median(numerator) / median(denominator) for paired samples:
@@ -96,7 +97,7 @@ def paired_speedup(reference: Sequence[float], own: Sequence[float]) -> tuple[fl
     return (float(np.median(ref) / np.median(mine)), *paired_ratio_of_medians_ci(ref, mine))
 
 
-def predicted_seconds(counts: Mapping[str, float], unit_seconds: Mapping[str, float]) -> float:
+def predicted_seconds(counts: Mapping[str, float | None], unit_seconds: Mapping[str, float | None]) -> float:
     """Seconds that ``counts`` (passes per sample, optimizer steps, ...) cost at ``unit_seconds`` each:
     the sum of count x unit cost over the keys of ``counts``. NaN when a count or its unit cost is
     missing or not finite (a prediction from part of the work would look too fast)."""
