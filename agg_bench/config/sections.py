@@ -234,8 +234,8 @@ class TrainConfig(Section):
 class MethodSection(Section):
     """``method``: the gradient estimator, by its registered name, with its own options.
 
-    ``options`` is the method's own config dataclass (``Estimator.config_cls``, whose docstring documents
-    every option), built once when a loaded run config is checked
+    ``options`` is the method's own options (``Estimator.config_cls``, an
+    :class:`~agg_bench.config.options.Options` dataclass whose fields document every option), built once when a loaded run config is checked
     (:func:`agg_bench.runtime.config_check.check_config`, which imports the method); None until then, and
     for a config read from a run folder. ``written`` is the section as written, which ``config.json`` keeps.
     """
@@ -244,12 +244,13 @@ class MethodSection(Section):
     OPEN = True  # the options are checked by the method's config class, not by the run schema
 
     name: str = option("full", "a registered method: `full`, `fraction`, `window`, `agg`, `cached`, ... "
-                               "(`METHOD_MODULES` in `agg_bench/methods/base.py` names each one's module)")
+                               "(`METHOD_MODULES` in `agg_bench/methods/base.py` names each one's module), or "
+                               "a dotted path `package.module:Class` to an Estimator of your own")
     options: Any = field(default=None, metadata={
-        "key": "<option>", "default": "per method", "allowed": "the method's config class",
-        "doc": "the method's own options, checked by its config dataclass (unknown keys refused); a `method` "
-               "section in a config file replaces the default one whole, so options of another method never "
-               "leak in"})
+        "key": "<option>", "default": "per method", "allowed": "the method's options (docs/methods.md)",
+        "doc": "the method's own options, typed and bounded by its options class when a command runs (unknown "
+               "keys refused; docs/methods.md's tables); a `method` section in a config file replaces the "
+               "default one whole, so options of another method never leak in"})
     written: dict | None = field(default=None, repr=False, compare=False, metadata={"internal": True})
 
     @classmethod
