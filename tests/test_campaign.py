@@ -481,10 +481,10 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
     with pytest.raises(UserError, match="not the model of the reference"):
         campaign.prepare_models(reference)
     # an archive whose model is not what pretrain writes is refused whole
+    weights = f"pretrained/{label}/transformer/diffusion_pytorch_model.safetensors"
     for edit, words in ((lambda d: d[:-4], "the tensors cover"), (lambda d: b"x" * 16, "not a safetensors file")):
         bad = crafted(tmp_path / "bad.tar.gz", tmp_path / "w1" / "campaign.tar.gz",
-                      lambda m: {**m, f"pretrained/{label}/transformer/diffusion_pytorch_model.safetensors": edit(
-                          m[f"pretrained/{label}/transformer/diffusion_pytorch_model.safetensors"])})
+                      lambda m, edit=edit: {**m, weights: edit(m[weights])})
         assert main(["campaign", "unpack", "--config", config, "--cpu", "--archive", str(bad), "--reference",
                      str(tmp_path / "new")]) == 2
         assert words in capsys.readouterr().err and not (tmp_path / "new").exists()
