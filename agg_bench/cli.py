@@ -164,7 +164,8 @@ def cmd_learning(args) -> int:
 
 
 def cmd_campaign(args) -> int:
-    from .tools.campaign import Campaign, check_minutes, run_window, status, unpack
+    from .tools.archive import unpack
+    from .tools.campaign import Campaign, check_minutes, run_window, status
 
     if args.action == "run":
         check_minutes(args.minutes)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One window of the H200 campaign (config/h200.yaml; docs/paper-scale.md, "The H200 campaign"):
+# One window of a GPU campaign (docs/paper-scale.md, "The H200 campaign"), by default config/h200.yaml:
 #   scripts/gpu_campaign.sh --minutes 8          on a GPU machine: the most valuable runs that
 #                                                 results/reference/h200/ lacks, stopped cleanly before 8 minutes
-#   scripts/gpu_campaign.sh --cpu --minutes 3    the same campaign on the tiny models on the CPU (the test suite
-#                                                 runs a short window of it)
+#   scripts/gpu_campaign.sh --cpu --minutes 3    the same campaign on the CPU (the test suite runs a window of it)
+#   scripts/gpu_campaign.sh --config config/learning_gpu.yaml --reference results/reference/h200-learning --minutes 8
 # What finished is packed into one archive, results/campaign/campaign.tar.gz (AGG_BENCH_CAMPAIGN_OUT changes the
 # folder); add it to the reference with
 #   agg-bench campaign unpack --config config/h200.yaml --archive results/campaign/campaign.tar.gz \
@@ -16,18 +16,21 @@ set -uo pipefail
 
 MODE=gpu
 MINUTES=
-usage() { echo "usage: scripts/gpu_campaign.sh [--cpu] --minutes N" >&2; exit 2; }
+CONFIG=config/h200.yaml
+REFERENCE=${AGG_BENCH_CAMPAIGN_REFERENCE:-results/reference/h200}
+usage() { echo "usage: scripts/gpu_campaign.sh [--cpu] [--config FILE] [--reference DIR] --minutes N" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --cpu) MODE=cpu; shift ;;
     --minutes) [[ $# -ge 2 ]] || usage; MINUTES=$2; shift 2 ;;
+    --config) [[ $# -ge 2 ]] || usage; CONFIG=$2; shift 2 ;;
+    --reference) [[ $# -ge 2 ]] || usage; REFERENCE=$2; shift 2 ;;
     *) usage ;;
   esac
 done
 [[ -n "$MINUTES" ]] || usage
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${AGG_BENCH_CAMPAIGN_OUT:-results/campaign}
-REFERENCE=${AGG_BENCH_CAMPAIGN_REFERENCE:-results/reference/h200}
 if [[ -n "${PYTHON:-}" ]]; then
   PY=$PYTHON
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -43,7 +46,7 @@ if ! missing=$("$PY" -c 'import torch, diffusers, agg_bench' 2>&1); then
   echo "gpu_campaign: $PY cannot import torch, diffusers and agg_bench ($(printf '%s\n' "$missing" | tail -n 1)); $FIX" >&2
   exit 2
 fi
-ARGS=(--config config/h200.yaml --minutes "$MINUTES" --work "$OUT" --reference "$REFERENCE")
+ARGS=(--config "$CONFIG" --minutes "$MINUTES" --work "$OUT" --reference "$REFERENCE")
 if [[ $MODE == gpu ]]; then
   if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     echo "gpu_campaign: torch $("$PY" -c 'import torch; print(torch.__version__)') in $PY sees no CUDA device;" \

@@ -31,6 +31,8 @@ allocator slack, FSDP's gathered blocks, the rollout's and reward's working memo
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import math
 import os
 import sys
@@ -487,14 +489,38 @@ def bytes_text(n: float) -> str:
     return f"{int(n)} B"
 
 
+# plans made in this process, by what they depend on (:func:`plan_key`): the runs of a cell job share a
+# model, and a full-size model's count on fake tensors takes seconds
+_RUN_PLANS: dict[str, dict] = {}
+_RUN_PLANS_KEPT = 16
+
+
+def plan_key(cfg: RunConfig, gpus: int) -> str:
+    """What a run's plan depends on: the model, prompts, train and GRPO sections, the device, the method's
+    micro-batch and the processes (not the seed, the sampler, the method's other options or the reward)."""
+    config = cfg.to_dict()
+    micro = getattr(method_options(cfg), "micro_batch", None)
+    return json.dumps({"gpus": gpus, "device": config["device"], "micro_batch": micro,
+                       "memory": gpu_memory_bytes(_device_type(cfg)),
+                       **{k: config[k] for k in ("model", "prompts", "train", "grpo")}}, sort_keys=True)
+
+
 def run_memory_plan(cfg: RunConfig, gpus: int) -> dict:
     """What a run records in ``plan.json``: its plan on ``gpus`` processes (no suggestions), or the error
-    that kept it from being made (a run does not fail for want of a plan)."""
+    that kept it from being made (a run does not fail for want of a plan). A plan this process made already
+    for the same :func:`plan_key` is the same plan, and is not counted again."""
+    key = plan_key(cfg, gpus)
+    if key in _RUN_PLANS:
+        return copy.deepcopy(_RUN_PLANS[key])
     try:
-        return plan_memory(cfg, gpus, suggest=False).as_dict()
+        plan = plan_memory(cfg, gpus, suggest=False).as_dict()
     except Exception as exc:  # recorded, and the run goes on
         print(f"agg-bench run: no memory plan: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return {"error": f"{type(exc).__name__}: {exc}"}
+    if len(_RUN_PLANS) >= _RUN_PLANS_KEPT:
+        _RUN_PLANS.pop(next(iter(_RUN_PLANS)))
+    _RUN_PLANS[key] = copy.deepcopy(plan)
+    return plan
 
 
 def format_plan(plan: MemoryPlan) -> str:

@@ -1,85 +1,78 @@
 """``agg-bench campaign``: a sweep filled in run by run over short windows of GPU time, into committed reference
 results.
 
-A campaign is a sweep config (``config/h200.yaml``: the paper's comparison on one H200) whose runs are too many
-for one window of GPU time. Each ``campaign run --minutes N`` is one window:
+A campaign is a sweep config whose runs are too many for one window of GPU time: ``config/h200.yaml`` (the
+paper's efficiency comparison on one H200) or ``config/learning_gpu.yaml`` (the learning sweep on one GPU).
+Each ``campaign run --minutes N`` is one window:
 
 1. It reads the sweep (every check of the workflow's, :class:`~agg_bench.tools.sweep.Sweep`) and takes as done
    every run that is already finished, in the reference folder (``--reference``, e.g.
    ``results/reference/h200``) or in its own work folder (``--work``, from an earlier window on the same
    machine): a run folder whose summary says ``ok`` and whose ``config.json`` is the run's config as the sweep
    composes it today.
-2. It orders the runs left by the sweep's ``campaign.priority`` (selectors of model, resolution and methods:
+2. A sweep whose runs read a model that its ``pretrain`` section makes (``results/pretrained/<label>``) gets
+   it first: from the reference (``pretrained/<label>``, packed by the window that made it), else by an
+   ``agg-bench pretrain`` process. A model there that is not the reference's is refused: the reference's runs
+   were trained from the reference's model (:meth:`Campaign.prepare_models`).
+3. It orders the runs left by the sweep's ``campaign.priority`` (selectors of model, resolution and methods:
    each selector's runs before the next one's; the rest last, in the sweep's order) and cuts that order into
-   processes: consecutive runs of one model x resolution x device are one ``agg-bench cell`` process (the
-   model built once, :mod:`agg_bench.runtime.model_reuse`), followed, unless ``campaign.calibrate`` is false,
-   by one ``agg-bench calibrate`` process that times the methods it finished beside ``full`` (paired rounds:
-   the tables' train speedups and the cost model's prediction on that machine).
-3. It stops cleanly before the deadline: a cell process is told the deadline (it starts no run that the
-   longest run so far says would not end before it) and is sent SIGTERM ``STOP_MARGIN_S`` seconds before the
-   deadline (the run it is in ends ``interrupted``; a process that does not end within ``KILL_AFTER_S`` is
-   killed). A SIGTERM or SIGINT to the campaign itself does the same at once.
-4. It packs every finished run it holds that the reference lacks, without checkpoints, with the window's
-   calibrations and its log (``windows/<stamp>.json``: what ran, how long, what ended how), into one archive
-   (``--archive``, default ``WORK/campaign.tar.gz``; a few MiB). A run cut off by the deadline is not in it.
+   processes: consecutive runs of one model x resolution x device, at most the device's ``runs_per_job`` of
+   them, are one ``agg-bench cell`` process (the model built once, :mod:`agg_bench.runtime.model_reuse`),
+   followed, unless ``campaign.calibrate`` is false, by one ``agg-bench calibrate`` process that times the
+   methods it finished beside ``full`` (paired rounds: the tables' train speedups and the cost model's
+   prediction on that machine). ``campaign.parallel`` processes run at a time (default 1: a full-size model
+   has the GPU to itself; the learning sweep's small runs share one).
+4. It stops cleanly before the deadline: a cell process is told the deadline (it starts no run that the
+   longest run so far says would not end before it), no process starts after ``STOP_MARGIN_S`` seconds before
+   it, and a process still running then is sent SIGTERM (the run it is in ends ``interrupted``) and killed
+   ``KILL_AFTER_S`` later if it has not ended. A SIGTERM or SIGINT to the campaign itself does the same at
+   once, and the command then exits with 128 + N.
+5. It packs every finished run it holds that the reference lacks, without checkpoints, the pre-trained model
+   the reference lacks, the window's calibrations and its log (``windows/<stamp>.json``: what ran, how long,
+   what ended how), into one archive (``--archive``, default ``WORK/campaign.tar.gz``; a few MiB). A run cut
+   off by the deadline is not in it. :mod:`agg_bench.tools.archive` says what ``campaign unpack`` lets into
+   the reference.
 
-``campaign unpack ARCHIVE`` adds an archive to the reference: it reads the archive as data (never
-``extractall``) and refuses, with one line and exit code 2 and the reference untouched, anything that is not
-what a window packs: a link or any member that is not a plain file, a path outside the archive's own layout,
-a name of the wrong shape, a file that is not JSON / JSON lines, sizes over the bounds below, a run that is not
-finished or whose config is not the sweep's for that run id, a calibration that ``agg-bench calibrate`` would
-not have written, a run that the reference already holds with other contents. Then it moves the new files
-into place, and writes the reference's ``manifest.json`` (every run and calibration there, with the sweep's
-labels and ``source: reference``) and its tables (``agg-bench report --manifest REF/manifest.json --tables
-REF/tables`` regenerates them byte for byte). ``campaign status`` prints what is done and what is missing,
-in the order the next window takes it.
+``campaign status`` prints what is done and what is missing, in the order the next window takes it.
 """
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import dataclasses
-import io
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
-from ..io import atomic_path, atomic_target, write_json
+from ..io import atomic_target, write_json
 from ..outdir import Contents, claim_files, claim_folder, remove_owned
-from ..results.report import TABLES_CONTENTS
-from ..records import record_problem
 from ..runtime.cell import job_entry
 from ..runtime.runfolder import RUN_CONTENTS
-from .sweep import Sweep, SweepError, check_sweep_files, overrides_of
+from . import archive as archives
+from .sweep import PRETRAINED_DIR, Sweep, SweepError, check_sweep_files, is_pretrained_here, overrides_of
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
-# the files of a finished run that travel (no checkpoint, no TensorBoard events)
-RUN_FILES = ("config.json", "env.json", "plan.json", "metrics.jsonl", "summary.json", "evaluations.jsonl")
-REQUIRED_RUN_FILES = ("config.json", "env.json", "metrics.jsonl", "summary.json")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")  # a run id, a calibration's or a window's file name
-MAX_ARCHIVE_BYTES = 64 * 2**20
-MAX_MEMBER_BYTES = 16 * 2**20
-MAX_TOTAL_BYTES = 256 * 2**20
-MAX_MEMBERS = 20_000
 MAX_MINUTES = 24 * 60
-STOP_MARGIN_S = 20.0  # SIGTERM this long before the deadline: the run ends, the archive is packed
+MAX_PARALLEL = 64
+STOP_MARGIN_S = 20.0  # no process starts, and the running ones get SIGTERM, this long before the deadline
 KILL_AFTER_S = 12.0  # a process that has not ended this long after SIGTERM is killed
 POLL_S = 0.25
+# the --cpu form of a learning sweep: a few iterations of every method on the pre-trained model, on the CPU
+CPU_LEARNING_SET = {"train.budget": None, "train.iterations": 2, "eval.every": 1, "eval.noises": 1,
+                    "train.checkpoint_every": 0}
+CPU_PRETRAIN_SET = {"device": "cpu", "steps": 20, "batch_size": 8, "sample_steps": 4, "threads": 1}
+
 
 def _json_files(what: str) -> Contents:
     return Contents(what, patterns=("*.json",))
@@ -89,20 +82,12 @@ WORK_CONTENTS = Contents("an agg-bench campaign work folder", ("campaign.tar.gz"
     ("runs", Contents("a campaign's run folders", folders=(("*", RUN_CONTENTS),))),
     ("cells", _json_files("cell job files")), ("calibration", _json_files("calibrations")),
     ("logs", Contents("logs", patterns=("*.log",))), ("windows", _json_files("window logs"))))
-REFERENCE_CONTENTS = Contents("agg-bench reference results", ("manifest.json",), folders=(
-    ("runs", Contents("reference runs", folders=(("*", Contents("a reference run", RUN_FILES)),))),
-    ("calibration", _json_files("calibrations")), ("windows", _json_files("window logs")),
-    ("tables", TABLES_CONTENTS)))
-
-
-def _is_archive(path: Path) -> bool:
-    return tarfile.is_tarfile(path)
 
 
 # ----- the sweep and what is done ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Process:
-    """One process of a window: the runs of one cell (model x resolution x device), in order."""
+    """One process of a window: runs of one cell (model x resolution x device), in order."""
 
     cell: str
     run_ids: tuple[str, ...]
@@ -110,25 +95,40 @@ class Process:
 
 def cpu_resolution(resolution: int) -> int:
     """The tiny models' stand-in for a full-size resolution: 1/16 of it, rounded up to 16 px (512 -> 32,
-    720 -> 48, 1024 -> 64)."""
-    return 16 * math.ceil(resolution / 256)
+    720 -> 48, 1024 -> 64); a resolution of 64 px or less stays as it is."""
+    return resolution if resolution <= 64 else 16 * math.ceil(resolution / 256)
 
 
 def cpu_sweep(data: dict) -> dict:
-    """The same campaign on the tiny models on the CPU (``--cpu``): every method, model family, schedule and
-    priority as written, with the tiny preset of each family (LoRA rank 4 where the model has adapters),
-    float32, one CPU device of 2 threads, :func:`cpu_resolution`'s sizes, one iteration and short calibrations,
-    so that a CPU runs all of it in minutes and the test suite can run a window of it."""
+    """The same campaign on the CPU (``--cpu``), so that a CPU runs all of it in minutes and the test suite a
+    window of it: every method, model family, schedule and priority as written, on one CPU device, with
+    float32, :func:`cpu_resolution`'s sizes, one iteration and short calibrations. A model of a public
+    architecture becomes the tiny preset of its family (LoRA rank 4 where it has adapters); a sweep with a
+    ``pretrain`` section (the learning sweep) keeps its model, pre-trained on the CPU in a few steps
+    (:data:`CPU_PRETRAIN_SET`), and its runs train for 2 iterations, evaluated on one noise per caption, on
+    its first seed (:data:`CPU_LEARNING_SET`), their tables averaging one iteration at each end."""
     data = json.loads(json.dumps(data))
-    data["set"] = {**(data.get("set") or {}), "model.dtype": "float32", "train.iterations": 1}
-    data["devices"] = {"cpu": {"device": "cpu", "gpus": 0, "threads": 2, "runs_per_job": 100}}
-    for label, overrides in data["models"].items():
-        model = {k: v for k, v in overrides.items()
-                 if k not in ("model.preset", "model.architecture", "model.pretrained", "train.iterations")}
-        model["model.preset"] = "tiny"
-        if model.get("train.lora_rank"):
-            model["train.lora_rank"] = 4
-        data["models"][label] = model
+    learning = bool(data.get("pretrain"))
+    runs_per_job = max([spec.get("runs_per_job", 0) for spec in data["devices"].values()] or [0]) or 100
+    data["devices"] = {"cpu": {"device": "cpu", "gpus": 0, "threads": 1 if learning else 2,
+                               "runs_per_job": runs_per_job}}
+    if learning:
+        data["set"] = {**(data.get("set") or {}), **CPU_LEARNING_SET}
+        data["seeds"] = data["seeds"][:1]
+        for spec in data["pretrain"].values():
+            spec["set"] = {**(spec.get("set") or {}), **CPU_PRETRAIN_SET}
+        part = data.setdefault("campaign", {})
+        part["parallel"] = min(part.get("parallel", 1), 2)
+        data["learning"] = {**(data.get("learning") or {}), "average_iterations": 1}  # 2 iterations a run
+    else:
+        data["set"] = {**(data.get("set") or {}), "model.dtype": "float32", "train.iterations": 1}
+        for label, overrides in data["models"].items():
+            model = {k: v for k, v in overrides.items()
+                     if k not in ("model.preset", "model.architecture", "model.pretrained", "train.iterations")}
+            model["model.preset"] = "tiny"
+            if model.get("train.lora_rank"):
+                model["train.lora_rank"] = 4
+            data["models"][label] = model
     data["resolutions"] = sorted({cpu_resolution(r) for r in data["resolutions"]})
     for entry in [*data.get("exclude", []), *(data.get("campaign") or {}).get("priority", [])]:
         if isinstance(entry.get("resolution"), int):
@@ -139,7 +139,8 @@ def cpu_sweep(data: dict) -> dict:
 
 
 class Campaign:
-    """A campaign's sweep (``config``: a sweep config YAML) and its priority; with ``cpu``, :func:`cpu_sweep`'s."""
+    """A campaign's sweep (``config``: a sweep config YAML) and its ``campaign`` section; with ``cpu``,
+    :func:`cpu_sweep`'s form of it."""
 
     def __init__(self, config: str | Path, cpu: bool = False, cache_dir: Path | None = None):
         self.config_path = Path(config)
@@ -156,22 +157,33 @@ class Campaign:
             self.sweep = Sweep(data, SCHEMA, files=[self.config_path], **kwargs)
         part = data.get("campaign") or {}
         self.calibrate = part.get("calibrate", True)
+        self.parallel = part.get("parallel", 1)
         self.priority = part.get("priority", [])
+        self.learning = data.get("learning")
+        self.pretrain = data.get("pretrain") or {}
         for i, selector in enumerate(self.priority):
             for label in selector.get("methods", []):
                 if label not in self.sweep.sweep["methods"]:
                     raise SweepError(f"campaign.priority[{i}].methods: {quote(label)} is not a label under methods")
             if "model" in selector and selector["model"] not in self.sweep.sweep["models"]:
                 raise SweepError(f"campaign.priority[{i}].model: {quote(selector['model'])} is not a label under models")
+        self._configs: dict[str, dict] = {}
 
     def config_of(self, run_id: str) -> dict:
         """The resolved config of ``run_id`` as a run writes it to ``config.json``."""
-        run = self.sweep.runs[run_id]
-        return load_config(self.sweep.base_file, overrides_of(run["pairs"])).to_dict()
+        if run_id not in self._configs:
+            run = self.sweep.runs[run_id]
+            self._configs[run_id] = load_config(self.sweep.base_file, overrides_of(run["pairs"])).to_dict()
+        return self._configs[run_id]
 
     @staticmethod
     def cell_of(run: dict) -> str:
         return f"{run['model']}_{run['resolution']}px_{run['device']}"
+
+    def calibration_cell(self, name: str) -> dict | None:
+        """A run of the cell that the calibration file ``<stamp>_<n>_<cell>.json`` is named after, or None."""
+        cell = name.removesuffix(".json").split("_", 2)[-1] if name.count("_") >= 2 else None
+        return next((run for run in self.sweep.runs.values() if self.cell_of(run) == cell), None)
 
     def finished(self, folder: Path, run_id: str) -> bool:
         """Whether ``folder`` holds ``run_id`` finished: summary ``ok`` and the config the sweep composes."""
@@ -208,13 +220,15 @@ class Campaign:
 
     def processes(self, done: set[str]) -> list[Process]:
         """The runs not done, in :meth:`order`, cut into processes: each stretch of consecutive runs of one
-        cell is one process (a cell whose runs come under two selectors may take two)."""
+        cell, in pieces of at most its device's ``runs_per_job`` runs (a cell whose runs come under two
+        selectors may take two)."""
         out: list[Process] = []
         for run_id in self.order():
             if run_id in done:
                 continue
-            cell = self.cell_of(self.sweep.runs[run_id])
-            if out and out[-1].cell == cell:
+            run = self.sweep.runs[run_id]
+            cell, most = self.cell_of(run), self.sweep.runs_per_job(run["device"]) or len(self.sweep.runs)
+            if out and out[-1].cell == cell and len(out[-1].run_ids) < most:
                 out[-1] = Process(cell, (*out[-1].run_ids, run_id))
             else:
                 out.append(Process(cell, (run_id,)))
@@ -222,11 +236,73 @@ class Campaign:
 
     def cell_pairs(self, cell: str) -> list[tuple[str, Any]]:
         """The overrides of ``cell``'s calibration (the sweep's, without a method)."""
-        for name, job in self.sweep.calibrations.items():
-            if name == cell:
-                return job["pairs"]
+        if cell in self.sweep.calibrations:
+            return self.sweep.calibrations[cell]["pairs"]
         run = next(r for r in self.sweep.runs.values() if self.cell_of(r) == cell)
         return self.sweep._pairs(run["device"], run["model"], run["resolution"], None, {})
+
+    # ----- pre-trained models -----------------------------------------------------------------------------
+    def pretrained_models(self) -> dict[str, Path]:
+        """{pretrain label: the model folder its runs read} for the ``pretrain`` labels the runs use."""
+        out = {}
+        for run in self.sweep.runs.values():
+            path = dict(run["pairs"]).get("model.pretrained")
+            if is_pretrained_here(path):
+                label = Path(path).name
+                if label in self.pretrain:
+                    out[label] = Path(path)
+        return out
+
+    def prepare_models(self, reference: Path | None) -> list[str]:
+        """Put each pre-trained model the runs read in place from the reference where the reference holds it
+        and this machine does not; the labels still to pre-train. A UserError (nothing changed) where this
+        machine's model is not the reference's, or the reference holds runs but not their model."""
+        missing = []
+        for label, local in self.pretrained_models().items():
+            held = reference / "pretrained" / label if reference is not None else None
+            if held is not None and held.is_dir():
+                if local.exists():
+                    if _files(local, archives.MODEL_FILES) != _files(held, archives.MODEL_FILES):
+                        raise UserError(f"{local}: not the model of the reference {reference} (its "
+                                        f"pretrained/{label}), which its runs were trained from; move it aside")
+                continue
+            if reference is not None and local.exists() and self.done(reference):
+                raise UserError(f"--reference {reference}: holds runs but not pretrained/{label}, the model they "
+                                "were trained from; add it, or give another reference")
+            if not local.exists():
+                missing.append(label)
+        for label, local in self.pretrained_models().items():
+            held = reference / "pretrained" / label if reference is not None else None
+            if held is not None and held.is_dir() and not local.exists():
+                with atomic_target(local) as tmp:
+                    for name in archives.MODEL_FILES:
+                        if (held / name).is_file():
+                            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                            shutil.copyfile(held / name, tmp / name)
+        return missing
+
+    def pretrain_argv(self, label: str, python: str) -> list[str]:
+        """``agg-bench pretrain`` of the sweep's ``pretrain.<label>`` into ``results/pretrained/<label>``."""
+        spec = self.pretrain[label]
+        argv = [python, "-m", "agg_bench", "pretrain", "--config", spec["config"]]
+        for item in overrides_of(list((spec.get("set") or {}).items())):
+            argv += ["--set", item]
+        return [*argv, "--out", f"{PRETRAINED_DIR}/{label}"]
+
+    def learning_options(self):
+        """The learning report's options from the sweep's ``learning`` section, without a checkpoint evaluation
+        (a reference holds no checkpoints: every held-out gain comes from the runs' in-run evaluations)."""
+        from .learning import LearningOptions
+
+        part = self.learning or {}
+        return LearningOptions(average=int(part.get("average_iterations", 3)),
+                               fraction=float(part.get("fraction_of_full", 0.8)), eval_noises=0,
+                               target_fraction=float(part.get("target_fraction", 0.9)),
+                               reference=part.get("reference"), eval_source="auto")
+
+
+def _files(folder: Path, names) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in names if (folder / name).is_file()}
 
 
 # ----- one window --------------------------------------------------------------------------------------------
@@ -281,19 +357,23 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     reference = Path(reference) if reference is not None else None
     archive = Path(archive) if archive is not None else work / "campaign.tar.gz"
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(start))
-    # a first SIGTERM / SIGINT is only remembered here: the process in flight is stopped, the finished runs
+    if not (type(campaign.parallel) is int and 1 <= campaign.parallel <= MAX_PARALLEL):
+        raise ConfigError("campaign.parallel", campaign.parallel, f"an integer from 1 to {MAX_PARALLEL}")
+    # a first SIGTERM / SIGINT is only remembered here: the processes in flight are stopped, the finished runs
     # are packed, and the end of the block raises it (exit code 128 + N)
     with claim_folder(work, WORK_CONTENTS, "--work"), \
-            claim_files({archive: (_is_archive, "a campaign archive")}, "--archive"), stopping.safe_points():
+            claim_files({archive: (archives.is_archive, "a campaign archive")}, "--archive"), stopping.safe_points():
         for sub in ("runs", "cells", "calibration", "logs", "windows"):
             (work / sub).mkdir(exist_ok=True)
+        to_pretrain = campaign.prepare_models(reference)
         done = campaign.done(reference, work)
         log: dict[str, Any] = {"started": stamp, "minutes": minutes, "config": str(campaign.config_path),
-                               "done_before": len(done), "runs": len(campaign.sweep.runs), "processes": []}
-        for number, process in enumerate(campaign.processes(done), 1):
-            if time.time() >= stop_at or _stopped():
-                break
-            log["processes"].append(_run_process(campaign, process, number, stamp, work, stop_at, python))
+                               "done_before": len(done), "runs": len(campaign.sweep.runs), "pretrained": [],
+                               "processes": []}
+        for label in to_pretrain:
+            log["pretrained"].append(_pretrain(campaign, label, stamp, work, stop_at, python))
+        if all(entry["ok"] for entry in log["pretrained"]):
+            log["processes"] = _run_processes(campaign, campaign.processes(done), stamp, work, stop_at, python)
         log["stopped_by_signal"] = signal.Signals(stopping.pending()).name if _stopped() else None
         log["seconds"] = round(time.time() - start, 1)
         log["finished_in_window"] = sorted(r for p in log["processes"] for r in p["finished"])
@@ -302,6 +382,34 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
         _pack(campaign, work, reference, archive)
         log["archive"] = str(archive)
     return log
+
+
+def _pretrain(campaign: Campaign, label: str, stamp: str, work: Path, stop_at: float, python: str) -> dict:
+    """The sweep's ``pretrain.<label>`` model, made by ``agg-bench pretrain`` before any run reads it."""
+    began = time.time()
+    env = _child_env(max(1, int((campaign.pretrain[label].get("set") or {}).get("threads", 1))))
+    code, how = _supervise(campaign.pretrain_argv(label, python), work / "logs" / f"{stamp}_pretrain_{label}.log",
+                           env, stop_at)
+    ok = code == 0 and (campaign.pretrained_models()[label] / "pretrain.json").is_file()
+    print(f"agg-bench campaign: pretrain {label}: {'made' if ok else 'not made'} ({how}, "
+          f"{time.time() - began:.1f} s)", file=sys.stderr, flush=True)
+    return {"label": label, "ok": ok, "exit_code": code, "ended": how, "seconds": round(time.time() - began, 1)}
+
+
+def _run_processes(campaign: Campaign, processes: list[Process], stamp: str, work: Path, stop_at: float,
+                   python: str) -> list[dict]:
+    """Every process that starts before ``stop_at``, ``campaign.parallel`` at a time in their order; their
+    log entries, in that order."""
+    def one(number: int, process: Process) -> dict | None:
+        if time.time() >= stop_at or _stopped():
+            return None
+        return _run_process(campaign, process, number, stamp, work, stop_at, python)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=campaign.parallel) as pool:
+        futures = [pool.submit(one, number, process) for number, process in enumerate(processes, 1)]
+        while not all(f.done() for f in futures):  # the main thread stays free to take a signal
+            concurrent.futures.wait(futures, timeout=POLL_S)
+        return [entry for entry in (f.result() for f in futures) if entry is not None]
 
 
 def _run_process(campaign: Campaign, process: Process, number: int, stamp: str, work: Path, stop_at: float,
@@ -361,310 +469,22 @@ def _calibrate(campaign: Campaign, cell: str, labels: list[str], name: str, work
 
 
 def _pack(campaign: Campaign, work: Path, reference: Path | None, archive: Path) -> None:
-    """The archive of every finished run in ``work`` that ``reference`` lacks, the calibrations and window
-    logs, as ``runs/<id>/<file>``, ``calibration/<name>.json`` and ``windows/<stamp>.json``."""
+    """The archive of every finished run in ``work`` that ``reference`` lacks, each pre-trained model the
+    reference lacks, the calibrations and the window logs (:mod:`agg_bench.tools.archive`'s layout)."""
     in_reference = campaign.done(reference) if reference is not None else set()
     members: list[tuple[str, Path]] = []
     for run_id in sorted(campaign.done(work) - in_reference):
-        for name in RUN_FILES:
+        for name in archives.RUN_FILES:
             path = work / "runs" / run_id / name
             if path.is_file():
                 members.append((f"runs/{run_id}/{name}", path))
+    for label, local in campaign.pretrained_models().items():
+        if local.is_dir() and not (reference is not None and (reference / "pretrained" / label).is_dir()):
+            members += archives.model_members(label, local)
     for sub in ("calibration", "windows"):
         for path in sorted((work / sub).glob("*.json")):
             members.append((f"{sub}/{path.name}", path))
-    with atomic_target(archive) as tmp, tarfile.open(tmp, "w:gz") as tar:
-        for arcname, path in members:
-            tar.add(path, arcname=arcname, recursive=False)
-
-
-# ----- unpacking into the reference ---------------------------------------------------------------------------
-def _read_archive(path: Path) -> dict[str, bytes]:
-    """{member path: bytes} of a campaign archive, every member checked before any is read: plain files of
-    the campaign layout, bounded sizes."""
-    where = f"archive {path}"
-    if not path.is_file() or path.is_symlink():
-        raise UserError(f"{where}: not a file")
-    size = path.stat().st_size
-    if size > MAX_ARCHIVE_BYTES:
-        raise UserError(f"{where}: {size:,} bytes; expected at most {MAX_ARCHIVE_BYTES:,}")
-    try:
-        tar = tarfile.open(path, "r:*")
-    except (tarfile.TarError, OSError, EOFError) as err:
-        raise UserError(f"{where}: not a readable tar archive ({err})") from None
-    files: dict[str, bytes] = {}
-    total = 0
-    with tar:
-        try:
-            for count, member in enumerate(tar, 1):
-                if count > MAX_MEMBERS:
-                    raise UserError(f"{where}: more than {MAX_MEMBERS:,} members")
-                name = member.name
-                shown = quote(name)
-                if member.isdir():
-                    _check_path(where, name, directory=True)
-                    continue
-                if not member.isreg():
-                    raise UserError(f"{where}: {shown} is not a plain file (links, devices and the like are refused)")
-                _check_path(where, name)
-                if name in files:
-                    raise UserError(f"{where}: {shown} is in the archive twice")
-                if member.size > MAX_MEMBER_BYTES:
-                    raise UserError(f"{where}: {shown} holds {member.size:,} bytes; expected at most "
-                                    f"{MAX_MEMBER_BYTES:,}")
-                total += member.size
-                if total > MAX_TOTAL_BYTES:
-                    raise UserError(f"{where}: its files hold more than {MAX_TOTAL_BYTES:,} bytes")
-                handle = tar.extractfile(member)
-                data = handle.read(MAX_MEMBER_BYTES + 1) if handle is not None else b""
-                if len(data) != member.size:
-                    raise UserError(f"{where}: {shown} is truncated")
-                files[name] = data
-        except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
-            raise UserError(f"{where}: not a readable tar archive ({err})") from None
-    if not files:
-        raise UserError(f"{where}: holds no files")
-    return files
-
-
-def _check_path(where: str, name: str, directory: bool = False) -> None:
-    """``name`` is a path of the layout: ``runs[/<id>[/<run file>]]``, ``calibration[/<name>.json]``,
-    ``windows[/<stamp>.json]``."""
-    parts = name.split("/")
-    ok = bool(parts) and not name.startswith("/") and all(NAME.match(p) for p in parts)
-    if ok and directory:
-        ok = (parts[0] in ("runs", "calibration", "windows") and len(parts) == 1) or \
-            (parts[0] == "runs" and len(parts) == 2)
-    elif ok:
-        ok = (parts[0] == "runs" and len(parts) == 3 and parts[2] in RUN_FILES) or \
-            (parts[0] in ("calibration", "windows") and len(parts) == 2 and parts[1].endswith(".json"))
-    if not ok:
-        raise UserError(f"{where}: {quote(name)} is not a path of a campaign archive (runs/<run id>/"
-                        f"{{{','.join(RUN_FILES)}}}, calibration/<name>.json, windows/<stamp>.json)")
-
-
-def _json_object(where: str, data: bytes) -> dict:
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise UserError(f"{where}: not JSON ({str(err).splitlines()[0][:200]})") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{where}: expected a JSON object")
-    return value
-
-
-def _json_lines(where: str, data: bytes) -> list[dict]:
-    out = []
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise UserError(f"{where}: not UTF-8 text ({err.reason})") from None
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            out.append(_json_object(f"{where}: line {number}", line.encode()))
-    return out
-
-
-def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, bytes]) -> None:
-    """A finished run of the campaign's sweep: its files, a summary that says ``ok``, records the record
-    contract accepts, and the config the sweep composes for ``run_id``."""
-    if run_id not in campaign.sweep.runs:
-        raise UserError(f"{where}: runs/{run_id} is not a run of the sweep {campaign.config_path}")
-    missing = [name for name in REQUIRED_RUN_FILES if name not in files]
-    if missing:
-        raise UserError(f"{where}: runs/{run_id} lacks {missing[0]} (a finished run has "
-                        f"{', '.join(REQUIRED_RUN_FILES)})")
-    summary = _json_object(f"{where}: runs/{run_id}/summary.json", files["summary.json"])
-    if summary.get("status") != "ok":
-        raise UserError(f"{where}: runs/{run_id} is not finished (status {quote(summary.get('status'))}, "
-                        "expected ok)")
-    for name in ("env.json", "plan.json"):
-        if name in files:
-            _json_object(f"{where}: runs/{run_id}/{name}", files[name])
-    records = _json_lines(f"{where}: runs/{run_id}/metrics.jsonl", files["metrics.jsonl"])
-    if not records:
-        raise UserError(f"{where}: runs/{run_id}/metrics.jsonl holds no records")
-    for number, record in enumerate([summary, *records]):
-        problem = record_problem(record)
-        if problem is not None:
-            name = "summary.json" if number == 0 else f"metrics.jsonl: record {number}"
-            raise UserError(f"{where}: runs/{run_id}/{name}: {problem}")
-    if "evaluations.jsonl" in files:
-        _json_lines(f"{where}: runs/{run_id}/evaluations.jsonl", files["evaluations.jsonl"])
-    config = _json_object(f"{where}: runs/{run_id}/config.json", files["config.json"])
-    if config != campaign.config_of(run_id):
-        raise UserError(f"{where}: runs/{run_id}/config.json is not the config {campaign.config_path} composes "
-                        "for that run (another version of the sweep?)")
-    if records[0].get("iteration") != 0:
-        raise UserError(f"{where}: runs/{run_id}/metrics.jsonl starts at iteration "
-                        f"{quote(records[0].get('iteration'))}; expected 0")
-
-
-COUNT_KEYS = ("forward_nograd", "forward_grad", "backward", "train_forward_nograd", "train_forward_grad",
-              "train_backward")
-
-
-def tiny_counterpart(config: dict) -> dict:
-    """A run's config on the tiny model of its family on the CPU, one iteration, no telemetry: the same
-    schedule, group, plan and method, so the same passes per sample (they depend on neither the device, the
-    size, the precision nor the weights)."""
-    cfg = json.loads(json.dumps(config))
-    model = cfg["model"]
-    model.update(preset="tiny", architecture=None, pretrained=None, dtype="float32",
-                 resolution=cpu_resolution(model["resolution"]) if model["resolution"] > 64 else model["resolution"])
-    cfg["device"] = "cpu"
-    cfg["progress"] = False
-    cfg["train"].update(iterations=1, budget=None, checkpoint_every=0, shard="none",
-                        lora_rank=min(cfg["train"]["lora_rank"], 4))
-    cfg["telemetry"] = {**cfg["telemetry"], "enabled": False, "tensorboard": False}
-    cfg["eval"] = {**cfg["eval"], "every": 0}
-    return cfg
-
-
-def _check_counts(where: str, run_id: str, records: list[dict], config: dict) -> None:
-    """The first record's passes per sample equal what the run's schedule counts on the tiny model on the CPU
-    (module docstring). A run whose records carry a cache's fields is not compared: a cache that skips by a
-    threshold skips by the values, which random weights at another size do not share."""
-    if any(key.startswith("cache_") for key in records[0]):
-        return
-    from ..config import validate
-    from ..io import read_jsonl
-    from ..runtime.train import train
-
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stderr(io.StringIO()):  # no progress lines
-        train(validate(tiny_counterpart(config)), Path(tmp) / run_id)
-        [tiny] = list(read_jsonl(Path(tmp) / run_id / "metrics.jsonl"))
-    first = records[0]
-    for key in COUNT_KEYS:
-        if first.get(key) != tiny.get(key):
-            raise UserError(f"{where}: runs/{run_id}: {key} = {quote(first.get(key))} in its first iteration, where "
-                            f"the same schedule on the tiny model on the CPU counts {quote(tiny.get(key))}")
-
-
-def _check_calibration(campaign: Campaign, where: str, name: str, data: bytes) -> None:
-    from ..results.loading import CalibrationEntry, load_calibration
-
-    cell = name.rsplit(".", 1)[0].split("_", 2)[-1] if name.count("_") >= 2 else ""
-    if not any(cell == Campaign.cell_of(run) for run in campaign.sweep.runs.values()):
-        raise UserError(f"{where}: calibration/{name} is not named <stamp>_<number>_<cell>.json after a cell of "
-                        f"the sweep {campaign.config_path}")
-    _json_object(f"{where}: calibration/{name}", data)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / name
-        path.write_bytes(data)
-        try:
-            load_calibration([CalibrationEntry(path)])
-        except UserError as err:
-            raise UserError(f"{where}: calibration/{name}: {str(err).split(': ', 2)[-1]}") from None
-
-
-def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> dict:
-    """Add ``archive`` to ``reference`` (module docstring); returns what was added."""
-    archive, reference = Path(archive), Path(reference)
-    where = f"archive {archive}"
-    files = _read_archive(archive)
-    runs: dict[str, dict[str, bytes]] = {}
-    others: dict[str, bytes] = {}
-    for name, data in files.items():
-        parts = name.split("/")
-        if parts[0] == "runs":
-            runs.setdefault(parts[1], {})[parts[2]] = data
-        else:
-            others[name] = data
-    for run_id, run_files in runs.items():
-        _check_run(campaign, where, run_id, run_files)
-    for name, data in others.items():
-        kind, file_name = name.split("/")
-        if kind == "calibration":
-            _check_calibration(campaign, where, file_name, data)
-        else:
-            _json_object(f"{where}: {name}", data)
-    with claim_folder(reference, REFERENCE_CONTENTS, "--reference"):
-        # what the reference already holds: the same bytes are skipped, other bytes refused
-        new_runs, new_others = {}, {}
-        for run_id, run_files in runs.items():
-            folder = reference / "runs" / run_id
-            if folder.exists():
-                held = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
-                if held != run_files:
-                    raise UserError(f"{where}: runs/{run_id} is in the reference {reference} already, with other "
-                                    "contents; remove it there first to replace it")
-                continue
-            new_runs[run_id] = run_files
-        for name, data in others.items():
-            path = reference / name
-            if path.exists():
-                if path.read_bytes() != data:
-                    raise UserError(f"{where}: {name} is in the reference {reference} already, with other "
-                                    "contents")
-                continue
-            new_others[name] = data
-        if new_runs:
-            print(f"agg-bench campaign: {len(new_runs)} new runs; comparing their pass counts with the tiny models'",
-                  file=sys.stderr, flush=True)
-        for run_id, run_files in new_runs.items():
-            _check_counts(where, run_id, _json_lines(where, run_files["metrics.jsonl"]),
-                          json.loads(run_files["config.json"]))
-        staging = atomic_path(reference / "unpack")  # a harness temporary: never someone's file
-        staging.mkdir()
-        try:
-            for run_id, run_files in new_runs.items():
-                (staging / "runs" / run_id).mkdir(parents=True)
-                for name, data in run_files.items():
-                    (staging / "runs" / run_id / name).write_bytes(data)
-            for name, data in new_others.items():
-                (staging / name).parent.mkdir(parents=True, exist_ok=True)
-                (staging / name).write_bytes(data)
-            for sub in ("runs", "calibration", "windows"):
-                (reference / sub).mkdir(exist_ok=True)
-            for run_id in new_runs:
-                os.rename(staging / "runs" / run_id, reference / "runs" / run_id)
-            for name in new_others:
-                os.rename(staging / name, reference / name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        manifest = write_reference_tables(campaign, reference)
-    return {"reference": str(reference), "runs_added": sorted(new_runs), "files_added": sorted(new_others),
-            "runs": len(manifest["runs"])}
-
-
-def reference_manifest(campaign: Campaign, reference: Path) -> dict:
-    """The manifest of every run and calibration in ``reference``, with the sweep's labels and
-    ``source: reference``; paths relative to the working directory where ``reference`` lies inside it (a
-    committed reference is read from the repository's root)."""
-    reference = _relative(reference)
-    full = campaign.sweep.manifest()
-    runs = []
-    for entry in full["runs"]:
-        run_id = Path(entry["dir"]).name
-        if run_id in campaign.sweep.runs and (reference / "runs" / run_id / "summary.json").is_file():
-            runs.append({**entry, "dir": str(reference / "runs" / run_id), "source": "reference"})
-    cells = {Campaign.cell_of(run): run for run in campaign.sweep.runs.values()}
-    calibration = []
-    for path in sorted((reference / "calibration").glob("*.json")):
-        cell = path.stem.split("_", 2)[-1]
-        if cell in cells:
-            run = cells[cell]
-            calibration.append({"file": str(path), "model": run["model"], "resolution": run["resolution"],
-                                "device": run["device"], "source": "reference"})
-    return {"runs": runs, "gradcheck": [], "calibration": calibration, "warmup": full["warmup"], "time": full["time"]}
-
-
-def _relative(path: Path) -> Path:
-    relative = os.path.relpath(path.resolve())
-    return Path(relative) if not relative.startswith("..") else path.resolve()
-
-
-def write_reference_tables(campaign: Campaign, reference: Path) -> dict:
-    """``reference``'s manifest.json and tables/ (the report of its runs)."""
-    from ..results.loading import load_manifest
-    from ..results.report import build_report
-
-    manifest = reference_manifest(campaign, reference)
-    write_json(reference / "manifest.json", manifest)
-    if manifest["runs"]:
-        build_report(load_manifest(reference / "manifest.json"), reference / "tables")
-    return manifest
+    archives.pack(members, archive)
 
 
 def status(campaign: Campaign, reference: Path | None, work: Path | None = None) -> dict:
@@ -676,4 +496,3 @@ def status(campaign: Campaign, reference: Path | None, work: Path | None = None)
         entry = cells.setdefault(Campaign.cell_of(run), {"done": [], "missing": []})
         entry["done" if run_id in done else "missing"].append(run["method"])
     return {"runs": len(campaign.sweep.runs), "done": len(done), "cells": cells}
-

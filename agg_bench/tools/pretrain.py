@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -38,6 +39,7 @@ from ..errors import ConfigError, UserError
 from ..io import atomic_target, save_figure, write_json, write_text
 from ..outdir import Claim, Contents, check_folder, is_harness_name
 from ..results.plotting import pyplot
+from ..machine.devices import resolve_device
 from ..threads import usable_cores
 
 MARKER = "pretrain.json"
@@ -65,7 +67,10 @@ class PretrainConfig:
     attention_head_dim: attention width. text_dim: token and pooled embedding width. max_tokens: caption
     tokens embedded. pixel_factor: the pixel decoder's rearrangement factor. shift: the scheduler's sigma
     shift, also used to draw the training sigmas. sample_steps: Euler steps of the sample grid. threads:
-    torch CPU threads, at most as many as the cores this process may use (0: leave as is).
+    torch CPU threads, at most as many as the cores this process may use (0: leave as is). device: where
+    the model trains and samples (``cpu``, ``cuda``, ``cuda:N``); the data, noise and initial weights are
+    drawn on the CPU from the same seeds whatever the device, so another device's arithmetic gives another,
+    equally valid model.
     """
 
     family: str = "sd3"
@@ -86,6 +91,7 @@ class PretrainConfig:
     shift: float = 3.0
     sample_steps: int = 20
     threads: int = 0
+    device: str = "cpu"
 
 
 def _check(cfg: PretrainConfig) -> PretrainConfig:
@@ -115,6 +121,8 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
             raise ConfigError(name, getattr(cfg, name), f"an integer >= {low}")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError("seed", cfg.seed, f"an integer from 0 to {MAX_SEED} (a run's seed range)")
+    if not (isinstance(cfg.device, str) and re.fullmatch(r"cpu|cuda(:\d{1,9})?", cfg.device)):
+        raise ConfigError("device", cfg.device, "cpu, cuda or cuda:N")  # whether this machine has it: pretrain()
     if cfg.pixel_factor not in (1, 2, 4):
         raise ConfigError("pixel_factor", cfg.pixel_factor, "1, 2 or 4")
     step = 4 * cfg.pixel_factor
@@ -191,10 +199,10 @@ def build_transformer(cfg: PretrainConfig):
 class SceneConditioning:
     """The token-hash conditioning of every caption of the grammar, looked up by caption."""
 
-    def __init__(self, cfg: PretrainConfig):
+    def __init__(self, cfg: PretrainConfig, device: torch.device | str = "cpu"):
         self.captions = [s.caption for s in all_scenes()]
         self.index = {c: i for i, c in enumerate(self.captions)}
-        self.table = hash_embed(self.captions, cfg.text_dim, cfg.text_dim, cfg.max_tokens, cfg.seed)
+        self.table = hash_embed(self.captions, cfg.text_dim, cfg.text_dim, cfg.max_tokens, cfg.seed).to(device)
 
     def __call__(self, captions: list[str]) -> Conditioning:
         return self.table[torch.tensor([self.index[c] for c in captions])]
@@ -212,7 +220,9 @@ def sample(policy: Policy, cond: Conditioning, latent_shape: tuple[int, ...], st
            generator: torch.Generator) -> torch.Tensor:
     """Images (B, 3, S, S) in [0, 1] by the deterministic Euler sampler from seeded noise."""
     sigmas = flow_sigmas(steps, shift)
-    x = torch.randn((cond.batch_size, *latent_shape), generator=generator)
+    device = next(policy.transformer.parameters()).device
+    x = torch.randn((cond.batch_size, *latent_shape), generator=generator).to(device)  # the CPU's noise
+    sigmas = sigmas.to(device)
     timesteps = policy.timestep_values(sigmas).float()
     for j in range(steps):
         x = ode_step(policy.velocity(x, timesteps[j].expand(x.shape[0]), cond), x, sigmas, j)
@@ -280,6 +290,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool = True) ->
     """Train, sample and save the model folder ``out_dir``; return what ``pretrain.json`` holds. The
     torch thread count ``threads`` (capped at the usable cores: more would wait for each other) holds
     during the call only (a caller's later work keeps its own)."""
+    resolve_device(cfg.device, "device")  # a device this machine lacks is refused before any work
     threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(min(cfg.threads, usable_cores() or cfg.threads))
@@ -301,10 +312,11 @@ def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     shift_factor, std = data_statistics(cfg)
     decoder = PixelDecoder(cfg.pixel_factor, scaling_factor=1.0 / std, shift_factor=shift_factor)
-    transformer = build_transformer(cfg)
+    device = resolve_device(cfg.device, "device")
+    transformer = build_transformer(cfg).to(device)  # initialised on the CPU from the seed, then moved
     policy = policy_class(cfg.family)(transformer, decoder)
     latent_shape = policy.latent_shape(cfg.resolution)
-    conditioning = SceneConditioning(cfg)
+    conditioning = SceneConditioning(cfg, device)
     ema = copy.deepcopy(transformer).requires_grad_(False)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=cfg.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg.seed + 2)
@@ -316,6 +328,7 @@ def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
         data = decoder.encode_images(draw_batch(scenes, cfg.resolution, gen))
         noise = torch.randn(data.shape, generator=gen)
         u = torch.rand(cfg.batch_size, generator=gen)
+        data, noise, u = data.to(device), noise.to(device), u.to(device)  # drawn on the CPU: the same on any device
         sigma = (cfg.shift * u / (1 + (cfg.shift - 1) * u)).view(-1, 1, 1, 1)
         noisy = (1 - sigma) * data + sigma * noise
         velocity = policy.velocity(noisy, sigma.flatten() * policy.timestep_scale,
@@ -340,7 +353,7 @@ def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
     policy.transformer = ema.eval()
     captions = grid_captions()
     images = sample(policy, conditioning(captions), latent_shape, cfg.sample_steps, cfg.shift,
-                    torch.Generator().manual_seed(cfg.seed + 3))
+                    torch.Generator().manual_seed(cfg.seed + 3)).cpu()
     reward = SceneReward()
     scores = reward(images, captions)
     window = max(1, min(100, cfg.steps // 10))

@@ -20,8 +20,11 @@ import pandas as pd
 import pytest
 
 from agg_bench.cli import main
+from agg_bench.errors import UserError
 from agg_bench.tools import campaign as campaign_module
-from agg_bench.tools.campaign import Campaign, cpu_resolution, tiny_counterpart
+from agg_bench.tools import archive as archive_module
+from agg_bench.tools.archive import tiny_counterpart
+from agg_bench.tools.campaign import Campaign, cpu_resolution
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config" / "h200.yaml"
@@ -82,7 +85,7 @@ def test_a_window_stops_before_its_deadline_and_packs_only_finished_runs(window,
         names = tar.getnames()
     archived = {name.split("/")[1] for name in names if name.startswith("runs/")}
     assert archived == set(finished)
-    assert all(name.split("/")[-1] in campaign_module.RUN_FILES for name in names if name.startswith("runs/"))
+    assert all(name.split("/")[-1] in archive_module.RUN_FILES for name in names if name.startswith("runs/"))
     for run_id in archived:
         assert {"config.json", "metrics.jsonl", "summary.json", "env.json"} <= \
             {n.split("/")[2] for n in names if n.startswith(f"runs/{run_id}/")}
@@ -210,7 +213,8 @@ BAD = {
                     "is not a run of the sweep"),
     "another config": (lambda m: replace(m, "config.json", lambda d: json.dumps(
         {**json.loads(d), "seed": 7}).encode()), "is not the config"),
-    "bad record": (lambda m: replace(m, "metrics.jsonl", record_edit("t_iter_s", "fast")), "expected a finite number or null"),
+    "bad record": (lambda m: replace(m, "metrics.jsonl", record_edit("t_iter_s", "fast")), "'t_iter_s' = 'fast'"),
+    "record twice": (lambda m: replace(m, "metrics.jsonl", lambda d: d + d), "expected each iteration once"),
     "wrong pass count": (lambda m: replace(m, "metrics.jsonl", record_edit("backward", 3)),
                          "on the tiny model on the CPU counts"),
     "bad calibration": (lambda m: {**m, "calibration/20260101T000000_01_sd35m_64px_cpu.json": b'{"methods": 3}'},
@@ -247,7 +251,7 @@ def test_a_run_the_reference_holds_otherwise_and_sizes_are_refused(window, tmp_p
                  str(reference)]) == 2
     assert "in the reference" in capsys.readouterr().err and tree(reference) == before
     # a member over the size bound, and a file that is not an archive
-    monkeypatch.setattr(campaign_module, "MAX_MEMBER_BYTES", 100)
+    monkeypatch.setattr(archive_module, "MAX_MEMBER_BYTES", 100)
     assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(window["archive"]),
                  "--reference", str(reference)]) == 2
     assert "expected at most 100" in capsys.readouterr().err
@@ -413,3 +417,74 @@ def test_a_signal_to_the_campaign_stops_it_and_packs_what_finished(tmp_path, mon
     assert json.loads(log.read_text())["stopped_by_signal"] == "SIGTERM"
     with tarfile.open(work / "campaign.tar.gz") as tar:
         assert tar.getnames() == [f"windows/{log.name}"]
+
+
+# ----- the learning sweep on one GPU (config/learning_gpu.yaml), as a campaign -----------------------------------
+LEARNING_GPU = ROOT / "config" / "learning_gpu.yaml"
+
+
+def test_the_gpu_learning_sweep_is_the_cpu_sweeps_methods_on_10_seeds():
+    """config/learning_gpu.yaml runs every method of config/learning.yaml with the same base, recipes and
+    settings, on 10 seeds, 128 noises per caption every 10 iterations and 3 times the budget, on CUDA."""
+    import yaml
+
+    cpu, gpu = (yaml.safe_load(path.read_text()) for path in (ROOT / "config" / "learning.yaml", LEARNING_GPU))
+    assert gpu["methods"] == cpu["methods"] and gpu["base"] == cpu["base"] and not gpu.get("exclude")
+    changed = {"train.budget", "train.iterations", "eval.noises", "train.checkpoint_every"}
+    assert {k: v for k, v in gpu["set"].items() if k not in changed} == \
+        {k: v for k, v in cpu["set"].items() if k not in changed}
+    assert gpu["set"]["eval.noises"] == 128 and gpu["set"]["eval.every"] == 10
+    assert gpu["set"]["train.budget"] >= 2.5 * cpu["set"]["train.budget"] and len(gpu["seeds"]) >= 10
+    assert {d["device"] for d in gpu["devices"].values()} == {"cuda"}
+    assert all(spec["set"]["device"] == "cuda" for spec in gpu["pretrain"].values())
+    campaign = Campaign(LEARNING_GPU)
+    assert len(campaign.sweep.runs) == len(gpu["methods"]) * len(gpu["seeds"])
+    assert [campaign.sweep.runs[r]["method"] for r in campaign.order()[:20]] == ["full"] * 10 + \
+        ["agg-w5-sigma-reuse"] * 10
+
+
+@pytest.mark.slow
+def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
+    """--cpu: the model pre-trained first, every method's run, the model and the runs packed; unpacked, the
+    reference's learning tables regenerate byte for byte, and the next window takes the reference's model
+    (and refuses another)."""
+    import shutil
+
+    for name in ("learning_gpu.yaml", "pretrain.yaml", "prompts/scenes.txt"):  # the sweep's relative paths
+        (tmp_path / "config" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / "config" / name, tmp_path / "config" / name)
+    monkeypatch.chdir(tmp_path)
+    config, reference = "config/learning_gpu.yaml", tmp_path / "reference"
+    assert main(["campaign", "run", "--config", config, "--cpu", "--minutes", "3", "--work", "w1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    campaign = Campaign(config, cpu=True)
+    assert out["left"] == 0 and out["finished"] == len(campaign.sweep.runs)
+    assert main(["campaign", "unpack", "--config", config, "--cpu", "--archive", "w1/campaign.tar.gz",
+                 "--reference", str(reference)]) == 0
+    label = next(iter(campaign.pretrained_models()))
+    assert (reference / "pretrained" / label / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    options = campaign.learning_options()
+    assert main(["learning", "--manifest", str(reference / "manifest.json"), "--tables", "again", "--average",
+                 str(options.average), "--fraction", str(options.fraction), "--target-fraction",
+                 str(options.target_fraction), "--reference", "full"]) == 0
+    for name in ("learning.csv", "learning.md", "curves.csv"):
+        assert (tmp_path / "again" / name).read_bytes() == (reference / "learning" / name).read_bytes(), name
+    table = pd.read_csv(reference / "learning" / "learning.csv")
+    assert set(table["method"]) == set(campaign.sweep.sweep["methods"]) and "unseen_change" in table
+    # the next window, on a machine without the model: the reference's is put in place, byte for byte
+    local = campaign.pretrained_models()[label]
+    shutil.rmtree(local)
+    assert campaign.prepare_models(reference) == []
+    assert tree(local / "transformer") == tree(reference / "pretrained" / label / "transformer")
+    # another model there is refused: the reference's runs were trained from its own
+    (local / "token_hash.json").write_text('{"max_tokens": 6, "seed": 1}\n')
+    with pytest.raises(UserError, match="not the model of the reference"):
+        campaign.prepare_models(reference)
+    # an archive whose model is not what pretrain writes is refused whole
+    weights = f"pretrained/{label}/transformer/diffusion_pytorch_model.safetensors"
+    for edit, words in ((lambda d: d[:-4], "the tensors cover"), (lambda d: b"x" * 16, "not a safetensors file")):
+        bad = crafted(tmp_path / "bad.tar.gz", tmp_path / "w1" / "campaign.tar.gz",
+                      lambda m, edit=edit: {**m, weights: edit(m[weights])})
+        assert main(["campaign", "unpack", "--config", config, "--cpu", "--archive", str(bad), "--reference",
+                     str(tmp_path / "new")]) == 2
+        assert words in capsys.readouterr().err and not (tmp_path / "new").exists()

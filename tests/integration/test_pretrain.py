@@ -134,6 +134,7 @@ def test_learning_rate_schedules():
     ("lr=abc", "lr"), ("batch_size=2.5", "batch_size"), ("resolution=30", "resolution"),
     ("pixel_factor=3", "pixel_factor"), ("ema_decay=1", "ema_decay"), ("colour=red", "colour"),
     ("steps=true", "steps"), ("lr_schedule=linear", "lr_schedule"), ("lr_schedule=5", "lr_schedule"),
+    ("device=gpu", "device"), ("device=5", "device"), ("device=cuda:9999999999", "device"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"config error: {key} = "):
@@ -145,6 +146,19 @@ def test_cli_errors_exit_2_and_leave_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "agg_bench", "pretrain", "--set", "steps=0", "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "steps = 0" in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA device")
+def test_a_device_this_machine_lacks_is_one_line_before_any_work(tmp_path, capsys):
+    """A config naming cuda loads (a sweep is planned anywhere); pretraining with it here is refused."""
+    from agg_bench.cli import main
+
+    assert load_pretrain_config(None, ["device=cuda"]).device == "cuda"
+    out = tmp_path / "out"
+    assert main(["pretrain", "--set", "device=cuda", "--set", "steps=2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "device = 'cuda'" in err[0] and "CUDA is not available" in err[0]
     assert not out.exists()
 
 

@@ -82,3 +82,24 @@ def test_outside_the_block_every_run_builds(tmp_path):
     a = model_reuse.policy_for(cfg, torch.device("cpu"))
     b = model_reuse.policy_for(cfg, torch.device("cpu"))
     assert a.transformer is not b.transformer
+
+
+def test_a_process_counts_a_memory_plan_once_per_model(tmp_path, monkeypatch):
+    """The runs of a cell job differ in their method, not in what their memory plan counts: the plan is
+    counted once, and every run's plan.json is the plan a run of its own counts."""
+    from agg_bench.runtime import memplan
+
+    memplan._RUN_PLANS.clear()
+    calls = []
+    original = memplan.plan_memory
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(memplan, "plan_memory", counting)
+    full, agg = (load_config(None, [*TINY, m]) for m in ("method={name: full}", "method={name: agg, window: 3}"))
+    first, second = memplan.run_memory_plan(full, 1), memplan.run_memory_plan(agg, 1)
+    assert len(calls) == 1 and first == second == original(agg, 1, suggest=False).as_dict()
+    micro = load_config(None, [*TINY, "method={name: full, micro_batch: 1}"])  # the micro-batch counts
+    assert memplan.run_memory_plan(micro, 1) != first and len(calls) == 2

@@ -79,7 +79,9 @@ rule learning_report:
         f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')} "
         f"--target-fraction {float(LEARNING.get('target_fraction', 0.9))} "
         f"--eval-source {LEARNING.get('eval_source', 'auto')} "
-        f"--reference {shlex.quote(str(LEARNING.get('reference', 'full')))}",
+        # the reference only when the sweep names one (the command's default is full, and an absent full then
+        # leaves the targets empty instead of refusing the report after every run)
+        + (f" --reference {shlex.quote(str(LEARNING['reference']))}" if "reference" in LEARNING else ""),
     shell:
         "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench learning --manifest {input.manifest} {params.options} "
         "--tables {LEARNING_DIR} --plots {LEARNING_DIR} > {log} 2>&1"

@@ -1,0 +1,512 @@
+"""A campaign's archives and its reference folder: what a window packs, and what ``campaign unpack`` lets in.
+
+An archive is a ``tar.gz`` of plain files at these paths, and nothing else:
+
+- ``runs/<run id>/<file>``: a finished run of the campaign's sweep, ``file`` one of :data:`RUN_FILES` (no
+  checkpoint, no TensorBoard events);
+- ``calibration/<stamp>_<n>_<cell>.json``: an ``agg-bench calibrate`` output for a cell of the sweep;
+- ``windows/<stamp>.json``: a window's log;
+- ``pretrained/<label>/<file>``: a model folder ``agg-bench pretrain`` wrote for the sweep's ``pretrain``
+  label (the learning sweep's scene model, which every later window and every reading of the runs needs),
+  ``file`` one of :data:`MODEL_FILES`: JSON files, the transformer's weights in the safetensors format (a
+  header of tensor shapes and offsets, then raw numbers: data only) and the sample grid's PNG.
+
+:func:`unpack` reads the archive as data (never ``extractall``) and refuses it whole, with one line and exit
+code 2 and the reference untouched, unless every member is a plain file at one of these paths within the size
+bounds, every JSON file parses (a JSON object, or JSON lines of objects), every run is finished, of this
+sweep (the config it composes for that run id) with records the record contract accepts, every calibration is
+what ``agg-bench calibrate`` writes for a cell of the sweep, every safetensors file's header describes exactly
+the bytes after it and every PNG starts as a PNG does, and every new run's passes per sample in its first
+iteration equal what the same schedule counts on the tiny model on the CPU (:func:`check_counts`, which runs
+that counterpart: counts depend on neither the device, the size, the precision nor the weights). A file or
+run the reference holds already is skipped when its bytes are the same and refused when they differ. The new
+files are written beside the reference under a harness temporary name and renamed into place.
+
+Then the reference's ``manifest.json`` (every run and calibration there, with the sweep's labels and ``source:
+reference``) and its tables: the efficiency report (``tables/``: ``agg-bench report --manifest
+REF/manifest.json --tables REF/tables`` regenerates it byte for byte) or, for a sweep with a ``learning``
+section once every run is in, the learning report (``learning/``: ``agg-bench learning`` on the manifest,
+from the runs' in-run evaluations: a reference holds no checkpoints to evaluate).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tarfile
+import tempfile
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import UserError, quote
+from ..io import atomic_path, atomic_target, write_json
+from ..outdir import Contents, claim_folder
+from ..results.learning_tables import PLOTS_CONTENTS as LEARNING_PLOTS
+from ..results.learning_tables import TABLES_CONTENTS as LEARNING_TABLES
+from ..reading import evaluations_problem
+from ..records import record_problem, records_problem
+from ..results.report import TABLES_CONTENTS
+
+if TYPE_CHECKING:
+    from .campaign import Campaign
+
+# the files of a finished run that travel (no checkpoint, no TensorBoard events)
+RUN_FILES = ("config.json", "env.json", "plan.json", "metrics.jsonl", "summary.json", "evaluations.jsonl")
+REQUIRED_RUN_FILES = ("config.json", "env.json", "metrics.jsonl", "summary.json")
+# the files of a pretrain output folder that travel, by their path inside it
+MODEL_FILES = ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors", "vae/config.json",
+               "scheduler/scheduler_config.json", "token_hash.json", "pretrain.json", "samples.png")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")  # a run id, a label, a calibration's or window's file
+MAX_ARCHIVE_BYTES = 64 * 2**20
+MAX_MEMBER_BYTES = 16 * 2**20
+MAX_TOTAL_BYTES = 256 * 2**20
+MAX_MEMBERS = 20_000
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SAFETENSORS_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1}
+LAYOUT = (f"runs/<run id>/{{{','.join(RUN_FILES)}}}, calibration/<stamp>_<n>_<cell>.json, windows/<stamp>.json, "
+          "pretrained/<label>/<a pretrain output's file>")
+
+
+def _json_files(what: str) -> Contents:
+    return Contents(what, patterns=("*.json",))
+
+
+_MODEL_CONTENTS = Contents("a pretrain output", ("token_hash.json", "pretrain.json", "samples.png"), folders=(
+    ("transformer", Contents("a saved model", ("config.json", "diffusion_pytorch_model.safetensors"))),
+    ("vae", Contents("a pixel decoder", ("config.json",))),
+    ("scheduler", Contents("a scheduler", ("scheduler_config.json",)))))
+REFERENCE_CONTENTS = Contents("agg-bench reference results", ("manifest.json",), folders=(
+    ("runs", Contents("reference runs", folders=(("*", Contents("a reference run", RUN_FILES)),))),
+    ("calibration", _json_files("calibrations")), ("windows", _json_files("window logs")),
+    ("pretrained", Contents("pretrained models", folders=(("*", _MODEL_CONTENTS),))),
+    ("tables", TABLES_CONTENTS), ("learning", LEARNING_TABLES | LEARNING_PLOTS)))
+
+
+def is_archive(path: Path) -> bool:
+    return tarfile.is_tarfile(path)
+
+
+def pack(members: list[tuple[str, Path]], archive: Path) -> None:
+    """``members`` (archive path, file) into the tar.gz ``archive``, written whole or not at all."""
+    with atomic_target(archive) as tmp, tarfile.open(tmp, "w:gz") as tar:
+        for arcname, path in members:
+            tar.add(path, arcname=arcname, recursive=False)
+
+
+def model_members(label: str, folder: Path) -> list[tuple[str, Path]]:
+    """The archive members of the pretrain output ``folder`` of sweep label ``label``."""
+    return [(f"pretrained/{label}/{name}", folder / name) for name in MODEL_FILES if (folder / name).is_file()]
+
+
+# ----- reading an archive --------------------------------------------------------------------------------------
+def read_archive(path: Path) -> dict[str, bytes]:
+    """{member path: bytes} of a campaign archive, every member checked before any is read: plain files of
+    the layout, bounded sizes."""
+    where = f"archive {path}"
+    if not path.is_file() or path.is_symlink():
+        raise UserError(f"{where}: not a file")
+    size = path.stat().st_size
+    if size > MAX_ARCHIVE_BYTES:
+        raise UserError(f"{where}: {size:,} bytes; expected at most {MAX_ARCHIVE_BYTES:,}")
+    try:
+        tar = tarfile.open(path, "r:*")
+    except (tarfile.TarError, OSError, EOFError) as err:
+        raise UserError(f"{where}: not a readable tar archive ({err})") from None
+    files: dict[str, bytes] = {}
+    total = 0
+    with tar:
+        try:
+            for count, member in enumerate(tar, 1):
+                if count > MAX_MEMBERS:
+                    raise UserError(f"{where}: more than {MAX_MEMBERS:,} members")
+                name, shown = member.name, quote(member.name)
+                if member.isdir():
+                    _check_path(where, name, directory=True)
+                    continue
+                if not member.isreg():
+                    raise UserError(f"{where}: {shown} is not a plain file (links, devices and the like are refused)")
+                _check_path(where, name)
+                if name in files:
+                    raise UserError(f"{where}: {shown} is in the archive twice")
+                if member.size > MAX_MEMBER_BYTES:
+                    raise UserError(f"{where}: {shown} holds {member.size:,} bytes; expected at most "
+                                    f"{MAX_MEMBER_BYTES:,}")
+                total += member.size
+                if total > MAX_TOTAL_BYTES:
+                    raise UserError(f"{where}: its files hold more than {MAX_TOTAL_BYTES:,} bytes")
+                handle = tar.extractfile(member)
+                data = handle.read(MAX_MEMBER_BYTES + 1) if handle is not None else b""
+                if len(data) != member.size:
+                    raise UserError(f"{where}: {shown} is truncated")
+                files[name] = data
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
+            raise UserError(f"{where}: not a readable tar archive ({err})") from None
+    if not files:
+        raise UserError(f"{where}: holds no files")
+    return files
+
+
+def _check_path(where: str, name: str, directory: bool = False) -> None:
+    """``name`` is a path of the layout (module docstring), or with ``directory`` a folder on the way to one."""
+    parts = name.split("/")
+    ok = bool(parts) and not name.startswith("/") and all(NAME.match(p) for p in parts)
+    if ok and directory:  # a folder on the way to a file of the layout
+        ok = (parts[0] in ("calibration", "windows") and len(parts) == 1) or \
+            (parts[0] == "runs" and len(parts) <= 2) or \
+            (parts[0] == "pretrained" and (len(parts) <= 2 or (len(parts) == 3 and any(
+                f.startswith(parts[2] + "/") for f in MODEL_FILES))))
+    elif ok:
+        ok = (parts[0] == "runs" and len(parts) == 3 and parts[2] in RUN_FILES) or \
+            (parts[0] in ("calibration", "windows") and len(parts) == 2 and parts[1].endswith(".json")) or \
+            (parts[0] == "pretrained" and len(parts) >= 3 and "/".join(parts[2:]) in MODEL_FILES)
+    if not ok:
+        raise UserError(f"{where}: {quote(name)} is not a path of a campaign archive ({LAYOUT})")
+
+
+def json_object(where: str, data: bytes) -> dict:
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{where}: not JSON ({str(err).splitlines()[0][:200]})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: expected a JSON object")
+    return value
+
+
+def json_lines(where: str, data: bytes) -> list[dict]:
+    out = []
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{where}: not UTF-8 text ({err.reason})") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            out.append(json_object(f"{where}: line {number}", line.encode()))
+    return out
+
+
+def _check_safetensors(where: str, data: bytes) -> None:
+    """The safetensors layout: an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
+    shape and byte range, and exactly the bytes those ranges cover after it."""
+    if len(data) < 8:
+        raise UserError(f"{where}: not a safetensors file (shorter than its header length)")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > len(data) - 8:
+        raise UserError(f"{where}: not a safetensors file (a header of {length:,} bytes in a file of {len(data):,})")
+    header = json_object(where, data[8:8 + length])
+    end = 0
+    for tensor, info in header.items():
+        if tensor == "__metadata__":
+            continue
+        if not (isinstance(info, dict) and info.get("dtype") in SAFETENSORS_DTYPES
+                and isinstance(info.get("shape"), list) and all(type(n) is int and n >= 0 for n in info["shape"])
+                and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+                and all(type(n) is int for n in info["data_offsets"])):
+            raise UserError(f"{where}: tensor {quote(tensor)}: not a safetensors entry (dtype, shape, data_offsets)")
+        start, stop = info["data_offsets"]
+        count = 1
+        for n in info["shape"]:
+            count *= n
+        if not 0 <= start <= stop or stop - start != count * SAFETENSORS_DTYPES[info["dtype"]]:
+            raise UserError(f"{where}: tensor {quote(tensor)}: its byte range does not hold its shape")
+        end = max(end, stop)
+    if 8 + length + end != len(data):
+        raise UserError(f"{where}: the tensors cover {end:,} bytes after the header; the file has "
+                        f"{len(data) - 8 - length:,}")
+
+
+def _check_model(campaign: Campaign, where: str, label: str, files: dict[str, bytes]) -> None:
+    """A pretrain output for a ``pretrain`` label of the sweep: its files, each of its kind."""
+    if label not in campaign.pretrained_models():
+        raise UserError(f"{where}: pretrained/{label} is not a pretrain label that {campaign.config_path}'s runs use")
+    missing = [name for name in MODEL_FILES if name != "samples.png" and name not in files]
+    if missing:
+        raise UserError(f"{where}: pretrained/{label} lacks {missing[0]}")
+    for name, data in files.items():
+        shown = f"{where}: pretrained/{label}/{name}"
+        if name.endswith(".json"):
+            json_object(shown, data)
+        elif name.endswith(".safetensors"):
+            _check_safetensors(shown, data)
+        elif not data.startswith(PNG_SIGNATURE):
+            raise UserError(f"{shown}: not a PNG image")
+
+
+def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, bytes]) -> None:
+    """A finished run of the campaign's sweep: its files, a summary that says ``ok``, records the record
+    contract accepts, and the config the sweep composes for ``run_id``."""
+    if run_id not in campaign.sweep.runs:
+        raise UserError(f"{where}: runs/{run_id} is not a run of the sweep {campaign.config_path}")
+    missing = [name for name in REQUIRED_RUN_FILES if name not in files]
+    if missing:
+        raise UserError(f"{where}: runs/{run_id} lacks {missing[0]} (a finished run has "
+                        f"{', '.join(REQUIRED_RUN_FILES)})")
+    summary = json_object(f"{where}: runs/{run_id}/summary.json", files["summary.json"])
+    if summary.get("status") != "ok":
+        raise UserError(f"{where}: runs/{run_id} is not finished (status {quote(summary.get('status'))}, "
+                        "expected ok)")
+    for name in ("env.json", "plan.json"):
+        if name in files:
+            json_object(f"{where}: runs/{run_id}/{name}", files[name])
+    records = json_lines(f"{where}: runs/{run_id}/metrics.jsonl", files["metrics.jsonl"])
+    if not records:
+        raise UserError(f"{where}: runs/{run_id}/metrics.jsonl holds no records")
+    problem = record_problem(summary)
+    if problem is not None:
+        raise UserError(f"{where}: runs/{run_id}/summary.json: {problem}")
+    problem = records_problem(records, ("iteration", "status"))  # the record contract, each iteration once
+    if problem is not None:
+        raise UserError(f"{where}: runs/{run_id}/metrics.jsonl: {problem}")
+    if "evaluations.jsonl" in files:
+        problem = evaluations_problem(json_lines(f"{where}: runs/{run_id}/evaluations.jsonl",
+                                                 files["evaluations.jsonl"]))
+        if problem is not None:
+            raise UserError(f"{where}: runs/{run_id}/evaluations.jsonl: {problem}")
+    config = json_object(f"{where}: runs/{run_id}/config.json", files["config.json"])
+    if config != campaign.config_of(run_id):
+        raise UserError(f"{where}: runs/{run_id}/config.json is not the config {campaign.config_path} composes "
+                        "for that run (another version of the sweep?)")
+    if records[0].get("iteration") != 0:
+        raise UserError(f"{where}: runs/{run_id}/metrics.jsonl starts at iteration "
+                        f"{quote(records[0].get('iteration'))}; expected 0")
+
+
+COUNT_KEYS = ("forward_nograd", "forward_grad", "backward", "train_forward_nograd", "train_forward_grad",
+              "train_backward")
+
+
+def tiny_counterpart(config: dict) -> dict:
+    """A run's config on the tiny model of its family on the CPU, one iteration, no telemetry, no evaluation:
+    the same schedule, group, plan and method, so the same passes per sample (they depend on neither the
+    device, the size, the precision nor the weights)."""
+    from .campaign import cpu_resolution
+
+    cfg = json.loads(json.dumps(config))
+    model = cfg["model"]
+    model.update(preset="tiny", architecture=None, pretrained=None, dtype="float32",
+                 resolution=cpu_resolution(model["resolution"]))
+    cfg["device"] = "cpu"
+    cfg["progress"] = False
+    cfg["train"].update(iterations=1, budget=None, checkpoint_every=0, shard="none",
+                        lora_rank=min(cfg["train"]["lora_rank"], 4))
+    cfg["telemetry"] = {**cfg["telemetry"], "enabled": False, "tensorboard": False}
+    cfg["eval"] = {**cfg["eval"], "every": 0}
+    return cfg
+
+
+def check_counts(where: str, run_id: str, records: list[dict], config: dict) -> None:
+    """The first record's passes per sample equal what the run's schedule counts on the tiny model on the CPU
+    (module docstring). A run whose records carry a cache's fields is not compared: a cache that skips by a
+    threshold skips by the values, which random weights at another size do not share."""
+    if any(key.startswith("cache_") for key in records[0]):
+        return
+    from ..config import validate
+    from ..io import read_jsonl
+    from ..runtime.train import train
+
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stderr(io.StringIO()):  # no progress lines
+        train(validate(tiny_counterpart(config)), Path(tmp) / run_id)
+        [tiny] = list(read_jsonl(Path(tmp) / run_id / "metrics.jsonl"))
+    first = records[0]
+    for key in COUNT_KEYS:
+        if first.get(key) != tiny.get(key):
+            raise UserError(f"{where}: runs/{run_id}: {key} = {quote(first.get(key))} in its first iteration, where "
+                            f"the same schedule on the tiny model on the CPU counts {quote(tiny.get(key))}")
+
+
+def _check_calibration(campaign: Campaign, where: str, name: str, data: bytes) -> None:
+    from ..results.loading import CalibrationEntry, load_calibration
+
+    if campaign.calibration_cell(name) is None:
+        raise UserError(f"{where}: calibration/{name} is not named <stamp>_<number>_<cell>.json after a cell of "
+                        f"the sweep {campaign.config_path}")
+    json_object(f"{where}: calibration/{name}", data)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_bytes(data)
+        try:
+            load_calibration([CalibrationEntry(path)])
+        except UserError as err:
+            raise UserError(f"{where}: calibration/{name}: {str(err).split(': ', 2)[-1]}") from None
+
+
+# ----- unpacking into the reference -----------------------------------------------------------------------------
+def _held(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` by its path inside it."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> dict:
+    """Add ``archive`` to ``reference`` (module docstring); what was added."""
+    archive, reference = Path(archive), Path(reference)
+    where = f"archive {archive}"
+    files = read_archive(archive)
+    groups: dict[str, dict[str, bytes]] = {}  # "runs/<id>", "pretrained/<label>" -> {path inside: bytes}
+    others: dict[str, bytes] = {}
+    for name, data in files.items():
+        parts = name.split("/")
+        if parts[0] in ("runs", "pretrained"):
+            groups.setdefault("/".join(parts[:2]), {})["/".join(parts[2:])] = data
+        else:
+            others[name] = data
+    for group, members in groups.items():
+        kind, label = group.split("/")
+        if kind == "runs":
+            _check_run(campaign, where, label, members)
+        else:
+            _check_model(campaign, where, label, members)
+    for name, data in others.items():
+        kind, file_name = name.split("/")
+        if kind == "calibration":
+            _check_calibration(campaign, where, file_name, data)
+        else:
+            json_object(f"{where}: {name}", data)
+    with claim_folder(reference, REFERENCE_CONTENTS, "--reference"):
+        # what the reference already holds: the same bytes are skipped, other bytes refused
+        new_groups, new_others = {}, {}
+        for group, members in groups.items():
+            folder = reference / group
+            if folder.exists():
+                if _held(folder) != members:
+                    raise UserError(f"{where}: {group} is in the reference {reference} already, with other contents; "
+                                    "remove it there first to replace it")
+                continue
+            new_groups[group] = members
+        for name, data in others.items():
+            path = reference / name
+            if path.exists():
+                if path.read_bytes() != data:
+                    raise UserError(f"{where}: {name} is in the reference {reference} already, with other contents")
+                continue
+            new_others[name] = data
+        new_runs = {group.split("/")[1]: members for group, members in new_groups.items() if group.startswith("runs/")}
+        if new_runs:
+            print(f"agg-bench campaign: {len(new_runs)} new runs; comparing their pass counts with the tiny models'",
+                  file=sys.stderr, flush=True)
+        for run_id, members in new_runs.items():
+            check_counts(where, run_id, json_lines(where, members["metrics.jsonl"]),
+                         json.loads(members["config.json"]))
+        staging = atomic_path(reference / "unpack")  # a harness temporary: never someone's file
+        staging.mkdir()
+        moved: list[str] = []
+        try:
+            for name, data in [*((f"new/{g}/{n}", d) for g, m in new_groups.items() for n, d in m.items()),
+                               *((f"new/{n}", d) for n, d in new_others.items())]:
+                (staging / name).parent.mkdir(parents=True, exist_ok=True)
+                (staging / name).write_bytes(data)
+            for name in GENERATED:  # the tables as they are, put back if the new ones cannot be written
+                if (reference / name).exists():
+                    _copy(reference / name, staging / "old" / name)
+            try:
+                for name in [*new_groups, *new_others]:
+                    (reference / name).parent.mkdir(parents=True, exist_ok=True)
+                    os.rename(staging / "new" / name, reference / name)
+                    moved.append(name)
+                manifest = write_reference_tables(campaign, reference)
+            except BaseException:
+                for name in moved:  # the reference as it was: the new files out, the old tables back
+                    os.rename(reference / name, staging / "new" / name)
+                for name in GENERATED:
+                    if (staging / "old" / name).exists():
+                        _remove(reference / name)
+                        os.rename(staging / "old" / name, reference / name)
+                    elif (reference / name).exists():
+                        _remove(reference / name)
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return {"reference": str(reference), "runs_added": sorted(new_runs),
+            "files_added": sorted([*(g for g in new_groups if not g.startswith("runs/")), *new_others]),
+            "runs": len(manifest["runs"])}
+
+
+# what unpack writes from the reference's runs (and puts back as it was when it cannot)
+GENERATED = ("manifest.json", "tables", "learning")
+
+
+def _copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copyfile(source, target)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def reference_manifest(campaign: Campaign, reference: Path) -> dict:
+    """The manifest of every run and calibration in ``reference``, with the sweep's labels and
+    ``source: reference``; paths relative to the working directory where ``reference`` lies inside it (a
+    committed reference is read from the repository's root)."""
+    reference = _relative(reference)
+    full = campaign.sweep.manifest()
+    runs = []
+    for entry in full["runs"]:
+        run_id = Path(entry["dir"]).name
+        if run_id in campaign.sweep.runs and (reference / "runs" / run_id / "summary.json").is_file():
+            runs.append({**entry, "dir": str(reference / "runs" / run_id), "source": "reference"})
+    calibration = []
+    for path in sorted((reference / "calibration").glob("*.json")):
+        run = campaign.calibration_cell(path.name)
+        if run is not None:
+            calibration.append({"file": str(path), "model": run["model"], "resolution": run["resolution"],
+                                "device": run["device"], "source": "reference"})
+    return {"runs": runs, "gradcheck": [], "calibration": calibration, "warmup": full["warmup"], "time": full["time"]}
+
+
+def _relative(path: Path) -> Path:
+    relative = os.path.relpath(path.resolve())
+    return Path(relative) if not relative.startswith("..") else path.resolve()
+
+
+def write_reference_tables(campaign: Campaign, reference: Path) -> dict:
+    """``reference``'s manifest.json and its tables (module docstring); the manifest."""
+    from ..results.loading import load_manifest
+    from ..results.report import build_report
+
+    manifest = reference_manifest(campaign, reference)
+    write_json(reference / "manifest.json", manifest)
+    if campaign.learning is not None:
+        if len(manifest["runs"]) == len(campaign.sweep.runs):
+            write_learning_tables(campaign, reference)
+    elif manifest["runs"]:
+        build_report(load_manifest(reference / "manifest.json"), reference / "tables")
+    return manifest
+
+
+def write_learning_tables(campaign: Campaign, reference: Path) -> None:
+    """The learning report of a complete reference from its runs' in-run evaluations (no checkpoint to
+    evaluate): ``learning/`` with ``learning.csv``, ``learning.md``, ``curves.csv`` (what ``agg-bench learning
+    --manifest REF/manifest.json --tables DIR`` with the sweep's ``learning`` options writes, byte for byte)
+    and the plots drawn from the runs alone (reward against iteration and time, the held-out reward against
+    cost and CPU time, the Pareto plot); the pre-trained model's own sample grid is its ``samples.png`` in
+    ``pretrained/``."""
+    from ..outdir import claimed_folders
+    from ..results.learning_tables import learning_table, load_runs, plot_held_out, plot_rewards, write_curves, write_table
+    from .learning import DEFAULT_REFERENCE
+
+    options = campaign.learning_options()
+    options.check()
+    runs = load_runs(reference / "manifest.json")
+    label = options.reference or DEFAULT_REFERENCE
+    folder = reference / "learning"
+    with claimed_folders([(folder, LEARNING_TABLES | LEARNING_PLOTS)], ("--reference",)):
+        table = learning_table(runs, options.average, options.fraction, label, None, options.target_fraction,
+                               options.eval_source)
+        write_table(table, folder, options.average, options.fraction, options.target_fraction, label)
+        write_curves(runs, folder)
+        plot_rewards(runs, folder / "reward_iteration.png", "iteration")
+        plot_rewards(runs, folder / "reward_time.png", "time")
+        plot_held_out(runs, folder)
