@@ -40,7 +40,7 @@ import torch
 
 from agg_bench.config.options import Options, batch_option, option
 from agg_bench.engine.grpo import TrainBatch, exact_backward, micro_batches
-from agg_bench.engine.sampler import gaussian_log_prob, ode_step, sde_step, stochastic_steps
+from agg_bench.engine.sampler import ode_step, sde_step, stochastic_steps, transition_log_prob
 from agg_bench.errors import ConfigError
 from agg_bench.machine import distributed
 from agg_bench.methods.base import Estimator, ReplayCase, register_method
@@ -223,7 +223,7 @@ class BranchEstimator(Estimator):
                 x, logp = out.prev_sample, out.log_prob
                 if j in splits and self.config.split_noise_scale != 1.0:
                     x = out.mean + self.config.split_noise_scale * (out.prev_sample - out.mean)
-                    logp = gaussian_log_prob(x, out.mean, out.std)  # the unscaled std, as the public code
+                    logp = transition_log_prob(sampling.sde, x, out.mean, out.std)  # the unscaled std, as the public code
             else:
                 x = ode_step(v, x, sigmas, j)
                 logp = torch.zeros(x.shape[0], dtype=compute, device=device)

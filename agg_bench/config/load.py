@@ -80,9 +80,9 @@ def validate(config: dict) -> RunConfig:
     if cfg.sampling.schedule == "linspace" and cfg.sampling.shift is None:
         raise ConfigError("sampling.shift", None, "a number with sampling.schedule 'linspace' (the sigmas are "
                                                   "shift(linspace(1, 0, T + 1)) with this shift)")
-    if cfg.sampling.sde == "cps" and not cfg.sampling.eta <= 1:
+    if cfg.sampling.sde in ("cps", "cps_unscaled") and not cfg.sampling.eta <= 1:
         raise ConfigError("sampling.eta", cfg.sampling.eta,
-                          "a number in (0, 1] for sampling.sde 'cps' (std = s' sin(eta pi/2))")
+                          f"a number in (0, 1] for sampling.sde {cfg.sampling.sde!r} (std = s' sin(eta pi/2))")
     return cfg
 
 

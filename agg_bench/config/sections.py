@@ -114,10 +114,12 @@ class SamplingConfig(Section):
 
     steps: int = option(10, "denoising steps T (at most the schedulers' 1000 training timesteps)",
                         minimum=1, maximum=1000)
-    sde: Literal["flow_grpo", "dance_grpo", "cps"] = option(
-        "flow_grpo", "the SDE step and its log-probability: `flow_grpo`, `dance_grpo` or `cps` (coefficients-"
-        "preserving sampling; formulas in `docs/design.md`)")
-    eta: float = option(0.7, "SDE noise level (`cps`: in (0, 1], std = s' sin(eta pi/2))", exclusive_minimum=0)
+    sde: Literal["flow_grpo", "dance_grpo", "cps", "cps_unscaled"] = option(
+        "flow_grpo", "the SDE step and its log-probability: `flow_grpo`, `dance_grpo`, `cps` (coefficients-"
+        "preserving sampling) or `cps_unscaled` (`cps`'s step with the public code's log-probability "
+        "-(x' - mean)^2, without 1 / (2 std^2)); formulas in `docs/design.md`")
+    eta: float = option(0.7, "SDE noise level (`cps`, `cps_unscaled`: in (0, 1], std = s' sin(eta pi/2))",
+                        exclusive_minimum=0)
     shift: float | None = option(
         3.0, "sigma shift of FlowMatchEulerDiscreteScheduler (null: the model's scheduler config, with its "
         "dynamic shift and `shift_terminal`)", exclusive_minimum=0)

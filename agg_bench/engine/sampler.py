@@ -4,7 +4,7 @@ Sigmas run from ``s_0 = 1`` down to ``s_T = 0``; the model predicts the velocity
 deterministic Euler step is ``x + (s_{j+1} - s_j) v``. The SDE steps below add noise so that each
 transition is Gaussian and has a log-probability, which GRPO's importance ratio needs.
 
-Three SDEs (``sampling.sde``), each a Gaussian transition ``x_{j+1} ~ N(mean, std^2)``:
+Four SDEs (``sampling.sde``), each a Gaussian transition ``x_{j+1} ~ N(mean, std^2)``:
 - ``flow_grpo`` (Flow-GRPO): std = eta sqrt(s / (1 - s)) sqrt(s - s');
 - ``dance_grpo`` (DanceGRPO): std = eta sqrt(s - s');
 - ``cps``: coefficients-preserving sampling (Wang and Yu, arXiv 2509.05952, eq. 9-10; FlowCPS): with the
@@ -13,12 +13,13 @@ Three SDEs (``sampling.sde``), each a Gaussian transition ``x_{j+1} ~ N(mean, st
   coefficients (1 - s') and s' of x0 and of unit noise: no excess noise at low sigmas. ``eta`` is in
   (0, 1] (1: all of the next step's noise drawn afresh). The last step (s' = 0) has std 0: it is the
   Euler step and has no density, so it is an ODE step in every rollout (:func:`stochastic_steps`).
-  The log-probability is the full Gaussian one, like the others. FlowCPS's code (and Flow-GRPO's
-  ``sde_type = "cps"``) keeps ``-(x' - mean)^2`` only, without the constants and the 1 / (2 std^2) factor: the
-  sampler is the same, but each step's log-ratio, and with it the step's gradient, is the code's times
-  1 / (2 std^2), which differs from step to step (within Flow-GRPO-Fast's 3-step window at eta 0.8, 10 steps,
-  shift 3, up to 1.47x), and the ratio clip acts where that factor makes the log-ratio cross eps: less often
-  than the code's where 1 / (2 std^2) < 1 (its steps 0-3), more often where it is above 1.
+  The log-probability is the full Gaussian one, like the others.
+- ``cps_unscaled``: the same step, with the log-probability of FlowCPS's code and of Flow-GRPO's
+  ``sde_type = "cps"`` (github.com/yifan123/flow_grpo, ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``):
+  ``-(x' - mean)^2`` only, without the constants and without the 1 / (2 std^2) factor. The samples are
+  ``cps``'s, draw for draw; each step's log-ratio, and with it the step's gradient, is ``cps``'s times
+  2 std^2, which differs from step to step (within Flow-GRPO-Fast's 3-step window at eta 0.8, 10 steps,
+  shift 3, up to 1.47x), and the ratio clip acts where that factor makes the log-ratio cross eps.
 
 Everything is computed in float32 (float64 when the inputs are float64). ``log_prob`` is the mean
 over all non-batch dimensions.
@@ -32,7 +33,8 @@ import torch
 
 from ..errors import ConfigError
 
-SDE_KINDS = ("flow_grpo", "dance_grpo", "cps")
+SDE_KINDS = ("flow_grpo", "dance_grpo", "cps", "cps_unscaled")
+CPS_KINDS = ("cps", "cps_unscaled")  # coefficients-preserving sampling: the same step, two log-probabilities
 LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 
 
@@ -95,6 +97,14 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     return logp.mean(dim=tuple(range(1, logp.dim())))
 
 
+def transition_log_prob(kind: str, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """The log-probability ``kind`` gives ``x`` under its transition N(mean, std^2), averaged over the non-batch
+    dims: :func:`gaussian_log_prob`, or for ``cps_unscaled`` the public code's ``-(x - mean)^2``."""
+    if kind == "cps_unscaled":
+        return (-((x - mean) ** 2)).mean(dim=tuple(range(1, x.dim())))
+    return gaussian_log_prob(x, mean, std)
+
+
 def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas: torch.Tensor, index,
              eta: float, prev_sample: torch.Tensor | None = None,
              generator: torch.Generator | None = None) -> SDEStepOutput:
@@ -114,7 +124,7 @@ def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas
     nxt = index + 1 if isinstance(index, int) else torch.as_tensor(index) + 1
     s_next = _per_sample(sig, nxt, x)
     dt = s_next - s
-    if kind == "cps":
+    if kind in CPS_KINDS:
         check_cps_eta(eta)
         std = s_next * math.sin(eta * math.pi / 2)
         x0 = x - s * v
@@ -145,21 +155,22 @@ def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas
         prev = mean + std * noise
     else:
         prev = prev_sample.to(dtype)
-    return SDEStepOutput(prev_sample=prev, log_prob=gaussian_log_prob(prev, mean, std), mean=mean, std=std,
-                         std_t=std_t)
+    return SDEStepOutput(prev_sample=prev, log_prob=transition_log_prob(kind, prev, mean, std), mean=mean,
+                         std=std, std_t=std_t)
 
 
 def check_cps_eta(eta: float) -> None:
     """The ``cps`` noise level is an angle's fraction: std = s' sin(eta pi / 2) needs eta in (0, 1]."""
     if not 0 < eta <= 1:
-        raise ConfigError("sampling.eta", eta, "a number in (0, 1] for sampling.sde 'cps' (std = s' sin(eta pi/2))")
+        raise ConfigError("sampling.eta", eta,
+                          "a number in (0, 1] for sampling.sde 'cps' or 'cps_unscaled' (std = s' sin(eta pi/2))")
 
 
 def stochastic_steps(kind: str, sigmas: torch.Tensor) -> torch.Tensor:
-    """(T,) True where ``kind``'s transition has a density: every step, except for ``cps`` the steps into
-    sigma 0, whose std is 0 (they are Euler steps)."""
+    """(T,) True where ``kind``'s transition has a density: every step, except for ``cps`` (and
+    ``cps_unscaled``) the steps into sigma 0, whose std is 0 (they are Euler steps)."""
     steps = sigmas.numel() - 1
-    if kind == "cps":
+    if kind in CPS_KINDS:
         return sigmas[1:].cpu() > 0
     return torch.ones(steps, dtype=torch.bool)
 

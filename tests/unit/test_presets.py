@@ -27,7 +27,7 @@ def test_every_preset_loads_as_it_is_and_at_full_size(path):
 
 def test_flow_grpo_fast_keeps_the_public_schedule():
     cfg = check_config(load_config(ROOT / "config/presets/flow_grpo_fast.yaml"))
-    assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (10, "cps", 0.8, 3.0)
+    assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (10, "cps_unscaled", 0.8, 3.0)
     assert (cfg.grpo.clip_range, cfg.grpo.beta) == (1e-5, 0.0)
     options = cfg.method.options
     assert (cfg.method.name, options.window_size, options.window_mode) == ("window", 3, "random")

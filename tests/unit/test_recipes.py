@@ -375,7 +375,7 @@ def described_passes(cfg: RunConfig, iteration: int) -> dict[str, int]:
     o, b, steps = cfg.method.options, cfg.grpo.group_size * cfg.grpo.prompts_per_iteration, cfg.sampling.steps
     name, kl = cfg.method.name, cfg.grpo.beta > 0
     if name in ("full", "fraction"):  # every step with a density (cps: not the one into 0), or a fraction of them
-        dense = steps - (cfg.sampling.sde == "cps")
+        dense = steps - (cfg.sampling.sde in ("cps", "cps_unscaled"))
         trained = b * round(cfg.train.timestep_fraction * dense)
         return {"forward_nograd": b * steps + trained * kl, "forward_grad": trained, "backward": trained}
     if name == "window":  # a forward per step; the window's steps trained exactly
@@ -415,7 +415,7 @@ def described_passes(cfg: RunConfig, iteration: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("sets", [
     ["method.name=full"], ["method.name=full", "grpo.beta=0.04"], ["method.name=full", "sampling.sde=cps"],
-    ["method.name=fraction", "train.timestep_fraction=0.5"],
+    ["method.name=full", "sampling.sde=cps_unscaled"], ["method.name=fraction", "train.timestep_fraction=0.5"],
 ])
 def test_grpo_methods_run_with_their_described_passes(sets, tmp_path):
     """Full GRPO (with the KL reference's forward per trained step, with cps) and DanceGRPO's fraction."""
@@ -423,6 +423,22 @@ def test_grpo_methods_run_with_their_described_passes(sets, tmp_path):
     train(cfg, tmp_path / "run")
     (record,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert {k: record[k] for k in ("forward_nograd", "forward_grad", "backward")} == described_passes(cfg, 0)
+
+
+def test_cps_unscaled_samples_as_cps_and_trains_on_the_public_codes_log_probability(tmp_path):
+    """The same seed draws the same rollout under ``cps`` and ``cps_unscaled`` (the same rewards and passes);
+    only the log-probability differs: on-policy the ratio is 1 for both, and the gradient is cps's with each
+    step's term times 2 std^2, so its norm differs."""
+    records = {}
+    for kind in ("cps", "cps_unscaled"):
+        cfg = tiny_config("method.name=full", f"sampling.sde={kind}", "train.iterations=1", "model.dtype=float64")
+        train(cfg, tmp_path / kind)
+        (records[kind],) = read_jsonl(tmp_path / kind / "metrics.jsonl")
+    cps, unscaled = records["cps"], records["cps_unscaled"]
+    for key in ("reward_mean", "reward_std", "forward_nograd", "forward_grad", "backward", "cost"):
+        assert cps[key] == unscaled[key], key
+    assert cps["loss"] == pytest.approx(unscaled["loss"], rel=1e-12)  # ratio 1: -A averaged, either way
+    assert cps["grad_norm"] != pytest.approx(unscaled["grad_norm"], rel=1e-3)
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS.glob("*.yaml")))

@@ -75,15 +75,50 @@ def test_cps_last_step_is_the_euler_step():
     assert float(out.std.max()) == 0.0
 
 
+@pytest.mark.parametrize("kind", ["cps", "cps_unscaled"])
 @pytest.mark.parametrize("eta", [1.5, 2.0])
-def test_cps_refuses_an_eta_above_one(eta):
+def test_cps_refuses_an_eta_above_one(eta, kind):
     sigmas = flow_sigmas(4, 3.0)
     with pytest.raises(ConfigError) as err:
-        sde_step("cps", torch.randn(1, 1, 2, 2), torch.randn(1, 1, 2, 2), sigmas, 1, eta)
+        sde_step(kind, torch.randn(1, 1, 2, 2), torch.randn(1, 1, 2, 2), sigmas, 1, eta)
     assert err.value.key == "sampling.eta"
     with pytest.raises(ConfigError) as err:
-        validate({**copy.deepcopy(DEFAULTS), "sampling": {**DEFAULTS["sampling"], "sde": "cps", "eta": eta}})
-    assert err.value.key == "sampling.eta"
+        validate({**copy.deepcopy(DEFAULTS), "sampling": {**DEFAULTS["sampling"], "sde": kind, "eta": eta}})
+    assert err.value.key == "sampling.eta" and kind in str(err.value)
+
+
+def test_cps_unscaled_is_the_public_codes_log_probability():
+    """``cps_unscaled``: cps's step with Flow-GRPO's ``sde_type = "cps"`` log-probability, -(x' - mean)^2
+    averaged over elements (written here from the public code's formula, in float64): the same draws as
+    cps, the same mean and std, and a log-probability whose gradient is cps's times 2 std^2."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs every run
+    sigmas = flow_sigmas(10, 3.0)
+    b = 4
+    x = torch.randn(b, 3, 4, 4, generator=gen, dtype=torch.float64)
+    index = torch.tensor([0, 2, 5, 8])
+    eta = 0.2 + 0.8 * torch.rand((), generator=gen).item()
+    v = torch.randn(b, 3, 4, 4, generator=gen, dtype=torch.float64)
+    seed = int(torch.randint(0, 2**31, (), generator=gen))
+    drawn = sde_step("cps_unscaled", v, x, sigmas, index, eta, generator=torch.Generator().manual_seed(seed))
+    same = sde_step("cps", v, x, sigmas, index, eta, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(drawn.prev_sample, same.prev_sample) and torch.equal(drawn.mean, same.mean)
+    assert torch.equal(drawn.std, same.std)
+    prev = drawn.prev_sample
+    grads = {}
+    for kind in ("cps_unscaled", "cps"):
+        w = v.clone().requires_grad_(True)
+        out = sde_step(kind, w, x, sigmas, index, eta, prev_sample=prev)
+        (grads[kind],) = torch.autograd.grad(out.log_prob.sum(), w)
+        if kind == "cps_unscaled":
+            for i in range(b):
+                j = int(index[i])
+                mean, sd = sde_reference("cps", v[i], x[i], float(sigmas[j]), float(sigmas[j + 1]), eta, float(sigmas[1]))
+                expected = (-((prev[i] - mean) ** 2)).mean()
+                assert out.log_prob[i].item() == pytest.approx(expected.item(), rel=1e-12, abs=1e-15)
+                assert out.std[i].item() == pytest.approx(sd, rel=1e-12)
+    scale = 2 * same.std**2  # (B, 1, 1, 1)
+    torch.testing.assert_close(grads["cps_unscaled"], grads["cps"] * scale, rtol=1e-12, atol=1e-15)
+    assert stochastic_steps("cps_unscaled", sigmas).tolist() == stochastic_steps("cps", sigmas).tolist()
 
 
 def test_float32_inputs_compute_in_float32():
