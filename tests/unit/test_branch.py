@@ -85,6 +85,20 @@ def test_children_share_their_parents_mean_and_the_log_probs_are_the_trained_den
     assert 0.7 * scale * std < spread < 1.3 * scale * std
 
 
+def test_a_split_under_cps_unscaled_stores_the_public_codes_log_probability():
+    """With ``cps_unscaled`` and a scaled split noise the stored log-prob of every stochastic step, the splits
+    included, is -(x' - mean)^2 of the unscaled step (what training recomputes), not the Gaussian one."""
+    session = tree_session("sampling.sde=cps_unscaled", "sampling.eta=0.7", "method.split_noise_scale=4.0")
+    batch = session.collect(0).batch
+    for j in range(3):  # the step into sigma 0 has no density
+        out = sde_step("cps_unscaled", batch.velocities[:, j], batch.latents[:, j], batch.sigmas, j, 0.7,
+                       prev_sample=batch.latents[:, j + 1])
+        assert torch.allclose(out.log_prob, batch.log_probs[:, j], rtol=0, atol=1e-12)
+        gaussian = sde_step("cps", batch.velocities[:, j], batch.latents[:, j], batch.sigmas, j, 0.7,
+                            prev_sample=batch.latents[:, j + 1])
+        assert not torch.allclose(gaussian.log_prob, batch.log_probs[:, j], rtol=0, atol=1e-6)
+
+
 # ----- advantages by hand ---------------------------------------------------------------------
 
 def hand_trajectory(log_probs_step2=(0.0,) * 8):
