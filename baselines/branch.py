@@ -41,6 +41,7 @@ import torch
 from agg_bench.config.options import Options, batch_option, option
 from agg_bench.engine.grpo import TrainBatch, exact_backward, micro_batches
 from agg_bench.engine.sampler import ode_step, sde_step, stochastic_steps, transition_log_prob
+from agg_bench.engine.trained_steps import plan_steps
 from agg_bench.errors import ConfigError
 from agg_bench.machine import distributed
 from agg_bench.methods.base import Estimator, ReplayCase, register_method
@@ -285,7 +286,8 @@ class BranchEstimator(Estimator):
 
     def trained_steps(self, train, trajectory, batch_size, generator):
         """Every row lists every trained step; the tree's distinct transitions are picked in accumulate."""
-        steps = torch.nonzero(self.trained_step_mask(trajectory.sde_mask), as_tuple=False).flatten()
+        steps = torch.nonzero(self.trained_step_mask(plan_steps(trajectory.sde_mask, train.ignore_last)),
+                              as_tuple=False).flatten()
         return steps.expand(batch_size, -1).clone()
 
     # ----- training ----------------------------------------------------------------------------

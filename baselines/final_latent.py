@@ -135,6 +135,10 @@ class FinalLatentEstimator(Estimator):
         self.noise_seed = 0
 
     def check_run(self, cfg) -> None:
+        if cfg.train.ignore_last:
+            raise ConfigError("train.ignore_last", True,
+                              f"false for method '{self.name}' (it trains the final latent at times of its own, "
+                              "not denoising steps a plan draws)")
         if cfg.sampling.same_noise_per_group:
             raise ConfigError("sampling.same_noise_per_group", True,
                               f"false for method '{self.name}' (its ODE rollout turns one noise into one image, "

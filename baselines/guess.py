@@ -29,9 +29,10 @@ The code guesses from step 0, where no velocity is stored yet: its zeros make ``
 Training is GRPO's on ``train.plan``'s steps, each term recomputed with the real policy (a guessed term
 too, as the code does), with the loss of a guessed (row, step) weighted by ``guessed_weight`` (the code's
 ``1 - 0.9 mock_flag``); weight 0 skips those terms' forward and backward. The advantages are GRPO's over
-all G rewards, guessed generations included. The code also drops the last step from training
-(``--ignore_last``) and its ablation's ``--zero_loss_on_guess`` draws the trained steps among the
-forwarded ones only; here the plan is ``train.plan`` for every method, whose normalisation 1/(B N) stays.
+all G rewards, guessed generations included. The code drops the last step from training (``--ignore_last``:
+``train.ignore_last``, which the preset sets); its ablation's ``--zero_loss_on_guess`` draws the trained steps
+among the forwarded ones only, not built: here the plan is ``train.plan`` for every method, whose normalisation
+1/(B N) stays.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Timestep-subsampling GRPO baselines: train fewer denoising steps per sample, each one exactly.
 
 - ``fraction`` (DanceGRPO): every sample trains its own random subset of round(train.timestep_fraction * T)
-  steps, the ``steps`` plan of :mod:`agg_bench.engine.trained_steps`; a run asking for ``train.plan: groups`` is refused,
+  steps, the ``steps`` plan of :mod:`agg_bench.engine.trained_steps` (of T - 1 with ``train.ignore_last``, the
+  public ``--ignore_last``: DanceGRPO's scripts drop the last step); a run asking for ``train.plan: groups`` is refused,
   because whole groups of consecutive steps are not DanceGRPO's scheme (use ``full`` with that plan).
 - ``window`` (MixGRPO, Flow-GRPO-Fast): the rollout is stochastic only inside a window of
   ``window_size`` consecutive steps and follows the ODE elsewhere, so only window steps have a
@@ -25,7 +26,7 @@ from typing import Literal
 import torch
 
 from agg_bench.config.options import option
-from agg_bench.engine.trained_steps import draw_trained_steps
+from agg_bench.engine.trained_steps import draw_trained_steps, plan_steps
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import ReplayCase, register_method
 from baselines.full import FullConfig, FullEstimator
@@ -56,7 +57,8 @@ class FractionEstimator(FullEstimator):
 
     def replay_case(self, cfg, stochastic, batch_size, generator):
         train = cfg.train
-        steps = draw_trained_steps(train.plan, batch_size, stochastic, train.timestep_fraction, train.plan_window, generator)
+        steps = draw_trained_steps(train.plan, batch_size, plan_steps(stochastic, train.ignore_last),
+                                   train.timestep_fraction, train.plan_window, generator)
         return ReplayCase("replanned", steps,
                           f"{steps.shape[1]} steps per sample drawn anew (train.timestep_fraction="
                           f"{train.timestep_fraction}, seed={cfg.seed}) from the snapshot's "
@@ -188,7 +190,8 @@ class WindowEstimator(FullEstimator):
                               f"a window that overlaps the snapshot's stochastic steps "
                               f"{torch.nonzero(stochastic).flatten().tolist()}")
         train = cfg.train
-        planned = draw_trained_steps(train.plan, batch_size, available, train.timestep_fraction, train.plan_window, generator)
+        planned = draw_trained_steps(train.plan, batch_size, plan_steps(available, train.ignore_last),
+                                     train.timestep_fraction, train.plan_window, generator)
         return ReplayCase("partial", planned,
                           f"window steps {start}..{last} of the snapshot's trajectory, stochastic outside the window "
                           "where the method's own rollout follows the ODE (so the states before the window and "

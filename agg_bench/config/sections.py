@@ -230,6 +230,10 @@ class TrainConfig(Section):
         "`cost` reaches it, or after `train.iterations` if those come first (set iterations as a cap); null: run "
         "`train.iterations`", exclusive_minimum=0)
     pass_costs: PassCosts = section(PassCosts, "the price of each counted pass in cost units (a record's `cost`)")
+    ignore_last: bool = option(
+        False, "never train the last denoising step (DanceGRPO's, GUESS's, BranchGRPO's and eff_grpo's "
+               "`--ignore_last`): `plan` draws from the other steps, `branch` trains no transition of it; refused "
+               "by the likelihood-free methods (`nft`, `awm`, `dgpo`), whose times are their own")
 
 
 @dataclass

@@ -8,6 +8,7 @@ have a log-probability (``available``):
   that groups W = plan_window steps sees whole groups. Steps past the last whole group are not trained.
 Counts are rounded (Python's ``round``, halves to even) and never fall below one step or group; the
 public Flow-GRPO and DanceGRPO code floors instead, which differs only when fraction * n ends in .5 or more.
+With ``train.ignore_last`` the last step is not available (:func:`plan_steps`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ import torch
 from ..errors import ConfigError
 
 KINDS = ("steps", "groups")
+
+
+def plan_steps(available: torch.Tensor, ignore_last: bool) -> torch.Tensor:
+    """The steps a plan may draw from: ``available`` (T,) bool, without the last step where ``ignore_last``
+    (``train.ignore_last``: the public ``--ignore_last``)."""
+    if not ignore_last:
+        return available
+    kept = available.clone()
+    kept[-1] = False
+    return kept
 
 
 def _count(fraction: float, n: int) -> int:

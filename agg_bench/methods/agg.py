@@ -171,7 +171,8 @@ class AGGEstimator(Estimator):
     def check_run(self, cfg) -> None:
         """W <= N, and the groups AGG aggregates are runs of consecutive steps (:class:`AGGConfig`)."""
         train, window = cfg.train, self.config.window
-        n = steps_per_sample(train.plan, cfg.sampling.steps, train.timestep_fraction, train.plan_window)
+        n = steps_per_sample(train.plan, cfg.sampling.steps - train.ignore_last, train.timestep_fraction,
+                             train.plan_window)
         if window > n:
             raise ConfigError("method.window", window,
                               f"at most the {n} trained steps per sample (train.plan={train.plan}, "

@@ -134,7 +134,7 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
 
 # Keys outside the method section that a replay may set: the trained-step draw (train.plan) of a method that draws its own
 # steps on the snapshot (Estimator.replans). Anything else is fixed by the frozen rollout.
-REPLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "seed")
+REPLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "train.ignore_last", "seed")
 
 
 def replay_setup(config: dict, method: str, overrides: list[str]) -> tuple[RunConfig, Estimator]:

@@ -31,7 +31,7 @@ WRITTEN_DEFAULTS = {
               "plan": "steps", "plan_window": 5, "inner_epochs": 1, "gradient_checkpointing": False,
               "lora_rank": 0, "lora_alpha": None, "lora_target_modules": None, "checkpoint_every": 0,
               "shard": "none", "cpu_offload": False, "budget": None,
-              "pass_costs": {"forward_nograd": 1.0, "forward_grad": 1.1, "backward": 1.6}},
+              "pass_costs": {"forward_nograd": 1.0, "forward_grad": 1.1, "backward": 1.6}, "ignore_last": False},
     "method": {"name": "full"},
     "reward": {"name": "jpeg_compressibility", "options": {}, "on": "final"},
     "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first", "tensorboard": False},

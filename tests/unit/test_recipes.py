@@ -107,6 +107,14 @@ def test_bad_run_options_are_one_line_naming_the_key(override, key):
     assert err.value.key == key and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("method", ["nft", "awm", "dgpo"])
+def test_ignore_last_is_refused_where_times_are_the_methods_own(method):
+    cfg = tiny_config(f"method.name={method}", "sampling.same_noise_per_group=false", "train.ignore_last=true")
+    with pytest.raises(ConfigError) as err:
+        Session(cfg)
+    assert err.value.key == "train.ignore_last" and method in str(err.value) and "\n" not in str(err.value)
+
+
 def test_a_bad_option_through_the_cli_is_one_line_exit_2(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", "--set", "grpo.adv_std=population", "--out", str(out)]) == 2
@@ -374,8 +382,9 @@ def described_passes(cfg: RunConfig, iteration: int) -> dict[str, int]:
     """The passes of one iteration of ``cfg``'s method, from its algorithm's description (docs/methods.md)."""
     o, b, steps = cfg.method.options, cfg.grpo.group_size * cfg.grpo.prompts_per_iteration, cfg.sampling.steps
     name, kl = cfg.method.name, cfg.grpo.beta > 0
+    last = int(cfg.train.ignore_last)  # the last step is then never trained
     if name in ("full", "fraction"):  # every step with a density (cps: not the one into 0), or a fraction of them
-        dense = steps - (cfg.sampling.sde in ("cps", "cps_unscaled"))
+        dense = steps - max(last, int(cfg.sampling.sde in ("cps", "cps_unscaled")))
         trained = b * round(cfg.train.timestep_fraction * dense)
         return {"forward_nograd": b * steps + trained * kl, "forward_grad": trained, "backward": trained}
     if name == "window":  # a forward per step; the window's steps trained exactly
@@ -387,16 +396,16 @@ def described_passes(cfg: RunConfig, iteration: int) -> dict[str, int]:
     if name == "branch":  # a forward per node, a trained transition per edge
         points = o.branch_points
         nodes = sum(o.branch_factor ** sum(p < j for p in points) for j in range(steps))
-        edges = sum(o.branch_factor ** sum(p <= j for p in points) for j in range(steps))
+        edges = sum(o.branch_factor ** sum(p <= j for p in points) for j in range(steps - last))
         p = cfg.grpo.prompts_per_iteration
         return {"forward_nograd": p * nodes, "forward_grad": p * edges, "backward": p * edges}
     if name == "guess":  # guessed rows skip their forward at steps guess_from .. T - 2
         p, guessed_steps = cfg.grpo.prompts_per_iteration, steps - 1 - o.guess_from
-        trained = b * round(cfg.train.timestep_fraction * steps)
+        trained = b * round(cfg.train.timestep_fraction * (steps - last))
         return {"forward_nograd": b * steps - p * o.guessed * guessed_steps, "forward_grad": trained,
                 "backward": trained}
     if name == "agg":  # plan groups: round(0.6 x the whole groups of W) trained; W no-grad + 2 with grad each
-        groups = round(cfg.train.timestep_fraction * (steps // cfg.train.plan_window))
+        groups = round(cfg.train.timestep_fraction * ((steps - last) // cfg.train.plan_window))
         return {"forward_nograd": b * steps + b * groups * o.window, "forward_grad": b * groups * 2,
                 "backward": b * groups * 2}
     k = o.times_per_sample
@@ -416,6 +425,8 @@ def described_passes(cfg: RunConfig, iteration: int) -> dict[str, int]:
 @pytest.mark.parametrize("sets", [
     ["method.name=full"], ["method.name=full", "grpo.beta=0.04"], ["method.name=full", "sampling.sde=cps"],
     ["method.name=full", "sampling.sde=cps_unscaled"], ["method.name=fraction", "train.timestep_fraction=0.5"],
+    ["method.name=full", "train.ignore_last=true"], ["method.name=full", "train.ignore_last=true", "sampling.sde=cps"],
+    ["method.name=fraction", "train.timestep_fraction=0.6", "train.ignore_last=true"],
 ])
 def test_grpo_methods_run_with_their_described_passes(sets, tmp_path):
     """Full GRPO (with the KL reference's forward per trained step, with cps) and DanceGRPO's fraction."""

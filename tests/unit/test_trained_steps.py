@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from agg_bench.engine.trained_steps import draw_trained_steps
+from agg_bench.engine.trained_steps import draw_trained_steps, plan_steps
 from agg_bench.errors import ConfigError
 from agg_bench.runtime.train import Session
 from helpers import tiny_config
@@ -23,6 +23,21 @@ def test_steps_plan_draws_its_own_sorted_subset_per_sample(rng, fraction, t):
         assert 0 <= int(row.min()) and int(row.max()) < t
     if n < t:
         assert len({tuple(r.tolist()) for r in plan}) > 1
+
+
+@pytest.mark.parametrize("plan, fraction, t", [("steps", 0.6, 10), ("steps", 1.0, 16), ("groups", 0.6, 21),
+                                               ("groups", 1.0, 11)])
+def test_ignore_last_never_draws_the_last_step(rng, plan, fraction, t):
+    """``train.ignore_last`` (the public ``--ignore_last``): the plan draws from steps 0..T-2, as many as it
+    would from T-1 available steps (DanceGRPO at 10 steps and 0.6: int(9 x 0.6) = 5)."""
+    available = plan_steps(all_steps(t), True)
+    assert available.tolist() == [True] * (t - 1) + [False] and all_steps(t).all()  # a copy: the mask is kept
+    drawn = draw_trained_steps(plan, 64, available, fraction, 5, rng)
+    same_count = draw_trained_steps(plan, 1, all_steps(t - 1), fraction, 5, rng)
+    assert drawn.shape[1] == same_count.shape[1] and int(drawn.max()) <= t - 2
+    if plan == "steps" and fraction < 1:
+        assert drawn.shape[1] == int((t - 1) * fraction)
+    assert plan_steps(all_steps(t), False) is not None and plan_steps(all_steps(t), False).all()
 
 
 def test_counts_are_rounded(rng):
