@@ -177,7 +177,8 @@ class AGGEstimator(Estimator):
             raise ConfigError("method.window", window,
                               f"at most the {n} trained steps per sample (train.plan={train.plan}, "
                               f"train.timestep_fraction={train.timestep_fraction}, "
-                              f"sampling.steps={cfg.sampling.steps})")
+                              f"sampling.steps={cfg.sampling.steps}"
+                              f"{', train.ignore_last=true' if train.ignore_last else ''})")
         if window <= EXACT_GROUP_MAX or self.config.route_frac == 0:
             return  # every group is trained exactly: adjacency does not matter
         if train.plan == "groups":
