@@ -14,7 +14,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .schema import run_schema
 from .sections import RunConfig, Section, section_class
@@ -100,41 +100,62 @@ def reference_rows(cls: type[Section] = RunConfig, prefix: str = "", schema: dic
     return rows
 
 
+def markdown_table(rows: list[list[str]]) -> list[str]:
+    """The lines of a [key, default, allowed, meaning] table: header, rule, and ``rows`` with ``|`` escaped."""
+    return ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER),
+            *("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows)]
+
+
 def reference_table() -> str:
     """The Markdown table of every run-config key, between its markers."""
-    lines = [BEGIN, "| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in reference_rows()]
-    return "\n".join([*lines, END])
+    return "\n".join([BEGIN, *markdown_table(reference_rows()), END])
+
+
+def between_markers(text: str, begin: str, end: str, generated: str, what: str) -> str:
+    """``text`` (a Markdown document holding the lines ``begin`` ... ``end``) with ``generated`` (which starts
+    with ``begin`` and ends with ``end``) in their place; ``what`` names it in the error when they are missing."""
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"no generated {what} (the lines {begin!r} ... {end!r}) in the document")
+    return text[:start] + generated + text[stop + len(end):]
 
 
 def with_table(text: str) -> str:
     """``text`` (a Markdown document holding the markers) with the generated table between them."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"no generated table (the lines {BEGIN!r} ... {END!r}) in the document")
-    return text[:start] + reference_table() + text[end + len(END):]
+    return between_markers(text, BEGIN, END, reference_table(), "table")
+
+
+def generated_docs_main(argv: list[str] | None, prog: str, description: str, what: str,
+                        generate: Callable[[], str], with_generated: Callable[[str], str],
+                        schema: Callable[[], dict], schema_of: str) -> int:
+    """The command of a generated document: ``--write FILE`` replaces FILE's generated ``what``, ``--check FILE``
+    exits 1 when it is stale, ``--schema`` prints ``schema()`` (the JSON schema of ``schema_of``), and no flag
+    prints the generated text."""
+    is_, it, one = ("are", "them", "ones") if what.endswith("s") else ("is", "it", "one")
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--write", type=Path, metavar="FILE", help=f"replace FILE's generated {what}")
+    group.add_argument("--check", type=Path, metavar="FILE", help=f"exit 1 when FILE's {what} {is_} not the generated {one}")
+    group.add_argument("--schema", action="store_true", help=f"print {schema_of}'s JSON schema")
+    args = parser.parse_args(argv)
+    if args.schema:
+        print(json.dumps(schema(), indent=2))
+    elif args.write:
+        args.write.write_text(with_generated(args.write.read_text(encoding="utf-8")), encoding="utf-8")
+    elif args.check:
+        text = args.check.read_text(encoding="utf-8")
+        if with_generated(text) != text:
+            print(f"{args.check}: the {what} {is_} stale; regenerate {it} with {prog} --write {args.check}",
+                  file=sys.stderr)
+            return 1
+    else:
+        print(generate())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agg_bench.config.docs", description=__doc__.split("\n")[0])
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--write", type=Path, metavar="FILE", help="replace FILE's generated table")
-    group.add_argument("--check", type=Path, metavar="FILE", help="exit 1 when FILE's table is not the generated one")
-    group.add_argument("--schema", action="store_true", help="print the run config's JSON schema")
-    args = parser.parse_args(argv)
-    if args.schema:
-        print(json.dumps(run_schema(), indent=2))
-    elif args.write:
-        args.write.write_text(with_table(args.write.read_text(encoding="utf-8")), encoding="utf-8")
-    elif args.check:
-        text = args.check.read_text(encoding="utf-8")
-        if with_table(text) != text:
-            print(f"{args.check}: the run config table is stale; regenerate it with "
-                  f"python -m agg_bench.config.docs --write {args.check}", file=sys.stderr)
-            return 1
-    else:
-        print(reference_table())
-    return 0
+    return generated_docs_main(argv, "python -m agg_bench.config.docs", __doc__.split("\n")[0], "run config table",
+                               reference_table, with_table, run_schema, "the run config")
 
 
 if __name__ == "__main__":
