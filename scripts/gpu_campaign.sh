@@ -31,28 +31,12 @@ done
 [[ -n "$MINUTES" ]] || usage
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${AGG_BENCH_CAMPAIGN_OUT:-results/campaign}
-if [[ -n "${PYTHON:-}" ]]; then
-  PY=$PYTHON
-  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  FIX="set PYTHON to an interpreter with agg-bench's requirements, or unset it to use $ROOT/.venv"
-else
-  bash "$ROOT/scripts/setup.sh" || {
-    echo "gpu_campaign: setting up $ROOT/.venv failed (bash scripts/setup.sh, exit $?; see its message above)" >&2
-    exit 2; }
-  PY=$ROOT/.venv/bin/python
-  FIX="run bash scripts/setup.sh (or set PYTHON to an interpreter with agg-bench's requirements)"
-fi
-if ! missing=$("$PY" -c 'import torch, diffusers, agg_bench' 2>&1); then
-  echo "gpu_campaign: $PY cannot import torch, diffusers and agg_bench ($(printf '%s\n' "$missing" | tail -n 1)); $FIX" >&2
-  exit 2
-fi
+[[ -z "${PYTHON:-}" ]] || export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the tree, not an install
+source "$ROOT/scripts/python_env.sh" || exit 2
+pick_python gpu_campaign "agg-bench's requirements" torch diffusers agg_bench
 ARGS=(--config "$CONFIG" --minutes "$MINUTES" --work "$OUT" --reference "$REFERENCE")
 if [[ $MODE == gpu ]]; then
-  if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-    echo "gpu_campaign: torch $("$PY" -c 'import torch; print(torch.__version__)') in $PY sees no CUDA device;" \
-         "run scripts/gpu_campaign.sh --cpu on a machine without one, or install torch's CUDA build" >&2
-    exit 2
-  fi
+  require_cuda gpu_campaign "run scripts/gpu_campaign.sh --cpu on a machine without one, or install torch's CUDA build"
 else
   ARGS+=(--cpu)
 fi

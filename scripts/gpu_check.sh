@@ -20,25 +20,11 @@ if [[ "${1:-}" == "--cpu" ]]; then MODE=cpu; elif [[ $# -gt 0 ]]; then
 fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${AGG_BENCH_CHECK_OUT:-results/gpu_check}
-if [[ -n "${PYTHON:-}" ]]; then
-  PY=$PYTHON
-  FIX="set PYTHON to an interpreter with agg-bench installed, or unset it to use $ROOT/.venv"
-else
-  bash "$ROOT/scripts/setup.sh" || {
-    echo "gpu_check: setting up $ROOT/.venv failed (bash scripts/setup.sh, exit $?; see its message above)" >&2
-    exit 2; }
-  PY=$ROOT/.venv/bin/python
-  FIX="run bash scripts/setup.sh (or set PYTHON to an interpreter with agg-bench installed)"
-fi
-if ! missing=$("$PY" -c 'import torch, agg_bench' 2>&1); then
-  echo "gpu_check: $PY cannot import torch and agg_bench ($(printf '%s\n' "$missing" | tail -n 1)); $FIX" >&2
-  exit 2
-fi
-if [[ $MODE == gpu ]] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-  echo "gpu_check: torch $("$PY" -c 'import torch; print(torch.__version__)') in $PY sees no CUDA device;" \
-       "run scripts/gpu_check.sh --cpu on a machine without one, or install torch's CUDA build" \
-       "(TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh)" >&2
-  exit 2
+source "$ROOT/scripts/python_env.sh" || exit 2
+pick_python gpu_check "agg-bench installed" torch agg_bench
+if [[ $MODE == gpu ]]; then
+  require_cuda gpu_check "run scripts/gpu_check.sh --cpu on a machine without one, or install torch's CUDA build \
+(TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh)"
 fi
 rm -rf "$OUT"
 mkdir -p "$OUT/runs" "$OUT/logs"

@@ -82,7 +82,8 @@ def test_without_python_it_sets_up_and_uses_the_project_venv(tmp_path):
     torch, so the check stops at once, naming that interpreter)."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    shutil.copy(ROOT / "scripts" / "gpu_check.sh", repo / "scripts" / "gpu_check.sh")
+    for name in ("gpu_check.sh", "python_env.sh"):
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts" / name)
     (repo / "scripts" / "setup.sh").write_text(
         f'cd "$(dirname "$0")/.."\ntouch setup-ran\nmkdir -p .venv/bin\n'
         f'printf \'#!/bin/sh\\nexec "{sys.executable}" -S "$@"\\n\' > .venv/bin/python\nchmod +x .venv/bin/python\n')
