@@ -27,6 +27,16 @@ def rng():
 
 
 @pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a whole module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny
+    models gain nothing from threads, and one thread keeps such a file fast on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """``folders(family)``: a tiny diffusers model folder of that family (tests/tiny_pretrained.py),
     written on first use in the module."""

@@ -21,13 +21,7 @@ NAMES = sorted(CACHES)
 REUSING = {name: {} for name in NAMES} | {"fbc": {"threshold": 0.6}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and one thread keeps this file fast on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_policy(family: str, **overrides):
