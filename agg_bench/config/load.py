@@ -16,7 +16,7 @@ import yaml
 
 from ..errors import ConfigError
 from .schema import check_finite, check_schema, run_schema
-from .sections import DEFAULTS, WRITTEN_BEFORE, RunConfig, written_before
+from .sections import DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, written_before
 from .yamlio import read_yaml_mapping, yaml_load
 
 NOT_A_METHOD_MAPPING = "a mapping with a name, e.g. {name: agg, window: 5}"
@@ -80,9 +80,7 @@ def validate(config: dict) -> RunConfig:
     if cfg.sampling.schedule == "linspace" and cfg.sampling.shift is None:
         raise ConfigError("sampling.shift", None, "a number with sampling.schedule 'linspace' (the sigmas are "
                                                   "shift(linspace(1, 0, T + 1)) with this shift)")
-    if cfg.sampling.sde in ("cps", "cps_unscaled") and not cfg.sampling.eta <= 1:
-        raise ConfigError("sampling.eta", cfg.sampling.eta,
-                          f"a number in (0, 1] for sampling.sde {cfg.sampling.sde!r} (std = s' sin(eta pi/2))")
+    check_cps_eta(cfg.sampling.sde, cfg.sampling.eta)
     return cfg
 
 

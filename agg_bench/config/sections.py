@@ -22,6 +22,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, Mapping, Self
 
+from ..errors import ConfigError
+
 
 def option(default: Any, doc: str, **constraints: Any) -> Any:
     """A config field: its ``default``, its meaning ``doc`` and its ``constraints``, JSON Schema keywords
@@ -106,6 +108,15 @@ class PromptsConfig(Section):
         "(null: the pipeline's default)", minimum=1, maximum=4096)
     cache_dir: str = option("results/embeddings", "folder of cached prompt embeddings of local models "
                                                   "(`agg-bench embed` writes there)")
+
+
+CPS_KINDS = ("cps", "cps_unscaled")  # coefficients-preserving sampling: the same step, two log-probabilities
+
+
+def check_cps_eta(kind: str, eta: float) -> None:
+    """A ``cps`` noise level is an angle's fraction: std = s' sin(eta pi / 2) needs eta in (0, 1]."""
+    if kind in CPS_KINDS and not 0 < eta <= 1:
+        raise ConfigError("sampling.eta", eta, f"a number in (0, 1] for sampling.sde {kind!r} (std = s' sin(eta pi/2))")
 
 
 @dataclass

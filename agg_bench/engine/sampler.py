@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config.sections import CPS_KINDS, check_cps_eta
 from ..errors import ConfigError
 
 SDE_KINDS = ("flow_grpo", "dance_grpo", "cps", "cps_unscaled")
-CPS_KINDS = ("cps", "cps_unscaled")  # coefficients-preserving sampling: the same step, two log-probabilities
 LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 
 
@@ -125,7 +125,7 @@ def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas
     s_next = _per_sample(sig, nxt, x)
     dt = s_next - s
     if kind in CPS_KINDS:
-        check_cps_eta(eta)
+        check_cps_eta(kind, eta)
         std = s_next * math.sin(eta * math.pi / 2)
         x0 = x - s * v
         x1 = x + (1 - s) * v
@@ -157,13 +157,6 @@ def sde_step(kind: str, model_output: torch.Tensor, sample: torch.Tensor, sigmas
         prev = prev_sample.to(dtype)
     return SDEStepOutput(prev_sample=prev, log_prob=transition_log_prob(kind, prev, mean, std), mean=mean,
                          std=std, std_t=std_t)
-
-
-def check_cps_eta(eta: float) -> None:
-    """The ``cps`` noise level is an angle's fraction: std = s' sin(eta pi / 2) needs eta in (0, 1]."""
-    if not 0 < eta <= 1:
-        raise ConfigError("sampling.eta", eta,
-                          "a number in (0, 1] for sampling.sde 'cps' or 'cps_unscaled' (std = s' sin(eta pi/2))")
 
 
 def stochastic_steps(kind: str, sigmas: torch.Tensor) -> torch.Tensor:
