@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from agg_bench.config.options import option
-from agg_bench.engine.trained_steps import draw_trained_steps, plan_steps
+from agg_bench.engine.trained_steps import draw_plan
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import ReplayCase, register_method
 from baselines.full import FullConfig, FullEstimator
@@ -57,8 +57,7 @@ class FractionEstimator(FullEstimator):
 
     def replay_case(self, cfg, stochastic, batch_size, generator):
         train = cfg.train
-        steps = draw_trained_steps(train.plan, batch_size, plan_steps(stochastic, train.ignore_last),
-                                   train.timestep_fraction, train.plan_window, generator)
+        steps = draw_plan(train, batch_size, stochastic, generator)
         return ReplayCase("replanned", steps,
                           f"{steps.shape[1]} steps per sample drawn anew (train.timestep_fraction="
                           f"{train.timestep_fraction}, seed={cfg.seed}) from the snapshot's "
@@ -189,9 +188,7 @@ class WindowEstimator(FullEstimator):
             raise ConfigError("method.window_start", self.config.window_start,
                               f"a window that overlaps the snapshot's stochastic steps "
                               f"{torch.nonzero(stochastic).flatten().tolist()}")
-        train = cfg.train
-        planned = draw_trained_steps(train.plan, batch_size, plan_steps(available, train.ignore_last),
-                                     train.timestep_fraction, train.plan_window, generator)
+        planned = draw_plan(cfg.train, batch_size, available, generator)
         return ReplayCase("partial", planned,
                           f"window steps {start}..{last} of the snapshot's trajectory, stochastic outside the window "
                           "where the method's own rollout follows the ODE (so the states before the window and "

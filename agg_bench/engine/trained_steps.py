@@ -12,9 +12,14 @@ With ``train.ignore_last`` the last step is not available (:func:`plan_steps`).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..config.sections import TrainConfig
 
 KINDS = ("steps", "groups")
 
@@ -67,3 +72,11 @@ def draw_trained_steps(kind: str, batch_size: int, available: torch.Tensor, frac
     else:
         raise ConfigError("train.plan", kind, f"one of {list(KINDS)}")
     return torch.stack(rows).to(torch.int64)
+
+
+def draw_plan(train: TrainConfig, batch_size: int, available: torch.Tensor,
+              generator: torch.Generator) -> torch.Tensor:
+    """:func:`draw_trained_steps` as a run's ``train`` section sets it: its plan, fraction and group length, from
+    ``available`` without the last step where ``train.ignore_last`` (:func:`plan_steps`)."""
+    return draw_trained_steps(train.plan, batch_size, plan_steps(available, train.ignore_last),
+                              train.timestep_fraction, train.plan_window, generator)

@@ -31,7 +31,7 @@ import torch
 from ..config import RunConfig
 from ..config.options import Options, typed_options
 from ..engine.grpo import TrainBatch, UpdateStats, grpo_advantages
-from ..engine.trained_steps import draw_trained_steps, plan_steps
+from ..engine.trained_steps import draw_plan
 from ..errors import ConfigError
 from ..registry import Registry
 
@@ -138,9 +138,8 @@ class Estimator(ABC):
     def trained_steps(self, train: TrainConfig, trajectory: Trajectory, batch_size: int,
                       generator: torch.Generator) -> torch.Tensor:
         """``train_steps`` (B, N): the steps each sample trains, from the trajectory's stochastic steps.
-        Default: ``train.plan`` (:func:`agg_bench.engine.trained_steps.draw_trained_steps`)."""
-        return draw_trained_steps(train.plan, batch_size, plan_steps(trajectory.sde_mask, train.ignore_last),
-                                  train.timestep_fraction, train.plan_window, generator)
+        Default: ``train.plan`` (:func:`agg_bench.engine.trained_steps.draw_plan`)."""
+        return draw_plan(train, batch_size, trajectory.sde_mask, generator)
 
     @abstractmethod
     def accumulate(self, policy: Policy, batch: TrainBatch, stats: UpdateStats,

@@ -19,7 +19,7 @@ from .. import stopping
 from ..config import RunConfig
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.models import Conditioning, Policy, build_policy
-from ..engine.trained_steps import draw_trained_steps, plan_steps
+from ..engine.trained_steps import draw_plan
 from ..engine.rewards import build_reward, reward_details
 from ..engine.rollout import Trajectory, initial_noise
 from ..engine.sampler import flow_sigmas, linspace_sigmas, stochastic_steps
@@ -229,8 +229,7 @@ def check_trained_steps(cfg: RunConfig) -> None:
     """Raise the step plan's ConfigError (e.g. ``train.plan_window`` longer than the trajectory) before a
     run writes anything rather than in its first iteration."""
     available = stochastic_steps(cfg.sampling.sde, torch.linspace(1, 0, cfg.sampling.steps + 1))
-    draw_trained_steps(cfg.train.plan, 1, plan_steps(available, cfg.train.ignore_last), cfg.train.timestep_fraction,
-               cfg.train.plan_window, torch.Generator())
+    draw_plan(cfg.train, 1, available, torch.Generator())
 
 
 def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) -> dict:
