@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import mmap
 import re
 import sys
 import time
@@ -486,9 +487,14 @@ def test_rss_peak_resets_and_sees_a_new_allocation():
     if not reset_rss_peak():
         pytest.skip("this kernel does not allow resetting the peak RSS")
     before = rss_peak_bytes()
-    block = torch.ones(64 * 2**20 // F32)  # 64 MiB, every page touched
+    # a fresh anonymous mapping, one byte written per page: 64 MiB that cannot come from memory the
+    # allocator already holds (a tensor of that size may reuse pages freed by earlier tests)
+    size = 64 * 2**20
+    block = mmap.mmap(-1, size)
+    for offset in range(0, size, mmap.PAGESIZE):
+        block[offset] = 1
     after = rss_peak_bytes()
-    del block
+    block.close()
     assert after - before >= 32 * 2**20
 
 
