@@ -45,7 +45,8 @@ def cmd_cell(args) -> int:
 
     if args.deadline is not None and not (math.isfinite(args.deadline) and args.deadline > 0):
         raise ConfigError("--deadline", args.deadline, "a time in seconds since the epoch (e.g. $(date +%s) + 600)")
-    return run_cell(args.jobs, keep_going=args.keep_going, deadline=args.deadline)
+    return run_cell(args.jobs, keep_going=args.keep_going, deadline=args.deadline, resume=args.resume,
+                    overwrite=args.overwrite)
 
 
 def cmd_snapshot(args) -> int:
@@ -294,13 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cell", help="several training runs one after the other in one process (a workflow cell): "
                                     "each into its own folder, as agg-bench run writes it")
     p.add_argument("jobs", type=Path, metavar="JOBS.json",
-                   help='{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR}, ...]}')
+                   help='{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR, "done": FILE}, ...]} '
+                        '(done, optional: a marker written once every run has ended)')
     p.add_argument("--keep-going", action="store_true",
                    help="record a run that fails in its folder (summary.json, status: error) and exit 0 once every "
                         "run's end is recorded (the workflow's cell jobs: a failed job's files would be removed)")
     p.add_argument("--deadline", type=float, metavar="EPOCH_S",
                    help="seconds since the epoch: a run is not started when the longest run so far would end "
                         "after this time")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs an earlier attempt of this job file finished before it was stopped "
+                        "(journal JOBS.progress.json: same config, same code, files intact); run the rest")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished run of another config in a run's folder (as agg-bench run --overwrite)")
     p.set_defaults(func=cmd_cell)
 
     p = sub.add_parser("snapshot", help="freeze one rollout for replay")

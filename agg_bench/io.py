@@ -33,6 +33,12 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def as_written(data: Any) -> Any:
+    """``data`` as :func:`write_json` writes it and ``json.load`` reads it back (NaN as null, tuples as lists,
+    paths as text): what a file written from ``data`` compares equal to."""
+    return json.loads(json.dumps(_clean(data), default=_json_default))
+
+
 # Temporary names of the harness: ".STEM.agg-bench-tmpPID[.EXT]". Stale ones (a killed process's) are
 # removed by matching exactly this pattern, never a user's ".bashrc.tmpl" or ".notes.tmp".
 TEMP_TAG = ".agg-bench-tmp"

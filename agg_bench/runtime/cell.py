@@ -12,10 +12,24 @@ runs share one built model where their model configurations agree (:mod:`agg_ben
 each starts from it as built), and with a deadline a run is not started when the longest run so far would
 end after it.
 
-The job file is a JSON object ``{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR},
-...]}``: each run's ``agg-bench run`` arguments (:func:`job_entry` writes one). Every run's config is
-loaded and checked, and every run's folder compared with the others' (one folder each, none inside
-another), before the first run starts, so a bad job file writes nothing.
+The job file is a JSON object ``{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR,
+"done": FILE}, ...]}``: each run's ``agg-bench run`` arguments (:func:`job_entry` writes one) and, optionally,
+a marker file the cell writes once the job has ended with every run's end recorded (``{"out", "status"}``:
+what a workflow waits for instead of the run's own files). Every run's config is loaded and checked, and
+every run's folder compared with the others' (one folder each, none inside another, no marker inside a
+run folder), before the first run starts, so a bad job file writes nothing.
+
+**Resuming an attempt that did not end** (``--resume``, the workflow's cell jobs). A workflow removes the
+outputs of a job that fails or is stopped, and reruns the whole job. So that a cell stopped after some of its
+runs had finished loses none of them, a cell job with ``resume`` keeps a journal beside its job file
+(``<job>.progress.json``): each run that ended ``ok``, ``oom`` or ``diverged`` is added as it ends, with its
+config as written and the code it ran (:func:`code_fingerprint`: the source of agg_bench and baselines). The
+next attempt of the same job file keeps such a run instead of running it again when all of these hold: the
+journal's code is the code now, the run's config is the one this attempt would write, and its folder still
+holds that config, a ``summary.json`` of the recorded status, ``metrics.jsonl`` and ``env.json``. The journal
+is removed when an attempt ends with every run ended ``ok``, ``oom`` or ``diverged``, so a forced rerun of a
+job that ended runs everything again; it stays while a run failed, so the next attempt reruns only the
+failed runs.
 
 This module imports no torch at module level: the workflow's parse (:mod:`agg_bench.tools.sweep`)
 writes job files with :func:`job_entry`.
@@ -23,6 +37,8 @@ writes job files with :func:`job_entry`.
 from __future__ import annotations
 
 import gc
+import hashlib
+import importlib.util
 import json
 import sys
 import time
@@ -32,11 +48,15 @@ from typing import Any
 
 from .. import stopping
 from ..errors import UserError, run_command
-from ..jsonfiles import json_type, read_json_object
+from ..io import as_written, write_json
+from ..jsonfiles import JsonFileError, json_type, read_json_object
 
 EXPECTED = ('an agg-bench cell job file: {"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], '
-            '"out": DIR}, ...]}')
-ENTRY_KEYS = ("config", "set", "out")
+            '"out": DIR, "done": FILE (optional)}, ...]}')
+ENTRY_KEYS = ("config", "set", "out", "done")
+ENDED = ("ok", "oom", "diverged")  # the ends of a run that a resumed attempt keeps (an error runs again)
+PROGRESS_EXPECTED = 'an agg-bench cell journal: {"code": HASH, "runs": {DIR: {"config": {...}, "status": STATUS}}}'
+
 MAX_RUNS = 4096  # a cell is one model x resolution: its methods x seeds; every run's config is checked first
 # the exit codes of failed runs, mildest first: a user error (2), then a bug in agg-bench (1)
 SEVERITY = {0: 0, 2: 1, 1: 2}
@@ -49,11 +69,15 @@ class CellRun:
     config: str | None
     overrides: tuple[str, ...]
     out: Path
+    done: Path | None = None
 
 
-def job_entry(config: str | None, overrides: list[str], out: str) -> dict[str, Any]:
-    """One run's entry in a job file."""
-    return {"config": config, "set": list(overrides), "out": out}
+def job_entry(config: str | None, overrides: list[str], out: str, done: str | None = None) -> dict[str, Any]:
+    """One run's entry in a job file (``done``: its marker file, or None for none)."""
+    entry: dict[str, Any] = {"config": config, "set": list(overrides), "out": out}
+    if done is not None:
+        entry["done"] = done
+    return entry
 
 
 def _entry(path: Path, index: int, entry: Any) -> CellRun:
@@ -70,7 +94,10 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
         raise UserError(f"{path}: {where}.set is {json_type(overrides)}; expected a list of KEY=VALUE strings")
     if not (isinstance(out, str) and out):
         raise UserError(f"{path}: {where}.out is {json_type(out)}; expected the run folder")
-    return CellRun(config, tuple(overrides), Path(out))
+    done = entry.get("done")
+    if done is not None and not (isinstance(done, str) and done):
+        raise UserError(f"{path}: {where}.done is {json_type(done)}; expected a marker file or null")
+    return CellRun(config, tuple(overrides), Path(out), Path(done) if done is not None else None)
 
 
 def read_jobs(path: str | Path) -> list[CellRun]:
@@ -97,6 +124,20 @@ def read_jobs(path: str | Path) -> list[CellRun]:
         if outer is not None:
             raise UserError(f"{path}: runs[{index}].out {job.out} is inside runs[{outer}].out {jobs[outer].out}; "
                             "expected run folders that do not hold one another")
+    # a marker is the cell's own file: one per run, never inside a run folder (a run's folder holds its files only)
+    markers: dict[Path, int] = {}
+    for index, job in enumerate(jobs):
+        if job.done is None:
+            continue
+        marker = job.done.resolve()
+        owner = next((seen[p] for p in (marker, *marker.parents) if p in seen), None)
+        if owner is not None:
+            raise UserError(f"{path}: runs[{index}].done {job.done} is inside runs[{owner}].out {jobs[owner].out}; "
+                            "expected a marker outside every run folder")
+        if marker in markers:
+            raise UserError(f"{path}: runs[{index}].done {job.done} is also runs[{markers[marker]}].done; "
+                            "expected a marker of its own for each run")
+        markers[marker] = index
     return jobs
 
 
@@ -116,7 +157,8 @@ def load_jobs(path: str | Path) -> list[tuple[CellRun, Any]]:
     return loaded
 
 
-def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None = None) -> int:
+def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None = None, resume: bool = False,
+             overwrite: bool = False) -> int:
     """Every run of job file ``path``, in its order, through :func:`agg_bench.runtime.train.train`; the
     exit code ``agg-bench run`` gives for the worst of them (a bug: 1, before a user error: 2, before 0), or
     128 + N at once when signal N stops a run. Each run's failure prints as ``agg-bench run`` prints it,
@@ -132,7 +174,12 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
     a cell job that failed for one run would take the finished runs' records with it; the workflow's
     manifest reports the recorded failures instead (:func:`agg_bench.tools.sweep.failed_runs`). A failure
     that cannot be recorded (the folder holds someone else's files, another process writes it) still
-    counts."""
+    counts.
+
+    With ``resume`` the runs an earlier attempt of this job file finished are kept (:class:`Progress`, the
+    module's docstring); with ``overwrite`` a run's folder that holds a finished run of another config is
+    replaced (``agg-bench run --overwrite``). When the exit code is 0 and every run has ended, each run's
+    ``done`` marker is written."""
     from ..machine.distributed import launched_world_size
 
     if launched_world_size() > 1:
@@ -141,17 +188,27 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
     jobs = load_jobs(path)  # every config checked before the first run writes anything
     from .model_reuse import reusing_models
 
+    progress = Progress.resume(Path(path)) if resume else None
     with reusing_models():
-        return _run_jobs(path, jobs, keep_going, deadline)
+        return _run_jobs(Path(path), jobs, keep_going, deadline, progress, overwrite)
 
 
-def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, deadline: float | None) -> int:
+def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, deadline: float | None,
+              progress: "Progress | None", overwrite: bool) -> int:
     from .train import record_failure, train
 
     worst, longest = 0, 0.0
+    ended: dict[Path, str] = {}  # each run's end, by folder: what its marker says
     for number, (job, cfg) in enumerate(jobs, 1):
         stopping.check()  # a signal between two runs stops the cell before the next one starts
-        if deadline is not None and number > 1 and time.time() + longest > deadline:
+        kept = progress.kept(job, cfg) if progress is not None else None
+        if kept is not None:
+            ended[job.out] = kept
+            print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} kept: it ended {kept} in an earlier "
+                  "attempt of this job that did not end", file=sys.stderr, flush=True)
+            print(json.dumps({"out": str(job.out), "status": kept}), flush=True)
+            continue
+        if deadline is not None and longest > 0 and time.time() + longest > deadline:
             print(f"agg-bench cell: runs {number}-{len(jobs)} not started: the longest run so far "
                   f"({longest:.1f} s) would end after the deadline", file=sys.stderr, flush=True)
             break
@@ -165,7 +222,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
         def one_run(job: CellRun = job, cfg: Any = cfg, status: list[str] = status,
                     failure: list[Exception] = failure) -> int:
             try:
-                status.append(train(cfg, job.out)["status"])
+                status.append(train(cfg, job.out, overwrite=overwrite)["status"])
             except Exception as exc:
                 failure.append(exc)
                 raise
@@ -173,22 +230,114 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
             return 0
 
         code = run_command(f"agg-bench cell: {job.out}", one_run, ["agg-bench", "cell", str(path)], job.out)
-        ended = status[0] if status else f"failed (exit code {code})"
+        end = status[0] if status else f"failed (exit code {code})"
+        if status:
+            ended[job.out] = status[0]
+            if progress is not None and status[0] in ENDED:
+                progress.add(job, cfg, status[0])
         if keep_going and failure and code < 128:
             error = f"{type(failure[0]).__name__}: {failure[0]}".splitlines()[0]
             written = _file_identity(job.out / "summary.json") != summary_before  # by this attempt, on failing
-            if written or record_failure(cfg, job.out, error):
+            if written or record_failure(cfg, job.out, error, overwrite=overwrite):
                 print(json.dumps({"out": str(job.out), "status": "error"}), flush=True)
-                ended, code = f"{ended}, recorded in its summary.json", 0
+                end, code = f"{end}, recorded in its summary.json", 0
+                ended[job.out] = "error"
         seconds = time.perf_counter() - start
         longest = max(longest, seconds)
-        print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} {ended} in {seconds:.1f} s",
+        print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} {end} in {seconds:.1f} s",
               file=sys.stderr, flush=True)
-        if code >= 128:  # stopped by a signal: the cell stops with it
+        if code >= 128:  # stopped by a signal: the cell stops with it (the journal keeps what ended)
             return code
         worst = max(worst, code, key=SEVERITY.__getitem__)
         gc.collect()  # the finished run's models and tensors, before the next run measures its memory
+    every_run_ended = len(ended) == len(jobs)
+    if progress is not None and every_run_ended and all(status in ENDED for status in ended.values()):
+        progress.remove()  # this attempt ended: a later one (a forced rerun) runs everything again
+    if worst == 0 and every_run_ended:
+        for job, _ in jobs:
+            if job.done is not None:
+                job.done.parent.mkdir(parents=True, exist_ok=True)
+                write_json(job.done, {"out": str(job.out), "status": ended[job.out]})
     return worst
+
+
+def code_fingerprint() -> str:
+    """The SHA-256 of the source a run executes: every ``.py`` file of the agg_bench and baselines packages,
+    by path and content. A journal of another fingerprint is not resumed (its runs ran other code)."""
+    digest = hashlib.sha256()
+    for package in ("agg_bench", "baselines"):
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            continue
+        root = Path(spec.origin).parent
+        for source in sorted(root.rglob("*.py")):
+            digest.update(f"{package}/{source.relative_to(root).as_posix()}\0".encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
+class Progress:
+    """The journal of a cell job's attempts (``<job>.progress.json`` beside the job file): the runs that
+    ended ``ok``, ``oom`` or ``diverged``, each with its config as written, and the code they ran. Written
+    atomically as each run ends; read by the next attempt (:meth:`kept`)."""
+
+    def __init__(self, path: Path, runs: dict[str, dict], code: str):
+        self.path, self.runs, self.code = path, runs, code
+
+    @staticmethod
+    def path_of(jobs_path: Path) -> Path:
+        return jobs_path.with_name(f"{jobs_path.name.removesuffix('.json')}.progress.json")
+
+    @classmethod
+    def resume(cls, jobs_path: Path) -> "Progress":
+        """The journal of ``jobs_path``'s earlier attempt, or an empty one: when there is none, when it was
+        written by other code (stderr says so) or cannot be read (stderr says so; it is written anew)."""
+        path, code = cls.path_of(jobs_path), code_fingerprint()
+        if not path.exists():
+            return cls(path, {}, code)
+        try:
+            journal = read_json_object(path, PROGRESS_EXPECTED)
+        except JsonFileError as err:
+            print(f"agg-bench cell: {err}; every run of {jobs_path} runs", file=sys.stderr, flush=True)
+            return cls(path, {}, code)
+        runs = journal.get("runs")
+        if not isinstance(runs, dict) or not all(isinstance(r, dict) for r in runs.values()):
+            print(f"agg-bench cell: {path}: runs is {json_type(runs)}, not a journal's; every run of {jobs_path} "
+                  "runs", file=sys.stderr, flush=True)
+            return cls(path, {}, code)
+        if journal.get("code") != code:
+            print(f"agg-bench cell: {path}: its runs ran other code (agg_bench or baselines changed since); every "
+                  f"run of {jobs_path} runs", file=sys.stderr, flush=True)
+            return cls(path, {}, code)
+        return cls(path, runs, code)
+
+    def kept(self, job: CellRun, cfg: Any) -> str | None:
+        """The status of ``job``'s run as the journal recorded it, when that run is kept: recorded for this
+        config, and its folder still holds that config, a summary of that status, records and env.json."""
+        entry = self.runs.get(str(job.out))
+        if entry is None or entry.get("status") not in ENDED:
+            return None
+        config = as_written(cfg.to_dict())
+        if entry.get("config") != config:
+            return None
+        try:
+            summary = read_json_object(job.out / "summary.json", "a run's summary")
+            written = read_json_object(job.out / "config.json", "a run's config")
+        except JsonFileError:
+            return None
+        if summary.get("status") != entry["status"] or written != config:
+            return None
+        if not ((job.out / "metrics.jsonl").is_file() and (job.out / "env.json").is_file()):
+            return None
+        return entry["status"]
+
+    def add(self, job: CellRun, cfg: Any, status: str) -> None:
+        self.runs[str(job.out)] = {"config": as_written(cfg.to_dict()), "status": status}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, {"code": self.code, "runs": self.runs})
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:

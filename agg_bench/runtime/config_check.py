@@ -10,7 +10,9 @@ methods check in its child process), before anything is written:
   the family specs (:func:`agg_bench.engine.families.architecture`, no torch);
 - the method's options are checked, and typed once, by the method's own config class
   (:func:`agg_bench.methods.base.method_config`; ``cfg.method.options``), which imports the method's module
-  and with it torch.
+  and with it torch;
+- ``reward.name`` names a registered reward (:data:`agg_bench.engine.rewards.REWARDS`; after the method, whose
+  module may register one).
 
 A method named by a dotted path (``method.name: mypkg.module:MyEstimator``) is imported here: code the user
 chose in their own config. A config read from a run folder is never checked here, so a results folder never
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from ..config import RunConfig
 from ..engine.families import architecture
+from ..engine.rewards import REWARDS
 from ..methods.base import method_config
 
 
@@ -31,6 +34,8 @@ def check_config(cfg: RunConfig) -> RunConfig:
         architecture(model.family, model.architecture)
     if cfg.method.options is None:
         cfg.method.options = method_config(cfg.method.name, cfg.method.given)
+    if cfg.reward.name not in REWARDS.names():
+        REWARDS.resolve(cfg.reward.name)  # the registry's ConfigError, which lists the rewards
     return cfg
 
 

@@ -179,6 +179,10 @@ class Training:
         except Exception as exc:
             status, error = "error", f"{type(exc).__name__}: {exc}"
             raise
+        except BaseException as exc:  # a KeyboardInterrupt the signal handlers did not raise, a SystemExit: never ok
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
+            error = f"stopped by {type(exc).__name__}" + (f": {exc}" if str(exc) else "")
+            raise
         finally:
             summary = self.finish(status, error)
         return summary
@@ -362,19 +366,19 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
     return summary
 
 
-def record_failure(cfg: RunConfig, out_dir: str | Path, error: str) -> bool:
+def record_failure(cfg: RunConfig, out_dir: str | Path, error: str, overwrite: bool = False) -> bool:
     """Record that a run of ``cfg`` into ``out_dir`` failed before it wrote a summary of its own (``error``:
     the failure's line), as an attempt that wrote no record: the folder's files started as a run starts
     them (an earlier attempt's replaced; no records) and ``summary.json`` with ``status: error``. What a cell
     job that keeps going writes for such a run (:func:`agg_bench.runtime.cell.run_cell`), so that its
     workflow sees the failure among finished runs instead of a job that failed. False, with nothing
     written, when the folder does not take a run of ``cfg`` (someone else's files, a finished run of another
-    config, another writer) or its device cannot be named."""
+    config unless ``overwrite``, another writer) or its device cannot be named."""
     out = Path(out_dir)
     config = cfg.to_dict()
     try:
         device = resolve_device(cfg.device)
-        claim = runfolder.claim(out, config, resume=False, overwrite=False)
+        claim = runfolder.claim(out, config, resume=False, overwrite=overwrite)
     except UserError:
         return False
     with stopping.safe_points(), claim:

@@ -49,7 +49,7 @@ from ..runtime.cell import job_entry
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
 EMBED_DIR = "results/embeddings"
 PRETRAINED_DIR = "results/pretrained"  # model folders the workflow's pretrain rule makes
-CELL_DIR = "results/cells"  # the cell jobs' job files
+CELL_DIR = "results/cells"  # the cell jobs' job files, their journals and, in done/, their runs' markers
 RUN_OUTPUTS = ("summary.json", "metrics.jsonl", "env.json")  # a run job's declared outputs
 # Runs in one sweep. Composing and checking them costs little (runs that differ only in their seed are checked
 # once), but Snakemake's own DAG grows faster than the runs: `snakemake -n` on one method x model x resolution
@@ -328,6 +328,7 @@ class Sweep:
         self.cells = self._cells()
         in_cells = {run_id for run_ids in self.cells.values() for run_id in run_ids}
         self.single_runs = [run_id for run_id in self.runs if run_id not in in_cells]  # one `run` job each
+        self.cell_runs = in_cells
 
     # ----- cells: runs that share one process --------------------------------------------------
     def runs_per_job(self, device: str) -> int:
@@ -369,22 +370,36 @@ class Sweep:
 
     def cell_jobs(self, cell: str) -> dict:
         """The job file of ``cell`` (:mod:`agg_bench.runtime.cell`): each run's `agg-bench run` arguments."""
-        return {"runs": [job_entry(self.base_file, overrides_of(self.runs[run_id]["pairs"]), f"results/runs/{run_id}")
+        return {"runs": [job_entry(self.base_file, overrides_of(self.runs[run_id]["pairs"]), f"results/runs/{run_id}",
+                                   self.done_marker(run_id))
                          for run_id in self.cells[cell]]}
 
     def cell_command(self, cell: str) -> str:
-        """The cell job's command: on the CPU, or on one GPU taken from the pool. --keep-going: a failed run
-        is recorded in its folder and the job succeeds, so that Snakemake keeps the cell's finished runs (it
-        removes a failed job's outputs); the manifest reports the failure."""
-        return f"{self.launch(self.cell_device(cell), 'cell')} --keep-going {CELL_DIR}/{cell}.json"
+        """The cell job's command: on the CPU, or on one GPU taken from the pool. Its outputs are its runs'
+        markers, not their files, so a job that fails or is stopped leaves its finished runs' files where
+        they are (Snakemake removes a failed job's outputs). --keep-going: a failed run is recorded in its
+        folder and the job succeeds; the manifest reports the failure. --resume: the next attempt keeps the
+        runs an attempt that did not end had finished. --overwrite: a run's folder holding a finished run of
+        an earlier config is replaced, as when Snakemake removed a run job's outputs."""
+        return (f"{self.launch(self.cell_device(cell), 'cell')} --keep-going --resume --overwrite "
+                f"{CELL_DIR}/{cell}.json")
 
     def cell_device(self, cell: str) -> str:
         """The device label of ``cell``'s runs."""
         return self.runs[self.cells[cell][0]]["device"]
 
     def cell_outputs(self, cell: str) -> list[str]:
-        """Every file of the cell's run folders that a `run` job declares."""
-        return [f"results/runs/{run_id}/{name}" for run_id in self.cells[cell] for name in RUN_OUTPUTS]
+        """The cell job's outputs: its runs' markers (:meth:`done_marker`)."""
+        return [self.done_marker(run_id) for run_id in self.cells[cell]]
+
+    def done_marker(self, run_id: str) -> str | None:
+        """The file that says a run of a cell job has ended (``{"out", "status"}``, written by `agg-bench
+        cell`); None for a run that is a job of its own, whose outputs are its files (:data:`RUN_OUTPUTS`)."""
+        return f"{CELL_DIR}/done/{run_id}.json" if run_id in self.cell_runs else None
+
+    def run_ended_file(self, run_id: str) -> str:
+        """The file whose existence says a run has ended: its marker in a cell, its summary otherwise."""
+        return self.done_marker(run_id) or f"results/runs/{run_id}/summary.json"
 
     def excluded(self, labels: dict) -> bool:
         """Whether an `exclude` entry matches every label it names (shell-style patterns: cache-*)."""
@@ -497,7 +512,8 @@ class Sweep:
         return files
 
     def summaries(self) -> list[str]:
-        return [f"results/runs/{r}/summary.json" for r in self.runs] + \
+        """What the manifest waits for: every run's end (:meth:`run_ended_file`) and every imported summary."""
+        return [self.run_ended_file(r) for r in self.runs] + \
             [f"results/imported/{label}/summary.json" for label in self.references]
 
     def gradcheck_files(self) -> list[str]:
@@ -562,12 +578,15 @@ def failed_runs(folders: list[str]) -> list[tuple[str, str]]:
     return failed
 
 
-def report_failed_runs(failed: list[tuple[str, str]], logs: dict[str, str]) -> str:
-    """Remove the ``summary.json`` of each failed run (its cell job's output is then missing, so the next
-    invocation reruns the cell; the run's other files stay) and say so in one line that names each run,
+def report_failed_runs(failed: list[tuple[str, str]], logs: dict[str, str], markers: dict[str, str] | None = None) -> str:
+    """Remove the ``summary.json`` of each failed run and its cell job's marker (``markers``: run folder ->
+    marker; the job's output is then missing, so the next invocation reruns the cell, which keeps the runs
+    that ended and reruns this one; the run's other files stay) and say so in one line that names each run,
     its error (at most 200 characters) and its log (``logs``: run folder -> log file)."""
     for folder, _ in failed:
         (Path(folder) / "summary.json").unlink(missing_ok=True)
+        if markers and markers.get(folder):
+            Path(markers[folder]).unlink(missing_ok=True)
     runs = "; ".join(f"{folder}: {clip(error)} (log: {logs.get(folder, 'its job log')})" for folder, error in failed)
     return (f"{len(failed)} run{'s' if len(failed) > 1 else ''} of this sweep failed, and the tables wait for "
             f"{'them' if len(failed) > 1 else 'it'}: {runs}. The other runs' files are kept; the next snakemake "

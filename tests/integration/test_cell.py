@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from agg_bench.cli import main
+from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
 from agg_bench.runtime import train as train_module
 from agg_bench.tools.sweep import Sweep
@@ -88,6 +89,12 @@ def run(out: Path, *overrides: str) -> dict:
     (lambda t: {"runs": [run(t / "n1"), run(t / "x"), run(t / "x" / ".." / "n1" / "deep" / "er")]},
      ["runs[2].out", "inside runs[0].out"]),
     (lambda t: {"runs": [run(t / f"r{i}") for i in range(4097)]}, ["4,097 runs", "at most 4,096"]),
+    # a run's marker is the cell's file: never inside a run folder, one per run
+    (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "done": str(t / "a" / "b.done")}]},
+     ["runs[1].done", "inside runs[0].out", "outside every run folder"]),
+    (lambda t: {"runs": [{**run(t / "a"), "done": str(t / "m")}, {**run(t / "b"), "done": str(t / "m")}]},
+     ["runs[1].done", "also runs[0].done"]),
+    (lambda t: {"runs": [{**run(t / "a"), "done": 3}]}, ["runs[0].done is a number", "a marker file or null"]),
     (lambda t: " " * (64 * 2**20 + 1), ["jobs.json", "over the 64 MiB"]),
     # a config error in a later run: found before the first run writes anything
     (lambda t: {"runs": [run(t / "a"), run(t / "b", "train.lr=fast")]}, ["runs[1]", "train.lr", "'fast'"]),
@@ -202,3 +209,113 @@ def test_the_cell_command_runs_in_one_process(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     assert main(["cell", str(job_file(tmp_path, [run(tmp_path / "a")]))]) == 2
     assert not (tmp_path / "a").exists()
+
+
+def identity(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def test_a_resumed_cell_keeps_what_an_attempt_that_did_not_end_finished(tmp_path, capsys, monkeypatch):
+    """A workflow reruns a whole cell job after it was stopped (and removed its outputs: here the runs'
+    markers, not their files). With --resume the next attempt keeps each run the stopped attempt finished,
+    as long as its config, the code and its files are what the journal recorded, and runs the rest; an
+    attempt that ended removes the journal, so a forced rerun runs everything again."""
+    session_class, update = train_module.Session, train_module.Session.update
+    stop = {"seed": 9}
+
+    def stopping_update(self, batch):  # a signal in b's first update, while stop holds its seed
+        if self.cfg.seed == stop["seed"]:
+            raise KeyboardInterrupt
+        return update(self, batch)
+
+    monkeypatch.setattr(session_class, "update", stopping_update)
+    runs = [{**run(tmp_path / name, f"seed={seed}"), "done": str(tmp_path / "done" / f"{name}.json")}
+            for name, seed in (("a", 0), ("b", 9), ("c", 2))]
+    path = job_file(tmp_path, runs)
+    journal = tmp_path / "jobs.progress.json"
+    summary = {name: tmp_path / name / "summary.json" for name in "abc"}
+
+    assert main(["cell", "--keep-going", "--resume", str(path)]) == 130
+    assert json.loads(summary["a"].read_text())["status"] == "ok" and not (tmp_path / "c").exists()
+    assert json.loads(summary["b"].read_text())["status"] == "interrupted"
+    assert list(json.loads(journal.read_text())["runs"]) == [str(tmp_path / "a")]
+    assert not (tmp_path / "done").exists()  # an attempt that did not end writes no marker
+    first = identity(summary["a"])
+    capsys.readouterr()
+
+    stop["seed"] = None  # the next attempt: a kept, b and c run
+    assert main(["cell", "--keep-going", "--resume", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert f"run 1/3 {tmp_path / 'a'} kept: it ended ok" in err and f"run 2/3 {tmp_path / 'b'} started" in err
+    assert identity(summary["a"]) == first
+    assert {name: json.loads(summary[name].read_text())["status"] for name in "abc"} == dict.fromkeys("abc", "ok")
+    assert all(len(list(read_jsonl(tmp_path / name / "metrics.jsonl"))) == 2 for name in "abc")
+    assert [json.loads((tmp_path / "done" / f"{name}.json").read_text()) for name in "abc"] == \
+        [{"out": str(tmp_path / name), "status": "ok"} for name in "abc"]
+    assert not journal.exists()  # this attempt ended
+
+    assert main(["cell", "--keep-going", "--resume", str(path)]) == 0  # a forced rerun: everything runs
+    assert "kept: it ended" not in capsys.readouterr().err and identity(summary["a"]) != first
+
+
+@pytest.mark.parametrize("change, words", [
+    ("config", []),  # the job file now asks another config of a: it runs (--overwrite replaces the old one)
+    ("code", ["ran other code"]),
+    ("records", []),  # a's metrics.jsonl is gone
+    ("summary", []),  # a's summary says another status than the journal
+    ("journal", ["jobs.progress.json", "is not JSON"]),
+])
+def test_a_run_is_kept_only_as_the_journal_recorded_it(tmp_path, capsys, monkeypatch, change, words):
+    from agg_bench.runtime import cell
+
+    session_class, update = train_module.Session, train_module.Session.update
+    stop = {"seed": 9}
+
+    def stopping_update(self, batch):
+        if self.cfg.seed == stop["seed"]:
+            raise KeyboardInterrupt
+        return update(self, batch)
+
+    monkeypatch.setattr(session_class, "update", stopping_update)
+    runs = [run(tmp_path / "a"), run(tmp_path / "b", "seed=9")]
+    path = job_file(tmp_path, runs)
+    assert main(["cell", "--resume", str(path)]) == 130
+    first = identity(tmp_path / "a" / "summary.json")
+    stop["seed"] = None
+    if change == "config":
+        path = job_file(tmp_path, [run(tmp_path / "a", "train.lr=0.0002"), runs[1]])
+    elif change == "code":
+        monkeypatch.setattr(cell, "code_fingerprint", lambda: "other")
+    elif change == "records":
+        (tmp_path / "a" / "metrics.jsonl").unlink()
+    elif change == "summary":
+        summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+        (tmp_path / "a" / "summary.json").write_text(json.dumps({**summary, "status": "oom"}))
+        first = identity(tmp_path / "a" / "summary.json")
+    else:
+        (tmp_path / "jobs.progress.json").write_text("{not json")
+    capsys.readouterr()
+    assert main(["cell", "--resume", "--overwrite", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "kept: it ended" not in err and f"run 1/2 {tmp_path / 'a'} started" in err, err
+    assert identity(tmp_path / "a" / "summary.json") != first
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["status"] == "ok"
+    for word in words:
+        assert word in err, err
+    if change == "config":
+        assert json.loads((tmp_path / "a" / "config.json").read_text())["train"]["lr"] == 0.0002
+
+
+@pytest.mark.parametrize("raised, status", [(KeyboardInterrupt, "interrupted"), (SystemExit, "error")])
+def test_a_run_stopped_by_another_base_exception_is_not_ok(tmp_path, monkeypatch, raised, status):
+    """A KeyboardInterrupt that the signal handlers did not raise (train() called from other code) or a
+    SystemExit in an iteration: the run's summary said ``ok`` for a run with one record of two."""
+    def stopped(self, batch):
+        raise raised
+
+    monkeypatch.setattr(train_module.Session, "update", stopped)
+    with pytest.raises(raised):
+        train_module.train(load_config(None, TINY), tmp_path / "a")
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["status"] == status and summary["error"].startswith(f"stopped by {raised.__name__}")

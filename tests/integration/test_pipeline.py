@@ -3,10 +3,13 @@ paper-scale config and the SLURM profile), errors name the key, and the smallest
 import fnmatch
 import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -61,7 +64,10 @@ def planned_runs(stdout: str) -> dict[str, str]:
     for block in re.split(r"^(?=(?:local)?rule \w+:$)", stdout, flags=re.M)[1:]:
         rule = re.match(r"(?:local)?rule (\w+):", block).group(1)
         outputs = re.search(r"^\s*output: (.*)$", block, re.M)
-        for found in re.findall(r"results/runs/([^/,\s]+)/summary\.json", outputs.group(1) if outputs else ""):
+        # a run job's own summary, or the marker of a run of a cell job
+        for found in re.findall(r"results/(?:runs/([^/,\s]+)/summary|cells/done/([^/,\s]+))\.json",
+                                outputs.group(1) if outputs else ""):
+            found = "".join(found)
             assert found not in runs, found  # one job per run
             runs[found] = rule
     return runs
@@ -203,5 +209,72 @@ def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
     assert len((full / "metrics.jsonl").read_text().splitlines()) == 2 and (full / "env.json").is_file()
     assert not (broken / "summary.json").exists() and (broken / "config.json").is_file()  # its cell reruns
     assert not (work / "results/tables").exists()
+    # the failed run's marker went with its summary; the journal keeps the finished run for the cell's rerun
+    assert sorted(p.name for p in (work / "results/cells/done").iterdir()) == ["full_sd3_32px_s0_cpu.json"]
     plan = snakemake(work, "-n", "--configfile", "fail.yaml")
     assert job_counts(plan.stdout).get("cell_sd3_32px_cpu") == 1, plan.stdout[-3000:]
+    # the broken method mended: the cell reruns the failed run only, and the tables are made
+    finished = (full / "summary.json").stat()
+    del sweep["methods"]["broken"]["reward"]
+    (work / "fail.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    proc = snakemake(work, "--cores", "2", "--configfile", "fail.yaml")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = (work / "results/logs/cell/sd3_32px_cpu.log").read_text()
+    assert "run 1/2 results/runs/full_sd3_32px_s0_cpu kept: it ended ok" in log and "run 2/2" in log, log[-3000:]
+    assert (full / "summary.json").stat().st_mtime_ns == finished.st_mtime_ns
+    assert json.loads((broken / "summary.json").read_text())["status"] == "ok"
+    assert (work / "results/tables/efficiency.csv").is_file() and not (work / "results/cells/sd3_32px_cpu.progress.json").exists()
+
+
+def cell_processes(work: Path) -> list[int]:
+    """The `python -m agg_bench cell` processes working in ``work`` (not the shell that started them)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if argv[1:4] == [b"-m", b"agg_bench", b"cell"] and (entry / "cwd").resolve() == work.resolve():
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_cell_job_stopped_by_a_signal_keeps_its_finished_runs(tmp_path):
+    """A cell job stopped by SIGTERM (a scheduler's time limit, a kill) fails, and Snakemake removes its
+    outputs: they are the runs' markers, so the finished run's files stay, and the next invocation keeps that
+    run (its summary untouched) and runs the one the signal stopped."""
+    work = workdir(tmp_path)
+    sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
+    sweep["methods"] = {"first": {"method": {"name": "full"}},
+                        "long": {"method": {"name": "full"}, "train": {"iterations": 400}}}
+    del sweep["gradcheck"]
+    sweep["calibrate"] = {"enabled": False}
+    (work / "stop.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    first, long = work / "results/runs/first_sd3_32px_s0_cpu", work / "results/runs/long_sd3_32px_s0_cpu"
+    proc = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "stop.yaml"],
+                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (first / "summary.json").exists() or not (long / "config.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the cell's first run did not finish"
+            time.sleep(0.1)
+        [cell] = cell_processes(work)
+        os.kill(cell, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "Error in rule cell_sd3_32px_cpu" in err, err[-3000:]
+    assert json.loads((long / "summary.json").read_text())["status"] == "interrupted"
+    finished = (first / "summary.json").stat()
+    assert json.loads((first / "summary.json").read_text())["status"] == "ok"
+    assert (first / "metrics.jsonl").is_file() and (first / "env.json").is_file()
+    assert not (work / "results/cells/done").exists() or not any((work / "results/cells/done").iterdir())
+    again = snakemake(work, "--cores", "2", "--configfile", "stop.yaml")
+    assert again.returncode == 0, again.stderr[-4000:]
+    log = (work / "results/logs/cell/sd3_32px_cpu.log").read_text()
+    assert "run 1/2 results/runs/first_sd3_32px_s0_cpu kept: it ended ok" in log, log[-3000:]
+    assert (first / "summary.json").stat().st_mtime_ns == finished.st_mtime_ns
+    assert json.loads((long / "summary.json").read_text())["status"] == "ok"
+    assert len((long / "metrics.jsonl").read_text().splitlines()) == 400
+    assert (work / "results/tables/efficiency.csv").is_file()

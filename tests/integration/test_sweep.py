@@ -86,6 +86,17 @@ def test_method_errors_name_the_job_and_the_key(in_process):
     assert "method.window" in str(err.value)
 
 
+def test_an_unknown_reward_is_refused_before_any_job(in_process):
+    """reward.name was checked only when a run built its reward: the sweep's parse accepted it and the
+    cell job recorded the run as failed."""
+    config = sweep_config()
+    config["methods"]["agg-w3"]["reward"] = {"name": "colour"}
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    assert "run agg-w3_sd3_32px_s0_cpu (methods.agg-w3, models.sd3)" in str(err.value)
+    assert "reward.name = 'colour'" in str(err.value) and "'scene'" in str(err.value)
+
+
 @pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
 def test_geometry_from_configs_matches_the_built_model(tmp_path, family):
     """The geometry read from a model folder's config.json files (and the tiny preset's configs) is the
@@ -170,19 +181,23 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     assert sweep.cell_rule("sd3_32px_cpu") == "cell_sd3_32px_cpu"
     jobs = sweep.cell_jobs("sd3_32px_cpu")["runs"]
     assert [job["out"] for job in jobs] == [f"results/runs/{r}" for r in sweep.runs]
+    # each run's marker, the cell job's output: outside the run folders, so a failed job's removal spares them
+    assert [job["done"] for job in jobs] == [f"results/cells/done/{r}.json" for r in sweep.runs]
     for job, run_id in zip(jobs, sweep.runs):  # the arguments the run's own job would give `agg-bench run`
         sets = " ".join(f"--set {shlex.quote(item)}" for item in job["set"])
         assert sweep.run_command(run_id) == \
             f"{sweep_module.PYTHON} -m agg_bench run --config {job['config']} {sets} --out {job['out']}"
-    assert sweep.cell_command("sd3_32px_cpu") == \
-        f"{sweep_module.PYTHON} -m agg_bench cell --keep-going results/cells/sd3_32px_cpu.json"
-    assert sweep.cell_outputs("sd3_32px_cpu")[:3] == [f"{jobs[0]['out']}/{name}"
-                                                      for name in ("summary.json", "metrics.jsonl", "env.json")]
+    assert sweep.cell_command("sd3_32px_cpu") == (f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume "
+                                                  "--overwrite results/cells/sd3_32px_cpu.json")
+    assert sweep.cell_outputs("sd3_32px_cpu") == [job["done"] for job in jobs]
+    assert sweep.summaries() == [job["done"] for job in jobs]  # what the manifest waits for
     config["devices"]["cpu"]["runs_per_job"] = 4  # 6 runs: two jobs of 3
     split = Sweep(config, SCHEMA)
     assert {name: len(ids) for name, ids in split.cells.items()} == {"sd3_32px_cpu_1of2": 3, "sd3_32px_cpu_2of2": 3}
     config["devices"]["cpu"]["runs_per_job"] = 1
-    assert Sweep(config, SCHEMA).cells == {} and Sweep(config, SCHEMA).single_runs == list(sweep.runs)
+    single = Sweep(config, SCHEMA)
+    assert single.cells == {} and single.single_runs == list(sweep.runs)
+    assert single.summaries() == [f"results/runs/{r}/summary.json" for r in sweep.runs]  # a run job's own output
     config["devices"] = {"gpu2": {"device": "cuda", "gpus": 2, "runs_per_job": 2}}
     config["set"]["grpo.prompts_per_iteration"] = 2
     with pytest.raises(SweepError, match=r"devices\.gpu2\.runs_per_job: 2: a job on several GPUs runs one run"):
@@ -194,13 +209,14 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     gpu = Sweep(config, SCHEMA)
     assert gpu.cells == {"sd3_32px_gpu1": list(gpu.runs)} and gpu.single_runs == []
     assert gpu.cell_command("sd3_32px_gpu1") == (f"{sweep_module.PYTHON} -m agg_bench.machine.gpus --count 1 -- "
-                                                 f"{sweep_module.PYTHON} -m agg_bench cell --keep-going results/cells/sd3_32px_gpu1.json")
+                                                 f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume --overwrite "
+                                                 "results/cells/sd3_32px_gpu1.json")
 
 
 def test_failed_runs_are_reported_and_their_summaries_removed(tmp_path):
     """What the workflow's manifest does after a cell job recorded a failed run (agg-bench cell --keep-going):
-    names each failed run, its error and its log, and removes only those runs' summaries, so that the next
-    invocation reruns their cells while every other file stays."""
+    names each failed run, its error and its log, and removes only those runs' summaries and markers, so that
+    the next invocation reruns their cells while every other file stays."""
     from agg_bench.tools.sweep import failed_runs, report_failed_runs
 
     statuses = {"ok": "ok", "oom": "oom", "failed": "error", "failed2": "error"}
@@ -214,11 +230,16 @@ def test_failed_runs_are_reported_and_their_summaries_removed(tmp_path):
     folders = [str(tmp_path / name) for name in [*statuses, "unfinished", "damaged"]]
     failed = failed_runs(folders)
     assert failed == [(str(tmp_path / "failed"), "E in failed"), (str(tmp_path / "failed2"), "E in failed2")]
-    message = report_failed_runs(failed, {str(tmp_path / "failed"): "results/logs/cell/x.log"})
+    markers = {str(tmp_path / name): str(tmp_path / f"{name}.done") for name in statuses}
+    for marker in markers.values():
+        Path(marker).write_text("{}")
+    message = report_failed_runs(failed, {str(tmp_path / "failed"): "results/logs/cell/x.log"}, markers)
     assert message.startswith("2 runs of this sweep failed") and "E in failed2" in message
     assert f"{tmp_path / 'failed'}: E in failed (log: results/logs/cell/x.log)" in message
     assert [p.name for p in sorted(tmp_path.rglob("summary.json"))] == ["summary.json"] * 3  # ok, oom, damaged
     assert not (tmp_path / "failed" / "summary.json").exists() and (tmp_path / "failed" / "metrics.jsonl").exists()
+    # the failed runs' markers go (their cell job reruns), the others' stay
+    assert sorted(p.name for p in tmp_path.glob("*.done")) == ["ok.done", "oom.done"]
     assert failed_runs(folders) == []
 
 

@@ -22,9 +22,11 @@ except UserError as err:
 def check_finished_runs():
     """Before a manifest is written: a run that failed in a cell job is recorded in its folder (the job
     succeeds, so Snakemake keeps the cell's other runs); report those runs as this job's failure, so the
-    tables wait, and remove their summaries, so the next invocation reruns their cells."""
+    tables wait, and remove their summaries and markers, so the next invocation reruns their cells (which keep
+    the runs that ended)."""
     failed = failed_runs([f"results/runs/{run_id}" for run_id in SWEEP.runs])
     if failed:
         logs = {f"results/runs/{run_id}": f"results/logs/cell/{cell}.log"
                 for cell, run_ids in SWEEP.cells.items() for run_id in run_ids}
-        raise WorkflowError(report_failed_runs(failed, logs))
+        markers = {f"results/runs/{run_id}": SWEEP.done_marker(run_id) for run_id in SWEEP.runs}
+        raise WorkflowError(report_failed_runs(failed, logs, markers))
