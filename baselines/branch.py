@@ -180,6 +180,11 @@ class BranchEstimator(Estimator):
         if cfg.train.plan != "steps":
             raise ConfigError("train.plan", cfg.train.plan,
                               "'steps' for method 'branch' (its trees decide the trained transitions)")
+        if cfg.train.minibatches > 1:
+            raise ConfigError("train.minibatches", cfg.train.minibatches,
+                              "1 for method 'branch' (its loss is the mean over every tree's trained transitions, "
+                              "its width pruning may pool all trees, and the public code steps every 12 "
+                              "transitions, not per whole tree)")
         if cfg.grpo.adv_std != "group":
             raise ConfigError("grpo.adv_std", cfg.grpo.adv_std,
                               "'group' for method 'branch' (its advantages are standardised over each prompt's "

@@ -22,9 +22,10 @@ rollout and training walks (the unit is a transformer block, or an attention lay
 only reuse attention: ``cache_unit``), also split into ``cache_hit_rate_rollout`` and
 ``cache_hit_rate_train`` (null where no cache ran), with the counts ``cache_computed``/``cache_skipped``;
 ``offpolicy_gap`` = mean |logp_rollout - logp_exact| over the trained (sample, step) terms at the first
-update after a cached rollout, logp_exact being the uncached log-prob under the same parameters (null
-when the rollout was not cached). ``ratio_dev`` (max |ratio - 1| of the first update) comes with the
-update's statistics as for every method.
+update after a cached rollout (its first optimizer step: with ``train.minibatches`` > 1, the first mini-batch's
+terms), logp_exact being the uncached log-prob under the same parameters (null when the rollout was not
+cached). ``ratio_dev`` (max |ratio - 1| of the first optimizer step) comes with the update's statistics as for
+every method.
 
 Replayed on a frozen (uncached) rollout (``replay``, ``gradcheck``): ``cache_in=train`` is the method as
 trained; ``both`` is ``partial`` (the training forward with the cache, but the exact rollout's old

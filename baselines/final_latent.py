@@ -139,6 +139,10 @@ class FinalLatentEstimator(Estimator):
             raise ConfigError("train.ignore_last", True,
                               f"false for method '{self.name}' (it trains the final latent at times of its own, "
                               "not denoising steps a plan draws)")
+        if cfg.train.minibatches > 1:
+            raise ConfigError("train.minibatches", cfg.train.minibatches,
+                              f"1 for method '{self.name}' (its noise and times are drawn for the whole batch at "
+                              "once, from one seed per rollout: a mini-batch would draw other ones)")
         if cfg.sampling.same_noise_per_group:
             raise ConfigError("sampling.same_noise_per_group", True,
                               f"false for method '{self.name}' (its ODE rollout turns one noise into one image, "

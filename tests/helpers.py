@@ -31,19 +31,27 @@ def tiny_config(*overrides: str, family: str = "sd3", dtype: str = "float64"):
     return load_config(None, [*TINY, f"model.family={family}", f"model.dtype={dtype}", *overrides])
 
 
-def one_graph_gradient(policy, batch: TrainBatch) -> dict[str, torch.Tensor]:
-    """d L / d theta with L built as a single autograd graph over every (sample, step) term."""
+def one_graph_gradient(policy, batch: TrainBatch, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """d L / d theta with L built as a single autograd graph over every (sample, step) term; with ``rows``, L of
+    those samples of ``batch`` alone, 1 / (len(rows) N) times the sum of their terms (a mini-batch's loss)."""
+    return one_graph_loss_and_gradient(policy, batch, rows)[1]
+
+
+def one_graph_loss_and_gradient(policy, batch: TrainBatch,
+                                rows: list[int] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    """:func:`one_graph_gradient` and the value of the loss it differentiates."""
     params = [p for _, p in policy.named_parameters()]
     total = 0
-    b = batch.batch_size
-    for i in range(b):
-        rows = torch.tensor([i])
+    rows = list(range(batch.batch_size)) if rows is None else rows
+    for i in rows:
+        row = torch.tensor([i])
         for j in batch.train_steps[i].tolist():
             steps = torch.tensor([j])
-            v = policy.velocity(batch.states(rows, steps), batch.timestep_values(steps), batch.cond[rows])
-            total = total + step_terms(batch, rows, steps, v).loss.sum()
-    grads = torch.autograd.grad(total * batch.loss_scale, params)
-    return {n: g for (n, _), g in zip(policy.named_parameters(), grads)}
+            v = policy.velocity(batch.states(row, steps), batch.timestep_values(steps), batch.cond[row])
+            total = total + step_terms(batch, row, steps, v).loss.sum()
+    loss = total * (1.0 / (len(rows) * batch.steps_per_sample))  # the whole batch's: batch.loss_scale
+    grads = torch.autograd.grad(loss, params)
+    return float(loss.detach()), {n: g for (n, _), g in zip(policy.named_parameters(), grads)}
 
 
 def move_off_policy(policy, scale: float = 1e-3) -> None:

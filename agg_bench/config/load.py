@@ -81,7 +81,21 @@ def validate(config: dict) -> RunConfig:
         raise ConfigError("sampling.shift", None, "a number with sampling.schedule 'linspace' (the sigmas are "
                                                   "shift(linspace(1, 0, T + 1)) with this shift)")
     check_cps_eta(cfg.sampling.sde, cfg.sampling.eta)
+    check_minibatches(cfg, 1)
     return cfg
+
+
+def check_minibatches(cfg: RunConfig, processes: int) -> None:
+    """Raise a ConfigError naming ``train.minibatches`` unless it divides the prompt groups of each of ``processes``
+    processes' batches: every mini-batch holds the same number of whole GRPO groups (at least one)."""
+    minibatches, groups = cfg.train.minibatches, cfg.grpo.prompts_per_iteration // processes
+    if groups % minibatches == 0:
+        return
+    per = "" if processes == 1 else f" / {processes} data-parallel processes"
+    raise ConfigError("train.minibatches", minibatches,
+                      f"a divisor of the {groups} prompt group{'s' * (groups != 1)} of one process's batch, at most "
+                      f"{groups} (grpo.prompts_per_iteration = {cfg.grpo.prompts_per_iteration}{per}): every "
+                      "mini-batch holds the same number of whole groups")
 
 
 def refuse_written_before(config: dict) -> None:
@@ -101,7 +115,8 @@ def refuse_written_before(config: dict) -> None:
 def check_data_parallel(cfg: RunConfig, processes: int) -> None:
     """Raise a ConfigError for a run config that ``processes`` data-parallel processes (torchrun, a sweep
     device's ``gpus``) cannot split: each process trains whole GRPO groups, so ``grpo.prompts_per_iteration``
-    is a multiple of ``processes``, and each takes the GPU of its LOCAL_RANK, so ``device`` names no GPU."""
+    is a multiple of ``processes`` whose share ``train.minibatches`` divides (:func:`check_minibatches`), and each
+    takes the GPU of its LOCAL_RANK, so ``device`` names no GPU."""
     if processes <= 1:
         return
     if cfg.grpo.adv_std == "global":
@@ -112,6 +127,7 @@ def check_data_parallel(cfg: RunConfig, processes: int) -> None:
         raise ConfigError("grpo.prompts_per_iteration", prompts,
                           f"a multiple of the {processes} data-parallel processes (each process trains whole "
                           "GRPO groups)")
+    check_minibatches(cfg, processes)
     if cfg.device.startswith("cuda:"):
         raise ConfigError("device", cfg.device,
                           "'cuda' or 'auto' under torchrun (each process takes the GPU of its LOCAL_RANK)")

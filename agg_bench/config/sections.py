@@ -219,7 +219,8 @@ class TrainConfig(Section):
         "steps", "`steps`: a random subset of steps per sample (DanceGRPO); `groups`: random whole groups of "
         "`plan_window` consecutive steps (the AGG authors' scheme, shared by `full` and `agg`)")
     plan_window: int = option(5, "group length of the `groups` plan", minimum=1, maximum=1000)
-    inner_epochs: int = option(1, "optimizer steps per rollout", minimum=1, maximum=100)
+    inner_epochs: int = option(1, "passes over each rollout; each takes `train.minibatches` optimizer steps",
+                               minimum=1, maximum=100)
     gradient_checkpointing: bool = option(False, "recompute transformer blocks in backward (refused with "
                                                  "training-time caches)")
     lora_rank: int = option(0, "0: full fine-tune; >0: LoRA adapters (peft) of this rank", minimum=0, maximum=4096)
@@ -245,6 +246,18 @@ class TrainConfig(Section):
         False, "never train the last denoising step (DanceGRPO's, GUESS's, BranchGRPO's and eff_grpo's "
                "`--ignore_last`): `plan` draws from the other steps, `branch` trains no transition of it; refused "
                "by the likelihood-free methods (`nft`, `awm`, `dgpo`), whose times are their own")
+    minibatches: int = option(
+        1, "optimizer steps per epoch: the rollout's prompt groups are dealt, in order, into this many mini-batches "
+           "of whole groups (group g into mini-batch g mod this value, so that a data-parallel run steps on the "
+           "single-process run's mini-batches), and the optimizer steps after each; a divisor of the groups of one "
+           "process's batch (`grpo.prompts_per_iteration` / processes); refused by `branch`, `nft`, `awm` and `dgpo`",
+        minimum=1, maximum=1024)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per iteration: ``inner_epochs`` epochs of ``minibatches`` steps each (what the records'
+        readers and the calibration price per iteration)."""
+        return self.inner_epochs * self.minibatches
 
 
 @dataclass

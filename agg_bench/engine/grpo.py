@@ -19,6 +19,7 @@ Conventions that differ between the public implementations are options:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -126,6 +127,40 @@ class TrainBatch:
         if self.advantages.dim() == 1:
             return self.advantages[rows]
         return self.advantages[rows, steps.to(self.advantages.device)]
+
+    def take_rows(self, rows: torch.Tensor) -> TrainBatch:
+        """The batch of samples ``rows`` (a 1-D index tensor) alone, in that order: every per-sample field
+        (:data:`ROW_FIELDS`) indexed on its own device, the schedule, the settings and ``policy_version`` as they
+        are. Its ``loss_scale`` is then 1 / (len(rows) N): its loss is the mean over its own terms. A copy of
+        the rows' data; the same class, so a subclass's own fields are kept."""
+        def take(value):
+            if value is None:
+                return None
+            if isinstance(value, torch.Tensor):
+                return value[rows.to(value.device)]
+            return value[rows.to(value.encoder_hidden_states.device)]  # Conditioning
+
+        return dataclasses.replace(self, **{name: take(getattr(self, name)) for name in ROW_FIELDS})
+
+
+# TrainBatch's fields indexed by sample (batch-first), which TrainBatch.take_rows takes; every other field is the
+# whole rollout's (the schedule: sigmas, timesteps) or a setting (sde, eta, clip_range, beta, kl_form,
+# policy_version). transitions' ids stay the rollout's: rows that shared a transition still share its id.
+ROW_FIELDS = ("latents", "log_probs", "advantages", "train_steps", "cond", "velocities", "transitions", "forwarded")
+
+
+def minibatch_rows(batch_size: int, group_size: int, minibatches: int) -> list[torch.Tensor]:
+    """The rows of each of ``minibatches`` mini-batches of a batch of ``batch_size`` rows in consecutive GRPO
+    groups of ``group_size``: group g goes to mini-batch g mod ``minibatches`` (groups dealt in order), each
+    mini-batch's rows in increasing order. The groups are equally many in every mini-batch (the run config
+    checks that ``minibatches`` divides them: :func:`agg_bench.config.load.check_minibatches`)."""
+    groups = batch_size // group_size
+    if groups * group_size != batch_size or groups % minibatches:
+        raise ValueError(f"{batch_size} rows in groups of {group_size} cannot be dealt into {minibatches} "
+                         "mini-batches of equally many whole groups")
+    per_group = torch.arange(group_size)
+    return [(torch.arange(k, groups, minibatches)[:, None] * group_size + per_group).reshape(-1)
+            for k in range(minibatches)]
 
 
 @dataclass

@@ -419,7 +419,8 @@ class AGGEstimator(Estimator):
 
         ``agg_groups``: (sample, group) pairs seen; ``agg_groups_routed``: those trained with AGG;
         ``agg_route_scores`` / ``agg_route_score_mean``: the routed groups' linearity scores;
-        ``agg_velocity_reused``: updates that took the velocities from the rollout.
+        ``agg_velocity_reused``: gradients (one per optimizer step: per mini-batch and epoch) that took the
+        velocities from the rollout.
         """
         log, self._log = self._log, _IterationLog()
         mean = sum(log.scores) / len(log.scores) if log.scores else None

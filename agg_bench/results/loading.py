@@ -252,7 +252,7 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
         source = entry.source or summary.get("source") or records[0].get("source") or "measured"
         planned = folder.plan()
         # optimizer steps per iteration, which the cost model prices; unknown without a config
-        optimizer_steps = config.train.inner_epochs if config is not None else None
+        optimizer_steps = config.train.optimizer_steps if config is not None else None
         for record in records:
             row = dict(record)
             row["method_name"] = options.get("name", record.get("method"))

@@ -90,7 +90,8 @@ def run_layout(cfg: RunConfig, gpus: int = 1) -> Layout:
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ConfigError("--gpus", gpus, "an integer >= 1")
     distributed.Shard(0, gpus).check_run(cfg)
-    local = cfg.grpo.prompts_per_iteration * cfg.grpo.group_size // gpus
+    # the rows of one process's mini-batch (train.minibatches), which a method without a micro-batch trains at once
+    local = cfg.grpo.prompts_per_iteration * cfg.grpo.group_size // gpus // cfg.train.minibatches
     micro = getattr(method_options(cfg), "micro_batch", None) or local
     train = cfg.train
     return Layout(gpus=gpus, shard=train.shard, cpu_offload=train.cpu_offload, micro_batch=min(micro, local),

@@ -17,7 +17,7 @@ import torch
 
 from .. import stopping
 from ..config import RunConfig
-from ..engine.grpo import TrainBatch, UpdateStats
+from ..engine.grpo import TrainBatch, UpdateStats, minibatch_rows
 from ..engine.models import Conditioning, Policy, build_policy
 from ..engine.trained_steps import draw_plan
 from ..engine.rewards import build_reward, reward_details
@@ -180,16 +180,26 @@ class Session:
 
     # ----- one update ---------------------------------------------------------------------
     def update(self, batch: TrainBatch) -> dict:
-        """``train.inner_epochs`` optimizer steps on one rollout; learning statistics of them all."""
+        """``train.inner_epochs`` epochs on one rollout, each ``train.minibatches`` optimizer steps, one per
+        mini-batch of whole groups (:func:`agg_bench.engine.grpo.minibatch_rows`); learning statistics of them all.
+
+        Each step: zero the gradient, the method's gradient of its mini-batch's loss (the mean over the mini-batch's
+        terms), the average over the processes, the clip, the divergence check, the optimizer's step. ``loss``,
+        ``clip_frac``, ``approx_kl`` and ``grad_norm`` are the means over the steps taken; the update's other
+        statistics (``ratio_dev``) are its first step's. One mini-batch is the batch itself, not a copy.
+        """
         cfg = self.cfg
         params = self.policy.parameters()
         out: dict = {}
         losses, clips, kls, norms = [], [], [], []
-        for epoch in range(cfg.train.inner_epochs):
+        parts = [batch] if cfg.train.minibatches == 1 else \
+            [batch.take_rows(rows) for rows in minibatch_rows(batch.batch_size, cfg.grpo.group_size,
+                                                              cfg.train.minibatches)]
+        for minibatch in parts * cfg.train.inner_epochs:  # epoch after epoch, the mini-batches in order
             self.optimizer.zero_grad(set_to_none=True)
             stats = UpdateStats(cfg.grpo.clip_range)
             with distributed.failures_shared():  # no process enters the all-reduce while another failed
-                self.estimator.accumulate(self.policy, batch, stats, self.reference)
+                self.estimator.accumulate(self.policy, minibatch, stats, self.reference)
             # every backward above accumulated locally; one averaging all-reduce per optimizer step
             # (FSDP already averaged each backward's gradients in its reduce-scatter: only the loss is left)
             sharded = fsdp.is_sharded(self.policy)
@@ -204,7 +214,7 @@ class Session:
             self.optimizer.step()
             self.policy.version += 1
             summary = stats.as_dict()
-            if epoch == 0:
+            if not losses:  # the first step's
                 out.update({k: v for k, v in summary.items() if k not in ("loss", "clip_frac", "approx_kl")})
             losses.append(summary["loss"])
             clips.append(summary["clip_frac"])

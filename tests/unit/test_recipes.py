@@ -379,7 +379,9 @@ def test_mixgrpo_flash_preset_truncates_rolls_back_and_takes_second_order_steps(
 # ----- every preset: counted passes and their cost ---------------------------------------------------
 
 def described_passes(cfg: RunConfig, iteration: int) -> dict[str, int]:
-    """The passes of one iteration of ``cfg``'s method, from its algorithm's description (docs/methods.md)."""
+    """The passes of one iteration of ``cfg``'s method, from its algorithm's description (docs/methods.md). Every
+    sample's trained steps are passed once per epoch however many mini-batches it takes (``train.minibatches``
+    adds optimizer steps, not passes; a preset with several is also compared with its one-mini-batch run)."""
     o, b, steps = cfg.method.options, cfg.grpo.group_size * cfg.grpo.prompts_per_iteration, cfg.sampling.steps
     name, kl = cfg.method.name, cfg.grpo.beta > 0
     last = int(cfg.train.ignore_last)  # the last step is then never trained
@@ -469,6 +471,14 @@ def test_every_preset_runs_with_its_described_passes_and_their_cost(preset, tmp_
         assert passes == described_passes(cfg, record["iteration"]), (preset, record["iteration"])
         cost += passes_cost(record, cfg.train.pass_costs.to_dict())
         assert record["cost"] == cost
+    if cfg.train.minibatches > 1:  # the same rollouts and passes in one optimizer step per epoch
+        one = load_config(PRESETS / f"{preset}.yaml", [*sets, "train.minibatches=1"])
+        train(one, tmp_path / f"{preset}-1")
+        singles = list(read_jsonl(tmp_path / f"{preset}-1" / "metrics.jsonl"))
+        keys = ("forward_nograd", "forward_grad", "backward", "train_forward_grad", "train_backward", "cost")
+        for record, single in zip(records, singles, strict=True):
+            assert {k: record[k] for k in keys} == {k: single[k] for k in keys}, preset
+        assert records[0]["reward_mean"] == singles[0]["reward_mean"]  # the first rollout is the same
 
 
 @pytest.mark.parametrize("method, override, key", [
