@@ -137,6 +137,7 @@ def read_jobs(path: str | Path) -> list[CellRun]:
         if marker in markers:
             raise UserError(f"{path}: runs[{index}].done {job.done} is also runs[{markers[marker]}].done; "
                             "expected a marker of its own for each run")
+        _check_own_file(job.done, f"{path}: runs[{index}].done", "a marker file (it is replaced)")
         markers[marker] = index
     return jobs
 
@@ -293,6 +294,7 @@ class Progress:
         """The journal of ``jobs_path``'s earlier attempt, or an empty one: when there is none, when it was
         written by other code (stderr says so) or cannot be read (stderr says so; it is written anew)."""
         path, code = cls.path_of(jobs_path), code_fingerprint()
+        _check_own_file(path, f"{jobs_path}: its journal", "the journal of this job file (it is replaced)")
         if not path.exists():
             return cls(path, {}, code)
         try:
@@ -338,6 +340,14 @@ class Progress:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _check_own_file(path: Path, what: str, expected: str) -> None:
+    """A UserError when ``path`` exists as anything but a regular file (a folder, a link): the cell replaces
+    its own files by rename and never writes through a link or over a folder."""
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        kind = "a symbolic link" if path.is_symlink() else "a folder" if path.is_dir() else "not a regular file"
+        raise UserError(f"{what} {path} is {kind}; expected {expected} or nothing")
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:

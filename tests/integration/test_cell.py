@@ -95,6 +95,8 @@ def run(out: Path, *overrides: str) -> dict:
     (lambda t: {"runs": [{**run(t / "a"), "done": str(t / "m")}, {**run(t / "b"), "done": str(t / "m")}]},
      ["runs[1].done", "also runs[0].done"]),
     (lambda t: {"runs": [{**run(t / "a"), "done": 3}]}, ["runs[0].done is a number", "a marker file or null"]),
+    (lambda t: (t / "m").mkdir() or {"runs": [{**run(t / "a"), "done": str(t / "m")}]},
+     ["runs[0].done", "is a folder", "a marker file (it is replaced) or nothing"]),
     (lambda t: " " * (64 * 2**20 + 1), ["jobs.json", "over the 64 MiB"]),
     # a config error in a later run: found before the first run writes anything
     (lambda t: {"runs": [run(t / "a"), run(t / "b", "train.lr=fast")]}, ["runs[1]", "train.lr", "'fast'"]),
@@ -108,7 +110,22 @@ def test_a_bad_job_file_is_one_line_and_writes_nothing(tmp_path, capsys, make, w
     assert len(err.splitlines()) == 1 and err.startswith("agg-bench cell: "), err
     for word in words:
         assert word in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["jobs.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["jobs.json", *(["m"] if (tmp_path / "m").exists() else [])])
+
+
+@pytest.mark.parametrize("kind", ["folder", "link"])
+def test_a_journal_that_is_not_a_file_is_refused_before_any_run(tmp_path, capsys, kind):
+    path = job_file(tmp_path, [run(tmp_path / "a")])
+    journal = tmp_path / "jobs.progress.json"
+    if kind == "folder":
+        journal.mkdir()
+    else:
+        (tmp_path / "elsewhere.json").write_text("{}")
+        journal.symlink_to(tmp_path / "elsewhere.json")
+    assert main(["cell", "--resume", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "its journal" in err and ("a folder" if kind == "folder" else "a symbolic link") in err
+    assert not (tmp_path / "a").exists() and (journal.is_dir() if kind == "folder" else journal.is_symlink())
 
 
 @pytest.mark.parametrize("outcomes, code, started", [
