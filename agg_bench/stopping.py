@@ -27,6 +27,16 @@ is left behind) and calls ``os._exit``. What the command had written stays as a 
 it: whole files, and no ``summary.json`` for a run (a rerun replaces the attempt, ``--resume``
 continues it).
 
+**Processes that stop together.** The processes of a distributed run (torchrun) each get the signal, at
+slightly different moments, and must stop at the same point: one that stopped while another went on into a
+collective would leave that one waiting for it, then failing ("connection closed by peer") instead of
+stopping. Under :func:`together` (the training loop, when it runs on several processes) :func:`check` is a
+point every process reaches in the same order (before each iteration, between its phases, between the steps
+of building the model): the processes exchange the signal each received (one collective, through the
+run's failure exchange) and all raise :class:`Interrupted` for it at that same check, a process that received
+none yet included. :func:`check_alone` (before a transformer call, which the processes' shares may make a
+different number of times) then defers to the next :func:`check`.
+
 Outside the main thread no handler can be installed; there, and outside any :func:`stop_signals`
 block, :func:`check` does nothing. Nothing is left installed after the outermost block ends: the
 caller's handlers are back and the pending state is cleared, so one process may run many commands.
@@ -62,6 +72,9 @@ class _StopState:
         self.handled = False  # a command reported it (exit code 128 + N)
         self.safe_depth = 0  # inside safe_points(): the handler only remembers
         self.at_exit: dict[int, Callable[[], None]] = {}  # cleanups before a second signal's os._exit
+
+        self.together: Callable[[int], int] | None = None  # the processes' exchange, under together()
+        self.agreed: int | None = None  # the signal the processes stopped for, under together()
 
     def reset(self) -> None:
         self.received, self.handled, self.safe_depth = None, False, 0
@@ -140,10 +153,44 @@ def safe_points() -> Iterator[None]:
 
 def check() -> None:
     """Raise :class:`Interrupted` if a signal arrived and no command has reported it yet; cheap (a
-    safe point of a loop calls it every transformer call)."""
+    safe point of a loop calls it every transformer call). Under :func:`together`: if any process received
+    one, every process raises it here (a collective: every process calls this in the same order)."""
     state = _STATE
+    if state.together is not None:
+        if state.agreed is None:
+            mine = state.received if state.received is not None and not state.handled else 0
+            agreed = state.together(mine)
+            if not agreed:
+                return
+            state.agreed = agreed
+        if not state.handled:
+            raise Interrupted(state.agreed)
+        return
     if state.received is not None and not state.handled:
         raise Interrupted(state.received)
+
+
+def check_alone() -> None:
+    """:func:`check` at a point the processes of a distributed run do not reach in step (a transformer call:
+    their shares may make different numbers of them): under :func:`together` it leaves a signal to the next
+    :func:`check`, where every process stops; otherwise it is :func:`check`."""
+    if _STATE.together is None:
+        check()
+
+
+@contextlib.contextmanager
+def together(exchange: Callable[[int], int]) -> Iterator[None]:
+    """While active, the processes of a distributed run stop together (the module docstring): ``exchange``
+    takes this process's pending signal (0: none) and returns one that some process received (0: none), a
+    collective of all the processes. After they stopped for one, :func:`check` raises it again until a
+    command reports it, without exchanging again."""
+    state = _STATE
+    previous = state.together, state.agreed
+    state.together, state.agreed = exchange, None
+    try:
+        yield
+    finally:
+        state.together, state.agreed = previous
 
 
 def pending() -> int | None:
@@ -153,8 +200,11 @@ def pending() -> int | None:
 
 def handled(err: BaseException) -> None:
     """``err`` (an :class:`Interrupted`) was reported as the command's exit code: its signal is done with,
-    and later checks of this command no longer raise. A second signal still ends the process at once."""
-    if isinstance(err, Interrupted) and err.signum == _STATE.received:
+    and later checks of this command no longer raise. A second signal still ends the process at once. A
+    process that stopped with the others of a distributed run before its own signal came (:func:`together`)
+    counts that stop as its first signal, so its own, arriving late, ends it as a second would."""
+    if isinstance(err, Interrupted) and _STATE.received in (None, err.signum):
+        _STATE.received = err.signum
         _STATE.handled = True
 
 

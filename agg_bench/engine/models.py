@@ -239,8 +239,9 @@ class Policy:
 
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Predicted velocity for ``latents`` (b, C, H, W) at ``timesteps`` (b,); counted. A safe point of a
-        run: a pending SIGTERM or SIGINT is raised here, before the call (:func:`agg_bench.stopping.check`)."""
-        stopping.check()
+        run: a pending SIGTERM or SIGINT is raised here, before the call (:func:`agg_bench.stopping.check_alone`;
+        in a run on several processes, at their next common check instead)."""
+        stopping.check_alone()
         b = latents.shape[0]
         dtype = self.dtype
         with self._call_context(latents.device):

@@ -391,6 +391,13 @@ def report_failure(exc: BaseException, memory: dict | None = None) -> None:
     _exchange(_describe(exc, memory), None)
 
 
+def exchange_signal(signum: int) -> int:
+    """The signal some process received (the largest number; 0: none), given this process's (0: none): a
+    collective through :func:`gather`, so a failure another process reported is raised here as there. What
+    :func:`agg_bench.stopping.together` exchanges, so that a run's processes stop at the same point."""
+    return max(gather(int(signum)))
+
+
 @contextlib.contextmanager
 def failures_shared() -> Iterator[None]:
     """A block that ends at a point every process reaches: if it raises on any process, it raises on

@@ -70,7 +70,9 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     with stopping.stop_signals("agg-bench run"), stopping.safe_points():
         stopping.check()  # a signal that came before (while the command loaded): nothing is made
         check_config(cfg)  # the method's options and a random preset's architecture, before the folder is claimed
-        with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
+        with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard, \
+                (stopping.together(distributed.exchange_signal) if shard.distributed else contextlib.nullcontext()):
+            # on several processes every stopping.check below is a collective point where they stop together
             shard.check_run(cfg)
             fsdp.check_run(cfg)
             scalar_events.check_run(cfg)

@@ -40,6 +40,69 @@ def summary(out: Path) -> dict:
 
 
 # ----- signals ------------------------------------------------------------------------------------
+def test_processes_stop_together_at_a_common_check():
+    """Under stopping.together (a run on several processes) every check exchanges the pending signal, and
+    every process raises the one some process received, a process that received none included; a check
+    that the processes do not reach in step (check_alone) leaves a pending signal to the next check."""
+    exchanged = []
+
+    def exchange(mine):  # what another process would answer: it received SIGTERM once this one asks twice
+        exchanged.append(mine)
+        return signal.SIGTERM if len(exchanged) >= 2 else mine
+
+    with stopping.stop_signals("test"), stopping.safe_points(), stopping.together(exchange):
+        stopping.check()  # neither process has a signal
+        stopping.check_alone()  # not a common point: no exchange
+        assert exchanged == [0]
+        with pytest.raises(Interrupted) as first:
+            stopping.check()  # the other process received one: this one stops with it
+        assert first.value.signum == signal.SIGTERM and exchanged == [0, 0]
+        with pytest.raises(Interrupted):
+            stopping.check()  # raised again until reported, without exchanging again
+        assert exchanged == [0, 0]
+        stopping.handled(first.value)
+        stopping.check()
+    # its own SIGTERM, delivered afterwards, is the stop it already made: no exchange outside together
+    with stopping.stop_signals("test"), stopping.safe_points(), stopping.together(exchange):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        stopping.check_alone()  # deferred
+        with pytest.raises(Interrupted):
+            stopping.check()
+        assert exchanged[-1] == signal.SIGTERM  # this process offered its own signal
+        stopping.handled(Interrupted(signal.SIGTERM))
+
+
+@pytest.mark.parametrize("after_records", [2, 5])
+def test_torchrun_processes_stopped_by_sigterm_end_interrupted_together(tmp_path, after_records):
+    """A SIGTERM to torchrun reaches each process at a slightly different moment: one used to stop at its next
+    transformer call while the other went on into the update's all-reduce, failed there ("connection closed
+    by peer") and ended the run as an internal error (2 of 4 trials). The processes now stop together at a
+    common check: the summary says interrupted, and the checkpoint matches the records."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "agg_bench",
+         "run", "--config", "config/run.yaml", *SET, "--set", "train.iterations=5000", "--set",
+         "grpo.prompts_per_iteration=2", "--set", "train.checkpoint_every=1", "--out", str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < after_records:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "internal error" not in err and "Connection closed" not in err, err[-4000:]
+    assert err.count("agg-bench run: interrupted") == 2, err[-4000:]
+    assert summary(out)["status"] == "interrupted"
+    lines = records(out)
+    checkpoint = torch.load(out / "checkpoint.pt", weights_only=False, map_location="cpu")
+    assert checkpoint["iteration"] == lines[-1]["iteration"] and len(lines) >= after_records
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_writes_an_interrupted_summary(tmp_path, monkeypatch, capsys, signum, code):
     collect = Session.collect
