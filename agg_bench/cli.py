@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from .errors import ConfigError, UserError, run_command
+from .io import write_json
+from .outdir import check_own_file
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -33,11 +35,27 @@ def cmd_run(args) -> int:
     if args.checkpoint_every is not None:
         overrides.append(f"train.checkpoint_every={args.checkpoint_every}")
     rank = launched_rank()  # a bad launcher environment (RANK, WORLD_SIZE) is refused before the run
+    if args.resume and args.resume_stopped:
+        raise UserError("--resume and --resume-stopped: give one (--resume continues any checkpoint of this run, "
+                        "--resume-stopped only a stopped attempt's)")
+    if args.done is not None:
+        _check_marker(args.done, args.out)
     cfg = _run_config(args.config, overrides)
-    summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
+    summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite, resume_stopped=args.resume_stopped)
     if rank == 0:  # one result line for the job, not one per torchrun process
         print(json.dumps({"out": str(args.out), "status": summary["status"]}))
+        if args.done is not None:
+            args.done.parent.mkdir(parents=True, exist_ok=True)
+            write_json(args.done, {"out": str(args.out), "status": summary["status"]})
     return 0
+
+
+def _check_marker(done: Path, out: Path) -> None:
+    """``--done FILE``: outside the run folder (which holds the run's files only), and a file or nothing."""
+    folder = out.resolve()
+    if done.resolve() == folder or folder in done.resolve().parents:
+        raise UserError(f"--done {done}: inside --out {out}; expected a marker outside the run folder")
+    check_own_file(done, "--done", "a marker file (it is replaced)")
 
 
 def cmd_cell(args) -> int:
@@ -286,8 +304,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--resume", action="store_true",
                    help="continue from DIR/checkpoint.pt (same config; starts over when there is none)")
+    p.add_argument("--resume-stopped", action="store_true",
+                   help="continue from DIR/checkpoint.pt only when DIR holds an attempt of this run that was stopped "
+                        "before it ended (killed, or summary.json says interrupted; same config, same code); "
+                        "otherwise start over (what the workflow's run jobs pass)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a finished run of another config in DIR (refused without this flag)")
+    p.add_argument("--done", type=Path, metavar="FILE",
+                   help='when the run has ended (ok, oom or diverged), write {"out", "status"} to FILE: a marker '
+                        "outside DIR (the workflow's output of a run job, so that removing it spares the run's files)")
     p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save DIR/checkpoint.pt every K iterations (= --set train.checkpoint_every=K)")
     p.set_defaults(func=cmd_run)

@@ -374,3 +374,12 @@ def json_file_with(*keys: str) -> Callable[[Path], bool]:
         return isinstance(data, dict) and all(k in data for k in keys)
 
     return ours
+
+
+def check_own_file(path: Path, what: str, expected: str) -> None:
+    """A UserError (``what`` ``path`` is ...; expected ``expected`` or nothing) when ``path`` exists as anything
+    but a regular file (a folder, a link): a small file a command replaces by rename (a marker, a journal) is
+    never written through a link or over a folder."""
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        kind = "a symbolic link" if path.is_symlink() else "a folder" if path.is_dir() else "not a regular file"
+        raise UserError(f"{what} {path} is {kind}; expected {expected} or nothing")

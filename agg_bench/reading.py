@@ -40,6 +40,7 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PLAN_FILE = "plan.json"
+ENV_FILE = "env.json"
 
 
 def run_config(data: Any, where: str | Path) -> RunConfig:
@@ -123,6 +124,10 @@ class RunFolder:
         if problem is not None:
             raise UserError(f"{self.path(SUMMARY_FILE)}: {problem}")
         return summary
+
+    def env(self) -> dict:
+        """``env.json`` ({} when there is none): the machine and the code the run ran on."""
+        return self._object(ENV_FILE, f"the {ENV_FILE} of an agg-bench run (a JSON object)")
 
     def plan(self) -> dict:
         """The planned bytes of ``plan.json`` ({} when there is none)."""

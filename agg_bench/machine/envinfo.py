@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..sources import source_digest
 from ..threads import usable_cores
 from .nvml import _shutdown_quietly
 
@@ -70,7 +71,8 @@ def environment() -> dict[str, Any]:
 
     GPU fields describe the GPUs this process can see (``CUDA_VISIBLE_DEVICES`` applies);
     ``git_commit`` is the commit of the repository holding this package (None outside git) and
-    ``git_dirty`` whether tracked files differ from it.
+    ``git_dirty`` whether tracked files differ from it; ``source_digest`` is the hash of the code itself
+    (:func:`agg_bench.sources.source_digest`), in or out of git.
     """
     cuda_available = torch.cuda.is_available()
     gpu_count = torch.cuda.device_count() if cuda_available else 0
@@ -98,6 +100,7 @@ def environment() -> dict[str, Any]:
         "gpu_total_memory_bytes": gpu_memory,
         "git_commit": commit or None,
         "git_dirty": bool(status) if status is not None else None,
+        "source_digest": source_digest(),
         "hostname": socket.gethostname(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

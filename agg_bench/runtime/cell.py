@@ -23,7 +23,7 @@ run folder), before the first run starts, so a bad job file writes nothing.
 outputs of a job that fails or is stopped, and reruns the whole job. So that a cell stopped after some of its
 runs had finished loses none of them, a cell job with ``resume`` keeps a journal beside its job file
 (``<job>.progress.json``): each run that ended ``ok``, ``oom`` or ``diverged`` is added as it ends, with its
-config as written and the code it ran (:func:`code_fingerprint`: the source of agg_bench and baselines). The
+config as written and the code it ran (:func:`agg_bench.sources.source_digest`: the source of agg_bench and baselines). The
 next attempt of the same job file keeps such a run instead of running it again when all of these hold: the
 journal's code is the code now, the run's config is the one this attempt would write, and its folder still
 holds that config, a ``summary.json`` of the recorded status, ``metrics.jsonl`` and ``env.json``. The journal
@@ -37,8 +37,6 @@ writes job files with :func:`job_entry`.
 from __future__ import annotations
 
 import gc
-import hashlib
-import importlib.util
 import json
 import sys
 import time
@@ -49,7 +47,9 @@ from typing import Any
 from .. import stopping
 from ..errors import UserError, run_command
 from ..io import as_written, write_json
+from ..outdir import check_own_file
 from ..jsonfiles import JsonFileError, json_type, read_json_object
+from ..sources import source_digest
 
 EXPECTED = ('an agg-bench cell job file: {"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], '
             '"out": DIR, "done": FILE (optional)}, ...]}')
@@ -137,7 +137,7 @@ def read_jobs(path: str | Path) -> list[CellRun]:
         if marker in markers:
             raise UserError(f"{path}: runs[{index}].done {job.done} is also runs[{markers[marker]}].done; "
                             "expected a marker of its own for each run")
-        _check_own_file(job.done, f"{path}: runs[{index}].done", "a marker file (it is replaced)")
+        check_own_file(job.done, f"{path}: runs[{index}].done", "a marker file (it is replaced)")
         markers[marker] = index
     return jobs
 
@@ -262,21 +262,6 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
     return worst
 
 
-def code_fingerprint() -> str:
-    """The SHA-256 of the source a run executes: every ``.py`` file of the agg_bench and baselines packages,
-    by path and content. A journal of another fingerprint is not resumed (its runs ran other code)."""
-    digest = hashlib.sha256()
-    for package in ("agg_bench", "baselines"):
-        spec = importlib.util.find_spec(package)
-        if spec is None or spec.origin is None:
-            continue
-        root = Path(spec.origin).parent
-        for source in sorted(root.rglob("*.py")):
-            digest.update(f"{package}/{source.relative_to(root).as_posix()}\0".encode())
-            digest.update(source.read_bytes())
-    return digest.hexdigest()
-
-
 class Progress:
     """The journal of a cell job's attempts (``<job>.progress.json`` beside the job file): the runs that
     ended ``ok``, ``oom`` or ``diverged``, each with its config as written, and the code they ran. Written
@@ -293,8 +278,8 @@ class Progress:
     def resume(cls, jobs_path: Path) -> "Progress":
         """The journal of ``jobs_path``'s earlier attempt, or an empty one: when there is none, when it was
         written by other code (stderr says so) or cannot be read (stderr says so; it is written anew)."""
-        path, code = cls.path_of(jobs_path), code_fingerprint()
-        _check_own_file(path, f"{jobs_path}: its journal", "the journal of this job file (it is replaced)")
+        path, code = cls.path_of(jobs_path), source_digest()
+        check_own_file(path, f"{jobs_path}: its journal", "the journal of this job file (it is replaced)")
         if not path.exists():
             return cls(path, {}, code)
         try:
@@ -340,14 +325,6 @@ class Progress:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
-
-
-def _check_own_file(path: Path, what: str, expected: str) -> None:
-    """A UserError when ``path`` exists as anything but a regular file (a folder, a link): the cell replaces
-    its own files by rename and never writes through a link or over a folder."""
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        kind = "a symbolic link" if path.is_symlink() else "a folder" if path.is_dir() else "not a regular file"
-        raise UserError(f"{what} {path} is {kind}; expected {expected} or nothing")
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:

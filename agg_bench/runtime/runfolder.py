@@ -50,7 +50,9 @@ from ..machine.envinfo import environment
 from ..outdir import Claim, Contents, check_folder, remove_owned
 from ..reading import RunFolder
 from ..records import EVALUATIONS_FILE
-from .checkpoint import CHECKPOINT_NAME, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference
+from ..sources import source_digest
+from .checkpoint import (CHECKPOINT_NAME, RESUMABLE_CHANGES, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path,
+                         first_difference)
 from .scalar_events import CONTENTS as EVENTS_CONTENTS
 from .scalar_events import FOLDER as EVENTS_FOLDER
 
@@ -98,6 +100,27 @@ def claim(out: Path, config: dict, resume: bool, overwrite: bool) -> Claim:
     check_out_dir(out, config, resume, overwrite)
     return Claim(out, folder=True, lock_inside=True,
                  check=lambda: check_out_dir(out, config, resume, overwrite)).acquire()
+
+
+def stopped_attempt(out: Path, config: dict) -> bool:
+    """Whether ``out`` holds an attempt of a run of ``config`` that was stopped before it ended, with a
+    checkpoint to continue from: a ``checkpoint.pt``; no ``summary.json`` (a killed process, or a workflow
+    that removed it with the job's other outputs) or one that says ``interrupted``; a ``config.json`` that
+    differs from ``config`` at most in the keys a resumed run may change (:data:`RESUMABLE_CHANGES`); and an
+    ``env.json`` written by this code (its ``source_digest``), so that one run's records never come from two
+    versions of it. What ``agg-bench run --resume-stopped`` continues; a run that ended (ok, oom, diverged,
+    error) or any other folder starts over. Reads only; a folder it cannot read is not such an attempt."""
+    if not checkpoint_path(out).is_file():
+        return False
+    folder = RunFolder(out)
+    try:
+        status = folder.summary().get("status")
+        previous, env = folder.config_object(), folder.env()
+    except UserError:
+        return False
+    if status not in (None, "interrupted") or env.get("source_digest") != source_digest():
+        return False
+    return first_difference(previous, config, RESUMABLE_CHANGES, DEFAULTS) is None
 
 
 def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool, keep_events: bool) -> None:

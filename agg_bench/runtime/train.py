@@ -41,7 +41,8 @@ def _finite(x) -> bool:
     return x is None or math.isfinite(x)
 
 
-def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False) -> dict:
+def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False,
+          resume_stopped: bool = False) -> dict:
     """Run ``train.iterations`` GRPO iterations into the run folder ``out_dir`` (with ``train.budget``, until
     the first iteration whose cumulative ``cost`` reaches it, if that comes first); return the summary.
 
@@ -50,7 +51,9 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     attempt's files are replaced, but a finished run of another config only with ``overwrite``. Every
     input error surfaces before anything is written. With ``resume`` the run continues after the
     checkpoint's iteration (later records are dropped and recomputed, so none is duplicated or missing),
-    or starts over when there is no checkpoint; ``train.checkpoint_every`` = K > 0 writes
+    or starts over when there is no checkpoint; with ``resume_stopped`` it does so only when the folder holds
+    an attempt of this run that was stopped before it ended (:func:`~agg_bench.runtime.runfolder.
+    stopped_attempt`: killed or interrupted, same config, same code), and starts over otherwise; ``train.checkpoint_every`` = K > 0 writes
     ``checkpoint.pt`` every K iterations, at the end and on interruption. ``eval.every`` = K > 0 evaluates
     the policy on held-out noise (:mod:`agg_bench.runtime.evaluation`) before the first iteration, every K
     iterations and after the last, into ``evaluations.jsonl``, outside what the records count and time.
@@ -76,6 +79,12 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
             shard.check_run(cfg)
             fsdp.check_run(cfg)
             scalar_events.check_run(cfg)
+            if resume_stopped and not resume:  # rank 0 reads the folder; every process follows its answer
+                stopped = distributed.on_main(runfolder.stopped_attempt, out, cfg.to_dict())
+                resume = any(distributed.gather(bool(stopped)))
+                if resume and shard.is_main:
+                    print(f"agg-bench run: continuing the stopped attempt in {out} from its checkpoint",
+                          file=sys.stderr, flush=True)
             # rank 0 checks, locks and (if new) makes the folder; a folder it made and left empty goes if the
             # run fails or is stopped before writing into it
             claim = distributed.on_main(runfolder.claim, out, cfg.to_dict(), resume, overwrite)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import hashlib
-import importlib.util
 import json
 import os
 import shlex
@@ -45,12 +44,13 @@ from ..errors import UserError, clip, quote
 from ..io import atomic_path
 from ..jsonfiles import read_json_object
 from ..runtime.cell import job_entry
+from ..sources import source_digest
 
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
 EMBED_DIR = "results/embeddings"
 PRETRAINED_DIR = "results/pretrained"  # model folders the workflow's pretrain rule makes
-CELL_DIR = "results/cells"  # the cell jobs' job files, their journals and, in done/, their runs' markers
-RUN_OUTPUTS = ("summary.json", "metrics.jsonl", "env.json")  # a run job's declared outputs
+CELL_DIR = "results/cells"  # the cell jobs' job files and their journals
+DONE_DIR = "results/done"  # each run's marker: the output of its job (a run job or a cell job)
 # Runs in one sweep. Composing and checking them costs little (runs that differ only in their seed are checked
 # once), but Snakemake's own DAG grows faster than the runs: `snakemake -n` on one method x model x resolution
 # took 5.4 s for 2,000 seeds, 8.6 s for 4,096, 26 s for 8,192 and 4 min 45 s for 20,000 (2-core Xeon). It is
@@ -66,8 +66,6 @@ def is_pretrained_here(path: Any) -> bool:
 CACHE_DIR = Path(".snakemake") / "agg-bench"
 # keys whose value is one whole section: a method's options must not mix with another method's
 WHOLE_SECTIONS = ("method", "options")
-# what the method check's answer depends on besides the jobs themselves
-SOURCE_PACKAGES = ("agg_bench", "baselines")
 
 
 class SweepError(UserError):
@@ -184,23 +182,11 @@ def _main() -> int:
     return 0
 
 
-def source_digest() -> str:
-    """A hash of the ``agg_bench`` and ``baselines`` sources (Python and YAML), found without importing them."""
-    digest = hashlib.sha256()
-    for package in SOURCE_PACKAGES:
-        spec = importlib.util.find_spec(package)
-        for root in (spec.submodule_search_locations or []) if spec else []:
-            for path in sorted(Path(root).rglob("*")):
-                if path.suffix in (".py", ".yaml") and "__pycache__" not in path.parts:
-                    digest.update(str(path.relative_to(root)).encode())
-                    digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Path | None = CACHE_DIR) -> dict[str, dict]:
     """:func:`check_methods` in a child process, its answer cached in ``cache_dir`` (None: not cached)."""
     request = {"base": base_file, "jobs": jobs}
     key = hashlib.sha256(json.dumps({
+        # what the method check's answer depends on besides the jobs themselves
         "request": request, "python": sys.executable, "sources": source_digest(),
         "base_text": Path(base_file).read_text() if base_file else None,
     }, sort_keys=True, default=str).encode()).hexdigest()
@@ -328,7 +314,6 @@ class Sweep:
         self.cells = self._cells()
         in_cells = {run_id for run_ids in self.cells.values() for run_id in run_ids}
         self.single_runs = [run_id for run_id in self.runs if run_id not in in_cells]  # one `run` job each
-        self.cell_runs = in_cells
 
     # ----- cells: runs that share one process --------------------------------------------------
     def runs_per_job(self, device: str) -> int:
@@ -392,14 +377,11 @@ class Sweep:
         """The cell job's outputs: its runs' markers (:meth:`done_marker`)."""
         return [self.done_marker(run_id) for run_id in self.cells[cell]]
 
-    def done_marker(self, run_id: str) -> str | None:
-        """The file that says a run of a cell job has ended (``{"out", "status"}``, written by `agg-bench
-        cell`); None for a run that is a job of its own, whose outputs are its files (:data:`RUN_OUTPUTS`)."""
-        return f"{CELL_DIR}/done/{run_id}.json" if run_id in self.cell_runs else None
-
-    def run_ended_file(self, run_id: str) -> str:
-        """The file whose existence says a run has ended: its marker in a cell, its summary otherwise."""
-        return self.done_marker(run_id) or f"results/runs/{run_id}/summary.json"
+    def done_marker(self, run_id: str) -> str:
+        """The file that says a run has ended (``{"out", "status"}``, written by `agg-bench run --done` or
+        `agg-bench cell`): its job's output. Not the run's own files, which Snakemake would remove when the
+        job fails or is stopped, and before it reruns the job."""
+        return f"{DONE_DIR}/{run_id}.json"
 
     def excluded(self, labels: dict) -> bool:
         """Whether an `exclude` entry matches every label it names (shell-style patterns: cache-*)."""
@@ -461,8 +443,12 @@ class Sweep:
         return f"{PYTHON} -m agg_bench.machine.gpus --count {k} -- {cli}"
 
     def run_command(self, run_id: str) -> str:
+        """A run job's command. --resume-stopped: a run whose earlier attempt was stopped (killed, a scheduler's
+        time limit) continues from its checkpoint; any other starts over. --overwrite: a folder holding a
+        finished run of an earlier config is replaced. --done: the marker that is the job's output."""
         run = self.runs[run_id]
-        return f"{self.launch(run['device'], 'run')} {self._config_args(run['pairs'])} --out results/runs/{run_id}"
+        return (f"{self.launch(run['device'], 'run')} {self._config_args(run['pairs'])} --out results/runs/{run_id} "
+                f"--resume-stopped --overwrite --done {self.done_marker(run_id)}")
 
     def gradcheck_command(self, name: str) -> str:
         job, part = self.gradchecks[name], self.sweep["gradcheck"]
@@ -512,8 +498,8 @@ class Sweep:
         return files
 
     def summaries(self) -> list[str]:
-        """What the manifest waits for: every run's end (:meth:`run_ended_file`) and every imported summary."""
-        return [self.run_ended_file(r) for r in self.runs] + \
+        """What the manifest waits for: every run's marker (:meth:`done_marker`) and every imported summary."""
+        return [self.done_marker(r) for r in self.runs] + \
             [f"results/imported/{label}/summary.json" for label in self.references]
 
     def gradcheck_files(self) -> list[str]:

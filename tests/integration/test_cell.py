@@ -303,7 +303,7 @@ def test_a_run_is_kept_only_as_the_journal_recorded_it(tmp_path, capsys, monkeyp
     if change == "config":
         path = job_file(tmp_path, [run(tmp_path / "a", "train.lr=0.0002"), runs[1]])
     elif change == "code":
-        monkeypatch.setattr(cell, "code_fingerprint", lambda: "other")
+        monkeypatch.setattr(cell, "source_digest", lambda: "other")
     elif change == "records":
         (tmp_path / "a" / "metrics.jsonl").unlink()
     elif change == "summary":

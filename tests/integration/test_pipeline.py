@@ -64,10 +64,8 @@ def planned_runs(stdout: str) -> dict[str, str]:
     for block in re.split(r"^(?=(?:local)?rule \w+:$)", stdout, flags=re.M)[1:]:
         rule = re.match(r"(?:local)?rule (\w+):", block).group(1)
         outputs = re.search(r"^\s*output: (.*)$", block, re.M)
-        # a run job's own summary, or the marker of a run of a cell job
-        for found in re.findall(r"results/(?:runs/([^/,\s]+)/summary|cells/done/([^/,\s]+))\.json",
-                                outputs.group(1) if outputs else ""):
-            found = "".join(found)
+        # each run's marker, the output of its job (a run job or a cell job)
+        for found in re.findall(r"results/done/([^/,\s]+)\.json", outputs.group(1) if outputs else ""):
             assert found not in runs, found  # one job per run
             runs[found] = rule
     return runs
@@ -116,7 +114,7 @@ def test_dry_run_of_the_slurm_profile(tmp_path):
     # the profile's per-rule resources reach the run jobs
     assert re.search(r"rule run:.*?resources:[^\n]*gpu=1[^\n]*gpu_model=h100[^\n]*cpus_per_gpu=8", proc.stdout, re.S)
     # a job of an 8-GPU layout asks SLURM for 8 GPUs
-    assert re.search(r"rule run:\n[^\n]*\n\s*output: results/runs/full_flux1dev[^\n]*\n.*?resources:[^\n]*gpu=8",
+    assert re.search(r"rule run:\n[^\n]*\n\s*output: results/done/full_flux1dev[^\n]*\n.*?resources:[^\n]*gpu=8",
                      proc.stdout, re.S)
 
 
@@ -210,7 +208,7 @@ def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
     assert not (broken / "summary.json").exists() and (broken / "config.json").is_file()  # its cell reruns
     assert not (work / "results/tables").exists()
     # the failed run's marker went with its summary; the journal keeps the finished run for the cell's rerun
-    assert sorted(p.name for p in (work / "results/cells/done").iterdir()) == ["full_sd3_32px_s0_cpu.json"]
+    assert sorted(p.name for p in (work / "results/done").iterdir()) == ["full_sd3_32px_s0_cpu.json"]
     plan = snakemake(work, "-n", "--configfile", "fail.yaml")
     assert job_counts(plan.stdout).get("cell_sd3_32px_cpu") == 1, plan.stdout[-3000:]
     # the broken method mended: the cell reruns the failed run only, and the tables are made
@@ -269,7 +267,7 @@ def test_a_cell_job_stopped_by_a_signal_keeps_its_finished_runs(tmp_path):
     finished = (first / "summary.json").stat()
     assert json.loads((first / "summary.json").read_text())["status"] == "ok"
     assert (first / "metrics.jsonl").is_file() and (first / "env.json").is_file()
-    assert not (work / "results/cells/done").exists() or not any((work / "results/cells/done").iterdir())
+    assert not (work / "results/done").exists() or not any((work / "results/done").iterdir())
     again = snakemake(work, "--cores", "2", "--configfile", "stop.yaml")
     assert again.returncode == 0, again.stderr[-4000:]
     log = (work / "results/logs/cell/sd3_32px_cpu.log").read_text()

@@ -372,6 +372,62 @@ def test_kill_9_leaves_whole_lines_and_a_folder_that_a_rerun_completes(tmp_path)
     assert all(line.strip() for line in metrics.read_text().splitlines())
 
 
+@pytest.mark.parametrize("change, resumes", [
+    ("none", True),  # interrupted: continues from its last checkpoint
+    ("killed", True),  # no summary at all, as after kill -9 or a workflow that removed it
+    ("ended", False),  # a run that ended starts over
+    ("config", False),  # another config (a resumable key aside) starts over
+    ("iterations", True),  # train.iterations may change between a run and its resumption
+    ("code", False),  # written by other code (env.json's source_digest)
+])
+def test_resume_stopped_continues_only_a_stopped_attempt(tmp_path, monkeypatch, capsys, change, resumes):
+    out = tmp_path / "run"
+    base = ["run", "--config", "config/run.yaml", *SET, "--set", "train.iterations=3", "--set",
+            "train.checkpoint_every=1", "--out", str(out)]
+    update = Session.update
+
+    def stopped_in_iteration_2(self, batch):
+        if self.policy.version == 2:
+            raise KeyboardInterrupt
+        return update(self, batch)
+
+    monkeypatch.chdir(ROOT)
+    if change == "ended":
+        assert main(base) == 0
+    else:
+        monkeypatch.setattr(Session, "update", stopped_in_iteration_2)
+        assert main(base) == 130 and summary(out)["status"] == "interrupted"
+        monkeypatch.setattr(Session, "update", update)
+    if change == "killed":
+        (out / "summary.json").unlink()
+    elif change == "code":
+        env = json.loads((out / "env.json").read_text())
+        (out / "env.json").write_text(json.dumps({**env, "source_digest": "0" * 64}))
+    extra = {"config": ["--set", "train.lr=0.0002"], "iterations": ["--set", "train.iterations=4"]}.get(change, [])
+    capsys.readouterr()
+    assert main([*base, *extra, "--resume-stopped", "--overwrite", "--done", str(tmp_path / "done.json")]) == 0
+    err = capsys.readouterr().err
+    assert summary(out)["status"] == "ok" and summary(out)["resumed_from"] == (1 if resumes else None)
+    assert ("continuing the stopped attempt" in err) == resumes
+    assert [r["iteration"] for r in records(out)] == list(range(4 if change == "iterations" else 3))
+    assert json.loads((tmp_path / "done.json").read_text()) == {"out": str(out), "status": "ok"}
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--resume", "--resume-stopped"], ["--resume and --resume-stopped", "give one"]),
+    (["--done", "{out}/done.json"], ["--done", "inside --out", "outside the run folder"]),
+    (["--done", "{tmp}/folder"], ["--done", "is a folder", "a marker file"]),
+])
+def test_run_flags_that_cannot_go_together_are_one_line(tmp_path, capsys, flags, words):
+    out = tmp_path / "run"
+    (tmp_path / "folder").mkdir()
+    flags = [f.format(out=out, tmp=tmp_path) for f in flags]
+    assert main(["run", "--config", str(ROOT / "config/run.yaml"), *SET, "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(word in err for word in words), err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_killed_workflow_reruns_the_incomplete_run(tmp_path):
     import shutil
@@ -389,7 +445,7 @@ def test_killed_workflow_reruns_the_incomplete_run(tmp_path):
     sweep["methods"] = {"full": {"method": {"name": "full"}}}
     (work / "kill.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
     run_dir = work / "results/runs/full_sd3_32px_s0_cpu"
-    target = str((run_dir / "summary.json").relative_to(work))
+    target = "results/done/full_sd3_32px_s0_cpu.json"  # the run job's output: its marker
     command = [sys.executable, "-m", "snakemake", target, "--cores", "1", "--configfile", "kill.yaml"]
     log = open(tmp_path / "snakemake.log", "w")
     proc = subprocess.Popen(command, cwd=work, stdout=log, stderr=log, start_new_session=True)
@@ -405,6 +461,14 @@ def test_killed_workflow_reruns_the_incomplete_run(tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     assert summary(run_dir)["status"] == "ok"
     assert [r["iteration"] for r in records(run_dir)] == list(range(iterations))
+    # the killed attempt left checkpoints (train.checkpoint_every: 1): the rerun continued from the last one
+    resumed = summary(run_dir)["resumed_from"]
+    assert resumed is not None and 0 <= resumed < iterations, rerun.stderr[-3000:]
+    assert json.loads((work / target).read_text()) == {"out": "results/runs/full_sd3_32px_s0_cpu", "status": "ok"}
+    # a forced rerun of the run that ended starts over
+    forced = subprocess.run([*command, "--forcerun", "run"], cwd=work, capture_output=True, text=True, timeout=900)
+    assert forced.returncode == 0, forced.stderr[-4000:]
+    assert summary(run_dir)["resumed_from"] is None and len(records(run_dir)) == iterations
 
 
 # ----- divergence ---------------------------------------------------------------------------------

@@ -47,7 +47,9 @@ def test_sweep_jobs_commands_and_manifest(in_process):
     command = sweep.run_command("agg-w3_sd3_32px_s0_cpu")
     assert command.startswith(f"{sweep_module.PYTHON} -m agg_bench run --config config/run.yaml ")
     assert "--set 'method={name: agg, window: 3, alpha: sigma}'" in command
-    assert "--set model.resolution=32" in command and command.endswith("--out results/runs/agg-w3_sd3_32px_s0_cpu")
+    # a stopped attempt continues from its checkpoint; the job's output is the run's marker, not its files
+    assert "--set model.resolution=32" in command and command.endswith(
+        "--out results/runs/agg-w3_sd3_32px_s0_cpu --resume-stopped --overwrite --done results/done/agg-w3_sd3_32px_s0_cpu.json")
     runs = {Path(r["dir"]).name: r for r in sweep.manifest()["runs"]}
     options = runs["agg-w3_sd3_32px_s0_cpu"]["method_options"]
     # the method's resolved options: the sweep's plus the defaults of the rest
@@ -182,11 +184,11 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     jobs = sweep.cell_jobs("sd3_32px_cpu")["runs"]
     assert [job["out"] for job in jobs] == [f"results/runs/{r}" for r in sweep.runs]
     # each run's marker, the cell job's output: outside the run folders, so a failed job's removal spares them
-    assert [job["done"] for job in jobs] == [f"results/cells/done/{r}.json" for r in sweep.runs]
+    assert [job["done"] for job in jobs] == [f"results/done/{r}.json" for r in sweep.runs]
     for job, run_id in zip(jobs, sweep.runs):  # the arguments the run's own job would give `agg-bench run`
         sets = " ".join(f"--set {shlex.quote(item)}" for item in job["set"])
-        assert sweep.run_command(run_id) == \
-            f"{sweep_module.PYTHON} -m agg_bench run --config {job['config']} {sets} --out {job['out']}"
+        assert sweep.run_command(run_id) == (f"{sweep_module.PYTHON} -m agg_bench run --config {job['config']} {sets} "
+                                             f"--out {job['out']} --resume-stopped --overwrite --done {job['done']}")
     assert sweep.cell_command("sd3_32px_cpu") == (f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume "
                                                   "--overwrite results/cells/sd3_32px_cpu.json")
     assert sweep.cell_outputs("sd3_32px_cpu") == [job["done"] for job in jobs]
@@ -197,7 +199,7 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     config["devices"]["cpu"]["runs_per_job"] = 1
     single = Sweep(config, SCHEMA)
     assert single.cells == {} and single.single_runs == list(sweep.runs)
-    assert single.summaries() == [f"results/runs/{r}/summary.json" for r in sweep.runs]  # a run job's own output
+    assert single.summaries() == [f"results/done/{r}.json" for r in sweep.runs]  # a run job's output too
     config["devices"] = {"gpu2": {"device": "cuda", "gpus": 2, "runs_per_job": 2}}
     config["set"]["grpo.prompts_per_iteration"] = 2
     with pytest.raises(SweepError, match=r"devices\.gpu2\.runs_per_job: 2: a job on several GPUs runs one run"):

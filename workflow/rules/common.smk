@@ -7,7 +7,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from agg_bench.errors import UserError
-from agg_bench.tools.sweep import (CELL_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, failed_runs,
+from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, failed_runs,
                                    report_failed_runs, set_arg)
 
 try:

@@ -26,9 +26,9 @@ rule run:
     input:
         lambda wc: SWEEP.inputs(SWEEP.runs[wc.run_id]["model"]),
     output:
-        summary="results/runs/{run_id}/summary.json",
-        metrics="results/runs/{run_id}/metrics.jsonl",
-        env="results/runs/{run_id}/env.json",
+        # the run's marker, not its files: Snakemake removes the outputs of a job that fails or is stopped,
+        # and a stopped run continues from its checkpoint (agg-bench run --resume-stopped)
+        f"{DONE_DIR}/{{run_id}}.json",
     log:
         "results/logs/run/{run_id}.log",
     benchmark:
@@ -63,7 +63,7 @@ rule cell_jobs:
             handle.write(f"{output[0]}: {len(params.jobs['runs'])} runs\n")
 
 
-# one rule per cell job: a rule's outputs are named by its wildcards, and a cell's are its runs' files
+# one rule per cell job: a rule's outputs are named by its wildcards, and a cell's are its runs' markers
 for CELL, RUN_IDS in SWEEP.cells.items():
 
     rule:
