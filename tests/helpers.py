@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import fields
 
 import torch
 
 from agg_bench.config import load_config
+from agg_bench.engine.counters import PassCounter
 from agg_bench.engine.grpo import TrainBatch, UpdateStats, step_terms
 
 TINY = [
@@ -52,6 +56,18 @@ def one_graph_loss_and_gradient(policy, batch: TrainBatch,
     loss = total * (1.0 / (len(rows) * batch.steps_per_sample))  # the whole batch's: batch.loss_scale
     grads = torch.autograd.grad(loss, params)
     return float(loss.detach()), {n: g for (n, _), g in zip(policy.named_parameters(), grads)}
+
+
+@contextmanager
+def counted(policy) -> Iterator[PassCounter]:
+    """The passes ``policy`` makes inside the block: yields a :class:`PassCounter` that reads zero inside it and,
+    once the block ends, ``policy.counter`` less its value on entry (what ``policy.counter - before`` gives)."""
+    before = policy.counter.copy()
+    passes = PassCounter()
+    yield passes
+    spent = policy.counter - before
+    for f in fields(spent):
+        setattr(passes, f.name, getattr(spent, f.name))
 
 
 def move_off_policy(policy, scale: float = 1e-3) -> None:

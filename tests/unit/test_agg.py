@@ -18,7 +18,7 @@ from agg_bench.methods.agg import group_bounds
 from agg_bench.methods.base import build_estimator, build_method
 from agg_bench.runtime.train import Session
 from agg_bench.tools.snapshot import replay, save_snapshot
-from helpers import gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
+from helpers import counted, gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/tiny_sd3_reference_cpu.yaml"
@@ -28,13 +28,13 @@ def gradient(estimator, policy, batch, reference=None):
     """(estimator's d L / d theta, pass counts, update stats) on ``batch``; leaves .grad cleared."""
     for p in policy.parameters():
         p.grad = None
-    before = policy.counter.copy()
     stats = UpdateStats(batch.clip_range)
-    estimator.accumulate(policy, batch, stats, reference)
+    with counted(policy) as passes:
+        estimator.accumulate(policy, batch, stats, reference)
     grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
     for p in policy.parameters():
         p.grad = None
-    return grads, (policy.counter - before).as_dict(), stats
+    return grads, passes.as_dict(), stats
 
 
 def agg(**options):
@@ -168,12 +168,11 @@ def test_reuse_gives_the_recomputed_gradient_and_stops_after_an_optimizer_step()
     assert reused_stats.ratio_dev <= 1e-12 and stats.ratio_dev <= 1e-12
     session.estimator.iteration_metrics()  # start a fresh record for the update below
 
-    before = policy.counter.copy()
-    session.update(batch)  # two optimizer steps on one rollout
-    spent = (policy.counter - before).as_dict()
+    with counted(policy) as spent:
+        session.update(batch)  # two optimizer steps on one rollout
     groups = b * n // 3
     # reuse in the first update only: after the first optimizer step the rollout's velocities are stale
-    assert spent == {"forward_nograd": b * n, "forward_grad": 2 * 2 * groups, "backward": 2 * 2 * groups}
+    assert spent.as_dict() == {"forward_nograd": b * n, "forward_grad": 2 * 2 * groups, "backward": 2 * 2 * groups}
     assert policy.version == batch.policy_version + 2
     assert not session.estimator.can_reuse(policy, batch)
     metrics = session.estimator.iteration_metrics()
@@ -230,10 +229,9 @@ def test_endpoint_reuse_is_moot_while_rollout_velocities_apply():
     assert both_counts == rollout_counts == {"forward_nograd": 0, "forward_grad": 2 * groups, "backward": 2 * groups}
     assert relative_error(both, rollout_only) == 0.0  # the same computation: identical by construction
 
-    before = policy.counter.copy()
-    session.update(batch)  # two optimizer steps: the rollout's v, then W - 2 = 1 no-grad forward per group
-    assert (policy.counter - before).as_dict() == {"forward_nograd": groups, "forward_grad": 2 * 2 * groups,
-                                                   "backward": 2 * 2 * groups}
+    with counted(policy) as passes:
+        session.update(batch)  # two optimizer steps: the rollout's v, then W - 2 = 1 no-grad forward per group
+    assert passes.as_dict() == {"forward_nograd": groups, "forward_grad": 2 * 2 * groups, "backward": 2 * 2 * groups}
 
 
 def test_endpoint_reuse_keeps_the_saved_activation_peak():
@@ -309,9 +307,8 @@ def test_routing_counts_the_calls_it_makes(route_score):
 
     policy._forward = observed
     estimator = agg(window=3, route_frac=0.5, route_score=route_score)
-    before = policy.counter.copy()
-    gradient(estimator, policy, batch)
-    work = policy.counter - before
+    with counted(policy) as work:
+        gradient(estimator, policy, batch)
     assert work.calls() == {kind: len(sizes) for kind, sizes in seen.items()}
     assert work.as_dict() == {kind: sum(sizes) for kind, sizes in seen.items()}
     routed = estimator.last_routed
@@ -354,9 +351,9 @@ def test_reference_preset_backward_ratio_is_two_over_window():
     work = {}
     for name in ("full", "agg"):
         session.estimator = build_method("full") if name == "full" else build_estimator(cfg)
-        before = session.policy.counter.copy()
-        session.update(batch)
-        work[name] = (session.policy.counter - before).as_dict()
+        with counted(session.policy) as passes:
+            session.update(batch)
+        work[name] = passes.as_dict()
     assert work["full"]["backward"] == b * n
     assert work["agg"]["backward"] * window == work["full"]["backward"] * 2
     assert work["agg"]["forward_grad"] * window == work["full"]["forward_grad"] * 2

@@ -11,7 +11,7 @@ from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.runtime.train import Session
 from baselines.awm import draw_times
-from helpers import move_off_policy, relative_error, tiny_config
+from helpers import counted, move_off_policy, relative_error, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/awm.yaml"
@@ -81,15 +81,13 @@ def test_gradient_equals_the_papers_loss_and_counts_passes(options):
 
 def test_rollout_is_ode_and_update_counts():
     session = Session(tiny_config(*AWM, f"method.times_per_sample={K}"))
-    before = session.policy.counter.copy()
-    batch = session.collect(0).batch
+    with counted(session.policy) as rollout:
+        batch = session.collect(0).batch
     b = batch.batch_size
-    assert (session.policy.counter - before).as_dict() == {"forward_nograd": b * STEPS, "forward_grad": 0,
-                                                           "backward": 0}
-    before = session.policy.counter.copy()
-    session.update(batch)
-    assert (session.policy.counter - before).as_dict() == {"forward_nograd": 0, "forward_grad": b * K,
-                                                           "backward": b * K}
+    assert rollout.as_dict() == {"forward_nograd": b * STEPS, "forward_grad": 0, "backward": 0}
+    with counted(session.policy) as update:
+        session.update(batch)
+    assert update.as_dict() == {"forward_nograd": 0, "forward_grad": b * K, "backward": b * K}
 
 
 def test_times_follow_the_distributions():

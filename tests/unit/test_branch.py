@@ -16,7 +16,8 @@ from agg_bench.io import read_jsonl
 from agg_bench.machine import distributed
 from agg_bench.methods.base import build_estimator, build_method
 from agg_bench.runtime.train import Session, iteration_generator
-from helpers import estimator_gradient, gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
+from helpers import (counted, estimator_gradient, gaussian_log_prob, move_off_policy, relative_error, sde_reference,
+                     tiny_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/branchgrpo.yaml"
@@ -37,11 +38,10 @@ def tree_session(*overrides, dtype="float64"):
 def test_rollout_shares_prefixes_and_counts_each_node_once():
     session = tree_session()
     cfg = session.cfg
-    before = session.policy.counter.copy()
-    batch = session.collect(0).batch
-    work = (session.policy.counter - before).as_dict()
+    with counted(session.policy) as work:
+        batch = session.collect(0).batch
     prompts, group = cfg.grpo.prompts_per_iteration, cfg.grpo.group_size
-    assert work == {"forward_nograd": prompts * sum(FORWARDS), "forward_grad": 0, "backward": 0}
+    assert work.as_dict() == {"forward_nograd": prompts * sum(FORWARDS), "forward_grad": 0, "backward": 0}
     assert batch.latents.shape[:2] == (prompts * group, 5)
 
     # one root per prompt: the first noise row of its group
@@ -354,20 +354,18 @@ def test_preset_pass_counts_against_full_with_the_same_group():
     = 218; full GRPO on 16 chains of 20 steps: 320 and 320."""
     cfg = load_config(PRESET, ["progress=false", "telemetry.enabled=false", "model.resolution=32"])
     session = Session(cfg)
-    before = session.policy.counter.copy()
-    batch = session.collect(0).batch
-    rollout = (session.policy.counter - before).as_dict()
-    before = session.policy.counter.copy()
-    session.update(batch)
-    train = (session.policy.counter - before).as_dict()
-    assert rollout["forward_nograd"] == 1 + 2 * 3 + 4 * 3 + 8 * 3 + 16 * 10
+    with counted(session.policy) as rollout:
+        batch = session.collect(0).batch
+    with counted(session.policy) as train:
+        session.update(batch)
+    assert rollout.forward_nograd == 1 + 2 * 3 + 4 * 3 + 8 * 3 + 16 * 10
     # --ignore_last: the last step's 16 transitions are not trained
-    assert train["forward_grad"] == train["backward"] == 2 * 3 + 4 * 3 + 8 * 3 + 16 * 10
+    assert train.forward_grad == train.backward == 2 * 3 + 4 * 3 + 8 * 3 + 16 * 10
     full = Session(load_config(PRESET, ["progress=false", "telemetry.enabled=false", "model.resolution=32",
                                         "method={name: full}"]))
-    before = full.policy.counter.copy()
-    full.update(full.collect(0).batch)
-    assert (full.policy.counter - before).as_dict() == {"forward_nograd": 320, "forward_grad": 304, "backward": 304}
+    with counted(full.policy) as passes:
+        full.update(full.collect(0).batch)
+    assert passes.as_dict() == {"forward_nograd": 320, "forward_grad": 304, "backward": 304}
 
 
 def test_preset_runs_through_the_cli(tmp_path):

@@ -13,7 +13,7 @@ from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_method
 from agg_bench.runtime.train import Session
 from baselines.caches import CACHES, apply_cache
-from helpers import CACHE_NEUTRAL, move_off_policy, relative_error, tiny_config
+from helpers import CACHE_NEUTRAL, counted, move_off_policy, relative_error, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_CONFIG = ROOT / "config/run.yaml"
@@ -40,10 +40,9 @@ def gradient(session: Session, batch) -> tuple[dict, UpdateStats, dict]:
     for p in session.policy.parameters():
         p.grad = None
     stats = UpdateStats(batch.clip_range)
-    before = session.policy.counter.copy()
-    session.estimator.accumulate(session.policy, batch, stats)
-    counts = (session.policy.counter - before).as_dict()
-    return grads_of(session.policy), stats, counts
+    with counted(session.policy) as passes:
+        session.estimator.accumulate(session.policy, batch, stats)
+    return grads_of(session.policy), stats, passes.as_dict()
 
 
 def grads_of(policy) -> dict[str, torch.Tensor]:
@@ -110,18 +109,17 @@ def test_reuse_disabled_with_per_sample_steps_and_kl_matches_full(family):
     session.estimator = cached("fora", "train", interval=1)
     for p in session.policy.parameters():
         p.grad = None
-    before = session.policy.counter.copy()
     cached_stats = UpdateStats(batch.clip_range)
-    session.estimator.accumulate(session.policy, batch, cached_stats, session.reference)
-    counts = (session.policy.counter - before).as_dict()
+    with counted(session.policy) as counts:
+        session.estimator.accumulate(session.policy, batch, cached_stats, session.reference)
     assert relative_error(grads_of(session.policy), reference) <= 1e-12
     assert cached_stats.count == stats.count and cached_stats.ratio_dev == pytest.approx(stats.ratio_dev, rel=1e-12)
 
     b, n = batch.batch_size, batch.steps_per_sample
     trained = [bool((batch.train_steps == j).any()) for j in range(int(batch.train_steps.max()) + 1)]
     assert not all(trained)  # the walk feeds the cache on some untrained step
-    assert counts == {"forward_grad": b * sum(trained), "backward": b * sum(trained),
-                      "forward_nograd": b * (len(trained) - sum(trained)) + b * n}  # + reference forwards
+    assert counts.as_dict() == {"forward_grad": b * sum(trained), "backward": b * sum(trained),
+                                "forward_nograd": b * (len(trained) - sum(trained)) + b * n}  # + reference forwards
 
 
 # ----- reuse on: skipped work, off-policy gap -------------------------------------------------------
@@ -155,22 +153,21 @@ def test_training_with_the_rollout_cache_reproduces_its_log_probs(family, name):
     rollout_only = session.estimator.iteration_metrics()
 
     session.estimator = cached(name, "both", **REUSING[name])
-    before = session.policy.counter.copy()
-    _, stats, _ = gradient(session, session.collect(0).batch)
-    counts = (session.policy.counter - before).as_dict()
+    with counted(session.policy) as counts:
+        _, stats, _ = gradient(session, session.collect(0).batch)
     both = session.estimator.iteration_metrics()
     assert stats.ratio_dev == 0.0
     assert both["offpolicy_gap"] == pytest.approx(rollout_only["offpolicy_gap"], rel=1e-6)
     assert both["cache_hit_rate_rollout"] == rollout_only["cache_hit_rate"] and both["cache_hit_rate_train"] > 0
     assert both["cache_computed"] + both["cache_skipped"] == 2 * units_per_call(session.policy, name) * STEPS
     b = session.cfg.grpo.prompts_per_iteration * GROUP
-    assert counts == {"forward_nograd": 2 * b * STEPS, "forward_grad": b * STEPS, "backward": b * STEPS}
+    assert counts.as_dict() == {"forward_nograd": 2 * b * STEPS, "forward_grad": b * STEPS, "backward": b * STEPS}
 
     session.estimator = cached(name, "both", measure_offpolicy_gap=False, **REUSING[name])
-    before = session.policy.counter.copy()
-    gradient(session, session.collect(0).batch)
+    with counted(session.policy) as passes:
+        gradient(session, session.collect(0).batch)
     assert session.estimator.iteration_metrics()["offpolicy_gap"] is None
-    assert (session.policy.counter - before).forward_nograd == b * STEPS  # the rollout's only
+    assert passes.forward_nograd == b * STEPS  # the rollout's only
 
 
 # ----- cache_in=train: biased gradient, measured by gradcheck ---------------------------------------
@@ -193,13 +190,13 @@ def test_cache_in_train_with_lora_skips_backward_of_fully_reused_steps():
     runs no backward (and counts none); the KL reference (the same transformer, adapters off) runs first."""
     session = Session(tiny_config(*SMALL, "train.lora_rank=2", "grpo.beta=0.1", "method.name=cached",
                                   "method.cache=fora", "method.cache_in=train", dtype="float32"))
-    before = session.policy.counter.copy()
-    batch = session.collect(0).batch
-    out = session.update(batch)
-    counts = (session.policy.counter - before).as_dict()
+    with counted(session.policy) as counts:
+        batch = session.collect(0).batch
+        out = session.update(batch)
     b = batch.batch_size
     reused = sum(1 for j in range(STEPS) if j % 3)  # FORA's default interval 3 reuses steps 1, 2, 4
-    assert counts == {"forward_nograd": 2 * b * STEPS, "forward_grad": b * STEPS, "backward": b * (STEPS - reused)}
+    assert counts.as_dict() == {"forward_nograd": 2 * b * STEPS, "forward_grad": b * STEPS,
+                                "backward": b * (STEPS - reused)}
     assert math.isfinite(out["grad_norm"]) and out["grad_norm"] > 0
     assert_hook_free(session.policy.transformer)
 

@@ -12,7 +12,7 @@ from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.io import read_jsonl
 from agg_bench.runtime.train import Session
-from helpers import move_off_policy, relative_error, tiny_config
+from helpers import counted, move_off_policy, relative_error, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/dgpo.yaml"
@@ -134,21 +134,20 @@ def test_pass_counts(epochs):
     k = 3
     s = session(f"method.times_per_sample={k}", f"train.inner_epochs={epochs}", "method.micro_batch=4")
     batch = collect(s)
-    before = s.policy.counter.copy()
-    s.update(batch)
+    with counted(s.policy) as passes:
+        s.update(batch)
     b = batch.batch_size
-    assert (s.policy.counter - before).as_dict() == {
+    assert passes.as_dict() == {
         "forward_nograd": epochs * b * k, "forward_grad": epochs * b * k, "backward": epochs * b * k}
 
 
 def test_kl_shares_the_reference_forward():
     s = session("method.times_per_sample=2", "grpo.beta=0.01")
     batch = collect(s)
-    before = s.policy.counter.copy()
-    s.update(batch)
+    with counted(s.policy) as passes:
+        s.update(batch)
     b = batch.batch_size
-    assert (s.policy.counter - before).as_dict() == {"forward_nograd": b * 2, "forward_grad": b * 2,
-                                                     "backward": b * 2}
+    assert passes.as_dict() == {"forward_nograd": b * 2, "forward_grad": b * 2, "backward": b * 2}
 
 
 def test_uniform_times_accept_more_than_the_clip():

@@ -16,7 +16,7 @@ from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_method
 from agg_bench.runtime.train import Session
 from baselines.guess import GuessConfig
-from helpers import gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
+from helpers import counted, gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/guess_ab2.yaml"
@@ -166,9 +166,9 @@ def test_no_guesses_is_full_bit_for_bit():
         session = Session(tiny_config(f"method.name={name}", *options))
         batch = session.collect(0).batch
         move_off_policy(session.policy)
-        before = session.policy.counter.copy()
-        session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
-        work[name] = (session.policy.counter - before).as_dict()
+        with counted(session.policy) as passes:
+            session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
+        work[name] = passes.as_dict()
         grads[name] = {n: p.grad for n, p in session.policy.named_parameters()}
         batches[name] = batch
     assert torch.equal(batches["full"].latents, batches["guess"].latents)
@@ -202,16 +202,15 @@ def test_update_equals_a_weighted_one_graph_reference(weight):
     batch = session.collect(0).batch
     move_off_policy(session.policy)
     reference = weighted_one_graph_gradient(session.policy, batch, weight)
-    before = session.policy.counter.copy()
-    session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
-    work = (session.policy.counter - before).as_dict()
+    with counted(session.policy) as work:
+        session.estimator.accumulate(session.policy, batch, UpdateStats(batch.clip_range))
     grads = {n: p.grad for n, p in session.policy.named_parameters()}
     assert relative_error(grads, reference) <= 1e-10
     b, n = batch.train_steps.shape
     trained_guesses = int((~batch.forwarded.gather(1, batch.train_steps.cpu())).sum())
     assert trained_guesses > 0  # the weights are exercised
     terms = b * n - (trained_guesses if weight == 0 else 0)  # weight 0 skips the guessed terms' passes
-    assert work == {"forward_nograd": 0, "forward_grad": terms, "backward": terms}
+    assert work.as_dict() == {"forward_nograd": 0, "forward_grad": terms, "backward": terms}
 
 
 def test_replay_is_not_applicable():

@@ -22,7 +22,7 @@ from agg_bench.io import read_jsonl
 from agg_bench.records import passes_cost
 from agg_bench.runtime.session import Session, rewarded_latents
 from agg_bench.runtime.train import train
-from helpers import move_off_policy, relative_error, tiny_config
+from helpers import counted, move_off_policy, relative_error, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ROOT / "config" / "presets"
@@ -190,11 +190,11 @@ def counts(session, iterations):
     """Per iteration: (rollout passes, train passes), each {forward_nograd, forward_grad, backward}."""
     out = []
     for iteration in range(iterations):
-        before = session.policy.counter.copy()
-        batch = session.collect(iteration).batch
-        middle = session.policy.counter.copy()
-        session.update(batch)
-        out.append(((middle - before).as_dict(), (session.policy.counter - middle).as_dict()))
+        with counted(session.policy) as rollout:
+            batch = session.collect(iteration).batch
+        with counted(session.policy) as train:
+            session.update(batch)
+        out.append((rollout.as_dict(), train.as_dict()))
     return out
 
 
@@ -257,11 +257,10 @@ def test_awm_ema_kl_term_and_its_charge():
     for s, batch in zip((with_term, without), batches):
         for p in s.policy.parameters():
             p.grad = None
-        before = s.policy.counter.copy()
-        s.estimator.accumulate(s.policy, batch, UpdateStats(0.1))
+        with counted(s.policy) as passes:
+            s.estimator.accumulate(s.policy, batch, UpdateStats(0.1))
         ema = b * k if s is with_term else 0  # the second iteration: the average differs from the policy
-        assert (s.policy.counter - before).as_dict() == {"forward_nograd": ema, "forward_grad": b * k,
-                                                         "backward": b * k}
+        assert passes.as_dict() == {"forward_nograd": ema, "forward_grad": b * k, "backward": b * k}
     difference = {n: g - grads_of(without.policy)[n] for n, g in grads_of(with_term.policy).items()}
     policy, ema, batch = with_term.policy, with_term.estimator.ema.policy, batches[0]
     eps, t, timesteps = with_term.estimator.draws(policy, batch)

@@ -8,7 +8,7 @@ from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_method
 from agg_bench.runtime.train import Session, iteration_generator
-from helpers import estimator_gradient, move_off_policy, one_graph_gradient, relative_error, tiny_config
+from helpers import counted, estimator_gradient, move_off_policy, one_graph_gradient, relative_error, tiny_config
 
 STEPS = 6  # sampling.steps in helpers.TINY
 SMALL = ["--set", "model.resolution=32", "--set", f"sampling.steps={STEPS}", "--set", "train.iterations=2",
@@ -47,11 +47,10 @@ def test_window_rollout_is_ode_outside_and_trains_only_the_window(dtype):
     expected = torch.arange(start, start + size).expand(batch.batch_size, size)
     assert torch.equal(batch.train_steps.cpu(), expected)
 
-    before = session.policy.counter.copy()
-    session.update(batch)
-    work = (session.policy.counter - before).as_dict()
+    with counted(session.policy) as work:
+        session.update(batch)
     b = batch.batch_size
-    assert work == {"forward_nograd": 0, "forward_grad": b * size, "backward": b * size}
+    assert work.as_dict() == {"forward_nograd": 0, "forward_grad": b * size, "backward": b * size}
 
 
 def test_window_gradient_equals_one_graph_gradient():
