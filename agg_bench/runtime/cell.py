@@ -29,7 +29,8 @@ journal's code is the code now, the run's config is the one this attempt would w
 holds that config, a ``summary.json`` of the recorded status, ``metrics.jsonl`` and ``env.json``. The journal
 is removed when an attempt ends with every run ended ``ok``, ``oom`` or ``diverged``, so a forced rerun of a
 job that ended runs everything again; it stays while a run failed, so the next attempt reruns only the
-failed runs.
+failed runs. The run the stop cut short continues from its last checkpoint (``train.checkpoint_every``),
+as ``agg-bench run --resume-stopped`` continues it, when its config and code are unchanged.
 
 This module imports no torch at module level: the workflow's parse (:mod:`agg_bench.tools.sweep`)
 writes job files with :func:`job_entry`.
@@ -178,7 +179,8 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
     counts.
 
     With ``resume`` the runs an earlier attempt of this job file finished are kept (:class:`Progress`, the
-    module's docstring); with ``overwrite`` a run's folder that holds a finished run of another config is
+    module's docstring), and a run it stopped half-way continues from its checkpoint (``agg-bench run
+    --resume-stopped``); with ``overwrite`` a run's folder that holds a finished run of another config is
     replaced (``agg-bench run --overwrite``). When the exit code is 0 and every run has ended, each run's
     ``done`` marker is written."""
     from ..machine.distributed import launched_world_size
@@ -223,7 +225,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
         def one_run(job: CellRun = job, cfg: Any = cfg, status: list[str] = status,
                     failure: list[Exception] = failure) -> int:
             try:
-                status.append(train(cfg, job.out, overwrite=overwrite)["status"])
+                status.append(train(cfg, job.out, overwrite=overwrite, resume_stopped=progress is not None)["status"])
             except Exception as exc:
                 failure.append(exc)
                 raise

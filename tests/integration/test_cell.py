@@ -139,7 +139,7 @@ def test_each_run_ends_on_its_own(tmp_path, capsys, monkeypatch, outcomes, code,
 
     calls = []
 
-    def fake_train(cfg, out, resume=False, overwrite=False):
+    def fake_train(cfg, out, resume=False, overwrite=False, resume_stopped=False):
         outcome = outcomes[len(calls)]
         calls.append(Path(out).name)
         if outcome == "user":
@@ -336,3 +336,33 @@ def test_a_run_stopped_by_another_base_exception_is_not_ok(tmp_path, monkeypatch
         train_module.train(load_config(None, TINY), tmp_path / "a")
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert summary["status"] == status and summary["error"].startswith(f"stopped by {raised.__name__}")
+
+
+def test_a_resumed_cell_continues_the_run_the_stop_cut_short_from_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """The run a stopped cell was running continues from its last checkpoint in the next attempt (the same
+    config and code), instead of starting over; a run that ended is kept, as the journal says."""
+    update = train_module.Session.update
+
+    def stopped_in_iteration_2(self, batch):
+        if self.cfg.seed == 9 and self.policy.version == 2:
+            raise KeyboardInterrupt
+        return update(self, batch)
+
+    monkeypatch.setattr(train_module.Session, "update", stopped_in_iteration_2)
+    every = ["train.iterations=3", "train.checkpoint_every=1"]
+    path = job_file(tmp_path, [run(tmp_path / "a", *every), run(tmp_path / "b", *every, "seed=9")])
+    assert main(["cell", "--resume", str(path)]) == 130
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["status"] == "interrupted"
+    monkeypatch.setattr(train_module.Session, "update", update)
+    capsys.readouterr()
+    assert main(["cell", "--resume", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert f"run 1/2 {tmp_path / 'a'} kept: it ended ok" in err and "continuing the stopped attempt" in err
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert (b["status"], b["resumed_from"]) == ("ok", 1)
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl")] == [0, 1, 2]
+    # the same records, but for timings, as the run never stopped
+    assert main(["cell", str(job_file(tmp_path, [run(tmp_path / "whole", *every, "seed=9")]))]) == 0
+    expected = [{**pinned_fields(r), "run_id": "b"} for r in read_jsonl(tmp_path / "whole" / "metrics.jsonl")]
+    actual = [pinned_fields(r) for r in read_jsonl(tmp_path / "b" / "metrics.jsonl")]
+    assert not differences(expected, actual, "b"), differences(expected, actual, "b")
