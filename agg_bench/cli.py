@@ -55,7 +55,9 @@ def _check_marker(done: Path, out: Path) -> None:
     folder = out.resolve()
     if done.resolve() == folder or folder in done.resolve().parents:
         raise UserError(f"--done {done}: inside --out {out}; expected a marker outside the run folder")
-    check_own_file(done, "--done", "a marker file (it is replaced)")
+    from .runtime.cell import is_marker
+
+    check_own_file(done, "--done", "a marker file (it is replaced)", is_marker)
 
 
 def cmd_cell(args) -> int:

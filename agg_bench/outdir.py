@@ -36,6 +36,7 @@ from typing import Callable, Iterator
 
 from . import stopping
 from .errors import UserError
+from .jsonfiles import JsonFileError, read_json_object
 from .io import is_temp_name
 
 LOCK_SUFFIX = ".agg-bench.lock"
@@ -376,10 +377,19 @@ def json_file_with(*keys: str) -> Callable[[Path], bool]:
     return ours
 
 
-def check_own_file(path: Path, what: str, expected: str) -> None:
+def check_own_file(path: Path, what: str, expected: str, owned: Callable[[dict], bool] | None = None) -> None:
     """A UserError (``what`` ``path`` is ...; expected ``expected`` or nothing) when ``path`` exists as anything
-    but a regular file (a folder, a link): a small file a command replaces by rename (a marker, a journal) is
-    never written through a link or over a folder."""
+    but a regular file (a folder, a link), or, with ``owned``, as a file that is not a JSON object ``owned``
+    accepts: a small file a command replaces by rename (a marker, a journal) is never written through a link,
+    over a folder, or over someone else's file."""
     if path.is_symlink() or (path.exists() and not path.is_file()):
         kind = "a symbolic link" if path.is_symlink() else "a folder" if path.is_dir() else "not a regular file"
         raise UserError(f"{what} {path} is {kind}; expected {expected} or nothing")
+    if owned is not None and path.is_file():
+        try:
+            ours = owned(read_json_object(path, expected))
+        except JsonFileError:
+            ours = False
+        if not ours:
+            raise UserError(f"{what} {path} holds a file agg-bench did not write; expected {expected} or nothing "
+                            "(remove it, or choose another path)")

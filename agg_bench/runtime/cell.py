@@ -138,7 +138,7 @@ def read_jobs(path: str | Path) -> list[CellRun]:
         if marker in markers:
             raise UserError(f"{path}: runs[{index}].done {job.done} is also runs[{markers[marker]}].done; "
                             "expected a marker of its own for each run")
-        check_own_file(job.done, f"{path}: runs[{index}].done", "a marker file (it is replaced)")
+        check_own_file(job.done, f"{path}: runs[{index}].done", "a marker file (it is replaced)", is_marker)
         markers[marker] = index
     return jobs
 
@@ -264,6 +264,17 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
     return worst
 
 
+def is_marker(data: dict) -> bool:
+    """Whether a JSON object is a run's marker (``{"out", "status"}``), which a cell or a run may replace."""
+    return set(data) == {"out", "status"}
+
+
+def is_journal(data: dict) -> bool:
+    """Whether a JSON object is a cell's journal (:class:`Progress`), which the cell may replace."""
+    runs = data.get("runs")
+    return set(data) == {"code", "runs"} and isinstance(runs, dict) and all(isinstance(r, dict) for r in runs.values())
+
+
 class Progress:
     """The journal of a cell job's attempts (``<job>.progress.json`` beside the job file): the runs that
     ended ``ok``, ``oom`` or ``diverged``, each with its config as written, and the code they ran. Written
@@ -278,27 +289,19 @@ class Progress:
 
     @classmethod
     def resume(cls, jobs_path: Path) -> "Progress":
-        """The journal of ``jobs_path``'s earlier attempt, or an empty one: when there is none, when it was
-        written by other code (stderr says so) or cannot be read (stderr says so; it is written anew)."""
+        """The journal of ``jobs_path``'s earlier attempt, or an empty one when there is none or it was written
+        by other code (stderr says so); a UserError, before any run, when the file there is not a journal (a
+        folder, a link, someone else's file: it is never replaced)."""
         path, code = cls.path_of(jobs_path), source_digest()
-        check_own_file(path, f"{jobs_path}: its journal", "the journal of this job file (it is replaced)")
+        check_own_file(path, f"{jobs_path}: its journal", PROGRESS_EXPECTED, is_journal)
         if not path.exists():
             return cls(path, {}, code)
-        try:
-            journal = read_json_object(path, PROGRESS_EXPECTED)
-        except JsonFileError as err:
-            print(f"agg-bench cell: {err}; every run of {jobs_path} runs", file=sys.stderr, flush=True)
-            return cls(path, {}, code)
-        runs = journal.get("runs")
-        if not isinstance(runs, dict) or not all(isinstance(r, dict) for r in runs.values()):
-            print(f"agg-bench cell: {path}: runs is {json_type(runs)}, not a journal's; every run of {jobs_path} "
-                  "runs", file=sys.stderr, flush=True)
-            return cls(path, {}, code)
+        journal = read_json_object(path, PROGRESS_EXPECTED)
         if journal.get("code") != code:
             print(f"agg-bench cell: {path}: its runs ran other code (agg_bench or baselines changed since); every "
                   f"run of {jobs_path} runs", file=sys.stderr, flush=True)
             return cls(path, {}, code)
-        return cls(path, runs, code)
+        return cls(path, journal["runs"], code)
 
     def kept(self, job: CellRun, cfg: Any) -> str | None:
         """The status of ``job``'s run as the journal recorded it, when that run is kept: recorded for this

@@ -97,6 +97,9 @@ def run(out: Path, *overrides: str) -> dict:
     (lambda t: {"runs": [{**run(t / "a"), "done": 3}]}, ["runs[0].done is a number", "a marker file or null"]),
     (lambda t: (t / "m").mkdir() or {"runs": [{**run(t / "a"), "done": str(t / "m")}]},
      ["runs[0].done", "is a folder", "a marker file (it is replaced) or nothing"]),
+    # a file that is not a marker is someone's: never replaced
+    (lambda t: (t / "m").write_text("notes") and {"runs": [{**run(t / "a"), "done": str(t / "m")}]},
+     ["runs[0].done", "holds a file agg-bench did not write"]),
     (lambda t: " " * (64 * 2**20 + 1), ["jobs.json", "over the 64 MiB"]),
     # a config error in a later run: found before the first run writes anything
     (lambda t: {"runs": [run(t / "a"), run(t / "b", "train.lr=fast")]}, ["runs[1]", "train.lr", "'fast'"]),
@@ -113,19 +116,30 @@ def test_a_bad_job_file_is_one_line_and_writes_nothing(tmp_path, capsys, make, w
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["jobs.json", *(["m"] if (tmp_path / "m").exists() else [])])
 
 
-@pytest.mark.parametrize("kind", ["folder", "link"])
-def test_a_journal_that_is_not_a_file_is_refused_before_any_run(tmp_path, capsys, kind):
+@pytest.mark.parametrize("kind, words", [
+    ("folder", ["is a folder"]),
+    ("link", ["is a symbolic link"]),
+    ("not json", ["holds a file agg-bench did not write", "remove it"]),
+    ("another object", ["holds a file agg-bench did not write"]),
+])
+def test_a_journal_that_is_not_one_is_refused_before_any_run(tmp_path, capsys, kind, words):
+    """The journal's place holds something else: refused with one line before any run, and left as it was."""
     path = job_file(tmp_path, [run(tmp_path / "a")])
     journal = tmp_path / "jobs.progress.json"
     if kind == "folder":
         journal.mkdir()
-    else:
+    elif kind == "link":
         (tmp_path / "elsewhere.json").write_text("{}")
         journal.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        journal.write_text("{not json" if kind == "not json" else json.dumps({"mine": [1, 2]}))
+    before = journal.read_text() if journal.is_file() and not journal.is_symlink() else None
     assert main(["cell", "--resume", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "its journal" in err and ("a folder" if kind == "folder" else "a symbolic link") in err
-    assert not (tmp_path / "a").exists() and (journal.is_dir() if kind == "folder" else journal.is_symlink())
+    assert len(err.splitlines()) == 1 and "its journal" in err and all(word in err for word in words), err
+    assert not (tmp_path / "a").exists()
+    assert journal.is_dir() if kind == "folder" else journal.is_symlink() if kind == "link" else \
+        journal.read_text() == before
 
 
 @pytest.mark.parametrize("outcomes, code, started", [
@@ -281,7 +295,6 @@ def test_a_resumed_cell_keeps_what_an_attempt_that_did_not_end_finished(tmp_path
     ("code", ["ran other code"]),
     ("records", []),  # a's metrics.jsonl is gone
     ("summary", []),  # a's summary says another status than the journal
-    ("journal", ["jobs.progress.json", "is not JSON"]),
 ])
 def test_a_run_is_kept_only_as_the_journal_recorded_it(tmp_path, capsys, monkeypatch, change, words):
     from agg_bench.runtime import cell
@@ -310,8 +323,6 @@ def test_a_run_is_kept_only_as_the_journal_recorded_it(tmp_path, capsys, monkeyp
         summary = json.loads((tmp_path / "a" / "summary.json").read_text())
         (tmp_path / "a" / "summary.json").write_text(json.dumps({**summary, "status": "oom"}))
         first = identity(tmp_path / "a" / "summary.json")
-    else:
-        (tmp_path / "jobs.progress.json").write_text("{not json")
     capsys.readouterr()
     assert main(["cell", "--resume", "--overwrite", str(path)]) == 0
     err = capsys.readouterr().err

@@ -417,15 +417,17 @@ def test_resume_stopped_continues_only_a_stopped_attempt(tmp_path, monkeypatch, 
     (["--resume", "--resume-stopped"], ["--resume and --resume-stopped", "give one"]),
     (["--done", "{out}/done.json"], ["--done", "inside --out", "outside the run folder"]),
     (["--done", "{tmp}/folder"], ["--done", "is a folder", "a marker file"]),
+    (["--done", "{tmp}/notes.txt"], ["--done", "holds a file agg-bench did not write"]),
 ])
 def test_run_flags_that_cannot_go_together_are_one_line(tmp_path, capsys, flags, words):
     out = tmp_path / "run"
     (tmp_path / "folder").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
     flags = [f.format(out=out, tmp=tmp_path) for f in flags]
     assert main(["run", "--config", str(ROOT / "config/run.yaml"), *SET, "--out", str(out), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(word in err for word in words), err
-    assert not out.exists()
+    assert not out.exists() and (tmp_path / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.slow
