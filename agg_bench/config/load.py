@@ -87,8 +87,15 @@ def validate(config: dict) -> RunConfig:
 
 def check_minibatches(cfg: RunConfig, processes: int) -> None:
     """Raise a ConfigError naming ``train.minibatches`` unless it divides the prompt groups of each of ``processes``
-    processes' batches: every mini-batch holds the same number of whole GRPO groups (at least one)."""
+    processes' batches (``train.minibatch_unit: groups``: every mini-batch holds the same number of whole GRPO
+    groups, at least one) or the group (``slices``: every mini-batch holds an equal slice of each group)."""
     minibatches, groups = cfg.train.minibatches, cfg.grpo.prompts_per_iteration // processes
+    if cfg.train.minibatch_unit == "slices":
+        if cfg.grpo.group_size % minibatches:
+            raise ConfigError("train.minibatches", minibatches,
+                              f"a divisor of grpo.group_size = {cfg.grpo.group_size} with train.minibatch_unit "
+                              "'slices' (every mini-batch holds an equal slice of each group)")
+        return
     if groups % minibatches == 0:
         return
     per = "" if processes == 1 else f" / {processes} data-parallel processes"

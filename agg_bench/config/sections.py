@@ -247,11 +247,16 @@ class TrainConfig(Section):
                "`--ignore_last`): `plan` draws from the other steps, `branch` trains no transition of it; refused "
                "by the likelihood-free methods (`nft`, `awm`, `dgpo`), whose times are their own")
     minibatches: int = option(
-        1, "optimizer steps per epoch: the rollout's prompt groups are dealt, in order, into this many mini-batches "
-           "of whole groups (group g into mini-batch g mod this value, so that a data-parallel run steps on the "
-           "single-process run's mini-batches), and the optimizer steps after each; a divisor of the groups of one "
+        1, "optimizer steps per epoch: the rollout is split into this many mini-batches (`train.minibatch_unit`) "
+           "and the optimizer steps after each; with `groups`, group g goes to mini-batch g mod this value (so that a "
+           "data-parallel run steps on the single-process run's mini-batches) and it divides the groups of one "
            "process's batch (`grpo.prompts_per_iteration` / processes); refused by `branch`, `nft`, `awm` and `dgpo`",
         minimum=1, maximum=1024)
+    minibatch_unit: Literal["groups", "slices"] = option(
+        "groups", "what a mini-batch is made of: `groups`: whole prompt groups, dealt in order (`train.minibatches` "
+        "divides the groups); `slices`: every group cut into `train.minibatches` consecutive slices, mini-batch k "
+        "holding the k-th slice of each group (it divides `grpo.group_size`: MixGRPO's step every 3 of a group's 12 "
+        "samples)")
 
     @property
     def optimizer_steps(self) -> int:

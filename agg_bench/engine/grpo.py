@@ -149,15 +149,21 @@ class TrainBatch:
 ROW_FIELDS = ("latents", "log_probs", "advantages", "train_steps", "cond", "velocities", "transitions", "forwarded")
 
 
-def minibatch_rows(batch_size: int, group_size: int, minibatches: int) -> list[torch.Tensor]:
+def minibatch_rows(batch_size: int, group_size: int, minibatches: int, unit: str = "groups") -> list[torch.Tensor]:
     """The rows of each of ``minibatches`` mini-batches of a batch of ``batch_size`` rows in consecutive GRPO
-    groups of ``group_size``: group g goes to mini-batch g mod ``minibatches`` (groups dealt in order), each
-    mini-batch's rows in increasing order. The groups are equally many in every mini-batch (the run config
-    checks that ``minibatches`` divides them: :func:`agg_bench.config.load.check_minibatches`)."""
+    groups of ``group_size``, each mini-batch's rows in increasing order. ``unit`` ``groups``: group g goes to
+    mini-batch g mod ``minibatches`` (groups dealt in order; equally many in every mini-batch); ``slices``: each
+    group is cut into ``minibatches`` consecutive slices and mini-batch k holds the k-th slice of every group.
+    Either way the k-th mini-batches of data-parallel processes (each holding whole groups) make up the single
+    process's k-th. The run config checks that the split is even (:func:`agg_bench.config.load.check_minibatches`)."""
     groups = batch_size // group_size
-    if groups * group_size != batch_size or groups % minibatches:
-        raise ValueError(f"{batch_size} rows in groups of {group_size} cannot be dealt into {minibatches} "
-                         "mini-batches of equally many whole groups")
+    if groups * group_size != batch_size or (groups if unit == "groups" else group_size) % minibatches:
+        raise ValueError(f"{batch_size} rows in groups of {group_size} cannot be split into {minibatches} "
+                         f"mini-batches of equal {unit}")
+    if unit == "slices":
+        width = group_size // minibatches
+        return [(torch.arange(groups)[:, None] * group_size + k * width + torch.arange(width)).reshape(-1)
+                for k in range(minibatches)]
     per_group = torch.arange(group_size)
     return [(torch.arange(k, groups, minibatches)[:, None] * group_size + per_group).reshape(-1)
             for k in range(minibatches)]

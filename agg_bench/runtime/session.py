@@ -181,7 +181,8 @@ class Session:
     # ----- one update ---------------------------------------------------------------------
     def update(self, batch: TrainBatch) -> dict:
         """``train.inner_epochs`` epochs on one rollout, each ``train.minibatches`` optimizer steps, one per
-        mini-batch of whole groups (:func:`agg_bench.engine.grpo.minibatch_rows`); learning statistics of them all.
+        mini-batch of whole groups or of slices of every group (``train.minibatch_unit``,
+        :func:`agg_bench.engine.grpo.minibatch_rows`); learning statistics of them all.
 
         Each step: zero the gradient, the method's gradient of its mini-batch's loss (the mean over the mini-batch's
         terms), the average over the processes, the clip, the divergence check, the optimizer's step. ``loss``,
@@ -194,7 +195,7 @@ class Session:
         losses, clips, kls, norms = [], [], [], []
         parts = [batch] if cfg.train.minibatches == 1 else \
             [batch.take_rows(rows) for rows in minibatch_rows(batch.batch_size, cfg.grpo.group_size,
-                                                              cfg.train.minibatches)]
+                                                              cfg.train.minibatches, cfg.train.minibatch_unit)]
         for minibatch in parts * cfg.train.inner_epochs:  # epoch after epoch, the mini-batches in order
             self.optimizer.zero_grad(set_to_none=True)
             stats = UpdateStats(cfg.grpo.clip_range)

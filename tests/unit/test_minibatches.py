@@ -1,7 +1,8 @@
-"""train.minibatches: several optimizer steps per epoch, one per mini-batch of whole prompt groups.
+"""train.minibatches: several optimizer steps per epoch, one per mini-batch of whole prompt groups or of slices
+of every group (train.minibatch_unit).
 
-- the rows of each mini-batch (groups dealt in order) and a TrainBatch's rows (every field, by name);
-- one mini-batch is the update as it was, bit for bit (the earlier loop, copied here);
+- the rows of each mini-batch (groups dealt in order, or every group's k-th slice) and a TrainBatch's rows (every
+  field, by name);
 - M > 1 mini-batches are M sequential optimizer steps, each on the gradient of its own mini-batch's loss:
   compared in float64 with plain-SGD steps written here on the one-graph gradient of the paper's GRPO loss
   (``full``) and of the AGG rule written out (``agg``), on fresh random weights and rollouts;
@@ -59,6 +60,23 @@ def test_groups_are_dealt_in_order_into_the_minibatches():
             minibatch_rows(b, g, m)
 
 
+def test_slices_cut_every_group_into_consecutive_slices():
+    """unit slices: mini-batch k holds the k-th of M consecutive slices of every group (MixGRPO's step after every
+    3 of a group's 12 samples: 4 mini-batches of 3 rows); a data-parallel process's k-th is part of the single
+    process's k-th."""
+    assert [r.tolist() for r in minibatch_rows(12, 12, 4, "slices")] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert [r.tolist() for r in minibatch_rows(12, 6, 3, "slices")] == [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11]]
+    assert [r.tolist() for r in minibatch_rows(12, 6, 1, "slices")] == [list(range(12))]
+    single = [set(r.tolist()) for r in minibatch_rows(24, 6, 3, "slices")]
+    for rank in range(2):
+        locals_ = minibatch_rows(12, 6, 3, "slices")
+        for k, local in enumerate(locals_):
+            assert {rank * 12 + int(i) for i in local} <= single[k]
+    for b, g, m in ((12, 6, 4), (12, 5, 1)):
+        with pytest.raises(ValueError):
+            minibatch_rows(b, g, m, "slices")
+
+
 def synthetic_batch(b: int = 6, steps: int = 4, n: int = 2) -> TrainBatch:
     """A TrainBatch whose every optional field is set (per-step advantages, transitions, guessed velocities)."""
     gen = torch.Generator().manual_seed(fresh_seed())
@@ -109,8 +127,12 @@ def test_a_subclass_keeps_its_own_fields():
 
 # ----- several mini-batches: sequential steps on each one's loss -----------------------------------------------
 def minibatch_of(k: int, cfg) -> list[int]:
-    """Mini-batch k's rows, written out: the rows of groups k, k + M, k + 2M, ... in order."""
+    """Mini-batch k's rows, written out: the rows of groups k, k + M, k + 2M, ... in order (groups), or the k-th
+    of M slices of every group (slices)."""
     g, m = cfg.grpo.group_size, cfg.train.minibatches
+    if cfg.train.minibatch_unit == "slices":
+        width = g // m
+        return [group * g + k * width + i for group in range(cfg.grpo.prompts_per_iteration) for i in range(width)]
     return [group * g + i for group in range(k, cfg.grpo.prompts_per_iteration, m) for i in range(g)]
 
 
@@ -177,8 +199,9 @@ METHOD_SETS = {
 
 
 @pytest.mark.parametrize("method", sorted(METHOD_SETS))
-@pytest.mark.parametrize("minibatches, max_norm", [(1, None), (2, None), (4, 1e-3)])
-def test_minibatches_are_sequential_steps_on_each_minibatchs_loss(method, minibatches, max_norm):
+@pytest.mark.parametrize("minibatches, max_norm, unit", [(1, None, "groups"), (2, None, "groups"), (4, 1e-3, "groups"),
+                                                         (2, None, "slices")])
+def test_minibatches_are_sequential_steps_on_each_minibatchs_loss(method, minibatches, max_norm, unit):
     """Float64, fresh weights and rollout: the update's M steps (SGD swapped in for AdamW, so that the result is
     linear in each step's gradient and a wrong loss scale shows) against the reference's (M = 1: the whole batch
     in one step, the update as it was before mini-batches); and for M > 1 against the same steps all taken at
@@ -186,6 +209,7 @@ def test_minibatches_are_sequential_steps_on_each_minibatchs_loss(method, miniba
     sets, gradient = METHOD_SETS[method]
     seed, lr = fresh_seed(), 0.05
     overrides = [*sets, f"seed={seed}", "grpo.prompts_per_iteration=4", f"train.minibatches={minibatches}",
+                 f"train.minibatch_unit={unit}", f"grpo.group_size={4 if unit == 'slices' else 3}",
                  f"train.max_grad_norm={'null' if max_norm is None else max_norm}", "reward.name=smoothness",
                  "grpo.clip_range=10"]  # no clipped ratio: the terms stay smooth in the weights
     session, reference = Session(tiny_config(*overrides)), Session(tiny_config(*overrides))
@@ -282,6 +306,22 @@ def test_a_value_that_does_not_divide_the_groups_is_refused(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "train.minibatches = 3" in line and "a divisor of the 4 prompt groups" in line and not out.exists()
     assert load_config(None, ["grpo.prompts_per_iteration=4", "train.minibatches=4"]).train.minibatches == 4
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["train.minibatch_unit=pieces"], ["train.minibatch_unit", "'pieces'", "groups", "slices"]),
+    (["train.minibatch_unit=slices", "grpo.group_size=4", "train.minibatches=3"],
+     ["train.minibatches = 3", "a divisor of grpo.group_size = 4", "'slices'"]),
+])
+def test_a_bad_minibatch_unit_or_slice_count_is_refused(tmp_path, capsys, sets, words):
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main([*RUN, *(a for item in sets for a in ("--set", item)), "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert all(word in line for word in words) and not out.exists(), line
+    # slices need not divide the groups: one group of 4 in 2 slices
+    assert load_config(None, ["grpo.prompts_per_iteration=1", "grpo.group_size=4", "train.minibatches=2",
+                              "train.minibatch_unit=slices"]).train.minibatches == 2
 
 
 def test_each_data_parallel_process_needs_whole_minibatches():
