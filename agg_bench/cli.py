@@ -322,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cell", help="several training runs one after the other in one process (a workflow cell): "
                                     "each into its own folder, as agg-bench run writes it")
     p.add_argument("jobs", type=Path, metavar="JOBS.json",
-                   help='{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR, "done": FILE}, ...]} '
-                        '(done, optional: a marker written once every run has ended)')
+                   help='{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR, '
+                        '"done": FILE}, ...]} (done, optional: a marker written once every run has ended)')
     p.add_argument("--keep-going", action="store_true",
                    help="record a run that fails in its folder (summary.json, status: error) and exit 0 once every "
                         "run's end is recorded (the workflow's cell jobs: a failed job's files would be removed)")

@@ -23,8 +23,8 @@ run folder), before the first run starts, so a bad job file writes nothing.
 outputs of a job that fails or is stopped, and reruns the whole job. So that a cell stopped after some of its
 runs had finished loses none of them, a cell job with ``resume`` keeps a journal beside its job file
 (``<job>.progress.json``): each run that ended ``ok``, ``oom`` or ``diverged`` is added as it ends, with its
-config as written and the code it ran (:func:`agg_bench.sources.source_digest`: the source of agg_bench and baselines). The
-next attempt of the same job file keeps such a run instead of running it again when all of these hold: the
+config as written and the code it ran (:func:`agg_bench.sources.source_digest`: the source of agg_bench and
+baselines). The next attempt of the same job file keeps such a run instead of running it again when all of these hold: the
 journal's code is the code now, the run's config is the one this attempt would write, and its folder still
 holds that config, a ``summary.json`` of the recorded status, ``metrics.jsonl`` and ``env.json``. The journal
 is removed when an attempt ends with every run ended ``ok``, ``oom`` or ``diverged``, so a forced rerun of a

@@ -53,8 +53,8 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     checkpoint's iteration (later records are dropped and recomputed, so none is duplicated or missing),
     or starts over when there is no checkpoint; with ``resume_stopped`` it does so only when the folder holds
     an attempt of this run that was stopped before it ended (:func:`~agg_bench.runtime.runfolder.
-    stopped_attempt`: killed or interrupted, same config, same code), and starts over otherwise; ``train.checkpoint_every`` = K > 0 writes
-    ``checkpoint.pt`` every K iterations, at the end and on interruption. ``eval.every`` = K > 0 evaluates
+    stopped_attempt`: killed or interrupted, same config, same code), and starts over otherwise;
+    ``train.checkpoint_every`` = K > 0 writes ``checkpoint.pt`` every K iterations, at the end and on interruption. ``eval.every`` = K > 0 evaluates
     the policy on held-out noise (:mod:`agg_bench.runtime.evaluation`) before the first iteration, every K
     iterations and after the last, into ``evaluations.jsonl``, outside what the records count and time.
 

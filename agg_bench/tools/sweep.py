@@ -564,7 +564,8 @@ def failed_runs(folders: list[str]) -> list[tuple[str, str]]:
     return failed
 
 
-def report_failed_runs(failed: list[tuple[str, str]], logs: dict[str, str], markers: dict[str, str] | None = None) -> str:
+def report_failed_runs(failed: list[tuple[str, str]], logs: dict[str, str],
+                       markers: dict[str, str] | None = None) -> str:
     """Remove the ``summary.json`` of each failed run and its cell job's marker (``markers``: run folder ->
     marker; the job's output is then missing, so the next invocation reruns the cell, which keeps the runs
     that ended and reruns this one; the run's other files stay) and say so in one line that names each run,
