@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .errors import ConfigError, UserError, run_command
 from .io import write_json
-from .outdir import check_own_file
+from .outdir import check_file
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -57,7 +57,7 @@ def _check_marker(done: Path, out: Path) -> None:
         raise UserError(f"--done {done}: inside --out {out}; expected a marker outside the run folder")
     from .runtime.cell import is_marker
 
-    check_own_file(done, "--done", "a marker file (it is replaced)", is_marker)
+    check_file(done, is_marker, "a run's marker", "--done")
 
 
 def cmd_cell(args) -> int:

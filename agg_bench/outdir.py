@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import fnmatch
-import json
 import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -187,14 +186,17 @@ def remove_owned(folder: Path, contents: Contents) -> None:
         pass
 
 
-def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = "--out") -> None:
-    """Refuse ``path`` unless it is new or ``what`` (``ours(path)``): not a folder, not a link. Reads only."""
+def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = "--out",
+               remedy: str = "give a new path") -> None:
+    """Refuse ``path`` unless it is new or ``what`` (``ours(path)``): not a folder, not a link. ``remedy`` ends
+    the line about someone else's file (for a path the user did not name, such as a cell's journal, what to
+    do instead of giving another). Reads only."""
     if path.is_symlink():
         raise UserError(f"{flag} {path}: is a symbolic link; give a plain file path")
     if path.is_dir():
         raise UserError(f"{flag} {path}: is a folder; expected a file path")
     if path.exists() and not ours(path):
-        raise UserError(f"{flag} {path}: the file exists and is not {what}; give a new path")
+        raise UserError(f"{flag} {path}: the file exists and is not {what}; {remedy}")
 
 
 def _holder(fd: int) -> str:
@@ -365,31 +367,18 @@ def claim_files(paths: dict[str | Path, tuple[Callable[[Path], bool], str]], fla
     return Claim(items[0][0], folder=False, lock_inside=False, flag=flag, check=check)
 
 
-def json_file_with(*keys: str) -> Callable[[Path], bool]:
-    """``ours`` for a JSON output: an existing file is ours if it is a JSON object holding ``keys``."""
+def json_file_where(accept: Callable[[dict], bool]) -> Callable[[Path], bool]:
+    """``ours`` for a JSON output: an existing file is ours if it is a JSON object (read bounded,
+    :func:`agg_bench.jsonfiles.read_json_object`) that ``accept`` takes."""
     def ours(path: Path) -> bool:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            return accept(read_json_object(path, "a JSON object"))
+        except JsonFileError:
             return False
-        return isinstance(data, dict) and all(k in data for k in keys)
 
     return ours
 
 
-def check_own_file(path: Path, what: str, expected: str, owned: Callable[[dict], bool] | None = None) -> None:
-    """A UserError (``what`` ``path`` is ...; expected ``expected`` or nothing) when ``path`` exists as anything
-    but a regular file (a folder, a link), or, with ``owned``, as a file that is not a JSON object ``owned``
-    accepts: a small file a command replaces by rename (a marker, a journal) is never written through a link,
-    over a folder, or over someone else's file."""
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        kind = "a symbolic link" if path.is_symlink() else "a folder" if path.is_dir() else "not a regular file"
-        raise UserError(f"{what} {path} is {kind}; expected {expected} or nothing")
-    if owned is not None and path.is_file():
-        try:
-            ours = owned(read_json_object(path, expected))
-        except JsonFileError:
-            ours = False
-        if not ours:
-            raise UserError(f"{what} {path} holds a file agg-bench did not write; expected {expected} or nothing "
-                            "(remove it, or choose another path)")
+def json_file_with(*keys: str) -> Callable[[Path], bool]:
+    """``ours`` for a JSON output: an existing file is ours if it is a JSON object holding ``keys``."""
+    return json_file_where(lambda data: all(k in data for k in keys))

@@ -24,9 +24,10 @@ buckets on every process. Each process's loss is scaled by 1/(B_local N) and all
 samples, so the average of the local gradients is the single-process gradient of
 L = 1/(B N) sum l_ij. AGG routes on the scores of all processes' groups at once (gathered), so the routed
 set, and with it the gradient, is the single-process one for every ``route_frac``. With ``train.minibatches`` M,
-each process deals its groups into M mini-batches (local group l into mini-batch l mod M; M divides its groups),
-so the union of the processes' k-th mini-batches is the single-process run's k-th, and each optimizer step
-averages their gradients as above.
+each process splits its whole groups into M mini-batches (``groups``: local group l into mini-batch l mod M, M
+dividing its groups; ``slices``: the k-th slice of each of its groups into mini-batch k), so the union of the
+processes' k-th mini-batches is the single-process run's k-th, and each optimizer step averages their gradients
+as above.
 
 **FSDP** (``train.shard: fsdp``, :mod:`agg_bench.machine.fsdp`): parameters, gradients and optimizer state are
 sharded with FSDP2 instead of replicated. Its reduce-scatter in every backward already averages the

@@ -48,7 +48,7 @@ from typing import Any
 from .. import stopping
 from ..errors import UserError, run_command
 from ..io import as_written, write_json
-from ..outdir import check_own_file
+from ..outdir import check_file, json_file_where
 from ..jsonfiles import JsonFileError, json_type, read_json_object
 from ..sources import source_digest
 
@@ -138,7 +138,7 @@ def read_jobs(path: str | Path) -> list[CellRun]:
         if marker in markers:
             raise UserError(f"{path}: runs[{index}].done {job.done} is also runs[{markers[marker]}].done; "
                             "expected a marker of its own for each run")
-        check_own_file(job.done, f"{path}: runs[{index}].done", "a marker file (it is replaced)", is_marker)
+        check_file(job.done, is_marker, "a run's marker", f"{path}: runs[{index}].done")
         markers[marker] = index
     return jobs
 
@@ -264,15 +264,11 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
     return worst
 
 
-def is_marker(data: dict) -> bool:
-    """Whether a JSON object is a run's marker (``{"out", "status"}``), which a cell or a run may replace."""
-    return set(data) == {"out", "status"}
-
-
-def is_journal(data: dict) -> bool:
-    """Whether a JSON object is a cell's journal (:class:`Progress`), which the cell may replace."""
-    runs = data.get("runs")
-    return set(data) == {"code", "runs"} and isinstance(runs, dict) and all(isinstance(r, dict) for r in runs.values())
+# whether a file is a run's marker ({"out", "status"}), which a cell or a run may replace
+is_marker = json_file_where(lambda data: set(data) == {"out", "status"})
+# whether a file is a cell's journal (:class:`Progress`), which the cell may replace
+is_journal = json_file_where(lambda data: set(data) == {"code", "runs"} and isinstance(data["runs"], dict)
+                             and all(isinstance(r, dict) for r in data["runs"].values()))
 
 
 class Progress:
@@ -293,7 +289,8 @@ class Progress:
         by other code (stderr says so); a UserError, before any run, when the file there is not a journal (a
         folder, a link, someone else's file: it is never replaced)."""
         path, code = cls.path_of(jobs_path), source_digest()
-        check_own_file(path, f"{jobs_path}: its journal", PROGRESS_EXPECTED, is_journal)
+        check_file(path, is_journal, "a cell job's journal", f"{jobs_path}: its journal",
+                   "remove it (the cell writes its journal there)")
         if not path.exists():
             return cls(path, {}, code)
         journal = read_json_object(path, PROGRESS_EXPECTED)

@@ -96,10 +96,10 @@ def run(out: Path, *overrides: str) -> dict:
      ["runs[1].done", "also runs[0].done"]),
     (lambda t: {"runs": [{**run(t / "a"), "done": 3}]}, ["runs[0].done is a number", "a marker file or null"]),
     (lambda t: (t / "m").mkdir() or {"runs": [{**run(t / "a"), "done": str(t / "m")}]},
-     ["runs[0].done", "is a folder", "a marker file (it is replaced) or nothing"]),
+     ["runs[0].done", "is a folder", "expected a file path"]),
     # a file that is not a marker is someone's: never replaced
     (lambda t: (t / "m").write_text("notes") and {"runs": [{**run(t / "a"), "done": str(t / "m")}]},
-     ["runs[0].done", "holds a file agg-bench did not write"]),
+     ["runs[0].done", "the file exists and is not a run's marker"]),
     (lambda t: " " * (64 * 2**20 + 1), ["jobs.json", "over the 64 MiB"]),
     # a config error in a later run: found before the first run writes anything
     (lambda t: {"runs": [run(t / "a"), run(t / "b", "train.lr=fast")]}, ["runs[1]", "train.lr", "'fast'"]),
@@ -119,8 +119,8 @@ def test_a_bad_job_file_is_one_line_and_writes_nothing(tmp_path, capsys, make, w
 @pytest.mark.parametrize("kind, words", [
     ("folder", ["is a folder"]),
     ("link", ["is a symbolic link"]),
-    ("not json", ["holds a file agg-bench did not write", "remove it"]),
-    ("another object", ["holds a file agg-bench did not write"]),
+    ("not json", ["is not a cell job's journal", "remove it"]),
+    ("another object", ["is not a cell job's journal", "remove it"]),
 ])
 def test_a_journal_that_is_not_one_is_refused_before_any_run(tmp_path, capsys, kind, words):
     """The journal's place holds something else: refused with one line before any run, and left as it was."""

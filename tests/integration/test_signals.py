@@ -416,8 +416,8 @@ def test_resume_stopped_continues_only_a_stopped_attempt(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("flags, words", [
     (["--resume", "--resume-stopped"], ["--resume and --resume-stopped", "give one"]),
     (["--done", "{out}/done.json"], ["--done", "inside --out", "outside the run folder"]),
-    (["--done", "{tmp}/folder"], ["--done", "is a folder", "a marker file"]),
-    (["--done", "{tmp}/notes.txt"], ["--done", "holds a file agg-bench did not write"]),
+    (["--done", "{tmp}/folder"], ["--done", "is a folder", "expected a file path"]),
+    (["--done", "{tmp}/notes.txt"], ["--done", "the file exists and is not a run's marker"]),
 ])
 def test_run_flags_that_cannot_go_together_are_one_line(tmp_path, capsys, flags, words):
     out = tmp_path / "run"
