@@ -31,6 +31,26 @@ CACHE_NEUTRAL = {
 }
 
 
+@contextmanager
+def interrupted_updates(when) -> Iterator[None]:
+    """Inside the block ``Session.update`` raises KeyboardInterrupt (a run stopped in its train phase) when
+    ``when(session)`` holds and updates as always otherwise; the real update is back after the block."""
+    from agg_bench.runtime.session import Session
+
+    update = Session.update
+
+    def stopping(self, batch):
+        if when(self):
+            raise KeyboardInterrupt
+        return update(self, batch)
+
+    Session.update = stopping  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Session.update = update  # type: ignore[method-assign]
+
+
 def tiny_config(*overrides: str, family: str = "sd3", dtype: str = "float64"):
     return load_config(None, [*TINY, f"model.family={family}", f"model.dtype={dtype}", *overrides])
 

@@ -16,6 +16,7 @@ from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
 from agg_bench.runtime import train as train_module
 from agg_bench.tools.sweep import Sweep
+from helpers import interrupted_updates
 from pinned import pinned_fields
 from test_pinned_records import differences
 
@@ -247,27 +248,19 @@ def identity(path: Path) -> tuple[int, int]:
     return stat.st_ino, stat.st_mtime_ns
 
 
-def test_a_resumed_cell_keeps_what_an_attempt_that_did_not_end_finished(tmp_path, capsys, monkeypatch):
+def test_a_resumed_cell_keeps_what_an_attempt_that_did_not_end_finished(tmp_path, capsys):
     """A workflow reruns a whole cell job after it was stopped (and removed its outputs: here the runs'
     markers, not their files). With --resume the next attempt keeps each run the stopped attempt finished,
     as long as its config, the code and its files are what the journal recorded, and runs the rest; an
     attempt that ended removes the journal, so a forced rerun runs everything again."""
-    session_class, update = train_module.Session, train_module.Session.update
-    stop = {"seed": 9}
-
-    def stopping_update(self, batch):  # a signal in b's first update, while stop holds its seed
-        if self.cfg.seed == stop["seed"]:
-            raise KeyboardInterrupt
-        return update(self, batch)
-
-    monkeypatch.setattr(session_class, "update", stopping_update)
     runs = [{**run(tmp_path / name, f"seed={seed}"), "done": str(tmp_path / "done" / f"{name}.json")}
             for name, seed in (("a", 0), ("b", 9), ("c", 2))]
     path = job_file(tmp_path, runs)
     journal = tmp_path / "jobs.progress.json"
     summary = {name: tmp_path / name / "summary.json" for name in "abc"}
 
-    assert main(["cell", "--keep-going", "--resume", str(path)]) == 130
+    with interrupted_updates(lambda session: session.cfg.seed == 9):  # a signal in b's first update
+        assert main(["cell", "--keep-going", "--resume", str(path)]) == 130
     assert json.loads(summary["a"].read_text())["status"] == "ok" and not (tmp_path / "c").exists()
     assert json.loads(summary["b"].read_text())["status"] == "interrupted"
     assert list(json.loads(journal.read_text())["runs"]) == [str(tmp_path / "a")]
@@ -275,7 +268,7 @@ def test_a_resumed_cell_keeps_what_an_attempt_that_did_not_end_finished(tmp_path
     first = identity(summary["a"])
     capsys.readouterr()
 
-    stop["seed"] = None  # the next attempt: a kept, b and c run
+    # the next attempt: a kept, b and c run
     assert main(["cell", "--keep-going", "--resume", str(path)]) == 0
     err = capsys.readouterr().err
     assert f"run 1/3 {tmp_path / 'a'} kept: it ended ok" in err and f"run 2/3 {tmp_path / 'b'} started" in err
@@ -299,20 +292,11 @@ def test_a_resumed_cell_keeps_what_an_attempt_that_did_not_end_finished(tmp_path
 def test_a_run_is_kept_only_as_the_journal_recorded_it(tmp_path, capsys, monkeypatch, change, words):
     from agg_bench.runtime import cell
 
-    session_class, update = train_module.Session, train_module.Session.update
-    stop = {"seed": 9}
-
-    def stopping_update(self, batch):
-        if self.cfg.seed == stop["seed"]:
-            raise KeyboardInterrupt
-        return update(self, batch)
-
-    monkeypatch.setattr(session_class, "update", stopping_update)
     runs = [run(tmp_path / "a"), run(tmp_path / "b", "seed=9")]
     path = job_file(tmp_path, runs)
-    assert main(["cell", "--resume", str(path)]) == 130
+    with interrupted_updates(lambda session: session.cfg.seed == 9):
+        assert main(["cell", "--resume", str(path)]) == 130
     first = identity(tmp_path / "a" / "summary.json")
-    stop["seed"] = None
     if change == "config":
         path = job_file(tmp_path, [run(tmp_path / "a", "train.lr=0.0002"), runs[1]])
     elif change == "code":
@@ -349,22 +333,14 @@ def test_a_run_stopped_by_another_base_exception_is_not_ok(tmp_path, monkeypatch
     assert summary["status"] == status and summary["error"].startswith(f"stopped by {raised.__name__}")
 
 
-def test_a_resumed_cell_continues_the_run_the_stop_cut_short_from_its_checkpoint(tmp_path, monkeypatch, capsys):
+def test_a_resumed_cell_continues_the_run_the_stop_cut_short_from_its_checkpoint(tmp_path, capsys):
     """The run a stopped cell was running continues from its last checkpoint in the next attempt (the same
     config and code), instead of starting over; a run that ended is kept, as the journal says."""
-    update = train_module.Session.update
-
-    def stopped_in_iteration_2(self, batch):
-        if self.cfg.seed == 9 and self.policy.version == 2:
-            raise KeyboardInterrupt
-        return update(self, batch)
-
-    monkeypatch.setattr(train_module.Session, "update", stopped_in_iteration_2)
     every = ["train.iterations=3", "train.checkpoint_every=1"]
     path = job_file(tmp_path, [run(tmp_path / "a", *every), run(tmp_path / "b", *every, "seed=9")])
-    assert main(["cell", "--resume", str(path)]) == 130
+    with interrupted_updates(lambda session: session.cfg.seed == 9 and session.policy.version == 2):
+        assert main(["cell", "--resume", str(path)]) == 130
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["status"] == "interrupted"
-    monkeypatch.setattr(train_module.Session, "update", update)
     capsys.readouterr()
     assert main(["cell", "--resume", str(path)]) == 0
     err = capsys.readouterr().err

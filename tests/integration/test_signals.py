@@ -25,6 +25,7 @@ from agg_bench.records import TIMING_KEYS
 from agg_bench import stopping
 from agg_bench.runtime.train import Interrupted, Session, train
 from baselines.full import FullEstimator
+from helpers import interrupted_updates
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "progress=false", "telemetry.enabled=false"]
@@ -384,20 +385,12 @@ def test_resume_stopped_continues_only_a_stopped_attempt(tmp_path, monkeypatch, 
     out = tmp_path / "run"
     base = ["run", "--config", "config/run.yaml", *SET, "--set", "train.iterations=3", "--set",
             "train.checkpoint_every=1", "--out", str(out)]
-    update = Session.update
-
-    def stopped_in_iteration_2(self, batch):
-        if self.policy.version == 2:
-            raise KeyboardInterrupt
-        return update(self, batch)
-
     monkeypatch.chdir(ROOT)
     if change == "ended":
         assert main(base) == 0
     else:
-        monkeypatch.setattr(Session, "update", stopped_in_iteration_2)
-        assert main(base) == 130 and summary(out)["status"] == "interrupted"
-        monkeypatch.setattr(Session, "update", update)
+        with interrupted_updates(lambda session: session.policy.version == 2):
+            assert main(base) == 130 and summary(out)["status"] == "interrupted"
     if change == "killed":
         (out / "summary.json").unlink()
     elif change == "code":
