@@ -49,7 +49,8 @@ from .. import stopping
 from ..errors import UserError, run_command
 from ..io import as_written, write_json
 from ..outdir import check_file, json_file_where
-from ..jsonfiles import JsonFileError, json_type, read_json_object
+from ..reading import ENV_FILE, METRICS_FILE, RunFolder
+from ..jsonfiles import json_type, read_json_object
 from ..sources import source_digest
 
 EXPECTED = ('an agg-bench cell job file: {"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], '
@@ -309,14 +310,14 @@ class Progress:
         config = as_written(cfg.to_dict())
         if entry.get("config") != config:
             return None
+        folder = RunFolder(job.out)  # the one reader of a run folder: bounded, its summary by the record contract
         try:
-            summary = read_json_object(job.out / "summary.json", "a run's summary")
-            written = read_json_object(job.out / "config.json", "a run's config")
-        except JsonFileError:
+            summary, written = folder.summary(), folder.config_object()
+        except UserError:
             return None
         if summary.get("status") != entry["status"] or written != config:
             return None
-        if not ((job.out / "metrics.jsonl").is_file() and (job.out / "env.json").is_file()):
+        if not (folder.path(METRICS_FILE).is_file() and folder.path(ENV_FILE).is_file()):
             return None
         return entry["status"]
 
