@@ -2,8 +2,10 @@
 public code github.com/NVlabs/DiffusionNFT, ``scripts/train_nft_sd3.py`` and ``config/nft.py``).
 
 DiffusionNFT has no per-step likelihood. The rollout is deterministic (ODE; the public code samples with
-a DPM-Solver-2 ODE, ``config.sample.deterministic = True``, ``solver = "dpm2"``; here the engine's Euler ODE
-on the run's ``sampling.steps`` grid). Only each sample's final latent x0 and its reward are kept.
+``config.sample.deterministic = True`` and ``solver = "dpm2"``, DPM-Solver++(2M) on the SD3 scheduler's sigmas,
+``flow_grpo/diffusers_patch/solver.py``): ``method.solver`` takes ``dpm2`` (the preset) or the engine's Euler step
+(the default), on the run's ``sampling.steps`` grid; both make one forward per step. Only each sample's final
+latent x0 and its reward are kept. The code evaluates with ``solver="flow"`` and no noise, the Euler ODE.
 
 Rewards become an optimality probability per sample (the paper's reward normalisation, in its method section):
 ``r = 1/2 + 1/2 clip(A / Z, -1, 1)`` with ``A`` the group-standardised reward (GRPO's, clipped to
@@ -55,9 +57,9 @@ The steps (schedule) are drawn in :meth:`NFTEstimator.plan` from the iteration's
 a generator that draws the noise (and uniform times): deterministic given the run's seed.
 
 The code's advantages take the batch-wide reward std (``sample.global_std = True``) plus 1e-4: here
-``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). Not ported: the DPM-Solver-2 sampler, the EMA of
-the trained weights that only evaluations and checkpoints use (``train.ema``, decay 0.9), LoRA. An ODE rollout
-from one noise is one image, so ``sampling.same_noise_per_group`` must be false.
+``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). Not ported: the EMA of the trained weights that
+only evaluations and checkpoints use (``train.ema``, decay 0.9), LoRA. An ODE rollout from one noise is one image,
+so ``sampling.same_noise_per_group`` must be false.
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
 """
@@ -106,6 +108,10 @@ class NFTConfig(Options):
                                        "`decay_type = 2`)", minimum=0, maximum=1)
     old_decay_after: int = option(0, "optimizer steps before the old policy's moving average starts to move (75 for "
                                      "`decay_type = 2`)", minimum=0, maximum=10**9)
+    solver: Literal["euler", "dpm2"] = option(
+        "euler", "the ODE rollout's sampler: `euler`, or `dpm2`, DPM-Solver++(2M) with one velocity per step as "
+        "Euler, first order at the first step and into sigma 0 (the code's `sample.solver = \"dpm2\"`; "
+        "`agg_bench.engine.solvers.ode_solver`)")
 
     def times(self, steps: int) -> int:
         """K for a ``steps``-step rollout."""
@@ -175,6 +181,11 @@ class NFTEstimator(FinalLatentEstimator):
             return super().rollout(policy, cond, noise, sigmas, sampling, generator, iteration, group_size)
         with self.ema.weights_in(policy) as sampler:
             return super().rollout(sampler, cond, noise, sigmas, sampling, generator, iteration, group_size)
+
+    def ode_rule(self, sigmas):
+        from agg_bench.engine.solvers import ode_solver
+
+        return ode_solver(self.config.solver, sigmas)
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)

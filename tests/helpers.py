@@ -136,3 +136,29 @@ def relative_error(a: dict, b: dict) -> float:
     num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
     den = sum(float(b[k].double().pow(2).sum()) for k in b)
     return (num / den) ** 0.5
+
+
+def nft_dpm2_reference(sigmas: torch.Tensor, x: torch.Tensor, velocities: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The states of DiffusionNFT's ``dpm2`` ODE sampler (``flow_grpo/diffusers_patch/solver.py``, ``dpm_step`` of
+    order 2), written from its equations in float64 tensors, where log(0) = -inf as torch computes it. With the
+    data prediction m_i = x_i - s_i v_i: step 0 and the last step are DDIM with eta 0, x' = (1 - s') m + s' e
+    with e = (x - (1 - s) m) / s; the others are second-order multistep with lambda = log(1 - s) - log(s),
+    h = lambda' - lambda, r0 = (lambda - lambda_prev) / h, D1 = (m - m_prev) / r0 and
+    x' = (s'/s) x - (1 - s')(e^{-h} - 1)(m + D1 / 2); a previous prediction at s = 1 gives r0 = inf, D1 = 0."""
+    s = sigmas.to(torch.float64)
+    n = len(velocities)
+    lam = torch.log(1 - s) - torch.log(s)
+    states, m_prev = [x], None
+    for i, v in enumerate(velocities):
+        m = x - s[i] * v
+        if i == 0 or i == n - 1:
+            e = (x - (1 - s[i]) * m) / s[i]
+            x = (1 - s[i + 1]) * m + s[i + 1] * e
+        else:
+            h = lam[i + 1] - lam[i]
+            r0 = (lam[i] - lam[i - 1]) / h
+            d1 = (1.0 / r0) * (m - m_prev)
+            x = (s[i + 1] / s[i]) * x - (1 - s[i + 1]) * torch.expm1(-h) * (m + 0.5 * d1)
+        states.append(x)
+        m_prev = m
+    return states

@@ -13,7 +13,10 @@ and ``sigma = s``, the data prediction of velocity ``v`` is ``x0 = x - s v``, an
   ``D1 = (x0 - x0_prev) / r0``, ``r0 = h_0 / h``, ``h_0 = lambda - lambda_prev``.
 
 A step into sigma 0 (lambda' = +inf) is first order and returns ``x0`` exactly (diffusers'
-``final_sigmas_type="zero"``). The previous prediction may come from a step on another grid (MixGRPO-Flash
+``final_sigmas_type="zero"``). A step from sigma 1 (lambda = -inf, the first step of the SD3 scheduler's grid)
+takes the limit h -> +inf of the first-order step, ``x' = s' x + (1 - s') x0`` (Euler's step from pure noise); a
+prediction made at sigma 1 gives the next step ``h_0 = +inf``, so its ``D1`` is 0 and the step is first order, as
+DiffusionNFT's ``dpm2`` sampler computes it with ``log(0) = -inf`` (``flow_grpo/diffusers_patch/solver.py``). The previous prediction may come from a step on another grid (MixGRPO-Flash
 feeds the predictions of its Euler and SDE steps to the first solver step after its window): ``h_0`` is
 measured between the sigmas the predictions were made at, so the ratio ``r0`` absorbs the change of grid.
 Coefficients are float64 numbers; the states keep their dtype.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -48,14 +52,16 @@ def dpm_solver_pp_step(x: torch.Tensor, current: DataPrediction, sigma_next: flo
     s, x0 = current.sigma, current.x0
     if sigma_next == 0:
         return x0.clone()
-    if not 0 < sigma_next < s < 1:
-        raise ValueError(f"a DPM-Solver++ step needs 0 <= sigma' < sigma < 1, got {s} -> {sigma_next}")
+    if not 0 < sigma_next < s <= 1:
+        raise ValueError(f"a DPM-Solver++ step needs 0 <= sigma' < sigma <= 1, got {s} -> {sigma_next}")
+    if s == 1:  # lambda = -inf: e^{-h} = 0, and a prediction before it cannot be (module docstring)
+        return sigma_next * x + (1.0 - sigma_next) * x0
     lam, lam_next = half_log_snr(s), half_log_snr(sigma_next)
     h = lam_next - lam
     alpha_next = 1.0 - sigma_next
     phi = alpha_next * math.expm1(-h)  # alpha' (e^{-h} - 1)
     x_next = (sigma_next / s) * x - phi * x0
-    if previous is not None:
+    if previous is not None and previous.sigma < 1:  # at sigma 1, h_0 = +inf: D1 = 0
         r0 = (lam - half_log_snr(previous.sigma)) / h
         x_next = x_next - (0.5 * phi / r0) * (x0 - previous.x0)
     return x_next
@@ -84,8 +90,35 @@ class MultistepDPMSolverPP:
         self.observed[j] = DataPrediction(x - s * v, s)
         self.observed.pop(j - 2, None)
 
+    def ode_step(self, j: int, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """x_{j+1} from x_j and its velocity v_j, where the solver takes every step (:meth:`observe`, then
+        :meth:`step`)."""
+        self.observe(j, x, v)
+        return self.step(j, x)
+
     def step(self, j: int, x: torch.Tensor) -> torch.Tensor:
         """x_{j+1} from x_j by the solver, step j's prediction observed before."""
         previous = self.observed.get(j - 1) if self.order == 2 else None
-        self.orders.append(2 if previous is not None and self.sigmas[j + 1] > 0 else 1)
+        second = previous is not None and previous.sigma < 1 and self.sigmas[j + 1] > 0
+        self.orders.append(2 if second else 1)
         return dpm_solver_pp_step(x, self.observed[j], self.sigmas[j + 1], previous)
+
+
+# The deterministic samplers an ODE rollout may take (a method's ``solver`` option): ``euler`` is the rollout's
+# own step (:func:`agg_bench.engine.sampler.ode_step`), ``dpm2`` DPM-Solver++(2M) (:func:`ode_solver`).
+ODE_SOLVERS = ("euler", "dpm2")
+
+
+def ode_solver(name: str, sigmas: torch.Tensor) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The deterministic step ``(j, x_j, v_j) -> x_{j+1}`` of an ODE rollout on ``sigmas``: None for ``euler``
+    (the rollout takes its Euler step); for ``dpm2`` DPM-Solver++(2M), first order at the first step and into
+    sigma 0, second order between, one velocity per step as Euler: DiffusionNFT's ``sample.solver = "dpm2"``
+    (``flow_grpo/diffusers_patch/solver.py``: ``dpm_step`` of order 2 with ``lower_order_final``) and diffusers'
+    ``DPMSolverMultistepScheduler`` with ``solver_order=2``, ``solver_type="midpoint"`` and
+    ``final_sigmas_type="zero"`` (the Sana scheduler DGPO samples with). A new solver per call: its history
+    and ``orders`` are one rollout's."""
+    if name == "euler":
+        return None
+    if name != "dpm2":
+        raise ValueError(f"ODE solver {name!r}: expected one of {list(ODE_SOLVERS)}")
+    return MultistepDPMSolverPP(sigmas, 2).ode_step

@@ -123,12 +123,18 @@ class Estimator(ABC):
                 sampling: SamplingConfig, generator: torch.Generator, iteration: int, group_size: int) -> Trajectory:
         """The iteration's trajectories from x_0 = ``noise`` (P x G rows, G = ``group_size``, grouped
         consecutively); random draws come from ``generator``, after the noise. Default: :func:`agg_bench.engine.rollout.rollout`
-        with :meth:`sde_mask` and :meth:`rollout_hooks`, Euler steps where it is not stochastic."""
+        with :meth:`sde_mask`, :meth:`rollout_hooks` and :meth:`ode_rule` (Euler) where it is not stochastic."""
         from ..engine.rollout import rollout  # the rollout imports the models (diffusers); a method's options do not
 
         mask = self.sde_mask(iteration, sampling.steps, generator)
         with self.rollout_hooks(policy) as before_step:
-            return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, mask, before_step)
+            return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, mask, before_step,
+                           ode=self.ode_rule(sigmas))
+
+    def ode_rule(self, sigmas: torch.Tensor) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The deterministic step ``(j, x_j, v_j) -> x_{j+1}`` of the rollout's steps outside the SDE mask, made
+        for one rollout on ``sigmas`` (a multistep solver keeps its history in it). Default None: Euler."""
+        return None
 
     def advantages(self, rewards: torch.Tensor, trajectory: Trajectory, grpo: GRPOConfig) -> torch.Tensor:
         """A (B,) per sample or (B, T) per (sample, step), in the trajectory's dtype, from the rewards (B,)

@@ -12,7 +12,7 @@ from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.io import read_jsonl
 from agg_bench.runtime.train import Session
-from helpers import counted, move_off_policy, relative_error, tiny_config
+from helpers import counted, move_off_policy, nft_dpm2_reference, relative_error, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/diffusionnft.yaml"
@@ -119,6 +119,24 @@ def test_rollout_is_ode_and_r_is_the_clipped_normalised_advantage():
     assert torch.all((r >= 0) & (r <= 1))
 
 
+@pytest.mark.parametrize("old_decay_rate", [0.0, 0.001])
+def test_dpm2_rollout_is_the_public_sampler_at_one_forward_per_step(old_decay_rate):
+    """``method.solver=dpm2``: every state of the rollout is DiffusionNFT's ``dpm2`` step (tests/helpers.py) from
+    the velocities the rollout recorded, by the policy or by its moving average, with one no-grad forward per
+    sample and step, as the Euler rollout; the images differ from Euler's from the third step on."""
+    s = session("method.solver=dpm2", f"method.old_decay_rate={old_decay_rate}")
+    with counted(s.policy) as passes:
+        batch = s.collect(0).batch
+    assert passes.as_dict() == {"forward_nograd": batch.batch_size * STEPS, "forward_grad": 0, "backward": 0}
+    assert float(batch.sigmas[0]) == 1.0 and torch.all(batch.log_probs == 0)
+    expected = nft_dpm2_reference(batch.sigmas, batch.latents[:, 0], list(batch.velocities.unbind(1)))
+    torch.testing.assert_close(torch.stack(expected, 1), batch.latents, rtol=0, atol=1e-12)
+    euler = session(f"method.old_decay_rate={old_decay_rate}").collect(0).batch
+    # the two first steps are first order: Euler's states, up to rounding
+    torch.testing.assert_close(euler.latents[:, :3], batch.latents[:, :3], rtol=0, atol=1e-12)
+    assert not torch.allclose(euler.latents[:, -1], batch.latents[:, -1])
+
+
 def test_times_are_distinct_schedule_steps_and_reproducible():
     a, b = session(), session()
     ba, bb = a.collect(0).batch, b.collect(0).batch
@@ -181,6 +199,7 @@ def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
     assert (o.beta, o.times_per_sample, o.time_distribution, o.adv_mode, o.weighting) == \
         (1.0, 9, "schedule", "all", "adaptive")
     assert (o.old_decay_rate, o.old_decay_max, o.old_decay_after) == (0.001, 0.5, 0)  # decay_type 1
+    assert o.solver == "dpm2"  # sample.solver, sample.deterministic
     assert (cfg.sampling.steps, cfg.grpo.adv_clip_max, cfg.train.lr) == (10, 5.0, 3e-4)
     assert (cfg.grpo.adv_std, cfg.grpo.adv_ddof, cfg.grpo.adv_eps) == ("global", 0, 1e-4)
     assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"

@@ -1,13 +1,15 @@
 """DPM-Solver++ on the flow schedule (agg_bench/engine/solvers.py) against diffusers' scheduler stepped in
-float64 and against the paper's update equations written here."""
+float64, against the paper's update equations written here, and as DiffusionNFT's ``dpm2`` rollout sampler
+against that sampler's equations (tests/helpers.py)."""
 import math
 
 import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler
 
-from agg_bench.engine.sampler import ode_step
-from agg_bench.engine.solvers import DataPrediction, MultistepDPMSolverPP, dpm_solver_pp_step
+from agg_bench.engine.sampler import flow_sigmas, ode_step
+from agg_bench.engine.solvers import DataPrediction, MultistepDPMSolverPP, dpm_solver_pp_step, ode_solver
+from helpers import nft_dpm2_reference
 
 SHAPE = (2, 3, 4, 4)
 
@@ -151,3 +153,42 @@ def test_the_float64_driver_is_what_step_does():
 def test_orders_other_than_one_and_two_are_refused():
     with pytest.raises(ValueError):
         MultistepDPMSolverPP(torch.tensor([1.0, 0.0]), order=3)
+
+
+@pytest.mark.parametrize("steps, shift", [(10, 3.0), (7, 1.0), (2, 3.0)])
+def test_dpm2_rollout_equals_diffusion_nfts_sampler_on_the_sd3_grid(steps, shift):
+    """``ode_solver("dpm2")`` on the SD3 scheduler's grid, which starts at sigma 1 (lambda = -inf), against the
+    public ``dpm2`` sampler's equations (tests/helpers.py): the first step from pure noise, the second
+    first order too (its previous prediction was made at sigma 1), second order after, first order into 0."""
+    sigmas = flow_sigmas(steps, shift)
+    assert float(sigmas[0]) == 1.0 and float(sigmas[-1]) == 0.0
+    gen = torch.Generator().manual_seed(100 + steps)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    velocities = random_velocities(steps, gen)
+    rule = ode_solver("dpm2", sigmas)
+    ours = [x]
+    for j, v in enumerate(velocities):
+        ours.append(rule(j, ours[-1], v))
+    expected = nft_dpm2_reference(sigmas, x, velocities)
+    assert all(torch.isfinite(e).all() for e in expected)
+    assert max_relative(ours, expected) <= 1e-12
+    assert rule.__self__.orders == ([1, 1] + [2] * (steps - 3) + [1])[:steps]
+    euler = [x]
+    for j, v in enumerate(velocities):
+        euler.append(ode_step(v, euler[-1], sigmas, j))
+    assert steps < 4 or not torch.allclose(ours[-1], euler[-1])  # from the third step on it is not Euler's
+
+
+def test_euler_is_the_rollouts_own_step_and_other_names_are_refused():
+    sigmas = flow_sigmas(4, 3.0)
+    assert ode_solver("euler", sigmas) is None
+    with pytest.raises(ValueError, match="dpm3"):
+        ode_solver("dpm3", sigmas)
+
+
+def test_a_step_from_sigma_one_is_the_euler_step():
+    gen = torch.Generator().manual_seed(4)
+    x, v = (torch.randn(SHAPE, generator=gen, dtype=torch.float64) for _ in range(2))
+    sigmas = torch.tensor([1.0, 0.6], dtype=torch.float64)
+    ours = dpm_solver_pp_step(x, DataPrediction(x - v, 1.0), 0.6)
+    assert float((ours - ode_step(v, x, sigmas, 0)).abs().max()) <= 1e-15
