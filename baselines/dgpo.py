@@ -74,7 +74,8 @@ known (a weight needs every member's error; the code all-reduces the group sums)
 
 The advantages: the geneval config standardises within the group (``sample.global_std = False``), the ocr one
 over the batch (True), both with np.std plus 1e-4 (``grpo.adv_eps``). Not ported: the DPM-Solver sampler of
-the rollout, the moving average as the DPO reference (``use_ema_ref``, a variant config's), the accelerate loop's
+the rollout (Sana's scheduler: DPM-Solver++(2M), whose step NFT's ``dpm2`` has, on a grid whose integer timesteps,
+trunc(1000 sigma), the transformer and the training noise level timestep / 1000 take), the moving average as the DPO reference (``use_ema_ref``, a variant config's), the accelerate loop's
 optimizer step every ``gradient_accumulation_steps`` (batch, time) passes (here one step per iteration on all of
 them), the EMA of the trained weights that only evaluations use (``train.ema``), LoRA. An ODE rollout from one
 noise is one image, so ``sampling.same_noise_per_group`` must be false.
