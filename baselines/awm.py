@@ -36,8 +36,11 @@ has one), here it does not depend on ``grpo.beta``. One no-grad forward of the m
 time), counted and charged; none while its weights are the policy's (the first iteration: the term and its
 gradient are then exactly 0). ``ema_kl_beta`` 0, the default, keeps no moving average.
 
-The K times per sample (``time_distribution``; one t per slot shared by the whole batch, where the code draws
-them once per micro-batch of ``train.batch_size`` samples):
+The K times per sample (``time_distribution``), one t per slot shared by ``times_shared_by`` samples: null
+(the default), the whole batch; a number n, as the code's micro-batches of ``train.batch_size`` = 3 samples each
+draw their own (it shuffles the rollout's samples, then cuts them into micro-batches): a random permutation
+of the batch's rows, cut into consecutive sets of n (the last one smaller where n does not divide B), each set
+drawing its K times in turn:
 - ``discrete`` (the code's default ``time_type = 'discrete_wo_init'``): schedule indices stratified over
   [1, int(steps * 0.9)] (``timestep_fraction = 0.9``) in K strata, one uniform index per stratum,
   t = the rollout's sigma at it;
@@ -53,7 +56,8 @@ from the policy.
 The code's advantages take the batch-wide reward std plus 1e-4 (``sample.global_std = True``): here
 ``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). Not ported: the SA-Solver sampler
 (``use_sa_solver``), the EMA of the trained weights that only evaluations and checkpoints use (``train.ema``,
-decay 0.99), the code's skipping of its first two epochs, LoRA.
+decay 0.99), LoRA. The code skips its first two epochs, whose groups it says its sampler gets wrong (a
+workaround: the harness's groups are right from the first iteration).
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
 """
@@ -64,7 +68,7 @@ from typing import Literal
 
 import torch
 
-from agg_bench.config.options import Options, batch_option, option
+from agg_bench.config.options import MAX_BATCH, Options, batch_option, option
 from agg_bench.engine.grpo import grpo_advantages, micro_batches
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import register_method
@@ -101,6 +105,10 @@ class AWMConfig(Options):
                                           "rate x optimizer steps)", minimum=0, maximum=1)
     ema_decay_max: float = option(0.3, "the largest decay of that moving average (the code's `kl_ema_decay`)",
                                   minimum=0, maximum=1)
+    times_shared_by: int | None = option(
+        None, "samples that share one draw of the K times: null, the whole batch; n, sets of n of the shuffled "
+        "batch, each drawing its own (the code's micro-batches of `train.batch_size = 3`; module docstring)",
+        minimum=1, maximum=MAX_BATCH)
 
 
 def matching_error(v: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -181,9 +189,16 @@ class AWMEstimator(FinalLatentEstimator):
 
     def trained_steps(self, train, trajectory, batch_size, generator):
         """(B, K) slots 0..K-1; the times and then the seed of the noise generator are drawn here."""
-        k = self.config.times_per_sample
-        self.times = draw_times(self.config.time_distribution, k, batch_size, trajectory.sigmas, self.shift,
-                                generator)
+        c = self.config
+        k = c.times_per_sample
+        if c.times_shared_by is None:
+            self.times = draw_times(c.time_distribution, k, batch_size, trajectory.sigmas, self.shift, generator)
+        else:
+            self.times = torch.empty(batch_size, k, dtype=torch.float64)
+            order = torch.randperm(batch_size, generator=generator)
+            for rows in order.split(c.times_shared_by):
+                self.times[rows] = draw_times(c.time_distribution, k, rows.numel(), trajectory.sigmas, self.shift,
+                                              generator)
         self.draw_noise_seed(generator)
         return torch.arange(k).expand(batch_size, k).clone()
 

@@ -60,7 +60,8 @@ def reference_gradient(session, batch, weighting="uniform", power=0.25):
 @pytest.mark.parametrize("options", [["method.time_distribution=uniform"],
                                      ["method.time_distribution=discrete", "method.weighting=ghuber"],
                                      ["method.time_distribution=logit_normal", "grpo.beta=0.01",
-                                      "method.micro_batch=4"]])
+                                      "method.micro_batch=4"],
+                                     ["method.time_distribution=logit_normal", "method.times_shared_by=4"]])
 def test_gradient_equals_the_papers_loss_and_counts_passes(options):
     session = Session(tiny_config(*AWM, f"method.times_per_sample={K}", *options))
     rollout = session.collect(0)
@@ -103,11 +104,43 @@ def test_times_follow_the_distributions():
     assert not torch.equal(t[0], t[1])
 
 
+def partition(times: torch.Tensor) -> list[tuple[int, ...]]:
+    """The sets of rows that share their times, each in row order, sorted."""
+    sets: dict[tuple, list[int]] = {}
+    for i, row in enumerate(times.tolist()):
+        sets.setdefault(tuple(row), []).append(i)
+    return sorted(tuple(v) for v in sets.values())
+
+
+@pytest.mark.parametrize("n", [None, 1, 2, 4])
+def test_times_are_drawn_per_set_of_shuffled_samples(n):
+    """``times_shared_by`` n: the batch's rows, shuffled, in sets of n (the last smaller), each with its own
+    draw of the K times; null: one draw for the whole batch. The same seed draws the same sets."""
+    opts = [*AWM, f"method.times_per_sample={K}", "method.time_distribution=logit_normal",
+            f"method.times_shared_by={'null' if n is None else n}"]
+    a, b = Session(tiny_config(*opts)), Session(tiny_config(*opts))
+    partitions = []
+    for it in range(3):
+        a.collect(it)
+        b.collect(it)
+        assert torch.equal(a.estimator.times, b.estimator.times)
+        rows = a.estimator.times.shape[0]
+        got = partition(a.estimator.times)
+        size = rows if n is None else n
+        assert sorted(len(p) for p in got) == sorted([size] * (rows // size) + ([rows % size] if rows % size else []))
+        assert sorted(i for p in got for i in p) == list(range(rows))
+        partitions.append(got)
+    consecutive = sorted(tuple(range(i, min(i + (n or rows), rows))) for i in range(0, rows, n or rows))
+    if n not in (None, 1):  # the sets are drawn, not consecutive rows (a group's samples would share them)
+        assert any(p != consecutive for p in partitions)
+
+
 def test_preset_scales_the_public_setting_and_loads_with_random_weights():
     cfg = check_config(load_config(PRESET))
     options = cfg.method.options
     assert (cfg.sampling.steps, cfg.sampling.shift, cfg.grpo.beta, cfg.grpo.adv_clip_max) == (14, 3.0, 0.001, 5.0)
     assert (options.times_per_sample, options.time_distribution, options.advantage_max) == (6, "discrete", 1.0)
+    assert options.times_shared_by == 3  # train.batch_size
     assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
 
