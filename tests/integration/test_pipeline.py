@@ -44,6 +44,21 @@ def job_counts(stdout: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", block, re.M)}
 
 
+def gpu_claims(stdout: str) -> list[tuple[str, int, int]]:
+    """(rule, the gpu resource it declares, the GPUs its command asks the pool for) of every job of a dry run
+    with -p (a command that asks none: 0)."""
+    claims = []
+    for block in re.split(r"\n(?=rule \w+:)", stdout):
+        head = re.match(r"rule (\w+):", block)
+        command = re.search(r"Shell command: (.*)", block)
+        if head is None or command is None:
+            continue
+        declared = re.search(r"resources:[^\n]*\bgpu=(\d+)", block)
+        asked = re.search(r"agg_bench\.machine\.gpus --count (\d+)", command.group(1))
+        claims.append((head.group(1), int(declared.group(1)) if declared else 0, int(asked.group(1)) if asked else 0))
+    return claims
+
+
 def expected_run_labels(sweep: dict) -> list[dict]:
     """The label combinations of a sweep's runs: every one that no `exclude` entry matches."""
     keys = ("method", "model", "resolution", "seed", "device")
@@ -84,9 +99,13 @@ def test_dry_run_expands_every_job(tmp_path, name, extra):
     work = workdir(tmp_path)
     sweep = yaml.safe_load((work / "config" / name).read_text())
     args = ["--configfile", f"config/{name}"] if name != "config.yaml" else []  # the default needs no flag
-    proc = snakemake(work, "-n", *args, *extra)
+    proc = snakemake(work, "-n", "-p", *args, *extra)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     counts = job_counts(proc.stdout)
+    # every job declares the GPUs its command takes, so that Snakemake and SLURM give it as many
+    claims = gpu_claims(proc.stdout)
+    assert "calibrate" in {c[0] for c in claims} and [c for c in claims if c[1] != c[2]] == []
+    assert any(c[2] > 1 for c in claims) == (name != "config.yaml")
     cells = {rule: n for rule, n in counts.items() if rule.startswith("cell_") and rule != "cell_jobs"}
     runs = planned_runs(proc.stdout)
     assert sorted(runs) == sorted(run_id(c) for c in expected_run_labels(sweep))
@@ -116,6 +135,10 @@ def test_dry_run_of_the_slurm_profile(tmp_path):
     # a job of an 8-GPU layout asks SLURM for 8 GPUs
     assert re.search(r"rule run:\n[^\n]*\n\s*output: results/done/full_flux1dev[^\n]*\n.*?resources:[^\n]*gpu=8",
                      proc.stdout, re.S)
+    # and so does its calibration, with the profile's resources for it
+    assert re.search(r"rule calibrate:\n(\s*input:[^\n]*\n)?\s*output: results/calibration/flux1dev[^\n]*\n"
+                     r"(?:(?!\nrule )[\s\S])*?resources:[^\n]*gpu=8"  # in the same job's block
+                     r"[^\n]*gpu_model=h100[^\n]*cpus_per_gpu=8", proc.stdout, re.S)
 
 
 @pytest.mark.parametrize("edit, words", [

@@ -116,7 +116,7 @@ rule calibrate:
         "results/benchmarks/calibrate/{name}.tsv"
     threads: lambda wc: SWEEP.threads(SWEEP.calibrations[wc.name]["device"])
     resources:
-        gpu=lambda wc: min(1, SWEEP.gpus(SWEEP.calibrations[wc.name]["device"])),
+        gpu=lambda wc: SWEEP.gpus(SWEEP.calibrations[wc.name]["device"]),
     params:
         command=lambda wc: SWEEP.calibrate_command(wc.name),
     shell:
