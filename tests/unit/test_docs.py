@@ -37,3 +37,17 @@ def test_every_verb_is_in_the_command_line_reference():
     reference = (ROOT / "docs" / "cli.md").read_text()
     missing = [verb for verb in verbs if f"agg-bench {verb}" not in reference]
     assert len(verbs) >= 10 and not missing, missing
+
+
+def test_every_sweep_key_is_in_the_sweep_config_reference():
+    """config/README.md's table names every top-level key of the sweep schema, and each key of `campaign`."""
+    import yaml
+
+    schema = yaml.safe_load((ROOT / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    table = (ROOT / "config" / "README.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
+    keys = set(schema["properties"])
+    assert len(keys) >= 12 and keys == rows, sorted(keys ^ rows)
+    campaign = table.split("| `campaign` |", 1)[1].split("\n", 1)[0]
+    missing = [k for k in schema["properties"]["campaign"]["properties"] if f"`{k}`" not in campaign]
+    assert not missing, missing
