@@ -190,14 +190,20 @@ def cmd_campaign(args) -> int:
 
     if args.action == "run":
         check_minutes(args.minutes)
+    if args.action == "unpack" and args.archive is None:
+        raise UserError("campaign unpack needs the archive (--archive FILE)")
+    if args.action == "unpack" and args.reference is None:
+        raise UserError("campaign unpack needs the reference folder to add the archive to (--reference DIR, "
+                        "e.g. results/reference/h200)")
+    for flag, folder in (("--reference", args.reference), ("--work", args.work)):
+        if folder is not None and (folder.is_symlink() or (folder.exists() and not folder.is_dir())):
+            raise UserError(f"campaign {args.action}: {flag} {folder} is not a folder")
     campaign = Campaign(args.config, cpu=args.cpu)
     if args.action == "run":
         log = run_window(campaign, args.minutes, args.work, args.reference, args.archive)
         print(json.dumps({"archive": log["archive"], "finished": len(log["finished_in_window"]), "left": log["left"],
                           "seconds": log["seconds"]}))
     elif args.action == "unpack":
-        if args.archive is None:
-            raise UserError("campaign unpack needs the archive (--archive FILE)")
         print(json.dumps(unpack(campaign, args.archive, args.reference)))
     else:
         print(json.dumps(status(campaign, args.reference, args.work), indent=1))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from .errors import UserError
+from .jsonfiles import JsonProblem, loads
 
 
 def _json_default(obj: Any):
@@ -173,11 +174,11 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            if i == len(lines) - 1:
+            record = loads(line)
+        except JsonProblem as err:
+            if i == len(lines) - 1:  # torn: a writer killed mid-line
                 return
-            raise UserError(f"{path}: line {i + 1} is not valid JSON ({err.msg}); the file is damaged") from err
+            raise UserError(f"{path}: line {i + 1} is not valid JSON ({err}); the file is damaged") from None
         if not isinstance(record, dict):
             raise UserError(f"{path}: line {i + 1} is not a JSON object")
         yield record

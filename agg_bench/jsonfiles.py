@@ -25,6 +25,34 @@ class JsonFileError(UserError):
         super().__init__(f"{path}: {problem}; expected {expected}")
 
 
+class JsonProblem(ValueError):
+    """Why a text is not JSON agg-bench reads: one line, e.g. "Expecting value at line 1 column 1"."""
+
+
+def _no_constant(name: str) -> Any:
+    raise JsonProblem(f"{name} is not a JSON number (agg-bench writes a number that is not finite as null)")
+
+
+def loads(text: str | bytes) -> Any:
+    """The JSON value of ``text``, or a :class:`JsonProblem` saying in one line why there is none: not JSON,
+    NaN or an infinity (which JSON does not have and agg-bench never writes), nested too deeply for the
+    parser, an integer longer than Python reads (4,300 digits), bytes that are not UTF-8. Every JSON file or
+    line agg-bench reads from a user, an archive or a results folder goes through here, so a crafted file is
+    refused with a line instead of crashing the reader."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except JsonProblem:
+        raise
+    except json.JSONDecodeError as err:
+        raise JsonProblem(f"{err.msg} at line {err.lineno} column {err.colno}") from None
+    except UnicodeDecodeError as err:
+        raise JsonProblem(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except RecursionError:
+        raise JsonProblem("nested too deeply") from None
+    except ValueError as err:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        raise JsonProblem(str(err).splitlines()[0][:200] or "not JSON") from None
+
+
 def _size(n: int) -> str:
     """A size limit in words: "64 MiB", "64 KiB", "100 bytes"."""
     for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
@@ -57,11 +85,9 @@ def read_json_object(path: str | Path, expected: str, max_bytes: int = MAX_JSON_
     except OSError as err:
         raise JsonFileError(path, f"cannot be read ({err.strerror or err})", expected) from None
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise JsonFileError(path, f"is not JSON ({err.msg} at line {err.lineno} column {err.colno})", expected) from None
-    except RecursionError:
-        raise JsonFileError(path, "is JSON nested too deeply", expected) from None
+        value = loads(text)
+    except JsonProblem as err:
+        raise JsonFileError(path, f"is not JSON ({err})", expected) from None
     if not isinstance(value, dict):
         raise JsonFileError(path, f"holds {json_type(value)}, not a JSON object", expected)
     return value

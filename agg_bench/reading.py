@@ -13,7 +13,7 @@ each file is checked once and the same way, before anything is computed from it 
 - ``summary.json``: the identity keys it repeats, by the same contract.
 - ``evaluations.jsonl``: ``iteration`` an integer >= 0, once each, ``eval_reward`` a finite number, and the
   starting weights' evaluation (iteration 0) among them.
-- ``plan.json``: ``bytes`` an object.
+- ``plan.json``: ``bytes`` an object of byte counts (finite numbers >= 0, or null).
 
 Every problem is a :class:`~agg_bench.errors.UserError` that names the file (and the record or key), quotes
 at most 200 characters of the value and says what was expected. ``checkpoint.pt`` holds tensors, so torch
@@ -135,6 +135,11 @@ class RunFolder:
         value = plan.get("bytes")
         if value is not None and not isinstance(value, dict):
             raise UserError(f"{self.path(PLAN_FILE)}: bytes = {quote(value)}: expected an object or null")
+        for key, n in (value or {}).items():
+            if n is not None and (isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n)
+                                  or n < 0):
+                raise UserError(f"{self.path(PLAN_FILE)}: bytes.{key} = {quote(n)}: expected a number of bytes "
+                                "(a finite number >= 0) or null")
         return value or {}
 
     def evaluations(self) -> list[dict] | None:

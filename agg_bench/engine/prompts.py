@@ -7,13 +7,12 @@ every machine. Real text encoders are used for real models.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError, quote
-from ..jsonfiles import JsonFileError, read_json_object
+from ..jsonfiles import JsonFileError, loads, read_json_object
 from .models import Conditioning
 
 
@@ -42,7 +41,7 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
             continue
         if path.suffix == ".jsonl":
             try:
-                item = json.loads(line)
+                item = loads(line)
                 prompt = item["prompt"]
                 if not isinstance(prompt, str):
                     raise TypeError

@@ -29,7 +29,6 @@ beside ``predicted_rollout_speedup``, priced the same way from the counted rollo
 """
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Iterable
 
@@ -39,6 +38,7 @@ import pandas as pd
 from .loading import ADDED_COLUMNS, as_bool, check_time_basis, is_number
 from ..records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE_TIME_KEYS, RECORD_KEYS, STANDARD_PHASES,
                       TRAIN_PASS_KEYS)
+from ..jsonfiles import loads
 from .costmodel import calibration_of, counted_seconds, per_sample_seconds
 from .stats import paired_speedup, quartiles, ratio_of_medians_ci
 
@@ -412,7 +412,7 @@ def _match_gradcheck(table: pd.DataFrame, gradcheck: pd.DataFrame | None) -> tup
         c = r = float("nan")
         other_full = row["method_name"] == "full" and row["method"] != "full"
         if gradcheck is not None and not gradcheck.empty and row["source"] == "measured" and not other_full:
-            options = json.loads(row["method_options"]) if isinstance(row["method_options"], str) else {}
+            options = loads(row["method_options"]) if isinstance(row["method_options"], str) else {}
             here = gradcheck[(gradcheck["model"] == row["model"])
                              & (pd.to_numeric(gradcheck["resolution"]) == row["resolution"])
                              & (gradcheck["method"] == row["method_name"])]

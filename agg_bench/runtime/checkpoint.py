@@ -22,7 +22,6 @@ deleted or holds records of iterations after the checkpoint (the workflow remove
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_file
+from ..jsonfiles import JsonProblem, loads
 
 CHECKPOINT_NAME = "checkpoint.pt"
 SHARDS_PREFIX = "checkpoint_shards_"
@@ -210,8 +210,8 @@ def _json_lines(lines: Any, what: str) -> tuple[list[dict] | None, str | None]:
     parsed = []
     for k, line in enumerate(lines, 1):
         try:
-            value = json.loads(line)
-        except ValueError:
+            value = loads(line)
+        except JsonProblem:
             return None, f"{what} line {k} = {quote(line)}: expected a JSON object"
         if not isinstance(value, dict):
             return None, f"{what} line {k} = {quote(line)}: expected a JSON object"

@@ -12,15 +12,20 @@ An archive is a ``tar.gz`` of plain files at these paths, and nothing else:
   header of tensor shapes and offsets, then raw numbers: data only) and the sample grid's PNG.
 
 :func:`unpack` reads the archive as data (never ``extractall``) and refuses it whole, with one line and exit
-code 2 and the reference untouched, unless every member is a plain file at one of these paths within the size
-bounds, every JSON file parses (a JSON object, or JSON lines of objects), every run is finished, of this
-sweep (the config it composes for that run id) with records the record contract accepts, every calibration is
-what ``agg-bench calibrate`` writes for a cell of the sweep, every safetensors file's header describes exactly
-the bytes after it and every PNG starts as a PNG does, and every new run's passes per sample in its first
+code 2 and the reference untouched, unless it is one whole gzip stream (inflated within the bounds before the
+tar is read: :func:`gunzip_bounded`), every member is a plain file at one of these paths within the size
+bounds, every JSON file parses as agg-bench writes JSON (:func:`agg_bench.jsonfiles.loads`: a JSON object, or
+JSON lines of objects), every run is finished, of this sweep (the config it composes for that run id), with
+files :class:`~agg_bench.reading.RunFolder` accepts and records and a summary naming that run on one device
+(:func:`run_identity`), every calibration is what ``agg-bench calibrate`` writes for the cell it is named
+after, every window log is one, every run and calibration of the archive and the reference names one GPU, the
+one ``campaign.gpu`` names (:func:`check_hardware`), every safetensors file's header describes exactly the
+bytes after it and every PNG starts as a PNG does, and every new run's passes per sample in its first
 iteration equal what the same schedule counts on the tiny model on the CPU (:func:`check_counts`, which runs
 that counterpart: counts depend on neither the device, the size, the precision nor the weights). A file or
 run the reference holds already is skipped when its bytes are the same and refused when they differ. The new
-files are written beside the reference under a harness temporary name and renamed into place.
+files are written beside the reference under a harness temporary name and renamed into place; if the tables
+cannot be written, they are moved back out and the folders made for them removed.
 
 Then the reference's ``manifest.json`` (every run and calibration there, with the sweep's labels and ``source:
 reference``) and its tables: the efficiency report (``tables/``: ``agg-bench report --manifest
@@ -46,11 +51,11 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserError, quote
 from ..io import atomic_path, atomic_target, write_json
+from ..jsonfiles import JsonProblem, loads
 from ..outdir import Contents, claim_folder
 from ..results.learning_tables import PLOTS_CONTENTS as LEARNING_PLOTS
 from ..results.learning_tables import TABLES_CONTENTS as LEARNING_TABLES
-from ..reading import evaluations_problem
-from ..records import record_problem, records_problem
+from ..reading import RunFolder
 from ..results.report import TABLES_CONTENTS
 
 if TYPE_CHECKING:
@@ -106,9 +111,41 @@ def model_members(label: str, folder: Path) -> list[tuple[str, Path]]:
 
 
 # ----- reading an archive --------------------------------------------------------------------------------------
+GZIP_MAGIC = b"\x1f\x8b"
+# the tar stream an archive may unpack to: its files' bytes, and a header and padding of at most 1 KiB per member
+MAX_TAR_BYTES = MAX_TOTAL_BYTES + 1024 * (MAX_MEMBERS + 2)
+
+
+def gunzip_bounded(where: str, data: bytes) -> bytes:
+    """The one gzip stream of ``data``, decompressed to at most :data:`MAX_TAR_BYTES` (a larger one is refused
+    before more is inflated: a small archive cannot take the memory of a big one), whole (its trailer's CRC and
+    length checked) and with nothing after it."""
+    if not data.startswith(GZIP_MAGIC):
+        raise UserError(f"{where}: not a gzip-compressed tar (a campaign archive is a .tar.gz)")
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    chunks, size, view = [], 0, memoryview(data)
+    try:
+        for offset in range(0, len(data), 2**20):
+            piece = inflate.decompress(view[offset:offset + 2**20], MAX_TAR_BYTES + 1 - size)
+            size += len(piece)
+            chunks.append(piece)
+            if size > MAX_TAR_BYTES or inflate.unconsumed_tail:
+                raise UserError(f"{where}: unpacks to more than {MAX_TAR_BYTES:,} bytes")
+            if inflate.eof:
+                break
+    except zlib.error as err:
+        raise UserError(f"{where}: not a readable gzip stream ({err})") from None
+    if not inflate.eof:
+        raise UserError(f"{where}: its gzip stream is truncated (no end, or no checksum)")
+    if inflate.unused_data or offset + 2**20 < len(data):
+        raise UserError(f"{where}: holds bytes after its gzip stream")
+    return b"".join(chunks)
+
+
 def read_archive(path: Path) -> dict[str, bytes]:
     """{member path: bytes} of a campaign archive, every member checked before any is read: plain files of
-    the layout, bounded sizes."""
+    the layout, bounded sizes. The tar stream is inflated first, bounded (:func:`gunzip_bounded`), so what
+    the tar reader holds in memory (a long name's header included) is bounded by it."""
     where = f"archive {path}"
     if not path.is_file() or path.is_symlink():
         raise UserError(f"{where}: not a file")
@@ -116,7 +153,8 @@ def read_archive(path: Path) -> dict[str, bytes]:
     if size > MAX_ARCHIVE_BYTES:
         raise UserError(f"{where}: {size:,} bytes; expected at most {MAX_ARCHIVE_BYTES:,}")
     try:
-        tar = tarfile.open(path, "r:*")
+        raw = gunzip_bounded(where, path.read_bytes())
+        tar = tarfile.open(fileobj=io.BytesIO(raw), mode="r:")
     except (tarfile.TarError, OSError, EOFError) as err:
         raise UserError(f"{where}: not a readable tar archive ({err})") from None
     files: dict[str, bytes] = {}
@@ -146,7 +184,7 @@ def read_archive(path: Path) -> dict[str, bytes]:
                 if len(data) != member.size:
                     raise UserError(f"{where}: {shown} is truncated")
                 files[name] = data
-        except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
+        except (tarfile.TarError, OSError, EOFError) as err:
             raise UserError(f"{where}: not a readable tar archive ({err})") from None
     if not files:
         raise UserError(f"{where}: holds no files")
@@ -172,9 +210,9 @@ def _check_path(where: str, name: str, directory: bool = False) -> None:
 
 def json_object(where: str, data: bytes) -> dict:
     try:
-        value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise UserError(f"{where}: not JSON ({str(err).splitlines()[0][:200]})") from None
+        value = loads(data)
+    except JsonProblem as err:
+        raise UserError(f"{where}: not JSON ({err})") from None
     if not isinstance(value, dict):
         raise UserError(f"{where}: expected a JSON object")
     return value
@@ -239,43 +277,116 @@ def _check_model(campaign: Campaign, where: str, label: str, files: dict[str, by
             raise UserError(f"{shown}: not a PNG image")
 
 
-def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, bytes]) -> None:
-    """A finished run of the campaign's sweep: its files, a summary that says ``ok``, records the record
-    contract accepts, and the config the sweep composes for ``run_id``."""
+def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, bytes]) -> str | None:
+    """A finished run of the campaign's sweep: its files, each read as every reader of a run folder reads it
+    (:class:`~agg_bench.reading.RunFolder`, on a copy), a summary that says ``ok``, the config the sweep
+    composes for ``run_id``, and records and a summary whose identity (run id, method, model, resolution,
+    seed, weights, device) is that config's and that name one device. Returns the GPU's name (None on a CPU)."""
     if run_id not in campaign.sweep.runs:
         raise UserError(f"{where}: runs/{run_id} is not a run of the sweep {campaign.config_path}")
     missing = [name for name in REQUIRED_RUN_FILES if name not in files]
     if missing:
         raise UserError(f"{where}: runs/{run_id} lacks {missing[0]} (a finished run has "
                         f"{', '.join(REQUIRED_RUN_FILES)})")
-    summary = json_object(f"{where}: runs/{run_id}/summary.json", files["summary.json"])
+    for name, data in files.items():  # JSON as agg-bench writes it: no NaN, nesting and numbers it can read
+        if name.endswith(".jsonl"):
+            json_lines(f"{where}: runs/{run_id}/{name}", data)
+        else:
+            json_object(f"{where}: runs/{run_id}/{name}", data)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / run_id
+        folder.mkdir()
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        run = RunFolder(folder)
+        try:
+            summary = run.summary()
+            records = run.records(("iteration", "status"))  # the record contract, each iteration once
+            env = run.env()
+            run.plan()
+            run.evaluations()
+            config = run.config_object()
+            typed = run.config()
+        except UserError as err:
+            raise UserError(f"{where}: runs/{run_id}/{str(err).replace(f'{folder}/', '')}") from None
     if summary.get("status") != "ok":
         raise UserError(f"{where}: runs/{run_id} is not finished (status {quote(summary.get('status'))}, "
                         "expected ok)")
-    for name in ("env.json", "plan.json"):
-        if name in files:
-            json_object(f"{where}: runs/{run_id}/{name}", files[name])
-    records = json_lines(f"{where}: runs/{run_id}/metrics.jsonl", files["metrics.jsonl"])
     if not records:
         raise UserError(f"{where}: runs/{run_id}/metrics.jsonl holds no records")
-    problem = record_problem(summary)
-    if problem is not None:
-        raise UserError(f"{where}: runs/{run_id}/summary.json: {problem}")
-    problem = records_problem(records, ("iteration", "status"))  # the record contract, each iteration once
-    if problem is not None:
-        raise UserError(f"{where}: runs/{run_id}/metrics.jsonl: {problem}")
-    if "evaluations.jsonl" in files:
-        problem = evaluations_problem(json_lines(f"{where}: runs/{run_id}/evaluations.jsonl",
-                                                 files["evaluations.jsonl"]))
-        if problem is not None:
-            raise UserError(f"{where}: runs/{run_id}/evaluations.jsonl: {problem}")
-    config = json_object(f"{where}: runs/{run_id}/config.json", files["config.json"])
     if config != campaign.config_of(run_id):
         raise UserError(f"{where}: runs/{run_id}/config.json is not the config {campaign.config_path} composes "
                         "for that run (another version of the sweep?)")
     if records[0].get("iteration") != 0:
         raise UserError(f"{where}: runs/{run_id}/metrics.jsonl starts at iteration "
                         f"{quote(records[0].get('iteration'))}; expected 0")
+    expected = run_identity(typed, run_id)
+    for what, record in [("summary.json", summary),
+                         *((f"metrics.jsonl iteration {r['iteration']}", r) for r in records)]:
+        for key, value in expected.items():
+            if record.get(key) != value:
+                raise UserError(f"{where}: runs/{run_id}/{what}: {key} = {quote(record.get(key))}; the sweep's "
+                                f"run {run_id} has {quote(value)}")
+    devices = {(r.get("device"), r.get("gpu_name"), r.get("n_gpus")) for r in (summary, *records)}
+    if len(devices) > 1:
+        raise UserError(f"{where}: runs/{run_id}: its records name more than one device ({quote(sorted(map(str, devices)))})")
+    [(device, gpu, _)] = devices
+    if device == "cuda" and (not isinstance(gpu, str) or env.get("gpu_name") != gpu):
+        raise UserError(f"{where}: runs/{run_id}: its records name the GPU {quote(gpu)} and its env.json "
+                        f"{quote(env.get('gpu_name'))}; expected the same GPU")
+    return gpu if device == "cuda" else None
+
+
+def run_identity(cfg, run_id: str) -> dict:
+    """The identity fields every record and the summary of ``run_id`` carry, from its typed config (the device
+    where the config names one, not ``auto``)."""
+    from ..runtime.session import model_label, weights_label
+
+    out = {"run_id": run_id, "method": cfg.method.name, "model": model_label(cfg), "resolution": cfg.model.resolution,
+           "seed": cfg.seed, "weights": weights_label(cfg)}
+    if cfg.device in ("cpu", "cuda"):
+        out["device"] = cfg.device
+    return out
+
+
+def check_hardware(campaign: Campaign, where: str, gpus: dict[str, str | None], reference: Path) -> None:
+    """The runs and calibrations of an archive (``gpus``: what -> its GPU's name, None on a CPU) and those the
+    reference holds name one GPU, and where the sweep's ``campaign.gpu`` names one, that GPU: a reference's
+    rows are compared with a user's as that hardware's (module docstring)."""
+    held: dict[str, str | None] = {}
+    for folder in sorted((reference / "runs").glob("*")) if (reference / "runs").is_dir() else []:
+        if (folder / "summary.json").is_file():
+            summary = RunFolder(folder).summary()
+            held[f"reference {folder}"] = summary.get("gpu_name") if summary.get("device") == "cuda" else None
+    names = set(gpus.values()) | set(held.values())
+    if len(names) > 1:
+        shown = ", ".join(f"{what}: {quote(gpu)}" for what, gpu in [*gpus.items(), *held.items()][:6])
+        raise UserError(f"{where}: its runs and the reference's are not of one GPU ({shown}); a reference holds "
+                        "one hardware's results")
+    wanted = campaign.gpu
+    if wanted is not None and not campaign.cpu:
+        for what, gpu in gpus.items():
+            if gpu is None or wanted.lower() not in gpu.lower():
+                raise UserError(f"{where}: {what} ran on {quote(gpu or 'a CPU')}; campaign.gpu of "
+                                f"{campaign.config_path} asks for {quote(wanted)}")
+
+
+WINDOW_LOG_KEYS = {"started": str, "minutes": (int, float), "config": str, "done_before": int, "runs": int,
+                   "pretrained": list, "processes": list, "stopped_by_signal": (str, type(None)),
+                   "seconds": (int, float), "finished_in_window": list, "left": int}
+
+
+def _check_window_log(where: str, name: str, data: bytes) -> None:
+    """A window's log as ``campaign run`` writes it: its keys, each of its kind, named after its start."""
+    log = json_object(f"{where}: windows/{name}", data)
+    for key, value in log.items():
+        kinds = WINDOW_LOG_KEYS.get(key)
+        if kinds is None or isinstance(value, bool) or not isinstance(value, kinds):
+            raise UserError(f"{where}: windows/{name}: {quote(key)} = {quote(value)} is not a window log's "
+                            f"(keys: {', '.join(WINDOW_LOG_KEYS)})")
+    if log.get("started") is None or f"{log['started']}.json" != name:
+        raise UserError(f"{where}: windows/{name}: started = {quote(log.get('started'))}; a window's log is "
+                        "named after its start (<started>.json)")
 
 
 COUNT_KEYS = ("forward_nograd", "forward_grad", "backward", "train_forward_nograd", "train_forward_grad",
@@ -303,9 +414,9 @@ def tiny_counterpart(config: dict) -> dict:
 
 def check_counts(where: str, run_id: str, records: list[dict], config: dict) -> None:
     """The first record's passes per sample equal what the run's schedule counts on the tiny model on the CPU
-    (module docstring). A run whose records carry a cache's fields is not compared: a cache that skips by a
-    threshold skips by the values, which random weights at another size do not share."""
-    if any(key.startswith("cache_") for key in records[0]):
+    (module docstring). A run of the ``cached`` method is not compared: a cache that skips by a threshold skips
+    by the values, which random weights at another size do not share."""
+    if (config.get("method") or {}).get("name") == "cached":  # from the config the sweep composed, not the records
         return
     from ..config import validate
     from ..io import read_jsonl
@@ -321,13 +432,23 @@ def check_counts(where: str, run_id: str, records: list[dict], config: dict) -> 
                             f"the same schedule on the tiny model on the CPU counts {quote(tiny.get(key))}")
 
 
-def _check_calibration(campaign: Campaign, where: str, name: str, data: bytes) -> None:
+def _check_calibration(campaign: Campaign, where: str, name: str, data: bytes) -> str | None:
+    """What ``agg-bench calibrate`` writes for the cell the file is named after (its model, resolution and
+    device that cell's); returns its GPU's name (None on a CPU)."""
+    from ..config import validate
     from ..results.loading import CalibrationEntry, load_calibration
 
-    if campaign.calibration_cell(name) is None:
+    run = campaign.calibration_cell(name)
+    if run is None:
         raise UserError(f"{where}: calibration/{name} is not named <stamp>_<number>_<cell>.json after a cell of "
                         f"the sweep {campaign.config_path}")
-    json_object(f"{where}: calibration/{name}", data)
+    content = json_object(f"{where}: calibration/{name}", data)
+    run_id = next(r for r, entry in campaign.sweep.runs.items() if entry is run)
+    expected = run_identity(validate(campaign.config_of(run_id)), run_id)
+    for key in ("model", "resolution", "device"):
+        if key in expected and content.get(key) != expected[key]:
+            raise UserError(f"{where}: calibration/{name}: {key} = {quote(content.get(key))}; its cell "
+                            f"{campaign.cell_of(run)} has {quote(expected[key])}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / name
         path.write_bytes(data)
@@ -335,6 +456,8 @@ def _check_calibration(campaign: Campaign, where: str, name: str, data: bytes) -
             load_calibration([CalibrationEntry(path)])
         except UserError as err:
             raise UserError(f"{where}: calibration/{name}: {str(err).split(': ', 2)[-1]}") from None
+    gpu = content.get("gpu_name")
+    return gpu if content.get("device") == "cuda" and isinstance(gpu, str) else None
 
 
 # ----- unpacking into the reference -----------------------------------------------------------------------------
@@ -356,19 +479,21 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
             groups.setdefault("/".join(parts[:2]), {})["/".join(parts[2:])] = data
         else:
             others[name] = data
+    gpus: dict[str, str | None] = {}  # what -> the GPU it ran on
     for group, members in groups.items():
         kind, label = group.split("/")
         if kind == "runs":
-            _check_run(campaign, where, label, members)
+            gpus[group] = _check_run(campaign, where, label, members)
         else:
             _check_model(campaign, where, label, members)
     for name, data in others.items():
         kind, file_name = name.split("/")
         if kind == "calibration":
-            _check_calibration(campaign, where, file_name, data)
+            gpus[name] = _check_calibration(campaign, where, file_name, data)
         else:
-            json_object(f"{where}: {name}", data)
+            _check_window_log(where, file_name, data)
     with claim_folder(reference, REFERENCE_CONTENTS, "--reference"):
+        check_hardware(campaign, where, gpus, reference)
         # what the reference already holds: the same bytes are skipped, other bytes refused
         new_groups, new_others = {}, {}
         for group, members in groups.items():
@@ -404,15 +529,22 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
             for name in GENERATED:  # the tables as they are, put back if the new ones cannot be written
                 if (reference / name).exists():
                     _copy(reference / name, staging / "old" / name)
+            made: list[Path] = []  # folders made for the new files, deepest last
             try:
                 for name in [*new_groups, *new_others]:
-                    (reference / name).parent.mkdir(parents=True, exist_ok=True)
+                    parent = (reference / name).parent
+                    made.extend(reversed([p for p in (parent, *parent.parents) if p.is_relative_to(reference)
+                                          and p != reference and not p.exists()]))
+                    parent.mkdir(parents=True, exist_ok=True)
                     os.rename(staging / "new" / name, reference / name)
                     moved.append(name)
                 manifest = write_reference_tables(campaign, reference)
             except BaseException:
                 for name in moved:  # the reference as it was: the new files out, the old tables back
                     os.rename(reference / name, staging / "new" / name)
+                for folder in reversed(made):
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
                 for name in GENERATED:
                     if (staging / "old" / name).exists():
                         _remove(reference / name)

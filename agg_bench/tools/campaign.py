@@ -54,6 +54,7 @@ from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, write_json
+from ..jsonfiles import loads
 from ..outdir import Contents, claim_files, claim_folder, remove_owned
 from ..runtime.cell import job_entry
 from ..runtime.runfolder import RUN_CONTENTS
@@ -158,6 +159,7 @@ class Campaign:
         part = data.get("campaign") or {}
         self.calibrate = part.get("calibrate", True)
         self.parallel = part.get("parallel", 1)
+        self.gpu: str | None = part.get("gpu")  # a text the runs' GPU name holds (e.g. H200); None: any
         self.priority = part.get("priority", [])
         self.learning = data.get("learning")
         self.pretrain = data.get("pretrain") or {}
@@ -188,8 +190,8 @@ class Campaign:
     def finished(self, folder: Path, run_id: str) -> bool:
         """Whether ``folder`` holds ``run_id`` finished: summary ``ok`` and the config the sweep composes."""
         try:
-            summary = json.loads((folder / "summary.json").read_text())
-            config = json.loads((folder / "config.json").read_text())
+            summary = loads((folder / "summary.json").read_bytes())
+            config = loads((folder / "config.json").read_bytes())
         except (OSError, ValueError):
             return False
         return isinstance(summary, dict) and summary.get("status") == "ok" and config == self.config_of(run_id)

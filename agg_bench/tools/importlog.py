@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..io import JsonlWriter, read_jsonl, write_json, write_lines
+from ..jsonfiles import loads
 from ..outdir import Claim, Contents, check_folder
 from ..records import RECORD_KEYS, new_record
 
@@ -104,7 +105,7 @@ def check_import_folder(out: Path) -> None:
     summary = out / "summary.json"
     if summary.is_file():
         try:
-            source = json.loads(summary.read_text(encoding="utf-8")).get("source")
+            source = loads(summary.read_bytes()).get("source")
         except (OSError, ValueError, AttributeError):
             source = None
         if source != SOURCE:

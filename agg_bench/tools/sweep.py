@@ -42,7 +42,7 @@ from ..config import (YamlRefused, check_data_parallel, check_expanded_size, che
 from ..engine.families import architecture, check_resolution
 from ..errors import UserError, clip, quote
 from ..io import atomic_path
-from ..jsonfiles import read_json_object
+from ..jsonfiles import loads, read_json_object
 from ..runtime.cell import job_entry
 from ..sources import source_digest
 
@@ -556,7 +556,7 @@ def failed_runs(folders: list[str]) -> list[tuple[str, str]]:
     failed = []
     for folder in folders:
         try:
-            summary = json.loads((Path(folder) / "summary.json").read_text(encoding="utf-8"))
+            summary = loads((Path(folder) / "summary.json").read_bytes())
         except (OSError, ValueError):
             continue
         if isinstance(summary, dict) and summary.get("status") == "error":

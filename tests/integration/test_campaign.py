@@ -5,6 +5,7 @@ starts where it stopped; an archive that is not a window's, or a bad option, is 
 the reference untouched."""
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import math
@@ -221,7 +222,31 @@ BAD = {
                         "calibration/"),
     "calibration of no cell": (lambda m: {**m, "calibration/20260101T000000_01_nope_64px_cpu.json": b"{}"},
                                "after a cell of the sweep"),
+    # JSON a reader cannot take: refused in one line, not a traceback
+    "deep json": (lambda m: {**m, "windows/20260101T000000.json": b"[" * 100_000 + b"]" * 100_000},
+                  "nested too deeply"),
+    "long integer": (lambda m: replace(m, "metrics.jsonl", lambda d: d.replace(b"{", b'{"note": ' + b"9" * 5000 + b", ",
+                                                                             1)), "digits"),
+    "nan": (lambda m: replace(m, "env.json", lambda d: b'{"gpu_name": NaN}'), "NaN is not a JSON number"),
+    # files that are not what a window writes
+    "not a window log": (lambda m: {**m, "windows/evil.json": b'{"not": "a window log"}'}, "is not a window log's"),
+    "plan bytes": (lambda m: replace(m, "plan.json", lambda d: b'{"bytes": 5}'), "plan.json: bytes = 5"),
+    "plan text": (lambda m: replace(m, "plan.json", lambda d: b'{"bytes": {"activations": "lots"}}'),
+                  "bytes.activations = 'lots'"),
+    # records that are not the sweep's run, or not of its device
+    "another run": (lambda m: replace(m, "metrics.jsonl", record_edit("run_id", "someone_else")),
+                    "run_id = 'someone_else'"),
+    "another device": (lambda m: replace(m, "metrics.jsonl", lambda d: "".join(json.dumps(
+        {**json.loads(line), "device": "cuda", "gpu_name": "NVIDIA A100"}) + "\n" for line in d.decode().splitlines()
+        ).encode()), "device = 'cuda'"),
+    "calibration of another cell": (lambda m: {**m, **{n: json.dumps({**json.loads(d), "resolution": 1024}).encode()
+                                                      for n, d in m.items() if n.startswith("calibration/")}},
+                                    "resolution = 1024"),
+    # a cache's keys in the records do not spare a run the comparison of its pass counts
+    "cache keys": (lambda m: replace(m, "metrics.jsonl", lambda d: record_edit("cache_hits", 0)(
+        record_edit("backward", 999)(d))), "on the tiny model on the CPU counts"),
 }
+NEW_REFERENCE = {"wrong pass count", "cache keys", "plan bytes"}  # refused late: after the reference is claimed
 
 
 @pytest.mark.slow
@@ -230,13 +255,13 @@ def test_a_bad_archive_is_one_line_and_leaves_the_reference_untouched(window, tm
     edit, words = BAD[case]
     path = crafted(tmp_path / "bad.tar.gz", window["archive"], edit)
     # the pass counts are compared for runs the reference does not hold yet: into a new reference
-    reference = tmp_path / "new" if case == "wrong pass count" else window["reference"]
+    reference = tmp_path / "new" if case in NEW_REFERENCE else window["reference"]
     before = tree(reference)
     code = main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(path), "--reference",
                  str(reference)])
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "comparing their pass counts" not in line]
     assert code == 2 and len(err) == 1 and words in err[0], err
-    assert tree(reference) == before and (reference.exists() or case == "wrong pass count")
+    assert tree(reference) == before and (reference.exists() or case in NEW_REFERENCE)
     assert not (tmp_path / "new").exists() and not (tmp_path / "escape.json").exists()
 
 
@@ -258,7 +283,73 @@ def test_a_run_the_reference_holds_otherwise_and_sizes_are_refused(window, tmp_p
     (tmp_path / "plain.tar.gz").write_text("hello")
     assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(tmp_path / "plain.tar.gz"),
                  "--reference", str(reference)]) == 2
-    assert "not a readable tar archive" in capsys.readouterr().err and tree(reference) == before
+    assert "not a gzip-compressed tar" in capsys.readouterr().err and tree(reference) == before
+    monkeypatch.undo()
+    # only a whole gzip stream of a tar: not an uncompressed tar, not one cut before its checksum, nothing after
+    raw = gzip.decompress(window["archive"].read_bytes())
+    packed = window["archive"].read_bytes()
+    for name, data, words in [("plain.tar", raw, "not a gzip-compressed tar"),
+                              ("cut.tar.gz", packed[:-8], "truncated"),
+                              ("tail.tar.gz", packed + b"more", "after its gzip stream")]:
+        (tmp_path / name).write_bytes(data)
+        assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(tmp_path / name),
+                     "--reference", str(reference)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0] and tree(reference) == before, (name, err)
+
+
+@pytest.mark.slow
+def test_an_unpack_that_fails_while_writing_the_tables_leaves_no_trace(window, tmp_path, capsys, monkeypatch):
+    """The new files are moved back out, the folders made for them removed, and a reference the unpack made
+    is gone: the reference is as it was (here: none)."""
+    def broken(campaign, reference):
+        assert (reference / "runs").is_dir()  # the runs were moved in
+        raise UserError("the tables cannot be written")
+
+    monkeypatch.setattr(archive_module, "write_reference_tables", broken)
+    reference = tmp_path / "new"
+    assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(window["archive"]),
+                 "--reference", str(reference)]) == 2
+    assert "the tables cannot be written" in capsys.readouterr().err
+    assert not reference.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_small_archive_that_unpacks_to_more_than_the_bound_is_refused_as_it_inflates(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """A tar's long-name header is read whole by the tar reader: the inflated stream is bounded first, so an
+    archive of a few KiB cannot make the reader hold gigabytes."""
+    monkeypatch.setattr(archive_module, "MAX_TAR_BYTES", 2**20)
+    header = tarfile.TarInfo("././@LongLink")
+    header.type, header.size = tarfile.GNUTYPE_LONGNAME, 4 * 2**20
+    body = header.tobuf(format=tarfile.GNU_FORMAT) + b"a" * header.size
+    path = tmp_path / "bomb.tar.gz"
+    path.write_bytes(gzip.compress(body + b"\0" * 1024, 9))
+    assert path.stat().st_size < 64 * 2**10
+    assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(path), "--reference",
+                 str(tmp_path / "reference")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"unpacks to more than {2**20:,} bytes" in err[0], err
+    assert not (tmp_path / "reference").exists()
+
+
+def test_a_reference_holds_one_gpus_runs_and_the_one_the_campaign_names(tmp_path):
+    """Unpack refuses runs of another GPU than the reference's, and with campaign.gpu (config/h200.yaml: H200)
+    runs and calibrations of any other GPU."""
+    gpu = Campaign(CONFIG)
+    assert gpu.gpu == "H200"
+    archive_module.check_hardware(gpu, "archive A", {"runs/a": "NVIDIA H200", "calibration/c.json": "NVIDIA H200"},
+                                  tmp_path)
+    with pytest.raises(UserError, match="campaign.gpu of .* asks for 'H200'"):
+        archive_module.check_hardware(gpu, "archive A", {"runs/a": "NVIDIA A100-SXM4-80GB"}, tmp_path)
+    with pytest.raises(UserError, match="not of one GPU"):
+        archive_module.check_hardware(gpu, "archive A", {"runs/a": "NVIDIA H200", "runs/b": "NVIDIA H200 NVL"},
+                                      tmp_path)
+    run = tmp_path / "runs" / "full_sd35m_512px_s0_h200"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"run_id": run.name, "status": "ok", "device": "cuda",
+                                                  "gpu_name": "NVIDIA H200 NVL"}))
+    with pytest.raises(UserError, match="not of one GPU"):  # the reference's own runs count
+        archive_module.check_hardware(gpu, "archive A", {"runs/a": "NVIDIA H200"}, tmp_path)
 
 
 @pytest.mark.parametrize("args, words", [

@@ -240,7 +240,7 @@ def test_learning_reads_config_json_through_the_typed_config(trained, tmp_path, 
     (lambda r: r.pop("status"), "record 1: no 'status'"),
     (lambda r: r.pop("iteration"), "record 1: no 'iteration'"),
     (lambda r: r.pop("reward_mean"), "record 1: no 'reward_mean' (an ok record has one)"),
-    (lambda r: r.update(reward_mean=float("nan")), "record 1: 'reward_mean' = nan: expected a finite number"),
+    (lambda r: r.update(reward_mean=float("nan")), "line 1 is not valid JSON (NaN is not a JSON number"),
     (lambda r: r.update(iteration=1), "record 2: 'iteration' = 1: expected each iteration once"),
 ])
 def test_learning_reads_records_through_the_record_contract(trained, tmp_path, capsys, change, words):
@@ -250,6 +250,25 @@ def test_learning_reads_records_through_the_record_contract(trained, tmp_path, c
     records = [json.loads(line) for line in path.read_text().splitlines()]
     change(records[0])
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert words in learning_fails(capsys, tmp_path, manifest)
+
+
+@pytest.mark.parametrize("where, text, words", [
+    ("metrics.jsonl", "[" * 100_000 + "]" * 100_000, "line 1 is not valid JSON (nested too deeply)"),
+    ("metrics.jsonl", '{"iteration": ' + "9" * 5000 + "}", "line 1 is not valid JSON (Exceeds the limit (4300 digits)"),
+    ("metrics.jsonl", '{"iteration": 0, "loss": Infinity}', "line 1 is not valid JSON (Infinity is not a JSON number"),
+    ("manifest", '{"runs": [], "note": ' + "9" * 5000 + "}", "is not JSON (Exceeds the limit (4300 digits)"),
+    ("manifest", "[" * 100_000 + "]" * 100_000, "is not JSON (nested too deeply)"),
+])
+def test_learning_refuses_json_no_reader_can_take_in_one_line(trained, tmp_path, capsys, where, text, words):
+    """A deeply nested line, a 5,000-digit integer or an infinity ended in a RecursionError or ValueError
+    traceback (exit 1): every JSON file and line agg-bench reads goes through one parser that says why."""
+    manifest, runs = learning_runs(trained, tmp_path, 1)
+    if where == "manifest":
+        manifest.write_text(text)
+    else:
+        lines = (runs[0] / where).read_text().splitlines()
+        (runs[0] / where).write_text("\n".join([text, *lines[1:]]) + "\n")
     assert words in learning_fails(capsys, tmp_path, manifest)
 
 
