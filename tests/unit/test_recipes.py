@@ -484,10 +484,12 @@ def test_every_preset_runs_with_its_described_passes_and_their_cost(preset, tmp_
     *[("nft", f"method.{k}={v}", f"method.{k}") for k, v in (
         ("old_decay_rate", -0.1), ("old_decay_rate", 2), ("old_decay_rate", "fast"), ("old_decay_rate", ".nan"),
         ("old_decay_max", 1.5), ("old_decay_max", -1), ("old_decay_after", -1), ("old_decay_after", 1.5),
-        ("old_decay_after", 10**12))],
+        ("old_decay_after", 10**12), ("solver", "dpm3"), ("solver", 2), ("solver", "null"), ("solver", ".nan"))],
     *[("awm", f"method.{k}={v}", f"method.{k}") for k, v in (
         ("ema_kl_beta", -1), ("ema_kl_beta", 1e300), ("ema_kl_beta", ".inf"), ("ema_kl_beta", "[1]"),
-        ("ema_decay_rate", -0.001), ("ema_decay_max", 3))],
+        ("ema_decay_rate", -0.001), ("ema_decay_max", 3), ("times_shared_by", 0), ("times_shared_by", -3),
+        ("times_shared_by", 2.5), ("times_shared_by", ".nan"), ("times_shared_by", 10**12),
+        ("times_shared_by", "three"))],
     *[("dgpo", f"method.{k}={v}", f"method.{k}") for k, v in (
         ("clip_dsm", "yes please"), ("clip_dsm", 1), ("ema_decay_rate", 1.5), ("ema_rollout_after", -1),
         ("ema_rollout_after", 2.5), ("ema_rollout_after", 10**12), ("rollout_guidance", 0.5),
