@@ -10,7 +10,9 @@ handler, in the main thread, remembers the first signal and then:
   written) only remembers it. The run raises :class:`Interrupted` itself, at points where stopping leaves
   consistent files: :func:`check` is called before every transformer call (rollout, train phase,
   evaluation), between the phases of an iteration, between the steps of building the model, and the
-  block raises the signal when it ends.
+  block raises the signal when it ends. From an update's first optimizer step until its record is written
+  the run :func:`hold` s: the weights match no record there, so the signal waits for the record and the
+  run's checkpoint then keeps the iteration.
 
 A signal is only ever *remembered* by the handler; raising is a consequence, never the only trace. Code
 that runs in a finaliser (``__del__``, a weakref callback) cannot let an exception out: Python prints
@@ -75,9 +77,10 @@ class _StopState:
 
         self.together: Callable[[int], int] | None = None  # the processes' exchange, under together()
         self.agreed: int | None = None  # the signal the processes stopped for, under together()
+        self.held = False  # between hold() and release(): checks leave a signal pending
 
     def reset(self) -> None:
-        self.received, self.handled, self.safe_depth = None, False, 0
+        self.received, self.handled, self.safe_depth, self.held = None, False, 0, False
 
 
 _STATE = _StopState()
@@ -156,6 +159,8 @@ def check() -> None:
     safe point of a loop calls it every transformer call). Under :func:`together`: if any process received
     one, every process raises it here (a collective: every process calls this in the same order)."""
     state = _STATE
+    if state.held:  # the state is between two the records describe: the signal waits for release()
+        return
     if state.together is not None:
         if state.agreed is None:
             mine = state.received if state.received is not None and not state.handled else 0
@@ -176,6 +181,21 @@ def check_alone() -> None:
     :func:`check`, where every process stops; otherwise it is :func:`check`."""
     if _STATE.together is None:
         check()
+
+
+def hold() -> None:
+    """From now until :func:`release`, :func:`check` and :func:`check_alone` leave a first signal pending
+    instead of raising it (a second one still ends the process at once). A run holds from an update's first
+    optimizer step until that iteration's record is written: the weights then match no record, and a stop
+    there would lose the iteration and every one since the last checkpoint; at the next check after the record
+    the run stops and its checkpoint keeps them. Every process of a distributed run holds and releases at the
+    same points (their optimizer steps are collective), so the checks they skip are the same ones."""
+    _STATE.held = True
+
+
+def release() -> None:
+    """End :func:`hold`: the next check raises a pending signal."""
+    _STATE.held = False
 
 
 @contextlib.contextmanager

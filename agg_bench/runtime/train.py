@@ -195,6 +195,7 @@ class Training:
             error = f"stopped by {type(exc).__name__}" + (f": {exc}" if str(exc) else "")
             raise
         finally:
+            stopping.release()
             summary = self.finish(status, error)
         return summary
 
@@ -226,7 +227,10 @@ class Training:
         runfolder.write_plan(self.out, self.memory_plan)
 
     def _stepping(self, *args) -> None:
+        """Before each optimizer step: the weights will match no record until this iteration's is written, so
+        a signal waits for it (:func:`agg_bench.stopping.hold`)."""
         self.stepped = True
+        stopping.hold()
 
     def iterate(self, iteration: int) -> tuple[str, str | None] | None:
         """Train ``iteration``, append its record (with the cumulative ``cost``), take the evaluation and
@@ -255,6 +259,7 @@ class Training:
                             status="diverged" if reason else "ok")
         self._write(record)
         self.stepped = False
+        stopping.release()  # the weights match the records again: a signal now stops the run with them
         if reason:
             return "diverged", f"non-finite {reason} at iteration {iteration}"
         self.last_good = iteration

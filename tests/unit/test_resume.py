@@ -98,20 +98,47 @@ def test_interrupted_between_iterations_then_resumed_equals_uninterrupted(tmp_pa
     assert [r["saved_activation_peak_bytes"] is not None for r in records(out)] == [True] + [False] * (ITERATIONS - 1)
 
 
-def test_records_after_the_checkpoint_are_recomputed_once(tmp_path, monkeypatch, tmp_path_factory):
+@pytest.mark.parametrize("where", ["after the update", "between its two optimizer steps"])
+def test_a_signal_after_an_optimizer_step_waits_for_the_record_and_the_checkpoint_keeps_it(
+        tmp_path, monkeypatch, tmp_path_factory, where):
+    """A signal that comes once the weights moved (iteration 2 of agg's two inner epochs: after its update, or
+    between its two steps) is taken when the iteration's record is written: the checkpoint then holds that
+    iteration (it used to be lost, with every iteration since the periodic checkpoint, and recomputed)."""
     expected = reference("agg", tmp_path_factory)
     out = tmp_path / "run"
-    signal_at(monkeypatch, "update", 4, after=True)  # iteration 3 stepped the optimizer, its record is unwritten
+    if where == "after the update":
+        signal_at(monkeypatch, "update", 3, after=True)
+    else:
+        update, calls = Session.update, []
+
+        def update_signalling_at_its_first_step(self, batch):
+            calls.append(1)
+            if len(calls) != 3:
+                return update(self, batch)
+            steps = []
+
+            def signal_after_the_first(*args):  # once: a second signal would end the process at once
+                steps.append(1)
+                if len(steps) == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+            hook = self.optimizer.register_step_post_hook(signal_after_the_first)
+            try:
+                return update(self, batch)
+            finally:
+                hook.remove()
+                assert len(steps) == 2  # the update took both its steps
+
+        monkeypatch.setattr(Session, "update", update_signalling_at_its_first_step)
     with pytest.raises(Interrupted):
         train(config("agg", "train.checkpoint_every=2"), out)
     monkeypatch.undo()
     s = summary(out)
-    # the weights no longer match the records: no checkpoint at the interruption, the last one is iteration 1
-    assert (s["last_good_iteration"], s["checkpoint_iteration"]) == (2, 1)
+    # the periodic checkpoint was after iteration 1; the held signal's after iteration 2
+    assert (s["status"], s["last_good_iteration"], s["checkpoint_iteration"]) == ("interrupted", 2, 2)
     assert [r["iteration"] for r in records(out)] == [0, 1, 2]
     train(config("agg", "train.checkpoint_every=2"), out, resume=True)
-    assert [r["iteration"] for r in records(out)] == list(range(ITERATIONS))
-    assert learned(records(out)) == learned(expected)
+    assert summary(out)["resumed_from"] == 2 and learned(records(out)) == learned(expected)
 
 
 def test_a_finished_run_resumes_to_more_iterations(tmp_path, tmp_path_factory):
