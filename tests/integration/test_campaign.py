@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -448,7 +449,6 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
     """--cpu: the model pre-trained first, every method's run, the model and the runs packed; unpacked, the
     reference's learning tables regenerate byte for byte, and the next window takes the reference's model
     (and refuses another)."""
-    import shutil
 
     for name in ("learning_gpu.yaml", "pretrain.yaml", "prompts/scenes.txt"):  # the sweep's relative paths
         (tmp_path / "config" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -488,3 +488,61 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
         assert main(["campaign", "unpack", "--config", config, "--cpu", "--archive", str(bad), "--reference",
                      str(tmp_path / "new")]) == 2
         assert words in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+# ----- scripts/gpu_wheels.sh -------------------------------------------------------------------------------------
+WHEELS_SCRIPT = ROOT / "scripts" / "gpu_wheels.sh"
+
+
+def wheels_checkout(folder: Path) -> Path:
+    """A folder with what scripts/gpu_wheels.sh reads: the script and the pinned requirements."""
+    for name in ("scripts/gpu_wheels.sh", "requirements/constraints.txt"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / name, folder / name)
+    return folder
+
+
+def run_wheels(checkout: Path, bin_dir: Path) -> subprocess.CompletedProcess:
+    """The script with a stub ``python3`` first on PATH that records its arguments instead of downloading."""
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "python3"
+    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{bin_dir}/python3.args"\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(["bash", str(checkout / "scripts" / "gpu_wheels.sh")], cwd=checkout.parent, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_gpu_wheels_ignores_whl_in_a_worktree_and_runs_outside_git(tmp_path):
+    """.git is a file in a worktree (and a submodule): the script finds the exclude file through git; without
+    any git checkout it has none to write and still fetches the wheels."""
+    def git(*args: str, cwd: Path) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                              capture_output=True, text=True).stdout
+
+    main_checkout = wheels_checkout(tmp_path / "main")
+    git("init", "-q", cwd=main_checkout)
+    git("add", ".", cwd=main_checkout)
+    git("commit", "-q", "-m", "x", cwd=main_checkout)
+    worktree = tmp_path / "worktree"
+    git("worktree", "add", "-q", str(worktree), cwd=main_checkout)
+    assert (worktree / ".git").is_file()
+    exclude = Path(git("rev-parse", "--path-format=absolute", "--git-path", "info/exclude", cwd=worktree).strip())
+    for _ in range(2):  # a second run adds nothing
+        proc = run_wheels(worktree, tmp_path / "bin")
+        assert proc.returncode == 0, proc.stderr
+    assert exclude.read_text().splitlines().count("/.whl/") == 1
+    (worktree / ".whl" / "x.whl").write_bytes(b"wheel")
+    assert git("status", "--porcelain", "--untracked-files=all", cwd=worktree) == ""
+    pin = next(line for line in (ROOT / "requirements" / "constraints.txt").read_text().splitlines()
+               if line.startswith("diffusers=="))
+    args = (tmp_path / "bin" / "python3.args").read_text().splitlines()
+    assert args[:3] == ["-m", "pip", "download"] and pin in args and args[args.index("-d") + 1] == ".whl"
+    # no git checkout at all: no exclude file to write, the wheels still fetched into .whl/
+    plain = wheels_checkout(tmp_path / "plain")
+    (tmp_path / "bin" / "python3.args").unlink()
+    proc = run_wheels(plain, tmp_path / "bin")
+    assert proc.returncode == 0, proc.stderr
+    assert (plain / ".whl").is_dir() and not (plain / ".git").exists()
+    assert (tmp_path / "bin" / "python3.args").is_file()
