@@ -21,12 +21,18 @@ Each ``campaign run --minutes N`` is one window:
    followed, unless ``campaign.calibrate`` is false, by one ``agg-bench calibrate`` process that times the
    methods it finished beside ``full`` (paired rounds: the tables' train speedups and the cost model's
    prediction on that machine). ``campaign.parallel`` processes run at a time (default 1: a full-size model
-   has the GPU to itself; the learning sweep's small runs share one).
+   has the GPU to itself; the learning sweep's small runs share one). An unfinished attempt of a run in the
+   work folder is removed first, under that run folder's claim (:mod:`agg_bench.outdir`); a run folder whose
+   claim another process holds (a run writing there) is left alone, neither removed nor written: one line on
+   stderr names it and that process's PID, the window log lists it under the process's ``busy``, and a later
+   window takes the run.
 4. It stops cleanly before the deadline: a cell process is told the deadline (it starts no run that the
    longest run so far says would not end before it), no process starts after ``STOP_MARGIN_S`` seconds before
    it, and a process still running then is sent SIGTERM (the run it is in ends ``interrupted``) and killed
    ``KILL_AFTER_S`` later if it has not ended. A SIGTERM or SIGINT to the campaign itself does the same at
-   once, and the command then exits with 128 + N.
+   once, and the command then exits with 128 + N. No process outlives the campaign: each leads a process
+   group of its own, a second signal (which ends the campaign at once, :mod:`agg_bench.stopping`) kills that
+   group first, and on Linux the kernel kills the process when the campaign dies any other way (``kill -9``).
 5. It packs every finished run it holds that the reference lacks, without checkpoints, the pre-trained model
    the reference lacks, the window's calibrations and its log (``windows/<stamp>.json``: what ran, how long,
    what ended how), into one archive (``--archive``, default ``WORK/campaign.tar.gz``; a few MiB). A run cut
@@ -54,7 +60,7 @@ from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, write_json
-from ..outdir import Contents, claim_files, claim_folder, remove_owned
+from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned
 from ..runtime.cell import job_entry
 from ..runtime.runfolder import RUN_CONTENTS
 from . import archive as archives
@@ -67,6 +73,7 @@ MAX_MINUTES = 24 * 60
 MAX_PARALLEL = 64
 STOP_MARGIN_S = 20.0  # no process starts, and the running ones get SIGTERM, this long before the deadline
 KILL_AFTER_S = 12.0  # a process that has not ended this long after SIGTERM is killed
+PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal a child gets when the thread that started it ends
 POLL_S = 0.25
 # the --cpu form of a learning sweep: a few iterations of every method on the pre-trained model, on the CPU
 CPU_LEARNING_SET = {"train.budget": None, "train.iterations": 2, "eval.every": 1, "eval.noises": 1,
@@ -311,24 +318,66 @@ def _stopped() -> bool:
     return stopping.pending() is not None
 
 
+def _die_with_parent():
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when the thread that started it ends, however the
+    campaign ends (``kill -9`` included): Linux's ``prctl(PR_SET_PDEATHSIG)``. None where there is no such
+    call (the second signal's cleanup in :func:`_supervise` still ends the child there)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+
+    def preexec() -> None:  # in the child, between fork and exec: system calls only
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the campaign died before the call took hold
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the process group ``pgid`` (a supervised child and what it started), if it is still there."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def _supervise(argv: list[str], log: Path, env: dict, stop_at: float, stopped=_stopped) -> tuple[int | None, str]:
-    """Run ``argv`` until it ends, SIGTERM it at ``stop_at`` or once ``stopped()``, kill it ``KILL_AFTER_S``
-    later; (its exit code, how it ended: finished, stopped at the deadline, interrupted)."""
+    """Run ``argv`` until it ends, SIGTERM it at ``stop_at`` or once ``stopped()``, kill it (its process group)
+    ``KILL_AFTER_S`` later; (its exit code, how it ended: finished, stopped at the deadline, interrupted).
+
+    The child ends with the campaign: it leads a process group of its own (so that a terminal's Ctrl-C reaches
+    the campaign alone, which passes it on as one SIGTERM), a second signal's exit at once kills that group
+    (:func:`agg_bench.stopping.at_exit_at_once`), and on Linux the kernel kills the child when the campaign
+    dies any other way (:func:`_die_with_parent`)."""
     with open(log, "ab") as handle:
-        proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
-        how, termed = "finished", None
-        while proc.poll() is None:
-            now = time.time()
-            if termed is None and (now >= stop_at or stopped()):
-                how = "interrupted" if stopped() else "stopped at the deadline"
-                proc.send_signal(signal.SIGTERM)
-                termed = now
-            elif termed is not None and now - termed > KILL_AFTER_S:
-                proc.kill()
-                how += " (killed)"
-                proc.wait()
-                break
-            time.sleep(POLL_S)
+        proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
+                                start_new_session=True, preexec_fn=_die_with_parent())
+        stopping.at_exit_at_once(id(proc), lambda: _kill_group(proc.pid))
+        try:
+            how, termed = "finished", None
+            while proc.poll() is None:
+                now = time.time()
+                if termed is None and (now >= stop_at or stopped()):
+                    how = "interrupted" if stopped() else "stopped at the deadline"
+                    proc.send_signal(signal.SIGTERM)
+                    termed = now
+                elif termed is not None and now - termed > KILL_AFTER_S:
+                    _kill_group(proc.pid)
+                    how += " (killed)"
+                    proc.wait()
+                    break
+                time.sleep(POLL_S)
+        finally:
+            stopping.at_exit_at_once(id(proc), None)
     return proc.returncode, how
 
 
@@ -418,25 +467,47 @@ def _run_process(campaign: Campaign, process: Process, number: int, stamp: str, 
     device = sweep.runs[process.run_ids[0]]["device"]
     env = _child_env(sweep.threads(device))
     name = f"{stamp}_{number:02d}_{process.cell}"
-    jobs = {"runs": [job_entry(sweep.base_file, overrides_of(sweep.runs[r]["pairs"]), str(work / "runs" / r))
-                     for r in process.run_ids]}
-    write_json(work / "cells" / f"{name}.json", jobs)
-    for run_id in process.run_ids:  # an earlier attempt of the same run in this work folder is replaced
-        folder = work / "runs" / run_id
-        if folder.exists() and not campaign.finished(folder, run_id):
-            remove_owned(folder, RUN_CONTENTS)
+    run_ids, busy = [], []
+    for run_id in process.run_ids:
+        if _clear_attempt(campaign, work / "runs" / run_id, run_id):
+            run_ids.append(run_id)
+        else:
+            busy.append(run_id)
     began = time.time()
-    code, how = _supervise([python, "-m", "agg_bench", "cell", str(work / "cells" / f"{name}.json"),
-                            "--deadline", f"{stop_at:.3f}"], work / "logs" / f"{name}.log", env, stop_at)
-    finished = [r for r in process.run_ids if campaign.finished(work / "runs" / r, r)]
-    entry: dict[str, Any] = {"cell": process.cell, "runs": list(process.run_ids), "finished": finished,
+    code, how = None, "not started: another process is writing its runs"
+    if run_ids:
+        jobs = {"runs": [job_entry(sweep.base_file, overrides_of(sweep.runs[r]["pairs"]), str(work / "runs" / r))
+                         for r in run_ids]}
+        write_json(work / "cells" / f"{name}.json", jobs)
+        code, how = _supervise([python, "-m", "agg_bench", "cell", str(work / "cells" / f"{name}.json"),
+                                "--deadline", f"{stop_at:.3f}"], work / "logs" / f"{name}.log", env, stop_at)
+    finished = [r for r in run_ids if campaign.finished(work / "runs" / r, r)]
+    entry: dict[str, Any] = {"cell": process.cell, "runs": run_ids, "finished": finished, "busy": busy,
                              "exit_code": code, "ended": how, "seconds": round(time.time() - began, 1)}
     labels = [sweep.runs[r]["method"] for r in finished]
     if campaign.calibrate and labels and time.time() < stop_at and not _stopped():
         entry["calibration"] = _calibrate(campaign, process.cell, labels, name, work, stop_at, python, env)
-    print(f"agg-bench campaign: {process.cell}: {len(finished)}/{len(process.run_ids)} runs finished "
+    print(f"agg-bench campaign: {process.cell}: {len(finished)}/{len(run_ids)} runs finished "
           f"({how}, {entry['seconds']} s)", file=sys.stderr, flush=True)
     return entry
+
+
+def _clear_attempt(campaign: Campaign, folder: Path, run_id: str) -> bool:
+    """Make ``folder`` ready for ``run_id``'s process: an earlier attempt there that is not finished is removed
+    (its files only, :func:`~agg_bench.outdir.remove_owned`) under the folder's claim. False, with one line on
+    stderr, when another process holds that claim (a run writing there): its folder is neither removed nor
+    written, and the run is left to a later window."""
+    if not folder.exists() or campaign.finished(folder, run_id):
+        return True
+    try:
+        with Claim(folder, folder=True, lock_inside=True, flag="--work"):
+            remove_owned(folder, RUN_CONTENTS)
+    except Busy as err:
+        holder = f" (PID {err.pid})" if err.pid is not None else ""
+        print(f"agg-bench campaign: {folder}: another agg-bench process{holder} is writing this run folder; "
+              f"{run_id} is left alone, to a later window", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _calibrate(campaign: Campaign, cell: str, labels: list[str], name: str, work: Path, stop_at: float,

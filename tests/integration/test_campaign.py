@@ -26,6 +26,7 @@ from agg_bench.tools import campaign as campaign_module
 from agg_bench.tools import archive as archive_module
 from agg_bench.tools.archive import tiny_counterpart
 from agg_bench.tools.campaign import Campaign, cpu_resolution
+from helpers import Holder
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config" / "h200.yaml"
@@ -319,6 +320,77 @@ def test_a_process_is_stopped_at_the_deadline_and_killed_when_it_does_not_stop(t
     assert code == -signal.SIGTERM and how == "interrupted"
 
 
+# a supervised process that ignores SIGTERM and has started a process of its own (its group's other member)
+STUBBORN = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1] + ".tmp", "w").write(f"{os.getpid()} {grandchild.pid}")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+# a campaign's way of supervising a process: in a worker thread, the main thread free to take the signals
+SUPERVISOR = """
+import concurrent.futures, os, sys, time
+from pathlib import Path
+from agg_bench import stopping
+from agg_bench.tools import campaign
+argv = [sys.executable, "-c", sys.argv[1], sys.argv[2]]
+with stopping.stop_signals("agg-bench campaign"), stopping.safe_points():
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(campaign._supervise, argv, Path(sys.argv[2] + ".log"), dict(os.environ), time.time() + 600)
+        while not future.done():
+            concurrent.futures.wait([future], timeout=0.25)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie that no one has reaped yet has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the kernel's parent-death signal")
+@pytest.mark.parametrize("how", ["second SIGTERM", "SIGKILL"])
+def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
+    """The campaign stopped at once (a second SIGTERM: its process group, what it started included) or killed
+    (SIGKILL: the kernel's parent-death signal) takes the process it supervises with it."""
+    pids = tmp_path / "pids"
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, STUBBORN, str(pids)], cwd=tmp_path,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    child = grandchild = None
+    try:
+        waited = time.monotonic()
+        while not pids.exists():
+            assert supervisor.poll() is None and time.monotonic() - waited < 60, supervisor.stderr.read()
+            time.sleep(0.05)
+        child, grandchild = map(int, pids.read_text().split())
+        if how == "SIGKILL":
+            supervisor.kill()
+        else:
+            supervisor.send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # forwarded to the child, which ignores it
+            assert alive(child)
+            supervisor.send_signal(signal.SIGTERM)
+        code = supervisor.wait(timeout=30)
+        assert code == (-signal.SIGKILL if how == "SIGKILL" else 128 + signal.SIGTERM)
+        ended = [child, grandchild] if how == "second SIGTERM" else [child]
+        waited = time.monotonic()
+        while any(alive(pid) for pid in ended) and time.monotonic() - waited < 10:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in ended), [pid for pid in ended if alive(pid)]
+        if how == "second SIGTERM":
+            assert "SIGTERM again: stopping at once" in supervisor.stderr.read()
+    finally:
+        supervisor.kill()
+        for pid in (child, grandchild):
+            if pid is not None and alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_cell_starts_no_run_that_would_end_after_its_deadline(tmp_path, capsys):
     tiny = ["model.preset=tiny", "model.resolution=32", "train.iterations=1", "sampling.steps=4", "grpo.group_size=2",
             "grpo.prompts_per_iteration=1", "progress=false"]
@@ -418,6 +490,44 @@ def test_a_signal_to_the_campaign_stops_it_and_packs_what_finished(tmp_path, mon
     assert json.loads(log.read_text())["stopped_by_signal"] == "SIGTERM"
     with tarfile.open(work / "campaign.tar.gz") as tar:
         assert tar.getnames() == [f"windows/{log.name}"]
+
+
+def test_a_run_folder_another_process_is_writing_is_left_alone(tmp_path, monkeypatch, capsys, cpu_campaign):
+    """Another agg-bench process holds the claim of a run folder of the work folder (a run writing there): the
+    window neither removes nor writes anything of it, says so in one line naming the folder and that process,
+    and runs the other runs of its process; the folder's lock stays the holder's."""
+    first = cpu_campaign.processes(set())[0]
+    busy_id = first.run_ids[0]
+    work = tmp_path / "w"
+    folder = work / "runs" / busy_id
+    folder.mkdir(parents=True)
+    theirs = {"config.json": b'{"theirs": true}\n', "metrics.jsonl": b'{"iter": 0}\n'}
+    for name, data in theirs.items():
+        (folder / name).write_bytes(data)
+    jobs = []
+
+    def supervise(argv, log, env, stop_at, stopped=None):  # the cell's job file instead of its process
+        if argv[3] == "cell":
+            jobs.append(json.loads(Path(argv[4]).read_text()))
+        return 0, "finished"
+
+    monkeypatch.setattr(campaign_module, "_supervise", supervise)
+    holder = Holder(folder, folder=True, lock_inside=True)
+    try:
+        assert main(["campaign", "run", "--config", str(CONFIG), "--cpu", "--minutes", "5", "--work", str(work)]) == 0
+        assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != ".agg-bench.lock"} == theirs
+        assert (folder / ".agg-bench.lock").read_text().strip() == str(holder.proc.pid)
+    finally:
+        holder.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if str(folder) in line]
+    assert len(lines) == 1 and f"PID {holder.proc.pid}" in lines[0] and "left alone" in lines[0], lines
+    assert jobs[0]["runs"] and all(job["out"] != str(folder) for job in jobs[0]["runs"])
+    assert [job["out"] for job in jobs[0]["runs"]] == [str(work / "runs" / r) for r in first.run_ids[1:]]
+    [log] = (work / "windows").glob("*.json")
+    entry = json.loads(log.read_text())["processes"][0]
+    assert entry["busy"] == [busy_id] and busy_id not in entry["runs"]
+    with tarfile.open(work / "campaign.tar.gz") as tar:
+        assert not any(name.startswith(f"runs/{busy_id}/") for name in tar.getnames())
 
 
 # ----- the learning sweep on one GPU (config/learning_gpu.yaml), as a campaign -----------------------------------
