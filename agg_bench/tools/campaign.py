@@ -13,7 +13,10 @@ Each ``campaign run --minutes N`` is one window:
 2. A sweep whose runs read a model that its ``pretrain`` section makes (``results/pretrained/<label>``) gets
    it first: from the reference (``pretrained/<label>``, packed by the window that made it), else by an
    ``agg-bench pretrain`` process. A model there that is not the reference's is refused: the reference's runs
-   were trained from the reference's model (:meth:`Campaign.prepare_models`).
+   were trained from the reference's model. So is a model folder whose ``pretrain.json`` does not record the
+   config that the sweep's ``pretrain.<label>`` composes (``threads`` aside): one line naming the folder and
+   the keys that differ, nothing written (:meth:`Campaign.prepare_models`). The ``--cpu`` form pre-trains its
+   toy model into a folder of its own (``results/pretrained/<label>-cpu``), never the sweep's.
 3. It orders the runs left by the sweep's ``campaign.priority`` (selectors of model, resolution and methods:
    each selector's runs before the next one's; the rest last, in the sweep's order) and cuts that order into
    processes: consecutive runs of one model x resolution x device, at most the device's ``runs_per_job`` of
@@ -64,7 +67,8 @@ from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_ow
 from ..runtime.cell import job_entry
 from ..runtime.runfolder import RUN_CONTENTS
 from . import archive as archives
-from .sweep import PRETRAINED_DIR, Sweep, SweepError, check_sweep_files, is_pretrained_here, overrides_of
+from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep_files, flatten, is_pretrained_here,
+                    overrides_of)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -79,6 +83,12 @@ POLL_S = 0.25
 CPU_LEARNING_SET = {"train.budget": None, "train.iterations": 2, "eval.every": 1, "eval.noises": 1,
                     "train.checkpoint_every": 0}
 CPU_PRETRAIN_SET = {"device": "cpu", "steps": 20, "batch_size": 8, "sample_steps": 4, "threads": 1}
+# the --cpu form's model of pretrain label L is pretrain label L + this, in results/pretrained/<L>-cpu: never the
+# folder the sweep itself reads
+CPU_MODEL_SUFFIX = "-cpu"
+# pretrain keys that change how fast a model is made, not which model (the workflow's pretrain rule sets threads
+# to the cores it was given)
+PRETRAIN_SPEED_KEYS = ("threads",)
 
 
 def _json_files(what: str) -> Contents:
@@ -111,9 +121,11 @@ def cpu_sweep(data: dict) -> dict:
     window of it: every method, model family, schedule and priority as written, on one CPU device, with
     float32, :func:`cpu_resolution`'s sizes, one iteration and short calibrations. A model of a public
     architecture becomes the tiny preset of its family (LoRA rank 4 where it has adapters); a sweep with a
-    ``pretrain`` section (the learning sweep) keeps its model, pre-trained on the CPU in a few steps
-    (:data:`CPU_PRETRAIN_SET`), and its runs train for 2 iterations, evaluated on one noise per caption, on
-    its first seed (:data:`CPU_LEARNING_SET`), their tables averaging one iteration at each end."""
+    ``pretrain`` section (the learning sweep) keeps its model's recipe, pre-trained on the CPU in a few steps
+    (:data:`CPU_PRETRAIN_SET`) under a label and into a folder of its own (``<label>-cpu``,
+    :data:`CPU_MODEL_SUFFIX`: the sweep's own model folder is never written or read), and its runs train for 2
+    iterations, evaluated on one noise per caption, on its first seed (:data:`CPU_LEARNING_SET`), their tables
+    averaging one iteration at each end."""
     data = json.loads(json.dumps(data))
     learning = bool(data.get("pretrain"))
     runs_per_job = max([spec.get("runs_per_job", 0) for spec in data["devices"].values()] or [0]) or 100
@@ -122,8 +134,19 @@ def cpu_sweep(data: dict) -> dict:
     if learning:
         data["set"] = {**(data.get("set") or {}), **CPU_LEARNING_SET}
         data["seeds"] = data["seeds"][:1]
-        for spec in data["pretrain"].values():
-            spec["set"] = {**(spec.get("set") or {}), **CPU_PRETRAIN_SET}
+        labels = data["pretrain"]
+        for label in labels:
+            if label + CPU_MODEL_SUFFIX in labels:
+                raise SweepError(f"pretrain.{label}{CPU_MODEL_SUFFIX}: the --cpu form's model of pretrain.{label} "
+                                 "has that label; rename one of them")
+        data["pretrain"] = {label + CPU_MODEL_SUFFIX: {**spec, "set": {**(spec.get("set") or {}), **CPU_PRETRAIN_SET}}
+                            for label, spec in labels.items()}
+        for name, overrides in data["models"].items():
+            model = dict(flatten(overrides))
+            path = model.get("model.pretrained")
+            if is_pretrained_here(path) and Path(path).name in labels:
+                model["model.pretrained"] = f"{PRETRAINED_DIR}/{Path(path).name}{CPU_MODEL_SUFFIX}"
+            data["models"][name] = model
         part = data.setdefault("campaign", {})
         part["parallel"] = min(part.get("parallel", 1), 2)
         data["learning"] = {**(data.get("learning") or {}), "average_iterations": 1}  # 2 iterations a run
@@ -262,12 +285,21 @@ class Campaign:
 
     def prepare_models(self, reference: Path | None) -> list[str]:
         """Put each pre-trained model the runs read in place from the reference where the reference holds it
-        and this machine does not; the labels still to pre-train. A UserError (nothing changed) where this
-        machine's model is not the reference's, or the reference holds runs but not their model."""
+        and this machine does not; the labels still to pre-train. A model folder is used only when its
+        ``pretrain.json`` records the config the sweep's ``pretrain.<label>`` composes (:meth:`model_problem`).
+        The --cpu form pre-trains its own folder anew when it records another (the folder is that form's alone,
+        and ``agg-bench pretrain`` replaces only its own output); anywhere else that is a UserError, as it is
+        where this machine's model is not the reference's or the reference holds runs but not their model:
+        one line, nothing changed."""
+        from .pretrain import check_out_dir
+
         missing = []
         for label, local in self.pretrained_models().items():
             held = reference / "pretrained" / label if reference is not None else None
             if held is not None and held.is_dir():
+                problem = self.model_problem(label, held)
+                if problem:
+                    raise UserError(f"--reference {reference}: pretrained/{label} {problem}; give another reference")
                 if local.exists():
                     if _files(local, archives.MODEL_FILES) != _files(held, archives.MODEL_FILES):
                         raise UserError(f"{local}: not the model of the reference {reference} (its "
@@ -278,6 +310,13 @@ class Campaign:
                                 "were trained from; add it, or give another reference")
             if not local.exists():
                 missing.append(label)
+                continue
+            problem = self.model_problem(label, local)
+            if problem and self.cpu:
+                check_out_dir(local)  # pretrain replaces its own output only
+                missing.append(label)
+            elif problem:
+                raise UserError(f"{local}: {problem}; move it aside and the window pre-trains it anew")
         for label, local in self.pretrained_models().items():
             held = reference / "pretrained" / label if reference is not None else None
             if held is not None and held.is_dir() and not local.exists():
@@ -288,13 +327,37 @@ class Campaign:
                             shutil.copyfile(held / name, tmp / name)
         return missing
 
+    def pretrain_overrides(self, label: str) -> list[str]:
+        """The ``--set`` items of the sweep's ``pretrain.<label>``."""
+        return overrides_of(list((self.pretrain[label].get("set") or {}).items()))
+
     def pretrain_argv(self, label: str, python: str) -> list[str]:
         """``agg-bench pretrain`` of the sweep's ``pretrain.<label>`` into ``results/pretrained/<label>``."""
-        spec = self.pretrain[label]
-        argv = [python, "-m", "agg_bench", "pretrain", "--config", spec["config"]]
-        for item in overrides_of(list((spec.get("set") or {}).items())):
+        argv = [python, "-m", "agg_bench", "pretrain", "--config", self.pretrain[label]["config"]]
+        for item in self.pretrain_overrides(label):
             argv += ["--set", item]
         return [*argv, "--out", f"{PRETRAINED_DIR}/{label}"]
+
+    def model_problem(self, label: str, folder: Path) -> str | None:
+        """Why the model folder ``folder`` is not the sweep's ``pretrain.<label>``, or None: its ``pretrain.json``
+        must record the config that ``pretrain.<label>`` composes (its ``config`` file with its ``set``, as
+        :meth:`pretrain_argv` passes them), key by key, except :data:`PRETRAIN_SPEED_KEYS`."""
+        from ..jsonfiles import JsonFileError, read_json_object
+        from .pretrain import MARKER, load_pretrain_config
+
+        wanted = dataclasses.asdict(load_pretrain_config(self.pretrain[label]["config"], self.pretrain_overrides(label)))
+        try:
+            recorded = read_json_object(folder / MARKER, "an agg-bench pretrain output's pretrain.json").get("config")
+        except JsonFileError as err:
+            return f"is not a model that agg-bench pretrain made ({err.problem} in {MARKER})"
+        if not isinstance(recorded, dict):
+            return f"is not a model that agg-bench pretrain made (no config in {MARKER})"
+        differ = [key for key in wanted if key not in PRETRAIN_SPEED_KEYS and recorded.get(key) != wanted[key]]
+        if not differ:
+            return None
+        shown = ", ".join(f"{key} {quote(recorded.get(key))} (the sweep's {quote(wanted[key])})" for key in differ[:4])
+        more = f" and {len(differ) - 4} more keys" if len(differ) > 4 else ""
+        return f"was pre-trained with another config than the sweep's pretrain.{label} composes: {shown}{more}"
 
     def learning_options(self):
         """The learning report's options from the sweep's ``learning`` section, without a checkpoint evaluation
@@ -412,9 +475,9 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     # are packed, and the end of the block raises it (exit code 128 + N)
     with claim_folder(work, WORK_CONTENTS, "--work"), \
             claim_files({archive: (archives.is_archive, "a campaign archive")}, "--archive"), stopping.safe_points():
+        to_pretrain = campaign.prepare_models(reference)  # before anything is written: it may refuse
         for sub in ("runs", "cells", "calibration", "logs", "windows"):
             (work / sub).mkdir(exist_ok=True)
-        to_pretrain = campaign.prepare_models(reference)
         done = campaign.done(reference, work)
         log: dict[str, Any] = {"started": stamp, "minutes": minutes, "config": str(campaign.config_path),
                                "done_before": len(done), "runs": len(campaign.sweep.runs), "pretrained": [],

@@ -568,6 +568,10 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
     assert main(["campaign", "run", "--config", config, "--cpu", "--minutes", "3", "--work", "w1"]) == 0
     out = json.loads(capsys.readouterr().out)
     campaign = Campaign(config, cpu=True)
+    # the toy model lies in the --cpu form's own folder: the GPU sweep still has its own to pre-train
+    gpu = Campaign(config)
+    assert all(not path.exists() for path in gpu.pretrained_models().values())
+    assert gpu.prepare_models(None) == list(gpu.pretrain)
     assert out["left"] == 0 and out["finished"] == len(campaign.sweep.runs)
     assert main(["campaign", "unpack", "--config", config, "--cpu", "--archive", "w1/campaign.tar.gz",
                  "--reference", str(reference)]) == 0
@@ -598,6 +602,69 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
         assert main(["campaign", "unpack", "--config", config, "--cpu", "--archive", str(bad), "--reference",
                      str(tmp_path / "new")]) == 2
         assert words in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def copy_sweep(folder: Path, config: str) -> None:
+    """``config`` and the files its sweep names by relative paths, under ``folder``."""
+    for name in (config, "pretrain.yaml", "prompts/scenes.txt"):
+        (folder / "config" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / "config" / name, folder / "config" / name)
+
+
+@pytest.mark.parametrize("config", ["learning.yaml", "learning_gpu.yaml"])
+def test_the_cpu_form_of_a_learning_sweep_has_a_model_folder_of_its_own(config):
+    gpu, cpu = Campaign(ROOT / "config" / config), Campaign(ROOT / "config" / config, cpu=True)
+    assert set(gpu.pretrained_models().values()).isdisjoint(cpu.pretrained_models().values())
+    assert set(gpu.pretrain).isdisjoint(cpu.pretrain)
+    for label, path in cpu.pretrained_models().items():
+        argv = cpu.pretrain_argv(label, "python")
+        assert argv[-2:] == ["--out", str(path)] and path not in gpu.pretrained_models().values()
+
+
+def test_a_model_folder_of_another_pretrain_config_is_not_used(tmp_path, monkeypatch, capsys):
+    """A model folder is used only when its pretrain.json records the config the sweep's pretrain section
+    composes: the --cpu form's toy model (20 steps on the CPU) where the sweep reads its own is refused in one
+    line naming the folder and what differs, with nothing written; the --cpu form pre-trains its own folder
+    anew, unless that folder holds a file pretrain does not write."""
+    from dataclasses import asdict
+
+    from agg_bench.tools.pretrain import load_pretrain_config
+
+    copy_sweep(tmp_path, "learning.yaml")
+    monkeypatch.chdir(tmp_path)
+    config = "config/learning.yaml"
+    campaign = Campaign(config)
+    [(label, local)] = campaign.pretrained_models().items()
+    spec = campaign.pretrain[label]
+    toy = asdict(load_pretrain_config(spec["config"], campaign_module.Campaign(config, cpu=True).pretrain_overrides(
+        label + campaign_module.CPU_MODEL_SUFFIX)))
+    wanted = asdict(load_pretrain_config(spec["config"], campaign.pretrain_overrides(label)))
+    assert toy["steps"] != wanted["steps"]
+    local.mkdir(parents=True)
+    (local / "token_hash.json").write_text('{"max_tokens": 6, "seed": 0}\n')
+    (local / "pretrain.json").write_text(json.dumps({"format": "agg-bench-pretrain/1", "config": toy}))
+    before = tree(local)
+    code = main(["campaign", "run", "--config", config, "--minutes", "1", "--work", "w"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"agg-bench campaign: {local}: ")
+    assert f"steps {toy['steps']} (the sweep's {wanted['steps']})" in err[0]
+    assert tree(local) == before and not (tmp_path / "w").exists()
+    # no pretrain.json: not a model pretrain made
+    (local / "pretrain.json").unlink()
+    with pytest.raises(UserError, match=f"{local}: is not a model that agg-bench pretrain made"):
+        campaign.prepare_models(None)
+    # the sweep's own config, made on other cores: used as it is
+    (local / "pretrain.json").write_text(json.dumps({"config": {**wanted, "threads": wanted["threads"] + 1}}))
+    assert campaign.prepare_models(None) == [] and (local / "pretrain.json").is_file()
+    # the --cpu form's own folder, made by another config: pre-trained anew, unless someone's file is in it
+    cpu = Campaign(config, cpu=True)
+    [(cpu_label, cpu_local)] = cpu.pretrained_models().items()
+    shutil.copytree(local, cpu_local)
+    assert cpu.prepare_models(None) == [cpu_label] and tree(cpu_local) == tree(local)
+    (cpu_local / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="notes.txt"):
+        cpu.prepare_models(None)
 
 
 # ----- scripts/gpu_wheels.sh -------------------------------------------------------------------------------------
