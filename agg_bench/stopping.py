@@ -24,9 +24,9 @@ A **second** signal ends the process at once, with exit code 128 + N: the user (
 grace period ran out) wants it gone. The handler writes one line to stderr, runs the cleanups registered
 with :func:`at_exit_at_once` (the output claims of :mod:`agg_bench.outdir` release their lock files, and
 folders they made that are still empty: no lone lock is left behind; a campaign kills the process groups
-of the processes it supervises, so none outlives it) and calls ``os._exit``. What the command had written stays as a killed process leaves
-it: whole files, and no ``summary.json`` for a run (a rerun replaces the attempt, ``--resume``
-continues it).
+of the processes it supervises, so none outlives it) and calls ``os._exit``. What the command had written
+stays as a killed process leaves it: whole files, and no ``summary.json`` for a run (a rerun replaces the
+attempt, ``--resume`` continues it).
 
 **Processes that stop together.** The processes of a distributed run (torchrun) each get the signal, at
 slightly different moments, and must stop at the same point: one that stopped while another went on into a

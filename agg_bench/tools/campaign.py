@@ -345,7 +345,8 @@ class Campaign:
         from ..jsonfiles import JsonFileError, read_json_object
         from .pretrain import MARKER, load_pretrain_config
 
-        wanted = dataclasses.asdict(load_pretrain_config(self.pretrain[label]["config"], self.pretrain_overrides(label)))
+        spec = load_pretrain_config(self.pretrain[label]["config"], self.pretrain_overrides(label))
+        wanted = dataclasses.asdict(spec)
         try:
             recorded = read_json_object(folder / MARKER, "an agg-bench pretrain output's pretrain.json").get("config")
         except JsonFileError as err:
