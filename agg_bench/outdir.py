@@ -16,8 +16,9 @@ before anything is written, and holds the claim until it is done:
   replaced by rename, which replaces a link instead of writing through it.
 - **One writer.** An exclusive ``fcntl.flock`` on a lock file (``DIR/.agg-bench.lock`` inside a folder
   output; ``.NAME.agg-bench.lock`` beside a file output, or beside a folder that is replaced whole) is
-  held for the claim's life. A second writer is refused and told the holder's PID. The kernel releases
-  the lock when its process dies, however it dies; the file is removed when the claim ends.
+  held for the claim's life. A second writer is refused (:class:`Busy`) and told the holder's PID. The
+  kernel releases the lock when its process dies, however it dies; the file is removed when the claim
+  ends, and :func:`remove_owned` removes only a lock file that no process holds.
 - **Nothing left by a failure.** A folder the claim created is removed again if the command fails, or
   is stopped by a signal, before writing anything into it; a second signal, which ends the process at
   once (:mod:`agg_bench.stopping`), still removes the lock file and such an empty folder first.
@@ -50,6 +51,15 @@ def is_lock_name(name: str) -> bool:
 def is_harness_name(name: str) -> bool:
     """A temporary or lock file of the harness: never a user's file, never a command's output."""
     return is_temp_name(name) or is_lock_name(name)
+
+
+class Busy(UserError):
+    """Another process holds the claim of ``target`` (a second writer, refused); ``pid``: the holder's PID
+    where its lock file says it, else None."""
+
+    def __init__(self, message: str, target: Path, pid: int | None):
+        super().__init__(message)
+        self.target, self.pid = target, pid
 
 
 @dataclass(frozen=True)
@@ -165,10 +175,12 @@ def check_folder(out: Path, contents: Contents, flag: str = "--out") -> None:
 
 def remove_owned(folder: Path, contents: Contents) -> None:
     """Remove what ``contents`` names inside ``folder`` (its files, and the folders it owns with what they
-    hold), harness temporaries and locks, then ``folder`` itself if nothing is left. Anything else stays
-    where it is, and with it the folder: the harness removes only what it wrote (:func:`check_folder`
-    refuses such a folder before anything is written, so this only matters if someone adds a file while
-    the command runs)."""
+    hold), harness temporaries and the lock files no process holds, then ``folder`` itself if nothing is
+    left. Anything else stays where it is, and with it the folder: the harness removes only what it wrote
+    (:func:`check_folder` refuses such a folder before anything is written, so this only matters if someone
+    adds a file while the command runs). A lock file that a process holds (the caller's own claim of
+    ``folder`` included) stays: removing it would let a second writer claim the folder beside its holder.
+    The caller holds the claim of ``folder`` (:class:`Claim`), so no other process writes what it removes."""
     if folder.is_symlink() or not folder.is_dir():
         return
     for path in folder.iterdir():
@@ -178,12 +190,32 @@ def remove_owned(folder: Path, contents: Contents) -> None:
         if path.is_dir():
             if owned and inner is not None:
                 remove_owned(path, inner)
-        elif contents.file(path.name) or is_harness_name(path.name):
+        elif is_lock_name(path.name):
+            _remove_unheld_lock(path)
+        elif contents.file(path.name) or is_temp_name(path.name):
             path.unlink(missing_ok=True)
     try:
         folder.rmdir()
     except OSError:  # something that is not the harness's stays, and so does its folder
         pass
+
+
+def _remove_unheld_lock(path: Path) -> None:
+    """Remove the lock file ``path`` if no process holds its lock: locked first and removed while locked, as
+    :meth:`Claim.release` does, so a writer that opened it meanwhile finds it gone and locks a new one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held by a live process
+        os.close(fd)
+        return
+    try:
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = "--out",
@@ -199,12 +231,13 @@ def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = 
         raise UserError(f"{flag} {path}: the file exists and is not {what}; {remedy}")
 
 
-def _holder(fd: int) -> str:
+def _holder(fd: int) -> int | None:
+    """The PID a lock file's holder wrote into it, or None."""
     try:
         text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
     except OSError:
-        return ""
-    return f" (PID {text})" if text.isdigit() else ""
+        return None
+    return int(text) if text.isdigit() else None
 
 
 class Claim:
@@ -261,10 +294,11 @@ class Claim:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _holder(fd)
+                pid = _holder(fd)
                 os.close(fd)
-                raise UserError(f"{self.flag} {self.target}: another agg-bench process{holder} is writing this "
-                                f"{what}; wait until it ends or give another {what}") from None
+                holder = f" (PID {pid})" if pid is not None else ""
+                raise Busy(f"{self.flag} {self.target}: another agg-bench process{holder} is writing this "
+                           f"{what}; wait until it ends or give another {what}", self.target, pid) from None
             # a holder that was releasing may have removed the file between our open and our lock
             try:
                 current = os.stat(self.lock_path, follow_symlinks=False).st_ino

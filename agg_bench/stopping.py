@@ -23,11 +23,12 @@ exit code 128 + N): every :func:`check` until then raises again, and so does the
 :func:`stop_signals` block.
 
 A **second** signal ends the process at once, with exit code 128 + N: the user (or a scheduler whose
-grace period ran out) wants it gone. The handler writes one line to stderr, releases the output claims
-of :mod:`agg_bench.outdir` (their lock files, and folders they made that are still empty: no lone lock
-is left behind) and calls ``os._exit``. What the command had written stays as a killed process leaves
-it: whole files, and no ``summary.json`` for a run (a rerun replaces the attempt, ``--resume``
-continues it).
+grace period ran out) wants it gone. The handler writes one line to stderr, runs the cleanups registered
+with :func:`at_exit_at_once` (the output claims of :mod:`agg_bench.outdir` release their lock files, and
+folders they made that are still empty: no lone lock is left behind; a campaign kills the process groups
+of the processes it supervises, so none outlives it) and calls ``os._exit``. What the command had written
+stays as a killed process leaves it: whole files, and no ``summary.json`` for a run (a rerun replaces the
+attempt, ``--resume`` continues it).
 
 **Processes that stop together.** The processes of a distributed run (torchrun) each get the signal, at
 slightly different moments, and must stop at the same point: one that stopped while another went on into a
@@ -230,7 +231,8 @@ def handled(err: BaseException) -> None:
 
 def at_exit_at_once(key: int, cleanup: Callable[[], None] | None) -> None:
     """Register (or, with None, remove) ``cleanup`` under ``key``: run before a second signal ends the
-    process. Kept to a few system calls (an output claim unlinks its lock file)."""
+    process. Kept to a few system calls (an output claim unlinks its lock file, a campaign kills the process
+    group it supervises)."""
     if cleanup is None:
         _STATE.at_exit.pop(key, None)
     else:

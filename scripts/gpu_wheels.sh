@@ -2,7 +2,8 @@
 # The wheels a GPU machine that cannot download anything needs besides its own torch, peft, pandas, matplotlib,
 # PyYAML and tqdm to run scripts/gpu_check.sh and scripts/gpu_campaign.sh: diffusers at the pinned version and
 # jsonschema with what it needs, for that machine's Python (default 3.12, x86-64 Linux), into .whl/ (ignored
-# by git), about 10 MB. On the GPU machine, before PYTHON=python3 scripts/gpu_campaign.sh --minutes 8:
+# by git where this folder is a git checkout, a worktree or submodule included), about 10 MB. On the GPU
+# machine, before PYTHON=python3 scripts/gpu_campaign.sh --minutes 8:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 #   scripts/gpu_wheels.sh [PYTHON_VERSION]     e.g. scripts/gpu_wheels.sh 3.12
 set -euo pipefail
@@ -13,7 +14,13 @@ PIN() { sed -n "s/^$1==//p" requirements/constraints.txt; }
 WHEELS=("diffusers==$(PIN diffusers)" "jsonschema==$(PIN jsonschema)" "jsonschema-specifications" "referencing"
         "rpds-py")
 mkdir -p .whl
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+# .whl/ ignored in this checkout's exclude file: .git/info/exclude, or the common git folder's where .git is a
+# file (a worktree, a submodule); outside a git checkout of this folder there is nothing to exclude it from
+if command -v git >/dev/null && [[ "$(git rev-parse --show-toplevel 2>/dev/null)" == "$(pwd -P)" ]]; then
+  EXCLUDE=$(git rev-parse --git-path info/exclude)
+  mkdir -p "$(dirname "$EXCLUDE")"
+  grep -qx '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
+fi
 PLATFORMS=()
 for p in manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_34_x86_64; do
   PLATFORMS+=(--platform "$p")

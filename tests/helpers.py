@@ -1,16 +1,23 @@
-"""Shared test helpers: small configs and one-graph reference gradients."""
+"""Shared test helpers: small configs, one-graph reference gradients, and another process holding an output's
+claim."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
+from pathlib import Path
 
 import torch
 
 from agg_bench.config import load_config
 from agg_bench.engine.counters import PassCounter
 from agg_bench.engine.grpo import TrainBatch, UpdateStats, step_terms
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = [
     "model.resolution=32", "sampling.steps=6", "grpo.group_size=3", "grpo.prompts_per_iteration=2",
@@ -162,3 +169,31 @@ def nft_dpm2_reference(sigmas: torch.Tensor, x: torch.Tensor, velocities: list[t
         states.append(x)
         m_prev = m
     return states
+
+
+# ----- another writer ------------------------------------------------------------------------------------------
+HOLD = """
+import sys
+from agg_bench.outdir import Claim
+Claim(sys.argv[1], folder=sys.argv[2] == "folder", lock_inside=sys.argv[3] == "inside").acquire()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+class Holder:
+    """Another process holding the claim of ``target`` until closed (or killed)."""
+
+    def __init__(self, target: Path, folder: bool, lock_inside: bool):
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLD, str(target), "folder" if folder else "file",
+                                      "inside" if lock_inside else "beside"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert self.proc.stdout.readline().strip() == "held"
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)

@@ -13,7 +13,10 @@ Each ``campaign run --minutes N`` is one window:
 2. A sweep whose runs read a model that its ``pretrain`` section makes (``results/pretrained/<label>``) gets
    it first: from the reference (``pretrained/<label>``, packed by the window that made it), else by an
    ``agg-bench pretrain`` process. A model there that is not the reference's is refused: the reference's runs
-   were trained from the reference's model (:meth:`Campaign.prepare_models`).
+   were trained from the reference's model. So is a model folder whose ``pretrain.json`` does not record the
+   config that the sweep's ``pretrain.<label>`` composes (``threads`` aside): one line naming the folder and
+   the keys that differ, nothing written (:meth:`Campaign.prepare_models`). The ``--cpu`` form pre-trains its
+   toy model into a folder of its own (``results/pretrained/<label>-cpu``), never the sweep's.
 3. It orders the runs left by the sweep's ``campaign.priority`` (selectors of model, resolution and methods:
    each selector's runs before the next one's; the rest last, in the sweep's order) and cuts that order into
    processes: consecutive runs of one model x resolution x device, at most the device's ``runs_per_job`` of
@@ -21,12 +24,18 @@ Each ``campaign run --minutes N`` is one window:
    followed, unless ``campaign.calibrate`` is false, by one ``agg-bench calibrate`` process that times the
    methods it finished beside ``full`` (paired rounds: the tables' train speedups and the cost model's
    prediction on that machine). ``campaign.parallel`` processes run at a time (default 1: a full-size model
-   has the GPU to itself; the learning sweep's small runs share one).
+   has the GPU to itself; the learning sweep's small runs share one). An unfinished attempt of a run in the
+   work folder is removed first, under that run folder's claim (:mod:`agg_bench.outdir`); a run folder whose
+   claim another process holds (a run writing there) is left alone, neither removed nor written: one line on
+   stderr names it and that process's PID, the window log lists it under the process's ``busy``, and a later
+   window takes the run.
 4. It stops cleanly before the deadline: a cell process is told the deadline (it starts no run that the
    longest run so far says would not end before it), no process starts after ``STOP_MARGIN_S`` seconds before
    it, and a process still running then is sent SIGTERM (the run it is in ends ``interrupted``) and killed
    ``KILL_AFTER_S`` later if it has not ended. A SIGTERM or SIGINT to the campaign itself does the same at
-   once, and the command then exits with 128 + N.
+   once, and the command then exits with 128 + N. No process outlives the campaign: each leads a process
+   group of its own, a second signal (which ends the campaign at once, :mod:`agg_bench.stopping`) kills that
+   group first, and on Linux the kernel kills the process when the campaign dies any other way (``kill -9``).
 5. It packs every finished run it holds that the reference lacks, without checkpoints, the pre-trained model
    the reference lacks, the window's calibrations and its log (``windows/<stamp>.json``: what ran, how long,
    what ended how), into one archive (``--archive``, default ``WORK/campaign.tar.gz``; a few MiB). A run cut
@@ -55,11 +64,12 @@ from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, write_json
 from ..jsonfiles import loads
-from ..outdir import Contents, claim_files, claim_folder, remove_owned
+from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned
 from ..runtime.cell import job_entry
 from ..runtime.runfolder import RUN_CONTENTS
 from . import archive as archives
-from .sweep import PRETRAINED_DIR, Sweep, SweepError, check_sweep_files, is_pretrained_here, overrides_of
+from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep_files, flatten, is_pretrained_here,
+                    overrides_of)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -68,11 +78,18 @@ MAX_MINUTES = 24 * 60
 MAX_PARALLEL = 64
 STOP_MARGIN_S = 20.0  # no process starts, and the running ones get SIGTERM, this long before the deadline
 KILL_AFTER_S = 12.0  # a process that has not ended this long after SIGTERM is killed
+PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal a child gets when the thread that started it ends
 POLL_S = 0.25
 # the --cpu form of a learning sweep: a few iterations of every method on the pre-trained model, on the CPU
 CPU_LEARNING_SET = {"train.budget": None, "train.iterations": 2, "eval.every": 1, "eval.noises": 1,
                     "train.checkpoint_every": 0}
 CPU_PRETRAIN_SET = {"device": "cpu", "steps": 20, "batch_size": 8, "sample_steps": 4, "threads": 1}
+# the --cpu form's model of pretrain label L is pretrain label L + this, in results/pretrained/<L>-cpu: never the
+# folder the sweep itself reads
+CPU_MODEL_SUFFIX = "-cpu"
+# pretrain keys that change how fast a model is made, not which model (the workflow's pretrain rule sets threads
+# to the cores it was given)
+PRETRAIN_SPEED_KEYS = ("threads",)
 
 
 def _json_files(what: str) -> Contents:
@@ -105,9 +122,11 @@ def cpu_sweep(data: dict) -> dict:
     window of it: every method, model family, schedule and priority as written, on one CPU device, with
     float32, :func:`cpu_resolution`'s sizes, one iteration and short calibrations. A model of a public
     architecture becomes the tiny preset of its family (LoRA rank 4 where it has adapters); a sweep with a
-    ``pretrain`` section (the learning sweep) keeps its model, pre-trained on the CPU in a few steps
-    (:data:`CPU_PRETRAIN_SET`), and its runs train for 2 iterations, evaluated on one noise per caption, on
-    its first seed (:data:`CPU_LEARNING_SET`), their tables averaging one iteration at each end."""
+    ``pretrain`` section (the learning sweep) keeps its model's recipe, pre-trained on the CPU in a few steps
+    (:data:`CPU_PRETRAIN_SET`) under a label and into a folder of its own (``<label>-cpu``,
+    :data:`CPU_MODEL_SUFFIX`: the sweep's own model folder is never written or read), and its runs train for 2
+    iterations, evaluated on one noise per caption, on its first seed (:data:`CPU_LEARNING_SET`), their tables
+    averaging one iteration at each end."""
     data = json.loads(json.dumps(data))
     learning = bool(data.get("pretrain"))
     runs_per_job = max([spec.get("runs_per_job", 0) for spec in data["devices"].values()] or [0]) or 100
@@ -116,8 +135,19 @@ def cpu_sweep(data: dict) -> dict:
     if learning:
         data["set"] = {**(data.get("set") or {}), **CPU_LEARNING_SET}
         data["seeds"] = data["seeds"][:1]
-        for spec in data["pretrain"].values():
-            spec["set"] = {**(spec.get("set") or {}), **CPU_PRETRAIN_SET}
+        labels = data["pretrain"]
+        for label in labels:
+            if label + CPU_MODEL_SUFFIX in labels:
+                raise SweepError(f"pretrain.{label}{CPU_MODEL_SUFFIX}: the --cpu form's model of pretrain.{label} "
+                                 "has that label; rename one of them")
+        data["pretrain"] = {label + CPU_MODEL_SUFFIX: {**spec, "set": {**(spec.get("set") or {}), **CPU_PRETRAIN_SET}}
+                            for label, spec in labels.items()}
+        for name, overrides in data["models"].items():
+            model = dict(flatten(overrides))
+            path = model.get("model.pretrained")
+            if is_pretrained_here(path) and Path(path).name in labels:
+                model["model.pretrained"] = f"{PRETRAINED_DIR}/{Path(path).name}{CPU_MODEL_SUFFIX}"
+            data["models"][name] = model
         part = data.setdefault("campaign", {})
         part["parallel"] = min(part.get("parallel", 1), 2)
         data["learning"] = {**(data.get("learning") or {}), "average_iterations": 1}  # 2 iterations a run
@@ -257,12 +287,21 @@ class Campaign:
 
     def prepare_models(self, reference: Path | None) -> list[str]:
         """Put each pre-trained model the runs read in place from the reference where the reference holds it
-        and this machine does not; the labels still to pre-train. A UserError (nothing changed) where this
-        machine's model is not the reference's, or the reference holds runs but not their model."""
+        and this machine does not; the labels still to pre-train. A model folder is used only when its
+        ``pretrain.json`` records the config the sweep's ``pretrain.<label>`` composes (:meth:`model_problem`).
+        The --cpu form pre-trains its own folder anew when it records another (the folder is that form's alone,
+        and ``agg-bench pretrain`` replaces only its own output); anywhere else that is a UserError, as it is
+        where this machine's model is not the reference's or the reference holds runs but not their model:
+        one line, nothing changed."""
+        from .pretrain import check_out_dir
+
         missing = []
         for label, local in self.pretrained_models().items():
             held = reference / "pretrained" / label if reference is not None else None
             if held is not None and held.is_dir():
+                problem = self.model_problem(label, held)
+                if problem:
+                    raise UserError(f"--reference {reference}: pretrained/{label} {problem}; give another reference")
                 if local.exists():
                     if _files(local, archives.MODEL_FILES) != _files(held, archives.MODEL_FILES):
                         raise UserError(f"{local}: not the model of the reference {reference} (its "
@@ -273,6 +312,13 @@ class Campaign:
                                 "were trained from; add it, or give another reference")
             if not local.exists():
                 missing.append(label)
+                continue
+            problem = self.model_problem(label, local)
+            if problem and self.cpu:
+                check_out_dir(local)  # pretrain replaces its own output only
+                missing.append(label)
+            elif problem:
+                raise UserError(f"{local}: {problem}; move it aside and the window pre-trains it anew")
         for label, local in self.pretrained_models().items():
             held = reference / "pretrained" / label if reference is not None else None
             if held is not None and held.is_dir() and not local.exists():
@@ -283,13 +329,38 @@ class Campaign:
                             shutil.copyfile(held / name, tmp / name)
         return missing
 
+    def pretrain_overrides(self, label: str) -> list[str]:
+        """The ``--set`` items of the sweep's ``pretrain.<label>``."""
+        return overrides_of(list((self.pretrain[label].get("set") or {}).items()))
+
     def pretrain_argv(self, label: str, python: str) -> list[str]:
         """``agg-bench pretrain`` of the sweep's ``pretrain.<label>`` into ``results/pretrained/<label>``."""
-        spec = self.pretrain[label]
-        argv = [python, "-m", "agg_bench", "pretrain", "--config", spec["config"]]
-        for item in overrides_of(list((spec.get("set") or {}).items())):
+        argv = [python, "-m", "agg_bench", "pretrain", "--config", self.pretrain[label]["config"]]
+        for item in self.pretrain_overrides(label):
             argv += ["--set", item]
         return [*argv, "--out", f"{PRETRAINED_DIR}/{label}"]
+
+    def model_problem(self, label: str, folder: Path) -> str | None:
+        """Why the model folder ``folder`` is not the sweep's ``pretrain.<label>``, or None: its ``pretrain.json``
+        must record the config that ``pretrain.<label>`` composes (its ``config`` file with its ``set``, as
+        :meth:`pretrain_argv` passes them), key by key, except :data:`PRETRAIN_SPEED_KEYS`."""
+        from ..jsonfiles import JsonFileError, read_json_object
+        from .pretrain import MARKER, load_pretrain_config
+
+        spec = load_pretrain_config(self.pretrain[label]["config"], self.pretrain_overrides(label))
+        wanted = dataclasses.asdict(spec)
+        try:
+            recorded = read_json_object(folder / MARKER, "an agg-bench pretrain output's pretrain.json").get("config")
+        except JsonFileError as err:
+            return f"is not a model that agg-bench pretrain made ({err.problem} in {MARKER})"
+        if not isinstance(recorded, dict):
+            return f"is not a model that agg-bench pretrain made (no config in {MARKER})"
+        differ = [key for key in wanted if key not in PRETRAIN_SPEED_KEYS and recorded.get(key) != wanted[key]]
+        if not differ:
+            return None
+        shown = ", ".join(f"{key} {quote(recorded.get(key))} (the sweep's {quote(wanted[key])})" for key in differ[:4])
+        more = f" and {len(differ) - 4} more keys" if len(differ) > 4 else ""
+        return f"was pre-trained with another config than the sweep's pretrain.{label} composes: {shown}{more}"
 
     def learning_options(self):
         """The learning report's options from the sweep's ``learning`` section, without a checkpoint evaluation
@@ -313,24 +384,66 @@ def _stopped() -> bool:
     return stopping.pending() is not None
 
 
+def _die_with_parent():
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when the thread that started it ends, however the
+    campaign ends (``kill -9`` included): Linux's ``prctl(PR_SET_PDEATHSIG)``. None where there is no such
+    call (the second signal's cleanup in :func:`_supervise` still ends the child there)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+
+    def preexec() -> None:  # in the child, between fork and exec: system calls only
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the campaign died before the call took hold
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the process group ``pgid`` (a supervised child and what it started), if it is still there."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def _supervise(argv: list[str], log: Path, env: dict, stop_at: float, stopped=_stopped) -> tuple[int | None, str]:
-    """Run ``argv`` until it ends, SIGTERM it at ``stop_at`` or once ``stopped()``, kill it ``KILL_AFTER_S``
-    later; (its exit code, how it ended: finished, stopped at the deadline, interrupted)."""
+    """Run ``argv`` until it ends, SIGTERM it at ``stop_at`` or once ``stopped()``, kill it (its process group)
+    ``KILL_AFTER_S`` later; (its exit code, how it ended: finished, stopped at the deadline, interrupted).
+
+    The child ends with the campaign: it leads a process group of its own (so that a terminal's Ctrl-C reaches
+    the campaign alone, which passes it on as one SIGTERM), a second signal's exit at once kills that group
+    (:func:`agg_bench.stopping.at_exit_at_once`), and on Linux the kernel kills the child when the campaign
+    dies any other way (:func:`_die_with_parent`)."""
     with open(log, "ab") as handle:
-        proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
-        how, termed = "finished", None
-        while proc.poll() is None:
-            now = time.time()
-            if termed is None and (now >= stop_at or stopped()):
-                how = "interrupted" if stopped() else "stopped at the deadline"
-                proc.send_signal(signal.SIGTERM)
-                termed = now
-            elif termed is not None and now - termed > KILL_AFTER_S:
-                proc.kill()
-                how += " (killed)"
-                proc.wait()
-                break
-            time.sleep(POLL_S)
+        proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
+                                start_new_session=True, preexec_fn=_die_with_parent())
+        stopping.at_exit_at_once(id(proc), lambda: _kill_group(proc.pid))
+        try:
+            how, termed = "finished", None
+            while proc.poll() is None:
+                now = time.time()
+                if termed is None and (now >= stop_at or stopped()):
+                    how = "interrupted" if stopped() else "stopped at the deadline"
+                    proc.send_signal(signal.SIGTERM)
+                    termed = now
+                elif termed is not None and now - termed > KILL_AFTER_S:
+                    _kill_group(proc.pid)
+                    how += " (killed)"
+                    proc.wait()
+                    break
+                time.sleep(POLL_S)
+        finally:
+            stopping.at_exit_at_once(id(proc), None)
     return proc.returncode, how
 
 
@@ -365,9 +478,9 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     # are packed, and the end of the block raises it (exit code 128 + N)
     with claim_folder(work, WORK_CONTENTS, "--work"), \
             claim_files({archive: (archives.is_archive, "a campaign archive")}, "--archive"), stopping.safe_points():
+        to_pretrain = campaign.prepare_models(reference)  # before anything is written: it may refuse
         for sub in ("runs", "cells", "calibration", "logs", "windows"):
             (work / sub).mkdir(exist_ok=True)
-        to_pretrain = campaign.prepare_models(reference)
         done = campaign.done(reference, work)
         log: dict[str, Any] = {"started": stamp, "minutes": minutes, "config": str(campaign.config_path),
                                "done_before": len(done), "runs": len(campaign.sweep.runs), "pretrained": [],
@@ -420,25 +533,47 @@ def _run_process(campaign: Campaign, process: Process, number: int, stamp: str, 
     device = sweep.runs[process.run_ids[0]]["device"]
     env = _child_env(sweep.threads(device))
     name = f"{stamp}_{number:02d}_{process.cell}"
-    jobs = {"runs": [job_entry(sweep.base_file, overrides_of(sweep.runs[r]["pairs"]), str(work / "runs" / r))
-                     for r in process.run_ids]}
-    write_json(work / "cells" / f"{name}.json", jobs)
-    for run_id in process.run_ids:  # an earlier attempt of the same run in this work folder is replaced
-        folder = work / "runs" / run_id
-        if folder.exists() and not campaign.finished(folder, run_id):
-            remove_owned(folder, RUN_CONTENTS)
+    run_ids, busy = [], []
+    for run_id in process.run_ids:
+        if _clear_attempt(campaign, work / "runs" / run_id, run_id):
+            run_ids.append(run_id)
+        else:
+            busy.append(run_id)
     began = time.time()
-    code, how = _supervise([python, "-m", "agg_bench", "cell", str(work / "cells" / f"{name}.json"),
-                            "--deadline", f"{stop_at:.3f}"], work / "logs" / f"{name}.log", env, stop_at)
-    finished = [r for r in process.run_ids if campaign.finished(work / "runs" / r, r)]
-    entry: dict[str, Any] = {"cell": process.cell, "runs": list(process.run_ids), "finished": finished,
+    code, how = None, "not started: another process is writing its runs"
+    if run_ids:
+        jobs = {"runs": [job_entry(sweep.base_file, overrides_of(sweep.runs[r]["pairs"]), str(work / "runs" / r))
+                         for r in run_ids]}
+        write_json(work / "cells" / f"{name}.json", jobs)
+        code, how = _supervise([python, "-m", "agg_bench", "cell", str(work / "cells" / f"{name}.json"),
+                                "--deadline", f"{stop_at:.3f}"], work / "logs" / f"{name}.log", env, stop_at)
+    finished = [r for r in run_ids if campaign.finished(work / "runs" / r, r)]
+    entry: dict[str, Any] = {"cell": process.cell, "runs": run_ids, "finished": finished, "busy": busy,
                              "exit_code": code, "ended": how, "seconds": round(time.time() - began, 1)}
     labels = [sweep.runs[r]["method"] for r in finished]
     if campaign.calibrate and labels and time.time() < stop_at and not _stopped():
         entry["calibration"] = _calibrate(campaign, process.cell, labels, name, work, stop_at, python, env)
-    print(f"agg-bench campaign: {process.cell}: {len(finished)}/{len(process.run_ids)} runs finished "
+    print(f"agg-bench campaign: {process.cell}: {len(finished)}/{len(run_ids)} runs finished "
           f"({how}, {entry['seconds']} s)", file=sys.stderr, flush=True)
     return entry
+
+
+def _clear_attempt(campaign: Campaign, folder: Path, run_id: str) -> bool:
+    """Make ``folder`` ready for ``run_id``'s process: an earlier attempt there that is not finished is removed
+    (its files only, :func:`~agg_bench.outdir.remove_owned`) under the folder's claim. False, with one line on
+    stderr, when another process holds that claim (a run writing there): its folder is neither removed nor
+    written, and the run is left to a later window."""
+    if not folder.exists() or campaign.finished(folder, run_id):
+        return True
+    try:
+        with Claim(folder, folder=True, lock_inside=True, flag="--work"):
+            remove_owned(folder, RUN_CONTENTS)
+    except Busy as err:
+        holder = f" (PID {err.pid})" if err.pid is not None else ""
+        print(f"agg-bench campaign: {folder}: another agg-bench process{holder} is writing this run folder; "
+              f"{run_id} is left alone, to a later window", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _calibrate(campaign: Campaign, cell: str, labels: list[str], name: str, work: Path, stop_at: float,

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from agg_bench.tools import campaign as campaign_module
 from agg_bench.tools import archive as archive_module
 from agg_bench.tools.archive import tiny_counterpart
 from agg_bench.tools.campaign import Campaign, cpu_resolution
+from helpers import Holder
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config" / "h200.yaml"
@@ -409,6 +411,77 @@ def test_a_process_is_stopped_at_the_deadline_and_killed_when_it_does_not_stop(t
     assert code == -signal.SIGTERM and how == "interrupted"
 
 
+# a supervised process that ignores SIGTERM and has started a process of its own (its group's other member)
+STUBBORN = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1] + ".tmp", "w").write(f"{os.getpid()} {grandchild.pid}")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+# a campaign's way of supervising a process: in a worker thread, the main thread free to take the signals
+SUPERVISOR = """
+import concurrent.futures, os, sys, time
+from pathlib import Path
+from agg_bench import stopping
+from agg_bench.tools import campaign
+argv = [sys.executable, "-c", sys.argv[1], sys.argv[2]]
+with stopping.stop_signals("agg-bench campaign"), stopping.safe_points():
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(campaign._supervise, argv, Path(sys.argv[2] + ".log"), dict(os.environ), time.time() + 600)
+        while not future.done():
+            concurrent.futures.wait([future], timeout=0.25)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie that no one has reaped yet has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the kernel's parent-death signal")
+@pytest.mark.parametrize("how", ["second SIGTERM", "SIGKILL"])
+def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
+    """The campaign stopped at once (a second SIGTERM: its process group, what it started included) or killed
+    (SIGKILL: the kernel's parent-death signal) takes the process it supervises with it."""
+    pids = tmp_path / "pids"
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, STUBBORN, str(pids)], cwd=tmp_path,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    child = grandchild = None
+    try:
+        waited = time.monotonic()
+        while not pids.exists():
+            assert supervisor.poll() is None and time.monotonic() - waited < 60, supervisor.stderr.read()
+            time.sleep(0.05)
+        child, grandchild = map(int, pids.read_text().split())
+        if how == "SIGKILL":
+            supervisor.kill()
+        else:
+            supervisor.send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # forwarded to the child, which ignores it
+            assert alive(child)
+            supervisor.send_signal(signal.SIGTERM)
+        code = supervisor.wait(timeout=30)
+        assert code == (-signal.SIGKILL if how == "SIGKILL" else 128 + signal.SIGTERM)
+        ended = [child, grandchild] if how == "second SIGTERM" else [child]
+        waited = time.monotonic()
+        while any(alive(pid) for pid in ended) and time.monotonic() - waited < 10:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in ended), [pid for pid in ended if alive(pid)]
+        if how == "second SIGTERM":
+            assert "SIGTERM again: stopping at once" in supervisor.stderr.read()
+    finally:
+        supervisor.kill()
+        for pid in (child, grandchild):
+            if pid is not None and alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_cell_starts_no_run_that_would_end_after_its_deadline(tmp_path, capsys):
     tiny = ["model.preset=tiny", "model.resolution=32", "train.iterations=1", "sampling.steps=4", "grpo.group_size=2",
             "grpo.prompts_per_iteration=1", "progress=false"]
@@ -510,6 +583,44 @@ def test_a_signal_to_the_campaign_stops_it_and_packs_what_finished(tmp_path, mon
         assert tar.getnames() == [f"windows/{log.name}"]
 
 
+def test_a_run_folder_another_process_is_writing_is_left_alone(tmp_path, monkeypatch, capsys, cpu_campaign):
+    """Another agg-bench process holds the claim of a run folder of the work folder (a run writing there): the
+    window neither removes nor writes anything of it, says so in one line naming the folder and that process,
+    and runs the other runs of its process; the folder's lock stays the holder's."""
+    first = cpu_campaign.processes(set())[0]
+    busy_id = first.run_ids[0]
+    work = tmp_path / "w"
+    folder = work / "runs" / busy_id
+    folder.mkdir(parents=True)
+    theirs = {"config.json": b'{"theirs": true}\n', "metrics.jsonl": b'{"iter": 0}\n'}
+    for name, data in theirs.items():
+        (folder / name).write_bytes(data)
+    jobs = []
+
+    def supervise(argv, log, env, stop_at, stopped=None):  # the cell's job file instead of its process
+        if argv[3] == "cell":
+            jobs.append(json.loads(Path(argv[4]).read_text()))
+        return 0, "finished"
+
+    monkeypatch.setattr(campaign_module, "_supervise", supervise)
+    holder = Holder(folder, folder=True, lock_inside=True)
+    try:
+        assert main(["campaign", "run", "--config", str(CONFIG), "--cpu", "--minutes", "5", "--work", str(work)]) == 0
+        assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != ".agg-bench.lock"} == theirs
+        assert (folder / ".agg-bench.lock").read_text().strip() == str(holder.proc.pid)
+    finally:
+        holder.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if str(folder) in line]
+    assert len(lines) == 1 and f"PID {holder.proc.pid}" in lines[0] and "left alone" in lines[0], lines
+    assert jobs[0]["runs"] and all(job["out"] != str(folder) for job in jobs[0]["runs"])
+    assert [job["out"] for job in jobs[0]["runs"]] == [str(work / "runs" / r) for r in first.run_ids[1:]]
+    [log] = (work / "windows").glob("*.json")
+    entry = json.loads(log.read_text())["processes"][0]
+    assert entry["busy"] == [busy_id] and busy_id not in entry["runs"]
+    with tarfile.open(work / "campaign.tar.gz") as tar:
+        assert not any(name.startswith(f"runs/{busy_id}/") for name in tar.getnames())
+
+
 # ----- the learning sweep on one GPU (config/learning_gpu.yaml), as a campaign -----------------------------------
 LEARNING_GPU = ROOT / "config" / "learning_gpu.yaml"
 
@@ -539,7 +650,6 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
     """--cpu: the model pre-trained first, every method's run, the model and the runs packed; unpacked, the
     reference's learning tables regenerate byte for byte, and the next window takes the reference's model
     (and refuses another)."""
-    import shutil
 
     for name in ("learning_gpu.yaml", "pretrain.yaml", "prompts/scenes.txt"):  # the sweep's relative paths
         (tmp_path / "config" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -549,6 +659,10 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
     assert main(["campaign", "run", "--config", config, "--cpu", "--minutes", "3", "--work", "w1"]) == 0
     out = json.loads(capsys.readouterr().out)
     campaign = Campaign(config, cpu=True)
+    # the toy model lies in the --cpu form's own folder: the GPU sweep still has its own to pre-train
+    gpu = Campaign(config)
+    assert all(not path.exists() for path in gpu.pretrained_models().values())
+    assert gpu.prepare_models(None) == list(gpu.pretrain)
     assert out["left"] == 0 and out["finished"] == len(campaign.sweep.runs)
     assert main(["campaign", "unpack", "--config", config, "--cpu", "--archive", "w1/campaign.tar.gz",
                  "--reference", str(reference)]) == 0
@@ -579,3 +693,124 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
         assert main(["campaign", "unpack", "--config", config, "--cpu", "--archive", str(bad), "--reference",
                      str(tmp_path / "new")]) == 2
         assert words in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def copy_sweep(folder: Path, config: str) -> None:
+    """``config`` and the files its sweep names by relative paths, under ``folder``."""
+    for name in (config, "pretrain.yaml", "prompts/scenes.txt"):
+        (folder / "config" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / "config" / name, folder / "config" / name)
+
+
+@pytest.mark.parametrize("config", ["learning.yaml", "learning_gpu.yaml"])
+def test_the_cpu_form_of_a_learning_sweep_has_a_model_folder_of_its_own(config):
+    gpu, cpu = Campaign(ROOT / "config" / config), Campaign(ROOT / "config" / config, cpu=True)
+    assert set(gpu.pretrained_models().values()).isdisjoint(cpu.pretrained_models().values())
+    assert set(gpu.pretrain).isdisjoint(cpu.pretrain)
+    for label, path in cpu.pretrained_models().items():
+        argv = cpu.pretrain_argv(label, "python")
+        assert argv[-2:] == ["--out", str(path)] and path not in gpu.pretrained_models().values()
+
+
+def test_a_model_folder_of_another_pretrain_config_is_not_used(tmp_path, monkeypatch, capsys):
+    """A model folder is used only when its pretrain.json records the config the sweep's pretrain section
+    composes: the --cpu form's toy model (20 steps on the CPU) where the sweep reads its own is refused in one
+    line naming the folder and what differs, with nothing written; the --cpu form pre-trains its own folder
+    anew, unless that folder holds a file pretrain does not write."""
+    from dataclasses import asdict
+
+    from agg_bench.tools.pretrain import load_pretrain_config
+
+    copy_sweep(tmp_path, "learning.yaml")
+    monkeypatch.chdir(tmp_path)
+    config = "config/learning.yaml"
+    campaign = Campaign(config)
+    [(label, local)] = campaign.pretrained_models().items()
+    spec = campaign.pretrain[label]
+    toy = asdict(load_pretrain_config(spec["config"], campaign_module.Campaign(config, cpu=True).pretrain_overrides(
+        label + campaign_module.CPU_MODEL_SUFFIX)))
+    wanted = asdict(load_pretrain_config(spec["config"], campaign.pretrain_overrides(label)))
+    assert toy["steps"] != wanted["steps"]
+    local.mkdir(parents=True)
+    (local / "token_hash.json").write_text('{"max_tokens": 6, "seed": 0}\n')
+    (local / "pretrain.json").write_text(json.dumps({"format": "agg-bench-pretrain/1", "config": toy}))
+    before = tree(local)
+    code = main(["campaign", "run", "--config", config, "--minutes", "1", "--work", "w"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"agg-bench campaign: {local}: ")
+    assert f"steps {toy['steps']} (the sweep's {wanted['steps']})" in err[0]
+    assert tree(local) == before and not (tmp_path / "w").exists()
+    # no pretrain.json: not a model pretrain made
+    (local / "pretrain.json").unlink()
+    with pytest.raises(UserError, match=f"{local}: is not a model that agg-bench pretrain made"):
+        campaign.prepare_models(None)
+    # the sweep's own config, made on other cores: used as it is
+    (local / "pretrain.json").write_text(json.dumps({"config": {**wanted, "threads": wanted["threads"] + 1}}))
+    assert campaign.prepare_models(None) == [] and (local / "pretrain.json").is_file()
+    # the --cpu form's own folder, made by another config: pre-trained anew, unless someone's file is in it
+    cpu = Campaign(config, cpu=True)
+    [(cpu_label, cpu_local)] = cpu.pretrained_models().items()
+    shutil.copytree(local, cpu_local)
+    assert cpu.prepare_models(None) == [cpu_label] and tree(cpu_local) == tree(local)
+    (cpu_local / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="notes.txt"):
+        cpu.prepare_models(None)
+
+
+# ----- scripts/gpu_wheels.sh -------------------------------------------------------------------------------------
+WHEELS_SCRIPT = ROOT / "scripts" / "gpu_wheels.sh"
+
+
+def wheels_checkout(folder: Path) -> Path:
+    """A folder with what scripts/gpu_wheels.sh reads: the script and the pinned requirements."""
+    for name in ("scripts/gpu_wheels.sh", "requirements/constraints.txt"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / name, folder / name)
+    return folder
+
+
+def run_wheels(checkout: Path, bin_dir: Path) -> subprocess.CompletedProcess:
+    """The script with a stub ``python3`` first on PATH that records its arguments instead of downloading."""
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "python3"
+    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{bin_dir}/python3.args"\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(["bash", str(checkout / "scripts" / "gpu_wheels.sh")], cwd=checkout.parent, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_gpu_wheels_ignores_whl_in_a_worktree_and_runs_outside_git(tmp_path):
+    """.git is a file in a worktree (and a submodule): the script finds the exclude file through git; without
+    any git checkout it has none to write and still fetches the wheels."""
+    def git(*args: str, cwd: Path) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                              capture_output=True, text=True).stdout
+
+    main_checkout = wheels_checkout(tmp_path / "main")
+    git("init", "-q", cwd=main_checkout)
+    git("add", ".", cwd=main_checkout)
+    git("commit", "-q", "-m", "x", cwd=main_checkout)
+    worktree = tmp_path / "worktree"
+    git("worktree", "add", "-q", str(worktree), cwd=main_checkout)
+    assert (worktree / ".git").is_file()
+    exclude = Path(git("rev-parse", "--path-format=absolute", "--git-path", "info/exclude", cwd=worktree).strip())
+    for _ in range(2):  # a second run adds nothing
+        proc = run_wheels(worktree, tmp_path / "bin")
+        assert proc.returncode == 0, proc.stderr
+    assert exclude.read_text().splitlines().count("/.whl/") == 1
+    (worktree / ".whl" / "x.whl").write_bytes(b"wheel")
+    assert git("status", "--porcelain", "--untracked-files=all", cwd=worktree) == ""
+    pin = next(line for line in (ROOT / "requirements" / "constraints.txt").read_text().splitlines()
+               if line.startswith("diffusers=="))
+    args = (tmp_path / "bin" / "python3.args").read_text().splitlines()
+    assert args[:3] == ["-m", "pip", "download"] and pin in args and args[args.index("-d") + 1] == ".whl"
+    # no git checkout at all: no exclude file to write, the wheels still fetched into .whl/
+    plain = wheels_checkout(tmp_path / "plain")
+    (tmp_path / "bin" / "python3.args").unlink()
+    proc = run_wheels(plain, tmp_path / "bin")
+    assert proc.returncode == 0, proc.stderr
+    assert (plain / ".whl").is_dir() and not (plain / ".git").exists()
+    assert (tmp_path / "bin" / "python3.args").is_file()

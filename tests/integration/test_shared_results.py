@@ -19,6 +19,7 @@ import torch
 from agg_bench import outdir
 from agg_bench.cli import main
 from agg_bench.errors import UserError
+from helpers import Holder
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "train.iterations=1", "progress=false",
@@ -200,33 +201,6 @@ def test_model_and_reward_loaders_refuse_crafted_pickles(tmp_path, folders):
 
 
 # ----- one writer per output -------------------------------------------------------------------------------
-HOLD = """
-import sys
-from agg_bench.outdir import Claim
-Claim(sys.argv[1], folder=sys.argv[2] == "folder", lock_inside=sys.argv[3] == "inside").acquire()
-print("held", flush=True)
-sys.stdin.read()
-"""
-
-
-class Holder:
-    """Another process holding the claim of ``target`` until closed (or killed)."""
-
-    def __init__(self, target: Path, folder: bool, lock_inside: bool):
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLD, str(target), "folder" if folder else "file",
-                                      "inside" if lock_inside else "beside"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert self.proc.stdout.readline().strip() == "held"
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def snapshot_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("snap") / "snapshot"

@@ -4,6 +4,7 @@ temporaries are recognised by the harness's own name pattern only; and resuming 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,9 @@ import pytest
 from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.io import atomic_path, is_temp_name, read_jsonl
+from agg_bench.outdir import FOLDER_LOCK, Busy, Claim, Contents, remove_owned
 from agg_bench.runtime.checkpoint import RESUMABLE_CHANGES, SAME_RUN_CHANGES
+from helpers import Holder
 
 SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "train.iterations=1", "progress=false",
          "telemetry.enabled=false"]
@@ -173,6 +176,32 @@ def test_a_rerun_removes_the_harness_s_own_curves_and_shards(tmp_path):
         (out / "checkpoint_shards_000003" / name).write_bytes(b"\0shard")
     assert main(run(out)) == 0
     assert not (out / "tensorboard").exists() and not (out / "checkpoint_shards_000003").exists()
+
+
+def test_removing_a_folder_s_own_files_keeps_a_lock_a_process_holds(tmp_path):
+    """remove_owned removes a lock file only when no process holds it: a held one (another process's, or the
+    caller's own claim) stays, so no second writer can claim the folder beside its holder; a dead holder's
+    stale lock goes, and with it the folder."""
+    folder, contents = tmp_path / "out", Contents("an output", ("a.json",))
+    holder = Holder(folder, folder=True, lock_inside=True)
+    lock = folder / FOLDER_LOCK
+    try:
+        remove_owned(folder, contents)
+        assert lock.read_text().strip() == str(holder.proc.pid)
+        with pytest.raises(Busy) as refused:
+            Claim(folder, folder=True, lock_inside=True).acquire()
+        assert refused.value.pid == holder.proc.pid and refused.value.target == folder
+    finally:
+        holder.kill()  # its lock file stays behind, held by no one
+    (folder / "a.json").write_text("{}")
+    with Claim(folder, folder=True, lock_inside=True):
+        remove_owned(folder, contents)
+        assert [p.name for p in folder.iterdir()] == [FOLDER_LOCK] and lock.read_text().strip() == str(os.getpid())
+    assert not lock.exists()
+    (folder / "a.json").write_text("{}")
+    lock.write_text("12345\n")  # stale: no process holds it
+    remove_owned(folder, contents)
+    assert not folder.exists()
 
 
 @pytest.mark.parametrize("name, folder", [("summary.json", True), ("metrics.jsonl", True), ("env.json", True),
