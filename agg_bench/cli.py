@@ -7,9 +7,11 @@ import math
 import sys
 from pathlib import Path
 
-from .errors import ConfigError, UserError, run_command
+from .errors import ConfigError, OneLineParser, UserError, run_command
 from .io import write_json
 from .outdir import check_file
+
+MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -274,8 +276,8 @@ def cmd_plan(args) -> int:
 
     memory = None
     if args.gpu_memory is not None:
-        if not math.isfinite(args.gpu_memory) or args.gpu_memory <= 0:
-            raise ConfigError("--gpu-memory", args.gpu_memory, "a positive number of GiB")
+        if not (math.isfinite(args.gpu_memory) and 0 < args.gpu_memory <= MAX_GPU_MEMORY_GIB):
+            raise ConfigError("--gpu-memory", args.gpu_memory, f"a number of GiB > 0 and at most {MAX_GPU_MEMORY_GIB:,}")
         memory = args.gpu_memory * GIB
     plan = plan_memory(_run_config(args.config, args.overrides), args.gpus, memory)
     print(json.dumps(plan.as_dict()) if args.json else format_plan(plan))
@@ -301,7 +303,7 @@ def cmd_env(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="agg-bench", description="AGG and the GRPO baselines on diffusion transformers: training runs, "
         "gradient replays, memory plans, tables and plots. A user error prints one line and exits with code 2.")
     parser.add_argument("--version", action="version", version=f"agg-bench {__version__}")

@@ -8,6 +8,7 @@ when written out, such as a YAML document whose aliases nest (only its first ite
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import itertools
 import os
@@ -16,7 +17,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 from .stopping import handled, stop_signals
 
@@ -156,3 +157,12 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
               f"({one_line(shlex.join(argv))}) and the traceback below", file=sys.stderr)
         traceback.print_exc()
         return 1
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors keep the error contract: one line naming the flag and the value,
+    exit code 2 (argparse prints its usage block first); ``--help`` prints the usage as ever. Subparsers
+    are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the options)\n")

@@ -56,14 +56,25 @@ def type_schema(annotation: Any) -> dict:
     return schema
 
 
+# The largest value of a number key that names no maximum of its own: numbers become float32 tensors and
+# factors of them (a learning rate, a clip range), and one past float32's largest (3.4e38) ended a run in an
+# overflow instead of a refusal; every bound a key names is far below this.
+MAX_NUMBER = 1e30
+
+
 def field_schema(annotation: Any, constraints: dict, doc: str) -> dict:
-    """A field's property schema: its type, its ``option()`` constraints and its meaning."""
+    """A field's property schema: its type, its ``option()`` constraints and its meaning; a number without a
+    maximum of its own takes :data:`MAX_NUMBER`."""
     schema = type_schema(annotation)
     for key, value in constraints.items():
         if key == "items":
             schema["items"] = {**schema.get("items", {}), **{KEYWORDS[k]: v for k, v in value.items()}}
         else:
             schema[KEYWORDS[key]] = value
+    kinds = schema.get("type")
+    if (kinds == "number" or (isinstance(kinds, list) and "number" in kinds)) \
+            and "maximum" not in schema and "exclusiveMaximum" not in schema:
+        schema["maximum"] = MAX_NUMBER
     schema["description"] = doc
     return schema
 

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError, UserError, run_command
+from ..errors import ConfigError, OneLineParser, UserError, run_command
 
 ENV_DEVICES = "AGG_BENCH_GPUS"
 ENV_LOCK_DIR = "AGG_BENCH_GPU_LOCK_DIR"
@@ -211,7 +211,7 @@ class GpuPool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m agg_bench.machine.gpus",
+    p = OneLineParser(prog="python -m agg_bench.machine.gpus",
                                 description="Run a command on free GPUs taken from the file-lock pool.")
     p.add_argument("--count", type=int, required=True, help="GPUs the command needs (0: run it as is)")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds of waiting")

@@ -98,6 +98,15 @@ def test_nan_and_infinity_are_refused_everywhere(tmp_path, capsys, key, value):
     assert key in line and ("finite" in line or "number" in line), line
 
 
+@pytest.mark.parametrize("key", ["train.lr", "grpo.clip_range", "grpo.adv_clip_max", "sampling.shift", "train.max_grad_norm"])
+@pytest.mark.parametrize("value", ["1e39", "1.0e31"])
+def test_a_number_past_any_use_is_refused_before_it_overflows(tmp_path, capsys, key, value):
+    """1e39 is past float32's range: as a learning rate or a clip range it ended the run with an overflow
+    in its first update (exit 1). A number key without a bound of its own is at most 1e30."""
+    line = run_fails(tmp_path / "out", capsys, "--set", f"{key}={value}")
+    assert key in line and "<= 1e+30" in line, line
+
+
 def test_nan_inside_reward_options_is_refused(tmp_path, capsys):
     line = run_fails(tmp_path / "out", capsys, "--set", 'reward.options={"quality": .nan}')
     assert "reward.options.quality" in line and "finite" in line

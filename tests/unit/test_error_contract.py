@@ -163,3 +163,32 @@ def test_gpus_entry_point_refuses_a_timeout_that_never_ends(capsys, monkeypatch)
     monkeypatch.setenv("AGG_BENCH_GPUS", "1")
     assert gpus.main(["--count", "1", "--timeout", "nan", "--", "true"]) == 2
     assert "--timeout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["run", "--out", "x", "--checkpoint-every", "abc"], "agg-bench run: argument --checkpoint-every: invalid int"),
+    (["plan", "--gpus", "1e3"], "agg-bench plan: argument --gpus: invalid int value: '1e3'"),
+    (["profile", "--method", "agg", "--phase", "bogus", "--out", "x"], "argument --phase: invalid choice: 'bogus'"),
+    (["bogus"], "agg-bench: argument command: invalid choice: 'bogus'"),
+    (["run"], "the following arguments are required: --out"),
+])
+def test_a_flag_argparse_refuses_is_one_line_too(capsys, argv, words):
+    """argparse printed its usage block before the error (3-4 lines): the parser's errors are one line."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and words in lines[0], lines
+
+
+def test_the_gpus_entry_points_flags_are_one_line_too(capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpus.main(["--count", "x", "--", "true"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and "argument --count: invalid int value: 'x'" in lines[0]
+
+
+def test_a_gpu_memory_past_any_gpu_names_the_value_given(capsys):
+    """1e300 GiB overflowed to an infinite number of bytes, and the message said --gpu-memory = inf."""
+    assert cli.main(["plan", "--gpu-memory", "1e300"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "--gpu-memory = 1e+300" in line and "at most 1,000,000" in line and "inf" not in line
