@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from .errors import UserError, quote
 
 MAX_JSON_BYTES = 64 * 2**20  # far above any manifest, calibration or config; read whole, so bounded
 MAX_CONFIG_BYTES = 2**20  # a model folder's config files: a diffusers config.json is a few KB
@@ -33,14 +33,25 @@ def _no_constant(name: str) -> Any:
     raise JsonProblem(f"{name} is not a JSON number (agg-bench writes a number that is not finite as null)")
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object; a key given twice is refused (JSON readers differ on which one wins)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise JsonProblem(f"the key {quote(key)} is given twice in one object")
+        out[key] = value
+    return out
+
+
 def loads(text: str | bytes) -> Any:
     """The JSON value of ``text``, or a :class:`JsonProblem` saying in one line why there is none: not JSON,
-    NaN or an infinity (which JSON does not have and agg-bench never writes), nested too deeply for the
+    a key given twice, NaN or an infinity (which JSON does not have and agg-bench never writes), nested too deeply for the
     parser, an integer longer than Python reads (4,300 digits), bytes that are not UTF-8. Every JSON file or
     line agg-bench reads from a user, an archive or a results folder goes through here, so a crafted file is
-    refused with a line instead of crashing the reader."""
+    refused with a line instead of crashing the reader. A key given twice in one object is refused too: which
+    value counts would be up to the reader."""
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_object)
     except JsonProblem:
         raise
     except json.JSONDecodeError as err:

@@ -259,6 +259,10 @@ def test_learning_reads_records_through_the_record_contract(trained, tmp_path, c
     ("metrics.jsonl", '{"iteration": 0, "loss": Infinity}', "line 1 is not valid JSON (Infinity is not a JSON number"),
     ("manifest", '{"runs": [], "note": ' + "9" * 5000 + "}", "is not JSON (Exceeds the limit (4300 digits)"),
     ("manifest", "[" * 100_000 + "]" * 100_000, "is not JSON (nested too deeply)"),
+    # which of two values counts was up to the reader (the last one did): refused
+    ("manifest", '{"runs": [], "runs": []}', "is not JSON (the key 'runs' is given twice in one object"),
+    ("metrics.jsonl", '{"iteration": 0, "status": "ok", "reward_mean": 0.1, "reward_mean": 99.0}',
+     "line 1 is not valid JSON (the key 'reward_mean' is given twice"),
 ])
 def test_learning_refuses_json_no_reader_can_take_in_one_line(trained, tmp_path, capsys, where, text, words):
     """A deeply nested line, a 5,000-digit integer or an infinity ended in a RecursionError or ValueError
