@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterable, TypeGuard
+from typing import IO, Iterable, Mapping, TypeGuard
 
 import numpy as np
 import pandas as pd
@@ -20,7 +21,7 @@ import pandas as pd
 from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import read_json_object
 from ..reading import RunFolder
-from ..records import PLOT_TABLES, TEXT_KEYS
+from ..records import PASS_KEYS, PLOT_TABLES, TEXT_KEYS
 
 
 @dataclass
@@ -98,9 +99,18 @@ def _is_integer(value) -> bool:
 # what a value of a report input holds: (test, words for the error)
 TEXT = (lambda v: isinstance(v, str), "a string")
 INTEGER = (_is_integer, "an integer")
-NUMBER = (lambda v: is_number(v) or (isinstance(v, float) and math.isnan(v)), "a number")
 OBJECT = (lambda v: isinstance(v, dict), "an object")
 SOURCE = (lambda v: v in ENTRY_SOURCES, f"one of {', '.join(ENTRY_SOURCES)}")
+# The most seconds a calibration's unit cost or timed round may hold, and the most passes, calls or steps it may
+# count: far above any real one (a pass of one sample does not take 11 days), and small enough that counts x unit
+# costs, summed, stay finite numbers (at most 1e15 x 1e6 per kind), so that a predicted time is never an infinity.
+MAX_SECONDS = 1e6
+MAX_COUNT = 1e15
+# what a calibration's number holds: a unit cost per sample (a time > 0: what a timed pass took; null for one not
+# timed), a part of a call's cost (>= 0: the fit clips either part at 0), a round's seconds, a count
+UNIT_SECONDS = (lambda v: is_number(v) and 0 < v <= MAX_SECONDS, "a number of seconds > 0 and <= 1e6")
+PART_SECONDS = (lambda v: is_number(v) and 0 <= v <= MAX_SECONDS, "a number of seconds >= 0 and <= 1e6")
+COUNT = (lambda v: is_number(v) and 0 <= v <= MAX_COUNT, "a number >= 0 and <= 1e15")
 # manifest section -> (its entry class, the key every entry needs, the keys an entry may have)
 MANIFEST_SECTIONS = {
     "runs": (RunEntry, "dir", {"dir": TEXT, "method": TEXT, "model": TEXT, "resolution": INTEGER, "device": TEXT,
@@ -172,7 +182,7 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
             _check(f"{where}: unit_s_per_sample.{kind}", by_basis, OBJECT, nullable=False)
             for basis, values in by_basis.items():
                 _check(f"{where}: unit_s_per_sample.{kind}.{basis}", values, OBJECT, nullable=False)
-                _check(f"{where}: unit_s_per_sample.{kind}.{basis}.median", values.get("median"), NUMBER)
+                _check(f"{where}: unit_s_per_sample.{kind}.{basis}.median", values.get("median"), UNIT_SECONDS)
                 row[f"unit_{basis}_{kind}"] = values.get("median")
         for kind, by_basis in (data.get("unit_s_per_call") or {}).items():
             _check(f"{where}: unit_s_per_call.{kind}", by_basis, OBJECT, nullable=False)
@@ -180,7 +190,7 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
                 values = by_basis.get(basis)
                 _check(f"{where}: unit_s_per_call.{kind}.{basis}", values, OBJECT, nullable=False)
                 for part in ("call", "latent"):
-                    _check(f"{where}: unit_s_per_call.{kind}.{basis}.{part}", values.get(part), NUMBER)
+                    _check(f"{where}: unit_s_per_call.{kind}.{basis}.{part}", values.get(part), PART_SECONDS)
                     row[f"{part}_{basis}_{kind}"] = values.get(part)
         # method label -> its train phase's and its rollout's seconds per round, timed side by side
         # ({basis}_s and rollout_{basis}_s lists), and its rollout's counted forwards per sample
@@ -188,32 +198,52 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
             _check(f"{where}: methods.{label}", timed, OBJECT, nullable=False)
             for key in (f"{phase}{basis}_s" for phase in ("", "rollout_") for basis in TIME_BASES):
                 _check(f"{where}: methods.{label}.{key}", timed.get(key),
-                       (lambda v: isinstance(v, list) and all(NUMBER[0](x) for x in v), "a list of numbers"))
-            _check(f"{where}: methods.{label}.rollout_forwards", timed.get("rollout_forwards"), NUMBER)
+                       (lambda v: isinstance(v, list) and all(UNIT_SECONDS[0](x) for x in v),
+                        "a list of numbers of seconds > 0 and <= 1e6"))
+            _check(f"{where}: methods.{label}.rollout_forwards", timed.get("rollout_forwards"), COUNT)
             # the passes (latents) and calls of each kind in one timed update and one rollout, and the
             # update's optimizer steps
             for key in ("passes", "calls", "rollout_passes", "rollout_calls"):
                 _check(f"{where}: methods.{label}.{key}", timed.get(key),
-                       (lambda v: isinstance(v, dict) and all(NUMBER[0](x) for x in v.values()),
-                        "an object of numbers"))
-            _check(f"{where}: methods.{label}.optimizer_steps", timed.get("optimizer_steps"), NUMBER)
+                       (lambda v: isinstance(v, dict) and all(COUNT[0](x) for x in v.values()),
+                        "an object of numbers >= 0 and <= 1e15"))
+            _check(f"{where}: methods.{label}.optimizer_steps", timed.get("optimizer_steps"), COUNT)
         row["methods"] = data.get("methods") or {}
         rows.append(row)
     return pd.DataFrame(rows)
 
 
+def _is_run_folder(path: Path) -> bool:
+    return (path / "summary.json").exists() or (path / "metrics.jsonl").exists()
+
+
 def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
-    """Run folders in ``paths``: each path is a run folder or a folder of run folders."""
+    """Run folders in ``paths``: each path is a run folder or a folder of run folders. A path that does not
+    exist, or is a file, is a UserError naming it."""
     out = []
     for path in map(Path, paths):
-        if (path / "summary.json").exists() or (path / "metrics.jsonl").exists():
+        if not path.exists():
+            raise UserError(f"--runs {quote(str(path))}: no such folder; expected a run folder or a folder of "
+                            "run folders")
+        if _is_run_folder(path):
             out.append(RunEntry(path))
         elif path.is_dir():
-            out.extend(RunEntry(p) for p in sorted(path.iterdir())
-                       if (p / "summary.json").exists() or (p / "metrics.jsonl").exists())
+            out.extend(RunEntry(p) for p in sorted(path.iterdir()) if _is_run_folder(p))
         else:
-            raise UserError(f"--runs {path}: not a run folder or a folder of run folders")
+            raise UserError(f"--runs {quote(str(path))}: not a run folder or a folder of run folders")
     return out
+
+
+def check_distinct_runs(entries: Iterable[RunEntry]) -> None:
+    """A UserError naming a run folder given twice (the same folder once resolved: ``R`` and ``./R``, or a run
+    given itself and within its parent folder), whose records would count twice."""
+    seen: dict[Path, Path] = {}
+    for entry in entries:
+        resolved = Path(entry.dir).resolve()
+        if resolved in seen:
+            raise UserError(f"run {quote(str(entry.dir))} is also given as {quote(str(seen[resolved]))} (the same "
+                            "folder); expected each run once")
+        seen[resolved] = Path(entry.dir)
 
 
 # Columns load_records adds to every record: its labels and what its run folder says beside the records
@@ -229,8 +259,10 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
     (measured | imported), ``run_status`` (the summary's status) and ``run_dir``. A run that wrote no
     record (it failed while starting) still gets one row, with its status and no measurements. Each run
     folder is read by :class:`agg_bench.reading.RunFolder` (its config typed and bounded, its
-    records by the record contract).
+    records by the record contract); a folder given twice is refused (:func:`check_distinct_runs`).
     """
+    entries = list(entries)
+    check_distinct_runs(entries)
     rows = []
     for entry in entries:
         run_dir = Path(entry.dir)
@@ -299,12 +331,17 @@ def is_number(value) -> TypeGuard[float]:
 
 def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
     """All gradcheck rows, the model column holding the manifest's label (the family is kept as
-    ``family``) and ``resolution`` added."""
+    ``family``) and ``resolution`` added. Each file is read by :func:`parse_table`: a table with a
+    ``method`` and a ``cosine_to_full`` column, every column the report reads holding what ``agg-bench
+    gradcheck`` writes there (``GRADCHECK_CELLS``); anything else is a UserError naming the file."""
     frames = []
     for entry in entries:
-        if not Path(entry.file).exists():
-            raise UserError(f"gradcheck {entry.file}: no such file")
-        df = pd.read_csv(entry.file)
+        path = Path(entry.file)
+        if not path.is_file():
+            raise UserError(f"gradcheck {path}: {'no such file' if not path.exists() else 'not a file'}; expected "
+                            "a gradcheck CSV")
+        df = parse_table(path, f"gradcheck {path}", GRADCHECK_REQUIRED, GRADCHECK_CELLS,
+                         "the table agg-bench gradcheck writes")
         if "model" in df:
             df = df.rename(columns={"model": "family"})
         df["model"] = entry.model if entry.model is not None else df.get("family", pd.Series([None] * len(df)))
@@ -340,29 +377,148 @@ TEXT_COLUMNS = (*TEXT_KEYS, "method_name", "method_options", "hardware", "run_st
                 "train_speedup_basis", "prediction_check", "family", "alpha", "endpoint_velocity", "cache")
 
 
-def parse_table(source: str | Path | IO[str], where: str | Path, columns: Iterable[str] = ()) -> pd.DataFrame:
+# the text of a number in a CSV cell (decimal, optionally with an exponent), and of an integer
+NUMBER_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+INTEGER_TEXT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What a column of a CSV the report reads holds in each non-empty cell: ``number``, a finite number
+    (at least ``least``, more than it with ``above``, at most ``most``; a whole one with ``integer``);
+    ``flag``, true or false; ``text``, any text. ``required``: no cell is empty. ``undefined``: texts the
+    writer puts for a value that is not defined (read as empty cells)."""
+
+    kind: str = "number"
+    least: float | None = None
+    above: bool = False
+    most: float | None = None
+    integer: bool = False
+    required: bool = False
+    undefined: tuple[str, ...] = ()
+
+    @property
+    def words(self) -> str:
+        if self.kind == "flag":
+            words = "True or False"
+        elif self.kind == "text":
+            words = "a text that is not empty" if self.required else "a text"
+        else:
+            words = "an integer" if self.integer else "a finite number"
+            bounds = ([f"{'>' if self.above else '>='} {self.least:g}"] if self.least is not None else []) + \
+                ([f"<= {self.most:g}"] if self.most is not None else [])
+            words = " ".join([words, " and ".join(bounds)]) if bounds else words
+        return words if self.required else f"{words}, or an empty cell"
+
+    def value(self, text):
+        """The value of a cell whose text is ``text`` (NaN for an empty cell): a float, a bool, the text, or
+        None for an empty cell; a ValueError when it is not what this column holds."""
+        if not isinstance(text, str) or text in self.undefined:
+            if self.required:
+                raise ValueError(text)
+            return None
+        if self.kind == "text":
+            return text
+        if self.kind == "flag":
+            flag = as_bool(text)
+            if flag is None:
+                raise ValueError(text)
+            return flag
+        if not NUMBER_TEXT.fullmatch(text):  # "abc", "inf", "nan", "1_000", " 1"
+            raise ValueError(text)
+        number = float(text)
+        if not math.isfinite(number) or (self.integer and not number.is_integer()) or \
+                (self.least is not None and (number <= self.least if self.above else number < self.least)) or \
+                (self.most is not None and number > self.most):
+            raise ValueError(text)
+        return number
+
+
+def parse_table(source: str | Path | IO[str], where: str | Path, columns: Iterable[str] = (),
+                cells: Mapping[str, Cell] | None = None,
+                expected: str = "the table agg-bench report --tables writes") -> pd.DataFrame:
     """A table CSV as :func:`agg_bench.results.formatting.table_csv` writes it: an empty cell is NaN (and
     nothing else is: a label "NA" stays text), ``TEXT_COLUMNS`` are text. A file that is not such a CSV,
-    or lacks one of ``columns``, is a UserError naming ``where``."""
-    try:
+    lacks one of ``columns``, or holds in a column of ``cells`` a cell that is not what its :class:`Cell`
+    allows (text in a number column, NaN or an infinity, a value out of bounds), is a UserError naming
+    ``where``, the row, the column and the value (``expected``: what the file should be)."""
+    cells = cells or {}
+    try:  # the columns of ``cells`` as text, each cell checked and converted here
         table = pd.read_csv(source, keep_default_na=False, na_values=[""], low_memory=False,
-                            dtype=dict.fromkeys(TEXT_COLUMNS, str))
-    except ValueError as err:  # pandas' parser and empty-data errors, and UnicodeDecodeError, are ValueErrors
-        raise UserError(f"{where}: not a table CSV ({str(err).splitlines()[0] if str(err) else type(err).__name__})") \
-            from err
+                            dtype={**dict.fromkeys(TEXT_COLUMNS, str), **dict.fromkeys(cells, str)})
+    except (ValueError, OSError) as err:
+        # pandas' parser and empty-data errors and UnicodeDecodeError are ValueErrors; a folder, an OSError
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"{where}: not a table CSV ({text})") from err
     missing = [column for column in columns if column not in table.columns]
     if missing:
-        raise UserError(f"{where}: no column {missing[0]!r} (expected the table agg-bench report --tables writes)")
+        raise UserError(f"{where}: no column {missing[0]!r} (expected {expected})")
+    for column, cell in cells.items():
+        if column in table.columns:
+            table[column] = _checked_column(table[column], cell, where, column)
     return table
+
+
+def _checked_column(texts: pd.Series, cell: Cell, where: str | Path, column: str) -> pd.Series:
+    """The values of a column read as ``texts`` if every cell is what ``cell`` allows, typed as pandas types a
+    column of such cells (integers without an empty cell as integers, numbers as floats, flags as bools); else a
+    UserError naming the row (1 is the first after the header), the column and the cell's text."""
+    values = []
+    for row, text in enumerate(texts, 1):
+        try:
+            values.append(cell.value(text))
+        except ValueError:
+            what = f"= {quote(text)}:" if isinstance(text, str) else "is empty;"
+            raise UserError(f"{where}: row {row}: {column} {what} expected {cell.words}") from None
+    if cell.kind == "text":
+        return texts
+    if None in values:
+        values = [float("nan") if v is None else v for v in values]
+        return pd.Series(values, index=texts.index, dtype=float if cell.kind == "number" else object)
+    if cell.kind == "flag":
+        return pd.Series(values, index=texts.index, dtype=bool)
+    if all(INTEGER_TEXT.fullmatch(text) for text in texts) and all(abs(v) < 2 ** 53 for v in values):
+        return pd.Series(values, index=texts.index, dtype=float).astype("int64")  # as pandas reads integers
+    return pd.Series(values, index=texts.index, dtype=float)
+
+
+
+# What a gradcheck CSV holds in the columns the report reads (``agg-bench gradcheck`` writes every one; a
+# table of some of them is read too): the estimator, its options, the gradient's cosine and relative error
+# to ``full`` (``nan``: the writer's word for one not defined, a gradient of norm 0), the passes and seconds
+# of the replay. The report's ablation table copies these.
+GRADCHECK_REQUIRED = ("method", "cosine_to_full")
+GRADCHECK_CELLS = {
+    "method": Cell("text", required=True),
+    "window": Cell(integer=True, least=1),
+    "route_frac": Cell(least=0, most=1),
+    "reuse_rollout_velocity": Cell("flag"),
+    "cosine_to_full": Cell(least=-1.000001, most=1.000001, undefined=("nan",)),
+    "relative_error": Cell(least=0, undefined=("nan",)),
+    **{key: Cell(integer=True, least=0) for key in PASS_KEYS},
+    "seconds": Cell(least=0, above=True),
+    "cache_hit_rate": Cell(least=0, most=1),
+}
+
+# What the numbers and flags among PLOT_COLUMNS hold (each table's others are text): finite numbers, the
+# counts whole ones; a cell the report did not fill is empty.
+PLOT_CELLS = {
+    name: {column: Cell("flag") if column == "reuse_rollout_velocity" else
+           Cell(integer=True) if column in ("resolution", "window") else
+           Cell(integer=True, least=0) if column == "iteration" else Cell()
+           for column in columns if column not in TEXT_COLUMNS and column not in ("status", "source")}
+    for name, columns in PLOT_COLUMNS.items()
+}
 
 
 def load_tables(folder: str | Path) -> dict[str, pd.DataFrame]:
     """The tables the plots read (``PLOT_TABLES``) from ``folder``, as an earlier ``agg-bench report --tables
-    folder`` wrote them."""
+    folder`` wrote them: each with the columns of ``PLOT_COLUMNS``, their numbers and flags as ``PLOT_CELLS``
+    says (:func:`parse_table`)."""
     tables = {}
     for name in PLOT_TABLES:
         path = Path(folder) / f"{name}.csv"
         if not path.is_file():
             raise UserError(f"--tables-in {folder}: no {name}.csv (agg-bench report --tables {folder} writes it)")
-        tables[name] = parse_table(path, path, PLOT_COLUMNS[name])
+        tables[name] = parse_table(path, path, PLOT_COLUMNS[name], PLOT_CELLS[name])
     return tables

@@ -24,8 +24,8 @@ import pandas as pd
 from ..errors import UserError
 from ..outdir import Contents, claimed_folders
 from .formatting import table_csv, write_tables
-from .loading import (PLOT_COLUMNS, Manifest, load_calibration, load_gradcheck, load_records, load_tables,
-                      parse_table)
+from .loading import (PLOT_CELLS, PLOT_COLUMNS, Manifest, load_calibration, load_gradcheck, load_records,
+                      load_tables, parse_table)
 from .plots import write_plots
 from ..records import PLOT_TABLES, PLOTS, TABLE_FORMATS, TABLES
 from .tables import build_tables
@@ -68,5 +68,6 @@ def plot_tables(tables_dir: str | Path, plots_dir: str | Path) -> dict[str, pd.D
 
 def _as_written(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     """The tables the plots read as their CSV files would give them back, without writing the files."""
-    return {name: parse_table(io.StringIO(table_csv(tables[name])), f"the {name} table", PLOT_COLUMNS[name])
+    return {name: parse_table(io.StringIO(table_csv(tables[name])), f"the {name} table", PLOT_COLUMNS[name],
+                              PLOT_CELLS[name])
             for name in PLOT_TABLES}

@@ -520,8 +520,18 @@ def summary_table(efficiency: pd.DataFrame) -> pd.DataFrame:
 
 def build_tables(records: pd.DataFrame, gradcheck: pd.DataFrame, warmup: int = 1, time: str = "auto",
                  calibration: pd.DataFrame | None = None) -> dict[str, pd.DataFrame]:
-    """Every table of ``TABLES`` from the records, gradcheck rows and calibrations."""
-    efficiency = efficiency_table(records, gradcheck, warmup, time, calibration)
-    return {"summary": summary_table(efficiency), "efficiency": efficiency, "ablation": ablation_table(gradcheck),
-            "gpus": gpus_table(efficiency)}
+    """Every table of ``TABLES`` from the records, gradcheck rows and calibrations. A ratio over a time of 0 (a
+    record may hold one) is not defined: an empty cell, never an infinity (:func:`finite_only`)."""
+    efficiency = finite_only(efficiency_table(records, gradcheck, warmup, time, calibration))
+    return {"summary": summary_table(efficiency), "efficiency": efficiency,
+            "ablation": finite_only(ablation_table(gradcheck)), "gpus": gpus_table(efficiency)}
+
+
+def finite_only(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with every infinity in its float columns NaN (a table holds finite numbers or empty cells)."""
+    out = table.copy()
+    for column in out.columns:
+        if pd.api.types.is_float_dtype(out[column]):
+            out[column] = out[column].where(np.isfinite(out[column]) | out[column].isna())
+    return out
 

@@ -519,6 +519,17 @@ def test_a_bad_manifest_names_the_file_and_the_key(tmp_path, capsys, manifest, e
     ({"methods": {"agg": {"cpu_s": [1, "x"]}}}, "methods.agg.cpu_s = [1, 'x']: expected a list of numbers"),
     ({"methods": {"agg": {"rollout_wall_s": 1.0}}}, "methods.agg.rollout_wall_s = 1.0: expected a list of numbers"),
     ({"methods": {"agg": {"rollout_forwards": "4"}}}, "methods.agg.rollout_forwards = '4': expected a number"),
+    # unit costs are times: > 0, finite, and small enough that the predictions priced with them stay finite
+    ({"unit_s_per_sample": {"backward": {"cpu": {"median": -0.05}}}},
+     "unit_s_per_sample.backward.cpu.median = -0.05: expected a number of seconds > 0 and <= 1e6 or null"),
+    ({"unit_s_per_sample": {"backward": {"cpu": {"median": 0}}}}, "backward.cpu.median = 0: expected a number of"),
+    ({"unit_s_per_sample": {"backward": {"cpu": {"median": 1e308}}}}, "backward.cpu.median = 1e+308: expected"),
+    (b'{"unit_s_per_sample": {"backward": {"cpu": {"median": NaN}}}}', "NaN is not a JSON number"),
+    ({"unit_s_per_call": {"backward": {"cpu": {"call": -1.0, "latent": 0.1}, "wall": {"call": 0, "latent": 0}}}},
+     "unit_s_per_call.backward.cpu.call = -1.0: expected a number of seconds >= 0 and <= 1e6 or null"),
+    ({"methods": {"agg": {"cpu_s": [1.0, 0.0]}}}, "methods.agg.cpu_s = [1.0, 0.0]: expected a list of numbers of seconds > 0"),
+    ({"methods": {"agg": {"passes": {"backward": -8}}}}, "methods.agg.passes = {'backward': -8}: expected an object of numbers >= 0"),
+    ({"methods": {"agg": {"optimizer_steps": 1e300}}}, "methods.agg.optimizer_steps = 1e+300: expected a number >= 0 and <= 1e15"),
 ])
 def test_a_bad_calibration_file_names_the_file_and_the_key(tmp_path, capsys, calibration, expected):
     make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
@@ -530,6 +541,172 @@ def test_a_bad_calibration_file_names_the_file_and_the_key(tmp_path, capsys, cal
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"runs": [{"dir": str(tmp_path / "runs" / "a")}], "calibration": [{"file": str(path)}]}))
     assert expected in report_fails(capsys, tmp_path, "--manifest", str(manifest))
+
+
+def test_a_calibration_as_calibrate_writes_it_is_read(tmp_path, capsys):
+    """What ``agg-bench calibrate`` writes is read: null for a median it has no time for (NaN, written as null),
+    0 for a part of a call's cost (the fit clips either part at 0), counts of 0."""
+    make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), it(2.0, 1.0)])
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({
+        "model": "sd3-tiny", "resolution": 64, "device": "cpu",
+        "unit_s_per_sample": {"backward": {"cpu": {"median": 0.05}, "wall": {"median": None}}},
+        "unit_s_per_call": {"backward": {"cpu": {"call": 0.0, "latent": 0.05}, "wall": {"call": None, "latent": 0}}},
+        "methods": {"full": {"cpu_s": [1.5, 1.6], "passes": {"forward_nograd": 0, "backward": 8},
+                             "optimizer_steps": 1}}}))
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--calibration", str(path),
+                 "--tables", str(tmp_path / "tables")]) == 0, capsys.readouterr().err
+
+
+# ----- gradcheck CSVs: what agg-bench gradcheck writes, or one line -----------------------------------------
+GRADCHECK_HEADER = "method,window,alpha,route_frac,reuse_rollout_velocity,cosine_to_full,relative_error," \
+    "forward_nograd,forward_grad,backward,seconds,cache_hit_rate,model\n"
+GRADCHECK_ROWS = ["full,,,,,1.0,0.0,0,8,8,0.03,,sd3\n", "agg,3,sigma,1.0,False,0.99,0.08,6,6,6,0.02,,sd3\n"]
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"", "not a table CSV (No columns to parse from file)"),
+    (b"a,b\n1,2\n", "no column 'method' (expected the table agg-bench gradcheck writes)"),
+    (b"method,window\nagg,3\n", "no column 'cosine_to_full'"),
+    (b"method,cosine_to_full\n\xff\xfe,1\n", "not a table CSV ('utf-8' codec can't decode byte 0xff"),
+    ('"unclosed\n' + GRADCHECK_HEADER, "not a table CSV"),
+    ("FOLDER", "not a file; expected a gradcheck CSV"),
+    ("NOWHERE", "no such file; expected a gradcheck CSV"),
+    (GRADCHECK_ROWS[1].replace("0.99", "abc"), "row 2: cosine_to_full = 'abc': expected a finite number >= -1 and <= 1"),
+    (GRADCHECK_ROWS[1].replace("0.99", "inf"), "row 2: cosine_to_full = 'inf': expected a finite number"),
+    (GRADCHECK_ROWS[1].replace("0.99", "-inf"), "row 2: cosine_to_full = '-inf': expected a finite number"),
+    (GRADCHECK_ROWS[1].replace("0.99", "1.5"), "row 2: cosine_to_full = '1.5': expected a finite number >= -1"),
+    (GRADCHECK_ROWS[1].replace("0.99", "NaN"), "row 2: cosine_to_full = 'NaN': expected a finite number"),
+    (GRADCHECK_ROWS[1].replace(",0.08,", ",1e999,"), "row 2: relative_error = '1e999': expected a finite number >= 0"),
+    (GRADCHECK_ROWS[1].replace(",0.08,", ",nan,").replace(",6,6,6,", ",6,-5,6,"),
+     "row 2: forward_grad = '-5': expected an integer >= 0, or an empty cell"),
+    (GRADCHECK_ROWS[1].replace(",6,6,6,", ",6,6,2.5,"), "row 2: backward = '2.5': expected an integer >= 0"),
+    (GRADCHECK_ROWS[1].replace("0.02", "0"), "row 2: seconds = '0': expected a finite number > 0"),
+    (GRADCHECK_ROWS[1].replace("agg,3,", "agg,0,"), "row 2: window = '0': expected an integer >= 1"),
+    (GRADCHECK_ROWS[1].replace("1.0,False", "2.0,False"), "row 2: route_frac = '2.0': expected a finite number >= 0 and <= 1"),
+    (GRADCHECK_ROWS[1].replace("False", "maybe"), "row 2: reuse_rollout_velocity = 'maybe': expected True or False"),
+    (GRADCHECK_ROWS[1].replace(",0.02,,", ",0.02,1.5,"), "row 2: cache_hit_rate = '1.5': expected a finite number >= 0 and <= 1"),
+    (GRADCHECK_ROWS[1].replace("agg,", ",", 1), "row 2: method is empty; expected a text that is not empty"),
+])
+def test_a_bad_gradcheck_csv_names_the_file(tmp_path, capsys, content, expected):
+    """A gradcheck CSV that is not what agg-bench gradcheck writes is one line naming it, the row, the column and
+    the value; exit 2, and neither tables nor plots are written."""
+    make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), it(2.0, 1.0)])
+    path = tmp_path / ("folder" if content == "FOLDER" else "gc.csv")
+    if content == "FOLDER":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content != "NOWHERE":
+        path.write_text(content if content.startswith(("method", '"')) else
+                        GRADCHECK_HEADER + GRADCHECK_ROWS[0] + content)
+    line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"), "--gradcheck", str(path))
+    assert f"gradcheck {path}: {expected}" in line, line
+
+
+def test_a_gradcheck_csv_as_gradcheck_writes_it_is_read(tmp_path):
+    """The table agg-bench gradcheck writes is read, with its own cells: ``nan`` for a cosine and a relative
+    error that are not defined (a gradient of norm 0) is an empty cell, and a replay that is not applicable has
+    no numbers."""
+    from agg_bench.tools.gradcheck import COLUMNS, write_csv
+
+    rows = [{"method": "full", "cosine_to_full": 1.0, "relative_error": 0.0, "forward_nograd": 0, "forward_grad": 8,
+             "backward": 8, "seconds": 0.03, "is_reference": True, "model": "sd3"},
+            {"method": "agg", "window": 3, "alpha": "sigma", "route_frac": 1.0, "reuse_rollout_velocity": False,
+             "cosine_to_full": float("nan"), "relative_error": float("nan"), "forward_nograd": 6, "forward_grad": 6,
+             "backward": 6, "seconds": 0.02, "is_reference": False, "model": "sd3"},
+            {"method": "cached", "cache": "fora", "cache_in": "rollout", "replay": "not_applicable", "model": "sd3"}]
+    path = write_csv([dict.fromkeys(COLUMNS) | row for row in rows], tmp_path / "gc.csv")
+    assert "agg,,3,sigma,1.0,False,recompute" not in path.read_text() and ",nan,nan," in path.read_text()
+    table = ablation_table(load_gradcheck([GradcheckEntry(path, model="sd3", resolution=64)]))
+    assert list(table["method"]) == ["full", "agg", "cached"]
+    assert table["cosine_to_full"].iloc[0] == 1.0 and table["cosine_to_full"].iloc[1:].isna().all()
+    assert table["relative_error"].iloc[1:].isna().all() and table["backward_vs_full"].iloc[1] == 0.75
+    assert list(table["window"].iloc[:2].isna()) == [True, False] and table["window"].iloc[1] == 3
+
+
+@pytest.mark.parametrize("name, column, value, expected", [
+    ("records.csv", "t_iter_s", "abc", "row 1: t_iter_s = 'abc': expected a finite number, or an empty cell"),
+    ("records.csv", "reward_mean", "inf", "row 1: reward_mean = 'inf': expected a finite number"),
+    ("records.csv", "iteration", "-1", "row 1: iteration = '-1': expected an integer >= 0"),
+    ("efficiency.csv", "train_speedup", "-inf", "row 1: train_speedup = '-inf': expected a finite number"),
+    ("efficiency.csv", "peak_alloc_mib", "many", "row 1: peak_alloc_mib = 'many': expected a finite number"),
+    ("ablation.csv", "cosine_to_full", "nan", "row 1: cosine_to_full = 'nan': expected a finite number"),
+    ("ablation.csv", "window", "2.5", "row 1: window = '2.5': expected an integer"),
+    ("ablation.csv", "reuse_rollout_velocity", "perhaps", "row 1: reuse_rollout_velocity = 'perhaps': expected True or False"),
+])
+def test_tables_in_names_a_cell_that_is_not_what_the_report_wrote(sweep, gradcheck_csv, tmp_path, capsys, name,
+                                                                   column, value, expected):
+    """A number of a written table that is text, NaN or an infinity is one line naming the table, the row, the
+    column and the value (the plots ended in a TypeError on text, and drew an infinity); nothing is drawn."""
+    tables = tmp_path / "tables"
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--gradcheck", str(gradcheck_csv),
+                 "--tables", str(tables)]) == 0
+    with open(tables / name, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    rows[0][column] = value
+    with open(tables / name, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    capsys.readouterr()
+    assert main(["report", "--tables-in", str(tables), "--plots", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and f"{tables / name}: {expected}" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_ratio_over_zero_seconds_is_an_empty_cell(tmp_path, capsys):
+    """A record may hold 0 s (the record contract takes any finite number): the speedups over it are not defined,
+    empty cells rather than infinities, so the tables as written are read back (--tables-in) and drawn."""
+    runs = tmp_path / "runs"
+    make_run(runs, "a", "full", [it(2.0, 1.0, backward=8), it(2.0, 2.0, backward=8)])
+    make_run(runs, "b", "agg", [it(0.0, 1.0, 0.0, backward=4), it(0.0, 3.0, 0.0, backward=4)])
+    tables = tmp_path / "tables"
+    assert main(["report", "--runs", str(runs), "--tables", str(tables), "--plots", str(tmp_path / "plots")]) == 0, \
+        capsys.readouterr().err
+    for name in TABLES:
+        text = (tables / f"{name}.csv").read_text()
+        assert "inf" not in text, (name, text)
+    agg = cell(pd.read_csv(tables / "efficiency.csv"), "agg", 64)
+    assert agg["t_iter_s"] == 0 and math.isnan(agg["speedup"]) and math.isnan(agg["train_speedup"])
+    assert main(["report", "--tables-in", str(tables), "--plots", str(tmp_path / "again")]) == 0
+
+
+# ----- run folders: each once, each there --------------------------------------------------------------------
+@pytest.mark.parametrize("given, expected", [
+    (["RUNS/a", "RUNS/a"], "run 'RUNS/a' is also given as 'RUNS/a' (the same folder); expected each run once"),
+    (["RUNS/a", "RUNS/b/../a"], "run 'RUNS/b/../a' is also given as 'RUNS/a' (the same folder)"),
+    (["RUNS", "RUNS/b"], "run 'RUNS/b' is also given as 'RUNS/b' (the same folder)"),
+    (["RUNS/a", "NOWHERE"], "--runs 'NOWHERE': no such folder; expected a run folder or a folder of run folders"),
+    (["NOWHERE"], "--runs 'NOWHERE': no such folder"),
+    (["RUNS/a/summary.json"], "--runs 'RUNS/a/summary.json': not a run folder or a folder of run folders"),
+])
+def test_runs_given_twice_or_not_there(tmp_path, capsys, given, expected):
+    """A run folder given twice (its records would count twice) and a path that does not exist or is a file are
+    one line naming it."""
+    runs = tmp_path / "runs"
+    make_run(runs, "a", "full", [it(2.0, 1.0), it(2.0, 1.0)])
+    make_run(runs, "b", "agg", [it(1.0, 1.0), it(1.0, 2.0)])
+    names = {"RUNS": str(runs), "NOWHERE": str(tmp_path / "nowhere")}
+
+    def named(text):
+        for key, value in names.items():
+            text = text.replace(key, value)
+        return text
+
+    line = report_fails(capsys, tmp_path, "--runs", *map(named, given))
+    assert named(expected) in line, line
+
+
+def test_a_run_in_the_manifest_and_in_runs_counts_once(tmp_path, capsys):
+    run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), it(2.0, 1.0)])
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": str(run)}]}))
+    line = report_fails(capsys, tmp_path, "--manifest", str(manifest), "--runs", str(run))
+    assert f"run {str(run)!r} is also given as {str(run)!r}" in line
+    assert main(["report", "--manifest", str(manifest), "--tables", str(tmp_path / "t")]) == 0
+    assert pd.read_csv(tmp_path / "t" / "efficiency.csv")["iterations"].tolist() == [2]
 
 
 def test_the_tables_are_the_pinned_ones():
