@@ -15,9 +15,10 @@ end after it.
 The job file is a JSON object ``{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR,
 "done": FILE}, ...]}``: each run's ``agg-bench run`` arguments (:func:`job_entry` writes one) and, optionally,
 a marker file the cell writes once the job has ended with every run's end recorded (``{"out", "status"}``:
-what a workflow waits for instead of the run's own files). Every run's config is loaded and checked, and
-every run's folder compared with the others' (one folder each, none inside another, no marker inside a
-run folder), before the first run starts, so a bad job file writes nothing.
+what a workflow waits for instead of the run's own files); any other key, of the file or of a run, is
+refused. Every run's config is loaded and checked, and every run's folder compared with the others' (one
+folder each, none inside another, no marker inside a run folder), before the first run starts, so a bad job
+file writes nothing.
 
 **Resuming an attempt that did not end** (``--resume``, the workflow's cell jobs). A workflow removes the
 outputs of a job that fails or is stopped, and reruns the whole job. So that a cell stopped after some of its
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import stopping
-from ..errors import UserError, run_command
+from ..errors import UserError, quote, run_command
 from ..io import as_written, write_json
 from ..outdir import check_file, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
@@ -82,23 +83,34 @@ def job_entry(config: str | None, overrides: list[str], out: str, done: str | No
     return entry
 
 
+def _kind(value: Any) -> str:
+    """What ``value`` is in JSON's words, an empty string as such ("an empty string", "a number", ...)."""
+    return "an empty string" if value == "" else json_type(value)
+
+
+def _keys(unknown: list[str]) -> str:
+    """"unknown key 'x'" or "unknown keys 'x', 'y'" (each quoted, the first 12)."""
+    shown = ", ".join(quote(key) for key in unknown[:12]) + (", ..." if len(unknown) > 12 else "")
+    return f"unknown key{'s' if len(unknown) > 1 else ''} {shown}"
+
+
 def _entry(path: Path, index: int, entry: Any) -> CellRun:
     where = f"runs[{index}]"
     if not isinstance(entry, dict):
         raise UserError(f"{path}: {where} is {json_type(entry)}; expected an object with keys {', '.join(ENTRY_KEYS)}")
     unknown = [key for key in entry if key not in ENTRY_KEYS]
     if unknown:
-        raise UserError(f"{path}: {where}.{unknown[0]} is not a key of a run (allowed: {', '.join(ENTRY_KEYS)})")
+        raise UserError(f"{path}: {where}: {_keys(unknown)} (allowed in a run: {', '.join(ENTRY_KEYS)})")
     config, overrides, out = entry.get("config"), entry.get("set", []), entry.get("out")
     if config is not None and not (isinstance(config, str) and config):
-        raise UserError(f"{path}: {where}.config is {json_type(config)}; expected a run config file or null")
+        raise UserError(f"{path}: {where}.config is {_kind(config)}; expected a run config file or null")
     if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
         raise UserError(f"{path}: {where}.set is {json_type(overrides)}; expected a list of KEY=VALUE strings")
     if not (isinstance(out, str) and out):
-        raise UserError(f"{path}: {where}.out is {json_type(out)}; expected the run folder")
+        raise UserError(f"{path}: {where}.out is {_kind(out)}; expected the run folder")
     done = entry.get("done")
     if done is not None and not (isinstance(done, str) and done):
-        raise UserError(f"{path}: {where}.done is {json_type(done)}; expected a marker file or null")
+        raise UserError(f"{path}: {where}.done is {_kind(done)}; expected a marker file or null")
     return CellRun(config, tuple(overrides), Path(out), Path(done) if done is not None else None)
 
 
@@ -106,7 +118,11 @@ def read_jobs(path: str | Path) -> list[CellRun]:
     """The runs a job file lists, checked in form (not yet their configs): a UserError naming the file and
     the entry for anything else, for two runs into one folder, or for a run folder inside another's."""
     path = Path(path)
-    runs = read_json_object(path, EXPECTED).get("runs")
+    data = read_json_object(path, EXPECTED)
+    unknown = [key for key in data if key != "runs"]
+    if unknown:
+        raise UserError(f"{path}: {_keys(unknown)} (allowed: runs, the list of runs)")
+    runs = data.get("runs")
     if not isinstance(runs, list) or not runs:
         raise UserError(f"{path}: runs is {json_type(runs) if runs != [] else 'an empty list'}; "
                         "expected a list of one or more runs")

@@ -5,18 +5,27 @@
 ``agg-bench run`` writes (``metrics.jsonl``, ``summary.json``, ``env.json``). Its records carry
 ``source: "imported"``, so tables show them beside measured rows and labelled as imported. Fields the
 log does not have are ``None`` (not measured), never 0.
+
+Every converted record passes the record contract (:func:`agg_bench.records.record_problem`, what
+``report`` and ``learning`` read a run folder by) before anything is written: a value of the wrong kind, a
+number that is not finite (JSON has no NaN or infinity: the parser refuses them) or a negative time, count,
+size or norm is one line naming the log line and the key, exit code 2. Steps are integers from 0 to
+:data:`MAX_STEP`, increasing. A last line that has no newline and is not whole JSON is a line still being
+written (or cut by a crash): it is left out, and stderr says so.
 """
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
+from typing import Any
 
-from ..errors import UserError
-from ..io import JsonlWriter, read_jsonl, write_json, write_lines
-from ..jsonfiles import loads
+from ..errors import UserError, quote
+from ..io import JsonlWriter, write_json, write_lines
+from ..jsonfiles import JsonProblem, json_type, loads
 from ..outdir import Claim, Contents, check_folder
-from ..records import RECORD_KEYS, new_record
+from ..records import NUMBER_KEYS, RECORD_KEYS, new_record, record_problem
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",
@@ -25,47 +34,75 @@ SOURCE = "imported"
 # an import folder holds these and nothing else; an earlier import is replaced, anything else is refused
 IMPORT_CONTENTS = Contents("an imported log", ("metrics.jsonl", "summary.json", "env.json"))
 MAX_LOG_BYTES = 64 * 2**20  # a DanceGRPO log of 100,000 steps is about 15 MB
+MAX_STEP = 10**9  # far above any training run (agg-bench's own train.iterations stops at 100,000)
 MAX_RESOLUTION = 16384
 MAX_GPUS = 65536
 MAX_LABEL = 200  # characters of a method, model, GPU or run label
+# record numbers that may be negative: rewards, losses and the KL estimate; every other number of a record (a
+# time, pass count, cost, size, energy, rate, norm, spread or fraction) is >= 0
+SIGNED_KEYS = ("reward_mean", "loss", "approx_kl")
 
 
-def _number(value, where: str, key: str) -> float | None:
+def _finite(value: Any) -> bool:
+    """``value`` is a JSON number (not true or false) that is finite as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond any float
+        return False
+
+
+def _number_problem(key: str, value: Any, name: str | None = None) -> str | None:
+    """What is wrong with ``value`` as the number ``key`` of a record (null: not measured), named ``name``
+    in the log (default: ``key``); None when nothing is."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(f"{where}: '{key}' = {value!r}: expected a number")
-    return float(value)
+    signed = key in SIGNED_KEYS
+    if not _finite(value) or (not signed and value < 0):
+        return f"{name or key!r} = {quote(value)}: expected a finite number{'' if signed else ' >= 0'} or null"
+    return None
 
 
-def convert_records(lines: list[dict], identity: dict, where: str = "log") -> list[dict]:
-    """Metric records for DanceGRPO log lines; ``identity`` fills run_id, method, model, ...
+def convert_records(lines: list[tuple[int, Any]], identity: dict, where: str = "log") -> list[dict]:
+    """Metric records for DanceGRPO log lines (``(line number, value)`` pairs); ``identity`` fills run_id,
+    method, model, ...
 
-    Keys of a line that are already record keys (e.g. ``loss``, ``reward_std``) are kept; the status of a
-    step whose reward or gradient norm is not finite is ``diverged``.
-    """
-    records = []
-    for n, line in enumerate(lines, 1):
+    Keys of a line that are already record keys (e.g. ``loss``, ``reward_std``) are kept. Each record is
+    checked by the record contract as it is made (module docstring): a UserError names the log line and
+    the key (the log's own name for ``step``, ``avg_reward``, ``step_time`` and ``grad_norm``)."""
+    records: list[dict] = []
+    for n, line in lines:
         at = f"{where} line {n}"
         if not isinstance(line, dict):
-            raise UserError(f"{at}: expected a JSON object per line")
+            raise UserError(f"{at}: holds {json_type(line)}; expected a JSON object per line")
         missing = [key for key in DANCEGRPO_KEYS if key not in line]
         if missing:
             raise UserError(f"{at}: missing {', '.join(repr(k) for k in missing)} "
                             f"(DanceGRPO log lines have {', '.join(DANCEGRPO_KEYS)})")
-        record = new_record({k: v for k, v in line.items() if k in RECORD_KEYS}, identity)
         step = line["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise UserError(f"{at}: 'step' = {step!r}: expected an integer >= 0")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+            raise UserError(f"{at}: 'step' = {quote(step)}: expected an integer >= 0 (at most {MAX_STEP:,})")
         if records and step <= records[-1]["iteration"]:
             raise UserError(f"{at}: 'step' = {step} after step {records[-1]['iteration']}: expected steps in "
                             "increasing order, each once")
-        record["iteration"] = step
         for key in ("avg_reward", "step_time", "grad_norm"):
-            record[DANCEGRPO_KEYS[key]] = _number(line[key], at, key)
-        finite = all(record[k] is None or math.isfinite(record[k]) for k in ("reward_mean", "grad_norm"))
-        record["status"] = "ok" if finite else "diverged"
-        record["source"] = SOURCE
+            problem = _number_problem(DANCEGRPO_KEYS[key], line[key], key)
+            if problem is not None:
+                raise UserError(f"{at}: {problem}")
+        # the line's other record keys; the identity, step, status and the DanceGRPO numbers are set below
+        taken = {*identity, *DANCEGRPO_KEYS.values(), "status"}
+        kept = {k: v for k, v in line.items() if k in RECORD_KEYS and k not in taken}
+        for key in NUMBER_KEYS:
+            problem = _number_problem(key, kept.get(key))
+            if problem is not None:
+                raise UserError(f"{at}: {problem}")
+        numbers = {DANCEGRPO_KEYS[k]: None if line[k] is None else float(line[k])
+                   for k in ("avg_reward", "step_time", "grad_norm")}
+        record = new_record(kept, identity, numbers, iteration=step, status="ok", source=SOURCE)
+        problem = record_problem(record, required=("iteration", "status"))
+        if problem is not None:  # a text key of the log holding something else
+            raise UserError(f"{at}: {problem}")
         records.append(record)
     return records
 
@@ -82,20 +119,50 @@ def check_labels(resolution: int | None, n_gpus: int | None, **labels: str | Non
                             "printable characters")
 
 
-def read_log(log: Path) -> list[dict]:
-    """The JSON lines of ``log``, refused beyond MAX_LOG_BYTES before it is read."""
+def _whole_json(text: str) -> bool:
+    """``text`` is one whole JSON value to Python's own parser (which takes NaN and infinities): a line
+    refused for what it holds, not cut short."""
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def read_log_text(log: Path) -> str:
+    """The text of ``log``, refused beyond MAX_LOG_BYTES before it is read."""
     if not log.is_file():
         raise UserError(f"log {log}: no such file")
     size = log.stat().st_size
     if size > MAX_LOG_BYTES:
         raise UserError(f"log {log}: {size:,} bytes, over the {MAX_LOG_BYTES // 2**20} MiB an import reads")
     try:
-        lines = list(read_jsonl(log))
-    except json.JSONDecodeError as err:
-        raise UserError(f"log {log}: a line before the last is not JSON ({err.msg})") from None
-    if not lines:
+        return log.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"log {log}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def read_log(log: Path) -> list[tuple[int, Any]]:
+    """The JSON lines of ``log`` with their line numbers (blank lines left out). A line that is not JSON
+    is a UserError naming it, except a last line without a newline that is not whole JSON: a log still
+    being written, or cut by a crash. That one is left out, and stderr says so."""
+    text = read_log_text(log)
+    lines = text.split("\n")
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((n, loads(line)))
+        except JsonProblem as err:
+            if n == len(lines) and not _whole_json(line):  # the last line, no newline after it: torn
+                print(f"agg-bench import-log: log {log} line {n}: left out, not a whole JSON line ({err}; a log "
+                      "still being written?)", file=sys.stderr, flush=True)
+                continue
+            raise UserError(f"log {log} line {n}: not JSON ({err}); expected one JSON object per line") from None
+    if not out:
         raise UserError(f"log {log}: no records")
-    return lines
+    return out
 
 
 def check_import_folder(out: Path) -> None:
@@ -116,19 +183,18 @@ def check_import_folder(out: Path) -> None:
 def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model: str = "unknown",
                resolution: int | None = None, gpu_name: str | None = None, n_gpus: int | None = None,
                run_id: str | None = None) -> dict:
-    """Write ``out_dir`` as a reference run from the DanceGRPO log ``log``; returns its summary."""
+    """Write ``out_dir`` as a reference run from the DanceGRPO log ``log``; returns its summary. Every
+    record is checked before anything is written (module docstring)."""
     check_labels(resolution, n_gpus, method=method, model=model, gpu_name=gpu_name, run_id=run_id)
     log, out = Path(log), Path(out_dir)
     lines = read_log(log)
     run_id = run_id or out.name
     identity = {"run_id": run_id, "method": method, "model": model, "resolution": resolution,
                 "device": "cuda" if gpu_name else None, "gpu_name": gpu_name, "n_gpus": n_gpus, "seed": None}
-    records = convert_records(lines, identity, str(log))
+    records = convert_records(lines, identity, f"log {log}")
     check_import_folder(out)
-    bad = [r for r in records if r["status"] != "ok"]
-    good = [r["iteration"] for r in records if r["status"] == "ok"]
-    summary = {"run_id": run_id, "status": "diverged" if bad else "ok", "iterations": len(records),
-               "last_good_iteration": good[-1] if good else None, "error": None, **identity,
+    summary = {"run_id": run_id, "status": "ok", "iterations": len(records),
+               "last_good_iteration": records[-1]["iteration"], "error": None, **identity,
                "source": SOURCE, "imported_from": str(log)}
     with Claim(out, folder=True, lock_inside=True, check=lambda: check_import_folder(out)):
         (out / "summary.json").unlink(missing_ok=True)  # written last: present only once the import is whole

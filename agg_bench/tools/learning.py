@@ -22,6 +22,7 @@ from ..io import write_text
 from ..outdir import claimed_folders
 from ..results.learning_tables import (EVAL_SOURCES, PLOTS_CONTENTS, TABLES_CONTENTS, Run, learning_table, load_runs,
                                 plot_held_out, plot_rewards, write_curves, write_table)
+from ..results.loading import load_manifest
 from ..reading import RunFolder
 from ..runtime.evaluation import SAMPLERS
 
@@ -224,6 +225,28 @@ class LearningOptions:
             raise UserError("--eval-source checkpoint: the checkpoint evaluation needs --eval-noises >= 1")
 
 
+def check_manifest(manifest: str | Path) -> None:
+    """The manifest's form before any run folder is read: the report's manifest (``agg-bench report
+    --manifest``, :func:`agg_bench.results.loading.load_manifest`: its keys and each entry's, each of its
+    kind; the workflow writes one manifest for both), and each run's method label 1 to :data:`MAX_LABEL`
+    printable characters (a row of learning.md and a label in every plot). A UserError naming the manifest
+    and the entry otherwise."""
+    for i, entry in enumerate(load_manifest(manifest).runs):
+        method = entry.method
+        if isinstance(method, str) and not (method and len(method) <= MAX_LABEL and method.isprintable()):
+            raise UserError(f"manifest {manifest}: runs[{i}].method = {quote(method)}: expected a method label "
+                            f"of 1 to {MAX_LABEL} printable characters")
+
+
+def check_lengths(runs: list[Run], average: int) -> None:
+    """Every run has the ``2 * average`` ok iterations the learning table averages at its two ends; a
+    UserError naming the first run (method, seed and folder) that has fewer."""
+    for run in runs:
+        if len(run.records) < 2 * average:
+            raise UserError(f"run {run.method}/{run.seed} ({run.dir}): {len(run.records)} iterations with status ok; "
+                            f"the learning table needs at least {2 * average} (--average {average} at each end)")
+
+
 def learning_report(manifest: str | Path, tables: Path | None, plots: Path | None,
                     options: LearningOptions | None = None) -> list[Run]:
     """The tables (``learning.csv``, ``learning.md``, ``curves.csv``, and ``evaluation.csv`` with a
@@ -232,13 +255,18 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
     of the manifest's runs (``options``: :class:`LearningOptions`, its defaults without); returns the runs.
 
     Everything it reads is checked before a model is sampled and before anything is written: the options,
-    every run folder (:func:`agg_bench.results.learning_tables.load_runs`: records, evaluations, no run twice), the
-    reference's name, and with an evaluation one model for every run (:func:`one_model`), the captions against
-    the reward and the model folder (:class:`CheckpointEvaluation`); each checkpoint is checked as it is
-    evaluated, still before anything is written, its error naming the run."""
+    the manifest's keys and method labels (:func:`check_manifest`), every run folder
+    (:func:`agg_bench.results.learning_tables.load_runs`: records, evaluations, no run twice), with tables
+    each run's length (:func:`check_lengths`), the reference's name, and with an evaluation one model for
+    every run (:func:`one_model`), the captions against the reward and the model folder
+    (:class:`CheckpointEvaluation`); each checkpoint is checked as it is evaluated, still before anything
+    is written, its error naming the run."""
     options = options or LearningOptions()
     options.check()
+    check_manifest(manifest)
     runs = load_runs(manifest)  # every run folder read and checked (records, evaluations, duplicates)
+    if tables:
+        check_lengths(runs, options.average)
     methods = list(dict.fromkeys(run.method for run in runs))
     if options.reference is not None and options.reference not in methods:
         raise UserError(f"--reference {quote(options.reference)}: expected a method label of the manifest "

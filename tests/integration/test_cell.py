@@ -81,7 +81,15 @@ def run(out: Path, *overrides: str) -> dict:
     (lambda t: "not json", ["jobs.json", "is not JSON"]),
     (lambda t: {"runs": []}, ["runs is an empty list"]),
     (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "resume": True}]},
-     ["runs[1].resume", "allowed: config, set, out"]),
+     ["runs[1]: unknown key 'resume' (allowed in a run: config, set, out, done)"]),
+    (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "bogus": 1, "x": 2}]},
+     ["runs[1]: unknown keys 'bogus', 'x' (allowed in a run: config, set, out, done)"]),
+    # a key of the file other than runs was ignored, and the runs ran
+    (lambda t: {"runs": [run(t / "a")], "x": 1}, ["jobs.json: unknown key 'x' (allowed: runs, the list of runs)"]),
+    # an empty string was "a string"
+    (lambda t: {"runs": [{**run(t / "a"), "out": ""}]}, ["runs[0].out is an empty string; expected the run folder"]),
+    (lambda t: {"runs": [{**run(t / "a"), "config": ""}]}, ["runs[0].config is an empty string; expected a run config"]),
+    (lambda t: {"runs": [{**run(t / "a"), "done": ""}]}, ["runs[0].done is an empty string; expected a marker file"]),
     (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "set": "seed=1"}]}, ["runs[1].set", "a string", "KEY=VALUE"]),
     (lambda t: {"runs": [run(t / "a"), run(t / "a")]}, ["runs[1].out", "also runs[0].out"]),
     # issue 37: a run folder inside another's, in either order, is refused before either run writes
@@ -115,6 +123,21 @@ def test_a_bad_job_file_is_one_line_and_writes_nothing(tmp_path, capsys, make, w
     for word in words:
         assert word in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["jobs.json", *(["m"] if (tmp_path / "m").exists() else [])])
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "h200.yaml", "learning_gpu.yaml"])
+def test_the_workflow_s_job_files_hold_only_the_keys_a_cell_reads(tmp_path, monkeypatch, name):
+    """Every cell job file the workflow writes for a committed sweep (Sweep.cell_jobs) is read as it is,
+    unknown keys refused."""
+    from agg_bench.runtime.cell import read_jobs
+
+    monkeypatch.chdir(ROOT)
+    sweep = Sweep(yaml.safe_load((ROOT / "config" / name).read_text()), SCHEMA, cache_dir=None)
+    assert sweep.cells
+    for n, cell in enumerate(sweep.cells):
+        path = tmp_path / f"{n}.json"
+        path.write_text(json.dumps(sweep.cell_jobs(cell)))
+        assert [str(job.out) for job in read_jobs(path)] == [f"results/runs/{r}" for r in sweep.cells[cell]]
 
 
 @pytest.mark.parametrize("kind, words", [

@@ -340,7 +340,7 @@ def test_import_log_refuses_a_huge_file_unread(tmp_path, capsys, monkeypatch):
     log = tmp_path / "huge.jsonl"
     with open(log, "wb") as fh:  # sparse: no disk used
         fh.truncate(importlog.MAX_LOG_BYTES + 1)
-    monkeypatch.setattr(importlog, "read_jsonl", lambda path: pytest.fail("a refused log is not read"))
+    monkeypatch.setattr(Path, "read_bytes", lambda path: pytest.fail("a refused log is not read"))
     refused(capsys, ["import-log", str(log), "--out", str(tmp_path / "o")], "MiB")
 
 

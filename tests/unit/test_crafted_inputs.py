@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
@@ -328,6 +329,49 @@ def test_learning_refuses_a_run_listed_twice(trained, tmp_path, capsys):
     assert "runs[1]: dir" in line and "is also runs[0]'s" in line
     manifest.write_text(json.dumps({"runs": [entries[0], {**entries[1], "seed": 0}]}))
     assert "method 'full' seed 0 is also runs[0]'s" in learning_fails(capsys, tmp_path, manifest)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda m: m["runs"][1].update(method=""), "runs[1].method = '': expected a method label of 1 to 200 printable"),
+    (lambda m: m["runs"][1].update(method="full\nx"), "runs[1].method = 'full\\nx': expected a method label"),
+    (lambda m: m["runs"][0].update(method="x" * 201), "(201 characters): expected a method label"),
+    (lambda m: m["runs"][1].update(bogus=1), "runs[1]: unknown key 'bogus'; expected some of dir, method, model"),
+    (lambda m: m.update(bogus=1), "unknown key 'bogus'; expected some of runs, gradcheck, calibration, warmup"),
+])
+def test_learning_reads_the_manifest_by_the_report_s_schema(trained, tmp_path, capsys, change, words):
+    """An empty or multi-line method label made a blank row or one split in two in learning.md, and keys
+    the manifest does not have were ignored: the manifest is the report's (the workflow writes one for both)."""
+    manifest, _ = learning_runs(trained, tmp_path)
+    data = json.loads(manifest.read_text())
+    change(data)
+    manifest.write_text(json.dumps(data))
+    line = learning_fails(capsys, tmp_path, manifest)
+    assert f"manifest {manifest}: " in line and words in line, line
+
+
+@pytest.mark.parametrize("name", ["learning.yaml", "learning_gpu.yaml", "config.yaml"])
+def test_the_workflow_s_manifest_passes_the_learning_manifest_check(tmp_path, monkeypatch, name):
+    """The manifest the workflow writes (Sweep.manifest: results/learning/manifest.json) holds only keys the
+    check allows and method labels it takes."""
+    from agg_bench.tools.learning import check_manifest
+    from agg_bench.tools.sweep import Sweep
+
+    monkeypatch.chdir(ROOT)
+    sweep = Sweep(yaml.safe_load((ROOT / "config" / name).read_text()), ROOT / "workflow" / "schemas" /
+                  "config.schema.yaml", cache_dir=None)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps(sweep.manifest()))
+    check_manifest(manifest)
+    assert len(json.loads(manifest.read_text())["runs"]) >= len(sweep.runs) > 0
+
+
+def test_learning_names_a_run_too_short_for_the_table(trained, tmp_path, capsys):
+    """"a run of 2 iterations: the learning table needs at least 4" did not say which run; it is now found
+    before the evaluation samples a model."""
+    manifest, runs = learning_runs(trained, tmp_path)
+    line = learning_fails(capsys, tmp_path, manifest, "--average", "2")
+    assert f"run full/0 ({runs[0]}): 2 iterations with status ok; the learning table needs at least 4 " \
+           "(--average 2 at each end)" in line, line
 
 
 def test_learning_checks_the_captions_before_writing_anything(trained, tmp_path, capsys):

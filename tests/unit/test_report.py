@@ -172,6 +172,71 @@ def test_import_log_names_a_missing_key(tmp_path):
     assert main(["import-log", str(log), "--out", str(tmp_path / "out")]) == 2
 
 
+GOOD_STEP = {"step": 0, "avg_reward": 0.5, "step_time": 2.0, "grad_norm": 1.0}
+
+
+def import_refused(capsys, tmp_path, text: str) -> str:
+    """``agg-bench import-log`` of a log holding ``text``: exit 2, one stderr line, no folder written."""
+    log, out = tmp_path / "log.jsonl", tmp_path / "out"
+    log.write_text(text)
+    capsys.readouterr()
+    code = main(["import-log", str(log), "--out", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert not out.exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"loss": "abc"}, "'loss' = 'abc': expected a finite number or null"),
+    ({"reward_std": "x"}, "'reward_std' = 'x': expected a finite number >= 0 or null"),
+    ({"t_rollout_s": -3}, "'t_rollout_s' = -3: expected a finite number >= 0 or null"),
+    ({"step_time": -1.5}, "'step_time' = -1.5: expected a finite number >= 0 or null"),
+    ({"forward_grad": 10**400}, "'forward_grad' = 1000000"),  # an OverflowError in math.isfinite
+    ({"weights": 5}, "'weights' = 5: expected a string or null"),
+    ({"step": 10**30}, "'step' = 1000000000000000000000000000000: expected an integer >= 0 (at most 1,000,000,000)"),
+])
+def test_import_log_checks_every_record_by_the_record_contract(tmp_path, capsys, fields, words):
+    """Values the record contract refuses were copied into metrics.jsonl (exit 0), and `report` then refused
+    the folder the import wrote; a negative time or a 30-digit step went through."""
+    text = json.dumps(GOOD_STEP) + "\n" + json.dumps({**GOOD_STEP, "step": 1, **fields}) + "\n"
+    line = import_refused(capsys, tmp_path, text)
+    assert "log.jsonl line 2: " in line and words in line, line
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"step": 1, "avg_reward": 0.5, "step_time": NaN, "grad_norm": 1.0}\n', "line 2: not JSON (NaN"),
+    ('{"step": 1, "avg_reward": 0.5, "step_time": -Infinity, "grad_norm": 1.0}\n', "line 2: not JSON (-Infinity"),
+    # the last line, without a newline, whole but for its infinity: refused, not taken for a torn line
+    ('{"step": 1, "avg_reward": 0.5, "step_time": 1.0, "grad_norm": Infinity}', "line 2: not JSON (Infinity"),
+    ('{"step": 1, "avg_reward": 1e400, "step_time": 1.0, "grad_norm": 1.0}\n', "line 2: 'avg_reward' = inf"),
+    ('\n\n{"step": 1, "avg_reward": 0.5, "step_time": "slow", "grad_norm": 1.0}\n', "line 4: 'step_time'"),
+])
+def test_import_log_refuses_numbers_that_are_not_finite(tmp_path, capsys, text, words):
+    """NaN and infinities were taken (a NaN last line dropped as torn, 1e400 a diverged step); blank lines
+    counted out of the line numbers."""
+    line = import_refused(capsys, tmp_path, json.dumps(GOOD_STEP) + "\n" + text)
+    assert words in line, line
+
+
+def test_an_imported_log_is_what_report_reads(tmp_path, capsys):
+    """Record keys of the log that may be negative (loss, approx_kl) are kept; the folder reads back through
+    the one reader of run folders. A torn last line is left out and stderr says so."""
+    from agg_bench.reading import RunFolder
+
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({**GOOD_STEP, "loss": -0.25, "approx_kl": -1e-3, "t_rollout_s": 1.5}) + "\n"
+                   + json.dumps({**GOOD_STEP, "step": 3, "grad_norm": None}) + "\n" + '{"step": 4, "avg_rew')
+    capsys.readouterr()
+    assert main(["import-log", str(log), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "log.jsonl line 3: left out, not a whole JSON line" in err[0], err
+    records = RunFolder(tmp_path / "out").records(required=("iteration", "status"))
+    assert [(r["iteration"], r["loss"], r["approx_kl"], r["grad_norm"]) for r in records] == \
+        [(0, -0.25, -1e-3, 1.0), (3, None, None, None)]
+    assert main(["report", "--runs", str(tmp_path / "out"), "--tables", str(tmp_path / "tables")]) == 0
+
+
 @pytest.fixture
 def gradcheck_csv(tmp_path):
     return write_gradcheck_csv(tmp_path / "gc.csv")
