@@ -55,7 +55,9 @@ def loads(text: str | bytes) -> Any:
     except JsonProblem:
         raise
     except json.JSONDecodeError as err:
-        raise JsonProblem(f"{err.msg} at line {err.lineno} column {err.colno}") from None
+        # "Expecting value at line 1 column 1"; "Unterminated string starting at line 1 column 5"
+        where = "line" if err.msg.endswith(" at") else "at line"
+        raise JsonProblem(f"{err.msg} {where} {err.lineno} column {err.colno}") from None
     except UnicodeDecodeError as err:
         raise JsonProblem(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
     except RecursionError:

@@ -71,6 +71,14 @@ def new_record(*fields: Mapping, **more) -> dict:
     return record
 
 
+def _finite(value: int | float) -> bool:
+    """A finite number a float can hold (an integer past float's range, 10**400, is not one)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     """What is wrong with a metric record (or a run summary, which repeats its identity keys): a key of
     ``required`` missing or null, or the first known key holding the wrong kind of value, e.g. ``'t_iter_s' =
@@ -86,7 +94,7 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
         if key in TEXT_KEYS and not isinstance(value, str):
             return f"{key!r} = {quote(value)}: expected a string or null"
         if key not in TEXT_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                     or not math.isfinite(value)):
+                                     or not _finite(value)):
             return f"{key!r} = {quote(value)}: expected a finite number or null"
     iteration = record.get("iteration")
     if iteration is not None and (not isinstance(iteration, int) or iteration < 0):

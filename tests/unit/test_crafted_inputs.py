@@ -260,6 +260,9 @@ def test_learning_reads_records_through_the_record_contract(trained, tmp_path, c
     ("metrics.jsonl", '{"iteration": 0, "loss": Infinity}', "line 1 is not valid JSON (Infinity is not a JSON number"),
     ("manifest", '{"runs": [], "note": ' + "9" * 5000 + "}", "is not JSON (Exceeds the limit (4300 digits)"),
     ("manifest", "[" * 100_000 + "]" * 100_000, "is not JSON (nested too deeply)"),
+    # an integer JSON reads but a float cannot hold: math.isfinite overflowed (exit 1)
+    ("metrics.jsonl", '{"iteration": 0, "status": "ok", "reward_mean": 1' + "0" * 400 + "}",
+     "'reward_mean' = 1000"),
     # which of two values counts was up to the reader (the last one did): refused
     ("manifest", '{"runs": [], "runs": []}', "is not JSON (the key 'runs' is given twice in one object"),
     ("metrics.jsonl", '{"iteration": 0, "status": "ok", "reward_mean": 0.1, "reward_mean": 99.0}',
