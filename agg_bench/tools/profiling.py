@@ -15,12 +15,17 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 from ..outdir import Contents
 
 MEMORY_HISTORY_MAX_ENTRIES = 100_000
+MEMORY_SNAPSHOT = "memory_snapshot.pickle"
+
+
+def is_trace_file(name: str) -> bool:
+    """Whether ``name`` is a trace :func:`profile_steps` writes (one per profiled cycle)."""
+    return name.endswith((".pt.trace.json", ".pt.trace.json.gz"))
 
 
 def is_profile_file(name: str) -> bool:
     """Whether ``name`` is one that ``agg-bench profile`` writes into its folder."""
-    return name in ("config.json", "env.json", "profile.json", "operators.csv", "memory_snapshot.pickle") \
-        or name.endswith((".pt.trace.json", ".pt.trace.json.gz"))
+    return name in ("config.json", "env.json", "profile.json", "operators.csv", MEMORY_SNAPSHOT) or is_trace_file(name)
 
 
 PROFILE_CONTENTS = Contents("a profile", match=is_profile_file)
@@ -48,7 +53,9 @@ def profile_steps(
     - on a CUDA device, ``memory_snapshot.pickle`` (``memory_snapshot``) from the allocator's memory
       history, for https://pytorch.org/memory_viz.
 
-    Returns the paths it wrote, by those names.
+    Returns the paths it wrote, by those names. The traces and memory snapshot an earlier call left in
+    ``out_dir`` are removed once this call's are written, so the folder holds one profile, the one returned;
+    if the profiled steps fail, this call's traces are removed and the earlier ones stay.
     """
     for name, value, least in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1),
                                ("repeat", repeat, 1)):
@@ -59,6 +66,8 @@ def profile_steps(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    earlier = [path for path in out_dir.iterdir()
+               if (is_trace_file(path.name) or path.name == MEMORY_SNAPSHOT) and path.is_file() and not path.is_symlink()]
     worker = f"{socket.gethostname()}_{os.getpid()}"
     traces: list[Path] = []
     cycles: list[Any] = []
@@ -101,9 +110,13 @@ def profile_steps(
                 profiler.step()
         if on_cuda:
             torch.cuda.synchronize(device)
-            snapshot = out_dir / "memory_snapshot.pickle"
+            snapshot = out_dir / MEMORY_SNAPSHOT
             torch.cuda.memory._dump_snapshot(str(snapshot))
             written["memory_snapshot"] = str(snapshot)
+    except BaseException:
+        for trace in traces:
+            trace.unlink(missing_ok=True)
+        raise
     finally:
         if on_cuda:
             torch.cuda.memory._record_memory_history(enabled=None, device=device)
@@ -113,6 +126,9 @@ def profile_steps(
     operators = out_dir / "operators.csv"
     _write_operator_table(operators, cycles, on_cuda)
     written["operators"] = str(operators)
+    for path in earlier:  # the previous profile's, now that this one is complete
+        if str(path) not in written.values():
+            path.unlink(missing_ok=True)
     return written
 
 

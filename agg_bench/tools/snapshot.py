@@ -3,40 +3,86 @@
 A snapshot folder holds ``transformer/`` (diffusers ``save_pretrained``), ``rollout.safetensors``,
 ``rollout.json`` and the run's ``config.json``. A LoRA run keeps its base weights in ``transformer/``, the
 adapter in ``lora/`` and the adapter settings under ``lora`` in ``rollout.json``.
+
+``agg-bench snapshot`` writes the whole snapshot into a temporary folder inside ``--out`` and moves it into
+place once every file is written: a failure (a full disk among them) leaves an earlier snapshot as it was and
+nothing of its own. Reading one (:func:`load_snapshot`) checks every file against what the writer writes
+before a gradient is computed: ``rollout.json``'s settings through the typed run config and equal to the
+snapshot's ``config.json``, the transformer's config, loadable and finite weights, and every tensor of
+``rollout.safetensors`` of the shape those settings imply and finite.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-import math
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from ..config import RunConfig, apply_overrides, parse_override, validate
+from ..config.sections import DEFAULTS, upgrade_written
+from ..engine.families.geometry import ImageGeometry
 from ..engine.grpo import TrainBatch, UpdateStats
-from ..engine.lora import load_adapter, lora_info, save_transformer
-from ..engine.models import (DTYPES, POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, precision,
-                             transformer_config_problem)
+from ..engine.lora import ADAPTER_FILE, load_adapter, lora_settings, save_transformer
+from ..engine.models import (MAX_MODEL_SIZE, POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, _load_component,
+                             precision, pretrained_transformer_config, text_dims)
 from ..errors import ConfigError, UserError, quote
-from ..io import atomic_target, write_json
-from ..jsonfiles import MAX_CONFIG_BYTES, read_json_object
+from ..io import atomic_path, atomic_target, write_json
+from ..jsonfiles import read_json_object
 from ..methods.base import Estimator, ReplayCase, build_estimator
-from ..outdir import Contents, claim_files, claim_folder, json_file_with
+from ..outdir import Contents, claim_files, claim_folder, json_file_with, remove_owned
 from ..reading import run_config
 from ..runtime.session import Session
 
 ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "encoder_hidden_states",
                 "train_steps")
+# every tensor of rollout.safetensors and its shape, by dimension: B samples, T steps (T+1 states), C, H, W the
+# latents of rollout.json's resolution, N trained steps per sample, L text tokens of D (P pooled) features.
+# advantages are (B,) or, where a method gives each step its own, (B, T).
+ROLLOUT_SHAPES: dict[str, tuple[str, ...]] = {
+    "latents": ("B", "T+1", "C", "H", "W"), "log_probs": ("B", "T"), "sigmas": ("T+1",), "timesteps": ("T",),
+    "advantages": ("B",), "train_steps": ("B", "N"), "velocities": ("B", "T", "C", "H", "W"),
+    "encoder_hidden_states": ("B", "L", "D"), "pooled_projections": ("B", "P"), "encoder_attention_mask": ("B", "L"),
+}
+INTEGER_TENSORS = ("train_steps", "encoder_attention_mask")  # the rest hold floating-point numbers
+OPTIONAL_TENSORS = ("velocities", "pooled_projections", "encoder_attention_mask")  # pooled: as the model has it
 
+# rollout.json's settings and the run-config keys they are (rollout_settings); lora: train.lora_*
+SETTINGS = {"family": "model.family", "sde": "sampling.sde", "eta": "sampling.eta",
+            "clip_range": "grpo.clip_range", "beta": "grpo.beta", "kl_form": "grpo.kl_form",
+            "adv_std": "grpo.adv_std", "dtype": "model.dtype", "resolution": "model.resolution"}
+LORA_SETTINGS = {"rank": "train.lora_rank", "alpha": "train.lora_alpha", "target_modules": "train.lora_target_modules"}
+REQUIRED_SETTINGS = ("family", "sde", "eta", "clip_range")  # every snapshot has them; the rest may be older than it
 
-# what a snapshot folder holds; any other file in --out is someone else's
+# what a snapshot folder holds; any other file in --out is someone else's. transformer/ and lora/ are replaced
+# whole by a new snapshot, so what they hold is checked too.
+TRANSFORMER_CONTENTS = Contents("a snapshot's transformer", ("config.json",),
+                                ("diffusion_pytorch_model*.safetensors", "diffusion_pytorch_model*.safetensors.index.json"))
+LORA_CONTENTS = Contents("a snapshot's LoRA adapter", (ADAPTER_FILE,))
 SNAPSHOT_CONTENTS = Contents("a snapshot", ("rollout.safetensors", "rollout.json", "config.json"),
-                             folders=(("transformer", None), ("lora", None)))  # written into, never removed
+                             folders=(("transformer", TRANSFORMER_CONTENTS), ("lora", LORA_CONTENTS)))
 # what a replay's FILE.json holds (its pass counts); an existing FILE.json without them is someone else's
 REPLAY_KEYS = ("forward_nograd", "forward_grad", "backward", "method", "replay")
 REPLAY_FORMAT = "agg-bench-replay/1"  # in a replay's gradient file's safetensors metadata
+
+
+def rollout_settings(cfg: RunConfig) -> dict:
+    """``rollout.json`` of a snapshot of ``cfg``: the rollout's SDE, the loss's settings, the model's family,
+    precision and resolution, and the LoRA adapter's settings (None for a fully trained model)."""
+    def value(dotted: str) -> Any:
+        section, key = dotted.split(".")
+        return getattr(getattr(cfg, section), key)
+
+    train = cfg.train
+    lora = None if train.lora_rank == 0 else \
+        lora_settings(cfg.model.family, train.lora_rank, train.lora_alpha, train.lora_target_modules)
+    return {**{key: value(dotted) for key, dotted in SETTINGS.items()}, "lora": lora}
 
 
 def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
@@ -49,22 +95,38 @@ def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
 
 def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
     batch = session.collect(0).batch
-    save_transformer(session.policy.transformer, out / "transformer")  # with LoRA: base weights + lora/
     tensors = {
         "latents": batch.latents, "log_probs": batch.log_probs, "sigmas": batch.sigmas,
         "timesteps": batch.timesteps, "advantages": batch.advantages, "train_steps": batch.train_steps,
         "velocities": batch.velocities,
         **batch.cond.tensors(),  # encoder_hidden_states, and pooled_projections / encoder_attention_mask if set
     }
-    with atomic_target(out / "rollout.safetensors") as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-    write_json(out / "rollout.json", {
-        "family": cfg.model.family, "sde": batch.sde, "eta": batch.eta, "clip_range": batch.clip_range,
-        "beta": batch.beta, "kl_form": batch.kl_form, "adv_std": cfg.grpo.adv_std, "dtype": cfg.model.dtype,
-        "resolution": cfg.model.resolution,
-        "lora": lora_info(session.policy.transformer),
-    })
-    write_json(out / "config.json", cfg.to_dict())
+    staging = atomic_path(out / "snapshot")  # a harness temporary: never taken for a snapshot or anyone's file
+    shutil.rmtree(staging, ignore_errors=True)  # a killed earlier process of the same PID
+    try:
+        staging.mkdir()
+        save_transformer(session.policy.transformer, staging / "transformer")  # with LoRA: base weights + lora/
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items() if v is not None},
+                  str(staging / "rollout.safetensors"))
+        write_json(staging / "rollout.json", {**rollout_settings(cfg),
+                                              "vae_scale_factor": session.policy.vae_scale_factor})
+        write_json(staging / "config.json", cfg.to_dict())
+        _move_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Replace the snapshot in ``out`` (if any) with the one written in ``staging``: renames only. rollout.json
+    goes first and comes back last, so a folder left halfway is no snapshot (load_snapshot, gradcheck)."""
+    (out / "rollout.json").unlink(missing_ok=True)
+    for name, contents in SNAPSHOT_CONTENTS.folders:
+        if contents is not None:
+            remove_owned(out / name, contents)  # its own files only (claim_folder refused anything else)
+        if (staging / name).exists():
+            os.replace(staging / name, out / name)
+    for name in ("rollout.safetensors", "config.json", "rollout.json"):
+        os.replace(staging / name, out / name)
 
 
 @dataclass
@@ -75,61 +137,212 @@ class Snapshot:
     config: dict
 
 
-def _rollout_meta(root: Path) -> dict:
-    """``rollout.json`` of the snapshot folder ``root``, checked: a UserError naming the file and key for
-    anything ``agg-bench snapshot`` does not write."""
+def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
+    """``rollout.json`` of the snapshot folder ``root``, checked against what ``agg-bench snapshot`` writes
+    (:func:`rollout_settings`): its settings within the typed run config's bounds and equal to those of the
+    snapshot's run config ``run`` (checked already; None for a snapshot without one). A UserError naming
+    the file and key otherwise. Returns every setting (a key an older snapshot lacks: its run config's) and
+    ``vae_scale_factor`` (None where the snapshot predates it)."""
     path = root / "rollout.json"
     meta = read_json_object(path, "the rollout settings of an agg-bench snapshot (a JSON object)")
-    kinds = {"family": (lambda v: v in TRANSFORMER_CLASSES, f"one of {', '.join(TRANSFORMER_CLASSES)}"),
-             "sde": (lambda v: isinstance(v, str), "a string"),
-             "eta": (lambda v: _finite(v), "a finite number"),
-             "clip_range": (lambda v: _finite(v), "a finite number"),
-             "beta": (lambda v: v is None or _finite(v), "a finite number"),
-             "dtype": (lambda v: v is None or v in DTYPES, f"one of {', '.join(DTYPES)}")}
-    for key, (ok, expected) in kinds.items():
-        if not ok(meta.get(key)):
-            raise UserError(f"{path}: {key} = {quote(meta.get(key))}: expected {expected}")
-    return meta
+    for key in REQUIRED_SETTINGS:
+        if meta.get(key) is None:
+            raise UserError(f"{path}: {key} = None: expected the {SETTINGS[key]} of the snapshot's run "
+                            "(agg-bench snapshot writes it)")
+    names = {dotted: key for key, dotted in SETTINGS.items()}
+    overlay = run.to_dict() if run is not None else copy.deepcopy(DEFAULTS)
+    given = {dotted: meta[key] for key, dotted in SETTINGS.items() if meta.get(key) is not None}
+    lora = meta.get("lora")
+    if lora is not None:
+        if not isinstance(lora, dict) or set(lora) != set(LORA_SETTINGS):
+            raise UserError(f"{path}: lora = {quote(lora)}: expected null or the LoRA adapter's settings "
+                            f"({', '.join(LORA_SETTINGS)})")
+        names.update({dotted: f"lora.{key}" for key, dotted in LORA_SETTINGS.items()})
+        given.update({dotted: lora[key] for key, dotted in LORA_SETTINGS.items()})
+    for dotted, value in given.items():
+        section, key = dotted.split(".")
+        overlay.setdefault(section, {})[key] = value
+    try:
+        cfg = validate(upgrade_written(overlay))
+    except ConfigError as err:
+        if err.key in names:
+            raise UserError(f"{path}: {names[err.key]} = {quote(err.value)}: expected {err.expected}") from None
+        raise UserError(f"{path}: {err}") from None
+    made = rollout_settings(run if run is not None else cfg)
+    for key, expected in made.items():
+        value = meta.get(key)
+        if (value is not None or key == "lora") and value != expected:
+            source = f"the snapshot's config.json {SETTINGS.get(key, 'train.lora_*')}" if run is not None \
+                else "the settings it names"
+            raise UserError(f"{path}: {key} = {quote(value)}: expected {quote(expected)}, as {source}")
+    factor = meta.get("vae_scale_factor")
+    if factor is not None and not (type(factor) is int and 1 <= factor <= MAX_MODEL_SIZE):
+        raise UserError(f"{path}: vae_scale_factor = {quote(factor)}: expected an integer from 1 to {MAX_MODEL_SIZE}")
+    return {**made, "vae_scale_factor": factor}
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, float] | None:
+    """The first floating-point tensor of ``tensors`` holding a NaN or an infinity, and that value."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point():
+            bad = ~torch.isfinite(tensor)
+            if bad.any():
+                return name, float(tensor[bad].flatten()[0])
+    return None
+
+
+def _load_transformer(root: Path, meta: dict, device: str | torch.device) -> torch.nn.Module:
+    """The snapshot's transformer, as a model folder's is loaded: its config of ``meta``'s family and within
+    bounds (:func:`~agg_bench.engine.models.pretrained_transformer_config`), loadable weights
+    (:func:`~agg_bench.engine.models._load_component`), then the LoRA adapter; every weight finite."""
+    family = meta["family"]
+    try:
+        pretrained_transformer_config(str(root), family)
+        transformer = _load_component(TRANSFORMER_CLASSES[family], str(root / "transformer"), str(root),
+                                      "transformer weights", torch_dtype=precision(meta["dtype"]).param_dtype)
+    except ConfigError as err:
+        if err.key == "model.family":
+            raise UserError(f"{root / 'rollout.json'}: family = {quote(family)}: expected {err.expected}") from None
+        raise UserError(f"snapshot {root}: expected {err.expected}") from None
+    transformer.to(device)
+    if meta["lora"]:
+        try:
+            load_adapter(transformer, family, meta["lora"], root / "lora")
+        except (SafetensorError, OSError, RuntimeError, ValueError) as err:  # a torn file, weights of other shapes
+            raise UserError(f"{root / 'lora' / ADAPTER_FILE}: expected the LoRA adapter agg-bench snapshot wrote for "
+                            f"{quote(meta['lora'])} ({_first_line(err)})") from None
+    bad = _nonfinite(transformer.state_dict())
+    if bad is not None:
+        name, value = bad
+        folder = root / ("lora" if ".lora_" in name else "transformer")
+        raise UserError(f"{folder}: weight {name} holds {quote(value)}: expected finite weights")
+    return transformer
+
+
+def _latent_shape(root: Path, policy: Policy, meta: dict) -> tuple[int, int, int] | None:
+    """(C, H, W) of the latents of rollout.json's resolution, with the VAE factor the snapshot was made with
+    (the family's grid and limit from the transformer); None where an older snapshot does not say its factor."""
+    factor = meta["vae_scale_factor"]
+    if factor is None:
+        return None
+    geometry = ImageGeometry(policy.family, factor, policy.latent_multiple, policy.max_latent_size())
+    try:
+        size = geometry.latent_size(meta["resolution"])
+    except ConfigError as err:
+        raise UserError(f"{root / 'rollout.json'}: resolution = {quote(err.value)}: expected {err.expected}") from None
+    return policy.latent_channels, size, size
+
+
+def _rollout_tensors(root: Path, policy: Policy, meta: dict) -> dict[str, torch.Tensor]:
+    """The tensors of ``rollout.safetensors``, each one :data:`ROLLOUT_SHAPES` names, of its shape (the
+    latents of rollout.json's resolution, the text features the transformer takes, B and T alike in all),
+    integer step indices in [0, T) and a 0/1 mask, every other value a finite floating-point number."""
+    path = root / "rollout.safetensors"
+    try:
+        with safe_open(str(path), "pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise UserError(f"{path}: not a readable safetensors file ({_first_line(err)}); expected the rollout "
+                        "agg-bench snapshot wrote") from None
+    text_dim, pooled_dim = text_dims(policy.transformer)
+    dims: dict[str, int] = {"D": text_dim}
+    if pooled_dim is not None:
+        dims["P"] = pooled_dim
+    shape = _latent_shape(root, policy, meta)
+    if shape is not None:
+        dims.update(C=shape[0], H=shape[1], W=shape[2])
+    else:
+        dims["C"] = policy.latent_channels
+    required = [name for name in ROLLOUT_SHAPES if name not in OPTIONAL_TENSORS]
+    if pooled_dim is not None:
+        required.append("pooled_projections")
+    for name in required:
+        if name not in tensors:
+            raise UserError(f"{path}: no tensor {quote(name)}: expected the rollout agg-bench snapshot wrote "
+                            f"({', '.join(required)})")
+    allowed = [name for name in ROLLOUT_SHAPES if name in required or name in OPTIONAL_TENSORS]
+    unknown = next((name for name in tensors if name not in allowed), None)
+    if unknown is not None:
+        raise UserError(f"{path}: holds a tensor {quote(unknown)}: expected only {', '.join(allowed)}")
+    for name in (name for name in ROLLOUT_SHAPES if name in tensors):  # latents first: B, T (and H, W) from them
+        problem = _tensor_problem(name, tensors[name], dims)
+        if problem is not None:
+            raise UserError(f"{path}: {name} {problem}")
+    if shape is None:  # an older snapshot: its latents' side, within what the transformer takes
+        geometry = ImageGeometry(policy.family, 1, policy.latent_multiple, policy.max_latent_size())
+        try:
+            geometry.latent_size(dims["H"])
+        except ConfigError as err:
+            raise UserError(f"{path}: latents have {dims['H']} a side: expected {err.expected}") from None
+    steps = tensors["train_steps"]
+    if steps.numel() and not (0 <= int(steps.min()) and int(steps.max()) < dims["T"]):
+        value = int(steps.min()) if int(steps.min()) < 0 else int(steps.max())
+        raise UserError(f"{path}: train_steps holds {quote(value)}: expected step indices from 0 to {dims['T'] - 1}")
+    mask = tensors.get("encoder_attention_mask")
+    if mask is not None and not ((mask == 0) | (mask == 1)).all():
+        raise UserError(f"{path}: encoder_attention_mask holds {quote(int(mask[(mask != 0) & (mask != 1)][0]))}: "
+                        "expected 0 or 1")
+    bad = _nonfinite(tensors)
+    if bad is not None:
+        raise UserError(f"{path}: {bad[0]} holds {quote(bad[1])}: expected finite numbers")
+    return tensors
+
+
+def _tensor_problem(name: str, tensor: torch.Tensor, dims: dict[str, int]) -> str | None:
+    """What is wrong with the rollout tensor ``name``'s kind or shape (``dims``: the sizes known so far, each
+    size of a dimension met first taken into it); None when nothing is."""
+    if tensor.is_floating_point() == (name in INTEGER_TENSORS) or tensor.is_complex() or tensor.dtype == torch.bool:
+        kind = "integers" if name in INTEGER_TENSORS else "floating-point numbers"
+        return f"holds {str(tensor.dtype).removeprefix('torch.')}: expected {kind}"
+    spec = ROLLOUT_SHAPES[name]
+    if name == "advantages" and tensor.dim() == 2:
+        spec = ("B", "T")
+    if tensor.dim() == len(spec):
+        for size, dim in zip(tensor.shape, spec):
+            letter, extra = (dim[0], 1) if dim.endswith("+1") else (dim, 0)
+            if letter not in dims and size - extra >= 1:  # every size at least 1
+                dims[letter] = size - extra
+                if letter == "H" and "W" not in dims:  # square latents
+                    dims["W"] = dims["H"]
+        if all(size == dims.get(dim[0], -1) + (1 if dim.endswith("+1") else 0) for size, dim in zip(tensor.shape, spec)):
+            return None
+    expected = ", ".join(f"{dim}={dims[dim[0]] + (1 if dim.endswith('+1') else 0)}" if dim[0] in dims else dim
+                         for dim in spec)
+    return f"has shape {quote(list(tensor.shape))}: expected ({expected})"
 
 
 def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") -> Snapshot:
-    """The snapshot folder ``snapshot_dir``, every file checked before a tensor is made: ``rollout.json``,
-    ``config.json`` (the typed run config with its bounds, :func:`agg_bench.reading.run_config`) and
-    the transformer's config (:func:`agg_bench.engine.models.transformer_config_problem`)."""
+    """The snapshot folder ``snapshot_dir``, every file checked before a gradient is computed: ``config.json``
+    (the typed run config with its bounds, :func:`agg_bench.reading.run_config`), ``rollout.json``
+    (:func:`_rollout_meta`), the transformer (:func:`_load_transformer`) and ``rollout.safetensors``
+    (:func:`_rollout_tensors`). Anything else than what ``agg-bench snapshot`` writes is a UserError naming
+    the file (and key or tensor), the value and what was expected."""
     root = Path(snapshot_dir)
     for name in ("transformer", "rollout.safetensors", "rollout.json"):
         if not (root / name).exists():
             raise UserError(f"snapshot {root}: missing {name} (make one with `agg-bench snapshot`)")
-    meta = _rollout_meta(root)
-    family = meta["family"]
     config_path = root / "config.json"
-    config = run_config(read_json_object(config_path, "the run config of an agg-bench snapshot (a JSON object)"),
-                        config_path).to_dict() if config_path.exists() else {}
-    transformer_config = root / "transformer" / "config.json"
-    problem = transformer_config_problem(read_json_object(transformer_config, "a diffusers transformer config",
-                                                          MAX_CONFIG_BYTES))
-    if problem is not None:
-        raise UserError(f"{transformer_config}: {problem}")
-    prec = precision(meta.get("dtype", "float32"))
-    transformer = TRANSFORMER_CLASSES[family].from_pretrained(
-        root / "transformer", torch_dtype=prec.param_dtype).to(device)
-    if meta.get("lora"):
-        load_adapter(transformer, family, meta["lora"], root / "lora")
+    run = run_config(read_json_object(config_path, "the run config of an agg-bench snapshot (a JSON object)"),
+                     config_path) if config_path.exists() else None
+    meta = _rollout_meta(root, run)
+    family = meta["family"]
+    prec = precision(meta["dtype"])
+    transformer = _load_transformer(root, meta, device)
     policy = POLICIES[family](transformer, None, autocast_dtype=prec.autocast_dtype)
-    t = {k: v.to(device) for k, v in load_file(str(root / "rollout.safetensors")).items()}
-    beta = meta.get("beta", 0.0)
+    t = {k: v.to(device) for k, v in _rollout_tensors(root, policy, meta).items()}
     batch = TrainBatch(
         latents=t["latents"], log_probs=t["log_probs"], sigmas=t["sigmas"], timesteps=t["timesteps"],
         advantages=t["advantages"], train_steps=t["train_steps"],
         cond=Conditioning.from_tensors(t),
-        sde=meta["sde"], eta=meta["eta"], clip_range=meta["clip_range"], beta=beta,
-        velocities=t.get("velocities"), policy_version=0, kl_form=meta.get("kl_form", "transition"),
+        sde=meta["sde"], eta=meta["eta"], clip_range=meta["clip_range"], beta=meta["beta"],
+        velocities=t.get("velocities"), policy_version=0, kl_form=meta["kl_form"],
     )
-    return Snapshot(policy, batch, meta, config)
+    return Snapshot(policy, batch, meta, run.to_dict() if run is not None else {})
 
 
 # Keys outside the method section that a replay may set: the trained-step draw (train.plan) of a method that draws its own

@@ -9,6 +9,7 @@ learning runs are one run of 2 iterations on it, copied and edited.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -407,22 +408,149 @@ def snapshot(tmp_path_factory) -> Path:
     return snap
 
 
+def refused_by_replay_and_gradcheck(snap: Path, tmp_path: Path, capsys) -> list[str]:
+    """The one line each of `replay` and `gradcheck` prints for the snapshot ``snap`` (exit code 2), after
+    checking that neither wrote anything."""
+    lines = []
+    for verb, out in (("replay", tmp_path / "replayed" / "g.safetensors"), ("gradcheck", tmp_path / "checked" / "g.csv")):
+        args = ["replay", str(snap), "--method", "full"] if verb == "replay" else \
+            ["gradcheck", "--snapshot", str(snap), "--windows", "3", "--alphas", "sigma", "--route-fracs", "1"]
+        capsys.readouterr()
+        lines.append(one_line(capsys, main([*args, "--out", str(out)])))
+        assert not out.parent.exists(), lines[-1]
+    return lines
+
+
+def edit_json(snap: Path, name: str, change) -> None:
+    data = json.loads((snap / name).read_text())
+    changed = change(data)
+    (snap / name).write_text(json.dumps(changed if changed is not None else data))
+
+
 @pytest.mark.parametrize("name, change, words", [
     ("config.json", lambda c: c["sampling"].update(steps=10_000_000), "config.json: config error: sampling.steps"),
     ("config.json", lambda c: [1], "config.json: holds a list"),
     ("rollout.json", lambda c: c.update(family="nosuch"), "rollout.json: family = 'nosuch': expected one of"),
-    ("rollout.json", lambda c: c.update(eta="x"), "rollout.json: eta = 'x': expected a finite number"),
+    ("rollout.json", lambda c: c.update(eta="x"), "rollout.json: eta = 'x': expected a number"),
+    ("rollout.json", lambda c: c.update(clip_range=-1), "rollout.json: clip_range = -1: expected a value > 0"),
+    ("rollout.json", lambda c: c.update(resolution=10**30), "rollout.json: resolution = 1000000000000000000000000000000: "
+                                                            "expected a value <= 4096"),
+    ("rollout.json", lambda c: c.update(resolution=64), "rollout.json: resolution = 64: expected 32, as the snapshot's "
+                                                        "config.json model.resolution"),
+    ("rollout.json", lambda c: c.update(family="flux"), "rollout.json: family = 'flux': expected 'sd3'"),
+    ("rollout.json", lambda c: c.update(lora={"rank": 2}), "rollout.json: lora = {'rank': 2}: expected null or"),
+    ("rollout.json", lambda c: c.update(vae_scale_factor=0), "rollout.json: vae_scale_factor = 0: expected an integer"),
     ("transformer/config.json", lambda c: c.update(num_layers=100_000), "num_layers = 100000: expected an integer"),
 ])
 def test_replay_reads_a_snapshot_through_the_same_checks(snapshot, tmp_path, capsys, name, change, words):
-    """The snapshot's config.json through the typed config with its bounds, its rollout.json's keys and its
-    transformer's sizes: one line, exit 2, no gradient file (a crafted file gave a KeyError or TypeError)."""
+    """The snapshot's config.json through the typed config with its bounds, its rollout.json's settings through
+    the same (and equal to config.json's: a clip_range of -1 or a resolution of 64 at 32 replayed with rc 0) and
+    its transformer's sizes: one line, exit 2, nothing written, by replay and by gradcheck (a crafted file gave
+    a KeyError or TypeError, and "family": "flux" a diffusers ValueError)."""
     snap = tmp_path / "snap"
     shutil.copytree(snapshot, snap)
-    data = json.loads((snap / name).read_text())
-    changed = change(data)
-    (snap / name).write_text(json.dumps(changed if changed is not None else data))
-    out = tmp_path / "g.safetensors"
-    capsys.readouterr()
-    line = one_line(capsys, main(["replay", str(snap), "--method", "full", "--out", str(out)]))
-    assert words in line and not out.exists(), line
+    edit_json(snap, name, change)
+    for line in refused_by_replay_and_gradcheck(snap, tmp_path, capsys):
+        assert words in line, line
+
+
+def edit_tensors(path: Path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    save_file(change(load_file(str(path))), str(path))
+
+
+def every_float(value: float):
+    return lambda tensors: {k: torch.full_like(v, value) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+def header_length(path: Path, length: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(length.to_bytes(8, "little") + data[8:])
+
+
+WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda s: os.truncate(s / "rollout.safetensors", 5000),
+     "rollout.safetensors: not a readable safetensors file (Error while deserializing header: incomplete metadata"),
+    (lambda s: header_length(s / "rollout.safetensors", 2**40), "rollout.safetensors: not a readable safetensors file "
+                                                                "(Error while deserializing header: header too large)"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": torch.zeros(3, dtype=torch.int64)}),
+     "rollout.safetensors: train_steps has shape [3]: expected (B=2, N)"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": t["train_steps"] + 3}),
+     "rollout.safetensors: train_steps holds"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": t["train_steps"].float()}),
+     "rollout.safetensors: train_steps holds float32: expected integers"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "extra": torch.zeros(1)}),
+     "rollout.safetensors: holds a tensor 'extra': expected only latents,"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {k: v for k, v in t.items() if k != "timesteps"}),
+     "rollout.safetensors: no tensor 'timesteps'"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "sigmas": t["sigmas"][:-1]}),
+     "rollout.safetensors: sigmas has shape [3]: expected (T+1=4)"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", every_float(float("nan"))),
+     "holds nan: expected finite numbers"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "log_probs": t["log_probs"] / 0}),
+     "rollout.safetensors: log_probs holds"),
+    # the resolution both files say, not the one the latents have
+    (lambda s: [edit_json(s, "rollout.json", lambda c: c.update(resolution=64)),
+                edit_json(s, "config.json", lambda c: c["model"].update(resolution=64))],
+     "rollout.safetensors: latents has shape [2, 4, 4, 4, 4]: expected (B=2, T+1=4, C=4, H=8, W=8)"),
+    (lambda s: [edit_json(s, "rollout.json", lambda c: c.update(family="flux")),
+                edit_json(s, "config.json", lambda c: c["model"].update(family="flux"))],
+     "rollout.json: family = 'flux': expected the family of"),
+    (lambda s: os.truncate(s / WEIGHTS, 100_000), "expected loadable transformer weights in"),
+    (lambda s: edit_tensors(s / WEIGHTS, every_float(float("inf"))), "holds inf: expected finite weights"),
+])
+def test_replay_reads_a_snapshot_s_tensors_and_weights_through_the_writer_s_shapes(snapshot, tmp_path, capsys, edit,
+                                                                                 words):
+    """rollout.safetensors and the transformer's weights as `agg-bench snapshot` writes them: a torn file, a
+    tensor of another shape or kind (an IndexError) and a transformer of another family (a diffusers ValueError)
+    were tracebacks (exit 1); NaN or infinite values gave NaN gradients and cosines with exit 0."""
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshot, snap)
+    edit(snap)
+    for line in refused_by_replay_and_gradcheck(snap, tmp_path, capsys):
+        assert words in line and str(snap) in line, line
+
+
+@pytest.mark.parametrize("sets", [
+    [], ["train.lora_rank=2"], ["model.family=flux"], ["model.family=qwenimage"],
+    ["method.name=branch", "grpo.group_size=4"],  # (B, T) advantages
+])
+def test_every_snapshot_the_writer_makes_reads_back(tmp_path, sets):
+    """What the checks take is what `agg-bench snapshot` writes: its settings (rollout_settings of the run
+    config) and every tensor, for each family, a LoRA run and a method with per-step advantages."""
+    from safetensors.torch import load_file
+
+    from agg_bench.tools.snapshot import load_snapshot, rollout_settings, save_snapshot
+
+    cfg = load_config(None, ["model.resolution=32", "sampling.steps=3", "grpo.group_size=2",
+                             "grpo.prompts_per_iteration=1", "progress=false", "telemetry.enabled=false", *sets])
+    snap = save_snapshot(cfg, tmp_path / "snap")
+    loaded = load_snapshot(snap)
+    assert loaded.meta == {**rollout_settings(cfg), "vae_scale_factor": 8}
+    assert (loaded.meta["lora"] is not None) == ("train.lora_rank=2" in sets)
+    written = load_file(str(snap / "rollout.safetensors"))
+    kept = {"advantages": loaded.batch.advantages, "train_steps": loaded.batch.train_steps,
+            "latents": loaded.batch.latents, **loaded.batch.cond.tensors()}
+    assert all(torch.equal(tensor, written[name]) for name, tensor in kept.items())
+
+
+def test_a_snapshot_of_a_model_folder_reads_back_with_its_own_vae_factor(model, tmp_path, capsys):
+    """The committed model's pixel decoder has factor 2 (16 latents a side at 32 px, where a default factor of
+    8 says 4): rollout.json keeps the factor, and a snapshot without it (older) reads its latents' side."""
+    from agg_bench.tools.snapshot import load_snapshot, save_snapshot
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(all_scenes()[0].caption + "\n")
+    snap = save_snapshot(model_config(model, f"prompts.file={prompts}", "grpo.prompts_per_iteration=1"),
+                         tmp_path / "snap")
+    assert json.loads((snap / "rollout.json").read_text())["vae_scale_factor"] == 2
+    assert load_snapshot(snap).batch.latents.shape[-2:] == (16, 16)
+    edit_json(snap, "rollout.json", lambda c: {k: v for k, v in c.items() if k != "vae_scale_factor"})
+    assert load_snapshot(snap).batch.latents.shape[-2:] == (16, 16)
+    edit_json(snap, "rollout.json", lambda c: c.update(vae_scale_factor=8))  # the latents of 32 px are then 4 a side
+    line = refused_by_replay_and_gradcheck(snap, tmp_path, capsys)[0]
+    assert "latents has shape [2, 3, 12, 16, 16]: expected (B=2, T+1=3, C=12, H=4, W=4)" in line, line

@@ -149,6 +149,54 @@ def tree(folder: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
 
 
+@pytest.mark.parametrize("earlier", [False, True])
+def test_a_snapshot_that_fails_leaves_nothing_and_an_earlier_one_as_it_was(tmp_path, capsys, monkeypatch, earlier):
+    """A full disk while rollout.safetensors is written (after the transformer's weights) is one line and exit 2,
+    and leaves no transformer/ behind (an empty one was left): a new --out is gone, an earlier snapshot in it is
+    byte for byte what it was, and `agg-bench snapshot` writes it again afterwards."""
+    import errno
+    import os
+
+    from agg_bench.tools import snapshot as snapshots
+
+    sets = [a for o in SMALL for a in ("--set", o)]
+    out = tmp_path / "snap"
+    if earlier:
+        assert main(["snapshot", *sets, "--set", "seed=1", "--out", str(out)]) == 0
+    before = tree(out) if earlier else None
+    real_save_file = snapshots.save_file
+
+    def full(tensors, path, *args, **kwargs):
+        with open(path, "wb") as handle:
+            handle.write(b"\0" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(snapshots, "save_file", full)
+    capsys.readouterr()
+    assert main(["snapshot", *sets, "--out", str(out)]) == 2
+    line = one_error_line(capsys)
+    assert "no space left on device" in line and "rollout.safetensors" in line, line
+    assert (tree(out) if earlier else out.exists()) == (before if earlier else False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["snap"] if earlier else [])
+    monkeypatch.setattr(snapshots, "save_file", real_save_file)
+    assert main(["snapshot", *sets, "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "rollout.json", "rollout.safetensors", "transformer"]
+
+
+def test_a_snapshot_replaces_its_transformer_folder_whole_and_refuses_one_holding_other_files(tmp_path, capsys):
+    """transformer/ is replaced whole by a new snapshot, so a file in it that a snapshot does not write is
+    someone else's: refused before anything is written."""
+    sets = [a for o in SMALL for a in ("--set", o)]
+    out = tmp_path / "snap"
+    assert main(["snapshot", *sets, "--out", str(out)]) == 0
+    (out / "transformer" / "notes.txt").write_text("mine\n")
+    before = tree(out)
+    capsys.readouterr()
+    assert main(["snapshot", *sets, "--out", str(out)]) == 2
+    assert "transformer/notes.txt" in one_error_line(capsys)
+    assert tree(out) == before
+
+
 @pytest.mark.parametrize("inside", ["tensorboard/notes.txt", "tensorboard/otherrun/events.out.tfevents.1.h.2.0",
                                     "checkpoint_shards_000001/notes.txt", "checkpoint_shards_000002/mine/x"])
 def test_a_rerun_refuses_a_user_s_files_inside_the_folders_a_run_removes(tmp_path, capsys, inside):

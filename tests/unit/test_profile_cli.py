@@ -85,3 +85,25 @@ def test_profile_user_errors_are_one_line_and_exit_code_2(tmp_path, capsys, args
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("agg-bench profile:") and key in lines[0]
     assert not out.exists()  # nothing is written before the config is known to be good
+
+
+def test_a_profile_run_again_replaces_the_earlier_one(tmp_path, capsys):
+    """A second profile into the same folder leaves its own traces only, those profile.json lists (the first
+    run's trace was kept beside them), and a CUDA run's memory snapshot does not outlive a CPU rerun."""
+    out = tmp_path / "prof"
+    args = ["profile", "--method", "full", *SMALL, "--phase", "train", "--wait", "0", "--warmup", "0", "--out", str(out)]
+    assert main([*args, "--active", "1"]) == 0
+    first = json.loads(capsys.readouterr().out)["trace_0"]
+    (out / "memory_snapshot.pickle").write_bytes(b"an earlier CUDA profile's")
+    (out / "notes.txt").write_text("mine\n")
+    assert main([*args, "--active", "1"]) == 2  # someone else's file: refused, nothing removed
+    assert Path(first).is_file() and (out / "memory_snapshot.pickle").is_file()
+    (out / "notes.txt").unlink()
+    capsys.readouterr()
+    assert main([*args, "--active", "1"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    manifest = json.loads((out / "profile.json").read_text())
+    assert sorted(str(p) for p in out.glob("*.pt.trace.json*")) == [written["trace_0"]] == [manifest["files"]["trace_0"]]
+    assert written["trace_0"] != first and not (out / "memory_snapshot.pickle").exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "env.json", "profile.json", "operators.csv",
+                                                           Path(written["trace_0"]).name])

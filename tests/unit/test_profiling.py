@@ -92,3 +92,19 @@ def test_a_cycle_whose_events_cannot_be_parsed_keeps_its_trace(tmp_path, monkeyp
     assert read_trace(Path(written["trace_0"]))["traceEvents"]
     assert read_operators(Path(written["operators"])) == []
     assert "cycle 0: no operator table" in capsys.readouterr().err
+
+
+def test_a_failing_profile_removes_its_own_traces_and_keeps_the_earlier_ones(tmp_path):
+    """A step that fails after a cycle's trace was written: that trace goes, the earlier call's stay."""
+    step, calls = tiny_step()
+    earlier = profile_steps(step, tmp_path, "cpu", wait=0, warmup=0, active=1, with_stack=False)
+
+    def failing() -> None:
+        if len(calls) == 2:  # the second cycle of the call below (the first call ran one step)
+            raise RuntimeError("the step failed")
+        step()
+
+    with pytest.raises(RuntimeError, match="the step failed"):
+        profile_steps(failing, tmp_path, "cpu", wait=0, warmup=0, active=1, repeat=2, with_stack=False)
+    assert len(calls) == 2  # its first cycle ran and wrote a trace
+    assert sorted(str(p) for p in tmp_path.glob("*.pt.trace.json*")) == [earlier["trace_0"]]
