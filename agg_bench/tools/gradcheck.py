@@ -247,7 +247,7 @@ def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, 
         temporary = None if snapshot_dir is not None else folder
     try:
         if not _has_snapshot(folder):
-            save_snapshot(cfg, folder)
+            save_snapshot(cfg, folder, "--snapshot" if snapshot_dir is not None else "--out")
         snapshot = load_snapshot(folder, device)
         progress = cfg.progress if cfg is not None else bool(snapshot.config.get("progress", True))
         rows = run_gradcheck(snapshot, jobs, progress)

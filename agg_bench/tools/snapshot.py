@@ -85,10 +85,11 @@ def rollout_settings(cfg: RunConfig) -> dict:
     return {**{key: value(dotted) for key, dotted in SETTINGS.items()}, "lora": lora}
 
 
-def save_snapshot(cfg: RunConfig, out_dir: str | Path) -> Path:
-    """Collect iteration 0 of ``cfg`` and freeze it into ``out_dir`` (new, empty or an earlier snapshot)."""
+def save_snapshot(cfg: RunConfig, out_dir: str | Path, flag: str = "--out") -> Path:
+    """Collect iteration 0 of ``cfg`` and freeze it into ``out_dir`` (new, empty or an earlier snapshot); a
+    refusal names ``flag``, the option that named the folder."""
     out = Path(out_dir)
-    with claim_folder(out, SNAPSHOT_CONTENTS):
+    with claim_folder(out, SNAPSHOT_CONTENTS, flag):
         _save_snapshot(Session(cfg), cfg, out)
     return out
 

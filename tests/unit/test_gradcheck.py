@@ -243,3 +243,17 @@ def test_replay_measures_fraction_and_window_on_their_own_steps_and_refuses_what
     assert int(rows["fraction"]["backward"]) == b * (t // 2) and float(rows["fraction"]["cosine_to_full"]) < 1 - 1e-6
     assert int(rows["fraction"]["steps_per_sample"]) == t // 2 and int(rows["full"]["steps_per_sample"]) == t
     assert int(rows["window"]["backward"]) == 2 * b
+
+
+def test_a_snapshot_folder_of_someone_elses_files_is_named_by_its_own_flag(tmp_path, capsys):
+    """gradcheck --snapshot DIR makes the snapshot there when DIR holds none: a folder of other files is
+    refused naming --snapshot (the message said --out, a flag that names the CSV)."""
+    folder = tmp_path / "snap"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("x")
+    capsys.readouterr()
+    assert main(["gradcheck", *SET, "--snapshot", str(folder), "--windows", "3", "--alphas", "index",
+                 "--route-fracs", "1", "--out", str(tmp_path / "g.csv")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"agg-bench gradcheck: --snapshot {folder}:") and "mine.txt" in line
+    assert (folder / "mine.txt").read_text() == "x" and not (tmp_path / "g.csv").exists()
