@@ -24,14 +24,13 @@ with it, and the results readers read run folders with it; it imports no torch.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import UserError, quote
 from .io import read_jsonl
 from .jsonfiles import read_json_object
-from .records import EVALUATIONS_FILE, record_problem, records_problem
+from .records import EVALUATIONS_FILE, is_finite_number, record_problem, records_problem
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -61,8 +60,7 @@ def evaluations_problem(lines: list[dict]) -> str | None:
     seen = set()
     for k, line in enumerate(lines, 1):
         iteration, reward = line.get("iteration"), line.get("eval_reward")
-        if type(iteration) is not int or iteration < 0 or isinstance(reward, bool) or \
-                not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        if type(iteration) is not int or iteration < 0 or not is_finite_number(reward):
             return (f"line {k}: expected an iteration (an integer >= 0) and an eval_reward (a finite number), "
                     f"not {quote(line)}")
         if iteration in seen:
@@ -136,8 +134,7 @@ class RunFolder:
         if value is not None and not isinstance(value, dict):
             raise UserError(f"{self.path(PLAN_FILE)}: bytes = {quote(value)}: expected an object or null")
         for key, n in (value or {}).items():
-            if n is not None and (isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n)
-                                  or n < 0):
+            if n is not None and not (is_finite_number(n) and n >= 0):
                 raise UserError(f"{self.path(PLAN_FILE)}: bytes.{key} = {quote(n)}: expected a number of bytes "
                                 "(a finite number >= 0) or null")
         return value or {}

@@ -9,7 +9,8 @@ training engine just to know what a record holds.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+import numbers
+from typing import Any, Mapping
 
 from .errors import quote
 
@@ -71,8 +72,12 @@ def new_record(*fields: Mapping, **more) -> dict:
     return record
 
 
-def _finite(value: int | float) -> bool:
-    """A finite number a float can hold (an integer past float's range, 10**400, is not one)."""
+def is_finite_number(value: Any) -> bool:
+    """``value`` is a number (not true or false; numpy's numbers included) that is finite as a float: NaN, an
+    infinity and an integer past a float's range (10**400, which JSON reads) are not. The one test of a
+    number read from a file: records, plans, evaluations, calibrations, tables, imported logs."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
     try:
         return math.isfinite(value)
     except OverflowError:
@@ -93,8 +98,7 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
             continue
         if key in TEXT_KEYS and not isinstance(value, str):
             return f"{key!r} = {quote(value)}: expected a string or null"
-        if key not in TEXT_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                     or not _finite(value)):
+        if key not in TEXT_KEYS and not is_finite_number(value):
             return f"{key!r} = {quote(value)}: expected a finite number or null"
     iteration = record.get("iteration")
     if iteration is not None and (not isinstance(iteration, int) or iteration < 0):

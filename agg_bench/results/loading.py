@@ -21,7 +21,7 @@ import pandas as pd
 from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import read_json_object
 from ..reading import RunFolder
-from ..records import PASS_KEYS, PLOT_TABLES, TEXT_KEYS
+from ..records import PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number
 
 
 @dataclass
@@ -324,9 +324,8 @@ def _hardware(gpu_name, n_gpus, device, source=None) -> str:
 
 
 def is_number(value) -> TypeGuard[float]:
-    """A finite int or float (numpy's included), not a bool."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
-        and math.isfinite(float(value))
+    """A finite int or float (numpy's included), not a bool: :func:`agg_bench.records.is_finite_number`."""
+    return is_finite_number(value)
 
 
 def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:

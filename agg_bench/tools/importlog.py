@@ -16,7 +16,6 @@ written (or cut by a crash): it is left out, and stderr says so.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from ..errors import UserError, quote
 from ..io import JsonlWriter, write_json, write_lines
 from ..jsonfiles import JsonProblem, json_type, loads
 from ..outdir import Claim, Contents, check_folder
-from ..records import NUMBER_KEYS, RECORD_KEYS, new_record, record_problem
+from ..records import NUMBER_KEYS, RECORD_KEYS, is_finite_number, new_record, record_problem
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",
@@ -43,23 +42,13 @@ MAX_LABEL = 200  # characters of a method, model, GPU or run label
 SIGNED_KEYS = ("reward_mean", "loss", "approx_kl")
 
 
-def _finite(value: Any) -> bool:
-    """``value`` is a JSON number (not true or false) that is finite as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer beyond any float
-        return False
-
-
 def _number_problem(key: str, value: Any, name: str | None = None) -> str | None:
     """What is wrong with ``value`` as the number ``key`` of a record (null: not measured), named ``name``
     in the log (default: ``key``); None when nothing is."""
     if value is None:
         return None
     signed = key in SIGNED_KEYS
-    if not _finite(value) or (not signed and value < 0):
+    if not is_finite_number(value) or (not signed and value < 0):
         return f"{name or key!r} = {quote(value)}: expected a finite number{'' if signed else ' >= 0'} or null"
     return None
 
