@@ -288,11 +288,11 @@ def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, byt
     if missing:
         raise UserError(f"{where}: runs/{run_id} lacks {missing[0]} (a finished run has "
                         f"{', '.join(REQUIRED_RUN_FILES)})")
-    for name, data in files.items():  # JSON as agg-bench writes it: no NaN, nesting and numbers it can read
+    # every line of the JSON lines whole: RunFolder, which reads every file below, skips a torn last line (a
+    # run killed mid-write), which no finished run has and a reference would keep
+    for name, data in files.items():
         if name.endswith(".jsonl"):
             json_lines(f"{where}: runs/{run_id}/{name}", data)
-        else:
-            json_object(f"{where}: runs/{run_id}/{name}", data)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / run_id
         folder.mkdir()
