@@ -199,6 +199,11 @@ def release() -> None:
     _STATE.held = False
 
 
+def held() -> bool:
+    """Whether the process holds signals (:func:`hold`): a run's weights then match none of its records."""
+    return _STATE.held
+
+
 @contextlib.contextmanager
 def together(exchange: Callable[[int], int]) -> Iterator[None]:
     """While active, the processes of a distributed run stop together (the module docstring): ``exchange``

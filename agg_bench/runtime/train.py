@@ -143,8 +143,6 @@ class Training:
         self.evaluated = {json.loads(line)["iteration"] for line in self.eval_lines}
         self.last_good = self.start - 1 if self.start else None  # the last iteration whose record is ok
         self.saved_at = self.restored.iteration if self.restored is not None else None  # the checkpoint's iteration
-        # True from an optimizer step until its record is written: a checkpoint then would not match the records
-        self.stepped = False
         self.run_id = cfg.run_id or out.name
         self.identity = identity(cfg, self.run_id, session.device, shard.world_size)
         # a job log (not a terminal) gets one line per iteration instead of a bar it cannot redraw
@@ -183,8 +181,9 @@ class Training:
                 self._checkpoint_last_good()
         except Interrupted as exc:
             status, error = "interrupted", f"stopped by {exc}"
-            # the state still matches the records unless an optimizer step ran since the last one
-            if not self.stepped:
+            # the state still matches the records unless an optimizer step ran since the last one (then the
+            # run holds signals until the record is written: stopping.hold)
+            if not stopping.held():
                 self._checkpoint_last_good()
             raise
         except Exception as exc:
@@ -229,7 +228,6 @@ class Training:
     def _stepping(self, *args) -> None:
         """Before each optimizer step: the weights will match no record until this iteration's is written, so
         a signal waits for it (:func:`agg_bench.stopping.hold`)."""
-        self.stepped = True
         stopping.hold()
 
     def iterate(self, iteration: int) -> tuple[str, str | None] | None:
@@ -258,7 +256,6 @@ class Training:
         record = new_record(self.identity, {"iteration": iteration}, fields, {"cost": self.cost},
                             status="diverged" if reason else "ok")
         self._write(record)
-        self.stepped = False
         stopping.release()  # the weights match the records again: a signal now stops the run with them
         if reason:
             return "diverged", f"non-finite {reason} at iteration {iteration}"
