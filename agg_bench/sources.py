@@ -8,6 +8,7 @@ run never mix two versions of the code.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 from pathlib import Path
@@ -15,9 +16,11 @@ from pathlib import Path
 SOURCE_PACKAGES = ("agg_bench", "baselines")
 
 
+@functools.cache
 def source_digest() -> str:
     """The SHA-256 of the ``agg_bench`` and ``baselines`` sources (Python and YAML, by relative path and
-    content), found without importing them."""
+    content), found without importing them; computed once per process (every run of a cell writes it into its
+    env.json): the code a process executes is the code it loaded, whatever the files hold later."""
     digest = hashlib.sha256()
     for package in SOURCE_PACKAGES:
         spec = importlib.util.find_spec(package)
