@@ -480,6 +480,10 @@ def test_a_record_with_the_wrong_kind_of_value(tmp_path, capsys, key, value, exp
      "config.json: config error: sampling.steps = 10000000: expected a value <= 1000"),
     ("config.json", '[1]', "config.json: holds a list, not a JSON object"),
     ("plan.json", '{"bytes": 5}', "plan.json: bytes = 5: expected an object or null"),
+    # an integer JSON reads but a float cannot hold: math.isfinite raised OverflowError (exit 1)
+    ("plan.json", '{"bytes": {"params": 1' + "0" * 400 + "}}", "plan.json: bytes.params = 1000"),
+    ("metrics.jsonl", '{"iteration": 0, "status": "ok", "reward_mean": 1' + "0" * 400 + "}\n",
+     "'reward_mean' = 1000"),
 ])
 def test_a_run_file_that_is_not_what_a_run_writes(tmp_path, capsys, name, content, expected):
     run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
