@@ -219,7 +219,7 @@ def _is_run_folder(path: Path) -> bool:
 
 def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
     """Run folders in ``paths``: each path is a run folder or a folder of run folders. A path that does not
-    exist, or is a file, is a UserError naming it."""
+    exist, is a file, or is a folder holding no run folder is a UserError naming it."""
     out = []
     for path in map(Path, paths):
         if not path.exists():
@@ -228,7 +228,11 @@ def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
         if _is_run_folder(path):
             out.append(RunEntry(path))
         elif path.is_dir():
-            out.extend(RunEntry(p) for p in sorted(path.iterdir()) if _is_run_folder(p))
+            found = [RunEntry(p) for p in sorted(path.iterdir()) if _is_run_folder(p)]
+            if not found:
+                raise UserError(f"--runs {quote(str(path))}: holds no run folder (a folder with summary.json or "
+                                "metrics.jsonl); expected a run folder or a folder of run folders")
+            out.extend(found)
         else:
             raise UserError(f"--runs {quote(str(path))}: not a run folder or a folder of run folders")
     return out

@@ -103,7 +103,9 @@ def test_cli_full_disk_while_writing_tables(tmp_path, capsys, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "t" / "summary.csv"))
 
     monkeypatch.setattr(report, "build_report", full)
-    assert cli.main(["report", "--runs", str(tmp_path), "--tables", str(tmp_path / "t")]) == 2
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "summary.json").write_text("{}")
+    assert cli.main(["report", "--runs", str(tmp_path / "runs"), "--tables", str(tmp_path / "t")]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"agg-bench report: {tmp_path / 't' / 'summary.csv'}: no space left on device"]
 

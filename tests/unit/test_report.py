@@ -750,14 +750,16 @@ def test_a_ratio_over_zero_seconds_is_an_empty_cell(tmp_path, capsys):
     (["RUNS/a", "NOWHERE"], "--runs 'NOWHERE': no such folder; expected a run folder or a folder of run folders"),
     (["NOWHERE"], "--runs 'NOWHERE': no such folder"),
     (["RUNS/a/summary.json"], "--runs 'RUNS/a/summary.json': not a run folder or a folder of run folders"),
+    (["RUNS/a", "EMPTY"], "--runs 'EMPTY': holds no run folder (a folder with summary.json or metrics.jsonl)"),
 ])
 def test_runs_given_twice_or_not_there(tmp_path, capsys, given, expected):
-    """A run folder given twice (its records would count twice) and a path that does not exist or is a file are
-    one line naming it."""
+    """A run folder given twice (its records would count twice) and a path that does not exist, is a file or
+    holds no run folder (a typo's folder would add nothing, silently) are one line naming it."""
     runs = tmp_path / "runs"
     make_run(runs, "a", "full", [it(2.0, 1.0), it(2.0, 1.0)])
     make_run(runs, "b", "agg", [it(1.0, 1.0), it(1.0, 2.0)])
-    names = {"RUNS": str(runs), "NOWHERE": str(tmp_path / "nowhere")}
+    (tmp_path / "empty" / "notes").mkdir(parents=True)
+    names = {"RUNS": str(runs), "NOWHERE": str(tmp_path / "nowhere"), "EMPTY": str(tmp_path / "empty")}
 
     def named(text):
         for key, value in names.items():
