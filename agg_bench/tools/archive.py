@@ -49,6 +49,8 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tqdm import tqdm
+
 from ..errors import UserError, quote
 from ..io import atomic_path, atomic_target, write_json
 from ..jsonfiles import JsonProblem, loads
@@ -512,12 +514,13 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
                 continue
             new_others[name] = data
         new_runs = {group.split("/")[1]: members for group, members in new_groups.items() if group.startswith("runs/")}
-        if new_runs:
-            print(f"agg-bench campaign: {len(new_runs)} new runs; comparing their pass counts with the tiny models'",
-                  file=sys.stderr, flush=True)
-        for run_id, members in new_runs.items():
-            check_counts(where, run_id, json_lines(where, members["metrics.jsonl"]),
-                         json.loads(members["config.json"]))
+        # progress on a terminal only, cleared when done: a refusal stays the one line on stderr
+        with tqdm(total=len(new_runs), desc="pass counts against the tiny models", unit="run", leave=False,
+                  file=sys.stderr, disable=not new_runs or not sys.stderr.isatty()) as bar:
+            for run_id, members in new_runs.items():
+                check_counts(where, run_id, json_lines(where, members["metrics.jsonl"]),
+                             json.loads(members["config.json"]))
+                bar.update()
         staging = atomic_path(reference / "unpack")  # a harness temporary: never someone's file
         staging.mkdir()
         moved: list[str] = []
