@@ -43,15 +43,17 @@ def _object(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
-def loads(text: str | bytes) -> Any:
+def loads(text: str | bytes, nonfinite: bool = False) -> Any:
     """The JSON value of ``text``, or a :class:`JsonProblem` saying in one line why there is none: not JSON,
     a key given twice in one object (which value counts would be up to the reader), NaN or an infinity (which
     JSON does not have and agg-bench never writes), nested too deeply for the parser, an integer longer than
     Python reads (4,300 digits), bytes that are not UTF-8. Every JSON file or line agg-bench reads from a user,
     an archive or a results folder goes through here, so a crafted file is refused with a line instead of
-    crashing the reader."""
+    crashing the reader. ``nonfinite``: NaN, Infinity and -Infinity are read as floats, for a log another code
+    base wrote with Python's ``json.dumps`` (which writes them), where the caller decides what they mean."""
+    constant = float if nonfinite else _no_constant
     try:
-        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_object)
+        return json.loads(text, parse_constant=constant, object_pairs_hook=_object)
     except JsonProblem:
         raise
     except json.JSONDecodeError as err:

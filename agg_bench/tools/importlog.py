@@ -8,14 +8,19 @@ log does not have are ``None`` (not measured), never 0.
 
 Every converted record passes the record contract (:func:`agg_bench.records.record_problem`, what
 ``report`` and ``learning`` read a run folder by) before anything is written: a value of the wrong kind, a
-number that is not finite (JSON has no NaN or infinity: the parser refuses them) or a negative time, count,
-size or norm is one line naming the log line and the key, exit code 2. Steps are integers from 0 to
+number that is not finite or a negative time, count, size or norm is one line naming the log line and the
+key, exit code 2. The one exception is a run that diverged: Python's ``json.dumps`` writes a NaN reward, loss or
+gradient norm as ``NaN`` (an overflow as ``Infinity``), and DanceGRPO goes on logging after it. The first line
+holding one ends the import as ``agg-bench run`` ends a run that diverges: its record has status ``diverged``
+and the value as null, the summary says ``diverged`` and which value, and the lines after it are left out
+(stderr says how many). A time or a count that is not finite is still refused: it does not diverge. Steps are integers from 0 to
 :data:`MAX_STEP`, increasing. A last line that has no newline and is not whole JSON is a line still being
 written (or cut by a crash): it is left out, and stderr says so.
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +45,12 @@ MAX_LABEL = 200  # characters of a method, model, GPU or run label
 # record numbers that may be negative: rewards, losses and the KL estimate; every other number of a record (a
 # time, pass count, cost, size, energy, rate, norm, spread or fraction) is >= 0
 SIGNED_KEYS = ("reward_mean", "loss", "approx_kl")
+# record numbers whose non-finite value is a diverged run (as agg-bench run decides), not a broken log
+DIVERGING_KEYS = ("reward_mean", "loss", "grad_norm")
+
+
+def _diverged(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def _number_problem(key: str, value: Any, name: str | None = None) -> str | None:
@@ -53,13 +64,16 @@ def _number_problem(key: str, value: Any, name: str | None = None) -> str | None
     return None
 
 
-def convert_records(lines: list[tuple[int, Any]], identity: dict, where: str = "log") -> list[dict]:
-    """Metric records for DanceGRPO log lines (``(line number, value)`` pairs); ``identity`` fills run_id,
-    method, model, ...
+def convert_records(lines: list[tuple[int, Any]], identity: dict,
+                    where: str = "log") -> tuple[list[dict], str | None]:
+    """Metric records for DanceGRPO log lines (``(line number, value)`` pairs), and what ended the run if it
+    diverged (else None); ``identity`` fills run_id, method, model, ...
 
     Keys of a line that are already record keys (e.g. ``loss``, ``reward_std``) are kept. Each record is
     checked by the record contract as it is made (module docstring): a UserError names the log line and
-    the key (the log's own name for ``step``, ``avg_reward``, ``step_time`` and ``grad_norm``)."""
+    the key (the log's own name for ``step``, ``avg_reward``, ``step_time`` and ``grad_norm``). A line whose
+    reward, loss or gradient norm is not finite is the last record, with status ``diverged`` (module
+    docstring); the lines after it are not converted."""
     records: list[dict] = []
     for n, line in lines:
         at = f"{where} line {n}"
@@ -75,25 +89,31 @@ def convert_records(lines: list[tuple[int, Any]], identity: dict, where: str = "
         if records and step <= records[-1]["iteration"]:
             raise UserError(f"{at}: 'step' = {step} after step {records[-1]['iteration']}: expected steps in "
                             "increasing order, each once")
-        for key in ("avg_reward", "step_time", "grad_norm"):
-            problem = _number_problem(DANCEGRPO_KEYS[key], line[key], key)
-            if problem is not None:
-                raise UserError(f"{at}: {problem}")
         # the line's other record keys; the identity, step, status and the DanceGRPO numbers are set below
         taken = {*identity, *DANCEGRPO_KEYS.values(), "status"}
         kept = {k: v for k, v in line.items() if k in RECORD_KEYS and k not in taken}
+        numbers = {DANCEGRPO_KEYS[k]: line[k] for k in ("avg_reward", "step_time", "grad_norm")}
+        diverged = [key for key in DIVERGING_KEYS if _diverged({**kept, **numbers}.get(key))]
+        for key in diverged:  # null in the record, as agg-bench run writes a value that is not finite
+            (numbers if key in numbers else kept)[key] = None
+        for name in ("avg_reward", "step_time", "grad_norm"):
+            problem = _number_problem(DANCEGRPO_KEYS[name], numbers[DANCEGRPO_KEYS[name]], name)
+            if problem is not None:
+                raise UserError(f"{at}: {problem}")
         for key in NUMBER_KEYS:
             problem = _number_problem(key, kept.get(key))
             if problem is not None:
                 raise UserError(f"{at}: {problem}")
-        numbers = {DANCEGRPO_KEYS[k]: None if line[k] is None else float(line[k])
-                   for k in ("avg_reward", "step_time", "grad_norm")}
-        record = new_record(kept, identity, numbers, iteration=step, status="ok", source=SOURCE)
+        numbers = {key: None if value is None else float(value) for key, value in numbers.items()}
+        record = new_record(kept, identity, numbers, iteration=step, status="diverged" if diverged else "ok",
+                            source=SOURCE)
         problem = record_problem(record, required=("iteration", "status"))
         if problem is not None:  # a text key of the log holding something else
             raise UserError(f"{at}: {problem}")
         records.append(record)
-    return records
+        if diverged:  # as agg-bench run's summary says it
+            return records, f"non-finite {diverged[0]} at iteration {step}"
+    return records, None
 
 
 def check_labels(resolution: int | None, n_gpus: int | None, **labels: str | None) -> None:
@@ -142,7 +162,7 @@ def read_log(log: Path) -> list[tuple[int, Any]]:
         if not line.strip():
             continue
         try:
-            out.append((n, loads(line)))
+            out.append((n, loads(line, nonfinite=True)))  # NaN: a diverged step (module docstring)
         except JsonProblem as err:
             if n == len(lines) and not _whole_json(line):  # the last line, no newline after it: torn
                 print(f"agg-bench import-log: log {log} line {n}: left out, not a whole JSON line ({err}; a log "
@@ -180,11 +200,15 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
     run_id = run_id or out.name
     identity = {"run_id": run_id, "method": method, "model": model, "resolution": resolution,
                 "device": "cuda" if gpu_name else None, "gpu_name": gpu_name, "n_gpus": n_gpus, "seed": None}
-    records = convert_records(lines, identity, f"log {log}")
+    records, diverged = convert_records(lines, identity, f"log {log}")
     check_import_folder(out)
-    summary = {"run_id": run_id, "status": "ok", "iterations": len(records),
-               "last_good_iteration": records[-1]["iteration"], "error": None, **identity,
+    good = [record["iteration"] for record in records if record["status"] == "ok"]
+    summary = {"run_id": run_id, "status": "diverged" if diverged else "ok", "iterations": len(records),
+               "last_good_iteration": good[-1] if good else None, "error": diverged, **identity,
                "source": SOURCE, "imported_from": str(log)}
+    if diverged and len(records) < len(lines):
+        print(f"agg-bench import-log: log {log}: {diverged}; the run ends there, as a run that diverges does "
+              f"(the {len(lines) - len(records)} lines after it left out)", file=sys.stderr, flush=True)
     with Claim(out, folder=True, lock_inside=True, check=lambda: check_import_folder(out)):
         (out / "summary.json").unlink(missing_ok=True)  # written last: present only once the import is whole
         write_lines(out / "metrics.jsonl", [JsonlWriter.line(record) for record in records])

@@ -205,18 +205,51 @@ def test_import_log_checks_every_record_by_the_record_contract(tmp_path, capsys,
 
 
 @pytest.mark.parametrize("text, words", [
-    ('{"step": 1, "avg_reward": 0.5, "step_time": NaN, "grad_norm": 1.0}\n', "line 2: not JSON (NaN"),
-    ('{"step": 1, "avg_reward": 0.5, "step_time": -Infinity, "grad_norm": 1.0}\n', "line 2: not JSON (-Infinity"),
-    # the last line, without a newline, whole but for its infinity: refused, not taken for a torn line
-    ('{"step": 1, "avg_reward": 0.5, "step_time": 1.0, "grad_norm": Infinity}', "line 2: not JSON (Infinity"),
-    ('{"step": 1, "avg_reward": 1e400, "step_time": 1.0, "grad_norm": 1.0}\n', "line 2: 'avg_reward' = inf"),
+    ('{"step": 1, "avg_reward": 0.5, "step_time": NaN, "grad_norm": 1.0}\n', "line 2: 'step_time' = nan: expected"),
+    ('{"step": 1, "avg_reward": 0.5, "step_time": -Infinity, "grad_norm": 1.0}\n', "line 2: 'step_time' = -inf"),
+    ('{"step": 1, "avg_reward": 0.5, "step_time": 1e400, "grad_norm": 1.0}\n', "line 2: 'step_time' = inf"),
+    ('{"step": 1, "avg_reward": 0.5, "step_time": 1.0, "grad_norm": 1.0, "t_rollout_s": NaN}',
+     "line 2: 't_rollout_s' = nan: expected a finite number >= 0 or null"),
     ('\n\n{"step": 1, "avg_reward": 0.5, "step_time": "slow", "grad_norm": 1.0}\n', "line 4: 'step_time'"),
 ])
 def test_import_log_refuses_numbers_that_are_not_finite(tmp_path, capsys, text, words):
-    """NaN and infinities were taken (a NaN last line dropped as torn, 1e400 a diverged step); blank lines
-    counted out of the line numbers."""
+    """A time or a count that is not finite is refused (it does not diverge: a broken log), also on a last line
+    without a newline (whole JSON to Python: not taken for a torn line); blank lines counted out of the line
+    numbers."""
     line = import_refused(capsys, tmp_path, json.dumps(GOOD_STEP) + "\n" + text)
     assert words in line, line
+
+
+@pytest.mark.parametrize("value, key", [("NaN", "avg_reward"), ("Infinity", "grad_norm"), ("-Infinity", "loss"),
+                                        ("1e400", "avg_reward")])
+def test_an_imported_log_that_diverged_is_a_diverged_run(tmp_path, capsys, value, key):
+    """A DanceGRPO log written by json.dumps holds NaN where the run diverged, and goes on: the import ends at
+    that line as agg-bench run ends a run that diverges (its record diverged with the value as null, the
+    summary diverged and why), the lines after it left out and counted on stderr; report reads it (the log was
+    refused before)."""
+    from agg_bench.reading import RunFolder
+
+    name = {"avg_reward": "reward_mean"}.get(key, key)
+    steps = [json.dumps({**GOOD_STEP, "step": s, "loss": 0.1}) for s in range(2)]
+    line = {**GOOD_STEP, "step": 2, "loss": 0.1, key: "VALUE"}
+    broken = json.dumps(line).replace('"VALUE"', value)  # as json.dumps writes a float that is not finite
+    assert value in broken
+    after = [broken.replace('"step": 2', f'"step": {s}') for s in (3, 4)]
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join([*steps, broken, *after]) + "\n")
+    capsys.readouterr()
+    assert main(["import-log", str(log), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"non-finite {name} at iteration 2" in err[0] and "2 lines after it left out" in err[0]
+    run = RunFolder(tmp_path / "out")
+    records = run.records(required=("iteration", "status"))
+    assert [(r["iteration"], r["status"]) for r in records] == [(0, "ok"), (1, "ok"), (2, "diverged")]
+    assert records[2][name] is None and records[1][name] is not None
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["status"], summary["last_good_iteration"], summary["iterations"], summary["error"]) == \
+        ("diverged", 1, 3, f"non-finite {name} at iteration 2")
+    assert main(["report", "--runs", str(tmp_path / "out"), "--tables", str(tmp_path / "tables")]) == 0
+    assert pd.read_csv(tmp_path / "tables" / "efficiency.csv")["status"].tolist() == ["diverged"]
 
 
 def test_an_imported_log_is_what_report_reads(tmp_path, capsys):
