@@ -23,11 +23,18 @@ std < 1e-6. ``grpo.adv_std`` must be ``group`` (the spread is each prompt's node
 The transition into a node carries that node's A.
 
 Training. Every distinct transition that is not pruned is trained once, exactly: a forward with grad at
-its parent's state and a backward (as ``full``), on one row among the leaves that share it, and
-L = 1/K_t sum_transitions l with K_t the transitions trained this iteration (l: GRPO's clipped term and
-its ``beta`` term). The public code also weighs every transition alike, but divides each loss by
-(gradient-accumulation steps x transitions per tree) and steps the optimizer every 12 transitions, so
-one iteration is ~36 optimizer steps; here an iteration's mean is one step, as for every method.
+its parent's state and a backward (as ``full``), on one row among the leaves that share it (l: GRPO's
+clipped term and its ``beta`` term). By default the iteration takes one optimizer step on
+L = 1/K_t sum_transitions l, K_t the transitions trained this iteration, as every method does.
+``transitions_per_step: n`` is the public code's update instead (its training loop after the width pruning,
+with the released script's ``--gradient_accumulation_steps 12``): the K_t transitions of all trees are
+shuffled, and the optimizer steps after every n of them (and after the last, fewer), each step's loss
+sum_{its transitions} l / (n floor(K_t / P)), P the trees (prompts): the code's division by
+gradient-accumulation steps x transitions per tree. Every step after the first trains at weights the previous
+steps moved, against the rollout's log-probabilities, so GRPO's ratio clip acts there. The forwards and
+backwards are those of the one-step update (each transition once); the optimizer steps are
+ceil(K_t / n) per epoch, recorded as ``optimizer_steps``. The shuffle is drawn from the run's generator when
+the trained steps are, so a run is reproducible and a resumed one draws what the uninterrupted one did.
 Replay on a frozen rollout is ``not_applicable``: a tree is not a chain rollout.
 """
 from __future__ import annotations
@@ -94,6 +101,10 @@ class BranchConfig(Options):
     width_ratio: float = option(0.5, "the kept fraction of `width_pruning` (`--width_pruning_ratio`)",
                                 exclusive_minimum=0, maximum=1)
     micro_batch: int | None = batch_option("transitions per forward-with-grad; null: all of one step at once")
+    transitions_per_step: int | None = option(
+        None, "an optimizer step after every n of the iteration's shuffled trained transitions (the released "
+        "script's `--gradient_accumulation_steps 12`, module docstring); null: one step per iteration on the mean "
+        "over them, as every method", minimum=1, maximum=10**6)
 
     def check(self) -> None:
         points = self.branch_points
@@ -104,9 +115,12 @@ class BranchConfig(Options):
 
 @dataclass
 class TreeBatch(TrainBatch):
-    """A TrainBatch whose loss is the mean over its ``trained`` distinct transitions (not over B x N)."""
+    """A TrainBatch whose loss is the sum over its trained distinct transitions divided by ``trained`` (not by
+    B x N); ``picked`` (n, 2): the (row, step) of the transitions one optimizer step trains, None: every
+    trained one."""
 
     trained: int = 1
+    picked: torch.Tensor | None = None
 
     @property
     def loss_scale(self) -> float:
@@ -123,6 +137,8 @@ class BranchEstimator(Estimator):
     def __init__(self, config: BranchConfig | None = None):
         super().__init__(config)
         self.last_trained: int | None = None
+        self.order_seed: int | None = None  # the shuffle of the iteration's transitions (transitions_per_step)
+        self.last_steps: int | None = None  # optimizer steps of the last update (transitions_per_step)
 
     # ----- the tree's shape ------------------------------------------------------------------
     def points(self, steps: int) -> list[int]:
@@ -182,9 +198,8 @@ class BranchEstimator(Estimator):
                               "'steps' for method 'branch' (its trees decide the trained transitions)")
         if cfg.train.minibatches > 1:
             raise ConfigError("train.minibatches", cfg.train.minibatches,
-                              "1 for method 'branch' (its loss is the mean over every tree's trained transitions, "
-                              "its width pruning may pool all trees, and the public code steps every 12 "
-                              "transitions, not per whole tree)")
+                              "1 for method 'branch' (its width pruning may pool all trees, and the public code "
+                              "steps every 12 shuffled transitions, not per whole tree: method.transitions_per_step)")
         if cfg.grpo.adv_std != "group":
             raise ConfigError("grpo.adv_std", cfg.grpo.adv_std,
                               "'group' for method 'branch' (its advantages are standardised over each prompt's "
@@ -293,6 +308,8 @@ class BranchEstimator(Estimator):
         """Every row lists every trained step; the tree's distinct transitions are picked in accumulate."""
         steps = torch.nonzero(self.trained_step_mask(plan_steps(trajectory.sde_mask, train.ignore_last)),
                               as_tuple=False).flatten()
+        if self.config.transitions_per_step is not None:  # drawn here, in the run's order of draws
+            self.order_seed = int(torch.randint(2**62, (1,), generator=generator))
         return steps.expand(batch_size, -1).clone()
 
     # ----- training ----------------------------------------------------------------------------
@@ -330,16 +347,43 @@ class BranchEstimator(Estimator):
                 chosen[rows[picked], cols[picked]] = True
         return (keep & ~after) | chosen
 
-    def accumulate(self, policy, batch, stats, reference=None):
+    def update_parts(self, batch, train, group_size):
+        """One part (the whole tree) by default; with ``transitions_per_step`` n, the iteration's trained
+        transitions shuffled and cut into parts of n (module docstring)."""
+        n = self.config.transitions_per_step
+        if n is None:
+            return [batch]
         trained = self.trained_mask(batch)
         self.last_trained = int(trained.sum())
-        tree = TreeBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)},
-                         trained=max(self.last_trained, 1))
-        for j in torch.nonzero(trained.any(0)).flatten().tolist():
-            rows = torch.nonzero(trained[:, j]).flatten()
+        rows, steps = torch.nonzero(trained, as_tuple=True)
+        if self.order_seed is None:
+            raise RuntimeError("branch: the update's shuffle was not drawn (trained_steps makes the batch)")
+        order = torch.randperm(rows.numel(), generator=torch.Generator().manual_seed(self.order_seed))
+        picked = torch.stack([rows[order], steps[order]], 1)
+        trees = batch.batch_size // group_size
+        divisor = n * max(1, self.last_trained // trees)  # the code's accumulation steps x transitions per tree
+        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)}
+        parts = [TreeBatch(**fields, trained=divisor, picked=picked[start:start + n])
+                 for start in range(0, picked.shape[0], n)]
+        self.last_steps = len(parts) * train.inner_epochs
+        return parts
+
+    def accumulate(self, policy, batch, stats, reference=None):
+        if isinstance(batch, TreeBatch) and batch.picked is not None:  # one optimizer step's transitions
+            tree, picked = batch, batch.picked
+        else:
+            trained = self.trained_mask(batch)
+            self.last_trained = int(trained.sum())
+            tree = TreeBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)},
+                             trained=max(self.last_trained, 1))
+            picked = torch.nonzero(trained)
+        for j in torch.unique(picked[:, 1]).tolist():  # by step: one forward per micro-batch of its rows
+            rows = picked[picked[:, 1] == j, 0]
             for chunk in micro_batches(rows.numel(), self.config.micro_batch):
-                picked = rows[chunk]
-                exact_backward(policy, tree, picked, torch.full_like(picked, j), stats, reference)
+                taken = rows[chunk]
+                exact_backward(policy, tree, taken, torch.full_like(taken, j), stats, reference)
 
     def iteration_metrics(self) -> dict:
-        return {"trained_transitions": self.last_trained}
+        if self.config.transitions_per_step is None:
+            return {"trained_transitions": self.last_trained}
+        return {"trained_transitions": self.last_trained, "optimizer_steps": self.last_steps}

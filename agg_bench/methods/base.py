@@ -30,7 +30,7 @@ import torch
 
 from ..config import RunConfig
 from ..config.options import Options, typed_options
-from ..engine.grpo import TrainBatch, UpdateStats, grpo_advantages
+from ..engine.grpo import TrainBatch, UpdateStats, grpo_advantages, minibatch_rows
 from ..engine.trained_steps import draw_plan
 from ..errors import ConfigError
 from ..registry import Registry
@@ -146,6 +146,16 @@ class Estimator(ABC):
         """``train_steps`` (B, N): the steps each sample trains, from the trajectory's stochastic steps.
         Default: ``train.plan`` (:func:`agg_bench.engine.trained_steps.draw_plan`)."""
         return draw_plan(train, batch_size, trajectory.sde_mask, generator)
+
+    def update_parts(self, batch: TrainBatch, train: TrainConfig, group_size: int) -> list[TrainBatch]:
+        """The parts of one epoch of an update on ``batch``, in order: one optimizer step each (its gradient
+        :meth:`accumulate` of the part). Default: ``train.minibatches`` mini-batches of whole groups or of slices
+        of every group (``train.minibatch_unit``, :func:`agg_bench.engine.grpo.minibatch_rows`); the batch
+        itself for one."""
+        if train.minibatches == 1:
+            return [batch]
+        return [batch.take_rows(rows) for rows in minibatch_rows(batch.batch_size, group_size, train.minibatches,
+                                                                 train.minibatch_unit)]
 
     @abstractmethod
     def accumulate(self, policy: Policy, batch: TrainBatch, stats: UpdateStats,

@@ -287,10 +287,15 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
             options = config.method.to_dict() if config is not None else {"name": records[0].get("method")}
         source = entry.source or summary.get("source") or records[0].get("source") or "measured"
         planned = folder.plan()
-        # optimizer steps per iteration, which the cost model prices; unknown without a config
+        # optimizer steps per iteration, which the cost model prices: a record's own count where the method's
+        # steps are not the config's (branch's method.transitions_per_step); unknown without a config
         optimizer_steps = config.train.optimizer_steps if config is not None else None
-        for record in records:
+        for k, record in enumerate(records, 1):
             row = dict(record)
+            steps = record.get("optimizer_steps")
+            if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= 10**9):
+                raise UserError(f"run {run_dir}: metrics.jsonl record {k}: 'optimizer_steps' = {quote(steps)}: "
+                                "expected an integer from 0 to 1,000,000,000 or null")
             row["method_name"] = options.get("name", record.get("method"))
             row["method_options"] = json.dumps(options, sort_keys=True)
             for key in ("method", "model", "resolution", "device", "seed"):
@@ -303,7 +308,7 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
             row["planned_total_bytes"] = planned.get("total_per_gpu")
             row["run_status"] = status
             row["run_dir"] = str(run_dir)
-            row["optimizer_steps"] = optimizer_steps
+            row["optimizer_steps"] = steps if steps is not None else optimizer_steps
             rows.append(row)
     df = pd.DataFrame(rows)
     if df.empty:

@@ -17,7 +17,7 @@ import torch
 
 from .. import stopping
 from ..config import RunConfig
-from ..engine.grpo import TrainBatch, UpdateStats, minibatch_rows
+from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.models import Conditioning, Policy, build_policy
 from ..engine.trained_steps import draw_plan
 from ..engine.rewards import build_reward, reward_details
@@ -121,6 +121,7 @@ class Session:
         fsdp.shard_run(cfg, self.policy, self.reference)  # train.shard: fsdp; before the optimizer sees the parameters
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
+        self.steps_taken = 0  # optimizer steps of the last update
         self.sigmas = run_sigmas(cfg, self.policy, self.latent_shape)
 
     # ----- one iteration's data -------------------------------------------------------------
@@ -180,9 +181,11 @@ class Session:
 
     # ----- one update ---------------------------------------------------------------------
     def update(self, batch: TrainBatch) -> dict:
-        """``train.inner_epochs`` epochs on one rollout, each ``train.minibatches`` optimizer steps, one per
-        mini-batch of whole groups or of slices of every group (``train.minibatch_unit``,
-        :func:`agg_bench.engine.grpo.minibatch_rows`); learning statistics of them all.
+        """``train.inner_epochs`` epochs on one rollout, each an optimizer step per part of the method's
+        :meth:`~agg_bench.methods.base.Estimator.update_parts` (by default ``train.minibatches`` mini-batches of
+        whole groups or of slices of every group: ``train.minibatch_unit``,
+        :func:`agg_bench.engine.grpo.minibatch_rows`); learning statistics of them all. ``steps_taken``: the
+        optimizer steps it took.
 
         Each step: zero the gradient, the method's gradient of its mini-batch's loss (the mean over the mini-batch's
         terms), the average over the processes, the clip, the divergence check, the optimizer's step. ``loss``,
@@ -193,10 +196,9 @@ class Session:
         params = self.policy.parameters()
         out: dict = {}
         losses, clips, kls, norms = [], [], [], []
-        parts = [batch] if cfg.train.minibatches == 1 else \
-            [batch.take_rows(rows) for rows in minibatch_rows(batch.batch_size, cfg.grpo.group_size,
-                                                              cfg.train.minibatches, cfg.train.minibatch_unit)]
-        for minibatch in parts * cfg.train.inner_epochs:  # epoch after epoch, the mini-batches in order
+        parts = self.estimator.update_parts(batch, cfg.train, cfg.grpo.group_size)
+        self.steps_taken = 0
+        for minibatch in parts * cfg.train.inner_epochs:  # epoch after epoch, the parts in order
             self.optimizer.zero_grad(set_to_none=True)
             stats = UpdateStats(cfg.grpo.clip_range)
             with distributed.failures_shared():  # no process enters the all-reduce while another failed
@@ -213,6 +215,7 @@ class Session:
                 out["diverged"] = "gradient" if not torch.isfinite(norm) else "loss"
                 break
             self.optimizer.step()
+            self.steps_taken += 1
             self.policy.version += 1
             summary = stats.as_dict()
             if not losses:  # the first step's

@@ -165,7 +165,7 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
                     out[label]["cpu_s"].append(timer.cpu_s)
                     out[label]["wall_s"].append(timer.elapsed_s)
                     out[label].update(passes=work.as_dict(), calls=work.calls(),
-                                      optimizer_steps=session.cfg.train.optimizer_steps)
+                                      optimizer_steps=session.steps_taken)
     finally:
         session.estimator = estimator_of_run
     return out

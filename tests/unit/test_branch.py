@@ -216,6 +216,105 @@ def test_update_equals_the_single_graph_reference_and_trains_each_transition_onc
     assert session.estimator.iteration_metrics() == {"trained_transitions": count}
 
 
+# ----- an optimizer step every n transitions (method.transitions_per_step) ----------------------------
+
+def reference_steps(policy, batch, parts, trees, n, lr, weight_decay, max_grad_norm):
+    """The public loop of optimizer steps, in float64 on a copy of ``policy``: for each part (its (row, step)
+    transitions), the sum of their clipped GRPO terms at the current weights over n floor(K / trees) (K: the
+    transitions of all parts), backward, the gradient-norm clip, an AdamW step. The terms written out as in
+    reference_gradient. Returns the weights after the last step."""
+    import copy
+
+    policy = copy.deepcopy(policy)
+    params = list(policy.parameters())
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    total = sum(len(part) for part in parts)
+    sig = [float(s) for s in batch.sigmas]
+    eps = batch.clip_range
+    for part in parts:
+        optimizer.zero_grad()
+        terms = []
+        for row, j in part:
+            rows, step = torch.tensor([row]), torch.tensor([j])
+            x, x_next = batch.latents[rows, j], batch.latents[rows, j + 1]
+            v = policy.velocity(x, batch.timestep_values(step), batch.cond[rows])
+            mean, sd = sde_reference("dance_grpo", v, x, sig[j], sig[j + 1], batch.eta, sig[1])
+            ratio = torch.exp(gaussian_log_prob(x_next, mean, sd) - batch.log_probs[rows, j])
+            adv = batch.advantages[rows, j]
+            terms.append(torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps)).sum())
+        (torch.stack(terms).sum() / (n * (total // trees))).backward()
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+    return {name: p.detach() for name, p in policy.named_parameters()}
+
+
+@pytest.mark.parametrize("n", [3, 5, 100])
+def test_a_step_every_n_shuffled_transitions_is_the_public_loop(n):
+    """The iteration's 24 trained transitions (2 trees of 2 + 2 + 4 + 4), shuffled, cut into parts of n (the last
+    shorter), an optimizer step after each on the sum of its terms over n x 12 (the code's accumulation steps x
+    transitions per tree), at the weights the earlier steps moved: the weights after the update equal the float64
+    loop of reference_steps; each transition is trained once, and ceil(24 / n) steps are taken and recorded."""
+    session = tree_session("grpo.clip_range=1e-3", f"method.transitions_per_step={n}", "train.lr=1e-2",
+                           "train.max_grad_norm=0.5")
+    batch = session.collect(0).batch
+    cfg = session.cfg
+    parts = session.estimator.update_parts(batch, cfg.train, cfg.grpo.group_size)
+    picks = [[tuple(pair) for pair in part.picked.tolist()] for part in parts]
+    trained = torch.nonzero(session.estimator.trained_mask(batch)).tolist()
+    assert sorted(p for part in picks for p in part) == sorted(map(tuple, trained)) and len(trained) == 24
+    assert [len(part) for part in picks] == [min(n, 24 - start) for start in range(0, 24, n)]
+    if n < 24:  # drawn, not in the tree's order
+        assert [p for part in picks for p in part] != sorted(map(tuple, trained))
+    expected = reference_steps(session.policy, batch, picks, 2, n, 1e-2, cfg.train.weight_decay, 0.5)
+    version = session.policy.version
+    with counted(session.policy) as work:
+        session.update(batch)
+    assert relative_error({k: p.detach() for k, p in session.policy.named_parameters()}, expected) <= 1e-10
+    assert work.as_dict() == {"forward_nograd": 0, "forward_grad": 24, "backward": 24}
+    assert session.steps_taken == session.policy.version - version == math.ceil(24 / n)
+    assert session.estimator.iteration_metrics() == {"trained_transitions": 24, "optimizer_steps": math.ceil(24 / n)}
+
+
+def test_the_shuffle_is_drawn_from_the_run_and_the_one_step_update_is_unchanged():
+    """The same seed draws the same parts; another iteration other parts. Without the option the update is one
+    step on the mean, and the record has no optimizer_steps (the config's count holds)."""
+    def parts(seed, iteration):
+        session = tree_session("method.transitions_per_step=5", f"seed={seed}")
+        batch = session.collect(iteration).batch
+        return [part.picked.tolist() for part in session.estimator.update_parts(batch, session.cfg.train, 4)]
+
+    assert parts(0, 0) == parts(0, 0)
+    assert parts(0, 0) != parts(0, 1)
+    session = tree_session()
+    batch = session.collect(0).batch
+    assert session.estimator.update_parts(batch, session.cfg.train, 4) == [batch]
+    session.update(batch)
+    assert session.steps_taken == 1 and session.estimator.iteration_metrics() == {"trained_transitions": 24}
+
+
+def test_a_run_records_its_optimizer_steps_and_report_prices_them(tmp_path, capsys):
+    """The records carry the steps taken, and the report's rows price them (not the config's one step); a record
+    whose optimizer_steps is not a count is one line naming it."""
+    import json
+
+    from agg_bench.results.loading import RunEntry, load_records
+
+    out = tmp_path / "run"
+    assert main(["run", "--config", str(PRESET), *SMALL, "--set", "train.iterations=1", "--set", "sampling.steps=6",
+                 "--set", "method.branch_points=[0,1,2,3]", "--set", "method.transitions_per_step=12",
+                 "--out", str(out)]) == 0
+    [record] = read_jsonl(out / "metrics.jsonl")
+    # 2 + 4 + 8 + 16 + 16 + 16 transitions, the last step's 16 not trained: 46, in steps of 12, 12, 12 and 10
+    assert (record["trained_transitions"], record["optimizer_steps"]) == (46, 4)
+    assert load_records([RunEntry(out)])["optimizer_steps"].tolist() == [4]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text(json.dumps({**json.loads(lines[0]), "optimizer_steps": -1}) + "\n")
+    capsys.readouterr()
+    assert main(["report", "--runs", str(out), "--tables", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'optimizer_steps' = -1: expected an integer" in err[0]
+
+
 # ----- width pruning ------------------------------------------------------------------------------
 
 def pruned(mode):
@@ -295,7 +394,9 @@ def test_default_branch_points_scale_the_papers():
 
 
 @pytest.mark.parametrize("override, key", [("method.branch_factor=1", "method.branch_factor"),
-                                           ("method.branch_points=[0,10]", "method.branch_points")])
+                                           ("method.branch_points=[0,10]", "method.branch_points"),
+                                           *(("method.transitions_per_step=" + v, "method.transitions_per_step")
+                                             for v in ("0", "-12", "2.5", "twelve", ".nan", "1e12", "[12]"))])
 def test_bad_options_exit_2_through_the_cli_before_anything_is_written(tmp_path, capsys, override, key):
     out = tmp_path / "x"
     code = main(["run", "--config", str(PRESET), *SMALL, "--set", override, "--out", str(out)])
@@ -345,6 +446,7 @@ def test_preset_scales_the_public_setting_and_loads_with_random_weights():
     assert (cfg.grpo.clip_range, cfg.grpo.adv_clip_max, cfg.grpo.beta) == (1e-3, 5.0, 0)
     assert (cfg.grpo.adv_std, cfg.grpo.adv_ddof, cfg.grpo.adv_eps) == ("group", 1, 1e-8)  # torch's std() + 1e-8
     assert (cfg.sampling.schedule, cfg.reward.on, options.split_noise_scale) == ("linspace", "x0", 4.0)
+    assert options.transitions_per_step == 12  # --gradient_accumulation_steps 12
     assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
 
@@ -374,3 +476,4 @@ def test_preset_runs_through_the_cli(tmp_path):
                  "--out", str(out)]) == 0
     records = list(read_jsonl(out / "metrics.jsonl"))
     assert len(records) == 1 and records[0]["method"] == "branch" and records[0]["trained_transitions"] == 202
+    assert records[0]["optimizer_steps"] == 17  # ceil(202 / 12)
