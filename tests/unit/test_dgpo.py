@@ -1,6 +1,9 @@
 """DGPO (`dgpo`): the ODE rollout, the group preference loss's gradient against the paper's equation written
 out here, the reference, the pass counts, a CLI run and the preset's values (bad options, the replay scope
-and a run of the preset: tests/unit/test_final_latent.py, for the three likelihood-free methods)."""
+and a run of the preset: tests/unit/test_final_latent.py, for the three likelihood-free methods); the public
+sampler (`method.sampler: sana`): the scheduler's grid and integer timesteps against diffusers' own, the rollout
+against DPM-Solver++(2M) written out here, the training noise level timestep / 1000 as the code computes it,
+its counted forwards and its bad values."""
 import math
 from pathlib import Path
 
