@@ -3,12 +3,27 @@ Preference Optimization", arXiv 2510.08425; public code github.com/Luo-Yihong/DG
 ``scripts/train_sd3_dgpo.py``: ``compute_group_dgpo_loss_allreduce``, the training loop; ``config/base.py``,
 ``config/dgpo.py``: defaults).
 
-DGPO has no per-step likelihood. The rollout is deterministic (``sample.noise_level = 0``; the public code
-samples with diffusers' ``DPMSolverMultistepScheduler`` of Sana's config at ``flow_shift = 3``, here the engine's
-Euler ODE on the run's grid, ``sampling.steps`` steps), and in the public configs with classifier-free guidance
-``sample.guidance_scale = 4.5``: v = v_u + g (v_c - v_u) from the prompt's (v_c) and the empty prompt's (v_u)
-velocities, ``rollout_guidance`` here (1, the default: no guidance; two no-grad forwards per sample and step
-otherwise, counted and charged). Only each sample's final latent x0 and its reward are kept.
+DGPO has no per-step likelihood. The rollout is deterministic (``sample.noise_level = 0``), ``sampling.steps``
+steps, and in the public configs with classifier-free guidance ``sample.guidance_scale = 4.5``:
+v = v_u + g (v_c - v_u) from the prompt's (v_c) and the empty prompt's (v_u) velocities, ``rollout_guidance`` here
+(1, the default: no guidance; two no-grad forwards per sample and step otherwise, counted and charged). Only each
+sample's final latent x0 and its reward are kept.
+
+The sampler (``sampler``). The code replaces the SD3 pipeline's scheduler by Sana's
+(``DPMSolverMultistepScheduler.from_pretrained("Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
+subfolder="scheduler")`` with ``config['flow_shift'] = 3``: ``use_flow_sigmas``, ``prediction_type =
+"flow_prediction"``, ``algorithm_type = "dpmsolver++"``, ``solver_order = 2``, ``solver_type = "midpoint"``,
+``lower_order_final``, ``final_sigmas_type = "zero"``) and steps it once per transformer call
+(``flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py``: ``scheduler.step``, the SDE step commented out). ``sana``
+is that: the grid of :func:`agg_bench.engine.solvers.flow_dpm_grid` at ``sampling.shift`` (its first sigma below 1,
+0.99967 at shift 3, its last 0), the transformer given the scheduler's int64 timesteps trunc(1000 sigma) (the
+pipeline's ``t.expand``; SD3's time embedding reads them as floats), and DPM-Solver++(2M) on the grid's sigmas
+(``ode_solver("dpm2")``: first order at the first step, whose sigma is below 1, and into 0; one velocity per step).
+The code keeps ``pipeline.scheduler.timesteps`` as the samples' ``timesteps`` and trains at
+``sigmas_t = t / 1000`` of them, the transformer given ``t``: the noise level of a ``schedule`` time is the timestep
+/ 1000 (:meth:`agg_bench.engine.solvers.FlowDPMGrid.noise_levels`), below the grid's sigma by up to 0.001. ``euler``
+(the default) is the engine's Euler step on the run's ``sampling.schedule``, the transformer given 1000 sigma and
+the training noise level the sigma.
 
 The group preference (the paper's DGPO objective, §3: DPO's Bradley-Terry likelihood between a positive
 group G+ and a negative group G- of one prompt's G samples, in place of a pair). A sample belongs to G+ when
@@ -62,7 +77,7 @@ The K times per sample (``time_distribution``):
 - ``schedule`` (the code): K distinct steps j of the rollout's own schedule among its first
   ``trunc_steps + 1`` (the noisiest; the code's timestep clip ``train_timesteps = range(trunc_steps + 1)``),
   drawn without replacement once for the whole batch (``generate_shared_sampled_timesteps``),
-  t = sigma_j, the model given timestep_j;
+  t = sigma_j (``sampler: sana``: timestep_j / 1000), the model given timestep_j;
 - ``uniform``: t ~ U(0, 1) per (sample, slot).
 Noise: with ``shared_noise`` (the code's ``use_shared_noise = True``) the G samples of a group share eps at
 each time (``generate_shared_noise_for_groups``); otherwise each row draws its own. The steps are drawn in
@@ -73,9 +88,8 @@ each time (``generate_shared_noise_for_groups``); otherwise each row draws its o
 known (a weight needs every member's error; the code all-reduces the group sums), then one backward.
 
 The advantages: the geneval config standardises within the group (``sample.global_std = False``), the ocr one
-over the batch (True), both with np.std plus 1e-4 (``grpo.adv_eps``). Not ported: the DPM-Solver sampler of
-the rollout (Sana's scheduler: DPM-Solver++(2M), whose step NFT's ``dpm2`` has, on a grid whose integer timesteps,
-trunc(1000 sigma), the transformer and the training noise level timestep / 1000 take), the moving average as the DPO reference (``use_ema_ref``, a variant config's), the accelerate loop's
+over the batch (True), both with np.std plus 1e-4 (``grpo.adv_eps``). Not ported: the moving average as the DPO
+reference (``use_ema_ref``, a variant config's), the accelerate loop's
 optimizer step every ``gradient_accumulation_steps`` (batch, time) passes (here one step per iteration on all of
 them), the EMA of the trained weights that only evaluations use (``train.ema``), LoRA. An ODE rollout from one
 noise is one image, so ``sampling.same_noise_per_group`` must be false.
@@ -92,6 +106,7 @@ import torch
 
 from agg_bench.config.options import Options, batch_option, option
 from agg_bench.engine.grpo import micro_batches
+from agg_bench.engine.solvers import FlowDPMGrid, flow_dpm_grid, ode_solver
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import register_method
 from baselines.final_latent import EMAPolicy, FinalLatentEstimator, ema_decay, noised_draws
@@ -130,6 +145,11 @@ class DGPOConfig(Options):
     rollout_guidance: float = option(
         1.0, "classifier-free guidance of the rollout (1.0: none; the code's `sample.guidance_scale = 4.5`)",
         minimum=1, maximum=100)
+    sampler: Literal["euler", "sana"] = option(
+        "euler", "the ODE rollout's sampler: `euler`, the Euler step on the run's schedule; or `sana`, the code's "
+        "`DPMSolverMultistepScheduler` of Sana's config at flow_shift `sampling.shift` (a number): DPM-Solver++(2M) "
+        "on its `use_flow_sigmas` grid in place of `sampling.schedule`'s, the transformer given the integer "
+        "timesteps trunc(1000 sigma), and the `schedule` times' noise level timestep / 1000 (module docstring)")
 
     def check(self) -> None:
         if self.time_distribution == "schedule" and self.times_per_sample > self.trunc_steps + 1:
@@ -159,6 +179,7 @@ class DGPOEstimator(FinalLatentEstimator):
         self.own_reference = True
         self.clip_range = 0.0
         self.ema: EMAPolicy | None = None  # the code's ema_ref: clip_dsm's old model, the late rollouts' sampler
+        self.grid: FlowDPMGrid | None = None  # sampler sana's grid and timesteps (check_run)
 
     def moving_average(self) -> str | None:
         c = self.config
@@ -187,6 +208,11 @@ class DGPOEstimator(FinalLatentEstimator):
         if c.time_distribution == "schedule" and c.trunc_steps >= cfg.sampling.steps:
             raise ConfigError("method.trunc_steps", c.trunc_steps,
                               f"an integer in [0, {cfg.sampling.steps - 1}] (below sampling.steps)")
+        if c.sampler == "sana":
+            if cfg.sampling.shift is None:
+                raise ConfigError("sampling.shift", None, "a number with method.sampler=sana (the scheduler's "
+                                                          "flow_shift; the code sets 3)")
+            self.grid = flow_dpm_grid(cfg.sampling.steps, cfg.sampling.shift)
 
     def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
         """The ODE rollout, with classifier-free guidance where asked, by the moving average's weights after
@@ -200,15 +226,27 @@ class DGPOEstimator(FinalLatentEstimator):
         weights = self.ema.weights_in(policy) if late and not self.ema.equals(policy) else \
             contextlib.nullcontext(policy)
         with weights as sampler:
-            if c.rollout_guidance == 1:
-                return super().rollout(sampler, cond, noise, sigmas, sampling, generator, iteration, group_size)
-            return self.guided_rollout(sampler, cond, noise, sigmas, sampling, generator, iteration)
+            return self.ode_rollout(sampler, cond, noise, sigmas, sampling, generator, iteration)
 
-    def guided_rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
-        """The ODE rollout on v = v_u + g (v_c - v_u): per step a forward on the prompts and one on the empty
-        prompt (two calls, each of the whole batch)."""
+    def ode_rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
+        """The ODE rollout: Euler on the run's ``sigmas``, or with ``sampler: sana`` DPM-Solver++(2M) on the
+        scheduler's grid at its integer timesteps; guided where ``rollout_guidance`` > 1."""
         from agg_bench.engine.rollout import rollout  # the rollout imports the models; a method's options do not
 
+        velocity = None if self.config.rollout_guidance == 1 else self.guided_velocity(policy)
+        ode, timesteps = None, None
+        if self.config.sampler == "sana":
+            if self.grid is None:
+                raise RuntimeError("method 'dgpo' with sampler 'sana' samples on the grid its check_run makes")
+            sigmas, timesteps = self.grid.sigmas, self.grid.model_timesteps(policy.timestep_scale)
+            ode = ode_solver("dpm2", sigmas)
+        mask = self.sde_mask(iteration, sigmas.numel() - 1, generator)
+        return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, mask, velocity=velocity,
+                       ode=ode, timesteps=timesteps)
+
+    def guided_velocity(self, policy):
+        """v = v_u + g (v_c - v_u): per step a forward on the prompts and one on the empty prompt (two calls,
+        each of the whole batch)."""
         if self.unconditional is None:
             raise RuntimeError("method 'dgpo' with rollout_guidance needs the empty prompt's conditioning")
         g = self.config.rollout_guidance
@@ -219,8 +257,7 @@ class DGPOEstimator(FinalLatentEstimator):
             v_u = policy.velocity(x, timesteps, empty)
             return v_u + g * (v_c - v_u)
 
-        mask = self.sde_mask(iteration, sigmas.numel() - 1, generator)
-        return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, mask, velocity=guided)
+        return guided
 
     def trained_steps(self, train, trajectory, batch_size, generator):
         """(B, K): the K schedule steps shared by the batch (``schedule``) or the slots 0..K-1 (``uniform``);
@@ -234,9 +271,14 @@ class DGPOEstimator(FinalLatentEstimator):
         return planned.clone()
 
     def draws(self, policy, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """eps (B, K, ...), t (B, K) and the model's timesteps (B, K) of every (sample, slot)."""
-        return noised_draws(policy, batch, self.noise_seed, self.config.time_distribution,
-                            self.group_size if self.config.shared_noise else None)
+        """eps (B, K, ...), t (B, K) and the model's timesteps (B, K) of every (sample, slot); with ``sampler:
+        sana`` a schedule step's t is its timestep / 1000, as the code's ``sigmas_t = t / 1000``."""
+        c = self.config
+        eps, t, timesteps = noised_draws(policy, batch, self.noise_seed, c.time_distribution,
+                                         self.group_size if c.shared_noise else None)
+        if c.sampler == "sana" and c.time_distribution == "schedule":
+            t = self.grid.noise_levels(t.dtype).to(t.device)[batch.train_steps.to(t.device)]
+        return eps, t, timesteps
 
     def accumulate(self, policy, batch, stats, reference=None):
         c = self.config

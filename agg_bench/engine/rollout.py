@@ -58,18 +58,24 @@ def initial_noise(n_prompts: int, group_size: int, shape: tuple[int, ...], same_
 def rollout(policy: Policy, cond: Conditioning, noise: torch.Tensor, sigmas: torch.Tensor, sde: str,
             eta: float, generator: torch.Generator, sde_mask: torch.Tensor | None = None,
             before_step: Callable[[int, float], None] | None = None, velocity: VelocityRule | None = None,
-            ode: ODERule | None = None) -> Trajectory:
+            ode: ODERule | None = None, timesteps: torch.Tensor | None = None) -> Trajectory:
     """Sample from x_0 = ``noise`` through all T steps; SDE on ``sde_mask`` steps, ODE elsewhere.
 
     ``before_step(j, timestep)`` is called before the model call of step j (cache hooks use it).
     Steps whose SDE transition has no density (``cps`` into sigma 0) are ODE steps whatever the mask says.
-    ``velocity`` replaces the policy's forward and ``ode`` the Euler step (module docstring).
+    ``velocity`` replaces the policy's forward and ``ode`` the Euler step (module docstring). ``timesteps`` (T)
+    are the values the transformer is given at each step where they are not the sigmas in its scale
+    (:meth:`Policy.timestep_values`), e.g. a scheduler's integer timesteps (:class:`agg_bench.engine.solvers.FlowDPMGrid`).
     """
     steps = sigmas.numel() - 1
     device = policy.device
     mask = torch.ones(steps, dtype=torch.bool) if sde_mask is None else sde_mask.to(torch.bool).cpu()
     mask = mask & stochastic_steps(sde, sigmas)
-    timesteps = policy.timestep_values(sigmas).to(device=device, dtype=policy.dtype)
+    if timesteps is None:
+        timesteps = policy.timestep_values(sigmas)
+    elif timesteps.shape != (steps,):
+        raise ValueError(f"rollout timesteps of shape {tuple(timesteps.shape)} for {steps} steps")
+    timesteps = timesteps.to(device=device, dtype=policy.dtype)
     x = noise.to(device)
     cond = cond.to(device)
     b = x.shape[0]

@@ -20,6 +20,13 @@ DiffusionNFT's ``dpm2`` sampler computes it with ``log(0) = -inf`` (``flow_grpo/
 feeds the predictions of its Euler and SDE steps to the first solver step after its window): ``h_0`` is
 measured between the sigmas the predictions were made at, so the ratio ``r0`` absorbs the change of grid.
 Coefficients are float64 numbers; the states keep their dtype.
+
+:func:`flow_dpm_grid` is the grid of diffusers' ``DPMSolverMultistepScheduler`` with ``use_flow_sigmas`` (the
+scheduler of Sana's diffusers checkpoints, which DGPO's public code samples SD3.5 with): T sigmas
+``shift(u)``, ``shift(u) = a u / (1 + (a - 1) u)``, at ``u = 1 - linspace(1, 1/1000, T + 1)`` from the largest
+down, the last (u = 0) dropped and ``final_sigmas_type="zero"``'s 0 appended, stored as float32; so the grid
+starts below 1 (shift 3: 0.99967). Its timesteps, the transformer's input, are the integers trunc(1000 s),
+truncated from the float64 sigmas before they are rounded to float32, and differ from 1000 s by up to 1.
 """
 from __future__ import annotations
 
@@ -27,9 +34,12 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 DPM_SOLVER_ORDERS = (1, 2)
+# diffusers' schedulers count noise levels in num_train_timesteps = 1000 integer timesteps
+SCHEDULER_TIMESTEPS = 1000
 
 
 def half_log_snr(sigma: float) -> float:
@@ -122,3 +132,36 @@ def ode_solver(name: str, sigmas: torch.Tensor) -> Callable[[int, torch.Tensor, 
     if name != "dpm2":
         raise ValueError(f"ODE solver {name!r}: expected one of {list(ODE_SOLVERS)}")
     return MultistepDPMSolverPP(sigmas, 2).ode_step
+
+
+@dataclass(frozen=True)
+class FlowDPMGrid:
+    """A rollout's grid with integer timesteps (:func:`flow_dpm_grid`): ``sigmas`` (T+1) float64, the steps'
+    sigmas ending at 0, and ``timesteps`` (T) int64, the scheduler's trunc(1000 s) of each step."""
+
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+
+    def model_timesteps(self, timestep_scale: float) -> torch.Tensor:
+        """(T,) float64: the values the transformer is given, the timesteps in the family's scale (``timestep_scale``
+        multiplies a noise level, :attr:`agg_bench.engine.models.Policy.timestep_scale`): for SD3's 1000 the
+        integers themselves."""
+        return self.timesteps.to(torch.float64) * (timestep_scale / SCHEDULER_TIMESTEPS)
+
+    def noise_levels(self, dtype: torch.dtype) -> torch.Tensor:
+        """(T,) timestep / 1000 in ``dtype``: the noise level the transformer is told at each step (DGPO's public
+        training noises at ``t / 1000`` of the rollout's timesteps, not at the grid's sigmas)."""
+        return self.timesteps.to(dtype) / SCHEDULER_TIMESTEPS
+
+
+def flow_dpm_grid(steps: int, shift: float) -> FlowDPMGrid:
+    """The grid and timesteps of ``DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=shift)`` after
+    ``set_timesteps(steps)`` (module docstring), computed in float64 numpy as the scheduler computes them, so that
+    every truncation and float32 rounding is the scheduler's."""
+    if steps < 1 or not shift > 0:
+        raise ValueError(f"a flow DPM-Solver grid needs steps >= 1 and shift > 0, got {steps}, {shift}")
+    u = 1.0 - np.linspace(1, 1 / SCHEDULER_TIMESTEPS, steps + 1)
+    shifted = np.flip(shift * u / (1 + (shift - 1) * u))[:-1].copy()
+    timesteps = torch.from_numpy((shifted * SCHEDULER_TIMESTEPS).astype(np.int64))  # truncated toward 0
+    sigmas = np.concatenate([shifted, [0.0]]).astype(np.float32)
+    return FlowDPMGrid(torch.from_numpy(sigmas).to(torch.float64), timesteps)

@@ -1,10 +1,15 @@
 """DGPO (`dgpo`): the ODE rollout, the group preference loss's gradient against the paper's equation written
 out here, the reference, the pass counts, a CLI run and the preset's values (bad options, the replay scope
-and a run of the preset: tests/unit/test_final_latent.py, for the three likelihood-free methods)."""
+and a run of the preset: tests/unit/test_final_latent.py, for the three likelihood-free methods); the public
+sampler (`method.sampler: sana`): the scheduler's grid and integer timesteps against diffusers' own, the rollout
+against DPM-Solver++(2M) written out here, the training noise level timestep / 1000 as the code computes it,
+its counted forwards and its bad values."""
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from diffusers import DPMSolverMultistepScheduler
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
@@ -78,6 +83,7 @@ def grads_of(policy):
     ("method.beta=0.5", "method.micro_batch=4", "method.shared_noise=false"),
     ("method.time_distribution=uniform", "method.times_per_sample=3", "method.beta=20"),
     ("grpo.beta=0.05", "method.times_per_sample=2"),
+    ("method.sampler=sana", "method.clip_dsm=false"),
 ])
 def test_gradient_equals_the_papers_loss_written_out(options):
     s = session(*options)
@@ -173,8 +179,132 @@ def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
     cfg = check_config(load_config(PRESET))
     o = cfg.method.options
     assert cfg.method.name == "dgpo" and cfg.model.preset == "tiny" and cfg.device == "cpu"
-    assert (o.beta, o.times_per_sample, o.time_distribution, o.trunc_steps, o.shared_noise) == \
-        (100.0, 4, "schedule", 4, True)
+    assert (o.beta, o.times_per_sample, o.time_distribution, o.trunc_steps, o.shared_noise, o.sampler) == \
+        (100.0, 4, "schedule", 4, True, "sana")
+    assert cfg.sampling.shift == 3.0  # the scheduler's flow_shift
     assert (cfg.sampling.steps, cfg.grpo.adv_clip_max, cfg.grpo.beta, cfg.train.lr) == (10, 5.0, 0.02, 3e-4)
     assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
+
+
+def sana_scheduler(steps: int) -> DPMSolverMultistepScheduler:
+    """The public sampler: Sana_1600M's scheduler config with flow_shift 3 (``scripts/train_sd3_dgpo.py``), the
+    values its diffusers conversion writes and the rest the scheduler's defaults."""
+    scheduler = DPMSolverMultistepScheduler(flow_shift=3, use_flow_sigmas=True, prediction_type="flow_prediction")
+    scheduler.set_timesteps(steps)
+    return scheduler
+
+
+def dpm_solver_2m_reference(velocity, x, sigmas, timesteps):
+    """The rollout written out in float64: at each step the model's velocity at the integer timestep, the data
+    prediction D_j = x_j - s_j v_j, lambda_j = log((1 - s_j) / s_j), h = lambda_{j+1} - lambda_j, and
+    x_{j+1} = (s_{j+1} / s_j) x_j - (1 - s_{j+1}) (e^{-h} - 1) D with D = D_j at the first step, D_j
+    (= x_{j+1}) into sigma 0, and D = (1 + 1 / (2 r)) D_j - D_{j-1} / (2 r), r = (lambda_j - lambda_{j-1}) / h,
+    between (DPM-Solver++(2M), arXiv 2211.01095 Algorithm 2)."""
+    s = [float(v) for v in sigmas]
+    lam = [math.log((1 - v) / v) for v in s[:-1]]
+    states, previous = [x], None
+    for j in range(len(s) - 1):
+        d_j = x - s[j] * velocity(x, timesteps[j])
+        if s[j + 1] == 0:
+            x = d_j
+        else:
+            h = math.log((1 - s[j + 1]) / s[j + 1]) - lam[j]
+            d = d_j
+            if previous is not None:
+                r = (lam[j] - lam[j - 1]) / h
+                d = (1 + 1 / (2 * r)) * d_j - previous / (2 * r)
+            x = (s[j + 1] / s[j]) * x - (1 - s[j + 1]) * math.expm1(-h) * d
+        states.append(x)
+        previous = d_j
+    return torch.stack(states, 1)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.5])
+def test_sana_rollout_is_dpm_solver_2m_on_the_schedulers_grid_at_integer_timesteps(guidance):
+    """``method.sampler=sana``: the rollout's grid and the transformer's timesteps are the public scheduler's, every
+    state is DPM-Solver++(2M) written out here with the model evaluated afresh at the integer timesteps, one
+    forward per sample and step (two with guidance), as the Euler rollout."""
+    s = session("method.sampler=sana", f"method.rollout_guidance={guidance}")
+    with counted(s.policy) as passes:
+        batch = s.collect(0).batch
+    b = batch.batch_size
+    calls = 1 if guidance == 1 else 2
+    assert passes.as_dict() == {"forward_nograd": calls * b * STEPS, "forward_grad": 0, "backward": 0}
+    scheduler = sana_scheduler(STEPS)
+    assert torch.equal(batch.sigmas, scheduler.sigmas.to(torch.float64))
+    assert torch.equal(batch.timesteps, scheduler.timesteps.to(batch.timesteps.dtype))
+    assert torch.all(batch.log_probs == 0)
+    empty = None if guidance == 1 else s.estimator.unconditional.repeat_interleave(b)
+
+    def velocity(x, timestep):
+        with torch.no_grad():
+            t = torch.tensor(float(timestep), dtype=torch.float64).expand(b)
+            v_c = s.policy.velocity(x, t, batch.cond)
+            if empty is None:
+                return v_c
+            v_u = s.policy.velocity(x, t, empty)
+            return v_u + guidance * (v_c - v_u)
+
+    expected = dpm_solver_2m_reference(velocity, batch.latents[:, 0], scheduler.sigmas, scheduler.timesteps.tolist())
+    assert float((batch.latents - expected).abs().max() / expected.abs().max()) <= 1e-12
+    euler = session(f"method.rollout_guidance={guidance}").collect(0).batch
+    assert torch.equal(euler.latents[:, 0], batch.latents[:, 0])  # the same noise, another sampler
+    assert not torch.allclose(euler.latents[:, -1], batch.latents[:, -1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_sana_training_noise_level_is_the_timestep_over_1000(dtype):
+    """The training step noises x0 at t = timestep / 1000 of the drawn schedule steps, as the code's
+    ``sigmas_t = (t / 1000)`` of the scheduler's int64 timesteps (not the grid's sigma), and gives the
+    transformer the integer timestep; the steps are drawn as the Euler sampler's."""
+    s = Session(tiny_config(*DGPO, "method.sampler=sana", "method.times_per_sample=3", dtype=dtype))
+    batch = s.collect(0).batch
+    eps, t, timesteps = s.estimator.draws(s.policy, batch)
+    steps = batch.train_steps
+    public = sana_scheduler(STEPS).timesteps.repeat(batch.batch_size, 1)  # the code's samples["timesteps"]
+    code_t = torch.stack([public[:, j] / 1000 for j in steps[0].tolist()], 1)  # int64 / 1000: float32
+    assert torch.equal(t, code_t.to(t.dtype) if dtype == "float32" else public.gather(1, steps).double() / 1000)
+    assert t.dtype == batch.latents.dtype and torch.equal(timesteps, public.gather(1, steps).to(timesteps.dtype))
+    assert not torch.equal(t, batch.sigmas[steps].to(t.dtype))  # the grid's sigma is not the noise level
+    assert float((t - batch.sigmas[steps].to(t.dtype)).abs().max()) < 1e-3
+    euler = Session(tiny_config(*DGPO, "method.times_per_sample=3", dtype=dtype)).collect(0).batch
+    assert torch.equal(euler.train_steps, steps)
+
+
+def test_sana_needs_a_shift_number(tmp_path, capsys):
+    """With ``sampling.shift: null`` (the model's own scheduler shift) the scheduler has no flow_shift: one line
+    naming sampling.shift, exit 2, nothing written."""
+    from agg_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        session("method.sampler=sana", "sampling.shift=null")
+    assert err.value.key == "sampling.shift" and "method.sampler=sana" in str(err.value)
+    out = tmp_path / "x"
+    capsys.readouterr()
+    assert main(["run", *SMALL, "--set", "method.name=dgpo", "--set", "method.sampler=sana",
+                 "--set", "sampling.shift=null", "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "sampling.shift" in lines[0] and "Traceback" not in lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("method, value, allowed", [
+    ("dgpo", "dpm2", "expected one of ['euler', 'sana']"),  # the step alone is nft's solver, not a dgpo sampler
+    ("dgpo", "1", "expected one of ['euler', 'sana']"),
+    ("dgpo", "[sana]", "expected one of ['euler', 'sana']"),
+    ("dgpo", "null", "expected one of ['euler', 'sana']"),
+    ("nft", "sana", "a known option of method 'nft'"),  # DGPO's option alone
+    ("awm", "sana", "a known option of method 'awm'"),
+])
+def test_bad_sampler_values_are_one_line_exit_2(method, value, allowed, tmp_path, capsys):
+    from baselines.dgpo import DGPOConfig
+
+    assert DGPOConfig().sampler == "euler"  # the default keeps the Euler rollout of the records made before it
+    out = tmp_path / "x"
+    capsys.readouterr()
+    assert main(["run", *SMALL, "--set", f"method.name={method}", "--set", f"method.sampler={value}",
+                 "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "method.sampler" in line and allowed in line and "Traceback" not in line
+    assert not out.exists()

@@ -8,7 +8,7 @@ import torch
 from diffusers import DPMSolverMultistepScheduler
 
 from agg_bench.engine.sampler import flow_sigmas, ode_step
-from agg_bench.engine.solvers import DataPrediction, MultistepDPMSolverPP, dpm_solver_pp_step, ode_solver
+from agg_bench.engine.solvers import DataPrediction, MultistepDPMSolverPP, dpm_solver_pp_step, flow_dpm_grid, ode_solver
 from helpers import nft_dpm2_reference
 
 SHAPE = (2, 3, 4, 4)
@@ -192,3 +192,56 @@ def test_a_step_from_sigma_one_is_the_euler_step():
     sigmas = torch.tensor([1.0, 0.6], dtype=torch.float64)
     ours = dpm_solver_pp_step(x, DataPrediction(x - v, 1.0), 0.6)
     assert float((ours - ode_step(v, x, sigmas, 0)).abs().max()) <= 1e-15
+
+
+def sana_scheduler(steps: int, shift: float = 3.0) -> DPMSolverMultistepScheduler:
+    """DGPO's sampler (github.com/Luo-Yihong/DGPO ``scripts/train_sd3_dgpo.py``): Sana_1600M's scheduler config,
+    the values the diffusers checkpoint's conversion writes and the rest the scheduler's defaults, flow_shift set."""
+    scheduler = DPMSolverMultistepScheduler(
+        num_train_timesteps=1000, solver_order=2, prediction_type="flow_prediction", algorithm_type="dpmsolver++",
+        solver_type="midpoint", lower_order_final=True, euler_at_final=False, use_flow_sigmas=True,
+        flow_shift=shift, final_sigmas_type="zero", timestep_spacing="linspace", steps_offset=0)
+    scheduler.set_timesteps(steps)
+    return scheduler
+
+
+@pytest.mark.parametrize("shift", [3.0, 1.0, 6.0])
+@pytest.mark.parametrize("steps", [1, 2, 9, 10, 14, 40])
+def test_flow_dpm_grid_is_the_sana_schedulers(steps, shift):
+    """The grid, exactly (float32 sigmas, ending at 0), and the timesteps the transformer is given, exactly (the
+    integers trunc(1000 sigma)), as diffusers' scheduler makes them for the public config."""
+    scheduler = sana_scheduler(steps, shift)
+    grid = flow_dpm_grid(steps, shift)
+    assert grid.sigmas.dtype == torch.float64 and grid.timesteps.dtype == torch.int64
+    assert torch.equal(grid.sigmas, scheduler.sigmas.to(torch.float64))
+    assert torch.equal(grid.timesteps, scheduler.timesteps)
+    assert float(grid.sigmas[-1]) == 0.0 and 0 < float(grid.sigmas[0]) < 1  # no step from pure noise
+    # the integer timesteps are the truncated 1000 sigma, below it by less than 1 (up to the float32 rounding of
+    # the stored sigmas; at shift 1 a sigma of 0.555 is 554.99999... before it is truncated: timestep 554)
+    gap = grid.sigmas[:-1] * 1000 - grid.timesteps.to(torch.float64)
+    assert float(gap.min()) > -1e-4 and float(gap.max()) < 1 + 1e-4
+    torch.testing.assert_close(grid.model_timesteps(1000.0), scheduler.timesteps.to(torch.float64), rtol=0, atol=0)
+    assert torch.equal(grid.noise_levels(torch.float32), scheduler.timesteps / 1000)  # the code's t / 1000
+
+
+@pytest.mark.parametrize("steps", [2, 10, 14])
+def test_dpm2_on_the_sana_grid_equals_the_scheduler_in_float64(steps):
+    """``ode_solver("dpm2")`` on that grid, whose first sigma is below 1: first order at the first step and into
+    0, second order between, against diffusers' own update functions in float64 and the paper's equations."""
+    grid = flow_dpm_grid(steps, 3.0)
+    gen = torch.Generator().manual_seed(200 + steps)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    velocities = random_velocities(steps, gen)
+    rule = ode_solver("dpm2", grid.sigmas)
+    ours = [x]
+    for j, v in enumerate(velocities):
+        ours.append(rule(j, ours[-1], v))
+    assert max_relative(ours, diffusers_float64_rollout(sana_scheduler(steps), x, velocities)) <= 1e-12
+    assert max_relative(ours, paper_rollout(grid.sigmas, 2, x, velocities)) <= 1e-12
+    assert rule.__self__.orders == ([1] + [2] * (steps - 2) + [1])[:steps]
+
+
+def test_flow_dpm_grid_refuses_no_steps_and_a_shift_of_zero():
+    for steps, shift in [(0, 3.0), (4, 0.0), (4, float("nan"))]:
+        with pytest.raises(ValueError):
+            flow_dpm_grid(steps, shift)
