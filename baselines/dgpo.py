@@ -88,10 +88,12 @@ each time (``generate_shared_noise_for_groups``); otherwise each row draws its o
 known (a weight needs every member's error; the code all-reduces the group sums), then one backward.
 
 The advantages: the geneval config standardises within the group (``sample.global_std = False``), the ocr one
-over the batch (True), both with np.std plus 1e-4 (``grpo.adv_eps``). Not ported: the moving average as the DPO
-reference (``use_ema_ref``, a variant config's), the accelerate loop's
-optimizer step every ``gradient_accumulation_steps`` (batch, time) passes (here one step per iteration on all of
-them), the EMA of the trained weights that only evaluations use (``train.ema``), LoRA. An ODE rollout from one
+over the batch (True), both with np.std plus 1e-4 (``grpo.adv_eps``). The code steps the optimizer once per epoch,
+as here once per iteration: its accelerator accumulates ``gradient_accumulation_steps`` x ``num_train_timesteps``
+(batch, time) passes, and the geneval config sets ``gradient_accumulation_steps`` to the epoch's
+``num_batches_per_epoch`` ("Update once per epoch"). Not ported: the moving average as the DPO reference
+(``use_ema_ref``, a variant config's), the EMA of the trained weights that only evaluations use (``train.ema``),
+LoRA. An ODE rollout from one
 noise is one image, so ``sampling.same_noise_per_group`` must be false.
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
