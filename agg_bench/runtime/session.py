@@ -122,6 +122,7 @@ class Session:
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
         self.sigmas = run_sigmas(cfg, self.policy, self.latent_shape)
+        estimator.check_schedule(cfg, self.sigmas)
 
     # ----- one iteration's data -------------------------------------------------------------
     def pick_prompts(self, generator: torch.Generator) -> torch.Tensor:

@@ -115,11 +115,14 @@ def test_sa_solver_rollout_is_the_public_sampler_at_one_forward_per_step():
     assert not torch.allclose(euler.latents[:, -1], batch.latents[:, -1])
 
 
-def test_sa_solver_needs_two_steps_and_a_known_name(tmp_path, capsys):
-    """A bad ``method.solver`` or ``sa_solver`` with one step: one line naming the key, exit 2, nothing written."""
+def test_sa_solver_needs_a_known_name_and_a_schedule_it_takes(tmp_path, capsys):
+    """A bad ``method.solver``, or ``sa_solver`` with one step or with so many that the schedule's second sigma
+    is above its grid's first (1 - 1e-3; shift 3, 400 steps: 0.99917): one line naming the key, exit 2, nothing
+    written."""
     from agg_bench.cli import main
 
     for sets in (["method.solver=sa_solver", "method.times_per_sample=2", "sampling.steps=1"],
+                 ["method.solver=sa_solver", "sampling.steps=400"],
                  ["method.solver=rk4"], ["method.solver=dpm2"], ["method.solver=2"], ["method.solver=null"],
                  ["method.solver=.nan"]):
         key = sets[-1].split("=")[0]
