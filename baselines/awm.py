@@ -13,8 +13,8 @@ the ODE. The code's tau is ``sample.noise_level`` on the steps into sigmas in [0
 (``sample.sde_frac`` is read only by its Euler sampler): 0 in the pickscore configs, the ODE built here; 0.4 in the
 geneval and ocr configs, whose rollout is stochastic on those steps. That noise is not built (an ODE rule takes
 no random draws). The rollout records the states the model was given (SA-Solver's predicted ones), the code the
-corrected ones; the final latents are the same. The schedule times the update draws (``discrete``) never fall on
-the two sigmas the grid changes, as in the code, which draws them from the scheduler's timesteps.
+corrected ones; the final latents are the same. The schedule times the update draws (``discrete``) are the run
+schedule's, as the code draws them from its scheduler's timesteps (they differ from the grid's at 2 steps only).
 
 The loss (the paper's AWM objective, §3: the flow-matching loss of each sample weighted by its advantage).
 x0 is noised at K times ``t`` with fresh noise ``eps``: ``x_t = (1 - t) x0 + t eps``, target ``eps - x0``
@@ -172,6 +172,7 @@ class AWMEstimator(FinalLatentEstimator):
         self.times = torch.zeros(0, 0, dtype=torch.float64)
         self.shift = 1.0
         self.ema: EMAPolicy | None = None  # the EMA-KL term's moving average
+        self.schedule: torch.Tensor | None = None  # the run's schedule the last rollout was given
 
     def moving_average(self) -> str | None:
         return "ema_kl_beta" if self.config.ema_kl_beta > 0 else None
@@ -185,6 +186,7 @@ class AWMEstimator(FinalLatentEstimator):
                 self.ema = EMAPolicy(policy)
             elif policy.version != self.ema.steps:
                 self.ema.update(policy, ema_decay(policy.version, c.ema_decay_rate, c.ema_decay_max))
+        self.schedule = sigmas
         if c.solver == "sa_solver":
             sigmas = self.solver_grid(sigmas)
         return super().rollout(policy, cond, noise, sigmas, sampling, generator, iteration, group_size)
@@ -238,13 +240,16 @@ class AWMEstimator(FinalLatentEstimator):
         """(B, K) slots 0..K-1; the times and then the seed of the noise generator are drawn here."""
         c = self.config
         k = c.times_per_sample
+        # the schedule's sigmas, as the code draws from its scheduler's timesteps: at 2 steps the discrete index 1
+        # is the sigma SA-Solver's grid halves
+        sigmas = self.schedule if self.schedule is not None else trajectory.sigmas
         if c.times_shared_by is None:
-            self.times = draw_times(c.time_distribution, k, batch_size, trajectory.sigmas, self.shift, generator)
+            self.times = draw_times(c.time_distribution, k, batch_size, sigmas, self.shift, generator)
         else:
             self.times = torch.empty(batch_size, k, dtype=torch.float64)
             order = torch.randperm(batch_size, generator=generator)
             for rows in order.split(c.times_shared_by):
-                self.times[rows] = draw_times(c.time_distribution, k, rows.numel(), trajectory.sigmas, self.shift,
+                self.times[rows] = draw_times(c.time_distribution, k, rows.numel(), sigmas, self.shift,
                                               generator)
         self.draw_noise_seed(generator)
         return torch.arange(k).expand(batch_size, k).clone()

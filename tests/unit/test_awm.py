@@ -115,6 +115,15 @@ def test_sa_solver_rollout_is_the_public_sampler_at_one_forward_per_step():
     assert not torch.allclose(euler.latents[:, -1], batch.latents[:, -1])
 
 
+def test_sa_solver_times_are_the_schedules_at_two_steps():
+    """At 2 steps the discrete times' one index, 1, is the sigma SA-Solver's grid halves: the times are the run
+    schedule's, as the code draws them from its scheduler's timesteps."""
+    session = Session(tiny_config(*AWM, "method.times_per_sample=2", "method.solver=sa_solver", "sampling.steps=2"))
+    batch = session.collect(0).batch
+    assert float(batch.sigmas[1]) == float(session.sigmas[0]) / 2 != float(session.sigmas[1])
+    assert torch.all(session.estimator.times == float(session.sigmas[1]))
+
+
 def test_sa_solver_needs_a_known_name_and_a_schedule_it_takes(tmp_path, capsys):
     """A bad ``method.solver``, or ``sa_solver`` with one step or with so many that the schedule's second sigma
     is above its grid's first (1 - 1e-3; shift 3, 400 steps: 0.99917): one line naming the key, exit 2, nothing
