@@ -2,8 +2,19 @@
 ``advantage_weighted_matching/scripts/train_sd3_awm.py`` and ``config/dgx_awm.py``).
 
 AWM keeps diffusion RL on the pre-training objective: no per-step likelihood, only each sample's FINAL latent x0
-and its reward. The rollout is deterministic (the code's ``sample.sde_frac = 0.0``: no SDE step; here the
-engine's Euler ODE on the run's ``sampling.steps`` grid; the code samples 14 steps, ``sample.num_steps``).
+and its reward. The rollout is deterministic, on the run's ``sampling.steps`` grid (the code samples 14 steps,
+``sample.num_steps``), one forward per step: ``method.solver`` ``euler`` (the default) is the engine's Euler ODE;
+``sa_solver`` (the preset) is the code's sampler, ``train.use_sa_solver``: SA-Solver
+(``flow_grpo/diffusers_patch/sa_solver.py``, ``SASolver.sample`` with predictor and corrector of order 2, PEC) as
+called by ``flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py``, on the scheduler's sigmas with the first set
+to 1 - 1e-3 and the last nonzero one to half the one before
+(:class:`agg_bench.engine.solvers.SASolverODE`, :func:`~agg_bench.engine.solvers.sa_solver_grid`), with tau = 0,
+the ODE. The code's tau is ``sample.noise_level`` on the steps into sigmas in [0.3, 0.9] and 0 elsewhere
+(``sample.sde_frac`` is read only by its Euler sampler): 0 in the pickscore configs, the ODE built here; 0.4 in the
+geneval and ocr configs, whose rollout is stochastic on those steps. That noise is not built (an ODE rule takes
+no random draws). The rollout records the states the model was given (SA-Solver's predicted ones), the code the
+corrected ones; the final latents are the same. The schedule times the update draws (``discrete``) are the run
+schedule's, as the code draws them from its scheduler's timesteps (they differ from the grid's at 2 steps only).
 
 The loss (the paper's AWM objective, §3: the flow-matching loss of each sample weighted by its advantage).
 x0 is noised at K times ``t`` with fresh noise ``eps``: ``x_t = (1 - t) x0 + t eps``, target ``eps - x0``
@@ -54,10 +65,10 @@ plus B*K forward_nograd with ``grpo.beta > 0`` and B*K more for the EMA-KL term 
 from the policy.
 
 The code's advantages take the batch-wide reward std plus 1e-4 (``sample.global_std = True``): here
-``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). Not ported: the SA-Solver sampler
-(``use_sa_solver``), the EMA of the trained weights that only evaluations and checkpoints use (``train.ema``,
-decay 0.99), LoRA. The code skips its first two epochs, whose groups it says its sampler gets wrong (a
-workaround: the harness's groups are right from the first iteration).
+``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). Not ported: SA-Solver's noise (above), the EMA of
+the trained weights that only evaluations and checkpoints use (``train.ema``, decay 0.99), LoRA. The code skips its
+first two epochs, whose groups it says its sampler gets wrong (a workaround: the harness's groups are right from
+the first iteration).
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
 """
@@ -109,6 +120,11 @@ class AWMConfig(Options):
         None, "samples that share one draw of the K times: null, the whole batch; n, sets of n of the shuffled "
         "batch, each drawing its own (the code's micro-batches of `train.batch_size = 3`; module docstring)",
         minimum=1, maximum=MAX_BATCH)
+    solver: Literal["euler", "sa_solver"] = option(
+        "euler", "the ODE rollout's sampler: `euler`, or `sa_solver`, SA-Solver's ODE with predictor and corrector "
+        "of order 2 (PEC: one forward per step, as Euler) on the code's grid, its first sigma 1 - 1e-3 and its last "
+        "nonzero one half the one before (the code's `train.use_sa_solver`; `agg_bench.engine.solvers.SASolverODE`); "
+        "`sa_solver` needs sampling.steps >= 2")
 
 
 def matching_error(v: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -156,22 +172,55 @@ class AWMEstimator(FinalLatentEstimator):
         self.times = torch.zeros(0, 0, dtype=torch.float64)
         self.shift = 1.0
         self.ema: EMAPolicy | None = None  # the EMA-KL term's moving average
+        self.schedule: torch.Tensor | None = None  # the run's schedule the last rollout was given
 
     def moving_average(self) -> str | None:
         return "ema_kl_beta" if self.config.ema_kl_beta > 0 else None
 
     def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
-        """The policy's own rollout; the EMA-KL term's moving average takes in the steps since the last one."""
+        """The policy's own rollout, on SA-Solver's grid with ``solver: sa_solver``; the EMA-KL term's moving
+        average takes in the steps since the last one."""
         c = self.config
         if c.ema_kl_beta > 0:
             if self.ema is None:
                 self.ema = EMAPolicy(policy)
             elif policy.version != self.ema.steps:
                 self.ema.update(policy, ema_decay(policy.version, c.ema_decay_rate, c.ema_decay_max))
+        self.schedule = sigmas
+        if c.solver == "sa_solver":
+            sigmas = self.solver_grid(sigmas)
         return super().rollout(policy, cond, noise, sigmas, sampling, generator, iteration, group_size)
+
+    @staticmethod
+    def solver_grid(sigmas: torch.Tensor) -> torch.Tensor:
+        """SA-Solver's grid made from the schedule ``sigmas``; a ConfigError where it does not decrease (a schedule
+        whose second sigma is 1 - 1e-3 or more: shift 3 from about 335 steps)."""
+        from agg_bench.engine.solvers import sa_solver_grid
+
+        grid = sa_solver_grid(sigmas)
+        if not bool((grid[:-1] > grid[1:]).all()):
+            raise ConfigError("sampling.steps", sigmas.numel() - 1,
+                              f"fewer with method.solver=sa_solver: its grid's first sigma, {float(grid[0])}, must "
+                              f"lie above the schedule's second, {float(sigmas[1])}")
+        return grid
+
+    def check_schedule(self, cfg, sigmas) -> None:
+        if self.config.solver == "sa_solver":
+            self.solver_grid(sigmas)
+
+    def ode_rule(self, sigmas):
+        """SA-Solver's ODE step on its grid with ``solver: sa_solver`` (the rollout samples on that grid); Euler
+        otherwise."""
+        from agg_bench.engine.solvers import ode_solver
+
+        return ode_solver(self.config.solver, sigmas)
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
+        if self.config.solver == "sa_solver" and cfg.sampling.steps < 2:
+            raise ConfigError("sampling.steps", cfg.sampling.steps,
+                              "at least 2 with method.solver=sa_solver (its grid sets the last nonzero sigma to "
+                              "half the one before it; the code asserts 2 steps)")
         if self.config.time_distribution == "logit_normal" and cfg.sampling.shift is None:
             raise ConfigError("sampling.shift", None,
                               "a number for method 'awm' with method.time_distribution=logit_normal (its times are "
@@ -191,13 +240,16 @@ class AWMEstimator(FinalLatentEstimator):
         """(B, K) slots 0..K-1; the times and then the seed of the noise generator are drawn here."""
         c = self.config
         k = c.times_per_sample
+        # the schedule's sigmas, as the code draws from its scheduler's timesteps: at 2 steps the discrete index 1
+        # is the sigma SA-Solver's grid halves
+        sigmas = self.schedule if self.schedule is not None else trajectory.sigmas
         if c.times_shared_by is None:
-            self.times = draw_times(c.time_distribution, k, batch_size, trajectory.sigmas, self.shift, generator)
+            self.times = draw_times(c.time_distribution, k, batch_size, sigmas, self.shift, generator)
         else:
             self.times = torch.empty(batch_size, k, dtype=torch.float64)
             order = torch.randperm(batch_size, generator=generator)
             for rows in order.split(c.times_shared_by):
-                self.times[rows] = draw_times(c.time_distribution, k, rows.numel(), trajectory.sigmas, self.shift,
+                self.times[rows] = draw_times(c.time_distribution, k, rows.numel(), sigmas, self.shift,
                                               generator)
         self.draw_noise_seed(generator)
         return torch.arange(k).expand(batch_size, k).clone()

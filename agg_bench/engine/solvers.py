@@ -27,6 +27,9 @@ scheduler of Sana's diffusers checkpoints, which DGPO's public code samples SD3.
 down, the last (u = 0) dropped and ``final_sigmas_type="zero"``'s 0 appended, stored as float32; so the grid
 starts below 1 (shift 3: 0.99967). Its timesteps, the transformer's input, are the integers trunc(1000 s),
 truncated from the float64 sigmas before they are rounded to float32, and differ from 1000 s by up to 1.
+
+SA-Solver's ODE (:class:`SASolverODE`: tau = 0, predictor and corrector of order 2 in PEC mode) is the sampler of
+AWM's public code, on that code's grid (:func:`sa_solver_grid`).
 """
 from __future__ import annotations
 
@@ -115,8 +118,9 @@ class MultistepDPMSolverPP:
 
 
 # The deterministic samplers an ODE rollout may take (a method's ``solver`` option): ``euler`` is the rollout's
-# own step (:func:`agg_bench.engine.sampler.ode_step`), ``dpm2`` DPM-Solver++(2M) (:func:`ode_solver`).
-ODE_SOLVERS = ("euler", "dpm2")
+# own step (:func:`agg_bench.engine.sampler.ode_step`), ``dpm2`` DPM-Solver++(2M) (:func:`ode_solver`),
+# ``sa_solver`` SA-Solver's ODE as AWM samples with it (:class:`SASolverODE`, on :func:`sa_solver_grid`).
+ODE_SOLVERS = ("euler", "dpm2", "sa_solver")
 
 
 def ode_solver(name: str, sigmas: torch.Tensor) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -126,9 +130,12 @@ def ode_solver(name: str, sigmas: torch.Tensor) -> Callable[[int, torch.Tensor, 
     (``flow_grpo/diffusers_patch/solver.py``: ``dpm_step`` of order 2 with ``lower_order_final``) and diffusers'
     ``DPMSolverMultistepScheduler`` with ``solver_order=2``, ``solver_type="midpoint"`` and
     ``final_sigmas_type="zero"`` (the Sana scheduler DGPO samples with). A new solver per call: its history
-    and ``orders`` are one rollout's."""
+    and ``orders`` are one rollout's. ``sa_solver``: :class:`SASolverODE`, whose grid is :func:`sa_solver_grid`'s
+    (the caller samples on it)."""
     if name == "euler":
         return None
+    if name == "sa_solver":
+        return SASolverODE(sigmas).ode_step
     if name != "dpm2":
         raise ValueError(f"ODE solver {name!r}: expected one of {list(ODE_SOLVERS)}")
     return MultistepDPMSolverPP(sigmas, 2).ode_step
@@ -165,3 +172,91 @@ def flow_dpm_grid(steps: int, shift: float) -> FlowDPMGrid:
     timesteps = torch.from_numpy((shifted * SCHEDULER_TIMESTEPS).astype(np.int64))  # truncated toward 0
     sigmas = np.concatenate([shifted, [0.0]]).astype(np.float32)
     return FlowDPMGrid(torch.from_numpy(sigmas).to(torch.float64), timesteps)
+
+
+# SA-Solver's grid ends, as the AWM code sets it, at these sigmas (sa_solver_grid)
+SA_SOLVER_FIRST_SIGMA = 1 - 1e-3
+
+
+def sa_solver_grid(sigmas: torch.Tensor) -> torch.Tensor:
+    """The grid AWM's pipeline hands SA-Solver (``flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py``,
+    ``use_sa_solver``): the schedule's T+1 sigmas (T >= 2, ending at 0) with the last nonzero one set to half the
+    one before it, then the first set to 1 - 1e-3 (lambda is finite there), in the schedule's dtype. The model is
+    evaluated at these sigmas (its timestep 1000 sigma, as the code's ``input_t * 1000``)."""
+    if sigmas.numel() < 3 or float(sigmas[-1]) != 0:
+        raise ValueError(f"SA-Solver's grid needs at least 2 steps ending at sigma 0, got {sigmas.tolist()}")
+    grid = sigmas.clone()
+    grid[-2] = grid[-3] / 2
+    grid[0] = SA_SOLVER_FIRST_SIGMA
+    return grid
+
+
+class SASolverODE:
+    """SA-Solver (Xue et al., arXiv 2309.05019) with tau = 0, the ODE, as AWM's rollout runs it
+    (github.com/scxue/advantage_weighted_matching ``flow_grpo/diffusers_patch/sa_solver.py``, ``SASolver.sample``
+    with ``predictor_order=2``, ``corrector_order=2``, ``pc_mode='PEC'``, data prediction, and its
+    ``*_few_steps`` updates), on a grid ``s_0 > ... > s_{T-1} > s_T = 0`` with ``s_0 < 1``
+    (:func:`sa_solver_grid`). With the data prediction ``D = y - s v`` of the state ``y`` the model was given,
+    lambda = log((1 - s) / s), a step from ``s`` to ``s'`` (``h = lambda' - lambda``, ``alpha' = 1 - s'``) is
+
+    - predictor, order 1 (the first step): ``P1 = (s'/s) x + alpha' (1 - e^{-h}) D_j``, which is Euler's step;
+    - predictor, order 2: ``P2 = P1 + alpha' h^2 / (2 h_prev) (D_j - D_{j-1})``, ``h_prev = lambda_j - lambda_{j-1}``;
+    - corrector, order 2: ``C2 = P1 + alpha' (h / 2) (D_{j+1} - D_j)``, with ``D_{j+1}`` the prediction at the
+      predicted state.
+
+    These are the code's Lagrange-interpolated exponential integrals with its order-2 "few steps" terms added
+    (paper, eq. 15 and 18 with tau = 0, and the UniPC-like O(h^3) change the code makes for few-step sampling),
+    summed into closed form. PEC: the model is evaluated once per step, at the predicted state; the corrector
+    of step j reuses that evaluation (no forward of its own) and its corrected state is not evaluated again.
+    Step 1 is the predictor of order 1; the code turns off the corrector of its first step
+    (``disable_first_corrector``); the last step returns ``D_{T-1}`` (``skip_final_step``: ``denoise_to_zero``).
+
+    As a rule ``(j, y_j, v_j) -> y_{j+1}``: ``y_j`` is the state the model was evaluated at (the predicted state;
+    the start and step 1's are uncorrected), and the rule keeps the corrected state ``x_j`` it steps from. So a
+    rollout records the states the velocities belong to; the code's list of intermediates holds the corrected
+    ones instead, and its final latent, ``D_{T-1}``, is the same. Coefficients are float64 numbers; the states
+    keep their dtype. One rule per rollout: it keeps the step before's ``x`` and ``D``."""
+
+    def __init__(self, sigmas: torch.Tensor):
+        s = [float(v) for v in sigmas.to(torch.float64)]
+        if len(s) < 3 or s[-1] != 0 or not all(1 > a > b > 0 for a, b in zip(s[:-2], s[1:-1])):
+            raise ValueError(f"SA-Solver needs sigmas 1 > s_0 > ... > s_(T-1) > s_T = 0 with T >= 2 "
+                             f"(sa_solver_grid), got {s}")
+        self.sigmas = s
+        self.lambdas = [half_log_snr(v) for v in s[:-1]]
+        self.previous: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (j, corrected x_j, D_j)
+
+    def _step(self, x: torch.Tensor, d: torch.Tensor, j: int, gain: float, difference: torch.Tensor | None
+              ) -> torch.Tensor:
+        """``(s_{j+1}/s_j) x + alpha_{j+1} (1 - e^{-h}) d`` plus ``alpha_{j+1} gain difference``."""
+        s, s_next = self.sigmas[j], self.sigmas[j + 1]
+        alpha_next = 1.0 - s_next
+        out = (s_next / s) * x - (alpha_next * math.expm1(-self.h(j))) * d
+        return out if difference is None else out + (alpha_next * gain) * difference
+
+    def h(self, j: int) -> float:
+        """lambda_{j+1} - lambda_j."""
+        return self.lambdas[j + 1] - self.lambdas[j]
+
+    def ode_step(self, j: int, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """y_{j+1} from the state y_j the model was given at step j and its velocity v_j (class docstring)."""
+        last = len(self.sigmas) - 2
+        if j != (0 if self.previous is None else self.previous[0] + 1) or j > last:
+            raise ValueError(f"SA-Solver step {j}: its steps are taken once each, in order, 0 to {last}")
+        d = y - self.sigmas[j] * v
+        if j == last:  # into sigma 0: the data prediction (the code's denoise_to_zero)
+            self.previous = (j, y, d)
+            return d.clone()
+        if j < 2:  # the start, and step 1 whose corrector the code turns off
+            x = y
+        else:
+            _, x_prev, d_prev = self.previous  # type: ignore[misc]
+            h = self.h(j - 1)
+            x = self._step(x_prev, d_prev, j - 1, h / 2, d - d_prev)
+        if j == 0:
+            y_next = self._step(x, d, 0, 0.0, None)
+        else:
+            h = self.h(j)
+            y_next = self._step(x, d, j, h * h / (2 * self.h(j - 1)), d - self.previous[2])  # type: ignore[index]
+        self.previous = (j, x, d)
+        return y_next

@@ -104,6 +104,11 @@ class Estimator(ABC):
         """Raise a ConfigError for run settings outside the method's own options that it cannot honour
         (e.g. a window longer than sampling.steps); called when a run is set up, before anything is written."""
 
+    def check_schedule(self, cfg: RunConfig, sigmas: torch.Tensor) -> None:  # noqa: B027 (optional hook)
+        """Raise a ConfigError for the run's schedule ``sigmas`` (T+1) where the method cannot sample on it (its
+        own grid made from it, e.g.); called when a run is set up, once the schedule is known (it may come from
+        the model's scheduler config), before anything is written."""
+
     def replay_case(self, cfg: RunConfig, stochastic: torch.Tensor, batch_size: int,
                     generator: torch.Generator) -> ReplayCase:
         """How this method is replayed on a frozen rollout whose steps ``stochastic`` (T,) bool have a

@@ -123,6 +123,7 @@ class Session:
                                            weight_decay=cfg.train.weight_decay)
         self.steps_taken = 0  # optimizer steps of the last update
         self.sigmas = run_sigmas(cfg, self.policy, self.latent_shape)
+        estimator.check_schedule(cfg, self.sigmas)
 
     # ----- one iteration's data -------------------------------------------------------------
     def pick_prompts(self, generator: torch.Generator) -> torch.Tensor:

@@ -11,7 +11,7 @@ from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.runtime.train import Session
 from baselines.awm import draw_times
-from helpers import counted, move_off_policy, relative_error, tiny_config
+from helpers import counted, move_off_policy, relative_error, sa_solver_reference, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/awm.yaml"
@@ -91,6 +91,61 @@ def test_rollout_is_ode_and_update_counts():
     assert update.as_dict() == {"forward_nograd": 0, "forward_grad": b * K, "backward": b * K}
 
 
+def test_sa_solver_rollout_is_the_public_sampler_at_one_forward_per_step():
+    """``method.solver=sa_solver``: the rollout samples on AWM's grid (first sigma 1 - 1e-3, the last nonzero one
+    half the one before) and every state is SA-Solver's (tests/helpers.py, from the paper's equations) from the
+    velocities the rollout recorded, with one no-grad forward per sample and step, as the Euler rollout; the
+    schedule times the update draws are the schedule's own (never the two changed sigmas); the final images
+    differ from Euler's."""
+    from agg_bench.engine.solvers import sa_solver_grid
+
+    session = Session(tiny_config(*AWM, f"method.times_per_sample={K}", "method.solver=sa_solver"))
+    with counted(session.policy) as passes:
+        batch = session.collect(0).batch
+    b = batch.batch_size
+    assert passes.as_dict() == {"forward_nograd": b * STEPS, "forward_grad": 0, "backward": 0}
+    assert torch.equal(batch.sigmas.cpu(), sa_solver_grid(session.sigmas).to(batch.sigmas.dtype))
+    assert float(batch.sigmas[0]) == 1 - 1e-3 and torch.all(batch.log_probs == 0)
+    expected = sa_solver_reference(batch.sigmas, batch.latents[:, 0], lambda j, y: batch.velocities[:, j])
+    torch.testing.assert_close(torch.stack(expected["states"], 1), batch.latents, rtol=1e-10, atol=1e-12)
+    times = session.estimator.times.to(session.sigmas.dtype)
+    assert all(bool((session.sigmas[1:-2] == t).any()) for t in times.flatten())
+    euler = Session(tiny_config(*AWM, f"method.times_per_sample={K}")).collect(0).batch
+    assert torch.equal(euler.latents[:, 0], batch.latents[:, 0])
+    assert not torch.allclose(euler.latents[:, -1], batch.latents[:, -1])
+
+
+def test_sa_solver_times_are_the_schedules_at_two_steps():
+    """At 2 steps the discrete times' one index, 1, is the sigma SA-Solver's grid halves: the times are the run
+    schedule's, as the code draws them from its scheduler's timesteps."""
+    session = Session(tiny_config(*AWM, "method.times_per_sample=2", "method.solver=sa_solver", "sampling.steps=2"))
+    batch = session.collect(0).batch
+    assert float(batch.sigmas[1]) == float(session.sigmas[0]) / 2 != float(session.sigmas[1])
+    assert torch.all(session.estimator.times == float(session.sigmas[1]))
+
+
+def test_sa_solver_needs_a_known_name_and_a_schedule_it_takes(tmp_path, capsys):
+    """A bad ``method.solver``, or ``sa_solver`` with one step or with so many that the schedule's second sigma
+    is above its grid's first (1 - 1e-3; shift 3, 400 steps: 0.99917): one line naming the key, exit 2, nothing
+    written."""
+    from agg_bench.cli import main
+
+    for sets in (["method.solver=sa_solver", "method.times_per_sample=2", "sampling.steps=1"],
+                 ["method.solver=sa_solver", "sampling.steps=400"],
+                 ["method.solver=rk4"], ["method.solver=dpm2"], ["method.solver=2"], ["method.solver=null"],
+                 ["method.solver=.nan"]):
+        key = sets[-1].split("=")[0]
+        out = tmp_path / "run"
+        args = [a for item in ["model.resolution=32", "train.iterations=1", "progress=false", *sets]
+                for a in ("--set", item)]
+        capsys.readouterr()
+        assert main(["run", "--config", str(PRESET), *args, "--out", str(out)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"{key} = " in lines[0], lines
+        assert "nan" in sets[-1] or "sa_solver" in lines[0]  # what is allowed (NaN: a finite number)
+        assert not out.exists()
+
+
 def test_times_follow_the_distributions():
     sigmas = torch.linspace(1, 0, 15, dtype=torch.float64)
     t = draw_times("discrete", 6, 4, sigmas, 3.0, torch.Generator().manual_seed(0))
@@ -141,6 +196,7 @@ def test_preset_scales_the_public_setting_and_loads_with_random_weights():
     assert (cfg.sampling.steps, cfg.sampling.shift, cfg.grpo.beta, cfg.grpo.adv_clip_max) == (14, 3.0, 0.001, 5.0)
     assert (options.times_per_sample, options.time_distribution, options.advantage_max) == (6, "discrete", 1.0)
     assert options.times_shared_by == 3  # train.batch_size
+    assert options.solver == "sa_solver"  # train.use_sa_solver
     assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
 

@@ -1,15 +1,17 @@
 """DPM-Solver++ on the flow schedule (agg_bench/engine/solvers.py) against diffusers' scheduler stepped in
 float64, against the paper's update equations written here, and as DiffusionNFT's ``dpm2`` rollout sampler
-against that sampler's equations (tests/helpers.py)."""
+against that sampler's equations (tests/helpers.py); SA-Solver's ODE as AWM samples with it against its
+equations (tests/helpers.py)."""
 import math
 
 import pytest
 import torch
-from diffusers import DPMSolverMultistepScheduler
+from diffusers import DPMSolverMultistepScheduler, SASolverScheduler
 
 from agg_bench.engine.sampler import flow_sigmas, ode_step
-from agg_bench.engine.solvers import DataPrediction, MultistepDPMSolverPP, dpm_solver_pp_step, flow_dpm_grid, ode_solver
-from helpers import nft_dpm2_reference
+from agg_bench.engine.solvers import (DataPrediction, MultistepDPMSolverPP, dpm_solver_pp_step, flow_dpm_grid,
+                                     ode_solver, sa_solver_grid)
+from helpers import nft_dpm2_reference, sa_solver_reference
 
 SHAPE = (2, 3, 4, 4)
 
@@ -245,3 +247,124 @@ def test_flow_dpm_grid_refuses_no_steps_and_a_shift_of_zero():
     for steps, shift in [(0, 3.0), (4, 0.0), (4, float("nan"))]:
         with pytest.raises(ValueError):
             flow_dpm_grid(steps, shift)
+
+
+def linear_model(generator, grid):
+    """v(j, y) = y A + s_j b: a fixed linear velocity field on random weights."""
+    a = 0.5 * torch.randn(SHAPE[-1], SHAPE[-1], generator=generator, dtype=torch.float64)
+    b = torch.randn(SHAPE[-1], generator=generator, dtype=torch.float64)
+    return lambda j, y: y @ a + float(grid[j]) * b
+
+
+def rule_rollout(rule, x, velocity, steps):
+    """States of a rollout that hands ``rule`` each step's velocity at the state it returned; forwards counted."""
+    states, forwards = [x], []
+    for j in range(steps):
+        v = velocity(j, states[-1])
+        forwards.append(j)
+        states.append(rule(j, states[-1], v))
+    return states, forwards
+
+
+@pytest.mark.parametrize("steps, shift", [(14, 3.0), (10, 1.0), (5, 3.0), (3, 5.0), (2, 3.0)])
+def test_sa_solver_equals_awms_sampler_written_from_the_papers_equations(steps, shift):
+    """``ode_solver("sa_solver")`` on AWM's grid (the SD3 scheduler's, its first sigma 1 - 1e-3 and its last
+    nonzero one half the one before) against the float64 reference of tests/helpers.py, whose coefficients are the
+    paper's Lagrange integrals by quadrature: the states the model is given and the final latent, on a random
+    linear velocity field, one model evaluation per step; from step 3 on it is not Euler's rollout."""
+    sigmas = flow_sigmas(steps, shift)
+    grid = sa_solver_grid(sigmas)
+    assert float(grid[0]) == 1 - 1e-3 and float(grid[-2]) == float(sigmas[-3]) / 2 and float(grid[-1]) == 0
+    assert torch.equal(grid[1:-2], sigmas[1:-2])
+    gen = torch.Generator().manual_seed(200 + steps)
+    velocity = linear_model(gen, grid)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    calls = []
+    expected = sa_solver_reference(grid, x, lambda j, y: (calls.append(j), velocity(j, y))[1])
+    ours, forwards = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
+    assert calls == forwards == list(range(steps))  # one evaluation per step, the corrector's included
+    assert max_relative(ours, expected["states"]) <= 1e-10
+    assert torch.equal(expected["states"][-1], expected["corrected"][-1])
+    euler = [x]
+    for j in range(steps):
+        euler.append(ode_step(velocity(j, euler[-1]), euler[-1], grid, j))
+    assert max_relative(ours[:2], euler[:2]) <= 1e-12  # the first step is first order: Euler's
+    assert steps < 3 or not torch.allclose(ours[-1], euler[-1])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sa_solver_on_irregular_grids_and_a_point_mass(seed):
+    """Irregular grids in (0, 1): the reference's states; a point mass D (v = (y - D) / s) is followed exactly,
+    every state on the straight path (1 - s) D + s noise and the final one D."""
+    gen = torch.Generator().manual_seed(300 + seed)
+    steps = 4 + 3 * seed
+    u = torch.sort(torch.rand(steps, generator=gen, dtype=torch.float64), descending=True).values
+    grid = torch.cat([0.98 * u + 0.01, torch.zeros(1, dtype=torch.float64)])
+    velocity = linear_model(gen, grid)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    ours, _ = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
+    assert max_relative(ours, sa_solver_reference(grid, x, velocity)["states"]) <= 1e-10
+    data = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    noise = (x - (1 - grid[0]) * data) / grid[0]
+    ours, _ = rule_rollout(ode_solver("sa_solver", grid), x, lambda j, y: (y - data) / grid[j], steps)
+    path = [(1 - s) * data + s * noise for s in grid]
+    assert max_relative(ours, path) <= 1e-12
+
+
+def test_sa_solver_refuses_grids_and_steps_it_does_not_take():
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        sa_solver_grid(flow_sigmas(1, 3.0))
+    with pytest.raises(ValueError, match="1 > s_0"):
+        ode_solver("sa_solver", flow_sigmas(6, 3.0))  # sigma 1: the grid must be sa_solver_grid's
+    with pytest.raises(ValueError, match="1 > s_0"):
+        ode_solver("sa_solver", torch.tensor([0.9, 0.95, 0.3, 0.0], dtype=torch.float64))
+    rule = ode_solver("sa_solver", sa_solver_grid(flow_sigmas(4, 3.0)))
+    x = torch.zeros(SHAPE, dtype=torch.float64)
+    with pytest.raises(ValueError, match="in order"):
+        rule(1, x, x)
+    for j in range(4):
+        x = rule(j, x, x)
+    with pytest.raises(ValueError, match="in order"):
+        rule(4, x, x)
+
+
+def diffusers_sa_solver_rollout(grid, x, velocity):
+    """AWM's sampler driven through diffusers' own SA-Solver updates (``SASolverScheduler`` with flow sigmas and
+    data prediction, its ``stochastic_adams_bashforth_update`` and ``stochastic_adams_moulton_update`` with tau =
+    0 and float64 sigmas set to ``grid``), in AWM's order: the first step's predictor of order 1 and no corrector,
+    then predictor and corrector of order 2, the last step the data prediction. The states the model is given,
+    then the final one."""
+    scheduler = SASolverScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", predictor_order=2,
+                                  corrector_order=2, algorithm_type="data_prediction", tau_func=lambda t: 0)
+    scheduler.set_timesteps(len(grid) - 1)
+    scheduler.sigmas = grid.to(torch.float64)
+    steps, zero = len(grid) - 1, torch.zeros_like(x)
+    states, predictions, corrected = [x], [], x
+    for i in range(steps):
+        y = states[-1]
+        scheduler._step_index = i
+        predictions.append(scheduler.convert_model_output(velocity(i, y), sample=y))
+        if i == steps - 1:
+            states.append(predictions[-1])
+            break
+        if i >= 2:
+            scheduler.model_outputs = predictions[-3:-1]
+            corrected = scheduler.stochastic_adams_moulton_update(
+                this_model_output=predictions[-1], last_sample=corrected, last_noise=zero, this_sample=y, order=2,
+                tau=0.0)
+        else:
+            corrected = y
+        scheduler.model_outputs = ([None] + predictions)[-2:]
+        states.append(scheduler.stochastic_adams_bashforth_update(
+            model_output=predictions[-1], sample=corrected, noise=zero, order=min(i + 1, 2), tau=0.0))
+    return states
+
+
+@pytest.mark.parametrize("steps, shift", [(14, 3.0), (6, 1.0), (2, 3.0)])
+def test_sa_solver_equals_diffusers_sa_solver_updates_in_float64(steps, shift):
+    grid = sa_solver_grid(flow_sigmas(steps, shift))
+    gen = torch.Generator().manual_seed(400 + steps)
+    velocity = linear_model(gen, grid)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    ours, _ = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
+    assert max_relative(ours, diffusers_sa_solver_rollout(grid, x, velocity)) <= 1e-10
