@@ -2,9 +2,10 @@
 
 Per GPU (one of the run's ``gpus`` processes):
 
-- ``params``: the transformer's parameters and buffers, the VAE's, and the frozen reference copy that a
-  KL penalty (``grpo.beta > 0``) keeps without LoRA; ``model.dtype: bfloat16`` keeps float32 master
-  weights (:data:`agg_bench.engine.models.PRECISIONS`).
+- ``params``: the transformer's parameters and buffers, the VAE's, the frozen reference copy that a
+  KL penalty (``grpo.beta > 0``) keeps without LoRA, and the evaluation average's copy of the trainable
+  parameters (``train.eval_ema``); ``model.dtype: bfloat16`` keeps float32 master weights
+  (:data:`agg_bench.engine.models.PRECISIONS`).
 - ``grads``: one gradient per trainable parameter, in the parameters' dtype (a parameter the forward
   never reaches, such as the text output of Qwen-Image's last block, gets none in a run).
 - ``optimizer``: AdamW's two moments per trainable parameter (its per-tensor step counters, 4 bytes
@@ -308,8 +309,9 @@ class ShapeModel:
         vae = _tensor_bytes(self.vae.parameters()) + _tensor_bytes(self.vae.buffers())
         reference = model if self.cfg.grpo.beta > 0 and layout.lora_rank == 0 else 0
         grads = _tensor_bytes(trainable, shards)
+        average = grads if self.cfg.train.eval_ema is not None else 0  # a copy of each trainable parameter
         on_gpu = 0 if layout.cpu_offload and layout.shard == "fsdp" else 1
-        return {"params": on_gpu * (model + reference) + vae, "grads": on_gpu * grads,
+        return {"params": on_gpu * (model + reference + average) + vae, "grads": on_gpu * grads,
                 "optimizer": on_gpu * 2 * grads, "parameters": sum(p.numel() for p in params),
                 "trainable_parameters": sum(p.numel() for p in trainable)}
 
