@@ -15,19 +15,20 @@ as it is. The model's timestep of a time that is not a schedule step is ``t * po
 
 :class:`EMAPolicy` is the moving average of the policy that the public recipes keep beside it (DiffusionNFT's
 "old" adapter, AWM's EMA for its second KL term, DGPO's ``ema_ref``): a frozen copy of the weights updated as
-``w_ema <- w_ema + (1 - d)(w - w_ema)`` with the decay d of :func:`ema_decay` after n optimizer steps. Its
+``w_ema <- w_ema + (1 - d)(w - w_ema)`` with the decay d of :func:`ema_decay` after n optimizer steps
+(:class:`agg_bench.engine.moving_average.MovingAverage`, whose tensors are the copy's weights). Its
 forwards go through the policy's counter, so they are charged; while its weights are exactly the policy's (made
 from it, or updated with d = 0, and no optimizer step since) a forward of it would repeat one the method makes
 anyway, and the methods use the policy's own value instead (:meth:`EMAPolicy.equals`).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import ClassVar
 
 import torch
 
-from agg_bench.errors import ConfigError, UserError
+from agg_bench.engine.moving_average import MovingAverage
+from agg_bench.errors import ConfigError
 from agg_bench.methods.base import Estimator, ReplayCase
 
 # K, the noised times per final latent, is at most this many times sampling.steps. Every (sample, time) costs
@@ -48,75 +49,16 @@ def ema_decay(steps: int, rate: float, maximum: float, after: int = 0) -> float:
     return min(rate * (steps - after), maximum)
 
 
-class EMAPolicy:
+class EMAPolicy(MovingAverage):
     """A moving average of the policy's trainable weights (module docstring), as a frozen policy that shares
-    the policy's counter. ``steps``: the optimizer steps it has taken in; ``version``: the policy version its
-    weights are exactly (None after an update with a decay above 0)."""
+    the policy's counter: its weights are those of a frozen copy of the transformer (``policy``), which the
+    methods call. ``steps``: the optimizer steps it has taken in; ``version``: the policy version its weights
+    are exactly (None after an update with a decay above 0)."""
 
     def __init__(self, policy):
         self.policy = policy.weights_copy()
-        self.names = [name for name, _ in policy.named_parameters()]  # the weights it averages
-        self.steps = policy.version
-        self.version: int | None = policy.version
-
-    def state_dict(self) -> dict:
-        """Its averaged weights (by the policy's parameter names), ``steps`` and ``version``: a checkpoint's."""
         own = dict(self.policy.transformer.named_parameters())
-        return {"weights": {name: own[name].detach().cpu().clone() for name in self.names}, "steps": self.steps,
-                "version": self.version}
-
-    @classmethod
-    def from_state(cls, policy, state: dict) -> "EMAPolicy":
-        """The moving average ``state_dict`` saved, for ``policy``; a UserError where it does not fit."""
-        ema = cls(policy)
-        weights, own = state.get("weights"), dict(ema.policy.transformer.named_parameters())
-        names = {name for name, _ in policy.named_parameters()}
-        if not isinstance(weights, dict) or set(weights) != names or not all(
-                isinstance(w, torch.Tensor) and w.shape == own[n].shape for n, w in weights.items()):
-            raise UserError("--resume: the checkpoint's moving average of the policy does not match the model's "
-                            "trainable parameters; delete it or run without --resume")
-        steps, version = state.get("steps"), state.get("version")
-        if type(steps) is not int or not (version is None or type(version) is int):
-            raise UserError(f"--resume: the checkpoint's moving average has steps = {steps!r}, version = "
-                            f"{version!r}: expected integers (version may be null)")
-        with torch.no_grad():
-            for name, w in weights.items():
-                own[name].copy_(w)
-        ema.steps, ema.version = steps, version
-        return ema
-
-    def equals(self, policy) -> bool:
-        """Whether its weights are the policy's own right now (a forward of it would repeat the policy's)."""
-        return self.version == policy.version
-
-    @torch.no_grad()
-    def update(self, policy, decay: float) -> None:
-        """Take in the policy's weights with ``decay`` (0: a copy of them, exactly)."""
-        own = dict(self.policy.transformer.named_parameters())
-        for name, weight in policy.named_parameters():
-            if decay == 0:
-                own[name].copy_(weight)
-            else:
-                own[name].add_(weight.detach() - own[name], alpha=1 - decay)
-        self.steps = policy.version
-        self.version = policy.version if decay == 0 else None
-
-    @contextlib.contextmanager
-    def weights_in(self, policy):
-        """The policy itself (whatever wraps it) computing with these weights, its own put back after: a
-        rollout sampled by the moving average, as the public code swaps its adapters."""
-        params = dict(policy.named_parameters())
-        own = dict(self.policy.transformer.named_parameters())
-        saved = {name: p.detach().clone() for name, p in params.items()}
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(own[name])
-        try:
-            yield policy
-        finally:
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(saved[name])
+        super().__init__(policy, {name: own[name] for name, _ in policy.named_parameters()})
 
 
 class FinalLatentEstimator(Estimator):

@@ -57,9 +57,10 @@ The steps (schedule) are drawn in :meth:`NFTEstimator.plan` from the iteration's
 a generator that draws the noise (and uniform times): deterministic given the run's seed.
 
 The code's advantages take the batch-wide reward std (``sample.global_std = True``) plus 1e-4: here
-``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). Not ported: the EMA of the trained weights that
-only evaluations and checkpoints use (``train.ema``, decay 0.9), LoRA. An ODE rollout from one noise is one image,
-so ``sampling.same_noise_per_group`` must be false.
+``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). The EMA of the trained weights that only evaluations
+and checkpoints use (``train.ema``, decay 0.9) is the run's ``train.eval_ema``
+(:mod:`agg_bench.engine.moving_average`), not this method's. Not ported: LoRA. An ODE rollout from one noise is one
+image, so ``sampling.same_noise_per_group`` must be false.
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
 """

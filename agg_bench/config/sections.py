@@ -258,6 +258,13 @@ class TrainConfig(Section):
         "divides the groups); `slices`: every group cut into `train.minibatches` consecutive slices, mini-batch k "
         "holding the k-th slice of each group (it divides `grpo.group_size`: MixGRPO's step every 3 of a group's 12 "
         "samples)")
+    eval_ema: float | None = option(
+        None, "keep an exponential moving average of the trained parameters, taking them in after every optimizer "
+              "step n with the decay min((1 + n) / (10 + n), this value), and evaluate with it: the in-run "
+              "evaluations (`eval.every`) and `agg-bench learning`'s evaluation of the final checkpoint, which holds "
+              "it; the rollout and training use the trained weights (DiffusionNFT's `train.ema`, 0.9); refused with "
+              "`train.shard: fsdp`; null: none, evaluations use the trained weights",
+        exclusive_minimum=0, exclusive_maximum=1)
 
     @property
     def optimizer_steps(self) -> int:

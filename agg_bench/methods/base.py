@@ -171,6 +171,11 @@ class Estimator(ABC):
         """Method-specific fields for the iteration's metric record."""
         return {}
 
+    def moving_average(self) -> str | None:
+        """The option that makes this run keep a moving average of the policy as a frozen copy of its transformer
+        (``Policy.weights_copy``: every parameter and buffer, which the memory plan charges); None: it keeps none."""
+        return None
+
     def state_dict(self) -> dict | None:
         """What the method keeps from one iteration to the next that a resumed run needs (tensors, numbers,
         strings: a checkpoint holds it); None: nothing."""

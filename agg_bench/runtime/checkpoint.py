@@ -8,7 +8,11 @@ comes from ``iteration_generator(seed, iteration)``, so an iteration depends on 
 after iteration k gives records k+1, ... equal to those of an uninterrupted run (timing fields aside).
 Frozen weights (a LoRA base, the KL reference) are rebuilt from the config, so they are not saved; what a method
 keeps from one iteration to the next (``Estimator.state_dict``: a moving average of the policy) is saved as
-``method_state`` and given back to the method on resume.
+``method_state`` and given back to the method on resume. With ``train.eval_ema`` the evaluation average of the
+trained parameters (:meth:`agg_bench.runtime.session.Session.evaluated_weights`) is saved as ``eval_ema`` (its
+weights by parameter name, ``steps``, ``version``): a resumed run continues it, and ``agg-bench learning``
+evaluates a checkpoint with those weights (:func:`evaluated_parameters`), as the public DiffusionNFT code saves
+its EMA as the checkpoint's model.
 
 **Sharded** (``train.shard: fsdp``): the parameters and optimizer state are written by every process,
 each its own shards, with ``torch.distributed.checkpoint`` into ``DIR/checkpoint_shards_<iteration>/``;
@@ -192,6 +196,8 @@ def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[
     method_state = session.estimator.state_dict()  # e.g. a moving average of the policy
     if method_state is not None:
         state["method_state"] = method_state
+    if session.eval_ema is not None:
+        state["eval_ema"] = session.eval_ema.state_dict()
     with atomic_file(path, "wb") as fh:
         torch.save(state, fh)
     _fsync_dir(path.parent)
@@ -281,6 +287,9 @@ def checkpoint_problem(state: Any) -> str | None:
     problem = _rng_problem(state.get("rng"))
     if problem is not None:
         return problem
+    problem = _eval_ema_problem(state.get("eval_ema"))
+    if problem is not None:
+        return problem
     if "shards" in state:
         name = state["shards"]
         if not (isinstance(name, str) and SHARDS_NAME.fullmatch(name)):
@@ -298,6 +307,28 @@ def checkpoint_problem(state: Any) -> str | None:
             and isinstance(optimizer.get("param_groups"), list)):
         return "optimizer: expected the optimizer's state (state, param_groups)"
     return None
+
+
+def _eval_ema_problem(average: Any) -> str | None:
+    """What keeps ``average`` from being the evaluation average :func:`save_checkpoint` writes (or its absence,
+    None); None when nothing does. Whether its weights are this model's is checked where they are loaded."""
+    if average is None:
+        return None
+    weights = average.get("weights") if isinstance(average, dict) else None
+    if not isinstance(weights, dict) or not weights or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point() for k, v in weights.items()):
+        return "eval_ema: expected the evaluation average's weights (names to floating-point tensors)"
+    steps, version = average.get("steps"), average.get("version")
+    if not (_is_int(steps) and steps >= 0 and (version is None or (_is_int(version) and version >= 0))):
+        return (f"eval_ema: steps = {quote(steps)}, version = {quote(version)}: expected integers >= 0 (version "
+                "may be null)")
+    return None
+
+
+def evaluated_parameters(state: dict) -> dict[str, torch.Tensor]:
+    """The trainable parameters an evaluation of a checked checkpoint ``state`` takes: the evaluation average's
+    weights where the run kept one (``train.eval_ema``), else the trained parameters."""
+    return state["eval_ema"]["weights"] if "eval_ema" in state else state["parameters"]
 
 
 def read_checkpoint(path: str | Path, prefix: str = "", advice: str = "") -> dict:
@@ -365,6 +396,11 @@ def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | 
     session.policy.version = state["policy_version"]
     if isinstance(state.get("method_state"), dict):
         session.estimator.load_state_dict(state["method_state"], session.policy)
+    if session.eval_ema is not None:  # the config matched the checkpoint's, whose run kept one
+        if "eval_ema" not in state:
+            raise UserError(f"--resume: {path} holds no evaluation average (train.eval_ema){advice}")
+        session.eval_ema = type(session.eval_ema).from_state(session.policy, state["eval_ema"],
+                                                             f"evaluation average (train.eval_ema) in {path}")
     try:
         _set_rng_state(state["rng"], session.device)
     except (TypeError, ValueError, RuntimeError) as err:

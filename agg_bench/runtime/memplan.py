@@ -2,9 +2,12 @@
 
 Per GPU (one of the run's ``gpus`` processes):
 
-- ``params``: the transformer's parameters and buffers, the VAE's, and the frozen reference copy that a
-  KL penalty (``grpo.beta > 0``) keeps without LoRA; ``model.dtype: bfloat16`` keeps float32 master
-  weights (:data:`agg_bench.engine.models.PRECISIONS`).
+- ``params``: the transformer's parameters and buffers, the VAE's, the frozen reference copy that a
+  KL penalty (``grpo.beta > 0``) keeps without LoRA, the frozen copy of the transformer that a method's moving
+  average of the policy is (:meth:`agg_bench.methods.base.Estimator.moving_average`: DiffusionNFT's old policy,
+  AWM's EMA-KL, DGPO's ``ema_ref``; LoRA or not), and the evaluation average's copy of the trainable parameters
+  (``train.eval_ema``); ``model.dtype: bfloat16`` keeps float32 master weights
+  (:data:`agg_bench.engine.models.PRECISIONS`).
 - ``grads``: one gradient per trainable parameter, in the parameters' dtype (a parameter the forward
   never reaches, such as the text output of Qwen-Image's last block, gets none in a run).
 - ``optimizer``: AdamW's two moments per trainable parameter (its per-tensor step counters, 4 bytes
@@ -48,7 +51,7 @@ from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 from ..errors import ConfigError
 from ..machine import distributed
 from ..machine.activations import SavedActivations, counting_regions
-from ..methods.base import method_options
+from ..methods.base import build_estimator, method_options
 
 GIB = 1024 ** 3
 H200_GIB = 139.0  # an H200's memory as CUDA reports it: the default budget where no GPU is visible
@@ -268,6 +271,7 @@ class ShapeModel:
         self.latent_shape = self.policy(train.gradient_checkpointing, train.lora_rank).latent_shape(
             cfg.model.resolution)
         self.text_tokens = text_tokens(cfg)
+        self.moving_average = build_estimator(cfg).moving_average() is not None
 
     def policy(self, checkpointing: bool, lora_rank: int) -> Policy:
         key = (checkpointing, lora_rank)
@@ -307,9 +311,11 @@ class ShapeModel:
         model = _tensor_bytes(params, shards) + _tensor_bytes(transformer.buffers())
         vae = _tensor_bytes(self.vae.parameters()) + _tensor_bytes(self.vae.buffers())
         reference = model if self.cfg.grpo.beta > 0 and layout.lora_rank == 0 else 0
+        moving_policy = model if self.moving_average else 0  # a whole copy of the transformer, whatever it trains
         grads = _tensor_bytes(trainable, shards)
+        average = grads if self.cfg.train.eval_ema is not None else 0  # a copy of each trainable parameter
         on_gpu = 0 if layout.cpu_offload and layout.shard == "fsdp" else 1
-        return {"params": on_gpu * (model + reference) + vae, "grads": on_gpu * grads,
+        return {"params": on_gpu * (model + reference + moving_policy + average) + vae, "grads": on_gpu * grads,
                 "optimizer": on_gpu * 2 * grads, "parameters": sum(p.numel() for p in params),
                 "trainable_parameters": sum(p.numel() for p in trainable)}
 

@@ -19,6 +19,7 @@ from .. import stopping
 from ..config import RunConfig
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.models import Conditioning, Policy, build_policy
+from ..engine.moving_average import MovingAverage, warmup_decay
 from ..engine.trained_steps import draw_plan
 from ..engine.rewards import build_reward, reward_details
 from ..engine.rollout import Trajectory, initial_noise
@@ -124,6 +125,13 @@ class Session:
         self.steps_taken = 0  # optimizer steps of the last update
         self.sigmas = run_sigmas(cfg, self.policy, self.latent_shape)
         estimator.check_schedule(cfg, self.sigmas)
+        # train.eval_ema: the moving average the evaluations use; the rollout and training never do
+        self.eval_ema = MovingAverage(self.policy) if cfg.train.eval_ema is not None else None
+
+    def evaluated_weights(self):
+        """A context in which the policy computes with the weights an evaluation takes: the moving average of
+        ``train.eval_ema`` swapped in (the trained weights put back after, bit for bit), or the trained weights."""
+        return self.eval_ema.weights_in(self.policy) if self.eval_ema is not None else contextlib.nullcontext()
 
     # ----- one iteration's data -------------------------------------------------------------
     def pick_prompts(self, generator: torch.Generator) -> torch.Tensor:
@@ -189,7 +197,9 @@ class Session:
         optimizer steps it took.
 
         Each step: zero the gradient, the method's gradient of its mini-batch's loss (the mean over the mini-batch's
-        terms), the average over the processes, the clip, the divergence check, the optimizer's step. ``loss``,
+        terms), the average over the processes, the clip, the divergence check, the optimizer's step, and with
+        ``train.eval_ema`` the evaluation average's update (:func:`~agg_bench.engine.moving_average.warmup_decay`
+        of the optimizer steps taken, this one counted). ``loss``,
         ``clip_frac``, ``approx_kl`` and ``grad_norm`` are the means over the steps taken; the update's other
         statistics (``ratio_dev``) are its first step's. One mini-batch is the batch itself, not a copy.
         """
@@ -218,6 +228,8 @@ class Session:
             self.optimizer.step()
             self.steps_taken += 1
             self.policy.version += 1
+            if self.eval_ema is not None:  # after every optimizer step, n counting this one
+                self.eval_ema.update(self.policy, warmup_decay(self.policy.version, cfg.train.eval_ema))
             summary = stats.as_dict()
             if not losses:  # the first step's
                 out.update({k: v for k, v in summary.items() if k not in ("loss", "clip_frac", "approx_kl")})

@@ -283,14 +283,16 @@ class Training:
 
     def _evaluate_if_due(self, done: int) -> str | None:
         """Evaluate the weights after ``done`` iterations (every process: a sharded forward needs them all)
-        and append the line (rank 0), if ``eval.every`` asks for that state and it is not evaluated yet:
+        and append the line (rank 0), if ``eval.every`` asks for that state and it is not evaluated yet
+        (with ``train.eval_ema``, the state's moving average: :meth:`Session.evaluated_weights`):
         every ``eval.every``-th state from 0 on, and the last one (``train.iterations`` or the budget).
         The job log's line about it, or None when nothing was evaluated."""
         every = self.cfg.eval.every
         last = done >= self.cfg.train.iterations or self.budget_reached
         if self.evaluation is None or done in self.evaluated or not (done % every == 0 or last):
             return None
-        with tel.PhaseTimer(self.session.device) as timer:
+        # with train.eval_ema the moving average's weights, the trained ones put back after
+        with tel.PhaseTimer(self.session.device) as timer, self.session.evaluated_weights():
             scores, _ = self.evaluation.evaluate()
         line = {"iteration": done, **scores, "t_eval_s": timer.elapsed_s, "t_eval_cpu_s": timer.cpu_s}
         if self.eval_writer is not None:

@@ -89,8 +89,10 @@ class CheckpointEvaluation:
         """The evaluation's means and first images (:meth:`Evaluation.evaluate`, ``keep`` of them) of the
         starting weights (``run`` None) or of the run's final ``checkpoint.pt``, read and checked by
         :func:`agg_bench.runtime.checkpoint.read_checkpoint` and loaded strictly (every trainable parameter
-        of the model, each of its shape); None if the run saved no checkpoint."""
-        from ..runtime.checkpoint import load_parameters, read_checkpoint
+        of the model, each of its shape): the evaluation average's weights where the run kept one
+        (``train.eval_ema``), else the trained ones (:func:`~agg_bench.runtime.checkpoint.evaluated_parameters`);
+        None if the run saved no checkpoint."""
+        from ..runtime.checkpoint import evaluated_parameters, load_parameters, read_checkpoint
 
         transformer = self.evaluation.policy.transformer
         transformer.load_state_dict(self.base)
@@ -103,7 +105,7 @@ class CheckpointEvaluation:
                 raise UserError(f"{path}: holds no whole parameters (a sharded run's checkpoint); the "
                                 "evaluation reads unsharded runs")
             params = {name: p for name, p in transformer.named_parameters() if p.requires_grad}
-            load_parameters(params, state["parameters"], path)
+            load_parameters(params, evaluated_parameters(state), path)
         return self.evaluation.evaluate(self.keep)
 
 

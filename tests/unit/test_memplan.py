@@ -67,6 +67,33 @@ def test_plan_equals_what_a_run_holds_and_measures(case):
     assert plan.bytes["total_per_gpu"] == sum(plan.bytes[k] for k in ("params", "grads", "optimizer", "activations"))
 
 
+MOVING_AVERAGES = {
+    # a method's moving average of the policy is a whole frozen copy of the transformer, LoRA or not
+    "nft": ['method={"name": "nft", "times_per_sample": 2, "old_decay_rate": 0.001}'],
+    "nft-lora": ['method={"name": "nft", "times_per_sample": 2, "old_decay_rate": 0.001}', "train.lora_rank=4"],
+    "awm": ['method={"name": "awm", "times_per_sample": 2, "ema_kl_beta": 1.0}'],
+    # DGPO keeps a frozen reference of its own without grpo.beta: the session's, with it
+    "dgpo": ['method={"name": "dgpo", "times_per_sample": 2, "clip_dsm": true}', "grpo.beta=0.1"],
+}
+
+
+@pytest.mark.parametrize("case", list(MOVING_AVERAGES))
+def test_a_methods_moving_average_of_the_policy_is_charged_as_the_copy_it_holds(case):
+    settings = ["sampling.same_noise_per_group=false", *MOVING_AVERAGES[case]]
+    plan = plan_memory(tiny_config(*settings, dtype="float32"), suggest=False)
+    session = Session(tiny_config(*settings, dtype="float32"))
+    session.collect(0)  # the method makes its moving average at its first rollout
+    policy, average = session.policy, session.estimator.ema
+    modules = [policy.transformer, policy.vae, average.policy.transformer]
+    if session.reference is not None and session.reference.transformer is not policy.transformer:
+        modules.append(session.reference.transformer)
+    assert plan.bytes["params"] == _storage_bytes([t for m in modules for t in (*m.parameters(), *m.buffers())])
+    without = plan_memory(tiny_config(settings[0], *MOVING_AVERAGES[case][1:], f"method.name={case.split('-')[0]}",
+                                      "method.times_per_sample=2", dtype="float32"), suggest=False)
+    assert plan.bytes["params"] - without.bytes["params"] == \
+        _storage_bytes([*average.policy.transformer.parameters(), *average.policy.transformer.buffers()])
+
+
 def test_fsdp_divides_the_model_state_and_the_batch():
     cfg = tiny_config("grpo.prompts_per_iteration=4", "train.shard=fsdp", "telemetry.enabled=true")
     one, four = plan_memory(cfg, 1, suggest=False), plan_memory(cfg, 4, suggest=False)

@@ -202,5 +202,6 @@ def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
     assert o.solver == "dpm2"  # sample.solver, sample.deterministic
     assert (cfg.sampling.steps, cfg.grpo.adv_clip_max, cfg.train.lr) == (10, 5.0, 3e-4)
     assert (cfg.grpo.adv_std, cfg.grpo.adv_ddof, cfg.grpo.adv_eps) == ("global", 0, 1e-4)
+    assert cfg.train.eval_ema == 0.9  # train.ema: EMAModuleWrapper(decay=0.9, update_step_interval=1)
     assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 

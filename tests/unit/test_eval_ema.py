@@ -1,0 +1,235 @@
+"""`train.eval_ema`: the moving average of the trained parameters that evaluations use (DiffusionNFT's `train.ema`),
+against a float64 reference of its update rule; the evaluations (in-run and `agg-bench learning`'s of a checkpoint)
+take its weights while the rollout and training take the trained ones; a resumed run continues it; the planner
+charges its copy; bad values are one line. Runtime: about 25 s on 2 cores."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from helpers import TINY, tiny_config
+
+from agg_bench.cli import main
+from agg_bench.io import read_jsonl
+from agg_bench.runtime.checkpoint import CHECKPOINT_NAME
+from agg_bench.runtime.evaluation import Evaluation
+from agg_bench.runtime.memplan import plan_memory
+from agg_bench.runtime.train import TIMING_KEYS, Session, train
+
+RUN = ["reward.name=smoothness", "eval.every=1", "eval.noises=2", "train.checkpoint_every=1", "train.lr=3e-2"]
+
+
+def reference_average(start: dict, trained: list[dict], maximum: float) -> dict:
+    """The average after ``len(trained)`` optimizer steps, in float64 from the update rule: from the starting
+    weights, after step n (1-based) ``ema <- d ema + (1 - d) w_n`` with ``d = min((1 + n) / (10 + n), maximum)``."""
+    ema = {k: v.double().clone() for k, v in start.items()}
+    for n, weights in enumerate(trained, 1):
+        d = min((1 + n) / (10 + n), maximum)
+        ema = {k: d * ema[k] + (1 - d) * weights[k].double() for k in ema}
+    return ema
+
+
+def weights(policy) -> dict:
+    return {n: p.detach().clone() for n, p in policy.named_parameters()}
+
+
+def records(out: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in (*TIMING_KEYS, "run_id")} for r in read_jsonl(out / "metrics.jsonl")]
+
+
+def evaluations(out: Path) -> list[dict]:
+    return [{k: v for k, v in e.items() if not k.startswith("t_")} for e in read_jsonl(out / "evaluations.jsonl")]
+
+
+def test_the_average_follows_its_update_rule_after_every_optimizer_step():
+    """Two iterations of two optimizer steps: after them the average equals the float64 reference, its decay
+    warming up as (1 + n) / (10 + n) until the cap (drawn so that it binds from the third step); swapping it in
+    and out leaves the trained weights as they were, bit for bit."""
+    maximum = 0.26 + 0.04 * float(torch.rand(1, dtype=torch.float64))
+    session = Session(tiny_config(f"train.eval_ema={maximum!r}", "train.inner_epochs=2", "train.lr=3e-2",
+                                  "reward.name=smoothness"))
+    start, trained = weights(session.policy), []
+    session.optimizer.register_step_post_hook(lambda *args: trained.append(weights(session.policy)))
+    for iteration in range(2):
+        session.update(session.collect(iteration).batch)
+    assert len(trained) == 4 and session.eval_ema.steps == 4 and session.eval_ema.version is None
+    expected = reference_average(start, trained, maximum)
+    for name, w in session.eval_ema.weights.items():
+        torch.testing.assert_close(w, expected[name], rtol=0, atol=1e-14)
+    # neither the trained weights, nor the average without the cap, nor one of a constant decay
+    live = weights(session.policy)
+    uncapped = reference_average(start, trained, 0.999)
+    constant = {k: v.double().clone() for k, v in start.items()}
+    for w in trained:
+        constant = {k: maximum * constant[k] + (1 - maximum) * w[k].double() for k in constant}
+    for other in (live, uncapped, constant):
+        assert max(float((other[n].double() - expected[n]).abs().max()) for n in expected) > 1e-9
+    with session.evaluated_weights():
+        assert all(torch.equal(p, session.eval_ema.weights[n]) for n, p in session.policy.named_parameters())
+    assert all(torch.equal(p, live[n]) for n, p in session.policy.named_parameters())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same run with and without the average (3 iterations, evaluated and checkpointed after each), the
+    trained weights after each iteration (one optimizer step each), and the average's cap."""
+    maximum = 0.5 + 0.4 * float(torch.rand(1, dtype=torch.float64))
+    folder = tmp_path_factory.mktemp("eval-ema")
+    trained: list[dict] = []
+    update = Session.update
+
+    def recording(self, batch):
+        out = update(self, batch)
+        trained.append(weights(self.policy))
+        return out
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Session, "update", recording)
+    try:
+        train(tiny_config(*RUN, "train.iterations=3", f"train.eval_ema={maximum!r}"), folder / "ema")
+        averaged = list(trained)
+        trained.clear()
+        train(tiny_config(*RUN, "train.iterations=3"), folder / "plain")
+    finally:
+        mp.undo()
+    assert len(averaged) == 3 and all(torch.equal(a[n], b[n]) for a, b in zip(averaged, trained) for n in a)
+    return folder, averaged, maximum
+
+
+def test_evaluations_use_the_average_and_the_rollout_and_training_the_trained_weights(runs):
+    folder, trained, maximum = runs
+    # every record (rollout rewards, losses, gradients, counts, cost) is the run's without the average
+    assert records(folder / "ema") == records(folder / "plain")
+    lines, plain = evaluations(folder / "ema"), evaluations(folder / "plain")
+    assert [e["iteration"] for e in lines] == [0, 1, 2, 3]
+    assert lines[0] == plain[0]  # the average of no step is the starting weights
+    # each evaluation line is that of a model holding the reference average of its state
+    session = Session(tiny_config(*RUN, "train.iterations=3"))
+    start = weights(session.policy)
+    for k, line in enumerate(lines):
+        reference = reference_average(start, trained[:k], maximum)
+        with torch.no_grad():
+            for n, p in session.policy.named_parameters():
+                p.copy_(reference[n])
+        expected = Evaluation.of_session(session).evaluate()[0]["eval_reward"]
+        assert math.isclose(line["eval_reward"], expected, rel_tol=1e-9, abs_tol=0)
+        if k:  # the trained weights score otherwise, well beyond that tolerance
+            assert not math.isclose(plain[k]["eval_reward"], expected, rel_tol=1e-6)
+    # the checkpoint holds the trained weights (the plain run's) and the average beside them
+    state = torch.load(folder / "ema" / CHECKPOINT_NAME, weights_only=True)
+    other = torch.load(folder / "plain" / CHECKPOINT_NAME, weights_only=True)
+    assert "eval_ema" not in other
+    assert state["parameters"].keys() == other["parameters"].keys()
+    assert all(torch.equal(state["parameters"][n], other["parameters"][n]) for n in other["parameters"])
+    expected = reference_average(start, trained, maximum)
+    assert (state["eval_ema"]["steps"], state["eval_ema"]["version"]) == (3, None)
+    for n, w in state["eval_ema"]["weights"].items():
+        torch.testing.assert_close(w, expected[n], rtol=0, atol=1e-14)
+
+
+def test_the_checkpoint_evaluation_takes_the_average(runs):
+    """`agg-bench learning` evaluates a run's final checkpoint with the average it holds: the run's own last
+    evaluation, exactly (the same weights, noises and sampler); the trained weights' score is another."""
+    from agg_bench.results.learning_tables import Run
+    from agg_bench.tools.learning import CheckpointEvaluation
+
+    folder, _, _ = runs
+    run = lambda name: Run("full", 0, folder / name, pd.DataFrame())
+    evaluation = CheckpointEvaluation([run("ema")], noises=2, seed=0, sampler="sde")
+    for name in ("ema", "plain"):
+        means, _ = evaluation.evaluate_weights(run(name))
+        last = json.loads((folder / name / "evaluations.jsonl").read_text().splitlines()[-1])
+        assert math.isclose(means["eval_reward"], last["eval_reward"], rel_tol=1e-12, abs_tol=0)
+    assert evaluations(folder / "ema")[-1]["eval_reward"] != evaluations(folder / "plain")[-1]["eval_reward"]
+
+
+def test_a_resumed_run_continues_the_average(tmp_path):
+    """Stopped after 2 of 4 iterations and resumed: records, evaluations and the final checkpoint's average
+    (with DiffusionNFT's moving-average old policy beside it) equal the uninterrupted run's."""
+    settings = [*RUN, "train.eval_ema=0.9", "sampling.same_noise_per_group=false",
+                'method={"name": "nft", "times_per_sample": 2, "old_decay_rate": 0.3, "old_decay_max": 0.6}']
+    train(tiny_config(*settings, "train.iterations=4"), tmp_path / "whole")
+    train(tiny_config(*settings, "train.iterations=2"), tmp_path / "part")
+    train(tiny_config(*settings, "train.iterations=4"), tmp_path / "part", resume=True)
+    assert json.loads((tmp_path / "part" / "summary.json").read_text())["resumed_from"] == 1
+    assert records(tmp_path / "part") == records(tmp_path / "whole")
+    assert evaluations(tmp_path / "part") == evaluations(tmp_path / "whole")
+    a, b = (torch.load(tmp_path / name / CHECKPOINT_NAME, weights_only=True)["eval_ema"] for name in ("part", "whole"))
+    assert (a["steps"], a["version"]) == (b["steps"], b["version"]) == (4, None)
+    assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in b["weights"])
+
+
+@pytest.mark.parametrize("case", [("sd3", "float32", []), ("flux", "bfloat16", ["train.lora_rank=4"])])
+def test_the_planner_charges_one_copy_of_the_trained_parameters(case):
+    family, dtype, extra = case
+    cfg = tiny_config("sampling.steps=3", *extra, family=family, dtype=dtype)
+    averaged = tiny_config("sampling.steps=3", "train.eval_ema=0.9", *extra, family=family, dtype=dtype)
+    without, with_average = plan_memory(cfg, suggest=False), plan_memory(averaged, suggest=False)
+    session = Session(averaged)
+    copy = sum(w.untyped_storage().nbytes() for w in session.eval_ema.weights.values())
+    assert copy == sum(p.numel() * p.element_size() for p in session.policy.parameters()) > 0
+    assert with_average.bytes["params"] - without.bytes["params"] == copy
+    assert with_average.bytes["total_per_gpu"] - without.bytes["total_per_gpu"] == copy
+    assert {k: v for k, v in with_average.bytes.items() if k not in ("params", "total_per_gpu")} == \
+        {k: v for k, v in without.bytes.items() if k not in ("params", "total_per_gpu")}
+
+
+BAD = {"0": "> 0", "1": "< 1", "-0.1": "> 0", ".nan": "finite", ".inf": "finite", "1e400": "finite",
+       "abc": "a number or null", "true": "a number or null", "[0.9]": "a number or null"}
+
+
+@pytest.mark.parametrize("value", list(BAD))
+@pytest.mark.parametrize("verb", ["run", "plan"])
+def test_a_bad_value_is_one_line_and_nothing_is_written(tmp_path, capsys, value, verb):
+    out = tmp_path / "out"
+    args = ["--set", "model.resolution=32", "--set", f"train.eval_ema={value}"]
+    assert main([verb, *args, *(["--out", str(out)] if verb == "run" else [])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.eval_ema = " in err[0] and BAD[value] in err[0] and "Traceback" not in err[0], err
+    assert not out.exists()
+    assert main(["plan", "--set", "model.resolution=32", "--set", "train.eval_ema=0.9"]) == 0  # what is allowed
+
+
+def test_sharding_with_the_average_is_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["run", "--set", "model.resolution=32", "--set", "train.shard=fsdp", "--set", "train.eval_ema=0.9",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.eval_ema = 0.9" in err[0] and "fsdp" in err[0], err
+    assert not out.exists()
+
+
+CRAFTED = {
+    "no average": (lambda s: s.pop("eval_ema"), "holds no evaluation average"),
+    "weights of another shape": (lambda s: s["eval_ema"]["weights"].__setitem__(
+        next(iter(s["eval_ema"]["weights"])), torch.zeros(3)), "does not match the model's trainable parameters"),
+    "integer weights": (lambda s: s["eval_ema"]["weights"].__setitem__(
+        next(iter(s["eval_ema"]["weights"])), torch.zeros(3, dtype=torch.long)), "eval_ema: expected"),
+    "text steps": (lambda s: s["eval_ema"].update(steps="2"), "eval_ema: steps = '2'"),
+    "negative version": (lambda s: s["eval_ema"].update(version=-1), "eval_ema: steps"),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_average_in_a_checkpoint_is_one_line_and_nothing_is_touched(case, runs, tmp_path, capsys):
+    import shutil
+
+    folder, _, maximum = runs
+    out = tmp_path / "run"
+    shutil.copytree(folder / "ema", out)
+    state = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    change, expected = CRAFTED[case]
+    change(state)
+    torch.save(state, out / CHECKPOINT_NAME)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    args = [a for o in [*TINY, "model.dtype=float64", *RUN, f"train.eval_ema={maximum!r}", "train.iterations=4"]
+            for a in ("--set", o)]
+    assert main(["run", *args, "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and CHECKPOINT_NAME in err[0] and expected in err[0] and "Traceback" not in err[0], err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
