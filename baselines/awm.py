@@ -65,8 +65,9 @@ plus B*K forward_nograd with ``grpo.beta > 0`` and B*K more for the EMA-KL term 
 from the policy.
 
 The code's advantages take the batch-wide reward std plus 1e-4 (``sample.global_std = True``): here
-``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). Not ported: SA-Solver's noise (above), the EMA of
-the trained weights that only evaluations and checkpoints use (``train.ema``, decay 0.99), LoRA. The code skips its
+``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). The EMA of the trained weights that only evaluations
+and checkpoints use (``train.ema``, decay 0.99, ``update_step_interval`` 1) is the run key ``train.eval_ema`` (0.99 in
+the preset). Not ported: SA-Solver's noise (above), LoRA. The code skips its
 first two epochs, whose groups it says its sampler gets wrong (a workaround: the harness's groups are right from
 the first iteration).
 

@@ -91,10 +91,10 @@ The advantages: the geneval config standardises within the group (``sample.globa
 over the batch (True), both with np.std plus 1e-4 (``grpo.adv_eps``). The code steps the optimizer once per epoch,
 as here once per iteration: its accelerator accumulates ``gradient_accumulation_steps`` x ``num_train_timesteps``
 (batch, time) passes, and the geneval config sets ``gradient_accumulation_steps`` to the epoch's
-``num_batches_per_epoch`` ("Update once per epoch"). Not ported: the moving average as the DPO reference
-(``use_ema_ref``, a variant config's), the EMA of the trained weights that only evaluations use (``train.ema``),
-LoRA. An ODE rollout from one
-noise is one image, so ``sampling.same_noise_per_group`` must be false.
+``num_batches_per_epoch`` ("Update once per epoch"). The EMA of the trained weights that only evaluations use
+(``train.ema``: decay 0.9, ``update_step_interval`` 8) is the run keys ``train.eval_ema`` and
+``train.eval_ema_every`` (the preset's 0.9 and 8). Not ported: the moving average as the DPO reference
+(``use_ema_ref``, a variant config's), LoRA. An ODE rollout from one noise is one image, so ``sampling.same_noise_per_group`` must be false.
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
 """

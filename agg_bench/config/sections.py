@@ -265,6 +265,10 @@ class TrainConfig(Section):
               "it; the rollout and training use the trained weights (DiffusionNFT's `train.ema`, 0.9); refused with "
               "`train.shard: fsdp`; null: none, evaluations use the trained weights",
         exclusive_minimum=0, exclusive_maximum=1)
+    eval_ema_every: int = option(
+        1, "`train.eval_ema`'s average takes in the weights only after the optimizer steps n with (n + 1) divisible "
+           "by this (the public `EMAModuleWrapper`'s `update_step_interval`: 1 in DiffusionNFT and AWM, 8 in DGPO)",
+        minimum=1, maximum=10**6)
 
     @property
     def optimizer_steps(self) -> int:

@@ -199,7 +199,7 @@ class Session:
         Each step: zero the gradient, the method's gradient of its mini-batch's loss (the mean over the mini-batch's
         terms), the average over the processes, the clip, the divergence check, the optimizer's step, and with
         ``train.eval_ema`` the evaluation average's update (:func:`~agg_bench.engine.moving_average.warmup_decay`
-        of the optimizer steps taken, this one counted). ``loss``,
+        of the optimizer steps taken, this one counted; every ``train.eval_ema_every`` steps). ``loss``,
         ``clip_frac``, ``approx_kl`` and ``grad_norm`` are the means over the steps taken; the update's other
         statistics (``ratio_dev``) are its first step's. One mini-batch is the batch itself, not a copy.
         """
@@ -228,7 +228,8 @@ class Session:
             self.optimizer.step()
             self.steps_taken += 1
             self.policy.version += 1
-            if self.eval_ema is not None:  # after every optimizer step, n counting this one
+            # after the optimizer steps n (counting this one) with (n + 1) divisible by train.eval_ema_every
+            if self.eval_ema is not None and (self.policy.version + 1) % cfg.train.eval_ema_every == 0:
                 self.eval_ema.update(self.policy, warmup_decay(self.policy.version, cfg.train.eval_ema))
             summary = stats.as_dict()
             if not losses:  # the first step's

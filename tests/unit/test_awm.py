@@ -197,6 +197,7 @@ def test_preset_scales_the_public_setting_and_loads_with_random_weights():
     assert (options.times_per_sample, options.time_distribution, options.advantage_max) == (6, "discrete", 1.0)
     assert options.times_shared_by == 3  # train.batch_size
     assert options.solver == "sa_solver"  # train.use_sa_solver
+    assert (cfg.train.eval_ema, cfg.train.eval_ema_every) == (0.99, 1)  # train.ema, ema_decay, its interval
     assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
 

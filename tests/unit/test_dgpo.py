@@ -183,6 +183,7 @@ def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
         (100.0, 4, "schedule", 4, True, "sana")
     assert cfg.sampling.shift == 3.0  # the scheduler's flow_shift
     assert (cfg.sampling.steps, cfg.grpo.adv_clip_max, cfg.grpo.beta, cfg.train.lr) == (10, 5.0, 0.02, 3e-4)
+    assert (cfg.train.eval_ema, cfg.train.eval_ema_every) == (0.9, 8)  # train.ema: decay 0.9, update_step_interval 8
     assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
 

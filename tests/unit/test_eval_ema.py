@@ -23,11 +23,14 @@ from agg_bench.runtime.train import TIMING_KEYS, Session, train
 RUN = ["reward.name=smoothness", "eval.every=1", "eval.noises=2", "train.checkpoint_every=1", "train.lr=3e-2"]
 
 
-def reference_average(start: dict, trained: list[dict], maximum: float) -> dict:
+def reference_average(start: dict, trained: list[dict], maximum: float, every: int = 1) -> dict:
     """The average after ``len(trained)`` optimizer steps, in float64 from the update rule: from the starting
-    weights, after step n (1-based) ``ema <- d ema + (1 - d) w_n`` with ``d = min((1 + n) / (10 + n), maximum)``."""
+    weights, after step n (1-based) with (n + 1) divisible by ``every`` (the public update_step_interval)
+    ``ema <- d ema + (1 - d) w_n`` with ``d = min((1 + n) / (10 + n), maximum)``."""
     ema = {k: v.double().clone() for k, v in start.items()}
     for n, weights in enumerate(trained, 1):
+        if (n + 1) % every:
+            continue
         d = min((1 + n) / (10 + n), maximum)
         ema = {k: d * ema[k] + (1 - d) * weights[k].double() for k in ema}
     return ema
@@ -71,6 +74,26 @@ def test_the_average_follows_its_update_rule_after_every_optimizer_step():
     with session.evaluated_weights():
         assert all(torch.equal(p, session.eval_ema.weights[n]) for n, p in session.policy.named_parameters())
     assert all(torch.equal(p, live[n]) for n, p in session.policy.named_parameters())
+
+
+def test_the_average_takes_in_every_nth_step_only():
+    """``train.eval_ema_every: 3`` (DGPO's ``update_step_interval`` is 8): over six optimizer steps the average
+    takes in the weights after steps 2 and 5 only, each with the warm-up decay of its own step count, and equals
+    the float64 reference; the every-step average differs."""
+    session = Session(tiny_config("train.eval_ema=0.8", "train.eval_ema_every=3", "train.inner_epochs=2",
+                                  "train.lr=3e-2", "reward.name=smoothness"))
+    start, trained, taken = weights(session.policy), [], []
+    session.optimizer.register_step_post_hook(lambda *args: trained.append(weights(session.policy)))
+    for iteration in range(3):
+        before = session.eval_ema.steps
+        session.update(session.collect(iteration).batch)
+        taken.append(session.eval_ema.steps != before)
+    assert len(trained) == 6 and session.eval_ema.steps == 5 and taken == [True, False, True]
+    expected = reference_average(start, trained, 0.8, every=3)
+    for name, w in session.eval_ema.weights.items():
+        torch.testing.assert_close(w, expected[name], rtol=0, atol=1e-14)
+    every_step = reference_average(start, trained, 0.8)
+    assert max(float((every_step[n] - expected[n]).abs().max()) for n in expected) > 1e-9
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +203,16 @@ def test_the_planner_charges_one_copy_of_the_trained_parameters(case):
 
 BAD = {"0": "> 0", "1": "< 1", "-0.1": "> 0", ".nan": "finite", ".inf": "finite", "1e400": "finite",
        "abc": "a number or null", "true": "a number or null", "[0.9]": "a number or null"}
+
+
+@pytest.mark.parametrize("value", ["0", "-8", "2.5", ".nan", "eight", "1e9", "[8]", "null"])
+def test_a_bad_interval_is_one_line_and_nothing_is_written(tmp_path, capsys, value):
+    out = tmp_path / "out"
+    assert main(["run", "--set", "model.resolution=32", "--set", "train.eval_ema=0.9", "--set",
+                 f"train.eval_ema_every={value}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.eval_ema_every = " in err[0] and "Traceback" not in err[0], err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("value", list(BAD))
