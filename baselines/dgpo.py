@@ -183,6 +183,9 @@ class DGPOEstimator(FinalLatentEstimator):
         self.ema: EMAPolicy | None = None  # the code's ema_ref: clip_dsm's old model, the late rollouts' sampler
         self.grid: FlowDPMGrid | None = None  # sampler sana's grid and timesteps (check_run)
 
+    def keeps_reference(self, cfg) -> bool:
+        return not cfg.grpo.beta > 0  # its DPO reference: the session's with grpo.beta, else its own frozen copy
+
     def moving_average(self) -> str | None:
         c = self.config
         return "clip_dsm" if c.clip_dsm else "ema_rollout_after" if c.ema_rollout_after is not None else None

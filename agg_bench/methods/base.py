@@ -171,6 +171,11 @@ class Estimator(ABC):
         """Method-specific fields for the iteration's metric record."""
         return {}
 
+    def keeps_reference(self, cfg: RunConfig) -> bool:
+        """Whether this run keeps a frozen copy of the starting policy of its own (beside the session's KL reference,
+        which ``grpo.beta > 0`` makes), which the memory plan charges as that reference. Default: no."""
+        return False
+
     def moving_average(self) -> str | None:
         """The option that makes this run keep a moving average of the policy as a frozen copy of its transformer
         (``Policy.weights_copy``: every parameter and buffer, which the memory plan charges); None: it keeps none."""

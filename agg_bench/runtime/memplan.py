@@ -3,7 +3,8 @@
 Per GPU (one of the run's ``gpus`` processes):
 
 - ``params``: the transformer's parameters and buffers, the VAE's, the frozen reference copy that a
-  KL penalty (``grpo.beta > 0``) keeps without LoRA, the frozen copy of the transformer that a method's moving
+  KL penalty (``grpo.beta > 0``) or the method itself (:meth:`agg_bench.methods.base.Estimator.keeps_reference`:
+  DGPO's DPO reference without ``grpo.beta``) keeps without LoRA, the frozen copy of the transformer that a method's moving
   average of the policy is (:meth:`agg_bench.methods.base.Estimator.moving_average`: DiffusionNFT's old policy,
   AWM's EMA-KL, DGPO's ``ema_ref``; LoRA or not), and the evaluation average's copy of the trainable parameters
   (``train.eval_ema``); ``model.dtype: bfloat16`` keeps float32 master weights
@@ -271,7 +272,10 @@ class ShapeModel:
         self.latent_shape = self.policy(train.gradient_checkpointing, train.lora_rank).latent_shape(
             cfg.model.resolution)
         self.text_tokens = text_tokens(cfg)
-        self.moving_average = build_estimator(cfg).moving_average() is not None
+        estimator = build_estimator(cfg)
+        self.moving_average = estimator.moving_average() is not None
+        # a frozen copy of the starting policy: the session's KL reference (grpo.beta > 0) or the method's own
+        self.reference = cfg.grpo.beta > 0 or estimator.keeps_reference(cfg)
 
     def policy(self, checkpointing: bool, lora_rank: int) -> Policy:
         key = (checkpointing, lora_rank)
@@ -310,7 +314,7 @@ class ShapeModel:
         shards = layout.shards
         model = _tensor_bytes(params, shards) + _tensor_bytes(transformer.buffers())
         vae = _tensor_bytes(self.vae.parameters()) + _tensor_bytes(self.vae.buffers())
-        reference = model if self.cfg.grpo.beta > 0 and layout.lora_rank == 0 else 0
+        reference = model if self.reference and layout.lora_rank == 0 else 0  # LoRA: the base model, no copy
         moving_policy = model if self.moving_average else 0  # a whole copy of the transformer, whatever it trains
         grads = _tensor_bytes(trainable, shards)
         average = grads if self.cfg.train.eval_ema is not None else 0  # a copy of each trainable parameter

@@ -74,6 +74,7 @@ MOVING_AVERAGES = {
     "awm": ['method={"name": "awm", "times_per_sample": 2, "ema_kl_beta": 1.0}'],
     # DGPO keeps a frozen reference of its own without grpo.beta: the session's, with it
     "dgpo": ['method={"name": "dgpo", "times_per_sample": 2, "clip_dsm": true}', "grpo.beta=0.1"],
+    "dgpo-own-reference": ['method={"name": "dgpo", "times_per_sample": 2, "clip_dsm": true}', "grpo.beta=0"],
 }
 
 
@@ -85,8 +86,9 @@ def test_a_methods_moving_average_of_the_policy_is_charged_as_the_copy_it_holds(
     session.collect(0)  # the method makes its moving average at its first rollout
     policy, average = session.policy, session.estimator.ema
     modules = [policy.transformer, policy.vae, average.policy.transformer]
-    if session.reference is not None and session.reference.transformer is not policy.transformer:
-        modules.append(session.reference.transformer)
+    for reference in (session.reference, getattr(session.estimator, "frozen", None)):  # the session's, DGPO's own
+        if reference is not None and reference.transformer is not policy.transformer:
+            modules.append(reference.transformer)
     assert plan.bytes["params"] == _storage_bytes([t for m in modules for t in (*m.parameters(), *m.buffers())])
     without = plan_memory(tiny_config(settings[0], *MOVING_AVERAGES[case][1:], f"method.name={case.split('-')[0]}",
                                       "method.times_per_sample=2", dtype="float32"), suggest=False)
