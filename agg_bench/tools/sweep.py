@@ -33,12 +33,13 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
 from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_schema, load_config,
-                      read_yaml_mapping)
+                      read_yaml_mapping, yaml_load)
 from ..engine.families import architecture, check_resolution
 from ..errors import UserError, clip, quote
 from ..io import atomic_path
@@ -84,6 +85,58 @@ def check_sweep_files(paths) -> None:
             read_yaml_mapping(path, "sweep sections", "--configfile")
         except UserError as err:
             raise SweepError(str(err)) from None
+
+
+def type_config_args(config: dict, entries: Any, parsed: Any) -> None:
+    """Each ``--config key=value`` whose value is a list or mapping read again into ``config``, as it reads in a
+    sweep file. Snakemake reads such a value with YAML's BaseLoader, which makes every number and boolean in it
+    text (``--config 'seeds=[0, 1]'`` gives ``['0', '1']``, which the sweep's checks refuse), and merges it
+    into the config: mappings key by key, anything else replaced. ``entries``: Snakemake's ``--config`` words
+    (``workflow.config_settings.config_args``); ``parsed``: what Snakemake made of them
+    (``workflow.config_settings.config``); a value it did not read with the BaseLoader (one that holds
+    anything but text) is left as it is."""
+    if not isinstance(entries, (list, tuple)) or not isinstance(parsed, Mapping):
+        return
+    for entry in entries:
+        if not isinstance(entry, str) or "=" not in entry:
+            continue
+        key, text = entry.split("=", 1)
+        try:
+            value = yaml_load(text, "--config", entry)
+        except yaml.YAMLError:
+            continue  # not YAML: Snakemake kept it as text
+        except UserError as err:
+            raise SweepError(str(err)) from None
+        if isinstance(value, (dict, list)) and _all_text(parsed.get(key)):
+            _merge_config(config, {key: value})
+
+
+def _all_text(value: Any) -> bool:
+    """Whether ``value`` is a list or mapping whose every key and value inside is text: what YAML's BaseLoader
+    makes of one."""
+    if not isinstance(value, (dict, list)):
+        return False
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+            if not all(isinstance(key, str) for key in item):
+                return False
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif not isinstance(item, str):
+            return False
+    return True
+
+
+def _merge_config(config: dict, update: dict) -> None:
+    """``update`` merged into ``config`` as Snakemake merges config (``snakemake.utils.update_config``)."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            _merge_config(config[key], value)
+        else:
+            config[key] = value
 
 
 def check_sweep(sweep: dict, schema: dict) -> None:

@@ -163,6 +163,29 @@ def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
     assert not (work / "results").exists()
 
 
+def test_config_overrides_read_as_in_a_sweep_file(tmp_path):
+    """Snakemake reads a `--config` list or mapping with YAML's BaseLoader, every number and boolean in it
+    text: `resolutions=[64]` was refused as `'64'`, and no nested key of the sweep could be changed from the
+    command line. They read as they do in the sweep file, merged into it, and a key that is not text is
+    refused in one line."""
+    work = workdir(tmp_path)
+    proc = snakemake(work, "-n", "-p", "--cores", "1", "--configfile", "config/test.yaml", "--config",
+                     "resolutions=[64]", "set={train.iterations: 3, progress: true}", "gradcheck={resolutions: [64]}")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert sorted(planned_runs(proc.stdout)) == ["agg-w3_sd3_64px_s0_cpu", "full_sd3_64px_s0_cpu"]
+    assert "gradcheck/sd3_64px_cpu.csv" in proc.stdout
+    calibrate = re.search(r"agg_bench calibrate (.*)", proc.stdout).group(1)
+    # the override merged into the file's `set`, each value of its type
+    assert "--set train.iterations=3 " in calibrate and "--set progress=true " in calibrate
+    assert "--set sampling.steps=6 " in calibrate, calibrate
+    proc = snakemake(work, "-n", "--cores", "1", "--configfile", "config/test.yaml", "--config", "set={1: 3}")
+    assert proc.returncode != 0
+    message = proc.stderr + proc.stdout
+    line = next((ln for ln in message.splitlines() if "sweep config" in ln), message)
+    assert "--config = 'set={1: 3}'" in line and "quote it" in line, message
+    assert not (work / "results").exists()
+
+
 def dancegrpo_log(path: Path) -> Path:
     lines = [{"step": s, "avg_reward": 0.3 + 0.05 * s, "step_time": 40.0 + s, "grad_norm": 0.2} for s in range(1, 5)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
