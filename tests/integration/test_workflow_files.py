@@ -1,10 +1,15 @@
 """Snakemake conventions of the workflow: every job rule keeps a log, the rules that measure keep a
-benchmark, and the default profile is found without a flag."""
+benchmark, the default profile is found without a flag, and git ignores what the workflow writes but
+the reference results."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURING = {"embed", "run", "cell", "gradcheck", "calibrate", "pretrain"}
@@ -53,3 +58,17 @@ def test_every_job_runs_on_the_threads_it_reserves():
             shells += 1
             assert shell.group(1).strip().startswith('"OMP_NUM_THREADS={threads} '), f"rule {name}"
     assert shells >= len(MEASURING)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_git_ignores_what_the_pipeline_writes_but_the_reference_results(tmp_path):
+    """results/ is generated, but results/reference/ holds the committed reference results (agg-bench campaign
+    unpack writes them there to be committed). `/results/` ignored the folder itself, and git does not look
+    inside an ignored folder, so `!/results/reference/` had no effect and `git add` refused the reference."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    shutil.copy(ROOT / ".gitignore", tmp_path)
+    paths = ["results/reference/h200/manifest.json", "results/runs/full_sd3_32px_s0_cpu/summary.json",
+             "results/tables/summary.csv", "results/report.html"]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=tmp_path, capture_output=True,
+                             text=True).stdout.split()
+    assert ignored == paths[1:]
