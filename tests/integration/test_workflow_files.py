@@ -72,3 +72,24 @@ def test_git_ignores_what_the_pipeline_writes_but_the_reference_results(tmp_path
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=tmp_path, capture_output=True,
                              text=True).stdout.split()
     assert ignored == paths[1:]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_clean_keeps_the_reference_results(tmp_path):
+    """`make clean` removes what the workflow made (results/, .snakemake/) but results/reference/, the committed
+    reference results (and reference windows unpacked there, not yet committed), which `rm -rf results` took."""
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    made = ["results/runs/full_sd3_32px_s0_cpu/summary.json", "results/tables/summary.csv", "results/report.html",
+            ".snakemake/agg-bench/methods.json"]
+    kept = ["results/reference/h200/manifest.json", "results/reference/h200/runs/a/summary.json"]
+    for path in made + kept:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("{}")
+    proc = subprocess.run(["make", "clean"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert [path for path in made if (tmp_path / path).exists()] == []
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["reference"]
+    assert all((tmp_path / path).read_text() == "{}" for path in kept)
+    # and on a clone where nothing ran
+    shutil.rmtree(tmp_path / "results")
+    assert subprocess.run(["make", "clean"], cwd=tmp_path, capture_output=True).returncode == 0
