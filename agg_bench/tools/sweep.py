@@ -159,6 +159,11 @@ def check_sweep(sweep: dict, schema: dict) -> None:
         if "device" in part and part["device"] not in sweep["devices"]:
             raise SweepError(f"{section}.device: {quote(part['device'])} is not a label under devices "
                              f"({', '.join(sweep['devices'])})")
+    for index, entry in enumerate(sweep.get("exclude", [])):  # a pattern that matches no label is a typo
+        for key, section in (("method", "methods"), ("model", "models"), ("device", "devices")):
+            if key in entry and not any(fnmatch.fnmatchcase(label, entry[key]) for label in sweep[section]):
+                raise SweepError(f"exclude.{index}.{key}: {quote(entry[key])} matches no label under {section} "
+                                 f"({', '.join(sweep[section])})")
     labels = [ref["label"] for ref in sweep.get("references", [])]
     if len(set(labels)) != len(labels):
         raise SweepError(f"references: labels must be unique ({', '.join(labels)})")
