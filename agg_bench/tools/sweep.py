@@ -173,6 +173,29 @@ def check_sweep(sweep: dict, schema: dict) -> None:
                          f"({', '.join(sweep['methods'])})")
 
 
+def check_input_files(sweep: dict) -> None:
+    """The files the workflow's jobs read that no job makes, for the Snakefile (``agg-bench campaign`` reads no
+    reference log and takes a model folder made by hand): each reference's log and each pretrain config are
+    files, and a model folder under results/pretrained/ is one that a ``pretrain`` entry makes (Snakemake
+    ended in a KeyError traceback or a MissingInputException for a job instead). ``sweep``: a checked one."""
+    for index, ref in enumerate(sweep.get("references", [])):
+        if not Path(ref["log"]).is_file():
+            raise SweepError(f"references.{index}.log: {quote(ref['log'])} is not a file (a DanceGRPO JSONL log, "
+                             "relative to the working directory)")
+    pretrain = sweep.get("pretrain") or {}
+    for label, spec in pretrain.items():
+        if not Path(spec["config"]).is_file():
+            raise SweepError(f"pretrain.{label}.config: {quote(spec['config'])} is not a file (a pretrain config "
+                             "YAML, relative to the working directory)")
+    for label, overrides in sweep["models"].items():
+        folder = dict(flatten(overrides)).get("model.pretrained")
+        if is_pretrained_here(folder) and folder[len(PRETRAINED_DIR) + 1:].rstrip("/") not in pretrain:
+            raise SweepError(f"models.{label}: model.pretrained = {quote(folder)}: a folder under {PRETRAINED_DIR}/ "
+                             f"is made by the pretrain entry of its name (pretrain has "
+                             f"{', '.join(pretrain) if pretrain else 'none'}); add one, or keep a model made by "
+                             "hand in another folder")
+
+
 def flatten(overrides: dict, prefix: str = "") -> list[tuple[str, Any]]:
     """Dotted (key, value) leaves of ``overrides``; `method` and `*.options` stay whole."""
     out = []

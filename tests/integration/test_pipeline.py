@@ -148,6 +148,13 @@ def test_dry_run_of_the_slurm_profile(tmp_path):
     (lambda s: s["gradcheck"].update(models=["sdxl"]), ["gradcheck.models", "sdxl"]),
     # decided from the model's configs while planning, not job by job
     (lambda s: s.update(resolutions=[30]), ["run full_sd3_30px", "model.resolution", "30", "multiple of 16"]),
+    # the files jobs read that no job makes: a MissingInputException of a job, or a KeyError traceback
+    (lambda s: s.update(references=[{"label": "ref", "log": "logs/none.jsonl"}]),
+     ["references.0.log", "logs/none.jsonl", "not a file"]),
+    (lambda s: s.update(pretrain={"scenes": {"config": "config/none.yaml"}}),
+     ["pretrain.scenes.config", "config/none.yaml", "not a file"]),
+    (lambda s: s["models"]["sd3"].update({"model.preset": "pretrained", "model.pretrained": "results/pretrained/x"}),
+     ["models.sd3", "model.pretrained", "results/pretrained/x", "pretrain has none"]),
 ])
 def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
     work = workdir(tmp_path)

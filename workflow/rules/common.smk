@@ -7,8 +7,8 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from agg_bench.errors import UserError
-from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, failed_runs,
-                                   report_failed_runs, set_arg, type_config_args)
+from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, check_input_files,
+                                   failed_runs, report_failed_runs, set_arg, type_config_args)
 
 try:
     # a list or mapping given with --config reads as in a sweep file (Snakemake's parse makes its numbers text)
@@ -17,6 +17,8 @@ try:
     # repeated keys and nesting aliases without a bound)
     SWEEP = Sweep(config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml",
                   files=workflow.configfiles)
+    # the files its jobs read that no job makes
+    check_input_files(SWEEP.sweep)
 except UserError as err:
     raise WorkflowError(str(err)) from None
 
