@@ -196,6 +196,22 @@ def check_input_files(sweep: dict) -> None:
                              "hand in another folder")
 
 
+def check_markers(sweep: Sweep) -> None:
+    """Each run whose marker says it ended still has its folder's ``summary.json``: a run folder removed by hand
+    left its marker, so Snakemake took the run as done and the tables job failed on the missing folder. For
+    the Snakefile; it removes nothing, and names the markers to remove."""
+    stale = [run_id for run_id in sweep.runs if Path(sweep.done_marker(run_id)).is_file()
+             and not (Path("results/runs") / run_id / "summary.json").is_file()]
+    if len(stale) == 1:
+        raise UserError(f"results/runs/{stale[0]} has no summary.json, but its marker says the run ended "
+                         f"(its folder removed?); to run it again, remove the marker: rm {sweep.done_marker(stale[0])}")
+    if stale:
+        named = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        raise UserError(f"{len(stale)} runs have no summary.json in results/runs/, but their markers say they "
+                         f"ended (their folders removed?): {named}; to run them again, remove their markers, "
+                         f"{DONE_DIR}/<run id>.json")
+
+
 def flatten(overrides: dict, prefix: str = "") -> list[tuple[str, Any]]:
     """Dotted (key, value) leaves of ``overrides``; `method` and `*.options` stay whole."""
     out = []

@@ -193,6 +193,28 @@ def test_config_overrides_read_as_in_a_sweep_file(tmp_path):
     assert not (work / "results").exists()
 
 
+def test_a_run_folder_removed_by_hand_is_named_with_its_marker(tmp_path):
+    """A run's job output is its marker in results/done/, not its folder: a folder removed by hand (to run it
+    again) left the marker, Snakemake took the run as done, and the tables job failed on the missing folder.
+    The workflow names the run and the marker to remove before any job, and removes nothing itself."""
+    work = workdir(tmp_path)
+    marker = work / "results/done/full_sd3_32px_s0_cpu.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"out": "results/runs/full_sd3_32px_s0_cpu", "status": "ok"}))
+    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    assert proc.returncode != 0
+    message = proc.stderr + proc.stdout
+    assert ("results/runs/full_sd3_32px_s0_cpu has no summary.json, but its marker says the run ended (its folder "
+            "removed?); to run it again, remove the marker: rm results/done/full_sd3_32px_s0_cpu.json") in message, message
+    assert sorted(p.relative_to(work).as_posix() for p in (work / "results").rglob("*")) == \
+        ["results/done", "results/done/full_sd3_32px_s0_cpu.json"]
+    run = work / "results/runs/full_sd3_32px_s0_cpu"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"status": "ok"}))
+    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout  # a run with its summary: its marker stands
+
+
 def dancegrpo_log(path: Path) -> Path:
     lines = [{"step": s, "avg_reward": 0.3 + 0.05 * s, "step_time": 40.0 + s, "grad_norm": 0.2} for s in range(1, 5)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
