@@ -212,6 +212,23 @@ def check_markers(sweep: Sweep) -> None:
                          f"{DONE_DIR}/<run id>.json")
 
 
+def check_output_folders(paths) -> None:
+    """Each folder that holds one of ``paths`` (the workflow's outputs, logs and benchmarks; a pattern's folders
+    up to its first wildcard) is a folder where it exists: a file in its place (``results`` itself, say) ended
+    Snakemake in a NotADirectoryError traceback, before any job or halfway through a run."""
+    seen: set[str] = set()
+    for path in paths:
+        parts = Path(os.path.dirname(str(path).split("{", 1)[0] + "x")).parts  # the folders before any wildcard
+        for depth in range(1, len(parts) + 1):
+            folder = str(Path(*parts[:depth]))
+            if folder in seen:
+                continue
+            seen.add(folder)
+            if os.path.lexists(folder) and not os.path.isdir(folder):
+                raise UserError(f"{folder} is not a folder, and the workflow keeps its files in a folder of that "
+                                "name; move it away")
+
+
 def flatten(overrides: dict, prefix: str = "") -> list[tuple[str, Any]]:
     """Dotted (key, value) leaves of ``overrides``; `method` and `*.options` stay whole."""
     out = []

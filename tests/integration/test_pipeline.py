@@ -215,6 +215,21 @@ def test_a_run_folder_removed_by_hand_is_named_with_its_marker(tmp_path):
     assert proc.returncode == 0, proc.stderr + proc.stdout  # a run with its summary: its marker stands
 
 
+@pytest.mark.parametrize("where", ["results", "results/logs/cell"])
+def test_a_file_where_a_folder_of_the_workflow_goes_is_one_line(tmp_path, where):
+    """A file named `results` (or a log folder's name) ended Snakemake in a NotADirectoryError traceback, before
+    any job or when a job's log was opened; one line names it, and it is left as it was."""
+    work = workdir(tmp_path)
+    (work / where).parent.mkdir(parents=True, exist_ok=True)
+    (work / where).write_text("mine")
+    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    assert proc.returncode != 0
+    message = proc.stderr + proc.stdout
+    assert f"{where} is not a folder, and the workflow keeps its files in a folder of that name; move it away" \
+        in message and "Traceback" not in message, message
+    assert (work / where).read_text() == "mine"
+
+
 def dancegrpo_log(path: Path) -> Path:
     lines = [{"step": s, "avg_reward": 0.3 + 0.05 * s, "step_time": 40.0 + s, "grad_norm": 0.2} for s in range(1, 5)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
