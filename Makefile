@@ -8,7 +8,7 @@
 CORES ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup pipeline test test-fast lint report clean learning
+.PHONY: setup pipeline test test-fast lint clean learning
 setup:
 	@bash scripts/setup.sh
 

@@ -93,3 +93,12 @@ def test_make_clean_keeps_the_reference_results(tmp_path):
     # and on a clone where nothing ran
     shutil.rmtree(tmp_path / "results")
     assert subprocess.run(["make", "clean"], cwd=tmp_path, capture_output=True).returncode == 0
+
+
+def test_every_phony_make_target_has_a_recipe():
+    """A target named .PHONY without a rule of its own (`report`) made `make report` print 'Nothing to be done'
+    and exit 0, as if the report were up to date."""
+    text = (ROOT / "Makefile").read_text()
+    phony = re.search(r"^\.PHONY:(.*)$", text, flags=re.M).group(1).split()
+    rules = set(re.findall(r"^([\w-]+):", text, flags=re.M))
+    assert phony and [target for target in phony if target not in rules] == []
