@@ -10,8 +10,10 @@ peft). The checks come in two stages:
    sweep's size with its aliases written out (:func:`agg_bench.config.check_expanded_size`), both before
    anything walks the whole sweep; the sweep against ``workflow/schemas/config.schema.yaml`` and
    its cross-references; each composed run config against the run schema; each run's resolution against
-   its model family's latent multiple and maximum (:mod:`agg_bench.engine.families`); an ``exclude`` that leaves
-   no run.
+   its model family's latent multiple and maximum (:mod:`agg_bench.engine.families`); an ``exclude`` pattern
+   that matches no label, and one that leaves no run. The Snakefile also checks, before any job, the files its
+   jobs read that no job makes (:func:`check_input_files`), runs whose marker outlived their folder
+   (:func:`check_markers`) and files where its folders go (:func:`check_output_folders`).
    Every run and calibration on several processes splits its batch into whole GRPO groups per process
    (:func:`agg_bench.config.check_data_parallel`, as the run checks it).
 2. The methods' own options and run checks (``Estimator.check_run``), which live with the methods and
@@ -32,8 +34,8 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -204,12 +206,12 @@ def check_markers(sweep: Sweep) -> None:
              and not (Path("results/runs") / run_id / "summary.json").is_file()]
     if len(stale) == 1:
         raise UserError(f"results/runs/{stale[0]} has no summary.json, but its marker says the run ended "
-                         f"(its folder removed?); to run it again, remove the marker: rm {sweep.done_marker(stale[0])}")
+                        f"(its folder removed?); to run it again, remove the marker: rm {sweep.done_marker(stale[0])}")
     if stale:
         named = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
         raise UserError(f"{len(stale)} runs have no summary.json in results/runs/, but their markers say they "
-                         f"ended (their folders removed?): {named}; to run them again, remove their markers, "
-                         f"{DONE_DIR}/<run id>.json")
+                        f"ended (their folders removed?): {named}; to run them again, remove their markers, "
+                        f"{DONE_DIR}/<run id>.json")
 
 
 def check_output_folders(paths) -> None:
