@@ -133,9 +133,11 @@ def _all_text(value: Any) -> bool:
 
 
 def _merge_config(config: dict, update: dict) -> None:
-    """``update`` merged into ``config`` as Snakemake merges config (``snakemake.utils.update_config``)."""
+    """``update`` merged into ``config`` as Snakemake merges config (``snakemake.utils.update_config``), but a
+    method section (``method``, ``options``) replaced whole, as in a sweep file: a method given on the command
+    line does not keep the options of the one it replaces."""
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
+        if isinstance(value, dict) and isinstance(config.get(key), dict) and key not in WHOLE_SECTIONS:
             _merge_config(config[key], value)
         else:
             config[key] = value

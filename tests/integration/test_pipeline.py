@@ -173,8 +173,8 @@ def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
 def test_config_overrides_read_as_in_a_sweep_file(tmp_path):
     """Snakemake reads a `--config` list or mapping with YAML's BaseLoader, every number and boolean in it
     text: `resolutions=[64]` was refused as `'64'`, and no nested key of the sweep could be changed from the
-    command line. They read as they do in the sweep file, merged into it, and a key that is not text is
-    refused in one line."""
+    command line. They read as they do in the sweep file, merged into it (a method section replaced whole), and a
+    key that is not text is refused in one line."""
     work = workdir(tmp_path)
     proc = snakemake(work, "-n", "-p", "--cores", "1", "--configfile", "config/test.yaml", "--config",
                      "resolutions=[64]", "set={train.iterations: 3, progress: true}", "gradcheck={resolutions: [64]}")
@@ -185,6 +185,11 @@ def test_config_overrides_read_as_in_a_sweep_file(tmp_path):
     # the override merged into the file's `set`, each value of its type
     assert "--set train.iterations=3 " in calibrate and "--set progress=true " in calibrate
     assert "--set sampling.steps=6 " in calibrate, calibrate
+    # a method section replaces the file's whole, as in a sweep file: full takes no window
+    proc = snakemake(work, "-n", "-p", "--cores", "1", "--configfile", "config/test.yaml", "--config",
+                     "methods={agg-w3: {method: {name: full}}}")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "--method agg-w3 '{method: {name: full}}'" in proc.stdout
     proc = snakemake(work, "-n", "--cores", "1", "--configfile", "config/test.yaml", "--config", "set={1: 3}")
     assert proc.returncode != 0
     message = proc.stderr + proc.stdout
