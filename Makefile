@@ -4,10 +4,11 @@
 #                   (scripts/test.sh; what CI runs)
 #   make test-fast  ruff and mypy, then tests/unit only (in-process, a few minutes)
 #   make learning   the learning testbed: a DiT pre-trained on drawn scenes, GRPO per method x 3 seeds (docs/learning.md)
+#   make clean      removes what the workflow made: results/ but results/reference/, and .snakemake/
 CORES ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup pipeline test test-fast lint report clean learning
+.PHONY: setup pipeline test test-fast lint clean learning
 setup:
 	@bash scripts/setup.sh
 
@@ -28,5 +29,7 @@ test: lint
 test-fast: lint
 	.venv/bin/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
+# results/reference/ holds the committed reference results and stays
 clean:
-	rm -rf results .snakemake
+	rm -rf .snakemake
+	if [ -d results ]; then find results -mindepth 1 -maxdepth 1 ! -name reference -exec rm -rf {} +; fi

@@ -39,3 +39,11 @@ rule all:
         TABLE_FILES,
         "results/tables/records.csv",
         [f"results/plots/{name}.png" for name in PLOT_NAMES],
+
+
+# a file where one of the workflow's folders goes: one line, not Snakemake's NotADirectoryError
+try:
+    check_output_folders(path for rule in workflow.rules
+                         for path in [*rule.output, *rule.log, *([rule.benchmark] if rule.benchmark else [])])
+except UserError as err:
+    raise WorkflowError(str(err)) from None

@@ -22,6 +22,17 @@ if [ -z "${TORCH_INDEX_URL+set}" ]; then
   fi
 fi
 
+# a .venv there already is used only when its interpreter runs and is new enough; this script never removes it
+if [ -e .venv ] && [ ! -d .venv ]; then
+  echo "setup: .venv is not a folder; move it away, and this script makes the virtual environment there" >&2; exit 2
+fi
+if [ -e .venv/bin/python ] || [ -L .venv/bin/python ]; then
+  if ! venv_version=$(.venv/bin/python -V 2>/dev/null | head -n 1) || [ -z "$venv_version" ]; then
+    echo "setup: .venv/bin/python does not run (its interpreter was moved or removed?); remove .venv (rm -rf .venv) and run this again" >&2; exit 2
+  fi
+  .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+    echo "setup: .venv has $venv_version and agg-bench needs Python 3.11 or newer; remove .venv (rm -rf .venv) and run this again (PYTHON=... chooses the interpreter)" >&2; exit 2; }
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
     echo "setup: agg-bench needs Python 3.11 or newer; $PYTHON is $("$PYTHON" -V 2>&1) (set PYTHON=...)" >&2; exit 2; }

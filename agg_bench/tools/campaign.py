@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -161,6 +162,10 @@ def cpu_sweep(data: dict) -> dict:
                 model["train.lora_rank"] = 4
             data["models"][label] = model
     data["resolutions"] = sorted({cpu_resolution(r) for r in data["resolutions"]})
+    # the devices are one CPU device now: an entry for another device matches no run, as it did not before
+    if "exclude" in data:
+        data["exclude"] = [entry for entry in data["exclude"]
+                           if fnmatch.fnmatchcase("cpu", str(entry.get("device", "cpu")))]
     for entry in [*data.get("exclude", []), *(data.get("campaign") or {}).get("priority", [])]:
         if isinstance(entry.get("resolution"), int):
             entry["resolution"] = cpu_resolution(entry["resolution"])

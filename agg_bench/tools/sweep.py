@@ -10,8 +10,10 @@ peft). The checks come in two stages:
    sweep's size with its aliases written out (:func:`agg_bench.config.check_expanded_size`), both before
    anything walks the whole sweep; the sweep against ``workflow/schemas/config.schema.yaml`` and
    its cross-references; each composed run config against the run schema; each run's resolution against
-   its model family's latent multiple and maximum (:mod:`agg_bench.engine.families`); an ``exclude`` that leaves
-   no run.
+   its model family's latent multiple and maximum (:mod:`agg_bench.engine.families`); an ``exclude`` pattern
+   that matches no label, and one that leaves no run. The Snakefile also checks, before any job, the files its
+   jobs read that no job makes (:func:`check_input_files`), runs whose marker outlived their folder
+   (:func:`check_markers`) and files where its folders go (:func:`check_output_folders`).
    Every run and calibration on several processes splits its batch into whole GRPO groups per process
    (:func:`agg_bench.config.check_data_parallel`, as the run checks it).
 2. The methods' own options and run checks (``Estimator.check_run``), which live with the methods and
@@ -32,13 +34,14 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_schema, load_config,
-                      read_yaml_mapping)
+                      read_yaml_mapping, yaml_load)
 from ..engine.families import architecture, check_resolution
 from ..errors import UserError, clip, quote
 from ..io import atomic_path
@@ -86,6 +89,60 @@ def check_sweep_files(paths) -> None:
             raise SweepError(str(err)) from None
 
 
+def type_config_args(config: dict, entries: Any, parsed: Any) -> None:
+    """Each ``--config key=value`` whose value is a list or mapping read again into ``config``, as it reads in a
+    sweep file. Snakemake reads such a value with YAML's BaseLoader, which makes every number and boolean in it
+    text (``--config 'seeds=[0, 1]'`` gives ``['0', '1']``, which the sweep's checks refuse), and merges it
+    into the config: mappings key by key, anything else replaced. ``entries``: Snakemake's ``--config`` words
+    (``workflow.config_settings.config_args``); ``parsed``: what Snakemake made of them
+    (``workflow.config_settings.config``); a value it did not read with the BaseLoader (one that holds
+    anything but text) is left as it is."""
+    if not isinstance(entries, (list, tuple)) or not isinstance(parsed, Mapping):
+        return
+    for entry in entries:
+        if not isinstance(entry, str) or "=" not in entry:
+            continue
+        key, text = entry.split("=", 1)
+        try:
+            value = yaml_load(text, "--config", entry)
+        except yaml.YAMLError:
+            continue  # not YAML: Snakemake kept it as text
+        except UserError as err:
+            raise SweepError(str(err)) from None
+        if isinstance(value, (dict, list)) and _all_text(parsed.get(key)):
+            _merge_config(config, {key: value})
+
+
+def _all_text(value: Any) -> bool:
+    """Whether ``value`` is a list or mapping whose every key and value inside is text: what YAML's BaseLoader
+    makes of one."""
+    if not isinstance(value, (dict, list)):
+        return False
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+            if not all(isinstance(key, str) for key in item):
+                return False
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif not isinstance(item, str):
+            return False
+    return True
+
+
+def _merge_config(config: dict, update: dict) -> None:
+    """``update`` merged into ``config`` as Snakemake merges config (``snakemake.utils.update_config``), but a
+    method section (``method``, ``options``) replaced whole, as in a sweep file: a method given on the command
+    line does not keep the options of the one it replaces."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict) and key not in WHOLE_SECTIONS:
+            _merge_config(config[key], value)
+        else:
+            config[key] = value
+
+
 def check_sweep(sweep: dict, schema: dict) -> None:
     """The sweep's size (aliases written out: before anything walks it), its structure against ``schema``,
     then the cross-references between its sections."""
@@ -106,6 +163,11 @@ def check_sweep(sweep: dict, schema: dict) -> None:
         if "device" in part and part["device"] not in sweep["devices"]:
             raise SweepError(f"{section}.device: {quote(part['device'])} is not a label under devices "
                              f"({', '.join(sweep['devices'])})")
+    for index, entry in enumerate(sweep.get("exclude", [])):  # a pattern that matches no label is a typo
+        for key, section in (("method", "methods"), ("model", "models"), ("device", "devices")):
+            if key in entry and not any(fnmatch.fnmatchcase(label, entry[key]) for label in sweep[section]):
+                raise SweepError(f"exclude.{index}.{key}: {quote(entry[key])} matches no label under {section} "
+                                 f"({', '.join(sweep[section])})")
     labels = [ref["label"] for ref in sweep.get("references", [])]
     if len(set(labels)) != len(labels):
         raise SweepError(f"references: labels must be unique ({', '.join(labels)})")
@@ -113,6 +175,62 @@ def check_sweep(sweep: dict, schema: dict) -> None:
     if reference is not None and reference not in sweep["methods"]:  # agg-bench learning refuses it at the end
         raise SweepError(f"learning.reference: {quote(reference)} is not a label under methods "
                          f"({', '.join(sweep['methods'])})")
+
+
+def check_input_files(sweep: dict) -> None:
+    """The files the workflow's jobs read that no job makes, for the Snakefile (``agg-bench campaign`` reads no
+    reference log and takes a model folder made by hand): each reference's log and each pretrain config are
+    files, and a model folder under results/pretrained/ is one that a ``pretrain`` entry makes (Snakemake
+    ended in a KeyError traceback or a MissingInputException for a job instead). ``sweep``: a checked one."""
+    for index, ref in enumerate(sweep.get("references", [])):
+        if not Path(ref["log"]).is_file():
+            raise SweepError(f"references.{index}.log: {quote(ref['log'])} is not a file (a DanceGRPO JSONL log, "
+                             "relative to the working directory)")
+    pretrain = sweep.get("pretrain") or {}
+    for label, spec in pretrain.items():
+        if not Path(spec["config"]).is_file():
+            raise SweepError(f"pretrain.{label}.config: {quote(spec['config'])} is not a file (a pretrain config "
+                             "YAML, relative to the working directory)")
+    for label, overrides in sweep["models"].items():
+        folder = dict(flatten(overrides)).get("model.pretrained")
+        if is_pretrained_here(folder) and folder[len(PRETRAINED_DIR) + 1:].rstrip("/") not in pretrain:
+            raise SweepError(f"models.{label}: model.pretrained = {quote(folder)}: a folder under {PRETRAINED_DIR}/ "
+                             f"is made by the pretrain entry of its name (pretrain has "
+                             f"{', '.join(pretrain) if pretrain else 'none'}); add one, or keep a model made by "
+                             "hand in another folder")
+
+
+def check_markers(sweep: Sweep) -> None:
+    """Each run whose marker says it ended still has its folder's ``summary.json``: a run folder removed by hand
+    left its marker, so Snakemake took the run as done and the tables job failed on the missing folder. For
+    the Snakefile; it removes nothing, and names the markers to remove."""
+    stale = [run_id for run_id in sweep.runs if Path(sweep.done_marker(run_id)).is_file()
+             and not (Path("results/runs") / run_id / "summary.json").is_file()]
+    if len(stale) == 1:
+        raise UserError(f"results/runs/{stale[0]} has no summary.json, but its marker says the run ended "
+                        f"(its folder removed?); to run it again, remove the marker: rm {sweep.done_marker(stale[0])}")
+    if stale:
+        named = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        raise UserError(f"{len(stale)} runs have no summary.json in results/runs/, but their markers say they "
+                        f"ended (their folders removed?): {named}; to run them again, remove their markers, "
+                        f"{DONE_DIR}/<run id>.json")
+
+
+def check_output_folders(paths) -> None:
+    """Each folder that holds one of ``paths`` (the workflow's outputs, logs and benchmarks; a pattern's folders
+    up to its first wildcard) is a folder where it exists: a file in its place (``results`` itself, say) ended
+    Snakemake in a NotADirectoryError traceback, before any job or halfway through a run."""
+    seen: set[str] = set()
+    for path in paths:
+        parts = Path(os.path.dirname(str(path).split("{", 1)[0] + "x")).parts  # the folders before any wildcard
+        for depth in range(1, len(parts) + 1):
+            folder = str(Path(*parts[:depth]))
+            if folder in seen:
+                continue
+            seen.add(folder)
+            if os.path.lexists(folder) and not os.path.isdir(folder):
+                raise UserError(f"{folder} is not a folder, and the workflow keeps its files in a folder of that "
+                                "name; move it away")
 
 
 def flatten(overrides: dict, prefix: str = "") -> list[tuple[str, Any]]:

@@ -822,3 +822,20 @@ def test_gpu_wheels_ignores_whl_in_a_worktree_and_runs_outside_git(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (plain / ".whl").is_dir() and not (plain / ".git").exists()
     assert (tmp_path / "bin" / "python3.args").is_file()
+
+
+@pytest.mark.parametrize("name", ["gpu.yaml", "gpu_random.yaml"])
+def test_the_cpu_form_of_a_sweep_with_device_excludes_checks_out(name):
+    """--cpu puts every run on one CPU device, so an exclude entry for another device matches no run; it is
+    dropped, as the sweep's check refuses a pattern that matches no label."""
+    import yaml
+
+    from agg_bench.tools.sweep import check_sweep
+
+    sweep = yaml.safe_load((ROOT / "config" / name).read_text())
+    form = campaign_module.cpu_sweep(sweep)
+    check_sweep(form, yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text()))
+    # the entries of other devices go, the others stay (their resolutions the CPU form's)
+    kept = [e for e in sweep.get("exclude", []) if e.get("device", "cpu") == "cpu"]
+    assert [{k: v for k, v in e.items() if k != "resolution"} for e in kept] == \
+        [{k: v for k, v in e.items() if k != "resolution"} for e in form["exclude"]]

@@ -148,6 +148,13 @@ def test_dry_run_of_the_slurm_profile(tmp_path):
     (lambda s: s["gradcheck"].update(models=["sdxl"]), ["gradcheck.models", "sdxl"]),
     # decided from the model's configs while planning, not job by job
     (lambda s: s.update(resolutions=[30]), ["run full_sd3_30px", "model.resolution", "30", "multiple of 16"]),
+    # the files jobs read that no job makes: a MissingInputException of a job, or a KeyError traceback
+    (lambda s: s.update(references=[{"label": "ref", "log": "logs/none.jsonl"}]),
+     ["references.0.log", "logs/none.jsonl", "not a file"]),
+    (lambda s: s.update(pretrain={"scenes": {"config": "config/none.yaml"}}),
+     ["pretrain.scenes.config", "config/none.yaml", "not a file"]),
+    (lambda s: s["models"]["sd3"].update({"model.preset": "pretrained", "model.pretrained": "results/pretrained/x"}),
+     ["models.sd3", "model.pretrained", "results/pretrained/x", "pretrain has none"]),
 ])
 def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
     work = workdir(tmp_path)
@@ -161,6 +168,71 @@ def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
     for word in words:
         assert word in line, message
     assert not (work / "results").exists()
+
+
+def test_config_overrides_read_as_in_a_sweep_file(tmp_path):
+    """Snakemake reads a `--config` list or mapping with YAML's BaseLoader, every number and boolean in it
+    text: `resolutions=[64]` was refused as `'64'`, and no nested key of the sweep could be changed from the
+    command line. They read as they do in the sweep file, merged into it (a method section replaced whole), and a
+    key that is not text is refused in one line."""
+    work = workdir(tmp_path)
+    proc = snakemake(work, "-n", "-p", "--cores", "1", "--configfile", "config/test.yaml", "--config",
+                     "resolutions=[64]", "set={train.iterations: 3, progress: true}", "gradcheck={resolutions: [64]}")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert sorted(planned_runs(proc.stdout)) == ["agg-w3_sd3_64px_s0_cpu", "full_sd3_64px_s0_cpu"]
+    assert "gradcheck/sd3_64px_cpu.csv" in proc.stdout
+    calibrate = re.search(r"agg_bench calibrate (.*)", proc.stdout).group(1)
+    # the override merged into the file's `set`, each value of its type
+    assert "--set train.iterations=3 " in calibrate and "--set progress=true " in calibrate
+    assert "--set sampling.steps=6 " in calibrate, calibrate
+    # a method section replaces the file's whole, as in a sweep file: full takes no window
+    proc = snakemake(work, "-n", "-p", "--cores", "1", "--configfile", "config/test.yaml", "--config",
+                     "methods={agg-w3: {method: {name: full}}}")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "--method agg-w3 '{method: {name: full}}'" in proc.stdout
+    proc = snakemake(work, "-n", "--cores", "1", "--configfile", "config/test.yaml", "--config", "set={1: 3}")
+    assert proc.returncode != 0
+    message = proc.stderr + proc.stdout
+    line = next((ln for ln in message.splitlines() if "sweep config" in ln), message)
+    assert "--config = 'set={1: 3}'" in line and "quote it" in line, message
+    assert not (work / "results").exists()
+
+
+def test_a_run_folder_removed_by_hand_is_named_with_its_marker(tmp_path):
+    """A run's job output is its marker in results/done/, not its folder: a folder removed by hand (to run it
+    again) left the marker, Snakemake took the run as done, and the tables job failed on the missing folder.
+    The workflow names the run and the marker to remove before any job, and removes nothing itself."""
+    work = workdir(tmp_path)
+    marker = work / "results/done/full_sd3_32px_s0_cpu.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"out": "results/runs/full_sd3_32px_s0_cpu", "status": "ok"}))
+    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    assert proc.returncode != 0
+    message = proc.stderr + proc.stdout
+    assert ("results/runs/full_sd3_32px_s0_cpu has no summary.json, but its marker says the run ended (its folder "
+            "removed?); to run it again, remove the marker: rm results/done/full_sd3_32px_s0_cpu.json") in message, message
+    assert sorted(p.relative_to(work).as_posix() for p in (work / "results").rglob("*")) == \
+        ["results/done", "results/done/full_sd3_32px_s0_cpu.json"]
+    run = work / "results/runs/full_sd3_32px_s0_cpu"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"status": "ok"}))
+    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout  # a run with its summary: its marker stands
+
+
+@pytest.mark.parametrize("where", ["results", "results/logs/cell"])
+def test_a_file_where_a_folder_of_the_workflow_goes_is_one_line(tmp_path, where):
+    """A file named `results` (or a log folder's name) ended Snakemake in a NotADirectoryError traceback, before
+    any job or when a job's log was opened; one line names it, and it is left as it was."""
+    work = workdir(tmp_path)
+    (work / where).parent.mkdir(parents=True, exist_ok=True)
+    (work / where).write_text("mine")
+    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    assert proc.returncode != 0
+    message = proc.stderr + proc.stdout
+    assert f"{where} is not a folder, and the workflow keeps its files in a folder of that name; move it away" \
+        in message and "Traceback" not in message, message
+    assert (work / where).read_text() == "mine"
 
 
 def dancegrpo_log(path: Path) -> Path:

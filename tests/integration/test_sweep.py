@@ -1,6 +1,7 @@
 """agg_bench.tools.sweep and agg_bench.engine.families: a sweep config expanded into jobs and checked without importing
 torch, resolutions checked from the model's configs, and the methods' check kept between parses."""
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -289,4 +290,21 @@ def test_the_learning_reference_is_a_method_of_the_sweep(in_process):
     with pytest.raises(SweepError, match="learning.reference: 'nosuch' is not a label under methods"):
         Sweep(config, SCHEMA)
     config["learning"] = {"reference": "agg-w3"}
+    assert len(Sweep(config, SCHEMA).runs) == 2
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"model": "sdxl"}, "exclude.0.model: 'sdxl' matches no label under models (sd3)"),
+    ({"method": "cach-*", "model": "sd3"}, "exclude.0.method: 'cach-*' matches no label under methods (full, agg-w3)"),
+    ({"device": "gpu"}, "exclude.0.device: 'gpu' matches no label under devices (cpu)"),
+])
+def test_an_exclude_pattern_that_matches_no_label_is_refused(in_process, entry, words):
+    """An exclude entry whose method, model or device pattern matches no label (a typo) excluded nothing, and
+    the runs it was written to leave out ran."""
+    config = sweep_config()
+    config["exclude"] = [entry]
+    with pytest.raises(SweepError, match=re.escape(words)):
+        Sweep(config, SCHEMA)
+    assert in_process == []
+    config["exclude"] = [{"method": "agg-*", "resolution": 64}]  # a resolution not in this sweep's list filters
     assert len(Sweep(config, SCHEMA).runs) == 2

@@ -1,10 +1,15 @@
 """Snakemake conventions of the workflow: every job rule keeps a log, the rules that measure keep a
-benchmark, and the default profile is found without a flag."""
+benchmark, the default profile is found without a flag, and git ignores what the workflow writes but
+the reference results."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURING = {"embed", "run", "cell", "gradcheck", "calibrate", "pretrain"}
@@ -53,3 +58,47 @@ def test_every_job_runs_on_the_threads_it_reserves():
             shells += 1
             assert shell.group(1).strip().startswith('"OMP_NUM_THREADS={threads} '), f"rule {name}"
     assert shells >= len(MEASURING)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_git_ignores_what_the_pipeline_writes_but_the_reference_results(tmp_path):
+    """results/ is generated, but results/reference/ holds the committed reference results (agg-bench campaign
+    unpack writes them there to be committed). `/results/` ignored the folder itself, and git does not look
+    inside an ignored folder, so `!/results/reference/` had no effect and `git add` refused the reference."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    shutil.copy(ROOT / ".gitignore", tmp_path)
+    paths = ["results/reference/h200/manifest.json", "results/runs/full_sd3_32px_s0_cpu/summary.json",
+             "results/tables/summary.csv", "results/report.html"]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=tmp_path, capture_output=True,
+                             text=True).stdout.split()
+    assert ignored == paths[1:]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_clean_keeps_the_reference_results(tmp_path):
+    """`make clean` removes what the workflow made (results/, .snakemake/) but results/reference/, the committed
+    reference results (and reference windows unpacked there, not yet committed), which `rm -rf results` took."""
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    made = ["results/runs/full_sd3_32px_s0_cpu/summary.json", "results/tables/summary.csv", "results/report.html",
+            ".snakemake/agg-bench/methods.json"]
+    kept = ["results/reference/h200/manifest.json", "results/reference/h200/runs/a/summary.json"]
+    for path in made + kept:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("{}")
+    proc = subprocess.run(["make", "clean"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert [path for path in made if (tmp_path / path).exists()] == []
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["reference"]
+    assert all((tmp_path / path).read_text() == "{}" for path in kept)
+    # and on a clone where nothing ran
+    shutil.rmtree(tmp_path / "results")
+    assert subprocess.run(["make", "clean"], cwd=tmp_path, capture_output=True).returncode == 0
+
+
+def test_every_phony_make_target_has_a_recipe():
+    """A target named .PHONY without a rule of its own (`report`) made `make report` print 'Nothing to be done'
+    and exit 0, as if the report were up to date."""
+    text = (ROOT / "Makefile").read_text()
+    phony = re.search(r"^\.PHONY:(.*)$", text, flags=re.M).group(1).split()
+    rules = set(re.findall(r"^([\w-]+):", text, flags=re.M))
+    assert phony and [target for target in phony if target not in rules] == []

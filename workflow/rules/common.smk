@@ -7,14 +7,20 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from agg_bench.errors import UserError
-from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, failed_runs,
-                                   report_failed_runs, set_arg)
+from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, check_input_files,
+                                   check_markers, check_output_folders, failed_runs, report_failed_runs, set_arg,
+                                   type_config_args)
 
 try:
+    # a list or mapping given with --config reads as in a sweep file (Snakemake's parse makes its numbers text)
+    type_config_args(config, workflow.config_settings.config_args, workflow.config_settings.config)
     # the files the config came from are read again with agg-bench's YAML loader first (Snakemake's takes
     # repeated keys and nesting aliases without a bound)
     SWEEP = Sweep(config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml",
                   files=workflow.configfiles)
+    # the files its jobs read that no job makes, and the runs whose marker outlived their folder
+    check_input_files(SWEEP.sweep)
+    check_markers(SWEEP)
 except UserError as err:
     raise WorkflowError(str(err)) from None
 

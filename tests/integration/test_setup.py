@@ -1,0 +1,68 @@
+"""scripts/setup.sh on a clone whose .venv is not what it made: one line saying what to do, exit code 2, and the
+.venv as it was (it never removes one), instead of the error of `python -m venv` or of pip halfway through.
+Each case runs a copy of the script in its own folder, never on the repository's .venv."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def clone(tmp_path: Path) -> Path:
+    """What setup.sh reads: itself, pyproject.toml and the constraints."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "requirements").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", repo / "scripts")
+    shutil.copy(ROOT / "pyproject.toml", repo)
+    shutil.copy(ROOT / "requirements" / "constraints.txt", repo / "requirements")
+    return repo
+
+
+def setup(repo: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "TORCH_INDEX_URL": ""}
+    return subprocess.run(["bash", str(repo / "scripts" / "setup.sh")], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
+def files(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): os.readlink(p) if p.is_symlink() else p.read_text()
+            for p in sorted(folder.rglob("*")) if p.is_symlink() or p.is_file()}
+
+
+@pytest.mark.parametrize("venv, words", [
+    # its interpreter gone (Python upgraded, a venv copied from another machine): `python -m venv` failed with
+    # "[Errno 2] No such file or directory", and with the stamp of an earlier install nothing said to reinstall
+    ({"bin/python": "link /nonexistent/python3.11", ".agg-bench-installed": "text stamp"},
+     [".venv/bin/python does not run", "rm -rf .venv"]),
+    # a venv of an older Python: pip then failed on the first package that needs 3.11
+    ({"bin/python": "script [ \"$1\" = -V ] && { echo 'Python 3.10.12'; exit 0; }; exit 1"},
+     [".venv has Python 3.10.12", "3.11 or newer", "rm -rf .venv"]),
+    # a file where the folder goes
+    ({"": "text not a venv"}, [".venv is not a folder"]),
+])
+def test_a_venv_that_cannot_be_used_is_one_line_and_kept(tmp_path, venv, words):
+    repo = clone(tmp_path)
+    for name, spec in venv.items():
+        kind, _, content = spec.partition(" ")
+        path = repo / ".venv" / name if name else repo / ".venv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "link":
+            path.symlink_to(content)
+        else:
+            path.write_text(f"#!/bin/sh\n{content}\n" if kind == "script" else content)
+            path.chmod(0o755)
+    before = files(repo / ".venv") if (repo / ".venv").is_dir() else (repo / ".venv").read_text()
+    proc = setup(repo)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("setup: "), proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert (files(repo / ".venv") if (repo / ".venv").is_dir() else (repo / ".venv").read_text()) == before
