@@ -171,6 +171,21 @@ def test_learning_sweep_dry_run(tmp_path):
     assert not (work / "results").exists()
 
 
+def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path):
+    """config/learning_gpu.yaml pre-trains on CUDA: its pretrain job declares one GPU (which Snakemake and SLURM
+    then give it) and takes it from the pool, as a run does; the CPU sweep's declares and takes none."""
+    from test_pipeline import gpu_claims, snakemake, workdir
+
+    work = workdir(tmp_path)
+    for config, gpus in (("config/learning_gpu.yaml", 1), ("config/learning.yaml", 0)):
+        proc = snakemake(work, "learning", "-n", "-p", "--cores", "16", "--resources", "gpu=1", "--configfile", config)
+        assert proc.returncode == 0, proc.stderr + proc.stdout
+        claims = gpu_claims(proc.stdout)
+        assert [c for c in claims if c[0] == "pretrain"] == [("pretrain", gpus, gpus)], claims
+        assert [c for c in claims if c[1] != c[2]] == []
+    assert not (work / "results").exists()
+
+
 def test_evaluation_columns_by_hand():
     """The evaluation's gain is each seed's final score minus the pre-trained one (shared by all)."""
     import pandas as pd

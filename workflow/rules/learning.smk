@@ -13,19 +13,31 @@ LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + \
 
 def pretrain_command(name: str, threads: int) -> str:
     """The pretrain job's command line, on the `threads` cores Snakemake gave it (fewer than the config's
-    where --cores is smaller): never more threads than the job reserves."""
+    where --cores is smaller): never more threads than the job reserves. On `device: cuda` it takes its GPU
+    from the pool, as a run does (a `cuda:N` it names itself is its own)."""
     spec = PRETRAIN[name]
     sets = " ".join(set_arg(k, v) for k, v in {**(spec.get("set") or {}), "threads": threads}.items())
-    return f"{PYTHON} -m agg_bench pretrain --config {shlex.quote(spec['config'])} {sets} --out {PRETRAINED_DIR}/{name}"
+    pool = f"{PYTHON} -m agg_bench.machine.gpus --count 1 -- " if pretrain_config(name).device == "cuda" else ""
+    return (f"{pool}{PYTHON} -m agg_bench pretrain --config {shlex.quote(spec['config'])} {sets} "
+            f"--out {PRETRAINED_DIR}/{name}")
+
+
+def pretrain_config(name: str):
+    """The pretrain entry's config, its --set applied."""
+    from agg_bench.tools.pretrain import load_pretrain_config
+
+    spec = PRETRAIN[name]
+    return load_pretrain_config(spec["config"], [f"{k}={v}" for k, v in (spec.get("set") or {}).items()])
 
 
 def pretrain_threads(name: str) -> int:
     """The pretrain config's `threads` (its --set first; 0 or absent: 1), so Snakemake reserves those cores."""
-    from agg_bench.tools.pretrain import load_pretrain_config
+    return max(1, pretrain_config(name).threads)
 
-    spec = PRETRAIN[name]
-    sets = [f"{k}={v}" for k, v in (spec.get("set") or {}).items()]
-    return max(1, load_pretrain_config(spec["config"], sets).threads)
+
+def pretrain_gpus(name: str) -> int:
+    """The GPUs a pretrain job takes (its gpu resource, which Snakemake and SLURM give it): 1 on CUDA."""
+    return 1 if pretrain_config(name).device.startswith("cuda") else 0
 
 
 localrules: learning, learning_manifest
@@ -41,6 +53,8 @@ rule pretrain:
     benchmark:
         "results/benchmarks/pretrain/{name}.tsv"
     threads: lambda wc: pretrain_threads(wc.name)
+    resources:
+        gpu=lambda wc: pretrain_gpus(wc.name),
     params:
         command=lambda wc, threads: pretrain_command(wc.name, threads),
     shell:
