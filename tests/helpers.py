@@ -260,3 +260,17 @@ class Holder:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=30)
+
+
+def crafted_checkpoint(source, out, change) -> dict:
+    """A copy of the run folder ``source`` at ``out`` whose checkpoint.pt ``change(state)`` edited in place;
+    returns the copy's files' bytes, which a refused resume must leave as they are."""
+    import shutil
+
+    from agg_bench.runtime.checkpoint import CHECKPOINT_NAME
+
+    shutil.copytree(source, out)
+    state = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    change(state)
+    torch.save(state, out / CHECKPOINT_NAME)
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from helpers import TINY, tiny_config
+from helpers import TINY, crafted_checkpoint, tiny_config
 
 from agg_bench.cli import main
 from agg_bench.io import read_jsonl
@@ -249,16 +249,10 @@ CRAFTED = {
 
 @pytest.mark.parametrize("case", list(CRAFTED))
 def test_a_crafted_average_in_a_checkpoint_is_one_line_and_nothing_is_touched(case, runs, tmp_path, capsys):
-    import shutil
-
     folder, _, maximum = runs
     out = tmp_path / "run"
-    shutil.copytree(folder / "ema", out)
-    state = torch.load(out / CHECKPOINT_NAME, weights_only=True)
     change, expected = CRAFTED[case]
-    change(state)
-    torch.save(state, out / CHECKPOINT_NAME)
-    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    before = crafted_checkpoint(folder / "ema", out, change)
     capsys.readouterr()
     args = [a for o in [*TINY, "model.dtype=float64", *RUN, f"train.eval_ema={maximum!r}", "train.iterations=4"]
             for a in ("--set", o)]

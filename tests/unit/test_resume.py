@@ -16,6 +16,7 @@ from agg_bench.errors import UserError
 from agg_bench.io import read_jsonl
 from agg_bench.runtime.checkpoint import CHECKPOINT_NAME
 from agg_bench.runtime.train import TIMING_KEYS, Interrupted, Session, train
+from helpers import crafted_checkpoint
 
 # telemetry on, with its default saved_activations: first, so that the comparison covers the saved-activation
 # count of the run's first iteration (and its absence after)
@@ -266,16 +267,10 @@ def test_a_crafted_checkpoint_is_refused_in_one_line_and_nothing_is_touched(case
     every trainable parameter and nothing else, strict loading): each crafted file is one line, exit 2, and
     the run folder is left as it was (an iteration of -5 used to give status ok and records -4..-1, then
     0..2 again)."""
-    import shutil
-
     source, args = checkpointed
     out = tmp_path / "run"
-    shutil.copytree(source, out)
-    state = torch.load(out / CHECKPOINT_NAME, weights_only=True)
     change, expected = CRAFTED[case]
-    change(state)
-    torch.save(state, out / CHECKPOINT_NAME)
-    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    before = crafted_checkpoint(source, out, change)
     capsys.readouterr()
     assert main(["run", *args, "--set", "train.iterations=3", "--resume", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
