@@ -2,19 +2,24 @@
 ``advantage_weighted_matching/scripts/train_sd3_awm.py`` and ``config/dgx_awm.py``).
 
 AWM keeps diffusion RL on the pre-training objective: no per-step likelihood, only each sample's FINAL latent x0
-and its reward. The rollout is deterministic, on the run's ``sampling.steps`` grid (the code samples 14 steps,
+and its reward. The rollout is on the run's ``sampling.steps`` grid (the code samples 14 steps,
 ``sample.num_steps``), one forward per step: ``method.solver`` ``euler`` (the default) is the engine's Euler ODE;
 ``sa_solver`` (the preset) is the code's sampler, ``train.use_sa_solver``: SA-Solver
 (``flow_grpo/diffusers_patch/sa_solver.py``, ``SASolver.sample`` with predictor and corrector of order 2, PEC) as
 called by ``flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py``, on the scheduler's sigmas with the first set
 to 1 - 1e-3 and the last nonzero one to half the one before
-(:class:`agg_bench.engine.solvers.SASolverODE`, :func:`~agg_bench.engine.solvers.sa_solver_grid`), with tau = 0,
-the ODE. The code's tau is ``sample.noise_level`` on the steps into sigmas in [0.3, 0.9] and 0 elsewhere
-(``sample.sde_frac`` is read only by its Euler sampler): 0 in the pickscore configs, the ODE built here; 0.4 in the
-geneval and ocr configs, whose rollout is stochastic on those steps. That noise is not built (an ODE rule takes
-no random draws). The rollout records the states the model was given (SA-Solver's predicted ones), the code the
-corrected ones; the final latents are the same. The schedule times the update draws (``discrete``) are the run
-schedule's, as the code draws them from its scheduler's timesteps (they differ from the grid's at 2 steps only).
+(:class:`agg_bench.engine.solvers.SASolver`, :func:`~agg_bench.engine.solvers.sa_solver_grid`). Its noise level tau
+is ``sa_solver_tau`` on the steps into sigmas in [0.3, 0.9] of that grid and 0 elsewhere, as the pipeline's
+``stochasticity_control_function`` gives the code's ``sample.noise_level``
+(:func:`~agg_bench.engine.solvers.sa_solver_taus`; ``sample.sde_frac`` is read only by the code's Euler sampler):
+0, the default, is the ODE (the pickscore configs); 0.4 in the geneval and ocr configs (``config/dgx_awm.py``
+``geneval_sd3_no_cfg_1node``; the preset), whose rollout adds ``s' sqrt(1 - e^{-2 tau^2 h}) xi`` on those steps,
+xi of the latents' shape drawn from the iteration's generator on each step with tau > 0 (the code draws every
+step's from torch's global generator), one draw shared by a step's predictor and corrector. The rollout needs no log-probability (the update uses only the final latents), and each
+step with or without noise records log-probability 0. The rollout records the states the model was given
+(SA-Solver's predicted ones, with their noise), the code the corrected ones; the final latents are the same. The
+schedule times the update draws (``discrete``) are the run schedule's, as the code draws them from its scheduler's
+timesteps (they differ from the grid's at 2 steps only).
 
 The loss (the paper's AWM objective, §3: the flow-matching loss of each sample weighted by its advantage).
 x0 is noised at K times ``t`` with fresh noise ``eps``: ``x_t = (1 - t) x0 + t eps``, target ``eps - x0``
@@ -30,8 +35,8 @@ equation). ``w`` (``weighting``): ``uniform`` w = e (the paper's equation), or `
 power p = ``ghuber_power``): ``w = ((e + 1e-10)^p - 1e-10^p) t / p``.
 The code writes the loss as a PPO ratio surrogate ``-A exp(log_p - log_p_old)`` with ``log_p = -w``: on the
 policy that sampled the rollout the ratio is 1 and its gradient is exactly dL/dtheta above. Only that case
-is built here, so ``train.inner_epochs`` must be 1 (refused otherwise). The rollout being deterministic, the
-G samples of a prompt need their own initial noise (the code draws one per image):
+is built here, so ``train.inner_epochs`` must be 1 (refused otherwise). The ODE rollout being deterministic, the
+G samples of a prompt need their own initial noise (the code draws one per image, with or without tau):
 ``sampling.same_noise_per_group`` must be false.
 The KL option is the code's ``train.beta`` (``kl_weight = 'Uniform'``): velocity matching to the base model,
 here the session's reference policy (a frozen copy, or the LoRA base) when ``grpo.beta > 0``; one no-grad
@@ -67,7 +72,7 @@ from the policy.
 The code's advantages take the batch-wide reward std plus 1e-4 (``sample.global_std = True``): here
 ``grpo.adv_std: global``, ``grpo.adv_eps: 1e-4`` (the preset). The EMA of the trained weights that only evaluations
 and checkpoints use (``train.ema``, decay 0.99, ``update_step_interval`` 1) is the run key ``train.eval_ema`` (0.99 in
-the preset). Not ported: SA-Solver's noise (above), LoRA. The code skips its
+the preset). Not ported: LoRA. The code skips its
 first two epochs, whose groups it says its sampler gets wrong (a workaround: the harness's groups are right from
 the first iteration).
 
@@ -89,6 +94,8 @@ from baselines.final_latent import EMAPolicy, FinalLatentEstimator, ema_decay, n
 GHUBER_EPS = 1e-10  # the code's offset inside the generalised Huber power
 DISCRETE_FRACTION = 0.9  # the code's train.timestep_fraction for discrete_wo_init
 MIN_TIME = 0.01  # the code's clamp(min=0.01) on logit-normal times
+# SA-Solver's tau is at most this: 1 is the reverse SDE's noise (tau = 0 the ODE), the public configs take 0.4
+SA_SOLVER_MAX_TAU = 10.0
 
 
 @dataclass
@@ -124,8 +131,19 @@ class AWMConfig(Options):
     solver: Literal["euler", "sa_solver"] = option(
         "euler", "the ODE rollout's sampler: `euler`, or `sa_solver`, SA-Solver's ODE with predictor and corrector "
         "of order 2 (PEC: one forward per step, as Euler) on the code's grid, its first sigma 1 - 1e-3 and its last "
-        "nonzero one half the one before (the code's `train.use_sa_solver`; `agg_bench.engine.solvers.SASolverODE`); "
+        "nonzero one half the one before (the code's `train.use_sa_solver`; `agg_bench.engine.solvers.SASolver`); "
         "`sa_solver` needs sampling.steps >= 2")
+    sa_solver_tau: float = option(
+        0.0, "SA-Solver's noise level tau on the steps into sigmas in [0.3, 0.9], 0 on the others (the code's "
+        "`sample.noise_level`: 0.4 in its geneval and ocr configs, 0 in its pickscore ones); 0, the ODE; above 0 "
+        "needs `solver: sa_solver`, whose rollout then draws its noise from the iteration's generator (1 is the "
+        "paper's reverse SDE)", minimum=0, maximum=SA_SOLVER_MAX_TAU)
+
+    def check(self) -> None:
+        if self.sa_solver_tau > 0 and self.solver != "sa_solver":
+            raise ConfigError("method.sa_solver_tau", self.sa_solver_tau,
+                              f"0 with method.solver={self.solver} (it is SA-Solver's noise level: method.solver="
+                              "sa_solver takes it)")
 
 
 def matching_error(v: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -209,12 +227,15 @@ class AWMEstimator(FinalLatentEstimator):
         if self.config.solver == "sa_solver":
             self.solver_grid(sigmas)
 
-    def ode_rule(self, sigmas):
-        """SA-Solver's ODE step on its grid with ``solver: sa_solver`` (the rollout samples on that grid); Euler
+    def ode_rule(self, sigmas, generator):
+        """SA-Solver's step on its grid with ``solver: sa_solver`` (the rollout samples on that grid), with the noise
+        level ``sa_solver_tau`` on the steps the code's window selects, its noise drawn from ``generator``; Euler
         otherwise."""
-        from agg_bench.engine.solvers import ode_solver
+        from agg_bench.engine.solvers import SASolver, sa_solver_taus
 
-        return ode_solver(self.config.solver, sigmas)
+        if self.config.solver != "sa_solver":
+            return None
+        return SASolver(sigmas, sa_solver_taus(sigmas, self.config.sa_solver_tau), generator).step
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)

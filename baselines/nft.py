@@ -183,7 +183,7 @@ class NFTEstimator(FinalLatentEstimator):
         with self.ema.weights_in(policy) as sampler:
             return super().rollout(sampler, cond, noise, sigmas, sampling, generator, iteration, group_size)
 
-    def ode_rule(self, sigmas):
+    def ode_rule(self, sigmas, generator):
         from agg_bench.engine.solvers import ode_solver
 
         return ode_solver(self.config.solver, sigmas)

@@ -171,32 +171,38 @@ def nft_dpm2_reference(sigmas: torch.Tensor, x: torch.Tensor, velocities: list[t
     return states
 
 
-def sa_solver_reference(sigmas: torch.Tensor, x: torch.Tensor, velocity) -> dict[str, list[torch.Tensor]]:
-    """AWM's SA-Solver sampler (arXiv 2309.05019, data prediction, tau = 0; the public ``SASolver.sample`` with
-    predictor and corrector order 2, PEC, its first corrector off, the last step ``denoise_to_zero``) written from
-    the paper's equations in float64: with lambda = log((1 - s) / s), a step from s_i to s_{i+1} is
-    ``x' = (s_{i+1} / s_i) x + s_{i+1} sum_k c_k D_k``, ``c_k = int_{lambda_i}^{lambda_{i+1}} e^l L_k(l) dl`` over
-    the Lagrange basis L_k of the nodes (lambda_i, lambda_{i-1}) for the predictor and (lambda_{i+1}, lambda_i)
-    for the corrector, computed here by 40-point Gauss-Legendre quadrature, plus the code's order-2 few-step terms
-    ``g = e^{lambda_{i+1}} (h^2 / 2 - (h - 1 + e^{-h})) / (lambda_i - lambda_{i-1})`` (predictor) and
-    ``g = e^{lambda_{i+1}} (h / 2 - (h - 1 + e^{-h}) / h)`` (corrector), added to the newest node's coefficient and
-    taken from the other's. ``velocity(i, y)`` is the model at the state y of step i (called once per step).
-    Returns the states the model was given (``evaluated``, T of them), the corrected states (``corrected``, the
-    code's intermediates, T + 1 with the final) and ``states``: ``evaluated`` plus the final."""
+def sa_solver_reference(sigmas: torch.Tensor, x: torch.Tensor, velocity, taus=None,
+                        noises=None) -> dict[str, list[torch.Tensor]]:
+    """AWM's SA-Solver sampler (arXiv 2309.05019, data prediction; the public ``SASolver.sample`` with predictor
+    and corrector order 2, PEC, its first corrector off, the last step ``denoise_to_zero``) written from the
+    paper's equations in float64, with the noise level ``taus[i]`` (default 0, the ODE) constant on step i: with
+    lambda = log((1 - s) / s) and c = 1 + tau^2, a step from s_i to s_{i+1} is
+    ``x' = e^{-tau^2 h} (s_{i+1} / s_i) x + s_{i+1} c e^{-tau^2 lambda_{i+1}} sum_k c_k D_k
+    + s_{i+1} sqrt(1 - e^{-2 tau^2 h}) xi_i``, ``c_k = int_{lambda_i}^{lambda_{i+1}} e^{c l} L_k(l) dl`` over the
+    Lagrange basis L_k of the nodes (lambda_i, lambda_{i-1}) for the predictor and (lambda_{i+1}, lambda_i) for
+    the corrector, computed here by 40-point Gauss-Legendre quadrature, plus the code's order-2 few-step terms
+    ``g = e^{c lambda_{i+1}} (h^2 / 2 - (c h - 1 + e^{-c h}) / c^2) / (lambda_i - lambda_{i-1})`` (predictor) and
+    ``g = e^{c lambda_{i+1}} (h / 2 - (c h - 1 + e^{-c h}) / (c^2 h))`` (corrector), added to the newest node's
+    coefficient and taken from the other's. The predictor and the corrector of step i take the same draw
+    ``noises[i]`` (used where ``taus[i] > 0``). ``velocity(i, y)`` is the model at the state y of step i (called
+    once per step). Returns the states the model was given (``evaluated``, T of them), the corrected states
+    (``corrected``, the code's intermediates, T + 1 with the final) and ``states``: ``evaluated`` plus the final."""
     import numpy as np
 
     s = [float(v) for v in sigmas.to(torch.float64)]
     steps = len(s) - 1
+    taus = [0.0] * steps if taus is None else [float(v) for v in taus]
     lam = [math.log((1 - v) / v) for v in s[:-1]]
     nodes, weights = np.polynomial.legendre.leggauss(40)
 
-    def integral(a: float, b: float, basis) -> float:
+    def integral(a: float, b: float, basis, c: float) -> float:
         u = 0.5 * (b - a) * nodes + 0.5 * (b + a)
-        return float(0.5 * (b - a) * np.sum(weights * np.exp(u) * basis(u)))
+        return float(0.5 * (b - a) * np.sum(weights * np.exp(c * u) * basis(u)))
 
     def update(x, i, points, predictions, extra):
         """x at s_{i+1} from x at s_i, interpolating ``predictions`` at lambda ``points``."""
         a, b = lam[i], lam[i + 1]
+        tau2 = taus[i] ** 2
         c = []
         for k, p in enumerate(points):
             others = [q for m, q in enumerate(points) if m != k]
@@ -206,11 +212,23 @@ def sa_solver_reference(sigmas: torch.Tensor, x: torch.Tensor, velocity) -> dict
                 for q in others:
                     out = out * (u - q) / (p - q)
                 return out
-            c.append(integral(a, b, basis))
+            c.append(integral(a, b, basis, 1 + tau2))
         if len(points) == 2:
             c[0] += extra
             c[1] -= extra
-        return (s[i + 1] / s[i]) * x + s[i + 1] * sum(ck * d for ck, d in zip(c, predictions))
+        scale = s[i + 1] * (1 + tau2) * math.exp(-tau2 * b)
+        out = math.exp(-tau2 * (b - a)) * (s[i + 1] / s[i]) * x + scale * sum(ck * d for ck, d in zip(c, predictions))
+        if taus[i] > 0:
+            out = out + s[i + 1] * math.sqrt(1 - math.exp(-2 * tau2 * (b - a))) * noises[i]
+        return out
+
+    def few_steps(i, h, predictor):
+        """The code's order-2 term of the step into s_i (h its lambda step)."""
+        c = 1 + taus[i - 1] ** 2
+        integral_part = (c * h - 1 + math.exp(-c * h)) / c ** 2
+        if predictor:
+            return math.exp(c * lam[i]) * (h * h / 2 - integral_part) / (lam[i - 1] - lam[i - 2])
+        return math.exp(c * lam[i]) * (h / 2 - integral_part / h)
 
     y = x
     d = [y - s[0] * velocity(0, y)]
@@ -220,14 +238,12 @@ def sa_solver_reference(sigmas: torch.Tensor, x: torch.Tensor, velocity) -> dict
         if i == 1:
             y = update(x, 0, [lam[0]], [d[0]], 0.0)
         else:
-            g = math.exp(lam[i]) * (h * h / 2 - (h - 1 + math.exp(-h))) / (lam[i - 1] - lam[i - 2])
-            y = update(x, i - 1, [lam[i - 1], lam[i - 2]], [d[i - 1], d[i - 2]], g)
+            y = update(x, i - 1, [lam[i - 1], lam[i - 2]], [d[i - 1], d[i - 2]], few_steps(i, h, True))
         d.append(y - s[i] * velocity(i, y))
         if i == 1:
             x = y
         else:
-            g = math.exp(lam[i]) * (h / 2 - (h - 1 + math.exp(-h)) / h)
-            x = update(x, i - 1, [lam[i], lam[i - 1]], [d[i], d[i - 1]], g)
+            x = update(x, i - 1, [lam[i], lam[i - 1]], [d[i], d[i - 1]], few_steps(i, h, False))
         evaluated.append(y)
         corrected.append(x)
     corrected.append(d[-1])

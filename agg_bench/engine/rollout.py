@@ -17,15 +17,16 @@ from .sampler import ode_step, sde_step, stochastic_steps
 
 # velocity(j, x, timesteps (B,), cond) -> v: the velocity used at step j (default: the policy's forward)
 VelocityRule = Callable[[int, torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
-# ode(j, x, v) -> x_{j+1}: a deterministic step (default: Euler, :func:`agg_bench.engine.sampler.ode_step`)
+# ode(j, x, v) -> x_{j+1}: a step outside the SDE mask (default: Euler, :func:`agg_bench.engine.sampler.ode_step`);
+# one may add noise of its own without a log-probability (AWM's SA-Solver with tau > 0)
 ODERule = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class Trajectory:
     """``latents`` (B, T+1, C, H, W), ``velocities`` (B, T, ...), ``log_probs`` (B, T) (0 on ODE steps),
-    ``sde_mask`` (T,) True where the step was stochastic, ``sigmas`` (T+1), ``timesteps`` (T); T is the
-    rollout's own number of steps (a method may sample on another grid than the run's schedule, e.g. a
+    ``sde_mask`` (T,) True where the step was sampled with the SDE (it has a log-probability), ``sigmas`` (T+1),
+    ``timesteps`` (T); T is the rollout's own number of steps (a method may sample on another grid than the run's schedule, e.g. a
     shorter one after MixGRPO-Flash's window), and the training batch takes these sigmas.
 
     Two optional facts for rollouts other than B independent chains:

@@ -28,8 +28,9 @@ down, the last (u = 0) dropped and ``final_sigmas_type="zero"``'s 0 appended, st
 starts below 1 (shift 3: 0.99967). Its timesteps, the transformer's input, are the integers trunc(1000 s),
 truncated from the float64 sigmas before they are rounded to float32, and differ from 1000 s by up to 1.
 
-SA-Solver's ODE (:class:`SASolverODE`: tau = 0, predictor and corrector of order 2 in PEC mode) is the sampler of
-AWM's public code, on that code's grid (:func:`sa_solver_grid`).
+SA-Solver (:class:`SASolver`: predictor and corrector of order 2 in PEC mode; its ODE, tau = 0, by default, or
+with the noise level tau on the steps :func:`sa_solver_taus` selects) is the sampler of AWM's public code, on that
+code's grid (:func:`sa_solver_grid`).
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ class MultistepDPMSolverPP:
 
 # The deterministic samplers an ODE rollout may take (a method's ``solver`` option): ``euler`` is the rollout's
 # own step (:func:`agg_bench.engine.sampler.ode_step`), ``dpm2`` DPM-Solver++(2M) (:func:`ode_solver`),
-# ``sa_solver`` SA-Solver's ODE as AWM samples with it (:class:`SASolverODE`, on :func:`sa_solver_grid`).
+# ``sa_solver`` SA-Solver's ODE as AWM samples with it (:class:`SASolver` with tau = 0, on :func:`sa_solver_grid`).
 ODE_SOLVERS = ("euler", "dpm2", "sa_solver")
 
 
@@ -130,12 +131,12 @@ def ode_solver(name: str, sigmas: torch.Tensor) -> Callable[[int, torch.Tensor, 
     (``flow_grpo/diffusers_patch/solver.py``: ``dpm_step`` of order 2 with ``lower_order_final``) and diffusers'
     ``DPMSolverMultistepScheduler`` with ``solver_order=2``, ``solver_type="midpoint"`` and
     ``final_sigmas_type="zero"`` (the Sana scheduler DGPO samples with). A new solver per call: its history
-    and ``orders`` are one rollout's. ``sa_solver``: :class:`SASolverODE`, whose grid is :func:`sa_solver_grid`'s
-    (the caller samples on it)."""
+    and ``orders`` are one rollout's. ``sa_solver``: :class:`SASolver` with tau = 0, whose grid is
+    :func:`sa_solver_grid`'s (the caller samples on it)."""
     if name == "euler":
         return None
     if name == "sa_solver":
-        return SASolverODE(sigmas).ode_step
+        return SASolver(sigmas).step
     if name != "dpm2":
         raise ValueError(f"ODE solver {name!r}: expected one of {list(ODE_SOLVERS)}")
     return MultistepDPMSolverPP(sigmas, 2).ode_step
@@ -176,6 +177,8 @@ def flow_dpm_grid(steps: int, shift: float) -> FlowDPMGrid:
 
 # SA-Solver's grid ends, as the AWM code sets it, at these sigmas (sa_solver_grid)
 SA_SOLVER_FIRST_SIGMA = 1 - 1e-3
+# AWM's code gives SA-Solver its noise level tau on the steps into sigmas in this closed interval, 0 elsewhere
+SA_SOLVER_NOISE_WINDOW = (0.3, 0.9)
 
 
 def sa_solver_grid(sigmas: torch.Tensor) -> torch.Tensor:
@@ -191,72 +194,114 @@ def sa_solver_grid(sigmas: torch.Tensor) -> torch.Tensor:
     return grid
 
 
-class SASolverODE:
-    """SA-Solver (Xue et al., arXiv 2309.05019) with tau = 0, the ODE, as AWM's rollout runs it
-    (github.com/scxue/advantage_weighted_matching ``flow_grpo/diffusers_patch/sa_solver.py``, ``SASolver.sample``
-    with ``predictor_order=2``, ``corrector_order=2``, ``pc_mode='PEC'``, data prediction, and its
-    ``*_few_steps`` updates), on a grid ``s_0 > ... > s_{T-1} > s_T = 0`` with ``s_0 < 1``
-    (:func:`sa_solver_grid`). With the data prediction ``D = y - s v`` of the state ``y`` the model was given,
-    lambda = log((1 - s) / s), a step from ``s`` to ``s'`` (``h = lambda' - lambda``, ``alpha' = 1 - s'``) is
+def sa_solver_taus(sigmas: torch.Tensor, tau: float) -> list[float]:
+    """The T per-step noise levels AWM's pipeline gives SA-Solver on the grid ``sigmas`` (T+1): ``tau`` at step j
+    where the sigma it steps into, s_{j+1}, lies in [0.3, 0.9], else 0 (the code's ``stochasticity_control_function
+    = lambda t: noise_level if 0.3 <= t <= 0.9 else 0``, called with the target ``t`` of each predictor and
+    corrector). The code compares its float32 sigmas with the bounds in float32; so does this."""
+    low, high = (np.float32(b) for b in SA_SOLVER_NOISE_WINDOW)
+    return [float(tau) if low <= np.float32(s) <= high else 0.0 for s in sigmas[1:].to(torch.float64).tolist()]
 
-    - predictor, order 1 (the first step): ``P1 = (s'/s) x + alpha' (1 - e^{-h}) D_j``, which is Euler's step;
-    - predictor, order 2: ``P2 = P1 + alpha' h^2 / (2 h_prev) (D_j - D_{j-1})``, ``h_prev = lambda_j - lambda_{j-1}``;
-    - corrector, order 2: ``C2 = P1 + alpha' (h / 2) (D_{j+1} - D_j)``, with ``D_{j+1}`` the prediction at the
-      predicted state.
 
-    These are the code's Lagrange-interpolated exponential integrals with its order-2 "few steps" terms added
-    (paper, eq. 15 and 18 with tau = 0, and the UniPC-like O(h^3) change the code makes for few-step sampling),
-    summed into closed form. PEC: the model is evaluated once per step, at the predicted state; the corrector
-    of step j reuses that evaluation (no forward of its own) and its corrected state is not evaluated again.
-    Step 1 is the predictor of order 1; the code turns off the corrector of its first step
-    (``disable_first_corrector``); the last step returns ``D_{T-1}`` (``skip_final_step``: ``denoise_to_zero``).
+class SASolver:
+    """SA-Solver (Xue et al., arXiv 2309.05019) as AWM's rollout runs it (github.com/scxue/advantage_weighted_matching
+    ``flow_grpo/diffusers_patch/sa_solver.py``, ``SASolver.sample`` with ``predictor_order=2``,
+    ``corrector_order=2``, ``pc_mode='PEC'``, data prediction, and its ``*_few_steps`` updates), on a grid
+    ``s_0 > ... > s_{T-1} > s_T = 0`` with ``s_0 < 1`` (:func:`sa_solver_grid`), with the noise level ``taus[j]``
+    on step j (:func:`sa_solver_taus`; all 0 by default: the ODE). With the data prediction ``D = y - s v`` of the
+    state ``y`` the model was given, lambda = log((1 - s) / s), a step from ``s`` to ``s'`` (``h = lambda' -
+    lambda``, ``alpha' = 1 - s'``) with the step's tau and ``c = 1 + tau^2`` is
 
-    As a rule ``(j, y_j, v_j) -> y_{j+1}``: ``y_j`` is the state the model was evaluated at (the predicted state;
-    the start and step 1's are uncorrected), and the rule keeps the corrected state ``x_j`` it steps from. So a
-    rollout records the states the velocities belong to; the code's list of intermediates holds the corrected
-    ones instead, and its final latent, ``D_{T-1}``, is the same. Coefficients are float64 numbers; the states
-    keep their dtype. One rule per rollout: it keeps the step before's ``x`` and ``D``."""
+    - predictor, order 1 (the first step): ``P1 = e^{-tau^2 h} (s'/s) x + alpha' (1 - e^{-c h}) D_j + n``, at
+      tau = 0 Euler's step; ``n = s' sqrt(1 - e^{-2 tau^2 h}) xi``, xi ~ N(0, I);
+    - predictor, order 2: ``P2 = P1 + alpha' c h^2 / (2 h_prev) (D_j - D_{j-1})``, ``h_prev = lambda_j -
+      lambda_{j-1}``;
+    - corrector, order 2: ``C2 = P1 + alpha' c (h / 2) (D_{j+1} - D_j)``, with ``D_{j+1}`` the prediction at the
+      predicted state and the same draw xi as the predictor of that step (the code's ``noise``, drawn once per
+      step).
 
-    def __init__(self, sigmas: torch.Tensor):
+    These are the code's Lagrange-interpolated exponential integrals (paper, eq. 15 and 18 with a constant tau per
+    step: ``sigma' (1 + tau^2) e^{-tau^2 lambda'} int e^{(1 + tau^2) l} L(l) dl``) with its order-2 "few steps"
+    terms added (the UniPC-like O(h^3) change the code makes for few-step sampling), summed into closed form. PEC:
+    the model is evaluated once per step, at the predicted state; the corrector of step j reuses that evaluation
+    (no forward of its own) and its corrected state is not evaluated again. Step 1 is the predictor of order 1;
+    the code turns off the corrector of its first step (``disable_first_corrector``); the last step returns
+    ``D_{T-1}`` (``skip_final_step``: ``denoise_to_zero``, tau 0).
+
+    The draws: xi of step j, of the state's shape and dtype, from ``generator`` (on its device), only where
+    ``taus[j] > 0``: a step with tau 0 draws nothing, so the ODE leaves the generator as it was. The code draws
+    every step's xi from the global generator with ``torch.randn_like``, whether its tau is 0 or not.
+
+    As a rule ``(j, y_j, v_j) -> y_{j+1}`` (:meth:`step`): ``y_j`` is the state the model was evaluated at (the
+    predicted state; the start and step 1's are uncorrected), and the rule keeps the corrected state ``x_j`` it
+    steps from. So a rollout records the states the velocities belong to (with tau > 0, the predicted states with
+    their noise); the code's list of intermediates holds the corrected ones instead, and its final latent,
+    ``D_{T-1}``, is the same. Coefficients are float64 numbers; the states keep their dtype. One rule per rollout:
+    it keeps the step before's ``x``, ``D`` and xi."""
+
+    def __init__(self, sigmas: torch.Tensor, taus: list[float] | None = None,
+                 generator: torch.Generator | None = None):
         s = [float(v) for v in sigmas.to(torch.float64)]
         if len(s) < 3 or s[-1] != 0 or not all(1 > a > b > 0 for a, b in zip(s[:-2], s[1:-1])):
             raise ValueError(f"SA-Solver needs sigmas 1 > s_0 > ... > s_(T-1) > s_T = 0 with T >= 2 "
                              f"(sa_solver_grid), got {s}")
+        taus = [0.0] * (len(s) - 1) if taus is None else [float(t) for t in taus]
+        if len(taus) != len(s) - 1 or not all(math.isfinite(t) and t >= 0 for t in taus) or taus[-1] != 0:
+            raise ValueError(f"SA-Solver's taus: one finite number >= 0 per step, 0 at the step into sigma 0 (the "
+                             f"data prediction), got {taus} for {len(s) - 1} steps")
+        if generator is None and any(taus):
+            raise ValueError("SA-Solver with tau > 0 draws its noise from a generator: none was given")
         self.sigmas = s
+        self.taus = taus
+        self.generator = generator
         self.lambdas = [half_log_snr(v) for v in s[:-1]]
-        self.previous: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (j, corrected x_j, D_j)
-
-    def _step(self, x: torch.Tensor, d: torch.Tensor, j: int, gain: float, difference: torch.Tensor | None
-              ) -> torch.Tensor:
-        """``(s_{j+1}/s_j) x + alpha_{j+1} (1 - e^{-h}) d`` plus ``alpha_{j+1} gain difference``."""
-        s, s_next = self.sigmas[j], self.sigmas[j + 1]
-        alpha_next = 1.0 - s_next
-        out = (s_next / s) * x - (alpha_next * math.expm1(-self.h(j))) * d
-        return out if difference is None else out + (alpha_next * gain) * difference
+        # (j, corrected x_j, D_j, the draw of step j or None)
+        self.previous: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     def h(self, j: int) -> float:
         """lambda_{j+1} - lambda_j."""
         return self.lambdas[j + 1] - self.lambdas[j]
 
-    def ode_step(self, j: int, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _step(self, x: torch.Tensor, d: torch.Tensor, j: int, gain: float, difference: torch.Tensor | None,
+              noise: torch.Tensor | None) -> torch.Tensor:
+        """Step j from ``x``: ``e^{-tau^2 h} (s'/s) x + alpha' (1 - e^{-c h}) d``, plus ``alpha' c gain difference``
+        and ``s' sqrt(1 - e^{-2 tau^2 h}) noise`` where given (class docstring)."""
+        s, s_next, tau2, h = self.sigmas[j], self.sigmas[j + 1], self.taus[j] ** 2, self.h(j)
+        alpha_next, c = 1.0 - s_next, 1.0 + tau2
+        out = (math.exp(-tau2 * h) * s_next / s) * x - (alpha_next * math.expm1(-c * h)) * d
+        if difference is not None:
+            out = out + (alpha_next * c * gain) * difference
+        if noise is not None:
+            out = out + (s_next * math.sqrt(-math.expm1(-2 * tau2 * h))) * noise
+        return out
+
+    def draw(self, j: int, like: torch.Tensor) -> torch.Tensor | None:
+        """xi of step j, where its tau is above 0 (class docstring)."""
+        if self.taus[j] == 0:
+            return None
+        assert self.generator is not None  # __init__
+        return torch.randn(like.shape, generator=self.generator, device=self.generator.device,
+                           dtype=like.dtype).to(like.device)
+
+    def step(self, j: int, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """y_{j+1} from the state y_j the model was given at step j and its velocity v_j (class docstring)."""
         last = len(self.sigmas) - 2
         if j != (0 if self.previous is None else self.previous[0] + 1) or j > last:
             raise ValueError(f"SA-Solver step {j}: its steps are taken once each, in order, 0 to {last}")
         d = y - self.sigmas[j] * v
         if j == last:  # into sigma 0: the data prediction (the code's denoise_to_zero)
-            self.previous = (j, y, d)
+            self.previous = (j, y, d, None)
             return d.clone()
         if j < 2:  # the start, and step 1 whose corrector the code turns off
             x = y
         else:
-            _, x_prev, d_prev = self.previous  # type: ignore[misc]
-            h = self.h(j - 1)
-            x = self._step(x_prev, d_prev, j - 1, h / 2, d - d_prev)
+            _, x_prev, d_prev, noise_prev = self.previous  # type: ignore[misc]
+            x = self._step(x_prev, d_prev, j - 1, self.h(j - 1) / 2, d - d_prev, noise_prev)
+        noise = self.draw(j, y)
         if j == 0:
-            y_next = self._step(x, d, 0, 0.0, None)
+            y_next = self._step(x, d, 0, 0.0, None, noise)
         else:
             h = self.h(j)
-            y_next = self._step(x, d, j, h * h / (2 * self.h(j - 1)), d - self.previous[2])  # type: ignore[index]
-        self.previous = (j, x, d)
+            y_next = self._step(x, d, j, h * h / (2 * self.h(j - 1)), d - self.previous[2], noise)  # type: ignore[index]
+        self.previous = (j, x, d, noise)
         return y_next

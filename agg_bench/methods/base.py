@@ -134,11 +134,14 @@ class Estimator(ABC):
         mask = self.sde_mask(iteration, sampling.steps, generator)
         with self.rollout_hooks(policy) as before_step:
             return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, mask, before_step,
-                           ode=self.ode_rule(sigmas))
+                           ode=self.ode_rule(sigmas, generator))
 
-    def ode_rule(self, sigmas: torch.Tensor) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """The deterministic step ``(j, x_j, v_j) -> x_{j+1}`` of the rollout's steps outside the SDE mask, made
-        for one rollout on ``sigmas`` (a multistep solver keeps its history in it). Default None: Euler."""
+    def ode_rule(self, sigmas: torch.Tensor, generator: torch.Generator
+                 ) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The step ``(j, x_j, v_j) -> x_{j+1}`` of the rollout's steps outside the SDE mask, made for one rollout
+        on ``sigmas`` (a multistep solver keeps its history in it); a rule that adds noise without a
+        log-probability (AWM's SA-Solver with tau > 0) draws it from the rollout's ``generator``. Default None:
+        Euler."""
         return None
 
     def advantages(self, rewards: torch.Tensor, trajectory: Trajectory, grpo: GRPOConfig) -> torch.Tensor:

@@ -18,6 +18,7 @@ PRESET = ROOT / "config/presets/awm.yaml"
 STEPS = 6  # sampling.steps in helpers.TINY
 K = 3
 AWM = ["method.name=awm", "sampling.same_noise_per_group=false"]  # an ODE group needs its own noises
+NOISY = [*AWM, f"method.times_per_sample={K}", "method.solver=sa_solver", "method.sa_solver_tau=0.4"]
 
 
 def reference_gradient(session, batch, weighting="uniform", power=0.25):
@@ -115,6 +116,62 @@ def test_sa_solver_rollout_is_the_public_sampler_at_one_forward_per_step():
     assert not torch.allclose(euler.latents[:, -1], batch.latents[:, -1])
 
 
+def noisy_rollout(*options, monkeypatch=None):
+    """A tiny run with SA-Solver's noise (tau 0.4, the preset's) after ``options``: its first rollout's batch,
+    the draws its rule took (recorded where ``monkeypatch`` is given) and its forwards."""
+    from agg_bench.engine.solvers import SASolver
+
+    draws: list = []
+    if monkeypatch is not None:
+        draw = SASolver.draw
+        monkeypatch.setattr(SASolver, "draw", lambda self, j, like: (draws.append(draw(self, j, like)), draws[-1])[1])
+    session = Session(tiny_config(*NOISY, *options))
+    with counted(session.policy) as passes:
+        batch = session.collect(0).batch
+    return session, batch, draws, passes.as_dict()
+
+
+def test_sa_solver_noise_is_drawn_on_the_windows_steps_at_one_forward_per_step(monkeypatch):
+    """``method.sa_solver_tau=0.4``: the tiny schedule's grid steps into sigmas in [0.3, 0.9] at steps 1, 2 and 3;
+    the rule draws one noise of the batch's shape there and nowhere else, from the iteration's generator after the
+    initial noise, and every state is SA-Solver's with that
+    noise (tests/helpers.py, the paper's stochastic equations fed the same draws) from the velocities the rollout
+    recorded; one no-grad forward per sample and step; log-probability 0 on every step (the update needs none).
+    The states are the ODE's up to the first noisy step's, then differ."""
+    from agg_bench.engine.solvers import sa_solver_taus
+
+    session, batch, draws, passes = noisy_rollout(monkeypatch=monkeypatch)
+    b = batch.batch_size
+    assert passes == {"forward_nograd": b * STEPS, "forward_grad": 0, "backward": 0}
+    taus = sa_solver_taus(batch.sigmas, 0.4)
+    assert taus == [0.0, 0.4, 0.4, 0.4, 0.0, 0.0]
+    assert [d is not None for d in draws] == [tau > 0 for tau in taus[:-1]]  # the last step draws nothing
+    gen, prompts, _ = session.rollout_prompts(0)  # the iteration's generator after its prompts, its noise, then xi
+    assert torch.equal(session.rollout_noise(len(prompts), gen).to(batch.latents.dtype), batch.latents[:, 0])
+    for d in draws:
+        assert d is None or torch.equal(d, torch.randn(batch.latents[:, 0].shape, generator=gen, dtype=d.dtype))
+    assert torch.all(batch.log_probs == 0)
+    expected = sa_solver_reference(batch.sigmas, batch.latents[:, 0], lambda j, y: batch.velocities[:, j], taus,
+                                   [*draws, None])
+    torch.testing.assert_close(torch.stack(expected["states"], 1), batch.latents, rtol=1e-10, atol=1e-12)
+    ode = Session(tiny_config(*AWM, f"method.times_per_sample={K}", "method.solver=sa_solver")).collect(0).batch
+    assert torch.equal(ode.latents[:, :2], batch.latents[:, :2])
+    assert not torch.allclose(ode.latents[:, 2], batch.latents[:, 2])
+    assert not torch.allclose(ode.latents[:, -1], batch.latents[:, -1])
+
+
+def test_sa_solver_noise_is_the_seeds():
+    """The same seed samples the same images (and a run that starts at iteration 1, as a resumed one, draws what
+    the uninterrupted one drew there: each iteration's draws come from its own generator); another seed others."""
+    first, batch, _, _ = noisy_rollout()
+    again = noisy_rollout()[1]
+    assert torch.equal(batch.latents, again.latents)
+    other = noisy_rollout("seed=1")[1]
+    assert not torch.allclose(other.latents[:, -1], batch.latents[:, -1])
+    resumed = Session(tiny_config(*NOISY))
+    assert torch.equal(first.collect(1).batch.latents, resumed.collect(1).batch.latents)
+
+
 def test_sa_solver_times_are_the_schedules_at_two_steps():
     """At 2 steps the discrete times' one index, 1, is the sigma SA-Solver's grid halves: the times are the run
     schedule's, as the code draws them from its scheduler's timesteps."""
@@ -133,7 +190,7 @@ def test_sa_solver_needs_a_known_name_and_a_schedule_it_takes(tmp_path, capsys):
     for sets in (["method.solver=sa_solver", "method.times_per_sample=2", "sampling.steps=1"],
                  ["method.solver=sa_solver", "sampling.steps=400"],
                  ["method.solver=rk4"], ["method.solver=dpm2"], ["method.solver=2"], ["method.solver=null"],
-                 ["method.solver=.nan"]):
+                 ["method.solver=.nan"], ["method.solver=euler", "method.sa_solver_tau=0.4"]):
         key = sets[-1].split("=")[0]
         out = tmp_path / "run"
         args = [a for item in ["model.resolution=32", "train.iterations=1", "progress=false", *sets]

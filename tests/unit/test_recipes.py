@@ -489,7 +489,9 @@ def test_every_preset_runs_with_its_described_passes_and_their_cost(preset, tmp_
         ("ema_kl_beta", -1), ("ema_kl_beta", 1e300), ("ema_kl_beta", ".inf"), ("ema_kl_beta", "[1]"),
         ("ema_decay_rate", -0.001), ("ema_decay_max", 3), ("times_shared_by", 0), ("times_shared_by", -3),
         ("times_shared_by", 2.5), ("times_shared_by", ".nan"), ("times_shared_by", 10**12),
-        ("times_shared_by", "three"), ("solver", "dpm2"), ("solver", 2), ("solver", "null"), ("solver", ".nan"))],
+        ("times_shared_by", "three"), ("solver", "dpm2"), ("solver", 2), ("solver", "null"), ("solver", ".nan"),
+        ("sa_solver_tau", -0.1), ("sa_solver_tau", ".nan"), ("sa_solver_tau", ".inf"), ("sa_solver_tau", 1e300),
+        ("sa_solver_tau", 11), ("sa_solver_tau", "high"), ("sa_solver_tau", "[0.4]"), ("sa_solver_tau", 0.4))],
     *[("dgpo", f"method.{k}={v}", f"method.{k}") for k, v in (
         ("clip_dsm", "yes please"), ("clip_dsm", 1), ("ema_decay_rate", 1.5), ("ema_rollout_after", -1),
         ("ema_rollout_after", 2.5), ("ema_rollout_after", 10**12), ("rollout_guidance", 0.5),

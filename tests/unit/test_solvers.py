@@ -1,16 +1,17 @@
 """DPM-Solver++ on the flow schedule (agg_bench/engine/solvers.py) against diffusers' scheduler stepped in
 float64, against the paper's update equations written here, and as DiffusionNFT's ``dpm2`` rollout sampler
 against that sampler's equations (tests/helpers.py); SA-Solver's ODE as AWM samples with it against its
-equations (tests/helpers.py)."""
+equations (tests/helpers.py), and with its noise (tau > 0) against them fed the same draws."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, SASolverScheduler
 
 from agg_bench.engine.sampler import flow_sigmas, ode_step
-from agg_bench.engine.solvers import (DataPrediction, MultistepDPMSolverPP, dpm_solver_pp_step, flow_dpm_grid,
-                                     ode_solver, sa_solver_grid)
+from agg_bench.engine.solvers import (DataPrediction, MultistepDPMSolverPP, SASolver, dpm_solver_pp_step,
+                                     flow_dpm_grid, ode_solver, sa_solver_grid, sa_solver_taus)
 from helpers import nft_dpm2_reference, sa_solver_reference
 
 SHAPE = (2, 3, 4, 4)
@@ -328,17 +329,20 @@ def test_sa_solver_refuses_grids_and_steps_it_does_not_take():
         rule(4, x, x)
 
 
-def diffusers_sa_solver_rollout(grid, x, velocity):
+def diffusers_sa_solver_rollout(grid, x, velocity, taus=None, noises=None):
     """AWM's sampler driven through diffusers' own SA-Solver updates (``SASolverScheduler`` with flow sigmas and
     data prediction, its ``stochastic_adams_bashforth_update`` and ``stochastic_adams_moulton_update`` with tau =
-    0 and float64 sigmas set to ``grid``), in AWM's order: the first step's predictor of order 1 and no corrector,
-    then predictor and corrector of order 2, the last step the data prediction. The states the model is given,
-    then the final one."""
+    ``taus[i]`` on step i, 0 by default, the draw ``noises[i]`` of step i given to its predictor and, as
+    ``last_noise``, to its corrector, and float64 sigmas set to ``grid``), in AWM's order: the first step's
+    predictor of order 1 and no corrector, then predictor and corrector of order 2, the last step the data
+    prediction. The states the model is given, then the final one."""
     scheduler = SASolverScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", predictor_order=2,
                                   corrector_order=2, algorithm_type="data_prediction", tau_func=lambda t: 0)
     scheduler.set_timesteps(len(grid) - 1)
     scheduler.sigmas = grid.to(torch.float64)
     steps, zero = len(grid) - 1, torch.zeros_like(x)
+    taus = [0.0] * steps if taus is None else taus
+    noises = [zero] * steps if noises is None else [zero if n is None else n for n in noises]
     states, predictions, corrected = [x], [], x
     for i in range(steps):
         y = states[-1]
@@ -350,13 +354,13 @@ def diffusers_sa_solver_rollout(grid, x, velocity):
         if i >= 2:
             scheduler.model_outputs = predictions[-3:-1]
             corrected = scheduler.stochastic_adams_moulton_update(
-                this_model_output=predictions[-1], last_sample=corrected, last_noise=zero, this_sample=y, order=2,
-                tau=0.0)
+                this_model_output=predictions[-1], last_sample=corrected, last_noise=noises[i - 1], this_sample=y,
+                order=2, tau=taus[i - 1])
         else:
             corrected = y
         scheduler.model_outputs = ([None] + predictions)[-2:]
         states.append(scheduler.stochastic_adams_bashforth_update(
-            model_output=predictions[-1], sample=corrected, noise=zero, order=min(i + 1, 2), tau=0.0))
+            model_output=predictions[-1], sample=corrected, noise=noises[i], order=min(i + 1, 2), tau=taus[i]))
     return states
 
 
@@ -368,3 +372,120 @@ def test_sa_solver_equals_diffusers_sa_solver_updates_in_float64(steps, shift):
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ours, _ = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
     assert max_relative(ours, diffusers_sa_solver_rollout(grid, x, velocity)) <= 1e-10
+
+
+def draws_of(taus, seed, shape=SHAPE):
+    """The draws a stochastic SA-Solver rule takes from a generator seeded ``seed``: one of ``shape`` per step
+    whose tau is above 0, in step order; None on the others."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64) if tau > 0 else None for tau in taus]
+
+
+def noisy_grids():
+    """(name, grid): AWM's grid at several step counts and shifts, and irregular grids in (0, 1)."""
+    out = [(f"{steps} steps, shift {shift}", sa_solver_grid(flow_sigmas(steps, shift)))
+           for steps, shift in [(14, 3.0), (10, 1.0), (5, 3.0), (3, 5.0), (2, 3.0)]]
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(500 + seed)
+        u = torch.sort(torch.rand(5 + 4 * seed, generator=gen, dtype=torch.float64), descending=True).values
+        out.append((f"irregular {seed}", torch.cat([0.98 * u + 0.01, torch.zeros(1, dtype=torch.float64)])))
+    return out
+
+
+@pytest.mark.parametrize("name, grid", noisy_grids(), ids=[name for name, _ in noisy_grids()])
+@pytest.mark.parametrize("taus_of", ["window", "every step"])
+def test_sa_solver_with_noise_equals_its_equations_fed_the_same_draws(name, grid, taus_of):
+    """SA-Solver with tau > 0 against the float64 reference of tests/helpers.py (the paper's stochastic exponential
+    integrator, coefficients by quadrature) and against diffusers' stochastic updates, both fed the draws the rule
+    takes from its generator: one of the state's shape per step with tau > 0, in step order, shared by that step's
+    predictor and corrector. ``window``: AWM's taus, 0.4 on the steps into sigmas in [0.3, 0.9]; ``every step``:
+    a different tau on every step but the last (the first step's predictor and step 1's uncorrected state
+    included). One model evaluation per step."""
+    steps = len(grid) - 1
+    gen = torch.Generator().manual_seed(600 + steps)
+    velocity = linear_model(gen, grid)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    if taus_of == "window":
+        taus = sa_solver_taus(grid, 0.4)
+    else:
+        taus = [*(0.2 + 0.8 * torch.rand(steps - 1, generator=gen, dtype=torch.float64)).tolist(), 0.0]
+    assert any(taus)
+    noises = draws_of(taus, 7)
+    calls = []
+    expected = sa_solver_reference(grid, x, lambda j, y: (calls.append(j), velocity(j, y))[1], taus, noises)
+    rule = SASolver(grid, taus, torch.Generator().manual_seed(7)).step
+    ours, forwards = rule_rollout(rule, x, velocity, steps)
+    assert calls == forwards == list(range(steps))
+    assert max_relative(ours, expected["states"]) <= 1e-10
+    assert max_relative(ours, diffusers_sa_solver_rollout(grid, x, velocity, taus, noises)) <= 1e-10
+    ode, _ = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
+    assert not torch.allclose(ours[-1], ode[-1])  # the noise is there
+
+
+def test_sa_solver_taus_are_the_codes_window_in_float32():
+    """AWM's taus: 0.4 on the steps into sigmas in [0.3, 0.9], compared in float32 as the code compares its float32
+    sigmas: the float32 neighbours of the bounds outside are out, the bounds in, and a float64 sigma that rounds to
+    a bound is in; the step into 0 is 0. On the preset's grid (14 steps, shift 3) the steps 3 to 10."""
+    f32 = [float(np.float32(v)) for v in (0.9, 0.3)]
+    above = float(np.nextafter(np.float32(0.9), np.float32(1)))  # the float32 neighbours outside
+    below = float(np.nextafter(np.float32(0.3), np.float32(0)))
+    assert above > 0.9 and below < 0.3
+    grid = torch.tensor([0.999, above, f32[0], 0.9 + 1e-12, 0.5, f32[1], below, 0.1, 0.0], dtype=torch.float64)
+    assert sa_solver_taus(grid, 0.4) == [0.0, 0.4, 0.4, 0.4, 0.4, 0.0, 0.0, 0.0]
+    assert sa_solver_taus(grid, 0.0) == [0.0] * 8
+    preset = sa_solver_taus(sa_solver_grid(flow_sigmas(14, 3.0)), 0.4)
+    assert [j for j, tau in enumerate(preset) if tau] == list(range(3, 11)) and set(preset) == {0.0, 0.4}
+
+
+@pytest.mark.parametrize("steps, shift", [(14, 3.0), (10, 1.0), (5, 3.0)])
+def test_sa_solver_noise_enters_only_on_the_windows_steps(steps, shift):
+    """The rule draws once per step with tau > 0 and nowhere else, and its states are the ODE's, bit for bit, up
+    to the first step into the window, where they part. With tau 0 on every step, or with tau 0.4 on a grid that
+    never steps into the window, the rule is the ODE's bit for bit and leaves its generator as it was."""
+    grid = sa_solver_grid(flow_sigmas(steps, shift))
+    taus = sa_solver_taus(grid, 0.4)
+    window = [j for j, tau in enumerate(taus) if tau]
+    gen = torch.Generator().manual_seed(800 + steps)
+    velocity = linear_model(gen, grid)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    ode, _ = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
+    drawn, same = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    noisy, _ = rule_rollout(SASolver(grid, taus, drawn).step, x, velocity, steps)
+    for _ in window:
+        torch.randn(SHAPE, generator=same, dtype=torch.float64)
+    assert torch.equal(drawn.get_state(), same.get_state())  # one draw per window step
+    first = window[0]
+    assert all(torch.equal(a, b) for a, b in zip(noisy[:first + 1], ode[:first + 1]))
+    assert not torch.allclose(noisy[first + 1], ode[first + 1])
+    outside = torch.tensor([0.95, 0.92, 0.25, 0.1, 0.0], dtype=torch.float64)  # jumps over the window
+    assert sa_solver_taus(outside, 0.4) == [0.0] * 4
+    for grid_, taus_ in ((grid, [0.0] * steps), (outside, sa_solver_taus(outside, 0.4))):
+        n = len(grid_) - 1
+        velocity = linear_model(torch.Generator().manual_seed(10), grid_)
+        gen = torch.Generator().manual_seed(10)
+        state = gen.get_state()
+        ode, _ = rule_rollout(ode_solver("sa_solver", grid_), x, velocity, n)
+        quiet, _ = rule_rollout(SASolver(grid_, taus_, gen).step, x, velocity, n)
+        assert all(torch.equal(a, b) for a, b in zip(quiet, ode)) and torch.equal(gen.get_state(), state)
+
+
+def test_sa_solver_reference_at_tau_0_is_the_odes():
+    """The stochastic reference with every tau 0 (and draws given) is the ODE reference bit for bit."""
+    grid = sa_solver_grid(flow_sigmas(8, 3.0))
+    gen = torch.Generator().manual_seed(11)
+    velocity = linear_model(gen, grid)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    ode = sa_solver_reference(grid, x, velocity)["states"]
+    zero = sa_solver_reference(grid, x, velocity, [0.0] * 8, [torch.ones(SHAPE, dtype=torch.float64)] * 8)["states"]
+    assert all(torch.equal(a, b) for a, b in zip(ode, zero))
+
+
+def test_sa_solver_refuses_taus_it_does_not_take():
+    grid = sa_solver_grid(flow_sigmas(4, 3.0))
+    gen = torch.Generator()
+    for taus in ([0.4] * 3, [0.4] * 5, [0.4, -0.1, 0.0, 0.0], [0.4, float("nan"), 0.0, 0.0], [0.4] * 4):
+        with pytest.raises(ValueError, match="taus"):
+            SASolver(grid, taus, gen)
+    with pytest.raises(ValueError, match="generator"):
+        SASolver(grid, [0.0, 0.4, 0.0, 0.0])
+    SASolver(grid, [0.0] * 4)  # the ODE needs none
