@@ -188,10 +188,10 @@ def cmd_learning(args) -> int:
 
 def cmd_campaign(args) -> int:
     from .tools.archive import unpack
-    from .tools.campaign import Campaign, check_minutes, run_window, status
+    from .tools.campaign import Campaign, check_minutes, check_started, run_window, status
 
     if args.action == "run":
-        check_minutes(args.minutes)
+        check_started(args.started, check_minutes(args.minutes))
     if args.action == "unpack" and args.archive is None:
         raise UserError("campaign unpack needs the archive (--archive FILE)")
     if args.action == "unpack" and args.reference is None:
@@ -202,7 +202,7 @@ def cmd_campaign(args) -> int:
             raise UserError(f"campaign {args.action}: {flag} {folder} is not a folder")
     campaign = Campaign(args.config, cpu=args.cpu)
     if args.action == "run":
-        log = run_window(campaign, args.minutes, args.work, args.reference, args.archive)
+        log = run_window(campaign, args.minutes, args.work, args.reference, args.archive, started=args.started)
         print(json.dumps({"archive": log["archive"], "finished": len(log["finished_in_window"]), "left": log["left"],
                           "seconds": log["seconds"]}))
     elif args.action == "unpack":
@@ -453,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run: the window's runs, logs and calibrations (default results/campaign; earlier windows' "
                         "finished runs there count as done)")
     p.add_argument("--minutes", type=float, help="run: the window's length; it stops cleanly before its end")
+    p.add_argument("--started", type=float, help="run: when the window's clock started, in seconds since the epoch "
+                                                 "(default: now); scripts/gpu_campaign.sh passes its own start, so "
+                                                 "that its start-up counts against --minutes")
     p.add_argument("--archive", type=Path, help="run: where to write the archive (default WORK/campaign.tar.gz); "
                                                 "unpack: the archive to add")
     p.set_defaults(func=cmd_campaign)

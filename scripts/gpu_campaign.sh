@@ -13,6 +13,7 @@
 # environment (no torch, no agg-bench, no CUDA device without --cpu) or a bad option is one line and exit code 2,
 # before anything is run or written.
 set -uo pipefail
+STARTED=$(date +%s.%N)  # the window's clock: checking the environment counts against --minutes
 
 MODE=gpu
 MINUTES=
@@ -34,7 +35,7 @@ OUT=${AGG_BENCH_CAMPAIGN_OUT:-results/campaign}
 [[ -z "${PYTHON:-}" ]] || export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the tree, not an install
 source "$ROOT/scripts/python_env.sh" || exit 2
 pick_python gpu_campaign "agg-bench's requirements" torch diffusers agg_bench
-ARGS=(--config "$CONFIG" --minutes "$MINUTES" --work "$OUT" --reference "$REFERENCE")
+ARGS=(--config "$CONFIG" --minutes "$MINUTES" --started "$STARTED" --work "$OUT" --reference "$REFERENCE")
 if [[ $MODE == gpu ]]; then
   require_cuda gpu_campaign "run scripts/gpu_campaign.sh --cpu on a machine without one, or install torch's CUDA build"
 else

@@ -77,6 +77,7 @@ SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 MAX_MINUTES = 24 * 60
 MAX_PARALLEL = 64
+STARTED_SLACK_S = 5.0  # --started may be this far ahead of the clock (another process read it)
 STOP_MARGIN_S = 20.0  # no process starts, and the running ones get SIGTERM, this long before the deadline
 KILL_AFTER_S = 12.0  # a process that has not ended this long after SIGTERM is killed
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal a child gets when the thread that started it ends
@@ -467,11 +468,28 @@ def check_minutes(minutes: Any) -> float:
     return float(minutes)
 
 
+def check_started(started: Any, minutes: float) -> float:
+    """When a window of ``minutes`` started (``--started``, seconds since the epoch; None: now): at most a few
+    seconds ahead of this machine's clock, and early enough that the window has time left."""
+    now = time.time()
+    if started is None:
+        return now
+    if isinstance(started, bool) or not isinstance(started, (int, float)) or not math.isfinite(started) \
+            or started > now + STARTED_SLACK_S:
+        raise ConfigError("--started", started, f"seconds since the epoch, not after now ({now:.0f})")
+    if started + minutes * 60 <= now:
+        raise ConfigError("--started", started, f"a start less than --minutes {minutes:g} ago (now: {now:.0f}): "
+                                                "the window has no time left")
+    return float(started)
+
+
 def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: str | Path | None,
-               archive: str | Path | None = None, python: str = sys.executable) -> dict:
-    """One window of ``minutes`` (module docstring); returns its log (also in the archive)."""
-    start = time.time()
-    deadline = start + check_minutes(minutes) * 60
+               archive: str | Path | None = None, python: str = sys.executable,
+               started: float | None = None) -> dict:
+    """One window of ``minutes`` from ``started`` (default now; module docstring); returns its log (also in the
+    archive)."""
+    start = check_started(started, check_minutes(minutes))
+    deadline = start + minutes * 60
     stop_at = deadline - min(STOP_MARGIN_S, minutes * 60 / 4)
     work = Path(work)
     reference = Path(reference) if reference is not None else None

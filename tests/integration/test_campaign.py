@@ -367,6 +367,10 @@ def test_a_reference_holds_one_gpus_runs_and_the_one_the_campaign_names(tmp_path
     (["--minutes", "nan"], "--minutes = nan"),
     (["--minutes", "1e9"], "expected a number of minutes in (0, 1440]"),
     ([], "--minutes = None"),
+    # the window's clock: not ahead of this machine's, and with time left
+    (["--minutes", "1", "--started", "nan"], "--started = nan: expected seconds since the epoch, not after now"),
+    (["--minutes", "1", "--started", "1e12"], "--started = 1000000000000.0: expected seconds since the epoch"),
+    (["--minutes", "1", "--started", "0"], "the window has no time left"),
 ])
 def test_bad_options_are_one_line(tmp_path, capsys, args, words):
     code = main(["campaign", "run", "--config", str(CONFIG), "--cpu", "--work", str(tmp_path / "w"), *args])
