@@ -41,9 +41,11 @@ rule all:
         [f"results/plots/{name}.png" for name in PLOT_NAMES],
 
 
-# a file where one of the workflow's folders goes: one line, not Snakemake's NotADirectoryError
+# a file where one of the workflow's folders goes: one line, not Snakemake's NotADirectoryError (the runs' own
+# folders are no rule's output: a run job's output is its marker)
 try:
-    check_output_folders(path for rule in workflow.rules
-                         for path in [*rule.output, *rule.log, *([rule.benchmark] if rule.benchmark else [])])
+    check_output_folders([*(path for rule in workflow.rules
+                            for path in [*rule.output, *rule.log, *([rule.benchmark] if rule.benchmark else [])]),
+                          "results/runs/{run_id}/summary.json"])
 except UserError as err:
     raise WorkflowError(str(err)) from None

@@ -220,10 +220,11 @@ def test_a_run_folder_removed_by_hand_is_named_with_its_marker(tmp_path):
     assert proc.returncode == 0, proc.stderr + proc.stdout  # a run with its summary: its marker stands
 
 
-@pytest.mark.parametrize("where", ["results", "results/logs/cell"])
+@pytest.mark.parametrize("where", ["results", "results/logs/cell", "results/runs"])
 def test_a_file_where_a_folder_of_the_workflow_goes_is_one_line(tmp_path, where):
     """A file named `results` (or a log folder's name) ended Snakemake in a NotADirectoryError traceback, before
-    any job or when a job's log was opened; one line names it, and it is left as it was."""
+    any job or when a job's log was opened; one line names it, and it is left as it was. `results/runs`, which
+    holds the run folders but is no rule's output, passed the dry run and failed every run job."""
     work = workdir(tmp_path)
     (work / where).parent.mkdir(parents=True, exist_ok=True)
     (work / where).write_text("mine")
