@@ -186,6 +186,24 @@ def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path
     assert not (work / "results").exists()
 
 
+@pytest.mark.parametrize("value, words", [
+    ("{device: gpu}", "pretrain.sd3-scenes: config error: device = 'gpu': expected cpu, cuda or cuda:N"),
+    ("{threads: -1}", "pretrain.sd3-scenes: config error: threads = -1: expected an integer >= 0"),
+])
+def test_a_pretrain_entry_that_its_config_refuses_is_one_line(tmp_path, value, words):
+    """A pretrain entry whose config or set the pretrain command refuses ended Snakemake's dry run in an
+    InputFunctionException traceback of the job's threads; one line names the entry and the key, nothing is
+    written."""
+    from test_pipeline import snakemake, workdir
+
+    work = workdir(tmp_path)
+    proc = snakemake(work, "learning", "-n", "--configfile", "config/learning.yaml", "--config",
+                     f"pretrain={{sd3-scenes: {{config: config/pretrain.yaml, set: {value}}}}}")
+    message = proc.stderr + proc.stdout
+    assert proc.returncode != 0 and words in message and "Traceback" not in message, message
+    assert not (work / "results").exists()
+
+
 def test_evaluation_columns_by_hand():
     """The evaluation's gain is each seed's final score minus the pre-trained one (shared by all)."""
     import pandas as pd

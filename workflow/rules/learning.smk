@@ -22,12 +22,27 @@ def pretrain_command(name: str, threads: int) -> str:
             f"--out {PRETRAINED_DIR}/{name}")
 
 
-def pretrain_config(name: str):
-    """The pretrain entry's config, its --set applied."""
+def load_pretrain_configs() -> dict:
+    """Each pretrain entry's config, its --set applied: read once, before any job, so that one the pretrain
+    command refuses is one line naming the entry (in a job's threads it was an InputFunctionException)."""
     from agg_bench.tools.pretrain import load_pretrain_config
 
-    spec = PRETRAIN[name]
-    return load_pretrain_config(spec["config"], [f"{k}={v}" for k, v in (spec.get("set") or {}).items()])
+    configs = {}
+    for name, spec in PRETRAIN.items():
+        try:
+            configs[name] = load_pretrain_config(spec["config"],
+                                                 [f"{k}={v}" for k, v in (spec.get("set") or {}).items()])
+        except UserError as err:
+            raise WorkflowError(f"pretrain.{name}: {err}") from None
+    return configs
+
+
+PRETRAIN_CONFIGS = load_pretrain_configs()
+
+
+def pretrain_config(name: str):
+    """The pretrain entry's config, its --set applied."""
+    return PRETRAIN_CONFIGS[name]
 
 
 def pretrain_threads(name: str) -> int:
