@@ -23,7 +23,7 @@ if [ -z "${TORCH_INDEX_URL+set}" ]; then
 fi
 
 # a .venv there already is used only when its interpreter runs and is new enough; this script never removes it
-if [ -e .venv ] && [ ! -d .venv ]; then
+if { [ -e .venv ] || [ -L .venv ]; } && [ ! -d .venv ]; then  # a file, or a link to nothing
   echo "setup: .venv is not a folder; move it away, and this script makes the virtual environment there" >&2; exit 2
 fi
 if [ -e .venv/bin/python ] || [ -L .venv/bin/python ]; then

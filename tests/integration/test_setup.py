@@ -36,6 +36,13 @@ def files(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_symlink() or p.is_file()}
 
 
+def venv_state(venv: Path) -> dict[str, str] | str:
+    """What is at .venv: a folder's files, a link's target or a file's text."""
+    if venv.is_symlink() and not venv.exists():
+        return f"link {os.readlink(venv)}"
+    return files(venv) if venv.is_dir() else venv.read_text()
+
+
 @pytest.mark.parametrize("venv, words", [
     # its interpreter gone (Python upgraded, a venv copied from another machine): `python -m venv` failed with
     # "[Errno 2] No such file or directory", and with the stamp of an earlier install nothing said to reinstall
@@ -46,6 +53,8 @@ def files(folder: Path) -> dict[str, str]:
      [".venv has Python 3.10.12", "3.11 or newer", "rm -rf .venv"]),
     # a file where the folder goes
     ({"": "text not a venv"}, [".venv is not a folder"]),
+    # a link to a folder that is gone: `python -m venv` failed with "[Errno 17] File exists", exit 1
+    ({"": "link /nonexistent/venv"}, [".venv is not a folder"]),
 ])
 def test_a_venv_that_cannot_be_used_is_one_line_and_kept(tmp_path, venv, words):
     repo = clone(tmp_path)
@@ -58,11 +67,11 @@ def test_a_venv_that_cannot_be_used_is_one_line_and_kept(tmp_path, venv, words):
         else:
             path.write_text(f"#!/bin/sh\n{content}\n" if kind == "script" else content)
             path.chmod(0o755)
-    before = files(repo / ".venv") if (repo / ".venv").is_dir() else (repo / ".venv").read_text()
+    before = venv_state(repo / ".venv")
     proc = setup(repo)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("setup: "), proc.stderr
     for word in words:
         assert word in lines[0], lines[0]
-    assert (files(repo / ".venv") if (repo / ".venv").is_dir() else (repo / ".venv").read_text()) == before
+    assert venv_state(repo / ".venv") == before
