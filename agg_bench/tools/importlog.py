@@ -206,9 +206,10 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
     summary = {"run_id": run_id, "status": "diverged" if diverged else "ok", "iterations": len(records),
                "last_good_iteration": good[-1] if good else None, "error": diverged, **identity,
                "source": SOURCE, "imported_from": str(log)}
-    if diverged and len(records) < len(lines):
+    left = len(lines) - len(records)
+    if diverged and left:
         print(f"agg-bench import-log: log {log}: {diverged}; the run ends there, as a run that diverges does "
-              f"(the {len(lines) - len(records)} lines after it left out)", file=sys.stderr, flush=True)
+              f"(the {left} line{'s' if left > 1 else ''} after it left out)", file=sys.stderr, flush=True)
     with Claim(out, folder=True, lock_inside=True, check=lambda: check_import_folder(out)):
         (out / "summary.json").unlink(missing_ok=True)  # written last: present only once the import is whole
         write_lines(out / "metrics.jsonl", [JsonlWriter.line(record) for record in records])

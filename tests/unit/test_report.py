@@ -252,6 +252,20 @@ def test_an_imported_log_that_diverged_is_a_diverged_run(tmp_path, capsys, value
     assert pd.read_csv(tmp_path / "tables" / "efficiency.csv")["status"].tolist() == ["diverged"]
 
 
+def test_an_imported_log_that_diverged_at_its_last_line_or_one_before(tmp_path, capsys):
+    """The stderr line counts the lines left out in words that fit (one line, none: no note)."""
+    good = json.dumps(GOOD_STEP)
+    nan = json.dumps({**GOOD_STEP, "step": 1, "avg_reward": "NAN"}).replace('"NAN"', "NaN")
+    for name, lines, note in (("one", [good, nan, nan.replace('"step": 1', '"step": 2')], "(the 1 line after it"),
+                              ("none", [good, nan], None)):
+        log = tmp_path / f"{name}.jsonl"
+        log.write_text("\n".join(lines) + "\n")
+        capsys.readouterr()
+        assert main(["import-log", str(log), "--out", str(tmp_path / name)]) == 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (err == []) if note is None else (len(err) == 1 and note in err[0]), err
+
+
 def test_an_imported_log_is_what_report_reads(tmp_path, capsys):
     """Record keys of the log that may be negative (loss, approx_kl) are kept; the folder reads back through
     the one reader of run folders. A torn last line is left out and stderr says so."""
