@@ -54,8 +54,9 @@ averages over the batch, and its gradient accumulation over the K times averages
 
 The reference. In the code it is the base model (the LoRA adapter disabled), the policy at the start of the
 run. Here: the session's reference when ``grpo.beta > 0`` (the same frozen start), otherwise a frozen copy of
-the policy (:meth:`agg_bench.engine.models.Policy.frozen_copy`) made at the first rollout of the estimator;
-a resumed run takes it from the weights it resumes from. Its velocity at every (row, time) is one no-grad
+the policy (:meth:`agg_bench.engine.models.Policy.frozen_copy`) made when the run is set up
+(:meth:`~agg_bench.methods.base.Estimator.set_up`, before a resumed run's checkpoint is loaded, so a resumed run
+keeps the starting weights), or at the first rollout of an estimator used without a session. Its velocity at every (row, time) is one no-grad
 forward (shared with the KL term); the training forwards are conditional only, as the code's
 (``predict_v(..., cfg=False)``; ``kl_cfg = 1``).
 
@@ -182,6 +183,11 @@ class DGPOEstimator(FinalLatentEstimator):
         self.clip_range = 0.0
         self.ema: EMAPolicy | None = None  # the code's ema_ref: clip_dsm's old model, the late rollouts' sampler
         self.grid: FlowDPMGrid | None = None  # sampler sana's grid and timesteps (check_run)
+
+    def set_up(self, policy) -> None:
+        """The own reference from the starting weights: a resumed run's first rollout holds the checkpoint's."""
+        if self.own_reference:
+            self.frozen = policy.frozen_copy()
 
     def keeps_reference(self, cfg) -> bool:
         return not cfg.grpo.beta > 0  # its DPO reference: the session's with grpo.beta, else its own frozen copy

@@ -120,6 +120,7 @@ class Session:
         self.estimator = estimator
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
         fsdp.shard_run(cfg, self.policy, self.reference)  # train.shard: fsdp; before the optimizer sees the parameters
+        estimator.set_up(self.policy)  # a reference of the method's own: the starting weights, resumed or not
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
         self.steps_taken = 0  # optimizer steps of the last update
