@@ -278,8 +278,11 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     stopping.check()  # the update's record is not written: a checkpoint taken now would not match the records
     # the train phase's own passes, which the cost model prices (the rollout's are the same for most methods)
     train_passes = {f"train_{k}": v for k, v in (counter - before_train).as_dict().items()}
-    share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn,
-             **session.estimator.iteration_metrics(), **reward_details(session.reward_fn)}
+    method = session.estimator.iteration_metrics()
+    if "optimizer_steps" in method:  # the steps taken: fewer than the method's parts where the update diverged
+        method["optimizer_steps"] = session.steps_taken
+    share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn, **method,
+             **reward_details(session.reward_fn)}
     parts = distributed.gather((share, collected.rewards.tolist(), len(collected.prompts)))
     fields = distributed.combine([p for p, _, _ in parts])
     rewards = torch.tensor([r for _, rs, _ in parts for r in rs], dtype=torch.float32)
