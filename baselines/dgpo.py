@@ -94,7 +94,10 @@ as here once per iteration: its accelerator accumulates ``gradient_accumulation_
 (batch, time) passes, and the geneval config sets ``gradient_accumulation_steps`` to the epoch's
 ``num_batches_per_epoch`` ("Update once per epoch"). The EMA of the trained weights that only evaluations use
 (``train.ema``: decay 0.9, ``update_step_interval`` 8) is the run keys ``train.eval_ema`` and
-``train.eval_ema_every`` (the preset's 0.9 and 8). Not ported: the moving average as the DPO reference
+``train.eval_ema_every`` (the preset's 0.9 and 8), one update after each qualifying optimizer step. The code calls
+``ema.step`` after every batch of the epoch (inside ``for i, sample in samples_batched``), so it takes in the same
+weights ``num_batches_per_epoch`` times (2 in ``geneval_sd3_4gpu``) at the same decay, d^2 = 0.81 a qualifying step
+there: not built. Not ported: the moving average as the DPO reference
 (``use_ema_ref``, a variant config's), LoRA. An ODE rollout from one noise is one image, so ``sampling.same_noise_per_group`` must be false.
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
