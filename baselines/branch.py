@@ -34,7 +34,9 @@ gradient-accumulation steps x transitions per tree. Every step after the first t
 steps moved, against the rollout's log-probabilities, so GRPO's ratio clip acts there. The forwards and
 backwards are those of the one-step update (each transition once); the optimizer steps are
 ceil(K_t / n) per epoch, recorded as ``optimizer_steps``. The shuffle is drawn from the run's generator when
-the trained steps are, so a run is reproducible and a resumed one draws what the uninterrupted one did.
+the trained steps are, so a run is reproducible and a resumed one draws what the uninterrupted one did. Every
+step's gradient is clipped (``train.max_grad_norm``); the code clips the last, shorter step only where no full
+step came before it (``if grad_norm is None``): not built.
 Replay on a frozen rollout is ``not_applicable``: a tree is not a chain rollout.
 """
 from __future__ import annotations

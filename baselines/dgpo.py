@@ -54,8 +54,9 @@ averages over the batch, and its gradient accumulation over the K times averages
 
 The reference. In the code it is the base model (the LoRA adapter disabled), the policy at the start of the
 run. Here: the session's reference when ``grpo.beta > 0`` (the same frozen start), otherwise a frozen copy of
-the policy (:meth:`agg_bench.engine.models.Policy.frozen_copy`) made at the first rollout of the estimator;
-a resumed run takes it from the weights it resumes from. Its velocity at every (row, time) is one no-grad
+the policy (:meth:`agg_bench.engine.models.Policy.frozen_copy`) made when the run is set up
+(:meth:`~agg_bench.methods.base.Estimator.set_up`, before a resumed run's checkpoint is loaded, so a resumed run
+keeps the starting weights), or at the first rollout of an estimator used without a session. Its velocity at every (row, time) is one no-grad
 forward (shared with the KL term); the training forwards are conditional only, as the code's
 (``predict_v(..., cfg=False)``; ``kl_cfg = 1``).
 
@@ -93,7 +94,10 @@ as here once per iteration: its accelerator accumulates ``gradient_accumulation_
 (batch, time) passes, and the geneval config sets ``gradient_accumulation_steps`` to the epoch's
 ``num_batches_per_epoch`` ("Update once per epoch"). The EMA of the trained weights that only evaluations use
 (``train.ema``: decay 0.9, ``update_step_interval`` 8) is the run keys ``train.eval_ema`` and
-``train.eval_ema_every`` (the preset's 0.9 and 8). Not ported: the moving average as the DPO reference
+``train.eval_ema_every`` (the preset's 0.9 and 8), one update after each qualifying optimizer step. The code calls
+``ema.step`` after every batch of the epoch (inside ``for i, sample in samples_batched``), so it takes in the same
+weights ``num_batches_per_epoch`` times (2 in ``geneval_sd3_4gpu``) at the same decay, d^2 = 0.81 a qualifying step
+there: not built. Not ported: the moving average as the DPO reference
 (``use_ema_ref``, a variant config's), LoRA. An ODE rollout from one noise is one image, so ``sampling.same_noise_per_group`` must be false.
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
@@ -182,6 +186,11 @@ class DGPOEstimator(FinalLatentEstimator):
         self.clip_range = 0.0
         self.ema: EMAPolicy | None = None  # the code's ema_ref: clip_dsm's old model, the late rollouts' sampler
         self.grid: FlowDPMGrid | None = None  # sampler sana's grid and timesteps (check_run)
+
+    def set_up(self, policy) -> None:
+        """The own reference from the starting weights: a resumed run's first rollout holds the checkpoint's."""
+        if self.own_reference:
+            self.frozen = policy.frozen_copy()
 
     def keeps_reference(self, cfg) -> bool:
         return not cfg.grpo.beta > 0  # its DPO reference: the session's with grpo.beta, else its own frozen copy

@@ -80,6 +80,9 @@ def validate(config: dict) -> RunConfig:
     if cfg.sampling.schedule == "linspace" and cfg.sampling.shift is None:
         raise ConfigError("sampling.shift", None, "a number with sampling.schedule 'linspace' (the sigmas are "
                                                   "shift(linspace(1, 0, T + 1)) with this shift)")
+    if cfg.train.eval_ema is None and cfg.train.eval_ema_every != 1:
+        raise ConfigError("train.eval_ema_every", cfg.train.eval_ema_every,
+                          "1 unless train.eval_ema is set (it is the interval of that average's updates)")
     check_cps_eta(cfg.sampling.sde, cfg.sampling.eta)
     check_minibatches(cfg, 1)
     return cfg

@@ -267,7 +267,8 @@ class TrainConfig(Section):
         exclusive_minimum=0, exclusive_maximum=1)
     eval_ema_every: int = option(
         1, "`train.eval_ema`'s average takes in the weights only after the optimizer steps n with (n + 1) divisible "
-           "by this (the public `EMAModuleWrapper`'s `update_step_interval`: 1 in DiffusionNFT and AWM, 8 in DGPO)",
+           "by this (the public `EMAModuleWrapper`'s `update_step_interval`: 1 in DiffusionNFT and AWM, 8 in DGPO); "
+           "refused above 1 without `train.eval_ema`",
         minimum=1, maximum=10**6)
 
     @property

@@ -174,6 +174,11 @@ class Estimator(ABC):
         """Method-specific fields for the iteration's metric record."""
         return {}
 
+    def set_up(self, policy: Policy) -> None:  # noqa: B027 (optional hook)
+        """Called once when a run is set up, with ``policy`` at its starting weights (before a resumed run's
+        checkpoint is loaded): where the method keeps a frozen copy of the starting policy of its own
+        (:meth:`keeps_reference`), it makes it here."""
+
     def keeps_reference(self, cfg: RunConfig) -> bool:
         """Whether this run keeps a frozen copy of the starting policy of its own (beside the session's KL reference,
         which ``grpo.beta > 0`` makes), which the memory plan charges as that reference. Default: no."""

@@ -120,6 +120,7 @@ class Session:
         self.estimator = estimator
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
         fsdp.shard_run(cfg, self.policy, self.reference)  # train.shard: fsdp; before the optimizer sees the parameters
+        estimator.set_up(self.policy)  # a reference of the method's own: the starting weights, resumed or not
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
         self.steps_taken = 0  # optimizer steps of the last update
@@ -277,8 +278,11 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     stopping.check()  # the update's record is not written: a checkpoint taken now would not match the records
     # the train phase's own passes, which the cost model prices (the rollout's are the same for most methods)
     train_passes = {f"train_{k}": v for k, v in (counter - before_train).as_dict().items()}
-    share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn,
-             **session.estimator.iteration_metrics(), **reward_details(session.reward_fn)}
+    method = session.estimator.iteration_metrics()
+    if "optimizer_steps" in method:  # the steps taken: fewer than the method's parts where the update diverged
+        method["optimizer_steps"] = session.steps_taken
+    share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn, **method,
+             **reward_details(session.reward_fn)}
     parts = distributed.gather((share, collected.rewards.tolist(), len(collected.prompts)))
     fields = distributed.combine([p for p, _, _ in parts])
     rewards = torch.tensor([r for _, rs, _ in parts for r in rs], dtype=torch.float32)

@@ -315,6 +315,26 @@ def test_a_run_records_its_optimizer_steps_and_report_prices_them(tmp_path, caps
     assert len(err) == 1 and "'optimizer_steps' = -1: expected an integer" in err[0]
 
 
+def test_a_diverged_update_records_the_steps_it_took(tmp_path, monkeypatch):
+    """An update whose second step's gradient is not finite stops there: its record says one optimizer step, the
+    one taken, not the parts' four."""
+    from agg_bench.runtime import session as session_module
+
+    norms = []
+    original = session_module.fsdp.gradient_norm
+
+    def diverging(params):
+        norms.append(1)
+        return torch.tensor(float("nan")) if len(norms) == 2 else original(params)
+
+    monkeypatch.setattr(session_module.fsdp, "gradient_norm", diverging)
+    out = tmp_path / "run"
+    main(["run", "--config", str(PRESET), *SMALL, "--set", "train.iterations=1", "--set", "sampling.steps=6",
+          "--set", "method.branch_points=[0,1,2,3]", "--set", "method.transitions_per_step=12", "--out", str(out)])
+    [record] = read_jsonl(out / "metrics.jsonl")
+    assert record["status"] == "diverged" and record["optimizer_steps"] == 1
+
+
 # ----- width pruning ------------------------------------------------------------------------------
 
 def pruned(mode):

@@ -118,9 +118,10 @@ def test_rollout_is_ode_and_times_are_shared_schedule_steps():
 
 def test_reference_is_the_start_of_the_run():
     s = session()
-    assert s.estimator.frozen is None  # made at the first rollout
+    frozen = s.estimator.frozen  # made when the run is set up, before a resumed run's checkpoint is loaded
+    assert frozen is not None
     batch = s.collect(0).batch
-    frozen = s.estimator.frozen
+    assert s.estimator.frozen is frozen
     x, ts, cond = batch.latents[:, 2], batch.timesteps[2].expand(batch.batch_size), batch.cond
     with torch.no_grad():
         before = frozen.velocity(x, ts, cond)

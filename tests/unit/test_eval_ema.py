@@ -215,6 +215,15 @@ def test_a_bad_interval_is_one_line_and_nothing_is_written(tmp_path, capsys, val
     assert not out.exists()
 
 
+def test_an_interval_without_the_average_is_one_line_and_nothing_is_written(tmp_path, capsys):
+    """train.eval_ema_every does nothing without train.eval_ema: refused, as a setting that would be ignored."""
+    out = tmp_path / "out"
+    assert main(["run", "--set", "model.resolution=32", "--set", "train.eval_ema_every=8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.eval_ema_every = 8" in err[0] and "train.eval_ema" in err[0], err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("value", list(BAD))
 @pytest.mark.parametrize("verb", ["run", "plan"])
 def test_a_bad_value_is_one_line_and_nothing_is_written(tmp_path, capsys, value, verb):

@@ -28,6 +28,8 @@ METHODS = {
     # a moving average of the policy (the old policy: it samples the rollout and is charged) kept across iterations
     "nft": ['method={"name": "nft", "times_per_sample": 2, "old_decay_rate": 0.3, "old_decay_max": 0.6}',
             "sampling.same_noise_per_group=false"],
+    # its own frozen reference (grpo.beta = 0): the starting policy, not the weights the run resumed from
+    "dgpo": ['method={"name": "dgpo", "trunc_steps": 2, "times_per_sample": 2}', "sampling.same_noise_per_group=false"],
 }
 ITERATIONS = 4
 
