@@ -192,6 +192,11 @@ def cmd_campaign(args) -> int:
 
     if args.action == "run":
         check_started(args.started, check_minutes(args.minutes))
+    else:  # a window's options given to another action would be ignored
+        for flag, value in (("--minutes", args.minutes), ("--started", args.started)):
+            if value is not None:
+                raise UserError(f"campaign {args.action}: {flag} is an option of campaign run (one window); "
+                                f"leave it out")
     if args.action == "unpack" and args.archive is None:
         raise UserError("campaign unpack needs the archive (--archive FILE)")
     if args.action == "unpack" and args.reference is None:

@@ -379,6 +379,20 @@ def test_bad_options_are_one_line(tmp_path, capsys, args, words):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("action, args, words", [
+    ("status", ["--minutes", "3"], "campaign status: --minutes is an option of campaign run"),
+    ("status", ["--started", "1"], "campaign status: --started is an option of campaign run"),
+    ("unpack", ["--archive", "a.tar.gz", "--reference", "r", "--minutes", "3"], "campaign unpack: --minutes is"),
+    ("unpack", ["--reference", "r"], "campaign unpack needs the archive (--archive FILE)"),
+    ("unpack", ["--archive", "a.tar.gz"], "campaign unpack needs the reference folder"),
+])
+def test_an_option_another_action_would_ignore_is_one_line(tmp_path, capsys, action, args, words):
+    """A window's --minutes or --started given to status or unpack was ignored without a word."""
+    code = main(["campaign", action, "--config", str(CONFIG), "--cpu", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0], err
+
+
 def test_a_work_folder_of_other_files_is_refused(tmp_path, capsys):
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "notes.txt").write_text("mine")
