@@ -119,9 +119,9 @@ class MultistepDPMSolverPP:
 
 
 # The deterministic samplers an ODE rollout may take (a method's ``solver`` option): ``euler`` is the rollout's
-# own step (:func:`agg_bench.engine.sampler.ode_step`), ``dpm2`` DPM-Solver++(2M) (:func:`ode_solver`),
-# ``sa_solver`` SA-Solver's ODE as AWM samples with it (:class:`SASolver` with tau = 0, on :func:`sa_solver_grid`).
-ODE_SOLVERS = ("euler", "dpm2", "sa_solver")
+# own step (:func:`agg_bench.engine.sampler.ode_step`), ``dpm2`` DPM-Solver++(2M) (:func:`ode_solver`). AWM's
+# SA-Solver, which needs its own grid, noise levels and generator, is :class:`SASolver`.
+ODE_SOLVERS = ("euler", "dpm2")
 
 
 def ode_solver(name: str, sigmas: torch.Tensor) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -131,12 +131,9 @@ def ode_solver(name: str, sigmas: torch.Tensor) -> Callable[[int, torch.Tensor, 
     (``flow_grpo/diffusers_patch/solver.py``: ``dpm_step`` of order 2 with ``lower_order_final``) and diffusers'
     ``DPMSolverMultistepScheduler`` with ``solver_order=2``, ``solver_type="midpoint"`` and
     ``final_sigmas_type="zero"`` (the Sana scheduler DGPO samples with). A new solver per call: its history
-    and ``orders`` are one rollout's. ``sa_solver``: :class:`SASolver` with tau = 0, whose grid is
-    :func:`sa_solver_grid`'s (the caller samples on it)."""
+    and ``orders`` are one rollout's."""
     if name == "euler":
         return None
-    if name == "sa_solver":
-        return SASolver(sigmas).step
     if name != "dpm2":
         raise ValueError(f"ODE solver {name!r}: expected one of {list(ODE_SOLVERS)}")
     return MultistepDPMSolverPP(sigmas, 2).ode_step

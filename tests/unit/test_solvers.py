@@ -269,7 +269,7 @@ def rule_rollout(rule, x, velocity, steps):
 
 @pytest.mark.parametrize("steps, shift", [(14, 3.0), (10, 1.0), (5, 3.0), (3, 5.0), (2, 3.0)])
 def test_sa_solver_equals_awms_sampler_written_from_the_papers_equations(steps, shift):
-    """``ode_solver("sa_solver")`` on AWM's grid (the SD3 scheduler's, its first sigma 1 - 1e-3 and its last
+    """``SASolver`` (tau = 0) on AWM's grid (the SD3 scheduler's, its first sigma 1 - 1e-3 and its last
     nonzero one half the one before) against the float64 reference of tests/helpers.py, whose coefficients are the
     paper's Lagrange integrals by quadrature: the states the model is given and the final latent, on a random
     linear velocity field, one model evaluation per step; from step 3 on it is not Euler's rollout."""
@@ -282,7 +282,7 @@ def test_sa_solver_equals_awms_sampler_written_from_the_papers_equations(steps, 
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     calls = []
     expected = sa_solver_reference(grid, x, lambda j, y: (calls.append(j), velocity(j, y))[1])
-    ours, forwards = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
+    ours, forwards = rule_rollout(SASolver(grid).step, x, velocity, steps)
     assert calls == forwards == list(range(steps))  # one evaluation per step, the corrector's included
     assert max_relative(ours, expected["states"]) <= 1e-10
     assert torch.equal(expected["states"][-1], expected["corrected"][-1])
@@ -303,11 +303,11 @@ def test_sa_solver_on_irregular_grids_and_a_point_mass(seed):
     grid = torch.cat([0.98 * u + 0.01, torch.zeros(1, dtype=torch.float64)])
     velocity = linear_model(gen, grid)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
-    ours, _ = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
+    ours, _ = rule_rollout(SASolver(grid).step, x, velocity, steps)
     assert max_relative(ours, sa_solver_reference(grid, x, velocity)["states"]) <= 1e-10
     data = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     noise = (x - (1 - grid[0]) * data) / grid[0]
-    ours, _ = rule_rollout(ode_solver("sa_solver", grid), x, lambda j, y: (y - data) / grid[j], steps)
+    ours, _ = rule_rollout(SASolver(grid).step, x, lambda j, y: (y - data) / grid[j], steps)
     path = [(1 - s) * data + s * noise for s in grid]
     assert max_relative(ours, path) <= 1e-12
 
@@ -316,10 +316,10 @@ def test_sa_solver_refuses_grids_and_steps_it_does_not_take():
     with pytest.raises(ValueError, match="at least 2 steps"):
         sa_solver_grid(flow_sigmas(1, 3.0))
     with pytest.raises(ValueError, match="1 > s_0"):
-        ode_solver("sa_solver", flow_sigmas(6, 3.0))  # sigma 1: the grid must be sa_solver_grid's
+        SASolver(flow_sigmas(6, 3.0))  # sigma 1: the grid must be sa_solver_grid's
     with pytest.raises(ValueError, match="1 > s_0"):
-        ode_solver("sa_solver", torch.tensor([0.9, 0.95, 0.3, 0.0], dtype=torch.float64))
-    rule = ode_solver("sa_solver", sa_solver_grid(flow_sigmas(4, 3.0)))
+        SASolver(torch.tensor([0.9, 0.95, 0.3, 0.0], dtype=torch.float64))
+    rule = SASolver(sa_solver_grid(flow_sigmas(4, 3.0))).step
     x = torch.zeros(SHAPE, dtype=torch.float64)
     with pytest.raises(ValueError, match="in order"):
         rule(1, x, x)
@@ -370,7 +370,7 @@ def test_sa_solver_equals_diffusers_sa_solver_updates_in_float64(steps, shift):
     gen = torch.Generator().manual_seed(400 + steps)
     velocity = linear_model(gen, grid)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
-    ours, _ = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
+    ours, _ = rule_rollout(SASolver(grid).step, x, velocity, steps)
     assert max_relative(ours, diffusers_sa_solver_rollout(grid, x, velocity)) <= 1e-10
 
 
@@ -418,7 +418,7 @@ def test_sa_solver_with_noise_equals_its_equations_fed_the_same_draws(name, grid
     assert calls == forwards == list(range(steps))
     assert max_relative(ours, expected["states"]) <= 1e-10
     assert max_relative(ours, diffusers_sa_solver_rollout(grid, x, velocity, taus, noises)) <= 1e-10
-    ode, _ = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
+    ode, _ = rule_rollout(SASolver(grid).step, x, velocity, steps)
     assert not torch.allclose(ours[-1], ode[-1])  # the noise is there
 
 
@@ -448,7 +448,7 @@ def test_sa_solver_noise_enters_only_on_the_windows_steps(steps, shift):
     gen = torch.Generator().manual_seed(800 + steps)
     velocity = linear_model(gen, grid)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
-    ode, _ = rule_rollout(ode_solver("sa_solver", grid), x, velocity, steps)
+    ode, _ = rule_rollout(SASolver(grid).step, x, velocity, steps)
     drawn, same = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
     noisy, _ = rule_rollout(SASolver(grid, taus, drawn).step, x, velocity, steps)
     for _ in window:
@@ -464,7 +464,7 @@ def test_sa_solver_noise_enters_only_on_the_windows_steps(steps, shift):
         velocity = linear_model(torch.Generator().manual_seed(10), grid_)
         gen = torch.Generator().manual_seed(10)
         state = gen.get_state()
-        ode, _ = rule_rollout(ode_solver("sa_solver", grid_), x, velocity, n)
+        ode, _ = rule_rollout(SASolver(grid_).step, x, velocity, n)
         quiet, _ = rule_rollout(SASolver(grid_, taus_, gen).step, x, velocity, n)
         assert all(torch.equal(a, b) for a, b in zip(quiet, ode)) and torch.equal(gen.get_state(), state)
 
