@@ -140,7 +140,6 @@ class BranchEstimator(Estimator):
         super().__init__(config)
         self.last_trained: int | None = None
         self.order_seed: int | None = None  # the shuffle of the iteration's transitions (transitions_per_step)
-        self.last_steps: int | None = None  # optimizer steps of the last update (transitions_per_step)
 
     # ----- the tree's shape ------------------------------------------------------------------
     def points(self, steps: int) -> list[int]:
@@ -365,10 +364,8 @@ class BranchEstimator(Estimator):
         trees = batch.batch_size // group_size
         divisor = n * max(1, self.last_trained // trees)  # the code's accumulation steps x transitions per tree
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)}
-        parts = [TreeBatch(**fields, trained=divisor, picked=picked[start:start + n])
-                 for start in range(0, picked.shape[0], n)]
-        self.last_steps = len(parts) * train.inner_epochs
-        return parts
+        return [TreeBatch(**fields, trained=divisor, picked=picked[start:start + n])
+                for start in range(0, picked.shape[0], n)]
 
     def accumulate(self, policy, batch, stats, reference=None):
         if isinstance(batch, TreeBatch) and batch.picked is not None:  # one optimizer step's transitions
@@ -385,7 +382,8 @@ class BranchEstimator(Estimator):
                 taken = rows[chunk]
                 exact_backward(policy, tree, taken, torch.full_like(taken, j), stats, reference)
 
+    def records_optimizer_steps(self) -> bool:
+        return self.config.transitions_per_step is not None
+
     def iteration_metrics(self) -> dict:
-        if self.config.transitions_per_step is None:
-            return {"trained_transitions": self.last_trained}
-        return {"trained_transitions": self.last_trained, "optimizer_steps": self.last_steps}
+        return {"trained_transitions": self.last_trained}

@@ -165,6 +165,12 @@ class Estimator(ABC):
         return [batch.take_rows(rows) for rows in minibatch_rows(batch.batch_size, group_size, train.minibatches,
                                                                  train.minibatch_unit)]
 
+    def records_optimizer_steps(self) -> bool:
+        """Whether this run's optimizer steps per iteration are not the config's count (its :meth:`update_parts`
+        are of its own kind), so that each record carries the steps its update took, ``optimizer_steps``, which
+        the report prices in place of the config's. Default: no."""
+        return False
+
     @abstractmethod
     def accumulate(self, policy: Policy, batch: TrainBatch, stats: UpdateStats,
                    reference: Policy | None = None) -> None:

@@ -279,7 +279,7 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     # the train phase's own passes, which the cost model prices (the rollout's are the same for most methods)
     train_passes = {f"train_{k}": v for k, v in (counter - before_train).as_dict().items()}
     method = session.estimator.iteration_metrics()
-    if "optimizer_steps" in method:  # the steps taken: fewer than the method's parts where the update diverged
+    if session.estimator.records_optimizer_steps():  # the steps taken (fewer than planned where it diverged)
         method["optimizer_steps"] = session.steps_taken
     share = {**telemetry.record(), **(counter - before).as_dict(), **train_passes, **learn, **method,
              **reward_details(session.reward_fn)}
