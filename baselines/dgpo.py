@@ -217,7 +217,7 @@ class DGPOEstimator(FinalLatentEstimator):
         super().check_run(cfg)
         c = self.config
         self.group_size = cfg.grpo.group_size
-        self.own_reference = not cfg.grpo.beta > 0
+        self.own_reference = self.keeps_reference(cfg)
         self.clip_range = cfg.grpo.clip_range
         if c.time_distribution == "schedule" and c.trunc_steps >= cfg.sampling.steps:
             raise ConfigError("method.trunc_steps", c.trunc_steps,
