@@ -59,6 +59,10 @@ IMPORTED_KEYS = ("source",)
 # measured).
 TEXT_KEYS = ("run_id", "method", "model", "device", "gpu_name", "status", "weights", *IMPORTED_KEYS)
 NUMBER_KEYS = tuple(key for key in RECORD_KEYS if key not in TEXT_KEYS)
+# A method's own record key that the report reads: the optimizer steps an update took, where the method's steps
+# are not the config's count (``Estimator.records_optimizer_steps``); absent from the other methods' records.
+OPTIMIZER_STEPS_KEY = "optimizer_steps"
+MAX_OPTIMIZER_STEPS = 10**9
 
 
 def new_record(*fields: Mapping, **more) -> dict:
@@ -88,7 +92,8 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     """What is wrong with a metric record (or a run summary, which repeats its identity keys): a key of
     ``required`` missing or null, or the first known key holding the wrong kind of value, e.g. ``'t_iter_s' =
     'fast': expected a finite number or null``; None when nothing is. A number is finite (a run writes a
-    non-finite value as null) and ``iteration`` an integer >= 0. Keys a method adds are its own business."""
+    non-finite value as null), ``iteration`` an integer >= 0 and ``optimizer_steps``, where a method records it, a
+    count the report prices. The other keys a method adds are its own business."""
     for key in required:
         if record.get(key) is None:
             return f"no {key!r} (expected in every record)"
@@ -103,6 +108,11 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     iteration = record.get("iteration")
     if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
         return f"'iteration' = {quote(iteration)}: expected an integer >= 0"
+    steps = record.get(OPTIMIZER_STEPS_KEY)
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                              or not 0 <= steps <= MAX_OPTIMIZER_STEPS):
+        return (f"{OPTIMIZER_STEPS_KEY!r} = {quote(steps)}: expected an integer from 0 to "
+                f"{MAX_OPTIMIZER_STEPS:,} or null")
     return None
 
 

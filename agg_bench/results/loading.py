@@ -21,7 +21,7 @@ import pandas as pd
 from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import read_json_object
 from ..reading import RunFolder
-from ..records import PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number
+from ..records import OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number
 
 
 @dataclass
@@ -290,12 +290,9 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
         # optimizer steps per iteration, which the cost model prices: a record's own count where the method's
         # steps are not the config's (branch's method.transitions_per_step); unknown without a config
         optimizer_steps = config.train.optimizer_steps if config is not None else None
-        for k, record in enumerate(records, 1):
+        for record in records:
             row = dict(record)
-            steps = record.get("optimizer_steps")
-            if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= 10**9):
-                raise UserError(f"run {run_dir}: metrics.jsonl record {k}: 'optimizer_steps' = {quote(steps)}: "
-                                "expected an integer from 0 to 1,000,000,000 or null")
+            steps = record.get(OPTIMIZER_STEPS_KEY)  # checked by the record contract
             row["method_name"] = options.get("name", record.get("method"))
             row["method_options"] = json.dumps(options, sort_keys=True)
             for key in ("method", "model", "resolution", "device", "seed"):
