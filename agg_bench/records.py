@@ -59,6 +59,9 @@ IMPORTED_KEYS = ("source",)
 # measured).
 TEXT_KEYS = ("run_id", "method", "model", "device", "gpu_name", "status", "weights", *IMPORTED_KEYS)
 NUMBER_KEYS = tuple(key for key in RECORD_KEYS if key not in TEXT_KEYS)
+# The record numbers whose non-finite value means the run diverged (agg-bench run ends there; import-log ends an
+# imported log there), in the order the reason names the first
+DIVERGING_KEYS = ("reward_mean", "loss", "grad_norm")
 # A method's own record key that the report reads: the optimizer steps an update took, where the method's steps
 # are not the config's count (``Estimator.records_optimizer_steps``); absent from the other methods' records.
 OPTIMIZER_STEPS_KEY = "optimizer_steps"

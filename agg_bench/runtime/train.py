@@ -22,7 +22,7 @@ from ..io import JsonlWriter
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
-from ..records import RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
+from ..records import DIVERGING_KEYS, RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
 from ..stopping import Interrupted
 from . import runfolder, scalar_events
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
@@ -251,7 +251,7 @@ class Training:
                                    status="oom"))
             return "oom", None
         reason = fields.pop("diverged", None) or next(
-            (k for k in ("reward_mean", "loss", "grad_norm") if not _finite(fields.get(k))), None)
+            (k for k in DIVERGING_KEYS if not _finite(fields.get(k))), None)
         self.cost += passes_cost(fields, self.prices)
         record = new_record(self.identity, {"iteration": iteration}, fields, {"cost": self.cost},
                             status="diverged" if reason else "ok")

@@ -29,7 +29,7 @@ from ..errors import UserError, quote
 from ..io import JsonlWriter, write_json, write_lines
 from ..jsonfiles import JsonProblem, json_type, loads
 from ..outdir import Claim, Contents, check_folder
-from ..records import NUMBER_KEYS, RECORD_KEYS, is_finite_number, new_record, record_problem
+from ..records import DIVERGING_KEYS, NUMBER_KEYS, RECORD_KEYS, is_finite_number, new_record, record_problem
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",
@@ -45,8 +45,6 @@ MAX_LABEL = 200  # characters of a method, model, GPU or run label
 # record numbers that may be negative: rewards, losses and the KL estimate; every other number of a record (a
 # time, pass count, cost, size, energy, rate, norm, spread or fraction) is >= 0
 SIGNED_KEYS = ("reward_mean", "loss", "approx_kl")
-# record numbers whose non-finite value is a diverged run (as agg-bench run decides), not a broken log
-DIVERGING_KEYS = ("reward_mean", "loss", "grad_norm")
 
 
 def _diverged(value: Any) -> bool:
