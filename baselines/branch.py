@@ -34,9 +34,10 @@ gradient-accumulation steps x transitions per tree. Every step after the first t
 steps moved, against the rollout's log-probabilities, so GRPO's ratio clip acts there. The forwards and
 backwards are those of the one-step update (each transition once); the optimizer steps are
 ceil(K_t / n) per epoch, recorded as ``optimizer_steps``. The shuffle is drawn from the run's generator when
-the trained steps are, so a run is reproducible and a resumed one draws what the uninterrupted one did. Every
-step's gradient is clipped (``train.max_grad_norm``); the code clips the last, shorter step only where no full
-step came before it (``if grad_norm is None``): not built.
+the trained steps are, so a run is reproducible and a resumed one draws what the uninterrupted one did. The
+gradient clip (``train.max_grad_norm``) is the code's (``train_one_step_tree``, l.1592-1608): every full step of
+n is clipped, and the last, shorter step (K_t not a multiple of n) only where no full step came before it
+(K_t < n; the code's ``if grad_norm is None``); after full steps it is taken unclipped.
 Replay on a frozen rollout is ``not_applicable``: a tree is not a chain rollout.
 """
 from __future__ import annotations
@@ -364,7 +365,10 @@ class BranchEstimator(Estimator):
         trees = batch.batch_size // group_size
         divisor = n * max(1, self.last_trained // trees)  # the code's accumulation steps x transitions per tree
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)}
-        return [TreeBatch(**fields, trained=divisor, picked=picked[start:start + n])
+        full = picked.shape[0] // n
+        # the code clips after every full step and at the shorter last one only where no full step came before
+        return [TreeBatch(**{**fields, "clip_gradient": start + n <= picked.shape[0] or full == 0},
+                          trained=divisor, picked=picked[start:start + n])
                 for start in range(0, picked.shape[0], n)]
 
     def accumulate(self, policy, batch, stats, reference=None):

@@ -83,6 +83,8 @@ class TrainBatch:
     policy's version when the rollout was made; ``kl_form`` the form of the ``beta`` term
     (:func:`transition_kl`). ``transitions`` and ``forwarded`` are the trajectory's
     (:class:`agg_bench.engine.rollout.Trajectory`): shared transitions and guessed velocities.
+    ``clip_gradient``: whether the optimizer step on this batch clips its gradient (``train.max_grad_norm``);
+    False only for a part of a method's own update that its public code leaves unclipped (BranchGRPO's).
     """
 
     latents: torch.Tensor
@@ -101,6 +103,7 @@ class TrainBatch:
     kl_form: str = "transition"
     transitions: torch.Tensor | None = None
     forwarded: torch.Tensor | None = None
+    clip_gradient: bool = True
 
     @property
     def batch_size(self) -> int:
@@ -145,7 +148,7 @@ class TrainBatch:
 
 # TrainBatch's fields indexed by sample (batch-first), which TrainBatch.take_rows takes; every other field is the
 # whole rollout's (the schedule: sigmas, timesteps) or a setting (sde, eta, clip_range, beta, kl_form,
-# policy_version). transitions' ids stay the rollout's: rows that shared a transition still share its id.
+# policy_version, clip_gradient). transitions' ids stay the rollout's: rows that shared a transition still share its id.
 ROW_FIELDS = ("latents", "log_probs", "advantages", "train_steps", "cond", "velocities", "transitions", "forwarded")
 
 

@@ -198,8 +198,8 @@ class Session:
         optimizer steps it took.
 
         Each step: zero the gradient, the method's gradient of its mini-batch's loss (the mean over the mini-batch's
-        terms), the average over the processes, the clip, the divergence check, the optimizer's step, and with
-        ``train.eval_ema`` the evaluation average's update (:func:`~agg_bench.engine.moving_average.warmup_decay`
+        terms), the average over the processes, the clip (unless the part says not: ``clip_gradient``), the
+        divergence check, the optimizer's step, and with ``train.eval_ema`` the evaluation average's update (:func:`~agg_bench.engine.moving_average.warmup_decay`
         of the optimizer steps taken, this one counted; every ``train.eval_ema_every`` steps). ``loss``,
         ``clip_frac``, ``approx_kl`` and ``grad_norm`` are the means over the steps taken; the update's other
         statistics (``ratio_dev``) are its first step's. One mini-batch is the batch itself, not a copy.
@@ -220,7 +220,7 @@ class Session:
             sharded = fsdp.is_sharded(self.policy)
             (loss,) = distributed.average_gradients([] if sharded else params, stats.loss_sum)
             norm = fsdp.gradient_norm(params)
-            if cfg.train.max_grad_norm is not None:
+            if cfg.train.max_grad_norm is not None and minibatch.clip_gradient:
                 torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
             # checked before the step, so a non-finite gradient never reaches the weights
             if not torch.isfinite(norm) or not math.isfinite(loss):

@@ -217,12 +217,15 @@ def test_update_equals_the_single_graph_reference_and_trains_each_transition_onc
 
 
 # ----- an optimizer step every n transitions (method.transitions_per_step) ----------------------------
+MAX_NORM = 1e-9  # the clip acts at every step, and the clipped gradient is of AdamW's eps (1e-8)
 
-def reference_steps(policy, batch, parts, trees, n, lr, weight_decay, max_grad_norm):
-    """The public loop of optimizer steps, in float64 on a copy of ``policy``: for each part (its (row, step)
-    transitions), the sum of their clipped GRPO terms at the current weights over n floor(K / trees) (K: the
-    transitions of all parts), backward, the gradient-norm clip, an AdamW step. The terms written out as in
-    reference_gradient. Returns the weights after the last step."""
+def reference_steps(policy, batch, parts, trees, n, lr, weight_decay, max_grad_norm, clip_every_step=False):
+    """The public loop of optimizer steps (train_one_step_tree), in float64 on a copy of ``policy``: for each part
+    (its (row, step) transitions), the sum of their clipped GRPO terms at the current weights over n floor(K / trees)
+    (K: the transitions of all parts), backward, an AdamW step. The gradient-norm clip as the code's: after each
+    full part of n, and at a shorter last part only where no full part came before it (its grad_norm still None).
+    ``clip_every_step``: clip after every part instead. The terms written out as in reference_gradient. Returns the
+    weights after the last step and which steps were clipped."""
     import copy
 
     policy = copy.deepcopy(policy)
@@ -231,6 +234,7 @@ def reference_steps(policy, batch, parts, trees, n, lr, weight_decay, max_grad_n
     total = sum(len(part) for part in parts)
     sig = [float(s) for s in batch.sigmas]
     eps = batch.clip_range
+    grad_norm, clipped = None, []
     for part in parts:
         optimizer.zero_grad()
         terms = []
@@ -243,19 +247,28 @@ def reference_steps(policy, batch, parts, trees, n, lr, weight_decay, max_grad_n
             adv = batch.advantages[rows, j]
             terms.append(torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps)).sum())
         (torch.stack(terms).sum() / (n * (total // trees))).backward()
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        clip = clip_every_step or len(part) == n or grad_norm is None
+        if clip:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        clipped.append(clip)
         optimizer.step()
-    return {name: p.detach() for name, p in policy.named_parameters()}
+    return {name: p.detach() for name, p in policy.named_parameters()}, clipped
 
 
-@pytest.mark.parametrize("n", [3, 5, 100])
-def test_a_step_every_n_shuffled_transitions_is_the_public_loop(n):
+@pytest.mark.parametrize("n, clipped", [
+    (3, [True] * 8),  # 8 full steps
+    (5, [True] * 4 + [False]),  # a shorter last step after full ones: not clipped
+    (100, [True]),  # a shorter step and no full one before it: clipped
+])
+def test_a_step_every_n_shuffled_transitions_is_the_public_loop(n, clipped):
     """The iteration's 24 trained transitions (2 trees of 2 + 2 + 4 + 4), shuffled, cut into parts of n (the last
     shorter), an optimizer step after each on the sum of its terms over n x 12 (the code's accumulation steps x
-    transitions per tree), at the weights the earlier steps moved: the weights after the update equal the float64
-    loop of reference_steps; each transition is trained once, and ceil(24 / n) steps are taken and recorded."""
+    transitions per tree), at the weights the earlier steps moved, the gradient clipped as the code clips it: the
+    weights after the update equal the float64 loop of reference_steps; each transition is trained once, and
+    ceil(24 / n) steps are taken and recorded. The clip norm is small enough that where the rule skips a clip the
+    weights differ from clipping every step (AdamW's eps sees the gradient's scale)."""
     session = tree_session("grpo.clip_range=1e-3", f"method.transitions_per_step={n}", "train.lr=1e-2",
-                           "train.max_grad_norm=0.5")
+                           f"train.max_grad_norm={MAX_NORM}")
     batch = session.collect(0).batch
     cfg = session.cfg
     parts = session.estimator.update_parts(batch, cfg.train, cfg.grpo.group_size)
@@ -265,11 +278,17 @@ def test_a_step_every_n_shuffled_transitions_is_the_public_loop(n):
     assert [len(part) for part in picks] == [min(n, 24 - start) for start in range(0, 24, n)]
     if n < 24:  # drawn, not in the tree's order
         assert [p for part in picks for p in part] != sorted(map(tuple, trained))
-    expected = reference_steps(session.policy, batch, picks, 2, n, 1e-2, cfg.train.weight_decay, 0.5)
+    expected, reference_clipped = reference_steps(session.policy, batch, picks, 2, n, 1e-2, cfg.train.weight_decay,
+                                                  MAX_NORM)
+    assert [part.clip_gradient for part in parts] == reference_clipped == clipped
+    every, _ = reference_steps(session.policy, batch, picks, 2, n, 1e-2, cfg.train.weight_decay, MAX_NORM,
+                               clip_every_step=True)
     version = session.policy.version
     with counted(session.policy) as work:
         session.update(batch)
-    assert relative_error({k: p.detach() for k, p in session.policy.named_parameters()}, expected) <= 1e-10
+    weights = {k: p.detach() for k, p in session.policy.named_parameters()}
+    assert relative_error(weights, expected) <= 1e-10
+    assert (relative_error(weights, every) > 1e-6) == (not all(clipped))
     assert work.as_dict() == {"forward_nograd": 0, "forward_grad": 24, "backward": 24}
     assert session.steps_taken == session.policy.version - version == math.ceil(24 / n)
     assert session.estimator.iteration_metrics() == {"trained_transitions": 24}

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = ["run", "--config", str(ROOT / "config" / "run.yaml"), "--set", "model.resolution=32",
        "--set", "sampling.steps=4", "--set", "train.iterations=1", "--set", "progress=false"]
 # fields a mini-batch shares with its rollout: the schedule and the settings
-SHARED_FIELDS = ("sigmas", "timesteps", "sde", "eta", "clip_range", "beta", "policy_version", "kl_form")
+SHARED_FIELDS = ("sigmas", "timesteps", "sde", "eta", "clip_range", "beta", "policy_version", "kl_form",
+                 "clip_gradient")
 
 
 def fresh_seed() -> int:
