@@ -83,6 +83,9 @@ def validate(config: dict) -> RunConfig:
     if cfg.train.eval_ema is None and cfg.train.eval_ema_every != 1:
         raise ConfigError("train.eval_ema_every", cfg.train.eval_ema_every,
                           "1 unless train.eval_ema is set (it is the interval of that average's updates)")
+    if cfg.train.eval_ema is None and cfg.train.eval_ema_updates != 1:
+        raise ConfigError("train.eval_ema_updates", cfg.train.eval_ema_updates,
+                          "1 unless train.eval_ema is set (it is that average's updates per optimizer step)")
     check_cps_eta(cfg.sampling.sde, cfg.sampling.eta)
     check_minibatches(cfg, 1)
     return cfg

@@ -270,6 +270,14 @@ class TrainConfig(Section):
            "by this (the public `EMAModuleWrapper`'s `update_step_interval`: 1 in DiffusionNFT and AWM, 8 in DGPO); "
            "refused above 1 without `train.eval_ema`",
         minimum=1, maximum=10**6)
+    eval_ema_updates: int = option(
+        1, "`train.eval_ema`'s average takes in the weights of each optimizer step n that qualifies "
+           "(`train.eval_ema_every`) this many times, each with n's decay: once right after the step and the "
+           "others just before the next optimizer step (after the next rollout and any evaluation or checkpoint "
+           "between), as DGPO's code calls `ema.step` after each of an epoch's `num_batches_per_epoch` batches "
+           "and its step count moves at the last (2 in `geneval_sd3_4gpu`); refused above 1 without "
+           "`train.eval_ema`",
+        minimum=1, maximum=1000)
 
     @property
     def optimizer_steps(self) -> int:

@@ -190,6 +190,19 @@ class Session:
         return Rollout(batch=batch, prompts=prompts, rewards=rewards)
 
     # ----- one update ---------------------------------------------------------------------
+    def take_in_eval_average(self, times: int) -> None:
+        """``times`` updates of the evaluation average (``train.eval_ema``) with the policy's weights, where the
+        optimizer steps n taken so far (``policy.version``) qualify, (n + 1) divisible by ``train.eval_ema_every``
+        (the public ``update_step_interval``), each with the decay
+        :func:`~agg_bench.engine.moving_average.warmup_decay` of n: the public ``EMAModuleWrapper.step(params, n)``
+        called ``times`` times."""
+        train = self.cfg.train
+        n = self.policy.version
+        if self.eval_ema is None or (n + 1) % train.eval_ema_every:
+            return
+        for _ in range(times):
+            self.eval_ema.update(self.policy, warmup_decay(n, train.eval_ema))
+
     def update(self, batch: TrainBatch) -> dict:
         """``train.inner_epochs`` epochs on one rollout, each an optimizer step per part of the method's
         :meth:`~agg_bench.methods.base.Estimator.update_parts` (by default ``train.minibatches`` mini-batches of
@@ -197,12 +210,13 @@ class Session:
         :func:`agg_bench.engine.grpo.minibatch_rows`); learning statistics of them all. ``steps_taken``: the
         optimizer steps it took.
 
-        Each step: zero the gradient, the method's gradient of its mini-batch's loss (the mean over the mini-batch's
-        terms), the average over the processes, the clip (unless the part says not: ``clip_gradient``), the
-        divergence check, the optimizer's step, and with ``train.eval_ema`` the evaluation average's update (:func:`~agg_bench.engine.moving_average.warmup_decay`
-        of the optimizer steps taken, this one counted; every ``train.eval_ema_every`` steps). ``loss``,
-        ``clip_frac``, ``approx_kl`` and ``grad_norm`` are the means over the steps taken; the update's other
-        statistics (``ratio_dev``) are its first step's. One mini-batch is the batch itself, not a copy.
+        Each step: with ``train.eval_ema_updates`` u > 1 the evaluation average's u - 1 updates left of the
+        previous step (:meth:`take_in_eval_average`), zero the gradient, the method's gradient of its mini-batch's
+        loss (the mean over the mini-batch's terms), the average over the processes, the clip (unless the part says
+        not: ``clip_gradient``), the divergence check, the optimizer's step, and with ``train.eval_ema`` the
+        evaluation average's update. ``loss``, ``clip_frac``, ``approx_kl`` and ``grad_norm`` are the means over
+        the steps taken; the update's other statistics (``ratio_dev``) are its first step's. One mini-batch is the
+        batch itself, not a copy.
         """
         cfg = self.cfg
         params = self.policy.parameters()
@@ -211,6 +225,7 @@ class Session:
         parts = self.estimator.update_parts(batch, cfg.train, cfg.grpo.group_size)
         self.steps_taken = 0
         for minibatch in parts * cfg.train.inner_epochs:  # epoch after epoch, the parts in order
+            self.take_in_eval_average(cfg.train.eval_ema_updates - 1)  # the previous step's other updates
             self.optimizer.zero_grad(set_to_none=True)
             stats = UpdateStats(cfg.grpo.clip_range)
             with distributed.failures_shared():  # no process enters the all-reduce while another failed
@@ -229,9 +244,7 @@ class Session:
             self.optimizer.step()
             self.steps_taken += 1
             self.policy.version += 1
-            # after the optimizer steps n (counting this one) with (n + 1) divisible by train.eval_ema_every
-            if self.eval_ema is not None and (self.policy.version + 1) % cfg.train.eval_ema_every == 0:
-                self.eval_ema.update(self.policy, warmup_decay(self.policy.version, cfg.train.eval_ema))
+            self.take_in_eval_average(1)
             summary = stats.as_dict()
             if not losses:  # the first step's
                 out.update({k: v for k, v in summary.items() if k not in ("loss", "clip_frac", "approx_kl")})

@@ -32,7 +32,8 @@ WRITTEN_DEFAULTS = {
               "lora_rank": 0, "lora_alpha": None, "lora_target_modules": None, "checkpoint_every": 0,
               "shard": "none", "cpu_offload": False, "budget": None,
               "pass_costs": {"forward_nograd": 1.0, "forward_grad": 1.1, "backward": 1.6}, "ignore_last": False,
-              "minibatches": 1, "minibatch_unit": "groups", "eval_ema": None, "eval_ema_every": 1},
+              "minibatches": 1, "minibatch_unit": "groups", "eval_ema": None, "eval_ema_every": 1,
+              "eval_ema_updates": 1},
     "method": {"name": "full"},
     "reward": {"name": "jpeg_compressibility", "options": {}, "on": "final"},
     "telemetry": {"enabled": True, "nvml_interval_s": 0.05, "saved_activations": "first", "tensorboard": False},
@@ -107,12 +108,12 @@ def test_an_older_config_json_reads_with_the_defaults_of_keys_it_lacks():
     older = json.loads(json.dumps(WRITTEN_DEFAULTS))
     del older["grpo"]["kl_form"], older["train"]["shard"], older["telemetry"], older["train"]["pass_costs"]
     del older["eval"], older["train"]["minibatches"], older["train"]["minibatch_unit"], older["train"]["eval_ema"]
-    del older["train"]["eval_ema_every"]
+    del older["train"]["eval_ema_every"], older["train"]["eval_ema_updates"]
     cfg = RunConfig.from_dict(older)
     assert (cfg.grpo.kl_form, cfg.train.shard, cfg.telemetry.saved_activations) == ("transition", "none", "first")
     assert (cfg.train.pass_costs.backward, cfg.train.budget, cfg.eval.every) == (1.6, None, 0)
     assert (cfg.train.minibatches, cfg.train.optimizer_steps, cfg.train.minibatch_unit) == (1, 1, "groups")
-    assert cfg.train.eval_ema is None and cfg.train.eval_ema_every == 1
+    assert cfg.train.eval_ema is None and cfg.train.eval_ema_every == 1 and cfg.train.eval_ema_updates == 1
 
 
 def test_sections_are_typed():

@@ -23,15 +23,23 @@ from agg_bench.runtime.train import TIMING_KEYS, Session, train
 RUN = ["reward.name=smoothness", "eval.every=1", "eval.noises=2", "train.checkpoint_every=1", "train.lr=3e-2"]
 
 
-def reference_average(start: dict, trained: list[dict], maximum: float, every: int = 1) -> dict:
-    """The average after ``len(trained)`` optimizer steps, in float64 from the update rule: from the starting
-    weights, after step n (1-based) with (n + 1) divisible by ``every`` (the public update_step_interval)
-    ``ema <- d ema + (1 - d) w_n`` with ``d = min((1 + n) / (10 + n), maximum)``."""
-    ema = {k: v.double().clone() for k, v in start.items()}
+def reference_average(start: dict, trained: list[dict], maximum: float, every: int = 1, updates: int = 1) -> dict:
+    """The average after ``len(trained)`` optimizer steps, in float64 from the public update rule: the calls
+    ``EMAModuleWrapper.step(params, c)`` of DGPO's loop with ``updates`` batches an epoch (one step per epoch; one
+    call per batch, the step count c moving at the last): before optimizer step n (1-based) ``updates - 1`` calls
+    with c = n - 1 and the weights after step n - 1 (the starting ones for n = 1), after it one with c = n and the
+    weights after step n. From the starting weights, a call with (c + 1) divisible by ``every`` (the public
+    update_step_interval) takes in its weights w: ``ema <- d ema + (1 - d) w``, ``d = min((1 + c) / (10 + c),
+    maximum)``."""
+    calls, previous = [], start
     for n, weights in enumerate(trained, 1):
-        if (n + 1) % every:
+        calls += [(n - 1, previous)] * (updates - 1) + [(n, weights)]
+        previous = weights
+    ema = {k: v.double().clone() for k, v in start.items()}
+    for c, weights in calls:
+        if (c + 1) % every:
             continue
-        d = min((1 + n) / (10 + n), maximum)
+        d = min((1 + c) / (10 + c), maximum)
         ema = {k: d * ema[k] + (1 - d) * weights[k].double() for k in ema}
     return ema
 
@@ -94,6 +102,29 @@ def test_the_average_takes_in_every_nth_step_only():
         torch.testing.assert_close(w, expected[name], rtol=0, atol=1e-14)
     every_step = reference_average(start, trained, 0.8)
     assert max(float((every_step[n] - expected[n]).abs().max()) for n in expected) > 1e-9
+
+
+def test_a_qualifying_step_is_taken_in_as_often_as_the_public_loop_calls_ema_step():
+    """``train.eval_ema_updates: 3`` (DGPO's ``num_batches_per_epoch`` calls of ``ema.step`` an epoch) with
+    ``train.eval_ema_every: 3``, two optimizer steps an iteration, three iterations: after each update the average
+    equals the float64 reference of the public calls. Steps 2 and 5 qualify; step 2 is the first update's last, so
+    after that update its weights are taken in once (the one-update average's) and twice more before step 3, in the
+    next update; at the end the average is not the one-update one."""
+    maximum = 0.3 + 0.05 * float(torch.rand(1, dtype=torch.float64))  # binds at step 5 ((1 + 5) / 15 = 0.4)
+    session = Session(tiny_config(f"train.eval_ema={maximum!r}", "train.eval_ema_every=3", "train.eval_ema_updates=3",
+                                  "train.inner_epochs=2", "train.lr=3e-2", "reward.name=smoothness"))
+    start, trained = weights(session.policy), []
+    session.optimizer.register_step_post_hook(lambda *args: trained.append(weights(session.policy)))
+    close = lambda expected: all(torch.allclose(w, expected[n], rtol=0, atol=1e-14)
+                                 for n, w in session.eval_ema.weights.items())
+    for iteration in range(3):
+        session.update(session.collect(iteration).batch)
+        assert close(reference_average(start, trained, maximum, every=3, updates=3)), iteration
+        if iteration == 0:  # step 2 taken in once so far
+            assert close(reference_average(start, trained, maximum, every=3))
+    assert len(trained) == 6 and session.eval_ema.steps == 5
+    once = reference_average(start, trained, maximum, every=3)
+    assert max(float((once[n] - session.eval_ema.weights[n]).abs().max()) for n in once) > 1e-9
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +203,9 @@ def test_the_checkpoint_evaluation_takes_the_average(runs):
 
 def test_a_resumed_run_continues_the_average(tmp_path):
     """Stopped after 2 of 4 iterations and resumed: records, evaluations and the final checkpoint's average
-    (with DiffusionNFT's moving-average old policy beside it) equal the uninterrupted run's."""
-    settings = [*RUN, "train.eval_ema=0.9", "sampling.same_noise_per_group=false",
+    (with DiffusionNFT's moving-average old policy beside it) equal the uninterrupted run's; with
+    ``train.eval_ema_updates: 2`` the second update of step 2's weights comes after the resume."""
+    settings = [*RUN, "train.eval_ema=0.9", "train.eval_ema_updates=2", "sampling.same_noise_per_group=false",
                 'method={"name": "nft", "times_per_sample": 2, "old_decay_rate": 0.3, "old_decay_max": 0.6}']
     train(tiny_config(*settings, "train.iterations=4"), tmp_path / "whole")
     train(tiny_config(*settings, "train.iterations=2"), tmp_path / "part")
@@ -205,22 +237,25 @@ BAD = {"0": "> 0", "1": "< 1", "-0.1": "> 0", ".nan": "finite", ".inf": "finite"
        "abc": "a number or null", "true": "a number or null", "[0.9]": "a number or null"}
 
 
-@pytest.mark.parametrize("value", ["0", "-8", "2.5", ".nan", "eight", "1e9", "[8]", "null"])
-def test_a_bad_interval_is_one_line_and_nothing_is_written(tmp_path, capsys, value):
+@pytest.mark.parametrize("key", ["eval_ema_every", "eval_ema_updates"])
+@pytest.mark.parametrize("value", ["0", "-8", "2.5", ".nan", "eight", "1e9", "[8]", "null", '""'])
+def test_a_bad_interval_or_count_is_one_line_and_nothing_is_written(tmp_path, capsys, key, value):
     out = tmp_path / "out"
     assert main(["run", "--set", "model.resolution=32", "--set", "train.eval_ema=0.9", "--set",
-                 f"train.eval_ema_every={value}", "--out", str(out)]) == 2
+                 f"train.{key}={value}", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "train.eval_ema_every = " in err[0] and "Traceback" not in err[0], err
+    assert len(err) == 1 and f"train.{key} = " in err[0] and "Traceback" not in err[0], err
     assert not out.exists()
 
 
-def test_an_interval_without_the_average_is_one_line_and_nothing_is_written(tmp_path, capsys):
-    """train.eval_ema_every does nothing without train.eval_ema: refused, as a setting that would be ignored."""
+@pytest.mark.parametrize("key", ["eval_ema_every", "eval_ema_updates"])
+def test_an_interval_or_count_without_the_average_is_one_line_and_nothing_is_written(tmp_path, capsys, key):
+    """train.eval_ema_every and train.eval_ema_updates do nothing without train.eval_ema: refused, as settings that
+    would be ignored."""
     out = tmp_path / "out"
-    assert main(["run", "--set", "model.resolution=32", "--set", "train.eval_ema_every=8", "--out", str(out)]) == 2
+    assert main(["run", "--set", "model.resolution=32", "--set", f"train.{key}=8", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "train.eval_ema_every = 8" in err[0] and "train.eval_ema" in err[0], err
+    assert len(err) == 1 and f"train.{key} = 8" in err[0] and "train.eval_ema" in err[0], err
     assert not out.exists()
 
 
