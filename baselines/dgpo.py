@@ -70,9 +70,21 @@ no-grad forward of the moving average per (row, time), counted and charged; none
 (the first two iterations: the ratio is then exactly 1 and nothing is clipped). The record's ``clip_frac`` is
 the clipped share. ``ema_rollout_after`` (the code's ``switch_ema_ref``, 500 for geneval): after that many
 optimizer steps the rollout samples with the moving average's weights (swapped in, as the code swaps them).
+
+The moving average as the DPO reference (``ema_reference``, the code's ``use_ema_ref``: off in ``config/base.py``,
+on in ``config/dgpo_wocfg_emaref.py`` with ``clip_dsm``; ``scripts/train_sd3_dgpo.py`` l.1122-1124 hands
+``old_v``, the ``ema_ref`` velocity, to ``compute_group_dgpo_loss_allreduce`` in place of the base model's
+``ref_old_v``). The implicit reward is then Delta_i = l_theta(i) - l_old(i), the moving average's error at the same
+(x_t, t); the KL term keeps the base model (the code's ``kl_loss`` takes ``ref_old_v``). While the average equals
+the policy (its first two iterations) its errors are the policy's, every Delta is 0 and w = sigmoid(0) = 1/2, with
+no forward. One forward of the average per (row, time) serves the clip and the reference; the starting weights are
+then forwarded only for the KL term (``grpo.beta > 0``), and with ``grpo.beta = 0`` no frozen copy is kept. The
+code computes ``old_v`` only with ``clip_dsm`` (or its ``clip_kl``, not built); here ``ema_reference`` works
+without the clip too.
+
 Passes per iteration: B T rollout forwards (2 B T with guidance); per inner epoch B K forward_grad, B K backward,
-B K forward_nograd of the reference, and B K forward_nograd of the moving average with ``clip_dsm`` where it
-differs from the policy.
+B K forward_nograd of the reference (without ``ema_reference``, or with ``grpo.beta > 0``), and B K forward_nograd
+of the moving average with ``clip_dsm`` or ``ema_reference`` where it differs from the policy.
 
 The K times per sample (``time_distribution``):
 - ``schedule`` (the code): K distinct steps j of the rollout's own schedule among its first
@@ -93,12 +105,17 @@ over the batch (True), both with np.std plus 1e-4 (``grpo.adv_eps``). The code s
 as here once per iteration: its accelerator accumulates ``gradient_accumulation_steps`` x ``num_train_timesteps``
 (batch, time) passes, and the geneval config sets ``gradient_accumulation_steps`` to the epoch's
 ``num_batches_per_epoch`` ("Update once per epoch"). The EMA of the trained weights that only evaluations use
-(``train.ema``: decay 0.9, ``update_step_interval`` 8) is the run keys ``train.eval_ema`` and
-``train.eval_ema_every`` (the preset's 0.9 and 8), one update after each qualifying optimizer step. The code calls
-``ema.step`` after every batch of the epoch (inside ``for i, sample in samples_batched``), so it takes in the same
-weights ``num_batches_per_epoch`` times (2 in ``geneval_sd3_4gpu``) at the same decay, d^2 = 0.81 a qualifying step
-there: not built. Not ported: the moving average as the DPO reference
-(``use_ema_ref``, a variant config's), LoRA. An ODE rollout from one noise is one image, so ``sampling.same_noise_per_group`` must be false.
+(``train.ema``: decay 0.9, ``update_step_interval`` 8) is the run keys ``train.eval_ema``,
+``train.eval_ema_every`` and ``train.eval_ema_updates`` (the preset's 0.9, 8 and 2). The code calls
+``ema.step(params, global_step)`` after every batch of the epoch (``scripts/train_sd3_dgpo.py``, l.1214-1215,
+inside ``for i, sample in samples_batched``), ``num_batches_per_epoch`` times (2 in ``geneval_sd3_4gpu``), and its
+one optimizer step of the epoch (l.1168-1173, ``sync_gradients`` at the last batch's last time) increments
+``global_step`` (l.1210) before the last call: the calls after the first batches see the weights after step n - 1
+and the count n - 1, the last the weights after step n and the count n. So the weights of a qualifying step n are
+taken in ``num_batches_per_epoch`` times at its decay (d^2 = 0.81 a qualifying step there): once right after the
+step, the others after the next rollout and evaluation, before step n + 1; ``train.eval_ema_updates`` does that
+(:meth:`agg_bench.runtime.session.Session.take_in_eval_average`). Not ported: LoRA. An ODE rollout from one noise
+is one image, so ``sampling.same_noise_per_group`` must be false.
 
 Replay: ``not_applicable``, there is no per-step GRPO gradient to compare.
 """
@@ -142,6 +159,10 @@ class DGPOConfig(Options):
     micro_batch: int | None = batch_option("samples per forward with grad; null: the whole batch")
     clip_dsm: bool = option(False, "the PPO-style clip of each sample's matching error against the moving average, "
                                    "with `grpo.clip_range` (module docstring; the code's `clip_dsm = True`)")
+    ema_reference: bool = option(
+        False, "the DPO reference is the moving average in place of the starting weights (the code's `use_ema_ref`: "
+        "False in `config/base.py`, True in `config/dgpo_wocfg_emaref.py`); the KL term (`grpo.beta`) keeps the "
+        "starting weights (module docstring)")
     ema_decay_rate: float = option(0.001, "that moving average's decay grows by this per optimizer step",
                                    minimum=0, maximum=1)
     ema_decay_max: float = option(0.3, "the largest decay of that moving average", minimum=0, maximum=1)
@@ -193,11 +214,15 @@ class DGPOEstimator(FinalLatentEstimator):
             self.frozen = policy.frozen_copy()
 
     def keeps_reference(self, cfg) -> bool:
-        return not cfg.grpo.beta > 0  # its DPO reference: the session's with grpo.beta, else its own frozen copy
+        # its DPO reference: the session's with grpo.beta, else its own frozen copy; none with ema_reference
+        return not cfg.grpo.beta > 0 and not self.config.ema_reference
 
     def moving_average(self) -> str | None:
         c = self.config
-        return "clip_dsm" if c.clip_dsm else "ema_rollout_after" if c.ema_rollout_after is not None else None
+        for name in ("clip_dsm", "ema_reference"):
+            if getattr(c, name):
+                return name
+        return "ema_rollout_after" if c.ema_rollout_after is not None else None
 
     def needs_unconditional(self) -> bool:
         return self.config.rollout_guidance != 1
@@ -296,18 +321,19 @@ class DGPOEstimator(FinalLatentEstimator):
 
     def accumulate(self, policy, batch, stats, reference=None):
         c = self.config
+        kl_beta = batch.beta if reference is not None else 0.0
         ref = reference if reference is not None else self.frozen
-        if ref is None:
+        if ref is None and not c.ema_reference:
             raise RuntimeError("method 'dgpo' needs a reference policy: none was passed and no rollout made one")
         x0 = batch.latents[:, -1]
         b, k = batch.train_steps.shape
         dims = tuple(range(1, x0.dim()))
         eps, t, timesteps = self.draws(policy, batch)
         a = batch.advantages.to(x0.dtype)
-        kl_beta = batch.beta if reference is not None else 0.0
         self.take_in(policy)
-        # the ratio is exactly 1 while the moving average is the policy: nothing to clip, nothing to forward
-        old = self.ema.policy if c.clip_dsm and not self.ema.equals(policy) else None
+        # while the moving average is the policy its errors are the policy's: the ratio is exactly 1, nothing to
+        # clip, the implicit rewards against it 0, nothing to forward
+        old = self.ema.policy if (c.clip_dsm or c.ema_reference) and not self.ema.equals(policy) else None
         for slot in range(k):
             errors, ref_errors, kls, old_errors = [], [], [], []
             for rows in micro_batches(b, c.micro_batch):
@@ -315,21 +341,27 @@ class DGPOEstimator(FinalLatentEstimator):
                 x_t = (1 - te) * x0[rows] + te * eps[rows, slot]
                 target = eps[rows, slot] - x0[rows]
                 cond = batch.cond[rows]
-                with torch.no_grad():
-                    v_ref = ref.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                v_ref = None
+                if ref is not None and (not c.ema_reference or kl_beta > 0):  # one forward for both terms
+                    with torch.no_grad():
+                        v_ref = ref.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                    ref_errors.append(((v_ref - target) ** 2).mean(dim=dims))
                 v = policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
                 errors.append(((v - target) ** 2).mean(dim=dims))
-                ref_errors.append(((v_ref - target) ** 2).mean(dim=dims))
-                if kl_beta > 0:
+                if kl_beta > 0 and v_ref is not None:
                     kls.append(kl_beta * ((v - v_ref) ** 2).mean(dim=dims))
                 if old is not None:
                     with torch.no_grad():
                         v_old = old.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
                     old_errors.append(((v_old - target) ** 2).mean(dim=dims))
-            error, ref_error = torch.cat(errors), torch.cat(ref_errors)
+            error = torch.cat(errors)
+            if c.ema_reference:  # the code's use_ema_ref: the moving average's errors (the policy's while it is it)
+                ref_error = torch.cat(old_errors) if old_errors else error.detach()
+            else:
+                ref_error = torch.cat(ref_errors)
             w = group_weights(a, error.detach() - ref_error, self.group_size, c.beta)
             trained = error
-            if old_errors:
+            if old_errors and c.clip_dsm:
                 ratio = torch.exp(torch.cat(old_errors) - error.detach())
                 clipped = torch.where(a > 0, ratio > 1 + self.clip_range, ratio < 1 - self.clip_range)
                 trained = torch.where(clipped, error.detach(), error)

@@ -42,10 +42,12 @@ def collect(s, seed=0):
     return batch
 
 
-def reference_gradient(policy, ref, batch, eps, t, timesteps, beta, kl_beta=0.0):
+def reference_gradient(policy, ref, batch, eps, t, timesteps, beta, kl_beta=0.0, kl_ref=None):
     """d L / d theta from the paper's DGPO objective, one graph in float64:
     L = 1/(K P beta) sum_k sum_g -log sigmoid(-beta/G [sum_{G+} |A| (l_theta - l_ref) - sum_{G-} |A| (l_theta - l_ref)])
-    with l_m = mean (v_m(x_t, t) - (eps - x0))^2, x_t = (1-t) x0 + t eps; plus kl_beta/(B K) sum mean (v - v_ref)^2."""
+    with l_m = mean (v_m(x_t, t) - (eps - x0))^2, x_t = (1-t) x0 + t eps; plus kl_beta/(B K) sum mean (v - v_kl)^2,
+    v_kl the velocity of ``kl_ref`` (default: ``ref``)."""
+    kl_ref = ref if kl_ref is None else kl_ref
     params = [p for _, p in policy.named_parameters()]
     b, k = batch.train_steps.shape
     p = b // G
@@ -60,6 +62,7 @@ def reference_gradient(policy, ref, batch, eps, t, timesteps, beta, kl_beta=0.0)
                 v = policy.velocity(*args)[0]
                 with torch.no_grad():
                     v_ref = ref.velocity(*args)[0]
+                    v_kl = kl_ref.velocity(*args)[0] if kl_beta else None
                 target = eps[i, s] - x0
                 delta = ((v - target) ** 2).mean() - ((v_ref - target) ** 2).mean()
                 a = batch.advantages[i]
@@ -67,7 +70,8 @@ def reference_gradient(policy, ref, batch, eps, t, timesteps, beta, kl_beta=0.0)
                     positive = positive + a.abs() * delta
                 else:
                     negative = negative + a.abs() * delta
-                total = total + kl_beta * ((v - v_ref) ** 2).mean() / (b * k)
+                if kl_beta:
+                    total = total + kl_beta * ((v - v_kl) ** 2).mean() / (b * k)
             z = -beta / G * (positive - negative)
             total = total - torch.nn.functional.logsigmoid(z) / (k * p * beta)
     grads = torch.autograd.grad(total, params)
@@ -95,6 +99,45 @@ def test_gradient_equals_the_papers_loss_written_out(options):
     s.estimator.accumulate(s.policy, batch, UpdateStats(0.1), s.reference)
     expected = reference_gradient(s.policy, ref, batch, eps, t, timesteps, c.beta, s.cfg.grpo.beta)
     assert relative_error(grads_of(s.policy), expected) <= 1e-10
+
+
+@pytest.mark.parametrize("options", [
+    (),
+    ("method.clip_dsm=true", "grpo.clip_range=100", "grpo.beta=0.05", "method.micro_batch=4"),
+])
+def test_the_moving_average_as_the_dpo_reference(options):
+    """``method.ema_reference`` (the code's ``use_ema_ref``): the gradient is the paper's loss written out with the
+    moving average's errors as l_ref, the KL term's reference the starting weights. While the average is the policy
+    every implicit reward is 0 and it is not forwarded; once it differs, one forward of it per (row, time) serves
+    the clip (here too wide to act) and the reference, and the starting weights are forwarded only for the KL term
+    (with grpo.beta = 0 no copy of them is kept)."""
+    s = session("method.ema_reference=true", "method.ema_decay_rate=0.3", *options)
+    est, kl = s.estimator, s.cfg.grpo.beta
+    assert not est.keeps_reference(s.cfg) and est.frozen is None
+    batch = collect(s)
+    b, k = batch.train_steps.shape
+    eps, t, timesteps = est.draws(s.policy, batch)
+    move_off_policy(s.policy, 3e-2)
+    with counted(s.policy) as work:  # the average made at the rollout is the policy of version 0
+        est.accumulate(s.policy, batch, UpdateStats(0.1), s.reference)
+    assert work.as_dict() == {"forward_nograd": b * k if kl else 0, "forward_grad": b * k, "backward": b * k}
+    expected = reference_gradient(s.policy, s.policy, batch, eps, t, timesteps, est.config.beta, kl, s.reference)
+    assert relative_error(grads_of(s.policy), expected) <= 1e-10
+
+    s.policy.version = 2  # two optimizer steps: the average takes in the weights with a decay of 0.3
+    for p in s.policy.parameters():
+        p.grad = None
+    stats = UpdateStats(0.1)
+    with counted(s.policy) as work:
+        est.accumulate(s.policy, batch, stats, s.reference)
+    assert work.as_dict() == {"forward_nograd": b * k * (2 if kl else 1), "forward_grad": b * k, "backward": b * k}
+    assert stats.clipped == 0 and not est.ema.equals(s.policy)
+    expected = reference_gradient(s.policy, est.ema.policy, batch, eps, t, timesteps, est.config.beta, kl,
+                                  s.reference)
+    assert relative_error(grads_of(s.policy), expected) <= 1e-10
+    if kl:  # not the starting weights' loss
+        start = reference_gradient(s.policy, s.reference, batch, eps, t, timesteps, est.config.beta, kl)
+        assert relative_error(grads_of(s.policy), start) > 1e-3
 
 
 def test_rollout_is_ode_and_times_are_shared_schedule_steps():
@@ -184,7 +227,8 @@ def test_preset_scales_the_public_schedule_and_loads_with_random_weights():
         (100.0, 4, "schedule", 4, True, "sana")
     assert cfg.sampling.shift == 3.0  # the scheduler's flow_shift
     assert (cfg.sampling.steps, cfg.grpo.adv_clip_max, cfg.grpo.beta, cfg.train.lr) == (10, 5.0, 0.02, 3e-4)
-    assert (cfg.train.eval_ema, cfg.train.eval_ema_every) == (0.9, 8)  # train.ema: decay 0.9, update_step_interval 8
+    # train.ema: decay 0.9, update_step_interval 8, ema.step after each of the epoch's 2 batches
+    assert (cfg.train.eval_ema, cfg.train.eval_ema_every, cfg.train.eval_ema_updates) == (0.9, 8, 2)
     assert check_config(load_config(PRESET, ["model.preset=random"])).model.preset == "random"
 
 
@@ -309,4 +353,27 @@ def test_bad_sampler_values_are_one_line_exit_2(method, value, allowed, tmp_path
                  "--out", str(out)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "method.sampler" in line and allowed in line and "Traceback" not in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("method", "ema_reference", "yes"), ("method", "ema_reference", 1), ("method", "ema_reference", None),
+    ("method", "ema_reference", ""), ("train", "eval_ema_updates", 0), ("train", "eval_ema_updates", -2),
+    ("train", "eval_ema_updates", 2.5), ("train", "eval_ema_updates", "two"), ("train", "eval_ema_updates", 10**9),
+    ("train", "eval_ema_updates", float("nan")),
+])
+def test_a_bad_value_of_the_public_recipes_keys_in_a_config_is_one_line_exit_2(section, key, value, tmp_path, capsys):
+    """The preset with one bad value of ``method.ema_reference`` or ``train.eval_ema_updates``, run with ``--config``:
+    one line naming the key, exit 2, no output folder."""
+    import yaml
+
+    config = yaml.safe_load(PRESET.read_text())
+    config[section][key] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "x"
+    capsys.readouterr()
+    assert main(["run", "--config", str(path), "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{section}.{key} = " in line and "Traceback" not in line, line
     assert not out.exists()

@@ -493,7 +493,8 @@ def test_every_preset_runs_with_its_described_passes_and_their_cost(preset, tmp_
         ("sa_solver_tau", -0.1), ("sa_solver_tau", ".nan"), ("sa_solver_tau", ".inf"), ("sa_solver_tau", 1e300),
         ("sa_solver_tau", 11), ("sa_solver_tau", "high"), ("sa_solver_tau", "[0.4]"), ("sa_solver_tau", 0.4))],
     *[("dgpo", f"method.{k}={v}", f"method.{k}") for k, v in (
-        ("clip_dsm", "yes please"), ("clip_dsm", 1), ("ema_decay_rate", 1.5), ("ema_rollout_after", -1),
+        ("clip_dsm", "yes please"), ("clip_dsm", 1), ("ema_reference", "yes please"), ("ema_reference", 1),
+        ("ema_decay_rate", 1.5), ("ema_rollout_after", -1),
         ("ema_rollout_after", 2.5), ("ema_rollout_after", 10**12), ("rollout_guidance", 0.5),
         ("rollout_guidance", 1e9), ("rollout_guidance", ".nan"), ("rollout_guidance", "cfg"))],
     *[("window", f"method.window_end={v}", "method.window_end") for v in (0, -3, 2.0, 7, 10**6, "end")],
