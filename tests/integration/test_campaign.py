@@ -461,6 +461,19 @@ with stopping.stop_signals("agg-bench campaign"), stopping.safe_points():
 """
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie that no one has reaped yet has ended)."""
     try:
@@ -474,7 +487,9 @@ def alive(pid: int) -> bool:
 @pytest.mark.parametrize("how", ["second SIGTERM", "SIGKILL"])
 def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
     """The campaign stopped at once (a second SIGTERM: its process group, what it started included) or killed
-    (SIGKILL: the kernel's parent-death signal) takes the process it supervises with it."""
+    (SIGKILL: the kernel's parent-death signal for the child, the guard for the child's group) takes the process
+    it supervises and what that one started with it: no process of the campaign's tree remains. (The
+    parent-death signal alone left the grandchild running after a SIGKILL.)"""
     pids = tmp_path / "pids"
     supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, STUBBORN, str(pids)], cwd=tmp_path,
                                   env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
@@ -485,6 +500,8 @@ def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
             assert supervisor.poll() is None and time.monotonic() - waited < 60, supervisor.stderr.read()
             time.sleep(0.05)
         child, grandchild = map(int, pids.read_text().split())
+        started = children(supervisor.pid)  # the supervised child and its group's guard
+        assert child in started and len(started) == 2
         if how == "SIGKILL":
             supervisor.kill()
         else:
@@ -494,7 +511,7 @@ def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
             supervisor.send_signal(signal.SIGTERM)
         code = supervisor.wait(timeout=30)
         assert code == (-signal.SIGKILL if how == "SIGKILL" else 128 + signal.SIGTERM)
-        ended = [child, grandchild] if how == "second SIGTERM" else [child]
+        ended = [*started, grandchild]
         waited = time.monotonic()
         while any(alive(pid) for pid in ended) and time.monotonic() - waited < 10:
             time.sleep(0.05)
@@ -503,7 +520,7 @@ def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
             assert "SIGTERM again: stopping at once" in supervisor.stderr.read()
     finally:
         supervisor.kill()
-        for pid in (child, grandchild):
+        for pid in (child, grandchild):  # what a failed assertion left
             if pid is not None and alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
