@@ -107,6 +107,15 @@ def test_a_number_past_any_use_is_refused_before_it_overflows(tmp_path, capsys, 
     assert key in line and "<= 1e+30" in line, line
 
 
+@pytest.mark.parametrize("key", ["run_id", "model.pretrained", "model.architecture", "prompts.file",
+                                 "prompts.cache_dir"])
+def test_an_empty_name_or_path_is_refused(tmp_path, capsys, key):
+    """`--set model.pretrained=$MODEL` with MODEL unset: an empty path used to count as none, and the run
+    trained the tiny model (or the built-in prompts, the folder's name as run_id) with exit code 0."""
+    line = run_fails(tmp_path / "out", capsys, "--set", f"{key}=")
+    assert f"{key} = ''" in line, line
+
+
 def test_nan_inside_reward_options_is_refused(tmp_path, capsys):
     line = run_fails(tmp_path / "out", capsys, "--set", 'reward.options={"quality": .nan}')
     assert "reward.options.quality" in line and "finite" in line
