@@ -62,6 +62,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
@@ -71,7 +73,7 @@ from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_ow
 from ..runtime.cell import job_entry
 from ..runtime.runfolder import RUN_CONTENTS
 from . import archive as archives
-from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep_files, flatten, is_pretrained_here,
+from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep, check_sweep_files, flatten, is_pretrained_here,
                     overrides_of)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,8 +192,10 @@ class Campaign:
         kwargs = {} if cache_dir is None else {"cache_dir": cache_dir}
         if cpu:
             check_sweep_files([self.config_path])
+            schema = yaml.safe_load(SCHEMA.read_text())
+            check_sweep(data, schema)  # the sweep as written (a run config is no sweep), before its CPU form
             data = cpu_sweep(data)
-            self.sweep = Sweep(data, SCHEMA, **kwargs)
+            self.sweep = Sweep(data, schema, **kwargs)
         else:
             self.sweep = Sweep(data, SCHEMA, files=[self.config_path], **kwargs)
         part = data.get("campaign") or {}

@@ -393,6 +393,23 @@ def test_an_option_another_action_would_ignore_is_one_line(tmp_path, capsys, act
     assert code == 2 and len(err) == 1 and words in err[0], err
 
 
+@pytest.mark.parametrize("action", ["run", "status"])
+@pytest.mark.parametrize("text, words", [
+    ((ROOT / "config" / "run.yaml").read_text(), "device = 'cpu': expected a known key here"),
+    ("devices: {}\n", "'base' is a required property"),
+])
+def test_a_config_that_is_not_a_sweep_is_one_line_with_cpu(tmp_path, capsys, action, text, words):
+    """--cpu made the CPU form of the config before checking it: a run config, or a sweep without models, ended
+    in a KeyError's traceback (exit 1) instead of the schema's line."""
+    config = tmp_path / "not_a_sweep.yaml"
+    config.write_text(text)
+    code = main(["campaign", action, "--config", str(config), "--cpu", "--work", str(tmp_path / "w"),
+                 *(["--minutes", "1"] if action == "run" else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "sweep config" in err[0] and words in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_sweep.yaml"]
+
+
 def test_a_work_folder_of_other_files_is_refused(tmp_path, capsys):
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "notes.txt").write_text("mine")
