@@ -228,10 +228,12 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = option(False, "recompute transformer blocks in backward (refused with "
                                                  "training-time caches)")
     lora_rank: int = option(0, "0: full fine-tune; >0: LoRA adapters (peft) of this rank", minimum=0, maximum=4096)
-    lora_alpha: float | None = option(None, "LoRA alpha; the adapters' scale is alpha / rank (null: the rank)",
+    lora_alpha: float | None = option(None, "LoRA alpha; the adapters' scale is alpha / rank (null: the rank); null when "
+                                            "`lora_rank` is 0",
                                       exclusive_minimum=0)
     lora_target_modules: list[str] | None = option(
-        None, "module names to adapt (null: the family's attention projections)", min_items=1)
+        None, "module names to adapt (null: the family's attention projections); null when `lora_rank` is 0",
+        min_items=1)
     checkpoint_every: int = option(
         0, "save a resumable `DIR/checkpoint.pt` every K iterations, at the end and on SIGTERM/SIGINT "
         "(`agg-bench run --resume` continues from it); 0: never", minimum=0)
