@@ -556,6 +556,10 @@ with distributed.process_group(torch.device("cpu")) as shard:
         except Interrupted:
             ended = "interrupted"
         (out / f"{name}.{shard.rank}.json").write_text(json.dumps({"calls": len(calls), "ended": ended}))
+        if name == "update_fsdp":  # continued, and a run that was not stopped
+            stop_at = 0
+            train(load_config(None, overrides), out / name, resume=True)
+            train(load_config(None, overrides), out / "whole")
 """
 
 
@@ -583,6 +587,12 @@ def test_torchrun_processes_stop_together_at_the_next_sampler_step_or_sharded_ca
         ranks = [json.loads((tmp_path / f"{name}.{rank}.json").read_text()) for rank in (0, 1)]
         assert ranks == [{"calls": stop_at, "ended": "interrupted"}] * 2, name
         out = tmp_path / name
+        if name == "update_fsdp":  # continued from its checkpoint: the records of the run that was not stopped
+            assert summary(out)["status"] == "ok"
+            untimed = lambda folder: [{k: v for k, v in r.items() if k not in TIMING_KEYS and k != "run_id"}
+                                      for r in records(folder)]
+            assert untimed(out) == untimed(tmp_path / "whole") and len(untimed(out)) == 3
+            continue
         assert summary(out)["status"] == "interrupted"
         assert [r["iteration"] for r in records(out)] == [0]
         checkpoint = torch.load(out / "checkpoint.pt", weights_only=False, map_location="cpu")
