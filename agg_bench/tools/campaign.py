@@ -444,18 +444,22 @@ def _guard_group() -> subprocess.Popen:
 
 def _guarded(guard: subprocess.Popen, pgid: int) -> None:
     """Tell ``guard`` the group it guards (a guard whose group never comes exits at the pipe's end)."""
+    pipe = guard.stdin
+    assert pipe is not None  # started with stdin=PIPE
     with contextlib.suppress(OSError):
-        guard.stdin.write(f"{pgid}\n")
-        guard.stdin.flush()
+        pipe.write(f"{pgid}\n")
+        pipe.flush()
 
 
 def _end_guard(guard: subprocess.Popen, done: bool) -> None:
     """Close the pipe to ``guard``: with ``done`` (the supervised process ended) it exits, else it kills the
     group now; wait for it."""
+    pipe = guard.stdin
+    assert pipe is not None
     with contextlib.suppress(OSError):
         if done:
-            guard.stdin.write("done")
-        guard.stdin.close()
+            pipe.write("done")
+        pipe.close()
     guard.wait()
 
 
