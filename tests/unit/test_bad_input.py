@@ -149,6 +149,20 @@ def test_a_lora_setting_without_a_lora_rank_is_refused(tmp_path, capsys, setting
     assert setting.split("=")[0] in line and "null unless train.lora_rank > 0" in line, line
 
 
+@pytest.mark.parametrize("verb", [["run", "--config", "{root}/config/run.yaml", *SMALL, "--out", ""],
+                                  ["campaign", "run", "--config", "{root}/config/h200.yaml", "--cpu", "--minutes", "1",
+                                   "--work", ""]])
+def test_an_empty_path_option_is_refused(tmp_path, capsys, monkeypatch, verb):
+    """`--out $DIR` with DIR unset was the current folder: the run trained into it when it was empty."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([a.replace("{root}", str(root)) for a in verb])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and "an empty path" in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_nan_inside_reward_options_is_refused(tmp_path, capsys):
     line = run_fails(tmp_path / "out", capsys, "--set", 'reward.options={"quality": .nan}')
     assert "reward.options.quality" in line and "finite" in line
