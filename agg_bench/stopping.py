@@ -37,8 +37,13 @@ stopping. Under :func:`together` (the training loop, when it runs on several pro
 point every process reaches in the same order (before each iteration, between its phases, between the steps
 of building the model): the processes exchange the signal each received (one collective, through the
 run's failure exchange) and all raise :class:`Interrupted` for it at that same check, a process that received
-none yet included. :func:`check_alone` (before a transformer call, which the processes' shares may make a
-different number of times) then defers to the next :func:`check`.
+none yet included. Those points come often enough for a deadline: every sampler step of the rollout (every
+process samples the whole batch: :class:`agg_bench.machine.distributed.ShareView`) and, with ``train.shard:
+fsdp``, every transformer call (a sharded forward is a collective, so every process makes the same calls), in
+the update too until its first optimizer step. :func:`check_alone` (before an unsharded model's call in the
+update, which the processes' shares may make a different number of times, with no collective until the
+gradient's all-reduce) defers to the next :func:`check`: there an unsharded run's update goes on to its
+record, as it would from its first optimizer step on anyway.
 
 Outside the main thread no handler can be installed; there, and outside any :func:`stop_signals`
 block, :func:`check` does nothing. Nothing is left installed after the outermost block ends: the

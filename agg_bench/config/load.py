@@ -86,6 +86,10 @@ def validate(config: dict) -> RunConfig:
     if cfg.train.eval_ema is None and cfg.train.eval_ema_updates != 1:
         raise ConfigError("train.eval_ema_updates", cfg.train.eval_ema_updates,
                           "1 unless train.eval_ema is set (it is that average's updates per optimizer step)")
+    for key in ("lora_alpha", "lora_target_modules"):  # set alone, it trained the whole model without a word
+        if cfg.train.lora_rank == 0 and getattr(cfg.train, key) is not None:
+            raise ConfigError(f"train.{key}", getattr(cfg.train, key),
+                              "null unless train.lora_rank > 0 (train.lora_rank = 0 fine-tunes the whole model)")
     check_cps_eta(cfg.sampling.sde, cfg.sampling.eta)
     check_minibatches(cfg, 1)
     return cfg

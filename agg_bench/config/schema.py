@@ -25,7 +25,7 @@ JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", d
               tuple: "array"}
 # option() keywords -> JSON Schema keywords; ``items`` holds keywords of a list's items (``{"minimum": 1}``)
 KEYWORDS = {"minimum": "minimum", "maximum": "maximum", "exclusive_minimum": "exclusiveMinimum",
-            "exclusive_maximum": "exclusiveMaximum", "pattern": "pattern", "min_items": "minItems",
+            "exclusive_maximum": "exclusiveMaximum", "pattern": "pattern", "min_length": "minLength", "min_items": "minItems",
             "max_items": "maxItems", "unique_items": "uniqueItems", "expected": "x-expected"}
 
 

@@ -85,7 +85,7 @@ class ModelConfig(Section):
         "architecture (`model.architecture`) with seeded random weights; `pretrained`: the local folder "
         "`model.pretrained`")
     pretrained: str | None = option(None, "local diffusers folder (`transformer/`, `vae/`, `scheduler/`, "
-                                          "text encoders)")
+                                          "text encoders)", min_length=1, expected="a folder's path, or null")
     resolution: int = option(
         128, "image side in pixels; latent side = resolution / VAE factor; a size the model cannot take is an "
         "error (the family's own limit applies too, e.g. 1536 px for the tiny SD3, 3072 px for SD3.5-Large's "
@@ -94,20 +94,23 @@ class ModelConfig(Section):
         "float32", "`float64` for tests; `bfloat16`: float32 master weights, bf16 autocast forward")
     architecture: str | None = option(
         None, "with preset `random`: `sd3.5-medium` (sd3 default), `sd3.5-large`, `flux.1-dev` (flux default), "
-        "`qwen-image` (qwenimage default); null: the family's default; null unless the preset is `random`")
+        "`qwen-image` (qwenimage default); null: the family's default; null unless the preset is `random`",
+        min_length=1, expected="an architecture's name, or null")
 
 
 @dataclass
 class PromptsConfig(Section):
     """``prompts``: the prompt set and how it becomes the transformer's text conditioning."""
 
-    file: str | None = option(None, '`.txt` (one per line) or `.jsonl` (`{"prompt": ...}`); null: the built-in set')
+    file: str | None = option(None, '`.txt` (one per line) or `.jsonl` (`{"prompt": ...}`); null: the built-in set',
+                              min_length=1, expected="a file's path, or null")
     max_tokens: int = option(16, "tokens of the tiny models' download-free hash embedding", minimum=1, maximum=4096)
     max_sequence_length: int | None = option(
         None, "text-encoder tokens of a local model (T5 / Qwen) or of a random architecture's hash embedding "
         "(null: the pipeline's default)", minimum=1, maximum=4096)
     cache_dir: str = option("results/embeddings", "folder of cached prompt embeddings of local models "
-                                                  "(`agg-bench embed` writes there)")
+                                                  "(`agg-bench embed` writes there)", min_length=1,
+                            expected="a folder's path")
 
 
 CPS_KINDS = ("cps", "cps_unscaled")  # coefficients-preserving sampling: the same step, two log-probabilities
@@ -225,10 +228,12 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = option(False, "recompute transformer blocks in backward (refused with "
                                                  "training-time caches)")
     lora_rank: int = option(0, "0: full fine-tune; >0: LoRA adapters (peft) of this rank", minimum=0, maximum=4096)
-    lora_alpha: float | None = option(None, "LoRA alpha; the adapters' scale is alpha / rank (null: the rank)",
+    lora_alpha: float | None = option(None, "LoRA alpha; the adapters' scale is alpha / rank (null: the rank); null when "
+                                            "`lora_rank` is 0",
                                       exclusive_minimum=0)
     lora_target_modules: list[str] | None = option(
-        None, "module names to adapt (null: the family's attention projections)", min_items=1)
+        None, "module names to adapt (null: the family's attention projections); null when `lora_rank` is 0",
+        min_items=1)
     checkpoint_every: int = option(
         0, "save a resumable `DIR/checkpoint.pt` every K iterations, at the end and on SIGTERM/SIGINT "
         "(`agg-bench run --resume` continues from it); 0: never", minimum=0)
@@ -389,7 +394,8 @@ class RunConfig(Section):
     folder's ``config.json`` holds.
     """
 
-    run_id: str | None = option(None, "name of the run (null: the output folder's name)")
+    run_id: str | None = option(None, "name of the run (null: the output folder's name)", min_length=1,
+                                expected="a name, or null")
     seed: int = option(0, "all randomness of iteration i comes from a generator seeded by (seed, i)",
                           minimum=0, maximum=2**32 - 1)
     device: str = option("cpu", "where the run computes (`auto`: cuda where available)",

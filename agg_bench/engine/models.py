@@ -25,6 +25,7 @@ from .. import stopping
 from ..config import RunConfig, TrainConfig
 from ..errors import ConfigError, quote
 from ..jsonfiles import MAX_CONFIG_BYTES, JsonFileError, read_json_object
+from ..machine import fsdp
 from ..machine.activations import saved_activation_region
 from .counters import PassCounter, count_backward
 from .families import (  # noqa: F401 (TINY_*: the tiny presets' configs, also imported from here)
@@ -239,9 +240,14 @@ class Policy:
 
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Predicted velocity for ``latents`` (b, C, H, W) at ``timesteps`` (b,); counted. A safe point of a
-        run: a pending SIGTERM or SIGINT is raised here, before the call (:func:`agg_bench.stopping.check_alone`;
-        in a run on several processes, at their next common check instead)."""
-        stopping.check_alone()
+        run: a pending SIGTERM or SIGINT is raised here, before the call. In a run on several processes the call
+        of a sharded model is a point they all reach in the same order (its forward is a collective), where they
+        stop together (:func:`agg_bench.stopping.check`); an unsharded model's calls leave the signal to their
+        next common point (:func:`agg_bench.stopping.check_alone`)."""
+        if fsdp.is_sharded(self):
+            stopping.check()
+        else:
+            stopping.check_alone()
         b = latents.shape[0]
         dtype = self.dtype
         with self._call_context(latents.device):

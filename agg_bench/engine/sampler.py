@@ -27,6 +27,7 @@ over all non-batch dimensions.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,9 @@ def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, shift_terminal=shift_terminal)
-    scheduler.set_timesteps(steps)
+    with warnings.catch_warnings():  # an extreme shift's nan is check_sigmas' one line, not numpy's warnings
+        warnings.simplefilter("ignore", RuntimeWarning)
+        scheduler.set_timesteps(steps)
     return scheduler.sigmas.to(torch.float64)
 
 
@@ -75,7 +78,22 @@ def linspace_sigmas(steps: int, shift: float) -> torch.Tensor:
     if steps < 1:
         raise ConfigError("sampling.steps", steps, "an integer >= 1")
     u = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
-    return shift * u / (1 + (shift - 1) * u)
+    sigmas = shift * u / (1 + (shift - 1) * u)
+    sigmas[0] = 1.0  # shift(1) = 1, which rounding misses for some shifts (0.1: 1 + 2e-16, whose 1 - s is negative)
+    return sigmas
+
+
+def check_sigmas(sigmas: torch.Tensor, shift: float | None, dtype: torch.dtype) -> None:
+    """Raise a ConfigError naming ``sampling.shift`` unless the schedule ``sigmas`` (T+1), in the sampler's
+    ``dtype``, is finite and falls strictly from 1 to 0: an extreme shift rounds it to nan (1e-30), above 1
+    (diffusers' 0.01: 1.0001, where the SDEs take the root of 1 - s) or to equal neighbours (1e8: 1, 1, ...;
+    a step of size 0), and the run ended ``diverged`` or trained on steps that do nothing."""
+    s = sigmas.to(dtype)
+    if bool(torch.isfinite(s).all()) and s[0] <= 1 and s[-1] == 0 and bool((s[1:] < s[:-1]).all()):
+        return
+    head = ", ".join(f"{v:.6g}" for v in s[:4].tolist()) + (", ..." if len(s) > 4 else "")
+    raise ConfigError("sampling.shift", shift, f"a shift whose {len(s) - 1}-step schedule falls strictly from 1 "
+                      f"to 0 in {str(dtype).removeprefix('torch.')} (this one gives {head})")
 
 
 def _per_sample(values: torch.Tensor, index, like: torch.Tensor) -> torch.Tensor:

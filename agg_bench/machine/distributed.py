@@ -42,8 +42,10 @@ decisions from it (divergence, stopping) and rank 0 writes it.
 
 **Failures.** A process that fails joins the next collective of the others through
 :func:`report_failure`; their :func:`gather` then raises :class:`PeerFailure` (a :class:`UserError` for a
-user error), so all stop together instead of waiting for each other forever. Signals are not shared:
-torchrun forwards SIGTERM/SIGINT to every process and each stops on its own. A process that is stuck
+user error), so all stop together instead of waiting for each other forever. Signals are shared the same
+way: torchrun forwards SIGTERM/SIGINT to every process, each at its own moment, and the processes stop together
+at the next point they all reach (a sampler step, a sharded transformer call, a phase: :func:`exchange_signal`,
+:mod:`agg_bench.stopping`). A process that is stuck
 but alive, or that fails inside a sharded forward the others are waiting in, ends the job when their
 collective times out: after ``AGG_BENCH_DIST_TIMEOUT_S`` seconds (:func:`collective_timeout`, default
 600) instead of the backend's 30 minutes. Only rank 0 writes files and prints the CLI's result line.
@@ -62,8 +64,10 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import stopping
 from ..config import check_data_parallel
 from ..errors import UserError
+from . import fsdp
 
 # Per-record fields whose shares add up (work done, energy, power of all GPUs); the others are
 # maxima (times, memory peaks, ratio_dev: see :func:`combine`), means (numbers) or rank 0's value.
@@ -204,6 +208,11 @@ class ShareView:
         return getattr(self._policy, name)
 
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond) -> torch.Tensor:
+        """The velocity of the whole batch, this process's rows computed. Every process samples the whole
+        batch, so each sampler step's call is a point they all reach in the same order: a run's processes stop
+        here together (:func:`agg_bench.stopping.check`); a sharded model's own call is that point already."""
+        if not fsdp.is_sharded(self._policy):
+            stopping.check()
         rows = self._rows
         mine = self._policy.velocity(latents[rows], timesteps[rows], cond[rows])
         out = mine.new_zeros((latents.shape[0], *mine.shape[1:]))

@@ -63,7 +63,7 @@ def is_sharded(policy) -> bool:
     """Whether ``policy``'s transformer is wrapped by :func:`shard_policy`."""
     from torch.distributed.fsdp import FSDPModule
 
-    return policy is not None and isinstance(policy.transformer, FSDPModule)
+    return isinstance(getattr(policy, "transformer", None), FSDPModule)
 
 
 def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:

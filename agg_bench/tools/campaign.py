@@ -35,7 +35,8 @@ Each ``campaign run --minutes N`` is one window:
    ``KILL_AFTER_S`` later if it has not ended. A SIGTERM or SIGINT to the campaign itself does the same at
    once, and the command then exits with 128 + N. No process outlives the campaign: each leads a process
    group of its own, a second signal (which ends the campaign at once, :mod:`agg_bench.stopping`) kills that
-   group first, and on Linux the kernel kills the process when the campaign dies any other way (``kill -9``).
+   group first, and when the campaign dies any other way (``kill -9``) a guard process kills that group (the
+   process and what it started; Linux's parent-death signal, which also ends the process, reaches no further).
 5. It packs every finished run it holds that the reference lacks, without checkpoints, the pre-trained model
    the reference lacks, the window's calibrations and its log (``windows/<stamp>.json``: what ran, how long,
    what ended how), into one archive (``--archive``, default ``WORK/campaign.tar.gz``; a few MiB). A run cut
@@ -47,6 +48,7 @@ Each ``campaign run --minutes N`` is one window:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -60,6 +62,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
@@ -69,7 +73,7 @@ from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_ow
 from ..runtime.cell import job_entry
 from ..runtime.runfolder import RUN_CONTENTS
 from . import archive as archives
-from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep_files, flatten, is_pretrained_here,
+from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep, check_sweep_files, flatten, is_pretrained_here,
                     overrides_of)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,8 +192,10 @@ class Campaign:
         kwargs = {} if cache_dir is None else {"cache_dir": cache_dir}
         if cpu:
             check_sweep_files([self.config_path])
+            schema = yaml.safe_load(SCHEMA.read_text())
+            check_sweep(data, schema)  # the sweep as written (a run config is no sweep), before its CPU form
             data = cpu_sweep(data)
-            self.sweep = Sweep(data, SCHEMA, **kwargs)
+            self.sweep = Sweep(data, schema, **kwargs)
         else:
             self.sweep = Sweep(data, SCHEMA, files=[self.config_path], **kwargs)
         part = data.get("campaign") or {}
@@ -414,6 +420,49 @@ def _die_with_parent():
     return preexec
 
 
+# A supervised process's guard (:func:`_guard_group`): it reads the process group to guard, then waits for the
+# campaign to close its end of the pipe, and kills the group unless the campaign wrote "done" first (it saw the
+# process end). The kernel closes that pipe however the campaign ends, ``kill -9`` included. System calls only.
+GROUP_GUARD = """
+import os, signal, sys
+group = sys.stdin.readline().strip()
+if group and sys.stdin.read() != "done":
+    try:
+        os.killpg(int(group), signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def _guard_group() -> subprocess.Popen:
+    """Start the guard of a process group that a supervised process will lead (:data:`GROUP_GUARD`); give it the
+    group with :func:`_guarded`. In a session of its own (a terminal's Ctrl-C is the campaign's to handle), and
+    its interpreter isolated: it imports nothing of the campaign's."""
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", GROUP_GUARD], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, text=True)
+
+
+def _guarded(guard: subprocess.Popen, pgid: int) -> None:
+    """Tell ``guard`` the group it guards (a guard whose group never comes exits at the pipe's end)."""
+    pipe = guard.stdin
+    assert pipe is not None  # started with stdin=PIPE
+    with contextlib.suppress(OSError):
+        pipe.write(f"{pgid}\n")
+        pipe.flush()
+
+
+def _end_guard(guard: subprocess.Popen, done: bool) -> None:
+    """Close the pipe to ``guard``: with ``done`` (the supervised process ended) it exits, else it kills the
+    group now; wait for it."""
+    pipe = guard.stdin
+    assert pipe is not None
+    with contextlib.suppress(OSError):
+        if done:
+            pipe.write("done")
+        pipe.close()
+    guard.wait()
+
+
 def _kill_group(pgid: int) -> None:
     """SIGKILL the process group ``pgid`` (a supervised child and what it started), if it is still there."""
     try:
@@ -426,30 +475,42 @@ def _supervise(argv: list[str], log: Path, env: dict, stop_at: float, stopped=_s
     """Run ``argv`` until it ends, SIGTERM it at ``stop_at`` or once ``stopped()``, kill it (its process group)
     ``KILL_AFTER_S`` later; (its exit code, how it ended: finished, stopped at the deadline, interrupted).
 
-    The child ends with the campaign: it leads a process group of its own (so that a terminal's Ctrl-C reaches
-    the campaign alone, which passes it on as one SIGTERM), a second signal's exit at once kills that group
-    (:func:`agg_bench.stopping.at_exit_at_once`), and on Linux the kernel kills the child when the campaign
-    dies any other way (:func:`_die_with_parent`)."""
-    with open(log, "ab") as handle:
-        proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
-                                start_new_session=True, preexec_fn=_die_with_parent())
-        stopping.at_exit_at_once(id(proc), lambda: _kill_group(proc.pid))
-        try:
-            how, termed = "finished", None
-            while proc.poll() is None:
-                now = time.time()
-                if termed is None and (now >= stop_at or stopped()):
-                    how = "interrupted" if stopped() else "stopped at the deadline"
-                    proc.send_signal(signal.SIGTERM)
-                    termed = now
-                elif termed is not None and now - termed > KILL_AFTER_S:
-                    _kill_group(proc.pid)
-                    how += " (killed)"
-                    proc.wait()
-                    break
-                time.sleep(POLL_S)
-        finally:
-            stopping.at_exit_at_once(id(proc), None)
+    The child and what it started end with the campaign: the child leads a process group of its own (so that a
+    terminal's Ctrl-C reaches the campaign alone, which passes it on as one SIGTERM), a second signal's exit at
+    once kills that group (:func:`agg_bench.stopping.at_exit_at_once`), and when the campaign dies any other
+    way (``kill -9``) a guard process kills it (:data:`GROUP_GUARD`: the parent-death signal of Linux, which
+    the child also gets at once (:func:`_die_with_parent`), reaches a child but not its children)."""
+    guard = _guard_group()
+    proc = None
+    try:
+        with open(log, "ab") as handle:
+            proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
+                                    start_new_session=True, preexec_fn=_die_with_parent())
+            _guarded(guard, proc.pid)
+            return _watch(proc, stop_at, stopped)
+    finally:
+        _end_guard(guard, done=proc is None or proc.poll() is not None)
+
+
+def _watch(proc: subprocess.Popen, stop_at: float, stopped) -> tuple[int | None, str]:
+    """:func:`_supervise`'s loop over the running ``proc``."""
+    stopping.at_exit_at_once(id(proc), lambda: _kill_group(proc.pid))
+    try:
+        how, termed = "finished", None
+        while proc.poll() is None:
+            now = time.time()
+            if termed is None and (now >= stop_at or stopped()):
+                how = "interrupted" if stopped() else "stopped at the deadline"
+                proc.send_signal(signal.SIGTERM)
+                termed = now
+            elif termed is not None and now - termed > KILL_AFTER_S:
+                _kill_group(proc.pid)
+                how += " (killed)"
+                proc.wait()
+                break
+            time.sleep(POLL_S)
+    finally:
+        stopping.at_exit_at_once(id(proc), None)
     return proc.returncode, how
 
 

@@ -393,6 +393,23 @@ def test_an_option_another_action_would_ignore_is_one_line(tmp_path, capsys, act
     assert code == 2 and len(err) == 1 and words in err[0], err
 
 
+@pytest.mark.parametrize("action", ["run", "status"])
+@pytest.mark.parametrize("text, words", [
+    ((ROOT / "config" / "run.yaml").read_text(), "device = 'cpu': expected a known key here"),
+    ("devices: {}\n", "'base' is a required property"),
+])
+def test_a_config_that_is_not_a_sweep_is_one_line_with_cpu(tmp_path, capsys, action, text, words):
+    """--cpu made the CPU form of the config before checking it: a run config, or a sweep without models, ended
+    in a KeyError's traceback (exit 1) instead of the schema's line."""
+    config = tmp_path / "not_a_sweep.yaml"
+    config.write_text(text)
+    code = main(["campaign", action, "--config", str(config), "--cpu", "--work", str(tmp_path / "w"),
+                 *(["--minutes", "1"] if action == "run" else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "sweep config" in err[0] and words in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_sweep.yaml"]
+
+
 def test_a_work_folder_of_other_files_is_refused(tmp_path, capsys):
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "notes.txt").write_text("mine")
@@ -461,6 +478,19 @@ with stopping.stop_signals("agg-bench campaign"), stopping.safe_points():
 """
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie that no one has reaped yet has ended)."""
     try:
@@ -474,7 +504,9 @@ def alive(pid: int) -> bool:
 @pytest.mark.parametrize("how", ["second SIGTERM", "SIGKILL"])
 def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
     """The campaign stopped at once (a second SIGTERM: its process group, what it started included) or killed
-    (SIGKILL: the kernel's parent-death signal) takes the process it supervises with it."""
+    (SIGKILL: the kernel's parent-death signal for the child, the guard for the child's group) takes the process
+    it supervises and what that one started with it: no process of the campaign's tree remains. (The
+    parent-death signal alone left the grandchild running after a SIGKILL.)"""
     pids = tmp_path / "pids"
     supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, STUBBORN, str(pids)], cwd=tmp_path,
                                   env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
@@ -485,6 +517,8 @@ def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
             assert supervisor.poll() is None and time.monotonic() - waited < 60, supervisor.stderr.read()
             time.sleep(0.05)
         child, grandchild = map(int, pids.read_text().split())
+        started = children(supervisor.pid)  # the supervised child and its group's guard
+        assert child in started and len(started) == 2
         if how == "SIGKILL":
             supervisor.kill()
         else:
@@ -494,7 +528,7 @@ def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
             supervisor.send_signal(signal.SIGTERM)
         code = supervisor.wait(timeout=30)
         assert code == (-signal.SIGKILL if how == "SIGKILL" else 128 + signal.SIGTERM)
-        ended = [child, grandchild] if how == "second SIGTERM" else [child]
+        ended = [*started, grandchild]
         waited = time.monotonic()
         while any(alive(pid) for pid in ended) and time.monotonic() - waited < 10:
             time.sleep(0.05)
@@ -503,7 +537,7 @@ def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
             assert "SIGTERM again: stopping at once" in supervisor.stderr.read()
     finally:
         supervisor.kill()
-        for pid in (child, grandchild):
+        for pid in (child, grandchild):  # what a failed assertion left
             if pid is not None and alive(pid):
                 os.kill(pid, signal.SIGKILL)
 

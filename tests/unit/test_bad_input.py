@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from agg_bench.cli import main
 from agg_bench.machine import distributed
@@ -105,6 +106,61 @@ def test_a_number_past_any_use_is_refused_before_it_overflows(tmp_path, capsys, 
     in its first update (exit 1). A number key without a bound of its own is at most 1e30."""
     line = run_fails(tmp_path / "out", capsys, "--set", f"{key}={value}")
     assert key in line and "<= 1e+30" in line, line
+
+
+@pytest.mark.parametrize("key", ["run_id", "model.pretrained", "model.architecture", "prompts.file",
+                                 "prompts.cache_dir"])
+def test_an_empty_name_or_path_is_refused(tmp_path, capsys, key):
+    """`--set model.pretrained=$MODEL` with MODEL unset: an empty path used to count as none, and the run
+    trained the tiny model (or the built-in prompts, the folder's name as run_id) with exit code 0."""
+    line = run_fails(tmp_path / "out", capsys, "--set", f"{key}=")
+    assert f"{key} = ''" in line, line
+
+
+@pytest.mark.parametrize("sets, gives", [
+    (["sampling.shift=1e-30"], "gives nan"),  # diffusers' schedule: nan, then 0, 0
+    (["sampling.shift=0.01"], "gives 1.0001"),  # above 1: flow_grpo's std takes the root of 1 - s
+    (["sampling.shift=1e30"], "gives 1, 1, 1, 1, ..."),  # steps of size 0
+    (["sampling.shift=1e8", "sampling.steps=10"], "gives 1, 1, 1"),
+])
+def test_a_shift_whose_schedule_does_not_fall_from_1_to_0_is_refused(tmp_path, capsys, sets, gives):
+    """These shifts passed the schema (a number > 0) and the run ended `diverged` (with numpy's warnings) or
+    trained on steps of size 0, with exit code 0."""
+    line = run_fails(tmp_path / "out", capsys, *[a for s in sets for a in ("--set", s)])
+    assert "sampling.shift" in line and "falls strictly from 1 to 0 in float32" in line and gives in line, line
+
+
+def test_the_linspace_schedule_starts_at_exactly_1():
+    """shift(1) = 1; rounding gave 1 + 2e-16 for shift 0.1, refused in float64 as above 1."""
+    from agg_bench.engine.sampler import linspace_sigmas
+
+    for shift in (0.1, 0.3, 3.0, 7.0):
+        sigmas = linspace_sigmas(10, shift)
+        assert sigmas[0].item() == 1.0 and sigmas[-1].item() == 0.0
+        u = torch.linspace(1, 0, 11, dtype=torch.float64)[1:]
+        assert torch.equal(sigmas[1:], shift * u / (1 + (shift - 1) * u))
+
+
+@pytest.mark.parametrize("setting", ["train.lora_alpha=8", "train.lora_target_modules=[to_q]"])
+def test_a_lora_setting_without_a_lora_rank_is_refused(tmp_path, capsys, setting):
+    """train.lora_alpha or train.lora_target_modules without train.lora_rank used to fine-tune the whole model,
+    exit code 0."""
+    line = run_fails(tmp_path / "out", capsys, "--set", setting)
+    assert setting.split("=")[0] in line and "null unless train.lora_rank > 0" in line, line
+
+
+@pytest.mark.parametrize("verb", [["run", "--config", "{root}/config/run.yaml", *SMALL, "--out", ""],
+                                  ["campaign", "run", "--config", "{root}/config/h200.yaml", "--cpu", "--minutes", "1",
+                                   "--work", ""]])
+def test_an_empty_path_option_is_refused(tmp_path, capsys, monkeypatch, verb):
+    """`--out $DIR` with DIR unset was the current folder: the run trained into it when it was empty."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([a.replace("{root}", str(root)) for a in verb])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and "an empty path" in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_nan_inside_reward_options_is_refused(tmp_path, capsys):
