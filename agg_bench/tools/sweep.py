@@ -200,6 +200,20 @@ def check_input_files(sweep: dict) -> None:
                              "hand in another folder")
 
 
+def pretrain_gpus(label: str, device: str) -> int:
+    """The GPUs that the workflow's job of pretrain entry ``label``, on ``device`` (its config's, its ``set``
+    applied), declares and takes from the GPU pool: 1 on ``cuda``, 0 on the CPU. A fixed index (``cuda:N``) is
+    refused: the pool gives a job whichever device is free and shows it only that one (``CUDA_VISIBLE_DEVICES``),
+    so device N would be another job's, or none."""
+    if device == "cuda":
+        return 1
+    if device.startswith("cuda"):
+        raise SweepError(f"pretrain.{label}: device = {quote(device)}: the pretrain job takes a free GPU from the "
+                         "GPU pool, as a run job does, and sees only that one; expected cpu or cuda (AGG_BENCH_GPUS "
+                         "or CUDA_VISIBLE_DEVICES choose the GPUs the pool gives out)")
+    return 0
+
+
 def check_markers(sweep: Sweep) -> None:
     """Each run whose marker says it ended still has its folder's ``summary.json``: a run folder removed by hand
     left its marker, so Snakemake took the run as done and the tables job failed on the missing folder. For
