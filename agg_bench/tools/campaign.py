@@ -189,7 +189,8 @@ class Campaign:
         if cpu:
             check_sweep_files([self.config_path])
             data = cpu_sweep(data)
-            self.sweep = Sweep(data, SCHEMA, **kwargs)
+            # the file's resolutions and seeds, which its exclude entries name, though the CPU form has fewer
+            self.sweep = Sweep(data, SCHEMA, files=[self.config_path], **kwargs)
         else:
             self.sweep = Sweep(data, SCHEMA, files=[self.config_path], **kwargs)
         part = data.get("campaign") or {}

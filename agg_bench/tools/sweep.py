@@ -78,15 +78,41 @@ class SweepError(UserError):
         super().__init__(f"sweep config: {message}")
 
 
-def check_sweep_files(paths) -> None:
+def check_sweep_files(paths) -> list[dict]:
     """Each file the sweep config came from (Snakemake's ``workflow.configfiles``) read again with agg-bench's
     YAML loader, which refuses what Snakemake's takes: a repeated key, a key that is not text, aliases
-    that nest into a huge document, a file over the size limit."""
+    that nest into a huge document, a file over the size limit. Returns what each file holds."""
+    read = []
     for path in paths:
         try:
-            read_yaml_mapping(path, "sweep sections", "--configfile")
+            read.append(read_yaml_mapping(path, "sweep sections", "--configfile"))
         except UserError as err:
             raise SweepError(str(err)) from None
+    return read
+
+
+# exclude keys whose pattern is checked against the values of a list (a `--config` may narrow it)
+LISTED_LABELS = {"resolution": "resolutions", "seed": "seeds"}
+
+
+def listed_values(sweep: dict, files: list[dict] = ()) -> dict[str, list[str]]:
+    """Each value a run's resolution and seed can take, as text (how an `exclude` pattern matches it): the
+    sweep's lists and those of the files it came from (``files``: what :func:`check_sweep_files` read), so
+    that an `exclude` written for the file still stands when a ``--config`` narrows its list."""
+    out = {}
+    for key, section in LISTED_LABELS.items():
+        values: dict[str, None] = {}
+        for source in [*files, sweep]:
+            listed = source.get(section)
+            if isinstance(listed, list):
+                values.update((str(value), None) for value in listed if not isinstance(value, (dict, list)))
+        out[key] = list(values)
+    return out
+
+
+def _named(values: list[str], most: int = 12) -> str:
+    """``values`` for a message: the first ``most`` and how many more."""
+    return ", ".join(values[:most]) + (f" and {len(values) - most} more" if len(values) > most else "")
 
 
 def type_config_args(config: dict, entries: Any, parsed: Any) -> None:
@@ -143,9 +169,10 @@ def _merge_config(config: dict, update: dict) -> None:
             config[key] = value
 
 
-def check_sweep(sweep: dict, schema: dict) -> None:
+def check_sweep(sweep: dict, schema: dict, files: list[dict] = ()) -> None:
     """The sweep's size (aliases written out: before anything walks it), its structure against ``schema``,
-    then the cross-references between its sections."""
+    then the cross-references between its sections (``files``: what the files it came from hold, whose
+    resolutions and seeds an `exclude` pattern may name)."""
     try:
         check_expanded_size(sweep)
     except YamlRefused as err:
@@ -168,6 +195,12 @@ def check_sweep(sweep: dict, schema: dict) -> None:
             if key in entry and not any(fnmatch.fnmatchcase(label, entry[key]) for label in sweep[section]):
                 raise SweepError(f"exclude.{index}.{key}: {quote(entry[key])} matches no label under {section} "
                                  f"({', '.join(sweep[section])})")
+    values = listed_values(sweep, files)
+    for index, entry in enumerate(sweep.get("exclude", [])):  # a resolution or seed no list of the sweep names
+        for key, section in LISTED_LABELS.items():
+            if key in entry and not any(fnmatch.fnmatchcase(value, str(entry[key])) for value in values[key]):
+                raise SweepError(f"exclude.{index}.{key}: {quote(entry[key])} matches no value under {section} "
+                                 f"({_named(values[key])})")
     labels = [ref["label"] for ref in sweep.get("references", [])]
     if len(set(labels)) != len(labels):
         raise SweepError(f"references: labels must be unique ({', '.join(labels)})")
@@ -362,9 +395,9 @@ class Sweep:
 
     def __init__(self, sweep: dict, schema: str | Path | dict, cache_dir: Path | None = CACHE_DIR,
                  files=()):
-        check_sweep_files(files)
+        read = check_sweep_files(files)
         schema = schema if isinstance(schema, dict) else yaml.safe_load(Path(schema).read_text())
-        check_sweep(sweep, schema)
+        check_sweep(sweep, schema, read)
         self.sweep = sweep
         base = sweep["base"]
         self.base_file = base if isinstance(base, str) else None

@@ -306,5 +306,37 @@ def test_an_exclude_pattern_that_matches_no_label_is_refused(in_process, entry, 
     with pytest.raises(SweepError, match=re.escape(words)):
         Sweep(config, SCHEMA)
     assert in_process == []
-    config["exclude"] = [{"method": "agg-*", "resolution": 64}]  # a resolution not in this sweep's list filters
-    assert len(Sweep(config, SCHEMA).runs) == 2
+    config["seeds"] = list(range(20))
+    config["exclude"] = [{"method": "agg-*", "resolution": 32, "seed": "1?"}]
+    assert len(Sweep(config, SCHEMA).runs) == 2 * 20 - 10
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"method": "full", "seed": "1O"}, "exclude.0.seed: '1O' matches no value under seeds (0, 1, 2, 3, 4, 5, 6, 7, "
+                                       "8, 9, 10, 11 and 8 more)"),
+    ({"resolution": "5l2"}, "exclude.0.resolution: '5l2' matches no value under resolutions (32)"),
+    ({"resolution": 64}, "exclude.0.resolution: 64 matches no value under resolutions (32)"),
+])
+def test_an_exclude_resolution_or_seed_that_the_sweep_file_never_lists_is_refused(in_process, tmp_path, entry, words):
+    """A typo in an exclude entry's seed or resolution pattern matched no run and passed: the runs it was written
+    to leave out ran. The values are those of the sweep file's lists, so a --config that narrows them (the
+    learning sweep's `seed: "[34]"` entries with `--config 'seeds=[0]'`) leaves the file's entries standing."""
+    config = {**sweep_config(), "seeds": list(range(20)), "exclude": [entry]}
+    with pytest.raises(SweepError, match=re.escape(words)):
+        Sweep(config, SCHEMA)
+    assert in_process == []
+    # the file lists the value, the config (its --config) does not: the entry stands and excludes nothing
+    file = tmp_path / "sweep.yaml"
+    file.write_text(yaml.safe_dump({**config, "seeds": ["1O", 0], "resolutions": [32, 64, "5l2"]}))
+    assert len(Sweep(config, SCHEMA, files=[file]).runs) == 2 * 20
+
+
+def test_the_learning_sweeps_seed_excludes_stand_when_the_seeds_are_narrowed(in_process):
+    """config/learning.yaml leaves seeds 3 and 4 to full and AGG (`seed: "[34]"`); narrowed to seed 0 by a
+    --config, its entries match no run but still name values of the file's list."""
+    config = sweep_config("learning.yaml")
+    config["seeds"] = [0]
+    with pytest.raises(SweepError, match=re.escape("""exclude.0.seed: '[34]' matches no value under seeds (0)""")):
+        Sweep(config, SCHEMA)
+    sweep = Sweep(config, SCHEMA, files=[ROOT / "config" / "learning.yaml"])
+    assert len(sweep.runs) == len(config["methods"])
