@@ -40,8 +40,8 @@ from typing import Any
 
 import yaml
 
-from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_schema, load_config,
-                      read_yaml_mapping, yaml_load)
+from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_schema,
+                      load_config, read_yaml_mapping, yaml_load)
 from ..engine.families import architecture, check_resolution
 from ..errors import UserError, clip, quote
 from ..io import atomic_path
@@ -179,6 +179,7 @@ def check_sweep(sweep: dict, schema: dict, files: list[dict] = ()) -> None:
         raise SweepError(f"expected {err.reason}") from None
     try:
         check_schema(sweep, schema)
+        check_finite(sweep)  # JSON Schema's numbers admit NaN and infinities (gradcheck.route_fracs, learning.*)
     except UserError as err:
         raise SweepError(str(err)) from None
     for section in ("gradcheck", "embed"):

@@ -340,3 +340,18 @@ def test_the_learning_sweeps_seed_excludes_stand_when_the_seeds_are_narrowed(in_
         Sweep(config, SCHEMA)
     sweep = Sweep(config, SCHEMA, files=[ROOT / "config" / "learning.yaml"])
     assert len(sweep.runs) == len(config["methods"])
+
+
+@pytest.mark.parametrize("section, value, words", [
+    ("gradcheck", {"resolutions": [32], "route_fracs": [float("nan")]}, "gradcheck.route_fracs[0] = nan"),
+    ("learning", {"fraction_of_full": float("nan")}, "learning.fraction_of_full = nan"),
+    ("learning", {"target_fraction": float("nan")}, "learning.target_fraction = nan"),
+])
+def test_a_nan_in_the_sweep_is_refused_before_any_job(in_process, section, value, words):
+    """JSON Schema's numbers admit NaN (every comparison with it is false, so minimum 0 and maximum 1 pass it):
+    `--config 'learning={fraction_of_full: .nan}'` passed the dry run and reached the learning report, a NaN
+    route fraction the gradcheck job."""
+    config = {**sweep_config(), section: value}
+    with pytest.raises(SweepError, match=re.escape(f"{words}: expected a finite number")):
+        Sweep(config, SCHEMA)
+    assert in_process == []
