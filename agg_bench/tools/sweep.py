@@ -46,7 +46,7 @@ from ..engine.families import architecture, check_resolution
 from ..errors import UserError, clip, quote
 from ..io import atomic_path
 from ..jsonfiles import loads, read_json_object
-from ..runtime.cell import job_entry
+from ..runtime.cell import is_journal, job_entry
 from ..sources import source_digest
 
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
@@ -531,9 +531,20 @@ class Sweep:
         they are (Snakemake removes a failed job's outputs). --keep-going: a failed run is recorded in its
         folder and the job succeeds; the manifest reports the failure. --resume: the next attempt keeps the
         runs an attempt that did not end had finished. --overwrite: a run's folder holding a finished run of
-        an earlier config is replaced, as when Snakemake removed a run job's outputs."""
-        return (f"{self.launch(self.cell_device(cell), 'cell')} --keep-going --resume --overwrite "
+        an earlier config is replaced, as when Snakemake removed a run job's outputs. --keep-journal: an attempt
+        that ended leaves its journal, which the manifest job removes (:meth:`forget_cell_attempts`), so a job
+        that ended after Snakemake itself was killed, which Snakemake reruns as incomplete, keeps its runs."""
+        return (f"{self.launch(self.cell_device(cell), 'cell')} --keep-going --resume --keep-journal --overwrite "
                 f"{CELL_DIR}/{cell}.json")
+
+    def forget_cell_attempts(self) -> None:
+        """Remove each cell job's journal (``agg-bench cell --keep-journal`` leaves it), for the manifest job,
+        which runs once Snakemake has recorded every cell job's end: a forced rerun then runs every run again.
+        A file there that is not a journal is left (the cell job refuses it)."""
+        for cell in self.cells:
+            path = Path(CELL_DIR, f"{cell}.progress.json")
+            if path.is_file() and not path.is_symlink() and is_journal(path):
+                path.unlink()
 
     def cell_device(self, cell: str) -> str:
         """The device label of ``cell``'s runs."""

@@ -191,7 +191,7 @@ def test_cells_group_a_cpu_devices_runs(in_process):
         assert sweep.run_command(run_id) == (f"{sweep_module.PYTHON} -m agg_bench run --config {job['config']} {sets} "
                                              f"--out {job['out']} --resume-stopped --overwrite --done {job['done']}")
     assert sweep.cell_command("sd3_32px_cpu") == (f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume "
-                                                  "--overwrite results/cells/sd3_32px_cpu.json")
+                                                  "--keep-journal --overwrite results/cells/sd3_32px_cpu.json")
     assert sweep.cell_outputs("sd3_32px_cpu") == [job["done"] for job in jobs]
     assert sweep.summaries() == [job["done"] for job in jobs]  # what the manifest waits for
     config["devices"]["cpu"]["runs_per_job"] = 4  # 6 runs: two jobs of 3
@@ -212,8 +212,8 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     gpu = Sweep(config, SCHEMA)
     assert gpu.cells == {"sd3_32px_gpu1": list(gpu.runs)} and gpu.single_runs == []
     assert gpu.cell_command("sd3_32px_gpu1") == (f"{sweep_module.PYTHON} -m agg_bench.machine.gpus --count 1 -- "
-                                                 f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume --overwrite "
-                                                 "results/cells/sd3_32px_gpu1.json")
+                                                 f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume "
+                                                 "--keep-journal --overwrite results/cells/sd3_32px_gpu1.json")
 
 
 def test_failed_runs_are_reported_and_their_summaries_removed(tmp_path):
