@@ -52,7 +52,7 @@ from typing import Any
 from .. import stopping
 from ..errors import UserError, quote, run_command
 from ..io import as_written, write_json
-from ..outdir import check_file, json_file_where
+from ..outdir import Busy, check_file, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
 from ..jsonfiles import json_type, read_json_object
 from ..sources import source_digest
@@ -261,7 +261,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
             ended[job.out] = status[0]
             if progress is not None and status[0] in ENDED:
                 progress.add(job, cfg, status[0])
-        if keep_going and failure and code < 128:
+        if keep_going and failure and code < 128 and not isinstance(failure[0], Busy):  # Busy: not this job's
             error = f"{type(failure[0]).__name__}: {failure[0]}".splitlines()[0]
             written = _file_identity(job.out / "summary.json") != summary_before  # by this attempt, on failing
             if written or record_failure(cfg, job.out, error, overwrite=overwrite):
@@ -274,6 +274,13 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
               file=sys.stderr, flush=True)
         if code >= 128:  # stopped by a signal: the cell stops with it (the journal keeps what ended)
             return code
+        if failure and isinstance(failure[0], Busy) and number < len(jobs):
+            # another process writes this run: an earlier attempt of this job still running (snakemake killed
+            # with kill -9 leaves its jobs running), which goes on to the next runs too
+            print(f"agg-bench cell: runs {number + 1}-{len(jobs)} not started: another process writes "
+                  f"{failure[0].target} (an earlier attempt of this job still running?); run the job again once "
+                  "it has ended", file=sys.stderr, flush=True)
+            return max(worst, code, key=SEVERITY.__getitem__)
         worst = max(worst, code, key=SEVERITY.__getitem__)
         gc.collect()  # the finished run's models and tensors, before the next run measures its memory
     every_run_ended = len(ended) == len(jobs)

@@ -347,6 +347,26 @@ def test_a_cell_job_that_ended_unseen_keeps_its_runs_until_the_workflow_forgets_
     assert "--keep-journal: a cell keeps a journal with --resume only" in capsys.readouterr().err
 
 
+def test_a_cell_stops_at_a_run_another_process_writes(tmp_path, capsys):
+    """`kill -9` of snakemake leaves its cell job running; a rerun's job for the same cell found the earlier
+    attempt's current run locked, failed it and went on to the next runs, which the earlier attempt then also
+    ran (each overwriting the other's journal). It stops there instead: the runs after it are left to the
+    attempt that holds the lock, and the job fails in one line naming the folder."""
+    from agg_bench.outdir import Claim
+
+    runs = [{**run(tmp_path / name, f"seed={seed}"), "done": str(tmp_path / "done" / f"{name}.json")}
+            for name, seed in (("a", 0), ("b", 1), ("c", 2))]
+    path = job_file(tmp_path, runs)
+    with Claim(tmp_path / "b", folder=True, lock_inside=True).acquire():  # the earlier attempt, writing b
+        assert main(["cell", "--keep-going", "--resume", "--keep-journal", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"runs 3-3 not started: another process writes {tmp_path / 'b'} (an earlier attempt of this job still " \
+        "running?); run the job again once it has ended" in err, err
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["status"] == "ok"
+    assert not (tmp_path / "b" / "summary.json").exists() and not (tmp_path / "c").exists()
+    assert not (tmp_path / "done").exists()
+
+
 @pytest.mark.parametrize("change, words", [
     ("config", []),  # the job file now asks another config of a: it runs (--overwrite replaces the old one)
     ("code", ["ran other code"]),
