@@ -87,14 +87,6 @@ for CELL, RUN_IDS in SWEEP.cells.items():
             "OMP_NUM_THREADS={threads} {params.command} > {log} 2>&1"
 
 
-# A cell job does the work of its runs, so the per-rule settings of a profile or the command line for `run`
-# (set-resources, set-threads: the SLURM profile's gpu_model, cpus_per_gpu, runtime, mem_mb) are its own;
-# Snakemake applies them by rule name only, and a cell's rule is named after the cell. An entry for the
-# cell's own rule still comes last.
-for CELL in SWEEP.cells:
-    use_run_settings(workflow, workflow.get_rule(SWEEP.cell_rule(CELL)))
-
-
 rule gradcheck:
     input:
         lambda wc: SWEEP.inputs(SWEEP.gradchecks[wc.name]["model"]),
