@@ -41,6 +41,14 @@ rule all:
         [f"results/plots/{name}.png" for name in PLOT_NAMES],
 
 
+# A cell job does the work of its runs, so the per-rule settings of a profile or the command line for `run`
+# (set-resources, set-threads: the SLURM profile's gpu_model, cpus_per_gpu, runtime, mem_mb) are its own;
+# Snakemake applies them by rule name only, and a cell's rule (workflow/rules/runs.smk) is named after the
+# cell. An entry for the cell's own rule still comes last.
+for CELL in SWEEP.cells:
+    use_run_settings(workflow, workflow.get_rule(SWEEP.cell_rule(CELL)))
+
+
 # a file where one of the workflow's folders goes: one line, not Snakemake's NotADirectoryError (the runs' own
 # folders are no rule's output: a run job's output is its marker)
 try:

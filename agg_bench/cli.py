@@ -76,7 +76,7 @@ def cmd_cell(args) -> int:
     if args.deadline is not None and not (math.isfinite(args.deadline) and args.deadline > 0):
         raise ConfigError("--deadline", args.deadline, "a time in seconds since the epoch (e.g. $(date +%s) + 600)")
     return run_cell(args.jobs, keep_going=args.keep_going, deadline=args.deadline, resume=args.resume,
-                    overwrite=args.overwrite)
+                    overwrite=args.overwrite, keep_journal=args.keep_journal)
 
 
 def cmd_snapshot(args) -> int:
@@ -354,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="keep the runs an earlier attempt of this job file finished before it was stopped "
                         "(journal JOBS.progress.json: same config, same code, files intact); run the rest")
+    p.add_argument("--keep-journal", action="store_true",
+                   help="with --resume: an attempt that ended leaves its journal too, for the caller to remove once "
+                        "it has recorded the job's end (the workflow's manifest job)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a finished run of another config in a run's folder (as agg-bench run --overwrite)")
     p.set_defaults(func=cmd_cell)

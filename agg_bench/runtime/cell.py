@@ -30,7 +30,10 @@ journal's code is the code now, the run's config is the one this attempt would w
 holds that config, a ``summary.json`` of the recorded status, ``metrics.jsonl`` and ``env.json``. The journal
 is removed when an attempt ends with every run ended ``ok``, ``oom`` or ``diverged``, so a forced rerun of a
 job that ended runs everything again; it stays while a run failed, so the next attempt reruns only the
-failed runs. The run the stop cut short continues from its last checkpoint (``train.checkpoint_every``),
+failed runs. With ``--keep-journal`` (the workflow's cell jobs) an attempt that ended leaves its journal too,
+for the caller to remove once it has recorded the job's end (the workflow's manifest job): a cell job that
+ended after Snakemake itself was killed (``kill -9`` of snakemake leaves its jobs running), which Snakemake
+reruns as incomplete, then keeps every run instead of running them all again. The run the stop cut short continues from its last checkpoint (``train.checkpoint_every``),
 as ``agg-bench run --resume-stopped`` continues it, when its config and code are unchanged.
 
 This module imports no torch at module level: the workflow's parse (:mod:`agg_bench.tools.sweep`)
@@ -49,7 +52,7 @@ from typing import Any
 from .. import stopping
 from ..errors import UserError, quote, run_command
 from ..io import as_written, write_json
-from ..outdir import check_file, json_file_where
+from ..outdir import Busy, check_file, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
 from ..jsonfiles import json_type, read_json_object
 from ..sources import source_digest
@@ -177,7 +180,7 @@ def load_jobs(path: str | Path) -> list[tuple[CellRun, Any]]:
 
 
 def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None = None, resume: bool = False,
-             overwrite: bool = False) -> int:
+             overwrite: bool = False, keep_journal: bool = False) -> int:
     """Every run of job file ``path``, in its order, through :func:`agg_bench.runtime.train.train`; the
     exit code ``agg-bench run`` gives for the worst of them (a bug: 1, before a user error: 2, before 0), or
     128 + N at once when signal N stops a run. Each run's failure prints as ``agg-bench run`` prints it,
@@ -198,23 +201,26 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
     With ``resume`` the runs an earlier attempt of this job file finished are kept (:class:`Progress`, the
     module's docstring), and a run it stopped half-way continues from its checkpoint (``agg-bench run
     --resume-stopped``); with ``overwrite`` a run's folder that holds a finished run of another config is
-    replaced (``agg-bench run --overwrite``). When the exit code is 0 and every run has ended, each run's
+    replaced (``agg-bench run --overwrite``); with ``keep_journal`` (and ``resume``) an attempt that ended
+    leaves its journal for the caller to remove. When the exit code is 0 and every run has ended, each run's
     ``done`` marker is written."""
     from ..machine.distributed import launched_world_size
 
     if launched_world_size() > 1:
         raise UserError("agg-bench cell runs its runs in one process; start a run on several GPUs with "
                         "torchrun ... agg-bench run")
+    if keep_journal and not resume:
+        raise UserError("--keep-journal: a cell keeps a journal with --resume only; give both, or neither")
     jobs = load_jobs(path)  # every config checked before the first run writes anything
     from .model_reuse import reusing_models
 
     progress = Progress.resume(Path(path)) if resume else None
     with reusing_models():
-        return _run_jobs(Path(path), jobs, keep_going, deadline, progress, overwrite)
+        return _run_jobs(Path(path), jobs, keep_going, deadline, progress, overwrite, keep_journal)
 
 
 def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, deadline: float | None,
-              progress: "Progress | None", overwrite: bool) -> int:
+              progress: "Progress | None", overwrite: bool, keep_journal: bool = False) -> int:
     from .train import record_failure, train
 
     worst, longest = 0, 0.0
@@ -225,7 +231,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
         if kept is not None:
             ended[job.out] = kept
             print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} kept: it ended {kept} in an earlier "
-                  "attempt of this job that did not end", file=sys.stderr, flush=True)
+                  "attempt of this job whose end was not recorded", file=sys.stderr, flush=True)
             print(json.dumps({"out": str(job.out), "status": kept}), flush=True)
             continue
         if deadline is not None and longest > 0 and time.time() + longest > deadline:
@@ -255,7 +261,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
             ended[job.out] = status[0]
             if progress is not None and status[0] in ENDED:
                 progress.add(job, cfg, status[0])
-        if keep_going and failure and code < 128:
+        if keep_going and failure and code < 128 and not isinstance(failure[0], Busy):  # Busy: not this job's
             error = f"{type(failure[0]).__name__}: {failure[0]}".splitlines()[0]
             written = _file_identity(job.out / "summary.json") != summary_before  # by this attempt, on failing
             if written or record_failure(cfg, job.out, error, overwrite=overwrite):
@@ -268,10 +274,18 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
               file=sys.stderr, flush=True)
         if code >= 128:  # stopped by a signal: the cell stops with it (the journal keeps what ended)
             return code
+        if failure and isinstance(failure[0], Busy) and number < len(jobs):
+            # another process writes this run: an earlier attempt of this job still running (snakemake killed
+            # with kill -9 leaves its jobs running), which goes on to the next runs too
+            print(f"agg-bench cell: runs {number + 1}-{len(jobs)} not started: another process writes "
+                  f"{failure[0].target} (an earlier attempt of this job still running?); run the job again once "
+                  "it has ended", file=sys.stderr, flush=True)
+            return max(worst, code, key=SEVERITY.__getitem__)
         worst = max(worst, code, key=SEVERITY.__getitem__)
         gc.collect()  # the finished run's models and tensors, before the next run measures its memory
     every_run_ended = len(ended) == len(jobs)
-    if progress is not None and every_run_ended and all(status in ENDED for status in ended.values()):
+    if progress is not None and not keep_journal and every_run_ended and \
+            all(status in ENDED for status in ended.values()):
         progress.remove()  # this attempt ended: a later one (a forced rerun) runs everything again
     if worst == 0 and every_run_ended:
         for job, _ in jobs:

@@ -195,7 +195,8 @@ class Campaign:
             schema = yaml.safe_load(SCHEMA.read_text())
             check_sweep(data, schema)  # the sweep as written (a run config is no sweep), before its CPU form
             data = cpu_sweep(data)
-            self.sweep = Sweep(data, schema, **kwargs)
+            # the file's resolutions and seeds, which its exclude entries name, though the CPU form has fewer
+            self.sweep = Sweep(data, schema, files=[self.config_path], **kwargs)
         else:
             self.sweep = Sweep(data, SCHEMA, files=[self.config_path], **kwargs)
         part = data.get("campaign") or {}

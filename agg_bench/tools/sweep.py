@@ -40,13 +40,13 @@ from typing import Any
 
 import yaml
 
-from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_schema, load_config,
-                      read_yaml_mapping, yaml_load)
+from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_schema,
+                      load_config, read_yaml_mapping, yaml_load)
 from ..engine.families import architecture, check_resolution
 from ..errors import UserError, clip, quote
 from ..io import atomic_path
 from ..jsonfiles import loads, read_json_object
-from ..runtime.cell import job_entry
+from ..runtime.cell import is_journal, job_entry
 from ..sources import source_digest
 
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
@@ -78,15 +78,41 @@ class SweepError(UserError):
         super().__init__(f"sweep config: {message}")
 
 
-def check_sweep_files(paths) -> None:
+def check_sweep_files(paths) -> list[dict]:
     """Each file the sweep config came from (Snakemake's ``workflow.configfiles``) read again with agg-bench's
     YAML loader, which refuses what Snakemake's takes: a repeated key, a key that is not text, aliases
-    that nest into a huge document, a file over the size limit."""
+    that nest into a huge document, a file over the size limit. Returns what each file holds."""
+    read = []
     for path in paths:
         try:
-            read_yaml_mapping(path, "sweep sections", "--configfile")
+            read.append(read_yaml_mapping(path, "sweep sections", "--configfile"))
         except UserError as err:
             raise SweepError(str(err)) from None
+    return read
+
+
+# exclude keys whose pattern is checked against the values of a list (a `--config` may narrow it)
+LISTED_LABELS = {"resolution": "resolutions", "seed": "seeds"}
+
+
+def listed_values(sweep: dict, files: list[dict] = ()) -> dict[str, list[str]]:
+    """Each value a run's resolution and seed can take, as text (how an `exclude` pattern matches it): the
+    sweep's lists and those of the files it came from (``files``: what :func:`check_sweep_files` read), so
+    that an `exclude` written for the file still stands when a ``--config`` narrows its list."""
+    out = {}
+    for key, section in LISTED_LABELS.items():
+        values: dict[str, None] = {}
+        for source in [*files, sweep]:
+            listed = source.get(section)
+            if isinstance(listed, list):
+                values.update((str(value), None) for value in listed if not isinstance(value, (dict, list)))
+        out[key] = list(values)
+    return out
+
+
+def _named(values: list[str], most: int = 12) -> str:
+    """``values`` for a message: the first ``most`` and how many more."""
+    return ", ".join(values[:most]) + (f" and {len(values) - most} more" if len(values) > most else "")
 
 
 def type_config_args(config: dict, entries: Any, parsed: Any) -> None:
@@ -143,15 +169,17 @@ def _merge_config(config: dict, update: dict) -> None:
             config[key] = value
 
 
-def check_sweep(sweep: dict, schema: dict) -> None:
+def check_sweep(sweep: dict, schema: dict, files: list[dict] = ()) -> None:
     """The sweep's size (aliases written out: before anything walks it), its structure against ``schema``,
-    then the cross-references between its sections."""
+    then the cross-references between its sections (``files``: what the files it came from hold, whose
+    resolutions and seeds an `exclude` pattern may name)."""
     try:
         check_expanded_size(sweep)
     except YamlRefused as err:
         raise SweepError(f"expected {err.reason}") from None
     try:
         check_schema(sweep, schema)
+        check_finite(sweep)  # JSON Schema's numbers admit NaN and infinities (gradcheck.route_fracs, learning.*)
     except UserError as err:
         raise SweepError(str(err)) from None
     for section in ("gradcheck", "embed"):
@@ -168,6 +196,12 @@ def check_sweep(sweep: dict, schema: dict) -> None:
             if key in entry and not any(fnmatch.fnmatchcase(label, entry[key]) for label in sweep[section]):
                 raise SweepError(f"exclude.{index}.{key}: {quote(entry[key])} matches no label under {section} "
                                  f"({', '.join(sweep[section])})")
+    values = listed_values(sweep, files)
+    for index, entry in enumerate(sweep.get("exclude", [])):  # a resolution or seed no list of the sweep names
+        for key, section in LISTED_LABELS.items():
+            if key in entry and not any(fnmatch.fnmatchcase(value, str(entry[key])) for value in values[key]):
+                raise SweepError(f"exclude.{index}.{key}: {quote(entry[key])} matches no value under {section} "
+                                 f"({_named(values[key])})")
     labels = [ref["label"] for ref in sweep.get("references", [])]
     if len(set(labels)) != len(labels):
         raise SweepError(f"references: labels must be unique ({', '.join(labels)})")
@@ -198,6 +232,20 @@ def check_input_files(sweep: dict) -> None:
                              f"is made by the pretrain entry of its name (pretrain has "
                              f"{', '.join(pretrain) if pretrain else 'none'}); add one, or keep a model made by "
                              "hand in another folder")
+
+
+def pretrain_gpus(label: str, device: str) -> int:
+    """The GPUs that the workflow's job of pretrain entry ``label``, on ``device`` (its config's, its ``set``
+    applied), declares and takes from the GPU pool: 1 on ``cuda``, 0 on the CPU. A fixed index (``cuda:N``) is
+    refused: the pool gives a job whichever device is free and shows it only that one (``CUDA_VISIBLE_DEVICES``),
+    so device N would be another job's, or none."""
+    if device == "cuda":
+        return 1
+    if device.startswith("cuda"):
+        raise SweepError(f"pretrain.{label}: device = {quote(device)}: the pretrain job takes a free GPU from the "
+                         "GPU pool, as a run job does, and sees only that one; expected cpu or cuda (AGG_BENCH_GPUS "
+                         "or CUDA_VISIBLE_DEVICES choose the GPUs the pool gives out)")
+    return 0
 
 
 def check_markers(sweep: Sweep) -> None:
@@ -348,9 +396,9 @@ class Sweep:
 
     def __init__(self, sweep: dict, schema: str | Path | dict, cache_dir: Path | None = CACHE_DIR,
                  files=()):
-        check_sweep_files(files)
+        read = check_sweep_files(files)
         schema = schema if isinstance(schema, dict) else yaml.safe_load(Path(schema).read_text())
-        check_sweep(sweep, schema)
+        check_sweep(sweep, schema, read)
         self.sweep = sweep
         base = sweep["base"]
         self.base_file = base if isinstance(base, str) else None
@@ -483,9 +531,20 @@ class Sweep:
         they are (Snakemake removes a failed job's outputs). --keep-going: a failed run is recorded in its
         folder and the job succeeds; the manifest reports the failure. --resume: the next attempt keeps the
         runs an attempt that did not end had finished. --overwrite: a run's folder holding a finished run of
-        an earlier config is replaced, as when Snakemake removed a run job's outputs."""
-        return (f"{self.launch(self.cell_device(cell), 'cell')} --keep-going --resume --overwrite "
+        an earlier config is replaced, as when Snakemake removed a run job's outputs. --keep-journal: an attempt
+        that ended leaves its journal, which the manifest job removes (:meth:`forget_cell_attempts`), so a job
+        that ended after Snakemake itself was killed, which Snakemake reruns as incomplete, keeps its runs."""
+        return (f"{self.launch(self.cell_device(cell), 'cell')} --keep-going --resume --keep-journal --overwrite "
                 f"{CELL_DIR}/{cell}.json")
+
+    def forget_cell_attempts(self) -> None:
+        """Remove each cell job's journal (``agg-bench cell --keep-journal`` leaves it), for the manifest job,
+        which runs once Snakemake has recorded every cell job's end: a forced rerun then runs every run again.
+        A file there that is not a journal is left (the cell job refuses it)."""
+        for cell in self.cells:
+            path = Path(CELL_DIR, f"{cell}.progress.json")
+            if path.is_file() and not path.is_symlink() and is_journal(path):
+                path.unlink()
 
     def cell_device(self, cell: str) -> str:
         """The device label of ``cell``'s runs."""

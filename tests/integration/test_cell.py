@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -304,6 +305,66 @@ def test_a_resumed_cell_keeps_what_an_attempt_that_did_not_end_finished(tmp_path
 
     assert main(["cell", "--keep-going", "--resume", str(path)]) == 0  # a forced rerun: everything runs
     assert "kept: it ended" not in capsys.readouterr().err and identity(summary["a"]) != first
+
+
+def test_a_cell_job_that_ended_unseen_keeps_its_runs_until_the_workflow_forgets_it(tmp_path, capsys, monkeypatch):
+    """`kill -9` of snakemake leaves its cell job running; the job ends, writes its markers and removed its
+    journal, and the next snakemake, which saw no end, reruns it as incomplete (its markers removed first): every
+    run of the cell ran again. With --keep-journal the journal stays until the workflow's manifest job, which
+    runs once Snakemake recorded every cell's end, removes it (Sweep.forget_cell_attempts): the rerun keeps
+    every run; a forced rerun after the manifest runs everything."""
+    runs = [{**run(tmp_path / name, f"seed={seed}"), "done": str(tmp_path / "done" / f"{name}.json")}
+            for name, seed in (("a", 0), ("b", 1))]
+    path = job_file(tmp_path, runs)
+    journal = tmp_path / "jobs.progress.json"
+    summary = {name: tmp_path / name / "summary.json" for name in "ab"}
+    args = ["cell", "--keep-going", "--resume", "--keep-journal", str(path)]
+    assert main(args) == 0
+    assert sorted(json.loads(journal.read_text())["runs"]) == [str(tmp_path / name) for name in "ab"]
+    first = {name: identity(summary[name]) for name in "ab"}
+    capsys.readouterr()
+    shutil.rmtree(tmp_path / "done")  # Snakemake removes an incomplete job's outputs before it reruns it
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("kept: it ended ok in an earlier attempt of this job whose end was not recorded") == 2, err
+    assert {name: identity(summary[name]) for name in "ab"} == first
+    assert sorted(p.name for p in (tmp_path / "done").iterdir()) == ["a.json", "b.json"]
+    # the manifest job: Snakemake recorded the cell's end
+    sweep = small_cell()
+    [cell] = sweep.cells
+    monkeypatch.chdir(tmp_path)
+    cells = tmp_path / "results" / "cells"
+    cells.mkdir(parents=True)
+    shutil.copy(journal, cells / f"{cell}.progress.json")
+    (cells / "other.progress.json").write_text("{}")  # not one of this sweep's cells: left alone
+    sweep.forget_cell_attempts()
+    assert sorted(p.name for p in cells.iterdir()) == ["other.progress.json"]
+    journal.unlink()
+    assert main(args) == 0  # a forced rerun after the manifest: every run again
+    assert "kept:" not in capsys.readouterr().err
+    assert all(identity(summary[name]) != first[name] for name in "ab")
+    assert main(["cell", "--keep-journal", str(path)]) == 2
+    assert "--keep-journal: a cell keeps a journal with --resume only" in capsys.readouterr().err
+
+
+def test_a_cell_stops_at_a_run_another_process_writes(tmp_path, capsys):
+    """`kill -9` of snakemake leaves its cell job running; a rerun's job for the same cell found the earlier
+    attempt's current run locked, failed it and went on to the next runs, which the earlier attempt then also
+    ran (each overwriting the other's journal). It stops there instead: the runs after it are left to the
+    attempt that holds the lock, and the job fails in one line naming the folder."""
+    from agg_bench.outdir import Claim
+
+    runs = [{**run(tmp_path / name, f"seed={seed}"), "done": str(tmp_path / "done" / f"{name}.json")}
+            for name, seed in (("a", 0), ("b", 1), ("c", 2))]
+    path = job_file(tmp_path, runs)
+    with Claim(tmp_path / "b", folder=True, lock_inside=True).acquire():  # the earlier attempt, writing b
+        assert main(["cell", "--keep-going", "--resume", "--keep-journal", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"runs 3-3 not started: another process writes {tmp_path / 'b'} (an earlier attempt of this job still " \
+        "running?); run the job again once it has ended" in err, err
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["status"] == "ok"
+    assert not (tmp_path / "b" / "summary.json").exists() and not (tmp_path / "c").exists()
+    assert not (tmp_path / "done").exists()
 
 
 @pytest.mark.parametrize("change, words", [

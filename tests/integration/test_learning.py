@@ -189,6 +189,9 @@ def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path
 @pytest.mark.parametrize("value, words", [
     ("{device: gpu}", "pretrain.sd3-scenes: config error: device = 'gpu': expected cpu, cuda or cuda:N"),
     ("{threads: -1}", "pretrain.sd3-scenes: config error: threads = -1: expected an integer >= 0"),
+    # the GPU pool gives a job a free device and shows it only that one: a fixed index would be another job's
+    ("{device: 'cuda:1'}", "sweep config: pretrain.sd3-scenes: device = 'cuda:1': the pretrain job takes a free "
+     "GPU from the GPU pool, as a run job does, and sees only that one; expected cpu or cuda"),
 ])
 def test_a_pretrain_entry_that_its_config_refuses_is_one_line(tmp_path, value, words):
     """A pretrain entry whose config or set the pretrain command refuses ended Snakemake's dry run in an

@@ -141,6 +141,38 @@ def test_dry_run_of_the_slurm_profile(tmp_path):
                      r"[^\n]*gpu_model=h100[^\n]*cpus_per_gpu=8", proc.stdout, re.S)
 
 
+def job_resources(stdout: str) -> list[tuple[str, dict[str, str]]]:
+    """(rule, {resource: value as shown}) of every job of a dry run."""
+    jobs = []
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", stdout):
+        head = re.match(r"(?:local)?rule (\w+):", block)
+        line = re.search(r"^\s*resources: (.*)$", block, re.M)
+        if head and line:
+            jobs.append((head.group(1), dict(item.split("=", 1) for item in line.group(1).split(", "))))
+    return jobs
+
+
+def test_the_slurm_profiles_run_resources_reach_the_cell_jobs(tmp_path):
+    """The SLURM profile's set-resources name rule `run`, but a cell job (a one-GPU device's runs in one process,
+    config/h200.yaml) has a rule of its own name, so Snakemake gave it the default resources: 60 minutes, 16 GB
+    and any GPU model for a job of a dozen runs. A cell job gets the `run` entry, as a run job does."""
+    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
+    work = workdir(tmp_path)
+    profile = yaml.safe_load((work / "workflow/profiles/slurm/config.yaml").read_text())
+    expected = {key: str(value) for key, value in profile["set-resources"]["run"].items()}
+    proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/h200.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    jobs = job_resources(proc.stdout)
+    cells = [(rule, res) for rule, res in jobs if rule.startswith("cell_") and rule != "cell_jobs"]
+    assert len(cells) == 8
+    for rule, res in cells:
+        assert {key: res.get(key) for key in expected} == expected, rule
+        assert res["gpu"] == "1", rule  # the GPUs still from the sweep's device
+    # the jobs that do no run's work keep the defaults
+    (_, cell_jobs), *_ = [job for job in jobs if job[0] == "cell_jobs"]
+    assert (cell_jobs["runtime"], cell_jobs["mem_mb"], "gpu_model" in cell_jobs) == ("60", "16000", False)
+
+
 @pytest.mark.parametrize("edit, words", [
     (lambda s: s.update(resolutions=["large"]), ["resolutions.0", "large"]),
     (lambda s: s["methods"]["agg-w3"]["method"].update(windw=3), ["methods.agg-w3", "method.windw"]),

@@ -191,7 +191,7 @@ def test_cells_group_a_cpu_devices_runs(in_process):
         assert sweep.run_command(run_id) == (f"{sweep_module.PYTHON} -m agg_bench run --config {job['config']} {sets} "
                                              f"--out {job['out']} --resume-stopped --overwrite --done {job['done']}")
     assert sweep.cell_command("sd3_32px_cpu") == (f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume "
-                                                  "--overwrite results/cells/sd3_32px_cpu.json")
+                                                  "--keep-journal --overwrite results/cells/sd3_32px_cpu.json")
     assert sweep.cell_outputs("sd3_32px_cpu") == [job["done"] for job in jobs]
     assert sweep.summaries() == [job["done"] for job in jobs]  # what the manifest waits for
     config["devices"]["cpu"]["runs_per_job"] = 4  # 6 runs: two jobs of 3
@@ -212,8 +212,8 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     gpu = Sweep(config, SCHEMA)
     assert gpu.cells == {"sd3_32px_gpu1": list(gpu.runs)} and gpu.single_runs == []
     assert gpu.cell_command("sd3_32px_gpu1") == (f"{sweep_module.PYTHON} -m agg_bench.machine.gpus --count 1 -- "
-                                                 f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume --overwrite "
-                                                 "results/cells/sd3_32px_gpu1.json")
+                                                 f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume "
+                                                 "--keep-journal --overwrite results/cells/sd3_32px_gpu1.json")
 
 
 def test_failed_runs_are_reported_and_their_summaries_removed(tmp_path):
@@ -306,5 +306,52 @@ def test_an_exclude_pattern_that_matches_no_label_is_refused(in_process, entry, 
     with pytest.raises(SweepError, match=re.escape(words)):
         Sweep(config, SCHEMA)
     assert in_process == []
-    config["exclude"] = [{"method": "agg-*", "resolution": 64}]  # a resolution not in this sweep's list filters
-    assert len(Sweep(config, SCHEMA).runs) == 2
+    config["seeds"] = list(range(20))
+    config["exclude"] = [{"method": "agg-*", "resolution": 32, "seed": "1?"}]
+    assert len(Sweep(config, SCHEMA).runs) == 2 * 20 - 10
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"method": "full", "seed": "1O"}, "exclude.0.seed: '1O' matches no value under seeds (0, 1, 2, 3, 4, 5, 6, 7, "
+                                       "8, 9, 10, 11 and 8 more)"),
+    ({"resolution": "5l2"}, "exclude.0.resolution: '5l2' matches no value under resolutions (32)"),
+    ({"resolution": 64}, "exclude.0.resolution: 64 matches no value under resolutions (32)"),
+])
+def test_an_exclude_resolution_or_seed_that_the_sweep_file_never_lists_is_refused(in_process, tmp_path, entry, words):
+    """A typo in an exclude entry's seed or resolution pattern matched no run and passed: the runs it was written
+    to leave out ran. The values are those of the sweep file's lists, so a --config that narrows them (the
+    learning sweep's `seed: "[34]"` entries with `--config 'seeds=[0]'`) leaves the file's entries standing."""
+    config = {**sweep_config(), "seeds": list(range(20)), "exclude": [entry]}
+    with pytest.raises(SweepError, match=re.escape(words)):
+        Sweep(config, SCHEMA)
+    assert in_process == []
+    # the file lists the value, the config (its --config) does not: the entry stands and excludes nothing
+    file = tmp_path / "sweep.yaml"
+    file.write_text(yaml.safe_dump({**config, "seeds": ["1O", 0], "resolutions": [32, 64, "5l2"]}))
+    assert len(Sweep(config, SCHEMA, files=[file]).runs) == 2 * 20
+
+
+def test_the_learning_sweeps_seed_excludes_stand_when_the_seeds_are_narrowed(in_process):
+    """config/learning.yaml leaves seeds 3 and 4 to full and AGG (`seed: "[34]"`); narrowed to seed 0 by a
+    --config, its entries match no run but still name values of the file's list."""
+    config = sweep_config("learning.yaml")
+    config["seeds"] = [0]
+    with pytest.raises(SweepError, match=re.escape("""exclude.0.seed: '[34]' matches no value under seeds (0)""")):
+        Sweep(config, SCHEMA)
+    sweep = Sweep(config, SCHEMA, files=[ROOT / "config" / "learning.yaml"])
+    assert len(sweep.runs) == len(config["methods"])
+
+
+@pytest.mark.parametrize("section, value, words", [
+    ("gradcheck", {"resolutions": [32], "route_fracs": [float("nan")]}, "gradcheck.route_fracs[0] = nan"),
+    ("learning", {"fraction_of_full": float("nan")}, "learning.fraction_of_full = nan"),
+    ("learning", {"target_fraction": float("nan")}, "learning.target_fraction = nan"),
+])
+def test_a_nan_in_the_sweep_is_refused_before_any_job(in_process, section, value, words):
+    """JSON Schema's numbers admit NaN (every comparison with it is false, so minimum 0 and maximum 1 pass it):
+    `--config 'learning={fraction_of_full: .nan}'` passed the dry run and reached the learning report, a NaN
+    route fraction the gradcheck job."""
+    config = {**sweep_config(), section: value}
+    with pytest.raises(SweepError, match=re.escape(f"{words}: expected a finite number")):
+        Sweep(config, SCHEMA)
+    assert in_process == []

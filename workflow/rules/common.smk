@@ -7,9 +7,10 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from agg_bench.errors import UserError
-from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, check_input_files,
-                                   check_markers, check_output_folders, failed_runs, report_failed_runs, set_arg,
-                                   type_config_args)
+from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, SweepError,
+                                   check_input_files, check_markers, check_output_folders, failed_runs,
+                                   report_failed_runs, set_arg, type_config_args)
+from agg_bench.tools.sweep import pretrain_gpus as sweep_pretrain_gpus
 
 try:
     # a list or mapping given with --config reads as in a sweep file (Snakemake's parse makes its numbers text)
@@ -36,3 +37,17 @@ def check_finished_runs():
                 for cell, run_ids in SWEEP.cells.items() for run_id in run_ids}
         markers = {f"results/runs/{run_id}": SWEEP.done_marker(run_id) for run_id in SWEEP.runs}
         raise WorkflowError(report_failed_runs(failed, logs, markers))
+
+
+def use_run_settings(workflow, target) -> None:
+    """The per-rule settings given for rule `run` (a profile's or the command line's set-resources and
+    set-threads) applied to ``target``, a rule whose jobs do runs' work under another name (a cell's), then the
+    settings given for ``target`` itself, so that its own entry wins. Snakemake applies them by rule name only."""
+    from snakemake.resources import Resources
+
+    settings = workflow.resource_settings
+    for name in ("run", target.name):
+        if name in settings.overwrite_resources:
+            target.resources.update(Resources.from_mapping(settings.overwrite_resources[name]))
+        if name in settings._parsed_overwrite_threads:
+            target.resources["_cores"] = settings._parsed_overwrite_threads[name]

@@ -14,10 +14,10 @@ LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + \
 def pretrain_command(name: str, threads: int) -> str:
     """The pretrain job's command line, on the `threads` cores Snakemake gave it (fewer than the config's
     where --cores is smaller): never more threads than the job reserves. On `device: cuda` it takes its GPU
-    from the pool, as a run does (a `cuda:N` it names itself is its own)."""
+    from the pool, as a run does (a fixed `cuda:N` is refused before any job: load_pretrain_configs)."""
     spec = PRETRAIN[name]
     sets = " ".join(set_arg(k, v) for k, v in {**(spec.get("set") or {}), "threads": threads}.items())
-    pool = f"{PYTHON} -m agg_bench.machine.gpus --count 1 -- " if pretrain_config(name).device == "cuda" else ""
+    pool = f"{PYTHON} -m agg_bench.machine.gpus --count 1 -- " if pretrain_gpus(name) else ""
     return (f"{pool}{PYTHON} -m agg_bench pretrain --config {shlex.quote(spec['config'])} {sets} "
             f"--out {PRETRAINED_DIR}/{name}")
 
@@ -32,6 +32,9 @@ def load_pretrain_configs() -> dict:
         try:
             configs[name] = load_pretrain_config(spec["config"],
                                                  [f"{k}={v}" for k, v in (spec.get("set") or {}).items()])
+            sweep_pretrain_gpus(name, configs[name].device)  # a fixed cuda:N, which the GPU pool cannot honour
+        except SweepError as err:
+            raise WorkflowError(str(err)) from None
         except UserError as err:
             raise WorkflowError(f"pretrain.{name}: {err}") from None
     return configs
@@ -51,8 +54,9 @@ def pretrain_threads(name: str) -> int:
 
 
 def pretrain_gpus(name: str) -> int:
-    """The GPUs a pretrain job takes (its gpu resource, which Snakemake and SLURM give it): 1 on CUDA."""
-    return 1 if pretrain_config(name).device.startswith("cuda") else 0
+    """The GPUs a pretrain job takes from the pool (its gpu resource, which Snakemake and SLURM give it): 1 on
+    CUDA."""
+    return sweep_pretrain_gpus(name, pretrain_config(name).device)
 
 
 localrules: learning, learning_manifest
@@ -89,6 +93,7 @@ rule learning_manifest:
         from agg_bench.io import write_json
 
         check_finished_runs()
+        SWEEP.forget_cell_attempts()  # every cell job's end is recorded: a forced rerun runs every run again
         write_json(output[0], params.manifest)
         with open(log[0], "w") as handle:
             handle.write(f"{output[0]}: {len(params.manifest['runs'])} runs\n")
