@@ -14,8 +14,18 @@ from .outdir import check_file
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
 
 
+def path_arg(text: str) -> Path:
+    """The type of every file or folder argument of every verb: a path, never the empty string (which the
+    OS reads as the current folder, so that ``--runs ''`` would read it and ``--out ''`` write into it). A
+    refusal is argparse's one line naming the option, exit code 2."""
+    if not text:
+        raise argparse.ArgumentTypeError("'': expected a file or folder name (an empty path would mean the "
+                                         "current folder)")
+    return Path(text)
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="run config YAML (default: built-in defaults)")
+    p.add_argument("--config", type=path_arg, help="run config YAML (default: built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=1e-5 (repeatable)")
 
@@ -316,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="one training run -> DIR/metrics.jsonl, summary.json, env.json")
     _add_config_args(p)
-    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--out", required=True, type=path_arg, help="output folder")
     p.add_argument("--resume", action="store_true",
                    help="continue from DIR/checkpoint.pt (same config; starts over when there is none)")
     p.add_argument("--resume-stopped", action="store_true",
@@ -325,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "otherwise start over (what the workflow's run jobs pass)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a finished run of another config in DIR (refused without this flag)")
-    p.add_argument("--done", type=Path, metavar="FILE",
+    p.add_argument("--done", type=path_arg, metavar="FILE",
                    help='when the run has ended (ok, oom or diverged), write {"out", "status"} to FILE: a marker '
                         "outside DIR (the workflow's output of a run job, so that removing it spares the run's files)")
     p.add_argument("--checkpoint-every", type=int, metavar="K",
@@ -334,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cell", help="several training runs one after the other in one process (a workflow cell): "
                                     "each into its own folder, as agg-bench run writes it")
-    p.add_argument("jobs", type=Path, metavar="JOBS.json",
+    p.add_argument("jobs", type=path_arg, metavar="JOBS.json",
                    help='{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR, '
                         '"done": FILE}, ...]} (done, optional: a marker written once every run has ended)')
     p.add_argument("--keep-going", action="store_true",
@@ -352,13 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("snapshot", help="freeze one rollout for replay")
     _add_config_args(p)
-    p.add_argument("--out", required=True, type=Path,
+    p.add_argument("--out", required=True, type=path_arg,
                    help="folder to write: transformer/, rollout.safetensors, rollout.json")
     p.set_defaults(func=cmd_snapshot)
 
     p = sub.add_parser("embed", help="prompt embeddings of a local model's text encoders -> the embedding cache")
     _add_config_args(p)
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=path_arg, default=None,
                    help="FILE.safetensors (default: a file in prompts.cache_dir named after model and prompts)")
     p.set_defaults(func=cmd_embed)
 
@@ -373,21 +383,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "'{method: {name: agg, window: 5}}' (repeatable)")
     p.add_argument("--method-repeats", type=int, default=9,
                    help="timed rounds of the methods' train phases (default 9)")
-    p.add_argument("--out", required=True, type=Path, help="FILE.json")
+    p.add_argument("--out", required=True, type=path_arg, help="FILE.json")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("replay", help="one method's gradient on a snapshot")
-    p.add_argument("snapshot", type=Path, help="a folder written by agg-bench snapshot")
+    p.add_argument("snapshot", type=path_arg, help="a folder written by agg-bench snapshot")
     p.add_argument("--method", required=True, help="the method to replay (a registered method name)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a method option, e.g. --set method.window=5 (repeatable)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--out", required=True, type=Path, help="FILE.safetensors (+ FILE.json pass counts)")
+    p.add_argument("--out", required=True, type=path_arg, help="FILE.safetensors (+ FILE.json pass counts)")
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("gradcheck", help="every estimator's gradient error against full on one snapshot -> CSV")
     _add_config_args(p)
-    p.add_argument("--snapshot", type=Path, help="use this snapshot (or make one here and keep it)")
+    p.add_argument("--snapshot", type=path_arg, help="use this snapshot (or make one here and keep it)")
     p.add_argument("--windows", default="2,3,4,5,8", help="AGG windows W (default: 2,3,4,5,8)")
     p.add_argument("--alphas", default="index,sigma", help="AGG weights (default: index,sigma)")
     p.add_argument("--route-fracs", default="0,0.5,1", help="AGG route fractions (default: 0,0.5,1)")
@@ -395,24 +405,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
                    help="more methods to compare, e.g. fraction,cached:cache=fora (repeatable)")
     p.add_argument("--device", help="default: the run config's device (cpu for an existing snapshot)")
-    p.add_argument("--out", required=True, type=Path, help="FILE.csv")
+    p.add_argument("--out", required=True, type=path_arg, help="FILE.csv")
     p.set_defaults(func=cmd_gradcheck)
 
     p = sub.add_parser("report", help="comparison tables (CSV, Markdown, HTML) from run folders, and plots (PNG) "
                                       "drawn from the tables")
-    p.add_argument("--manifest", type=Path, help="the workflow's list of runs and gradcheck CSVs with their labels")
-    p.add_argument("--runs", nargs="*", default=[], type=Path,
+    p.add_argument("--manifest", type=path_arg, help="the workflow's list of runs and gradcheck CSVs with their labels")
+    p.add_argument("--runs", nargs="*", default=[], type=path_arg,
                    help="run folders, or folders of run folders (labels taken from their records)")
-    p.add_argument("--gradcheck", nargs="*", default=[], type=Path, help="gradcheck CSVs")
+    p.add_argument("--gradcheck", nargs="*", default=[], type=path_arg, help="gradcheck CSVs")
     p.add_argument("--warmup", type=int, help="iterations left out of the time averages (default 1)")
-    p.add_argument("--calibration", nargs="*", default=[], type=Path,
+    p.add_argument("--calibration", nargs="*", default=[], type=path_arg,
                    help="agg-bench calibrate JSONs: the cost model behind predicted_train_speedup")
     p.add_argument("--time", help="seconds the timings use: auto (CPU time on a CPU, CUDA events on a GPU; "
                                   "default), cpu or wall")
-    p.add_argument("--tables", type=Path, help="write summary/efficiency/ablation/gpus .csv + .md + .html and "
+    p.add_argument("--tables", type=path_arg, help="write summary/efficiency/ablation/gpus .csv + .md + .html and "
                                                "records.csv here")
-    p.add_argument("--plots", type=Path, help="write the PNG plots here (drawn from the tables)")
-    p.add_argument("--tables-in", type=Path, metavar="DIR",
+    p.add_argument("--plots", type=path_arg, help="write the PNG plots here (drawn from the tables)")
+    p.add_argument("--tables-in", type=path_arg, metavar="DIR",
                    help="draw the plots from the tables an earlier --tables DIR wrote (records.csv, efficiency.csv, "
                         "ablation.csv) instead of reading runs")
     p.set_defaults(func=cmd_report)
@@ -420,10 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("learning", help="the learning sweep's tables and plots: each method's reward gain, its "
                                         "spread over seeds, the CPU time to a target; a held-out evaluation, "
                                         "and the cost to reach a held-out target")
-    p.add_argument("--manifest", required=True, type=Path, help="the learning sweep's runs (the workflow's manifest)")
-    p.add_argument("--tables", type=Path,
+    p.add_argument("--manifest", required=True, type=path_arg, help="the learning sweep's runs (the workflow's manifest)")
+    p.add_argument("--tables", type=path_arg,
                    help="write learning.csv, learning.md, curves.csv (and evaluation.csv) here")
-    p.add_argument("--plots", type=Path, help="write reward_iteration.png, reward_time.png, samples.png, "
+    p.add_argument("--plots", type=path_arg, help="write reward_iteration.png, reward_time.png, samples.png, "
                                               "eval_reward_cost.png, eval_reward_cpu.png, eval_pareto.png here")
     p.add_argument("--average", type=int, default=3, help="iterations averaged at each end (default 3)")
     p.add_argument("--fraction", type=float, default=0.8, help="fraction of full's gain to reach (default 0.8)")
@@ -449,25 +459,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run: one window of --minutes, its finished runs packed into --archive; unpack: add "
                         "--archive to --reference (refused whole unless it is a campaign archive of this sweep); "
                         "status: the runs done and missing, in the order the next window takes them")
-    p.add_argument("--config", required=True, help="the campaign's sweep config (e.g. config/h200.yaml)")
+    p.add_argument("--config", required=True, type=path_arg, help="the campaign's sweep config (e.g. config/h200.yaml)")
     p.add_argument("--cpu", action="store_true", help="the same campaign on the tiny models on the CPU (minutes; "
                                                       "what the test suite runs)")
-    p.add_argument("--reference", type=Path, help="the reference folder (e.g. results/reference/h200): its runs "
+    p.add_argument("--reference", type=path_arg, help="the reference folder (e.g. results/reference/h200): its runs "
                                                   "count as done; unpack writes into it")
-    p.add_argument("--work", type=Path, default=Path("results/campaign"),
+    p.add_argument("--work", type=path_arg, default=Path("results/campaign"),
                    help="run: the window's runs, logs and calibrations (default results/campaign; earlier windows' "
                         "finished runs there count as done)")
     p.add_argument("--minutes", type=float, help="run: the window's length; it stops cleanly before its end")
     p.add_argument("--started", type=float, help="run: when the window's clock started, in seconds since the epoch "
                                                  "(default: now); scripts/gpu_campaign.sh passes its own start, so "
                                                  "that its start-up counts against --minutes")
-    p.add_argument("--archive", type=Path, help="run: where to write the archive (default WORK/campaign.tar.gz); "
+    p.add_argument("--archive", type=path_arg, help="run: where to write the archive (default WORK/campaign.tar.gz); "
                                                 "unpack: the archive to add")
     p.set_defaults(func=cmd_campaign)
 
     p = sub.add_parser("import-log", help="a DanceGRPO JSONL training log as a reference run folder")
-    p.add_argument("log", type=Path, help="JSONL with step, avg_reward, step_time, grad_norm per line")
-    p.add_argument("--out", required=True, type=Path, help="run folder to write")
+    p.add_argument("log", type=path_arg, help="JSONL with step, avg_reward, step_time, grad_norm per line")
+    p.add_argument("--out", required=True, type=path_arg, help="run folder to write")
     p.add_argument("--method", default="full", help="method label in tables (default: full)")
     p.add_argument("--model", default="unknown", help="model label in tables")
     p.add_argument("--resolution", type=int, help="image side in pixels")
@@ -486,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=int, default=1, help="steps run before the profiler starts (default 1)")
     p.add_argument("--warmup", type=int, default=1, help="profiled steps that are discarded (default 1)")
     p.add_argument("--active", type=int, default=2, help="steps recorded in the trace (default 2)")
-    p.add_argument("--out", required=True, type=Path, help="output folder (open with tensorboard --logdir or Perfetto)")
+    p.add_argument("--out", required=True, type=path_arg, help="output folder (open with tensorboard --logdir or Perfetto)")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("plan", help="will it fit? bytes per GPU of params, grads, optimizer state and "
@@ -500,10 +510,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("pretrain", help="train a small DiT on drawn scenes -> a model folder for model.preset: pretrained")
-    p.add_argument("--config", help="pretrain config YAML (keys: agg_bench.tools.pretrain.PretrainConfig)")
+    p.add_argument("--config", type=path_arg, help="pretrain config YAML (keys: agg_bench.tools.pretrain.PretrainConfig)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a pretrain key, e.g. --set family=flux (repeatable)")
-    p.add_argument("--out", required=True, type=Path, help="model folder to write (replaced only if it is one)")
+    p.add_argument("--out", required=True, type=path_arg, help="model folder to write (replaced only if it is one)")
     p.set_defaults(func=cmd_pretrain)
 
     p = sub.add_parser("env", help="print the environment record (versions, GPUs, commit)")

@@ -1,0 +1,50 @@
+"""Careless input to the verbs (other than ``run`` and ``campaign``, whose walls have tests of their own): every
+refusal is one line naming the option, the value and what is allowed, exit code 2, and nothing that was
+there before is touched."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from agg_bench import cli
+
+
+def _verbs() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _path_options() -> list[tuple[str, list[str]]]:
+    """(verb, the arguments that give one of its file or folder options the empty string), from the parser."""
+    cases = []
+    for verb, parser in _verbs().items():
+        for action in parser._actions:
+            if action.type is cli.path_arg:
+                cases.append((verb, [action.option_strings[0], ""] if action.option_strings else [""]))
+    return cases
+
+
+def test_every_file_or_folder_option_takes_the_shared_path_type():
+    """A path option declared another way would take '' for the current folder unseen by the test below."""
+    for verb, parser in _verbs().items():
+        for action in parser._actions:
+            assert action.type is not Path and not isinstance(action.default, Path) or action.type is cli.path_arg, \
+                (verb, action.dest)
+            if "--config" in action.option_strings or "--out" in action.option_strings:
+                assert action.type is cli.path_arg, (verb, action.dest)
+    assert len(_path_options()) >= 30
+
+
+@pytest.mark.parametrize("verb, argv", _path_options(), ids=lambda x: x if isinstance(x, str) else x[0] or "positional")
+def test_an_empty_path_is_refused_for_every_path_option_of_every_verb(tmp_path, monkeypatch, capsys, verb, argv):
+    """'' meant the current folder: ``report --runs ''`` read it, an empty --out wrote into it."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli.main([verb, *argv])
+    lines = capsys.readouterr().err.strip().splitlines()
+    name = argv[0] if argv[0] else "argument "
+    assert stop.value.code == 2 and len(lines) == 1, lines
+    assert name in lines[0] and "''" in lines[0] and "file or folder name" in lines[0], lines
+    assert not any(tmp_path.iterdir())
