@@ -12,6 +12,9 @@ from .io import write_json
 from .outdir import check_file
 
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
+# profile's --wait, --warmup, --active: each step is a training iteration (a trace keeps every active one), so far
+# above any profile worth reading; a huge count was a command that never ended
+MAX_PROFILE_STEPS = 1000
 
 
 def path_arg(text: str) -> Path:
@@ -249,8 +252,8 @@ def cmd_profile(args) -> int:
     from .tools.profiling import PROFILE_CONTENTS, profile_steps
 
     for flag, value, least in (("--wait", args.wait, 0), ("--warmup", args.warmup, 0), ("--active", args.active, 1)):
-        if value < least:
-            raise ConfigError(flag, value, f"an integer >= {least}")
+        if not least <= value <= MAX_PROFILE_STEPS:
+            raise ConfigError(flag, value, f"an integer from {least} to {MAX_PROFILE_STEPS}")
     # as in replay: --method replaces the config's method section; --set method.KEY=VALUE adds options
     cfg = _run_config(args.config, [f"method={json.dumps({'name': args.method})}", *args.overrides])
     out = args.out

@@ -48,3 +48,23 @@ def test_an_empty_path_is_refused_for_every_path_option_of_every_verb(tmp_path, 
     assert stop.value.code == 2 and len(lines) == 1, lines
     assert name in lines[0] and "''" in lines[0] and "file or folder name" in lines[0], lines
     assert not any(tmp_path.iterdir())
+
+
+def fails(capsys, argv: list[str]) -> str:
+    """Run the command line in this process; assert exit code 2 and one line on stderr; return the line."""
+    capsys.readouterr()
+    code = cli.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag, least", [("--wait", 0), ("--warmup", 0), ("--active", 1)])
+@pytest.mark.parametrize("value", ["1001", str(10**12)])
+def test_profile_refuses_a_step_count_past_any_profile_before_it_starts(tmp_path, capsys, monkeypatch, flag, least,
+                                                                        value):
+    """--wait 10**12 ran training iterations until the process was killed."""
+    monkeypatch.setattr(cli, "_run_config", lambda *a: pytest.fail("the steps were not refused first"))
+    line = fails(capsys, ["profile", "--method", "full", flag, value, "--out", str(tmp_path / "prof")])
+    assert f"{flag} = {value}: expected an integer from {least} to 1000" in line
+    assert not any(tmp_path.iterdir())
