@@ -68,3 +68,12 @@ def test_profile_refuses_a_step_count_past_any_profile_before_it_starts(tmp_path
     line = fails(capsys, ["profile", "--method", "full", flag, value, "--out", str(tmp_path / "prof")])
     assert f"{flag} = {value}: expected an integer from {least} to 1000" in line
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("label", ["", "a\nb", "x" * 201])
+def test_calibrate_refuses_a_method_label_no_table_can_show(tmp_path, capsys, monkeypatch, label):
+    """An empty label was timed and written as a method named ''."""
+    monkeypatch.setattr(cli, "_run_config", lambda *a: pytest.fail("the label was not refused first"))
+    line = fails(capsys, ["calibrate", "--method", label, "{method: {name: full}}", "--out", str(tmp_path / "c.json")])
+    assert line.startswith("agg-bench calibrate: config error: --method = ") and "1 to 200 printable" in line
+    assert not any(tmp_path.iterdir())
