@@ -4,11 +4,13 @@ there before is touched."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
 
 from agg_bench import cli
+from agg_bench.tools.importlog import import_log
 
 
 def _verbs() -> dict[str, argparse.ArgumentParser]:
@@ -77,3 +79,45 @@ def test_calibrate_refuses_a_method_label_no_table_can_show(tmp_path, capsys, mo
     line = fails(capsys, ["calibrate", "--method", label, "{method: {name: full}}", "--out", str(tmp_path / "c.json")])
     assert line.startswith("agg-bench calibrate: config error: --method = ") and "1 to 200 printable" in line
     assert not any(tmp_path.iterdir())
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every file and folder under ``root`` with its bytes (None for a folder): what a refusal leaves as it was."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    """A finished run folder (summary.json, env.json, metrics.jsonl), as import-log writes one."""
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"step": i, "avg_reward": 0.1 * i, "step_time": 2.0, "grad_norm": 1.0}) + "\n"
+                           for i in range(1, 4)))
+    import_log(log, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("name", ["summary.json", "env.json"])
+def test_report_refuses_another_verbs_json_as_a_calibration(run, tmp_path, capsys, name):
+    """A run's summary.json or env.json passed every check of a calibration (each key may be null) and priced
+    nothing."""
+    before = tree(tmp_path)
+    line = fails(capsys, ["report", "--runs", str(run), "--calibration", str(run / name),
+                          "--tables", str(tmp_path / "tables")])
+    assert f"calibration {run / name}: no unit_s_per_sample; expected an agg-bench calibrate JSON" in line
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("section, entry", [("runs", {"dir": ""}), ("calibration", {"file": ""}),
+                                            ("gradcheck", {"file": ""})])
+@pytest.mark.parametrize("verb", ["report", "learning"])
+def test_a_manifest_entry_with_an_empty_path_is_refused(run, tmp_path, capsys, monkeypatch, section, entry, verb):
+    """'' named the current folder: run from inside a run folder, the report read it as a run."""
+    manifest = tmp_path / "manifest.json"
+    runs = [entry] if section == "runs" else [{"dir": str(run), "method": "full", "seed": 0}]
+    manifest.write_text(json.dumps({"runs": runs, **({} if section == "runs" else {section: [entry]})}))
+    monkeypatch.chdir(run)
+    before = tree(tmp_path)
+    line = fails(capsys, [verb, "--manifest", str(manifest), "--tables", str(tmp_path / "tables")])
+    key = "dir" if section == "runs" else "file"
+    assert f"manifest {manifest}: {section}[0].{key} = '': expected a file or folder name" in line
+    assert tree(tmp_path) == before
