@@ -142,16 +142,17 @@ def cmd_replay(args) -> int:
 
 
 def cmd_gradcheck(args) -> int:
-    from .tools.gradcheck import gradcheck, parse_values
+    from .tools.gradcheck import gradcheck, parse_method_specs, parse_values
 
+    # the grid and the methods first: a bad item is refused before a config is read or a model built
+    grid = (parse_values(args.windows, "--windows", int), parse_values(args.alphas, "--alphas", str),
+            parse_values(args.route_fracs, "--route-fracs", float), parse_values(args.reuse, "--reuse", bool))
+    parse_method_specs(args.methods)
     existing = args.snapshot is not None and (args.snapshot / "rollout.json").exists()
     if existing and (args.config or args.overrides):
         raise UserError(f"--snapshot {args.snapshot} already holds a snapshot; --config/--set would not apply to it")
     cfg = None if existing else _run_config(args.config, args.overrides)
-    rows = gradcheck(
-        args.out, cfg, args.snapshot, parse_values(args.windows, "--windows", int),
-        parse_values(args.alphas, "--alphas", str), parse_values(args.route_fracs, "--route-fracs", float),
-        parse_values(args.reuse, "--reuse", bool), args.methods, args.device)
+    rows = gradcheck(args.out, cfg, args.snapshot, *grid, args.methods, args.device)
     print(json.dumps({"out": str(args.out), "rows": len(rows)}))
     return 0
 

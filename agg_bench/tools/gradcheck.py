@@ -91,8 +91,9 @@ def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
     jobs: list[tuple[str, list[tuple[str, str]]]] = []
     for spec in specs:
         for item in (part.strip() for part in spec.split(",")):
-            if not item:
-                continue
+            if not item:  # '' or a stray comma: a method left out by mistake, not none asked for
+                raise ConfigError("--methods", spec, "name or name:key=value items, comma-separated, none empty, "
+                                                     "e.g. fraction,cached:cache=fora")
             if "=" in item and ":" not in item.split("=", 1)[0]:
                 if not jobs:
                     raise ConfigError("--methods", spec, "name or name:key=value items, a name first")

@@ -121,3 +121,33 @@ def test_a_manifest_entry_with_an_empty_path_is_refused(run, tmp_path, capsys, m
     key = "dir" if section == "runs" else "file"
     assert f"manifest {manifest}: {section}[0].{key} = '': expected a file or folder name" in line
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv", [["plan"], ["pretrain", "--out", "{tmp}/model"], ["gradcheck", "--out", "{tmp}/g.csv"],
+                                  ["calibrate", "--out", "{tmp}/c.json"]])
+@pytest.mark.parametrize("text", ["", "# nothing here\n"])
+def test_an_empty_config_file_is_refused_not_taken_for_the_defaults(tmp_path, capsys, monkeypatch, argv, text):
+    """An empty --config (a file cut short, a wrong file) ran the built-in defaults: pretrain trained for minutes."""
+    from agg_bench.tools import calibrate, gradcheck, pretrain
+
+    for module, name in ((pretrain, "pretrain"), (gradcheck, "gradcheck"), (calibrate, "write_calibration")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the config was not refused first"))
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    before = tree(tmp_path)
+    line = fails(capsys, [*(a.replace("{tmp}", str(tmp_path)) for a in argv), "--config", str(config)])
+    assert f"--config = '{config}': expected a YAML mapping of " in line and "the file holds none" in line
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("value", ["", ",", "fraction,", "fraction,,full"])
+def test_gradcheck_refuses_an_empty_methods_item(tmp_path, capsys, monkeypatch, value):
+    """--methods '' (or a stray comma) was read as no method and the gradcheck ran without it."""
+    monkeypatch.setattr(cli, "_run_config", lambda *a: pytest.fail("the methods were not refused first"))
+    from agg_bench.tools import gradcheck
+
+    monkeypatch.setattr(gradcheck, "_gradcheck", lambda *a: pytest.fail("the methods were not refused first"))
+    line = fails(capsys, ["gradcheck", "--snapshot", str(tmp_path / "snap"), "--methods", value,
+                          "--out", str(tmp_path / "g.csv")])
+    assert f"--methods = {value!r}: expected name or name:key=value items, comma-separated, none empty" in line
+    assert not any(tmp_path.iterdir())
