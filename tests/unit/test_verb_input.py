@@ -12,6 +12,8 @@ import pytest
 from agg_bench import cli
 from agg_bench.tools.importlog import import_log
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def _verbs() -> dict[str, argparse.ArgumentParser]:
     (sub,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
@@ -151,3 +153,26 @@ def test_gradcheck_refuses_an_empty_methods_item(tmp_path, capsys, monkeypatch, 
                           "--out", str(tmp_path / "g.csv")])
     assert f"--methods = {value!r}: expected name or name:key=value items, comma-separated, none empty" in line
     assert not any(tmp_path.iterdir())
+
+
+def test_a_rerun_of_a_killed_gradcheck_removes_the_snapshot_it_left(tmp_path, capsys):
+    """A gradcheck killed (SIGKILL) while it replayed left its temporary snapshot, the model's weights, beside --out
+    for good: a rerun made another. Only a temporary of that exact name goes; a user's folders stay."""
+    from agg_bench.io import TEMP_TAG
+
+    stale = tmp_path / f".g-snapshot{TEMP_TAG}4194000"
+    (stale / "transformer").mkdir(parents=True)
+    (stale / "rollout.json").write_text("{}")
+    kept = [tmp_path / "g-snapshot", tmp_path / f".g-snapshot{TEMP_TAG}x1", tmp_path / f".h-snapshot{TEMP_TAG}7"]
+    for folder in kept:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
+    before = tree(tmp_path)
+    assert cli.main(["gradcheck", "--config", str(ROOT / "config/run.yaml"), "--set", "model.resolution=32",
+                     "--set", "sampling.steps=4", "--set", "grpo.prompts_per_iteration=1", "--set", "progress=false",
+                     "--windows", "2", "--alphas", "index", "--route-fracs", "1",
+                     "--out", str(tmp_path / "g.csv")]) == 0, capsys.readouterr().err
+    after = tree(tmp_path)
+    assert not stale.exists() and (tmp_path / "g.csv").is_file()
+    assert {k: v for k, v in before.items() if not k.startswith(stale.name)} == \
+        {k: v for k, v in after.items() if k != "g.csv"}
