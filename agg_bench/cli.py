@@ -12,6 +12,19 @@ from .io import write_json
 from .outdir import check_file
 
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
+# profile's --wait, --warmup, --active: each step is a training iteration (a trace keeps every active one), so far
+# above any profile worth reading; a huge count was a command that never ended
+MAX_PROFILE_STEPS = 1000
+
+
+def path_arg(text: str) -> Path:
+    """The type of every file or folder argument of every verb: a path, never the empty string (which the
+    OS reads as the current folder, so that ``--runs ''`` would read it and ``--out ''`` write into it). A
+    refusal is argparse's one line naming the option, exit code 2."""
+    if not text:
+        raise argparse.ArgumentTypeError("'': expected a file or folder name (an empty path would mean the "
+                                         "current folder)")
+    return Path(text)
 
 
 def path_arg(text: str) -> Path:
@@ -23,7 +36,7 @@ def path_arg(text: str) -> Path:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="run config YAML (default: built-in defaults)")
+    p.add_argument("--config", type=path_arg, help="run config YAML (default: built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=1e-5 (repeatable)")
 
@@ -106,10 +119,14 @@ def cmd_calibrate(args) -> int:
 
     from .config import yaml_load
     from .tools.calibrate import CalibrationConfig, write_calibration
+    from .tools.importlog import MAX_LABEL
 
     options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup, method_repeats=args.method_repeats)
     methods = {}
     for label, text in args.methods:
+        if not (label and len(label) <= MAX_LABEL and label.isprintable()):  # a row of the report's tables
+            raise ConfigError("--method", label, f"a label of 1 to {MAX_LABEL} printable characters, then the "
+                                                 "overrides")
         if label in methods:
             raise UserError(f"--method {label}: given twice (each label once)")
         try:
@@ -133,16 +150,17 @@ def cmd_replay(args) -> int:
 
 
 def cmd_gradcheck(args) -> int:
-    from .tools.gradcheck import gradcheck, parse_values
+    from .tools.gradcheck import gradcheck, parse_method_specs, parse_values
 
+    # the grid and the methods first: a bad item is refused before a config is read or a model built
+    grid = (parse_values(args.windows, "--windows", int), parse_values(args.alphas, "--alphas", str),
+            parse_values(args.route_fracs, "--route-fracs", float), parse_values(args.reuse, "--reuse", bool))
+    parse_method_specs(args.methods)
     existing = args.snapshot is not None and (args.snapshot / "rollout.json").exists()
     if existing and (args.config or args.overrides):
         raise UserError(f"--snapshot {args.snapshot} already holds a snapshot; --config/--set would not apply to it")
     cfg = None if existing else _run_config(args.config, args.overrides)
-    rows = gradcheck(
-        args.out, cfg, args.snapshot, parse_values(args.windows, "--windows", int),
-        parse_values(args.alphas, "--alphas", str), parse_values(args.route_fracs, "--route-fracs", float),
-        parse_values(args.reuse, "--reuse", bool), args.methods, args.device)
+    rows = gradcheck(args.out, cfg, args.snapshot, *grid, args.methods, args.device)
     print(json.dumps({"out": str(args.out), "rows": len(rows)}))
     return 0
 
@@ -247,8 +265,8 @@ def cmd_profile(args) -> int:
     from .tools.profiling import PROFILE_CONTENTS, profile_steps
 
     for flag, value, least in (("--wait", args.wait, 0), ("--warmup", args.warmup, 0), ("--active", args.active, 1)):
-        if value < least:
-            raise ConfigError(flag, value, f"an integer >= {least}")
+        if not least <= value <= MAX_PROFILE_STEPS:
+            raise ConfigError(flag, value, f"an integer from {least} to {MAX_PROFILE_STEPS}")
     # as in replay: --method replaces the config's method section; --set method.KEY=VALUE adds options
     cfg = _run_config(args.config, [f"method={json.dumps({'name': args.method})}", *args.overrides])
     out = args.out
@@ -460,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run: one window of --minutes, its finished runs packed into --archive; unpack: add "
                         "--archive to --reference (refused whole unless it is a campaign archive of this sweep); "
                         "status: the runs done and missing, in the order the next window takes them")
-    p.add_argument("--config", required=True, help="the campaign's sweep config (e.g. config/h200.yaml)")
+    p.add_argument("--config", required=True, type=path_arg, help="the campaign's sweep config (e.g. config/h200.yaml)")
     p.add_argument("--cpu", action="store_true", help="the same campaign on the tiny models on the CPU (minutes; "
                                                       "what the test suite runs)")
     p.add_argument("--reference", type=path_arg, help="the reference folder (e.g. results/reference/h200): its runs "
@@ -511,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("pretrain", help="train a small DiT on drawn scenes -> a model folder for model.preset: pretrained")
-    p.add_argument("--config", help="pretrain config YAML (keys: agg_bench.tools.pretrain.PretrainConfig)")
+    p.add_argument("--config", type=path_arg, help="pretrain config YAML (keys: agg_bench.tools.pretrain.PretrainConfig)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a pretrain key, e.g. --set family=flux (repeatable)")
     p.add_argument("--out", required=True, type=path_arg, help="model folder to write (replaced only if it is one)")

@@ -143,13 +143,16 @@ def read_yaml_mapping(path: str | Path, what: str = "sections", key: str = "--co
         if size > MAX_YAML_BYTES:
             raise ConfigError(key, str(path), f"a YAML file of at most {MAX_YAML_BYTES // (1 << 20)} MiB "
                               f"(this one has {size} bytes)")
-        user = yaml_load(path.read_text(encoding="utf-8"), key, str(path)) or {}
+        user = yaml_load(path.read_text(encoding="utf-8"), key, str(path))
     except OSError as err:
         raise ConfigError(key, str(path), f"a readable file ({err.strerror or err})") from None
     except UnicodeDecodeError as err:
         raise ConfigError(key, str(path), f"UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
         raise ConfigError(key, str(path), f"valid YAML ({str(err).splitlines()[0]})") from None
+    if user is None:  # an empty file (or one of comments): a config cut short, not the defaults asked for
+        raise ConfigError(key, str(path), f"a YAML mapping of {what} (the file holds none: it is empty or "
+                                          "comments only)")
     if not isinstance(user, dict):
         raise ConfigError(key, str(path), f"a YAML mapping of {what}")
     return user

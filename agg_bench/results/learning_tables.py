@@ -107,10 +107,10 @@ def load_runs(manifest: str | Path) -> list[Run]:
     folders: dict[Path, int] = {}
     seeds: dict[tuple[str, int], int] = {}
     for i, entry in enumerate(entries):
-        if not (isinstance(entry, dict) and isinstance(entry.get("dir"), str) and isinstance(entry.get("method"), str)
-                and type(entry.get("seed")) in (int, type(None))):
+        if not (isinstance(entry, dict) and isinstance(entry.get("dir"), str) and entry["dir"] != ""
+                and isinstance(entry.get("method"), str) and type(entry.get("seed")) in (int, type(None))):
             raise UserError(f"manifest {path}: runs[{i}] = {quote(entry)}: expected an object with the run's "
-                            "dir and method (strings) and its seed (an integer)")
+                            "dir (a folder name, not '') and method (strings) and its seed (an integer)")
         method, seed, folder = entry["method"], int(entry.get("seed") or 0), RunFolder(entry["dir"])
         where = f"manifest {path}: runs[{i}]"
         resolved = folder.dir.resolve()

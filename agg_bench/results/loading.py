@@ -112,11 +112,13 @@ UNIT_SECONDS = (lambda v: is_number(v) and 0 < v <= MAX_SECONDS, "a number of se
 PART_SECONDS = (lambda v: is_number(v) and 0 <= v <= MAX_SECONDS, "a number of seconds >= 0 and <= 1e6")
 COUNT = (lambda v: is_number(v) and 0 <= v <= MAX_COUNT, "a number >= 0 and <= 1e15")
 # manifest section -> (its entry class, the key every entry needs, the keys an entry may have)
+# a file or folder an entry names: '' would be the current folder
+PATH = (lambda v: isinstance(v, str) and v != "", "a file or folder name (an empty path would mean the current folder)")
 MANIFEST_SECTIONS = {
-    "runs": (RunEntry, "dir", {"dir": TEXT, "method": TEXT, "model": TEXT, "resolution": INTEGER, "device": TEXT,
+    "runs": (RunEntry, "dir", {"dir": PATH, "method": TEXT, "model": TEXT, "resolution": INTEGER, "device": TEXT,
                                "seed": INTEGER, "method_options": OBJECT, "source": SOURCE}),
-    "gradcheck": (GradcheckEntry, "file", {"file": TEXT, "model": TEXT, "resolution": INTEGER}),
-    "calibration": (CalibrationEntry, "file", {"file": TEXT, "model": TEXT, "resolution": INTEGER, "device": TEXT,
+    "gradcheck": (GradcheckEntry, "file", {"file": PATH, "model": TEXT, "resolution": INTEGER}),
+    "calibration": (CalibrationEntry, "file", {"file": PATH, "model": TEXT, "resolution": INTEGER, "device": TEXT,
                                                "source": SOURCE}),
 }
 
@@ -208,6 +210,8 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
                        (lambda v: isinstance(v, dict) and all(COUNT[0](x) for x in v.values()),
                         "an object of numbers >= 0 and <= 1e15"))
             _check(f"{where}: methods.{label}.optimizer_steps", timed.get("optimizer_steps"), COUNT)
+        if not data.get("unit_s_per_sample"):  # every calibration has its unit costs; another verb's JSON has none
+            raise UserError(f"{where}: no unit_s_per_sample; expected an agg-bench calibrate JSON (its unit costs)")
         row["methods"] = data.get("methods") or {}
         rows.append(row)
     return pd.DataFrame(rows)

@@ -22,8 +22,10 @@ With ``methods`` (label -> run-config overrides, as a sweep's ``methods:`` entri
 also times each method's whole train phase on that rollout: ``Session.update`` with the method's
 estimator, the steps it would train planned on the frozen rollout (:func:`agg_bench.tools.snapshot.replay_case_of`),
 gradient, clipping and optimizer step included. Rounds are interleaved like the passes (round ``r``
-times every method once, in an order rotated by ``r``), and the weights are put back after each update,
-so every round of every method does the same work on the same weights; the policy's counter around the
+times every method once, in an order rotated by ``r``). A timed update is a run's whole update, with
+``train.eval_ema`` the evaluation average's update among it; the weights, the policy version and that average
+are put back after each, the optimizer's state after the last, so every round of every method does the same
+work on the same weights and the session is left as the rounds found it; the policy's counter around the
 update gives its passes and calls of each kind (``passes``, ``calls``). The ratio of two methods'
 medians is then a speedup measured under one machine state, paired round by round, which separate runs
 (taken minutes apart while other jobs come and go) cannot give; the report takes its train speedups
@@ -43,6 +45,7 @@ what the rounds share (:data:`ROLLOUT_SHARED_KEYS`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,8 +147,7 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
                 dataclasses.replace(batch, train_steps=case.train_steps.to(batch.train_steps.device))
         setups[label] = (estimator, planned)
         out[label].update(cpu_s=[], wall_s=[])
-    weights = [p.detach().clone() for p in policy.parameters()]
-    version, estimator_of_run = policy.version, session.estimator
+    kept = _SessionState(session)
     labels = list(setups)
     try:
         for r in range(options.warmup + options.method_repeats):
@@ -154,21 +156,52 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
                 estimator, planned = setups[label]
                 session.estimator = estimator
                 before = policy.counter.copy()
+                # the whole update a run's iteration pays: with train.eval_ema, the average's update among it
                 with PhaseTimer(session.device) as timer:
                     session.update(planned)
                 work = policy.counter - before
-                with torch.no_grad():  # the same weights (and policy version: AGG's velocity reuse) every round
-                    for p, w in zip(policy.parameters(), weights):
-                        p.copy_(w)
-                policy.version = version
                 if r >= options.warmup:
                     out[label]["cpu_s"].append(timer.cpu_s)
                     out[label]["wall_s"].append(timer.elapsed_s)
                     out[label].update(passes=work.as_dict(), calls=work.calls(),
                                       optimizer_steps=session.steps_taken)
+                kept.put_back_round()
     finally:
-        session.estimator = estimator_of_run
+        kept.put_back()
     return out
+
+
+class _SessionState:
+    """What a timed update moves in a session, kept to be put back: the trained weights, the policy version (AGG's
+    velocity reuse asks it), the evaluation average (``train.eval_ema``), the estimator, the optimizer's state and
+    its last step count. :meth:`put_back_round` after every timed update (the same work on the same weights every
+    round; the optimizer's moments only change the numbers its step computes, not its work), :meth:`put_back` at
+    the end: the session then computes, evaluates and steps as it did before the rounds."""
+
+    def __init__(self, session):
+        self.session = session
+        self.weights = [p.detach().clone() for p in session.policy.parameters()]
+        self.version, self.estimator, self.steps_taken = session.policy.version, session.estimator, session.steps_taken
+        average = session.eval_ema
+        self.average = None if average is None else (
+            {name: w.detach().clone() for name, w in average.weights.items()}, average.steps, average.version)
+        self.optimizer = copy.deepcopy(session.optimizer.state_dict())
+
+    @torch.no_grad()
+    def put_back_round(self) -> None:
+        session = self.session
+        for p, w in zip(session.policy.parameters(), self.weights):
+            p.copy_(w)
+        session.policy.version = self.version
+        if self.average is not None:
+            weights, session.eval_ema.steps, session.eval_ema.version = self.average
+            for name, w in weights.items():
+                session.eval_ema.weights[name].copy_(w)
+
+    def put_back(self) -> None:
+        self.put_back_round()
+        self.session.estimator, self.session.steps_taken = self.estimator, self.steps_taken
+        self.session.optimizer.load_state_dict(self.optimizer)
 
 
 def own_rollout(session, estimator):

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..config import RunConfig, yaml_load
 from ..errors import ConfigError, UserError
-from ..io import atomic_file, atomic_path
+from ..io import TEMP_TAG, atomic_file, atomic_path
 from ..outdir import claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS
 from ..machine.devices import resolve_device
@@ -91,8 +91,9 @@ def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
     jobs: list[tuple[str, list[tuple[str, str]]]] = []
     for spec in specs:
         for item in (part.strip() for part in spec.split(",")):
-            if not item:
-                continue
+            if not item:  # '' or a stray comma: a method left out by mistake, not none asked for
+                raise ConfigError("--methods", spec, "name or name:key=value items, comma-separated, none empty, "
+                                                     "e.g. fraction,cached:cache=fora")
             if "=" in item and ":" not in item.split("=", 1)[0]:
                 if not jobs:
                     raise ConfigError("--methods", spec, "name or name:key=value items, a name first")
@@ -232,6 +233,17 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
         return _gradcheck(out, cfg, snapshot_dir, windows, alphas, route_fracs, reuse, methods, device)
 
 
+def remove_stale_snapshots(out: Path) -> None:
+    """Remove the temporary snapshots (``.STEM-snapshot.agg-bench-tmpPID`` beside ``out``) of earlier gradchecks of
+    ``out`` that were killed before they could (SIGKILL runs no cleanup): a model's weights each. The caller holds
+    ``out``'s claim, so no live process is writing one; nothing but a folder of exactly that name is touched."""
+    prefix = f".{out.stem}-snapshot{TEMP_TAG}"
+    for path in out.parent.iterdir():
+        if path.name.startswith(prefix) and path.name[len(prefix):].isdigit() and path.is_dir() \
+                and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, route_fracs, reuse, methods,
                device: torch.device) -> list[dict]:
     jobs = agg_grid(list(windows), list(alphas), list(route_fracs), list(reuse)) + parse_method_specs(methods)
@@ -242,6 +254,8 @@ def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, 
         if cfg is None:
             raise UserError("gradcheck needs a run config to make a snapshot from (or --snapshot DIR of one)")
         build_estimators(cfg.to_dict(), jobs)  # fail on a bad option before the rollout, not after
+        if snapshot_dir is None:
+            remove_stale_snapshots(out)
         folder = Path(snapshot_dir) if snapshot_dir is not None else \
             atomic_path(out.parent / f"{out.stem}-snapshot")
         temporary = None if snapshot_dir is not None else folder

@@ -227,3 +227,40 @@ def test_a_method_that_owns_its_rollout_is_timed_on_a_rollout_of_its_own(tmp_pat
         assert timed["replay"] == "not_applicable" and timed["train_rollout"] == "own"
         assert len(timed["cpu_s"]) == 2 and len(timed["rollout_cpu_s"]) == 2
     assert "train_rollout" not in methods["full"]
+
+
+def test_the_timed_updates_pay_the_evaluation_average_and_leave_the_session_as_they_found_it(monkeypatch):
+    """Each timed update is a run's whole update, train.eval_ema's update of the average among it (counted
+    exactly); after the rounds the average, the weights, the optimizer's state and the policy version are the
+    session's own again, bit for bit (the rounds moved the average and left it moved)."""
+    from helpers import tiny_config
+
+    from agg_bench.engine.moving_average import MovingAverage
+    from agg_bench.runtime.session import Session
+    from agg_bench.tools.calibrate import method_overrides, time_methods
+
+    session = Session(tiny_config("train.eval_ema=0.5", "train.lr=1e-1"))
+    batch = session.collect(0).batch
+    session.update(batch)  # an average, moments and a version that are not the starting ones
+    average = session.eval_ema
+    before = ({n: w.clone() for n, w in average.weights.items()}, average.steps, average.version)
+    weights = [p.detach().clone() for p in session.policy.parameters()]
+    moments = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in state.items()}
+               for k, state in session.optimizer.state.items()}
+    version, estimator, steps_taken = session.policy.version, session.estimator, session.steps_taken
+    updates = []
+    real_update = MovingAverage.update
+    monkeypatch.setattr(MovingAverage, "update", lambda self, *a: (updates.append(self), real_update(self, *a))[1])
+    methods = {"full": method_overrides("full", {"method": {"name": "full"}}),
+               "agg": method_overrides("agg", {"method": {"name": "agg", "window": 3}})}
+    timed = time_methods(session, batch, methods, CalibrationConfig(method_repeats=2, warmup=1))
+    assert [timed[label]["optimizer_steps"] for label in methods] == [1, 1]
+    assert len(updates) == (1 + 2) * 2 and all(u is average for u in updates)  # rounds x methods x steps
+    assert session.eval_ema is average and (average.steps, average.version) == before[1:]
+    assert all(torch.equal(average.weights[n], w) for n, w in before[0].items())
+    assert all(torch.equal(p, w) for p, w in zip(session.policy.parameters(), weights))
+    assert session.optimizer.state.keys() == moments.keys()
+    for k, state in moments.items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(session.optimizer.state[k][name]), torch.as_tensor(value)), name
+    assert (session.policy.version, session.estimator, session.steps_taken) == (version, estimator, steps_taken)

@@ -608,7 +608,7 @@ MANIFEST_RUN = {"dir": "RUN", "method": "full", "model": "sd3", "resolution": 64
     ({"runs": [{**MANIFEST_RUN, "seed": 1.5}]}, "runs[0].seed = 1.5: expected an integer"),
     ({"runs": [{**MANIFEST_RUN, "method_options": "agg"}]}, "runs[0].method_options = 'agg': expected an object"),
     ({"runs": [{**MANIFEST_RUN, "colour": "red"}]}, "runs[0]: unknown key 'colour'"),
-    ({"runs": [MANIFEST_RUN], "gradcheck": [{"file": 3}]}, "gradcheck[0].file = 3: expected a string"),
+    ({"runs": [MANIFEST_RUN], "gradcheck": [{"file": 3}]}, "gradcheck[0].file = 3: expected a file or folder name"),
     ({"runs": [MANIFEST_RUN], "calibration": [{"model": "sd3"}]}, "calibration[0]: missing 'file'"),
     ({"runs": [MANIFEST_RUN], "warmup": -1}, "warmup = -1: expected an integer >= 0"),
     ({"runs": [MANIFEST_RUN], "warmup": "1"}, "warmup = '1': expected an integer >= 0"),

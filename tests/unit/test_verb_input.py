@@ -1,0 +1,178 @@
+"""Careless input to the verbs (other than ``run`` and ``campaign``, whose walls have tests of their own): every
+refusal is one line naming the option, the value and what is allowed, exit code 2, and nothing that was
+there before is touched."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from agg_bench import cli
+from agg_bench.tools.importlog import import_log
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _verbs() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _path_options() -> list[tuple[str, list[str]]]:
+    """(verb, the arguments that give one of its file or folder options the empty string), from the parser."""
+    cases = []
+    for verb, parser in _verbs().items():
+        for action in parser._actions:
+            if action.type is cli.path_arg:
+                cases.append((verb, [action.option_strings[0], ""] if action.option_strings else [""]))
+    return cases
+
+
+def test_every_file_or_folder_option_takes_the_shared_path_type():
+    """A path option declared another way would take '' for the current folder unseen by the test below."""
+    for verb, parser in _verbs().items():
+        for action in parser._actions:
+            assert action.type is not Path and not isinstance(action.default, Path) or action.type is cli.path_arg, \
+                (verb, action.dest)
+            if "--config" in action.option_strings or "--out" in action.option_strings:
+                assert action.type is cli.path_arg, (verb, action.dest)
+    assert len(_path_options()) >= 30
+
+
+@pytest.mark.parametrize("verb, argv", _path_options(), ids=lambda x: x if isinstance(x, str) else x[0] or "positional")
+def test_an_empty_path_is_refused_for_every_path_option_of_every_verb(tmp_path, monkeypatch, capsys, verb, argv):
+    """'' meant the current folder: ``report --runs ''`` read it, an empty --out wrote into it."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli.main([verb, *argv])
+    lines = capsys.readouterr().err.strip().splitlines()
+    name = argv[0] if argv[0] else "argument "
+    assert stop.value.code == 2 and len(lines) == 1, lines
+    assert name in lines[0] and "''" in lines[0] and "file or folder name" in lines[0], lines
+    assert not any(tmp_path.iterdir())
+
+
+def fails(capsys, argv: list[str]) -> str:
+    """Run the command line in this process; assert exit code 2 and one line on stderr; return the line."""
+    capsys.readouterr()
+    code = cli.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag, least", [("--wait", 0), ("--warmup", 0), ("--active", 1)])
+@pytest.mark.parametrize("value", ["1001", str(10**12)])
+def test_profile_refuses_a_step_count_past_any_profile_before_it_starts(tmp_path, capsys, monkeypatch, flag, least,
+                                                                        value):
+    """--wait 10**12 ran training iterations until the process was killed."""
+    monkeypatch.setattr(cli, "_run_config", lambda *a: pytest.fail("the steps were not refused first"))
+    line = fails(capsys, ["profile", "--method", "full", flag, value, "--out", str(tmp_path / "prof")])
+    assert f"{flag} = {value}: expected an integer from {least} to 1000" in line
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("label", ["", "a\nb", "x" * 201])
+def test_calibrate_refuses_a_method_label_no_table_can_show(tmp_path, capsys, monkeypatch, label):
+    """An empty label was timed and written as a method named ''."""
+    monkeypatch.setattr(cli, "_run_config", lambda *a: pytest.fail("the label was not refused first"))
+    line = fails(capsys, ["calibrate", "--method", label, "{method: {name: full}}", "--out", str(tmp_path / "c.json")])
+    assert line.startswith("agg-bench calibrate: config error: --method = ") and "1 to 200 printable" in line
+    assert not any(tmp_path.iterdir())
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every file and folder under ``root`` with its bytes (None for a folder): what a refusal leaves as it was."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    """A finished run folder (summary.json, env.json, metrics.jsonl), as import-log writes one."""
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"step": i, "avg_reward": 0.1 * i, "step_time": 2.0, "grad_norm": 1.0}) + "\n"
+                           for i in range(1, 4)))
+    import_log(log, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("name", ["summary.json", "env.json"])
+def test_report_refuses_another_verbs_json_as_a_calibration(run, tmp_path, capsys, name):
+    """A run's summary.json or env.json passed every check of a calibration (each key may be null) and priced
+    nothing."""
+    before = tree(tmp_path)
+    line = fails(capsys, ["report", "--runs", str(run), "--calibration", str(run / name),
+                          "--tables", str(tmp_path / "tables")])
+    assert f"calibration {run / name}: no unit_s_per_sample; expected an agg-bench calibrate JSON" in line
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("section, entry", [("runs", {"dir": ""}), ("calibration", {"file": ""}),
+                                            ("gradcheck", {"file": ""})])
+@pytest.mark.parametrize("verb", ["report", "learning"])
+def test_a_manifest_entry_with_an_empty_path_is_refused(run, tmp_path, capsys, monkeypatch, section, entry, verb):
+    """'' named the current folder: run from inside a run folder, the report read it as a run."""
+    manifest = tmp_path / "manifest.json"
+    runs = [entry] if section == "runs" else [{"dir": str(run), "method": "full", "seed": 0}]
+    manifest.write_text(json.dumps({"runs": runs, **({} if section == "runs" else {section: [entry]})}))
+    monkeypatch.chdir(run)
+    before = tree(tmp_path)
+    line = fails(capsys, [verb, "--manifest", str(manifest), "--tables", str(tmp_path / "tables")])
+    key = "dir" if section == "runs" else "file"
+    assert f"manifest {manifest}: {section}[0].{key} = '': expected a file or folder name" in line
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv", [["plan"], ["pretrain", "--out", "{tmp}/model"], ["gradcheck", "--out", "{tmp}/g.csv"],
+                                  ["calibrate", "--out", "{tmp}/c.json"]])
+@pytest.mark.parametrize("text", ["", "# nothing here\n"])
+def test_an_empty_config_file_is_refused_not_taken_for_the_defaults(tmp_path, capsys, monkeypatch, argv, text):
+    """An empty --config (a file cut short, a wrong file) ran the built-in defaults: pretrain trained for minutes."""
+    from agg_bench.tools import calibrate, gradcheck, pretrain
+
+    for module, name in ((pretrain, "pretrain"), (gradcheck, "gradcheck"), (calibrate, "write_calibration")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the config was not refused first"))
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    before = tree(tmp_path)
+    line = fails(capsys, [*(a.replace("{tmp}", str(tmp_path)) for a in argv), "--config", str(config)])
+    assert f"--config = '{config}': expected a YAML mapping of " in line and "the file holds none" in line
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("value", ["", ",", "fraction,", "fraction,,full"])
+def test_gradcheck_refuses_an_empty_methods_item(tmp_path, capsys, monkeypatch, value):
+    """--methods '' (or a stray comma) was read as no method and the gradcheck ran without it."""
+    monkeypatch.setattr(cli, "_run_config", lambda *a: pytest.fail("the methods were not refused first"))
+    from agg_bench.tools import gradcheck
+
+    monkeypatch.setattr(gradcheck, "_gradcheck", lambda *a: pytest.fail("the methods were not refused first"))
+    line = fails(capsys, ["gradcheck", "--snapshot", str(tmp_path / "snap"), "--methods", value,
+                          "--out", str(tmp_path / "g.csv")])
+    assert f"--methods = {value!r}: expected name or name:key=value items, comma-separated, none empty" in line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_rerun_of_a_killed_gradcheck_removes_the_snapshot_it_left(tmp_path, capsys):
+    """A gradcheck killed (SIGKILL) while it replayed left its temporary snapshot, the model's weights, beside --out
+    for good: a rerun made another. Only a temporary of that exact name goes; a user's folders stay."""
+    from agg_bench.io import TEMP_TAG
+
+    stale = tmp_path / f".g-snapshot{TEMP_TAG}4194000"
+    (stale / "transformer").mkdir(parents=True)
+    (stale / "rollout.json").write_text("{}")
+    kept = [tmp_path / "g-snapshot", tmp_path / f".g-snapshot{TEMP_TAG}x1", tmp_path / f".h-snapshot{TEMP_TAG}7"]
+    for folder in kept:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
+    before = tree(tmp_path)
+    assert cli.main(["gradcheck", "--config", str(ROOT / "config/run.yaml"), "--set", "model.resolution=32",
+                     "--set", "sampling.steps=4", "--set", "grpo.prompts_per_iteration=1", "--set", "progress=false",
+                     "--windows", "2", "--alphas", "index", "--route-fracs", "1",
+                     "--out", str(tmp_path / "g.csv")]) == 0, capsys.readouterr().err
+    after = tree(tmp_path)
+    assert not stale.exists() and (tmp_path / "g.csv").is_file()
+    assert {k: v for k, v in before.items() if not k.startswith(stale.name)} == \
+        {k: v for k, v in after.items() if k != "g.csv"}
