@@ -27,14 +27,6 @@ def path_arg(text: str) -> Path:
     return Path(text)
 
 
-def path_arg(text: str) -> Path:
-    """A path option's value; an empty one (``--out $DIR`` with DIR unset) is refused: it would be the current
-    folder."""
-    if not text:
-        raise argparse.ArgumentTypeError("an empty path (the current folder is written '.')")
-    return Path(text)
-
-
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=path_arg, help="run config YAML (default: built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
