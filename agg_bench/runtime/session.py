@@ -211,11 +211,11 @@ class Session:
         :func:`agg_bench.engine.grpo.minibatch_rows`); learning statistics of them all. ``steps_taken``: the
         optimizer steps it took.
 
-        Each step: with ``train.eval_ema_updates`` u > 1 the evaluation average's u - 1 updates left of the
-        previous step (:meth:`take_in_eval_average`), zero the gradient, the method's gradient of its mini-batch's
-        loss (the mean over the mini-batch's terms), the average over the processes, the clip (unless the part says
-        not: ``clip_gradient``), the divergence check, the optimizer's step, and with ``train.eval_ema`` the
-        evaluation average's update. ``loss``, ``clip_frac``, ``approx_kl`` and ``grad_norm`` are the means over
+        Each step: zero the gradient, the method's gradient of its mini-batch's loss (the mean over the mini-batch's
+        terms), the average over the processes, the clip (unless the part says not: ``clip_gradient``), the
+        divergence check, with ``train.eval_ema_updates`` u > 1 the evaluation average's u - 1 updates left of the
+        previous step (:meth:`take_in_eval_average`; the weights are still that step's), the optimizer's step, and
+        with ``train.eval_ema`` the evaluation average's update. ``loss``, ``clip_frac``, ``approx_kl`` and ``grad_norm`` are the means over
         the steps taken; the update's other statistics (``ratio_dev``) are its first step's. One mini-batch is the
         batch itself, not a copy.
         """
@@ -226,7 +226,6 @@ class Session:
         parts = self.estimator.update_parts(batch, cfg.train, cfg.grpo.group_size)
         self.steps_taken = 0
         for minibatch in parts * cfg.train.inner_epochs:  # epoch after epoch, the parts in order
-            self.take_in_eval_average(cfg.train.eval_ema_updates - 1)  # the previous step's other updates
             self.optimizer.zero_grad(set_to_none=True)
             stats = UpdateStats(cfg.grpo.clip_range)
             with distributed.failures_shared():  # no process enters the all-reduce while another failed
@@ -242,6 +241,9 @@ class Session:
             if not torch.isfinite(norm) or not math.isfinite(loss):
                 out["diverged"] = "gradient" if not torch.isfinite(norm) else "loss"
                 break
+            # the previous step's other updates, here and not before the gradient: a run stopped in the method's
+            # gradient (or failed there) leaves the average as the checkpoint of the last record holds it
+            self.take_in_eval_average(cfg.train.eval_ema_updates - 1)
             self.optimizer.step()
             self.steps_taken += 1
             self.policy.version += 1

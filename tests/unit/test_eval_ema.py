@@ -218,6 +218,40 @@ def test_a_resumed_run_continues_the_average(tmp_path):
     assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in b["weights"])
 
 
+def test_a_run_stopped_in_an_update_before_its_step_resumes_to_the_uninterrupted_average(tmp_path, monkeypatch):
+    """With ``train.eval_ema_updates: 2`` a SIGTERM that comes as iteration 2's update starts stops the run at its
+    first transformer call, before any optimizer step; the checkpoint then taken (after iteration 1) and the resumed
+    run's evaluations and final average equal the uninterrupted run's: the update's deferred take-in of step 2's
+    weights, which the resumed run makes again, must not be in that checkpoint."""
+    import os
+    import signal
+
+    from agg_bench.stopping import Interrupted
+
+    settings = [*RUN, "train.eval_ema=0.9", "train.eval_ema_updates=2", "train.checkpoint_every=3",
+                "train.iterations=4"]
+    train(tiny_config(*settings), tmp_path / "whole")
+    update, calls = Session.update, []
+
+    def signalling(self, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return update(self, batch)
+
+    monkeypatch.setattr(Session, "update", signalling)
+    with pytest.raises(Interrupted):
+        train(tiny_config(*settings), tmp_path / "part")
+    monkeypatch.undo()
+    summary = json.loads((tmp_path / "part" / "summary.json").read_text())
+    assert (summary["status"], summary["checkpoint_iteration"]) == ("interrupted", 1)
+    train(tiny_config(*settings), tmp_path / "part", resume=True)
+    assert records(tmp_path / "part") == records(tmp_path / "whole")
+    assert evaluations(tmp_path / "part") == evaluations(tmp_path / "whole")
+    a, b = (torch.load(tmp_path / name / CHECKPOINT_NAME, weights_only=True)["eval_ema"] for name in ("part", "whole"))
+    assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in b["weights"])
+
+
 @pytest.mark.parametrize("case", [("sd3", "float32", []), ("flux", "bfloat16", ["train.lora_rank=4"])])
 def test_the_planner_charges_one_copy_of_the_trained_parameters(case):
     family, dtype, extra = case
