@@ -11,6 +11,8 @@ methods check in its child process), before anything is written:
 - the method's options are checked, and typed once, by the method's own config class
   (:func:`agg_bench.methods.base.method_config`; ``cfg.method.options``), which imports the method's module
   and with it torch;
+- a given ``sampling.shift`` makes a schedule that falls strictly from 1 to 0 in the sampler's precision
+  (:func:`agg_bench.engine.sampler.check_sigmas`; a model's own shift is checked when the session has the model);
 - ``reward.name`` names a registered reward (:data:`agg_bench.engine.rewards.REWARDS`; after the method, whose
   module may register one).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 from ..config import RunConfig
 from ..engine.families import architecture
 from ..engine.rewards import REWARDS
+from ..engine.sampler import check_sigmas, configured_sigmas, sampler_dtype
 from ..methods.base import method_config
 
 
@@ -32,6 +35,10 @@ def check_config(cfg: RunConfig) -> RunConfig:
     model = cfg.model
     if model.preset == "random" and not model.pretrained:
         architecture(model.family, model.architecture)
+    sampling = cfg.sampling
+    if sampling.shift is not None:  # before any job of a sweep, not when the run has built its model
+        check_sigmas(configured_sigmas(sampling.schedule, sampling.steps, sampling.shift), sampling.shift,
+                     sampler_dtype(model.dtype))
     if cfg.method.options is None:
         cfg.method.options = method_config(cfg.method.name, cfg.method.given)
     if cfg.reward.name not in REWARDS.names():

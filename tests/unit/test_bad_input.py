@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,19 @@ def test_a_shift_whose_schedule_does_not_fall_from_1_to_0_is_refused(tmp_path, c
     trained on steps of size 0, with exit code 0."""
     line = run_fails(tmp_path / "out", capsys, *[a for s in sets for a in ("--set", s)])
     assert "sampling.shift" in line and "falls strictly from 1 to 0 in float32" in line and gives in line, line
+
+
+@pytest.mark.parametrize("schedule, shift", [("diffusers", "0.01"), ("linspace", "1e+30")])
+def test_a_sweep_refuses_such_a_shift_before_any_job(schedule, shift):
+    """The sweep's check of each job's config (in its child process, before Snakemake runs a job) refuses the shift
+    as the run would: it used to pass it, and the job failed once started, after the model was built."""
+    from agg_bench.tools.sweep import SweepError, check_methods
+
+    job = [("sampling.schedule", schedule), ("sampling.shift", float(shift))]
+    with pytest.raises(SweepError, match=rf"sd3_full: config error: sampling\.shift = {re.escape(shift)}: .*falls "
+                                         r"strictly from 1 to 0 in float32"):
+        check_methods(None, {"sd3_full": job})
+    assert check_methods(None, {"sd3_full": [("sampling.schedule", schedule), ("sampling.shift", 3.0)]})
 
 
 def test_the_linspace_schedule_starts_at_exactly_1():
