@@ -49,6 +49,16 @@ for CELL in SWEEP.cells:
     use_run_settings(workflow, workflow.get_rule(SWEEP.cell_rule(CELL)))
 
 
+# a cell job leaves its journal (agg-bench cell --keep-journal) for a rerun of a job whose end went unrecorded;
+# once this snakemake has recorded the ends of the cell jobs it ran, their journals go (docs/workflow.md)
+onsuccess:
+    forget_recorded_cells(workflow)
+
+
+onerror:
+    forget_recorded_cells(workflow)
+
+
 # a file where one of the workflow's folders goes: one line, not Snakemake's NotADirectoryError (the runs' own
 # folders are no rule's output: a run job's output is its marker)
 try:

@@ -31,7 +31,7 @@ holds that config, a ``summary.json`` of the recorded status, ``metrics.jsonl`` 
 is removed when an attempt ends with every run ended ``ok``, ``oom`` or ``diverged``, so a forced rerun of a
 job that ended runs everything again; it stays while a run failed, so the next attempt reruns only the
 failed runs. With ``--keep-journal`` (the workflow's cell jobs) an attempt that ended leaves its journal too,
-for the caller to remove once it has recorded the job's end (the workflow's manifest job): a cell job that
+for the caller to remove once it has recorded the job's end (the workflow, once Snakemake has recorded it): a cell job that
 ended after Snakemake itself was killed (``kill -9`` of snakemake leaves its jobs running), which Snakemake
 reruns as incomplete, then keeps every run instead of running them all again. The run the stop cut short continues from its last checkpoint (``train.checkpoint_every``),
 as ``agg-bench run --resume-stopped`` continues it, when its config and code are unchanged.

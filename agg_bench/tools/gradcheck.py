@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -235,13 +236,26 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
 
 def remove_stale_snapshots(out: Path) -> None:
     """Remove the temporary snapshots (``.STEM-snapshot.agg-bench-tmpPID`` beside ``out``) of earlier gradchecks of
-    ``out`` that were killed before they could (SIGKILL runs no cleanup): a model's weights each. The caller holds
-    ``out``'s claim, so no live process is writing one; nothing but a folder of exactly that name is touched."""
+    ``out`` that were killed before they could (SIGKILL runs no cleanup): a model's weights each. Nothing but a
+    folder of exactly that name is touched, and only when the process it names has ended: the caller holds
+    ``out``'s claim, but a gradcheck of another ``--out`` of the same stem (``g.csv``, ``g.md``) writes its own."""
     prefix = f".{out.stem}-snapshot{TEMP_TAG}"
     for path in out.parent.iterdir():
-        if path.name.startswith(prefix) and path.name[len(prefix):].isdigit() and path.is_dir() \
+        pid = path.name[len(prefix):]
+        if path.name.startswith(prefix) and pid.isdigit() and not _running(int(pid)) and path.is_dir() \
                 and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's; or no PID at all, which is left alone too
+    return True
 
 
 def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, route_fracs, reuse, methods,

@@ -532,16 +532,18 @@ class Sweep:
         folder and the job succeeds; the manifest reports the failure. --resume: the next attempt keeps the
         runs an attempt that did not end had finished. --overwrite: a run's folder holding a finished run of
         an earlier config is replaced, as when Snakemake removed a run job's outputs. --keep-journal: an attempt
-        that ended leaves its journal, which the manifest job removes (:meth:`forget_cell_attempts`), so a job
+        that ended leaves its journal, which the workflow removes once Snakemake has recorded the job's end
+        (:meth:`forget_cell_attempts`), so a job
         that ended after Snakemake itself was killed, which Snakemake reruns as incomplete, keeps its runs."""
         return (f"{self.launch(self.cell_device(cell), 'cell')} --keep-going --resume --keep-journal --overwrite "
                 f"{CELL_DIR}/{cell}.json")
 
-    def forget_cell_attempts(self) -> None:
-        """Remove each cell job's journal (``agg-bench cell --keep-journal`` leaves it), for the manifest job,
-        which runs once Snakemake has recorded every cell job's end: a forced rerun then runs every run again.
-        A file there that is not a journal is left (the cell job refuses it)."""
-        for cell in self.cells:
+    def forget_cell_attempts(self, cells=None) -> None:
+        """Remove the journal of each cell job of ``cells`` (default: every cell), which ``agg-bench cell
+        --keep-journal`` leaves, once Snakemake has recorded the job's end: for the manifest job, and for each
+        cell job that a snakemake ran when it ends (the Snakefile's onsuccess and onerror): a forced rerun then
+        runs every run again. A file there that is not a journal is left (the cell job refuses it)."""
+        for cell in self.cells if cells is None else cells:
             path = Path(CELL_DIR, f"{cell}.progress.json")
             if path.is_file() and not path.is_symlink() and is_journal(path):
                 path.unlink()

@@ -352,6 +352,34 @@ def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
     assert (work / "results/tables/efficiency.csv").is_file() and not (work / "results/cells/sd3_32px_cpu.progress.json").exists()
 
 
+@pytest.mark.slow
+def test_a_cell_journal_goes_when_snakemake_ends_short_of_the_manifest(tmp_path):
+    """A cell job leaves its journal (--keep-journal) and the manifest job removed it; an invocation that ended
+    before the manifest (a target short of it, a failed job elsewhere) left it, and a forced rerun of the cell
+    then kept every run instead of measuring them again. Snakemake removes the journal of each cell job it ran
+    when it ends; the journal a cell job left that this invocation did not run (a job of a snakemake killed with
+    kill -9) stays for the rerun of that job."""
+    work = workdir(tmp_path)
+    sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
+    sweep.update(resolutions=[32, 64], calibrate={"enabled": False})
+    del sweep["gradcheck"]
+    (work / "short.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    cells = work / "results/cells"
+    cells.mkdir(parents=True)
+    other = cells / "sd3_64px_cpu.progress.json"
+    other.write_text(json.dumps({"code": "x", "runs": {}}))
+    target, summary = "results/done/full_sd3_32px_s0_cpu.json", work / "results/runs/full_sd3_32px_s0_cpu/summary.json"
+    proc = snakemake(work, target, "--cores", "2", "--configfile", "short.yaml")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not (work / "results/manifest.json").exists() and (work / target).is_file()
+    assert sorted(p.name for p in cells.iterdir()) == ["sd3_32px_cpu.json", other.name]
+    first = summary.stat().st_mtime_ns
+    proc = snakemake(work, target, "--cores", "2", "--forcerun", "cell_sd3_32px_cpu", "--configfile", "short.yaml")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = (work / "results/logs/cell/sd3_32px_cpu.log").read_text()
+    assert "kept:" not in log and summary.stat().st_mtime_ns != first, log[-3000:]
+
+
 def cell_processes(work: Path) -> list[int]:
     """The `python -m agg_bench cell` processes working in ``work`` (not the shell that started them)."""
     found = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,21 +159,29 @@ def test_gradcheck_refuses_an_empty_methods_item(tmp_path, capsys, monkeypatch, 
 
 def test_a_rerun_of_a_killed_gradcheck_removes_the_snapshot_it_left(tmp_path, capsys):
     """A gradcheck killed (SIGKILL) while it replayed left its temporary snapshot, the model's weights, beside --out
-    for good: a rerun made another. Only a temporary of that exact name goes; a user's folders stay."""
+    for good: a rerun made another. Only a temporary of that exact name goes, and only when the process it names
+    has ended (a gradcheck of another --out of the same stem, g.md, still writes its own); a user's folders stay."""
     from agg_bench.io import TEMP_TAG
 
     stale = tmp_path / f".g-snapshot{TEMP_TAG}4194000"
     (stale / "transformer").mkdir(parents=True)
     (stale / "rollout.json").write_text("{}")
-    kept = [tmp_path / "g-snapshot", tmp_path / f".g-snapshot{TEMP_TAG}x1", tmp_path / f".h-snapshot{TEMP_TAG}7"]
+    # a gradcheck of g.md (same stem, another claim) still running, which writes its snapshot there
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    kept = [tmp_path / "g-snapshot", tmp_path / f".g-snapshot{TEMP_TAG}x1", tmp_path / f".h-snapshot{TEMP_TAG}7",
+            tmp_path / f".g-snapshot{TEMP_TAG}{running.pid}"]
     for folder in kept:
         folder.mkdir()
         (folder / "notes.txt").write_text("mine")
     before = tree(tmp_path)
-    assert cli.main(["gradcheck", "--config", str(ROOT / "config/run.yaml"), "--set", "model.resolution=32",
-                     "--set", "sampling.steps=4", "--set", "grpo.prompts_per_iteration=1", "--set", "progress=false",
-                     "--windows", "2", "--alphas", "index", "--route-fracs", "1",
-                     "--out", str(tmp_path / "g.csv")]) == 0, capsys.readouterr().err
+    try:
+        assert cli.main(["gradcheck", "--config", str(ROOT / "config/run.yaml"), "--set", "model.resolution=32",
+                         "--set", "sampling.steps=4", "--set", "grpo.prompts_per_iteration=1", "--set",
+                         "progress=false", "--windows", "2", "--alphas", "index", "--route-fracs", "1",
+                         "--out", str(tmp_path / "g.csv")]) == 0, capsys.readouterr().err
+    finally:
+        running.kill()
+        running.wait()
     after = tree(tmp_path)
     assert not stale.exists() and (tmp_path / "g.csv").is_file()
     assert {k: v for k, v in before.items() if not k.startswith(stale.name)} == \

@@ -51,3 +51,13 @@ def use_run_settings(workflow, target) -> None:
             target.resources.update(Resources.from_mapping(settings.overwrite_resources[name]))
         if name in settings._parsed_overwrite_threads:
             target.resources["_cores"] = settings._parsed_overwrite_threads[name]
+
+
+def forget_recorded_cells(workflow) -> None:
+    """Remove the journal of each cell job this snakemake ran to its end (it has recorded that end), when the
+    snakemake ends (onsuccess, onerror): an invocation that ended short of the manifest job (a target before it,
+    a job that failed elsewhere) left them, and a forced rerun then kept every run instead of measuring it again.
+    A journal that a cell job of a killed snakemake left stays: the rerun of that job keeps its runs."""
+    dag = workflow.dag
+    ended = {job.rule.name for job in dag.jobs if dag.finished(job)}
+    SWEEP.forget_cell_attempts([cell for cell in SWEEP.cells if SWEEP.cell_rule(cell) in ended])
