@@ -43,6 +43,12 @@ def section(cls: type, doc: str) -> Any:
     return field(default_factory=cls, metadata={"doc": doc})
 
 
+def bound(section_class: type, key: str, name: str = "maximum") -> Any:
+    """The constraint ``name`` (``maximum``, ``minimum`` ...) of ``section_class``'s key ``key``: a command-line
+    option that counts the same thing takes its bound from here."""
+    return section_class.__dataclass_fields__[key].metadata["constraints"][name]
+
+
 class Section:
     """What every section does: built from a mapping, written back as one (in field order)."""
 

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..config import GRPOConfig, RunConfig
+from ..config import GRPOConfig, RunConfig, bound
 from ..engine.families import family_spec
 from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build_tiny_vae, policy_class,
                              precision, prepare_training, pretrained_transformer_config, text_dims, vae_dtype)
@@ -90,7 +90,7 @@ class Layout:
 
 
 # the most processes a run can take: each trains at least one prompt's group of the batch
-MAX_GPUS = GRPOConfig.__dataclass_fields__["prompts_per_iteration"].metadata["constraints"]["maximum"]
+MAX_GPUS = bound(GRPOConfig, "prompts_per_iteration")
 
 
 def run_layout(cfg: RunConfig, gpus: int = 1) -> Layout:

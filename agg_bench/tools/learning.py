@@ -22,7 +22,7 @@ from ..io import write_text
 from ..outdir import claimed_folders
 from ..results.learning_tables import (EVAL_SOURCES, PLOTS_CONTENTS, TABLES_CONTENTS, Run, learning_table, load_runs,
                                 plot_held_out, plot_rewards, write_curves, write_table)
-from ..results.loading import load_manifest
+from ..results.loading import MAX_ITERATIONS, load_manifest
 from ..reading import RunFolder
 from ..runtime.evaluation import SAMPLERS
 
@@ -178,7 +178,8 @@ def sample_grids(runs: list[Run], images: dict, captions: list[str], path: str |
 class LearningOptions:
     """What ``agg-bench learning`` computes (each field is the command's option of the same name).
 
-    average: iterations averaged at each end of a run (its initial and final reward); at least 1.
+    average: iterations averaged at each end of a run (its initial and final reward); 1 to train.iterations'
+        maximum.
     fraction: the rollout reward's target, as a fraction of the reference's mean gain; in (0, 1].
     eval_noises: the checkpoint evaluation's noises per caption, 0 to 1024 (0: none, and no evaluation
         columns for methods without in-run evaluations).
@@ -204,8 +205,9 @@ class LearningOptions:
 
     def check(self) -> None:
         """A UserError naming the option of the first field out of range (the runs are not read yet)."""
-        if self.average < 1:
-            raise UserError(f"--average {self.average}: expected an integer >= 1")
+        if not 1 <= self.average <= MAX_ITERATIONS:
+            raise UserError(f"--average {self.average}: expected an integer from 1 to {MAX_ITERATIONS:,} (iterations "
+                            "averaged at each end of a run; train.iterations is at most that)")
         if not 0 < self.fraction <= 1:
             raise UserError(f"--fraction {self.fraction}: expected a number in (0, 1]")
         if not 0 <= self.eval_noises <= 1024:
