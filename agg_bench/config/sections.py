@@ -400,8 +400,9 @@ class RunConfig(Section):
     folder's ``config.json`` holds.
     """
 
-    run_id: str | None = option(None, "name of the run (null: the output folder's name)", min_length=1,
-                                expected="a name, or null")
+    run_id: str | None = option(None, "name of the run in its records, summary and tables, never a path: 1 to 200 "
+                                "printable characters (null: the output folder's name)", min_length=1,
+                                expected="a name of 1 to 200 printable characters, or null")
     seed: int = option(0, "all randomness of iteration i comes from a generator seeded by (seed, i)",
                           minimum=0, maximum=2**32 - 1)
     device: str = option("cpu", "where the run computes (`auto`: cuda where available)",

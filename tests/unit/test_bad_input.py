@@ -117,6 +117,16 @@ def test_an_empty_name_or_path_is_refused(tmp_path, capsys, key):
     assert f"{key} = ''" in line, line
 
 
+@pytest.mark.parametrize("escaped", [r"a\nb", r"a\0b", r"\e[2Jmine", r"a\tb", r"a\u2028b", "x" * 201])
+def test_a_run_id_that_would_break_a_line_or_a_table_row_is_refused(tmp_path, capsys, escaped):
+    """run_id is a label of the records, the summary, the tables and the progress lines (never a path: the
+    folder is --out). A newline, NUL or terminal escape passed and split or garbled those lines and rows."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f'run_id: "{escaped}"\n')
+    line = run_fails(tmp_path / "out", capsys, "--config", str(config))
+    assert "run_id = " in line and "expected a name of 1 to 200 printable characters, or null" in line, line
+
+
 @pytest.mark.parametrize("sets, gives", [
     (["sampling.shift=1e-30"], "gives nan"),  # diffusers' schedule: nan, then 0, 0
     (["sampling.shift=0.01"], "gives 1.0001"),  # above 1: flow_grpo's std takes the root of 1 - s
