@@ -140,6 +140,28 @@ def test_a_shift_whose_schedule_does_not_fall_from_1_to_0_is_refused(tmp_path, c
     assert "sampling.shift" in line and "falls strictly from 1 to 0 in float32" in line and gives in line, line
 
 
+@pytest.mark.parametrize("sets, key, gives", [
+    (["sampling.schedule=linspace", "sampling.shift=1e-30"], "sampling.shift", "step 1 of sampling.sde flow_grpo gives std"),
+    (["sampling.schedule=linspace", "sampling.shift=1e-30", "sampling.sde=dance_grpo"], "sampling.shift",
+     "step 1 of sampling.sde dance_grpo gives std"),
+    (["sampling.eta=1e-30"], "sampling.eta", "step 0 of sampling.sde flow_grpo gives std 1e-30"),
+])
+def test_a_schedule_whose_noise_underflows_is_refused(tmp_path, capsys, sets, key, gives):
+    """linspace with shift 1e-30 falls strictly from 1 to 0 in float32, but its sigmas of ~1e-30 give stds
+    whose square, the log-probability's divisor, underflows to 0: the run ended `diverged` with exit code 0."""
+    line = run_fails(tmp_path / "out", capsys, *[a for s in sets for a in ("--set", s)])
+    assert f"{key} = 1e-30" in line and "normal float32 number" in line and gives in line, line
+
+
+def test_the_noise_check_passes_every_sde_on_usual_schedules():
+    from agg_bench.engine.sampler import SDE_KINDS, check_sigmas, flow_sigmas, linspace_sigmas
+
+    for sigmas in (flow_sigmas(10, 3.0), linspace_sigmas(21, 3.0), linspace_sigmas(6, 1e-10)):
+        for kind in SDE_KINDS:
+            for dtype in (torch.float32, torch.float64):
+                check_sigmas(sigmas, 3.0, dtype, kind, 0.3)
+
+
 def test_the_linspace_schedule_starts_at_exactly_1():
     """shift(1) = 1; rounding gave 1 + 2e-16 for shift 0.1, refused in float64 as above 1."""
     from agg_bench.engine.sampler import linspace_sigmas
