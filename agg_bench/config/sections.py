@@ -46,7 +46,7 @@ def section(cls: type, doc: str) -> Any:
 def bound(section_class: type, key: str, name: str = "maximum") -> Any:
     """The constraint ``name`` (``maximum``, ``minimum`` ...) of ``section_class``'s key ``key``: a command-line
     option that counts the same thing takes its bound from here."""
-    return section_class.__dataclass_fields__[key].metadata["constraints"][name]
+    return {f.name: f for f in dataclasses.fields(section_class)}[key].metadata["constraints"][name]
 
 
 class Section:
