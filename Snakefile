@@ -65,5 +65,8 @@ try:
     check_output_folders([*(path for rule in workflow.rules
                             for path in [*rule.output, *rule.log, *([rule.benchmark] if rule.benchmark else [])]),
                           "results/runs/{run_id}/summary.json"])
+    # someone's files in a folder that a job writes into: refused here, not when that job runs (the tables' after
+    # every run)
+    check_output_contents(SWEEP)
 except UserError as err:
     raise WorkflowError(str(err)) from None

@@ -148,10 +148,12 @@ def _strangers(folder: Path, contents: Contents, prefix: str = "") -> tuple[list
     return foreign, wrong_kind
 
 
-def check_folder(out: Path, contents: Contents, flag: str = "--out") -> None:
+def check_folder(out: Path, contents: Contents, flag: str = "--out", remedy: str | None = None) -> None:
     """Refuse ``out`` unless it is new, or a folder holding only ``contents`` (harness temporaries and
     locks aside), each of its kind (a file where the command writes a file, a folder where it owns one),
-    with nothing but their own contents in the folders it owns, and no symbolic link. Reads only."""
+    with nothing but their own contents in the folders it owns, and no symbolic link. Reads only.
+    ``remedy`` ends a refusal of what the folder holds instead of the advice to give another folder (for a
+    folder the user did not name: the workflow's)."""
     if out.is_symlink():
         raise UserError(f"{flag} {out}: is a symbolic link; give the folder it points to, or another folder")
     if not out.exists():
@@ -162,15 +164,15 @@ def check_folder(out: Path, contents: Contents, flag: str = "--out") -> None:
     if wrong_kind:
         kind = "a folder" if wrong_kind[0].endswith("/") else "a file"
         raise UserError(f"{flag} {out}: {wrong_kind[0].rstrip('/')} is {kind}, where {contents.what} has "
-                        f"{'a file' if kind == 'a folder' else 'a folder'}; remove or rename it, or give "
-                        "another folder")
+                        f"{'a file' if kind == 'a folder' else 'a folder'}; "
+                        f"{remedy or 'remove or rename it, or give another folder'}")
     if foreign:
         raise UserError(f"{flag} {out}: the folder holds files that are not {contents.what} ({_shown(foreign)}); "
-                        "give a new or empty folder")
+                        f"{remedy or 'give a new or empty folder'}")
     links = find_links(out)
     if links:
         raise UserError(f"{flag} {out}: holds symbolic links ({_shown(links)}), which a write could follow out "
-                        "of the folder; remove them or give another folder")
+                        f"of the folder; {remedy or 'remove them or give another folder'}")
 
 
 def remove_owned(folder: Path, contents: Contents) -> None:

@@ -14,12 +14,13 @@ Snakemake parses, and a report reads any run folder's ``config.json``.
 from .load import apply_overrides, check_data_parallel, deep_merge, load_config, parse_override, validate
 from .schema import check_finite, check_schema, run_schema
 from .sections import (DEFAULTS, EvalConfig, GRPOConfig, MethodSection, ModelConfig, PassCosts, PromptsConfig,
-                       RewardConfig, RunConfig, SamplingConfig, TelemetryConfig, TrainConfig, upgrade_written)
+                       RewardConfig, RunConfig, SamplingConfig, TelemetryConfig, TrainConfig, bound,
+                       upgrade_written)
 from .yamlio import (MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, YamlRefused, check_expanded_size,
                      read_yaml_mapping, yaml_load)
 
 __all__ = ["DEFAULTS", "EvalConfig", "GRPOConfig", "MAX_YAML_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_VALUES",
            "MethodSection", "ModelConfig", "PassCosts", "PromptsConfig", "RewardConfig", "RunConfig", "SamplingConfig", "TelemetryConfig",
-           "TrainConfig", "YamlRefused", "apply_overrides", "check_data_parallel", "check_expanded_size",
+           "TrainConfig", "YamlRefused", "apply_overrides", "bound", "check_data_parallel", "check_expanded_size",
            "check_finite", "check_schema", "deep_merge", "load_config", "parse_override", "read_yaml_mapping",
            "run_schema", "upgrade_written", "validate", "yaml_load"]

@@ -64,6 +64,9 @@ def apply_overrides(config: dict, overrides: list[str]) -> dict:
     return config
 
 
+MAX_RUN_ID = 200  # characters of run_id, as of import-log's labels
+
+
 def validate(config: dict) -> RunConfig:
     """``config`` (plain data) checked against the run schema and typed. The method's options stay as written
     (``cfg.method.given``; ``cfg.method.options`` is None until
@@ -74,6 +77,10 @@ def validate(config: dict) -> RunConfig:
     refuse_written_before(config)
     check_schema(config, run_schema())
     cfg = RunConfig.from_dict(config)
+    # a label of the records, the summary, the tables and the progress lines, never a path (the folder is --out):
+    # a newline or a control character split or garbled those lines, and the tables' rows
+    if cfg.run_id is not None and not (len(cfg.run_id) <= MAX_RUN_ID and cfg.run_id.isprintable()):
+        raise ConfigError("run_id", cfg.run_id, f"a name of 1 to {MAX_RUN_ID} printable characters, or null")
     model = cfg.model
     if model.architecture is not None and not (model.preset == "random" and not model.pretrained):
         raise ConfigError("model.architecture", model.architecture, "null unless model.preset is random")

@@ -43,6 +43,12 @@ def section(cls: type, doc: str) -> Any:
     return field(default_factory=cls, metadata={"doc": doc})
 
 
+def bound(section_class: type, key: str, name: str = "maximum") -> Any:
+    """The constraint ``name`` (``maximum``, ``minimum`` ...) of ``section_class``'s key ``key``: a command-line
+    option that counts the same thing takes its bound from here."""
+    return {f.name: f for f in dataclasses.fields(section_class)}[key].metadata["constraints"][name]
+
+
 class Section:
     """What every section does: built from a mapping, written back as one (in field order)."""
 
@@ -394,8 +400,9 @@ class RunConfig(Section):
     folder's ``config.json`` holds.
     """
 
-    run_id: str | None = option(None, "name of the run (null: the output folder's name)", min_length=1,
-                                expected="a name, or null")
+    run_id: str | None = option(None, "name of the run in its records, summary and tables, never a path: 1 to 200 "
+                                "printable characters (null: the output folder's name)", min_length=1,
+                                expected="a name of 1 to 200 printable characters, or null")
     seed: int = option(0, "all randomness of iteration i comes from a generator seeded by (seed, i)",
                           minimum=0, maximum=2**32 - 1)
     device: str = option("cpu", "where the run computes (`auto`: cuda where available)",

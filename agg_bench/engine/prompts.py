@@ -13,6 +13,7 @@ import torch
 
 from ..errors import ConfigError, quote
 from ..jsonfiles import JsonFileError, loads, read_json_object
+from ..outputs import TOKEN_HASH_FILE  # in a model folder: its conditioning is this embedding, not text encoders
 from .models import Conditioning
 
 
@@ -75,7 +76,6 @@ def hash_embed(prompts: list[str], dim: int, pooled_dim: int | None, max_tokens:
     return Conditioning(states, pooled)
 
 
-TOKEN_HASH_FILE = "token_hash.json"  # in a model folder: its conditioning is this embedding, not text encoders
 
 
 MAX_TOKEN_HASH_BYTES = 64 * 2**10  # the file pretrain writes is one short line

@@ -95,17 +95,54 @@ def sampler_dtype(model_dtype: str | torch.dtype) -> torch.dtype:
     return torch.float64 if model_dtype in ("float64", torch.float64) else torch.float32
 
 
-def check_sigmas(sigmas: torch.Tensor, shift: float | None, dtype: torch.dtype) -> None:
+def check_sigmas(sigmas: torch.Tensor, shift: float | None, dtype: torch.dtype, kind: str | None = None,
+                 eta: float | None = None) -> None:
     """Raise a ConfigError naming ``sampling.shift`` unless the schedule ``sigmas`` (T+1), in the sampler's
     ``dtype``, is finite and falls strictly from 1 to 0: an extreme shift rounds it to nan (1e-30), above 1
     (diffusers' 0.01: 1.0001, where the SDEs take the root of 1 - s) or to equal neighbours (1e8: 1, 1, ...;
-    a step of size 0), and the run ended ``diverged`` or trained on steps that do nothing."""
+    a step of size 0), and the run ended ``diverged`` or trained on steps that do nothing. With the SDE
+    ``kind`` and its ``eta``, also unless every stochastic step's noise std and the variance 2 std^2 that its
+    log-probability divides by are normal numbers (positive, finite, not below ``dtype``'s smallest normal), and
+    its mean is finite for a unit latent and velocity:
+    linspace with shift 1e-30 falls from 1 to 0 in float32, but its sigmas of ~1e-30 give stds whose square
+    underflows to 0, and the run ended ``diverged`` on an infinite log-probability (a tiny ``eta`` likewise,
+    named ``sampling.eta`` where eta 1 would give the schedule normal noise)."""
     s = sigmas.to(dtype)
-    if bool(torch.isfinite(s).all()) and s[0] <= 1 and s[-1] == 0 and bool((s[1:] < s[:-1]).all()):
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not (bool(torch.isfinite(s).all()) and s[0] <= 1 and s[-1] == 0 and bool((s[1:] < s[:-1]).all())):
+        head = ", ".join(f"{v:.6g}" for v in s[:4].tolist()) + (", ..." if len(s) > 4 else "")
+        raise ConfigError("sampling.shift", shift, f"a shift whose {len(s) - 1}-step schedule falls strictly from 1 "
+                          f"to 0 in {dtype_name} (this one gives {head})")
+    if kind is None or eta is None:
         return
-    head = ", ".join(f"{v:.6g}" for v in s[:4].tolist()) + (", ..." if len(s) > 4 else "")
-    raise ConfigError("sampling.shift", shift, f"a shift whose {len(s) - 1}-step schedule falls strictly from 1 "
-                      f"to 0 in {str(dtype).removeprefix('torch.')} (this one gives {head})")
+    bad = _abnormal_noise_step(kind, s, eta)
+    if bad is None:
+        return
+    step, std = bad
+    if _abnormal_noise_step(kind, s, 1.0) is None:
+        raise ConfigError("sampling.eta", eta, f"an eta whose noise std is a normal {dtype_name} number at every "
+                          f"stochastic step, with its square (step {step} of sampling.sde {kind} gives std {std:.3g})")
+    raise ConfigError("sampling.shift", shift, f"a shift whose {len(s) - 1}-step schedule gives every stochastic step "
+                      f"a finite mean and a noise std that is a normal {dtype_name} number, with its square (step {step} of "
+                      f"sampling.sde {kind} gives std {std:.3g} at sampling.eta {eta})")
+
+
+def _abnormal_noise_step(kind: str, sigmas: torch.Tensor, eta: float) -> tuple[int, float] | None:
+    """The first stochastic step of ``kind`` on ``sigmas`` (in their dtype) whose std, or 2 std^2, is not a
+    positive finite normal number, or whose mean for a unit latent and velocity is not finite (dance_grpo's
+    score divides by s^2), with that std; None when there is none. Both are :func:`sde_step`'s own."""
+    tiny = torch.finfo(sigmas.dtype).tiny
+    steps = torch.arange(sigmas.numel() - 1)
+    ones = torch.ones(len(steps), 1, dtype=sigmas.dtype)  # a unit-scale latent and velocity
+    out = sde_step(kind, ones, ones, sigmas, steps, eta, prev_sample=ones)
+    std, mean = out.std.flatten(), out.mean.flatten()
+    variance = 2 * std**2
+    normal = torch.isfinite(std) & torch.isfinite(variance) & (std >= tiny) & (variance >= tiny) & torch.isfinite(mean)
+    bad = stochastic_steps(kind, sigmas) & ~normal
+    if not bool(bad.any()):
+        return None
+    step = int(bad.nonzero()[0])
+    return step, float(std[step])
 
 
 def _per_sample(values: torch.Tensor, index, like: torch.Tensor) -> torch.Tensor:

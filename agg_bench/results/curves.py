@@ -55,7 +55,6 @@ from .stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 CURVE_COLUMNS = ("method", "seed", "iteration", "cost", "cpu_s", "eval_reward")
 TARGET_COLUMNS = ("target_reached", "target_cost", "target_cost_lo", "target_cost_hi", "target_cpu_s",
                   "speedup_to_target", "speedup_to_target_lo", "speedup_to_target_hi")
-CURVE_PLOTS = ("eval_reward_cost", "eval_reward_cpu", "eval_pareto")
 
 
 def run_curve(evaluations: pd.DataFrame, records: pd.DataFrame, times: np.ndarray) -> pd.DataFrame:

@@ -43,8 +43,7 @@ import pandas as pd
 from ..errors import UserError, quote
 from ..io import save_figure, write_text
 from ..jsonfiles import read_json_object
-from ..outdir import Contents
-from .curves import (CURVE_PLOTS, TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
+from .curves import (TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
                      plot_pareto, run_curve, target_columns)
 from .plotting import method_style, pyplot
 from ..reading import METRICS_FILE, RunFolder
@@ -54,11 +53,6 @@ SCENE_PARTS = tuple(key.removeprefix("reward_") for key in SUBSCORES)  # the sce
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
 # the held-out gain: the runs' in-run evaluations where all of a method's have them / always agg-bench learning's
 EVAL_SOURCES = ("auto", "checkpoint")
-# what --tables DIR and --plots DIR hold (the workflow writes its manifest.json beside them)
-TABLES_CONTENTS = Contents("learning tables", ("learning.csv", "learning.md", "evaluation.csv", "curves.csv",
-                                               "manifest.json"))
-PLOTS_CONTENTS = Contents("learning plots", ("reward_iteration.png", "reward_time.png", "samples.png",
-                                             *(f"{name}.png" for name in CURVE_PLOTS), "manifest.json"))
 
 
 @dataclass
@@ -290,7 +284,7 @@ def write_curves(runs: list[Run], out_dir: str | Path) -> Path:
 
 def plot_held_out(runs: list[Run], out_dir: str | Path) -> list[Path]:
     """The held-out curves against cost and CPU time, and the final reward against total cost
-    (:data:`~agg_bench.results.curves.CURVE_PLOTS`)."""
+    (:data:`~agg_bench.outputs.CURVE_PLOTS`)."""
     curves, methods = held_out_curves(runs)
     key = iteration_times(runs[0].records)[1]
     out = Path(out_dir)

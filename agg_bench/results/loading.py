@@ -18,6 +18,7 @@ from typing import IO, Iterable, Mapping, TypeGuard
 import numpy as np
 import pandas as pd
 
+from ..config import TrainConfig, bound
 from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import read_json_object
 from ..reading import RunFolder
@@ -85,10 +86,17 @@ def check_time_basis(value, key: str = "report.time") -> str:
     return value
 
 
+# the most iterations a run has (train.iterations' maximum): a warm-up beyond it left every run's timings with all
+# their iterations, the warm-up included, and the report said nothing
+MAX_ITERATIONS = bound(TrainConfig, "iterations")
+
+
 def check_warmup(value, key: str = "report.warmup") -> int:
-    """``value`` if it is an integer >= 0 (iterations left out of the timings); else a ConfigError naming ``key``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(key, value, "an integer >= 0 (iterations of each run left out of the timings)")
+    """``value`` if it is an integer from 0 to :data:`MAX_ITERATIONS` (iterations left out of the timings); else a
+    ConfigError naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ITERATIONS:
+        raise ConfigError(key, value, f"an integer from 0 to {MAX_ITERATIONS:,} (iterations of each run left out of "
+                          "the timings; train.iterations is at most that)")
     return value
 
 

@@ -22,18 +22,15 @@ from pathlib import Path
 import pandas as pd
 
 from ..errors import UserError
-from ..outdir import Contents, claimed_folders
+from ..outdir import claimed_folders
+from ..outputs import PLOTS_CONTENTS, TABLES_CONTENTS  # what --tables DIR and --plots DIR hold
 from .formatting import table_csv, write_tables
 from .loading import (PLOT_CELLS, PLOT_COLUMNS, Manifest, load_calibration, load_gradcheck, load_records,
                       load_tables, parse_table)
 from .plots import write_plots
-from ..records import PLOT_TABLES, PLOTS, TABLE_FORMATS, TABLES
+from ..records import PLOT_TABLES
 from .tables import build_tables
 
-# what --tables DIR and --plots DIR hold; any other file there is someone else's
-TABLES_CONTENTS = Contents("agg-bench report tables",
-                           ("records.csv", *(f"{name}.{ext}" for name in TABLES for ext in TABLE_FORMATS)))
-PLOTS_CONTENTS = Contents("agg-bench report plots", tuple(f"{name}.png" for name in PLOTS))
 
 
 def build_report(manifest: Manifest, tables_dir: str | Path | None = None,

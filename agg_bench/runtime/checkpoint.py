@@ -41,9 +41,8 @@ import torch.distributed as dist
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_file
 from ..jsonfiles import JsonProblem, loads
+from ..outputs import CHECKPOINT_NAME, SHARDS_PREFIX
 
-CHECKPOINT_NAME = "checkpoint.pt"
-SHARDS_PREFIX = "checkpoint_shards_"
 SHARDS_NAME = re.compile(re.escape(SHARDS_PREFIX) + r"[0-9]+")  # a folder beside checkpoint.pt, never a path
 FORMAT = 1
 # Config keys that change neither what a run computes nor what it records in metrics.jsonl: a finished run

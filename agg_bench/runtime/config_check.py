@@ -38,7 +38,7 @@ def check_config(cfg: RunConfig) -> RunConfig:
     sampling = cfg.sampling
     if sampling.shift is not None:  # before any job of a sweep, not when the run has built its model
         check_sigmas(configured_sigmas(sampling.schedule, sampling.steps, sampling.shift), sampling.shift,
-                     sampler_dtype(model.dtype))
+                     sampler_dtype(model.dtype), sampling.sde, sampling.eta)
     if cfg.method.options is None:
         cfg.method.options = method_config(cfg.method.name, cfg.method.given)
     if cfg.reward.name not in REWARDS.names():

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..config import RunConfig
+from ..config import GRPOConfig, RunConfig, bound
 from ..engine.families import family_spec
 from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build_tiny_vae, policy_class,
                              precision, prepare_training, pretrained_transformer_config, text_dims, vae_dtype)
@@ -89,10 +89,15 @@ class Layout:
         return self.gpus if self.shard == "fsdp" else 1
 
 
+# the most processes a run can take: each trains at least one prompt's group of the batch
+MAX_GPUS = bound(GRPOConfig, "prompts_per_iteration")
+
+
 def run_layout(cfg: RunConfig, gpus: int = 1) -> Layout:
     """The layout ``cfg`` asks for on ``gpus`` processes (a ConfigError when its batch cannot be split)."""
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ConfigError("--gpus", gpus, "an integer >= 1")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
+        raise ConfigError("--gpus", gpus, f"an integer from 1 to {MAX_GPUS:,} (each process trains whole GRPO "
+                          f"groups, and grpo.prompts_per_iteration is at most {MAX_GPUS:,})")
     distributed.Shard(0, gpus).check_run(cfg)
     # the rows of one process's mini-batch (train.minibatches), which a method without a micro-batch trains at once
     local = cfg.grpo.prompts_per_iteration * cfg.grpo.group_size // gpus // cfg.train.minibatches

@@ -1,6 +1,6 @@
 """The run folder: what ``agg-bench run --out DIR`` holds, and the rules for writing it.
 
-A run folder holds these files and nothing else (:data:`RUN_CONTENTS`):
+A run folder holds these files and nothing else (:data:`agg_bench.outputs.RUN_CONTENTS`):
 
 - ``config.json``: the run config, as validated;
 - ``env.json``: the machine and software it ran on (:func:`agg_bench.machine.telemetry.environment`);
@@ -47,31 +47,12 @@ from ..config import DEFAULTS
 from ..errors import UserError
 from ..io import JsonlWriter, is_temp_name, write_json, write_lines
 from ..machine.envinfo import environment
-from ..outdir import Claim, Contents, check_folder, remove_owned
+from ..outdir import Claim, remove_owned
+from ..outputs import EVENTS_CONTENTS, EVENTS_FOLDER, SHARD_CONTENTS, check_run_folder
 from ..reading import RunFolder
 from ..records import EVALUATIONS_FILE
 from ..sources import source_digest
-from .checkpoint import (CHECKPOINT_NAME, RESUMABLE_CHANGES, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path,
-                         first_difference)
-from .scalar_events import CONTENTS as EVENTS_CONTENTS
-from .scalar_events import FOLDER as EVENTS_FOLDER
-
-# what torch.distributed.checkpoint's FileSystemWriter puts in a shard folder: each process's data files,
-# the metadata (renamed into place from a temporary)
-SHARD_CONTENTS = Contents("a checkpoint's shards", patterns=("__*_*.distcp", ".metadata", ".metadata.tmp",
-                                                             "__*.metadata", "__*.metadata.tmp"))
-RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics.jsonl", EVALUATIONS_FILE,
-                                             "summary.json", "plan.json", CHECKPOINT_NAME),
-                        folders=((EVENTS_FOLDER, EVENTS_CONTENTS), (f"{SHARDS_PREFIX}*", SHARD_CONTENTS)))
-
-
-def _run_config(folder: Path) -> dict | None:
-    """The run config a run folder holds (its ``config.json``), or None when it is not a run folder."""
-    try:
-        config = RunFolder(folder).config_object()  # the one reader of a run folder: bounded, one line if bad
-    except UserError:
-        return None
-    return config if isinstance(config, dict) and {"model", "train", "method"} <= set(config) else None
+from .checkpoint import RESUMABLE_CHANGES, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference
 
 
 def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> None:
@@ -79,10 +60,8 @@ def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> Non
     not write, or a symbolic link (:func:`~agg_bench.outdir.check_folder`), a run's file names without a
     run's config, and (unless ``overwrite``, or resuming from a checkpoint, which checks the config
     itself) a finished run of another config. Reads only."""
-    check_folder(out, RUN_CONTENTS)
-    previous = _run_config(out) if out.is_dir() else None
-    if previous is None:  # its files, if any, are not an agg-bench run's
-        check_folder(out, Contents(RUN_CONTENTS.what))
+    previous = check_run_folder(out)
+    if previous is None:
         return
     if overwrite or (resume and checkpoint_path(out).is_file()) or not (out / "summary.json").is_file():
         return

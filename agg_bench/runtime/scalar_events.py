@@ -11,7 +11,7 @@ A resumed run appends to the same folder, starting at its first iteration with `
 drops the earlier attempt's events from that step on (the records after the checkpoint, which are
 recomputed), so no step is shown twice. A run that starts over, or resumes with the option off, removes
 the folder (:func:`agg_bench.runtime.runfolder.start_files`), which may hold only the writer's event files
-(:data:`CONTENTS`): a folder with anything else in it refuses the run before anything is written.
+(:data:`agg_bench.outputs.EVENTS_CONTENTS`): a folder with anything else in it refuses the run before anything is written.
 
 The writer is torch's ``torch.utils.tensorboard.SummaryWriter``, which needs the ``tensorboard`` package
 (the ``profile`` extra). It is imported only when the option is on; without it the run is refused before
@@ -26,12 +26,9 @@ from typing import Iterable
 
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..outdir import Contents
+from ..outputs import EVENTS_FOLDER
 
-FOLDER = "tensorboard"  # inside the run folder
-# what the writer puts there (tensorboard's event files); a rerun removes the folder only if it holds
-# nothing else (agg_bench.runtime.runfolder)
-CONTENTS = Contents("TensorBoard events of a run", patterns=("events.out.tfevents.*",))
+FOLDER = EVENTS_FOLDER  # inside the run folder; what the writer puts there: agg_bench.outputs.EVENTS_CONTENTS
 
 
 def _summary_writer_class() -> type:

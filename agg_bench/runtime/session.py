@@ -123,7 +123,8 @@ class Session:
                                            weight_decay=cfg.train.weight_decay)
         self.steps_taken = 0  # optimizer steps of the last update
         self.sigmas = run_sigmas(cfg, self.policy, self.latent_shape)
-        check_sigmas(self.sigmas, cfg.sampling.shift, sampler_dtype(self.policy.dtype))  # the model's own shift's
+        check_sigmas(self.sigmas, cfg.sampling.shift, sampler_dtype(self.policy.dtype),  # the model's own shift's
+                     cfg.sampling.sde, cfg.sampling.eta)
         estimator.check_schedule(cfg, self.sigmas)
         # train.eval_ema: the moving average the evaluations use; the rollout and training never do
         self.eval_ema = MovingAverage(self.policy) if cfg.train.eval_ema is not None else None

@@ -55,10 +55,10 @@ from ..errors import UserError, quote
 from ..io import atomic_path, atomic_target, write_json
 from ..jsonfiles import JsonProblem, loads
 from ..outdir import Contents, claim_folder
-from ..results.learning_tables import PLOTS_CONTENTS as LEARNING_PLOTS
-from ..results.learning_tables import TABLES_CONTENTS as LEARNING_TABLES
+from ..outputs import LEARNING_PLOTS_CONTENTS as LEARNING_PLOTS
+from ..outputs import LEARNING_TABLES_CONTENTS as LEARNING_TABLES
+from ..outputs import TABLES_CONTENTS
 from ..reading import RunFolder
-from ..results.report import TABLES_CONTENTS
 
 if TYPE_CHECKING:
     from .campaign import Campaign

@@ -71,7 +71,7 @@ from ..io import atomic_target, write_json
 from ..jsonfiles import loads
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned
 from ..runtime.cell import job_entry
-from ..runtime.runfolder import RUN_CONTENTS
+from ..outputs import RUN_CONTENTS
 from . import archive as archives
 from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep, check_sweep_files, flatten, is_pretrained_here,
                     overrides_of)

@@ -28,7 +28,8 @@ from typing import Any
 from ..errors import UserError, quote
 from ..io import JsonlWriter, write_json, write_lines
 from ..jsonfiles import JsonProblem, json_type, loads
-from ..outdir import Claim, Contents, check_folder
+from ..outdir import Claim, check_folder
+from ..outputs import IMPORT_CONTENTS
 from ..records import DIVERGING_KEYS, NUMBER_KEYS, RECORD_KEYS, is_finite_number, new_record, record_problem
 
 # DanceGRPO key -> metric record key
@@ -36,7 +37,6 @@ DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time":
                   "grad_norm": "grad_norm"}
 SOURCE = "imported"
 # an import folder holds these and nothing else; an earlier import is replaced, anything else is refused
-IMPORT_CONTENTS = Contents("an imported log", ("metrics.jsonl", "summary.json", "env.json"))
 MAX_LOG_BYTES = 64 * 2**20  # a DanceGRPO log of 100,000 steps is about 15 MB
 MAX_STEP = 10**9  # far above any training run (agg-bench's own train.iterations stops at 100,000)
 MAX_RESOLUTION = 16384

@@ -20,9 +20,10 @@ import pandas as pd
 from ..errors import UserError, quote
 from ..io import write_text
 from ..outdir import claimed_folders
-from ..results.learning_tables import (EVAL_SOURCES, PLOTS_CONTENTS, TABLES_CONTENTS, Run, learning_table, load_runs,
-                                plot_held_out, plot_rewards, write_curves, write_table)
-from ..results.loading import load_manifest
+from ..outputs import LEARNING_PLOTS_CONTENTS, LEARNING_TABLES_CONTENTS
+from ..results.learning_tables import (EVAL_SOURCES, Run, learning_table, load_runs, plot_held_out, plot_rewards,
+                                       write_curves, write_table)
+from ..results.loading import MAX_ITERATIONS, load_manifest
 from ..reading import RunFolder
 from ..runtime.evaluation import SAMPLERS
 
@@ -178,7 +179,8 @@ def sample_grids(runs: list[Run], images: dict, captions: list[str], path: str |
 class LearningOptions:
     """What ``agg-bench learning`` computes (each field is the command's option of the same name).
 
-    average: iterations averaged at each end of a run (its initial and final reward); at least 1.
+    average: iterations averaged at each end of a run (its initial and final reward); 1 to train.iterations'
+        maximum.
     fraction: the rollout reward's target, as a fraction of the reference's mean gain; in (0, 1].
     eval_noises: the checkpoint evaluation's noises per caption, 0 to 1024 (0: none, and no evaluation
         columns for methods without in-run evaluations).
@@ -204,8 +206,9 @@ class LearningOptions:
 
     def check(self) -> None:
         """A UserError naming the option of the first field out of range (the runs are not read yet)."""
-        if self.average < 1:
-            raise UserError(f"--average {self.average}: expected an integer >= 1")
+        if not 1 <= self.average <= MAX_ITERATIONS:
+            raise UserError(f"--average {self.average}: expected an integer from 1 to {MAX_ITERATIONS:,} (iterations "
+                            "averaged at each end of a run; train.iterations is at most that)")
         if not 0 < self.fraction <= 1:
             raise UserError(f"--fraction {self.fraction}: expected a number in (0, 1]")
         if not 0 <= self.eval_noises <= 1024:
@@ -279,7 +282,7 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
         # every input of the evaluation checked before the model is sampled and before anything is written
         evaluation = CheckpointEvaluation(runs, max(options.eval_noises, 1), options.eval_seed, options.eval_sampler,
                                           one_model(runs), grid=plots is not None)
-    with claimed_folders([(tables, TABLES_CONTENTS), (plots, PLOTS_CONTENTS)], ("--tables", "--plots")):
+    with claimed_folders([(tables, LEARNING_TABLES_CONTENTS), (plots, LEARNING_PLOTS_CONTENTS)], ("--tables", "--plots")):
         scores = images = None
         if evaluation is not None:
             scores, images = evaluate(runs, evaluation)

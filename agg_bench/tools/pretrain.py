@@ -37,12 +37,13 @@ from ..engine.scenes import all_scenes, draw_batch, sample_scenes
 from ..engine.sampler import flow_sigmas, ode_step
 from ..errors import ConfigError, UserError
 from ..io import atomic_target, save_figure, write_json, write_text
-from ..outdir import Claim, Contents, check_folder, is_harness_name
+from ..outdir import Claim, check_folder, is_harness_name
+from ..outputs import PRETRAIN_CONTENTS, PRETRAIN_MARKER
 from ..results.plotting import pyplot
 from ..machine.devices import resolve_device
 from ..threads import usable_cores
 
-MARKER = "pretrain.json"
+MARKER = PRETRAIN_MARKER  # what the pretraining did (agg_bench.outputs)
 MAX_SEED = 2**32 - 1  # as a run's seed; the data, noise and sample generators take seed + 1, + 2, + 3
 # A pixel-space scene model taught on a CPU: the recipe's has 0.6 M parameters, and a step of 100 M (at the
 # sweep's batch of 32) takes seconds on a CPU core; its weights, gradients, AdamW's moments and the average are
@@ -264,17 +265,6 @@ def learning_rate(cfg: PretrainConfig, step: int) -> float:
         return cfg.lr
     progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# what a pretrain output folder holds, its model folders included (diffusers' save_pretrained: a config and
-# the weights, whole or in shards with their index); it is replaced whole, so anything else in it would be lost
-_MODEL_FOLDER = Contents("a saved model", ("config.json", "diffusion_pytorch_model.safetensors",
-                                           "diffusion_pytorch_model.safetensors.index.json"),
-                         ("diffusion_pytorch_model-*-of-*.safetensors",))
-PRETRAIN_CONTENTS = Contents("an agg-bench pretrain output", (TOKEN_HASH_FILE, "samples.png", MARKER),
-                             folders=(("transformer", _MODEL_FOLDER),
-                                      ("vae", Contents("a pixel decoder", ("config.json",))),
-                                      ("scheduler", Contents("a scheduler", ("scheduler_config.json",)))))
 
 
 def check_out_dir(out: Path) -> None:

@@ -13,7 +13,8 @@ peft). The checks come in two stages:
    its model family's latent multiple and maximum (:mod:`agg_bench.engine.families`); an ``exclude`` pattern
    that matches no label, and one that leaves no run. The Snakefile also checks, before any job, the files its
    jobs read that no job makes (:func:`check_input_files`), runs whose marker outlived their folder
-   (:func:`check_markers`) and files where its folders go (:func:`check_output_folders`).
+   (:func:`check_markers`), files where its folders go (:func:`check_output_folders`) and someone's files in
+   the folders its commands write into (:func:`check_output_contents`).
    Every run and calibration on several processes splits its batch into whole GRPO groups per process
    (:func:`agg_bench.config.check_data_parallel`, as the run checks it).
 2. The methods' own options and run checks (``Estimator.check_run``), which live with the methods and
@@ -46,6 +47,9 @@ from ..engine.families import architecture, check_resolution
 from ..errors import UserError, clip, quote
 from ..io import atomic_path
 from ..jsonfiles import loads, read_json_object
+from ..outdir import Contents, check_folder
+from ..outputs import (IMPORT_CONTENTS, LEARNING_PLOTS_CONTENTS, LEARNING_TABLES_CONTENTS, PLOTS_CONTENTS,
+                       PRETRAIN_CONTENTS, RUN_CONTENTS, TABLES_CONTENTS, check_run_folder)
 from ..runtime.cell import is_journal, job_entry
 from ..sources import source_digest
 
@@ -279,6 +283,35 @@ def check_output_folders(paths) -> None:
             if os.path.lexists(folder) and not os.path.isdir(folder):
                 raise UserError(f"{folder} is not a folder, and the workflow keeps its files in a folder of that "
                                 "name; move it away")
+
+
+# ends the refusal of a folder the workflow writes into that holds someone's files
+MOVE_AWAY = "move what is not the workflow's out of it first (a job that writes there would refuse it)"
+
+
+def output_folders(sweep: Sweep) -> list[tuple[str, Contents]]:
+    """Each folder the workflow's commands write into with what each may hold (:mod:`agg_bench.outputs`): every
+    run's folder, the report's tables and plots, each imported reference's and each pretrain entry's folder,
+    and with a ``learning`` section the learning report's folder."""
+    folders = [(f"results/runs/{run_id}", RUN_CONTENTS) for run_id in sweep.runs]
+    folders += [("results/tables", TABLES_CONTENTS), ("results/plots", PLOTS_CONTENTS)]
+    folders += [(f"results/imported/{label}", IMPORT_CONTENTS) for label in sweep.references]
+    folders += [(f"{PRETRAINED_DIR}/{label}", PRETRAIN_CONTENTS) for label in sweep.sweep.get("pretrain") or {}]
+    if sweep.sweep.get("learning"):
+        folders.append(("results/learning", LEARNING_TABLES_CONTENTS | LEARNING_PLOTS_CONTENTS))
+    return folders
+
+
+def check_output_contents(sweep: Sweep) -> None:
+    """Each folder the workflow writes into (:func:`output_folders`) is new or holds only what its command
+    writes there, each name of its kind, and a run's file names only beside a run's config: a file of someone's
+    (``notes.txt`` in a run folder, ``mine.csv`` beside the tables) was refused only when the job that writes
+    there ran, for the tables after every run. For the Snakefile, before any job; reads only."""
+    for folder, contents in output_folders(sweep):
+        if contents is RUN_CONTENTS:
+            check_run_folder(Path(folder), "output folder", MOVE_AWAY)
+        else:
+            check_folder(Path(folder), contents, "output folder", MOVE_AWAY)
 
 
 def flatten(overrides: dict, prefix: str = "") -> list[tuple[str, Any]]:

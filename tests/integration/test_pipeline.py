@@ -247,6 +247,7 @@ def test_a_run_folder_removed_by_hand_is_named_with_its_marker(tmp_path):
         ["results/done", "results/done/full_sd3_32px_s0_cpu.json"]
     run = work / "results/runs/full_sd3_32px_s0_cpu"
     run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": {}, "train": {}, "method": {"name": "full"}}))
     (run / "summary.json").write_text(json.dumps({"status": "ok"}))
     proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
     assert proc.returncode == 0, proc.stderr + proc.stdout  # a run with its summary: its marker stands

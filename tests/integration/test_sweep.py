@@ -355,3 +355,50 @@ def test_a_nan_in_the_sweep_is_refused_before_any_job(in_process, section, value
     with pytest.raises(SweepError, match=re.escape(f"{words}: expected a finite number")):
         Sweep(config, SCHEMA)
     assert in_process == []
+
+
+@pytest.mark.parametrize("mine, named", [
+    ("results/runs/full_sd3_32px_s0_cpu/notes.txt", "results/runs/full_sd3_32px_s0_cpu: the folder holds files that "
+                                                     "are not an agg-bench run (notes.txt)"),
+    ("results/runs/agg-w3_sd3_32px_s0_cpu/metrics.jsonl", "results/runs/agg-w3_sd3_32px_s0_cpu: the folder holds "
+                                                           "files that are not an agg-bench run (metrics.jsonl)"),
+    ("results/tables/mine.csv", "results/tables: the folder holds files that are not agg-bench report tables (mine.csv)"),
+    ("results/plots/mine.png", "results/plots: the folder holds files that are not agg-bench report plots (mine.png)"),
+    ("results/runs/full_sd3_32px_s0_cpu/tensorboard/mine.txt", "results/runs/full_sd3_32px_s0_cpu: the folder holds "
+                                                                "files that are not an agg-bench run (tensorboard/mine.txt)"),
+])
+def test_someones_file_in_a_folder_the_workflow_writes_is_refused_before_any_job(in_process, tmp_path, monkeypatch,
+                                                                                 mine, named):
+    """A file of someone's in a run folder or beside the tables was refused only by the job that writes there: for
+    the tables after every run had finished. The Snakefile checks every such folder before any job, and touches
+    nothing. (A run's metrics.jsonl without a run's config.json is not a run folder either.)"""
+    sweep = Sweep(sweep_config(), SCHEMA)
+    monkeypatch.chdir(tmp_path)
+    sweep_module.check_output_contents(sweep)  # nothing there yet
+    run = tmp_path / "results/runs/full_sd3_32px_s0_cpu"  # a finished run and earlier tables are the workflow's own
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": {}, "train": {}, "method": {"name": "full"}}))
+    (run / "summary.json").write_text("{}")
+    (tmp_path / "results/tables").mkdir()
+    (tmp_path / "results/tables/records.csv").write_text("run_id\n")
+    sweep_module.check_output_contents(sweep)
+    path = tmp_path / mine
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("mine")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError) as refused:
+        sweep_module.check_output_contents(sweep)
+    assert str(refused.value) == f"output folder {named}; {sweep_module.MOVE_AWAY}"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before and path.read_text() == "mine"
+
+
+def test_the_learning_folder_is_checked_with_a_learning_section(in_process, tmp_path, monkeypatch):
+    sweep = Sweep(sweep_config(), SCHEMA)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results/learning").mkdir(parents=True)
+    (tmp_path / "results/learning/notes.txt").write_text("mine")
+    sweep_module.check_output_contents(sweep)  # no learning section: no job writes there
+    sweep.sweep["learning"] = {"average_iterations": 1}
+    with pytest.raises(UserError, match=re.escape("output folder results/learning: the folder holds files that are "
+                                                  "not learning tables or learning plots (notes.txt)")):
+        sweep_module.check_output_contents(sweep)

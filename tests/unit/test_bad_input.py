@@ -118,6 +118,16 @@ def test_an_empty_name_or_path_is_refused(tmp_path, capsys, key):
     assert f"{key} = ''" in line, line
 
 
+@pytest.mark.parametrize("escaped", [r"a\nb", r"a\0b", r"\e[2Jmine", r"a\tb", r"a\u2028b", "x" * 201])
+def test_a_run_id_that_would_break_a_line_or_a_table_row_is_refused(tmp_path, capsys, escaped):
+    """run_id is a label of the records, the summary, the tables and the progress lines (never a path: the
+    folder is --out). A newline, NUL or terminal escape passed and split or garbled those lines and rows."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f'run_id: "{escaped}"\n')
+    line = run_fails(tmp_path / "out", capsys, "--config", str(config))
+    assert "run_id = " in line and "expected a name of 1 to 200 printable characters, or null" in line, line
+
+
 @pytest.mark.parametrize("sets, gives", [
     (["sampling.shift=1e-30"], "gives nan"),  # diffusers' schedule: nan, then 0, 0
     (["sampling.shift=0.01"], "gives 1.0001"),  # above 1: flow_grpo's std takes the root of 1 - s
@@ -142,6 +152,28 @@ def test_a_sweep_refuses_such_a_shift_before_any_job(schedule, shift):
                                          r"strictly from 1 to 0 in float32"):
         check_methods(None, {"sd3_full": job})
     assert check_methods(None, {"sd3_full": [("sampling.schedule", schedule), ("sampling.shift", 3.0)]})
+
+
+@pytest.mark.parametrize("sets, key, gives", [
+    (["sampling.schedule=linspace", "sampling.shift=1e-30"], "sampling.shift", "step 1 of sampling.sde flow_grpo gives std"),
+    (["sampling.schedule=linspace", "sampling.shift=1e-30", "sampling.sde=dance_grpo"], "sampling.shift",
+     "step 1 of sampling.sde dance_grpo gives std"),
+    (["sampling.eta=1e-30"], "sampling.eta", "step 0 of sampling.sde flow_grpo gives std 1e-30"),
+])
+def test_a_schedule_whose_noise_underflows_is_refused(tmp_path, capsys, sets, key, gives):
+    """linspace with shift 1e-30 falls strictly from 1 to 0 in float32, but its sigmas of ~1e-30 give stds
+    whose square, the log-probability's divisor, underflows to 0: the run ended `diverged` with exit code 0."""
+    line = run_fails(tmp_path / "out", capsys, *[a for s in sets for a in ("--set", s)])
+    assert f"{key} = 1e-30" in line and "normal float32 number" in line and gives in line, line
+
+
+def test_the_noise_check_passes_every_sde_on_usual_schedules():
+    from agg_bench.engine.sampler import SDE_KINDS, check_sigmas, flow_sigmas, linspace_sigmas
+
+    for sigmas in (flow_sigmas(10, 3.0), linspace_sigmas(21, 3.0), linspace_sigmas(6, 1e-10)):
+        for kind in SDE_KINDS:
+            for dtype in (torch.float32, torch.float64):
+                check_sigmas(sigmas, 3.0, dtype, kind, 0.3)
 
 
 def test_the_linspace_schedule_starts_at_exactly_1():
@@ -225,3 +257,13 @@ def test_a_method_section_that_is_not_a_mapping(tmp_path, capsys, section):
     assert len(err) == 1 and "method" in err[0] and "mapping" in err[0]
     line = run_fails(tmp_path / "out", capsys, "--set", "method=null")
     assert "method" in line and "mapping" in line
+
+
+def test_a_sweep_refuses_a_shift_whose_noise_underflows_before_any_job():
+    """The sweep's check of each job's config takes the SDE and its eta too, so the shift that falls from 1 to 0
+    but whose noise underflows is refused before any job, as the run refuses it."""
+    from agg_bench.tools.sweep import SweepError, check_methods
+
+    job = [("sampling.schedule", "linspace"), ("sampling.shift", 1e-30)]
+    with pytest.raises(SweepError, match=r"sd3_full: config error: sampling\.shift = 1e-30: .*normal float32 number"):
+        check_methods(None, {"sd3_full": job})

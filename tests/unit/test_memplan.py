@@ -150,6 +150,8 @@ def test_cli_plan_json_and_nowhere_to_fit(capsys):
     (["--gpu-memory", "-1"], "--gpu-memory"), (["--gpu-memory", "nan"], "--gpu-memory"),
     (["--gpu-memory", "inf"], "--gpu-memory"), (["--gpus", "0"], "--gpus"),
     (["--gpus", "3"], "grpo.prompts_per_iteration"),
+    # far past any batch: the message named grpo.prompts_per_iteration's multiple, not --gpus and its bound
+    (["--gpus", str(10**12)], "--gpus = 1000000000000: expected an integer from 1 to 1,024"),
     (["--set", "model.preset=random", "--set", "model.architecture=sd4"], "model.architecture"),
 ])
 def test_cli_plan_bad_input(args, key, capsys):

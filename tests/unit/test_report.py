@@ -610,8 +610,9 @@ MANIFEST_RUN = {"dir": "RUN", "method": "full", "model": "sd3", "resolution": 64
     ({"runs": [{**MANIFEST_RUN, "colour": "red"}]}, "runs[0]: unknown key 'colour'"),
     ({"runs": [MANIFEST_RUN], "gradcheck": [{"file": 3}]}, "gradcheck[0].file = 3: expected a file or folder name"),
     ({"runs": [MANIFEST_RUN], "calibration": [{"model": "sd3"}]}, "calibration[0]: missing 'file'"),
-    ({"runs": [MANIFEST_RUN], "warmup": -1}, "warmup = -1: expected an integer >= 0"),
-    ({"runs": [MANIFEST_RUN], "warmup": "1"}, "warmup = '1': expected an integer >= 0"),
+    ({"runs": [MANIFEST_RUN], "warmup": -1}, "warmup = -1: expected an integer from 0 to 100,000"),
+    ({"runs": [MANIFEST_RUN], "warmup": "1"}, "warmup = '1': expected an integer from 0 to 100,000"),
+    ({"runs": [MANIFEST_RUN], "warmup": 10**30}, f"warmup = {10**30}: expected an integer from 0 to 100,000"),
     ({"runs": [MANIFEST_RUN], "time": "gpu"}, "time = 'gpu': expected one of auto, cpu, wall"),
     ({"runs": [MANIFEST_RUN], "run": []}, "unknown key 'run'"),
 ])

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from agg_bench import cli
 from agg_bench.tools.importlog import import_log
@@ -74,6 +75,26 @@ def test_profile_refuses_a_step_count_past_any_profile_before_it_starts(tmp_path
     line = fails(capsys, ["profile", "--method", "full", flag, value, "--out", str(tmp_path / "prof")])
     assert f"{flag} = {value}: expected an integer from {least} to 1000" in line
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("verb, flag, least", [("report", "--warmup", 0), ("learning", "--average", 1)])
+@pytest.mark.parametrize("value", ["100001", str(10**30)])
+def test_report_counts_past_any_run_are_refused_before_anything_is_read(tmp_path, capsys, verb, flag, least, value):
+    """report --warmup 10**30 exited 0: a warm-up longer than a run times all of its iterations, the warm-up
+    included. A run has at most train.iterations' maximum, 100,000."""
+    line = fails(capsys, [verb, "--manifest", str(tmp_path / "none.json"), "--tables", str(tmp_path / "t"), flag, value])
+    assert f"{flag}" in line and value in line and f"expected an integer from {least} to 100,000" in line, line
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_report_counts_take_the_bound_of_train_iterations():
+    from agg_bench.config import TrainConfig, bound
+    from agg_bench.results.loading import MAX_ITERATIONS
+
+    schema = yaml.safe_load((Path(__file__).resolve().parents[2] / "workflow/schemas/config.schema.yaml").read_text())
+    assert MAX_ITERATIONS == bound(TrainConfig, "iterations") == 100_000
+    assert schema["properties"]["report"]["properties"]["warmup_iterations"]["maximum"] == MAX_ITERATIONS
+    assert schema["properties"]["learning"]["properties"]["average_iterations"]["maximum"] == MAX_ITERATIONS
 
 
 @pytest.mark.parametrize("label", ["", "a\nb", "x" * 201])

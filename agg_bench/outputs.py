@@ -1,0 +1,79 @@
+"""What each command writes into its output folder (:class:`~agg_bench.outdir.Contents`), and nothing else.
+
+The writers claim their folders with these lists (:mod:`agg_bench.outdir`): a run, the report's tables and
+plots, the learning report, an imported log, a pretrain output. They live here, apart from the writers (which
+import torch or pandas), so that the workflow checks every folder it writes into before any job starts
+(:func:`agg_bench.tools.sweep.check_output_contents`): a file of someone's in a run folder or beside the tables
+is refused there, not when the job that writes there runs (for the tables, after every run). Pure data, and
+the one check of a run folder that needs no run config (:func:`check_run_folder`); the standard library and
+the basics only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import UserError
+from .outdir import Contents, check_folder
+from .reading import RunFolder
+from .records import EVALUATIONS_FILE, PLOTS, TABLE_FORMATS, TABLES
+
+# ----- a run folder (agg_bench.runtime.runfolder) -------------------------------------------------------
+CHECKPOINT_NAME = "checkpoint.pt"
+SHARDS_PREFIX = "checkpoint_shards_"  # train.shard: fsdp keeps a checkpoint's shards in such a folder beside it
+EVENTS_FOLDER = "tensorboard"  # telemetry.tensorboard: the records as TensorBoard scalars (runtime.scalar_events)
+# what the TensorBoard writer puts in its folder; a rerun removes the folder only if it holds nothing else
+EVENTS_CONTENTS = Contents("TensorBoard events of a run", patterns=("events.out.tfevents.*",))
+# what torch.distributed.checkpoint's FileSystemWriter puts in a shard folder: each process's data files,
+# the metadata (renamed into place from a temporary)
+SHARD_CONTENTS = Contents("a checkpoint's shards", patterns=("__*_*.distcp", ".metadata", ".metadata.tmp",
+                                                             "__*.metadata", "__*.metadata.tmp"))
+RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics.jsonl", EVALUATIONS_FILE,
+                                             "summary.json", "plan.json", CHECKPOINT_NAME),
+                        folders=((EVENTS_FOLDER, EVENTS_CONTENTS), (f"{SHARDS_PREFIX}*", SHARD_CONTENTS)))
+
+# ----- agg-bench report: --tables DIR and --plots DIR --------------------------------------------------
+TABLES_CONTENTS = Contents("agg-bench report tables",
+                           ("records.csv", *(f"{name}.{ext}" for name in TABLES for ext in TABLE_FORMATS)))
+PLOTS_CONTENTS = Contents("agg-bench report plots", tuple(f"{name}.png" for name in PLOTS))
+
+# ----- agg-bench learning: its --tables DIR and --plots DIR (the workflow writes its manifest.json there) -----
+CURVE_PLOTS = ("eval_reward_cost", "eval_reward_cpu", "eval_pareto")  # held-out reward against cost (curves.py)
+LEARNING_TABLES_CONTENTS = Contents("learning tables", ("learning.csv", "learning.md", "evaluation.csv",
+                                                        "curves.csv", "manifest.json"))
+LEARNING_PLOTS_CONTENTS = Contents("learning plots", ("reward_iteration.png", "reward_time.png", "samples.png",
+                                                      *(f"{name}.png" for name in CURVE_PLOTS), "manifest.json"))
+
+# ----- agg-bench import-log --out DIR ----------------------------------------------------------------
+IMPORT_CONTENTS = Contents("an imported log", ("metrics.jsonl", "summary.json", "env.json"))
+
+# ----- agg-bench pretrain --out DIR (replaced whole, so anything else in it would be lost) -----------------
+TOKEN_HASH_FILE = "token_hash.json"  # in a model folder: its conditioning is this embedding, not text encoders
+PRETRAIN_MARKER = "pretrain.json"  # what the pretraining did: written last, so a folder with it is whole
+# its model folders: diffusers' save_pretrained, a config and the weights, whole or in shards with their index
+_MODEL_FOLDER = Contents("a saved model", ("config.json", "diffusion_pytorch_model.safetensors",
+                                           "diffusion_pytorch_model.safetensors.index.json"),
+                         ("diffusion_pytorch_model-*-of-*.safetensors",))
+PRETRAIN_CONTENTS = Contents("an agg-bench pretrain output", (TOKEN_HASH_FILE, "samples.png", PRETRAIN_MARKER),
+                             folders=(("transformer", _MODEL_FOLDER),
+                                      ("vae", Contents("a pixel decoder", ("config.json",))),
+                                      ("scheduler", Contents("a scheduler", ("scheduler_config.json",)))))
+
+
+def run_config_in(folder: Path) -> dict | None:
+    """The run config a run folder holds (its ``config.json``), or None when it is not a run folder."""
+    try:
+        config = RunFolder(folder).config_object()  # the one reader of a run folder: bounded, one line if bad
+    except UserError:
+        return None
+    return config if isinstance(config, dict) and {"model", "train", "method"} <= set(config) else None
+
+
+def check_run_folder(out: Path, flag: str = "--out", remedy: str | None = None) -> dict | None:
+    """Refuse ``out`` unless it is new, empty or a run folder: nothing a run does not write, no symbolic link
+    (:func:`~agg_bench.outdir.check_folder`), and a run's file names only beside a run's config. Returns that
+    config (None: no run folder yet). Reads only; ``remedy`` replaces the advice at the end of a refusal."""
+    check_folder(out, RUN_CONTENTS, flag, remedy)
+    previous = run_config_in(out) if out.is_dir() else None
+    if previous is None:  # its files, if any, are not an agg-bench run's
+        check_folder(out, Contents(RUN_CONTENTS.what), flag, remedy)
+    return previous
