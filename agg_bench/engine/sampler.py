@@ -69,6 +69,28 @@ def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -
     return scheduler.sigmas.to(torch.float64)
 
 
+def flow_sigmas_formula(steps: int, shift: float) -> torch.Tensor:
+    """:func:`flow_sigmas` without ``shift_terminal``, computed as diffusers' FlowMatchEulerDiscreteScheduler
+    computes it (its training sigmas shifted in float32, the inference times spaced in float64 between the
+    first and last of them, shifted again, rounded to float32, 0 appended) without importing diffusers: the
+    sweep's check of a job's config (:func:`agg_bench.runtime.config_check.check_config`) imports no diffusers.
+    Equal to :func:`flow_sigmas` bit for bit (tests/unit/test_bad_input.py)."""
+    if steps < 1:
+        raise ConfigError("sampling.steps", steps, "an integer >= 1")
+    import numpy as np
+
+    train = 1000  # num_train_timesteps
+    with warnings.catch_warnings():  # an extreme shift's nan is check_sigmas' one line, not numpy's warnings
+        warnings.simplefilter("ignore", RuntimeWarning)
+        times = torch.from_numpy(np.linspace(1, train, train, dtype=np.float32)[::-1].copy())
+        trained = times / train
+        trained = shift * trained / (1 + (shift - 1) * trained)
+        spaced = np.linspace(trained[0].item() * train, trained[-1].item() * train, steps) / train
+        spaced = shift * spaced / (1 + (shift - 1) * spaced)
+    sigmas = torch.from_numpy(spaced).to(torch.float32)
+    return torch.cat([sigmas, torch.zeros(1)]).to(torch.float64)
+
+
 def linspace_sigmas(steps: int, shift: float) -> torch.Tensor:
     """The T+1 sigmas shift(linspace(1, 0, T + 1)), shift(u) = a u / (1 + (a - 1) u) with a = ``shift``: the
     schedule of DanceGRPO, MixGRPO, BranchGRPO and the AGG authors' eff_grpo (``sampling.schedule: linspace``),

@@ -25,7 +25,7 @@ from __future__ import annotations
 from ..config import RunConfig
 from ..engine.families import architecture
 from ..engine.rewards import REWARDS
-from ..engine.sampler import check_sigmas, configured_sigmas, sampler_dtype
+from ..engine.sampler import check_sigmas, flow_sigmas_formula, linspace_sigmas, sampler_dtype
 from ..methods.base import method_config
 
 
@@ -37,7 +37,8 @@ def check_config(cfg: RunConfig) -> RunConfig:
         architecture(model.family, model.architecture)
     sampling = cfg.sampling
     if sampling.shift is not None:  # before any job of a sweep, not when the run has built its model
-        check_sigmas(configured_sigmas(sampling.schedule, sampling.steps, sampling.shift), sampling.shift,
+        given = linspace_sigmas if sampling.schedule == "linspace" else flow_sigmas_formula  # no diffusers imported
+        check_sigmas(given(sampling.steps, sampling.shift), sampling.shift,
                      sampler_dtype(model.dtype), sampling.sde, sampling.eta)
     if cfg.method.options is None:
         cfg.method.options = method_config(cfg.method.name, cfg.method.given)

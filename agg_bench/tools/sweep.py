@@ -50,7 +50,7 @@ from ..jsonfiles import loads, read_json_object
 from ..outdir import Contents, check_folder
 from ..outputs import (IMPORT_CONTENTS, LEARNING_PLOTS_CONTENTS, LEARNING_TABLES_CONTENTS, PLOTS_CONTENTS,
                        PRETRAIN_CONTENTS, RUN_CONTENTS, TABLES_CONTENTS, check_run_folder)
-from ..runtime.cell import is_journal, job_entry
+from ..runtime.cell import ENDED, is_journal, job_entry
 from ..sources import source_digest
 
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
@@ -575,10 +575,16 @@ class Sweep:
         """Remove the journal of each cell job of ``cells`` (default: every cell), which ``agg-bench cell
         --keep-journal`` leaves, once Snakemake has recorded the job's end: for the manifest job, and for each
         cell job that a snakemake ran when it ends (the Snakefile's onsuccess and onerror): a forced rerun then
-        runs every run again. A file there that is not a journal is left (the cell job refuses it)."""
+        runs every run again. Only a journal that records every run of its cell as ended (``ok``, ``oom``,
+        ``diverged``) goes, as the cell itself removes one without ``--keep-journal``: while a run failed, the
+        next attempt reruns that run only. A file there that is not a journal is left (the cell job refuses it)."""
         for cell in self.cells if cells is None else cells:
             path = Path(CELL_DIR, f"{cell}.progress.json")
-            if path.is_file() and not path.is_symlink() and is_journal(path):
+            if not (path.is_file() and not path.is_symlink() and is_journal(path)):
+                continue
+            recorded = loads(path.read_text())["runs"]
+            if all(isinstance(recorded.get(f"results/runs/{run_id}"), dict)
+                   and recorded[f"results/runs/{run_id}"].get("status") in ENDED for run_id in self.cells[cell]):
                 path.unlink()
 
     def cell_device(self, cell: str) -> str:

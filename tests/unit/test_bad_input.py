@@ -267,3 +267,14 @@ def test_a_sweep_refuses_a_shift_whose_noise_underflows_before_any_job():
     job = [("sampling.schedule", "linspace"), ("sampling.shift", 1e-30)]
     with pytest.raises(SweepError, match=r"sd3_full: config error: sampling\.shift = 1e-30: .*normal float32 number"):
         check_methods(None, {"sd3_full": job})
+
+
+def test_the_sweeps_schedule_without_diffusers_is_diffusers_schedule_bit_for_bit():
+    """The sweep's check computes diffusers' schedule without importing diffusers; it must refuse exactly the
+    shifts the run refuses, so it is the run's schedule bit for bit (nan where that is nan)."""
+    from agg_bench.engine.sampler import flow_sigmas, flow_sigmas_formula
+
+    for steps in (1, 2, 3, 7, 10, 28, 40, 50):
+        for shift in (1e-30, 1e-4, 0.01, 0.5, 1.0, 1.5, 3.0, 3.1, 6.0, 12.5, 1e8, 1e30):
+            assert torch.equal(flow_sigmas_formula(steps, shift).nan_to_num(-1.0),
+                               flow_sigmas(steps, shift).nan_to_num(-1.0)), (steps, shift)
