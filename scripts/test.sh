@@ -4,7 +4,7 @@
 # One pytest process keeps about one core busy (most tests wait for a process they started, or run small
 # tensors on one thread), so on two cores the suite's wall time halves when it runs as two streams of about
 # equal length: tests/unit with the integration files that each run one long process chain (the learning
-# run, the GPU check script, the pre-training recipe, the signalled runs and workflows), and the rest of
+# run, the GPU check script, the pre-training recipe, the signalled runs and workflows, the cells' runs), and the rest of
 # tests/integration. Each stream runs
 # with OMP_NUM_THREADS=1 unless it is set (the suite passes at any thread count). With fewer than two usable
 # cores the streams run one after the other. Arguments go to both streams (make test PYTEST_ARGS="-m 'not
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 LONG=(tests/integration/test_learning.py tests/integration/test_gpu_check.py tests/integration/test_pretrain.py
-      tests/integration/test_signals.py)
+      tests/integration/test_signals.py tests/integration/test_cell.py)
 
 first=(tests/unit "${LONG[@]}")
 second=(tests/integration)

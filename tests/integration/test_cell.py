@@ -335,8 +335,14 @@ def test_a_cell_job_that_ended_unseen_keeps_its_runs_until_the_workflow_forgets_
     monkeypatch.chdir(tmp_path)
     cells = tmp_path / "results" / "cells"
     cells.mkdir(parents=True)
-    shutil.copy(journal, cells / f"{cell}.progress.json")
+    recorded = json.loads(journal.read_text())
+    cell_runs = {f"results/runs/{run_id}": {"config": {}, "status": "ok"} for run_id in sweep.cells[cell]}
+    failed = dict(list(cell_runs.items())[1:])  # the first run failed (a failed run is not recorded)
+    (cells / f"{cell}.progress.json").write_text(json.dumps({"code": recorded["code"], "runs": failed}))
     (cells / "other.progress.json").write_text("{}")  # not one of this sweep's cells: left alone
+    sweep.forget_cell_attempts()  # a run of the cell did not end: its rerun reruns that one only
+    assert sorted(p.name for p in cells.iterdir()) == ["other.progress.json", f"{cell}.progress.json"]
+    (cells / f"{cell}.progress.json").write_text(json.dumps({"code": recorded["code"], "runs": cell_runs}))
     sweep.forget_cell_attempts()
     assert sorted(p.name for p in cells.iterdir()) == ["other.progress.json"]
     journal.unlink()
