@@ -297,9 +297,22 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
 
 # whether a file is a run's marker ({"out", "status"}), which a cell or a run may replace
 is_marker = json_file_where(lambda data: set(data) == {"out", "status"})
+
+
+def _journal_shape(data: dict) -> bool:
+    return set(data) == {"code", "runs"} and isinstance(data["runs"], dict) \
+        and all(isinstance(r, dict) for r in data["runs"].values())
+
+
 # whether a file is a cell's journal (:class:`Progress`), which the cell may replace
-is_journal = json_file_where(lambda data: set(data) == {"code", "runs"} and isinstance(data["runs"], dict)
-                             and all(isinstance(r, dict) for r in data["runs"].values()))
+is_journal = json_file_where(_journal_shape)
+
+
+def journal_ends(path: Path, outs: list[str]) -> bool:
+    """Whether ``path`` is a cell's journal (:class:`Progress`) that records each run folder of ``outs`` as
+    ended (:data:`ENDED`): the journal an attempt that ended would remove itself without ``--keep-journal``."""
+    return json_file_where(lambda data: _journal_shape(data) and all(
+        data["runs"].get(out, {}).get("status") in ENDED for out in outs))(path)
 
 
 class Progress:

@@ -50,7 +50,7 @@ from ..jsonfiles import loads, read_json_object
 from ..outdir import Contents, check_folder
 from ..outputs import (IMPORT_CONTENTS, LEARNING_PLOTS_CONTENTS, LEARNING_TABLES_CONTENTS, PLOTS_CONTENTS,
                        PRETRAIN_CONTENTS, RUN_CONTENTS, TABLES_CONTENTS, check_run_folder)
-from ..runtime.cell import ENDED, is_journal, job_entry
+from ..runtime.cell import job_entry, journal_ends
 from ..sources import source_digest
 
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
@@ -262,7 +262,7 @@ def check_markers(sweep: Sweep) -> None:
         raise UserError(f"results/runs/{stale[0]} has no summary.json, but its marker says the run ended "
                         f"(its folder removed?); to run it again, remove the marker: rm {sweep.done_marker(stale[0])}")
     if stale:
-        named = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        named = _named(stale, 3)
         raise UserError(f"{len(stale)} runs have no summary.json in results/runs/, but their markers say they "
                         f"ended (their folders removed?): {named}; to run them again, remove their markers, "
                         f"{DONE_DIR}/<run id>.json")
@@ -580,11 +580,8 @@ class Sweep:
         next attempt reruns that run only. A file there that is not a journal is left (the cell job refuses it)."""
         for cell in self.cells if cells is None else cells:
             path = Path(CELL_DIR, f"{cell}.progress.json")
-            if not (path.is_file() and not path.is_symlink() and is_journal(path)):
-                continue
-            recorded = loads(path.read_text())["runs"]
-            if all(isinstance(recorded.get(f"results/runs/{run_id}"), dict)
-                   and recorded[f"results/runs/{run_id}"].get("status") in ENDED for run_id in self.cells[cell]):
+            if path.is_file() and not path.is_symlink() and \
+                    journal_ends(path, [f"results/runs/{run_id}" for run_id in self.cells[cell]]):
                 path.unlink()
 
     def cell_device(self, cell: str) -> str:
