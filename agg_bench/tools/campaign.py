@@ -73,7 +73,7 @@ from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_ow
 from ..runtime.cell import job_entry
 from ..outputs import RUN_CONTENTS
 from . import archive as archives
-from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep, check_sweep_files, flatten, is_pretrained_here,
+from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep, flatten, is_pretrained_here,
                     overrides_of)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,15 +190,12 @@ class Campaign:
         if not SCHEMA.is_file():
             raise UserError(f"agg-bench campaign: the sweep schema {SCHEMA} is missing; run it from the repository")
         kwargs = {} if cache_dir is None else {"cache_dir": cache_dir}
+        schema = yaml.safe_load(SCHEMA.read_text())
         if cpu:
-            check_sweep_files([self.config_path])
-            schema = yaml.safe_load(SCHEMA.read_text())
             check_sweep(data, schema)  # the sweep as written (a run config is no sweep), before its CPU form
             data = cpu_sweep(data)
-            # the file's resolutions and seeds, which its exclude entries name, though the CPU form has fewer
-            self.sweep = Sweep(data, schema, files=[self.config_path], **kwargs)
-        else:
-            self.sweep = Sweep(data, SCHEMA, files=[self.config_path], **kwargs)
+        # the file's resolutions and seeds, which its exclude entries name, though a CPU form has fewer
+        self.sweep = Sweep(data, schema, files=[self.config_path], **kwargs)
         part = data.get("campaign") or {}
         self.calibrate = part.get("calibrate", True)
         self.parallel = part.get("parallel", 1)
