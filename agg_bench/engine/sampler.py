@@ -105,12 +105,6 @@ def linspace_sigmas(steps: int, shift: float) -> torch.Tensor:
     return sigmas
 
 
-def configured_sigmas(schedule: str, steps: int, shift: float) -> torch.Tensor:
-    """The T+1 sigmas (float64) of ``sampling.schedule`` ``schedule`` (``linspace``: :func:`linspace_sigmas`, else
-    diffusers': :func:`flow_sigmas`) with a given ``sampling.shift``: the schedule of the config alone."""
-    return linspace_sigmas(steps, shift) if schedule == "linspace" else flow_sigmas(steps, shift)
-
-
 def sampler_dtype(model_dtype: str | torch.dtype) -> torch.dtype:
     """The dtype the sampler computes in for a model of ``model_dtype`` (``model.dtype``): float64 for float64,
     else float32 (a bfloat16 model's too)."""

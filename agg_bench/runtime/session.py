@@ -23,7 +23,7 @@ from ..engine.moving_average import MovingAverage, warmup_decay
 from ..engine.trained_steps import draw_plan
 from ..engine.rewards import build_reward, reward_details
 from ..engine.rollout import Trajectory, initial_noise
-from ..engine.sampler import check_sigmas, configured_sigmas, flow_sigmas, sampler_dtype, stochastic_steps
+from ..engine.sampler import check_sigmas, flow_sigmas, linspace_sigmas, sampler_dtype, stochastic_steps
 from ..engine.text import empty_prompt_conditioning, prompt_conditioning, prompt_set
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
@@ -42,8 +42,10 @@ def iteration_generator(seed: int, iteration: int) -> torch.Generator:
 def run_sigmas(cfg: RunConfig, policy: Policy, latent_shape: tuple[int, int, int]) -> torch.Tensor:
     """The run's sigma schedule (T+1): ``sampling.schedule`` with ``sampling.shift``, or for ``diffusers`` with a
     null shift the model's own."""
-    if cfg.sampling.schedule == "linspace" or cfg.sampling.shift is not None:
-        return configured_sigmas(cfg.sampling.schedule, cfg.sampling.steps, cfg.sampling.shift)
+    if cfg.sampling.schedule == "linspace":
+        return linspace_sigmas(cfg.sampling.steps, cfg.sampling.shift)
+    if cfg.sampling.shift is not None:
+        return flow_sigmas(cfg.sampling.steps, cfg.sampling.shift)
     return flow_sigmas(cfg.sampling.steps, policy.schedule_shift(latent_shape), policy.schedule_shift_terminal())
 
 
@@ -123,8 +125,8 @@ class Session:
                                            weight_decay=cfg.train.weight_decay)
         self.steps_taken = 0  # optimizer steps of the last update
         self.sigmas = run_sigmas(cfg, self.policy, self.latent_shape)
-        check_sigmas(self.sigmas, cfg.sampling.shift, sampler_dtype(self.policy.dtype),  # the model's own shift's
-                     cfg.sampling.sde, cfg.sampling.eta)
+        if cfg.sampling.shift is None:  # the model's own shift; a given one was checked with the config
+            check_sigmas(self.sigmas, None, sampler_dtype(self.policy.dtype), cfg.sampling.sde, cfg.sampling.eta)
         estimator.check_schedule(cfg, self.sigmas)
         # train.eval_ema: the moving average the evaluations use; the rollout and training never do
         self.eval_ema = MovingAverage(self.policy) if cfg.train.eval_ema is not None else None
