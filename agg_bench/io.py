@@ -57,6 +57,15 @@ def atomic_path(path: str | Path) -> Path:
     return path.with_name(f".{path.stem}{TEMP_TAG}{os.getpid()}{path.suffix}")
 
 
+def temp_owner(path: str | Path, name: str) -> int | None:
+    """The PID of the process whose :func:`atomic_path` of ``path`` is named ``name`` (any process's, a killed
+    one's included); None for any other name."""
+    path = Path(path)
+    head, tail = f".{path.stem}{TEMP_TAG}", path.suffix
+    pid = name[len(head):len(name) - len(tail)]
+    return int(pid) if name.startswith(head) and name.endswith(tail) and pid.isdigit() else None
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)

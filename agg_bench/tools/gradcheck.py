@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from ..config import RunConfig, yaml_load
 from ..errors import ConfigError, UserError
-from ..io import TEMP_TAG, atomic_file, atomic_path
+from ..io import atomic_file, atomic_path, temp_owner
 from ..outdir import claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS
 from ..machine.devices import resolve_device
@@ -239,12 +239,16 @@ def remove_stale_snapshots(out: Path) -> None:
     ``out`` that were killed before they could (SIGKILL runs no cleanup): a model's weights each. Nothing but a
     folder of exactly that name is touched, and only when the process it names has ended: the caller holds
     ``out``'s claim, but a gradcheck of another ``--out`` of the same stem (``g.csv``, ``g.md``) writes its own."""
-    prefix = f".{out.stem}-snapshot{TEMP_TAG}"
     for path in out.parent.iterdir():
-        pid = path.name[len(prefix):]
-        if path.name.startswith(prefix) and pid.isdigit() and not _running(int(pid)) and path.is_dir() \
-                and not path.is_symlink():
+        pid = temp_owner(snapshot_target(out), path.name)
+        if pid is not None and not _running(pid) and path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
+
+
+def snapshot_target(out: Path) -> Path:
+    """The name a gradcheck of ``out`` without ``--snapshot`` gives its temporary snapshot (an :func:`atomic_path`
+    of it)."""
+    return out.parent / f"{out.stem}-snapshot"
 
 
 def _running(pid: int) -> bool:
@@ -271,7 +275,7 @@ def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, 
         if snapshot_dir is None:
             remove_stale_snapshots(out)
         folder = Path(snapshot_dir) if snapshot_dir is not None else \
-            atomic_path(out.parent / f"{out.stem}-snapshot")
+            atomic_path(snapshot_target(out))
         temporary = None if snapshot_dir is not None else folder
     try:
         if not _has_snapshot(folder):
