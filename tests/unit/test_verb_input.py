@@ -207,3 +207,26 @@ def test_a_rerun_of_a_killed_gradcheck_removes_the_snapshot_it_left(tmp_path, ca
     assert not stale.exists() and (tmp_path / "g.csv").is_file()
     assert {k: v for k, v in before.items() if not k.startswith(stale.name)} == \
         {k: v for k, v in after.items() if k != "g.csv"}
+
+
+def test_a_killed_gradchecks_snapshot_is_found_by_atomic_paths_own_name(tmp_path):
+    """The stale snapshots are found from atomic_path's naming, not a prefix written again: --out g.v1.csv
+    makes .g.agg-bench-tmpPID.v1-snapshot (Path's stem ends at the last dot), which a hand-written
+    '.g.v1-snapshot.agg-bench-tmp' prefix missed."""
+    import os
+
+    from agg_bench.io import atomic_path, temp_owner
+    from agg_bench.tools.gradcheck import remove_stale_snapshots, snapshot_target
+
+    for path in (tmp_path / "g-snapshot", tmp_path / "g.v1-snapshot", tmp_path / "a.csv"):
+        assert temp_owner(path, atomic_path(path).name) == os.getpid()
+        assert temp_owner(path, path.name) is None and temp_owner(path, atomic_path(path).name + "x") is None
+    out = tmp_path / "g.v1.csv"
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = atomic_path(snapshot_target(out)).with_name(
+        atomic_path(snapshot_target(out)).name.replace(str(os.getpid()), ended.stdout.strip()))
+    stale.mkdir()
+    mine = tmp_path / ".g.v1-snapshot.mine"
+    mine.mkdir()
+    remove_stale_snapshots(out)
+    assert not stale.exists() and mine.is_dir()
