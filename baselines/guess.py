@@ -29,10 +29,26 @@ The code guesses from step 0, where no velocity is stored yet: its zeros make ``
 Training is GRPO's on ``train.plan``'s steps, each term recomputed with the real policy (a guessed term
 too, as the code does), with the loss of a guessed (row, step) weighted by ``guessed_weight`` (the code's
 ``1 - 0.9 mock_flag``); weight 0 skips those terms' forward and backward. The advantages are GRPO's over
-all G rewards, guessed generations included. The code drops the last step from training (``--ignore_last``:
-``train.ignore_last``, which the preset sets); its ablation's ``--zero_loss_on_guess`` draws the trained steps
-among the forwarded ones only, not built: here the plan is ``train.plan`` for every method, whose normalisation
-1/(B N) stays.
+all G rewards, guessed generations included. The code never trains the last step (``train_one_step`` slices it
+off, whatever its parsed but unread ``--ignore_last`` says): ``train.ignore_last``, which the preset sets.
+
+``zero_loss_on_guess`` is the ablation script's ``--zero_loss_on_guess``
+(``fastvideo/train_grpo_qwenimage_eff_mta_ab2_ablate.py``: ``train_one_step`` and ``_batched_infer_shuffle_sel``):
+the trained steps are drawn among the forwarded ones only, each row its own number of them, and no guessed term
+is trained (that branch of the code has no ``loss_weight``, so ``guessed_weight`` weighs nothing). With F_i the
+forwarded steps of row i among the steps a plan may draw (``train.ignore_last``, :func:`plan_steps`):
+- ``k_i = min(int(|F_i| * fraction), |F_i|)`` with the product in float32, as the code computes it
+  (``fraction`` = ``train.timestep_fraction``); k_i may be 0, and that row trains nothing;
+- one float32 uniform per (row, drawable step) from the run's generator (the code: ``torch.rand(B, T)``);
+  row i trains the k_i steps of F_i with the smallest numbers (the code's ``argsort`` with the guessed
+  steps' numbers set to inf);
+- ``L = 1/B sum_i 1/k_i sum_{j trained by i} l_ij`` over the B rows of an optimizer step (rows with k_i = 0
+  count in B: the code's ``loss / (gradient_accumulation_steps * k_i)``).
+``train_steps`` is then (B, max_i k_i), each row's steps in denoising order followed by ``NO_STEP``.
+Differences: the numbers the code's draw takes come from the training device's generator, here from the run's
+(the same law); the code falls back to every step for a row without a forwarded one, which never happens here
+(step 0 is never guessed); the code's rows are trained one after another with their steps in the draw's order,
+here step by step: the same sum.
 """
 from __future__ import annotations
 
@@ -43,6 +59,7 @@ import torch
 
 from agg_bench.config.options import Options, batch_option, option
 from agg_bench.engine.grpo import exact_backward, micro_batches
+from agg_bench.engine.trained_steps import KINDS, NO_STEP, plan_steps
 from agg_bench.errors import ConfigError
 from agg_bench.machine import distributed
 from agg_bench.methods.base import Estimator, ReplayCase, register_method
@@ -77,6 +94,11 @@ class GuessConfig(Options):
     guessed_weight: float = option(
         0.1, "the loss weight of a guessed (row, step) term (the code's `1 - 0.9 mock_flag`); 0 skips those terms",
         minimum=0, maximum=1000)
+    zero_loss_on_guess: bool = option(
+        False, "train forwarded terms only: each row draws int(`train.timestep_fraction` x its own forwarded steps) "
+        "of its forwarded steps and its terms weigh 1 / that number (the ablation's `--zero_loss_on_guess`, module "
+        "docstring); no guessed term is trained, so `guessed_weight` weighs none. Needs guessed steps among the "
+        "trained ones and `train.plan: steps`")
     micro_batch: int | None = batch_option("samples per forward-with-grad; null: the whole batch, as for `full`")
 
     def guessed_per_group(self, group_size: int) -> int:
@@ -84,6 +106,29 @@ class GuessConfig(Options):
 
     def guessed_steps(self, steps: int) -> range:
         return range(self.guess_from, steps - 1 if self.guess_until is None else self.guess_until)
+
+
+def forwarded_counts_trained(counts: torch.Tensor, fraction: float) -> torch.Tensor:
+    """k_i of ``zero_loss_on_guess``: int(count x fraction) for each of ``counts`` (int64), the product in float32 as
+    the code computes it, at most the count."""
+    return torch.minimum((counts.to(torch.float32) * fraction).to(torch.int64), counts)
+
+
+def draw_forwarded_steps(forwarded: torch.Tensor, drawable: torch.Tensor, fraction: float,
+                         generator: torch.Generator) -> torch.Tensor:
+    """``train_steps`` (B, max k_i) of ``zero_loss_on_guess`` (module docstring): row i's k_i forwarded steps among
+    the ``drawable`` (T,) ones, in denoising order, then ``NO_STEP``; ``forwarded`` (B, T) the rollout's."""
+    steps = torch.nonzero(drawable.cpu(), as_tuple=False).flatten()
+    if steps.numel() == 0:
+        raise ConfigError("train.plan", "steps", "at least one step with a log-probability")
+    candidates = forwarded.cpu()[:, steps]
+    counts = forwarded_counts_trained(candidates.sum(1), fraction)
+    noise = torch.rand(candidates.shape, generator=generator, dtype=torch.float32)
+    order = torch.argsort(torch.where(candidates, noise, torch.inf), dim=1, stable=True)
+    plan = torch.full((candidates.shape[0], max(1, int(counts.max()))), NO_STEP, dtype=torch.int64)
+    for row, k in enumerate(counts.tolist()):
+        plan[row, :k] = steps[order[row, :k]].sort().values
+    return plan
 
 
 class GuessedVelocity:
@@ -179,6 +224,26 @@ class GuessEstimator(Estimator):
         if distributed.current().distributed:
             raise ConfigError("method.name", self.name, "a single-process run (a step's group mean needs every "
                               "real velocity of the group, and each process samples only its own rows)")
+        if c.zero_loss_on_guess:
+            self.check_zero_loss_on_guess(cfg)
+
+    def check_zero_loss_on_guess(self, cfg) -> None:
+        """``zero_loss_on_guess`` against the plan: a draw per step, a guessed step among the drawable ones,
+        and a fraction that gives a row with every drawable step forwarded at least one."""
+        c, train, steps = self.config, cfg.train, cfg.sampling.steps
+        if train.plan != "steps":
+            raise ConfigError("train.plan", train.plan, f"`steps` with method.zero_loss_on_guess (its draw is per "
+                              f"step); one of {list(KINDS)} otherwise")
+        drawable = steps - int(train.ignore_last)
+        if c.guessed_per_group(cfg.grpo.group_size) == 0 or not any(j < drawable for j in c.guessed_steps(steps)):
+            raise ConfigError("method.zero_loss_on_guess", True,
+                              "false where no trained step is guessed (method.guessed 0, or no step of "
+                              "method.guess_from .. method.guess_until among the steps the plan draws)")
+        if int(forwarded_counts_trained(torch.tensor([drawable]), train.timestep_fraction)) == 0:
+            raise ConfigError("train.timestep_fraction", train.timestep_fraction,
+                              f"with method.zero_loss_on_guess, a number in (0, 1] whose int(fraction x "
+                              f"{drawable}) >= 1 (each row trains int(fraction x its forwarded steps among the "
+                              f"{drawable} the plan draws from))")
 
     def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):
         from agg_bench.engine.rollout import rollout  # imports the models (diffusers); the options do not
@@ -189,13 +254,27 @@ class GuessEstimator(Estimator):
         self.last_guessed = int((~rule.forwarded).sum())
         return traj
 
+    def trained_steps(self, train, trajectory, batch_size, generator):
+        """``train.plan``'s steps; with ``zero_loss_on_guess`` each row's own draw among its forwarded steps."""
+        if not self.config.zero_loss_on_guess:
+            return super().trained_steps(train, trajectory, batch_size, generator)
+        return draw_forwarded_steps(trajectory.forwarded, plan_steps(trajectory.sde_mask, train.ignore_last),
+                                    train.timestep_fraction, generator)
+
     def term_weights(self, batch, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        """(len(rows),) the loss weight of each (row, step) term: 1, or ``guessed_weight`` where guessed."""
+        """(len(rows),) the loss weight of each (row, step) term against ``batch.loss_scale`` = 1/(B N): 1, or
+        ``guessed_weight`` where guessed; with ``zero_loss_on_guess`` N / k_i (the row's loss the mean of its own
+        k_i terms); 0 where the row has no step (``NO_STEP``)."""
+        rows, steps = rows.cpu(), steps.cpu()
         ones = torch.ones(rows.numel(), dtype=torch.float64)
-        if batch.forwarded is None:
-            return ones
-        forwarded = batch.forwarded.cpu()[rows.cpu(), steps.cpu()]
-        return torch.where(forwarded, ones, torch.full_like(ones, self.config.guessed_weight))
+        if self.config.zero_loss_on_guess:
+            counts = (batch.train_steps.cpu()[rows] != NO_STEP).sum(1)
+            weights = batch.steps_per_sample / counts.clamp_min(1).to(torch.float64)
+        elif batch.forwarded is None:
+            weights = ones
+        else:
+            weights = torch.where(batch.forwarded.cpu()[rows, steps], ones, self.config.guessed_weight)
+        return torch.where(steps != NO_STEP, weights, 0.0)
 
     def accumulate(self, policy, batch, stats, reference=None):
         """Exact per-step backward (``full``'s), each term's loss times its weight; weight-0 terms skipped."""

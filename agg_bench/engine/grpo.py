@@ -79,7 +79,9 @@ class TrainBatch:
     ``latents`` (B, T+1, C, H, W); ``velocities`` (B, T, C, H, W) from the rollout or None;
     ``log_probs`` (B, T) old log-probs; ``sigmas`` (T+1); ``timesteps`` (T) the exact values given to
     the model; ``advantages`` (B,), or (B, T) where a method gives each step its own (BranchGRPO's
-    depth-wise ones); ``train_steps`` (B, N) step indices in denoising order. ``policy_version`` is the
+    depth-wise ones); ``train_steps`` (B, N) step indices in denoising order, a row that trains fewer than N
+    steps ending in :data:`~agg_bench.engine.trained_steps.NO_STEP` entries (only ``guess``'s
+    ``zero_loss_on_guess`` plans such rows, and only ``guess`` reads them). ``policy_version`` is the
     policy's version when the rollout was made; ``kl_form`` the form of the ``beta`` term
     (:func:`transition_kl`). ``transitions`` and ``forwarded`` are the trajectory's
     (:class:`agg_bench.engine.rollout.Trajectory`): shared transitions and guessed velocities.

@@ -9,6 +9,9 @@ have a log-probability (``available``):
 Counts are rounded (Python's ``round``, halves to even) and never fall below one step or group; the
 public Flow-GRPO and DanceGRPO code floors instead, which differs only when fraction * n ends in .5 or more.
 With ``train.ignore_last`` the last step is not available (:func:`plan_steps`).
+
+A method whose rows train different numbers of steps (``guess`` with ``zero_loss_on_guess``) pads each row's
+steps with :data:`NO_STEP` up to the longest row's: ``train_steps`` stays (B, N), N the longest row.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
     from ..config.sections import TrainConfig
 
 KINDS = ("steps", "groups")
+NO_STEP = -1  # an entry of train_steps past the end of a row that trains fewer than N steps (module docstring)
 
 
 def plan_steps(available: torch.Tensor, ignore_last: bool) -> torch.Tensor:

@@ -151,8 +151,9 @@ class Estimator(ABC):
 
     def trained_steps(self, train: TrainConfig, trajectory: Trajectory, batch_size: int,
                       generator: torch.Generator) -> torch.Tensor:
-        """``train_steps`` (B, N): the steps each sample trains, from the trajectory's stochastic steps.
-        Default: ``train.plan`` (:func:`agg_bench.engine.trained_steps.draw_plan`)."""
+        """``train_steps`` (B, N): the steps each sample trains, from the trajectory's stochastic steps; a row
+        that trains fewer ends in ``NO_STEP`` entries (:mod:`agg_bench.engine.trained_steps`), which the method's
+        own ``accumulate`` must skip. Default: ``train.plan`` (:func:`agg_bench.engine.trained_steps.draw_plan`)."""
         return draw_plan(train, batch_size, trajectory.sde_mask, generator)
 
     def update_parts(self, batch: TrainBatch, train: TrainConfig, group_size: int) -> list[TrainBatch]:

@@ -32,6 +32,7 @@ from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.lora import ADAPTER_FILE, load_adapter, lora_settings, save_transformer
 from ..engine.models import (MAX_MODEL_SIZE, POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, _load_component,
                              precision, pretrained_transformer_config, text_dims)
+from ..engine.trained_steps import NO_STEP
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_path, atomic_target, write_json
 from ..jsonfiles import read_json_object
@@ -96,6 +97,10 @@ def save_snapshot(cfg: RunConfig, out_dir: str | Path, flag: str = "--out") -> P
 
 def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
     batch = session.collect(0).batch
+    if bool((batch.train_steps == NO_STEP).any()):  # rows of different lengths: train_steps (B, N) cannot say so
+        raise ConfigError("method.name", cfg.method.name, "a method whose rows train equally many steps: a "
+                          "snapshot's train_steps (B, N) holds no shorter row (guess: method.zero_loss_on_guess "
+                          "false)")
     tensors = {
         "latents": batch.latents, "log_probs": batch.log_probs, "sigmas": batch.sigmas,
         "timesteps": batch.timesteps, "advantages": batch.advantages, "train_steps": batch.train_steps,

@@ -4,19 +4,21 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.runtime.config_check import check_config
-from agg_bench.engine.grpo import UpdateStats, step_terms
+from agg_bench.engine.grpo import UpdateStats, minibatch_rows, step_terms
+from agg_bench.engine.trained_steps import NO_STEP
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_method
 from agg_bench.runtime.train import Session
 from baselines.guess import GuessConfig
-from helpers import counted, gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
+from helpers import TINY, counted, gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/guess_ab2.yaml"
@@ -211,6 +213,152 @@ def test_update_equals_a_weighted_one_graph_reference(weight):
     assert trained_guesses > 0  # the weights are exercised
     terms = b * n - (trained_guesses if weight == 0 else 0)  # weight 0 skips the guessed terms' passes
     assert work.as_dict() == {"forward_nograd": 0, "forward_grad": terms, "backward": terms}
+
+
+# ----- zero_loss_on_guess: the ablation's forwarded-only plan -----------------------------------------
+
+# groups of 3 with 1 guessed at steps 1..4 (every step but the last): 4 guesses over 3 rows, so one row of each
+# group is guessed twice and has 3 of the 5 drawable steps forwarded, the two others 4 (k_i 1 and 2 at 0.6)
+ZERO_LOSS = ["method.name=guess", "method.guessed=1", "method.guess_from=1", "method.zero_loss_on_guess=true",
+             "sampling.sde=dance_grpo", "train.ignore_last=true", "train.timestep_fraction=0.6"]
+
+
+def codes_trained_counts(forwarded, fraction, drawable):
+    """k_i of ``_batched_infer_shuffle_sel``: int(float32 count x float32 fraction), at most the count, over the
+    forwarded ones of the ``drawable`` steps (the code's ``mock_flags[:, :-1] < 0.5``)."""
+    counts = forwarded[:, :drawable].sum(1).tolist()
+    return [min(int(np.float32(c) * np.float32(fraction)), c) for c in counts]
+
+
+def codes_draw(forwarded, fraction, drawable, generator):
+    """The steps each row trains under ``--zero_loss_on_guess``, written from ``_batched_infer_shuffle_sel``: one
+    uniform per (row, drawable step), +inf on the guessed ones, the k_i smallest; as sets of steps."""
+    noise = torch.rand((forwarded.shape[0], drawable), generator=generator, dtype=torch.float32)
+    noise = torch.where(forwarded[:, :drawable], noise, torch.tensor(float("inf")))
+    perm = torch.argsort(noise, dim=-1)
+    return [sorted(perm[i, :k].tolist()) for i, k in
+            enumerate(codes_trained_counts(forwarded, fraction, drawable))]
+
+
+def codes_loss(policy, batch, rows, fraction, drawable):
+    """The code's ``--zero_loss_on_guess`` loss of the optimizer step on ``rows`` in float64, its terms written
+    from ``train_one_step`` and ``flux_step`` (DanceGRPO's SDE): sum_i sum_j max(-A r, -A clamp(r)) / (B k_i),
+    B = len(rows) the step's rows, r = exp(log p - log p_old), the trained steps taken from ``batch``'s plan."""
+    k = codes_trained_counts(batch.forwarded.cpu(), fraction, drawable)
+    sigmas, eps, total = batch.sigmas.tolist(), batch.clip_range, 0
+    for i in rows:
+        steps = [j for j in batch.train_steps[i].tolist() if j >= 0]
+        assert len(steps) == k[i] and all(batch.forwarded[i, j] for j in steps)  # forwarded ones only
+        for j in steps:
+            x = batch.latents[i, j]
+            v = policy.velocity(x[None], batch.timesteps[j:j + 1], batch.cond[[i]])[0].to(torch.float64)
+            mean, sd = sde_reference("dance_grpo", v, x, sigmas[j], sigmas[j + 1], batch.eta, sigmas[1])
+            ratio = torch.exp(gaussian_log_prob(batch.latents[i, j + 1], mean, sd) - batch.log_probs[i, j])
+            adv = batch.advantages[i]
+            total = total + torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps)) / (len(rows) * k[i])
+    return total
+
+
+@pytest.mark.parametrize("fraction, ignore_last", [(0.6, True), (0.8, False), (1.0, True)])
+def test_zero_loss_plan_is_the_codes_draw_among_forwarded_steps(fraction, ignore_last):
+    session = Session(tiny_config(*ZERO_LOSS, f"train.timestep_fraction={fraction}",
+                                  f"train.ignore_last={str(ignore_last).lower()}"))
+    traj, *_ = rollout(session)
+    drawable = STEPS - ignore_last
+    plan = session.estimator.trained_steps(session.cfg.train, traj, 6, torch.Generator().manual_seed(11))
+    expected = codes_draw(traj.forwarded, fraction, drawable, torch.Generator().manual_seed(11))
+    assert [[j for j in row if j != NO_STEP] for row in plan.tolist()] == expected
+    k = [len(row) for row in expected]
+    assert plan.shape == (6, max(k)) and all(plan[i, k[i]:].eq(NO_STEP).all() for i in range(6))
+    counts = traj.forwarded[:, :drawable].sum(1).tolist()
+    assert sorted(counts) == sorted([3, 4, 4] * 2 if ignore_last else [4, 5, 5] * 2)
+    assert k == [min(int(c * fraction + 1e-9), c) for c in counts] and len(set(k)) > 1  # rows of their own lengths
+
+
+@pytest.mark.parametrize("sets", [[], ["method.micro_batch=2", "method.guessed_weight=0.5"],
+                                  ["train.timestep_fraction=0.8", "train.minibatches=2"]])
+def test_zero_loss_update_equals_the_codes_loss_and_gradient_in_float64(sets):
+    """The loss and its gradient against the code's, each row's terms over its own k_i, the step's rows B;
+    ``guessed_weight`` weighs nothing (no guessed term is trained); the passes are the sum of the k_i."""
+    session = Session(tiny_config(*ZERO_LOSS, *sets))
+    cfg = session.cfg
+    batch = session.collect(0).batch
+    move_off_policy(session.policy)
+    part, rows = batch, list(range(batch.batch_size))
+    if cfg.train.minibatches > 1:  # the first mini-batch: groups 0, 2, ... of the batch
+        rows = minibatch_rows(batch.batch_size, 3, 2)[0].tolist()
+        (part, _) = session.estimator.update_parts(batch, cfg.train, 3)
+    params = list(session.policy.parameters())
+    loss = codes_loss(session.policy, batch, rows, cfg.train.timestep_fraction, STEPS - 1)
+    reference = dict(zip([n for n, _ in session.policy.named_parameters()], torch.autograd.grad(loss, params)))
+    stats = UpdateStats(part.clip_range)
+    with counted(session.policy) as work:
+        session.estimator.accumulate(session.policy, part, stats)
+    grads = {n: p.grad for n, p in session.policy.named_parameters()}
+    assert relative_error(grads, reference) <= 1e-12
+    assert abs(stats.loss_sum - float(loss.detach())) <= 1e-12 * abs(float(loss.detach()))
+    trained = sum(codes_trained_counts(batch.forwarded.cpu(), cfg.train.timestep_fraction, STEPS - 1)[i]
+                  for i in rows)
+    assert stats.count == trained
+    assert work.as_dict() == {"forward_nograd": 0, "forward_grad": trained, "backward": trained}
+
+
+def test_zero_loss_rows_without_a_trained_step_train_nothing():
+    """k_i = int(0.2 x 3 or 4 forwarded steps) = 0 for every row (the code's k 0; a row with all 5 drawable steps
+    forwarded would train one, so the run is taken): no pass, a zero loss, no gradient."""
+    session = Session(tiny_config(*ZERO_LOSS, "train.timestep_fraction=0.2"))
+    batch = session.collect(0).batch
+    assert batch.train_steps.eq(NO_STEP).all() and batch.train_steps.shape == (6, 1)
+    stats = UpdateStats(batch.clip_range)
+    with counted(session.policy) as work:
+        session.estimator.accumulate(session.policy, batch, stats)
+    assert work.as_dict() == {"forward_nograd": 0, "forward_grad": 0, "backward": 0} and stats.loss_sum == 0
+    assert all(p.grad is None for p in session.policy.parameters())
+
+
+def test_zero_loss_run_records_its_passes(tmp_path):
+    """Through the CLI: the rollout's forwards as without the option, the trained terms the sum of the k_i: per
+    group of 3 (one row with 3 forwarded drawable steps, two with 4) int(0.6 x 3) + 2 int(0.6 x 4) = 5."""
+    out = tmp_path / "run"
+    sets = [a for s in [*TINY, "model.dtype=float32", "train.iterations=1", *ZERO_LOSS] for a in ("--set", s)]
+    assert main(["run", *sets, "--out", str(out)]) == 0
+    (record,) = [r for r in read_jsonl(out / "metrics.jsonl") if "iteration" in r]
+    assert record["guessed_velocities"] == 2 * 4
+    assert record["forward_nograd"] == 6 * STEPS - 2 * 4
+    assert record["forward_grad"] == record["backward"] == 2 * 5
+    assert math.isfinite(record["loss"])
+
+
+@pytest.mark.parametrize("sets, key, expected", [
+    (["method.zero_loss_on_guess=1"], "method.zero_loss_on_guess", "true or false"),
+    (["method.zero_loss_on_guess=sometimes"], "method.zero_loss_on_guess", "true or false"),
+    (["method.zero_loss_on_guess=true", "method.guessed=0"], "method.zero_loss_on_guess", "no trained step is guessed"),
+    # the only guessed step is the last, which the plan never draws
+    (["method.zero_loss_on_guess=true", "method.guess_from=5", "method.guess_until=6", "train.ignore_last=true"],
+     "method.zero_loss_on_guess", "no trained step is guessed"),
+    (["method.zero_loss_on_guess=true", "train.plan=groups", "train.plan_window=2"], "train.plan", "`steps` with"),
+    (["method.zero_loss_on_guess=true", "train.timestep_fraction=0.1"], "train.timestep_fraction",
+     "int(fraction x 6) >= 1"),  # int(0.6)
+])
+def test_zero_loss_bad_settings_are_one_line_naming_the_key(sets, key, expected, tmp_path, capsys):
+    with pytest.raises(ConfigError) as err:
+        Session(tiny_config("method.name=guess", *sets))
+    assert err.value.key == key and expected in err.value.expected and "\n" not in str(err.value)
+    args = [a for s in [*TINY, "method.name=guess", *sets] for a in ("--set", s)]
+    code = main(["run", *args, "--out", str(tmp_path / "x")])
+    err_text = capsys.readouterr().err
+    lines = err_text.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and key in lines[0] and expected in lines[0] and "Traceback" not in err_text
+    assert list(tmp_path.iterdir()) == []  # refused before the run folder is made
+
+
+def test_zero_loss_snapshot_is_refused_in_one_line(tmp_path, capsys):
+    """A snapshot's train_steps (B, N) holds no shorter row: refused, and the folder is left as it was."""
+    args = [a for s in [*TINY, "train.ignore_last=true", *ZERO_LOSS] for a in ("--set", s)]
+    assert main(["snapshot", *args, "--out", str(tmp_path / "snap")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "method.zero_loss_on_guess false" in lines[0] and "train_steps (B, N)" in lines[0]
+    assert not (tmp_path / "snap").exists()
 
 
 def test_replay_is_not_applicable():
