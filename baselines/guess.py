@@ -92,13 +92,14 @@ class GuessConfig(Options):
         "[2, -1], linear extrapolation", min_items=2, max_items=2, items={"minimum": -1000, "maximum": 1000},
         expected="two numbers [c1, c2] (v_so = c1 v_{j-1} + c2 v_{j-2})")
     guessed_weight: float = option(
-        0.1, "the loss weight of a guessed (row, step) term (the code's `1 - 0.9 mock_flag`); 0 skips those terms",
+        0.1, "the loss weight of a guessed (row, step) term (the code's `1 - 0.9 mock_flag`); 0 skips those terms; "
+        "none is trained with `zero_loss_on_guess`",
         minimum=0, maximum=1000)
     zero_loss_on_guess: bool = option(
-        False, "train forwarded terms only: each row draws int(`train.timestep_fraction` x its own forwarded steps) "
-        "of its forwarded steps and its terms weigh 1 / that number (the ablation's `--zero_loss_on_guess`, module "
-        "docstring); no guessed term is trained, so `guessed_weight` weighs none. Needs guessed steps among the "
-        "trained ones and `train.plan: steps`")
+        False, "train forwarded terms only, in place of `train.plan`: each row draws int(`train.timestep_fraction` x "
+        "its own number of forwarded steps) of its forwarded steps, and its loss is the mean of those terms (the "
+        "ablation's `--zero_loss_on_guess`, module docstring); no guessed term is trained, so `guessed_weight` "
+        "weighs none. Needs a guessed step among those the plan draws from, and `train.plan: steps`")
     micro_batch: int | None = batch_option("samples per forward-with-grad; null: the whole batch, as for `full`")
 
     def guessed_per_group(self, group_size: int) -> int:
