@@ -57,6 +57,7 @@ PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has
 EMBED_DIR = "results/embeddings"
 PRETRAINED_DIR = "results/pretrained"  # model folders the workflow's pretrain rule makes
 CELL_DIR = "results/cells"  # the cell jobs' job files and their journals
+LEARNING_DIR = "results/learning"  # the learning report's tables and plots, and its manifest (workflow/rules/learning.smk)
 DONE_DIR = "results/done"  # each run's marker: the output of its job (a run job or a cell job)
 # Runs in one sweep. Composing and checking them costs little (runs that differ only in their seed are checked
 # once), but Snakemake's own DAG grows faster than the runs: `snakemake -n` on one method x model x resolution
@@ -292,13 +293,13 @@ MOVE_AWAY = "move what is not the workflow's out of it first (a job that writes 
 def output_folders(sweep: Sweep) -> list[tuple[str, Contents]]:
     """Each folder the workflow's commands write into with what each may hold (:mod:`agg_bench.outputs`): every
     run's folder, the report's tables and plots, each imported reference's and each pretrain entry's folder,
-    and with a ``learning`` section the learning report's folder."""
+    and the learning report's folder: the workflow's `learning` target runs under every sweep (its rules take
+    the ``learning`` section's defaults where it has none), so that folder is checked whatever the sweep holds."""
     folders = [(f"results/runs/{run_id}", RUN_CONTENTS) for run_id in sweep.runs]
     folders += [("results/tables", TABLES_CONTENTS), ("results/plots", PLOTS_CONTENTS)]
     folders += [(f"results/imported/{label}", IMPORT_CONTENTS) for label in sweep.references]
     folders += [(f"{PRETRAINED_DIR}/{label}", PRETRAIN_CONTENTS) for label in sweep.sweep.get("pretrain") or {}]
-    if sweep.sweep.get("learning"):
-        folders.append(("results/learning", LEARNING_TABLES_CONTENTS | LEARNING_PLOTS_CONTENTS))
+    folders.append((LEARNING_DIR, LEARNING_TABLES_CONTENTS | LEARNING_PLOTS_CONTENTS))
     return folders
 
 

@@ -392,13 +392,21 @@ def test_someones_file_in_a_folder_the_workflow_writes_is_refused_before_any_job
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before and path.read_text() == "mine"
 
 
-def test_the_learning_folder_is_checked_with_a_learning_section(in_process, tmp_path, monkeypatch):
+def test_the_learning_folder_is_checked_under_every_sweep(in_process, tmp_path, monkeypatch):
+    """The learning folder was checked only when the sweep had a learning section, but the workflow's `learning`
+    target runs under any sweep (`snakemake learning` on the embedded default): someone's file there was refused
+    by the learning report's job, after every run. It is refused before any job, with or without the section."""
     sweep = Sweep(sweep_config(), SCHEMA)
+    assert "learning" not in sweep.sweep
     monkeypatch.chdir(tmp_path)
     (tmp_path / "results/learning").mkdir(parents=True)
+    (tmp_path / "results/learning/learning.csv").write_text("method\n")  # the learning report's own
+    sweep_module.check_output_contents(sweep)
     (tmp_path / "results/learning/notes.txt").write_text("mine")
-    sweep_module.check_output_contents(sweep)  # no learning section: no job writes there
-    sweep.sweep["learning"] = {"average_iterations": 1}
-    with pytest.raises(UserError, match=re.escape("output folder results/learning: the folder holds files that are "
-                                                  "not learning tables or learning plots (notes.txt)")):
-        sweep_module.check_output_contents(sweep)
+    for learning in (None, {"average_iterations": 1}):
+        if learning is not None:
+            sweep.sweep["learning"] = learning
+        with pytest.raises(UserError, match=re.escape("output folder results/learning: the folder holds files that "
+                                                      "are not learning tables or learning plots (notes.txt)")):
+            sweep_module.check_output_contents(sweep)
+    assert (tmp_path / "results/learning/notes.txt").read_text() == "mine"

@@ -7,9 +7,9 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from agg_bench.errors import UserError
-from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, SweepError,
-                                   check_input_files, check_markers, check_output_contents, check_output_folders,
-                                   failed_runs, report_failed_runs, set_arg, type_config_args)
+from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, LEARNING_DIR, PRETRAINED_DIR, PYTHON, Sweep,
+                                   SweepError, check_input_files, check_markers, check_output_contents,
+                                   check_output_folders, failed_runs, report_failed_runs, set_arg, type_config_args)
 from agg_bench.tools.sweep import pretrain_gpus as sweep_pretrain_gpus
 
 try:

@@ -4,7 +4,6 @@
 #   snakemake --cores 2 --configfile config/learning.yaml learning      (make learning)
 PRETRAIN = config.get("pretrain") or {}
 LEARNING = config.get("learning") or {}
-LEARNING_DIR = "results/learning"
 LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + \
     [f"{LEARNING_DIR}/{name}.csv" for name in ("evaluation", "curves")] + \
     [f"{LEARNING_DIR}/{name}.png" for name in ("reward_iteration", "reward_time", "samples", "eval_reward_cost",
