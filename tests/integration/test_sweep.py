@@ -50,7 +50,8 @@ def test_sweep_jobs_commands_and_manifest(in_process):
     assert "--set 'method={name: agg, window: 3, alpha: sigma}'" in command
     # a stopped attempt continues from its checkpoint; the job's output is the run's marker, not its files
     assert "--set model.resolution=32" in command and command.endswith(
-        "--out results/runs/agg-w3_sd3_32px_s0_cpu --resume-stopped --overwrite --done results/done/agg-w3_sd3_32px_s0_cpu.json")
+        "--out results/runs/agg-w3_sd3_32px_s0_cpu --resume-stopped --overwrite --done results/done/agg-w3_sd3_32px_s0_cpu.json "
+        "--journal results/cells/agg-w3_sd3_32px_s0_cpu.progress.json")  # a run ended unseen is kept (test_cell.py)
     runs = {Path(r["dir"]).name: r for r in sweep.manifest()["runs"]}
     options = runs["agg-w3_sd3_32px_s0_cpu"]["method_options"]
     # the method's resolved options: the sweep's plus the defaults of the rest
@@ -189,7 +190,8 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     for job, run_id in zip(jobs, sweep.runs):  # the arguments the run's own job would give `agg-bench run`
         sets = " ".join(f"--set {shlex.quote(item)}" for item in job["set"])
         assert sweep.run_command(run_id) == (f"{sweep_module.PYTHON} -m agg_bench run --config {job['config']} {sets} "
-                                             f"--out {job['out']} --resume-stopped --overwrite --done {job['done']}")
+                                             f"--out {job['out']} --resume-stopped --overwrite --done {job['done']} "
+                                             f"--journal results/cells/{run_id}.progress.json")
     assert sweep.cell_command("sd3_32px_cpu") == (f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume "
                                                   "--keep-journal --overwrite results/cells/sd3_32px_cpu.json")
     assert sweep.cell_outputs("sd3_32px_cpu") == [job["done"] for job in jobs]

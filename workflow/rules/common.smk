@@ -53,11 +53,14 @@ def use_run_settings(workflow, target) -> None:
             target.resources["_cores"] = settings._parsed_overwrite_threads[name]
 
 
-def forget_recorded_cells(workflow) -> None:
-    """Remove the journal of each cell job this snakemake ran to its end (it has recorded that end), when the
-    snakemake ends (onsuccess, onerror): an invocation that ended short of the manifest job (a target before it,
-    a job that failed elsewhere) left them, and a forced rerun then kept every run instead of measuring it again.
-    A journal that a cell job of a killed snakemake left stays: the rerun of that job keeps its runs."""
+def forget_recorded_jobs(workflow) -> None:
+    """Remove the journal of each cell job and run job this snakemake ran to its end (it has recorded that end),
+    when the snakemake ends (onsuccess, onerror): an invocation that ended short of the manifest job (a target
+    before it, a job that failed elsewhere) left them, and a forced rerun then kept every run instead of
+    measuring it again. A journal that a job of a killed snakemake left stays: the rerun of that job keeps its
+    runs."""
     dag = workflow.dag
-    ended = {job.rule.name for job in dag.jobs if dag.finished(job)}
-    SWEEP.forget_cell_attempts([cell for cell in SWEEP.cells if SWEEP.cell_rule(cell) in ended])
+    ended = [job for job in dag.jobs if dag.finished(job)]
+    rules = {job.rule.name for job in ended}
+    runs = [job.wildcards["run_id"] for job in ended if job.rule.name == "run"]
+    SWEEP.forget_attempts([cell for cell in SWEEP.cells if SWEEP.cell_rule(cell) in rules] + runs)
