@@ -62,5 +62,5 @@ def forget_recorded_jobs(workflow) -> None:
     dag = workflow.dag
     ended = [job for job in dag.jobs if dag.finished(job)]
     rules = {job.rule.name for job in ended}
-    runs = [job.wildcards["run_id"] for job in ended if job.rule.name == "run"]
+    runs = [job.wildcards_dict["run_id"] for job in ended if job.rule.name == "run"]
     SWEEP.forget_attempts([cell for cell in SWEEP.cells if SWEEP.cell_rule(cell) in rules] + runs)
