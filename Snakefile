@@ -49,14 +49,15 @@ for CELL in SWEEP.cells:
     use_run_settings(workflow, workflow.get_rule(SWEEP.cell_rule(CELL)))
 
 
-# a cell job leaves its journal (agg-bench cell --keep-journal) for a rerun of a job whose end went unrecorded;
-# once this snakemake has recorded the ends of the cell jobs it ran, their journals go (docs/workflow.md)
+# a cell job and a run job leave their journal (agg-bench cell --keep-journal, agg-bench run --journal) for a rerun
+# of a job whose end went unrecorded; once this snakemake has recorded the ends of the jobs it ran, their journals
+# go (docs/workflow.md)
 onsuccess:
-    forget_recorded_cells(workflow)
+    forget_recorded_jobs(workflow)
 
 
 onerror:
-    forget_recorded_cells(workflow)
+    forget_recorded_jobs(workflow)
 
 
 # a file where one of the workflow's folders goes: one line, not Snakemake's NotADirectoryError (the runs' own

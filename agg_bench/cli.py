@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -56,8 +57,16 @@ def cmd_run(args) -> int:
     if args.done is not None:
         _check_marker(args.done, args.out)
     cfg = _run_config(args.config, overrides)
-    summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite, resume_stopped=args.resume_stopped)
+    from .runtime.cell import ENDED, CellRun
+
+    # --journal: the run an attempt whose end went unrecorded finished is kept (a cell job's journal of one run)
+    journal = _run_journal(args.journal, args.out, args.done) if args.journal is not None else None
+    entry = CellRun(args.config, tuple(overrides), args.out, args.done)
+    summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite, resume_stopped=args.resume_stopped,
+                    kept=None if journal is None else functools.partial(journal.kept, entry, cfg))
     if rank == 0:  # one result line for the job, not one per torchrun process
+        if journal is not None and summary["status"] in ENDED:
+            journal.add(entry, cfg, summary["status"])
         print(json.dumps({"out": str(args.out), "status": summary["status"]}))
         if args.done is not None:
             args.done.parent.mkdir(parents=True, exist_ok=True)
@@ -73,6 +82,19 @@ def _check_marker(done: Path, out: Path) -> None:
     from .runtime.cell import is_marker
 
     check_file(done, is_marker, "a run's marker", "--done")
+
+
+def _run_journal(path: Path, out: Path, done: Path | None):
+    """``--journal FILE``: outside the run folder, not the marker, and a cell journal or nothing
+    (:meth:`agg_bench.runtime.cell.Progress.read`)."""
+    from .runtime.cell import Progress
+
+    folder = path.resolve()
+    if folder == out.resolve() or out.resolve() in folder.parents:
+        raise UserError(f"--journal {path}: inside --out {out}; expected a journal outside the run folder")
+    if done is not None and folder == done.resolve():
+        raise UserError(f"--journal {path}: the same file as --done; expected a file of its own")
+    return Progress.read(path, "agg-bench run", "--journal", f"{out} runs again")
 
 
 def cmd_cell(args) -> int:
@@ -346,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--done", type=path_arg, metavar="FILE",
                    help='when the run has ended (ok, oom or diverged), write {"out", "status"} to FILE: a marker '
                         "outside DIR (the workflow's output of a run job, so that removing it spares the run's files)")
+    p.add_argument("--journal", type=path_arg, metavar="FILE",
+                   help="keep the run when FILE (a cell job's journal, outside DIR) records it as ended with this "
+                        "config and code and DIR still holds it; record it there when it ends (the workflow's run "
+                        "jobs: a job that ended after snakemake was killed is kept, not run again)")
     p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save DIR/checkpoint.pt every K iterations (= --set train.checkpoint_every=K)")
     p.set_defaults(func=cmd_run)

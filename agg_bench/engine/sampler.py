@@ -58,6 +58,7 @@ def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -
     as Qwen-Image's scheduler does), ending at 0 (float64)."""
     if steps < 1:
         raise ConfigError("sampling.steps", steps, "an integer >= 1")
+    check_terminal_steps(steps, shift_terminal)
     # imported here: the training step (agg_bench.engine.grpo) imports this module, and checking a method's
     # options must not import diffusers (agg_bench.tools.sweep)
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -67,6 +68,16 @@ def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -
         warnings.simplefilter("ignore", RuntimeWarning)
         scheduler.set_timesteps(steps)
     return scheduler.sigmas.to(torch.float64)
+
+
+def check_terminal_steps(steps: int, shift_terminal: float | None) -> None:
+    """Raise a ConfigError naming ``sampling.steps`` when a schedule stretched to ``shift_terminal`` (a model's
+    own, Qwen-Image's 0.02) has a single step: diffusers divides by 1 minus its last nonzero sigma, which for one
+    step is the first, 1, and the schedule is nan (the refusal named ``sampling.shift = null``)."""
+    if shift_terminal is not None and steps < 2:
+        raise ConfigError("sampling.steps", steps, f"an integer >= 2 with this model's own schedule (its scheduler's "
+                          f"shift_terminal {shift_terminal:g} stretches the schedule to end at that sigma before 0, "
+                          "which one step cannot), or a sampling.shift of its own for one step")
 
 
 def flow_sigmas_formula(steps: int, shift: float) -> torch.Tensor:

@@ -329,18 +329,23 @@ class Progress:
 
     @classmethod
     def resume(cls, jobs_path: Path) -> "Progress":
-        """The journal of ``jobs_path``'s earlier attempt, or an empty one when there is none or it was written
-        by other code (stderr says so); a UserError, before any run, when the file there is not a journal (a
-        folder, a link, someone else's file: it is never replaced)."""
-        path, code = cls.path_of(jobs_path), source_digest()
-        check_file(path, is_journal, "a cell job's journal", f"{jobs_path}: its journal",
-                   "remove it (the cell writes its journal there)")
+        """The journal of ``jobs_path``'s earlier attempt (:meth:`read`)."""
+        return cls.read(cls.path_of(jobs_path), "agg-bench cell", f"{jobs_path}: its journal",
+                        f"every run of {jobs_path} runs")
+
+    @classmethod
+    def read(cls, path: Path, verb: str, flag: str, rerun: str) -> "Progress":
+        """The journal at ``path``, or an empty one when there is none or it was written by other code (stderr
+        says so, ``verb``: that ``rerun``); a UserError naming ``flag``, before any run, when the file there is
+        not a journal (a folder, a link, someone else's file: it is never replaced)."""
+        code = source_digest()
+        check_file(path, is_journal, "a cell job's journal", flag, f"remove it ({verb} writes its journal there)")
         if not path.exists():
             return cls(path, {}, code)
         journal = read_json_object(path, PROGRESS_EXPECTED)
         if journal.get("code") != code:
-            print(f"agg-bench cell: {path}: its runs ran other code (agg_bench or baselines changed since); every "
-                  f"run of {jobs_path} runs", file=sys.stderr, flush=True)
+            print(f"{verb}: {path}: its runs ran other code (agg_bench or baselines changed since); {rerun}",
+                  file=sys.stderr, flush=True)
             return cls(path, {}, code)
         return cls(path, journal["runs"], code)
 

@@ -12,7 +12,9 @@ methods check in its child process), before anything is written:
   (:func:`agg_bench.methods.base.method_config`; ``cfg.method.options``), which imports the method's module
   and with it torch;
 - a given ``sampling.shift`` makes a schedule that falls strictly from 1 to 0 in the sampler's precision
-  (:func:`agg_bench.engine.sampler.check_sigmas`; a model's own shift is checked when the session has the model);
+  (:func:`agg_bench.engine.sampler.check_sigmas`; a model's own shift is checked when the session has the model),
+  and a random preset's own schedule with a ``shift_terminal`` (Qwen-Image) has 2 steps or more
+  (:func:`agg_bench.engine.sampler.check_terminal_steps`; a model folder's when the session has read it);
 - ``reward.name`` names a registered reward (:data:`agg_bench.engine.rewards.REWARDS`; after the method, whose
   module may register one).
 
@@ -25,17 +27,18 @@ from __future__ import annotations
 from ..config import RunConfig
 from ..engine.families import architecture
 from ..engine.rewards import REWARDS
-from ..engine.sampler import check_sigmas, flow_sigmas_formula, linspace_sigmas, sampler_dtype
+from ..engine.sampler import check_sigmas, check_terminal_steps, flow_sigmas_formula, linspace_sigmas, sampler_dtype
 from ..methods.base import method_config
 
 
 def check_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` with its method's options typed (``cfg.method.options``), after the checks above; a
     ConfigError naming the key otherwise. Options already typed are kept."""
-    model = cfg.model
+    model, sampling = cfg.model, cfg.sampling
     if model.preset == "random" and not model.pretrained:
-        architecture(model.family, model.architecture)
-    sampling = cfg.sampling
+        arch = architecture(model.family, model.architecture)
+        if sampling.shift is None and sampling.schedule == "diffusers":  # the architecture's own schedule
+            check_terminal_steps(sampling.steps, arch.scheduler.get("shift_terminal") or None)
     if sampling.shift is not None:  # before any job of a sweep, not when the run has built its model
         given = linspace_sigmas if sampling.schedule == "linspace" else flow_sigmas_formula  # no diffusers imported
         check_sigmas(given(sampling.steps, sampling.shift), sampling.shift,

@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -22,6 +23,7 @@ from ..io import JsonlWriter
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
+from ..reading import RunFolder
 from ..records import DIVERGING_KEYS, RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
 from ..stopping import Interrupted
 from . import runfolder, scalar_events
@@ -42,7 +44,7 @@ def _finite(x) -> bool:
 
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False,
-          resume_stopped: bool = False) -> dict:
+          resume_stopped: bool = False, kept: Callable[[], str | None] | None = None) -> dict:
     """Run ``train.iterations`` GRPO iterations into the run folder ``out_dir`` (with ``train.budget``, until
     the first iteration whose cumulative ``cost`` reaches it, if that comes first); return the summary.
 
@@ -57,6 +59,9 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     ``train.checkpoint_every`` = K > 0 writes ``checkpoint.pt`` every K iterations, at the end and on interruption. ``eval.every`` = K > 0 evaluates
     the policy on held-out noise (:mod:`agg_bench.runtime.evaluation`) before the first iteration, every K
     iterations and after the last, into ``evaluations.jsonl``, outside what the records count and time.
+    ``kept``, called on rank 0 before the folder is claimed, says whether ``out_dir`` already holds this run
+    ended by an attempt whose end its caller did not record (``agg-bench run --journal``: the status, or
+    None); with a status every process returns that run's summary and nothing is trained or written.
 
     An ``oom`` or ``diverged`` run returns its summary; an interrupted one raises :class:`Interrupted`
     and a failed one its exception, each after the summary is written. SIGTERM and SIGINT are taken at
@@ -79,6 +84,13 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
             shard.check_run(cfg)
             fsdp.check_run(cfg)
             scalar_events.check_run(cfg)
+            if kept is not None:  # rank 0 reads the journal and the folder; every process follows its answer
+                status = distributed.gather(distributed.on_main(kept))[0]
+                if status is not None:
+                    if shard.is_main:
+                        print(f"agg-bench run: {out} kept: it ended {status} in an earlier attempt whose end was "
+                              "not recorded", file=sys.stderr, flush=True)
+                    return RunFolder(out).summary()
             if resume_stopped and not resume:  # rank 0 reads the folder; every process follows its answer
                 stopped = distributed.on_main(runfolder.stopped_attempt, out, cfg.to_dict())
                 resume = any(distributed.gather(bool(stopped)))

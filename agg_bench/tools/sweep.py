@@ -56,7 +56,8 @@ from ..sources import source_digest
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
 EMBED_DIR = "results/embeddings"
 PRETRAINED_DIR = "results/pretrained"  # model folders the workflow's pretrain rule makes
-CELL_DIR = "results/cells"  # the cell jobs' job files and their journals
+CELL_DIR = "results/cells"  # the cell jobs' job files and their journals, and the run jobs' journals
+LEARNING_DIR = "results/learning"  # the learning report's tables and plots, and its manifest (workflow/rules/learning.smk)
 DONE_DIR = "results/done"  # each run's marker: the output of its job (a run job or a cell job)
 # Runs in one sweep. Composing and checking them costs little (runs that differ only in their seed are checked
 # once), but Snakemake's own DAG grows faster than the runs: `snakemake -n` on one method x model x resolution
@@ -292,13 +293,13 @@ MOVE_AWAY = "move what is not the workflow's out of it first (a job that writes 
 def output_folders(sweep: Sweep) -> list[tuple[str, Contents]]:
     """Each folder the workflow's commands write into with what each may hold (:mod:`agg_bench.outputs`): every
     run's folder, the report's tables and plots, each imported reference's and each pretrain entry's folder,
-    and with a ``learning`` section the learning report's folder."""
+    and the learning report's folder: the workflow's `learning` target runs under every sweep (its rules take
+    the ``learning`` section's defaults where it has none), so that folder is checked whatever the sweep holds."""
     folders = [(f"results/runs/{run_id}", RUN_CONTENTS) for run_id in sweep.runs]
     folders += [("results/tables", TABLES_CONTENTS), ("results/plots", PLOTS_CONTENTS)]
     folders += [(f"results/imported/{label}", IMPORT_CONTENTS) for label in sweep.references]
     folders += [(f"{PRETRAINED_DIR}/{label}", PRETRAIN_CONTENTS) for label in sweep.sweep.get("pretrain") or {}]
-    if sweep.sweep.get("learning"):
-        folders.append(("results/learning", LEARNING_TABLES_CONTENTS | LEARNING_PLOTS_CONTENTS))
+    folders.append((LEARNING_DIR, LEARNING_TABLES_CONTENTS | LEARNING_PLOTS_CONTENTS))
     return folders
 
 
@@ -566,22 +567,30 @@ class Sweep:
         runs an attempt that did not end had finished. --overwrite: a run's folder holding a finished run of
         an earlier config is replaced, as when Snakemake removed a run job's outputs. --keep-journal: an attempt
         that ended leaves its journal, which the workflow removes once Snakemake has recorded the job's end
-        (:meth:`forget_cell_attempts`), so a job
+        (:meth:`forget_attempts`), so a job
         that ended after Snakemake itself was killed, which Snakemake reruns as incomplete, keeps its runs."""
         return (f"{self.launch(self.cell_device(cell), 'cell')} --keep-going --resume --keep-journal --overwrite "
                 f"{CELL_DIR}/{cell}.json")
 
-    def forget_cell_attempts(self, cells=None) -> None:
-        """Remove the journal of each cell job of ``cells`` (default: every cell), which ``agg-bench cell
-        --keep-journal`` leaves, once Snakemake has recorded the job's end: for the manifest job, and for each
-        cell job that a snakemake ran when it ends (the Snakefile's onsuccess and onerror): a forced rerun then
-        runs every run again. Only a journal that records every run of its cell as ended (``ok``, ``oom``,
-        ``diverged``) goes, as the cell itself removes one without ``--keep-journal``: while a run failed, the
-        next attempt reruns that run only. A file there that is not a journal is left (the cell job refuses it)."""
-        for cell in self.cells if cells is None else cells:
-            path = Path(CELL_DIR, f"{cell}.progress.json")
+    def journal(self, job: str) -> str:
+        """The journal of a cell job (``job``: a cell) or of a run job (``job``: one of :attr:`single_runs`),
+        beside the cells' job files: a cell's its ``agg-bench cell --resume`` keeps, a run's its ``agg-bench run
+        --journal`` keeps. Labels hold no ``_``, so a run's id never names a cell."""
+        return f"{CELL_DIR}/{job}.progress.json"
+
+    def forget_attempts(self, jobs=None) -> None:
+        """Remove the journal (:meth:`journal`) of each job of ``jobs`` (cells and run ids of
+        :attr:`single_runs`; default: every one), which ``agg-bench cell --keep-journal`` and ``agg-bench run
+        --journal`` leave, once Snakemake has recorded the job's end: for the manifest job, and for each job
+        that a snakemake ran when it ends (the Snakefile's onsuccess and onerror): a forced rerun then runs every
+        run again. Only a journal that records every run of its job as ended (``ok``, ``oom``, ``diverged``)
+        goes, as the cell itself removes one without ``--keep-journal``: while a run failed, the next attempt
+        reruns that run only. A file there that is not a journal is left (the job refuses it)."""
+        for job in [*self.cells, *self.single_runs] if jobs is None else jobs:
+            path = Path(self.journal(job))
+            run_ids = self.cells[job] if job in self.cells else [job]
             if path.is_file() and not path.is_symlink() and \
-                    journal_ends(path, [f"results/runs/{run_id}" for run_id in self.cells[cell]]):
+                    journal_ends(path, [f"results/runs/{run_id}" for run_id in run_ids]):
                 path.unlink()
 
     def cell_device(self, cell: str) -> str:
@@ -660,10 +669,12 @@ class Sweep:
     def run_command(self, run_id: str) -> str:
         """A run job's command. --resume-stopped: a run whose earlier attempt was stopped (killed, a scheduler's
         time limit) continues from its checkpoint; any other starts over. --overwrite: a folder holding a
-        finished run of an earlier config is replaced. --done: the marker that is the job's output."""
+        finished run of an earlier config is replaced. --done: the marker that is the job's output. --journal:
+        the run's journal (:meth:`journal`), as a cell job keeps one with --keep-journal, so a job that ended
+        after Snakemake itself was killed, which Snakemake reruns as incomplete, keeps its run."""
         run = self.runs[run_id]
         return (f"{self.launch(run['device'], 'run')} {self._config_args(run['pairs'])} --out results/runs/{run_id} "
-                f"--resume-stopped --overwrite --done {self.done_marker(run_id)}")
+                f"--resume-stopped --overwrite --done {self.done_marker(run_id)} --journal {self.journal(run_id)}")
 
     def gradcheck_command(self, name: str) -> str:
         job, part = self.gradchecks[name], self.sweep["gradcheck"]

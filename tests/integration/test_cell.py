@@ -311,7 +311,7 @@ def test_a_cell_job_that_ended_unseen_keeps_its_runs_until_the_workflow_forgets_
     """`kill -9` of snakemake leaves its cell job running; the job ends, writes its markers and removed its
     journal, and the next snakemake, which saw no end, reruns it as incomplete (its markers removed first): every
     run of the cell ran again. With --keep-journal the journal stays until the workflow's manifest job, which
-    runs once Snakemake recorded every cell's end, removes it (Sweep.forget_cell_attempts): the rerun keeps
+    runs once Snakemake recorded every cell's end, removes it (Sweep.forget_attempts): the rerun keeps
     every run; a forced rerun after the manifest runs everything."""
     runs = [{**run(tmp_path / name, f"seed={seed}"), "done": str(tmp_path / "done" / f"{name}.json")}
             for name, seed in (("a", 0), ("b", 1))]
@@ -340,10 +340,10 @@ def test_a_cell_job_that_ended_unseen_keeps_its_runs_until_the_workflow_forgets_
     failed = dict(list(cell_runs.items())[1:])  # the first run failed (a failed run is not recorded)
     (cells / f"{cell}.progress.json").write_text(json.dumps({"code": recorded["code"], "runs": failed}))
     (cells / "other.progress.json").write_text("{}")  # not one of this sweep's cells: left alone
-    sweep.forget_cell_attempts()  # a run of the cell did not end: its rerun reruns that one only
+    sweep.forget_attempts()  # a run of the cell did not end: its rerun reruns that one only
     assert sorted(p.name for p in cells.iterdir()) == ["other.progress.json", f"{cell}.progress.json"]
     (cells / f"{cell}.progress.json").write_text(json.dumps({"code": recorded["code"], "runs": cell_runs}))
-    sweep.forget_cell_attempts()
+    sweep.forget_attempts()
     assert sorted(p.name for p in cells.iterdir()) == ["other.progress.json"]
     journal.unlink()
     assert main(args) == 0  # a forced rerun after the manifest: every run again
@@ -351,6 +351,70 @@ def test_a_cell_job_that_ended_unseen_keeps_its_runs_until_the_workflow_forgets_
     assert all(identity(summary[name]) != first[name] for name in "ab")
     assert main(["cell", "--keep-journal", str(path)]) == 2
     assert "--keep-journal: a cell keeps a journal with --resume only" in capsys.readouterr().err
+
+
+def test_a_run_job_that_ended_unseen_keeps_its_run_until_the_workflow_forgets_it(tmp_path, capsys, monkeypatch):
+    """The run job's side of the test above: `kill -9` of snakemake leaves its run job running; the run ends and
+    writes its marker, and the next snakemake, which saw no end, reruns the job as incomplete (the marker removed
+    first): `agg-bench run --resume-stopped` started the run that ended over. With --journal (the workflow's run
+    jobs; a cell job's journal of one run) the rerun keeps it, until the workflow forgets the journal once
+    Snakemake recorded the job's end (Sweep.forget_attempts); a failed run, another config or other code runs."""
+    from agg_bench.runtime import cell
+
+    sweep = yaml.safe_load((ROOT / "config" / "test.yaml").read_text())
+    sweep["base"] = str(ROOT / sweep["base"])
+    sweep["devices"]["cpu"]["runs_per_job"] = 1  # one job per run: the `run` rule
+    del sweep["gradcheck"]
+    sweep = Sweep(sweep, SCHEMA, cache_dir=None)
+    assert not sweep.cells and sweep.single_runs == ["full_sd3_32px_s0_cpu", "agg-w3_sd3_32px_s0_cpu"]
+    run_id = sweep.single_runs[0]
+    command = sweep.run_command(run_id)
+    assert command.endswith(f"--done results/done/{run_id}.json --journal results/cells/{run_id}.progress.json")
+    monkeypatch.chdir(tmp_path)
+    out, done, journal = Path(f"results/runs/{run_id}"), Path(sweep.done_marker(run_id)), Path(sweep.journal(run_id))
+    args = ["run", *[a for o in TINY for a in ("--set", o)], "--out", str(out), "--resume-stopped", "--overwrite",
+            "--done", str(done), "--journal", str(journal)]
+    update = train_module.Session.update
+
+    def failing_update(self, batch):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(train_module.Session, "update", failing_update)
+    assert main(args) == 1  # a failed run: not in the journal, and the rerun runs it
+    assert not journal.exists() and not done.exists()
+    monkeypatch.setattr(train_module.Session, "update", update)
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "kept:" not in capsys.readouterr().err
+    assert json.loads(journal.read_text())["runs"][str(out)]["status"] == "ok"
+    assert json.loads(done.read_text()) == {"out": str(out), "status": "ok"}
+    first = identity(out / "summary.json")
+    done.unlink()  # Snakemake removes an incomplete job's outputs before it reruns it
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert f"agg-bench run: {out} kept: it ended ok in an earlier attempt whose end was not recorded" in captured.err
+    assert json.loads(captured.out) == {"out": str(out), "status": "ok"}
+    assert identity(out / "summary.json") == first and len(list(read_jsonl(out / "metrics.jsonl"))) == 2
+    assert json.loads(done.read_text()) == {"out": str(out), "status": "ok"}
+    # another config (a changed sweep) runs, and --overwrite replaces the earlier one
+    assert main([*args, "--set", "train.lr=0.0002"]) == 0
+    assert "kept:" not in capsys.readouterr().err and identity(out / "summary.json") != first
+    first = identity(out / "summary.json")
+    assert main([*args, "--set", "train.lr=0.0002"]) == 0 and identity(out / "summary.json") == first
+    digest = cell.source_digest
+    monkeypatch.setattr(cell, "source_digest", lambda: "other")  # other code runs
+    assert main([*args, "--set", "train.lr=0.0002"]) == 0
+    assert "ran other code" in capsys.readouterr().err and identity(out / "summary.json") != first
+    monkeypatch.setattr(cell, "source_digest", digest)
+    # the manifest job (or the end of the snakemake that ran the job): Snakemake recorded the job's end
+    other = Path(sweep.journal(sweep.single_runs[1]))
+    other.write_text(json.dumps({"code": "x", "runs": {}}))  # a run of it did not end: its rerun runs it
+    assert main(args) == 0
+    first = identity(out / "summary.json")
+    sweep.forget_attempts()
+    assert not journal.exists() and other.exists()
+    assert main(args) == 0  # a forced rerun: the run runs again
+    assert "kept:" not in capsys.readouterr().err and identity(out / "summary.json") != first
 
 
 def test_a_cell_stops_at_a_run_another_process_writes(tmp_path, capsys):

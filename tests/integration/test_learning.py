@@ -174,7 +174,7 @@ def test_learning_sweep_dry_run(tmp_path):
 def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path):
     """config/learning_gpu.yaml pre-trains on CUDA: its pretrain job declares one GPU (which Snakemake and SLURM
     then give it) and takes it from the pool, as a run does; the CPU sweep's declares and takes none."""
-    from test_pipeline import gpu_claims, snakemake, workdir
+    from test_pipeline import gpu_claims, job_resources, snakemake, workdir
 
     work = workdir(tmp_path)
     for config, gpus in (("config/learning_gpu.yaml", 1), ("config/learning.yaml", 0)):
@@ -183,6 +183,16 @@ def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path
         claims = gpu_claims(proc.stdout)
         assert [c for c in claims if c[0] == "pretrain"] == [("pretrain", gpus, gpus)], claims
         assert [c for c in claims if c[1] != c[2]] == []
+    # through SLURM the GPU pretrain job gets the profile's own entry, not the defaults (60 minutes, any GPU)
+    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
+    proc = snakemake(work, "learning", "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile",
+                     "config/learning_gpu.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    profile = yaml.safe_load((work / "workflow/profiles/slurm/config.yaml").read_text())
+    [pretrain] = [resources for rule, resources in job_resources(proc.stdout) if rule == "pretrain"]
+    assert {key: pretrain.get(key) for key in profile["set-resources"]["pretrain"]} == \
+        {key: str(value) for key, value in profile["set-resources"]["pretrain"].items()}
+    assert pretrain["gpu"] == "1"
     assert not (work / "results").exists()
 
 

@@ -411,6 +411,10 @@ def test_resume_stopped_continues_only_a_stopped_attempt(tmp_path, monkeypatch, 
     (["--done", "{out}/done.json"], ["--done", "inside --out", "outside the run folder"]),
     (["--done", "{tmp}/folder"], ["--done", "is a folder", "expected a file path"]),
     (["--done", "{tmp}/notes.txt"], ["--done", "the file exists and is not a run's marker"]),
+    (["--journal", "{out}/journal.json"], ["--journal", "inside --out", "outside the run folder"]),
+    (["--journal", "{tmp}/folder"], ["--journal", "is a folder", "expected a file path"]),
+    (["--journal", "{tmp}/notes.txt"], ["--journal", "the file exists and is not a cell job's journal"]),
+    (["--done", "{tmp}/done.json", "--journal", "{tmp}/done.json"], ["--journal", "the same file as --done"]),
 ])
 def test_run_flags_that_cannot_go_together_are_one_line(tmp_path, capsys, flags, words):
     out = tmp_path / "run"

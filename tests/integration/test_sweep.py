@@ -50,7 +50,8 @@ def test_sweep_jobs_commands_and_manifest(in_process):
     assert "--set 'method={name: agg, window: 3, alpha: sigma}'" in command
     # a stopped attempt continues from its checkpoint; the job's output is the run's marker, not its files
     assert "--set model.resolution=32" in command and command.endswith(
-        "--out results/runs/agg-w3_sd3_32px_s0_cpu --resume-stopped --overwrite --done results/done/agg-w3_sd3_32px_s0_cpu.json")
+        "--out results/runs/agg-w3_sd3_32px_s0_cpu --resume-stopped --overwrite --done results/done/agg-w3_sd3_32px_s0_cpu.json "
+        "--journal results/cells/agg-w3_sd3_32px_s0_cpu.progress.json")  # a run ended unseen is kept (test_cell.py)
     runs = {Path(r["dir"]).name: r for r in sweep.manifest()["runs"]}
     options = runs["agg-w3_sd3_32px_s0_cpu"]["method_options"]
     # the method's resolved options: the sweep's plus the defaults of the rest
@@ -189,7 +190,8 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     for job, run_id in zip(jobs, sweep.runs):  # the arguments the run's own job would give `agg-bench run`
         sets = " ".join(f"--set {shlex.quote(item)}" for item in job["set"])
         assert sweep.run_command(run_id) == (f"{sweep_module.PYTHON} -m agg_bench run --config {job['config']} {sets} "
-                                             f"--out {job['out']} --resume-stopped --overwrite --done {job['done']}")
+                                             f"--out {job['out']} --resume-stopped --overwrite --done {job['done']} "
+                                             f"--journal results/cells/{run_id}.progress.json")
     assert sweep.cell_command("sd3_32px_cpu") == (f"{sweep_module.PYTHON} -m agg_bench cell --keep-going --resume "
                                                   "--keep-journal --overwrite results/cells/sd3_32px_cpu.json")
     assert sweep.cell_outputs("sd3_32px_cpu") == [job["done"] for job in jobs]
@@ -392,13 +394,21 @@ def test_someones_file_in_a_folder_the_workflow_writes_is_refused_before_any_job
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before and path.read_text() == "mine"
 
 
-def test_the_learning_folder_is_checked_with_a_learning_section(in_process, tmp_path, monkeypatch):
+def test_the_learning_folder_is_checked_under_every_sweep(in_process, tmp_path, monkeypatch):
+    """The learning folder was checked only when the sweep had a learning section, but the workflow's `learning`
+    target runs under any sweep (`snakemake learning` on the embedded default): someone's file there was refused
+    by the learning report's job, after every run. It is refused before any job, with or without the section."""
     sweep = Sweep(sweep_config(), SCHEMA)
+    assert "learning" not in sweep.sweep
     monkeypatch.chdir(tmp_path)
     (tmp_path / "results/learning").mkdir(parents=True)
+    (tmp_path / "results/learning/learning.csv").write_text("method\n")  # the learning report's own
+    sweep_module.check_output_contents(sweep)
     (tmp_path / "results/learning/notes.txt").write_text("mine")
-    sweep_module.check_output_contents(sweep)  # no learning section: no job writes there
-    sweep.sweep["learning"] = {"average_iterations": 1}
-    with pytest.raises(UserError, match=re.escape("output folder results/learning: the folder holds files that are "
-                                                  "not learning tables or learning plots (notes.txt)")):
-        sweep_module.check_output_contents(sweep)
+    for learning in (None, {"average_iterations": 1}):
+        if learning is not None:
+            sweep.sweep["learning"] = learning
+        with pytest.raises(UserError, match=re.escape("output folder results/learning: the folder holds files that "
+                                                      "are not learning tables or learning plots (notes.txt)")):
+            sweep_module.check_output_contents(sweep)
+    assert (tmp_path / "results/learning/notes.txt").read_text() == "mine"

@@ -40,6 +40,22 @@ def test_every_job_rule_logs_and_measuring_rules_keep_a_benchmark():
             assert re.search(r"^    benchmark:", body, flags=re.M), f"rule {name} has no benchmark:"
 
 
+def test_the_slurm_profile_has_an_entry_for_each_rule_whose_jobs_take_gpus():
+    """Snakemake applies a profile's set-resources by rule name, and a job of a rule without an entry got the
+    defaults (60 minutes, 16 GB, any GPU model): the GPU pretrain job of config/learning_gpu.yaml had none. Each
+    rule that declares a gpu resource has an entry (a cell's rule takes `run`'s: the Snakefile's
+    use_run_settings), with the same keys as the run's, and each entry names a rule."""
+    import yaml
+
+    profile = yaml.safe_load((ROOT / "workflow" / "profiles" / "slurm" / "config.yaml").read_text())
+    entries = profile["set-resources"]
+    found = rules()
+    takes_gpus = {name for name, body in found.items() if re.search(r"^        gpu=", body, flags=re.M)}
+    assert {"run", "cell", "pretrain", "embed", "gradcheck", "calibrate"} <= takes_gpus
+    assert sorted(takes_gpus - {"cell"}) == sorted(entries)
+    assert all(set(entry) == set(entries["run"]) for entry in entries.values()), entries
+
+
 def test_the_default_profile_is_where_snakemake_looks_without_a_flag():
     # Snakemake reads profiles/default/ next to the Snakefile when --workflow-profile is not given
     profile = ROOT / "profiles" / "default" / "config.yaml"

@@ -278,3 +278,45 @@ def test_the_sweeps_schedule_without_diffusers_is_diffusers_schedule_bit_for_bit
         for shift in (1e-30, 1e-4, 0.01, 0.5, 1.0, 1.5, 3.0, 3.1, 6.0, 12.5, 1e8, 1e30):
             assert torch.equal(flow_sigmas_formula(steps, shift).nan_to_num(-1.0),
                                flow_sigmas(steps, shift).nan_to_num(-1.0)), (steps, shift)
+
+
+def test_qwen_image_s_own_schedule_with_one_step_names_sampling_steps(tmp_path, capsys, monkeypatch):
+    """Qwen-Image's scheduler stretches its schedule so that it ends at shift_terminal 0.02 before 0; with one
+    step (and `sampling.shift: null`, the model's own schedule) diffusers' schedule is nan, and the refusal, once
+    the model was built, named `sampling.shift = null`. The step count is the cause: one line names it, before
+    anything is built for the random preset (the sweep's check too), and from the session's schedule for a model
+    folder whose scheduler has a shift_terminal. No full-size weights: building them fails the test."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from agg_bench.config import load_config
+    from agg_bench.engine import architectures
+    from agg_bench.engine.families import architecture
+    from agg_bench.engine.models import load_policy
+    from agg_bench.errors import ConfigError
+    from agg_bench.runtime.session import run_sigmas
+    from agg_bench.tools.sweep import SweepError, check_methods
+
+    def no_full_size_weights(*args, **kwargs):
+        raise AssertionError("a full-size model was built")
+
+    monkeypatch.setattr(architectures, "build_random", no_full_size_weights)
+    expected = "config error: sampling.steps = 1: expected an integer >= 2 with this model's own schedule"
+    qwen = ["model.family=qwenimage", "model.preset=random", "sampling.shift=null", "sampling.steps=1"]
+    line = run_fails(tmp_path / "out", capsys, *[a for s in qwen for a in ("--set", s)])
+    assert expected in line and "shift_terminal 0.02" in line, line
+    job = [("model.family", "qwenimage"), ("model.preset", "random"), ("sampling.shift", None)]
+    with pytest.raises(SweepError, match=re.escape(f"qwen_full: {expected}")):
+        check_methods(None, {"qwen_full": [*job, ("sampling.steps", 1)]})
+    assert check_methods(None, {"qwen_full": [*job, ("sampling.steps", 2)]})
+    # a model folder with Qwen-Image's scheduler: the tiny Qwen-Image given the architecture's scheduler config
+    policy = load_policy("qwenimage", "tiny", None)
+    policy.scheduler_config = dict(FlowMatchEulerDiscreteScheduler(**architecture("qwenimage").scheduler).config)
+    shape = policy.latent_shape(64)
+    own = ["model.family=qwenimage", "sampling.shift=null"]
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        run_sigmas(load_config(None, [*own, "sampling.steps=1"]), policy, shape)
+    # two steps end at the terminal sigma; one step with a shift of its own is whole
+    sigmas = run_sigmas(load_config(None, [*own, "sampling.steps=2"]), policy, shape)
+    assert sigmas[0] == 1 and abs(float(sigmas[1]) - 0.02) < 1e-6 and sigmas[2] == 0
+    assert run_sigmas(load_config(None, ["model.family=qwenimage", "sampling.steps=1"]), policy, shape).tolist() == \
+        [1.0, 0.0]

@@ -7,9 +7,9 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from agg_bench.errors import UserError
-from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, PRETRAINED_DIR, PYTHON, Sweep, SweepError,
-                                   check_input_files, check_markers, check_output_contents, check_output_folders,
-                                   failed_runs, report_failed_runs, set_arg, type_config_args)
+from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, LEARNING_DIR, PRETRAINED_DIR, PYTHON, Sweep,
+                                   SweepError, check_input_files, check_markers, check_output_contents,
+                                   check_output_folders, failed_runs, report_failed_runs, set_arg, type_config_args)
 from agg_bench.tools.sweep import pretrain_gpus as sweep_pretrain_gpus
 
 try:
@@ -53,11 +53,14 @@ def use_run_settings(workflow, target) -> None:
             target.resources["_cores"] = settings._parsed_overwrite_threads[name]
 
 
-def forget_recorded_cells(workflow) -> None:
-    """Remove the journal of each cell job this snakemake ran to its end (it has recorded that end), when the
-    snakemake ends (onsuccess, onerror): an invocation that ended short of the manifest job (a target before it,
-    a job that failed elsewhere) left them, and a forced rerun then kept every run instead of measuring it again.
-    A journal that a cell job of a killed snakemake left stays: the rerun of that job keeps its runs."""
+def forget_recorded_jobs(workflow) -> None:
+    """Remove the journal of each cell job and run job this snakemake ran to its end (it has recorded that end),
+    when the snakemake ends (onsuccess, onerror): an invocation that ended short of the manifest job (a target
+    before it, a job that failed elsewhere) left them, and a forced rerun then kept every run instead of
+    measuring it again. A journal that a job of a killed snakemake left stays: the rerun of that job keeps its
+    runs."""
     dag = workflow.dag
-    ended = {job.rule.name for job in dag.jobs if dag.finished(job)}
-    SWEEP.forget_cell_attempts([cell for cell in SWEEP.cells if SWEEP.cell_rule(cell) in ended])
+    ended = [job for job in dag.jobs if dag.finished(job)]
+    rules = {job.rule.name for job in ended}
+    runs = [job.wildcards_dict["run_id"] for job in ended if job.rule.name == "run"]
+    SWEEP.forget_attempts([cell for cell in SWEEP.cells if SWEEP.cell_rule(cell) in rules] + runs)

@@ -4,7 +4,6 @@
 #   snakemake --cores 2 --configfile config/learning.yaml learning      (make learning)
 PRETRAIN = config.get("pretrain") or {}
 LEARNING = config.get("learning") or {}
-LEARNING_DIR = "results/learning"
 LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + \
     [f"{LEARNING_DIR}/{name}.csv" for name in ("evaluation", "curves")] + \
     [f"{LEARNING_DIR}/{name}.png" for name in ("reward_iteration", "reward_time", "samples", "eval_reward_cost",
@@ -93,7 +92,7 @@ rule learning_manifest:
         from agg_bench.io import write_json
 
         check_finished_runs()
-        SWEEP.forget_cell_attempts()  # every cell job's end is recorded: a forced rerun runs every run again
+        SWEEP.forget_attempts()  # every run job's and cell job's end is recorded: a forced rerun runs every run again
         write_json(output[0], params.manifest)
         with open(log[0], "w") as handle:
             handle.write(f"{output[0]}: {len(params.manifest['runs'])} runs\n")

@@ -19,7 +19,7 @@ rule manifest:
         from agg_bench.io import write_json
 
         check_finished_runs()
-        SWEEP.forget_cell_attempts()  # every cell job's end is recorded: a forced rerun runs every run again
+        SWEEP.forget_attempts()  # every run job's and cell job's end is recorded: a forced rerun runs every run again
         write_json(output[0], params.manifest)
         with open(log[0], "w") as handle:
             handle.write(f"{output[0]}: {len(params.manifest['runs'])} runs, "
