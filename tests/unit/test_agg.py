@@ -18,7 +18,8 @@ from agg_bench.methods.agg import group_bounds
 from agg_bench.methods.base import build_estimator, build_method
 from agg_bench.runtime.train import Session
 from agg_bench.tools.snapshot import replay, save_snapshot
-from helpers import counted, gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
+from helpers import (counted, fresh_seed, gaussian_log_prob, move_off_policy, relative_error, sde_reference, seeded,
+                     tiny_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/tiny_sd3_reference_cpu.yaml"
@@ -95,7 +96,7 @@ def affine_policy(generator, shape=(2, 2, 2)) -> AffinePolicy:
 @pytest.mark.parametrize("sde", ["flow_grpo", "dance_grpo"])
 @pytest.mark.parametrize("beta", [0.0, 0.3])
 def test_sigma_weights_are_exact_for_an_affine_velocity_on_collinear_states(sde, beta):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(fresh_seed())
     policy = affine_policy(gen)
     reference = None
     if beta > 0:  # a reference policy that differs from the policy, so the KL term has a gradient
@@ -118,7 +119,7 @@ def test_sigma_weights_are_exact_for_an_affine_velocity_on_collinear_states(sde,
 def test_pass_counts_per_group(steps, window, sizes, reuse):
     """A group of W >= 3 costs W no-grad forwards (0 reused), 2 forwards-with-grad and 2 backwards per
     sample; groups of 1 or 2 steps cost one forward-with-grad and one backward per step."""
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seeded(5))
     policy = affine_policy(gen)
     batch = collinear_batch(policy, gen, "flow_grpo", steps=steps)
     with torch.no_grad():
@@ -191,7 +192,7 @@ def test_reuse_gives_the_recomputed_gradient_and_stops_after_an_optimizer_step()
 def test_endpoint_reuse_gives_the_recomputed_gradient_with_two_fewer_nograd_forwards(options, overrides):
     session = Session(tiny_config(*overrides))
     batch = session.collect(0).batch
-    seed = torch.seed()  # fresh parameters off the rollout's, so ratios differ from 1
+    seed = fresh_seed()  # fresh parameters off the rollout's, so ratios differ from 1
     move_off_policy(session.policy)
     policy, reference = session.policy, session.reference
     recompute = agg(**options)

@@ -16,7 +16,7 @@ from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_method
 from agg_bench.runtime.train import Session
 from baselines.guess import GuessConfig
-from helpers import counted, gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
+from helpers import counted, gaussian_log_prob, move_off_policy, relative_error, sde_reference, seeded, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/guess_ab2.yaml"
@@ -31,12 +31,12 @@ def rollout(session, seed=3):
     cfg = session.cfg
     g = cfg.grpo.group_size
     cond = session.cond_all[torch.tensor([0, 1])].repeat_interleave(g)
-    noise = torch.randn((2 * g, *session.latent_shape), generator=torch.Generator().manual_seed(seed),
+    noise = torch.randn((2 * g, *session.latent_shape), generator=torch.Generator().manual_seed(seeded(seed)),
                         dtype=torch.float64)
     session.policy.counter.reset()
     traj = session.estimator.rollout(session.policy, cond, noise, session.sigmas, cfg.sampling,
-                                     torch.Generator().manual_seed(seed + 1), 0, g)
-    return traj, session.policy.counter.as_dict(), cond, noise, torch.Generator().manual_seed(seed + 1)
+                                     torch.Generator().manual_seed(seeded(seed + 1)), 0, g)
+    return traj, session.policy.counter.as_dict(), cond, noise, torch.Generator().manual_seed(seeded(seed + 1))
 
 
 def guessed_velocity(j, steps, own, group_real, blend, c1=1.5, c2=-0.5, blend_until=0.5):

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from helpers import relative_error, tiny_config
+from helpers import fresh_seed, relative_error, tiny_config
 from safetensors.torch import load_file
 
 from agg_bench.engine.grpo import UpdateStats, step_terms
@@ -19,7 +19,7 @@ LORA = ("train.lora_rank=4", "train.lora_alpha=8")
 
 def perturb_adapters(policy, scale=0.05):
     """Move the adapters off their no-op start so that the adapted model differs from the base."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(fresh_seed())
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
@@ -53,7 +53,7 @@ def test_reference_with_adapters_off_equals_the_base_model():
     assert reference.parameters() == []
     perturb_adapters(policy)
     base = build_tiny_transformer("sd3", seed=0, dtype=torch.float64)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(fresh_seed())
     x = torch.randn(3, 4, 4, 4, generator=gen, dtype=torch.float64)
     t = torch.rand(3, generator=gen, dtype=torch.float64) * 1000
     cond = session.cond_all[torch.tensor([0, 1, 2])].to(dtype=torch.float64)

@@ -22,7 +22,7 @@ from agg_bench.io import read_jsonl
 from agg_bench.records import passes_cost
 from agg_bench.runtime.session import Session, rewarded_latents
 from agg_bench.runtime.train import train
-from helpers import counted, move_off_policy, relative_error, tiny_config
+from helpers import counted, fresh_seed, move_off_policy, relative_error, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ROOT / "config" / "presets"
@@ -30,7 +30,7 @@ FINAL = ("sampling.same_noise_per_group=false", "reward.name=smoothness")
 
 
 def fresh_generator() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
+    return torch.Generator().manual_seed(fresh_seed())
 
 
 def grads_of(policy):

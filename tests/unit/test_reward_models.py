@@ -20,6 +20,7 @@ from agg_bench.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import seeded
 from reward_assets import (TINY_MED, TINY_OPEN_CLIP, TINY_VIT, hf_blip_to_image_reward,
                            hf_clip_to_open_clip, image_reward_mlp, randomize, tiny_hf_blip, tiny_hf_clip,
                            write_bert_tokenizer, write_clip_tokenizer)
@@ -85,7 +86,7 @@ def built(assets):
 @pytest.fixture(scope="module")
 def images() -> torch.Tensor:
     """Five non-square images in [0, 1], so resizing and center-cropping are exercised."""
-    return torch.rand(len(PROMPTS), 3, 40, 52, generator=torch.Generator().manual_seed(5))
+    return torch.rand(len(PROMPTS), 3, 40, 52, generator=torch.Generator().manual_seed(seeded(5)))
 
 
 # The checkpoint option of each reward, for the missing-file tests.
