@@ -19,26 +19,26 @@ import zlib
 
 import pytest
 import torch
-from helpers import SEED_STRIDE, TEST_SEED_VAR, seeded, test_seed_shift
+from helpers import SEED_STRIDE, TEST_SEED_VAR, seeded, seed_shift
 from tiny_pretrained import write_tiny_pretrained
 
 
 def pytest_configure(config):
     try:
-        test_seed_shift()
+        seed_shift()
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
 
 
 def pytest_report_header(config):
-    return f"{TEST_SEED_VAR}={test_seed_shift()}" if test_seed_shift() else None
+    return f"{TEST_SEED_VAR}={seed_shift()}" if seed_shift() else None
 
 
 @pytest.fixture(autouse=True)
 def _shifted_global_seed(request):
     """With AGG_BENCH_TEST_SEED set, torch's global generator starts each test from a seed of that value and
     the test's name (draws a test takes from it without a seed of its own move too); unset, it is untouched."""
-    if test_seed_shift():
+    if seed_shift():
         torch.manual_seed(seeded(zlib.crc32(request.node.nodeid.encode()) % SEED_STRIDE))
 
 

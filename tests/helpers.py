@@ -65,7 +65,7 @@ TEST_SEED_VAR = "AGG_BENCH_TEST_SEED"
 SEED_STRIDE = 1_000_003  # a prime above every seed written in the tests: two written seeds never meet
 
 
-def test_seed_shift() -> int:
+def seed_shift() -> int:
     """The value of AGG_BENCH_TEST_SEED, 0 where it is unset or empty."""
     text = os.environ.get(TEST_SEED_VAR, "").strip()
     if not text:
@@ -78,7 +78,7 @@ def test_seed_shift() -> int:
 def seeded(seed: int) -> int:
     """The seed a test draws its inputs from where it writes ``seed``: ``seed`` itself unless
     AGG_BENCH_TEST_SEED is set, and distinct written seeds stay distinct (within a run config's 0 ... 2^32 - 1)."""
-    return (seed + test_seed_shift() * SEED_STRIDE) % 2**32
+    return (seed + seed_shift() * SEED_STRIDE) % 2**32
 
 
 _fresh_draws: dict[str, int] = {}
@@ -88,7 +88,7 @@ def fresh_seed() -> int:
     """A seed for inputs drawn afresh on every run, torch's global generator reseeded with it; with
     AGG_BENCH_TEST_SEED set, one fixed by that value, the running test and how many seeds it took before, so
     that a failing draw runs again."""
-    if test_seed_shift():
+    if seed_shift():
         test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
         count = _fresh_draws[test] = _fresh_draws.get(test, -1) + 1
         seed = seeded(zlib.crc32(f"{test}#{count}".encode()) % SEED_STRIDE)
@@ -101,7 +101,7 @@ def fresh_seed() -> int:
 def tiny_config(*overrides: str, family: str = "sd3", dtype: str = "float64"):
     """The tiny run config (``TINY``) of ``family`` with ``overrides``; its seed moves with AGG_BENCH_TEST_SEED
     (an override's ``seed=`` wins)."""
-    shifted = [f"seed={seeded(0)}"] if test_seed_shift() else []
+    shifted = [f"seed={seeded(0)}"] if seed_shift() else []
     return load_config(None, [*TINY, *shifted, f"model.family={family}", f"model.dtype={dtype}", *overrides])
 
 
