@@ -52,7 +52,7 @@ def test_reference_with_adapters_off_equals_the_base_model():
     assert reference.transformer is policy.transformer  # no copy of the weights
     assert reference.parameters() == []
     perturb_adapters(policy)
-    base = build_tiny_transformer("sd3", seed=0, dtype=torch.float64)
+    base = build_tiny_transformer("sd3", seed=session.cfg.seed, dtype=torch.float64)
     gen = torch.Generator().manual_seed(fresh_seed())
     x = torch.randn(3, 4, 4, 4, generator=gen, dtype=torch.float64)
     t = torch.rand(3, generator=gen, dtype=torch.float64) * 1000
@@ -111,7 +111,7 @@ def test_lora_snapshot_keeps_plain_base_weights_and_replays_the_same_gradient(tm
     assert meta["lora"] == {"rank": 4, "alpha": 8.0, "target_modules": LORA_TARGETS["sd3"]}
     # transformer/ is a plain diffusers folder of the base weights
     plain = TRANSFORMER_CLASSES["sd3"].from_pretrained(snap / "transformer", torch_dtype=torch.float64)
-    base = build_tiny_transformer("sd3", seed=0, dtype=torch.float64)
+    base = build_tiny_transformer("sd3", seed=cfg.seed, dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), base.state_dict().values()))
     assert all(".lora_" in k for k in load_file(str(snap / "lora" / "adapter_model.safetensors")))
 

@@ -344,7 +344,7 @@ def test_dgpo_charges_its_guided_rollout_and_its_clip():
     policy = session.policy
     dim, pooled = text_dims(policy.transformer)
     empty = session.estimator.unconditional
-    assert torch.equal(empty.encoder_hidden_states, hash_embed([""], dim, pooled, 16, 0).encoder_hidden_states)
+    assert torch.equal(empty.encoder_hidden_states, hash_embed([""], dim, pooled, 16, session.cfg.seed).encoder_hidden_states)
     batch = session.collect(3).batch
     x, ts = batch.latents[:, 1], batch.timesteps[1].expand(b)
     with torch.no_grad():
