@@ -15,15 +15,37 @@ from agg_bench.threads import usable_cores  # first: before torch
 if not os.environ.get("OMP_NUM_THREADS"):
     os.environ["OMP_NUM_THREADS"] = str(max(1, min(2, usable_cores() or 1)))
 
+import zlib
+
 import pytest
 import torch
+from helpers import SEED_STRIDE, TEST_SEED_VAR, seeded, seed_shift
 from tiny_pretrained import write_tiny_pretrained
+
+
+def pytest_configure(config):
+    try:
+        seed_shift()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def pytest_report_header(config):
+    return f"{TEST_SEED_VAR}={seed_shift()}" if seed_shift() else None
+
+
+@pytest.fixture(autouse=True)
+def _shifted_global_seed(request):
+    """With AGG_BENCH_TEST_SEED set, torch's global generator starts each test from a seed of that value and
+    the test's name (draws a test takes from it without a seed of its own move too); unset, it is untouched."""
+    if seed_shift():
+        torch.manual_seed(seeded(zlib.crc32(request.node.nodeid.encode()) % SEED_STRIDE))
 
 
 @pytest.fixture
 def rng():
-    """A fresh, seeded-by-test CPU generator."""
-    return torch.Generator().manual_seed(1234)
+    """A fresh CPU generator seeded by test (tests/helpers.py's ``seeded``)."""
+    return torch.Generator().manual_seed(seeded(1234))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +67,7 @@ def folders(tmp_path_factory):
 
     def get(family: str) -> Path:
         if family not in made:
-            made[family] = write_tiny_pretrained(family, root / f"tiny-{family}")
+            made[family] = write_tiny_pretrained(family, root / f"tiny-{family}", seed=seeded(0))
         return made[family]
 
     return get

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
@@ -58,8 +59,50 @@ def interrupted_updates(when) -> Iterator[None]:
         Session.update = update  # type: ignore[method-assign]
 
 
+# AGG_BENCH_TEST_SEED=s draws the numeric tests' random inputs from other seeds: unset (or 0), the seeds written
+# in the tests; s > 0 moves each of them by s x SEED_STRIDE. Seeds that are part of what a test checks stay put.
+TEST_SEED_VAR = "AGG_BENCH_TEST_SEED"
+SEED_STRIDE = 1_000_003  # a prime above every seed written in the tests: two written seeds never meet
+
+
+def seed_shift() -> int:
+    """The value of AGG_BENCH_TEST_SEED, 0 where it is unset or empty."""
+    text = os.environ.get(TEST_SEED_VAR, "").strip()
+    if not text:
+        return 0
+    if not text.isdigit() or int(text) > 2**20:
+        raise ValueError(f"{TEST_SEED_VAR}={text!r}: expected an integer from 0 to {2**20}")
+    return int(text)
+
+
+def seeded(seed: int) -> int:
+    """The seed a test draws its inputs from where it writes ``seed``: ``seed`` itself unless
+    AGG_BENCH_TEST_SEED is set, and distinct written seeds stay distinct (within a run config's 0 ... 2^32 - 1)."""
+    return (seed + seed_shift() * SEED_STRIDE) % 2**32
+
+
+_fresh_draws: dict[str, int] = {}
+
+
+def fresh_seed() -> int:
+    """A seed for inputs drawn afresh on every run, torch's global generator reseeded with it; with
+    AGG_BENCH_TEST_SEED set, one fixed by that value, the running test and how many seeds it took before, so
+    that a failing draw runs again."""
+    if seed_shift():
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        count = _fresh_draws[test] = _fresh_draws.get(test, -1) + 1
+        seed = seeded(zlib.crc32(f"{test}#{count}".encode()) % SEED_STRIDE)
+    else:
+        seed = torch.seed() % 2**31
+    torch.manual_seed(seed)
+    return seed
+
+
 def tiny_config(*overrides: str, family: str = "sd3", dtype: str = "float64"):
-    return load_config(None, [*TINY, f"model.family={family}", f"model.dtype={dtype}", *overrides])
+    """The tiny run config (``TINY``) of ``family`` with ``overrides``; its seed moves with AGG_BENCH_TEST_SEED
+    (an override's ``seed=`` wins)."""
+    shifted = [f"seed={seeded(0)}"] if seed_shift() else []
+    return load_config(None, [*TINY, *shifted, f"model.family={family}", f"model.dtype={dtype}", *overrides])
 
 
 def one_graph_gradient(policy, batch: TrainBatch, rows: list[int] | None = None) -> dict[str, torch.Tensor]:

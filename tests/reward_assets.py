@@ -15,6 +15,8 @@ import transformers
 from PIL import Image
 from torch import nn
 
+from helpers import seeded
+
 # Tiny OpenCLIP config in the JSON layout of open_clip's model_configs/ (ViT-H-14 has the same fields).
 TINY_OPEN_CLIP = {
     "embed_dim": 16,
@@ -37,7 +39,7 @@ TINY_MED = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1,
 
 def randomize(module: nn.Module, seed: int, std: float = 0.2) -> nn.Module:
     """Fill every parameter with seeded N(0, std) noise (zero-initialised weights would give constant scores)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seeded(seed))
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * std)

@@ -11,7 +11,7 @@ from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.runtime.train import Session
 from baselines.awm import draw_times
-from helpers import counted, move_off_policy, relative_error, sa_solver_reference, tiny_config
+from helpers import counted, move_off_policy, relative_error, sa_solver_reference, seeded, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/awm.yaml"
@@ -205,14 +205,14 @@ def test_sa_solver_needs_a_known_name_and_a_schedule_it_takes(tmp_path, capsys):
 
 def test_times_follow_the_distributions():
     sigmas = torch.linspace(1, 0, 15, dtype=torch.float64)
-    t = draw_times("discrete", 6, 4, sigmas, 3.0, torch.Generator().manual_seed(0))
+    t = draw_times("discrete", 6, 4, sigmas, 3.0, torch.Generator().manual_seed(seeded(0)))
     index = [int((sigmas - s).abs().argmin()) for s in t[0]]
     bounds = torch.linspace(1, 12, 7).long()  # int(14 * 0.9) = 12, 6 strata
     assert all(int(lo) <= j <= max(int(lo), int(hi) - 1) for j, lo, hi in zip(index, bounds[:-1], bounds[1:]))
     assert torch.equal(t, t[:1].expand(4, 6))  # one time per slot, shared by the samples
-    t = draw_times("logit_normal", 6, 2, sigmas, 3.0, torch.Generator().manual_seed(0))
+    t = draw_times("logit_normal", 6, 2, sigmas, 3.0, torch.Generator().manual_seed(seeded(0)))
     assert bool(((t >= 0.01) & (t < 1)).all()) and torch.equal(t[0], t[1])
-    t = draw_times("uniform", 6, 2, sigmas, 3.0, torch.Generator().manual_seed(0))
+    t = draw_times("uniform", 6, 2, sigmas, 3.0, torch.Generator().manual_seed(seeded(0)))
     assert not torch.equal(t[0], t[1])
 
 

@@ -9,7 +9,7 @@ from agg_bench.errors import ConfigError, UserError
 from baselines.caches import CACHES, apply_cache, cache_options
 from baselines.caches.configs import MAGCACHE_PRESETS
 from baselines.caches.magcache import PRESET_RATIOS
-from helpers import CACHE_NEUTRAL
+from helpers import CACHE_NEUTRAL, seeded
 
 FAMILIES = ("sd3", "flux", "qwenimage")
 STEPS = 5
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def make_policy(family: str, **overrides):
     """A tiny policy without a VAE; ``overrides`` change the tiny transformer's config."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         transformer = TRANSFORMER_CLASSES[family](**{**TINY_TRANSFORMERS[family], **overrides})
     return POLICIES[family](transformer, None, 4)
 
@@ -39,7 +39,7 @@ def policy(request):
 
 @pytest.fixture
 def inputs():
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seeded(7))
     latents = torch.randn(2, 4, 16, 16, generator=g)
     return latents, Conditioning(torch.randn(2, 8, 32, generator=g), torch.randn(2, 32, generator=g))
 

@@ -17,7 +17,7 @@ from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.io import read_jsonl
 from agg_bench.runtime.train import Session
-from helpers import counted, move_off_policy, relative_error, tiny_config
+from helpers import counted, move_off_policy, relative_error, seeded, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/dgpo.yaml"
@@ -36,7 +36,7 @@ def collect(s, seed=0):
     """The iteration-0 batch with advantages spread over [-2, 2] summing to 0 in each group (the tiny model's
     rewards barely differ), so that every term of the loss matters."""
     batch = s.collect(0).batch
-    a = torch.randn(batch.batch_size, generator=torch.Generator().manual_seed(seed), dtype=batch.latents.dtype)
+    a = torch.randn(batch.batch_size, generator=torch.Generator().manual_seed(seeded(seed)), dtype=batch.latents.dtype)
     a = a.view(-1, G)
     batch.advantages = (a - a.mean(1, keepdim=True)).reshape(-1)
     return batch

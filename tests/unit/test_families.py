@@ -18,6 +18,7 @@ from agg_bench.engine.prompts import hash_embed
 from agg_bench.engine.rollout import rollout
 from agg_bench.engine.sampler import flow_sigmas
 from agg_bench.errors import ConfigError
+from helpers import seeded
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES_DIR = ROOT / "agg_bench" / "engine" / "families"
@@ -106,8 +107,8 @@ def test_a_fourth_family_registered_as_one_spec_builds_and_rolls_out(monkeypatch
     cond = hash_embed(["a red circle", "two blue squares"], dim, pooled, 4, 0).to(dtype=torch.float64)
     assert isinstance(cond, Conditioning)
     sigmas = flow_sigmas(2, 3.0).double()
-    noise = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    traj = rollout(policy, cond, noise, sigmas, "flow_grpo", 0.7, torch.Generator().manual_seed(0))
+    noise = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(seeded(1)), dtype=torch.float64)
+    traj = rollout(policy, cond, noise, sigmas, "flow_grpo", 0.7, torch.Generator().manual_seed(seeded(0)))
     assert traj.latents.shape == (2, 3, 4, 8, 8) and torch.isfinite(traj.latents).all()
     assert policy.counter.forward_nograd == 2 * 2
     # the same model as SD3's tiny preset, called the same way: the same velocities

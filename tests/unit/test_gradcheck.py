@@ -7,7 +7,7 @@ from agg_bench.cli import main
 from agg_bench.errors import ConfigError
 from agg_bench.tools.gradcheck import COLUMNS, ReplayJob, parse_method_specs, parse_values
 from agg_bench.tools.snapshot import load_snapshot, method_from, replay_gradient
-from helpers import TINY
+from helpers import TINY, seeded
 
 SET = [arg for item in [*TINY, "grpo.prompts_per_iteration=1", "model.dtype=float64", "train.plan=groups",
                          "train.plan_window=3"]
@@ -145,7 +145,7 @@ def test_replay_cases_of_methods_that_train_other_steps_or_differ_in_their_rollo
     from agg_bench.methods.base import build_method
     from helpers import tiny_config
 
-    cfg = tiny_config("sampling.steps=8", "train.timestep_fraction=0.5", "seed=3")
+    cfg = tiny_config("sampling.steps=8", "train.timestep_fraction=0.5", f"seed={seeded(3)}")
     every = torch.ones(8, dtype=torch.bool)
     gen = lambda: torch.Generator().manual_seed(cfg.seed)
     case = build_method("fraction").replay_case(cfg, every, 5, gen())

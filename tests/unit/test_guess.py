@@ -18,7 +18,8 @@ from agg_bench.io import read_jsonl
 from agg_bench.methods.base import build_method
 from agg_bench.runtime.train import Session
 from baselines.guess import GuessConfig
-from helpers import TINY, counted, gaussian_log_prob, move_off_policy, relative_error, sde_reference, tiny_config
+from helpers import (TINY, counted, gaussian_log_prob, move_off_policy, relative_error, sde_reference, seeded,
+                     tiny_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/guess_ab2.yaml"
@@ -33,12 +34,12 @@ def rollout(session, seed=3):
     cfg = session.cfg
     g = cfg.grpo.group_size
     cond = session.cond_all[torch.tensor([0, 1])].repeat_interleave(g)
-    noise = torch.randn((2 * g, *session.latent_shape), generator=torch.Generator().manual_seed(seed),
+    noise = torch.randn((2 * g, *session.latent_shape), generator=torch.Generator().manual_seed(seeded(seed)),
                         dtype=torch.float64)
     session.policy.counter.reset()
     traj = session.estimator.rollout(session.policy, cond, noise, session.sigmas, cfg.sampling,
-                                     torch.Generator().manual_seed(seed + 1), 0, g)
-    return traj, session.policy.counter.as_dict(), cond, noise, torch.Generator().manual_seed(seed + 1)
+                                     torch.Generator().manual_seed(seeded(seed + 1)), 0, g)
+    return traj, session.policy.counter.as_dict(), cond, noise, torch.Generator().manual_seed(seeded(seed + 1))
 
 
 def guessed_velocity(j, steps, own, group_real, blend, c1=1.5, c2=-0.5, blend_until=0.5):
@@ -265,8 +266,8 @@ def test_zero_loss_plan_is_the_codes_draw_among_forwarded_steps(fraction, ignore
                                   f"train.ignore_last={str(ignore_last).lower()}"))
     traj, *_ = rollout(session)
     drawable = STEPS - ignore_last
-    plan = session.estimator.trained_steps(session.cfg.train, traj, 6, torch.Generator().manual_seed(11))
-    expected = codes_draw(traj.forwarded, fraction, drawable, torch.Generator().manual_seed(11))
+    plan = session.estimator.trained_steps(session.cfg.train, traj, 6, torch.Generator().manual_seed(seeded(11)))
+    expected = codes_draw(traj.forwarded, fraction, drawable, torch.Generator().manual_seed(seeded(11)))
     assert [[j for j in row if j != NO_STEP] for row in plan.tolist()] == expected
     k = [len(row) for row in expected]
     assert plan.shape == (6, max(k)) and all(plan[i, k[i]:].eq(NO_STEP).all() for i in range(6))

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from helpers import relative_error, tiny_config
+from helpers import fresh_seed, relative_error, tiny_config
 from safetensors.torch import load_file
 
 from agg_bench.engine.grpo import UpdateStats, step_terms
@@ -19,7 +19,7 @@ LORA = ("train.lora_rank=4", "train.lora_alpha=8")
 
 def perturb_adapters(policy, scale=0.05):
     """Move the adapters off their no-op start so that the adapted model differs from the base."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(fresh_seed())
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
@@ -52,8 +52,8 @@ def test_reference_with_adapters_off_equals_the_base_model():
     assert reference.transformer is policy.transformer  # no copy of the weights
     assert reference.parameters() == []
     perturb_adapters(policy)
-    base = build_tiny_transformer("sd3", seed=0, dtype=torch.float64)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    base = build_tiny_transformer("sd3", seed=session.cfg.seed, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(fresh_seed())
     x = torch.randn(3, 4, 4, 4, generator=gen, dtype=torch.float64)
     t = torch.rand(3, generator=gen, dtype=torch.float64) * 1000
     cond = session.cond_all[torch.tensor([0, 1, 2])].to(dtype=torch.float64)
@@ -111,7 +111,7 @@ def test_lora_snapshot_keeps_plain_base_weights_and_replays_the_same_gradient(tm
     assert meta["lora"] == {"rank": 4, "alpha": 8.0, "target_modules": LORA_TARGETS["sd3"]}
     # transformer/ is a plain diffusers folder of the base weights
     plain = TRANSFORMER_CLASSES["sd3"].from_pretrained(snap / "transformer", torch_dtype=torch.float64)
-    base = build_tiny_transformer("sd3", seed=0, dtype=torch.float64)
+    base = build_tiny_transformer("sd3", seed=cfg.seed, dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), base.state_dict().values()))
     assert all(".lora_" in k for k in load_file(str(snap / "lora" / "adapter_model.safetensors")))
 

@@ -30,7 +30,7 @@ from agg_bench.runtime.checkpoint import read_checkpoint
 from agg_bench.runtime.memplan import run_layout
 from agg_bench.runtime.session import Session
 from agg_bench.runtime.train import train
-from helpers import one_graph_loss_and_gradient, relative_error, tiny_config
+from helpers import fresh_seed, one_graph_loss_and_gradient, relative_error, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["run", "--config", str(ROOT / "config" / "run.yaml"), "--set", "model.resolution=32",
@@ -38,10 +38,6 @@ RUN = ["run", "--config", str(ROOT / "config" / "run.yaml"), "--set", "model.res
 # fields a mini-batch shares with its rollout: the schedule and the settings
 SHARED_FIELDS = ("sigmas", "timesteps", "sde", "eta", "clip_range", "beta", "policy_version", "kl_form",
                  "clip_gradient")
-
-
-def fresh_seed() -> int:
-    return torch.seed() % 2**32
 
 
 # ----- which rows ------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from agg_bench.methods.base import build_method
 from agg_bench.runtime.train import Session
 from baselines.mixgrpo_flash import post_window_grid
 from helpers import (estimator_gradient, gaussian_log_prob, move_off_policy, one_graph_gradient, relative_error,
-                     sde_reference, tiny_config)
+                     sde_reference, seeded, tiny_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/mixgrpo_flash.yaml"
@@ -85,7 +85,7 @@ def reference_rollout(policy, cond, noise, grid, start, last, sde, eta, order, g
 def rollout_of(session, iteration=0, seed=7):
     """The session's method's rollout of iteration ``iteration`` on fresh noise, its generator's state before,
     and the rollout's forwards."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seeded(seed))
     b = 3
     noise = torch.randn((b, *session.latent_shape), generator=gen, dtype=torch.float64)
     cond = session.cond_all[torch.zeros(b, dtype=torch.long)]

@@ -12,7 +12,7 @@ from agg_bench.runtime.config_check import check_config
 from agg_bench.engine.grpo import UpdateStats
 from agg_bench.io import read_jsonl
 from agg_bench.runtime.train import Session
-from helpers import counted, move_off_policy, nft_dpm2_reference, relative_error, tiny_config
+from helpers import counted, move_off_policy, nft_dpm2_reference, relative_error, seeded, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/diffusionnft.yaml"
@@ -30,7 +30,7 @@ def collect(s, seed=0):
     """The iteration-0 batch with optimality probabilities spread over [0, 1] (the tiny model's rewards
     barely differ), so that every term of the loss matters."""
     batch = s.collect(0).batch
-    batch.advantages = torch.rand(batch.batch_size, generator=torch.Generator().manual_seed(seed),
+    batch.advantages = torch.rand(batch.batch_size, generator=torch.Generator().manual_seed(seeded(seed)),
                                   dtype=batch.latents.dtype)
     return batch
 

@@ -40,6 +40,7 @@ from reward_assets import (TINY_MED, TINY_OPEN_CLIP, TINY_VIT, hf_blip_to_image_
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from agg_bench.engine.rewards import build_reward, to_uint8
+from helpers import seeded
 
 RTOL = 1e-10
 # (height, width): wide with a crop margin of 3 after resizing (torchvision starts the crop at 2, a floor
@@ -51,7 +52,7 @@ PROMPTS = ["a red cat", LONG_PROMPT, "the dog", "red"]
 
 def image_batches():
     """(images, prompts) per size: a few images in [0, 1] with a prompt each."""
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(seeded(11))
     for height, width in SIZES:
         yield torch.rand(len(PROMPTS), 3, height, width, generator=gen), PROMPTS
 
@@ -211,7 +212,7 @@ def test_hpsv2_equals_open_clip_package(tmp_path):
                                     "tokenizer": str(tmp_path / "tok"), "model_config": cfg, "dtype": "float64"}, "cpu")
     transform, tokenize = open_clip.transform.image_transform(32, is_train=False), open_clip.get_tokenizer("ViT-H-14")
     prompts = ["A Red cat, on the grass!", " ".join(["A photo of a red cat; high-quality & detailed."] * 8), "dog"]
-    gen = torch.Generator().manual_seed(42)
+    gen = torch.Generator().manual_seed(seeded(42))
     for height, width in SIZES + [(333, 1001)]:
         images = torch.rand(len(prompts), 3, height, width, generator=gen)
         pixels = torch.stack([transform(im) for im in pil_images(images)]).to(torch.float64)

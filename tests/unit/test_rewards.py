@@ -8,6 +8,7 @@ import torch
 from agg_bench.cli import main
 from agg_bench.engine.rewards import build_reward
 from agg_bench.errors import ConfigError
+from helpers import fresh_seed, seeded
 
 
 def smoothness_reference(image: np.ndarray) -> float:
@@ -20,7 +21,7 @@ def smoothness_reference(image: np.ndarray) -> float:
 
 
 def test_smoothness_matches_a_float64_reference_and_prefers_flat_images():
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(fresh_seed())
     images = torch.rand(3, 3, 7, 5, generator=gen, dtype=torch.float64) * 1.4 - 0.2  # some pixels outside [0, 1]
     reward = build_reward("smoothness", {})
     got = reward(images, ["a"] * 3)
@@ -34,7 +35,7 @@ def test_smoothness_matches_a_float64_reference_and_prefers_flat_images():
 def test_smoothness_is_continuous_in_the_pixels():
     """A last-bit change of the pixels moves smoothness by about as much (a JPEG byte count of 8-bit pixels
     can jump instead, which is why cross-path equality tests use this reward)."""
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seeded(3))
     images = torch.rand(16, 3, 16, 16, generator=gen, dtype=torch.float64)
     nudged = images * (1 + 1e-15)
     reward = build_reward("smoothness", {})

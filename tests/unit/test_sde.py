@@ -7,12 +7,12 @@ import torch
 from agg_bench.config import DEFAULTS, validate
 from agg_bench.engine.sampler import flow_sigmas, ode_step, sde_step, stochastic_steps
 from agg_bench.errors import ConfigError
-from helpers import gaussian_log_prob, sde_reference
+from helpers import fresh_seed, gaussian_log_prob, sde_reference, seeded
 
 
 @pytest.mark.parametrize("kind", ["flow_grpo", "dance_grpo", "cps"])
 def test_sde_step_matches_float64_reference(kind):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs every run
+    gen = torch.Generator().manual_seed(fresh_seed())  # fresh inputs every run
     sigmas = flow_sigmas(12, 3.0)
     b = 5
     v = torch.randn(b, 3, 4, 4, generator=gen, dtype=torch.float64)
@@ -36,7 +36,7 @@ def test_sde_step_matches_float64_reference(kind):
 @pytest.mark.parametrize("kind", ["flow_grpo", "dance_grpo", "cps"])
 def test_sampled_step_log_prob_is_gaussian_density(kind):
     sigmas = flow_sigmas(8, 3.0)
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seeded(7))
     v = torch.randn(4, 2, 8, 8, dtype=torch.float64)
     x = torch.randn(4, 2, 8, 8, dtype=torch.float64)
     out = sde_step(kind, v, x, sigmas, 2, 0.5, generator=gen)
@@ -44,7 +44,7 @@ def test_sampled_step_log_prob_is_gaussian_density(kind):
     expected = dist.log_prob(out.prev_sample).mean(dim=(1, 2, 3))
     torch.testing.assert_close(out.log_prob, expected, rtol=1e-12, atol=1e-12)
     # the same draw reproduces from the same generator state
-    again = sde_step(kind, v, x, sigmas, 2, 0.5, generator=torch.Generator().manual_seed(7))
+    again = sde_step(kind, v, x, sigmas, 2, 0.5, generator=torch.Generator().manual_seed(seeded(7)))
     assert torch.equal(again.prev_sample, out.prev_sample)
 
 
@@ -91,7 +91,7 @@ def test_cps_unscaled_is_the_public_codes_log_probability():
     """``cps_unscaled``: cps's step with Flow-GRPO's ``sde_type = "cps"`` log-probability, -(x' - mean)^2
     averaged over elements (written here from the public code's formula, in float64): the same draws as
     cps, the same mean and std, and a log-probability whose gradient is cps's times 2 std^2."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs every run
+    gen = torch.Generator().manual_seed(fresh_seed())  # fresh inputs every run
     sigmas = flow_sigmas(10, 3.0)
     b = 4
     x = torch.randn(b, 3, 4, 4, generator=gen, dtype=torch.float64)

@@ -12,7 +12,7 @@ from diffusers import DPMSolverMultistepScheduler, SASolverScheduler
 from agg_bench.engine.sampler import flow_sigmas, ode_step
 from agg_bench.engine.solvers import (DataPrediction, MultistepDPMSolverPP, SASolver, dpm_solver_pp_step,
                                      flow_dpm_grid, ode_solver, sa_solver_grid, sa_solver_taus)
-from helpers import nft_dpm2_reference, sa_solver_reference
+from helpers import nft_dpm2_reference, sa_solver_reference, seeded
 
 SHAPE = (2, 3, 4, 4)
 
@@ -93,7 +93,7 @@ def max_relative(a, b):
 @pytest.mark.parametrize("steps, shift", [(7, 3.0), (12, 1.0), (3, 5.0)])
 def test_steps_equal_diffusers_in_float64(order, steps, shift):
     scheduler = diffusers_scheduler(order, steps, shift)
-    gen = torch.Generator().manual_seed(steps * 10 + order)
+    gen = torch.Generator().manual_seed(seeded(steps * 10 + order))
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     velocities = random_velocities(steps, gen)
     sigmas = scheduler.sigmas.to(torch.float64)  # its grid, as our solver takes it
@@ -106,7 +106,7 @@ def test_steps_equal_diffusers_in_float64(order, steps, shift):
 
 @pytest.mark.parametrize("order", [1, 2])
 def test_steps_equal_the_papers_update_equations(order):
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seeded(5))
     u = torch.sort(torch.rand(6, generator=gen, dtype=torch.float64), descending=True).values
     sigmas = torch.cat([0.98 * u + 0.01, torch.zeros(1, dtype=torch.float64)])  # an irregular grid in (0, 1)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
@@ -115,7 +115,7 @@ def test_steps_equal_the_papers_update_equations(order):
 
 
 def test_first_order_is_the_euler_step():
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seeded(1))
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     v = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     sigmas = torch.tensor([0.83, 0.41], dtype=torch.float64)
@@ -126,7 +126,7 @@ def test_first_order_is_the_euler_step():
 def test_a_prediction_from_another_grid_makes_the_first_step_second_order():
     """A previous prediction made on another grid makes the first step second order: h_0 is measured
     between the sigmas the two predictions were made at."""
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator().manual_seed(seeded(2))
     x_prev = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     v_prev, v = (torch.randn(SHAPE, generator=gen, dtype=torch.float64) for _ in range(2))
     s_prev, s, s_next = 0.9, 0.7, 0.35
@@ -142,7 +142,7 @@ def test_a_prediction_from_another_grid_makes_the_first_step_second_order():
 def test_the_float64_driver_is_what_step_does():
     """diffusers_float64_rollout follows ``step``: the same states as ``step`` itself in float32."""
     steps, order = 6, 2
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seeded(3))
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     velocities = random_velocities(steps, gen)
     ours = diffusers_float64_rollout(diffusers_scheduler(order, steps, 3.0), x, velocities)
@@ -165,7 +165,7 @@ def test_dpm2_rollout_equals_diffusion_nfts_sampler_on_the_sd3_grid(steps, shift
     first order too (its previous prediction was made at sigma 1), second order after, first order into 0."""
     sigmas = flow_sigmas(steps, shift)
     assert float(sigmas[0]) == 1.0 and float(sigmas[-1]) == 0.0
-    gen = torch.Generator().manual_seed(100 + steps)
+    gen = torch.Generator().manual_seed(seeded(100 + steps))
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     velocities = random_velocities(steps, gen)
     rule = ode_solver("dpm2", sigmas)
@@ -190,7 +190,7 @@ def test_euler_is_the_rollouts_own_step_and_other_names_are_refused():
 
 
 def test_a_step_from_sigma_one_is_the_euler_step():
-    gen = torch.Generator().manual_seed(4)
+    gen = torch.Generator().manual_seed(seeded(4))
     x, v = (torch.randn(SHAPE, generator=gen, dtype=torch.float64) for _ in range(2))
     sigmas = torch.tensor([1.0, 0.6], dtype=torch.float64)
     ours = dpm_solver_pp_step(x, DataPrediction(x - v, 1.0), 0.6)
@@ -232,7 +232,7 @@ def test_dpm2_on_the_sana_grid_equals_the_scheduler_in_float64(steps):
     """``ode_solver("dpm2")`` on that grid, whose first sigma is below 1: first order at the first step and into
     0, second order between, against diffusers' own update functions in float64 and the paper's equations."""
     grid = flow_dpm_grid(steps, 3.0)
-    gen = torch.Generator().manual_seed(200 + steps)
+    gen = torch.Generator().manual_seed(seeded(200 + steps))
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     velocities = random_velocities(steps, gen)
     rule = ode_solver("dpm2", grid.sigmas)
@@ -277,7 +277,7 @@ def test_sa_solver_equals_awms_sampler_written_from_the_papers_equations(steps, 
     grid = sa_solver_grid(sigmas)
     assert float(grid[0]) == 1 - 1e-3 and float(grid[-2]) == float(sigmas[-3]) / 2 and float(grid[-1]) == 0
     assert torch.equal(grid[1:-2], sigmas[1:-2])
-    gen = torch.Generator().manual_seed(200 + steps)
+    gen = torch.Generator().manual_seed(seeded(200 + steps))
     velocity = linear_model(gen, grid)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     calls = []
@@ -297,7 +297,7 @@ def test_sa_solver_equals_awms_sampler_written_from_the_papers_equations(steps, 
 def test_sa_solver_on_irregular_grids_and_a_point_mass(seed):
     """Irregular grids in (0, 1): the reference's states; a point mass D (v = (y - D) / s) is followed exactly,
     every state on the straight path (1 - s) D + s noise and the final one D."""
-    gen = torch.Generator().manual_seed(300 + seed)
+    gen = torch.Generator().manual_seed(seeded(300 + seed))
     steps = 4 + 3 * seed
     u = torch.sort(torch.rand(steps, generator=gen, dtype=torch.float64), descending=True).values
     grid = torch.cat([0.98 * u + 0.01, torch.zeros(1, dtype=torch.float64)])
@@ -367,7 +367,7 @@ def diffusers_sa_solver_rollout(grid, x, velocity, taus=None, noises=None):
 @pytest.mark.parametrize("steps, shift", [(14, 3.0), (6, 1.0), (2, 3.0)])
 def test_sa_solver_equals_diffusers_sa_solver_updates_in_float64(steps, shift):
     grid = sa_solver_grid(flow_sigmas(steps, shift))
-    gen = torch.Generator().manual_seed(400 + steps)
+    gen = torch.Generator().manual_seed(seeded(400 + steps))
     velocity = linear_model(gen, grid)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ours, _ = rule_rollout(SASolver(grid).step, x, velocity, steps)
@@ -377,7 +377,7 @@ def test_sa_solver_equals_diffusers_sa_solver_updates_in_float64(steps, shift):
 def draws_of(taus, seed, shape=SHAPE):
     """The draws a stochastic SA-Solver rule takes from a generator seeded ``seed``: one of ``shape`` per step
     whose tau is above 0, in step order; None on the others."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seeded(seed))
     return [torch.randn(shape, generator=gen, dtype=torch.float64) if tau > 0 else None for tau in taus]
 
 
@@ -386,7 +386,7 @@ def noisy_grids():
     out = [(f"{steps} steps, shift {shift}", sa_solver_grid(flow_sigmas(steps, shift)))
            for steps, shift in [(14, 3.0), (10, 1.0), (5, 3.0), (3, 5.0), (2, 3.0)]]
     for seed in range(2):
-        gen = torch.Generator().manual_seed(500 + seed)
+        gen = torch.Generator().manual_seed(seeded(500 + seed))
         u = torch.sort(torch.rand(5 + 4 * seed, generator=gen, dtype=torch.float64), descending=True).values
         out.append((f"irregular {seed}", torch.cat([0.98 * u + 0.01, torch.zeros(1, dtype=torch.float64)])))
     return out
@@ -402,7 +402,7 @@ def test_sa_solver_with_noise_equals_its_equations_fed_the_same_draws(name, grid
     a different tau on every step but the last (the first step's predictor and step 1's uncorrected state
     included). One model evaluation per step."""
     steps = len(grid) - 1
-    gen = torch.Generator().manual_seed(600 + steps)
+    gen = torch.Generator().manual_seed(seeded(600 + steps))
     velocity = linear_model(gen, grid)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     if taus_of == "window":
@@ -413,7 +413,7 @@ def test_sa_solver_with_noise_equals_its_equations_fed_the_same_draws(name, grid
     noises = draws_of(taus, 7)
     calls = []
     expected = sa_solver_reference(grid, x, lambda j, y: (calls.append(j), velocity(j, y))[1], taus, noises)
-    rule = SASolver(grid, taus, torch.Generator().manual_seed(7)).step
+    rule = SASolver(grid, taus, torch.Generator().manual_seed(seeded(7))).step
     ours, forwards = rule_rollout(rule, x, velocity, steps)
     assert calls == forwards == list(range(steps))
     assert max_relative(ours, expected["states"]) <= 1e-10
@@ -445,11 +445,11 @@ def test_sa_solver_noise_enters_only_on_the_windows_steps(steps, shift):
     grid = sa_solver_grid(flow_sigmas(steps, shift))
     taus = sa_solver_taus(grid, 0.4)
     window = [j for j, tau in enumerate(taus) if tau]
-    gen = torch.Generator().manual_seed(800 + steps)
+    gen = torch.Generator().manual_seed(seeded(800 + steps))
     velocity = linear_model(gen, grid)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ode, _ = rule_rollout(SASolver(grid).step, x, velocity, steps)
-    drawn, same = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    drawn, same = torch.Generator().manual_seed(seeded(9)), torch.Generator().manual_seed(seeded(9))
     noisy, _ = rule_rollout(SASolver(grid, taus, drawn).step, x, velocity, steps)
     for _ in window:
         torch.randn(SHAPE, generator=same, dtype=torch.float64)
@@ -461,8 +461,8 @@ def test_sa_solver_noise_enters_only_on_the_windows_steps(steps, shift):
     assert sa_solver_taus(outside, 0.4) == [0.0] * 4
     for grid_, taus_ in ((grid, [0.0] * steps), (outside, sa_solver_taus(outside, 0.4))):
         n = len(grid_) - 1
-        velocity = linear_model(torch.Generator().manual_seed(10), grid_)
-        gen = torch.Generator().manual_seed(10)
+        velocity = linear_model(torch.Generator().manual_seed(seeded(10)), grid_)
+        gen = torch.Generator().manual_seed(seeded(10))
         state = gen.get_state()
         ode, _ = rule_rollout(SASolver(grid_).step, x, velocity, n)
         quiet, _ = rule_rollout(SASolver(grid_, taus_, gen).step, x, velocity, n)
@@ -472,7 +472,7 @@ def test_sa_solver_noise_enters_only_on_the_windows_steps(steps, shift):
 def test_sa_solver_reference_at_tau_0_is_the_odes():
     """The stochastic reference with every tau 0 (and draws given) is the ODE reference bit for bit."""
     grid = sa_solver_grid(flow_sigmas(8, 3.0))
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(seeded(11))
     velocity = linear_model(gen, grid)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ode = sa_solver_reference(grid, x, velocity)["states"]

@@ -12,6 +12,7 @@ from agg_bench.results.loading import CalibrationEntry, RunEntry, load_calibrati
 from agg_bench.results.costmodel import fit_call_cost, priced_calls
 from agg_bench.results.stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
 from agg_bench.results.tables import efficiency_table, summary_table
+from helpers import seeded
 
 EPS = np.finfo(np.float64).eps
 
@@ -27,7 +28,7 @@ def percentile_reference(values, q):
 
 @pytest.mark.parametrize("n", [1, 2, 5, 16, 101])
 def test_quartiles_match_the_order_statistics(n):
-    values = np.random.default_rng(n).lognormal(size=n)
+    values = np.random.default_rng(seeded(n)).lognormal(size=n)
     got = quartiles(values)
     want = [percentile_reference(values, q) for q in (0.25, 0.5, 0.75)]
     # one interpolation step: a few ulps of the largest value
@@ -40,28 +41,37 @@ def test_quartiles_skip_missing_values_and_say_nan_when_none():
     assert all(math.isnan(v) for v in quartiles([float("nan")]))
 
 
-def test_bootstrap_interval_matches_a_float64_loop_with_the_same_draws():
-    rng = np.random.default_rng(7)
-    num, den = rng.lognormal(1.0, 0.2, size=7), rng.lognormal(0.3, 0.3, size=5)
-    resamples, seed = 500, 11
-    lo, hi = ratio_of_medians_ci(num, den, level=0.9, resamples=resamples, seed=seed)
-    # the documented draw order: every numerator index as (resamples, n), then every denominator index
+def bootstrap_reference(num, den, level, resamples, seed):
+    """ratio_of_medians_ci's interval written out: the documented draw order, every numerator index as
+    (resamples, n), then every denominator index, and the medians' ratios' percentiles in float64."""
     draws = np.random.default_rng(seed)
-    num_idx = draws.integers(0, num.size, size=(resamples, num.size))
-    den_idx = draws.integers(0, den.size, size=(resamples, den.size))
+    num_idx = draws.integers(0, len(num), size=(resamples, len(num)))
+    den_idx = draws.integers(0, len(den), size=(resamples, len(den)))
     ratios = [statistics.median(num[i].tolist()) / statistics.median(den[j].tolist())
               for i, j in zip(num_idx, den_idx)]
-    want = (percentile_reference(ratios, 0.05), percentile_reference(ratios, 0.95))
+    tail = (1 - level) / 2
+    return percentile_reference(ratios, tail), percentile_reference(ratios, 1 - tail)
+
+
+def test_bootstrap_interval_matches_a_float64_loop_with_the_same_draws():
+    rng = np.random.default_rng(seeded(7))
+    num, den = rng.lognormal(1.0, 0.2, size=7), rng.lognormal(0.3, 0.3, size=5)
+    resamples, seed = 500, seeded(11)
+    lo, hi = ratio_of_medians_ci(num, den, level=0.9, resamples=resamples, seed=seed)
     # a median of floats and one division: within a few ulps of the ratio
-    assert (lo, hi) == pytest.approx(want, rel=16 * EPS, abs=0)
+    assert (lo, hi) == pytest.approx(bootstrap_reference(num, den, 0.9, resamples, seed), rel=16 * EPS, abs=0)
     assert lo <= np.median(num) / np.median(den) <= hi
 
 
 def test_bootstrap_is_seeded_and_handles_degenerate_input():
     num, den = [3.0, 3.1, 2.9, 3.05], [1.0, 1.1, 0.95]
     assert ratio_of_medians_ci(num, den) == ratio_of_medians_ci(num, den)  # same seed, same interval
-    spread = np.random.default_rng(3).lognormal(size=(2, 9))  # continuous values: seeds give other draws
-    assert ratio_of_medians_ci(*spread, seed=1) != ratio_of_medians_ci(*spread, seed=2)
+    # each seed its own draws: the interval of those draws (two seeds' intervals can coincide, as medians of 9
+    # values take at most 81 ratios: comparing them with each other would test the draw)
+    spread = np.random.default_rng(seeded(3)).lognormal(size=(2, 9))
+    for seed in (1, 2):
+        assert ratio_of_medians_ci(*spread, resamples=300, seed=seed) == pytest.approx(
+            bootstrap_reference(*spread, 0.95, 300, seed), rel=16 * EPS, abs=0)
     assert ratio_of_medians_ci([2.0] * 4, [1.0] * 3) == (2.0, 2.0)  # no spread: a point
     assert all(math.isnan(v) for v in ratio_of_medians_ci([], den))
     for bad in ({"level": 1.0}, {"level": float("nan")}, {"resamples": 0}):
@@ -166,14 +176,18 @@ def test_efficiency_table_times_in_cpu_seconds_and_predicts_from_counts(tmp_path
 
 
 def test_paired_interval_resamples_rounds_together():
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seeded(5))
     machine = rng.lognormal(sigma=0.5, size=15)  # each round's machine state slows both methods alike
     full, agg = 4.0 * machine, 2.0 * machine
     assert paired_ratio_of_medians_ci(full, agg) == pytest.approx((2.0, 2.0), rel=1e-12)
     lo, hi = ratio_of_medians_ci(full, agg)  # taken as independent samples the shared noise stays in
     assert lo < 1.9 and hi > 2.1
-    noisy = paired_ratio_of_medians_ci(full * rng.lognormal(sigma=0.1, size=15), agg)
-    assert noisy[0] < 2.0 < noisy[1]
+    own = rng.lognormal(sigma=0.1, size=15)  # noise of one side alone: the rounds no longer cancel it
+    noisy = paired_ratio_of_medians_ci(full * own, agg)
+    # every resample's ratio median(2 own m) / median(m) lies in [2 min(own), 2 max(own)] (the median is
+    # monotone), so the interval does, whatever the draw (whether it holds 2.0 is a 95 % event, not a fact);
+    # up to the rounding of one product and one division (4 m and 2 m are exact): 2 ulps
+    assert 2 * own.min() * (1 - 2 * EPS) <= noisy[0] < noisy[1] <= 2 * own.max() * (1 + 2 * EPS)
     assert all(math.isnan(v) for v in paired_ratio_of_medians_ci([1.0, 2.0], [1.0]))  # rounds must pair up
     assert all(math.isnan(v) for v in paired_ratio_of_medians_ci([float("nan")], [1.0]))
     for bad in ({"level": 0.0}, {"resamples": 0}):

@@ -29,6 +29,7 @@ from agg_bench.machine.telemetry import (
     reset_rss_peak,
     rss_peak_bytes,
 )
+from helpers import seeded
 
 NEVER_S = 3600.0  # a polling interval no test reaches: only the start/stop/explicit samples happen
 
@@ -319,7 +320,7 @@ def test_inplace_modification_of_saved_tensor_still_raises():
 
 
 def test_gradients_unchanged_by_tracking():
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     w = nn.Parameter(torch.randn(6, 6, dtype=torch.float64))
     x = torch.randn(3, 6, dtype=torch.float64)
     expected = torch.autograd.grad(torch.tanh(x @ w).pow(3).sum(), w)[0]
