@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from .errors import UserError
+from .errors import DISK_FULL, UserError, disk_full
 from .jsonfiles import JsonProblem, loads
 
 
@@ -77,7 +77,7 @@ def _remove(path: Path) -> None:
 def atomic_target(path: str | Path) -> Iterator[Path]:
     """A temporary sibling of ``path`` (a file or a folder) for the caller to write; renamed onto ``path``
     when the block ends (a folder replaces an earlier folder at ``path``), removed if it raises (a full disk
-    leaves nothing half-written behind). Renaming replaces a symbolic link at ``path``; it never writes
+    leaves nothing half-written behind, and its error names ``path``). Renaming replaces a symbolic link at ``path``; it never writes
     through one."""
     path = Path(path)
     tmp = atomic_path(path)
@@ -92,8 +92,12 @@ def atomic_target(path: str | Path) -> Iterator[Path]:
             _remove(aside)
         else:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         _remove(tmp)
+        full = disk_full(exc) if isinstance(exc, Exception) else None
+        if full is not None and full[1] in (None, str(tmp)):  # a write's error names no file, or the removed one
+            code = next(code for code, what in DISK_FULL.items() if what == full[0])
+            raise OSError(code, full[0], str(path)) from exc
         raise
 
 
