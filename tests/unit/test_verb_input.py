@@ -282,3 +282,29 @@ def test_jsonl_lines_are_read_as_before(tmp_path):
     path.write_bytes(b'{"a": 1}\n[1]\n{"a": 3}\n')
     with pytest.raises(UserError, match="line 2 is not a JSON object"):
         list(read_jsonl(path))
+
+
+def test_import_log_refusing_a_torn_log_says_one_line(tmp_path, capsys):
+    """The note on a torn last line came before the refusal of --out: two lines for one refusal. The note now
+    follows a written import."""
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"step": 1, "avg_reward": 0.1, "step_time": 2.0, "grad_norm": 1.0}) + '\n{"step": 2, "av')
+    (tmp_path / "taken").write_text("mine")
+    before = tree(tmp_path)
+    assert fails(capsys, ["import-log", str(log), "--out", str(tmp_path / "taken")]) == (
+        f"agg-bench import-log: --out {tmp_path / 'taken'}: exists and is not a folder")
+    assert tree(tmp_path) == before
+    assert cli.main(["import-log", str(log), "--out", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"agg-bench import-log: log {log} line 2: left out, not a whole JSON line (Unterminated string starting at line "
+        "1 column 13; a log still being written?)"]
+
+
+@pytest.mark.parametrize("log, what", [("folder", "a folder"), ("/dev/null", "not a regular file"),
+                                       ("missing.jsonl", "no such file")])
+def test_import_log_names_what_its_log_is_instead_of_a_file(tmp_path, capsys, log, what):
+    (tmp_path / "folder").mkdir()
+    path = log if log.startswith("/") else str(tmp_path / log)
+    assert fails(capsys, ["import-log", path, "--out", str(tmp_path / "run")]) == (
+        f"agg-bench import-log: log {path}: {what}; expected a DanceGRPO JSONL log file")
+    assert not (tmp_path / "run").exists()
