@@ -20,7 +20,7 @@ import pandas as pd
 
 from ..config import TrainConfig, bound
 from ..errors import ConfigError, UserError, quote
-from ..jsonfiles import read_json_object
+from ..jsonfiles import check_file, read_json_object
 from ..reading import RunFolder
 from ..records import OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number
 
@@ -143,8 +143,7 @@ def load_manifest(path: str | Path) -> Manifest:
     "warmup": 1, "time": "auto"}`` (each entry an object; see ``MANIFEST_SECTIONS``). Anything else is a
     UserError naming the manifest and the key."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"manifest {path}: no such file")
+    check_file(path, "manifest")
     data = read_json_object(path, "a report manifest (an object with runs, gradcheck, calibration, warmup, time)")
     unknown = sorted(set(data) - {*MANIFEST_SECTIONS, "warmup", "time"})
     if unknown:

@@ -308,3 +308,15 @@ def test_import_log_names_what_its_log_is_instead_of_a_file(tmp_path, capsys, lo
     assert fails(capsys, ["import-log", path, "--out", str(tmp_path / "run")]) == (
         f"agg-bench import-log: log {path}: {what}; expected a DanceGRPO JSONL log file")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("verb", ["report", "learning"])
+@pytest.mark.parametrize("given, found", [("folder", "is a folder"), ("/dev/null", "is not a regular file"),
+                                         ("none.json", "no such file")])
+def test_a_manifest_that_is_not_a_file_says_what_it_is(tmp_path, capsys, verb, given, found):
+    """A folder given as --manifest (the runs folder, say) was 'no such file'."""
+    (tmp_path / "folder").mkdir()
+    path = given if given.startswith("/") else str(tmp_path / given)
+    assert fails(capsys, [verb, "--manifest", path, "--tables", str(tmp_path / "tables")]) == (
+        f"agg-bench {verb}: manifest {path}: {found}")
+    assert not (tmp_path / "tables").exists()
