@@ -320,3 +320,16 @@ def test_a_manifest_that_is_not_a_file_says_what_it_is(tmp_path, capsys, verb, g
     assert fails(capsys, [verb, "--manifest", path, "--tables", str(tmp_path / "tables")]) == (
         f"agg-bench {verb}: manifest {path}: {found}")
     assert not (tmp_path / "tables").exists()
+
+
+@pytest.mark.parametrize("file", ["metrics.jsonl", "summary.json"])
+def test_a_status_no_run_writes_is_refused_not_shown_as_an_error(run, tmp_path, capsys, file):
+    """A record or summary of another agg-bench version (or an edited one) with status 'paused' was read, and its
+    row shown as 'error' with the records' times."""
+    path = run / file
+    path.write_text(path.read_text().replace('"status": "ok"', '"status": "paused"', 1))
+    before = tree(tmp_path)
+    line = fails(capsys, ["report", "--runs", str(run), "--tables", str(tmp_path / "tables")])
+    assert line.startswith(f"agg-bench report: {path}: ")
+    assert line.endswith("'status' = 'paused': expected one of ok, oom, diverged, interrupted, error or null")
+    assert tree(tmp_path) == before
