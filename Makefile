@@ -7,6 +7,13 @@
 #   make clean      removes what the workflow made: results/ but results/reference/, and .snakemake/
 CORES ?= 2
 PYTEST_ARGS ?=
+# CORES is a whole number of cores from 1, or all: Snakemake waits forever for a job to fit in --cores 0, and takes
+# a negative count, which reached the jobs as OMP_NUM_THREADS. Checked before the set-up runs: one line, exit 2.
+ifneq ($(filter pipeline learning,$(MAKECMDGOALS)),)
+ifeq ($(shell case '$(subst ','',$(CORES))' in (all|[1-9]|[1-9][0-9]|[1-9][0-9][0-9]|[1-9][0-9][0-9][0-9]) echo ok;; esac),)
+$(error CORES=$(CORES): expected a whole number of cores from 1 to 9999, or all)
+endif
+endif
 
 .PHONY: setup pipeline test test-fast lint clean learning
 setup:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from .errors import UserError
+from .errors import DISK_FULL, UserError, disk_full
 from .jsonfiles import JsonProblem, loads
 
 
@@ -77,7 +77,7 @@ def _remove(path: Path) -> None:
 def atomic_target(path: str | Path) -> Iterator[Path]:
     """A temporary sibling of ``path`` (a file or a folder) for the caller to write; renamed onto ``path``
     when the block ends (a folder replaces an earlier folder at ``path``), removed if it raises (a full disk
-    leaves nothing half-written behind). Renaming replaces a symbolic link at ``path``; it never writes
+    leaves nothing half-written behind, and its error names ``path``). Renaming replaces a symbolic link at ``path``; it never writes
     through one."""
     path = Path(path)
     tmp = atomic_path(path)
@@ -92,8 +92,12 @@ def atomic_target(path: str | Path) -> Iterator[Path]:
             _remove(aside)
         else:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         _remove(tmp)
+        full = disk_full(exc) if isinstance(exc, Exception) else None
+        if full is not None and full[1] in (None, str(tmp)):  # a write's error names no file, or the removed one
+            code = next(code for code, what in DISK_FULL.items() if what == full[0])
+            raise OSError(code, full[0], str(path)) from exc
         raise
 
 
@@ -171,23 +175,40 @@ class JsonlWriter:
         self.close()
 
 
+# a line of a JSONL file agg-bench writes: a record of a few KB (metrics.jsonl, evaluations.jsonl); a longer one is
+# refused before it is read whole, as a run folder's JSON files are refused above their size
+MAX_JSONL_LINE_BYTES = 2**20
+
+
 def read_jsonl(path: str | Path) -> Iterator[dict]:
-    """Records of a JSONL file; a torn last line (a run killed mid-write) is skipped. Any other line that
-    is not a JSON object raises a UserError naming the file and the line."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.readlines()
-    except UnicodeDecodeError as err:
-        raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = loads(line)
-        except JsonProblem as err:
-            if i == len(lines) - 1:  # torn: a writer killed mid-line
-                return
-            raise UserError(f"{path}: line {i + 1} is not valid JSON ({err}); the file is damaged") from None
-        if not isinstance(record, dict):
-            raise UserError(f"{path}: line {i + 1} is not a JSON object")
-        yield record
+    """Records of a JSONL file, read a line at a time; a torn last line (a run killed mid-write) is skipped.
+    Any other line that is not a JSON object, or a line longer than :data:`MAX_JSONL_LINE_BYTES`, raises a
+    UserError naming the file and the line."""
+    with open(path, "rb") as fh:
+        def lines() -> Iterator[bytes]:
+            while line := fh.readline(MAX_JSONL_LINE_BYTES + 1):
+                yield line
+
+        read, number, offset = lines(), 0, 0
+        line = next(read, None)
+        while line is not None:
+            number, following = number + 1, next(read, None)
+            if len(line.rstrip(b"\r\n")) > MAX_JSONL_LINE_BYTES:
+                raise UserError(f"{path}: line {number} is longer than {MAX_JSONL_LINE_BYTES:,} bytes; expected a "
+                                "record of agg-bench (a JSON object of a few KB per line)")
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {offset + err.start})") from err
+            offset += len(line)
+            if text.strip():
+                try:
+                    record = loads(text)
+                except JsonProblem as err:
+                    if following is None:  # torn: a writer killed mid-line
+                        return
+                    raise UserError(f"{path}: line {number} is not valid JSON ({err}); the file is damaged") from None
+                if not isinstance(record, dict):
+                    raise UserError(f"{path}: line {number} is not a JSON object")
+                yield record
+            line = following

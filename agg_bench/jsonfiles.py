@@ -81,6 +81,13 @@ def json_type(value: Any) -> str:
     return JSON_TYPES.get(type(value), type(value).__name__)
 
 
+def check_file(path: Path, what: str) -> None:
+    """A UserError ``{what} {path}: ...`` unless ``path`` is a file: no such file, a folder, or something else."""
+    if not path.is_file():
+        found = ("is a folder" if path.is_dir() else "is not a regular file") if path.exists() else "no such file"
+        raise UserError(f"{what} {path}: {found}")
+
+
 def read_json_object(path: str | Path, expected: str, max_bytes: int = MAX_JSON_BYTES) -> dict:
     """The JSON object in file ``path``; a JsonFileError naming ``path`` and ``expected`` (what belongs
     there, e.g. "an agg-bench calibrate JSON") when the file is missing or unreadable, larger than

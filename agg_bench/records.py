@@ -59,6 +59,9 @@ IMPORTED_KEYS = ("source",)
 # measured).
 TEXT_KEYS = ("run_id", "method", "model", "device", "gpu_name", "status", "weights", *IMPORTED_KEYS)
 NUMBER_KEYS = tuple(key for key in RECORD_KEYS if key not in TEXT_KEYS)
+# what a record's or a summary's ``status`` says: the iteration (or the run) ended ok, out of memory, diverged,
+# stopped by a signal before its end, or failed
+STATUSES = ("ok", "oom", "diverged", "interrupted", "error")
 # The record numbers whose non-finite value means the run diverged (agg-bench run ends there; import-log ends an
 # imported log there), in the order the reason names the first
 DIVERGING_KEYS = ("reward_mean", "loss", "grad_norm")
@@ -95,8 +98,9 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     """What is wrong with a metric record (or a run summary, which repeats its identity keys): a key of
     ``required`` missing or null, or the first known key holding the wrong kind of value, e.g. ``'t_iter_s' =
     'fast': expected a finite number or null``; None when nothing is. A number is finite (a run writes a
-    non-finite value as null), ``iteration`` an integer >= 0 and ``optimizer_steps``, where a method records it, a
-    count the report prices. The other keys a method adds are its own business."""
+    non-finite value as null), ``status`` one of :data:`STATUSES`, ``iteration`` an integer >= 0 and
+    ``optimizer_steps``, where a method records it, a count the report prices. The other keys a method adds are
+    its own business."""
     for key in required:
         if record.get(key) is None:
             return f"no {key!r} (expected in every record)"
@@ -106,6 +110,8 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
             continue
         if key in TEXT_KEYS and not isinstance(value, str):
             return f"{key!r} = {quote(value)}: expected a string or null"
+        if key == "status" and value not in STATUSES:  # a run of another agg-bench, or an edited file
+            return f"'status' = {quote(value)}: expected one of {', '.join(STATUSES)} or null"
         if key not in TEXT_KEYS and not is_finite_number(value):
             return f"{key!r} = {quote(value)}: expected a finite number or null"
     iteration = record.get("iteration")

@@ -27,7 +27,9 @@ if [ "$cores" -lt 2 ]; then
   "$PYTHON" -m pytest -q "${first[@]}" "$@"; a=$?
   "$PYTHON" -m pytest -q "${second[@]}" "$@"; b=$?
 else
-  log=$(mktemp)
+  # the second stream's report; a TMPDIR that names no folder fails mktemp (Python's tempfile, which the tests
+  # use, takes /tmp then), and the second stream never ran
+  log=$(mktemp 2>/dev/null || mktemp -p /tmp) || { echo "test.sh: cannot make a temporary file in TMPDIR or /tmp" >&2; exit 2; }
   "$PYTHON" -m pytest -q "${second[@]}" "$@" >"$log" 2>&1 &
   pid=$!
   trap 'kill "$pid" 2>/dev/null; rm -f "$log"; exit 130' INT TERM

@@ -20,7 +20,7 @@ import pandas as pd
 
 from ..config import TrainConfig, bound
 from ..errors import ConfigError, UserError, quote
-from ..jsonfiles import read_json_object
+from ..jsonfiles import check_file, read_json_object
 from ..reading import RunFolder
 from ..records import OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number
 
@@ -143,8 +143,7 @@ def load_manifest(path: str | Path) -> Manifest:
     "warmup": 1, "time": "auto"}`` (each entry an object; see ``MANIFEST_SECTIONS``). Anything else is a
     UserError naming the manifest and the key."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"manifest {path}: no such file")
+    check_file(path, "manifest")
     data = read_json_object(path, "a report manifest (an object with runs, gradcheck, calibration, warmup, time)")
     unknown = sorted(set(data) - {*MANIFEST_SECTIONS, "warmup", "time"})
     if unknown:
@@ -275,7 +274,8 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
     (measured | imported), ``run_status`` (the summary's status) and ``run_dir``. A run that wrote no
     record (it failed while starting) still gets one row, with its status and no measurements. Each run
     folder is read by :class:`agg_bench.reading.RunFolder` (its config typed and bounded, its
-    records by the record contract); a folder given twice is refused (:func:`check_distinct_runs`).
+    records by the record contract); a folder given twice is refused (:func:`check_distinct_runs`), and so is
+    a run id given twice for one row and seed (:func:`check_distinct_run_ids`).
     """
     entries = list(entries)
     check_distinct_runs(entries)
@@ -327,7 +327,31 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
             df[key] = None
     df["hardware"] = [_hardware(g, n, d, s) for g, n, d, s in zip(df["gpu_name"], df["n_gpus"], df["device"],
                                                                     df["source"])]
+    check_distinct_run_ids(df)
     return df
+
+
+# what puts two runs' records in one table row as the same seed
+SAME_RUN_KEYS = ("run_id", "method", "model", "resolution", "hardware", "source", "seed")
+
+
+def check_distinct_run_ids(records: pd.DataFrame) -> None:
+    """A UserError naming two run folders whose records carry the same run id in the same table row and seed
+    (:data:`SAME_RUN_KEYS`): a copy of a run folder, whose records would count twice in that row's times while
+    its ``seeds`` and ``iterations`` counted them once. A repeat of a run is told apart by its own run id."""
+    if "run_id" not in records:
+        return
+    keys = [records[key] if key in records else pd.Series(None, index=records.index) for key in SAME_RUN_KEYS]
+    first: dict[tuple, str] = {}
+    for key, run_dir in zip(zip(*keys), records["run_dir"]):
+        if key[0] is None or (isinstance(key[0], float) and key[0] != key[0]):  # no run id: nothing to compare
+            continue
+        key = tuple(None if isinstance(v, float) and v != v else v for v in key)
+        seen = first.setdefault(key, run_dir)
+        if seen != run_dir:
+            raise UserError(f"run {quote(run_dir)} has run_id {quote(key[0])}, as run {quote(seen)} has, with the same "
+                            f"method, model, resolution, hardware and seed; expected each run once (a copied run "
+                            "folder counts its records twice; a repeat takes its own run_id: --set run_id=NAME)")
 
 
 def _hardware(gpu_name, n_gpus, device, source=None) -> str:

@@ -139,7 +139,8 @@ def _whole_json(text: str) -> bool:
 def read_log_text(log: Path) -> str:
     """The text of ``log``, refused beyond MAX_LOG_BYTES before it is read."""
     if not log.is_file():
-        raise UserError(f"log {log}: no such file")
+        what = ("a folder" if log.is_dir() else "not a regular file") if log.exists() else "no such file"
+        raise UserError(f"log {log}: {what}; expected a DanceGRPO JSONL log file")
     size = log.stat().st_size
     if size > MAX_LOG_BYTES:
         raise UserError(f"log {log}: {size:,} bytes, over the {MAX_LOG_BYTES // 2**20} MiB an import reads")
@@ -147,12 +148,14 @@ def read_log_text(log: Path) -> str:
         return log.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
         raise UserError(f"log {log}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise UserError(f"log {log}: cannot be read ({err.strerror or err})") from None
 
 
-def read_log(log: Path) -> list[tuple[int, Any]]:
+def read_log(log: Path, notes: list[str]) -> list[tuple[int, Any]]:
     """The JSON lines of ``log`` with their line numbers (blank lines left out). A line that is not JSON
     is a UserError naming it, except a last line without a newline that is not whole JSON: a log still
-    being written, or cut by a crash. That one is left out, and stderr says so."""
+    being written, or cut by a crash. That one is left out, and a line in ``notes`` says so."""
     text = read_log_text(log)
     lines = text.split("\n")
     out = []
@@ -163,8 +166,8 @@ def read_log(log: Path) -> list[tuple[int, Any]]:
             out.append((n, loads(line, nonfinite=True)))  # NaN: a diverged step (module docstring)
         except JsonProblem as err:
             if n == len(lines) and not _whole_json(line):  # the last line, no newline after it: torn
-                print(f"agg-bench import-log: log {log} line {n}: left out, not a whole JSON line ({err}; a log "
-                      "still being written?)", file=sys.stderr, flush=True)
+                notes.append(f"log {log} line {n}: left out, not a whole JSON line ({err}; a log still being "
+                             "written?)")
                 continue
             raise UserError(f"log {log} line {n}: not JSON ({err}); expected one JSON object per line") from None
     if not out:
@@ -194,7 +197,8 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
     record is checked before anything is written (module docstring)."""
     check_labels(resolution, n_gpus, method=method, model=model, gpu_name=gpu_name, run_id=run_id)
     log, out = Path(log), Path(out_dir)
-    lines = read_log(log)
+    notes: list[str] = []  # said once the import is written: a refusal is its one line
+    lines = read_log(log, notes)
     run_id = run_id or out.name
     identity = {"run_id": run_id, "method": method, "model": model, "resolution": resolution,
                 "device": "cuda" if gpu_name else None, "gpu_name": gpu_name, "n_gpus": n_gpus, "seed": None}
@@ -206,11 +210,13 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
                "source": SOURCE, "imported_from": str(log)}
     left = len(lines) - len(records)
     if diverged and left:
-        print(f"agg-bench import-log: log {log}: {diverged}; the run ends there, as a run that diverges does "
-              f"(the {left} line{'s' if left > 1 else ''} after it left out)", file=sys.stderr, flush=True)
+        notes.append(f"log {log}: {diverged}; the run ends there, as a run that diverges does (the {left} "
+                     f"line{'s' if left > 1 else ''} after it left out)")
     with Claim(out, folder=True, lock_inside=True, check=lambda: check_import_folder(out)):
         (out / "summary.json").unlink(missing_ok=True)  # written last: present only once the import is whole
         write_lines(out / "metrics.jsonl", [JsonlWriter.line(record) for record in records])
         write_json(out / "env.json", {"source": SOURCE, "imported_from": str(log.resolve())})
         write_json(out / "summary.json", summary)
+    for note in notes:
+        print(f"agg-bench import-log: {note}", file=sys.stderr, flush=True)
     return summary

@@ -75,3 +75,19 @@ def test_a_venv_that_cannot_be_used_is_one_line_and_kept(tmp_path, venv, words):
     for word in words:
         assert word in lines[0], lines[0]
     assert venv_state(repo / ".venv") == before
+
+
+def test_the_test_streams_run_with_a_tmpdir_that_names_no_folder(tmp_path):
+    """scripts/test.sh kept the second stream's report in `mktemp`'s file: with TMPDIR naming no folder the second
+    stream (tests/integration) never ran and the suite failed on `cat ''`."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "test.sh", repo / "scripts")
+    python = tmp_path / "python"  # answers the core count, and stands in for pytest: says what it was asked
+    python.write_text('#!/bin/bash\nif [ "$1" = -c ]; then echo 2; else echo "ran $4"; fi\n')
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "TMPDIR": str(tmp_path / "none")}
+    proc = subprocess.run(["bash", str(repo / "scripts" / "test.sh")], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "" and "ran tests/unit" in proc.stdout and "ran tests/integration" in proc.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -118,3 +119,54 @@ def test_every_phony_make_target_has_a_recipe():
     phony = re.search(r"^\.PHONY:(.*)$", text, flags=re.M).group(1).split()
     rules = set(re.findall(r"^([\w-]+):", text, flags=re.M))
     assert phony and [target for target in phony if target not in rules] == []
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("target", ["pipeline", "learning"])
+@pytest.mark.parametrize("cores", ["0", "-1", "abc", "1.5", "", "2 3", "01"])
+def test_make_refuses_a_core_count_snakemake_cannot_run_before_the_set_up(tmp_path, target, cores):
+    """`CORES=0 make pipeline` waited forever (no job fits in --cores 0) and `CORES=-1` reached the jobs as
+    OMP_NUM_THREADS=-1: one line and exit 2, before the set-up (which make -n would otherwise print)."""
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    proc = subprocess.run(["make", "-n", target, f"CORES={cores}"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    assert line.endswith(f"*** CORES={cores}: expected a whole number of cores from 1 to 9999, or all.  Stop.")
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("cores", ["1", "2", "64", "all"])
+def test_make_passes_a_core_count_to_snakemake(tmp_path, cores):
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    proc = subprocess.run(["make", "-n", "pipeline", f"CORES={cores}"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f".venv/bin/snakemake --cores {cores}\n" in proc.stdout
+
+
+def interpreter_under(folder: Path) -> Path:
+    """This interpreter with its packages, run from a path under ``folder``: a virtual environment there whose
+    interpreter is this one's and whose packages are this one's (links)."""
+    venv = Path(sys.prefix)
+    folder.mkdir(parents=True)
+    (folder / "pyvenv.cfg").write_text((venv / "pyvenv.cfg").read_text())
+    (folder / "bin").mkdir()
+    (folder / "bin" / "python").symlink_to(Path(sys.executable).resolve())
+    (folder / "lib").symlink_to(venv / "lib")
+    return folder / "bin" / "python"
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs a virtual environment")
+def test_a_run_job_runs_from_a_clone_whose_path_has_a_space(tmp_path):
+    """Snakemake spawns each `run:` job (the manifests, a cell's job file) as a shell command with its
+    interpreter's path unquoted: in a clone under `/tmp/my dir/`, `make pipeline` failed every cell with
+    '/bin/sh: 1: /tmp/my: not found'. The default profile runs them in threads of the snakemake process."""
+    python = interpreter_under(tmp_path / "my dir" / "venv é")
+    work = tmp_path / "my dir" / "agg-bénch"
+    (work / "profiles" / "default").mkdir(parents=True)
+    shutil.copy(ROOT / "workflow" / "profiles" / "default" / "config.yaml", work / "profiles" / "default")
+    (work / "Snakefile").write_text('rule a:\n    output: "results/a.json"\n    log: "results/a.log"\n'
+                                    '    run:\n        open(output[0], "w").write("{}")\n')
+    proc = subprocess.run([str(python), "-m", "snakemake", "--cores", "1", "--latency-wait", "0"], cwd=work,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (work / "results" / "a.json").read_text() == "{}"

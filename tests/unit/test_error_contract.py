@@ -14,6 +14,7 @@ import pytest
 
 from agg_bench import cli
 from agg_bench.errors import MESSAGE_CHARS, UserError, run_command
+from agg_bench.io import atomic_file
 from agg_bench.machine import gpus
 from agg_bench.tools import learning
 
@@ -195,3 +196,20 @@ def test_a_gpu_memory_past_any_gpu_names_the_value_given(capsys):
     assert cli.main(["plan", "--gpu-memory", "1e300"]) == 2
     line = capsys.readouterr().err.strip()
     assert "--gpu-memory = 1e+300" in line and "at most 1,000,000" in line and "inf" not in line
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+@pytest.mark.parametrize("named", [None, "temporary"])
+def test_a_full_disk_while_a_file_is_written_names_that_file(tmp_path, capsys, code, named):
+    """A write's OSError carries no file name (matplotlib's PNG writer, a text file's flush), or the temporary
+    one that is gone: `report --plots` on a full disk said only 'no space left on device'."""
+    target = tmp_path / "plots" / "time_breakdown.png"
+    target.parent.mkdir()
+
+    def body() -> int:
+        with atomic_file(target, "wb") as fh:
+            raise OSError(code, os.strerror(code), fh.name if named else None)
+
+    what = "no space left on device" + (" (disk quota exceeded)" if code == errno.EDQUOT else "")
+    assert contract(capsys, body) == (2, [f"agg-bench test: {target}: {what}"])
+    assert list(target.parent.iterdir()) == []

@@ -4,7 +4,9 @@ there before is touched."""
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,8 @@ import pytest
 import yaml
 
 from agg_bench import cli
+from agg_bench.errors import UserError
+from agg_bench.io import read_jsonl
 from agg_bench.tools.importlog import import_log
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -230,3 +234,102 @@ def test_a_killed_gradchecks_snapshot_is_found_by_atomic_paths_own_name(tmp_path
     mine.mkdir()
     remove_stale_snapshots(out)
     assert not stale.exists() and mine.is_dir()
+
+
+def test_report_refuses_a_copy_of_a_run_folder(run, tmp_path, capsys):
+    """A copied run folder (the same run id, method, cell and seed) was pooled into its row: every record counted
+    twice in the times while the row said one seed; a repeat under its own run id is a second run."""
+    shutil.copytree(run, tmp_path / "copy")
+    before = tree(tmp_path)
+    line = fails(capsys, ["report", "--runs", str(run), str(tmp_path / "copy"), "--tables", str(tmp_path / "tables")])
+    assert line == (f"agg-bench report: run '{tmp_path / 'copy'}' has run_id 'run', as run '{run}' has, with the same "
+                    "method, model, resolution, hardware and seed; expected each run once (a copied run folder counts "
+                    "its records twice; a repeat takes its own run_id: --set run_id=NAME)")
+    assert tree(tmp_path) == before
+    import_log(tmp_path / "log.jsonl", tmp_path / "repeat", run_id="repeat")
+    assert cli.main(["report", "--runs", str(run), str(tmp_path / "repeat"), "--tables", str(tmp_path / "tables")]) == 0
+    rows = list(csv.DictReader((tmp_path / "tables" / "records.csv").open()))
+    assert sorted(row["run_id"] for row in rows) == ["repeat"] * 3 + ["run"] * 3
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_a_metrics_line_longer_than_any_record_is_refused_before_it_is_read_whole(run, tmp_path, capsys, last):
+    """A 300 MB line took the report 2 GB of memory and was read as a record (its unknown key ignored); a long
+    last line is refused too, not skipped as a torn one."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    record = {**json.loads(lines[0]), "note": "x" * 2**20}
+    lines[-1 if last else 0] = json.dumps(record)
+    (run / "metrics.jsonl").write_text("\n".join(lines) + ("" if last else "\n"))
+    before = tree(tmp_path)
+    line = fails(capsys, ["report", "--runs", str(run), "--tables", str(tmp_path / "tables")])
+    assert line == (f"agg-bench report: {run / 'metrics.jsonl'}: line {3 if last else 1} is longer than 1,048,576 "
+                    "bytes; expected a record of agg-bench (a JSON object of a few KB per line)")
+    assert tree(tmp_path) == before
+
+
+def test_jsonl_lines_are_read_as_before(tmp_path):
+    """One line at a time: records in order, blank lines passed over, a torn last line skipped, a damaged line
+    before it and bytes that are not UTF-8 named with their line and byte."""
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n{"a": 2}\r\n{"a": 3}\n{"a": ')
+    assert list(read_jsonl(path)) == [{"a": 1}, {"a": 2}, {"a": 3}]
+    path.write_bytes(b'{"a": 1}\n{"a": \n{"a": 3}\n')
+    with pytest.raises(UserError, match=r"line 2 is not valid JSON .*; the file is damaged"):
+        list(read_jsonl(path))
+    path.write_bytes(b'{"a": 1}\n{"a": "\xff"}\n')
+    with pytest.raises(UserError, match=r"not UTF-8 text \(invalid start byte at byte 16\)"):
+        list(read_jsonl(path))
+    path.write_bytes(b'{"a": 1}\n[1]\n{"a": 3}\n')
+    with pytest.raises(UserError, match="line 2 is not a JSON object"):
+        list(read_jsonl(path))
+
+
+def test_import_log_refusing_a_torn_log_says_one_line(tmp_path, capsys):
+    """The note on a torn last line came before the refusal of --out: two lines for one refusal. The note now
+    follows a written import."""
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"step": 1, "avg_reward": 0.1, "step_time": 2.0, "grad_norm": 1.0}) + '\n{"step": 2, "av')
+    (tmp_path / "taken").write_text("mine")
+    before = tree(tmp_path)
+    assert fails(capsys, ["import-log", str(log), "--out", str(tmp_path / "taken")]) == (
+        f"agg-bench import-log: --out {tmp_path / 'taken'}: exists and is not a folder")
+    assert tree(tmp_path) == before
+    assert cli.main(["import-log", str(log), "--out", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"agg-bench import-log: log {log} line 2: left out, not a whole JSON line (Unterminated string starting at line "
+        "1 column 13; a log still being written?)"]
+
+
+@pytest.mark.parametrize("log, what", [("folder", "a folder"), ("/dev/null", "not a regular file"),
+                                       ("missing.jsonl", "no such file")])
+def test_import_log_names_what_its_log_is_instead_of_a_file(tmp_path, capsys, log, what):
+    (tmp_path / "folder").mkdir()
+    path = log if log.startswith("/") else str(tmp_path / log)
+    assert fails(capsys, ["import-log", path, "--out", str(tmp_path / "run")]) == (
+        f"agg-bench import-log: log {path}: {what}; expected a DanceGRPO JSONL log file")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("verb", ["report", "learning"])
+@pytest.mark.parametrize("given, found", [("folder", "is a folder"), ("/dev/null", "is not a regular file"),
+                                         ("none.json", "no such file")])
+def test_a_manifest_that_is_not_a_file_says_what_it_is(tmp_path, capsys, verb, given, found):
+    """A folder given as --manifest (the runs folder, say) was 'no such file'."""
+    (tmp_path / "folder").mkdir()
+    path = given if given.startswith("/") else str(tmp_path / given)
+    assert fails(capsys, [verb, "--manifest", path, "--tables", str(tmp_path / "tables")]) == (
+        f"agg-bench {verb}: manifest {path}: {found}")
+    assert not (tmp_path / "tables").exists()
+
+
+@pytest.mark.parametrize("file", ["metrics.jsonl", "summary.json"])
+def test_a_status_no_run_writes_is_refused_not_shown_as_an_error(run, tmp_path, capsys, file):
+    """A record or summary of another agg-bench version (or an edited one) with status 'paused' was read, and its
+    row shown as 'error' with the records' times."""
+    path = run / file
+    path.write_text(path.read_text().replace('"status": "ok"', '"status": "paused"', 1))
+    before = tree(tmp_path)
+    line = fails(capsys, ["report", "--runs", str(run), "--tables", str(tmp_path / "tables")])
+    assert line.startswith(f"agg-bench report: {path}: ")
+    assert line.endswith("'status' = 'paused': expected one of ok, oom, diverged, interrupted, error or null")
+    assert tree(tmp_path) == before
