@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -141,32 +140,3 @@ def test_make_passes_a_core_count_to_snakemake(tmp_path, cores):
     proc = subprocess.run(["make", "-n", "pipeline", f"CORES={cores}"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert f".venv/bin/snakemake --cores {cores}\n" in proc.stdout
-
-
-def interpreter_under(folder: Path) -> Path:
-    """This interpreter with its packages, run from a path under ``folder``: a virtual environment there whose
-    interpreter is this one's and whose packages are this one's (links)."""
-    venv = Path(sys.prefix)
-    folder.mkdir(parents=True)
-    (folder / "pyvenv.cfg").write_text((venv / "pyvenv.cfg").read_text())
-    (folder / "bin").mkdir()
-    (folder / "bin" / "python").symlink_to(Path(sys.executable).resolve())
-    (folder / "lib").symlink_to(venv / "lib")
-    return folder / "bin" / "python"
-
-
-@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs a virtual environment")
-def test_a_run_job_runs_from_a_clone_whose_path_has_a_space(tmp_path):
-    """Snakemake spawns each `run:` job (the manifests, a cell's job file) as a shell command with its
-    interpreter's path unquoted: in a clone under `/tmp/my dir/`, `make pipeline` failed every cell with
-    '/bin/sh: 1: /tmp/my: not found'. The default profile runs them in threads of the snakemake process."""
-    python = interpreter_under(tmp_path / "my dir" / "venv é")
-    work = tmp_path / "my dir" / "agg-bénch"
-    (work / "profiles" / "default").mkdir(parents=True)
-    shutil.copy(ROOT / "workflow" / "profiles" / "default" / "config.yaml", work / "profiles" / "default")
-    (work / "Snakefile").write_text('rule a:\n    output: "results/a.json"\n    log: "results/a.log"\n'
-                                    '    run:\n        open(output[0], "w").write("{}")\n')
-    proc = subprocess.run([str(python), "-m", "snakemake", "--cores", "1", "--latency-wait", "0"], cwd=work,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (work / "results" / "a.json").read_text() == "{}"
