@@ -3,6 +3,8 @@
 #   snakemake --cores 32 --resources gpu=8 --configfile config/gpu.yaml    one 8-GPU node
 #   snakemake --workflow-profile workflow/profiles/slurm --configfile config/gpu.yaml     through SLURM
 #   snakemake --report results/report.html                the HTML report of what ran
+import sys
+
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -24,6 +26,17 @@ include: "workflow/rules/learning.smk"
 
 
 localrules: all, manifest, tables, plots, import_log, cell_jobs
+
+
+# Snakemake starts each `run:` job (the manifests, a cell's job file) as a shell command with its interpreter's
+# path unquoted: with a space in that path (a clone under "/tmp/my dir/" holds its .venv there) every such job
+# fails with "/bin/sh: 1: /tmp/my: not found". Refused before any job instead (once the execution settings
+# are known: not while the Snakefile is parsed).
+onstart:
+    if not workflow.execution_settings.use_threads and any(c.isspace() for c in sys.executable):
+        raise WorkflowError(f"the interpreter's path {sys.executable!r} holds a space, and Snakemake starts the "
+                            "workflow's run: jobs through a shell with that path unquoted: clone the repository (or "
+                            "make its .venv) where the path has no space, or pass --force-use-threads")
 
 
 wildcard_constraints:

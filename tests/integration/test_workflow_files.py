@@ -3,9 +3,11 @@ benchmark, the default profile is found without a flag, and git ignores what the
 the reference results."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -140,3 +142,38 @@ def test_make_passes_a_core_count_to_snakemake(tmp_path, cores):
     proc = subprocess.run(["make", "-n", "pipeline", f"CORES={cores}"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert f".venv/bin/snakemake --cores {cores}\n" in proc.stdout
+
+
+def interpreter_under(folder: Path) -> Path:
+    """This interpreter with its packages, run from a path under ``folder``: a virtual environment there whose
+    interpreter and packages are this one's (links)."""
+    venv = Path(sys.prefix)
+    folder.mkdir(parents=True)
+    (folder / "pyvenv.cfg").write_text((venv / "pyvenv.cfg").read_text())
+    (folder / "bin").mkdir()
+    (folder / "bin" / "python").symlink_to(Path(sys.executable).resolve())
+    (folder / "lib").symlink_to(venv / "lib")
+    return folder / "bin" / "python"
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs a virtual environment")
+def test_an_interpreter_path_with_a_space_is_refused_before_any_job(tmp_path):
+    """Snakemake spawns each `run:` job (the manifests, a cell's job file) as a shell command with its
+    interpreter's path unquoted: from a clone under `/tmp/my dir/`, `make pipeline` failed every cell with
+    '/bin/sh: 1: /tmp/my: not found'. One line before any job instead, which names the way out."""
+    python = interpreter_under(tmp_path / "my dir" / "venv é")
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "Snakefile", work)
+    for folder in ("workflow", "config"):
+        shutil.copytree(ROOT / folder, work / folder)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(python), "-m", "snakemake", "--cores", "1"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "holds a space" in proc.stderr and "--force-use-threads" in proc.stderr, proc.stderr[-2000:]
+    assert not (work / "results").exists()  # nothing ran
+    # the way out it names: the run: jobs in threads of the snakemake process
+    dry = subprocess.run([str(python), "-m", "snakemake", "-n", "--cores", "1", "--force-use-threads"], cwd=work,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-2000:]
