@@ -556,6 +556,9 @@ def load_tables(folder: str | Path) -> dict[str, pd.DataFrame]:
     """The tables the plots read (``PLOT_TABLES``) from ``folder``, as an earlier ``agg-bench report --tables
     folder`` wrote them: each with the columns of ``PLOT_COLUMNS``, their numbers and flags as ``PLOT_CELLS``
     says (:func:`parse_table`)."""
+    if not Path(folder).is_dir():
+        found = "is not a folder" if Path(folder).exists() else "no such folder"
+        raise UserError(f"--tables-in {folder}: {found} (agg-bench report --tables DIR writes the tables there)")
     tables = {}
     for name in PLOT_TABLES:
         path = Path(folder) / f"{name}.csv"

@@ -412,16 +412,22 @@ def test_plots_are_drawn_from_the_written_tables(sweep, gradcheck_csv, tmp_path,
     (["--tables-in", "TABLES", "--plots", "OUT", "--runs", "TABLES"], "--runs is for writing them"),
     (["--tables-in", "TABLES", "--plots", "OUT", "--tables", "OUT"], "--tables is for writing them"),
     (["--tables-in", "TABLES", "--plots", "OUT", "--warmup", "0"], "--warmup is for writing them"),
-    (["--tables-in", "NOWHERE", "--plots", "OUT"], "--tables-in NOWHERE: no records.csv"),
+    (["--tables-in", "NOWHERE", "--plots", "OUT"], "--tables-in NOWHERE: no such folder"),
+    (["--tables-in", "A_FILE", "--plots", "OUT"], "--tables-in A_FILE: is not a folder"),
+    (["--tables-in", "EMPTY", "--plots", "OUT"], "--tables-in EMPTY: no records.csv"),
 ])
 def test_tables_in_takes_only_plots(sweep, tmp_path, capsys, args, expected):
     tables = tmp_path / "tables"
     assert main(["report", "--runs", str(tmp_path / "runs"), "--tables", str(tables)]) == 0
     capsys.readouterr()
-    paths = {"TABLES": str(tables), "OUT": str(tmp_path / "out"), "NOWHERE": str(tmp_path / "nowhere")}
+    (tmp_path / "a_file").write_text("tables\n")
+    (tmp_path / "empty").mkdir()
+    paths = {"TABLES": str(tables), "OUT": str(tmp_path / "out"), "NOWHERE": str(tmp_path / "nowhere"),
+             "A_FILE": str(tmp_path / "a_file"), "EMPTY": str(tmp_path / "empty")}
     assert main(["report", *(paths.get(a, a) for a in args)]) == 2
     lines = capsys.readouterr().err.splitlines()
-    expected = expected.replace("NOWHERE", paths["NOWHERE"])
+    for name in ("NOWHERE", "A_FILE", "EMPTY"):
+        expected = expected.replace(name, paths[name])
     assert len(lines) == 1 and lines[0].startswith("agg-bench report: ") and expected in lines[0], lines
     assert not (tmp_path / "out").exists()
 
