@@ -461,6 +461,7 @@ def test_preset_scales_the_authors_run():
     cfg = check_config(load_config(PRESET))
     assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (20, "dance_grpo", 0.3, 3.0)
     assert (cfg.grpo.group_size, cfg.method.options.guessed) == (6, 2)  # the authors' 12 with 4 guessed, halved
+    assert (cfg.method.options.guess_from, cfg.method.options.guess_until) == (0, None)  # steps 0 .. 18, the code's
     assert (cfg.method.options.ab2, cfg.method.options.blend_until, cfg.method.options.guessed_weight) == \
         ([1.5, -0.5], 0.5, 0.1)
     assert (cfg.train.plan, cfg.train.timestep_fraction, cfg.grpo.clip_range, cfg.grpo.adv_clip_max) == \
@@ -473,9 +474,9 @@ def test_preset_runs_through_the_cli_and_records_its_forwards(tmp_path):
     assert main(["run", "--config", str(PRESET), "--set", "train.iterations=1", "--set", "progress=false",
                  "--set", "telemetry.enabled=false", "--out", str(out)]) == 0
     (record,) = [r for r in read_jsonl(out / "metrics.jsonl") if "iteration" in r]
-    guesses = 2 * (20 - 1 - 2)  # 2 per step at steps 2..18
+    guesses = 2 * (20 - 1)  # 2 per step at steps 0..18
     assert record["guessed_velocities"] == guesses
-    assert record["forward_nograd"] == 6 * 20 - guesses  # 86, against 120 for full at group 6
+    assert record["forward_nograd"] == 6 * 20 - guesses == 82  # against 120 for full at group 6
     assert record["forward_grad"] == record["backward"] == 6 * round(0.6 * 19)  # never the last step
     assert json.loads((out / "config.json").read_text())["method"]["name"] == "guess"
     assert math.isfinite(record["loss"])
