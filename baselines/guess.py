@@ -20,11 +20,17 @@ At step j of a rollout with T steps, in each group of G generations (consecutive
 - for ``j < blend_until * T``: ``v_hat = a v_so + (1 - a) v_group`` with ``a = (1 + cos(v_so, v_group)) / 2``
   per row over the whole latent (denominator clamped to 1e-8, cosine clamped to [-1, 1]) for
   ``blend: cosine``, or the fixed number ``a = blend``; later ``v_hat = v_so``;
+- at j = 0 no velocity is stored yet: the code's history starts as zeros, so ``v_so = 0``, the cosine with a
+  zero vector is 0 (its denominator clamped to 1e-8), ``a = 1/2`` and ``v_hat = v_group / 2`` (``blend: a``:
+  ``(1 - a) v_group``; from ``blend_until * T`` on, 0); that guess is the row's stored velocity, its v_{j-1} and
+  v_{j-2} at later AB2 steps, as every guess is;
 - the guessed row then takes the ordinary SDE step with ``v_hat``, and its log-probability is that of
   the guessed mean, which the ratio of its training term divides by.
-The code guesses from step 0, where no velocity is stored yet: its zeros make ``v_so = 0`` and
-``v_hat = v_group / 2`` (alpha 1/2), half the group's mean. Here step 0 is never guessed
-(``guess_from >= 1``) and the default starts at step 2, the first with the two velocities AB2 needs.
+``guess_from: 0`` is the code's (the preset's): step 0 guesses the first ``guessed`` rows of each group (no row
+has a guess yet), step 1 the next ones (those of step 0 are skipped). The rows chosen among at steps 0 and 1
+are alike in law (one prompt, every velocity so far real), so the code's order among equal counts (its CUDA
+``argsort`` is not stable) changes nothing there; at later ties the lower row goes first here. The option's default stays 2, the first step
+with the two velocities AB2 needs, as the sweeps' and the pinned records' runs have it.
 
 Training is GRPO's on ``train.plan``'s steps, each term recomputed with the real policy (a guessed term
 too, as the code does), with the loss of a guessed (row, step) weighted by ``guessed_weight`` (the code's
@@ -46,8 +52,8 @@ forwarded steps of row i among the steps a plan may draw (``train.ignore_last``,
   count in B: the code's ``loss / (gradient_accumulation_steps * k_i)``).
 ``train_steps`` is then (B, max_i k_i), each row's steps in denoising order followed by ``NO_STEP``.
 Differences: the numbers the code's draw takes come from the training device's generator, here from the run's
-(the same law); the code falls back to every step for a row without a forwarded one, which never happens here
-(step 0 is never guessed); the code's rows are trained one after another with their steps in the draw's order,
+(the same law); a row without a forwarded step among the drawable ones (only where step 0, guessed, is the only
+drawable step) draws among all of them, as the code falls back to; the code's rows are trained one after another with their steps in the draw's order,
 here step by step: the same sum.
 """
 from __future__ import annotations
@@ -67,7 +73,8 @@ from agg_bench.methods.base import Estimator, ReplayCase, register_method
 
 @dataclass
 class GuessConfig(Options):
-    """Options of guessed rollouts (module docstring); defaults are the code's canonical preset. The bounds
+    """Options of guessed rollouts (module docstring); defaults are the code's canonical preset but `guess_from`
+    (2 here, 0 in the code). The bounds
     against the group and the schedule are checked when a run is set up (``check_run``)."""
 
     guessed: int | None = option(
@@ -75,8 +82,9 @@ class GuessConfig(Options):
         "generation at least, for the group mean); null: `grpo.group_size // 3`, the code's 4 of 12",
         minimum=0, maximum=255)
     guess_from: int = option(
-        2, "the first step that may be guessed (step 0 has no velocity to extrapolate; the code guesses from step 0, "
-        "module docstring; 1 guesses step 1 to first order as the code does)", minimum=1, maximum=1000)
+        2, "the first step that may be guessed: 0, the code's, guesses step 0 from a zero history (v_group / 2 with "
+        "the cosine blend) and step 1 to first order, module docstring; 2, the first with two velocities for AB2",
+        minimum=0, maximum=1000)
     guess_until: int | None = option(
         None, "guessed steps are guess_from <= j < guess_until, with guess_from <= guess_until <= sampling.steps; "
         "null: sampling.steps - 1, every step but the last as in the code", minimum=0, maximum=1000)
@@ -123,6 +131,7 @@ def draw_forwarded_steps(forwarded: torch.Tensor, drawable: torch.Tensor, fracti
     if steps.numel() == 0:
         raise ConfigError("train.plan", "steps", "at least one step with a log-probability")
     candidates = forwarded.cpu()[:, steps]
+    candidates |= candidates.sum(1, keepdim=True) == 0  # no forwarded step: all of them, the code's fallback
     counts = forwarded_counts_trained(candidates.sum(1), fraction)
     noise = torch.rand(candidates.shape, generator=generator, dtype=torch.float32)
     order = torch.argsort(torch.where(candidates, noise, torch.inf), dim=1, stable=True)
@@ -164,7 +173,10 @@ class GuessedVelocity:
     def guess(self, j: int, v_group: torch.Tensor) -> torch.Tensor:
         """v_hat of every row at step ``j`` from its stored velocities and the group's mean ``v_group``."""
         c1, c2 = self.config.ab2
-        v_so = c1 * self.history[0] + c2 * self.history[1] if j >= 2 else self.history[0]
+        if not self.history:  # step 0: the code's history starts as zeros
+            v_so = torch.zeros_like(v_group)
+        else:
+            v_so = c1 * self.history[0] + c2 * self.history[1] if j >= 2 else self.history[0]
         if j >= self.blend_steps:
             return v_so
         if self.config.blend == "cosine":
@@ -218,7 +230,7 @@ class GuessEstimator(Estimator):
                               f"an integer in [0, {group - 1}]: fewer guessed generations than grpo.group_size "
                               f"= {group} (the group mean needs at least one real generation)")
         if c.guess_from > steps:
-            raise ConfigError("method.guess_from", c.guess_from, f"an integer in [1, {steps}] (sampling.steps)")
+            raise ConfigError("method.guess_from", c.guess_from, f"an integer in [0, {steps}] (sampling.steps)")
         if c.guess_until is not None and not c.guess_from <= c.guess_until <= steps:
             raise ConfigError("method.guess_until", c.guess_until,
                               f"null or an integer in [{c.guess_from}, {steps}] (method.guess_from .. sampling.steps)")

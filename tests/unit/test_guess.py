@@ -44,8 +44,10 @@ def rollout(session, seed=3):
 
 def guessed_velocity(j, steps, own, group_real, blend, c1=1.5, c2=-0.5, blend_until=0.5):
     """v_hat of one row in float64: ``own`` its velocities before step j, ``group_real`` the real velocities
-    of its group at step j."""
-    v_so = c1 * own[j - 1] + c2 * own[j - 2] if j >= 2 else own[j - 1]
+    of its group at step j. As the code's ``run_sample_step``: the history starts as zeros (step 0: v_so = 0),
+    first order at step 1."""
+    prev = own[j - 1] if j >= 1 else torch.zeros_like(group_real[0])
+    v_so = c1 * prev + c2 * own[j - 2] if j >= 2 else prev
     if j >= blend_until * steps:
         return v_so
     v_group = sum(group_real) / len(group_real)
@@ -129,6 +131,37 @@ def test_rollout_equals_a_float64_reference_rollout(blend):
     assert work == {
         "forward_nograd": guessed_count(8, 2, 2, 1, STEPS - 1), "forward_grad": 0, "backward": 0}
     assert session.estimator.iteration_metrics() == {"guessed_velocities": 2 * 2 * (STEPS - 2)}
+
+
+@pytest.mark.parametrize("group, guessed, blend, forwards", [
+    (4, 2, "cosine", 8 * STEPS - 2 * 2 * 5),  # 2 of 4 at each of steps 0..4
+    (4, 2, 0.3, 8 * STEPS - 2 * 2 * 5),
+    # 2 of 3: rows 0, 1 at steps 0, 2, 4, row 2 alone at 1, 3 (the others were guessed the step before), so the
+    # guesses stored at step 0 are the v_{j-2} of step 2's AB2
+    (3, 2, "cosine", 6 * STEPS - 2 * (2 + 1 + 2 + 1 + 2)),
+])
+@torch.no_grad()
+def test_rollout_from_step_0_equals_the_codes_zero_history_in_float64(group, guessed, blend, forwards):
+    """guess_from 0 as the public code: zero history at step 0 (v_so = 0, cosine 0, v = v_group / 2 with the
+    cosine blend), first order at step 1, the guesses stored as the rows' velocities for later AB2 steps."""
+    session = Session(tiny_config("method.name=guess", f"grpo.group_size={group}", f"method.guessed={guessed}",
+                                  "method.guess_from=0", f"method.blend={blend}"))
+    traj, work, cond, noise, generator = rollout(session)
+    latents, velocities, log_probs, forwarded = reference_rollout(session, cond, noise, generator, guessed, 0,
+                                                                  STEPS - 1, blend)
+    assert torch.equal(traj.forwarded, forwarded)
+    assert float((traj.velocities - velocities).abs().max()) <= 1e-10
+    assert float((traj.latents - latents).abs().max()) <= 1e-10
+    assert float((traj.log_probs - log_probs).abs().max()) <= 1e-10
+    step0 = (~traj.forwarded[:, 0]).view(2, group)
+    assert torch.equal(step0, torch.arange(group).lt(guessed).expand(2, group))  # the first rows of each group
+    v0 = traj.velocities[:, 0].view(2, group, -1)
+    real_mean = torch.stack([v0[p][~step0[p]].mean(0) for p in range(2)])
+    share = 0.5 if blend == "cosine" else 1 - blend  # the blend's (1 - a) on v_group, v_so being 0
+    assert torch.allclose(v0[step0], (share * real_mean).repeat_interleave(guessed, 0), rtol=0, atol=1e-12)
+    assert not torch.any(~traj.forwarded[:, 1] & ~traj.forwarded[:, 0])  # step 1 skips step 0's rows
+    assert work == {"forward_nograd": forwards, "forward_grad": 0, "backward": 0}
+    assert session.estimator.iteration_metrics() == {"guessed_velocities": 2 * group * STEPS - forwards}
 
 
 def test_guessed_velocities_follow_the_formulas_from_the_stored_ones():
@@ -226,16 +259,20 @@ ZERO_LOSS = ["method.name=guess", "method.guessed=1", "method.guess_from=1", "me
 
 def codes_trained_counts(forwarded, fraction, drawable):
     """k_i of ``_batched_infer_shuffle_sel``: int(float32 count x float32 fraction), at most the count, over the
-    forwarded ones of the ``drawable`` steps (the code's ``mock_flags[:, :-1] < 0.5``)."""
-    counts = forwarded[:, :drawable].sum(1).tolist()
+    forwarded ones of the ``drawable`` steps (the code's ``mock_flags[:, :-1] < 0.5``), all of them for a row with
+    none (the code's fallback)."""
+    candidates = forwarded[:, :drawable]
+    counts = (candidates | (candidates.sum(1, keepdim=True) == 0)).sum(1).tolist()
     return [min(int(np.float32(c) * np.float32(fraction)), c) for c in counts]
 
 
 def codes_draw(forwarded, fraction, drawable, generator):
     """The steps each row trains under ``--zero_loss_on_guess``, written from ``_batched_infer_shuffle_sel``: one
     uniform per (row, drawable step), +inf on the guessed ones, the k_i smallest; as sets of steps."""
+    candidates = forwarded[:, :drawable]
+    candidates = candidates | (candidates.sum(1, keepdim=True) == 0)  # no forwarded step: every one
     noise = torch.rand((forwarded.shape[0], drawable), generator=generator, dtype=torch.float32)
-    noise = torch.where(forwarded[:, :drawable], noise, torch.tensor(float("inf")))
+    noise = torch.where(candidates, noise, torch.tensor(float("inf")))
     perm = torch.argsort(noise, dim=-1)
     return [sorted(perm[i, :k].tolist()) for i, k in
             enumerate(codes_trained_counts(forwarded, fraction, drawable))]
@@ -302,6 +339,22 @@ def test_zero_loss_update_equals_the_codes_loss_and_gradient_in_float64(sets):
                   for i in rows)
     assert stats.count == trained
     assert work.as_dict() == {"forward_nograd": 0, "forward_grad": trained, "backward": trained}
+
+
+def test_zero_loss_row_without_a_forwarded_step_draws_among_all_as_the_code():
+    """2 steps, the last never trained: step 0, guessed from the code's zero history, is the only drawable step, so
+    the row guessed there has no forwarded one and trains its guessed step 0 (the code's fallback), k = 1."""
+    session = Session(tiny_config(*ZERO_LOSS, "method.guess_from=0", "sampling.steps=2",
+                                  "train.timestep_fraction=1.0"))
+    batch = session.collect(0).batch
+    forwarded = batch.forwarded.cpu()
+    assert forwarded[:, 0].tolist() == [False, True, True] * 2  # the first row of each group guessed at step 0
+    expected = codes_draw(forwarded, 1.0, 1, torch.Generator().manual_seed(seeded(11)))
+    assert expected == [[0]] * 6 and batch.train_steps.tolist() == expected
+    stats = UpdateStats(batch.clip_range)
+    with counted(session.policy) as work:
+        session.estimator.accumulate(session.policy, batch, stats)
+    assert work.as_dict() == {"forward_nograd": 0, "forward_grad": 6, "backward": 6} and stats.count == 6
 
 
 def test_zero_loss_rows_without_a_trained_step_train_nothing():
@@ -378,7 +431,7 @@ def test_default_guesses_a_third_of_the_group():
 @pytest.mark.parametrize("override, key", [
     ("method.guessed=3", "method.guessed"),  # group_size 3: no real generation left for the mean
     ("method.guessed=-1", "method.guessed"),
-    ("method.guess_from=0", "method.guess_from"),
+    ("method.guess_from=-1", "method.guess_from"),
     (f"method.guess_from={STEPS + 1}", "method.guess_from"),
     (f"method.guess_until={STEPS + 1}", "method.guess_until"),
     ("method.guess_until=1", "method.guess_until"),
@@ -408,6 +461,7 @@ def test_preset_scales_the_authors_run():
     cfg = check_config(load_config(PRESET))
     assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (20, "dance_grpo", 0.3, 3.0)
     assert (cfg.grpo.group_size, cfg.method.options.guessed) == (6, 2)  # the authors' 12 with 4 guessed, halved
+    assert (cfg.method.options.guess_from, cfg.method.options.guess_until) == (0, None)  # steps 0 .. 18, the code's
     assert (cfg.method.options.ab2, cfg.method.options.blend_until, cfg.method.options.guessed_weight) == \
         ([1.5, -0.5], 0.5, 0.1)
     assert (cfg.train.plan, cfg.train.timestep_fraction, cfg.grpo.clip_range, cfg.grpo.adv_clip_max) == \
@@ -420,9 +474,9 @@ def test_preset_runs_through_the_cli_and_records_its_forwards(tmp_path):
     assert main(["run", "--config", str(PRESET), "--set", "train.iterations=1", "--set", "progress=false",
                  "--set", "telemetry.enabled=false", "--out", str(out)]) == 0
     (record,) = [r for r in read_jsonl(out / "metrics.jsonl") if "iteration" in r]
-    guesses = 2 * (20 - 1 - 2)  # 2 per step at steps 2..18
+    guesses = 2 * (20 - 1)  # 2 per step at steps 0..18
     assert record["guessed_velocities"] == guesses
-    assert record["forward_nograd"] == 6 * 20 - guesses  # 86, against 120 for full at group 6
+    assert record["forward_nograd"] == 6 * 20 - guesses == 82  # against 120 for full at group 6
     assert record["forward_grad"] == record["backward"] == 6 * round(0.6 * 19)  # never the last step
     assert json.loads((out / "config.json").read_text())["method"]["name"] == "guess"
     assert math.isfinite(record["loss"])
