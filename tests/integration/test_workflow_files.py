@@ -122,14 +122,21 @@ def test_every_phony_make_target_has_a_recipe():
     assert phony and [target for target in phony if target not in rules] == []
 
 
+def make_n(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """`make -n ARGS` on a copy of the Makefile in ``folder``, as a user's shell runs it: not as a sub-make of
+    `make test` (whose MAKEFLAGS and MAKELEVEL would add "Entering directory" lines)."""
+    shutil.copy(ROOT / "Makefile", folder)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "CORES")}
+    return subprocess.run(["make", "-n", *args], cwd=folder, env=env, capture_output=True, text=True)
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 @pytest.mark.parametrize("target", ["pipeline", "learning"])
 @pytest.mark.parametrize("cores", ["0", "-1", "abc", "1.5", "", "2 3", "01"])
 def test_make_refuses_a_core_count_snakemake_cannot_run_before_the_set_up(tmp_path, target, cores):
     """`CORES=0 make pipeline` waited forever (no job fits in --cores 0) and `CORES=-1` reached the jobs as
     OMP_NUM_THREADS=-1: one line and exit 2, before the set-up (which make -n would otherwise print)."""
-    shutil.copy(ROOT / "Makefile", tmp_path)
-    proc = subprocess.run(["make", "-n", target, f"CORES={cores}"], cwd=tmp_path, capture_output=True, text=True)
+    proc = make_n(tmp_path, target, f"CORES={cores}")
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = proc.stderr.splitlines()
     assert line.endswith(f"*** CORES={cores}: expected a whole number of cores from 1 to 9999, or all.  Stop.")
@@ -138,8 +145,7 @@ def test_make_refuses_a_core_count_snakemake_cannot_run_before_the_set_up(tmp_pa
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 @pytest.mark.parametrize("cores", ["1", "2", "64", "all"])
 def test_make_passes_a_core_count_to_snakemake(tmp_path, cores):
-    shutil.copy(ROOT / "Makefile", tmp_path)
-    proc = subprocess.run(["make", "-n", "pipeline", f"CORES={cores}"], cwd=tmp_path, capture_output=True, text=True)
+    proc = make_n(tmp_path, "pipeline", f"CORES={cores}")
     assert proc.returncode == 0, proc.stderr
     assert f".venv/bin/snakemake --cores {cores}\n" in proc.stdout
 
