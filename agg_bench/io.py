@@ -185,14 +185,10 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
     Any other line that is not a JSON object, or a line longer than :data:`MAX_JSONL_LINE_BYTES`, raises a
     UserError naming the file and the line."""
     with open(path, "rb") as fh:
-        def lines() -> Iterator[bytes]:
-            while line := fh.readline(MAX_JSONL_LINE_BYTES + 1):
-                yield line
-
-        read, number, offset = lines(), 0, 0
-        line = next(read, None)
-        while line is not None:
-            number, following = number + 1, next(read, None)
+        number, offset = 0, 0
+        line = fh.readline(MAX_JSONL_LINE_BYTES + 1)
+        while line:  # b"" at the end of the file
+            number, following = number + 1, fh.readline(MAX_JSONL_LINE_BYTES + 1)
             if len(line.rstrip(b"\r\n")) > MAX_JSONL_LINE_BYTES:
                 raise UserError(f"{path}: line {number} is longer than {MAX_JSONL_LINE_BYTES:,} bytes; expected a "
                                 "record of agg-bench (a JSON object of a few KB per line)")
@@ -205,7 +201,7 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
                 try:
                     record = loads(text)
                 except JsonProblem as err:
-                    if following is None:  # torn: a writer killed mid-line
+                    if not following:  # torn: a writer killed mid-line
                         return
                     raise UserError(f"{path}: line {number} is not valid JSON ({err}); the file is damaged") from None
                 if not isinstance(record, dict):

@@ -50,7 +50,7 @@ from ..jsonfiles import loads, read_json_object
 from ..outdir import Contents, check_folder
 from ..outputs import (IMPORT_CONTENTS, LEARNING_PLOTS_CONTENTS, LEARNING_TABLES_CONTENTS, PLOTS_CONTENTS,
                        PRETRAIN_CONTENTS, RUN_CONTENTS, TABLES_CONTENTS, check_run_folder)
-from ..runtime.cell import job_entry, journal_ends
+from ..runtime.cell import Progress, job_entry, journal_ends
 from ..sources import source_digest
 
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
@@ -576,7 +576,7 @@ class Sweep:
         """The journal of a cell job (``job``: a cell) or of a run job (``job``: one of :attr:`single_runs`),
         beside the cells' job files: a cell's its ``agg-bench cell --resume`` keeps, a run's its ``agg-bench run
         --journal`` keeps. Labels hold no ``_``, so a run's id never names a cell."""
-        return f"{CELL_DIR}/{job}.progress.json"
+        return str(Progress.path_of(Path(CELL_DIR, f"{job}.json")))
 
     def forget_attempts(self, jobs=None) -> None:
         """Remove the journal (:meth:`journal`) of each job of ``jobs`` (cells and run ids of
