@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config.options import Options, batch_option, option
+from ..config.sections import CPS_KINDS
 from ..engine.grpo import TrainBatch, UpdateStats, exact_backward, micro_batches, upstream_grad
 from ..engine.trained_steps import steps_per_sample
 from ..errors import ConfigError
@@ -170,21 +171,24 @@ class AGGEstimator(Estimator):
 
     def check_run(self, cfg) -> None:
         """W <= N, and the groups AGG aggregates are runs of consecutive steps (:class:`AGGConfig`)."""
-        train, window = cfg.train, self.config.window
-        n = steps_per_sample(train.plan, cfg.sampling.steps - train.ignore_last, train.timestep_fraction,
-                             train.plan_window)
+        train, window, steps = cfg.train, self.config.window, cfg.sampling.steps
+        # the steps a plan draws from: all but the last with train.ignore_last or a cps SDE (its step into
+        # sigma 0 has no density); whole, they are 0 .. drawable - 1, so any chunk of them is consecutive
+        without_last = train.ignore_last or cfg.sampling.sde in CPS_KINDS
+        drawable = steps - without_last
+        n = steps_per_sample(train.plan, drawable, train.timestep_fraction, train.plan_window)
         if window > n:
             raise ConfigError("method.window", window,
                               f"at most the {n} trained steps per sample (train.plan={train.plan}, "
                               f"train.timestep_fraction={train.timestep_fraction}, "
-                              f"sampling.steps={cfg.sampling.steps}"
-                              f"{', train.ignore_last=true' if train.ignore_last else ''})")
+                              f"sampling.steps={steps}"
+                              f"{', train.ignore_last=true' if train.ignore_last else ''}"
+                              f"{f', sampling.sde={cfg.sampling.sde}' if cfg.sampling.sde in CPS_KINDS else ''})")
         if window <= EXACT_GROUP_MAX or self.config.route_frac == 0:
             return  # every group is trained exactly: adjacency does not matter
         if train.plan == "groups":
             plan_window = train.plan_window
-            # every plan group trained: the trained steps are 0 .. n-1, so any chunk is consecutive
-            every_group = n == (cfg.sampling.steps // plan_window) * plan_window
+            every_group = n == (drawable // plan_window) * plan_window  # the trained steps are 0 .. n-1
             straddling = [(start, stop) for start, stop in group_bounds(n, window)
                           if stop - start > EXACT_GROUP_MAX and start // plan_window != (stop - 1) // plan_window]
             if straddling and not every_group:
@@ -193,7 +197,7 @@ class AGGEstimator(Estimator):
                                   f"and train.timestep_fraction={train.timestep_fraction} (the AGG group of "
                                   f"entries {list(range(*straddling[0]))} would join steps of two plan groups, "
                                   "which need not be adjacent)")
-        elif n < cfg.sampling.steps:
+        elif n < drawable:
             raise ConfigError("train.timestep_fraction", train.timestep_fraction,
                               f"1.0 for method 'agg' with train.plan={train.plan} (a random subset of steps "
                               "puts steps that are not adjacent into one group); train a fraction of whole "

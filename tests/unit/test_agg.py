@@ -451,9 +451,12 @@ def test_replay_agg_matches_an_independent_computation_of_the_rule(tmp_path, sde
 # ----- one W: the groups AGG aggregates are runs of consecutive denoising steps --------------------
 def _aggregated_groups_are_consecutive(cfg, window: int, draws: int = 60) -> bool:
     """Whether every group of more than two entries is a run of consecutive steps in ``draws`` seeded plans."""
-    from agg_bench.engine.trained_steps import draw_trained_steps
+    from agg_bench.engine.trained_steps import draw_trained_steps, plan_steps
 
     available = torch.ones(cfg.sampling.steps, dtype=torch.bool)
+    if cfg.sampling.sde.startswith("cps"):
+        available[-1] = False  # the step into sigma 0 has no density
+    available = plan_steps(available, cfg.train.ignore_last)
     for seed in range(draws):  # fixed seeds: the same plans on every run
         steps = draw_trained_steps(cfg.train.plan, 1, available, cfg.train.timestep_fraction, cfg.train.plan_window,
                            torch.Generator().manual_seed(seed))[0]
@@ -467,16 +470,20 @@ def _aggregated_groups_are_consecutive(cfg, window: int, draws: int = 60) -> boo
 def test_agg_run_check_accepts_exactly_the_plans_whose_groups_are_consecutive():
     """Over a grid of plans and windows, check_run refuses a run exactly when some seeded plan puts steps
     that are not adjacent into one aggregated group; the refusal names method.window (plan groups) or
-    train.timestep_fraction (plan steps)."""
+    train.timestep_fraction (plan steps). The plan draws from the steps it may train: without the last one
+    with train.ignore_last or a cps SDE (whose step into sigma 0 has no density)."""
     from agg_bench.engine.trained_steps import steps_per_sample
 
     refused = accepted = 0
-    for plan, plan_window, fraction in [("groups", 5, 0.5), ("groups", 5, 1.0), ("groups", 3, 0.5),
-                                        ("groups", 2, 0.4), ("groups", 6, 1.0), ("steps", 5, 0.5),
-                                        ("steps", 5, 1.0), ("groups", 4, 0.5)]:
+    for plan, plan_window, fraction, *extra in [
+            ("groups", 5, 0.5), ("groups", 5, 1.0), ("groups", 3, 0.5), ("groups", 2, 0.4), ("groups", 6, 1.0),
+            ("steps", 5, 0.5), ("steps", 5, 1.0), ("groups", 4, 0.5), ("steps", 5, 1.0, "train.ignore_last=true"),
+            ("steps", 5, 1.0, "sampling.sde=cps", "sampling.eta=0.5"), ("steps", 5, 0.9, "train.ignore_last=true"),
+            ("groups", 3, 1.0, "train.ignore_last=true"), ("groups", 4, 1.0, "sampling.sde=cps", "sampling.eta=0.5"),
+            ("groups", 3, 0.7, "train.ignore_last=true")]:
         cfg = tiny_config("sampling.steps=12", f"train.plan={plan}", f"train.plan_window={plan_window}",
-                          f"train.timestep_fraction={fraction}")
-        n = steps_per_sample(plan, 12, fraction, plan_window)
+                          f"train.timestep_fraction={fraction}", *extra)
+        n = steps_per_sample(plan, 12 - bool(extra), fraction, plan_window)
         for window in range(1, n + 1):
             consecutive = _aggregated_groups_are_consecutive(cfg, window)
             try:
