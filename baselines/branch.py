@@ -100,7 +100,8 @@ class BranchConfig(Options):
         "(`--depth_pruning_slide`) is off in the released script and not offered here", unique_items=True,
         max_items=1000, items={"minimum": 1, "maximum": 1000})
     width_pruning: Literal["none", "best_per_branch", "best_worst"] = option(
-        "none", "train only part of the transitions after the last branch point (class docstring)")
+        "none", "train only part of the transitions after the last branch point (class docstring); refused where "
+        "it would keep all of them (none trained after the last branch point, or `width_ratio` keeping every one)")
     width_ratio: float = option(0.5, "the kept fraction of `width_pruning` (`--width_pruning_ratio`)",
                                 exclusive_minimum=0, maximum=1)
     micro_batch: int | None = batch_option("transitions per forward-with-grad; null: all of one step at once")
@@ -191,6 +192,8 @@ class BranchEstimator(Estimator):
                               f"sampling.steps = {steps})")
         if not self.trained_step_mask(stochastic).any():
             raise ConfigError("method.depth_pruning", c.depth_pruning, "at least one trained depth left")
+        if c.width_pruning != "none":
+            self._check_width_pruning(cfg, stochastic)
         if cfg.train.timestep_fraction != 1.0:
             raise ConfigError("train.timestep_fraction", cfg.train.timestep_fraction,
                               "1.0 for method 'branch' (it trains every transition of its trees; "
@@ -211,6 +214,30 @@ class BranchEstimator(Estimator):
             raise ConfigError("method.name", "branch",
                               f"one process for method 'branch' (a tree's batch grows inside the rollout and its "
                               f"width pruning pools every tree); this run has {processes} data-parallel processes")
+
+    def _check_width_pruning(self, cfg, stochastic: torch.Tensor) -> None:
+        """Width pruning prunes: some trained transition follows the last branch point, and the count it keeps
+        (:meth:`trained_mask`) is fewer than them; else it would train what ``none`` trains."""
+        c, steps = self.config, cfg.sampling.steps
+        last = self.points(steps)[-1]
+        trained = self.trained_step_mask(plan_steps(stochastic, cfg.train.ignore_last))
+        per_leaf = int(trained[last + 1:].sum())  # each leaf's trained transitions after the last split
+        if per_leaf == 0:
+            raise ConfigError("method.width_pruning", c.width_pruning,
+                              f"'none' here: no trained transition follows the last branch point {last} "
+                              f"(sampling.steps = {steps}, method.depth_pruning, train.ignore_last, the SDE's "
+                              "steps without a density), so there is nothing to prune")
+        if c.width_pruning == "best_per_branch":
+            pool, kept = per_leaf, max(1, int(c.width_ratio * per_leaf))
+            what = f"each leaf's {per_leaf} trained transition(s) after the last branch point {last}"
+        else:
+            pool = per_leaf * cfg.grpo.group_size * cfg.grpo.prompts_per_iteration
+            kept = max(2, int(c.width_ratio * pool))
+            what = f"the {pool} pooled trained transitions after the last branch point {last}"
+        if kept >= pool:
+            raise ConfigError("method.width_ratio", c.width_ratio,
+                              f"a ratio that keeps fewer than {what} (it keeps {kept}: the same training as "
+                              "method.width_pruning=none)")
 
     def replay_case(self, cfg, stochastic, batch_size, generator):
         return ReplayCase("not_applicable", None,

@@ -409,6 +409,28 @@ def test_bad_options_are_config_errors_naming_the_key(override, key):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("overrides, key", [
+    (("method.branch_points=[0,3]", "method.width_pruning=best_per_branch"), "method.width_pruning"),  # no step after
+    (("method.width_pruning=best_per_branch",), "method.width_ratio"),  # 1 step after the split: max(1, 0) keeps it
+    (("sampling.steps=6", "method.width_pruning=best_per_branch", "method.width_ratio=1.0"), "method.width_ratio"),
+    (("sampling.steps=6", "method.width_pruning=best_worst", "method.width_ratio=1.0"), "method.width_ratio"),
+    (("sampling.steps=5", "train.ignore_last=true", "method.width_pruning=best_per_branch"), "method.width_ratio"),
+    (("sampling.steps=6", "method.depth_pruning=[4,5,6]", "method.width_pruning=best_per_branch"),
+     "method.width_pruning"),
+])
+def test_width_pruning_that_would_keep_every_transition_is_refused(overrides, key):
+    """Width pruning that keeps all of the trained transitions after the last branch point (none there, or a
+    ratio whose count is all of them) would train what `none` trains: refused naming the key, as the sweep's
+    check refuses it."""
+    cfg = tiny_config(*TREE, *overrides)
+    with pytest.raises(ConfigError) as err:
+        build_estimator(cfg).check_run(cfg)
+    assert err.value.key == key and "\n" not in str(err.value)
+    # the same trees with a pruning that prunes: 2 trained steps after the split at 2, one kept per leaf
+    build_estimator(ok := tiny_config(*TREE, "sampling.steps=5", "method.width_pruning=best_per_branch")).check_run(ok)
+    build_estimator(ok := tiny_config(*TREE, "sampling.steps=4", "method.width_pruning=best_worst")).check_run(ok)
+
+
 def test_group_size_error_says_it_is_the_leaves():
     with pytest.raises(ConfigError, match="leaves per prompt"):
         tree_session("grpo.group_size=3")
