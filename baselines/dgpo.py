@@ -251,6 +251,10 @@ class DGPOEstimator(FinalLatentEstimator):
             if cfg.sampling.shift is None:
                 raise ConfigError("sampling.shift", None, "a number with method.sampler=sana (the scheduler's "
                                                           "flow_shift; the code sets 3)")
+            if cfg.sampling.schedule != "diffusers":
+                raise ConfigError("sampling.schedule", cfg.sampling.schedule,
+                                  "'diffusers' with method.sampler=sana (its rollout and its times are on the "
+                                  "scheduler's own grid, so another schedule would change nothing)")
             self.grid = flow_dpm_grid(cfg.sampling.steps, cfg.sampling.shift)
 
     def rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration, group_size):

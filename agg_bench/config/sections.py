@@ -146,7 +146,7 @@ class SamplingConfig(Section):
     same_noise_per_group: bool = option(True, "the G samples of a prompt start from the same noise")
     schedule: Literal["diffusers", "linspace"] = option(
         "diffusers", "the sigmas: `diffusers`, FlowMatchEulerDiscreteScheduler's (Flow-GRPO, DiffusionNFT, AWM; DGPO's "
-        "`method.sampler: sana` samples on its scheduler's own grid); "
+        "`method.sampler: sana` samples on its scheduler's own grid, and refuses `linspace`); "
         "`linspace`, shift(linspace(1, 0, T + 1)) with `sampling.shift` (DanceGRPO, MixGRPO, BranchGRPO, the AGG "
         "authors' eff_grpo; needs a number for `sampling.shift`)")
 

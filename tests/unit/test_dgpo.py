@@ -318,6 +318,18 @@ def test_sana_training_noise_level_is_the_timestep_over_1000(dtype):
     assert torch.equal(euler.train_steps, steps)
 
 
+def test_sana_refuses_a_schedule_it_would_not_use():
+    """``method.sampler=sana`` samples and draws its times on its scheduler's own grid: ``sampling.schedule:
+    linspace`` would change nothing, so it is refused naming the key (as the sweep's check refuses it)."""
+    from agg_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        session("method.sampler=sana", "sampling.schedule=linspace")
+    assert err.value.key == "sampling.schedule" and "method.sampler=sana" in str(err.value)
+    assert "\n" not in str(err.value)
+    session("method.sampler=euler", "sampling.schedule=linspace")  # Euler samples on the run's schedule
+
+
 def test_sana_needs_a_shift_number(tmp_path, capsys):
     """With ``sampling.shift: null`` (the model's own scheduler shift) the scheduler has no flow_shift: one line
     naming sampling.shift, exit 2, nothing written."""
