@@ -81,6 +81,10 @@ class FinalLatentEstimator(Estimator):
             raise ConfigError("train.ignore_last", True,
                               f"false for method '{self.name}' (it trains the final latent at times of its own, "
                               "not denoising steps a plan draws)")
+        if cfg.train.timestep_fraction != 1.0:
+            raise ConfigError("train.timestep_fraction", cfg.train.timestep_fraction,
+                              f"1.0 for method '{self.name}' (it trains the final latent at times of its own, "
+                              "not denoising steps a plan draws: a fraction would change nothing)")
         if cfg.train.minibatches > 1:
             raise ConfigError("train.minibatches", cfg.train.minibatches,
                               f"1 for method '{self.name}' (its noise and times are drawn for the whole batch at "

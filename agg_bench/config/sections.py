@@ -223,7 +223,8 @@ class TrainConfig(Section):
     lr: float = option(1e-4, "AdamW learning rate", exclusive_minimum=0)
     weight_decay: float = option(0.0, "AdamW weight decay", minimum=0)
     max_grad_norm: float | None = option(1.0, "gradient-norm clip (null: none)", exclusive_minimum=0)
-    timestep_fraction: float = option(1.0, "fraction of steps (plan `steps`) or of groups (plan `groups`) trained",
+    timestep_fraction: float = option(1.0, "fraction of steps (plan `steps`) or of groups (plan `groups`) trained; 1.0 for "
+                                      "`nft`, `awm` and `dgpo`, which train times of their own",
                                       exclusive_minimum=0, maximum=1)
     plan: Literal["steps", "groups"] = option(
         "steps", "`steps`: a random subset of steps per sample (DanceGRPO); `groups`: random whole groups of "

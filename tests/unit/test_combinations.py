@@ -81,6 +81,10 @@ REFUSED = [
     ((*BRANCH, "method.width_pruning=best_per_branch"), "method.width_pruning"),  # no step after the split at 3
     (("method.name=nft", *FINAL, "train.ignore_last=true"), "train.ignore_last"),
     (("method.name=nft", "sampling.same_noise_per_group=true"), "sampling.same_noise_per_group"),
+    # the likelihood-free methods train their own times: a fraction of the plan's steps would change nothing
+    (("method.name=nft", *FINAL, "train.timestep_fraction=0.6"), "train.timestep_fraction"),
+    (("method.name=awm", *FINAL, "train.timestep_fraction=0.6"), "train.timestep_fraction"),
+    (("method.name=dgpo", *FINAL, "method.trunc_steps=3", "train.timestep_fraction=0.6"), "train.timestep_fraction"),
     (("method.name=awm", *FINAL, "train.inner_epochs=2"), "train.inner_epochs"),
     (("method.name=awm", *FINAL, "method.sa_solver_tau=0.4"), "method.sa_solver_tau"),
     (("method.name=dgpo", *FINAL), "method.trunc_steps"),  # 4 is not below T = 4
