@@ -382,16 +382,19 @@ def test_a_cell_journal_goes_when_snakemake_ends_short_of_the_manifest(tmp_path)
 
 
 def cell_processes(work: Path) -> list[int]:
-    """The `python -m agg_bench cell` processes working in ``work`` (not the shell that started them)."""
-    found = []
+    """The `python -m agg_bench cell` processes working in ``work`` (not the shell that started them, nor a
+    child it has forked and not yet replaced by another program: that one still shows the cell's command line,
+    and a loaded machine widens the moment between the fork and the exec)."""
+    found: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             if argv[1:4] == [b"-m", b"agg_bench", b"cell"] and (entry / "cwd").resolve() == work.resolve():
-                found.append(int(entry.name))
-        except (OSError, ValueError):
+                status = (entry / "status").read_text()
+                found[int(entry.name)] = int(status.split("PPid:", 1)[1].split()[0])
+        except (OSError, ValueError, IndexError):
             continue
-    return found
+    return [pid for pid, parent in found.items() if parent not in found]
 
 
 @pytest.mark.slow
