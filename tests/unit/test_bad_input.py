@@ -367,3 +367,20 @@ def test_a_model_folder_s_terminal_schedule_with_one_step_is_refused_before_any_
         assert model_shift_terminal({"family": "qwenimage", "pretrained": str(folder)}) is None, value
     config.write_text(json.dumps({"shift_terminal": 0.02, "pad": " " * MAX_CONFIG_BYTES}))
     assert model_shift_terminal({"family": "qwenimage", "pretrained": str(folder)}) is None
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("train.transitions_per_step=.nan", "train.transitions_per_step = nan: expected a known key here"),
+    ("sampling.sa_solver_tau=.inf", "sampling.sa_solver_tau = inf: expected a known key here"),
+    ("train.minibatch_unit=.nan", "train.minibatch_unit = nan: expected one of ['groups', 'slices']"),
+    ("train.ignore_last=-.inf", "train.ignore_last = -inf: expected true or false"),
+    ("train.eval_ema_every=.nan", "train.eval_ema_every = nan: expected an integer"),
+    # a number's NaN and infinities are still refused as not finite, not by its bounds
+    ("train.eval_ema=.nan", "train.eval_ema = nan: expected a finite number"),
+    ("train.eval_ema=.inf", "train.eval_ema = inf: expected a finite number"),
+])
+def test_nan_given_to_a_key_that_takes_no_number_is_refused_for_what_the_key_takes(tmp_path, capsys, setting, expected):
+    """NaN and infinities were refused before the schema: a mistyped key given `.nan` was told to be a finite
+    number, not that no such key exists, and a flag or a name given one the same."""
+    line = run_fails(tmp_path / "out", capsys, "--set", setting)
+    assert expected in line, line
