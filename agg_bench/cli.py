@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .errors import ConfigError, OneLineParser, UserError, run_command
 from .io import write_json
-from .outdir import check_file
+from .outdir import check_file, check_writable
 
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
 # profile's --wait, --warmup, --active: each step is a training iteration (a trace keeps every active one), so far
@@ -82,6 +82,7 @@ def _check_marker(done: Path, out: Path) -> None:
     from .runtime.cell import is_marker
 
     check_file(done, is_marker, "a run's marker", "--done")
+    check_writable(done, "--done")  # written when the run has ended: a place it cannot be written, refused first
 
 
 def _run_journal(path: Path, out: Path, done: Path | None):
@@ -94,7 +95,9 @@ def _run_journal(path: Path, out: Path, done: Path | None):
         raise UserError(f"--journal {path}: inside --out {out}; expected a journal outside the run folder")
     if done is not None and folder == done.resolve():
         raise UserError(f"--journal {path}: the same file as --done; expected a file of its own")
-    return Progress.read(path, "agg-bench run", "--journal", f"{out} runs again")
+    journal = Progress.read(path, "agg-bench run", "--journal", f"{out} runs again")
+    check_writable(path, "--journal")  # written when the run has ended: a place it cannot be written, refused first
+    return journal
 
 
 def cmd_cell(args) -> int:

@@ -81,11 +81,18 @@ def json_type(value: Any) -> str:
     return JSON_TYPES.get(type(value), type(value).__name__)
 
 
-def check_file(path: Path, what: str) -> None:
-    """A UserError ``{what} {path}: ...`` unless ``path`` is a file: no such file, a folder, or something else."""
-    if not path.is_file():
-        found = ("is a folder" if path.is_dir() else "is not a regular file") if path.exists() else "no such file"
-        raise UserError(f"{what} {path}: {found}")
+def check_path(path: str | Path, what: str, expected: str | None = None, folder: bool = False) -> None:
+    """A UserError ``{what} {path}: {found}[; expected {expected}]`` unless ``path`` is a regular file (``folder``:
+    a folder) that a verb is given to read, in the one wording every such refusal has: ``no such file``, ``is a
+    folder``, ``is not a regular file`` (a device, a pipe); ``no such folder``, ``is not a folder``."""
+    path = Path(path)
+    if folder:
+        found = None if path.is_dir() else "is not a folder" if path.exists() else "no such folder"
+    else:
+        found = None if path.is_file() else \
+            ("is a folder" if path.is_dir() else "is not a regular file") if path.exists() else "no such file"
+    if found is not None:
+        raise UserError(f"{what} {path}: {found}" + (f"; expected {expected}" if expected else ""))
 
 
 def read_json_object(path: str | Path, expected: str, max_bytes: int = MAX_JSON_BYTES) -> dict:

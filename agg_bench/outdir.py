@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 from . import stopping
 from .errors import UserError
 from .jsonfiles import JsonFileError, read_json_object
-from .io import is_temp_name
+from .io import atomic_path, is_temp_name
 
 LOCK_SUFFIX = ".agg-bench.lock"
 FOLDER_LOCK = LOCK_SUFFIX  # inside a folder output: DIR/.agg-bench.lock
@@ -231,6 +231,27 @@ def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = 
         raise UserError(f"{flag} {path}: is a folder; expected a file path")
     if path.exists() and not ours(path):
         raise UserError(f"{flag} {path}: the file exists and is not {what}; {remedy}")
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Refuse a file ``path`` that a command writes only at its end (a run's ``--done`` marker, its ``--journal``)
+    when it could not be written there: a file where one of its folders goes, or a place where no file can be made
+    (read-only, not ours, a pseudo file system such as /proc). Tried by making and removing at once a temporary
+    file (:func:`~agg_bench.io.atomic_path`'s name, which the folders' checks ignore) in its folder, or in the
+    nearest folder of it that exists; nothing else is made or touched."""
+    folder = path.parent
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: {folder} is not a folder; expected a file path in a folder")
+    probe = atomic_path(folder / path.name)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise UserError(f"{flag} {path}: cannot write in {folder} ({err.strerror or err}); give a path where "
+                        "files can be written") from None
+    os.close(fd)
+    probe.unlink(missing_ok=True)
 
 
 def _holder(fd: int) -> int | None:

@@ -116,8 +116,12 @@ class FinalLatentEstimator(Estimator):
         return None if self.ema is None else {"ema": self.ema.state_dict()}
 
     def load_state_dict(self, state: dict, policy) -> None:
+        """The moving average of ``state`` (into the one this estimator holds, in place, where it holds one)."""
         if isinstance(state.get("ema"), dict):
-            self.ema = EMAPolicy.from_state(policy, state["ema"])
+            if self.ema is None:
+                self.ema = EMAPolicy.from_state(policy, state["ema"])
+            else:
+                self.ema.load_state_dict(state["ema"])
 
     def replay_case(self, cfg, stochastic, batch_size, generator):
         return ReplayCase("not_applicable", note=f"{self.paper} trains {self.trains}: there is no per-step GRPO "

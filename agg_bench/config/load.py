@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from .schema import check_finite, check_schema, run_schema
+from .schema import check_config_values, run_schema
 from .sections import DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, written_before
 from .yamlio import read_yaml_mapping, yaml_load
 
@@ -71,11 +71,11 @@ def validate(config: dict) -> RunConfig:
     """``config`` (plain data) checked against the run schema and typed. The method's options stay as written
     (``cfg.method.given``; ``cfg.method.options`` is None until
     :func:`~agg_bench.runtime.config_check.check_config` types them)."""
-    check_finite(config)
     if not isinstance(config.get("method"), dict):
         raise ConfigError("method", config.get("method"), NOT_A_METHOD_MAPPING)
     refuse_written_before(config)
-    check_schema(config, run_schema())
+    # an unknown key, or a flag or a name given NaN, is refused for what it is, not as a number that is not finite
+    check_config_values(config, run_schema())
     cfg = RunConfig.from_dict(config)
     # a label of the records, the summary, the tables and the progress lines, never a path (the folder is --out):
     # a newline or a control character split or garbled those lines, and the tables' rows

@@ -187,9 +187,32 @@ _Validator = jsonschema.validators.extend(
     type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
 
 
+def _errors(instance: Any, schema: dict) -> list:
+    """``instance``'s violations of ``schema``, the shallowest key first."""
+    return sorted(_Validator(schema).iter_errors(instance),
+                  key=lambda e: (len(list(e.absolute_path)), list(map(str, e.absolute_path))))
+
+
 def check_schema(instance: Any, schema: dict) -> None:
     """Raise a ConfigError for ``instance``'s first violation of ``schema`` (the shallowest key first)."""
-    errors = sorted(_Validator(schema).iter_errors(instance),
-                    key=lambda e: (len(list(e.absolute_path)), list(map(str, e.absolute_path))))
+    errors = _errors(instance, schema)
+    if errors:
+        raise _describe(errors[0])
+
+
+# the validators that compare a number with a bound: every comparison with NaN is false, and an infinity is
+# "above the maximum" where the number's fault is that it is not finite
+BOUND_VALIDATORS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+
+
+def check_config_values(instance: Any, schema: dict) -> None:
+    """:func:`check_schema` with :func:`check_finite` between what a key is and the bounds of its number: first a
+    key the schema does not know, or a value of another kind (a flag, a name, an integer given NaN), is refused for
+    what it is; then NaN and infinities anywhere, as not finite; then a number outside its bounds."""
+    errors = _errors(instance, schema)
+    kind = next((e for e in errors if e.validator not in BOUND_VALIDATORS), None)
+    if kind is not None:
+        raise _describe(kind)
+    check_finite(instance)
     if errors:
         raise _describe(errors[0])

@@ -4,7 +4,7 @@
 made from the policy's weights, it takes them in with a decay d (:meth:`MovingAverage.update`, d = 0 an exact
 copy), swaps itself into the policy for a while (:meth:`MovingAverage.weights_in`, the policy's own weights put
 back bit for bit after) and travels in a checkpoint (:meth:`MovingAverage.state_dict`,
-:meth:`MovingAverage.from_state`). The methods that compute with a moving average (DiffusionNFT's old policy,
+:meth:`MovingAverage.from_state`, or :meth:`MovingAverage.load_state_dict` into one it holds). The methods that compute with a moving average (DiffusionNFT's old policy,
 AWM's EMA-KL, DGPO's ``ema_ref``: ``baselines.final_latent.EMAPolicy``) keep its tensors inside a frozen copy of
 the transformer that they call; the run's evaluation average (``train.eval_ema``) keeps bare tensors, since it is
 only ever swapped in.
@@ -56,9 +56,14 @@ class MovingAverage:
     def from_state(cls, policy, state: dict, what: str | None = None):
         """The moving average ``state_dict`` saved, for ``policy``; a UserError naming it ``what`` (default: the
         class's) where it does not fit (every trainable parameter, each of its shape, and integer counts)."""
-        what = what or cls.what
         average = cls(policy)
-        weights, own = state.get("weights"), average.weights
+        average.load_state_dict(state, what)
+        return average
+
+    def load_state_dict(self, state: dict, what: str | None = None) -> None:
+        """Take back ``state_dict``'s ``state`` into its own tensors, in place; a UserError as :meth:`from_state`'s."""
+        what = what or self.what
+        weights, own = state.get("weights"), self.weights
         if not isinstance(weights, dict) or set(weights) != set(own) or not all(
                 isinstance(w, torch.Tensor) and w.is_floating_point() and w.shape == own[n].shape
                 for n, w in weights.items()):
@@ -71,8 +76,7 @@ class MovingAverage:
         with torch.no_grad():
             for name, w in weights.items():
                 own[name].copy_(w)
-        average.steps, average.version = steps, version
-        return average
+        self.steps, self.version = steps, version
 
     def equals(self, policy) -> bool:
         """Whether its weights are the policy's own right now (a forward of it would repeat the policy's)."""

@@ -34,6 +34,7 @@ import torch
 
 from ..config.sections import CPS_KINDS, check_cps_eta
 from ..errors import ConfigError
+from .families.geometry import check_terminal_steps
 
 SDE_KINDS = ("flow_grpo", "dance_grpo", "cps", "cps_unscaled")
 LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
@@ -68,16 +69,6 @@ def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -
         warnings.simplefilter("ignore", RuntimeWarning)
         scheduler.set_timesteps(steps)
     return scheduler.sigmas.to(torch.float64)
-
-
-def check_terminal_steps(steps: int, shift_terminal: float | None) -> None:
-    """Raise a ConfigError naming ``sampling.steps`` when a schedule stretched to ``shift_terminal`` (a model's
-    own, Qwen-Image's 0.02) has a single step: diffusers divides by 1 minus its last nonzero sigma, which for one
-    step is the first, 1, and the schedule is nan (the refusal named ``sampling.shift = null``)."""
-    if shift_terminal is not None and steps < 2:
-        raise ConfigError("sampling.steps", steps, f"an integer >= 2 with this model's own schedule (its scheduler's "
-                          f"shift_terminal {shift_terminal:g} stretches the schedule to end at that sigma before 0, "
-                          "which one step cannot), or a sampling.shift of its own for one step")
 
 
 def flow_sigmas_formula(steps: int, shift: float) -> torch.Tensor:

@@ -42,7 +42,7 @@ import pandas as pd
 
 from ..errors import UserError, quote
 from ..io import save_figure, write_text
-from ..jsonfiles import check_file, read_json_object
+from ..jsonfiles import check_path, read_json_object
 from .curves import (TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
                      plot_pareto, run_curve, target_columns)
 from .plotting import method_style, pyplot
@@ -92,7 +92,7 @@ def load_runs(manifest: str | Path) -> list[Run]:
     ``iteration``, and ``reward_mean`` in an ok one; the in-run evaluations checked. A folder listed twice,
     or two runs of one method and seed, is refused (a seed counts once)."""
     path = Path(manifest)
-    check_file(path, "manifest")
+    check_path(path, "manifest")
     runs = []
     entries = read_json_object(path, "a learning manifest (an object with a list of runs)").get("runs", [])
     if not isinstance(entries, list):

@@ -20,7 +20,7 @@ import pandas as pd
 
 from ..config import TrainConfig, bound
 from ..errors import ConfigError, UserError, quote
-from ..jsonfiles import check_file, read_json_object
+from ..jsonfiles import check_path, read_json_object
 from ..reading import RunFolder
 from ..records import OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number
 
@@ -143,7 +143,7 @@ def load_manifest(path: str | Path) -> Manifest:
     "warmup": 1, "time": "auto"}`` (each entry an object; see ``MANIFEST_SECTIONS``). Anything else is a
     UserError naming the manifest and the key."""
     path = Path(path)
-    check_file(path, "manifest")
+    check_path(path, "manifest")
     data = read_json_object(path, "a report manifest (an object with runs, gradcheck, calibration, warmup, time)")
     unknown = sorted(set(data) - {*MANIFEST_SECTIONS, "warmup", "time"})
     if unknown:
@@ -378,9 +378,7 @@ def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
     frames = []
     for entry in entries:
         path = Path(entry.file)
-        if not path.is_file():
-            raise UserError(f"gradcheck {path}: {'no such file' if not path.exists() else 'not a file'}; expected "
-                            "a gradcheck CSV")
+        check_path(path, "gradcheck", "a gradcheck CSV")
         df = parse_table(path, f"gradcheck {path}", GRADCHECK_REQUIRED, GRADCHECK_CELLS,
                          "the table agg-bench gradcheck writes")
         if "model" in df:
@@ -556,9 +554,7 @@ def load_tables(folder: str | Path) -> dict[str, pd.DataFrame]:
     """The tables the plots read (``PLOT_TABLES``) from ``folder``, as an earlier ``agg-bench report --tables
     folder`` wrote them: each with the columns of ``PLOT_COLUMNS``, their numbers and flags as ``PLOT_CELLS``
     says (:func:`parse_table`)."""
-    if not Path(folder).is_dir():
-        found = "is not a folder" if Path(folder).exists() else "no such folder"
-        raise UserError(f"--tables-in {folder}: {found} (agg-bench report --tables DIR writes the tables there)")
+    check_path(folder, "--tables-in", "the folder of tables that agg-bench report --tables DIR writes", folder=True)
     tables = {}
     for name in PLOT_TABLES:
         path = Path(folder) / f"{name}.csv"

@@ -13,8 +13,9 @@ methods check in its child process), before anything is written:
   and with it torch;
 - a given ``sampling.shift`` makes a schedule that falls strictly from 1 to 0 in the sampler's precision
   (:func:`agg_bench.engine.sampler.check_sigmas`; a model's own shift is checked when the session has the model),
-  and a random preset's own schedule with a ``shift_terminal`` (Qwen-Image) has 2 steps or more
-  (:func:`agg_bench.engine.sampler.check_terminal_steps`; a model folder's when the session has read it);
+  and the model's own schedule with a ``shift_terminal`` (a random preset's architecture's, Qwen-Image; a model
+  folder's ``scheduler/scheduler_config.json``) has 2 steps or more
+  (:func:`agg_bench.engine.families.check_own_schedule`, no torch: the workflow's parse checks it too);
 - ``reward.name`` names a registered reward (:data:`agg_bench.engine.rewards.REWARDS`; after the method, whose
   module may register one).
 
@@ -25,9 +26,9 @@ names code to load.
 from __future__ import annotations
 
 from ..config import RunConfig
-from ..engine.families import architecture
+from ..engine.families import architecture, check_own_schedule
 from ..engine.rewards import REWARDS
-from ..engine.sampler import check_sigmas, check_terminal_steps, flow_sigmas_formula, linspace_sigmas, sampler_dtype
+from ..engine.sampler import check_sigmas, flow_sigmas_formula, linspace_sigmas, sampler_dtype
 from ..methods.base import method_config
 
 
@@ -36,9 +37,8 @@ def check_config(cfg: RunConfig) -> RunConfig:
     ConfigError naming the key otherwise. Options already typed are kept."""
     model, sampling = cfg.model, cfg.sampling
     if model.preset == "random" and not model.pretrained:
-        arch = architecture(model.family, model.architecture)
-        if sampling.shift is None and sampling.schedule == "diffusers":  # the architecture's own schedule
-            check_terminal_steps(sampling.steps, arch.scheduler.get("shift_terminal") or None)
+        architecture(model.family, model.architecture)
+    check_own_schedule(model.to_dict(), sampling.to_dict())
     if sampling.shift is not None:  # before any job of a sweep, not when the run has built its model
         given = linspace_sigmas if sampling.schedule == "linspace" else flow_sigmas_formula  # no diffusers imported
         check_sigmas(given(sampling.steps, sampling.shift), sampling.shift,

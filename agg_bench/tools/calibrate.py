@@ -26,7 +26,10 @@ times every method once, in an order rotated by ``r``). A timed update is a run'
 ``train.eval_ema`` the evaluation average's update among it; the weights, the policy version and that average
 are put back after each, the optimizer's state after the last, so every round of every method does the same
 work on the same weights and the session is left as the rounds found it; the policy's counter around the
-update gives its passes and calls of each kind (``passes``, ``calls``). The ratio of two methods'
+update gives its passes and calls of each kind (``passes``, ``calls``). A method's own state (a moving average of
+the policy: nft's old policy, awm's EMA-KL, dgpo's EMA model) is put back before each round, moved from the
+policy as a run's is after its first step (:func:`moved_average_state`), and each round trains a batch object of
+its own, as each iteration of a run does: every round makes, and is charged, the same forwards. The ratio of two methods'
 medians is then a speedup measured under one machine state, paired round by round, which separate runs
 (taken minutes apart while other jobs come and go) cannot give; the report takes its train speedups
 from it (``train_speedup_basis: paired``).
@@ -145,7 +148,7 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
         else:
             planned = batch if case.train_steps is None else \
                 dataclasses.replace(batch, train_steps=case.train_steps.to(batch.train_steps.device))
-        setups[label] = (estimator, planned)
+        setups[label] = (estimator, planned, moved_average_state(estimator, policy))
         out[label].update(cpu_s=[], wall_s=[])
     kept = _SessionState(session)
     labels = list(setups)
@@ -153,8 +156,13 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
         for r in range(options.warmup + options.method_repeats):
             shift = r % max(len(labels), 1)
             for label in labels[shift:] + labels[:shift]:
-                estimator, planned = setups[label]
+                estimator, planned, state = setups[label]
                 session.estimator = estimator
+                if state is not None:  # the method's moving average as every round finds it
+                    estimator.load_state_dict(state, policy)
+                # a batch of its own, as each iteration of a run brings: what a method keeps per rollout (nft's
+                # old velocities) is computed in every round
+                planned = dataclasses.replace(planned)
                 before = policy.counter.copy()
                 # the whole update a run's iteration pays: with train.eval_ema, the average's update among it
                 with PhaseTimer(session.device) as timer:
@@ -202,6 +210,22 @@ class _SessionState:
         self.put_back_round()
         self.session.estimator, self.session.steps_taken = self.estimator, self.steps_taken
         self.session.optimizer.load_state_dict(self.optimizer)
+
+
+def moved_average_state(estimator, policy) -> dict | None:
+    """The state every timed round of ``estimator`` starts from (None: it keeps none,
+    :meth:`~agg_bench.methods.base.Estimator.state_dict`). A moving average of the policy (nft's old policy, awm's
+    EMA-KL, dgpo's EMA model) that its rollout made equal to the policy is marked as moved from it, as a run's is
+    after its first optimizer step with a decay above 0: its forwards, which a method skips while the average is
+    the policy, are made and charged in every round (they compute the policy's own velocities here: the same
+    work, not a later iteration's numbers), and the average's updates during an update start from the same state
+    each round."""
+    from ..engine.moving_average import MovingAverage
+
+    average = getattr(estimator, "ema", None)
+    if isinstance(average, MovingAverage) and average.equals(policy):
+        average.version = None
+    return estimator.state_dict()  # copies (on the CPU), which the rounds only read
 
 
 def own_rollout(session, estimator):

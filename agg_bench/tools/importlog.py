@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import UserError, quote
 from ..io import JsonlWriter, write_json, write_lines
-from ..jsonfiles import JsonProblem, json_type, loads
+from ..jsonfiles import JsonProblem, check_path, json_type, loads
 from ..outdir import Claim, check_folder
 from ..outputs import IMPORT_CONTENTS
 from ..records import DIVERGING_KEYS, NUMBER_KEYS, RECORD_KEYS, is_finite_number, new_record, record_problem
@@ -138,9 +138,7 @@ def _whole_json(text: str) -> bool:
 
 def read_log_text(log: Path) -> str:
     """The text of ``log``, refused beyond MAX_LOG_BYTES before it is read."""
-    if not log.is_file():
-        what = ("a folder" if log.is_dir() else "not a regular file") if log.exists() else "no such file"
-        raise UserError(f"log {log}: {what}; expected a DanceGRPO JSONL log file")
+    check_path(log, "log", "a DanceGRPO JSONL log file")
     size = log.stat().st_size
     if size > MAX_LOG_BYTES:
         raise UserError(f"log {log}: {size:,} bytes, over the {MAX_LOG_BYTES // 2**20} MiB an import reads")

@@ -43,7 +43,7 @@ import yaml
 
 from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_schema,
                       load_config, read_yaml_mapping, yaml_load)
-from ..engine.families import architecture, check_resolution
+from ..engine.families import architecture, check_own_schedule, check_resolution
 from ..errors import UserError, clip, quote
 from ..io import atomic_path
 from ..jsonfiles import loads, read_json_object
@@ -634,6 +634,9 @@ class Sweep:
             if cfg.model.preset == "random" and not cfg.model.pretrained:  # the name, from the specs (no torch)
                 architecture(cfg.model.family, cfg.model.architecture)
             check_resolution(cfg.model.to_dict())
+            # a model folder's own schedule, read here rather than in the methods' check, whose answer is kept
+            # by the folder's name and not by what its files hold
+            check_own_schedule(cfg.model.to_dict(), cfg.sampling.to_dict())
         except UserError as err:
             raise SweepError(f"{what}: {err}") from None
         processes = 1 if device is None else max(1, self.gpus(device))

@@ -415,6 +415,11 @@ def test_resume_stopped_continues_only_a_stopped_attempt(tmp_path, monkeypatch, 
     (["--journal", "{tmp}/folder"], ["--journal", "is a folder", "expected a file path"]),
     (["--journal", "{tmp}/notes.txt"], ["--journal", "the file exists and is not a cell job's journal"]),
     (["--done", "{tmp}/done.json", "--journal", "{tmp}/done.json"], ["--journal", "the same file as --done"]),
+    # written when the run has ended: a place they cannot be written failed with a traceback after the whole run
+    (["--done", "{tmp}/notes.txt/done.json"], ["--done", "notes.txt is not a folder", "expected a file path"]),
+    (["--journal", "{tmp}/notes.txt/sub/journal.json"], ["--journal", "notes.txt is not a folder"]),
+    (["--done", "/proc/agg-bench-done.json"], ["--done", "cannot write in /proc"]),
+    (["--journal", "/proc/agg-bench-journal.json"], ["--journal", "cannot write in /proc"]),
 ])
 def test_run_flags_that_cannot_go_together_are_one_line(tmp_path, capsys, flags, words):
     out = tmp_path / "run"
@@ -425,6 +430,7 @@ def test_run_flags_that_cannot_go_together_are_one_line(tmp_path, capsys, flags,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(word in err for word in words), err
     assert not out.exists() and (tmp_path / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["folder", "notes.txt"]  # the check's trial file made and removed
 
 
 @pytest.mark.slow

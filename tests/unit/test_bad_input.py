@@ -320,3 +320,67 @@ def test_qwen_image_s_own_schedule_with_one_step_names_sampling_steps(tmp_path, 
     assert sigmas[0] == 1 and abs(float(sigmas[1]) - 0.02) < 1e-6 and sigmas[2] == 0
     assert run_sigmas(load_config(None, ["model.family=qwenimage", "sampling.steps=1"]), policy, shape).tolist() == \
         [1.0, 0.0]
+
+
+def test_a_model_folder_s_terminal_schedule_with_one_step_is_refused_before_any_job(tmp_path, capsys, monkeypatch):
+    """A model folder whose scheduler config has a shift_terminal (Qwen-Image's own schedule) with one step was
+    refused only when a run read the folder: `snakemake -n` on a sweep naming it passed. The workflow's parse
+    (Sweep, before the methods' check) and `agg-bench run` (before anything is built) read the folder's
+    scheduler config and refuse it in one line; a file over the bound of a model folder's configs is left unread
+    (to the run, which names it)."""
+    import yaml
+
+    from agg_bench.engine.families import model_shift_terminal
+    from agg_bench.jsonfiles import MAX_CONFIG_BYTES
+    from agg_bench.tools import sweep as sweep_module
+    from agg_bench.tools.sweep import Sweep, SweepError
+
+    root = Path(__file__).resolve().parents[2]
+    folder = tmp_path / "qwen-folder"
+    (folder / "scheduler").mkdir(parents=True)
+    config = folder / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift_terminal": 0.02}))
+    expected = "config error: sampling.steps = 1: expected an integer >= 2 with this model's own schedule"
+    sweep = yaml.safe_load((root / "config" / "test.yaml").read_text())
+    sweep["models"] = {"qwen": {"model.family": "qwenimage", "model.preset": "pretrained",
+                                "model.pretrained": str(folder)}}
+    sweep["set"].update({"sampling.steps": 1, "sampling.shift": None})
+    sweep.pop("gradcheck")
+    checked = []
+    monkeypatch.setattr(sweep_module, "checked_methods", lambda *args, **kwargs: checked.append(args) or {})
+    monkeypatch.chdir(root)
+    schema = root / "workflow" / "schemas" / "config.schema.yaml"
+    with pytest.raises(SweepError, match=re.escape(f"run full_qwen_32px_s0_cpu (methods.full, models.qwen): {expected}")):
+        Sweep(sweep, schema, cache_dir=None)
+    assert checked == []  # refused while the workflow is parsed, from the folder's file alone
+    own = ["model.family=qwenimage", "model.preset=pretrained", f"model.pretrained={folder}", "sampling.shift=null"]
+    line = run_fails(tmp_path / "out", capsys, *[a for s in [*own, "sampling.steps=1"] for a in ("--set", s)])
+    assert expected in line and "shift_terminal 0.02" in line, line
+    # two steps, a shift of the run's own, or a linspace schedule: the folder's terminal sigma is no problem
+    for steps, shift, schedule in ((2, None, "diffusers"), (1, 3.0, "diffusers"), (1, 3.0, "linspace")):
+        sweep["set"].update({"sampling.steps": steps, "sampling.shift": shift, "sampling.schedule": schedule})
+        with pytest.raises(KeyError):  # past every check of the parse, at the stubbed methods' answer
+            Sweep(sweep, schema, cache_dir=None)
+    # null and 0 stretch nothing (as the policy reads them); an oversize file is not read here
+    for value in (None, 0, False, "0.02"):
+        config.write_text(json.dumps({"shift_terminal": value}))
+        assert model_shift_terminal({"family": "qwenimage", "pretrained": str(folder)}) is None, value
+    config.write_text(json.dumps({"shift_terminal": 0.02, "pad": " " * MAX_CONFIG_BYTES}))
+    assert model_shift_terminal({"family": "qwenimage", "pretrained": str(folder)}) is None
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("train.transitions_per_step=.nan", "train.transitions_per_step = nan: expected a known key here"),
+    ("sampling.sa_solver_tau=.inf", "sampling.sa_solver_tau = inf: expected a known key here"),
+    ("train.minibatch_unit=.nan", "train.minibatch_unit = nan: expected one of ['groups', 'slices']"),
+    ("train.ignore_last=-.inf", "train.ignore_last = -inf: expected true or false"),
+    ("train.eval_ema_every=.nan", "train.eval_ema_every = nan: expected an integer"),
+    # a number's NaN and infinities are still refused as not finite, not by its bounds
+    ("train.eval_ema=.nan", "train.eval_ema = nan: expected a finite number"),
+    ("train.eval_ema=.inf", "train.eval_ema = inf: expected a finite number"),
+])
+def test_nan_given_to_a_key_that_takes_no_number_is_refused_for_what_the_key_takes(tmp_path, capsys, setting, expected):
+    """NaN and infinities were refused before the schema: a mistyped key given `.nan` was told to be a finite
+    number, not that no such key exists, and a flag or a name given one the same."""
+    line = run_fails(tmp_path / "out", capsys, "--set", setting)
+    assert expected in line, line

@@ -264,3 +264,50 @@ def test_the_timed_updates_pay_the_evaluation_average_and_leave_the_session_as_t
         for name, value in state.items():
             assert torch.equal(torch.as_tensor(session.optimizer.state[k][name]), torch.as_tensor(value)), name
     assert (session.policy.version, session.estimator, session.steps_taken) == (version, estimator, steps_taken)
+
+
+@pytest.mark.parametrize("stepped, inner_epochs", [(0, 1), (2, 2)])
+def test_every_timed_round_of_a_moving_average_method_does_the_same_work(monkeypatch, stepped, inner_epochs):
+    """nft's old policy, awm's EMA-KL and dgpo's EMA model move with the optimizer steps: the rounds timed the
+    average as the previous round left it (dgpo's first round made its old-policy forwards in the second inner
+    epoch only, later rounds in both) and as the rollout made it, equal to the policy, so that none of its
+    forwards was charged although every iteration of a run after its first makes them. Every round now starts
+    from one state, in which the average has moved from the policy: each round's counted passes are equal, and
+    hold one forward of the average per trained (sample, time) in each inner epoch (dgpo's reference's too)."""
+    from helpers import tiny_config
+
+    from agg_bench.runtime.session import Session
+    from agg_bench.tools.calibrate import method_overrides, time_methods
+
+    session = Session(tiny_config("sampling.same_noise_per_group=false", f"train.inner_epochs={inner_epochs}"))
+    batch = session.collect(0).batch
+    for iteration in range(stepped):  # a policy past the steps whose average's decay is 0
+        session.update(batch)
+        batch = session.collect(iteration + 1).batch
+    rounds = []
+    real_update = Session.update
+
+    def update(self, planned):
+        before = self.policy.counter.copy()
+        result = real_update(self, planned)
+        rounds.append((self.estimator.name, (self.policy.counter - before).as_dict()))
+        return result
+
+    monkeypatch.setattr(Session, "update", update)
+    entries = {"nft": {"old_decay_rate": 0.3}, "awm": {"ema_kl_beta": 1.0, "ema_decay_rate": 0.3},
+               "dgpo": {"clip_dsm": True, "ema_decay_rate": 0.3}}
+    if inner_epochs > 1:
+        del entries["awm"]  # one inner epoch only (its on-policy ratio)
+    methods = {name: method_overrides(name, {"method": {"name": name, "times_per_sample": 2, **options}})
+               for name, options in entries.items()}
+    timed = time_methods(session, batch, methods, CalibrationConfig(method_repeats=3, warmup=1))
+    terms = batch.batch_size * 2 * inner_epochs  # trained (sample, time) pairs of one update
+    averages = {"nft": 1 if inner_epochs == 1 else 0.5, "awm": 1, "dgpo": 1}  # nft's old velocities: first epoch
+    for name in entries:
+        counts = [work for label, work in rounds if label == name]
+        assert len(counts) == 1 + 3
+        reference = terms if name == "dgpo" else 0  # dgpo's frozen starting weights, in every epoch
+        expected = {"forward_nograd": reference + int(averages[name] * terms), "forward_grad": terms,
+                    "backward": terms}
+        assert counts == [expected] * 4, name
+        assert timed[name]["passes"] == expected

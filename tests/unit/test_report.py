@@ -693,7 +693,7 @@ GRADCHECK_ROWS = ["full,,,,,1.0,0.0,0,8,8,0.03,,sd3\n", "agg,3,sigma,1.0,False,0
     (b"method,window\nagg,3\n", "no column 'cosine_to_full'"),
     (b"method,cosine_to_full\n\xff\xfe,1\n", "not a table CSV ('utf-8' codec can't decode byte 0xff"),
     ('"unclosed\n' + GRADCHECK_HEADER, "not a table CSV"),
-    ("FOLDER", "not a file; expected a gradcheck CSV"),
+    ("FOLDER", "is a folder; expected a gradcheck CSV"),
     ("NOWHERE", "no such file; expected a gradcheck CSV"),
     (GRADCHECK_ROWS[1].replace("0.99", "abc"), "row 2: cosine_to_full = 'abc': expected a finite number >= -1 and <= 1"),
     (GRADCHECK_ROWS[1].replace("0.99", "inf"), "row 2: cosine_to_full = 'inf': expected a finite number"),

@@ -300,7 +300,7 @@ def test_import_log_refusing_a_torn_log_says_one_line(tmp_path, capsys):
         "1 column 13; a log still being written?)"]
 
 
-@pytest.mark.parametrize("log, what", [("folder", "a folder"), ("/dev/null", "not a regular file"),
+@pytest.mark.parametrize("log, what", [("folder", "is a folder"), ("/dev/null", "is not a regular file"),
                                        ("missing.jsonl", "no such file")])
 def test_import_log_names_what_its_log_is_instead_of_a_file(tmp_path, capsys, log, what):
     (tmp_path / "folder").mkdir()

@@ -1,4 +1,5 @@
-"""What a model family's configs say about image sizes, read without building (or importing) a model.
+"""What a model family's configs say about image sizes and the end of its own schedule, read without building
+(or importing) a model.
 
 A family accepts square images whose side is a multiple of ``vae_scale_factor * latent_multiple``
 pixels, up to ``max_latent_size * vae_scale_factor`` where the transformer has a limit. The family's
@@ -7,8 +8,12 @@ AutoencoderKL's factor is ``2 ** (len(block_out_channels) - 1)``; SD3's latent m
 ``patch_size`` and its position embedding covers ``pos_embed_max_size * patch_size`` latents; FLUX and
 Qwen-Image pack 2x2 latents (multiple 2) and have no limit (RoPE).
 
-This module imports nothing heavy, so that the workflow can check a sweep's resolutions while it plans
-(``agg_bench.tools.sweep``); the policies (``agg_bench.engine.models``) use the same ``ImageGeometry``.
+A model's own schedule (``sampling.shift: null``) may be stretched to end at its scheduler config's
+``shift_terminal`` (Qwen-Image's 0.02) before 0, which one step cannot do (:func:`check_own_schedule`).
+
+This module imports nothing heavy, so that the workflow can check a sweep's resolutions and schedules while it
+plans (``agg_bench.tools.sweep``); the policies (``agg_bench.engine.models``) use the same ``ImageGeometry``, the
+sampler the same :func:`check_terminal_steps`.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from typing import Any
 
 from ...errors import ConfigError, UserError
 from ...jsonfiles import MAX_CONFIG_BYTES, read_json_object
-from .catalog import FAMILY_SPECS, family_spec
+from .catalog import FAMILY_SPECS, architecture, family_spec
 
 # VAE factor when a policy has no VAE
 DEFAULT_VAE_SCALE_FACTOR = 8
@@ -93,3 +98,38 @@ def check_resolution(model: dict) -> None:
     geometry = model_geometry(model)
     if geometry is not None:
         geometry.latent_size(model.get("resolution"))
+
+
+def check_terminal_steps(steps: int, shift_terminal: float | None) -> None:
+    """Raise a ConfigError naming ``sampling.steps`` when a schedule stretched to ``shift_terminal`` (a model's
+    own, Qwen-Image's 0.02) has a single step: diffusers divides by 1 minus its last nonzero sigma, which for one
+    step is the first, 1, and the schedule is nan (the refusal named ``sampling.shift = null``)."""
+    if shift_terminal is not None and steps < 2:
+        raise ConfigError("sampling.steps", steps, f"an integer >= 2 with this model's own schedule (its scheduler's "
+                          f"shift_terminal {shift_terminal:g} stretches the schedule to end at that sigma before 0, "
+                          "which one step cannot), or a sampling.shift of its own for one step")
+
+
+def model_shift_terminal(model: dict) -> float | None:
+    """The ``shift_terminal`` of the scheduler config of a run config's ``model`` section: a local diffusers
+    folder's ``scheduler/scheduler_config.json`` (at most MAX_CONFIG_BYTES), a random preset's public
+    architecture's; None when it has none, for the tiny preset, and when the folder's file cannot be read (the
+    run reports what is wrong with it when it loads the folder)."""
+    pretrained = model.get("pretrained")
+    if pretrained:
+        config = _read_json(Path(pretrained) / "scheduler" / "scheduler_config.json") or {}
+    elif model.get("preset") == "random" and model.get("family") in FAMILY_SPECS:
+        config = architecture(model["family"], model.get("architecture")).scheduler
+    else:
+        return None
+    value = config.get("shift_terminal")
+    # as the policy reads it (Policy.schedule_shift_terminal): 0 and null stretch nothing
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value else None
+
+
+def check_own_schedule(model: dict, sampling: dict) -> None:
+    """Raise :func:`check_terminal_steps`' ConfigError when the run samples with the model's own schedule
+    (``sampling.schedule: diffusers`` with a null ``sampling.shift``) and that ends at a ``shift_terminal`` its
+    ``sampling.steps`` cannot reach; ``model`` and ``sampling`` are a run config's sections."""
+    if sampling.get("shift") is None and sampling.get("schedule", "diffusers") == "diffusers":
+        check_terminal_steps(sampling.get("steps"), model_shift_terminal(model))
