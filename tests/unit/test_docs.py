@@ -48,9 +48,20 @@ def test_every_sweep_key_is_in_the_sweep_config_reference():
     rows = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
     keys = set(schema["properties"])
     assert len(keys) >= 12 and keys == rows, sorted(keys ^ rows)
-    campaign = table.split("| `campaign` |", 1)[1].split("\n", 1)[0]
-    missing = [k for k in schema["properties"]["campaign"]["properties"] if f"`{k}`" not in campaign]
+    missing = []
+    for key, prop in schema["properties"].items():  # each section's own keys in its row (a device's, an entry's)
+        row = table.split(f"| `{key}` |", 1)[1].split("\n", 1)[0]
+        inner = prop.get("properties") or (prop.get("additionalProperties") or {}).get("properties") \
+            or (prop.get("items") or {}).get("properties") or {}
+        spans = re.findall(r"`([^`]*)`", row)  # `gpus`, or a key of a mapping shown whole: `{config, set}`
+        missing += [f"{key}.{k}" for k in inner if not any(re.search(rf"(?<![\w.]){k}\b", s) for s in spans)]
     assert not missing, missing
+
+
+def test_the_config_folder_reference_names_every_file_in_it():
+    text = (ROOT / "config" / "README.md").read_text()
+    names = [p.name for p in sorted((ROOT / "config").iterdir()) if p.name != "README.md"]
+    assert len(names) >= 10 and [name for name in names if f"`{name}" not in text] == []
 
 
 # ---- what the documentation names exists in the code -----------------------------------------------------------
@@ -145,3 +156,51 @@ def test_every_test_the_docs_name_exists():
                     f"{name}.py" in sources or any(f"def {name}(" in text for text in sources.values())):
                 missing.append(f"{path.relative_to(ROOT)}: {name}{is_file}")
     assert named > 30 and not missing, missing
+
+
+# the public code's keys that docs/design.md names beside ours ("`train.eval_ema`, DiffusionNFT's `train.ema`")
+PUBLIC_CODE_KEYS = {"train.ema"}
+
+
+def test_every_run_config_key_the_docs_name_exists():
+    """`section.key` (`train.plan`, `method.window`) in any document or config comment is a key of the run
+    config, or an option of some method or cache."""
+    from agg_bench.config import docs as config_docs
+    from agg_bench.config.options import option_names
+    from agg_bench.methods.option_tables import chosen, method_options_classes
+
+    keys = {row[0].strip("`") for row in config_docs.reference_rows()}
+    sections = {key.split(".", 1)[0] for key in keys if "." in key} - {"method"}
+    options = {"name"}
+    for cls in method_options_classes().values():
+        options |= set(option_names(cls))
+        options |= {name for picked in (chosen(cls) or ("", {}))[1].values() for name in option_names(picked)}
+    dotted = re.compile(rf"(?<![\w./-])({'|'.join(sorted(sections))}|method)\.([a-z_]+)(?![\w(/-])")
+    named, unknown = 0, []
+    for path in READ:
+        if path.name == "configuration.md":
+            continue  # generated from the keys themselves
+        for section, key in dotted.findall(path.read_text()):
+            if key in ("py", "md", "yaml", "json", "jsonl", "csv", "txt"):
+                continue  # a file name: `grpo.py`, `learning.md`
+            named += 1
+            if section == "method":
+                known = key in options
+            elif path in CITES_PUBLIC_CODE and section == "train":
+                continue  # the public code's own `train.*` keys (`train.beta`, `train.ema`)
+            elif f"{section}.{key}" in PUBLIC_CODE_KEYS:
+                continue
+            else:
+                known = f"{section}.{key}" in keys or any(k.startswith(f"{section}.{key}.") for k in keys)
+            if not known:
+                unknown.append(f"{path.relative_to(ROOT)}: {section}.{key}")
+    assert named > 300 and not unknown, sorted(set(unknown))
+
+
+def test_the_metric_record_section_names_every_record_key():
+    from agg_bench.records import RECORD_KEYS
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design.split("\n### Metric record\n", 1)[1].split("\n### ", 1)[0]
+    named = {name for span in re.findall(r"`([^`]+)`", section) for name in re.split(r",\s*", span)}
+    assert [key for key in RECORD_KEYS if key not in named] == []
