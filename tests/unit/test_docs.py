@@ -204,3 +204,15 @@ def test_the_metric_record_section_names_every_record_key():
     section = design.split("\n### Metric record\n", 1)[1].split("\n### ", 1)[0]
     named = {name for span in re.findall(r"`([^`]+)`", section) for name in re.split(r",\s*", span)}
     assert [key for key in RECORD_KEYS if key not in named] == []
+
+
+def test_every_make_target_and_environment_variable_the_docs_name_exists():
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z-]+):", makefile, re.M))
+    code = "\n".join(text for path in READ for text in code_texts(path))
+    named = set(re.findall(r"(?<![\w-])make ([a-z][a-z-]*)", code))
+    assert {"pipeline", "test", "learning"} <= named and named - targets == set(), named - targets
+    sources = "\n".join(path.read_text() for folder in ("agg_bench", "scripts", "tests")
+                        for path in (ROOT / folder).rglob("*") if path.suffix in (".py", ".sh"))
+    variables = set(re.findall(r"\bAGG_BENCH_[A-Z_]+\b", "\n".join(path.read_text() for path in READ)))
+    assert len(variables) >= 3 and [v for v in sorted(variables) if v not in sources] == []
