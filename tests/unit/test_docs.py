@@ -216,3 +216,15 @@ def test_every_make_target_and_environment_variable_the_docs_name_exists():
                         for path in (ROOT / folder).rglob("*") if path.suffix in (".py", ".sh"))
     variables = set(re.findall(r"\bAGG_BENCH_[A-Z_]+\b", "\n".join(path.read_text() for path in READ)))
     assert len(variables) >= 3 and [v for v in sorted(variables) if v not in sources] == []
+
+
+def test_every_method_and_reward_is_in_its_reference():
+    """README.md's methods table has a row per registered method, docs/rewards.md names every registered reward."""
+    from agg_bench.engine.rewards import REWARDS
+    from agg_bench.methods.base import METHOD_MODULES
+
+    readme = (ROOT / "README.md").read_text().split("\n## Methods\n", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `(\w+)` \|", readme, re.M))
+    assert len(METHOD_MODULES) >= 11 and set(METHOD_MODULES) - rows == set(), set(METHOD_MODULES) - rows
+    rewards = (ROOT / "docs" / "rewards.md").read_text()
+    assert len(REWARDS.names()) >= 9 and [name for name in REWARDS.names() if f"`{name}`" not in rewards] == []
