@@ -48,6 +48,183 @@ def test_every_sweep_key_is_in_the_sweep_config_reference():
     rows = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
     keys = set(schema["properties"])
     assert len(keys) >= 12 and keys == rows, sorted(keys ^ rows)
-    campaign = table.split("| `campaign` |", 1)[1].split("\n", 1)[0]
-    missing = [k for k in schema["properties"]["campaign"]["properties"] if f"`{k}`" not in campaign]
+    missing = []
+    for key, prop in schema["properties"].items():  # each section's own keys in its row (a device's, an entry's)
+        row = table.split(f"| `{key}` |", 1)[1].split("\n", 1)[0]
+        inner = prop.get("properties") or (prop.get("additionalProperties") or {}).get("properties") \
+            or (prop.get("items") or {}).get("properties") or {}
+        spans = re.findall(r"`([^`]*)`", row)  # `gpus`, or a key of a mapping shown whole: `{config, set}`
+        missing += [f"{key}.{k}" for k in inner if not any(re.search(rf"(?<![\w.]){k}\b", s) for s in spans)]
     assert not missing, missing
+
+
+def test_the_config_folder_reference_names_every_file_in_it():
+    text = (ROOT / "config" / "README.md").read_text()
+    names = [p.name for p in sorted((ROOT / "config").iterdir()) if p.name != "README.md"]
+    assert len(names) >= 10 and [name for name in names if f"`{name}" not in text] == []
+
+
+# ---- what the documentation names exists in the code -----------------------------------------------------------
+
+# Everything a user reads: the README, the documents, and the comments at the top of the configs.
+READ = [*DOCS, *sorted((ROOT / "config").rglob("*.yaml"))]
+# docs/methods.md's recipe cards and the presets' headers cite the public code's own files and config keys
+# (`config/nft.py`, `train.beta`), which are not this repository's.
+CITES_PUBLIC_CODE = {ROOT / "docs" / "methods.md", *(ROOT / "config" / "presets").glob("*.yaml")}
+CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)  # a fenced block, or an inline code span
+COMMAND = re.compile(r"(?:agg-bench|python -m agg_bench)[ \t]+([^\s|;&#]+)((?:[^\n#|;&]|\\\n)*)")
+
+
+def code_texts(path: Path) -> list[str]:
+    """The fenced blocks and inline code spans of a Markdown file (a YAML file: its comment lines)."""
+    text = path.read_text()
+    if path.suffix == ".yaml":
+        return [line.split("#", 1)[1] for line in text.splitlines() if "#" in line]
+    return [block or span for block, span in CODE.findall(text)]
+
+
+def verb_options() -> dict[str, set[str]]:
+    from agg_bench.cli import build_parser
+
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    return {verb: {flag for action in sub._actions for flag in action.option_strings} for verb, sub in verbs.items()}
+
+
+def test_every_command_line_in_the_docs_takes_the_flags_it_shows():
+    """`agg-bench VERB ... --flag` in any document's code: VERB is a verb and `--flag` one of its options."""
+    options = verb_options()
+    seen, wrong = 0, []
+    for path in READ:
+        for code in code_texts(path):
+            for verb, rest in COMMAND.findall(code):
+                verb = verb.rstrip(":,.;)`")  # `agg-bench run`: ..., in a list of verbs
+                if verb in ("--help", "--version", "VERB", ""):
+                    continue
+                seen += 1
+                if verb not in options:
+                    wrong.append(f"{path.relative_to(ROOT)}: agg-bench {verb}")
+                    continue
+                wrong += [f"{path.relative_to(ROOT)}: agg-bench {verb} {flag}"
+                          for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest) if flag not in options[verb]]
+    assert seen > 60 and not wrong, wrong
+
+
+def test_the_command_line_reference_names_every_option_of_every_verb():
+    reference = (ROOT / "docs" / "cli.md").read_text()
+    missing = [f"{verb} {flag}" for verb, flags in verb_options().items() for flag in sorted(flags)
+               if flag.startswith("--") and flag != "--help" and not re.search(re.escape(flag) + r"(?![\w-])", reference)]
+    assert not missing, missing
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| [docs/cli.md]"))
+    assert [verb for verb in verb_options() if not re.search(rf"\b{verb}\b", row)] == []
+
+
+PATH = re.compile(r"(?<![\w/.-])((?:agg_bench|baselines|workflow|scripts|tests|config|docs|benchmarks|requirements)"
+                  r"/[\w./-]*[\w/])")
+
+
+# what a documented command makes or removes: docs/learning.md's `pretrain` writes the sample grid, then `rm` drops it
+MADE_BY_A_COMMAND = {"tests/data/sd3-scenes/samples.png"}
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """A path named in code or a link is a file or folder of the repository (a wing's own path, `engine/grpo.py`,
+    is not checked; `config/load.py` in docs/design.md is agg_bench/config/load.py; a pattern, `config/gpu*.yaml`,
+    is not a path)."""
+    named, missing = 0, []
+    for path in READ:
+        for code in [*code_texts(path), *relative_links(path)]:
+            for match in PATH.finditer(code):
+                name = match.group(1)
+                if code[match.end():match.end() + 1] in ("*", "{", "<") or name in MADE_BY_A_COMMAND:
+                    continue
+                if path in CITES_PUBLIC_CODE and name.startswith(("config/", "scripts/")) and not name.endswith(".yaml"):
+                    continue
+                named += 1
+                if not any((base / name).exists() for base in (ROOT, ROOT / "agg_bench", path.parent)):
+                    missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert named > 200 and not missing, missing
+
+
+def test_every_test_the_docs_name_exists():
+    sources = {path.name: path.read_text() for folder in ("tests", "benchmarks") for path in (ROOT / folder).rglob("*.py")}
+    named, missing = 0, []
+    for path in READ:
+        for name, is_file in re.findall(r"\b(test_\w+?)(\.py)?\b", path.read_text()):
+            named += 1
+            if (f"{name}.py" not in sources) if is_file else not (
+                    f"{name}.py" in sources or any(f"def {name}(" in text for text in sources.values())):
+                missing.append(f"{path.relative_to(ROOT)}: {name}{is_file}")
+    assert named > 30 and not missing, missing
+
+
+# the public code's keys that docs/design.md names beside ours ("`train.eval_ema`, DiffusionNFT's `train.ema`")
+PUBLIC_CODE_KEYS = {"train.ema"}
+
+
+def test_every_run_config_key_the_docs_name_exists():
+    """`section.key` (`train.plan`, `method.window`) in any document or config comment is a key of the run
+    config, or an option of some method or cache."""
+    from agg_bench.config import docs as config_docs
+    from agg_bench.config.options import option_names
+    from agg_bench.methods.option_tables import chosen, method_options_classes
+
+    keys = {row[0].strip("`") for row in config_docs.reference_rows()}
+    sections = {key.split(".", 1)[0] for key in keys if "." in key} - {"method"}
+    options = {"name"}
+    for cls in method_options_classes().values():
+        options |= set(option_names(cls))
+        options |= {name for picked in (chosen(cls) or ("", {}))[1].values() for name in option_names(picked)}
+    dotted = re.compile(rf"(?<![\w./-])({'|'.join(sorted(sections))}|method)\.([a-z_]+)(?![\w(/-])")
+    named, unknown = 0, []
+    for path in READ:
+        if path.name == "configuration.md":
+            continue  # generated from the keys themselves
+        for section, key in dotted.findall(path.read_text()):
+            if key in ("py", "md", "yaml", "json", "jsonl", "csv", "txt"):
+                continue  # a file name: `grpo.py`, `learning.md`
+            named += 1
+            if section == "method":
+                known = key in options
+            elif path in CITES_PUBLIC_CODE and section == "train":
+                continue  # the public code's own `train.*` keys (`train.beta`, `train.ema`)
+            elif f"{section}.{key}" in PUBLIC_CODE_KEYS:
+                continue
+            else:
+                known = f"{section}.{key}" in keys or any(k.startswith(f"{section}.{key}.") for k in keys)
+            if not known:
+                unknown.append(f"{path.relative_to(ROOT)}: {section}.{key}")
+    assert named > 300 and not unknown, sorted(set(unknown))
+
+
+def test_the_metric_record_section_names_every_record_key():
+    from agg_bench.records import RECORD_KEYS
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design.split("\n### Metric record\n", 1)[1].split("\n### ", 1)[0]
+    named = {name for span in re.findall(r"`([^`]+)`", section) for name in re.split(r",\s*", span)}
+    assert [key for key in RECORD_KEYS if key not in named] == []
+
+
+def test_every_make_target_and_environment_variable_the_docs_name_exists():
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z-]+):", makefile, re.M))
+    code = "\n".join(text for path in READ for text in code_texts(path))
+    named = set(re.findall(r"(?<![\w-])make ([a-z][a-z-]*)", code))
+    assert {"pipeline", "test", "learning"} <= named and named - targets == set(), named - targets
+    sources = "\n".join(path.read_text() for folder in ("agg_bench", "scripts", "tests")
+                        for path in (ROOT / folder).rglob("*") if path.suffix in (".py", ".sh"))
+    variables = set(re.findall(r"\bAGG_BENCH_[A-Z_]+\b", "\n".join(path.read_text() for path in READ)))
+    assert len(variables) >= 3 and [v for v in sorted(variables) if v not in sources] == []
+
+
+def test_every_method_and_reward_is_in_its_reference():
+    """README.md's methods table has a row per registered method, docs/rewards.md names every registered reward."""
+    from agg_bench.engine.rewards import REWARDS
+    from agg_bench.methods.base import METHOD_MODULES
+
+    readme = (ROOT / "README.md").read_text().split("\n## Methods\n", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `(\w+)` \|", readme, re.M))
+    assert len(METHOD_MODULES) >= 11 and set(METHOD_MODULES) - rows == set(), set(METHOD_MODULES) - rows
+    rewards = (ROOT / "docs" / "rewards.md").read_text()
+    assert len(REWARDS.names()) >= 9 and [name for name in REWARDS.names() if f"`{name}`" not in rewards] == []
