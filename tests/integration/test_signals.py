@@ -373,6 +373,52 @@ def test_kill_9_leaves_whole_lines_and_a_folder_that_a_rerun_completes(tmp_path)
     assert all(line.strip() for line in metrics.read_text().splitlines())
 
 
+# Kills itself (SIGKILL) before the ``KILL_AT``-th rollout; otherwise ``agg-bench run`` with the arguments given.
+KILLED_AT = """
+import os, signal, sys
+from agg_bench.cli import main
+from agg_bench.runtime.session import Session
+collect, calls = Session.collect, []
+def collect_or_die(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == int(os.environ["KILL_AT"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return collect(self, *args, **kwargs)
+Session.collect = collect_or_die
+sys.exit(main(sys.argv[1:]))
+"""
+# the runs with the most state a process holds between iterations: AWM's EMA-KL average, SA-Solver noise and the
+# evaluation average; DGPO's ema_ref as sampler, clip and reference
+KILLED = {
+    "awm": ["--config", str(ROOT / "config/presets/awm.yaml"), "--set", "grpo.group_size=2"],
+    "dgpo": ["--set", 'method={"name": "dgpo", "trunc_steps": 2, "times_per_sample": 2, "ema_reference": true, '
+             '"clip_dsm": true, "ema_rollout_after": 1}', "--set", "sampling.same_noise_per_group=false"],
+}
+
+
+@pytest.mark.parametrize("method", list(KILLED))
+def test_kill_9_then_resume_writes_the_records_of_an_uninterrupted_run(tmp_path, method):
+    """A process killed (SIGKILL) before the rollout of iteration 3, with a checkpoint after iteration 1 only, and a
+    new process that resumes it: the records of a run never stopped, every field but timings. The in-process
+    cases (tests/unit/test_resume_every_method.py) go on in the process that failed; here nothing of the killed
+    process's memory is left."""
+    args = ["run", *KILLED[method], *SET, "--set", "train.iterations=4", "--set", "run_id=killed"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_AT": "4"}
+    assert main([*args, "--out", str(tmp_path / "reference")]) == 0
+    out = tmp_path / "run"
+    command = [*args, "--checkpoint-every", "2", "--out", str(out)]
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT, *command], cwd=ROOT, env=env, capture_output=True,
+                            text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert [r["iteration"] for r in records(out)] == [0, 1, 2] and not (out / "summary.json").exists()
+    resumed = subprocess.run([sys.executable, "-m", "agg_bench", *command, "--resume"], cwd=ROOT, env=env,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(out)["resumed_from"] == 1
+    learned = lambda folder: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records(folder)]
+    assert learned(out) == learned(tmp_path / "reference")
+
+
 @pytest.mark.parametrize("change, resumes", [
     ("none", True),  # interrupted: continues from its last checkpoint
     ("killed", True),  # no summary at all, as after kill -9 or a workflow that removed it
