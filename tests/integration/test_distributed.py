@@ -129,6 +129,12 @@ def test_combine_rules():
                    "ratio_dev": 0.3, "agg_route_scores": [0.9, 0.5, 0.7], "cache": "fora", "gpu_name": None,
                    "grad_norm": 3.0}
     assert distributed.combine([a]) == a
+    # a mean over a list the processes hold unequal shares of (AGG's routed groups at route_frac < 1) is the
+    # joined list's, not the mean of the processes' means; None where the joined list is empty
+    a["agg_route_score_mean"], b["agg_route_score_mean"] = 0.9, 0.6
+    assert distributed.combine([a, b])["agg_route_score_mean"] == pytest.approx((0.9 + 0.5 + 0.7) / 3, rel=1e-15)
+    empty = {"agg_route_scores": [], "agg_route_score_mean": None}
+    assert distributed.combine([empty, dict(empty)]) == empty
 
 
 def test_share_view_runs_the_transformer_on_its_rows_only():
