@@ -21,7 +21,7 @@ import torch
 
 from agg_bench.cli import main
 from agg_bench.config import check_data_parallel, load_config
-from agg_bench.engine.grpo import ROW_FIELDS, TrainBatch, minibatch_rows, step_terms
+from agg_bench.engine.grpo import ROW_FIELDS, TrainBatch, minibatch_rows
 from agg_bench.engine.models import Conditioning
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
