@@ -128,6 +128,53 @@ def one_graph_loss_and_gradient(policy, batch: TrainBatch,
     return float(loss.detach()), {n: g for (n, _), g in zip(policy.named_parameters(), grads)}
 
 
+def agg_loss_and_gradient(policy, batch: TrainBatch, rows: list[int], window: int,
+                          exact: frozenset[tuple[int, int]] = frozenset()) -> tuple[float, dict]:
+    """The AGG rule of docs/design.md for the samples ``rows``, their loss scaled by 1 / (len(rows) N): for each
+    group of ``window`` consecutive trained steps, no-grad v_k, u_k = d(scale l_k)/dv_k by autograd through the
+    SDE step and loss, sigma weights a_k, then J(x_{j_0})^T sum (1 - a_k) u_k + J(x_{j_last})^T sum a_k u_k;
+    groups of at most 2 steps, and those ``exact`` names as (row, entry of the group's first step), exactly."""
+    params = [p for _, p in policy.named_parameters()]
+    scale = 1.0 / (len(rows) * batch.steps_per_sample)
+    total, value = 0, 0.0
+
+    def velocity(row, j):
+        steps = torch.tensor([j])
+        return policy.velocity(batch.states(row, steps), batch.timestep_values(steps), batch.cond[row])
+
+    for i in rows:
+        row = torch.tensor([i])
+        trained = batch.train_steps[i].tolist()
+        for start in range(0, len(trained), window):
+            group = trained[start:start + window]
+            if len(group) <= 2 or (i, start) in exact:
+                for j in group:
+                    loss = step_terms(batch, row, torch.tensor([j]), velocity(row, j)).loss.sum() * scale
+                    total, value = total + loss, value + float(loss.detach())
+                continue
+            sigmas = [float(batch.sigmas[j]) for j in group]
+            weights = [(s - sigmas[0]) / (sigmas[-1] - sigmas[0]) for s in sigmas]
+            u_base, u_corr = 0, 0
+            for j, a in zip(group, weights):
+                with torch.no_grad():
+                    v = velocity(row, j)
+                v.requires_grad_(True)
+                loss = step_terms(batch, row, torch.tensor([j]), v).loss.sum() * scale
+                (u,) = torch.autograd.grad(loss, v)
+                u_base, u_corr, value = u_base + (1 - a) * u, u_corr + a * u, value + float(loss.detach())
+            total = total + (velocity(row, group[0]) * u_base).sum() + (velocity(row, group[-1]) * u_corr).sum()
+    grads = torch.autograd.grad(total, params)
+    return value, {n: g for (n, _), g in zip(policy.named_parameters(), grads)}
+
+
+
+def linearity_reference(v: torch.Tensor) -> float:
+    """Mean cosine of consecutive increments of the rows of ``v`` (m, D), straight from the definition."""
+    inc = [(v[k + 1] - v[k]).double() for k in range(v.shape[0] - 1)]
+    cos = [float(a @ b / (a.norm() * b.norm())) for a, b in zip(inc[:-1], inc[1:])]
+    return sum(cos) / len(cos)
+
+
 @contextmanager
 def counted(policy) -> Iterator[PassCounter]:
     """The passes ``policy`` makes inside the block: yields a :class:`PassCounter` that reads zero inside it and,

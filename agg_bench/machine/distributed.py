@@ -77,6 +77,9 @@ SUMMED_KEYS = frozenset({
     "agg_groups", "agg_groups_routed", "cache_computed", "cache_skipped",
 })
 MAX_KEYS = frozenset({"ratio_dev"})
+# means over a list whose shares may differ in length between processes (AGG's routed groups at route_frac < 1):
+# the mean of the joined list, not of the processes' means
+LIST_MEANS = {"agg_route_score_mean": "agg_route_scores"}
 # elements per all-reduce call: the flat copy of one bucket is the extra memory of averaging
 BUCKET_ELEMENTS = 1 << 25
 _SHARED = "_agg_bench_shared"
@@ -320,13 +323,17 @@ def _combine_key(key: str, values: list) -> Any:
 def combine(parts: Sequence[dict]) -> dict:
     """One record from the processes' shares: :data:`SUMMED_KEYS` add up; times (``t_*_s``), memory
     peaks (``*_bytes``) and :data:`MAX_KEYS` take the maximum (the slowest process, the fullest
-    device); lists concatenate; other numbers average (per-process means over equal shares, or values
-    equal on every process); anything else is rank 0's. None where no process has a value.
-    A single share is returned as it is."""
+    device); lists concatenate; :data:`LIST_MEANS` are the mean of their joined list (None where it is empty);
+    other numbers average (per-process means over equal shares, or values equal on every process); anything
+    else is rank 0's. None where no process has a value. A single share is returned as it is."""
     if len(parts) == 1:
         return dict(parts[0])
     keys = list(dict.fromkeys(k for part in parts for k in part))
-    return {k: _combine_key(k, [part.get(k) for part in parts]) for k in keys}
+    out = {k: _combine_key(k, [part.get(k) for part in parts]) for k in keys}
+    for mean, items in LIST_MEANS.items():
+        if mean in out and isinstance(out.get(items), list):
+            out[mean] = sum(out[items]) / len(out[items]) if out[items] else None
+    return out
 
 
 # ----- failures --------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ and interpolates the Jacobian linearly between the group's first and last step:
 
 so a group costs 2 forwards-with-grad and 2 backwards instead of W. Groups of 1 or 2 steps get
 exact per-step backward (AGG would cost the same). Routing sends only the ``route_frac`` most linear
-groups through AGG and the rest through exact per-step backward; ``route_frac = 0`` is full GRPO.
+groups through AGG and the rest through exact per-step backward; ``route_frac = 0`` is full GRPO. The
+fraction is an epoch's (:meth:`AGGEstimator.epoch`), however the epoch is split into optimizer steps.
 
 The endpoint forwards-with-grad compute v at x_{j_0} and x_{j_{W-1}} anyway; with
 ``endpoint_velocity: reuse`` those outputs (detached) are the endpoints' v_k, so a group needs only
@@ -21,7 +22,9 @@ once its own forward and the interior's no-grad forwards have run.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -73,7 +76,10 @@ class AGGConfig(Options):
         "(s_{j_{W-1}} - s_{j_0}), exact when the velocity is affine in (x, t) along a straight segment of states")
     route_frac: float = option(
         1.0, "fraction of the groups of 3 or more steps that use AGG, the highest `route_score` first; the others "
-        "get exact per-step backward. 0 is full GRPO, 1 routes them all", minimum=0, maximum=1)
+        "get exact per-step backward. 0 is full GRPO, 1 routes them all. It is each epoch's, whatever its split "
+        "(`train.minibatches`): of an epoch's parts in order, part p routes its highest-scored groups, "
+        "round_half_up(route_frac x the candidate groups of parts 1 to p) less those the earlier parts routed, "
+        "so the epoch routes round_half_up(route_frac x all its candidates)", minimum=0, maximum=1)
     route_score: Literal["velocity_cosine", "state_cosine"] = option(
         "velocity_cosine", "how linear a group is: `velocity_cosine`, the mean cosine of consecutive velocity "
         "increments v_{k+1} - v_k (needs every group's velocities, so groups left exact also pay their no-grad "
@@ -146,6 +152,15 @@ class _Groups:
 
 
 @dataclass
+class _RouteCarry:
+    """An epoch's routing so far: the candidate groups its earlier parts scored (every process's) and how many of
+    them they routed."""
+
+    candidates: int = 0
+    routed: int = 0
+
+
+@dataclass
 class _IterationLog:
     """What the estimator did since the last :meth:`AGGEstimator.iteration_metrics`."""
 
@@ -168,6 +183,17 @@ class AGGEstimator(Estimator):
         # per update, for inspection: scores (B, groups of >= 3 steps) and which groups were routed
         self.last_scores: torch.Tensor | None = None
         self.last_routed: torch.Tensor | None = None
+        self._carry: _RouteCarry | None = None  # inside an epoch: what its earlier parts routed
+
+    @contextlib.contextmanager
+    def epoch(self) -> Iterator[None]:
+        """An epoch's parts route together (:meth:`_quota`); the carry starts with the epoch and ends with it, so
+        nothing outlives an update (a resumed run routes as an uninterrupted one, with nothing checkpointed)."""
+        self._carry = _RouteCarry()
+        try:
+            yield
+        finally:
+            self._carry = None
 
     def check_run(self, cfg) -> None:
         """W <= N, and the groups AGG aggregates are runs of consecutive steps (:class:`AGGConfig`)."""
@@ -254,10 +280,22 @@ class AGGEstimator(Estimator):
         everyone = torch.cat(distributed.gather(scores))
         return self._route(everyone)[shard.rows(everyone.shape[0])]
 
+    def _quota(self, candidates: int) -> int:
+        """How many of a part's ``candidates`` groups to route: round_half_up(route_frac x the epoch's candidates
+        so far, these included) less what its earlier parts routed. A part alone (one part per epoch, or a call
+        outside :meth:`epoch`) routes round_half_up(route_frac x ``candidates``)."""
+        carry = _RouteCarry() if self._carry is None else self._carry
+        frac, seen = self.config.route_frac, carry.candidates + candidates
+        due = seen if frac >= 1 else int(math.floor(frac * seen + 0.5))
+        k = min(candidates, max(0, due - carry.routed))  # within [0, candidates] exactly; the bounds guard rounding
+        carry.candidates, carry.routed = seen, carry.routed + k
+        return k
+
     def _route(self, scores: torch.Tensor) -> torch.Tensor:
-        """Mask (B, G) of the route_frac * B * G (rounded half up) highest scores; ties go to earlier groups."""
+        """Mask (B, G) of the part's :meth:`_quota` of B * G candidates, the highest scores; ties go to earlier
+        groups."""
         total = scores.numel()
-        k = total if self.config.route_frac >= 1 else int(math.floor(self.config.route_frac * total + 0.5))
+        k = self._quota(total)
         order = torch.sort(scores.t().reshape(-1), descending=True, stable=True).indices[:k]
         routed = torch.zeros(total, dtype=torch.bool)
         routed[order] = True

@@ -166,6 +166,14 @@ class Estimator(ABC):
         return [batch.take_rows(rows) for rows in minibatch_rows(batch.batch_size, group_size, train.minibatches,
                                                                  train.minibatch_unit)]
 
+    def epoch(self) -> contextlib.AbstractContextManager[None]:
+        """Context around one epoch of an update: the training loop makes the :meth:`accumulate` calls of the
+        epoch's :meth:`update_parts` inside it, in order, and opens a fresh one for each epoch; a method whose
+        parts share a decision (AGG's routed count, :class:`agg_bench.methods.agg.AGGEstimator`) keeps it here,
+        and an :meth:`accumulate` outside any epoch (``replay``, ``gradcheck``) is a whole epoch by itself.
+        Default: nothing."""
+        return contextlib.nullcontext()
+
     def records_optimizer_steps(self) -> bool:
         """Whether this run's optimizer steps per iteration are not the config's count (its :meth:`update_parts`
         are of its own kind), so that each record carries the steps its update took, ``optimizer_steps``, which

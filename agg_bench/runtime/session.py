@@ -209,7 +209,8 @@ class Session:
         """``train.inner_epochs`` epochs on one rollout, each an optimizer step per part of the method's
         :meth:`~agg_bench.methods.base.Estimator.update_parts` (by default ``train.minibatches`` mini-batches of
         whole groups or of slices of every group: ``train.minibatch_unit``,
-        :func:`agg_bench.engine.grpo.minibatch_rows`); learning statistics of them all. ``steps_taken``: the
+        :func:`agg_bench.engine.grpo.minibatch_rows`), each epoch inside the method's
+        :meth:`~agg_bench.methods.base.Estimator.epoch`; learning statistics of them all. ``steps_taken``: the
         optimizer steps it took.
 
         Each step: zero the gradient, the method's gradient of its mini-batch's loss (the mean over the mini-batch's
@@ -226,39 +227,53 @@ class Session:
         losses, clips, kls, norms = [], [], [], []
         parts = self.estimator.update_parts(batch, cfg.train, cfg.grpo.group_size)
         self.steps_taken = 0
-        for minibatch in parts * cfg.train.inner_epochs:  # epoch after epoch, the parts in order
-            self.optimizer.zero_grad(set_to_none=True)
-            stats = UpdateStats(cfg.grpo.clip_range)
-            with distributed.failures_shared():  # no process enters the all-reduce while another failed
-                self.estimator.accumulate(self.policy, minibatch, stats, self.reference)
-            # every backward above accumulated locally; one averaging all-reduce per optimizer step
-            # (FSDP already averaged each backward's gradients in its reduce-scatter: only the loss is left)
-            sharded = fsdp.is_sharded(self.policy)
-            (loss,) = distributed.average_gradients([] if sharded else params, stats.loss_sum)
-            norm = fsdp.gradient_norm(params)
-            if cfg.train.max_grad_norm is not None and minibatch.clip_gradient:
-                torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
-            # checked before the step, so a non-finite gradient never reaches the weights
-            if not torch.isfinite(norm) or not math.isfinite(loss):
-                out["diverged"] = "gradient" if not torch.isfinite(norm) else "loss"
+        for _ in range(cfg.train.inner_epochs):
+            with self.estimator.epoch():  # the parts of one epoch, in order
+                for minibatch in parts:
+                    step = self._step(minibatch, params)
+                    if isinstance(step, str):
+                        out["diverged"] = step
+                        break
+                    summary, norm = step
+                    if not losses:  # the first step's
+                        out.update({k: v for k, v in summary.items() if k not in ("loss", "clip_frac", "approx_kl")})
+                    losses.append(summary["loss"])
+                    clips.append(summary["clip_frac"])
+                    kls.append(summary["approx_kl"])
+                    norms.append(norm)
+            if "diverged" in out:
                 break
-            # the previous step's other updates, here and not before the gradient: a run stopped in the method's
-            # gradient (or failed there) leaves the average as the checkpoint of the last record holds it
-            self.take_in_eval_average(cfg.train.eval_ema_updates - 1)
-            self.optimizer.step()
-            self.steps_taken += 1
-            self.policy.version += 1
-            self.take_in_eval_average(1)
-            summary = stats.as_dict()
-            if not losses:  # the first step's
-                out.update({k: v for k, v in summary.items() if k not in ("loss", "clip_frac", "approx_kl")})
-            losses.append(summary["loss"])
-            clips.append(summary["clip_frac"])
-            kls.append(summary["approx_kl"])
-            norms.append(float(norm))
         mean = lambda xs: sum(xs) / len(xs) if xs else None
         out.update(loss=mean(losses), clip_frac=mean(clips), approx_kl=mean(kls), grad_norm=mean(norms))
         return out
+
+    def _step(self, minibatch: TrainBatch, params: list) -> tuple[dict, float] | str:
+        """One optimizer step of :meth:`update` on ``minibatch``: its statistics and the gradient's norm before the
+        clip; or, where the gradient or the loss is not finite, which of them (``gradient`` or ``loss``), and no
+        step."""
+        cfg = self.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = UpdateStats(cfg.grpo.clip_range)
+        with distributed.failures_shared():  # no process enters the all-reduce while another failed
+            self.estimator.accumulate(self.policy, minibatch, stats, self.reference)
+        # every backward above accumulated locally; one averaging all-reduce per optimizer step
+        # (FSDP already averaged each backward's gradients in its reduce-scatter: only the loss is left)
+        sharded = fsdp.is_sharded(self.policy)
+        (loss,) = distributed.average_gradients([] if sharded else params, stats.loss_sum)
+        norm = fsdp.gradient_norm(params)
+        if cfg.train.max_grad_norm is not None and minibatch.clip_gradient:
+            torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        # checked before the step, so a non-finite gradient never reaches the weights
+        if not torch.isfinite(norm) or not math.isfinite(loss):
+            return "gradient" if not torch.isfinite(norm) else "loss"
+        # the previous step's other updates, here and not before the gradient: a run stopped in the method's
+        # gradient (or failed there) leaves the average as the checkpoint of the last record holds it
+        self.take_in_eval_average(cfg.train.eval_ema_updates - 1)
+        self.optimizer.step()
+        self.steps_taken += 1
+        self.policy.version += 1
+        self.take_in_eval_average(1)
+        return stats.as_dict(), float(norm)
 
 
 def identity(cfg: RunConfig, run_id: str, device: torch.device, world_size: int = 1) -> dict:

@@ -129,6 +129,12 @@ def test_combine_rules():
                    "ratio_dev": 0.3, "agg_route_scores": [0.9, 0.5, 0.7], "cache": "fora", "gpu_name": None,
                    "grad_norm": 3.0}
     assert distributed.combine([a]) == a
+    # a mean over a list the processes hold unequal shares of (AGG's routed groups at route_frac < 1) is the
+    # joined list's, not the mean of the processes' means; None where the joined list is empty
+    a["agg_route_score_mean"], b["agg_route_score_mean"] = 0.9, 0.6
+    assert distributed.combine([a, b])["agg_route_score_mean"] == pytest.approx((0.9 + 0.5 + 0.7) / 3, rel=1e-15)
+    empty = {"agg_route_scores": [], "agg_route_score_mean": None}
+    assert distributed.combine([empty, dict(empty)]) == empty
 
 
 def test_share_view_runs_the_transformer_on_its_rows_only():
@@ -168,13 +174,14 @@ def test_two_process_gradient_equals_single_process_gradient_and_failures_stop_b
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("steps", [[], ["train.minibatches=2"]], ids=["one-step", "minibatches"])
+@pytest.mark.parametrize("steps", [[], ["train.minibatches=2"], ["train.minibatches=2", "method.route_frac=0.3"]],
+                         ids=["one-step", "minibatches", "minibatches-routed"])
 def test_torchrun_run_writes_the_single_process_records(tmp_path, steps):
     """With train.minibatches, each process's k-th mini-batch is part of the single-process k-th one, so the
-    records are the single-process run's too."""
-    args = [a for o in [*DDP, *steps] for a in ("--set", o)] + [
-        "--set", "train.iterations=2", "--set", "run_id=ddp", "--set", 'method={"name": "agg", "window": 3}',
-        "--set", "eval.every=1", "--set", "eval.noises=2"]
+    records are the single-process run's too; with a partial route, so is the count each mini-batch routes (0.3 of
+    the epoch's 24 candidate groups so far: 4, then 3)."""
+    args = [a for o in [*DDP, 'method={"name": "agg", "window": 3}', *steps] for a in ("--set", o)] + [
+        "--set", "train.iterations=2", "--set", "run_id=ddp", "--set", "eval.every=1", "--set", "eval.noises=2"]
     proc = torchrun("-m", "agg_bench", "run", *args, "--out", str(tmp_path / "two"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # one result line for the job: rank 0's, not one per process
@@ -184,6 +191,8 @@ def test_torchrun_run_writes_the_single_process_records(tmp_path, steps):
     two = list(read_jsonl(tmp_path / "two/metrics.jsonl"))
     one = list(read_jsonl(tmp_path / "one/metrics.jsonl"))
     assert [r["iteration"] for r in two] == [0, 1]
+    if "method.route_frac=0.3" in steps:
+        assert [r["agg_groups_routed"] for r in two] == [4 + 3] * 2
     summary = json.loads((tmp_path / "two/summary.json").read_text())
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["n_gpus"] == 0
     skip = set(TIMING_KEYS) | {"saved_activation_peak_bytes"}

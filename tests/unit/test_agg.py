@@ -18,8 +18,8 @@ from agg_bench.methods.agg import group_bounds
 from agg_bench.methods.base import build_estimator, build_method
 from agg_bench.runtime.train import Session
 from agg_bench.tools.snapshot import replay, save_snapshot
-from helpers import (counted, fresh_seed, gaussian_log_prob, move_off_policy, relative_error, sde_reference, seeded,
-                     tiny_config)
+from helpers import (counted, fresh_seed, gaussian_log_prob, linearity_reference, move_off_policy, relative_error,
+                     sde_reference, seeded, tiny_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "config/presets/tiny_sd3_reference_cpu.yaml"
@@ -256,13 +256,6 @@ def test_endpoint_reuse_keeps_the_saved_activation_peak():
     assert peaks["reuse"] == peaks["recompute"] > 0
 
 
-def linearity_reference(v: torch.Tensor) -> float:
-    """Mean cosine of consecutive increments of the rows of ``v`` (m, D), straight from the definition."""
-    inc = [(v[k + 1] - v[k]).double() for k in range(v.shape[0] - 1)]
-    cos = [float(a @ b / (a.norm() * b.norm())) for a, b in zip(inc[:-1], inc[1:])]
-    return sum(cos) / len(cos)
-
-
 @pytest.mark.parametrize("route_score", ["velocity_cosine", "state_cosine"])
 def test_routing_sends_the_most_linear_groups_through_agg(route_score):
     session = Session(tiny_config("train.plan=groups", "train.plan_window=3"))
@@ -328,6 +321,61 @@ def test_routing_counts_the_calls_it_makes(route_score):
     assert seen["forward_grad"] == seen["backward"] == calls
     # velocity_cosine scores every group from one no-grad call; state_cosine recomputes the routed ones'
     assert seen["forward_nograd"] == [b * n if route_score == "velocity_cosine" else 3 * k]
+
+
+# ----- routing over an update's parts: the fraction is the update's, whatever the split ----------------------
+def routed_per_part(session, batch) -> tuple[list[int], dict, dict]:
+    """One ``session.update(batch)``: the groups routed by each part's gradient in order, the pass counts and the
+    iteration record's routing fields."""
+    estimator, per_part = session.estimator, []
+    accumulate = estimator.accumulate
+
+    def recorded(*args, **kwargs):
+        accumulate(*args, **kwargs)
+        per_part.append(int(estimator.last_routed.sum()))
+
+    estimator.accumulate = recorded
+    with counted(session.policy) as passes:
+        session.update(batch)
+    return per_part, passes.as_dict(), estimator.iteration_metrics()
+
+
+# (prompts, group size, mini-batches, unit, W, route_frac, inner epochs): the groups each part routes, written
+# out by hand from round_half_up(route_frac x the epoch's candidates so far) less what the earlier parts routed,
+# and the update's backwards (2 per routed group, one per step of the others). 6 trained steps per sample.
+ROUTE_SPLITS = {
+    # one sample, one group per slice: 0.5 x 1, 2, 3 candidates -> 1, 1, 2 routed so far
+    "slices, one candidate each": ((1, 3, 3, "slices", 6, 0.5, 1), [1, 0, 1], 2 * 2 + 1 * 6),
+    # 6 candidates per mini-batch: 0.25 x 6, 12 -> 2, 3
+    "groups": ((2, 3, 2, "groups", 3, 0.25, 1), [2, 1], 3 * 2 + 9 * 3),
+    # 2 candidates per slice: 0.4 x 2, 4, 6, 8 -> 1, 2, 2, 3
+    "slices, two candidates each": ((1, 4, 4, "slices", 3, 0.4, 1), [1, 1, 0, 1], 3 * 2 + 5 * 3),
+    # every epoch starts afresh: 2 of its 3 groups, not 1 in the second epoch
+    "two epochs": ((1, 3, 3, "slices", 6, 0.5, 2), [1, 0, 1, 1, 0, 1], 2 * (2 * 2 + 1 * 6)),
+    # one part: what it always routed
+    "one part": ((1, 3, 1, "groups", 6, 0.5, 1), [2], 2 * 2 + 1 * 6),
+    # W = 4: groups of 4 and 2 steps, one candidate per sample: 0.3 x 2, 4 -> 1, 1; the pairs are exact
+    "short groups": ((2, 2, 2, "slices", 4, 0.3, 1), [1, 0], 1 * 2 + 3 * 4 + 4 * 2),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTE_SPLITS))
+def test_an_updates_routed_fraction_does_not_depend_on_its_split(case):
+    (prompts, group_size, minibatches, unit, window, frac, epochs), per_part, backward = ROUTE_SPLITS[case]
+    session = Session(tiny_config(
+        f"grpo.prompts_per_iteration={prompts}", f"grpo.group_size={group_size}", f"train.minibatches={minibatches}",
+        f"train.minibatch_unit={unit}", f"train.inner_epochs={epochs}",
+        f"method={{name: agg, window: {window}, route_frac: {frac}, route_score: state_cosine}}"))
+    batch = session.collect(0).batch
+    b = prompts * group_size
+    assert batch.train_steps.shape == (b, 6)
+    got, passes, record = routed_per_part(session, batch)
+    assert got == per_part
+    assert passes["backward"] == passes["forward_grad"] == backward
+    assert record["agg_groups_routed"] == sum(per_part)
+    assert record["agg_groups"] == epochs * b * len(group_bounds(6, window))
+    # the next update routes as the first did: nothing is carried from one update to the next
+    assert routed_per_part(session, batch)[0] == per_part
 
 
 @pytest.mark.parametrize("option, value", [("window", 0), ("route_frac", 1.5), ("route_frac", -0.1),

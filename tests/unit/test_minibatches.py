@@ -21,7 +21,7 @@ import torch
 
 from agg_bench.cli import main
 from agg_bench.config import check_data_parallel, load_config
-from agg_bench.engine.grpo import ROW_FIELDS, TrainBatch, minibatch_rows, step_terms
+from agg_bench.engine.grpo import ROW_FIELDS, TrainBatch, minibatch_rows
 from agg_bench.engine.models import Conditioning
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
@@ -30,7 +30,8 @@ from agg_bench.runtime.checkpoint import read_checkpoint
 from agg_bench.runtime.memplan import run_layout
 from agg_bench.runtime.session import Session
 from agg_bench.runtime.train import train
-from helpers import fresh_seed, one_graph_loss_and_gradient, relative_error, tiny_config
+from helpers import (agg_loss_and_gradient, fresh_seed, linearity_reference, one_graph_loss_and_gradient, relative_error,
+                     tiny_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["run", "--config", str(ROOT / "config" / "run.yaml"), "--set", "model.resolution=32",
@@ -133,44 +134,6 @@ def minibatch_of(k: int, cfg) -> list[int]:
     return [group * g + i for group in range(k, cfg.grpo.prompts_per_iteration, m) for i in range(g)]
 
 
-def agg_loss_and_gradient(policy, batch: TrainBatch, rows: list[int], window: int) -> tuple[float, dict]:
-    """The AGG rule of docs/design.md for the samples ``rows``, their loss scaled by 1 / (len(rows) N): for each
-    group of ``window`` consecutive trained steps, no-grad v_k, u_k = d(scale l_k)/dv_k by autograd through the
-    SDE step and loss, sigma weights a_k, then J(x_{j_0})^T sum (1 - a_k) u_k + J(x_{j_last})^T sum a_k u_k;
-    groups of at most 2 steps exactly."""
-    params = [p for _, p in policy.named_parameters()]
-    scale = 1.0 / (len(rows) * batch.steps_per_sample)
-    total, value = 0, 0.0
-
-    def velocity(row, j):
-        steps = torch.tensor([j])
-        return policy.velocity(batch.states(row, steps), batch.timestep_values(steps), batch.cond[row])
-
-    for i in rows:
-        row = torch.tensor([i])
-        trained = batch.train_steps[i].tolist()
-        for start in range(0, len(trained), window):
-            group = trained[start:start + window]
-            if len(group) <= 2:
-                for j in group:
-                    loss = step_terms(batch, row, torch.tensor([j]), velocity(row, j)).loss.sum() * scale
-                    total, value = total + loss, value + float(loss.detach())
-                continue
-            sigmas = [float(batch.sigmas[j]) for j in group]
-            weights = [(s - sigmas[0]) / (sigmas[-1] - sigmas[0]) for s in sigmas]
-            u_base, u_corr = 0, 0
-            for j, a in zip(group, weights):
-                with torch.no_grad():
-                    v = velocity(row, j)
-                v.requires_grad_(True)
-                loss = step_terms(batch, row, torch.tensor([j]), v).loss.sum() * scale
-                (u,) = torch.autograd.grad(loss, v)
-                u_base, u_corr, value = u_base + (1 - a) * u, u_corr + a * u, value + float(loss.detach())
-            total = total + (velocity(row, group[0]) * u_base).sum() + (velocity(row, group[-1]) * u_corr).sum()
-    grads = torch.autograd.grad(total, params)
-    return value, {n: g for (n, _), g in zip(policy.named_parameters(), grads)}
-
-
 def sgd_reference(session, batch: TrainBatch, lr: float, max_norm: float | None, gradient) -> tuple[list, list]:
     """M sequential plain-SGD steps on ``session``'s weights, step k on ``gradient(policy, batch, rows of
     mini-batch k)``, clipped as torch.nn.utils.clip_grad_norm_ defines it (coefficient max_norm / (norm + 1e-6),
@@ -234,6 +197,57 @@ def test_minibatches_are_sequential_steps_on_each_minibatchs_loss(method, miniba
     # ~1e-6): its rounding is that of O(1) terms, so the bound is absolute (1e-15, ~10 ulp of 1)
     assert stats["loss"] == pytest.approx(sum(losses) / minibatches, rel=0, abs=1e-15), seed
     assert stats["grad_norm"] == pytest.approx(sum(norms) / minibatches, rel=1e-12), seed
+
+
+def routed_agg_epoch(window: int, route_frac: float):
+    """``gradient(policy, batch, rows)`` for :func:`sgd_reference`'s parts of one epoch in order, AGG with
+    ``route_frac`` (``route_score: state_cosine``) and its routing written out: a part scores each (sample, group of
+    3 or more steps) by the linearity of the group's states, and AGG takes the highest-scored (ties: the earlier
+    group, then the earlier sample) round_half_up(route_frac x the candidates of this and the earlier parts) less
+    those the earlier parts took; the others are exact."""
+    seen = routed = 0
+
+    def gradient(policy, batch: TrainBatch, rows: list[int]) -> tuple[float, dict]:
+        nonlocal seen, routed
+        trained = batch.train_steps
+        n = trained.shape[1]
+        starts = [start for start in range(0, n, window) if min(start + window, n) - start >= 3]
+        scored = [(-linearity_reference(batch.latents[i, trained[i, start:start + window]].flatten(1)), start, i)
+                  for start in starts for i in rows]
+        seen += len(scored)
+        take = math.floor(route_frac * seen + 0.5) - routed
+        routed += take
+        exact = frozenset((i, start) for _, start, i in sorted(scored)[take:])
+        return agg_loss_and_gradient(policy, batch, rows, window, exact)
+
+    return gradient
+
+
+@pytest.mark.parametrize("unit, group_size, route_frac, epochs, routed", [
+    ("groups", 3, 0.25, 1, 3),    # 2 mini-batches of 6 candidates: 2 + 1 of 12, not 2 + 2
+    ("slices", 4, 0.3, 2, 2 * 5),  # 2 slices of 8: 2 + 3 of 16 in each epoch, not 2 + 2
+])
+def test_a_split_agg_update_routes_each_epochs_fraction(unit, group_size, route_frac, epochs, routed):
+    """Float64, fresh weights and rollout, plain SGD: an AGG update split into 2 mini-batches, ``route_frac`` < 1,
+    against the steps of the AGG rule written out with the epoch's routing (:func:`routed_agg_epoch`)."""
+    seed, lr = fresh_seed(), 0.05
+    overrides = [f"method={{name: agg, window: 3, alpha: sigma, route_frac: {route_frac}, route_score: state_cosine}}",
+                 "train.plan=groups", "train.plan_window=3", f"seed={seed}", "grpo.prompts_per_iteration=2",
+                 "train.minibatches=2", f"train.minibatch_unit={unit}", f"grpo.group_size={group_size}",
+                 f"train.inner_epochs={epochs}", "train.max_grad_norm=null", "reward.name=smoothness",
+                 "grpo.clip_range=10"]
+    session, reference = Session(tiny_config(*overrides)), Session(tiny_config(*overrides))
+    batch = session.collect(0).batch
+    start = {n: p.detach().clone() for n, p in session.policy.named_parameters()}
+    session.optimizer = torch.optim.SGD(session.policy.parameters(), lr=lr)
+    session.update(batch)
+    for _ in range(epochs):
+        sgd_reference(reference, batch, lr, None, routed_agg_epoch(3, route_frac))
+    moved = {n: p.detach() - start[n] for n, p in session.policy.named_parameters()}
+    expected = {n: p.detach() - start[n] for n, p in reference.policy.named_parameters()}
+    error = relative_error(moved, expected)
+    assert error <= 1e-12, (seed, error)
+    assert session.estimator.iteration_metrics()["agg_groups_routed"] == routed
 
 
 # ----- what is charged ----------------------------------------------------------------------------------------

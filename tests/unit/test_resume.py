@@ -23,8 +23,10 @@ from helpers import crafted_checkpoint
 SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "progress=false", "run_id=resume"]
 METHODS = {
     "full": ["method.name=full"],
-    # reuse needs the restored policy version; two optimizer steps per iteration need the optimizer state
-    "agg": ['method={"name": "agg", "window": 4, "reuse_rollout_velocity": true}', "train.inner_epochs=2"],
+    # reuse needs the restored policy version; several optimizer steps per iteration need the optimizer state; a
+    # partial route over two mini-batches routes 1 then 0 of their 2 + 2 groups in each epoch (nothing carried over)
+    "agg": ['method={"name": "agg", "window": 4, "reuse_rollout_velocity": true, "route_frac": 0.3}',
+            "train.inner_epochs=2", "train.minibatches=2"],
     # a moving average of the policy (the old policy: it samples the rollout and is charged) kept across iterations
     "nft": ['method={"name": "nft", "times_per_sample": 2, "old_decay_rate": 0.3, "old_decay_max": 0.6}',
             "sampling.same_noise_per_group=false"],
@@ -97,15 +99,17 @@ def test_interrupted_between_iterations_then_resumed_equals_uninterrupted(tmp_pa
     train(config(method, "train.checkpoint_every=2"), out, resume=True)
     assert summary(out)["status"] == "ok" and summary(out)["resumed_from"] == 2
     assert learned(records(out)) == learned(expected)
+    if method == "agg":
+        assert [r["agg_groups_routed"] for r in records(out)] == [2 * (1 + 0)] * ITERATIONS
     # counted in the run's first iteration only, resumed or not
     assert [r["saved_activation_peak_bytes"] is not None for r in records(out)] == [True] + [False] * (ITERATIONS - 1)
 
 
-@pytest.mark.parametrize("where", ["after the update", "between its two optimizer steps"])
+@pytest.mark.parametrize("where", ["after the update", "between its first two optimizer steps"])
 def test_a_signal_after_an_optimizer_step_waits_for_the_record_and_the_checkpoint_keeps_it(
         tmp_path, monkeypatch, tmp_path_factory, where):
-    """A signal that comes once the weights moved (iteration 2 of agg's two inner epochs: after its update, or
-    between its two steps) is taken when the iteration's record is written: the checkpoint then holds that
+    """A signal that comes once the weights moved (iteration 2 of agg's four optimizer steps: after its update, or
+    between its first two steps) is taken when the iteration's record is written: the checkpoint then holds that
     iteration (it used to be lost, with every iteration since the periodic checkpoint, and recomputed)."""
     expected = reference("agg", tmp_path_factory)
     out = tmp_path / "run"
@@ -130,7 +134,7 @@ def test_a_signal_after_an_optimizer_step_waits_for_the_record_and_the_checkpoin
                 return update(self, batch)
             finally:
                 hook.remove()
-                assert len(steps) == 2  # the update took both its steps
+                assert len(steps) == 4  # the update took all its steps: 2 epochs of 2 mini-batches
 
         monkeypatch.setattr(Session, "update", update_signalling_at_its_first_step)
     with pytest.raises(Interrupted):
