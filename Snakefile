@@ -1,6 +1,6 @@
 # agg-bench workflow: a sweep config -> training runs, gradient replays -> tables, plots, HTML report.
 #   snakemake --cores 2                                   the embedded CPU default (config/config.yaml)
-#   snakemake --cores 32 --resources gpu=8 --configfile config/gpu.yaml    one 8-GPU node
+#   snakemake --cores 64 --resources gpu=8 --configfile config/gpu.yaml    one 8-GPU node
 #   snakemake --workflow-profile workflow/profiles/slurm --configfile config/gpu.yaml     through SLURM
 #   snakemake --report results/report.html                the HTML report of what ran
 import sys
