@@ -286,9 +286,17 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict) -> dict[str, torch.
         except ConfigError as err:
             raise UserError(f"{path}: latents have {dims['H']} a side: expected {err.expected}") from None
     steps = tensors["train_steps"]
+    if steps.dtype != torch.int64:  # a narrower integer indexes as something else (uint8: a mask)
+        raise UserError(f"{path}: train_steps holds {str(steps.dtype).removeprefix('torch.')}: expected int64 step "
+                        "indices")
     if steps.numel() and not (0 <= int(steps.min()) and int(steps.max()) < dims["T"]):
         value = int(steps.min()) if int(steps.min()) < 0 else int(steps.max())
         raise UserError(f"{path}: train_steps holds {quote(value)}: expected step indices from 0 to {dims['T'] - 1}")
+    unordered = (steps[:, 1:] <= steps[:, :-1]).nonzero()
+    if len(unordered):  # AGG's groups are consecutive entries; a step twice would be trained twice
+        row, col = (int(i) for i in unordered[0])
+        raise UserError(f"{path}: train_steps row {row} holds {quote(steps[row, col:col + 2].tolist())}: expected "
+                        "each row's steps once, in denoising order (increasing)")
     mask = tensors.get("encoder_attention_mask")
     if mask is not None and not ((mask == 0) | (mask == 1)).all():
         raise UserError(f"{path}: encoder_attention_mask holds {quote(int(mask[(mask != 0) & (mask != 1)][0]))}: "

@@ -483,6 +483,16 @@ WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
      "rollout.safetensors: train_steps holds"),
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": t["train_steps"].float()}),
      "rollout.safetensors: train_steps holds float32: expected integers"),
+    # a narrower integer indexed as something else (uint8 as a mask): IndexError tracebacks, exit 1
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": t["train_steps"].to(torch.uint8)}),
+     "rollout.safetensors: train_steps holds uint8: expected int64 step indices"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": t["train_steps"].to(torch.int8)}),
+     "rollout.safetensors: train_steps holds int8: expected int64 step indices"),
+    # a step twice, or out of denoising order: replayed with exit 0 as a gradient no run computes
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": torch.zeros_like(t["train_steps"])}),
+     "rollout.safetensors: train_steps row 0 holds [0, 0]: expected each row's steps once, in denoising order"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": t["train_steps"].flip(1).contiguous()}),
+     "rollout.safetensors: train_steps row 0 holds [2, 1]: expected each row's steps once, in denoising order"),
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "extra": torch.zeros(1)}),
      "rollout.safetensors: holds a tensor 'extra': expected only latents,"),
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {k: v for k, v in t.items() if k != "timesteps"}),
