@@ -141,6 +141,7 @@ class Snapshot:
     batch: TrainBatch
     meta: dict
     config: dict
+    root: Path | None = None  # the folder it was read from
 
 
 def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
@@ -304,6 +305,12 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict) -> dict[str, torch.
     bad = _nonfinite(tensors)
     if bad is not None:
         raise UserError(f"{path}: {bad[0]} holds {quote(bad[1])}: expected finite numbers")
+    sigmas = tensors["sigmas"]
+    outside = ((sigmas < 0) | (sigmas > 1)).nonzero()
+    if len(outside) or not bool((sigmas[1:] < sigmas[:-1]).all()):  # the SDE steps divide by s and by s_j - s_j+1
+        value = float(sigmas[int(outside[0])]) if len(outside) else sigmas.tolist()
+        raise UserError(f"{path}: sigmas holds {quote(value)}: expected a noise schedule, decreasing from at most 1 "
+                        "to at least 0")
     return tensors
 
 
@@ -356,7 +363,7 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
         sde=meta["sde"], eta=meta["eta"], clip_range=meta["clip_range"], beta=meta["beta"],
         velocities=t.get("velocities"), policy_version=0, kl_form=meta["kl_form"],
     )
-    return Snapshot(policy, batch, meta, run.to_dict() if run is not None else {})
+    return Snapshot(policy, batch, meta, run.to_dict() if run is not None else {}, root)
 
 
 # Keys outside the method section that a replay may set: the trained-step draw (train.plan) of a method that draws its own
@@ -426,6 +433,11 @@ def replay_gradient(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | N
     counts = (policy.counter - before).as_dict()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
              for n, p in policy.named_parameters()}
+    bad = _nonfinite(grads)
+    if bad is not None:  # finite rollout numbers far outside any rollout's (advantages of 1e38, say)
+        raise UserError(f"snapshot {snapshot.root}: method '{estimator.name}': gradient {bad[0]} holds {quote(bad[1])}: expected "
+                        "a finite gradient (the snapshot's latents, log_probs or advantages are far outside what a "
+                        "rollout gives)")
     for p in policy.parameters():
         p.grad = None
     return grads, counts, {**stats.as_dict(), **estimator.iteration_metrics(), "replay": case.scope,

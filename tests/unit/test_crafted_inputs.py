@@ -493,6 +493,13 @@ WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
      "rollout.safetensors: train_steps row 0 holds [0, 0]: expected each row's steps once, in denoising order"),
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": t["train_steps"].flip(1).contiguous()}),
      "rollout.safetensors: train_steps row 0 holds [2, 1]: expected each row's steps once, in denoising order"),
+    # finite but no schedule, or numbers no rollout holds: NaN gradients and cosines with exit 0
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "sigmas": -t["sigmas"]}),
+     "rollout.safetensors: sigmas holds -1.0: expected a noise schedule, decreasing from at most 1 to at least 0"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "sigmas": t["sigmas"].flip(0).contiguous()}),
+     "rollout.safetensors: sigmas holds [0.0,"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "advantages": torch.full_like(t["advantages"], 1e38)}),
+     "method 'full': gradient pos_embed.proj.weight holds nan: expected a finite gradient"),
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "extra": torch.zeros(1)}),
      "rollout.safetensors: holds a tensor 'extra': expected only latents,"),
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {k: v for k, v in t.items() if k != "timesteps"}),
