@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 import os
 from dataclasses import dataclass, fields
@@ -424,11 +425,23 @@ def pretrained_transformer_config(pretrained: str, family: str) -> dict:
 
 def _load_component(cls, path: str, pretrained: str, what: str, **kwargs):
     """``cls.from_pretrained`` on a local folder only; a missing or broken file is a ConfigError."""
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # its logs of a missing file or weight: the one line below says it
     try:
-        return cls.from_pretrained(path, local_files_only=True, **kwargs)
+        component = cls.from_pretrained(path, local_files_only=True, **kwargs)
     except (OSError, ValueError, TypeError) as err:  # TypeError: a config value of the wrong type
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {path} ({first})") from err
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    if isinstance(component, torch.nn.Module):  # a weight the file lacks is left on the meta device, unloaded
+        missing = next((name for name, t in itertools.chain(component.named_parameters(), component.named_buffers())
+                        if t.is_meta), None)
+        if missing is not None:
+            raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {path} (no weight {missing})")
+    return component
 
 
 def _check_class(pretrained: str, component: str, expected: type, key: str, value: str) -> None:

@@ -211,7 +211,8 @@ def _load_transformer(root: Path, meta: dict, device: str | torch.device) -> tor
     try:
         pretrained_transformer_config(str(root), family)
         transformer = _load_component(TRANSFORMER_CLASSES[family], str(root / "transformer"), str(root),
-                                      "transformer weights", torch_dtype=precision(meta["dtype"]).param_dtype)
+                                      "transformer weights", torch_dtype=precision(meta["dtype"]).param_dtype,
+                                      use_safetensors=True)  # as snapshot writes them: never a pickle
     except ConfigError as err:
         if err.key == "model.family":
             raise UserError(f"{root / 'rollout.json'}: family = {quote(family)}: expected {err.expected}") from None

@@ -105,6 +105,22 @@ def test_a_transformer_config_out_of_bounds_is_refused_before_a_model_is_built(m
         assert err.value.key == "model.pretrained" and words in str(err.value)
 
 
+def test_a_model_folder_missing_a_weight_is_refused_naming_it(model, tmp_path):
+    """A weight the transformer's file lacks was left on the meta device by diffusers, and the model's first
+    move to a device raised "Cannot copy out of meta tensor" (exit 1)."""
+    from safetensors.torch import load_file, save_file
+
+    from agg_bench.engine.models import load_pretrained
+
+    folder = model_copy(model, tmp_path)
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(weights))
+    name = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != name}, str(weights))
+    with pytest.raises(ConfigError, match=f"loadable transformer weights in .* \\(no weight {name}\\)"):
+        load_pretrained("sd3", str(folder), torch.float32)
+
+
 def test_a_model_whose_weights_do_not_fit_is_refused_before_it_is_loaded(model, monkeypatch):
     """The memory planner counts the folder's transformer on the meta device before a run loads it: weights
     larger than the device's memory are refused ("does not fit"), the committed model fits."""
@@ -518,6 +534,12 @@ WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
                 edit_json(s, "config.json", lambda c: c["model"].update(family="flux"))],
      "rollout.json: family = 'flux': expected the family of"),
     (lambda s: os.truncate(s / WEIGHTS, 100_000), "expected loadable transformer weights in"),
+    # a weight the file lacks stayed on the meta device: "Cannot copy out of meta tensor", exit 1
+    (lambda s: edit_tensors(s / WEIGHTS, lambda t: {k: v for k, v in t.items() if k != "context_embedder.bias"}),
+     "transformer (no weight context_embedder.bias)"),
+    # a pickle instead: diffusers fell back to it (and, without the weights, to the meta device)
+    (lambda s: [os.remove(s / WEIGHTS), torch.save({}, s / "transformer" / "diffusion_pytorch_model.bin")],
+     "(Error no file named diffusion_pytorch_model.safetensors found"),
     (lambda s: edit_tensors(s / WEIGHTS, every_float(float("inf"))), "holds inf: expected finite weights"),
 ])
 def test_replay_reads_a_snapshot_s_tensors_and_weights_through_the_writer_s_shapes(snapshot, tmp_path, capsys, edit,
