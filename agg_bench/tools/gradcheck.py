@@ -89,6 +89,7 @@ def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
     ``fraction,cached:cache=fora,interval=2`` is ``fraction`` and ``cached`` with two options; a dotted
     key sets that run-config key for the job, e.g. ``fraction:train.timestep_fraction=0.5``.
     """
+    specs = list(specs)
     jobs: list[tuple[str, list[tuple[str, str]]]] = []
     for spec in specs:
         for item in (part.strip() for part in spec.split(",")):
@@ -110,6 +111,12 @@ def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
                     raise ConfigError("--methods", spec, f"key=value after '{name}:'")
                 key, text = option.split("=", 1)
                 jobs[-1][1].append((key.strip(), text.strip()))
+    for name, options in jobs:
+        keys = [key for key, _ in options]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:  # the last would win and the first be dropped unseen
+            raise ConfigError("--methods", ",".join(specs),
+                              f"each option of a method once ({twice} is given twice for '{name}')")
     return [ReplayJob(name, tuple(options)) for name, options in jobs]
 
 

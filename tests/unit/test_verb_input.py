@@ -182,6 +182,17 @@ def test_gradcheck_refuses_an_empty_methods_item(tmp_path, capsys, monkeypatch, 
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("value, key", [("cached:cache=fora,cache=fbc", "cache"),
+                                        ("fraction:seed=1,train.plan=steps,seed=2", "seed")])
+def test_gradcheck_refuses_a_method_option_given_twice(tmp_path, capsys, monkeypatch, value, key):
+    """An option given twice for one method ran the last value only (exit 0), the first silently dropped."""
+    monkeypatch.setattr(cli, "_run_config", lambda *a: pytest.fail("the methods were not refused first"))
+    line = fails(capsys, ["gradcheck", "--snapshot", str(tmp_path / "snap"), "--methods", value,
+                          "--out", str(tmp_path / "g.csv")])
+    assert f"--methods = {value!r}: expected each option of a method once ({key} is given twice" in line
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_rerun_of_a_killed_gradcheck_removes_the_snapshot_it_left(tmp_path, capsys):
     """A gradcheck killed (SIGKILL) while it replayed left its temporary snapshot, the model's weights, beside --out
     for good: a rerun made another. Only a temporary of that exact name goes, and only when the process it names
