@@ -380,3 +380,34 @@ def crafted_checkpoint(source, out, change) -> dict:
     change(state)
     torch.save(state, out / CHECKPOINT_NAME)
     return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+
+def signal_after_first_optimizer_step(monkeypatch, call: int) -> list[int]:
+    """Send this process SIGTERM once (a second would end it at once), after the first optimizer step of the
+    ``call``-th (1-based) ``Session.update``; the list returned gets an entry for each optimizer step of that update,
+    for the caller to check (the update took at least two: the signal came between two of its steps)."""
+    import signal
+
+    from agg_bench.runtime.train import Session
+
+    original, calls, steps = Session.update, [], []
+
+    def update(self, batch):
+        calls.append(1)
+        if len(calls) != call:
+            return original(self, batch)
+
+        def after_step(*args):
+            steps.append(1)
+            if len(steps) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        hook = self.optimizer.register_step_post_hook(after_step)
+        try:
+            return original(self, batch)
+        finally:
+            hook.remove()
+            assert len(steps) >= 2, steps  # the update took its steps
+
+    monkeypatch.setattr(Session, "update", update)
+    return steps

@@ -16,7 +16,7 @@ from agg_bench.errors import UserError
 from agg_bench.io import read_jsonl
 from agg_bench.runtime.checkpoint import CHECKPOINT_NAME
 from agg_bench.runtime.train import TIMING_KEYS, Interrupted, Session, train
-from helpers import crafted_checkpoint
+from helpers import crafted_checkpoint, signal_after_first_optimizer_step
 
 # telemetry on, with its default saved_activations: first, so that the comparison covers the saved-activation
 # count of the run's first iteration (and its absence after)
@@ -116,30 +116,12 @@ def test_a_signal_after_an_optimizer_step_waits_for_the_record_and_the_checkpoin
     if where == "after the update":
         signal_at(monkeypatch, "update", 3, after=True)
     else:
-        update, calls = Session.update, []
-
-        def update_signalling_at_its_first_step(self, batch):
-            calls.append(1)
-            if len(calls) != 3:
-                return update(self, batch)
-            steps = []
-
-            def signal_after_the_first(*args):  # once: a second signal would end the process at once
-                steps.append(1)
-                if len(steps) == 1:
-                    os.kill(os.getpid(), signal.SIGTERM)
-
-            hook = self.optimizer.register_step_post_hook(signal_after_the_first)
-            try:
-                return update(self, batch)
-            finally:
-                hook.remove()
-                assert len(steps) == 4  # the update took all its steps: 2 epochs of 2 mini-batches
-
-        monkeypatch.setattr(Session, "update", update_signalling_at_its_first_step)
+        steps = signal_after_first_optimizer_step(monkeypatch, 3)
     with pytest.raises(Interrupted):
         train(config("agg", "train.checkpoint_every=2"), out)
     monkeypatch.undo()
+    if where != "after the update":
+        assert len(steps) == 4  # the update took all its steps: 2 epochs of 2 mini-batches
     s = summary(out)
     # the periodic checkpoint was after iteration 1; the held signal's after iteration 2
     assert (s["status"], s["last_good_iteration"], s["checkpoint_iteration"]) == ("interrupted", 2, 2)

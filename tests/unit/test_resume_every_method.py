@@ -32,6 +32,7 @@ from agg_bench import stopping
 from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
 from agg_bench.runtime.train import TIMING_KEYS, Interrupted, Session, train
+from helpers import signal_after_first_optimizer_step
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = yaml.safe_load((ROOT / "config/config.yaml").read_text())
@@ -156,27 +157,7 @@ def _in_rollout(monkeypatch) -> None:
 
 def _between_steps(monkeypatch) -> None:
     """SIGTERM after the first optimizer step of iteration 2's update (the signal waits for its record)."""
-    original, calls = Session.update, []
-
-    def update(self, batch):
-        calls.append(1)
-        if len(calls) != 3:
-            return original(self, batch)
-        steps = []
-
-        def after_the_first(*args):
-            steps.append(1)
-            if len(steps) == 1:
-                _signal()
-
-        hook = self.optimizer.register_step_post_hook(after_the_first)
-        try:
-            return original(self, batch)
-        finally:
-            hook.remove()
-            assert len(steps) >= 2  # the update took its steps
-
-    monkeypatch.setattr(Session, "update", update)
+    signal_after_first_optimizer_step(monkeypatch, 3)
 
 
 # stop point: (how, train.checkpoint_every, the summary's last_good_iteration and checkpoint_iteration)
