@@ -271,6 +271,12 @@ class DGPOEstimator(FinalLatentEstimator):
         with weights as sampler:
             return self.ode_rollout(sampler, cond, noise, sigmas, sampling, generator, iteration)
 
+    def rollout_timesteps(self, policy, sigmas):
+        """With ``sampler: sana``, the scheduler's integer timesteps of its grid in the model's scale."""
+        if self.config.sampler == "sana" and self.grid is not None:
+            return self.grid.model_timesteps(policy.timestep_scale)
+        return super().rollout_timesteps(policy, sigmas)
+
     def ode_rollout(self, policy, cond, noise, sigmas, sampling, generator, iteration):
         """The ODE rollout: Euler on the run's ``sigmas``, or with ``sampler: sana`` DPM-Solver++(2M) on the
         scheduler's grid at its integer timesteps; guided where ``rollout_guidance`` > 1."""
@@ -281,7 +287,8 @@ class DGPOEstimator(FinalLatentEstimator):
         if self.config.sampler == "sana":
             if self.grid is None:
                 raise RuntimeError("method 'dgpo' with sampler 'sana' samples on the grid its check_run makes")
-            sigmas, timesteps = self.grid.sigmas, self.grid.model_timesteps(policy.timestep_scale)
+            sigmas = self.grid.sigmas
+            timesteps = self.rollout_timesteps(policy, sigmas)
             ode = ode_solver("dpm2", sigmas)
         mask = self.sde_mask(iteration, sigmas.numel() - 1, generator)
         return rollout(policy, cond, noise, sigmas, sampling.sde, sampling.eta, generator, mask, velocity=velocity,

@@ -109,6 +109,13 @@ class Estimator(ABC):
         own grid made from it, e.g.); called when a run is set up, once the schedule is known (it may come from
         the model's scheduler config), before anything is written."""
 
+    def rollout_timesteps(self, policy: Policy, sigmas: torch.Tensor) -> torch.Tensor:
+        """(T,) the values the transformer is given at each step of this method's rollout on ``sigmas`` (T+1),
+        before the rollout casts them to the policy's dtype: the sigmas in its scale
+        (:meth:`~agg_bench.engine.models.Policy.timestep_values`) unless the method samples at timesteps of its
+        own. A snapshot's ``timesteps`` are checked against them (:func:`agg_bench.tools.snapshot.load_snapshot`)."""
+        return policy.timestep_values(sigmas)
+
     def replay_case(self, cfg: RunConfig, stochastic: torch.Tensor, batch_size: int,
                     generator: torch.Generator) -> ReplayCase:
         """How this method is replayed on a frozen rollout whose steps ``stochastic`` (T,) bool have a

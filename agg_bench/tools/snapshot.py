@@ -9,7 +9,8 @@ place once every file is written: a failure (a full disk among them) leaves an e
 nothing of its own. Reading one (:func:`load_snapshot`) checks every file against what the writer writes
 before a gradient is computed: ``rollout.json``'s settings through the typed run config and equal to the
 snapshot's ``config.json``, the transformer's config, loadable and finite weights, and every tensor of
-``rollout.safetensors`` of the shape those settings imply and finite.
+``rollout.safetensors`` of the shape those settings imply, of the dtype the writer writes and finite, and its
+timesteps those the snapshot's method gives the model at its sigmas.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.lora import ADAPTER_FILE, load_adapter, lora_settings, save_transformer
 from ..engine.models import (MAX_MODEL_SIZE, POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, _load_component,
                              precision, pretrained_transformer_config, text_dims)
+from ..engine.sampler import sampler_dtype
 from ..engine.trained_steps import NO_STEP
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_path, atomic_target, write_json
@@ -246,10 +248,21 @@ def _latent_shape(root: Path, policy: Policy, meta: dict) -> tuple[int, int, int
     return policy.latent_channels, size, size
 
 
-def _rollout_tensors(root: Path, policy: Policy, meta: dict) -> dict[str, torch.Tensor]:
+def written_dtype(name: str, model_dtype: str) -> torch.dtype | None:
+    """The dtype ``agg-bench snapshot`` writes the floating-point rollout tensor ``name`` in for a run of
+    ``model_dtype`` (``model.dtype``): the schedule's sigmas in float64, the rest in the sampler's dtype
+    (float64 for float64, else float32); None for an integer tensor (checked on its own)."""
+    if name in INTEGER_TENSORS:
+        return None
+    return torch.float64 if name == "sigmas" else sampler_dtype(model_dtype)
+
+
+def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimator) -> dict[str, torch.Tensor]:
     """The tensors of ``rollout.safetensors``, each one :data:`ROLLOUT_SHAPES` names, of its shape (the
     latents of rollout.json's resolution, the text features the transformer takes, B and T alike in all),
-    integer step indices in [0, T) and a 0/1 mask, every other value a finite floating-point number."""
+    integer step indices in [0, T) and a 0/1 mask, every other value a finite floating-point number of the
+    dtype the writer writes (:func:`written_dtype`), and the timesteps those the rollout of the snapshot's
+    method (``estimator``) gives the transformer on its sigmas."""
     path = root / "rollout.safetensors"
     try:
         with safe_open(str(path), "pt") as handle:
@@ -281,6 +294,11 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict) -> dict[str, torch.
         problem = _tensor_problem(name, tensors[name], dims)
         if problem is not None:
             raise UserError(f"{path}: {name} {problem}")
+    for name, tensor in tensors.items():  # one tensor in another precision replays a gradient no run computes
+        expected_dtype = written_dtype(name, meta["dtype"])
+        if expected_dtype is not None and tensor.dtype != expected_dtype:
+            raise UserError(f"{path}: {name} holds {_dtype_name(tensor.dtype)}: expected {_dtype_name(expected_dtype)}, "
+                            f"as agg-bench snapshot writes it for model.dtype {meta['dtype']}")
     if shape is None:  # an older snapshot: its latents' side, within what the transformer takes
         geometry = ImageGeometry(policy.family, 1, policy.latent_multiple, policy.max_latent_size())
         try:
@@ -289,7 +307,7 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict) -> dict[str, torch.
             raise UserError(f"{path}: latents have {dims['H']} a side: expected {err.expected}") from None
     steps = tensors["train_steps"]
     if steps.dtype != torch.int64:  # a narrower integer indexes as something else (uint8: a mask)
-        raise UserError(f"{path}: train_steps holds {str(steps.dtype).removeprefix('torch.')}: expected int64 step "
+        raise UserError(f"{path}: train_steps holds {_dtype_name(steps.dtype)}: expected int64 step "
                         "indices")
     if steps.numel() and not (0 <= int(steps.min()) and int(steps.max()) < dims["T"]):
         value = int(steps.min()) if int(steps.min()) < 0 else int(steps.max())
@@ -312,7 +330,19 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict) -> dict[str, torch.
         value = float(sigmas[int(outside[0])]) if len(outside) else sigmas.tolist()
         raise UserError(f"{path}: sigmas holds {quote(value)}: expected a noise schedule, decreasing from at most 1 "
                         "to at least 0")
+    timesteps = tensors["timesteps"]
+    expected = estimator.rollout_timesteps(policy, sigmas).to(timesteps.dtype)
+    differ = (timesteps != expected).nonzero()
+    if len(differ):  # the model would be told one noise level while the SDE steps at another
+        j = int(differ[0])
+        raise UserError(f"{path}: timesteps holds {quote(float(timesteps[j]))} at step {j}: expected "
+                        f"{quote(float(expected[j]))}, the value the rollout gives the model at its sigma "
+                        f"{quote(float(sigmas[j]))}")
     return tensors
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _tensor_problem(name: str, tensor: torch.Tensor, dims: dict[str, int]) -> str | None:
@@ -320,7 +350,7 @@ def _tensor_problem(name: str, tensor: torch.Tensor, dims: dict[str, int]) -> st
     size of a dimension met first taken into it); None when nothing is."""
     if tensor.is_floating_point() == (name in INTEGER_TENSORS) or tensor.is_complex() or tensor.dtype == torch.bool:
         kind = "integers" if name in INTEGER_TENSORS else "floating-point numbers"
-        return f"holds {str(tensor.dtype).removeprefix('torch.')}: expected {kind}"
+        return f"holds {_dtype_name(tensor.dtype)}: expected {kind}"
     spec = ROLLOUT_SHAPES[name]
     if name == "advantages" and tensor.dim() == 2:
         spec = ("B", "T")
@@ -356,7 +386,7 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
     prec = precision(meta["dtype"])
     transformer = _load_transformer(root, meta, device)
     policy = POLICIES[family](transformer, None, autocast_dtype=prec.autocast_dtype)
-    t = {k: v.to(device) for k, v in _rollout_tensors(root, policy, meta).items()}
+    t = {k: v.to(device) for k, v in _rollout_tensors(root, policy, meta, _snapshot_method(config_path, run)).items()}
     batch = TrainBatch(
         latents=t["latents"], log_probs=t["log_probs"], sigmas=t["sigmas"], timesteps=t["timesteps"],
         advantages=t["advantages"], train_steps=t["train_steps"],
@@ -365,6 +395,18 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
         velocities=t.get("velocities"), policy_version=0, kl_form=meta["kl_form"],
     )
     return Snapshot(policy, batch, meta, run.to_dict() if run is not None else {}, root)
+
+
+def _snapshot_method(config_path: Path, run: RunConfig | None) -> Estimator:
+    """The estimator of the run the snapshot was made by, set up as that run set it up (``check_run``): the
+    default method for a snapshot without a run config."""
+    cfg = run if run is not None else validate(copy.deepcopy(DEFAULTS))
+    estimator = build_estimator(cfg)
+    try:
+        estimator.check_run(cfg)
+    except ConfigError as err:
+        raise UserError(f"{config_path}: {err}") from None
+    return estimator
 
 
 # Keys outside the method section that a replay may set: the trained-step draw (train.plan) of a method that draws its own

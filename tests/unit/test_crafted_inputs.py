@@ -514,6 +514,23 @@ WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
      "rollout.safetensors: sigmas holds -1.0: expected a noise schedule, decreasing from at most 1 to at least 0"),
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "sigmas": t["sigmas"].flip(0).contiguous()}),
      "rollout.safetensors: sigmas holds [0.0,"),
+    # a tensor in another precision than the writer's, or timesteps that are not the sigmas' (the model told one
+    # noise level, the SDE stepping at another): replayed with exit 0 as a gradient no run computes
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "latents": t["latents"].half()}),
+     "rollout.safetensors: latents holds float16: expected float32, as agg-bench snapshot writes it for model.dtype "
+     "float32"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "log_probs": t["log_probs"].double()}),
+     "rollout.safetensors: log_probs holds float64: expected float32"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "sigmas": t["sigmas"].float()}),
+     "rollout.safetensors: sigmas holds float32: expected float64"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "timesteps": t["timesteps"].double()}),
+     "rollout.safetensors: timesteps holds float64: expected float32"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "timesteps": t["timesteps"] - 1}),
+     "rollout.safetensors: timesteps holds 999.0 at step 0: expected 1000.0, the value the rollout gives the model "
+     "at its sigma 1.0"),
+    (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "sigmas": t["sigmas"] * 0.5}),
+     "rollout.safetensors: timesteps holds 1000.0 at step 0: expected 500.0, the value the rollout gives the model "
+     "at its sigma 0.5"),
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "advantages": torch.full_like(t["advantages"], 1e38)}),
      "method 'full': gradient pos_embed.proj.weight holds nan: expected a finite gradient"),
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "extra": torch.zeros(1)}),
@@ -557,10 +574,15 @@ def test_replay_reads_a_snapshot_s_tensors_and_weights_through_the_writer_s_shap
 @pytest.mark.parametrize("sets", [
     [], ["train.lora_rank=2"], ["model.family=flux"], ["model.family=qwenimage"],
     ["method.name=branch", "grpo.group_size=4"],  # (B, T) advantages
+    ["model.dtype=float64"], ["model.dtype=bfloat16"],  # every tensor float64; float32 as for float32
+    # the scheduler's integer timesteps, not the sigmas in the model's scale
+    ["method.name=dgpo", "method.sampler=sana", "sampling.same_noise_per_group=false", "method.trunc_steps=1",
+     "method.times_per_sample=1"],
 ])
 def test_every_snapshot_the_writer_makes_reads_back(tmp_path, sets):
     """What the checks take is what `agg-bench snapshot` writes: its settings (rollout_settings of the run
-    config) and every tensor, for each family, a LoRA run and a method with per-step advantages."""
+    config) and every tensor, for each family, a LoRA run, a method with per-step advantages, each precision
+    and a method sampling at timesteps of its own."""
     from safetensors.torch import load_file
 
     from agg_bench.tools.snapshot import load_snapshot, rollout_settings, save_snapshot
