@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import fnmatch
+import itertools
 import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -266,12 +267,15 @@ def _holder(fd: int) -> int | None:
 class Claim:
     """An exclusive hold on an output (a folder or a file); use as a context manager, or ``acquire()`` and
     ``release(failed)``. ``target`` is created as a folder when ``folder`` is true and it does not exist.
-    ``check`` runs again once the lock is held: another writer may have finished in between."""
+    ``check`` runs again once the lock is held: another writer may have finished in between. With ``wait``,
+    a second writer waits for the first to release instead of being refused (a short update of a shared file,
+    such as a journal's read-modify-write)."""
 
     def __init__(self, target: str | Path, folder: bool, lock_inside: bool, flag: str = "--out",
-                 check: Callable[[], object] | None = None):
+                 check: Callable[[], object] | None = None, wait: bool = False):
         self.target = Path(target)
         self.folder, self.lock_inside, self.flag, self.check = folder, lock_inside, flag, check
+        self.wait = wait
         if not self.target.name:
             raise UserError(f"{flag} {target}: give a named folder or file, not a file-system root")
         self.lock_path = self.target / FOLDER_LOCK if lock_inside else \
@@ -305,7 +309,8 @@ class Claim:
 
     def _lock(self) -> int:
         what = "folder" if self.folder else "file"
-        for _ in range(5):
+        # each retry follows another holder's release; a waiting writer retries until it holds the lock
+        for _ in itertools.count() if self.wait else range(5):
             try:
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             except OSError as err:
@@ -315,7 +320,7 @@ class Claim:
                 raise UserError(f"output folder {self.lock_path.parent}: cannot write there "
                                 f"({err.strerror or err})") from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 pid = _holder(fd)
                 os.close(fd)

@@ -52,7 +52,7 @@ from typing import Any
 from .. import stopping
 from ..errors import UserError, quote, run_command
 from ..io import as_written, write_json
-from ..outdir import Busy, check_file, json_file_where
+from ..outdir import Busy, Claim, check_file, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
 from ..jsonfiles import json_type, read_json_object
 from ..sources import source_digest
@@ -340,14 +340,11 @@ class Progress:
         not a journal (a folder, a link, someone else's file: it is never replaced)."""
         code = source_digest()
         check_file(path, is_journal, "a cell job's journal", flag, f"remove it ({verb} writes its journal there)")
-        if not path.exists():
-            return cls(path, {}, code)
-        journal = read_json_object(path, PROGRESS_EXPECTED)
-        if journal.get("code") != code:
+        runs = _recorded_runs(path, code)
+        if runs is None:
             print(f"{verb}: {path}: its runs ran other code (agg_bench or baselines changed since); {rerun}",
                   file=sys.stderr, flush=True)
-            return cls(path, {}, code)
-        return cls(path, journal["runs"], code)
+        return cls(path, runs or {}, code)
 
     def kept(self, job: CellRun, cfg: Any) -> str | None:
         """The status of ``job``'s run as the journal recorded it, when that run is kept: recorded for this
@@ -370,12 +367,25 @@ class Progress:
         return entry["status"]
 
     def add(self, job: CellRun, cfg: Any, status: str) -> None:
-        self.runs[str(job.out)] = {"config": as_written(cfg.to_dict()), "status": status}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(self.path, {"code": self.code, "runs": self.runs})
+        """Record ``job``'s run as ended with ``status``. The journal is read again and rewritten under its lock
+        (a :class:`~agg_bench.outdir.Claim` that waits): two processes recording runs in one journal at once
+        (``agg-bench run --journal`` of the same file) each keep the other's entry."""
+        with Claim(self.path, folder=False, lock_inside=False, flag="--journal", wait=True):
+            self.runs = {**(_recorded_runs(self.path, self.code) or {}),
+                         str(job.out): {"config": as_written(cfg.to_dict()), "status": status}}
+            write_json(self.path, {"code": self.code, "runs": self.runs})
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _recorded_runs(path: Path, code: str) -> dict[str, dict] | None:
+    """The runs the journal at ``path`` records: empty when there is none, None when they ran other code than
+    ``code``."""
+    if not path.exists():
+        return {}
+    journal = read_json_object(path, PROGRESS_EXPECTED)
+    return journal["runs"] if journal.get("code") == code else None
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:

@@ -304,3 +304,44 @@ def test_pretrain_refuses_a_user_s_file_inside_its_model_folders(tmp_path, capsy
         if (out / inside).parent.name == "mine":
             (out / inside).parent.rmdir()
     check_out_dir(out)
+
+
+class _Written:
+    """A run config as the journal takes it (``to_dict``)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def to_dict(self) -> dict:
+        return {"seed": self.seed}
+
+
+def _record_runs(path: Path, outs: list[str], ready) -> None:
+    from agg_bench.runtime.cell import CellRun, Progress
+
+    journal = Progress.read(path, "agg-bench run", "--journal", "its run runs again")  # as `run` does, at its start
+    ready.wait()
+    for i, out in enumerate(outs):
+        journal.add(CellRun(None, (), Path(out)), _Written(i), "ok")
+
+
+def test_runs_recording_into_one_journal_at_once_keep_every_entry(tmp_path):
+    """`agg-bench run --journal FILE` of the same FILE in several processes: each reads the journal when it starts
+    and records its run when it ends; the record is a read-modify-write under the journal's lock, so no process
+    writes back the journal it read at its start over another's entries (every entry but the last writer's was
+    lost), and no two rewrite it at the same moment."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    path = tmp_path / "jobs" / "cell.progress.json"
+    outs = [[str(tmp_path / f"run{p}-{i}") for i in range(3)] for p in range(4)]
+    ready = context.Barrier(len(outs))
+    workers = [context.Process(target=_record_runs, args=(path, mine, ready)) for mine in outs]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert [worker.exitcode for worker in workers] == [0] * len(outs)
+    runs = json.loads(path.read_text())["runs"]
+    assert runs == {out: {"config": {"seed": i}, "status": "ok"} for mine in outs for i, out in enumerate(mine)}
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no lock file left
