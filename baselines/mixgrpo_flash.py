@@ -18,7 +18,8 @@ The rollout of iteration m, on a schedule of T steps with sigmas s_0 = 1 > ... >
   (its grid would stop at s_{L+1} and never reach 0) it is 2: one first-order step into 0.
 The solver's history holds the data prediction x - s v of every step before it, so that its first step
 is second order on the prediction of step L (on the run's grid); its step into 0 is first order and returns
-the prediction (the code's ``lower_order_final``). ``solver_orders`` lists the order of each solver step of the
+the prediction (the code's ``lower_order_final``: its last step is first order at any order), so a grid of one
+step after the window is first order at ``solver_order: 2`` too. ``solver_orders`` lists the order of each solver step of the
 last rollout. A window cut at ``window_end`` (MixGRPO's truncation at T - 2) ends at its cut. The trajectory has its own sigmas and its own number of steps, L + num_post; the window
 steps keep their sigmas, so training them is training the same transitions as on the run's grid.
 
@@ -46,8 +47,9 @@ class MixGRPOFlashConfig(WindowConfig):
 
     solver_order: int = option(
         2, "DPM-Solver++'s order after the window: 1 (DDIM, which is Euler on the compressed grid) or 2 (2M, "
-        "midpoint form). Public code: `--dpm_solver_order 2`, `--dpm_solver_type midpoint` in the Flash scripts "
-        "(its order 3 is not ported)", minimum=min(DPM_SOLVER_ORDERS), maximum=max(DPM_SOLVER_ORDERS))
+        "midpoint form); the step into 0 is first order at either, so a grid of one step is first order (the "
+        "code's `lower_order_final`). Public code: `--dpm_solver_order 2`, `--dpm_solver_type midpoint` in the "
+        "Flash scripts (its order 3 is not ported)", minimum=min(DPM_SOLVER_ORDERS), maximum=max(DPM_SOLVER_ORDERS))
     post_compress_ratio: float = option(
         0.4, "r: the compressed grid after the window has max(int((T - L) r), 1) points (at least 2). Public code: "
         "`--dpm_post_compress_ratio`, 0.4 in `finetune_flux_grpo_MixGRPO_Flash.sh`, 0.2 in "

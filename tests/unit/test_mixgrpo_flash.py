@@ -267,3 +267,23 @@ def test_preset_runs_one_iteration_through_the_cli(tmp_path):
                  "--out", str(out)]) == 0
     (rec,) = list(read_jsonl(out / "metrics.jsonl"))
     assert rec["status"] == "ok" and rec["method"] == "mixgrpo_flash" and rec["window_start"] == 0
+
+
+def test_a_one_step_grid_after_the_window_is_first_order_at_order_2():
+    """The public code's ``dpm_step`` takes the schedule's last step to first order whatever
+    ``--dpm_solver_order`` (``lower_order_final = step_index == len(timesteps) - 1``; into sigma 0 the 2M step
+    is not even defined, its h = lambda' - lambda being infinite); a compressed grid of one step is that step.
+    So at ``solver_order: 2`` it is the first-order step, which into 0 returns the prediction x0 = x - s v:
+    the rollout equals that of ``solver_order: 1`` bit for bit."""
+    rollouts = {}
+    for order in (1, 2):
+        session = Session(flash("method.window_mode=fixed", "method.window_start=0", "method.window_size=4",
+                                f"method.solver_order={order}", "method.post_compress_ratio=0.2", "model.resolution=16"))
+        traj = rollout_of(session)[0]
+        rollouts[order] = (traj, list(session.estimator.solver_orders))
+    (first, first_orders), (second, second_orders) = rollouts[1], rollouts[2]
+    assert second.sigmas.numel() == 6 and float(second.sigmas[-1]) == 0.0  # window 0..3, then one step into 0
+    assert first_orders == second_orders == [1]
+    assert torch.equal(second.latents, first.latents)
+    x0 = second.latents[:, -2] - float(second.sigmas[-2]) * second.velocities[:, -1]
+    assert float((second.latents[:, -1] - x0).abs().max()) <= 1e-12 * float(x0.abs().max())
