@@ -257,7 +257,9 @@ class Policy:
             with saved_activation_region() if grad else contextlib.nullcontext():
                 out = self._forward(latents.to(dtype), timesteps.to(dtype), cond.to(dtype=dtype))
         out = out.to(dtype)
-        if grad:
+        # observed, not assumed: a forward whose every trained block was answered from a cache (LoRA with a
+        # training cache) builds no graph, so it is a no-grad forward and no backward can pass through it
+        if grad and out.requires_grad:
             self.counter.forward_grad += b
             self.counter.forward_grad_calls += 1
             out = count_backward(out, self.counter)
