@@ -205,6 +205,33 @@ def check_schema(instance: Any, schema: dict) -> None:
 BOUND_VALIDATORS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 
 
+def check_override_values(pairs: list[tuple[str, Any]], schema: dict, prefix: str = "") -> None:
+    """Refuse each (dotted key, value) pair of part of a run config (a sweep's ``set:``, a label's overrides)
+    whose value holds NaN or an infinity for what its key takes, as :func:`check_config_values` refuses it in a
+    whole config: an unknown key, a flag or a name given NaN is told so, not that it takes a finite number.
+    ``schema``: the run schema; ``prefix`` leads the key in the error (``methods.full``)."""
+    for key, value in pairs:
+        try:
+            check_finite(value)
+        except ConfigError:
+            instance: Any = value
+            for part in reversed(key.split(".")):
+                instance = {part: instance}
+            try:
+                check_config_values(instance, _nothing_required(schema))
+            except ConfigError as err:
+                raise ConfigError(f"{prefix}.{err.key}" if prefix else err.key, err.value, err.expected) from None
+
+
+def _nothing_required(schema: Any) -> Any:
+    """``schema`` with no key required: the schema of any part of what it describes."""
+    if isinstance(schema, dict):
+        return {k: _nothing_required(v) for k, v in schema.items() if k != "required"}
+    if isinstance(schema, list):
+        return [_nothing_required(v) for v in schema]
+    return schema
+
+
 def check_config_values(instance: Any, schema: dict) -> None:
     """:func:`check_schema` with :func:`check_finite` between what a key is and the bounds of its number: first a
     key the schema does not know, or a value of another kind (a flag, a name, an integer given NaN), is refused for

@@ -41,8 +41,8 @@ from typing import Any
 
 import yaml
 
-from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_schema,
-                      load_config, read_yaml_mapping, yaml_load)
+from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_override_values,
+                      check_schema, load_config, read_yaml_mapping, run_schema, yaml_load)
 from ..engine.families import architecture, check_own_schedule, check_resolution
 from ..errors import UserError, clip, quote
 from ..io import atomic_path
@@ -184,6 +184,8 @@ def check_sweep(sweep: dict, schema: dict, files: list[dict] = ()) -> None:
         raise SweepError(f"expected {err.reason}") from None
     try:
         check_schema(sweep, schema)
+        for prefix, overrides in run_overrides(sweep):  # NaN refused for what its run key takes, as in a run config
+            check_override_values(flatten(overrides), run_schema(), prefix)
         check_finite(sweep)  # JSON Schema's numbers admit NaN and infinities (gradcheck.route_fracs, learning.*)
     except UserError as err:
         raise SweepError(str(err)) from None
@@ -214,6 +216,16 @@ def check_sweep(sweep: dict, schema: dict, files: list[dict] = ()) -> None:
     if reference is not None and reference not in sweep["methods"]:  # agg-bench learning refuses it at the end
         raise SweepError(f"learning.reference: {quote(reference)} is not a label under methods "
                          f"({', '.join(sweep['methods'])})")
+
+
+def run_overrides(sweep: dict) -> list[tuple[str, dict]]:
+    """The parts of a (schema-checked) sweep that are run-config overrides, each with its place in the sweep:
+    ``base`` (when a mapping), ``set``, each label's of ``models`` and ``methods``, and ``gradcheck.set``."""
+    parts = [("base", sweep.get("base")), ("set", sweep.get("set")),
+             *((f"{section}.{label}", overrides) for section in ("models", "methods")
+               for label, overrides in (sweep.get(section) or {}).items()),
+             ("gradcheck.set", (sweep.get("gradcheck") or {}).get("set"))]
+    return [(prefix, overrides) for prefix, overrides in parts if isinstance(overrides, dict)]
 
 
 def check_input_files(sweep: dict) -> None:

@@ -384,3 +384,33 @@ def test_nan_given_to_a_key_that_takes_no_number_is_refused_for_what_the_key_tak
     number, not that no such key exists, and a flag or a name given one the same."""
     line = run_fails(tmp_path / "out", capsys, "--set", setting)
     assert expected in line, line
+
+
+@pytest.mark.parametrize("where", ["set", "methods", "models", "gradcheck"])
+@pytest.mark.parametrize("key, expected", [
+    ("train.transitions_per_step", "train.transitions_per_step = nan: expected a known key here"),
+    ("train.ignore_last", "train.ignore_last = nan: expected true or false"),
+    ("train.minibatch_unit", "train.minibatch_unit = nan: expected one of ['groups', 'slices']"),
+    ("train.eval_ema", "train.eval_ema = nan: expected a finite number"),
+])
+def test_nan_under_a_sweep_s_run_keys_is_refused_for_what_the_key_takes(monkeypatch, where, key, expected):
+    """A sweep's `set:`, a label's overrides under `methods:` / `models:` and `gradcheck.set:` are run-config keys:
+    NaN given to one that is unknown, a flag or a name was told to be a finite number (the sweep schema does not know
+    the run keys); it is refused as a run config refuses it, naming where in the sweep it is."""
+    import yaml
+
+    from agg_bench.tools import sweep as sweep_module
+    from agg_bench.tools.sweep import Sweep, SweepError
+
+    root = Path(__file__).resolve().parents[2]
+    sweep = yaml.safe_load((root / "config" / "test.yaml").read_text())
+    label = {"set": "set", "methods": "methods.full", "models": "models.sd3", "gradcheck": "gradcheck.set"}[where]
+    part = sweep
+    for name in label.split("."):
+        part = part.setdefault(name, {})
+    part[key] = float("nan")
+    monkeypatch.setattr(sweep_module, "checked_methods", lambda *args, **kwargs: {})
+    monkeypatch.chdir(root)
+    with pytest.raises(SweepError) as refused:
+        Sweep(sweep, root / "workflow" / "schemas" / "config.schema.yaml", cache_dir=None)
+    assert f"config error: {label}.{expected}" in str(refused.value), str(refused.value)
