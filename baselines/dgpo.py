@@ -198,6 +198,7 @@ class DGPOEstimator(FinalLatentEstimator):
     name = "dgpo"
     config_cls = DGPOConfig
     paper, trains = "DGPO", "a group preference loss on flow-matching errors of final latents"
+    draws_step_order = True  # the batch's K shared steps in torch.randperm's order, its noises drawn in that order
 
     def __init__(self, config: DGPOConfig | None = None):
         super().__init__(config)

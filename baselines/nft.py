@@ -158,6 +158,7 @@ class NFTEstimator(FinalLatentEstimator):
     name = "nft"
     config_cls = NFTConfig
     paper, trains, shared_noise_breaks = "DiffusionNFT", "a flow-matching loss on final latents", "every r is 1/2"
+    draws_step_order = True  # each sample's K steps in torch.randperm's order, its noises drawn in that order
 
     def __init__(self, config: NFTConfig | None = None):
         super().__init__(config)

@@ -195,6 +195,23 @@ class AGGEstimator(Estimator):
         finally:
             self._carry = None
 
+    def check_train_steps(self, train_steps):
+        """Every group AGG may aggregate (more than two entries, route_frac > 0) a run of consecutive denoising
+        steps in every row: a frozen rollout of another method (GUESS's, DGPO's) may train steps that are not."""
+        if self.config.route_frac == 0:
+            return None
+        steps = train_steps.cpu()
+        for start, stop in group_bounds(steps.shape[1], self.config.window):
+            if stop - start <= EXACT_GROUP_MAX:
+                continue
+            chunk = steps[:, start:stop]
+            apart = ((chunk[:, 1:] - chunk[:, :-1]) != 1).any(dim=1).nonzero()
+            if len(apart):
+                row = int(apart[0])
+                return (f"its group of entries {start} to {stop - 1} holds steps {chunk[row].tolist()} in row {row}: "
+                        "AGG aggregates consecutive denoising steps only")
+        return None
+
     def check_run(self, cfg) -> None:
         """W <= N, and the groups AGG aggregates are runs of consecutive steps (:class:`AGGConfig`)."""
         train, window, steps = cfg.train, self.config.window, cfg.sampling.steps

@@ -89,6 +89,10 @@ class Estimator(ABC):
     # Whether the steps it trains on a frozen rollout are its own draw (replay_case), so that replay
     # honours --set train.timestep_fraction / train.plan / train.plan_window / seed for it.
     replans: ClassVar[bool] = False
+    # Whether a row of its ``train_steps`` lists the steps in the order the method draws them (each sample's K
+    # times, paired with the noises drawn after them in that order) rather than in denoising order: a snapshot
+    # of its rollout holds them so (agg_bench.tools.snapshot checks the order against the snapshot's method).
+    draws_step_order: ClassVar[bool] = False
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.config_cls()
@@ -191,6 +195,12 @@ class Estimator(ABC):
     def accumulate(self, policy: Policy, batch: TrainBatch, stats: UpdateStats,
                    reference: Policy | None = None) -> None:
         """Add d L / d theta to ``.grad`` (L as in docs/design.md, scaled by ``batch.loss_scale``)."""
+
+    def check_train_steps(self, train_steps: torch.Tensor) -> str | None:
+        """What keeps this method from training the rows of ``train_steps`` (B, N) of a frozen rollout made by
+        another method (``replay``, ``gradcheck``), as one phrase; None when it can train them. Default: None
+        (any distinct steps, in any order)."""
+        return None
 
     def iteration_metrics(self) -> dict:
         """Method-specific fields for the iteration's metric record."""

@@ -31,7 +31,7 @@ from ..io import atomic_file, atomic_path, temp_owner
 from ..outdir import claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS
 from ..machine.devices import resolve_device
-from .snapshot import Snapshot, load_snapshot, replay_case_of, replay_gradient, replay_setup, save_snapshot
+from .snapshot import Snapshot, check_trainable, load_snapshot, replay_case_of, replay_gradient, replay_setup, save_snapshot
 
 COLUMNS = (
     "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
@@ -166,17 +166,21 @@ def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = Tr
     A job whose replay is not applicable gets a row with its options and ``replay_note`` and no numbers."""
     jobs = [ReplayJob("full"), *jobs]
     setups = build_estimators(snapshot.config, jobs)  # a bad option fails before any replay runs
+    cases = [replay_case_of(snapshot, estimator, cfg) for cfg, estimator in setups]
+    for (_, estimator), case in zip(setups, cases):  # and steps a method cannot train, too
+        if case.scope != "not_applicable":
+            check_trainable(snapshot, estimator, case.train_steps if case.train_steps is not None
+                            else snapshot.batch.train_steps)
     batch = snapshot.batch
     common = {"model": snapshot.meta.get("family"), "resolution": snapshot.meta.get("resolution"),
               "device": str(snapshot.policy.device), "batch_size": batch.batch_size,
               "steps_per_sample": batch.steps_per_sample}
     rows: list[dict] = []
     reference = None
-    bar = tqdm(list(zip(jobs, setups)), desc="gradcheck", unit="replay",
+    bar = tqdm(list(zip(jobs, setups, cases)), desc="gradcheck", unit="replay",
                disable=not progress)
-    for job, (cfg, estimator) in bar:
+    for job, (cfg, estimator), case in bar:
         bar.set_postfix_str(f"{job.method} {job.label}".strip())
-        case = replay_case_of(snapshot, estimator, cfg)
         row: dict[str, Any] = dict.fromkeys(COLUMNS)
         row.update(common, method=job.method, options=job.label, is_reference=not rows, replay=case.scope,
                    replay_note=case.note)

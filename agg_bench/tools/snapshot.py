@@ -312,11 +312,18 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimato
     if steps.numel() and not (0 <= int(steps.min()) and int(steps.max()) < dims["T"]):
         value = int(steps.min()) if int(steps.min()) < 0 else int(steps.max())
         raise UserError(f"{path}: train_steps holds {quote(value)}: expected step indices from 0 to {dims['T'] - 1}")
-    unordered = (steps[:, 1:] <= steps[:, :-1]).nonzero()
-    if len(unordered):  # AGG's groups are consecutive entries; a step twice would be trained twice
+    ordered = steps.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]).nonzero()
+    if len(repeated):  # a step twice would be trained twice, which no method does
+        row, col = (int(i) for i in repeated[0])
+        raise UserError(f"{path}: train_steps row {row} holds step {int(ordered[row, col])} twice: expected each "
+                        "row's steps once")
+    unordered = (steps[:, 1:] < steps[:, :-1]).nonzero()
+    if len(unordered) and not estimator.draws_step_order:  # the order the snapshot's method writes them in
         row, col = (int(i) for i in unordered[0])
         raise UserError(f"{path}: train_steps row {row} holds {quote(steps[row, col:col + 2].tolist())}: expected "
-                        "each row's steps once, in denoising order (increasing)")
+                        f"each row's steps in denoising order (increasing), as method '{estimator.name}' trains "
+                        "them")
     mask = tensors.get("encoder_attention_mask")
     if mask is not None and not ((mask == 0) | (mask == 1)).all():
         raise UserError(f"{path}: encoder_attention_mask holds {quote(int(mask[(mask != 0) & (mask != 1)][0]))}: "
@@ -453,6 +460,15 @@ def replay_case_of(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | No
     return estimator.replay_case(cfg, stochastic_steps(snapshot.batch), snapshot.batch.batch_size, generator)
 
 
+def check_trainable(snapshot: Snapshot, estimator: Estimator, train_steps: torch.Tensor) -> None:
+    """Refuse ``estimator`` on ``train_steps`` (a replay case's, or the snapshot's) where it cannot train them
+    (:meth:`~agg_bench.methods.base.Estimator.check_train_steps`: AGG's groups on another method's steps)."""
+    problem = estimator.check_train_steps(train_steps)
+    if problem is not None:
+        raise UserError(f"snapshot {snapshot.root}: method '{estimator.name}' cannot replay the steps of its "
+                        f"train_steps: {problem}")
+
+
 def replay_gradient(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | None = None,
                     case: ReplayCase | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """``estimator``'s gradient of L on the snapshot: ({name: grad}, pass counts, update stats).
@@ -466,6 +482,7 @@ def replay_gradient(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | N
     batch = snapshot.batch
     if case.train_steps is not None:
         batch = dataclasses.replace(batch, train_steps=case.train_steps.to(batch.train_steps.device))
+    check_trainable(snapshot, estimator, batch.train_steps)
     policy = snapshot.policy
     reference = policy.frozen_copy() if batch.beta > 0 else None
     for p in policy.parameters():

@@ -506,9 +506,10 @@ WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
      "rollout.safetensors: train_steps holds int8: expected int64 step indices"),
     # a step twice, or out of denoising order: replayed with exit 0 as a gradient no run computes
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": torch.zeros_like(t["train_steps"])}),
-     "rollout.safetensors: train_steps row 0 holds [0, 0]: expected each row's steps once, in denoising order"),
+     "rollout.safetensors: train_steps row 0 holds step 0 twice: expected each row's steps once"),
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "train_steps": t["train_steps"].flip(1).contiguous()}),
-     "rollout.safetensors: train_steps row 0 holds [2, 1]: expected each row's steps once, in denoising order"),
+     "rollout.safetensors: train_steps row 0 holds [2, 1]: expected each row's steps in denoising order "
+     "(increasing), as method 'full' trains them"),
     # finite but no schedule, or numbers no rollout holds: NaN gradients and cosines with exit 0
     (lambda s: edit_tensors(s / "rollout.safetensors", lambda t: {**t, "sigmas": -t["sigmas"]}),
      "rollout.safetensors: sigmas holds -1.0: expected a noise schedule, decreasing from at most 1 to at least 0"),
@@ -615,3 +616,53 @@ def test_a_snapshot_of_a_model_folder_reads_back_with_its_own_vae_factor(model, 
     edit_json(snap, "rollout.json", lambda c: c.update(vae_scale_factor=8))  # the latents of 32 px are then 4 a side
     line = refused_by_replay_and_gradcheck(snap, tmp_path, capsys)[0]
     assert "latents has shape [2, 3, 12, 16, 16]: expected (B=2, T+1=3, C=12, H=4, W=4)" in line, line
+
+
+@pytest.mark.parametrize("sets", [
+    ["method.name=nft", "method.times_per_sample=3", "sampling.same_noise_per_group=false"],  # each sample's steps in its own drawn order
+    ["method.name=dgpo", "method.times_per_sample=3", "method.trunc_steps=3", "sampling.same_noise_per_group=false"],
+])
+def test_a_snapshot_of_a_method_that_draws_its_step_order_replays_it(tmp_path, capsys, sets):
+    """nft and dgpo list each row's K steps in the order they draw them (their noises follow that order):
+    their snapshots were refused by replay and gradcheck ("expected ... in denoising order")."""
+    from agg_bench.tools.snapshot import load_snapshot, save_snapshot
+
+    cfg = load_config(None, ["model.resolution=32", "sampling.steps=5", "grpo.group_size=4",
+                             "grpo.prompts_per_iteration=1", "progress=false", "telemetry.enabled=false", *sets])
+    snap = save_snapshot(cfg, tmp_path / "snap")
+    assert load_snapshot(snap).batch.train_steps.shape == (4, 3)
+    # a draw in falling order (the writer's draw of this seed may happen to be increasing)
+    edit_tensors(snap / "rollout.safetensors",
+                 lambda t: {**t, "train_steps": t["train_steps"].sort(dim=1, descending=True).values.contiguous()})
+    steps = load_snapshot(snap).batch.train_steps
+    assert (steps[:, 1:] < steps[:, :-1]).all()
+    out = tmp_path / "g.safetensors"
+    assert main(["replay", str(snap), "--method", "full", "--out", str(out)]) == 0  # nft, dgpo: not_applicable
+    counts = json.loads(out.with_suffix(".json").read_text())
+    assert counts["forward_grad"] == counts["backward"] == 4 * 3  # each sample at its K = 3 steps
+    capsys.readouterr()
+
+
+def test_agg_refuses_a_snapshot_s_steps_its_groups_would_join_across_a_gap(tmp_path, capsys):
+    """AGG interpolates within a group of consecutive denoising steps; another method's snapshot may train steps
+    with gaps (GUESS's, a subset): a replay or gradcheck of AGG on them made a gradient no run computes."""
+    snap = tmp_path / "snap"
+    settings = ["model.resolution=32", "sampling.steps=5", "grpo.group_size=2", "grpo.prompts_per_iteration=1",
+                "progress=false", "telemetry.enabled=false"]
+    assert main(["snapshot", *[a for s in settings for a in ("--set", s)], "--out", str(snap)]) == 0
+    edit_tensors(snap / "rollout.safetensors", lambda t: {**t, "train_steps": torch.tensor([[0, 1, 2], [0, 2, 4]])})
+    for verb, args, out in (
+            ("replay", ["replay", str(snap), "--method", "agg", "--set", "method.window=3"], tmp_path / "r" / "g.safetensors"),
+            ("gradcheck", ["gradcheck", "--snapshot", str(snap), "--windows", "3", "--alphas", "index",
+                           "--route-fracs", "1"], tmp_path / "c" / "g.csv")):
+        capsys.readouterr()
+        line = one_line(capsys, main([*args, "--out", str(out)]))
+        assert (f"snapshot {snap}: method 'agg' cannot replay the steps of its train_steps: its group of entries 0 to "
+                "2 holds steps [0, 2, 4] in row 1: AGG aggregates consecutive denoising steps only") in line, (verb, line)
+        assert not out.parent.exists()
+    # groups of at most two entries are trained exactly, and consecutive steps are what AGG takes
+    for window in (2, 3):
+        if window == 3:
+            edit_tensors(snap / "rollout.safetensors", lambda t: {**t, "train_steps": torch.tensor([[0, 1, 2], [2, 3, 4]])})
+        out = tmp_path / f"w{window}.safetensors"
+        assert main(["replay", str(snap), "--method", "agg", "--set", f"method.window={window}", "--out", str(out)]) == 0
