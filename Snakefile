@@ -83,4 +83,4 @@ try:
     # every run)
     check_output_contents(SWEEP)
 except UserError as err:
-    raise WorkflowError(str(err)) from None
+    refuse(str(err))

@@ -4,6 +4,8 @@ import re
 import shlex
 from pathlib import Path
 
+import sys
+
 from snakemake.exceptions import WorkflowError
 
 from agg_bench.errors import UserError
@@ -11,6 +13,13 @@ from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, LEARNING_DIR, 
                                    SweepError, check_input_files, check_markers, check_output_contents,
                                    check_output_folders, failed_runs, report_failed_runs, set_arg, type_config_args)
 from agg_bench.tools.sweep import pretrain_gpus as sweep_pretrain_gpus
+
+def refuse(message: str):
+    """A sweep the workflow refuses while it is parsed, before any job: one line and exit code 2, as an
+    agg-bench verb refuses bad input (a WorkflowError here is three lines with the Snakefile's place, exit 1)."""
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(2)
+
 
 try:
     # a list or mapping given with --config reads as in a sweep file (Snakemake's parse makes its numbers text)
@@ -23,7 +32,7 @@ try:
     check_input_files(SWEEP.sweep)
     check_markers(SWEEP)
 except UserError as err:
-    raise WorkflowError(str(err)) from None
+    refuse(str(err))
 
 
 def check_finished_runs():

@@ -33,9 +33,9 @@ def load_pretrain_configs() -> dict:
                                                  [f"{k}={v}" for k, v in (spec.get("set") or {}).items()])
             sweep_pretrain_gpus(name, configs[name].device)  # a fixed cuda:N, which the GPU pool cannot honour
         except SweepError as err:
-            raise WorkflowError(str(err)) from None
+            refuse(str(err))
         except UserError as err:
-            raise WorkflowError(f"pretrain.{name}: {err}") from None
+            refuse(f"pretrain.{name}: {err}")
     return configs
 
 
