@@ -80,7 +80,8 @@ def allowed_text(schema: dict) -> str:
         text = f"list of {items}" + (f" ({', '.join(sizes)})" if sizes else "")
     else:
         text = {"string": "text", "boolean": "true or false", "object": "mapping"}[kind]
-    return f"{text} or null" if nullable else text
+    # an option's own wording of what it allows (``x-expected``) may say "or null" already
+    return f"{text} or null" if nullable and not text.endswith("or null") else text
 
 
 def reference_rows(cls: type[Section] = RunConfig, prefix: str = "", schema: dict | None = None) -> list[list[str]]:

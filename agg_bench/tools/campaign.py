@@ -339,6 +339,21 @@ class Campaign:
                             shutil.copyfile(held / name, tmp / name)
         return missing
 
+    def check_devices(self) -> None:
+        """A ConfigError, before a window writes anything, for a device of the sweep this machine cannot serve
+        (``devices.<d>.device``, the ``device`` a ``pretrain.<label>`` model the runs read is made on): each of its
+        processes would fail, and the window spend its minutes on them. The --cpu form's devices are the CPU."""
+        from ..machine.devices import resolve_device
+
+        named = [(f"devices.{label}.device", spec["device"]) for label, spec in self.sweep.sweep["devices"].items()]
+        named += [(f"pretrain.{label}.set.device", (self.pretrain[label].get("set") or {}).get("device", "cpu"))
+                  for label in self.pretrained_models()]
+        for key, device in named:
+            try:
+                resolve_device(device, key)
+            except ConfigError as err:
+                raise ConfigError(key, device, f"{err.expected}; or the same campaign on the CPU: --cpu") from None
+
     def pretrain_overrides(self, label: str) -> list[str]:
         """The ``--set`` items of the sweep's ``pretrain.<label>``."""
         return overrides_of(list((self.pretrain[label].get("set") or {}).items()))
@@ -556,6 +571,7 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(start))
     if not (type(campaign.parallel) is int and 1 <= campaign.parallel <= MAX_PARALLEL):
         raise ConfigError("campaign.parallel", campaign.parallel, f"an integer from 1 to {MAX_PARALLEL}")
+    campaign.check_devices()
     # a first SIGTERM / SIGINT is only remembered here: the processes in flight are stopped, the finished runs
     # are packed, and the end of the block raises it (exit code 128 + N)
     with claim_folder(work, WORK_CONTENTS, "--work"), \

@@ -379,6 +379,21 @@ def test_bad_options_are_one_line(tmp_path, capsys, args, words):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("config", ["h200.yaml", "learning_gpu.yaml"])
+def test_a_gpu_window_on_a_machine_without_cuda_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, config):
+    """Without --cpu, a window whose device this machine lacks is refused before it writes anything: it was
+    spent on processes that each failed (every run, or the model's pre-training), and exited 0."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    work = tmp_path / "w"
+    code = main(["campaign", "run", "--config", str(ROOT / "config" / config), "--minutes", "1", "--work", str(work),
+                 "--reference", str(tmp_path / "ref")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "devices." in err[0] and "CUDA is not available on this machine" in err[0] and "--cpu" in err[0], err
+    assert not work.exists() and not (tmp_path / "ref").exists()
+
+
 @pytest.mark.parametrize("action, args, words", [
     ("status", ["--minutes", "3"], "campaign status: --minutes is an option of campaign run"),
     ("status", ["--started", "1"], "campaign status: --started is an option of campaign run"),

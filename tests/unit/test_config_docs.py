@@ -67,6 +67,10 @@ def test_the_table_lists_every_key_with_its_default_once():
     assert row["grpo.clip_range"][1:3] == ["`1e-4`", "number > 0"]
     assert row["sampling.shift"][2] == "number > 0 or null"
     assert row["device"][2] == "cpu, cuda, cuda:N or auto"
+    # a key whose own wording says "or null" already reads so once
+    assert row["model.pretrained"][2] == "a folder's path, or null"
+    assert row["run_id"][2] == "a name of 1 to 200 printable characters, or null"
+    assert not [r[0] for r in rows if "or null or null" in r[2]]
 
 
 def test_the_defaults_are_what_config_json_files_hold():
