@@ -29,7 +29,9 @@ work on the same weights and the session is left as the rounds found it; the pol
 update gives its passes and calls of each kind (``passes``, ``calls``). A method's own state (a moving average of
 the policy: nft's old policy, awm's EMA-KL, dgpo's EMA model) is put back before each round, moved from the
 policy as a run's is after its first step (:func:`moved_average_state`), and each round trains a batch object of
-its own, as each iteration of a run does: every round makes, and is charged, the same forwards. The ratio of two methods'
+its own, as each iteration of a run does: every round makes, and is charged, the same forwards. A method that owns
+its rollout (a tree, guessed velocities) is timed on a rollout of its own, under the plan of trained steps it
+sets (:data:`OWN_PLAN_KEYS`). The ratio of two methods'
 medians is then a speedup measured under one machine state, paired round by round, which separate runs
 (taken minutes apart while other jobs come and go) cannot give; the report takes its train speedups
 from it (``train_speedup_basis: paired``).
@@ -131,11 +133,16 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
     snapshot = Snapshot(policy, batch, {}, session.cfg.to_dict())
     setups, out = {}, {}
     for label, (name, sets) in methods.items():
+        train = None  # the run's train section, or the method's own where it sets its trained steps' plan
         try:
             cfg, estimator = replay_setup(snapshot.config, name, sets)
         except ConfigError as err:  # a key the frozen rollout fixes: this method needs its own rollout
-            out[label] = {"replay": "not_applicable", "replay_note": str(err)}
-            continue
+            own = own_plan_setup(snapshot.config, name, sets)
+            if own is None:
+                out[label] = {"replay": "not_applicable", "replay_note": str(err)}
+                continue
+            cfg, estimator = own
+            train = cfg.train
         case = replay_case_of(snapshot, estimator, cfg)
         out[label] = {"replay": case.scope, "replay_note": case.note}
         if case.scope == "not_applicable":
@@ -143,12 +150,13 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
                 continue
             # it owns its rollout (a tree, guessed velocities): its train phase is timed on a rollout of its own,
             # from the same prompts, noise and generator as the run's first
-            planned = own_rollout(session, estimator)
+            with _train_section(session, train):
+                planned = own_rollout(session, estimator)
             out[label]["train_rollout"] = "own"
         else:
             planned = batch if case.train_steps is None else \
                 dataclasses.replace(batch, train_steps=case.train_steps.to(batch.train_steps.device))
-        setups[label] = (estimator, planned, moved_average_state(estimator, policy))
+        setups[label] = (estimator, planned, moved_average_state(estimator, policy), train)
         out[label].update(cpu_s=[], wall_s=[])
     kept = _SessionState(session)
     labels = list(setups)
@@ -156,7 +164,7 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
         for r in range(options.warmup + options.method_repeats):
             shift = r % max(len(labels), 1)
             for label in labels[shift:] + labels[:shift]:
-                estimator, planned, state = setups[label]
+                estimator, planned, state, train = setups[label]
                 session.estimator = estimator
                 if state is not None:  # the method's moving average as every round finds it
                     estimator.load_state_dict(state, policy)
@@ -165,7 +173,7 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
                 planned = dataclasses.replace(planned)
                 before = policy.counter.copy()
                 # the whole update a run's iteration pays: with train.eval_ema, the average's update among it
-                with PhaseTimer(session.device) as timer:
+                with _train_section(session, train), PhaseTimer(session.device) as timer:
                     session.update(planned)
                 work = policy.counter - before
                 if r >= options.warmup:
@@ -226,6 +234,45 @@ def moved_average_state(estimator, policy) -> dict | None:
     if isinstance(average, MovingAverage) and average.equals(policy):
         average.version = None
     return estimator.state_dict()  # copies (on the CPU), which the rounds only read
+
+
+# Keys beyond its method.* that a method owning its rollout may set and still be timed beside the run's methods: the
+# plan of the steps it trains, which its own rollout draws (branch's train.plan: steps), as replay honours them
+# for a method that replans (agg_bench.tools.snapshot.REPLAN_KEYS, but the seed every round shares).
+OWN_PLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "train.ignore_last")
+
+
+def own_plan_setup(config: dict, name: str, sets: list[str]):
+    """(run config, estimator) of method ``name`` with its overrides ``sets`` on the run's ``config``, when it owns
+    its rollout and sets nothing beyond its ``method.*`` but :data:`OWN_PLAN_KEYS`; None otherwise (its replay's
+    refusal stands). Its run checks are made (``check_run``)."""
+    from ..config import parse_override
+    from ..methods.base import Estimator, build_estimator
+
+    keys = [parse_override(item)[0] for item in sets]
+    if not all(key == "method" or key.startswith("method.") or key in OWN_PLAN_KEYS for key in keys):
+        return None
+    cfg = validate(apply_overrides({**config, "method": {"name": name}}, sets))
+    estimator = build_estimator(cfg)
+    if type(estimator).rollout is Estimator.rollout:  # a frozen rollout would do: its replay decides
+        return None
+    estimator.check_run(cfg)
+    return cfg, estimator
+
+
+@contextlib.contextmanager
+def _train_section(session, train):
+    """The session with ``train`` (a method's own plan of its trained steps) as its run's train section while
+    the block runs (its rollout's steps drawn, its update made); nothing changes for None."""
+    if train is None:
+        yield
+        return
+    kept = session.cfg
+    session.cfg = dataclasses.replace(kept, train=train)
+    try:
+        yield
+    finally:
+        session.cfg = kept
 
 
 def own_rollout(session, estimator):

@@ -311,3 +311,31 @@ def test_every_timed_round_of_a_moving_average_method_does_the_same_work(monkeyp
                     "backward": terms}
         assert counts == [expected] * 4, name
         assert timed[name]["passes"] == expected
+
+
+def test_a_method_that_owns_its_rollout_is_timed_with_the_plan_of_steps_it_sets(tmp_path):
+    """A method that owns its rollout and sets the plan of its trained steps beside its method options (branch
+    needs `train.plan: steps`, as config/h200.yaml's sets it on a sweep planning groups) had no times: its replay
+    refuses a key outside method.*. Its own rollout draws its steps under that plan, and its update is made
+    under it: guess at `train.timestep_fraction` 0.5 trains half the steps of each sample."""
+    out = tmp_path / "cal.json"
+    groups = ["--set", "train.plan=groups", "--set", "train.plan_window=2"]
+    assert main(["calibrate", *SMALL, *groups, "--repeats", "1", "--warmup", "0", "--method-repeats", "2",
+                 "--method", "full", "{method: {name: full}}",
+                 "--method", "branch", "{method: {name: branch, branch_factor: 2, branch_points: [0, 2]}, "
+                                       "train.plan: steps}",
+                 "--method", "guess", "{method: {name: guess, guessed: 1, guess_from: 2}, train.plan: steps, "
+                                      "train.timestep_fraction: 0.5}",
+                 "--method", "eta", "{sampling.eta: 0.5, train.plan: steps, "
+                                    "method: {name: branch, branch_factor: 2, branch_points: [0, 2]}}",
+                 "--out", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    b, steps = 4, 4
+    assert methods["branch"]["passes"] == {"forward_nograd": 0, "forward_grad": 12, "backward": 12}
+    assert methods["guess"]["passes"] == {"forward_nograd": 0, "forward_grad": b * steps // 2,
+                                          "backward": b * steps // 2}
+    for label in ("branch", "guess"):
+        assert methods[label]["train_rollout"] == "own" and len(methods[label]["cpu_s"]) == 2, methods[label]
+    # a rollout key is still its run's own: no times, the replay's refusal as its note
+    assert "cpu_s" not in methods["eta"] and "sampling.eta" in methods["eta"]["replay_note"], methods["eta"]
+    assert methods["full"]["passes"]["forward_grad"] == b * steps  # the run's plan: 2 groups of 2 steps
