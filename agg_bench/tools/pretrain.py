@@ -184,6 +184,19 @@ def load_pretrain_config(path: str | Path | None, overrides: list[str] | None = 
     return _check(PretrainConfig(**user))
 
 
+def sweep_entry_config(label: str, spec: dict) -> PretrainConfig:
+    """The config of a sweep's ``pretrain.<label>`` entry, read as its pretrain job is given it: the entry's
+    ``config`` file with each ``set`` item as the ``--set KEY=VALUE`` the job passes
+    (:func:`agg_bench.tools.sweep.overrides_of`: a quoted ``'7'`` stays text). The workflow and the campaign
+    read every entry so before any job starts; a refusal names the entry."""
+    from .sweep import SweepError, overrides_of
+
+    try:
+        return load_pretrain_config(spec["config"], overrides_of(list((spec.get("set") or {}).items())))
+    except UserError as err:
+        raise SweepError(f"pretrain.{label}: {err}") from None
+
+
 def transformer_config(cfg: PretrainConfig) -> dict:
     """The family's transformer config for pixel latents of ``cfg`` (its spec's ``pixel_transformer``; a
     ConfigError naming the key a value the family cannot take)."""

@@ -24,18 +24,15 @@ def pretrain_command(name: str, threads: int) -> str:
 def load_pretrain_configs() -> dict:
     """Each pretrain entry's config, its --set applied: read once, before any job, so that one the pretrain
     command refuses is one line naming the entry (in a job's threads it was an InputFunctionException)."""
-    from agg_bench.tools.pretrain import load_pretrain_config
+    from agg_bench.tools.pretrain import sweep_entry_config
 
     configs = {}
     for name, spec in PRETRAIN.items():
         try:
-            configs[name] = load_pretrain_config(spec["config"],
-                                                 [f"{k}={v}" for k, v in (spec.get("set") or {}).items()])
+            configs[name] = sweep_entry_config(name, spec)  # its set as pretrain_command passes it
             sweep_pretrain_gpus(name, configs[name].device)  # a fixed cuda:N, which the GPU pool cannot honour
-        except SweepError as err:
-            raise WorkflowError(str(err)) from None
         except UserError as err:
-            raise WorkflowError(f"pretrain.{name}: {err}") from None
+            raise WorkflowError(str(err)) from None
     return configs
 
 
