@@ -179,6 +179,16 @@ def cpu_sweep(data: dict) -> dict:
     return data
 
 
+def _pretrain_configs(data: dict) -> dict:
+    """{label: its config} of the sweep ``data``'s pretrain entries, each read as its ``agg-bench pretrain``
+    process is given it (:func:`agg_bench.tools.pretrain.sweep_entry_config`); none: no torch imported."""
+    if not data.get("pretrain"):
+        return {}
+    from .pretrain import sweep_entry_config
+
+    return {label: sweep_entry_config(label, spec) for label, spec in data["pretrain"].items()}
+
+
 class Campaign:
     """A campaign's sweep (``config``: a sweep config YAML) and its ``campaign`` section; with ``cpu``,
     :func:`cpu_sweep`'s form of it."""
@@ -193,6 +203,7 @@ class Campaign:
         schema = yaml.safe_load(SCHEMA.read_text())
         if cpu:
             check_sweep(data, schema)  # the sweep as written (a run config is no sweep), before its CPU form
+            _pretrain_configs(data)  # its pretrain entries as written: a refusal names the file's label
             data = cpu_sweep(data)
         # the file's resolutions and seeds, which its exclude entries name, though a CPU form has fewer
         self.sweep = Sweep(data, schema, files=[self.config_path], **kwargs)
@@ -203,6 +214,9 @@ class Campaign:
         self.priority = part.get("priority", [])
         self.learning = data.get("learning")
         self.pretrain = data.get("pretrain") or {}
+        # every pretrain entry as its job is given it, before a window starts (a refused one was a window that
+        # pre-trained nothing, ran nothing and packed an empty archive)
+        self.pretrain_configs = _pretrain_configs(data)
         for i, selector in enumerate(self.priority):
             for label in selector.get("methods", []):
                 if label not in self.sweep.sweep["methods"]:
@@ -355,10 +369,9 @@ class Campaign:
         must record the config that ``pretrain.<label>`` composes (its ``config`` file with its ``set``, as
         :meth:`pretrain_argv` passes them), key by key, except :data:`PRETRAIN_SPEED_KEYS`."""
         from ..jsonfiles import JsonFileError, read_json_object
-        from .pretrain import MARKER, load_pretrain_config
+        from .pretrain import MARKER
 
-        spec = load_pretrain_config(self.pretrain[label]["config"], self.pretrain_overrides(label))
-        wanted = dataclasses.asdict(spec)
+        wanted = dataclasses.asdict(self.pretrain_configs[label])
         try:
             recorded = read_json_object(folder / MARKER, "an agg-bench pretrain output's pretrain.json").get("config")
         except JsonFileError as err:

@@ -410,6 +410,33 @@ def test_a_config_that_is_not_a_sweep_is_one_line_with_cpu(tmp_path, capsys, act
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_sweep.yaml"]
 
 
+@pytest.mark.parametrize("cpu", [True, False])
+@pytest.mark.parametrize("action", ["run", "status"])
+@pytest.mark.parametrize("setting, words", [
+    ({"lr": -1}, "lr = -1.0: expected a number in (0, 1]"),
+    ({"seed": "7"}, "seed = '7': expected an integer"),  # the text '7', as the pretrain process is given it
+])
+def test_a_pretrain_entry_its_process_refuses_is_one_line_before_a_window(tmp_path, capsys, monkeypatch, cpu, action,
+                                                                         setting, words):
+    """A learning sweep's pretrain entry that `agg-bench pretrain` refuses was found only by the window's pretrain
+    process: the window pre-trained nothing, ran nothing and packed an empty archive, exit 0. Now one line names
+    the entry as the file has it, exit 2, and nothing is written."""
+    import yaml
+
+    sweep = yaml.safe_load((ROOT / "config" / "learning_gpu.yaml").read_text())
+    [label] = sweep["pretrain"]
+    sweep["pretrain"][label]["set"].update(setting)
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    monkeypatch.chdir(ROOT)  # the sweep's files (config/pretrain.yaml, the prompts) are relative to the repository
+    code = main(["campaign", action, "--config", str(config), *(["--cpu"] if cpu else []), "--work",
+                 str(tmp_path / "w"), *(["--minutes", "1", "--archive", str(tmp_path / "a.tar.gz")]
+                                        if action == "run" else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f"sweep config: pretrain.{label}: config error: {words}" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
+
+
 def test_a_work_folder_of_other_files_is_refused(tmp_path, capsys):
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "notes.txt").write_text("mine")
