@@ -112,19 +112,20 @@ def test_cli_full_disk_while_writing_tables(tmp_path, capsys, monkeypatch):
 
 
 def test_learning_keeps_the_contract(tmp_path, capsys, monkeypatch):
-    assert cli.main(["learning", "--manifest", str(tmp_path / "none.json")]) == 2
+    tables = ["--tables", str(tmp_path / "t")]
+    assert cli.main(["learning", "--manifest", str(tmp_path / "none.json"), *tables]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"agg-bench learning: manifest {tmp_path / 'none.json'}: no such file"]
     (tmp_path / "m.json").write_text('{"runs": [{"dir": 5}]}')
-    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json")]) == 2
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables]) == 2
     line, = capsys.readouterr().err.splitlines()
     assert "runs[0]" in line and "m.json" in line
-    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), "--eval-sampler", "euler"]) == 2
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables, "--eval-sampler", "euler"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "agg-bench learning: --eval-sampler 'euler': expected one of ode, sde"]
     (tmp_path / "m.json").write_text('{"runs": [{"dir": "run", "method": "full", "seed": 0}]}')
     monkeypatch.setattr(learning, "load_runs", lambda path: [][0])  # noqa: PLE0643 (a bug on purpose)
-    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json")]) == 1
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables]) == 1
     lines = capsys.readouterr().err.splitlines()
     assert "bug in agg-bench" in lines[0] and "agg-bench learning --manifest" in lines[0]
     assert lines[-1].startswith("IndexError")

@@ -344,3 +344,18 @@ def test_a_status_no_run_writes_is_refused_not_shown_as_an_error(run, tmp_path, 
     assert line.startswith(f"agg-bench report: {path}: ")
     assert line.endswith("'status' = 'paused': expected one of ok, oom, diverged, interrupted, error or null")
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("more", [[], ["--eval-noises", "2"]])
+def test_learning_with_nothing_to_write_is_refused_before_anything_is_read(run, tmp_path, capsys, monkeypatch, more):
+    """Without --tables and --plots, `learning` read every run (with --eval-noises it sampled every checkpoint)
+    and wrote nothing, exit 0; `report` refuses the same."""
+    from agg_bench.tools import learning
+
+    monkeypatch.setattr(learning, "load_runs", lambda path: pytest.fail("the runs were read"))
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": str(run), "method": "full", "seed": 0}]}))
+    before = tree(tmp_path)
+    assert fails(capsys, ["learning", "--manifest", str(manifest), *more]) == (
+        "agg-bench learning: give --tables DIR and/or --plots DIR")
+    assert tree(tmp_path) == before
