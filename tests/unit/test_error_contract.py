@@ -214,3 +214,28 @@ def test_a_full_disk_while_a_file_is_written_names_that_file(tmp_path, capsys, c
     what = "no space left on device" + (" (disk quota exceeded)" if code == errno.EDQUOT else "")
     assert contract(capsys, body) == (2, [f"agg-bench test: {target}: {what}"])
     assert list(target.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("buffering", [-1, 1])
+def test_a_reader_of_stdout_that_has_gone_is_no_bug(capsys, monkeypatch, buffering):
+    """`agg-bench env | head -c 20`: the reader closed the pipe, the write failed with BrokenPipeError, and the
+    command printed 'internal error: this is a bug in agg-bench' with the traceback. Now it ends quietly with
+    128 + SIGPIPE, as a process that signal ended; stdout block-buffered (the error comes at the flush) or
+    line-buffered (in the print)."""
+    import signal
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    capsys.readouterr()
+    with os.fdopen(write_end, "w", buffering=buffering) as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        assert cli.main(["env"]) == 128 + signal.SIGPIPE
+        monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_broken_pipe_to_a_child_is_still_a_bug(capsys):
+    """Only stdout's reader going is quiet: a broken pipe elsewhere (a child's stdin) keeps the bug's line."""
+    code, err = contract(capsys, raises(BrokenPipeError(32, "Broken pipe")))
+    assert code == 1 and "internal error: this is a bug" in err[0]
