@@ -566,6 +566,7 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     work = Path(work)
     reference = Path(reference) if reference is not None else None
     archive = Path(archive) if archive is not None else work / "campaign.tar.gz"
+    check_places(work, reference, archive)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(start))
     if not (type(campaign.parallel) is int and 1 <= campaign.parallel <= MAX_PARALLEL):
         raise ConfigError("campaign.parallel", campaign.parallel, f"an integer from 1 to {MAX_PARALLEL}")
@@ -592,6 +593,26 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
         _pack(campaign, work, reference, archive)
         log["archive"] = str(archive)
     return log
+
+
+def check_places(work: Path, reference: Path | None, archive: Path) -> None:
+    """A window's folders apart: ``--reference`` neither ``--work`` nor inside it or around it (a run there
+    counted as the reference's, and the archive packed none of the window's runs), and ``--archive`` outside
+    the reference and, in the work folder, only its own ``campaign.tar.gz`` (elsewhere there it was a file
+    where the work folder keeps its runs, logs or cells: every later window was refused). Writes nothing."""
+    def within(path: Path, folder: Path) -> bool:
+        path, folder = path.resolve(), folder.resolve()
+        return path == folder or folder in path.parents
+
+    if reference is not None and (within(reference, work) or within(work, reference)):
+        raise UserError(f"--reference {reference}: the work folder {work} or a folder in or around it; expected the "
+                        "reference apart from --work (the archive holds the runs the reference lacks)")
+    if reference is not None and within(archive, reference):
+        raise UserError(f"--archive {archive}: inside --reference {reference}, which holds reference results only; "
+                        "expected a path outside it (campaign unpack adds the archive to it)")
+    if within(archive, work) and archive.resolve() != (work / "campaign.tar.gz").resolve():
+        raise UserError(f"--archive {archive}: inside --work {work}, whose folders hold the window's runs, cells, "
+                        f"calibrations, logs and window logs; expected {work / 'campaign.tar.gz'} or a path outside it")
 
 
 def _pretrain(campaign: Campaign, label: str, stamp: str, work: Path, stop_at: float, python: str) -> dict:

@@ -379,6 +379,24 @@ def test_bad_options_are_one_line(tmp_path, capsys, args, words):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("args, words", [
+    # a file where the work folder keeps its run folders: every later window refused the work folder
+    (["--archive", "{w}/runs/x.tar.gz"], "--archive {w}/runs/x.tar.gz: inside --work {w}, whose folders hold"),
+    (["--archive", "{w}/logs/a.tar.gz"], "--archive {w}/logs/a.tar.gz: inside --work {w}"),
+    (["--reference", "{r}", "--archive", "{r}/a.tar.gz"], "--archive {r}/a.tar.gz: inside --reference {r}"),
+    # the work folder as the reference: its runs counted as the reference's, and the archive packed none of them
+    (["--reference", "{w}"], "--reference {w}: the work folder {w} or a folder in or around it"),
+    (["--reference", "{w}/reference"], "--reference {w}/reference: the work folder {w} or a folder in or around it"),
+])
+def test_a_window_s_folders_that_overlap_are_one_line(tmp_path, capsys, args, words):
+    w, r = tmp_path / "w", tmp_path / "r"
+    args = [a.format(w=w, r=r) for a in args]
+    code = main(["campaign", "run", "--config", str(CONFIG), "--cpu", "--minutes", "1", "--work", str(w), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words.format(w=w, r=r) in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("action, args, words", [
     ("status", ["--minutes", "3"], "campaign status: --minutes is an option of campaign run"),
     ("status", ["--started", "1"], "campaign status: --started is an option of campaign run"),
