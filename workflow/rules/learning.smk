@@ -2,6 +2,8 @@
 # results/pretrained/<label>/ (later runs reuse them), then the learning tables and plots of the sweep's runs
 # (with the runs' in-run evaluations, eval.every > 0: the held-out curves against cost and the cost to a target).
 #   snakemake --cores 2 --configfile config/learning.yaml learning      (make learning)
+from agg_bench.tools.sweep import LEARNING_EVAL_NOISES
+
 PRETRAIN = config.get("pretrain") or {}
 LEARNING = config.get("learning") or {}
 LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + \
@@ -105,7 +107,7 @@ rule learning_report:
         "results/logs/learning.log",
     params:
         options=f"--average {int(LEARNING.get('average_iterations', 3))} --fraction {float(LEARNING.get('fraction_of_full', 0.8))} "
-        f"--eval-noises {int(LEARNING.get('eval_noises', 16))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
+        f"--eval-noises {int(LEARNING.get('eval_noises', LEARNING_EVAL_NOISES))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
         f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')} "
         f"--target-fraction {float(LEARNING.get('target_fraction', 0.9))} "
         f"--eval-source {LEARNING.get('eval_source', 'auto')} "
