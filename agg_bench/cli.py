@@ -221,6 +221,8 @@ def cmd_report(args) -> int:
 def cmd_learning(args) -> int:
     from .tools.learning import LearningOptions, learning_report
 
+    if args.tables is None and args.plots is None:  # else every checkpoint was evaluated and nothing written
+        raise UserError("give --tables DIR and/or --plots DIR")
     options = LearningOptions(args.average, args.fraction, args.eval_noises, args.eval_seed, args.eval_sampler,
                               args.target_fraction, args.reference, args.eval_source)
     runs = learning_report(args.manifest, args.tables, args.plots, options)

@@ -13,7 +13,9 @@ import errno
 import itertools
 import os
 import reprlib
+import select
 import shlex
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -124,6 +126,20 @@ def disk_full(exc: BaseException) -> tuple[str, str | None] | None:
     return None
 
 
+def stdout_reader_gone(err: BaseException) -> bool:
+    """Whether ``err`` is a write to a pipe on stdout whose reader has closed it (``agg-bench env | head``),
+    which is no bug: a broken pipe, and stdout's pipe without a reader (``poll`` says so, so that a broken pipe
+    to a child process still counts as a bug)."""
+    if not isinstance(err, BrokenPipeError):
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or a stdout without a file descriptor
+        return False
+
+
 def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: str | Path | None = None) -> int:
     """``body()`` under the error contract of every agg-bench command; its exit code.
 
@@ -132,12 +148,15 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
     ``out``). SIGTERM and SIGINT are taken as :mod:`agg_bench.stopping` says (``body`` runs under its
     :func:`~agg_bench.stopping.stop_signals`): an interruption prints ``name: interrupted`` and exits with
     128 + the signal's number, as a shell reports a process ended by it (130 SIGINT, 143 SIGTERM), and a
-    second signal ends the process at once with that code. Anything else is a bug in agg-bench: one line
+    second signal ends the process at once with that code. A reader of stdout that has gone (a pipe into
+    ``head``) ends it quietly with 128 + SIGPIPE, as a shell reports a process that signal ended. Anything else is a bug in agg-bench: one line
     that says so and names the command to report (``argv``), then the traceback, exit code 1.
     """
     try:
         with stop_signals(name):
-            return body()
+            code = body()
+        sys.stdout.flush()  # what it printed reaches its reader here, where a reader that has gone is caught
+        return code
     except UserError as err:
         print(f"{name}: {one_line(str(err))}", file=sys.stderr)
         return 2
@@ -147,6 +166,9 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
         print(f"{name}: interrupted", file=sys.stderr)
         return 128 + signum
     except Exception as err:
+        if stdout_reader_gone(err):  # `agg-bench env | head`: the reader took what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+            return 128 + signal.SIGPIPE
         full = disk_full(err)
         if full is not None:
             what, path = full

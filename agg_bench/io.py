@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from .errors import DISK_FULL, UserError, disk_full
-from .jsonfiles import JsonProblem, loads
+from .jsonfiles import JsonProblem, NotRegularFile, loads, open_regular
 
 
 def _json_default(obj: Any):
@@ -184,7 +184,11 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
     """Records of a JSONL file, read a line at a time; a torn last line (a run killed mid-write) is skipped.
     Any other line that is not a JSON object, or a line longer than :data:`MAX_JSONL_LINE_BYTES`, raises a
     UserError naming the file and the line."""
-    with open(path, "rb") as fh:
+    try:
+        fh = open_regular(path)
+    except NotRegularFile:
+        raise UserError(f"{path}: is not a regular file; expected a JSONL file of agg-bench records") from None
+    with fh:
         number, offset = 0, 0
         line = fh.readline(MAX_JSONL_LINE_BYTES + 1)
         while line:  # b"" at the end of the file

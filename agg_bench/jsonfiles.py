@@ -4,8 +4,10 @@ it and what was expected there."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .errors import UserError, quote
 
@@ -95,20 +97,44 @@ def check_path(path: str | Path, what: str, expected: str | None = None, folder:
         raise UserError(f"{what} {path}: {found}" + (f"; expected {expected}" if expected else ""))
 
 
+class NotRegularFile(OSError):
+    """A path that is neither a regular file nor a folder: a device or a pipe (:func:`open_regular`)."""
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """``path`` opened for reading in binary, as a regular file: opened without waiting (a pipe without a writer
+    blocks an open) and looked at before anything is read, since a device or a pipe given for a file (/dev/zero,
+    a FIFO in a shared results folder) was read until memory ran out, or forever. A folder raises
+    IsADirectoryError, anything else that is no regular file :class:`NotRegularFile` (both OSErrors)."""
+    handle = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)), "rb")
+    mode = os.fstat(handle.fileno()).st_mode
+    if stat.S_ISREG(mode):
+        return handle
+    handle.close()
+    raise (IsADirectoryError if stat.S_ISDIR(mode) else NotRegularFile)(f"{path}: not a regular file")
+
+
 def read_json_object(path: str | Path, expected: str, max_bytes: int = MAX_JSON_BYTES) -> dict:
     """The JSON object in file ``path``; a JsonFileError naming ``path`` and ``expected`` (what belongs
     there, e.g. "an agg-bench calibrate JSON") when the file is missing or unreadable, larger than
     ``max_bytes`` (refused before it is read), not UTF-8 text, not JSON, or holds another JSON value."""
     path = Path(path)
     try:
-        if path.is_file() and (size := path.stat().st_size) > max_bytes:
-            raise JsonFileError(path, f"is {size:,} bytes, over the {_size(max_bytes)} such a file may have",
-                                expected)
-        text = path.read_bytes().decode("utf-8")
+        with open_regular(path) as handle:
+            info = os.fstat(handle.fileno())
+            if info.st_size > max_bytes:
+                raise JsonFileError(path, f"is {info.st_size:,} bytes, over the {_size(max_bytes)} such a file may "
+                                          "have", expected)
+            data = handle.read(max_bytes + 1)  # a file that grows while it is read stops at the bound too
+        if len(data) > max_bytes:
+            raise JsonFileError(path, f"is over the {_size(max_bytes)} such a file may have", expected)
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise JsonFileError(path, "no such file", expected) from None
     except IsADirectoryError:
         raise JsonFileError(path, "is a folder", expected) from None
+    except NotRegularFile:
+        raise JsonFileError(path, "is not a regular file", expected) from None
     except UnicodeDecodeError as err:
         raise JsonFileError(path, f"is not UTF-8 text ({err.reason} at byte {err.start})", expected) from None
     except OSError as err:

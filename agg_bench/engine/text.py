@@ -220,6 +220,21 @@ def find_cached(cache_dir: str | Path, key: str) -> Path | None:
     return None
 
 
+def check_cache_target(cache_dir: str | Path, path: Path) -> None:
+    """Refuse writing the cache file ``path`` of ``prompts.cache_dir`` (before anything is encoded or written):
+    the folder a folder, made if missing, never a symbolic link (a write lands in the folder named) nor a
+    file; ``path`` new or an embedding file of this module (someone's file of that name is left alone)."""
+    from ..outdir import check_file, check_writable
+
+    folder = Path(cache_dir)
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise ConfigError("prompts.cache_dir", str(cache_dir), "a folder (made if missing), not a file or a "
+                                                               "symbolic link")
+    check_writable(path, "prompts.cache_dir")  # a file where one of its folders goes, or a read-only place
+    check_file(path, is_embeddings_file, "an agg-bench embedding file", "prompts.cache_dir",
+               "move it aside or give another prompts.cache_dir")
+
+
 def default_cache_path(cache_dir: str | Path, family: str, pretrained: str | Path | None, prompts: PromptSet,
                        key: str) -> Path:
     model = Path(pretrained).name if pretrained else "tiny"
@@ -251,11 +266,13 @@ def run_embeddings(cfg: RunConfig, prompts: PromptSet, device: str | torch.devic
     if hit is not None:
         cond, _ = load_embeddings(hit)
         return Embeddings(cond, hit, False, key)
+    target = write_to if write_to is not None else default_cache_path(cache_dir, family, pretrained, prompts, key)
+    if write_to is None:  # a file the caller names is its own claim (agg-bench embed --out)
+        check_cache_target(cache_dir, Path(target))
     cond = encode_prompts(family, pretrained, prompts.prompts, device, max_len, dtype)
     meta = {"key": key, "family": family, "pretrained": str(Path(pretrained).resolve()),
             "prompts_file": str(prompts.path), "prompts_sha256": prompts.sha256, "n_prompts": len(prompts.prompts),
             "max_sequence_length": max_len, "encoder_dtype": str(dtype).removeprefix("torch.")}
-    target = write_to if write_to is not None else default_cache_path(cache_dir, family, pretrained, prompts, key)
     path = save_embeddings(target, cond, meta)
     return Embeddings(cond, path, True, key)
 
@@ -333,6 +350,8 @@ def embed(cfg: RunConfig, out: str | Path | None = None, device: str | torch.dev
         key = hashlib.sha256("\0".join([FORMAT, "tiny", family, prompts.sha256, str(tokens),
                                         str(cfg.seed)] + _architecture_key(cfg)).encode()).hexdigest()
         path = out if out is not None else default_cache_path(cfg.prompts.cache_dir, family, None, prompts, key)
+        if out is None:
+            check_cache_target(cfg.prompts.cache_dir, Path(path))
         meta = {"key": key, "family": family, "pretrained": "", "prompts_file": str(prompts.path),
                 "prompts_sha256": prompts.sha256, "n_prompts": len(prompts.prompts)}
         return Embeddings(cond, save_embeddings(path, cond, meta), False, key)

@@ -179,6 +179,16 @@ def cpu_sweep(data: dict) -> dict:
     return data
 
 
+def _pretrain_configs(data: dict) -> dict:
+    """{label: its config} of the sweep ``data``'s pretrain entries, each read as its ``agg-bench pretrain``
+    process is given it (:func:`agg_bench.tools.pretrain.sweep_entry_config`); none: no torch imported."""
+    if not data.get("pretrain"):
+        return {}
+    from .pretrain import sweep_entry_config
+
+    return {label: sweep_entry_config(label, spec) for label, spec in data["pretrain"].items()}
+
+
 class Campaign:
     """A campaign's sweep (``config``: a sweep config YAML) and its ``campaign`` section; with ``cpu``,
     :func:`cpu_sweep`'s form of it."""
@@ -193,6 +203,7 @@ class Campaign:
         schema = yaml.safe_load(SCHEMA.read_text())
         if cpu:
             check_sweep(data, schema)  # the sweep as written (a run config is no sweep), before its CPU form
+            _pretrain_configs(data)  # its pretrain entries as written: a refusal names the file's label
             data = cpu_sweep(data)
         # the file's resolutions and seeds, which its exclude entries name, though a CPU form has fewer
         self.sweep = Sweep(data, schema, files=[self.config_path], **kwargs)
@@ -203,6 +214,9 @@ class Campaign:
         self.priority = part.get("priority", [])
         self.learning = data.get("learning")
         self.pretrain = data.get("pretrain") or {}
+        # every pretrain entry as its job is given it, before a window starts (a refused one was a window that
+        # pre-trained nothing, ran nothing and packed an empty archive)
+        self.pretrain_configs = _pretrain_configs(data)
         for i, selector in enumerate(self.priority):
             for label in selector.get("methods", []):
                 if label not in self.sweep.sweep["methods"]:
@@ -370,10 +384,9 @@ class Campaign:
         must record the config that ``pretrain.<label>`` composes (its ``config`` file with its ``set``, as
         :meth:`pretrain_argv` passes them), key by key, except :data:`PRETRAIN_SPEED_KEYS`."""
         from ..jsonfiles import JsonFileError, read_json_object
-        from .pretrain import MARKER, load_pretrain_config
+        from .pretrain import MARKER
 
-        spec = load_pretrain_config(self.pretrain[label]["config"], self.pretrain_overrides(label))
-        wanted = dataclasses.asdict(spec)
+        wanted = dataclasses.asdict(self.pretrain_configs[label])
         try:
             recorded = read_json_object(folder / MARKER, "an agg-bench pretrain output's pretrain.json").get("config")
         except JsonFileError as err:
@@ -568,6 +581,7 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     work = Path(work)
     reference = Path(reference) if reference is not None else None
     archive = Path(archive) if archive is not None else work / "campaign.tar.gz"
+    check_places(work, reference, archive)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(start))
     if not (type(campaign.parallel) is int and 1 <= campaign.parallel <= MAX_PARALLEL):
         raise ConfigError("campaign.parallel", campaign.parallel, f"an integer from 1 to {MAX_PARALLEL}")
@@ -595,6 +609,26 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
         _pack(campaign, work, reference, archive)
         log["archive"] = str(archive)
     return log
+
+
+def check_places(work: Path, reference: Path | None, archive: Path) -> None:
+    """A window's folders apart: ``--reference`` neither ``--work`` nor inside it or around it (a run there
+    counted as the reference's, and the archive packed none of the window's runs), and ``--archive`` outside
+    the reference and, in the work folder, only its own ``campaign.tar.gz`` (elsewhere there it was a file
+    where the work folder keeps its runs, logs or cells: every later window was refused). Writes nothing."""
+    def within(path: Path, folder: Path) -> bool:
+        path, folder = path.resolve(), folder.resolve()
+        return path == folder or folder in path.parents
+
+    if reference is not None and (within(reference, work) or within(work, reference)):
+        raise UserError(f"--reference {reference}: the work folder {work} or a folder in or around it; expected the "
+                        "reference apart from --work (the archive holds the runs the reference lacks)")
+    if reference is not None and within(archive, reference):
+        raise UserError(f"--archive {archive}: inside --reference {reference}, which holds reference results only; "
+                        "expected a path outside it (campaign unpack adds the archive to it)")
+    if within(archive, work) and archive.resolve() != (work / "campaign.tar.gz").resolve():
+        raise UserError(f"--archive {archive}: inside --work {work}, whose folders hold the window's runs, cells, "
+                        f"calibrations, logs and window logs; expected {work / 'campaign.tar.gz'} or a path outside it")
 
 
 def _pretrain(campaign: Campaign, label: str, stamp: str, work: Path, stop_at: float, python: str) -> dict:

@@ -49,6 +49,7 @@ MAX_SEED = 2**32 - 1  # as a run's seed; the data, noise and sample generators t
 # sweep's batch of 32) takes seconds on a CPU core; its weights, gradients, AdamW's moments and the average are
 # STATE_COPIES x 4 bytes per parameter.
 MAX_PARAMETERS = 100_000_000
+MAX_THREADS = 1024  # as a sweep device's threads (workflow/schemas/config.schema.yaml)
 STATE_COPIES = 5
 FAMILIES = tuple(name for name, spec in FAMILY_SPECS.items() if spec.pixel_transformer is not None)
 LR_SCHEDULES = ("constant", "cosine")
@@ -61,14 +62,14 @@ class PretrainConfig:
     family: a model family with a pixel-space scene model (its spec's ``pixel_transformer``: ``sd3``,
     ``flux``). resolution: image side in pixels (a multiple of 4 x ``pixel_factor``). steps: optimizer
     steps. batch_size: images per step. lr: AdamW learning rate (linear warm-up over the first
-    ``warmup_steps``). lr_schedule: after the warm-up, ``constant`` or ``cosine`` (down to 0 at the last
-    step: late steps refine instead of wander).
+    ``warmup_steps``, at most ``steps``' bound). lr_schedule: after the warm-up, ``constant`` or ``cosine``
+    (down to 0 at the last step: late steps refine instead of wander).
     ema_decay: decay of the saved weights' moving average. seed: data, noise and initial weights. num_layers: transformer blocks (FLUX:
     this many double-stream and this many single-stream blocks). num_attention_heads /
     attention_head_dim: attention width. text_dim: token and pooled embedding width. max_tokens: caption
     tokens embedded. pixel_factor: the pixel decoder's rearrangement factor. shift: the scheduler's sigma
     shift, also used to draw the training sigmas. sample_steps: Euler steps of the sample grid. threads:
-    torch CPU threads, at most as many as the cores this process may use (0: leave as is). device: where
+    torch CPU threads (at most 1024), capped at the cores this process may use (0: leave as is). device: where
     the model trains and samples (``cpu``, ``cuda``, ``cuda:N``); the data, noise and initial weights are
     drawn on the CPU from the same seeds whatever the device, so another device's arithmetic gives another,
     equally valid model.
@@ -117,9 +118,11 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
         value = getattr(cfg, name)
         if not 1 <= value <= limits[name]:
             raise ConfigError(name, value, f"an integer from 1 to {limits[name]}")
-    for name, low in (("warmup_steps", 0), ("threads", 0)):
-        if getattr(cfg, name) < low:
-            raise ConfigError(name, getattr(cfg, name), f"an integer >= {low}")
+    # a warm-up past any run's steps (10**400 overflowed the learning rate's float in the first step) and more
+    # threads than any machine's cores (the workflow reserves them: the sweep's devices take at most 1024)
+    for name, high in (("warmup_steps", limits["steps"]), ("threads", MAX_THREADS)):
+        if not 0 <= getattr(cfg, name) <= high:
+            raise ConfigError(name, getattr(cfg, name), f"an integer from 0 to {high}")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError("seed", cfg.seed, f"an integer from 0 to {MAX_SEED} (a run's seed range)")
     if not (isinstance(cfg.device, str) and re.fullmatch(r"cpu|cuda(:\d{1,9})?", cfg.device)):
@@ -179,6 +182,19 @@ def load_pretrain_config(path: str | Path | None, overrides: list[str] | None = 
         if key not in known:
             raise ConfigError(key, user[key], f"a pretrain key (one of {', '.join(known)})")
     return _check(PretrainConfig(**user))
+
+
+def sweep_entry_config(label: str, spec: dict) -> PretrainConfig:
+    """The config of a sweep's ``pretrain.<label>`` entry, read as its pretrain job is given it: the entry's
+    ``config`` file with each ``set`` item as the ``--set KEY=VALUE`` the job passes
+    (:func:`agg_bench.tools.sweep.overrides_of`: a quoted ``'7'`` stays text). The workflow and the campaign
+    read every entry so before any job starts; a refusal names the entry."""
+    from .sweep import SweepError, overrides_of
+
+    try:
+        return load_pretrain_config(spec["config"], overrides_of(list((spec.get("set") or {}).items())))
+    except UserError as err:
+        raise SweepError(f"pretrain.{label}: {err}") from None
 
 
 def transformer_config(cfg: PretrainConfig) -> dict:

@@ -44,7 +44,7 @@ import yaml
 from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_override_values,
                       check_schema, load_config, read_yaml_mapping, run_schema, yaml_load)
 from ..engine.families import architecture, check_own_schedule, check_resolution
-from ..errors import UserError, clip, quote
+from ..errors import ConfigError, UserError, clip, quote
 from ..io import atomic_path
 from ..jsonfiles import loads, read_json_object
 from ..outdir import Contents, check_folder
@@ -57,6 +57,7 @@ PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has
 EMBED_DIR = "results/embeddings"
 PRETRAINED_DIR = "results/pretrained"  # model folders the workflow's pretrain rule makes
 CELL_DIR = "results/cells"  # the cell jobs' job files and their journals, and the run jobs' journals
+LEARNING_EVAL_NOISES = 16  # learning.eval_noises where the sweep leaves it out (workflow/rules/learning.smk)
 LEARNING_DIR = "results/learning"  # the learning report's tables and plots, and its manifest (workflow/rules/learning.smk)
 DONE_DIR = "results/done"  # each run's marker: the output of its job (a run job or a cell job)
 # Runs in one sweep. Composing and checking them costs little (runs that differ only in their seed are checked
@@ -216,6 +217,10 @@ def check_sweep(sweep: dict, schema: dict, files: list[dict] = ()) -> None:
     if reference is not None and reference not in sweep["methods"]:  # agg-bench learning refuses it at the end
         raise SweepError(f"learning.reference: {quote(reference)} is not a label under methods "
                          f"({', '.join(sweep['methods'])})")
+    learning = sweep.get("learning") or {}
+    if learning.get("eval_source") == "checkpoint" and learning.get("eval_noises", LEARNING_EVAL_NOISES) == 0:
+        raise SweepError("learning.eval_source: 'checkpoint' with learning.eval_noises = 0; expected eval_noises >= 1 "
+                         "(the checkpoint evaluation's noises per caption: agg-bench learning refuses it after the runs)")
 
 
 def run_overrides(sweep: dict) -> list[tuple[str, dict]]:
@@ -476,7 +481,7 @@ class Sweep:
                                                  default=repr)
                                 if key not in checked:
                                     checked[key] = f"run {run_id} (methods.{method}, models.{model})"
-                                    self._check(checked[key], pairs, device)
+                                    self._check(checked[key], pairs, device, learning_ends=True)
                                     checks[checked[key]] = pairs
                                 self.runs[run_id] = {**labels, "pairs": pairs, "check": checked[key]}
                                 if len(self.runs) > MAX_RUNS:
@@ -637,12 +642,21 @@ class Sweep:
             pairs.append(("prompts.cache_dir", EMBED_DIR))
         return pairs
 
-    def _check(self, what: str, pairs: list[tuple[str, Any]], device: str | None = None) -> None:
+    def _check(self, what: str, pairs: list[tuple[str, Any]], device: str | None = None,
+               learning_ends: bool = False) -> None:
         """The composed run config against the run schema, its resolution against its model's configs,
         and (on ``device``) its batch against the device's processes, as `agg-bench run` would check
-        them; an error names the job and the key."""
+        them; with ``learning_ends`` (a run of a sweep with a ``learning`` section) its iterations against the
+        learning table's two ends; an error names the job and the key."""
         try:
             cfg = load_config(self.base_file, overrides_of(pairs))
+            learning = self.sweep.get("learning")
+            average = (learning or {}).get("average_iterations", 3)
+            if learning_ends and learning is not None and 2 * average > cfg.train.iterations:
+                raise ConfigError("learning.average_iterations", average,
+                                  f"at most {cfg.train.iterations // 2}: the learning table averages that many "
+                                  f"iterations at each end of a run, and this run trains at most train.iterations = "
+                                  f"{cfg.train.iterations} (agg-bench learning refuses it after the runs)")
             if cfg.model.preset == "random" and not cfg.model.pretrained:  # the name, from the specs (no torch)
                 architecture(cfg.model.family, cfg.model.architecture)
             check_resolution(cfg.model.to_dict())

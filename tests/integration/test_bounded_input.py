@@ -388,6 +388,18 @@ def test_sweep_integers_and_bounds(no_methods_check, edit, words):
         assert word in message, message
 
 
+@pytest.mark.parametrize("learning, words", [
+    # agg-bench learning refuses both after every run has trained: the sweep refuses them before any job
+    ({"eval_source": "checkpoint", "eval_noises": 0}, "learning.eval_source: 'checkpoint' with learning.eval_noises = 0"),
+    ({"average_iterations": 2}, "config error: learning.average_iterations = 2: expected at most 1: the learning table"),
+])
+def test_learning_settings_the_report_would_refuse_after_the_runs(no_methods_check, learning, words):
+    config = sweep_config()
+    config["set"]["train.iterations"] = 3  # at most 1 iteration at each of a run's two ends
+    config["learning"] = learning
+    assert words in sweep_error(config)
+
+
 def test_a_sweep_of_shared_objects_is_refused_by_its_size(no_methods_check):
     config = sweep_config()
     value: list = ["x"] * 9

@@ -394,6 +394,24 @@ def test_a_gpu_window_on_a_machine_without_cuda_is_one_line_and_writes_nothing(t
     assert not work.exists() and not (tmp_path / "ref").exists()
 
 
+@pytest.mark.parametrize("args, words", [
+    # a file where the work folder keeps its run folders: every later window refused the work folder
+    (["--archive", "{w}/runs/x.tar.gz"], "--archive {w}/runs/x.tar.gz: inside --work {w}, whose folders hold"),
+    (["--archive", "{w}/logs/a.tar.gz"], "--archive {w}/logs/a.tar.gz: inside --work {w}"),
+    (["--reference", "{r}", "--archive", "{r}/a.tar.gz"], "--archive {r}/a.tar.gz: inside --reference {r}"),
+    # the work folder as the reference: its runs counted as the reference's, and the archive packed none of them
+    (["--reference", "{w}"], "--reference {w}: the work folder {w} or a folder in or around it"),
+    (["--reference", "{w}/reference"], "--reference {w}/reference: the work folder {w} or a folder in or around it"),
+])
+def test_a_window_s_folders_that_overlap_are_one_line(tmp_path, capsys, args, words):
+    w, r = tmp_path / "w", tmp_path / "r"
+    args = [a.format(w=w, r=r) for a in args]
+    code = main(["campaign", "run", "--config", str(CONFIG), "--cpu", "--minutes", "1", "--work", str(w), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words.format(w=w, r=r) in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("action, args, words", [
     ("status", ["--minutes", "3"], "campaign status: --minutes is an option of campaign run"),
     ("status", ["--started", "1"], "campaign status: --started is an option of campaign run"),
@@ -423,6 +441,33 @@ def test_a_config_that_is_not_a_sweep_is_one_line_with_cpu(tmp_path, capsys, act
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "sweep config" in err[0] and words in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_sweep.yaml"]
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+@pytest.mark.parametrize("action", ["run", "status"])
+@pytest.mark.parametrize("setting, words", [
+    ({"lr": -1}, "lr = -1.0: expected a number in (0, 1]"),
+    ({"seed": "7"}, "seed = '7': expected an integer"),  # the text '7', as the pretrain process is given it
+])
+def test_a_pretrain_entry_its_process_refuses_is_one_line_before_a_window(tmp_path, capsys, monkeypatch, cpu, action,
+                                                                         setting, words):
+    """A learning sweep's pretrain entry that `agg-bench pretrain` refuses was found only by the window's pretrain
+    process: the window pre-trained nothing, ran nothing and packed an empty archive, exit 0. Now one line names
+    the entry as the file has it, exit 2, and nothing is written."""
+    import yaml
+
+    sweep = yaml.safe_load((ROOT / "config" / "learning_gpu.yaml").read_text())
+    [label] = sweep["pretrain"]
+    sweep["pretrain"][label]["set"].update(setting)
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    monkeypatch.chdir(ROOT)  # the sweep's files (config/pretrain.yaml, the prompts) are relative to the repository
+    code = main(["campaign", action, "--config", str(config), *(["--cpu"] if cpu else []), "--work",
+                 str(tmp_path / "w"), *(["--minutes", "1", "--archive", str(tmp_path / "a.tar.gz")]
+                                        if action == "run" else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f"sweep config: pretrain.{label}: config error: {words}" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
 
 
 def test_a_work_folder_of_other_files_is_refused(tmp_path, capsys):

@@ -126,6 +126,35 @@ def test_a_bad_job_file_is_one_line_and_writes_nothing(tmp_path, capsys, make, w
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["jobs.json", *(["m"] if (tmp_path / "m").exists() else [])])
 
 
+def _finished_run(t: Path) -> Path:
+    assert main(["run", "--set", "seed=5", *sum((["--set", item] for item in TINY), []), "--set",
+                 "train.iterations=1", "--out", str(t / "theirs")]) == 0
+    return t / "theirs"
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda t: (t / "theirs").mkdir() or (t / "theirs" / "notes.txt").write_text("mine") and t / "theirs",
+     "the folder holds files that are not an agg-bench run (notes.txt)"),
+    (lambda t: (t / "theirs").write_text("mine") and t / "theirs", "exists and is not a folder"),
+    (lambda t: (t / "folder").mkdir() or (t / "theirs").symlink_to(t / "folder") or t / "theirs",
+     "is a symbolic link"),
+    (_finished_run, "holds a finished run of another config (seed = 5 there, 0 here); pass --overwrite"),
+])
+@pytest.mark.parametrize("flags", [[], ["--keep-going"]])
+def test_a_later_runs_folder_that_takes_no_run_is_refused_before_the_first_run(tmp_path, capsys, make, words, flags):
+    """A later run's folder that its run refuses (someone's files, a file, a link, a finished run of another
+    config) was found only when the cell reached that run, after the runs before it had written their folders."""
+    theirs = make(tmp_path)
+    before = {str(p): None if p.is_dir() else p.read_bytes() for p in sorted(tmp_path.rglob("*"))}
+    path = job_file(tmp_path, [run(tmp_path / "a", "method={name: full}"), run(theirs, "method={name: full}")])
+    capsys.readouterr()
+    assert main(["cell", *flags, str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"jobs.json: runs[1] (--out {theirs}): --out {theirs}: {words}" in err[0], err
+    path.unlink()
+    assert {str(p): None if p.is_dir() else p.read_bytes() for p in sorted(tmp_path.rglob("*"))} == before
+
+
 @pytest.mark.parametrize("name", ["config.yaml", "h200.yaml", "learning_gpu.yaml"])
 def test_the_workflow_s_job_files_hold_only_the_keys_a_cell_reads(tmp_path, monkeypatch, name):
     """Every cell job file the workflow writes for a committed sweep (Sweep.cell_jobs) is read as it is,
@@ -199,20 +228,6 @@ def test_each_run_ends_on_its_own(tmp_path, capsys, monkeypatch, outcomes, code,
     progress = [line for line in err.splitlines() if line.startswith("agg-bench cell: run ")]
     assert len(progress) == 2 * started and progress[0].endswith(f"{tmp_path / 'a'} started")
     assert all(f"{tmp_path / n}: refused" in err for n, o in zip("abc", outcomes) if o == "user")
-
-
-def test_a_cell_runs_into_its_folders(tmp_path, capsys):
-    """Two real runs; the second's folder holds someone else's file, so it is refused (exit 2) and the
-    first run's folder is complete."""
-    (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "notes.txt").write_text("mine")
-    path = job_file(tmp_path, [run(tmp_path / "a", "method={name: full}"), run(tmp_path / "b", "method={name: full}")])
-    assert main(["cell", str(path)]) == 2
-    assert json.loads((tmp_path / "a" / "summary.json").read_text())["status"] == "ok"
-    assert len(list(read_jsonl(tmp_path / "a" / "metrics.jsonl"))) == 2
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["notes.txt"]
-    err = capsys.readouterr().err
-    assert f"agg-bench cell: {tmp_path / 'b'}: " in err and "run 2/2" in err
 
 
 @pytest.mark.parametrize("keep_going", [True, False])

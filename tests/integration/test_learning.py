@@ -198,7 +198,10 @@ def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path
 
 @pytest.mark.parametrize("value, words", [
     ("{device: gpu}", "pretrain.sd3-scenes: config error: device = 'gpu': expected cpu, cuda or cuda:N"),
-    ("{threads: -1}", "pretrain.sd3-scenes: config error: threads = -1: expected an integer >= 0"),
+    ("{threads: -1}", "pretrain.sd3-scenes: config error: threads = -1: expected an integer from 0 to 1024"),
+    # a value the pretrain job is given as the text '7' (its --set quoted): read as the number 7 here, it passed the
+    # dry run and failed the job
+    ("{seed: '7'}", "pretrain.sd3-scenes: config error: seed = '7': expected an integer"),
     # the GPU pool gives a job a free device and shows it only that one: a fixed index would be another job's
     ("{device: 'cuda:1'}", "sweep config: pretrain.sd3-scenes: device = 'cuda:1': the pretrain job takes a free "
      "GPU from the GPU pool, as a run job does, and sees only that one; expected cpu or cuda"),

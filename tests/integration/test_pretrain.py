@@ -135,6 +135,10 @@ def test_learning_rate_schedules():
     ("pixel_factor=3", "pixel_factor"), ("ema_decay=1", "ema_decay"), ("colour=red", "colour"),
     ("steps=true", "steps"), ("lr_schedule=linear", "lr_schedule"), ("lr_schedule=5", "lr_schedule"),
     ("device=gpu", "device"), ("device=5", "device"), ("device=cuda:9999999999", "device"),
+    # a warm-up past the steps' bound (10**400 overflowed the first step's learning rate: a traceback after the
+    # output folder was claimed) and more threads than a sweep's devices may take
+    ("warmup_steps=1" + "0" * 400, "warmup_steps"), ("warmup_steps=1000001", "warmup_steps"),
+    ("threads=1025", "threads"), ("threads=99999999999", "threads"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"config error: {key} = "):

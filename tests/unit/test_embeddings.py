@@ -22,6 +22,7 @@ from agg_bench.engine.text import (
 from agg_bench.errors import ConfigError
 from agg_bench.runtime.train import Session
 
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red cat on the moon", "two dogs", "an owl perched on a mossy branch at night in the snow"]
 
 
@@ -152,3 +153,60 @@ def test_embed_errors_name_the_key(folders, tmp_path, capsys):
         text.embed(load_config(None, ["model.family=flux", f"model.pretrained={broken}",
                                       f"prompts.cache_dir={tmp_path}"]))
     assert err.value.key == "model.pretrained" and "text_encoder_2" in err.value.expected
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("file", "config error: prompts.cache_dir = '{cache}': expected a folder (made if missing), not a file or a "
+             "symbolic link"),
+    ("link", "config error: prompts.cache_dir = '{cache}': expected a folder (made if missing), not a file or a "
+             "symbolic link"),
+    ("under a file", "{cache}/sd3-tiny-prompts-"),
+    ("someone's file", "the file exists and is not an agg-bench embedding file; move it aside or give another "
+                       "prompts.cache_dir"),
+    ("folder", "is a folder; expected a file path"),
+])
+def test_embed_into_a_cache_folder_that_is_not_one_is_refused(tmp_path, capsys, kind, words):
+    """`agg-bench embed` without --out writes into prompts.cache_dir: a file there was a FileExistsError's
+    traceback, a symbolic link was written through (into the folder it points to), a file of someone's with the
+    cache file's name was replaced. One line naming the key, exit 2, nothing touched."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    cache = tmp_path / "cache"
+    name = "sd3-tiny-prompts-2de0bfc8101d.safetensors"  # config/run.yaml's prompts on the tiny SD3 preset
+    if kind == "file":
+        cache.write_text("mine")
+    elif kind == "link":
+        cache.symlink_to(other)
+    elif kind == "under a file":
+        cache = other / "notes.txt" / "sub"
+    else:
+        cache.mkdir()
+        (cache / name).mkdir() if kind == "folder" else (cache / name).write_text("mine")
+    before = {str(p): None if p.is_dir() else p.read_bytes() for p in sorted(tmp_path.rglob("*"))}
+    argv = ["embed", "--config", str(ROOT / "config" / "run.yaml"), "--set", f"prompts.cache_dir={cache}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prompts.cache_dir" in err[0] and words.format(cache=cache) in err[0], err
+    assert {str(p): None if p.is_dir() else p.read_bytes() for p in sorted(tmp_path.rglob("*"))} == before
+
+
+def test_embed_fills_a_new_cache_folder_and_replaces_its_own_file(tmp_path, capsys):
+    argv = ["embed", "--config", str(ROOT / "config" / "run.yaml"), "--set", f"prompts.cache_dir={tmp_path / 'a' / 'b'}"]
+    for _ in range(2):
+        assert main(argv) == 0
+        out = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["out"])
+        assert out.parent == tmp_path / "a" / "b" and load_embeddings(out)[1]["family"] == "sd3"
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == [out.name]
+
+
+def test_a_runs_cache_folder_is_checked_before_the_prompts_are_encoded(folders, tmp_path, monkeypatch):
+    """A run of a local model writes its embeddings into prompts.cache_dir: checked as embed checks it, before
+    the text encoders run."""
+    (tmp_path / "cache").write_text("mine")
+    monkeypatch.setattr(text, "encode_prompts", lambda *a, **k: pytest.fail("encoded before the check"))
+    cfg = load_config(None, ["model.family=flux", f"model.pretrained={folders('flux')}",
+                             f"prompts.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ConfigError) as err:
+        text.run_embeddings(cfg, prompt_set(cfg.prompts.file))
+    assert err.value.key == "prompts.cache_dir" and (tmp_path / "cache").read_text() == "mine"

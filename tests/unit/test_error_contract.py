@@ -112,19 +112,20 @@ def test_cli_full_disk_while_writing_tables(tmp_path, capsys, monkeypatch):
 
 
 def test_learning_keeps_the_contract(tmp_path, capsys, monkeypatch):
-    assert cli.main(["learning", "--manifest", str(tmp_path / "none.json")]) == 2
+    tables = ["--tables", str(tmp_path / "t")]
+    assert cli.main(["learning", "--manifest", str(tmp_path / "none.json"), *tables]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"agg-bench learning: manifest {tmp_path / 'none.json'}: no such file"]
     (tmp_path / "m.json").write_text('{"runs": [{"dir": 5}]}')
-    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json")]) == 2
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables]) == 2
     line, = capsys.readouterr().err.splitlines()
     assert "runs[0]" in line and "m.json" in line
-    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), "--eval-sampler", "euler"]) == 2
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables, "--eval-sampler", "euler"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "agg-bench learning: --eval-sampler 'euler': expected one of ode, sde"]
     (tmp_path / "m.json").write_text('{"runs": [{"dir": "run", "method": "full", "seed": 0}]}')
     monkeypatch.setattr(learning, "load_runs", lambda path: [][0])  # noqa: PLE0643 (a bug on purpose)
-    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json")]) == 1
+    assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables]) == 1
     lines = capsys.readouterr().err.splitlines()
     assert "bug in agg-bench" in lines[0] and "agg-bench learning --manifest" in lines[0]
     assert lines[-1].startswith("IndexError")
@@ -213,3 +214,28 @@ def test_a_full_disk_while_a_file_is_written_names_that_file(tmp_path, capsys, c
     what = "no space left on device" + (" (disk quota exceeded)" if code == errno.EDQUOT else "")
     assert contract(capsys, body) == (2, [f"agg-bench test: {target}: {what}"])
     assert list(target.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("buffering", [-1, 1])
+def test_a_reader_of_stdout_that_has_gone_is_no_bug(capsys, monkeypatch, buffering):
+    """`agg-bench env | head -c 20`: the reader closed the pipe, the write failed with BrokenPipeError, and the
+    command printed 'internal error: this is a bug in agg-bench' with the traceback. Now it ends quietly with
+    128 + SIGPIPE, as a process that signal ended; stdout block-buffered (the error comes at the flush) or
+    line-buffered (in the print)."""
+    import signal
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    capsys.readouterr()
+    with os.fdopen(write_end, "w", buffering=buffering) as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        assert cli.main(["env"]) == 128 + signal.SIGPIPE
+        monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_broken_pipe_to_a_child_is_still_a_bug(capsys):
+    """Only stdout's reader going is quiet: a broken pipe elsewhere (a child's stdin) keeps the bug's line."""
+    code, err = contract(capsys, raises(BrokenPipeError(32, "Broken pipe")))
+    assert code == 1 and "internal error: this is a bug" in err[0]

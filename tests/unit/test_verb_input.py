@@ -344,3 +344,71 @@ def test_a_status_no_run_writes_is_refused_not_shown_as_an_error(run, tmp_path, 
     assert line.startswith(f"agg-bench report: {path}: ")
     assert line.endswith("'status' = 'paused': expected one of ok, oom, diverged, interrupted, error or null")
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("more", [[], ["--eval-noises", "2"]])
+def test_learning_with_nothing_to_write_is_refused_before_anything_is_read(run, tmp_path, capsys, monkeypatch, more):
+    """Without --tables and --plots, `learning` read every run (with --eval-noises it sampled every checkpoint)
+    and wrote nothing, exit 0; `report` refuses the same."""
+    from agg_bench.tools import learning
+
+    monkeypatch.setattr(learning, "load_runs", lambda path: pytest.fail("the runs were read"))
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": str(run), "method": "full", "seed": 0}]}))
+    before = tree(tmp_path)
+    assert fails(capsys, ["learning", "--manifest", str(manifest), *more]) == (
+        "agg-bench learning: give --tables DIR and/or --plots DIR")
+    assert tree(tmp_path) == before
+
+
+@pytest.fixture
+def fifo():
+    """Makes a named pipe at a path; a helper keeps opening each for writing and closing it, so that a reader
+    that waits on one (the bug) gets an empty read instead of hanging the test."""
+    import os
+    import threading
+
+    pipes: list[Path] = []
+    stop = threading.Event()
+
+    def unblock() -> None:
+        while not stop.wait(0.1):
+            for path in list(pipes):
+                try:
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:  # no reader waiting
+                    pass
+
+    def make(path: Path) -> Path:
+        os.mkfifo(path)
+        pipes.append(path)
+        return path
+
+    thread = threading.Thread(target=unblock, daemon=True)
+    thread.start()
+    yield make
+    stop.set()
+    thread.join()
+
+
+@pytest.mark.parametrize("kind", ["device", "pipe"])
+def test_a_cell_job_file_that_is_no_regular_file_is_refused_unread(tmp_path, capsys, fifo, kind):
+    """`agg-bench cell /dev/zero` read the device until memory ran out; a named pipe hung the command."""
+    path = "/dev/null" if kind == "device" else str(fifo(tmp_path / "jobs.json"))
+    line = fails(capsys, ["cell", path])
+    assert line.startswith(f"agg-bench cell: {path}: is not a regular file; expected an agg-bench cell job file")
+
+
+@pytest.mark.parametrize("name, kind", [("config.json", "device"), ("metrics.jsonl", "pipe"),
+                                        ("summary.json", "pipe")])
+def test_a_run_folder_file_that_is_no_regular_file_is_refused_unread(run, tmp_path, capsys, fifo, name, kind):
+    """A run folder's file replaced by a link to a device or by a named pipe (a shared results folder) made
+    `report` read the device without end or wait on the pipe forever."""
+    (run / name).unlink(missing_ok=True)
+    if kind == "device":
+        (run / name).symlink_to("/dev/null")
+    else:
+        fifo(run / name)
+    line = fails(capsys, ["report", "--runs", str(run), "--tables", str(tmp_path / "tables")])
+    assert line.startswith(f"agg-bench report: {run / name}: is not a regular file"), line
+    assert not (tmp_path / "tables").exists()

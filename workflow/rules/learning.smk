@@ -2,6 +2,8 @@
 # results/pretrained/<label>/ (later runs reuse them), then the learning tables and plots of the sweep's runs
 # (with the runs' in-run evaluations, eval.every > 0: the held-out curves against cost and the cost to a target).
 #   snakemake --cores 2 --configfile config/learning.yaml learning      (make learning)
+from agg_bench.tools.sweep import LEARNING_EVAL_NOISES
+
 PRETRAIN = config.get("pretrain") or {}
 LEARNING = config.get("learning") or {}
 LEARNING_FILES = [f"{LEARNING_DIR}/learning.{ext}" for ext in ("csv", "md")] + \
@@ -24,18 +26,15 @@ def pretrain_command(name: str, threads: int) -> str:
 def load_pretrain_configs() -> dict:
     """Each pretrain entry's config, its --set applied: read once, before any job, so that one the pretrain
     command refuses is one line naming the entry (in a job's threads it was an InputFunctionException)."""
-    from agg_bench.tools.pretrain import load_pretrain_config
+    from agg_bench.tools.pretrain import sweep_entry_config
 
     configs = {}
     for name, spec in PRETRAIN.items():
         try:
-            configs[name] = load_pretrain_config(spec["config"],
-                                                 [f"{k}={v}" for k, v in (spec.get("set") or {}).items()])
+            configs[name] = sweep_entry_config(name, spec)  # its set as pretrain_command passes it
             sweep_pretrain_gpus(name, configs[name].device)  # a fixed cuda:N, which the GPU pool cannot honour
-        except SweepError as err:
-            refuse(str(err))
         except UserError as err:
-            refuse(f"pretrain.{name}: {err}")
+            refuse(str(err))
     return configs
 
 
@@ -108,7 +107,7 @@ rule learning_report:
         "results/logs/learning.log",
     params:
         options=f"--average {int(LEARNING.get('average_iterations', 3))} --fraction {float(LEARNING.get('fraction_of_full', 0.8))} "
-        f"--eval-noises {int(LEARNING.get('eval_noises', 16))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
+        f"--eval-noises {int(LEARNING.get('eval_noises', LEARNING_EVAL_NOISES))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
         f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')} "
         f"--target-fraction {float(LEARNING.get('target_fraction', 0.9))} "
         f"--eval-source {LEARNING.get('eval_source', 'auto')} "
