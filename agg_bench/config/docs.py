@@ -143,13 +143,22 @@ def generated_docs_main(argv: list[str] | None, prog: str, description: str, wha
     group.add_argument("--check", type=Path, metavar="FILE", help=f"exit 1 when FILE's {what} {is_} not the generated {one}")
     group.add_argument("--schema", action="store_true", help=f"print {schema_of}'s JSON schema")
     args = parser.parse_args(argv)
+    document = args.write or args.check
+    text = current = ""
+    if document is not None:  # the document whose generated part is replaced or checked: one that is there
+        try:
+            text = document.read_text(encoding="utf-8")
+            current = with_generated(text)
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            flag = "--write" if args.write else "--check"
+            parser.exit(2, f"{prog}: {flag} {document}: {getattr(err, 'strerror', None) or err}; expected a "
+                           f"Markdown document holding the generated {what}\n")
     if args.schema:
         print(json.dumps(schema(), indent=2))
     elif args.write:
-        args.write.write_text(with_generated(args.write.read_text(encoding="utf-8")), encoding="utf-8")
+        args.write.write_text(current, encoding="utf-8")
     elif args.check:
-        text = args.check.read_text(encoding="utf-8")
-        if with_generated(text) != text:
+        if current != text:
             print(f"{args.check}: the {what} {is_} stale; regenerate {it} with {prog} --write {args.check}",
                   file=sys.stderr)
             return 1

@@ -162,3 +162,24 @@ def test_the_docs_command_prints_the_schema_and_the_table(capsys, flag):
         assert out.strip() == config_docs.reference_table()
 
 
+
+
+@pytest.mark.parametrize("flag", ["--write", "--check"])
+@pytest.mark.parametrize("make, words", [
+    (lambda p: None, "No such file or directory"),
+    (lambda p: p.mkdir(), "Is a directory"),
+    (lambda p: p.write_bytes(b"\xff\xfe"), "can't decode byte"),
+    (lambda p: p.write_text("# notes\n"), "no generated table"),
+])
+def test_a_document_that_holds_no_generated_table_is_one_line(tmp_path, capsys, flag, make, words):
+    """`--write FILE` / `--check FILE` on a missing file, a folder, non-UTF-8 bytes or a document without the
+    markers was a traceback; one line names the flag, the file and what it should be, exit 2, nothing written."""
+    doc = tmp_path / "doc.md"
+    make(doc)
+    before = doc.read_bytes() if doc.is_file() else None
+    with pytest.raises(SystemExit) as exit_info:
+        config_docs.main([flag, str(doc)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert f"{flag} {doc}: " in err[0] and words in err[0] and "expected a Markdown document" in err[0], err
+    assert (doc.read_bytes() if doc.is_file() else None) == before
