@@ -34,14 +34,17 @@ RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics
 # ----- agg-bench report: --tables DIR and --plots DIR --------------------------------------------------
 TABLES_CONTENTS = Contents("agg-bench report tables",
                            ("records.csv", *(f"{name}.{ext}" for name in TABLES for ext in TABLE_FORMATS)))
-PLOTS_CONTENTS = Contents("agg-bench report plots", tuple(f"{name}.png" for name in PLOTS))
+# what either folder may hold: `--tables DIR --plots DIR` writes both into one folder, and a later run of the
+# verb with one of them into that folder finds the other's files there, which are its own, not someone's
+REPORT_CONTENTS = Contents("agg-bench report tables or plots",
+                           TABLES_CONTENTS.names + tuple(f"{name}.png" for name in PLOTS))
 
 # ----- agg-bench learning: its --tables DIR and --plots DIR (the workflow writes its manifest.json there) -----
 CURVE_PLOTS = ("eval_reward_cost", "eval_reward_cpu", "eval_pareto")  # held-out reward against cost (curves.py)
-LEARNING_TABLES_CONTENTS = Contents("learning tables", ("learning.csv", "learning.md", "evaluation.csv",
-                                                        "curves.csv", "manifest.json"))
-LEARNING_PLOTS_CONTENTS = Contents("learning plots", ("reward_iteration.png", "reward_time.png", "samples.png",
-                                                      *(f"{name}.png" for name in CURVE_PLOTS), "manifest.json"))
+# what either folder may hold: `--tables DIR --plots DIR` writes both into one folder (as for the report's)
+LEARNING_CONTENTS = Contents("learning tables or learning plots", (
+    "learning.csv", "learning.md", "evaluation.csv", "curves.csv", "manifest.json",  # --tables
+    "reward_iteration.png", "reward_time.png", "samples.png", *(f"{name}.png" for name in CURVE_PLOTS)))  # --plots
 
 # ----- agg-bench import-log --out DIR ----------------------------------------------------------------
 IMPORT_CONTENTS = Contents("an imported log", ("metrics.jsonl", "summary.json", "env.json"))

@@ -16,14 +16,13 @@ The rooms of the report:
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import pandas as pd
 
 from ..errors import UserError
 from ..outdir import claimed_folders
-from ..outputs import PLOTS_CONTENTS, TABLES_CONTENTS  # what --tables DIR and --plots DIR hold
+from ..outputs import REPORT_CONTENTS  # what --tables DIR and --plots DIR may hold
 from .formatting import table_csv, write_tables
 from .loading import (PLOT_CELLS, PLOT_COLUMNS, Manifest, load_calibration, load_gradcheck, load_records,
                       load_tables, parse_table)
@@ -40,7 +39,7 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
     the tables."""
     if not manifest.runs:
         raise UserError("no runs to report (give --manifest or --runs)")
-    with claimed_folders([(tables_dir, TABLES_CONTENTS), (plots_dir, PLOTS_CONTENTS)], ("--tables", "--plots")):
+    with claimed_folders([(tables_dir, REPORT_CONTENTS), (plots_dir, REPORT_CONTENTS)], ("--tables", "--plots")):
         records = load_records(manifest.runs)
         gradcheck = load_gradcheck(manifest.gradcheck)
         calibration = load_calibration(manifest.calibration)
@@ -56,8 +55,7 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
 def plot_tables(tables_dir: str | Path, plots_dir: str | Path) -> dict[str, pd.DataFrame]:
     """The plots of the tables that ``agg-bench report --tables tables_dir`` wrote, into ``plots_dir``
     (which may be that folder); returns the tables read."""
-    same = os.path.abspath(tables_dir) == os.path.abspath(plots_dir)
-    with claimed_folders([(plots_dir, PLOTS_CONTENTS | TABLES_CONTENTS if same else PLOTS_CONTENTS)], ("--plots",)):
+    with claimed_folders([(plots_dir, REPORT_CONTENTS)], ("--plots",)):
         tables = load_tables(tables_dir)
         write_plots(tables, plots_dir)
         return tables

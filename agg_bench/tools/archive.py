@@ -55,8 +55,7 @@ from ..errors import UserError, quote
 from ..io import atomic_path, atomic_target, write_json
 from ..jsonfiles import JsonProblem, loads
 from ..outdir import Contents, claim_folder
-from ..outputs import LEARNING_PLOTS_CONTENTS as LEARNING_PLOTS
-from ..outputs import LEARNING_TABLES_CONTENTS as LEARNING_TABLES
+from ..outputs import LEARNING_CONTENTS
 from ..outputs import TABLES_CONTENTS
 from ..reading import RunFolder
 
@@ -93,7 +92,7 @@ REFERENCE_CONTENTS = Contents("agg-bench reference results", ("manifest.json",),
     ("runs", Contents("reference runs", folders=(("*", Contents("a reference run", RUN_FILES)),))),
     ("calibration", _json_files("calibrations")), ("windows", _json_files("window logs")),
     ("pretrained", Contents("pretrained models", folders=(("*", _MODEL_CONTENTS),))),
-    ("tables", TABLES_CONTENTS), ("learning", LEARNING_TABLES | LEARNING_PLOTS)))
+    ("tables", TABLES_CONTENTS), ("learning", LEARNING_CONTENTS)))
 
 
 def is_archive(path: Path) -> bool:
@@ -637,7 +636,7 @@ def write_learning_tables(campaign: Campaign, reference: Path) -> None:
     runs = load_runs(reference / "manifest.json")
     label = options.reference or DEFAULT_REFERENCE
     folder = reference / "learning"
-    with claimed_folders([(folder, LEARNING_TABLES | LEARNING_PLOTS)], ("--reference",)):
+    with claimed_folders([(folder, LEARNING_CONTENTS)], ("--reference",)):
         table = learning_table(runs, options.average, options.fraction, label, None, options.target_fraction,
                                options.eval_source)
         write_table(table, folder, options.average, options.fraction, options.target_fraction, label)

@@ -20,7 +20,7 @@ import pandas as pd
 from ..errors import UserError, quote
 from ..io import write_text
 from ..outdir import claimed_folders
-from ..outputs import LEARNING_PLOTS_CONTENTS, LEARNING_TABLES_CONTENTS
+from ..outputs import LEARNING_CONTENTS
 from ..results.learning_tables import (EVAL_SOURCES, Run, learning_table, load_runs, plot_held_out, plot_rewards,
                                        write_curves, write_table)
 from ..results.loading import MAX_ITERATIONS, load_manifest
@@ -282,7 +282,7 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
         # every input of the evaluation checked before the model is sampled and before anything is written
         evaluation = CheckpointEvaluation(runs, max(options.eval_noises, 1), options.eval_seed, options.eval_sampler,
                                           one_model(runs), grid=plots is not None)
-    with claimed_folders([(tables, LEARNING_TABLES_CONTENTS), (plots, LEARNING_PLOTS_CONTENTS)], ("--tables", "--plots")):
+    with claimed_folders([(tables, LEARNING_CONTENTS), (plots, LEARNING_CONTENTS)], ("--tables", "--plots")):
         scores = images = None
         if evaluation is not None:
             scores, images = evaluate(runs, evaluation)

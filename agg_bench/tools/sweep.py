@@ -48,8 +48,8 @@ from ..errors import ConfigError, UserError, clip, quote
 from ..io import atomic_path
 from ..jsonfiles import loads, read_json_object
 from ..outdir import Contents, check_folder
-from ..outputs import (IMPORT_CONTENTS, LEARNING_PLOTS_CONTENTS, LEARNING_TABLES_CONTENTS, PLOTS_CONTENTS,
-                       PRETRAIN_CONTENTS, RUN_CONTENTS, TABLES_CONTENTS, check_run_folder)
+from ..outputs import (IMPORT_CONTENTS, LEARNING_CONTENTS, PRETRAIN_CONTENTS, REPORT_CONTENTS, RUN_CONTENTS,
+                       check_run_folder)
 from ..runtime.cell import Progress, job_entry, journal_ends
 from ..sources import source_digest
 
@@ -313,10 +313,10 @@ def output_folders(sweep: Sweep) -> list[tuple[str, Contents]]:
     and the learning report's folder: the workflow's `learning` target runs under every sweep (its rules take
     the ``learning`` section's defaults where it has none), so that folder is checked whatever the sweep holds."""
     folders = [(f"results/runs/{run_id}", RUN_CONTENTS) for run_id in sweep.runs]
-    folders += [("results/tables", TABLES_CONTENTS), ("results/plots", PLOTS_CONTENTS)]
+    folders += [("results/tables", REPORT_CONTENTS), ("results/plots", REPORT_CONTENTS)]
     folders += [(f"results/imported/{label}", IMPORT_CONTENTS) for label in sweep.references]
     folders += [(f"{PRETRAINED_DIR}/{label}", PRETRAIN_CONTENTS) for label in sweep.sweep.get("pretrain") or {}]
-    folders.append((LEARNING_DIR, LEARNING_TABLES_CONTENTS | LEARNING_PLOTS_CONTENTS))
+    folders.append((LEARNING_DIR, LEARNING_CONTENTS))
     return folders
 
 

@@ -364,8 +364,8 @@ def test_a_nan_in_the_sweep_is_refused_before_any_job(in_process, section, value
                                                      "are not an agg-bench run (notes.txt)"),
     ("results/runs/agg-w3_sd3_32px_s0_cpu/metrics.jsonl", "results/runs/agg-w3_sd3_32px_s0_cpu: the folder holds "
                                                            "files that are not an agg-bench run (metrics.jsonl)"),
-    ("results/tables/mine.csv", "results/tables: the folder holds files that are not agg-bench report tables (mine.csv)"),
-    ("results/plots/mine.png", "results/plots: the folder holds files that are not agg-bench report plots (mine.png)"),
+    ("results/tables/mine.csv", "results/tables: the folder holds files that are not agg-bench report tables or plots (mine.csv)"),
+    ("results/plots/mine.png", "results/plots: the folder holds files that are not agg-bench report tables or plots (mine.png)"),
     ("results/runs/full_sd3_32px_s0_cpu/tensorboard/mine.txt", "results/runs/full_sd3_32px_s0_cpu: the folder holds "
                                                                 "files that are not an agg-bench run (tensorboard/mine.txt)"),
 ])

@@ -152,6 +152,27 @@ def test_the_command_writes_curves_and_the_table(manifest, tmp_path):
     assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--target-fraction", "1.5"]) == 2
 
 
+def test_the_tables_rerun_into_a_folder_that_also_holds_the_plots(manifest, tmp_path, capsys):
+    """`learning --tables D` on a folder that an earlier `--tables D --plots D` wrote was refused: the plots
+    counted as someone's files. They are the verb's own; a file of someone's there is still refused."""
+    out = tmp_path / "out"
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 0
+    plots = ("reward_iteration.png", "reward_time.png", "samples.png", "eval_reward_cost.png",
+             "eval_reward_cpu.png", "eval_pareto.png")
+    for name in plots:  # what the plots of that earlier run left beside the tables
+        (out / name).write_bytes(b"\x89PNG\r\n\x1a\n")
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 0
+    assert {p.name for p in out.iterdir()} == {"learning.csv", "learning.md", "curves.csv", *plots}
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (f"agg-bench learning: --tables {out}: the folder holds files that "
+                                               "are not learning tables or learning plots (notes.txt); give a new "
+                                               "or empty folder")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_plots_with_and_without_in_run_evaluations(manifest, tmp_path):
     paths = plot_held_out(load_runs(manifest), tmp_path / "with")
     assert [p.name for p in paths] == ["eval_reward_cost.png", "eval_reward_cpu.png", "eval_pareto.png"]

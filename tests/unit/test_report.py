@@ -407,6 +407,26 @@ def test_plots_are_drawn_from_the_written_tables(sweep, gradcheck_csv, tmp_path,
     assert (tables / "time_breakdown.png").is_file() and (tables / "efficiency.csv").is_file()
 
 
+def test_tables_and_plots_share_a_folder_across_runs_of_the_report(sweep, tmp_path, capsys):
+    """A folder that `--tables D --plots D` wrote holds the report's own files only: a later `--tables D`, or
+    `--plots D` alone, rewrites it (it was refused: the other's files counted as someone's); a file of someone's
+    there is still refused, one line, exit 2, nothing touched."""
+    runs, both = tmp_path / "runs", tmp_path / "both"
+    assert main(["report", "--runs", str(runs), "--tables", str(both), "--plots", str(both)]) == 0
+    assert main(["report", "--runs", str(runs), "--tables", str(both)]) == 0
+    assert main(["report", "--runs", str(runs), "--plots", str(both)]) == 0
+    assert main(["report", "--tables-in", str(both), "--plots", str(both)]) == 0
+    assert {f"{name}.png" for name in PLOTS} <= {p.name for p in both.iterdir()} and (both / "records.csv").is_file()
+    (both / "mine.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in both.iterdir()}
+    capsys.readouterr()
+    assert main(["report", "--runs", str(runs), "--tables", str(both)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"agg-bench report: --tables {both}: the folder holds files that are not agg-bench report "
+                   "tables or plots (mine.txt); give a new or empty folder")
+    assert {p.name: p.read_bytes() for p in both.iterdir()} == before
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--tables-in", "TABLES"], "--tables-in DIR needs --plots DIR"),
     (["--tables-in", "TABLES", "--plots", "OUT", "--runs", "TABLES"], "--runs is for writing them"),
