@@ -66,6 +66,38 @@ def temp_owner(path: str | Path, name: str) -> int | None:
     return int(pid) if name.startswith(head) and name.endswith(tail) and pid.isdigit() else None
 
 
+def process_running(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's; or no PID at all, which is left alone too
+    return True
+
+
+def _aside_path(path: Path) -> Path:
+    """Where :func:`atomic_target` moves an earlier folder at ``path`` while the new one is renamed in."""
+    return atomic_path(path.with_name(f"{path.name}-old"))
+
+
+def remove_stale_temps(path: str | Path) -> None:
+    """Remove what :func:`atomic_target` (or a bare :func:`atomic_path`) of ``path`` left beside it in processes
+    that have ended without cleaning up (SIGKILL runs no cleanup): its temporary, and an earlier folder it had
+    moved aside. Only entries of exactly those names are touched, never a symbolic link, and only when the PID
+    in the name is no running process's (a live writer of the same name keeps its temporary). The caller holds
+    ``path``'s claim, so no live process of this harness writes a new one meanwhile."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+    targets = (path, path.with_name(f"{path.name}-old"))
+    for entry in path.parent.iterdir():
+        pid = next((pid for target in targets if (pid := temp_owner(target, entry.name)) is not None), None)
+        if pid is not None and not entry.is_symlink() and not process_running(pid):
+            _remove(entry)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -85,7 +117,7 @@ def atomic_target(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         if tmp.is_dir() and path.is_dir() and not path.is_symlink():  # a folder replaces a folder
-            aside = atomic_path(path.with_name(f"{path.name}-old"))
+            aside = _aside_path(path)
             _remove(aside)
             os.replace(path, aside)
             os.replace(tmp, path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import itertools
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from tqdm import tqdm
 
 from ..config import RunConfig, yaml_load
 from ..errors import ConfigError, UserError
-from ..io import atomic_file, atomic_path, temp_owner
+from ..io import atomic_file, atomic_path, remove_stale_temps
 from ..outdir import claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS
 from ..machine.devices import resolve_device
@@ -245,32 +244,10 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
         return _gradcheck(out, cfg, snapshot_dir, windows, alphas, route_fracs, reuse, methods, device)
 
 
-def remove_stale_snapshots(out: Path) -> None:
-    """Remove the temporary snapshots (``.STEM-snapshot.agg-bench-tmpPID`` beside ``out``) of earlier gradchecks of
-    ``out`` that were killed before they could (SIGKILL runs no cleanup): a model's weights each. Nothing but a
-    folder of exactly that name is touched, and only when the process it names has ended: the caller holds
-    ``out``'s claim, but a gradcheck of another ``--out`` of the same stem (``g.csv``, ``g.md``) writes its own."""
-    for path in out.parent.iterdir():
-        pid = temp_owner(snapshot_target(out), path.name)
-        if pid is not None and not _running(pid) and path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def snapshot_target(out: Path) -> Path:
     """The name a gradcheck of ``out`` without ``--snapshot`` gives its temporary snapshot (an :func:`atomic_path`
     of it)."""
     return out.parent / f"{out.stem}-snapshot"
-
-
-def _running(pid: int) -> bool:
-    """Whether a process ``pid`` exists (one of another user's included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # another user's; or no PID at all, which is left alone too
-    return True
 
 
 def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, route_fracs, reuse, methods,
@@ -283,8 +260,8 @@ def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, 
         if cfg is None:
             raise UserError("gradcheck needs a run config to make a snapshot from (or --snapshot DIR of one)")
         build_estimators(cfg.to_dict(), jobs)  # fail on a bad option before the rollout, not after
-        if snapshot_dir is None:
-            remove_stale_snapshots(out)
+        if snapshot_dir is None:  # a killed earlier gradcheck's snapshot: a model's weights
+            remove_stale_temps(snapshot_target(out))
         folder = Path(snapshot_dir) if snapshot_dir is not None else \
             atomic_path(snapshot_target(out))
         temporary = None if snapshot_dir is not None else folder

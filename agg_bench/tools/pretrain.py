@@ -36,7 +36,7 @@ from ..engine.prompts import TOKEN_HASH_FILE, hash_embed
 from ..engine.scenes import all_scenes, draw_batch, sample_scenes
 from ..engine.sampler import flow_sigmas, ode_step
 from ..errors import ConfigError, UserError
-from ..io import atomic_target, save_figure, write_json, write_text
+from ..io import atomic_target, remove_stale_temps, save_figure, write_json, write_text
 from ..outdir import Claim, check_folder, is_harness_name
 from ..outputs import PRETRAIN_CONTENTS, PRETRAIN_MARKER
 from ..results.plotting import pyplot
@@ -311,6 +311,7 @@ def _pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool) -> dict:
     check_out_dir(out)
     # the new folder is written beside --out and renamed over it: the lock lies beside it too
     with Claim(out, folder=True, lock_inside=False, check=lambda: check_out_dir(out)):
+        remove_stale_temps(out)  # what a pretrain of this --out killed while it saved left beside it: a model each
         return _train_and_save(cfg, out, progress)
 
 

@@ -325,6 +325,32 @@ def _record_runs(path: Path, outs: list[str], ready) -> None:
         journal.add(CellRun(None, (), Path(out)), _Written(i), "ok")
 
 
+def test_pretrain_removes_what_a_killed_pretrain_left_beside_its_out_but_not_a_live_one_s(tmp_path):
+    """A pretrain killed (SIGKILL) while it saved left its temporary model folder beside --out, and one killed
+    while it renamed the new folder in left the earlier output moved aside: both stayed forever. A rerun removes
+    those of processes that have ended; a live process's temporary, and a user's look-alike, stay."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "model"
+    ended = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                               text=True).stdout)
+    live = os.getppid()
+
+    def of(pid: int, path: Path) -> Path:
+        return path.with_name(atomic_path(path).name.replace(str(os.getpid()), str(pid)))
+
+    stale = [of(ended, out), of(ended, tmp_path / "model-old")]
+    kept = [of(live, out), tmp_path / ".model.agg-bench-tmp", tmp_path / ".model.mine", of(ended, tmp_path / "other")]
+    for folder in stale + kept:
+        (folder / "transformer").mkdir(parents=True)
+        (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_text("weights")
+    assert main(["pretrain", "--set", "steps=1", "--out", str(out)]) == 0
+    assert (out / "pretrain.json").is_file()
+    assert not any(path.exists() for path in stale)
+    assert all((path / "transformer" / "diffusion_pytorch_model.safetensors").is_file() for path in kept)
+
+
 def test_runs_recording_into_one_journal_at_once_keep_every_entry(tmp_path):
     """`agg-bench run --journal FILE` of the same FILE in several processes: each reads the journal when it starts
     and records its run when it ends; the record is a read-modify-write under the journal's lock, so no process

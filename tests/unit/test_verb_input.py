@@ -230,8 +230,8 @@ def test_a_killed_gradchecks_snapshot_is_found_by_atomic_paths_own_name(tmp_path
     '.g.v1-snapshot.agg-bench-tmp' prefix missed."""
     import os
 
-    from agg_bench.io import atomic_path, temp_owner
-    from agg_bench.tools.gradcheck import remove_stale_snapshots, snapshot_target
+    from agg_bench.io import atomic_path, remove_stale_temps, temp_owner
+    from agg_bench.tools.gradcheck import snapshot_target
 
     for path in (tmp_path / "g-snapshot", tmp_path / "g.v1-snapshot", tmp_path / "a.csv"):
         assert temp_owner(path, atomic_path(path).name) == os.getpid()
@@ -243,7 +243,7 @@ def test_a_killed_gradchecks_snapshot_is_found_by_atomic_paths_own_name(tmp_path
     stale.mkdir()
     mine = tmp_path / ".g.v1-snapshot.mine"
     mine.mkdir()
-    remove_stale_snapshots(out)
+    remove_stale_temps(snapshot_target(out))
     assert not stale.exists() and mine.is_dir()
 
 
