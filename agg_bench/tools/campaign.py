@@ -32,7 +32,8 @@ Each ``campaign run --minutes N`` is one window:
 4. It stops cleanly before the deadline: a cell process is told the deadline (it starts no run that the
    longest run so far says would not end before it), no process starts after ``STOP_MARGIN_S`` seconds before
    it, and a process still running then is sent SIGTERM (the run it is in ends ``interrupted``) and killed
-   ``KILL_AFTER_S`` later if it has not ended. A SIGTERM or SIGINT to the campaign itself does the same at
+   ``KILL_AFTER_S`` later if it has not ended, or at the deadline if that comes first (a window shorter than
+   that grace ends at its deadline; no pretrain process starts after the stop either). A SIGTERM or SIGINT to the campaign itself does the same at
    once, and the command then exits with 128 + N. No process outlives the campaign: each leads a process
    group of its own, a second signal (which ends the campaign at once, :mod:`agg_bench.stopping`) kills that
    group first, and when the campaign dies any other way (``kill -9``) a guard process kills that group (the
@@ -497,9 +498,11 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _supervise(argv: list[str], log: Path, env: dict, stop_at: float, stopped=_stopped) -> tuple[int | None, str]:
+def _supervise(argv: list[str], log: Path, env: dict, stop_at: float, stopped=_stopped,
+               deadline: float = math.inf) -> tuple[int | None, str]:
     """Run ``argv`` until it ends, SIGTERM it at ``stop_at`` or once ``stopped()``, kill it (its process group)
-    ``KILL_AFTER_S`` later; (its exit code, how it ended: finished, stopped at the deadline, interrupted).
+    ``KILL_AFTER_S`` later, or at ``deadline`` if that comes first (a window too short for the grace: the
+    campaign ends at its deadline); (its exit code, how it ended: finished, stopped at the deadline, interrupted).
 
     The child and what it started end with the campaign: the child leads a process group of its own (so that a
     terminal's Ctrl-C reaches the campaign alone, which passes it on as one SIGTERM), a second signal's exit at
@@ -513,12 +516,12 @@ def _supervise(argv: list[str], log: Path, env: dict, stop_at: float, stopped=_s
             proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
                                     start_new_session=True, preexec_fn=_die_with_parent())
             _guarded(guard, proc.pid)
-            return _watch(proc, stop_at, stopped)
+            return _watch(proc, stop_at, stopped, deadline)
     finally:
         _end_guard(guard, done=proc is None or proc.poll() is not None)
 
 
-def _watch(proc: subprocess.Popen, stop_at: float, stopped) -> tuple[int | None, str]:
+def _watch(proc: subprocess.Popen, stop_at: float, stopped, deadline: float) -> tuple[int | None, str]:
     """:func:`_supervise`'s loop over the running ``proc``."""
     stopping.at_exit_at_once(id(proc), lambda: _kill_group(proc.pid))
     try:
@@ -529,7 +532,7 @@ def _watch(proc: subprocess.Popen, stop_at: float, stopped) -> tuple[int | None,
                 how = "interrupted" if stopped() else "stopped at the deadline"
                 proc.send_signal(signal.SIGTERM)
                 termed = now
-            elif termed is not None and now - termed > KILL_AFTER_S:
+            elif termed is not None and (now - termed > KILL_AFTER_S or now >= deadline):
                 _kill_group(proc.pid)
                 how += " (killed)"
                 proc.wait()
@@ -598,9 +601,14 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
                                "done_before": len(done), "runs": len(campaign.sweep.runs), "pretrained": [],
                                "processes": []}
         for label in to_pretrain:
-            log["pretrained"].append(_pretrain(campaign, label, stamp, work, stop_at, python))
+            if time.time() >= stop_at or _stopped():  # no process starts after stop_at; nor a run without its model
+                log["pretrained"].append({"label": label, "ok": False, "exit_code": None, "seconds": 0.0,
+                                          "ended": "not started: the window had ended"})
+                continue
+            log["pretrained"].append(_pretrain(campaign, label, stamp, work, stop_at, deadline, python))
         if all(entry["ok"] for entry in log["pretrained"]):
-            log["processes"] = _run_processes(campaign, campaign.processes(done), stamp, work, stop_at, python)
+            log["processes"] = _run_processes(campaign, campaign.processes(done), stamp, work, stop_at, deadline,
+                                              python)
         log["stopped_by_signal"] = signal.Signals(stopping.pending()).name if _stopped() else None
         log["seconds"] = round(time.time() - start, 1)
         log["finished_in_window"] = sorted(r for p in log["processes"] for r in p["finished"])
@@ -631,12 +639,13 @@ def check_places(work: Path, reference: Path | None, archive: Path) -> None:
                         f"calibrations, logs and window logs; expected {work / 'campaign.tar.gz'} or a path outside it")
 
 
-def _pretrain(campaign: Campaign, label: str, stamp: str, work: Path, stop_at: float, python: str) -> dict:
+def _pretrain(campaign: Campaign, label: str, stamp: str, work: Path, stop_at: float, deadline: float,
+              python: str) -> dict:
     """The sweep's ``pretrain.<label>`` model, made by ``agg-bench pretrain`` before any run reads it."""
     began = time.time()
     env = _child_env(max(1, int((campaign.pretrain[label].get("set") or {}).get("threads", 1))))
     code, how = _supervise(campaign.pretrain_argv(label, python), work / "logs" / f"{stamp}_pretrain_{label}.log",
-                           env, stop_at)
+                           env, stop_at, deadline=deadline)
     ok = code == 0 and (campaign.pretrained_models()[label] / "pretrain.json").is_file()
     print(f"agg-bench campaign: pretrain {label}: {'made' if ok else 'not made'} ({how}, "
           f"{time.time() - began:.1f} s)", file=sys.stderr, flush=True)
@@ -644,13 +653,13 @@ def _pretrain(campaign: Campaign, label: str, stamp: str, work: Path, stop_at: f
 
 
 def _run_processes(campaign: Campaign, processes: list[Process], stamp: str, work: Path, stop_at: float,
-                   python: str) -> list[dict]:
+                   deadline: float, python: str) -> list[dict]:
     """Every process that starts before ``stop_at``, ``campaign.parallel`` at a time in their order; their
     log entries, in that order."""
     def one(number: int, process: Process) -> dict | None:
         if time.time() >= stop_at or _stopped():
             return None
-        return _run_process(campaign, process, number, stamp, work, stop_at, python)
+        return _run_process(campaign, process, number, stamp, work, stop_at, deadline, python)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=campaign.parallel) as pool:
         futures = [pool.submit(one, number, process) for number, process in enumerate(processes, 1)]
@@ -660,7 +669,7 @@ def _run_processes(campaign: Campaign, processes: list[Process], stamp: str, wor
 
 
 def _run_process(campaign: Campaign, process: Process, number: int, stamp: str, work: Path, stop_at: float,
-                 python: str) -> dict:
+                 deadline: float, python: str) -> dict:
     sweep = campaign.sweep
     device = sweep.runs[process.run_ids[0]]["device"]
     env = _child_env(sweep.threads(device))
@@ -678,13 +687,15 @@ def _run_process(campaign: Campaign, process: Process, number: int, stamp: str, 
                          for r in run_ids]}
         write_json(work / "cells" / f"{name}.json", jobs)
         code, how = _supervise([python, "-m", "agg_bench", "cell", str(work / "cells" / f"{name}.json"),
-                                "--deadline", f"{stop_at:.3f}"], work / "logs" / f"{name}.log", env, stop_at)
+                                "--deadline", f"{stop_at:.3f}"], work / "logs" / f"{name}.log", env, stop_at,
+                               deadline=deadline)
     finished = [r for r in run_ids if campaign.finished(work / "runs" / r, r)]
     entry: dict[str, Any] = {"cell": process.cell, "runs": run_ids, "finished": finished, "busy": busy,
                              "exit_code": code, "ended": how, "seconds": round(time.time() - began, 1)}
     labels = [sweep.runs[r]["method"] for r in finished]
     if campaign.calibrate and labels and time.time() < stop_at and not _stopped():
-        entry["calibration"] = _calibrate(campaign, process.cell, labels, name, work, stop_at, python, env)
+        entry["calibration"] = _calibrate(campaign, process.cell, labels, name, work, stop_at, deadline, python,
+                                          env)
     print(f"agg-bench campaign: {process.cell}: {len(finished)}/{len(run_ids)} runs finished "
           f"({how}, {entry['seconds']} s)", file=sys.stderr, flush=True)
     return entry
@@ -709,7 +720,7 @@ def _clear_attempt(campaign: Campaign, folder: Path, run_id: str) -> bool:
 
 
 def _calibrate(campaign: Campaign, cell: str, labels: list[str], name: str, work: Path, stop_at: float,
-               python: str, env: dict) -> dict:
+               deadline: float, python: str, env: dict) -> dict:
     """Time ``labels`` beside ``full`` (when the sweep has it) on one rollout of ``cell``."""
     sweep = campaign.sweep
     methods = sweep.sweep["methods"]
@@ -729,7 +740,7 @@ def _calibrate(campaign: Campaign, cell: str, labels: list[str], name: str, work
     out = work / "calibration" / f"{name}.json"
     argv += ["--out", str(out)]
     began = time.time()
-    code, how = _supervise(argv, work / "logs" / f"{name}.calibrate.log", env, stop_at)
+    code, how = _supervise(argv, work / "logs" / f"{name}.calibrate.log", env, stop_at, deadline=deadline)
     ok = code == 0 and out.is_file()
     if not ok and out.exists():
         out.unlink()

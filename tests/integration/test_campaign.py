@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import types
 from pathlib import Path
 
 import pandas as pd
@@ -498,6 +499,30 @@ def test_the_script_says_in_one_line_what_is_missing(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+def test_a_window_shorter_than_the_grace_kills_at_its_deadline(tmp_path, monkeypatch):
+    """--minutes 1e-9 (any window whose stop margin is shorter than KILL_AFTER_S) ran 12 s past its deadline: a
+    process that ignores SIGTERM was killed KILL_AFTER_S after it, whatever the deadline. It is killed at the
+    deadline now. The clock is counted (each poll adds POLL_S), so the kill's time is exact."""
+    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('up', flush=True); time.sleep(60)"]
+    log = tmp_path / "a.log"
+    clock = {"now": 1000.0}
+
+    def sleep(seconds):  # the counted clock moves on only once the process ignores SIGTERM
+        while "up" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.05)
+        clock["now"] += seconds
+
+    monkeypatch.setattr(campaign_module, "time", types.SimpleNamespace(time=lambda: clock["now"], sleep=sleep))
+    killed = []
+    kill = campaign_module._kill_group
+    monkeypatch.setattr(campaign_module, "_kill_group", lambda pgid: (killed.append(clock["now"]), kill(pgid)))
+    stop_at, deadline = 1001.0, 1002.0  # SIGTERM at the stop, one second of the 12 s grace left
+    code, how = campaign_module._supervise(stubborn, log, dict(os.environ), stop_at, deadline=deadline)
+    assert code == -signal.SIGKILL and how == "stopped at the deadline (killed)"
+    assert killed == [deadline]
+
+
 def test_a_process_is_stopped_at_the_deadline_and_killed_when_it_does_not_stop(tmp_path, monkeypatch):
     monkeypatch.setattr(campaign_module, "KILL_AFTER_S", 1.0)
     stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -686,7 +711,7 @@ def test_a_signal_to_the_campaign_stops_it_and_packs_what_finished(tmp_path, mon
     are written, and the command exits 143."""
     started = []
 
-    def process(campaign, process, number, stamp, work, stop_at, python):
+    def process(campaign, process, number, stamp, work, stop_at, deadline, python):
         started.append(process.cell)
         os.kill(os.getpid(), signal.SIGTERM)  # arrives while the window runs; only remembered there
         time.sleep(0.1)
@@ -717,7 +742,7 @@ def test_a_run_folder_another_process_is_writing_is_left_alone(tmp_path, monkeyp
         (folder / name).write_bytes(data)
     jobs = []
 
-    def supervise(argv, log, env, stop_at, stopped=None):  # the cell's job file instead of its process
+    def supervise(argv, log, env, stop_at, stopped=None, deadline=None):  # the cell's job file instead of its process
         if argv[3] == "cell":
             jobs.append(json.loads(Path(argv[4]).read_text()))
         return 0, "finished"
