@@ -355,12 +355,14 @@ class Campaign:
 
     def check_devices(self) -> None:
         """A ConfigError, before a window writes anything, for a device of the sweep this machine cannot serve
-        (``devices.<d>.device``, the ``device`` a ``pretrain.<label>`` model the runs read is made on): each of its
-        processes would fail, and the window spend its minutes on them. The --cpu form's devices are the CPU."""
+        (``devices.<d>.device``, the ``device`` a ``pretrain.<label>`` model the runs read is made on, from its
+        ``set`` or its config file): each of its processes would fail, and the window spend its minutes on them.
+        The --cpu form's devices are the CPU."""
         from ..machine.devices import resolve_device
 
         named = [(f"devices.{label}.device", spec["device"]) for label, spec in self.sweep.sweep["devices"].items()]
-        named += [(f"pretrain.{label}.set.device", (self.pretrain[label].get("set") or {}).get("device", "cpu"))
+        named += [(f"pretrain.{label}.set.device" if "device" in (self.pretrain[label].get("set") or {})
+                   else f"pretrain.{label}.device", self.pretrain_configs[label].device)
                   for label in self.pretrained_models()]
         for key, device in named:
             try:

@@ -394,6 +394,26 @@ def test_a_gpu_window_on_a_machine_without_cuda_is_one_line_and_writes_nothing(t
     assert not work.exists() and not (tmp_path / "ref").exists()
 
 
+def test_a_pretrain_device_set_in_the_entry_s_config_file_is_checked_too(tmp_path, monkeypatch):
+    """A pretrain entry whose config file (not its set) names a device this machine lacks: the model's
+    pre-training would fail in the window, and every run reading the model after it."""
+    import torch
+    import yaml
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(ROOT)  # the sweep's files are relative to the repository
+    pretrain = yaml.safe_load((ROOT / "config" / "pretrain.yaml").read_text())
+    (tmp_path / "pretrain.yaml").write_text(yaml.safe_dump({**pretrain, "device": "cuda"}))
+    sweep = yaml.safe_load((ROOT / "config" / "learning.yaml").read_text())
+    [label] = sweep["pretrain"]
+    sweep["pretrain"][label]["config"] = str(tmp_path / "pretrain.yaml")
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    with pytest.raises(UserError) as refused:
+        Campaign(tmp_path / "sweep.yaml", cache_dir=tmp_path / "cache").check_devices()
+    assert f"pretrain.{label}.device = 'cuda': expected cpu or auto: CUDA is not available" in str(refused.value)
+    assert "--cpu" in str(refused.value)
+
+
 @pytest.mark.parametrize("args, words", [
     # a file where the work folder keeps its run folders: every later window refused the work folder
     (["--archive", "{w}/runs/x.tar.gz"], "--archive {w}/runs/x.tar.gz: inside --work {w}, whose folders hold"),
