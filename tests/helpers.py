@@ -411,3 +411,25 @@ def signal_after_first_optimizer_step(monkeypatch, call: int) -> list[int]:
 
     monkeypatch.setattr(Session, "update", update)
     return steps
+
+
+class Hung(Exception):
+    """A block still waiting (:func:`not_hung`); no OSError, which a reader may take for an unreadable file."""
+
+
+@contextmanager
+def not_hung(seconds: float = 10) -> Iterator[None]:
+    """Raise :class:`Hung` in the block once ``seconds`` have passed (a read that waits on a named pipe for ever,
+    the bug, ends the test instead of hanging it); not a measure of speed."""
+    import signal
+
+    def stop(signum, frame):
+        raise Hung(f"still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

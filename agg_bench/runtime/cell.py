@@ -213,13 +213,14 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
         raise UserError("--keep-journal: a cell keeps a journal with --resume only; give both, or neither")
     jobs = load_jobs(path)  # every config checked before the first run writes anything
     from .model_reuse import reusing_models
-    from .runfolder import check_out_dir
+    from .runfolder import check_out_dir, stopped_attempt
 
     # and every run's folder as its run will check it (someone's files, a link, a file, a finished run of another
-    # config without --overwrite): a later run's was refused only once the runs before it had written theirs
+    # config without --overwrite): a later run's was refused only once the runs before it had written theirs. With
+    # ``resume`` a run continues only a stopped attempt (train's resume_stopped), not any folder with a checkpoint
     for index, (job, cfg) in enumerate(jobs):
         try:
-            check_out_dir(job.out, cfg.to_dict(), resume, overwrite)
+            check_out_dir(job.out, cfg.to_dict(), resume and stopped_attempt(job.out, cfg.to_dict()), overwrite)
         except UserError as err:
             raise UserError(f"{path}: runs[{index}] (--out {job.out}): {err}") from None
 

@@ -69,7 +69,7 @@ from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, write_json
-from ..jsonfiles import loads
+from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned
 from ..runtime.cell import job_entry
 from ..outputs import RUN_CONTENTS
@@ -244,12 +244,12 @@ class Campaign:
 
     def finished(self, folder: Path, run_id: str) -> bool:
         """Whether ``folder`` holds ``run_id`` finished: summary ``ok`` and the config the sweep composes."""
-        try:
-            summary = loads((folder / "summary.json").read_bytes())
-            config = loads((folder / "config.json").read_bytes())
-        except (OSError, ValueError):
+        try:  # a regular file's only: a named pipe there waited for ever, a device was read until memory ran out
+            summary = read_json_object(folder / "summary.json", "a run's summary")
+            config = read_json_object(folder / "config.json", "a run's config")
+        except JsonFileError:
             return False
-        return isinstance(summary, dict) and summary.get("status") == "ok" and config == self.config_of(run_id)
+        return summary.get("status") == "ok" and config == self.config_of(run_id)
 
     def done(self, *folders: Path | None) -> set[str]:
         """The run ids finished in any of ``folders`` (reference or work folders: their ``runs/<id>``)."""
@@ -356,12 +356,14 @@ class Campaign:
 
     def check_devices(self) -> None:
         """A ConfigError, before a window writes anything, for a device of the sweep this machine cannot serve
-        (``devices.<d>.device``, the ``device`` a ``pretrain.<label>`` model the runs read is made on): each of its
-        processes would fail, and the window spend its minutes on them. The --cpu form's devices are the CPU."""
+        (``devices.<d>.device``, the ``device`` a ``pretrain.<label>`` model the runs read is made on, from its
+        ``set`` or its config file): each of its processes would fail, and the window spend its minutes on them.
+        The --cpu form's devices are the CPU."""
         from ..machine.devices import resolve_device
 
         named = [(f"devices.{label}.device", spec["device"]) for label, spec in self.sweep.sweep["devices"].items()]
-        named += [(f"pretrain.{label}.set.device", (self.pretrain[label].get("set") or {}).get("device", "cpu"))
+        named += [(f"pretrain.{label}.set.device" if "device" in (self.pretrain[label].get("set") or {})
+                   else f"pretrain.{label}.device", self.pretrain_configs[label].device)
                   for label in self.pretrained_models()]
         for key, device in named:
             try:
@@ -384,7 +386,6 @@ class Campaign:
         """Why the model folder ``folder`` is not the sweep's ``pretrain.<label>``, or None: its ``pretrain.json``
         must record the config that ``pretrain.<label>`` composes (its ``config`` file with its ``set``, as
         :meth:`pretrain_argv` passes them), key by key, except :data:`PRETRAIN_SPEED_KEYS`."""
-        from ..jsonfiles import JsonFileError, read_json_object
         from .pretrain import MARKER
 
         wanted = dataclasses.asdict(self.pretrain_configs[label])

@@ -46,7 +46,7 @@ from ..config import (YamlRefused, check_data_parallel, check_expanded_size, che
 from ..engine.families import architecture, check_own_schedule, check_resolution
 from ..errors import ConfigError, UserError, clip, quote
 from ..io import atomic_path
-from ..jsonfiles import loads, read_json_object
+from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Contents, check_folder
 from ..outputs import (IMPORT_CONTENTS, LEARNING_CONTENTS, PRETRAIN_CONTENTS, REPORT_CONTENTS, RUN_CONTENTS,
                        check_run_folder)
@@ -810,11 +810,11 @@ def failed_runs(folders: list[str]) -> list[tuple[str, str]]:
     runs a cell job recorded as failed (``agg-bench cell --keep-going``) instead of failing the job."""
     failed = []
     for folder in folders:
-        try:
-            summary = loads((Path(folder) / "summary.json").read_bytes())
-        except (OSError, ValueError):
+        try:  # a regular file's only: a named pipe there waited for ever, a device was read until memory ran out
+            summary = read_json_object(Path(folder) / "summary.json", "a run's summary")
+        except JsonFileError:
             continue
-        if isinstance(summary, dict) and summary.get("status") == "error":
+        if summary.get("status") == "error":
             failed.append((folder, str(summary.get("error"))))
     return failed
 

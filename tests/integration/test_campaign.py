@@ -28,7 +28,7 @@ from agg_bench.tools import campaign as campaign_module
 from agg_bench.tools import archive as archive_module
 from agg_bench.tools.archive import tiny_counterpart
 from agg_bench.tools.campaign import Campaign, cpu_resolution
-from helpers import Holder
+from helpers import Holder, not_hung
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config" / "h200.yaml"
@@ -393,6 +393,42 @@ def test_a_gpu_window_on_a_machine_without_cuda_is_one_line_and_writes_nothing(t
     assert code == 2 and len(err) == 1, err
     assert "devices." in err[0] and "CUDA is not available on this machine" in err[0] and "--cpu" in err[0], err
     assert not work.exists() and not (tmp_path / "ref").exists()
+
+
+def test_a_pretrain_device_set_in_the_entry_s_config_file_is_checked_too(tmp_path, monkeypatch):
+    """A pretrain entry whose config file (not its set) names a device this machine lacks: the model's
+    pre-training would fail in the window, and every run reading the model after it."""
+    import torch
+    import yaml
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(ROOT)  # the sweep's files are relative to the repository
+    pretrain = yaml.safe_load((ROOT / "config" / "pretrain.yaml").read_text())
+    (tmp_path / "pretrain.yaml").write_text(yaml.safe_dump({**pretrain, "device": "cuda"}))
+    sweep = yaml.safe_load((ROOT / "config" / "learning.yaml").read_text())
+    [label] = sweep["pretrain"]
+    sweep["pretrain"][label]["config"] = str(tmp_path / "pretrain.yaml")
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    with pytest.raises(UserError) as refused:
+        Campaign(tmp_path / "sweep.yaml", cache_dir=tmp_path / "cache").check_devices()
+    assert f"pretrain.{label}.device = 'cuda': expected cpu or auto: CUDA is not available" in str(refused.value)
+    assert "--cpu" in str(refused.value)
+
+
+@pytest.mark.parametrize("name", ["summary.json", "config.json"])
+def test_a_run_folder_file_that_is_a_named_pipe_is_no_finished_run(tmp_path, cpu_campaign, name):
+    """A window reads the reference's and work folder's runs to find those finished: a named pipe there (a shared
+    results folder) made the window wait on it for ever."""
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    folder = tmp_path / "runs" / run_id
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"status": "ok"}))
+    (folder / "config.json").write_text(json.dumps(cpu_campaign.config_of(run_id)))
+    assert cpu_campaign.finished(folder, run_id)
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    with not_hung():
+        assert not cpu_campaign.finished(folder, run_id) and cpu_campaign.done(tmp_path) == set()
 
 
 @pytest.mark.parametrize("args, words", [

@@ -155,6 +155,26 @@ def test_a_later_runs_folder_that_takes_no_run_is_refused_before_the_first_run(t
     assert {str(p): None if p.is_dir() else p.read_bytes() for p in sorted(tmp_path.rglob("*"))} == before
 
 
+def test_with_resume_a_later_finished_run_of_another_config_that_kept_its_checkpoint_is_refused_first(tmp_path,
+                                                                                                     capsys):
+    """With --resume (the workflow's cell jobs) a run continues only a stopped attempt; a finished run of another
+    config that kept its checkpoint.pt (train.checkpoint_every) passed the check before the first run, and was
+    refused only when the cell reached it, after the runs before it had written theirs."""
+    assert main(["run", "--set", "seed=5", *sum((["--set", item] for item in TINY), []), "--set",
+                 "train.iterations=1", "--set", "train.checkpoint_every=1", "--out", str(tmp_path / "theirs")]) == 0
+    theirs = tmp_path / "theirs"
+    assert (theirs / "checkpoint.pt").is_file() and (theirs / "summary.json").is_file()
+    before = {str(p): None if p.is_dir() else p.read_bytes() for p in sorted(tmp_path.rglob("*"))}
+    path = job_file(tmp_path, [run(tmp_path / "a", "method={name: full}"), run(theirs, "method={name: full}")])
+    capsys.readouterr()
+    assert main(["cell", "--resume", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"jobs.json: runs[1] (--out {theirs}): --out {theirs}: holds a finished run of another " \
+        "config (seed = 5 there, 0 here)" in err[0], err
+    path.unlink()
+    assert {str(p): None if p.is_dir() else p.read_bytes() for p in sorted(tmp_path.rglob("*"))} == before
+
+
 @pytest.mark.parametrize("name", ["config.yaml", "h200.yaml", "learning_gpu.yaml"])
 def test_the_workflow_s_job_files_hold_only_the_keys_a_cell_reads(tmp_path, monkeypatch, name):
     """Every cell job file the workflow writes for a committed sweep (Sweep.cell_jobs) is read as it is,

@@ -218,6 +218,19 @@ def test_cells_group_a_cpu_devices_runs(in_process):
                                                  "--keep-journal --overwrite results/cells/sd3_32px_gpu1.json")
 
 
+def test_a_summary_that_is_a_named_pipe_is_no_failed_run(tmp_path):
+    """The workflow reads every run's summary.json when it ends: a named pipe there made Snakemake wait for ever."""
+    import os
+
+    from agg_bench.tools.sweep import failed_runs
+    from helpers import not_hung
+
+    (tmp_path / "run").mkdir()
+    os.mkfifo(tmp_path / "run" / "summary.json")
+    with not_hung():
+        assert failed_runs([str(tmp_path / "run")]) == []
+
+
 def test_failed_runs_are_reported_and_their_summaries_removed(tmp_path):
     """What the workflow's manifest does after a cell job recorded a failed run (agg-bench cell --keep-going):
     names each failed run, its error and its log, and removes only those runs' summaries and markers, so that
