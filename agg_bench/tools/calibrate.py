@@ -244,19 +244,17 @@ OWN_PLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "
 
 def own_plan_setup(config: dict, name: str, sets: list[str]):
     """(run config, estimator) of method ``name`` with its overrides ``sets`` on the run's ``config``, when it owns
-    its rollout and sets nothing beyond its ``method.*`` but :data:`OWN_PLAN_KEYS`; None otherwise (its replay's
-    refusal stands). Its run checks are made (``check_run``)."""
-    from ..config import parse_override
-    from ..methods.base import Estimator, build_estimator
+    its rollout and sets nothing beyond its ``method.*`` but :data:`OWN_PLAN_KEYS` (its run checks made); None
+    otherwise (its replay's refusal stands)."""
+    from ..methods.base import Estimator
+    from .snapshot import replay_setup
 
-    keys = [parse_override(item)[0] for item in sets]
-    if not all(key == "method" or key.startswith("method.") or key in OWN_PLAN_KEYS for key in keys):
+    try:
+        cfg, estimator = replay_setup(config, name, sets, also=OWN_PLAN_KEYS)
+    except ConfigError:
         return None
-    cfg = validate(apply_overrides({**config, "method": {"name": name}}, sets))
-    estimator = build_estimator(cfg)
     if type(estimator).rollout is Estimator.rollout:  # a frozen rollout would do: its replay decides
         return None
-    estimator.check_run(cfg)
     return cfg, estimator
 
 

@@ -421,16 +421,19 @@ def _snapshot_method(config_path: Path, run: RunConfig | None) -> Estimator:
 REPLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "train.ignore_last", "seed")
 
 
-def replay_setup(config: dict, method: str, overrides: list[str]) -> tuple[RunConfig, Estimator]:
+def replay_setup(config: dict, method: str, overrides: list[str],
+                 also: tuple[str, ...] = ()) -> tuple[RunConfig, Estimator]:
     """The replay's run config (the snapshot's ``config`` with ``method`` and the ``--set`` overrides)
-    and the estimator, after the method's own run checks (``check_run``: W <= N, train.plan compatibility)."""
+    and the estimator, after the method's own run checks (``check_run``: W <= N, train.plan compatibility).
+    ``also``: keys beyond ``method.*`` (and :data:`REPLAN_KEYS` for a method that replans) the caller honours
+    (calibrate's plan keys of a method timed on its own rollout)."""
     config = dict(config)
     config["method"] = {"name": method}
     cfg = validate(apply_overrides(config, overrides))
     estimator = build_estimator(cfg)
     for item in overrides:
         key, value = parse_override(item)
-        if key == "method" or key.startswith("method."):
+        if key == "method" or key.startswith("method.") or key in also:
             continue
         if not (estimator.replans and key in REPLAN_KEYS):
             allowed = f"method.* and {', '.join(REPLAN_KEYS)}" if estimator.replans else "method.* only"

@@ -58,6 +58,7 @@ EMBED_DIR = "results/embeddings"
 PRETRAINED_DIR = "results/pretrained"  # model folders the workflow's pretrain rule makes
 CELL_DIR = "results/cells"  # the cell jobs' job files and their journals, and the run jobs' journals
 LEARNING_EVAL_NOISES = 16  # learning.eval_noises where the sweep leaves it out (workflow/rules/learning.smk)
+LEARNING_AVERAGE = 3  # learning.average_iterations where the sweep leaves it out (agg-bench learning's --average)
 LEARNING_DIR = "results/learning"  # the learning report's tables and plots, and its manifest (workflow/rules/learning.smk)
 DONE_DIR = "results/done"  # each run's marker: the output of its job (a run job or a cell job)
 # Runs in one sweep. Composing and checking them costs little (runs that differ only in their seed are checked
@@ -651,7 +652,7 @@ class Sweep:
         try:
             cfg = load_config(self.base_file, overrides_of(pairs))
             learning = self.sweep.get("learning")
-            average = (learning or {}).get("average_iterations", 3)
+            average = (learning or {}).get("average_iterations", LEARNING_AVERAGE)
             if learning_ends and learning is not None and 2 * average > cfg.train.iterations:
                 raise ConfigError("learning.average_iterations", average,
                                   f"at most {cfg.train.iterations // 2}: the learning table averages that many "
