@@ -77,9 +77,10 @@ def process_running(pid: int) -> bool:
     return True
 
 
-def _aside_path(path: Path) -> Path:
-    """Where :func:`atomic_target` moves an earlier folder at ``path`` while the new one is renamed in."""
-    return atomic_path(path.with_name(f"{path.name}-old"))
+def _aside(path: Path) -> Path:
+    """The name :func:`atomic_target` moves an earlier folder at ``path`` aside under (an :func:`atomic_path` of
+    it) while the new one is renamed in."""
+    return path.with_name(f"{path.name}-old")
 
 
 def remove_stale_temps(path: str | Path) -> None:
@@ -91,7 +92,7 @@ def remove_stale_temps(path: str | Path) -> None:
     path = Path(path)
     if not path.parent.is_dir():
         return
-    targets = (path, path.with_name(f"{path.name}-old"))
+    targets = (path, _aside(path))
     for entry in path.parent.iterdir():
         pid = next((pid for target in targets if (pid := temp_owner(target, entry.name)) is not None), None)
         if pid is not None and not entry.is_symlink() and not process_running(pid):
@@ -117,7 +118,7 @@ def atomic_target(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         if tmp.is_dir() and path.is_dir() and not path.is_symlink():  # a folder replaces a folder
-            aside = _aside_path(path)
+            aside = atomic_path(_aside(path))
             _remove(aside)
             os.replace(path, aside)
             os.replace(tmp, path)

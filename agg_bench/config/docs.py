@@ -149,7 +149,7 @@ def generated_docs_main(argv: list[str] | None, prog: str, description: str, wha
         try:
             text = document.read_text(encoding="utf-8")
             current = with_generated(text)
-        except (OSError, UnicodeDecodeError, ValueError) as err:
+        except (OSError, ValueError) as err:  # ValueError: not UTF-8 text, or no generated part
             flag = "--write" if args.write else "--check"
             parser.exit(2, f"{prog}: {flag} {document}: {getattr(err, 'strerror', None) or err}; expected a "
                            f"Markdown document holding the generated {what}\n")
