@@ -1,11 +1,13 @@
 """Saved activations: the bytes autograd keeps for backward, counted through saved-tensor hooks
 (``SavedActivations``), and the regions of a training step whose saves are counted
-(``saved_activation_region``, ``counting_regions``). Part of the run's telemetry
-(:mod:`agg_bench.machine.telemetry`, which re-exports these names)."""
+(``saved_activation_region``, ``counting_regions``); and the working memory of a region without autograd,
+counted through the tensors its operators return (``WorkingMemory``, for the memory planner). Part of the
+run's telemetry (:mod:`agg_bench.machine.telemetry`, which re-exports the first names)."""
 from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections import deque
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -13,6 +15,8 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class _SavedHandle:
@@ -190,3 +194,66 @@ def counting_regions(tracker: SavedActivations) -> Iterator[SavedActivations]:
         yield tracker
     finally:
         region_tracker.reset(token)
+
+
+class WorkingMemory(TorchDispatchMode):
+    """Peak bytes of the tensors a region allocates and holds at once, counted exactly: the working memory of
+    a computation without autograd (a VAE decode, an optimizer step), where saved-tensor hooks see nothing.
+
+    Accounting rule: every tensor an operator returns inside the region is counted by the size of its
+    storage, each storage once however many views share it; a result that shares its storage with an input
+    from before the region (an in-place result, a view of a weight) is not counted. A storage leaves the count
+    when the last tensor returned for it inside the region is freed. Tensors that
+    existed before the region (weights, inputs, optimizer state) are not counted. The count depends only on
+    which tensors the operators return, never on an allocator, so it works on fake tensors
+    (:class:`torch._subclasses.fake_tensor.FakeTensorMode`, entered before this mode) and is the same on every
+    device for the same kernels; a kernel's scratch space that never becomes a tensor (a convolution's
+    workspace) is not seen. ``peak_bytes`` is the largest live count; ``live_bytes`` the current one.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._refs: dict[Any, list[int]] = {}  # storage key -> [tensors alive, bytes]
+        self._released: deque[Any] = deque()
+        self._live_bytes = 0
+        self.peak_bytes = 0
+
+    @property
+    def live_bytes(self) -> int:
+        self._settle()
+        return self._live_bytes
+
+    def _settle(self) -> None:
+        # finalizers only queue their key: they can run at any allocation, inside _track too
+        while self._released:
+            key = self._released.popleft()
+            entry = self._refs.get(key)
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    self._live_bytes -= entry[1]
+                    del self._refs[key]
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        self._settle()
+        entry = self._refs.get(key)
+        if entry is None:
+            self._refs[key] = [1, storage.nbytes()]
+            self._live_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+        else:
+            entry[0] += 1
+        weakref.finalize(tensor, self._released.append, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # an in-place result, or a view of a tensor from before the region, holds no memory of its own
+        inputs = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and (leaf.untyped_storage()._cdata not in inputs
+                                                   or leaf.untyped_storage()._cdata in self._refs):
+                self._track(leaf)
+        return out

@@ -20,6 +20,22 @@ Per GPU (one of the run's ``gpus`` processes):
   (``checkpoint_input_bytes``; the run's count does not see them). Under bfloat16 autocast the count
   includes the bf16 copies of the weights that autocast makes and the matmuls save (2 bytes per
   parameter a forward uses outside checkpointed blocks).
+- ``optimizer_step``: the temporaries of one AdamW step (:func:`optimizer_step_bytes`): on a GPU, where
+  torch's AdamW runs its multi-tensor (foreach) form, one tensor the size of each trainable parameter at
+  once (the square roots of the second moments); on the CPU, one parameter at a time (two tensors the size
+  of one and the previous one's quotient).
+- ``decode``: the working memory of the VAE decode of the process's rollout batch at the run's resolution
+  (every rewarded image at once, in the VAE's dtype), counted by running the run's own decode on fake
+  tensors under :class:`~agg_bench.machine.activations.WorkingMemory` (the tensors its operators hold at
+  once; a convolution's scratch workspace is not a tensor and is not seen).
+
+The phases do not overlap: the weights, gradients and AdamW moments (``state``) are held throughout (the
+gradients of one step until the next step's start: through the next rollout and its decode), and on top of
+them come the saved activations (the train phase), the step's temporaries or the decode's working memory.
+``total_per_gpu`` is ``state`` plus the largest of the three (``peak_phase`` names it). Measured on one H200
+(SD3.5-Medium, full fine-tune, bf16, 4 images): the first iteration peaks at the optimizer step, before which
+the moments do not exist (43.1 GiB at 512 and at 1024 px, the step's planned total 42.9); later iterations at
+1024 px peak in the decode (50.8 GiB; planned 46.6: docs/paper-scale.md, "How far the planner was off").
 
 With ``train.shard: fsdp`` over K GPUs the transformer's parameters, gradients and optimizer state are
 split K ways along their first dimension (FSDP2's padded shards); buffers and the VAE are replicated;
@@ -51,7 +67,7 @@ from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build
 from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 from ..errors import ConfigError
 from ..machine import distributed
-from ..machine.activations import SavedActivations, counting_regions
+from ..machine.activations import SavedActivations, WorkingMemory, counting_regions
 from ..methods.base import build_estimator, method_options
 
 GIB = 1024 ** 3
@@ -59,6 +75,8 @@ H200_GIB = 139.0  # an H200's memory as CUDA reports it: the default budget wher
 RESERVE_FRACTION = 0.10
 SUGGESTED_LORA_RANK = 64
 FSDP_SIZES = (2, 4, 8)  # GPUs of one node that FSDP suggestions try
+# the phases of an iteration that add to the held state (the module docstring), and their bytes' key
+PHASES = {"train": "activations", "optimizer step": "optimizer_step", "decode": "decode"}
 ACTIVATION_BASIS = {
     "cpu": "counted exactly (fake CPU tensors, the CPU kernels a run uses)",
     "cuda": "counted with CPU kernels on fake tensors: attention as flash kernels keep it (q, k, v, output, "
@@ -257,6 +275,32 @@ def _tensor_bytes(tensors, shards: int = 1) -> int:
     return total
 
 
+def optimizer_step_bytes(trainable, shards: int, device_type: str) -> int:
+    """Bytes of the temporaries one step of torch's AdamW allocates for ``trainable`` (each split ``shards``
+    ways): its multi-tensor (foreach) form, torch's default where every parameter is on a GPU, takes the
+    square root of every second moment at once (one tensor the size of each parameter); its one-tensor form,
+    the CPU's default, goes through the parameters in order with two tensors the size of one (the root and
+    its quotient by the bias correction) while the previous parameter's quotient is still held."""
+    sizes = [_tensor_bytes([t], shards) for t in trainable]
+    if not sizes:
+        return 0
+    if device_type == "cuda":
+        return sum(sizes)
+    return max(2 * size + previous for size, previous in zip(sizes, [0, *sizes]))
+
+
+def decode_bytes(policy: Policy, mode, rows: int, latent_shape: tuple[int, ...]) -> int:
+    """Peak bytes of the tensors that ``policy``'s decode (on fake tensors of ``mode``) of ``rows`` latents of
+    ``latent_shape`` holds at once (:class:`~agg_bench.machine.activations.WorkingMemory`); 0 without a VAE."""
+    if policy.vae is None:
+        return 0
+    with mode:
+        latents = torch.zeros(rows, *latent_shape, dtype=torch.float32)
+        with WorkingMemory() as memory:
+            policy.decode(latents)
+    return memory.peak_bytes
+
+
 class ShapeModel:
     """The run's policy on fake tensors: each (gradient checkpointing, LoRA rank) variant built once,
     each activation count done once."""
@@ -272,15 +316,25 @@ class ShapeModel:
         self._policies: dict[tuple, Policy] = {}
         self._activations: dict[tuple, int] = {}
         self._checkpoint_inputs: dict[tuple, int] = {}
+        self._decodes: dict[int, int] = {}
+        self.device_type = _device_type(cfg)
         self.vae = _to_fake(_shapes(cfg, "vae", vae_dtype(self.precision)), self.mode)
         train = cfg.train
         self.latent_shape = self.policy(train.gradient_checkpointing, train.lora_rank).latent_shape(
             cfg.model.resolution)
         self.text_tokens = text_tokens(cfg)
+        self.for_run(cfg)
+
+    def for_run(self, cfg: RunConfig) -> "ShapeModel":
+        """This model for run config ``cfg``, which differs from the one it was built for at most in what
+        :func:`shape_key` leaves out (the method, the seed, the sampler, the reward): its method's copies of
+        the policy are charged, the counts done already are kept."""
+        self.cfg = cfg
         estimator = build_estimator(cfg)
         self.moving_average = estimator.moving_average() is not None
         # a frozen copy of the starting policy: the session's KL reference (grpo.beta > 0) or the method's own
         self.reference = cfg.grpo.beta > 0 or estimator.keeps_reference(cfg)
+        return self
 
     def policy(self, checkpointing: bool, lora_rank: int) -> Policy:
         key = (checkpointing, lora_rank)
@@ -311,6 +365,13 @@ class ShapeModel:
         self.activations(rows, checkpointing, lora_rank)
         return self._checkpoint_inputs[(rows, checkpointing, lora_rank)]
 
+    def decode_bytes(self, rows: int, checkpointing: bool, lora_rank: int) -> int:
+        """Working memory of decoding ``rows`` rollout images (:func:`decode_bytes`)."""
+        if rows not in self._decodes:
+            self._decodes[rows] = decode_bytes(self.policy(checkpointing, lora_rank), self.mode, rows,
+                                               self.latent_shape)
+        return self._decodes[rows]
+
     def state_bytes(self, layout: Layout) -> dict[str, int]:
         """Parameter, gradient and optimizer bytes per GPU; parameter counts of the transformer."""
         transformer = self.policy(layout.gradient_checkpointing, layout.lora_rank).transformer
@@ -325,14 +386,23 @@ class ShapeModel:
         average = grads if self.cfg.train.eval_ema is not None else 0  # a copy of each trainable parameter
         on_gpu = 0 if layout.cpu_offload and layout.shard == "fsdp" else 1
         return {"params": on_gpu * (model + reference + moving_policy + average) + vae, "grads": on_gpu * grads,
-                "optimizer": on_gpu * 2 * grads, "parameters": sum(p.numel() for p in params),
+                "optimizer": on_gpu * 2 * grads,
+                "optimizer_step": on_gpu * optimizer_step_bytes(trainable, shards, self.device_type),
+                "parameters": sum(p.numel() for p in params),
                 "trainable_parameters": sum(p.numel() for p in trainable)}
 
     def bytes_per_gpu(self, layout: Layout) -> dict[str, int]:
+        """The plan's ``bytes``: the state, each phase's bytes on top of it, and ``total_per_gpu`` (the state
+        and the largest phase: the module docstring)."""
         state = self.state_bytes(layout)
         out = {k: state[k] for k in ("params", "grads", "optimizer")}
+        held = sum(out.values())
         out["activations"] = self.activations(layout.micro_batch, layout.gradient_checkpointing, layout.lora_rank)
-        out["total_per_gpu"] = sum(out.values())
+        out["optimizer_step"] = state["optimizer_step"]
+        # each process decodes its share of the rollout (prompts_per_iteration x group_size / gpus images)
+        rows = layout.prompts_per_iteration * self.cfg.grpo.group_size // layout.gpus
+        out["decode"] = self.decode_bytes(rows, layout.gradient_checkpointing, layout.lora_rank)
+        out["total_per_gpu"] = held + max(out[phase] for phase in PHASES.values())
         return out
 
 
@@ -352,6 +422,7 @@ class MemoryPlan:
     device: str
     activation_basis: str
     checkpoint_input_bytes: int = 0
+    peak_phase: str = ""  # the phase whose bytes top the held state: train, optimizer step or decode
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -445,9 +516,12 @@ class _Search:
         return [] if found is None else [found]
 
 
-def plan_memory(cfg: RunConfig, gpus: int = 1, gpu_memory: float | None = None, suggest: bool = True) -> MemoryPlan:
+def plan_memory(cfg: RunConfig, gpus: int = 1, gpu_memory: float | None = None, suggest: bool = True,
+                shapes: ShapeModel | None = None) -> MemoryPlan:
     """The memory plan of run config ``cfg`` on ``gpus`` processes with ``gpu_memory`` bytes each (None:
-    :func:`gpu_memory_bytes`); ``suggest`` searches for changes when it does not fit."""
+    :func:`gpu_memory_bytes`); ``suggest`` searches for changes when it does not fit. ``shapes``: a
+    :class:`ShapeModel` built for a config of the same :func:`shape_key` (its counts are reused), else one is
+    built."""
     device = _device_type(cfg)
     budget_total = gpu_memory_bytes(device) if gpu_memory is None else gpu_memory
     if isinstance(budget_total, bool) or not isinstance(budget_total, (int, float)) \
@@ -455,7 +529,7 @@ def plan_memory(cfg: RunConfig, gpus: int = 1, gpu_memory: float | None = None, 
         raise ConfigError("--gpu-memory", budget_total, "a positive, finite amount of memory")
     base = run_layout(cfg, gpus)
     with torch.random.fork_rng(devices=[]):  # building shapes must not move the run's random streams
-        shapes = ShapeModel(cfg)
+        shapes = ShapeModel(cfg) if shapes is None else shapes.for_run(cfg)
         counted = shapes.bytes_per_gpu(base)
         state = shapes.state_bytes(base)
         reserve = int(RESERVE_FRACTION * budget_total)
@@ -472,7 +546,8 @@ def plan_memory(cfg: RunConfig, gpus: int = 1, gpu_memory: float | None = None, 
                       gpu_memory_bytes=int(budget_total), reserve_bytes=reserve, layout=asdict(base),
                       device=device, activation_basis=ACTIVATION_BASIS[device],
                       checkpoint_input_bytes=shapes.checkpoint_input_bytes(
-                          base.micro_batch, base.gradient_checkpointing, base.lora_rank))
+                          base.micro_batch, base.gradient_checkpointing, base.lora_rank),
+                      peak_phase=peak_phase(counted))
 
 
 def check_weights_fit(cfg: RunConfig) -> None:
@@ -497,6 +572,11 @@ def check_weights_fit(cfg: RunConfig) -> None:
                           f"{device} (the memory planner: does not fit)")
 
 
+def peak_phase(counted: dict) -> str:
+    """The phase of :data:`PHASES` whose bytes are the largest in a plan's ``bytes`` (the first on a tie)."""
+    return max(PHASES, key=lambda phase: counted[PHASES[phase]])
+
+
 def bytes_text(n: float) -> str:
     """``n`` bytes in words: "512 B", "3.2 MiB", "1.5 GiB"."""
     for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
@@ -505,31 +585,49 @@ def bytes_text(n: float) -> str:
     return f"{int(n)} B"
 
 
-# plans made in this process, by what they depend on (:func:`plan_key`): the runs of a cell job share a
-# model, and a full-size model's count on fake tensors takes seconds
+# plans made in this process, by what they depend on (:func:`plan_key`), and the models on fake tensors they
+# were counted on (:func:`shape_key`): the runs of a cell job share a model, and a full-size model's count on
+# fake tensors takes seconds
 _RUN_PLANS: dict[str, dict] = {}
 _RUN_PLANS_KEPT = 16
+_SHAPES: dict[str, ShapeModel] = {}
+_SHAPES_KEPT = 2
+
+
+def shape_key(cfg: RunConfig) -> str:
+    """What a :class:`ShapeModel`'s counts depend on: the model, prompts, train and GRPO sections and the
+    device (not the method, whose micro-batch is counted per layout and whose copies of the policy are
+    charged by :meth:`ShapeModel.for_run`)."""
+    config = cfg.to_dict()
+    return json.dumps({"device": config["device"], **{k: config[k] for k in ("model", "prompts", "train", "grpo")}},
+                      sort_keys=True)
 
 
 def plan_key(cfg: RunConfig, gpus: int) -> str:
-    """What a run's plan depends on: the model, prompts, train and GRPO sections, the device, the method's
-    micro-batch and the processes (not the seed, the sampler, the method's other options or the reward)."""
+    """What a run's plan depends on: the model, prompts, train, GRPO and method sections (a method's own
+    reference or moving average is a copy of the model: DGPO's, NFT's), the device and the processes (not the
+    seed, the sampler or the reward)."""
     config = cfg.to_dict()
-    micro = getattr(method_options(cfg), "micro_batch", None)
-    return json.dumps({"gpus": gpus, "device": config["device"], "micro_batch": micro,
-                       "memory": gpu_memory_bytes(_device_type(cfg)),
-                       **{k: config[k] for k in ("model", "prompts", "train", "grpo")}}, sort_keys=True)
+    return json.dumps({"gpus": gpus, "device": config["device"], "memory": gpu_memory_bytes(_device_type(cfg)),
+                       **{k: config[k] for k in ("model", "prompts", "train", "grpo", "method")}}, sort_keys=True)
 
 
 def run_memory_plan(cfg: RunConfig, gpus: int) -> dict:
     """What a run records in ``plan.json``: its plan on ``gpus`` processes (no suggestions), or the error
     that kept it from being made (a run does not fail for want of a plan). A plan this process made already
-    for the same :func:`plan_key` is the same plan, and is not counted again."""
+    for the same :func:`plan_key` is the same plan; one for another method on the same model (the same
+    :func:`shape_key`) reuses its counts on fake tensors and charges this method's copies of the policy."""
     key = plan_key(cfg, gpus)
     if key in _RUN_PLANS:
         return copy.deepcopy(_RUN_PLANS[key])
     try:
-        plan = plan_memory(cfg, gpus, suggest=False).as_dict()
+        with torch.random.fork_rng(devices=[]):
+            shapes = _SHAPES.get(shape_key(cfg)) or ShapeModel(cfg)
+        plan = plan_memory(cfg, gpus, suggest=False, shapes=shapes).as_dict()
+        if shape_key(cfg) not in _SHAPES:
+            if len(_SHAPES) >= _SHAPES_KEPT:
+                _SHAPES.pop(next(iter(_SHAPES)))
+            _SHAPES[shape_key(cfg)] = shapes
     except Exception as exc:  # recorded, and the run goes on
         print(f"agg-bench run: no memory plan: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -545,8 +643,13 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [f"transformer parameters: {plan.parameters:,} ({plan.trainable_parameters:,} trainable)",
              f"per GPU ({plan.gpus} GPU{'s' if plan.gpus > 1 else ''}, {plan.layout['shard']}, micro-batch "
              f"{plan.layout['micro_batch']}):"]
-    for key in ("params", "grads", "optimizer", "activations", "total_per_gpu"):
+    for key in ("params", "grads", "optimizer"):
         lines.append(f"  {key:<14} {b[key] / GIB:10.2f} GiB")
+    lines.append("  and the largest of these phases on top:")
+    for phase, key in PHASES.items():
+        mark = "  <- peak" if phase == plan.peak_phase else ""
+        lines.append(f"  {key:<14} {b[key] / GIB:10.2f} GiB  ({phase}){mark}")
+    lines.append(f"  {'total_per_gpu':<14} {b['total_per_gpu'] / GIB:10.2f} GiB")
     lines.append(f"  budget         {(plan.gpu_memory_bytes - plan.reserve_bytes) / GIB:10.2f} GiB "
                  f"({plan.gpu_memory_bytes / GIB:.1f} GiB less a {RESERVE_FRACTION:.0%} reserve)")
     lines.append(f"fits: {'yes' if plan.fits else 'no'}")
@@ -556,5 +659,6 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Layout", "MemoryPlan", "ShapeModel", "check_weights_fit", "format_plan", "gpu_memory_bytes", "plan_memory",
-           "run_layout", "saved_bytes", "training_bytes", "bytes_text"]
+__all__ = ["Layout", "MemoryPlan", "PHASES", "ShapeModel", "check_weights_fit", "decode_bytes", "format_plan",
+           "gpu_memory_bytes", "optimizer_step_bytes", "peak_phase", "plan_memory", "run_layout", "saved_bytes",
+           "training_bytes", "bytes_text"]

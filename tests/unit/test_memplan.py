@@ -7,11 +7,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import tiny_config
 
 from agg_bench.cli import main
 from agg_bench.machine import telemetry as tel
-from agg_bench.runtime.memplan import ShapeModel, _Search, plan_memory, run_layout
+from agg_bench.machine.activations import WorkingMemory
+from agg_bench.runtime.memplan import PHASES, ShapeModel, _Search, optimizer_step_bytes, plan_memory, run_layout
 from agg_bench.runtime.train import Session, run_iteration
 
 ROOT = Path(__file__).parents[2]
@@ -64,7 +66,29 @@ def test_plan_equals_what_a_run_holds_and_measures(case):
     assert plan.bytes["optimizer"] == 2 * plan.bytes["grads"]
     assert plan.trainable_parameters == sum(p.numel() for p in trainable)
     assert plan.parameters == sum(p.numel() for p in policy.transformer.parameters())
-    assert plan.bytes["total_per_gpu"] == sum(plan.bytes[k] for k in ("params", "grads", "optimizer", "activations"))
+    # the decode's working memory: the run's own decode of its rollout batch, counted on real tensors, is
+    # what the plan counted on fake ones
+    rows = cfg.grpo.prompts_per_iteration * cfg.grpo.group_size
+    latents = torch.zeros(rows, *session.latent_shape)
+    with WorkingMemory() as decode:
+        policy.decode(latents)
+    assert decode.peak_bytes == plan.bytes["decode"] > 0
+    # the step's temporaries: a real AdamW step in its one-tensor form (the CPU's default) and its foreach form
+    # (a GPU's) holds what optimizer_step_bytes says; a parameter without a gradient is skipped by the step
+    for device_type, foreach in (("cpu", False), ("cuda", True)):
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, foreach=foreach)
+        optimizer.load_state_dict(session.optimizer.state_dict())
+        optimizer.param_groups[0]["foreach"] = foreach  # the loaded group's own (None) would choose
+        with WorkingMemory() as step:
+            optimizer.step()
+        planned = optimizer_step_bytes(trainable, 1, device_type)
+        assert step.peak_bytes == optimizer_step_bytes(reached, 1, device_type) <= planned
+        assert (step.peak_bytes == planned) == (case != "qwen-lora-ckpt" or device_type == "cpu")
+    assert plan.bytes["optimizer_step"] == optimizer_step_bytes(trainable, 1, "cpu")
+    held = sum(plan.bytes[k] for k in ("params", "grads", "optimizer"))
+    phases = {phase: plan.bytes[key] for phase, key in PHASES.items()}
+    assert plan.bytes["total_per_gpu"] == held + max(phases.values())
+    assert phases[plan.peak_phase] == max(phases.values())
 
 
 MOVING_AVERAGES = {
@@ -136,7 +160,9 @@ def test_cli_plan_json_and_nowhere_to_fit(capsys):
     assert main(["plan", "--set", "model.resolution=32", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert set(plan) >= {"parameters", "trainable_parameters", "bytes", "fits", "suggestions"}
-    assert set(plan["bytes"]) == {"params", "grads", "optimizer", "activations", "total_per_gpu"}
+    assert set(plan["bytes"]) == {"params", "grads", "optimizer", "activations", "optimizer_step", "decode",
+                                  "total_per_gpu"}
+    assert plan["peak_phase"] in ("train", "optimizer step", "decode")
     assert plan["fits"] is True and plan["suggestions"] == []
     # one KiB fits nothing: it says so and exits 0
     assert main(["plan", "--set", "model.resolution=32", "--gpu-memory", str(1 / 1024 ** 2), "--json"]) == 0

@@ -85,21 +85,27 @@ def test_outside_the_block_every_run_builds(tmp_path):
 
 
 def test_a_process_counts_a_memory_plan_once_per_model(tmp_path, monkeypatch):
-    """The runs of a cell job differ in their method, not in what their memory plan counts: the plan is
-    counted once, and every run's plan.json is the plan a run of its own counts."""
+    """The runs of a cell job differ in their method: the model on fake tensors is built and counted once,
+    and every run's plan.json is the plan a run of its own counts, its method's copies of the policy
+    included (DGPO's frozen reference: a cell once gave it the plan of the method before it)."""
     from agg_bench.runtime import memplan
 
     memplan._RUN_PLANS.clear()
+    memplan._SHAPES.clear()
     calls = []
-    original = memplan.plan_memory
+    original = memplan.ShapeModel.__init__
 
-    def counting(*args, **kwargs):
+    def counting(self, *args, **kwargs):
         calls.append(1)
-        return original(*args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(memplan, "plan_memory", counting)
-    full, agg = (load_config(None, [*TINY, m]) for m in ("method={name: full}", "method={name: agg, window: 3}"))
-    first, second = memplan.run_memory_plan(full, 1), memplan.run_memory_plan(agg, 1)
-    assert len(calls) == 1 and first == second == original(agg, 1, suggest=False).as_dict()
+    monkeypatch.setattr(memplan.ShapeModel, "__init__", counting)
+    full, agg, dgpo = (load_config(None, [*TINY, m]) for m in ("method={name: full}", "method={name: agg, window: 3}",
+                                                               "method={name: dgpo}"))
+    first, second, third = (memplan.run_memory_plan(c, 1) for c in (full, agg, dgpo))
+    assert len(calls) == 1
+    own = [memplan.plan_memory(c, 1, suggest=False).as_dict() for c in (full, agg, dgpo)]
+    assert len(calls) == 4 and [first, second, third] == own
+    assert first == second and third["bytes"]["params"] > first["bytes"]["params"]
     micro = load_config(None, [*TINY, "method={name: full, micro_batch: 1}"])  # the micro-batch counts
-    assert memplan.run_memory_plan(micro, 1) != first and len(calls) == 2
+    assert memplan.run_memory_plan(micro, 1) != first and len(calls) == 4
