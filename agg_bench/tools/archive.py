@@ -374,7 +374,7 @@ def check_hardware(campaign: Campaign, where: str, gpus: dict[str, str | None], 
 
 WINDOW_LOG_KEYS = {"started": str, "minutes": (int, float), "config": str, "done_before": int, "runs": int,
                    "pretrained": list, "processes": list, "stopped_by_signal": (str, type(None)),
-                   "seconds": (int, float), "finished_in_window": list, "left": int}
+                   "seconds": (int, float), "finished_in_window": list, "left": int, "calibrations_left": int}
 
 
 def _check_window_log(where: str, name: str, data: bytes) -> None:

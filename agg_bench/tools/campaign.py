@@ -21,9 +21,14 @@ Each ``campaign run --minutes N`` is one window:
    each selector's runs before the next one's; the rest last, in the sweep's order) and cuts that order into
    processes: consecutive runs of one model x resolution x device, at most the device's ``runs_per_job`` of
    them, are one ``agg-bench cell`` process (the model built once, :mod:`agg_bench.runtime.model_reuse`),
-   followed, unless ``campaign.calibrate`` is false, by one ``agg-bench calibrate`` process that times the
+   followed, unless ``campaign.calibrate`` is false, by ``agg-bench calibrate`` processes that time the
    methods it finished beside ``full`` (paired rounds: the tables' train speedups and the cost model's
-   prediction on that machine). ``campaign.parallel`` processes run at a time (default 1: a full-size model
+   prediction on that machine), at most ``campaign.calibrate_methods`` methods a process (default 3; ``full``
+   in every one as the baseline, not counted), so that each fits a window. Before those, the calibrations
+   left undone: for every cell, the methods whose runs are finished (in the reference or the work folder) but
+   that no calibration there timed (its ``methods``), most valuable first (:meth:`Campaign.work` says why).
+   A calibration cut at the deadline, or one that fails, leaves no file, so its methods stay pending and a
+   later window times them. ``campaign.parallel`` processes run at a time (default 1: a full-size model
    has the GPU to itself; the learning sweep's small runs share one). An unfinished attempt of a run in the
    work folder is removed first, under that run folder's claim (:mod:`agg_bench.outdir`); a run folder whose
    claim another process holds (a run writing there) is left alone, neither removed nor written: one line on
@@ -44,7 +49,8 @@ Each ``campaign run --minutes N`` is one window:
    off by the deadline is not in it. :mod:`agg_bench.tools.archive` says what ``campaign unpack`` lets into
    the reference.
 
-``campaign status`` prints what is done and what is missing, in the order the next window takes it.
+``campaign status`` prints what is done and what is missing, in the order the next window takes it: the runs,
+and the methods no calibration timed yet with the calibrate processes the next window starts for them.
 """
 from __future__ import annotations
 
@@ -82,6 +88,8 @@ SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 MAX_MINUTES = 24 * 60
 MAX_PARALLEL = 64
+MAX_CALIBRATE_METHODS = 32  # campaign.calibrate_methods: at most this many methods a calibrate process
+DEFAULT_CALIBRATE_METHODS = 3
 STARTED_SLACK_S = 5.0  # --started may be this far ahead of the clock (another process read it)
 STOP_MARGIN_S = 20.0  # no process starts, and the running ones get SIGTERM, this long before the deadline
 KILL_AFTER_S = 12.0  # a process that has not ended this long after SIGTERM is killed
@@ -116,6 +124,15 @@ class Process:
 
     cell: str
     run_ids: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A cell's finished methods that no calibration has timed yet, most valuable first: timed beside ``full`` in
+    calibrate processes of at most ``campaign.calibrate_methods`` of them each (:meth:`Campaign.chunks`)."""
+
+    cell: str
+    methods: tuple[str, ...]
 
 
 def cpu_resolution(resolution: int) -> int:
@@ -210,6 +227,10 @@ class Campaign:
         self.sweep = Sweep(data, schema, files=[self.config_path], **kwargs)
         part = data.get("campaign") or {}
         self.calibrate = part.get("calibrate", True)
+        self.calibrate_methods = part.get("calibrate_methods", DEFAULT_CALIBRATE_METHODS)
+        if not (type(self.calibrate_methods) is int and 1 <= self.calibrate_methods <= MAX_CALIBRATE_METHODS):
+            raise ConfigError("campaign.calibrate_methods", self.calibrate_methods,
+                              f"an integer from 1 to {MAX_CALIBRATE_METHODS}")
         self.parallel = part.get("parallel", 1)
         self.gpu: str | None = part.get("gpu")  # a text the runs' GPU name holds (e.g. H200); None: any
         self.priority = part.get("priority", [])
@@ -290,6 +311,68 @@ class Campaign:
             else:
                 out.append(Process(cell, (run_id,)))
         return out
+
+    # ----- calibrations ----------------------------------------------------------------------------------
+    def calibrated(self, *folders: Path | None) -> dict[str, set[str]]:
+        """{cell: the method labels a calibration in any of ``folders`` timed} (their ``calibration/*.json``,
+        each of the cell it is named after, :meth:`calibration_cell`; the keys of its ``methods``). A file that
+        is no readable JSON object, or is named after no cell of the sweep, times nothing."""
+        out: dict[str, set[str]] = {}
+        for folder in folders:
+            if folder is None or not (folder / "calibration").is_dir():
+                continue
+            for path in sorted((folder / "calibration").glob("*.json")):
+                run = self.calibration_cell(path.name)
+                if run is None:
+                    continue
+                try:
+                    methods = read_json_object(path, "a calibration").get("methods")
+                except JsonFileError:
+                    continue
+                if isinstance(methods, dict):
+                    out.setdefault(self.cell_of(run), set()).update(methods)
+        return out
+
+    def uncalibrated(self, done: set[str], calibrated: dict[str, set[str]]) -> list[Calibration]:
+        """Per cell, the methods of its ``done`` runs that no calibration timed (``calibrated``,
+        :meth:`calibrated`), in :meth:`order`: the cells in the order of their most valuable such method, each
+        cell's methods in that order. None when ``campaign.calibrate`` is false."""
+        if not self.calibrate:
+            return []
+        pending: dict[str, dict[str, None]] = {}
+        for run_id in self.order():
+            run = self.sweep.runs[run_id]
+            cell = self.cell_of(run)
+            if run_id in done and run["method"] not in calibrated.get(cell, set()):
+                pending.setdefault(cell, {})[run["method"]] = None
+        return [Calibration(cell, tuple(methods)) for cell, methods in pending.items()]
+
+    def chunks(self, methods) -> list[tuple[str, ...]]:
+        """``methods`` cut into the method lists of calibrate processes, in their order: at most
+        ``campaign.calibrate_methods`` each beside ``full``, which every one of them times as its baseline
+        (:func:`_calibrate` adds it) and which is not counted; ``full`` alone is one process of its own."""
+        methods = list(dict.fromkeys(methods))
+        others = [label for label in methods if label != "full"]
+        size = self.calibrate_methods
+        out = [tuple(others[i:i + size]) for i in range(0, len(others), size)]
+        return out or ([("full",)] if methods else [])
+
+    def with_baseline(self, labels) -> list[str]:
+        """``labels`` as a calibrate process times them: ``full`` first when the sweep has it."""
+        labels = list(labels)
+        return ["full", *labels] if "full" in self.sweep.sweep["methods"] and "full" not in labels else labels
+
+    def work(self, done: set[str], calibrated: dict[str, set[str]]) -> list[Process | Calibration]:
+        """What a window does, in order: first the calibrations that earlier windows left (methods whose runs
+        are done, :meth:`uncalibrated`), most valuable first, then the runs not done (:meth:`processes`), each
+        cell process followed by the calibration of the methods it finished.
+
+        The calibrations left go first: their runs are the most valuable ones (earlier windows took the runs in
+        :meth:`order`), they are in the reference already without the paired train speedups and the cost
+        model's unit costs that only a calibration gives their rows, and nothing else calibrates them (a window
+        starts processes for runs not done only); a calibration of a cell whose runs are not all done goes
+        before that cell's next process, which calibrates its own methods after it."""
+        return [*self.uncalibrated(done, calibrated), *self.processes(done)]
 
     def cell_pairs(self, cell: str) -> list[tuple[str, Any]]:
         """The overrides of ``cell``'s calibration (the sweep's, without a method)."""
@@ -607,13 +690,17 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
                                           "ended": "not started: the window had ended"})
                 continue
             log["pretrained"].append(_pretrain(campaign, label, stamp, work, stop_at, deadline, python))
+        calibrated = campaign.calibrated(reference, work)
         if all(entry["ok"] for entry in log["pretrained"]):
-            log["processes"] = _run_processes(campaign, campaign.processes(done), stamp, work, stop_at, deadline,
-                                              python)
+            log["processes"] = _run_processes(campaign, campaign.work(done, calibrated), stamp, work, stop_at,
+                                              deadline, python)
         log["stopped_by_signal"] = signal.Signals(stopping.pending()).name if _stopped() else None
         log["seconds"] = round(time.time() - start, 1)
-        log["finished_in_window"] = sorted(r for p in log["processes"] for r in p["finished"])
-        log["left"] = len(campaign.sweep.runs) - len(campaign.done(reference, work))
+        log["finished_in_window"] = sorted(r for p in log["processes"] for r in p.get("finished", []))
+        done = campaign.done(reference, work)
+        log["left"] = len(campaign.sweep.runs) - len(done)
+        log["calibrations_left"] = sum(len(c.methods) for c in
+                                       campaign.uncalibrated(done, campaign.calibrated(reference, work)))
         write_json(work / "windows" / f"{stamp}.json", log)
         _pack(campaign, work, reference, archive)
         log["archive"] = str(archive)
@@ -653,20 +740,27 @@ def _pretrain(campaign: Campaign, label: str, stamp: str, work: Path, stop_at: f
     return {"label": label, "ok": ok, "exit_code": code, "ended": how, "seconds": round(time.time() - began, 1)}
 
 
-def _run_processes(campaign: Campaign, processes: list[Process], stamp: str, work: Path, stop_at: float,
-                   deadline: float, python: str) -> list[dict]:
-    """Every process that starts before ``stop_at``, ``campaign.parallel`` at a time in their order; their
-    log entries, in that order."""
-    def one(number: int, process: Process) -> dict | None:
+def _run_processes(campaign: Campaign, items: list[Process | Calibration], stamp: str, work: Path,
+                   stop_at: float, deadline: float, python: str) -> list[dict]:
+    """Every work item (:meth:`Campaign.work`) whose first process starts before ``stop_at``,
+    ``campaign.parallel`` at a time in their order; the log entries of their processes, in that order: a cell
+    process's, then one per calibrate process (``{"cell", "calibration"}``)."""
+    def one(number: int, item: Process | Calibration) -> list[dict]:
         if time.time() >= stop_at or _stopped():
-            return None
-        return _run_process(campaign, process, number, stamp, work, stop_at, deadline, python)
+            return []
+        if isinstance(item, Calibration):
+            return _calibrations(campaign, item.cell, item.methods, number, stamp, work, stop_at, deadline, python)
+        entry = _run_process(campaign, item, number, stamp, work, stop_at, deadline, python)
+        labels = [campaign.sweep.runs[r]["method"] for r in entry["finished"]]
+        if not campaign.calibrate or not labels:
+            return [entry]
+        return [entry, *_calibrations(campaign, item.cell, labels, number, stamp, work, stop_at, deadline, python)]
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=campaign.parallel) as pool:
-        futures = [pool.submit(one, number, process) for number, process in enumerate(processes, 1)]
+        futures = [pool.submit(one, number, item) for number, item in enumerate(items, 1)]
         while not all(f.done() for f in futures):  # the main thread stays free to take a signal
             concurrent.futures.wait(futures, timeout=POLL_S)
-        return [entry for entry in (f.result() for f in futures) if entry is not None]
+        return [entry for f in futures for entry in f.result()]
 
 
 def _run_process(campaign: Campaign, process: Process, number: int, stamp: str, work: Path, stop_at: float,
@@ -693,10 +787,6 @@ def _run_process(campaign: Campaign, process: Process, number: int, stamp: str, 
     finished = [r for r in run_ids if campaign.finished(work / "runs" / r, r)]
     entry: dict[str, Any] = {"cell": process.cell, "runs": run_ids, "finished": finished, "busy": busy,
                              "exit_code": code, "ended": how, "seconds": round(time.time() - began, 1)}
-    labels = [sweep.runs[r]["method"] for r in finished]
-    if campaign.calibrate and labels and time.time() < stop_at and not _stopped():
-        entry["calibration"] = _calibrate(campaign, process.cell, labels, name, work, stop_at, deadline, python,
-                                          env)
     print(f"agg-bench campaign: {process.cell}: {len(finished)}/{len(run_ids)} runs finished "
           f"({how}, {entry['seconds']} s)", file=sys.stderr, flush=True)
     return entry
@@ -720,13 +810,34 @@ def _clear_attempt(campaign: Campaign, folder: Path, run_id: str) -> bool:
     return True
 
 
+def _calibrations(campaign: Campaign, cell: str, methods, number: int, stamp: str, work: Path, stop_at: float,
+                  deadline: float, python: str) -> list[dict]:
+    """Time ``methods`` of ``cell`` in calibrate processes of at most ``campaign.calibrate_methods`` methods
+    beside ``full`` (:meth:`Campaign.chunks`), one after the other, none started after ``stop_at``; their log
+    entries. The ``i``-th writes ``calibration/<stamp>_<number>-<i>_<cell>.json`` when it ends well, and nothing
+    when it does not (cut at the deadline, failed): its methods stay for a later window."""
+    device = next(r for r in campaign.sweep.runs.values() if campaign.cell_of(r) == cell)["device"]
+    env = _child_env(campaign.sweep.threads(device))
+    entries = []
+    for i, labels in enumerate(campaign.chunks(methods), 1):
+        if time.time() >= stop_at or _stopped():
+            break
+        entry = _calibrate(campaign, cell, list(labels), f"{stamp}_{number:02d}-{i}_{cell}", work, stop_at,
+                           deadline, python, env)
+        print(f"agg-bench campaign: {cell}: calibration of {', '.join(entry['methods'])}: "
+              f"{'written' if entry['file'] else 'not written'} ({entry['ended']}, {entry['seconds']} s)",
+              file=sys.stderr, flush=True)
+        entries.append({"cell": cell, "calibration": entry})
+    return entries
+
+
 def _calibrate(campaign: Campaign, cell: str, labels: list[str], name: str, work: Path, stop_at: float,
                deadline: float, python: str, env: dict) -> dict:
-    """Time ``labels`` beside ``full`` (when the sweep has it) on one rollout of ``cell``."""
+    """Time ``labels`` beside ``full`` (when the sweep has it) on one rollout of ``cell``, into
+    ``calibration/<name>.json``; a process that does not end well leaves no file there."""
     sweep = campaign.sweep
     methods = sweep.sweep["methods"]
-    if "full" in methods and "full" not in labels:
-        labels = ["full", *labels]
+    labels = campaign.with_baseline(labels)
     options = sweep.sweep.get("calibrate") or {}
     argv = [python, "-m", "agg_bench", "calibrate"]
     if sweep.base_file:
@@ -769,11 +880,17 @@ def _pack(campaign: Campaign, work: Path, reference: Path | None, archive: Path)
 
 
 def status(campaign: Campaign, reference: Path | None, work: Path | None = None) -> dict:
-    """Per cell: the runs done and the runs missing, in the order the next window takes them."""
+    """Per cell: the runs done and the runs missing, in the order the next window takes them, and the methods
+    of its done runs that no calibration timed yet (``uncalibrated``, which the next window calibrates first);
+    ``calibrations``: the calibrate processes that takes, each the methods it times (``full`` first)."""
     done = campaign.done(reference, work)
     cells: dict[str, dict[str, list[str]]] = {}
     for run_id in campaign.order():
         run = campaign.sweep.runs[run_id]
-        entry = cells.setdefault(Campaign.cell_of(run), {"done": [], "missing": []})
+        entry = cells.setdefault(Campaign.cell_of(run), {"done": [], "missing": [], "uncalibrated": []})
         entry["done" if run_id in done else "missing"].append(run["method"])
-    return {"runs": len(campaign.sweep.runs), "done": len(done), "cells": cells}
+    pending = campaign.uncalibrated(done, campaign.calibrated(reference, work))
+    for item in pending:
+        cells[item.cell]["uncalibrated"] = list(item.methods)
+    return {"runs": len(campaign.sweep.runs), "done": len(done),
+            "calibrations": [campaign.with_baseline(c) for item in pending for c in campaign.chunks(item.methods)], "cells": cells}

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from agg_bench.cli import main
 from agg_bench.errors import UserError
@@ -94,7 +95,7 @@ def test_a_window_stops_before_its_deadline_and_packs_only_finished_runs(window,
         assert {"config.json", "metrics.jsonl", "summary.json", "env.json"} <= \
             {n.split("/")[2] for n in names if n.startswith(f"runs/{run_id}/")}
     # a run the deadline cut off left nothing in the archive
-    attempted = {r for p in log["processes"] for r in p["runs"]}
+    attempted = {r for p in log["processes"] for r in p.get("runs", [])}
     for run_id in attempted - set(finished):
         assert not any(name.startswith(f"runs/{run_id}/") for name in names)
     assert f"windows/{log_file.name}" in names
@@ -800,6 +801,115 @@ def test_a_run_folder_another_process_is_writing_is_left_alone(tmp_path, monkeyp
     assert entry["busy"] == [busy_id] and busy_id not in entry["runs"]
     with tarfile.open(work / "campaign.tar.gz") as tar:
         assert not any(name.startswith(f"runs/{busy_id}/") for name in tar.getnames())
+
+
+class FakeProcesses:
+    """``_supervise`` without processes: a cell process finishes those of its runs in ``runs`` (their
+    config.json as the sweep composes it, summary ok) and no other; a calibrate process writes its file when
+    ``calibrate`` is true, else is cut at the deadline and writes nothing. ``calls``: (verb, cell or methods)."""
+
+    def __init__(self, campaign: Campaign, runs: set[str], calibrate: bool):
+        self.campaign, self.runs, self.calibrate, self.calls = campaign, runs, calibrate, []
+
+    def __call__(self, argv, log, env, stop_at, stopped=None, deadline=None):
+        if argv[3] == "cell":
+            outs = [Path(job["out"]) for job in json.loads(Path(argv[4]).read_text())["runs"]]
+            self.calls.append(("cell", self.campaign.cell_of(self.campaign.sweep.runs[outs[0].name])))
+            for out in outs:
+                if out.name not in self.runs:
+                    continue
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "config.json").write_text(json.dumps(self.campaign.config_of(out.name)))
+                (out / "summary.json").write_text(json.dumps({"status": "ok"}))
+            return 0, "finished"
+        methods = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--method"]
+        self.calls.append(("calibrate", methods))
+        if not self.calibrate:
+            return 143, "stopped at the deadline"
+        Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"methods": {m: {} for m in methods}}))
+        return 0, "finished"
+
+
+def test_a_calibration_cut_at_the_deadline_is_taken_again_in_chunks_by_the_next_window(tmp_path, monkeypatch,
+                                                                                      capsys, cpu_campaign):
+    """The runs of a cell finish but their calibrations are cut: no calibration file, the cell's methods stay
+    pending (`campaign status` says so), and the next window calibrates them first, before any run, in
+    ceil(8 / 3) calibrate processes of at most campaign.calibrate_methods (3) methods, each with full."""
+    processes = cpu_campaign.processes(set())
+    cell = processes[0].cell  # SD3.5-M at 1024 px: the first selector's 3 methods, then the third's 5
+    finished = {r for p in [p for p in processes if p.cell == cell][:2] for r in p.run_ids}
+    methods = [cpu_campaign.sweep.runs[r]["method"] for r in cpu_campaign.order() if r in finished]
+    assert len(methods) == 8 and methods[0] == "full"
+    work = tmp_path / "w"
+    args = ["--config", str(CONFIG), "--cpu", "--work", str(work)]
+    first = FakeProcesses(cpu_campaign, finished, calibrate=False)
+    monkeypatch.setattr(campaign_module, "_supervise", first)
+    assert main(["campaign", "run", *args, "--minutes", "5"]) == 0
+    capsys.readouterr()
+    assert cpu_campaign.done(work) == finished
+    assert [c for c in first.calls if c[0] == "calibrate"]  # the cell's own calibrations ran, and were cut
+    assert not list((work / "calibration").iterdir())
+    [log] = (work / "windows").glob("*.json")
+    entries = json.loads(log.read_text())["processes"]
+    assert [e["calibration"]["file"] for e in entries if "calibration" in e] == [None] * 3
+    assert json.loads(log.read_text())["calibrations_left"] == 8
+    assert main(["campaign", "status", *args]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["cells"][cell]["uncalibrated"] == methods
+    chunks = [["full", *methods[1:4]], ["full", *methods[4:7]], ["full", *methods[7:]]]
+    assert shown["calibrations"] == chunks
+
+    second = FakeProcesses(cpu_campaign, set(), calibrate=True)  # no run finishes: only the calibrations
+    monkeypatch.setattr(campaign_module, "_supervise", second)
+    assert main(["campaign", "run", *args, "--minutes", "5"]) == 0
+    assert second.calls[:3] == [("calibrate", chunk) for chunk in chunks]  # first, before any run
+    assert all(verb == "cell" for verb, _ in second.calls[3:])
+    assert len(list((work / "calibration").glob(f"*_{cell}.json"))) == 3
+    assert cpu_campaign.calibrated(work)[cell] == set(methods)
+    assert not cpu_campaign.uncalibrated(cpu_campaign.done(work), cpu_campaign.calibrated(work))
+    capsys.readouterr()
+    assert main(["campaign", "status", *args]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["calibrations"] == [] and shown["cells"][cell]["uncalibrated"] == []
+
+
+def test_calibrations_are_cut_into_processes_of_calibrate_methods_each_with_full(tmp_path):
+    """campaign.calibrate_methods methods a calibrate process, full beside each and not counted; full alone is
+    one process; a sweep with campaign.calibrate false leaves nothing pending."""
+    sweep = yaml.safe_load(CONFIG.read_text())
+    sweep["campaign"]["calibrate_methods"] = 2
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    campaign = Campaign(tmp_path / "two.yaml", cpu=True)
+    assert campaign.chunks(["full", "a", "b", "c", "d", "e"]) == [("a", "b"), ("c", "d"), ("e",)]
+    assert campaign.chunks(["full"]) == [("full",)] and campaign.chunks([]) == []
+    assert campaign.with_baseline(["a"]) == ["full", "a"] and campaign.with_baseline(["full"]) == ["full"]
+    done = set(campaign.processes(set())[0].run_ids)
+    [pending] = campaign.uncalibrated(done, {})
+    assert [p.run_ids for p in campaign.work(done, {})[1:]] == [p.run_ids for p in campaign.processes(done)]
+    assert campaign.work(done, {})[0] == pending and list(pending.methods) == PRIORITY_FIRST
+    assert not campaign.uncalibrated(done, {pending.cell: set(PRIORITY_FIRST)})
+    sweep["campaign"]["calibrate"] = False
+    (tmp_path / "off.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    assert Campaign(tmp_path / "off.yaml", cpu=True).uncalibrated(done, {}) == []
+
+
+@pytest.mark.parametrize("value, words", [
+    (0, "campaign.calibrate_methods = 0: expected an integer from 1 to"),
+    (campaign_module.MAX_CALIBRATE_METHODS + 1, f"= {campaign_module.MAX_CALIBRATE_METHODS + 1}: expected an "
+                                               f"integer from 1 to {campaign_module.MAX_CALIBRATE_METHODS}"),
+    ("3", "campaign.calibrate_methods = '3': expected an integer"),
+    (True, "campaign.calibrate_methods = True: expected an integer"),
+])
+def test_a_bad_calibrate_methods_is_one_line(tmp_path, capsys, value, words):
+    sweep = yaml.safe_load(CONFIG.read_text())
+    sweep["campaign"]["calibrate_methods"] = value
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    work = tmp_path / "w"
+    code = main(["campaign", "run", "--config", str(tmp_path / "sweep.yaml"), "--cpu", "--minutes", "1", "--work",
+                 str(work)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0], err
+    assert not work.exists()
 
 
 # ----- the learning sweep on one GPU (config/learning_gpu.yaml), as a campaign -----------------------------------
