@@ -330,8 +330,9 @@ class Progress:
     ended ``ok``, ``oom`` or ``diverged``, each with its config as written, and the code they ran. Written
     atomically as each run ends; read by the next attempt (:meth:`kept`)."""
 
-    def __init__(self, path: Path, runs: dict[str, dict], code: str):
+    def __init__(self, path: Path, runs: dict[str, dict], code: str, flag: str = "--journal"):
         self.path, self.runs, self.code = path, runs, code
+        self.flag = flag  # what names the journal in an error: the option that gave it, or the job file's journal
 
     @staticmethod
     def path_of(jobs_path: Path) -> Path:
@@ -354,7 +355,7 @@ class Progress:
         if runs is None:
             print(f"{verb}: {path}: its runs ran other code (agg_bench or baselines changed since); {rerun}",
                   file=sys.stderr, flush=True)
-        return cls(path, runs or {}, code)
+        return cls(path, runs or {}, code, flag)
 
     def kept(self, job: CellRun, cfg: Any) -> str | None:
         """The status of ``job``'s run as the journal recorded it, when that run is kept: recorded for this
@@ -380,7 +381,7 @@ class Progress:
         """Record ``job``'s run as ended with ``status``. The journal is read again and rewritten under its lock
         (a :class:`~agg_bench.outdir.Claim` that waits): two processes recording runs in one journal at once
         (``agg-bench run --journal`` of the same file) each keep the other's entry."""
-        with Claim(self.path, folder=False, lock_inside=False, flag="--journal", wait=True):
+        with Claim(self.path, folder=False, lock_inside=False, flag=self.flag, wait=True):
             self.runs = {**(_recorded_runs(self.path, self.code) or {}),
                          str(job.out): {"config": as_written(cfg.to_dict()), "status": status}}
             write_json(self.path, {"code": self.code, "runs": self.runs})

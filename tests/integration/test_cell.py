@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -542,3 +543,21 @@ def test_a_resumed_cell_continues_the_run_the_stop_cut_short_from_its_checkpoint
     expected = [{**pinned_fields(r), "run_id": "b"} for r in read_jsonl(tmp_path / "whole" / "metrics.jsonl")]
     actual = [pinned_fields(r) for r in read_jsonl(tmp_path / "b" / "metrics.jsonl")]
     assert not differences(expected, actual, "b"), differences(expected, actual, "b")
+
+
+def test_a_cell_journal_error_names_the_cell_journal_not_an_option(tmp_path):
+    """A cell's journal comes from its job file, not from an option: an error recording into it (its lock is a
+    symbolic link) names the job file's journal; `agg-bench run --journal` names its option."""
+    from agg_bench.errors import UserError
+    from agg_bench.outdir import LOCK_SUFFIX
+    from agg_bench.runtime.cell import CellRun, Progress
+
+    jobs = tmp_path / "jobs.json"
+    for progress, named in ((Progress.resume(jobs), f"{jobs}: its journal"),
+                            (Progress.read(tmp_path / "mine.json", "agg-bench run", "--journal", "it runs"),
+                             "--journal")):
+        lock = progress.path.parent / f".{progress.path.name}{LOCK_SUFFIX}"
+        lock.symlink_to(tmp_path / "elsewhere")
+        job = CellRun(config=None, overrides=(), out=tmp_path / "run")
+        with pytest.raises(UserError, match=f"^{re.escape(named)} {re.escape(str(progress.path))}: "):
+            progress.add(job, load_config(None, ["model.resolution=32"]), "ok")
