@@ -123,6 +123,14 @@ def main() -> int:
     parser.add_argument("--claimed", type=int, default=2,
                         help="trials whose signal lands just after the folder is claimed (the model being built)")
     args = parser.parse_args()
+    for flag in ("trials", "startup", "claimed"):
+        if getattr(args, flag) < 0:
+            parser.exit(2, f"--{flag} {getattr(args, flag)}: expected an integer >= 0\n")
+    if args.trials < args.startup + args.claimed:
+        parser.exit(2, f"--trials {args.trials}: expected at least --startup + --claimed = "
+                       f"{args.startup + args.claimed} (the trials those take are counted in it)\n")
+    if not 0 < args.limit < float("inf"):
+        parser.exit(2, f"--limit {args.limit}: expected a positive, finite number of seconds\n")
     args.work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     ref = reference(args.python, args.work, env)

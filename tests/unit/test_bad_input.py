@@ -414,3 +414,21 @@ def test_nan_under_a_sweep_s_run_keys_is_refused_for_what_the_key_takes(monkeypa
     with pytest.raises(SweepError) as refused:
         Sweep(sweep, root / "workflow" / "schemas" / "config.schema.yaml", cache_dir=None)
     assert f"config error: {label}.{expected}" in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("args, named", [(["--trials", "3"], "--trials 3: expected at least"),
+                                         (["--startup", "-1"], "--startup -1: expected an integer >= 0"),
+                                         (["--limit", "nan"], "--limit nan: expected a positive")])
+def test_signal_trials_refuses_a_plan_it_cannot_keep(args, named, tmp_path):
+    """scripts/signal_trials.py with fewer trials than its start-up and claimed ones (it ran 4 where 3 were
+    asked), a negative count or a limit that is not a time: one line, exit 2, before anything is written."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[2] / "scripts" / "signal_trials.py"
+    work = tmp_path / "work"
+    proc = subprocess.run([sys.executable, str(script), *args, "--work", str(work)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(named)
+    assert not work.exists()
