@@ -144,7 +144,8 @@ def cpu_resolution(resolution: int) -> int:
 def cpu_sweep(data: dict) -> dict:
     """The same campaign on the CPU (``--cpu``), so that a CPU runs all of it in minutes and the test suite a
     window of it: every method, model family, schedule and priority as written, on one CPU device, with
-    float32, :func:`cpu_resolution`'s sizes, one iteration and short calibrations. A model of a public
+    float32, :func:`cpu_resolution`'s sizes, one iteration, short calibrations and two processes at a time
+    (``campaign.parallel``, one thread each). A model of a public
     architecture becomes the tiny preset of its family (LoRA rank 4 where it has adapters); a sweep with a
     ``pretrain`` section (the learning sweep) keeps its model's recipe, pre-trained on the CPU in a few steps
     (:data:`CPU_PRETRAIN_SET`) under a label and into a folder of its own (``<label>-cpu``,
@@ -154,8 +155,7 @@ def cpu_sweep(data: dict) -> dict:
     data = json.loads(json.dumps(data))
     learning = bool(data.get("pretrain"))
     runs_per_job = max([spec.get("runs_per_job", 0) for spec in data["devices"].values()] or [0]) or 100
-    data["devices"] = {"cpu": {"device": "cpu", "gpus": 0, "threads": 1 if learning else 2,
-                               "runs_per_job": runs_per_job}}
+    data["devices"] = {"cpu": {"device": "cpu", "gpus": 0, "threads": 1, "runs_per_job": runs_per_job}}
     if learning:
         data["set"] = {**(data.get("set") or {}), **CPU_LEARNING_SET}
         data["seeds"] = data["seeds"][:1]
@@ -172,8 +172,6 @@ def cpu_sweep(data: dict) -> dict:
             if is_pretrained_here(path) and Path(path).name in labels:
                 model["model.pretrained"] = f"{PRETRAINED_DIR}/{Path(path).name}{CPU_MODEL_SUFFIX}"
             data["models"][name] = model
-        part = data.setdefault("campaign", {})
-        part["parallel"] = min(part.get("parallel", 1), 2)
         data["learning"] = {**(data.get("learning") or {}), "average_iterations": 1}  # 2 iterations a run
     else:
         data["set"] = {**(data.get("set") or {}), "model.dtype": "float32", "train.iterations": 1}
@@ -194,6 +192,10 @@ def cpu_sweep(data: dict) -> dict:
             entry["resolution"] = cpu_resolution(entry["resolution"])
     if "calibrate" in data:
         data["calibrate"] = {**data["calibrate"], "repeats": 2, "warmup": 1, "method_repeats": 2}
+    # two processes at a time, one thread each: most of a tiny model's process is its start (a run or a
+    # calibration takes seconds), which a second core overlaps
+    data["campaign"] = {**(data.get("campaign") or {})}
+    data["campaign"]["parallel"] = min(data["campaign"].get("parallel", 1), 2) if learning else 2
     return data
 
 

@@ -716,7 +716,8 @@ def test_a_users_tables_show_the_reference_rows_beside_their_own(window, tmp_pat
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     tables = build_report(load_manifest(tmp_path / "manifest.json"), tmp_path / "tables")
     summary = tables["summary"]
-    cell = summary[(summary["method"] == ref_run["method"]) & (summary["resolution"] == ref_run["resolution"])]
+    cell = summary[(summary["method"] == ref_run["method"]) & (summary["resolution"] == ref_run["resolution"])
+                   & (summary["model"] == ref_run["model"])]
     mine, theirs = cell[cell["hardware"] == "cpu"], cell[cell["hardware"] == "cpu (reference)"]
     assert len(mine) == 1 and len(theirs) == 1 and list(theirs["source"]) == ["reference"]
     assert list(mine["source"]) == ["measured"]
