@@ -234,6 +234,7 @@ class Campaign:
             raise ConfigError("campaign.calibrate_methods", self.calibrate_methods,
                               f"an integer from 1 to {MAX_CALIBRATE_METHODS}")
         self.parallel = part.get("parallel", 1)
+        self._calibration_times: dict[str, float] = {}  # cell -> the most seconds per method a calibration took
         self.gpu: str | None = part.get("gpu")  # a text the runs' GPU name holds (e.g. H200); None: any
         self.priority = part.get("priority", [])
         self.learning = data.get("learning")
@@ -358,6 +359,39 @@ class Campaign:
         size = self.calibrate_methods
         out = [tuple(others[i:i + size]) for i in range(0, len(others), size)]
         return out or ([("full",)] if methods else [])
+
+    def read_calibration_times(self, *folders: Path | None) -> None:
+        """Take in the seconds per timed method of every calibration that ended well in the window logs of
+        ``folders`` (``windows/*.json``: a process entry's ``calibration``), by cell (:meth:`calibration_seconds`).
+        A log that cannot be read, or an entry of another shape, gives none."""
+        for folder in folders:
+            if folder is None or not (folder / "windows").is_dir():
+                continue
+            for path in sorted((folder / "windows").glob("*.json")):
+                try:
+                    entries = read_json_object(path, "a campaign window's log").get("processes")
+                except JsonFileError:
+                    continue
+                for entry in entries if isinstance(entries, list) else []:
+                    timed = entry.get("calibration") if isinstance(entry, dict) else None
+                    if isinstance(timed, dict) and timed.get("file") and timed.get("exit_code") == 0 \
+                            and isinstance(timed.get("methods"), list) and isinstance(entry.get("cell"), str):
+                        seconds = timed.get("seconds")
+                        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and timed["methods"]:
+                            self.timed_calibration(entry["cell"], len(timed["methods"]), float(seconds))
+
+    def timed_calibration(self, cell: str, methods: int, seconds: float) -> None:
+        """A calibrate process of ``cell`` that timed ``methods`` methods (``full`` included) took ``seconds``."""
+        if methods > 0 and math.isfinite(seconds) and seconds >= 0:
+            per = self._calibration_times.setdefault(cell, 0.0)
+            self._calibration_times[cell] = max(per, seconds / methods)
+
+    def calibration_seconds(self, cell: str, methods: int) -> float | None:
+        """About how long a calibrate process of ``cell`` timing ``methods`` methods takes: the most seconds per
+        timed method of its calibrations that ended well (:meth:`read_calibration_times`, and this window's),
+        times ``methods``; None when none of ``cell`` has (it is started, as the first one must be)."""
+        per = self._calibration_times.get(cell)
+        return None if per is None else per * methods
 
     def with_baseline(self, labels) -> list[str]:
         """``labels`` as a calibrate process times them: ``full`` first when the sweep has it."""
@@ -693,6 +727,7 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
                 continue
             log["pretrained"].append(_pretrain(campaign, label, stamp, work, stop_at, deadline, python))
         calibrated = campaign.calibrated(reference, work)
+        campaign.read_calibration_times(reference, work)
         if all(entry["ok"] for entry in log["pretrained"]):
             log["processes"] = _run_processes(campaign, campaign.work(done, calibrated), stamp, work, stop_at,
                                               deadline, python)
@@ -815,8 +850,9 @@ def _clear_attempt(campaign: Campaign, folder: Path, run_id: str) -> bool:
 def _calibrations(campaign: Campaign, cell: str, methods, number: int, stamp: str, work: Path, stop_at: float,
                   deadline: float, python: str) -> list[dict]:
     """Time ``methods`` of ``cell`` in calibrate processes of at most ``campaign.calibrate_methods`` methods
-    beside ``full`` (:meth:`Campaign.chunks`), one after the other, none started after ``stop_at``; their log
-    entries. The ``i``-th writes ``calibration/<stamp>_<number>-<i>_<cell>.json`` when it ends well, and nothing
+    beside ``full`` (:meth:`Campaign.chunks`), one after the other, none started after ``stop_at`` nor when the
+    cell's calibrations so far say it would not end by then (:meth:`Campaign.calibration_seconds`: a calibration
+    cut at the deadline is GPU time for nothing); their log entries. The ``i``-th writes ``calibration/<stamp>_<number>-<i>_<cell>.json`` when it ends well, and nothing
     when it does not (cut at the deadline, failed): its methods stay for a later window."""
     device = next(r for r in campaign.sweep.runs.values() if campaign.cell_of(r) == cell)["device"]
     env = _child_env(campaign.sweep.threads(device))
@@ -824,8 +860,17 @@ def _calibrations(campaign: Campaign, cell: str, methods, number: int, stamp: st
     for i, labels in enumerate(campaign.chunks(methods), 1):
         if time.time() >= stop_at or _stopped():
             break
+        timed = campaign.with_baseline(labels)
+        expected = campaign.calibration_seconds(cell, len(timed))
+        if expected is not None and time.time() + expected > stop_at:  # it would be cut: the GPU time saved
+            entries.append({"cell": cell, "calibration": {
+                "file": None, "methods": timed, "exit_code": None, "seconds": 0.0,
+                "ended": f"not started: about {expected:.0f} s, more than the window had left"}})
+            break
         entry = _calibrate(campaign, cell, list(labels), f"{stamp}_{number:02d}-{i}_{cell}", work, stop_at,
                            deadline, python, env)
+        if entry["file"] is not None:
+            campaign.timed_calibration(cell, len(entry["methods"]), entry["seconds"])
         print(f"agg-bench campaign: {cell}: calibration of {', '.join(entry['methods'])}: "
               f"{'written' if entry['file'] else 'not written'} ({entry['ended']}, {entry['seconds']} s)",
               file=sys.stderr, flush=True)

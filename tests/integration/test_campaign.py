@@ -1123,3 +1123,35 @@ def test_the_cpu_form_of_a_sweep_with_device_excludes_checks_out(name):
     kept = [e for e in sweep.get("exclude", []) if e.get("device", "cpu") == "cpu"]
     assert [{k: v for k, v in e.items() if k != "resolution"} for e in kept] == \
         [{k: v for k, v in e.items() if k != "resolution"} for e in form["exclude"]]
+
+
+def test_a_calibration_that_would_be_cut_is_not_started(tmp_path, monkeypatch, capsys, cpu_campaign):
+    """A window starts no calibrate process that the cell's earlier calibrations (the window logs' seconds per
+    timed method) say would not end before it stops: cut at the deadline it would have used the GPU for nothing.
+    A cell with no calibration timed yet is started; one that fits is started."""
+    [first_cell, *_] = cpu_campaign.processes(set())
+    cell, finished = first_cell.cell, set(first_cell.run_ids)
+    work = tmp_path / "w"
+    args = ["--config", str(CONFIG), "--cpu", "--work", str(work)]
+    monkeypatch.setattr(campaign_module, "_supervise", FakeProcesses(cpu_campaign, finished, calibrate=False))
+    assert main(["campaign", "run", *args, "--minutes", "5"]) == 0  # no history: its calibration started, and cut
+    earlier = {"started": "20000101T000000", "minutes": 8, "config": str(CONFIG), "done_before": 0, "runs": 1,
+               "pretrained": [], "stopped_by_signal": None, "seconds": 1.0, "finished_in_window": [], "left": 0,
+               "calibrations_left": 0, "processes": [{"cell": cell, "calibration": {
+                   "file": "x.json", "methods": ["full", "a"], "exit_code": 0, "ended": "finished", "seconds": 600.0}}]}
+    log_file = work / "windows" / "20000101T000000.json"
+    for seconds, started in ((600.0, False), (2.0, True)):  # 300 s a method: 900 s for 3 > the window's 280 s left
+        log_file.write_text(json.dumps({**earlier, "processes": [{**earlier["processes"][0], "calibration": {
+            **earlier["processes"][0]["calibration"], "seconds": seconds}}]}))
+        for other in set((work / "windows").glob("*.json")) - {log_file}:
+            other.unlink()  # the window logs before: only this one's is left beside the history
+        fake = FakeProcesses(cpu_campaign, set(), calibrate=True)
+        monkeypatch.setattr(campaign_module, "_supervise", fake)
+        assert main(["campaign", "run", *args, "--minutes", "5"]) == 0
+        capsys.readouterr()
+        calibrations = [methods for verb, methods in fake.calls if verb == "calibrate"]
+        assert bool(calibrations) == started
+        [new_log] = set((work / "windows").glob("*.json")) - {log_file}
+        [entry] = [e for e in json.loads(new_log.read_text())["processes"] if e.get("cell") == cell and "calibration" in e]
+        assert entry["calibration"]["ended"].startswith("not started: about 900 s") != started
+    assert cpu_campaign.calibrated(work)[cell] == {cpu_campaign.sweep.runs[r]["method"] for r in finished}
