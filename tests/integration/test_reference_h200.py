@@ -139,7 +139,7 @@ def test_the_manifest_lists_exactly_the_run_folders_present(campaign, at_root):
 
 # ----- the pass counts ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("run_id", RUN_IDS)
-def test_every_runs_first_iteration_passes_the_unpacks_count_check(run_id):
+def test_every_run_passes_the_unpacks_count_check(run_id):
     folder = RUNS / run_id
     records = json_lines(str(folder), (folder / "metrics.jsonl").read_bytes())
     check_counts("reference", run_id, records, json.loads((folder / "config.json").read_text()))
