@@ -74,7 +74,7 @@ import yaml
 from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
-from ..io import atomic_target, write_json
+from ..io import atomic_target, read_jsonl, write_json
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned
 from ..runtime.cell import job_entry
@@ -90,6 +90,9 @@ MAX_MINUTES = 24 * 60
 MAX_PARALLEL = 64
 MAX_CALIBRATE_METHODS = 32  # campaign.calibrate_methods: at most this many methods a calibrate process
 DEFAULT_CALIBRATE_METHODS = 3
+# a calibration's seconds over its rounds' (the runs' rollout and train phase, warm-up included): the unit costs'
+# passes and the model's build; one H200 window: 153 s for SD3.5-M at 1024 px, whose runs' rounds give 124 s
+CALIBRATION_OVERHEAD = 1.25
 STARTED_SLACK_S = 5.0  # --started may be this far ahead of the clock (another process read it)
 STOP_MARGIN_S = 20.0  # no process starts, and the running ones get SIGTERM, this long before the deadline
 KILL_AFTER_S = 12.0  # a process that has not ended this long after SIGTERM is killed
@@ -235,6 +238,7 @@ class Campaign:
                               f"an integer from 1 to {MAX_CALIBRATE_METHODS}")
         self.parallel = part.get("parallel", 1)
         self._calibration_times: dict[str, float] = {}  # cell -> the most seconds per method a calibration took
+        self._history: tuple[Path | None, ...] = ()  # the folders whose window logs and runs those came from
         self.gpu: str | None = part.get("gpu")  # a text the runs' GPU name holds (e.g. H200); None: any
         self.priority = part.get("priority", [])
         self.learning = data.get("learning")
@@ -364,6 +368,7 @@ class Campaign:
         """Take in the seconds per timed method of every calibration that ended well in the window logs of
         ``folders`` (``windows/*.json``: a process entry's ``calibration``), by cell (:meth:`calibration_seconds`).
         A log that cannot be read, or an entry of another shape, gives none."""
+        self._history = folders
         for folder in folders:
             if folder is None or not (folder / "windows").is_dir():
                 continue
@@ -386,12 +391,45 @@ class Campaign:
             per = self._calibration_times.setdefault(cell, 0.0)
             self._calibration_times[cell] = max(per, seconds / methods)
 
-    def calibration_seconds(self, cell: str, methods: int) -> float | None:
-        """About how long a calibrate process of ``cell`` timing ``methods`` methods takes: the most seconds per
-        timed method of its calibrations that ended well (:meth:`read_calibration_times`, and this window's),
-        times ``methods``; None when none of ``cell`` has (it is started, as the first one must be)."""
+    def calibration_seconds(self, cell: str, labels) -> float | None:
+        """About how long a calibrate process of ``cell`` timing the methods ``labels`` (``full`` included) takes:
+        the most seconds per timed method of the cell's calibrations that ended well (:meth:`read_calibration_times`,
+        and this window's) times their number; for a cell none has timed yet, what its runs say (in the folders
+        :meth:`read_calibration_times` read, :meth:`rounds_seconds`); None when neither can say (it is started)."""
         per = self._calibration_times.get(cell)
-        return None if per is None else per * methods
+        if per is not None:
+            return per * len(labels)
+        return self.rounds_seconds(cell, labels, *self._history)
+
+    def rounds_seconds(self, cell: str, labels, *folders: Path | None) -> float | None:
+        """A calibration of ``labels`` estimated from the cell's finished runs of them in ``folders``: its warm-up
+        and timed rounds (``calibrate.warmup + method_repeats``) each take a rollout and a train phase of every
+        method (the runs' medians after their first iteration), times :data:`CALIBRATION_OVERHEAD` for the unit
+        costs and the model's build; None when a method has no finished run there with such times."""
+        from .calibrate import CalibrationConfig
+
+        options = self.sweep.sweep.get("calibrate") or {}
+        rounds = int(options.get("warmup", CalibrationConfig.warmup)) + \
+            int(options.get("method_repeats", CalibrationConfig.method_repeats))
+        total = 0.0
+        for label in labels:
+            run_id = next((r for r, run in self.sweep.runs.items()
+                           if run["method"] == label and self.cell_of(run) == cell), None)
+            folder = next((f / "runs" / run_id for f in folders
+                           if f is not None and run_id is not None and self.finished(f / "runs" / run_id, run_id)),
+                          None)
+            if folder is None or not (folder / "metrics.jsonl").is_file():
+                return None
+            try:
+                records = list(read_jsonl(folder / "metrics.jsonl"))[1:]  # the first: a warm-up
+            except (UserError, OSError):
+                return None
+            times = [r.get("t_rollout_s", 0) + r.get("t_train_s", 0) for r in records
+                     if isinstance(r.get("t_rollout_s"), (int, float)) and isinstance(r.get("t_train_s"), (int, float))]
+            if not times:
+                return None
+            total += sorted(times)[len(times) // 2]
+        return CALIBRATION_OVERHEAD * rounds * total
 
     def with_baseline(self, labels) -> list[str]:
         """``labels`` as a calibrate process times them: ``full`` first when the sweep has it."""
@@ -861,7 +899,7 @@ def _calibrations(campaign: Campaign, cell: str, methods, number: int, stamp: st
         if time.time() >= stop_at or _stopped():
             break
         timed = campaign.with_baseline(labels)
-        expected = campaign.calibration_seconds(cell, len(timed))
+        expected = campaign.calibration_seconds(cell, timed)
         if expected is not None and time.time() + expected > stop_at:  # it would be cut: the GPU time saved
             entries.append({"cell": cell, "calibration": {
                 "file": None, "methods": timed, "exit_code": None, "seconds": 0.0,

@@ -1155,3 +1155,34 @@ def test_a_calibration_that_would_be_cut_is_not_started(tmp_path, monkeypatch, c
         [entry] = [e for e in json.loads(new_log.read_text())["processes"] if e.get("cell") == cell and "calibration" in e]
         assert entry["calibration"]["ended"].startswith("not started: about 900 s") != started
     assert cpu_campaign.calibrated(work)[cell] == {cpu_campaign.sweep.runs[r]["method"] for r in finished}
+
+
+def test_a_cells_first_calibration_is_estimated_from_its_runs(tmp_path, monkeypatch, capsys, cpu_campaign):
+    """A cell no calibration has timed yet: its runs' rollout and train phases (medians after the first
+    iteration) times the calibration's rounds (warm-up and timed) and CALIBRATION_OVERHEAD are its estimate; a
+    calibration that would not end before the window stops is not started, one that would is."""
+    [first_cell, *_] = cpu_campaign.processes(set())
+    cell, finished = first_cell.cell, set(first_cell.run_ids)
+    work = tmp_path / "w"
+    args = ["--config", str(CONFIG), "--cpu", "--work", str(work)]
+    monkeypatch.setattr(campaign_module, "_supervise", FakeProcesses(cpu_campaign, finished, calibrate=False))
+    assert main(["campaign", "run", *args, "--minutes", "5"]) == 0
+    labels = cpu_campaign.with_baseline([cpu_campaign.sweep.runs[r]["method"] for r in cpu_campaign.order()
+                                         if r in finished])
+    assert cpu_campaign.rounds_seconds(cell, labels, work) is None  # runs without records: no estimate
+    options = cpu_campaign.sweep.sweep["calibrate"]
+    rounds = options["warmup"] + options["method_repeats"]
+    for seconds, started in ((100.0, False), (0.01, True)):
+        for run_id in finished:  # a warm-up iteration (left out), then two whose medians count
+            times = [(1e6, 1e6), (seconds, 2 * seconds), (3 * seconds, 4 * seconds)]
+            (work / "runs" / run_id / "metrics.jsonl").write_text("".join(
+                json.dumps({"iteration": i, "t_rollout_s": r, "t_train_s": t}) + "\n" for i, (r, t) in enumerate(times)))
+        expected = campaign_module.CALIBRATION_OVERHEAD * rounds * len(labels) * (3 * seconds + 4 * seconds)
+        assert cpu_campaign.rounds_seconds(cell, labels, work) == pytest.approx(expected)
+        for old in (work / "windows").glob("*.json"):
+            old.unlink()
+        fake = FakeProcesses(cpu_campaign, set(), calibrate=True)
+        monkeypatch.setattr(campaign_module, "_supervise", fake)
+        assert main(["campaign", "run", *args, "--minutes", "5"]) == 0
+        capsys.readouterr()
+        assert any(verb == "calibrate" for verb, _ in fake.calls) == started
