@@ -147,8 +147,8 @@ def cpu_resolution(resolution: int) -> int:
 def cpu_sweep(data: dict) -> dict:
     """The same campaign on the CPU (``--cpu``), so that a CPU runs all of it in minutes and the test suite a
     window of it: every method, model family, schedule and priority as written, on one CPU device, with
-    float32, :func:`cpu_resolution`'s sizes, one iteration, short calibrations and two processes at a time
-    (``campaign.parallel``, one thread each). A model of a public
+    float32, :func:`cpu_resolution`'s sizes, one iteration and short calibrations, one process at a time as on
+    the GPU. A model of a public
     architecture becomes the tiny preset of its family (LoRA rank 4 where it has adapters); a sweep with a
     ``pretrain`` section (the learning sweep) keeps its model's recipe, pre-trained on the CPU in a few steps
     (:data:`CPU_PRETRAIN_SET`) under a label and into a folder of its own (``<label>-cpu``,
@@ -158,7 +158,8 @@ def cpu_sweep(data: dict) -> dict:
     data = json.loads(json.dumps(data))
     learning = bool(data.get("pretrain"))
     runs_per_job = max([spec.get("runs_per_job", 0) for spec in data["devices"].values()] or [0]) or 100
-    data["devices"] = {"cpu": {"device": "cpu", "gpus": 0, "threads": 1, "runs_per_job": runs_per_job}}
+    data["devices"] = {"cpu": {"device": "cpu", "gpus": 0, "threads": 1 if learning else 2,
+                               "runs_per_job": runs_per_job}}
     if learning:
         data["set"] = {**(data.get("set") or {}), **CPU_LEARNING_SET}
         data["seeds"] = data["seeds"][:1]
@@ -195,10 +196,9 @@ def cpu_sweep(data: dict) -> dict:
             entry["resolution"] = cpu_resolution(entry["resolution"])
     if "calibrate" in data:
         data["calibrate"] = {**data["calibrate"], "repeats": 2, "warmup": 1, "method_repeats": 2}
-    # two processes at a time, one thread each: most of a tiny model's process is its start (a run or a
-    # calibration takes seconds), which a second core overlaps
-    data["campaign"] = {**(data.get("campaign") or {})}
-    data["campaign"]["parallel"] = min(data["campaign"].get("parallel", 1), 2) if learning else 2
+    if learning:  # its small runs share the GPU: two at a time on the CPU
+        data["campaign"] = {**(data.get("campaign") or {})}
+        data["campaign"]["parallel"] = min(data["campaign"].get("parallel", 1), 2)
     return data
 
 
