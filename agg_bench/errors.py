@@ -149,8 +149,9 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
     :func:`~agg_bench.stopping.stop_signals`): an interruption prints ``name: interrupted`` and exits with
     128 + the signal's number, as a shell reports a process ended by it (130 SIGINT, 143 SIGTERM), and a
     second signal ends the process at once with that code. A reader of stdout that has gone (a pipe into
-    ``head``) ends it quietly with 128 + SIGPIPE, as a shell reports a process that signal ended. Anything else is a bug in agg-bench: one line
-    that says so and names the command to report (``argv``), then the traceback, exit code 1.
+    ``head``) ends it quietly with 128 + SIGPIPE, as a shell reports a process that signal ended. Anything else
+    is a bug in agg-bench: one line that says so and names the command to report (``argv``), then the
+    traceback, exit code 1.
     """
     try:
         with stop_signals(name):
@@ -167,7 +168,9 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
         return 128 + signum
     except Exception as err:
         if stdout_reader_gone(err):  # `agg-bench env | head`: the reader took what it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())  # nothing left to flush at exit
+            os.close(null)
             return 128 + signal.SIGPIPE
         full = disk_full(err)
         if full is not None:

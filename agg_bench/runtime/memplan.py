@@ -607,9 +607,8 @@ def plan_key(cfg: RunConfig, gpus: int) -> str:
     """What a run's plan depends on: the model, prompts, train, GRPO and method sections (a method's own
     reference or moving average is a copy of the model: DGPO's, NFT's), the device and the processes (not the
     seed, the sampler or the reward)."""
-    config = cfg.to_dict()
-    return json.dumps({"gpus": gpus, "device": config["device"], "memory": gpu_memory_bytes(_device_type(cfg)),
-                       **{k: config[k] for k in ("model", "prompts", "train", "grpo", "method")}}, sort_keys=True)
+    return json.dumps({"shapes": shape_key(cfg), "method": cfg.to_dict()["method"], "gpus": gpus,
+                       "memory": gpu_memory_bytes(_device_type(cfg))}, sort_keys=True)
 
 
 def run_memory_plan(cfg: RunConfig, gpus: int) -> dict:
@@ -621,13 +620,14 @@ def run_memory_plan(cfg: RunConfig, gpus: int) -> dict:
     if key in _RUN_PLANS:
         return copy.deepcopy(_RUN_PLANS[key])
     try:
+        shaped = shape_key(cfg)
         with torch.random.fork_rng(devices=[]):
-            shapes = _SHAPES.get(shape_key(cfg)) or ShapeModel(cfg)
+            shapes = _SHAPES.get(shaped) or ShapeModel(cfg)
         plan = plan_memory(cfg, gpus, suggest=False, shapes=shapes).as_dict()
-        if shape_key(cfg) not in _SHAPES:
+        if shaped not in _SHAPES:
             if len(_SHAPES) >= _SHAPES_KEPT:
                 _SHAPES.pop(next(iter(_SHAPES)))
-            _SHAPES[shape_key(cfg)] = shapes
+            _SHAPES[shaped] = shapes
     except Exception as exc:  # recorded, and the run goes on
         print(f"agg-bench run: no memory plan: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return {"error": f"{type(exc).__name__}: {exc}"}

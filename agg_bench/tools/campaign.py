@@ -38,11 +38,12 @@ Each ``campaign run --minutes N`` is one window:
    longest run so far says would not end before it), no process starts after ``STOP_MARGIN_S`` seconds before
    it, and a process still running then is sent SIGTERM (the run it is in ends ``interrupted``) and killed
    ``KILL_AFTER_S`` later if it has not ended, or at the deadline if that comes first (a window shorter than
-   that grace ends at its deadline; no pretrain process starts after the stop either). A SIGTERM or SIGINT to the campaign itself does the same at
-   once, and the command then exits with 128 + N. No process outlives the campaign: each leads a process
-   group of its own, a second signal (which ends the campaign at once, :mod:`agg_bench.stopping`) kills that
-   group first, and when the campaign dies any other way (``kill -9``) a guard process kills that group (the
-   process and what it started; Linux's parent-death signal, which also ends the process, reaches no further).
+   that grace ends at its deadline; no pretrain process starts after the stop either). A SIGTERM or SIGINT to
+   the campaign itself does the same at once, and the command then exits with 128 + N. No process outlives the
+   campaign: each leads a process group of its own, a second signal (which ends the campaign at once,
+   :mod:`agg_bench.stopping`) kills that group first, and when the campaign dies any other way (``kill -9``) a
+   guard process kills that group (the process and what it started; Linux's parent-death signal, which also
+   ends the process, reaches no further).
 5. It packs every finished run it holds that the reference lacks, without checkpoints, the pre-trained model
    the reference lacks, the window's calibrations and its log (``windows/<stamp>.json``: what ran, how long,
    what ended how), into one archive (``--archive``, default ``WORK/campaign.tar.gz``; a few MiB). A run cut
@@ -424,7 +425,7 @@ class Campaign:
                 records = list(read_jsonl(folder / "metrics.jsonl"))[1:]  # the first: a warm-up
             except (UserError, OSError):
                 return None
-            times = [r.get("t_rollout_s", 0) + r.get("t_train_s", 0) for r in records
+            times = [r["t_rollout_s"] + r["t_train_s"] for r in records
                      if isinstance(r.get("t_rollout_s"), (int, float)) and isinstance(r.get("t_train_s"), (int, float))]
             if not times:
                 return None
@@ -890,8 +891,9 @@ def _calibrations(campaign: Campaign, cell: str, methods, number: int, stamp: st
     """Time ``methods`` of ``cell`` in calibrate processes of at most ``campaign.calibrate_methods`` methods
     beside ``full`` (:meth:`Campaign.chunks`), one after the other, none started after ``stop_at`` nor when the
     cell's calibrations so far say it would not end by then (:meth:`Campaign.calibration_seconds`: a calibration
-    cut at the deadline is GPU time for nothing); their log entries. The ``i``-th writes ``calibration/<stamp>_<number>-<i>_<cell>.json`` when it ends well, and nothing
-    when it does not (cut at the deadline, failed): its methods stay for a later window."""
+    cut at the deadline is GPU time for nothing); their log entries. The ``i``-th writes
+    ``calibration/<stamp>_<number>-<i>_<cell>.json`` when it ends well, and nothing when it does not (cut at the
+    deadline, failed): its methods stay for a later window."""
     device = next(r for r in campaign.sweep.runs.values() if campaign.cell_of(r) == cell)["device"]
     env = _child_env(campaign.sweep.threads(device))
     entries = []
@@ -905,8 +907,8 @@ def _calibrations(campaign: Campaign, cell: str, methods, number: int, stamp: st
                 "file": None, "methods": timed, "exit_code": None, "seconds": 0.0,
                 "ended": f"not started: about {expected:.0f} s, more than the window had left"}})
             break
-        entry = _calibrate(campaign, cell, list(labels), f"{stamp}_{number:02d}-{i}_{cell}", work, stop_at,
-                           deadline, python, env)
+        entry = _calibrate(campaign, cell, timed, f"{stamp}_{number:02d}-{i}_{cell}", work, stop_at, deadline,
+                           python, env)
         if entry["file"] is not None:
             campaign.timed_calibration(cell, len(entry["methods"]), entry["seconds"])
         print(f"agg-bench campaign: {cell}: calibration of {', '.join(entry['methods'])}: "
@@ -918,11 +920,10 @@ def _calibrations(campaign: Campaign, cell: str, methods, number: int, stamp: st
 
 def _calibrate(campaign: Campaign, cell: str, labels: list[str], name: str, work: Path, stop_at: float,
                deadline: float, python: str, env: dict) -> dict:
-    """Time ``labels`` beside ``full`` (when the sweep has it) on one rollout of ``cell``, into
-    ``calibration/<name>.json``; a process that does not end well leaves no file there."""
+    """Time ``labels`` (``full`` among them as the baseline, :meth:`Campaign.with_baseline`) on one rollout of
+    ``cell``, into ``calibration/<name>.json``; a process that does not end well leaves no file there."""
     sweep = campaign.sweep
     methods = sweep.sweep["methods"]
-    labels = campaign.with_baseline(labels)
     options = sweep.sweep.get("calibrate") or {}
     argv = [python, "-m", "agg_bench", "calibrate"]
     if sweep.base_file:
@@ -978,4 +979,5 @@ def status(campaign: Campaign, reference: Path | None, work: Path | None = None)
     for item in pending:
         cells[item.cell]["uncalibrated"] = list(item.methods)
     return {"runs": len(campaign.sweep.runs), "done": len(done),
-            "calibrations": [campaign.with_baseline(c) for item in pending for c in campaign.chunks(item.methods)], "cells": cells}
+            "calibrations": [campaign.with_baseline(c) for item in pending for c in campaign.chunks(item.methods)],
+            "cells": cells}
