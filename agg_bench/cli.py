@@ -101,12 +101,18 @@ def _run_journal(path: Path, out: Path, done: Path | None):
 
 
 def cmd_cell(args) -> int:
-    from .runtime.cell import run_cell
+    from .runtime.cell import read_jobs, run_cell
+    from .tools.cell_calibration import read_calibrations, run_calibrations
 
     if args.deadline is not None and not (math.isfinite(args.deadline) and args.deadline > 0):
         raise ConfigError("--deadline", args.deadline, "a time in seconds since the epoch (e.g. $(date +%s) + 600)")
+    # the calibrations the job lists, checked with its runs before anything is written
+    folders = [job.out for job in read_jobs(args.jobs, calibrations=True)]
+    items = read_calibrations(args.jobs, folders)
+    argv = ["agg-bench", "cell", str(args.jobs)]
     return run_cell(args.jobs, keep_going=args.keep_going, deadline=args.deadline, resume=args.resume,
-                    overwrite=args.overwrite, keep_journal=args.keep_journal)
+                    overwrite=args.overwrite, keep_journal=args.keep_journal,
+                    after_runs=lambda ended: run_calibrations(items, folders, ended, args.deadline, argv))
 
 
 def cmd_snapshot(args) -> int:

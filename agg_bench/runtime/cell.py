@@ -15,8 +15,10 @@ end after it.
 The job file is a JSON object ``{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR,
 "done": FILE}, ...]}``: each run's ``agg-bench run`` arguments (:func:`job_entry` writes one) and, optionally,
 a marker file the cell writes once the job has ended with every run's end recorded (``{"out", "status"}``:
-what a workflow waits for instead of the run's own files); any other key, of the file or of a run, is
-refused. Every run's config is loaded and checked, and every run's folder compared with the others' (one
+what a workflow waits for instead of the run's own files). ``agg-bench cell`` also takes ``"calibrations"``:
+calibrations of the runs' methods to take after them, on the same model (:mod:`agg_bench.tools.
+cell_calibration`, what a campaign window gives its cell processes); a job may then list no run. Any other
+key, of the file or of a run, is refused. Every run's config is loaded and checked, and every run's folder compared with the others' (one
 folder each, none inside another, no marker inside a run folder), before the first run starts, so a bad job
 file writes nothing.
 
@@ -47,7 +49,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import stopping
 from ..errors import UserError, quote, run_command
@@ -117,15 +119,22 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
     return CellRun(config, tuple(overrides), Path(out), Path(done) if done is not None else None)
 
 
-def read_jobs(path: str | Path) -> list[CellRun]:
+def read_jobs(path: str | Path, calibrations: bool = False) -> list[CellRun]:
     """The runs a job file lists, checked in form (not yet their configs): a UserError naming the file and
-    the entry for anything else, for two runs into one folder, or for a run folder inside another's."""
+    the entry for anything else, for two runs into one folder, or for a run folder inside another's. With
+    ``calibrations`` the file may also list calibrations to take after the runs (``calibrations``, read by
+    :mod:`agg_bench.tools.cell_calibration`), and then no run."""
     path = Path(path)
     data = read_json_object(path, EXPECTED)
-    unknown = [key for key in data if key != "runs"]
+    allowed = {"runs": "the list of runs"}
+    if calibrations:
+        allowed["calibrations"] = "the calibrations to take after them"
+    unknown = [key for key in data if key not in allowed]
     if unknown:
-        raise UserError(f"{path}: {_keys(unknown)} (allowed: runs, the list of runs)")
+        raise UserError(f"{path}: {_keys(unknown)} (allowed: {'; '.join(f'{k}, {v}' for k, v in allowed.items())})")
     runs = data.get("runs")
+    if isinstance(runs, list) and not runs and data.get("calibrations"):
+        return []  # a job of calibrations only
     if not isinstance(runs, list) or not runs:
         raise UserError(f"{path}: runs is {json_type(runs) if runs != [] else 'an empty list'}; "
                         "expected a list of one or more runs")
@@ -163,7 +172,7 @@ def read_jobs(path: str | Path) -> list[CellRun]:
     return jobs
 
 
-def load_jobs(path: str | Path) -> list[tuple[CellRun, Any]]:
+def load_jobs(path: str | Path, calibrations: bool = False) -> list[tuple[CellRun, Any]]:
     """Each run of the job file with its loaded and checked run config (:func:`agg_bench.config.load_config`
     and :func:`~agg_bench.runtime.config_check.check_config`, as ``agg-bench run`` loads and checks it); the
     first bad one raises a UserError naming the entry and its folder."""
@@ -171,7 +180,7 @@ def load_jobs(path: str | Path) -> list[tuple[CellRun, Any]]:
     from .config_check import check_config
 
     loaded = []
-    for index, job in enumerate(read_jobs(path)):
+    for index, job in enumerate(read_jobs(path, calibrations)):
         try:
             loaded.append((job, check_config(load_config(job.config, list(job.overrides)))))
         except UserError as err:
@@ -180,7 +189,8 @@ def load_jobs(path: str | Path) -> list[tuple[CellRun, Any]]:
 
 
 def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None = None, resume: bool = False,
-             overwrite: bool = False, keep_journal: bool = False) -> int:
+             overwrite: bool = False, keep_journal: bool = False,
+             after_runs: Callable[[dict[Path, str]], int] | None = None) -> int:
     """Every run of job file ``path``, in its order, through :func:`agg_bench.runtime.train.train`; the
     exit code ``agg-bench run`` gives for the worst of them (a bug: 1, before a user error: 2, before 0), or
     128 + N at once when signal N stops a run. Each run's failure prints as ``agg-bench run`` prints it,
@@ -203,7 +213,12 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
     --resume-stopped``); with ``overwrite`` a run's folder that holds a finished run of another config is
     replaced (``agg-bench run --overwrite``); with ``keep_journal`` (and ``resume``) an attempt that ended
     leaves its journal for the caller to remove. When the exit code is 0 and every run has ended, each run's
-    ``done`` marker is written."""
+    ``done`` marker is written.
+
+    ``after_runs`` (``agg-bench cell``: the job file's calibrations, :mod:`agg_bench.tools.cell_calibration`)
+    is called once the runs have ended, and their markers are written, unless a signal or a busy folder stopped
+    the cell, with each run folder's end (a run not started has none), in the same process and the same
+    shared model; its exit code counts like a run's. Without it a job file that lists calibrations is refused."""
     from ..machine.distributed import launched_world_size
 
     if launched_world_size() > 1:
@@ -211,7 +226,7 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
                         "torchrun ... agg-bench run")
     if keep_journal and not resume:
         raise UserError("--keep-journal: a cell keeps a journal with --resume only; give both, or neither")
-    jobs = load_jobs(path)  # every config checked before the first run writes anything
+    jobs = load_jobs(path, after_runs is not None)  # every config checked before the first run writes anything
     from .model_reuse import reusing_models
     from .runfolder import check_out_dir, stopped_attempt
 
@@ -226,11 +241,12 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
 
     progress = Progress.resume(Path(path)) if resume else None
     with reusing_models():
-        return _run_jobs(Path(path), jobs, keep_going, deadline, progress, overwrite, keep_journal)
+        return _run_jobs(Path(path), jobs, keep_going, deadline, progress, overwrite, keep_journal, after_runs)
 
 
 def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, deadline: float | None,
-              progress: "Progress | None", overwrite: bool, keep_journal: bool = False) -> int:
+              progress: "Progress | None", overwrite: bool, keep_journal: bool = False,
+              after_runs: Callable[[dict[Path, str]], int] | None = None) -> int:
     from .train import record_failure, train
 
     worst, longest = 0, 0.0
@@ -302,6 +318,11 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
             if job.done is not None:
                 job.done.parent.mkdir(parents=True, exist_ok=True)
                 write_json(job.done, {"out": str(job.out), "status": ended[job.out]})
+    if after_runs is not None:
+        code = after_runs(dict(ended))
+        if code >= 128:
+            return code
+        worst = max(worst, code, key=SEVERITY.__getitem__)
     return worst
 
 

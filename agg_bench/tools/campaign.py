@@ -21,14 +21,16 @@ Each ``campaign run --minutes N`` is one window:
    each selector's runs before the next one's; the rest last, in the sweep's order) and cuts that order into
    processes: consecutive runs of one model x resolution x device, at most the device's ``runs_per_job`` of
    them, are one ``agg-bench cell`` process (the model built once, :mod:`agg_bench.runtime.model_reuse`),
-   followed, unless ``campaign.calibrate`` is false, by ``agg-bench calibrate`` processes that time the
-   methods it finished beside ``full`` (paired rounds: the tables' train speedups and the cost model's
-   prediction on that machine), at most ``campaign.calibrate_methods`` methods a process (default 3; ``full``
-   in every one as the baseline, not counted), so that each fits a window. Before those, the calibrations
-   left undone: for every cell, the methods whose runs are finished (in the reference or the work folder) but
-   that no calibration there timed (its ``methods``), most valuable first (:meth:`Campaign.work` says why).
-   A calibration cut at the deadline, or one that fails, leaves no file, so its methods stay pending and a
-   later window times them. ``campaign.parallel`` processes run at a time (default 1: a full-size model
+   which, unless ``campaign.calibrate`` is false, then calibrates the methods it finished beside ``full``
+   (paired rounds: the tables' train speedups and the cost model's prediction on that machine) on the model it
+   built (:mod:`agg_bench.tools.cell_calibration`), in calibrations of at most ``campaign.calibrate_methods``
+   methods each (default 3; ``full`` in every one as the baseline, not counted), each written as it ends, none
+   started that its estimate says would end after the deadline. Before those, the calibrations left undone:
+   for every cell, the methods whose runs are finished (in the reference or the work folder) but that no
+   calibration there timed (its ``methods``), most valuable first (:meth:`Campaign.work` says why), each cell's
+   in one cell process of calibrations only, not started when its first calibration would not end before the
+   window stops. A calibration cut at the deadline, or one that fails, leaves no file, so its methods stay
+   pending and a later window times them. ``campaign.parallel`` processes run at a time (default 1: a full-size model
    has the GPU to itself; the learning sweep's small runs share one). An unfinished attempt of a run in the
    work folder is removed first, under that run folder's claim (:mod:`agg_bench.outdir`); a run folder whose
    claim another process holds (a run writing there) is left alone, neither removed nor written: one line on
@@ -51,7 +53,7 @@ Each ``campaign run --minutes N`` is one window:
    the reference.
 
 ``campaign status`` prints what is done and what is missing, in the order the next window takes it: the runs,
-and the methods no calibration timed yet with the calibrate processes the next window starts for them.
+and the methods no calibration timed yet with the calibrations the next window takes for them.
 """
 from __future__ import annotations
 
@@ -75,12 +77,14 @@ import yaml
 from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
-from ..io import atomic_target, read_jsonl, write_json
+from ..io import atomic_target, write_json
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned
 from ..runtime.cell import job_entry
 from ..outputs import RUN_CONTENTS
 from . import archive as archives
+from . import cell_calibration
+from .cell_calibration import CALIBRATION_OVERHEAD  # noqa: F401 (the estimate's factor, named here too)
 from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep, flatten, is_pretrained_here,
                     overrides_of)
 
@@ -89,11 +93,8 @@ SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 MAX_MINUTES = 24 * 60
 MAX_PARALLEL = 64
-MAX_CALIBRATE_METHODS = 32  # campaign.calibrate_methods: at most this many methods a calibrate process
+MAX_CALIBRATE_METHODS = 32  # campaign.calibrate_methods: at most this many methods a calibration
 DEFAULT_CALIBRATE_METHODS = 3
-# a calibration's seconds over its rounds' (the runs' rollout and train phase, warm-up included): the unit costs'
-# passes and the model's build; one H200 window: 153 s for SD3.5-M at 1024 px, whose runs' rounds give 124 s
-CALIBRATION_OVERHEAD = 1.25
 STARTED_SLACK_S = 5.0  # --started may be this far ahead of the clock (another process read it)
 STOP_MARGIN_S = 20.0  # no process starts, and the running ones get SIGTERM, this long before the deadline
 KILL_AFTER_S = 12.0  # a process that has not ended this long after SIGTERM is killed
@@ -133,7 +134,7 @@ class Process:
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     """A cell's finished methods that no calibration has timed yet, most valuable first: timed beside ``full`` in
-    calibrate processes of at most ``campaign.calibrate_methods`` of them each (:meth:`Campaign.chunks`)."""
+    calibrations of at most ``campaign.calibrate_methods`` of them each (:meth:`Campaign.chunks`)."""
 
     cell: str
     methods: tuple[str, ...]
@@ -356,9 +357,9 @@ class Campaign:
         return [Calibration(cell, tuple(methods)) for cell, methods in pending.items()]
 
     def chunks(self, methods) -> list[tuple[str, ...]]:
-        """``methods`` cut into the method lists of calibrate processes, in their order: at most
+        """``methods`` cut into the method lists of calibrations, in their order: at most
         ``campaign.calibrate_methods`` each beside ``full``, which every one of them times as its baseline
-        (:func:`_calibrate` adds it) and which is not counted; ``full`` alone is one process of its own."""
+        (:meth:`with_baseline` adds it) and which is not counted; ``full`` alone is one calibration of its own."""
         methods = list(dict.fromkeys(methods))
         others = [label for label in methods if label != "full"]
         size = self.calibrate_methods
@@ -387,13 +388,22 @@ class Campaign:
                             self.timed_calibration(entry["cell"], len(timed["methods"]), float(seconds))
 
     def timed_calibration(self, cell: str, methods: int, seconds: float) -> None:
-        """A calibrate process of ``cell`` that timed ``methods`` methods (``full`` included) took ``seconds``."""
+        """A calibration of ``cell`` that timed ``methods`` methods (``full`` included) took ``seconds``."""
         if methods > 0 and math.isfinite(seconds) and seconds >= 0:
             per = self._calibration_times.setdefault(cell, 0.0)
             self._calibration_times[cell] = max(per, seconds / methods)
 
+    def calibration_times(self) -> dict[str, float]:
+        """{cell: the most seconds per timed method of its calibrations that ended well} so far
+        (:meth:`read_calibration_times`, and this window's)."""
+        return dict(self._calibration_times)
+
+    def history(self) -> tuple[Path | None, ...]:
+        """The folders :meth:`read_calibration_times` read (the reference and the work folder)."""
+        return self._history
+
     def calibration_seconds(self, cell: str, labels) -> float | None:
-        """About how long a calibrate process of ``cell`` timing the methods ``labels`` (``full`` included) takes:
+        """About how long a calibration of ``cell`` timing the methods ``labels`` (``full`` included) takes:
         the most seconds per timed method of the cell's calibrations that ended well (:meth:`read_calibration_times`,
         and this window's) times their number; for a cell none has timed yet, what its runs say (in the folders
         :meth:`read_calibration_times` read, :meth:`rounds_seconds`); None when neither can say (it is started)."""
@@ -403,37 +413,31 @@ class Campaign:
         return self.rounds_seconds(cell, labels, *self._history)
 
     def rounds_seconds(self, cell: str, labels, *folders: Path | None) -> float | None:
-        """A calibration of ``labels`` estimated from the cell's finished runs of them in ``folders``: its warm-up
-        and timed rounds (``calibrate.warmup + method_repeats``) each take a rollout and a train phase of every
-        method (the runs' medians after their first iteration), times :data:`CALIBRATION_OVERHEAD` for the unit
-        costs and the model's build; None when a method has no finished run there with such times."""
-        from .calibrate import CalibrationConfig
+        """A calibration of ``labels`` estimated from the cell's finished runs of them in ``folders``
+        (:func:`agg_bench.tools.cell_calibration.estimate`: its warm-up and timed rounds each take a rollout and a
+        train phase of every method, times :data:`CALIBRATION_OVERHEAD` for the unit costs); None when a method
+        has no finished run there with such times."""
+        labels = list(labels)
+        return cell_calibration.estimate(self.method_runs(cell, labels, [], *folders), _rounds(self), labels, None)
 
-        options = self.sweep.sweep.get("calibrate") or {}
-        rounds = int(options.get("warmup", CalibrationConfig.warmup)) + \
-            int(options.get("method_repeats", CalibrationConfig.method_repeats))
-        total = 0.0
+    def method_runs(self, cell: str, labels, run_ids, *folders: Path | None) -> dict[str, Path]:
+        """{label: the folder of a run of that method of ``cell``}: one of ``run_ids`` (a process's runs, in the
+        first of ``folders``), else a finished one in ``folders``; labels with neither are left out."""
+        out: dict[str, Path] = {}
         for label in labels:
-            run_id = next((r for r, run in self.sweep.runs.items()
-                           if run["method"] == label and self.cell_of(run) == cell), None)
-            folder = next((f / "runs" / run_id for f in folders
-                           if f is not None and run_id is not None and self.finished(f / "runs" / run_id, run_id)),
-                          None)
-            if folder is None or not (folder / "metrics.jsonl").is_file():
-                return None
-            try:
-                records = list(read_jsonl(folder / "metrics.jsonl"))[1:]  # the first: a warm-up
-            except (UserError, OSError):
-                return None
-            times = [r["t_rollout_s"] + r["t_train_s"] for r in records
-                     if isinstance(r.get("t_rollout_s"), (int, float)) and isinstance(r.get("t_train_s"), (int, float))]
-            if not times:
-                return None
-            total += sorted(times)[len(times) // 2]
-        return CALIBRATION_OVERHEAD * rounds * total
+            ids = [r for r, run in self.sweep.runs.items() if run["method"] == label and self.cell_of(run) == cell]
+            mine = next((r for r in ids if r in run_ids), None)
+            if mine is not None and folders and folders[0] is not None:
+                out[label] = folders[0] / "runs" / mine
+                continue
+            found = next((f / "runs" / r for r in ids for f in folders
+                          if f is not None and self.finished(f / "runs" / r, r)), None)
+            if found is not None:
+                out[label] = found
+        return out
 
     def with_baseline(self, labels) -> list[str]:
-        """``labels`` as a calibrate process times them: ``full`` first when the sweep has it."""
+        """``labels`` as a calibration times them: ``full`` first when the sweep has it."""
         labels = list(labels)
         return ["full", *labels] if "full" in self.sweep.sweep["methods"] and "full" not in labels else labels
 
@@ -818,19 +822,13 @@ def _pretrain(campaign: Campaign, label: str, stamp: str, work: Path, stop_at: f
 
 def _run_processes(campaign: Campaign, items: list[Process | Calibration], stamp: str, work: Path,
                    stop_at: float, deadline: float, python: str) -> list[dict]:
-    """Every work item (:meth:`Campaign.work`) whose first process starts before ``stop_at``,
-    ``campaign.parallel`` at a time in their order; the log entries of their processes, in that order: a cell
-    process's, then one per calibrate process (``{"cell", "calibration"}``)."""
+    """Every work item (:meth:`Campaign.work`) whose process starts before ``stop_at``, ``campaign.parallel`` at
+    a time in their order; the log entries of their processes, in that order: a cell process's (none for
+    a process of calibrations only), then one per calibration it was given (``{"cell", "calibration"}``)."""
     def one(number: int, item: Process | Calibration) -> list[dict]:
         if time.time() >= stop_at or _stopped():
             return []
-        if isinstance(item, Calibration):
-            return _calibrations(campaign, item.cell, item.methods, number, stamp, work, stop_at, deadline, python)
-        entry = _run_process(campaign, item, number, stamp, work, stop_at, deadline, python)
-        labels = [campaign.sweep.runs[r]["method"] for r in entry["finished"]]
-        if not campaign.calibrate or not labels:
-            return [entry]
-        return [entry, *_calibrations(campaign, item.cell, labels, number, stamp, work, stop_at, deadline, python)]
+        return _run_process(campaign, item, number, stamp, work, stop_at, deadline, python)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=campaign.parallel) as pool:
         futures = [pool.submit(one, number, item) for number, item in enumerate(items, 1)]
@@ -839,33 +837,73 @@ def _run_processes(campaign: Campaign, items: list[Process | Calibration], stamp
         return [entry for f in futures for entry in f.result()]
 
 
-def _run_process(campaign: Campaign, process: Process, number: int, stamp: str, work: Path, stop_at: float,
-                 deadline: float, python: str) -> dict:
+def _run_process(campaign: Campaign, item: Process | Calibration, number: int, stamp: str, work: Path,
+                 stop_at: float, deadline: float, python: str) -> list[dict]:
+    """One ``agg-bench cell`` process of ``item``: a process's runs, then (unless ``campaign.calibrate`` is
+    false) the calibrations of their methods, in chunks (:meth:`Campaign.chunks`); or the calibrations left of
+    a cell only (a :class:`Calibration`), not started when the first one would not end before ``stop_at``.
+    Its log entries."""
     sweep = campaign.sweep
-    device = sweep.runs[process.run_ids[0]]["device"]
+    cell = item.cell
+    device = next(r for r in sweep.runs.values() if campaign.cell_of(r) == cell)["device"]
     env = _child_env(sweep.threads(device))
-    name = f"{stamp}_{number:02d}_{process.cell}"
+    name = f"{stamp}_{number:02d}_{cell}"
     run_ids, busy = [], []
-    for run_id in process.run_ids:
+    for run_id in item.run_ids if isinstance(item, Process) else ():
         if _clear_attempt(campaign, work / "runs" / run_id, run_id):
             run_ids.append(run_id)
         else:
             busy.append(run_id)
+    methods = [sweep.runs[r]["method"] for r in run_ids] if isinstance(item, Process) else list(item.methods)
+    calibrations = _calibrations(campaign, cell, methods if campaign.calibrate else [], run_ids, number, stamp,
+                                 work)
+    for entry in calibrations:  # a report of an earlier window of the same second: not this process's
+        if cell_calibration.is_report(Path(entry["report"])):
+            Path(entry["report"]).unlink()
     began = time.time()
     code, how = None, "not started: another process is writing its runs"
-    if run_ids:
+    if not run_ids and calibrations:  # calibrations only: not started when the first would be cut
+        expected = campaign.calibration_seconds(cell, list(calibrations[0]["methods"]))
+        how = f"not started: about {expected:.0f} s, more than the window had left" \
+            if expected is not None and time.time() + expected > stop_at else None
+    if run_ids or (calibrations and how is None):
         jobs = {"runs": [job_entry(sweep.base_file, overrides_of(sweep.runs[r]["pairs"]), str(work / "runs" / r))
                          for r in run_ids]}
+        if calibrations:
+            jobs["calibrations"] = calibrations
         write_json(work / "cells" / f"{name}.json", jobs)
         code, how = _supervise([python, "-m", "agg_bench", "cell", str(work / "cells" / f"{name}.json"),
                                 "--deadline", f"{stop_at:.3f}"], work / "logs" / f"{name}.log", env, stop_at,
                                deadline=deadline)
-    finished = [r for r in run_ids if campaign.finished(work / "runs" / r, r)]
-    entry: dict[str, Any] = {"cell": process.cell, "runs": run_ids, "finished": finished, "busy": busy,
-                             "exit_code": code, "ended": how, "seconds": round(time.time() - began, 1)}
-    print(f"agg-bench campaign: {process.cell}: {len(finished)}/{len(run_ids)} runs finished "
-          f"({how}, {entry['seconds']} s)", file=sys.stderr, flush=True)
-    return entry
+    entries: list[dict[str, Any]] = []
+    if isinstance(item, Process):
+        finished = [r for r in run_ids if campaign.finished(work / "runs" / r, r)]
+        entries.append({"cell": cell, "runs": run_ids, "finished": finished, "busy": busy, "exit_code": code,
+                        "ended": how, "seconds": round(time.time() - began, 1)})
+        print(f"agg-bench campaign: {cell}: {len(finished)}/{len(run_ids)} runs finished "
+              f"({how}, {entries[0]['seconds']} s)", file=sys.stderr, flush=True)
+    for entry in calibrations:
+        report = cell_calibration.read_report(Path(entry["report"]))
+        out = Path(entry["out"])
+        if report is None:  # the process never reached it
+            timed = {"methods": list(entry["methods"]), "exit_code": code, "seconds": 0.0,
+                     "ended": how if code is None else f"not reached: the process {how}, exit code {code}"}
+        elif report["ended"] == cell_calibration.NOT_TIMED:
+            continue  # the process's runs of its methods did not finish: nothing was due
+        else:
+            timed = {key: report[key] for key in ("methods", "exit_code", "ended", "seconds")}
+        ok = timed["ended"] == cell_calibration.FINISHED and timed["exit_code"] == 0 and out.is_file()
+        if not ok and out.exists():
+            out.unlink()
+        timed = {"file": out.name if ok else None, **timed}
+        if ok and isinstance(timed["seconds"], (int, float)):
+            campaign.timed_calibration(cell, len(timed["methods"]), float(timed["seconds"]))
+        print(f"agg-bench campaign: {cell}: calibration of {', '.join(timed['methods'])}: "
+              f"{'written' if ok else 'not written'} ({timed['ended']}, {timed['seconds']} s)",
+              file=sys.stderr, flush=True)
+        entries.append({"cell": cell, "calibration": timed})
+    return entries
+
 
 
 def _clear_attempt(campaign: Campaign, folder: Path, run_id: str) -> bool:
@@ -886,64 +924,38 @@ def _clear_attempt(campaign: Campaign, folder: Path, run_id: str) -> bool:
     return True
 
 
-def _calibrations(campaign: Campaign, cell: str, methods, number: int, stamp: str, work: Path, stop_at: float,
-                  deadline: float, python: str) -> list[dict]:
-    """Time ``methods`` of ``cell`` in calibrate processes of at most ``campaign.calibrate_methods`` methods
-    beside ``full`` (:meth:`Campaign.chunks`), one after the other, none started after ``stop_at`` nor when the
-    cell's calibrations so far say it would not end by then (:meth:`Campaign.calibration_seconds`: a calibration
-    cut at the deadline is GPU time for nothing); their log entries. The ``i``-th writes
-    ``calibration/<stamp>_<number>-<i>_<cell>.json`` when it ends well, and nothing when it does not (cut at the
-    deadline, failed): its methods stay for a later window."""
-    device = next(r for r in campaign.sweep.runs.values() if campaign.cell_of(r) == cell)["device"]
-    env = _child_env(campaign.sweep.threads(device))
-    entries = []
-    for i, labels in enumerate(campaign.chunks(methods), 1):
-        if time.time() >= stop_at or _stopped():
-            break
-        timed = campaign.with_baseline(labels)
-        expected = campaign.calibration_seconds(cell, timed)
-        if expected is not None and time.time() + expected > stop_at:  # it would be cut: the GPU time saved
-            entries.append({"cell": cell, "calibration": {
-                "file": None, "methods": timed, "exit_code": None, "seconds": 0.0,
-                "ended": f"not started: about {expected:.0f} s, more than the window had left"}})
-            break
-        entry = _calibrate(campaign, cell, timed, f"{stamp}_{number:02d}-{i}_{cell}", work, stop_at, deadline,
-                           python, env)
-        if entry["file"] is not None:
-            campaign.timed_calibration(cell, len(entry["methods"]), entry["seconds"])
-        print(f"agg-bench campaign: {cell}: calibration of {', '.join(entry['methods'])}: "
-              f"{'written' if entry['file'] else 'not written'} ({entry['ended']}, {entry['seconds']} s)",
-              file=sys.stderr, flush=True)
-        entries.append({"cell": cell, "calibration": entry})
-    return entries
+def _rounds(campaign: Campaign) -> int:
+    """A calibration's warm-up and timed rounds, as the sweep's ``calibrate`` section sets them."""
+    from .calibrate import CalibrationConfig
+
+    options = campaign.sweep.sweep.get("calibrate") or {}
+    return int(options.get("warmup", CalibrationConfig.warmup)) + \
+        int(options.get("method_repeats", CalibrationConfig.method_repeats))
 
 
-def _calibrate(campaign: Campaign, cell: str, labels: list[str], name: str, work: Path, stop_at: float,
-               deadline: float, python: str, env: dict) -> dict:
-    """Time ``labels`` (``full`` among them as the baseline, :meth:`Campaign.with_baseline`) on one rollout of
-    ``cell``, into ``calibration/<name>.json``; a process that does not end well leaves no file there."""
+def _calibrations(campaign: Campaign, cell: str, methods, run_ids: list[str], number: int, stamp: str,
+                  work: Path) -> list[dict]:
+    """The calibrations of ``methods`` of ``cell`` as a cell job lists them (:mod:`agg_bench.tools.
+    cell_calibration`): at most ``campaign.calibrate_methods`` methods each beside ``full`` (:meth:`Campaign.chunks`),
+    the ``i``-th into ``calibration/<stamp>_<number>-<i>_<cell>.json``, each with its methods' runs (this job's
+    ``run_ids`` first, else a finished one of the reference or the work folder) and the seconds per method that
+    the cell's calibrations so far took. A calibration cut at the deadline, or one that fails, leaves no file,
+    so its methods stay for a later window."""
     sweep = campaign.sweep
-    methods = sweep.sweep["methods"]
     options = sweep.sweep.get("calibrate") or {}
-    argv = [python, "-m", "agg_bench", "calibrate"]
-    if sweep.base_file:
-        argv += ["--config", sweep.base_file]
-    for item in overrides_of(campaign.cell_pairs(cell)):
-        argv += ["--set", item]
-    for key in ("repeats", "warmup", "method_repeats"):
-        if key in options:
-            argv += [f"--{key.replace('_', '-')}", str(int(options[key]))]
-    for label in labels:
-        argv += ["--method", label, json.dumps(methods[label])]
-    out = work / "calibration" / f"{name}.json"
-    argv += ["--out", str(out)]
-    began = time.time()
-    code, how = _supervise(argv, work / "logs" / f"{name}.calibrate.log", env, stop_at, deadline=deadline)
-    ok = code == 0 and out.is_file()
-    if not ok and out.exists():
-        out.unlink()
-    return {"file": out.name if ok else None, "methods": labels, "exit_code": code, "ended": how,
-            "seconds": round(time.time() - began, 1)}
+    out = []
+    for i, labels in enumerate(campaign.chunks(methods), 1):
+        timed = campaign.with_baseline(labels)
+        name = f"{stamp}_{number:02d}-{i}_{cell}"
+        out.append({"config": sweep.base_file, "set": overrides_of(campaign.cell_pairs(cell)),
+                    "methods": {label: sweep.sweep["methods"][label] for label in timed},
+                    "options": {key: int(options[key]) for key in cell_calibration.OPTION_KEYS if key in options},
+                    "out": str(work / "calibration" / f"{name}.json"),
+                    "report": str(work / "cells" / f"{name}.report.json"),
+                    "runs": {label: str(folder) for label, folder in
+                             campaign.method_runs(cell, timed, run_ids, work, *campaign.history()).items()},
+                    "per_method_s": campaign.calibration_times().get(cell)})
+    return out
 
 
 def _pack(campaign: Campaign, work: Path, reference: Path | None, archive: Path) -> None:
@@ -968,7 +980,7 @@ def _pack(campaign: Campaign, work: Path, reference: Path | None, archive: Path)
 def status(campaign: Campaign, reference: Path | None, work: Path | None = None) -> dict:
     """Per cell: the runs done and the runs missing, in the order the next window takes them, and the methods
     of its done runs that no calibration timed yet (``uncalibrated``, which the next window calibrates first);
-    ``calibrations``: the calibrate processes that takes, each the methods it times (``full`` first)."""
+    ``calibrations``: the calibrations that takes, each the methods it times (``full`` first)."""
     done = campaign.done(reference, work)
     cells: dict[str, dict[str, list[str]]] = {}
     for run_id in campaign.order():

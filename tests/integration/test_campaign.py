@@ -26,6 +26,7 @@ import yaml
 from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.tools import campaign as campaign_module
+from agg_bench.tools import cell_calibration
 from agg_bench.tools import archive as archive_module
 from agg_bench.tools.archive import tiny_counterpart
 from agg_bench.tools.campaign import Campaign, cpu_resolution
@@ -753,8 +754,8 @@ def test_a_signal_to_the_campaign_stops_it_and_packs_what_finished(tmp_path, mon
         started.append(process.cell)
         os.kill(os.getpid(), signal.SIGTERM)  # arrives while the window runs; only remembered there
         time.sleep(0.1)
-        return {"cell": process.cell, "runs": list(process.run_ids), "finished": [], "exit_code": -15,
-                "ended": "interrupted", "seconds": 0.1}
+        return [{"cell": process.cell, "runs": list(process.run_ids), "finished": [], "exit_code": -15,
+                 "ended": "interrupted", "seconds": 0.1}]
 
     monkeypatch.setattr(campaign_module, "_run_process", process)
     work = tmp_path / "w"
@@ -806,29 +807,38 @@ def test_a_run_folder_another_process_is_writing_is_left_alone(tmp_path, monkeyp
 
 class FakeProcesses:
     """``_supervise`` without processes: a cell process finishes those of its runs in ``runs`` (their
-    config.json as the sweep composes it, summary ok) and no other; a calibrate process writes its file when
-    ``calibrate`` is true, else is cut at the deadline and writes nothing. ``calls``: (verb, cell or methods)."""
+    config.json as the sweep composes it, summary ok) and no other, then takes its calibrations as the cell does
+    (:func:`agg_bench.tools.cell_calibration.run_calibrations`), each of which writes its file when ``calibrate``
+    is true, else fails and writes nothing. ``calls``: (verb, cell or methods), a calibration's when it starts."""
 
     def __init__(self, campaign: Campaign, runs: set[str], calibrate: bool):
         self.campaign, self.runs, self.calibrate, self.calls = campaign, runs, calibrate, []
 
     def __call__(self, argv, log, env, stop_at, stopped=None, deadline=None):
-        if argv[3] == "cell":
-            outs = [Path(job["out"]) for job in json.loads(Path(argv[4]).read_text())["runs"]]
+        assert argv[3] == "cell"
+        job = Path(argv[4])
+        outs = [Path(entry["out"]) for entry in json.loads(job.read_text())["runs"]]
+        if outs:
             self.calls.append(("cell", self.campaign.cell_of(self.campaign.sweep.runs[outs[0].name])))
-            for out in outs:
-                if out.name not in self.runs:
-                    continue
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "config.json").write_text(json.dumps(self.campaign.config_of(out.name)))
-                (out / "summary.json").write_text(json.dumps({"status": "ok"}))
-            return 0, "finished"
-        methods = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--method"]
-        self.calls.append(("calibrate", methods))
-        if not self.calibrate:
-            return 143, "stopped at the deadline"
-        Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"methods": {m: {} for m in methods}}))
-        return 0, "finished"
+        ended = {}
+        for out in outs:
+            if out.name not in self.runs:
+                continue
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(self.campaign.config_of(out.name)))
+            (out / "summary.json").write_text(json.dumps({"status": "ok"}))
+            ended[out] = "ok"
+
+        def measure(item, labels):
+            self.calls.append(("calibrate", labels))
+            if not self.calibrate:
+                raise UserError("cut")
+            item.out.write_text(json.dumps({"unit_s_per_sample": {}, "methods": {m: {} for m in labels}}))
+
+        items = cell_calibration.read_calibrations(job, outs)
+        code = cell_calibration.run_calibrations(items, outs, ended, float(argv[argv.index("--deadline") + 1]),
+                                                 argv, measure)
+        return code, "finished"
 
 
 def test_a_calibration_cut_at_the_deadline_is_taken_again_in_chunks_by_the_next_window(tmp_path, monkeypatch,

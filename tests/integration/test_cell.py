@@ -87,7 +87,7 @@ def run(out: Path, *overrides: str) -> dict:
     (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "bogus": 1, "x": 2}]},
      ["runs[1]: unknown keys 'bogus', 'x' (allowed in a run: config, set, out, done)"]),
     # a key of the file other than runs was ignored, and the runs ran
-    (lambda t: {"runs": [run(t / "a")], "x": 1}, ["jobs.json: unknown key 'x' (allowed: runs, the list of runs)"]),
+    (lambda t: {"runs": [run(t / "a")], "x": 1}, ["jobs.json: unknown key 'x' (allowed: runs, the list of runs; calibrations, the calibrations to take after them)"]),
     # an empty string was "a string"
     (lambda t: {"runs": [{**run(t / "a"), "out": ""}]}, ["runs[0].out is an empty string; expected the run folder"]),
     (lambda t: {"runs": [{**run(t / "a"), "config": ""}]}, ["runs[0].config is an empty string; expected a run config"]),
