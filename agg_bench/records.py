@@ -51,6 +51,13 @@ RECORD_KEYS = (
     "cost", "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
     "rss_peak_bytes", "energy_j", "status", "weights", "gpu_util_mean", "power_mean_w",
 )
+# On a CUDA device a record also holds, for each phase that ran (``rollout``, ``reward``: the VAE decode and the
+# reward model, ``train``: the backward passes and the optimizer step, and any other), the peak bytes the CUDA
+# allocator allocated within it: this key with the phase's name. ``peak_alloc_bytes`` is the largest of them and
+# of the stretches between them; the memory planner's phases (``agg-bench plan``: the activations and the
+# optimizer step in the train phase, the decode in the reward phase) are measured against these. Off CUDA a
+# record has none of them.
+PHASE_PEAK_KEY = "peak_alloc_{phase}_bytes"
 # The key only an imported record holds (``agg-bench import-log``: "imported"); a run's records, without
 # it, are "measured".
 IMPORTED_KEYS = ("source",)

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..records import STANDARD_PHASES, TELEMETRY_KEYS  # noqa: F401 (also imported from here)
+from ..records import PHASE_PEAK_KEY, STANDARD_PHASES, TELEMETRY_KEYS  # noqa: F401 (also imported from here)
 # re-exported: the activations' trackers and the environment are imported from here too
 from .activations import SavedActivations, counting_regions, region_tracker, saved_activation_region  # noqa: F401 (re-exported)
 from .envinfo import environment  # noqa: F401 (re-exported)
@@ -113,23 +113,43 @@ class CudaMemory:
     """Peak bytes the CUDA caching allocator allocated and reserved inside the block.
 
     Resets the device's peak statistics on entry. On a non-CUDA device both fields stay ``None``.
+    :meth:`split` cuts the block into stretches, each with its own peak (a phase's): the peak statistics are
+    reset at each cut, and the block's peaks are the largest of its stretches', so they are what they would
+    be without the cuts.
     """
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.peak_alloc_bytes: int | None = None
         self.peak_reserved_bytes: int | None = None
+        self._alloc = self._reserved = 0  # the largest peaks of the stretches before the last cut
+
+    @property
+    def measures(self) -> bool:
+        return is_cuda(self.device)
 
     def __enter__(self) -> "CudaMemory":
         self.peak_alloc_bytes = self.peak_reserved_bytes = None
-        if is_cuda(self.device):
+        self._alloc = self._reserved = 0
+        if self.measures:
             torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
+    def split(self) -> int | None:
+        """End the stretch since the last cut (or the block's start): its peak allocated bytes (None off CUDA),
+        taken into the block's peaks; the next stretch starts now."""
+        if not self.measures:
+            return None
+        alloc = int(torch.cuda.max_memory_allocated(self.device))
+        self._alloc = max(self._alloc, alloc)
+        self._reserved = max(self._reserved, int(torch.cuda.max_memory_reserved(self.device)))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return alloc
+
     def __exit__(self, *exc: object) -> None:
-        if is_cuda(self.device):
-            self.peak_alloc_bytes = int(torch.cuda.max_memory_allocated(self.device))
-            self.peak_reserved_bytes = int(torch.cuda.max_memory_reserved(self.device))
+        if self.measures:
+            self.peak_alloc_bytes = max(self._alloc, int(torch.cuda.max_memory_allocated(self.device)))
+            self.peak_reserved_bytes = max(self._reserved, int(torch.cuda.max_memory_reserved(self.device)))
 
 
 def rss_peak_bytes() -> int | None:
@@ -221,6 +241,8 @@ class Telemetry:
         self._iteration_timer: PhaseTimer | None = None
         self._phase_timers: dict[str, list[PhaseTimer]] = {}
         self._memory: CudaMemory | None = None
+        self._phase_peaks: dict[str, int] = {}  # per phase name, its largest CUDA peak this iteration
+        self._depth = 0  # phases open
         self._saved: SavedActivations | None = None
         self._saved_used = False
         self._rss_peak: int | None = None
@@ -277,10 +299,20 @@ class Telemetry:
         enter_tracker = track and saved_activations != "regions" and not self._saved.active
         arm = track and saved_activations == "regions" and region_tracker.get() is None
         token = region_tracker.set(self._saved) if arm else None
+        # a phase not inside another gets its own CUDA peak (the stretch before it is cut off first)
+        memory = self._memory if self._depth == 0 and self._memory is not None and self._memory.measures else None
+        if memory is not None:
+            memory.split()
+        self._depth += 1
         try:
             with timer, (self._saved if enter_tracker else nullcontext()):
                 yield self
         finally:
+            self._depth -= 1
+            if memory is not None:
+                peak = memory.split()
+                if peak is not None:
+                    self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), peak)
             if token is not None:
                 region_tracker.reset(token)
             self._phase_timers.setdefault(name, []).append(timer)
@@ -292,7 +324,9 @@ class Telemetry:
         process's CPU seconds (see ``PhaseTimer``).
 
         None marks a value that was not measured: a phase that did not run, a field the device does
-        not have, or anything but times when telemetry is disabled.
+        not have, or anything but times when telemetry is disabled. On a CUDA device, each phase that ran
+        and was not inside another also gets its own peak allocated bytes (``PHASE_PEAK_KEY``, e.g.
+        ``peak_alloc_train_bytes``), after these.
         """
         record: dict[str, Any] = {}
         names = list(STANDARD_PHASES) + [n for n in self._phase_timers if n not in STANDARD_PHASES]
@@ -315,6 +349,8 @@ class Telemetry:
         record["energy_j"] = self._nvml.energy_j
         record["gpu_util_mean"] = self._nvml.gpu_util_mean
         record["power_mean_w"] = self._nvml.power_mean_w
+        for name, peak in self._phase_peaks.items():  # on a GPU: each phase's own peak (PHASE_PEAK_KEY)
+            record[PHASE_PEAK_KEY.format(phase=name)] = peak
         return record
 
     def close(self) -> None:

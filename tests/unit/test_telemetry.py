@@ -29,6 +29,7 @@ from agg_bench.machine.telemetry import (
     reset_rss_peak,
     rss_peak_bytes,
 )
+from agg_bench.records import PHASE_PEAK_KEY
 from helpers import seeded
 
 NEVER_S = 3600.0  # a polling interval no test reaches: only the start/stop/explicit samples happen
@@ -539,3 +540,63 @@ def test_environment_without_nvml_or_git(monkeypatch):
     env = environment()
     assert env["driver_version"] is None
     assert env["git_commit"] is None and env["git_dirty"] is None
+
+
+class FakeAllocator:
+    """The CUDA caching allocator's counters as torch.cuda reads them: bytes allocated now, the peak since the
+    last reset (a reset sets it to what is allocated now), and the reserved peak, always 64 bytes above."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def take(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def give(self, n: int) -> None:
+        self.now -= n
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(CudaMemory, "measures", property(lambda self: True))
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.peak + 64)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: setattr(self, "peak", self.now))
+
+    def burst(self, n: int) -> None:
+        self.take(n)
+        self.give(n)
+
+
+@pytest.mark.parametrize("between", [0, 5000])
+def test_each_phase_records_its_own_cuda_peak_and_the_iteration_the_largest(monkeypatch, between):
+    """On CUDA every phase not inside another gets its own peak (the largest over its runs in the iteration), the
+    stretches between phases count toward the iteration's peak only, and the iteration's peaks are what they
+    would be without the cuts; off CUDA a record has no phase peak."""
+    memory = FakeAllocator()
+    memory.install(monkeypatch)
+    with Telemetry("cpu") as tel:
+        with tel.iteration():
+            memory.take(100)  # held through the iteration (weights)
+            with tel.phase("rollout"):
+                memory.burst(50)
+            memory.burst(between)
+            with tel.phase("reward"):
+                memory.take(20)
+                with tel.phase("decode"):  # inside another phase: the reward phase's
+                    memory.burst(80)
+                memory.give(20)
+            for size in (1000, 500):  # a phase that runs twice: its larger peak
+                with tel.phase("train"):
+                    memory.burst(size)
+            with pytest.raises(RuntimeError), tel.phase("eval"):  # a phase that fails still has its peak
+                memory.take(7)
+                raise RuntimeError
+        record = tel.record()
+    assert {key: record[key] for key in record if key.startswith("peak_alloc_") and key != "peak_alloc_bytes"} == {
+        "peak_alloc_rollout_bytes": 150, "peak_alloc_reward_bytes": 200, "peak_alloc_train_bytes": 1100,
+        "peak_alloc_eval_bytes": 107}
+    assert record["peak_alloc_bytes"] == max(1100, 100 + between)
+    assert record["peak_reserved_bytes"] == record["peak_alloc_bytes"] + 64
+    assert set(TELEMETRY_KEYS) < set(record) and list(record)[-4:] == [  # the phase peaks come after the rest
+        "peak_alloc_rollout_bytes", "peak_alloc_reward_bytes", "peak_alloc_train_bytes", "peak_alloc_eval_bytes"]
+    assert PHASE_PEAK_KEY.format(phase="train") == "peak_alloc_train_bytes"
