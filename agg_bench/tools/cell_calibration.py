@@ -37,16 +37,16 @@ line naming it, exit code 2, nothing written.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import UserError, run_command
+from ..errors import UserError, quote, run_command
 from ..io import read_jsonl, write_json
 from ..jsonfiles import JsonFileError, json_type, read_json_object
 from ..outdir import check_file, json_file_where, json_file_with
+from ..records import is_finite_number
 from ..runtime.cell import SEVERITY
 from .calibrate import CalibrationConfig, check_method, method_overrides
 from .importlog import MAX_LABEL
@@ -88,7 +88,7 @@ def _where(path: Path, index: int) -> str:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return is_finite_number(value) and value >= 0
 
 
 def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
@@ -111,19 +111,26 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
             raise UserError(f"{where}.{key} is {json_type(entry.get(key))}; expected a file")
     methods = entry.get("methods")
     if not (isinstance(methods, dict) and methods):
-        raise UserError(f"{where}.methods is {json_type(methods)}; expected an object of one or more labels -> "
-                        "run-config overrides naming the method, the baseline first")
+        raise UserError(f"{where}.methods is {json_type(methods) if methods != {} else 'an empty object'}; expected "
+                        "an object of one or more labels -> run-config overrides naming the method, the baseline first")
     options = entry.get("options", {})
-    if not isinstance(options, dict) or any(key not in OPTION_KEYS for key in options):
+    if not isinstance(options, dict):
         raise UserError(f"{where}.options is {json_type(options)}; expected an object of {', '.join(OPTION_KEYS)}")
+    unknown = [key for key in options if key not in OPTION_KEYS]
+    if unknown:
+        raise UserError(f"{where}.options: unknown key {unknown[0]!r} (allowed: {', '.join(OPTION_KEYS)})")
     runs = entry.get("runs", {})
-    if not isinstance(runs, dict) or not all(label in methods and isinstance(folder, str) and folder
-                                             for label, folder in runs.items()):
+    if not isinstance(runs, dict):
         raise UserError(f"{where}.runs is {json_type(runs)}; expected an object of the methods' labels -> their run "
                         "folders")
+    for label, folder in runs.items():
+        if label not in methods:
+            raise UserError(f"{where}.runs: {label!r} is not one of the methods ({', '.join(map(repr, methods))})")
+        if not (isinstance(folder, str) and folder):
+            raise UserError(f"{where}.runs.{label} is {json_type(folder)}; expected the method's run folder")
     per = entry.get("per_method_s")
     if per is not None and not _number(per):
-        raise UserError(f"{where}.per_method_s is {per!r}; expected seconds (a finite number from 0) or null")
+        raise UserError(f"{where}.per_method_s is {quote(per)}; expected seconds (a finite number from 0) or null")
     try:
         cfg = check_config(load_config(config, list(overrides)))
         calibration = CalibrationConfig(**options)
