@@ -561,3 +561,34 @@ def test_a_cell_journal_error_names_the_cell_journal_not_an_option(tmp_path):
         job = CellRun(config=None, overrides=(), out=tmp_path / "run")
         with pytest.raises(UserError, match=f"^{re.escape(named)} {re.escape(str(progress.path))}: "):
             progress.add(job, load_config(None, ["model.resolution=32"]), "ok")
+
+
+def test_the_runs_collect_their_garbage_past_a_frozen_import_heap_and_thaw_it_after(tmp_path, monkeypatch, capsys):
+    """What exists once the engine is imported is frozen (gc.freeze) while the runs go, so a collection between
+    runs walks only what they made; the heap is thawed when the cell ends, by an error too, and an object a run
+    made and dropped in a reference cycle is still collected."""
+    import gc
+    import weakref
+
+    seen = []
+
+    class Cycle:
+        pass
+
+    def fake_train(cfg, out, **kwargs):
+        seen.append(gc.get_freeze_count())
+        made = Cycle()
+        made.me = made  # freed by the collector only
+        seen.append(weakref.ref(made))
+        if len(seen) > 2:
+            raise RuntimeError("a bug in a run")
+        return {"status": "ok"}
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    path = job_file(tmp_path, [run(tmp_path / "a"), run(tmp_path / "b")])
+    assert gc.get_freeze_count() == 0
+    assert main(["cell", str(path)]) == 1  # the second run's bug
+    assert seen[0] > 10_000 and seen[2] == seen[0]  # torch's and diffusers' objects, frozen during the runs
+    assert seen[1]() is None  # the first run's cycle was collected before the second run
+    assert gc.get_freeze_count() == 0
+    capsys.readouterr()
