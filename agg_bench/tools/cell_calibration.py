@@ -37,6 +37,7 @@ line naming it, exit code 2, nothing written.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,12 +212,9 @@ def run_calibrations(items: list[CellCalibration], run_folders: list[Path], ende
                      deadline: float | None, argv: list[str],
                      measure: Callable[[CellCalibration, list[str]], None] = _write) -> int:
     """Take ``items`` in order after the job's runs (``run_folders``; ``ended``: each one's end in this attempt,
-    none for a run not started), each
-    through ``measure`` (:func:`agg_bench.tools.calibrate.write_calibration`) unless the module docstring says
-    it is not started, writing each one's report; the worst exit code (a signal's 128 + N at once, after the
-    report of the entry it stopped)."""
-    import sys
-
+    none for a run not started), each through ``measure`` (:func:`agg_bench.tools.calibrate.write_calibration`)
+    unless the module docstring says it is not started, and write each one's report; the worst exit code (a
+    signal's 128 + N at once, after the report of the entry it stopped)."""
     ends = {folder.resolve(): status for folder, status in ended.items()}
     ours = {folder.resolve() for folder in run_folders}
 
@@ -242,11 +240,12 @@ def run_calibrations(items: list[CellCalibration], run_folders: list[Path], ende
         else:
             print(f"agg-bench cell: calibration {number}/{len(items)} of {', '.join(labels)} started",
                   file=sys.stderr, flush=True)
-            began = time.perf_counter()
+
             def body(item: CellCalibration = item, labels: list[str] = labels) -> int:
                 measure(item, labels)
                 return 0
 
+            began = time.perf_counter()
             code = run_command(f"agg-bench cell: calibration {item.out}", body, argv, item.out)
             seconds = round(time.perf_counter() - began, 1)
             how = FINISHED if code == 0 and item.out.is_file() else ("interrupted" if code >= 128 else "failed")
