@@ -18,9 +18,9 @@ a marker file the cell writes once the job has ended with every run's end record
 what a workflow waits for instead of the run's own files). ``agg-bench cell`` also takes ``"calibrations"``:
 calibrations of the runs' methods to take after them, on the same model (:mod:`agg_bench.tools.
 cell_calibration`, what a campaign window gives its cell processes); a job may then list no run. Any other
-key, of the file or of a run, is refused. Every run's config is loaded and checked, and every run's folder compared with the others' (one
-folder each, none inside another, no marker inside a run folder), before the first run starts, so a bad job
-file writes nothing.
+key, of the file or of a run, is refused. Every run's config is loaded and checked, and every run's folder
+compared with the others' (one folder each, none inside another, no marker inside a run folder), before the
+first run starts, so a bad job file writes nothing.
 
 **Resuming an attempt that did not end** (``--resume``, the workflow's cell jobs). A workflow removes the
 outputs of a job that fails or is stopped, and reruns the whole job. So that a cell stopped after some of its
