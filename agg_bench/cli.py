@@ -142,12 +142,12 @@ def cmd_calibrate(args) -> int:
 
     from .config import yaml_load
     from .tools.calibrate import CalibrationConfig, write_calibration
-    from .tools.importlog import MAX_LABEL
+    from .records import MAX_LABEL, is_label
 
     options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup, method_repeats=args.method_repeats)
     methods = {}
     for label, text in args.methods:
-        if not (label and len(label) <= MAX_LABEL and label.isprintable()):  # a row of the report's tables
+        if not is_label(label):  # a row of the report's tables
             raise ConfigError("--method", label, f"a label of 1 to {MAX_LABEL} printable characters, then the "
                                                  "overrides")
         if label in methods:

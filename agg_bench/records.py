@@ -51,6 +51,14 @@ RECORD_KEYS = (
     "cost", "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
     "rss_peak_bytes", "energy_j", "status", "weights", "gpu_util_mean", "power_mean_w",
 )
+MAX_LABEL = 200  # characters of a method, model, GPU or run label: a row of the report's tables
+
+
+def is_label(value: Any) -> bool:
+    """``value`` is a label a table row can show: a string of 1 to :data:`MAX_LABEL` printable characters."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_LABEL and value.isprintable()
+
+
 # On a CUDA device a record also holds, for each phase that ran (``rollout``, ``reward``: the VAE decode and the
 # reward model, ``train``: the backward passes and the optimizer step, and any other), the peak bytes the CUDA
 # allocator allocated within it: this key with the phase's name. ``peak_alloc_bytes`` is the largest of them and

@@ -89,6 +89,11 @@ class CalibrationConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 100_000:
                 raise ConfigError(f"calibrate.{key}", value, f"an integer from {low} to 100000")
 
+    @property
+    def method_rounds(self) -> int:
+        """The rounds of the methods' train phases, untimed and timed: each times every method once."""
+        return self.warmup + self.method_repeats
+
 
 def method_overrides(label: str, overrides: Any) -> tuple[str, list[str]]:
     """(method name, ``--set`` strings) of a ``methods`` entry: a mapping of run-config overrides that

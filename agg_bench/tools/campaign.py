@@ -70,7 +70,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -84,9 +84,11 @@ from ..runtime.cell import job_entry
 from ..outputs import RUN_CONTENTS
 from . import archive as archives
 from . import cell_calibration
-from .cell_calibration import CALIBRATION_OVERHEAD  # noqa: F401 (the estimate's factor, named here too)
 from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep, flatten, is_pretrained_here,
                     overrides_of)
+
+if TYPE_CHECKING:
+    from .calibrate import CalibrationConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -407,18 +409,27 @@ class Campaign:
         the most seconds per timed method of the cell's calibrations that ended well (:meth:`read_calibration_times`,
         and this window's) times their number; for a cell none has timed yet, what its runs say (in the folders
         :meth:`read_calibration_times` read, :meth:`rounds_seconds`); None when neither can say (it is started)."""
-        per = self._calibration_times.get(cell)
-        if per is not None:
-            return per * len(labels)
-        return self.rounds_seconds(cell, labels, *self._history)
+        labels = list(labels)
+        return cell_calibration.estimate(self.method_runs(cell, labels, [], *self._history),
+                                         self.calibration_options().method_rounds, labels,
+                                         self._calibration_times.get(cell))
 
     def rounds_seconds(self, cell: str, labels, *folders: Path | None) -> float | None:
         """A calibration of ``labels`` estimated from the cell's finished runs of them in ``folders``
         (:func:`agg_bench.tools.cell_calibration.estimate`: its warm-up and timed rounds each take a rollout and a
-        train phase of every method, times :data:`CALIBRATION_OVERHEAD` for the unit costs); None when a method
-        has no finished run there with such times."""
+        train phase of every method, times :data:`~agg_bench.tools.cell_calibration.CALIBRATION_OVERHEAD` for the
+        unit costs); None when a method has no finished run there with such times."""
         labels = list(labels)
-        return cell_calibration.estimate(self.method_runs(cell, labels, [], *folders), _rounds(self), labels, None)
+        return cell_calibration.estimate(self.method_runs(cell, labels, [], *folders),
+                                         self.calibration_options().method_rounds, labels, None)
+
+    def calibration_options(self) -> CalibrationConfig:
+        """The sweep's ``calibrate`` options that a calibration takes (``repeats``, ``warmup``,
+        ``method_repeats``; the rest at their defaults)."""
+        from .calibrate import CalibrationConfig
+
+        options = self.sweep.sweep.get("calibrate") or {}
+        return CalibrationConfig(**{key: int(options[key]) for key in cell_calibration.OPTION_KEYS if key in options})
 
     def method_runs(self, cell: str, labels, run_ids, *folders: Path | None) -> dict[str, Path]:
         """{label: the folder of a run of that method of ``cell``}: one of ``run_ids`` (a process's runs, in the
@@ -924,15 +935,6 @@ def _clear_attempt(campaign: Campaign, folder: Path, run_id: str) -> bool:
     return True
 
 
-def _rounds(campaign: Campaign) -> int:
-    """A calibration's warm-up and timed rounds, as the sweep's ``calibrate`` section sets them."""
-    from .calibrate import CalibrationConfig
-
-    options = campaign.sweep.sweep.get("calibrate") or {}
-    return int(options.get("warmup", CalibrationConfig.warmup)) + \
-        int(options.get("method_repeats", CalibrationConfig.method_repeats))
-
-
 def _calibrations(campaign: Campaign, cell: str, methods, run_ids: list[str], number: int, stamp: str,
                   work: Path) -> list[dict]:
     """The calibrations of ``methods`` of ``cell`` as a cell job lists them (:mod:`agg_bench.tools.
@@ -942,14 +944,14 @@ def _calibrations(campaign: Campaign, cell: str, methods, run_ids: list[str], nu
     the cell's calibrations so far took. A calibration cut at the deadline, or one that fails, leaves no file,
     so its methods stay for a later window."""
     sweep = campaign.sweep
-    options = sweep.sweep.get("calibrate") or {}
+    options = dataclasses.asdict(campaign.calibration_options())
     out = []
     for i, labels in enumerate(campaign.chunks(methods), 1):
         timed = campaign.with_baseline(labels)
         name = f"{stamp}_{number:02d}-{i}_{cell}"
         out.append({"config": sweep.base_file, "set": overrides_of(campaign.cell_pairs(cell)),
                     "methods": {label: sweep.sweep["methods"][label] for label in timed},
-                    "options": {key: int(options[key]) for key in cell_calibration.OPTION_KEYS if key in options},
+                    "options": {key: options[key] for key in cell_calibration.OPTION_KEYS},
                     "out": str(work / "calibration" / f"{name}.json"),
                     "report": str(work / "cells" / f"{name}.report.json"),
                     "runs": {label: str(folder) for label, folder in

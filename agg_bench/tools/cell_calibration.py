@@ -41,16 +41,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import UserError, quote, run_command
 from ..io import read_jsonl, write_json
 from ..jsonfiles import JsonFileError, json_type, read_json_object
 from ..outdir import check_file, json_file_where, json_file_with
-from ..records import is_finite_number
+from ..records import MAX_LABEL, is_finite_number, is_label
 from ..runtime.cell import SEVERITY
-from .calibrate import CalibrationConfig, check_method, method_overrides
-from .importlog import MAX_LABEL
+
+if TYPE_CHECKING:  # the calibration itself imports torch: only when a cell reads its entries
+    from .calibrate import CalibrationConfig
 
 ENTRY_KEYS = ("config", "set", "methods", "options", "out", "report", "runs", "per_method_s")
 OPTION_KEYS = ("repeats", "warmup", "method_repeats")
@@ -64,7 +65,11 @@ NOT_TIMED = "not started: its methods' runs did not end ok"  # a campaign's wind
 
 # whether a file is a calibration's report (REPORT_KEYS), which the cell may replace; or a calibration, which
 # write_calibration replaces
-is_report = json_file_where(lambda data: set(data) == set(REPORT_KEYS))
+def _report_shape(data: dict) -> bool:
+    return set(data) == set(REPORT_KEYS)
+
+
+is_report = json_file_where(_report_shape)
 is_calibration = json_file_with("unit_s_per_sample")
 
 
@@ -80,9 +85,6 @@ class CellCalibration:
     runs: dict[str, Path]
     per_method_s: float | None
 
-    def rounds(self) -> int:
-        return self.options.warmup + self.options.method_repeats
-
 
 def _where(path: Path, index: int) -> str:
     return f"{path}: calibrations[{index}]"
@@ -95,6 +97,7 @@ def _number(value: Any) -> bool:
 def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
     from ..config import load_config
     from ..runtime.config_check import check_config
+    from .calibrate import CalibrationConfig, check_method, method_overrides
 
     where = _where(path, index)
     if not isinstance(entry, dict):
@@ -136,7 +139,7 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
         cfg = check_config(load_config(config, list(overrides)))
         calibration = CalibrationConfig(**options)
         for label, value in methods.items():
-            if not (label and len(label) <= MAX_LABEL and label.isprintable()):
+            if not is_label(label):
                 raise UserError(f"methods: label {label!r}: expected 1 to {MAX_LABEL} printable characters")
             check_method(cfg, label, method_overrides(label, value)[1])
     except UserError as err:
@@ -227,7 +230,7 @@ def run_calibrations(items: list[CellCalibration], run_folders: list[Path], ende
         labels = [label for label in item.methods if timed(label, item)]
         first = next(iter(item.methods))
         known = max([s for s in (item.per_method_s, per) if s is not None], default=None)
-        expected = estimate(item.runs, item.rounds(), labels, known)
+        expected = estimate(item.runs, item.options.method_rounds, labels, known)
         code, seconds = None, 0.0
         if first not in labels or (len(labels) == 1 < len(item.methods)):
             how = NOT_TIMED
@@ -269,4 +272,4 @@ def read_report(path: Path) -> dict | None:
         data = read_json_object(path, "a calibration's report")
     except JsonFileError:
         return None
-    return data if set(data) == set(REPORT_KEYS) else None
+    return data if _report_shape(data) else None

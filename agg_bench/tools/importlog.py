@@ -30,7 +30,8 @@ from ..io import JsonlWriter, write_json, write_lines
 from ..jsonfiles import JsonProblem, check_path, json_type, loads
 from ..outdir import Claim, check_folder
 from ..outputs import IMPORT_CONTENTS
-from ..records import DIVERGING_KEYS, NUMBER_KEYS, RECORD_KEYS, is_finite_number, new_record, record_problem
+from ..records import (DIVERGING_KEYS, MAX_LABEL, NUMBER_KEYS, RECORD_KEYS, is_finite_number, is_label, new_record,
+                       record_problem)
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",
@@ -41,7 +42,6 @@ MAX_LOG_BYTES = 64 * 2**20  # a DanceGRPO log of 100,000 steps is about 15 MB
 MAX_STEP = 10**9  # far above any training run (agg-bench's own train.iterations stops at 100,000)
 MAX_RESOLUTION = 16384
 MAX_GPUS = 65536
-MAX_LABEL = 200  # characters of a method, model, GPU or run label
 # record numbers that may be negative: rewards, losses and the KL estimate; every other number of a record (a
 # time, pass count, cost, size, energy, rate, norm, spread or fraction) is >= 0
 SIGNED_KEYS = ("reward_mean", "loss", "approx_kl")
@@ -121,7 +121,7 @@ def check_labels(resolution: int | None, n_gpus: int | None, **labels: str | Non
     if n_gpus is not None and not 1 <= n_gpus <= MAX_GPUS:
         raise UserError(f"--n-gpus {n_gpus}: expected an integer from 1 to {MAX_GPUS}")
     for flag, value in labels.items():
-        if value is not None and (not value or len(value) > MAX_LABEL or not value.isprintable()):
+        if value is not None and not is_label(value):
             raise UserError(f"--{flag.replace('_', '-')} {value[:MAX_LABEL]!r}: expected 1 to {MAX_LABEL} "
                             "printable characters")
 

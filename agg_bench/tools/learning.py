@@ -25,11 +25,11 @@ from ..results.learning_tables import (EVAL_SOURCES, Run, learning_table, load_r
                                        write_curves, write_table)
 from ..results.loading import MAX_ITERATIONS, load_manifest
 from ..reading import RunFolder
+from ..records import MAX_LABEL, is_label
 from ..runtime.evaluation import SAMPLERS
 
 GRID_CAPTIONS = 6  # the sample grid's columns: the first captions of the evaluation's first noise
 MAX_EVAL_SEED = 2**32 - 1  # eval.seed's maximum: the seed of the first chunk's generator
-MAX_LABEL = 200  # characters of a method label
 DEFAULT_REFERENCE = "full"  # the reference method when --reference is not given
 
 
@@ -238,7 +238,7 @@ def check_manifest(manifest: str | Path) -> None:
     and the entry otherwise."""
     for i, entry in enumerate(load_manifest(manifest).runs):
         method = entry.method
-        if isinstance(method, str) and not (method and len(method) <= MAX_LABEL and method.isprintable()):
+        if isinstance(method, str) and not is_label(method):
             raise UserError(f"manifest {manifest}: runs[{i}].method = {quote(method)}: expected a method label "
                             f"of 1 to {MAX_LABEL} printable characters")
 

@@ -1187,7 +1187,7 @@ def test_a_cells_first_calibration_is_estimated_from_its_runs(tmp_path, monkeypa
             times = [(1e6, 1e6), (seconds, 2 * seconds), (3 * seconds, 4 * seconds)]
             (work / "runs" / run_id / "metrics.jsonl").write_text("".join(
                 json.dumps({"iteration": i, "t_rollout_s": r, "t_train_s": t}) + "\n" for i, (r, t) in enumerate(times)))
-        expected = campaign_module.CALIBRATION_OVERHEAD * rounds * len(labels) * (3 * seconds + 4 * seconds)
+        expected = cell_calibration.CALIBRATION_OVERHEAD * rounds * len(labels) * (3 * seconds + 4 * seconds)
         assert cpu_campaign.rounds_seconds(cell, labels, work) == pytest.approx(expected)
         for old in (work / "windows").glob("*.json"):
             old.unlink()
