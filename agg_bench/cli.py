@@ -308,6 +308,7 @@ def cmd_profile(args) -> int:
                 batch.policy_version = session.policy.version
                 with record_function("train"):
                     session.update(batch)
+                    session.release_gradients()
         else:
             iterations = itertools.count()
 
@@ -316,6 +317,7 @@ def cmd_profile(args) -> int:
                     collected = session.collect(next(iterations))
                 with record_function("train"):
                     session.update(collected.batch)
+                    session.release_gradients()
         try:
             written = profile_steps(step, out, session.device, args.wait, args.warmup, args.active)
         finally:

@@ -66,6 +66,9 @@ def is_label(value: Any) -> bool:
 # optimizer step in the train phase, the decode in the reward phase) are measured against these. Off CUDA a
 # record has none of them.
 PHASE_PEAK_KEY = "peak_alloc_{phase}_bytes"
+# Those of the standard phases, which the efficiency table shows (``peak_<phase>_mib``); a number or null where
+# a record has one.
+PHASE_PEAK_KEYS = tuple(PHASE_PEAK_KEY.format(phase=phase) for phase in STANDARD_PHASES)
 # The key only an imported record holds (``agg-bench import-log``: "imported"); a run's records, without
 # it, are "measured".
 IMPORTED_KEYS = ("source",)
@@ -115,11 +118,12 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     'fast': expected a finite number or null``; None when nothing is. A number is finite (a run writes a
     non-finite value as null), ``status`` one of :data:`STATUSES`, ``iteration`` an integer >= 0 and
     ``optimizer_steps``, where a method records it, a count the report prices. The other keys a method adds are
-    its own business."""
+    its own business, but for the standard phases' CUDA peaks (:data:`PHASE_PEAK_KEYS`), which the tables read as
+    numbers."""
     for key in required:
         if record.get(key) is None:
             return f"no {key!r} (expected in every record)"
-    for key in (*TEXT_KEYS, *NUMBER_KEYS):
+    for key in (*TEXT_KEYS, *NUMBER_KEYS, *PHASE_PEAK_KEYS):
         value = record.get(key)
         if value is None:
             continue
@@ -167,7 +171,7 @@ EVALUATIONS_FILE = "evaluations.jsonl"
 TIMING_KEYS = ("t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
                "t_rollout_cpu_s", "t_reward_cpu_s", "t_train_cpu_s", "t_iter_cpu_s", "rss_peak_bytes",
                "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "energy_j",
-               "gpu_util_mean", "power_mean_w")
+               "gpu_util_mean", "power_mean_w", *PHASE_PEAK_KEYS)
 
 # Seconds per phase in a record: wall clock (CUDA events on a GPU), and the process's CPU time.
 PHASE_TIME_KEYS = tuple(f"t_{phase}_s" for phase in STANDARD_PHASES)

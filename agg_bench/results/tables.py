@@ -36,8 +36,8 @@ import numpy as np
 import pandas as pd
 
 from .loading import ADDED_COLUMNS, as_bool, check_time_basis, is_number
-from ..records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE_TIME_KEYS, RECORD_KEYS, STANDARD_PHASES,
-                      TRAIN_PASS_KEYS)
+from ..records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE_PEAK_KEY, PHASE_TIME_KEYS, RECORD_KEYS,
+                      STANDARD_PHASES, TRAIN_PASS_KEYS)
 from ..jsonfiles import loads
 from .costmodel import calibration_of, counted_seconds, per_sample_seconds
 from .stats import paired_speedup, quartiles, ratio_of_medians_ci
@@ -46,6 +46,8 @@ MIB = 1024 ** 2
 PHASES = PHASE_TIME_KEYS
 MEMORY_KEYS = {  # record key (bytes, max over a run) -> table column (MiB)
     "peak_alloc_bytes": "peak_alloc_mib",
+    # each standard phase's own CUDA peak (records.PHASE_PEAK_KEYS; CUDA runs only)
+    **{PHASE_PEAK_KEY.format(phase=phase): f"peak_{phase}_mib" for phase in STANDARD_PHASES},
     "nvml_peak_used_bytes": "nvml_peak_mib",
     "saved_activation_peak_bytes": "saved_act_mib",
     "rss_peak_bytes": "rss_peak_mib",
@@ -75,7 +77,7 @@ EFFICIENCY_COLUMNS = [
     "rollout_speedup", "rollout_speedup_lo", "rollout_speedup_hi", "rollout_forwards", "predicted_rollout_speedup",
     "rollout_prediction_check",
     "forward_nograd", "forward_grad", "backward", *TRAIN_PASS_KEYS,
-    "peak_alloc_mib", "nvml_peak_mib", "saved_act_mib", "planned_act_mib", "planned_total_mib", "planned_over_peak",
+    "peak_alloc_mib", *(f"peak_{phase}_mib" for phase in STANDARD_PHASES), "nvml_peak_mib", "saved_act_mib", "planned_act_mib", "planned_total_mib", "planned_over_peak",
     "rss_peak_mib", "images_per_s", "energy_j",
     "final_reward", "final_reward_std", "reward_area", "wall_s", "grad_cosine", "grad_rel_error",
 ]

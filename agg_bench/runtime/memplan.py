@@ -29,13 +29,17 @@ Per GPU (one of the run's ``gpus`` processes):
   tensors under :class:`~agg_bench.machine.activations.WorkingMemory` (the tensors its operators hold at
   once; a convolution's scratch workspace is not a tensor and is not seen).
 
-The phases do not overlap: the weights, gradients and AdamW moments (``state``) are held throughout (the
-gradients of one step until the next step's start: through the next rollout and its decode), and on top of
-them come the saved activations (the train phase), the step's temporaries or the decode's working memory.
-``total_per_gpu`` is ``state`` plus the largest of the three (``peak_phase`` names it). Measured on one H200
-(SD3.5-Medium, full fine-tune, bf16, 4 images): the first iteration peaks at the optimizer step, before which
+The phases do not overlap. The weights and AdamW moments are held throughout; the gradients from the train
+phase's first backward to the end of its last optimizer step (a run frees them there, as the authors'
+trainers do with ``zero_grad`` after the step, so the next rollout and its decode do not hold them). So each
+phase's total (:func:`phase_totals`) is the weights and moments, the gradients where the phase holds them
+(:data:`GRADIENT_PHASES`), and the phase's own bytes: the saved activations (train), the step's temporaries
+(optimizer step) or the decode's working memory (decode). ``total_per_gpu`` is the largest of the three
+(``peak_phase`` names it). Measured on one H200 (SD3.5-Medium, full fine-tune, bf16, 4 images), with the
+gradients then held until the next step's start: the first iteration peaks at the optimizer step, before which
 the moments do not exist (43.1 GiB at 512 and at 1024 px, the step's planned total 42.9); later iterations at
-1024 px peak in the decode (50.8 GiB; planned 46.6: docs/paper-scale.md, "How far the planner was off").
+1024 px peaked in the decode (50.8 GiB, 8.4 of them the gradients a run now frees before it:
+docs/paper-scale.md, "How far the planner was off").
 
 With ``train.shard: fsdp`` over K GPUs the transformer's parameters, gradients and optimizer state are
 split K ways along their first dimension (FSDP2's padded shards); buffers and the VAE are replicated;
@@ -77,6 +81,8 @@ SUGGESTED_LORA_RANK = 64
 FSDP_SIZES = (2, 4, 8)  # GPUs of one node that FSDP suggestions try
 # the phases of an iteration that add to the held state (the module docstring), and their bytes' key
 PHASES = {"train": "activations", "optimizer step": "optimizer_step", "decode": "decode"}
+# the phases during which the gradients are held (a run frees them after its update's last step)
+GRADIENT_PHASES = ("train", "optimizer step")
 ACTIVATION_BASIS = {
     "cpu": "counted exactly (fake CPU tensors, the CPU kernels a run uses)",
     "cuda": "counted with CPU kernels on fake tensors: attention as flash kernels keep it (q, k, v, output, "
@@ -392,17 +398,16 @@ class ShapeModel:
                 "trainable_parameters": sum(p.numel() for p in trainable)}
 
     def bytes_per_gpu(self, layout: Layout) -> dict[str, int]:
-        """The plan's ``bytes``: the state, each phase's bytes on top of it, and ``total_per_gpu`` (the state
-        and the largest phase: the module docstring)."""
+        """The plan's ``bytes``: the state, each phase's bytes on top of it, and ``total_per_gpu`` (the largest
+        of :func:`phase_totals`: the module docstring)."""
         state = self.state_bytes(layout)
         out = {k: state[k] for k in ("params", "grads", "optimizer")}
-        held = sum(out.values())
         out["activations"] = self.activations(layout.micro_batch, layout.gradient_checkpointing, layout.lora_rank)
         out["optimizer_step"] = state["optimizer_step"]
         # each process decodes its share of the rollout (prompts_per_iteration x group_size / gpus images)
         rows = layout.prompts_per_iteration * self.cfg.grpo.group_size // layout.gpus
         out["decode"] = self.decode_bytes(rows, layout.gradient_checkpointing, layout.lora_rank)
-        out["total_per_gpu"] = held + max(out[phase] for phase in PHASES.values())
+        out["total_per_gpu"] = max(phase_totals(out).values())
         return out
 
 
@@ -422,7 +427,7 @@ class MemoryPlan:
     device: str
     activation_basis: str
     checkpoint_input_bytes: int = 0
-    peak_phase: str = ""  # the phase whose bytes top the held state: train, optimizer step or decode
+    peak_phase: str = ""  # the phase that holds the most (phase_totals): train, optimizer step or decode
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -572,9 +577,18 @@ def check_weights_fit(cfg: RunConfig) -> None:
                           f"{device} (the memory planner: does not fit)")
 
 
+def phase_totals(counted: dict) -> dict[str, int]:
+    """{phase of :data:`PHASES`: the bytes held in it} from a plan's ``bytes``: the weights and the moments, the
+    gradients in :data:`GRADIENT_PHASES`, and the phase's own bytes."""
+    return {phase: counted["params"] + counted["optimizer"] + counted[key]
+            + (counted["grads"] if phase in GRADIENT_PHASES else 0) for phase, key in PHASES.items()}
+
+
 def peak_phase(counted: dict) -> str:
-    """The phase of :data:`PHASES` whose bytes are the largest in a plan's ``bytes`` (the first on a tie)."""
-    return max(PHASES, key=lambda phase: counted[PHASES[phase]])
+    """The phase of :data:`PHASES` that holds the most in a plan's ``bytes`` (:func:`phase_totals`; the first on
+    a tie)."""
+    totals = phase_totals(counted)
+    return max(PHASES, key=lambda phase: totals[phase])
 
 
 def bytes_text(n: float) -> str:
@@ -645,10 +659,11 @@ def format_plan(plan: MemoryPlan) -> str:
              f"{plan.layout['micro_batch']}):"]
     for key in ("params", "grads", "optimizer"):
         lines.append(f"  {key:<14} {b[key] / GIB:10.2f} GiB")
-    lines.append("  and the largest of these phases on top:")
+    lines.append("  and on top of the weights and moments (the gradients only in the train phase and the step):")
+    totals = phase_totals(b)
     for phase, key in PHASES.items():
         mark = "  <- peak" if phase == plan.peak_phase else ""
-        lines.append(f"  {key:<14} {b[key] / GIB:10.2f} GiB  ({phase}){mark}")
+        lines.append(f"  {key:<14} {b[key] / GIB:10.2f} GiB  ({phase}: {totals[phase] / GIB:.2f} GiB in all){mark}")
     lines.append(f"  {'total_per_gpu':<14} {b['total_per_gpu'] / GIB:10.2f} GiB")
     lines.append(f"  budget         {(plan.gpu_memory_bytes - plan.reserve_bytes) / GIB:10.2f} GiB "
                  f"({plan.gpu_memory_bytes / GIB:.1f} GiB less a {RESERVE_FRACTION:.0%} reserve)")
@@ -659,6 +674,6 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Layout", "MemoryPlan", "PHASES", "ShapeModel", "check_weights_fit", "decode_bytes", "format_plan",
-           "gpu_memory_bytes", "optimizer_step_bytes", "peak_phase", "plan_memory", "run_layout", "saved_bytes",
-           "training_bytes", "bytes_text"]
+__all__ = ["GRADIENT_PHASES", "Layout", "MemoryPlan", "PHASES", "ShapeModel", "check_weights_fit", "decode_bytes",
+           "format_plan", "gpu_memory_bytes", "optimizer_step_bytes", "peak_phase", "phase_totals", "plan_memory",
+           "run_layout", "saved_bytes", "training_bytes", "bytes_text"]

@@ -247,6 +247,12 @@ class Session:
         out.update(loss=mean(losses), clip_frac=mean(clips), approx_kl=mean(kls), grad_norm=mean(norms))
         return out
 
+    def release_gradients(self) -> None:
+        """Free the gradients of the update that ended, as the authors' trainers do with ``zero_grad`` after the
+        optimizer step: the next rollout and its decode do not hold them (the memory planner's phases:
+        :data:`agg_bench.runtime.memplan.GRADIENT_PHASES`). An update starts from none either way."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _step(self, minibatch: TrainBatch, params: list) -> tuple[dict, float] | str:
         """One optimizer step of :meth:`update` on ``minibatch``: its statistics and the gradient's norm before the
         clip; or, where the gradient or the loss is not finite, which of them (``gradient`` or ``loss``), and no
@@ -307,6 +313,7 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
         # the policy network's saved tensors: what one backward through it holds, whatever the method
         with telemetry.phase("train", saved_activations="regions"):
             learn = session.update(collected.batch)
+            session.release_gradients()
     stopping.check()  # the update's record is not written: a checkpoint taken now would not match the records
     # the train phase's own passes, which the cost model prices (the rollout's are the same for most methods)
     train_passes = {f"train_{k}": v for k, v in (counter - before_train).as_dict().items()}

@@ -58,9 +58,11 @@ def test_plan_equals_what_a_run_holds_and_measures(case):
     trainable = policy.parameters()
     # one gradient and two AdamW moments per trainable parameter; a parameter the forward never reaches
     # (the text output of Qwen-Image's last block) gets none, so there the plan is an upper bound
-    reached = [p for p in trainable if p.grad is not None]
+    # (the iteration freed the gradients after its step: the parameters it reached are those AdamW stepped)
+    assert all(p.grad is None for p in trainable)
+    reached = [p for p in trainable if p in session.optimizer.state]
     assert len(reached) == len(trainable) or case == "qwen-lora-ckpt"
-    assert plan.bytes["grads"] == _storage_bytes(trainable) >= _storage_bytes([p.grad for p in reached])
+    assert plan.bytes["grads"] == _storage_bytes(trainable) >= _storage_bytes(reached)
     moments = [state[k] for state in session.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
     assert _storage_bytes(moments) == 2 * _storage_bytes(reached)
     assert plan.bytes["optimizer"] == 2 * plan.bytes["grads"]
@@ -75,6 +77,8 @@ def test_plan_equals_what_a_run_holds_and_measures(case):
     assert decode.peak_bytes == plan.bytes["decode"] > 0
     # the step's temporaries: a real AdamW step in its one-tensor form (the CPU's default) and its foreach form
     # (a GPU's) holds what optimizer_step_bytes says; a parameter without a gradient is skipped by the step
+    for parameter in reached:  # the run freed its own gradients after its step; the step needs some
+        parameter.grad = torch.zeros_like(parameter)
     for device_type, foreach in (("cpu", False), ("cuda", True)):
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, foreach=foreach)
         optimizer.load_state_dict(session.optimizer.state_dict())
@@ -85,11 +89,41 @@ def test_plan_equals_what_a_run_holds_and_measures(case):
         assert step.peak_bytes == optimizer_step_bytes(reached, 1, device_type) <= planned
         assert (step.peak_bytes == planned) == (case != "qwen-lora-ckpt" or device_type == "cpu")
     assert plan.bytes["optimizer_step"] == optimizer_step_bytes(trainable, 1, "cpu")
-    held = sum(plan.bytes[k] for k in ("params", "grads", "optimizer"))
-    phases = {phase: plan.bytes[key] for phase, key in PHASES.items()}
-    assert plan.bytes["total_per_gpu"] == held + max(phases.values())
+    # the weights and the moments throughout; the gradients in the train phase and the step, not in the decode
+    kept = plan.bytes["params"] + plan.bytes["optimizer"]
+    phases = {"train": kept + plan.bytes["grads"] + plan.bytes["activations"],
+              "optimizer step": kept + plan.bytes["grads"] + plan.bytes["optimizer_step"],
+              "decode": kept + plan.bytes["decode"]}
+    assert set(phases) == set(PHASES)
+    assert plan.bytes["total_per_gpu"] == max(phases.values())
     assert phases[plan.peak_phase] == max(phases.values())
 
+
+
+def test_the_decode_and_the_rollout_hold_no_gradients_of_the_last_step():
+    """The plan's decode phase holds the weights and moments but not the gradients: a run frees them after its
+    update, so the second iteration's rollout and decode find none, while its train phase had them."""
+    cfg = tiny_config("train.iterations=2", "grpo.beta=0")
+    session = Session(cfg)
+    telemetry = tel.Telemetry(session.device)
+    seen = []
+    decode, update = session.policy.decode, session.update
+
+    def watched_decode(latents):
+        seen.append(("decode", sum(p.grad is not None for p in session.policy.parameters())))
+        return decode(latents)
+
+    def watched_update(batch):
+        out = update(batch)
+        seen.append(("after update", sum(p.grad is not None for p in session.policy.parameters())))
+        return out
+
+    session.policy.decode, session.update = watched_decode, watched_update
+    for iteration in range(2):
+        run_iteration(session, telemetry, iteration)
+    trainable = len(session.policy.parameters())
+    assert seen == [("decode", 0), ("after update", trainable), ("decode", 0), ("after update", trainable)]
+    assert session.optimizer.state and all(p.grad is None for p in session.policy.parameters())
 
 MOVING_AVERAGES = {
     # a method's moving average of the policy is a whole frozen copy of the transformer, LoRA or not

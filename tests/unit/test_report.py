@@ -536,6 +536,9 @@ def report_fails(capsys, tmp_path, *args: str) -> str:
     ("iteration", 0, "expected each iteration once (record 1 has it)"),
     ("model", {"name": "sd3"}, "expected a string or null"),
     ("status", 1, "expected a string or null"),
+    # a phase's own CUDA peak, which the efficiency table shows
+    ("peak_alloc_train_bytes", "big", "expected a finite number or null"),
+    ("peak_alloc_reward_bytes", [1], "expected a finite number or null"),
 ])
 def test_a_record_with_the_wrong_kind_of_value(tmp_path, capsys, key, value, expected):
     make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), {**it(2.0, 1.0), key: value}])
