@@ -85,7 +85,7 @@ from ..outputs import RUN_CONTENTS
 from . import archive as archives
 from . import cell_calibration
 from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep, flatten, is_pretrained_here,
-                    overrides_of)
+                    learning_settings, overrides_of)
 
 if TYPE_CHECKING:
     from .calibrate import CalibrationConfig
@@ -580,11 +580,10 @@ class Campaign:
         (a reference holds no checkpoints: every held-out gain comes from the runs' in-run evaluations)."""
         from .learning import LearningOptions
 
-        part = self.learning or {}
-        return LearningOptions(average=int(part.get("average_iterations", 3)),
-                               fraction=float(part.get("fraction_of_full", 0.8)), eval_noises=0,
-                               target_fraction=float(part.get("target_fraction", 0.9)),
-                               reference=part.get("reference"), eval_source="auto")
+        part = learning_settings(self.learning)
+        return LearningOptions(average=int(part["average_iterations"]), fraction=float(part["fraction_of_full"]),
+                               eval_noises=0, target_fraction=float(part["target_fraction"]),
+                               reference=part["reference"], eval_source="auto")
 
 
 def _files(folder: Path, names) -> dict[str, bytes]:

@@ -57,8 +57,32 @@ PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has
 EMBED_DIR = "results/embeddings"
 PRETRAINED_DIR = "results/pretrained"  # model folders the workflow's pretrain rule makes
 CELL_DIR = "results/cells"  # the cell jobs' job files and their journals, and the run jobs' journals
-LEARNING_EVAL_NOISES = 16  # learning.eval_noises where the sweep leaves it out (workflow/rules/learning.smk)
-LEARNING_AVERAGE = 3  # learning.average_iterations where the sweep leaves it out (agg-bench learning's --average)
+# The sweep's ``learning`` section where it leaves a key out: agg-bench learning's defaults (its LearningOptions; a
+# test keeps them equal), but for the checkpoint evaluation, which a sweep runs on 16 noises per caption (the
+# command's default: none). Each key with the command's option that takes it.
+LEARNING_DEFAULTS = {"average_iterations": 3, "fraction_of_full": 0.8, "eval_noises": 16, "eval_seed": 0,
+                     "eval_sampler": "ode", "target_fraction": 0.9, "eval_source": "auto", "reference": None}
+LEARNING_OPTIONS = {"average_iterations": "--average", "fraction_of_full": "--fraction", "eval_noises": "--eval-noises",
+                    "eval_seed": "--eval-seed", "eval_sampler": "--eval-sampler", "target_fraction": "--target-fraction",
+                    "eval_source": "--eval-source", "reference": "--reference"}
+
+
+def learning_settings(section: dict | None) -> dict[str, Any]:
+    """A sweep's ``learning`` section (None: absent) with :data:`LEARNING_DEFAULTS` where it leaves a key out."""
+    return {**LEARNING_DEFAULTS, **(section or {})}
+
+
+def learning_command_options(section: dict | None) -> list[str]:
+    """The options of ``agg-bench learning`` that report a sweep with this ``learning`` section: every key of
+    :data:`LEARNING_OPTIONS`, but ``--reference`` only where the section names one (the command's default is
+    ``full``, whose targets it leaves empty in a manifest without it, instead of refusing the report after the
+    runs)."""
+    settings = learning_settings(section)
+    out: list[str] = []
+    for key, option in LEARNING_OPTIONS.items():
+        if settings[key] is not None:
+            out += [option, str(settings[key])]
+    return out
 LEARNING_DIR = "results/learning"  # the learning report's tables and plots, and its manifest (workflow/rules/learning.smk)
 DONE_DIR = "results/done"  # each run's marker: the output of its job (a run job or a cell job)
 # Runs in one sweep. Composing and checking them costs little (runs that differ only in their seed are checked
@@ -218,8 +242,8 @@ def check_sweep(sweep: dict, schema: dict, files: list[dict] = ()) -> None:
     if reference is not None and reference not in sweep["methods"]:  # agg-bench learning refuses it at the end
         raise SweepError(f"learning.reference: {quote(reference)} is not a label under methods "
                          f"({', '.join(sweep['methods'])})")
-    learning = sweep.get("learning") or {}
-    if learning.get("eval_source") == "checkpoint" and learning.get("eval_noises", LEARNING_EVAL_NOISES) == 0:
+    learning = learning_settings(sweep.get("learning"))
+    if learning["eval_source"] == "checkpoint" and learning["eval_noises"] == 0:
         raise SweepError("learning.eval_source: 'checkpoint' with learning.eval_noises = 0; expected eval_noises >= 1 "
                          "(the checkpoint evaluation's noises per caption: agg-bench learning refuses it after the runs)")
 
@@ -652,7 +676,7 @@ class Sweep:
         try:
             cfg = load_config(self.base_file, overrides_of(pairs))
             learning = self.sweep.get("learning")
-            average = (learning or {}).get("average_iterations", LEARNING_AVERAGE)
+            average = learning_settings(learning)["average_iterations"]
             if learning_ends and learning is not None and 2 * average > cfg.train.iterations:
                 raise ConfigError("learning.average_iterations", average,
                                   f"at most {cfg.train.iterations // 2}: the learning table averages that many "

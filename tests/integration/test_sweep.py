@@ -309,6 +309,39 @@ def test_the_learning_reference_is_a_method_of_the_sweep(in_process):
     assert len(Sweep(config, SCHEMA).runs) == 2
 
 
+
+def test_the_sweeps_learning_defaults_are_the_commands():
+    """A sweep's ``learning`` section defaults every key as ``agg-bench learning`` does (its LearningOptions and
+    its options' defaults), but the checkpoint evaluation's noises (16 in a sweep, none in the command), and the
+    workflow passes every key to the command's own option, each value as the sweep gives it."""
+    import dataclasses
+
+    from agg_bench.cli import build_parser
+    from agg_bench.tools.learning import LearningOptions
+
+    fields = {"average_iterations": "average", "fraction_of_full": "fraction", "eval_noises": "eval_noises",
+              "eval_seed": "eval_seed", "eval_sampler": "eval_sampler", "target_fraction": "target_fraction",
+              "eval_source": "eval_source", "reference": "reference"}
+    assert set(fields) == set(sweep_module.LEARNING_DEFAULTS) == set(sweep_module.LEARNING_OPTIONS)
+    command = {f.name: f.default for f in dataclasses.fields(LearningOptions)}
+    parsed = vars(build_parser().parse_args(["learning", "--manifest", "m.json"]))
+    for key, field in fields.items():
+        assert parsed[field] == command[field], field
+        if key != "eval_noises":
+            assert sweep_module.LEARNING_DEFAULTS[key] == command[field], key
+    assert (sweep_module.LEARNING_DEFAULTS["eval_noises"], command["eval_noises"]) == (16, 0)
+    # every key to its option: parsed back by the command, the section's values
+    section = {"average_iterations": 2, "fraction_of_full": 0.5, "eval_noises": 4, "eval_seed": 7,
+               "eval_sampler": "sde", "target_fraction": 0.75, "eval_source": "checkpoint", "reference": "agg w3"}
+    options = sweep_module.learning_command_options(section)
+    parsed = vars(build_parser().parse_args(["learning", "--manifest", "m.json", *shlex.split(shlex.join(options))]))
+    assert {key: parsed[field] for key, field in fields.items()} == section
+    # an absent section: the defaults, and no --reference (the command's own, full, then applies)
+    options = sweep_module.learning_command_options(None)
+    assert "--reference" not in options
+    parsed = vars(build_parser().parse_args(["learning", "--manifest", "m.json", *options]))
+    assert {key: parsed[field] for key, field in fields.items()} == sweep_module.LEARNING_DEFAULTS
+
 @pytest.mark.parametrize("entry, words", [
     ({"model": "sdxl"}, "exclude.0.model: 'sdxl' matches no label under models (sd3)"),
     ({"method": "cach-*", "model": "sd3"}, "exclude.0.method: 'cach-*' matches no label under methods (full, agg-w3)"),

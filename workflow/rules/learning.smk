@@ -2,7 +2,7 @@
 # results/pretrained/<label>/ (later runs reuse them), then the learning tables and plots of the sweep's runs
 # (with the runs' in-run evaluations, eval.every > 0: the held-out curves against cost and the cost to a target).
 #   snakemake --cores 2 --configfile config/learning.yaml learning      (make learning)
-from agg_bench.tools.sweep import LEARNING_AVERAGE, LEARNING_EVAL_NOISES
+from agg_bench.tools.sweep import learning_command_options
 
 PRETRAIN = config.get("pretrain") or {}
 LEARNING = config.get("learning") or {}
@@ -106,14 +106,7 @@ rule learning_report:
     log:
         "results/logs/learning.log",
     params:
-        options=f"--average {int(LEARNING.get('average_iterations', LEARNING_AVERAGE))} --fraction {float(LEARNING.get('fraction_of_full', 0.8))} "
-        f"--eval-noises {int(LEARNING.get('eval_noises', LEARNING_EVAL_NOISES))} --eval-seed {int(LEARNING.get('eval_seed', 0))} "
-        f"--eval-sampler {LEARNING.get('eval_sampler', 'ode')} "
-        f"--target-fraction {float(LEARNING.get('target_fraction', 0.9))} "
-        f"--eval-source {LEARNING.get('eval_source', 'auto')} "
-        # the reference only when the sweep names one (the command's default is full, and an absent full then
-        # leaves the targets empty instead of refusing the report after every run)
-        + (f" --reference {shlex.quote(str(LEARNING['reference']))}" if "reference" in LEARNING else ""),
+        options=shlex.join(learning_command_options(LEARNING)),
     shell:
         "OMP_NUM_THREADS={threads} {PYTHON} -m agg_bench learning --manifest {input.manifest} {params.options} "
         "--tables {LEARNING_DIR} --plots {LEARNING_DIR} > {log} 2>&1"
