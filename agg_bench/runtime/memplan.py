@@ -617,12 +617,12 @@ def shape_key(cfg: RunConfig) -> str:
                       sort_keys=True)
 
 
-def plan_key(cfg: RunConfig, gpus: int) -> str:
+def plan_key(cfg: RunConfig, gpus: int, shaped: str | None = None) -> str:
     """What a run's plan depends on: the model, prompts, train, GRPO and method sections (a method's own
     reference or moving average is a copy of the model: DGPO's, NFT's), the device and the processes (not the
-    seed, the sampler or the reward)."""
-    return json.dumps({"shapes": shape_key(cfg), "method": cfg.to_dict()["method"], "gpus": gpus,
-                       "memory": gpu_memory_bytes(_device_type(cfg))}, sort_keys=True)
+    seed, the sampler or the reward). ``shaped``: ``cfg``'s :func:`shape_key`, where the caller has it."""
+    return json.dumps({"shapes": shape_key(cfg) if shaped is None else shaped, "method": cfg.to_dict()["method"],
+                       "gpus": gpus, "memory": gpu_memory_bytes(_device_type(cfg))}, sort_keys=True)
 
 
 def run_memory_plan(cfg: RunConfig, gpus: int) -> dict:
@@ -630,11 +630,11 @@ def run_memory_plan(cfg: RunConfig, gpus: int) -> dict:
     that kept it from being made (a run does not fail for want of a plan). A plan this process made already
     for the same :func:`plan_key` is the same plan; one for another method on the same model (the same
     :func:`shape_key`) reuses its counts on fake tensors and charges this method's copies of the policy."""
-    key = plan_key(cfg, gpus)
+    shaped = shape_key(cfg)
+    key = plan_key(cfg, gpus, shaped)
     if key in _RUN_PLANS:
         return copy.deepcopy(_RUN_PLANS[key])
     try:
-        shaped = shape_key(cfg)
         with torch.random.fork_rng(devices=[]):
             shapes = _SHAPES.get(shaped) or ShapeModel(cfg)
         plan = plan_memory(cfg, gpus, suggest=False, shapes=shapes).as_dict()
