@@ -180,6 +180,7 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
                 # the whole update a run's iteration pays: with train.eval_ema, the average's update among it
                 with _train_section(session, train), PhaseTimer(session.device) as timer:
                     session.update(planned)
+                    session.release_gradients()  # as a run's train phase ends
                 work = policy.counter - before
                 if r >= options.warmup:
                     out[label]["cpu_s"].append(timer.cpu_s)
