@@ -8,9 +8,9 @@ import math
 import sys
 from pathlib import Path
 
-from .errors import ConfigError, OneLineParser, UserError, run_command
+from .errors import ConfigError, OneLineParser, UserError, quote, run_command
 from .io import write_json
-from .outdir import check_file, check_writable
+from .outdir import check_file, check_writable, path_problem
 
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
 # profile's --wait, --warmup, --active: each step is a training iteration (a trace keeps every active one), so far
@@ -20,11 +20,15 @@ MAX_PROFILE_STEPS = 1000
 
 def path_arg(text: str) -> Path:
     """The type of every file or folder argument of every verb: a path, never the empty string (which the
-    OS reads as the current folder, so that ``--runs ''`` would read it and ``--out ''`` write into it). A
-    refusal is argparse's one line naming the option, exit code 2."""
+    OS reads as the current folder, so that ``--runs ''`` would read it and ``--out ''`` write into it), nor
+    one that can name no file (:func:`~agg_bench.outdir.path_problem`: a name too long for the file system).
+    A refusal is argparse's one line naming the option, exit code 2."""
     if not text:
         raise argparse.ArgumentTypeError("'': expected a file or folder name (an empty path would mean the "
                                          "current folder)")
+    problem = path_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{quote(text)}: {problem}; expected a file or folder name")
     return Path(text)
 
 
@@ -107,8 +111,9 @@ def cmd_cell(args) -> int:
     if args.deadline is not None and not (math.isfinite(args.deadline) and args.deadline > 0):
         raise ConfigError("--deadline", args.deadline, "a time in seconds since the epoch (e.g. $(date +%s) + 600)")
     # the calibrations the job lists, checked with its runs before anything is written
-    folders = [job.out for job in read_jobs(args.jobs, calibrations=True)]
-    items = read_calibrations(args.jobs, folders)
+    jobs = read_jobs(args.jobs, calibrations=True)
+    folders = [job.out for job in jobs]
+    items = read_calibrations(args.jobs, folders, [job.done for job in jobs])
     argv = ["agg-bench", "cell", str(args.jobs)]
     return run_cell(args.jobs, keep_going=args.keep_going, deadline=args.deadline, resume=args.resume,
                     overwrite=args.overwrite, keep_journal=args.keep_journal,

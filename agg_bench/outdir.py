@@ -221,6 +221,29 @@ def _remove_unheld_lock(path: Path) -> None:
         os.close(fd)
 
 
+NAME_MAX = 255  # bytes of one name of a path (Linux's file systems; macOS's too)
+PATH_MAX = 4096  # bytes of a path a system call takes (Linux)
+
+
+def path_problem(text: str) -> str | None:
+    """Why the text ``text`` can name no file or folder, or None: a NUL character (which ends a path for the
+    system), a character without bytes in the file system's encoding (a lone surrogate of a JSON string), a
+    name of more than :data:`NAME_MAX` bytes or a path of more than :data:`PATH_MAX` (every system call on it
+    fails with "File name too long")."""
+    if "\0" in text:
+        return "holds a NUL character, which no file name can"
+    try:
+        data = os.fsencode(text)
+    except UnicodeEncodeError:
+        return "holds a character that has no bytes in a file name (a lone surrogate)"
+    if len(data) >= PATH_MAX:
+        return f"a path of {len(data):,} bytes; expected fewer than {PATH_MAX:,}"
+    longest = max(data.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        return f"holds a name of {len(longest):,} bytes; expected names of at most {NAME_MAX} bytes"
+    return None
+
+
 def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = "--out",
                remedy: str = "give a new path") -> None:
     """Refuse ``path`` unless it is new or ``what`` (``ours(path)``): not a folder, not a link. ``remedy`` ends

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterator
 from .. import stopping
 from ..errors import UserError, quote, run_command
 from ..io import as_written, write_json
-from ..outdir import Busy, Claim, check_file, json_file_where
+from ..outdir import Busy, Claim, check_file, json_file_where, path_problem
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
 from ..jsonfiles import json_type, read_json_object
 from ..sources import source_digest
@@ -117,6 +117,10 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
     done = entry.get("done")
     if done is not None and not (isinstance(done, str) and done):
         raise UserError(f"{path}: {where}.done is {_kind(done)}; expected a marker file or null")
+    for key, value in (("config", config), ("out", out), ("done", done)):
+        problem = path_problem(value) if value is not None else None
+        if problem is not None:
+            raise UserError(f"{path}: {where}.{key} {quote(value)}: {problem}; expected a file or folder name")
     return CellRun(config, tuple(overrides), Path(out), Path(done) if done is not None else None)
 
 
@@ -318,12 +322,13 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
               file=sys.stderr, flush=True)
         if code >= 128:  # stopped by a signal: the cell stops with it (the journal keeps what ended)
             return code
-        if failure and isinstance(failure[0], Busy) and number < len(jobs):
+        if failure and isinstance(failure[0], Busy):
             # another process writes this run: an earlier attempt of this job still running (snakemake killed
-            # with kill -9 leaves its jobs running), which goes on to the next runs too
-            print(f"agg-bench cell: runs {number + 1}-{len(jobs)} not started: another process writes "
-                  f"{failure[0].target} (an earlier attempt of this job still running?); run the job again once "
-                  "it has ended", file=sys.stderr, flush=True)
+            # with kill -9 leaves its jobs running), which goes on to the next runs, and the calibrations, too
+            if number < len(jobs):
+                print(f"agg-bench cell: runs {number + 1}-{len(jobs)} not started: another process writes "
+                      f"{failure[0].target} (an earlier attempt of this job still running?); run the job again once "
+                      "it has ended", file=sys.stderr, flush=True)
             return max(worst, code, key=SEVERITY.__getitem__)
         worst = max(worst, code, key=SEVERITY.__getitem__)
         gc.collect()  # the finished run's models and tensors, before the next run measures its memory

@@ -32,8 +32,9 @@ has passed, the entries after it are not started either. A calibration that fail
 file (its report says how it ended); a signal stops the cell after that entry's report.
 
 Every entry is read and checked (its config loaded and checked, every method checked as a run would check it,
-the files apart from one another and from the run folders) before the first run starts: a bad entry is one
-line naming it, exit code 2, nothing written.
+the files apart from one another, from the runs' folders and markers and from the job's journal, each in a
+folder where a file can be written) before the first run starts: a bad entry is one line naming it, exit code
+2, nothing written.
 """
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..errors import UserError, quote, run_command
 from ..io import read_jsonl, write_json
 from ..jsonfiles import JsonFileError, json_type, read_json_object
-from ..outdir import check_file, json_file_where, json_file_with
+from ..outdir import check_file, check_writable, json_file_where, json_file_with, path_problem
 from ..records import MAX_LABEL, is_finite_number, is_label
-from ..runtime.cell import SEVERITY
+from ..runtime.cell import SEVERITY, Progress
 
 if TYPE_CHECKING:  # the calibration itself imports torch: only when a cell reads its entries
     from .calibrate import CalibrationConfig
@@ -132,6 +133,12 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
             raise UserError(f"{where}.runs: {label!r} is not one of the methods ({', '.join(map(repr, methods))})")
         if not (isinstance(folder, str) and folder):
             raise UserError(f"{where}.runs.{label} is {json_type(folder)}; expected the method's run folder")
+    named = [("config", config), ("out", entry["out"]), ("report", entry["report"]),
+             *((f"runs.{label}", folder) for label, folder in runs.items())]
+    for key, value in named:
+        problem = path_problem(value) if value is not None else None
+        if problem is not None:
+            raise UserError(f"{where}.{key} {quote(value)}: {problem}; expected a file or folder name")
     per = entry.get("per_method_s")
     if per is not None and not _number(per):
         raise UserError(f"{where}.per_method_s is {quote(per)}; expected seconds (a finite number from 0) or null")
@@ -149,10 +156,12 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
                            float(per) if per is not None else None)
 
 
-def read_calibrations(path: str | Path, run_folders: list[Path]) -> list[CellCalibration]:
+def read_calibrations(path: str | Path, run_folders: list[Path],
+                      markers: list[Path | None] = ()) -> list[CellCalibration]:
     """The calibrations a job file lists (none without ``calibrations``), each read and checked; their files
-    apart from one another and outside ``run_folders`` (the job's runs'), and each an existing calibration,
-    report or nothing. A UserError names the entry."""
+    apart from one another, from ``markers`` (each run's ``done`` file or None) and the job's journal, outside
+    ``run_folders`` (the job's runs') and holding none of them, each an existing calibration, report or nothing,
+    in a folder where a file can be written. A UserError names the entry."""
     path = Path(path)
     data = read_json_object(path, "an agg-bench cell job file")
     entries = data.get("calibrations", [])
@@ -162,7 +171,9 @@ def read_calibrations(path: str | Path, run_folders: list[Path]) -> list[CellCal
         raise UserError(f"{path}: calibrations lists {len(entries):,}; expected at most {MAX_CALIBRATIONS}")
     out = [_entry(path, index, entry) for index, entry in enumerate(entries)]
     folders = {folder.resolve() for folder in run_folders}
-    seen: dict[Path, str] = {}
+    seen: dict[Path, str] = {Progress.path_of(path).resolve(): f"the job's journal {Progress.path_of(path)}"}
+    seen.update((marker.resolve(), f"{path}: runs[{index}].done") for index, marker in enumerate(markers)
+                if marker is not None)
     for index, item in enumerate(out):
         for key, file in (("out", item.out), ("report", item.report)):
             where = f"{_where(path, index)}.{key} {file}"
@@ -171,9 +182,15 @@ def read_calibrations(path: str | Path, run_folders: list[Path]) -> list[CellCal
                 raise UserError(f"{where} is also {seen[resolved]}; expected a file of its own")
             if folders & {resolved, *resolved.parents}:
                 raise UserError(f"{where} is inside a run folder of the job; expected a file outside every run folder")
+            if any(resolved in folder.parents for folder in folders):
+                raise UserError(f"{where}: a run folder of the job is inside it; expected a file outside every run "
+                                "folder")
             seen[resolved] = f"{_where(path, index)}.{key}"
         check_file(item.out, is_calibration, "a calibration", f"{_where(path, index)}.out")
         check_file(item.report, is_report, "a calibration's report", f"{_where(path, index)}.report")
+        # written once the runs have ended: a place where no file can be made, refused before them
+        check_writable(item.out, f"{_where(path, index)}.out")
+        check_writable(item.report, f"{_where(path, index)}.report")
     return out
 
 

@@ -242,3 +242,55 @@ def test_calibration_files_apart_from_the_runs_and_someone_elses_files(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def _in_a_file(tmp: Path, entry: dict) -> None:
+    (tmp / "file").write_text("mine")
+    entry["report"] = str(tmp / "file" / "c.report.json")
+
+
+# (what, edit(tmp, the job's run, the entry), words): places a calibration's files cannot take, or no path at all.
+# Each was refused only once the runs had run, or never (the report replaced the run's marker, or the cell's
+# journal), or was a traceback (exit code 1).
+PLACES = [
+    ("a folder around a run", lambda tmp, r, e: e.update(report=str(Path(r["out"]).parent)),
+     "a run folder of the job is inside it"),
+    ("a run's marker", lambda tmp, r, e: r.update(done=e["report"]), "is also " + "{path}: runs[0].done"),
+    ("the job's journal", lambda tmp, r, e: e.update(out=str(tmp / "jobs.progress.json")),
+     "is also the job's journal"),
+    ("in a file", lambda tmp, r, e: _in_a_file(tmp, e), "file is not a folder"),
+    ("where no file can be made", lambda tmp, r, e: e.update(out="/proc/agg-bench/c.json"), "cannot write in /proc"),
+    ("a NUL character", lambda tmp, r, e: e.update(report=str(tmp / "c\0.json")),
+     "calibrations[0].report '{tmp}/c\\x00.json': holds a NUL character"),
+    ("a lone surrogate", lambda tmp, r, e: e.update(runs={"full": str(tmp / "\ud800")}),
+     "calibrations[0].runs.full '{tmp}/\\ud800': holds a character that has no bytes in a file name"),
+    ("a long name", lambda tmp, r, e: e.update(config="c" * 300), "calibrations[0].config 'ccc"),
+    ("a run's long name", lambda tmp, r, e: r.update(out=str(tmp / ("r" * 300))), "runs[0].out '"),
+    ("a run's marker's NUL", lambda tmp, r, e: r.update(done="d\0"), "runs[0].done 'd\\x00': holds a NUL"),
+]
+
+
+@pytest.mark.parametrize("edit, words", [place[1:] for place in PLACES], ids=[place[0] for place in PLACES])
+def test_a_calibration_file_where_none_can_be_written_is_refused_before_the_runs(tmp_path, capsys, edit, words):
+    entry = calibration(tmp_path, "c", ["full"])
+    first = run(tmp_path / "runs" / "r", "full")
+    edit(tmp_path, first, entry)
+    path = job(tmp_path, [first], [entry])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert main(["cell", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words.format(path=path, tmp=tmp_path) in err[0], err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_cell_whose_last_run_another_process_writes_takes_no_calibration(tmp_path, capsys):
+    """A busy last run stopped the runs but not the calibrations: an earlier attempt of the job, still running,
+    found its calibration taken or its report replaced. The cell stops there, as at a busy run before the last."""
+    from agg_bench.outdir import Claim
+
+    entry = calibration(tmp_path, "c", ["full"])  # of no run of the job: it would be timed
+    path = job(tmp_path, [run(tmp_path / "r", "full")], [entry])
+    with Claim(tmp_path / "r", folder=True, lock_inside=True).acquire():  # the earlier attempt, writing r
+        assert main(["cell", str(path)]) == 2
+    assert "calibration" not in capsys.readouterr().err
+    assert not Path(entry["report"]).exists() and not Path(entry["out"]).exists()

@@ -61,6 +61,19 @@ def test_an_empty_path_is_refused_for_every_path_option_of_every_verb(tmp_path, 
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("verb, argv", _path_options(), ids=lambda x: x if isinstance(x, str) else x[0] or "positional")
+def test_a_name_too_long_for_a_file_is_refused_for_every_path_option_of_every_verb(tmp_path, monkeypatch, capsys,
+                                                                                   verb, argv):
+    """A name of more than 255 bytes was an OSError (File name too long) and a traceback, exit code 1."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli.main([verb, *argv[:-1], "a" * 300])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1, lines
+    assert "holds a name of 300 bytes; expected names of at most 255 bytes" in lines[0], lines
+    assert not any(tmp_path.iterdir())
+
+
 def fails(capsys, argv: list[str]) -> str:
     """Run the command line in this process; assert exit code 2 and one line on stderr; return the line."""
     capsys.readouterr()
