@@ -80,6 +80,7 @@ from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, write_json
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned
+from ..records import is_finite_number
 from ..runtime.cell import job_entry
 from ..outputs import RUN_CONTENTS
 from . import archive as archives
@@ -386,7 +387,7 @@ class Campaign:
                     if isinstance(timed, dict) and timed.get("file") and timed.get("exit_code") == 0 \
                             and isinstance(timed.get("methods"), list) and isinstance(entry.get("cell"), str):
                         seconds = timed.get("seconds")
-                        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and timed["methods"]:
+                        if is_finite_number(seconds) and timed["methods"]:
                             self.timed_calibration(entry["cell"], len(timed["methods"]), float(seconds))
 
     def timed_calibration(self, cell: str, methods: int, seconds: float) -> None:
@@ -906,7 +907,7 @@ def _run_process(campaign: Campaign, item: Process | Calibration, number: int, s
         if not ok and out.exists():
             out.unlink()
         timed = {"file": out.name if ok else None, **timed}
-        if ok and isinstance(timed["seconds"], (int, float)):
+        if ok and is_finite_number(timed["seconds"]):
             campaign.timed_calibration(cell, len(timed["methods"]), float(timed["seconds"]))
         print(f"agg-bench campaign: {cell}: calibration of {', '.join(timed['methods'])}: "
               f"{'written' if ok else 'not written'} ({timed['ended']}, {timed['seconds']} s)",

@@ -1196,3 +1196,17 @@ def test_a_cells_first_calibration_is_estimated_from_its_runs(tmp_path, monkeypa
         assert main(["campaign", "run", *args, "--minutes", "5"]) == 0
         capsys.readouterr()
         assert any(verb == "calibrate" for verb, _ in fake.calls) == started
+
+
+def test_a_window_log_whose_seconds_are_past_a_float_gives_no_time(tmp_path):
+    """A window log (the work folder's, or the reference's: unpack checks a log's keys, not its entries) whose
+    calibration took 10**400 seconds, which JSON reads, was an OverflowError and a traceback in the next window."""
+    campaign = Campaign(CONFIG, cpu=True)
+    cell = campaign.processes(set())[0].cell
+    entry = {"cell": cell, "calibration": {"file": "x.json", "methods": ["full"], "exit_code": 0, "seconds": None}}
+    (tmp_path / "windows").mkdir()
+    (tmp_path / "windows" / "20000101T000000.json").write_text(
+        json.dumps({"processes": [entry, {**entry, "cell": "other"}]}).replace("null", "1" + "0" * 400, 1)
+        .replace("null", "2.0"))
+    campaign.read_calibration_times(tmp_path)
+    assert campaign.calibration_times() == {"other": 2.0}
