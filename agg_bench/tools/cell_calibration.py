@@ -42,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import UserError, quote, run_command
 from ..io import read_jsonl, write_json
@@ -157,7 +157,7 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
 
 
 def read_calibrations(path: str | Path, run_folders: list[Path],
-                      markers: list[Path | None] = ()) -> list[CellCalibration]:
+                      markers: Sequence[Path | None] = ()) -> list[CellCalibration]:
     """The calibrations a job file lists (none without ``calibrations``), each read and checked; their files
     apart from one another, from ``markers`` (each run's ``done`` file or None) and the job's journal, outside
     ``run_folders`` (the job's runs') and holding none of them, each an existing calibration, report or nothing,
