@@ -105,19 +105,20 @@ def _run_journal(path: Path, out: Path, done: Path | None):
 
 
 def cmd_cell(args) -> int:
-    from .runtime.cell import read_jobs, run_cell
+    from .runtime.cell import read_job_file, read_jobs, run_cell
     from .tools.cell_calibration import read_calibrations, run_calibrations
 
     if args.deadline is not None and not (math.isfinite(args.deadline) and args.deadline > 0):
         raise ConfigError("--deadline", args.deadline, "a time in seconds since the epoch (e.g. $(date +%s) + 600)")
-    # the calibrations the job lists, checked with its runs before anything is written
-    jobs = read_jobs(args.jobs, calibrations=True)
+    # the runs and the calibrations from one reading of the file, all checked before anything is written
+    data = read_job_file(args.jobs)
+    jobs = read_jobs(args.jobs, calibrations=True, data=data)
     folders = [job.out for job in jobs]
-    items = read_calibrations(args.jobs, folders, [job.done for job in jobs])
+    items = read_calibrations(args.jobs, folders, [job.done for job in jobs], data)
     argv = ["agg-bench", "cell", str(args.jobs)]
     return run_cell(args.jobs, keep_going=args.keep_going, deadline=args.deadline, resume=args.resume,
                     overwrite=args.overwrite, keep_journal=args.keep_journal,
-                    after_runs=lambda ended: run_calibrations(items, folders, ended, args.deadline, argv))
+                    after_runs=lambda ended: run_calibrations(items, folders, ended, args.deadline, argv), runs=jobs)
 
 
 def cmd_snapshot(args) -> int:

@@ -124,13 +124,20 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
     return CellRun(config, tuple(overrides), Path(out), Path(done) if done is not None else None)
 
 
-def read_jobs(path: str | Path, calibrations: bool = False) -> list[CellRun]:
+def read_job_file(path: str | Path) -> dict:
+    """The JSON object of job file ``path``, read once, so that its runs and calibrations come from the same
+    text (a UserError names the file where it is not a JSON object)."""
+    return read_json_object(Path(path), EXPECTED)
+
+
+def read_jobs(path: str | Path, calibrations: bool = False, data: dict | None = None) -> list[CellRun]:
     """The runs a job file lists, checked in form (not yet their configs): a UserError naming the file and
     the entry for anything else, for two runs into one folder, or for a run folder inside another's. With
     ``calibrations`` the file may also list calibrations to take after the runs (``calibrations``, read by
-    :mod:`agg_bench.tools.cell_calibration`), and then no run."""
+    :mod:`agg_bench.tools.cell_calibration`), and then no run. ``data``: the file as :func:`read_job_file`
+    read it (None: read it now)."""
     path = Path(path)
-    data = read_json_object(path, EXPECTED)
+    data = read_job_file(path) if data is None else data
     allowed = {"runs": "the list of runs"}
     if calibrations:
         allowed["calibrations"] = "the calibrations to take after them"
@@ -177,15 +184,17 @@ def read_jobs(path: str | Path, calibrations: bool = False) -> list[CellRun]:
     return jobs
 
 
-def load_jobs(path: str | Path, calibrations: bool = False) -> list[tuple[CellRun, Any]]:
-    """Each run of the job file with its loaded and checked run config (:func:`agg_bench.config.load_config`
-    and :func:`~agg_bench.runtime.config_check.check_config`, as ``agg-bench run`` loads and checks it); the
-    first bad one raises a UserError naming the entry and its folder."""
+def load_jobs(path: str | Path, calibrations: bool = False,
+              runs: list[CellRun] | None = None) -> list[tuple[CellRun, Any]]:
+    """Each run of the job file (``runs``: as :func:`read_jobs` read them; None: read now) with its loaded and
+    checked run config (:func:`agg_bench.config.load_config` and
+    :func:`~agg_bench.runtime.config_check.check_config`, as ``agg-bench run`` loads and checks it); the first
+    bad one raises a UserError naming the entry and its folder."""
     from ..config import load_config
     from .config_check import check_config
 
     loaded = []
-    for index, job in enumerate(read_jobs(path, calibrations)):
+    for index, job in enumerate(read_jobs(path, calibrations) if runs is None else runs):
         try:
             loaded.append((job, check_config(load_config(job.config, list(job.overrides)))))
         except UserError as err:
@@ -195,7 +204,7 @@ def load_jobs(path: str | Path, calibrations: bool = False) -> list[tuple[CellRu
 
 def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None = None, resume: bool = False,
              overwrite: bool = False, keep_journal: bool = False,
-             after_runs: Callable[[dict[Path, str]], int] | None = None) -> int:
+             after_runs: Callable[[dict[Path, str]], int] | None = None, runs: list[CellRun] | None = None) -> int:
     """Every run of job file ``path``, in its order, through :func:`agg_bench.runtime.train.train`; the
     exit code ``agg-bench run`` gives for the worst of them (a bug: 1, before a user error: 2, before 0), or
     128 + N at once when signal N stops a run. Each run's failure prints as ``agg-bench run`` prints it,
@@ -223,7 +232,9 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
     ``after_runs`` (``agg-bench cell``: the job file's calibrations, :mod:`agg_bench.tools.cell_calibration`)
     is called once the runs have ended, and their markers are written, unless a signal or a busy folder stopped
     the cell, with each run folder's end (a run not started has none), in the same process and the same
-    shared model; its exit code counts like a run's. Without it a job file that lists calibrations is refused."""
+    shared model; its exit code counts like a run's. Without it a job file that lists calibrations is refused.
+    ``runs``: the file's runs as :func:`read_jobs` read them, with the text the caller read its calibrations from
+    (None: read now)."""
     from ..machine.distributed import launched_world_size
 
     if launched_world_size() > 1:
@@ -231,7 +242,7 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
                         "torchrun ... agg-bench run")
     if keep_journal and not resume:
         raise UserError("--keep-journal: a cell keeps a journal with --resume only; give both, or neither")
-    jobs = load_jobs(path, after_runs is not None)  # every config checked before the first run writes anything
+    jobs = load_jobs(path, after_runs is not None, runs)  # every config checked before the first run writes anything
     from .model_reuse import reusing_models
     from .runfolder import check_out_dir, stopped_attempt
 

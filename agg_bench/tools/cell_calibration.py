@@ -49,7 +49,7 @@ from ..io import read_jsonl, write_json
 from ..jsonfiles import JsonFileError, json_type, read_json_object
 from ..outdir import check_file, check_writable, json_file_where, json_file_with, path_problem
 from ..records import MAX_LABEL, is_finite_number, is_label
-from ..runtime.cell import SEVERITY, Progress
+from ..runtime.cell import SEVERITY, Progress, read_job_file
 
 if TYPE_CHECKING:  # the calibration itself imports torch: only when a cell reads its entries
     from .calibrate import CalibrationConfig
@@ -156,14 +156,15 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
                            float(per) if per is not None else None)
 
 
-def read_calibrations(path: str | Path, run_folders: list[Path],
-                      markers: Sequence[Path | None] = ()) -> list[CellCalibration]:
+def read_calibrations(path: str | Path, run_folders: list[Path], markers: Sequence[Path | None] = (),
+                      data: dict | None = None) -> list[CellCalibration]:
     """The calibrations a job file lists (none without ``calibrations``), each read and checked; their files
     apart from one another, from ``markers`` (each run's ``done`` file or None) and the job's journal, outside
     ``run_folders`` (the job's runs') and holding none of them, each an existing calibration, report or nothing,
-    in a folder where a file can be written. A UserError names the entry."""
+    in a folder where a file can be written. A UserError names the entry. ``data``: the file as
+    :func:`agg_bench.runtime.cell.read_job_file` read it (None: read it now)."""
     path = Path(path)
-    data = read_json_object(path, "an agg-bench cell job file")
+    data = read_job_file(path) if data is None else data
     entries = data.get("calibrations", [])
     if not isinstance(entries, list):
         raise UserError(f"{path}: calibrations is {json_type(entries)}; expected a list of calibrations")

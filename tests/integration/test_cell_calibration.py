@@ -13,7 +13,7 @@ import pytest
 
 from agg_bench.cli import main
 from agg_bench.errors import UserError
-from agg_bench.runtime import model_reuse
+from agg_bench.runtime import cell as cell_module, model_reuse
 from agg_bench.runtime.cell import run_cell
 from agg_bench.tools import cell_calibration
 from agg_bench.tools.cell_calibration import CALIBRATION_OVERHEAD, NOT_TIMED, read_calibrations, run_calibrations
@@ -64,11 +64,15 @@ def test_a_cells_calibration_times_its_methods_on_the_model_its_runs_built(tmp_p
             yield reuse
 
     monkeypatch.setattr(model_reuse, "reusing_models", watched)
+    reads = []  # the job file's runs and calibrations come from one reading of it
+    read = cell_module.read_json_object
+    monkeypatch.setattr(cell_module, "read_json_object", lambda file, *a: reads.append(Path(file)) or read(file, *a))
     folders = {label: tmp_path / "runs" / label for label in ("full", "agg")}
     entry = calibration(tmp_path, "cal", ["full", "agg"], folders)
     path = job(tmp_path, [run(folder, label) for label, folder in folders.items()], [entry])
     assert main(["cell", str(path)]) == 0
     assert [reuse.builds for reuse in reuses] == [1]
+    assert reads.count(path) == 1
     together = json.loads(Path(entry["out"]).read_text())
     assert report(entry) == {"out": entry["out"], "methods": ["full", "agg"], "exit_code": 0, "ended": "finished",
                              "seconds": report(entry)["seconds"]}
