@@ -216,11 +216,13 @@ MAX_JSONL_LINE_BYTES = 2**20
 def read_jsonl(path: str | Path) -> Iterator[dict]:
     """Records of a JSONL file, read a line at a time; a torn last line (a run killed mid-write) is skipped.
     Any other line that is not a JSON object, or a line longer than :data:`MAX_JSONL_LINE_BYTES`, raises a
-    UserError naming the file and the line."""
+    UserError naming the file and the line; so does a path that is a folder, a device or a pipe."""
     try:
         fh = open_regular(path)
     except NotRegularFile:
         raise UserError(f"{path}: is not a regular file; expected a JSONL file of agg-bench records") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a folder; expected a JSONL file of agg-bench records") from None
     with fh:
         number, offset = 0, 0
         line = fh.readline(MAX_JSONL_LINE_BYTES + 1)

@@ -11,8 +11,8 @@ each file is checked once and the same way, before anything is computed from it 
   every known key of its kind, numbers finite, ``iteration`` an integer >= 0 and recorded once, and the keys
   the caller needs (``required``) present.
 - ``summary.json``: the identity keys it repeats, by the same contract.
-- ``evaluations.jsonl``: ``iteration`` an integer >= 0, once each, ``eval_reward`` a finite number, and the
-  starting weights' evaluation (iteration 0) among them.
+- ``evaluations.jsonl``: ``iteration`` an integer >= 0, once each, ``eval_reward`` a finite number (the
+  sub-scores and times finite numbers or null), and the starting weights' evaluation (iteration 0) among them.
 - ``plan.json``: ``bytes`` an object of byte counts (finite numbers >= 0, or null).
 
 Every problem is a :class:`~agg_bench.errors.UserError` that names the file (and the record or key), quotes
@@ -56,13 +56,18 @@ def run_config(data: Any, where: str | Path) -> RunConfig:
 
 
 def evaluations_problem(lines: list[dict]) -> str | None:
-    """What is wrong with a run's held-out evaluations (``evaluations.jsonl``); None when nothing is."""
+    """What is wrong with a run's held-out evaluations (``evaluations.jsonl``); None when nothing is. A line's
+    sub-scores (``eval_<name>``) and times (``t_eval_s``, ``t_eval_cpu_s``), which the learning tables average, are
+    finite numbers or null."""
     seen = set()
     for k, line in enumerate(lines, 1):
         iteration, reward = line.get("iteration"), line.get("eval_reward")
         if type(iteration) is not int or iteration < 0 or not is_finite_number(reward):
             return (f"line {k}: expected an iteration (an integer >= 0) and an eval_reward (a finite number), "
                     f"not {quote(line)}")
+        for key, value in line.items():
+            if key.startswith(("eval_", "t_eval_")) and value is not None and not is_finite_number(value):
+                return f"line {k}: {key} = {quote(value)}: expected a finite number or null"
         if iteration in seen:
             return f"line {k}: iteration {iteration} is evaluated twice"
         seen.add(iteration)
@@ -140,9 +145,10 @@ class RunFolder:
         return value or {}
 
     def evaluations(self) -> list[dict] | None:
-        """The held-out evaluations of ``evaluations.jsonl`` in file order; None when the run has none."""
+        """The held-out evaluations of ``evaluations.jsonl`` in file order; None when the run has none (a folder
+        or a device at that path is refused, as at every file of the folder)."""
         path = self.path(EVALUATIONS_FILE)
-        if not path.is_file():
+        if not path.exists():
             return None
         lines = list(read_jsonl(path))
         problem = evaluations_problem(lines)

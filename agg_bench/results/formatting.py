@@ -43,8 +43,9 @@ def _is_count_column(column: str) -> bool:
 
 
 def integer_columns(df: pd.DataFrame) -> pd.DataFrame:
-    """``df`` with every count column whose values are all whole numbers as a nullable integer column
-    (written ``40``, not ``40.0``; missing values stay empty)."""
+    """``df`` with every count column whose values are all whole numbers within 2**53 (where a float holds every
+    integer, and an int64 each) as a nullable integer column (written ``40``, not ``40.0``; missing values stay
+    empty); a larger count stays a float."""
     out = df.copy()
     for column in out.columns:
         if not _is_count_column(column) or not pd.api.types.is_numeric_dtype(out[column]) \
@@ -52,7 +53,8 @@ def integer_columns(df: pd.DataFrame) -> pd.DataFrame:
             continue
         values = pd.to_numeric(out[column], errors="coerce")
         present = values.dropna()
-        if len(present) and np.all(np.isfinite(present)) and np.all(present == np.round(present)):
+        if len(present) and np.all(np.isfinite(present)) and np.all(np.abs(present) <= 2**53) \
+                and np.all(present == np.round(present)):
             out[column] = values.round().astype("Int64")
     return out
 

@@ -18,9 +18,10 @@ from typing import IO, Iterable, Mapping, TypeGuard
 import numpy as np
 import pandas as pd
 
-from ..config import TrainConfig, bound
+from ..config import ModelConfig, TrainConfig, bound
 from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import check_path, read_json_object
+from ..outdir import path_problem
 from ..reading import RunFolder
 from ..records import OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number
 
@@ -120,13 +121,19 @@ UNIT_SECONDS = (lambda v: is_number(v) and 0 < v <= MAX_SECONDS, "a number of se
 PART_SECONDS = (lambda v: is_number(v) and 0 <= v <= MAX_SECONDS, "a number of seconds >= 0 and <= 1e6")
 COUNT = (lambda v: is_number(v) and 0 <= v <= MAX_COUNT, "a number >= 0 and <= 1e15")
 # manifest section -> (its entry class, the key every entry needs, the keys an entry may have)
-# a file or folder an entry names: '' would be the current folder
-PATH = (lambda v: isinstance(v, str) and v != "", "a file or folder name (an empty path would mean the current folder)")
+# a file or folder an entry names: '' would be the current folder; a path no system call takes (a NUL, a lone
+# surrogate, a name over 255 bytes: outdir.path_problem) names none
+PATH = (lambda v: isinstance(v, str) and v != "" and path_problem(v) is None,
+        "a file or folder name (an empty path would mean the current folder; no NUL character or lone surrogate, "
+        "names of at most 255 bytes)")
+# a row's resolution: what a run config's model.resolution may be
+RESOLUTION = (lambda v: _is_integer(v) and 1 <= v <= bound(ModelConfig, "resolution"),
+              f"an integer from 1 to {bound(ModelConfig, 'resolution'):,}")
 MANIFEST_SECTIONS = {
-    "runs": (RunEntry, "dir", {"dir": PATH, "method": TEXT, "model": TEXT, "resolution": INTEGER, "device": TEXT,
+    "runs": (RunEntry, "dir", {"dir": PATH, "method": TEXT, "model": TEXT, "resolution": RESOLUTION, "device": TEXT,
                                "seed": INTEGER, "method_options": OBJECT, "source": SOURCE}),
-    "gradcheck": (GradcheckEntry, "file", {"file": PATH, "model": TEXT, "resolution": INTEGER}),
-    "calibration": (CalibrationEntry, "file", {"file": PATH, "model": TEXT, "resolution": INTEGER, "device": TEXT,
+    "gradcheck": (GradcheckEntry, "file", {"file": PATH, "model": TEXT, "resolution": RESOLUTION}),
+    "calibration": (CalibrationEntry, "file", {"file": PATH, "model": TEXT, "resolution": RESOLUTION, "device": TEXT,
                                                "source": SOURCE}),
 }
 

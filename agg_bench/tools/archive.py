@@ -232,30 +232,42 @@ def json_lines(where: str, data: bytes) -> list[dict]:
 
 
 def _check_safetensors(where: str, data: bytes) -> None:
-    """The safetensors layout: an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
-    shape and byte range, and exactly the bytes those ranges cover after it."""
+    """The safetensors layout as the safetensors reader accepts it: an 8-byte little-endian header length, a JSON
+    header naming each tensor's dtype, shape (dimensions and their products, left to right, within 64 bits) and byte range, an
+    optional ``__metadata__`` of strings, and the ranges in order of their offsets one after another from 0
+    (no gap, no overlap) up to exactly the end of the file."""
     if len(data) < 8:
         raise UserError(f"{where}: not a safetensors file (shorter than its header length)")
     (length,) = struct.unpack("<Q", data[:8])
     if length > len(data) - 8:
         raise UserError(f"{where}: not a safetensors file (a header of {length:,} bytes in a file of {len(data):,})")
     header = json_object(where, data[8:8 + length])
-    end = 0
+    metadata = header.pop("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise UserError(f"{where}: __metadata__ = {quote(metadata)}; expected an object of strings")
+    ranges = []
     for tensor, info in header.items():
-        if tensor == "__metadata__":
-            continue
         if not (isinstance(info, dict) and info.get("dtype") in SAFETENSORS_DTYPES
-                and isinstance(info.get("shape"), list) and all(type(n) is int and n >= 0 for n in info["shape"])
+                and isinstance(info.get("shape"), list)
+                and all(type(n) is int and 0 <= n < 2**64 for n in info["shape"])
                 and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
                 and all(type(n) is int for n in info["data_offsets"])):
             raise UserError(f"{where}: tensor {quote(tensor)}: not a safetensors entry (dtype, shape, data_offsets)")
         start, stop = info["data_offsets"]
-        count = 1
+        count, products = 1, []  # the running product, as the reader multiplies the dimensions in order
         for n in info["shape"]:
             count *= n
-        if not 0 <= start <= stop or stop - start != count * SAFETENSORS_DTYPES[info["dtype"]]:
+            products.append(count)
+        size = count * SAFETENSORS_DTYPES[info["dtype"]]
+        if max(products, default=0) >= 2**64 or size >= 2**64 or not 0 <= start <= stop or stop - start != size:
             raise UserError(f"{where}: tensor {quote(tensor)}: its byte range does not hold its shape")
-        end = max(end, stop)
+        ranges.append((start, stop, tensor))
+    end = 0
+    for start, stop, tensor in sorted(ranges):
+        if start != end:
+            raise UserError(f"{where}: tensor {quote(tensor)}: its bytes start at {start:,}, where the tensors before "
+                            f"it end at {end:,} (the tensors' bytes follow one another, no gap, no overlap)")
+        end = stop
     if 8 + length + end != len(data):
         raise UserError(f"{where}: the tensors cover {end:,} bytes after the header; the file has "
                         f"{len(data) - 8 - length:,}")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 from agg_bench.cli import main
@@ -1210,3 +1211,43 @@ def test_a_window_log_whose_seconds_are_past_a_float_gives_no_time(tmp_path):
         .replace("null", "2.0"))
     campaign.read_calibration_times(tmp_path)
     assert campaign.calibration_times() == {"other": 2.0}
+
+
+def _safetensors(header: dict, body: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + body
+
+
+F32 = {"dtype": "F32", "shape": [1]}
+
+
+@pytest.mark.parametrize("header, body, words", [
+    ({"a": {**F32, "data_offsets": [0, 4]}, "b": {**F32, "data_offsets": [8, 12]}}, b"\0" * 12,
+     "tensor 'b': its bytes start at 8, where the tensors before it end at 4"),
+    ({"a": {**F32, "data_offsets": [0, 4]}, "b": {**F32, "data_offsets": [0, 4]}}, b"\0" * 4,
+     "its bytes start at 0, where the tensors before it end at 4"),
+    ({"__metadata__": {"format": 1}, "a": {**F32, "data_offsets": [0, 4]}}, b"\0" * 4,
+     "__metadata__ = {'format': 1}; expected an object of strings"),
+    ({"a": {"dtype": "F32", "shape": [0, 2**64], "data_offsets": [0, 0]}}, b"", "not a safetensors entry"),
+    ({"a": {"dtype": "F32", "shape": [2**32, 2**32, 0], "data_offsets": [0, 0]}}, b"",
+     "its byte range does not hold its shape")])
+def test_a_safetensors_header_the_reader_refuses_is_refused_in_an_archive(header, body, words):
+    """Tensors with a gap or an overlap between their bytes, metadata that is not strings and dimensions past 64
+    bits were let into a reference, whose model the safetensors reader then refused in the next window."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    data = _safetensors(header, body)
+    with pytest.raises(SafetensorError):
+        load(data)
+    with pytest.raises(UserError, match="^w: ") as err:
+        archive_module._check_safetensors("w", data)
+    assert words in str(err.value)
+
+
+def test_a_safetensors_file_the_reader_takes_passes():
+    from safetensors.torch import save
+
+    data = save({"b": torch.zeros(2, 3), "a": torch.ones(4, dtype=torch.bfloat16), "c": torch.zeros(0, 5)},
+                metadata={"format": "pt"})
+    archive_module._check_safetensors("w", data)

@@ -633,7 +633,7 @@ MANIFEST_RUN = {"dir": "RUN", "method": "full", "model": "sd3", "resolution": 64
     ({"runs": {"dir": "RUN"}}, "manifest MANIFEST: runs = {'dir': 'RUN'}: expected a list"),
     ({"runs": ["RUN"]}, "runs[0] = 'RUN': expected an object"),
     ({"runs": [{"method": "full"}]}, "runs[0]: missing 'dir'"),
-    ({"runs": [{**MANIFEST_RUN, "resolution": "64"}]}, "runs[0].resolution = '64': expected an integer or null"),
+    ({"runs": [{**MANIFEST_RUN, "resolution": "64"}]}, "runs[0].resolution = '64': expected an integer from 1 to 4,096 or null"),
     ({"runs": [{**MANIFEST_RUN, "seed": 1.5}]}, "runs[0].seed = 1.5: expected an integer"),
     ({"runs": [{**MANIFEST_RUN, "method_options": "agg"}]}, "runs[0].method_options = 'agg': expected an object"),
     ({"runs": [{**MANIFEST_RUN, "colour": "red"}]}, "runs[0]: unknown key 'colour'"),

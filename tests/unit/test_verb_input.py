@@ -425,3 +425,69 @@ def test_a_run_folder_file_that_is_no_regular_file_is_refused_unread(run, tmp_pa
     line = fails(capsys, ["report", "--runs", str(run), "--tables", str(tmp_path / "tables")])
     assert line.startswith(f"agg-bench report: {run / name}: is not a regular file"), line
     assert not (tmp_path / "tables").exists()
+
+
+@pytest.mark.parametrize("section, key, value, words", [
+    ("runs", "dir", "run\0x", "runs[0].dir = 'run\\x00x': expected a file or folder name"),
+    ("runs", "dir", "r" * 300, "runs[0].dir = 'rrrr"),
+    ("calibration", "file", "c" * 300, "calibration[0].file = 'cccc"),
+    ("runs", "resolution", 10**30, f"runs[0].resolution = {10**30}: expected an integer from 1 to 4,096 or null"),
+    ("runs", "resolution", -512, "runs[0].resolution = -512: expected an integer from 1 to 4,096 or null"),
+    ("calibration", "resolution", 0, "calibration[0].resolution = 0: expected an integer from 1 to 4,096 or null")])
+def test_a_manifest_entry_no_file_or_row_can_have_is_one_line(run, tmp_path, capsys, section, key, value, words):
+    """A run folder's path with a NUL or a name over 255 bytes was a traceback (ValueError, "File name too long"),
+    and so was a resolution past an int64, where the table's integer column is made; a resolution below 1 made a
+    row."""
+    entry = {"dir": str(run), "method": "full", "seed": 0}
+    manifest = {"runs": [{**entry, key: value} if section == "runs" else entry]}
+    if section == "calibration":
+        manifest["calibration"] = [{"file": str(tmp_path / "c.json"), key: value}]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    before = tree(tmp_path)
+    line = fails(capsys, ["report", "--manifest", str(tmp_path / "manifest.json"), "--tables", str(tmp_path / "t")])
+    assert f"manifest {tmp_path / 'manifest.json'}: {words}" in line
+    assert tree(tmp_path) == before
+
+
+def test_a_count_past_an_int64_is_a_float_in_the_tables(run, tmp_path, capsys):
+    """A record's count of 10**30 (a finite number, as the record contract asks) made the integer column of the
+    tables a traceback ("cannot safely cast non-equivalent float64 to int64")."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "forward_grad": 10**30}) + "\n" for r in lines))
+    assert cli.main(["report", "--runs", str(run), "--tables", str(tmp_path / "tables")]) == 0
+    assert str(10**30) in (tmp_path / "tables" / "records.csv").read_text()
+    assert (tmp_path / "tables" / "efficiency.csv").is_file()
+
+
+def test_a_metrics_file_that_is_a_folder_is_one_line(run, tmp_path, capsys):
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    line = fails(capsys, ["report", "--runs", str(run), "--tables", str(tmp_path / "tables")])
+    assert line == f"agg-bench report: {run / 'metrics.jsonl'}: is a folder; expected a JSONL file of agg-bench records"
+    assert not (tmp_path / "tables").exists()
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda path: path.write_text('{"iteration": 0, "eval_reward": 0.5, "eval_reward_color": "x"}\n'),
+     "line 1: eval_reward_color = 'x': expected a finite number or null"),
+    (lambda path: path.write_text('{"iteration": 0, "eval_reward": 0.5, "t_eval_s": true}\n'),
+     "line 1: t_eval_s = True: expected a finite number or null"),
+    (lambda path: path.mkdir(), "is a folder; expected a JSONL file"),
+    (lambda path: path.symlink_to("/dev/null"), "is not a regular file; expected a JSONL file")])
+def test_evaluations_the_learning_tables_cannot_read_are_refused(run, edit, words):
+    """A sub-score that is a string was a traceback in the learning tables (could not convert string to float); a
+    folder or a device at evaluations.jsonl was taken for a run without evaluations."""
+    from agg_bench.reading import RunFolder
+
+    edit(run / "evaluations.jsonl")
+    with pytest.raises(UserError, match="evaluations.jsonl: ") as err:
+        RunFolder(run).evaluations()
+    assert words in str(err.value)
+
+
+def test_evaluations_with_null_sub_scores_are_read(run):
+    from agg_bench.reading import RunFolder
+
+    (run / "evaluations.jsonl").write_text('{"iteration": 0, "eval_reward": 0.5, "eval_reward_color": null, '
+                                           '"t_eval_s": 1.0, "t_eval_cpu_s": null}\n')
+    assert RunFolder(run).evaluations()[0]["eval_reward_color"] is None
