@@ -87,6 +87,13 @@ DIVERGING_KEYS = ("reward_mean", "loss", "grad_norm")
 # are not the config's count (``Estimator.records_optimizer_steps``); absent from the other methods' records.
 OPTIMIZER_STEPS_KEY = "optimizer_steps"
 MAX_OPTIMIZER_STEPS = 10**9
+# Record numbers that may be negative: rewards, losses and the KL estimate; every other number of a record (a
+# time, pass count, cost, size, energy, rate, norm, spread, fraction, seed or count of GPUs) is >= 0.
+SIGNED_KEYS = ("reward_mean", "loss", "approx_kl")
+# A record's image side and GPUs, as an imported log may name them too (agg-bench run's own are narrower).
+MAX_RESOLUTION = 16384
+MAX_GPUS = 65536
+INTEGER_RANGES = {"resolution": (1, MAX_RESOLUTION), "n_gpus": (0, MAX_GPUS)}
 
 
 def new_record(*fields: Mapping, **more) -> dict:
@@ -116,7 +123,8 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     """What is wrong with a metric record (or a run summary, which repeats its identity keys): a key of
     ``required`` missing or null, or the first known key holding the wrong kind of value, e.g. ``'t_iter_s' =
     'fast': expected a finite number or null``; None when nothing is. A number is finite (a run writes a
-    non-finite value as null), ``status`` one of :data:`STATUSES`, ``iteration`` an integer >= 0 and
+    non-finite value as null) and >= 0 but for :data:`SIGNED_KEYS`, ``resolution`` and ``n_gpus`` integers in
+    :data:`INTEGER_RANGES`, ``status`` one of :data:`STATUSES`, ``iteration`` an integer >= 0 and
     ``optimizer_steps``, where a method records it, a count the report prices. The other keys a method adds are
     its own business, but for the standard phases' CUDA peaks (:data:`PHASE_PEAK_KEYS`), which the tables read as
     numbers."""
@@ -133,6 +141,12 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
             return f"'status' = {quote(value)}: expected one of {', '.join(STATUSES)} or null"
         if key not in TEXT_KEYS and not is_finite_number(value):
             return f"{key!r} = {quote(value)}: expected a finite number or null"
+        if key in INTEGER_RANGES:
+            low, high = INTEGER_RANGES[key]
+            if type(value) is not int or not low <= value <= high:
+                return f"{key!r} = {quote(value)}: expected an integer from {low} to {high:,} or null"
+        elif key not in (*TEXT_KEYS, *SIGNED_KEYS, "iteration") and value < 0:  # iteration: below
+            return f"{key!r} = {quote(value)}: expected a finite number >= 0 or null"
     iteration = record.get("iteration")
     if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
         return f"'iteration' = {quote(iteration)}: expected an integer >= 0"

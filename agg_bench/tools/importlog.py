@@ -30,8 +30,8 @@ from ..io import JsonlWriter, write_json, write_lines
 from ..jsonfiles import JsonProblem, check_path, json_type, loads
 from ..outdir import Claim, check_folder
 from ..outputs import IMPORT_CONTENTS
-from ..records import (DIVERGING_KEYS, MAX_LABEL, NUMBER_KEYS, RECORD_KEYS, is_finite_number, is_label, new_record,
-                       record_problem)
+from ..records import (DIVERGING_KEYS, MAX_GPUS, MAX_LABEL, MAX_RESOLUTION, NUMBER_KEYS, RECORD_KEYS, SIGNED_KEYS,
+                       is_finite_number, is_label, new_record, record_problem)
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",
@@ -40,11 +40,6 @@ SOURCE = "imported"
 # an import folder holds these and nothing else; an earlier import is replaced, anything else is refused
 MAX_LOG_BYTES = 64 * 2**20  # a DanceGRPO log of 100,000 steps is about 15 MB
 MAX_STEP = 10**9  # far above any training run (agg-bench's own train.iterations stops at 100,000)
-MAX_RESOLUTION = 16384
-MAX_GPUS = 65536
-# record numbers that may be negative: rewards, losses and the KL estimate; every other number of a record (a
-# time, pass count, cost, size, energy, rate, norm, spread or fraction) is >= 0
-SIGNED_KEYS = ("reward_mean", "loss", "approx_kl")
 
 
 def _diverged(value: Any) -> bool:

@@ -25,3 +25,18 @@ def test_records_own_every_key_and_the_builder_gives_each():
     assert list(record)[:len(RECORD_KEYS)] == list(RECORD_KEYS) and list(record)[len(RECORD_KEYS):] == ["agg_groups",
                                                                                                        "source"]
     assert (record["run_id"], record["seed"], record["iteration"], record["weights"]) == ("a", 3, 1, None)
+
+
+def test_only_rewards_losses_and_the_kl_estimate_may_be_negative():
+    """The record contract's signs: a reward, a loss and the KL estimate may be below 0; every other number of a
+    record (times, counts, sizes, norms, spreads) is not, and the image side and GPU count are integers in range."""
+    from agg_bench.records import NUMBER_KEYS, SIGNED_KEYS, new_record, record_problem
+
+    for key in SIGNED_KEYS:
+        assert record_problem(new_record({key: -0.25})) is None
+    for key in set(NUMBER_KEYS) - set(SIGNED_KEYS) - {"iteration", "resolution", "n_gpus"}:
+        assert record_problem(new_record({key: 0})) is None, key
+        assert record_problem(new_record({key: -1})) == f"{key!r} = -1: expected a finite number >= 0 or null", key
+    assert record_problem(new_record(resolution=16384, n_gpus=0)) is None
+    assert "expected an integer from 1 to 16,384" in record_problem(new_record(resolution=0))
+    assert "expected an integer from 0 to 65,536" in record_problem(new_record(n_gpus=2.5))

@@ -539,6 +539,13 @@ def report_fails(capsys, tmp_path, *args: str) -> str:
     # a phase's own CUDA peak, which the efficiency table shows
     ("peak_alloc_train_bytes", "big", "expected a finite number or null"),
     ("peak_alloc_reward_bytes", [1], "expected a finite number or null"),
+    # numbers a run cannot record: a negative size, time or count; an image side or GPU count out of range
+    ("peak_alloc_bytes", -5, "expected a finite number >= 0 or null"),
+    ("t_train_s", -0.5, "expected a finite number >= 0 or null"),
+    ("backward", -1, "expected a finite number >= 0 or null"),
+    ("resolution", 10**30, "expected an integer from 1 to 16,384 or null"),
+    ("resolution", 64.5, "expected an integer from 1 to 16,384 or null"),
+    ("n_gpus", -1, "expected an integer from 0 to 65,536 or null"),
 ])
 def test_a_record_with_the_wrong_kind_of_value(tmp_path, capsys, key, value, expected):
     make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), {**it(2.0, 1.0), key: value}])
