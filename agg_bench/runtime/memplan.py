@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import itertools
 import math
 import os
 import sys
@@ -564,17 +565,42 @@ def check_weights_fit(cfg: RunConfig) -> None:
     tiny and random presets are built from configs of the harness's own and are not checked here."""
     if not cfg.model.pretrained:
         return
-    device = _device_type(cfg)
-    budget = gpu_memory_bytes(device)
     with torch.random.fork_rng(devices=[]):
         transformer = _shapes(cfg, "transformer", precision(cfg.model.dtype).param_dtype)
     weights = _tensor_bytes(transformer.parameters()) + _tensor_bytes(transformer.buffers())
+    _check_fits(transformer, weights, cfg.model.pretrained, cfg.model.dtype, _device_type(cfg))
+
+
+def check_transformer_fits(folder: str, family: str, dtype: str, device_type: str) -> int:
+    """:func:`check_weights_fit` for the ``transformer/`` of ``folder`` (a model folder or a snapshot) of
+    ``family`` in ``model.dtype`` ``dtype`` on a device of ``device_type``: its config's sizes within bounds,
+    its config buildable, and its weights and buffers within the device's memory, before anything is
+    allocated; a ConfigError naming ``model.pretrained`` otherwise. Returns the number of numbers its buffers
+    hold (what building it computes, before its weights are read)."""
+    cls = family_spec(family).transformer_cls()
+    config = pretrained_transformer_config(folder, family)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            transformer = cls.from_config(config)
+    except (TypeError, ValueError, RuntimeError) as err:  # a value of the wrong type, sizes that do not agree
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError("model.pretrained", folder, f"a model folder whose transformer/config.json builds "
+                          f"a {cls.__name__} ({first})") from None
+    size = torch.finfo(precision(dtype).param_dtype).bits // 8  # what loading in that precision makes of it
+    weights = sum(t.numel() * (size if t.is_floating_point() else t.element_size())
+                  for t in itertools.chain(transformer.parameters(), transformer.buffers()))
+    _check_fits(transformer, weights, folder, dtype, device_type)
+    return sum(t.numel() for t in transformer.buffers())
+
+
+def _check_fits(transformer: torch.nn.Module, weights: int, folder: str, dtype: str, device_type: str) -> None:
+    budget = gpu_memory_bytes(device_type)
     if weights > budget:
         count = sum(p.numel() for p in transformer.parameters())
-        raise ConfigError("model.pretrained", cfg.model.pretrained,
+        raise ConfigError("model.pretrained", folder,
                           f"a model whose weights fit: its transformer/config.json describes {count:,} parameters, "
-                          f"{bytes_text(weights)} in {cfg.model.dtype}, more than the {bytes_text(budget)} of this "
-                          f"{device} (the memory planner: does not fit)")
+                          f"{bytes_text(weights)} in {dtype}, more than the {bytes_text(budget)} of this "
+                          f"{device_type} (the memory planner: does not fit)")
 
 
 def phase_totals(counted: dict) -> dict[str, int]:

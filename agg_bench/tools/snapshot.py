@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from ..engine.families.geometry import ImageGeometry
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.lora import ADAPTER_FILE, load_adapter, lora_settings, save_transformer
 from ..engine.models import (MAX_MODEL_SIZE, POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, _load_component,
-                             precision, pretrained_transformer_config, text_dims)
+                             precision, text_dims)
 from ..engine.sampler import sampler_dtype
 from ..engine.trained_steps import NO_STEP
 from ..errors import ConfigError, UserError, quote
@@ -41,6 +42,7 @@ from ..jsonfiles import read_json_object
 from ..methods.base import Estimator, ReplayCase, build_estimator
 from ..outdir import Contents, claim_files, claim_folder, json_file_with, remove_owned
 from ..reading import run_config
+from ..runtime.memplan import check_transformer_fits
 from ..runtime.session import Session
 
 ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "encoder_hidden_states",
@@ -206,12 +208,14 @@ def _nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, float] | None:
 
 
 def _load_transformer(root: Path, meta: dict, device: str | torch.device) -> torch.nn.Module:
-    """The snapshot's transformer, as a model folder's is loaded: its config of ``meta``'s family and within
-    bounds (:func:`~agg_bench.engine.models.pretrained_transformer_config`), loadable weights
+    """The snapshot's transformer, as a model folder's is loaded: its config of ``meta``'s family, within
+    bounds and its weights within ``device``'s memory (:func:`~agg_bench.runtime.memplan.check_transformer_fits`,
+    before anything is allocated), loadable weights
     (:func:`~agg_bench.engine.models._load_component`), then the LoRA adapter; every weight finite."""
     family = meta["family"]
     try:
-        pretrained_transformer_config(str(root), family)
+        buffers = check_transformer_fits(str(root), family, meta["dtype"], torch.device(device).type)
+        _check_weight_files(root, root / "transformer", buffers)
         transformer = _load_component(TRANSFORMER_CLASSES[family], str(root / "transformer"), str(root),
                                       "transformer weights", torch_dtype=precision(meta["dtype"]).param_dtype,
                                       use_safetensors=True)  # as snapshot writes them: never a pickle
@@ -232,6 +236,24 @@ def _load_transformer(root: Path, meta: dict, device: str | torch.device) -> tor
         folder = root / ("lora" if ".lora_" in name else "transformer")
         raise UserError(f"{folder}: weight {name} holds {quote(value)}: expected finite weights")
     return transformer
+
+
+def _check_weight_files(root: Path, folder: Path, buffers: int) -> None:
+    """The safetensors weight files of ``folder`` must be readable and hold at least the ``buffers`` numbers
+    of the buffers its config describes (``agg-bench snapshot`` writes every weight and buffer): building
+    the model computes its buffers in full before a file is read, so a config.json describing larger ones
+    than its files is refused first."""
+    held = 0
+    for path in sorted(folder.glob("diffusion_pytorch_model*.safetensors")):
+        try:
+            with safe_open(str(path), "pt") as handle:
+                held += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+        except (SafetensorError, OSError, ValueError) as err:
+            raise UserError(f"snapshot {root}: expected loadable transformer weights in {folder} "
+                            f"({_first_line(err)})") from None
+    if held and buffers > held:  # no file at all: the loader names it
+        raise UserError(f"{folder / 'config.json'}: describes a transformer whose buffers hold {buffers:,} "
+                        f"numbers: expected at most the {held:,} its weight files hold")
 
 
 def _latent_shape(root: Path, policy: Policy, meta: dict) -> tuple[int, int, int] | None:

@@ -50,6 +50,7 @@ from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Contents, check_folder
 from ..outputs import (IMPORT_CONTENTS, LEARNING_CONTENTS, PRETRAIN_CONTENTS, REPORT_CONTENTS, RUN_CONTENTS,
                        check_run_folder)
+from ..records import MAX_GPUS, MAX_LABEL, MAX_RESOLUTION, is_label
 from ..runtime.cell import Progress, job_entry, journal_ends
 from ..sources import source_digest
 
@@ -238,6 +239,8 @@ def check_sweep(sweep: dict, schema: dict, files: list[dict] = ()) -> None:
     labels = [ref["label"] for ref in sweep.get("references", [])]
     if len(set(labels)) != len(labels):
         raise SweepError(f"references: labels must be unique ({', '.join(labels)})")
+    for index, ref in enumerate(sweep.get("references", [])):
+        check_reference(index, ref)
     reference = (sweep.get("learning") or {}).get("reference")
     if reference is not None and reference not in sweep["methods"]:  # agg-bench learning refuses it at the end
         raise SweepError(f"learning.reference: {quote(reference)} is not a label under methods "
@@ -256,6 +259,20 @@ def run_overrides(sweep: dict) -> list[tuple[str, dict]]:
                for label, overrides in (sweep.get(section) or {}).items()),
              ("gradcheck.set", (sweep.get("gradcheck") or {}).get("set"))]
     return [(prefix, overrides) for prefix, overrides in parts if isinstance(overrides, dict)]
+
+
+def check_reference(index: int, ref: dict) -> None:
+    """Reference ``index`` (``ref``, of the schema's types) as its ``agg-bench import-log`` job takes it
+    (:func:`agg_bench.tools.importlog.check_labels`): ``method``, ``model`` and ``gpu_name`` labels of 1 to
+    MAX_LABEL printable characters, ``resolution`` and ``n_gpus`` within the record contract's bounds; a
+    SweepError naming the key otherwise, before any job runs."""
+    for key, high in (("resolution", MAX_RESOLUTION), ("n_gpus", MAX_GPUS)):
+        if key in ref and not 1 <= ref[key] <= high:
+            raise SweepError(f"references.{index}.{key}: {quote(ref[key])}: expected an integer from 1 to {high}")
+    for key in ("method", "model", "gpu_name"):
+        if key in ref and not is_label(ref[key]):
+            raise SweepError(f"references.{index}.{key}: {quote(ref[key])}: expected 1 to "
+                             f"{MAX_LABEL} printable characters (a row of the report's tables)")
 
 
 def check_input_files(sweep: dict) -> None:

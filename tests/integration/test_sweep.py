@@ -310,6 +310,28 @@ def test_the_learning_reference_is_a_method_of_the_sweep(in_process):
 
 
 
+@pytest.mark.parametrize("key, value, words", [
+    ("resolution", 100_000, "references.0.resolution: 100000: expected an integer from 1 to 16384"),
+    ("n_gpus", 10**9, "references.0.n_gpus: 1000000000: expected an integer from 1 to 65536"),
+    ("method", "a\nb", "references.0.method: 'a\\nb': expected 1 to 200 printable characters"),
+    ("gpu_name", "", "references.0.gpu_name: '': expected 1 to 200"),
+    ("model", "x" * 201, "references.0.model: 'xxx"),
+])
+def test_a_reference_is_refused_as_its_import_would_refuse_it(in_process, tmp_path, key, value, words):
+    """A reference's labels and numbers as `agg-bench import-log` takes them: refused with the sweep, not by
+    its import job after the sweep started."""
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0, "avg_reward": 0.1, "step_time": 1.0, "grad_norm": 0.5}\n')
+    config = sweep_config()
+    config["references"] = [{"label": "ref", "log": str(log), key: value}]
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    assert words in str(err.value) and "\n" not in str(err.value)
+    config["references"] = [{"label": "ref", "log": str(log), "method": "dancegrpo", "model": "flux",
+                             "resolution": 720, "n_gpus": 8, "gpu_name": "NVIDIA H800"}]
+    assert "ref" in Sweep(config, SCHEMA).references
+
+
 def test_the_sweeps_learning_defaults_are_the_commands():
     """A sweep's ``learning`` section defaults every key as ``agg-bench learning`` does (its LearningOptions and
     its options' defaults), but the checkpoint evaluation's noises (16 in a sweep, none in the command), and the

@@ -457,6 +457,13 @@ def edit_json(snap: Path, name: str, change) -> None:
     ("rollout.json", lambda c: c.update(lora={"rank": 2}), "rollout.json: lora = {'rank': 2}: expected null or"),
     ("rollout.json", lambda c: c.update(vae_scale_factor=0), "rollout.json: vae_scale_factor = 0: expected an integer"),
     ("transformer/config.json", lambda c: c.update(num_layers=100_000), "num_layers = 100000: expected an integer"),
+    # each size within its bound, together 10^20 parameters: a RuntimeError of the allocator, exit 1
+    ("transformer/config.json", lambda c: c.update(num_layers=256, num_attention_heads=16384, attention_head_dim=16384,
+                                                   joint_attention_dim=16384, caption_projection_dim=16384),
+     "expected a model whose weights fit: its transformer/config.json describes"),
+    # a position table larger than the weight files: computed in full before the files were read
+    ("transformer/config.json", lambda c: c.update(pos_embed_max_size=1024),
+     "transformer/config.json: describes a transformer whose buffers hold"),
 ])
 def test_replay_reads_a_snapshot_through_the_same_checks(snapshot, tmp_path, capsys, name, change, words):
     """The snapshot's config.json through the typed config with its bounds, its rollout.json's settings through
