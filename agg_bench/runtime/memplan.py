@@ -56,8 +56,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import itertools
+import json
 import math
 import os
 import sys
