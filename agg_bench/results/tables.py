@@ -77,7 +77,8 @@ EFFICIENCY_COLUMNS = [
     "rollout_speedup", "rollout_speedup_lo", "rollout_speedup_hi", "rollout_forwards", "predicted_rollout_speedup",
     "rollout_prediction_check",
     "forward_nograd", "forward_grad", "backward", *TRAIN_PASS_KEYS,
-    "peak_alloc_mib", *(f"peak_{phase}_mib" for phase in STANDARD_PHASES), "nvml_peak_mib", "saved_act_mib", "planned_act_mib", "planned_total_mib", "planned_over_peak",
+    "peak_alloc_mib", *(f"peak_{phase}_mib" for phase in STANDARD_PHASES), "nvml_peak_mib", "saved_act_mib",
+    "planned_act_mib", "planned_total_mib", "planned_over_peak",
     "rss_peak_mib", "images_per_s", "energy_j",
     "final_reward", "final_reward_std", "reward_area", "wall_s", "grad_cosine", "grad_rel_error",
 ]
@@ -122,10 +123,12 @@ def mean_reward_until(times: np.ndarray, rewards: np.ndarray, horizon: float) ->
 
 def _extra_keys(records: pd.DataFrame) -> list[str]:
     """Method-specific numeric record fields (cache_hit_rate, ratio_dev, ...), averaged per run: the numeric
-    columns that are neither a record key nor a column :func:`load_records` adds."""
+    columns that are neither a record key, a phase's CUDA peak (the table shows the standard phases' in MiB)
+    nor a column :func:`load_records` adds."""
     known = {*RECORD_KEYS, *IMPORTED_KEYS, *ADDED_COLUMNS}
-    return [c for c in records.columns if c not in known and pd.api.types.is_numeric_dtype(records[c])
-            and records[c].notna().any()]
+    prefix, suffix = PHASE_PEAK_KEY.split("{phase}")
+    return [c for c in records.columns if c not in known and not (c.startswith(prefix) and c.endswith(suffix))
+            and pd.api.types.is_numeric_dtype(records[c]) and records[c].notna().any()]
 
 
 def run_table(records: pd.DataFrame, warmup: int = 1, extras: list[str] | None = None) -> pd.DataFrame:

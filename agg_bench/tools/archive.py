@@ -233,9 +233,9 @@ def json_lines(where: str, data: bytes) -> list[dict]:
 
 def _check_safetensors(where: str, data: bytes) -> None:
     """The safetensors layout as the safetensors reader accepts it: an 8-byte little-endian header length, a JSON
-    header naming each tensor's dtype, shape (dimensions and their products, left to right, within 64 bits) and byte range, an
-    optional ``__metadata__`` of strings, and the ranges in order of their offsets one after another from 0
-    (no gap, no overlap) up to exactly the end of the file."""
+    header naming each tensor's dtype, shape (dimensions and their products, left to right, within 64 bits) and
+    byte range, an optional ``__metadata__`` of strings, and the ranges in order of their offsets one after
+    another from 0 (no gap, no overlap) up to exactly the end of the file."""
     if len(data) < 8:
         raise UserError(f"{where}: not a safetensors file (shorter than its header length)")
     (length,) = struct.unpack("<Q", data[:8])

@@ -873,3 +873,22 @@ def test_the_tables_are_the_pinned_ones():
     actual = compute()
     assert sorted(actual) == sorted(expected)
     assert [name for name in expected if actual[name] != expected[name]] == []
+
+
+def test_each_phases_cuda_peak_is_a_column_in_mib_and_not_a_methods_own_number():
+    """A CUDA record's per-phase peaks (records.PHASE_PEAK_KEYS) are the efficiency table's peak_<phase>_mib,
+    the largest over the run's iterations, and are not averaged again as a method's own fields."""
+    import csv
+    import io
+
+    from pinned_report import compute
+
+    rows = list(csv.DictReader(io.StringIO(compute()["efficiency.csv"])))
+    assert not [c for c in rows[0] if c.startswith("peak_alloc_") and c != "peak_alloc_mib"]
+    gpu = [r for r in rows if r["hardware"] == "GPU-A" and r["method"] == "full"][0]
+    # the fixture: 80 MiB at the train phase, 3/4 of it in the reward phase, half (+ the iteration's index in
+    # bytes, largest in the last of 3) in the rollout
+    assert float(gpu["peak_train_mib"]) == float(gpu["peak_alloc_mib"]) == 80.0
+    assert float(gpu["peak_reward_mib"]) == 60.0
+    assert float(gpu["peak_rollout_mib"]) == (40 * MIB + 2) / MIB
+    assert all(r["peak_train_mib"] == "" for r in rows if r["hardware"] == "cpu")
