@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from . import stopping
-from .errors import UserError
+from .errors import UserError, quote
 from .jsonfiles import JsonFileError, read_json_object
 from .io import atomic_path, is_temp_name
 
@@ -242,6 +242,16 @@ def path_problem(text: str) -> str | None:
     if len(longest) > NAME_MAX:
         return f"holds a name of {len(longest):,} bytes; expected names of at most {NAME_MAX} bytes"
     return None
+
+
+def check_path_names(where: str, named) -> None:
+    """Each ``(key, text)`` of ``named`` (text None: not given) a path that can name a file
+    (:func:`path_problem`); a UserError ``<where>.<key> '<text>': <problem>; expected a file or folder name``
+    for the first that cannot."""
+    for key, text in named:
+        problem = path_problem(text) if text is not None else None
+        if problem is not None:
+            raise UserError(f"{where}.{key} {quote(text)}: {problem}; expected a file or folder name")
 
 
 def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = "--out",

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterator
 from .. import stopping
 from ..errors import UserError, quote, run_command
 from ..io import as_written, write_json
-from ..outdir import Busy, Claim, check_file, json_file_where, path_problem
+from ..outdir import Busy, Claim, check_file, check_path_names, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
 from ..jsonfiles import json_type, read_json_object
 from ..sources import source_digest
@@ -117,10 +117,7 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
     done = entry.get("done")
     if done is not None and not (isinstance(done, str) and done):
         raise UserError(f"{path}: {where}.done is {_kind(done)}; expected a marker file or null")
-    for key, value in (("config", config), ("out", out), ("done", done)):
-        problem = path_problem(value) if value is not None else None
-        if problem is not None:
-            raise UserError(f"{path}: {where}.{key} {quote(value)}: {problem}; expected a file or folder name")
+    check_path_names(f"{path}: {where}", (("config", config), ("out", out), ("done", done)))
     return CellRun(config, tuple(overrides), Path(out), Path(done) if done is not None else None)
 
 

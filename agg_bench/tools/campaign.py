@@ -410,19 +410,18 @@ class Campaign:
         the most seconds per timed method of the cell's calibrations that ended well (:meth:`read_calibration_times`,
         and this window's) times their number; for a cell none has timed yet, what its runs say (in the folders
         :meth:`read_calibration_times` read, :meth:`rounds_seconds`); None when neither can say (it is started)."""
-        labels = list(labels)
-        return cell_calibration.estimate(self.method_runs(cell, labels, [], *self._history),
-                                         self.calibration_options().method_rounds, labels,
-                                         self._calibration_times.get(cell))
+        return self.rounds_seconds(cell, labels, *self._history, per_method_s=self._calibration_times.get(cell))
 
-    def rounds_seconds(self, cell: str, labels, *folders: Path | None) -> float | None:
-        """A calibration of ``labels`` estimated from the cell's finished runs of them in ``folders``
-        (:func:`agg_bench.tools.cell_calibration.estimate`: its warm-up and timed rounds each take a rollout and a
-        train phase of every method, times :data:`~agg_bench.tools.cell_calibration.CALIBRATION_OVERHEAD` for the
-        unit costs); None when a method has no finished run there with such times."""
+    def rounds_seconds(self, cell: str, labels, *folders: Path | None,
+                       per_method_s: float | None = None) -> float | None:
+        """A calibration of ``labels`` estimated (:func:`agg_bench.tools.cell_calibration.estimate`) from
+        ``per_method_s`` where given, else from the cell's finished runs of them in ``folders`` (its warm-up and
+        timed rounds each take a rollout and a train phase of every method, times
+        :data:`~agg_bench.tools.cell_calibration.CALIBRATION_OVERHEAD` for the unit costs); None when a method has
+        no finished run there with such times."""
         labels = list(labels)
         return cell_calibration.estimate(self.method_runs(cell, labels, [], *folders),
-                                         self.calibration_options().method_rounds, labels, None)
+                                         self.calibration_options().method_rounds, labels, per_method_s)
 
     def calibration_options(self) -> CalibrationConfig:
         """The sweep's ``calibrate`` options that a calibration takes (``repeats``, ``warmup``,
