@@ -563,17 +563,13 @@ def check_weights_fit(cfg: RunConfig) -> None:
     ``model.pretrained`` says "does not fit" otherwise. Every process loads the whole model before any
     sharding, so this holds for any layout; whether training fits too is :func:`plan_memory`'s answer. The
     tiny and random presets are built from configs of the harness's own and are not checked here."""
-    if not cfg.model.pretrained:
-        return
-    with torch.random.fork_rng(devices=[]):
-        transformer = _shapes(cfg, "transformer", precision(cfg.model.dtype).param_dtype)
-    weights = _tensor_bytes(transformer.parameters()) + _tensor_bytes(transformer.buffers())
-    _check_fits(transformer, weights, cfg.model.pretrained, cfg.model.dtype, _device_type(cfg))
+    if cfg.model.pretrained:
+        check_transformer_fits(cfg.model.pretrained, cfg.model.family, cfg.model.dtype, _device_type(cfg))
 
 
 def check_transformer_fits(folder: str, family: str, dtype: str, device_type: str) -> int:
-    """:func:`check_weights_fit` for the ``transformer/`` of ``folder`` (a model folder or a snapshot) of
-    ``family`` in ``model.dtype`` ``dtype`` on a device of ``device_type``: its config's sizes within bounds,
+    """The ``transformer/`` of ``folder`` (a model folder or a snapshot) of ``family`` in ``model.dtype``
+    ``dtype``, as a device of ``device_type`` would load it (:func:`check_weights_fit`): its config's sizes within bounds,
     its config buildable, and its weights and buffers within the device's memory, before anything is
     allocated; a ConfigError naming ``model.pretrained`` otherwise. Returns the number of numbers its buffers
     hold (what building it computes, before its weights are read)."""
@@ -589,11 +585,6 @@ def check_transformer_fits(folder: str, family: str, dtype: str, device_type: st
     size = torch.finfo(precision(dtype).param_dtype).bits // 8  # what loading in that precision makes of it
     weights = sum(t.numel() * (size if t.is_floating_point() else t.element_size())
                   for t in itertools.chain(transformer.parameters(), transformer.buffers()))
-    _check_fits(transformer, weights, folder, dtype, device_type)
-    return sum(t.numel() for t in transformer.buffers())
-
-
-def _check_fits(transformer: torch.nn.Module, weights: int, folder: str, dtype: str, device_type: str) -> None:
     budget = gpu_memory_bytes(device_type)
     if weights > budget:
         count = sum(p.numel() for p in transformer.parameters())
@@ -601,6 +592,7 @@ def _check_fits(transformer: torch.nn.Module, weights: int, folder: str, dtype: 
                           f"a model whose weights fit: its transformer/config.json describes {count:,} parameters, "
                           f"{bytes_text(weights)} in {dtype}, more than the {bytes_text(budget)} of this "
                           f"{device_type} (the memory planner: does not fit)")
+    return sum(t.numel() for t in transformer.buffers())
 
 
 def phase_totals(counted: dict) -> dict[str, int]:
