@@ -531,7 +531,11 @@ class Campaign:
         """A ConfigError, before a window writes anything, for a device of the sweep this machine cannot serve
         (``devices.<d>.device``, the ``device`` a ``pretrain.<label>`` model the runs read is made on, from its
         ``set`` or its config file): each of its processes would fail, and the window spend its minutes on them.
-        The --cpu form's devices are the CPU."""
+        The --cpu form's devices are the CPU.
+
+        Where ``campaign.gpu`` names a GPU (not in the --cpu form), every CUDA device of the sweep must be one
+        whose name holds it, as ``campaign unpack`` checks: a window on another GPU ran runs that unpack then
+        refused."""
         from ..machine.devices import resolve_device
 
         named = [(f"devices.{label}.device", spec["device"]) for label, spec in self.sweep.sweep["devices"].items()]
@@ -540,9 +544,18 @@ class Campaign:
                   for label in self.pretrained_models()]
         for key, device in named:
             try:
-                resolve_device(device, key)
+                resolved = resolve_device(device, key)
             except ConfigError as err:
                 raise ConfigError(key, device, f"{err.expected}; or the same campaign on the CPU: --cpu") from None
+            if self.gpu is not None and not self.cpu and resolved.type == "cuda":
+                import torch
+
+                visible = torch.cuda.get_device_name(resolved)
+                if self.gpu.lower() not in visible.lower():
+                    raise ConfigError("campaign.gpu", self.gpu,
+                                      f"the GPU this campaign's reference was run on, but {key} = {quote(device)} is "
+                                      f"{quote(visible)} here; run the window on a {self.gpu}, or the same "
+                                      "campaign on the CPU: --cpu")
 
     def pretrain_overrides(self, label: str) -> list[str]:
         """The ``--set`` items of the sweep's ``pretrain.<label>``."""

@@ -398,6 +398,46 @@ def test_a_gpu_window_on_a_machine_without_cuda_is_one_line_and_writes_nothing(t
     assert not work.exists() and not (tmp_path / "ref").exists()
 
 
+def fake_gpu(monkeypatch, name: str) -> list:
+    """torch sees one CUDA device called ``name``; returns the devices whose name was asked for."""
+    asked: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or name)
+    return asked
+
+
+@pytest.mark.parametrize("config", ["h200.yaml", "learning_gpu.yaml"])
+def test_a_gpu_window_on_another_gpu_than_campaign_gpu_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch,
+                                                                                      config):
+    """campaign.gpu: H200 and an H100 visible: every run of the window would be refused by campaign unpack, so
+    the window is refused at its start, before it writes anything."""
+    asked = fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    work = tmp_path / "w"
+    code = main(["campaign", "run", "--config", str(ROOT / "config" / config), "--minutes", "1", "--work", str(work),
+                 "--reference", str(tmp_path / "ref")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "campaign.gpu = 'H200'" in err[0] and "'NVIDIA H100 80GB HBM3'" in err[0] and "--cpu" in err[0], err
+    assert asked and not work.exists() and not (tmp_path / "ref").exists()
+
+
+@pytest.mark.parametrize("config", ["h200.yaml", "learning_gpu.yaml"])
+def test_the_gpu_campaign_gpu_names_passes_the_device_check(monkeypatch, config):
+    """The GPU's full name holds campaign.gpu's text (case aside), as campaign unpack matches it."""
+    monkeypatch.chdir(ROOT)
+    asked = fake_gpu(monkeypatch, "NVIDIA h200")
+    Campaign(ROOT / "config" / config).check_devices()
+    assert asked
+
+
+def test_the_cpu_form_asks_no_gpu_name(tmp_path, monkeypatch):
+    """--cpu runs on the CPU whatever GPU is visible: campaign.gpu is not checked against it."""
+    asked = fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    Campaign(CONFIG, cpu=True).check_devices()
+    assert asked == []
+
+
 def test_a_pretrain_device_set_in_the_entry_s_config_file_is_checked_too(tmp_path, monkeypatch):
     """A pretrain entry whose config file (not its set) names a device this machine lacks: the model's
     pre-training would fail in the window, and every run reading the model after it."""
