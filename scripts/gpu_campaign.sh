@@ -10,32 +10,46 @@
 #       --reference results/reference/h200
 # Python: the project's .venv, set up first by scripts/setup.sh as `make` does; PYTHON=/path/to/python runs
 # another interpreter that has agg-bench's requirements (the repository is put on its path). A missing
-# environment (no torch, no agg-bench, no CUDA device without --cpu) or a bad option is one line and exit code 2,
-# before anything is run or written.
+# environment (no torch, no agg-bench or another of its requirements, no CUDA device without --cpu) or a bad
+# option is one line and exit code 2, before anything is run or written. It runs from any folder: --config,
+# --reference, AGG_BENCH_CAMPAIGN_OUT and AGG_BENCH_CAMPAIGN_REFERENCE are paths from the folder it is started
+# in, their defaults paths in the repository.
 set -uo pipefail
 STARTED=$(date +%s.%N)  # the window's clock: checking the environment counts against --minutes
 
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# a path relative to the folder the script is started in, as the campaign (run in the repository) finds it; from
+# the repository as it is (the window log records --config as given)
+START_DIR=$(pwd)
+here() {
+  if [[ -z "$1" || "$1" == /* || "$(pwd -P)" == "$ROOT" ]]; then printf '%s' "$1"; else printf '%s' "$START_DIR/$1"; fi
+}
 MODE=gpu
 MINUTES=
 CONFIG=config/h200.yaml
-REFERENCE=${AGG_BENCH_CAMPAIGN_REFERENCE:-results/reference/h200}
+REFERENCE=$(here "${AGG_BENCH_CAMPAIGN_REFERENCE:-}")
+REFERENCE=${REFERENCE:-results/reference/h200}
 usage() { echo "usage: scripts/gpu_campaign.sh [--cpu] [--config FILE] [--reference DIR] --minutes N" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --cpu) MODE=cpu; shift ;;
     --minutes) [[ $# -ge 2 ]] || usage; MINUTES=$2; shift 2 ;;
-    --config) [[ $# -ge 2 ]] || usage; CONFIG=$2; shift 2 ;;
-    --reference) [[ $# -ge 2 ]] || usage; REFERENCE=$2; shift 2 ;;
+    --config) [[ $# -ge 2 ]] || usage; CONFIG=$(here "$2"); shift 2 ;;
+    --reference) [[ $# -ge 2 ]] || usage; REFERENCE=$(here "$2"); shift 2 ;;
     *) usage ;;
   esac
 done
 [[ -n "$MINUTES" ]] || usage
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${AGG_BENCH_CAMPAIGN_OUT:-results/campaign}
+# WORK, not OUT: an OUT that the caller exports (the folder a machine collects a command's files from) stays as
+# it is for every process the window starts
+WORK=$(here "${AGG_BENCH_CAMPAIGN_OUT:-}")
+WORK=${WORK:-results/campaign}
 [[ -z "${PYTHON:-}" ]] || export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the tree, not an install
 source "$ROOT/scripts/python_env.sh" || exit 2
-pick_python gpu_campaign "agg-bench's requirements" torch diffusers agg_bench
-ARGS=(--config "$CONFIG" --minutes "$MINUTES" --started "$STARTED" --work "$OUT" --reference "$REFERENCE")
+# every module a window's processes import: one missing (peft, say) failed only the runs that reach it, minutes in
+pick_python gpu_campaign "agg-bench's requirements" torch diffusers peft safetensors numpy yaml jsonschema pandas \
+    PIL tqdm agg_bench
+ARGS=(--config "$CONFIG" --minutes "$MINUTES" --started "$STARTED" --work "$WORK" --reference "$REFERENCE")
 if [[ $MODE == gpu ]]; then
   require_cuda gpu_campaign "run scripts/gpu_campaign.sh --cpu on a machine without one, or install torch's CUDA build"
 else

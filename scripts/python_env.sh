@@ -10,6 +10,8 @@ pick_python() {
   shift 2
   if [[ -n "${PYTHON:-}" ]]; then
     PY=$PYTHON
+    # a relative path to an interpreter, absolute: the scripts run it again after they change folder
+    [[ $PY != */* || $PY == /* ]] || PY=$PWD/$PY
     fix="set PYTHON to an interpreter with $needs, or unset it to use $ROOT/.venv"
   else
     bash "$ROOT/scripts/setup.sh" || {

@@ -578,6 +578,47 @@ def test_the_script_says_in_one_line_what_is_missing(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+def stub_python(folder: Path, lacks: str | None = None) -> Path:
+    """An interpreter that imports as this one does (``lacks``: a module it has not) and, asked to run agg_bench,
+    writes its folder and arguments to ``<folder>/argv`` instead."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stub = folder / "python"
+    missing = f'case "$2" in *{lacks}*) echo "ModuleNotFoundError: No module named \'{lacks}\'" >&2; exit 1;; esac' \
+        if lacks else ""
+    stub.write_text(f'#!/bin/bash\nif [[ $1 == -c ]]; then {missing}\n  exec "{sys.executable}" "$@"; fi\n'
+                    f'{{ pwd; printf "%s\\n" "$@"; }} > "{folder}/argv"\n')
+    stub.chmod(0o755)
+    return stub
+
+
+def test_the_script_takes_relative_paths_from_the_folder_it_is_started_in(tmp_path):
+    """Started outside the repository, --config, --reference, AGG_BENCH_CAMPAIGN_OUT and a relative PYTHON name
+    paths from there: the script runs the campaign in the repository, where they named other files (or none)."""
+    start = tmp_path / "start"
+    stub_python(start / "bin")
+    shutil.copyfile(CONFIG, start / "mine.yaml")
+    proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", "1", "--config", "mine.yaml", "--reference",
+                           "ref"], cwd=start, env=script_env(tmp_path, PYTHON="bin/python", AGG_BENCH_CAMPAIGN_OUT="w"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    cwd, *argv = (start / "bin" / "argv").read_text().splitlines()
+    assert Path(cwd) == ROOT and argv[:3] == ["-m", "agg_bench", "campaign"]
+    given = dict(zip(argv[4::2], argv[5::2]))
+    assert given["--config"] == str(start / "mine.yaml") and given["--reference"] == str(start / "ref")
+    assert given["--work"] == str(start / "w") and "--cpu" in argv
+
+
+def test_the_script_checks_every_module_a_window_imports(tmp_path):
+    """An interpreter without peft passed the script's check and ran the window: each LoRA run (FLUX.1-dev,
+    Qwen-Image) then failed on it, minutes in. It is one line and exit code 2 before anything runs."""
+    stub = stub_python(tmp_path / "bin", lacks="peft")
+    proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", "1"], cwd=tmp_path,
+                          env=script_env(tmp_path, PYTHON=str(stub)), capture_output=True, text=True, timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "No module named 'peft'" in err[0], err
+    assert not (tmp_path / "bin" / "argv").exists() and not (tmp_path / "work").exists()
+
+
 def test_a_window_shorter_than_the_grace_kills_at_its_deadline(tmp_path, monkeypatch):
     """--minutes 1e-9 (any window whose stop margin is shorter than KILL_AFTER_S) ran 12 s past its deadline: a
     process that ignores SIGTERM was killed KILL_AFTER_S after it, whatever the deadline. It is killed at the
