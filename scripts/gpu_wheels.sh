@@ -25,6 +25,14 @@ PLATFORMS=()
 for p in manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_34_x86_64; do
   PLATFORMS+=(--platform "$p")
 done
+# into a folder of their own, then in place of the wheels .whl/ held: the GPU machine installs .whl/*.whl, and a
+# wheel of an earlier pin beside the new one failed that install (two versions of one package); a failed
+# download leaves .whl/ as it was
+NEW=$(mktemp -d .whl/.download.XXXXXX)
+trap 'rm -rf "$NEW"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$VERSION" --implementation cp \
-    "${PLATFORMS[@]}" -d .whl "${WHEELS[@]}"
+    "${PLATFORMS[@]}" -d "$NEW" "${WHEELS[@]}"
+shopt -s nullglob
+rm -f .whl/*.whl
+for wheel in "$NEW"/*.whl; do mv "$wheel" .whl/; done
 ls -l .whl

@@ -1154,11 +1154,13 @@ def wheels_checkout(folder: Path) -> Path:
     return folder
 
 
-def run_wheels(checkout: Path, bin_dir: Path) -> subprocess.CompletedProcess:
-    """The script with a stub ``python3`` first on PATH that records its arguments instead of downloading."""
+def run_wheels(checkout: Path, bin_dir: Path, fetched: str = "", code: int = 0) -> subprocess.CompletedProcess:
+    """The script with a stub ``python3`` first on PATH that records its arguments instead of downloading, puts
+    an empty wheel named ``fetched`` (where given) in the download folder and exits with ``code``."""
     bin_dir.mkdir(exist_ok=True)
     stub = bin_dir / "python3"
-    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{bin_dir}/python3.args"\n')
+    fetch = f'while [ "$1" != -d ]; do shift; done; : > "$2/{fetched}"\n' if fetched else ""
+    stub.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > "{bin_dir}/python3.args"\n{fetch}exit {code}\n')
     stub.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(["bash", str(checkout / "scripts" / "gpu_wheels.sh")], cwd=checkout.parent, env=env,
@@ -1190,7 +1192,8 @@ def test_gpu_wheels_ignores_whl_in_a_worktree_and_runs_outside_git(tmp_path):
     pin = next(line for line in (ROOT / "requirements" / "constraints.txt").read_text().splitlines()
                if line.startswith("diffusers=="))
     args = (tmp_path / "bin" / "python3.args").read_text().splitlines()
-    assert args[:3] == ["-m", "pip", "download"] and pin in args and args[args.index("-d") + 1] == ".whl"
+    assert args[:3] == ["-m", "pip", "download"] and pin in args
+    assert Path(args[args.index("-d") + 1]).parent == Path(".whl")
     # no git checkout at all: no exclude file to write, the wheels still fetched into .whl/
     plain = wheels_checkout(tmp_path / "plain")
     (tmp_path / "bin" / "python3.args").unlink()
@@ -1198,6 +1201,20 @@ def test_gpu_wheels_ignores_whl_in_a_worktree_and_runs_outside_git(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (plain / ".whl").is_dir() and not (plain / ".git").exists()
     assert (tmp_path / "bin" / "python3.args").is_file()
+
+
+def test_gpu_wheels_replaces_the_wheels_of_an_earlier_pin(tmp_path):
+    """.whl/ kept an earlier pin's diffusers wheel beside the new one, and the GPU machine's install of .whl/*.whl
+    then failed on two versions of one package; a download that fails leaves .whl/ as it was."""
+    checkout = wheels_checkout(tmp_path / "plain")
+    (checkout / ".whl").mkdir()
+    (checkout / ".whl" / "diffusers-0.1.0-py3-none-any.whl").write_bytes(b"old")
+    failed = run_wheels(checkout, tmp_path / "bin", fetched="diffusers-9.9.9-py3-none-any.whl", code=1)
+    assert failed.returncode != 0 and sorted(p.name for p in (checkout / ".whl").iterdir()) == \
+        ["diffusers-0.1.0-py3-none-any.whl"]
+    proc = run_wheels(checkout, tmp_path / "bin", fetched="diffusers-9.9.9-py3-none-any.whl")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (checkout / ".whl").iterdir()) == ["diffusers-9.9.9-py3-none-any.whl"]
 
 
 @pytest.mark.parametrize("name", ["gpu.yaml", "gpu_random.yaml"])
