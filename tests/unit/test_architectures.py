@@ -4,6 +4,7 @@ Runtime: about 10 s on 2 cores (nothing full-size is materialised)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from agg_bench.engine.text import hash_tokens
 from agg_bench.errors import ConfigError
 from agg_bench.runtime.train import model_label, weights_label
 from helpers import seeded
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # The public sizes of the transformers, in billions (SD3.5-Medium's 2.5 B includes its stored
 # position table, a buffer in diffusers; the others are the parameters alone).
@@ -135,3 +138,39 @@ def test_bad_architecture_settings(tmp_path, capsys):
         load_config(None, ["model.preset=random", "model.architecture=7"])
     with pytest.raises(ConfigError, match="model.preset"):
         load_config(None, ["model.preset=huge"])
+
+
+@pytest.mark.parametrize("name", ["flux.1-dev", "qwen-image"])
+def test_full_size_lora_models_are_built_as_a_gpu_run_builds_them_without_memory(name):
+    """config/h200.yaml's FLUX.1-dev and Qwen-Image cells (LoRA rank 64, gradient checkpointing, bf16 autocast
+    over float32 weights), whose runs build them only on the GPU: every module of the full-size transformer and
+    VAE is initialised from the seed (on fake tensors: shapes, no memory), and the adapters and checkpointing
+    go onto the meta-device build, no weight materialised, as the memory planner counts them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from agg_bench.config import validate
+    from agg_bench.engine.models import precision, prepare_training
+    from agg_bench.tools.campaign import Campaign
+
+    campaign = Campaign(ROOT / "config" / "h200.yaml")
+    run_id = next(r for r, run in campaign.sweep.runs.items() if run["method"] == "full"
+                  and F.ARCHITECTURES[name].family == campaign.config_of(r)["model"]["family"]
+                  and campaign.config_of(r)["model"]["architecture"] == name)
+    cfg = validate(campaign.config_of(run_id))
+    prec = precision(cfg.model.dtype)
+    assert cfg.train.lora_rank == 64 and cfg.train.gradient_checkpointing and prec.autocast_dtype == torch.bfloat16
+    arch = F.ARCHITECTURES[name]
+    transformer = A.build_on_meta(TRANSFORMER_CLASSES[arch.family], arch.transformer, prec.param_dtype)
+    vae = A.build_on_meta(VAE_CLASSES[arch.family], arch.vae)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for module, seed in ((transformer, cfg.seed), (vae, cfg.seed + 1)):
+            built = A.materialize(module, "cpu", seed)
+            assert not any(t.is_meta for t in (*built.parameters(), *built.buffers()))
+    transformer = A.build_on_meta(TRANSFORMER_CLASSES[arch.family], arch.transformer, prec.param_dtype)
+    base = A.parameter_count(transformer)
+    prepare_training(transformer, arch.family, cfg.train)
+    assert transformer.is_gradient_checkpointing and all(p.is_meta for p in transformer.parameters())
+    trainable = [p for p in transformer.parameters() if p.requires_grad]
+    assert trainable and {p.dtype for p in transformer.parameters()} == {prec.param_dtype}
+    # the adapters are all that trains: rank 64 on the family's targets, a small share of the model
+    assert sum(p.numel() for p in trainable) == A.parameter_count(transformer) - base < base / 50
