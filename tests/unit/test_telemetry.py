@@ -600,3 +600,72 @@ def test_each_phase_records_its_own_cuda_peak_and_the_iteration_the_largest(monk
     assert set(TELEMETRY_KEYS) < set(record) and list(record)[-4:] == [  # the phase peaks come after the rest
         "peak_alloc_rollout_bytes", "peak_alloc_reward_bytes", "peak_alloc_train_bytes", "peak_alloc_eval_bytes"]
     assert PHASE_PEAK_KEY.format(phase="train") == "peak_alloc_train_bytes"
+
+
+class FakeCudaClock:
+    """torch.cuda's events, streams and synchronize on a GPU clock that a test moves (``advance``): an event
+    holds the time it was recorded at once its stream reaches it, which a synchronize of the device or of
+    the event waits for; reading ``elapsed_time`` of an event not waited for is refused, as CUDA does for an
+    event that has not completed."""
+
+    def __init__(self, monkeypatch):
+        self.now_ms = 0.0
+        self.device_syncs = 0
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = self.done = None
+
+            def record(self, stream=None):
+                assert stream is clock.stream
+                self.at = clock.now_ms
+
+            def synchronize(self):
+                self.done = self.at
+
+            def elapsed_time(self, end):
+                assert self.at is not None and end.done is not None, "elapsed_time of an event not completed"
+                return end.done - self.at
+
+        self.stream = object()
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.stream)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: setattr(self, "device_syncs",
+                                                                                   self.device_syncs + 1))
+        monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML: its values None
+
+    def advance(self, ms: float) -> None:
+        self.now_ms += ms
+
+
+def test_on_cuda_phases_are_timed_by_events_without_stalling_the_gpu(monkeypatch):
+    """A CUDA run's times come from CUDA events (the GPU's time, read after the end event completed); the
+    device is not synchronized around each phase, which would stall the queued work being timed."""
+    gpu = FakeCudaClock(monkeypatch)
+    FakeAllocator().install(monkeypatch)
+    with Telemetry("cuda") as tel:
+        with tel.iteration():
+            with tel.phase("rollout"):
+                gpu.advance(250.0)
+            gpu.advance(10.0)
+            for ms in (400.0, 100.0):
+                with tel.phase("train"):
+                    gpu.advance(ms)
+        record = tel.record()
+    assert gpu.device_syncs == 0
+    assert record["t_rollout_s"] == 0.25 and record["t_train_s"] == 0.5 and record["t_iter_s"] == 0.76
+    assert record["t_reward_s"] is None and record["energy_j"] is None and record["peak_alloc_bytes"] == 0
+
+
+def test_on_cuda_without_events_the_device_is_synchronized_at_both_ends(monkeypatch):
+    """Telemetry off (the baseline for what it costs): wall-clock times, the device synchronized at each end
+    of each block so that they cover the queued GPU work."""
+    gpu = FakeCudaClock(monkeypatch)
+    with Telemetry("cuda", enabled=False) as tel:
+        with tel.iteration():
+            with tel.phase("train"):
+                pass
+        record = tel.record()
+    assert gpu.device_syncs == 4 and record["t_train_s"] >= 0 and record["peak_alloc_bytes"] is None
