@@ -548,9 +548,7 @@ class Campaign:
             except ConfigError as err:
                 raise ConfigError(key, device, f"{err.expected}; or the same campaign on the CPU: --cpu") from None
             if self.gpu is not None and not self.cpu and resolved.type == "cuda":
-                import torch
-
-                visible = torch.cuda.get_device_name(resolved)
+                visible = visible_gpu_name(device)
                 if self.gpu.lower() not in visible.lower():
                     raise ConfigError("campaign.gpu", self.gpu,
                                       f"the GPU this campaign's reference was run on, but {key} = {quote(device)} is "
@@ -757,6 +755,26 @@ def check_started(started: Any, minutes: float) -> float:
         raise ConfigError("--started", started, f"a start less than --minutes {minutes:g} ago (now: {now:.0f}): "
                                                 "the window has no time left")
     return float(started)
+
+
+GPU_NAME_TIMEOUT_S = 120.0
+
+
+def visible_gpu_name(device: str, python: str = sys.executable) -> str:
+    """The name torch gives the CUDA device ``device`` (``cuda`` or ``cuda:N``), asked in a child process: a
+    campaign process that touched CUDA itself could hold a context on the GPU all window, memory that NVML
+    counts in every run's peak. A UserError where the child cannot tell."""
+    code = "import sys, torch; print(torch.cuda.get_device_name(torch.device(sys.argv[1])))"
+    try:
+        proc = subprocess.run([python, "-c", code, device], capture_output=True, text=True,
+                              timeout=GPU_NAME_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise UserError(f"campaign.gpu: the name of {device} could not be read ({err})") from None
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise UserError(f"campaign.gpu: the name of {device} could not be read ({why})")
+    return lines[-1].strip()
 
 
 def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: str | Path | None,

@@ -399,12 +399,30 @@ def test_a_gpu_window_on_a_machine_without_cuda_is_one_line_and_writes_nothing(t
 
 
 def fake_gpu(monkeypatch, name: str) -> list:
-    """torch sees one CUDA device called ``name``; returns the devices whose name was asked for."""
+    """torch sees one CUDA device called ``name`` (in this process and in the child that the campaign asks for
+    its name); returns the devices whose name was asked for."""
     asked: list = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or name)
+    monkeypatch.setattr(campaign_module, "visible_gpu_name",
+                        lambda device, python=sys.executable: torch.cuda.get_device_name(torch.device(device)))
     return asked
+
+
+def test_the_gpu_name_is_asked_in_a_child_process(tmp_path, monkeypatch):
+    """The campaign process itself never touches CUDA (a context it held would sit on the GPU all window, counted
+    in every run's NVML peak): a child with torch.cuda.get_device_name faked answers, and one that fails is one
+    line naming campaign.gpu."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\n"
+                                          "torch.cuda.get_device_name = lambda device=None: f'NVIDIA H200 ({device})'\n")
+    monkeypatch.setenv("PYTHONPATH", f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: pytest.fail("asked in this process"))
+    assert campaign_module.visible_gpu_name("cuda:0") == "NVIDIA H200 (cuda:0)"
+    with pytest.raises(UserError, match=r"^campaign.gpu: the name of cuda could not be read \(.*nowhere"):
+        campaign_module.visible_gpu_name("cuda", python=str(tmp_path / "nowhere" / "python"))
 
 
 @pytest.mark.parametrize("config", ["h200.yaml", "learning_gpu.yaml"])
