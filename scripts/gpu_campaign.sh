@@ -46,9 +46,10 @@ WORK=$(here "${AGG_BENCH_CAMPAIGN_OUT:-}")
 WORK=${WORK:-results/campaign}
 [[ -z "${PYTHON:-}" ]] || export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the tree, not an install
 source "$ROOT/scripts/python_env.sh" || exit 2
-# every module a window's processes import: one missing (peft, say) failed only the runs that reach it, minutes in
-pick_python gpu_campaign "agg-bench's requirements" torch diffusers peft safetensors numpy yaml jsonschema pandas \
-    PIL tqdm agg_bench
+pick_python gpu_campaign "agg-bench's requirements" torch diffusers agg_bench
+# every other module a window's processes import: one missing (peft, say) failed only the runs that reach it,
+# minutes in
+require_modules gpu_campaign "agg-bench's requirements" peft safetensors numpy yaml jsonschema pandas PIL tqdm
 ARGS=(--config "$CONFIG" --minutes "$MINUTES" --started "$STARTED" --work "$WORK" --reference "$REFERENCE")
 if [[ $MODE == gpu ]]; then
   require_cuda gpu_campaign "run scripts/gpu_campaign.sh --cpu on a machine without one, or install torch's CUDA build"

@@ -28,6 +28,19 @@ pick_python() {
   fi
 }
 
+# require_modules NAME NEEDS MODULE...: exits 2 with one line when PY has no MODULE to import; each is found, not
+# imported (importing peft and pandas took seconds of a window's clock), so call pick_python first.
+require_modules() {
+  local name=$1 needs=$2 missing
+  shift 2
+  missing=$("$PY" -c 'import importlib.util as u, sys; print(" ".join(m for m in sys.argv[1:] if u.find_spec(m) is None))' \
+            "$@" 2>&1) || missing="(the check failed: $(printf '%s\n' "$missing" | tail -n 1))"
+  if [[ -n "$missing" ]]; then
+    echo "$name: $PY cannot import ${missing// /, } (ModuleNotFoundError); set PYTHON to an interpreter with $needs" >&2
+    exit 2
+  fi
+}
+
 # require_cuda NAME ADVICE: exits 2 with one line when PY's torch sees no CUDA device; ADVICE ends that line.
 require_cuda() {
   if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
