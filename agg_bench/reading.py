@@ -25,7 +25,7 @@ with it, and the results readers read run folders with it; it imports no torch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .errors import UserError, quote
 from .io import read_jsonl
@@ -97,6 +97,12 @@ class RunFolder:
         """``config.json`` as the JSON object it holds (bounded in size, not yet typed): what a rerun compares
         with its own config to tell whether the folder holds the same run. A UserError if it is not one."""
         return read_json_object(self.path(CONFIG_FILE), "the run config of an agg-bench run (a JSON object)")
+
+    @overload
+    def config(self, required: Literal[True] = True) -> RunConfig: ...
+
+    @overload
+    def config(self, required: bool) -> RunConfig | None: ...
 
     def config(self, required: bool = True) -> RunConfig | None:
         """``config.json`` as the typed run config (:func:`run_config`); None when there is none and it is

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeGuard
 
 from .errors import quote
 
@@ -107,7 +107,7 @@ def new_record(*fields: Mapping, **more) -> dict:
     return record
 
 
-def is_finite_number(value: Any) -> bool:
+def is_finite_number(value: object) -> TypeGuard[int | float]:
     """``value`` is a number (not true or false; numpy's numbers included) that is finite as a float: NaN, an
     infinity and an integer past a float's range (10**400, which JSON reads) are not. The one test of a
     number read from a file: records, plans, evaluations, calibrations, tables, imported logs."""

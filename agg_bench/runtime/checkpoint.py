@@ -30,6 +30,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -347,7 +348,7 @@ def read_checkpoint(path: str | Path, prefix: str = "", advice: str = "") -> dic
     return state
 
 
-def parameters_problem(saved: dict, params: dict[str, torch.Tensor]) -> str | None:
+def parameters_problem(saved: dict, params: Mapping[str, torch.Tensor]) -> str | None:
     """What keeps a checkpoint's ``saved`` parameters from being exactly the model's trainable ``params``
     (every one present, no other, each of its shape); None when nothing does."""
     missing = [name for name in params if name not in saved]
@@ -363,7 +364,7 @@ def parameters_problem(saved: dict, params: dict[str, torch.Tensor]) -> str | No
     return None
 
 
-def load_parameters(module_params: dict[str, torch.Tensor], saved: dict, path: Path, prefix: str = "",
+def load_parameters(module_params: Mapping[str, torch.Tensor], saved: dict, path: Path, prefix: str = "",
                     advice: str = "") -> None:
     """Copy ``saved`` (a checked checkpoint's parameters) into the model's trainable parameters, strictly:
     a UserError naming ``path`` unless they are exactly those parameters, each of its shape."""

@@ -384,9 +384,10 @@ def check_hardware(campaign: Campaign, where: str, gpus: dict[str, str | None], 
                                 f"{campaign.config_path} asks for {quote(wanted)}")
 
 
-WINDOW_LOG_KEYS = {"started": str, "minutes": (int, float), "config": str, "done_before": int, "runs": int,
-                   "pretrained": list, "processes": list, "stopped_by_signal": (str, type(None)),
-                   "seconds": (int, float), "finished_in_window": list, "left": int, "calibrations_left": int}
+WINDOW_LOG_KEYS: dict[str, type | tuple[type, ...]] = {
+    "started": str, "minutes": (int, float), "config": str, "done_before": int, "runs": int, "pretrained": list,
+    "processes": list, "stopped_by_signal": (str, type(None)), "seconds": (int, float), "finished_in_window": list,
+    "left": int, "calibrations_left": int}
 
 
 def _check_window_log(where: str, name: str, data: bytes) -> None:

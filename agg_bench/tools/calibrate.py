@@ -136,7 +136,8 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
 
     policy = session.policy
     snapshot = Snapshot(policy, batch, {}, session.cfg.to_dict())
-    setups, out = {}, {}
+    setups: dict[str, tuple] = {}
+    out: dict[str, dict[str, Any]] = {}
     for label, (name, sets) in methods.items():
         train = None  # the run's train section, or the method's own where it sets its trained steps' plan
         try:
@@ -300,9 +301,10 @@ ROLLOUT_SHARED_KEYS = ("seed", "device", "model", "prompts", "grpo.group_size", 
 
 def _at(config: Mapping, key: str) -> Any:
     """The value of dotted ``key`` in a nested config dict (None where a level is missing)."""
+    value: Any = config
     for part in key.split("."):
-        config = config.get(part) if isinstance(config, Mapping) else None
-    return config
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
 
 
 def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
@@ -325,7 +327,8 @@ def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
     start = generator.get_state()
     rows = shard.rows(total)
     sampler = distributed.rollout_policy(policy, shard, total)
-    setups, out = {}, {}
+    setups: dict[str, tuple] = {}
+    out: dict[str, dict[str, Any]] = {}
     for label, (_, sets) in methods.items():
         cfg = validate(apply_overrides(run_config, sets))
         changed = [key for key in ROLLOUT_SHARED_KEYS if _at(cfg.to_dict(), key) != _at(run_config, key)]
@@ -425,7 +428,8 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
                 "optimizer_step": (update.cpu_s, update.elapsed_s)}
 
     # seconds per call of each (kind, latents), and of each optimizer step
-    seconds = {(kind, n): {"cpu": [], "wall": []} for kind, pair in sizes.items() for n in pair}
+    seconds: dict[tuple[str, int], dict[str, list[float]]] = {
+        (kind, n): {"cpu": [], "wall": []} for kind, pair in sizes.items() for n in pair}
     seconds.update({("optimizer_step", 1): {"cpu": [], "wall": []}})
     cases = [(kind, n) for kind in ("forward_nograd", "forward_grad") for n in sizes[kind]]
     for r in range(options.warmup + options.repeats):
@@ -437,7 +441,8 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
                     seconds[key]["cpu"].append(cpu)
                     seconds[key]["wall"].append(wall)
     env = environment()
-    units, per_call = {}, {}
+    units: dict[str, dict[str, dict[str, float]]] = {}
+    per_call: dict[str, dict[str, Any]] = {}
     for kind in (*PASS_KEYS, "optimizer_step"):
         n = sizes[kind][0] if kind in sizes else 1
         units[kind] = {basis: _quartiles([x / n for x in values]) for basis, values in seconds[(kind, n)].items()}

@@ -815,7 +815,8 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
         if all(entry["ok"] for entry in log["pretrained"]):
             log["processes"] = _run_processes(campaign, campaign.work(done, calibrated), stamp, work, stop_at,
                                               deadline, python)
-        log["stopped_by_signal"] = signal.Signals(stopping.pending()).name if _stopped() else None
+        received = stopping.pending()
+        log["stopped_by_signal"] = signal.Signals(received).name if received is not None else None
         log["seconds"] = round(time.time() - start, 1)
         log["finished_in_window"] = sorted(r for p in log["processes"] for r in p.get("finished", []))
         done = campaign.done(reference, work)
@@ -902,7 +903,8 @@ def _run_process(campaign: Campaign, item: Process | Calibration, number: int, s
         if cell_calibration.is_report(Path(entry["report"])):
             Path(entry["report"]).unlink()
     began = time.time()
-    code, how = None, "not started: another process is writing its runs"
+    code: int | None = None
+    how: str | None = "not started: another process is writing its runs"
     if not run_ids and calibrations:  # calibrations only: not started when the first would be cut
         expected = campaign.calibration_seconds(cell, list(calibrations[0]["methods"]))
         how = f"not started: about {expected:.0f} s, more than the window had left" \
@@ -926,6 +928,7 @@ def _run_process(campaign: Campaign, item: Process | Calibration, number: int, s
     for entry in calibrations:
         report = cell_calibration.read_report(Path(entry["report"]))
         out = Path(entry["out"])
+        timed: dict[str, Any]
         if report is None:  # the process never reached it
             timed = {"methods": list(entry["methods"]), "exit_code": code, "seconds": 0.0,
                      "ended": how if code is None else f"not reached: the process {how}, exit code {code}"}

@@ -238,10 +238,10 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
     if out.suffix != ".csv":
         raise UserError(f"--out {out}: expected a FILE.csv path")
     # the device first: a GPU this machine lacks is refused before anything is written or computed
-    device = resolve_device(device, "--device") if device is not None else \
+    target = resolve_device(device, "--device") if device is not None else \
         resolve_device(cfg.device if cfg is not None else "cpu")
     with claim_files({out: (is_gradcheck_csv, "a gradcheck table")}):
-        return _gradcheck(out, cfg, snapshot_dir, windows, alphas, route_fracs, reuse, methods, device)
+        return _gradcheck(out, cfg, snapshot_dir, windows, alphas, route_fracs, reuse, methods, target)
 
 
 def snapshot_target(out: Path) -> Path:
@@ -267,6 +267,7 @@ def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, 
         temporary = None if snapshot_dir is not None else folder
     try:
         if not _has_snapshot(folder):
+            assert cfg is not None  # a folder without a snapshot came from the branch that requires cfg
             save_snapshot(cfg, folder, "--snapshot" if snapshot_dir is not None else "--out")
         snapshot = load_snapshot(folder, device)
         progress = cfg.progress if cfg is not None else bool(snapshot.config.get("progress", True))

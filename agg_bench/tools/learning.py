@@ -157,7 +157,7 @@ def sample_grids(runs: list[Run], images: dict, captions: list[str], path: str |
     from ..engine.scene_reward import SceneReward
     from ..tools.pretrain import save_grid
 
-    first = {}
+    first: dict[str, Run] = {}
     for run in runs:
         first.setdefault(run.method, run)
     rows, labels, values = [], [], []
@@ -293,10 +293,12 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
             write_table(table, tables, options.average, options.fraction, options.target_fraction, reference)
             write_curves(runs, tables)
             if options.eval_noises:
+                assert scores is not None  # eval_noises made the evaluation above
                 write_text(tables / "evaluation.csv", scores.to_csv(index=False))
         if plots:
             plot_rewards(runs, plots / "reward_iteration.png", "iteration")
             plot_rewards(runs, plots / "reward_time.png", "time")
             plot_held_out(runs, plots)
+            assert evaluation is not None and images is not None  # plots made the evaluation above
             sample_grids(runs, images, evaluation.captions, plots / "samples.png", evaluation.keep)
     return runs

@@ -200,7 +200,9 @@ def sweep_entry_config(label: str, spec: dict) -> PretrainConfig:
 def transformer_config(cfg: PretrainConfig) -> dict:
     """The family's transformer config for pixel latents of ``cfg`` (its spec's ``pixel_transformer``; a
     ConfigError naming the key a value the family cannot take)."""
-    return FAMILY_SPECS[cfg.family].pixel_transformer(
+    build = FAMILY_SPECS[cfg.family].pixel_transformer
+    assert build is not None  # cfg.family is one of FAMILIES, the families that have one
+    return build(
         3 * cfg.pixel_factor ** 2, cfg.resolution // cfg.pixel_factor, cfg.num_layers, cfg.num_attention_heads,
         cfg.attention_head_dim, cfg.text_dim)
 
@@ -376,7 +378,9 @@ def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
         tmp.mkdir(parents=True)
         ema.save_pretrained(tmp / "transformer")
         decoder.save_pretrained(tmp / "vae")
-        FlowMatchEulerDiscreteScheduler(shift=cfg.shift).save_pretrained(tmp / "scheduler")
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=cfg.shift)
+        # mypy reads diffusers' top-level name as its no-torch placeholder class, which lacks the method
+        scheduler.save_pretrained(tmp / "scheduler")  # type: ignore[attr-defined]
         write_text(tmp / TOKEN_HASH_FILE, json.dumps({"max_tokens": cfg.max_tokens, "seed": cfg.seed}) + "\n")
         save_grid(tmp / "samples.png", images, captions, scores.tolist(),
                   title=f"{cfg.family}, {cfg.steps} steps, {cfg.sample_steps} Euler steps: "

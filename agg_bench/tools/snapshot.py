@@ -356,8 +356,8 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimato
     sigmas = tensors["sigmas"]
     outside = ((sigmas < 0) | (sigmas > 1)).nonzero()
     if len(outside) or not bool((sigmas[1:] < sigmas[:-1]).all()):  # the SDE steps divide by s and by s_j - s_j+1
-        value = float(sigmas[int(outside[0])]) if len(outside) else sigmas.tolist()
-        raise UserError(f"{path}: sigmas holds {quote(value)}: expected a noise schedule, decreasing from at most 1 "
+        held = float(sigmas[int(outside[0])]) if len(outside) else sigmas.tolist()
+        raise UserError(f"{path}: sigmas holds {quote(held)}: expected a noise schedule, decreasing from at most 1 "
                         "to at least 0")
     timesteps = tensors["timesteps"]
     expected = estimator.rollout_timesteps(policy, sigmas).to(timesteps.dtype)

@@ -35,9 +35,9 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import yaml
 
@@ -93,7 +93,7 @@ DONE_DIR = "results/done"  # each run's marker: the output of its job (a run job
 MAX_RUNS = 4096
 
 
-def is_pretrained_here(path: Any) -> bool:
+def is_pretrained_here(path: object) -> TypeGuard[str]:
     """Whether a ``model.pretrained`` value names a folder that the workflow's pretrain rule makes."""
     return isinstance(path, str) and path.startswith(PRETRAINED_DIR + "/")
 
@@ -127,7 +127,7 @@ def check_sweep_files(paths) -> list[dict]:
 LISTED_LABELS = {"resolution": "resolutions", "seed": "seeds"}
 
 
-def listed_values(sweep: dict, files: list[dict] = ()) -> dict[str, list[str]]:
+def listed_values(sweep: dict, files: Sequence[dict] = ()) -> dict[str, list[str]]:
     """Each value a run's resolution and seed can take, as text (how an `exclude` pattern matches it): the
     sweep's lists and those of the files it came from (``files``: what :func:`check_sweep_files` read), so
     that an `exclude` written for the file still stands when a ``--config`` narrows its list."""
@@ -201,7 +201,7 @@ def _merge_config(config: dict, update: dict) -> None:
             config[key] = value
 
 
-def check_sweep(sweep: dict, schema: dict, files: list[dict] = ()) -> None:
+def check_sweep(sweep: dict, schema: dict, files: Sequence[dict] = ()) -> None:
     """The sweep's size (aliases written out: before anything walks it), its structure against ``schema``,
     then the cross-references between its sections (``files``: what the files it came from hold, whose
     resolutions and seeds an `exclude` pattern may name)."""
@@ -433,6 +433,7 @@ def check_methods(base_file: str | None, jobs: dict[str, list]) -> dict[str, dic
 def _main() -> int:
     """``python -m agg_bench.tools.sweep``: {"base", "jobs"} on stdin -> {"options"} or {"error"} on stdout."""
     request = json.load(sys.stdin)
+    answer: dict[str, object]
     try:
         answer = {"options": check_methods(request["base"], request["jobs"])}
     except UserError as err:
