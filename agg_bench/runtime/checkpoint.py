@@ -30,10 +30,10 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -111,7 +111,9 @@ def check_same_run(saved: dict, cfg: dict, out_dir: Path) -> None:
 
 
 def _rng_state(device: torch.device) -> dict:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = np.random.get_state()
+    assert isinstance(state, tuple)  # legacy=True, the default, gives the tuple form
+    name, keys, pos, has_gauss, cached = state
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None,
@@ -169,7 +171,7 @@ def _save_shards(out_dir: Path, session, iteration: int) -> str:
 
 
 def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[str], config: dict,
-                    evaluations: list[str] = ()) -> Path:
+                    evaluations: Sequence[str] = ()) -> Path:
     """Write the state after ``iteration`` (records 0..iteration and the evaluations up to it, as JSON lines)
     to DIR/checkpoint.pt atomically.
 
@@ -205,7 +207,7 @@ def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[
     return path
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -265,21 +267,21 @@ def checkpoint_problem(state: Any) -> str | None:
     if not _is_int(version) or version < 0:
         return f"policy_version = {quote(version)}: expected an integer >= 0"
     records, problem = _json_lines(state.get("records"), "records")
-    if problem is None:
-        problem = records_problem(records, ("iteration",))
-        problem = None if problem is None else f"records: {problem}"
-    if problem is None and [r["iteration"] for r in records] != list(range(iteration + 1)):
-        problem = f"records: iterations {quote([r['iteration'] for r in records])}: expected 0 to {iteration} in order"
-    if problem is not None:
+    if records is None:
         return problem
+    problem = records_problem(records, ("iteration",))
+    if problem is not None:
+        return f"records: {problem}"
+    if [r["iteration"] for r in records] != list(range(iteration + 1)):
+        return f"records: iterations {quote([r['iteration'] for r in records])}: expected 0 to {iteration} in order"
     evaluations, problem = _json_lines(state.get("evaluations", []), "evaluations")
-    if problem is None:
-        problem = evaluations_problem(evaluations)
-        problem = None if problem is None else f"evaluations: {problem}"
-    if problem is None and any(e["iteration"] > iteration + 1 for e in evaluations):
-        problem = f"evaluations: a state after iteration {iteration}, the checkpoint's"
-    if problem is not None:
+    if evaluations is None:
         return problem
+    problem = evaluations_problem(evaluations)
+    if problem is not None:
+        return f"evaluations: {problem}"
+    if any(e["iteration"] > iteration + 1 for e in evaluations):
+        return f"evaluations: a state after iteration {iteration}, the checkpoint's"
     try:
         run_config(state.get("config"), "config")
     except UserError as err:

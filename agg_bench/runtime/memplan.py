@@ -471,7 +471,7 @@ def _describe(layout: Layout, base: Layout) -> str:
 class _Search:
     """Layouts near the run's, tried in order of cost; keeps those that fit."""
 
-    def __init__(self, shapes: ShapeModel, base: Layout, budget: int, has_micro_batch: bool, group_size: int):
+    def __init__(self, shapes: ShapeModel, base: Layout, budget: float, has_micro_batch: bool, group_size: int):
         self.shapes, self.base, self.budget = shapes, base, budget
         self.has_micro_batch, self.group_size = has_micro_batch, group_size
 

@@ -43,6 +43,7 @@ def run_sigmas(cfg: RunConfig, policy: Policy, latent_shape: tuple[int, int, int
     """The run's sigma schedule (T+1): ``sampling.schedule`` with ``sampling.shift``, or for ``diffusers`` with a
     null shift the model's own."""
     if cfg.sampling.schedule == "linspace":
+        assert cfg.sampling.shift is not None  # validate refuses linspace without a shift
         return linspace_sigmas(cfg.sampling.steps, cfg.sampling.shift)
     if cfg.sampling.shift is not None:
         return flow_sigmas(cfg.sampling.steps, cfg.sampling.shift)
@@ -200,7 +201,7 @@ class Session:
         called ``times`` times."""
         train = self.cfg.train
         n = self.policy.version
-        if self.eval_ema is None or (n + 1) % train.eval_ema_every:
+        if self.eval_ema is None or train.eval_ema is None or (n + 1) % train.eval_ema_every:
             return
         for _ in range(times):
             self.eval_ema.update(self.policy, warmup_decay(n, train.eval_ema))
@@ -224,7 +225,10 @@ class Session:
         cfg = self.cfg
         params = self.policy.parameters()
         out: dict = {}
-        losses, clips, kls, norms = [], [], [], []
+        losses: list[float] = []
+        clips: list[float] = []
+        kls: list[float] = []
+        norms: list[float] = []
         parts = self.estimator.update_parts(batch, cfg.train, cfg.grpo.group_size)
         self.steps_taken = 0
         for _ in range(cfg.train.inner_epochs):

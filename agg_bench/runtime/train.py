@@ -13,6 +13,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -32,6 +33,9 @@ from .config_check import check_config
 from .evaluation import Evaluation
 from .memplan import run_memory_plan
 from .session import Session, check_trained_steps, identity, iteration_generator, model_label, run_iteration, weights_label
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 # the names callers import from here, wherever they are defined
 __all__ = ["RECORD_KEYS", "TIMING_KEYS", "Interrupted", "Session", "Training", "check_trained_steps",
@@ -164,7 +168,7 @@ class Training:
         self.scalar_events: scalar_events.TensorBoardEvents | None = None
         self.eval_writer: JsonlWriter | None = None
         self.bar: tqdm | None = None
-        self._step_hook = None
+        self._step_hook: RemovableHandle | None = None
 
     def run(self) -> dict:
         """Begin, iterate from the first iteration not done to ``train.iterations`` and finish; the summary.
@@ -181,6 +185,7 @@ class Training:
             evaluated = self._evaluate_if_due(self.start)  # the starting weights (or a resumed run's missing one)
             if evaluated and self.log_lines:
                 print(evaluated, file=sys.stderr, flush=True)
+            assert self.bar is not None  # begin() opened it
             for iteration in self.bar:
                 if self.budget_reached:  # a resumed run whose checkpoint spent the budget already
                     break
@@ -248,9 +253,11 @@ class Training:
         cost reached ``train.budget``: the loop then ends), else the status and error that end it: ``oom``
         (out of memory on any process: its record holds the memory at the failure) or ``diverged``. Any
         other failure raises."""
+        assert self.telemetry is not None and self.bar is not None  # begin() opened them
         try:
             fields = run_iteration(self.session, self.telemetry, iteration)
         except Exception as exc:  # an OOM ends the run but not the sweep
+            memory: dict | None
             if isinstance(exc, distributed.PeerFailure):
                 oom, memory = exc.is_oom, exc.memory
             else:
@@ -259,6 +266,7 @@ class Training:
             distributed.report_failure(exc, memory)
             if not oom:
                 raise
+            assert memory is not None  # taken for every out-of-memory error above
             self._write(new_record(self.identity, {"iteration": iteration}, self.telemetry.record(), memory,
                                    status="oom"))
             return "oom", None

@@ -46,7 +46,7 @@ class Architecture:
         return self.prefix_tokens + (self.text_tokens if max_sequence_length is None else max_sequence_length)
 
 
-def diffusers_class(name: str) -> type:
+def diffusers_class(name: str) -> type[Any]:
     """The class ``name`` of the diffusers package (imported on first use)."""
     return getattr(importlib.import_module("diffusers"), name)
 
@@ -121,13 +121,13 @@ class FamilySpec:
     vae_decode: Callable | None = None
     pixel_transformer: Callable[..., dict] | None = None
 
-    def transformer_cls(self) -> type:
+    def transformer_cls(self) -> type[Any]:
         return diffusers_class(self.transformer_class)
 
-    def vae_cls(self) -> type:
+    def vae_cls(self) -> type[Any]:
         return diffusers_class(self.vae_class)
 
-    def pipeline_cls(self) -> type:
+    def pipeline_cls(self) -> type[Any]:
         return diffusers_class(self.pipeline_class)
 
     def problems(self) -> list[str]:
