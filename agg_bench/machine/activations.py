@@ -127,7 +127,9 @@ class SavedActivations:
                 self._settle_releases()
             count = self._refs.get(key, 0)
             if count == 0:
-                nbytes = int(storage.nbytes()) if nbytes is None else nbytes
+                if nbytes is None:
+                    assert storage is not None  # only a plain storage leaves its size to be read here
+                    nbytes = int(storage.nbytes())
                 self._sizes[key] = nbytes
                 self._live_bytes += nbytes
                 if self._live_bytes > self._peak_bytes:

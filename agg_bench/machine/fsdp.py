@@ -172,7 +172,9 @@ def gradient_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64)
     if not any(isinstance(g, DTensor) for g in grads):
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
-    squares = torch.zeros((), dtype=torch.float64, device=grads[0].to_local().device)
+    # a whole gradient may come first: only a sharded one has a local part to take the device from
+    sharded = next(g for g in grads if isinstance(g, DTensor))
+    squares = torch.zeros((), dtype=torch.float64, device=sharded.to_local().device)
     main = dist.get_rank() == 0
     for g in grads:
         if isinstance(g, DTensor) or main:  # a whole (replicated) gradient counts once

@@ -260,6 +260,7 @@ class Telemetry:
         try:
             with ExitStack() as stack:
                 if self.enabled:
+                    assert self._sampler is not None  # made for an enabled Telemetry
                     self._memory = CudaMemory(self.device)
                     self._saved = SavedActivations()
                     reset_rss_peak()
@@ -273,6 +274,7 @@ class Telemetry:
             self._iteration_timer = timer
 
     def _finish_iteration(self) -> None:
+        assert self._sampler is not None  # called only for an enabled Telemetry, which made one
         self._nvml = self._sampler.stop()
         self._rss_peak = rss_peak_bytes()
 
@@ -293,19 +295,21 @@ class Telemetry:
             raise ValueError(f"saved_activations must be False, True, 'all' or 'regions', not {saved_activations!r}")
         timer = self._timer()
         track = bool(saved_activations) and self._counts_saved()
-        if track and self._saved is None:
-            self._saved = SavedActivations()
+        saved = self._saved
+        if track and saved is None:
+            saved = self._saved = SavedActivations()
         # A tracked phase inside another tracked phase is already being counted.
-        enter_tracker = track and saved_activations != "regions" and not self._saved.active
+        tracker = saved if track and saved is not None and saved_activations != "regions" and not saved.active \
+            else None
         arm = track and saved_activations == "regions" and region_tracker.get() is None
-        token = region_tracker.set(self._saved) if arm else None
+        token = region_tracker.set(saved) if arm else None
         # a phase not inside another gets its own CUDA peak (the stretch before it is cut off first)
         memory = self._memory if self._depth == 0 and self._memory is not None and self._memory.measures else None
         if memory is not None:
             memory.split()
         self._depth += 1
         try:
-            with timer, (self._saved if enter_tracker else nullcontext()):
+            with timer, (tracker if tracker is not None else nullcontext()):
                 yield self
         finally:
             self._depth -= 1
