@@ -39,9 +39,12 @@ class _BoundedRepr(reprlib.Repr):
         self.maxstring = self.maxother = self.maxlong = QUOTE_CHARS
 
     def repr1(self, x, level):
-        for kind, write in ((dict, self.repr_dict), (list, self.repr_list), (tuple, self.repr_tuple)):
-            if isinstance(x, kind):
-                return write(x, level)
+        if isinstance(x, dict):
+            return self.repr_dict(x, level)
+        if isinstance(x, list):
+            return self.repr_list(x, level)
+        if isinstance(x, tuple):
+            return self.repr_tuple(x, level)
         return super().repr1(x, level)
 
     def repr_dict(self, x, level):
@@ -108,7 +111,7 @@ DISK_FULL = {errno.ENOSPC: "no space left on device",
              getattr(errno, "EDQUOT", errno.ENOSPC): "no space left on device (disk quota exceeded)"}
 
 
-def disk_full(exc: BaseException) -> tuple[str, str | None] | None:
+def disk_full(exc: BaseException | None) -> tuple[str, str | None] | None:
     """(what is full, the path being written or None) when ``exc`` or an exception it was raised from or
     while handling is a full disk: an ``OSError`` with errno ENOSPC or EDQUOT, or an error of a library
     that wraps one in its message (torch and safetensors report the OS's text); else None."""

@@ -143,7 +143,7 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO]:
     """An open temporary sibling of ``path`` (text ``w`` or binary ``wb``), flushed, fsynced and renamed
     onto ``path`` when the block ends; removed if it raises."""
     with atomic_target(path) as tmp:
-        with open(tmp, mode, opener=_open_nofollow, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+        with open(tmp, mode, opener=_open_nofollow, encoding=None if "b" in mode else "utf-8") as fh:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())

@@ -55,7 +55,8 @@ import contextlib
 import os
 import signal
 import threading
-from typing import Callable, Iterator
+from types import FrameType
+from typing import Any, Callable, Iterator
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -74,7 +75,7 @@ class _StopState:
     def __init__(self) -> None:
         self.depth = 0  # nested stop_signals blocks
         self.installed = False  # handlers installed by the outermost block (main thread only)
-        self.previous: dict[int, object] = {}
+        self.previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self.name = "agg-bench"
         self.received: int | None = None  # the first signal, until the outermost block ends
         self.handled = False  # a command reported it (exit code 128 + N)
@@ -140,8 +141,8 @@ def stop_signals(name: str = "agg-bench") -> Iterator[None]:
         state.depth -= 1
         if outermost:
             if state.installed:
-                for signum, handler in state.previous.items():
-                    signal.signal(signum, handler)
+                for number, handler in state.previous.items():
+                    signal.signal(number, handler)
             state.previous.clear()
             state.installed = False
             state.reset()

@@ -530,7 +530,7 @@ def replay_gradient(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | N
 
 
 def replay(snapshot_dir: str | Path, method: str, overrides: list[str], out_file: str | Path,
-           device: str = "cpu") -> dict:
+           device: str | torch.device = "cpu") -> dict:
     """Write ``method``'s gradient on the snapshot to ``out_file`` and its pass counts (and the replay's
     scope, :class:`~agg_bench.methods.base.ReplayCase`) to ``out_file`` .json; returns the pass counts.
     Every check runs before anything is written."""
