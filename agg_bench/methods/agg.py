@@ -176,6 +176,7 @@ class AGGEstimator(Estimator):
 
     name = "agg"
     config_cls = AGGConfig
+    config: AGGConfig
 
     def __init__(self, config: AGGConfig | None = None):
         super().__init__(config)
@@ -258,6 +259,7 @@ class AGGEstimator(Estimator):
         else from no-grad forwards of up to ``nograd_batch`` latents each."""
         rows, steps = rows.to(batch.latents.device), steps.to(batch.latents.device)
         if reuse:
+            assert batch.velocities is not None  # reuse is can_reuse's answer, which checked them
             return batch.velocities[rows, steps].to(batch.latents.dtype)
         chunks = micro_batches(rows.numel(), self.config.nograd_batch) if rows.numel() else []
         out = [batch.latents.new_zeros((0, *batch.latents.shape[2:]))]
@@ -417,6 +419,7 @@ class AGGEstimator(Estimator):
         if velocities is not None:
             return velocities
         # every group's velocities in step order, from its two endpoints and its interior
+        assert end_v is not None  # with own_weights the endpoint backwards return their velocities
         out, start = [], 0
         for g, vg in zip(groups, sum_v):
             r = g.rows.numel()
@@ -437,16 +440,19 @@ class AGGEstimator(Estimator):
         stats.add(terms, batch.log_probs[rows, steps], batch.loss_scale)
         return [ug.view(*g.steps.shape, *ug.shape[1:]) for g, ug in zip(groups, u.split([g.steps.numel() for g in groups]))]
 
-    def _endpoint_backwards(self, policy: Policy, batch: TrainBatch, rows: torch.Tensor, steps: torch.Tensor,
-                            grads: torch.Tensor, own_weights: torch.Tensor | None, own_ref: torch.Tensor | None,
+    def _endpoint_backwards(self, policy: Policy, batch: TrainBatch, rows: torch.Tensor | None,
+                            steps: torch.Tensor | None, grads: torch.Tensor | None, own_weights: torch.Tensor | None, own_ref: torch.Tensor | None,
                             stats: UpdateStats) -> torch.Tensor | None:
         """A forward-with-grad at each endpoint (``rows``, ``steps``) and a backward of ``grads`` through it,
         ``micro_batch`` latents per call. With ``own_weights``, each endpoint's own term is added:
         ``own_weights`` x its u, from the forward's detached output (and ``own_ref``, the reference's v);
         those outputs are returned."""
+        if rows is None or steps is None or grads is None:
+            # none here; a sharded model still makes as many calls as the other processes
+            list(lockstep(policy, batch, [], "grad"))
+            return None
         outputs = []
-        # rows None: none here; a sharded model still makes as many calls as the other processes
-        chunks = [] if rows is None else micro_batches(rows.numel(), self.config.micro_batch or batch.batch_size)
+        chunks = micro_batches(rows.numel(), self.config.micro_batch or batch.batch_size)
         for idx in lockstep(policy, batch, chunks, "grad"):
             idx = idx.to(rows.device)
             r, s = rows[idx], steps[idx]

@@ -55,8 +55,9 @@ def option_tables() -> str:
         lines += ["", f"#### `method.name: {name}`", "", summary(cls), ""]
         rows = option_rows(cls)
         lines += markdown_table(rows) if rows else ["No options."]
-        if chosen(cls) is not None:
-            key, classes = chosen(cls)
+        picks = chosen(cls)
+        if picks is not None:
+            key, classes = picks
             picked.update(classes)
             lines += ["", f"and the options of the chosen `method.{key}` (flat keys of the same section; one left "
                           "unset takes that cache's default):"]
@@ -83,8 +84,9 @@ def method_schema() -> dict:
     for name, cls in method_options_classes().items():
         keys = _keys_schema(cls)
         then: dict[str, Any] = {"properties": {"name": {}, **keys}, "additionalProperties": False}
-        if chosen(cls) is not None:
-            key, classes = chosen(cls)
+        picks = chosen(cls)
+        if picks is not None:
+            key, classes = picks
             flat = sorted({k for c in classes.values() for k in option_names(c)})
             then["properties"].update({k: {} for k in flat if k not in keys})
             then["required"] = [key]
