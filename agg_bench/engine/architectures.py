@@ -17,6 +17,9 @@ overrides it), plus the 77 CLIP tokens that SD3's pipeline puts in front of the 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from diffusers.models.embeddings import PatchEmbed, get_2d_sincos_pos_embed
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
@@ -35,11 +38,13 @@ _UNIT_SCALES = ("weight", "gamma")
 
 
 def _reset_position_table(module: PatchEmbed) -> None:
+    pos_embed = module.pos_embed
+    assert pos_embed is not None  # reset only where the module has buffers: the table is one
     grid = module.pos_embed_max_size or module.height
     table = get_2d_sincos_pos_embed(module.proj.out_channels, grid, base_size=module.base_size,
                                     interpolation_scale=module.interpolation_scale,
-                                    device=module.pos_embed.device, output_type="pt")
-    module.pos_embed.copy_(table.to(module.pos_embed.dtype).unsqueeze(0))
+                                    device=pos_embed.device, output_type="pt")
+    pos_embed.copy_(table.to(pos_embed.dtype).unsqueeze(0))
 
 
 def _reset_rope_tables(module: QwenEmbedRope) -> None:
@@ -51,9 +56,9 @@ def _reset_rope_tables(module: QwenEmbedRope) -> None:
 
 
 # Buffers that hold computed values, by owning module class -> how to recompute them in place.
-_BUFFER_RESETS = {PatchEmbed: _reset_position_table}
+_BUFFER_RESETS: dict[type, Callable[[Any], None]] = {PatchEmbed: _reset_position_table}
 # Modules that keep computed tensors as plain attributes -> how to rebuild them.
-_ATTRIBUTE_RESETS = {QwenEmbedRope: _reset_rope_tables}
+_ATTRIBUTE_RESETS: dict[type, Callable[[Any], None]] = {QwenEmbedRope: _reset_rope_tables}
 
 
 @torch.no_grad()

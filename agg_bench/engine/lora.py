@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -55,7 +56,7 @@ def lora_settings(family: str, rank: int, alpha: float | None = None,
             "target_modules": list(target_modules or family_spec(family).lora_targets)}
 
 
-def apply_lora(transformer: torch.nn.Module, family: str, rank: int, alpha: float | None = None,
+def apply_lora(transformer: Any, family: str, rank: int, alpha: float | None = None,
                target_modules: list[str] | None = None) -> dict:
     """Inject a trainable LoRA adapter and freeze every other weight; returns the settings used.
 
@@ -91,7 +92,7 @@ def base_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_transformer(transformer: torch.nn.Module, folder: str | Path) -> None:
+def save_transformer(transformer: Any, folder: str | Path) -> None:
     """Save a transformer as a plain diffusers folder (``config.json`` + safetensors weights); with LoRA,
     the base weights go there and the adapter to a ``lora/`` sibling of ``folder``."""
     folder = Path(folder)

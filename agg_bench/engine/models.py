@@ -18,9 +18,10 @@ import itertools
 import math
 import os
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 from .. import stopping
 from ..config import RunConfig, TrainConfig
@@ -102,7 +103,9 @@ class Conditioning:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "Conditioning":
-        return cls(**{f.name: tensors.get(f.name) for f in fields(cls)})
+        """The conditioning of ``tensors`` (by field name); the token embeddings must be there."""
+        return cls(tensors["encoder_hidden_states"], tensors.get("pooled_projections"),
+                   tensors.get("encoder_attention_mask"))
 
     @property
     def batch_size(self) -> int:
@@ -155,8 +158,10 @@ class Policy:
 
     def __init__(self, transformer: torch.nn.Module, vae: torch.nn.Module | None, latent_channels: int | None = None,
                  *, autocast_dtype: torch.dtype | None = None, scheduler_config: dict | None = None):
-        self.transformer = transformer
-        self.vae = vae
+        # diffusers models, whose classes are looked up by family name: their config and call keywords are
+        # known at run time only
+        self.transformer: Any = transformer
+        self.vae: Any = vae
         self.latent_channels = latent_channels if latent_channels is not None else \
             self.latent_channels_of(transformer)
         self.autocast_dtype = autocast_dtype
@@ -176,6 +181,7 @@ class Policy:
             return DEFAULT_VAE_SCALE_FACTOR
         if isinstance(self.vae, PixelDecoder):
             return self.vae.spatial_factor
+        assert self.spec is not None  # a diffusers VAE comes with a family's policy
         return self.spec.vae_scale_factor(self.vae.config)
 
     @property
@@ -272,6 +278,7 @@ class Policy:
         """One transformer call as the family's spec says: latents packed 2x2 and unpacked where it packs."""
         _, c, h, w = latents.shape
         hidden = pack_latents(latents) if self.packed else latents
+        assert self.spec is not None  # a bare velocity model overrides _forward
         inputs = self.spec.transformer_inputs(self.transformer, hidden, timesteps, cond, h, w)
         out = self.transformer(**inputs, return_dict=False)[0]
         return unpack_latents(out, c, h, w) if self.packed else out
@@ -533,7 +540,7 @@ def build_policy(cfg: RunConfig, device: str | torch.device = "cpu") -> Policy:
     return policy
 
 
-def prepare_training(transformer: torch.nn.Module, family: str, train: TrainConfig) -> None:
+def prepare_training(transformer: Any, family: str, train: TrainConfig) -> None:
     """Gradient checkpointing and LoRA adapters as the ``train`` section asks (the memory planner
     applies the same to its shape-only model)."""
     if train.gradient_checkpointing:

@@ -30,6 +30,8 @@ class PixelDecoder(torch.nn.Module):
     ``shift_factor``: the latent normalisation (diffusers' convention: ``latent / scaling_factor +
     shift_factor`` is the decoder's input); ``image_channels``: 3 (RGB)."""
 
+    anchor: torch.Tensor
+
     def __init__(self, factor: int = 2, scaling_factor: float = 1.0, shift_factor: float = 0.0,
                  image_channels: int = 3):
         super().__init__()

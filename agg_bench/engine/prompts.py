@@ -71,7 +71,7 @@ def hash_embed(prompts: list[str], dim: int, pooled_dim: int | None, max_tokens:
         tokens = prompt.lower().split()[:max_tokens] or [""]
         for k, tok in enumerate(tokens):
             states[i, k] = _token_vector(tok, dim, seed)
-        if pooled is not None:
+        if pooled is not None and pooled_dim is not None:
             pooled[i] = torch.stack([_token_vector(tok, pooled_dim, seed + 1) for tok in tokens]).mean(0)
     return Conditioning(states, pooled)
 

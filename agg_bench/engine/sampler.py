@@ -47,10 +47,10 @@ class SDEStepOutput:
     ``eta * sqrt(s / (1 - s'))``, dance_grpo: ``eta``). ``std`` and ``std_t`` are (B, 1, ..., 1)."""
 
     prev_sample: torch.Tensor
-    log_prob: torch.Tensor | None
+    log_prob: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
-    std_t: torch.Tensor | None = None
+    std_t: torch.Tensor
 
 
 def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -> torch.Tensor:
@@ -62,7 +62,7 @@ def flow_sigmas(steps: int, shift: float, shift_terminal: float | None = None) -
     check_terminal_steps(steps, shift_terminal)
     # imported here: the training step (agg_bench.engine.grpo) imports this module, and checking a method's
     # options must not import diffusers (agg_bench.tools.sweep)
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, shift_terminal=shift_terminal)
     with warnings.catch_warnings():  # an extreme shift's nan is check_sigmas' one line, not numpy's warnings
@@ -172,7 +172,7 @@ def _per_sample(values: torch.Tensor, index, like: torch.Tensor) -> torch.Tensor
     return picked.view(-1, *([1] * (like.dim() - 1)))
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 

@@ -25,7 +25,7 @@ testbed's, docs/learning.md). All four are kept (``details``) and become record 
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ SHAPE_TEMPERATURE = 0.05  # IoU gap of 0.05 between two templates = a factor e i
 SOFT_BAND = 0.1  # brightness from foreground - 0.1 to + 0.1 ramps a pixel's foreground weight from 0 to 1
 SOFT_COLOR = 0.05  # squared RGB distance scale of the palette likeness (palette colours are > 0.5 apart)
 RADIUS_MARGINS = (0.0, 0.25, 0.5)  # pixels added to the bounding box's half-sides
-DEFAULTS = {"foreground": 0.3, "min_area": 0.005, "weights": None}
+DEFAULTS: dict[str, Any] = {"foreground": 0.3, "min_area": 0.005, "weights": None}
 
 
 def _weights(value) -> dict[str, float] | None:
@@ -157,7 +157,9 @@ class SceneReward:
         if self.weights is None:
             return torch.stack([self.details[k] for k in SUBSCORES]).mean(0)
         total = sum(self.weights.values())
-        return sum(self.details[k] * (w / total) for k, w in self.weights.items())
+        weighted = sum(self.details[k] * (w / total) for k, w in self.weights.items())
+        assert isinstance(weighted, torch.Tensor)  # weights name every sub-score (_weights): never the 0 start
+        return weighted
 
 
 def build(options: Mapping, device) -> SceneReward:

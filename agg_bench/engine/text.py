@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,11 +148,18 @@ def concat_conditionings(parts: list[Conditioning]) -> Conditioning:
             return t
         return torch.cat([t, t.new_zeros((t.shape[0], extra, *t.shape[2:]))], dim=1)
 
-    masked = parts[0].encoder_attention_mask is not None
+    def every(tensors: list[torch.Tensor | None], name: str) -> list[torch.Tensor]:
+        present = [t for t in tensors if t is not None]
+        if len(present) != len(tensors):
+            raise ValueError(f"concat_conditionings: {name} in some parts only (parts of one encoder hold the same)")
+        return present
+
+    pooled = [p.pooled_projections for p in parts]
+    masks = [p.encoder_attention_mask for p in parts]
     return Conditioning(
         torch.cat([pad(p.encoder_hidden_states) for p in parts]),
-        None if parts[0].pooled_projections is None else torch.cat([p.pooled_projections for p in parts]),
-        torch.cat([pad(p.encoder_attention_mask) for p in parts]) if masked else None,
+        None if pooled[0] is None else torch.cat(every(pooled, "pooled_projections")),
+        None if masks[0] is None else torch.cat([pad(m) for m in every(masks, "encoder_attention_mask")]),
     )
 
 
@@ -179,7 +187,7 @@ def encode_prompts(family: str, pretrained: str | Path, prompts: list[str], devi
 
 
 # ----- the cache --------------------------------------------------------------------------------
-def save_embeddings(path: str | Path, cond: Conditioning, metadata: dict[str, str]) -> Path:
+def save_embeddings(path: str | Path, cond: Conditioning, metadata: Mapping[str, object]) -> Path:
     """Write ``cond`` and ``metadata`` to ``path`` atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +214,11 @@ def load_embeddings(path: str | Path) -> tuple[Conditioning, dict[str, str]]:
     meta = read_metadata(path)
     if meta.get("format") != FORMAT:
         raise UserError(f"{path}: not an agg-bench embeddings file (write one with `agg-bench embed`)")
-    return Conditioning.from_tensors(load_file(str(path))), meta
+    tensors = load_file(str(path))
+    if "encoder_hidden_states" not in tensors:
+        raise UserError(f"{path}: holds no encoder_hidden_states tensor (the prompts' token embeddings); "
+                        "write the file again with `agg-bench embed`")
+    return Conditioning.from_tensors(tensors), meta
 
 
 def find_cached(cache_dir: str | Path, key: str) -> Path | None:
@@ -246,7 +258,7 @@ class Embeddings:
     """A run's prompt embeddings, the file they live in, and whether this call ran the text encoders."""
 
     cond: Conditioning
-    path: Path | None
+    path: Path
     encoded: bool
     key: str
 
@@ -258,7 +270,7 @@ def run_embeddings(cfg: RunConfig, prompts: PromptSet, device: str | torch.devic
     family, pretrained = cfg.model.family, cfg.model.pretrained
     max_len = cfg.prompts.max_sequence_length
     dtype = encoder_dtype(cfg.model.dtype)
-    if not Path(pretrained).is_dir():
+    if pretrained is None or not Path(pretrained).is_dir():
         raise ConfigError("model.pretrained", pretrained, "an existing local diffusers folder")
     key = cache_key(family, pretrained, prompts, max_len, dtype)
     cache_dir = cfg.prompts.cache_dir or "results/embeddings"
@@ -360,9 +372,9 @@ def embed(cfg: RunConfig, out: str | Path | None = None, device: str | torch.dev
                         f"({TOKEN_HASH_FILE}), which every run computes itself; no text encoders, nothing to embed")
     emb = run_embeddings(cfg, prompts, device, write_to=out)
     if out is not None and Path(out).resolve() != emb.path.resolve():
-        meta = read_metadata(emb.path)
-        meta.pop("format", None)
-        emb.path = save_embeddings(out, emb.cond, meta)
+        written = read_metadata(emb.path)
+        written.pop("format", None)
+        emb.path = save_embeddings(out, emb.cond, written)
     return emb
 
 

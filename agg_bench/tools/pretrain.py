@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 from ..config import apply_overrides, check_finite, read_yaml_mapping
 from ..engine.families import FAMILY_SPECS
@@ -378,9 +378,7 @@ def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
         tmp.mkdir(parents=True)
         ema.save_pretrained(tmp / "transformer")
         decoder.save_pretrained(tmp / "vae")
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=cfg.shift)
-        # mypy reads diffusers' top-level name as its no-torch placeholder class, which lacks the method
-        scheduler.save_pretrained(tmp / "scheduler")  # type: ignore[attr-defined]
+        FlowMatchEulerDiscreteScheduler(shift=cfg.shift).save_pretrained(tmp / "scheduler")
         write_text(tmp / TOKEN_HASH_FILE, json.dumps({"max_tokens": cfg.max_tokens, "seed": cfg.seed}) + "\n")
         save_grid(tmp / "samples.png", images, captions, scores.tolist(),
                   title=f"{cfg.family}, {cfg.steps} steps, {cfg.sample_steps} Euler steps: "

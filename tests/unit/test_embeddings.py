@@ -19,7 +19,7 @@ from agg_bench.engine.text import (
     load_text_pipeline,
     prompt_set,
 )
-from agg_bench.errors import ConfigError
+from agg_bench.errors import ConfigError, UserError
 from agg_bench.runtime.train import Session
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,3 +210,16 @@ def test_a_runs_cache_folder_is_checked_before_the_prompts_are_encoded(folders, 
     with pytest.raises(ConfigError) as err:
         text.run_embeddings(cfg, prompt_set(cfg.prompts.file))
     assert err.value.key == "prompts.cache_dir" and (tmp_path / "cache").read_text() == "mine"
+
+
+def test_an_embeddings_file_without_token_embeddings_is_refused(tmp_path):
+    """A file marked as embeddings but without its token embeddings is one line naming the file, not a
+    conditioning that fails later on its missing tensor."""
+    from safetensors.torch import save_file
+
+    from agg_bench.engine.text import FORMAT
+
+    path = tmp_path / "pooled-only.safetensors"
+    save_file({"pooled_projections": torch.zeros(2, 4)}, str(path), metadata={"format": FORMAT})
+    with pytest.raises(UserError, match="encoder_hidden_states"):
+        load_embeddings(path)

@@ -132,4 +132,4 @@ def check_own_schedule(model: dict, sampling: dict) -> None:
     (``sampling.schedule: diffusers`` with a null ``sampling.shift``) and that ends at a ``shift_terminal`` its
     ``sampling.steps`` cannot reach; ``model`` and ``sampling`` are a run config's sections."""
     if sampling.get("shift") is None and sampling.get("schedule", "diffusers") == "diffusers":
-        check_terminal_steps(sampling.get("steps"), model_shift_terminal(model))
+        check_terminal_steps(sampling["steps"], model_shift_terminal(model))

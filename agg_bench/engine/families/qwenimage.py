@@ -8,6 +8,9 @@ for decoding. The VAE halves the image at every ``temperal_downsample`` entry.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from .flux import guidance
 from .spec import JOINT_ATTENTION_PROJECTIONS, Architecture, FamilySpec
 
@@ -18,7 +21,7 @@ TINY_QWEN_VAE: dict = dict(
 )
 
 
-def _vae_scale_factor(vae: dict) -> int:
+def _vae_scale_factor(vae: Mapping[str, Any]) -> int:
     return 2 ** len(vae["temperal_downsample"])
 
 

@@ -7,6 +7,9 @@ The pipeline puts 77 CLIP tokens in front of the T5 tokens.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from .spec import JOINT_ATTENTION_PROJECTIONS, Architecture, FamilySpec
 
 # The tiny AutoencoderKL (8x spatial compression, 4 latent channels), SD3's and FLUX's.
@@ -25,12 +28,12 @@ PUBLIC_VAE = dict(
 _SCHEDULER = dict(shift=3.0)
 
 
-def autoencoder_kl_scale_factor(vae: dict) -> int:
+def autoencoder_kl_scale_factor(vae: Mapping[str, Any]) -> int:
     """An AutoencoderKL halves the image at every block but the last."""
     return 2 ** (len(vae["block_out_channels"]) - 1)
 
 
-def _latent_grid(transformer: dict) -> tuple[int, int | None]:
+def _latent_grid(transformer: Mapping[str, Any]) -> tuple[int, int | None]:
     patch = int(transformer.get("patch_size", 2))
     limit = transformer.get("pos_embed_max_size")
     return patch, None if limit is None else int(limit) * patch

@@ -28,6 +28,7 @@ HEAD = ("the LAION aesthetic head state dict (e.g. sac+logos+ava1-l14-linearMSE.
 def load_head(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The aesthetic head stored at ``path`` (linear or stacked-linear, see the module docstring), in ``dtype``."""
     state = load_state_dict("aesthetic", path, HEAD)
+    head: torch.nn.Module
     if set(state) == {"weight", "bias"}:
         head = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
     else:

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -115,6 +115,7 @@ def load_state_dict(reward: str, path: Path, what: str) -> dict[str, torch.Tenso
 
     if path.is_dir():
         raise fail("is a folder")
+    state: Any
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -205,7 +206,7 @@ class ClipTransform:
         new_long = int(self.resize * long / short)
         size = (self.resize, new_long) if width <= height else (new_long, self.resize)  # PIL: (w, h)
         if size != image.size:
-            image = image.resize(size, Image.BICUBIC)
+            image = image.resize(size, Image.Resampling.BICUBIC)
         width, height = image.size
         top, left = int(round((height - self.crop) / 2.0)), int(round((width - self.crop) / 2.0))
         return image.crop((left, top, left + self.crop, top + self.crop))

@@ -107,6 +107,7 @@ class HFClip:
 
         Prompts are padded to the full context length so a prompt's tokens never depend on its batch.
         """
+        assert self.tokenizer is not None, "a vision-only model has no text tower"
         context = self.model.config.text_config.max_position_embeddings
         max_length = min(context, self.tokenizer.model_max_length)
         tokens = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=max_length,
