@@ -184,6 +184,7 @@ class AWMEstimator(FinalLatentEstimator):
 
     name = "awm"
     config_cls = AWMConfig
+    config: AWMConfig
     paper, trains = "AWM", "an advantage-weighted flow-matching loss on final latents"
 
     def __init__(self, config: AWMConfig | None = None):

@@ -137,6 +137,7 @@ class BranchEstimator(Estimator):
 
     name = "branch"
     config_cls = BranchConfig
+    config: BranchConfig
 
     def __init__(self, config: BranchConfig | None = None):
         super().__init__(config)
@@ -344,6 +345,7 @@ class BranchEstimator(Estimator):
     # ----- training ----------------------------------------------------------------------------
     def trained_mask(self, batch: TrainBatch) -> torch.Tensor:
         """(B, T) bool: True at one row of each distinct transition that is trained (planned, not pruned)."""
+        assert batch.transitions is not None  # the tree rollout records them
         ids = batch.transitions.cpu()
         b, steps = ids.shape
         planned = torch.zeros(b, steps, dtype=torch.bool)

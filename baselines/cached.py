@@ -147,6 +147,7 @@ class GapMeter:
         self.count += diff.numel()
 
     def add(self, terms: StepTerms, log_prob_old: torch.Tensor, scale: float) -> None:
+        assert self.stats is not None  # passed on only by a meter made with an update's stats
         self.stats.add(terms, log_prob_old, scale)
         self.observe(terms.log_prob, log_prob_old)
 
@@ -177,6 +178,7 @@ class CachedEstimator(Estimator):
 
     name = "cached"
     config_cls = CachedConfig
+    config: Any  # CachedConfig, a class made at import (make_dataclass), which the checker cannot name
 
     def __init__(self, config: Any = None):
         super().__init__(config)

@@ -197,6 +197,7 @@ class DGPOEstimator(FinalLatentEstimator):
 
     name = "dgpo"
     config_cls = DGPOConfig
+    config: DGPOConfig
     paper, trains = "DGPO", "a group preference loss on flow-matching errors of final latents"
     draws_step_order = True  # the batch's K shared steps in torch.randperm's order, its noises drawn in that order
 
@@ -267,7 +268,7 @@ class DGPOEstimator(FinalLatentEstimator):
             self.frozen = policy.frozen_copy()
         self.take_in(policy)
         late = c.ema_rollout_after is not None and policy.version > c.ema_rollout_after
-        weights = self.ema.weights_in(policy) if late and not self.ema.equals(policy) else \
+        weights = self.average().weights_in(policy) if late and not self.average().equals(policy) else \
             contextlib.nullcontext(policy)
         with weights as sampler:
             return self.ode_rollout(sampler, cond, noise, sigmas, sampling, generator, iteration)
@@ -301,9 +302,10 @@ class DGPOEstimator(FinalLatentEstimator):
         if self.unconditional is None:
             raise RuntimeError("method 'dgpo' with rollout_guidance needs the empty prompt's conditioning")
         g = self.config.rollout_guidance
+        unconditional = self.unconditional
 
         def guided(j, x, timesteps, cond_):
-            empty = self.unconditional.to(x.device).repeat_interleave(x.shape[0])
+            empty = unconditional.to(x.device).repeat_interleave(x.shape[0])
             v_c = policy.velocity(x, timesteps, cond_)
             v_u = policy.velocity(x, timesteps, empty)
             return v_u + g * (v_c - v_u)
@@ -328,6 +330,7 @@ class DGPOEstimator(FinalLatentEstimator):
         eps, t, timesteps = noised_draws(policy, batch, self.noise_seed, c.time_distribution,
                                          self.group_size if c.shared_noise else None)
         if c.sampler == "sana" and c.time_distribution == "schedule":
+            assert self.grid is not None  # check_run made sampler sana's grid
             t = self.grid.noise_levels(t.dtype).to(t.device)[batch.train_steps.to(t.device)]
         return eps, t, timesteps
 
@@ -345,7 +348,8 @@ class DGPOEstimator(FinalLatentEstimator):
         self.take_in(policy)
         # while the moving average is the policy its errors are the policy's: the ratio is exactly 1, nothing to
         # clip, the implicit rewards against it 0, nothing to forward
-        old = self.ema.policy if (c.clip_dsm or c.ema_reference) and not self.ema.equals(policy) else None
+        old = self.average().policy if (c.clip_dsm or c.ema_reference) and not self.average().equals(policy) \
+            else None
         for slot in range(k):
             errors, ref_errors, kls, old_errors = [], [], [], []
             for rows in micro_batches(b, c.micro_batch):

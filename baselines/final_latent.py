@@ -23,7 +23,7 @@ anyway, and the methods use the policy's own value instead (:meth:`EMAPolicy.equ
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -67,6 +67,7 @@ class FinalLatentEstimator(Estimator):
     a group sharing its noise would break (``shared_noise_breaks``), and calls :meth:`draw_noise_seed` at
     the end of its plan."""
 
+    config: Any  # each method's own options class, which declares times_per_sample
     paper: ClassVar[str]  # the method's name in its paper, e.g. "DGPO"
     ema: EMAPolicy | None = None  # the run's moving average of the policy, where moving_average() names an option
     trains: ClassVar[str]  # e.g. "a flow-matching loss on final latents"
@@ -106,6 +107,11 @@ class FinalLatentEstimator(Estimator):
     def times_per_sample(self, steps: int) -> int:
         """K for a ``steps``-step rollout (a subclass whose K has a default from the schedule says so)."""
         return self.config.times_per_sample
+
+    def average(self) -> EMAPolicy:
+        """The moving average :meth:`take_in` keeps, where :meth:`moving_average` names an option."""
+        assert self.ema is not None, f"method '{self.name}' keeps no moving average"
+        return self.ema
 
     def moving_average(self) -> str | None:
         """The option that makes this run keep an :class:`EMAPolicy` (None: it keeps none)."""

@@ -22,6 +22,7 @@ class FullConfig(Options):
 class FullEstimator(Estimator):
     name = "full"
     config_cls = FullConfig
+    config: FullConfig
 
     def accumulate(self, policy, batch, stats, reference=None):
         for n in range(batch.steps_per_sample):

@@ -216,6 +216,7 @@ class GuessEstimator(Estimator):
 
     name = "guess"
     config_cls = GuessConfig
+    config: GuessConfig
 
     def __init__(self, config: GuessConfig | None = None):
         super().__init__(config)

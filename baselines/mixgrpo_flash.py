@@ -81,6 +81,7 @@ class MixGRPOFlashEstimator(WindowEstimator):
 
     name = "mixgrpo_flash"
     config_cls = MixGRPOFlashConfig
+    config: MixGRPOFlashConfig
 
     def __init__(self, config: MixGRPOFlashConfig | None = None):
         super().__init__(config)
@@ -101,6 +102,7 @@ class MixGRPOFlashEstimator(WindowEstimator):
         steps = sigmas.numel() - 1
         self.sde_mask(iteration, steps, generator)  # sets last_start; a random window is drawn here, as in window
         start = self.last_start
+        assert start is not None  # sde_mask just drew it
         last = self.window_last(start, steps)
         grid = post_window_grid(sigmas, last, self.config.post_compress_ratio, sampling.shift)
         solver = MultistepDPMSolverPP(grid, self.config.solver_order)

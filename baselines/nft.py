@@ -157,6 +157,7 @@ class NFTEstimator(FinalLatentEstimator):
 
     name = "nft"
     config_cls = NFTConfig
+    config: NFTConfig
     paper, trains, shared_noise_breaks = "DiffusionNFT", "a flow-matching loss on final latents", "every r is 1/2"
     draws_step_order = True  # each sample's K steps in torch.randperm's order, its noises drawn in that order
 
@@ -235,6 +236,7 @@ class NFTEstimator(FinalLatentEstimator):
                 raise RuntimeError("method 'nft' needs the old policy's velocities: the policy stepped "
                                    "before the first inner epoch on this rollout")
             self.old = (weakref.ref(batch), torch.empty((b, k, *x0.shape[1:]), dtype=x0.dtype, device=x0.device))
+        assert self.old is not None  # this rollout's, set above when fresh
         old = self.old[1]
         # the old policy's velocity is the policy's own while their weights are the same (module docstring)
         moving = self.ema is not None and not self.ema.equals(policy)
@@ -247,7 +249,7 @@ class NFTEstimator(FinalLatentEstimator):
                 v = policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
                 if fresh and moving:
                     with torch.no_grad():
-                        old[rows, slot] = self.ema.policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
+                        old[rows, slot] = self.average().policy.velocity(x_t, timesteps[rows, slot], cond).to(x0.dtype)
                 elif fresh:
                     old[rows, slot] = v.detach()
                 terms = nft_terms(v, old[rows, slot], x_t, x0[rows], eps[rows, slot], t[rows, slot], r[rows],

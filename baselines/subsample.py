@@ -47,6 +47,7 @@ class FractionEstimator(FullEstimator):
 
     name = "fraction"
     config_cls = FractionConfig
+    config: FractionConfig
     replans = True
 
     def check_run(self, cfg) -> None:
@@ -105,6 +106,7 @@ class WindowEstimator(FullEstimator):
 
     name = "window"
     config_cls = WindowConfig
+    config: WindowConfig
     replans = True
 
     def __init__(self, config: WindowConfig | None = None):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -23,6 +23,14 @@ from agg_bench.errors import UserError
 
 from .blocks import timestep_to_1000, transformer_blocks
 from .configs import STEP_CALLBACK, TIMESTEP_CALLBACK
+
+class CacheStats(TypedDict):
+    """A handle's unit computations done and skipped, and the fraction skipped."""
+
+    computed: int
+    skipped: int
+    hit_rate: float
+
 
 COMPUTED_HOOK = "cache_stats_computed"
 CALLED_HOOK = "cache_stats_called"
@@ -133,7 +141,8 @@ def has_cache(transformer: torch.nn.Module) -> bool:
     return any(r is not None and COMPUTED_HOOK in r.hooks for r in registries)
 
 
-def checkpointable_modules(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+def checkpointable_modules(transformer: torch.nn.Module) -> list[Any]:
+    """The modules with diffusers' ``gradient_checkpointing`` flag (an attribute torch's Module does not type)."""
     return [m for m in transformer.modules() if hasattr(m, "gradient_checkpointing")]
 
 
@@ -245,12 +254,12 @@ class CacheHandle:
 
     # ----- counted work ---------------------------------------------------------------------
     @property
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> CacheStats:
         """Unit computations done and skipped since the last reset, and the fraction skipped."""
         computed = sum(c.computed for c in self._units.values())
         skipped = sum(c.skipped for c in self._units.values())
         total = computed + skipped
-        return dict(computed=computed, skipped=skipped, hit_rate=skipped / total if total else 0.0)
+        return CacheStats(computed=computed, skipped=skipped, hit_rate=skipped / total if total else 0.0)
 
     @property
     def stats_by_module(self) -> dict[str, dict[str, int]]:
