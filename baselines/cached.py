@@ -87,7 +87,7 @@ class CachedMethodOptions(Options):
                 if f.name not in own and getattr(self, f.name) is not None}
 
     def check(self) -> None:
-        if self.cache not in CACHES:
+        if self.cache is None or self.cache not in CACHES:
             raise ConfigError("method.cache", self.cache, f"one of {sorted(CACHES)}")
         make_config(self.cache, self.cache_settings())  # names the first unknown or bad option
 

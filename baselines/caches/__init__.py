@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 # name -> config dataclass (agg_bench.registry: the style of methods and rewards). The configs import no
 # diffusers, so a cache's options are checked without it (agg_bench.tools.sweep checks a sweep's methods so).
-CACHES: dict[str, type] = Registry("method.cache", {
+CACHES: Registry = Registry("method.cache", {
     "fbc": FbcConfig,
     "pab": PabConfig,
     "fastercache": FasterCacheConfig,

@@ -21,6 +21,8 @@ from agg_bench.errors import UserError
 TRANSFORMER_FAMILIES: dict[type, str] = {spec.transformer_cls(): name for name, spec in FAMILY_SPECS.items()}
 
 Streams = tuple[torch.Tensor, "torch.Tensor | None"]
+# what a run of blocks added to each stream: None where a stream ends or is missing
+Residual = tuple["torch.Tensor | None", "torch.Tensor | None"]
 
 
 def family_of(transformer: torch.nn.Module) -> str:
@@ -37,8 +39,9 @@ def spec_of(transformer: torch.nn.Module) -> FamilySpec:
     return FAMILY_SPECS[family_of(transformer)]
 
 
-def transformer_blocks(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``(qualified name, block)`` for every block of the transformer, in the order they run."""
+def transformer_blocks(transformer: torch.nn.Module) -> list[tuple[str, Any]]:
+    """``(qualified name, block)`` for every block of the transformer, in the order they run (diffusers blocks,
+    whose sub-modules and hook registry are attributes torch's Module does not type)."""
     blocks = []
     for list_name in spec_of(transformer).cache_block_lists:
         for index, block in enumerate(getattr(transformer, list_name)):
@@ -52,7 +55,7 @@ def timestep_to_1000(transformer: torch.nn.Module, timestep: float) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_parameters(block_cls: type) -> tuple[str, ...]:
+def _forward_parameters(block_cls: type[torch.nn.Module]) -> tuple[str, ...]:
     return tuple(inspect.signature(block_cls.forward).parameters)[1:]
 
 
@@ -60,7 +63,8 @@ def block_argument(block: torch.nn.Module, name: str, args: tuple, kwargs: dict[
     """The value of ``block.forward``'s parameter ``name`` in a call made with ``args``/``kwargs``."""
     if name in kwargs:
         return kwargs[name]
-    index = _forward_parameters(type(block)).index(name)
+    # a class is hashable; the checker reads Module's instance __hash__ as the class's
+    index = _forward_parameters(type(block)).index(name)  # type: ignore[arg-type]
     return args[index] if index < len(args) else None
 
 
@@ -70,7 +74,7 @@ def block_streams(block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -
             block_argument(block, "encoder_hidden_states", args, kwargs))
 
 
-def block_output(hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None) -> tuple:
+def block_output(hidden_states: torch.Tensor | None, encoder_hidden_states: torch.Tensor | None) -> tuple:
     """A block's return value for the two streams (both families return the encoder stream first)."""
     return encoder_hidden_states, hidden_states
 
@@ -81,17 +85,19 @@ def output_streams(output: tuple) -> Streams:
     return hidden_states, encoder_hidden_states
 
 
-def stream_difference(after: Streams, before: Streams) -> Streams:
+def stream_difference(after: Streams, before: Streams) -> Residual:
     """What a run of blocks added to each stream (``None`` where a stream ends or is missing)."""
-    return tuple(None if a is None or b is None else a - b for a, b in zip(after, before))
+    (a0, a1), (b0, b1) = after, before
+    return (None if a0 is None or b0 is None else a0 - b0), (None if a1 is None or b1 is None else a1 - b1)
 
 
-def add_streams(streams: Streams, residual: Streams) -> Streams:
+def add_streams(streams: Streams, residual: Residual) -> Residual:
     """``streams + residual`` stream by stream; a stream with no residual ends (``None``)."""
-    return tuple(None if s is None or r is None else s + r for s, r in zip(streams, residual))
+    (s0, s1), (r0, r1) = streams, residual
+    return (None if s0 is None or r0 is None else s0 + r0), (None if s1 is None or r1 is None else s1 + r1)
 
 
-def modulated_input(block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+def modulated_input(block: Any, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
     """The timestep-modulated image tokens a block feeds its attention (the ``norm1``/``norm`` output; for
     Qwen-Image the image stream's ``img_norm1`` modulated by the first half of ``img_mod(temb)``)."""
     hidden_states = block_argument(block, "hidden_states", args, kwargs)

@@ -8,6 +8,7 @@ the transformer on conditional batches only, so the CFG part is switched off
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from diffusers import hooks as diffusers_hooks
@@ -41,19 +42,28 @@ def apply_fastercache(module: torch.nn.Module, config: FasterCacheConfig) -> Non
     """Apply diffusers' FasterCache attention reuse (no CFG branch) to the transformer's attention layers."""
     first_call: FirstCallHook | None = None
 
+    clock = config.current_timestep_callback
+    assert clock is not None  # the cache handle gives every cache its clock
+
     def current_timestep() -> float:
-        return math.inf if first_call.empty else config.current_timestep_callback()
+        assert first_call is not None  # registered below, before the transformer is called
+        return math.inf if first_call.empty else clock()
 
     weight = config.attention_weight
     diffusers_hooks.apply_faster_cache(module, diffusers_hooks.FasterCacheConfig(
         spatial_attention_block_skip_range=config.spatial_attention_block_skip_range,
-        spatial_attention_timestep_skip_range=config.spatial_attention_timestep_skip_range,
+        # diffusers annotates ints; it compares timesteps, floats, with it
+        spatial_attention_timestep_skip_range=config.spatial_attention_timestep_skip_range,  # type: ignore[arg-type]
         attention_weight_callback=lambda _: weight,
         is_guidance_distilled=True,
         tensor_format="BCHW",
-        current_timestep_callback=current_timestep,
+        # diffusers annotates an int; it compares the timestep, a float
+        current_timestep_callback=current_timestep,  # type: ignore[arg-type]
     ))
-    registries = [m._diffusers_hook for m in module.modules() if hasattr(m, "_diffusers_hook")]
-    block_hooks = [r.get_hook(_FASTER_CACHE_BLOCK_HOOK) for r in registries if _FASTER_CACHE_BLOCK_HOOK in r.hooks]
+    registries = [HookRegistry.check_if_exists_or_initialize(m) for m in module.modules()
+                  if hasattr(m, "_diffusers_hook")]
+    # the block hook each registry that holds one holds, under the name apply_faster_cache gives it
+    block_hooks = [cast(FasterCacheBlockHook, r.get_hook(_FASTER_CACHE_BLOCK_HOOK)) for r in registries
+                   if _FASTER_CACHE_BLOCK_HOOK in r.hooks]
     first_call = FirstCallHook(block_hooks)
     HookRegistry.check_if_exists_or_initialize(module).register_hook(first_call, FIRST_CALL_HOOK)

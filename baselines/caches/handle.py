@@ -72,11 +72,13 @@ class StepClock:
 
     def current_step(self) -> int:
         self._require()
+        assert self.step_index is not None  # _require raised otherwise
         return self.step_index
 
     def current_timestep(self) -> float:
         """The current timestep on the 0-1000 scale (1000 = pure noise), whatever the family."""
         self._require()
+        assert self.timestep is not None  # begin_step sets it with the step
         return self.timestep
 
     def clear(self) -> None:
@@ -127,7 +129,7 @@ def _detached(value: Any) -> Any:
 
 def _hook_states(hook: ModelHook) -> list[Any]:
     """The state objects a hook keeps: its own (anything with ``reset()``) and its StateManagers' states."""
-    states = []
+    states: list[Any] = []
     for value in vars(hook).values():
         if isinstance(value, StateManager):
             states.extend(value._state_cache.values())
@@ -170,7 +172,7 @@ class CacheHandle:
         self._before = {module: _snapshot(module) for module in transformer.modules()}
 
         blocks = dict(transformer_blocks(transformer))
-        attention = {unit_name: module for block_name, block in blocks.items()
+        attention: dict[str, Any] = {unit_name: module for block_name, block in blocks.items()
                      for unit_name, module in block.named_modules(prefix=block_name)
                      if isinstance(module, ATTENTION_CLASSES)}
         counts = {unit_name: UnitCounts() for unit_name in {**blocks, **attention}}
@@ -272,7 +274,7 @@ class CacheHandle:
 
     # ----- internals ------------------------------------------------------------------------
     def _hooks_added_since(self, before: dict) -> list[tuple[torch.nn.Module, ModelHook]]:
-        added = []
+        added: list[tuple[torch.nn.Module, ModelHook]] = []
         for module in self.transformer.modules():
             registry = getattr(module, "_diffusers_hook", None)
             if registry is not None:

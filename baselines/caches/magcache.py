@@ -37,10 +37,10 @@ def step_ratios(config: MagCacheConfig) -> torch.Tensor:
     given = config.mag_ratios
     if given is None:
         return ratios
-    given = PRESET_RATIOS[given] if isinstance(given, str) else torch.tensor(given, dtype=torch.float32)
+    table = PRESET_RATIOS[given] if isinstance(given, str) else torch.tensor(given, dtype=torch.float32)
     if config.num_inference_steps is not None:
-        given = nearest_interp(given, config.num_inference_steps)
-    ratios[: len(given)] = given
+        table = nearest_interp(table, config.num_inference_steps)
+    ratios[: len(table)] = table
     return ratios
 
 
@@ -72,5 +72,6 @@ def apply_magcache(module: torch.nn.Module, config: MagCacheConfig) -> None:
     diffusers_hooks.apply_mag_cache(module, diffusers_config)
     head = transformer_blocks(module)[0][1]
     state_manager = head._diffusers_hook.get_hook(_MAG_CACHE_LEADER_BLOCK_HOOK).state_manager
+    assert config.current_step_callback is not None  # the cache handle gives every cache its clock
     step_hook = MagCacheStepHook(state_manager, config.current_step_callback)
     HookRegistry.check_if_exists_or_initialize(module).register_hook(step_hook, STEP_HOOK)

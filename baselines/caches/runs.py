@@ -14,7 +14,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.hooks import BaseState
 
-from .blocks import Streams, add_streams, block_output, block_streams, output_streams, stream_difference
+from .blocks import Residual, Streams, add_streams, block_output, block_streams, output_streams, stream_difference
 
 
 @dataclass
@@ -30,7 +30,7 @@ class RunState(BaseState):
     """What one run added to its streams when last computed and recorded, and what it does on this call."""
 
     def __init__(self) -> None:
-        self.residual: Streams | None = None
+        self.residual: Residual | None = None
         self.inputs: Streams | None = None
         self.reusing = False
         self.recording = False
@@ -56,12 +56,14 @@ class RunBlockHook(ModelHook):
     def new_forward(self, module: torch.nn.Module, *args, **kwargs):
         if self.state.reusing:
             return block_output(*block_streams(module, args, kwargs))
-        output = self.fn_ref.original_forward(*args, **kwargs)
+        # diffusers sets it to the block's forward when it registers a hook with new_forward
+        output = self.fn_ref.original_forward(*args, **kwargs)  # type: ignore[misc]
         self._record(output)
         return output
 
     def _record(self, output: tuple) -> None:
         if self.is_tail and self.state.recording:
+            assert self.state.inputs is not None  # the head keeps them for a call that records
             self.state.residual = stream_difference(output_streams(output), self.state.inputs)
             self.state.inputs = None
 
@@ -81,14 +83,16 @@ class RunHeadHook(RunBlockHook):
     def new_forward(self, module: torch.nn.Module, *args, **kwargs):
         streams = block_streams(module, args, kwargs)
         decision = self.decide(module, args, kwargs)
-        state = self.state
-        state.reusing = (decision.reuse and state.residual is not None
-                         and state.residual[0].shape == streams[0].shape)
+        state, residual = self.state, self.state.residual
+        state.reusing = (decision.reuse and residual is not None and residual[0] is not None
+                         and residual[0].shape == streams[0].shape)
         if state.reusing:
-            return block_output(*add_streams(streams, state.residual))
+            assert residual is not None  # reusing requires it
+            return block_output(*add_streams(streams, residual))
         state.recording = decision.record
         state.inputs = streams if decision.record else None
-        output = self.fn_ref.original_forward(*args, **kwargs)
+        # diffusers sets it to the block's forward when it registers a hook with new_forward
+        output = self.fn_ref.original_forward(*args, **kwargs)  # type: ignore[misc]
         self._record(output)
         return output
 

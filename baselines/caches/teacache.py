@@ -39,7 +39,9 @@ class TeaCacheHeadHook(RunHeadHook):
         self.tea = TeaCacheState()
 
     def decide(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> RunDecision:
-        step = self.config.current_step_callback()
+        clock = self.config.current_step_callback
+        assert clock is not None  # the cache handle gives every cache its clock
+        step = clock()
         with torch.no_grad():
             current = modulated_input(module, args, kwargs)
         previous, self.tea.previous_modulated_input = self.tea.previous_modulated_input, current
