@@ -52,13 +52,11 @@ def apply_fastercache(module: torch.nn.Module, config: FasterCacheConfig) -> Non
     weight = config.attention_weight
     diffusers_hooks.apply_faster_cache(module, diffusers_hooks.FasterCacheConfig(
         spatial_attention_block_skip_range=config.spatial_attention_block_skip_range,
-        # diffusers annotates ints; it compares timesteps, floats, with it
-        spatial_attention_timestep_skip_range=config.spatial_attention_timestep_skip_range,  # type: ignore[arg-type]
+        spatial_attention_timestep_skip_range=config.spatial_attention_timestep_skip_range,
         attention_weight_callback=lambda _: weight,
         is_guidance_distilled=True,
         tensor_format="BCHW",
-        # diffusers annotates an int; it compares the timestep, a float
-        current_timestep_callback=current_timestep,  # type: ignore[arg-type]
+        current_timestep_callback=current_timestep,
     ))
     registries = [HookRegistry.check_if_exists_or_initialize(m) for m in module.modules()
                   if hasattr(m, "_diffusers_hook")]

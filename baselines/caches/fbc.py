@@ -24,8 +24,7 @@ class EncoderPassThroughHook(ModelHook):
     """Makes a ``context_pre_only`` block return its encoder input instead of ``None``."""
 
     def new_forward(self, module: torch.nn.Module, *args, **kwargs):
-        # diffusers sets it to the block's forward when it registers a hook with new_forward
-        encoder_hidden_states, hidden_states = self.fn_ref.original_forward(*args, **kwargs)  # type: ignore[misc]
+        encoder_hidden_states, hidden_states = self.fn_ref.original_forward(*args, **kwargs)
         if encoder_hidden_states is None:
             encoder_hidden_states = block_argument(module, "encoder_hidden_states", args, kwargs)
         return encoder_hidden_states, hidden_states

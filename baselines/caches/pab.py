@@ -15,8 +15,6 @@ def apply_pab(module: torch.nn.Module, config: PabConfig) -> None:
     """Apply diffusers' Pyramid Attention Broadcast to every attention layer of the transformer blocks."""
     diffusers_hooks.apply_pyramid_attention_broadcast(module, diffusers_hooks.PyramidAttentionBroadcastConfig(
         spatial_attention_block_skip_range=config.spatial_attention_block_skip_range,
-        # diffusers annotates ints; it compares timesteps, floats, with it
-        spatial_attention_timestep_skip_range=config.spatial_attention_timestep_skip_range,  # type: ignore[arg-type]
-        # diffusers annotates an int; it compares the timestep, a float
-        current_timestep_callback=config.current_timestep_callback,  # type: ignore[arg-type]
+        spatial_attention_timestep_skip_range=config.spatial_attention_timestep_skip_range,
+        current_timestep_callback=config.current_timestep_callback,
     ))

@@ -56,8 +56,7 @@ class RunBlockHook(ModelHook):
     def new_forward(self, module: torch.nn.Module, *args, **kwargs):
         if self.state.reusing:
             return block_output(*block_streams(module, args, kwargs))
-        # diffusers sets it to the block's forward when it registers a hook with new_forward
-        output = self.fn_ref.original_forward(*args, **kwargs)  # type: ignore[misc]
+        output = self.fn_ref.original_forward(*args, **kwargs)
         self._record(output)
         return output
 
@@ -91,8 +90,7 @@ class RunHeadHook(RunBlockHook):
             return block_output(*add_streams(streams, residual))
         state.recording = decision.record
         state.inputs = streams if decision.record else None
-        # diffusers sets it to the block's forward when it registers a hook with new_forward
-        output = self.fn_ref.original_forward(*args, **kwargs)  # type: ignore[misc]
+        output = self.fn_ref.original_forward(*args, **kwargs)
         self._record(output)
         return output
 
