@@ -278,8 +278,18 @@ def check_reference(index: int, ref: dict) -> None:
 def check_input_files(sweep: dict) -> None:
     """The files the workflow's jobs read that no job makes, for the Snakefile (``agg-bench campaign`` reads no
     reference log and takes a model folder made by hand): each reference's log and each pretrain config are
-    files, and a model folder under results/pretrained/ is one that a ``pretrain`` entry makes (Snakemake
-    ended in a KeyError traceback or a MissingInputException for a job instead). ``sweep``: a checked one."""
+    files, a model folder under results/pretrained/ is one that a ``pretrain`` entry makes (Snakemake
+    ended in a KeyError traceback or a MissingInputException for a job instead), and each
+    ``report.compare_with`` folder holds a reference manifest and is named once (the manifest job's parameters
+    read it while the workflow is parsed: a folder without one ended Snakemake in a traceback; a folder named
+    twice counted its runs twice in the tables). ``sweep``: a checked one."""
+    named: dict[str, int] = {}  # a folder's real path -> the index of the entry that named it first
+    for index, folder in enumerate((sweep.get("report") or {}).get("compare_with", [])):
+        first = named.setdefault(os.path.realpath(folder), index)
+        if first != index:
+            raise SweepError(f"report.compare_with.{index}: {quote(folder)} is the folder of report.compare_with."
+                             f"{first}; expected each reference folder once (its runs would count twice in the tables)")
+        reference_manifest(folder)
     for index, ref in enumerate(sweep.get("references", [])):
         if not Path(ref["log"]).is_file():
             raise SweepError(f"references.{index}.log: {quote(ref['log'])} is not a file (a DanceGRPO JSONL log, "

@@ -481,3 +481,25 @@ def test_the_learning_folder_is_checked_under_every_sweep(in_process, tmp_path, 
                                                       "are not learning tables or learning plots (notes.txt)")):
             sweep_module.check_output_contents(sweep)
     assert (tmp_path / "results/learning/notes.txt").read_text() == "mine"
+
+
+def test_a_compare_with_folder_is_checked_before_any_job(tmp_path, monkeypatch):
+    """The manifest job's parameters read each ``report.compare_with`` folder while Snakemake parses the workflow,
+    outside the Snakefile's checks: a folder without a reference manifest ended the parse in a traceback. A folder
+    named twice (once with a trailing slash, say) put its runs in the manifest twice. Both are one line from the
+    Snakefile's check of the jobs' input files."""
+    reference = tmp_path / "ref"
+    reference.mkdir()
+    (reference / "manifest.json").write_text(json.dumps({"runs": [], "calibration": []}))
+    monkeypatch.chdir(tmp_path)
+    config = sweep_config()
+    config["report"] = {"compare_with": ["ref"]}
+    sweep_module.check_input_files(config)
+    config["report"] = {"compare_with": ["ref", "nothing"]}
+    with pytest.raises(SweepError, match=r"^sweep config: report.compare_with: 'nothing' has no manifest.json"):
+        sweep_module.check_input_files(config)
+    config["report"] = {"compare_with": ["ref", "./ref/"]}
+    with pytest.raises(SweepError, match=re.escape("report.compare_with.1: './ref/' is the folder of "
+                                                   "report.compare_with.0; expected each reference folder once")):
+        sweep_module.check_input_files(config)
+
