@@ -239,6 +239,7 @@ def check_sweep(sweep: dict, schema: dict, files: Sequence[dict] = ()) -> None:
     labels = [ref["label"] for ref in sweep.get("references", [])]
     if len(set(labels)) != len(labels):
         raise SweepError(f"references: labels must be unique ({', '.join(labels)})")
+    check_label_case(sweep)
     for index, ref in enumerate(sweep.get("references", [])):
         check_reference(index, ref)
     reference = (sweep.get("learning") or {}).get("reference")
@@ -249,6 +250,23 @@ def check_sweep(sweep: dict, schema: dict, files: Sequence[dict] = ()) -> None:
     if learning["eval_source"] == "checkpoint" and learning["eval_noises"] == 0:
         raise SweepError("learning.eval_source: 'checkpoint' with learning.eval_noises = 0; expected eval_noises >= 1 "
                          "(the checkpoint evaluation's noises per caption: agg-bench learning refuses it after the runs)")
+
+
+def check_label_case(sweep: dict) -> None:
+    """No two labels of one section of a (schema-checked) sweep differ only in case: the labels name the runs',
+    cells', imported references' and pretrained models' files and folders, and a file system that ignores case
+    (macOS's and Windows' by default) holds ``Full_sd3_32px_s0_cpu`` and ``full_sd3_32px_s0_cpu`` as one folder,
+    where the second run would replace the first."""
+    sections = {section: list(sweep.get(section) or {}) for section in ("methods", "models", "devices", "pretrain")}
+    sections["references"] = [ref["label"] for ref in sweep.get("references", [])]
+    for section, labels in sections.items():
+        seen: dict[str, str] = {}
+        for label in labels:
+            first = seen.setdefault(label.lower(), label)
+            if first != label:
+                raise SweepError(f"{section}: {quote(label)} and {quote(first)} differ only in case; expected labels "
+                                 "that differ in more than case (they name files and folders, and a file system that "
+                                 "ignores case holds both as one)")
 
 
 def run_overrides(sweep: dict) -> list[tuple[str, dict]]:

@@ -503,3 +503,21 @@ def test_a_compare_with_folder_is_checked_before_any_job(tmp_path, monkeypatch):
                                                    "report.compare_with.0; expected each reference folder once")):
         sweep_module.check_input_files(config)
 
+
+@pytest.mark.parametrize("section, make", [
+    ("methods", lambda c: c["methods"].update({"Full": {"method": {"name": "full"}}})),
+    ("models", lambda c: c["models"].update({"SD3": dict(c["models"]["sd3"])})),
+    ("devices", lambda c: c["devices"].update({"CPU": dict(c["devices"]["cpu"])})),
+    ("references", lambda c: c.update(references=[{"label": "dance", "log": "a.jsonl"},
+                                                  {"label": "Dance", "log": "a.jsonl"}])),
+    ("pretrain", lambda c: c.update(pretrain={"scene": {"config": "config/pretrain.yaml"},
+                                              "Scene": {"config": "config/pretrain.yaml"}})),
+])
+def test_labels_that_differ_only_in_case_are_refused(in_process, section, make):
+    """Two labels of a section that differ only in case name two runs' (references', pretrained models') folders
+    that a file system ignoring case holds as one, where the second run replaced the first (its job passes
+    --overwrite). Refused before any job."""
+    config = sweep_config()
+    make(config)
+    with pytest.raises(SweepError, match=rf"^sweep config: {section}: '\w+' and '\w+' differ only in case"):
+        Sweep(config, SCHEMA)
