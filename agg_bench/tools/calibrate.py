@@ -245,7 +245,7 @@ def moved_average_state(estimator, policy) -> dict | None:
 
 # Keys beyond its method.* that a method owning its rollout may set and still be timed beside the run's methods: the
 # plan of the steps it trains, which its own rollout draws (branch's train.plan: steps), as replay honours them
-# for a method that replans (agg_bench.tools.snapshot.REPLAN_KEYS, but the seed every round shares).
+# for a method that replans (agg_bench.tools.replays.REPLAN_KEYS, but the seed every round shares).
 OWN_PLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "train.ignore_last")
 
 

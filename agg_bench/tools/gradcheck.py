@@ -13,10 +13,8 @@ or ``not_applicable`` (a rollout-only cache: the row has no numbers); ``replay_n
 from __future__ import annotations
 
 import csv
-import itertools
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -30,7 +28,8 @@ from ..io import atomic_file, atomic_path, remove_stale_temps
 from ..outdir import claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS
 from ..machine.devices import resolve_device
-from .snapshot import Snapshot, check_trainable, load_snapshot, replay_case_of, replay_gradient, replay_setup, save_snapshot
+from .replays import ReplayJob, agg_grid, parse_method_specs, replay_setup
+from .snapshot import Snapshot, check_trainable, load_snapshot, replay_case_of, replay_gradient, save_snapshot
 
 COLUMNS = (
     "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
@@ -41,23 +40,6 @@ COLUMNS = (
 )
 # estimator options that get their own column (whichever method has them)
 OPTION_COLUMNS = GRADCHECK_OPTION_COLUMNS
-
-
-@dataclass(frozen=True)
-class ReplayJob:
-    """One replay: a method and its options as ``(key, YAML text)`` pairs, i.e. ``--set method.key=text``;
-    a dotted key is a run-config key as it stands (``train.timestep_fraction`` for ``fraction``)."""
-
-    method: str
-    options: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def overrides(self) -> list[str]:
-        return [f"{key if '.' in key else 'method.' + key}={text}" for key, text in self.options]
-
-    @property
-    def label(self) -> str:
-        return ",".join(f"{key}={text}" for key, text in self.options)
 
 
 def parse_values(text: str, flag: str, kind: type) -> list:
@@ -79,54 +61,6 @@ def parse_values(text: str, flag: str, kind: type) -> list:
             raise ConfigError(flag, text, expected[kind])
         out.append(value)
     return out
-
-
-def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
-    """Jobs from ``--methods`` values: ``name`` or ``name:key=value``, comma-separated.
-
-    A comma-separated item with ``=`` and no ``:`` adds an option to the method before it, so
-    ``fraction,cached:cache=fora,interval=2`` is ``fraction`` and ``cached`` with two options; a dotted
-    key sets that run-config key for the job, e.g. ``fraction:train.timestep_fraction=0.5``.
-    """
-    specs = list(specs)
-    jobs: list[tuple[str, list[tuple[str, str]]]] = []
-    for spec in specs:
-        for item in (part.strip() for part in spec.split(",")):
-            if not item:  # '' or a stray comma: a method left out by mistake, not none asked for
-                raise ConfigError("--methods", spec, "name or name:key=value items, comma-separated, none empty, "
-                                                     "e.g. fraction,cached:cache=fora")
-            if "=" in item and ":" not in item.split("=", 1)[0]:
-                if not jobs:
-                    raise ConfigError("--methods", spec, "name or name:key=value items, a name first")
-                key, text = item.split("=", 1)
-                jobs[-1][1].append((key.strip(), text.strip()))
-                continue
-            name, _, option = item.partition(":")
-            if not name.strip():
-                raise ConfigError("--methods", spec, "name or name:key=value items, e.g. fraction,cached:cache=fora")
-            jobs.append((name.strip(), []))
-            if option:
-                if "=" not in option:
-                    raise ConfigError("--methods", spec, f"key=value after '{name}:'")
-                key, text = option.split("=", 1)
-                jobs[-1][1].append((key.strip(), text.strip()))
-    for name, options in jobs:
-        keys = [key for key, _ in options]
-        twice = next((key for key in keys if keys.count(key) > 1), None)
-        if twice is not None:  # the last would win and the first be dropped unseen
-            raise ConfigError("--methods", ",".join(specs),
-                              f"each option of a method once ({twice} is given twice for '{name}')")
-    return [ReplayJob(name, tuple(options)) for name, options in jobs]
-
-
-def agg_grid(windows: list[int], alphas: list[str], route_fracs: list[float],
-             reuse: list[bool]) -> list[ReplayJob]:
-    """One ``agg`` job per combination, in the order given."""
-    return [
-        ReplayJob("agg", (("window", str(w)), ("alpha", a), ("route_frac", repr(f)),
-                          ("reuse_rollout_velocity", "true" if r else "false")))
-        for w, a, f, r in itertools.product(windows, alphas, route_fracs, reuse)
-    ]
 
 
 def compare(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, float, float]:

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..config import RunConfig, apply_overrides, parse_override, validate
+from ..config import RunConfig, validate
 from ..config.sections import DEFAULTS, upgrade_written
 from ..engine.families.geometry import ImageGeometry
 from ..engine.grpo import TrainBatch, UpdateStats
@@ -44,6 +44,7 @@ from ..outdir import Contents, claim_files, claim_folder, json_file_with, remove
 from ..reading import run_config
 from ..runtime.memplan import check_transformer_fits
 from ..runtime.session import Session
+from .replays import replay_setup
 
 ROLLOUT_KEYS = ("latents", "log_probs", "sigmas", "timesteps", "advantages", "encoder_hidden_states",
                 "train_steps")
@@ -436,34 +437,6 @@ def _snapshot_method(config_path: Path, run: RunConfig | None) -> Estimator:
     except ConfigError as err:
         raise UserError(f"{config_path}: {err}") from None
     return estimator
-
-
-# Keys outside the method section that a replay may set: the trained-step draw (train.plan) of a method that draws its own
-# steps on the snapshot (Estimator.replans). Anything else is fixed by the frozen rollout.
-REPLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "train.ignore_last", "seed")
-
-
-def replay_setup(config: dict, method: str, overrides: list[str],
-                 also: tuple[str, ...] = ()) -> tuple[RunConfig, Estimator]:
-    """The replay's run config (the snapshot's ``config`` with ``method`` and the ``--set`` overrides)
-    and the estimator, after the method's own run checks (``check_run``: W <= N, train.plan compatibility).
-    ``also``: keys beyond ``method.*`` (and :data:`REPLAN_KEYS` for a method that replans) the caller honours
-    (calibrate's plan keys of a method timed on its own rollout)."""
-    config = dict(config)
-    config["method"] = {"name": method}
-    cfg = validate(apply_overrides(config, overrides))
-    estimator = build_estimator(cfg)
-    for item in overrides:
-        key, value = parse_override(item)
-        if key == "method" or key.startswith("method.") or key in also:
-            continue
-        if not (estimator.replans and key in REPLAN_KEYS):
-            allowed = f"method.* and {', '.join(REPLAN_KEYS)}" if estimator.replans else "method.* only"
-            raise ConfigError(key, value,
-                              f"a key a replay of method '{method}' can honour ({allowed}): "
-                              "the rest is fixed by the snapshot")
-    estimator.check_run(cfg)
-    return cfg, estimator
 
 
 def method_from(snapshot: Snapshot, method: str, overrides: list[str]) -> Estimator:

@@ -440,10 +440,13 @@ def overrides_of(pairs: list[tuple[str, Any]]) -> list[str]:
 
 
 # ----- stage 2: the methods' own checks (imports torch; run in a child process) ------------------------
-def check_methods(base_file: str | None, jobs: dict[str, list]) -> dict[str, dict]:
+def check_methods(base_file: str | None, jobs: dict[str, list],
+                  replays: dict[str, dict] | None = None) -> dict[str, dict]:
     """Each job's method built from its composed config, as `agg-bench run` builds it, and run through
-    ``check_run``: {job: the method's resolved options (name first)}. Raises a SweepError naming the first
-    job that fails."""
+    ``check_run``: {job: the method's resolved options (name first)}. ``replays``: {job: its gradcheck grid
+    (:meth:`Sweep.gradcheck_grid`)} for the gradcheck jobs among ``jobs``, each replay of the grid and of its
+    ``methods`` set up on the job's config as `agg-bench gradcheck` sets it up before its rollout. Raises a
+    SweepError naming the first job that fails."""
     from ..methods.base import build_estimator  # torch: only in the child process that runs this
     from ..runtime.config_check import check_config
 
@@ -454,25 +457,48 @@ def check_methods(base_file: str | None, jobs: dict[str, list]) -> dict[str, dic
             build_estimator(cfg).check_run(cfg)
         except UserError as err:
             raise SweepError(f"{what}: {err}") from None
+        if what in (replays or {}):
+            _check_replays(what, cfg.to_dict(), replays[what])
         options[what] = {"name": cfg.method.name, **dataclasses.asdict(cfg.method.options)}
     return options
 
 
+def _check_replays(what: str, config: dict, grid: dict) -> None:
+    """Each replay of gradcheck job ``what``'s ``grid`` (the AGG grid, then its ``methods``) set up on the job's
+    ``config`` as `agg-bench gradcheck` sets it up before its rollout; a SweepError naming the job and the
+    sweep's keys otherwise. Runs in the child process (torch)."""
+    from .replays import agg_grid, parse_method_specs, replay_setup
+
+    try:
+        jobs = agg_grid(grid["windows"], grid["alphas"], grid["route_fracs"], grid["reuse"])
+        for job in jobs:
+            replay_setup(config, job.method, job.overrides)
+    except UserError as err:
+        raise SweepError(f"{what}: gradcheck.windows x alphas x route_fracs x reuse: {err}") from None
+    try:
+        for job in parse_method_specs(grid["methods"]):
+            replay_setup(config, job.method, job.overrides)
+    except UserError as err:
+        raise SweepError(f"{what}: gradcheck.methods: {err}") from None
+
+
 def _main() -> int:
-    """``python -m agg_bench.tools.sweep``: {"base", "jobs"} on stdin -> {"options"} or {"error"} on stdout."""
+    """``python -m agg_bench.tools.sweep``: {"base", "jobs", "replays"} on stdin -> {"options"} or {"error"} on
+    stdout."""
     request = json.load(sys.stdin)
     answer: dict[str, object]
     try:
-        answer = {"options": check_methods(request["base"], request["jobs"])}
+        answer = {"options": check_methods(request["base"], request["jobs"], request.get("replays"))}
     except UserError as err:
         answer = {"error": str(err)}
     json.dump(answer, sys.stdout)
     return 0
 
 
-def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Path | None = CACHE_DIR) -> dict[str, dict]:
+def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Path | None = CACHE_DIR,
+                    replays: dict[str, dict] | None = None) -> dict[str, dict]:
     """:func:`check_methods` in a child process, its answer cached in ``cache_dir`` (None: not cached)."""
-    request = {"base": base_file, "jobs": jobs}
+    request = {"base": base_file, "jobs": jobs, "replays": replays or {}}
     key = hashlib.sha256(json.dumps({
         # what the method check's answer depends on besides the jobs themselves
         "request": request, "python": sys.executable, "sources": source_digest(),
@@ -596,7 +622,8 @@ class Sweep:
                 # the cell's methods, whose train phases the calibration times side by side
                 if run["method"] not in self.calibrations[name]["methods"]:
                     self.calibrations[name]["methods"].append(run["method"])
-        options = checked_methods(self.base_file, checks, cache_dir) if checks else {}
+        replays = {f"gradcheck {name}": self.gradcheck_grid() for name in self.gradchecks}
+        options = checked_methods(self.base_file, checks, cache_dir, replays) if checks else {}
         for run in self.runs.values():
             run["method_options"] = options[run.pop("check")]
         self.cells = self._cells()
@@ -776,13 +803,21 @@ class Sweep:
         return (f"{self.launch(run['device'], 'run')} {self._config_args(run['pairs'])} --out results/runs/{run_id} "
                 f"--resume-stopped --overwrite --done {self.done_marker(run_id)} --journal {self.journal(run_id)}")
 
+    def gradcheck_grid(self) -> dict[str, list]:
+        """What every gradcheck job of the sweep replays: the AGG grid's ``windows``, ``alphas``, ``route_fracs``
+        and ``reuse`` (the sweep's ``gradcheck`` lists, these defaults where it has none) and its ``methods``."""
+        part = self.sweep.get("gradcheck") or {}
+        return {"windows": part.get("windows", [2, 3, 5]), "alphas": part.get("alphas", ["index", "sigma"]),
+                "route_fracs": part.get("route_fracs", [0, 0.5, 1]), "reuse": part.get("reuse", [False]),
+                "methods": part.get("methods", [])}
+
     def gradcheck_command(self, name: str) -> str:
-        job, part = self.gradchecks[name], self.sweep["gradcheck"]
-        lists = {"--windows": part.get("windows", [2, 3, 5]), "--alphas": part.get("alphas", ["index", "sigma"]),
-                 "--route-fracs": part.get("route_fracs", [0, 0.5, 1]), "--reuse": part.get("reuse", [False])}
+        job, grid = self.gradchecks[name], self.gradcheck_grid()
+        lists = {"--windows": grid["windows"], "--alphas": grid["alphas"], "--route-fracs": grid["route_fracs"],
+                 "--reuse": grid["reuse"]}
         args = " ".join(f"{flag} {shlex.quote(','.join(json.dumps(v) if not isinstance(v, str) else v for v in values))}"
                         for flag, values in lists.items())
-        methods = " ".join(f"--methods {shlex.quote(m)}" for m in part.get("methods", []))
+        methods = " ".join(f"--methods {shlex.quote(m)}" for m in grid["methods"])
         return (f"{self.launch(job['device'], 'gradcheck')} {self._config_args(job['pairs'])} {args} {methods} "
                 f"--out results/gradcheck/{name}.csv")
 

@@ -91,9 +91,10 @@ import json, sys, yaml
 from agg_bench.tools import sweep
 from baselines.caches import CACHES
 jobs = {}
-def check_here(base_file, checks, cache_dir=None):  # the child process's check, run in this one
+def check_here(base_file, checks, cache_dir=None, replays=None):  # the child process's check, run in this one
     jobs.update(checks)
-    return sweep.check_methods(base_file, checks)
+    assert replays  # the gradcheck jobs' replays, checked too
+    return sweep.check_methods(base_file, checks, replays)
 sweep.checked_methods = check_here
 embedded = sweep.Sweep(yaml.safe_load(open("config/config.yaml")), "workflow/schemas/config.schema.yaml", None)
 pairs = next(iter(jobs.values()))

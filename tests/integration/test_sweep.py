@@ -30,9 +30,9 @@ def in_process(monkeypatch):
     """The methods' check run in this process (torch is already imported here), counting its calls."""
     calls = []
 
-    def check(base_file, jobs, cache_dir=None):
+    def check(base_file, jobs, cache_dir=None, replays=None):
         calls.append(list(jobs))
-        return sweep_module.check_methods(base_file, jobs)
+        return sweep_module.check_methods(base_file, jobs, replays)
 
     monkeypatch.setattr(sweep_module, "checked_methods", check)
     monkeypatch.chdir(ROOT)  # base: config/run.yaml is relative to the working directory
@@ -521,3 +521,23 @@ def test_labels_that_differ_only_in_case_are_refused(in_process, section, make):
     make(config)
     with pytest.raises(SweepError, match=rf"^sweep config: {section}: '\w+' and '\w+' differ only in case"):
         Sweep(config, SCHEMA)
+
+
+@pytest.mark.parametrize("part, words", [
+    ({"methods": ["nosuch"]}, "gradcheck.methods: config error: method.name = 'nosuch': expected one of"),
+    ({"methods": ["cached:cache=nosuch"]}, "gradcheck.methods: config error: method.cache = 'nosuch'"),
+    ({"methods": ["agg:window=x"]}, "gradcheck.methods: config error: method.window = 'x': expected an integer"),
+    ({"methods": ["agg:train.lr=0.1"]}, "gradcheck.methods: config error: train.lr = 0.1: expected a key a replay"),
+    # the test sweep samples 6 steps: a window of 7 groups more steps than a sample trains
+    ({"windows": [3, 7]}, "gradcheck.windows x alphas x route_fracs x reuse: config error: method.window = 7: "
+                          "expected at most the 6 trained steps"),
+])
+def test_a_gradcheck_replay_that_its_job_would_refuse_is_refused_before_any_job(in_process, part, words):
+    """The gradcheck job sets up each replay of its grid and its --methods before its rollout, and refused a bad
+    one then: after the workflow had started, its tables waiting on the gradcheck for ever. The methods' check
+    sets them up as the job does, before any job."""
+    config = sweep_config()
+    config["gradcheck"].update(part)
+    with pytest.raises(SweepError) as refused:
+        Sweep(config, SCHEMA)
+    assert str(refused.value).startswith("sweep config: gradcheck sd3_32px_cpu: ") and words in str(refused.value)

@@ -1,0 +1,106 @@
+"""The replays of a frozen rollout that ``agg-bench gradcheck`` (and ``calibrate``) make: the jobs a gradcheck's grid
+and ``--methods`` ask for, and each replay's run config and estimator set up and checked. Nothing here imports
+diffusers, peft or transformers, so the workflow's methods' check (:mod:`agg_bench.tools.sweep`) checks a sweep's
+gradcheck jobs before they run, as the gradcheck itself checks them before its rollout."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..config import RunConfig, apply_overrides, parse_override, validate
+from ..errors import ConfigError
+from ..methods.base import Estimator, build_estimator
+
+
+@dataclass(frozen=True)
+class ReplayJob:
+    """One replay: a method and its options as ``(key, YAML text)`` pairs, i.e. ``--set method.key=text``;
+    a dotted key is a run-config key as it stands (``train.timestep_fraction`` for ``fraction``)."""
+
+    method: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{key if '.' in key else 'method.' + key}={text}" for key, text in self.options]
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{key}={text}" for key, text in self.options)
+
+
+def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
+    """Jobs from ``--methods`` values: ``name`` or ``name:key=value``, comma-separated.
+
+    A comma-separated item with ``=`` and no ``:`` adds an option to the method before it, so
+    ``fraction,cached:cache=fora,interval=2`` is ``fraction`` and ``cached`` with two options; a dotted
+    key sets that run-config key for the job, e.g. ``fraction:train.timestep_fraction=0.5``.
+    """
+    specs = list(specs)
+    jobs: list[tuple[str, list[tuple[str, str]]]] = []
+    for spec in specs:
+        for item in (part.strip() for part in spec.split(",")):
+            if not item:  # '' or a stray comma: a method left out by mistake, not none asked for
+                raise ConfigError("--methods", spec, "name or name:key=value items, comma-separated, none empty, "
+                                                     "e.g. fraction,cached:cache=fora")
+            if "=" in item and ":" not in item.split("=", 1)[0]:
+                if not jobs:
+                    raise ConfigError("--methods", spec, "name or name:key=value items, a name first")
+                key, text = item.split("=", 1)
+                jobs[-1][1].append((key.strip(), text.strip()))
+                continue
+            name, _, option = item.partition(":")
+            if not name.strip():
+                raise ConfigError("--methods", spec, "name or name:key=value items, e.g. fraction,cached:cache=fora")
+            jobs.append((name.strip(), []))
+            if option:
+                if "=" not in option:
+                    raise ConfigError("--methods", spec, f"key=value after '{name}:'")
+                key, text = option.split("=", 1)
+                jobs[-1][1].append((key.strip(), text.strip()))
+    for name, options in jobs:
+        keys = [key for key, _ in options]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:  # the last would win and the first be dropped unseen
+            raise ConfigError("--methods", ",".join(specs),
+                              f"each option of a method once ({twice} is given twice for '{name}')")
+    return [ReplayJob(name, tuple(options)) for name, options in jobs]
+
+
+def agg_grid(windows: list[int], alphas: list[str], route_fracs: list[float],
+             reuse: list[bool]) -> list[ReplayJob]:
+    """One ``agg`` job per combination, in the order given."""
+    return [
+        ReplayJob("agg", (("window", str(w)), ("alpha", a), ("route_frac", repr(f)),
+                          ("reuse_rollout_velocity", "true" if r else "false")))
+        for w, a, f, r in itertools.product(windows, alphas, route_fracs, reuse)
+    ]
+
+
+# Keys outside the method section that a replay may set: the trained-step draw (train.plan) of a method that draws its own
+# steps on the snapshot (Estimator.replans). Anything else is fixed by the frozen rollout.
+REPLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "train.ignore_last", "seed")
+
+
+def replay_setup(config: dict, method: str, overrides: list[str],
+                 also: tuple[str, ...] = ()) -> tuple[RunConfig, Estimator]:
+    """The replay's run config (the snapshot's ``config`` with ``method`` and the ``--set`` overrides)
+    and the estimator, after the method's own run checks (``check_run``: W <= N, train.plan compatibility).
+    ``also``: keys beyond ``method.*`` (and :data:`REPLAN_KEYS` for a method that replans) the caller honours
+    (calibrate's plan keys of a method timed on its own rollout)."""
+    config = dict(config)
+    config["method"] = {"name": method}
+    cfg = validate(apply_overrides(config, overrides))
+    estimator = build_estimator(cfg)
+    for item in overrides:
+        key, value = parse_override(item)
+        if key == "method" or key.startswith("method.") or key in also:
+            continue
+        if not (estimator.replans and key in REPLAN_KEYS):
+            allowed = f"method.* and {', '.join(REPLAN_KEYS)}" if estimator.replans else "method.* only"
+            raise ConfigError(key, value,
+                              f"a key a replay of method '{method}' can honour ({allowed}): "
+                              "the rest is fixed by the snapshot")
+    estimator.check_run(cfg)
+    return cfg, estimator
