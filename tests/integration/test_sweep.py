@@ -541,3 +541,18 @@ def test_a_gradcheck_replay_that_its_job_would_refuse_is_refused_before_any_job(
     with pytest.raises(SweepError) as refused:
         Sweep(config, SCHEMA)
     assert str(refused.value).startswith("sweep config: gradcheck sd3_32px_cpu: ") and words in str(refused.value)
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("gradcheck", "windows", [3, 3]), ("gradcheck", "alphas", ["sigma", "sigma"]), ("gradcheck", "route_fracs", [1, 1.0]),
+    ("gradcheck", "reuse", [False, False]), ("gradcheck", "methods", ["fraction", "fraction"]),
+    ("gradcheck", "resolutions", [32, 32]), ("gradcheck", "models", ["sd3", "sd3"]), ("embed", "models", ["sd3", "sd3"]),
+])
+def test_a_repeated_item_of_a_gradcheck_or_embed_list_is_refused(in_process, section, key, value):
+    """A repeated window, alpha, route fraction, reuse or method replayed the same gradient again and wrote its row
+    twice into the gradcheck table; a repeated model or resolution asked for a job twice. Refused as a repeated seed
+    is, before any job."""
+    config = sweep_config()
+    config.setdefault(section, {})[key] = value
+    with pytest.raises(SweepError, match=re.escape(f"{section}.{key} = ") + r".*expected a list without repeated items"):
+        Sweep(config, SCHEMA)
