@@ -437,6 +437,9 @@ def bomb_sweep(text: str) -> str:
                                              "gpu2: {device: cuda, gpus: 2, threads: 1}"),
      ["run full_sd3_32px_s0_gpu2", "grpo.prompts_per_iteration", "devices.gpu2.gpus: 2"]),
     ("exclude all", lambda t: t + "exclude:\n  - {model: sd3}\n", ["no runs left after exclude"]),
+    # read by the manifest rule's parameters while Snakemake parses the rules: a traceback before
+    ("no reference manifest", lambda t: t + "report:\n  compare_with: [results/nothing]\n",
+     ["report.compare_with", "'results/nothing' has no manifest.json"]),
 ])
 def test_snakemake_dry_run_refuses_with_one_line(tmp_path, name, make, words):
     work = workdir(tmp_path)
