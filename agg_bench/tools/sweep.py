@@ -356,6 +356,26 @@ def check_markers(sweep: Sweep) -> None:
                         f"{DONE_DIR}/<run id>.json")
 
 
+# the manifests the workflow writes once every run's marker is there, each with its rule
+MANIFESTS = {"results/manifest.json": "manifest", f"{LEARNING_DIR}/manifest.json": "learning_manifest"}
+
+
+def runs_behind_manifest(sweep: Sweep) -> str | None:
+    """A warning when a run of ``sweep`` has no marker (removed by hand to run it again, or by Snakemake with a
+    job that was stopped) while a manifest that waits for it is there: Snakemake takes a missing file that only
+    feeds outputs it has as nothing to make, so unless the manifest's rule is forced it runs nothing and the
+    tables stay as they were ("Nothing to be done"). None when there is nothing to say. For the Snakefile,
+    which learns of --forcerun only after it is parsed; reads only."""
+    missing = [run_id for run_id in sweep.runs if not Path(sweep.done_marker(run_id)).is_file()]
+    rules = [rule for path, rule in MANIFESTS.items() if Path(path).is_file()]
+    if not missing or not rules:
+        return None
+    them = "it" if len(missing) == 1 else "them"
+    return (f"warning: {_named(missing, 3)} {'has' if len(missing) == 1 else 'have'} no marker in {DONE_DIR}/ but the "
+            f"manifest that waits for {them} is there: Snakemake takes the tables as up to date and runs {them} only "
+            f"with --forcerun {' '.join(rules)}")
+
+
 def check_output_folders(paths) -> None:
     """Each folder that holds one of ``paths`` (the workflow's outputs, logs and benchmarks; a pattern's folders
     up to its first wildcard) is a folder where it exists: a file in its place (``results`` itself, say) ended

@@ -257,6 +257,35 @@ def test_a_run_folder_removed_by_hand_is_named_with_its_marker(tmp_path):
     assert proc.returncode == 0, proc.stderr + proc.stdout  # a run with its summary: its marker stands
 
 
+def test_a_run_without_its_marker_behind_a_manifest_is_named_with_the_flag_that_runs_it(tmp_path):
+    """Snakemake does not remake a missing file that only feeds outputs it has: a marker removed by hand to run its
+    run again (as the docs said), or by a stopped forced rerun of its cell, while the manifest and the tables
+    stood, ran nothing and said "Nothing to be done". The workflow names the runs and the flag that runs them
+    (a warning: whether a snakemake is forced is known only after the Snakefile is parsed); nothing is written or
+    removed."""
+    work = workdir(tmp_path)
+    manifest = work / "results/manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text("{}")
+    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert ("warning: full_sd3_32px_s0_cpu, agg-w3_sd3_32px_s0_cpu have no marker in results/done/ but the manifest "
+            "that waits for them is there: Snakemake takes the tables as up to date and runs them only with --forcerun "
+            "manifest\n") in proc.stderr, proc.stderr
+    (work / "results/done").mkdir()
+    for run_id in ("full_sd3_32px_s0_cpu", "agg-w3_sd3_32px_s0_cpu"):
+        (work / f"results/done/{run_id}.json").write_text("{}")
+        run = work / f"results/runs/{run_id}"
+        run.mkdir(parents=True)
+        (run / "config.json").write_text(json.dumps({"model": {}, "train": {}, "method": {"name": "full"}}))
+        (run / "summary.json").write_text(json.dumps({"status": "ok"}))
+    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr + proc.stdout
+    shutil.rmtree(work / "results/done")
+    shutil.rmtree(work / "results/runs")
+    assert sorted(p.relative_to(work).as_posix() for p in (work / "results").rglob("*")) == ["results/manifest.json"]
+
+
 @pytest.mark.parametrize("where", ["results", "results/logs/cell", "results/runs"])
 def test_a_file_where_a_folder_of_the_workflow_goes_is_one_line(tmp_path, where):
     """A file named `results` (or a log folder's name) ended Snakemake in a NotADirectoryError traceback, before

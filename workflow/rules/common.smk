@@ -11,7 +11,8 @@ from snakemake.exceptions import WorkflowError
 from agg_bench.errors import UserError
 from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, LEARNING_DIR, PRETRAINED_DIR, PYTHON, Sweep,
                                    SweepError, check_input_files, check_markers, check_output_contents,
-                                   check_output_folders, failed_runs, report_failed_runs, set_arg, type_config_args)
+                                   check_output_folders, failed_runs, report_failed_runs, runs_behind_manifest, set_arg,
+                                   type_config_args)
 from agg_bench.tools.sweep import pretrain_gpus as sweep_pretrain_gpus
 
 def refuse(message: str):
@@ -33,6 +34,11 @@ try:
     check_markers(SWEEP)
 except UserError as err:
     refuse(str(err))
+# a run whose marker went while its manifest stayed: Snakemake runs nothing for it unless forced, and says only
+# "Nothing to be done" (whether this snakemake is forced is known only after the Snakefile is parsed)
+BEHIND = runs_behind_manifest(SWEEP)
+if BEHIND:
+    print(BEHIND, file=sys.stderr, flush=True)
 
 
 def check_finished_runs():
