@@ -362,13 +362,23 @@ MANIFESTS = {"results/manifest.json": "manifest", f"{LEARNING_DIR}/manifest.json
 
 def runs_behind_manifest(sweep: Sweep) -> str | None:
     """A warning when a run of ``sweep`` has no marker (removed by hand to run it again, or by Snakemake with a
-    job that was stopped) while a manifest that waits for it is there: Snakemake takes a missing file that only
-    feeds outputs it has as nothing to make, so unless the manifest's rule is forced it runs nothing and the
-    tables stay as they were ("Nothing to be done"). None when there is nothing to say. For the Snakefile,
-    which learns of --forcerun only after it is parsed; reads only."""
+    job that was stopped) while a manifest of this same sweep waits for it: Snakemake takes a missing file that
+    only feeds outputs it has as nothing to make, so unless the manifest's rule is forced it runs nothing and the
+    tables stay as they were ("Nothing to be done"). A manifest of another sweep is rewritten anyway (its rule's
+    parameters changed). None when there is nothing to say. For the Snakefile, which learns of --forcerun only
+    after it is parsed; reads only."""
     missing = [run_id for run_id in sweep.runs if not Path(sweep.done_marker(run_id)).is_file()]
-    rules = [rule for path, rule in MANIFESTS.items() if Path(path).is_file()]
-    if not missing or not rules:
+    if not missing:
+        return None
+    expected = json.loads(json.dumps(sweep.manifest(), default=str))
+    rules = []
+    for path, rule in MANIFESTS.items():
+        try:
+            if read_json_object(Path(path), "a manifest") == expected:
+                rules.append(rule)
+        except UserError:
+            continue  # none there, or not one the workflow wrote
+    if not rules:
         return None
     them = "it" if len(missing) == 1 else "them"
     return (f"warning: {_named(missing, 3)} {'has' if len(missing) == 1 else 'have'} no marker in {DONE_DIR}/ but the "

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from agg_bench.records import plot_files, table_files
+from agg_bench.tools.sweep import Sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = table_files()
@@ -257,7 +258,7 @@ def test_a_run_folder_removed_by_hand_is_named_with_its_marker(tmp_path):
     assert proc.returncode == 0, proc.stderr + proc.stdout  # a run with its summary: its marker stands
 
 
-def test_a_run_without_its_marker_behind_a_manifest_is_named_with_the_flag_that_runs_it(tmp_path):
+def test_a_run_without_its_marker_behind_a_manifest_is_named_with_the_flag_that_runs_it(tmp_path, monkeypatch):
     """Snakemake does not remake a missing file that only feeds outputs it has: a marker removed by hand to run its
     run again (as the docs said), or by a stopped forced rerun of its cell, while the manifest and the tables
     stood, ran nothing and said "Nothing to be done". The workflow names the runs and the flag that runs them
@@ -266,7 +267,12 @@ def test_a_run_without_its_marker_behind_a_manifest_is_named_with_the_flag_that_
     work = workdir(tmp_path)
     manifest = work / "results/manifest.json"
     manifest.parent.mkdir(parents=True)
-    manifest.write_text("{}")
+    manifest.write_text("{}")  # another sweep's: its rule's parameters changed, so Snakemake writes it again
+    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr + proc.stdout
+    monkeypatch.chdir(work)
+    manifest.write_text(json.dumps(Sweep(yaml.safe_load((work / "config/test.yaml").read_text()),
+                                         work / "workflow/schemas/config.schema.yaml", None).manifest()))
     proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert ("warning: full_sd3_32px_s0_cpu, agg-w3_sd3_32px_s0_cpu have no marker in results/done/ but the manifest "
