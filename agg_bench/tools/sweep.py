@@ -481,13 +481,14 @@ def check_methods(base_file: str | None, jobs: dict[str, list],
     from ..runtime.config_check import check_config
 
     options = {}
+    replays = replays or {}
     for what, pairs in jobs.items():
         try:
             cfg = check_config(load_config(base_file, overrides_of(pairs)))  # the method's options typed here, once
             build_estimator(cfg).check_run(cfg)
         except UserError as err:
             raise SweepError(f"{what}: {err}") from None
-        if what in (replays or {}):
+        if what in replays:
             _check_replays(what, cfg.to_dict(), replays[what])
         options[what] = {"name": cfg.method.name, **dataclasses.asdict(cfg.method.options)}
     return options
