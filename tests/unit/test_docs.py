@@ -72,7 +72,8 @@ READ = [*DOCS, *sorted((ROOT / "config").rglob("*.yaml"))]
 # (`config/nft.py`, `train.beta`), which are not this repository's.
 CITES_PUBLIC_CODE = {ROOT / "docs" / "methods.md", *(ROOT / "config" / "presets").glob("*.yaml")}
 CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)  # a fenced block, or an inline code span
-COMMAND = re.compile(r"(?:agg-bench|python -m agg_bench)[ \t]+([^\s|;&#]+)((?:[^\n#|;&]|\\\n)*)")
+# the rest of the command: its continuation lines (`\` at a line's end) and bracketed choices (`[--time auto|cpu]`)
+COMMAND = re.compile(r"(?:agg-bench|python -m agg_bench)[ \t]+([^\s|;&#]+)((?:\\\n|\[[^\]\n#]*\]|[^\n#|;&])*)")
 
 
 def code_texts(path: Path) -> list[str]:
@@ -228,3 +229,27 @@ def test_every_method_and_reward_is_in_its_reference():
     assert len(METHOD_MODULES) >= 11 and set(METHOD_MODULES) - rows == set(), set(METHOD_MODULES) - rows
     rewards = (ROOT / "docs" / "rewards.md").read_text()
     assert len(REWARDS.names()) >= 9 and [name for name in REWARDS.names() if f"`{name}`" not in rewards] == []
+
+
+def test_every_optional_flag_value_the_docs_show_is_its_default():
+    """`[--flag VALUE]` in a documented command shows the flag left out: VALUE is the default the verb takes
+    (a placeholder, `[--gpus N]`, a list or a choice, `[--time auto|cpu|wall]`, and a flag without a default are
+    not checked)."""
+    from agg_bench.cli import build_parser
+
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    defaults = {verb: {flag: action.default for action in sub._actions for flag in action.option_strings}
+                for verb, sub in verbs.items()}
+    seen, wrong = 0, []
+    for path in READ:
+        for code in code_texts(path):
+            for verb, rest in COMMAND.findall(code):
+                for flag, value in re.findall(r"\[(--[a-z][a-z0-9-]*) ([a-z0-9][a-z0-9.]*)\]", rest):
+                    default = defaults.get(verb, {}).get(flag)
+                    if default is None or isinstance(default, (list, bool)):
+                        continue
+                    seen += 1
+                    if value != str(default):
+                        wrong.append(f"{path.relative_to(ROOT)}: agg-bench {verb} [{flag} {value}], default {default}")
+    assert seen >= 10 and not wrong, wrong
