@@ -253,3 +253,21 @@ def test_every_optional_flag_value_the_docs_show_is_its_default():
                     if value != str(default):
                         wrong.append(f"{path.relative_to(ROOT)}: agg-bench {verb} [{flag} {value}], default {default}")
     assert seen >= 10 and not wrong, wrong
+
+
+def test_the_architecture_tree_lists_every_module():
+    """docs/design.md's tree under "Architecture" names every module of agg_bench and baselines, and only
+    files that exist (a folder's line stands for its `__init__.py`)."""
+    tree = (ROOT / "docs" / "design.md").read_text().split("\n## Architecture\n\n```\n", 1)[1].split("```", 1)[0]
+    listed, stack = set(), []
+    for line in tree.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip() or indent >= 20:  # a description's second line
+            continue
+        stack = stack[:indent // 2] + [line.split()[0].rstrip(",")]
+        listed.add("".join(stack).rstrip("/"))
+    modules = {path.relative_to(ROOT).as_posix() for folder in ("agg_bench", "baselines")
+               for path in (ROOT / folder).rglob("*.py")}
+    modules = {m[:-len("/__init__.py")] if m.endswith("/__init__.py") else m for m in modules}
+    assert len(modules) > 80 and sorted(modules - listed) == []
+    assert [name for name in sorted(listed) if not (ROOT / name).exists()] == []
