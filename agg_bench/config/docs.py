@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -80,8 +81,8 @@ def allowed_text(schema: dict) -> str:
         text = f"list of {items}" + (f" ({', '.join(sizes)})" if sizes else "")
     else:
         text = {"string": "text", "boolean": "true or false", "object": "mapping"}[kind]
-    # an option's own wording of what it allows (``x-expected``) may say "or null" already
-    return f"{text} or null" if nullable and not text.endswith("or null") else text
+    # an option's own wording of what it allows (``x-expected``) may name null already ("null or an integer")
+    return f"{text} or null" if nullable and not re.search(r"\bnull\b", text) else text
 
 
 def reference_rows(cls: type[Section] = RunConfig, prefix: str = "", schema: dict | None = None) -> list[list[str]]:

@@ -34,6 +34,17 @@ def test_the_option_tables_are_the_generated_ones():
     assert "| `method.window` | `5` | integer from 1 to 1000 |" in text  # agg's, as the field says
 
 
+def test_an_allowed_cell_says_null_once():
+    """An option whose own wording already allows null (`micro_batch`: "null or an integer >= 1") is not given
+    a second "or null"; the run config's table likewise."""
+    from agg_bench.config import docs as config_docs
+
+    rows = [row for cls in method_docs.method_options_classes().values() for row in method_docs.option_rows(cls)]
+    rows += config_docs.reference_rows()
+    nullable = [row for row in rows if "null" in row[2]]
+    assert len(nullable) >= 5 and [row[:3] for row in nullable if row[2].count("null") > 1] == []
+
+
 def bad_values(schema: dict) -> list[tuple[str, object]]:
     """(what, value) a property ``schema`` refuses: a wrong type, below and above its bounds, NaN."""
     kinds = schema.get("type", [])
