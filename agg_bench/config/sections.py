@@ -234,7 +234,8 @@ class TrainConfig(Section):
                                minimum=1, maximum=100)
     gradient_checkpointing: bool = option(False, "recompute transformer blocks in backward (refused with "
                                                  "training-time caches)")
-    lora_rank: int = option(0, "0: full fine-tune; >0: LoRA adapters (peft) of this rank", minimum=0, maximum=4096)
+    lora_rank: int = option(0, "0: full fine-tune; >0: LoRA adapters (peft) of this rank, at most the width of the "
+                                 "narrowest adapted layer", minimum=0, maximum=4096)
     lora_alpha: float | None = option(None, "LoRA alpha; the adapters' scale is alpha / rank (null: the rank); null when "
                                             "`lora_rank` is 0",
                                       exclusive_minimum=0)

@@ -67,6 +67,7 @@ def apply_lora(transformer: Any, family: str, rank: int, alpha: float | None = N
     settings = lora_settings(family, rank, alpha, target_modules)
     config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], init_lora_weights="gaussian",
                         target_modules=settings["target_modules"])
+    _check_rank(transformer, config)
     transformer.requires_grad_(False)
     try:
         transformer.add_adapter(config)
@@ -75,6 +76,27 @@ def apply_lora(transformer: Any, family: str, rank: int, alpha: float | None = N
                           f"module names present in {type(transformer).__name__} ({err})") from err
     transformer._agg_lora_settings = settings
     return settings
+
+
+def _check_rank(transformer: torch.nn.Module, config) -> None:
+    """A ConfigError naming ``train.lora_rank`` when the rank exceeds the width (the smaller of its input and
+    output features) of a linear layer ``config`` adapts: B A of such a layer has at most that rank, so the
+    rest of each adapter adds parameters, memory and time and no rank (at a full-size model's width, minutes
+    of drawing its initial values). Checked before any adapter is allocated."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    narrowest = None
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and name and check_target_module_exists(config, name):
+            width = min(module.in_features, module.out_features)
+            if narrowest is None or width < narrowest[0]:
+                narrowest = (width, name, module.in_features, module.out_features)
+    if narrowest is not None and config.r > narrowest[0]:
+        width, name, n_in, n_out = narrowest
+        raise ConfigError("train.lora_rank", config.r,
+                          f"at most {width} (0: a full fine-tune), the width of the narrowest adapted layer ({name}: "
+                          f"{n_in} -> {n_out} features in {type(transformer).__name__}); a higher rank adds "
+                          "parameters but no rank")
 
 
 def lora_info(transformer: torch.nn.Module) -> dict | None:

@@ -349,9 +349,11 @@ class ShapeModel:
             train = replace(self.cfg.train, gradient_checkpointing=checkpointing, lora_rank=lora_rank)
             if lora_rank != self.cfg.train.lora_rank:  # a suggested adapter: the family's defaults
                 train = replace(train, lora_alpha=None, lora_target_modules=None)
+            # the adapters on the meta device too: drawn for real, a full-size model's take minutes and GiBs
             with torch.random.fork_rng(devices=[]):
                 transformer = _shapes(self.cfg, "transformer", self.precision.param_dtype)
-                prepare_training(transformer, self.family, train)
+                with torch.device("meta"):
+                    prepare_training(transformer, self.family, train)
             _to_fake(transformer, self.mode)
             self._policies[key] = policy_class(self.family)(transformer, self.vae,
                                                             autocast_dtype=self.precision.autocast_dtype)

@@ -10,6 +10,7 @@ from agg_bench.engine.grpo import UpdateStats, step_terms
 from agg_bench.engine.lora import LORA_TARGETS
 from agg_bench.engine.models import TRANSFORMER_CLASSES, build_tiny_transformer
 from agg_bench.errors import ConfigError
+from agg_bench.runtime.memplan import plan_memory
 from agg_bench.runtime.train import Session
 from agg_bench.tools.snapshot import load_snapshot, replay_gradient, save_snapshot
 from baselines.full import FullEstimator
@@ -146,3 +147,34 @@ def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradient():
                       for n, p in session.policy.named_parameters()})
     assert sum(float(g.abs().sum()) for g in grads[0].values()) > 0
     assert relative_error(grads[1], grads[0]) <= 1e-12
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
+def test_a_rank_above_the_narrowest_adapted_layer_is_a_config_error(family):
+    transformer = build_tiny_transformer(family)
+    width = min(min(m.in_features, m.out_features) for name, m in transformer.named_modules()
+                if isinstance(m, torch.nn.Linear) and name.endswith(tuple("." + t for t in LORA_TARGETS[family])))
+    assert Session(tiny_config(f"train.lora_rank={width}", family=family)).policy.parameters()
+    with pytest.raises(ConfigError) as err:
+        Session(tiny_config(f"train.lora_rank={width + 1}", family=family))
+    assert (err.value.key, err.value.value) == ("train.lora_rank", width + 1)
+    with pytest.raises(ConfigError) as err:  # the memory planner, which builds the model on the meta device
+        plan_memory(tiny_config(f"train.lora_rank={width + 1}", family=family), 1)
+    assert err.value.key == "train.lora_rank"
+
+
+def test_the_memory_planner_draws_no_adapter_weights(monkeypatch):
+    # a full-size model's adapters drawn on the CPU took minutes and GiBs before they went to the meta device
+    from peft.tuners.lora.layer import LoraLayer
+
+    devices = []
+    reset = LoraLayer.reset_lora_parameters
+
+    def recorded(self, adapter_name, *args, **kwargs):
+        devices.append(self.lora_A[adapter_name].weight.device.type)
+        return reset(self, adapter_name, *args, **kwargs)
+
+    monkeypatch.setattr(LoraLayer, "reset_lora_parameters", recorded)
+    plan = plan_memory(tiny_config(*LORA), 1)
+    assert 0 < plan.trainable_parameters < plan.parameters
+    assert devices and set(devices) == {"meta"}
