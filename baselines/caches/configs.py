@@ -49,8 +49,19 @@ def clock(doc: str) -> Any:
 
 
 def skip_range(default: tuple[float, float], doc: str) -> Any:
-    """An open interval of timesteps (0-1000 scale): a pair [low, high] of numbers."""
+    """An open interval of timesteps (0-1000 scale): a pair [low, high] of numbers, low < high
+    (:func:`check_skip_range`)."""
     return option(default, doc, items=TIMESTEP_RANGE, expected="a pair [low, high] of timesteps (0-1000 scale)")
+
+
+def check_skip_range(pair: tuple[float, float]) -> None:
+    """A ConfigError naming ``method.spatial_attention_timestep_skip_range`` unless low < high: an empty
+    interval holds no timestep, so the cache would never reuse and its run would measure no cache."""
+    low, high = pair
+    if not low < high:
+        raise ConfigError("method.spatial_attention_timestep_skip_range", list(pair),
+                          "a pair [low, high] of timesteps (0-1000 scale) with low < high (an empty interval "
+                          "reuses nothing)")
 
 
 @dataclass
@@ -72,9 +83,12 @@ class PabConfig(Options):
         2, "inside the timestep range, each attention layer computes on every N-th call and returns its previous "
         "output on the other N - 1; 1 never reuses. diffusers' fallback value", minimum=1, maximum=MAX_STEPS)
     spatial_attention_timestep_skip_range: tuple[float, float] = skip_range(
-        (100, 800), "open interval of timesteps, on the 0-1000 scale for every family (FLUX's sigma is multiplied "
+        (100, 800), "open interval (low < high) of timesteps, on the 0-1000 scale for every family (FLUX's sigma is multiplied "
         "by 1000), inside which attention may be reused. diffusers' default")
     current_timestep_callback: Callable[[], float] | None = clock("returns the current timestep (0-1000 scale)")
+
+    def check(self) -> None:
+        check_skip_range(self.spatial_attention_timestep_skip_range)
 
 
 @dataclass
@@ -86,12 +100,15 @@ class FasterCacheConfig(Options):
         2, "inside the timestep range, each attention layer computes on every N-th call and extrapolates from its "
         "last two computed outputs on the others; 1 never reuses. diffusers' default", minimum=1, maximum=MAX_STEPS)
     spatial_attention_timestep_skip_range: tuple[float, float] = skip_range(
-        (-1, 681), "open interval of timesteps (0-1000 scale for every family) inside which attention may be "
+        (-1, 681), "open interval (low < high) of timesteps (0-1000 scale for every family) inside which attention may be "
         "reused. diffusers' default")
     attention_weight: float = option(
         0.5, "reused output = last + (last - second to last) * weight. diffusers' default",
         minimum=-MAX_COEFFICIENT, maximum=MAX_COEFFICIENT)
     current_timestep_callback: Callable[[], float] | None = clock("returns the current timestep (0-1000 scale)")
+
+    def check(self) -> None:
+        check_skip_range(self.spatial_attention_timestep_skip_range)
 
 
 @dataclass
@@ -125,12 +142,21 @@ class TaylorSeerConfig(Options):
     disable_cache_before_step: int = option(3, "steps before this index always compute (they gather the Taylor "
                                                "factors). diffusers' default", minimum=0, maximum=MAX_STEPS)
     disable_cache_after_step: int | None = option(
-        None, "steps from this index on always compute; null never stops predicting. diffusers' default",
+        None, "steps from this index on always compute, an index after `disable_cache_before_step`; null never "
+        "stops predicting. diffusers' default",
         minimum=0, maximum=MAX_STEPS)
     max_order: int = option(1, "order of the Taylor expansion. diffusers' default", minimum=1, maximum=10)
     taylor_factors_dtype: FactorDtype = option(
         "float32", "storage dtype of the factors. diffusers defaults to bfloat16 to save memory; float32 keeps the "
         "rounding of the stored factors out of the measured cache error")
+
+    def check(self) -> None:
+        after = self.disable_cache_after_step
+        if after is not None and after <= self.disable_cache_before_step:
+            raise ConfigError("method.disable_cache_after_step", after,
+                              f"null or a step after method.disable_cache_before_step = "
+                              f"{self.disable_cache_before_step} (the steps in between are the ones predicted: "
+                              "none would be)")
 
 
 @dataclass

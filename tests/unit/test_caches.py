@@ -6,7 +6,7 @@ import torch
 
 from agg_bench.engine.models import POLICIES, TINY_TRANSFORMERS, TRANSFORMER_CLASSES, Conditioning
 from agg_bench.errors import ConfigError, UserError
-from baselines.caches import CACHES, apply_cache, cache_options
+from baselines.caches import CACHES, apply_cache, cache_options, make_config
 from baselines.caches.configs import MAGCACHE_PRESETS
 from baselines.caches.magcache import PRESET_RATIOS
 from helpers import CACHE_NEUTRAL, seeded
@@ -298,3 +298,22 @@ def test_usage_errors(policy, inputs):
     with pytest.raises(UserError, match="removed"):
         handle.begin_step(0, 1.0)
     assert_hook_free(policy.transformer)
+
+
+
+@pytest.mark.parametrize("name, key, empty, nonempty", [
+    ("pab", "spatial_attention_timestep_skip_range", [800, 100], [100, 800]),
+    ("pab", "spatial_attention_timestep_skip_range", [400, 400], [400, 401]),
+    ("fastercache", "spatial_attention_timestep_skip_range", [681, -1], [-1, 681]),
+    ("taylorseer", "disable_cache_after_step", 2, 6),
+    ("taylorseer", "disable_cache_after_step", 5, 6),
+])
+def test_options_that_leave_nothing_to_reuse_are_refused(name, key, empty, nonempty):
+    # an empty interval of timesteps, or of steps after TaylorSeer's warm-up (5 here): the cache would never
+    # reuse, and its run would time no cache
+    fixed = {"disable_cache_before_step": 5} if name == "taylorseer" else {}
+    with pytest.raises(ConfigError) as err:
+        make_config(name, {**fixed, key: empty})
+    assert (err.value.key, err.value.value) == (f"method.{key}", empty)
+    assert getattr(make_config(name, {**fixed, key: nonempty}), key) == (
+        tuple(nonempty) if isinstance(nonempty, list) else nonempty)
