@@ -82,6 +82,9 @@ def validate(config: dict) -> RunConfig:
     if cfg.run_id is not None and not (len(cfg.run_id) <= MAX_RUN_ID and cfg.run_id.isprintable()):
         raise ConfigError("run_id", cfg.run_id, f"a name of 1 to {MAX_RUN_ID} printable characters, or null")
     model = cfg.model
+    if model.preset == "pretrained" and not model.pretrained:  # else the planner sized the tiny model for it
+        raise ConfigError("model.preset", model.preset, "'tiny' or 'random', or 'pretrained' with model.pretrained "
+                                                        "set to a local model folder")
     if model.architecture is not None and not (model.preset == "random" and not model.pretrained):
         raise ConfigError("model.architecture", model.architecture, "null unless model.preset is random")
     if cfg.sampling.schedule == "linspace" and cfg.sampling.shift is None:
