@@ -349,11 +349,13 @@ class ShapeModel:
             train = replace(self.cfg.train, gradient_checkpointing=checkpointing, lora_rank=lora_rank)
             if lora_rank != self.cfg.train.lora_rank:  # a suggested adapter: the family's defaults
                 train = replace(train, lora_alpha=None, lora_target_modules=None)
-            # the adapters on the meta device too: drawn for real, a full-size model's take minutes and GiBs
+            # the adapters on the meta device too: drawn for real, a full-size model's take minutes and GiBs;
+            # there peft leaves them in the default dtype, where a run moves them to the base weights' dtype
             with torch.random.fork_rng(devices=[]):
                 transformer = _shapes(self.cfg, "transformer", self.precision.param_dtype)
                 with torch.device("meta"):
                     prepare_training(transformer, self.family, train)
+                transformer.to(self.precision.param_dtype)
             _to_fake(transformer, self.mode)
             self._policies[key] = policy_class(self.family)(transformer, self.vae,
                                                             autocast_dtype=self.precision.autocast_dtype)
