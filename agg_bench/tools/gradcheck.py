@@ -59,6 +59,8 @@ def parse_values(text: str, flag: str, kind: type) -> list:
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ConfigError(flag, text, expected[kind])
+        if value in out:  # the same replay again, and its row written twice
+            raise ConfigError(flag, text, f"{expected[kind]}, each once")
         out.append(value)
     return out
 

@@ -65,6 +65,13 @@ def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
         if twice is not None:  # the last would win and the first be dropped unseen
             raise ConfigError("--methods", ",".join(specs),
                               f"each option of a method once ({twice} is given twice for '{name}')")
+    seen: set[tuple] = set()
+    for name, options in jobs:
+        same = (name, tuple(sorted(options)))
+        if same in seen:  # the same gradient replayed again, and its row written twice
+            raise ConfigError("--methods", ",".join(specs), f"each method and options once ('{name}' with "
+                                                            f"{dict(options) or 'no options'} is given twice)")
+        seen.add(same)
     return [ReplayJob(name, tuple(options)) for name, options in jobs]
 
 

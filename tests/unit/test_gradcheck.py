@@ -101,13 +101,20 @@ def test_parse_method_specs():
     for bad in ("interval=2", ":x=1", "cached:fora"):
         with pytest.raises(ConfigError):
             parse_method_specs([bad])
+    # the same replay twice (options in any order) would replay one gradient again and write its row twice
+    for twice in (["full,full"], ["agg:window=4", "agg:window=4"],
+                  ["cached:cache=fora,interval=2", "cached:interval=2,cache=fora"]):
+        with pytest.raises(ConfigError, match="given twice"):
+            parse_method_specs(twice)
+    assert len(parse_method_specs(["agg:window=4", "agg:window=5"])) == 2
 
 
 def test_parse_values():
     assert parse_values("2, 3,5", "--windows", int) == [2, 3, 5]
     assert parse_values("0,0.5,1", "--route-fracs", float) == [0.0, 0.5, 1.0]
     assert parse_values("false,true", "--reuse", bool) == [False, True]
-    for text, kind in (("2,x", int), ("2,,3", int), ("true", int), ("0,high", float), ("maybe", bool)):
+    for text, kind in (("2,x", int), ("2,,3", int), ("true", int), ("0,high", float), ("maybe", bool),
+                       ("2,2", int), ("0.5,0.50", float), ("1,1.0", float), ("true,true", bool), ("a,a", str)):
         with pytest.raises(ConfigError):
             parse_values(text, "--flag", kind)
 
