@@ -179,7 +179,8 @@ def cmd_replay(args) -> int:
 
 
 def cmd_gradcheck(args) -> int:
-    from .tools.gradcheck import gradcheck, parse_method_specs, parse_values
+    from .tools.gradcheck import gradcheck, parse_values
+    from .tools.replays import parse_method_specs
 
     # the grid and the methods first: a bad item is refused before a config is read or a model built
     grid = (parse_values(args.windows, "--windows", int), parse_values(args.alphas, "--alphas", str),

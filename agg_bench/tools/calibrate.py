@@ -132,7 +132,8 @@ def time_methods(session, batch, methods: Mapping[str, tuple[str, list[str]]],
     (``"train_rollout": "own"``); one that differs from ``full`` only in its rollout (a rollout-only
     cache) or sets keys a frozen rollout fixes gets its replay scope and note and no times."""
     from ..methods.base import Estimator
-    from .snapshot import Snapshot, replay_case_of, replay_setup
+    from .replays import replay_setup
+    from .snapshot import Snapshot, replay_case_of
 
     policy = session.policy
     snapshot = Snapshot(policy, batch, {}, session.cfg.to_dict())
@@ -254,7 +255,7 @@ def own_plan_setup(config: dict, name: str, sets: list[str]):
     its rollout and sets nothing beyond its ``method.*`` but :data:`OWN_PLAN_KEYS` (its run checks made); None
     otherwise (its replay's refusal stands)."""
     from ..methods.base import Estimator
-    from .snapshot import replay_setup
+    from .replays import replay_setup
 
     try:
         cfg, estimator = replay_setup(config, name, sets, also=OWN_PLAN_KEYS)

@@ -28,7 +28,7 @@ from ..io import atomic_file, atomic_path, remove_stale_temps
 from ..outdir import claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS
 from ..machine.devices import resolve_device
-from .replays import ReplayJob, agg_grid, parse_method_specs, replay_setup
+from .replays import ReplayJob, agg_grid, build_estimators, parse_method_specs
 from .snapshot import Snapshot, check_trainable, load_snapshot, replay_case_of, replay_gradient, save_snapshot
 
 COLUMNS = (
@@ -77,12 +77,6 @@ def compare(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
     cosine = dot / (sq * ref_sq) ** 0.5 if sq > 0 and ref_sq > 0 else float("nan")
     rel = (num / ref_sq) ** 0.5 if ref_sq > 0 else float("nan")
     return cosine, rel, sq ** 0.5
-
-
-def build_estimators(config: dict, jobs: list[ReplayJob]) -> list[tuple[RunConfig, Any]]:
-    """Each job's (replay config, estimator), its options and the method's run checks applied to a run
-    config whose method section it replaces."""
-    return [replay_setup(config, job.method, job.overrides) for job in jobs]
 
 
 def _timed_replay(snapshot: Snapshot, estimator, cfg: RunConfig, case) -> tuple[dict, dict, dict, float]:

@@ -111,3 +111,9 @@ def replay_setup(config: dict, method: str, overrides: list[str],
                               "the rest is fixed by the snapshot")
     estimator.check_run(cfg)
     return cfg, estimator
+
+
+def build_estimators(config: dict, jobs: Iterable[ReplayJob]) -> list[tuple[RunConfig, Estimator]]:
+    """Each job's :func:`replay_setup` on the run config ``config`` (whose method section it replaces), in
+    order; the first job's ConfigError that fails."""
+    return [replay_setup(config, job.method, job.overrides) for job in jobs]

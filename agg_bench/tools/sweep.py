@@ -498,17 +498,14 @@ def _check_replays(what: str, config: dict, grid: dict) -> None:
     """Each replay of gradcheck job ``what``'s ``grid`` (the AGG grid, then its ``methods``) set up on the job's
     ``config`` as `agg-bench gradcheck` sets it up before its rollout; a SweepError naming the job and the
     sweep's keys otherwise. Runs in the child process (torch)."""
-    from .replays import agg_grid, parse_method_specs, replay_setup
+    from .replays import agg_grid, build_estimators, parse_method_specs
 
     try:
-        jobs = agg_grid(grid["windows"], grid["alphas"], grid["route_fracs"], grid["reuse"])
-        for job in jobs:
-            replay_setup(config, job.method, job.overrides)
+        build_estimators(config, agg_grid(grid["windows"], grid["alphas"], grid["route_fracs"], grid["reuse"]))
     except UserError as err:
         raise SweepError(f"{what}: gradcheck.windows x alphas x route_fracs x reuse: {err}") from None
     try:
-        for job in parse_method_specs(grid["methods"]):
-            replay_setup(config, job.method, job.overrides)
+        build_estimators(config, parse_method_specs(grid["methods"]))
     except UserError as err:
         raise SweepError(f"{what}: gradcheck.methods: {err}") from None
 
