@@ -67,7 +67,7 @@ def apply_lora(transformer: Any, family: str, rank: int, alpha: float | None = N
     settings = lora_settings(family, rank, alpha, target_modules)
     config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], init_lora_weights="gaussian",
                         target_modules=settings["target_modules"])
-    _check_rank(transformer, config)
+    _check_rank(transformer, family, settings["rank"], target_modules)
     transformer.requires_grad_(False)
     try:
         transformer.add_adapter(config)
@@ -78,22 +78,33 @@ def apply_lora(transformer: Any, family: str, rank: int, alpha: float | None = N
     return settings
 
 
-def _check_rank(transformer: torch.nn.Module, config) -> None:
-    """A ConfigError naming ``train.lora_rank`` when the rank exceeds the width (the smaller of its input and
-    output features) of a linear layer ``config`` adapts: B A of such a layer has at most that rank, so the
-    rest of each adapter adds parameters, memory and time and no rank (at a full-size model's width, minutes
-    of drawing its initial values). Checked before any adapter is allocated."""
+def narrowest_adapted_layer(transformer: torch.nn.Module, family: str,
+                            target_modules: list[str] | None = None) -> tuple[int, str, int, int] | None:
+    """``(width, name, in_features, out_features)`` of the narrowest linear layer that adapters of ``family``
+    (``target_modules``: the family's default targets where None) adapt in ``transformer``, its width the smaller
+    of its features: the highest rank an adapter of that layer can have. None where no layer is adapted."""
+    from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
+    config = LoraConfig(r=1, target_modules=lora_settings(family, 1, None, target_modules)["target_modules"])
     narrowest = None
     for name, module in transformer.named_modules():
         if isinstance(module, torch.nn.Linear) and name and check_target_module_exists(config, name):
             width = min(module.in_features, module.out_features)
             if narrowest is None or width < narrowest[0]:
                 narrowest = (width, name, module.in_features, module.out_features)
-    if narrowest is not None and config.r > narrowest[0]:
+    return narrowest
+
+
+def _check_rank(transformer: torch.nn.Module, family: str, rank: int, target_modules: list[str] | None) -> None:
+    """A ConfigError naming ``train.lora_rank`` when ``rank`` exceeds the width of the narrowest layer the
+    adapters adapt (:func:`narrowest_adapted_layer`): B A of such a layer has at most that rank, so the rest of
+    each adapter adds parameters, memory and time and no rank (at a full-size model's width, minutes of drawing
+    its initial values). Checked before any adapter is allocated."""
+    narrowest = narrowest_adapted_layer(transformer, family, target_modules)
+    if narrowest is not None and rank > narrowest[0]:
         width, name, n_in, n_out = narrowest
-        raise ConfigError("train.lora_rank", config.r,
+        raise ConfigError("train.lora_rank", rank,
                           f"at most {width} (0: a full fine-tune), the width of the narrowest adapted layer ({name}: "
                           f"{n_in} -> {n_out} features in {type(transformer).__name__}); a higher rank adds "
                           "parameters but no rank")

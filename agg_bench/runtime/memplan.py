@@ -67,6 +67,7 @@ import torch
 
 from ..config import GRPOConfig, RunConfig, bound
 from ..engine.families import family_spec
+from ..engine.lora import narrowest_adapted_layer
 from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build_tiny_vae, policy_class,
                              precision, prepare_training, pretrained_transformer_config, text_dims, vae_dtype)
 from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
@@ -361,6 +362,13 @@ class ShapeModel:
                                                             autocast_dtype=self.precision.autocast_dtype)
         return self._policies[key]
 
+    def suggested_lora_rank(self, checkpointing: bool) -> int:
+        """The rank of an adapter the planner suggests for a fully trained run (the family's default targets):
+        :data:`SUGGESTED_LORA_RANK`, or the width of the narrowest layer it adapts where that is less, a rank
+        :func:`~agg_bench.engine.lora.apply_lora` would refuse otherwise."""
+        narrowest = narrowest_adapted_layer(self.policy(checkpointing, 0).transformer, self.family)
+        return SUGGESTED_LORA_RANK if narrowest is None else min(SUGGESTED_LORA_RANK, narrowest[0])
+
     def activations(self, rows: int, checkpointing: bool, lora_rank: int) -> int:
         """Bytes one forward-with-grad of ``rows`` latents saves for backward."""
         key = (rows, checkpointing, lora_rank)
@@ -507,8 +515,9 @@ class _Search:
         if not base.gradient_checkpointing:
             candidates.append([replace(base, gradient_checkpointing=True)])
         candidates.append([self.sharded(base, k) for k in FSDP_SIZES if k > base.shards])
+        lora = base.lora_rank or self.shapes.suggested_lora_rank(base.gradient_checkpointing)
         if base.lora_rank == 0:
-            candidates.append([replace(base, lora_rank=SUGGESTED_LORA_RANK)])
+            candidates.append([replace(base, lora_rank=lora)])
         for group in candidates:
             found = self.first_fit(group)
             if found is not None:
@@ -518,7 +527,6 @@ class _Search:
         one = lambda layout: replace(layout, micro_batch=1) if self.has_micro_batch else layout
         ckpt = replace(base, gradient_checkpointing=True)
         widest = max(FSDP_SIZES + (base.shards,))
-        lora = base.lora_rank or SUGGESTED_LORA_RANK
         combos = [one(ckpt), self.sharded(ckpt, widest), one(self.sharded(ckpt, widest)),
                   one(replace(ckpt, lora_rank=lora)), one(self.sharded(replace(ckpt, lora_rank=lora), widest)),
                   one(self.sharded(replace(ckpt, lora_rank=lora), widest, cpu_offload=True))]

@@ -10,7 +10,7 @@ from agg_bench.engine.grpo import UpdateStats, step_terms
 from agg_bench.engine.lora import LORA_TARGETS
 from agg_bench.engine.models import TRANSFORMER_CLASSES, build_tiny_transformer
 from agg_bench.errors import ConfigError
-from agg_bench.runtime.memplan import plan_memory
+from agg_bench.runtime.memplan import SUGGESTED_LORA_RANK, ShapeModel, plan_memory
 from agg_bench.runtime.train import Session
 from agg_bench.tools.snapshot import load_snapshot, replay_gradient, save_snapshot
 from baselines.full import FullEstimator
@@ -178,3 +178,15 @@ def test_the_memory_planner_draws_no_adapter_weights(monkeypatch):
     plan = plan_memory(tiny_config(*LORA), 1)
     assert 0 < plan.trainable_parameters < plan.parameters
     assert devices and set(devices) == {"meta"}
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
+def test_the_planners_suggested_adapter_is_no_wider_than_the_narrowest_adapted_layer(family):
+    # a rank the user never set must not end the plan: tiny qwenimage's narrowest adapted layer is narrower than
+    # SUGGESTED_LORA_RANK, and the search's adapter was refused as train.lora_rank
+    cfg = tiny_config(family=family)
+    width = min(min(m.in_features, m.out_features) for name, m in build_tiny_transformer(family).named_modules()
+                if isinstance(m, torch.nn.Linear) and name.endswith(tuple("." + t for t in LORA_TARGETS[family])))
+    assert ShapeModel(cfg).suggested_lora_rank(False) == min(SUGGESTED_LORA_RANK, width)
+    plan = plan_memory(cfg, 1, gpu_memory=1)  # fits nothing: every suggestion, adapters included, is tried
+    assert not plan.fits and plan.suggestions == []
