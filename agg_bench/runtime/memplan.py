@@ -356,7 +356,9 @@ class ShapeModel:
                 transformer = _shapes(self.cfg, "transformer", self.precision.param_dtype)
                 with torch.device("meta"):
                     prepare_training(transformer, self.family, train)
-                transformer.to(self.precision.param_dtype)
+                # only when it changes something: diffusers warns about any dtype cast of a model
+                if any(p.dtype != self.precision.param_dtype for p in transformer.parameters()):
+                    transformer.to(self.precision.param_dtype)
             _to_fake(transformer, self.mode)
             self._policies[key] = policy_class(self.family)(transformer, self.vae,
                                                             autocast_dtype=self.precision.autocast_dtype)

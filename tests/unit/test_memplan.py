@@ -291,3 +291,15 @@ def test_every_paper_scale_layout_fits_one_8_gpu_node(tmp_path):
         assert plan.fits, (labels, plan.bytes)
     assert {gpus for *_, gpus in largest.values()} == {1, 8}
     assert {labels["resolution"] for _, labels, _, _ in largest.values()} == {720, 1024}
+
+
+def test_the_shape_model_casts_no_float32_model(monkeypatch, caplog):
+    # diffusers warns about any dtype cast of a model; a float32 plan (its adapters too) has nothing to cast, and
+    # a `plan` printed four such warnings on stderr
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("diffusers"), "propagate", True)  # diffusers' own handler: stderr
+    with caplog.at_level(logging.WARNING, logger="diffusers"):
+        plan = plan_memory(tiny_config("train.lora_rank=4", dtype="float32"), 1, gpu_memory=1)
+    assert not plan.fits and 0 < plan.trainable_parameters < plan.parameters
+    assert not [r.getMessage() for r in caplog.records if "Casting directly" in r.getMessage()]
