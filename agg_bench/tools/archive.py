@@ -376,12 +376,10 @@ def check_hardware(campaign: Campaign, where: str, gpus: dict[str, str | None], 
         shown = ", ".join(f"{what}: {quote(gpu)}" for what, gpu in [*gpus.items(), *held.items()][:6])
         raise UserError(f"{where}: its runs and the reference's are not of one GPU ({shown}); a reference holds "
                         "one hardware's results")
-    wanted = campaign.gpu
-    if wanted is not None and not campaign.cpu:
-        for what, gpu in gpus.items():
-            if gpu is None or wanted.lower() not in gpu.lower():
-                raise UserError(f"{where}: {what} ran on {quote(gpu or 'a CPU')}; campaign.gpu of "
-                                f"{campaign.config_path} asks for {quote(wanted)}")
+    for what, gpu in gpus.items():
+        if not campaign.wants_gpu(gpu):
+            raise UserError(f"{where}: {what} ran on {quote(gpu or 'a CPU')}; campaign.gpu of "
+                            f"{campaign.config_path} asks for {quote(campaign.gpu)}")
 
 
 WINDOW_LOG_KEYS: dict[str, type | tuple[type, ...]] = {

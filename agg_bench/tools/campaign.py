@@ -527,32 +527,41 @@ class Campaign:
                             shutil.copyfile(held / name, tmp / name)
         return missing
 
+    def wants_gpu(self, name: str | None) -> bool:
+        """Whether runs on the device named ``name`` (None: a CPU) are this campaign's: any device where
+        ``campaign.gpu`` names none or in the --cpu form, else a GPU whose name holds it, case aside (``h200`` for
+        ``NVIDIA H200``). What a window checks before it starts and ``campaign unpack`` checks of its runs."""
+        if self.gpu is None or self.cpu:
+            return True
+        return name is not None and self.gpu.lower() in name.lower()
+
     def check_devices(self) -> None:
         """A ConfigError, before a window writes anything, for a device of the sweep this machine cannot serve
         (``devices.<d>.device``, the ``device`` a ``pretrain.<label>`` model the runs read is made on, from its
         ``set`` or its config file): each of its processes would fail, and the window spend its minutes on them.
         The --cpu form's devices are the CPU.
 
-        Where ``campaign.gpu`` names a GPU (not in the --cpu form), every CUDA device of the sweep must be one
-        whose name holds it, as ``campaign unpack`` checks: a window on another GPU ran runs that unpack then
-        refused."""
+        Every CUDA device of the sweep must be one :meth:`wants_gpu`, as ``campaign unpack`` checks: a window on
+        another GPU ran runs that unpack then refused."""
         from ..machine.devices import resolve_device
 
         named = [(f"devices.{label}.device", spec["device"]) for label, spec in self.sweep.sweep["devices"].items()]
         named += [(f"pretrain.{label}.set.device" if "device" in (self.pretrain[label].get("set") or {})
                    else f"pretrain.{label}.device", self.pretrain_configs[label].device)
                   for label in self.pretrained_models()]
+        visible: dict[str, str] = {}  # device -> its GPU's name
         for key, device in named:
             try:
                 resolved = resolve_device(device, key)
             except ConfigError as err:
                 raise ConfigError(key, device, f"{err.expected}; or the same campaign on the CPU: --cpu") from None
             if self.gpu is not None and not self.cpu and resolved.type == "cuda":
-                visible = visible_gpu_name(device)
-                if self.gpu.lower() not in visible.lower():
+                if device not in visible:  # a child process each: seconds of importing torch
+                    visible[device] = visible_gpu_name(device)
+                if not self.wants_gpu(visible[device]):
                     raise ConfigError("campaign.gpu", self.gpu,
                                       f"the GPU this campaign's reference was run on, but {key} = {quote(device)} is "
-                                      f"{quote(visible)} here; run the window on a {self.gpu}, or the same "
+                                      f"{quote(visible[device])} here; run the window on a {self.gpu}, or the same "
                                       "campaign on the CPU: --cpu")
 
     def pretrain_overrides(self, label: str) -> list[str]:

@@ -442,11 +442,13 @@ def test_a_gpu_window_on_another_gpu_than_campaign_gpu_is_one_line_and_writes_no
 
 @pytest.mark.parametrize("config", ["h200.yaml", "learning_gpu.yaml"])
 def test_the_gpu_campaign_gpu_names_passes_the_device_check(monkeypatch, config):
-    """The GPU's full name holds campaign.gpu's text (case aside), as campaign unpack matches it."""
+    """The GPU's full name holds campaign.gpu's text (case aside), as campaign unpack matches it; the name of a
+    device that the runs and a pretrain entry share (learning_gpu.yaml's cuda) is asked once: each child costs
+    seconds of importing torch."""
     monkeypatch.chdir(ROOT)
     asked = fake_gpu(monkeypatch, "NVIDIA h200")
     Campaign(ROOT / "config" / config).check_devices()
-    assert asked
+    assert asked == [torch.device("cuda")]
 
 
 def test_the_cpu_form_asks_no_gpu_name(tmp_path, monkeypatch):
