@@ -50,7 +50,6 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, name, args, exp
         assert word in line, (name, line)
 
 
-
 @pytest.mark.parametrize("verb", ["run", "plan"])
 def test_the_pretrained_preset_without_a_folder_is_refused_by_every_verb(tmp_path, capsys, verb):
     # `plan` used to size the tiny model for it and exit 0, while `run` refused the same config
@@ -60,6 +59,7 @@ def test_the_pretrained_preset_without_a_folder_is_refused_by_every_verb(tmp_pat
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "model.preset = 'pretrained'" in lines[0] and "model.pretrained" in lines[0], lines
     assert not (tmp_path / "out").exists()
+
 
 def test_malformed_prompts_file(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"

@@ -300,7 +300,6 @@ def test_usage_errors(policy, inputs):
     assert_hook_free(policy.transformer)
 
 
-
 @pytest.mark.parametrize("name, key, empty, nonempty", [
     ("pab", "spatial_attention_timestep_skip_range", [800, 100], [100, 800]),
     ("pab", "spatial_attention_timestep_skip_range", [400, 400], [400, 401]),

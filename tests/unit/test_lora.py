@@ -7,7 +7,7 @@ from helpers import fresh_seed, relative_error, tiny_config
 from safetensors.torch import load_file
 
 from agg_bench.engine.grpo import UpdateStats, step_terms
-from agg_bench.engine.lora import LORA_TARGETS
+from agg_bench.engine.lora import LORA_TARGETS, lora_info
 from agg_bench.engine.models import TRANSFORMER_CLASSES, build_tiny_transformer
 from agg_bench.errors import ConfigError
 from agg_bench.runtime.memplan import SUGGESTED_LORA_RANK, ShapeModel, plan_memory
@@ -154,7 +154,7 @@ def test_a_rank_above_the_narrowest_adapted_layer_is_a_config_error(family):
     transformer = build_tiny_transformer(family)
     width = min(min(m.in_features, m.out_features) for name, m in transformer.named_modules()
                 if isinstance(m, torch.nn.Linear) and name.endswith(tuple("." + t for t in LORA_TARGETS[family])))
-    assert Session(tiny_config(f"train.lora_rank={width}", family=family)).policy.parameters()
+    assert lora_info(Session(tiny_config(f"train.lora_rank={width}", family=family)).policy.transformer)["rank"] == width
     with pytest.raises(ConfigError) as err:
         Session(tiny_config(f"train.lora_rank={width + 1}", family=family))
     assert (err.value.key, err.value.value) == ("train.lora_rank", width + 1)
