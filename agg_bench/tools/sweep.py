@@ -307,7 +307,7 @@ def check_input_files(sweep: dict) -> None:
         if first != index:
             raise SweepError(f"report.compare_with.{index}: {quote(folder)} is the folder of report.compare_with."
                              f"{first}; expected each reference folder once (its runs would count twice in the tables)")
-        reference_manifest(folder)
+        reference_manifest(folder, f"report.compare_with.{index}")
     for index, ref in enumerate(sweep.get("references", [])):
         if not Path(ref["log"]).is_file():
             raise SweepError(f"references.{index}.log: {quote(ref['log'])} is not a file (a DanceGRPO JSONL log, "
@@ -918,23 +918,23 @@ class Sweep:
                 "warmup": options.get("warmup_iterations", 1), "time": options.get("time", "auto")}
 
 
-def reference_manifest(folder: str) -> dict[str, list]:
+def reference_manifest(folder: str, key: str = "report.compare_with") -> dict[str, list]:
     """The runs and calibrations of the reference folder ``folder`` (its ``manifest.json``, which ``agg-bench
-    campaign unpack`` writes), each marked ``source: reference``; a SweepError naming ``report.compare_with``
-    when it has none."""
+    campaign unpack`` writes), each marked ``source: reference``; a SweepError naming ``key`` (the sweep's entry
+    that names ``folder``) when it has none or one that is not a reference manifest."""
     path = Path(folder) / "manifest.json"
     if not path.is_file():
-        raise SweepError(f"report.compare_with: {quote(folder)} has no manifest.json (a reference folder that "
+        raise SweepError(f"{key}: {quote(folder)} has no manifest.json (a reference folder that "
                          "agg-bench campaign unpack wrote, e.g. results/reference/h200)")
     try:
         data = read_json_object(path, "a reference manifest")
     except UserError as err:
-        raise SweepError(f"report.compare_with: {err}") from None
+        raise SweepError(f"{key}: {err}") from None
     out = {}
     for section in ("runs", "calibration"):
         entries = data.get(section, [])
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-            raise SweepError(f"report.compare_with: {path}: {section} is not a list of objects")
+            raise SweepError(f"{key}: {path}: {section} is not a list of objects")
         out[section] = [{**entry, "source": "reference"} for entry in entries]
     return out
 

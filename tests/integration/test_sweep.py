@@ -496,7 +496,7 @@ def test_a_compare_with_folder_is_checked_before_any_job(tmp_path, monkeypatch):
     config["report"] = {"compare_with": ["ref"]}
     sweep_module.check_input_files(config)
     config["report"] = {"compare_with": ["ref", "nothing"]}
-    with pytest.raises(SweepError, match=r"^sweep config: report.compare_with: 'nothing' has no manifest.json"):
+    with pytest.raises(SweepError, match=r"^sweep config: report.compare_with.1: 'nothing' has no manifest.json"):
         sweep_module.check_input_files(config)
     config["report"] = {"compare_with": ["ref", "./ref/"]}
     with pytest.raises(SweepError, match=re.escape("report.compare_with.1: './ref/' is the folder of "
