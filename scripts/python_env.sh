@@ -33,8 +33,12 @@ pick_python() {
 require_modules() {
   local name=$1 needs=$2 missing
   shift 2
-  missing=$("$PY" -c 'import importlib.util as u, sys; print(" ".join(m for m in sys.argv[1:] if u.find_spec(m) is None))' \
-            "$@" 2>&1) || missing="(the check failed: $(printf '%s\n' "$missing" | tail -n 1))"
+  if ! missing=$("$PY" -c 'import importlib.util as u, sys; print(" ".join(m for m in sys.argv[1:] if u.find_spec(m) is None))' \
+                 "$@" 2>&1); then
+    echo "$name: $PY could not look for its modules ($(printf '%s\n' "$missing" | tail -n 1)); set PYTHON to an" \
+         "interpreter with $needs" >&2
+    exit 2
+  fi
   if [[ -n "$missing" ]]; then
     echo "$name: $PY cannot import ${missing// /, } (ModuleNotFoundError); set PYTHON to an interpreter with $needs" >&2
     exit 2

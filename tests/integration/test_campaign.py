@@ -640,6 +640,21 @@ def test_the_script_checks_every_module_a_window_imports(tmp_path):
     assert not (tmp_path / "bin" / "argv").exists() and not (tmp_path / "work").exists()
 
 
+def test_an_interpreter_that_cannot_look_for_the_modules_is_one_plain_line(tmp_path):
+    """The module check's own failure was shown as a list of modules, its words comma-separated ("cannot import
+    (the, check, failed:, ...)"); it is its last line of error, as it stands."""
+    stub = stub_python(tmp_path / "bin")
+    text = stub.read_text()
+    stub.write_text(text.replace("#!/bin/bash\n", '#!/bin/bash\nif [[ $2 == *find_spec* ]]; then '
+                                                   'echo "MemoryError: no room" >&2; exit 1; fi\n', 1))
+    proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", "1"], cwd=tmp_path,
+                          env=script_env(tmp_path, PYTHON=str(stub)), capture_output=True, text=True, timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and err == [f"gpu_campaign: {stub} could not look for its modules (MemoryError: no "
+                                            "room); set PYTHON to an interpreter with agg-bench's requirements"], err
+    assert not (tmp_path / "bin" / "argv").exists() and not (tmp_path / "work").exists()
+
+
 def test_a_window_shorter_than_the_grace_kills_at_its_deadline(tmp_path, monkeypatch):
     """--minutes 1e-9 (any window whose stop margin is shorter than KILL_AFTER_S) ran 12 s past its deadline: a
     process that ignores SIGTERM was killed KILL_AFTER_S after it, whatever the deadline. It is killed at the
