@@ -14,6 +14,21 @@ ifeq ($(shell case '$(subst ','',$(CORES))' in (all|[1-9]|[1-9][0-9]|[1-9][0-9][
 $(error CORES=$(CORES): expected a whole number of cores from 1 to 9999, or all)
 endif
 endif
+# Snakemake starts the workflow's jobs through a shell with the interpreter's path (.venv/bin/python here)
+# unquoted; said before the set-up instead of after it (the Snakefile refuses too, for snakemake run by hand).
+empty :=
+space := $(empty) $(empty)
+ifneq ($(filter pipeline learning,$(MAKECMDGOALS)),)
+ifneq ($(findstring $(space),$(CURDIR)),)
+$(error the clone's path "$(CURDIR)" holds a space, and Snakemake starts the workflow's jobs through a shell with .venv/bin/python's path unquoted: clone the repository where the path has no space)
+endif
+endif
+# these write results/, .snakemake/ and the linters' and pytest's caches in the clone
+ifneq ($(filter pipeline learning test test-fast lint,$(MAKECMDGOALS)),)
+ifneq ($(shell test -w . || echo no),)
+$(error cannot write in $(CURDIR) (permissions, or a read-only file system), where make $(filter pipeline learning test test-fast lint,$(MAKECMDGOALS)) writes its results and caches: clone the repository where you can write)
+endif
+endif
 
 .PHONY: setup pipeline test test-fast lint clean learning
 setup:
@@ -30,8 +45,9 @@ lint: setup
 	.venv/bin/ruff check agg_bench baselines tests benchmarks scripts
 	.venv/bin/mypy
 
+# PYTHON in the environment chose the interpreter that made .venv (scripts/setup.sh), not the one that tests
 test: lint
-	bash scripts/test.sh $(PYTEST_ARGS)
+	PYTHON=.venv/bin/python bash scripts/test.sh $(PYTEST_ARGS)
 
 test-fast: lint
 	.venv/bin/python -m pytest -q tests/unit $(PYTEST_ARGS)

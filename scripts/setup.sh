@@ -27,22 +27,51 @@ if { [ -e .venv ] || [ -L .venv ]; } && [ ! -d .venv ]; then  # a file, or a lin
   echo "setup: .venv is not a folder; move it away, and this script makes the virtual environment there" >&2; exit 2
 fi
 if [ -e .venv/bin/python ] || [ -L .venv/bin/python ]; then
-  if ! venv_version=$(.venv/bin/python -V 2>/dev/null | head -n 1) || [ -z "$venv_version" ]; then
-    echo "setup: .venv/bin/python does not run (its interpreter was moved or removed?); remove .venv (rm -rf .venv) and run this again" >&2; exit 2
+  if ! venv_version=$(.venv/bin/python -V 2>&1) || [[ $venv_version != Python\ * ]]; then
+    echo "setup: .venv/bin/python does not run ($(printf '%s\n' "$venv_version" | head -n 1)); remove .venv (rm -rf .venv) and run this again" >&2; exit 2
   fi
   .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
     echo "setup: .venv has $venv_version and agg-bench needs Python 3.11 or newer; remove .venv (rm -rf .venv) and run this again (PYTHON=... chooses the interpreter)" >&2; exit 2; }
 fi
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
-    echo "setup: agg-bench needs Python 3.11 or newer; $PYTHON is $("$PYTHON" -V 2>&1) (set PYTHON=...)" >&2; exit 2; }
-  "$PYTHON" -m venv .venv
-fi
 stamp=.venv/.agg-bench-installed
+here=$(pwd -P)
+# a venv is not relocatable: its scripts' #! lines, bin/activate and the editable install name the folder it was
+# made in, so one moved or copied with its clone runs the old clone's code, or nothing ("required file not found");
+# the same folder under another name (a link, a bind mount) is fine
+if [ -f "$stamp" ] && made_in=$(sed -n 2p "$stamp") && [ -n "$made_in" ] && [ ! "$made_in" -ef .venv ]; then
+  echo "setup: .venv was made in $made_in and this clone is $here (moved or copied?); remove .venv (rm -rf .venv) and run this again" >&2; exit 2
+fi
 want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -c1-16) $EXTRAS"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if [ -f "$stamp" ] && [ "$(sed -n 1p "$stamp")" = "$want" ] && [ "$(sed -n 2p "$stamp")" -ef .venv ]; then
   exit 0
 fi
+# what follows writes: say so in one line, not as pip's or venv's traceback halfway through
+if [ -d .venv ] && [ ! -w .venv ]; then
+  echo "setup: cannot write in $here/.venv (permissions, or a read-only file system); run as its owner, or clone the repository where you can write" >&2; exit 2
+fi
+if [ ! -d .venv ] && [ ! -w . ]; then
+  echo "setup: cannot write in $here, where .venv goes (permissions, or a read-only file system); clone the repository where you can write" >&2; exit 2
+fi
+if [ ! -x .venv/bin/python ]; then
+  # `$PYTHON -V` alone passed Python 2 and printed the shell's "command not found" beside this script's line
+  if ! found=$("$PYTHON" -c 'import sys; print("Python %d.%d.%d" % sys.version_info[:3]); sys.exit(sys.version_info < (3, 11))' 2>&1); then
+    if [[ $found == Python\ * ]]; then
+      echo "setup: agg-bench needs Python 3.11 or newer; $PYTHON is $found (set PYTHON=...)" >&2
+    else
+      echo "setup: PYTHON=$PYTHON does not run ($(printf '%s\n' "$found" | head -n 1)); set PYTHON to a Python 3.11 or newer" >&2
+    fi
+    exit 2
+  fi
+  venv_out=$("$PYTHON" -m venv .venv 2>&1) || {
+    echo "setup: $PYTHON -m venv .venv failed ($(printf '%s\n' "$venv_out" | grep -m 1 . || true)); fix that and run this again" >&2; exit 2; }
+fi
+# a set-up stopped while `python -m venv` ran its ensurepip (or a venv made --without-pip) has no pip
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  .venv/bin/python -m ensurepip >/dev/null 2>&1 || {
+    echo "setup: .venv has no pip and ensurepip could not install it; remove .venv (rm -rf .venv) and run this again" >&2; exit 2; }
+fi
+# gone until the install below completes: a set-up stopped halfway (Ctrl-C, a kill, a full disk) is never taken as done
+rm -f "$stamp"
 pip=(.venv/bin/python -m pip)
 "${pip[@]}" install -q --upgrade pip
 if .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
@@ -55,4 +84,4 @@ else
   "${pip[@]}" install -q "torch==$TORCH_VERSION"
 fi
 "${pip[@]}" install -q -c requirements/constraints.txt -e ".[$EXTRAS]"
-echo "$want" > "$stamp"
+printf '%s\n%s\n' "$want" "$here/.venv" > "$stamp"  # what was installed, and where

@@ -25,8 +25,8 @@ def clone(tmp_path: Path) -> Path:
     return repo
 
 
-def setup(repo: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "TORCH_INDEX_URL": ""}
+def setup(repo: Path, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "TORCH_INDEX_URL": "", **env_vars}
     return subprocess.run(["bash", str(repo / "scripts" / "setup.sh")], capture_output=True, text=True, env=env,
                           timeout=60)
 
@@ -75,6 +75,127 @@ def test_a_venv_that_cannot_be_used_is_one_line_and_kept(tmp_path, venv, words):
     for word in words:
         assert word in lines[0], lines[0]
     assert venv_state(repo / ".venv") == before
+
+
+# A venv's interpreter that answers setup.sh's questions without Python: it logs each call in .venv/calls, has pip
+# only once `-m ensurepip` ran (or .venv/has-pip is there), and its `pip install` fails while .venv/pip-fails is there.
+STUB_PYTHON = """#!/bin/bash
+venv=$(dirname "$0")/..
+echo "$*" >> "$venv/calls"
+case "$1 $2" in
+  "-V "*) echo "Python 3.11.9";;
+  "-m ensurepip") touch "$venv/has-pip";;
+  "-m pip") [ -e "$venv/has-pip" ] || { echo "No module named pip" >&2; exit 1; }
+            [ "$3" != install ] || [ ! -e "$venv/pip-fails" ] || { echo "ERROR: pip failed" >&2; exit 1; };;
+esac
+"""
+
+
+def stub_venv(repo: Path, *flags: str) -> Path:
+    venv = repo / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(STUB_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    for flag in flags:
+        (venv / flag).touch()
+    return venv
+
+
+def test_a_venv_left_without_pip_gets_pip_and_the_install(tmp_path):
+    """A set-up stopped while `python -m venv` ran ensurepip leaves an interpreter without pip: every later run
+    failed on "No module named pip", exit 1, and never got further."""
+    repo = clone(tmp_path)
+    venv = stub_venv(repo)
+    proc = setup(repo)
+    assert proc.returncode == 0, proc.stderr
+    calls = (venv / "calls").read_text().splitlines()
+    assert "-m ensurepip" in calls
+    assert calls.index("-m ensurepip") < min(i for i, c in enumerate(calls) if c.startswith("-m pip install"))
+    assert (venv / ".agg-bench-installed").is_file()
+
+
+def test_an_install_stopped_halfway_is_never_taken_as_done(tmp_path):
+    """The stamp of an earlier install stayed while a later one (other extras, or a changed pyproject.toml) ran:
+    stopped halfway and run again as before, the set-up said done on a venv the stopped install had changed."""
+    repo = clone(tmp_path)
+    venv = stub_venv(repo, "has-pip")
+    assert setup(repo, EXTRAS="test").returncode == 0
+    (venv / "pip-fails").touch()  # stands in for the Ctrl-C, the kill or the full disk
+    assert setup(repo, EXTRAS="test,workflow").returncode != 0
+    assert not (venv / ".agg-bench-installed").exists()
+    proc = setup(repo, EXTRAS="test")
+    assert proc.returncode != 0 and "pip failed" in proc.stderr
+    assert (venv / "calls").read_text().splitlines()[-1].startswith("-m pip install")
+
+
+def test_a_venv_moved_with_its_clone_is_one_line_and_kept(tmp_path):
+    """A venv names the folder it was made in (its scripts' #! lines, bin/activate, the editable install): moved
+    with its clone, set-up said it was ready and `make pipeline` failed on .venv/bin/snakemake, "required file
+    not found"."""
+    repo = clone(tmp_path)
+    stub_venv(repo, "has-pip")
+    assert setup(repo).returncode == 0
+    moved = repo.rename(tmp_path / "moved")
+    before = files(moved / ".venv")
+    proc = setup(moved)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("setup: .venv was made in "), proc.stderr
+    assert str(repo) in lines[0] and str(moved) in lines[0] and "rm -rf .venv" in lines[0]
+    after = files(moved / ".venv")
+    assert after.pop("calls").startswith(before.pop("calls")) and after == before  # the stub logs its calls
+
+
+@pytest.mark.parametrize("python, words", [
+    ("/nonexistent/python", "No such file or directory"),
+    ("no-such-python-here", "command not found"),
+    ("/", "Is a directory"),
+])
+def test_a_python_that_does_not_run_is_one_line(tmp_path, python, words):
+    """PYTHON naming nothing that runs printed the shell's error and then this script's line around it."""
+    repo = clone(tmp_path)
+    proc = setup(repo, PYTHON=python)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"setup: PYTHON={python} does not run ("), proc.stderr
+    assert words in lines[0] and lines[0].endswith("set PYTHON to a Python 3.11 or newer")
+    assert not (repo / ".venv").exists()
+
+
+def make_clone(folder: Path) -> Path:
+    """The Makefile with stand-ins: a set-up that leaves a mark, linters that pass and a venv interpreter that says
+    what it was asked; the real scripts/test.sh."""
+    (folder / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "Makefile", folder)
+    shutil.copy(ROOT / "scripts" / "test.sh", folder / "scripts")
+    (folder / "scripts" / "setup.sh").write_text("touch set-up-ran\n")
+    (folder / ".venv" / "bin").mkdir(parents=True)
+    for name, body in {"ruff": "", "mypy": "", "snakemake": "",
+                       "python": 'if [ "$1" = -c ]; then echo 1; else echo "venv python $*"; fi'}.items():
+        (folder / ".venv" / "bin" / name).write_text(f"#!/bin/bash\n{body}\n")
+        (folder / ".venv" / "bin" / name).chmod(0o755)
+    return folder
+
+
+def test_make_test_runs_the_venv_whatever_python_names(tmp_path):
+    """PYTHON chooses the interpreter that makes .venv (the README's PYTHON=python3.12); scripts/test.sh also
+    read it, and `PYTHON=python3.12 make test` ran the suite with that interpreter, which has no pytest."""
+    repo = make_clone(tmp_path / "repo")
+    env = {**os.environ, "PYTHON": "/nonexistent/python"}
+    proc = subprocess.run(["make", "-s", "-C", str(repo), "test"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "venv python -m pytest -q tests/unit" in proc.stdout and "/nonexistent" not in proc.stdout + proc.stderr
+
+
+def test_make_pipeline_in_a_path_with_a_space_is_refused_before_the_set_up(tmp_path):
+    """The Snakefile refuses an interpreter's path with a space, but only once the set-up (minutes) had run."""
+    repo = make_clone(tmp_path / "my clones" / "agg-bench")
+    proc = subprocess.run(["make", "-C", str(repo), "pipeline"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "***" in line]
+    assert len(errors) == 1 and "holds a space" in errors[0] and "no space" in errors[0], proc.stderr
+    assert not (repo / "set-up-ran").exists()
 
 
 def test_the_test_streams_run_with_a_tmpdir_that_names_no_folder(tmp_path):
