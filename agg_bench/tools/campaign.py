@@ -535,14 +535,16 @@ class Campaign:
             return True
         return name is not None and self.gpu.lower() in name.lower()
 
-    def check_devices(self) -> None:
+    def check_devices(self, until: float | None = None, python: str = sys.executable) -> None:
         """A ConfigError, before a window writes anything, for a device of the sweep this machine cannot serve
         (``devices.<d>.device``, the ``device`` a ``pretrain.<label>`` model the runs read is made on, from its
         ``set`` or its config file): each of its processes would fail, and the window spend its minutes on them.
         The --cpu form's devices are the CPU.
 
         Every CUDA device of the sweep must be one :meth:`wants_gpu`, as ``campaign unpack`` checks: a window on
-        another GPU ran runs that unpack then refused."""
+        another GPU ran runs that unpack then refused. The name is asked of ``python`` (the interpreter of the
+        window's processes), waited for until ``until`` (seconds since the epoch: when the window stops) at the
+        latest."""
         from ..machine.devices import resolve_device
 
         named = [(f"devices.{label}.device", spec["device"]) for label, spec in self.sweep.sweep["devices"].items()]
@@ -557,7 +559,7 @@ class Campaign:
                 raise ConfigError(key, device, f"{err.expected}; or the same campaign on the CPU: --cpu") from None
             if self.gpu is not None and not self.cpu and resolved.type == "cuda":
                 if device not in visible:  # a child process each: seconds of importing torch
-                    visible[device] = visible_gpu_name(device)
+                    visible[device] = visible_gpu_name(device, python, until=until)
                 if not self.wants_gpu(visible[device]):
                     raise ConfigError("campaign.gpu", self.gpu,
                                       f"the GPU this campaign's reference was run on, but {key} = {quote(device)} is "
@@ -767,23 +769,36 @@ def check_started(started: Any, minutes: float) -> float:
 
 
 GPU_NAME_TIMEOUT_S = 120.0
+# the line the GPU-name child prints the name on (as JSON, ASCII): what else a library prints on stdout, before
+# or after it, is not taken for the name
+GPU_NAME_MARK = "agg-bench gpu name: "
 
 
-def visible_gpu_name(device: str, python: str = sys.executable) -> str:
+def visible_gpu_name(device: str, python: str = sys.executable, until: float | None = None) -> str:
     """The name torch gives the CUDA device ``device`` (``cuda`` or ``cuda:N``), asked in a child process: a
     campaign process that touched CUDA itself could hold a context on the GPU all window, memory that NVML
-    counts in every run's peak. A UserError where the child cannot tell."""
-    code = "import sys, torch; print(torch.cuda.get_device_name(torch.device(sys.argv[1])))"
-    try:
-        proc = subprocess.run([python, "-c", code, device], capture_output=True, text=True,
-                              timeout=GPU_NAME_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as err:
+    counts in every run's peak. The child is given at most :data:`GPU_NAME_TIMEOUT_S` seconds, and none past
+    ``until`` (seconds since the epoch: when the window stops). A UserError where the child cannot tell."""
+    code = ("import json, sys, torch; name = torch.cuda.get_device_name(torch.device(sys.argv[1])); "
+            f"print({GPU_NAME_MARK!r} + json.dumps(name), flush=True)")
+    timeout = GPU_NAME_TIMEOUT_S if until is None else max(0.0, min(GPU_NAME_TIMEOUT_S, until - time.time()))
+    try:  # undecodable bytes a driver or library prints are replaced, not a traceback
+        proc = subprocess.run([python, "-c", code, device], capture_output=True, text=True, errors="replace",
+                              stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=_die_with_parent())
+    except subprocess.TimeoutExpired:
+        raise UserError(f"campaign.gpu: the name of {device} could not be read (no answer in {timeout:.0f} s"
+                        f"{', the time the window had left' if timeout < GPU_NAME_TIMEOUT_S else ''})") from None
+    except OSError as err:
         raise UserError(f"campaign.gpu: the name of {device} could not be read ({err})") from None
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        raise UserError(f"campaign.gpu: the name of {device} could not be read ({why})")
-    return lines[-1].strip()
+    names = [line[len(GPU_NAME_MARK):] for line in proc.stdout.splitlines() if line.startswith(GPU_NAME_MARK)]
+    name = None
+    with contextlib.suppress(ValueError):
+        name = json.loads(names[-1]) if names else None
+    if proc.returncode != 0 or not isinstance(name, str) or not name.strip():
+        why = (proc.stderr.strip().splitlines() or
+               [f"exit code {proc.returncode}" if proc.returncode != 0 else "it printed no name"])[-1]
+        raise UserError(f"campaign.gpu: the name of {device} could not be read ({why.strip()})")
+    return name.strip()
 
 
 def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: str | Path | None,
@@ -801,7 +816,7 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(start))
     if not (type(campaign.parallel) is int and 1 <= campaign.parallel <= MAX_PARALLEL):
         raise ConfigError("campaign.parallel", campaign.parallel, f"an integer from 1 to {MAX_PARALLEL}")
-    campaign.check_devices()
+    campaign.check_devices(until=stop_at, python=python)
     # a first SIGTERM / SIGINT is only remembered here: the processes in flight are stopped, the finished runs
     # are packed, and the end of the block raises it (exit code 128 + N)
     with claim_folder(work, WORK_CONTENTS, "--work"), \

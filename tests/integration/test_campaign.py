@@ -406,7 +406,7 @@ def fake_gpu(monkeypatch, name: str) -> list:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or name)
     monkeypatch.setattr(campaign_module, "visible_gpu_name",
-                        lambda device, python=sys.executable: torch.cuda.get_device_name(torch.device(device)))
+                        lambda device, python=sys.executable, until=None: torch.cuda.get_device_name(torch.device(device)))
     return asked
 
 
@@ -423,6 +423,52 @@ def test_the_gpu_name_is_asked_in_a_child_process(tmp_path, monkeypatch):
     assert campaign_module.visible_gpu_name("cuda:0") == "NVIDIA H200 (cuda:0)"
     with pytest.raises(UserError, match=r"^campaign.gpu: the name of cuda could not be read \(.*nowhere"):
         campaign_module.visible_gpu_name("cuda", python=str(tmp_path / "nowhere" / "python"))
+
+
+def fake_interpreter(folder: Path, body: str) -> Path:
+    """An executable that runs the bash ``body`` whatever it is asked (a GPU-name child's stand-in)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "python"
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+MARK = campaign_module.GPU_NAME_MARK
+
+
+@pytest.mark.parametrize("body, expected", [
+    (f"echo 'UserWarning: before'; echo '{MARK}\"NVIDIA H200\"'; echo 'noise after'", "NVIDIA H200"),
+    (f"printf '\\xff\\xfe\\n' >&2; echo '{MARK}\"NVIDIA \\u001b[0mH200\"'", "NVIDIA \x1b[0mH200"),
+    ("printf 'no name \\xff\\n'", "could not be read (it printed no name)"),
+    ("printf 'RuntimeError: CUDA \\xff\\n' >&2; exit 1", "could not be read (RuntimeError: CUDA \ufffd)"),
+    (f"echo '{MARK}\"\"'", "could not be read (it printed no name)"),
+])
+def test_what_the_gpu_name_child_prints_besides_the_name_is_not_taken_for_it(tmp_path, body, expected):
+    """A line a library printed after the name was taken for it, bytes that are no UTF-8 were a traceback
+    (UnicodeDecodeError), and a child that printed nothing was reported as 'exit code 0'."""
+    python = str(fake_interpreter(tmp_path, body))
+    if "could not be read" in expected:
+        with pytest.raises(UserError) as err:
+            campaign_module.visible_gpu_name("cuda", python=python)
+        assert str(err.value) == f"campaign.gpu: the name of cuda {expected}"
+    else:
+        assert campaign_module.visible_gpu_name("cuda", python=python) == expected
+
+
+def test_a_gpu_name_child_that_hangs_is_given_the_window_s_time_only(tmp_path, capsys, monkeypatch):
+    """The child that names the GPU was waited for GPU_NAME_TIMEOUT_S (120 s) whatever --minutes said: a window
+    of one minute whose child hung ran past its end (and the GPU machine, killing it at its own limit, brought
+    nothing back). It gets the time to the window's stop at most; the refusal is one line, nothing written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    python = fake_interpreter(tmp_path / "bin", "exec sleep 600")
+    work = tmp_path / "w"
+    with not_hung(60), pytest.raises(UserError) as err:
+        campaign_module.run_window(Campaign(CONFIG), 0.05, work, tmp_path / "ref", python=str(python))
+    assert str(err.value).startswith("campaign.gpu: the name of cuda could not be read (no answer in ")
+    assert "the time the window had left" in str(err.value)
+    assert not work.exists() and not (tmp_path / "ref").exists()
 
 
 @pytest.mark.parametrize("config", ["h200.yaml", "learning_gpu.yaml"])
