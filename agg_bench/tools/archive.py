@@ -290,12 +290,29 @@ def _check_model(campaign: Campaign, where: str, label: str, files: dict[str, by
             raise UserError(f"{shown}: not a PNG image")
 
 
+def _refuse_cpu_form(campaign: Campaign, where: str, what: str, data: bytes | None) -> None:
+    """A UserError naming ``campaign.gpu`` when ``what`` (a run's ``config.json`` or a calibration, ``data``), of
+    no run or cell of a sweep that names a GPU, ran on the CPU: an archive of the ``--cpu`` form given to the
+    GPU reference, which only ``campaign.gpu``'s hardware fills."""
+    if campaign.gpu is None or campaign.cpu or data is None:
+        return
+    try:
+        device = loads(data).get("device")
+    except (JsonProblem, AttributeError):
+        return
+    if device == "cpu":
+        raise UserError(f"{where}: {what} ran on the CPU (a window of the --cpu form); campaign.gpu of "
+                        f"{campaign.config_path} asks for {quote(campaign.gpu)}: expected an archive of a window on "
+                        f"a {campaign.gpu}, or unpack this one with --cpu into a reference of its own")
+
+
 def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, bytes]) -> str | None:
     """A finished run of the campaign's sweep: its files, each read as every reader of a run folder reads it
     (:class:`~agg_bench.reading.RunFolder`, on a copy), a summary that says ``ok``, the config the sweep
     composes for ``run_id``, and records and a summary whose identity (run id, method, model, resolution,
     seed, weights, device) is that config's and that name one device. Returns the GPU's name (None on a CPU)."""
     if run_id not in campaign.sweep.runs:
+        _refuse_cpu_form(campaign, where, f"runs/{run_id}", files.get("config.json"))
         raise UserError(f"{where}: runs/{run_id} is not a run of the sweep {campaign.config_path}")
     missing = [name for name in REQUIRED_RUN_FILES if name not in files]
     if missing:
@@ -462,6 +479,7 @@ def _check_calibration(campaign: Campaign, where: str, name: str, data: bytes) -
 
     run = campaign.calibration_cell(name)
     if run is None:
+        _refuse_cpu_form(campaign, where, f"calibration/{name}", data)
         raise UserError(f"{where}: calibration/{name} is not named <stamp>_<number>_<cell>.json after a cell of "
                         f"the sweep {campaign.config_path}")
     content = json_object(f"{where}: calibration/{name}", data)

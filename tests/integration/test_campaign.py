@@ -366,6 +366,29 @@ def test_a_reference_holds_one_gpus_runs_and_the_one_the_campaign_names(tmp_path
         archive_module.check_hardware(gpu, "archive A", {"runs/a": "NVIDIA H200"}, tmp_path)
 
 
+@pytest.mark.parametrize("member", ["runs", "calibration"])
+def test_an_archive_of_the_cpu_form_given_to_the_gpu_reference_names_campaign_gpu(tmp_path, capsys, cpu_campaign,
+                                                                                 member):
+    """A --cpu window's archive unpacked without --cpu into the H200 reference was refused as 'not a run of the
+    sweep', which named neither campaign.gpu nor the --cpu form it came from."""
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    cell = cpu_campaign.cell_of(cpu_campaign.sweep.runs[run_id])
+    source = tmp_path / "file.json"
+    source.write_text(json.dumps({"device": "cpu", "methods": {}}))
+    name = f"runs/{run_id}/config.json" if member == "runs" else f"calibration/20260101T000000_01-1_{cell}.json"
+    archive = tmp_path / "campaign.tar.gz"
+    archive_module.pack([(name, source)], archive)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    code = main(["campaign", "unpack", "--config", str(CONFIG), "--archive", str(archive), "--reference",
+                 str(reference)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"{name.rsplit('/', 1)[0] if member == 'runs' else name} ran on the CPU" in err[0], err
+    assert "campaign.gpu of" in err[0] and "'H200'" in err[0] and "--cpu" in err[0], err
+    assert list(reference.iterdir()) == []
+
+
 @pytest.mark.parametrize("args, words", [
     (["--minutes", "-1"], "--minutes = -1.0"),
     (["--minutes", "nan"], "--minutes = nan"),
