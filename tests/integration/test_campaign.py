@@ -1110,6 +1110,22 @@ def test_a_bad_calibrate_methods_is_one_line(tmp_path, capsys, value, words):
     assert not work.exists()
 
 
+@pytest.mark.parametrize("value", [" ", " H200", "H200 ", "H200\n"])
+def test_a_campaign_gpu_with_space_at_an_end_is_one_line(tmp_path, capsys, monkeypatch, value):
+    """campaign.gpu is matched as a text inside the GPU's name: ' ' let a window run on any GPU whose name has a
+    space (an H100's), and ' H200' or 'H200 ' refused every window and every archive of an H200 ('NVIDIA H200')."""
+    fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    sweep = yaml.safe_load(CONFIG.read_text())
+    sweep["campaign"]["gpu"] = value
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    work = tmp_path / "w"
+    code = main(["campaign", "run", "--config", str(tmp_path / "sweep.yaml"), "--minutes", "1", "--work", str(work)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"campaign.gpu = {value!r}: expected a text of the GPU's name without space at either end" in err[0], err
+    assert not work.exists()
+
+
 # ----- the learning sweep on one GPU (config/learning_gpu.yaml), as a campaign -----------------------------------
 LEARNING_GPU = ROOT / "config" / "learning_gpu.yaml"
 
