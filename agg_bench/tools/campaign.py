@@ -77,7 +77,7 @@ import yaml
 from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
-from ..io import atomic_target, write_json
+from ..io import atomic_target, is_temp_name, write_json
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned
 from ..records import is_finite_number
@@ -1031,8 +1031,11 @@ def _pack(campaign: Campaign, work: Path, reference: Path | None, archive: Path)
         if local.is_dir() and not (reference is not None and (reference / "pretrained" / label).is_dir()):
             members += archives.model_members(label, local)
     for sub in ("calibration", "windows"):
+        # not a temporary file that a process killed while writing it left (a glob takes hidden names): with it,
+        # campaign unpack refused this archive and every later one of the work folder
         for path in sorted((work / sub).glob("*.json")):
-            members.append((f"{sub}/{path.name}", path))
+            if not is_temp_name(path.name):
+                members.append((f"{sub}/{path.name}", path))
     archives.pack(members, archive)
 
 

@@ -366,6 +366,24 @@ def test_a_reference_holds_one_gpus_runs_and_the_one_the_campaign_names(tmp_path
         archive_module.check_hardware(gpu, "archive A", {"runs/a": "NVIDIA H200"}, tmp_path)
 
 
+def test_a_temporary_file_a_killed_window_left_is_not_packed(tmp_path, cpu_campaign):
+    """A window killed while it wrote its log (or a cell process while it wrote a calibration) left the writer's
+    temporary file; each later window of that work folder packed it, and campaign unpack refused every such
+    archive (not a path of a campaign archive)."""
+    from agg_bench.io import atomic_path
+
+    work = tmp_path / "work"
+    for sub, name in (("windows", "20260101T000000.json"), ("calibration", "20260101T000000_01-1_x_64px_cpu.json")):
+        (work / sub).mkdir(parents=True)
+        (work / sub / name).write_text("{}")
+        atomic_path(work / sub / name).write_text('{"half')
+    archive = tmp_path / "campaign.tar.gz"
+    campaign_module._pack(cpu_campaign, work, None, archive)
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == ["calibration/20260101T000000_01-1_x_64px_cpu.json",
+                                          "windows/20260101T000000.json"]
+
+
 @pytest.mark.parametrize("member", ["runs", "calibration"])
 def test_an_archive_of_the_cpu_form_given_to_the_gpu_reference_names_campaign_gpu(tmp_path, capsys, cpu_campaign,
                                                                                  member):
