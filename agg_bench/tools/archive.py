@@ -389,8 +389,12 @@ def check_hardware(campaign: Campaign, where: str, gpus: dict[str, str | None], 
             summary = RunFolder(folder).summary()
             held[f"reference {folder}"] = summary.get("gpu_name") if summary.get("device") == "cuda" else None
     names = set(gpus.values()) | set(held.values())
-    if len(names) > 1:
-        shown = ", ".join(f"{what}: {quote(gpu)}" for what, gpu in [*gpus.items(), *held.items()][:6])
+    if len(names) > 1:  # one example of each hardware: the first few of the archive's alone named one of them
+        examples: dict[str | None, str] = {}
+        for what, gpu in [*gpus.items(), *held.items()]:
+            examples.setdefault(gpu, what)
+        shown = ", ".join(f"{what}: {quote(gpu) if gpu is not None else 'a CPU'}"
+                          for gpu, what in list(examples.items())[:6])
         raise UserError(f"{where}: its runs and the reference's are not of one GPU ({shown}); a reference holds "
                         "one hardware's results")
     for what, gpu in gpus.items():

@@ -364,6 +364,11 @@ def test_a_reference_holds_one_gpus_runs_and_the_one_the_campaign_names(tmp_path
                                                   "gpu_name": "NVIDIA H200 NVL"}))
     with pytest.raises(UserError, match="not of one GPU"):  # the reference's own runs count
         archive_module.check_hardware(gpu, "archive A", {"runs/a": "NVIDIA H200"}, tmp_path)
+    # each hardware is named, however many runs of one come first (a CPU archive's runs named only None)
+    many = {f"runs/cpu{i}": None for i in range(8)}
+    with pytest.raises(UserError) as err:
+        archive_module.check_hardware(Campaign(CONFIG, cpu=True), "archive A", many, tmp_path)
+    assert "runs/cpu0: a CPU" in str(err.value) and f"reference {run}: 'NVIDIA H200 NVL'" in str(err.value)
 
 
 def test_a_temporary_file_a_killed_window_left_is_not_packed(tmp_path, cpu_campaign):
