@@ -433,3 +433,12 @@ def not_hung(seconds: float = 10) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def bash_script(path: Path, body: str) -> Path:
+    """An executable ``path`` that runs the bash ``body`` (a stand-in for an interpreter or a tool the code under
+    test starts); its folder is made where missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+    return path

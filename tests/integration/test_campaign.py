@@ -31,7 +31,7 @@ from agg_bench.tools import cell_calibration
 from agg_bench.tools import archive as archive_module
 from agg_bench.tools.archive import tiny_counterpart
 from agg_bench.tools.campaign import Campaign, cpu_resolution
-from helpers import Holder, not_hung
+from helpers import Holder, bash_script, not_hung
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config" / "h200.yaml"
@@ -473,11 +473,7 @@ def test_the_gpu_name_is_asked_in_a_child_process(tmp_path, monkeypatch):
 
 def fake_interpreter(folder: Path, body: str) -> Path:
     """An executable that runs the bash ``body`` whatever it is asked (a GPU-name child's stand-in)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "python"
-    path.write_text(f"#!/bin/bash\n{body}\n")
-    path.chmod(0o755)
-    return path
+    return bash_script(folder / "python", body)
 
 
 MARK = campaign_module.GPU_NAME_MARK
@@ -697,11 +693,9 @@ def stub_python(folder: Path, lacks: str | None = None) -> Path:
     (folder / "site").mkdir(exist_ok=True)
     if lacks:  # a module None in sys.modules is neither imported nor found by importlib.util.find_spec
         (folder / "site" / "sitecustomize.py").write_text(f"import sys\nsys.modules[{lacks!r}] = None\n")
-    stub = folder / "python"
-    stub.write_text(f'#!/bin/bash\nif [[ $1 == -c ]]; then PYTHONPATH="{folder / "site"}:$PYTHONPATH" '
-                    f'exec "{sys.executable}" "$@"; fi\n{{ pwd; printf "%s\\n" "$@"; }} > "{folder}/argv"\n')
-    stub.chmod(0o755)
-    return stub
+    return bash_script(folder / "python", f'if [[ $1 == -c ]]; then PYTHONPATH="{folder / "site"}:$PYTHONPATH" '
+                                          f'exec "{sys.executable}" "$@"; fi\n{{ pwd; printf "%s\\n" "$@"; }} > '
+                                          f'"{folder}/argv"')
 
 
 def test_the_script_takes_relative_paths_from_the_folder_it_is_started_in(tmp_path):
@@ -1301,11 +1295,8 @@ def wheels_checkout(folder: Path) -> Path:
 def run_wheels(checkout: Path, bin_dir: Path, fetched: str = "", code: int = 0) -> subprocess.CompletedProcess:
     """The script with a stub ``python3`` first on PATH that records its arguments instead of downloading, puts
     an empty wheel named ``fetched`` (where given) in the download folder and exits with ``code``."""
-    bin_dir.mkdir(exist_ok=True)
-    stub = bin_dir / "python3"
     fetch = f'while [ "$1" != -d ]; do shift; done; : > "$2/{fetched}"\n' if fetched else ""
-    stub.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > "{bin_dir}/python3.args"\n{fetch}exit {code}\n')
-    stub.chmod(0o755)
+    bash_script(bin_dir / "python3", f'printf "%s\\n" "$@" > "{bin_dir}/python3.args"\n{fetch}exit {code}')
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(["bash", str(checkout / "scripts" / "gpu_wheels.sh")], cwd=checkout.parent, env=env,
                           capture_output=True, text=True, timeout=60)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import bash_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -79,8 +81,7 @@ def test_a_venv_that_cannot_be_used_is_one_line_and_kept(tmp_path, venv, words):
 
 # A venv's interpreter that answers setup.sh's questions without Python: it logs each call in .venv/calls, has pip
 # only once `-m ensurepip` ran (or .venv/has-pip is there), and its `pip install` fails while .venv/pip-fails is there.
-STUB_PYTHON = """#!/bin/bash
-venv=$(dirname "$0")/..
+STUB_PYTHON = """venv=$(dirname "$0")/..
 echo "$*" >> "$venv/calls"
 case "$1 $2" in
   "-V "*) echo "Python 3.11.9";;
@@ -93,9 +94,7 @@ esac
 
 def stub_venv(repo: Path, *flags: str) -> Path:
     venv = repo / ".venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").write_text(STUB_PYTHON)
-    (venv / "bin" / "python").chmod(0o755)
+    bash_script(venv / "bin" / "python", STUB_PYTHON)
     for flag in flags:
         (venv / flag).touch()
     return venv
@@ -169,11 +168,9 @@ def make_clone(folder: Path) -> Path:
     shutil.copy(ROOT / "Makefile", folder)
     shutil.copy(ROOT / "scripts" / "test.sh", folder / "scripts")
     (folder / "scripts" / "setup.sh").write_text("touch set-up-ran\n")
-    (folder / ".venv" / "bin").mkdir(parents=True)
     for name, body in {"ruff": "", "mypy": "", "snakemake": "",
                        "python": 'if [ "$1" = -c ]; then echo 1; else echo "venv python $*"; fi'}.items():
-        (folder / ".venv" / "bin" / name).write_text(f"#!/bin/bash\n{body}\n")
-        (folder / ".venv" / "bin" / name).chmod(0o755)
+        bash_script(folder / ".venv" / "bin" / name, body)
     return folder
 
 
