@@ -294,7 +294,7 @@ def _refuse_cpu_form(campaign: Campaign, where: str, what: str, data: bytes | No
     """A UserError naming ``campaign.gpu`` when ``what`` (a run's ``config.json`` or a calibration, ``data``), of
     no run or cell of a sweep that names a GPU, ran on the CPU: an archive of the ``--cpu`` form given to the
     GPU reference, which only ``campaign.gpu``'s hardware fills."""
-    if campaign.gpu is None or campaign.cpu or data is None:
+    if not campaign.names_gpu or data is None:
         return
     try:
         device = loads(data).get("device")

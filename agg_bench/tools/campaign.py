@@ -527,13 +527,20 @@ class Campaign:
                             shutil.copyfile(held / name, tmp / name)
         return missing
 
+    @property
+    def names_gpu(self) -> bool:
+        """Whether only runs on ``campaign.gpu``'s GPU are this campaign's: it names one, and this is not the
+        --cpu form."""
+        return self.gpu is not None and not self.cpu
+
     def wants_gpu(self, name: str | None) -> bool:
-        """Whether runs on the device named ``name`` (None: a CPU) are this campaign's: any device where
-        ``campaign.gpu`` names none or in the --cpu form, else a GPU whose name holds it, case aside (``h200`` for
-        ``NVIDIA H200``). What a window checks before it starts and ``campaign unpack`` checks of its runs."""
-        if self.gpu is None or self.cpu:
+        """Whether runs on the device named ``name`` (None: a CPU) are this campaign's: any device unless
+        :attr:`names_gpu`, else a GPU whose name holds ``campaign.gpu``, case aside (``h200`` for ``NVIDIA H200``).
+        What a window checks before it starts and ``campaign unpack`` checks of its runs."""
+        gpu = self.gpu if self.names_gpu else None
+        if gpu is None:
             return True
-        return name is not None and self.gpu.lower() in name.lower()
+        return name is not None and gpu.lower() in name.lower()
 
     def check_devices(self, until: float | None = None, python: str = sys.executable) -> None:
         """A ConfigError, before a window writes anything, for a device of the sweep this machine cannot serve
@@ -557,7 +564,7 @@ class Campaign:
                 resolved = resolve_device(device, key)
             except ConfigError as err:
                 raise ConfigError(key, device, f"{err.expected}; or the same campaign on the CPU: --cpu") from None
-            if self.gpu is not None and not self.cpu and resolved.type == "cuda":
+            if self.names_gpu and resolved.type == "cuda":
                 if device not in visible:  # a child process each: seconds of importing torch
                     visible[device] = visible_gpu_name(device, python, until=until)
                 if not self.wants_gpu(visible[device]):
