@@ -635,7 +635,7 @@ def reference_manifest(campaign: Campaign, reference: Path) -> dict:
         if run_id in campaign.sweep.runs and (reference / "runs" / run_id / "summary.json").is_file():
             runs.append({**entry, "dir": str(reference / "runs" / run_id), "source": "reference"})
     calibration = []
-    for path in sorted((reference / "calibration").glob("*.json")):
+    for path in campaign.finished_files(reference, "calibration"):
         run = campaign.calibration_cell(path.name)
         if run is not None:
             calibration.append({"file": str(path), "model": run["model"], "resolution": run["resolution"],

@@ -270,6 +270,16 @@ class Campaign:
     def cell_of(run: dict) -> str:
         return f"{run['model']}_{run['resolution']}px_{run['device']}"
 
+    @staticmethod
+    def finished_files(folder: Path | None, sub: str) -> list[Path]:
+        """The JSON files of ``folder/sub`` that their writer finished, sorted: none of :func:`atomic_path`'s
+        temporaries (a glob takes hidden names), which a process killed while writing, or before renaming, left.
+        Every reader of the calibrations and window logs takes these, so that the work folder, its archive and
+        the reference count the same files. None when ``folder`` or its ``sub`` is missing."""
+        if folder is None or not (folder / sub).is_dir():
+            return []
+        return [path for path in sorted((folder / sub).glob("*.json")) if not is_temp_name(path.name)]
+
     def calibration_cell(self, name: str) -> dict | None:
         """A run of the cell that the calibration file ``<stamp>_<n>_<cell>.json`` is named after, or None."""
         cell = name.removesuffix(".json").split("_", 2)[-1] if name.count("_") >= 2 else None
@@ -326,14 +336,12 @@ class Campaign:
 
     # ----- calibrations ----------------------------------------------------------------------------------
     def calibrated(self, *folders: Path | None) -> dict[str, set[str]]:
-        """{cell: the method labels a calibration in any of ``folders`` timed} (their ``calibration/*.json``,
-        each of the cell it is named after, :meth:`calibration_cell`; the keys of its ``methods``). A file that
+        """{cell: the method labels a calibration in any of ``folders`` timed} (their finished ``calibration/*.json``,
+        :meth:`finished_files`, each of the cell it is named after, :meth:`calibration_cell`; the keys of its ``methods``). A file that
         is no readable JSON object, or is named after no cell of the sweep, times nothing."""
         out: dict[str, set[str]] = {}
         for folder in folders:
-            if folder is None or not (folder / "calibration").is_dir():
-                continue
-            for path in sorted((folder / "calibration").glob("*.json")):
+            for path in self.finished_files(folder, "calibration"):
                 run = self.calibration_cell(path.name)
                 if run is None:
                     continue
@@ -371,13 +379,11 @@ class Campaign:
 
     def read_calibration_times(self, *folders: Path | None) -> None:
         """Take in the seconds per timed method of every calibration that ended well in the window logs of
-        ``folders`` (``windows/*.json``: a process entry's ``calibration``), by cell (:meth:`calibration_seconds`).
+        ``folders`` (their finished ``windows/*.json``, :meth:`finished_files`: a process entry's ``calibration``), by cell (:meth:`calibration_seconds`).
         A log that cannot be read, or an entry of another shape, gives none."""
         self._history = folders
         for folder in folders:
-            if folder is None or not (folder / "windows").is_dir():
-                continue
-            for path in sorted((folder / "windows").glob("*.json")):
+            for path in self.finished_files(folder, "windows"):
                 try:
                     entries = read_json_object(path, "a campaign window's log").get("processes")
                 except JsonFileError:
@@ -1038,11 +1044,8 @@ def _pack(campaign: Campaign, work: Path, reference: Path | None, archive: Path)
         if local.is_dir() and not (reference is not None and (reference / "pretrained" / label).is_dir()):
             members += archives.model_members(label, local)
     for sub in ("calibration", "windows"):
-        # not a temporary file that a process killed while writing it left (a glob takes hidden names): with it,
-        # campaign unpack refused this archive and every later one of the work folder
-        for path in sorted((work / sub).glob("*.json")):
-            if not is_temp_name(path.name):
-                members.append((f"{sub}/{path.name}", path))
+        # with a temporary file, campaign unpack refused this archive and every later one of the work folder
+        members += [(f"{sub}/{path.name}", path) for path in campaign.finished_files(work, sub)]
     archives.pack(members, archive)
 
 

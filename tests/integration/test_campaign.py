@@ -26,6 +26,7 @@ import yaml
 
 from agg_bench.cli import main
 from agg_bench.errors import UserError
+from agg_bench.io import atomic_path
 from agg_bench.tools import campaign as campaign_module
 from agg_bench.tools import cell_calibration
 from agg_bench.tools import archive as archive_module
@@ -1444,6 +1445,29 @@ def test_a_window_log_whose_seconds_are_past_a_float_gives_no_time(tmp_path):
         .replace("null", "2.0"))
     campaign.read_calibration_times(tmp_path)
     assert campaign.calibration_times() == {"other": 2.0}
+
+
+def test_a_temporary_left_by_a_killed_writer_counts_for_no_reader(tmp_path):
+    """A window log or calibration that a process killed before its rename left under its temporary name: the
+    archive leaves it out, and so do the readers of calibration times and calibrated methods (a window log's
+    temporary was read, so the work folder priced a calibration that its archive and the reference lack)."""
+    campaign = Campaign(CONFIG, cpu=True)  # its own: this test takes in calibration times
+    cell = campaign.processes(set())[0].cell
+    entry = {"cell": cell, "calibration": {"file": "x.json", "methods": ["full"], "exit_code": 0, "seconds": 5.0}}
+    log = tmp_path / "windows" / "20000101T000000.json"
+    calibration = tmp_path / "calibration" / f"20000101T000000_0_{cell}.json"
+    for path, data in ((log, {"processes": [entry]}), (calibration, {"methods": {"full": {}}})):
+        path.parent.mkdir()
+        atomic_path(path).write_text(json.dumps(data))
+    assert Campaign.finished_files(tmp_path, "windows") == Campaign.finished_files(tmp_path, "calibration") == []
+    campaign.read_calibration_times(tmp_path)
+    assert campaign.calibration_times() == {}
+    assert campaign.calibrated(tmp_path) == {}
+    for path in (log, calibration):  # the same files under their own names count
+        atomic_path(path).rename(path)
+    campaign.read_calibration_times(tmp_path)
+    assert campaign.calibration_times() == {cell: 5.0}
+    assert campaign.calibrated(tmp_path) == {cell: {"full"}}
 
 
 def _safetensors(header: dict, body: bytes) -> bytes:
