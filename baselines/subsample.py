@@ -78,6 +78,9 @@ class WindowConfig(FullConfig):
       (MixGRPO's ``--roll_back``). The last start is sampling.steps - window_size (the window whole), or with
       ``window_end`` window_end - 1: the window goes on past window_end - window_size, cut at window_end.
     The bounds that depend on ``sampling.steps`` are checked when a run is set up (``check_run``).
+    An option that only other modes read (``window_max_start``: random; ``window_stride``, ``window_interval``,
+    ``window_wrap``: progressive) is ignored, not refused, so that a section switches mode with one
+    ``--set method.window_mode=...`` (the MixGRPO-Flash preset's Flash* variant); its bounds are still checked.
     """
 
     window_size: int = option(4, "steps in the window, at most `sampling.steps` (MixGRPO: 4 of 25)",
@@ -87,12 +90,14 @@ class WindowConfig(FullConfig):
     window_start: int = option(0, "the first start (`fixed`, `progressive`) or the smallest start (`random`)",
                                minimum=0, maximum=1000)
     window_max_start: int | None = option(
-        None, "the largest start drawn in `random` mode (null: `window_end`, or `sampling.steps`, minus "
-        "`window_size`)", minimum=0, maximum=1000)
-    window_stride: int = option(1, "steps the progressive window moves each time it moves", minimum=1, maximum=1000)
-    window_interval: int = option(25, "iterations between moves of the progressive window (MixGRPO's shift "
-                                      "interval)", minimum=1, maximum=100_000)
-    window_wrap: bool = option(False, "`progressive` only: restart at `window_start` instead of staying at the end")
+        None, "`random` only (ignored in other modes): the largest start drawn (null: `window_end`, or "
+        "`sampling.steps`, minus `window_size`)", minimum=0, maximum=1000)
+    window_stride: int = option(1, "`progressive` only (ignored in other modes): steps the window moves each time "
+                                   "it moves", minimum=1, maximum=1000)
+    window_interval: int = option(25, "`progressive` only (ignored in other modes): iterations between moves of the "
+                                      "window (MixGRPO's shift interval)", minimum=1, maximum=100_000)
+    window_wrap: bool = option(False, "`progressive` only (ignored in other modes): restart at "
+                                     "`window_start` instead of staying at the end")
     window_end: int | None = option(
         None, "no window reaches this step (null: `sampling.steps`); windows are cut at it, steps start .. "
         "min(start + window_size, window_end) - 1; in [window_size, sampling.steps]. MixGRPO truncates at T - 2 "

@@ -25,6 +25,27 @@ def starts(estimator, iterations, seed=0):
 
 # ----- window -------------------------------------------------------------------------------
 
+# the options only some window modes read, and those modes
+MODE_OPTIONS = {"window_max_start": ("random",), "window_stride": ("progressive",),
+                "window_interval": ("progressive",), "window_wrap": ("progressive",)}
+OTHER_VALUES = {"window_max_start": 1, "window_stride": 2, "window_interval": 1, "window_wrap": True}
+
+
+@pytest.mark.parametrize("name", sorted(MODE_OPTIONS))
+def test_an_option_of_other_window_modes_is_ignored_and_documented_so(name):
+    """Set in a mode that does not read it, it changes no window start (one section switches mode with one
+    --set, as the MixGRPO-Flash preset's Flash* variant does), and the option's documentation says it is
+    ignored in the other modes rather than leaving a user to find out from the starts."""
+    from baselines.subsample import WindowConfig
+
+    for mode in {"fixed", "random", "progressive"} - set(MODE_OPTIONS[name]):
+        base = {"window_size": 2, "window_mode": mode, "window_start": 0}
+        assert starts(window(**base, **{name: OTHER_VALUES[name]}), 12) == starts(window(**base), 12), mode
+    doc = WindowConfig.__dataclass_fields__[name].metadata["doc"]
+    modes = " or ".join(f"`{mode}`" for mode in MODE_OPTIONS[name])
+    assert doc.startswith(f"{modes} only (ignored in other modes)"), doc
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_window_rollout_is_ode_outside_and_trains_only_the_window(dtype):
     size, start = 3, 2
