@@ -305,7 +305,7 @@ def cmd_profile(args) -> int:
     with claim_folder(out, PROFILE_CONTENTS):
         session = Session(cfg)
         write_json(out / "config.json", cfg.to_dict())
-        write_json(out / "env.json", environment())
+        write_json(out / "env.json", environment(session.device))
         if args.phase == "train":
             batch = session.collect(0).batch
 

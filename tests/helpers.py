@@ -442,3 +442,22 @@ def bash_script(path: Path, body: str) -> Path:
     path.write_text(f"#!/bin/bash\n{body}\n")
     path.chmod(0o755)
     return path
+
+
+# two visible GPUs of different models, as on a mixed node with CUDA_VISIBLE_DEVICES unset
+FAKE_GPUS = (("NVIDIA A100-SXM4-40GB", 40 * 2**30), ("NVIDIA H200", 141 * 2**30))
+
+
+def fake_two_gpus(monkeypatch, current: int) -> None:
+    """torch.cuda as a process on such a node whose current device is ``current`` sees it (no GPU needed)."""
+    from types import SimpleNamespace
+
+    def index(device) -> int:
+        return torch.device(device).index if isinstance(device, (str, torch.device)) else int(device)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(FAKE_GPUS))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: FAKE_GPUS[index(device)][0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=FAKE_GPUS[index(device)][1]))

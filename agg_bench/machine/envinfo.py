@@ -16,6 +16,7 @@ import torch
 
 from ..sources import source_digest
 from ..threads import usable_cores
+from .devices import cuda_index
 from .nvml import _shutdown_quietly
 
 
@@ -66,10 +67,11 @@ def _driver_version() -> str | None:
         _shutdown_quietly(pynvml)
 
 
-def environment() -> dict[str, Any]:
+def environment(device: torch.device | None = None) -> dict[str, Any]:
     """The machine and software a result was measured on, for ``env.json`` and every benchmark row.
 
-    GPU fields describe the GPUs this process can see (``CUDA_VISIBLE_DEVICES`` applies);
+    GPU fields describe the GPUs this process can see (``CUDA_VISIBLE_DEVICES`` applies); ``gpu_name`` is the
+    one the result was measured on: ``device``'s where it is a CUDA device, else the current CUDA device;
     ``git_commit`` is the commit of the repository holding this package (None outside git) and
     ``git_dirty`` whether tracked files differ from it; ``source_digest`` is the hash of the code itself
     (:func:`agg_bench.sources.source_digest`), in or out of git.
@@ -78,6 +80,9 @@ def environment() -> dict[str, Any]:
     gpu_count = torch.cuda.device_count() if cuda_available else 0
     gpu_names = [torch.cuda.get_device_name(i) for i in range(gpu_count)]
     gpu_memory = [int(torch.cuda.get_device_properties(i).total_memory) for i in range(gpu_count)]
+    # not device 0: a rank on a node whose GPUs all stay visible (or a run on cuda:N) measures on another one
+    index = (cuda_index(device) if device is not None and device.type == "cuda" else torch.cuda.current_device()) \
+        if gpu_count else None
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
@@ -96,7 +101,7 @@ def environment() -> dict[str, Any]:
         "driver_version": _driver_version(),
         "gpu_count": gpu_count,
         "gpu_names": gpu_names,
-        "gpu_name": gpu_names[0] if gpu_names else None,
+        "gpu_name": gpu_names[index] if index is not None else None,
         "gpu_total_memory_bytes": gpu_memory,
         "git_commit": commit or None,
         "git_dirty": bool(status) if status is not None else None,

@@ -73,6 +73,7 @@ from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build
 from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 from ..errors import ConfigError
 from ..machine import distributed
+from ..machine.devices import cuda_index
 from ..machine.activations import SavedActivations, WorkingMemory, counting_regions
 from ..methods.base import build_estimator, method_options
 
@@ -448,20 +449,27 @@ class MemoryPlan:
         return asdict(self)
 
 
-def gpu_memory_bytes(device_type: str) -> int:
-    """The default budget: the visible GPU's memory, the machine's memory for a CPU run, else an H200's."""
-    if device_type == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
-    if device_type == "cpu":
+def gpu_memory_bytes(device: str) -> int:
+    """The default budget: the memory of the GPU ``device`` names (``cuda:N``, or ``cuda``: the current device,
+    which a launched rank has set to its own), the machine's memory for ``cpu``, else an H200's."""
+    kind = device.split(":")[0]
+    if kind == "cuda" and torch.cuda.is_available():
+        # not device 0: a rank on a node whose GPUs all stay visible runs on its own, which may be another model
+        return int(torch.cuda.get_device_properties(cuda_index(torch.device(device))).total_memory)
+    if kind == "cpu":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(H200_GIB * GIB)
 
 
-def _device_type(cfg: RunConfig) -> str:
-    device = cfg.device
-    if device == "auto":
+def _device_name(cfg: RunConfig) -> str:
+    """``cfg.device`` with ``auto`` resolved: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if cfg.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return "cuda" if device.startswith("cuda") else "cpu"
+    return cfg.device
+
+
+def _device_type(cfg: RunConfig) -> str:
+    return "cuda" if _device_name(cfg).startswith("cuda") else "cpu"
 
 
 def _describe(layout: Layout, base: Layout) -> str:
@@ -543,7 +551,7 @@ def plan_memory(cfg: RunConfig, gpus: int = 1, gpu_memory: float | None = None, 
     :class:`ShapeModel` built for a config of the same :func:`shape_key` (its counts are reused), else one is
     built."""
     device = _device_type(cfg)
-    budget_total = gpu_memory_bytes(device) if gpu_memory is None else gpu_memory
+    budget_total = gpu_memory_bytes(_device_name(cfg)) if gpu_memory is None else gpu_memory
     if isinstance(budget_total, bool) or not isinstance(budget_total, (int, float)) \
             or not math.isfinite(budget_total) or budget_total <= 0:
         raise ConfigError("--gpu-memory", budget_total, "a positive, finite amount of memory")
@@ -578,12 +586,12 @@ def check_weights_fit(cfg: RunConfig) -> None:
     sharding, so this holds for any layout; whether training fits too is :func:`plan_memory`'s answer. The
     tiny and random presets are built from configs of the harness's own and are not checked here."""
     if cfg.model.pretrained:
-        check_transformer_fits(cfg.model.pretrained, cfg.model.family, cfg.model.dtype, _device_type(cfg))
+        check_transformer_fits(cfg.model.pretrained, cfg.model.family, cfg.model.dtype, _device_name(cfg))
 
 
-def check_transformer_fits(folder: str, family: str, dtype: str, device_type: str) -> int:
+def check_transformer_fits(folder: str, family: str, dtype: str, device: str) -> int:
     """The ``transformer/`` of ``folder`` (a model folder or a snapshot) of ``family`` in ``model.dtype``
-    ``dtype``, as a device of ``device_type`` would load it (:func:`check_weights_fit`): its config's sizes within bounds,
+    ``dtype``, as ``device`` (:func:`gpu_memory_bytes`) would load it (:func:`check_weights_fit`): its config's sizes within bounds,
     its config buildable, and its weights and buffers within the device's memory, before anything is
     allocated; a ConfigError naming ``model.pretrained`` otherwise. Returns the number of numbers its buffers
     hold (what building it computes, before its weights are read)."""
@@ -599,13 +607,13 @@ def check_transformer_fits(folder: str, family: str, dtype: str, device_type: st
     size = torch.finfo(precision(dtype).param_dtype).bits // 8  # what loading in that precision makes of it
     weights = sum(t.numel() * (size if t.is_floating_point() else t.element_size())
                   for t in itertools.chain(transformer.parameters(), transformer.buffers()))
-    budget = gpu_memory_bytes(device_type)
+    budget = gpu_memory_bytes(device)
     if weights > budget:
         count = sum(p.numel() for p in transformer.parameters())
         raise ConfigError("model.pretrained", folder,
                           f"a model whose weights fit: its transformer/config.json describes {count:,} parameters, "
                           f"{bytes_text(weights)} in {dtype}, more than the {bytes_text(budget)} of this "
-                          f"{device_type} (the memory planner: does not fit)")
+                          f"{device} (the memory planner: does not fit)")
     return sum(t.numel() for t in transformer.buffers())
 
 
@@ -654,7 +662,7 @@ def plan_key(cfg: RunConfig, gpus: int, shaped: str | None = None) -> str:
     reference or moving average is a copy of the model: DGPO's, NFT's), the device and the processes (not the
     seed, the sampler or the reward). ``shaped``: ``cfg``'s :func:`shape_key`, where the caller has it."""
     return json.dumps({"shapes": shape_key(cfg) if shaped is None else shaped, "method": cfg.to_dict()["method"],
-                       "gpus": gpus, "memory": gpu_memory_bytes(_device_type(cfg))}, sort_keys=True)
+                       "gpus": gpus, "memory": gpu_memory_bytes(_device_name(cfg))}, sort_keys=True)
 
 
 def run_memory_plan(cfg: RunConfig, gpus: int) -> dict:

@@ -42,6 +42,7 @@ killed run leaves whole files. The rules, in the order a run meets them:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import DEFAULTS
 from ..errors import UserError
@@ -53,6 +54,9 @@ from ..reading import RunFolder
 from ..records import EVALUATIONS_FILE
 from ..sources import source_digest
 from .checkpoint import RESUMABLE_CHANGES, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> None:
@@ -123,13 +127,13 @@ def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool, keep_events: 
 
 
 def start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool, keep_events: bool,
-                evaluations: list[str] | None = None) -> None:
+                evaluations: list[str] | None = None, device: torch.device | None = None) -> None:
     """What a run writes before its first iteration: an earlier attempt's stale files removed, then
-    ``config.json``, ``env.json``, ``metrics.jsonl`` holding ``lines`` (records as JSON lines) and
+    ``config.json``, ``env.json`` (of the run's ``device``: :func:`environment`), ``metrics.jsonl`` holding ``lines`` (records as JSON lines) and
     ``evaluations.jsonl`` holding ``evaluations`` (None: a run that evaluates nothing, which has none)."""
     remove_stale_files(out, keep_checkpoint=keep_checkpoint, keep_events=keep_events)
     write_json(out / "config.json", config)
-    write_json(out / "env.json", environment())
+    write_json(out / "env.json", environment(device))
     write_lines(out / "metrics.jsonl", lines)
     if evaluations is None:
         (out / EVALUATIONS_FILE).unlink(missing_ok=True)

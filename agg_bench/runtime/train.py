@@ -239,7 +239,8 @@ class Training:
         resumed = self.restored is not None
         runfolder.start_files(self.out, self.config, self.lines, keep_checkpoint=resumed,
                               keep_events=resumed and self.cfg.telemetry.tensorboard,
-                              evaluations=self.eval_lines if self.evaluation is not None else None)
+                              evaluations=self.eval_lines if self.evaluation is not None else None,
+                              device=self.session.device)
         runfolder.write_plan(self.out, self.memory_plan)
 
     def _stepping(self, *args) -> None:
@@ -392,7 +393,7 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
         if not (resume and checkpoint_path(out).exists()):
             record = new_record(base, {"iteration": 0, "rss_peak_bytes": tel.rss_peak_bytes()}, memory, status="oom")
             runfolder.start_files(out, cfg.to_dict(), [JsonlWriter.line(record)], keep_checkpoint=False,
-                                  keep_events=False)
+                                  keep_events=False, device=device)
             if cfg.telemetry.tensorboard:
                 with scalar_events.TensorBoardEvents(out, 0, skip=base) as live:
                     live.write(record)
@@ -418,7 +419,7 @@ def record_failure(cfg: RunConfig, out_dir: str | Path, error: str, overwrite: b
         return False
     with stopping.safe_points(), claim:
         base = identity(cfg, cfg.run_id or out.name, device)
-        runfolder.start_files(out, config, [], keep_checkpoint=False, keep_events=False)
+        runfolder.start_files(out, config, [], keep_checkpoint=False, keep_events=False, device=device)
         runfolder.write_plan(out, None)
         runfolder.write_summary(out, runfolder.run_summary(base, "error", error, cfg.train.iterations, 1))
     return True

@@ -441,7 +441,7 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
                     key = (name, n if name in sizes else 1)
                     seconds[key]["cpu"].append(cpu)
                     seconds[key]["wall"].append(wall)
-    env = environment()
+    env = environment(device)
     units: dict[str, dict[str, dict[str, float]]] = {}
     per_call: dict[str, dict[str, Any]] = {}
     for kind in (*PASS_KEYS, "optimizer_step"):

@@ -215,7 +215,7 @@ def _load_transformer(root: Path, meta: dict, device: str | torch.device) -> tor
     (:func:`~agg_bench.engine.models._load_component`), then the LoRA adapter; every weight finite."""
     family = meta["family"]
     try:
-        buffers = check_transformer_fits(str(root), family, meta["dtype"], torch.device(device).type)
+        buffers = check_transformer_fits(str(root), family, meta["dtype"], str(torch.device(device)))
         _check_weight_files(root, root / "transformer", buffers)
         transformer = _load_component(TRANSFORMER_CLASSES[family], str(root / "transformer"), str(root),
                                       "transformer weights", torch_dtype=precision(meta["dtype"]).param_dtype,

@@ -13,7 +13,7 @@ from helpers import tiny_config
 from agg_bench.cli import main
 from agg_bench.machine import telemetry as tel
 from agg_bench.machine.activations import WorkingMemory
-from agg_bench.runtime.memplan import PHASES, ShapeModel, _Search, optimizer_step_bytes, plan_memory, run_layout
+from agg_bench.runtime.memplan import PHASES, gpu_memory_bytes, ShapeModel, _Search, optimizer_step_bytes, plan_memory, run_layout
 from agg_bench.runtime.train import Session, run_iteration
 
 ROOT = Path(__file__).parents[2]
@@ -303,3 +303,19 @@ def test_the_shape_model_casts_no_float32_model(monkeypatch, caplog):
         plan = plan_memory(tiny_config("train.lora_rank=4", dtype="float32"), 1, gpu_memory=1)
     assert not plan.fits and 0 < plan.trainable_parameters < plan.parameters
     assert not [r.getMessage() for r in caplog.records if "Casting directly" in r.getMessage()]
+
+
+def test_the_gpu_budget_is_the_current_devices_not_device_0(monkeypatch):
+    """The planner's default budget on a node whose GPUs all stay visible: the current device's memory (a rank
+    on device 1 has set it), or that of the device a run names; a run on cuda:1 planned against device 0's
+    memory was told that a model fits (or not) by the wrong GPU."""
+    from helpers import FAKE_GPUS, fake_two_gpus
+
+    fake_two_gpus(monkeypatch, current=1)
+    assert gpu_memory_bytes("cuda") == FAKE_GPUS[1][1]
+    assert gpu_memory_bytes("cuda:0") == FAKE_GPUS[0][1]
+    assert gpu_memory_bytes("cuda:1") == FAKE_GPUS[1][1]
+    cfg = tiny_config("device=cuda:1")
+    assert plan_memory(cfg, suggest=False).gpu_memory_bytes == FAKE_GPUS[1][1]
+    fake_two_gpus(monkeypatch, current=0)
+    assert plan_memory(cfg, suggest=False).gpu_memory_bytes == FAKE_GPUS[1][1]

@@ -534,6 +534,21 @@ def test_environment_describes_the_machine(monkeypatch):
     assert env["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}", env["git_commit"])
 
 
+def test_environment_names_the_gpu_of_the_current_device_not_device_0(monkeypatch):
+    """A rank on device 1 of a node whose GPUs all stay visible measures on device 1: its env.json's gpu_name
+    (and a calibration's, which reads it) is that GPU's, or the named device's where the run names one."""
+    from helpers import FAKE_GPUS, fake_two_gpus
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    fake_two_gpus(monkeypatch, current=1)
+    env = environment()
+    assert env["gpu_names"] == [name for name, _ in FAKE_GPUS]
+    assert env["gpu_name"] == FAKE_GPUS[1][0]
+    assert environment(torch.device("cuda", 0))["gpu_name"] == FAKE_GPUS[0][0]
+    assert environment(torch.device("cuda"))["gpu_name"] == FAKE_GPUS[1][0]
+    assert environment(torch.device("cpu"))["gpu_name"] == FAKE_GPUS[1][0]
+
+
 def test_environment_without_nvml_or_git(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     monkeypatch.setattr(envinfo, "_git", lambda *args: None)
