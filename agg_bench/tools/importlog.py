@@ -30,7 +30,7 @@ from ..io import JsonlWriter, write_json, write_lines
 from ..jsonfiles import JsonProblem, check_path, json_type, loads
 from ..outdir import Claim, check_folder
 from ..outputs import IMPORT_CONTENTS
-from ..records import (DIVERGING_KEYS, MAX_GPUS, MAX_LABEL, MAX_RESOLUTION, NUMBER_KEYS, RECORD_KEYS, SIGNED_KEYS,
+from ..records import (DIVERGING_KEYS, INTEGER_RANGES, MAX_LABEL, NUMBER_KEYS, RECORD_KEYS, SIGNED_KEYS,
                        is_finite_number, is_label, new_record, record_problem)
 
 # DanceGRPO key -> metric record key
@@ -109,16 +109,35 @@ def convert_records(lines: list[tuple[int, Any]], identity: dict,
     return records, None
 
 
+# What an import may say of its run. Its n_gpus starts at 1 where a record's (INTEGER_RANGES) starts at 0: a log to
+# import is a GPU run's, and 0 is what agg-bench's own CPU runs record.
+IMPORT_RANGES = {"resolution": INTEGER_RANGES["resolution"], "n_gpus": (1, INTEGER_RANGES["n_gpus"][1])}
+_ALLOWED_NUMBER = {"resolution": " (an image side in pixels)", "n_gpus": ""}
+
+
+def label_problem(**values: Any) -> tuple[str, Any, str] | None:
+    """The first of ``values`` that an import refuses, as (key, value, what is allowed), None when it takes them
+    all: ``resolution`` and ``n_gpus`` within :data:`IMPORT_RANGES`, any other key a label of 1 to MAX_LABEL
+    printable characters; a None value is one not given. The one check of ``agg-bench import-log``'s flags
+    (:func:`check_labels`) and of a sweep's references (:func:`agg_bench.tools.sweep.check_reference`)."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key in IMPORT_RANGES:
+            low, high = IMPORT_RANGES[key]
+            if not low <= value <= high:
+                return key, value, f"an integer from {low} to {high}{_ALLOWED_NUMBER[key]}"
+        elif not is_label(value):
+            return key, value, f"1 to {MAX_LABEL} printable characters (a row of the report's tables)"
+    return None
+
+
 def check_labels(resolution: int | None, n_gpus: int | None, **labels: str | None) -> None:
-    """The labels and numbers a user gives an import: in range, short, printable."""
-    if resolution is not None and not 1 <= resolution <= MAX_RESOLUTION:
-        raise UserError(f"--resolution {resolution}: expected an image side from 1 to {MAX_RESOLUTION} pixels")
-    if n_gpus is not None and not 1 <= n_gpus <= MAX_GPUS:
-        raise UserError(f"--n-gpus {n_gpus}: expected an integer from 1 to {MAX_GPUS}")
-    for flag, value in labels.items():
-        if value is not None and not is_label(value):
-            raise UserError(f"--{flag.replace('_', '-')} {value[:MAX_LABEL]!r}: expected 1 to {MAX_LABEL} "
-                            "printable characters")
+    """The labels and numbers a user gives an import (:func:`label_problem`); a UserError naming the flag."""
+    problem = label_problem(resolution=resolution, n_gpus=n_gpus, **labels)
+    if problem is not None:
+        key, value, allowed = problem
+        raise UserError(f"--{key.replace('_', '-')} {quote(value)}: expected {allowed}")
 
 
 def _whole_json(text: str) -> bool:

@@ -50,9 +50,9 @@ from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Contents, check_folder
 from ..outputs import (IMPORT_CONTENTS, LEARNING_CONTENTS, PRETRAIN_CONTENTS, REPORT_CONTENTS, RUN_CONTENTS,
                        check_run_folder)
-from ..records import MAX_GPUS, MAX_LABEL, MAX_RESOLUTION, is_label
 from ..runtime.cell import Progress, job_entry, journal_ends
 from ..sources import source_digest
+from .importlog import label_problem
 
 PYTHON = shlex.quote(sys.executable)  # the interpreter running the workflow has agg_bench installed
 EMBED_DIR = "results/embeddings"
@@ -281,16 +281,13 @@ def run_overrides(sweep: dict) -> list[tuple[str, dict]]:
 
 def check_reference(index: int, ref: dict) -> None:
     """Reference ``index`` (``ref``, of the schema's types) as its ``agg-bench import-log`` job takes it
-    (:func:`agg_bench.tools.importlog.check_labels`): ``method``, ``model`` and ``gpu_name`` labels of 1 to
-    MAX_LABEL printable characters, ``resolution`` and ``n_gpus`` within the record contract's bounds; a
-    SweepError naming the key otherwise, before any job runs."""
-    for key, high in (("resolution", MAX_RESOLUTION), ("n_gpus", MAX_GPUS)):
-        if key in ref and not 1 <= ref[key] <= high:
-            raise SweepError(f"references.{index}.{key}: {quote(ref[key])}: expected an integer from 1 to {high}")
-    for key in ("method", "model", "gpu_name"):
-        if key in ref and not is_label(ref[key]):
-            raise SweepError(f"references.{index}.{key}: {quote(ref[key])}: expected 1 to "
-                             f"{MAX_LABEL} printable characters (a row of the report's tables)")
+    (:func:`agg_bench.tools.importlog.label_problem`: ``method``, ``model`` and ``gpu_name`` labels,
+    ``resolution`` and ``n_gpus`` in range); a SweepError naming the key otherwise, before any job runs."""
+    problem = label_problem(**{key: ref[key] for key in ("resolution", "n_gpus", "method", "model", "gpu_name")
+                               if key in ref})
+    if problem is not None:
+        key, value, allowed = problem
+        raise SweepError(f"references.{index}.{key}: {quote(value)}: expected {allowed}")
 
 
 def check_input_files(sweep: dict) -> None:

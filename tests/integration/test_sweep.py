@@ -14,6 +14,7 @@ from agg_bench.engine.families import ImageGeometry, check_resolution, model_geo
 from agg_bench.engine.models import build_tiny_transformer, build_tiny_vae, load_policy
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.tools import sweep as sweep_module
+from agg_bench.tools.importlog import check_labels
 from agg_bench.tools.sweep import Sweep, SweepError, flatten, set_arg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -327,6 +328,10 @@ def test_a_reference_is_refused_as_its_import_would_refuse_it(in_process, tmp_pa
     with pytest.raises(SweepError) as err:
         Sweep(config, SCHEMA)
     assert words in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(UserError) as flag:  # one check: the import job's flag is refused in the same words
+        check_labels(**{"resolution": None, "n_gpus": None, key: value})
+    assert str(flag.value).startswith(f"--{key.replace('_', '-')} ")
+    assert str(flag.value).split(": expected ")[1] == str(err.value).split(": expected ")[1]
     config["references"] = [{"label": "ref", "log": str(log), "method": "dancegrpo", "model": "flux",
                              "resolution": 720, "n_gpus": 8, "gpu_name": "NVIDIA H800"}]
     assert "ref" in Sweep(config, SCHEMA).references
