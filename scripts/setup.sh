@@ -14,6 +14,17 @@ EXTRAS=${EXTRAS:-test,workflow,slurm,gpu,models,clipscore}
 TORCH_VERSION=$(sed -n 's/^torch==//p' requirements/constraints.txt)
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 
+# one set-up of a clone at a time: two (two `make pipeline` started together) ran pip into the same .venv at once
+# and could leave it half of each. The second waits, then finds the first one's install done (the stamp below).
+# Without flock, or where the clone cannot be written (then nothing is installed either), there is no lock.
+lock=.venv.lock
+if command -v flock >/dev/null 2>&1 && { exec 9>>"$lock"; } 2>/dev/null; then
+  if ! flock -n 9; then
+    echo "setup: another set-up of this clone is running (it holds $(pwd -P)/$lock); waiting for it to end" >&2
+    flock 9
+  fi
+fi
+
 if [ -z "${TORCH_INDEX_URL+set}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     TORCH_INDEX_URL=""           # a GPU: the public index's CUDA build
@@ -73,15 +84,31 @@ fi
 # gone until the install below completes: a set-up stopped halfway (Ctrl-C, a kill, a full disk) is never taken as done
 rm -f "$stamp"
 pip=(.venv/bin/python -m pip)
-"${pip[@]}" install -q --upgrade pip
+# `pip install ARGS` from the index $1 names; pip's messages as it writes them, but an index it could not reach
+# (no network, a proxy, DNS) is one line: pip's retries wrote a screen of warnings and ended in "No matching
+# distribution", which reads like a wrong version
+pip_install() {
+  local index=$1 errors status=0
+  shift
+  { errors=$("${pip[@]}" install "$@" 2>&1 1>&3 3>&-); } 3>&1 || status=$?
+  if [ "$status" -ne 0 ] && grep -qE "NewConnectionError|Failed to establish a new connection|Name or service not known|Temporary failure in name resolution|ConnectTimeoutError|ReadTimeoutError|ProxyError|Network is unreachable|Max retries exceeded" <<<"$errors" \
+      && grep -qE "No matching distribution found|Could not find a version|Max retries exceeded" <<<"$errors"; then
+    echo "setup: pip could not reach the package index ($index): $(grep -m 1 '^ERROR' <<<"$errors" || grep -m 1 . <<<"$errors"); check the network or proxy (HTTPS_PROXY) and run this again" >&2
+    exit 1
+  fi
+  [ -z "$errors" ] || printf '%s\n' "$errors" >&2
+  return "$status"
+}
+PIP_INDEX="pip's index: PIP_INDEX_URL or pip.conf"
+pip_install "$PIP_INDEX" -q --upgrade pip
 if .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   :  # the pinned torch is already there (CPU or CUDA build, as the machine chose before)
 elif [ -n "$TORCH_INDEX_URL" ]; then
   echo "setup: torch $TORCH_VERSION from $TORCH_INDEX_URL (set TORCH_INDEX_URL to choose another index)" >&2
   # pip also looks in its configured find-links, so a wheel already on disk is used when the index is unreachable
-  "${pip[@]}" install -q --retries 1 --timeout 30 --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
+  pip_install "$TORCH_INDEX_URL" -q --retries 1 --timeout 30 --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
 else
-  "${pip[@]}" install -q "torch==$TORCH_VERSION"
+  pip_install "$PIP_INDEX" -q "torch==$TORCH_VERSION"
 fi
-"${pip[@]}" install -q -c requirements/constraints.txt -e ".[$EXTRAS]"
+pip_install "$PIP_INDEX" -q -c requirements/constraints.txt -e ".[$EXTRAS]"
 printf '%s\n%s\n' "$want" "$here/.venv" > "$stamp"  # what was installed, and where

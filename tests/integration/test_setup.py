@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import bash_script
+from helpers import bash_script, not_hung
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,16 +80,24 @@ def test_a_venv_that_cannot_be_used_is_one_line_and_kept(tmp_path, venv, words):
 
 
 # A venv's interpreter that answers setup.sh's questions without Python: it logs each call in .venv/calls, has pip
-# only once `-m ensurepip` ran (or .venv/has-pip is there), and its `pip install` fails while .venv/pip-fails is there.
+# only once `-m ensurepip` ran (or .venv/has-pip is there), and its `pip install` fails while .venv/pip-fails is there
+# (or .venv/pip-offline, writing what that file holds).
 STUB_PYTHON = """venv=$(dirname "$0")/..
 echo "$*" >> "$venv/calls"
 case "$1 $2" in
   "-V "*) echo "Python 3.11.9";;
   "-m ensurepip") touch "$venv/has-pip";;
   "-m pip") [ -e "$venv/has-pip" ] || { echo "No module named pip" >&2; exit 1; }
-            [ "$3" != install ] || [ ! -e "$venv/pip-fails" ] || { echo "ERROR: pip failed" >&2; exit 1; };;
+            [ "$3" != install ] || [ ! -e "$venv/pip-fails" ] || { echo "ERROR: pip failed" >&2; exit 1; }
+            [ "$3" != install ] || [ ! -e "$venv/pip-offline" ] || { cat "$venv/pip-offline" >&2; exit 1; };;
 esac
 """
+# what pip writes when its index cannot be reached: a warning per retry, then no version found
+OFFLINE = "".join(f"WARNING: Retrying (Retry(total={n}, connect=None, read=None, redirect=None, status=None)) after "
+                  "connection broken by 'NewConnectionError(\"HTTPSConnection(host='pypi.org', port=443): Failed to "
+                  "establish a new connection: [Errno -3] Temporary failure in name resolution\")': /simple/pip/\n"
+                  for n in (4, 3)) + ("ERROR: Could not find a version that satisfies the requirement pip (from "
+                                      "versions: none)\nERROR: No matching distribution found for pip\n")
 
 
 def stub_venv(repo: Path, *flags: str) -> Path:
@@ -125,6 +133,46 @@ def test_an_install_stopped_halfway_is_never_taken_as_done(tmp_path):
     proc = setup(repo, EXTRAS="test")
     assert proc.returncode != 0 and "pip failed" in proc.stderr
     assert (venv / "calls").read_text().splitlines()[-1].startswith("-m pip install")
+
+
+def test_an_index_that_cannot_be_reached_is_one_line(tmp_path):
+    """No network (or a proxy, or DNS): pip's retries wrote a warning each and ended in "No matching distribution
+    found for pip", which reads like a version that does not exist; a pip error of another kind stays pip's."""
+    repo = clone(tmp_path)
+    stub_venv(repo, "has-pip")
+    (repo / ".venv" / "pip-offline").write_text(OFFLINE)
+    proc = setup(repo)
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("setup: pip could not reach the package index ("), proc.stderr
+    assert "ERROR: Could not find a version" in lines[0] and lines[0].endswith("run this again")
+    assert not (repo / ".venv" / ".agg-bench-installed").exists()
+
+
+def test_a_second_set_up_of_a_clone_waits_for_the_first(tmp_path):
+    """Two set-ups of one clone at once (two `make pipeline`) ran pip into the same .venv together; the second
+    now says it waits, waits while the first holds the clone's lock, then finds its install done."""
+    import fcntl
+
+    repo = clone(tmp_path)
+    venv = stub_venv(repo, "has-pip")
+    assert setup(repo).returncode == 0
+    calls = (venv / "calls").read_text()
+    env = {**os.environ, "PYTHON": sys.executable, "TORCH_INDEX_URL": ""}
+    with open(repo / ".venv.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the first set-up, still running
+        second = subprocess.Popen(["bash", str(repo / "scripts" / "setup.sh")], stderr=subprocess.PIPE, text=True,
+                                  env=env)
+        try:
+            with not_hung(30):
+                line = second.stderr.readline()
+            assert line.startswith("setup: another set-up of this clone is running"), line
+            assert "waiting" in line and second.poll() is None
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+        assert second.wait(timeout=60) == 0 and second.stderr.read() == ""
+    later = (venv / "calls").read_text().removeprefix(calls)
+    assert "-m pip" not in later  # the stamp said done: nothing installed twice
 
 
 def test_a_venv_moved_with_its_clone_is_one_line_and_kept(tmp_path):
