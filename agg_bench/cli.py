@@ -304,8 +304,6 @@ def cmd_profile(args) -> int:
     out = args.out
     with claim_folder(out, PROFILE_CONTENTS):
         session = Session(cfg)
-        write_json(out / "config.json", cfg.to_dict())
-        write_json(out / "env.json", environment(session.device))
         if args.phase == "train":
             batch = session.collect(0).batch
 
@@ -329,6 +327,10 @@ def cmd_profile(args) -> int:
             written = profile_steps(step, out, session.device, args.wait, args.warmup, args.active)
         finally:
             session.estimator.close()
+        # written once the traces are: a profile that fails or is stopped leaves an earlier profile's
+        # config beside that profile's traces, not its own
+        write_json(out / "config.json", cfg.to_dict())
+        write_json(out / "env.json", environment(session.device))
         schedule = {"method": args.method, "phase": args.phase, "wait": args.wait, "warmup": args.warmup,
                     "active": args.active}
         write_json(out / "profile.json", {**schedule, "files": written})

@@ -107,3 +107,22 @@ def test_a_profile_run_again_replaces_the_earlier_one(tmp_path, capsys):
     assert written["trace_0"] != first and not (out / "memory_snapshot.pickle").exists()
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "env.json", "profile.json", "operators.csv",
                                                            Path(written["trace_0"]).name])
+
+
+def test_a_profile_that_fails_leaves_the_earlier_profile_as_it_was(tmp_path, capsys, monkeypatch):
+    """A rerun stopped (or failing) in its profiled steps leaves the folder describing the earlier profile:
+    its config and machine beside its traces, and nothing of the rerun's."""
+    import agg_bench.tools.profiling as profiling
+
+    out = tmp_path / "prof"
+    args = ["profile", *SMALL, "--phase", "train", "--wait", "0", "--warmup", "0", "--active", "1", "--out", str(out)]
+    assert main([*args, "--method", "full"]) == 0
+    capsys.readouterr()
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+
+    def stopped(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profiling, "profile_steps", stopped)
+    assert main([*args, "--method", "fraction"]) == 130
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
