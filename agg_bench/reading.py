@@ -126,6 +126,18 @@ class RunFolder:
             raise UserError(f"{path}: {problem}")
         return records
 
+    def check_records_ended(self, summary: dict, records: list[dict]) -> None:
+        """A UserError when the run ended (``summary``, from :meth:`summary`) with a last good iteration that
+        ``records`` lacks as an ok record: a ``metrics.jsonl`` cut, emptied or removed after the run wrote its
+        summary, which its last record precedes (the torn line a killed writer leaves is no run's last)."""
+        last_good = summary.get("last_good_iteration")
+        if type(last_good) is not int:
+            return
+        if not any(r.get("iteration") == last_good and r.get("status") == "ok" for r in records):
+            raise UserError(f"{self.path(METRICS_FILE)}: no ok record of iteration {last_good}, the last good one "
+                            f"{SUMMARY_FILE} names ({len(records)} records); expected the records the run wrote "
+                            "(the file is cut or was edited)")
+
     def summary(self) -> dict:
         """``summary.json`` ({} when the run has not ended), its identity keys by the record contract."""
         summary = self._object(SUMMARY_FILE, f"the {SUMMARY_FILE} of an agg-bench run (a JSON object)")

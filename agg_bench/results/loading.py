@@ -293,6 +293,7 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
         summary = folder.summary()
         config = folder.config(required=False)
         records = folder.records()
+        folder.check_records_ended(summary, records)
         if not summary and not records:
             raise UserError(f"run {run_dir}: no summary.json or metrics.jsonl")
         # a run killed before writing its summary has records but no final status

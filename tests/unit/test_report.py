@@ -574,6 +574,25 @@ def test_a_run_file_that_is_not_what_a_run_writes(tmp_path, capsys, name, conten
     assert expected in report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
 
 
+@pytest.mark.parametrize("damage", ["cut", "emptied", "removed"])
+def test_an_ended_run_whose_records_were_cut_afterwards(tmp_path, capsys, damage):
+    """A run writes its summary after its last record, so a finished run's records end at the last good
+    iteration its summary names; fewer (a copy cut short, a hand-edited file) are not the run's records."""
+    run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), it(2.0, 1.0), it(2.0, 1.0)])
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "iterations": 3, "last_good_iteration": 2}))
+    assert main(["report", "--runs", str(run), "--tables", str(tmp_path / "whole")]) == 0
+    metrics = run / "metrics.jsonl"
+    if damage == "cut":
+        metrics.write_bytes(metrics.read_bytes()[:-40])  # the last line torn
+    elif damage == "emptied":
+        metrics.write_text("")
+    else:
+        metrics.unlink()
+    line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
+    assert f"{metrics}: no ok record of iteration 2" in line
+
+
 def test_a_record_written_with_a_non_finite_number(tmp_path, capsys):
     """A run writes NaN and infinities as null; a file holding one was not written by a run."""
     run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
