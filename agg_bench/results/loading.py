@@ -380,7 +380,7 @@ def is_number(value) -> TypeGuard[float]:
 
 def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
     """All gradcheck rows, the model column holding the manifest's label (the family is kept as
-    ``family``) and ``resolution`` added. Each file is read by :func:`parse_table`: a table with a
+    ``family``) and ``resolution`` the entry's (the CSV's own where the entry names none). Each file is read by :func:`parse_table`: a table with a
     ``method`` and a ``cosine_to_full`` column, every column the report reads holding what ``agg-bench
     gradcheck`` writes there (``GRADCHECK_CELLS``); anything else is a UserError naming the file."""
     frames = []
@@ -392,7 +392,9 @@ def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
         if "model" in df:
             df = df.rename(columns={"model": "family"})
         df["model"] = entry.model if entry.model is not None else df.get("family", pd.Series([None] * len(df)))
-        df["resolution"] = entry.resolution
+        if entry.resolution is not None or "resolution" not in df:
+            # a CSV given without a manifest's labels keeps the resolution gradcheck wrote into it
+            df["resolution"] = entry.resolution
         frames.append(df)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 

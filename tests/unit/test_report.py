@@ -797,6 +797,20 @@ def test_a_gradcheck_csv_as_gradcheck_writes_it_is_read(tmp_path):
     assert list(table["window"].iloc[:2].isna()) == [True, False] and table["window"].iloc[1] == 3
 
 
+def test_a_gradcheck_csv_given_without_labels_keeps_its_resolution(tmp_path):
+    """`report --gradcheck FILE` names no resolution: the one gradcheck wrote is the row's, and the replays
+    of one snapshot are compared with its full replay."""
+    path = write_gradcheck_csv(tmp_path / "gc.csv")
+    pd.read_csv(path).assign(resolution=32).to_csv(path, index=False)
+    table = ablation_table(load_gradcheck([GradcheckEntry(path)]))
+    assert list(table["resolution"]) == [32] * 4
+    w5 = table[(table["window"] == 5) & (table["alpha"] == "sigma")].iloc[0]
+    assert w5["backward_vs_full"] == pytest.approx(0.4, abs=1e-12)
+    assert w5["speedup_vs_full"] == pytest.approx(2.0, abs=1e-12)
+    labelled = ablation_table(load_gradcheck([GradcheckEntry(path, model="sd3", resolution=64)]))
+    assert list(labelled["resolution"]) == [64] * 4  # a manifest's label is the row's
+
+
 @pytest.mark.parametrize("name, column, value, expected", [
     ("records.csv", "t_iter_s", "abc", "row 1: t_iter_s = 'abc': expected a finite number, or an empty cell"),
     ("records.csv", "reward_mean", "inf", "row 1: reward_mean = 'inf': expected a finite number"),
