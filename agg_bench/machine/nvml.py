@@ -45,7 +45,8 @@ class NVMLSummary:
     gpu_util_mean: mean of the sampled ``utilization.gpu`` percentages.
     power_mean_w: mean of the sampled power draws, in watts.
     energy_j: energy between start and stop, from the difference of the GPU's total-energy counter,
-        or from integrating the sampled power over time (trapezoids) where that counter is unsupported.
+        or from integrating the sampled power over time (trapezoids) where that counter is unsupported or
+        went down between them; never negative.
     n_samples: number of samples taken.
     """
 
@@ -191,7 +192,9 @@ class NVMLSampler:
         self._thread = None
         self.sample()
         energy_end_mj = self._query("energy", self._nvml.nvmlDeviceGetTotalEnergyConsumption)
-        if self._energy_start_mj is not None and energy_end_mj is not None:
+        # the counter counts from the driver's load: one that went down (a driver reload) measured nothing
+        if (self._energy_start_mj is not None and energy_end_mj is not None
+                and energy_end_mj >= self._energy_start_mj):
             energy_j: float | None = (energy_end_mj - self._energy_start_mj) / 1000.0
         elif self._power_n >= 2:
             energy_j = self._power_integral_j

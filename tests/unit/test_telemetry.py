@@ -190,6 +190,20 @@ def test_nvml_energy_falls_back_to_integrated_power(monkeypatch, fake_cuda):
     assert summary.power_mean_w == 200.0
 
 
+@pytest.mark.parametrize("power_mw, expected", [([400_000, 400_000, 400_000], 400.0), (None, None)])
+def test_nvml_energy_counter_that_went_down_is_not_a_negative_energy(monkeypatch, fake_cuda, power_mw, expected):
+    """A counter lower at stop than at start (the driver reloaded) is no measurement: the integrated power
+    where there is one, else None; a negative energy would make the run's records ones no report reads."""
+    install(monkeypatch, FakeNVML(NVML_UUIDS, memory_used=[1, 2, 3], util=[10, 20, 30], power_mw=power_mw,
+                                  energy_mj=[5_000_000, 1_000]))
+    times = iter([0.0, 0.5, 1.0])
+    sampler = NVMLSampler("cuda:0", NEVER_S, clock=lambda: next(times))
+    sampler.start()
+    sampler.sample()
+    assert sampler.stop().energy_j == expected
+    sampler.close()
+
+
 def test_nvml_unsupported_quantities_are_none(monkeypatch, fake_cuda):
     install(monkeypatch, FakeNVML(NVML_UUIDS, memory_used=[5, 9], util=None, power_mw=None,
                                   energy_mj=None))
