@@ -31,6 +31,7 @@ from agg_bench.runtime.session import Session
 from cases import DEFAULT_CONFIG, FULL, Case, Prepared, case_config
 
 DEFAULT_STORAGE = "file://./.benchmarks"
+FULL_RESOLUTION = 32  # any resolution of the suite: the base config is checked at it before the cases run
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -65,6 +66,12 @@ def pytest_configure(config: pytest.Config) -> None:
         if threads < 1:
             raise pytest.UsageError(f"--bench-threads {threads}: expected an integer >= 1")
         torch.set_num_threads(threads)
+    # one line now for a base config that no case could start from, not a failure per case
+    bench_device(config)  # a bad device is named as itself, before the config that names it
+    try:
+        case_config(config.getoption("--bench-config"), config.getoption("--bench-device"), FULL, FULL_RESOLUTION)
+    except ConfigError as err:
+        raise pytest.UsageError(f"--bench-config: {err}") from None
     # Runs before pytest-benchmark's own configure (which is trylast) opens the storage.
     if config.getoption("benchmark_storage", None) == DEFAULT_STORAGE:
         config.option.benchmark_storage = f"{DEFAULT_STORAGE}/{hardware_id(bench_device(config))}"
