@@ -433,7 +433,8 @@ def claim_folder(out: str | Path, contents: Contents, flag: str = "--out", repla
 @contextmanager
 def claimed_folders(folders: list[tuple[str | Path | None, Contents]], flags: tuple[str, ...] = ()) -> Iterator[None]:
     """Hold the claims of several folder outputs (``(folder, contents)``; a None folder is skipped, a folder
-    named twice holds both contents), each checked before any is made. ``flags`` name them in errors."""
+    named twice holds both contents, one inside another is a UserError), each checked before any is made.
+    ``flags`` name them in errors."""
     merged: dict[str, tuple[Path, Contents, str]] = {}
     for i, (folder, contents) in enumerate(folders):
         if folder is None:
@@ -442,6 +443,13 @@ def claimed_folders(folders: list[tuple[str | Path | None, Contents]], flags: tu
         flag = flags[i] if i < len(flags) else "--out"
         merged[key] = (Path(folder), merged[key][1] | contents, merged[key][2]) if key in merged else \
             (Path(folder), contents, flag)
+    # a folder inside another would be a folder the outer one's contents do not allow: the next command
+    # writing the same outputs would refuse its own earlier output
+    for outer, (outer_path, _, outer_flag) in merged.items():
+        for inner, (inner_path, _, inner_flag) in merged.items():
+            if inner != outer and Path(inner).is_relative_to(outer):
+                raise UserError(f"{inner_flag} {quote(str(inner_path))}: is inside {outer_flag} "
+                                f"{quote(str(outer_path))}; expected the same folder or folders apart")
     claims = [claim_folder(folder, contents, flag) for folder, contents, flag in merged.values()]
     with ExitStack() as stack:
         for claim in claims:

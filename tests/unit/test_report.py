@@ -593,6 +593,19 @@ def test_an_ended_run_whose_records_were_cut_afterwards(tmp_path, capsys, damage
     assert f"{metrics}: no ok record of iteration 2" in line
 
 
+@pytest.mark.parametrize("tables, plots", [("out", "out/plots"), ("out/tables", "out")])
+def test_tables_and_plots_one_inside_the_other_are_refused(sweep, tmp_path, capsys, tables, plots):
+    """The inner folder would be a folder the outer one's report files do not include, so the same command
+    run again would refuse its own output: refused at once, nothing written."""
+    capsys.readouterr()
+    args = ["report", "--runs", str(tmp_path / "runs"), "--tables", str(tmp_path / tables),
+            "--plots", str(tmp_path / plots)]
+    assert main(args) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "is inside" in lines[0] and "--tables" in lines[0] and "--plots" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_record_written_with_a_non_finite_number(tmp_path, capsys):
     """A run writes NaN and infinities as null; a file holding one was not written by a run."""
     run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
