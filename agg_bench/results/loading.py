@@ -380,13 +380,19 @@ def is_number(value) -> TypeGuard[float]:
 
 def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
     """All gradcheck rows, the model column holding the manifest's label (the family is kept as
-    ``family``) and ``resolution`` the entry's (the CSV's own where the entry names none). Each file is read by :func:`parse_table`: a table with a
-    ``method`` and a ``cosine_to_full`` column, every column the report reads holding what ``agg-bench
-    gradcheck`` writes there (``GRADCHECK_CELLS``); anything else is a UserError naming the file."""
+    ``family``) and ``resolution`` the entry's (the CSV's own where the entry names none). Each file is read
+    by :func:`parse_table`: a table with a ``method`` and a ``cosine_to_full`` column, every column the report
+    reads holding what ``agg-bench gradcheck`` writes there (``GRADCHECK_CELLS``); anything else, or a file
+    given twice, is a UserError naming the file."""
     frames = []
+    seen: dict[Path, Path] = {}
     for entry in entries:
         path = Path(entry.file)
         check_path(path, "gradcheck", "a gradcheck CSV")
+        first = seen.setdefault(path.resolve(), path)
+        if first is not path:  # its rows would stand twice in the ablation table and match no run row
+            raise UserError(f"gradcheck {quote(str(path))} is also given as {quote(str(first))} (the same file); "
+                            "expected each gradcheck CSV once")
         df = parse_table(path, f"gradcheck {path}", GRADCHECK_REQUIRED, GRADCHECK_CELLS,
                          "the table agg-bench gradcheck writes")
         if "model" in df:

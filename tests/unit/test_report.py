@@ -606,6 +606,13 @@ def test_tables_and_plots_one_inside_the_other_are_refused(sweep, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_a_gradcheck_csv_given_twice_is_refused(sweep, gradcheck_csv, tmp_path, capsys):
+    """Its rows would stand twice in the ablation table, and a run row would match two of them (no cosine)."""
+    line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"), "--gradcheck", str(gradcheck_csv),
+                        str(tmp_path / "." / gradcheck_csv.name))
+    assert "is also given as" in line and "expected each gradcheck CSV once" in line
+
+
 def test_a_record_written_with_a_non_finite_number(tmp_path, capsys):
     """A run writes NaN and infinities as null; a file holding one was not written by a run."""
     run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
