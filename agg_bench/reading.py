@@ -131,8 +131,11 @@ class RunFolder:
         ``records`` lacks as an ok record: a ``metrics.jsonl`` cut, emptied or removed after the run wrote its
         summary, which its last record precedes (the torn line a killed writer leaves is no run's last)."""
         last_good = summary.get("last_good_iteration")
-        if type(last_good) is not int:
+        if last_good is None:
             return
+        if type(last_good) is not int or last_good < 0:
+            raise UserError(f"{self.path(SUMMARY_FILE)}: 'last_good_iteration' = {quote(last_good)}: expected an "
+                            "integer >= 0 or null")
         if not any(r.get("iteration") == last_good and r.get("status") == "ok" for r in records):
             raise UserError(f"{self.path(METRICS_FILE)}: no ok record of iteration {last_good}, the last good one "
                             f"{SUMMARY_FILE} names ({len(records)} records); expected the records the run wrote "

@@ -593,6 +593,15 @@ def test_an_ended_run_whose_records_were_cut_afterwards(tmp_path, capsys, damage
     assert f"{metrics}: no ok record of iteration 2" in line
 
 
+@pytest.mark.parametrize("value", ["2", -1, 1.5, True])
+def test_a_summary_whose_last_good_iteration_is_no_iteration(tmp_path, capsys, value):
+    run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0)])
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "last_good_iteration": value}))
+    line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
+    assert f"summary.json: 'last_good_iteration' = {value!r}: expected an integer >= 0 or null" in line
+
+
 @pytest.mark.parametrize("tables, plots", [("out", "out/plots"), ("out/tables", "out")])
 def test_tables_and_plots_one_inside_the_other_are_refused(sweep, tmp_path, capsys, tables, plots):
     """The inner folder would be a folder the outer one's report files do not include, so the same command
