@@ -53,20 +53,25 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def window(tmp_path_factory):
-    """One window of the --cpu campaign through the script, then its archive unpacked into a reference."""
-    tmp = tmp_path_factory.mktemp("campaign")
-    began = time.monotonic()
-    proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", str(MINUTES)], cwd=tmp, env=script_env(tmp),
-                          capture_output=True, text=True, timeout=600)
-    seconds = time.monotonic() - began
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """One window of the --cpu campaign through the script, then its archive unpacked into a reference. A window
+    that finished no run (a machine so busy that the first run outlasts MINUTES) is taken again, twice as long,
+    in a fresh folder: the tests below need a run in the archive, and the deadline is the window's own."""
+    for minutes in (MINUTES, 2 * MINUTES, 4 * MINUTES):
+        tmp = tmp_path_factory.mktemp("campaign")
+        began = time.monotonic()
+        proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", str(minutes)], cwd=tmp,
+                              env=script_env(tmp), capture_output=True, text=True, timeout=600)
+        seconds = time.monotonic() - began
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if json.loads(proc.stdout)["finished"]:
+            break
     archive = tmp / "work" / "campaign.tar.gz"
     reference = tmp / "reference"
     unpacked = subprocess.run([sys.executable, "-m", "agg_bench", "campaign", "unpack", "--config", str(CONFIG), "--cpu",
                                "--archive", str(archive), "--reference", str(reference)], cwd=ROOT,
                               capture_output=True, text=True, timeout=600)
     assert unpacked.returncode == 0, unpacked.stderr[-3000:]
-    return {"tmp": tmp, "seconds": seconds, "out": json.loads(proc.stdout), "archive": archive,
+    return {"tmp": tmp, "minutes": minutes, "seconds": seconds, "out": json.loads(proc.stdout), "archive": archive,
             "reference": reference, "unpacked": json.loads(unpacked.stdout)}
 
 
@@ -78,7 +83,7 @@ def cpu_campaign():
 @pytest.mark.slow
 def test_a_window_stops_before_its_deadline_and_packs_only_finished_runs(window, cpu_campaign):
     # stopped cleanly before the deadline (start-up and packing included)
-    assert window["seconds"] <= MINUTES * 60 + 10
+    assert window["seconds"] <= window["minutes"] * 60 + 10
     [log_file] = (window["tmp"] / "work" / "windows").glob("*.json")
     log = json.loads(log_file.read_text())
     finished = log["finished_in_window"]
