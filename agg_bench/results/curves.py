@@ -109,22 +109,51 @@ def seed_targets(curve: pd.DataFrame, target: float) -> tuple[float, float]:
             crossing(curve["cpu_s"].to_numpy(float), rewards, threshold))
 
 
+def _seed_mean(values: np.ndarray) -> np.ndarray:
+    """The mean over the seeds' axis (-2) of ``values``, added one seed after another in their order (as
+    ``np.mean`` adds along the first axis of a curve of two evaluations or more), for any number of mean
+    curves at once."""
+    total = values[..., 0, :].copy()
+    for k in range(1, values.shape[-2]):
+        total += values[..., k, :]
+    return total / values.shape[-2]
+
+
+def _stacked(curves: list[pd.DataFrame], key: str, pad: bool = False) -> np.ndarray:
+    """(seeds, evaluations): column ``key`` of each curve up to the shortest (:func:`mean_curve`), or, with
+    ``pad``, up to the longest with NaN after each curve's end."""
+    n = (max if pad else min)(len(c) for c in curves)
+    return np.stack([np.pad(c[key].to_numpy(float)[:n], (0, n - min(n, len(c))), constant_values=np.nan)
+                     for c in curves])
+
+
 def mean_curve(curves: list[pd.DataFrame]) -> pd.DataFrame:
     """The seeds' mean curve: evaluations matched by their position in each run (the same iterations for
     every seed of a method), up to the shortest run, ``iteration``, ``cost``, ``cpu_s`` and ``eval_reward``
-    each the mean over the runs."""
-    n = min(len(c) for c in curves)
-    columns = ("iteration", "cost", "cpu_s", "eval_reward")
-    return pd.DataFrame({k: np.mean([c[k].to_numpy(float)[:n] for c in curves], axis=0) for k in columns})
+    each the mean over the runs (:func:`_seed_mean`)."""
+    return pd.DataFrame({k: _seed_mean(_stacked(curves, k)) for k in ("iteration", "cost", "cpu_s", "eval_reward")})
 
 
 def resampled_costs(curves: list[pd.DataFrame], target: float) -> np.ndarray:
     """The target cost of the mean curve of each of :data:`BOOTSTRAP_RESAMPLES` resamples of ``curves``
-    (with replacement, seeded); ``inf`` where it is not reached."""
+    (with replacement, seeded); ``inf`` where it is not reached. The resamples' mean curves are crossed all at
+    once, with the arithmetic of :func:`mean_curve` and :func:`seed_targets`: the same numbers as one at a time.
+    Each mean curve ends at its shortest pick's end, where the padding's NaN starts."""
     rng = np.random.default_rng(BOOTSTRAP_SEED)
     picks = rng.integers(0, len(curves), size=(BOOTSTRAP_RESAMPLES, len(curves)))
-    costs = np.array([seed_targets(mean_curve([curves[i] for i in pick]), target)[0] for pick in picks])
-    return np.where(np.isnan(costs), np.inf, costs)
+    iterations, costs, rewards = (_seed_mean(_stacked(curves, key, pad=True)[picks])
+                                  for key in ("iteration", "cost", "eval_reward"))
+    rows = np.arange(len(picks))
+    starts = iterations == 0
+    # each resample's threshold: its mean curve's first evaluation of the starting weights, + target
+    threshold = np.where(starts.any(axis=1), rewards[rows, starts.argmax(axis=1)], np.nan) + target
+    above = rewards >= threshold[:, None]
+    k = above.argmax(axis=1)
+    before = np.maximum(k - 1, 0)
+    r0, r1, c0, c1 = rewards[rows, before], rewards[rows, k], costs[rows, before], costs[rows, k]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        crossed = np.where(k == 0, costs[rows, 0], c0 + (threshold - r0) / (r1 - r0) * (c1 - c0))
+    return np.where(above.any(axis=1), crossed, np.inf)
 
 
 def _interval(values: np.ndarray) -> tuple[float, float]:

@@ -13,8 +13,9 @@ import pytest
 
 from agg_bench.cli import main
 from agg_bench.errors import UserError
-from agg_bench.results.curves import CURVE_COLUMNS, crossing
+from agg_bench.results.curves import CURVE_COLUMNS, crossing, resampled_costs
 from agg_bench.results.learning_tables import learning_table, load_runs, plot_held_out
+from agg_bench.results.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 
 COST, CPU_S = {"full": 10.0, "agg": 5.0, "window": 5.0, "plain": 5.0}, 2.0  # per iteration
 # held-out reward after 0, 2 and 4 iterations, per method and seed
@@ -300,3 +301,41 @@ def test_every_method_has_its_own_colour_and_marker_and_the_pareto_plots_gain_ag
     assert set(points) == {"full", "nft"}  # the other methods' runs do not say what their reward weighs
     for method, (x, y) in points.items():
         assert (x, y) == pytest.approx((table.loc[method, "unseen_change"], table.loc[method, "eval_gain"]))
+
+
+def one_resample_cost(curves: list[pd.DataFrame], target: float) -> float:
+    """The module docstring's crossing of one resample's mean curve, one evaluation at a time in float64:
+    the seeds' mean (added in their order) up to the shortest, the first evaluation at or above the starting
+    reward + target, interpolated from the one before; inf where none is."""
+    n = min(len(c) for c in curves)
+    mean = {}
+    for key in ("iteration", "cost", "eval_reward"):
+        total = [0.0] * n
+        for c in curves:
+            total = [t + float(v) for t, v in zip(total, c[key].to_numpy(float)[:n])]
+        mean[key] = [t / len(curves) for t in total]
+    threshold = mean["eval_reward"][mean["iteration"].index(0.0)] + target
+    for k, reward in enumerate(mean["eval_reward"]):
+        if reward >= threshold:
+            if k == 0:
+                return mean["cost"][0]
+            r0, c0, c1 = mean["eval_reward"][k - 1], mean["cost"][k - 1], mean["cost"][k]
+            return c0 + (threshold - r0) / (reward - r0) * (c1 - c0)
+    return math.inf
+
+
+@pytest.mark.parametrize("seeds", [1, 3, 10])
+def test_the_resamples_crossed_at_once_are_each_crossed_as_one_mean_curve(seeds):
+    """Every resample's target cost equals its own mean curve crossed alone: seeds of unequal lengths (a
+    resample's curve ends at its shortest pick's), targets reached early, late, between evaluations and
+    never, on fresh random curves."""
+    rng = np.random.default_rng()
+    curves = []
+    for _ in range(seeds):
+        n = int(rng.integers(2, 12))
+        curves.append(pd.DataFrame({"iteration": np.arange(n) * 5, "cost": np.cumsum(rng.random(n)) - 0.1,
+                                    "eval_reward": np.r_[0.5, 0.5 + np.cumsum(rng.normal(0.01, 0.03, n - 1))]}))
+    picks = np.random.default_rng(BOOTSTRAP_SEED).integers(0, seeds, size=(BOOTSTRAP_RESAMPLES, seeds))
+    for target in (-0.01, 0.0, 0.02, 0.05, 10.0):
+        expected = [one_resample_cost([curves[i] for i in pick], target) for pick in picks]
+        assert resampled_costs(curves, target).tolist() == expected
