@@ -87,7 +87,7 @@ def unweighted_parts(folder: Path) -> tuple[str, ...] | None:
 
 
 def load_runs(manifest: str | Path) -> list[Run]:
-    """Every run of the manifest that has records, ordered by iteration. Each run folder is read by
+    """Every run of the manifest, its records ordered by iteration (a run without a record is refused). Each run folder is read by
     :class:`agg_bench.reading.RunFolder`: every record by the record contract, with ``status`` and
     ``iteration``, and ``reward_mean`` in an ok one; the in-run evaluations checked. A folder listed twice,
     or two runs of one method and seed, is refused (a seed counts once)."""
@@ -121,9 +121,10 @@ def load_runs(manifest: str | Path) -> list[Run]:
                        None)
         if missing is not None:
             raise UserError(f"{folder.path(METRICS_FILE)}: record {missing}: no 'reward_mean' (an ok record has one)")
+        if not lines:  # skipped, the method would lose a seed without a word (killed before its first record)
+            raise UserError(f"{where}: {folder.path(METRICS_FILE)} holds no record (was the run killed before its "
+                            "first iteration?); expected a run with records, or the entry left out")
         records = pd.DataFrame(lines)
-        if records.empty:
-            continue
         records = records[records["status"] == "ok"].sort_values("iteration").reset_index(drop=True)
         evaluations = folder.evaluations()
         runs.append(Run(method, seed, folder.dir, records,
@@ -131,7 +132,7 @@ def load_runs(manifest: str | Path) -> list[Run]:
                         pd.DataFrame(evaluations).sort_values("iteration").reset_index(drop=True),
                         unweighted_parts(folder.dir)))
     if not runs:
-        raise UserError(f"manifest {path}: no run with records")
+        raise UserError(f"manifest {path}: lists no run; expected at least one")
     return runs
 
 

@@ -322,3 +322,15 @@ def load_pretrained_parameters(model):
     from agg_bench.engine.models import load_policy
 
     return load_policy("sd3", "pretrained", str(model)).transformer.state_dict()
+
+
+def test_a_run_without_records_is_refused_not_dropped(manifest, tmp_path, capsys):
+    """A run of the manifest whose metrics.jsonl is empty (killed before its first iteration) was left out of
+    the table without a word: its method lost a seed."""
+    runs = json.loads(manifest.read_text())["runs"]
+    (Path(runs[1]["dir"]) / "metrics.jsonl").write_text("")
+    out = tmp_path / "t"
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "runs[1]" in lines[0] and "holds no record" in lines[0], lines
+    assert not out.exists()
