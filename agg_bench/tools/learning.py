@@ -149,6 +149,40 @@ def one_model(runs: list[Run]):
     return configs[0]
 
 
+# what a run's numbers are measured with, so equal across the runs of one table: the reward (every reward_* and
+# eval_* column), the captions, and the in-run evaluation's noise and sampler (each eval_* curve)
+SHARED_KEYS = ("reward", "prompts.file")
+SHARED_EVAL_KEYS = ("eval.noises", "eval.seed", "eval.sampler")
+
+
+def one_measure(runs: list[Run]) -> None:
+    """Every run of the manifest with a ``config.json`` measured as the first such run is (:data:`SHARED_KEYS`;
+    :data:`SHARED_EVAL_KEYS` between runs with in-run evaluations): the table compares their gains and costs
+    and sets one target for all. A UserError names the first run that differs, the key and both values."""
+
+    def value(config: dict, key: str) -> object:
+        found: object = config
+        for name in key.split("."):
+            found = found.get(name) if isinstance(found, dict) else None
+        return found
+
+    # each run's config.json as written: the resolved config, every key present (read again, and typed, with
+    # an evaluation: one_model)
+    configs = [(run, RunFolder(run.dir).config_object()) for run in runs if RunFolder(run.dir).has("config.json")]
+    evaluated = [(run, config) for run, config in configs if run.evaluations is not None]
+    for keys, pairs in ((SHARED_KEYS, configs), (SHARED_EVAL_KEYS, evaluated)):
+        if not pairs:
+            continue
+        (first, first_config), *others = pairs
+        for run, config in others:
+            key = next((k for k in keys if value(config, k) != value(first_config, k)), None)
+            if key is not None:
+                raise UserError(f"run {run.method}/{run.seed} ({run.dir}) has {key} = "
+                                f"{quote(value(config, key))}, run {first.method}/{first.seed} {key} = "
+                                f"{quote(value(first_config, key))}; expected the runs of one manifest measured "
+                                "alike (the table compares their gains against one target)")
+
+
 def sample_grids(runs: list[Run], images: dict, captions: list[str], path: str | Path, n_captions: int) -> Path:
     """One row per model state: the pre-trained model, then each method's final weights (its first seed);
     the first ``n_captions`` evaluation images of each (the same captions and noise in every row)."""
@@ -261,7 +295,8 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
 
     Everything it reads is checked before a model is sampled and before anything is written: the options,
     the manifest's keys and method labels (:func:`check_manifest`), every run folder
-    (:func:`agg_bench.results.learning_tables.load_runs`: records, evaluations, no run twice), with tables
+    (:func:`agg_bench.results.learning_tables.load_runs`: records, evaluations, no run twice), every run
+    measured alike (:func:`one_measure`), with tables
     each run's length (:func:`check_lengths`), the reference's name, and with an evaluation one model for
     every run (:func:`one_model`), the captions against the reward and the model folder
     (:class:`CheckpointEvaluation`); each checkpoint is checked as it is evaluated, still before anything
@@ -270,6 +305,7 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
     options.check()
     check_manifest(manifest)
     runs = load_runs(manifest)  # every run folder read and checked (records, evaluations, duplicates)
+    one_measure(runs)
     if tables:
         check_lengths(runs, options.average)
     methods = list(dict.fromkeys(run.method for run in runs))

@@ -339,3 +339,24 @@ def test_the_resamples_crossed_at_once_are_each_crossed_as_one_mean_curve(seeds)
     for target in (-0.01, 0.0, 0.02, 0.05, 10.0):
         expected = [one_resample_cost([curves[i] for i in pick], target) for pick in picks]
         assert resampled_costs(curves, target).tolist() == expected
+
+
+@pytest.mark.parametrize("key, first, other", [
+    ("reward", {"name": "scene", "options": {"weights": {"shape": 1}}}, {"name": "scene", "options": {"weights": {"color": 1}}}),
+    ("eval", {"noises": 16, "seed": 0}, {"noises": 16, "seed": 1}),
+    ("prompts", {"file": "config/prompts/scenes.txt"}, {"file": "config/prompts/other.txt"}),
+])
+def test_runs_measured_differently_are_refused(manifest, tmp_path, capsys, key, first, other):
+    """A manifest whose runs were trained on another reward, or evaluated on other noise or captions, made one
+    table that compared their gains against one target without a word."""
+    runs = json.loads(manifest.read_text())["runs"]
+    for k, run in enumerate(runs):
+        config = {"method": {"name": "full"}, key: first if k == 0 else other if k == 4 else first}
+        (Path(run["dir"]) / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "t"
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{runs[4]['method']}/{runs[4]['seed']}" in lines[0] and f" {key}" in lines[0], lines
+    assert not out.exists()
+    (Path(runs[4]["dir"]) / "config.json").write_text(json.dumps({"method": {"name": "full"}, key: first}))
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 0
