@@ -14,9 +14,10 @@ import torch
 from ..errors import ConfigError
 
 
-def resolve_device(name: str, key: str = "device") -> torch.device:
+def resolve_device(name: str, key: str = "device", auto: bool = True) -> torch.device:
     """The torch device ``name`` (cpu, cuda, cuda:N or auto: cuda where available) names; a ConfigError
-    naming ``key`` (the config key or flag it came from) for another name or a GPU this machine lacks."""
+    naming ``key`` (the config key or flag it came from) for another name or a GPU this machine lacks.
+    ``auto`` False: the key takes no ``auto`` (``pretrain``'s ``device``), so a refusal does not offer it."""
     if not isinstance(name, str) or not re.fullmatch(r"cpu|auto|cuda(:\d{1,9})?", name):
         raise ConfigError(key, name, "cpu, cuda, cuda:N or auto")
     if name == "auto":
@@ -25,7 +26,8 @@ def resolve_device(name: str, key: str = "device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         why = f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None else \
             "no CUDA device is visible"
-        raise ConfigError(key, name, f"cpu or auto: CUDA is not available on this machine ({why})")
+        raise ConfigError(key, name, f"{'cpu or auto' if auto else 'cpu'}: CUDA is not available on this machine "
+                                     f"({why})")
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(key, name, f"a CUDA device this machine has ({torch.cuda.device_count()} visible: "
                                      f"cuda:0 to cuda:{torch.cuda.device_count() - 1})")

@@ -567,7 +567,7 @@ class Campaign:
         visible: dict[str, str] = {}  # device -> its GPU's name
         for key, device in named:
             try:
-                resolved = resolve_device(device, key)
+                resolved = resolve_device(device, key, auto=key.startswith("devices."))  # pretrain's takes no auto
             except ConfigError as err:
                 raise ConfigError(key, device, f"{err.expected}; or the same campaign on the CPU: --cpu") from None
             if self.names_gpu and resolved.type == "cuda":

@@ -298,7 +298,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool = True) ->
     """Train, sample and save the model folder ``out_dir``; return what ``pretrain.json`` holds. The
     torch thread count ``threads`` (capped at the usable cores: more would wait for each other) holds
     during the call only (a caller's later work keeps its own)."""
-    resolve_device(cfg.device, "device")  # a device this machine lacks is refused before any work
+    resolve_device(cfg.device, "device", auto=False)  # a device this machine lacks is refused before any work
     threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(min(cfg.threads, usable_cores() or cfg.threads))
@@ -321,7 +321,7 @@ def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     shift_factor, std = data_statistics(cfg)
     decoder = PixelDecoder(cfg.pixel_factor, scaling_factor=1.0 / std, shift_factor=shift_factor)
-    device = resolve_device(cfg.device, "device")
+    device = resolve_device(cfg.device, "device", auto=False)
     transformer = build_transformer(cfg).to(device)  # initialised on the CPU from the seed, then moved
     policy = policy_class(cfg.family)(transformer, decoder)
     latent_shape = policy.latent_shape(cfg.resolution)

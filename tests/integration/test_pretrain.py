@@ -163,6 +163,8 @@ def test_a_device_this_machine_lacks_is_one_line_before_any_work(tmp_path, capsy
     assert main(["pretrain", "--set", "device=cuda", "--set", "steps=2", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "device = 'cuda'" in err[0] and "CUDA is not available" in err[0]
+    # pretrain's device takes no auto: the refusal offered it, and device=auto was then refused
+    assert "expected cpu:" in err[0] and "auto" not in err[0], err
     assert not out.exists()
 
 
