@@ -27,6 +27,7 @@ from ..results.loading import MAX_ITERATIONS, load_manifest
 from ..reading import RunFolder
 from ..records import MAX_LABEL, is_label
 from ..runtime.evaluation import SAMPLERS
+from .sweep import config_value, measure_difference
 
 GRID_CAPTIONS = 6  # the sample grid's columns: the first captions of the evaluation's first noise
 MAX_EVAL_SEED = 2**32 - 1  # eval.seed's maximum: the seed of the first chunk's generator
@@ -149,38 +150,25 @@ def one_model(runs: list[Run]):
     return configs[0]
 
 
-# what a run's numbers are measured with, so equal across the runs of one table: the reward (every reward_* and
-# eval_* column), the captions, and the in-run evaluation's noise and sampler (each eval_* curve)
-SHARED_KEYS = ("reward", "prompts.file")
-SHARED_EVAL_KEYS = ("eval.noises", "eval.seed", "eval.sampler")
-
-
 def one_measure(runs: list[Run]) -> None:
-    """Every run of the manifest with a ``config.json`` measured as the first such run is (:data:`SHARED_KEYS`;
-    :data:`SHARED_EVAL_KEYS` between runs with in-run evaluations): the table compares their gains and costs
-    and sets one target for all. A UserError names the first run that differs, the key and both values."""
-
-    def value(config: dict, key: str) -> object:
-        found: object = config
-        for name in key.split("."):
-            found = found.get(name) if isinstance(found, dict) else None
-        return found
-
+    """Every run of the manifest with a ``config.json`` measured as the first such run is
+    (:func:`agg_bench.tools.sweep.measure_difference`: the reward and captions, and between runs with in-run
+    evaluations their noise and sampler): the table compares their gains and costs against one target. A
+    UserError names the first run that differs, the key and both values."""
     # each run's config.json as written: the resolved config, every key present (read again, and typed, with
     # an evaluation: one_model)
     configs = [(run, RunFolder(run.dir).config_object()) for run in runs if RunFolder(run.dir).has("config.json")]
-    evaluated = [(run, config) for run, config in configs if run.evaluations is not None]
-    for keys, pairs in ((SHARED_KEYS, configs), (SHARED_EVAL_KEYS, evaluated)):
+    for pairs, evaluated in ((configs, False), ([p for p in configs if p[0].evaluations is not None], True)):
         if not pairs:
             continue
         (first, first_config), *others = pairs
         for run, config in others:
-            key = next((k for k in keys if value(config, k) != value(first_config, k)), None)
+            key = measure_difference(first_config, config, evaluated)
             if key is not None:
                 raise UserError(f"run {run.method}/{run.seed} ({run.dir}) has {key} = "
-                                f"{quote(value(config, key))}, run {first.method}/{first.seed} {key} = "
-                                f"{quote(value(first_config, key))}; expected the runs of one manifest measured "
-                                "alike (the table compares their gains against one target)")
+                                f"{quote(config_value(config, key))}, run {first.method}/{first.seed} {key} = "
+                                f"{quote(config_value(first_config, key))}; expected the runs of one manifest "
+                                "measured alike (the table compares their gains against one target)")
 
 
 def sample_grids(runs: list[Run], images: dict, captions: list[str], path: str | Path, n_captions: int) -> Path:

@@ -67,6 +67,27 @@ LEARNING_OPTIONS = {"average_iterations": "--average", "fraction_of_full": "--fr
                     "eval_seed": "--eval-seed", "eval_sampler": "--eval-sampler", "target_fraction": "--target-fraction",
                     "eval_source": "--eval-source", "reference": "--reference"}
 
+# What a learning table's numbers are measured with, so equal across its runs (`agg-bench learning` refuses a
+# manifest whose runs differ, a sweep with a learning section before its runs): the reward (every reward_* and
+# eval_* column) and the captions; between runs with in-run evaluations their noise and sampler (the eval_* curves).
+MEASURE_KEYS = ("reward", "prompts.file")
+MEASURE_EVAL_KEYS = ("eval.noises", "eval.seed", "eval.sampler")
+
+
+def config_value(config: dict, key: str) -> object:
+    """The value of the dotted ``key`` in a run config as a mapping (None where it has none)."""
+    found: object = config
+    for name in key.split("."):
+        found = found.get(name) if isinstance(found, dict) else None
+    return found
+
+
+def measure_difference(first: dict, other: dict, evaluated: bool) -> str | None:
+    """The first key of :data:`MEASURE_KEYS` (and of :data:`MEASURE_EVAL_KEYS` where both runs evaluate
+    themselves, ``evaluated``) whose value differs between two run configs (mappings), or None."""
+    keys = MEASURE_KEYS + (MEASURE_EVAL_KEYS if evaluated else ())
+    return next((k for k in keys if config_value(other, k) != config_value(first, k)), None)
+
 
 def learning_settings(section: dict | None) -> dict[str, Any]:
     """A sweep's ``learning`` section (None: absent) with :data:`LEARNING_DEFAULTS` where it leaves a key out."""
@@ -584,6 +605,7 @@ class Sweep:
         # models whose runs read prompt embeddings made by the embed rule
         self.embed_models = [] if self.embed is None else self.embed.get("models", list(sweep["models"]))
         self.runs: dict[str, dict] = {}
+        self._measured: dict[str, tuple[str, dict]] = {}  # the first run checked (and the first that evaluates)
         checks: dict[str, list] = {}  # job description -> composed pairs, for the methods' check
         # Runs that differ only in their seed are checked once: no check but the seed's own range (the sweep
         # schema's, the run schema's) reads the seed, so the first seed's job stands for the others.
@@ -775,6 +797,8 @@ class Sweep:
             cfg = load_config(self.base_file, overrides_of(pairs))
             learning = self.sweep.get("learning")
             average = learning_settings(learning)["average_iterations"]
+            if learning_ends and learning is not None:
+                self._check_measure(what, cfg.to_dict())
             if learning_ends and learning is not None and 2 * average > cfg.train.iterations:
                 raise ConfigError("learning.average_iterations", average,
                                   f"at most {cfg.train.iterations // 2}: the learning table averages that many "
@@ -793,6 +817,23 @@ class Sweep:
             check_data_parallel(cfg, processes)
         except UserError as err:
             raise SweepError(f"{what}: {err} (devices.{device}.gpus: {processes})") from None
+
+    def _check_measure(self, what: str, config: dict) -> None:
+        """A run of a learning sweep measured as its first run (:func:`measure_difference`; the in-run
+        evaluation's keys against the first run that evaluates itself): the learning report compares them all."""
+        evaluates = bool(config_value(config, "eval.every"))
+        for first, evaluated in ((self._measured.get("any"), False), (self._measured.get("eval"), True)):
+            if first is None or (evaluated and not evaluates):
+                continue
+            key = measure_difference(first[1], config, evaluated)
+            if key is not None:
+                raise ConfigError(key, config_value(config, key),
+                                  f"{quote(config_value(first[1], key))} as in {first[0]}: the learning report "
+                                  "compares every run of the sweep against one target, so they are measured alike "
+                                  "(agg-bench learning refuses it after the runs)")
+        self._measured.setdefault("any", (what, config))
+        if evaluates:
+            self._measured.setdefault("eval", (what, config))
 
     # ----- command lines ------------------------------------------------------------------------
     def _config_args(self, pairs) -> str:

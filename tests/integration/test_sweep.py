@@ -311,6 +311,26 @@ def test_the_learning_reference_is_a_method_of_the_sweep(in_process):
 
 
 
+
+@pytest.mark.parametrize("override, key", [
+    ({"reward.options.weights": {"color": 1}}, "reward"),
+    ({"prompts.file": "config/prompts/scenes.txt"}, "prompts.file"),
+    ({"eval.every": 1, "eval.seed": 3}, "eval.seed"),
+])
+def test_a_learning_sweeps_runs_are_measured_alike(in_process, override, key):
+    """A method of a learning sweep on another reward, captions or evaluation noise ran every run, and then
+    agg-bench learning refused the manifest; refused with the sweep now, before any job."""
+    config = sweep_config()
+    config["learning"] = {"average_iterations": 1}
+    config["set"] = {**config.get("set", {}), "eval.every": 1}
+    method = list(config["methods"])[-1]
+    config["methods"][method] = {**config["methods"][method], **override}
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    assert f"config error: {key} = " in str(err.value) and "measured alike" in str(err.value), err.value
+    del config["learning"]  # a sweep without a learning report compares nothing
+    assert len(Sweep(config, SCHEMA).runs) == 2
+
 @pytest.mark.parametrize("key, value, words", [
     ("resolution", 100_000, "references.0.resolution: 100000: expected an integer from 1 to 16384"),
     ("n_gpus", 10**9, "references.0.n_gpus: 1000000000: expected an integer from 1 to 65536"),
