@@ -130,7 +130,8 @@ def evaluate(runs: list[Run], evaluation: CheckpointEvaluation) -> tuple[pd.Data
         means, images[label] = evaluated
         rows.append({"state": label, "method": None if run is None else run.method,
                      "seed": None if run is None else run.seed, **means})
-    return pd.DataFrame(rows), images
+    # the pre-trained row has no seed: a nullable integer column keeps the runs' seeds integers in evaluation.csv
+    return pd.DataFrame(rows).astype({"seed": "Int64"}), images
 
 
 def one_model(runs: list[Run]):

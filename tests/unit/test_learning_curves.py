@@ -360,3 +360,19 @@ def test_runs_measured_differently_are_refused(manifest, tmp_path, capsys, key, 
     assert not out.exists()
     (Path(runs[4]["dir"]) / "config.json").write_text(json.dumps({"method": {"name": "full"}, key: first}))
     assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 0
+
+
+def test_evaluation_csv_keeps_seeds_integers():
+    """evaluation.csv wrote each run's seed as 0.0, 1.0: the pre-trained row's empty seed made the column float."""
+    from agg_bench.results.learning_tables import Run
+    from agg_bench.tools.learning import evaluate
+
+    class Scored:
+        def evaluate_weights(self, run):
+            return {"eval_reward": 0.5 if run is None else 0.6}, []
+
+    runs = [Run("full", seed, Path(f"full{seed}"), pd.DataFrame()) for seed in (0, 7)]
+    scores, _ = evaluate(runs, Scored())
+    lines = scores.to_csv(index=False).splitlines()
+    assert lines[1].startswith("pre-trained,,,") and lines[2].startswith("full/0,full,0,"), lines
+    assert lines[3].startswith("full/7,full,7,"), lines
