@@ -275,6 +275,26 @@ def check_lengths(runs: list[Run], average: int) -> None:
                             f"the learning table needs at least {2 * average} (--average {average} at each end)")
 
 
+def check_checkpoints(runs: list[Run], eval_source: str) -> None:
+    """Every run whose held-out columns come from the checkpoint evaluation has its final ``checkpoint.pt``:
+    with ``eval_source`` ``checkpoint`` every run, with ``auto`` the runs of each method that some of its runs
+    lack in-run evaluations for, unless none of them has one (its columns then stay empty). A run without it
+    was skipped, so the method's held-out gain averaged fewer seeds than its ``seeds`` column says. A
+    UserError names the first such run."""
+    methods: dict[str, list[Run]] = {}
+    for run in runs:
+        methods.setdefault(run.method, []).append(run)
+    for method, mine in methods.items():
+        if eval_source == "auto" and all(run.evaluations is not None for run in mine):
+            continue
+        missing = [run for run in mine if not (run.dir / "checkpoint.pt").is_file()]
+        if missing and (eval_source == "checkpoint" or len(missing) < len(mine)):
+            run = missing[0]
+            raise UserError(f"run {run.method}/{run.seed} ({run.dir}): no checkpoint.pt, whose evaluation gives "
+                            f"the held-out columns of method {quote(method)} (--eval-source {eval_source}); expected every run "
+                            "of the method with its final checkpoint (train.checkpoint_every)")
+
+
 def learning_report(manifest: str | Path, tables: Path | None, plots: Path | None,
                     options: LearningOptions | None = None) -> list[Run]:
     """The tables (``learning.csv``, ``learning.md``, ``curves.csv``, and ``evaluation.csv`` with a
@@ -286,7 +306,8 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
     the manifest's keys and method labels (:func:`check_manifest`), every run folder
     (:func:`agg_bench.results.learning_tables.load_runs`: records, evaluations, no run twice), every run
     measured alike (:func:`one_measure`), with tables
-    each run's length (:func:`check_lengths`), the reference's name, and with an evaluation one model for
+    each run's length (:func:`check_lengths`), the reference's name, the checkpoints the held-out columns are
+    evaluated from (:func:`check_checkpoints`), and with an evaluation one model for
     every run (:func:`one_model`), the captions against the reward and the model folder
     (:class:`CheckpointEvaluation`); each checkpoint is checked as it is evaluated, still before anything
     is written, its error naming the run."""
@@ -302,6 +323,8 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
         raise UserError(f"--reference {quote(options.reference)}: expected a method label of the manifest "
                         f"({', '.join(quote(m) for m in methods[:12])}{', ...' if len(methods) > 12 else ''})")
     reference = options.reference or DEFAULT_REFERENCE
+    if tables and options.eval_noises:
+        check_checkpoints(runs, options.eval_source)
     evaluation = None
     if options.eval_noises or plots:  # the sample grid shows the evaluation's first images
         # every input of the evaluation checked before the model is sampled and before anything is written

@@ -376,3 +376,24 @@ def test_evaluation_csv_keeps_seeds_integers():
     lines = scores.to_csv(index=False).splitlines()
     assert lines[1].startswith("pre-trained,,,") and lines[2].startswith("full/0,full,0,"), lines
     assert lines[3].startswith("full/7,full,7,"), lines
+
+
+@pytest.mark.parametrize("source, without", [("checkpoint", "agg1"), ("auto", "plain0")])
+def test_a_run_without_the_checkpoint_its_columns_need_is_refused(manifest, tmp_path, capsys, source, without):
+    """A run without checkpoint.pt was left out of the checkpoint evaluation, so its method's held-out gain
+    averaged fewer seeds than its seeds column said (a method with in-run evaluations needs none with auto)."""
+    runs = json.loads(manifest.read_text())["runs"]
+    if source == "auto":  # plain: no in-run evaluations, two seeds, one of them with a checkpoint
+        runs.append(write_run(tmp_path / "plain1", "plain", 1, None))
+        (tmp_path / "plain1" / "checkpoint.pt").write_bytes(b"")
+        manifest.write_text(json.dumps({"runs": runs}))
+    else:
+        for run in runs:
+            if Path(run["dir"]).name != without:
+                (Path(run["dir"]) / "checkpoint.pt").write_bytes(b"")
+    out = tmp_path / "t"
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1", "--eval-noises", "1",
+                 "--eval-source", source]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"({tmp_path / without}): no checkpoint.pt" in lines[0], lines
+    assert not out.exists()
