@@ -68,7 +68,7 @@ def run_curve(evaluations: pd.DataFrame, records: pd.DataFrame, times: np.ndarra
     for _, line in evaluations.iterrows():
         n = int(line["iteration"])
         if n not in spent:
-            raise UserError(f"an evaluation after {n} iterations without the record of iteration {n - 1}")
+            raise UserError(f"an evaluation after {n} iterations without an ok record of iteration {n - 1}")
         rows.append({"iteration": n, "cost": spent[n][0], "cpu_s": spent[n][1], **line.drop("iteration").to_dict()})
     return pd.DataFrame(rows)
 

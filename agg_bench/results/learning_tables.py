@@ -138,9 +138,15 @@ def load_runs(manifest: str | Path) -> list[Run]:
 
 def held_out_curves(runs: list[Run]) -> tuple[dict[int, pd.DataFrame], dict[str, list[int]]]:
     """The runs' held-out curves (:func:`agg_bench.results.curves.run_curve`) by their index in ``runs``
-    (runs without in-run evaluations have none), and each method's run indices (order of first appearance)."""
-    curves = {i: run_curve(run.evaluations, run.records, iteration_times(run.records)[0])
-              for i, run in enumerate(runs) if run.evaluations is not None}
+    (runs without in-run evaluations have none), and each method's run indices (order of first appearance).
+    A UserError names the run whose evaluations its records cannot place."""
+    curves = {}
+    for i, run in enumerate(runs):
+        if run.evaluations is not None:
+            try:
+                curves[i] = run_curve(run.evaluations, run.records, iteration_times(run.records)[0])
+            except UserError as err:
+                raise UserError(f"run {run.method}/{run.seed} ({run.dir}): {err}") from None
     methods: dict[str, list[int]] = {}
     for i, run in enumerate(runs):
         methods.setdefault(run.method, []).append(i)

@@ -21,8 +21,8 @@ from ..errors import UserError, quote
 from ..io import write_text
 from ..outdir import claimed_folders
 from ..outputs import LEARNING_CONTENTS
-from ..results.learning_tables import (EVAL_SOURCES, Run, learning_table, load_runs, plot_held_out, plot_rewards,
-                                       write_curves, write_table)
+from ..results.learning_tables import (EVAL_SOURCES, Run, held_out_curves, learning_table, load_runs, plot_held_out,
+                                       plot_rewards, write_curves, write_table)
 from ..results.loading import MAX_ITERATIONS, load_manifest
 from ..reading import RunFolder
 from ..records import MAX_LABEL, is_label
@@ -304,7 +304,8 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
 
     Everything it reads is checked before a model is sampled and before anything is written: the options,
     the manifest's keys and method labels (:func:`check_manifest`), every run folder
-    (:func:`agg_bench.results.learning_tables.load_runs`: records, evaluations, no run twice), every run
+    (:func:`agg_bench.results.learning_tables.load_runs`: records, evaluations, no run twice; each in-run
+    evaluation placed on its run's records: :func:`~agg_bench.results.learning_tables.held_out_curves`), every run
     measured alike (:func:`one_measure`), with tables
     each run's length (:func:`check_lengths`), the reference's name, the checkpoints the held-out columns are
     evaluated from (:func:`check_checkpoints`), and with an evaluation one model for
@@ -323,6 +324,7 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
         raise UserError(f"--reference {quote(options.reference)}: expected a method label of the manifest "
                         f"({', '.join(quote(m) for m in methods[:12])}{', ...' if len(methods) > 12 else ''})")
     reference = options.reference or DEFAULT_REFERENCE
+    held_out_curves(runs)  # every run's in-run evaluations placed on its records before a model is sampled
     if tables and options.eval_noises:
         check_checkpoints(runs, options.eval_source)
     evaluation = None

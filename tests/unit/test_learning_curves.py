@@ -397,3 +397,25 @@ def test_a_run_without_the_checkpoint_its_columns_need_is_refused(manifest, tmp_
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"({tmp_path / without}): no checkpoint.pt" in lines[0], lines
     assert not out.exists()
+
+
+def test_an_evaluation_its_records_cannot_place_names_the_run_before_any_sampling(manifest, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """An evaluation after an iteration whose record is not ok was refused without naming the run, and with
+    --plots or --eval-noises only after the model had been sampled."""
+    import agg_bench.tools.learning as learning
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before the runs were checked")
+
+    monkeypatch.setattr(learning, "CheckpointEvaluation", never)
+    runs = json.loads(manifest.read_text())["runs"]
+    metrics = Path(runs[4]["dir"]) / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records[1]["status"] = "diverged"  # the evaluation after 2 iterations has no ok record of iteration 1
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "p"
+    assert main(["learning", "--manifest", str(manifest), "--plots", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"run {runs[4]['method']}/{runs[4]['seed']} ({runs[4]['dir']}): an evaluation" in lines[0]
+    assert not out.exists()
