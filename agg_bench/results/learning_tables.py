@@ -46,7 +46,7 @@ from ..jsonfiles import check_path, read_json_object
 from .curves import (TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
                      plot_pareto, run_curve, target_columns)
 from .plotting import method_style, pyplot
-from ..reading import METRICS_FILE, RunFolder
+from ..reading import METRICS_FILE, RunFolder, SUMMARY_FILE
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 SCENE_PARTS = tuple(key.removeprefix("reward_") for key in SUBSCORES)  # the scene reward's sub-scores
@@ -124,6 +124,13 @@ def load_runs(manifest: str | Path) -> list[Run]:
         if not lines:  # skipped, the method would lose a seed without a word (killed before its first record)
             raise UserError(f"{where}: {folder.path(METRICS_FILE)} holds no record (was the run killed before its "
                             "first iteration?); expected a run with records, or the entry left out")
+        summary = folder.summary()
+        folder.check_records_ended(summary, lines)
+        # its last evaluation would stand as its final one, a gain of fewer iterations than its seeds'
+        if summary.get("status") in (None, "interrupted"):
+            state = f"{SUMMARY_FILE} says it was interrupted" if summary else f"it has no {SUMMARY_FILE}"
+            raise UserError(f"{where}: run {folder.dir} has not ended ({state}); expected runs that ended "
+                            "(agg-bench run --resume ends it), or the entry left out")
         records = pd.DataFrame(lines)
         records = records[records["status"] == "ok"].sort_values("iteration").reset_index(drop=True)
         evaluations = folder.evaluations()

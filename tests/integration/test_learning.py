@@ -25,6 +25,8 @@ def write_run(folder, rewards, cpu_s, method, seed):
         for i, (r, t) in enumerate(zip(rewards, cpu_s)):
             fh.write(json.dumps({"iteration": i, "method": method, "seed": seed, "status": "ok", "reward_mean": r,
                                  "reward_shape": r / 2, "t_iter_s": 10 * t, "t_iter_cpu_s": t}) + "\n")
+    (folder / "summary.json").write_text(json.dumps({"method": method, "seed": seed, "status": "ok",
+                                                     "last_good_iteration": len(rewards) - 1}))
     return {"dir": str(folder), "method": method, "seed": seed}
 
 

@@ -40,6 +40,8 @@ def write_run(folder, method, seed, evals):
             fh.write(json.dumps({"iteration": i, "method": method, "seed": seed, "status": "ok", "reward_mean": 0.5,
                                  "t_iter_s": 3.0, "t_iter_cpu_s": CPU_S, "cost": COST.get(method, 5.0) * (i + 1)})
                      + "\n")
+    (folder / "summary.json").write_text(json.dumps({"method": method, "seed": seed, "status": "ok",
+                                                     "last_good_iteration": 3}))
     if evals is not None:
         with open(folder / "evaluations.jsonl", "w") as fh:
             for n, reward in zip((0, 2, 4), evals):
@@ -418,4 +420,22 @@ def test_an_evaluation_its_records_cannot_place_names_the_run_before_any_samplin
     assert main(["learning", "--manifest", str(manifest), "--plots", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"run {runs[4]['method']}/{runs[4]['seed']} ({runs[4]['dir']}): an evaluation" in lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda run: (run / "summary.json").unlink(), "has not ended (it has no summary.json)"),
+    (lambda run: (run / "summary.json").write_text(json.dumps({"status": "interrupted", "last_good_iteration": 3})),
+     "has not ended (summary.json says it was interrupted)"),
+    (lambda run: (run / "summary.json").write_text(json.dumps({"status": "ok", "last_good_iteration": 7})),
+     "no ok record of iteration 7"),
+])
+def test_a_run_that_has_not_ended_is_refused(manifest, tmp_path, capsys, edit, words):
+    """A run killed or stopped before its end counted as a seed, its last evaluation standing as its final one."""
+    runs = json.loads(manifest.read_text())["runs"]
+    edit(Path(runs[1]["dir"]))
+    out = tmp_path / "t"
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], lines
     assert not out.exists()
