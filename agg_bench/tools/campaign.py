@@ -1050,15 +1050,20 @@ def _pack(campaign: Campaign, work: Path, reference: Path | None, archive: Path)
 
 
 def status(campaign: Campaign, reference: Path | None, work: Path | None = None) -> dict:
-    """Per cell: the runs done and the runs missing, in the order the next window takes them, and the methods
+    """Per cell: the runs done and the runs missing (each its method, or ``<method> seed <seed>`` in a sweep of
+    several seeds), in the order the next window takes them, and the methods
     of its done runs that no calibration timed yet (``uncalibrated``, which the next window calibrates first);
     ``calibrations``: the calibrations that takes, each the methods it times (``full`` first)."""
     done = campaign.done(reference, work)
     cells: dict[str, dict[str, list[str]]] = {}
+    # a sweep of several seeds (a learning sweep's) names each run by its method and seed: "full" ten times
+    # did not say which seeds were missing
+    seeded = len({run["seed"] for run in campaign.sweep.runs.values()}) > 1
     for run_id in campaign.order():
         run = campaign.sweep.runs[run_id]
         entry = cells.setdefault(Campaign.cell_of(run), {"done": [], "missing": [], "uncalibrated": []})
-        entry["done" if run_id in done else "missing"].append(run["method"])
+        entry["done" if run_id in done else "missing"].append(
+            f"{run['method']} seed {run['seed']}" if seeded else run["method"])
     pending = campaign.uncalibrated(done, campaign.calibrated(reference, work))
     for item in pending:
         cells[item.cell]["uncalibrated"] = list(item.methods)

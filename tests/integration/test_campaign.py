@@ -1513,3 +1513,20 @@ def test_a_safetensors_file_the_reader_takes_passes():
     data = save({"b": torch.zeros(2, 3), "a": torch.ones(4, dtype=torch.bfloat16), "c": torch.zeros(0, 5)},
                 metadata={"format": "pt"})
     archive_module._check_safetensors("w", data)
+
+
+@pytest.mark.parametrize("config", ["h200.yaml", "learning_gpu.yaml"])
+def test_status_names_each_missing_run_once(config, capsys):
+    """A learning sweep's status listed "full" once for each of its ten seeds, which did not say which were
+    missing; a sweep of one seed lists its methods, each once in its cell."""
+    assert main(["campaign", "status", "--config", str(ROOT / "config" / config)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    runs = Campaign(ROOT / "config" / config).sweep.runs.values()
+    seeded = len({run["seed"] for run in runs}) > 1
+    expected: dict[str, list[str]] = {}
+    for run in runs:
+        expected.setdefault(Campaign.cell_of(run), []).append(
+            f"{run['method']} seed {run['seed']}" if seeded else run["method"])
+    assert {cell: sorted(entry["missing"]) for cell, entry in shown["cells"].items()} == \
+        {cell: sorted(names) for cell, names in expected.items()}
+    assert all(len(set(names)) == len(names) for names in expected.values())
