@@ -379,8 +379,8 @@ def is_number(value) -> TypeGuard[float]:
 
 
 def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
-    """All gradcheck rows, the model column holding the manifest's label (the family is kept as
-    ``family``) and ``resolution`` the entry's (the CSV's own where the entry names none). Each file is read
+    """All gradcheck rows, ``model`` and ``resolution`` the entry's (the CSV's own where the entry names none:
+    gradcheck writes the model label a run of the snapshot's config records, so the rows match that run's). Each file is read
     by :func:`parse_table`: a table with a ``method`` and a ``cosine_to_full`` column, every column the report
     reads holding what ``agg-bench gradcheck`` writes there (``GRADCHECK_CELLS``); anything else, or a file
     given twice, is a UserError naming the file."""
@@ -395,9 +395,9 @@ def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
                             "expected each gradcheck CSV once")
         df = parse_table(path, f"gradcheck {path}", GRADCHECK_REQUIRED, GRADCHECK_CELLS,
                          "the table agg-bench gradcheck writes")
-        if "model" in df:
-            df = df.rename(columns={"model": "family"})
-        df["model"] = entry.model if entry.model is not None else df.get("family", pd.Series([None] * len(df)))
+        if entry.model is not None or "model" not in df:
+            # without a manifest's label, the one gradcheck wrote: the model label the snapshot's run records
+            df["model"] = entry.model
         if entry.resolution is not None or "resolution" not in df:
             # a CSV given without a manifest's labels keeps the resolution gradcheck wrote into it
             df["resolution"] = entry.resolution

@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from .. import stopping
 from ..config import RunConfig
+from ..engine import families
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.models import Conditioning, Policy, build_policy
 from ..engine.moving_average import MovingAverage, warmup_decay
@@ -59,15 +59,8 @@ def ready_estimator(estimator: Estimator, cfg: RunConfig, policy: Policy, device
 
 
 def model_label(cfg: RunConfig) -> str:
-    """The model a record names: the family and a local folder's name, an architecture's name and
-    ``-random``, or the family and preset (``sd3-tiny``)."""
-    if cfg.model.pretrained:
-        return f"{cfg.model.family}:{Path(cfg.model.pretrained).name}"
-    if cfg.model.preset == "random":
-        from ..engine.families import architecture
-
-        return f"{architecture(cfg.model.family, cfg.model.architecture).name}-random"
-    return f"{cfg.model.family}-{cfg.model.preset}"
+    """The model a record names (:func:`agg_bench.engine.families.model_label` of ``cfg.model``)."""
+    return families.model_label(cfg.model)
 
 
 def weights_label(cfg: RunConfig) -> str:

@@ -23,6 +23,7 @@ import yaml
 from tqdm import tqdm
 
 from ..config import RunConfig, yaml_load
+from ..engine.families import model_label
 from ..errors import ConfigError, UserError
 from ..io import atomic_file, atomic_path, remove_stale_temps
 from ..outdir import claim_files
@@ -101,7 +102,10 @@ def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = Tr
             check_trainable(snapshot, estimator, case.train_steps if case.train_steps is not None
                             else snapshot.batch.train_steps)
     batch = snapshot.batch
-    common = {"model": snapshot.meta.get("family"), "resolution": snapshot.meta.get("resolution"),
+    # the label a run of the snapshot's config records, so that `report --runs R --gradcheck CSV` finds the
+    # run's row; a snapshot without its run config names only the family
+    model = model_label(RunConfig.from_dict(snapshot.config).model) if snapshot.config else snapshot.meta.get("family")
+    common = {"model": model, "resolution": snapshot.meta.get("resolution"),
               "device": str(snapshot.policy.device), "batch_size": batch.batch_size,
               "steps_per_sample": batch.steps_per_sample}
     rows: list[dict] = []

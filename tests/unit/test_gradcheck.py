@@ -265,3 +265,20 @@ def test_a_snapshot_folder_of_someone_elses_files_is_named_by_its_own_flag(tmp_p
     line = capsys.readouterr().err.strip()
     assert line.startswith(f"agg-bench gradcheck: --snapshot {folder}:") and "mine.txt" in line
     assert (folder / "mine.txt").read_text() == "x" and not (tmp_path / "g.csv").exists()
+
+
+def test_report_of_runs_and_a_gradcheck_without_a_manifest_gives_each_run_its_cosine(tmp_path):
+    """`report --runs R --gradcheck CSV`, as docs/cli.md shows it: gradcheck's rows name the model as a run of
+    the same config records it (`sd3-tiny`, not the family `sd3`), so the run's row gets its cosine."""
+    one = [*SET, "--set", "train.iterations=1"]
+    assert main(["run", *one, "--out", str(tmp_path / "runs" / "full")]) == 0
+    out = tmp_path / "gc.csv"
+    assert main(["gradcheck", *one, "--windows", "3", "--alphas", "sigma", "--route-fracs", "1",
+                 "--out", str(out)]) == 0
+    assert {row["model"] for row in read_rows(out)} == {"sd3-tiny"}
+    tables = tmp_path / "tables"
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--gradcheck", str(out), "--tables", str(tables)]) == 0
+    [row] = read_rows(tables / "efficiency.csv")
+    assert (row["method"], row["model"]) == ("full", "sd3-tiny")
+    assert float(row["grad_cosine"]) == pytest.approx(1.0, abs=1e-12)
+

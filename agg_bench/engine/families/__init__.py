@@ -5,7 +5,7 @@
 ``geometry.py`` reads the image sizes a family accepts, and the end of its own schedule, from its configs. Nothing here imports torch or diffusers (the workflow's parse reads the
 geometry); classes are resolved from diffusers when a model is built.
 """
-from .catalog import ARCHITECTURES, DEFAULT_ARCHITECTURE, FAMILY_SPECS, architecture, family_spec
+from .catalog import ARCHITECTURES, DEFAULT_ARCHITECTURE, FAMILY_SPECS, architecture, family_spec, model_label
 from .geometry import (DEFAULT_VAE_SCALE_FACTOR, ImageGeometry, check_own_schedule, check_resolution, check_terminal_steps,
                        geometry_from_configs, model_geometry, model_shift_terminal)
 from .qwenimage import TINY_QWEN_VAE
@@ -18,4 +18,5 @@ TINY_TRANSFORMERS: dict[str, dict] = {name: spec.tiny_transformer for name, spec
 __all__ = ["ARCHITECTURES", "Architecture", "DEFAULT_ARCHITECTURE", "DEFAULT_VAE_SCALE_FACTOR", "FAMILY_SPECS", "FamilySpec", "ImageGeometry",
            "JOINT_ATTENTION_PROJECTIONS", "TINY_QWEN_VAE", "TINY_TRANSFORMERS", "TINY_VAE", "check_own_schedule", "check_resolution",
            "check_terminal_steps",
-           "architecture", "diffusers_class", "family_spec", "geometry_from_configs", "model_geometry", "model_shift_terminal"]
+           "architecture", "diffusers_class", "family_spec", "geometry_from_configs", "model_geometry", "model_label",
+           "model_shift_terminal"]

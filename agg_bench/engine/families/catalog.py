@@ -8,11 +8,17 @@ sits below the engine and so cannot read this catalog; a test keeps the two equa
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from ...errors import ConfigError
 from .flux import SPEC as FLUX
 from .qwenimage import SPEC as QWENIMAGE
 from .sd3 import SPEC as SD3
 from .spec import Architecture, FamilySpec
+
+if TYPE_CHECKING:
+    from ...config import ModelConfig
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (SD3, FLUX, QWENIMAGE)}
 # The public checkpoints of every registered family, by model.architecture name, and each family's default.
@@ -40,4 +46,15 @@ def architecture(family: str, name: str | None = None) -> Architecture:
     return arch
 
 
-__all__ = ["ARCHITECTURES", "DEFAULT_ARCHITECTURE", "FAMILY_SPECS", "architecture", "family_spec"]
+def model_label(model: ModelConfig) -> str:
+    """The model a run's records, a calibration and a gradcheck row name (so that the report matches them):
+    the family and a local folder's name, an architecture's name and ``-random``, or the family and preset
+    (``sd3-tiny``)."""
+    if model.pretrained:
+        return f"{model.family}:{Path(model.pretrained).name}"
+    if model.preset == "random":
+        return f"{architecture(model.family, model.architecture).name}-random"
+    return f"{model.family}-{model.preset}"
+
+
+__all__ = ["ARCHITECTURES", "DEFAULT_ARCHITECTURE", "FAMILY_SPECS", "architecture", "family_spec", "model_label"]
