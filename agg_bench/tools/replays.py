@@ -16,14 +16,15 @@ from ..methods.base import Estimator, build_estimator
 @dataclass(frozen=True)
 class ReplayJob:
     """One replay: a method and its options as ``(key, YAML text)`` pairs, i.e. ``--set method.key=text``;
-    a dotted key is a run-config key as it stands (``train.timestep_fraction`` for ``fraction``)."""
+    a dotted key, or a key of :data:`REPLAN_KEYS` (``seed``), is a run-config key as it stands
+    (``train.timestep_fraction`` for ``fraction``), as ``replay --set`` takes it."""
 
     method: str
     options: tuple[tuple[str, str], ...] = ()
 
     @property
     def overrides(self) -> list[str]:
-        return [f"{key if '.' in key else 'method.' + key}={text}" for key, text in self.options]
+        return [f"{key if '.' in key or key in REPLAN_KEYS else 'method.' + key}={text}" for key, text in self.options]
 
     @property
     def label(self) -> str:
@@ -35,7 +36,7 @@ def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
 
     A comma-separated item with ``=`` and no ``:`` adds an option to the method before it, so
     ``fraction,cached:cache=fora,interval=2`` is ``fraction`` and ``cached`` with two options; a dotted
-    key sets that run-config key for the job, e.g. ``fraction:train.timestep_fraction=0.5``.
+    key, or ``seed``, sets that run-config key for the job, e.g. ``fraction:train.timestep_fraction=0.5,seed=1``.
     """
     specs = list(specs)
     jobs: list[tuple[str, list[tuple[str, str]]]] = []

@@ -6,7 +6,7 @@ import pytest
 from agg_bench.cli import main
 from agg_bench.errors import ConfigError
 from agg_bench.tools.gradcheck import COLUMNS, parse_values
-from agg_bench.tools.replays import ReplayJob, parse_method_specs
+from agg_bench.tools.replays import ReplayJob, build_estimators, parse_method_specs
 from agg_bench.tools.snapshot import load_snapshot, method_from, replay_gradient
 from helpers import TINY, seeded
 
@@ -282,3 +282,32 @@ def test_report_of_runs_and_a_gradcheck_without_a_manifest_gives_each_run_its_co
     assert (row["method"], row["model"]) == ("full", "sd3-tiny")
     assert float(row["grad_cosine"]) == pytest.approx(1.0, abs=1e-12)
 
+
+def test_gradcheck_methods_take_the_seed_that_replay_set_takes(tmp_path):
+    """`--methods fraction:seed=1` seeds fraction's draw of its steps as `replay --set seed=1` does (seed is a
+    run-config key a replanning method honours, not an option of the method); a method that does not
+    replan refuses it, naming the key."""
+    from safetensors.torch import load_file
+
+    from agg_bench.tools.gradcheck import compare
+
+    snap = tmp_path / "snap"
+    steps_set = [arg for item in [*TINY, "grpo.prompts_per_iteration=1", "model.dtype=float64"]
+                 for arg in ("--set", item)]
+    assert main(["snapshot", *steps_set, "--out", str(snap)]) == 0
+    grads = {}
+    for method, sets in (("full", []), ("fraction", ["--set", "train.timestep_fraction=0.5", "--set", "seed=1"])):
+        grads[method] = tmp_path / f"{method}.safetensors"
+        assert main(["replay", str(snap), "--method", method, *sets, "--out", str(grads[method])]) == 0
+    out = tmp_path / "table.csv"
+    assert main(["gradcheck", "--snapshot", str(snap), "--windows", "2", "--alphas", "index", "--route-fracs", "1",
+                 "--methods", "fraction:train.timestep_fraction=0.5,seed=1", "--out", str(out)]) == 0
+    row = read_rows(out)[-1]
+    assert (row["method"], row["options"], row["replay"]) == ("fraction", "train.timestep_fraction=0.5,seed=1",
+                                                              "replanned")
+    _, rel, norm = compare(load_file(str(grads["fraction"])), load_file(str(grads["full"])))
+    assert float(row["relative_error"]) == pytest.approx(rel, rel=1e-9)
+    assert float(row["grad_norm"]) == pytest.approx(norm, rel=1e-9)
+    assert parse_method_specs(["agg:seed=1"])[0].overrides == ["seed=1"]
+    with pytest.raises(ConfigError, match="seed = 1: .*method 'agg'"):
+        build_estimators(load_snapshot(snap).config, parse_method_specs(["agg:seed=1"]))
