@@ -120,6 +120,8 @@ MAX_COUNT = 1e15
 UNIT_SECONDS = (lambda v: is_number(v) and 0 < v <= MAX_SECONDS, "a number of seconds > 0 and <= 1e6")
 PART_SECONDS = (lambda v: is_number(v) and 0 <= v <= MAX_SECONDS, "a number of seconds >= 0 and <= 1e6")
 COUNT = (lambda v: is_number(v) and 0 <= v <= MAX_COUNT, "a number >= 0 and <= 1e15")
+# a calibration's batch: the samples of the batch it timed, each process's share under torchrun
+BATCH = (lambda v: _is_integer(v) and 1 <= v <= MAX_COUNT, "an integer >= 1 (the samples calibrate timed)")
 # manifest section -> (its entry class, the key every entry needs, the keys an entry may have)
 # a file or folder an entry names: '' would be the current folder; a path no system call takes (a NUL, a lone
 # surrogate, a name over 255 bytes: outdir.path_problem) names none
@@ -187,7 +189,7 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
         path = Path(entry.file)
         data = read_json_object(path, "an agg-bench calibrate JSON")
         where = f"calibration {path}"
-        for key, kind in (("model", TEXT), ("resolution", INTEGER), ("device", TEXT),
+        for key, kind in (("model", TEXT), ("resolution", RESOLUTION), ("device", TEXT), ("batch", BATCH),
                           ("unit_s_per_sample", OBJECT), ("unit_s_per_call", OBJECT), ("methods", OBJECT)):
             _check(f"{where}: {key}", data.get(key), kind)
         row = {"model": entry.model if entry.model is not None else data.get("model"),
@@ -202,6 +204,7 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
                 row[f"unit_{basis}_{kind}"] = values.get("median")
         for kind, by_basis in (data.get("unit_s_per_call") or {}).items():
             _check(f"{where}: unit_s_per_call.{kind}", by_basis, OBJECT, nullable=False)
+            _check_call_sizes(f"{where}: unit_s_per_call.{kind}", kind, by_basis, data.get("batch"))
             for basis in ("cpu", "wall"):
                 values = by_basis.get(basis)
                 _check(f"{where}: unit_s_per_call.{kind}.{basis}", values, OBJECT, nullable=False)
@@ -229,6 +232,33 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
         row["methods"] = data.get("methods") or {}
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _check_call_sizes(where: str, kind: str, by_basis: dict, batch) -> None:
+    """A UserError naming ``where.latents`` unless it is what ``calibrate`` writes: the latents of the calls it
+    timed, the usual size and then 1 (one entry when the usual size is 1), the usual size of a forward with grad
+    and of a backward the calibration's ``batch``; or ``where.<basis>.<stat>`` unless it lists one time per entry
+    of ``latents``. Older files without ``latents`` are read as they were."""
+    latents = by_basis.get("latents")
+    if latents is None:
+        return
+    usual = batch if kind in ("forward_grad", "backward") and _is_integer(batch) else None
+    expected = [usual, 1] if usual != 1 else [1]
+    if not (isinstance(latents, list) and all(_is_integer(n) and 1 <= n <= MAX_COUNT for n in latents)
+            and len(latents) == len(set(latents)) and latents and latents[-1] == 1 and len(latents) <= 2
+            and (usual is None or latents == expected)):
+        words = (f"{expected}: the batch ({usual}) and then 1" if usual is not None and usual != 1 else
+                 "[1]" if usual == 1 else "a list of the latents of the calls timed: an integer > 1 and then 1, or [1]")
+        raise UserError(f"{where}.latents = {quote(latents)}: expected {words}")
+    for basis, values in by_basis.items():
+        if basis == "latents" or not isinstance(values, dict):
+            continue
+        for stat in ("median", "p25", "p75"):
+            times = values.get(stat)
+            if times is not None and not (isinstance(times, list) and len(times) == len(latents)
+                                          and all(UNIT_SECONDS[0](t) for t in times)):
+                raise UserError(f"{where}.{basis}.{stat} = {quote(times)}: expected one number of seconds > 0 and "
+                                f"<= 1e6 per entry of latents {latents}")
 
 
 def _is_run_folder(path: Path) -> bool:
