@@ -120,6 +120,19 @@ def test_the_command_line_reference_names_every_option_of_every_verb():
     assert [verb for verb in verb_options() if not re.search(rf"\b{verb}\b", row)] == []
 
 
+def test_the_command_line_summary_shows_every_option_of_every_verb():
+    """docs/cli.md's first block, the usage of every verb, shows each option on a line of its own verb (an option
+    named only in the prose below, `report --manifest` once, was missing from where a reader looks for it)."""
+    reference = (ROOT / "docs" / "cli.md").read_text()
+    summary = next(block for block, _ in CODE.findall(reference) if block)
+    shown: dict[str, set[str]] = {}
+    for verb, rest in COMMAND.findall(summary):
+        shown.setdefault(verb, set()).update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest))
+    missing = [f"{verb} {flag}" for verb, flags in verb_options().items() for flag in sorted(flags)
+               if flag.startswith("--") and flag != "--help" and flag not in shown.get(verb, set())]
+    assert len(shown) >= 10 and not missing, missing
+
+
 PATH = re.compile(r"(?<![\w/.-])((?:agg_bench|baselines|workflow|scripts|tests|config|docs|benchmarks|requirements)"
                   r"/[\w./-]*[\w/])")
 
