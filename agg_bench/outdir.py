@@ -326,6 +326,11 @@ class Claim:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
+            # a file where a folder of the path goes: mkdir says only "File exists" or "Not a directory"
+            blocker = next((p for p in (folder, *folder.parents) if p.exists() or p.is_symlink()), None)
+            if blocker is not None and not blocker.is_dir():
+                raise UserError(f"{self.flag} {self.target}: {blocker} is a file, not a folder (expected a folder "
+                                "there, or nothing: missing folders are made)") from None
             raise UserError(f"output folder {folder}: cannot write there ({err.strerror or err})") from None
         self._created = missing  # deepest first
 

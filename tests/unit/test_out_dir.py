@@ -371,3 +371,25 @@ def test_runs_recording_into_one_journal_at_once_keep_every_entry(tmp_path):
     runs = json.loads(path.read_text())["runs"]
     assert runs == {out: {"config": {"seed": i}, "status": "ok"} for mine in outs for i, out in enumerate(mine)}
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no lock file left
+
+
+@pytest.mark.parametrize("verb, out", [
+    (["calibrate", *[a for o in SMALL for a in ("--set", o)], "--out"], "afile/cal.json"),
+    (["calibrate", *[a for o in SMALL for a in ("--set", o)], "--out"], "afile/deeper/cal.json"),
+    (["report", "--runs", "RUNS", "--tables"], "afile/tables"),
+])
+def test_a_file_where_an_output_s_folder_goes_is_named_as_a_file(tmp_path, capsys, verb, out):
+    """A file on the path an output's folders are made along is one line saying that it is a file, not a folder
+    (mkdir said only "File exists" or "Not a directory"), exit 2; the file is left as it was."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    runs = tmp_path / "runs"
+    if "RUNS" in verb:
+        assert main(run(runs / "a")) == 0
+        capsys.readouterr()
+    args = [str(runs) if a == "RUNS" else a for a in verb]
+    assert main([*args, str(tmp_path / out)]) == 2
+    flag = verb[-1]
+    assert one_error_line(capsys) == (f"agg-bench {args[0]}: {flag} {tmp_path / out}: {afile} is a file, not a folder "
+                                      "(expected a folder there, or nothing: missing folders are made)")
+    assert afile.read_text() == "mine"
