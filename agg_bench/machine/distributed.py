@@ -151,6 +151,22 @@ def launched_local_rank(default: int) -> int:
     return _launch_variable("LOCAL_RANK", default, 0)
 
 
+RENDEZVOUS_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_rendezvous_variables() -> None:
+    """Raise a UserError naming the first of the variables torchrun sets together for a rendezvous
+    (:data:`RENDEZVOUS_VARIABLES`) that is missing or empty, or a ``MASTER_PORT`` that is not a port;
+    without them ``init_process_group`` fails with a traceback instead."""
+    for name in RENDEZVOUS_VARIABLES:
+        if not os.environ.get(name, "").strip():
+            present = ", ".join(f"{k}={os.environ[k][:40]!r}" for k in RENDEZVOUS_VARIABLES if k in os.environ)
+            missing = "is empty" if name in os.environ else "is not set"
+            raise UserError(f"environment variable {name} {missing} ({present}): torchrun sets "
+                            f"{', '.join(RENDEZVOUS_VARIABLES)} together (unset them all to run one process)")
+    _launch_variable("MASTER_PORT", 0, 1, 65535)
+
+
 def collective_timeout() -> timedelta:
     """How long a collective waits for the other processes before it fails: ``AGG_BENCH_DIST_TIMEOUT_S``
     seconds (default :data:`DEFAULT_TIMEOUT_S`). A process that is stuck but alive then ends the job
@@ -180,6 +196,7 @@ def process_group(device: torch.device, single: bool = False) -> Iterator[Shard]
         if device.type == "cuda":  # torchrun: the GPU of LOCAL_RANK; one process: the configured one
             torch.cuda.set_device(launched_local_rank(device.index or 0))
         if launched_world_size() > 1 or "MASTER_ADDR" in os.environ:
+            check_rendezvous_variables()
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

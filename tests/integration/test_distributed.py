@@ -111,6 +111,28 @@ def test_a_bad_launcher_variable_is_one_line_before_anything_runs(tmp_path, caps
     assert "expected an integer" in lines[0] and not out.exists()
 
 
+@pytest.mark.parametrize("env, name", [
+    ({"WORLD_SIZE": "2"}, "RANK"), ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_ADDR"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": "29500"}, "MASTER_ADDR"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT"),
+    ({"MASTER_ADDR": "127.0.0.1"}, "WORLD_SIZE"),  # with train.shard: fsdp, the rendezvous torchrun's variables name
+])
+def test_launcher_variables_set_in_part_are_one_line_before_anything_runs(tmp_path, capsys, monkeypatch, env, name):
+    """A WORLD_SIZE left in the shell, or set by hand without the rest of torchrun's variables, is a user error
+    naming the variable missing (torch's rendezvous raised a ValueError, reported as a bug)."""
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "out"
+    assert main(["run", "--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "train.iterations=1",
+                 "--set", "train.shard=fsdp", "--set", "progress=false", "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"agg-bench run: environment variable {name}"), lines
+    assert not out.exists()
+
+
 def test_one_process_communicates_nothing():
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.full((3,), 2.0)
