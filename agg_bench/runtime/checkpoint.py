@@ -157,15 +157,32 @@ def remove_shard_folders(out_dir: Path, keep: str | None = None) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def first_failure(err: BaseException) -> BaseException:
+    """The error of the first process that failed in a ``torch.distributed.checkpoint`` save or load (which
+    reports every process's failure as one ``CheckpointException``); any other error itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(err, CheckpointException) and err.failures:
+        failure = next(iter(err.failures.values()))
+        return failure[0] if isinstance(failure, tuple) else failure
+    return err
+
+
 def _save_shards(out_dir: Path, session, iteration: int) -> str:
     """Every process writes its shards into a fresh DIR/checkpoint_shards_<iteration>/; its name."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     name = f"{SHARDS_PREFIX}{iteration:06d}"
     if dist.get_rank() == 0:  # a folder a failed attempt left under this name: not the one checkpoint.pt names
         shutil.rmtree(out_dir / name, ignore_errors=True)
     dist.barrier()
-    dcp.save(_sharded_state(session), checkpoint_id=out_dir / name)
+    try:
+        dcp.save(_sharded_state(session), checkpoint_id=out_dir / name)
+    except CheckpointException as err:
+        # a BaseException: it would pass every handler of the run (the summary's, a full disk's); the error of
+        # the process that failed (a full disk among them) goes on instead
+        raise first_failure(err) from None
     dist.barrier()
     return name
 
@@ -415,6 +432,7 @@ def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | 
 def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:
     """Load the shard folder ``name`` that ``path`` names into the sharded session."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     from ..machine.fsdp import is_sharded
@@ -426,9 +444,11 @@ def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:
     state = _sharded_state(session)
     try:
         dcp.load(state, checkpoint_id=folder)
-    except Exception as err:  # e.g. another model's parameter names
-        raise UserError(f"--resume: {folder} does not match the model's trainable parameters "
-                        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+    except (Exception, CheckpointException) as err:  # e.g. another model's parameter names, a shard file removed
+        cause = first_failure(err)
+        raise UserError(f"--resume: {folder} is damaged or does not match the model's trainable parameters "
+                        f"({': '.join([type(cause).__name__, *str(cause).splitlines()[:1]])}); delete "
+                        "the checkpoint or run without --resume") from err
     set_state_dict(session.policy.transformer, session.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"], options=StateDictOptions(ignore_frozen_params=True))
 

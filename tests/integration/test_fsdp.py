@@ -134,6 +134,55 @@ def test_single_process_fsdp_run_equals_the_unsharded_run_and_resumes(tmp_path):
     assert json.loads((tmp_path / "fsdp/summary.json").read_text())["resumed_from"] == 0
 
 
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+def test_a_damaged_shard_folder_refuses_the_resume_in_one_line(tmp_path, capsys, damage):
+    """A shard file removed or cut by hand: torch.distributed.checkpoint reports it as a CheckpointException, a
+    BaseException that passed every handler (a traceback, exit 1); now one line naming the folder, exit 2, and
+    the folder as it was."""
+    from agg_bench.cli import main
+
+    out = tmp_path / "run"
+    args = ["run", "--set", "model.resolution=32", "--set", "sampling.steps=2", "--set", "grpo.group_size=2",
+            "--set", "grpo.prompts_per_iteration=2", "--set", "progress=false", "--set", "telemetry.enabled=false",
+            "--set", "train.shard=fsdp", "--checkpoint-every", "1", "--out", str(out)]
+    assert main([*args, "--set", "train.iterations=1"]) == 0
+    shard_file = next((out / "checkpoint_shards_000000").glob("*.distcp"))
+    if damage == "removed":
+        shard_file.unlink()
+    else:
+        shard_file.write_bytes(shard_file.read_bytes()[:100])
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main([*args, "--set", "train.iterations=2", "--resume"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agg-bench run: --resume: ") and "checkpoint_shards_000000" in lines[0]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_full_disk_while_the_shards_are_saved_is_a_full_disk(tmp_path, capsys, monkeypatch):
+    """torch.distributed.checkpoint wraps a process's error in a CheckpointException (a BaseException, which the
+    run's handlers let pass: no summary, a traceback); the run reports the error inside as any other."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from agg_bench.cli import main
+
+    def full_disk(*args, **kwargs):
+        raise CheckpointException("save", {0: (OSError(errno.ENOSPC, "No space left on device"), None)})
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    out = tmp_path / "run"
+    assert main(["run", "--set", "model.resolution=32", "--set", "sampling.steps=2", "--set", "grpo.group_size=2",
+                 "--set", "grpo.prompts_per_iteration=2", "--set", "progress=false", "--set", "telemetry.enabled=false",
+                 "--set", "train.shard=fsdp", "--set", "train.iterations=1", "--checkpoint-every", "1",
+                 "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "no space left on device" in lines[0], lines
+    assert json.loads((out / "summary.json").read_text())["status"] == "error"
+
+
 def test_bfloat16_shards_compute_in_bfloat16_and_keep_float32_weights_and_gradients():
     """``model.dtype: bfloat16`` under FSDP: the forward gathers bfloat16 parameters (MixedPrecisionPolicy),
     while the sharded master weights and the reduced gradients stay float32."""
