@@ -161,6 +161,25 @@ def safe_points() -> Iterator[None]:
     check()
 
 
+@contextlib.contextmanager
+def ending_at_once() -> Iterator[None]:
+    """While active, SIGTERM and SIGINT end the process at once, by their default action: for a call that
+    blocks inside C++ code, where no handler of Python runs until it returns, and before which the command
+    has written nothing (joining a distributed run's process group: its rendezvous waits up to the collective
+    timeout for processes that may never come). A signal that came before is raised first, as :func:`check`
+    raises it; outside the main thread's :func:`stop_signals` it changes nothing."""
+    if not _STATE.installed:
+        yield
+        return
+    check()
+    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def check() -> None:
     """Raise :class:`Interrupted` if a signal arrived and no command has reported it yet; cheap (a
     safe point of a loop calls it every transformer call). Under :func:`together`: if any process received

@@ -197,7 +197,8 @@ def process_group(device: torch.device, single: bool = False) -> Iterator[Shard]
             torch.cuda.set_device(launched_local_rank(device.index or 0))
         if launched_world_size() > 1 or "MASTER_ADDR" in os.environ:
             check_rendezvous_variables()
-            dist.init_process_group(backend, timeout=timeout)
+            with stopping.ending_at_once():  # the rendezvous waits in C++ for every process, up to the timeout
+                dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         joined = True

@@ -133,6 +133,39 @@ def test_launcher_variables_set_in_part_are_one_line_before_anything_runs(tmp_pa
     assert not out.exists()
 
 
+@pytest.mark.slow
+def test_sigterm_ends_a_rendezvous_waiting_for_processes_that_never_come(tmp_path):
+    """WORLD_SIZE=2 and the rest of torchrun's variables set by hand, no second process: the rendezvous waits in
+    C++ up to the collective timeout, where a first signal was only remembered; SIGTERM now ends it (under
+    ``timeout`` the run waited the whole AGG_BENCH_DIST_TIMEOUT_S)."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           distributed.TIMEOUT_ENV: "600", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "agg_bench", "run", "--set", "model.resolution=32",
+                             "--set", "sampling.steps=2", "--set", "progress=false", "--out", str(out)],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # until rank 0 listens: it is in the rendezvous
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None, proc.returncode
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not out.exists()
+
+
 def test_one_process_communicates_nothing():
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.full((3,), 2.0)
