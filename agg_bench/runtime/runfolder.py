@@ -62,18 +62,24 @@ if TYPE_CHECKING:
 def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> None:
     """Refuse an output folder whose contents a run would destroy: a folder that holds anything a run does
     not write, or a symbolic link (:func:`~agg_bench.outdir.check_folder`), a run's file names without a
-    run's config, and (unless ``overwrite``, or resuming from a checkpoint, which checks the config
-    itself) a finished run of another config. Reads only."""
+    run's config, and (unless ``overwrite``) a finished run of another config: another but in the keys a
+    resumed run may change (:data:`RESUMABLE_CHANGES`) when resuming from a checkpoint, which is checked
+    against the config itself where it is loaded. Reads only."""
     previous = check_run_folder(out)
     if previous is None:
         return
-    if overwrite or (resume and checkpoint_path(out).is_file()) or not (out / "summary.json").is_file():
+    if overwrite or not (out / "summary.json").is_file():
         return
-    diff = first_difference(previous, config, SAME_RUN_CHANGES, DEFAULTS)
+    # a checkpoint is compared with the config where it is loaded; here the run the folder holds is, so that a
+    # checkpoint copied in from another run's folder does not replace this finished run's records
+    same_run = RESUMABLE_CHANGES if resume and checkpoint_path(out).is_file() else SAME_RUN_CHANGES
+    diff = first_difference(previous, config, same_run, DEFAULTS)
     if diff is not None:
         key, old, new = diff
+        advice = ("--resume continues it with its own config (or pass --overwrite to replace it, or give another "
+                  "folder)") if same_run is RESUMABLE_CHANGES else "pass --overwrite to replace it, or give another folder"
         raise UserError(f"--out {out}: holds a finished run of another config ({key} = {old!r} there, {new!r} "
-                        "here); pass --overwrite to replace it, or give another folder")
+                        f"here); {advice}")
 
 
 def claim(out: Path, config: dict, resume: bool, overwrite: bool) -> Claim:

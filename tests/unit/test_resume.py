@@ -157,6 +157,22 @@ def test_resume_with_another_config_is_refused(tmp_path, capsys):
     assert [r["iteration"] for r in records(out)] == [0, 1, 2]
 
 
+def test_a_checkpoint_copied_into_another_finished_run_does_not_replace_it(tmp_path, capsys):
+    """The folder of a finished run of another config, with a checkpoint of this config copied in: --resume
+    replaced that run's records without --overwrite (only the checkpoint's config was compared)."""
+    args = ["run", *[a for o in SMALL for a in ("--set", o)], "--set", "train.iterations=1", "--checkpoint-every", "1"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    other = tmp_path / "b"
+    assert main([*args, "--set", "train.lr=0.001", "--out", str(other)]) == 0
+    (other / CHECKPOINT_NAME).write_bytes((tmp_path / "a" / CHECKPOINT_NAME).read_bytes())
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    capsys.readouterr()
+    assert main([*args, "--set", "train.iterations=2", "--resume", "--out", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "finished run of another config" in err[0] and "train.lr" in err[0], err
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+
+
 def test_a_damaged_checkpoint_is_a_user_error(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
