@@ -274,7 +274,7 @@ def test_a_stuck_process_ends_the_job_at_the_collective_timeout(tmp_path):
 def test_timeout_variable_is_checked(monkeypatch):
     monkeypatch.setenv(distributed.TIMEOUT_ENV, "12.5")
     assert distributed.collective_timeout().total_seconds() == 12.5
-    for bad in ("0", "-1", "nan", "inf", "soon", "1e12"):
+    for bad in ("0", "0.001", "0.5", "-1", "nan", "inf", "soon", "1e12"):
         monkeypatch.setenv(distributed.TIMEOUT_ENV, bad)
         with pytest.raises(Exception) as err:
             distributed.collective_timeout()
