@@ -106,6 +106,15 @@ class ConfigError(UserError):
         super().__init__(f"config error: {clip(str(key))} = {quote(value)}: expected {expected}")
 
 
+class JobLost(Exception):
+    """Another process of this distributed job ended, so this one cannot go on: no bug of this process (the
+    other one's output says why). The CLI prints ``str(err)`` on one line, without a traceback, and exits with
+    code 1."""
+
+    def __init__(self, message: object = ""):
+        super().__init__(one_line(str(message)))
+
+
 # errno values that mean the disk (or the user's share of it) is full
 DISK_FULL = {errno.ENOSPC: "no space left on device",
              getattr(errno, "EDQUOT", errno.ENOSPC): "no space left on device (disk quota exceeded)"}
@@ -151,7 +160,8 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
     ``out``). SIGTERM and SIGINT are taken as :mod:`agg_bench.stopping` says (``body`` runs under its
     :func:`~agg_bench.stopping.stop_signals`): an interruption prints ``name: interrupted`` and exits with
     128 + the signal's number, as a shell reports a process ended by it (130 SIGINT, 143 SIGTERM), and a
-    second signal ends the process at once with that code. A reader of stdout that has gone (a pipe into
+    second signal ends the process at once with that code. Another process of a distributed job that ended
+    (:class:`JobLost`) is one line and exit code 1. A reader of stdout that has gone (a pipe into
     ``head``) ends it quietly with 128 + SIGPIPE, as a shell reports a process that signal ended. Anything else
     is a bug in agg-bench: one line that says so and names the command to report (``argv``), then the
     traceback, exit code 1.
@@ -164,6 +174,9 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
     except UserError as err:
         print(f"{name}: {one_line(str(err))}", file=sys.stderr)
         return 2
+    except JobLost as err:
+        print(f"{name}: {one_line(str(err))}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as err:
         handled(err)
         signum = getattr(err, "signum", 2)

@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from .. import stopping
 from ..config import check_data_parallel
-from ..errors import UserError
+from ..errors import JobLost, UserError
 from . import fsdp
 
 # Per-record fields whose shares add up (work done, energy, power of all GPUs); the others are
@@ -190,7 +190,9 @@ def process_group(device: torch.device, single: bool = False) -> Iterator[Shard]
     nccl for a CUDA device after selecting the GPU of ``LOCAL_RANK``, gloo otherwise, and leaves it
     after the block. Without torchrun it is one process, and with ``single`` (FSDP needs a group) it
     joins a group of this one process (an in-memory store: nothing listens on the network). A group
-    that already exists is used and kept. Collectives time out after :func:`collective_timeout`."""
+    that already exists is used and kept. Collectives time out after :func:`collective_timeout`. A collective
+    that fails because another process of the job has gone (:func:`peer_lost`) leaves the block as
+    :class:`~agg_bench.errors.JobLost`."""
     joined = False
     launched_rank(), launched_local_rank(0)  # the launcher's variables are checked, joined or not
     if not dist.is_initialized() and (launched_world_size() > 1 or single):
@@ -207,9 +209,27 @@ def process_group(device: torch.device, single: bool = False) -> Iterator[Shard]
         joined = True
     try:
         yield current()
+    except RuntimeError as err:
+        lost = peer_lost(err)
+        if lost is None:
+            raise
+        raise JobLost(f"another process of this job ended ({lost}); this one stops too: the output of the process "
+                      "that ended first says why") from err
     finally:
         if joined and dist.is_initialized():
             dist.destroy_process_group()
+
+
+# what gloo's transport says when the process at the other end of a connection has gone
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
+
+
+def peer_lost(err: BaseException) -> str | None:
+    """The line of ``err`` (a collective's failure) that says another process of a job of several processes
+    has gone, None for any other error or where this process is alone."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    return next((line.strip() for line in str(err).splitlines() if _PEER_GONE.search(line)), None)
 
 
 def _comm_device() -> torch.device:

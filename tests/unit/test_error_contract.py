@@ -239,3 +239,28 @@ def test_a_broken_pipe_to_a_child_is_still_a_bug(capsys):
     """Only stdout's reader going is quiet: a broken pipe elsewhere (a child's stdin) keeps the bug's line."""
     code, err = contract(capsys, raises(BrokenPipeError(32, "Broken pipe")))
     assert code == 1 and "internal error: this is a bug" in err[0]
+
+
+GLOO_PEER_GONE = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:29500: "
+                  "Connection reset by peer")
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_process_of_the_job_that_has_gone_is_one_line_not_a_bug(capsys, monkeypatch, processes):
+    """The process left when another of its torchrun job was killed reported gloo's lost connection as a bug
+    in agg-bench, with a traceback; alone in its group, the same error is still one."""
+    import torch
+
+    from agg_bench.machine import distributed
+
+    def body() -> int:
+        with distributed.process_group(torch.device("cpu"), single=True):
+            monkeypatch.setattr(distributed.dist, "get_world_size", lambda *args, **kwargs: processes)
+            raise RuntimeError(f"{GLOO_PEER_GONE}\nException raised from recvHeader at pair.cc:534")
+
+    code, lines = contract(capsys, body)
+    if processes == 1:
+        assert code == 1 and "internal error: this is a bug" in lines[0] and "Traceback" in lines[1]
+    else:
+        assert code == 1 and lines == [f"agg-bench test: another process of this job ended ({GLOO_PEER_GONE}); "
+                                       "this one stops too: the output of the process that ended first says why"]
