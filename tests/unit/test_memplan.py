@@ -13,8 +13,7 @@ from helpers import tiny_config
 from agg_bench.cli import main
 from agg_bench.machine import telemetry as tel
 from agg_bench.machine.activations import WorkingMemory
-from agg_bench.runtime.memplan import (PHASES, gpu_memory_bytes, ShapeModel, _Search, optimizer_step_bytes, plan_memory,
-                                       run_layout, shape_key)
+from agg_bench.runtime.memplan import PHASES, gpu_memory_bytes, ShapeModel, _Search, optimizer_step_bytes, plan_memory, run_layout
 from agg_bench.runtime.train import Session, run_iteration
 
 ROOT = Path(__file__).parents[2]
@@ -286,12 +285,9 @@ def test_every_paper_scale_layout_fits_one_8_gpu_node(tmp_path):
                     key = (model, device, json.dumps(memory, sort_keys=True))
                     pairs = {**model_set, "model.resolution": resolution, **method_set, "device": "cuda"}
                     largest[key] = (resolution, labels, pairs, spec["gpus"])
-    shapes: dict[str, ShapeModel] = {}  # one per shape_key, as a sweep's runs share them (run_memory_plan)
     for _resolution, labels, pairs, gpus in largest.values():
         cfg = load_config(base, [f"{k}={json.dumps(v)}" for k, v in pairs.items()])
-        if shape_key(cfg) not in shapes:
-            shapes[shape_key(cfg)] = ShapeModel(cfg)
-        plan = plan_memory(cfg, gpus, gpu_memory=139 * 1024 ** 3, suggest=False, shapes=shapes[shape_key(cfg)])
+        plan = plan_memory(cfg, gpus, gpu_memory=139 * 1024 ** 3, suggest=False)
         assert plan.fits, (labels, plan.bytes)
     assert {gpus for *_, gpus in largest.values()} == {1, 8}
     assert {labels["resolution"] for _, labels, _, _ in largest.values()} == {720, 1024}
