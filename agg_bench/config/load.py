@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
@@ -45,6 +45,15 @@ def parse_override(item: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     return key, value
+
+
+def dotted_value(config: Mapping, key: str) -> Any:
+    """The value of the dotted ``key`` (``eval.noises``) in a nested config mapping, None where a level is
+    missing: a config as ``config.json`` holds it, whose keys may be older than today's."""
+    value: Any = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
 
 
 def apply_overrides(config: dict, overrides: list[str]) -> dict:

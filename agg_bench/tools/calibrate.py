@@ -58,7 +58,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import RunConfig, apply_overrides, validate
+from ..config import RunConfig, apply_overrides, dotted_value, validate
 from ..errors import ConfigError, UserError
 from ..io import write_json
 from ..machine.telemetry import PhaseTimer, environment
@@ -300,14 +300,6 @@ ROLLOUT_SHARED_KEYS = ("seed", "device", "model", "prompts", "grpo.group_size", 
                        "train.lora_target_modules", "train.shard", "train.cpu_offload")
 
 
-def _at(config: Mapping, key: str) -> Any:
-    """The value of dotted ``key`` in a nested config dict (None where a level is missing)."""
-    value: Any = config
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, Mapping) else None
-    return value
-
-
 def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
                   options: CalibrationConfig) -> dict[str, dict]:
     """Each method's rollout of iteration 0, interleaved over ``options.method_repeats`` rounds (see the
@@ -332,7 +324,7 @@ def time_rollouts(session, methods: Mapping[str, tuple[str, list[str]]],
     out: dict[str, dict[str, Any]] = {}
     for label, (_, sets) in methods.items():
         cfg = validate(apply_overrides(run_config, sets))
-        changed = [key for key in ROLLOUT_SHARED_KEYS if _at(cfg.to_dict(), key) != _at(run_config, key)]
+        changed = [key for key in ROLLOUT_SHARED_KEYS if dotted_value(cfg.to_dict(), key) != dotted_value(run_config, key)]
         if changed:
             out[label] = {"rollout_note": f"sets {', '.join(changed)}, which every rollout round shares with "
                                           "the run's: its rollout needs a run of its own"}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..config import dotted_value
 from ..errors import UserError, quote
 from ..io import write_text
 from ..outdir import claimed_folders
@@ -27,7 +28,7 @@ from ..results.loading import MAX_ITERATIONS, load_manifest
 from ..reading import RunFolder
 from ..records import MAX_LABEL, is_label
 from ..runtime.evaluation import SAMPLERS
-from .sweep import config_value, measure_difference
+from .sweep import MeasuredAlike
 
 GRID_CAPTIONS = 6  # the sample grid's columns: the first captions of the evaluation's first noise
 MAX_EVAL_SEED = 2**32 - 1  # eval.seed's maximum: the seed of the first chunk's generator
@@ -153,23 +154,24 @@ def one_model(runs: list[Run]):
 
 def one_measure(runs: list[Run]) -> None:
     """Every run of the manifest with a ``config.json`` measured as the first such run is
-    (:func:`agg_bench.tools.sweep.measure_difference`: the reward and captions, and between runs with in-run
+    (:class:`agg_bench.tools.sweep.MeasuredAlike`: the reward and captions, and between runs with in-run
     evaluations their noise and sampler): the table compares their gains and costs against one target. A
     UserError names the first run that differs, the key and both values."""
-    # each run's config.json as written: the resolved config, every key present (read again, and typed, with
-    # an evaluation: one_model)
-    configs = [(run, RunFolder(run.dir).config_object()) for run in runs if RunFolder(run.dir).has("config.json")]
-    for pairs, evaluated in ((configs, False), ([p for p in configs if p[0].evaluations is not None], True)):
-        if not pairs:
+    measured = MeasuredAlike()
+    for run in runs:
+        folder = RunFolder(run.dir)
+        if not folder.has("config.json"):
             continue
-        (first, first_config), *others = pairs
-        for run, config in others:
-            key = measure_difference(first_config, config, evaluated)
-            if key is not None:
-                raise UserError(f"run {run.method}/{run.seed} ({run.dir}) has {key} = "
-                                f"{quote(config_value(config, key))}, run {first.method}/{first.seed} {key} = "
-                                f"{quote(config_value(first_config, key))}; expected the runs of one manifest "
-                                "measured alike (the table compares their gains against one target)")
+        # the config.json as written: the resolved config, every key present (read again, and typed, with an
+        # evaluation: one_model)
+        config = folder.config_object()
+        found = measured.add(run, config, run.evaluations is not None)
+        if found is not None:
+            key, first, first_config = found
+            raise UserError(f"run {run.method}/{run.seed} ({run.dir}) has {key} = "
+                            f"{quote(dotted_value(config, key))}, run {first.method}/{first.seed} {key} = "
+                            f"{quote(dotted_value(first_config, key))}; expected the runs of one manifest "
+                            "measured alike (the table compares their gains against one target)")
 
 
 def sample_grids(runs: list[Run], images: dict, captions: list[str], path: str | Path, n_captions: int) -> Path:

@@ -42,7 +42,7 @@ from typing import Any, TypeGuard
 import yaml
 
 from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_override_values,
-                      check_schema, load_config, read_yaml_mapping, run_schema, yaml_load)
+                      check_schema, dotted_value, load_config, read_yaml_mapping, run_schema, yaml_load)
 from ..engine.families import architecture, check_own_schedule, check_resolution
 from ..errors import ConfigError, UserError, clip, quote
 from ..io import atomic_path
@@ -74,19 +74,33 @@ MEASURE_KEYS = ("reward", "prompts.file")
 MEASURE_EVAL_KEYS = ("eval.noises", "eval.seed", "eval.sampler")
 
 
-def config_value(config: dict, key: str) -> object:
-    """The value of the dotted ``key`` in a run config as a mapping (None where it has none)."""
-    found: object = config
-    for name in key.split("."):
-        found = found.get(name) if isinstance(found, dict) else None
-    return found
-
-
 def measure_difference(first: dict, other: dict, evaluated: bool) -> str | None:
     """The first key of :data:`MEASURE_KEYS` (and of :data:`MEASURE_EVAL_KEYS` where both runs evaluate
     themselves, ``evaluated``) whose value differs between two run configs (mappings), or None."""
     keys = MEASURE_KEYS + (MEASURE_EVAL_KEYS if evaluated else ())
-    return next((k for k in keys if config_value(other, k) != config_value(first, k)), None)
+    return next((k for k in keys if dotted_value(other, k) != dotted_value(first, k)), None)
+
+
+class MeasuredAlike:
+    """The runs of one learning table, each checked as it is added (:meth:`add`) against the first run added
+    and, where it evaluates itself, against the first that does (:func:`measure_difference`): the learning
+    report compares them all against one target. What names a run is the caller's."""
+
+    def __init__(self) -> None:
+        self._first: dict[bool, tuple[Any, dict]] = {}  # evaluated -> (the first such run, its config)
+
+    def add(self, run: Any, config: dict, evaluates: bool) -> tuple[str, Any, dict] | None:
+        """(key, the run checked against, its config) for the first key in which ``config`` (a run config as a
+        mapping) differs; None when it differs in none, and the run is then added."""
+        for evaluated, first in self._first.items():
+            if evaluates or not evaluated:
+                key = measure_difference(first[1], config, evaluated)
+                if key is not None:
+                    return key, first[0], first[1]
+        self._first.setdefault(False, (run, config))
+        if evaluates:
+            self._first.setdefault(True, (run, config))
+        return None
 
 
 def learning_settings(section: dict | None) -> dict[str, Any]:
@@ -605,7 +619,7 @@ class Sweep:
         # models whose runs read prompt embeddings made by the embed rule
         self.embed_models = [] if self.embed is None else self.embed.get("models", list(sweep["models"]))
         self.runs: dict[str, dict] = {}
-        self._measured: dict[str, tuple[str, dict]] = {}  # the first run checked (and the first that evaluates)
+        self._measured = MeasuredAlike()  # a learning sweep's runs, measured alike
         checks: dict[str, list] = {}  # job description -> composed pairs, for the methods' check
         # Runs that differ only in their seed are checked once: no check but the seed's own range (the sweep
         # schema's, the run schema's) reads the seed, so the first seed's job stands for the others.
@@ -819,21 +833,15 @@ class Sweep:
             raise SweepError(f"{what}: {err} (devices.{device}.gpus: {processes})") from None
 
     def _check_measure(self, what: str, config: dict) -> None:
-        """A run of a learning sweep measured as its first run (:func:`measure_difference`; the in-run
-        evaluation's keys against the first run that evaluates itself): the learning report compares them all."""
-        evaluates = bool(config_value(config, "eval.every"))
-        for first, evaluated in ((self._measured.get("any"), False), (self._measured.get("eval"), True)):
-            if first is None or (evaluated and not evaluates):
-                continue
-            key = measure_difference(first[1], config, evaluated)
-            if key is not None:
-                raise ConfigError(key, config_value(config, key),
-                                  f"{quote(config_value(first[1], key))} as in {first[0]}: the learning report "
-                                  "compares every run of the sweep against one target, so they are measured alike "
-                                  "(agg-bench learning refuses it after the runs)")
-        self._measured.setdefault("any", (what, config))
-        if evaluates:
-            self._measured.setdefault("eval", (what, config))
+        """A run of a learning sweep measured as its first run (:class:`MeasuredAlike`; the in-run evaluation's
+        keys against the first run that evaluates itself): the learning report compares them all."""
+        found = self._measured.add(what, config, bool(dotted_value(config, "eval.every")))
+        if found is not None:
+            key, first, first_config = found
+            raise ConfigError(key, dotted_value(config, key),
+                              f"{quote(dotted_value(first_config, key))} as in {first}: the learning report "
+                              "compares every run of the sweep against one target, so they are measured alike "
+                              "(agg-bench learning refuses it after the runs)")
 
     # ----- command lines ------------------------------------------------------------------------
     def _config_args(self, pairs) -> str:
