@@ -16,6 +16,7 @@ The rooms of the report:
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -28,7 +29,7 @@ from .loading import (PLOT_CELLS, PLOT_COLUMNS, Manifest, load_calibration, load
                       load_tables, parse_table)
 from .plots import write_plots
 from ..records import PLOT_TABLES
-from .tables import build_tables
+from .tables import build_tables, unmatched_gradcheck
 
 
 
@@ -44,6 +45,13 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
         gradcheck = load_gradcheck(manifest.gradcheck)
         calibration = load_calibration(manifest.calibration)
         tables = build_tables(records, gradcheck, manifest.warmup, manifest.time, calibration)
+        unmatched = unmatched_gradcheck(tables["efficiency"], gradcheck)
+        if unmatched:
+            runs = [f"{m} at {r} px" for m, r in sorted(set(zip(records["model"], records["resolution"])))]
+            print(f"agg-bench report: no run matches the gradcheck rows of {', '.join(unmatched)} "
+                  f"(the runs: {', '.join(runs)}); "
+                  "their grad_cosine stays empty (a manifest's gradcheck entry names the model and resolution "
+                  "a CSV was measured at)", file=sys.stderr)
         if tables_dir is not None:
             write_tables(records, tables, tables_dir)
         if plots_dir is not None:

@@ -407,6 +407,22 @@ def _same(a, b) -> bool:
 
 
 
+def unmatched_gradcheck(efficiency: pd.DataFrame, gradcheck: pd.DataFrame | None) -> list[str]:
+    """The models and resolutions (``"<model> at <resolution> px"``, or ``"(no resolution)"``) of gradcheck rows that no measured row of
+    the efficiency table has, in the order the rows give them: their ``grad_cosine`` fills no cell (e.g. a
+    CSV whose ``model`` column names another label than the runs record)."""
+    if gradcheck is None or gradcheck.empty:
+        return []
+    measured = efficiency[efficiency["source"] == "measured"]
+    have = set(zip(measured["model"].astype(str), pd.to_numeric(measured["resolution"])))
+    out: list[str] = []
+    for model, resolution in zip(gradcheck["model"].astype(str), pd.to_numeric(gradcheck["resolution"])):
+        label = f"{model} at {int(resolution)} px" if pd.notna(resolution) else f"{model} (no resolution)"
+        if (model, resolution) not in have and label not in out:
+            out.append(label)
+    return out
+
+
 def _match_gradcheck(table: pd.DataFrame, gradcheck: pd.DataFrame | None) -> tuple[list, list]:
     """Each row's cosine / relative error to ``full`` from the gradcheck row of the same model,
     resolution, estimator and options (NaN when none, or more than one, matches). A row that runs ``full``

@@ -965,3 +965,25 @@ def test_each_phases_cuda_peak_is_a_column_in_mib_and_not_a_methods_own_number()
     assert float(gpu["peak_reward_mib"]) == 60.0
     assert float(gpu["peak_rollout_mib"]) == (40 * MIB + 2) / MIB
     assert all(r["peak_train_mib"] == "" for r in rows if r["hardware"] == "cpu")
+
+
+def test_gradcheck_rows_no_run_matches_are_named(sweep, gradcheck_csv, tmp_path, capsys):
+    """A gradcheck CSV whose model column names another label than the runs record (one written before
+    gradcheck took the run's label: ``sd3`` where runs say ``sd3-tiny``) fills no grad_cosine cell: the report
+    says so in one line, and says nothing when the rows match."""
+    old = tmp_path / "old.csv"
+    pd.read_csv(gradcheck_csv).assign(resolution=64).to_csv(old, index=False)
+    capsys.readouterr()
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--gradcheck", str(old),
+                 "--tables", str(tmp_path / "old")]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "no run matches the gradcheck rows of sd3 at 64 px (the runs: sd3-tiny at 64 px, " \
+        "sd3-tiny at 128 px)" in lines[0], lines
+    assert pd.read_csv(tmp_path / "old" / "efficiency.csv")["grad_cosine"].isna().all()
+
+    matching = tmp_path / "matching.csv"
+    pd.read_csv(old).assign(model="sd3-tiny").to_csv(matching, index=False)
+    assert main(["report", "--runs", str(tmp_path / "runs"), "--gradcheck", str(matching),
+                 "--tables", str(tmp_path / "new")]) == 0
+    assert capsys.readouterr().err == ""
+    assert pd.read_csv(tmp_path / "new" / "efficiency.csv")["grad_cosine"].notna().any()
