@@ -244,7 +244,8 @@ class TrainConfig(Section):
         min_items=1)
     checkpoint_every: int = option(
         0, "save a resumable `DIR/checkpoint.pt` every K iterations, at the end and on SIGTERM/SIGINT "
-        "(`agg-bench run --resume` continues from it); 0: never", minimum=0)
+        "(`agg-bench run --resume` continues from it); 0: never (a run resumed with 0 that ends ok removes the "
+        "checkpoint it resumed from, as a fresh run leaves none)", minimum=0)
     shard: Literal["none", "fsdp"] = option(
         "none", "`none`: each process holds the whole model; `fsdp`: FSDP2 `fully_shard` of each transformer "
         "block and the root, under torchrun (docs/sharding.md)")

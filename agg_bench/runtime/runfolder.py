@@ -11,7 +11,8 @@ A run folder holds these files and nothing else (:data:`agg_bench.outputs.RUN_CO
 - ``evaluations.jsonl`` (with ``eval.every`` > 0): one line per held-out evaluation
   (:mod:`agg_bench.runtime.evaluation`), appended the same way;
 - ``checkpoint.pt``, and with ``train.shard: fsdp`` its ``checkpoint_shards_<iteration>/`` folder
-  (:mod:`agg_bench.runtime.checkpoint`);
+  (:mod:`agg_bench.runtime.checkpoint`): once a run ended ok, its last good iteration's or none (a run resumed
+  with ``train.checkpoint_every`` 0 removes the one it resumed from);
 - ``tensorboard/``, with ``telemetry.tensorboard: true``: the records' numbers as TensorBoard scalars
   (:mod:`agg_bench.runtime.scalar_events`);
 - ``summary.json``: written last, so that it exists only once an attempt has ended. Its ``status`` is
@@ -121,15 +122,21 @@ def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool, keep_events: 
     out = Path(out_dir)
     doomed = [out / "summary.json"]
     if not keep_checkpoint:
-        doomed.append(checkpoint_path(out))
-        for shards in out.glob(f"{SHARDS_PREFIX}*"):
-            remove_owned(shards, SHARD_CONTENTS)
+        remove_checkpoint(out)
     if not keep_events:
         remove_owned(out / EVENTS_FOLDER, EVENTS_CONTENTS)
     # only the harness's own temporary names (io.atomic_path), never a user's look-alike
     doomed += [p for p in out.iterdir() if p.is_file() and is_temp_name(p.name)]
     for p in doomed:
         p.unlink(missing_ok=True)
+
+
+def remove_checkpoint(out: Path) -> None:
+    """Remove ``checkpoint.pt``, then its shard folders with what the harness wrote in them and nothing else
+    (:func:`~agg_bench.outdir.remove_owned`), so that no ``checkpoint.pt`` ever names a folder that is gone."""
+    checkpoint_path(out).unlink(missing_ok=True)
+    for shards in out.glob(f"{SHARDS_PREFIX}*"):
+        remove_owned(shards, SHARD_CONTENTS)
 
 
 def start_files(out: Path, config: dict, lines: list[str], keep_checkpoint: bool, keep_events: bool,

@@ -60,7 +60,8 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     or starts over when there is no checkpoint; with ``resume_stopped`` it does so only when the folder holds
     an attempt of this run that was stopped before it ended (:func:`~agg_bench.runtime.runfolder.
     stopped_attempt`: killed or interrupted, same config, same code), and starts over otherwise;
-    ``train.checkpoint_every`` = K > 0 writes ``checkpoint.pt`` every K iterations, at the end and on interruption. ``eval.every`` = K > 0 evaluates
+    ``train.checkpoint_every`` = K > 0 writes ``checkpoint.pt`` every K iterations, at the end and on interruption
+    (K = 0 on a resumed run that ends ok removes the one it resumed from). ``eval.every`` = K > 0 evaluates
     the policy on held-out noise (:mod:`agg_bench.runtime.evaluation`) before the first iteration, every K
     iterations and after the last, into ``evaluations.jsonl``, outside what the records count and time.
     ``kept``, called on rank 0 before the folder is claimed, says whether ``out_dir`` already holds this run
@@ -195,7 +196,7 @@ class Training:
                     status, error = ended
                     break
             if status == "ok":
-                self._checkpoint_last_good()
+                self._final_checkpoint()
         except Interrupted as exc:
             status, error = "interrupted", f"stopped by {exc}"
             # the state still matches the records unless an optimizer step ran since the last one (then the
@@ -331,6 +332,18 @@ class Training:
         """Checkpoint the last good iteration unless it is saved already or the run keeps no checkpoints."""
         if self.cfg.train.checkpoint_every and self.last_good is not None and self.saved_at != self.last_good:
             self._checkpoint(self.last_good)
+
+    def _final_checkpoint(self) -> None:
+        """At the end of a run that ended ok, ``checkpoint.pt`` holds its last good iteration, or there is none:
+        a run that keeps checkpoints writes it; one that keeps none (``train.checkpoint_every`` 0, a resumed
+        attempt that turned them off) removes the one it resumed from, which ``agg-bench learning`` would
+        evaluate as the run's final state, so that the folder holds what a fresh run of its config leaves."""
+        if self.cfg.train.checkpoint_every:
+            self._checkpoint_last_good()
+        elif self.saved_at is not None and self.saved_at != self.last_good:
+            if self.shard.is_main:
+                runfolder.remove_checkpoint(self.out)
+            self.saved_at = None
 
     def finish(self, status: str, error: str | None) -> dict:
         """Close what :meth:`begin` opened and write ``summary.json`` (rank 0); the summary."""

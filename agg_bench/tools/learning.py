@@ -94,7 +94,8 @@ class CheckpointEvaluation:
         :func:`agg_bench.runtime.checkpoint.read_checkpoint` and loaded strictly (every trainable parameter
         of the model, each of its shape): the evaluation average's weights where the run kept one
         (``train.eval_ema``), else the trained ones (:func:`~agg_bench.runtime.checkpoint.evaluated_parameters`);
-        None if the run saved no checkpoint."""
+        None if the run saved no checkpoint. A checkpoint of another iteration than the run's last ok record is
+        refused: its evaluation would stand as the final state's."""
         from ..runtime.checkpoint import evaluated_parameters, load_parameters, read_checkpoint
 
         transformer = self.evaluation.policy.transformer
@@ -104,6 +105,11 @@ class CheckpointEvaluation:
             if not path.is_file():
                 return None
             state = read_checkpoint(path)
+            last = int(run.records["iteration"].iloc[-1]) if len(run.records) else None
+            if state["iteration"] != last:  # e.g. the checkpoint a resumed attempt that kept none started from
+                raise UserError(f"{path}: holds iteration {state['iteration']}, not the run's last good iteration "
+                                f"{last}; expected the run's final state (train.checkpoint_every > 0 writes it at "
+                                "the end of a run)")
             if "shards" in state:  # a sharded run's checkpoint names its shard folder instead
                 raise UserError(f"{path}: holds no whole parameters (a sharded run's checkpoint); the "
                                 "evaluation reads unsharded runs")

@@ -303,6 +303,8 @@ def test_learning_refuses_json_no_reader_can_take_in_one_line(trained, tmp_path,
     ("empty", "parameters: expected the trainable parameters"),  # was scored as the starting weights
     ("half", "parameters missing"),  # was scored with half the starting weights, silently
     ("negative iteration", "iteration = -5"),
+    # what a run resumed with train.checkpoint_every 0 left: the checkpoint it resumed from, scored as its end
+    ("earlier iteration", "holds iteration 0, not the run's last good iteration 1"),
 ])
 def test_learning_reads_checkpoints_through_the_one_validator(trained, tmp_path, capsys, case, words):
     """The checkpoint evaluation loads every trainable parameter strictly (strict=False scored an empty or
@@ -320,6 +322,8 @@ def test_learning_reads_checkpoints_through_the_one_validator(trained, tmp_path,
         state["parameters"] = {}
     elif case == "half":
         state["parameters"] = dict(list(params.items())[::2])
+    elif case == "earlier iteration":
+        state["iteration"], state["records"] = 0, state["records"][:1]
     else:
         state["iteration"] = -5
     torch.save(state, path)

@@ -141,6 +141,30 @@ def test_a_finished_run_resumes_to_more_iterations(tmp_path, tmp_path_factory):
     assert learned(records(out)) == learned(expected)
 
 
+def test_a_run_resumed_without_checkpoints_leaves_no_checkpoint_of_an_earlier_iteration(tmp_path, monkeypatch,
+                                                                                          tmp_path_factory):
+    """Resumed with --checkpoint-every 0, a run that ended ok left the checkpoint it resumed from (iteration 0)
+    beside the records of iterations 0..3, and agg-bench learning evaluated it as the run's final state. It now
+    leaves what a fresh run of its config leaves, no checkpoint; stopped, it keeps the one it can continue from."""
+    expected = reference("full", tmp_path_factory)
+    out = tmp_path / "run"
+    args = ["run", *[a for o in [*SMALL, *METHODS["full"]] for a in ("--set", o)], "--out", str(out)]
+    assert main([*args, "--set", "train.iterations=1", "--checkpoint-every", "1"]) == 0
+    signal_at(monkeypatch, "collect", 2)  # in iteration 2, the resumed attempt's second
+    with pytest.raises(Interrupted):
+        train(config("full", "train.checkpoint_every=0"), out, resume=True)
+    monkeypatch.undo()
+    s = summary(out)
+    assert (s["status"], s["last_good_iteration"], s["checkpoint_iteration"]) == ("interrupted", 1, 0)
+    assert torch.load(out / CHECKPOINT_NAME, weights_only=True)["iteration"] == 0
+    assert main([*args, "--set", f"train.iterations={ITERATIONS}", "--checkpoint-every", "0", "--resume"]) == 0
+    s = summary(out)
+    assert (s["status"], s["resumed_from"], s["last_good_iteration"], s["checkpoint_iteration"]) == \
+        ("ok", 0, ITERATIONS - 1, None)
+    assert not (out / CHECKPOINT_NAME).exists()
+    assert learned(records(out)) == learned(expected)
+
+
 def test_resume_with_another_config_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["run", *[a for o in SMALL for a in ("--set", o)], "--set", "train.iterations=2", "--checkpoint-every", "1",
