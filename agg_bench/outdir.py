@@ -30,6 +30,7 @@ import fcntl
 import fnmatch
 import itertools
 import os
+import shutil
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,7 @@ from typing import Callable, Iterator
 from . import stopping
 from .errors import UserError, quote
 from .jsonfiles import JsonFileError, read_json_object
-from .io import atomic_path, is_temp_name
+from .io import atomic_path, atomic_target, is_temp_name, remove_stale_temps
 
 LOCK_SUFFIX = ".agg-bench.lock"
 FOLDER_LOCK = LOCK_SUFFIX  # inside a folder output: DIR/.agg-bench.lock
@@ -436,10 +437,12 @@ def claim_folder(out: str | Path, contents: Contents, flag: str = "--out", repla
 
 
 @contextmanager
-def claimed_folders(folders: list[tuple[str | Path | None, Contents]], flags: tuple[str, ...] = ()) -> Iterator[None]:
+def claimed_folders(folders: list[tuple[str | Path | None, Contents]], flags: tuple[str, ...] = (),
+                    replaced_whole: bool = False) -> Iterator[None]:
     """Hold the claims of several folder outputs (``(folder, contents)``; a None folder is skipped, a folder
     named twice holds both contents, one inside another is a UserError), each checked before any is made.
-    ``flags`` name them in errors."""
+    ``flags`` name them in errors. ``replaced_whole``: the command writes them through :func:`replaced_folders`,
+    so their locks lie beside them and nothing is made but their parents."""
     merged: dict[str, tuple[Path, Contents, str]] = {}
     for i, (folder, contents) in enumerate(folders):
         if folder is None:
@@ -455,11 +458,49 @@ def claimed_folders(folders: list[tuple[str | Path | None, Contents]], flags: tu
             if inner != outer and Path(inner).is_relative_to(outer):
                 raise UserError(f"{inner_flag} {quote(str(inner_path))}: is inside {outer_flag} "
                                 f"{quote(str(outer_path))}; expected the same folder or folders apart")
-    claims = [claim_folder(folder, contents, flag) for folder, contents, flag in merged.values()]
+    claims = [claim_folder(folder, contents, flag, replaced_whole) for folder, contents, flag in merged.values()]
     with ExitStack() as stack:
         for claim in claims:
             stack.enter_context(claim)
         yield
+
+
+@contextmanager
+def replaced_folders(*folders: str | Path | None) -> Iterator[Callable[[str | Path], Path]]:
+    """New contents of ``folders`` (None skipped, a folder named twice is one) that readers see whole or not at
+    all. The block writes into a temporary sibling of each (:func:`agg_bench.io.atomic_target`), given by the
+    function it gets (a folder's path -> its temporary), which starts with hard links to (or copies of) the files the
+    folder holds, harness temporaries and locks aside: what the block does not write again stays. When the block
+    ends, each is renamed over its folder, a signal meanwhile remembered until all are
+    (:func:`agg_bench.stopping.safe_points`); if it raises, or a signal stops it, they are removed and every folder
+    stays as it was, so a stopped command leaves the earlier set, never a mix of the two. What killed processes left
+    beside the folders goes first (:func:`agg_bench.io.remove_stale_temps`). Hold the folders' claims with their
+    locks beside them (``replaced_whole``), since a lock inside would be replaced with its folder."""
+    distinct = {os.path.abspath(folder): Path(folder) for folder in folders if folder is not None}
+    with ExitStack() as stack:
+        staged = {}
+        for key, folder in distinct.items():
+            remove_stale_temps(folder)
+            tmp = stack.enter_context(atomic_target(folder))
+            tmp.mkdir()
+            if folder.is_dir():
+                for entry in folder.iterdir():
+                    if entry.is_file() and not entry.is_symlink() and not is_harness_name(entry.name):
+                        _carry(entry, tmp / entry.name)
+            staged[key] = tmp
+        yield lambda folder: staged[os.path.abspath(folder)]
+        swaps = stack.pop_all()  # the renames, taken out of the stack that removes the temporaries on a failure
+    with stopping.safe_points():
+        swaps.close()
+
+
+def _carry(source: Path, target: Path) -> None:
+    """``target`` holding what ``source`` holds: a hard link (a later write replaces the name, never the shared
+    file), or a copy where the file system has none."""
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(source, target, follow_symlinks=False)
 
 
 def claim_files(paths: dict[str | Path, tuple[Callable[[Path], bool], str]], flag: str = "--out") -> Claim:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..errors import UserError
-from ..outdir import claimed_folders
+from ..outdir import claimed_folders, replaced_folders
 from ..outputs import REPORT_CONTENTS  # what --tables DIR and --plots DIR may hold
 from .formatting import table_csv, write_tables
 from .loading import (PLOT_CELLS, PLOT_COLUMNS, Manifest, load_calibration, load_gradcheck, load_records,
@@ -37,10 +37,12 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
                  plots_dir: str | Path | None = None) -> dict[str, pd.DataFrame]:
     """Load ``manifest``'s runs, gradcheck CSVs and calibrations; write the tables and/or the plots (drawn
     from the tables as written: read back from ``tables_dir``, or from their CSV text without one); return
-    the tables."""
+    the tables. Both folders are replaced whole once every file is written (:func:`~agg_bench.outdir.
+    replaced_folders`): a report that fails or is stopped leaves the earlier report's files as they were."""
     if not manifest.runs:
         raise UserError("no runs to report (give --manifest or --runs)")
-    with claimed_folders([(tables_dir, REPORT_CONTENTS), (plots_dir, REPORT_CONTENTS)], ("--tables", "--plots")):
+    with claimed_folders([(tables_dir, REPORT_CONTENTS), (plots_dir, REPORT_CONTENTS)], ("--tables", "--plots"),
+                         replaced_whole=True):
         records = load_records(manifest.runs)
         gradcheck = load_gradcheck(manifest.gradcheck)
         calibration = load_calibration(manifest.calibration)
@@ -52,20 +54,24 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
                   f"(the runs: {', '.join(runs)}); "
                   "their grad_cosine stays empty (a manifest's gradcheck entry names the model and resolution "
                   "a CSV was measured at)", file=sys.stderr)
-        if tables_dir is not None:
-            write_tables(records, tables, tables_dir)
-        if plots_dir is not None:
-            written = load_tables(tables_dir) if tables_dir is not None else _as_written({"records": records, **tables})
-            write_plots(written, plots_dir)
+        with replaced_folders(tables_dir, plots_dir) as staged:
+            if tables_dir is not None:
+                write_tables(records, tables, staged(tables_dir))
+            if plots_dir is not None:
+                written = load_tables(staged(tables_dir)) if tables_dir is not None else \
+                    _as_written({"records": records, **tables})
+                write_plots(written, staged(plots_dir))
         return tables
 
 
 def plot_tables(tables_dir: str | Path, plots_dir: str | Path) -> dict[str, pd.DataFrame]:
     """The plots of the tables that ``agg-bench report --tables tables_dir`` wrote, into ``plots_dir``
-    (which may be that folder); returns the tables read."""
-    with claimed_folders([(plots_dir, REPORT_CONTENTS)], ("--plots",)):
+    (which may be that folder; replaced whole once every plot is drawn, as :func:`build_report` replaces it);
+    returns the tables read."""
+    with claimed_folders([(plots_dir, REPORT_CONTENTS)], ("--plots",), replaced_whole=True):
         tables = load_tables(tables_dir)
-        write_plots(tables, plots_dir)
+        with replaced_folders(plots_dir) as staged:
+            write_plots(tables, staged(plots_dir))
         return tables
 
 

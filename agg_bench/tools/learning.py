@@ -20,7 +20,7 @@ import pandas as pd
 from ..config import dotted_value
 from ..errors import UserError, quote
 from ..io import write_text
-from ..outdir import claimed_folders
+from ..outdir import claimed_folders, replaced_folders
 from ..outputs import LEARNING_CONTENTS
 from ..results.learning_tables import (EVAL_SOURCES, Run, held_out_curves, learning_table, load_runs, plot_held_out,
                                        plot_rewards, write_curves, write_table)
@@ -340,23 +340,28 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
         # every input of the evaluation checked before the model is sampled and before anything is written
         evaluation = CheckpointEvaluation(runs, max(options.eval_noises, 1), options.eval_seed, options.eval_sampler,
                                           one_model(runs), grid=plots is not None)
-    with claimed_folders([(tables, LEARNING_CONTENTS), (plots, LEARNING_CONTENTS)], ("--tables", "--plots")):
+    with claimed_folders([(tables, LEARNING_CONTENTS), (plots, LEARNING_CONTENTS)], ("--tables", "--plots"),
+                         replaced_whole=True):
         scores = images = None
         if evaluation is not None:
             scores, images = evaluate(runs, evaluation)
-        if tables:
-            table = learning_table(runs, options.average, options.fraction, reference,
-                                   scores if options.eval_noises else None, options.target_fraction,
-                                   options.eval_source)
-            write_table(table, tables, options.average, options.fraction, options.target_fraction, reference)
-            write_curves(runs, tables)
-            if options.eval_noises:
-                assert scores is not None  # eval_noises made the evaluation above
-                write_text(tables / "evaluation.csv", scores.to_csv(index=False))
-        if plots:
-            plot_rewards(runs, plots / "reward_iteration.png", "iteration")
-            plot_rewards(runs, plots / "reward_time.png", "time")
-            plot_held_out(runs, plots)
-            assert evaluation is not None and images is not None  # plots made the evaluation above
-            sample_grids(runs, images, evaluation.captions, plots / "samples.png", evaluation.keep)
+        # each folder replaced whole once every file is written: a stopped command leaves the earlier set
+        with replaced_folders(tables, plots) as staged:
+            if tables:
+                table = learning_table(runs, options.average, options.fraction, reference,
+                                       scores if options.eval_noises else None, options.target_fraction,
+                                       options.eval_source)
+                write_table(table, staged(tables), options.average, options.fraction, options.target_fraction,
+                            reference)
+                write_curves(runs, staged(tables))
+                if options.eval_noises:
+                    assert scores is not None  # eval_noises made the evaluation above
+                    write_text(staged(tables) / "evaluation.csv", scores.to_csv(index=False))
+            if plots:
+                folder = staged(plots)
+                plot_rewards(runs, folder / "reward_iteration.png", "iteration")
+                plot_rewards(runs, folder / "reward_time.png", "time")
+                plot_held_out(runs, folder)
+                assert evaluation is not None and images is not None  # plots made the evaluation above
+                sample_grids(runs, images, evaluation.captions, folder / "samples.png", evaluation.keep)
     return runs

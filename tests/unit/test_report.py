@@ -427,6 +427,51 @@ def test_tables_and_plots_share_a_folder_across_runs_of_the_report(sweep, tmp_pa
     assert {p.name: p.read_bytes() for p in both.iterdir()} == before
 
 
+@pytest.mark.parametrize("stop", ["a full disk at the third table file", "SIGTERM at the third plot",
+                                  "SIGTERM at the third plot drawn from --tables-in"])
+def test_a_report_stopped_part_way_leaves_the_earlier_set_whole(sweep, tmp_path, monkeypatch, capsys, stop):
+    """A report stopped part-way (a full disk, a signal) left its first files new beside the earlier report's
+    others, a set that no report wrote. The earlier set stays whole, byte for byte, with no temporary beside it;
+    the next report that ends replaces it whole."""
+    import errno
+    import os
+    import signal
+
+    from agg_bench.results import formatting, plots
+
+    runs, out, tables_in = tmp_path / "runs", tmp_path / "out", tmp_path / "tables_in"
+    assert main(["report", "--runs", str(runs), "--tables", str(out), "--plots", str(out)]) == 0
+    assert main(["report", "--runs", str(runs / "full_s0"), str(runs / "agg"), "--tables", str(tables_in)]) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    written = {p.name: p.read_bytes() for p in out.iterdir()}
+    module, name = (formatting, "write_text") if "full disk" in stop else (plots, "save_figure")
+    original, calls = getattr(module, name), []
+
+    def third_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            if "SIGTERM" in stop:
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, third_fails)
+    other = ["--tables-in", str(tables_in), "--plots", str(out)] if "tables-in" in stop else \
+        ["--runs", str(runs / "full_s0"), str(runs / "agg"), "--tables", str(out), "--plots", str(out)]
+    capsys.readouterr()
+    assert main(["report", *other]) == (143 if "SIGTERM" in stop else 2)
+    assert len(calls) == 3
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == written  # the earlier set, and nothing else
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # no temporary beside it
+    monkeypatch.undo()
+    assert main(["report", *other]) == 0
+    now = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(now) == set(written)
+    changed = {name for name in now if now[name] != written[name]}
+    assert "reward_iteration.png" in changed and ("records.csv" in changed) == ("tables-in" not in stop)
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--tables-in", "TABLES"], "--tables-in DIR needs --plots DIR"),
     (["--tables-in", "TABLES", "--plots", "OUT", "--runs", "TABLES"], "--runs is for writing them"),
