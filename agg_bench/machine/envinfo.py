@@ -71,7 +71,8 @@ def environment(device: torch.device | None = None) -> dict[str, Any]:
     """The machine and software a result was measured on, for ``env.json`` and every benchmark row.
 
     GPU fields describe the GPUs this process can see (``CUDA_VISIBLE_DEVICES`` applies); ``gpu_name`` is the
-    one the result was measured on: ``device``'s where it is a CUDA device, else the current CUDA device;
+    one the result was measured on: ``device``'s where it is a CUDA device, None where ``device`` is another (a
+    run on the CPU measured on no GPU, as its records say), and the current CUDA device without a ``device``;
     ``git_commit`` is the commit of the repository holding this package (None outside git) and
     ``git_dirty`` whether tracked files differ from it; ``source_digest`` is the hash of the code itself
     (:func:`agg_bench.sources.source_digest`), in or out of git.
@@ -81,8 +82,10 @@ def environment(device: torch.device | None = None) -> dict[str, Any]:
     gpu_names = [torch.cuda.get_device_name(i) for i in range(gpu_count)]
     gpu_memory = [int(torch.cuda.get_device_properties(i).total_memory) for i in range(gpu_count)]
     # not device 0: a rank on a node whose GPUs all stay visible (or a run on cuda:N) measures on another one
-    index = (cuda_index(device) if device is not None and device.type == "cuda" else torch.cuda.current_device()) \
-        if gpu_count else None
+    if not gpu_count or (device is not None and device.type != "cuda"):
+        index = None
+    else:
+        index = cuda_index(device) if device is not None else torch.cuda.current_device()
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no") if commit else None

@@ -550,7 +550,8 @@ def test_environment_describes_the_machine(monkeypatch):
 
 def test_environment_names_the_gpu_of_the_current_device_not_device_0(monkeypatch):
     """A rank on device 1 of a node whose GPUs all stay visible measures on device 1: its env.json's gpu_name
-    (and a calibration's, which reads it) is that GPU's, or the named device's where the run names one."""
+    (and a calibration's, which reads it) is that GPU's, or the named device's where the run names one. A run on
+    the CPU measured on no GPU: its env.json named the current GPU where its records say null."""
     from helpers import FAKE_GPUS, fake_two_gpus
 
     monkeypatch.setitem(sys.modules, "pynvml", None)
@@ -560,7 +561,31 @@ def test_environment_names_the_gpu_of_the_current_device_not_device_0(monkeypatc
     assert env["gpu_name"] == FAKE_GPUS[1][0]
     assert environment(torch.device("cuda", 0))["gpu_name"] == FAKE_GPUS[0][0]
     assert environment(torch.device("cuda"))["gpu_name"] == FAKE_GPUS[1][0]
-    assert environment(torch.device("cpu"))["gpu_name"] == FAKE_GPUS[1][0]
+    cpu = environment(torch.device("cpu"))
+    assert cpu["gpu_name"] is None and cpu["gpu_names"] == [name for name, _ in FAKE_GPUS]
+
+
+def test_a_cpu_run_on_a_machine_with_gpus_names_no_gpu_and_plans_for_the_host(monkeypatch, tmp_path):
+    """``device: cpu`` where GPUs are visible: the run folder's env.json named the current GPU (its records say
+    null), which a reader takes for the hardware it measured on; the plan's budget is this machine's memory."""
+    import json
+    import os
+
+    from agg_bench.config import load_config
+    from agg_bench.io import read_jsonl
+    from agg_bench.runtime.train import train
+    from helpers import fake_two_gpus
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    fake_two_gpus(monkeypatch, current=1)
+    out = tmp_path / "run"
+    train(load_config(None, ["device=cpu", "model.resolution=32", "sampling.steps=4", "grpo.group_size=2",
+                             "progress=false", "train.iterations=1"]), out)
+    env = json.loads((out / "env.json").read_text())
+    assert env["gpu_name"] is None and env["gpu_count"] == 2
+    assert [r["gpu_name"] for r in read_jsonl(out / "metrics.jsonl")] == [None]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["device"] == "cpu" and plan["gpu_memory_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def test_environment_without_nvml_or_git(monkeypatch):
