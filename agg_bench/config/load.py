@@ -137,7 +137,12 @@ def check_minibatches(cfg: RunConfig, processes: int) -> None:
 def refuse_written_before(config: dict) -> None:
     """A ConfigError for a value only older run folders hold (``grpo.adv_std: population``), naming the keys
     that say it today: a config is written one way, and an old ``config.json`` given as ``--config`` says what
-    to write instead."""
+    to write instead. So is ``model.pretrained`` beside ``model.preset: random``, which older runs trained as the
+    folder's model, not the architecture the preset names."""
+    model = config.get("model")
+    if isinstance(model, dict) and model.get("preset") == "random" and model.get("pretrained"):
+        raise ConfigError("model.pretrained", model["pretrained"], "null with model.preset 'random' (a public "
+                          "architecture with random weights); set model.preset: pretrained to train this folder")
     for (section, key) in WRITTEN_BEFORE:
         part = config.get(section)
         if isinstance(part, dict) and (now := written_before(section, key, part.get(key))) is not None:

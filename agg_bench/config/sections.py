@@ -91,7 +91,9 @@ class ModelConfig(Section):
         "architecture (`model.architecture`) with seeded random weights; `pretrained`: the local folder "
         "`model.pretrained`")
     pretrained: str | None = option(None, "local diffusers folder (`transformer/`, `vae/`, `scheduler/`, "
-                                          "text encoders)", min_length=1, expected="a folder's path, or null")
+                                          "text encoders): the model trained, with preset `pretrained` or the "
+                                          "default `tiny`; refused with `random`", min_length=1,
+                                    expected="a folder's path, or null")
     resolution: int = option(
         128, "image side in pixels; latent side = resolution / VAE factor; a size the model cannot take is an "
         "error (the family's own limit applies too, e.g. 1536 px for the tiny SD3, 3072 px for SD3.5-Large's "
@@ -456,12 +458,16 @@ def written_before(section: str, key: str, value: Any) -> dict[str, Any] | None:
 def upgrade_written(config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with every value an older run wrote (:data:`WRITTEN_BEFORE`) replaced by the keys it stands
     for, so that an old run folder reads and compares as the run it was (a key the file lacks still takes its
-    default). A copy; a config without such values comes back equal."""
+    default); and ``model.preset: random`` beside a ``model.pretrained`` folder, which older runs took as the
+    folder, as ``pretrained``. A copy; a config without such values comes back equal."""
     out = copy.deepcopy(dict(config))
     for (section, key) in WRITTEN_BEFORE:
         part = out.get(section)
         if isinstance(part, dict) and (now := written_before(section, key, part.get(key))) is not None:
             part.update(now)
+    model = out.get("model")
+    if isinstance(model, dict) and model.get("preset") == "random" and model.get("pretrained"):
+        model["preset"] = "pretrained"
     return out
 
 

@@ -198,6 +198,28 @@ def test_the_linspace_schedule_starts_at_exactly_1():
         assert torch.equal(sigmas[1:], shift * u / (1 + (shift - 1) * u))
 
 
+@pytest.mark.parametrize("verb", ["run", "plan"])
+def test_a_model_folder_with_the_random_preset_is_refused(tmp_path, capsys, verb):
+    """model.preset random with model.pretrained trained the folder's model without a word (exit 0, the records
+    labelled with the folder); the two name different models. With the default preset the folder is the model, and
+    a run folder an older version wrote with both reads as the folder's run it was."""
+    from agg_bench.config import upgrade_written, validate
+    from agg_bench.config.load import load_config
+
+    folder = str(Path(__file__).resolve().parents[1] / "data" / "sd3-scenes")
+    out = ["--out", str(tmp_path / "out")] if verb == "run" else []
+    capsys.readouterr()
+    assert main([verb, *SMALL, "--set", "model.preset=random", "--set", f"model.pretrained={folder}", *out]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"model.pretrained = {folder!r}: expected null with model.preset 'random'" in lines[0] \
+        and "model.preset: pretrained" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+    assert load_config(None, [f"model.pretrained={folder}"]).model.pretrained == folder  # with the default preset
+    written = load_config(None, ["model.preset=pretrained", f"model.pretrained={folder}"]).to_dict()
+    written["model"]["preset"] = "random"
+    assert validate(upgrade_written(written)).model.preset == "pretrained"
+
+
 @pytest.mark.parametrize("setting", ["train.lora_alpha=8", "train.lora_target_modules=[to_q]"])
 def test_a_lora_setting_without_a_lora_rank_is_refused(tmp_path, capsys, setting):
     """train.lora_alpha or train.lora_target_modules without train.lora_rank used to fine-tune the whole model,
