@@ -94,6 +94,10 @@ SIGNED_KEYS = ("reward_mean", "loss", "approx_kl")
 MAX_RESOLUTION = 16384
 MAX_GPUS = 65536
 INTEGER_RANGES = {"resolution": (1, MAX_RESOLUTION), "n_gpus": (0, MAX_GPUS)}
+# A record's numbers are at most this in magnitude: far past any measurement (a time, size, cost or reward), and
+# what readers compute from a run's numbers stays finite (a cumulative time, a plot's axis span): 1e308, finite
+# as JSON reads it, gave an infinite wall-clock sum and ended the report's plots in a matplotlib traceback.
+MAX_MAGNITUDE = 1e300
 
 
 def new_record(*fields: Mapping, **more) -> dict:
@@ -123,7 +127,7 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     """What is wrong with a metric record (or a run summary, which repeats its identity keys): a key of
     ``required`` missing or null, or the first known key holding the wrong kind of value, e.g. ``'t_iter_s' =
     'fast': expected a finite number or null``; None when nothing is. A number is finite (a run writes a
-    non-finite value as null) and >= 0 but for :data:`SIGNED_KEYS`, ``resolution`` and ``n_gpus`` integers in
+    non-finite value as null), at most :data:`MAX_MAGNITUDE` in magnitude and >= 0 but for :data:`SIGNED_KEYS`, ``resolution`` and ``n_gpus`` integers in
     :data:`INTEGER_RANGES`, ``status`` one of :data:`STATUSES`, ``iteration`` an integer >= 0 and
     ``optimizer_steps``, where a method records it, a count the report prices. The other keys a method adds are
     its own business, but for the standard phases' CUDA peaks (:data:`PHASE_PEAK_KEYS`), which the tables read as
@@ -141,6 +145,8 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
             return f"'status' = {quote(value)}: expected one of {', '.join(STATUSES)} or null"
         if key not in TEXT_KEYS and not is_finite_number(value):
             return f"{key!r} = {quote(value)}: expected a finite number or null"
+        if key not in TEXT_KEYS and abs(value) > MAX_MAGNITUDE:
+            return f"{key!r} = {quote(value)}: expected a number of magnitude at most {MAX_MAGNITUDE:g} or null"
         if key in INTEGER_RANGES:
             low, high = INTEGER_RANGES[key]
             if type(value) is not int or not low <= value <= high:

@@ -25,7 +25,7 @@ from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
 from ..reading import RunFolder
-from ..records import DIVERGING_KEYS, RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
+from ..records import DIVERGING_KEYS, MAX_MAGNITUDE, RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
 from ..stopping import Interrupted
 from . import runfolder, scalar_events
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
@@ -44,7 +44,9 @@ __all__ = ["RECORD_KEYS", "TIMING_KEYS", "Interrupted", "Session", "Training", "
 
 
 def _finite(x) -> bool:
-    return x is None or math.isfinite(x)
+    """Not a divergence: None, or a number within the record contract's :data:`~agg_bench.records.MAX_MAGNITUDE`
+    (a float64 loss past it is a divergence too, and a record holding it would not be read back)."""
+    return x is None or (math.isfinite(x) and abs(x) <= MAX_MAGNITUDE)
 
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False,
@@ -274,6 +276,8 @@ class Training:
             return "oom", None
         reason = fields.pop("diverged", None) or next(
             (k for k in DIVERGING_KEYS if not _finite(fields.get(k))), None)
+        # null, as a NaN is written: a number past the record contract's magnitude would make the run unreadable
+        fields.update({k: None for k in DIVERGING_KEYS if not _finite(fields.get(k))})
         self.cost += passes_cost(fields, self.prices)
         record = new_record(self.identity, {"iteration": iteration}, fields, {"cost": self.cost},
                             status="diverged" if reason else "ok")

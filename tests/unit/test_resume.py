@@ -165,6 +165,25 @@ def test_a_run_resumed_without_checkpoints_leaves_no_checkpoint_of_an_earlier_it
     assert learned(records(out)) == learned(expected)
 
 
+def test_a_loss_past_the_records_magnitude_is_a_divergence(tmp_path, monkeypatch, capsys):
+    """A finite loss of 1e305 (a float64 run) was an ok record that no reader took back (the record contract bounds
+    magnitudes): the run diverged there, its record says so with the loss null, and the report reads the folder."""
+    from agg_bench.runtime import train as train_module
+
+    original = train_module.run_iteration
+
+    def huge_loss(session, telemetry, iteration):
+        fields = original(session, telemetry, iteration)
+        return {**fields, "loss": 1e305} if iteration == 1 else fields
+
+    monkeypatch.setattr(train_module, "run_iteration", huge_loss)
+    out = tmp_path / "run"
+    s = train(config("full", "train.iterations=3"), out)
+    assert (s["status"], s["last_good_iteration"], s["error"]) == ("diverged", 0, "non-finite loss at iteration 1")
+    assert [(r["status"], r["loss"] is None) for r in records(out)] == [("ok", False), ("diverged", True)]
+    assert main(["report", "--runs", str(out), "--tables", str(tmp_path / "tables")]) == 0
+
+
 def test_resume_with_another_config_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["run", *[a for o in SMALL for a in ("--set", o)], "--set", "train.iterations=2", "--checkpoint-every", "1",
