@@ -86,16 +86,21 @@ def _aside(path: Path) -> Path:
 def remove_stale_temps(path: str | Path) -> None:
     """Remove what :func:`atomic_target` (or a bare :func:`atomic_path`) of ``path`` left beside it in processes
     that have ended without cleaning up (SIGKILL runs no cleanup): its temporary, and an earlier folder it had
-    moved aside. Only entries of exactly those names are touched, never a symbolic link, and only when the PID
-    in the name is no running process's (a live writer of the same name keeps its temporary). The caller holds
-    ``path``'s claim, so no live process of this harness writes a new one meanwhile."""
+    moved aside, which goes back to ``path`` where a process killed between its two renames left nothing there
+    (the earlier contents, never a loss). Only entries of exactly those names are touched, never a symbolic
+    link, and only when the PID in the name is no running process's (a live writer of the same name keeps its
+    temporary). The caller holds ``path``'s claim, so no live process of this harness writes a new one
+    meanwhile."""
     path = Path(path)
     if not path.parent.is_dir():
         return
-    targets = (path, _aside(path))
-    for entry in path.parent.iterdir():
-        pid = next((pid for target in targets if (pid := temp_owner(target, entry.name)) is not None), None)
-        if pid is not None and not entry.is_symlink() and not process_running(pid):
+    aside = _aside(path)
+    for entry in sorted(path.parent.iterdir()):
+        stale = [target for target in (path, aside) if (pid := temp_owner(target, entry.name)) is not None
+                 and not entry.is_symlink() and not process_running(pid)]
+        if stale == [aside] and entry.is_dir() and not os.path.lexists(path):
+            os.replace(entry, path)
+        elif stale:
             _remove(entry)
 
 
@@ -121,7 +126,11 @@ def atomic_target(path: str | Path) -> Iterator[Path]:
             aside = atomic_path(_aside(path))
             _remove(aside)
             os.replace(path, aside)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(aside, path)  # the earlier folder back where the new one could not go
+                raise
             _remove(aside)
         else:
             os.replace(tmp, path)

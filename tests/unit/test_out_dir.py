@@ -393,3 +393,60 @@ def test_a_file_where_an_output_s_folder_goes_is_named_as_a_file(tmp_path, capsy
     assert one_error_line(capsys) == (f"agg-bench {args[0]}: {flag} {tmp_path / out}: {afile} is a file, not a folder "
                                       "(expected a folder there, or nothing: missing folders are made)")
     assert afile.read_text() == "mine"
+
+
+def _ended_pid() -> int:
+    import subprocess
+    import sys
+
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+@pytest.mark.parametrize("renamed_in", [False, True])
+def test_a_folder_replacement_killed_between_its_renames_keeps_a_whole_folder(tmp_path, renamed_in):
+    """A process killed (SIGKILL) after it moved the earlier folder aside and before it renamed the new one in
+    left no folder at the path: the next writer's clean-up puts the earlier one back, where it removed it with
+    the temporaries and the folder was lost. Killed after the second rename, the new folder stays and the
+    earlier one goes."""
+    from agg_bench.io import remove_stale_temps
+
+    dead = _ended_pid()
+    out = tmp_path / "tables"
+
+    def of(path: Path) -> Path:
+        return path.with_name(atomic_path(path).name.replace(str(os.getpid()), str(dead)))
+
+    aside, new = of(tmp_path / "tables-old"), of(out)
+    aside.mkdir()
+    (aside / "summary.csv").write_text("earlier")
+    written = out if renamed_in else new
+    written.mkdir()
+    (written / "summary.csv").write_text("new")
+    remove_stale_temps(out)
+    assert (out / "summary.csv").read_text() == ("new" if renamed_in else "earlier")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tables"]
+
+
+def test_a_folder_that_cannot_be_renamed_in_puts_the_earlier_one_back(tmp_path, monkeypatch):
+    """The second rename of a folder replacement failing (an error, or a signal's exception) leaves the earlier
+    folder at its path, not moved aside and then removed."""
+    from agg_bench import io as agg_io
+
+    out = tmp_path / "tables"
+    out.mkdir()
+    (out / "summary.csv").write_text("earlier")
+    real = os.replace
+
+    def failing(src, dst):
+        if Path(src).name.startswith(".tables.") and Path(dst) == out:
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(agg_io.os, "replace", failing)
+    with pytest.raises(OSError):
+        with agg_io.atomic_target(out) as tmp:
+            tmp.mkdir()
+            (tmp / "summary.csv").write_text("new")
+    assert (out / "summary.csv").read_text() == "earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tables"]
