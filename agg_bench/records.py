@@ -111,6 +111,12 @@ def new_record(*fields: Mapping, **more) -> dict:
     return record
 
 
+def is_integer(value: object) -> TypeGuard[int]:
+    """``value`` is an int and not true or false: the one test of an integer, in a config or a file (a
+    whole-number float such as ``2.0`` is not one; JSON Schema's ``integer`` would take it)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_finite_number(value: object) -> TypeGuard[int | float]:
     """``value`` is a number (not true or false; numpy's numbers included) that is finite as a float: NaN, an
     infinity and an integer past a float's range (10**400, which JSON reads) are not. The one test of a

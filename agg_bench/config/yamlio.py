@@ -1,15 +1,19 @@
 """YAML as the harness reads it: one loader for every YAML it takes (run, sweep and pretrain configs, ``--set``
-values, ``calibrate --method``, gradcheck lists), within bounds, every problem a one-line ConfigError.
+values, ``calibrate --method``, gradcheck lists), within bounds, every problem a one-line ConfigError; and the
+number flags of every command read their values through it (:func:`read_number`), so that a number means the
+same and is refused the same way wherever it is given.
 """
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ..errors import ConfigError, clip
+from ..errors import ConfigError, clip, quote
+from ..records import is_finite_number, is_integer
 
 # Bounds on any YAML read (run, sweep and pretrain configs, --set values, calibrate --method): a file
 # larger than this is not read, and a document is refused when writing out its aliases would give more
@@ -28,9 +32,10 @@ class YamlRefused(Exception):
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML as a person means it: ``1e-5`` and ``3E+2`` are numbers (YAML 1.1 wants a dot, ``1.0e-5``,
-    and would read them as strings); every mapping key is a string given once (a repeated key is refused
-    instead of the last one winning; ``<<: *base`` merges stay allowed and its keys may be overridden)."""
+    """YAML as a person means it: numbers are decimal (:data:`_INTEGER`, :data:`_FLOAT`), and ``1e-5`` and
+    ``3E+2`` are numbers (YAML 1.1 wants a dot, ``1.0e-5``, and would read them as strings); every mapping key
+    is a string given once (a repeated key is refused instead of the last one winning; ``<<: *base`` merges
+    stay allowed and its keys may be overridden)."""
 
     def compose_mapping_node(self, anchor):
         node = super().compose_mapping_node(anchor)
@@ -51,13 +56,22 @@ class _Loader(yaml.SafeLoader):
         return node
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?
-                |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+# Numbers are written in decimal, the one way every value of the harness reads them (config files, --set, and
+# the numeric flags through read_number). YAML 1.1 also reads 017 as octal 15, 0x10 as 16, 0b11 as 3 and 1:30 as
+# 90 (base 60), while an integer flag read 017 as 17 and refused the rest: here they are text, which a number
+# key refuses. An underscore may group digits, as in Python (1_000).
+_DIGITS = r"[0-9](?:_?[0-9])*"
+_INTEGER = re.compile(r"^[-+]?(?:0|[1-9](?:_?[0-9])*)$")
+_FLOAT = re.compile(rf"""^(?:[-+]?(?:{_DIGITS}\.(?:{_DIGITS})?|\.{_DIGITS})(?:[eE][-+]?[0-9]+)?
+                |[-+]?{_DIGITS}[eE][-+]?[0-9]+
                 |[-+]?\.(?:inf|Inf|INF)
-                |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
+                |\.(?:nan|NaN|NAN))$""", re.X)
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBER_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INTEGER, list("-+0123456789"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 
 def _node_children(node: yaml.Node) -> list:
@@ -130,6 +144,44 @@ def yaml_load(text: str, key: str, value: Any) -> Any:
         raise ConfigError(key, value, f"at most {MAX_YAML_DEPTH} levels of nesting") from None
     except (ValueError, OverflowError) as err:  # e.g. an integer of 5000 digits, a date 2024-13-45
         raise ConfigError(key, value, f"values that YAML can read ({clip(str(err), 120)})") from None
+
+
+# what a number of each kind may be, in the one-line refusal of a flag
+NUMBER_WORDS = {int: "an integer in decimal digits (e.g. 1000, not 1e3 or 1000.0)",
+                float: "a finite number (e.g. 0.5, 1e-5 or 3)"}
+
+
+def read_number(text: str, kind: type[int] | type[float]) -> int | float | None:
+    """The number of ``kind`` that the text of a flag says, read as a config key reads its value (:func:`yaml_load`),
+    or None where it says none. An integer is decimal digits with an optional sign (``1_000`` groups them), never
+    true or false nor a whole-number float (``1e3``, ``1000.0``), as an integer key of the run config refuses them;
+    a number is an integer or a decimal float (``1e-5``), finite, and comes back a float."""
+    try:
+        value = yaml_load(text, "", text)
+    except (ConfigError, yaml.YAMLError):
+        return None
+    if kind is int:
+        return value if is_integer(value) else None
+    return float(value) if is_finite_number(value) else None
+
+
+def _number_arg(text: str, kind: type[int] | type[float]) -> Any:
+    value = read_number(text, kind)
+    if value is None:  # argparse prefixes the flag: one line naming the flag, the value and what is allowed
+        raise argparse.ArgumentTypeError(f"{quote(text)}: expected {NUMBER_WORDS[kind]}")
+    return value
+
+
+def integer_arg(text: str) -> int:
+    """The argparse type of every integer flag: ``text`` as :func:`read_number` reads an integer; anything else is
+    argparse's one-line refusal naming the flag (exit code 2). Bounds are the flag's owner's to check."""
+    return _number_arg(text, int)
+
+
+def number_arg(text: str) -> float:
+    """The argparse type of every number flag: ``text`` as :func:`read_number` reads a finite number (a float);
+    anything else is argparse's one-line refusal naming the flag (exit code 2)."""
+    return _number_arg(text, float)
 
 
 def read_yaml_mapping(path: str | Path, what: str = "sections", key: str = "--config") -> dict:

@@ -266,6 +266,37 @@ def test_numbers_in_exponent_notation_are_numbers(tmp_path):
     assert load_config(None, ["run_id=1e5x"]).run_id == "1e5x"  # not a number: stays a string
 
 
+# The one rule of a number, wherever it is written (--set, a config file, a flag): (text, what an integer reads,
+# what a number reads), None where it is refused. Numbers are decimal: YAML 1.1 read 017 as 15 (octal), 0x10 as
+# 16, 0b11 as 3 and 1:30 as 90 (base 60) where the integer flags read 017 as 17 and refused the rest.
+NUMBER_FORMS = [("7", 7, 7.0), ("1e3", None, 1000.0), ("1000.0", None, 1000.0), ("1_000", 1000, 1000.0),
+                (" 7", 7, 7.0), ("+7", 7, 7.0), ("-0", 0, 0.0), ("1.5", None, 1.5), ("2E-1", None, 0.2),
+                ("0x10", None, None), ("017", None, None), ("0o17", None, None), ("0b11", None, None),
+                ("1:30", None, None), ("1:30.5", None, None), ("1__0", None, None), ("nan", None, None),
+                (".nan", None, None), ("inf", None, None), ("-.inf", None, None), ("1e400", None, None),
+                ("true", None, None), ("yes", None, None), ("", None, None)]
+
+
+@pytest.mark.parametrize("text, integer, number", NUMBER_FORMS, ids=[repr(f[0]) for f in NUMBER_FORMS])
+def test_a_number_means_the_same_in_a_set_a_config_file_and_a_flag(tmp_path, text, integer, number):
+    from agg_bench.config import dotted_value, load_config, read_number
+    from agg_bench.errors import ConfigError
+
+    for key, expected, kind in (("seed", integer, int), ("grpo.beta", number, float)):
+        section, _, name = key.rpartition(".")
+        file = tmp_path / f"{name}.yaml"
+        file.write_text(f"{section}:\n  {name}: {text}\n" if section else f"{name}: {text}\n")
+        for path, overrides in ((None, [f"{key}={text}"]), (file, [])):
+            if expected is None:
+                with pytest.raises(ConfigError) as refusal:
+                    load_config(path, overrides)
+                assert refusal.value.key == key
+            else:
+                assert dotted_value(load_config(path, overrides).to_dict(), key) == expected
+        flag = read_number(text, kind)  # what every number flag reads (tests/unit/test_verb_input.py)
+        assert flag == expected and (flag is None or type(flag) is kind)
+
+
 def test_a_config_or_prompts_file_that_is_not_utf8(tmp_path, capsys):
     bad = b"train: {lr: 1.0e-4}\n# caf\xe9\n"
     config = tmp_path / "run.yaml"
