@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+from .config import integer_arg, number_arg
 from .errors import ConfigError, OneLineParser, UserError, quote, run_command
 from .io import write_json
 from .outdir import check_file, check_writable, path_problem
@@ -394,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the run when FILE (a cell job's journal, outside DIR) records it as ended with this "
                         "config and code and DIR still holds it; record it there when it ends (the workflow's run "
                         "jobs: a job that ended after snakemake was killed is kept, not run again)")
-    p.add_argument("--checkpoint-every", type=int, metavar="K",
+    p.add_argument("--checkpoint-every", type=integer_arg, metavar="K",
                    help="save DIR/checkpoint.pt every K iterations (= --set train.checkpoint_every=K)")
     p.set_defaults(func=cmd_run)
 
@@ -406,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-going", action="store_true",
                    help="record a run that fails in its folder (summary.json, status: error) and exit 0 once every "
                         "run's end is recorded (the workflow's cell jobs: a failed job's files would be removed)")
-    p.add_argument("--deadline", type=float, metavar="EPOCH_S",
+    p.add_argument("--deadline", type=number_arg, metavar="EPOCH_S",
                    help="seconds since the epoch: a run is not started when the longest run so far would end "
                         "after this time")
     p.add_argument("--resume", action="store_true",
@@ -434,13 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="per-sample unit costs of a no-grad forward, a forward with grad and a "
                                          "backward (the report's cost model) -> FILE.json")
     _add_config_args(p)
-    p.add_argument("--repeats", type=int, default=21, help="measurements of each pass, interleaved (default 21)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--repeats", type=integer_arg, default=21, help="measurements of each pass, interleaved (default 21)")
+    p.add_argument("--warmup", type=integer_arg, default=2, help="untimed repetitions first (default 2)")
     p.add_argument("--method", dest="methods", nargs=2, action="append", default=[], metavar=("LABEL", "OVERRIDES"),
                    help="also time this method's train phase on the same rollout, interleaved with the others "
                         "given: LABEL and a YAML mapping of run-config overrides, e.g. agg-w5 "
                         "'{method: {name: agg, window: 5}}' (repeatable)")
-    p.add_argument("--method-repeats", type=int, default=9,
+    p.add_argument("--method-repeats", type=integer_arg, default=9,
                    help="timed rounds of the methods' train phases (default 9)")
     p.add_argument("--out", required=True, type=path_arg, help="FILE.json")
     p.set_defaults(func=cmd_calibrate)
@@ -473,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", nargs="*", default=[], type=path_arg,
                    help="run folders, or folders of run folders (labels taken from their records)")
     p.add_argument("--gradcheck", nargs="*", default=[], type=path_arg, help="gradcheck CSVs")
-    p.add_argument("--warmup", type=int, help="iterations left out of the time averages (default 1)")
+    p.add_argument("--warmup", type=integer_arg, help="iterations left out of the time averages (default 1)")
     p.add_argument("--calibration", nargs="*", default=[], type=path_arg,
                    help="agg-bench calibrate JSONs: the cost model behind predicted_train_speedup")
     p.add_argument("--time", help="seconds the timings use: auto (CPU time on a CPU, CUDA events on a GPU; "
@@ -494,14 +495,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write learning.csv, learning.md, curves.csv (and evaluation.csv) here")
     p.add_argument("--plots", type=path_arg, help="write reward_iteration.png, reward_time.png, samples.png, "
                                               "eval_reward_cost.png, eval_reward_cpu.png, eval_pareto.png here")
-    p.add_argument("--average", type=int, default=3, help="iterations averaged at each end (default 3)")
-    p.add_argument("--fraction", type=float, default=0.8, help="fraction of full's gain to reach (default 0.8)")
-    p.add_argument("--eval-noises", type=int, default=0,
+    p.add_argument("--average", type=integer_arg, default=3, help="iterations averaged at each end (default 3)")
+    p.add_argument("--fraction", type=number_arg, default=0.8, help="fraction of full's gain to reach (default 0.8)")
+    p.add_argument("--eval-noises", type=integer_arg, default=0,
                    help="held-out evaluation: noises per caption (default 0: no evaluation columns)")
-    p.add_argument("--eval-seed", type=int, default=0, help="seed of the evaluation's noise (default 0)")
+    p.add_argument("--eval-seed", type=integer_arg, default=0, help="seed of the evaluation's noise (default 0)")
     p.add_argument("--eval-sampler", default="ode",
                    help="ode: deterministic Euler; sde: the rollouts' SDE with seeded step noise (default ode)")
-    p.add_argument("--target-fraction", type=float, default=0.9,
+    p.add_argument("--target-fraction", type=number_arg, default=0.9,
                    help="the held-out target: this fraction of the reference's mean held-out gain (default 0.9)")
     p.add_argument("--reference", default=None,
                    help="the method label both targets and speedup_to_target refer to, a method of the manifest "
@@ -526,8 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=path_arg, default=Path("results/campaign"),
                    help="run: the window's runs, logs and calibrations (default results/campaign; earlier windows' "
                         "finished runs there count as done)")
-    p.add_argument("--minutes", type=float, help="run: the window's length; it stops cleanly before its end")
-    p.add_argument("--started", type=float, help="run: when the window's clock started, in seconds since the epoch "
+    p.add_argument("--minutes", type=number_arg, help="run: the window's length; it stops cleanly before its end")
+    p.add_argument("--started", type=number_arg, help="run: when the window's clock started, in seconds since the epoch "
                                                  "(default: now); scripts/gpu_campaign.sh passes its own start, so "
                                                  "that its start-up counts against --minutes")
     p.add_argument("--archive", type=path_arg, help="run: where to write the archive (default WORK/campaign.tar.gz); "
@@ -539,9 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=path_arg, help="run folder to write")
     p.add_argument("--method", default="full", help="method label in tables (default: full)")
     p.add_argument("--model", default="unknown", help="model label in tables")
-    p.add_argument("--resolution", type=int, help="image side in pixels")
+    p.add_argument("--resolution", type=integer_arg, help="image side in pixels")
     p.add_argument("--gpu-name", help="GPU the log was measured on, e.g. 'NVIDIA H800'")
-    p.add_argument("--n-gpus", type=int, help="GPUs of that run")
+    p.add_argument("--n-gpus", type=integer_arg, help="GPUs of that run")
     p.add_argument("--run-id", help="default: the output folder's name")
     p.set_defaults(func=cmd_import_log)
 
@@ -552,19 +553,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase", choices=("iteration", "train"), default="iteration",
                    help="iteration: rollout + reward + update per step (default); "
                         "train: only the update, on one fixed rollout")
-    p.add_argument("--wait", type=int, default=1, help="steps run before the profiler starts (default 1)")
-    p.add_argument("--warmup", type=int, default=1, help="profiled steps that are discarded (default 1)")
-    p.add_argument("--active", type=int, default=2, help="steps recorded in the trace (default 2)")
+    p.add_argument("--wait", type=integer_arg, default=1, help="steps run before the profiler starts (default 1)")
+    p.add_argument("--warmup", type=integer_arg, default=1, help="profiled steps that are discarded (default 1)")
+    p.add_argument("--active", type=integer_arg, default=2, help="steps recorded in the trace (default 2)")
     p.add_argument("--out", required=True, type=path_arg, help="output folder (open with tensorboard --logdir or Perfetto)")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("plan", help="will it fit? bytes per GPU of params, grads, optimizer state and "
                                     "activations, before anything is allocated")
     _add_config_args(p)
-    p.add_argument("--gpu-memory", type=float, metavar="GIB",
+    p.add_argument("--gpu-memory", type=number_arg, metavar="GIB",
                    help="memory of one GPU in GiB (default: the visible GPU's; an H200's 139 GiB without one; "
                         "the machine's memory for device cpu)")
-    p.add_argument("--gpus", type=int, default=1, help="processes (GPUs) the run is started on (default 1)")
+    p.add_argument("--gpus", type=integer_arg, default=1, help="processes (GPUs) the run is started on (default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
 

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from agg_bench.config import integer_arg
 from agg_bench.errors import ConfigError
 from agg_bench.machine import telemetry as tel
 from agg_bench.machine.devices import resolve_device
@@ -40,7 +41,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run config the benchmarks start from (default: config/run.yaml)")
     group.addoption("--bench-device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     group.addoption("--bench-slow", action="store_true", help="also run the cases marked slow (256 and 512 px)")
-    group.addoption("--bench-threads", type=int, default=None,
+    group.addoption("--bench-threads", type=integer_arg, default=None,
                     help="torch CPU threads (default: torch's choice); 1 on a shared CPU machine")
 
 

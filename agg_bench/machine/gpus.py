@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import integer_arg, number_arg
 from ..errors import ConfigError, OneLineParser, UserError, run_command
 
 ENV_DEVICES = "AGG_BENCH_GPUS"
@@ -213,8 +214,8 @@ class GpuPool:
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m agg_bench.machine.gpus",
                                 description="Run a command on free GPUs taken from the file-lock pool.")
-    p.add_argument("--count", type=int, required=True, help="GPUs the command needs (0: run it as is)")
-    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds of waiting")
+    p.add_argument("--count", type=integer_arg, required=True, help="GPUs the command needs (0: run it as is)")
+    p.add_argument("--timeout", type=number_arg, default=None, help="give up after this many seconds of waiting")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     return p
 

@@ -22,7 +22,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from ..config import RunConfig, yaml_load
+from ..config import RunConfig, read_number, yaml_load
 from ..engine.families import model_label
 from ..errors import ConfigError, UserError
 from ..io import atomic_file, atomic_path, remove_stale_temps
@@ -52,13 +52,15 @@ def parse_values(text: str, flag: str, kind: type) -> list:
         raise ConfigError(flag, text, expected[kind])
     out = []
     for item in items:
-        try:
-            value = item if kind is str else yaml_load(item, flag, text)
-        except yaml.YAMLError:
-            raise ConfigError(flag, text, expected[kind]) from None
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        value: Any
+        if kind in (int, float):  # as every number flag and config key reads it
+            value = read_number(item, kind)
+        else:
+            try:
+                value = item if kind is str else yaml_load(item, flag, text)
+            except yaml.YAMLError:
+                raise ConfigError(flag, text, expected[kind]) from None
+        if not isinstance(value, kind):  # None: not a number of that kind
             raise ConfigError(flag, text, expected[kind])
         if value in out:  # the same replay again, and its row written twice
             raise ConfigError(flag, text, f"{expected[kind]}, each once")

@@ -115,7 +115,9 @@ def test_parse_values():
     assert parse_values("0,0.5,1", "--route-fracs", float) == [0.0, 0.5, 1.0]
     assert parse_values("false,true", "--reuse", bool) == [False, True]
     for text, kind in (("2,x", int), ("2,,3", int), ("true", int), ("0,high", float), ("maybe", bool),
-                       ("2,2", int), ("0.5,0.50", float), ("1,1.0", float), ("true,true", bool), ("a,a", str)):
+                       ("2,2", int), ("0.5,0.50", float), ("1,1.0", float), ("true,true", bool), ("a,a", str),
+                       # as every number flag and config key: decimal, an integer no float, a number finite
+                       ("2,0x10", int), ("2,017", int), ("2,1e3", int), ("0,.nan", float), ("0,1e400", float)):
         with pytest.raises(ConfigError):
             parse_values(text, "--flag", kind)
 

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agg_bench import cli
+from agg_bench import cli, config
+from agg_bench.config.yamlio import NUMBER_WORDS
 from agg_bench.errors import UserError
 from agg_bench.io import read_jsonl
+from agg_bench.machine import gpus
 from agg_bench.tools.importlog import import_log
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +73,66 @@ def test_a_name_too_long_for_a_file_is_refused_for_every_path_option_of_every_ve
     lines = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(lines) == 1, lines
     assert "holds a name of 300 bytes; expected names of at most 255 bytes" in lines[0], lines
+    assert not any(tmp_path.iterdir())
+
+
+NUMBER_TYPES = {config.integer_arg: int, config.number_arg: float}
+
+
+def _number_flags() -> list[tuple[str, str, type]]:
+    """(verb, flag, int or float) of every number flag of every verb, from the parser."""
+    return [(verb, action.option_strings[0], NUMBER_TYPES[action.type]) for verb, parser in _verbs().items()
+            for action in parser._actions if action.type in NUMBER_TYPES]
+
+
+def test_every_number_flag_takes_the_shared_number_types():
+    """A flag of type int read 017 as 17 where --set read it as 15 (octal), refused 1e3 as "invalid int value"
+    without saying what an integer is, and one of type float took nan and inf."""
+    for parser in [*_verbs().values(), gpus.build_parser()]:
+        for action in parser._actions:
+            assert action.type not in (int, float), (parser.prog, action.dest)
+    assert {"integer_arg", "number_arg"} <= {a.type.__name__ for a in gpus.build_parser()._actions if a.type}
+    assert len(_number_flags()) >= 20
+
+
+# refused by every number flag, as by every number key of the run config (tests/unit/test_bad_input.py)
+NOT_A_NUMBER = ["0x10", "017", "1:30", "1__0", "nan", ".nan", "inf", "-.inf", "1e400", "true", "yes", ""]
+
+
+@pytest.mark.parametrize("verb, flag, kind", _number_flags(), ids=lambda x: x if isinstance(x, str) else x.__name__)
+@pytest.mark.parametrize("text", NOT_A_NUMBER + ["1e3", "1000.0", "1.5"])
+def test_a_number_flag_refuses_what_a_number_key_refuses(tmp_path, monkeypatch, capsys, verb, flag, kind, text):
+    """One line naming the flag, the value as given and what is allowed, exit code 2, nothing written."""
+    if kind is float and text in ("1e3", "1000.0", "1.5"):
+        assert config.number_arg(text) == float(text)  # a number, as for a number key
+        return
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli.main([verb, f"{flag}={text}"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1, lines
+    assert f"argument {flag}: {text!r}: expected {NUMBER_WORDS[kind]}" in lines[0], lines
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("text, value", [("1_000", 1000), (" 7", 7), ("+7", 7), ("-0", 0)])
+def test_a_number_flag_takes_what_a_number_key_takes(text, value):
+    args = cli.build_parser().parse_args(["report", f"--warmup={text}"])
+    assert args.warmup == value and type(args.warmup) is int
+    args = cli.build_parser().parse_args(["plan", f"--gpu-memory={text}"])
+    assert args.gpu_memory == value and type(args.gpu_memory) is float
+
+
+def test_a_number_flag_and_its_config_key_read_017_alike(tmp_path, capsys):
+    """--checkpoint-every 017 was 17 while --set train.checkpoint_every=017 was 15 (YAML 1.1's octal)."""
+    for argv in (["--checkpoint-every", "017"], ["--set", "train.checkpoint_every=017"]):
+        try:
+            code = cli.main(["run", *argv, "--out", str(tmp_path / "out")])
+        except SystemExit as stop:  # a flag's value is refused as argparse reads it
+            code = stop.code
+        line, = capsys.readouterr().err.strip().splitlines()
+        assert code == 2
+        assert "017" in line and "an integer" in line, line
     assert not any(tmp_path.iterdir())
 
 
