@@ -19,6 +19,7 @@ from typing import Any, Literal
 import jsonschema
 
 from ..errors import ConfigError, clip
+from ..records import is_integer
 from .sections import RunConfig, Section, section_class
 
 JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", list: "array",
@@ -177,8 +178,9 @@ def check_finite(value: Any, path: str = "") -> None:
 
 def _is_integer(checker, instance: Any) -> bool:
     # JSON Schema's integer admits 2.0 (and Python's int admits True): here an integer is an int, so a
-    # whole-number float is refused where an integer goes, as the methods' and pretrain options refuse it
-    return isinstance(instance, int) and not isinstance(instance, bool)
+    # whole-number float is refused where an integer goes, as the methods' and pretrain options and the integer
+    # flags refuse it
+    return is_integer(instance)
 
 
 # Draft 2020-12 with integers that are ints, for the run schema and the sweep schema alike

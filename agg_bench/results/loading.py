@@ -23,7 +23,7 @@ from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import check_path, read_json_object
 from ..outdir import path_problem
 from ..reading import RunFolder
-from ..records import OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number
+from ..records import OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number, is_integer
 
 
 @dataclass
@@ -101,13 +101,9 @@ def check_warmup(value, key: str = "report.warmup") -> int:
     return value
 
 
-def _is_integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 # what a value of a report input holds: (test, words for the error)
 TEXT = (lambda v: isinstance(v, str), "a string")
-INTEGER = (_is_integer, "an integer")
+INTEGER = (is_integer, "an integer")
 OBJECT = (lambda v: isinstance(v, dict), "an object")
 SOURCE = (lambda v: v in ENTRY_SOURCES, f"one of {', '.join(ENTRY_SOURCES)}")
 # The most seconds a calibration's unit cost or timed round may hold, and the most passes, calls or steps it may
@@ -121,7 +117,7 @@ UNIT_SECONDS = (lambda v: is_number(v) and 0 < v <= MAX_SECONDS, "a number of se
 PART_SECONDS = (lambda v: is_number(v) and 0 <= v <= MAX_SECONDS, "a number of seconds >= 0 and <= 1e6")
 COUNT = (lambda v: is_number(v) and 0 <= v <= MAX_COUNT, "a number >= 0 and <= 1e15")
 # a calibration's batch: the samples of the batch it timed, each process's share under torchrun
-BATCH = (lambda v: _is_integer(v) and 1 <= v <= MAX_COUNT, "an integer >= 1 (the samples calibrate timed)")
+BATCH = (lambda v: is_integer(v) and 1 <= v <= MAX_COUNT, "an integer >= 1 (the samples calibrate timed)")
 # manifest section -> (its entry class, the key every entry needs, the keys an entry may have)
 # a file or folder an entry names: '' would be the current folder; a path no system call takes (a NUL, a lone
 # surrogate, a name over 255 bytes: outdir.path_problem) names none
@@ -129,7 +125,7 @@ PATH = (lambda v: isinstance(v, str) and v != "" and path_problem(v) is None,
         "a file or folder name (an empty path would mean the current folder; no NUL character or lone surrogate, "
         "names of at most 255 bytes)")
 # a row's resolution: what a run config's model.resolution may be
-RESOLUTION = (lambda v: _is_integer(v) and 1 <= v <= bound(ModelConfig, "resolution"),
+RESOLUTION = (lambda v: is_integer(v) and 1 <= v <= bound(ModelConfig, "resolution"),
               f"an integer from 1 to {bound(ModelConfig, 'resolution'):,}")
 MANIFEST_SECTIONS = {
     "runs": (RunEntry, "dir", {"dir": PATH, "method": TEXT, "model": TEXT, "resolution": RESOLUTION, "device": TEXT,
@@ -242,9 +238,9 @@ def _check_call_sizes(where: str, kind: str, by_basis: dict, batch) -> None:
     latents = by_basis.get("latents")
     if latents is None:
         return
-    usual = batch if kind in ("forward_grad", "backward") and _is_integer(batch) else None
+    usual = batch if kind in ("forward_grad", "backward") and is_integer(batch) else None
     expected = [usual, 1] if usual != 1 else [1]
-    if not (isinstance(latents, list) and all(_is_integer(n) and 1 <= n <= MAX_COUNT for n in latents)
+    if not (isinstance(latents, list) and all(is_integer(n) and 1 <= n <= MAX_COUNT for n in latents)
             and len(latents) == len(set(latents)) and latents and latents[-1] == 1 and len(latents) <= 2
             and (usual is None or latents == expected)):
         words = (f"{expected}: the batch ({usual}) and then 1" if usual is not None and usual != 1 else

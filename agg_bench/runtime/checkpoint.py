@@ -33,7 +33,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from ..errors import ConfigError, UserError, quote
 from ..io import atomic_file
 from ..jsonfiles import JsonProblem, loads
 from ..outputs import CHECKPOINT_NAME, SHARDS_PREFIX
+from ..records import is_integer
 
 SHARDS_NAME = re.compile(re.escape(SHARDS_PREFIX) + r"[0-9]+")  # a folder beside checkpoint.pt, never a path
 FORMAT = 1
@@ -224,10 +225,6 @@ def save_checkpoint(out_dir: str | Path, session, iteration: int, records: list[
     return path
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _json_lines(lines: Any, what: str) -> tuple[list[dict] | None, str | None]:
     """``lines`` (a list of JSON texts, each an object) parsed; or the problem."""
     if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
@@ -254,12 +251,12 @@ def _rng_problem(rng: Any) -> str | None:
         return "rng.cuda: expected CUDA's random state (a uint8 tensor) or null"
     n = rng.get("numpy")
     if not (isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("keys"), torch.Tensor)
-            and tuple(n["keys"].shape) == (624,) and _is_int(n.get("pos")) and _is_int(n.get("has_gauss"))
+            and tuple(n["keys"].shape) == (624,) and is_integer(n.get("pos")) and is_integer(n.get("has_gauss"))
             and isinstance(n.get("cached"), float)):
         return "rng.numpy: expected numpy's random state (name, 624 keys, pos, has_gauss, cached)"
     p = rng.get("python")
-    if not (isinstance(p, (tuple, list)) and len(p) == 3 and _is_int(p[0]) and isinstance(p[1], (tuple, list))
-            and all(_is_int(v) for v in p[1]) and (p[2] is None or isinstance(p[2], float))):
+    if not (isinstance(p, (tuple, list)) and len(p) == 3 and is_integer(p[0]) and isinstance(p[1], (tuple, list))
+            and all(is_integer(v) for v in p[1]) and (p[2] is None or isinstance(p[2], float))):
         return "rng.python: expected Python's random state (version, internal state, gauss)"
     return None
 
@@ -278,10 +275,10 @@ def checkpoint_problem(state: Any) -> str | None:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         return f"not an agg-bench checkpoint of format {FORMAT}"
     iteration = state.get("iteration")
-    if not _is_int(iteration) or iteration < 0:
+    if not is_integer(iteration) or iteration < 0:
         return f"iteration = {quote(iteration)}: expected an integer >= 0"
     version = state.get("policy_version")
-    if not _is_int(version) or version < 0:
+    if not is_integer(version) or version < 0:
         return f"policy_version = {quote(version)}: expected an integer >= 0"
     records, problem = _json_lines(state.get("records"), "records")
     if records is None:
@@ -338,7 +335,7 @@ def _eval_ema_problem(average: Any) -> str | None:
             isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point() for k, v in weights.items()):
         return "eval_ema: expected the evaluation average's weights (names to floating-point tensors)"
     steps, version = average.get("steps"), average.get("version")
-    if not (_is_int(steps) and steps >= 0 and (version is None or (_is_int(version) and version >= 0))):
+    if not (is_integer(steps) and steps >= 0 and (version is None or (is_integer(version) and version >= 0))):
         return (f"eval_ema: steps = {quote(steps)}, version = {quote(version)}: expected integers >= 0 (version "
                 "may be null)")
     return None
@@ -478,7 +475,7 @@ def _optimizer_problem(optimizer: dict, params: list[torch.Tensor]) -> str | Non
     if not all(isinstance(g, dict) for g in groups) or sorted(ids) != list(range(len(params))):
         return f"holds the optimizer state of {len(ids)} parameters; the model trains {len(params)}"
     for index, values in optimizer["state"].items():
-        if not (_is_int(index) and 0 <= index < len(params) and isinstance(values, dict)):
+        if not (is_integer(index) and 0 <= index < len(params) and isinstance(values, dict)):
             return f"holds optimizer state for parameter {quote(index)}, which it does not train"
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(params[index].shape):
