@@ -200,10 +200,35 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
         return 1
 
 
+class _StoreOnce(argparse._StoreAction):
+    """A flag that holds one value (or one list, ``--runs A B``), refused when given twice: argparse kept the last
+    and dropped the first unseen (``report --runs A --runs B`` reported B alone; ``plan --gpus 2 --gpus 3`` planned
+    3). A repeatable flag says so with ``action="append"``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = parser.__dict__.setdefault("flags_given", {})
+        shown = " ".join(map(str, values)) if isinstance(values, list) else str(values)
+        if self.dest in given:
+            together = f", all its values after one {option_string}" if self.nargs in ("*", "+") else ""
+            parser.error(f"argument {'/'.join(self.option_strings)}: given twice ({quote(given[self.dest])}, then "
+                         f"{quote(shown)}); expected it once{together}")
+        given[self.dest] = shown
+        super().__call__(parser, namespace, values, option_string)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse's parser whose usage errors keep the error contract: one line naming the flag and the value,
-    exit code 2 (argparse prints its usage block first); ``--help`` prints the usage as ever. Subparsers
-    are of the same class."""
+    exit code 2 (argparse prints its usage block first); ``--help`` prints the usage as ever. A flag that holds
+    one value is refused when given twice (:class:`_StoreOnce`). Subparsers are of the same class."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self.flags_given: dict[str, str] = {}  # the flags of this parse, for _StoreOnce
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the options)\n")

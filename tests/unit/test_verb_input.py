@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agg_bench import cli, config
+from agg_bench import cli, config, errors
 from agg_bench.config.yamlio import NUMBER_WORDS
 from agg_bench.errors import UserError
 from agg_bench.io import read_jsonl
@@ -133,6 +133,34 @@ def test_a_number_flag_and_its_config_key_read_017_alike(tmp_path, capsys):
         line, = capsys.readouterr().err.strip().splitlines()
         assert code == 2
         assert "017" in line and "an integer" in line, line
+    assert not any(tmp_path.iterdir())
+
+
+def test_every_flag_of_one_value_is_refused_when_given_twice():
+    """A flag of one value that argparse stores (not one that appends) takes the shared once-only action."""
+    for parser in [*_verbs().values(), gpus.build_parser()]:
+        for action in parser._actions:
+            if action.option_strings and isinstance(action, argparse._StoreAction):
+                assert isinstance(action, errors._StoreOnce), (parser.prog, action.dest)
+
+
+@pytest.mark.parametrize("argv, flag, shown", [
+    (["plan", "--gpus", "2", "--gpus", "3"], "--gpus", "'2', then '3'"),
+    (["plan", "--gpu-memory=80", "--json", "--gpu-memory", "40"], "--gpu-memory", "'80.0', then '40.0'"),
+    (["report", "--runs", "a", "b", "--runs", "c", "--tables", "t"], "--runs", "'a b', then 'c'"),
+    (["run", "--out", "a", "--out", "b"], "--out", "'a', then 'b'"),
+    (["replay", "snap", "--method", "agg", "--method", "full", "--out", "g.safetensors"], "--method", "'agg', then 'full'"),
+    (["calibrate", "--repeats", "3", "--repeats", "4", "--out", "c.json"], "--repeats", "'3', then '4'"),
+    (["learning", "--manifest", "m.json", "--manifest", "n.json", "--tables", "t"], "--manifest", "'m.json', then"),
+])
+def test_a_flag_of_one_value_given_twice_is_refused(tmp_path, monkeypatch, capsys, argv, flag, shown):
+    """argparse kept the last and dropped the first unseen: report --runs A --runs B reported B alone."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1, lines
+    assert f"argument {flag}: given twice ({shown}" in lines[0] and "expected it once" in lines[0], lines
     assert not any(tmp_path.iterdir())
 
 
