@@ -151,7 +151,10 @@ def cmd_calibrate(args) -> int:
     from .tools.calibrate import CalibrationConfig, write_calibration
     from .records import MAX_LABEL, is_label
 
-    options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup, method_repeats=args.method_repeats)
+    try:
+        options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup, method_repeats=args.method_repeats)
+    except ConfigError as err:  # named as the flag it was given as, not as the sweep's calibrate.<key>
+        raise ConfigError(f"--{err.key.rpartition('.')[2].replace('_', '-')}", err.value, err.expected) from None
     methods = {}
     for label, text in args.methods:
         if not is_label(label):  # a row of the report's tables
