@@ -38,8 +38,8 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError("--set", item, "key=value, e.g. train.lr=1e-5")
     key, raw = item.split("=", 1)
     key = key.strip()
-    if not key:
-        raise ConfigError("--set", item, "key=value with a non-empty key")
+    if not all(part.strip() for part in key.split(".")):  # '' or '.x' or 'train..lr': a key no config has
+        raise ConfigError("--set", item, "key=value with a key of non-empty dotted parts, e.g. train.lr=1e-5")
     try:
         value = yaml_load(raw, "--set", item) if raw.strip() else ""
     except yaml.YAMLError:

@@ -297,6 +297,13 @@ def test_a_number_means_the_same_in_a_set_a_config_file_and_a_flag(tmp_path, tex
         assert flag == expected and (flag is None or type(flag) is kind)
 
 
+@pytest.mark.parametrize("item", ["=1", " =1", ".x=1", "train..lr=1e-5", "train.=1", "train.lr.=1"])
+def test_a_set_key_with_an_empty_part_is_refused_naming_the_set(tmp_path, capsys, item):
+    """'.x=1' and 'train..lr=1' were refused as a key '' or 'train.' that no one wrote ("config error:  = ...")."""
+    line = run_fails(tmp_path / "out", capsys, "--set", item)
+    assert f"--set = {item!r}: expected key=value with a key of non-empty dotted parts" in line, line
+
+
 def test_a_config_or_prompts_file_that_is_not_utf8(tmp_path, capsys):
     bad = b"train: {lr: 1.0e-4}\n# caf\xe9\n"
     config = tmp_path / "run.yaml"
