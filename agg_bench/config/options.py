@@ -22,6 +22,7 @@ import typing
 from typing import Any, Literal, Mapping
 
 from ..errors import ConfigError
+from ..records import is_integer
 from .schema import check_finite, check_schema, section_schema
 from .sections import Section, option
 
@@ -93,7 +94,7 @@ def typed_value(value: Any, annotation: Any) -> Any:
             if _accepts(arm, value):
                 return typed_value(value, arm)
         return value
-    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+    if annotation is float and is_integer(value):
         return float(value)
     if origin is list and isinstance(value, (list, tuple)):
         return [typed_value(v, args[0]) for v in value] if args else list(value)
@@ -109,7 +110,7 @@ def _accepts(annotation: Any, value: Any) -> bool:
     if annotation is bool:
         return isinstance(value, bool)
     if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_integer(value)
     if annotation is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if origin in (list, tuple):

@@ -29,6 +29,7 @@ from ..errors import ConfigError, quote
 from ..jsonfiles import MAX_CONFIG_BYTES, JsonFileError, read_json_object
 from ..machine import fsdp
 from ..machine.activations import saved_activation_region
+from ..records import is_integer
 from .counters import PassCounter, count_backward
 from .families import (  # noqa: F401 (TINY_*: the tiny presets' configs, also imported from here)
     DEFAULT_VAE_SCALE_FACTOR, FAMILY_SPECS, TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, FamilySpec, ImageGeometry,
@@ -402,15 +403,12 @@ def transformer_config_problem(config: dict) -> str | None:
     layer count in [1, MAX_MODEL_LAYERS], any other size in [1, MAX_MODEL_SIZE], an integer in a list, such
     as a block index or RoPE axis, in [0, MAX_MODEL_SIZE]); None when nothing does. (A number of another
     type where an integer goes is refused by diffusers, as a ConfigError of :func:`load_pretrained`.)"""
-    def is_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
     for key, value in config.items():
         top = MAX_MODEL_LAYERS if key.endswith("layers") else MAX_MODEL_SIZE
-        if is_int(value) and not 1 <= value <= top:
+        if is_integer(value) and not 1 <= value <= top:
             return f"{key} = {quote(value)}: expected an integer from 1 to {top}"
         if isinstance(value, list):
-            bad = next((v for v in value if is_int(v) and not 0 <= v <= MAX_MODEL_SIZE), None)
+            bad = next((v for v in value if is_integer(v) and not 0 <= v <= MAX_MODEL_SIZE), None)
             if bad is not None:
                 return f"{key} holds {quote(bad)}: expected integers from 0 to {MAX_MODEL_SIZE}"
     return None

@@ -14,6 +14,7 @@ import torch
 from ..errors import ConfigError, quote
 from ..jsonfiles import JsonFileError, loads, read_json_object
 from ..outputs import TOKEN_HASH_FILE  # in a model folder: its conditioning is this embedding, not text encoders
+from ..records import is_integer
 from .models import Conditioning
 
 
@@ -101,7 +102,7 @@ def token_hash_settings(folder: str | Path) -> dict | None:
     out = {}
     for key, (low, high) in TOKEN_HASH_BOUNDS.items():
         value = settings.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        if not is_integer(value) or not low <= value <= high:
             raise ConfigError("model.pretrained", str(folder),
                               f"a folder whose {TOKEN_HASH_FILE} has an integer {key} from {low} to {high} (it has "
                               f"{quote(value)})")

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from ..errors import ConfigError
+from ..records import is_integer
 from ..registry import Registry
 
 RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
@@ -62,7 +63,7 @@ def check_options(reward: str, options: dict, allowed: dict[str, str]) -> None:
 def _jpeg_quality(reward: str, options: dict) -> int:
     check_options(reward, options, {"quality": "JPEG quality, an integer in [1, 100]"})
     quality = options.get("quality", 95)
-    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
+    if not is_integer(quality) or not 1 <= quality <= 100:
         raise ConfigError("reward.options.quality", quality, "an integer in [1, 100]")
     return quality
 

@@ -95,7 +95,7 @@ MAX_ITERATIONS = bound(TrainConfig, "iterations")
 def check_warmup(value, key: str = "report.warmup") -> int:
     """``value`` if it is an integer from 0 to :data:`MAX_ITERATIONS` (iterations left out of the timings); else a
     ConfigError naming ``key``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ITERATIONS:
+    if not is_integer(value) or not 0 <= value <= MAX_ITERATIONS:
         raise ConfigError(key, value, f"an integer from 0 to {MAX_ITERATIONS:,} (iterations of each run left out of "
                           "the timings; train.iterations is at most that)")
     return value

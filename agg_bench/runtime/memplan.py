@@ -73,6 +73,7 @@ from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build
 from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 from ..errors import ConfigError
 from ..machine import distributed
+from ..records import is_integer
 from ..machine.devices import cuda_index
 from ..machine.activations import SavedActivations, WorkingMemory, counting_regions
 from ..methods.base import build_estimator, method_options
@@ -122,7 +123,7 @@ MAX_GPUS = bound(GRPOConfig, "prompts_per_iteration")
 
 def run_layout(cfg: RunConfig, gpus: int = 1) -> Layout:
     """The layout ``cfg`` asks for on ``gpus`` processes (a ConfigError when its batch cannot be split)."""
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
+    if not is_integer(gpus) or not 1 <= gpus <= MAX_GPUS:
         raise ConfigError("--gpus", gpus, f"an integer from 1 to {MAX_GPUS:,} (each process trains whole GRPO "
                           f"groups, and grpo.prompts_per_iteration is at most {MAX_GPUS:,})")
     distributed.Shard(0, gpus).check_run(cfg)

@@ -63,7 +63,7 @@ from ..errors import ConfigError, UserError
 from ..io import write_json
 from ..machine.telemetry import PhaseTimer, environment
 from ..outdir import claim_files, json_file_with
-from ..records import PASS_KEYS
+from ..records import PASS_KEYS, is_integer
 from ..results.costmodel import fit_call_cost
 from ..results.stats import quartiles
 
@@ -86,7 +86,7 @@ class CalibrationConfig:
     def __post_init__(self) -> None:
         for key, low in (("repeats", 1), ("warmup", 0), ("method_repeats", 1)):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 100_000:
+            if not is_integer(value) or not low <= value <= 100_000:
                 raise ConfigError(f"calibrate.{key}", value, f"an integer from {low} to 100000")
 
     @property

@@ -31,7 +31,7 @@ from ..jsonfiles import JsonProblem, check_path, json_type, loads
 from ..outdir import Claim, check_folder
 from ..outputs import IMPORT_CONTENTS
 from ..records import (DIVERGING_KEYS, INTEGER_RANGES, MAX_LABEL, NUMBER_KEYS, RECORD_KEYS, SIGNED_KEYS,
-                       is_finite_number, is_label, new_record, record_problem)
+                       is_finite_number, is_integer, is_label, new_record, record_problem)
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",
@@ -77,7 +77,7 @@ def convert_records(lines: list[tuple[int, Any]], identity: dict,
             raise UserError(f"{at}: missing {', '.join(repr(k) for k in missing)} "
                             f"(DanceGRPO log lines have {', '.join(DANCEGRPO_KEYS)})")
         step = line["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        if not is_integer(step) or not 0 <= step <= MAX_STEP:
             raise UserError(f"{at}: 'step' = {quote(step)}: expected an integer >= 0 (at most {MAX_STEP:,})")
         if records and step <= records[-1]["iteration"]:
             raise UserError(f"{at}: 'step' = {step} after step {records[-1]['iteration']}: expected steps in "

@@ -39,6 +39,7 @@ from ..errors import ConfigError, UserError
 from ..io import atomic_target, remove_stale_temps, save_figure, write_json, write_text
 from ..outdir import Claim, check_folder, is_harness_name
 from ..outputs import PRETRAIN_CONTENTS, PRETRAIN_MARKER
+from ..records import is_integer
 from ..results.plotting import pyplot
 from ..machine.devices import resolve_device
 from ..threads import usable_cores
@@ -100,7 +101,7 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
     """Every field's type and range, as ConfigErrors naming the key."""
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        if f.type == "int" and (not is_integer(value)):
             raise ConfigError(f.name, value, "an integer")
         if f.type == "float":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -23,6 +23,7 @@ from typing import Any
 
 from ...errors import ConfigError, UserError
 from ...jsonfiles import MAX_CONFIG_BYTES, read_json_object
+from ...records import is_integer
 from .catalog import FAMILY_SPECS, architecture, family_spec
 
 # VAE factor when a policy has no VAE
@@ -43,7 +44,7 @@ class ImageGeometry:
         """Latents per side for square images of ``resolution`` pixels, or a ConfigError naming
         ``model.resolution`` and what this model allows."""
         step = self.vae_scale_factor * self.latent_multiple
-        if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution <= 0 or resolution % step:
+        if not is_integer(resolution) or resolution <= 0 or resolution % step:
             raise ConfigError("model.resolution", resolution,
                               f"a positive multiple of {step} pixels for {self.family} "
                               f"(VAE factor {self.vae_scale_factor})")

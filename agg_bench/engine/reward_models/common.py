@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from ...errors import ConfigError, UserError
+from ...records import is_integer
 from ..rewards import RewardFn, to_uint8
 
 # Image statistics of OpenAI CLIP, used by CLIP-family models and by BLIP / ImageReward.
@@ -260,7 +261,7 @@ def make_reward_fn(score_batch: ScoreBatch, options: Mapping, device) -> RewardF
     float64 model can be compared with a reference to float64 precision.
     """
     batch_size = options.get("batch_size", 16)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_integer(batch_size) or batch_size < 1:
         raise ConfigError("reward.options.batch_size", batch_size, "a positive integer")
     device, score_dtype = torch.device(device), feature_dtype(reward_dtype(options))
 
