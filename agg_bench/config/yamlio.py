@@ -57,9 +57,10 @@ class _Loader(yaml.SafeLoader):
 
 
 # Numbers are written in decimal, the one way every value of the harness reads them (config files, --set, and
-# the numeric flags through read_number). YAML 1.1 also reads 017 as octal 15, 0x10 as 16, 0b11 as 3 and 1:30 as
-# 90 (base 60), while an integer flag read 017 as 17 and refused the rest: here they are text, which a number
-# key refuses. An underscore may group digits, as in Python (1_000).
+# the number flags through read_number). YAML 1.1 also reads 017 as octal 15, 0x10 as 16, 0b11 as 3 and 1:30 as
+# 90 (base 60), where a person (and Python's int()) reads 017 as 17: such a value is text here, which a number
+# key refuses, rather than a number that means one thing in a file and another in a flag. An underscore may
+# group digits, as in Python (1_000).
 _DIGITS = r"[0-9](?:_?[0-9])*"
 _INTEGER = re.compile(r"^[-+]?(?:0|[1-9](?:_?[0-9])*)$")
 _FLOAT = re.compile(rf"""^(?:[-+]?(?:{_DIGITS}\.(?:{_DIGITS})?|\.{_DIGITS})(?:[eE][-+]?[0-9]+)?
