@@ -311,7 +311,8 @@ class Claim:
         self.folder, self.lock_inside, self.flag, self.check = folder, lock_inside, flag, check
         self.wait = wait
         if not self.target.name:
-            raise UserError(f"{flag} {target}: give a named folder or file, not a file-system root")
+            raise UserError(f"{flag} {target}: give a named folder or file, not the current folder or a "
+                            "file-system root")
         self.lock_path = self.target / FOLDER_LOCK if lock_inside else \
             self.target.parent / f".{self.target.name}{LOCK_SUFFIX}"
         self._fd: int | None = None

@@ -450,3 +450,18 @@ def test_a_folder_that_cannot_be_renamed_in_puts_the_earlier_one_back(tmp_path, 
             (tmp / "summary.csv").write_text("new")
     assert (out / "summary.csv").read_text() == "earlier"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tables"]
+
+
+@pytest.mark.parametrize("verb", [
+    ["report", "--runs", str(Path(__file__).parents[2] / "results" / "reference" / "h200" / "runs"), "--tables"],
+    ["run", "--out"]])
+def test_the_current_folder_as_an_output_is_refused_as_what_it_is(tmp_path, monkeypatch, capsys, verb):
+    """The current folder as an output folder (it has no name to claim or replace it by): one line saying so,
+    where it said "a file-system root", and nothing made there."""
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main([*verb, "."]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and ".: give a named folder or file, not the current folder or a file-system root" \
+        in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
