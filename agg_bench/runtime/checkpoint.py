@@ -18,7 +18,10 @@ its EMA as the checkpoint's model.
 each its own shards, with ``torch.distributed.checkpoint`` into ``DIR/checkpoint_shards_<iteration>/``;
 ``checkpoint.pt`` then holds everything else and the name of that folder, and is written last, so it
 only ever names a complete folder; older shard folders are removed after it. Resuming loads the shards
-into the sharded model (the process count may differ: the checkpoint is resharded on load).
+into the sharded model (the process count may differ: the checkpoint is resharded on load). The folder is read
+as data only, as every file of a run folder: its ``.metadata`` (a pickle, as torch writes it) through an unpickler
+that takes only the classes of torch's checkpoint metadata (:func:`read_shard_metadata`), its tensors and its
+other entries (the optimizer's settings) with ``torch.load(..., weights_only=True)``.
 
 The file is written under a temporary name and renamed, so ``checkpoint.pt`` is always complete. The
 records and evaluations travel inside it, so a resumed ``metrics.jsonl`` (and ``evaluations.jsonl``) is rebuilt from them even when the file was
@@ -26,20 +29,23 @@ deleted or holds records of iterations after the checkpoint (the workflow remove
 """
 from __future__ import annotations
 
+import io
 import os
+import pathlib
+import pickle  # noqa: TID251 (one restricted Unpickler: a shard folder's .metadata, read_shard_metadata)
 import random
 import re
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, UserError, quote
+from ..errors import ConfigError, UserError, clip, quote
 from ..io import atomic_file
 from ..jsonfiles import JsonProblem, loads
 from ..outputs import CHECKPOINT_NAME, SHARDS_PREFIX
@@ -426,23 +432,138 @@ def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | 
                       evaluations=list(state.get("evaluations", [])))
 
 
+def _metadata_globals() -> dict[tuple[str, str], Callable]:
+    """Every global a ``.metadata`` that ``torch.distributed.checkpoint`` writes refers to, by its exact (module,
+    name), to the object it stands for: the metadata dataclasses and the storage info of the file-system writer,
+    ``torch.Size``, the dtypes, the layout lookup and the checkpoint's path. Names a torch version lacks are left
+    out."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    found: dict[tuple[str, str], Any] = {
+        **{(metadata.__name__, name): getattr(metadata, name, None)
+           for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+                        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")},
+        (filesystem.__name__, "_StorageInfo"): getattr(filesystem, "_StorageInfo", None),
+        ("torch", "Size"): torch.Size,
+        # a layout is pickled as this lookup of its name ("torch.strided"), a dtype as the torch attribute
+        ("torch.serialization", "_get_layout"): getattr(torch.serialization, "_get_layout", None),
+        **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
+        # the checkpoint's path (StorageMeta.checkpoint_id); Python 3.13 moved the class to pathlib._local
+        ("pathlib", "PosixPath"): pathlib.PosixPath,
+        ("pathlib._local", "PosixPath"): pathlib.PosixPath,
+    }
+    return {key: value for key, value in found.items() if value is not None}
+
+
+class _Refused(pickle.UnpicklingError):
+    """What :class:`ShardMetadataUnpickler` refuses to resolve (told apart from a file that is not a pickle)."""
+
+
+class ShardMetadataUnpickler(pickle.Unpickler):
+    """Unpickles a shard folder's ``.metadata`` resolving only the globals of :func:`_metadata_globals`: any other
+    (``os.system``, ``builtins.eval``, a class of any other module) is refused before it is looked up, so nothing
+    the file names is imported or called. What the allowed classes do when built (dataclass fields, an enum
+    value, a path, a size) runs no code the file chooses."""
+
+    def __init__(self, file, allowed: dict[tuple[str, str], Callable]):
+        super().__init__(file)
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self.allowed.get((module, name))
+        if found is None:
+            raise _Refused(f"refers to {clip(f'{module}.{name}')}, which torch's checkpoint "
+                                         "metadata never holds")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused("holds a persistent reference, which torch's checkpoint metadata never holds")
+
+
+def read_shard_metadata(path: str | Path) -> Any:
+    """The ``torch.distributed.checkpoint`` metadata in ``path`` (a shard folder's ``.metadata``), read with
+    :class:`ShardMetadataUnpickler`: a file that refers to anything else, or that is not a whole pickle of a
+    ``Metadata``, is a UserError naming the file (and what it referred to), refused before anything it names runs."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    advice = "; delete the checkpoint or run without --resume"
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            metadata = ShardMetadataUnpickler(fh, _metadata_globals()).load()
+    except _Refused as err:
+        raise UserError(f"--resume: {path} is not a sharded checkpoint's metadata: it {err}; refused unread{advice}") \
+            from None
+    except OSError as err:
+        raise UserError(f"--resume: {path} cannot be read ({err.strerror or type(err).__name__}){advice}") from None
+    except Exception as err:  # a cut or foreign file fails in many ways inside pickle
+        reason = ": ".join([type(err).__name__, *[clip(line) for line in str(err).splitlines()[:1]]])
+        raise UserError(f"--resume: {path} is not a sharded checkpoint's metadata ({reason}){advice}") from None
+    if not (isinstance(metadata, Metadata) and isinstance(getattr(metadata, "state_dict_metadata", None), dict)
+            and isinstance(getattr(metadata, "storage_data", None), dict)):
+        raise UserError(f"--resume: {path} is not a sharded checkpoint's metadata (it holds "
+                        f"{type(metadata).__name__}){advice}")
+    return metadata
+
+
+def data_only_io(folder: Path) -> tuple[Any, Any]:
+    """The storage reader and load planner with which ``torch.distributed.checkpoint.load`` reads the shard folder
+    ``folder`` as data only: its metadata through :func:`read_shard_metadata`, its entries that are not tensors
+    (the optimizer's settings, which torch's default planner unpickles whole) with ``weights_only=True`` (one that
+    is anything else is a UserError naming the folder and the entry), its tensors as torch reads them
+    (``weights_only=True``)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class DataOnlyReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            rank = kwargs.get("rank")  # torch's fallback to a process's own metadata, which our saves never write
+            metadata = read_shard_metadata(folder / (".metadata" if rank is None else f"__{rank}.metadata"))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    class DataOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            try:
+                data = torch.load(value, map_location="cpu", weights_only=True)
+            except Exception as err:
+                raise UserError(f"--resume: {folder}: entry {quote(read_item.dest_index.fqn)} is not plain data "
+                                f"({type(err).__name__}); delete the checkpoint or run without --resume") from None
+            plain = io.BytesIO()  # the default planner unpickles what it is given: give it what was just checked
+            torch.save(data, plain)
+            plain.seek(0)
+            super().load_bytes(read_item, plain)
+
+    return DataOnlyReader(folder), DataOnlyPlanner()
+
+
 def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:
-    """Load the shard folder ``name`` that ``path`` names into the sharded session."""
+    """Load the shard folder ``name`` that ``path`` names into the sharded session, as data only
+    (:func:`data_only_io`). Its metadata is read and checked by every process before any loads: a problem on
+    one process is a UserError on all."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    from ..machine import distributed
     from ..machine.fsdp import is_sharded
 
     folder = out_dir / name
-    if not is_sharded(session.policy) or not (folder / ".metadata").is_file():
-        raise UserError(f"--resume: {path} names the shard folder {folder}, which is missing or incomplete; "
-                        "delete the checkpoint or run without --resume")
+    with distributed.failures_shared():
+        if not is_sharded(session.policy) or not (folder / ".metadata").is_file():
+            raise UserError(f"--resume: {path} names the shard folder {folder}, which is missing or incomplete; "
+                            "delete the checkpoint or run without --resume")
+        read_shard_metadata(folder / ".metadata")
+    reader, planner = data_only_io(folder)
     state = _sharded_state(session)
     try:
-        dcp.load(state, checkpoint_id=folder)
+        dcp.load(state, storage_reader=reader, planner=planner)
     except (Exception, CheckpointException) as err:  # e.g. another model's parameter names, a shard file removed
         cause = first_failure(err)
+        if isinstance(cause, UserError):
+            raise cause from None
         raise UserError(f"--resume: {folder} is damaged or does not match the model's trainable parameters "
                         f"({': '.join([type(cause).__name__, *str(cause).splitlines()[:1]])}); delete "
                         "the checkpoint or run without --resume") from err

@@ -78,15 +78,47 @@ def _calls(tree: ast.AST):
                 yield node, func.value.id if isinstance(func.value, ast.Name) else "?", func.attr
 
 
+# The one unpickler of the package: a shard folder's .metadata, resolving only the globals of torch's checkpoint
+# metadata (the tests of the sharded checkpoint's folder above take crafted files through it).
+ALLOWED_UNPICKLERS = {("agg_bench/runtime/checkpoint.py", "ShardMetadataUnpickler")}
+PICKLE_MODULES = ("pickle", "_pickle", "cPickle", "dill", "marshal", "shelve")
+
+
+def _unpickling(tree: ast.AST):
+    """(node, what) of every import of a pickle module and every class derived from an ``...Unpickler``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in PICKLE_MODULES:
+                    yield node, f"import {alias.name}"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PICKLE_MODULES:
+            yield node, f"from {node.module} import"
+        elif isinstance(node, ast.ClassDef):
+            bases = [b.attr if isinstance(b, ast.Attribute) else b.id if isinstance(b, ast.Name) else "" for b in node.bases]
+            if any(base.endswith("Unpickler") for base in bases):
+                yield node, f"class {node.name}"
+
+
 def test_no_source_unpickles_or_evaluates_what_it_reads():
     """Every torch.load passes weights_only=True; no eval, exec, pickle/marshal/shelve loads, unsafe YAML or
-    numpy pickles anywhere in the package, the scripts or the workflow."""
-    problems = []
+    numpy pickles anywhere in the package, the scripts or the workflow; pickle is imported, and an Unpickler
+    derived, only for :data:`ALLOWED_UNPICKLERS`, whose class resolves globals itself (``find_class``)."""
+    problems, found = [], set()
     for path in SOURCES:
         text = path.read_text()
         if "weights_only=False" in text:
             problems.append(f"{path}: weights_only=False")
-        for node, owner, name in _calls(ast.parse(text, str(path))):
+        tree = ast.parse(text, str(path))
+        relative = str(path.relative_to(ROOT))
+        allowed = {name for file, name in ALLOWED_UNPICKLERS if file == relative}
+        for node, what in _unpickling(tree):
+            if isinstance(node, ast.ClassDef) and node.name in allowed:
+                found.add((relative, node.name))
+                if "find_class" not in {f.name for f in node.body if isinstance(f, ast.FunctionDef)}:
+                    problems.append(f"{relative}:{node.lineno}: {what} resolves globals as pickle does")
+            elif not (allowed and what == "import pickle"):
+                problems.append(f"{relative}:{node.lineno}: {what}")
+        for node, owner, name in _calls(tree):
             where = f"{path.relative_to(ROOT)}:{node.lineno}"
             keywords = {k.arg: k.value for k in node.keywords}
             if owner == "torch" and name == "load":
@@ -111,10 +143,15 @@ def test_no_source_unpickles_or_evaluates_what_it_reads():
             if word in path.read_text():
                 problems.append(f"{path.relative_to(ROOT)}: {word}")
     assert not problems, problems
+    assert found == ALLOWED_UNPICKLERS  # the allowance names a class that is there
     # the check sees what it is meant to see
     bad = "import torch, yaml, pickle\ntorch.load(f)\ntorch.load(f, weights_only=False)\neval(s)\npickle.loads(b)\n" \
           "yaml.load(t)\n"
     assert len([c for c in _calls(ast.parse(bad)) if c[2] in ("load", "loads", "eval")]) == 5
+    lax = "import pickle\nfrom pickle import loads\nimport _pickle as p\nclass U(pickle.Unpickler): pass\n" \
+          "class V(ShardMetadataUnpickler): pass\n"
+    assert [what for _, what in _unpickling(ast.parse(lax))] == \
+        ["import pickle", "from pickle import", "import _pickle", "class U", "class V"]
 
 
 class Payload:
@@ -198,6 +235,162 @@ def test_model_and_reward_loaders_refuse_crafted_pickles(tmp_path, folders):
     with pytest.raises(UserError, match="pickled"):
         load_state_dict("hpsv2", crafted(tmp_path / "reward.pt", marker), "checkpoint")
     assert not marker.exists()
+
+
+# ----- a sharded checkpoint's folder ----------------------------------------------------------------------
+SHARDED = [*SETS, "--set", "grpo.prompts_per_iteration=2", "--set", "train.shard=fsdp", "--checkpoint-every", "1"]
+RESUME_SHARDED = ["run", *SHARDED, "--set", "train.iterations=2", "--resume"]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """A run folder whose checkpoint names a shard folder that a one-process FSDP run wrote."""
+    out = tmp_path_factory.mktemp("sharded") / "run"
+    assert main(["run", *SHARDED, "--out", str(out)]) == 0
+    return out
+
+
+def shard_copy(sharded_run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the sharded run folder and its shard folder."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(sharded_run, out)
+    return out, out / "checkpoint_shards_000000"
+
+
+def pickled(value) -> bytes:
+    import pickle  # noqa: TID251 (crafts the files that the reader must refuse)
+
+    return pickle.dumps(value)
+
+
+def unpickled(data: bytes):
+    import pickle  # noqa: TID251 (shows a crafted file is live)
+
+    return pickle.loads(data)  # noqa: S301 (this test's own bytes, to show the payload works)
+
+
+class Calls:
+    """Unpickling this calls ``function(*args)``."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+def crafted_metadata(kind: str, marker: Path, real: bytes) -> bytes:
+    """A ``.metadata`` of ``kind``: a payload that touches ``marker`` when unpickled (through os.system, eval,
+    subprocess, Path.touch, or inside torch's own Metadata), a harmless class outside torch's checkpoint
+    metadata, a pickle of something else, the real file cut short, or no pickle at all."""
+    import builtins
+    import collections
+    import subprocess
+
+    from agg_bench.runtime.checkpoint import read_shard_metadata
+
+    touch = f"touch {marker}"
+    if kind == "os.system":
+        return pickled(Calls(os.system, touch))
+    if kind == "eval":
+        return pickled(Calls(builtins.eval, f"__import__('pathlib').Path({str(marker)!r}).touch()"))
+    if kind == "subprocess":
+        return pickled(Calls(subprocess.call, ["touch", str(marker)]))
+    if kind == "Path.touch":
+        return pickled(Payload(marker))
+    if kind == "inside Metadata":
+        path = marker.parent / "real.metadata"
+        path.write_bytes(real)
+        metadata = read_shard_metadata(path)
+        metadata.planner_data = {"payload": Payload(marker)}
+        return pickled(metadata)
+    if kind == "another class":
+        return pickled(collections.OrderedDict(a=1))
+    if kind == "a dict":
+        return pickled({"state_dict_metadata": {}})
+    if kind == "truncated":
+        return real[: len(real) // 2]
+    return b"not a pickle at all"
+
+
+PAYLOADS = ["os.system", "eval", "subprocess", "Path.touch", "inside Metadata"]
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_the_crafted_metadata_runs_when_unpickled(tmp_path, sharded_run, kind):
+    """Each crafted ``.metadata`` is live: plain pickle (what torch's own reader uses) runs its payload."""
+    marker = tmp_path / "ran"
+    unpickled(crafted_metadata(kind, marker, (sharded_run / "checkpoint_shards_000000/.metadata").read_bytes()))
+    assert marker.exists()
+
+
+def test_the_shard_metadata_reader_takes_what_torch_writes(sharded_run):
+    """The restricted reader reads the ``.metadata`` a sharded save wrote as torch's own reader does, and the
+    globals that file refers to are all on its list."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from agg_bench.runtime import checkpoint
+
+    folder = sharded_run / "checkpoint_shards_000000"
+    seen = set()
+
+    class Recording(checkpoint.ShardMetadataUnpickler):
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    allowed = checkpoint._metadata_globals()
+    with open(folder / ".metadata", "rb") as fh:
+        Recording(fh, allowed).load()
+    ours = checkpoint.read_shard_metadata(folder / ".metadata")
+    theirs = FileSystemReader(folder).read_metadata()  # plain pickle: this test's own file
+    assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.storage_data == theirs.storage_data
+    assert {("torch.distributed.checkpoint.metadata", "Metadata"), ("torch", "Size")} <= seen <= set(allowed)
+    assert not any(module in ("builtins", "os", "posix", "subprocess") for module, _ in allowed)
+
+
+@pytest.mark.parametrize("kind", [*PAYLOADS, "another class", "a dict", "truncated", "garbage"])
+def test_resume_refuses_a_crafted_shard_metadata_unexecuted(tmp_path, capsys, sharded_run, kind):
+    """A shard folder's ``.metadata`` crafted to run code, of another class, cut or garbage: one line naming the
+    file, exit 2, the payload not run and the folder as it was."""
+    out, folder = shard_copy(sharded_run, tmp_path)
+    marker = tmp_path / "ran"
+    (folder / ".metadata").write_bytes(crafted_metadata(kind, marker, (folder / ".metadata").read_bytes()))
+    before = files(out)
+    refused(capsys, [*RESUME_SHARDED, "--out", str(out)], str(folder / ".metadata"), "--resume: ",
+            "not a sharded checkpoint's metadata")
+    assert not marker.exists() and files(out) == before
+
+
+def test_resume_reads_a_shard_folder_s_other_entries_as_plain_data(tmp_path, capsys, sharded_run):
+    """torch's default load planner unpickles a shard folder's entries that are not tensors (the optimizer's
+    settings) whole: one crafted to run code is refused in one line naming the folder and the entry, unexecuted."""
+    import dataclasses
+    import io
+
+    from agg_bench.runtime.checkpoint import read_shard_metadata
+
+    out, folder = shard_copy(sharded_run, tmp_path)
+    marker = tmp_path / "ran"
+    metadata = read_shard_metadata(folder / ".metadata")
+    index = next(i for i in metadata.storage_data if i.fqn == "optimizer.param_groups.0.lr")
+    info = metadata.storage_data[index]
+    payload = io.BytesIO()
+    torch.save(Payload(marker), payload)
+    shards = folder / info.relative_path
+    offset = shards.stat().st_size
+    with open(shards, "ab") as fh:
+        fh.write(payload.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
+    (folder / ".metadata").write_bytes(pickled(metadata))
+    before = files(out)
+    refused(capsys, [*RESUME_SHARDED, "--out", str(out)], str(folder), "'optimizer.param_groups.0.lr'",
+            "not plain data")
+    assert not marker.exists() and files(out) == before
+    torch.load(io.BytesIO(payload.getvalue()), weights_only=False)  # the entry is live
+    assert marker.exists()
 
 
 # ----- one writer per output -------------------------------------------------------------------------------
