@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .config import integer_arg, number_arg
-from .errors import ConfigError, OneLineParser, UserError, quote, run_command
+from .errors import ConfigError, OneLineParser, UserError, alike_on_every_process, quote, run_command
 from .io import write_json
 from .outdir import check_file, check_writable, path_problem
 
@@ -41,11 +41,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _run_config(path, overrides: list[str]):
     """The run config a verb runs: loaded (no torch), then checked whole, the method's own options among
-    the checks (:func:`agg_bench.runtime.config_check.check_config`), before anything is written."""
+    the checks (:func:`agg_bench.runtime.config_check.check_config`), before anything is written. Its errors
+    come from the command line, the config's files and the code alone, so the processes torchrun starts on a
+    machine raise them alike and its first process prints them (:func:`agg_bench.errors.alike_on_every_process`):
+    a verb calls this before anything that depends on the process (its rank, its device)."""
     from .config import load_config
     from .runtime.config_check import check_config
 
-    return check_config(load_config(path, overrides))
+    with alike_on_every_process():
+        return check_config(load_config(path, overrides))
 
 
 def cmd_run(args) -> int:
@@ -55,13 +59,14 @@ def cmd_run(args) -> int:
     overrides = list(args.overrides)
     if args.checkpoint_every is not None:
         overrides.append(f"train.checkpoint_every={args.checkpoint_every}")
+    with alike_on_every_process():  # the command line alone
+        if args.resume and args.resume_stopped:
+            raise UserError("--resume and --resume-stopped: give one (--resume continues any checkpoint of this "
+                            "run, --resume-stopped only a stopped attempt's)")
+    cfg = _run_config(args.config, overrides)  # before the checks of this process's own launcher variables
     rank = launched_rank()  # a bad launcher environment (RANK, WORLD_SIZE) is refused before the run
-    if args.resume and args.resume_stopped:
-        raise UserError("--resume and --resume-stopped: give one (--resume continues any checkpoint of this run, "
-                        "--resume-stopped only a stopped attempt's)")
     if args.done is not None:
         _check_marker(args.done, args.out)
-    cfg = _run_config(args.config, overrides)
     from .runtime.cell import ENDED, CellRun
 
     # --journal: the run an attempt whose end went unrecorded finished is kept (a cell job's journal of one run)

@@ -9,6 +9,7 @@ when written out, such as a YAML document whose aliases nest (only its first ite
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import itertools
 import os
@@ -17,9 +18,10 @@ import select
 import shlex
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Iterator, NoReturn, Sequence
 
 from .stopping import handled, stop_signals
 
@@ -106,6 +108,72 @@ class ConfigError(UserError):
         super().__init__(f"config error: {clip(str(key))} = {quote(value)}: expected {expected}")
 
 
+_ALIKE = "_agg_bench_alike"
+# how long a process that leaves an error to its machine's first process waits to be ended (:func:`_print_user_error`)
+ALIKE_WAIT_S = 60.0
+
+
+def mark_alike(err: BaseException) -> BaseException:
+    """``err``, marked as raised alike by every process of its machine (:func:`user_error_line`)."""
+    with contextlib.suppress(AttributeError):
+        setattr(err, _ALIKE, True)
+    return err
+
+
+@contextlib.contextmanager
+def alike_on_every_process() -> Iterator[None]:
+    """A block whose outcome depends on nothing but the command line, the machine's files and the code (no
+    rank, device or other process), which every process a launcher starts on one machine reaches alike (nothing
+    before it depends on the process), so that they all raise the same UserError in it or none does:
+    :func:`user_error_line` prints it on the first process of the machine only."""
+    try:
+        yield
+    except UserError as err:
+        mark_alike(err)
+        raise
+
+
+def launch_place() -> tuple[int, int] | None:
+    """(``RANK``, ``LOCAL_RANK``) of this process when torchrun started several (``WORLD_SIZE`` > 1); None for
+    one process, or where those variables are not all integers (then every line is printed as it is)."""
+    try:
+        world, rank, local = (int(os.environ[name]) for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
+    except (KeyError, ValueError):
+        return None
+    return (rank, local) if world > 1 else None
+
+
+def user_error_line(name: str, err: BaseException | str, alike: bool = False) -> str | None:
+    """The line this process prints for the user error ``err`` of command ``name``: ``name: message`` for one
+    process. Of several processes a launcher started, an error raised alike on every process of a machine
+    (``alike``, or marked by :func:`mark_alike`) is printed by the machine's first process only (None on the
+    others); any other is printed by every process that raised it, ``rank N: `` before the message on every
+    process but rank 0, so that a problem only one process has is printed by it and says whose it is."""
+    place = launch_place()
+    if place is None:
+        return f"{name}: {one_line(str(err))}"
+    rank, local = place
+    if (alike or getattr(err, _ALIKE, False)) and local != 0:
+        return None
+    return f"{name}: {'' if rank == 0 else f'rank {rank}: '}{one_line(str(err))}"
+
+
+def _print_user_error(name: str, err: BaseException | str, alike: bool = False) -> None:
+    """Print :func:`user_error_line`. A process that leaves the line to its machine's first process waits up to
+    :data:`ALIKE_WAIT_S` seconds before it goes on to exit: torchrun ends a job's processes once one has failed,
+    so this one ending first could get the first one ended before it printed. Ended by then, it printed nothing
+    (the first one did); still running, it prints the line itself."""
+    line = user_error_line(name, err, alike)
+    if line is None:
+        try:
+            time.sleep(ALIKE_WAIT_S)
+        except KeyboardInterrupt:
+            return
+        place = launch_place()
+        line = f"{name}: rank {place[0] if place else '?'}: {one_line(str(err))}"
+    print(line, file=sys.stderr)
+
+
 class JobLost(Exception):
     """Another process of this distributed job ended, so this one cannot go on: no bug of this process (the
     other one's output says why). The CLI prints ``str(err)`` on one line, without a traceback, and exits with
@@ -157,7 +225,8 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
 
     A :class:`UserError` prints ``name: message`` on one line and exits with 2, as does a full disk (an
     ``ENOSPC`` / ``EDQUOT`` anywhere in the exception's chain: the line names the file being written, else
-    ``out``). SIGTERM and SIGINT are taken as :mod:`agg_bench.stopping` says (``body`` runs under its
+    ``out``); of several processes a launcher started, which prints a user error is :func:`user_error_line`'s
+    rule. SIGTERM and SIGINT are taken as :mod:`agg_bench.stopping` says (``body`` runs under its
     :func:`~agg_bench.stopping.stop_signals`): an interruption prints ``name: interrupted`` and exits with
     128 + the signal's number, as a shell reports a process ended by it (130 SIGINT, 143 SIGTERM), and a
     second signal ends the process at once with that code. Another process of a distributed job that ended
@@ -172,7 +241,7 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
         sys.stdout.flush()  # what it printed reaches its reader here, where a reader that has gone is caught
         return code
     except UserError as err:
-        print(f"{name}: {one_line(str(err))}", file=sys.stderr)
+        _print_user_error(name, err)
         return 2
     except JobLost as err:
         print(f"{name}: {one_line(str(err))}", file=sys.stderr)
@@ -219,7 +288,9 @@ class _StoreOnce(argparse._StoreAction):
 class OneLineParser(argparse.ArgumentParser):
     """argparse's parser whose usage errors keep the error contract: one line naming the flag and the value,
     exit code 2 (argparse prints its usage block first); ``--help`` prints the usage as ever. A flag that holds
-    one value is refused when given twice (:class:`_StoreOnce`). Subparsers are of the same class."""
+    one value is refused when given twice (:class:`_StoreOnce`). Subparsers are of the same class. A usage
+    error depends on the command line alone: of several processes a launcher started on a machine, the first
+    prints it (:func:`user_error_line`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -231,4 +302,5 @@ class OneLineParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the options)\n")
+        _print_user_error(self.prog, f"{message} ({self.prog} --help lists the options)", alike=True)
+        self.exit(2)

@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from .. import stopping
 from ..config import check_data_parallel
-from ..errors import JobLost, UserError
+from ..errors import JobLost, UserError, mark_alike
 from . import fsdp
 
 # Per-record fields whose shares add up (work done, energy, power of all GPUs); the others are
@@ -436,7 +436,8 @@ def gather(payload: Any = None) -> list:
 def report_failure(exc: BaseException, memory: dict | None = None) -> None:
     """Tell the other processes that ``exc`` stopped this one, at their next :func:`gather` (once per
     exception; nothing to do for one process). ``memory``: the allocator's state for an OOM (taken
-    here when not given)."""
+    here when not given). A user error that every process reported at this same point with the same message
+    is marked alike (:func:`agg_bench.errors.mark_alike`): the first process of each machine prints it."""
     from .telemetry import is_oom_error, memory_at_failure
 
     if is_shared(exc):
@@ -446,7 +447,11 @@ def report_failure(exc: BaseException, memory: dict | None = None) -> None:
         return
     if memory is None and is_oom_error(exc) and torch.cuda.is_available() and torch.cuda.is_initialized():
         memory = memory_at_failure(torch.device("cuda", torch.cuda.current_device()))
-    _exchange(_describe(exc, memory), None)
+    mine = _describe(exc, memory)
+    failures = [failure for failure, _ in _exchange(mine, None)]
+    if mine["kind"] == "user" and all(f is not None and (f["kind"], f["message"]) == ("user", mine["message"])
+                                      for f in failures):
+        mark_alike(exc)
 
 
 def exchange_signal(signum: int) -> int:

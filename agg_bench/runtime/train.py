@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from .. import stopping
 from ..config import RunConfig
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError, UserError, alike_on_every_process
 from ..io import JsonlWriter
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
@@ -88,7 +88,8 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
         with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard, \
                 (stopping.together(distributed.exchange_signal) if shard.distributed else contextlib.nullcontext()):
             # on several processes every stopping.check below is a collective point where they stop together
-            shard.check_run(cfg)
+            with alike_on_every_process():  # every process joined the group, and this depends on cfg alone
+                shard.check_run(cfg)
             fsdp.check_run(cfg)
             scalar_events.check_run(cfg)
             if kept is not None:  # rank 0 reads the journal and the folder; every process follows its answer

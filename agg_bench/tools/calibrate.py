@@ -59,7 +59,7 @@ from typing import Any, Mapping
 import torch
 
 from ..config import RunConfig, apply_overrides, dotted_value, validate
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError, UserError, alike_on_every_process
 from ..io import write_json
 from ..machine.telemetry import PhaseTimer, environment
 from ..outdir import claim_files, json_file_with
@@ -470,7 +470,8 @@ def write_calibration(cfg: RunConfig, out: str | Path, options: CalibrationConfi
 
     out = Path(out)
     with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
-        shard.check_run(cfg)  # whole groups per process, as a run checks it
+        with alike_on_every_process():  # every process joined the group, and this depends on cfg alone
+            shard.check_run(cfg)  # whole groups per process, as a run checks it
         # claimed before minutes of timing: a file that is not a calibration, or a second writer, is refused first
         claim = distributed.on_main(
             lambda: claim_files({out: (json_file_with("unit_s_per_sample"), "a calibration")}).acquire())

@@ -277,6 +277,52 @@ def test_torchrun_run_writes_the_single_process_records(tmp_path, steps):
         assert e2["eval_reward"] == pytest.approx(e1["eval_reward"], rel=1e-9, abs=1e-12)
 
 
+def agg_bench_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("agg-bench run:")]
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--set", "train.iterations=abc"], "agg-bench run: config error: train.iterations = 'abc': expected an integer"),
+    (["--resume", "--resume-stopped"], "agg-bench run: --resume and --resume-stopped: give one"),
+    ([], "agg-bench run: the following arguments are required: --out"),  # argparse
+    # after the processes joined the group, from the config alone
+    (["--set", "grpo.prompts_per_iteration=3"], "agg-bench run: config error: grpo.prompts_per_iteration = 3: "
+                                                "expected a multiple of the 2 data-parallel processes"),
+])
+def test_a_user_error_every_process_raises_is_printed_once(tmp_path, args, error):
+    out = [] if not args else ["--set", "progress=false", "--set", "telemetry.enabled=false", "--out", str(tmp_path / "o")]
+    proc = torchrun("-m", "agg_bench", "run", *args, *out, timeout=240)
+    lines = agg_bench_lines(proc)
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith(error), proc.stderr[-3000:]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("which, expected", [
+    ("one", ["agg-bench run: rank 1: process 1's own problem"]),
+    ("each", ["agg-bench run: process 0's own problem", "agg-bench run: rank 1: process 1's own problem"]),
+])
+def test_a_user_error_of_one_process_is_printed_by_it(tmp_path, which, expected):
+    """An error that not every process raised alike is printed by each process that raised it, which says whose
+    it is: none is left to another process that does not have it."""
+    proc = torchrun(__file__, str(tmp_path), "--user-error", which, timeout=240)
+    assert sorted(agg_bench_lines(proc)) == expected, proc.stderr[-3000:]
+
+
+def _user_error(which: str) -> int:
+    """Run by torchrun: the error contract of a command whose process 1 ("one") or every process ("each") raises
+    a user error of its own."""
+    from agg_bench.errors import UserError, run_command
+
+    rank = int(os.environ["RANK"])
+
+    def body() -> int:
+        if which == "each" or rank == 1:
+            raise UserError(f"process {rank}'s own problem")
+        return 0
+
+    return run_command("agg-bench run", body, ["agg-bench", "run"])
+
+
 def _worker(out: Path) -> None:
     """Run by torchrun: one update per method, rank 0 saving the averaged gradients; then a run in which
     process 1 runs out of memory in its second update."""
@@ -307,4 +353,6 @@ def oom_on_rank_1(shard, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    if "--user-error" in sys.argv:
+        sys.exit(_user_error(sys.argv[-1]))
     _worker(Path(sys.argv[1]))

@@ -271,6 +271,40 @@ def test_a_stuck_process_ends_the_job_at_the_collective_timeout(tmp_path):
     assert "rank 0 timed out" in (tmp_path / "hang.txt").read_text()
 
 
+class _System:
+    """Unpickling this runs ``command`` in a shell."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+@pytest.mark.slow
+def test_two_processes_refuse_a_crafted_shard_metadata_in_one_line_unexecuted(tmp_path):
+    """A two-process sharded checkpoint whose ``.metadata`` was crafted to run a command: every process refuses
+    it unread (the command runs on none), one line names the file, and the run folder is as it was."""
+    import pickle  # noqa: TID251 (crafts the file the resume must refuse)
+
+    out, marker = tmp_path / "run", tmp_path / "ran"
+    sets = [a for item in ("model.resolution=32", "sampling.steps=2", "grpo.group_size=2", "grpo.prompts_per_iteration=2",
+                           "progress=false", "telemetry.enabled=false", "train.shard=fsdp", "train.checkpoint_every=1")
+            for a in ("--set", item)]
+    proc = torchrun("-m", "agg_bench", "run", *sets, "--set", "train.iterations=1", "--out", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metadata = out / "checkpoint_shards_000000" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_System(f"touch {marker}")))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = torchrun("-m", "agg_bench", "run", *sets, "--set", "train.iterations=2", "--resume", "--out", str(out),
+                    timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("agg-bench run:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert str(metadata) in lines[0] and "posix.system" in lines[0] and "refused unread" in lines[0]
+    assert not marker.exists()
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_timeout_variable_is_checked(monkeypatch):
     monkeypatch.setenv(distributed.TIMEOUT_ENV, "12.5")
     assert distributed.collective_timeout().total_seconds() == 12.5

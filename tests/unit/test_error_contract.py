@@ -265,3 +265,81 @@ def test_a_process_of_the_job_that_has_gone_is_one_line_not_a_bug(capsys, monkey
     else:
         assert code == 1 and lines == [f"agg-bench test: another process of this job ended ({GLOO_PEER_GONE}); "
                                        "this one stops too: the output of the process that ended first says why"]
+
+
+# ----- several processes ---------------------------------------------------------------------------------
+def launched(monkeypatch, rank: int, local: int, world: int = 2) -> None:
+    """The environment torchrun gives process ``rank`` (``local`` on its machine) of ``world``."""
+    for name, value in (("WORLD_SIZE", world), ("RANK", rank), ("LOCAL_RANK", local)):
+        monkeypatch.setenv(name, str(value))
+
+
+@pytest.mark.parametrize("rank, local, alike, line", [
+    (0, 0, True, "agg-bench run: bad"), (0, 0, False, "agg-bench run: bad"),
+    (1, 1, True, None), (1, 1, False, "agg-bench run: rank 1: bad"),
+    (2, 0, True, "agg-bench run: rank 2: bad"),  # the first process of a second machine
+])
+def test_an_error_raised_alike_is_printed_by_each_machine_s_first_process(monkeypatch, rank, local, alike, line):
+    """Of several processes, an error every process of a machine raised alike is its first process's to print;
+    any other error is printed by the process that raised it, saying which it is (but rank 0)."""
+    from agg_bench.errors import mark_alike, user_error_line
+
+    launched(monkeypatch, rank, local)
+    err = mark_alike(UserError("bad")) if alike else UserError("bad")
+    assert user_error_line("agg-bench run", err) == line
+
+
+@pytest.mark.parametrize("env", [{}, {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"},
+                                 {"WORLD_SIZE": "2", "RANK": "1"}, {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "x"}])
+def test_one_process_or_unclear_launcher_variables_print_every_error_as_it_is(monkeypatch, env):
+    from agg_bench.errors import mark_alike, user_error_line
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert user_error_line("agg-bench run", mark_alike(UserError("bad"))) == "agg-bench run: bad"
+
+
+def test_a_process_that_leaves_an_alike_error_to_another_prints_it_if_not_ended(capsys, monkeypatch):
+    """The process that leaves the line to its machine's first process waits to be ended by torchrun; not
+    ended in time (no torchrun, say), it prints the line itself: no error goes unprinted."""
+    from agg_bench import errors
+
+    launched(monkeypatch, 1, 1)
+    waited = []
+    monkeypatch.setattr(errors.time, "sleep", waited.append)
+
+    def alike():
+        with errors.alike_on_every_process():
+            raise UserError("bad --set")
+
+    assert run_command("agg-bench run", alike, ["agg-bench", "run"]) == 2
+    assert waited == [errors.ALIKE_WAIT_S]
+    assert capsys.readouterr().err.splitlines() == ["agg-bench run: rank 1: bad --set"]
+    with pytest.raises(SystemExit) as exit_:  # a usage error depends on the command line alone
+        cli.main(["run", "--resume"])
+    assert exit_.value.code == 2 and len(waited) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agg-bench run: rank 1: the following arguments are required")
+
+
+def test_the_run_config_is_refused_alike_before_any_check_of_the_process(tmp_path, capsys, monkeypatch):
+    """A bad --set is the first error of every process of a launch (before the launcher's variables of its own):
+    the first process prints it and the others leave it to it; a bad variable of one process is its own line."""
+    from agg_bench import errors
+
+    monkeypatch.setattr(errors.time, "sleep", lambda seconds: None)
+    launched(monkeypatch, 1, 1)
+    out = str(tmp_path / "out")
+    assert cli.main(["run", "--set", "train.iterations=abc", "--out", out]) == 2
+    assert capsys.readouterr().err.splitlines() == \
+        ["agg-bench run: rank 1: config error: train.iterations = 'abc': expected an integer"]
+    launched(monkeypatch, 0, 0)
+    assert cli.main(["run", "--set", "train.iterations=abc", "--out", out]) == 2
+    assert capsys.readouterr().err.splitlines() == ["agg-bench run: config error: train.iterations = 'abc': expected an integer"]
+    launched(monkeypatch, 1, 1)
+    monkeypatch.setenv("RANK", "7")  # out of range for 2 processes: this process's own problem
+    assert cli.main(["run", "--set", "train.iterations=1", "--out", out]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agg-bench run: rank 7: environment variable RANK='7'"), lines
