@@ -109,8 +109,17 @@ class ConfigError(UserError):
 
 
 _ALIKE = "_agg_bench_alike"
+_RAISED_BY = "_agg_bench_raised_by"
 # how long a process that leaves an error to its machine's first process waits to be ended (:func:`_print_user_error`)
 ALIKE_WAIT_S = 60.0
+
+
+def raised_by(err: BaseException, rank: int) -> BaseException:
+    """``err``, marked as another process's error (process ``rank``'s), passed on to this one: its line names that
+    process (:func:`user_error_line`)."""
+    with contextlib.suppress(AttributeError):
+        setattr(err, _RAISED_BY, rank)
+    return err
 
 
 def mark_alike(err: BaseException) -> BaseException:
@@ -148,13 +157,15 @@ def user_error_line(name: str, err: BaseException | str, alike: bool = False) ->
     process. Of several processes a launcher started, an error raised alike on every process of a machine
     (``alike``, or marked by :func:`mark_alike`) is printed by the machine's first process only (None on the
     others); any other is printed by every process that raised it, ``rank N: `` before the message on every
-    process but rank 0, so that a problem only one process has is printed by it and says whose it is."""
+    process but rank 0, so that a problem only one process has is printed by it and says whose it is (N: the
+    process it came from, for another process's error passed on to this one, :func:`raised_by`)."""
     place = launch_place()
     if place is None:
         return f"{name}: {one_line(str(err))}"
     rank, local = place
     if (alike or getattr(err, _ALIKE, False)) and local != 0:
         return None
+    rank = getattr(err, _RAISED_BY, rank)
     return f"{name}: {'' if rank == 0 else f'rank {rank}: '}{one_line(str(err))}"
 
 

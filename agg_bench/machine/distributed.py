@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from .. import stopping
 from ..config import check_data_parallel
-from ..errors import JobLost, UserError, mark_alike
+from ..errors import JobLost, UserError, mark_alike, raised_by
 from . import fsdp
 
 # Per-record fields whose shares add up (work done, energy, power of all GPUs); the others are
@@ -428,7 +428,7 @@ def gather(payload: Any = None) -> list:
     if failures:
         first = failures[0]
         if first["kind"] == "user":
-            raise _mark(UserError(first["message"]))
+            raise _mark(raised_by(UserError(first["message"]), first["rank"]))
         raise _mark(PeerFailure(first["rank"], first["kind"], first["message"], first["memory"]))
     return [p for _, p in items]
 

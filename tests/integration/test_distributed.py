@@ -300,6 +300,8 @@ def test_a_user_error_every_process_raises_is_printed_once(tmp_path, args, error
 @pytest.mark.parametrize("which, expected", [
     ("one", ["agg-bench run: rank 1: process 1's own problem"]),
     ("each", ["agg-bench run: process 0's own problem", "agg-bench run: rank 1: process 1's own problem"]),
+    # passed on to process 0 at a point both reach: its copy names the process it came from
+    ("passed", ["agg-bench run: rank 1: process 1's own problem"] * 2),
 ])
 def test_a_user_error_of_one_process_is_printed_by_it(tmp_path, which, expected):
     """An error that not every process raised alike is printed by each process that raised it, which says whose
@@ -310,14 +312,21 @@ def test_a_user_error_of_one_process_is_printed_by_it(tmp_path, which, expected)
 
 def _user_error(which: str) -> int:
     """Run by torchrun: the error contract of a command whose process 1 ("one") or every process ("each") raises
-    a user error of its own."""
+    a user error of its own, or process 1 in a block that every process ends together ("passed")."""
     from agg_bench.errors import UserError, run_command
 
     rank = int(os.environ["RANK"])
 
-    def body() -> int:
+    def raise_own() -> None:
         if which == "each" or rank == 1:
             raise UserError(f"process {rank}'s own problem")
+
+    def body() -> int:
+        if which != "passed":
+            raise_own()
+            return 0
+        with distributed.process_group(torch.device("cpu")), distributed.failures_shared():
+            raise_own()
         return 0
 
     return run_command("agg-bench run", body, ["agg-bench", "run"])

@@ -289,6 +289,16 @@ def test_an_error_raised_alike_is_printed_by_each_machine_s_first_process(monkey
     assert user_error_line("agg-bench run", err) == line
 
 
+def test_another_process_s_error_passed_on_names_that_process(monkeypatch):
+    """A user error another process reported, raised here too (``distributed.gather``), says whose it is."""
+    from agg_bench.errors import raised_by, user_error_line
+
+    launched(monkeypatch, 1, 1)
+    assert user_error_line("agg-bench run", raised_by(UserError("bad"), 0)) == "agg-bench run: bad"
+    launched(monkeypatch, 0, 0)
+    assert user_error_line("agg-bench run", raised_by(UserError("bad"), 1)) == "agg-bench run: rank 1: bad"
+
+
 @pytest.mark.parametrize("env", [{}, {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"},
                                  {"WORLD_SIZE": "2", "RANK": "1"}, {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "x"}])
 def test_one_process_or_unclear_launcher_variables_print_every_error_as_it_is(monkeypatch, env):
