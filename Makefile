@@ -34,12 +34,14 @@ endif
 setup:
 	@bash scripts/setup.sh
 
+# one workflow of a clone at a time: a second make pipeline waits for the first (scripts/one-workflow.sh)
+ONE = @bash scripts/one-workflow.sh
 pipeline: setup
-	.venv/bin/snakemake --cores $(CORES)
-	.venv/bin/snakemake --cores $(CORES) --report results/report.html
+	$(ONE) .venv/bin/snakemake --cores $(CORES)
+	$(ONE) .venv/bin/snakemake --cores $(CORES) --report results/report.html
 
 learning: setup
-	.venv/bin/snakemake learning --cores $(CORES) --configfile config/learning.yaml
+	$(ONE) .venv/bin/snakemake learning --cores $(CORES) --configfile config/learning.yaml
 
 lint: setup
 	.venv/bin/ruff check agg_bench baselines tests benchmarks scripts

@@ -215,8 +215,9 @@ def make_clone(folder: Path) -> Path:
     (folder / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "Makefile", folder)
     shutil.copy(ROOT / "scripts" / "test.sh", folder / "scripts")
+    shutil.copy(ROOT / "scripts" / "one-workflow.sh", folder / "scripts")
     (folder / "scripts" / "setup.sh").write_text("touch set-up-ran\n")
-    for name, body in {"ruff": "", "mypy": "", "snakemake": "",
+    for name, body in {"ruff": "", "mypy": "", "snakemake": 'echo "snakemake $*" >> snakemake-calls',
                        "python": 'if [ "$1" = -c ]; then echo 1; else echo "venv python $*"; fi'}.items():
         bash_script(folder / ".venv" / "bin" / name, body)
     return folder
@@ -241,6 +242,58 @@ def test_make_pipeline_in_a_path_with_a_space_is_refused_before_the_set_up(tmp_p
     errors = [line for line in proc.stderr.splitlines() if "***" in line]
     assert len(errors) == 1 and "holds a space" in errors[0] and "no space" in errors[0], proc.stderr
     assert not (repo / "set-up-ran").exists()
+
+
+def make(repo: Path, *args: str, **kwargs) -> subprocess.Popen:
+    """`make ARGS` in ``repo`` as a user's shell starts it (not as a sub-make of `make test`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "CORES")}
+    return subprocess.Popen(["make", "-s", *args], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="needs flock")
+@pytest.mark.parametrize("target", ["pipeline", "learning"])
+def test_a_second_make_pipeline_of_a_clone_waits_for_the_first(tmp_path, target):
+    """Two `make pipeline` of one clone at once: the second's snakemake stopped on Snakemake's lock with a screen
+    ending in "It can be removed with the --unlock argument", which, done while the first ran, let two snakemakes
+    write the same run folders. The second now says it waits in one line, and starts its snakemake once the first
+    has ended."""
+    import fcntl
+
+    repo = make_clone(tmp_path / "repo")
+    with open(repo / ".workflow.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the first make pipeline (or make learning), still running
+        second = make(repo, target)
+        try:
+            with not_hung(30):
+                line = second.stderr.readline()
+            assert line.startswith("make: another make pipeline or make learning of this clone is running"), line
+            assert "waiting" in line and second.poll() is None
+            assert not (repo / "snakemake-calls").exists()
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+        out, err = second.communicate(timeout=60)
+    assert second.returncode == 0 and err == "", err
+    calls = (repo / "snakemake-calls").read_text().splitlines()
+    assert calls and all(call.startswith("snakemake ") for call in calls)
+    assert [line.removeprefix(".venv/bin/") for line in out.splitlines()] == calls  # each said as make says it
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="needs flock")
+def test_a_lock_that_a_killed_snakemake_left_is_one_line(tmp_path):
+    """A snakemake ended by SIGHUP (its terminal closed) or kill -9 leaves .snakemake/locks/; the next
+    `make pipeline` printed Snakemake's LockException screen. One line naming the way out, the lock kept."""
+    repo = make_clone(tmp_path / "repo")
+    (repo / ".snakemake" / "locks").mkdir(parents=True)
+    (repo / ".snakemake" / "locks" / "0.output.lock").write_text("results/done/a.json\n")
+    proc = make(repo, "pipeline")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and out == "", err
+    line, made = err.splitlines()
+    assert line.startswith(f"make: {repo.resolve()}/.snakemake/locks/ holds the lock of a snakemake"), line
+    assert ".venv/bin/snakemake --unlock" in line and "*** [Makefile" in made
+    assert not (repo / "snakemake-calls").exists()
+    assert (repo / ".snakemake" / "locks" / "0.output.lock").read_text() == "results/done/a.json\n"
 
 
 def test_the_test_streams_run_with_a_tmpdir_that_names_no_folder(tmp_path):

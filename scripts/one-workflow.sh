@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs COMMAND ARGS (a snakemake of make pipeline or make learning) as the clone's one workflow at a time.
+#
+# Two `make pipeline` of one clone at once: the second's snakemake stopped on Snakemake's lock with a screen
+# that ends in "It can be removed with the --unlock argument", and following that while the first still ran
+# let two snakemakes write the same run folders. Here the second waits for the first (flock on
+# .workflow.lock), then finds its work done. A lock Snakemake left behind (its process killed by kill -9 or a
+# closed terminal: SIGHUP ends it without removing its lock) is one line saying how to remove it.
+# Without flock, or where the clone cannot be written, there is no lock and Snakemake's own stays.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+lock=.workflow.lock
+if command -v flock >/dev/null 2>&1 && { exec 9>>"$lock"; } 2>/dev/null; then
+  if ! flock -n 9; then
+    echo "make: another make pipeline or make learning of this clone is running (it holds $(pwd -P)/$lock); waiting for it to end" >&2
+    flock 9
+  fi
+  # no workflow of this clone started by make runs now, so a lock of Snakemake's is one left behind, or one of
+  # a snakemake started by hand here
+  if [ -n "$(ls -A .snakemake/locks 2>/dev/null)" ]; then
+    echo "make: $(pwd -P)/.snakemake/locks/ holds the lock of a snakemake that was killed (kill -9, a closed terminal) or that you started by hand here; when none runs, .venv/bin/snakemake --unlock removes it, then run make again" >&2
+    exit 2
+  fi
+fi
+echo "$*"
+exec "$@"
