@@ -22,5 +22,8 @@ if command -v flock >/dev/null 2>&1 && { exec 9>>"$lock"; } 2>/dev/null; then
     exit 2
   fi
 fi
+# shellcheck source=scripts/caches.sh
+source scripts/caches.sh
+home_caches
 echo "$*"
 exec "$@"

@@ -13,6 +13,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# the tests start snakemake, which needs a cache folder it can make
+# shellcheck source=scripts/caches.sh
+source scripts/caches.sh
+home_caches
 LONG=(tests/integration/test_learning.py tests/integration/test_gpu_check.py tests/integration/test_pretrain.py
       tests/integration/test_signals.py tests/integration/test_cell.py)
 

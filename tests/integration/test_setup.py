@@ -215,10 +215,12 @@ def make_clone(folder: Path) -> Path:
     (folder / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "Makefile", folder)
     shutil.copy(ROOT / "scripts" / "test.sh", folder / "scripts")
-    shutil.copy(ROOT / "scripts" / "one-workflow.sh", folder / "scripts")
+    for script in ("one-workflow.sh", "caches.sh"):
+        shutil.copy(ROOT / "scripts" / script, folder / "scripts")
     (folder / "scripts" / "setup.sh").write_text("touch set-up-ran\n")
-    for name, body in {"ruff": "", "mypy": "", "snakemake": 'echo "snakemake $*" >> snakemake-calls',
-                       "python": 'if [ "$1" = -c ]; then echo 1; else echo "venv python $*"; fi'}.items():
+    seen = 'echo "$0 ${XDG_CACHE_HOME-unset} ${MPLCONFIGDIR-unset}" >> caches-seen'  # the caches each was given
+    for name, body in {"ruff": "", "mypy": "", "snakemake": f'{seen}; echo "snakemake $*" >> snakemake-calls',
+                       "python": f'if [ "$1" = -c ]; then echo 1; else {seen}; echo "venv python $*"; fi'}.items():
         bash_script(folder / ".venv" / "bin" / name, body)
     return folder
 
@@ -296,12 +298,35 @@ def test_a_lock_that_a_killed_snakemake_left_is_one_line(tmp_path):
     assert (repo / ".snakemake" / "locks" / "0.output.lock").read_text() == "results/done/a.json\n"
 
 
+@pytest.mark.parametrize("target", ["pipeline", "learning", "test"])
+def test_caches_that_cannot_go_to_the_home_go_to_the_clone(tmp_path, target):
+    """Snakemake makes its source cache under ~/.cache before it reads the Snakefile: with a home that cannot be
+    written every `make pipeline` stopped with a PermissionError traceback (and the tests that start snakemake
+    failed); matplotlib warned in each plot job's log. Those caches go to .snakemake/ in the clone then; a home
+    that can be written keeps them."""
+    repo = make_clone(tmp_path / "repo")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "CORES", "XDG_CACHE_HOME", "XDG_CONFIG_HOME",
+                        "MPLCONFIGDIR")}
+    (tmp_path / "not-a-folder").write_text("")
+    for home, expected in [(tmp_path / "not-a-folder", f"{repo}/.snakemake/home-cache {repo}/.snakemake/matplotlib"),
+                           (tmp_path / "home", "unset unset")]:
+        (repo / "caches-seen").unlink(missing_ok=True)
+        proc = subprocess.run(["make", "-s", target], cwd=repo, env={**env, "HOME": str(home)}, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        seen = (repo / "caches-seen").read_text().splitlines()
+        assert seen and all(line.split(" ", 1)[1] == expected for line in seen), seen
+    assert (tmp_path / "home" / ".cache" / "snakemake").is_dir()
+
+
 def test_the_test_streams_run_with_a_tmpdir_that_names_no_folder(tmp_path):
     """scripts/test.sh kept the second stream's report in `mktemp`'s file: with TMPDIR naming no folder the second
     stream (tests/integration) never ran and the suite failed on `cat ''`."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    shutil.copy(ROOT / "scripts" / "test.sh", repo / "scripts")
+    for script in ("test.sh", "caches.sh"):
+        shutil.copy(ROOT / "scripts" / script, repo / "scripts")
     python = tmp_path / "python"  # answers the core count, and stands in for pytest: says what it was asked
     python.write_text('#!/bin/bash\nif [ "$1" = -c ]; then echo 2; else echo "ran $4"; fi\n')
     python.chmod(0o755)
