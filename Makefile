@@ -4,7 +4,7 @@
 #                   (scripts/test.sh; what CI runs)
 #   make test-fast  ruff and mypy, then tests/unit only (in-process, a few minutes)
 #   make learning   the learning testbed: a DiT pre-trained on drawn scenes, GRPO per method x 3 seeds (docs/learning.md)
-#   make clean      removes what the workflow made: results/ but results/reference/, and .snakemake/
+#   make clean      removes what the workflows made in results/ (not results/reference/), and .snakemake/
 CORES ?= 2
 PYTEST_ARGS ?=
 # CORES is a whole number of cores from 1, or all: Snakemake waits forever for a job to fit in --cores 0, and takes
@@ -54,7 +54,13 @@ test: lint
 test-fast: lint
 	.venv/bin/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
-# results/reference/ holds the committed reference results and stays
+# What the workflows write in results/ (and their temporary names, .NAME.agg-bench-tmpPID): the rest stays, the
+# committed reference results in results/reference/ among it, and so do files of the user's there (said in one
+# line), which `make clean` removed with the rest.
+RESULTS = benchmarks calibration cells done embeddings gradcheck imported learning logs manifest.json plots \
+	pretrained report.html runs tables
 clean:
 	rm -rf .snakemake
-	if [ -d results ]; then find results -mindepth 1 -maxdepth 1 ! -name reference -exec rm -rf {} +; fi
+	@if [ -d results ]; then cd results && rm -rf $(RESULTS) && find . -mindepth 1 -maxdepth 1 -name '.*.agg-bench-tmp*' \
+	  -exec rm -rf {} + && kept=$$(ls -A | grep -vx reference | paste -sd ' ' -) && if [ -n "$$kept" ]; then \
+	  echo "make clean: kept what is not the workflows' in results/: $$kept"; fi; fi

@@ -108,9 +108,41 @@ def test_make_clean_keeps_the_reference_results(tmp_path):
     assert [path for path in made if (tmp_path / path).exists()] == []
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["reference"]
     assert all((tmp_path / path).read_text() == "{}" for path in kept)
+    assert "kept" not in proc.stdout
     # and on a clone where nothing ran
     shutil.rmtree(tmp_path / "results")
     assert subprocess.run(["make", "clean"], cwd=tmp_path, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_clean_keeps_files_of_the_users_in_results(tmp_path):
+    """`make clean` removed everything in results/ but reference/: a user's notes there and the work folder of a
+    GPU campaign (results/campaign, device time) went with the workflow's outputs. Those stay, named in one line;
+    a temporary name of a process killed while writing goes."""
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    made = ["results/tables/summary.csv", "results/.manifest.agg-bench-tmp4242.json", "results/report.html"]
+    users = ["results/notes.txt", "results/campaign/campaign.tar.gz", "results/.manifest.json.bak"]
+    for path in made + users:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("mine")
+    proc = subprocess.run(["make", "-s", "clean"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert [path for path in made if (tmp_path / path).exists()] == []
+    assert all((tmp_path / path).read_text() == "mine" for path in users)
+    assert proc.stdout == "make clean: kept what is not the workflows' in results/: .manifest.json.bak campaign notes.txt\n"
+
+
+def test_make_clean_removes_every_output_the_workflows_name():
+    """Each results/NAME that the workflows' code writes is on `make clean`'s list (results/reference/ and a
+    campaign's work folder are not the workflows')."""
+    named = set()
+    for path in [ROOT / "Snakefile", *(ROOT / "workflow").rglob("*.smk"), *(ROOT / "agg_bench").rglob("*.py"),
+                 ROOT / "Makefile"]:
+        named |= set(re.findall(r"\bresults/([A-Za-z0-9_.-]+)", path.read_text()))
+    listed = re.search(r"^RESULTS = ((?:.*\\\n)*.*)$", (ROOT / "Makefile").read_text(), flags=re.M).group(1)
+    listed_names = set(listed.replace("\\", " ").split())
+    assert "runs" in named and "report.html" in named
+    assert sorted(named - listed_names - {"reference", "campaign"}) == []
 
 
 def test_every_phony_make_target_has_a_recipe():
