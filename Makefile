@@ -16,11 +16,13 @@ endif
 endif
 # Snakemake starts the workflow's jobs through a shell with the interpreter's path (.venv/bin/python here)
 # unquoted; said before the set-up instead of after it (the Snakefile refuses too, for snakemake run by hand).
+# make test too: its end-to-end tests run workflows, and failed on that refusal after the set-up and minutes of
+# tests; the unit tests (make test-fast) run no workflow.
 empty :=
 space := $(empty) $(empty)
-ifneq ($(filter pipeline learning,$(MAKECMDGOALS)),)
+ifneq ($(filter pipeline learning test,$(MAKECMDGOALS)),)
 ifneq ($(findstring $(space),$(CURDIR)),)
-$(error the clone's path "$(CURDIR)" holds a space, and Snakemake starts the workflow's jobs through a shell with .venv/bin/python's path unquoted: clone the repository where the path has no space)
+$(error the clone's path "$(CURDIR)" holds a space, and Snakemake starts the workflow's jobs through a shell with .venv/bin/python's path unquoted$(if $(filter test,$(MAKECMDGOALS)), (make test runs workflows; make test-fast runs the unit tests alone)): clone the repository where the path has no space)
 endif
 endif
 # these write results/, .snakemake/ and the linters' and pytest's caches in the clone

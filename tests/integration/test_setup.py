@@ -236,14 +236,25 @@ def test_make_test_runs_the_venv_whatever_python_names(tmp_path):
     assert "venv python -m pytest -q tests/unit" in proc.stdout and "/nonexistent" not in proc.stdout + proc.stderr
 
 
-def test_make_pipeline_in_a_path_with_a_space_is_refused_before_the_set_up(tmp_path):
-    """The Snakefile refuses an interpreter's path with a space, but only once the set-up (minutes) had run."""
+@pytest.mark.parametrize("target", ["pipeline", "learning", "test"])
+def test_make_pipeline_in_a_path_with_a_space_is_refused_before_the_set_up(tmp_path, target):
+    """The Snakefile refuses an interpreter's path with a space, but only once the set-up (minutes) had run; make
+    test's end-to-end tests failed on it after minutes of tests."""
     repo = make_clone(tmp_path / "my clones" / "agg-bench")
-    proc = subprocess.run(["make", "-C", str(repo), "pipeline"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["make", "-C", str(repo), target], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "***" in line]
     assert len(errors) == 1 and "holds a space" in errors[0] and "no space" in errors[0], proc.stderr
+    assert ("make test-fast runs the unit tests alone" in errors[0]) == (target == "test")
     assert not (repo / "set-up-ran").exists()
+
+
+def test_make_test_fast_in_a_path_with_a_space_runs(tmp_path):
+    """The unit tests run no workflow: make test-fast is not refused there."""
+    repo = make_clone(tmp_path / "my clones" / "agg-bench")
+    proc = subprocess.run(["make", "-s", "-C", str(repo), "test-fast"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "venv python -m pytest -q tests/unit" in proc.stdout
 
 
 def make(repo: Path, *args: str, **kwargs) -> subprocess.Popen:
