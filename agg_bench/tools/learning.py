@@ -357,6 +357,8 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
                 if options.eval_noises:
                     assert scores is not None  # eval_noises made the evaluation above
                     write_text(staged(tables) / "evaluation.csv", scores.to_csv(index=False))
+                else:  # an earlier command's, whose columns this learning.csv no longer has
+                    (staged(tables) / "evaluation.csv").unlink(missing_ok=True)
             if plots:
                 folder = staged(plots)
                 plot_rewards(runs, folder / "reward_iteration.png", "iteration")

@@ -312,6 +312,12 @@ def test_evaluation_on_trained_runs(tmp_path):
     assert len((out / "curves.csv").read_text().splitlines()) == 1 + 2 * 2  # the two full runs' evaluations
     assert all((out / f"{name}.png").is_file() for name in ("eval_reward_cost", "eval_reward_cpu", "eval_pareto"))
     assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--eval-noises", "-1"]) == 2
+    # written again without this command's evaluation: the earlier command's evaluation.csv, which the new
+    # learning.csv was not made from, goes
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 0
+    assert not (out / "evaluation.csv").exists()
+    assert set(pd.read_csv(out / "learning.csv")["eval_source"].dropna()) == {"in-run"}
+    assert (out / "samples.png").is_file()  # what this command does not write of the other folder's stays
     # the gain from this command's evaluation for every method: with the runs' own settings, the same gain
     assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "ckpt"), "--average", "1",
                  "--eval-noises", "3", "--eval-seed", "4", "--eval-source", "checkpoint"]) == 0
