@@ -58,11 +58,6 @@ def ready_estimator(estimator: Estimator, cfg: RunConfig, policy: Policy, device
         estimator.unconditional = empty_prompt_conditioning(cfg, policy.transformer, device)
 
 
-def model_label(cfg: RunConfig) -> str:
-    """The model a record names (:func:`agg_bench.engine.families.model_label` of ``cfg.model``)."""
-    return families.model_label(cfg.model)
-
-
 def weights_label(cfg: RunConfig) -> str:
     """Where the weights come from: ``pretrained`` (a local folder), ``random`` (a full-size architecture
     with random weights: its rewards say nothing about quality) or ``tiny``."""
@@ -283,7 +278,7 @@ def identity(cfg: RunConfig, run_id: str, device: torch.device, world_size: int 
     """The identity fields of every record; ``n_gpus`` counts the GPUs of all processes (0 on CPU)."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
-        "run_id": run_id, "method": cfg.method.name, "model": model_label(cfg),
+        "run_id": run_id, "method": cfg.method.name, "model": families.model_label(cfg.model),
         "resolution": cfg.model.resolution, "device": device.type, "gpu_name": gpu,
         "n_gpus": world_size if device.type == "cuda" else 0, "seed": cfg.seed, "weights": weights_label(cfg),
     }

@@ -32,14 +32,14 @@ from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from .config_check import check_config
 from .evaluation import Evaluation
 from .memplan import run_memory_plan
-from .session import Session, check_trained_steps, identity, iteration_generator, model_label, run_iteration, weights_label
+from .session import Session, check_trained_steps, identity, iteration_generator, run_iteration, weights_label
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
 # the names callers import from here, wherever they are defined
 __all__ = ["RECORD_KEYS", "TIMING_KEYS", "Interrupted", "Session", "Training", "check_trained_steps",
-           "identity", "iteration_generator", "model_label", "progress_line", "record_failure", "resolve_device",
+           "identity", "iteration_generator", "progress_line", "record_failure", "resolve_device",
            "run_iteration", "train", "weights_label"]
 
 

@@ -59,6 +59,7 @@ from typing import Any, Mapping
 import torch
 
 from ..config import RunConfig, apply_overrides, dotted_value, validate
+from ..engine import families
 from ..errors import ConfigError, UserError, alike_on_every_process
 from ..io import write_json
 from ..machine.telemetry import PhaseTimer, environment
@@ -362,7 +363,7 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
     size, and per call and per latent) and of the optimizer step for ``cfg``'s model, resolution and
     device, and with ``methods`` each one's train phase and rollout timed in the same process; see the
     module docstring."""
-    from ..runtime.session import Session, model_label  # the engine only when measuring
+    from ..runtime.session import Session  # the engine only when measuring
 
     options = options or CalibrationConfig()
     # a malformed entry fails before the model is built
@@ -447,7 +448,7 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
             per_call[kind][basis] = {"call": call, "latent": latent,
                                      **{stat: [q[stat] for q in quarts] for stat in ("median", "p25", "p75")}}
     return {
-        "model": model_label(cfg), "resolution": cfg.model.resolution, "device": device.type,
+        "model": families.model_label(cfg.model), "resolution": cfg.model.resolution, "device": device.type,
         "gpu_name": env["gpu_name"] if device.type == "cuda" else None, "batch": b,
         "repeats": options.repeats, "warmup": options.warmup, "threads": torch.get_num_threads(),
         "unit_s_per_sample": units, "unit_s_per_call": per_call, "method_repeats": options.method_repeats,

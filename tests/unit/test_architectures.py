@@ -18,7 +18,8 @@ from agg_bench.engine import families as F
 from agg_bench.engine.models import POLICIES, TRANSFORMER_CLASSES, VAE_CLASSES, Conditioning, load_policy
 from agg_bench.engine.text import hash_tokens
 from agg_bench.errors import ConfigError
-from agg_bench.runtime.train import model_label, weights_label
+from agg_bench.engine.families import model_label
+from agg_bench.runtime.train import weights_label
 from helpers import seeded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +112,7 @@ def test_random_preset_runs_a_shrunk_architecture(name, monkeypatch):
     cfg = load_config(None, [f"model.family={arch.family}", "model.preset=random", f"model.architecture={name}",
                              "model.resolution=32"])
     assert hash_tokens(cfg) == arch.prefix_tokens + 5
-    assert weights_label(cfg) == "random" and model_label(cfg) == f"{name}-random"
+    assert weights_label(cfg) == "random" and model_label(cfg.model) == f"{name}-random"
     policy = load_policy(arch.family, "random", None, architecture=name)
     c, h, w = policy.latent_shape(32)
     dim, pooled = policy.transformer.config.joint_attention_dim, getattr(policy.transformer.config,
