@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError, quote
+from ..errors import ConfigError, UserError, quote
 from ..io import JsonlWriter, write_json, write_lines
 from ..jsonfiles import JsonProblem, check_path, json_type, loads
 from ..outdir import Claim, check_folder
@@ -133,11 +133,11 @@ def label_problem(**values: Any) -> tuple[str, Any, str] | None:
 
 
 def check_labels(resolution: int | None, n_gpus: int | None, **labels: str | None) -> None:
-    """The labels and numbers a user gives an import (:func:`label_problem`); a UserError naming the flag."""
+    """The labels and numbers a user gives an import (:func:`label_problem`); a ConfigError naming the flag."""
     problem = label_problem(resolution=resolution, n_gpus=n_gpus, **labels)
     if problem is not None:
         key, value, allowed = problem
-        raise UserError(f"--{key.replace('_', '-')} {quote(value)}: expected {allowed}")
+        raise ConfigError(f"--{key.replace('_', '-')}", value, allowed)
 
 
 def _whole_json(text: str) -> bool:

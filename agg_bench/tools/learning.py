@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..config import dotted_value
-from ..errors import UserError, quote
+from ..errors import ConfigError, UserError, quote
 from ..io import write_text
 from ..outdir import claimed_folders, replaced_folders
 from ..outputs import LEARNING_CONTENTS
@@ -236,27 +236,26 @@ class LearningOptions:
     eval_source: str = "auto"
 
     def check(self) -> None:
-        """A UserError naming the option of the first field out of range (the runs are not read yet)."""
+        """A ConfigError naming the option of the first field out of range (the runs are not read yet)."""
         if not 1 <= self.average <= MAX_ITERATIONS:
-            raise UserError(f"--average {self.average}: expected an integer from 1 to {MAX_ITERATIONS:,} (iterations "
-                            "averaged at each end of a run; train.iterations is at most that)")
+            raise ConfigError("--average", self.average, f"an integer from 1 to {MAX_ITERATIONS:,} (iterations "
+                              "averaged at each end of a run; train.iterations is at most that)")
         if not 0 < self.fraction <= 1:
-            raise UserError(f"--fraction {self.fraction}: expected a number in (0, 1]")
+            raise ConfigError("--fraction", self.fraction, "a number in (0, 1]")
         if not 0 <= self.eval_noises <= 1024:
-            raise UserError(f"--eval-noises {self.eval_noises}: expected an integer from 0 to 1024")
+            raise ConfigError("--eval-noises", self.eval_noises, "an integer from 0 to 1024")
         if not 0 <= self.eval_seed <= MAX_EVAL_SEED:
-            raise UserError(f"--eval-seed {quote(self.eval_seed)}: expected an integer from 0 to {MAX_EVAL_SEED} "
-                            "(eval.seed's range)")
+            raise ConfigError("--eval-seed", self.eval_seed, f"an integer from 0 to {MAX_EVAL_SEED} (eval.seed's range)")
         if self.eval_sampler not in SAMPLERS:
-            raise UserError(f"--eval-sampler {self.eval_sampler!r}: expected one of {', '.join(SAMPLERS)}")
+            raise ConfigError("--eval-sampler", self.eval_sampler, f"one of {', '.join(SAMPLERS)}")
         if not 0 < self.target_fraction <= 1:
-            raise UserError(f"--target-fraction {self.target_fraction}: expected a number in (0, 1]")
+            raise ConfigError("--target-fraction", self.target_fraction, "a number in (0, 1]")
         if self.reference is not None and not self.reference:
-            raise UserError("--reference '': expected a method label of the manifest, e.g. full")
+            raise ConfigError("--reference", self.reference, "a method label of the manifest, e.g. full")
         if self.reference is not None and len(self.reference) > MAX_LABEL:
-            raise UserError(f"--reference {quote(self.reference)}: expected a method label of the manifest")
+            raise ConfigError("--reference", self.reference, "a method label of the manifest")
         if self.eval_source not in EVAL_SOURCES:
-            raise UserError(f"--eval-source {self.eval_source!r}: expected one of {', '.join(EVAL_SOURCES)}")
+            raise ConfigError("--eval-source", self.eval_source, f"one of {', '.join(EVAL_SOURCES)}")
         if self.eval_source == "checkpoint" and not self.eval_noises:
             raise UserError("--eval-source checkpoint: the checkpoint evaluation needs --eval-noises >= 1")
 
@@ -329,8 +328,8 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
         check_lengths(runs, options.average)
     methods = list(dict.fromkeys(run.method for run in runs))
     if options.reference is not None and options.reference not in methods:
-        raise UserError(f"--reference {quote(options.reference)}: expected a method label of the manifest "
-                        f"({', '.join(quote(m) for m in methods[:12])}{', ...' if len(methods) > 12 else ''})")
+        raise ConfigError("--reference", options.reference, "a method label of the manifest "
+                          f"({', '.join(quote(m) for m in methods[:12])}{', ...' if len(methods) > 12 else ''})")
     reference = options.reference or DEFAULT_REFERENCE
     held_out_curves(runs)  # every run's in-run evaluations placed on its records before a model is sampled
     if tables and options.eval_noises:

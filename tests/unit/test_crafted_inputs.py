@@ -332,11 +332,12 @@ def test_learning_reads_checkpoints_through_the_one_validator(trained, tmp_path,
 
 
 @pytest.mark.parametrize("options, words", [
-    (["--eval-seed", "100000000000000000000000"], "--eval-seed 100000000000000000000000: expected an integer "
-                                                  "from 0 to 4294967295"),
+    (["--eval-seed", "100000000000000000000000"], "config error: --eval-seed = 100000000000000000000000: expected an "
+                                                  "integer from 0 to 4294967295"),
     (["--eval-seed", "4294967296"], "expected an integer from 0 to 4294967295"),
     (["--eval-seed", "-1"], "expected an integer from 0 to 4294967295"),
-    (["--reference", "nosuch"], "--reference 'nosuch': expected a method label of the manifest ('full')"),
+    (["--reference", "nosuch"], "config error: --reference = 'nosuch': expected a method label of the manifest "
+                                "('full')"),
     (["--reference", "x" * 300], "expected a method label of the manifest"),
 ])
 def test_learning_options_are_bounded(trained, tmp_path, capsys, options, words):

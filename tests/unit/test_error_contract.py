@@ -122,7 +122,7 @@ def test_learning_keeps_the_contract(tmp_path, capsys, monkeypatch):
     assert "runs[0]" in line and "m.json" in line
     assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables, "--eval-sampler", "euler"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "agg-bench learning: --eval-sampler 'euler': expected one of ode, sde"]
+        "agg-bench learning: config error: --eval-sampler = 'euler': expected one of ode, sde"]
     (tmp_path / "m.json").write_text('{"runs": [{"dir": "run", "method": "full", "seed": 0}]}')
     monkeypatch.setattr(learning, "load_runs", lambda path: [][0])  # noqa: PLE0643 (a bug on purpose)
     assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables]) == 1

@@ -190,8 +190,23 @@ def test_report_counts_past_any_run_are_refused_before_anything_is_read(tmp_path
     """report --warmup 10**30 exited 0: a warm-up longer than a run times all of its iterations, the warm-up
     included. A run has at most train.iterations' maximum, 100,000."""
     line = fails(capsys, [verb, "--manifest", str(tmp_path / "none.json"), "--tables", str(tmp_path / "t"), flag, value])
-    assert f"{flag}" in line and value in line and f"expected an integer from {least} to 100,000" in line, line
+    assert f"config error: {flag} = {value}: expected an integer from {least} to 100,000" in line, line
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flag, value, allowed", [("--resolution", "-512", "an integer from 1 to"),
+                                                  ("--n-gpus", "0", "an integer from 1 to"),
+                                                  ("--method", "", "1 to 200 printable characters")])
+def test_import_log_refuses_a_label_out_of_bounds_as_every_verb_refuses_a_flag(tmp_path, capsys, flag, value,
+                                                                               allowed):
+    """import-log wrote '--resolution -512: expected ...' where the other verbs write 'config error: --flag =
+    value: expected ...'."""
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"step": 1, "avg_reward": 0.1, "step_time": 2.0, "grad_norm": 1.0}) + "\n")
+    line = fails(capsys, ["import-log", str(log), "--out", str(tmp_path / "run"), flag, value])
+    assert line.startswith(f"agg-bench import-log: config error: {flag} = {value if flag != '--method' else repr('')}"
+                           f": expected {allowed}"), line
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_report_counts_take_the_bound_of_train_iterations():
