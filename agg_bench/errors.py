@@ -145,9 +145,10 @@ def alike_on_every_process() -> Iterator[None]:
 def launch_place() -> tuple[int, int] | None:
     """(``RANK``, ``LOCAL_RANK``) of this process when torchrun started several (``WORLD_SIZE`` > 1); None for
     one process, or where those variables are not all integers (then every line is printed as it is)."""
-    try:
-        world, rank, local = (int(os.environ[name]) for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
-    except (KeyError, ValueError):
+    from .config.yamlio import read_number  # the config package imports this module
+
+    world, rank, local = (read_number(os.environ.get(name, ""), int) for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
+    if world is None or rank is None or local is None:
         return None
     return (rank, local) if world > 1 else None
 

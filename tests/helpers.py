@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from agg_bench.config import load_config
+from agg_bench.config import load_config, read_number
 from agg_bench.engine.counters import PassCounter
 from agg_bench.engine.grpo import TrainBatch, UpdateStats, step_terms
 
@@ -70,9 +70,10 @@ def seed_shift() -> int:
     text = os.environ.get(TEST_SEED_VAR, "").strip()
     if not text:
         return 0
-    if not text.isdigit() or int(text) > 2**20:
+    shift = read_number(text, int)  # as every number of the harness is read: 017 is no 17
+    if shift is None or not 0 <= shift <= 2**20:
         raise ValueError(f"{TEST_SEED_VAR}={text!r}: expected an integer from 0 to {2**20}")
-    return int(text)
+    return shift
 
 
 def seeded(seed: int) -> int:

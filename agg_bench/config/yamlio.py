@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import yaml
 
@@ -150,6 +150,14 @@ def yaml_load(text: str, key: str, value: Any) -> Any:
 # what a number of each kind may be, in the one-line refusal of a flag
 NUMBER_WORDS = {int: "an integer in decimal digits (e.g. 1000, not 1e3 or 1000.0)",
                 float: "a finite number (e.g. 0.5, 1e-5 or 3)"}
+
+
+@overload
+def read_number(text: str, kind: type[int]) -> int | None: ...
+
+
+@overload
+def read_number(text: str, kind: type[float]) -> float | None: ...
 
 
 def read_number(text: str, kind: type[int] | type[float]) -> int | float | None:

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -65,8 +64,9 @@ import torch
 import torch.distributed as dist
 
 from .. import stopping
-from ..config import check_data_parallel
+from ..config import check_data_parallel, read_number
 from ..errors import JobLost, UserError, mark_alike, raised_by
+from ..records import MAX_GPUS
 from . import fsdp
 
 # Per-record fields whose shares add up (work done, energy, power of all GPUs); the others are
@@ -123,23 +123,23 @@ def current() -> Shard:
     return Shard()
 
 
-def _launch_variable(name: str, default: int, low: int, high: int | None = None) -> int:
-    """The integer torchrun put in environment variable ``name`` (``default`` when unset); a UserError
+def _launch_variable(name: str, default: int, low: int, high: int) -> int:
+    """The integer torchrun put in environment variable ``name`` (``default`` when unset), read as every number
+    of the harness is (:func:`~agg_bench.config.read_number`: decimal digits, so ``017`` is no 17); a UserError
     naming the variable when it is not an integer from ``low`` to ``high``."""
     raw = os.environ.get(name)
     if raw is None:
         return default
-    value = int(raw.strip()) if re.fullmatch(r"\s*[+-]?\d{1,9}\s*", raw) else None
-    if value is None or value < low or (high is not None and value > high):
-        bounds = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise UserError(f"environment variable {name}={raw[:40]!r}: expected an integer {bounds} "
-                        "(torchrun sets it; unset it to run one process)")
+    value = read_number(raw, int)
+    if value is None or not low <= value <= high:
+        raise UserError(f"environment variable {name}={raw[:40]!r}: expected an integer from {low} to {high} in "
+                        "decimal digits (torchrun sets it; unset it to run one process)")
     return value
 
 
 def launched_world_size() -> int:
     """Processes torchrun started for this job (1 without torchrun)."""
-    return _launch_variable("WORLD_SIZE", 1, 1)
+    return _launch_variable("WORLD_SIZE", 1, 1, MAX_GPUS)
 
 
 def launched_rank() -> int:
@@ -150,7 +150,7 @@ def launched_rank() -> int:
 
 def launched_local_rank(default: int) -> int:
     """This process's rank on its machine, which picks its GPU (``default`` without torchrun)."""
-    return _launch_variable("LOCAL_RANK", default, 0)
+    return _launch_variable("LOCAL_RANK", default, 0, MAX_GPUS - 1)
 
 
 RENDEZVOUS_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -174,13 +174,10 @@ def collective_timeout() -> timedelta:
     seconds (default :data:`DEFAULT_TIMEOUT_S`, from :data:`MIN_TIMEOUT_S` to :data:`MAX_TIMEOUT_S`). A process that is stuck but alive then ends the job
     instead of blocking the others for the backend's default 30 minutes."""
     raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    if not math.isfinite(seconds) or not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
-        raise UserError(f"environment variable {TIMEOUT_ENV}={raw!r}: expected seconds from {MIN_TIMEOUT_S} to "
-                        f"{MAX_TIMEOUT_S}")
+    seconds = read_number(raw, float)
+    if seconds is None or not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
+        raise UserError(f"environment variable {TIMEOUT_ENV}={raw[:40]!r}: expected seconds from {MIN_TIMEOUT_S} to "
+                        f"{MAX_TIMEOUT_S}, a decimal number (e.g. 600 or 1.5e3)")
     return timedelta(seconds=seconds)
 
 

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import integer_arg, number_arg
+from ..config import integer_arg, number_arg, read_number
 from ..errors import ConfigError, OneLineParser, UserError, run_command
 
 ENV_DEVICES = "AGG_BENCH_GPUS"
@@ -65,25 +65,35 @@ def _nvml_count() -> int:
             pass
 
 
-# what CUDA_VISIBLE_DEVICES takes: device indices, or the UUIDs nvidia-smi -L shows (GPU-..., MIG-...)
-_DEVICE_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z/-]+")
+# what CUDA_VISIBLE_DEVICES takes besides device indices: the UUIDs nvidia-smi -L shows (GPU-..., MIG-...)
+_DEVICE_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z/-]+")
 MAX_DEVICES = 1024
+
+
+def _device_id(part: str) -> str | None:
+    """A device id of a list as CUDA_VISIBLE_DEVICES is given it: an index read as every number of the harness is
+    (:func:`~agg_bench.config.read_number`: decimal digits, so ``017`` is no device 17), written in plain digits,
+    or a UUID; None for anything else."""
+    index = read_number(part, int)
+    if index is not None:
+        return str(index) if index >= 0 else None
+    return part if _DEVICE_UUID.fullmatch(part) else None
 
 
 def _parse_ids(text: str, source: str) -> list[str]:
     """The device ids of ``source``'s value ``text``: a count, or a comma list of distinct device ids; a
     UserError naming the variable otherwise (its value is passed on as CUDA_VISIBLE_DEVICES)."""
     text = text.strip()
-    count = (int(text) if len(text) <= 9 else MAX_DEVICES + 1) if re.fullmatch(r"\d+", text) else None
-    ids = [part.strip() for part in text.split(",")]
-    if count is not None and count <= MAX_DEVICES:
+    parts = [part.strip() for part in text.split(",")]
+    count = read_number(text, int) if len(parts) == 1 else None
+    if count is not None and 0 <= count <= MAX_DEVICES:
         return [str(i) for i in range(count)]
-    if count is not None or not all(_DEVICE_ID.fullmatch(part) for part in ids) or len(set(ids)) != len(ids) \
-            or len(ids) > MAX_DEVICES:
+    ids = [_device_id(part) for part in parts]
+    if count is not None or None in ids or len(set(ids)) != len(ids) or len(ids) > MAX_DEVICES:
         raise UserError(f"environment variable {source}={text[:80]!r}: expected a device count from 0 to "
-                        f"{MAX_DEVICES} (e.g. 4) or a comma list of distinct device ids: indices (e.g. 0,2,5) "
-                        "or the GPU-/MIG- UUIDs that nvidia-smi -L shows")
-    return ids
+                        f"{MAX_DEVICES} (e.g. 4) or a comma list of distinct device ids: indices in decimal digits "
+                        "(e.g. 0,2,5) or the GPU-/MIG- UUIDs that nvidia-smi -L shows")
+    return [part for part in ids if part is not None]
 
 
 def visible_devices(environ: dict[str, str] | None = None) -> list[str]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from agg_bench.cli import main
+from agg_bench.errors import UserError
 from agg_bench.machine import distributed
 
 SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "train.iterations=1",
@@ -295,6 +296,67 @@ def test_a_number_means_the_same_in_a_set_a_config_file_and_a_flag(tmp_path, tex
                 assert dotted_value(load_config(path, overrides).to_dict(), key) == expected
         flag = read_number(text, kind)  # what every number flag reads (tests/unit/test_verb_input.py)
         assert flag == expected and (flag is None or type(flag) is kind)
+
+
+def _outcome(function):
+    try:
+        return function()
+    except UserError as err:
+        return err
+
+
+@pytest.mark.parametrize("text, integer, number", NUMBER_FORMS, ids=[repr(f[0]) for f in NUMBER_FORMS])
+def test_a_number_in_an_environment_variable_follows_the_one_rule(monkeypatch, text, integer, number):
+    """The launcher's variables and AGG_BENCH_GPUS were read with regexes of their own (017 was 17, where --set
+    refuses it) and AGG_BENCH_DIST_TIMEOUT_S with float() (017 was 17 seconds, 1_000 1000)."""
+    from agg_bench.errors import launch_place
+    from agg_bench.machine import gpus
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", distributed.TIMEOUT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    cases = [("WORLD_SIZE", {}, distributed.launched_world_size, 1, 65536),
+             ("RANK", {"WORLD_SIZE": "65536"}, distributed.launched_rank, 0, 65535),
+             ("LOCAL_RANK", {}, lambda: distributed.launched_local_rank(0), 0, 65535),
+             ("MASTER_PORT", {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"},
+              distributed.check_rendezvous_variables, 1, 65535)]  # checked, not returned: None where taken
+    for name, others, read, low, high in cases:
+        with monkeypatch.context() as env:
+            for key, value in {**others, name: text}.items():
+                env.setenv(key, value)
+            got = _outcome(read)
+            if integer is not None and low <= integer <= high:
+                assert got == (None if name == "MASTER_PORT" else integer), (name, got)
+            else:
+                assert isinstance(got, UserError) and f"environment variable {name}" in str(got), (name, got)
+    with monkeypatch.context() as env:
+        env.setenv(distributed.TIMEOUT_ENV, text)
+        got = _outcome(distributed.collective_timeout)
+        if number is not None and 1 <= number:
+            assert got.total_seconds() == number
+        else:
+            assert isinstance(got, UserError) and distributed.TIMEOUT_ENV in str(got)
+    if text.strip():  # empty: the variable is left to CUDA_VISIBLE_DEVICES
+        got = _outcome(lambda: gpus.visible_devices({gpus.ENV_DEVICES: text}))
+        if integer is not None and 0 <= integer:
+            assert got == [str(i) for i in range(integer)]
+        else:
+            assert isinstance(got, UserError) and gpus.ENV_DEVICES in str(got)
+    with monkeypatch.context() as env:
+        for key, value in {"WORLD_SIZE": text, "RANK": "0", "LOCAL_RANK": "0"}.items():
+            env.setenv(key, value)
+        assert launch_place() == ((0, 0) if integer is not None and integer > 1 else None)
+
+
+@pytest.mark.parametrize("name, value", [("WORLD_SIZE", "02"), ("LOCAL_RANK", "00"),
+                                         (distributed.TIMEOUT_ENV, "0600")])
+def test_a_launcher_variable_with_a_leading_zero_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch,
+                                                                                 name, value):
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", distributed.TIMEOUT_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(name, value)
+    line = run_fails(tmp_path / "out", capsys, "--set", "train.shard=fsdp")
+    assert line.startswith(f"agg-bench run: environment variable {name}={value!r}: expected "), line
+    assert "decimal" in line, line
 
 
 @pytest.mark.parametrize("item", ["=1", " =1", ".x=1", "train..lr=1e-5", "train.=1", "train.lr.=1"])

@@ -39,7 +39,7 @@ def test_fresh_seeds_repeat_under_a_shift_and_differ_between_draws(monkeypatch):
     assert torch.equal(torch.randn(3), drawn)  # torch's global generator reseeded with it
 
 
-@pytest.mark.parametrize("value", ["-1", "x", "1.5", str(2**20 + 1)])
+@pytest.mark.parametrize("value", ["-1", "x", "1.5", str(2**20 + 1), "017", "1e3"])
 def test_a_bad_value_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv(TEST_SEED_VAR, value)
     with pytest.raises(ValueError, match=rf"^{TEST_SEED_VAR}='{value}': expected an integer from 0 to 1048576$"):
