@@ -16,7 +16,8 @@ import yaml
 
 from ..errors import ConfigError
 from .schema import check_config_values, run_schema
-from .sections import DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, written_before
+from .sections import (DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, device_expected, device_parts,
+                       written_before)
 from .yamlio import read_yaml_mapping, yaml_load
 
 NOT_A_METHOD_MAPPING = "a mapping with a name, e.g. {name: agg, window: 5}"
@@ -86,6 +87,8 @@ def validate(config: dict) -> RunConfig:
     # an unknown key, or a flag or a name given NaN, is refused for what it is, not as a number that is not finite
     check_config_values(config, run_schema())
     cfg = RunConfig.from_dict(config)
+    if device_parts(cfg.device) is None:  # the schema's pattern takes any digits after cuda: (cuda:017)
+        raise ConfigError("device", cfg.device, device_expected())
     # a label of the records, the summary, the tables and the progress lines, never a path (the folder is --out):
     # a newline or a control character split or garbled those lines, and the tables' rows
     if cfg.run_id is not None and not (len(cfg.run_id) <= MAX_RUN_ID and cfg.run_id.isprintable()):

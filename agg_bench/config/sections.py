@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, Mapping, Self
 
 from ..errors import ConfigError
+from .yamlio import read_number
 
 
 def option(default: Any, doc: str, **constraints: Any) -> Any:
@@ -119,6 +120,32 @@ class PromptsConfig(Section):
     cache_dir: str = option("results/embeddings", "folder of cached prompt embeddings of local models "
                                                   "(`agg-bench embed` writes there)", min_length=1,
                             expected="a folder's path")
+
+
+# torch keeps a device index in 8 bits: it read cuda:128 as cuda:-128, which no check of the device count refused,
+# and cuda:999999999 as cuda (the current device)
+MAX_DEVICE_INDEX = 127
+
+
+def device_parts(name: Any) -> tuple[str, int | None] | None:
+    """What the device name ``name`` says: (``cpu``, None), (``auto``, None), (``cuda``, None) or (``cuda``, N) for
+    ``cuda:N``, N a GPU index up to :data:`MAX_DEVICE_INDEX` read as every integer of the harness is
+    (:func:`~agg_bench.config.read_number`) and written as plain decimal digits (no sign, space or underscore in a
+    name); None for anything else, such as ``cuda:017`` (which torch reads as device 17 or refuses, by version,
+    where every number here refuses 017)."""
+    if not isinstance(name, str):
+        return None
+    if name in ("cpu", "auto", "cuda"):
+        return name, None
+    kind, colon, text = name.partition(":")
+    index = read_number(text, int) if kind == "cuda" and colon else None
+    return ("cuda", index) if index is not None and 0 <= index <= MAX_DEVICE_INDEX and str(index) == text else None
+
+
+def device_expected(auto: bool = True) -> str:
+    """What a device key or flag takes, in its one-line refusal (``auto``: whether it takes ``auto``)."""
+    names = "cpu, cuda, cuda:N or auto" if auto else "cpu, cuda or cuda:N"
+    return f"{names} (N: a GPU index from 0 to {MAX_DEVICE_INDEX} in decimal digits, e.g. cuda:1)"
 
 
 CPS_KINDS = ("cps", "cps_unscaled")  # coefficients-preserving sampling: the same step, two log-probabilities
@@ -411,7 +438,7 @@ class RunConfig(Section):
     seed: int = option(0, "all randomness of iteration i comes from a generator seeded by (seed, i)",
                           minimum=0, maximum=2**32 - 1)
     device: str = option("cpu", "where the run computes (`auto`: cuda where available)",
-                         pattern="^(cpu|auto|cuda(:[0-9]+)?)$", expected="cpu, cuda, cuda:N or auto")
+                         pattern="^(cpu|auto|cuda(:[0-9]+)?)$", expected=device_expected())
     progress: bool = option(True, "progress bar (a job log that is not a terminal gets one line per iteration)")
     model: ModelConfig = section(ModelConfig, "the model")
     prompts: PromptsConfig = section(PromptsConfig, "the prompts")

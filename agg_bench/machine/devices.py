@@ -7,10 +7,9 @@ anything is built.
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
+from ..config import device_expected, device_parts
 from ..errors import ConfigError
 
 
@@ -18,11 +17,13 @@ def resolve_device(name: str, key: str = "device", auto: bool = True) -> torch.d
     """The torch device ``name`` (cpu, cuda, cuda:N or auto: cuda where available) names; a ConfigError
     naming ``key`` (the config key or flag it came from) for another name or a GPU this machine lacks.
     ``auto`` False: the key takes no ``auto`` (``pretrain``'s ``device``), so a refusal does not offer it."""
-    if not isinstance(name, str) or not re.fullmatch(r"cpu|auto|cuda(:\d{1,9})?", name):
-        raise ConfigError(key, name, "cpu, cuda, cuda:N or auto")
-    if name == "auto":
+    parts = device_parts(name)
+    if parts is None:
+        raise ConfigError(key, name, device_expected(auto))
+    kind, index = parts
+    if kind == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    device = torch.device(kind, index) if index is not None else torch.device(kind)
     if device.type == "cuda" and not torch.cuda.is_available():
         why = f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None else \
             "no CUDA device is visible"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
-from ..config import apply_overrides, check_finite, read_yaml_mapping
+from ..config import apply_overrides, check_finite, device_expected, device_parts, read_yaml_mapping
 from ..engine.families import FAMILY_SPECS
 from ..engine.models import Conditioning, Policy, policy_class
 from ..engine.pixel_decoder import PixelDecoder
@@ -126,8 +125,8 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
             raise ConfigError(name, getattr(cfg, name), f"an integer from 0 to {high}")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError("seed", cfg.seed, f"an integer from 0 to {MAX_SEED} (a run's seed range)")
-    if not (isinstance(cfg.device, str) and re.fullmatch(r"cpu|cuda(:\d{1,9})?", cfg.device)):
-        raise ConfigError("device", cfg.device, "cpu, cuda or cuda:N")  # whether this machine has it: pretrain()
+    if device_parts(cfg.device) in (None, ("auto", None)):
+        raise ConfigError("device", cfg.device, device_expected(auto=False))  # whether this machine has it: pretrain()
     if cfg.pixel_factor not in (1, 2, 4):
         raise ConfigError("pixel_factor", cfg.pixel_factor, "1, 2 or 4")
     step = 4 * cfg.pixel_factor

@@ -359,6 +359,38 @@ def test_a_launcher_variable_with_a_leading_zero_is_refused_before_anything_runs
     assert "decimal" in line, line
 
 
+DEVICE_NAMES = [("cpu", ("cpu", None)), ("auto", ("auto", None)), ("cuda", ("cuda", None)), ("cuda:0", ("cuda", 0)),
+                ("cuda:127", ("cuda", 127)), ("cuda:128", None), ("cuda:999999999", None), ("cuda:017", None), ("cuda:00", None), ("cuda:+1", None), ("cuda:1_0", None),
+                ("cuda: 1", None), ("cuda:-1", None), ("cuda:", None), ("cuda:1e1", None), ("cuda:0x1", None),
+                ("cpu:0", None), ("CUDA", None), (1, None), (None, None)]
+
+
+@pytest.mark.parametrize("name, parts", DEVICE_NAMES, ids=[repr(n) for n, _ in DEVICE_NAMES])
+def test_a_device_index_is_an_integer_as_every_number_is(name, parts):
+    from agg_bench.config import device_parts
+
+    assert device_parts(name) == parts
+
+
+@pytest.mark.parametrize("name", ["cuda:017", "cuda:00"])
+def test_a_device_index_with_a_leading_zero_is_refused_by_every_reader(tmp_path, capsys, name):
+    """cuda:017 passed the device key's check, and torch then read it as device 17 or refused it in a traceback
+    (torch 2.13: RuntimeError 'Invalid device string'), where every number of the harness refuses 017."""
+    from agg_bench.errors import ConfigError
+    from agg_bench.machine.devices import resolve_device
+    from agg_bench.tools.pretrain import load_pretrain_config
+
+    expected = "(N: a GPU index from 0 to 127 in decimal digits, e.g. cuda:1)"
+    line = run_fails(tmp_path / "out", capsys, "--set", f"device={name}")
+    assert f"config error: device = {name!r}: expected cpu, cuda, cuda:N or auto {expected}" in line, line
+    with pytest.raises(ConfigError) as refusal:
+        resolve_device(name, "--device")
+    assert refusal.value.key == "--device" and refusal.value.expected.endswith(expected)
+    with pytest.raises(ConfigError) as refusal:
+        load_pretrain_config(None, [f"device={name}"])
+    assert refusal.value.key == "device" and refusal.value.expected == f"cpu, cuda or cuda:N {expected}"
+
+
 @pytest.mark.parametrize("item", ["=1", " =1", ".x=1", "train..lr=1e-5", "train.=1", "train.lr.=1"])
 def test_a_set_key_with_an_empty_part_is_refused_naming_the_set(tmp_path, capsys, item):
     """'.x=1' and 'train..lr=1' were refused as a key '' or 'train.' that no one wrote ("config error:  = ...")."""

@@ -66,7 +66,8 @@ def test_the_table_lists_every_key_with_its_default_once():
     assert row["model.resolution"][1:3] == ["`128`", "integer from 1 to 4096"]
     assert row["grpo.clip_range"][1:3] == ["`1e-4`", "number > 0"]
     assert row["sampling.shift"][2] == "number > 0 or null"
-    assert row["device"][2] == "cpu, cuda, cuda:N or auto"
+    assert row["device"][2] == ("cpu, cuda, cuda:N or auto (N: a GPU index from 0 to 127 in "
+                                "decimal digits, e.g. cuda:1)")
     # a key whose own wording says "or null" already reads so once
     assert row["model.pretrained"][2] == "a folder's path, or null"
     assert row["run_id"][2] == "a name of 1 to 200 printable characters, or null"
