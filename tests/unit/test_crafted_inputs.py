@@ -214,8 +214,10 @@ def learning_fails(capsys, tmp_path: Path, manifest: Path, *options: str) -> str
     """``agg-bench learning`` with tables and plots: one line, exit 2, neither folder written."""
     tables, plots = tmp_path / "tables", tmp_path / "plots"
     capsys.readouterr()
+    defaults = [a for flag, value in (("--average", "1"), ("--eval-noises", "1")) if flag not in options
+                for a in (flag, value)]  # a flag given twice is refused
     line = one_line(capsys, main(["learning", "--manifest", str(manifest), "--tables", str(tables), "--plots",
-                                  str(plots), "--average", "1", "--eval-noises", "1", *options]))
+                                  str(plots), *defaults, *options]))
     assert not tables.exists() and not plots.exists()
     return line
 
