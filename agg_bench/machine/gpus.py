@@ -71,12 +71,13 @@ MAX_DEVICES = 1024
 
 
 def _device_id(part: str) -> str | None:
-    """A device id of a list as CUDA_VISIBLE_DEVICES is given it: an index read as every number of the harness is
-    (:func:`~agg_bench.config.read_number`: decimal digits, so ``017`` is no device 17), written in plain digits,
-    or a UUID; None for anything else."""
+    """``part`` where it is a device id of a list as CUDA_VISIBLE_DEVICES takes it: an index read as every number
+    of the harness is (:func:`~agg_bench.config.read_number`: decimal digits, so ``017`` is no device 17) and
+    written in plain digits, as ``cuda:N`` is (:func:`~agg_bench.config.device_parts`), or a UUID; None for
+    anything else."""
     index = read_number(part, int)
     if index is not None:
-        return str(index) if index >= 0 else None
+        return part if index >= 0 and str(index) == part else None
     return part if _DEVICE_UUID.fullmatch(part) else None
 
 

@@ -153,7 +153,7 @@ def test_learning_plot_labels_with_dollars_are_drawn_as_text(tmp_path):
 
 
 @pytest.mark.parametrize("value", ["abc", "0,x", "1,1", "-1", " , ", "99999999999", "017", "0,017", "0x4", "1e3",
-                                   "0,1.0"])
+                                   "0,1.0", "0,+1", "0,1_0"])
 def test_gpus_entry_point_refuses_a_bad_device_list(tmp_path, capsys, monkeypatch, value):
     monkeypatch.setattr(gpus.os, "execvpe", lambda *args: pytest.fail("the command ran"))
     monkeypatch.setenv("AGG_BENCH_GPUS", value)
