@@ -37,7 +37,7 @@ import random
 import re
 import shutil
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, UserError, clip, quote
 from ..io import atomic_file
-from ..jsonfiles import JsonProblem, loads
+from ..jsonfiles import JsonProblem, loads, open_regular
 from ..outputs import CHECKPOINT_NAME, SHARDS_PREFIX
 from ..records import is_integer
 
@@ -432,11 +432,30 @@ def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | 
                       evaluations=list(state.get("evaluations", [])))
 
 
+# A shard folder's .metadata is read whole before it is unpickled: far above what a sharded save of the largest model
+# planned here writes (a full fine-tune of Qwen-Image, 1,933 parameter tensors, over 8 processes: about 8 MiB; the
+# file grows by about 1 MiB per process), and what bounds the memory a crafted one can make a reader allocate.
+MAX_SHARD_METADATA_BYTES = 64 * 2**20
+# dimensions of one torch.Size in a .metadata (a tensor's shape or a chunk's offsets); the models here have at most 5
+MAX_SHAPE_DIMS = 64
+# a path longer than Linux's PATH_MAX is no checkpoint's path
+MAX_PATH_CHARS = 4096
+
+
+def _bounded_size(dims: Any = ()) -> torch.Size:
+    """``torch.Size(dims)`` for a sequence of at most :data:`MAX_SHAPE_DIMS` integers: unbounded, each of a crafted
+    file's few bytes that build a size could copy a sequence it built once, however long."""
+    if not isinstance(dims, (tuple, list)) or len(dims) > MAX_SHAPE_DIMS:
+        raise _Refused(f"holds a tensor size of {len(dims) if isinstance(dims, (tuple, list)) else type(dims).__name__}"
+                       f" dimensions, where torch's checkpoint metadata holds at most {MAX_SHAPE_DIMS}")
+    return torch.Size(dims)
+
+
 def _metadata_globals() -> dict[tuple[str, str], Callable]:
     """Every global a ``.metadata`` that ``torch.distributed.checkpoint`` writes refers to, by its exact (module,
     name), to the object it stands for: the metadata dataclasses and the storage info of the file-system writer,
-    ``torch.Size``, the dtypes, the layout lookup and the checkpoint's path. Names a torch version lacks are left
-    out."""
+    ``torch.Size`` (built bounded, :func:`_bounded_size`), the dtypes, the layout lookup and the checkpoint's path
+    (built once, :class:`ShardMetadataUnpickler`). Names a torch version lacks are left out."""
     from torch.distributed.checkpoint import filesystem, metadata
 
     found: dict[tuple[str, str], Any] = {
@@ -444,7 +463,7 @@ def _metadata_globals() -> dict[tuple[str, str], Callable]:
            for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
                         "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")},
         (filesystem.__name__, "_StorageInfo"): getattr(filesystem, "_StorageInfo", None),
-        ("torch", "Size"): torch.Size,
+        ("torch", "Size"): _bounded_size,
         # a layout is pickled as this lookup of its name ("torch.strided"), a dtype as the torch attribute
         ("torch.serialization", "_get_layout"): getattr(torch.serialization, "_get_layout", None),
         **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
@@ -456,18 +475,51 @@ def _metadata_globals() -> dict[tuple[str, str], Callable]:
 
 
 class _Refused(pickle.UnpicklingError):
-    """What :class:`ShardMetadataUnpickler` refuses to resolve (told apart from a file that is not a pickle)."""
+    """What :class:`ShardMetadataUnpickler` refuses to resolve or build (told apart from a file that is not a
+    pickle)."""
 
 
-class ShardMetadataUnpickler(pickle.Unpickler):
+# opcodes torch's checkpoint metadata never holds: sets (one byte that builds a 216-byte object), persistent and
+# extension references, and the old instance opcodes and out-of-band buffers, which build objects outside REDUCE
+_FOREIGN_OPCODES = {pickle.EMPTY_SET: "a set", pickle.ADDITEMS: "a set", pickle.FROZENSET: "a frozenset",
+                    pickle.PERSID: "a persistent reference", pickle.BINPERSID: "a persistent reference",
+                    pickle.EXT1: "an extension reference", pickle.EXT2: "an extension reference",
+                    pickle.EXT4: "an extension reference", pickle.INST: "an INST opcode", pickle.OBJ: "an OBJ opcode",
+                    pickle.NEXT_BUFFER: "an out-of-band buffer", pickle.READONLY_BUFFER: "an out-of-band buffer"}
+
+
+def _foreign(what: str) -> Callable[[Any], None]:
+    def refuse(self: Any) -> None:
+        raise _Refused(f"holds {what}, which torch's checkpoint metadata never holds")
+    return refuse
+
+
+# Python's own unpickler, whose opcodes a subclass can replace (C's cannot be told which to take); typeshed leaves
+# its internals out
+_PythonUnpickler: Any = pickle._Unpickler
+
+
+class ShardMetadataUnpickler(_PythonUnpickler):
     """Unpickles a shard folder's ``.metadata`` resolving only the globals of :func:`_metadata_globals`: any other
     (``os.system``, ``builtins.eval``, a class of any other module) is refused before it is looked up, so nothing
     the file names is imported or called. What the allowed classes do when built (dataclass fields, an enum
-    value, a path, a size) runs no code the file chooses."""
+    value, a path, a size) runs no code the file chooses.
+
+    Python's own unpickler (``pickle._Unpickler``) with the opcodes of
+    :data:`_FOREIGN_OPCODES` refused, and a call (REDUCE) only of what torch pickles as one: a size (at most
+    :data:`MAX_SHAPE_DIMS` dimensions), a layout, a memory format's code and one path of at most
+    :data:`MAX_PATH_CHARS` characters; the dataclasses are built as pickle builds them (NEWOBJ, then their own
+    fields, BUILD), never called, since ``MetadataIndex`` copies what it is given into a size. So no opcode copies
+    anything the file built before, and a file builds objects of at most about a hundred bytes per byte of it."""
+
+    dispatch = {**_PythonUnpickler.dispatch, **{code[0]: _foreign(what) for code, what in _FOREIGN_OPCODES.items()}}
 
     def __init__(self, file, allowed: dict[tuple[str, str], Callable]):
         super().__init__(file)
         self.allowed = allowed
+        self.built = {id(value) for value in allowed.values() if isinstance(value, type) and is_dataclass(value)}
+        self.called = {id(value) for value in allowed.values() if callable(value) and id(value) not in self.built}
+        self.paths = 0
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.allowed.get((module, name))
@@ -479,18 +531,71 @@ class ShardMetadataUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         raise _Refused("holds a persistent reference, which torch's checkpoint metadata never holds")
 
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        name = getattr(func, "__qualname__", type(func).__name__)
+        if id(func) not in self.called or not isinstance(args, tuple):
+            raise _Refused(f"calls {clip(name)}, which torch's checkpoint metadata builds without a call")
+        if isinstance(func, type) and issubclass(func, pathlib.PurePath):
+            self.paths += 1
+            if self.paths > 1 or not all(isinstance(part, str) for part in args) \
+                    or sum(map(len, args)) > MAX_PATH_CHARS:
+                raise _Refused(f"holds a second path or one longer than {MAX_PATH_CHARS} characters, where torch's "
+                               "checkpoint metadata holds one (the checkpoint's)")
+        self.stack[-1] = func(*args)
+
+    def load_newobj(self) -> None:
+        self._check_built(self.stack[-2])
+        super().load_newobj()
+
+    def load_newobj_ex(self) -> None:
+        self._check_built(self.stack[-3])
+        super().load_newobj_ex()
+
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        if id(type(inst)) not in self.built:
+            raise _Refused(f"sets fields of {clip(type(inst).__qualname__)}, which torch's checkpoint metadata never does")
+        # a dataclass's fields are set from a dict the file may have built once, copied whole: only its own names
+        names = {field.name for field in fields(inst)}
+        if not hasattr(inst, "__setstate__") and not (isinstance(state, dict) and len(state) <= len(names)
+                                                      and all(key in names for key in state)):
+            raise _Refused(f"sets {type(inst).__qualname__} from {type(state).__name__}, not from its own fields")
+        super().load_build()
+
+    def _check_built(self, cls: Any) -> None:
+        if id(cls) not in self.built:
+            name = getattr(cls, "__qualname__", type(cls).__name__)
+            raise _Refused(f"builds {clip(name)} as an object of its own, which torch's checkpoint metadata never does")
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+    dispatch[pickle.BUILD[0]] = load_build
+
 
 def read_shard_metadata(path: str | Path) -> Any:
     """The ``torch.distributed.checkpoint`` metadata in ``path`` (a shard folder's ``.metadata``), read with
     :class:`ShardMetadataUnpickler`: a file that refers to anything else, or that is not a whole pickle of a
-    ``Metadata``, is a UserError naming the file (and what it referred to), refused before anything it names runs."""
+    ``Metadata``, is a UserError naming the file (and what it referred to), refused before anything it names runs;
+    so is a file over :data:`MAX_SHARD_METADATA_BYTES`, before it is read."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     advice = "; delete the checkpoint or run without --resume"
     path = Path(path)
     try:
-        with open(path, "rb") as fh:
-            metadata = ShardMetadataUnpickler(fh, _metadata_globals()).load()
+        with open_regular(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            data = b"" if size > MAX_SHARD_METADATA_BYTES else fh.read(MAX_SHARD_METADATA_BYTES + 1)
+        if max(size, len(data)) > MAX_SHARD_METADATA_BYTES:  # a file that grew while it was read too
+            raise UserError(f"--resume: {path} is {max(size, len(data)):,} bytes, over the "
+                            f"{MAX_SHARD_METADATA_BYTES // 2**20} MiB a sharded checkpoint's metadata may have; "
+                            f"refused unread{advice}")
+        # from memory: a length the file claims for a string reads what is there, never allocates the claim
+        metadata = ShardMetadataUnpickler(io.BytesIO(data), _metadata_globals()).load()
+    except UserError:
+        raise
     except _Refused as err:
         raise UserError(f"--resume: {path} is not a sharded checkpoint's metadata: it {err}; refused unread{advice}") \
             from None

@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import pytest
 import torch
@@ -362,6 +362,112 @@ def test_resume_refuses_a_crafted_shard_metadata_unexecuted(tmp_path, capsys, sh
     refused(capsys, [*RESUME_SHARDED, "--out", str(out)], str(folder / ".metadata"), "--resume: ",
             "not a sharded checkpoint's metadata")
     assert not marker.exists() and files(out) == before
+
+
+def built(cls, state: dict):
+    """An object of ``cls`` that pickles as one whose fields are ``state``, that very dict (NEWOBJ, then BUILD)."""
+    obj = cls.__new__(cls)
+    obj.__dict__["__getstate__"] = lambda: state
+    return obj
+
+
+def amplifying(kind: str) -> object:
+    """A small pickle that builds far more than its bytes when unpickled with plain pickle: each of many copies of a
+    long sequence (or mapping) that the file holds once (pickle memoizes it), made by a call or a build torch's
+    classes offer, or sets (one byte each, a 216-byte object)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    long = tuple(range(20_000))
+    if kind == "torch.Size copies":
+        return [Calls(torch.Size, long) for _ in range(50)]
+    if kind == "MetadataIndex copies":
+        return [Calls(MetadataIndex, "fqn", long) for _ in range(50)]
+    if kind == "fields copied":
+        fields = {f"field{i}": i for i in range(20_000)}
+        return [built(ChunkStorageMetadata, fields) for _ in range(50)]
+    if kind == "path parts":
+        return [Calls(PosixPath, *(["part"] * 20_000)) for _ in range(50)]
+    return [set() for _ in range(20_000)]
+
+
+@pytest.mark.parametrize("kind", ["torch.Size copies", "MetadataIndex copies", "fields copied", "path parts", "sets"])
+def test_a_small_shard_metadata_that_would_build_much_more_is_refused(tmp_path, sharded_run, kind):
+    """A ``.metadata`` inside torch's own Metadata whose few bytes would copy what it holds once many times over
+    (plain pickle reads it: it is live) is refused in one line, so memory stays a small multiple of the file's
+    bytes, which are bounded."""
+    from agg_bench.runtime.checkpoint import read_shard_metadata
+
+    metadata = read_shard_metadata(sharded_run / "checkpoint_shards_000000/.metadata")
+    metadata.planner_data = {"copies": amplifying(kind)}
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickled(metadata))
+    assert type(unpickled(path.read_bytes())).__name__ == "Metadata"
+    with pytest.raises(UserError, match="refused unread") as err:
+        read_shard_metadata(path)
+    assert str(path) in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_a_shard_metadata_over_the_bound_is_refused_before_it_is_read(tmp_path, capsys, sharded_run, monkeypatch):
+    """A ``.metadata`` larger than :data:`MAX_SHARD_METADATA_BYTES` (sparse: nothing written) is refused in one line
+    naming the file, its size and the bound, before a byte of it is read."""
+    from agg_bench.runtime import checkpoint
+
+    out, folder = shard_copy(sharded_run, tmp_path)
+    metadata = folder / ".metadata"
+    os.truncate(metadata, checkpoint.MAX_SHARD_METADATA_BYTES + 1)
+    monkeypatch.setattr(checkpoint.ShardMetadataUnpickler, "load", lambda self: pytest.fail("the file was read"))
+    line = refused(capsys, [*RESUME_SHARDED, "--out", str(out)], str(metadata), "--resume: ",
+                   f"{checkpoint.MAX_SHARD_METADATA_BYTES + 1:,} bytes", "64 MiB", "refused unread")
+    assert metadata.stat().st_size == checkpoint.MAX_SHARD_METADATA_BYTES + 1, line
+
+
+def synthetic_metadata(shapes: dict[str, tuple[int, ...]], processes: int):
+    """The ``torch.distributed.checkpoint`` metadata of a sharded save of a model whose trainable parameters have
+    ``shapes`` and their AdamW state, over ``processes`` processes as FSDP2 shards them (dimension 0 split evenly,
+    a scalar whole), built from torch's own classes as its planner fills them."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    entries, storage, planner = {}, {}, {}
+    for name, shape in shapes.items():
+        for fqn, path, dims in [(f"model.{name}", ("model", name), shape),
+                                (f"optimizer.state.{name}.step", ("optimizer", "state", name, "step"), ()),
+                                *[(f"optimizer.state.{name}.{key}", ("optimizer", "state", name, key), shape)
+                                  for key in ("exp_avg", "exp_avg_sq")]]:
+            per = -(-dims[0] // processes) if dims else 0
+            chunks = [ChunkStorageMetadata(torch.Size([start, *[0] * (len(dims) - 1)]),
+                                           torch.Size([min(per, dims[0] - start), *dims[1:]]))
+                      for start in range(0, dims[0], per)] if dims else [ChunkStorageMetadata(torch.Size(), torch.Size())]
+            entries[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(dims), chunks)
+            planner[fqn] = path
+            for rank, chunk in enumerate(chunks):
+                storage[MetadataIndex(fqn, chunk.offsets, 0)] = _StorageInfo(f"__{rank}_0.distcp", 2**40, 2**33)
+    return Metadata(entries, planner, storage, StorageMeta(Path("/results/runs/a-run/checkpoint_shards_000000"),
+                                                           "0" * 36))
+
+
+def test_the_largest_planned_sharded_checkpoint_s_metadata_is_far_below_the_bound(tmp_path, sharded_run):
+    """A full fine-tune of Qwen-Image (the largest model planned, every parameter trained: the most entries) sharded
+    over 8 processes writes a ``.metadata`` at most an eighth of the bound, and the reader takes it whole. Its
+    metadata is built as torch's planner builds it; built so for the shard folder a real run wrote, it is as large as
+    the real one give or take a quarter."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from agg_bench.runtime.checkpoint import MAX_SHARD_METADATA_BYTES, read_shard_metadata
+
+    real_path = sharded_run / "checkpoint_shards_000000/.metadata"
+    real = read_shard_metadata(real_path)
+    trained = {fqn.removeprefix("model."): tuple(entry.size) for fqn, entry in real.state_dict_metadata.items()
+               if fqn.startswith("model.")}
+    assert 0.75 <= len(pickled(synthetic_metadata(trained, 1))) / real_path.stat().st_size <= 1.25
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel()  # Qwen-Image's own configuration: 20.4 B parameters
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickled(synthetic_metadata(shapes, 8)))
+    assert path.stat().st_size <= MAX_SHARD_METADATA_BYTES / 8
+    assert len(read_shard_metadata(path).state_dict_metadata) == 4 * len(shapes)
 
 
 def test_resume_reads_a_shard_folder_s_other_entries_as_plain_data(tmp_path, capsys, sharded_run):
