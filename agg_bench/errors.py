@@ -110,13 +110,13 @@ class ConfigError(UserError):
 
 _ALIKE = "_agg_bench_alike"
 _RAISED_BY = "_agg_bench_raised_by"
-# how long a process that leaves an error to its machine's first process waits to be ended (:func:`_print_user_error`)
+# how long a process that leaves an error to another process waits to be ended (:func:`_print_user_error`)
 ALIKE_WAIT_S = 60.0
 
 
 def raised_by(err: BaseException, rank: int) -> BaseException:
-    """``err``, marked as another process's error (process ``rank``'s), passed on to this one: its line names that
-    process (:func:`user_error_line`)."""
+    """``err``, marked as another process's error (process ``rank``'s), passed on to this one: that process prints
+    it (:func:`user_error_line`)."""
     with contextlib.suppress(AttributeError):
         setattr(err, _RAISED_BY, rank)
     return err
@@ -155,26 +155,31 @@ def launch_place() -> tuple[int, int] | None:
 
 def user_error_line(name: str, err: BaseException | str, alike: bool = False) -> str | None:
     """The line this process prints for the user error ``err`` of command ``name``: ``name: message`` for one
-    process. Of several processes a launcher started, an error raised alike on every process of a machine
-    (``alike``, or marked by :func:`mark_alike`) is printed by the machine's first process only (None on the
-    others); any other is printed by every process that raised it, ``rank N: `` before the message on every
-    process but rank 0, so that a problem only one process has is printed by it and says whose it is (N: the
-    process it came from, for another process's error passed on to this one, :func:`raised_by`)."""
+    process. Of several processes a launcher started, each line is printed by one process: an error raised alike on
+    every process of a machine (``alike``, or marked by :func:`mark_alike`) by the machine's first process, another
+    process's error passed on to this one (:func:`raised_by`) by that process, which raised it itself, and any
+    other by the process that raised it; None on the processes that leave it to another. The line says whose the
+    error is, ``rank N: `` before the message for all but rank 0's, so that a problem only one process has is
+    printed once, by it."""
     place = launch_place()
     if place is None:
         return f"{name}: {one_line(str(err))}"
     rank, local = place
-    if (alike or getattr(err, _ALIKE, False)) and local != 0:
+    if (alike or getattr(err, _ALIKE, False)) and local != 0 or getattr(err, _RAISED_BY, rank) != rank:
         return None
-    rank = getattr(err, _RAISED_BY, rank)
+    return _ranked_line(name, err, rank)
+
+
+def _ranked_line(name: str, err: BaseException | str, rank: int) -> str:
     return f"{name}: {'' if rank == 0 else f'rank {rank}: '}{one_line(str(err))}"
 
 
 def _print_user_error(name: str, err: BaseException | str, alike: bool = False) -> None:
-    """Print :func:`user_error_line`. A process that leaves the line to its machine's first process waits up to
-    :data:`ALIKE_WAIT_S` seconds before it goes on to exit: torchrun ends a job's processes once one has failed,
-    so this one ending first could get the first one ended before it printed. Ended by then, it printed nothing
-    (the first one did); still running, it prints the line itself."""
+    """Print :func:`user_error_line`. A process that leaves the line to another (its machine's first process, or
+    the process the error came from) waits up to :data:`ALIKE_WAIT_S` seconds before it goes on to exit: torchrun
+    ends a job's processes once one has failed, so this one ending first could get that one ended before it
+    printed. Ended by then, it printed nothing (the other one did); still running, it prints the line itself, naming
+    the process whose error it is."""
     line = user_error_line(name, err, alike)
     if line is None:
         try:
@@ -182,7 +187,7 @@ def _print_user_error(name: str, err: BaseException | str, alike: bool = False) 
         except KeyboardInterrupt:
             return
         place = launch_place()
-        line = f"{name}: rank {place[0] if place else '?'}: {one_line(str(err))}"
+        line = _ranked_line(name, err, getattr(err, _RAISED_BY, place[0] if place else 0))
     print(line, file=sys.stderr)
 
 

@@ -300,14 +300,28 @@ def test_a_user_error_every_process_raises_is_printed_once(tmp_path, args, error
 @pytest.mark.parametrize("which, expected", [
     ("one", ["agg-bench run: rank 1: process 1's own problem"]),
     ("each", ["agg-bench run: process 0's own problem", "agg-bench run: rank 1: process 1's own problem"]),
-    # passed on to process 0 at a point both reach: its copy names the process it came from
-    ("passed", ["agg-bench run: rank 1: process 1's own problem"] * 2),
+    # passed on to process 0 at a point both reach: printed by process 1, whose error it is, alone
+    ("passed", ["agg-bench run: rank 1: process 1's own problem"]),
 ])
 def test_a_user_error_of_one_process_is_printed_by_it(tmp_path, which, expected):
     """An error that not every process raised alike is printed by each process that raised it, which says whose
-    it is: none is left to another process that does not have it."""
+    it is: none is left to another process that does not have it, and none passed on is printed twice."""
     proc = torchrun(__file__, str(tmp_path), "--user-error", which, timeout=240)
     assert sorted(agg_bench_lines(proc)) == expected, proc.stderr[-3000:]
+
+
+def test_an_error_of_process_0_alone_passed_on_to_the_others_is_printed_once(tmp_path):
+    """An output folder holding someone's files is refused by process 0, which claims it, and passed on to process
+    1: one line, process 0's, and the folder as it was."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = torchrun("-m", "agg_bench", "run", "--set", "progress=false", "--set", "telemetry.enabled=false",
+                    "--out", str(out), timeout=240)
+    lines = agg_bench_lines(proc)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"agg-bench run: --out {out}: ") and "notes.txt" in lines[0]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
 
 
 def _user_error(which: str) -> int:

@@ -290,14 +290,25 @@ def test_an_error_raised_alike_is_printed_by_each_machine_s_first_process(monkey
     assert user_error_line("agg-bench run", err) == line
 
 
-def test_another_process_s_error_passed_on_names_that_process(monkeypatch):
-    """A user error another process reported, raised here too (``distributed.gather``), says whose it is."""
-    from agg_bench.errors import raised_by, user_error_line
+def test_another_process_s_error_passed_on_is_left_to_it_and_names_it_if_this_one_is_not_ended(capsys, monkeypatch):
+    """A user error another process reported, raised here too (``distributed.gather``), is that process's to print
+    (it raised it itself): this one waits to be ended by torchrun, and not ended in time prints it, saying whose
+    it is."""
+    from agg_bench import errors
 
     launched(monkeypatch, 1, 1)
-    assert user_error_line("agg-bench run", raised_by(UserError("bad"), 0)) == "agg-bench run: bad"
+    assert errors.user_error_line("agg-bench run", errors.raised_by(UserError("bad"), 0)) is None
     launched(monkeypatch, 0, 0)
-    assert user_error_line("agg-bench run", raised_by(UserError("bad"), 1)) == "agg-bench run: rank 1: bad"
+    assert errors.user_error_line("agg-bench run", errors.raised_by(UserError("bad"), 1)) is None
+    waited = []
+    monkeypatch.setattr(errors.time, "sleep", waited.append)
+
+    def passed_on():
+        raise errors.raised_by(UserError("bad"), 1)
+
+    assert run_command("agg-bench run", passed_on, ["agg-bench", "run"]) == 2
+    assert waited == [errors.ALIKE_WAIT_S]
+    assert capsys.readouterr().err.splitlines() == ["agg-bench run: rank 1: bad"]
 
 
 @pytest.mark.parametrize("env", [{}, {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"},
