@@ -112,6 +112,9 @@ _ALIKE = "_agg_bench_alike"
 _RAISED_BY = "_agg_bench_raised_by"
 # how long a process that leaves an error to another process waits to be ended (:func:`_print_user_error`)
 ALIKE_WAIT_S = 60.0
+# set by torchrun's agent (torch.distributed.elastic) in every process it starts; that agent ends a job's processes
+# once one has failed
+TORCHRUN_AGENT_VARIABLE = "TORCHELASTIC_RUN_ID"
 
 
 def raised_by(err: BaseException, rank: int) -> BaseException:
@@ -179,13 +182,15 @@ def _print_user_error(name: str, err: BaseException | str, alike: bool = False) 
     the process the error came from) waits up to :data:`ALIKE_WAIT_S` seconds before it goes on to exit: torchrun
     ends a job's processes once one has failed, so this one ending first could get that one ended before it
     printed. Ended by then, it printed nothing (the other one did); still running, it prints the line itself, naming
-    the process whose error it is."""
+    the process whose error it is. Without torchrun's agent (:data:`TORCHRUN_AGENT_VARIABLE` unset: the launcher's
+    variables set by hand, or another launcher), nothing would end it, so it prints the line at once."""
     line = user_error_line(name, err, alike)
     if line is None:
-        try:
-            time.sleep(ALIKE_WAIT_S)
-        except KeyboardInterrupt:
-            return
+        if TORCHRUN_AGENT_VARIABLE in os.environ:
+            try:
+                time.sleep(ALIKE_WAIT_S)
+            except KeyboardInterrupt:
+                return
         place = launch_place()
         line = _ranked_line(name, err, getattr(err, _RAISED_BY, place[0] if place else 0))
     print(line, file=sys.stderr)

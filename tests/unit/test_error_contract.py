@@ -269,10 +269,17 @@ def test_a_process_of_the_job_that_has_gone_is_one_line_not_a_bug(capsys, monkey
 
 
 # ----- several processes ---------------------------------------------------------------------------------
-def launched(monkeypatch, rank: int, local: int, world: int = 2) -> None:
-    """The environment torchrun gives process ``rank`` (``local`` on its machine) of ``world``."""
+def launched(monkeypatch, rank: int, local: int, world: int = 2, by_torchrun: bool = True) -> None:
+    """The environment torchrun gives process ``rank`` (``local`` on its machine) of ``world``; without
+    ``by_torchrun``, its launcher variables set by hand, without torchrun's agent."""
+    from agg_bench.errors import TORCHRUN_AGENT_VARIABLE
+
     for name, value in (("WORLD_SIZE", world), ("RANK", rank), ("LOCAL_RANK", local)):
         monkeypatch.setenv(name, str(value))
+    if by_torchrun:
+        monkeypatch.setenv(TORCHRUN_AGENT_VARIABLE, "a-run-id")
+    else:
+        monkeypatch.delenv(TORCHRUN_AGENT_VARIABLE, raising=False)
 
 
 @pytest.mark.parametrize("rank, local, alike, line", [
@@ -344,6 +351,20 @@ def test_a_process_that_leaves_an_alike_error_to_another_prints_it_if_not_ended(
     assert exit_.value.code == 2 and len(waited) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("agg-bench run: rank 1: the following arguments are required")
+
+
+def test_launcher_variables_set_by_hand_print_an_error_left_to_another_process_at_once(capsys, monkeypatch):
+    """``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` set by hand, outside torchrun: no launcher would end this process,
+    so it does not wait for that before it prints a line it would leave to another process."""
+    from agg_bench import errors
+
+    launched(monkeypatch, 1, 1, by_torchrun=False)
+    waited = []
+    monkeypatch.setattr(errors.time, "sleep", waited.append)
+    assert cli.main(["run", "--set", "train.iterations=abc", "--out", "unused"]) == 2
+    assert waited == []
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["agg-bench run: rank 1: config error: train.iterations = 'abc': expected an integer"], lines
 
 
 def test_the_run_config_is_refused_alike_before_any_check_of_the_process(tmp_path, capsys, monkeypatch):
