@@ -462,3 +462,13 @@ def fake_two_gpus(monkeypatch, current: int) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: FAKE_GPUS[index(device)][0])
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=FAKE_GPUS[index(device)][1]))
+
+
+def exit_code(argv: list[str]) -> int:
+    """``agg_bench.cli.main(argv)``'s exit code, argparse's refusal of a flag's value (SystemExit) included."""
+    from agg_bench.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)

@@ -671,7 +671,7 @@ def write_learning_tables(campaign: Campaign, reference: Path) -> None:
     and the plots drawn from the runs alone (reward against iteration and time, the held-out reward against
     cost and CPU time, the Pareto plot); the pre-trained model's own sample grid is its ``samples.png`` in
     ``pretrained/``."""
-    from ..outdir import claimed_folders
+    from ..outdir import claimed_folders, replaced_folders
     from ..results.learning_tables import learning_table, load_runs, plot_held_out, plot_rewards, write_curves, write_table
     from .learning import DEFAULT_REFERENCE
 
@@ -680,11 +680,15 @@ def write_learning_tables(campaign: Campaign, reference: Path) -> None:
     runs = load_runs(reference / "manifest.json")
     label = options.reference or DEFAULT_REFERENCE
     folder = reference / "learning"
-    with claimed_folders([(folder, LEARNING_CONTENTS)], ("--reference",)):
+    # claimed and replaced whole as `agg-bench learning` writes a folder, so the two never write it at once
+    with claimed_folders([(folder, LEARNING_CONTENTS)], ("--reference",), replaced_whole=True), \
+            replaced_folders(folder) as staged:
         table = learning_table(runs, options.average, options.fraction, label, None, options.target_fraction,
                                options.eval_source)
-        write_table(table, folder, options.average, options.fraction, options.target_fraction, label)
-        write_curves(runs, folder)
-        plot_rewards(runs, folder / "reward_iteration.png", "iteration")
-        plot_rewards(runs, folder / "reward_time.png", "time")
-        plot_held_out(runs, folder)
+        out = staged(folder)
+        write_table(table, out, options.average, options.fraction, options.target_fraction, label)
+        write_curves(runs, out)
+        (out / "evaluation.csv").unlink(missing_ok=True)  # a learning command's own evaluation: not these tables'
+        plot_rewards(runs, out / "reward_iteration.png", "iteration")
+        plot_rewards(runs, out / "reward_time.png", "time")
+        plot_held_out(runs, out)

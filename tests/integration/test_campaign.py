@@ -32,7 +32,7 @@ from agg_bench.tools import cell_calibration
 from agg_bench.tools import archive as archive_module
 from agg_bench.tools.archive import tiny_counterpart
 from agg_bench.tools.campaign import Campaign, cpu_resolution
-from helpers import Holder, bash_script, not_hung
+from helpers import Holder, bash_script, exit_code, not_hung
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config" / "h200.yaml"
@@ -420,16 +420,17 @@ def test_an_archive_of_the_cpu_form_given_to_the_gpu_reference_names_campaign_gp
 
 @pytest.mark.parametrize("args, words", [
     (["--minutes", "-1"], "--minutes = -1.0"),
-    (["--minutes", "nan"], "--minutes = nan"),
+    (["--minutes", "nan"], "argument --minutes: 'nan': expected a finite number"),  # as argparse reads it
     (["--minutes", "1e9"], "expected a number of minutes in (0, 1440]"),
     ([], "--minutes = None"),
     # the window's clock: not ahead of this machine's, and with time left
-    (["--minutes", "1", "--started", "nan"], "--started = nan: expected seconds since the epoch, not after now"),
-    (["--minutes", "1", "--started", "1e12"], "--started = 1000000000000.0: expected seconds since the epoch"),
+    (["--minutes", "1", "--started", "nan"], "argument --started: 'nan': expected a finite number"),
+    (["--minutes", "1", "--started", "1e12"], "--started = 1000000000000.0: expected seconds since the epoch, "
+                                              "not after now"),
     (["--minutes", "1", "--started", "0"], "the window has no time left"),
 ])
 def test_bad_options_are_one_line(tmp_path, capsys, args, words):
-    code = main(["campaign", "run", "--config", str(CONFIG), "--cpu", "--work", str(tmp_path / "w"), *args])
+    code = exit_code(["campaign", "run", "--config", str(CONFIG), "--cpu", "--work", str(tmp_path / "w"), *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and words in err[0], err
     assert not (tmp_path / "w").exists()
@@ -887,7 +888,7 @@ def test_a_cell_starts_no_run_that_would_end_after_its_deadline(tmp_path, capsys
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
     assert "runs 2-3 not started" in capsys.readouterr().err
     for bad in ("nan", "-5", "inf"):
-        assert main(["cell", str(jobs), "--deadline", bad]) == 2
+        assert exit_code(["cell", str(jobs), "--deadline", bad]) == 2
         assert "--deadline" in capsys.readouterr().err
 
 
@@ -1530,3 +1531,4 @@ def test_status_names_each_missing_run_once(config, capsys):
     assert {cell: sorted(entry["missing"]) for cell, entry in shown["cells"].items()} == \
         {cell: sorted(names) for cell, names in expected.items()}
     assert all(len(set(names)) == len(names) for names in expected.values())
+

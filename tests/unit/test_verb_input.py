@@ -20,6 +20,7 @@ from agg_bench.errors import UserError
 from agg_bench.io import read_jsonl
 from agg_bench.machine import gpus
 from agg_bench.tools.importlog import import_log
+from helpers import exit_code
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,10 +127,7 @@ def test_a_number_flag_takes_what_a_number_key_takes(text, value):
 def test_a_number_flag_and_its_config_key_read_017_alike(tmp_path, capsys):
     """--checkpoint-every 017 was 17 while --set train.checkpoint_every=017 was 15 (YAML 1.1's octal)."""
     for argv in (["--checkpoint-every", "017"], ["--set", "train.checkpoint_every=017"]):
-        try:
-            code = cli.main(["run", *argv, "--out", str(tmp_path / "out")])
-        except SystemExit as stop:  # a flag's value is refused as argparse reads it
-            code = stop.code
+        code = exit_code(["run", *argv, "--out", str(tmp_path / "out")])  # a flag's value refused as argparse reads it
         line, = capsys.readouterr().err.strip().splitlines()
         assert code == 2
         assert "017" in line and "an integer" in line, line
