@@ -5,6 +5,10 @@
 #   make test-fast  ruff and mypy, then tests/unit only (in-process, a few minutes)
 #   make learning   the learning testbed: a DiT pre-trained on drawn scenes, GRPO per method x 3 seeds (docs/learning.md)
 #   make clean      removes what the workflows made in results/ (not results/reference/), and .snakemake/
+# the recipes take paths in the clone: `make -f CLONE/Makefile` from another folder ran them there and failed
+ifeq ($(filter Makefile ./Makefile $(CURDIR)/Makefile,$(firstword $(MAKEFILE_LIST))),)
+$(error make runs in the clone: make -C $(patsubst %/Makefile,%,$(MAKEFILE_LIST)) $(MAKECMDGOALS), not make -f from $(CURDIR))
+endif
 CORES ?= 2
 PYTEST_ARGS ?=
 # CORES is a whole number of cores from 1, or all: Snakemake waits forever for a job to fit in --cores 0, and takes

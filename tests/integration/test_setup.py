@@ -249,6 +249,21 @@ def test_make_pipeline_in_a_path_with_a_space_is_refused_before_the_set_up(tmp_p
     assert not (repo / "set-up-ran").exists()
 
 
+def test_make_from_another_folder_is_refused_before_the_set_up(tmp_path):
+    """`make -f CLONE/Makefile` ran the recipes' clone paths (scripts/setup.sh, .venv) in the current folder and
+    failed there; it is one line naming make -C, and `make -C CLONE` runs."""
+    repo = make_clone(tmp_path / "repo")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run(["make", "-f", str(repo / "Makefile"), "test-fast"], cwd=elsewhere, capture_output=True,
+                          text=True, timeout=60)
+    errors = [line for line in proc.stderr.splitlines() if "***" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and f"make -C {repo} test-fast" in errors[0], proc.stderr
+    assert not (repo / "set-up-ran").exists() and list(elsewhere.iterdir()) == []
+    proc = subprocess.run(["make", "-s", "-C", str(repo), "test-fast"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_make_test_fast_in_a_path_with_a_space_runs(tmp_path):
     """The unit tests run no workflow: make test-fast is not refused there."""
     repo = make_clone(tmp_path / "my clones" / "agg-bench")
