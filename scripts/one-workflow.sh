@@ -9,12 +9,9 @@
 # Without flock, or where the clone cannot be written, there is no lock and Snakemake's own stays.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-lock=.workflow.lock
-if command -v flock >/dev/null 2>&1 && { exec 9>>"$lock"; } 2>/dev/null; then
-  if ! flock -n 9; then
-    echo "make: another make pipeline or make learning of this clone is running (it holds $(pwd -P)/$lock); waiting for it to end" >&2
-    flock 9
-  fi
+# shellcheck source=scripts/turns.sh
+source scripts/turns.sh
+if take_turn .workflow.lock "make: another make pipeline or make learning of this clone is running"; then
   # no workflow of this clone started by make runs now, so a lock of Snakemake's is one left behind, or one of
   # a snakemake started by hand here
   if [ -n "$(ls -A .snakemake/locks 2>/dev/null)" ]; then

@@ -17,13 +17,9 @@ CPU_INDEX=https://download.pytorch.org/whl/cpu
 # one set-up of a clone at a time: two (two `make pipeline` started together) ran pip into the same .venv at once
 # and could leave it half of each. The second waits, then finds the first one's install done (the stamp below).
 # Without flock, or where the clone cannot be written (then nothing is installed either), there is no lock.
-lock=.venv.lock
-if command -v flock >/dev/null 2>&1 && { exec 9>>"$lock"; } 2>/dev/null; then
-  if ! flock -n 9; then
-    echo "setup: another set-up of this clone is running (it holds $(pwd -P)/$lock); waiting for it to end" >&2
-    flock 9
-  fi
-fi
+# shellcheck source=scripts/turns.sh
+source scripts/turns.sh
+take_turn .venv.lock "setup: another set-up of this clone is running" || true
 
 if [ -z "${TORCH_INDEX_URL+set}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

@@ -21,7 +21,8 @@ def clone(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     (repo / "requirements").mkdir()
-    shutil.copy(ROOT / "scripts" / "setup.sh", repo / "scripts")
+    for script in ("setup.sh", "turns.sh"):
+        shutil.copy(ROOT / "scripts" / script, repo / "scripts")
     shutil.copy(ROOT / "pyproject.toml", repo)
     shutil.copy(ROOT / "requirements" / "constraints.txt", repo / "requirements")
     return repo
@@ -215,7 +216,7 @@ def make_clone(folder: Path) -> Path:
     (folder / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "Makefile", folder)
     shutil.copy(ROOT / "scripts" / "test.sh", folder / "scripts")
-    for script in ("one-workflow.sh", "caches.sh"):
+    for script in ("one-workflow.sh", "caches.sh", "turns.sh"):
         shutil.copy(ROOT / "scripts" / script, folder / "scripts")
     (folder / "scripts" / "setup.sh").write_text("touch set-up-ran\n")
     seen = 'echo "$0 ${XDG_CACHE_HOME-unset} ${MPLCONFIGDIR-unset}" >> caches-seen'  # the caches each was given
