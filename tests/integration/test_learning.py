@@ -17,6 +17,7 @@ from agg_bench.errors import UserError
 from agg_bench.results.learning_tables import cpu_time_to_reach, learning_table, load_runs, plot_rewards
 from agg_bench.cli import main
 from agg_bench.tools.sweep import flatten, overrides_of
+from helpers import exit_code
 
 
 def write_run(folder, rewards, cpu_s, method, seed):
@@ -82,7 +83,7 @@ def test_plots_and_cli(manifest, tmp_path):
     assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "2"]) == 0
     assert (tmp_path / "t" / "learning.md").read_text().count("\n| ") == 3  # header + 2 methods
     assert main(["learning", "--manifest", str(tmp_path / "missing.json"), "--tables", str(tmp_path)]) == 2
-    assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path), "--fraction", "nan"]) == 2
+    assert exit_code(["learning", "--manifest", str(manifest), "--tables", str(tmp_path), "--fraction", "nan"]) == 2
     with pytest.raises(UserError, match="at least 10"):
         learning_table(runs, average=5)
 
