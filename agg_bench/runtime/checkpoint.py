@@ -611,9 +611,10 @@ def read_shard_metadata(path: str | Path) -> Any:
     return metadata
 
 
-def data_only_io(folder: Path) -> tuple[Any, Any]:
+def data_only_io(folder: Path, metadata: Any) -> tuple[Any, Any]:
     """The storage reader and load planner with which ``torch.distributed.checkpoint.load`` reads the shard folder
-    ``folder`` as data only: its metadata through :func:`read_shard_metadata`, its entries that are not tensors
+    ``folder`` as data only: its metadata ``metadata``, which :func:`read_shard_metadata` read from the folder's
+    ``.metadata`` (so the file is read once, and what loads is what was checked), its entries that are not tensors
     (the optimizer's settings, which torch's default planner unpickles whole) with ``weights_only=True`` (one that
     is anything else is a UserError naming the folder and the entry), its tensors as torch reads them
     (``weights_only=True``)."""
@@ -623,11 +624,11 @@ def data_only_io(folder: Path) -> tuple[Any, Any]:
     class DataOnlyReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
             rank = kwargs.get("rank")  # torch's fallback to a process's own metadata, which our saves never write
-            metadata = read_shard_metadata(folder / (".metadata" if rank is None else f"__{rank}.metadata"))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = getattr(self, "load_id", None)
-            return metadata
+            found = metadata if rank is None else read_shard_metadata(folder / f"__{rank}.metadata")
+            if getattr(found, "storage_meta", None) is None:
+                found.storage_meta = StorageMeta()
+            found.storage_meta.load_id = getattr(self, "load_id", None)
+            return found
 
     class DataOnlyPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value) -> None:
@@ -660,8 +661,8 @@ def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:
         if not is_sharded(session.policy) or not (folder / ".metadata").is_file():
             raise UserError(f"--resume: {path} names the shard folder {folder}, which is missing or incomplete; "
                             "delete the checkpoint or run without --resume")
-        read_shard_metadata(folder / ".metadata")
-    reader, planner = data_only_io(folder)
+        metadata = read_shard_metadata(folder / ".metadata")
+    reader, planner = data_only_io(folder, metadata)
     state = _sharded_state(session)
     try:
         dcp.load(state, storage_reader=reader, planner=planner)

@@ -499,6 +499,24 @@ def test_resume_reads_a_shard_folder_s_other_entries_as_plain_data(tmp_path, cap
     assert marker.exists()
 
 
+def test_resume_reads_a_shard_metadata_once(tmp_path, monkeypatch, sharded_run):
+    """The ``.metadata`` every process reads and checks before any loads is the one the load uses: the file is
+    unpickled once per resume (a large model's is megabytes through Python's own unpickler)."""
+    from agg_bench.runtime import checkpoint
+
+    out, _ = shard_copy(sharded_run, tmp_path)
+    reads = []
+
+    def counted(path):
+        reads.append(Path(path).name)
+        return read(path)
+
+    read = checkpoint.read_shard_metadata
+    monkeypatch.setattr(checkpoint, "read_shard_metadata", counted)
+    assert main([*RESUME_SHARDED, "--out", str(out)]) == 0
+    assert reads == [".metadata"]
+
+
 # ----- one writer per output -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def snapshot_dir(tmp_path_factory):
