@@ -8,7 +8,6 @@ import math
 import sys
 from pathlib import Path
 
-from .config import integer_arg, number_arg
 from .errors import ConfigError, OneLineParser, UserError, alike_on_every_process, quote, run_command
 from .io import write_json
 from .outdir import check_file, check_writable, path_problem
@@ -31,6 +30,23 @@ def path_arg(text: str) -> Path:
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{quote(text)}: {problem}; expected a file or folder name")
     return Path(text)
+
+
+# The number flags' types, the config package's (one way to read a number), imported when a number flag is read:
+# imported with this module, the config package (YAML, JSON Schema) doubled the start-up of every command, --help
+# and the verbs that load no config among them.
+def integer_arg(text: str) -> int:
+    """:func:`agg_bench.config.integer_arg`."""
+    from .config import integer_arg as read
+
+    return read(text)
+
+
+def number_arg(text: str) -> float:
+    """:func:`agg_bench.config.number_arg`."""
+    from .config import number_arg as read
+
+    return read(text)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

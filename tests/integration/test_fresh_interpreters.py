@@ -45,6 +45,16 @@ def test_records_imports_only_the_standard_library():
     assert not [m for m in new if m.split(".")[0] in ("torch", "numpy", "pandas", "yaml", "diffusers")], new
 
 
+def test_the_command_line_imports_the_config_package_only_to_read_a_flag():
+    """The parser of every verb (what ``agg-bench --help`` builds) imports no config package, YAML or JSON Schema:
+    importing them with the command line doubled the start-up of every command; reading a number flag does."""
+    code = ("import json, sys; from agg_bench.cli import build_parser; parser = build_parser(); "
+            "heavy = lambda: sorted(m for m in ('agg_bench.config', 'yaml', 'jsonschema') if m in sys.modules); "
+            "before = heavy(); parser.parse_args(['plan', '--gpus', '2']); print(json.dumps([before, heavy()]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert json.loads(out.stdout) == [[], ["agg_bench.config", "jsonschema", "yaml"]], out.stdout
+
+
 # ----- loading a config (tests/unit/test_config_docs.py) -----
 
 

@@ -77,7 +77,8 @@ def test_a_name_too_long_for_a_file_is_refused_for_every_path_option_of_every_ve
     assert not any(tmp_path.iterdir())
 
 
-NUMBER_TYPES = {config.integer_arg: int, config.number_arg: float}
+# the config package's types, and the command line's, which import it when a flag is read
+NUMBER_TYPES = {config.integer_arg: int, config.number_arg: float, cli.integer_arg: int, cli.number_arg: float}
 
 
 def _number_flags() -> list[tuple[str, str, type]]:
