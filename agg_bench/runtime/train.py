@@ -275,10 +275,10 @@ class Training:
             self._write(new_record(self.identity, {"iteration": iteration}, self.telemetry.record(), memory,
                                    status="oom"))
             return "oom", None
-        reason = fields.pop("diverged", None) or next(
-            (k for k in DIVERGING_KEYS if not _finite(fields.get(k))), None)
+        diverging = [k for k in DIVERGING_KEYS if not _finite(fields.get(k))]
+        reason = fields.pop("diverged", None) or next(iter(diverging), None)
         # null, as a NaN is written: a number past the record contract's magnitude would make the run unreadable
-        fields.update({k: None for k in DIVERGING_KEYS if not _finite(fields.get(k))})
+        fields.update(dict.fromkeys(diverging))
         self.cost += passes_cost(fields, self.prices)
         record = new_record(self.identity, {"iteration": iteration}, fields, {"cost": self.cost},
                             status="diverged" if reason else "ok")
