@@ -163,8 +163,7 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
         return f"'iteration' = {quote(iteration)}: expected an integer >= 0"
     steps = record.get(OPTIMIZER_STEPS_KEY)
-    if steps is not None and (not is_integer(steps)
-                              or not 0 <= steps <= MAX_OPTIMIZER_STEPS):
+    if steps is not None and (not is_integer(steps) or not 0 <= steps <= MAX_OPTIMIZER_STEPS):
         return (f"{OPTIMIZER_STEPS_KEY!r} = {quote(steps)}: expected an integer from 0 to "
                 f"{MAX_OPTIMIZER_STEPS:,} or null")
     return None

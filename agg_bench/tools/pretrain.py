@@ -100,7 +100,7 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
     """Every field's type and range, as ConfigErrors naming the key."""
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.type == "int" and (not is_integer(value)):
+        if f.type == "int" and not is_integer(value):
             raise ConfigError(f.name, value, "an integer")
         if f.type == "float":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
