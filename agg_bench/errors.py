@@ -148,6 +148,8 @@ def alike_on_every_process() -> Iterator[None]:
 def launch_place() -> tuple[int, int] | None:
     """(``RANK``, ``LOCAL_RANK``) of this process when torchrun started several (``WORLD_SIZE`` > 1); None for
     one process, or where those variables are not all integers (then every line is printed as it is)."""
+    if "WORLD_SIZE" not in os.environ:  # one process: no need to import the config package to print a line
+        return None
     from .config.yamlio import read_number  # the config package imports this module
 
     world, rank, local = (read_number(os.environ.get(name, ""), int) for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))

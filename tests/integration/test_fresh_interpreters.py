@@ -55,6 +55,17 @@ def test_the_command_line_imports_the_config_package_only_to_read_a_flag():
     assert json.loads(out.stdout) == [[], ["agg_bench.config", "jsonschema", "yaml"]], out.stdout
 
 
+def test_a_usage_error_of_one_process_imports_no_config_package():
+    """Printing the one line of a usage error (an unknown verb) imports no config package: only a process that
+    torchrun started (``WORLD_SIZE`` set) reads the launcher's numbers to decide which process prints it."""
+    code = ("import json, sys; from agg_bench.cli import main\n"
+            "try:\n    main(['no-such-verb'])\nexcept SystemExit as stop:\n    code = stop.code\n"
+            "print(json.dumps([code, 'agg_bench.config' in sys.modules]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+    assert json.loads(out.stdout) == [2, False], out.stdout + out.stderr
+
+
 # ----- loading a config (tests/unit/test_config_docs.py) -----
 
 
