@@ -127,19 +127,26 @@ class PromptsConfig(Section):
 MAX_DEVICE_INDEX = 127
 
 
+def gpu_index(text: str) -> int | None:
+    """The GPU index ``text`` names: an integer >= 0 read as every integer of the harness is
+    (:func:`~agg_bench.config.read_number`) and written as plain decimal digits (no sign, space or underscore in a
+    device's name); None for anything else, such as ``017`` (which torch reads as device 17 or refuses, by
+    version, where every number here refuses 017)."""
+    index = read_number(text, int)
+    return index if index is not None and index >= 0 and str(index) == text else None
+
+
 def device_parts(name: Any) -> tuple[str, int | None] | None:
     """What the device name ``name`` says: (``cpu``, None), (``auto``, None), (``cuda``, None) or (``cuda``, N) for
-    ``cuda:N``, N a GPU index up to :data:`MAX_DEVICE_INDEX` read as every integer of the harness is
-    (:func:`~agg_bench.config.read_number`) and written as plain decimal digits (no sign, space or underscore in a
-    name); None for anything else, such as ``cuda:017`` (which torch reads as device 17 or refuses, by version,
-    where every number here refuses 017)."""
+    ``cuda:N``, N a GPU index (:func:`gpu_index`) up to :data:`MAX_DEVICE_INDEX`; None for anything else, such as
+    ``cuda:017``."""
     if not isinstance(name, str):
         return None
     if name in ("cpu", "auto", "cuda"):
         return name, None
     kind, colon, text = name.partition(":")
-    index = read_number(text, int) if kind == "cuda" and colon else None
-    return ("cuda", index) if index is not None and 0 <= index <= MAX_DEVICE_INDEX and str(index) == text else None
+    index = gpu_index(text) if kind == "cuda" and colon else None
+    return ("cuda", index) if index is not None and index <= MAX_DEVICE_INDEX else None
 
 
 def device_expected(auto: bool = True) -> str:

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import integer_arg, number_arg, read_number
+from ..config import gpu_index, integer_arg, number_arg, read_number
 from ..errors import ConfigError, OneLineParser, UserError, run_command
 
 ENV_DEVICES = "AGG_BENCH_GPUS"
@@ -71,14 +71,10 @@ MAX_DEVICES = 1024
 
 
 def _device_id(part: str) -> str | None:
-    """``part`` where it is a device id of a list as CUDA_VISIBLE_DEVICES takes it: an index read as every number
-    of the harness is (:func:`~agg_bench.config.read_number`: decimal digits, so ``017`` is no device 17) and
-    written in plain digits, as ``cuda:N`` is (:func:`~agg_bench.config.device_parts`), or a UUID; None for
+    """``part`` where it is a device id of a list as CUDA_VISIBLE_DEVICES takes it: an index as ``cuda:N`` takes
+    it (:func:`~agg_bench.config.gpu_index`: plain decimal digits, so ``017`` is no device 17), or a UUID; None for
     anything else."""
-    index = read_number(part, int)
-    if index is not None:
-        return part if index >= 0 and str(index) == part else None
-    return part if _DEVICE_UUID.fullmatch(part) else None
+    return part if gpu_index(part) is not None or _DEVICE_UUID.fullmatch(part) else None
 
 
 def _parse_ids(text: str, source: str) -> list[str]:
