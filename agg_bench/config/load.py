@@ -17,7 +17,7 @@ import yaml
 from ..errors import ConfigError
 from .schema import check_config_values, run_schema
 from .sections import (DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, device_expected, device_parts,
-                       written_before)
+                       folder_under_random_preset, written_before)
 from .yamlio import read_yaml_mapping, yaml_load
 
 NOT_A_METHOD_MAPPING = "a mapping with a name, e.g. {name: agg, window: 5}"
@@ -142,10 +142,9 @@ def refuse_written_before(config: dict) -> None:
     that say it today: a config is written one way, and an old ``config.json`` given as ``--config`` says what
     to write instead. So is ``model.pretrained`` beside ``model.preset: random``, which older runs trained as the
     folder's model, not the architecture the preset names."""
-    model = config.get("model")
-    if isinstance(model, dict) and model.get("preset") == "random" and model.get("pretrained"):
-        raise ConfigError("model.pretrained", model["pretrained"], "null with model.preset 'random' (a public "
-                          "architecture with random weights); set model.preset: pretrained to train this folder")
+    if folder_under_random_preset(config.get("model")):
+        raise ConfigError("model.pretrained", config["model"]["pretrained"], "null with model.preset 'random' (a "
+                          "public architecture with random weights); set model.preset: pretrained to train this folder")
     for (section, key) in WRITTEN_BEFORE:
         part = config.get(section)
         if isinstance(part, dict) and (now := written_before(section, key, part.get(key))) is not None:

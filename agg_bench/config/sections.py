@@ -489,6 +489,13 @@ def written_before(section: str, key: str, value: Any) -> dict[str, Any] | None:
         return None
 
 
+def folder_under_random_preset(model: Any) -> bool:
+    """Whether the model section ``model`` names a ``model.pretrained`` folder beside ``model.preset: random``: a
+    run folder that says so was trained on the folder's model (older versions let the folder take precedence),
+    which today's config says with ``preset: pretrained``; a config a user writes that says so is refused."""
+    return isinstance(model, dict) and model.get("preset") == "random" and bool(model.get("pretrained"))
+
+
 def upgrade_written(config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with every value an older run wrote (:data:`WRITTEN_BEFORE`) replaced by the keys it stands
     for, so that an old run folder reads and compares as the run it was (a key the file lacks still takes its
@@ -499,9 +506,8 @@ def upgrade_written(config: Mapping[str, Any]) -> dict[str, Any]:
         part = out.get(section)
         if isinstance(part, dict) and (now := written_before(section, key, part.get(key))) is not None:
             part.update(now)
-    model = out.get("model")
-    if isinstance(model, dict) and model.get("preset") == "random" and model.get("pretrained"):
-        model["preset"] = "pretrained"
+    if folder_under_random_preset(out.get("model")):
+        out["model"]["preset"] = "pretrained"
     return out
 
 
