@@ -133,8 +133,9 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     """What is wrong with a metric record (or a run summary, which repeats its identity keys): a key of
     ``required`` missing or null, or the first known key holding the wrong kind of value, e.g. ``'t_iter_s' =
     'fast': expected a finite number or null``; None when nothing is. A number is finite (a run writes a
-    non-finite value as null), at most :data:`MAX_MAGNITUDE` in magnitude and >= 0 but for :data:`SIGNED_KEYS`, ``resolution`` and ``n_gpus`` integers in
-    :data:`INTEGER_RANGES`, ``status`` one of :data:`STATUSES`, ``iteration`` an integer >= 0 and
+    non-finite value as null), at most :data:`MAX_MAGNITUDE` in magnitude and >= 0 but for :data:`SIGNED_KEYS`,
+    ``resolution`` and ``n_gpus`` integers in :data:`INTEGER_RANGES`, ``status`` one of :data:`STATUSES`,
+    ``iteration`` an integer >= 0 and
     ``optimizer_steps``, where a method records it, a count the report prices. The other keys a method adds are
     its own business, but for the standard phases' CUDA peaks (:data:`PHASE_PEAK_KEYS`), which the tables read as
     numbers."""

@@ -408,9 +408,9 @@ def _same(a, b) -> bool:
 
 
 def unmatched_gradcheck(efficiency: pd.DataFrame, gradcheck: pd.DataFrame | None) -> list[str]:
-    """The models and resolutions (``"<model> at <resolution> px"``, or ``"(no resolution)"``) of gradcheck rows that no measured row of
-    the efficiency table has, in the order the rows give them: their ``grad_cosine`` fills no cell (e.g. a
-    CSV whose ``model`` column names another label than the runs record)."""
+    """The models and resolutions (``"<model> at <resolution> px"``, or ``"<model> (no resolution)"``) of gradcheck
+    rows that no measured row of the efficiency table has, in the order the rows give them: their ``grad_cosine``
+    fills no cell (e.g. a CSV whose ``model`` column names another label than the runs record)."""
     if gradcheck is None or gradcheck.empty:
         return []
     measured = efficiency[efficiency["source"] == "measured"]
