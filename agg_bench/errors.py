@@ -158,10 +158,10 @@ def launch_place() -> tuple[int, int] | None:
     return (rank, local) if world > 1 else None
 
 
-def user_error_line(name: str, err: BaseException | str, alike: bool = False) -> str | None:
+def user_error_line(name: str, err: BaseException) -> str | None:
     """The line this process prints for the user error ``err`` of command ``name``: ``name: message`` for one
     process. Of several processes a launcher started, each line is printed by one process: an error raised alike on
-    every process of a machine (``alike``, or marked by :func:`mark_alike`) by the machine's first process, another
+    every process of a machine (marked by :func:`mark_alike`) by the machine's first process, another
     process's error passed on to this one (:func:`raised_by`) by that process, which raised it itself, and any
     other by the process that raised it; None on the processes that leave it to another. The line says whose the
     error is, ``rank N: `` before the message for all but rank 0's, so that a problem only one process has is
@@ -170,23 +170,23 @@ def user_error_line(name: str, err: BaseException | str, alike: bool = False) ->
     if place is None:
         return f"{name}: {one_line(str(err))}"
     rank, local = place
-    if (alike or getattr(err, _ALIKE, False)) and local != 0 or getattr(err, _RAISED_BY, rank) != rank:
+    if getattr(err, _ALIKE, False) and local != 0 or getattr(err, _RAISED_BY, rank) != rank:
         return None
     return _ranked_line(name, err, rank)
 
 
-def _ranked_line(name: str, err: BaseException | str, rank: int) -> str:
+def _ranked_line(name: str, err: BaseException, rank: int) -> str:
     return f"{name}: {'' if rank == 0 else f'rank {rank}: '}{one_line(str(err))}"
 
 
-def _print_user_error(name: str, err: BaseException | str, alike: bool = False) -> None:
+def _print_user_error(name: str, err: BaseException) -> None:
     """Print :func:`user_error_line`. A process that leaves the line to another (its machine's first process, or
     the process the error came from) waits up to :data:`ALIKE_WAIT_S` seconds before it goes on to exit: torchrun
     ends a job's processes once one has failed, so this one ending first could get that one ended before it
     printed. Ended by then, it printed nothing (the other one did); still running, it prints the line itself, naming
     the process whose error it is. Without torchrun's agent (:data:`TORCHRUN_AGENT_VARIABLE` unset: the launcher's
     variables set by hand, or another launcher), nothing would end it, so it prints the line at once."""
-    line = user_error_line(name, err, alike)
+    line = user_error_line(name, err)
     if line is None:
         if TORCHRUN_AGENT_VARIABLE in os.environ:
             try:
@@ -326,5 +326,5 @@ class OneLineParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        _print_user_error(self.prog, f"{message} ({self.prog} --help lists the options)", alike=True)
+        _print_user_error(self.prog, mark_alike(UserError(f"{message} ({self.prog} --help lists the options)")))
         self.exit(2)
