@@ -472,3 +472,13 @@ def exit_code(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as stop:
         return int(stop.code or 0)
+
+
+class Calls:
+    """Unpickling this calls ``function(*args)``."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args

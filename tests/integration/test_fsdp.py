@@ -26,7 +26,7 @@ from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.machine import distributed, fsdp
 from agg_bench.runtime.train import TIMING_KEYS, Session, train
-from helpers import relative_error
+from helpers import Calls, relative_error
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["model.resolution=32", "model.dtype=float64", "sampling.steps=6", "grpo.group_size=3",
@@ -271,16 +271,6 @@ def test_a_stuck_process_ends_the_job_at_the_collective_timeout(tmp_path):
     assert "rank 0 timed out" in (tmp_path / "hang.txt").read_text()
 
 
-class _System:
-    """Unpickling this runs ``command`` in a shell."""
-
-    def __init__(self, command: str):
-        self.command = command
-
-    def __reduce__(self):
-        return os.system, (self.command,)
-
-
 @pytest.mark.slow
 def test_two_processes_refuse_a_crafted_shard_metadata_in_one_line_unexecuted(tmp_path):
     """A two-process sharded checkpoint whose ``.metadata`` was crafted to run a command: every process refuses
@@ -294,7 +284,7 @@ def test_two_processes_refuse_a_crafted_shard_metadata_in_one_line_unexecuted(tm
     proc = torchrun("-m", "agg_bench", "run", *sets, "--set", "train.iterations=1", "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metadata = out / "checkpoint_shards_000000" / ".metadata"
-    metadata.write_bytes(pickle.dumps(_System(f"touch {marker}")))
+    metadata.write_bytes(pickle.dumps(Calls(os.system, f"touch {marker}")))
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     proc = torchrun("-m", "agg_bench", "run", *sets, "--set", "train.iterations=2", "--resume", "--out", str(out),
                     timeout=300)

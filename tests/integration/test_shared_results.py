@@ -19,7 +19,7 @@ import torch
 from agg_bench import outdir
 from agg_bench.cli import main
 from agg_bench.errors import UserError
-from helpers import Holder
+from helpers import Calls, Holder
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "train.iterations=1", "progress=false",
@@ -269,16 +269,6 @@ def unpickled(data: bytes):
     import pickle  # noqa: TID251 (shows a crafted file is live)
 
     return pickle.loads(data)  # noqa: S301 (this test's own bytes, to show the payload works)
-
-
-class Calls:
-    """Unpickling this calls ``function(*args)``."""
-
-    def __init__(self, function, *args):
-        self.function, self.args = function, args
-
-    def __reduce__(self):
-        return self.function, self.args
 
 
 def crafted_metadata(kind: str, marker: Path, real: bytes) -> bytes:
