@@ -438,7 +438,9 @@ def _load_component(cls, path: str, pretrained: str, what: str, **kwargs):
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # its logs of a missing file or weight: the one line below says it
     try:
         component = cls.from_pretrained(path, local_files_only=True, **kwargs)
-    except (OSError, ValueError, TypeError) as err:  # TypeError: a config value of the wrong type
+    # TypeError: a config value of the wrong type; ArithmeticError: sizes diffusers divides by zero with
+    # (a patch wider than the sample)
+    except (OSError, ValueError, TypeError, ArithmeticError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {path} ({first})") from err
     finally:

@@ -601,7 +601,9 @@ def check_transformer_fits(folder: str, family: str, dtype: str, device: str) ->
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             transformer = cls.from_config(config)
-    except (TypeError, ValueError, RuntimeError) as err:  # a value of the wrong type, sizes that do not agree
+    # a value of the wrong type, sizes that do not agree, sizes diffusers divides by zero with (a patch wider
+    # than the sample)
+    except (TypeError, ValueError, RuntimeError, ArithmeticError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("model.pretrained", folder, f"a model folder whose transformer/config.json builds "
                           f"a {cls.__name__} ({first})") from None

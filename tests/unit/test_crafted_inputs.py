@@ -121,6 +121,26 @@ def test_a_model_folder_missing_a_weight_is_refused_naming_it(model, tmp_path):
         load_pretrained("sd3", str(folder), torch.float32)
 
 
+def test_a_patch_wider_than_the_sample_is_refused_in_one_line(model, tmp_path, capsys):
+    """A patch_size over the sample's side (each size within its bound) made diffusers divide by zero while it
+    built the positional embedding: a ZeroDivisionError traceback, exit 1, from the memory planner's check and
+    from the loader."""
+    from agg_bench.engine.models import load_pretrained
+
+    folder = model_copy(model, tmp_path)
+    path = folder / "transformer" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "patch_size": config["sample_size"] + 1}))
+    with pytest.raises(ConfigError, match="division by zero"):
+        load_pretrained("sd3", str(folder), torch.float32)
+    out = tmp_path / "run"
+    line = one_line(capsys, main(["run", *[a for item in ["model.family=sd3", "model.preset=pretrained",
+                                                          f"model.pretrained={folder}", "model.resolution=32",
+                                                          "train.iterations=1", "progress=false"]
+                                           for a in ("--set", item)], "--out", str(out)]))
+    assert "model.pretrained" in line and "division by zero" in line and not out.exists()
+
+
 def test_a_model_whose_weights_do_not_fit_is_refused_before_it_is_loaded(model, monkeypatch):
     """The memory planner counts the folder's transformer on the meta device before a run loads it: weights
     larger than the device's memory are refused ("does not fit"), the committed model fits."""
