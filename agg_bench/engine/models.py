@@ -472,10 +472,7 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
                                   torch_dtype=param_dtype)
     vae_dir = _subfolder(pretrained, "vae", "the VAE")
     if is_pixel_decoder_folder(vae_dir):  # a pixel-space model (agg-bench pretrain)
-        try:
-            vae = PixelDecoder.from_folder(vae_dir)
-        except TypeError as err:
-            raise ConfigError("model.pretrained", pretrained, f"a readable pixel decoder config in {vae_dir} ({err})") from err
+        vae = PixelDecoder.from_folder(vae_dir)  # its config's keys and values checked (a ConfigError)
     else:
         _check_class(pretrained, "vae", spec.vae_cls(), "model.pretrained", pretrained)
         vae = _load_component(spec.vae_cls(), vae_dir, pretrained, "VAE weights").eval().requires_grad_(False)

@@ -13,16 +13,21 @@ and ``dtype``; :attr:`spatial_factor` is its VAE scale factor.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import MAX_CONFIG_BYTES, read_json_object
+from ..records import is_integer
 
 CLASS_NAME = "PixelDecoder"
+CONFIG_KEYS = ("factor", "scaling_factor", "shift_factor", "image_channels")
+MAX_FACTOR = 16  # a rearrangement of 16 x 16 pixels: 768 latent channels
+POWERS = tuple(2 ** k for k in range(MAX_FACTOR.bit_length()))
 
 
 class PixelDecoder(torch.nn.Module):
@@ -66,11 +71,36 @@ class PixelDecoder(torch.nn.Module):
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "PixelDecoder":
-        """The decoder ``folder/config.json`` describes (read bounded: a JsonFileError, a UserError, otherwise;
-        a TypeError for keys this decoder does not take)."""
+        """The decoder ``folder/config.json`` describes (read bounded: a JsonFileError, a UserError, otherwise).
+        A key it does not take or a value outside :func:`config_problem`'s bounds is a ConfigError naming
+        ``model.pretrained`` (the model folder that holds ``folder``), the key and the value."""
         cfg = read_json_object(Path(folder) / "config.json", "the pixel decoder's config", MAX_CONFIG_BYTES)
         cfg.pop("_class_name", None)
+        problem = config_problem(cfg)
+        if problem is not None:
+            raise ConfigError("model.pretrained", str(Path(folder).parent),
+                              f"a pixel decoder config in {Path(folder).name}/config.json it can take ({problem})")
         return cls(**cfg)
+
+
+def config_problem(cfg: dict) -> str | None:
+    """What keeps a pixel decoder from being built from ``cfg`` (its config.json less ``_class_name``): a key
+    it does not take, a ``factor`` that is not a power of 2 up to :data:`MAX_FACTOR`, ``image_channels`` other
+    than 3, a ``scaling_factor`` that is not a finite number > 0 or a ``shift_factor`` that is not a finite
+    number (latents are divided by the one and shifted by the other: a string failed mid-run, 0 gave infinite
+    images); None when nothing does."""
+    for key, value in cfg.items():
+        if key not in CONFIG_KEYS:
+            return f"{key}: a key it does not take (it takes {', '.join(CONFIG_KEYS)})"
+        if key == "factor" and not (is_integer(value) and value in POWERS):
+            return f"factor = {quote(value)}: expected one of {', '.join(map(str, POWERS))}"
+        if key == "image_channels" and not (is_integer(value) and value == 3):
+            return f"image_channels = {quote(value)}: expected 3 (RGB)"
+        if key in ("scaling_factor", "shift_factor"):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or (key == "scaling_factor" and value <= 0):
+                return f"{key} = {quote(value)}: expected a finite number{' > 0' if key == 'scaling_factor' else ''}"
+    return None
 
 
 def is_pixel_decoder_folder(folder: str | Path) -> bool:

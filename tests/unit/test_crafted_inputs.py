@@ -1,5 +1,5 @@
-"""Crafted inputs that a command reads: a model folder (``token_hash.json``, ``transformer/config.json``),
-``agg-bench pretrain``'s sizes and seed, and the run folders ``agg-bench learning`` reads (config.json,
+"""Crafted inputs that a command reads: a model folder (``token_hash.json``, ``transformer/config.json``,
+``vae/config.json``), ``agg-bench pretrain``'s sizes and seed, and the run folders ``agg-bench learning`` reads (config.json,
 records, checkpoints, the manifest and its options). Each is refused with one line naming the file or key, exit
 code 2, before anything is allocated or written; or works.
 
@@ -139,6 +139,34 @@ def test_a_patch_wider_than_the_sample_is_refused_in_one_line(model, tmp_path, c
                                                           "train.iterations=1", "progress=false"]
                                            for a in ("--set", item)], "--out", str(out)]))
     assert "model.pretrained" in line and "division by zero" in line and not out.exists()
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("scaling_factor", "x", "scaling_factor = 'x': expected a finite number > 0"),  # a TypeError mid-run
+    ("scaling_factor", 0, "scaling_factor = 0: expected a finite number > 0"),  # infinite images, status ok
+    ("scaling_factor", None, "scaling_factor = None"),
+    ("shift_factor", [1], "shift_factor = [1]: expected a finite number"),
+    ("factor", 3, "factor = 3: expected one of 1, 2, 4, 8, 16"),
+    ("image_channels", 4, "image_channels = 4: expected 3"),
+    ("colour", "red", "colour: a key it does not take"),
+])
+def test_a_pixel_decoder_config_it_cannot_take_is_refused_before_the_run(model, tmp_path, capsys, key, value,
+                                                                           words):
+    """vae/config.json of a pixel-space model: its normalisation divides and shifts every latent the run decodes;
+    a value it cannot take is one line naming the folder, the key and the value, before the run folder is made."""
+    folder = model_copy(model, tmp_path)
+    path = folder / "vae" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    for build in (Session, memplan.plan_memory):
+        with pytest.raises(ConfigError) as err:
+            build(model_config(folder))
+        assert err.value.key == "model.pretrained" and words in str(err.value) and "vae/config.json" in str(err.value)
+    out = tmp_path / "run"
+    line = one_line(capsys, main(["run", *[a for item in ["model.family=sd3", "model.preset=pretrained",
+                                                          f"model.pretrained={folder}", "model.resolution=32",
+                                                          "train.iterations=1", "progress=false"]
+                                           for a in ("--set", item)], "--out", str(out)]))
+    assert words in line and not out.exists()
 
 
 def test_a_model_whose_weights_do_not_fit_is_refused_before_it_is_loaded(model, monkeypatch):
