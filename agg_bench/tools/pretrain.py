@@ -34,8 +34,9 @@ from ..engine.pixel_decoder import PixelDecoder
 from ..engine.prompts import TOKEN_HASH_FILE, hash_embed
 from ..engine.scenes import all_scenes, draw_batch, sample_scenes
 from ..engine.sampler import flow_sigmas, ode_step
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, remove_stale_temps, save_figure, write_json, write_text
+from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Claim, check_folder, is_harness_name
 from ..outputs import PRETRAIN_CONTENTS, PRETRAIN_MARKER
 from ..records import is_integer
@@ -44,6 +45,7 @@ from ..machine.devices import resolve_device
 from ..threads import usable_cores
 
 MARKER = PRETRAIN_MARKER  # what the pretraining did (agg_bench.outputs)
+FORMAT = "agg-bench-pretrain/1"  # its format: the mark of a folder this command may replace
 MAX_SEED = 2**32 - 1  # as a run's seed; the data, noise and sample generators take seed + 1, + 2, + 3
 # A pixel-space scene model taught on a CPU: the recipe's has 0.6 M parameters, and a step of 100 M (at the
 # sweep's batch of 32) takes seconds on a CPU core; its weights, gradients, AdamW's moments and the average are
@@ -287,11 +289,21 @@ def learning_rate(cfg: PretrainConfig, step: int) -> float:
 
 def check_out_dir(out: Path) -> None:
     """An output folder may be new, empty, or an earlier ``agg-bench pretrain`` output (replaced): only its
-    files, with its ``pretrain.json``. Reads only."""
+    files, with its ``pretrain.json`` of this command's format (someone's own file of that common name, with
+    nothing else or beside files of these names, is not replaced). Reads only."""
     check_folder(out, PRETRAIN_CONTENTS)
-    if out.is_dir() and any(not is_harness_name(p.name) for p in out.iterdir()) and not (out / MARKER).is_file():
-        raise UserError(f"--out {out}: a non-empty folder that is not an agg-bench pretrain output "
-                        f"(no {MARKER}); give a new or empty folder")
+    if not out.is_dir() or all(is_harness_name(p.name) for p in out.iterdir()):
+        return
+    try:
+        found = quote(read_json_object(out / MARKER, f"an agg-bench pretrain output's {MARKER}").get("format"))
+    except JsonFileError as err:
+        found = err.problem
+    else:
+        if found == quote(FORMAT):
+            return
+        found = f"format {found}"
+    raise UserError(f"--out {out}: a non-empty folder that is not an agg-bench pretrain output ({MARKER}: "
+                    f"{found}, expected format {FORMAT}); give a new or empty folder")
 
 
 def pretrain(cfg: PretrainConfig, out_dir: str | Path, progress: bool = True) -> dict:
@@ -367,7 +379,7 @@ def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
     scores = reward(images, captions)
     window = max(1, min(100, cfg.steps // 10))
     summary = {
-        "format": "agg-bench-pretrain/1", "config": asdict(cfg), "parameters": sum(p.numel() for p in ema.parameters()),
+        "format": FORMAT, "config": asdict(cfg), "parameters": sum(p.numel() for p in ema.parameters()),
         "train_wall_s": train_wall, "train_cpu_s": train_cpu, "threads": torch.get_num_threads(),
         "loss_first": sum(losses[:window]) / window, "loss_last": sum(losses[-window:]) / window,
         "loss_curve": [sum(losses[i:i + window]) / len(losses[i:i + window]) for i in range(0, len(losses), window)],

@@ -1,5 +1,6 @@
 """Crafted inputs that a command reads: a model folder (``token_hash.json``, ``transformer/config.json``,
-``vae/config.json``), ``agg-bench pretrain``'s sizes and seed, and the run folders ``agg-bench learning`` reads (config.json,
+``vae/config.json``), the folder ``agg-bench pretrain`` would replace,
+``agg-bench pretrain``'s sizes and seed, and the run folders ``agg-bench learning`` reads (config.json,
 records, checkpoints, the manifest and its options). Each is refused with one line naming the file or key, exit
 code 2, before anything is allocated or written; or works.
 
@@ -211,6 +212,22 @@ def test_pretrain_sizes_are_bounded_together_and_its_seed(tmp_path, capsys, monk
     capsys.readouterr()
     line = one_line(capsys, main(["pretrain", *[a for s in sets for a in ("--set", s)], "--out", str(out)]))
     assert words in line and not out.exists()
+
+
+@pytest.mark.parametrize("text", ["{}", '{"format": "someone-else/2", "lr": 0.1}', "[]", "lr: 0.1\n", ""])
+def test_pretrain_leaves_a_folder_whose_pretrain_json_is_someone_else_s(tmp_path, capsys, text):
+    """pretrain.json is a common name: a folder holding one of another tool's (alone, or beside a samples.png)
+    was replaced whole, the file lost; only a pretrain.json of this command's format marks a folder it made."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "pretrain.json").write_text(text)
+    (out / "samples.png").write_bytes(b"mine")
+    capsys.readouterr()
+    line = one_line(capsys, main(["pretrain", "--set", "steps=1", "--out", str(out)]))
+    assert "not an agg-bench pretrain output" in line and "agg-bench-pretrain/1" in line
+    assert sorted(p.name for p in out.iterdir()) == ["pretrain.json", "samples.png"]
+    assert (out / "pretrain.json").read_text() == text and (out / "samples.png").read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
 
 
 def test_pretrain_memory_is_planned_before_anything_is_allocated():
