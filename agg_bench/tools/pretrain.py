@@ -11,8 +11,9 @@ The output folder: ``transformer/`` (diffusers ``save_pretrained``), ``vae/`` (t
 config), ``scheduler/`` (FlowMatchEulerDiscreteScheduler with ``shift``), ``token_hash.json``,
 ``samples.png`` (a grid of samples with their captions and scene rewards) and ``pretrain.json`` (the
 config, the loss curve, the duration and the samples' rewards). It is written to a temporary folder and
-renamed into place; an existing folder is replaced only if it holds a ``pretrain.json`` and nothing but
-these files, its model folders included (a file of someone else's inside ``transformer/`` refuses it).
+renamed into place; an existing folder is replaced only if it holds a ``pretrain.json`` of this command's format
+(``agg-bench-pretrain/1``) and nothing but these files, its model folders included (a file of someone else's
+inside ``transformer/`` refuses it).
 """
 from __future__ import annotations
 
