@@ -155,6 +155,27 @@ def test_embed_errors_name_the_key(folders, tmp_path, capsys):
     assert err.value.key == "model.pretrained" and "text_encoder_2" in err.value.expected
 
 
+@pytest.mark.parametrize("component", ["text_encoder", "tokenizer_2"])
+def test_embed_of_a_model_whose_text_encoder_does_not_load_is_one_line(folders, tmp_path, capsys, component):
+    """A text encoder or tokenizer cut short: the refusal came after diffusers' "Loading pipeline components"
+    progress bar (and transformers' own messages) on stderr; now it is the only line, with nothing written."""
+    import shutil
+
+    broken = tmp_path / "cut"
+    shutil.copytree(folders("sd3"), broken)
+    for path in (broken / component).iterdir():
+        if path.suffix in (".safetensors", ".json"):
+            path.write_bytes(path.read_bytes()[:7])
+    out = tmp_path / "e.safetensors"
+    capsys.readouterr()
+    code = main(["embed", "--set", "model.family=sd3", f"--set=model.pretrained={broken}",
+                 f"--set=prompts.cache_dir={tmp_path / 'cache'}", "--out", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "model.pretrained" in lines[0], lines
+    assert "loadable text encoders and tokenizers" in lines[0] and not out.exists()
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("kind, words", [
     ("file", "config error: prompts.cache_dir = '{cache}': expected a folder (made if missing), not a file or a "
              "symbolic link"),
