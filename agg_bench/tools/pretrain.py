@@ -34,7 +34,7 @@ from ..engine.models import Conditioning, Policy, policy_class
 from ..engine.pixel_decoder import PixelDecoder
 from ..engine.prompts import TOKEN_HASH_FILE, hash_embed
 from ..engine.scenes import all_scenes, draw_batch, sample_scenes
-from ..engine.sampler import flow_sigmas, ode_step
+from ..engine.sampler import check_sigmas, flow_sigmas, ode_step
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, remove_stale_temps, save_figure, write_json, write_text
 from ..jsonfiles import JsonFileError, read_json_object
@@ -71,7 +71,8 @@ class PretrainConfig:
     this many double-stream and this many single-stream blocks). num_attention_heads /
     attention_head_dim: attention width. text_dim: token and pooled embedding width. max_tokens: caption
     tokens embedded. pixel_factor: the pixel decoder's rearrangement factor. shift: the scheduler's sigma
-    shift, also used to draw the training sigmas. sample_steps: Euler steps of the sample grid. threads:
+    shift, also used to draw the training sigmas (in (0, 100], with a ``sample_steps`` schedule that falls
+    strictly from 1 to 0 in float32, as a run's ``sampling.shift``). sample_steps: Euler steps of the sample grid. threads:
     torch CPU threads (at most 1024), capped at the cores this process may use (0: leave as is). device: where
     the model trains and samples (``cpu``, ``cuda``, ``cuda:N``); the data, noise and initial weights are
     drawn on the CPU from the same seeds whatever the device, so another device's arithmetic gives another,
@@ -141,6 +142,11 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
         raise ConfigError("ema_decay", cfg.ema_decay, "a number in [0, 1)")
     if not 0 < cfg.shift <= 100:
         raise ConfigError("shift", cfg.shift, "a number in (0, 100]")
+    try:  # the samples' schedule, as a run's (a shift that rounds it to nan sampled nan images, reward 0)
+        check_sigmas(flow_sigmas(cfg.sample_steps, cfg.shift), cfg.shift, torch.float32)
+    except ConfigError as err:
+        expected = err.expected.replace("a shift whose", "a shift in (0, 100] whose sample_steps'")
+        raise ConfigError("shift", cfg.shift, expected) from None
     transformer_config(cfg)  # the family's own limits on the sizes
     check_size(cfg)  # and the sizes together
     return cfg

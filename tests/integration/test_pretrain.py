@@ -139,6 +139,10 @@ def test_learning_rate_schedules():
     # output folder was claimed) and more threads than a sweep's devices may take
     ("warmup_steps=1" + "0" * 400, "warmup_steps"), ("warmup_steps=1000001", "warmup_steps"),
     ("threads=1025", "threads"), ("threads=99999999999", "threads"),
+    # a shift within (0, 100] whose sample schedule rounds to nan (1e-8) or starts above 1 (0.01): the samples
+    # were nan, recorded as a mean scene reward of 0 with the command's success, and the saved scheduler's shift
+    # refused by a run that takes the model's own (sampling.shift: null)
+    ("shift=1e-8", "shift"), ("shift=0.01", "shift"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"config error: {key} = "):
