@@ -461,6 +461,30 @@ def _check_class(pretrained: str, component: str, expected: type, key: str, valu
         raise ConfigError(key, value, f"the family of {pretrained} ({name} in {component}/)")
 
 
+def scheduler_config_problem(config: dict) -> str | None:
+    """What keeps :meth:`Policy.schedule_shift` and :meth:`Policy.schedule_shift_terminal` from computing a
+    schedule from a model folder's scheduler config (diffusers loads these values unchecked): a ``shift``,
+    ``base_shift`` or ``max_shift`` that is not a finite number, sequence lengths that are not integers with
+    ``max_image_seq_len`` above ``base_image_seq_len`` (the shift's slope divides by their difference), or a
+    ``shift_terminal`` that is neither null nor a number in [0, 1); None when nothing does. (Whether the
+    schedule falls from 1 to 0 is the sampler's check, :func:`agg_bench.engine.sampler.check_sigmas`.)"""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    for key in ("shift", "base_shift", "max_shift"):
+        if key in config and not number(config[key]):
+            return f"{key} = {quote(config[key])}: expected a finite number"
+    base, top = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    if not (is_integer(base) and base >= 1):
+        return f"base_image_seq_len = {quote(base)}: expected an integer >= 1"
+    if not (is_integer(top) and top > base):
+        return f"max_image_seq_len = {quote(top)}: expected an integer above base_image_seq_len ({base})"
+    terminal = config.get("shift_terminal")
+    if terminal is not None and not (number(terminal) and 0 <= terminal < 1):
+        return f"shift_terminal = {quote(terminal)}: expected null or a number in [0, 1)"
+    return None
+
+
 def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
     """(transformer, VAE, scheduler config) from the local diffusers folder ``pretrained``."""
     if not os.path.isdir(pretrained):
@@ -482,6 +506,10 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
         folder_json(pretrained, "scheduler/scheduler_config.json", "the scheduler's diffusers config")
         scheduler_config = dict(_load_component(FlowMatchEulerDiscreteScheduler, sched_dir, pretrained,
                                                 "a scheduler config").config)
+        problem = scheduler_config_problem(scheduler_config)
+        if problem is not None:
+            raise ConfigError("model.pretrained", pretrained, f"a folder whose scheduler/scheduler_config.json the "
+                              f"sigma schedule can take ({problem})")
     return transformer, vae, scheduler_config
 
 

@@ -170,6 +170,31 @@ def test_a_pixel_decoder_config_it_cannot_take_is_refused_before_the_run(model, 
     assert words in line and not out.exists()
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"use_dynamic_shifting": True, "max_image_seq_len": 256}, "max_image_seq_len = 256: expected an integer "
+                                                               "above base_image_seq_len (256)"),  # ZeroDivisionError
+    ({"use_dynamic_shifting": True, "base_shift": "x"}, "base_shift = 'x': expected a finite number"),  # TypeError
+    ({"shift_terminal": "x"}, "shift_terminal = 'x': expected null or a number in [0, 1)"),  # ValueError
+])
+def test_a_scheduler_config_the_schedule_cannot_take_is_refused_in_one_line(model, tmp_path, capsys, change, words):
+    """The model's own schedule (sampling.shift: null) is computed from scheduler/scheduler_config.json, which
+    diffusers loads without checking these values: equal sequence lengths divided by zero, a string where a
+    number goes raised a TypeError or ValueError (tracebacks, exit 1)."""
+    folder = model_copy(model, tmp_path)
+    path = folder / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(ConfigError) as err:
+        Session(model_config(folder, "sampling.shift=null"))
+    assert err.value.key == "model.pretrained" and words in str(err.value)
+    out = tmp_path / "run"
+    line = one_line(capsys, main(["run", *[a for item in ["model.family=sd3", "model.preset=pretrained",
+                                                          f"model.pretrained={folder}", "model.resolution=32",
+                                                          "sampling.shift=null", "train.iterations=1",
+                                                          "progress=false"] for a in ("--set", item)],
+                                  "--out", str(out)]))
+    assert words in line and "scheduler_config.json" in line and not out.exists()
+
+
 def test_a_model_whose_weights_do_not_fit_is_refused_before_it_is_loaded(model, monkeypatch):
     """The memory planner counts the folder's transformer on the meta device before a run loads it: weights
     larger than the device's memory are refused ("does not fit"), the committed model fits."""
