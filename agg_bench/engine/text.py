@@ -242,7 +242,40 @@ def load_embeddings(path: str | Path) -> tuple[Conditioning, dict[str, str]]:
     if "encoder_hidden_states" not in tensors:
         raise UserError(f"{path}: holds no encoder_hidden_states tensor (the prompts' token embeddings); "
                         "write the file again with `agg-bench embed`")
+    problem = tensors_problem(tensors)
+    if problem is not None:
+        raise UserError(f"{path}: {problem}, not the embeddings `agg-bench embed` writes; write the file again "
+                        "with it")
     return Conditioning.from_tensors(tensors), meta
+
+
+# what an embeddings file holds: each tensor's dtype and its axes (N prompts, L tokens, D and P widths)
+EMBEDDING_TENSORS = {"encoder_hidden_states": (torch.float32, "NLD"), "pooled_projections": (torch.float32, "NP"),
+                     "encoder_attention_mask": (torch.int64, "NL")}
+
+
+def tensors_problem(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """What makes ``tensors`` other than the embeddings :func:`save_embeddings` writes: another tensor's name,
+    another dtype or rank, a prompt or token count that differs from the token embeddings', or a non-finite
+    value; None when nothing does."""
+    other = next((name for name in tensors if name not in EMBEDDING_TENSORS), None)
+    if other is not None:
+        return f"holds a tensor {quote(other)} (an embeddings file holds {', '.join(EMBEDDING_TENSORS)})"
+    sizes: dict[str, int] = {}
+    for name, (dtype, axes) in EMBEDDING_TENSORS.items():  # the token embeddings first: they set N and L
+        if name not in tensors:
+            continue
+        tensor, shape = tensors[name], tuple(tensors[name].shape)
+        if tensor.dtype != dtype:
+            return f"{name} of dtype {str(tensor.dtype).removeprefix('torch.')}, expected " \
+                   f"{str(dtype).removeprefix('torch.')}"
+        if len(shape) != len(axes):
+            return f"{name} of shape {shape}, expected {len(axes)} axes ({', '.join(axes)})"
+        if any(sizes.setdefault(a, n) != n for a, n in zip(axes, shape)):
+            return f"{name} of shape {shape}, where encoder_hidden_states gives N={sizes['N']}, L={sizes['L']}"
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"{name} holds non-finite values"
+    return None
 
 
 def find_cached(cache_dir: str | Path, key: str) -> Path | None:

@@ -244,3 +244,29 @@ def test_an_embeddings_file_without_token_embeddings_is_refused(tmp_path):
     save_file({"pooled_projections": torch.zeros(2, 4)}, str(path), metadata={"format": FORMAT})
     with pytest.raises(UserError, match="encoder_hidden_states"):
         load_embeddings(path)
+
+
+@pytest.mark.parametrize("tensors, words", [
+    ({"encoder_hidden_states": torch.zeros(2, 3, 4, dtype=torch.int32)}, "encoder_hidden_states of dtype int32"),
+    ({"encoder_hidden_states": torch.zeros(2, 4)}, "encoder_hidden_states of shape (2, 4)"),
+    ({"encoder_hidden_states": torch.zeros(2, 3, 4), "pooled_projections": torch.zeros(3, 4)},
+     "pooled_projections of shape (3, 4)"),
+    ({"encoder_hidden_states": torch.zeros(2, 3, 4), "encoder_attention_mask": torch.ones(2, 5, dtype=torch.int64)},
+     "encoder_attention_mask of shape (2, 5)"),
+    ({"encoder_hidden_states": torch.full((2, 3, 4), float("nan"))}, "encoder_hidden_states holds non-finite"),
+    ({"encoder_hidden_states": torch.zeros(2, 3, 4), "script": torch.zeros(1)}, "script"),
+])
+def test_an_embeddings_file_of_other_tensors_is_refused_naming_it(tmp_path, tensors, words):
+    """A cache file is used by any run whose key it carries: int32 embeddings of the same byte size ran to status
+    ok on other numbers. The tensors' names, dtypes, shapes and values are the writer's, or one line naming the
+    file."""
+    from safetensors.torch import save_file
+
+    from agg_bench.engine.text import FORMAT
+
+    path = tmp_path / "crafted.safetensors"
+    save_file(tensors, str(path), metadata={"format": FORMAT})
+    with pytest.raises(UserError) as err:
+        load_embeddings(path)
+    assert str(path) in str(err.value) and words in str(err.value), str(err.value)
+    assert len(str(err.value).splitlines()) == 1
