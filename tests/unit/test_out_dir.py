@@ -289,8 +289,9 @@ def test_pretrain_refuses_a_user_s_file_inside_its_model_folders(tmp_path, capsy
         (out / sub).mkdir(parents=True)
         for file in files:
             (out / sub / file).write_text("{}")
-    for file in ("pretrain.json", "token_hash.json", "samples.png"):
+    for file in ("token_hash.json", "samples.png"):
         (out / file).write_text("{}")
+    (out / "pretrain.json").write_text('{"format": "agg-bench-pretrain/1"}')  # the mark of pretrain's own output
     check_out_dir(out)  # an earlier output: replaced
     for inside in ("transformer/notes.txt", "scheduler/mine/x", "vae/weights.bin"):
         (out / inside).parent.mkdir(parents=True, exist_ok=True)
