@@ -1275,7 +1275,8 @@ def test_a_model_folder_of_another_pretrain_config_is_not_used(tmp_path, monkeyp
     with pytest.raises(UserError, match=f"{local}: is not a model that agg-bench pretrain made"):
         campaign.prepare_models(None)
     # the sweep's own config, made on other cores: used as it is
-    (local / "pretrain.json").write_text(json.dumps({"config": {**wanted, "threads": wanted["threads"] + 1}}))
+    (local / "pretrain.json").write_text(json.dumps({"format": "agg-bench-pretrain/1",
+                                                     "config": {**wanted, "threads": wanted["threads"] + 1}}))
     assert campaign.prepare_models(None) == [] and (local / "pretrain.json").is_file()
     # the --cpu form's own folder, made by another config: pre-trained anew, unless someone's file is in it
     cpu = Campaign(config, cpu=True)
