@@ -350,7 +350,7 @@ def test_a_reference_is_refused_as_its_import_would_refuse_it(in_process, tmp_pa
     assert words in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(UserError) as flag:  # one check: the import job's flag is refused in the same words
         check_labels(**{"resolution": None, "n_gpus": None, key: value})
-    assert str(flag.value).startswith(f"--{key.replace('_', '-')} ")
+    assert str(flag.value).startswith(f"config error: --{key.replace('_', '-')} = ")
     assert str(flag.value).split(": expected ")[1] == str(err.value).split(": expected ")[1]
     config["references"] = [{"label": "ref", "log": str(log), "method": "dancegrpo", "model": "flux",
                              "resolution": 720, "n_gpus": 8, "gpu_name": "NVIDIA H800"}]

@@ -192,7 +192,7 @@ def test_the_checkpoint_evaluation_takes_the_average(runs):
     from agg_bench.tools.learning import CheckpointEvaluation
 
     folder, _, _ = runs
-    run = lambda name: Run("full", 0, folder / name, pd.DataFrame())
+    run = lambda name: Run("full", 0, folder / name, pd.DataFrame(read_jsonl(folder / name / "metrics.jsonl")))
     evaluation = CheckpointEvaluation([run("ema")], noises=2, seed=0, sampler="sde")
     for name in ("ema", "plain"):
         means, _ = evaluation.evaluate_weights(run(name))

@@ -21,7 +21,9 @@ PRESETS = sorted((ROOT / "config/presets").glob("*.yaml"))
 def test_every_preset_loads_as_it_is_and_at_full_size(path):
     cfg = check_config(load_config(path))
     assert cfg.method.options is not None
-    full = check_config(load_config(path, ["model.preset=random"]))
+    # a preset of a local model folder runs the public architecture with random weights without the folder
+    full = check_config(load_config(path, ["model.preset=random",
+                                           *(["model.pretrained=null"] if cfg.model.pretrained else [])]))
     assert full.model.preset == "random" and full.method == cfg.method
 
 
