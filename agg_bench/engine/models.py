@@ -29,7 +29,7 @@ from ..errors import ConfigError, quote
 from ..jsonfiles import MAX_CONFIG_BYTES, JsonFileError, read_json_object
 from ..machine import fsdp
 from ..machine.activations import saved_activation_region
-from ..records import is_integer
+from ..records import is_finite_number, is_integer
 from .counters import PassCounter, count_backward
 from .families import (  # noqa: F401 (TINY_*: the tiny presets' configs, also imported from here)
     DEFAULT_VAE_SCALE_FACTOR, FAMILY_SPECS, TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, FamilySpec, ImageGeometry,
@@ -468,11 +468,8 @@ def scheduler_config_problem(config: dict) -> str | None:
     ``max_image_seq_len`` above ``base_image_seq_len`` (the shift's slope divides by their difference), or a
     ``shift_terminal`` that is neither null nor a number in [0, 1); None when nothing does. (Whether the
     schedule falls from 1 to 0 is the sampler's check, :func:`agg_bench.engine.sampler.check_sigmas`.)"""
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
     for key in ("shift", "base_shift", "max_shift"):
-        if key in config and not number(config[key]):
+        if key in config and not is_finite_number(config[key]):
             return f"{key} = {quote(config[key])}: expected a finite number"
     base, top = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
     if not (is_integer(base) and base >= 1):
@@ -480,7 +477,7 @@ def scheduler_config_problem(config: dict) -> str | None:
     if not (is_integer(top) and top > base):
         return f"max_image_seq_len = {quote(top)}: expected an integer above base_image_seq_len ({base})"
     terminal = config.get("shift_terminal")
-    if terminal is not None and not (number(terminal) and 0 <= terminal < 1):
+    if terminal is not None and not (is_finite_number(terminal) and 0 <= terminal < 1):
         return f"shift_terminal = {quote(terminal)}: expected null or a number in [0, 1)"
     return None
 

@@ -13,7 +13,6 @@ and ``dtype``; :attr:`spatial_factor` is its VAE scale factor.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import MAX_CONFIG_BYTES, read_json_object
-from ..records import is_integer
+from ..records import is_finite_number, is_integer
 
 CLASS_NAME = "PixelDecoder"
 CONFIG_KEYS = ("factor", "scaling_factor", "shift_factor", "image_channels")
@@ -97,8 +96,7 @@ def config_problem(cfg: dict) -> str | None:
         if key == "image_channels" and not (is_integer(value) and value == 3):
             return f"image_channels = {quote(value)}: expected 3 (RGB)"
         if key in ("scaling_factor", "shift_factor"):
-            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not number or (key == "scaling_factor" and value <= 0):
+            if not is_finite_number(value) or (key == "scaling_factor" and value <= 0):
                 return f"{key} = {quote(value)}: expected a finite number{' > 0' if key == 'scaling_factor' else ''}"
     return None
 
