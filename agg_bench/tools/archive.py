@@ -672,8 +672,8 @@ def write_learning_tables(campaign: Campaign, reference: Path) -> None:
     cost and CPU time, the Pareto plot); the pre-trained model's own sample grid is its ``samples.png`` in
     ``pretrained/``."""
     from ..outdir import claimed_folders, replaced_folders
-    from ..results.learning_tables import learning_table, load_runs, plot_held_out, plot_rewards, write_curves, write_table
-    from .learning import DEFAULT_REFERENCE
+    from ..results.learning_tables import load_runs
+    from .learning import DEFAULT_REFERENCE, learning_plots_into, learning_tables_into
 
     options = campaign.learning_options()
     options.check()
@@ -683,12 +683,5 @@ def write_learning_tables(campaign: Campaign, reference: Path) -> None:
     # claimed and replaced whole as `agg-bench learning` writes a folder, so the two never write it at once
     with claimed_folders([(folder, LEARNING_CONTENTS)], ("--reference",), replaced_whole=True), \
             replaced_folders(folder) as staged:
-        table = learning_table(runs, options.average, options.fraction, label, None, options.target_fraction,
-                               options.eval_source)
-        out = staged(folder)
-        write_table(table, out, options.average, options.fraction, options.target_fraction, label)
-        write_curves(runs, out)
-        (out / "evaluation.csv").unlink(missing_ok=True)  # a learning command's own evaluation: not these tables'
-        plot_rewards(runs, out / "reward_iteration.png", "iteration")
-        plot_rewards(runs, out / "reward_time.png", "time")
-        plot_held_out(runs, out)
+        learning_tables_into(staged(folder), runs, options, label)
+        learning_plots_into(staged(folder), runs)

@@ -302,6 +302,30 @@ def check_checkpoints(runs: list[Run], eval_source: str) -> None:
                             "of the method with its final checkpoint (train.checkpoint_every)")
 
 
+def learning_tables_into(folder: Path, runs: list[Run], options: LearningOptions, reference: str,
+                         scores: pd.DataFrame | None = None) -> None:
+    """``learning.csv``, ``learning.md`` and ``curves.csv`` of ``runs`` into ``folder``, with ``scores`` (this
+    command's held-out evaluation) as ``evaluation.csv``; without them an earlier command's ``evaluation.csv``
+    goes, as the new ``learning.csv`` was not made from it. ``agg-bench learning`` and a campaign's reference
+    (:mod:`agg_bench.tools.archive`) write their tables through this, so that the two agree byte for byte."""
+    table = learning_table(runs, options.average, options.fraction, reference, scores, options.target_fraction,
+                           options.eval_source)
+    write_table(table, folder, options.average, options.fraction, options.target_fraction, reference)
+    write_curves(runs, folder)
+    if scores is not None:
+        write_text(folder / "evaluation.csv", scores.to_csv(index=False))
+    else:
+        (folder / "evaluation.csv").unlink(missing_ok=True)
+
+
+def learning_plots_into(folder: Path, runs: list[Run]) -> None:
+    """The plots drawn from the runs' own records into ``folder``: the reward against iteration and time, the
+    held-out reward against cost and CPU time, and the Pareto plot (the sample grid needs an evaluation)."""
+    plot_rewards(runs, folder / "reward_iteration.png", "iteration")
+    plot_rewards(runs, folder / "reward_time.png", "time")
+    plot_held_out(runs, folder)
+
+
 def learning_report(manifest: str | Path, tables: Path | None, plots: Path | None,
                     options: LearningOptions | None = None) -> list[Run]:
     """The tables (``learning.csv``, ``learning.md``, ``curves.csv``, and ``evaluation.csv`` with a
@@ -347,22 +371,11 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
         # each folder replaced whole once every file is written: a stopped command leaves the earlier set
         with replaced_folders(tables, plots) as staged:
             if tables:
-                table = learning_table(runs, options.average, options.fraction, reference,
-                                       scores if options.eval_noises else None, options.target_fraction,
-                                       options.eval_source)
-                write_table(table, staged(tables), options.average, options.fraction, options.target_fraction,
-                            reference)
-                write_curves(runs, staged(tables))
-                if options.eval_noises:
-                    assert scores is not None  # eval_noises made the evaluation above
-                    write_text(staged(tables) / "evaluation.csv", scores.to_csv(index=False))
-                else:  # an earlier command's, whose columns this learning.csv no longer has
-                    (staged(tables) / "evaluation.csv").unlink(missing_ok=True)
+                assert scores is not None or not options.eval_noises  # eval_noises made the evaluation above
+                learning_tables_into(staged(tables), runs, options, reference,
+                                     scores if options.eval_noises else None)
             if plots:
-                folder = staged(plots)
-                plot_rewards(runs, folder / "reward_iteration.png", "iteration")
-                plot_rewards(runs, folder / "reward_time.png", "time")
-                plot_held_out(runs, folder)
+                learning_plots_into(staged(plots), runs)
                 assert evaluation is not None and images is not None  # plots made the evaluation above
-                sample_grids(runs, images, evaluation.captions, folder / "samples.png", evaluation.keep)
+                sample_grids(runs, images, evaluation.captions, staged(plots) / "samples.png", evaluation.keep)
     return runs
