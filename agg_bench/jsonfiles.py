@@ -114,21 +114,38 @@ def open_regular(path: str | Path) -> BinaryIO:
     raise (IsADirectoryError if stat.S_ISDIR(mode) else NotRegularFile)(f"{path}: not a regular file")
 
 
+class TooLarge(Exception):
+    """A file over the bytes its reader takes (:func:`read_bounded`): ``size`` its size, None where it grew past
+    the bound while it was read."""
+
+    def __init__(self, size: int | None):
+        super().__init__(size)
+        self.size = size
+
+
+def read_bounded(path: str | Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``max_bytes``: a larger file is
+    :class:`TooLarge`, refused before it is read, and one that grows while it is read stops at the bound too."""
+    with open_regular(path) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > max_bytes:
+            raise TooLarge(size)
+        data = handle.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise TooLarge(None)
+    return data
+
+
 def read_json_object(path: str | Path, expected: str, max_bytes: int = MAX_JSON_BYTES) -> dict:
     """The JSON object in file ``path``; a JsonFileError naming ``path`` and ``expected`` (what belongs
     there, e.g. "an agg-bench calibrate JSON") when the file is missing or unreadable, larger than
     ``max_bytes`` (refused before it is read), not UTF-8 text, not JSON, or holds another JSON value."""
     path = Path(path)
     try:
-        with open_regular(path) as handle:
-            info = os.fstat(handle.fileno())
-            if info.st_size > max_bytes:
-                raise JsonFileError(path, f"is {info.st_size:,} bytes, over the {_size(max_bytes)} such a file may "
-                                          "have", expected)
-            data = handle.read(max_bytes + 1)  # a file that grows while it is read stops at the bound too
-        if len(data) > max_bytes:
-            raise JsonFileError(path, f"is over the {_size(max_bytes)} such a file may have", expected)
-        text = data.decode("utf-8")
+        text = read_bounded(path, max_bytes).decode("utf-8")
+    except TooLarge as err:
+        size = "" if err.size is None else f"{err.size:,} bytes, "
+        raise JsonFileError(path, f"is {size}over the {_size(max_bytes)} such a file may have", expected) from None
     except FileNotFoundError:
         raise JsonFileError(path, "no such file", expected) from None
     except IsADirectoryError:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, UserError, clip, quote
 from ..io import atomic_file
-from ..jsonfiles import JsonProblem, loads, open_regular
+from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
 from ..outputs import CHECKPOINT_NAME, SHARDS_PREFIX
 from ..records import is_integer
 
@@ -585,17 +585,13 @@ def read_shard_metadata(path: str | Path) -> Any:
     advice = "; delete the checkpoint or run without --resume"
     path = Path(path)
     try:
-        with open_regular(path) as fh:
-            size = os.fstat(fh.fileno()).st_size
-            data = b"" if size > MAX_SHARD_METADATA_BYTES else fh.read(MAX_SHARD_METADATA_BYTES + 1)
-        if max(size, len(data)) > MAX_SHARD_METADATA_BYTES:  # a file that grew while it was read too
-            raise UserError(f"--resume: {path} is {max(size, len(data)):,} bytes, over the "
-                            f"{MAX_SHARD_METADATA_BYTES // 2**20} MiB a sharded checkpoint's metadata may have; "
-                            f"refused unread{advice}")
+        data = read_bounded(path, MAX_SHARD_METADATA_BYTES)
         # from memory: a length the file claims for a string reads what is there, never allocates the claim
         metadata = ShardMetadataUnpickler(io.BytesIO(data), _metadata_globals()).load()
-    except UserError:
-        raise
+    except TooLarge as err:
+        size = "" if err.size is None else f"{err.size:,} bytes, "
+        raise UserError(f"--resume: {path} is {size}over the {MAX_SHARD_METADATA_BYTES // 2**20} MiB a sharded "
+                        f"checkpoint's metadata may have; refused unread{advice}") from None
     except _Refused as err:
         raise UserError(f"--resume: {path} is not a sharded checkpoint's metadata: it {err}; refused unread{advice}") \
             from None
