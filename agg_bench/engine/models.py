@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import logging
 import math
 import os
 from dataclasses import dataclass, fields
@@ -35,6 +36,7 @@ from .families import (  # noqa: F401 (TINY_*: the tiny presets' configs, also i
     DEFAULT_VAE_SCALE_FACTOR, FAMILY_SPECS, TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, FamilySpec, ImageGeometry,
     family_spec,
 )
+from .hf_logging import quiet_loading
 from .lora import adapters_disabled, apply_lora, has_adapters
 from .pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 
@@ -432,19 +434,16 @@ def pretrained_transformer_config(pretrained: str, family: str) -> dict:
 
 def _load_component(cls, path: str, pretrained: str, what: str, **kwargs):
     """``cls.from_pretrained`` on a local folder only; a missing or broken file is a ConfigError."""
-    from diffusers.utils import logging as diffusers_logging
-
-    verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # its logs of a missing file or weight: the one line below says it
     try:
-        component = cls.from_pretrained(path, local_files_only=True, **kwargs)
+        # CRITICAL, not ERROR: diffusers logs a file it cannot read at ERROR before it raises, and the one line
+        # below says it
+        with quiet_loading(logging.CRITICAL):
+            component = cls.from_pretrained(path, local_files_only=True, **kwargs)
     # TypeError: a config value of the wrong type; ArithmeticError: sizes diffusers divides by zero with
     # (a patch wider than the sample)
     except (OSError, ValueError, TypeError, ArithmeticError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {path} ({first})") from err
-    finally:
-        diffusers_logging.set_verbosity(verbosity)
     if isinstance(component, torch.nn.Module):  # a weight the file lacks is left on the meta device, unloaded
         missing = next((name for name, t in itertools.chain(component.named_parameters(), component.named_buffers())
                         if t.is_meta), None)

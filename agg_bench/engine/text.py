@@ -15,10 +15,9 @@ and string metadata: ``format``, ``key`` (the cache key), ``family``, ``pretrain
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from ..config import RunConfig
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target
 from .families import family_spec
+from .hf_logging import quiet_loading
 from .models import Conditioning, folder_json, text_dims
 from .prompts import TOKEN_HASH_FILE, hash_embed, load_prompts, token_hash_settings
 
@@ -108,28 +108,6 @@ def cache_key(family: str, pretrained: str | Path, prompts: PromptSet, max_seque
 
 
 # ----- encoding with the pipelines' own encode_prompt ----------------------------------------------
-@contextlib.contextmanager
-def quiet_loading() -> Iterator[None]:
-    """diffusers' and transformers' progress bars and their logs below errors off while a pipeline loads (a
-    folder that does not load is the one line of its ConfigError, not a refusal after bars and warnings);
-    as they were afterwards."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    saved = [(lib, lib.get_verbosity(), lib.is_progress_bar_enabled())
-             for lib in (diffusers_logging, transformers_logging)]
-    for lib, _, _ in saved:
-        lib.set_verbosity(lib.ERROR)
-        lib.disable_progress_bar()
-    try:
-        yield
-    finally:
-        for lib, verbosity, bars in saved:
-            lib.set_verbosity(verbosity)
-            if bars:
-                lib.enable_progress_bar()
-
-
 def load_text_pipeline(family: str, pretrained: str | Path, dtype: torch.dtype = torch.float32,
                        device: str | torch.device = "cpu"):
     """The family's diffusers pipeline from the local folder with text encoders and tokenizers only."""

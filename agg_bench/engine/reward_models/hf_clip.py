@@ -15,6 +15,7 @@ Options read here:
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Mapping
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from ...errors import UserError
+from ..hf_logging import quiet_loading
 from ..rewards import to_uint8
 from .common import (ClipTransform, feature_dtype, first_line, load_pretrained, require_package, require_path,
                      reward_dtype)
@@ -30,24 +32,20 @@ from .common import (ClipTransform, feature_dtype, first_line, load_pretrained, 
 MODEL_FOLDER = "a folder with a transformers CLIP model (config.json + model.safetensors or pytorch_model.bin)"
 
 
-def _load(reward: str, transformers, model_class, model_dir: Path, quiet: bool, **kwargs):
+def _load(reward: str, model_class, model_dir: Path, quiet: bool, **kwargs):
     """``model_class.from_pretrained`` where missing or mis-shaped weights are a UserError.
 
     transformers only logs those (and initialises the weights at random). ``quiet`` silences the
     loading report, for loads where unused weights are expected (the text tower of a full CLIP folder
     when only the vision tower is wanted).
     """
-    verbosity = transformers.logging.get_verbosity()
-    if quiet:
-        transformers.logging.set_verbosity_error()
     try:
-        model, info = model_class.from_pretrained(str(model_dir), output_loading_info=True,
-                                                  ignore_mismatched_sizes=True, **kwargs)
+        with quiet_loading(logging.ERROR if quiet else None):
+            model, info = model_class.from_pretrained(str(model_dir), output_loading_info=True,
+                                                      ignore_mismatched_sizes=True, **kwargs)
     except Exception as err:  # OSError, ValueError, safetensors errors for a missing or corrupt weights file
         raise UserError(f"reward {reward!r}: cannot load a {model_class.__name__} from '{model_dir}' "
                         f"({first_line(err)}); expected {MODEL_FOLDER}") from None
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     absent = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
     if absent:
         raise UserError(f"reward {reward!r}: '{model_dir}' does not hold a complete {model_class.__name__}; "
@@ -85,10 +83,10 @@ class HFClip:
             if config.model_type == "clip":  # a full CLIP folder: keep its vision tower and projection
                 projection_dim, config = config.projection_dim, config.vision_config
                 config.projection_dim = projection_dim
-            self.model = _load(reward, transformers, transformers.CLIPVisionModelWithProjection, model_dir,
+            self.model = _load(reward, transformers.CLIPVisionModelWithProjection, model_dir,
                                quiet=True, config=config, dtype=self.dtype)
         else:
-            self.model = _load(reward, transformers, transformers.CLIPModel, model_dir, quiet=False, dtype=self.dtype)
+            self.model = _load(reward, transformers.CLIPModel, model_dir, quiet=False, dtype=self.dtype)
         self.model.to(self.device).eval().requires_grad_(False)
         processor_files = "a folder with the CLIP processor files (preprocessor_config.json, tokenizer files)"
         processor = load_pretrained(reward, transformers.CLIPImageProcessorPil, processor_dir, processor_files)
