@@ -13,6 +13,7 @@ from typing import Any, overload
 import yaml
 
 from ..errors import ConfigError, clip, quote
+from ..jsonfiles import TooLarge, read_bounded
 from ..records import is_finite_number, is_integer
 
 # Bounds on any YAML read (run, sweep and pretrain configs, --set values, calibrate --method): a file
@@ -200,11 +201,11 @@ def read_yaml_mapping(path: str | Path, what: str = "sections", key: str = "--co
     if not path.is_file():
         raise ConfigError(key, str(path), "an existing YAML file")
     try:
-        size = path.stat().st_size
-        if size > MAX_YAML_BYTES:
-            raise ConfigError(key, str(path), f"a YAML file of at most {MAX_YAML_BYTES // (1 << 20)} MiB "
-                              f"(this one has {size} bytes)")
-        user = yaml_load(path.read_text(encoding="utf-8"), key, str(path))
+        user = yaml_load(read_bounded(path, MAX_YAML_BYTES).decode("utf-8"), key, str(path))
+    except TooLarge as err:
+        has = "more" if err.size is None else f"{err.size}"
+        raise ConfigError(key, str(path), f"a YAML file of at most {MAX_YAML_BYTES // (1 << 20)} MiB "
+                          f"(this one has {has} bytes)") from None
     except OSError as err:
         raise ConfigError(key, str(path), f"a readable file ({err.strerror or err})") from None
     except UnicodeDecodeError as err:

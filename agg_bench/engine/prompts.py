@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, quote
-from ..jsonfiles import JsonFileError, loads, read_json_object
+from ..jsonfiles import JsonFileError, TooLarge, loads, read_bounded, read_json_object
 from ..outputs import TOKEN_HASH_FILE  # in a model folder: its conditioning is this embedding, not text encoders
 from ..records import is_integer
 from .models import Conditioning
@@ -28,14 +28,16 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(key, str(path), "an existing .txt or .jsonl prompts file")
-    size = path.stat().st_size
-    if size > MAX_PROMPT_FILE_BYTES:
-        raise ConfigError(key, str(path), f"a prompts file of at most {MAX_PROMPT_FILE_BYTES:,} bytes "
-                                          f"(it has {size:,})")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded(path, MAX_PROMPT_FILE_BYTES).decode("utf-8")
+    except TooLarge as err:
+        has = "more" if err.size is None else f"{err.size:,}"
+        raise ConfigError(key, str(path), f"a prompts file of at most {MAX_PROMPT_FILE_BYTES:,} bytes "
+                                          f"(it has {has})") from None
     except UnicodeDecodeError as err:
         raise ConfigError(key, str(path), f"a UTF-8 text file ({err.reason} at byte {err.start})") from err
+    except OSError as err:
+        raise ConfigError(key, str(path), f"a readable file ({err.strerror or err})") from None
     prompts: list[str] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()

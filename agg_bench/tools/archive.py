@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from ..errors import UserError, quote
 from ..io import atomic_path, atomic_target, write_json
-from ..jsonfiles import JsonProblem, loads
+from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
 from ..outdir import Contents, claim_folder
 from ..outputs import LEARNING_CONTENTS
 from ..outputs import TABLES_CONTENTS
@@ -150,12 +150,12 @@ def read_archive(path: Path) -> dict[str, bytes]:
     where = f"archive {path}"
     if not path.is_file() or path.is_symlink():
         raise UserError(f"{where}: not a file")
-    size = path.stat().st_size
-    if size > MAX_ARCHIVE_BYTES:
-        raise UserError(f"{where}: {size:,} bytes; expected at most {MAX_ARCHIVE_BYTES:,}")
     try:
-        raw = gunzip_bounded(where, path.read_bytes())
+        raw = gunzip_bounded(where, read_bounded(path, MAX_ARCHIVE_BYTES))
         tar = tarfile.open(fileobj=io.BytesIO(raw), mode="r:")
+    except TooLarge as err:
+        size = "more bytes" if err.size is None else f"{err.size:,} bytes"
+        raise UserError(f"{where}: {size}; expected at most {MAX_ARCHIVE_BYTES:,}") from None
     except (tarfile.TarError, OSError, EOFError) as err:
         raise UserError(f"{where}: not a readable tar archive ({err})") from None
     files: dict[str, bytes] = {}

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import ConfigError, UserError, quote
 from ..io import JsonlWriter, write_json, write_lines
-from ..jsonfiles import JsonProblem, check_path, json_type, loads
+from ..jsonfiles import JsonProblem, TooLarge, check_path, json_type, loads, read_bounded
 from ..outdir import Claim, check_folder
 from ..outputs import IMPORT_CONTENTS
 from ..records import (DIVERGING_KEYS, INTEGER_RANGES, MAX_LABEL, NUMBER_KEYS, RECORD_KEYS, SIGNED_KEYS,
@@ -153,11 +153,11 @@ def _whole_json(text: str) -> bool:
 def read_log_text(log: Path) -> str:
     """The text of ``log``, refused beyond MAX_LOG_BYTES before it is read."""
     check_path(log, "log", "a DanceGRPO JSONL log file")
-    size = log.stat().st_size
-    if size > MAX_LOG_BYTES:
-        raise UserError(f"log {log}: {size:,} bytes, over the {MAX_LOG_BYTES // 2**20} MiB an import reads")
     try:
-        return log.read_bytes().decode("utf-8")
+        return read_bounded(log, MAX_LOG_BYTES).decode("utf-8")
+    except TooLarge as err:
+        size = "more bytes" if err.size is None else f"{err.size:,} bytes"
+        raise UserError(f"log {log}: {size}, over the {MAX_LOG_BYTES // 2**20} MiB an import reads") from None
     except UnicodeDecodeError as err:
         raise UserError(f"log {log}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except OSError as err:

@@ -1,0 +1,73 @@
+"""The readers of whole files a user hands to a command (a YAML config, a prompts file, a log to import, a campaign
+archive) read through the one bounded read, ``jsonfiles.read_bounded``: a file over a reader's bound is refused
+unread by its size, one that grows past the bound while it is read is refused at the bound, each in the reader's
+own words."""
+from __future__ import annotations
+
+import os
+import types
+from pathlib import Path
+
+import pytest
+
+from agg_bench import jsonfiles
+from agg_bench.config import MAX_YAML_BYTES, read_yaml_mapping
+from agg_bench.engine.prompts import MAX_PROMPT_FILE_BYTES, load_prompts
+from agg_bench.errors import ConfigError, UserError
+from agg_bench.tools.archive import MAX_ARCHIVE_BYTES, read_archive
+from agg_bench.tools.importlog import MAX_LOG_BYTES, read_log_text
+
+# (reader, file name, bound, its words for a file of `size` bytes, its words for one that grew past the bound)
+READERS = {
+    "yaml": (read_yaml_mapping, "big.yaml", MAX_YAML_BYTES,
+             "--config = '{path}': expected a YAML file of at most 1 MiB (this one has {size} bytes)",
+             "(this one has more bytes)"),
+    "prompts": (load_prompts, "big.txt", MAX_PROMPT_FILE_BYTES,
+                "prompts.file = '{path}': expected a prompts file of at most 67,108,864 bytes (it has {size:,})",
+                "(it has more)"),
+    "import log": (read_log_text, "big.jsonl", MAX_LOG_BYTES,
+                   "log {path}: {size:,} bytes, over the 64 MiB an import reads",
+                   "log {path}: more bytes, over the 64 MiB an import reads"),
+    "archive": (read_archive, "big.tar.gz", MAX_ARCHIVE_BYTES,
+                "archive {path}: {size:,} bytes; expected at most 67,108,864",
+                "archive {path}: more bytes; expected at most 67,108,864"),
+}
+
+
+def sparse(path: Path, size: int) -> Path:
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+    return path
+
+
+@pytest.mark.parametrize("name", READERS)
+def test_a_file_over_the_bound_is_refused_by_its_size_unread(tmp_path, monkeypatch, name):
+    reader, file, bound, words, _ = READERS[name]
+    path = sparse(tmp_path / file, bound + 1)
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the oversized file was read")
+
+    monkeypatch.setattr(Path, "read_text", no_read)
+    monkeypatch.setattr(Path, "read_bytes", no_read)
+    with pytest.raises((ConfigError, UserError)) as err:
+        reader(path)
+    assert words.format(path=path, size=bound + 1) in str(err.value)
+
+
+@pytest.mark.parametrize("name", READERS)
+def test_a_file_that_grows_past_the_bound_while_read_is_refused_at_the_bound(tmp_path, monkeypatch, name):
+    """The size looked at before the read says the file fits (it was appended to after); the read stops at
+    the bound instead of reading whatever the file has grown to."""
+    reader, file, bound, _, words = READERS[name]
+    path = sparse(tmp_path / file, bound + 4096)
+    real_fstat = os.fstat
+
+    def fstat_before_it_grew(fd):
+        found = real_fstat(fd)
+        return types.SimpleNamespace(st_mode=found.st_mode, st_size=bound // 2)
+
+    monkeypatch.setattr(jsonfiles.os, "fstat", fstat_before_it_grew)
+    with pytest.raises((ConfigError, UserError)) as err:
+        reader(path)
+    assert words.format(path=path) in str(err.value)
