@@ -166,7 +166,11 @@ def user_error_line(name: str, err: BaseException) -> str | None:
     other by the process that raised it; None on the processes that leave it to another. The line says whose the
     error is, ``rank N: `` before the message for all but rank 0's, so that a problem only one process has is
     printed once, by it."""
-    place = launch_place()
+    return _line_at(name, err, launch_place())
+
+
+def _line_at(name: str, err: BaseException, place: tuple[int, int] | None) -> str | None:
+    """:func:`user_error_line` of a process at ``place`` (:func:`launch_place`)."""
     if place is None:
         return f"{name}: {one_line(str(err))}"
     rank, local = place
@@ -186,14 +190,14 @@ def _print_user_error(name: str, err: BaseException) -> None:
     printed. Ended by then, it printed nothing (the other one did); still running, it prints the line itself, naming
     the process whose error it is. Without torchrun's agent (:data:`TORCHRUN_AGENT_VARIABLE` unset: the launcher's
     variables set by hand, or another launcher), nothing would end it, so it prints the line at once."""
-    line = user_error_line(name, err)
+    place = launch_place()  # once: it reads the environment and imports the config package under a launcher
+    line = _line_at(name, err, place)
     if line is None:
         if TORCHRUN_AGENT_VARIABLE in os.environ:
             try:
                 time.sleep(ALIKE_WAIT_S)
             except KeyboardInterrupt:
                 return
-        place = launch_place()
         line = _ranked_line(name, err, getattr(err, _RAISED_BY, place[0] if place else 0))
     print(line, file=sys.stderr)
 

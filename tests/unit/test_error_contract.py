@@ -353,6 +353,28 @@ def test_a_process_that_leaves_an_alike_error_to_another_prints_it_if_not_ended(
     assert len(lines) == 1 and lines[0].startswith("agg-bench run: rank 1: the following arguments are required")
 
 
+@pytest.mark.parametrize("rank, local, alike, line", [
+    (0, 0, True, "agg-bench run: bad"), (1, 1, True, "agg-bench run: rank 1: bad"),
+    (1, 1, False, "agg-bench run: rank 1: bad"),
+])
+def test_the_launch_place_is_read_once_per_error(capsys, monkeypatch, rank, local, alike, line):
+    """A user error's line, printed at once or after waiting to be ended, reads the launcher's variables once."""
+    from agg_bench import errors
+
+    launched(monkeypatch, rank, local)
+    monkeypatch.setattr(errors.time, "sleep", lambda seconds: None)
+    places = []
+    real = errors.launch_place
+
+    def counted():
+        places.append(real())
+        return places[-1]
+
+    monkeypatch.setattr(errors, "launch_place", counted)
+    errors._print_user_error("agg-bench run", errors.mark_alike(UserError("bad")) if alike else UserError("bad"))
+    assert capsys.readouterr().err.splitlines() == [line] and places == [(rank, local)]
+
+
 def test_launcher_variables_set_by_hand_print_an_error_left_to_another_process_at_once(capsys, monkeypatch):
     """``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` set by hand, outside torchrun: no launcher would end this process,
     so it does not wait for that before it prints a line it would leave to another process."""
