@@ -45,9 +45,30 @@ def test_a_file_over_the_bound_is_refused_by_its_size_unread(tmp_path, monkeypat
     reader, file, bound, words, _ = READERS[name]
     path = sparse(tmp_path / file, bound + 1)
 
+    real_open = jsonfiles.open_regular
+
+    class Unread:
+        """The opened file, whose bytes must not be read."""
+
+        def __init__(self, path):
+            self.handle = real_open(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def fileno(self):
+            return self.handle.fileno()
+
+        def read(self, *args):
+            raise AssertionError("the oversized file was read")
+
     def no_read(*args, **kwargs):
         raise AssertionError("the oversized file was read")
 
+    monkeypatch.setattr(jsonfiles, "open_regular", Unread)
     monkeypatch.setattr(Path, "read_text", no_read)
     monkeypatch.setattr(Path, "read_bytes", no_read)
     with pytest.raises((ConfigError, UserError)) as err:
