@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..config import RunConfig
@@ -132,7 +132,8 @@ def load_text_pipeline(family: str, pretrained: str | Path, dtype: torch.dtype =
         with quiet_loading():
             pipe = spec.pipeline_cls().from_pretrained(str(root), transformer=None, vae=None, dtype=dtype,
                                                            local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError) as err:  # Type/KeyError: a config of the wrong shape
+    # Type/KeyError: a config of the wrong shape; SafetensorError: a weights file cut short (transformers passes it on)
+    except (OSError, ValueError, TypeError, KeyError, SafetensorError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("model.pretrained", str(pretrained),
                           f"loadable text encoders and tokenizers ({first})") from err
