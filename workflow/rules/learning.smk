@@ -26,6 +26,8 @@ def pretrain_command(name: str, threads: int) -> str:
 def load_pretrain_configs() -> dict:
     """Each pretrain entry's config, its --set applied: read once, before any job, so that one the pretrain
     command refuses is one line naming the entry (in a job's threads it was an InputFunctionException)."""
+    if not PRETRAIN:  # the pretrain module imports diffusers and matplotlib: seconds of every snakemake's start
+        return {}
     from agg_bench.tools.pretrain import sweep_entry_config
 
     configs = {}
