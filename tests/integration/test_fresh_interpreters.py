@@ -142,6 +142,22 @@ def test_the_methods_checks_import_no_diffusers():
     assert {"diffusers", "peft", "transformers"} & set(answer["modules"]) == set()
 
 
+def test_the_workflows_start_on_a_sweep_without_pretraining_imports_no_model_library(tmp_path):
+    """Snakemake parses the Snakefile at every start (a dry run, `make pipeline`'s two commands, each test of the
+    workflow): on a sweep without pretrain entries it imports no diffusers, torch or matplotlib (the pretrain
+    module's imports made every start of the default sweep's snakemake about five CPU-seconds longer)."""
+    from test_pipeline import workdir
+
+    work = workdir(tmp_path)
+    script = ("import runpy, sys; sys.argv = ['snakemake', '-n', '--configfile', 'config/test.yaml']\n"
+              "try:\n    runpy.run_module('snakemake', run_name='__main__')\n"
+              "except SystemExit as end:\n    assert not end.code, end.code\n"
+              "print(sorted(m for m in ('diffusers', 'torch', 'matplotlib') if m in sys.modules), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=work, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == "[]", proc.stderr[-3000:]
+
+
 # ----- a run with telemetry.tensorboard off (tests/unit/test_tensorboard.py) -----
 
 
