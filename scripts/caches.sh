@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by scripts/one-workflow.sh and scripts/test.sh (bash): caches that cannot go to the user's home go to
 # .snakemake/ in the clone.
 #

@@ -20,6 +20,7 @@ if [[ "${1:-}" == "--cpu" ]]; then MODE=cpu; elif [[ $# -gt 0 ]]; then
 fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${AGG_BENCH_CHECK_OUT:-results/gpu_check}
+# shellcheck source=scripts/python_env.sh
 source "$ROOT/scripts/python_env.sh" || exit 2
 pick_python gpu_check "agg-bench installed" torch agg_bench
 if [[ $MODE == gpu ]]; then
@@ -59,25 +60,27 @@ run() {  # run NAME [--set ...]: one training run into $OUT/runs/NAME
   step "$name" "$PY" -m agg_bench run "${COMMON[@]}" --set train.iterations=$ITERATIONS "$@" --out "$OUT/runs/$name"
 }
 
+# the inner sh expands $0 and $1 (the interpreter and the file), not this script
+# shellcheck disable=SC2016
 step env sh -c '"$0" -m agg_bench env > "$1"' "$PY" "$OUT/env.json"
 for res in "${RESOLUTIONS[@]}"; do
-  run "full_${res}" --set model.resolution=$res --set 'method={"name": "full"}'
-  run "agg-w5_${res}" --set model.resolution=$res --set 'method={"name": "agg", "window": 5, "alpha": "sigma"}'
-  run "agg-w5-reuse_${res}" --set model.resolution=$res \
+  run "full_${res}" --set model.resolution="$res" --set 'method={"name": "full"}'
+  run "agg-w5_${res}" --set model.resolution="$res" --set 'method={"name": "agg", "window": 5, "alpha": "sigma"}'
+  run "agg-w5-reuse_${res}" --set model.resolution="$res" \
       --set 'method={"name": "agg", "window": 5, "alpha": "sigma", "reuse_rollout_velocity": true}'
 done
-run "cached-fora_${SMALL}" --set model.resolution=$SMALL --set 'method={"name": "cached", "cache": "fora", "cache_in": "rollout"}'
+run "cached-fora_${SMALL}" --set model.resolution="$SMALL" --set 'method={"name": "cached", "cache": "fora", "cache_in": "rollout"}'
 step "fsdp_${SMALL}" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m agg_bench run "${COMMON[@]}" \
-    --set train.iterations=1 --set model.resolution=$SMALL --set train.shard=fsdp --out "$OUT/runs/fsdp_${SMALL}"
+    --set train.iterations=1 --set model.resolution="$SMALL" --set train.shard=fsdp --out "$OUT/runs/fsdp_${SMALL}"
 if [[ $MODE == gpu ]]; then
   step "pool_${SMALL}" "$PY" -m agg_bench.machine.gpus --count 1 --timeout 60 -- "$PY" -m agg_bench run "${COMMON[@]}" \
-      --set train.iterations=1 --set model.resolution=$SMALL --out "$OUT/runs/pool_${SMALL}"
+      --set train.iterations=1 --set model.resolution="$SMALL" --out "$OUT/runs/pool_${SMALL}"
 else  # a pretend one-GPU machine: the pool's locking and CUDA_VISIBLE_DEVICES, the run itself on the CPU
   step "pool_${SMALL}" env AGG_BENCH_GPUS=1 AGG_BENCH_GPU_LOCK_DIR="$OUT/locks" "$PY" -m agg_bench.machine.gpus --count 1 \
-      --timeout 60 -- "$PY" -m agg_bench run "${COMMON[@]}" --set train.iterations=1 --set model.resolution=$SMALL \
+      --timeout 60 -- "$PY" -m agg_bench run "${COMMON[@]}" --set train.iterations=1 --set model.resolution="$SMALL" \
       --out "$OUT/runs/pool_${SMALL}"
 fi
-step "profile_${SMALL}" "$PY" -m agg_bench profile "${COMMON[@]}" --set model.resolution=$SMALL --method agg \
+step "profile_${SMALL}" "$PY" -m agg_bench profile "${COMMON[@]}" --set model.resolution="$SMALL" --method agg \
     --set method.window=5 --phase train --wait 0 --warmup 0 --active 1 --out "$OUT/profile"
 if [[ $MODE == gpu ]]; then
   step memory_snapshot test -s "$OUT/profile/memory_snapshot.pickle"

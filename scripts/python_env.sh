@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by scripts/gpu_check.sh and scripts/gpu_campaign.sh (not run on its own): the interpreter a script
 # runs, and the checks that make a missing environment one line and exit code 2 before anything is written.
 # Needs ROOT (the repository) set by the caller.

@@ -10,7 +10,8 @@
 # cores the streams run one after the other. Arguments go to both streams (make test PYTEST_ARGS="-m 'not
 # slow'"); a stream whose selection is empty counts as passed. The second stream's report follows the first's.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+# no set -e (a failed stream must not stop the other), so a failed cd stops here, not pytest in the wrong folder
+cd "$(dirname "$0")/.." || exit 2
 PYTHON=${PYTHON:-.venv/bin/python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # the tests start snakemake, which needs a cache folder it can make

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by scripts/setup.sh and scripts/one-workflow.sh (bash): one process of a clone at a time.
 #
 # take_turn LOCK WHAT: hold the file lock LOCK (flock on descriptor 9) until the script ends; while another
