@@ -1,8 +1,8 @@
 # The two commands a new user needs; both set up .venv first.
 #   make pipeline   the Snakemake sweep on the embedded default (tiny DiTs, CPU, minutes)
-#   make test       ruff and mypy, then the test suite: tests/unit and tests/integration, as two streams on two cores
-#                   (scripts/test.sh; what CI runs)
-#   make test-fast  ruff and mypy, then tests/unit only (in-process, a few minutes)
+#   make test       ruff, shellcheck and mypy, then the test suite: tests/unit and tests/integration, as two streams
+#                   on two cores (scripts/test.sh; what CI runs)
+#   make test-fast  ruff, shellcheck and mypy, then tests/unit only (in-process, a few minutes)
 #   make learning   the learning testbed: a DiT pre-trained on drawn scenes, GRPO per method x 3 seeds (docs/learning.md)
 #   make clean      removes what the workflows made in results/ (not results/reference/), and .snakemake/
 # the recipes take paths in the clone: `make -f CLONE/Makefile` from another folder ran them there and failed
@@ -49,8 +49,12 @@ pipeline: setup
 learning: setup
 	$(ONE) .venv/bin/snakemake learning --cores $(CORES) --configfile config/learning.yaml
 
+# every shell script of the repository (tests/integration/test_workflow_files.py checks that none is missing);
+# .shellcheckrc has shellcheck follow what they source
+SHELL_SCRIPTS = .ci/run $(sort $(wildcard scripts/*.sh))
 lint: setup
 	.venv/bin/ruff check agg_bench baselines tests benchmarks scripts
+	.venv/bin/shellcheck $(SHELL_SCRIPTS)
 	.venv/bin/mypy
 
 # PYTHON in the environment chose the interpreter that made .venv (scripts/setup.sh), not the one that tests

@@ -220,7 +220,8 @@ def make_clone(folder: Path) -> Path:
         shutil.copy(ROOT / "scripts" / script, folder / "scripts")
     (folder / "scripts" / "setup.sh").write_text("touch set-up-ran\n")
     seen = 'echo "$0 ${XDG_CACHE_HOME-unset} ${MPLCONFIGDIR-unset}" >> caches-seen'  # the caches each was given
-    for name, body in {"ruff": "", "mypy": "", "snakemake": f'{seen}; echo "snakemake $*" >> snakemake-calls',
+    for name, body in {"ruff": "", "shellcheck": "", "mypy": "",
+                       "snakemake": f'{seen}; echo "snakemake $*" >> snakemake-calls',
                        "python": f'if [ "$1" = -c ]; then echo 1; else {seen}; echo "venv python $*"; fi'}.items():
         bash_script(folder / ".venv" / "bin" / name, body)
     return folder

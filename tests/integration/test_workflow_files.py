@@ -154,6 +154,35 @@ def test_every_phony_make_target_has_a_recipe():
     assert phony and [target for target in phony if target not in rules] == []
 
 
+def shell_scripts() -> list[str]:
+    """The repository's shell scripts, as git tracks them: a `.sh` name, or a first line that starts a shell."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    found = []
+    for name in sorted(listed.decode().split("\0")):
+        path = ROOT / name
+        if not name or not path.is_file() or path.is_symlink():
+            continue
+        with path.open("rb") as handle:
+            first = handle.readline()
+        if name.endswith(".sh") or re.match(rb"#!\S*/(env +)?(ba|da|k|z)?sh\b", first):
+            found.append(name)
+    return found
+
+
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="needs make, git and a git checkout")
+def test_make_lint_runs_shellcheck_on_every_shell_script():
+    """No shell script escapes the linter: the shellcheck command `make lint` runs names each one, so a new
+    script (or one run by CI, like .ci/run, that has no .sh name) is checked from its first commit."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    proc = subprocess.run(["make", "-n", "lint"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (command,) = [line.split() for line in proc.stdout.splitlines() if line.startswith(".venv/bin/shellcheck ")]
+    scripts = shell_scripts()
+    assert {".ci/run", "scripts/setup.sh", "scripts/caches.sh"} <= set(scripts)
+    assert [name for name in scripts if name not in command[1:]] == []
+
+
 def make_n(folder: Path, *args: str) -> subprocess.CompletedProcess:
     """`make -n ARGS` on a copy of the Makefile in ``folder``, as a user's shell runs it: not as a sub-make of
     `make test` (whose MAKEFLAGS and MAKELEVEL would add "Entering directory" lines)."""
