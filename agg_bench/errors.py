@@ -174,7 +174,7 @@ def _line_at(name: str, err: BaseException, place: tuple[int, int] | None) -> st
     if place is None:
         return f"{name}: {one_line(str(err))}"
     rank, local = place
-    if getattr(err, _ALIKE, False) and local != 0 or getattr(err, _RAISED_BY, rank) != rank:
+    if (getattr(err, _ALIKE, False) and local != 0) or getattr(err, _RAISED_BY, rank) != rank:
         return None
     return _ranked_line(name, err, rank)
 

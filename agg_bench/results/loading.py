@@ -378,9 +378,9 @@ def check_distinct_run_ids(records: pd.DataFrame) -> None:
     keys = [records[key] if key in records else pd.Series(None, index=records.index) for key in SAME_RUN_KEYS]
     first: dict[tuple, str] = {}
     for key, run_dir in zip(zip(*keys), records["run_dir"]):
-        if key[0] is None or (isinstance(key[0], float) and key[0] != key[0]):  # no run id: nothing to compare
+        if key[0] is None or (isinstance(key[0], float) and math.isnan(key[0])):  # no run id: nothing to compare
             continue
-        key = tuple(None if isinstance(v, float) and v != v else v for v in key)
+        key = tuple(None if isinstance(v, float) and math.isnan(v) else v for v in key)
         seen = first.setdefault(key, run_dir)
         if seen != run_dir:
             raise UserError(f"run {quote(run_dir)} has run_id {quote(key[0])}, as run {quote(seen)} has, with the same "

@@ -39,7 +39,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -512,7 +512,8 @@ class ShardMetadataUnpickler(_PythonUnpickler):
     fields, BUILD), never called, since ``MetadataIndex`` copies what it is given into a size. So no opcode copies
     anything the file built before, and a file builds objects of at most about a hundred bytes per byte of it."""
 
-    dispatch = {**_PythonUnpickler.dispatch, **{code[0]: _foreign(what) for code, what in _FOREIGN_OPCODES.items()}}
+    dispatch: ClassVar[dict] = {**_PythonUnpickler.dispatch,
+                                **{code[0]: _foreign(what) for code, what in _FOREIGN_OPCODES.items()}}
 
     def __init__(self, file, allowed: dict[tuple[str, str], Callable]):
         super().__init__(file)

@@ -111,7 +111,8 @@ _active: _Reuse | None = None
 @contextlib.contextmanager
 def reusing_models() -> Iterator[_Reuse]:
     """Within the block, runs with equal build keys share one built model (module docstring)."""
-    global _active
+    # the reuse in force is module state that policy_for reads; a nested block restores the outer one on its way out
+    global _active  # noqa: PLW0603
     outer, _active = _active, _Reuse()
     try:
         yield _active

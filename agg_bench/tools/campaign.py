@@ -721,8 +721,10 @@ def _supervise(argv: list[str], log: Path, env: dict, stop_at: float, stopped=_s
     proc = None
     try:
         with open(log, "ab") as handle:
+            # the preexec makes system calls only (prctl, getppid, kill), so no lock another thread held at the fork
+            # can stop the child before its exec
             proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
-                                    start_new_session=True, preexec_fn=_die_with_parent())
+                                    start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
             _guarded(guard, proc.pid)
             return _watch(proc, stop_at, stopped, deadline)
     finally:

@@ -128,13 +128,13 @@ def test_a_bad_job_file_is_one_line_and_writes_nothing(tmp_path, capsys, make, w
 
 
 def _finished_run(t: Path) -> Path:
-    assert main(["run", "--set", "seed=5", *sum((["--set", item] for item in TINY), []), "--set",
+    assert main(["run", "--set", "seed=5", *[word for item in TINY for word in ("--set", item)], "--set",
                  "train.iterations=1", "--out", str(t / "theirs")]) == 0
     return t / "theirs"
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda t: (t / "theirs").mkdir() or (t / "theirs" / "notes.txt").write_text("mine") and t / "theirs",
+    (lambda t: (t / "theirs").mkdir() or ((t / "theirs" / "notes.txt").write_text("mine") and t / "theirs"),
      "the folder holds files that are not an agg-bench run (notes.txt)"),
     (lambda t: (t / "theirs").write_text("mine") and t / "theirs", "exists and is not a folder"),
     (lambda t: (t / "folder").mkdir() or (t / "theirs").symlink_to(t / "folder") or t / "theirs",
@@ -161,7 +161,7 @@ def test_with_resume_a_later_finished_run_of_another_config_that_kept_its_checkp
     """With --resume (the workflow's cell jobs) a run continues only a stopped attempt; a finished run of another
     config that kept its checkpoint.pt (train.checkpoint_every) passed the check before the first run, and was
     refused only when the cell reached it, after the runs before it had written theirs."""
-    assert main(["run", "--set", "seed=5", *sum((["--set", item] for item in TINY), []), "--set",
+    assert main(["run", "--set", "seed=5", *[word for item in TINY for word in ("--set", item)], "--set",
                  "train.iterations=1", "--set", "train.checkpoint_every=1", "--out", str(tmp_path / "theirs")]) == 0
     theirs = tmp_path / "theirs"
     assert (theirs / "checkpoint.pt").is_file() and (theirs / "summary.json").is_file()

@@ -9,9 +9,9 @@ from baselines.caches import CACHES, make_config
 
 
 @pytest.mark.parametrize("registry, key, lookup", [
-    (METHODS, "method.name", lambda name: build_method(name)),
-    (REWARDS, "reward.name", lambda name: build_reward(name)),
-    (CACHES, "method.cache", lambda name: make_config(name)),
+    (METHODS, "method.name", build_method),
+    (REWARDS, "reward.name", build_reward),
+    (CACHES, "method.cache", make_config),
 ])
 def test_every_plugin_table_is_a_registry_with_one_lookup_error(registry, key, lookup):
     assert isinstance(registry, Registry) and registry.key == key

@@ -44,7 +44,7 @@ def test_every_file_or_folder_option_takes_the_shared_path_type():
     """A path option declared another way would take '' for the current folder unseen by the test below."""
     for verb, parser in _verbs().items():
         for action in parser._actions:
-            assert action.type is not Path and not isinstance(action.default, Path) or action.type is cli.path_arg, \
+            assert (action.type is not Path and not isinstance(action.default, Path)) or action.type is cli.path_arg, \
                 (verb, action.dest)
             if "--config" in action.option_strings or "--out" in action.option_strings:
                 assert action.type is cli.path_arg, (verb, action.dest)
