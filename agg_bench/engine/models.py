@@ -18,6 +18,7 @@ import itertools
 import logging
 import math
 import os
+import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -400,17 +401,33 @@ MAX_MODEL_LAYERS = 256  # a key ending in "layers" (num_layers, num_single_layer
 MAX_MODEL_SIZE = 16384  # any other integer: widths, heads, channels, patch and sample sizes, RoPE axes
 
 
-def transformer_config_problem(config: dict) -> str | None:
-    """What keeps a model folder's transformer config from being built: an integer outside its bound (a
-    layer count in [1, MAX_MODEL_LAYERS], any other size in [1, MAX_MODEL_SIZE], an integer in a list, such
-    as a block index or RoPE axis, in [0, MAX_MODEL_SIZE]); None when nothing does. (A number of another
-    type where an integer goes is refused by diffusers, as a ConfigError of :func:`load_pretrained`.)"""
+def _integer_keys(cls: Any) -> frozenset[str]:
+    """The arguments of ``cls.__init__`` typed as integers (``int``, ``int | None``, a tuple of ints)."""
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except (NameError, TypeError):  # an annotation that does not resolve: only the bounds below apply
+        return frozenset()
+    return frozenset(key for key, hint in hints.items()
+                     if hint is int or int in typing.get_args(hint))
+
+
+def transformer_config_problem(config: dict, cls: type) -> str | None:
+    """What keeps a model folder's transformer config from being built as ``cls``: true or false where
+    ``cls`` takes an integer (Python's bool is an int, so ``num_layers: true`` built one block), an integer
+    outside its bound (a layer count in [1, MAX_MODEL_LAYERS], any other size in [1, MAX_MODEL_SIZE], an
+    integer in a list, such as a block index or RoPE axis, in [0, MAX_MODEL_SIZE]); None when nothing does.
+    (A number of another type where an integer goes is refused by diffusers, as a ConfigError of
+    :func:`load_pretrained`.)"""
+    integer_keys = _integer_keys(cls)
     for key, value in config.items():
         top = MAX_MODEL_LAYERS if key.endswith("layers") else MAX_MODEL_SIZE
+        if key in integer_keys and isinstance(value, bool):
+            return f"{key} = {quote(value)}: expected an integer from 1 to {top}, not true or false"
         if is_integer(value) and not 1 <= value <= top:
             return f"{key} = {quote(value)}: expected an integer from 1 to {top}"
         if isinstance(value, list):
-            bad = next((v for v in value if is_integer(v) and not 0 <= v <= MAX_MODEL_SIZE), None)
+            bad = next((v for v in value if (key in integer_keys and not is_integer(v))
+                        or (is_integer(v) and not 0 <= v <= MAX_MODEL_SIZE)), None)
             if bad is not None:
                 return f"{key} holds {quote(bad)}: expected integers from 0 to {MAX_MODEL_SIZE}"
     return None
@@ -425,7 +442,7 @@ def pretrained_transformer_config(pretrained: str, family: str) -> dict:
     name = config.get("_class_name")
     if name and name != expected.__name__:
         raise ConfigError("model.family", family, f"the family of {pretrained} ({quote(name)} in transformer/)")
-    problem = transformer_config_problem(config)
+    problem = transformer_config_problem(config, expected)
     if problem is not None:
         raise ConfigError("model.pretrained", pretrained, f"a model folder whose transformer/config.json has sizes "
                           f"a model can have ({problem})")
@@ -462,14 +479,18 @@ def _check_class(pretrained: str, component: str, expected: type, key: str, valu
 
 def scheduler_config_problem(config: dict) -> str | None:
     """What keeps :meth:`Policy.schedule_shift` and :meth:`Policy.schedule_shift_terminal` from computing a
-    schedule from a model folder's scheduler config (diffusers loads these values unchecked): a ``shift``,
-    ``base_shift`` or ``max_shift`` that is not a finite number, sequence lengths that are not integers with
+    schedule from a model folder's scheduler config (diffusers loads these values unchecked): a ``shift`` that
+    is not a finite number > 0, a ``base_shift`` or ``max_shift`` that is not a finite number, sequence lengths that are not integers with
     ``max_image_seq_len`` above ``base_image_seq_len`` (the shift's slope divides by their difference), or a
     ``shift_terminal`` that is neither null nor a number in [0, 1); None when nothing does. (Whether the
     schedule falls from 1 to 0 is the sampler's check, :func:`agg_bench.engine.sampler.check_sigmas`.)"""
     for key in ("shift", "base_shift", "max_shift"):
         if key in config and not is_finite_number(config[key]):
             return f"{key} = {quote(config[key])}: expected a finite number"
+    # shift(s) = a s / (1 + (a - 1) s) is a flow-matching shift only for a > 0 (a = -1 maps 0.001 to -0.001, a
+    # schedule that can still fall from 1 to 0 in a few steps)
+    if "shift" in config and not config["shift"] > 0:
+        return f"shift = {quote(config['shift'])}: expected a finite number > 0"
     base, top = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
     if not (is_integer(base) and base >= 1):
         return f"base_image_seq_len = {quote(base)}: expected an integer >= 1"

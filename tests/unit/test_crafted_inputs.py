@@ -106,6 +106,28 @@ def test_a_transformer_config_out_of_bounds_is_refused_before_a_model_is_built(m
         assert err.value.key == "model.pretrained" and words in str(err.value)
 
 
+@pytest.mark.parametrize("key, value, words", [
+    ("num_layers", True, "num_layers = True: expected an integer from 1 to 256, not true or false"),
+    ("num_attention_heads", False, "num_attention_heads = False: expected an integer from 1 to 16384"),
+    ("dual_attention_layers", [True], "dual_attention_layers holds True: expected integers"),
+])
+def test_true_or_false_where_a_transformer_takes_an_integer_is_refused(model, tmp_path, capsys, key, value, words):
+    """Python's bool is an int: num_layers: true built and trained a one-block model with exit 0. A flag where the
+    transformer's class takes an integer is refused by the run, the memory planner and the command line."""
+    folder = model_copy(model, tmp_path)
+    path = folder / "transformer" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    for build in (Session, memplan.plan_memory):
+        with pytest.raises(ConfigError) as err:
+            build(model_config(folder))
+        assert err.value.key == "model.pretrained" and words in str(err.value)
+    out = tmp_path / "run"
+    args = [a for item in ["model.family=sd3", "model.preset=pretrained", f"model.pretrained={folder}",
+                           "model.resolution=32", "train.iterations=1", "progress=false"] for a in ("--set", item)]
+    capsys.readouterr()
+    assert words in one_line(capsys, main(["run", *args, "--out", str(out)])) and not out.exists()
+
+
 def test_a_model_folder_missing_a_weight_is_refused_naming_it(model, tmp_path):
     """A weight the transformer's file lacks was left on the meta device by diffusers, and the model's first
     move to a device raised "Cannot copy out of meta tensor" (exit 1)."""
@@ -175,6 +197,9 @@ def test_a_pixel_decoder_config_it_cannot_take_is_refused_before_the_run(model, 
                                                                "above base_image_seq_len (256)"),  # ZeroDivisionError
     ({"use_dynamic_shifting": True, "base_shift": "x"}, "base_shift = 'x': expected a finite number"),  # TypeError
     ({"shift_terminal": "x"}, "shift_terminal = 'x': expected null or a number in [0, 1)"),  # ValueError
+    # a flow-matching shift is > 0: -1 gave a 2-step schedule that falls from 1 to 0, and the run trained on it
+    ({"shift": -1}, "shift = -1: expected a finite number > 0"),
+    ({"shift": 0}, "shift = 0: expected a finite number > 0"),
 ])
 def test_a_scheduler_config_the_schedule_cannot_take_is_refused_in_one_line(model, tmp_path, capsys, change, words):
     """The model's own schedule (sampling.shift: null) is computed from scheduler/scheduler_config.json, which
