@@ -114,8 +114,9 @@ def sampler_dtype(model_dtype: str | torch.dtype) -> torch.dtype:
 
 
 def check_sigmas(sigmas: torch.Tensor, shift: float | None, dtype: torch.dtype, kind: str | None = None,
-                 eta: float | None = None) -> None:
-    """Raise a ConfigError naming ``sampling.shift`` unless the schedule ``sigmas`` (T+1), in the sampler's
+                 eta: float | None = None, key: str = "sampling.shift", allowed: str = "a shift",
+                 steps_key: str | None = None) -> None:
+    """Raise a ConfigError naming ``key`` (the shift's key) unless the schedule ``sigmas`` (T+1), in the sampler's
     ``dtype``, is finite and falls strictly from 1 to 0: an extreme shift rounds it to nan (1e-30), above 1
     (diffusers' 0.01: 1.0001, where the SDEs take the root of 1 - s) or to equal neighbours (1e8: 1, 1, ...;
     a step of size 0), and the run ended ``diverged`` or trained on steps that do nothing. With the SDE
@@ -124,12 +125,16 @@ def check_sigmas(sigmas: torch.Tensor, shift: float | None, dtype: torch.dtype, 
     its mean is finite for a unit latent and velocity:
     linspace with shift 1e-30 falls from 1 to 0 in float32, but its sigmas of ~1e-30 give stds whose square
     underflows to 0, and the run ended ``diverged`` on an infinite log-probability (a tiny ``eta`` likewise,
-    named ``sampling.eta`` where eta 1 would give the schedule normal noise)."""
+    named ``sampling.eta`` where eta 1 would give the schedule normal noise).
+    The error says what the key takes: ``allowed`` whose N-step schedule (the steps of ``steps_key``, where given)
+    falls so; a run's ``sampling.shift`` takes ``a shift`` (its bounds are the config's), ``agg-bench pretrain``'s
+    ``shift`` ``a shift in (0, 100]`` with ``sample_steps``."""
     s = sigmas.to(dtype)
     dtype_name = str(dtype).removeprefix("torch.")
+    steps = f"{steps_key}' " if steps_key else ""
     if not (bool(torch.isfinite(s).all()) and s[0] <= 1 and s[-1] == 0 and bool((s[1:] < s[:-1]).all())):
         head = ", ".join(f"{v:.6g}" for v in s[:4].tolist()) + (", ..." if len(s) > 4 else "")
-        raise ConfigError("sampling.shift", shift, f"a shift whose {len(s) - 1}-step schedule falls strictly from 1 "
+        raise ConfigError(key, shift, f"{allowed} whose {steps}{len(s) - 1}-step schedule falls strictly from 1 "
                           f"to 0 in {dtype_name} (this one gives {head})")
     if kind is None or eta is None:
         return
@@ -140,7 +145,7 @@ def check_sigmas(sigmas: torch.Tensor, shift: float | None, dtype: torch.dtype, 
     if _abnormal_noise_step(kind, s, 1.0) is None:
         raise ConfigError("sampling.eta", eta, f"an eta whose noise std is a normal {dtype_name} number at every "
                           f"stochastic step, with its square (step {step} of sampling.sde {kind} gives std {std:.3g})")
-    raise ConfigError("sampling.shift", shift, f"a shift whose {len(s) - 1}-step schedule gives every stochastic step "
+    raise ConfigError(key, shift, f"{allowed} whose {steps}{len(s) - 1}-step schedule gives every stochastic step "
                       f"a finite mean and a noise std that is a normal {dtype_name} number, with its square (step {step} of "
                       f"sampling.sde {kind} gives std {std:.3g} at sampling.eta {eta})")
 

@@ -142,11 +142,9 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
         raise ConfigError("ema_decay", cfg.ema_decay, "a number in [0, 1)")
     if not 0 < cfg.shift <= 100:
         raise ConfigError("shift", cfg.shift, "a number in (0, 100]")
-    try:  # the samples' schedule, as a run's (a shift that rounds it to nan sampled nan images, reward 0)
-        check_sigmas(flow_sigmas(cfg.sample_steps, cfg.shift), cfg.shift, torch.float32)
-    except ConfigError as err:
-        expected = err.expected.replace("a shift whose", "a shift in (0, 100] whose sample_steps'")
-        raise ConfigError("shift", cfg.shift, expected) from None
+    # the samples' schedule, as a run's (a shift that rounds it to nan sampled nan images, reward 0)
+    check_sigmas(flow_sigmas(cfg.sample_steps, cfg.shift), cfg.shift, torch.float32, key="shift",
+                 allowed="a shift in (0, 100]", steps_key="sample_steps")
     transformer_config(cfg)  # the family's own limits on the sizes
     check_size(cfg)  # and the sizes together
     return cfg

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from agg_bench.cli import main
-from agg_bench.errors import UserError
+from agg_bench.errors import ConfigError, UserError
 from agg_bench.machine import distributed
 
 SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "train.iterations=1",
@@ -164,6 +164,28 @@ def test_a_sweep_refuses_such_a_shift_before_any_job(schedule, shift):
                                          r"strictly from 1 to 0 in float32"):
         check_methods(None, {"sd3_full": job})
     assert check_methods(None, {"sd3_full": [("sampling.schedule", schedule), ("sampling.shift", 3.0)]})
+
+
+def test_the_shift_check_names_the_key_and_the_bounds_its_caller_gives():
+    """The schedule check says what the shift of its caller takes: a run's sampling.shift, and agg-bench pretrain's
+    shift with its own bounds and its sample_steps (the words were once patched by replacing text of this check's
+    message, which any rewording here broke without a failure)."""
+    from agg_bench.engine.sampler import check_sigmas, flow_sigmas
+    from agg_bench.tools.pretrain import load_pretrain_config
+
+    with pytest.raises(ConfigError) as err:
+        check_sigmas(flow_sigmas(6, 0.01), 0.01, torch.float32)
+    assert err.value.key == "sampling.shift" and err.value.expected.startswith(
+        "a shift whose 6-step schedule falls strictly from 1 to 0 in float32 (this one gives 1.0001"), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_sigmas(flow_sigmas(6, 0.01), 0.01, torch.float32, key="shift", allowed="a shift in (0, 100]",
+                     steps_key="sample_steps")
+    assert err.value.key == "shift" and err.value.expected.startswith(
+        "a shift in (0, 100] whose sample_steps' 6-step schedule falls strictly"), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_pretrain_config(None, ["shift=0.01", "sample_steps=6"])
+    assert (err.value.key, err.value.value) == ("shift", 0.01) and err.value.expected.startswith(
+        "a shift in (0, 100] whose sample_steps' 6-step schedule falls strictly from 1 to 0 in float32"), str(err.value)
 
 
 @pytest.mark.parametrize("sets, key, gives", [
