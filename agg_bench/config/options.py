@@ -23,7 +23,7 @@ from typing import Any, Literal, Mapping
 
 from ..errors import ConfigError
 from ..records import is_integer
-from .schema import check_finite, check_schema, section_schema
+from .schema import check_config_values, section_schema
 from .sections import Section, option
 
 # The largest micro-batch or no-grad batch a method takes: the largest batch a run can have, 256 samples per
@@ -74,8 +74,9 @@ def typed_options(cls: type[Options], given: Mapping[str, Any], prefix: str = "m
         if key not in allowed:
             known = ", ".join(sorted(allowed)) or "none"
             raise ConfigError(f"{prefix}.{key}", value, f"a known option of {owner or cls.__name__} ({known})")
-    check_finite(dict(given), prefix)
-    check_schema({prefix: dict(given)}, {"type": "object", "properties": {prefix: options_schema(cls)}})
+    # an integer, a flag or a name given NaN is refused for what it is, as a run key is, not as a number that is
+    # not finite
+    check_config_values({prefix: dict(given)}, {"type": "object", "properties": {prefix: options_schema(cls)}})
     hints = typing.get_type_hints(cls)
     options = cls(**{key: typed_value(value, hints[key]) for key, value in given.items()})
     options.check()

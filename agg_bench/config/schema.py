@@ -242,6 +242,26 @@ def check_config_values(instance: Any, schema: dict) -> None:
     kind = next((e for e in errors if e.validator not in BOUND_VALIDATORS), None)
     if kind is not None:
         raise _describe(kind)
-    check_finite(instance)
+    check_finite(_described_part(instance, schema))
     if errors:
         raise _describe(errors[0])
+
+
+def _described_part(instance: Any, schema: Any) -> Any:
+    """``instance`` without the keys that ``schema`` leaves to another schema: an open section's own keys (the
+    ``method`` section's options, checked by the method's options class) and a key whose schema says nothing of
+    its value (the ``cached`` method's cache options, checked by the chosen cache's class). Those checks are this
+    function's own (:func:`agg_bench.config.options.typed_options`), which refuse an option given NaN for what it
+    is (an integer, where it is one), not here as a number that is not finite."""
+    if not (isinstance(instance, dict) and isinstance(schema, dict)):
+        return instance
+    properties = schema.get("properties")
+    if not isinstance(properties, dict):
+        return instance
+    open_section = schema.get("additionalProperties", True) is True
+    return {key: _described_part(value, properties.get(key)) for key, value in instance.items()
+            if (key in properties or not open_section) and not _says_nothing(properties.get(key))}
+
+
+def _says_nothing(schema: Any) -> bool:
+    return isinstance(schema, dict) and not set(schema) - {"description", "title"}

@@ -120,6 +120,24 @@ def test_every_bad_option_is_one_line_naming_it(section, option, schema, tmp_pat
         assert not out.exists(), (what, given)
 
 
+def test_an_integer_option_given_nan_is_refused_as_not_an_integer():
+    """NaN where an option takes an integer (or null and an integer) says so, as a run key's does (seed = nan:
+    expected an integer); it said "a finite number", which an integer option given 2.5 is too."""
+    def kinds(schema: dict) -> set:
+        arms = [schema, *schema.get("anyOf", [])]
+        return {k for arm in arms for k in ([arm["type"]] if isinstance(arm.get("type"), str) else arm.get("type", []))}
+
+    integer_options = [(section, option) for section, option, schema in every_option()
+                       if "integer" in kinds(schema) and kinds(schema) <= {"integer", "null"}]
+    assert len(integer_options) > 20
+    for section, option in integer_options:
+        for value in (".nan", ".inf"):
+            with pytest.raises(ConfigError) as err:
+                check_config(load_config(None, [f"method={json.dumps(section)}", f"method.{option}={value}"]))
+            assert err.value.key == f"method.{option}" and "an integer" in err.value.expected, str(err.value)
+            assert "finite" not in err.value.expected, str(err.value)
+
+
 def test_the_method_schema_agrees_with_the_refusals():
     schema = method_docs.method_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
