@@ -111,17 +111,56 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def current_umask() -> int:
+    """This process's umask. Read from /proc where the system has it: setting the umask to learn it would, for
+    that moment, give the files another thread creates a mode of that setting."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # 022 for the moment it is set: the usual mask, never a wider mode
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str | Path) -> None:
+    """Give the file ``path``, or every file and folder in the folder ``path`` (itself included), the mode a plain
+    ``open(..., "w")`` or ``mkdir`` gives under this process's umask (0644 and 0755 under umask 022): a writer of
+    its own (safetensors' ``save_file`` writes 0600) left a result that others sharing the folder cannot read.
+    Symbolic links are left alone."""
+    mask = current_umask()
+    path = Path(path)
+    if path.is_symlink():
+        return
+    if not path.is_dir():
+        os.chmod(path, 0o666 & ~mask)
+        return
+    os.chmod(path, 0o777 & ~mask)
+    for folder, dirs, files in os.walk(path):
+        for name in (*dirs, *files):
+            entry = os.path.join(folder, name)
+            if not os.path.islink(entry):
+                os.chmod(entry, (0o777 if name in dirs else 0o666) & ~mask)
+
+
 @contextmanager
-def atomic_target(path: str | Path) -> Iterator[Path]:
+def atomic_target(path: str | Path, umask_modes: bool = True) -> Iterator[Path]:
     """A temporary sibling of ``path`` (a file or a folder) for the caller to write; renamed onto ``path``
     when the block ends (a folder replaces an earlier folder at ``path``), removed if it raises (a full disk
     leaves nothing half-written behind, and its error names ``path``). Renaming replaces a symbolic link at ``path``; it never writes
-    through one."""
+    through one. What is renamed in has the modes of the umask (:func:`follow_umask`), whoever wrote it; with
+    ``umask_modes`` false its modes are left as they are (a folder that starts with links to the files already
+    there, whose modes are their owner's)."""
     path = Path(path)
     tmp = atomic_path(path)
     _remove(tmp)  # a killed earlier process of the same PID
     try:
         yield tmp
+        if umask_modes and os.path.lexists(tmp):
+            follow_umask(tmp)
         if tmp.is_dir() and path.is_dir() and not path.is_symlink():  # a folder replaces a folder
             aside = atomic_path(_aside(path))
             _remove(aside)
@@ -144,7 +183,7 @@ def atomic_target(path: str | Path) -> Iterator[Path]:
 
 
 def _open_nofollow(path, flags):
-    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)  # plain open()'s mode: the umask decides
 
 
 @contextmanager

@@ -352,7 +352,7 @@ class Claim:
         # each retry follows another holder's release; a waiting writer retries until it holds the lock
         for _ in itertools.count() if self.wait else range(5):
             try:
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
             except OSError as err:
                 if err.errno == errno.ELOOP:
                     raise UserError(f"{self.flag} {self.target}: {self.lock_path.name} is a symbolic link; "
@@ -482,7 +482,9 @@ def replaced_folders(*folders: str | Path | None) -> Iterator[Callable[[str | Pa
         staged = {}
         for key, folder in distinct.items():
             remove_stale_temps(folder)
-            tmp = stack.enter_context(atomic_target(folder))
+            # the files carried are hard links to the folder's own: their modes stay; what the block writes takes
+            # the umask's through its own atomic writes
+            tmp = stack.enter_context(atomic_target(folder, umask_modes=False))
             tmp.mkdir()
             if folder.is_dir():
                 for entry in folder.iterdir():

@@ -37,7 +37,7 @@ from ..engine.models import (MAX_MODEL_SIZE, POLICIES, TRANSFORMER_CLASSES, Cond
 from ..engine.sampler import sampler_dtype
 from ..engine.trained_steps import NO_STEP
 from ..errors import ConfigError, UserError, quote
-from ..io import atomic_path, atomic_target, write_json
+from ..io import atomic_path, atomic_target, follow_umask, write_json
 from ..jsonfiles import read_json_object
 from ..methods.base import Estimator, ReplayCase, build_estimator
 from ..outdir import Contents, claim_files, claim_folder, json_file_with, remove_owned
@@ -122,6 +122,7 @@ def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
         write_json(staging / "rollout.json", {**rollout_settings(cfg),
                                               "vae_scale_factor": session.policy.vae_scale_factor})
         write_json(staging / "config.json", cfg.to_dict())
+        follow_umask(staging)  # safetensors writes its files 0600
         _move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

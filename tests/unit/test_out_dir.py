@@ -3,11 +3,13 @@ an agg-bench run is refused, a finished run of another config is replaced only w
 temporaries are recognised by the harness's own name pattern only; and resuming cannot go backwards."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from agg_bench.cli import main
 from agg_bench.errors import UserError
@@ -466,3 +468,59 @@ def test_the_current_folder_as_an_output_is_refused_as_what_it_is(tmp_path, monk
     assert len(lines) == 1 and ".: give a named folder or file, not the current folder or a file-system root" \
         in lines[0], lines
     assert list(tmp_path.iterdir()) == []
+
+
+@contextlib.contextmanager
+def umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def modes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mode & 0o777 for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_what_the_harness_writes_has_the_modes_of_the_umask(tmp_path, capsys, mask):
+    """Every file written through the atomic writes, whoever writes its bytes, has the mode a plain open() gives
+    under the umask (0644 under 022), every folder mkdir's: safetensors writes 0600, so a pretrained model's
+    weights and a snapshot's could not be read by the group a results folder is shared with, and the JSON writers'
+    fixed 0644 ignored a group-writable umask (002)."""
+    from safetensors.torch import save_file
+
+    from agg_bench.io import JsonlWriter, atomic_target, write_json
+
+    weights = {"x": torch.zeros(2)}
+    with umask(mask):
+        write_json(tmp_path / "a.json", {})
+        with JsonlWriter(tmp_path / "m.jsonl") as writer:
+            writer.write({})
+        with atomic_target(tmp_path / "w.safetensors") as tmp:
+            save_file(weights, str(tmp))
+        with atomic_target(tmp_path / "model") as tmp:
+            (tmp / "transformer").mkdir(parents=True)
+            save_file(weights, str(tmp / "transformer" / "w.safetensors"))
+        assert main(["snapshot", *[a for o in SMALL for a in ("--set", o)], "--out", str(tmp_path / "snap")]) == 0
+    capsys.readouterr()
+    folders = {name for name, _ in modes(tmp_path).items() if (tmp_path / name).is_dir()}
+    assert {"model", "model/transformer", "snap", "snap/transformer"} <= folders
+    assert "snap/rollout.safetensors" in modes(tmp_path)
+    assert modes(tmp_path) == {name: (0o777 if name in folders else 0o666) & ~mask for name in modes(tmp_path)}
+
+
+def test_a_replaced_folder_keeps_the_modes_of_the_files_it_carries(tmp_path):
+    """Files a folder replacement carries over are the folder's own (hard links): their modes stay as their owner
+    set them; what the block writes has the umask's."""
+    from agg_bench.io import write_json
+    from agg_bench.outdir import replaced_folders
+
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    (folder / "kept.csv").write_text("a\n")
+    (folder / "kept.csv").chmod(0o640)
+    with umask(0o022), replaced_folders(folder) as staged:
+        write_json(staged(folder) / "new.json", {})
+    assert modes(folder) == {"kept.csv": 0o640, "new.json": 0o644}
