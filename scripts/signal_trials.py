@@ -10,7 +10,7 @@ the rest at a random moment of the iteration after the folder's files are writte
 uninterrupted run measures the iteration's phases (rollout, reward, train), over which those delays are
 drawn and by which each trial says where its signal landed.
 
-    python scripts/signal_trials.py --trials 12 --seed 0 --work /tmp/signal-trials
+    python scripts/signal_trials.py --trials 12 --seed 0 --work WORK
 
 Too slow for the test suite (a run takes about 25 s on 2 cores); the mechanism has fast tests in
 tests/integration/test_signals.py.
@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,7 +117,9 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=float, default=10.0, help="seconds a stop may take (default 10)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/signal-trials"))
+    parser.add_argument("--work", type=Path, default=None,
+                        help="the trials' folders go here (default: a new temporary folder); its reference/ and "
+                             "trialN/ are replaced")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--startup", type=int, default=2,
                         help="trials whose signal lands while the command starts (imports, config; no folder yet)")
@@ -131,7 +134,10 @@ def main() -> int:
                        f"{args.startup + args.claimed} (the trials those take are counted in it)\n")
     if not 0 < args.limit < float("inf"):
         parser.exit(2, f"--limit {args.limit}: expected a positive, finite number of seconds\n")
+    if args.work is None:  # not a fixed name in the shared /tmp, whose trial folders another user could own
+        args.work = Path(tempfile.mkdtemp(prefix="signal-trials-"))
     args.work.mkdir(parents=True, exist_ok=True)
+    print(json.dumps({"work": str(args.work)}), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     ref = reference(args.python, args.work, env)
     print(json.dumps({"reference": {k: round(v, 2) for k, v in ref.items()}}), flush=True)
