@@ -37,7 +37,7 @@ from ..engine.models import (MAX_MODEL_SIZE, POLICIES, TRANSFORMER_CLASSES, Cond
 from ..engine.sampler import sampler_dtype
 from ..engine.trained_steps import NO_STEP
 from ..errors import ConfigError, UserError, quote
-from ..io import atomic_path, atomic_target, follow_umask, write_json
+from ..io import atomic_path, atomic_target, follow_umask, remove_stale_temps, write_json
 from ..jsonfiles import read_json_object
 from ..methods.base import Estimator, ReplayCase, build_estimator
 from ..outdir import Contents, claim_files, claim_folder, json_file_with, remove_owned
@@ -96,8 +96,17 @@ def save_snapshot(cfg: RunConfig, out_dir: str | Path, flag: str = "--out") -> P
     refusal names ``flag``, the option that named the folder."""
     out = Path(out_dir)
     with claim_folder(out, SNAPSHOT_CONTENTS, flag):
+        # a killed earlier snapshot's staging folder (a whole transformer's weights) would stay in the folder for
+        # good: the folder's checks take it for the harness's, and each attempt's has its own PID in its name
+        remove_stale_temps(staging_target(out))
         _save_snapshot(Session(cfg), cfg, out)
     return out
+
+
+def staging_target(out: Path) -> Path:
+    """The name a snapshot into ``out`` stages its files under (an :func:`~agg_bench.io.atomic_path` of it, inside
+    ``out``) before renaming them into place."""
+    return out / "snapshot"
 
 
 def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
@@ -112,7 +121,7 @@ def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
         "velocities": batch.velocities,
         **batch.cond.tensors(),  # encoder_hidden_states, and pooled_projections / encoder_attention_mask if set
     }
-    staging = atomic_path(out / "snapshot")  # a harness temporary: never taken for a snapshot or anyone's file
+    staging = atomic_path(staging_target(out))  # a harness temporary: never taken for a snapshot or anyone's file
     shutil.rmtree(staging, ignore_errors=True)  # a killed earlier process of the same PID
     try:
         staging.mkdir()

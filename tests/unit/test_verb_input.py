@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -595,3 +596,36 @@ def test_evaluations_with_null_sub_scores_are_read(run):
     (run / "evaluations.jsonl").write_text('{"iteration": 0, "eval_reward": 0.5, "eval_reward_color": null, '
                                            '"t_eval_s": 1.0, "t_eval_cpu_s": null}\n')
     assert RunFolder(run).evaluations()[0]["eval_reward_color"] is None
+
+
+def test_a_snapshot_removes_the_staging_folder_a_killed_snapshot_left_in_its_folder(tmp_path, monkeypatch):
+    """A snapshot killed (SIGKILL) after staging its files left the staging folder, a whole transformer's weights,
+    inside --out for good: the folder's checks take it for the harness's, and every attempt stages under its own
+    PID. The next snapshot into the folder removes it once it holds the claim, before the model is built; a
+    live process's staging folder stays."""
+    from agg_bench.io import atomic_path
+    from agg_bench.tools import snapshot
+
+    out = tmp_path / "snap"
+    staging = atomic_path(out / "snapshot")  # where _save_snapshot stages
+    stale = staging.with_name(staging.name.replace(str(os.getpid()), "4194000"))
+    (stale / "transformer").mkdir(parents=True)
+    (stale / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"weights")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    alive = staging.with_name(staging.name.replace(str(os.getpid()), str(live.pid)))
+    alive.mkdir()
+
+    class Built(Exception):
+        pass
+
+    def session(cfg):
+        raise Built()  # the model is built after the folder is claimed and cleaned
+
+    monkeypatch.setattr(snapshot, "Session", session)
+    try:
+        with pytest.raises(Built):
+            snapshot.save_snapshot(config.load_config(None, ["model.resolution=32"]), out)
+    finally:
+        live.kill()
+        live.wait()
+    assert sorted(p.name for p in out.iterdir()) == [alive.name]
