@@ -317,7 +317,7 @@ def cmd_profile(args) -> int:
     from .errors import ConfigError
     from .io import write_json
     from .machine.envinfo import environment
-    from .outdir import claim_folder
+    from .outdir import claimed_folders, replaced_folders
     from .runtime.session import Session
     from .tools.profiling import PROFILE_CONTENTS, profile_steps
 
@@ -327,7 +327,10 @@ def cmd_profile(args) -> int:
     # as in replay: --method replaces the config's method section; --set method.KEY=VALUE adds options
     cfg = _run_config(args.config, [f"method={json.dumps({'name': args.method})}", *args.overrides])
     out = args.out
-    with claim_folder(out, PROFILE_CONTENTS):
+    # the profile is written into a new folder renamed over --out when whole: a profile killed while it wrote
+    # left a torn operators.csv, or this profile's traces under the earlier one's profile.json, in the folder
+    with claimed_folders([(out, PROFILE_CONTENTS)], replaced_whole=True), replaced_folders(out) as staged:
+        folder = staged(out)
         session = Session(cfg)
         if args.phase == "train":
             batch = session.collect(0).batch
@@ -349,16 +352,15 @@ def cmd_profile(args) -> int:
                     session.update(collected.batch)
                     session.release_gradients()
         try:
-            written = profile_steps(step, out, session.device, args.wait, args.warmup, args.active)
+            staged_files = profile_steps(step, folder, session.device, args.wait, args.warmup, args.active)
         finally:
             session.estimator.close()
-        # written once the traces are: a profile that fails or is stopped leaves an earlier profile's
-        # config beside that profile's traces, not its own
-        write_json(out / "config.json", cfg.to_dict())
-        write_json(out / "env.json", environment(session.device))
+        written = {key: str(out / Path(path).name) for key, path in staged_files.items()}  # where they end up
+        write_json(folder / "config.json", cfg.to_dict())
+        write_json(folder / "env.json", environment(session.device))
         schedule = {"method": args.method, "phase": args.phase, "wait": args.wait, "warmup": args.warmup,
                     "active": args.active}
-        write_json(out / "profile.json", {**schedule, "files": written})
+        write_json(folder / "profile.json", {**schedule, "files": written})
     print(json.dumps({"out": str(out), **written}))
     return 0
 

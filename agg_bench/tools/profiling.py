@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+from ..io import atomic_file, atomic_target
 from ..outdir import Contents
 
 MEMORY_HISTORY_MAX_ENTRIES = 100_000
@@ -111,7 +112,8 @@ def profile_steps(
         if on_cuda:
             torch.cuda.synchronize(device)
             snapshot = out_dir / MEMORY_SNAPSHOT
-            torch.cuda.memory._dump_snapshot(str(snapshot))
+            with atomic_target(snapshot) as tmp:  # replaced by rename: an earlier snapshot is never torn
+                torch.cuda.memory._dump_snapshot(str(tmp))
             written["memory_snapshot"] = str(snapshot)
     except BaseException:
         for trace in traces:
@@ -143,7 +145,8 @@ def _write_operator_table(path: Path, cycles: list[Any], on_cuda: bool) -> None:
     def sort_key(event: Any) -> float:
         return event.self_device_time_total if on_cuda else event.self_cpu_time_total
 
-    with open(path, "w", newline="") as handle:
+    # replaced by rename: a profile killed while writing it leaves the earlier table whole, never a torn one
+    with atomic_file(path) as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         for cycle, events in enumerate(cycles):

@@ -525,7 +525,7 @@ def verb_cases(tmp: Path, snapshot: Path) -> dict[str, tuple[list[str], Path, bo
         "run": (["run", *SETS, "--out", str(out)], out, True, True),
         "import-log": (["import-log", str(log), "--out", str(out)], out, True, True),
         "snapshot": (["snapshot", *SETS, "--out", str(out)], out, True, True),
-        "profile": (["profile", "--method", "full", *SETS, "--out", str(out)], out, True, True),
+        "profile": (["profile", "--method", "full", *SETS, "--out", str(out)], out, True, False),  # replaced whole
         "report": (["report", "--runs", str(imported), "--tables", str(out)], out, True, False),  # replaced whole
         "pretrain": (["pretrain", "--set", "steps=1", "--out", str(out)], out, True, False),
         "calibrate": (["calibrate", *SETS, "--out", str(tmp / "c.json")], tmp / "c.json", False, False),

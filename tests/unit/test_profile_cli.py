@@ -126,3 +126,25 @@ def test_a_profile_that_fails_leaves_the_earlier_profile_as_it_was(tmp_path, cap
     monkeypatch.setattr(profiling, "profile_steps", stopped)
     assert main([*args, "--method", "fraction"]) == 130
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+
+
+def test_a_profile_stopped_while_it_writes_leaves_the_earlier_profile_whole(tmp_path, monkeypatch, capsys):
+    """A profile that stops while it writes (a kill, a full disk) tore the earlier profile's operators.csv and left
+    its own traces beside the earlier profile.json, which a reader took for a whole profile of the earlier method.
+    The profile is written beside --out and renamed over it when whole: the earlier folder stays as it was."""
+    from agg_bench.tools import profiling
+
+    out = tmp_path / "prof"
+    argv = ["profile", "--method", "full", *SMALL, "--phase", "train", "--wait", "0", "--warmup", "0",
+            "--active", "1", "--out", str(out)]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    class FullDisk(csv.DictWriter):
+        def writerow(self, row):
+            raise OSError(28, "No space left on device")  # the header written, the first row not
+
+    monkeypatch.setattr(profiling.csv, "DictWriter", FullDisk)
+    assert main([*argv[:2], "agg", "--set", "method.window=2", *argv[3:]]) == 2  # a full disk: one line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prof"]  # nothing beside it either
