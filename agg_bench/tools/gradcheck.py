@@ -30,7 +30,8 @@ from ..outdir import claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS
 from ..machine.devices import resolve_device
 from .replays import ReplayJob, agg_grid, build_estimators, parse_method_specs
-from .snapshot import Snapshot, check_trainable, load_snapshot, replay_case_of, replay_gradient, save_snapshot
+from .snapshot import (Snapshot, check_outside_snapshot, check_trainable, load_snapshot, replay_case_of,
+                       replay_gradient, save_snapshot)
 
 COLUMNS = (
     "method", "options", "window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
@@ -173,6 +174,8 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
     out = Path(out)
     if out.suffix != ".csv":
         raise UserError(f"--out {out}: expected a FILE.csv path")
+    if snapshot_dir is not None:
+        check_outside_snapshot(out, snapshot_dir, "--snapshot")
     # the device first: a GPU this machine lacks is refused before anything is written or computed
     target = resolve_device(device, "--device") if device is not None else \
         resolve_device(cfg.device if cfg is not None else "cpu")

@@ -520,6 +520,7 @@ def replay(snapshot_dir: str | Path, method: str, overrides: list[str], out_file
     out_file = Path(out_file)
     if out_file.suffix != ".safetensors":
         raise UserError(f"--out {out_file}: expected a FILE.safetensors path")
+    check_outside_snapshot(out_file, snapshot_dir, "the snapshot")
     snapshot = load_snapshot(snapshot_dir, device)
     cfg, estimator = replay_setup(snapshot.config, method, overrides)
     case = replay_case_of(snapshot, estimator, cfg)
@@ -535,6 +536,16 @@ def replay(snapshot_dir: str | Path, method: str, overrides: list[str], out_file
         write_json(counts_file, {**counts, "method": method, "overrides": overrides, "replay": case.scope,
                                  "stats": stats})
     return counts
+
+
+def check_outside_snapshot(out: Path, snapshot_dir: str | Path, named: str) -> None:
+    """Refuse an output file ``out`` inside the snapshot folder ``snapshot_dir`` (``named`` as its option or
+    argument in the line): the folder holds the snapshot's files only, so a later snapshot into it would refuse
+    the folder, and the snapshot's own files share its names (``rollout.json`` beside ``rollout.safetensors``)."""
+    folder = Path(snapshot_dir).resolve()
+    if folder == out.resolve() or folder in out.resolve().parents:
+        raise UserError(f"--out {out}: inside {named} {snapshot_dir}; expected a file outside the snapshot's folder, "
+                        "which holds the snapshot's files only")
 
 
 def _is_replay_gradient(path: Path, counts_file: Path) -> bool:

@@ -629,3 +629,18 @@ def test_a_snapshot_removes_the_staging_folder_a_killed_snapshot_left_in_its_fol
         live.kill()
         live.wait()
     assert sorted(p.name for p in out.iterdir()) == [alive.name]
+
+
+@pytest.mark.parametrize("verb, out", [("replay", "x.safetensors"), ("replay", "transformer/x.safetensors"),
+                                       ("gradcheck", "g.csv")])
+def test_an_output_inside_the_snapshot_it_reads_is_refused_before_the_snapshot_is_read(tmp_path, capsys, verb, out):
+    """The snapshot's folder holds its files only: a replay's gradient or a gradcheck's table written into it made
+    a later `agg-bench snapshot --out` of the folder refuse it (files that are not a snapshot)."""
+    snap = tmp_path / "snap"
+    (snap / "transformer").mkdir(parents=True)
+    (snap / "rollout.json").write_text("{}")  # refused before this is read, so no snapshot is needed
+    before = tree(tmp_path)
+    argv = ["replay", str(snap), "--method", "full"] if verb == "replay" else ["gradcheck", "--snapshot", str(snap)]
+    line = fails(capsys, [*argv, "--out", str(snap / out)])
+    assert f"--out {snap / out}: inside" in line and str(snap) in line
+    assert tree(tmp_path) == before
