@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from ..errors import UserError, quote
-from ..io import atomic_path, atomic_target, write_json
+from ..io import atomic_path, atomic_target, remove_stale_temps, write_json
 from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
 from ..outdir import Contents, claim_folder
 from ..outputs import LEARNING_CONTENTS
@@ -511,6 +511,9 @@ def _held(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+UNPACK_STAGING = "unpack"  # inside the reference, the name whose atomic_path an unpack stages its files under
+
+
 def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> dict:
     """Add ``archive`` to ``reference`` (module docstring); what was added."""
     archive, reference = Path(archive), Path(reference)
@@ -538,6 +541,9 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
         else:
             _check_window_log(where, file_name, data)
     with claim_folder(reference, REFERENCE_CONTENTS, "--reference"):
+        # a killed earlier unpack's staging folder (runs, tables) would stay in the reference for good, and be
+        # committed with it: the folder's checks take it for the harness's
+        remove_stale_temps(reference / UNPACK_STAGING)
         check_hardware(campaign, where, gpus, reference)
         # what the reference already holds: the same bytes are skipped, other bytes refused
         new_groups, new_others = {}, {}
@@ -564,7 +570,7 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
                 check_counts(where, run_id, json_lines(where, members["metrics.jsonl"]),
                              json.loads(members["config.json"]))
                 bar.update()
-        staging = atomic_path(reference / "unpack")  # a harness temporary: never someone's file
+        staging = atomic_path(reference / UNPACK_STAGING)  # a harness temporary: never someone's file
         staging.mkdir()
         moved: list[str] = []
         try:

@@ -334,6 +334,34 @@ def test_an_unpack_that_fails_while_writing_the_tables_leaves_no_trace(window, t
     assert not reference.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_an_unpack_removes_the_staging_folder_a_killed_unpack_left_in_the_reference(cpu_campaign, tmp_path,
+                                                                                   monkeypatch):
+    """An unpack killed (SIGKILL) while it moved the archive's files in left its staging folder inside the
+    reference, which is committed: the reference's checks take it for the harness's, and each attempt stages
+    under its own PID. The next unpack removes it once it holds the reference's claim; a live process's stays."""
+    reference = tmp_path / "reference"
+    staging = atomic_path(reference / "unpack")  # where an unpack stages
+    stale = staging.with_name(staging.name.replace(str(os.getpid()), "4194000"))
+    (stale / "new" / "runs" / "r0").mkdir(parents=True)
+    (stale / "new" / "runs" / "r0" / "metrics.jsonl").write_text("{}\n")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    alive = staging.with_name(staging.name.replace(str(os.getpid()), str(live.pid)))
+    alive.mkdir()
+
+    def checked(*args):
+        raise UserError("checked")  # the first check under the claim: the archive's runs against the reference's
+
+    monkeypatch.setattr(archive_module, "read_archive", lambda path: {})
+    monkeypatch.setattr(archive_module, "check_hardware", checked)
+    try:
+        with pytest.raises(UserError, match="checked"):
+            archive_module.unpack(cpu_campaign, tmp_path / "campaign.tar.gz", reference)
+    finally:
+        live.kill()
+        live.wait()
+    assert sorted(p.name for p in reference.iterdir()) == [alive.name]
+
+
 def test_a_small_archive_that_unpacks_to_more_than_the_bound_is_refused_as_it_inflates(tmp_path, capsys,
                                                                                        monkeypatch):
     """A tar's long-name header is read whole by the tar reader: the inflated stream is bounded first, so an
