@@ -508,15 +508,22 @@ def _carry(source: Path, target: Path) -> None:
 
 def claim_files(paths: dict[str | Path, tuple[Callable[[Path], bool], str]], flag: str = "--out") -> Claim:
     """Check each file of ``paths`` ({path: (ours, what)}, :func:`check_file`) and return the claim of the
-    first (its companions, e.g. ``FILE.json`` beside ``FILE.safetensors``, are written under the same hold)."""
+    first (its companions, e.g. ``FILE.json`` beside ``FILE.safetensors``, are written under the same hold).
+    Once the claim is held, the temporaries that killed writers of these files left beside them go
+    (:func:`agg_bench.io.remove_stale_temps`): a killed replay's was a whole model's gradient, left for good."""
     items = [(Path(p), ours, what) for p, (ours, what) in paths.items()]
 
     def check() -> None:
         for path, ours, what in items:
             check_file(path, ours, what, flag)
 
+    def check_held() -> None:
+        check()
+        for path, _, _ in items:
+            remove_stale_temps(path)
+
     check()
-    return Claim(items[0][0], folder=False, lock_inside=False, flag=flag, check=check)
+    return Claim(items[0][0], folder=False, lock_inside=False, flag=flag, check=check_held)
 
 
 def json_file_where(accept: Callable[[dict], bool]) -> Callable[[Path], bool]:

@@ -524,3 +524,33 @@ def test_a_replaced_folder_keeps_the_modes_of_the_files_it_carries(tmp_path):
     with umask(0o022), replaced_folders(folder) as staged:
         write_json(staged(folder) / "new.json", {})
     assert modes(folder) == {"kept.csv": 0o640, "new.json": 0o644}
+
+
+def test_a_file_claim_removes_what_killed_writers_of_its_files_left_beside_them(tmp_path):
+    """A replay killed while it saved its gradient left the temporary (a whole model's gradient) beside --out for
+    good, each attempt's under its own PID. Once the claim is held the ended processes' temporaries of the claimed
+    files go; a live process's, and a user's file of a like name, stay."""
+    import subprocess
+    import sys
+
+    from agg_bench.outdir import claim_files, json_file_with
+
+    out, counts = tmp_path / "r.safetensors", tmp_path / "r.json"
+
+    def of(path: Path, pid: int) -> Path:
+        mine = atomic_path(path)
+        return mine.with_name(mine.name.replace(str(os.getpid()), str(pid)))
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    stale = [of(out, 4194000), of(counts, 4194001)]
+    kept = [of(out, live.pid), tmp_path / ".r.agg-bench-tmpx.safetensors", tmp_path / "notes.txt"]
+    for path in stale + kept:
+        path.write_bytes(b"data")
+    try:
+        with claim_files({out: (lambda path: False, "a replay's gradients"),
+                          counts: (json_file_with("method"), "a replay's pass counts")}):
+            assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == \
+                sorted(p.name for p in kept)
+    finally:
+        live.kill()
+        live.wait()
