@@ -111,6 +111,10 @@ def run(out: Path, *overrides: str) -> dict:
     # a file that is not a marker is someone's: never replaced
     (lambda t: (t / "m").write_text("notes") and {"runs": [{**run(t / "a"), "done": str(t / "m")}]},
      ["runs[0].done", "the file exists and is not a run's marker"]),
+    # the job's journal beside the job file is the cell's: a marker there replaced it, a run folder there blocked it
+    (lambda t: {"runs": [{**run(t / "a"), "done": str(t / "jobs.progress.json")}]},
+     ["runs[0].done", "is the job's journal", "jobs.progress.json"]),
+    (lambda t: {"runs": [run(t / "jobs.progress.json")]}, ["runs[0].out", "is the job's journal"]),
     (lambda t: " " * (64 * 2**20 + 1), ["jobs.json", "over the 64 MiB"]),
     # a config error in a later run: found before the first run writes anything
     (lambda t: {"runs": [run(t / "a"), run(t / "b", "train.lr=fast")]}, ["runs[1]", "train.lr", "'fast'"]),
