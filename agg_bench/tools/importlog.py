@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import ConfigError, UserError, quote
 from ..io import JsonlWriter, write_json, write_lines
 from ..jsonfiles import JsonProblem, TooLarge, check_path, json_type, loads, read_bounded
-from ..outdir import Claim, check_folder
+from ..outdir import Claim, check_folder, replaced_folders
 from ..outputs import IMPORT_CONTENTS
 from ..records import (DIVERGING_KEYS, INTEGER_RANGES, MAX_LABEL, NUMBER_KEYS, RECORD_KEYS, SIGNED_KEYS,
                        is_finite_number, is_integer, is_label, new_record, record_problem)
@@ -224,11 +224,14 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
     if diverged and left:
         notes.append(f"log {log}: {diverged}; the run ends there, as a run that diverges does (the {left} "
                      f"line{'s' if left > 1 else ''} after it left out)")
-    with Claim(out, folder=True, lock_inside=True, check=lambda: check_import_folder(out)):
-        (out / "summary.json").unlink(missing_ok=True)  # written last: present only once the import is whole
-        write_lines(out / "metrics.jsonl", [JsonlWriter.line(record) for record in records])
-        write_json(out / "env.json", {"source": SOURCE, "imported_from": str(log.resolve())})
-        write_json(out / "summary.json", summary)
+    # written beside the folder and renamed over it whole: an import stopped part-way leaves the earlier import as
+    # it was, where it left the new metrics without a summary (an interrupted run to the report), the earlier lost
+    with Claim(out, folder=True, lock_inside=False, check=lambda: check_import_folder(out)), \
+            replaced_folders(out) as staged:
+        folder = staged(out)
+        write_lines(folder / "metrics.jsonl", [JsonlWriter.line(record) for record in records])
+        write_json(folder / "env.json", {"source": SOURCE, "imported_from": str(log.resolve())})
+        write_json(folder / "summary.json", summary)
     for note in notes:
         print(f"agg-bench import-log: {note}", file=sys.stderr, flush=True)
     return summary

@@ -523,7 +523,7 @@ def verb_cases(tmp: Path, snapshot: Path) -> dict[str, tuple[list[str], Path, bo
     out = tmp / "out"
     return {
         "run": (["run", *SETS, "--out", str(out)], out, True, True),
-        "import-log": (["import-log", str(log), "--out", str(out)], out, True, True),
+        "import-log": (["import-log", str(log), "--out", str(out)], out, True, False),  # replaced whole
         "snapshot": (["snapshot", *SETS, "--out", str(out)], out, True, True),
         "profile": (["profile", "--method", "full", *SETS, "--out", str(out)], out, True, False),  # replaced whole
         "report": (["report", "--runs", str(imported), "--tables", str(out)], out, True, False),  # replaced whole

@@ -644,3 +644,31 @@ def test_an_output_inside_the_snapshot_it_reads_is_refused_before_the_snapshot_i
     line = fails(capsys, [*argv, "--out", str(snap / out)])
     assert f"--out {snap / out}: inside" in line and str(snap) in line
     assert tree(tmp_path) == before
+
+
+def test_an_import_stopped_part_way_leaves_the_earlier_import_as_it_was(tmp_path, monkeypatch):
+    """An import stopped after writing its metrics (a kill, a full disk) removed the earlier import's summary.json and
+    replaced its metrics: the folder read as an interrupted run of the new log, and the earlier import was lost. The
+    import is written beside the folder and renamed over it whole."""
+    from agg_bench.tools import importlog
+
+    def log(path: Path, steps: int) -> Path:
+        path.write_text("".join(json.dumps({"step": s, "avg_reward": 0.1 * s, "step_time": 1.0, "grad_norm": 1.0})
+                                + "\n" for s in range(steps)))
+        return path
+
+    out = tmp_path / "imported"
+    import_log(log(tmp_path / "a.jsonl", 2), out)
+    before = tree(out)
+    written = importlog.write_json
+
+    def full_disk(path, data):
+        if Path(path).name == "summary.json":
+            raise OSError(28, "No space left on device")
+        written(path, data)
+
+    monkeypatch.setattr(importlog, "write_json", full_disk)
+    with pytest.raises(OSError):
+        import_log(log(tmp_path / "b.jsonl", 5), out, method="other")
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "imported"]
