@@ -36,6 +36,7 @@ from ..engine.models import (MAX_MODEL_SIZE, POLICIES, TRANSFORMER_CLASSES, Cond
                              precision, text_dims)
 from ..engine.sampler import sampler_dtype
 from ..engine.trained_steps import NO_STEP
+from .. import stopping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_path, atomic_target, follow_umask, remove_stale_temps, write_json
 from ..jsonfiles import read_json_object
@@ -139,7 +140,14 @@ def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
 
 def _move_into_place(staging: Path, out: Path) -> None:
     """Replace the snapshot in ``out`` (if any) with the one written in ``staging``: renames only. rollout.json
-    goes first and comes back last, so a folder left halfway is no snapshot (load_snapshot, gradcheck)."""
+    goes first and comes back last, so a folder left halfway is no snapshot (load_snapshot, gradcheck). A SIGTERM or
+    SIGINT meanwhile waits for the last rename (:func:`agg_bench.stopping.safe_points`): stopped between two, the
+    folder held neither the earlier snapshot nor this one."""
+    with stopping.safe_points():
+        _rename_into_place(staging, out)
+
+
+def _rename_into_place(staging: Path, out: Path) -> None:
     (out / "rollout.json").unlink(missing_ok=True)
     for name, contents in SNAPSHOT_CONTENTS.folders:
         if contents is not None:

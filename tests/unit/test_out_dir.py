@@ -554,3 +554,34 @@ def test_a_file_claim_removes_what_killed_writers_of_its_files_left_beside_them(
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_sigterm_while_a_snapshot_is_renamed_into_place_waits_for_the_last_rename(tmp_path, monkeypatch):
+    """A SIGTERM between the renames that replace an earlier snapshot stopped the command there: the folder held
+    the new transformer without rollout.json, neither snapshot. The renames finish first, then the command stops."""
+    import signal
+
+    from agg_bench import stopping
+    from agg_bench.stopping import Interrupted
+    from agg_bench.tools import snapshot as snapshots
+
+    out, staging = tmp_path / "snap", tmp_path / "snap" / ".staging"
+    names = ("transformer/config.json", "rollout.safetensors", "config.json", "rollout.json")
+    for folder, text in ((out, "earlier"), (staging, "new")):
+        (folder / "transformer").mkdir(parents=True)
+        for name in names:
+            (folder / name).write_text(text)
+    rename = os.replace
+
+    def signalled(source, target):
+        os.kill(os.getpid(), signal.SIGTERM)  # during the first rename
+        monkeypatch.setattr(snapshots.os, "replace", rename)
+        rename(source, target)
+
+    monkeypatch.setattr(snapshots.os, "replace", signalled)
+    with stopping.stop_signals("test"):
+        with pytest.raises(Interrupted) as stopped:
+            snapshots._move_into_place(staging, out)
+        stopping.handled(stopped.value)
+    assert {name: (out / name).read_text() if (out / name).exists() else None for name in names} == \
+        dict.fromkeys(names, "new")
