@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import itertools
 import logging
 import math
@@ -39,7 +40,7 @@ from .families import (  # noqa: F401 (TINY_*: the tiny presets' configs, also i
 )
 from .hf_logging import quiet_loading
 from .lora import adapters_disabled, apply_lora, has_adapters
-from .pixel_decoder import PixelDecoder, is_pixel_decoder_folder
+from .pixel_decoder import PixelDecoder, is_pixel_decoder_folder, normalisation_problem
 
 FAMILIES = tuple(FAMILY_SPECS)
 TRANSFORMER_CLASSES = {name: spec.transformer_cls() for name, spec in FAMILY_SPECS.items()}
@@ -393,59 +394,113 @@ def folder_json(pretrained: str, name: str, what: str) -> dict:
                           f"a folder whose {name} is {what}, a JSON object ({name} {err.problem})") from None
 
 
-# Bounds on a model folder's transformer config, checked before anything is built from it. The public models
-# have at most 60 blocks of one kind (Qwen-Image; FLUX.1 19 + 38, SD3.5-Large 38) and no size above 4,096
-# (joint_attention_dim); how much memory the sizes add up to is the memory planner's question
-# (agg_bench.runtime.memplan.check_weights_fit), asked before a model is loaded.
+# Bounds on a model folder's transformer and VAE configs, checked before anything is built from them. The public
+# models have at most 60 blocks of one kind (Qwen-Image; FLUX.1 19 + 38, SD3.5-Large 38) and no size above 4,096
+# (joint_attention_dim; their VAEs 512 channels); how much memory the sizes add up to is the memory planner's
+# question (agg_bench.runtime.memplan.check_weights_fit), asked before a model is loaded.
 MAX_MODEL_LAYERS = 256  # a key ending in "layers" (num_layers, num_single_layers)
 MAX_MODEL_SIZE = 16384  # any other integer: widths, heads, channels, patch and sample sizes, RoPE axes
 
 
-def _integer_keys(cls: Any) -> frozenset[str]:
-    """The arguments of ``cls.__init__`` typed as integers (``int``, ``int | None``, a tuple of ints)."""
+def _keys_typed(cls: Any, kind: type) -> frozenset[str]:
+    """The arguments of ``cls.__init__`` typed as ``kind`` (``kind``, ``kind | None``, a tuple or list of them)."""
     try:
         hints = typing.get_type_hints(cls.__init__)
     except (NameError, TypeError):  # an annotation that does not resolve: only the bounds below apply
         return frozenset()
     return frozenset(key for key, hint in hints.items()
-                     if hint is int or int in typing.get_args(hint))
+                     if hint is kind or kind in typing.get_args(hint))
 
 
-def transformer_config_problem(config: dict, cls: type) -> str | None:
-    """What keeps a model folder's transformer config from being built as ``cls``: true or false where
-    ``cls`` takes an integer (Python's bool is an int, so ``num_layers: true`` built one block), an integer
-    outside its bound (a layer count in [1, MAX_MODEL_LAYERS], any other size in [1, MAX_MODEL_SIZE], an
-    integer in a list, such as a block index or RoPE axis, in [0, MAX_MODEL_SIZE]); None when nothing does.
-    (A number of another type where an integer goes is refused by diffusers, as a ConfigError of
-    :func:`load_pretrained`.)"""
-    integer_keys = _integer_keys(cls)
+def config_sizes_problem(config: dict, cls: type, list_low: int = 0) -> str | None:
+    """What keeps a model folder's diffusers config (a transformer's, a VAE's) from being built as ``cls``:
+    true or false where ``cls`` takes an integer (Python's bool is an int, so ``num_layers: true`` built one
+    block), an integer outside its bound (a layer count in [1, MAX_MODEL_LAYERS], any other size in [1,
+    MAX_MODEL_SIZE]; an integer in a list, such as a block index or RoPE axis, in [0, MAX_MODEL_SIZE], or from
+    ``list_low`` in a list ``cls`` types as integers); None when nothing does. A key ``cls`` types as a
+    float takes any integer. (A number of another type where an integer goes is refused by diffusers, as a
+    ConfigError of :func:`load_pretrained`.)"""
+    integer_keys, float_keys = _keys_typed(cls, int), _keys_typed(cls, float) - _keys_typed(cls, int)
     for key, value in config.items():
+        if key in float_keys:
+            continue
         top = MAX_MODEL_LAYERS if key.endswith("layers") else MAX_MODEL_SIZE
         if key in integer_keys and isinstance(value, bool):
             return f"{key} = {quote(value)}: expected an integer from 1 to {top}, not true or false"
         if is_integer(value) and not 1 <= value <= top:
             return f"{key} = {quote(value)}: expected an integer from 1 to {top}"
         if isinstance(value, list):
+            low = list_low if key in integer_keys else 0
             bad = next((v for v in value if (key in integer_keys and not is_integer(v))
-                        or (is_integer(v) and not 0 <= v <= MAX_MODEL_SIZE)), None)
+                        or (is_integer(v) and not low <= v <= MAX_MODEL_SIZE)), None)
             if bad is not None:
-                return f"{key} holds {quote(bad)}: expected integers from 0 to {MAX_MODEL_SIZE}"
+                return f"{key} holds {quote(bad)}: expected integers from {low} to {MAX_MODEL_SIZE}"
     return None
 
 
 def pretrained_transformer_config(pretrained: str, family: str) -> dict:
     """The model folder's ``transformer/config.json``, checked: a diffusers config of ``family``'s transformer
     (a ConfigError naming ``model.family`` for another family's) whose sizes are within
-    :func:`transformer_config_problem`'s bounds (a ConfigError naming ``model.pretrained``)."""
+    :func:`config_sizes_problem`'s bounds (a ConfigError naming ``model.pretrained``)."""
     expected = family_spec(family).transformer_cls()
     config = folder_json(pretrained, "transformer/config.json", "the transformer's diffusers config")
     name = config.get("_class_name")
     if name and name != expected.__name__:
         raise ConfigError("model.family", family, f"the family of {pretrained} ({quote(name)} in transformer/)")
-    problem = transformer_config_problem(config, expected)
+    problem = config_sizes_problem(config, expected)
     if problem is not None:
         raise ConfigError("model.pretrained", pretrained, f"a model folder whose transformer/config.json has sizes "
                           f"a model can have ({problem})")
+    return config
+
+
+def vae_config_problem(config: dict, cls: type, channels_key: str) -> str | None:
+    """What keeps a model folder's VAE config from being built as ``cls`` and decoding the run's latents:
+    :func:`config_sizes_problem`'s bounds (an integer in a list ``cls`` types as integers, such as a block's
+    channels, from 1), a ``scaling_factor`` that is not a finite number > 0 or a ``shift_factor`` that is
+    neither null nor a finite number (:func:`~agg_bench.engine.pixel_decoder.normalisation_problem`: latents
+    are divided by the one and shifted by the other), or a ``latents_mean`` / ``latents_std`` that is not a
+    list of finite numbers (standard deviations > 0), one for each of its ``channels_key`` latent channels
+    (null where ``cls``'s default is; a key the config leaves out is ``cls``'s default); None when nothing
+    does."""
+    problem = config_sizes_problem(config, cls, list_low=1)
+    for key in ("scaling_factor", "shift_factor"):
+        if problem is None and key in config and not (key == "shift_factor" and config[key] is None):
+            problem = normalisation_problem(key, config[key])
+    if problem is not None:
+        return problem
+    defaults = {name: param.default for name, param in inspect.signature(cls).parameters.items()}
+    channels = config.get(channels_key, defaults.get(channels_key))
+    for key in ("latents_mean", "latents_std"):
+        # a key the file leaves out is the class's default (Qwen-Image's: 16 channels' values)
+        values, nullable = config.get(key, defaults.get(key)), defaults.get(key) is None
+        if values is None and nullable:
+            continue
+        low = " > 0" if key == "latents_std" else ""
+        if not isinstance(values, list) or (is_integer(channels) and len(values) != channels):
+            count = f"{channels} " if is_integer(channels) else ""
+            return f"{key} = {quote(values)}: expected {'null or ' if nullable else ''}a list of {count}finite " \
+                   f"numbers{low} (one for each of its {channels_key} latent channels)"
+        bad = next((v for v in values if not is_finite_number(v) or (key == "latents_std" and v <= 0)), None)
+        if bad is not None:
+            return f"{key} holds {quote(bad)}: expected finite numbers{low}"
+    return None
+
+
+def pretrained_vae_config(pretrained: str, family: str) -> dict:
+    """The model folder's ``vae/config.json`` of a diffusers VAE (not a pixel decoder's), checked: a config of
+    ``family``'s VAE class whose values are within :func:`vae_config_problem`'s bounds (a ConfigError naming
+    ``model.pretrained`` otherwise)."""
+    spec = family_spec(family)
+    expected = spec.vae_cls()
+    config = folder_json(pretrained, "vae/config.json", "the vae's diffusers config")
+    name = config.get("_class_name")
+    if name and name != expected.__name__:
+        raise ConfigError("model.pretrained", pretrained, f"the family of {pretrained} ({name} in vae/)")
+    problem = vae_config_problem(config, expected, spec.vae_latent_channels)
+    if problem is not None:
+        raise ConfigError("model.pretrained", pretrained, f"a model folder whose vae/config.json has values "
+                          f"a VAE can take ({problem})")
     return config
 
 
@@ -467,14 +522,6 @@ def _load_component(cls, path: str, pretrained: str, what: str, **kwargs):
         if missing is not None:
             raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {path} (no weight {missing})")
     return component
-
-
-def _check_class(pretrained: str, component: str, expected: type, key: str, value: str) -> None:
-    """The component's config.json must be a diffusers config naming ``expected`` (e.g. an SD3 folder used
-    with model.family=flux)."""
-    name = folder_json(pretrained, f"{component}/config.json", f"the {component}'s diffusers config").get("_class_name")
-    if name and name != expected.__name__:
-        raise ConfigError(key, value, f"the family of {pretrained} ({name} in {component}/)")
 
 
 def scheduler_config_problem(config: dict) -> str | None:
@@ -515,7 +562,7 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
     if is_pixel_decoder_folder(vae_dir):  # a pixel-space model (agg-bench pretrain)
         vae = PixelDecoder.from_folder(vae_dir)  # its config's keys and values checked (a ConfigError)
     else:
-        _check_class(pretrained, "vae", spec.vae_cls(), "model.pretrained", pretrained)
+        pretrained_vae_config(pretrained, family)  # its class and its values, before anything is built
         vae = _load_component(spec.vae_cls(), vae_dir, pretrained, "VAE weights").eval().requires_grad_(False)
     scheduler_config = None
     sched_dir = os.path.join(pretrained, "scheduler")

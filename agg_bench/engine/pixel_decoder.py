@@ -96,8 +96,18 @@ def config_problem(cfg: dict) -> str | None:
         if key == "image_channels" and not (is_integer(value) and value == 3):
             return f"image_channels = {quote(value)}: expected 3 (RGB)"
         if key in ("scaling_factor", "shift_factor"):
-            if not is_finite_number(value) or (key == "scaling_factor" and value <= 0):
-                return f"{key} = {quote(value)}: expected a finite number{' > 0' if key == 'scaling_factor' else ''}"
+            problem = normalisation_problem(key, value)
+            if problem is not None:
+                return problem
+    return None
+
+
+def normalisation_problem(key: str, value: object) -> str | None:
+    """What keeps ``value`` from being a latent normalisation's ``key``: a ``scaling_factor`` (latents are
+    divided by it) that is not a finite number > 0, a ``shift_factor`` that is not a finite number; None when
+    nothing does. The pixel decoder's and a diffusers VAE's config are checked by it."""
+    if not is_finite_number(value) or (key == "scaling_factor" and value <= 0):
+        return f"{key} = {quote(value)}: expected a finite number{' > 0' if key == 'scaling_factor' else ''}"
     return None
 
 

@@ -69,7 +69,8 @@ from ..config import GRPOConfig, RunConfig, bound
 from ..engine.families import family_spec
 from ..engine.lora import narrowest_adapted_layer
 from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build_tiny_vae, policy_class,
-                             precision, prepare_training, pretrained_transformer_config, text_dims, vae_dtype)
+                             precision, prepare_training, pretrained_transformer_config, pretrained_vae_config,
+                             text_dims, vae_dtype)
 from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
 from ..errors import ConfigError
 from ..machine import distributed
@@ -167,7 +168,7 @@ def _shapes(cfg: RunConfig, part: str, dtype: torch.dtype = torch.float32) -> to
             elif part == "transformer":  # its sizes checked before anything is built from them
                 module = cls.from_config(pretrained_transformer_config(model.pretrained, family))
             else:
-                module = cls.from_config(cls.load_config(folder))
+                module = cls.from_config(pretrained_vae_config(model.pretrained, family))
         elif model.preset == "random":
             from ..engine.families import architecture
 
@@ -580,20 +581,38 @@ def plan_memory(cfg: RunConfig, gpus: int = 1, gpu_memory: float | None = None, 
 
 
 def check_weights_fit(cfg: RunConfig) -> None:
-    """Before a model folder (``model.pretrained``) is loaded: its transformer's weights, counted on the meta
-    device from its ``transformer/config.json`` (whose sizes are checked first), must fit the memory of the
-    run's device (:func:`gpu_memory_bytes`: the GPU's, or this machine's for a CPU run); a ConfigError naming
-    ``model.pretrained`` says "does not fit" otherwise. Every process loads the whole model before any
-    sharding, so this holds for any layout; whether training fits too is :func:`plan_memory`'s answer. The
-    tiny and random presets are built from configs of the harness's own and are not checked here."""
+    """Before a model folder (``model.pretrained``) is loaded: its transformer's and VAE's weights, counted on
+    the meta device from its ``transformer/config.json`` and ``vae/config.json`` (whose values are checked
+    first), must fit the memory of the run's device (:func:`gpu_memory_bytes`: the GPU's, or this machine's for
+    a CPU run); a ConfigError naming ``model.pretrained`` says "does not fit" otherwise. Every process loads
+    the whole model before any sharding, so this holds for any layout; whether training fits too is
+    :func:`plan_memory`'s answer. The tiny and random presets are built from configs of the harness's own and
+    are not checked here."""
     if cfg.model.pretrained:
-        check_transformer_fits(cfg.model.pretrained, cfg.model.family, cfg.model.dtype, _device_name(cfg))
+        check_transformer_fits(cfg.model.pretrained, cfg.model.family, cfg.model.dtype, _device_name(cfg),
+                               _vae_bytes(cfg))
 
 
-def check_transformer_fits(folder: str, family: str, dtype: str, device: str) -> int:
+def _vae_bytes(cfg: RunConfig) -> int:
+    """Bytes of the weights and buffers of the VAE (or pixel decoder) of the run's model folder, counted on the
+    meta device from its checked config (a ConfigError naming ``model.pretrained`` for one diffusers cannot
+    build)."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            vae = _shapes(cfg, "vae", vae_dtype(precision(cfg.model.dtype)))
+    # as check_transformer_fits: a value of the wrong type, sizes that do not agree
+    except (TypeError, ValueError, RuntimeError, ArithmeticError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError("model.pretrained", cfg.model.pretrained, "a model folder whose vae/config.json builds "
+                          f"a {family_spec(cfg.model.family).vae_class} ({first})") from None
+    return _tensor_bytes(itertools.chain(vae.parameters(), vae.buffers()))
+
+
+def check_transformer_fits(folder: str, family: str, dtype: str, device: str, vae_bytes: int = 0) -> int:
     """The ``transformer/`` of ``folder`` (a model folder or a snapshot) of ``family`` in ``model.dtype``
     ``dtype``, as ``device`` (:func:`gpu_memory_bytes`) would load it (:func:`check_weights_fit`): its config's sizes within bounds,
-    its config buildable, and its weights and buffers within the device's memory, before anything is
+    its config buildable, and its weights and buffers, with ``vae_bytes`` (the model's VAE, from
+    check_weights_fit), within the device's memory, before anything is
     allocated; a ConfigError naming ``model.pretrained`` otherwise. Returns the number of numbers its buffers
     hold (what building it computes, before its weights are read)."""
     cls = family_spec(family).transformer_cls()
@@ -611,11 +630,12 @@ def check_transformer_fits(folder: str, family: str, dtype: str, device: str) ->
     weights = sum(t.numel() * (size if t.is_floating_point() else t.element_size())
                   for t in itertools.chain(transformer.parameters(), transformer.buffers()))
     budget = gpu_memory_bytes(device)
-    if weights > budget:
+    if weights + vae_bytes > budget:
         count = sum(p.numel() for p in transformer.parameters())
+        vae = f" and its vae/config.json {bytes_text(vae_bytes)}" if vae_bytes else ""
         raise ConfigError("model.pretrained", folder,
                           f"a model whose weights fit: its transformer/config.json describes {count:,} parameters, "
-                          f"{bytes_text(weights)} in {dtype}, more than the {bytes_text(budget)} of this "
+                          f"{bytes_text(weights)} in {dtype}{vae}, more than the {bytes_text(budget)} of this "
                           f"{device} (the memory planner: does not fit)")
     return sum(t.numel() for t in transformer.buffers())
 

@@ -10,6 +10,7 @@ learning runs are one run of 2 iterations on it, copied and edited.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -190,6 +191,74 @@ def test_a_pixel_decoder_config_it_cannot_take_is_refused_before_the_run(model, 
                                                           "train.iterations=1", "progress=false"]
                                            for a in ("--set", item)], "--out", str(out)]))
     assert words in line and not out.exists()
+
+
+def vae_folder(folders, family: str, tmp_path: Path, change: dict) -> Path:
+    """A copy of the family's tiny diffusers folder (tests/tiny_pretrained.py) whose vae/config.json has ``change``."""
+    folder = tmp_path / "model"
+    shutil.copytree(folders(family), folder)
+    path = folder / "vae" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    return folder
+
+
+def folder_run(folder: Path, family: str, *overrides: str) -> list[str]:
+    return [a for item in [f"model.family={family}", "model.preset=pretrained", f"model.pretrained={folder}",
+                           "model.resolution=32", "sampling.steps=2", "grpo.group_size=2",
+                           "grpo.prompts_per_iteration=1", "train.iterations=1", "progress=false",
+                           "prompts.max_sequence_length=8", *overrides] for a in ("--set", item)]
+
+
+@pytest.mark.parametrize("family, change, words", [
+    ("sd3", {"scaling_factor": 0}, "scaling_factor = 0: expected a finite number > 0"),  # infinite latents, exit 0
+    ("sd3", {"scaling_factor": -1}, "scaling_factor = -1: expected a finite number > 0"),  # trained, exit 0
+    ("sd3", {"scaling_factor": "x"}, "scaling_factor = 'x': expected a finite number > 0"),  # TypeError mid-run
+    ("flux", {"shift_factor": "x"}, "shift_factor = 'x': expected a finite number"),
+    ("sd3", {"scaling_factor": math.nan}, "NaN is not a JSON number"),
+    ("sd3", {"latent_channels": True}, "latent_channels = True: expected an integer from 1 to 16384, not true"),
+    ("sd3", {"latent_channels": 0}, "latent_channels = 0: expected an integer from 1 to 16384"),
+    # 160 GB asked for while the model was built: status oom, exit 0, after the run folder was made
+    ("sd3", {"latent_channels": 100_000}, "latent_channels = 100000: expected an integer from 1 to 16384"),
+    ("sd3", {"block_out_channels": [8, True, 8, 8]}, "block_out_channels holds True: expected integers from 1"),
+    ("sd3", {"block_out_channels": [8, 0, 8, 8]}, "block_out_channels holds 0: expected integers from 1 to 16384"),
+    ("qwenimage", {"dim_mult": [1, 0, 1, 1]}, "dim_mult holds 0: expected integers from 1"),
+    ("qwenimage", {"latents_std": [1.5, 2.0, 0.5, -1.0]}, "latents_std holds -1.0: expected finite numbers > 0"),
+    ("qwenimage", {"latents_mean": None}, "latents_mean = None: expected a list of 4 finite numbers"),
+    ("qwenimage", {"latents_mean": [0.0] * 3}, "latents_mean = [0.0, 0.0, 0.0]: expected a list of 4 finite"),
+])
+def test_a_vae_config_it_cannot_take_is_refused_before_the_run(folders, tmp_path, capsys, family, change, words):
+    """vae/config.json of a diffusers model folder: its sizes are bounded as the transformer's, and its latent
+    normalisation as the pixel decoder's (scaling_factor 0 decoded infinite images, -1 inverted ones, and the runs
+    ended ok). One line naming the folder, the key and the value, from the run and the memory planner, before the
+    run folder is made."""
+    folder = vae_folder(folders, family, tmp_path, change)
+    cfg = load_config(None, folder_run(folder, family)[1::2])
+    for build in (Session, memplan.plan_memory):
+        with pytest.raises(ConfigError) as err:
+            build(cfg)
+        assert err.value.key == "model.pretrained" and words in str(err.value) and "vae/config.json" in str(err.value)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    line = one_line(capsys, main(["run", *folder_run(folder, family), "--out", str(out)]))
+    assert words in line and not out.exists()
+
+
+def test_a_vae_whose_weights_do_not_fit_is_refused_before_it_is_loaded(folders, tmp_path, monkeypatch):
+    """Channels within their bound can still add up to more than the device holds (16,384 a block: 350 GiB):
+    the VAE's weights count with the transformer's before the folder is loaded; the tiny VAE fits."""
+    from agg_bench.engine import models
+
+    huge = vae_folder(folders, "sd3", tmp_path / "huge", {"block_out_channels": [16384] * 4})
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("the model was loaded")))
+    monkeypatch.setattr(memplan, "gpu_memory_bytes", lambda device: 2 ** 36)  # 64 GiB
+    for build in (memplan.check_weights_fit, Session):
+        with pytest.raises(ConfigError) as err:
+            build(load_config(None, folder_run(huge, "sd3")[1::2]))
+        assert err.value.key == "model.pretrained" and "vae/config.json" in str(err.value)
+        assert "does not fit" in str(err.value)
+    memplan.check_weights_fit(load_config(None, folder_run(vae_folder(folders, "sd3", tmp_path / "tiny", {}),
+                                                           "sd3")[1::2]))
 
 
 @pytest.mark.parametrize("change, words", [
