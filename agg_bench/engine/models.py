@@ -210,7 +210,9 @@ class Policy:
 
     def schedule_shift(self, latent_shape: tuple[int, int, int]) -> float:
         """The sigma shift of the model's own scheduler config at this latent size (resolution-dependent
-        ``exp(mu)`` for schedulers with dynamic shifting, as the diffusers FLUX / Qwen-Image pipelines do)."""
+        ``exp(mu)``, or ``mu`` for ``time_shift_type: linear``, for schedulers with dynamic shifting, as the
+        diffusers FLUX / Qwen-Image pipelines do): a finite number > 0, or a ConfigError naming
+        ``sampling.shift`` and the scheduler config's values that give another."""
         cfg = self.scheduler_config
         if cfg is None:
             raise ConfigError("sampling.shift", None, "a number, or a model folder with a scheduler/ config")
@@ -218,9 +220,20 @@ class Policy:
             return float(cfg.get("shift", 1.0))
         base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
         base_shift, max_shift = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
+        kind = cfg.get("time_shift_type", "exponential")
+        tokens = self.image_seq_len(latent_shape)
         slope = (max_shift - base_shift) / (max_len - base_len)
-        mu = base_shift + slope * (self.image_seq_len(latent_shape) - base_len)
-        return math.exp(mu) if cfg.get("time_shift_type", "exponential") == "exponential" else mu
+        mu = base_shift + slope * (tokens - base_len)
+        # exp overflows past mu ~ 709; a shift of inf or nan, or one <= 0 (linear), is no flow-matching shift
+        shift = (math.exp(mu) if mu < 709 else math.inf) if kind == "exponential" else mu
+        if not (math.isfinite(shift) and shift > 0):
+            raise ConfigError("sampling.shift", None, (
+                f"a number, or a model folder whose scheduler/scheduler_config.json gives a finite shift > 0 at "
+                f"{tokens} image tokens (use_dynamic_shifting true, time_shift_type {quote(kind)}, base_shift "
+                f"{quote(base_shift)}, max_shift {quote(max_shift)}, base_image_seq_len {quote(base_len)}, "
+                f"max_image_seq_len {quote(max_len)} give mu = {mu:g}"
+                f"{f', exp(mu) = {shift:g}' if kind == 'exponential' else ''})"))
+        return shift
 
     def schedule_shift_terminal(self) -> float | None:
         """The last nonzero sigma the model's scheduler stretches its schedule to (Qwen-Image's

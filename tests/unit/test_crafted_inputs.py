@@ -289,6 +289,54 @@ def test_a_scheduler_config_the_schedule_cannot_take_is_refused_in_one_line(mode
     assert words in line and "scheduler_config.json" in line and not out.exists()
 
 
+@pytest.mark.parametrize("change, words", [
+    # a linear shift of mu < 0 at the run's 64 image tokens: the run trained on it, exit 0
+    ({"time_shift_type": "linear", "base_shift": 0.1, "max_shift": 5},
+     "time_shift_type 'linear', base_shift 0.1, max_shift 5, base_image_seq_len 256, max_image_seq_len 4096 give "
+     "mu = -0.145"),
+    ({"time_shift_type": "linear", "base_shift": 0, "max_shift": 0}, "base_shift 0, max_shift 0"),
+    # exp(mu) past a float's range: an OverflowError traceback, exit 1
+    ({"base_shift": 1000, "max_shift": 1000}, "time_shift_type 'exponential', base_shift 1000, max_shift 1000"),
+    # exp(mu) that is 0 in a float: refused as a schedule that gives nan, naming no key of the folder
+    ({"base_shift": -800, "max_shift": -800}, "exp(mu) = 0"),
+    ({"base_shift": -1e308, "max_shift": 1e308}, "base_shift -1e+308, max_shift 1e+308"),
+])
+def test_a_dynamic_shift_that_is_no_shift_at_the_run_s_resolution_is_refused_in_one_line(model, tmp_path, capsys,
+                                                                                           change, words):
+    """With use_dynamic_shifting the shift is computed from the scheduler config at the run's image tokens (each
+    value finite); one that is not a finite number > 0 there is refused naming the keys and their values."""
+    folder = model_copy(model, tmp_path)
+    path = folder / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "use_dynamic_shifting": True,
+                                "base_image_seq_len": 256, "max_image_seq_len": 4096, **change}))
+    with pytest.raises(ConfigError) as err:
+        Session(model_config(folder, "sampling.shift=null"))
+    assert err.value.key == "sampling.shift" and words in str(err.value)
+    assert "scheduler_config.json gives a finite shift > 0 at 64 image tokens" in str(err.value)
+    out = tmp_path / "run"
+    line = one_line(capsys, main(["run", *[a for item in ["model.family=sd3", "model.preset=pretrained",
+                                                          f"model.pretrained={folder}", "model.resolution=32",
+                                                          "sampling.shift=null", "train.iterations=1",
+                                                          "progress=false"] for a in ("--set", item)],
+                                  "--out", str(out)]))
+    assert words in line and not out.exists()
+
+
+def test_a_dynamic_shift_is_the_folder_s_at_the_run_s_resolution(model, tmp_path):
+    """A dynamic shift > 0 at the run's 64 image tokens (mu = 1.5 - 0.5 * 192 / 3840, exp or linear) is used."""
+    from agg_bench.engine.sampler import flow_sigmas
+
+    folder = model_copy(model, tmp_path)
+    path = folder / "scheduler" / "scheduler_config.json"
+    config = {**json.loads(path.read_text()), "use_dynamic_shifting": True, "base_shift": 1.5, "max_shift": 2.0,
+              "base_image_seq_len": 256, "max_image_seq_len": 4096}
+    mu = 1.5 + 0.5 * (64 - 256) / (4096 - 256)
+    for kind, shift in (("exponential", math.exp(mu)), ("linear", mu)):
+        path.write_text(json.dumps({**config, "time_shift_type": kind}))
+        session = Session(model_config(folder, "sampling.shift=null"))
+        assert torch.equal(session.sigmas, flow_sigmas(2, shift))
+
+
 def test_a_model_whose_weights_do_not_fit_is_refused_before_it_is_loaded(model, monkeypatch):
     """The memory planner counts the folder's transformer on the meta device before a run loads it: weights
     larger than the device's memory are refused ("does not fit"), the committed model fits."""
