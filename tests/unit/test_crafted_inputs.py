@@ -55,6 +55,26 @@ def one_line(capsys, code: int) -> str:
     return lines[0]
 
 
+def folder_run(folder: Path, family: str, *overrides: str) -> list[str]:
+    return [a for item in [f"model.family={family}", "model.preset=pretrained", f"model.pretrained={folder}",
+                           "model.resolution=32", "sampling.steps=2", "grpo.group_size=2",
+                           "grpo.prompts_per_iteration=1", "train.iterations=1", "progress=false",
+                           "prompts.max_sequence_length=8", *overrides] for a in ("--set", item)]
+
+
+def refused_before_the_run(capsys, run: list[str], out: Path, words: str, file: str = "") -> None:
+    """The crafted model folder of ``run`` (its ``--set`` pairs) is refused as ``model.pretrained``, in words holding
+    ``words`` and ``file``, by the run and the memory planner alike, and by ``agg-bench run`` in one line before its
+    folder ``out`` exists."""
+    cfg = load_config(None, run[1::2])
+    for build in (Session, memplan.plan_memory):
+        with pytest.raises(ConfigError) as err:
+            build(cfg)
+        assert err.value.key == "model.pretrained" and words in str(err.value) and file in str(err.value)
+    capsys.readouterr()
+    assert words in one_line(capsys, main(["run", *run, "--out", str(out)])) and not out.exists()
+
+
 # ----- a model folder -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("text, words", [
     ('{"max_tokens": -1, "seed": 0}', "max_tokens from 1 to 4096 (it has -1)"),
@@ -118,15 +138,7 @@ def test_true_or_false_where_a_transformer_takes_an_integer_is_refused(model, tm
     folder = model_copy(model, tmp_path)
     path = folder / "transformer" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
-    for build in (Session, memplan.plan_memory):
-        with pytest.raises(ConfigError) as err:
-            build(model_config(folder))
-        assert err.value.key == "model.pretrained" and words in str(err.value)
-    out = tmp_path / "run"
-    args = [a for item in ["model.family=sd3", "model.preset=pretrained", f"model.pretrained={folder}",
-                           "model.resolution=32", "train.iterations=1", "progress=false"] for a in ("--set", item)]
-    capsys.readouterr()
-    assert words in one_line(capsys, main(["run", *args, "--out", str(out)])) and not out.exists()
+    refused_before_the_run(capsys, folder_run(folder, "sd3", "reward.name=scene"), tmp_path / "run", words)
 
 
 def test_a_model_folder_missing_a_weight_is_refused_naming_it(model, tmp_path):
@@ -181,16 +193,8 @@ def test_a_pixel_decoder_config_it_cannot_take_is_refused_before_the_run(model, 
     folder = model_copy(model, tmp_path)
     path = folder / "vae" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
-    for build in (Session, memplan.plan_memory):
-        with pytest.raises(ConfigError) as err:
-            build(model_config(folder))
-        assert err.value.key == "model.pretrained" and words in str(err.value) and "vae/config.json" in str(err.value)
-    out = tmp_path / "run"
-    line = one_line(capsys, main(["run", *[a for item in ["model.family=sd3", "model.preset=pretrained",
-                                                          f"model.pretrained={folder}", "model.resolution=32",
-                                                          "train.iterations=1", "progress=false"]
-                                           for a in ("--set", item)], "--out", str(out)]))
-    assert words in line and not out.exists()
+    refused_before_the_run(capsys, folder_run(folder, "sd3", "reward.name=scene"), tmp_path / "run", words,
+                           "vae/config.json")
 
 
 def vae_folder(folders, family: str, tmp_path: Path, change: dict) -> Path:
@@ -202,11 +206,6 @@ def vae_folder(folders, family: str, tmp_path: Path, change: dict) -> Path:
     return folder
 
 
-def folder_run(folder: Path, family: str, *overrides: str) -> list[str]:
-    return [a for item in [f"model.family={family}", "model.preset=pretrained", f"model.pretrained={folder}",
-                           "model.resolution=32", "sampling.steps=2", "grpo.group_size=2",
-                           "grpo.prompts_per_iteration=1", "train.iterations=1", "progress=false",
-                           "prompts.max_sequence_length=8", *overrides] for a in ("--set", item)]
 
 
 @pytest.mark.parametrize("family, change, words", [
@@ -232,15 +231,7 @@ def test_a_vae_config_it_cannot_take_is_refused_before_the_run(folders, tmp_path
     ended ok). One line naming the folder, the key and the value, from the run and the memory planner, before the
     run folder is made."""
     folder = vae_folder(folders, family, tmp_path, change)
-    cfg = load_config(None, folder_run(folder, family)[1::2])
-    for build in (Session, memplan.plan_memory):
-        with pytest.raises(ConfigError) as err:
-            build(cfg)
-        assert err.value.key == "model.pretrained" and words in str(err.value) and "vae/config.json" in str(err.value)
-    out = tmp_path / "run"
-    capsys.readouterr()
-    line = one_line(capsys, main(["run", *folder_run(folder, family), "--out", str(out)]))
-    assert words in line and not out.exists()
+    refused_before_the_run(capsys, folder_run(folder, family), tmp_path / "run", words, "vae/config.json")
 
 
 def test_a_vae_whose_weights_do_not_fit_is_refused_before_it_is_loaded(folders, tmp_path, monkeypatch):
