@@ -62,15 +62,16 @@ def folder_run(folder: Path, family: str, *overrides: str) -> list[str]:
                            "prompts.max_sequence_length=8", *overrides] for a in ("--set", item)]
 
 
-def refused_before_the_run(capsys, run: list[str], out: Path, words: str, file: str = "") -> None:
-    """The crafted model folder of ``run`` (its ``--set`` pairs) is refused as ``model.pretrained``, in words holding
-    ``words`` and ``file``, by the run and the memory planner alike, and by ``agg-bench run`` in one line before its
-    folder ``out`` exists."""
+def refused_before_the_run(capsys, run: list[str], out: Path, words: str, file: str = "",
+                           key: str = "model.pretrained", readers=None) -> None:
+    """The crafted model folder of ``run`` (its ``--set`` pairs) is refused as ``key``, in words holding ``words``
+    and ``file``, by each of ``readers`` (default: the run's session and the memory planner), and by ``agg-bench
+    run`` in one line before its folder ``out`` exists."""
     cfg = load_config(None, run[1::2])
-    for build in (Session, memplan.plan_memory):
+    for build in readers or (Session, memplan.plan_memory):
         with pytest.raises(ConfigError) as err:
             build(cfg)
-        assert err.value.key == "model.pretrained" and words in str(err.value) and file in str(err.value)
+        assert err.value.key == key and words in str(err.value) and file in str(err.value)
     capsys.readouterr()
     assert words in one_line(capsys, main(["run", *run, "--out", str(out)])) and not out.exists()
 
@@ -268,16 +269,8 @@ def test_a_scheduler_config_the_schedule_cannot_take_is_refused_in_one_line(mode
     folder = model_copy(model, tmp_path)
     path = folder / "scheduler" / "scheduler_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
-    with pytest.raises(ConfigError) as err:
-        Session(model_config(folder, "sampling.shift=null"))
-    assert err.value.key == "model.pretrained" and words in str(err.value)
-    out = tmp_path / "run"
-    line = one_line(capsys, main(["run", *[a for item in ["model.family=sd3", "model.preset=pretrained",
-                                                          f"model.pretrained={folder}", "model.resolution=32",
-                                                          "sampling.shift=null", "train.iterations=1",
-                                                          "progress=false"] for a in ("--set", item)],
-                                  "--out", str(out)]))
-    assert words in line and "scheduler_config.json" in line and not out.exists()
+    refused_before_the_run(capsys, folder_run(folder, "sd3", "reward.name=scene", "sampling.shift=null"),
+                           tmp_path / "run", words, "scheduler_config.json", readers=[Session])
 
 
 @pytest.mark.parametrize("change, words", [
@@ -300,17 +293,9 @@ def test_a_dynamic_shift_that_is_no_shift_at_the_run_s_resolution_is_refused_in_
     path = folder / "scheduler" / "scheduler_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "use_dynamic_shifting": True,
                                 "base_image_seq_len": 256, "max_image_seq_len": 4096, **change}))
-    with pytest.raises(ConfigError) as err:
-        Session(model_config(folder, "sampling.shift=null"))
-    assert err.value.key == "sampling.shift" and words in str(err.value)
-    assert "scheduler_config.json gives a finite shift > 0 at 64 image tokens" in str(err.value)
-    out = tmp_path / "run"
-    line = one_line(capsys, main(["run", *[a for item in ["model.family=sd3", "model.preset=pretrained",
-                                                          f"model.pretrained={folder}", "model.resolution=32",
-                                                          "sampling.shift=null", "train.iterations=1",
-                                                          "progress=false"] for a in ("--set", item)],
-                                  "--out", str(out)]))
-    assert words in line and not out.exists()
+    refused_before_the_run(capsys, folder_run(folder, "sd3", "reward.name=scene", "sampling.shift=null"),
+                           tmp_path / "run", words, "scheduler_config.json gives a finite shift > 0 at 64 image tokens",
+                           key="sampling.shift", readers=[Session])
 
 
 def test_a_dynamic_shift_is_the_folder_s_at_the_run_s_resolution(model, tmp_path):
