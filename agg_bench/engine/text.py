@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import RunConfig
 from ..errors import ConfigError, UserError, quote
-from ..io import atomic_target
+from ..io import atomic_target, remove_stale_temps
 from .families import family_spec
 from .hf_logging import quiet_loading
 from .models import Conditioning, folder_json, text_dims
@@ -271,7 +271,9 @@ def find_cached(cache_dir: str | Path, key: str) -> Path | None:
 def check_cache_target(cache_dir: str | Path, path: Path) -> None:
     """Refuse writing the cache file ``path`` of ``prompts.cache_dir`` (before anything is encoded or written):
     the folder a folder, made if missing, never a symbolic link (a write lands in the folder named) nor a
-    file; ``path`` new or an embedding file of this module (someone's file of that name is left alone)."""
+    file; ``path`` new or an embedding file of this module (someone's file of that name is left alone). What
+    killed writers of ``path`` left beside it goes (the whole file, each attempt's under its own PID; a live
+    writer's stays): the cache folder has no claim that would remove it."""
     from ..outdir import check_file, check_writable
 
     folder = Path(cache_dir)
@@ -281,6 +283,7 @@ def check_cache_target(cache_dir: str | Path, path: Path) -> None:
     check_writable(path, "prompts.cache_dir")  # a file where one of its folders goes, or a read-only place
     check_file(path, is_embeddings_file, "an agg-bench embedding file", "prompts.cache_dir",
                "move it aside or give another prompts.cache_dir")
+    remove_stale_temps(path)
 
 
 def default_cache_path(cache_dir: str | Path, family: str, pretrained: str | Path | None, prompts: PromptSet,

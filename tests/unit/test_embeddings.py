@@ -1,5 +1,6 @@
 """Prompt embeddings: the pipelines' own encode_prompt, cached per (model, prompt file), counted encodings."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from agg_bench.engine.text import (
     prompt_set,
 )
 from agg_bench.errors import ConfigError, UserError
+from agg_bench.io import atomic_path
 from agg_bench.runtime.train import Session
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -221,6 +223,12 @@ def test_embed_fills_a_new_cache_folder_and_replaces_its_own_file(tmp_path, caps
         assert main(argv) == 0
         out = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["out"])
         assert out.parent == tmp_path / "a" / "b" and load_embeddings(out)[1]["family"] == "sd3"
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == [out.name]
+    # a writer killed while it wrote the file left its temporary (the whole file) in the cache for good
+    mine = atomic_path(out)
+    stale = mine.with_name(mine.name.replace(str(os.getpid()), "4194000"))
+    out.rename(stale)
+    assert main(argv) == 0
     assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == [out.name]
 
 
