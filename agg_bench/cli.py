@@ -70,7 +70,6 @@ def _run_config(path, overrides: list[str]):
 
 def cmd_run(args) -> int:
     from .machine.distributed import launched_rank
-    from .runtime.train import train
 
     overrides = list(args.overrides)
     if args.checkpoint_every is not None:
@@ -83,7 +82,10 @@ def cmd_run(args) -> int:
     rank = launched_rank()  # a bad launcher environment (RANK, WORLD_SIZE) is refused before the run
     if args.done is not None:
         _check_marker(args.done, args.out)
+    # imported once the command line and config are known to be good: the trainer's imports (the model
+    # libraries) doubled the time a refused run took to print its one line
     from .runtime.cell import ENDED, CellRun
+    from .runtime.train import train
 
     # --journal: the run an attempt whose end went unrecorded finished is kept (a cell job's journal of one run)
     journal = _run_journal(args.journal, args.out, args.done) if args.journal is not None else None
