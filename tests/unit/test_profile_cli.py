@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,27 @@ pytestmark = pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
 
 SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "grpo.group_size=2",
          "--set", "grpo.prompts_per_iteration=1", "--set", "progress=false"]
+
+
+# the profile the tests that rerun into a folder start from: a train-phase profile of one active update
+FIRST = ["profile", "--method", "full", *SMALL, "--phase", "train", "--wait", "0", "--warmup", "0", "--active", "1"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory) -> Path:
+    """A folder FIRST wrote (made once; tests take a copy)."""
+    out = tmp_path_factory.mktemp("first") / "prof"
+    assert main([*FIRST, "--out", str(out)]) == 0
+    return out
+
+
+def earlier_profile(profiled: Path, tmp_path: Path, capsys) -> Path:
+    """A copy of ``profiled`` at tmp_path/prof: the folder a profile left (its profile.json names the original's
+    paths, which nothing reads back)."""
+    capsys.readouterr()  # the fixture's result line, when this test made it
+    out = tmp_path / "prof"
+    shutil.copytree(profiled, out)
+    return out
 
 
 def read_trace(path: Path) -> dict:
@@ -87,13 +109,13 @@ def test_profile_user_errors_are_one_line_and_exit_code_2(tmp_path, capsys, args
     assert not out.exists()  # nothing is written before the config is known to be good
 
 
-def test_a_profile_run_again_replaces_the_earlier_one(tmp_path, capsys):
+def test_a_profile_run_again_replaces_the_earlier_one(tmp_path, capsys, profiled):
     """A second profile into the same folder leaves its own traces only, those profile.json lists (the first
     run's trace was kept beside them), and a CUDA run's memory snapshot does not outlive a CPU rerun."""
-    out = tmp_path / "prof"
+    out = earlier_profile(profiled, tmp_path, capsys)
     args = ["profile", "--method", "full", *SMALL, "--phase", "train", "--wait", "0", "--warmup", "0", "--out", str(out)]
-    assert main([*args, "--active", "1"]) == 0
-    first = json.loads(capsys.readouterr().out)["trace_0"]
+    first = str(out / Path(json.loads((out / "profile.json").read_text())["files"]["trace_0"]).name)
+    assert Path(first).is_file()
     (out / "memory_snapshot.pickle").write_bytes(b"an earlier CUDA profile's")
     (out / "notes.txt").write_text("mine\n")
     assert main([*args, "--active", "1"]) == 2  # someone else's file: refused, nothing removed
@@ -109,15 +131,13 @@ def test_a_profile_run_again_replaces_the_earlier_one(tmp_path, capsys):
                                                            Path(written["trace_0"]).name])
 
 
-def test_a_profile_that_fails_leaves_the_earlier_profile_as_it_was(tmp_path, capsys, monkeypatch):
+def test_a_profile_that_fails_leaves_the_earlier_profile_as_it_was(tmp_path, capsys, monkeypatch, profiled):
     """A rerun stopped (or failing) in its profiled steps leaves the folder describing the earlier profile:
     its config and machine beside its traces, and nothing of the rerun's."""
     import agg_bench.tools.profiling as profiling
 
-    out = tmp_path / "prof"
+    out = earlier_profile(profiled, tmp_path, capsys)
     args = ["profile", *SMALL, "--phase", "train", "--wait", "0", "--warmup", "0", "--active", "1", "--out", str(out)]
-    assert main([*args, "--method", "full"]) == 0
-    capsys.readouterr()
     before = {path.name: path.read_bytes() for path in out.iterdir()}
 
     def stopped(*_args, **_kwargs):
@@ -128,16 +148,16 @@ def test_a_profile_that_fails_leaves_the_earlier_profile_as_it_was(tmp_path, cap
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
 
 
-def test_a_profile_stopped_while_it_writes_leaves_the_earlier_profile_whole(tmp_path, monkeypatch, capsys):
+def test_a_profile_stopped_while_it_writes_leaves_the_earlier_profile_whole(tmp_path, monkeypatch, capsys,
+                                                                            profiled):
     """A profile that stops while it writes (a kill, a full disk) tore the earlier profile's operators.csv and left
     its own traces beside the earlier profile.json, which a reader took for a whole profile of the earlier method.
     The profile is written beside --out and renamed over it when whole: the earlier folder stays as it was."""
     from agg_bench.tools import profiling
 
-    out = tmp_path / "prof"
+    out = earlier_profile(profiled, tmp_path, capsys)
     argv = ["profile", "--method", "full", *SMALL, "--phase", "train", "--wait", "0", "--warmup", "0",
             "--active", "1", "--out", str(out)]
-    assert main(argv) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     class FullDisk(csv.DictWriter):
