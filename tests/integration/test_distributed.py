@@ -21,8 +21,10 @@ from agg_bench.config import load_config
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.machine import distributed
-from agg_bench.runtime.train import TIMING_KEYS, Session
 from helpers import relative_error
+
+# the trainer (agg_bench.runtime.train) is imported where it is used: the workers that check the error contract
+# (--user-error) need none of it, and its imports (the model libraries) doubled each one's start-up
 
 ROOT = Path(__file__).resolve().parents[2]
 # float64, so that the only difference between one and two processes is the order of additions. Each
@@ -45,6 +47,8 @@ def config(*overrides: str):
 
 def one_update_gradient(cfg) -> dict[str, torch.Tensor]:
     """``.grad`` after the first update of iteration 0 (averaged over the processes under torchrun)."""
+    from agg_bench.runtime.train import Session
+
     session = Session(cfg)
     session.update(session.collect(0).batch)
     return {name: p.grad.detach().clone() for name, p in session.policy.named_parameters()}
@@ -61,6 +65,8 @@ def torchrun(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
 # ----- one process, as each rank would see it ---------------------------------------------------
 @pytest.mark.parametrize("method", ["full", "window"])
 def test_each_share_is_its_slice_of_the_single_process_batch(monkeypatch, method):
+    from agg_bench.runtime.train import Session
+
     overrides = [f"method.name={method}"] + (["method.window_size=3", "method.window_mode=random"]
                                              if method == "window" else [])
     cfg = config(*overrides)
@@ -235,6 +241,8 @@ def test_torchrun_run_writes_the_single_process_records(tmp_path, steps):
     """With train.minibatches, each process's k-th mini-batch is part of the single-process k-th one, so the
     records are the single-process run's too; with a partial route, so is the count each mini-batch routes (0.3 of
     the epoch's 24 candidate groups so far: 4, then 3)."""
+    from agg_bench.runtime.train import TIMING_KEYS
+
     args = [a for o in [*DDP, 'method={"name": "agg", "window": 3}', *steps] for a in ("--set", o)] + [
         "--set", "train.iterations=2", "--set", "run_id=ddp", "--set", "eval.every=1", "--set", "eval.noises=2"]
     proc = torchrun("-m", "agg_bench", "run", *args, "--out", str(tmp_path / "two"))
