@@ -671,11 +671,17 @@ _SHAPES: dict[str, ShapeModel] = {}
 _SHAPES_KEPT = 2
 
 
+# train keys that schedule the loop and build nothing: runs that differ only in them (a resumed run's
+# checkpoint_every, a longer run) share a count
+SCHEDULE_ONLY = ("iterations", "checkpoint_every")
+
+
 def shape_key(cfg: RunConfig) -> str:
     """What a :class:`ShapeModel`'s counts depend on: the model, prompts, train and GRPO sections and the
     device (not the method, whose micro-batch is counted per layout and whose copies of the policy are
-    charged by :meth:`ShapeModel.for_run`)."""
+    charged by :meth:`ShapeModel.for_run`, nor the train keys of :data:`SCHEDULE_ONLY`)."""
     config = cfg.to_dict()
+    config["train"] = {k: v for k, v in config["train"].items() if k not in SCHEDULE_ONLY}
     return json.dumps({"device": config["device"], **{k: config[k] for k in ("model", "prompts", "train", "grpo")}},
                       sort_keys=True)
 

@@ -109,3 +109,28 @@ def test_a_process_counts_a_memory_plan_once_per_model(tmp_path, monkeypatch):
     assert first == second and third["bytes"]["params"] > first["bytes"]["params"]
     micro = load_config(None, [*TINY, "method={name: full, micro_batch: 1}"])  # the micro-batch counts
     assert memplan.run_memory_plan(micro, 1) != first and len(calls) == 4
+
+
+def test_runs_that_differ_only_in_their_schedule_share_a_memory_plan(monkeypatch):
+    """train.iterations and train.checkpoint_every build nothing: a run that differs from another only in
+    them is planned from the same count, and its plan is the plan a count of its own gives."""
+    from agg_bench.runtime import memplan
+
+    memplan._RUN_PLANS.clear()
+    memplan._SHAPES.clear()
+    calls = []
+    original = memplan.ShapeModel.__init__
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(memplan.ShapeModel, "__init__", counting)
+    short, long = (load_config(None, [*TINY, *sets]) for sets in (
+        ["train.iterations=1"], ["train.iterations=5", "train.checkpoint_every=2"]))
+    first, second = (memplan.run_memory_plan(c, 1) for c in (short, long))
+    assert len(calls) == 1 and "error" not in first
+    assert first == second == memplan.plan_memory(long, 1, suggest=False).as_dict() and len(calls) == 2
+    other = load_config(None, [*TINY, "train.iterations=5", "train.gradient_checkpointing=true"])
+    memplan.run_memory_plan(other, 1)  # a key that builds: a count of its own
+    assert len(calls) == 3
