@@ -12,7 +12,7 @@ import torch
 
 from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
-from agg_bench.runtime import model_reuse
+from agg_bench.runtime import memplan, model_reuse
 from agg_bench.runtime.train import train
 from pinned import pinned_fields
 
@@ -84,15 +84,12 @@ def test_outside_the_block_every_run_builds(tmp_path):
     assert a.transformer is not b.transformer
 
 
-def test_a_process_counts_a_memory_plan_once_per_model(tmp_path, monkeypatch):
-    """The runs of a cell job differ in their method: the model on fake tensors is built and counted once,
-    and every run's plan.json is the plan a run of its own counts, its method's copies of the policy
-    included (DGPO's frozen reference: a cell once gave it the plan of the method before it)."""
-    from agg_bench.runtime import memplan
-
+def counted_shape_models(monkeypatch) -> list:
+    """The memory planner's kept plans and counts cleared, and a list that grows by one with each model it builds
+    on fake tensors (each count)."""
     memplan._RUN_PLANS.clear()
     memplan._SHAPES.clear()
-    calls = []
+    calls: list = []
     original = memplan.ShapeModel.__init__
 
     def counting(self, *args, **kwargs):
@@ -100,6 +97,14 @@ def test_a_process_counts_a_memory_plan_once_per_model(tmp_path, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(memplan.ShapeModel, "__init__", counting)
+    return calls
+
+
+def test_a_process_counts_a_memory_plan_once_per_model(tmp_path, monkeypatch):
+    """The runs of a cell job differ in their method: the model on fake tensors is built and counted once,
+    and every run's plan.json is the plan a run of its own counts, its method's copies of the policy
+    included (DGPO's frozen reference: a cell once gave it the plan of the method before it)."""
+    calls = counted_shape_models(monkeypatch)
     full, agg, dgpo = (load_config(None, [*TINY, m]) for m in ("method={name: full}", "method={name: agg, window: 3}",
                                                                "method={name: dgpo}"))
     first, second, third = (memplan.run_memory_plan(c, 1) for c in (full, agg, dgpo))
@@ -114,18 +119,7 @@ def test_a_process_counts_a_memory_plan_once_per_model(tmp_path, monkeypatch):
 def test_runs_that_differ_only_in_their_schedule_share_a_memory_plan(monkeypatch):
     """train.iterations and train.checkpoint_every build nothing: a run that differs from another only in
     them is planned from the same count, and its plan is the plan a count of its own gives."""
-    from agg_bench.runtime import memplan
-
-    memplan._RUN_PLANS.clear()
-    memplan._SHAPES.clear()
-    calls = []
-    original = memplan.ShapeModel.__init__
-
-    def counting(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(memplan.ShapeModel, "__init__", counting)
+    calls = counted_shape_models(monkeypatch)
     short, long = (load_config(None, [*TINY, *sets]) for sets in (
         ["train.iterations=1"], ["train.iterations=5", "train.checkpoint_every=2"]))
     first, second = (memplan.run_memory_plan(c, 1) for c in (short, long))
