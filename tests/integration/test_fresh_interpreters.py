@@ -158,6 +158,20 @@ def test_the_workflows_start_on_a_sweep_without_pretraining_imports_no_model_lib
     assert proc.stderr.rstrip().splitlines()[-1] == "[]", proc.stderr[-3000:]
 
 
+def test_a_refused_run_imports_no_trainer_or_model_library(tmp_path):
+    """`agg-bench run` with a config it refuses prints its one line before the trainer and the model libraries are
+    imported (they made a refused run about three times as long, paid by each process under torchrun)."""
+    script = ("import sys; from agg_bench.cli import main; code = main(sys.argv[1:]); "
+              "print(sorted(m for m in ('agg_bench.runtime.train', 'diffusers', 'matplotlib') if m in sys.modules), "
+              "file=sys.stderr); sys.exit(code)")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", script, "run", "--set", "train.iterations=abc", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1] == "[]" and "train.iterations" in lines[0], proc.stderr[-3000:]
+    assert not out.exists()
+
+
 # ----- a run with telemetry.tensorboard off (tests/unit/test_tensorboard.py) -----
 
 
