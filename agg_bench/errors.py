@@ -72,6 +72,13 @@ def one_line(text: str) -> str:
     return line
 
 
+def first_message_line(err: BaseException) -> str:
+    """The first line of ``err``'s message, or the name of its type where the message is empty: what a one-line
+    refusal says of a library's exception."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def clip(text: str, limit: int = QUOTE_CHARS, unit: str = "characters") -> str:
     """``text`` itself, or its first ``limit`` characters, an ellipsis and how long it was."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} {unit})"

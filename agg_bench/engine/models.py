@@ -28,7 +28,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 
 from .. import stopping
 from ..config import RunConfig, TrainConfig
-from ..errors import ConfigError, quote
+from ..errors import ConfigError, first_message_line, quote
 from ..jsonfiles import MAX_CONFIG_BYTES, JsonFileError, read_json_object
 from ..machine import fsdp
 from ..machine.activations import saved_activation_region
@@ -527,8 +527,8 @@ def _load_component(cls, path: str, pretrained: str, what: str, **kwargs):
     # TypeError: a config value of the wrong type; ArithmeticError: sizes diffusers divides by zero with
     # (a patch wider than the sample)
     except (OSError, ValueError, TypeError, ArithmeticError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {path} ({first})") from err
+        raise ConfigError("model.pretrained", pretrained,
+                          f"loadable {what} in {path} ({first_message_line(err)})") from err
     if isinstance(component, torch.nn.Module):  # a weight the file lacks is left on the meta device, unloaded
         missing = next((name for name, t in itertools.chain(component.named_parameters(), component.named_buffers())
                         if t.is_meta), None)

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..config import RunConfig
-from ..errors import ConfigError, UserError, quote
+from ..errors import ConfigError, UserError, first_message_line, quote
 from ..io import atomic_target, remove_stale_temps
 from .families import family_spec
 from .hf_logging import quiet_loading
@@ -134,9 +134,8 @@ def load_text_pipeline(family: str, pretrained: str | Path, dtype: torch.dtype =
                                                            local_files_only=True)
     # Type/KeyError: a config of the wrong shape; SafetensorError: a weights file cut short (transformers passes it on)
     except (OSError, ValueError, TypeError, KeyError, SafetensorError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("model.pretrained", str(pretrained),
-                          f"loadable text encoders and tokenizers ({first})") from err
+                          f"loadable text encoders and tokenizers ({first_message_line(err)})") from err
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

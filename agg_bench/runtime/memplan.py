@@ -72,7 +72,7 @@ from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build
                              precision, prepare_training, pretrained_transformer_config, pretrained_vae_config,
                              text_dims, vae_dtype)
 from ..engine.pixel_decoder import PixelDecoder, is_pixel_decoder_folder
-from ..errors import ConfigError
+from ..errors import ConfigError, first_message_line
 from ..machine import distributed
 from ..records import is_integer
 from ..machine.devices import cuda_index
@@ -602,9 +602,8 @@ def _vae_bytes(cfg: RunConfig) -> int:
             vae = _shapes(cfg, "vae", vae_dtype(precision(cfg.model.dtype)))
     # as check_transformer_fits: a value of the wrong type, sizes that do not agree
     except (TypeError, ValueError, RuntimeError, ArithmeticError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("model.pretrained", cfg.model.pretrained, "a model folder whose vae/config.json builds "
-                          f"a {family_spec(cfg.model.family).vae_class} ({first})") from None
+                          f"a {family_spec(cfg.model.family).vae_class} ({first_message_line(err)})") from None
     return _tensor_bytes(itertools.chain(vae.parameters(), vae.buffers()))
 
 
@@ -623,9 +622,8 @@ def check_transformer_fits(folder: str, family: str, dtype: str, device: str, va
     # a value of the wrong type, sizes that do not agree, sizes diffusers divides by zero with (a patch wider
     # than the sample)
     except (TypeError, ValueError, RuntimeError, ArithmeticError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("model.pretrained", folder, f"a model folder whose transformer/config.json builds "
-                          f"a {cls.__name__} ({first})") from None
+                          f"a {cls.__name__} ({first_message_line(err)})") from None
     size = torch.finfo(precision(dtype).param_dtype).bits // 8  # what loading in that precision makes of it
     weights = sum(t.numel() * (size if t.is_floating_point() else t.element_size())
                   for t in itertools.chain(transformer.parameters(), transformer.buffers()))
