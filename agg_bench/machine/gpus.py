@@ -70,11 +70,10 @@ _DEVICE_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z/-]+")
 MAX_DEVICES = 1024
 
 
-def _device_id(part: str) -> str | None:
-    """``part`` where it is a device id of a list as CUDA_VISIBLE_DEVICES takes it: an index as ``cuda:N`` takes
-    it (:func:`~agg_bench.config.gpu_index`: plain decimal digits, so ``017`` is no device 17), or a UUID; None for
-    anything else."""
-    return part if gpu_index(part) is not None or _DEVICE_UUID.fullmatch(part) else None
+def _is_device_id(part: str) -> bool:
+    """Whether ``part`` is a device id of a list as CUDA_VISIBLE_DEVICES takes it: an index as ``cuda:N`` takes it
+    (:func:`~agg_bench.config.gpu_index`: plain decimal digits, so ``017`` is no device 17), or a UUID."""
+    return gpu_index(part) is not None or _DEVICE_UUID.fullmatch(part) is not None
 
 
 def _parse_ids(text: str, source: str) -> list[str]:
@@ -85,12 +84,12 @@ def _parse_ids(text: str, source: str) -> list[str]:
     count = read_number(text, int) if len(parts) == 1 else None
     if count is not None and 0 <= count <= MAX_DEVICES:
         return [str(i) for i in range(count)]
-    ids = [_device_id(part) for part in parts]
-    if count is not None or None in ids or len(set(ids)) != len(ids) or len(ids) > MAX_DEVICES:
+    if count is not None or not all(map(_is_device_id, parts)) or len(set(parts)) != len(parts) \
+            or len(parts) > MAX_DEVICES:
         raise UserError(f"environment variable {source}={text[:80]!r}: expected a device count from 0 to "
                         f"{MAX_DEVICES} (e.g. 4) or a comma list of distinct device ids: indices in decimal digits "
                         "(e.g. 0,2,5) or the GPU-/MIG- UUIDs that nvidia-smi -L shows")
-    return [part for part in ids if part is not None]
+    return parts
 
 
 def visible_devices(environ: dict[str, str] | None = None) -> list[str]:

@@ -300,13 +300,13 @@ def check_out_dir(out: Path) -> None:
     if not out.is_dir() or all(is_harness_name(p.name) for p in out.iterdir()):
         return
     try:
-        found = quote(read_json_object(out / MARKER, f"an agg-bench pretrain output's {MARKER}").get("format"))
+        written = read_json_object(out / MARKER, f"an agg-bench pretrain output's {MARKER}").get("format")
     except JsonFileError as err:
         found = err.problem
     else:
-        if found == quote(FORMAT):
+        if written == FORMAT:
             return
-        found = f"format {found}"
+        found = f"format {quote(written)}"
     raise UserError(f"--out {out}: a non-empty folder that is not an agg-bench pretrain output ({MARKER}: "
                     f"{found}, expected format {FORMAT}); give a new or empty folder")
 
