@@ -133,7 +133,8 @@ def check_sigmas(sigmas: torch.Tensor, shift: float | None, dtype: torch.dtype, 
     dtype_name = str(dtype).removeprefix("torch.")
     steps = f"{steps_key}' " if steps_key else ""
     if not (bool(torch.isfinite(s).all()) and s[0] <= 1 and s[-1] == 0 and bool((s[1:] < s[:-1]).all())):
-        head = ", ".join(f"{v:.6g}" for v in s[:4].tolist()) + (", ..." if len(s) > 4 else "")
+        # 8 digits: a float32 sigma just above 1 (1.0000001) is not shown as 1
+        head = ", ".join(f"{v:.8g}" for v in s[:4].tolist()) + (", ..." if len(s) > 4 else "")
         raise ConfigError(key, shift, f"{allowed} whose {steps}{len(s) - 1}-step schedule falls strictly from 1 "
                           f"to 0 in {dtype_name} (this one gives {head})")
     if kind is None or eta is None:

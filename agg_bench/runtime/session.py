@@ -115,7 +115,10 @@ class Session:
         self.steps_taken = 0  # optimizer steps of the last update
         self.sigmas = run_sigmas(cfg, self.policy, self.latent_shape)
         if cfg.sampling.shift is None:  # the model's own shift; a given one was checked with the config
-            check_sigmas(self.sigmas, None, sampler_dtype(self.policy.dtype), cfg.sampling.sde, cfg.sampling.eta)
+            own = self.policy.schedule_shift(self.latent_shape)
+            check_sigmas(self.sigmas, None, sampler_dtype(self.policy.dtype), cfg.sampling.sde, cfg.sampling.eta,
+                         allowed=f"a number, or a shift of the model's scheduler config (here {own:g})",
+                         steps_key="sampling.steps")
         estimator.check_schedule(cfg, self.sigmas)
         # train.eval_ema: the moving average the evaluations use; the rollout and training never do
         self.eval_ema = MovingAverage(self.policy) if cfg.train.eval_ema is not None else None

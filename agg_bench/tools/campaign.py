@@ -631,28 +631,36 @@ def _stopped() -> bool:
     return stopping.pending() is not None
 
 
-def _die_with_parent():
-    """A ``preexec_fn`` that has the kernel SIGKILL the child when the thread that started it ends, however the
-    campaign ends (``kill -9`` included): Linux's ``prctl(PR_SET_PDEATHSIG)``. None where there is no such
-    call (the second signal's cleanup in :func:`_supervise` still ends the child there)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
+# A supervised child's launcher (:func:`_dying_with_parent`): it has the kernel SIGKILL it when the campaign's thread
+# that started it ends, however the campaign ends (``kill -9`` included): Linux's ``prctl(PR_SET_PDEATHSIG)``, which
+# the exec keeps. Then it execs the child. In a process of its own, not in a ``preexec_fn``: a fork of the campaign,
+# whose thread pool runs, could find a lock held by another thread before its exec.
+DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+parent, argv = int(sys.argv[1]), sys.argv[2:]
+try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent = os.getpid()
+    prctl(%d, signal.SIGKILL, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != parent:  # the campaign died before the call took hold
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    os.execvp(argv[0], argv)
+except OSError as err:
+    sys.stderr.write(f"{argv[0]}: {err.strerror}\\n")
+    sys.exit(127)
+""" % PR_SET_PDEATHSIG
 
-    def preexec() -> None:  # in the child, between fork and exec: system calls only
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the campaign died before the call took hold
-            os.kill(os.getpid(), signal.SIGKILL)
 
-    return preexec
+def _dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` started through :data:`DIE_WITH_PARENT` where Linux has the parent-death signal (elsewhere as it
+    is: the second signal's cleanup in :func:`_supervise` still ends the child there). Its interpreter is
+    isolated: it imports nothing of the campaign's, and the child it execs gets the environment unchanged."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-I", "-S", "-c", DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 # A supervised process's guard (:func:`_guard_group`): it reads the process group to guard, then waits for the
@@ -716,15 +724,13 @@ def _supervise(argv: list[str], log: Path, env: dict, stop_at: float, stopped=_s
     terminal's Ctrl-C reaches the campaign alone, which passes it on as one SIGTERM), a second signal's exit at
     once kills that group (:func:`agg_bench.stopping.at_exit_at_once`), and when the campaign dies any other
     way (``kill -9``) a guard process kills it (:data:`GROUP_GUARD`: the parent-death signal of Linux, which
-    the child also gets at once (:func:`_die_with_parent`), reaches a child but not its children)."""
+    the child also gets at once (:data:`DIE_WITH_PARENT`), reaches a child but not its children)."""
     guard = _guard_group()
     proc = None
     try:
         with open(log, "ab") as handle:
-            # the preexec makes system calls only (prctl, getppid, kill), so no lock another thread held at the fork
-            # can stop the child before its exec
-            proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
-                                    start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
+            proc = subprocess.Popen(_dying_with_parent(argv), stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                    cwd=os.getcwd(), start_new_session=True)
             _guarded(guard, proc.pid)
             return _watch(proc, stop_at, stopped, deadline)
     finally:
@@ -798,8 +804,8 @@ def visible_gpu_name(device: str, python: str = sys.executable, until: float | N
             f"print({GPU_NAME_MARK!r} + json.dumps(name), flush=True)")
     timeout = GPU_NAME_TIMEOUT_S if until is None else max(0.0, min(GPU_NAME_TIMEOUT_S, until - time.time()))
     try:  # undecodable bytes a driver or library prints are replaced, not a traceback
-        proc = subprocess.run([python, "-c", code, device], capture_output=True, text=True, errors="replace",
-                              stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=_die_with_parent())
+        proc = subprocess.run(_dying_with_parent([python, "-c", code, device]), capture_output=True, text=True,
+                              errors="replace", stdin=subprocess.DEVNULL, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise UserError(f"campaign.gpu: the name of {device} could not be read (no answer in {timeout:.0f} s"
                         f"{', the time the window had left' if timeout < GPU_NAME_TIMEOUT_S else ''})") from None

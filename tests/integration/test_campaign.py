@@ -904,6 +904,47 @@ def test_a_supervised_process_ends_with_the_campaign(tmp_path, how):
                 os.kill(pid, signal.SIGKILL)
 
 
+# a process that starts a child through the campaign's launcher, says its pid, and waits to be killed
+LAUNCHING_PARENT = """
+import subprocess, sys, time
+from agg_bench.tools import campaign
+child = subprocess.Popen(campaign._dying_with_parent([sys.executable, "-c", "import time; time.sleep(600)"]),
+                         start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the kernel's parent-death signal")
+def test_a_child_started_through_the_launcher_dies_with_its_parent(tmp_path):
+    """The launcher sets the kernel's parent-death signal in the child before its exec (in a process of its own,
+    not in a preexec_fn of the campaign, whose thread pool runs): its parent killed, the child is killed (no
+    guard here), and a command that cannot be started is one line and exit code 127."""
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCHING_PARENT], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        waited = time.monotonic()  # until the launcher has exec'd the child: it runs the child's command line
+        while Path(f"/proc/{child}/cmdline").read_text().split("\0")[1:-1] != ["-c", "import time; time.sleep(600)"]:
+            assert time.monotonic() - waited < 30
+            time.sleep(0.05)
+        parent.kill()
+        parent.wait(timeout=30)
+        waited = time.monotonic()
+        while alive(child) and time.monotonic() - waited < 10:
+            time.sleep(0.05)
+        assert not alive(child)
+    finally:
+        parent.kill()
+        if child is not None and alive(child):
+            os.kill(child, signal.SIGKILL)
+    missing = str(tmp_path / "nowhere")
+    ran = subprocess.run(campaign_module._dying_with_parent([missing]), capture_output=True, text=True)
+    assert (ran.returncode, ran.stderr) == (127, f"{missing}: No such file or directory\n")
+
+
 def test_a_cell_starts_no_run_that_would_end_after_its_deadline(tmp_path, capsys):
     tiny = ["model.preset=tiny", "model.resolution=32", "train.iterations=1", "sampling.steps=4", "grpo.group_size=2",
             "grpo.prompts_per_iteration=1", "progress=false"]
