@@ -298,6 +298,23 @@ def test_a_dynamic_shift_that_is_no_shift_at_the_run_s_resolution_is_refused_in_
                            key="sampling.shift", readers=[Session])
 
 
+def test_a_folder_s_shift_whose_schedule_starts_above_1_names_its_shift_and_the_steps(model, tmp_path, capsys):
+    """diffusers' 2-step schedule of shift 0.67 starts at 1.0000001 in float32 (the SDEs take the root of 1 - s):
+    refused, but the line said `sampling.shift = None: expected a shift whose 2-step schedule ... (this one gives
+    1, 0.000449148, 0)`: no shift was given, and the first sigma read as 1. It names the folder's shift, the
+    steps' key and the sigma as it is; a folder's shift of 1.5 runs."""
+    folder = model_copy(model, tmp_path)
+    path = folder / "scheduler" / "scheduler_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "shift": 0.67}))
+    words = ("a shift of the model's scheduler config (here 0.67) whose sampling.steps' 2-step schedule falls "
+             "strictly from 1 to 0 in float32 (this one gives 1.0000001, ")
+    refused_before_the_run(capsys, folder_run(folder, "sd3", "reward.name=scene", "sampling.shift=null"),
+                           tmp_path / "run", words, key="sampling.shift", readers=[Session])
+    path.write_text(json.dumps({**config, "shift": 1.5}))
+    assert Session(model_config(folder, "sampling.shift=null")).sigmas[0] == 1
+
+
 def test_a_dynamic_shift_is_the_folder_s_at_the_run_s_resolution(model, tmp_path):
     """A dynamic shift > 0 at the run's 64 image tokens (mu = 1.5 - 0.5 * 192 / 3840, exp or linear) is used."""
     from agg_bench.engine.sampler import flow_sigmas
