@@ -140,7 +140,7 @@ class TaylorSeerConfig(Options):
     cache_interval: int = option(5, "after the warm-up, each layer computes once every this many steps and predicts "
                                     "in between; 1 never predicts. diffusers' default", minimum=1, maximum=MAX_STEPS)
     disable_cache_before_step: int = option(3, "steps before this index always compute (they gather the Taylor "
-                                               "factors). diffusers' default", minimum=0, maximum=MAX_STEPS)
+                                               "factors); 0 only with `cache_interval` 1. diffusers' default", minimum=0, maximum=MAX_STEPS)
     disable_cache_after_step: int | None = option(
         None, "steps from this index on always compute, an index after `disable_cache_before_step`; null never "
         "stops predicting. diffusers' default",
@@ -151,6 +151,11 @@ class TaylorSeerConfig(Options):
         "rounding of the stored factors out of the measured cache error")
 
     def check(self) -> None:
+        if self.disable_cache_before_step == 0 and self.cache_interval > 1:
+            # diffusers counts a layer's first call as step 0: it would predict before any call has computed
+            raise ConfigError("method.disable_cache_before_step", 0,
+                              f"at least 1 with method.cache_interval = {self.cache_interval} (the first step "
+                              "would predict from Taylor factors that no computed step has gathered)")
         after = self.disable_cache_after_step
         if after is not None and after <= self.disable_cache_before_step:
             raise ConfigError("method.disable_cache_after_step", after,

@@ -316,3 +316,20 @@ def test_options_that_leave_nothing_to_reuse_are_refused(name, key, empty, nonem
     assert (err.value.key, err.value.value) == (f"method.{key}", empty)
     assert getattr(make_config(name, {**fixed, key: nonempty}), key) == (
         tuple(nonempty) if isinstance(nonempty, list) else nonempty)
+
+
+def test_taylorseer_without_warm_up_predicts_only_after_a_computed_step(inputs):
+    # with no warm-up step and an interval above 1, the first call of each layer would predict from Taylor
+    # factors that nothing has gathered (diffusers raises mid-rollout): refused when the options are typed
+    with pytest.raises(ConfigError) as err:
+        make_config("taylorseer", {"disable_cache_before_step": 0, "cache_interval": 2})
+    assert (err.value.key, err.value.value) == ("method.disable_cache_before_step", 0)
+    # the edges that are allowed run a whole trajectory: no warm-up with interval 1 (never predicts), and one
+    # warm-up step with the longest interval (the first step computes, the others predict)
+    policy = make_policy("sd3")
+    for options, skips in (({"disable_cache_before_step": 0, "cache_interval": 1}, False),
+                           ({"disable_cache_before_step": 1, "cache_interval": 1000}, True)):
+        handle = apply_cache(policy.transformer, "taylorseer", options)
+        trajectory(policy, inputs, handle)
+        assert (handle.stats["skipped"] > 0) == skips and handle.stats["computed"] > 0, options
+        handle.remove()
