@@ -225,6 +225,13 @@ class CachedEstimator(Estimator):
         return ReplayCase()
 
     # ----- installing the cache ---------------------------------------------------------------
+    def set_up(self, policy):
+        """The cache installed on the built transformer once and removed again, so that what it refuses of this
+        model (Delta-DiT's runs past the transformer's blocks) is refused when the run is set up, before it writes
+        anything, not in its first rollout."""
+        with checkpointing_paused(policy.transformer):
+            apply_cache(policy.transformer, self.config.cache, self.config.cache_settings()).remove()
+
     @contextlib.contextmanager
     def _cache_on(self, policy: Policy, work: CacheWork):
         """The cache installed on the policy's transformer, from a reset state; removed (and its work

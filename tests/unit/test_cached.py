@@ -271,6 +271,19 @@ def test_close_removes_a_cache_left_installed():
     assert_hook_free(session.policy.transformer)
 
 
+@pytest.mark.parametrize("option, value", [("num_blocks", 1000), ("block_range", "[0,1000]")])
+def test_deltadit_runs_past_the_models_blocks_are_refused_before_the_run_writes(tmp_path, capsys, option, value):
+    # the tiny SD3 has 2 blocks: known once the model is built, which the run's set-up does before writing
+    out = tmp_path / "run"
+    sets = ["model.resolution=32", *SMALL, "train.iterations=1", "progress=false", "method.name=cached",
+            "method.cache=deltadit", f"method.{option}={value}"]
+    capsys.readouterr()
+    assert main(["run", "--config", str(RUN_CONFIG), *(a for s in sets for a in ("--set", s)), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"method.{option}" in err and "2 blocks" in err
+    assert not out.exists()
+
+
 # ----- the CLI ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", NAMES)
