@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from agg_bench.config.options import option
-from agg_bench.engine.trained_steps import draw_plan
+from agg_bench.engine.trained_steps import draw_plan, plan_steps
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import ReplayCase, register_method
 from baselines.full import FullConfig, FullEstimator
@@ -166,6 +166,41 @@ class WindowEstimator(FullEstimator):
             raise ConfigError("train.plan_window", cfg.train.plan_window,
                               f"at most method.window_size = {self.config.window_size} for method 'window' "
                               "(only window steps can be trained)")
+        self.check_windows_trainable(cfg)
+
+    def run_starts(self, cfg) -> list[int]:
+        """Every start a window of this run may take: the fixed one, each one random mode may draw, or those
+        progressive mode reaches within ``train.iterations``."""
+        c, steps = self.config, cfg.sampling.steps
+        low, high = self.start_range(steps)
+        if c.window_mode == "fixed":
+            return [low]
+        if c.window_mode == "random":
+            return list(range(low, high + 1))
+        # past `steps` moves the starts repeat (window_wrap) or stay at the last one
+        moves = min((cfg.train.iterations - 1) // c.window_interval, steps)
+        return sorted({self.window_start(m * c.window_interval, steps) for m in range(moves + 1)})
+
+    def check_windows_trainable(self, cfg) -> None:
+        """Every window the run may take keeps what ``train.plan`` draws (a step, or a group of
+        ``train.plan_window``) once the steps it may not draw are left out (the last one with
+        ``train.ignore_last``, the step into sigma 0 of a ``cps`` SDE, the steps past ``window_end``): a
+        ConfigError before the run starts, not in the iteration whose window has none."""
+        from agg_bench.engine.sampler import stochastic_steps  # torch-only; the options import no engine
+
+        train, steps = cfg.train, cfg.sampling.steps
+        drawable = plan_steps(stochastic_steps(cfg.sampling.sde, torch.linspace(1, 0, steps + 1)), train.ignore_last)
+        need = train.plan_window if train.plan == "groups" else 1
+        for start in self.run_starts(cfg):
+            kept = int((self.window_mask(start, steps) & drawable).sum())
+            if kept < need:
+                wanted = f"train.plan_window = {need} steps" if train.plan == "groups" else "a step"
+                raise ConfigError(
+                    "method.window_size", self.config.window_size,
+                    f"a window that keeps {wanted} to train wherever the run puts it: the window of steps {start}.."
+                    f"{self.window_last(start, steps)} (method.window_mode={self.config.window_mode}) has {kept} "
+                    f"that the plan may draw (train.ignore_last={str(train.ignore_last).lower()}, "
+                    f"sampling.sde={cfg.sampling.sde}, sampling.steps={steps})")
 
     def window_last(self, start: int, steps: int) -> int:
         """The last step of the window that starts at ``start`` (cut at ``window_end``)."""

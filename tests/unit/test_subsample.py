@@ -154,6 +154,50 @@ def test_window_with_groups_wider_than_the_window_is_refused():
     assert err.value.key == "train.plan_window"
 
 
+# windows that the run would reach, whose steps the plan may not draw: the last step alone with
+# train.ignore_last or a cps SDE (its step into sigma 0), or fewer steps than a group of the groups plan
+UNTRAINABLE_WINDOWS = [
+    ("method.window_size=1", "method.window_mode=fixed", f"method.window_start={STEPS - 1}", "train.ignore_last=true"),
+    ("method.window_size=1", "method.window_mode=fixed", f"method.window_start={STEPS - 1}", "sampling.sde=cps"),
+    ("method.window_size=1", "method.window_interval=1", f"train.iterations={STEPS}", "train.ignore_last=true"),
+    ("method.window_size=2", "method.window_mode=random", "train.plan=groups", "train.plan_window=2",
+     "train.ignore_last=true"),
+    ("method.window_size=2", f"method.window_end={STEPS}", "method.window_interval=1", f"train.iterations={STEPS}",
+     "train.plan=groups", "train.plan_window=2"),
+]
+
+
+@pytest.mark.parametrize("overrides", UNTRAINABLE_WINDOWS)
+@pytest.mark.parametrize("name", ["window", "mixgrpo_flash"])
+def test_a_window_the_run_reaches_without_a_step_to_train_is_refused(name, overrides):
+    cfg = tiny_config(f"method.name={name}", *overrides)
+    with pytest.raises(ConfigError) as err:
+        build_method(name, cfg.method.given).check_run(cfg)
+    assert err.value.key == "method.window_size" and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    # the progressive window stops one step short of the last, which ignore_last leaves out
+    ("method.window_size=1", "method.window_interval=1", f"train.iterations={STEPS - 1}", "train.ignore_last=true"),
+    ("method.window_size=2", "method.window_interval=1", f"train.iterations={STEPS}", "train.ignore_last=true"),
+    ("method.window_size=2", "method.window_mode=random", "train.plan=groups", "train.plan_window=2"),
+])
+def test_windows_that_keep_a_step_to_train_are_accepted(overrides):
+    cfg = tiny_config("method.name=window", *overrides)
+    build_method("window", cfg.method.given).check_run(cfg)
+
+
+def test_a_progressive_window_reaching_an_untrainable_step_is_refused_before_the_run(tmp_path, capsys):
+    # it used to train until the window reached the last step, then end with a config error
+    out = tmp_path / "x"
+    code = main(["run", *SMALL, "--set", "method.name=window", "--set", "method.window_size=1",
+                 "--set", "method.window_interval=1", "--set", f"train.iterations={STEPS}",
+                 "--set", "train.ignore_last=true", "--set", "grpo.group_size=2", "--out", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "method.window_size" in lines[0]
+    assert not out.exists()
+
+
 # ----- fraction -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fraction", [0.4, 0.7])
