@@ -192,7 +192,13 @@ class WindowEstimator(FullEstimator):
         drawable = plan_steps(stochastic_steps(cfg.sampling.sde, torch.linspace(1, 0, steps + 1)), train.ignore_last)
         need = train.plan_window if train.plan == "groups" else 1
         for start in self.run_starts(cfg):
-            kept = int((self.window_mask(start, steps) & drawable).sum())
+            window = self.window_mask(start, steps)
+            if cfg.reward.on == "x0" and cfg.sampling.same_noise_per_group and not window[:-1].any():
+                raise ConfigError("reward.on", "x0", f"'final' with sampling.same_noise_per_group and the window of "
+                                                     f"steps {start}..{self.window_last(start, steps)}: no SDE step "
+                                                     "comes before the last step's data prediction, so a group has "
+                                                     "one reward and every advantage is 0")
+            kept = int((window & drawable).sum())
             if kept < need:
                 wanted = f"train.plan_window = {need} steps" if train.plan == "groups" else "a step"
                 raise ConfigError(

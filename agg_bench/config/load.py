@@ -114,6 +114,11 @@ def validate(config: dict) -> RunConfig:
                               "null unless train.lora_rank > 0 (train.lora_rank = 0 fine-tunes the whole model)")
     check_cps_eta(cfg.sampling.sde, cfg.sampling.eta)
     check_minibatches(cfg, 1)
+    if cfg.reward.on == "x0" and cfg.sampling.steps == 1 and cfg.sampling.same_noise_per_group:
+        raise ConfigError("reward.on", "x0", "'final' with sampling.steps = 1 and sampling.same_noise_per_group (the "
+                                             "data prediction of the only step comes from the group's shared noise "
+                                             "before any SDE noise, so a group has one reward and every advantage "
+                                             "is 0)")
     return cfg
 
 

@@ -70,6 +70,25 @@ def test_reward_on_x0_scores_the_last_steps_data_prediction(monkeypatch):
     assert torch.equal(rewarded_latents(trajectory, "x0"), ode.latents[:, -1])
 
 
+def test_reward_on_x0_without_an_sde_step_before_it_is_refused():
+    """With the group's shared noise and no SDE step before the last one, the last step's data prediction is the
+    same for the whole group: one reward, every advantage 0, an update that trains nothing."""
+    shared = Session(tiny_config("reward.on=x0", "sampling.steps=2", "sampling.sde=dance_grpo"))
+    rewards = shared.collect(0).rewards.view(-1, shared.cfg.grpo.group_size)
+    assert (rewards.std(dim=1) > 0).all()  # one SDE step before the last one is enough
+    with pytest.raises(ConfigError) as err:
+        tiny_config("reward.on=x0", "sampling.steps=1")
+    assert err.value.key == "reward.on"
+    assert tiny_config("reward.on=x0", "sampling.steps=1", "sampling.same_noise_per_group=false").reward.on == "x0"
+    last = tiny_config().sampling.steps - 1
+    for name in ("window", "mixgrpo_flash"):  # a window on the last step alone: the steps before it follow the ODE
+        cfg = tiny_config(f"method.name={name}", "method.window_size=1", "method.window_mode=fixed",
+                          f"method.window_start={last}", "reward.on=x0")
+        with pytest.raises(ConfigError) as err:
+            Session(cfg)
+        assert err.value.key == "reward.on"
+
+
 @pytest.mark.parametrize("std", ["group", "global"])
 def test_run_advantages_follow_the_std_ddof_and_eps(std):
     """The batch's advantages from its rewards: each group's mean, the group's or the batch's std with the
