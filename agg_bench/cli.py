@@ -368,14 +368,21 @@ def cmd_profile(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from .methods.base import build_estimator
     from .runtime.memplan import GIB, format_plan, plan_memory
+    from .runtime.session import check_trained_steps
 
     memory = None
     if args.gpu_memory is not None:
         if not (math.isfinite(args.gpu_memory) and 0 < args.gpu_memory <= MAX_GPU_MEMORY_GIB):
             raise ConfigError("--gpu-memory", args.gpu_memory, f"a number of GiB > 0 and at most {MAX_GPU_MEMORY_GIB:,}")
         memory = args.gpu_memory * GIB
-    plan = plan_memory(_run_config(args.config, args.overrides), args.gpus, memory)
+    cfg = _run_config(args.config, args.overrides)
+    # what a run refuses before it builds the model (the method's bounds against the schedule, the step plan) is
+    # refused here too, not planned as a run that fits
+    build_estimator(cfg).check_run(cfg)
+    check_trained_steps(cfg)
+    plan = plan_memory(cfg, args.gpus, memory)
     print(json.dumps(plan.as_dict()) if args.json else format_plan(plan))
     return 0
 

@@ -62,6 +62,23 @@ def test_the_pretrained_preset_without_a_folder_is_refused_by_every_verb(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("sets, key", [
+    (["method.name=agg", "method.window=5"], "method.window"),  # longer than the 4 trained steps
+    (["train.plan=groups", "train.plan_window=5"], "train.plan_window"),
+    (["method.name=window", "method.window_size=1", "method.window_mode=fixed", "method.window_start=3",
+      "train.ignore_last=true"], "method.window_size"),
+])
+@pytest.mark.parametrize("verb", ["run", "plan"])
+def test_what_the_run_refuses_before_building_its_model_plan_refuses_too(tmp_path, capsys, verb, sets, key):
+    # `plan` used to answer "fits: yes" for these, which the run refuses
+    out = ["--out", str(tmp_path / "out")] if verb == "run" else []
+    capsys.readouterr()
+    assert main([verb, *SMALL, *(a for s in sets for a in ("--set", s)), *out]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"config error: {key} = " in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
 def test_malformed_prompts_file(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "a red cube"}\n{"prompt": "a blue\n')
