@@ -91,7 +91,7 @@ class NFTConfig(Options):
     times_per_sample: int | None = option(
         None, "K noised copies of each final latent; at most sampling.steps with the `schedule` distribution and "
         "4 x sampling.steps with `uniform` (each time is a forward and a backward per sample: "
-        "`baselines.final_latent.TIMES_PER_STEP`); null: int(0.99 * sampling.steps), the code's "
+        "`baselines.final_latent.TIMES_PER_STEP`); null: int(0.99 * sampling.steps) (at least 1), the code's "
         "`num_steps * timestep_fraction`", minimum=1, maximum=10**9)
     time_distribution: Literal["schedule", "uniform"] = option(
         "schedule", "where t comes from: `schedule` (the code; module docstring) or `uniform`")
