@@ -541,9 +541,11 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
         else:
             _check_window_log(where, file_name, data)
     with claim_folder(reference, REFERENCE_CONTENTS, "--reference"):
-        # a killed earlier unpack's staging folder (runs, tables) would stay in the reference for good, and be
-        # committed with it: the folder's checks take it for the harness's
-        remove_stale_temps(reference / UNPACK_STAGING)
+        # a killed earlier unpack's staging folder (runs, tables), or its temporary of a file it generates (the
+        # manifest, written under no claim of its own), would stay in the reference for good, and be committed
+        # with it: the folder's checks take them for the harness's
+        for name in (UNPACK_STAGING, *GENERATED):
+            remove_stale_temps(reference / name)
         check_hardware(campaign, where, gpus, reference)
         # what the reference already holds: the same bytes are skipped, other bytes refused
         new_groups, new_others = {}, {}

@@ -362,6 +362,40 @@ def test_an_unpack_removes_the_staging_folder_a_killed_unpack_left_in_the_refere
     assert sorted(p.name for p in reference.iterdir()) == [alive.name]
 
 
+def test_an_unpack_removes_the_temporaries_a_killed_unpack_left_of_the_files_it_generates(cpu_campaign, tmp_path,
+                                                                                          monkeypatch):
+    """An unpack killed (SIGKILL) while it wrote the reference's manifest.json, or a report of it killed while
+    its tables were staged, left a temporary in the reference, which is committed: the reference's checks take
+    it for the harness's, and the manifest is written outside any claim of its own. The next unpack removes
+    each once it holds the reference's claim; a live process's stays."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    stale = [atomic_path(reference / name).with_name(atomic_path(reference / name).name.replace(str(os.getpid()),
+                                                                                               "4194000"))
+             for name in archive_module.GENERATED]
+    stale[0].write_text("{}")  # manifest.json's
+    for folder in stale[1:]:  # the tables' and the learning report's, staged whole
+        folder.mkdir()
+        (folder / "summary.csv").write_text("method\n")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    alive = atomic_path(reference / "manifest.json")
+    alive = alive.with_name(alive.name.replace(str(os.getpid()), str(live.pid)))
+    alive.write_text("{}")
+
+    def checked(*args):
+        raise UserError("checked")  # the first check under the claim: the archive's runs against the reference's
+
+    monkeypatch.setattr(archive_module, "read_archive", lambda path: {})
+    monkeypatch.setattr(archive_module, "check_hardware", checked)
+    try:
+        with pytest.raises(UserError, match="checked"):
+            archive_module.unpack(cpu_campaign, tmp_path / "campaign.tar.gz", reference)
+    finally:
+        live.kill()
+        live.wait()
+    assert sorted(p.name for p in reference.iterdir()) == [alive.name]
+
+
 def test_a_small_archive_that_unpacks_to_more_than_the_bound_is_refused_as_it_inflates(tmp_path, capsys,
                                                                                        monkeypatch):
     """A tar's long-name header is read whole by the tar reader: the inflated stream is bounded first, so an
