@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from .errors import ConfigError, OneLineParser, UserError, alike_on_every_process, quote, run_command
-from .io import write_json
 from .outdir import check_file, check_writable, path_problem
 
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
@@ -84,7 +83,7 @@ def cmd_run(args) -> int:
         _check_marker(args.done, args.out)
     # imported once the command line and config are known to be good: the trainer's imports (the model
     # libraries) doubled the time a refused run took to print its one line
-    from .runtime.cell import ENDED, CellRun
+    from .runtime.cell import ENDED, CellRun, write_marker
     from .runtime.train import train
 
     # --journal: the run an attempt whose end went unrecorded finished is kept (a cell job's journal of one run)
@@ -97,8 +96,7 @@ def cmd_run(args) -> int:
             journal.add(entry, cfg, summary["status"])
         print(json.dumps({"out": str(args.out), "status": summary["status"]}))
         if args.done is not None:
-            args.done.parent.mkdir(parents=True, exist_ok=True)
-            write_json(args.done, {"out": str(args.out), "status": summary["status"]})
+            write_marker(args.done, args.out, summary["status"])
     return 0
 
 

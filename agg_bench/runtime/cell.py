@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterator
 
 from .. import stopping
 from ..errors import UserError, quote, run_command
-from ..io import as_written, write_json
+from ..io import as_written, remove_stale_temps, write_json
 from ..outdir import Busy, Claim, check_file, check_path_names, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
 from ..jsonfiles import json_type, read_json_object
@@ -355,8 +355,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
     if worst == 0 and every_run_ended:
         for job, _ in jobs:
             if job.done is not None:
-                job.done.parent.mkdir(parents=True, exist_ok=True)
-                write_json(job.done, {"out": str(job.out), "status": ended[job.out]})
+                write_marker(job.done, job.out, ended[job.out])
     if after_runs is not None:
         code = after_runs(dict(ended))
         if code >= 128:
@@ -367,6 +366,15 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
 
 # whether a file is a run's marker ({"out", "status"}), which a cell or a run may replace
 is_marker = json_file_where(lambda data: set(data) == {"out", "status"})
+
+
+def write_marker(path: Path, out: Path, status: str) -> None:
+    """Write the marker ``path`` of the run folder ``out`` that ended with ``status`` (its folder made if
+    missing). A marker has no claim of its own, so the temporaries that killed writers of it left beside it (in a
+    folder of every job's markers) go here, those of a live process kept."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
+    write_json(path, {"out": str(out), "status": status})
 
 
 def _journal_shape(data: dict) -> bool:
@@ -442,6 +450,7 @@ class Progress:
         (a :class:`~agg_bench.outdir.Claim` that waits): two processes recording runs in one journal at once
         (``agg-bench run --journal`` of the same file) each keep the other's entry."""
         with Claim(self.path, folder=False, lock_inside=False, flag=self.flag, wait=True):
+            remove_stale_temps(self.path)  # a killed writer's of this journal: the claim's check removes none
             self.runs = {**(_recorded_runs(self.path, self.code) or {}),
                          str(job.out): {"config": as_written(cfg.to_dict()), "status": status}}
             write_json(self.path, {"code": self.code, "runs": self.runs})

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import yaml
 
 from agg_bench.cli import main
 from agg_bench.config import load_config
-from agg_bench.io import read_jsonl
+from agg_bench.io import atomic_path, read_jsonl
 from agg_bench.runtime import train as train_module
 from agg_bench.tools.sweep import Sweep
 from helpers import interrupted_updates
@@ -455,6 +456,37 @@ def test_a_run_job_that_ended_unseen_keeps_its_run_until_the_workflow_forgets_it
     assert not journal.exists() and other.exists()
     assert main(args) == 0  # a forced rerun: the run runs again
     assert "kept:" not in capsys.readouterr().err and identity(out / "summary.json") != first
+
+
+@pytest.mark.parametrize("verb", ["cell", "run"])
+def test_the_temporaries_a_killed_job_left_of_its_markers_and_journal_go(tmp_path, capsys, verb):
+    """A job killed (SIGKILL) while it wrote a run's marker or its journal left that file's temporary beside it,
+    where nothing claims the folder (the workflow's results/done and results/cells): every later attempt added
+    one. The next write of the file removes those of ended processes; a live process's stays."""
+    out, done, journal = tmp_path / "a", tmp_path / "done" / "a.json", tmp_path / "jobs.progress.json"
+    done.parent.mkdir()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+    def temporary(path: Path, pid: int) -> Path:
+        return atomic_path(path).with_name(atomic_path(path).name.replace(str(os.getpid()), str(pid)))
+
+    stale = [temporary(done, 4194000), temporary(journal, 4194001)]
+    alive = [temporary(done, live.pid), temporary(journal, live.pid)]
+    for path in stale + alive:
+        path.write_text("{")
+    try:
+        if verb == "cell":
+            argv = ["cell", "--resume", "--keep-journal", str(job_file(tmp_path, [{**run(out), "done": str(done)}]))]
+        else:
+            argv = ["run", *[a for o in TINY for a in ("--set", o)], "--out", str(out), "--done", str(done),
+                    "--journal", str(journal)]
+        assert main(argv) == 0
+    finally:
+        live.kill()
+        live.wait()
+    assert json.loads(done.read_text()) == {"out": str(out), "status": "ok"}
+    assert json.loads(journal.read_text())["runs"][str(out)]["status"] == "ok"
+    assert not any(path.exists() for path in stale) and all(path.exists() for path in alive)
 
 
 def test_a_cell_stops_at_a_run_another_process_writes(tmp_path, capsys):
