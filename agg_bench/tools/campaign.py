@@ -77,7 +77,7 @@ import yaml
 from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
-from ..io import atomic_target, is_temp_name, write_json
+from ..io import atomic_target, is_temp_name, remove_stale_temps, write_json
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned
 from ..records import is_finite_number
@@ -526,6 +526,8 @@ class Campaign:
         for label, local in self.pretrained_models().items():
             held = reference / "pretrained" / label if reference is not None else None
             if held is not None and held.is_dir() and not local.exists():
+                # a window killed while it copied left its copy beside the folder, which no pretrain of it removes
+                remove_stale_temps(local)
                 with atomic_target(local) as tmp:
                     for name in archives.MODEL_FILES:
                         if (held / name).is_file():

@@ -1327,6 +1327,34 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
         assert words in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
+def test_a_window_removes_the_model_copy_a_killed_window_left_beside_the_model_folder(tmp_path, monkeypatch):
+    """A window killed (SIGKILL) while it copied the reference's pre-trained model into place left the temporary
+    copy (a model's weights) beside the model folder, and each later window copies under its own PID: nothing
+    else removes it, as the model is never pre-trained there. The next copy removes it; a live process's stays."""
+    campaign = Campaign(ROOT / "config" / "learning_gpu.yaml", cpu=True)
+    reference, local = tmp_path / "reference", tmp_path / "pretrained" / "toy"
+    for name in archive_module.MODEL_FILES:
+        (reference / "pretrained" / "toy" / name).parent.mkdir(parents=True, exist_ok=True)
+        (reference / "pretrained" / "toy" / name).write_text(name)
+    monkeypatch.setattr(campaign, "pretrained_models", lambda: {"toy": local})
+    monkeypatch.setattr(campaign, "model_problem", lambda label, folder: None)
+    local.parent.mkdir()
+    mine = atomic_path(local)
+    stale = mine.with_name(mine.name.replace(str(os.getpid()), "4194000"))
+    (stale / "transformer").mkdir(parents=True)
+    (stale / "transformer" / "diffusion_pytorch_model.safetensors").write_text("weights")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    alive = mine.with_name(mine.name.replace(str(os.getpid()), str(live.pid)))
+    alive.mkdir()
+    try:
+        assert campaign.prepare_models(reference) == []
+    finally:
+        live.kill()
+        live.wait()
+    assert tree(local) == tree(reference / "pretrained" / "toy")
+    assert sorted(p.name for p in local.parent.iterdir()) == sorted([alive.name, "toy"])
+
+
 def copy_sweep(folder: Path, config: str) -> None:
     """``config`` and the files its sweep names by relative paths, under ``folder``."""
     for name in (config, "pretrain.yaml", "prompts/scenes.txt"):
