@@ -43,12 +43,18 @@ def as_written(data: Any) -> Any:
 # Temporary names of the harness: ".STEM.agg-bench-tmpPID[.EXT]". Stale ones (a killed process's) are
 # removed by matching exactly this pattern, never a user's ".bashrc.tmpl" or ".notes.tmp".
 TEMP_TAG = ".agg-bench-tmp"
-_TEMP_NAME = re.compile(r"^\..+" + re.escape(TEMP_TAG) + r"[0-9]+(\.[A-Za-z0-9]+)?$")
+_TEMP_NAME = re.compile(r"^\..+" + re.escape(TEMP_TAG) + r"([0-9]+)(\.[A-Za-z0-9]+)?$")
 
 
 def is_temp_name(name: str) -> bool:
     """Whether ``name`` is one of :func:`atomic_path`'s temporary names."""
     return _TEMP_NAME.match(name) is not None
+
+
+def temp_name_owner(name: str) -> int | None:
+    """The PID in one of :func:`atomic_path`'s temporary names, whatever its target; None for any other name."""
+    match = _TEMP_NAME.match(name)
+    return int(match.group(1)) if match else None
 
 
 def atomic_path(path: str | Path) -> Path:

@@ -39,7 +39,8 @@ from typing import Callable, Iterator
 from . import stopping
 from .errors import UserError, quote
 from .jsonfiles import JsonFileError, read_json_object
-from .io import atomic_path, atomic_target, is_temp_name, remove_stale_temps
+from .io import (atomic_path, atomic_target, is_temp_name, process_running, remove_stale_temps,
+                 temp_name_owner)
 
 LOCK_SUFFIX = ".agg-bench.lock"
 FOLDER_LOCK = LOCK_SUFFIX  # inside a folder output: DIR/.agg-bench.lock
@@ -202,6 +203,23 @@ def remove_owned(folder: Path, contents: Contents) -> None:
         folder.rmdir()
     except OSError:  # something that is not the harness's stays, and so does its folder
         pass
+
+
+def remove_stale_harness_files(folder: Path) -> None:
+    """Remove the files of the harness that processes which have ended left in ``folder`` (not in its
+    folders): :func:`atomic_path` temporaries whose PID runs no process, and lock files no process holds. For a
+    folder of files that many processes write under names of their own (a campaign's calibrations, each under
+    a new name), where no later write of the same name would remove them (:func:`remove_stale_temps`). The
+    caller holds a claim that covers ``folder``."""
+    if folder.is_symlink() or not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if path.is_symlink() or not path.is_file():
+            continue
+        if is_lock_name(path.name):
+            _remove_unheld_lock(path)
+        elif (pid := temp_name_owner(path.name)) is not None and not process_running(pid):
+            path.unlink(missing_ok=True)
 
 
 def _remove_unheld_lock(path: Path) -> None:

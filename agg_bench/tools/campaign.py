@@ -79,7 +79,7 @@ from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, is_temp_name, remove_stale_temps, write_json
 from ..jsonfiles import JsonFileError, read_json_object
-from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned
+from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned, remove_stale_harness_files
 from ..records import is_finite_number
 from ..runtime.cell import job_entry
 from ..outputs import RUN_CONTENTS
@@ -847,6 +847,8 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
         to_pretrain = campaign.prepare_models(reference)  # before anything is written: it may refuse
         for sub in ("runs", "cells", "calibration", "logs", "windows"):
             (work / sub).mkdir(exist_ok=True)
+        for sub in ("cells", "calibration", "windows"):  # what killed windows' processes left under new names
+            remove_stale_harness_files(work / sub)
         done = campaign.done(reference, work)
         log: dict[str, Any] = {"started": stamp, "minutes": minutes, "config": str(campaign.config_path),
                                "done_before": len(done), "runs": len(campaign.sweep.runs), "pretrained": [],

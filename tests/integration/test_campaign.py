@@ -5,6 +5,7 @@ starts where it stopped; an archive that is not a window's, or a bad option, is 
 the reference untouched."""
 from __future__ import annotations
 
+import fcntl
 import gzip
 import io
 import json
@@ -1353,6 +1354,41 @@ def test_a_window_removes_the_model_copy_a_killed_window_left_beside_the_model_f
         live.wait()
     assert tree(local) == tree(reference / "pretrained" / "toy")
     assert sorted(p.name for p in local.parent.iterdir()) == sorted([alive.name, "toy"])
+
+
+def test_a_window_removes_what_killed_windows_processes_left_in_the_work_folder(tmp_path, monkeypatch):
+    """A window killed (SIGKILL) while a calibration ran left the calibration's lock file, and a killed write of
+    a cell's report or a window log its temporary, under names no later window writes (each window has its own
+    stamp): nothing removed them. The next window removes them under its claim of the work folder; a live
+    process's temporary, a held lock and the finished files stay."""
+    monkeypatch.setattr(campaign_module, "_run_processes", lambda *args: [])
+    work = tmp_path / "w"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    held: list[int] = []
+    try:
+        kept, stale = [], []
+        for sub in ("cells", "calibration", "windows"):
+            (work / sub).mkdir(parents=True)
+            finished = work / sub / f"20261205T000000_{sub}.json"
+            finished.write_text("{}")
+            dead = atomic_path(finished)
+            stale += [dead.with_name(dead.name.replace(str(os.getpid()), "4194000")),
+                      work / sub / f".{finished.name}.agg-bench.lock"]
+            kept += [finished, dead.with_name(dead.name.replace(str(os.getpid()), str(live.pid))),
+                     work / sub / f".{sub}-held.json.agg-bench.lock"]
+        for path in [*stale, *kept[1::3], *kept[2::3]]:
+            path.write_text("")
+        for lock in kept[2::3]:
+            held.append(os.open(lock, os.O_RDONLY))
+            fcntl.flock(held[-1], fcntl.LOCK_EX)
+        campaign_module.run_window(Campaign(CONFIG, cpu=True), 1, work, tmp_path / "ref")
+    finally:
+        live.kill()
+        live.wait()
+        for fd in held:
+            os.close(fd)
+    assert not [path for path in stale if path.exists()]
+    assert [path for path in kept if not path.exists()] == []
 
 
 def copy_sweep(folder: Path, config: str) -> None:
