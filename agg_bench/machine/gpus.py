@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import gpu_index, integer_arg, number_arg, read_number
-from ..errors import ConfigError, OneLineParser, UserError, run_command
+from ..errors import ConfigError, OneLineParser, UserError, quote, run_command
+from ..outdir import NAME_MAX, path_problem
 
 ENV_DEVICES = "AGG_BENCH_GPUS"
 ENV_LOCK_DIR = "AGG_BENCH_GPU_LOCK_DIR"
@@ -106,21 +107,34 @@ def visible_devices(environ: dict[str, str] | None = None) -> list[str]:
 
 
 def default_lock_dir(environ: dict[str, str] | None = None) -> Path:
+    """The folder of the lock files (see the module docstring); a UserError naming the variable when
+    ``AGG_BENCH_GPU_LOCK_DIR`` can name no folder. SLURM's job id becomes one name whatever its text: a ``/``
+    in it would put the locks elsewhere, and a name too long for the file system would fail every open."""
     env = os.environ if environ is None else environ
     if env.get(ENV_LOCK_DIR):
-        root = Path(env[ENV_LOCK_DIR])
+        text = env[ENV_LOCK_DIR]
+        problem = path_problem(text)
+        if problem is not None:
+            raise UserError(f"environment variable {ENV_LOCK_DIR}={quote(text)}: {problem}; expected a folder path")
+        root = Path(text)
     else:
         try:
             user = getpass.getuser()
         except Exception:  # no passwd entry (some containers)
             user = str(os.getuid())
-        root = Path(tempfile.gettempdir()) / f"agg-bench-gpus-{user}"
+        root = Path(tempfile.gettempdir()) / _safe_name(f"agg-bench-gpus-{user}")
     job = env.get("SLURM_JOB_ID")
-    return root / f"slurm-{job}" if job else root
+    return root / _safe_name(f"slurm-{job}") if job else root
+
+
+def _safe_name(text: str) -> str:
+    """``text`` as one file name: characters other than letters, digits, ``_.-`` as ``_``, at most
+    :data:`~agg_bench.outdir.NAME_MAX` characters (all of them ASCII, so as many bytes)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:NAME_MAX]
 
 
 def _lock_name(device: str) -> str:
-    return "gpu-" + re.sub(r"[^A-Za-z0-9_.-]", "_", device) + ".lock"
+    return _safe_name(f"gpu-{device}")[:NAME_MAX - len(".lock")] + ".lock"
 
 
 @dataclass
@@ -181,15 +195,20 @@ class GpuPool:
     def try_acquire(self, count: int) -> Lease | None:
         """``count`` free devices (lowest ids first), or None without waiting when fewer are free."""
         self._check(count)
-        self.lock_dir.mkdir(parents=True, exist_ok=True)
         lease = Lease([])
-        for device in self.devices:
-            if len(lease.devices) == count:
-                break
-            fd = self._try_lock(device)
-            if fd is not None:
-                lease.devices.append(device)
-                lease._fds.append(fd)
+        try:
+            self.lock_dir.mkdir(parents=True, exist_ok=True)
+            for device in self.devices:
+                if len(lease.devices) == count:
+                    break
+                fd = self._try_lock(device)
+                if fd is not None:
+                    lease.devices.append(device)
+                    lease._fds.append(fd)
+        except OSError as err:
+            lease.release()
+            raise UserError(f"GPU lock folder {self.lock_dir}: cannot make or lock files there "
+                            f"({err.strerror or err}); set {ENV_LOCK_DIR} to a folder this user can write") from None
         if len(lease.devices) < count:
             # hold nothing while waiting, so two jobs asking for 2 of 3 devices cannot deadlock
             lease.release()

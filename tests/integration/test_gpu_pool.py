@@ -33,6 +33,28 @@ def test_slurm_jobs_get_their_own_lock_folder(tmp_path):
     assert default_lock_dir({**env, "SLURM_JOB_ID": "42"}) == tmp_path / "slurm-42"
 
 
+def test_odd_lock_places_are_one_line(tmp_path):
+    """A job id is one name inside the lock folder, whatever its text; a lock folder that cannot be made, or
+    a name too long for the file system, is a UserError naming the folder, not an OSError."""
+    env = {"AGG_BENCH_GPU_LOCK_DIR": str(tmp_path)}
+    for job in ("../../elsewhere", "9" * 300):
+        folder = default_lock_dir({**env, "SLURM_JOB_ID": job})
+        assert folder.parent == tmp_path
+        lease = GpuPool(["0"], folder).try_acquire(1)
+        assert lease is not None
+        lease.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slurm-.._.._elsewhere", "slurm-" + "9" * 249]
+    with pytest.raises(UserError, match="environment variable AGG_BENCH_GPU_LOCK_DIR=.*a name of 300 bytes"):
+        default_lock_dir({"AGG_BENCH_GPU_LOCK_DIR": str(tmp_path / ("y" * 300))})
+    (tmp_path / "file").write_text("")
+    for folder in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(UserError, match=f"GPU lock folder {folder}: cannot make or lock files there"):
+            GpuPool(["0"], folder).try_acquire(1)
+    lease = GpuPool(["GPU-" + "y" * 300], tmp_path / "long").try_acquire(1)  # a device id longer than a name
+    assert lease is not None
+    lease.release()
+
+
 def test_leases_are_disjoint_until_released(tmp_path):
     pool = GpuPool(["0", "1", "2"], tmp_path)
     a = pool.try_acquire(2)
