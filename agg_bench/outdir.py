@@ -263,12 +263,37 @@ def path_problem(text: str) -> str | None:
     return None
 
 
+def reach_problem(text: str) -> str | None:
+    """Why this user cannot reach the path ``text``, or None: a folder on its way, or the folder it names, that
+    this user may not search (every look at a path below it, ``Path.exists()`` among them, raises
+    PermissionError). Looks only; a path that does not exist, or any other trouble, is left to its command."""
+    path = Path(text)
+    try:
+        if path.is_dir():
+            os.stat(os.path.join(path, "."))  # a look inside (pathlib drops a "." part)
+    except PermissionError as err:
+        # the deepest folder that can be looked at is the one that cannot be searched
+        folder = next((p for p in (path, *path.parents) if _can_stat(p)), path)
+        return f"cannot be reached: this user may not search the folder {folder} ({err.strerror})"
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _can_stat(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def check_path_names(where: str, named) -> None:
     """Each ``(key, text)`` of ``named`` (text None: not given) a path that can name a file
-    (:func:`path_problem`); a UserError ``<where>.<key> '<text>': <problem>; expected a file or folder name``
-    for the first that cannot."""
+    (:func:`path_problem`) and that this user can reach (:func:`reach_problem`); a UserError
+    ``<where>.<key> '<text>': <problem>; expected a file or folder name`` for the first that cannot."""
     for key, text in named:
-        problem = path_problem(text) if text is not None else None
+        problem = (path_problem(text) or reach_problem(text)) if text is not None else None
         if problem is not None:
             raise UserError(f"{where}.{key} {quote(text)}: {problem}; expected a file or folder name")
 

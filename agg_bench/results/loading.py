@@ -21,7 +21,7 @@ import pandas as pd
 from ..config import ModelConfig, TrainConfig, bound
 from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import check_path, read_json_object
-from ..outdir import path_problem
+from ..outdir import path_problem, reach_problem
 from ..reading import RunFolder
 from ..records import OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number, is_integer
 
@@ -145,8 +145,8 @@ def _check(where: str, value, kind: tuple, nullable: bool = True) -> None:
 
 def load_manifest(path: str | Path) -> Manifest:
     """Read the workflow's manifest: ``{"runs": [...], "gradcheck": [...], "calibration": [...],
-    "warmup": 1, "time": "auto"}`` (each entry an object; see ``MANIFEST_SECTIONS``). Anything else is a
-    UserError naming the manifest and the key."""
+    "warmup": 1, "time": "auto"}`` (each entry an object; see ``MANIFEST_SECTIONS``; its file or folder one this
+    user can reach). Anything else is a UserError naming the manifest and the key."""
     path = Path(path)
     check_path(path, "manifest")
     data = read_json_object(path, "a report manifest (an object with runs, gradcheck, calibration, warmup, time)")
@@ -168,6 +168,9 @@ def load_manifest(path: str | Path) -> Manifest:
                 if key not in keys:
                     raise UserError(f"{where}: unknown key {key!r}; expected some of {', '.join(keys)}")
                 _check(f"{where}.{key}", value, keys[key], nullable=key != required)
+            problem = reach_problem(entry[required])
+            if problem is not None:
+                raise UserError(f"{where}.{required} = {quote(entry[required])}: {problem}")
             sections[section].append(entry_class(**{**entry, required: Path(entry[required])}))
     warmup = check_warmup(data.get("warmup", 1), f"manifest {path}: warmup")
     return Manifest(sections["runs"], sections["gradcheck"], warmup,
@@ -263,7 +266,8 @@ def _is_run_folder(path: Path) -> bool:
 
 def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
     """Run folders in ``paths``: each path is a run folder or a folder of run folders. A path that does not
-    exist, is a file, or is a folder holding no run folder is a UserError naming it."""
+    exist, is a file, is a folder holding no run folder, or holds a folder this user may not search is a UserError
+    naming it."""
     out = []
     for path in map(Path, paths):
         if not path.exists():
@@ -272,7 +276,14 @@ def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
         if _is_run_folder(path):
             out.append(RunEntry(path))
         elif path.is_dir():
-            found = [RunEntry(p) for p in sorted(path.iterdir()) if _is_run_folder(p)]
+            found = []
+            for p in sorted(path.iterdir()):
+                problem = reach_problem(str(p))
+                if problem is not None:
+                    raise UserError(f"--runs {quote(str(path))}: {quote(p.name)} {problem}; expected run folders "
+                                    "this user can read")
+                if _is_run_folder(p):
+                    found.append(RunEntry(p))
             if not found:
                 raise UserError(f"--runs {quote(str(path))}: holds no run folder (a folder with summary.json or "
                                 "metrics.jsonl); expected a run folder or a folder of run folders")

@@ -1,0 +1,70 @@
+"""Paths this user may not read or search: one line naming the path, exit code 2, nothing written.
+
+The commands run in a child process without the capabilities that let root pass any file mode (setpriv), so that
+a mode of 000 refuses as it does for everyone else; as another user they run as they are.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agg_bench.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model.resolution=32", "sampling.steps=3", "grpo.group_size=2", "grpo.prompts_per_iteration=1",
+        "train.iterations=1", "progress=false", "telemetry.enabled=false"]
+BYPASS = "-dac_override,-dac_read_search"
+
+
+def unprivileged() -> list[str]:
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: no way to run a command that file modes refuse")
+    return ["setpriv", "--bounding-set", BYPASS, "--inh-caps", BYPASS]
+
+
+def refused(*argv: str) -> str:
+    """The one line ``agg-bench ARGV`` prints as a user without root's bypass, after checking exit code 2."""
+    done = subprocess.run([*unprivileged(), sys.executable, "-m", "agg_bench", *argv], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def closed(tmp_path):
+    """A run folder of mode 000 beside an open one, in ``tmp_path / "runs"``; modes put back for the clean-up."""
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        assert main(["run", *[a for s in TINY for a in ("--set", s)], "--out", str(runs / name)]) == 0
+    (runs / "b").chmod(0)
+    yield runs / "b"
+    (runs / "b").chmod(0o755)
+
+
+def test_paths_behind_a_closed_folder(closed, tmp_path):
+    """Every verb's path below a folder this user may not search (a look at it raised PermissionError)."""
+    for argv in (["run", "--out", str(closed / "new")], ["run", "--config", str(closed / "c.yaml"), "--out",
+                                                         str(tmp_path / "new")],
+                 ["report", "--runs", str(closed), "--tables", str(tmp_path / "new")],
+                 ["learning", "--manifest", str(closed / "m.json"), "--tables", str(tmp_path / "new")]):
+        line = refused(*argv)
+        assert f"cannot be reached: this user may not search the folder {closed} (Permission denied)" in line, line
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_closed_run_among_runs(closed, tmp_path):
+    line = refused("report", "--runs", str(closed.parent), "--tables", str(tmp_path / "t"))
+    assert line.startswith(f"agg-bench report: --runs '{closed.parent}': 'b' cannot be reached"), line
+    manifest = tmp_path / "m.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": str(closed.parent / "a")}, {"dir": str(closed)}]}))
+    line = refused("report", "--manifest", str(manifest), "--tables", str(tmp_path / "t"))
+    assert f"manifest {manifest}: runs[1].dir = '{closed}': cannot be reached" in line, line
+    assert not (tmp_path / "t").exists()
+
