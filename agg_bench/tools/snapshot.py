@@ -39,7 +39,7 @@ from ..engine.trained_steps import NO_STEP
 from .. import stopping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_path, atomic_target, follow_umask, remove_stale_temps, write_json
-from ..jsonfiles import read_json_object
+from ..jsonfiles import open_regular, read_json_object
 from ..methods.base import Estimator, ReplayCase, build_estimator
 from ..outdir import Contents, claim_files, claim_folder, json_file_with, remove_owned
 from ..reading import run_config
@@ -212,6 +212,8 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
 
 
 def _first_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror:  # not "[Errno 13] ... '<the path the line names already>'"
+        return err.strerror
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
 
@@ -265,11 +267,12 @@ def _check_weight_files(root: Path, folder: Path, buffers: int) -> None:
     held = 0
     for path in sorted(folder.glob("diffusion_pytorch_model*.safetensors")):
         try:
+            open_regular(path).close()  # as in _rollout_tensors
             with safe_open(str(path), "pt") as handle:
                 held += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
         except (SafetensorError, OSError, ValueError) as err:
             raise UserError(f"snapshot {root}: expected loadable transformer weights in {folder} "
-                            f"({_first_line(err)})") from None
+                            f"({path.name}: {_first_line(err)})") from None
     if held and buffers > held:  # no file at all: the loader names it
         raise UserError(f"{folder / 'config.json'}: describes a transformer whose buffers hold {buffers:,} "
                         f"numbers: expected at most the {held:,} its weight files hold")
@@ -306,6 +309,7 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimato
     method (``estimator``) gives the transformer on its sigmas."""
     path = root / "rollout.safetensors"
     try:
+        open_regular(path).close()  # safetensors says "No such file or directory" of a file this user may not read
         with safe_open(str(path), "pt") as handle:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     except (SafetensorError, OSError, ValueError) as err:

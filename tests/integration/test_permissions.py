@@ -68,3 +68,15 @@ def test_a_closed_run_among_runs(closed, tmp_path):
     assert f"manifest {manifest}: runs[1].dir = '{closed}': cannot be reached" in line, line
     assert not (tmp_path / "t").exists()
 
+
+def test_unreadable_snapshot_files(tmp_path):
+    """A snapshot's weights or rollout this user may not read: the reason is the one the system gave (the
+    safetensors reader said "No such file or directory")."""
+    snap = tmp_path / "snap"
+    assert main(["snapshot", *[a for s in TINY for a in ("--set", s)], "--out", str(snap)]) == 0
+    for name in ("rollout.safetensors", "transformer/diffusion_pytorch_model.safetensors"):
+        (snap / name).chmod(0)
+        line = refused("replay", str(snap), "--method", "full", "--out", str(tmp_path / "g" / "g.safetensors"))
+        assert "Permission denied" in line and "No such file" not in line, line
+        (snap / name).chmod(0o644)
+    assert not (tmp_path / "g").exists()
