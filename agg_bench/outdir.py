@@ -248,9 +248,13 @@ def path_problem(text: str) -> str | None:
     """Why the text ``text`` can name no file or folder, or None: a NUL character (which ends a path for the
     system), a character without bytes in the file system's encoding (a lone surrogate of a JSON string), a
     name of more than :data:`NAME_MAX` bytes or a path of more than :data:`PATH_MAX` (every system call on it
-    fails with "File name too long")."""
+    fails with "File name too long"), or a first name ``~`` (a home folder no shell expanded: quoted, or written
+    in a file; the path would be a folder named ``~`` in the current one)."""
     if "\0" in text:
         return "holds a NUL character, which no file name can"
+    if text == "~" or text.startswith("~/"):
+        return ("starts with ~, which names the home folder only where a shell expands it (not quoted, not in a "
+                "file); write the home folder's path, or ./~ for a folder named ~")
     try:
         data = os.fsencode(text)
     except UnicodeEncodeError:

@@ -78,6 +78,19 @@ def test_a_name_too_long_for_a_file_is_refused_for_every_path_option_of_every_ve
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("verb, argv", _path_options(), ids=lambda x: x if isinstance(x, str) else x[0] or "positional")
+def test_an_unexpanded_home_is_refused_for_every_path_option_of_every_verb(tmp_path, monkeypatch, capsys, verb, argv):
+    """A quoted ``~/x`` (or one from a Makefile variable) reached the verb as it is: ``--out '~/x'`` wrote a folder
+    named ``~`` in the current one."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli.main([verb, *argv[:-1], "~/x"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1, lines
+    assert "'~/x': starts with ~" in lines[0] and "./~" in lines[0], lines
+    assert not any(tmp_path.iterdir())
+
+
 # the config package's types, and the command line's, which import it when a flag is read
 NUMBER_TYPES = {config.integer_arg: int, config.number_arg: float, cli.integer_arg: int, cli.number_arg: float}
 
