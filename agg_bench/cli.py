@@ -32,6 +32,15 @@ def path_arg(text: str) -> Path:
     return Path(text)
 
 
+def file_arg(text: str) -> Path:
+    """:func:`path_arg` for a file a verb writes: a path that ends with ``/`` names a folder (pathlib drops the
+    slash, so such a path was written as a file named after the folder)."""
+    path = path_arg(text)
+    if text.endswith("/"):
+        raise argparse.ArgumentTypeError(f"{quote(text)}: ends with /, which names a folder; expected a file path")
+    return path
+
+
 # The number flags' types, the config package's (one way to read a number), imported when a number flag is read:
 # imported with this module, the config package (YAML, JSON Schema) doubled the start-up of every command, --help
 # and the verbs that load no config among them.
@@ -422,10 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "otherwise start over (what the workflow's run jobs pass)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a finished run of another config in DIR (refused without this flag)")
-    p.add_argument("--done", type=path_arg, metavar="FILE",
+    p.add_argument("--done", type=file_arg, metavar="FILE",
                    help='when the run has ended (ok, oom or diverged), write {"out", "status"} to FILE: a marker '
                         "outside DIR (the workflow's output of a run job, so that removing it spares the run's files)")
-    p.add_argument("--journal", type=path_arg, metavar="FILE",
+    p.add_argument("--journal", type=file_arg, metavar="FILE",
                    help="keep the run when FILE (a cell job's journal, outside DIR) records it as ended with this "
                         "config and code and DIR still holds it; record it there when it ends (the workflow's run "
                         "jobs: a job that ended after snakemake was killed is kept, not run again)")
@@ -477,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'{method: {name: agg, window: 5}}' (repeatable)")
     p.add_argument("--method-repeats", type=integer_arg, default=9,
                    help="timed rounds of the methods' train phases (default 9)")
-    p.add_argument("--out", required=True, type=path_arg, help="FILE.json")
+    p.add_argument("--out", required=True, type=file_arg, help="FILE.json")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("replay", help="one method's gradient on a snapshot")
@@ -486,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a method option, e.g. --set method.window=5 (repeatable)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--out", required=True, type=path_arg, help="FILE.safetensors (+ FILE.json pass counts)")
+    p.add_argument("--out", required=True, type=file_arg, help="FILE.safetensors (+ FILE.json pass counts)")
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("gradcheck", help="every estimator's gradient error against full on one snapshot -> CSV")
@@ -499,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
                    help="more methods to compare, e.g. fraction,cached:cache=fora (repeatable)")
     p.add_argument("--device", help="default: the run config's device (cpu for an existing snapshot)")
-    p.add_argument("--out", required=True, type=path_arg, help="FILE.csv")
+    p.add_argument("--out", required=True, type=file_arg, help="FILE.csv")
     p.set_defaults(func=cmd_gradcheck)
 
     p = sub.add_parser("report", help="comparison tables (CSV, Markdown, HTML) from run folders, and plots (PNG) "
@@ -565,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--started", type=number_arg, help="run: when the window's clock started, in seconds since the epoch "
                                                  "(default: now); scripts/gpu_campaign.sh passes its own start, so "
                                                  "that its start-up counts against --minutes")
-    p.add_argument("--archive", type=path_arg, help="run: where to write the archive (default WORK/campaign.tar.gz); "
+    p.add_argument("--archive", type=file_arg, help="run: where to write the archive (default WORK/campaign.tar.gz); "
                                                 "unpack: the archive to add")
     p.set_defaults(func=cmd_campaign)
 

@@ -31,12 +31,15 @@ def _verbs() -> dict[str, argparse.ArgumentParser]:
     return dict(sub.choices)
 
 
-def _path_options() -> list[tuple[str, list[str]]]:
+PATH_TYPES = (cli.path_arg, cli.file_arg)
+
+
+def _path_options(types=PATH_TYPES) -> list[tuple[str, list[str]]]:
     """(verb, the arguments that give one of its file or folder options the empty string), from the parser."""
     cases = []
     for verb, parser in _verbs().items():
         for action in parser._actions:
-            if action.type is cli.path_arg:
+            if action.type in types:
                 cases.append((verb, [action.option_strings[0], ""] if action.option_strings else [""]))
     return cases
 
@@ -45,11 +48,30 @@ def test_every_file_or_folder_option_takes_the_shared_path_type():
     """A path option declared another way would take '' for the current folder unseen by the test below."""
     for verb, parser in _verbs().items():
         for action in parser._actions:
-            assert (action.type is not Path and not isinstance(action.default, Path)) or action.type is cli.path_arg, \
+            assert (action.type is not Path and not isinstance(action.default, Path)) or action.type in PATH_TYPES, \
                 (verb, action.dest)
             if "--config" in action.option_strings or "--out" in action.option_strings:
-                assert action.type is cli.path_arg, (verb, action.dest)
+                assert action.type in PATH_TYPES, (verb, action.dest)
     assert len(_path_options()) >= 30
+
+
+@pytest.mark.parametrize("verb, argv", _path_options((cli.file_arg,)), ids=lambda x: x if isinstance(x, str) else x[0])
+def test_a_file_a_verb_writes_is_no_path_that_ends_with_a_slash(tmp_path, monkeypatch, capsys, verb, argv):
+    """pathlib drops a trailing slash: ``calibrate --out DIR/`` wrote a file named DIR, as did run's --done and
+    --journal."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli.main([verb, *argv[:-1], "written/"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1, lines
+    assert "'written/': ends with /, which names a folder; expected a file path" in lines[0], lines
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_files_verbs_write_take_the_file_type():
+    assert {(verb, argv[0]) for verb, argv in _path_options((cli.file_arg,))} >= {
+        ("run", "--done"), ("run", "--journal"), ("calibrate", "--out"), ("replay", "--out"), ("gradcheck", "--out"),
+        ("campaign", "--archive")}
 
 
 @pytest.mark.parametrize("verb, argv", _path_options(), ids=lambda x: x if isinstance(x, str) else x[0] or "positional")
