@@ -471,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("embed", help="prompt embeddings of a local model's text encoders -> the embedding cache")
     _add_config_args(p)
-    p.add_argument("--out", type=path_arg, default=None,
+    p.add_argument("--out", type=file_arg, default=None,
                    help="FILE.safetensors (default: a file in prompts.cache_dir named after model and prompts)")
     p.set_defaults(func=cmd_embed)
 

@@ -71,7 +71,7 @@ def test_a_file_a_verb_writes_is_no_path_that_ends_with_a_slash(tmp_path, monkey
 def test_the_files_verbs_write_take_the_file_type():
     assert {(verb, argv[0]) for verb, argv in _path_options((cli.file_arg,))} >= {
         ("run", "--done"), ("run", "--journal"), ("calibrate", "--out"), ("replay", "--out"), ("gradcheck", "--out"),
-        ("campaign", "--archive")}
+        ("campaign", "--archive"), ("embed", "--out")}
 
 
 @pytest.mark.parametrize("verb, argv", _path_options(), ids=lambda x: x if isinstance(x, str) else x[0] or "positional")
