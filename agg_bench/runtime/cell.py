@@ -117,6 +117,9 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
     done = entry.get("done")
     if done is not None and not (isinstance(done, str) and done):
         raise UserError(f"{path}: {where}.done is {_kind(done)}; expected a marker file or null")
+    if done is not None and done.endswith("/"):  # pathlib drops the slash: the marker was a file of that name
+        raise UserError(f"{path}: {where}.done {quote(done)}: ends with /, which names a folder; expected a marker "
+                        "file or null")
     check_path_names(f"{path}: {where}", (("config", config), ("out", out), ("done", done)))
     return CellRun(config, tuple(overrides), Path(out), Path(done) if done is not None else None)
 

@@ -107,6 +107,9 @@ def run(out: Path, *overrides: str) -> dict:
     (lambda t: {"runs": [{**run(t / "a"), "done": str(t / "m")}, {**run(t / "b"), "done": str(t / "m")}]},
      ["runs[1].done", "also runs[0].done"]),
     (lambda t: {"runs": [{**run(t / "a"), "done": 3}]}, ["runs[0].done is a number", "a marker file or null"]),
+    # pathlib drops a trailing slash: the marker was written as a file named m
+    (lambda t: {"runs": [{**run(t / "a"), "done": str(t / "m") + "/"}]},
+     ["runs[0].done", "m/': ends with /, which names a folder; expected a marker file"]),
     (lambda t: (t / "m").mkdir() or {"runs": [{**run(t / "a"), "done": str(t / "m")}]},
      ["runs[0].done", "is a folder", "expected a file path"]),
     # a file that is not a marker is someone's: never replaced
