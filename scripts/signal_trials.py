@@ -136,7 +136,10 @@ def main() -> int:
         parser.exit(2, f"--limit {args.limit}: expected a positive, finite number of seconds\n")
     if args.work is None:  # not a fixed name in the shared /tmp, whose trial folders another user could own
         args.work = Path(tempfile.mkdtemp(prefix="signal-trials-"))
-    args.work.mkdir(parents=True, exist_ok=True)
+    try:
+        args.work.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file there, or a folder this user may not write
+        parser.exit(2, f"--work {args.work}: cannot make the folder ({err.strerror or err}); expected a folder path\n")
     print(json.dumps({"work": str(args.work)}), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     ref = reference(args.python, args.work, env)

@@ -636,3 +636,19 @@ def test_signal_trials_refuses_a_plan_it_cannot_keep(args, named, tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(named)
     assert not work.exists()
+
+
+def test_signal_trials_work_folder_that_cannot_be_made(tmp_path):
+    """--work naming a file was a FileExistsError traceback from mkdir."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[2] / "scripts" / "signal_trials.py"
+    (tmp_path / "file").write_text("kept")
+    for work in (tmp_path / "file", tmp_path / "file" / "sub"):
+        proc = subprocess.run([sys.executable, str(script), "--work", str(work)], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
+        assert proc.stderr.startswith(f"--work {work}: cannot make the folder (") and "expected a folder path" in proc.stderr
+    assert (tmp_path / "file").read_text() == "kept"
