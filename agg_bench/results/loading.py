@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,7 +362,9 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
             row["planned_activation_bytes"] = planned.get("activations")
             row["planned_total_bytes"] = planned.get("total_per_gpu")
             row["run_status"] = status
-            row["run_dir"] = str(run_dir)
+            # as text a table can hold: a byte of the name that is no UTF-8 as \xNN (a lone surrogate was a
+            # UnicodeEncodeError when the table was written)
+            row["run_dir"] = os.fsencode(run_dir).decode("utf-8", "backslashreplace")
             row["optimizer_steps"] = steps if steps is not None else optimizer_steps
             rows.append(row)
     df = pd.DataFrame(rows)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,14 @@ if TYPE_CHECKING:
 __all__ = ["RECORD_KEYS", "TIMING_KEYS", "Interrupted", "Session", "Training", "check_trained_steps",
            "identity", "iteration_generator", "progress_line", "record_failure", "resolve_device",
            "run_iteration", "train", "weights_label"]
+
+
+def folder_run_id(out: Path) -> str:
+    """The run id of a run without ``run_id``: its folder's name as UTF-8 text. The name's bytes decoded by the
+    locale (ASCII under LANG=C) kept a non-ASCII or non-UTF-8 name as lone surrogates, which the records wrote
+    as escapes and the report could not write into a table (UnicodeEncodeError); a byte that is no UTF-8 is
+    written as ``\\xNN``, so that two such names stay two ids."""
+    return os.fsencode(out.name).decode("utf-8", "backslashreplace")
 
 
 def _finite(x) -> bool:
@@ -163,7 +172,7 @@ class Training:
         self.evaluated = {json.loads(line)["iteration"] for line in self.eval_lines}
         self.last_good = self.start - 1 if self.start else None  # the last iteration whose record is ok
         self.saved_at = self.restored.iteration if self.restored is not None else None  # the checkpoint's iteration
-        self.run_id = cfg.run_id or out.name
+        self.run_id = cfg.run_id or folder_run_id(out)
         self.identity = identity(cfg, self.run_id, session.device, shard.world_size)
         # a job log (not a terminal) gets one line per iteration instead of a bar it cannot redraw
         self.log_lines = shard.is_main and not sys.stderr.isatty()
@@ -404,7 +413,7 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
     device = resolve_device(cfg.device)
     memory = tel.memory_at_failure(device)
     distributed.report_failure(exc, memory)
-    base = identity(cfg, cfg.run_id or out.name, device, shard.world_size)
+    base = identity(cfg, cfg.run_id or folder_run_id(out), device, shard.world_size)
     error = f"out of memory while building the model: {type(exc).__name__}: {exc}".splitlines()[0]
     summary = runfolder.run_summary(base, "oom", error, cfg.train.iterations, shard.world_size)
     if shard.is_main:
@@ -436,7 +445,7 @@ def record_failure(cfg: RunConfig, out_dir: str | Path, error: str, overwrite: b
     except UserError:
         return False
     with stopping.safe_points(), claim:
-        base = identity(cfg, cfg.run_id or out.name, device)
+        base = identity(cfg, cfg.run_id or folder_run_id(out), device)
         runfolder.start_files(out, config, [], keep_checkpoint=False, keep_events=False, device=device)
         runfolder.write_plan(out, None)
         runfolder.write_summary(out, runfolder.run_summary(base, "error", error, cfg.train.iterations, 1))

@@ -1,5 +1,6 @@
 """The `agg-bench` command line: runs, determinism, and one-line errors with exit code 2."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,13 @@ def test_a_device_name_torch_does_not_take_is_one_line(tmp_path, capsys, device)
     line = one_line_exit_2(capsys, ["replay", str(tmp_path / "snapshot"), "--method", "full", "--device", device,
                                     "--out", str(tmp_path / "out" / "g.safetensors")], tmp_path)
     assert f"--device = {device!r}: expected cpu, cuda, cuda:N or auto" in line
+
+
+def test_a_folder_name_that_is_no_utf8_text_gives_a_run_id_the_report_can_write(tmp_path):
+    """A name's bytes that are no UTF-8 (or any non-ASCII name under LANG=C) came to the run id as lone
+    surrogates: the records held them as escapes and the report stopped with a UnicodeEncodeError."""
+    out = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9"))
+    assert main(["run", *SMALL, "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["run_id"] == "caf\\xe9"
+    assert main(["report", "--runs", str(out), "--tables", str(tmp_path / "tables")]) == 0
+    assert "caf\\xe9" in (tmp_path / "tables" / "records.csv").read_text(encoding="utf-8")
