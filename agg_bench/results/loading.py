@@ -121,10 +121,10 @@ COUNT = (lambda v: is_number(v) and 0 <= v <= MAX_COUNT, "a number >= 0 and <= 1
 BATCH = (lambda v: is_integer(v) and 1 <= v <= MAX_COUNT, "an integer >= 1 (the samples calibrate timed)")
 # manifest section -> (its entry class, the key every entry needs, the keys an entry may have)
 # a file or folder an entry names: '' would be the current folder; a path no system call takes (a NUL, a lone
-# surrogate, a name over 255 bytes: outdir.path_problem) names none
+# surrogate, a name over 255 bytes, an unexpanded ~: outdir.path_problem) names none
 PATH = (lambda v: isinstance(v, str) and v != "" and path_problem(v) is None,
         "a file or folder name (an empty path would mean the current folder; no NUL character or lone surrogate, "
-        "names of at most 255 bytes)")
+        "names of at most 255 bytes, no leading ~: no shell expands it here)")
 # a row's resolution: what a run config's model.resolution may be
 RESOLUTION = (lambda v: is_integer(v) and 1 <= v <= bound(ModelConfig, "resolution"),
               f"an integer from 1 to {bound(ModelConfig, 'resolution'):,}")

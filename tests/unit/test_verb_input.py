@@ -305,6 +305,16 @@ def test_a_manifest_entry_with_an_empty_path_is_refused(run, tmp_path, capsys, m
     assert tree(tmp_path) == before
 
 
+def test_a_manifest_entry_with_an_unexpanded_home_is_refused(run, tmp_path, capsys):
+    """JSON has no shell: ``"dir": "~/runs/a"`` named a folder ``~`` in the current one."""
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": "~/runs/a", "method": "full", "seed": 0}]}))
+    line = fails(capsys, ["report", "--manifest", str(manifest), "--tables", str(tmp_path / "tables")])
+    assert f"manifest {manifest}: runs[0].dir = '~/runs/a': expected a file or folder name" in line, line
+    assert "no leading ~" in line, line
+    assert not (tmp_path / "tables").exists()
+
+
 @pytest.mark.parametrize("argv", [["plan"], ["pretrain", "--out", "{tmp}/model"], ["gradcheck", "--out", "{tmp}/g.csv"],
                                   ["calibrate", "--out", "{tmp}/c.json"]])
 @pytest.mark.parametrize("text", ["", "# nothing here\n"])
