@@ -19,10 +19,12 @@ STARTED=$(date +%s.%N)  # the window's clock: checking the environment counts ag
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 # a path relative to the folder the script is started in, as the campaign (run in the repository) finds it; from
-# the repository as it is (the window log records --config as given)
+# the repository as it is (the window log records --config as given); one that starts with a ~ no shell expanded
+# as it is, for the campaign to refuse (under the start folder it named a folder called ~)
 START_DIR=$(pwd)
 here() {
-  if [[ -z "$1" || "$1" == /* || "$(pwd -P)" == "$ROOT" ]]; then printf '%s' "$1"; else printf '%s' "$START_DIR/$1"; fi
+  if [[ -z "$1" || "$1" == /* || "$1" == "~"* || "$(pwd -P)" == "$ROOT" ]]; then printf '%s' "$1"
+  else printf '%s' "$START_DIR/$1"; fi
 }
 MODE=gpu
 MINUTES=

@@ -783,6 +783,14 @@ def test_the_script_takes_relative_paths_from_the_folder_it_is_started_in(tmp_pa
     given = dict(zip(argv[4::2], argv[5::2]))
     assert given["--config"] == str(start / "mine.yaml") and given["--reference"] == str(start / "ref")
     assert given["--work"] == str(start / "w") and "--cpu" in argv
+    # a ~ that no shell expanded (quoted) is passed on as it is, for agg-bench to refuse: under the start folder
+    # it named a folder called ~
+    proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", "1", "--reference", "~/ref"], cwd=start,
+                          env=script_env(tmp_path, PYTHON="bin/python", AGG_BENCH_CAMPAIGN_OUT="~/w"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    given = dict(zip(*[iter((start / "bin" / "argv").read_text().splitlines()[5:])] * 2))
+    assert (given["--work"], given["--reference"]) == ("~/w", "~/ref")
 
 
 def test_the_script_checks_every_module_a_window_imports(tmp_path):
