@@ -638,13 +638,14 @@ def _stopped() -> bool:
 # the exec keeps. Then it execs the child. In a process of its own, not in a ``preexec_fn``: a fork of the campaign,
 # whose thread pool runs, could find a lock held by another thread before its exec.
 DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
+import os, signal, sys
 parent, argv = int(sys.argv[1]), sys.argv[2:]
-try:
+try:  # an interpreter without ctypes still runs the child, without the signal
+    import ctypes
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     prctl(%d, signal.SIGKILL, 0, 0, 0)
-except (OSError, AttributeError):
+except (ImportError, OSError, AttributeError):
     pass
 if os.getppid() != parent:  # the campaign died before the call took hold
     os.kill(os.getpid(), signal.SIGKILL)
