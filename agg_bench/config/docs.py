@@ -69,6 +69,7 @@ def allowed_text(schema: dict) -> str:
         low += [f"> {_number(schema['exclusiveMinimum'])}"] if "exclusiveMinimum" in schema else []
         # every number's bound (schema.MAX_NUMBER) is said once, above the table, not in each row
         high = [f"<= {_number(schema['maximum'])}"] if schema.get("maximum", MAX_NUMBER) != MAX_NUMBER else []
+        high += [f"< {_number(schema['exclusiveMaximum'])}"] if "exclusiveMaximum" in schema else []
         if kind == "integer" and "minimum" in schema and high:
             text = f"integer from {_number(schema['minimum'])} to {_number(schema['maximum'])}"
         else:

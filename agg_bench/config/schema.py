@@ -42,10 +42,16 @@ def type_schema(annotation: Any) -> dict:
             return {"anyOf": [type_schema(a) for a in arms] + ([{"type": "null"}] if nullable else [])}
         inner = type_schema(arms[0])
         if "enum" in inner:
-            return {**inner, "enum": [*inner["enum"], None]}
+            return {**inner, **({"type": [inner["type"], "null"]} if "type" in inner else {}),
+                    "enum": [*inner["enum"], None]}
         return {**inner, "type": [inner["type"], "null"]}
     if typing.get_origin(annotation) is Literal:
-        return {"enum": list(typing.get_args(annotation))}
+        values = list(typing.get_args(annotation))
+        # an enum compares 2.0 (and only 2.0, not true) equal to 2: a choice of integers is also an integer, which
+        # refuses a whole-number float as every integer key does
+        if values and all(is_integer(v) for v in values):
+            return {"type": "integer", "enum": values}
+        return {"enum": values}
     origin = typing.get_origin(annotation) or annotation
     schema: dict[str, Any] = {"type": JSON_TYPES[origin]}
     args = typing.get_args(annotation)

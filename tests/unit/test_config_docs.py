@@ -4,6 +4,7 @@ when the loaded config is checked (check_config). (That loading imports no torch
 interpreter: tests/integration/test_fresh_interpreters.py.)"""
 import json
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -72,6 +73,27 @@ def test_the_table_lists_every_key_with_its_default_once():
     assert row["model.pretrained"][2] == "a folder's path, or null"
     assert row["run_id"][2] == "a name of 1 to 200 printable characters, or null"
     assert not [r[0] for r in rows if "or null or null" in r[2]]
+    # an exclusive upper bound is said as the inclusive one is
+    assert row["train.eval_ema"][2] == "number > 0 and < 1 or null"
+
+
+@pytest.mark.parametrize("nullable", [False, True])
+@pytest.mark.parametrize("value, expected", [(2.0, "an integer"), (True, "an integer"), (3, "one of [1, 2, 4]")])
+def test_a_choice_of_integers_refuses_what_an_integer_key_refuses(nullable, value, expected):
+    """An enum compares 2.0 equal to 2: a choice of integers took a whole-number float that every integer key
+    refuses."""
+    from agg_bench.config.schema import check_config_values, field_schema
+    from agg_bench.errors import ConfigError
+
+    annotation = Literal[1, 2, 4] | None if nullable else Literal[1, 2, 4]
+    schema = {"type": "object", "properties": {"k": field_schema(annotation, {}, "a choice")}}
+    check_config_values({"k": 2}, schema)
+    if nullable:
+        check_config_values({"k": None}, schema)
+        expected = expected.replace("an integer", "an integer or null").replace("4]", "4, None]")
+    with pytest.raises(ConfigError) as err:
+        check_config_values({"k": value}, schema)
+    assert (err.value.key, err.value.expected) == ("k", expected)
 
 
 def test_the_defaults_are_what_config_json_files_hold():
