@@ -22,13 +22,14 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
-from ..config import apply_overrides, check_finite, device_expected, device_parts, read_yaml_mapping
+from ..config import apply_overrides, bound, read_yaml_mapping
+from ..config.pretrain_keys import PretrainConfig, typed_pretrain_config
 from ..engine.families import FAMILY_SPECS
 from ..engine.models import Conditioning, Policy, policy_class
 from ..engine.pixel_decoder import PixelDecoder
@@ -40,111 +41,29 @@ from ..io import atomic_target, remove_stale_temps, save_figure, write_json, wri
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Claim, check_folder, is_harness_name
 from ..outputs import PRETRAIN_CONTENTS, PRETRAIN_MARKER
-from ..records import is_integer
 from ..results.plotting import pyplot
 from ..machine.devices import resolve_device
 from ..threads import usable_cores
 
 MARKER = PRETRAIN_MARKER  # what the pretraining did (agg_bench.outputs)
 FORMAT = "agg-bench-pretrain/1"  # its format: the mark of a folder this command may replace
-MAX_SEED = 2**32 - 1  # as a run's seed; the data, noise and sample generators take seed + 1, + 2, + 3
 # A pixel-space scene model taught on a CPU: the recipe's has 0.6 M parameters, and a step of 100 M (at the
 # sweep's batch of 32) takes seconds on a CPU core; its weights, gradients, AdamW's moments and the average are
 # STATE_COPIES x 4 bytes per parameter.
 MAX_PARAMETERS = 100_000_000
-MAX_THREADS = 1024  # as a sweep device's threads (workflow/schemas/config.schema.yaml)
 STATE_COPIES = 5
-FAMILIES = tuple(name for name, spec in FAMILY_SPECS.items() if spec.pixel_transformer is not None)
-LR_SCHEDULES = ("constant", "cosine")
-
-
-@dataclass
-class PretrainConfig:
-    """What ``agg-bench pretrain`` trains.
-
-    family: a model family with a pixel-space scene model (its spec's ``pixel_transformer``: ``sd3``,
-    ``flux``). resolution: image side in pixels (a multiple of 4 x ``pixel_factor``). steps: optimizer
-    steps. batch_size: images per step. lr: AdamW learning rate (linear warm-up over the first
-    ``warmup_steps``, at most ``steps``' bound). lr_schedule: after the warm-up, ``constant`` or ``cosine``
-    (down to 0 at the last step: late steps refine instead of wander).
-    ema_decay: decay of the saved weights' moving average. seed: data, noise and initial weights. num_layers: transformer blocks (FLUX:
-    this many double-stream and this many single-stream blocks). num_attention_heads /
-    attention_head_dim: attention width. text_dim: token and pooled embedding width. max_tokens: caption
-    tokens embedded. pixel_factor: the pixel decoder's rearrangement factor. shift: the scheduler's sigma
-    shift, also used to draw the training sigmas (in (0, 100], with a ``sample_steps`` schedule that falls
-    strictly from 1 to 0 in float32, as a run's ``sampling.shift``). sample_steps: Euler steps of the sample grid. threads:
-    torch CPU threads (at most 1024), capped at the cores this process may use (0: leave as is). device: where
-    the model trains and samples (``cpu``, ``cuda``, ``cuda:N``); the data, noise and initial weights are
-    drawn on the CPU from the same seeds whatever the device, so another device's arithmetic gives another,
-    equally valid model.
-    """
-
-    family: str = "sd3"
-    resolution: int = 32
-    steps: int = 1500
-    batch_size: int = 32
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    lr_schedule: str = "constant"
-    ema_decay: float = 0.995
-    seed: int = 0
-    num_layers: int = 4
-    num_attention_heads: int = 4
-    attention_head_dim: int = 16
-    text_dim: int = 32
-    max_tokens: int = 6
-    pixel_factor: int = 2
-    shift: float = 3.0
-    sample_steps: int = 20
-    threads: int = 0
-    device: str = "cpu"
 
 
 def _check(cfg: PretrainConfig) -> PretrainConfig:
-    """Every field's type and range, as ConfigErrors naming the key."""
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.type == "int" and not is_integer(value):
-            raise ConfigError(f.name, value, "an integer")
-        if f.type == "float":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ConfigError(f.name, value, "a finite number")
-            setattr(cfg, f.name, float(value))
-    if cfg.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError("lr_schedule", cfg.lr_schedule, f"one of {list(LR_SCHEDULES)}")
-    if cfg.family not in FAMILIES:
-        raise ConfigError("family", cfg.family, f"one of {list(FAMILIES)}")
-    positive = ("steps", "batch_size", "num_layers", "num_attention_heads", "attention_head_dim", "text_dim",
-                "max_tokens", "sample_steps")
-    limits = {"steps": 1_000_000, "batch_size": 4096, "num_layers": 64, "num_attention_heads": 64,
-              "attention_head_dim": 512, "text_dim": 4096, "max_tokens": 64, "sample_steps": 1000}
-    for name in positive:
-        value = getattr(cfg, name)
-        if not 1 <= value <= limits[name]:
-            raise ConfigError(name, value, f"an integer from 1 to {limits[name]}")
-    # a warm-up past any run's steps (10**400 overflowed the learning rate's float in the first step) and more
-    # threads than any machine's cores (the workflow reserves them: the sweep's devices take at most 1024)
-    for name, high in (("warmup_steps", limits["steps"]), ("threads", MAX_THREADS)):
-        if not 0 <= getattr(cfg, name) <= high:
-            raise ConfigError(name, getattr(cfg, name), f"an integer from 0 to {high}")
-    if not 0 <= cfg.seed <= MAX_SEED:
-        raise ConfigError("seed", cfg.seed, f"an integer from 0 to {MAX_SEED} (a run's seed range)")
-    if device_parts(cfg.device) in (None, ("auto", None)):
-        raise ConfigError("device", cfg.device, device_expected(auto=False))  # whether this machine has it: pretrain()
-    if cfg.pixel_factor not in (1, 2, 4):
-        raise ConfigError("pixel_factor", cfg.pixel_factor, "1, 2 or 4")
-    step = 4 * cfg.pixel_factor
-    if not 16 <= cfg.resolution <= 256 or cfg.resolution % step:
-        raise ConfigError("resolution", cfg.resolution, f"a multiple of {step} from 16 to 256")
-    if not 0 < cfg.lr <= 1:
-        raise ConfigError("lr", cfg.lr, "a number in (0, 1]")
-    if not 0 <= cfg.ema_decay < 1:
-        raise ConfigError("ema_decay", cfg.ema_decay, "a number in [0, 1)")
-    if not 0 < cfg.shift <= 100:
-        raise ConfigError("shift", cfg.shift, "a number in (0, 100]")
+    """What depends on several keys or on the family (each key's type and bounds are its field's: the loaded
+    config holds them), as ConfigErrors naming a key."""
+    step, low, high = (4 * cfg.pixel_factor, bound(PretrainConfig, "resolution", "minimum"),
+                       bound(PretrainConfig, "resolution"))
+    if cfg.resolution % step:
+        raise ConfigError("resolution", cfg.resolution, f"a multiple of {step} from {low} to {high}")
     # the samples' schedule, as a run's (a shift that rounds it to nan sampled nan images, reward 0)
     check_sigmas(flow_sigmas(cfg.sample_steps, cfg.shift), cfg.shift, torch.float32, key="shift",
-                 allowed="a shift in (0, 100]", steps_key="sample_steps")
+                 allowed=f"a shift in (0, {bound(PretrainConfig, 'shift')}]", steps_key="sample_steps")
     transformer_config(cfg)  # the family's own limits on the sizes
     check_size(cfg)  # and the sizes together
     return cfg
@@ -180,15 +99,10 @@ def check_size(cfg: PretrainConfig, memory: int | None = None) -> dict[str, int]
 
 
 def load_pretrain_config(path: str | Path | None, overrides: list[str] | None = None) -> PretrainConfig:
-    """PretrainConfig defaults <- YAML file <- ``--set key=value`` overrides, checked."""
+    """PretrainConfig defaults <- YAML file <- ``--set key=value`` overrides, typed and bounded by its fields
+    (:func:`agg_bench.config.pretrain_keys.typed_pretrain_config`), then checked together (:func:`_check`)."""
     user = read_yaml_mapping(path, "pretrain keys") if path is not None else {}
-    user = apply_overrides(user, overrides or [])
-    check_finite(user)
-    known = [f.name for f in fields(PretrainConfig)]
-    for key in user:
-        if key not in known:
-            raise ConfigError(key, user[key], f"a pretrain key (one of {', '.join(known)})")
-    return _check(PretrainConfig(**user))
+    return _check(typed_pretrain_config(apply_overrides(user, overrides or [])))
 
 
 def sweep_entry_config(label: str, spec: dict) -> PretrainConfig:
@@ -208,7 +122,7 @@ def transformer_config(cfg: PretrainConfig) -> dict:
     """The family's transformer config for pixel latents of ``cfg`` (its spec's ``pixel_transformer``; a
     ConfigError naming the key a value the family cannot take)."""
     build = FAMILY_SPECS[cfg.family].pixel_transformer
-    assert build is not None  # cfg.family is one of FAMILIES, the families that have one
+    assert build is not None  # cfg.family is one of PretrainConfig.family's, the families that have one
     return build(
         3 * cfg.pixel_factor ** 2, cfg.resolution // cfg.pixel_factor, cfg.num_layers, cfg.num_attention_heads,
         cfg.attention_head_dim, cfg.text_dim)

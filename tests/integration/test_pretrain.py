@@ -3,6 +3,7 @@ guarded, its config is checked, and its recipe still learns. Models here train f
 (seconds), but for the recipe's test (200 steps, about 20 CPU-s)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from agg_bench.engine.pixel_decoder import PixelDecoder
 from agg_bench.engine.scenes import all_scenes, draw_batch
 from agg_bench.engine.text import prompt_conditioning, prompt_set
 from agg_bench.errors import ConfigError, UserError
-from agg_bench.tools.pretrain import MARKER, SceneConditioning, load_pretrain_config, pretrain
+from agg_bench.tools.pretrain import (MARKER, PretrainConfig, SceneConditioning, load_pretrain_config, pretrain,
+                                      sweep_entry_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["steps=2", "batch_size=4", "num_layers=1", "sample_steps=2", "warmup_steps=1"]
@@ -206,3 +208,60 @@ def test_the_recipe_still_learns(tmp_path):
                        progress=False)
     assert trained["loss_last"] < LOSS_FALL * trained["loss_first"], trained["loss_curve"]
     assert trained["sample_reward"] > untrained["sample_reward"] + REWARD_MARGIN, (trained, untrained)
+
+
+def bad_pretrain_values(schema: dict) -> list[tuple[str, object]]:
+    """(what, value) a pretrain key's property ``schema`` refuses: a wrong type, NaN, a boolean, and a value just
+    past each of its bounds (a choice: a value not among them; a name: one not of its pattern)."""
+    kind = schema.get("type")
+    out: list[tuple[str, object]] = [("wrong type", 7 if kind == "string" or ("enum" in schema and kind is None)
+                                      else "seven"), ("NaN", float("nan")), ("true", True)]
+    if "enum" in schema:
+        out.append(("not a choice", 3 if kind == "integer" else "other"))
+    if "pattern" in schema:  # the device: a name no device has, and an index the pattern takes and torch misreads
+        out += [("not the pattern", "gpu"), ("a leading zero", "cuda:017")]
+    if kind in ("integer", "number"):
+        step = 1 if kind == "integer" else 1e-6
+        if "minimum" in schema:
+            out.append(("below", schema["minimum"] - step))
+        if "exclusiveMinimum" in schema:
+            out.append(("at the exclusive minimum", schema["exclusiveMinimum"]))
+        if "maximum" in schema:
+            out.append(("above", schema["maximum"] + step))
+        if "exclusiveMaximum" in schema:
+            out.append(("at the exclusive maximum", schema["exclusiveMaximum"]))
+        out.append(("1e400", float("inf")))
+    return out
+
+
+@pytest.mark.parametrize("key", list(PretrainConfig().to_dict()))
+def test_every_bad_pretrain_value_is_one_line_naming_the_key(key, tmp_path, capsys):
+    """Every pretrain key refuses a wrong type, NaN, a boolean and a value past each of its bounds through the
+    command line: one line naming the key and the value, exit 2, nothing written; a sweep's pretrain entry with
+    the same value is refused with the same words, naming the entry."""
+    from agg_bench.cli import main
+    from agg_bench.config.pretrain_keys import pretrain_schema
+    from agg_bench.tools.sweep import SweepError
+
+    out = tmp_path / "out"
+    cases = bad_pretrain_values(pretrain_schema()["properties"][key])
+    assert len(cases) >= 4
+    for what, value in cases:
+        text = json.dumps(value).replace("NaN", ".nan").replace("Infinity", ".inf")  # YAML's NaN and infinity
+        assert main(["pretrain", "--set", f"{key}={text}", "--out", str(out)]) == 2, (what, value)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"config error: {key} = " in err[0], (what, value, err)
+        assert not out.exists(), (what, value)
+        with pytest.raises(SweepError) as refused:
+            sweep_entry_config("toy", {"config": None, "set": {key: value}})
+        assert str(refused.value).endswith(f"pretrain.toy: {err[0].split('agg-bench pretrain: ', 1)[1]}"), (what, value)
+
+
+def test_a_float_key_given_an_integer_holds_a_float():
+    """pretrain.json records the config as loaded: an integer given for a number key is that number as a float
+    (shift: 3 as 3.0, as it always was), an integer key stays an int."""
+    cfg = load_pretrain_config(None, ["shift=3", "lr=1", "ema_decay=0", "steps=7"])
+    assert [(type(v), v) for v in (cfg.shift, cfg.lr, cfg.ema_decay, cfg.steps)] == [
+        (float, 3.0), (float, 1.0), (float, 0.0), (int, 7)]
+    assert json.dumps(dataclasses.asdict(cfg)) == json.dumps({**dataclasses.asdict(PretrainConfig()), "shift": 3.0,
+                                                              "lr": 1.0, "ema_decay": 0.0, "steps": 7})

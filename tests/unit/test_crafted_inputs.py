@@ -355,8 +355,9 @@ def test_a_model_whose_weights_do_not_fit_is_refused_before_it_is_loaded(model, 
 @pytest.mark.parametrize("sets, key, words", [
     (["num_layers=64", "num_attention_heads=16", "attention_head_dim=128"], "num_layers",
      "at most 100,000,000 parameters together"),
-    (["seed=100000000000000000000000"], "seed", "an integer from 0 to 4294967295"),
-    (["seed=4294967296"], "seed", "an integer from 0 to 4294967295"),
+    (["seed=100000000000000000000000"], "seed", "seed = 100000000000000000000000: expected a value <= 4294967295"),
+    (["seed=4294967296"], "seed", "seed = 4294967296: expected a value <= 4294967295"),
+    (["seed=-1"], "seed", "seed = -1: expected a value >= 0"),
 ])
 def test_pretrain_sizes_are_bounded_together_and_its_seed(tmp_path, capsys, monkeypatch, sets, key, words):
     """Each size within its own limit, together 9.6 billion parameters: they allocated until a RuntimeError at

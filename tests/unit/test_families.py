@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agg_bench.config.pretrain_keys import PretrainConfig
 from agg_bench.config.sections import ModelConfig
 from agg_bench.engine.families import architecture
 from agg_bench.engine.families import FAMILY_SPECS, family_spec
@@ -22,8 +23,9 @@ from helpers import seeded
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES_DIR = ROOT / "agg_bench" / "engine" / "families"
-# The run config's allowed values: the config sits below the engine and cannot read the registry.
-CONFIG_VALIDATION = {ROOT / "agg_bench" / "config" / "sections.py"}
+# The run config's and the pretrain config's allowed values: the config sits below the engine and cannot read the
+# registry.
+CONFIG_VALIDATION = {ROOT / "agg_bench" / "config" / "sections.py", ROOT / "agg_bench" / "config" / "pretrain_keys.py"}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_SPECS))
@@ -45,6 +47,11 @@ def test_the_config_allows_exactly_the_registered_families():
     assert list(allowed) == list(FAMILY_SPECS)
     with pytest.raises(ConfigError, match="model.family"):
         family_spec("sd4")
+
+
+def test_the_pretrain_config_allows_exactly_the_families_with_a_pixel_model():
+    allowed = typing.get_args(typing.get_type_hints(PretrainConfig)["family"])
+    assert list(allowed) == [name for name, spec in FAMILY_SPECS.items() if spec.pixel_transformer is not None]
 
 
 def family_names_used(tree: ast.AST, names: set[str]) -> list[str]:
