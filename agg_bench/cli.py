@@ -613,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("pretrain", help="train a small DiT on drawn scenes -> a model folder for model.preset: pretrained")
-    p.add_argument("--config", type=path_arg, help="pretrain config YAML (keys: agg_bench.tools.pretrain.PretrainConfig)")
+    p.add_argument("--config", type=path_arg, help="pretrain config YAML (keys: docs/configuration.md, agg-bench pretrain keys)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a pretrain key, e.g. --set family=flux (repeatable)")
     p.add_argument("--out", required=True, type=path_arg, help="model folder to write (replaced only if it is one)")

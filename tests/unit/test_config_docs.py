@@ -96,6 +96,40 @@ def test_a_choice_of_integers_refuses_what_an_integer_key_refuses(nullable, valu
     assert (err.value.key, err.value.expected) == ("k", expected)
 
 
+def test_the_pretrain_table_lists_every_pretrain_key_from_its_fields():
+    """docs/configuration.md's pretrain table is generated from PretrainConfig's fields, as the run config's is from
+    the sections: every key once, in field order, with its default, its bounds and a meaning."""
+    from agg_bench.config.pretrain_keys import PretrainConfig, pretrain_schema
+
+    rows = config_docs.reference_rows(PretrainConfig, "", pretrain_schema())
+    assert [r[0].strip("`") for r in rows] == list(PretrainConfig().to_dict()) == list(pretrain_schema()["properties"])
+    assert all(row[3] for row in rows), "every key has a meaning"
+    row = {r[0].strip("`"): r for r in rows}
+    assert row["resolution"][1:3] == ["`32`", "integer from 16 to 256"]
+    assert row["steps"][1:3] == ["`1500`", "integer from 1 to 1,000,000"]
+    assert row["lr"][1:3] == ["`0.001`", "number > 0 and <= 1"]
+    assert row["ema_decay"][2] == "number >= 0 and < 1"
+    assert row["pixel_factor"][2] == "`1`, `2` or `4`"
+    assert row["family"][2] == "`sd3` or `flux`"
+    assert row["device"][2] == "cpu, cuda or cuda:N (N: a GPU index from 0 to 127 in decimal digits, e.g. cuda:1)"
+    assert config_docs.pretrain_table() in DOC.read_text(encoding="utf-8")
+
+
+def test_a_stale_pretrain_table_fails_the_check(tmp_path, capsys):
+    """--check covers both tables: a pretrain row edited by hand is stale, and --write puts the generated one back."""
+    doc = tmp_path / "configuration.md"
+    doc.write_text(DOC.read_text(encoding="utf-8").replace("| `steps` | `1500` |", "| `steps` | `1000` |"),
+                   encoding="utf-8")
+    assert config_docs.main(["--check", str(doc)]) == 1
+    assert "the key tables are stale" in capsys.readouterr().err
+    assert config_docs.main(["--write", str(doc)]) == 0
+    assert doc.read_text(encoding="utf-8") == DOC.read_text(encoding="utf-8")
+    doc.write_text(DOC.read_text(encoding="utf-8").replace(config_docs.PRETRAIN_END, ""), encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_info:
+        config_docs.main(["--check", str(doc)])
+    assert exit_info.value.code == 2 and "no generated pretrain table" in capsys.readouterr().err
+
+
 def test_the_defaults_are_what_config_json_files_hold():
     assert json.dumps(DEFAULTS) == json.dumps(WRITTEN_DEFAULTS)  # values and key order
     assert RunConfig().to_dict() == DEFAULTS
@@ -182,7 +216,8 @@ def test_the_docs_command_prints_the_schema_and_the_table(capsys, flag):
     if flag:
         assert json.loads(out) == run_schema()
     else:
-        assert out.strip() == config_docs.reference_table()
+        assert out.strip() == config_docs.reference_tables()
+        assert config_docs.reference_table() in out and config_docs.pretrain_table() in out
 
 
 
