@@ -57,10 +57,11 @@ def temp_name_owner(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def atomic_path(path: str | Path) -> Path:
-    """A temporary sibling of ``path``; rename it onto ``path`` with ``os.replace`` when complete."""
+def atomic_path(path: str | Path, pid: int | None = None) -> Path:
+    """A temporary sibling of ``path``; rename it onto ``path`` with ``os.replace`` when complete. Its name is this
+    process's, or process ``pid``'s (:func:`temp_owner` reads it back)."""
     path = Path(path)
-    return path.with_name(f".{path.stem}{TEMP_TAG}{os.getpid()}{path.suffix}")
+    return path.with_name(f".{path.stem}{TEMP_TAG}{os.getpid() if pid is None else pid}{path.suffix}")
 
 
 def temp_owner(path: str | Path, name: str) -> int | None:

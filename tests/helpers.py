@@ -342,6 +342,22 @@ def sa_solver_reference(sigmas: torch.Tensor, x: torch.Tensor, velocity, taus=No
 
 
 # ----- another writer ------------------------------------------------------------------------------------------
+# a PID no process has: above the largest Linux gives (pid_max is at most 2**22), so a temporary named with it is
+# a killed writer's
+ENDED_PID = 2 ** 22 + 1
+
+
+@contextmanager
+def running_process() -> Iterator[int]:
+    """The PID of a process that runs while the block runs (a live writer's, whose temporaries stay)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 HOLD = """
 import sys
 from agg_bench.outdir import Claim

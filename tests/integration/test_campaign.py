@@ -33,7 +33,7 @@ from agg_bench.tools import cell_calibration
 from agg_bench.tools import archive as archive_module
 from agg_bench.tools.archive import tiny_counterpart
 from agg_bench.tools.campaign import Campaign, cpu_resolution
-from helpers import Holder, bash_script, exit_code, not_hung
+from helpers import ENDED_PID, Holder, bash_script, exit_code, not_hung, running_process
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config" / "h200.yaml"
@@ -341,26 +341,26 @@ def test_an_unpack_removes_the_staging_folder_a_killed_unpack_left_in_the_refere
     reference, which is committed: the reference's checks take it for the harness's, and each attempt stages
     under its own PID. The next unpack removes it once it holds the reference's claim; a live process's stays."""
     reference = tmp_path / "reference"
-    staging = atomic_path(reference / "unpack")  # where an unpack stages
-    stale = staging.with_name(staging.name.replace(str(os.getpid()), "4194000"))
+    stale = atomic_path(reference / "unpack", ENDED_PID)  # where an unpack stages
     (stale / "new" / "runs" / "r0").mkdir(parents=True)
     (stale / "new" / "runs" / "r0" / "metrics.jsonl").write_text("{}\n")
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    alive = staging.with_name(staging.name.replace(str(os.getpid()), str(live.pid)))
-    alive.mkdir()
+    with running_process() as live:
+        alive = atomic_path(reference / "unpack", live)
+        alive.mkdir()
+        unpack_to_its_first_check(cpu_campaign, tmp_path, reference, monkeypatch)
+    assert sorted(p.name for p in reference.iterdir()) == [alive.name]
 
+
+def unpack_to_its_first_check(cpu_campaign, tmp_path: Path, reference: Path, monkeypatch) -> None:
+    """An unpack into ``reference`` that stops at its first check under the reference's claim (the archive's runs
+    against the reference's): what it removed before, it removed once it held the claim."""
     def checked(*args):
-        raise UserError("checked")  # the first check under the claim: the archive's runs against the reference's
+        raise UserError("checked")
 
     monkeypatch.setattr(archive_module, "read_archive", lambda path: {})
     monkeypatch.setattr(archive_module, "check_hardware", checked)
-    try:
-        with pytest.raises(UserError, match="checked"):
-            archive_module.unpack(cpu_campaign, tmp_path / "campaign.tar.gz", reference)
-    finally:
-        live.kill()
-        live.wait()
-    assert sorted(p.name for p in reference.iterdir()) == [alive.name]
+    with pytest.raises(UserError, match="checked"):
+        archive_module.unpack(cpu_campaign, tmp_path / "campaign.tar.gz", reference)
 
 
 def test_an_unpack_removes_the_temporaries_a_killed_unpack_left_of_the_files_it_generates(cpu_campaign, tmp_path,
@@ -371,29 +371,15 @@ def test_an_unpack_removes_the_temporaries_a_killed_unpack_left_of_the_files_it_
     each once it holds the reference's claim; a live process's stays."""
     reference = tmp_path / "reference"
     reference.mkdir()
-    stale = [atomic_path(reference / name).with_name(atomic_path(reference / name).name.replace(str(os.getpid()),
-                                                                                               "4194000"))
-             for name in archive_module.GENERATED]
+    stale = [atomic_path(reference / name, ENDED_PID) for name in archive_module.GENERATED]
     stale[0].write_text("{}")  # manifest.json's
     for folder in stale[1:]:  # the tables' and the learning report's, staged whole
         folder.mkdir()
         (folder / "summary.csv").write_text("method\n")
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    alive = atomic_path(reference / "manifest.json")
-    alive = alive.with_name(alive.name.replace(str(os.getpid()), str(live.pid)))
-    alive.write_text("{}")
-
-    def checked(*args):
-        raise UserError("checked")  # the first check under the claim: the archive's runs against the reference's
-
-    monkeypatch.setattr(archive_module, "read_archive", lambda path: {})
-    monkeypatch.setattr(archive_module, "check_hardware", checked)
-    try:
-        with pytest.raises(UserError, match="checked"):
-            archive_module.unpack(cpu_campaign, tmp_path / "campaign.tar.gz", reference)
-    finally:
-        live.kill()
-        live.wait()
+    with running_process() as live:
+        alive = atomic_path(reference / "manifest.json", live)
+        alive.write_text("{}")
+        unpack_to_its_first_check(cpu_campaign, tmp_path, reference, monkeypatch)
     assert sorted(p.name for p in reference.iterdir()) == [alive.name]
 
 
@@ -1348,18 +1334,13 @@ def test_a_window_removes_the_model_copy_a_killed_window_left_beside_the_model_f
     monkeypatch.setattr(campaign, "pretrained_models", lambda: {"toy": local})
     monkeypatch.setattr(campaign, "model_problem", lambda label, folder: None)
     local.parent.mkdir()
-    mine = atomic_path(local)
-    stale = mine.with_name(mine.name.replace(str(os.getpid()), "4194000"))
+    stale = atomic_path(local, ENDED_PID)
     (stale / "transformer").mkdir(parents=True)
     (stale / "transformer" / "diffusion_pytorch_model.safetensors").write_text("weights")
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    alive = mine.with_name(mine.name.replace(str(os.getpid()), str(live.pid)))
-    alive.mkdir()
-    try:
+    with running_process() as live:
+        alive = atomic_path(local, live)
+        alive.mkdir()
         assert campaign.prepare_models(reference) == []
-    finally:
-        live.kill()
-        live.wait()
     assert tree(local) == tree(reference / "pretrained" / "toy")
     assert sorted(p.name for p in local.parent.iterdir()) == sorted([alive.name, "toy"])
 
@@ -1371,30 +1352,25 @@ def test_a_window_removes_what_killed_windows_processes_left_in_the_work_folder(
     process's temporary, a held lock and the finished files stay."""
     monkeypatch.setattr(campaign_module, "_run_processes", lambda *args: [])
     work = tmp_path / "w"
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     held: list[int] = []
-    try:
-        kept, stale = [], []
-        for sub in ("cells", "calibration", "windows"):
-            (work / sub).mkdir(parents=True)
-            finished = work / sub / f"20261205T000000_{sub}.json"
-            finished.write_text("{}")
-            dead = atomic_path(finished)
-            stale += [dead.with_name(dead.name.replace(str(os.getpid()), "4194000")),
-                      work / sub / f".{finished.name}.agg-bench.lock"]
-            kept += [finished, dead.with_name(dead.name.replace(str(os.getpid()), str(live.pid))),
-                     work / sub / f".{sub}-held.json.agg-bench.lock"]
-        for path in [*stale, *kept[1::3], *kept[2::3]]:
-            path.write_text("")
-        for lock in kept[2::3]:
-            held.append(os.open(lock, os.O_RDONLY))
-            fcntl.flock(held[-1], fcntl.LOCK_EX)
-        campaign_module.run_window(Campaign(CONFIG, cpu=True), 1, work, tmp_path / "ref")
-    finally:
-        live.kill()
-        live.wait()
-        for fd in held:
-            os.close(fd)
+    with running_process() as live:
+        try:
+            kept, stale = [], []
+            for sub in ("cells", "calibration", "windows"):
+                (work / sub).mkdir(parents=True)
+                finished = work / sub / f"20261205T000000_{sub}.json"
+                finished.write_text("{}")
+                stale += [atomic_path(finished, ENDED_PID), work / sub / f".{finished.name}.agg-bench.lock"]
+                kept += [finished, atomic_path(finished, live), work / sub / f".{sub}-held.json.agg-bench.lock"]
+            for path in [*stale, *kept[1::3], *kept[2::3]]:
+                path.write_text("")
+            for lock in kept[2::3]:
+                held.append(os.open(lock, os.O_RDONLY))
+                fcntl.flock(held[-1], fcntl.LOCK_EX)
+            campaign_module.run_window(Campaign(CONFIG, cpu=True), 1, work, tmp_path / "ref")
+        finally:
+            for fd in held:
+                os.close(fd)
     assert not [path for path in stale if path.exists()]
     assert [path for path in kept if not path.exists()] == []
 

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from agg_bench.config import load_config
 from agg_bench.io import atomic_path, read_jsonl
 from agg_bench.runtime import train as train_module
 from agg_bench.tools.sweep import Sweep
-from helpers import interrupted_updates
+from helpers import ENDED_PID, interrupted_updates, running_process
 from pinned import pinned_fields
 from test_pinned_records import differences
 
@@ -468,25 +467,17 @@ def test_the_temporaries_a_killed_job_left_of_its_markers_and_journal_go(tmp_pat
     one. The next write of the file removes those of ended processes; a live process's stays."""
     out, done, journal = tmp_path / "a", tmp_path / "done" / "a.json", tmp_path / "jobs.progress.json"
     done.parent.mkdir()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-
-    def temporary(path: Path, pid: int) -> Path:
-        return atomic_path(path).with_name(atomic_path(path).name.replace(str(os.getpid()), str(pid)))
-
-    stale = [temporary(done, 4194000), temporary(journal, 4194001)]
-    alive = [temporary(done, live.pid), temporary(journal, live.pid)]
-    for path in stale + alive:
-        path.write_text("{")
-    try:
+    with running_process() as live:
+        stale = [atomic_path(done, ENDED_PID), atomic_path(journal, ENDED_PID + 1)]
+        alive = [atomic_path(done, live), atomic_path(journal, live)]
+        for path in stale + alive:
+            path.write_text("{")
         if verb == "cell":
             argv = ["cell", "--resume", "--keep-journal", str(job_file(tmp_path, [{**run(out), "done": str(done)}]))]
         else:
             argv = ["run", *[a for o in TINY for a in ("--set", o)], "--out", str(out), "--done", str(done),
                     "--journal", str(journal)]
         assert main(argv) == 0
-    finally:
-        live.kill()
-        live.wait()
     assert json.loads(done.read_text()) == {"out": str(out), "status": "ok"}
     assert json.loads(journal.read_text())["runs"][str(out)]["status"] == "ok"
     assert not any(path.exists() for path in stale) and all(path.exists() for path in alive)

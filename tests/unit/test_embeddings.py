@@ -1,6 +1,5 @@
 """Prompt embeddings: the pipelines' own encode_prompt, cached per (model, prompt file), counted encodings."""
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from agg_bench.engine.text import (
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.io import atomic_path
 from agg_bench.runtime.train import Session
+from helpers import ENDED_PID
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red cat on the moon", "two dogs", "an owl perched on a mossy branch at night in the snow"]
@@ -225,9 +225,7 @@ def test_embed_fills_a_new_cache_folder_and_replaces_its_own_file(tmp_path, caps
         assert out.parent == tmp_path / "a" / "b" and load_embeddings(out)[1]["family"] == "sd3"
     assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == [out.name]
     # a writer killed while it wrote the file left its temporary (the whole file) in the cache for good
-    mine = atomic_path(out)
-    stale = mine.with_name(mine.name.replace(str(os.getpid()), "4194000"))
-    out.rename(stale)
+    out.rename(atomic_path(out, ENDED_PID))
     assert main(argv) == 0
     assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == [out.name]
 

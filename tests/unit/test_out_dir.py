@@ -16,7 +16,7 @@ from agg_bench.errors import UserError
 from agg_bench.io import atomic_path, is_temp_name, read_jsonl
 from agg_bench.outdir import FOLDER_LOCK, Busy, Claim, Contents, remove_owned
 from agg_bench.runtime.checkpoint import RESUMABLE_CHANGES, SAME_RUN_CHANGES
-from helpers import Holder
+from helpers import ENDED_PID, Holder, running_process
 
 SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "train.iterations=1", "progress=false",
          "telemetry.enabled=false"]
@@ -530,30 +530,20 @@ def test_a_file_claim_removes_what_killed_writers_of_its_files_left_beside_them(
     """A replay killed while it saved its gradient left the temporary (a whole model's gradient) beside --out for
     good, each attempt's under its own PID. Once the claim is held the ended processes' temporaries of the claimed
     files go; a live process's, and a user's file of a like name, stay."""
-    import subprocess
-    import sys
 
     from agg_bench.outdir import claim_files, json_file_with
 
     out, counts = tmp_path / "r.safetensors", tmp_path / "r.json"
 
-    def of(path: Path, pid: int) -> Path:
-        mine = atomic_path(path)
-        return mine.with_name(mine.name.replace(str(os.getpid()), str(pid)))
-
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    stale = [of(out, 4194000), of(counts, 4194001)]
-    kept = [of(out, live.pid), tmp_path / ".r.agg-bench-tmpx.safetensors", tmp_path / "notes.txt"]
-    for path in stale + kept:
-        path.write_bytes(b"data")
-    try:
+    with running_process() as live:
+        stale = [atomic_path(out, ENDED_PID), atomic_path(counts, ENDED_PID + 1)]
+        kept = [atomic_path(out, live), tmp_path / ".r.agg-bench-tmpx.safetensors", tmp_path / "notes.txt"]
+        for path in stale + kept:
+            path.write_bytes(b"data")
         with claim_files({out: (lambda path: False, "a replay's gradients"),
                           counts: (json_file_with("method"), "a replay's pass counts")}):
             assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == \
                 sorted(p.name for p in kept)
-    finally:
-        live.kill()
-        live.wait()
 
 
 def test_a_sigterm_while_a_snapshot_is_renamed_into_place_waits_for_the_last_rename(tmp_path, monkeypatch):

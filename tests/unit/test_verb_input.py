@@ -21,7 +21,7 @@ from agg_bench.errors import UserError
 from agg_bench.io import read_jsonl
 from agg_bench.machine import gpus
 from agg_bench.tools.importlog import import_log
-from helpers import exit_code
+from helpers import ENDED_PID, exit_code, running_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -362,25 +362,21 @@ def test_a_rerun_of_a_killed_gradcheck_removes_the_snapshot_it_left(tmp_path, ca
     has ended (a gradcheck of another --out of the same stem, g.md, still writes its own); a user's folders stay."""
     from agg_bench.io import TEMP_TAG
 
-    stale = tmp_path / f".g-snapshot{TEMP_TAG}4194000"
+    stale = tmp_path / f".g-snapshot{TEMP_TAG}{ENDED_PID}"
     (stale / "transformer").mkdir(parents=True)
     (stale / "rollout.json").write_text("{}")
     # a gradcheck of g.md (same stem, another claim) still running, which writes its snapshot there
-    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    kept = [tmp_path / "g-snapshot", tmp_path / f".g-snapshot{TEMP_TAG}x1", tmp_path / f".h-snapshot{TEMP_TAG}7",
-            tmp_path / f".g-snapshot{TEMP_TAG}{running.pid}"]
-    for folder in kept:
-        folder.mkdir()
-        (folder / "notes.txt").write_text("mine")
-    before = tree(tmp_path)
-    try:
+    with running_process() as running:
+        kept = [tmp_path / "g-snapshot", tmp_path / f".g-snapshot{TEMP_TAG}x1", tmp_path / f".h-snapshot{TEMP_TAG}7",
+                tmp_path / f".g-snapshot{TEMP_TAG}{running}"]
+        for folder in kept:
+            folder.mkdir()
+            (folder / "notes.txt").write_text("mine")
+        before = tree(tmp_path)
         assert cli.main(["gradcheck", "--config", str(ROOT / "config/run.yaml"), "--set", "model.resolution=32",
                          "--set", "sampling.steps=4", "--set", "grpo.prompts_per_iteration=1", "--set",
                          "progress=false", "--windows", "2", "--alphas", "index", "--route-fracs", "1",
                          "--out", str(tmp_path / "g.csv")]) == 0, capsys.readouterr().err
-    finally:
-        running.kill()
-        running.wait()
     after = tree(tmp_path)
     assert not stale.exists() and (tmp_path / "g.csv").is_file()
     assert {k: v for k, v in before.items() if not k.startswith(stale.name)} == \
@@ -391,7 +387,6 @@ def test_a_killed_gradchecks_snapshot_is_found_by_atomic_paths_own_name(tmp_path
     """The stale snapshots are found from atomic_path's naming, not a prefix written again: --out g.v1.csv
     makes .g.agg-bench-tmpPID.v1-snapshot (Path's stem ends at the last dot), which a hand-written
     '.g.v1-snapshot.agg-bench-tmp' prefix missed."""
-    import os
 
     from agg_bench.io import atomic_path, remove_stale_temps, temp_owner
     from agg_bench.tools.gradcheck import snapshot_target
@@ -528,7 +523,6 @@ def test_learning_with_nothing_to_write_is_refused_before_anything_is_read(run, 
 def fifo():
     """Makes a named pipe at a path; a helper keeps opening each for writing and closing it, so that a reader
     that waits on one (the bug) gets an empty read instead of hanging the test."""
-    import os
     import threading
 
     pipes: list[Path] = []
@@ -652,13 +646,9 @@ def test_a_snapshot_removes_the_staging_folder_a_killed_snapshot_left_in_its_fol
     from agg_bench.tools import snapshot
 
     out = tmp_path / "snap"
-    staging = atomic_path(out / "snapshot")  # where _save_snapshot stages
-    stale = staging.with_name(staging.name.replace(str(os.getpid()), "4194000"))
+    stale = atomic_path(out / "snapshot", ENDED_PID)  # where _save_snapshot stages
     (stale / "transformer").mkdir(parents=True)
     (stale / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"weights")
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    alive = staging.with_name(staging.name.replace(str(os.getpid()), str(live.pid)))
-    alive.mkdir()
 
     class Built(Exception):
         pass
@@ -667,12 +657,11 @@ def test_a_snapshot_removes_the_staging_folder_a_killed_snapshot_left_in_its_fol
         raise Built()  # the model is built after the folder is claimed and cleaned
 
     monkeypatch.setattr(snapshot, "Session", session)
-    try:
+    with running_process() as live:
+        alive = atomic_path(out / "snapshot", live)
+        alive.mkdir()
         with pytest.raises(Built):
             snapshot.save_snapshot(config.load_config(None, ["model.resolution=32"]), out)
-    finally:
-        live.kill()
-        live.wait()
     assert sorted(p.name for p in out.iterdir()) == [alive.name]
 
 
