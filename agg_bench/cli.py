@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .errors import ConfigError, OneLineParser, UserError, alike_on_every_process, quote, run_command
-from .outdir import check_file, check_writable, path_problem, reach_problem
+from .outdir import check_file, check_writable, named_path_problem
 
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
 # profile's --wait, --warmup, --active: each step is a training iteration (a trace keeps every active one), so far
@@ -20,13 +20,13 @@ MAX_PROFILE_STEPS = 1000
 def path_arg(text: str) -> Path:
     """The type of every file or folder argument of every verb: a path, never the empty string (which the
     OS reads as the current folder, so that ``--runs ''`` would read it and ``--out ''`` write into it), nor
-    one that can name no file (:func:`~agg_bench.outdir.path_problem`: a name too long for the file system),
-    nor one behind a folder this user may not search (:func:`~agg_bench.outdir.reach_problem`). A refusal is
+    one that can name no file (a name too long for the file system) nor one behind a folder this user may not
+    search (:func:`~agg_bench.outdir.named_path_problem`). A refusal is
     argparse's one line naming the option, exit code 2."""
     if not text:
         raise argparse.ArgumentTypeError("'': expected a file or folder name (an empty path would mean the "
                                          "current folder)")
-    problem = path_problem(text) or reach_problem(text)
+    problem = named_path_problem(text)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{quote(text)}: {problem}; expected a file or folder name")
     return Path(text)
@@ -36,8 +36,9 @@ def file_arg(text: str) -> Path:
     """:func:`path_arg` for a file a verb writes: a path that ends with ``/`` names a folder (pathlib drops the
     slash, so such a path was written as a file named after the folder)."""
     path = path_arg(text)
-    if text.endswith("/"):
-        raise argparse.ArgumentTypeError(f"{quote(text)}: ends with /, which names a folder; expected a file path")
+    problem = named_path_problem(text, file=True)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{quote(text)}: {problem}; expected a file path")
     return path
 
 

@@ -284,6 +284,16 @@ def reach_problem(text: str) -> str | None:
     return None
 
 
+def named_path_problem(text: str, file: bool = False) -> str | None:
+    """Why the path ``text``, as the user wrote it (a flag, a config key), names nothing this user can use, or
+    None: :func:`path_problem`, then :func:`reach_problem`, and for a ``file`` a path that ends with ``/`` (it
+    names a folder; pathlib drops the slash, so such a path was read or written as the file it names)."""
+    problem = path_problem(text) or reach_problem(text)
+    if problem is None and file and text.endswith("/"):
+        problem = "ends with /, which names a folder"
+    return problem
+
+
 def _can_stat(path: Path) -> bool:
     try:
         os.stat(path)
@@ -294,10 +304,10 @@ def _can_stat(path: Path) -> bool:
 
 def check_path_names(where: str, named) -> None:
     """Each ``(key, text)`` of ``named`` (text None: not given) a path that can name a file
-    (:func:`path_problem`) and that this user can reach (:func:`reach_problem`); a UserError
+    and that this user can reach (:func:`named_path_problem`); a UserError
     ``<where>.<key> '<text>': <problem>; expected a file or folder name`` for the first that cannot."""
     for key, text in named:
-        problem = (path_problem(text) or reach_problem(text)) if text is not None else None
+        problem = named_path_problem(text) if text is not None else None
         if problem is not None:
             raise UserError(f"{where}.{key} {quote(text)}: {problem}; expected a file or folder name")
 

@@ -7,12 +7,14 @@ every machine. Real text encoders are used for real models.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError, quote
 from ..jsonfiles import JsonFileError, TooLarge, loads, read_bounded, read_json_object
+from ..outdir import named_path_problem
 from ..outputs import TOKEN_HASH_FILE  # in a model folder: its conditioning is this embedding, not text encoders
 from ..records import is_integer
 from .models import Conditioning
@@ -24,7 +26,12 @@ MAX_PROMPT_FILE_BYTES = 64 * 2**20  # read whole: far above a public prompt set 
 def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
     """Prompts from a .txt file (one per line) or a .jsonl file (``{"prompt": ...}`` per line), at most
     :data:`MAX_PROMPT_FILE_BYTES` (refused before it is read). An error names the file and the line, never
-    more than 200 characters of what it holds."""
+    more than 200 characters of what it holds. ``path`` as written, a ``str``: one that names nothing this user
+    can read (:func:`~agg_bench.outdir.named_path_problem`; a folder on its way this user may not search raised
+    PermissionError from the look below) is refused for what it is."""
+    problem = named_path_problem(os.fspath(path), file=True)
+    if problem is not None:
+        raise ConfigError(key, str(path), f"a prompts file's path ({problem})")
     path = Path(path)
     if not path.is_file():
         raise ConfigError(key, str(path), "an existing .txt or .jsonl prompts file")

@@ -71,7 +71,7 @@ def file_sha256(path: str | Path) -> str:
 def prompt_set(file: str | Path | None) -> PromptSet:
     """The prompt set of ``prompts.file`` (None: the built-in set)."""
     path = Path(file) if file else BUILTIN_PROMPTS
-    prompts = load_prompts(path)
+    prompts = load_prompts(file if file else path)  # as written: pathlib drops a trailing /
     return PromptSet(prompts, path, file_sha256(path))
 
 

@@ -16,6 +16,10 @@ methods check in its child process), before anything is written:
   and the model's own schedule with a ``shift_terminal`` (a random preset's architecture's, Qwen-Image; a model
   folder's ``scheduler/scheduler_config.json``) has 2 steps or more
   (:func:`agg_bench.engine.families.check_own_schedule`, no torch: the workflow's parse checks it too);
+- the paths of ``model.pretrained``, ``prompts.file`` and ``prompts.cache_dir`` name something this user can
+  use (:func:`agg_bench.outdir.named_path_problem`: no unexpanded ``~``, no folder on the way this user may not
+  search, no trailing ``/`` after a file), so that a quoted ``~`` is not a folder named ``~`` made in the current
+  one, nor a closed folder a traceback once the run has begun;
 - ``reward.name`` names a registered reward (:data:`agg_bench.engine.rewards.REWARDS`; after the method, whose
   module may register one).
 
@@ -29,13 +33,29 @@ from ..config import RunConfig
 from ..engine.families import architecture, check_own_schedule
 from ..engine.rewards import REWARDS
 from ..engine.sampler import check_sigmas, flow_sigmas_formula, linspace_sigmas, sampler_dtype
+from ..errors import ConfigError
 from ..methods.base import method_config
+from ..outdir import named_path_problem
+
+# the config keys that name a path on this machine, each with whether it names a file (else a folder)
+PATH_KEYS = (("model.pretrained", False), ("prompts.file", True), ("prompts.cache_dir", False))
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """A ConfigError naming the first key of :data:`PATH_KEYS` whose path names nothing this user can use
+    (:func:`~agg_bench.outdir.named_path_problem`). Looks only; a path that does not exist is left to its reader."""
+    for key, is_file in PATH_KEYS:
+        text = cfg.get_path(key)
+        problem = named_path_problem(text, is_file) if isinstance(text, str) else None
+        if problem is not None:
+            raise ConfigError(key, text, f"{'a file' if is_file else 'a folder'}'s path ({problem})")
 
 
 def check_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` with its method's options typed (``cfg.method.options``), after the checks above; a
     ConfigError naming the key otherwise. Options already typed are kept."""
     model, sampling = cfg.model, cfg.sampling
+    check_paths(cfg)
     if model.preset == "random" and not model.pretrained:
         architecture(model.family, model.architecture)
     check_own_schedule(model.to_dict(), sampling.to_dict())

@@ -59,6 +59,17 @@ def test_paths_behind_a_closed_folder(closed, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_config_paths_behind_a_closed_folder(closed, tmp_path):
+    """A config key's path below a folder this user may not search: a traceback of PermissionError (the prompts
+    file, the embedding cache), or a model folder said to miss vae/."""
+    for key in ("model.pretrained", "prompts.file", "prompts.cache_dir"):
+        line = refused("run", *[a for s in TINY for a in ("--set", s)], "--set", "model.preset=pretrained",
+                       "--set", f"model.pretrained={tmp_path}", "--set", f"{key}={closed / 'x'}",
+                       "--out", str(tmp_path / "new"))
+        assert f"{key} = '{closed / 'x'}'" in line and f"may not search the folder {closed}" in line, line
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_closed_run_among_runs(closed, tmp_path):
     line = refused("report", "--runs", str(closed.parent), "--tables", str(tmp_path / "t"))
     assert line.startswith(f"agg-bench report: --runs '{closed.parent}': 'b' cannot be reached"), line

@@ -147,6 +147,24 @@ def test_an_empty_name_or_path_is_refused(tmp_path, capsys, key):
     assert f"{key} = ''" in line, line
 
 
+@pytest.mark.parametrize("key, value, gives", [
+    ("model.pretrained", "~/models/sd3", "starts with ~"),
+    ("prompts.file", "~/prompts.txt", "starts with ~"),
+    ("prompts.cache_dir", "~/embeddings", "starts with ~"),
+    ("prompts.file", "{prompts}/", "ends with /"),
+])
+def test_a_config_path_as_written_that_names_nothing_is_refused(tmp_path, capsys, monkeypatch, key, value, gives):
+    """A quoted ~ in a config path made a folder named ~ in the current one (prompts.cache_dir) or was reported as a
+    model folder without vae/; a prompts file written with a trailing / was read as the file (pathlib drops it)."""
+    monkeypatch.chdir(tmp_path)
+    prompts = Path(__file__).resolve().parents[2] / "config" / "prompts" / "objects.txt"
+    value = value.replace("{prompts}", str(prompts))
+    line = run_fails(tmp_path / "out", capsys, "--set", "model.preset=pretrained", "--set",
+                     f"model.pretrained={tmp_path}", "--set", f"{key}={value}")
+    assert f"{key} = {value!r}: expected a" in line and gives in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing made in the current folder"
+
+
 @pytest.mark.parametrize("escaped", [r"a\nb", r"a\0b", r"\e[2Jmine", r"a\tb", r"a\u2028b", "x" * 201])
 def test_a_run_id_that_would_break_a_line_or_a_table_row_is_refused(tmp_path, capsys, escaped):
     """run_id is a label of the records, the summary, the tables and the progress lines (never a path: the
