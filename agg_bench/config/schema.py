@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import types
 import typing
@@ -115,6 +116,43 @@ def run_schema() -> dict:
                                         "lists them (generated from agg_bench/config/sections.py).")}
 
 
+def default_text(value: Any) -> str:
+    """A default as YAML would write it, short: ``null``, ``true``, ``1e-4``, ``3.0``, ``{}``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value and abs(value) < 1e-3:
+        mantissa, exponent = f"{value:e}".split("e")
+        return f"{float(mantissa):g}e{int(exponent)}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return str(value)
+
+
+def number_text(value: Any) -> str:
+    """A bound, short: ``4096``, ``262,144``, ``1,000,000`` (a whole float too), ``0.5``."""
+    if isinstance(value, float) and abs(value) >= 1e15:
+        mantissa, exponent = f"{value:e}".split("e")
+        return f"{float(mantissa):g}e{int(exponent)}"
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 10_000:
+        value = int(value)
+    return f"{value:,}" if isinstance(value, int) and abs(value) >= 10_000 else default_text(value)
+
+
+def range_words(kind: str, schema: dict, every_bound: bool = False) -> str:
+    """What a number or integer ``schema`` allows, in words: ``integer from 1 to 4096``, ``number > 0 and <= 1``,
+    ``number >= 0``. The bound every number has (:data:`MAX_NUMBER`) is said only with ``every_bound``."""
+    low = [f">= {number_text(schema['minimum'])}"] if "minimum" in schema else []
+    low += [f"> {number_text(schema['exclusiveMinimum'])}"] if "exclusiveMinimum" in schema else []
+    high = [f"<= {number_text(schema['maximum'])}"] \
+        if "maximum" in schema and (every_bound or schema["maximum"] != MAX_NUMBER) else []
+    high += [f"< {number_text(schema['exclusiveMaximum'])}"] if "exclusiveMaximum" in schema else []
+    if kind == "integer" and "minimum" in schema and "maximum" in schema and high:
+        return f"integer from {number_text(schema['minimum'])} to {number_text(schema['maximum'])}"
+    return " and ".join([" ".join([kind, *low]), *high]) if low else " ".join([kind, *high])
+
+
 # how a schema type reads in an error: "expected an integer", "expected a string or null"
 TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
               "object": "a mapping", "array": "a list", "null": "null"}
@@ -146,8 +184,13 @@ def _describe(error: jsonschema.ValidationError) -> ConfigError:
         types_ = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         return ConfigError(path, error.instance, " or ".join(TYPE_WORDS.get(t, str(t)) for t in types_))
     if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-        words = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
-        expected = schema.get("x-expected") or f"a value {words[error.validator]} {error.validator_value}"
+        # the whole range, as the key tables give it: "an integer from 1 to 256", "a number > 0 and <= 1"
+        kinds = schema.get("type")
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        kind = "integer" if "integer" in kinds else "number"
+        # every number's bound (MAX_NUMBER) is said where it is the one passed
+        words = f"{TYPE_WORDS[kind].split()[0]} {range_words(kind, schema, error.validator == 'maximum')}"
+        expected = schema.get("x-expected") or words + (" or null" if "null" in kinds else "")
         return ConfigError(path, error.instance, expected)
     if error.validator == "pattern":
         expected = schema.get("x-expected") or schema.get("description") or f"to match {error.validator_value}"

@@ -690,7 +690,7 @@ def test_a_config_that_is_not_a_sweep_is_one_line_with_cpu(tmp_path, capsys, act
 @pytest.mark.parametrize("cpu", [True, False])
 @pytest.mark.parametrize("action", ["run", "status"])
 @pytest.mark.parametrize("setting, words", [
-    ({"lr": -1}, "lr = -1: expected a value > 0"),
+    ({"lr": -1}, "lr = -1: expected a number > 0 and <= 1"),
     ({"seed": "7"}, "seed = '7': expected an integer"),  # the text '7', as the pretrain process is given it
 ])
 def test_a_pretrain_entry_its_process_refuses_is_one_line_before_a_window(tmp_path, capsys, monkeypatch, cpu, action,

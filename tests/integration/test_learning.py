@@ -201,7 +201,7 @@ def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path
 
 @pytest.mark.parametrize("value, words", [
     ("{device: gpu}", "pretrain.sd3-scenes: config error: device = 'gpu': expected cpu, cuda or cuda:N"),
-    ("{threads: -1}", "pretrain.sd3-scenes: config error: threads = -1: expected a value >= 0"),
+    ("{threads: -1}", "pretrain.sd3-scenes: config error: threads = -1: expected an integer from 0 to 1024"),
     # a value the pretrain job is given as the text '7' (its --set quoted): read as the number 7 here, it passed the
     # dry run and failed the job
     ("{seed: '7'}", "pretrain.sd3-scenes: config error: seed = '7': expected an integer"),

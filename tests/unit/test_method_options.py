@@ -208,7 +208,7 @@ def test_a_method_outside_the_repository_is_named_by_a_dotted_path(external_pack
     assert json.loads((tmp_path / "run" / "config.json").read_text())["method"] == method
     capsys.readouterr()  # what the run printed
     # its options are refused as a registered method's are
-    for bad, words in ((11, "method.scale = 11: expected a value <= 10"), ("x", "method.scale = 'x'")):
+    for bad, words in ((11, "method.scale = 11: expected a number >= 0 and <= 10"), ("x", "method.scale = 'x'")):
         assert cli.main(["run", "--set", f"method={json.dumps({'name': path, 'scale': bad})}",
                          "--out", str(tmp_path / "bad")]) == 2
         [line] = capsys.readouterr().err.strip().splitlines()

@@ -609,7 +609,7 @@ def test_a_record_with_the_wrong_kind_of_value(tmp_path, capsys, key, value, exp
     ("config.json", '{"method": "agg"}', "config.json: config error: method = 'agg': expected a mapping"),
     ("config.json", '{"method": {"name": "agg"}, "train": {"inner_epochs": "2"}}', "train.inner_epochs = '2'"),
     ("config.json", '{"method": {"name": "agg"}, "sampling": {"steps": 10000000}}',
-     "config.json: config error: sampling.steps = 10000000: expected a value <= 1000"),
+     "config.json: config error: sampling.steps = 10000000: expected an integer from 1 to 1000"),
     ("config.json", '[1]', "config.json: holds a list, not a JSON object"),
     ("plan.json", '{"bytes": 5}', "plan.json: bytes = 5: expected an object or null"),
     # an integer JSON reads but a float cannot hold: math.isfinite raised OverflowError (exit 1)
