@@ -355,6 +355,38 @@ def _holder(fd: int) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def writer(target: str | Path, lock_inside: bool = True) -> tuple[bool, int | None]:
+    """Whether another process holds the claim of ``target`` (:class:`Claim`), and the holder's PID where its lock
+    file says it. Reads only: it takes a shared lock for an instant, which
+    no writer's exclusive one allows, and makes no lock file where there is none (a reader may not write
+    there). Never call it on an output this process claims itself (the locks of one process conflict too)."""
+    target = Path(target)
+    lock = target / FOLDER_LOCK if lock_inside else target.parent / f".{target.name}{LOCK_SUFFIX}"
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:  # no lock file: no writer (one that starts now makes it first)
+        return False, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True, _holder(fd)
+    except OSError:
+        return False, None
+    finally:
+        os.close(fd)
+    return False, None
+
+
+def check_not_written(target: str | Path, what: str, lock_inside: bool = True) -> None:
+    """A :class:`Busy` naming ``target`` (``what``: "run", a reader's name for it) when another process holds its
+    claim (:func:`writer`): what it holds meanwhile may be part of two states, so a reader refuses it."""
+    held, pid = writer(target, lock_inside)
+    if held:
+        holder = f" (PID {pid})" if pid is not None else ""
+        raise Busy(f"{what} {target}: another agg-bench process{holder} is writing it; wait until it ends, or leave "
+                   "it out", Path(target), pid)
+
+
 class Claim:
     """An exclusive hold on an output (a folder or a file); use as a context manager, or ``acquire()`` and
     ``release(failed)``. ``target`` is created as a folder when ``folder`` is true and it does not exist.

@@ -24,12 +24,15 @@ with it, and the results readers read run folders with it; it imports no torch.
 """
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Iterator, Literal, overload
 
 from .errors import UserError, quote
 from .io import read_jsonl
 from .jsonfiles import read_json_object
+from .outdir import check_not_written, is_harness_name
 from .records import EVALUATIONS_FILE, is_finite_number, record_problem, records_problem
 
 if TYPE_CHECKING:
@@ -84,6 +87,39 @@ class RunFolder:
 
     def path(self, name: str) -> Path:
         return self.dir / name
+
+    def _state(self) -> list[tuple[str, int, int, int]]:
+        """Each file of the folder (the harness's temporaries and locks aside) by name, inode, size and
+        modification time: what any write of a run changes (a rename, an append)."""
+        try:
+            entries = list(os.scandir(self.dir))
+        except OSError:  # not a folder: each file's reader says what is wrong
+            return []
+        state = []
+        for entry in entries:
+            if is_harness_name(entry.name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:  # gone meanwhile: a change the second look sees
+                continue
+            state.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        return sorted(state)
+
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        """A block whose reads of the folder see one state of it, written by one attempt: refused with a
+        :class:`~agg_bench.outdir.Busy` when another process holds the folder's claim before or after it (a run
+        writing, resuming or replacing it, whose files are meanwhile part old, part new), and with a UserError
+        when its files changed while the block read them (a writer that came and went). A reader of a run it
+        does not claim itself uses it; a run's own reads of its folder, under its claim, do not."""
+        check_not_written(self.dir, "run")
+        before = self._state()
+        yield
+        check_not_written(self.dir, "run")
+        if self._state() != before:
+            raise UserError(f"run {self.dir}: its files changed while they were read (another agg-bench process "
+                            "wrote it); read it again once that process has ended")
 
     def has(self, name: str) -> bool:
         return self.path(name).exists()

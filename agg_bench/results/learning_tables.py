@@ -114,9 +114,13 @@ def load_runs(manifest: str | Path) -> list[Run]:
             raise UserError(f"{where}: method {quote(method)} seed {seed} is also runs[{seeds[method, seed]}]'s; "
                             "expected one run per method and seed (each counts as a seed)")
         folders[resolved], seeds[method, seed] = i, i
-        if not folder.has(METRICS_FILE):
-            raise UserError(f"{folder.path(METRICS_FILE)}: no such file (has the run finished?)")
-        lines = folder.records(required=("status", "iteration"))
+        with folder.whole():  # one attempt's files, never a run's that another process is resuming or replacing
+            if not folder.has(METRICS_FILE):
+                raise UserError(f"{folder.path(METRICS_FILE)}: no such file (has the run finished?)")
+            lines = folder.records(required=("status", "iteration"))
+            summary = folder.summary()
+            evaluations = folder.evaluations()
+            unweighted = unweighted_parts(folder.dir)
         missing = next((k for k, r in enumerate(lines, 1) if r["status"] == "ok" and r.get("reward_mean") is None),
                        None)
         if missing is not None:
@@ -124,7 +128,6 @@ def load_runs(manifest: str | Path) -> list[Run]:
         if not lines:  # skipped, the method would lose a seed without a word (killed before its first record)
             raise UserError(f"{where}: {folder.path(METRICS_FILE)} holds no record (was the run killed before its "
                             "first iteration?); expected a run with records, or the entry left out")
-        summary = folder.summary()
         folder.check_records_ended(summary, lines)
         # its last evaluation would stand as its final one, a gain of fewer iterations than its seeds'
         if summary.get("status") in (None, "interrupted"):
@@ -133,11 +136,10 @@ def load_runs(manifest: str | Path) -> list[Run]:
                             "(agg-bench run --resume ends it), or the entry left out")
         records = pd.DataFrame(lines)
         records = records[records["status"] == "ok"].sort_values("iteration").reset_index(drop=True)
-        evaluations = folder.evaluations()
         runs.append(Run(method, seed, folder.dir, records,
                         None if evaluations is None else
                         pd.DataFrame(evaluations).sort_values("iteration").reset_index(drop=True),
-                        unweighted_parts(folder.dir)))
+                        unweighted))
     if not runs:
         raise UserError(f"manifest {path}: lists no run; expected at least one")
     return runs

@@ -328,9 +328,11 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
     for entry in entries:
         run_dir = Path(entry.dir)
         folder = RunFolder(run_dir)  # every file read and checked by the one reader of a run folder
-        summary = folder.summary()
-        config = folder.config(required=False)
-        records = folder.records()
+        with folder.whole():  # one attempt's files, never a run's that another process is replacing
+            summary = folder.summary()
+            config = folder.config(required=False)
+            records = folder.records()
+            planned = folder.plan()
         folder.check_records_ended(summary, records)
         if not summary and not records:
             raise UserError(f"run {run_dir}: no summary.json or metrics.jsonl")
@@ -344,7 +346,6 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
         if options is None:
             options = config.method.to_dict() if config is not None else {"name": records[0].get("method")}
         source = entry.source or summary.get("source") or records[0].get("source") or "measured"
-        planned = folder.plan()
         # optimizer steps per iteration, which the cost model prices: a record's own count where the method's
         # steps are not the config's (branch's method.transitions_per_step); unknown without a config
         optimizer_steps = config.train.optimizer_steps if config is not None else None

@@ -439,3 +439,19 @@ def test_a_run_that_has_not_ended_is_refused(manifest, tmp_path, capsys, edit, w
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], lines
     assert not out.exists()
+
+
+def test_a_run_another_process_is_writing_is_refused(manifest, tmp_path):
+    """A run of the manifest being resumed or replaced (another process holds its folder's claim) is refused with
+    the writer's PID, not read as a mix of two attempts."""
+    from agg_bench.outdir import Busy
+    from helpers import Holder
+
+    holder = Holder(tmp_path / "agg1", folder=True, lock_inside=True)
+    try:
+        with pytest.raises(Busy, match=f"PID {holder.proc.pid}.*is writing") as refused:
+            load_runs(manifest)
+        assert refused.value.target == tmp_path / "agg1"
+    finally:
+        holder.close()
+    assert len(load_runs(manifest)) == 10

@@ -2,6 +2,7 @@
 import csv
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -1036,3 +1037,49 @@ def test_gradcheck_rows_no_run_matches_are_named(sweep, gradcheck_csv, tmp_path,
                  "--tables", str(tmp_path / "new")]) == 0
     assert capsys.readouterr().err == ""
     assert pd.read_csv(tmp_path / "new" / "efficiency.csv")["grad_cosine"].notna().any()
+
+
+def test_report_refuses_a_run_that_another_process_is_replacing(tmp_path, capsys):
+    """A run folder whose claim another process holds is part old attempt, part new (here: the earlier run's
+    records and the new config of another method, its summary already gone): report refuses it in one line
+    naming the writer's PID, writes no table, and reads the run once the writer has ended."""
+    from agg_bench.outdir import Claim
+    from helpers import Holder
+
+    run = make_run(tmp_path / "runs", "x", "full", [it(1.0, 0.1), it(1.0, 0.2)])
+    holder = Holder(run, folder=True, lock_inside=True)
+    try:
+        (run / "summary.json").unlink()
+        (run / "config.json").write_text(json.dumps({"method": AGG_OPTIONS}))
+        assert main(["report", "--runs", str(tmp_path / "runs"), "--tables", str(tmp_path / "t")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"PID {holder.proc.pid}" in err and "is writing" in err
+        assert str(run) in err and not (tmp_path / "t").exists()
+    finally:
+        holder.close()
+    with Claim(run, folder=True, lock_inside=True):  # the writer's last files, under its claim
+        make_run(tmp_path / "new", "x", "agg", [it(1.0, 0.3)], options=AGG_OPTIONS)
+        for name in ("metrics.jsonl", "summary.json"):
+            (run / name).write_bytes((tmp_path / "new" / "x" / name).read_bytes())
+    records = load_records([RunEntry(run)])
+    assert set(records["method_name"]) == {"agg"} and set(records["run_status"]) == {"ok"}
+
+
+def test_report_refuses_a_run_whose_files_change_while_it_reads_them(tmp_path, monkeypatch):
+    """A writer that came and went between two of the reader's reads (the folder's lock free before and after)
+    still changed the files: the run is refused, not read as part of each attempt."""
+    from agg_bench.reading import RunFolder
+
+    run = make_run(tmp_path / "runs", "x", "full", [it(1.0, 0.1), it(1.0, 0.2)])
+    read = RunFolder.records
+
+    def records_then_replaced(self, *args, **kwargs):
+        records = read(self, *args, **kwargs)
+        tmp = run / ".summary.agg-bench-tmp1.json"
+        tmp.write_text(json.dumps({"run_id": "x", "status": "error", "method": "full"}))
+        os.replace(tmp, run / "summary.json")
+        return records
+
+    monkeypatch.setattr(RunFolder, "records", records_then_replaced)
+    with pytest.raises(UserError, match="changed while they were read"):
+        load_records([RunEntry(run)])
