@@ -41,7 +41,7 @@ from ..errors import ConfigError, UserError, quote
 from ..io import atomic_path, atomic_target, follow_umask, remove_stale_temps, write_json
 from ..jsonfiles import open_regular, read_json_object
 from ..methods.base import Estimator, ReplayCase, build_estimator
-from ..outdir import Contents, claim_files, claim_folder, json_file_with, remove_owned
+from ..outdir import Contents, check_not_written, claim_files, claim_folder, json_file_with, remove_owned
 from ..reading import run_config
 from ..runtime.memplan import check_transformer_fits
 from ..runtime.session import Session
@@ -427,6 +427,8 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
     (:func:`_rollout_tensors`). Anything else than what ``agg-bench snapshot`` writes is a UserError naming
     the file (and key or tensor), the value and what was expected."""
     root = Path(snapshot_dir)
+    # a snapshot being written replaces its files one by one: meanwhile they are part of two snapshots
+    check_not_written(root, "snapshot")
     for name in ("transformer", "rollout.safetensors", "rollout.json"):
         if not (root / name).exists():
             raise UserError(f"snapshot {root}: missing {name} (make one with `agg-bench snapshot`)")
@@ -446,6 +448,7 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
         sde=meta["sde"], eta=meta["eta"], clip_range=meta["clip_range"], beta=meta["beta"],
         velocities=t.get("velocities"), policy_version=0, kl_form=meta["kl_form"],
     )
+    check_not_written(root, "snapshot")  # a snapshot that began while its files were read
     return Snapshot(policy, batch, meta, run.to_dict() if run is not None else {}, root)
 
 

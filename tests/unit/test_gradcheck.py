@@ -315,3 +315,22 @@ def test_gradcheck_methods_take_the_seed_that_replay_set_takes(tmp_path):
     assert parse_method_specs(["agg:seed=1"])[0].overrides == ["seed=1"]
     with pytest.raises(ConfigError, match="seed = 1: .*method 'agg'"):
         build_estimators(load_snapshot(snap).config, parse_method_specs(["agg:seed=1"]))
+
+
+def test_a_snapshot_another_process_is_writing_is_refused(tmp_path, capsys):
+    """replay and gradcheck --snapshot refuse a snapshot folder whose claim another process holds (a snapshot
+    replacing its files one by one), in one line with the writer's PID, before anything is read or written."""
+    from agg_bench.outdir import Busy
+    from helpers import Holder
+
+    snap = tmp_path / "snap"
+    holder = Holder(snap, folder=True, lock_inside=True)
+    try:
+        with pytest.raises(Busy, match=f"snapshot {snap}: another agg-bench process \\(PID {holder.proc.pid}\\)"):
+            load_snapshot(snap)
+        out = tmp_path / "g.safetensors"
+        assert main(["replay", str(snap), "--method", "full", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"PID {holder.proc.pid}" in err and not out.exists()
+    finally:
+        holder.close()
