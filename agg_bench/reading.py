@@ -106,17 +106,24 @@ class RunFolder:
             state.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
         return sorted(state)
 
+    def _check_not_written(self) -> None:
+        """A :class:`~agg_bench.outdir.Busy` when another process holds the folder's claim: a run's lock lies
+        inside it, an import's beside it (``import-log`` replaces the folder whole)."""
+        check_not_written(self.dir, "run")
+        check_not_written(self.dir, "run", lock_inside=False)
+
     @contextmanager
     def whole(self) -> Iterator[None]:
         """A block whose reads of the folder see one state of it, written by one attempt: refused with a
         :class:`~agg_bench.outdir.Busy` when another process holds the folder's claim before or after it (a run
-        writing, resuming or replacing it, whose files are meanwhile part old, part new), and with a UserError
+        writing, resuming or replacing it, or an import replacing it, whose files are meanwhile part old, part
+        new), and with a UserError
         when its files changed while the block read them (a writer that came and went). A reader of a run it
         does not claim itself uses it; a run's own reads of its folder, under its claim, do not."""
-        check_not_written(self.dir, "run")
+        self._check_not_written()
         before = self._state()
         yield
-        check_not_written(self.dir, "run")
+        self._check_not_written()
         if self._state() != before:
             raise UserError(f"run {self.dir}: its files changed while they were read (another agg-bench process "
                             "wrote it); read it again once that process has ended")

@@ -22,7 +22,7 @@ import pandas as pd
 from ..config import ModelConfig, TrainConfig, bound
 from ..errors import ConfigError, UserError, quote
 from ..jsonfiles import check_path, read_json_object
-from ..outdir import path_problem, reach_problem
+from ..outdir import LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, path_problem, reach_problem
 from ..reading import RunFolder
 from ..records import OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number, is_integer
 
@@ -279,6 +279,13 @@ def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
         elif path.is_dir():
             found = []
             for p in sorted(path.iterdir()):
+                if is_harness_name(p.name):
+                    # a writer's staging folder (an import's, renamed over its run once whole) is no run; its
+                    # lock, held, is a run being replaced, which may be missing between the writer's renames
+                    name = p.name[1:-len(LOCK_SUFFIX)] if is_lock_name(p.name) else ""
+                    if name:
+                        check_not_written(path / name, "run", lock_inside=False)
+                    continue
                 problem = reach_problem(str(p))
                 if problem is not None:
                     raise UserError(f"--runs {quote(str(path))}: {quote(p.name)} {problem}; expected run folders "

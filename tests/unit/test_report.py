@@ -14,7 +14,8 @@ from agg_bench.errors import UserError
 from agg_bench.io import JsonlWriter
 from agg_bench.records import PLOTS, RECORD_KEYS, TABLES
 from agg_bench.results.formatting import to_markdown
-from agg_bench.results.loading import GradcheckEntry, Manifest, RunEntry, load_gradcheck, load_records
+from agg_bench.results.loading import (GradcheckEntry, Manifest, RunEntry, discover_runs, load_gradcheck,
+                                       load_records)
 from agg_bench.results.report import build_report
 from agg_bench.results.tables import ablation_table, efficiency_table, gpus_table, mean_reward_until
 from agg_bench.tools.importlog import import_log
@@ -1083,3 +1084,28 @@ def test_report_refuses_a_run_whose_files_change_while_it_reads_them(tmp_path, m
     monkeypatch.setattr(RunFolder, "records", records_then_replaced)
     with pytest.raises(UserError, match="changed while they were read"):
         load_records([RunEntry(run)])
+
+
+def test_report_of_a_folder_of_runs_skips_staging_folders_and_refuses_a_run_being_imported(tmp_path, capsys):
+    """import-log writes its run into a staging folder beside it (a harness temporary name) and renames it over
+    the run, its lock beside the run: while it holds that lock, report of the folder of runs refuses the run in one
+    line with the writer's PID; a staging folder, a live writer's or a killed one's, is never read as a run."""
+    from helpers import ENDED_PID, Holder
+
+    runs = tmp_path / "runs"
+    run = make_run(runs, "imp", "full", [it(1.0, 0.1), it(1.0, 0.2)])
+    staging = runs / f".imp.agg-bench-tmp{ENDED_PID}"
+    make_run(tmp_path / "new", "other", "full", [it(2.0, 0.3)])
+    (tmp_path / "new" / "other").rename(staging)
+    holder = Holder(run, folder=True, lock_inside=False)
+    try:
+        assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "t")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"PID {holder.proc.pid}" in err and str(run) in err
+        with pytest.raises(UserError, match=f"PID {holder.proc.pid}"):
+            load_records([RunEntry(run)])
+    finally:
+        holder.close()
+    assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "t")]) == 0
+    summary = pd.read_csv(tmp_path / "t" / "summary.csv")
+    assert len(summary) == 1 and set(load_records(discover_runs([runs]))["run_dir"]) == {str(run)}
