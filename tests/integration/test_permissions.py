@@ -70,6 +70,17 @@ def test_config_paths_behind_a_closed_folder(closed, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_reward_option_paths_behind_a_closed_folder(closed, tmp_path):
+    """A reward model's file or folder below a folder this user may not search: a traceback of PermissionError."""
+    pytest.importorskip("transformers")
+    for reward, option in (("aesthetic", "head"), ("clipscore", "model")):
+        options = json.dumps({"model": str(closed / "clip"), option: str(closed / "x")})
+        line = refused("run", *[a for s in TINY for a in ("--set", s)], "--set", f"reward.name={reward}",
+                       "--set", f"reward.options={options}", "--out", str(tmp_path / "new"))
+        assert f"reward.options.{option} = '{closed / 'x'}'" in line and f"may not search the folder {closed}" in line, line
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_closed_run_among_runs(closed, tmp_path):
     line = refused("report", "--runs", str(closed.parent), "--tables", str(tmp_path / "t"))
     assert line.startswith(f"agg-bench report: --runs '{closed.parent}': 'b' cannot be reached"), line

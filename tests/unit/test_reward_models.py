@@ -128,6 +128,30 @@ def test_missing_checkpoint_is_one_clear_error(name, assets, tmp_path):
     assert str(missing) in str(err.value) and CHECKPOINT_OPTION[name] in str(err.value)
 
 
+# Every option that names a path, with whether it names a file (else a folder).
+PATH_OPTIONS = [("hpsv2", "checkpoint", True), ("hpsv2", "tokenizer", False), ("hpsv2", "model_config", True),
+                ("pickscore", "model", False), ("pickscore", "processor", False),
+                ("imagereward", "checkpoint", True), ("imagereward", "tokenizer", False),
+                ("imagereward", "med_config", True), ("clipscore", "model", False), ("aesthetic", "model", False),
+                ("aesthetic", "head", True)]
+
+
+@pytest.mark.parametrize("name, option, is_file", PATH_OPTIONS)
+def test_option_paths_are_taken_as_written(name, option, is_file, assets, tmp_path):
+    """A quoted ~ is refused as in every other config path (it was expanded here only); a file's path that ends
+    with / is refused (pathlib dropped the slash and read the file)."""
+    with pytest.raises(UserError) as err:
+        build_reward(name, {**assets[name], option: "~/weights"}, "cpu")
+    assert f"reward.options.{option} = '~/weights': starts with ~" in str(err.value), err.value
+    if is_file:
+        given = Path(assets[name][option]) if option != "model_config" else tmp_path / "open_clip.json"
+        if not given.exists():  # the tiny model_config is given as a mapping
+            given.write_text(json.dumps(TINY_OPEN_CLIP))
+        with pytest.raises(UserError) as err:
+            build_reward(name, {**assets[name], option: f"{given}/"}, "cpu")
+        assert f"reward.options.{option} = '{given}/': ends with /" in str(err.value), err.value
+
+
 @pytest.mark.parametrize("name", REWARDS)
 def test_missing_package_names_package_and_extra(name, assets, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail

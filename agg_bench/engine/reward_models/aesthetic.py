@@ -47,7 +47,7 @@ def load_head(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 def build(options: dict, device):
     check_reward_options("aesthetic", options, {"head": "the aesthetic MLP file", **CLIP_OPTIONS})
     require_package("aesthetic", "transformers")
-    head_path = require_path("aesthetic", options, "head", HEAD)
+    head_path = require_path("aesthetic", options, "head", HEAD, file=True)
     # the head first: a wrong head file fails before the CLIP model is loaded
     head = load_head(head_path, feature_dtype(reward_dtype(options)))
     clip = HFClip("aesthetic", options, device, transform="openai", vision_only=True)

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ...errors import ConfigError, UserError
+from ...errors import ConfigError, UserError, quote
+from ...outdir import named_path_problem
 from ...records import is_integer
 from ..rewards import RewardFn, to_uint8
 
@@ -47,15 +48,29 @@ def require_package(reward: str, package: str) -> ModuleType:
         ) from None
 
 
-def require_path(reward: str, options: Mapping, key: str, what: str, default: str | None = None) -> Path:
-    """The existing file or folder given by ``options[key]`` (or ``default``); else a UserError.
+def option_path(reward: str, key: str, value: object, what: str, file: bool = False) -> Path:
+    """``value``, the path that ``reward.options.<key>`` names, as written (no ``~`` is expanded, as for every path
+    of a config: :func:`~agg_bench.outdir.named_path_problem`), or a UserError naming the option when it names
+    nothing this user can use (``file``: a file, not a path that ends with ``/``). Looks only; whether it exists is
+    the caller's to say."""
+    text = str(value)
+    problem = named_path_problem(text, file=file)
+    if problem is not None:
+        raise UserError(f"reward {reward!r}: reward.options.{key} = {quote(text)}: {problem}; expected {what}")
+    return Path(text)
 
-    ``what`` describes the expected content, e.g. "the HPSv2 checkpoint file (.pt)".
+
+def require_path(reward: str, options: Mapping, key: str, what: str, default: str | None = None,
+                 file: bool = False) -> Path:
+    """The existing file or folder given by ``options[key]`` (or ``default``), as written (:func:`option_path`);
+    else a UserError.
+
+    ``what`` describes the expected content, e.g. "the HPSv2 checkpoint file (.pt)"; ``file``: a file is expected.
     """
     value = options.get(key) or default
     if not value:
         raise UserError(f"reward {reward!r} needs reward.options.{key}: {what}")
-    path = Path(str(value)).expanduser()
+    path = option_path(reward, key, value, what, file)
     if not path.exists():
         raise UserError(f"reward {reward!r}: reward.options.{key} = '{path}' does not exist; expected {what}")
     return path

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +39,8 @@ from torch import nn
 from ...errors import UserError
 from ...jsonfiles import read_json_object
 from .common import (check_reward_options, CLIP_MEAN, CLIP_STD, ClipTransform, feature_dtype, load_pretrained,
-                     load_state_dict, load_weights, make_reward_fn, require_package, require_path, reward_dtype)
+                     load_state_dict, load_weights, make_reward_fn, option_path, require_package, require_path,
+                     reward_dtype)
 
 REWARD = "hpsv2"
 CHECKPOINT = "the HPSv2 state dict (HPS_v2.1_compressed.pt, or .safetensors)"
@@ -112,7 +112,8 @@ def resolve_model_config(value) -> OpenClipConfig:
     if isinstance(value, str) and value in MODEL_CONFIGS:
         value = MODEL_CONFIGS[value]
     elif isinstance(value, str):
-        path = Path(value).expanduser()
+        path = option_path(REWARD, "model_config", value, f"one of {sorted(MODEL_CONFIGS)} or a JSON file",
+                           file=True)
         if not path.is_file():
             raise UserError(f"reward {REWARD!r}: reward.options.model_config = {value!r} is neither one of "
                             f"{sorted(MODEL_CONFIGS)} nor an existing JSON file")
@@ -235,7 +236,7 @@ def build(options: dict, device):
     check_reward_options(REWARD, options, {"checkpoint": CHECKPOINT, "tokenizer": TOKENIZER,
                                            "model_config": "the OpenCLIP model config (a mapping or JSON file)"})
     transformers = require_package(REWARD, "transformers")
-    checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT)
+    checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT, file=True)
     tokenizer_dir = require_path(REWARD, options, "tokenizer", TOKENIZER)
     cfg = resolve_model_config(options.get("model_config"))
     device, dtype = torch.device(device), reward_dtype(options)

@@ -44,7 +44,8 @@ from torch import nn
 from ...errors import UserError
 from ...jsonfiles import read_json_object
 from .common import (check_reward_options, ClipTransform, feature_dtype, LinearStack, load_pretrained,
-                     load_state_dict, load_weights, make_reward_fn, require_package, require_path, reward_dtype)
+                     load_state_dict, load_weights, make_reward_fn, option_path, require_package, require_path,
+                     reward_dtype)
 
 REWARD = "imagereward"
 CHECKPOINT = "the ImageReward state dict (ImageReward.pt, or .safetensors)"
@@ -87,7 +88,7 @@ def _config(cls, value, option: str, strict: bool):
     if value is None:
         return cls()
     if isinstance(value, (str, Path)):
-        path = Path(value).expanduser()
+        path = option_path(REWARD, option, value, "a JSON file", file=True)
         if not path.is_file():
             raise UserError(f"reward {REWARD!r}: reward.options.{option} = '{path}' does not exist; "
                             f"expected a JSON file")
@@ -303,7 +304,7 @@ def build(options: dict, device):
     check_reward_options(REWARD, options, {"checkpoint": CHECKPOINT, "tokenizer": TOKENIZER,
                                            "vision_config": "the BLIP vision config", "med_config": "the med_config"})
     transformers = require_package(REWARD, "transformers")
-    checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT)
+    checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT, file=True)
     tokenizer_dir = require_path(REWARD, options, "tokenizer", TOKENIZER)
     vision = _config(VisionConfig, options.get("vision_config"), "vision_config", strict=True)
     text = _config(TextConfig, options.get("med_config"), "med_config", strict=False)
