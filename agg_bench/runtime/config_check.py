@@ -24,8 +24,9 @@ methods check in its child process), before anything is written:
   module may register one).
 
 A method named by a dotted path (``method.name: mypkg.module:MyEstimator``) is imported here: code the user
-chose in their own config. A config read from a run folder is never checked here, so a results folder never
-names code to load.
+chose in their own config. A config read from a run folder is never given to :func:`check_config`, so a results
+folder never names code to load; its paths are checked (:func:`check_paths`, which loads nothing) before
+``agg-bench learning`` evaluates its runs.
 """
 from __future__ import annotations
 
@@ -70,4 +71,4 @@ def check_config(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-__all__ = ["check_config"]
+__all__ = ["check_config", "check_paths"]

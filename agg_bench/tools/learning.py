@@ -50,7 +50,8 @@ def scene_caption_problem(captions: list[str]) -> str | None:
 class CheckpointEvaluation:
     """The held-out evaluation (:class:`agg_bench.runtime.evaluation.Evaluation`) of the runs' starting
     weights and of each run's final ``checkpoint.pt``: the model, prompts, schedule, SDE and reward of the
-    first run's ``config`` (the typed run config its folder holds), ``noises`` fixed noises per caption
+    first run's ``config`` (the typed run config its folder holds; its paths checked as a run's are,
+    :func:`~agg_bench.runtime.config_check.check_paths`), ``noises`` fixed noises per caption
     seeded by ``seed``, ``sampler`` ``ode`` or ``sde``. A run's in-run evaluations (``eval.every``) are the
     same evaluation of its weights along the way. ``grid``: the sample grid will score the first images
     with the scene reward, so their captions must be scene captions. The captions are checked against the
@@ -62,6 +63,7 @@ class CheckpointEvaluation:
         from ..engine.models import load_policy
         from ..engine.rewards import build_reward
         from ..engine.text import prompt_conditioning, prompt_set
+        from ..runtime.config_check import check_paths
         from ..runtime.evaluation import Evaluation
         from ..runtime.memplan import check_weights_fit
         from ..runtime.session import run_sigmas
@@ -69,6 +71,10 @@ class CheckpointEvaluation:
         if sampler not in SAMPLERS:
             raise UserError(f"evaluation sampler {sampler!r}: expected one of {', '.join(SAMPLERS)}")
         config = config if config is not None else RunFolder(runs[0].dir).config()
+        try:  # a config read from a run folder was never checked: a quoted ~, a closed folder, as a run refuses
+            check_paths(config)
+        except ConfigError as err:
+            raise UserError(f"{runs[0].dir / 'config.json'}: {err}") from None
         model = config.model
         prompts = prompt_set(config.prompts.file)
         self.keep = min(len(prompts.prompts), GRID_CAPTIONS)  # what the sample grid shows of each state

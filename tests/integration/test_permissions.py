@@ -81,6 +81,40 @@ def test_reward_option_paths_behind_a_closed_folder(closed, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_learning_config_paths_as_written(folders, tmp_path, monkeypatch, capsys):
+    """A run folder's config.json, which learning reads without the run's checks: its embedding cache behind a
+    closed folder was a PermissionError traceback, a quoted ~ a folder named ~ made in the current one."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red cat\na blue dog\n")
+    run = tmp_path / "run"
+    assert main(["run", *[a for s in TINY for a in ("--set", s)], "--set", "train.iterations=2", "--set",
+                 "train.checkpoint_every=2", "--set", "model.family=sd3", "--set", "model.preset=pretrained", "--set",
+                 f"model.pretrained={folders('sd3')}", "--set", f"prompts.file={prompts}", "--set",
+                 f"prompts.cache_dir={tmp_path / 'cache'}", "--out", str(run)]) == 0
+    manifest = tmp_path / "m.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": str(run), "method": "full", "seed": 0}]}))
+    config = json.loads((run / "config.json").read_text())
+    learning = ["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "1",
+                "--eval-noises", "1"]
+    monkeypatch.chdir(tmp_path)
+    config["prompts"]["cache_dir"] = "~/cache"
+    (run / "config.json").write_text(json.dumps(config))
+    assert main(learning) == 2
+    line = capsys.readouterr().err.strip()
+    assert f"{run / 'config.json'}: config error: prompts.cache_dir = '~/cache'" in line and "starts with ~" in line, line
+    assert not (tmp_path / "~").exists()
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0)
+    try:
+        config["prompts"]["cache_dir"] = str(closed / "cache")
+        (run / "config.json").write_text(json.dumps(config))
+        line = refused(*learning)
+        assert f"prompts.cache_dir = '{closed / 'cache'}'" in line and f"may not search the folder {closed}" in line, line
+    finally:
+        closed.chmod(0o755)
+    assert not (tmp_path / "t").exists()
+
+
 def test_a_closed_run_among_runs(closed, tmp_path):
     line = refused("report", "--runs", str(closed.parent), "--tables", str(tmp_path / "t"))
     assert line.startswith(f"agg-bench report: --runs '{closed.parent}': 'b' cannot be reached"), line
