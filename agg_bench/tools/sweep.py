@@ -47,7 +47,7 @@ from ..engine.families import architecture, check_own_schedule, check_resolution
 from ..errors import ConfigError, UserError, clip, quote
 from ..io import atomic_path
 from ..jsonfiles import JsonFileError, read_json_object
-from ..outdir import Contents, check_folder
+from ..outdir import Contents, check_folder, named_path_problem
 from ..outputs import (IMPORT_CONTENTS, LEARNING_CONTENTS, PRETRAIN_CONTENTS, REPORT_CONTENTS, RUN_CONTENTS,
                        check_run_folder)
 from ..runtime.cell import Progress, job_entry, journal_ends
@@ -325,6 +325,16 @@ def check_reference(index: int, ref: dict) -> None:
         raise SweepError(f"references.{index}.{key}: {quote(value)}: expected {allowed}")
 
 
+def check_sweep_path(key: str, text: str, expected: str, file: bool = True) -> None:
+    """A SweepError naming ``key`` when the sweep's path ``text`` names nothing this user can use
+    (:func:`~agg_bench.outdir.named_path_problem`: a quoted ``~``, a folder on its way this user may not search,
+    a ``file``'s path ending with ``/``), as a run config's paths are refused: a closed folder was a traceback of
+    Snakemake's parse, a trailing ``/`` read the file, a quoted ``~`` said to be missing. Looks only."""
+    problem = named_path_problem(text, file=file)
+    if problem is not None:
+        raise SweepError(f"{key}: {quote(text)}: {problem}; expected {expected}")
+
+
 def check_input_files(sweep: dict) -> None:
     """The files the workflow's jobs read that no job makes, for the Snakefile (``agg-bench campaign`` reads no
     reference log and takes a model folder made by hand): each reference's log and each pretrain config are
@@ -341,11 +351,13 @@ def check_input_files(sweep: dict) -> None:
                              f"{first}; expected each reference folder once (its runs would count twice in the tables)")
         reference_manifest(folder, f"report.compare_with.{index}")
     for index, ref in enumerate(sweep.get("references", [])):
+        check_sweep_path(f"references.{index}.log", ref["log"], "a DanceGRPO JSONL log")
         if not Path(ref["log"]).is_file():
             raise SweepError(f"references.{index}.log: {quote(ref['log'])} is not a file (a DanceGRPO JSONL log, "
                              "relative to the working directory)")
     pretrain = sweep.get("pretrain") or {}
     for label, spec in pretrain.items():
+        check_sweep_path(f"pretrain.{label}.config", spec["config"], "a pretrain config YAML")
         if not Path(spec["config"]).is_file():
             raise SweepError(f"pretrain.{label}.config: {quote(spec['config'])} is not a file (a pretrain config "
                              "YAML, relative to the working directory)")
@@ -611,9 +623,11 @@ class Sweep:
         base = sweep["base"]
         self.base_file = base if isinstance(base, str) else None
         self.base_pairs = [] if isinstance(base, str) else flatten(base)
-        if self.base_file is not None and not Path(self.base_file).is_file():
-            raise SweepError(f"base: {quote(self.base_file)} is not a file "
-                             "(a run config YAML, relative to the working directory)")
+        if self.base_file is not None:
+            check_sweep_path("base", self.base_file, "a run config YAML, relative to the working directory")
+            if not Path(self.base_file).is_file():
+                raise SweepError(f"base: {quote(self.base_file)} is not a file "
+                                 "(a run config YAML, relative to the working directory)")
         self.devices = sweep["devices"]
         self.embed = sweep.get("embed")
         # models whose runs read prompt embeddings made by the embed rule
@@ -967,7 +981,9 @@ class Sweep:
 def reference_manifest(folder: str, key: str = "report.compare_with") -> dict[str, list]:
     """The runs and calibrations of the reference folder ``folder`` (its ``manifest.json``, which ``agg-bench
     campaign unpack`` writes), each marked ``source: reference``; a SweepError naming ``key`` (the sweep's entry
-    that names ``folder``) when it has none or one that is not a reference manifest."""
+    that names ``folder``) when it has none or one that is not a reference manifest, or when ``folder`` names
+    nothing this user can use (:func:`check_sweep_path`)."""
+    check_sweep_path(key, folder, "a reference folder", file=False)
     path = Path(folder) / "manifest.json"
     if not path.is_file():
         raise SweepError(f"{key}: {quote(folder)} has no manifest.json (a reference folder that "

@@ -436,6 +436,13 @@ def bomb_sweep(text: str) -> str:
     # read by the manifest rule's parameters while Snakemake parses the rules: a traceback before
     ("no reference manifest", lambda t: t + "report:\n  compare_with: [results/nothing]\n",
      ["report.compare_with", "'results/nothing' has no manifest.json"]),
+    # the sweep's own paths taken as written: a quoted ~ was said to be missing, a file's trailing / read the file
+    ("quoted ~ base", lambda t: t.replace("base: config/run.yaml", "base: '~/run.yaml'"),
+     ["base: '~/run.yaml': starts with ~"]),
+    ("base ending with /", lambda t: t.replace("base: config/run.yaml", "base: config/run.yaml/"),
+     ["base: 'config/run.yaml/': ends with /"]),
+    ("pretrain config ending with /", lambda t: t + "pretrain:\n  scene: {config: config/pretrain.yaml/}\n",
+     ["pretrain.scene.config: 'config/pretrain.yaml/': ends with /"]),
 ])
 def test_snakemake_dry_run_refuses_with_one_line(tmp_path, name, make, words):
     work = workdir(tmp_path)

@@ -115,6 +115,31 @@ def test_learning_config_paths_as_written(folders, tmp_path, monkeypatch, capsys
     assert not (tmp_path / "t").exists()
 
 
+def test_sweep_paths_behind_a_closed_folder(tmp_path):
+    """A sweep's own paths below a folder this user may not search: a PermissionError of Snakemake's parse (exit
+    code 1, the Snakefile's place), not one line."""
+    from test_pipeline import refusal, workdir
+
+    work = workdir(tmp_path)
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0)
+    test = (work / "config" / "test.yaml").read_text()
+    cases = {"base": test.replace("base: config/run.yaml", f"base: {closed / 'run.yaml'}"),
+             "references.0.log": test.replace("references: []", f"references: [{{label: ref, log: {closed / 'l'}}}]"),
+             "report.compare_with.0": f"{test}report: {{compare_with: [{closed / 'ref'}]}}\n",
+             "pretrain.scene.config": f"{test}pretrain: {{scene: {{config: {closed / 'p.yaml'}}}}}\n"}
+    try:
+        for key, text in cases.items():
+            (work / "bad.yaml").write_text(text)
+            proc = subprocess.run([*unprivileged(), sys.executable, "-m", "snakemake", "-n", "--configfile",
+                                   "bad.yaml"], cwd=work, capture_output=True, text=True, timeout=300)
+            line = refusal(proc)
+            assert line.startswith(f"sweep config: {key}: ") and f"may not search the folder {closed}" in line, line
+    finally:
+        closed.chmod(0o755)
+    assert not (work / "results").exists()
+
+
 def test_a_closed_run_among_runs(closed, tmp_path):
     line = refused("report", "--runs", str(closed.parent), "--tables", str(tmp_path / "t"))
     assert line.startswith(f"agg-bench report: --runs '{closed.parent}': 'b' cannot be reached"), line
