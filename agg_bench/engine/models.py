@@ -28,10 +28,11 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 
 from .. import stopping
 from ..config import RunConfig, TrainConfig
-from ..errors import ConfigError, first_message_line, quote
+from ..errors import ConfigError, UserError, first_message_line, quote
 from ..jsonfiles import MAX_CONFIG_BYTES, JsonFileError, read_json_object
 from ..machine import fsdp
 from ..machine.activations import saved_activation_region
+from ..outdir import check_not_written
 from ..records import is_finite_number, is_integer
 from .counters import PassCounter, count_backward
 from .families import (  # noqa: F401 (TINY_*: the tiny presets' configs, also imported from here)
@@ -590,6 +591,15 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
     return transformer, vae, scheduler_config
 
 
+def _inode(path: str) -> tuple[int, int] | None:
+    """The (device, inode) of the folder at ``path``, None where there is none: another after a replacement."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "float32",
                 device: str | torch.device = "cpu", seed: int = 0, architecture: str | None = None) -> Policy:
     """Build the tiny preset, a public ``architecture`` with random weights (preset ``random``, created on
@@ -599,7 +609,15 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
     prec = precision(dtype)
     scheduler_config = None
     if pretrained:
+        # agg-bench pretrain replaces its folder whole (the earlier one renamed aside, the new one in): a folder being
+        # written, or replaced while read, is refused rather than loaded from two models or from none
+        check_not_written(pretrained, "model.pretrained", lock_inside=False)
+        before = _inode(pretrained)
         transformer, vae, scheduler_config = load_pretrained(family, pretrained, prec.param_dtype)
+        check_not_written(pretrained, "model.pretrained", lock_inside=False)
+        if _inode(pretrained) != before:
+            raise UserError(f"model.pretrained {pretrained}: replaced by another process while it was loaded; run "
+                            "again once it is written")
     elif preset == "tiny":
         transformer = build_tiny_transformer(family, seed, prec.param_dtype)
         vae = build_tiny_vae(seed, family=family)

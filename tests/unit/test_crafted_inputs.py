@@ -22,9 +22,10 @@ import yaml
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.engine.scenes import all_scenes
-from agg_bench.errors import ConfigError
+from agg_bench.errors import ConfigError, UserError
 from agg_bench.runtime import memplan
 from agg_bench.runtime.train import Session, train
+from helpers import Holder
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENE_MODEL = ROOT / "tests" / "data" / "sd3-scenes"
@@ -328,6 +329,42 @@ def test_a_dynamic_shift_is_the_folder_s_at_the_run_s_resolution(model, tmp_path
         path.write_text(json.dumps({**config, "time_shift_type": kind}))
         session = Session(model_config(folder, "sampling.shift=null"))
         assert torch.equal(session.sigmas, flow_sigmas(2, shift))
+
+
+def test_a_model_folder_being_written_or_replaced_meanwhile_is_not_loaded(model, tmp_path, capsys, monkeypatch):
+    """agg-bench pretrain replaces its --out whole, the earlier folder renamed aside and the new one in: a run that
+    loaded the folder meanwhile read it from two models, or found none. A folder whose claim another process holds
+    is one line naming it and the PID, before anything is loaded; one replaced while it was loaded is refused after;
+    once the writer is done it loads."""
+    from agg_bench.engine import models
+    from agg_bench.outdir import Busy
+
+    folder = model_copy(model, tmp_path)
+    run = folder_run(folder, "sd3", "reward.name=scene")
+    holder = Holder(folder, folder=True, lock_inside=False)  # pretrain's claim of its --out
+    try:
+        monkeypatch.setattr(models, "load_pretrained", lambda *a: pytest.fail("loaded while it was written"))
+        with pytest.raises(Busy, match=f"^model.pretrained {folder}: another agg-bench process \\(PID "
+                                       f"{holder.proc.pid}\\) is writing it"):
+            Session(model_config(folder))
+        assert "is writing it" in one_line(capsys, main(["run", *run, "--out", str(tmp_path / "run")]))
+        assert not (tmp_path / "run").exists()
+    finally:
+        holder.close()
+    monkeypatch.undo()
+    real = models.load_pretrained
+
+    def replaced_meanwhile(family, pretrained, dtype):
+        parts = real(family, pretrained, dtype)
+        os.replace(folder, tmp_path / "aside")
+        shutil.copytree(tmp_path / "aside", folder)
+        return parts
+
+    monkeypatch.setattr(models, "load_pretrained", replaced_meanwhile)
+    with pytest.raises(UserError, match="replaced by another process while it was loaded"):
+        Session(model_config(folder))
+    monkeypatch.undo()
+    assert Session(model_config(folder)).policy is not None
 
 
 def test_a_model_whose_weights_do_not_fit_is_refused_before_it_is_loaded(model, monkeypatch):
