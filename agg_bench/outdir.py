@@ -46,6 +46,12 @@ LOCK_SUFFIX = ".agg-bench.lock"
 FOLDER_LOCK = LOCK_SUFFIX  # inside a folder output: DIR/.agg-bench.lock
 
 
+def lock_path(target: Path, lock_inside: bool) -> Path:
+    """The lock file of the claim of ``target``: ``TARGET/.agg-bench.lock`` inside a folder output,
+    ``.NAME.agg-bench.lock`` beside a file output or a folder replaced whole."""
+    return target / FOLDER_LOCK if lock_inside else target.parent / f".{target.name}{LOCK_SUFFIX}"
+
+
 def is_lock_name(name: str) -> bool:
     """Whether ``name`` is one of the lock files of this module."""
     return name.startswith(".") and name.endswith(LOCK_SUFFIX)
@@ -360,10 +366,8 @@ def writer(target: str | Path, lock_inside: bool = True) -> tuple[bool, int | No
     file says it. Reads only: it takes a shared lock for an instant, which
     no writer's exclusive one allows, and makes no lock file where there is none (a reader may not write
     there). Never call it on an output this process claims itself (the locks of one process conflict too)."""
-    target = Path(target)
-    lock = target / FOLDER_LOCK if lock_inside else target.parent / f".{target.name}{LOCK_SUFFIX}"
     try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(lock_path(Path(target), lock_inside), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:  # no lock file: no writer (one that starts now makes it first)
         return False, None
     try:
@@ -402,8 +406,7 @@ class Claim:
         if not self.target.name:
             raise UserError(f"{flag} {target}: give a named folder or file, not the current folder or a "
                             "file-system root")
-        self.lock_path = self.target / FOLDER_LOCK if lock_inside else \
-            self.target.parent / f".{self.target.name}{LOCK_SUFFIX}"
+        self.lock_path = lock_path(self.target, lock_inside)
         self._fd: int | None = None
         self._created: list[Path] = []
 
