@@ -57,6 +57,13 @@ def temp_name_owner(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def path_text(path: str | Path) -> str:
+    """``path`` as UTF-8 text any file or table can hold: a byte of it that is no UTF-8 as ``\\xNN``. Decoded by
+    the locale (ASCII under LANG=C), a non-ASCII name held lone surrogates, which a UTF-8 writer refuses
+    (UnicodeEncodeError); two such names stay two texts."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def atomic_path(path: str | Path, pid: int | None = None) -> Path:
     """A temporary sibling of ``path``; rename it onto ``path`` with ``os.replace`` when complete. Its name is this
     process's, or process ``pid``'s (:func:`temp_owner` reads it back)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import pandas as pd
 
 from ..config import ModelConfig, TrainConfig, bound
 from ..errors import ConfigError, UserError, quote
+from ..io import path_text
 from ..jsonfiles import check_path, read_json_object
 from ..outdir import LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, path_problem, reach_problem
 from ..reading import RunFolder
@@ -370,9 +370,7 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
             row["planned_activation_bytes"] = planned.get("activations")
             row["planned_total_bytes"] = planned.get("total_per_gpu")
             row["run_status"] = status
-            # as text a table can hold: a byte of the name that is no UTF-8 as \xNN (a lone surrogate was a
-            # UnicodeEncodeError when the table was written)
-            row["run_dir"] = os.fsencode(run_dir).decode("utf-8", "backslashreplace")
+            row["run_dir"] = path_text(run_dir)  # a lone surrogate was a UnicodeEncodeError in the table
             row["optimizer_steps"] = steps if steps is not None else optimizer_steps
             rows.append(row)
     df = pd.DataFrame(rows)

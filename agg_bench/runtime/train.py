@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from tqdm import tqdm
 from .. import stopping
 from ..config import RunConfig
 from ..errors import ConfigError, UserError, alike_on_every_process
-from ..io import JsonlWriter
+from ..io import JsonlWriter, path_text
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
@@ -48,8 +47,8 @@ def folder_run_id(out: Path) -> str:
     """The run id of a run without ``run_id``: its folder's name as UTF-8 text. The name's bytes decoded by the
     locale (ASCII under LANG=C) kept a non-ASCII or non-UTF-8 name as lone surrogates, which the records wrote
     as escapes and the report could not write into a table (UnicodeEncodeError); a byte that is no UTF-8 is
-    written as ``\\xNN``, so that two such names stay two ids."""
-    return os.fsencode(out.name).decode("utf-8", "backslashreplace")
+    written as ``\\xNN``, so that two such names stay two ids (:func:`agg_bench.io.path_text`)."""
+    return path_text(out.name)
 
 
 def _finite(x) -> bool:
