@@ -19,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, TypeVar
 
 from ..errors import ConfigError
 from ..records import is_integer
 from .schema import check_config_values, section_schema
 from .sections import Section, option
+
+S = TypeVar("S", bound=Section)
 
 # The largest micro-batch or no-grad batch a method takes: the largest batch a run can have, 256 samples per
 # prompt x 1,024 prompts (grpo.group_size and grpo.prompts_per_iteration's bounds).
@@ -77,10 +79,16 @@ def typed_options(cls: type[Options], given: Mapping[str, Any], prefix: str = "m
     # an integer, a flag or a name given NaN is refused for what it is, as a run key is, not as a number that is
     # not finite
     check_config_values({prefix: dict(given)}, {"type": "object", "properties": {prefix: options_schema(cls)}})
-    hints = typing.get_type_hints(cls)
-    options = cls(**{key: typed_value(value, hints[key]) for key, value in given.items()})
+    options = typed_fields(cls, given)
     options.check()
     return options
+
+
+def typed_fields(cls: type[S], given: Mapping[str, Any]) -> S:
+    """``cls`` built from the keys ``given`` (already checked against its schema), each value typed as its field
+    is (:func:`typed_value`); the other fields take their defaults."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{key: typed_value(value, hints[key]) for key, value in given.items()})
 
 
 def typed_value(value: Any, annotation: Any) -> Any:

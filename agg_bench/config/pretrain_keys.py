@@ -12,12 +12,11 @@ This module imports no torch.
 from __future__ import annotations
 
 import functools
-import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 from ..errors import ConfigError
-from .options import typed_value
+from .options import typed_fields
 from .schema import check_config_values, section_schema
 from .sections import Section, device_expected, device_parts, option
 
@@ -86,8 +85,7 @@ def typed_pretrain_config(given: Mapping[str, Any]) -> PretrainConfig:
     outside its bounds, each a ConfigError naming the key. An integer given for a ``float`` key becomes a float
     (``pretrain.json`` records ``shift: 3.0`` for ``shift: 3``); nothing else changes a value."""
     check_config_values(dict(given), pretrain_schema())
-    hints = typing.get_type_hints(PretrainConfig)
-    cfg = PretrainConfig(**{key: typed_value(value, hints[key]) for key, value in given.items()})
+    cfg = typed_fields(PretrainConfig, given)
     if device_parts(cfg.device) is None:  # the pattern takes any digits after cuda: (cuda:017, cuda:9999999999)
         raise ConfigError("device", cfg.device, device_expected(auto=False))
     return cfg
