@@ -79,6 +79,9 @@ def evaluations_problem(lines: list[dict]) -> str | None:
     return None
 
 
+FolderState = list[tuple[str, int, int, int]]  # each file's name, inode, size and modification time
+
+
 class RunFolder:
     """The files of one run folder ``dir``, each read and checked when asked for (module docstring)."""
 
@@ -88,7 +91,7 @@ class RunFolder:
     def path(self, name: str) -> Path:
         return self.dir / name
 
-    def _state(self) -> list[tuple[str, int, int, int]]:
+    def _state(self) -> FolderState:
         """Each file of the folder (the harness's temporaries and locks aside) by name, inode, size and
         modification time: what any write of a run changes (a rename, an append)."""
         try:
@@ -113,20 +116,26 @@ class RunFolder:
         check_not_written(self.dir, "run", lock_inside=False)
 
     @contextmanager
-    def whole(self) -> Iterator[None]:
-        """A block whose reads of the folder see one state of it, written by one attempt: refused with a
-        :class:`~agg_bench.outdir.Busy` when another process holds the folder's claim before or after it (a run
-        writing, resuming or replacing it, or an import replacing it, whose files are meanwhile part old, part
-        new), and with a UserError
-        when its files changed while the block read them (a writer that came and went). A reader of a run it
-        does not claim itself uses it; a run's own reads of its folder, under its claim, do not."""
+    def whole(self, since: FolderState | None = None) -> Iterator[FolderState]:
+        """A block whose reads of the folder see one state of it, written by one attempt, which it yields:
+        refused with a :class:`~agg_bench.outdir.Busy` when another process holds the folder's claim before or
+        after it (a run writing, resuming or replacing it, or an import replacing it, whose files are meanwhile
+        part old, part new), and with a UserError when its files changed while the block read them (a writer
+        that came and went), or since an earlier block yielded ``since`` (a later read, such as a checkpoint's,
+        of the attempt whose records that block read). A reader of a run it does not claim itself uses it; a
+        run's own reads of its folder, under its claim, do not."""
         self._check_not_written()
         before = self._state()
-        yield
+        if since is not None and before != since:
+            raise self._changed("since its records were read")
+        yield before
         self._check_not_written()
         if self._state() != before:
-            raise UserError(f"run {self.dir}: its files changed while they were read (another agg-bench process "
-                            "wrote it); read it again once that process has ended")
+            raise self._changed("while they were read")
+
+    def _changed(self, when: str) -> UserError:
+        return UserError(f"run {self.dir}: its files changed {when} (another agg-bench process wrote it); read it "
+                         "again once that process has ended")
 
     def has(self, name: str) -> bool:
         return self.path(name).exists()

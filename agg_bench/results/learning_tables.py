@@ -46,7 +46,7 @@ from ..jsonfiles import check_path, read_json_object
 from .curves import (TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
                      plot_pareto, run_curve, target_columns)
 from .plotting import method_style, pyplot
-from ..reading import METRICS_FILE, RunFolder, SUMMARY_FILE
+from ..reading import CONFIG_FILE, FolderState, METRICS_FILE, RunFolder, SUMMARY_FILE
 
 SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
 SCENE_PARTS = tuple(key.removeprefix("reward_") for key in SUBSCORES)  # the scene reward's sub-scores
@@ -66,16 +66,17 @@ class Run:
     records: pd.DataFrame
     evaluations: pd.DataFrame | None = None
     unseen: tuple[str, ...] | None = None  # the sub-scores its reward does not weigh (None: it does not say)
+    config: dict | None = None  # its config.json as read with its records (None: it has none)
+    state: FolderState | None = None  # its folder's files when its records were read (RunFolder.whole)
 
 
-def unweighted_parts(folder: Path) -> tuple[str, ...] | None:
-    """The scene reward's sub-scores a run gave weight 0 (its ``config.json``'s ``reward.options.weights``;
-    unnamed ones weigh 0): what its reward does not see. () where it weighs all four (no weights: their mean);
-    None for a run without ``config.json`` or with another reward."""
-    path = folder / "config.json"
-    if not path.is_file():
+def unweighted_parts(config: dict | None, path: Path) -> tuple[str, ...] | None:
+    """The scene reward's sub-scores a run gave weight 0 (its ``config.json``'s ``reward.options.weights``, read
+    from ``path`` as ``config``; unnamed ones weigh 0): what its reward does not see. () where it weighs all four
+    (no weights: their mean); None for a run without ``config.json`` (``config`` None) or with another reward."""
+    if config is None:
         return None
-    reward = read_json_object(path, "a run config (an object)").get("reward")
+    reward = config.get("reward")
     if not isinstance(reward, dict) or reward.get("name") != "scene":
         return None
     weights = (reward.get("options") or {}).get("weights") if isinstance(reward.get("options"), dict) else None
@@ -114,13 +115,16 @@ def load_runs(manifest: str | Path) -> list[Run]:
             raise UserError(f"{where}: method {quote(method)} seed {seed} is also runs[{seeds[method, seed]}]'s; "
                             "expected one run per method and seed (each counts as a seed)")
         folders[resolved], seeds[method, seed] = i, i
-        with folder.whole():  # one attempt's files, never a run's that another process is resuming or replacing
+        # one attempt's files, never a run's that another process is resuming or replacing; what is read of the
+        # folder later (a checkpoint) is read against this state
+        with folder.whole() as state:
             if not folder.has(METRICS_FILE):
                 raise UserError(f"{folder.path(METRICS_FILE)}: no such file (has the run finished?)")
             lines = folder.records(required=("status", "iteration"))
             summary = folder.summary()
             evaluations = folder.evaluations()
-            unweighted = unweighted_parts(folder.dir)
+            config = folder.config_object() if folder.has(CONFIG_FILE) else None
+        unweighted = unweighted_parts(config, folder.path(CONFIG_FILE))
         missing = next((k for k, r in enumerate(lines, 1) if r["status"] == "ok" and r.get("reward_mean") is None),
                        None)
         if missing is not None:
@@ -131,15 +135,15 @@ def load_runs(manifest: str | Path) -> list[Run]:
         folder.check_records_ended(summary, lines)
         # its last evaluation would stand as its final one, a gain of fewer iterations than its seeds'
         if summary.get("status") in (None, "interrupted"):
-            state = f"{SUMMARY_FILE} says it was interrupted" if summary else f"it has no {SUMMARY_FILE}"
-            raise UserError(f"{where}: run {folder.dir} has not ended ({state}); expected runs that ended "
+            ended = f"{SUMMARY_FILE} says it was interrupted" if summary else f"it has no {SUMMARY_FILE}"
+            raise UserError(f"{where}: run {folder.dir} has not ended ({ended}); expected runs that ended "
                             "(agg-bench run --resume ends it), or the entry left out")
         records = pd.DataFrame(lines)
         records = records[records["status"] == "ok"].sort_values("iteration").reset_index(drop=True)
         runs.append(Run(method, seed, folder.dir, records,
                         None if evaluations is None else
                         pd.DataFrame(evaluations).sort_values("iteration").reset_index(drop=True),
-                        unweighted))
+                        unweighted, config, state))
     if not runs:
         raise UserError(f"manifest {path}: lists no run; expected at least one")
     return runs

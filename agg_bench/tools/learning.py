@@ -25,7 +25,7 @@ from ..outputs import LEARNING_CONTENTS
 from ..results.learning_tables import (EVAL_SOURCES, Run, held_out_curves, learning_table, load_runs, plot_held_out,
                                        plot_rewards, write_curves, write_table)
 from ..results.loading import MAX_ITERATIONS, load_manifest
-from ..reading import RunFolder
+from ..reading import CONFIG_FILE, RunFolder, run_config
 from ..records import MAX_LABEL, is_label
 from ..runtime.evaluation import SAMPLERS
 from .sweep import MeasuredAlike
@@ -108,9 +108,12 @@ class CheckpointEvaluation:
         transformer.load_state_dict(self.base)
         if run is not None:
             path = run.dir / "checkpoint.pt"
-            if not path.is_file():
-                return None
-            state = read_checkpoint(path)
+            # the final state of the attempt whose records the tables read, not a checkpoint another process
+            # wrote or replaced since
+            with RunFolder(run.dir).whole(since=run.state):
+                if not path.is_file():
+                    return None
+                state = read_checkpoint(path)
             last = int(run.records["iteration"].iloc[-1]) if len(run.records) else None
             if state["iteration"] != last:  # e.g. the checkpoint a resumed attempt that kept none started from
                 raise UserError(f"{path}: holds iteration {state['iteration']}, not the run's last good iteration "
@@ -151,7 +154,8 @@ def one_model(runs: list[Run]):
     """The typed run config of the first run, after checking that every run of the manifest trained the
     same model (its ``model`` section): the starting weights are evaluated once, and each checkpoint is
     loaded into that model. A UserError names the first run of another model and the key."""
-    configs = [RunFolder(run.dir).config() for run in runs]
+    configs = [run_config(run.config, run.dir / CONFIG_FILE) if run.config is not None else RunFolder(run.dir).config()
+               for run in runs]  # as read with each run's records; a run without one refused by config()
     first = configs[0].model.to_dict()
     for run, config in zip(runs[1:], configs[1:]):
         other = config.model.to_dict()
@@ -171,12 +175,11 @@ def one_measure(runs: list[Run]) -> None:
     UserError names the first run that differs, the key and both values."""
     measured = MeasuredAlike()
     for run in runs:
-        folder = RunFolder(run.dir)
-        if not folder.has("config.json"):
+        # the config.json as written with the run's records: the resolved config, every key present (typed, with
+        # an evaluation: one_model)
+        config = run.config
+        if config is None:
             continue
-        # the config.json as written: the resolved config, every key present (read again, and typed, with an
-        # evaluation: one_model)
-        config = folder.config_object()
         found = measured.add(run, config, run.evaluations is not None)
         if found is not None:
             key, first, first_config = found

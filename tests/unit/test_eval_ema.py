@@ -201,6 +201,34 @@ def test_the_checkpoint_evaluation_takes_the_average(runs):
     assert evaluations(folder / "ema")[-1]["eval_reward"] != evaluations(folder / "plain")[-1]["eval_reward"]
 
 
+def test_a_checkpoint_written_again_after_the_records_were_read_is_refused(runs, tmp_path):
+    """`agg-bench learning` evaluates the checkpoint of the attempt whose records its tables read: one written
+    again since (another process resuming or replacing the run, even with the same bytes) is refused in one line,
+    and so is a checkpoint that appeared or went since."""
+    import shutil
+
+    from agg_bench.errors import UserError
+    from agg_bench.results.learning_tables import load_runs
+    from agg_bench.tools.learning import CheckpointEvaluation
+
+    run = tmp_path / "ema"
+    shutil.copytree(runs[0] / "ema", run)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": str(run), "method": "full", "seed": 0}]}))
+    loaded = load_runs(manifest)
+    evaluation = CheckpointEvaluation(loaded, noises=1, seed=0, sampler="sde")
+    assert evaluation.evaluate_weights(loaded[0]) is not None  # the folder as read
+    checkpoint = run / CHECKPOINT_NAME
+    shutil.copyfile(checkpoint, tmp_path / "copy.pt")
+    shutil.move(tmp_path / "copy.pt", checkpoint)  # the same bytes, written again
+    with pytest.raises(UserError, match="changed since its records were read"):
+        evaluation.evaluate_weights(loaded[0])
+    loaded = load_runs(manifest)
+    checkpoint.unlink()
+    with pytest.raises(UserError, match="changed since its records were read"):
+        evaluation.evaluate_weights(loaded[0])
+
+
 def test_a_resumed_run_continues_the_average(tmp_path):
     """Stopped after 2 of 4 iterations and resumed: records, evaluations and the final checkpoint's average
     (with DiffusionNFT's moving-average old policy beside it) equal the uninterrupted run's; with
