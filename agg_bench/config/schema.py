@@ -117,7 +117,7 @@ def run_schema() -> dict:
 
 
 def default_text(value: Any) -> str:
-    """A default as YAML would write it, short: ``null``, ``true``, ``1e-4``, ``3.0``, ``{}``."""
+    """A default as YAML would write it, short: ``null``, ``true``, ``1e-4``, ``3.0``, ``{}``, ``""``."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -125,7 +125,7 @@ def default_text(value: Any) -> str:
     if isinstance(value, float) and value and abs(value) < 1e-3:
         mantissa, exponent = f"{value:e}".split("e")
         return f"{float(mantissa):g}e{int(exponent)}"
-    if isinstance(value, (dict, list)):
+    if isinstance(value, (dict, list)) or value == "":  # the empty string as YAML writes it, ""
         return json.dumps(value)
     return str(value)
 

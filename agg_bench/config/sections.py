@@ -381,8 +381,8 @@ class RewardConfig(Section):
         "`smoothness` (minus the total variation: continuous in the pixels), `scene` (the learning testbed's "
         "colour, shape, position and count), and the learned `hpsv2`, `pickscore`, `imagereward`, `clipscore`, "
         "`aesthetic` (local checkpoints; `agg_bench/engine/reward_models/`)")
-    options: dict = option({}, "the reward's options (checkpoint paths, batch_size, ...), checked by the reward "
-                               "(unknown keys refused)")
+    options: dict = option({}, "the reward's options (checkpoint paths, batch_size, ...); a built-in reward's are "
+                               "typed keys, in the tables at the end of this page")
     on: Literal["final", "x0"] = option(
         "final", "what the reward scores: `final`, the decoded last latent; `x0`, the last step's data prediction "
         "x_{T-1} - s_{T-1} v_{T-1} (DanceGRPO, BranchGRPO, eff_grpo; refused with one step and "

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import ConfigError
-from ..records import is_integer
+from ..config.reward_options import reward_options
 from ..registry import Registry
 
 RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
@@ -52,20 +51,8 @@ def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.float32)
 
 
-def check_options(reward: str, options: dict, allowed: dict[str, str]) -> None:
-    """Refuse keys of ``reward.options`` that ``reward`` does not know (``allowed``: key -> what it takes)."""
-    for key in options:
-        if key not in allowed:
-            known = ", ".join(f"{k} ({v})" for k, v in allowed.items()) or "none"
-            raise ConfigError(f"reward.options.{key}", options[key], f"an option of reward {reward!r}: {known}")
-
-
 def _jpeg_quality(reward: str, options: dict) -> int:
-    check_options(reward, options, {"quality": "JPEG quality, an integer in [1, 100]"})
-    quality = options.get("quality", 95)
-    if not is_integer(quality) or not 1 <= quality <= 100:
-        raise ConfigError("reward.options.quality", quality, "an integer in [1, 100]")
-    return quality
+    return reward_options(reward, options)["quality"]
 
 
 @register_reward("jpeg_compressibility")
@@ -94,7 +81,7 @@ def _smoothness(options: dict, device) -> RewardFn:
     absence of fine detail, but it is a continuous function of the pixels (no 8-bit rounding, no byte
     counts), so two computations of the same images that differ in the last bits give rewards that differ
     in the last bits too."""
-    check_options("smoothness", options, {})
+    reward_options("smoothness", options)
     return lambda images, prompts: -total_variation(images)
 
 

@@ -25,41 +25,28 @@ testbed's, docs/learning.md). All four are kept (``details``) and become record 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError, UserError
+from ..config.reward_options import SCENE_PARTS, SceneOptions, reward_options
+from ..errors import UserError
 from .scenes import COLORS, POSITIONS, SHAPES, Scene, parse_caption, shape_mask
 
-SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
+SUBSCORES = tuple(f"reward_{part}" for part in SCENE_PARTS)
 SHAPE_TEMPERATURE = 0.05  # IoU gap of 0.05 between two templates = a factor e in probability
 SOFT_BAND = 0.1  # brightness from foreground - 0.1 to + 0.1 ramps a pixel's foreground weight from 0 to 1
 SOFT_COLOR = 0.05  # squared RGB distance scale of the palette likeness (palette colours are > 0.5 apart)
 RADIUS_MARGINS = (0.0, 0.25, 0.5)  # pixels added to the bounding box's half-sides
-DEFAULTS: dict[str, Any] = {"foreground": 0.3, "min_area": 0.005, "weights": None}
 
 
-def _weights(value) -> dict[str, float] | None:
-    """``reward.options.weights`` checked: None (the plain mean) or sub-score key -> weight."""
-    allowed = "null or a mapping of color, shape, position, count to numbers >= 0, not all 0"
+def _weights(value: Mapping[str, float] | None) -> dict[str, float] | None:
+    """``reward.options.weights`` (checked: :class:`~agg_bench.config.reward_options.SceneOptions`) by sub-score
+    key: None (the plain mean) or ``reward_<part>`` -> weight, an unnamed part 0."""
     if value is None:
         return None
-    names = [k.removeprefix("reward_") for k in SUBSCORES]
-    if not isinstance(value, Mapping) or not value or any(k not in names for k in value) or any(
-            isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
-            for w in value.values()) or not sum(value.values()) > 0:
-        raise ConfigError("reward.options.weights", value, allowed)
-    return {f"reward_{k}": float(value.get(k, 0.0)) for k in names}
-
-
-def _option(options: Mapping, key: str) -> float:
-    value = options.get(key, DEFAULTS[key])
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value < 1:
-        raise ConfigError(f"reward.options.{key}", value, "a number between 0 and 1 (exclusive)")
-    return float(value)
+    return {f"reward_{k}": float(value.get(k, 0.0)) for k in SCENE_PARTS}
 
 
 def components(mask: torch.Tensor) -> torch.Tensor:
@@ -99,7 +86,7 @@ def shape_probabilities(component: torch.Tensor) -> torch.Tensor:
 class SceneReward:
     """``reward(images, prompts) -> (B,)``; ``details`` holds the sub-scores (B,) of the last call."""
 
-    def __init__(self, foreground: float = DEFAULTS["foreground"], min_area: float = DEFAULTS["min_area"],
+    def __init__(self, foreground: float = SceneOptions.foreground, min_area: float = SceneOptions.min_area,
                  weights: Mapping[str, float] | None = None):
         self.foreground = foreground
         self.min_area = min_area
@@ -163,8 +150,5 @@ class SceneReward:
 
 
 def build(options: Mapping, device) -> SceneReward:
-    unknown = sorted(set(options) - set(DEFAULTS))
-    if unknown:
-        raise ConfigError(f"reward.options.{unknown[0]}", options[unknown[0]],
-                          f"an option of the scene reward (one of {', '.join(DEFAULTS)})")
-    return SceneReward(_option(options, "foreground"), _option(options, "min_area"), _weights(options.get("weights")))
+    given = reward_options("scene", options)
+    return SceneReward(given["foreground"], given["min_area"], _weights(given["weights"]))

@@ -12,11 +12,10 @@ method, and with them torch.
 """
 from __future__ import annotations
 
-import re
 import sys
 from typing import Any
 
-from ..config.docs import between_markers, generated_docs_main, markdown_table, reference_rows
+from ..config.docs import between_markers, generated_docs_main, markdown_table, reference_rows, summary
 from ..config.options import Options, option_names, options_schema
 from .base import METHOD_MODULES, METHODS, resolve_method
 
@@ -34,12 +33,6 @@ def chosen(cls: type[Options]) -> tuple[str, dict[str, type[Options]]] | None:
     """(key, {value: options class}) when one of ``cls``'s keys picks another class whose options are flat keys
     of the same section (``cached``'s ``cache``); else None."""
     return getattr(cls, "CHOSEN", None)
-
-
-def summary(cls: type) -> str:
-    """The first paragraph of ``cls``'s docstring, as Markdown."""
-    paragraph = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
-    return re.sub(r":\w+:`~?([^`]+)`", r"`\1`", paragraph).replace("``", "`")
 
 
 def option_rows(cls: type[Options]) -> list[list[str]]:

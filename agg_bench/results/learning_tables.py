@@ -46,10 +46,10 @@ from ..jsonfiles import check_path, read_json_object
 from .curves import (TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
                      plot_pareto, run_curve, target_columns)
 from .plotting import method_style, pyplot
+from ..config.reward_options import SCENE_PARTS
 from ..reading import CONFIG_FILE, FolderState, METRICS_FILE, RunFolder, SUMMARY_FILE
 
-SUBSCORES = ("reward_color", "reward_shape", "reward_position", "reward_count")
-SCENE_PARTS = tuple(key.removeprefix("reward_") for key in SUBSCORES)  # the scene reward's sub-scores
+SUBSCORES = tuple(f"reward_{part}" for part in SCENE_PARTS)  # the scene reward's sub-scores' record keys
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
 # the held-out gain: the runs' in-run evaluations where all of a method's have them / always agg-bench learning's
 EVAL_SOURCES = ("auto", "checkpoint")

@@ -21,7 +21,9 @@ methods check in its child process), before anything is written:
   search, no trailing ``/`` after a file), so that a quoted ``~`` is not a folder named ``~`` made in the current
   one, nor a closed folder a traceback once the run has begun;
 - ``reward.name`` names a registered reward (:data:`agg_bench.engine.rewards.REWARDS`; after the method, whose
-  module may register one).
+  module may register one), and a built-in reward's ``reward.options`` are its options, within their bounds, its
+  files' paths given and usable (:func:`agg_bench.config.reward_options.reward_options`; the files themselves are
+  read when the reward is built).
 
 A method named by a dotted path (``method.name: mypkg.module:MyEstimator``) is imported here: code the user
 chose in their own config. A config read from a run folder is never given to :func:`check_config`, so a results
@@ -31,6 +33,7 @@ folder never names code to load; its paths are checked (:func:`check_paths`, whi
 from __future__ import annotations
 
 from ..config import RunConfig
+from ..config.reward_options import reward_options
 from ..engine.families import architecture, check_own_schedule
 from ..engine.rewards import REWARDS
 from ..engine.sampler import check_sigmas, flow_sigmas_formula, linspace_sigmas, sampler_dtype
@@ -68,6 +71,7 @@ def check_config(cfg: RunConfig) -> RunConfig:
         cfg.method.options = method_config(cfg.method.name, cfg.method.given)
     if cfg.reward.name not in REWARDS.names():
         REWARDS.resolve(cfg.reward.name)  # the registry's ConfigError, which lists the rewards
+    reward_options(cfg.reward.name, cfg.reward.options)  # before any job of a sweep, not once a job builds it
     return cfg
 
 

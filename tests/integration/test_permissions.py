@@ -74,7 +74,7 @@ def test_reward_option_paths_behind_a_closed_folder(closed, tmp_path):
     """A reward model's file or folder below a folder this user may not search: a traceback of PermissionError."""
     pytest.importorskip("transformers")
     for reward, option in (("aesthetic", "head"), ("clipscore", "model")):
-        options = json.dumps({"model": str(closed / "clip"), option: str(closed / "x")})
+        options = json.dumps({"model": str(tmp_path / "clip"), option: str(closed / "x")})
         line = refused("run", *[a for s in TINY for a in ("--set", s)], "--set", f"reward.name={reward}",
                        "--set", f"reward.options={options}", "--out", str(tmp_path / "new"))
         assert f"reward.options.{option} = '{closed / 'x'}'" in line and f"may not search the folder {closed}" in line, line

@@ -102,6 +102,23 @@ def test_an_unknown_reward_is_refused_before_any_job(in_process):
     assert "reward.name = 'colour'" in str(err.value) and "'scene'" in str(err.value)
 
 
+@pytest.mark.parametrize("reward, words", [
+    ({"name": "jpeg_compressibility", "options": {"qualty": 90}}, "reward.options.qualty = 90: expected a known option"),
+    ({"name": "scene", "options": {"weights": {"colour": 1}}}, "reward.options.weights"),
+    ({"name": "hpsv2", "options": {"tokenizer": "tok"}}, "reward.options.checkpoint = None"),
+    ({"name": "aesthetic", "options": {"model": "clip", "head": "~/head.pth"}}, "starts with ~"),
+])
+def test_a_reward_option_that_its_reward_would_refuse_is_refused_before_any_job(in_process, reward, words):
+    """A built-in reward's options were checked only when a run built it: the sweep's parse accepted a misspelt
+    option or a reward model's file not given, and every run job failed at its start."""
+    config = sweep_config()
+    config["methods"]["agg-w3"]["reward"] = reward
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    assert "run agg-w3_sd3_32px_s0_cpu (methods.agg-w3, models.sd3)" in str(err.value)
+    assert words in str(err.value), err.value
+
+
 @pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
 def test_geometry_from_configs_matches_the_built_model(tmp_path, family):
     """The geometry read from a model folder's config.json files (and the tiny preset's configs) is the
@@ -313,7 +330,7 @@ def test_the_learning_reference_is_a_method_of_the_sweep(in_process):
 
 
 @pytest.mark.parametrize("override, key", [
-    ({"reward.options.weights": {"color": 1}}, "reward"),
+    ({"reward.options.quality": 50}, "reward"),
     ({"prompts.file": "config/prompts/scenes.txt"}, "prompts.file"),
     ({"eval.every": 1, "eval.seed": 3}, "eval.seed"),
 ])

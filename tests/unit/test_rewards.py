@@ -57,13 +57,44 @@ def test_reward_options_are_checked(name, options, key):
     assert err.value.key == key
 
 
+@pytest.mark.parametrize("name, options, words", [
+    ("clipscore", {"model": "m", "w": float("nan")}, "reward.options.w = nan: expected a finite number"),
+    ("clipscore", {"model": "m", "w": "2"}, "reward.options.w = '2': expected a number"),
+    ("clipscore", {"model": "m", "w": 0}, "reward.options.w = 0: expected a number > 0"),
+    ("clipscore", {"model": "m", "prefix": 5}, "reward.options.prefix = 5: expected a string"),
+    ("pickscore", {"model": ""}, "reward.options.model = '': expected a folder"),
+    ("pickscore", {"model": "m", "batch_size": 0}, "reward.options.batch_size = 0: expected an integer from 1"),
+    ("imagereward", {"checkpoint": "c.pt"}, "reward.options.tokenizer = None: expected a folder"),
+    ("hpsv2", {"checkpoint": "c.pt/", "tokenizer": "t"}, "ends with /"),
+    ("aesthetic", {"model": "m", "head": "h", "dtype": "half"}, "reward.options.dtype = 'half': expected one of"),
+])
+def test_a_reward_models_options_are_refused_before_any_file_is_read(name, options, words):
+    """Each learned reward's options are typed fields (agg_bench/config/reward_options.py): a value its build would
+    have taken (a weight of NaN or '2', a prefix 5) or refused only once it read files is refused by the config
+    check, which the sweep's parse and agg-bench plan run too, before any file is looked at."""
+    from agg_bench.config.reward_options import reward_options
+
+    with pytest.raises(ConfigError) as err:
+        reward_options(name, options)
+    assert words in str(err.value), err.value
+
+
+def test_plan_refuses_a_reward_option_that_the_run_refuses(capsys):
+    """agg-bench plan answered "fits: yes" for a reward option the run refuses."""
+    code = main(["plan", "--set", "reward.options.qualty=90"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["agg-bench plan: config error: reward.options.qualty = 90: expected a known option of reward "
+                   "'jpeg_compressibility' (quality)"]
+
+
 def test_a_bad_reward_option_exits_2_before_the_run_writes_anything(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["run", "--set", "reward.options.quality=0", "--set", "model.resolution=32",
                  "--set", "progress=false", "--out", str(out)])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "reward.options.quality" in err[0] and "[1, 100]" in err[0]
+    assert len(err) == 1 and "reward.options.quality" in err[0] and "from 1 to 100" in err[0]
     assert not out.exists() or not any(out.iterdir())
 
 

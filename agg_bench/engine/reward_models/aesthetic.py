@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from ...errors import UserError
-from .common import (check_reward_options, feature_dtype, LinearStack, load_state_dict, load_weights, make_reward_fn,
+from ...config.reward_options import reward_options
+from .common import (feature_dtype, LinearStack, load_state_dict, load_weights, make_reward_fn,
                      require_package, require_path, reward_dtype)
-from .hf_clip import CLIP_OPTIONS, HFClip
+from .hf_clip import HFClip
 
 
 HEAD = ("the LAION aesthetic head state dict (e.g. sac+logos+ava1-l14-linearMSE.pth or "
@@ -45,9 +46,9 @@ def load_head(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 
 def build(options: dict, device):
-    check_reward_options("aesthetic", options, {"head": "the aesthetic MLP file", **CLIP_OPTIONS})
+    options = reward_options("aesthetic", options)
     require_package("aesthetic", "transformers")
-    head_path = require_path("aesthetic", options, "head", HEAD, file=True)
+    head_path = require_path("aesthetic", options, "head", HEAD)
     # the head first: a wrong head file fails before the CLIP model is loaded
     head = load_head(head_path, feature_dtype(reward_dtype(options)))
     clip = HFClip("aesthetic", options, device, transform="openai", vision_only=True)

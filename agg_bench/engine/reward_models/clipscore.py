@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_reward_options, make_reward_fn
-from .hf_clip import CLIP_OPTIONS, HFClip
+from ...config.reward_options import reward_options
+from .common import make_reward_fn
+from .hf_clip import HFClip
 
 
 def build(options: dict, device):
-    check_reward_options("clipscore", options, {**CLIP_OPTIONS, "w": "the score's weight (2.5)",
-                                                "prefix": "text put before each prompt"})
+    options = reward_options("clipscore", options)
     clip = HFClip("clipscore", options, device, transform="openai")
-    weight = float(options.get("w", 2.5))
-    prefix = str(options.get("prefix", ""))
+    weight, prefix = options["w"], options["prefix"]
 
     def score_batch(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         cosine = (clip.image_features(images) * clip.text_features([prefix + p for p in prompts])).sum(-1)

@@ -23,9 +23,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ...errors import ConfigError, UserError, quote
+from ...errors import UserError, quote
 from ...outdir import named_path_problem
-from ...records import is_integer
 from ..rewards import RewardFn, to_uint8
 
 # Image statistics of OpenAI CLIP, used by CLIP-family models and by BLIP / ImageReward.
@@ -60,17 +59,14 @@ def option_path(reward: str, key: str, value: object, what: str, file: bool = Fa
     return Path(text)
 
 
-def require_path(reward: str, options: Mapping, key: str, what: str, default: str | None = None,
-                 file: bool = False) -> Path:
-    """The existing file or folder given by ``options[key]`` (or ``default``), as written (:func:`option_path`);
-    else a UserError.
+def require_path(reward: str, options: Mapping, key: str, what: str, default: str | None = None) -> Path:
+    """The existing file or folder that ``options[key]`` names (or ``default`` where it is null): options checked by
+    :func:`~agg_bench.config.reward_options.reward_options`, which refuses a required path not given and one that
+    names nothing this user can use; a UserError when nothing is there.
 
-    ``what`` describes the expected content, e.g. "the HPSv2 checkpoint file (.pt)"; ``file``: a file is expected.
+    ``what`` describes the expected content, e.g. "the HPSv2 checkpoint file (.pt)".
     """
-    value = options.get(key) or default
-    if not value:
-        raise UserError(f"reward {reward!r} needs reward.options.{key}: {what}")
-    path = option_path(reward, key, value, what, file)
+    path = Path(options.get(key) or default or "")
     if not path.exists():
         raise UserError(f"reward {reward!r}: reward.options.{key} = '{path}' does not exist; expected {what}")
     return path
@@ -93,24 +89,9 @@ def load_pretrained(reward: str, cls, folder: Path, what: str):
                         f"expected {what}") from None
 
 
-# options every learned reward takes (make_reward_fn, reward_dtype)
-COMMON_OPTIONS = {"batch_size": "images per scoring call, an integer >= 1", "dtype": "float32 or float64"}
-
-
-def check_reward_options(reward: str, options: Mapping, own: dict[str, str]) -> None:
-    """Refuse a ``reward.options`` key that neither ``reward`` (``own``: key -> what it takes) nor every
-    learned reward knows."""
-    from agg_bench.engine.rewards import check_options
-
-    check_options(reward, dict(options), {**own, **COMMON_OPTIONS})
-
-
 def reward_dtype(options: Mapping) -> torch.dtype:
-    """The model dtype from ``options["dtype"]`` (default float32)."""
-    name = options.get("dtype", "float32")
-    if name not in DTYPES:
-        raise ConfigError("reward.options.dtype", name, f"one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    """The model dtype that the checked ``options["dtype"]`` names."""
+    return DTYPES[options["dtype"]]
 
 
 def feature_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -275,9 +256,7 @@ def make_reward_fn(score_batch: ScoreBatch, options: Mapping, device) -> RewardF
     Scores are float32, or float64 when the model runs in float64 (``options["dtype"]``), so that a
     float64 model can be compared with a reference to float64 precision.
     """
-    batch_size = options.get("batch_size", 16)
-    if not is_integer(batch_size) or batch_size < 1:
-        raise ConfigError("reward.options.batch_size", batch_size, "a positive integer")
+    batch_size = options["batch_size"]
     device, score_dtype = torch.device(device), feature_dtype(reward_dtype(options))
 
     def reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

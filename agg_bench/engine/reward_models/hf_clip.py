@@ -54,10 +54,6 @@ def _load(reward: str, model_class, model_dir: Path, quiet: bool, **kwargs):
     return model
 
 
-# options of a reward built on HFClip
-CLIP_OPTIONS = {"model": "the CLIP model folder", "processor": "the CLIP processor folder"}
-
-
 class HFClip:
     """A CLIP model in eval mode on ``device``, its image transform and (unless vision-only) tokenizer.
 

@@ -38,7 +38,8 @@ from torch import nn
 
 from ...errors import UserError
 from ...jsonfiles import read_json_object
-from .common import (check_reward_options, CLIP_MEAN, CLIP_STD, ClipTransform, feature_dtype, load_pretrained,
+from ...config.reward_options import reward_options
+from .common import (CLIP_MEAN, CLIP_STD, ClipTransform, feature_dtype, load_pretrained,
                      load_state_dict, load_weights, make_reward_fn, option_path, require_package, require_path,
                      reward_dtype)
 
@@ -233,10 +234,9 @@ def tokenize(tokenizer, prompts: list[str], context_length: int) -> tuple[torch.
 
 
 def build(options: dict, device):
-    check_reward_options(REWARD, options, {"checkpoint": CHECKPOINT, "tokenizer": TOKENIZER,
-                                           "model_config": "the OpenCLIP model config (a mapping or JSON file)"})
+    options = reward_options(REWARD, options)
     transformers = require_package(REWARD, "transformers")
-    checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT, file=True)
+    checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT)
     tokenizer_dir = require_path(REWARD, options, "tokenizer", TOKENIZER)
     cfg = resolve_model_config(options.get("model_config"))
     device, dtype = torch.device(device), reward_dtype(options)

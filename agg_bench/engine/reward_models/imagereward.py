@@ -43,7 +43,8 @@ from torch import nn
 
 from ...errors import UserError
 from ...jsonfiles import read_json_object
-from .common import (check_reward_options, ClipTransform, feature_dtype, LinearStack, load_pretrained,
+from ...config.reward_options import reward_options
+from .common import (ClipTransform, feature_dtype, LinearStack, load_pretrained,
                      load_state_dict, load_weights, make_reward_fn, option_path, require_package, require_path,
                      reward_dtype)
 
@@ -301,10 +302,9 @@ class ImageRewardModel(nn.Module):
 
 
 def build(options: dict, device):
-    check_reward_options(REWARD, options, {"checkpoint": CHECKPOINT, "tokenizer": TOKENIZER,
-                                           "vision_config": "the BLIP vision config", "med_config": "the med_config"})
+    options = reward_options(REWARD, options)
     transformers = require_package(REWARD, "transformers")
-    checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT, file=True)
+    checkpoint = require_path(REWARD, options, "checkpoint", CHECKPOINT)
     tokenizer_dir = require_path(REWARD, options, "tokenizer", TOKENIZER)
     vision = _config(VisionConfig, options.get("vision_config"), "vision_config", strict=True)
     text = _config(TextConfig, options.get("med_config"), "med_config", strict=False)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_reward_options, feature_dtype, make_reward_fn
-from .hf_clip import CLIP_OPTIONS, HFClip
+from ...config.reward_options import reward_options
+from .common import feature_dtype, make_reward_fn
+from .hf_clip import HFClip
 
 
 def build(options: dict, device):
-    check_reward_options("pickscore", options, CLIP_OPTIONS)
+    options = reward_options("pickscore", options)
     clip = HFClip("pickscore", options, device, transform="hf")
     logit_scale = clip.model.logit_scale.detach().to(feature_dtype(clip.dtype)).exp()
 
