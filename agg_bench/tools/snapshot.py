@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import RunConfig, validate
-from ..config.sections import DEFAULTS, upgrade_written
+from ..config.sections import DEFAULTS, upgrade_written, written_before
 from ..engine.families.geometry import ImageGeometry
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.lora import ADAPTER_FILE, load_adapter, lora_settings, save_transformer
@@ -198,9 +198,12 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
         if err.key in names:
             raise UserError(f"{path}: {names[err.key]} = {quote(err.value)}: expected {err.expected}") from None
         raise UserError(f"{path}: {err}") from None
-    made = rollout_settings(run if run is not None else cfg)
+    source = run if run is not None else cfg
+    made = rollout_settings(source)
     for key, expected in made.items():
         value = meta.get(key)
+        if key in SETTINGS and _written_as(source, SETTINGS[key], value):
+            continue
         if (value is not None or key == "lora") and value != expected:
             source = f"the snapshot's config.json {SETTINGS.get(key, 'train.lora_*')}" if run is not None \
                 else "the settings it names"
@@ -209,6 +212,15 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
     if factor is not None and not (type(factor) is int and 1 <= factor <= MAX_MODEL_SIZE):
         raise UserError(f"{path}: vae_scale_factor = {quote(factor)}: expected an integer from 1 to {MAX_MODEL_SIZE}")
     return {**made, "vae_scale_factor": factor}
+
+
+def _written_as(cfg: RunConfig, dotted: str, value: Any) -> bool:
+    """Whether ``value``, an older snapshot's setting ``dotted`` (``config.sections.WRITTEN_BEFORE``: ``adv_std:
+    population``), stands for what ``cfg`` says today: every key it stands for equal to ``cfg``'s. Such a
+    snapshot's config.json reads upgraded, and its rollout.json must read the same way."""
+    section, key = dotted.split(".")
+    now = written_before(section, key, value)
+    return now is not None and all(getattr(getattr(cfg, section), name) == want for name, want in now.items())
 
 
 def _first_line(err: BaseException) -> str:

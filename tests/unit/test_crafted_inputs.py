@@ -747,6 +747,32 @@ def test_replay_reads_a_snapshot_through_the_same_checks(snapshot, tmp_path, cap
         assert words in line, line
 
 
+def written_before_adv_ddof(config: dict) -> None:
+    """``config`` as a snapshot wrote it before grpo.adv_std took group | global."""
+    config["grpo"]["adv_std"] = "population"
+    del config["grpo"]["adv_ddof"], config["grpo"]["adv_eps"]
+
+
+def test_replay_reads_an_older_snapshot_s_adv_std_as_its_config_does(snapshot, tmp_path, capsys):
+    """A snapshot written before grpo.adv_std took group | global says `population` in config.json and rollout.json
+    alike. config.json reads upgraded (group, ddof 0), so rollout.json must too: it was refused as 'population':
+    expected 'group', a mismatch with a config.json that says the same. A rollout.json that stands for another
+    ddof than config.json's is still refused."""
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshot, snap)
+    edit_json(snap, "config.json", written_before_adv_ddof)
+    edit_json(snap, "rollout.json", lambda c: c.update(adv_std="population"))
+    capsys.readouterr()
+    assert main(["replay", str(snap), "--method", "full", "--out", str(tmp_path / "old.safetensors")]) == 0
+    assert main(["replay", str(snapshot), "--method", "full", "--out", str(tmp_path / "now.safetensors")]) == 0
+    from safetensors.torch import load_file
+    old, now = load_file(str(tmp_path / "old.safetensors")), load_file(str(tmp_path / "now.safetensors"))
+    assert old.keys() == now.keys() and all(torch.equal(old[k], now[k]) for k in now)  # the same computation
+    edit_json(snap, "rollout.json", lambda c: c.update(adv_std="sample"))  # ddof 1 against config.json's 0
+    for line in refused_by_replay_and_gradcheck(snap, tmp_path, capsys):
+        assert "rollout.json: adv_std = 'sample': expected 'group'" in line, line
+
+
 def edit_tensors(path: Path, change) -> None:
     from safetensors.torch import load_file, save_file
 
