@@ -490,6 +490,13 @@ def written_before(section: str, key: str, value: Any) -> dict[str, Any] | None:
         return None
 
 
+def weights_label(cfg: RunConfig) -> str:
+    """Where a run's weights come from, the ``weights`` of its records: ``pretrained`` (a local folder), ``random``
+    (a full-size architecture with random weights: its rewards say nothing about quality) or ``tiny``. A run
+    folder's config read with :func:`upgrade_written` gives the label its run had, whichever version wrote it."""
+    return "pretrained" if cfg.model.pretrained else cfg.model.preset
+
+
 def folder_under_random_preset(model: Any) -> bool:
     """Whether the model section ``model`` names a ``model.pretrained`` folder beside ``model.preset: random``: a
     run folder that says so was trained on the folder's model (older versions let the folder take precedence),

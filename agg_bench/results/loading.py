@@ -18,7 +18,7 @@ from typing import IO, Iterable, Mapping, TypeGuard
 import numpy as np
 import pandas as pd
 
-from ..config import ModelConfig, TrainConfig, bound
+from ..config import ModelConfig, TrainConfig, bound, weights_label
 from ..errors import ConfigError, UserError, quote
 from ..io import path_text
 from ..jsonfiles import check_path, read_json_object
@@ -367,6 +367,10 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
                     row[key] = value
             row["source"] = source
             row["weights"] = record.get("weights") or summary.get("weights")
+            if "weights" not in record and "weights" not in summary and config is not None:
+                # a run older than the key: its config's label (read as unknown, a random-weight run's rewards
+                # were shown as any other's)
+                row["weights"] = weights_label(config)
             row["planned_activation_bytes"] = planned.get("activations")
             row["planned_total_bytes"] = planned.get("total_per_gpu")
             row["run_status"] = status

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import stopping
-from ..config import RunConfig
+from ..config import RunConfig, weights_label
 from ..engine import families
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.models import Conditioning, Policy, build_policy
@@ -56,12 +56,6 @@ def ready_estimator(estimator: Estimator, cfg: RunConfig, policy: Policy, device
     estimator.check_run(cfg)
     if estimator.needs_unconditional():
         estimator.unconditional = empty_prompt_conditioning(cfg, policy.transformer, device)
-
-
-def weights_label(cfg: RunConfig) -> str:
-    """Where the weights come from: ``pretrained`` (a local folder), ``random`` (a full-size architecture
-    with random weights: its rewards say nothing about quality) or ``tiny``."""
-    return "pretrained" if cfg.model.pretrained else cfg.model.preset
 
 
 def rewarded_latents(traj: Trajectory, on: str) -> torch.Tensor:

@@ -370,8 +370,8 @@ def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, byt
 def run_identity(cfg, run_id: str) -> dict:
     """The identity fields every record and the summary of ``run_id`` carry, from its typed config (the device
     where the config names one, not ``auto``)."""
+    from ..config import weights_label
     from ..engine.families import model_label
-    from ..runtime.session import weights_label
 
     out = {"run_id": run_id, "method": cfg.method.name, "model": model_label(cfg.model), "resolution": cfg.model.resolution,
            "seed": cfg.seed, "weights": weights_label(cfg)}

@@ -543,6 +543,21 @@ def test_random_weight_rows_keep_rewards_out_and_show_the_plan(tmp_path):
     assert math.isnan(tiny_row["planned_act_mib"])
 
 
+@pytest.mark.parametrize("model, weights", [({"preset": "random"}, "random"), ({"preset": "tiny"}, "tiny"),
+                                            ({"preset": "random", "pretrained": "/models/sd3"}, "pretrained")])
+def test_records_older_than_the_weights_key_take_it_from_their_config(tmp_path, model, weights):
+    """Records written before `weights` was a record key (and their summary) say nothing of it: the label is their
+    config's, so a random-weight run's rewards stay out of the table as today's do (read as unknown, they were
+    shown as the run's final reward)."""
+    old_keys = tuple(k for k in RECORD_KEYS if k != "weights")
+    run = make_run(tmp_path, "old", "full", [it(2.0, 5.0), it(2.0, 6.0)], keys=old_keys)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "model": model}))
+    table = efficiency_table(load_records([RunEntry(run)]), warmup=0)
+    assert list(table["weights"]) == [weights]
+    assert math.isnan(table["final_reward"].iloc[0]) == (weights == "random")
+
+
 def test_reward_curves_average_seeds_with_their_spread_and_fall_back_to_the_images_spread():
     from agg_bench.results.plots import reward_curves
 
