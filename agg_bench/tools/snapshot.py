@@ -198,11 +198,11 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
         if err.key in names:
             raise UserError(f"{path}: {names[err.key]} = {quote(err.value)}: expected {err.expected}") from None
         raise UserError(f"{path}: {err}") from None
-    source = run if run is not None else cfg
-    made = rollout_settings(source)
+    settled = run if run is not None else cfg
+    made = rollout_settings(settled)
     for key, expected in made.items():
         value = meta.get(key)
-        if key in SETTINGS and _written_as(source, SETTINGS[key], value):
+        if key in SETTINGS and _written_as(settled, SETTINGS[key], value):
             continue
         if (value is not None or key == "lora") and value != expected:
             source = f"the snapshot's config.json {SETTINGS.get(key, 'train.lora_*')}" if run is not None \
