@@ -94,20 +94,23 @@ def cmd_run(args) -> int:
         _check_marker(args.done, args.out)
     # imported once the command line and config are known to be good: the trainer's imports (the model
     # libraries) doubled the time a refused run took to print its one line
-    from .runtime.cell import ENDED, CellRun, write_marker
+    from .runtime.cell import ENDED, CellRun, claimed_markers, write_marker
     from .runtime.train import train
 
     # --journal: the run an attempt whose end went unrecorded finished is kept (a cell job's journal of one run)
     journal = _run_journal(args.journal, args.out, args.done) if args.journal is not None else None
     entry = CellRun(args.config, tuple(overrides), args.out, args.done)
-    summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite, resume_stopped=args.resume_stopped,
-                    kept=None if journal is None else functools.partial(journal.kept, entry, cfg))
-    if rank == 0:  # one result line for the job, not one per torchrun process
-        if journal is not None and summary["status"] in ENDED:
-            journal.add(entry, cfg, summary["status"])
-        print(json.dumps({"out": str(args.out), "status": summary["status"]}))
-        if args.done is not None:
-            write_marker(args.done, args.out, summary["status"])
+    # the marker is held from before the run to its writing (rank 0 writes it), so a second run naming it is refused
+    with claimed_markers([(args.done, "--done")] if args.done is not None and rank == 0 else []):
+        summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite,
+                        resume_stopped=args.resume_stopped,
+                        kept=None if journal is None else functools.partial(journal.kept, entry, cfg))
+        if rank == 0:  # one result line for the job, not one per torchrun process
+            if journal is not None and summary["status"] in ENDED:
+                journal.add(entry, cfg, summary["status"])
+            print(json.dumps({"out": str(args.out), "status": summary["status"]}))
+            if args.done is not None:
+                write_marker(args.done, args.out, summary["status"])
     return 0
 
 

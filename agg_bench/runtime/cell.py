@@ -15,7 +15,8 @@ end after it.
 The job file is a JSON object ``{"runs": [{"config": FILE or null, "set": ["KEY=VALUE", ...], "out": DIR,
 "done": FILE}, ...]}``: each run's ``agg-bench run`` arguments (:func:`job_entry` writes one) and, optionally,
 a marker file the cell writes once the job has ended with every run's end recorded (``{"out", "status"}``:
-what a workflow waits for instead of the run's own files). ``agg-bench cell`` also takes ``"calibrations"``:
+what a workflow waits for instead of the run's own files), held by the cell from its start (a second job naming
+it is refused: :func:`claimed_markers`). ``agg-bench cell`` also takes ``"calibrations"``:
 calibrations of the runs' methods to take after them, on the same model (:mod:`agg_bench.tools.
 cell_calibration`, what a campaign window gives its cell processes); a job may then list no run. Any other
 key, of the file or of a run, is refused. Every run's config is loaded and checked, and every run's folder
@@ -44,6 +45,7 @@ writes job files with :func:`job_entry`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import sys
@@ -264,7 +266,8 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
             raise UserError(f"{path}: runs[{index}] (--out {job.out}): {err}") from None
 
     progress = Progress.resume(Path(path)) if resume else None
-    with reusing_models(), _imports_frozen():
+    with claimed_markers([(job.done, f"{path}: runs[{index}].done") for index, (job, _) in enumerate(jobs)
+                          if job.done is not None]), reusing_models(), _imports_frozen():
         return _run_jobs(Path(path), jobs, keep_going, deadline, progress, overwrite, keep_journal, after_runs)
 
 
@@ -369,6 +372,21 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
 
 # whether a file is a run's marker ({"out", "status"}), which a cell or a run may replace
 is_marker = json_file_where(lambda data: set(data) == {"out", "status"})
+
+
+@contextlib.contextmanager
+def claimed_markers(markers: list[tuple[Path, str]]) -> Iterator[None]:
+    """Hold the claim of each run marker of ``markers`` (``(path, what names it in an error)``) until the block
+    ends: a second job that names the same marker while this one runs (another cell's job file, another ``agg-bench
+    run --done``) is refused in one line naming the holder (:class:`~agg_bench.outdir.Busy`), instead of replacing
+    this job's record with its own. The folders made for the markers go again if the block leaves them empty."""
+    with contextlib.ExitStack() as stack:
+        for path, flag in markers:
+            claim = Claim(path, folder=False, lock_inside=False, flag=flag,
+                          check=functools.partial(check_file, path, is_marker, "a run's marker", flag))
+            claim.acquire()
+            stack.callback(claim.release, True)
+        yield
 
 
 def write_marker(path: Path, out: Path, status: str) -> None:

@@ -503,6 +503,27 @@ def test_a_cell_stops_at_a_run_another_process_writes(tmp_path, capsys):
     assert not (tmp_path / "done").exists()
 
 
+@pytest.mark.parametrize("verb", ["cell", "run"])
+def test_a_marker_another_job_holds_is_refused_before_any_run(tmp_path, capsys, verb):
+    """Two jobs that name one marker (two cell job files, two `agg-bench run --done`) both ran, and the one that
+    ended last replaced the other's marker with its own: the first run's end was lost. The marker is held for the
+    job's life, so the second is refused in one line naming the holder, and writes nothing."""
+    from agg_bench.outdir import Claim
+
+    out, done = tmp_path / "a", tmp_path / "done" / "a.json"
+    if verb == "cell":
+        argv = ["cell", "--keep-going", "--resume", "--keep-journal",
+                str(job_file(tmp_path, [{**run(out), "done": str(done)}]))]
+    else:
+        argv = ["run", *[a for o in TINY for a in ("--set", o)], "--out", str(out), "--done", str(done)]
+    with Claim(done, folder=False, lock_inside=False).acquire():  # another job's, writing this marker
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{done}: another agg-bench process (PID {os.getpid()}) is writing this file" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not done.exists()
+
+
 @pytest.mark.parametrize("change, words", [
     ("config", []),  # the job file now asks another config of a: it runs (--overwrite replaces the old one)
     ("code", ["ran other code"]),
