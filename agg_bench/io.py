@@ -80,6 +80,16 @@ def temp_owner(path: str | Path, name: str) -> int | None:
     return int(pid) if name.startswith(head) and name.endswith(tail) and pid.isdigit() else None
 
 
+def file_identity(path: str | Path) -> tuple[int, int, int] | None:
+    """(device, inode, modification time) of the file at ``path``, or None where there is none: a file replaced
+    by rename (every write of :func:`atomic_file`) or written in place since has another."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_mtime_ns
+
+
 def process_running(pid: int) -> bool:
     """Whether a process ``pid`` exists (one of another user's included)."""
     try:

@@ -20,7 +20,7 @@ import pandas as pd
 
 from ..config import ModelConfig, TrainConfig, bound, weights_label
 from ..errors import ConfigError, UserError, quote
-from ..io import path_text
+from ..io import file_identity, path_text
 from ..jsonfiles import check_path, read_json_object
 from ..outdir import LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, path_problem, reach_problem
 from ..reading import RunFolder
@@ -79,6 +79,17 @@ class Manifest:
     warmup: int = 1
     time: str = "auto"
     calibration: list[CalibrationEntry] = field(default_factory=list)
+    # the manifest file this was read from, and that file's identity then (load_manifest)
+    file: Path | None = None
+    file_identity: tuple[int, int, int] | None = None
+
+    def check_unchanged(self) -> None:
+        """A UserError when the manifest file this was read from was replaced since (another process wrote it:
+        ``campaign unpack`` into its reference, a workflow): what was read from it may no longer be what it
+        lists, and a report of it beside it would be of an earlier manifest."""
+        if self.file is not None and file_identity(self.file) != self.file_identity:
+            raise UserError(f"manifest {self.file}: replaced by another process while it was read; run again once "
+                            "that process has ended")
 
 
 def check_time_basis(value, key: str = "report.time") -> str:
@@ -150,6 +161,7 @@ def load_manifest(path: str | Path) -> Manifest:
     user can reach). Anything else is a UserError naming the manifest and the key."""
     path = Path(path)
     check_path(path, "manifest")
+    identity = file_identity(path)  # before the read: a manifest replaced meanwhile counts as changed
     data = read_json_object(path, "a report manifest (an object with runs, gradcheck, calibration, warmup, time)")
     unknown = sorted(set(data) - {*MANIFEST_SECTIONS, "warmup", "time"})
     if unknown:
@@ -175,7 +187,8 @@ def load_manifest(path: str | Path) -> Manifest:
             sections[section].append(entry_class(**{**entry, required: Path(entry[required])}))
     warmup = check_warmup(data.get("warmup", 1), f"manifest {path}: warmup")
     return Manifest(sections["runs"], sections["gradcheck"], warmup,
-                    check_time_basis(data.get("time", "auto"), f"manifest {path}: time"), sections["calibration"])
+                    check_time_basis(data.get("time", "auto"), f"manifest {path}: time"), sections["calibration"],
+                    path, identity)
 
 
 def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:

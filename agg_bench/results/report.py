@@ -61,6 +61,10 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
                 written = load_tables(staged(tables_dir)) if tables_dir is not None else \
                     _as_written({"records": records, **tables})
                 write_plots(written, staged(plots_dir))
+            # under the claims, before the swap: a writer of the manifest that writes these tables after it (an
+            # unpack into its reference) is refused them until the swap, so tables that pass here are never of an
+            # earlier manifest than the one beside them
+            manifest.check_unchanged()
         return tables
 
 

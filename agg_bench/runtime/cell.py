@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterator
 
 from .. import stopping
 from ..errors import UserError, quote, run_command
-from ..io import as_written, remove_stale_temps, write_json
+from ..io import as_written, file_identity, remove_stale_temps, write_json
 from ..outdir import Busy, Claim, check_file, check_path_names, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
 from ..jsonfiles import json_type, read_json_object
@@ -312,7 +312,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
         start = time.perf_counter()
         status: list[str] = []
         failure: list[Exception] = []
-        summary_before = _file_identity(job.out / "summary.json")
+        summary_before = file_identity(job.out / "summary.json")
 
         # bound now: run_command calls it at once, in this iteration
         def one_run(job: CellRun = job, cfg: Any = cfg, status: list[str] = status,
@@ -333,7 +333,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
                 progress.add(job, cfg, status[0])
         if keep_going and failure and code < 128 and not isinstance(failure[0], Busy):  # Busy: not this job's
             error = f"{type(failure[0]).__name__}: {failure[0]}".splitlines()[0]
-            written = _file_identity(job.out / "summary.json") != summary_before  # by this attempt, on failing
+            written = file_identity(job.out / "summary.json") != summary_before  # by this attempt, on failing
             if written or record_failure(cfg, job.out, error, overwrite=overwrite):
                 print(json.dumps({"out": str(job.out), "status": "error"}), flush=True)
                 end, code = f"{end}, recorded in its summary.json", 0
@@ -487,12 +487,3 @@ def _recorded_runs(path: Path, code: str) -> dict[str, dict] | None:
         return {}
     journal = read_json_object(path, PROGRESS_EXPECTED)
     return journal["runs"] if journal.get("code") == code else None
-
-
-def _file_identity(path: Path) -> tuple[int, int] | None:
-    """(inode, modification time) of ``path``, or None: a file replaced by rename has another."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return stat.st_ino, stat.st_mtime_ns

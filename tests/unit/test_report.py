@@ -474,6 +474,41 @@ def test_a_report_stopped_part_way_leaves_the_earlier_set_whole(sweep, tmp_path,
     assert "reward_iteration.png" in changed and ("records.csv" in changed) == ("tables-in" not in stop)
 
 
+def test_a_manifest_replaced_while_the_report_reads_it_leaves_the_tables_beside_it_as_they_were(sweep, tmp_path,
+                                                                                                   monkeypatch, capsys):
+    """`campaign unpack` into a reference while `agg-bench report --manifest REF/manifest.json --tables REF/tables`
+    read it: the report had read the manifest before the unpack wrote its manifest and tables, and then wrote
+    tables of the earlier manifest over them, beside the later manifest. The report refuses in one line instead,
+    naming the manifest, and leaves the tables as they were."""
+    from agg_bench.io import write_json
+    from agg_bench.results import loading
+
+    def entries(runs):
+        return {"runs": [{"dir": str(e.dir), "method": e.method} for e in runs]}
+
+    manifest, tables = tmp_path / "manifest.json", tmp_path / "tables"
+    write_json(manifest, entries(sweep[:2]))
+    assert main(["report", "--manifest", str(manifest), "--tables", str(tables)]) == 0
+    before = {p.name: p.read_bytes() for p in tables.iterdir()}
+    original = loading.load_manifest
+
+    def read_then_replaced(path):
+        read = original(path)
+        write_json(manifest, entries(sweep[:3]))  # another process's manifest (and tables) land meanwhile
+        return read
+
+    monkeypatch.setattr(loading, "load_manifest", read_then_replaced)
+    capsys.readouterr()
+    assert main(["report", "--manifest", str(manifest), "--tables", str(tables)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"agg-bench report: manifest {manifest}: replaced by another process while it was read; run "
+                   "again once that process has ended"), err
+    assert {p.name: p.read_bytes() for p in tables.iterdir()} == before
+    monkeypatch.undo()
+    assert main(["report", "--manifest", str(manifest), "--tables", str(tables)]) == 0
+    assert len(pd.read_csv(tables / "records.csv")["run_id"].unique()) == 3
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--tables-in", "TABLES"], "--tables-in DIR needs --plots DIR"),
     (["--tables-in", "TABLES", "--plots", "OUT", "--runs", "TABLES"], "--runs is for writing them"),
