@@ -24,7 +24,7 @@ from ..outdir import claimed_folders, replaced_folders
 from ..outputs import LEARNING_CONTENTS
 from ..results.learning_tables import (EVAL_SOURCES, Run, held_out_curves, learning_table, load_runs, plot_held_out,
                                        plot_rewards, write_curves, write_table)
-from ..results.loading import MAX_ITERATIONS, load_manifest
+from ..results.loading import MAX_ITERATIONS, Manifest, load_manifest
 from ..reading import CONFIG_FILE, RunFolder, run_config
 from ..records import MAX_LABEL, is_label
 from ..runtime.evaluation import SAMPLERS
@@ -269,17 +269,20 @@ class LearningOptions:
             raise UserError("--eval-source checkpoint: the checkpoint evaluation needs --eval-noises >= 1")
 
 
-def check_manifest(manifest: str | Path) -> None:
-    """The manifest's form before any run folder is read: the report's manifest (``agg-bench report
+def check_manifest(manifest: str | Path) -> Manifest:
+    """The manifest as read (:func:`agg_bench.results.loading.load_manifest`), its form checked before any run
+    folder is read: the report's manifest (``agg-bench report
     --manifest``, :func:`agg_bench.results.loading.load_manifest`: its keys and each entry's, each of its
     kind; the workflow writes one manifest for both), and each run's method label 1 to :data:`MAX_LABEL`
     printable characters (a row of learning.md and a label in every plot). A UserError naming the manifest
     and the entry otherwise."""
-    for i, entry in enumerate(load_manifest(manifest).runs):
+    read = load_manifest(manifest)
+    for i, entry in enumerate(read.runs):
         method = entry.method
         if isinstance(method, str) and not is_label(method):
             raise UserError(f"manifest {manifest}: runs[{i}].method = {quote(method)}: expected a method label "
                             f"of 1 to {MAX_LABEL} printable characters")
+    return read
 
 
 def check_lengths(runs: list[Run], average: int) -> None:
@@ -354,7 +357,7 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
     is written, its error naming the run."""
     options = options or LearningOptions()
     options.check()
-    check_manifest(manifest)
+    read = check_manifest(manifest)
     runs = load_runs(manifest)  # every run folder read and checked (records, evaluations, duplicates)
     one_measure(runs)
     if tables:
@@ -387,4 +390,7 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
                 learning_plots_into(staged(plots), runs)
                 assert evaluation is not None and images is not None  # plots made the evaluation above
                 sample_grids(runs, images, evaluation.captions, staged(plots) / "samples.png", evaluation.keep)
+            # before the swap, as the report checks it (:func:`agg_bench.results.report.build_report`): tables of an
+            # earlier manifest never land beside a later one (an unpack into the reference meanwhile)
+            read.check_unchanged()
     return runs

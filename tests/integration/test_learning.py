@@ -88,6 +88,37 @@ def test_plots_and_cli(manifest, tmp_path):
         learning_table(runs, average=5)
 
 
+def test_a_manifest_replaced_while_the_learning_report_reads_it_leaves_its_tables_as_they_were(manifest, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """As the efficiency report (tests/unit/test_report.py): a manifest replaced while `agg-bench learning` read it
+    (`campaign unpack` adding runs to the reference) is refused in one line, and the tables stay as they were,
+    never tables of the earlier manifest beside the later one."""
+    from agg_bench.io import write_json
+    from agg_bench.results import learning_tables
+
+    tables, listed = tmp_path / "t", json.loads(manifest.read_text())
+    write_json(manifest, {"runs": listed["runs"][:4]})
+    args = ["learning", "--manifest", str(manifest), "--tables", str(tables), "--average", "2"]
+    assert main(args) == 0
+    before = {p.name: p.read_bytes() for p in tables.iterdir()}
+    original = learning_tables.load_runs
+
+    def read_then_replaced(path):
+        runs = original(path)
+        write_json(manifest, listed)  # another process's manifest lands meanwhile
+        return runs
+
+    monkeypatch.setattr("agg_bench.tools.learning.load_runs", read_then_replaced)
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"agg-bench learning: manifest {manifest}: replaced by another process while it was read; run "
+                   "again once that process has ended"), err
+    assert {p.name: p.read_bytes() for p in tables.iterdir()} == before
+    monkeypatch.undo()
+    assert main(args) == 0 and (tables / "learning.csv").read_bytes() != before["learning.csv"]
+
+
 # The slow test's configuration: full GRPO on the learning sweep's settings (lr 3e-4, KL weight 0.04, the
 # shape-weighted scene reward, its budget of 40 full iterations) from the sweep's own pre-trained model, scored
 # by the held-out evaluation (the rollouts' SDE, fixed noise) before and after. The model is committed
