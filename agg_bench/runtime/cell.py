@@ -470,7 +470,10 @@ class Progress:
         """Record ``job``'s run as ended with ``status``. The journal is read again and rewritten under its lock
         (a :class:`~agg_bench.outdir.Claim` that waits): two processes recording runs in one journal at once
         (``agg-bench run --journal`` of the same file) each keep the other's entry."""
-        with Claim(self.path, folder=False, lock_inside=False, flag=self.flag, wait=True):
+        # checked again once held: what became another kind of file meanwhile (a run's marker that another job
+        # wrote there) is refused, not replaced by this journal
+        with Claim(self.path, folder=False, lock_inside=False, flag=self.flag, wait=True,
+                   check=functools.partial(check_file, self.path, is_journal, "a cell job's journal", self.flag)):
             remove_stale_temps(self.path)  # a killed writer's of this journal: the claim's check removes none
             self.runs = {**(_recorded_runs(self.path, self.code) or {}),
                          str(job.out): {"config": as_written(cfg.to_dict()), "status": status}}

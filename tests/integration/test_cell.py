@@ -524,6 +524,26 @@ def test_a_marker_another_job_holds_is_refused_before_any_run(tmp_path, capsys, 
     assert not out.exists() and not done.exists()
 
 
+def test_a_journal_that_another_job_made_its_marker_meanwhile_is_not_replaced(tmp_path, capsys, monkeypatch):
+    """`agg-bench run --journal F` while another job has `--done F`: the journal was checked when the run started,
+    and the marker the other job wrote there while this run trained was then replaced by this run's journal (the
+    other run's end lost). The journal is checked again under its lock: one line, exit 2, the marker kept."""
+    out, journal = tmp_path / "a", tmp_path / "shared.json"
+    marker = {"out": str(tmp_path / "other"), "status": "ok"}
+
+    def other_job_ends_meanwhile(cfg, folder, **kwargs):
+        journal.write_text(json.dumps(marker))
+        return {"status": "ok"}
+
+    monkeypatch.setattr(train_module, "train", other_job_ends_meanwhile)
+    argv = ["run", *[a for o in TINY for a in ("--set", o)], "--out", str(out), "--journal", str(journal)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"agg-bench run: --journal {journal}: the file exists and is not a cell job's journal; give a new "
+                   "path"), err
+    assert json.loads(journal.read_text()) == marker
+
+
 @pytest.mark.parametrize("change, words", [
     ("config", []),  # the job file now asks another config of a: it runs (--overwrite replaces the old one)
     ("code", ["ran other code"]),
