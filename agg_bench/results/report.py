@@ -43,29 +43,36 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
         raise UserError("no runs to report (give --manifest or --runs)")
     with claimed_folders([(tables_dir, REPORT_CONTENTS), (plots_dir, REPORT_CONTENTS)], ("--tables", "--plots"),
                          replaced_whole=True):
-        records = load_records(manifest.runs)
-        gradcheck = load_gradcheck(manifest.gradcheck)
-        calibration = load_calibration(manifest.calibration)
-        tables = build_tables(records, gradcheck, manifest.warmup, manifest.time, calibration)
-        unmatched = unmatched_gradcheck(tables["efficiency"], gradcheck)
-        if unmatched:
-            runs = [f"{m} at {r} px" for m, r in sorted(set(zip(records["model"], records["resolution"])))]
-            print(f"agg-bench report: no run matches the gradcheck rows of {', '.join(unmatched)} "
-                  f"(the runs: {', '.join(runs)}); "
-                  "their grad_cosine stays empty (a manifest's gradcheck entry names the model and resolution "
-                  "a CSV was measured at)", file=sys.stderr)
-        with replaced_folders(tables_dir, plots_dir) as staged:
-            if tables_dir is not None:
-                write_tables(records, tables, staged(tables_dir))
-            if plots_dir is not None:
-                written = load_tables(staged(tables_dir)) if tables_dir is not None else \
-                    _as_written({"records": records, **tables})
-                write_plots(written, staged(plots_dir))
-            # under the claims, before the swap: a writer of the manifest that writes these tables after it (an
-            # unpack into its reference) is refused them until the swap, so tables that pass here are never of an
-            # earlier manifest than the one beside them
-            manifest.check_unchanged()
-        return tables
+        return write_report(manifest, tables_dir, plots_dir)
+
+
+def write_report(manifest: Manifest, tables_dir: str | Path | None = None,
+                 plots_dir: str | Path | None = None) -> dict[str, pd.DataFrame]:
+    """What :func:`build_report` writes, for a caller that holds the folders' claims itself (replaced whole: their
+    locks beside them), from before it changes what the report reads (``campaign unpack``: its reference's tables)."""
+    records = load_records(manifest.runs)
+    gradcheck = load_gradcheck(manifest.gradcheck)
+    calibration = load_calibration(manifest.calibration)
+    tables = build_tables(records, gradcheck, manifest.warmup, manifest.time, calibration)
+    unmatched = unmatched_gradcheck(tables["efficiency"], gradcheck)
+    if unmatched:
+        runs = [f"{m} at {r} px" for m, r in sorted(set(zip(records["model"], records["resolution"])))]
+        print(f"agg-bench report: no run matches the gradcheck rows of {', '.join(unmatched)} "
+              f"(the runs: {', '.join(runs)}); "
+              "their grad_cosine stays empty (a manifest's gradcheck entry names the model and resolution "
+              "a CSV was measured at)", file=sys.stderr)
+    with replaced_folders(tables_dir, plots_dir) as staged:
+        if tables_dir is not None:
+            write_tables(records, tables, staged(tables_dir))
+        if plots_dir is not None:
+            written = load_tables(staged(tables_dir)) if tables_dir is not None else \
+                _as_written({"records": records, **tables})
+            write_plots(written, staged(plots_dir))
+        # under the claims, before the swap: a writer of the manifest that writes these tables after it (an
+        # unpack into its reference) holds them from before, so tables that pass here are never of an earlier
+        # manifest than the one beside them
+        manifest.check_unchanged()
+    return tables
 
 
 def plot_tables(tables_dir: str | Path, plots_dir: str | Path) -> dict[str, pd.DataFrame]:

@@ -54,9 +54,9 @@ from tqdm import tqdm
 from ..errors import UserError, quote
 from ..io import atomic_path, atomic_target, remove_stale_temps, write_json
 from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
-from ..outdir import Contents, claim_folder
+from ..outdir import Contents, claim_folder, claimed_folders
 from ..outputs import LEARNING_CONTENTS
-from ..outputs import TABLES_CONTENTS
+from ..outputs import REPORT_CONTENTS, TABLES_CONTENTS
 from ..reading import RunFolder
 
 if TYPE_CHECKING:
@@ -540,7 +540,12 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
             gpus[name] = _check_calibration(campaign, where, file_name, data)
         else:
             _check_window_log(where, file_name, data)
-    with claim_folder(reference, REFERENCE_CONTENTS, "--reference"):
+    # the reference's tables and learning report too, held from before anything changes (their locks beside them, as
+    # `agg-bench report` and `agg-bench learning` hold them): a report writing them meanwhile refuses this unpack
+    # before it moves anything, and a failed unpack puts back only what no other process holds
+    with claim_folder(reference, REFERENCE_CONTENTS, "--reference"), \
+            claimed_folders([(reference / "tables", REPORT_CONTENTS), (reference / "learning", LEARNING_CONTENTS)],
+                            ("--reference", "--reference"), replaced_whole=True):
         # a killed earlier unpack's staging folder (runs, tables), or its temporary of a file it generates (the
         # manifest, written under no claim of its own), would stay in the reference for good, and be committed
         # with it: the folder's checks take them for the harness's
@@ -658,9 +663,10 @@ def _relative(path: Path) -> Path:
 
 
 def write_reference_tables(campaign: Campaign, reference: Path) -> dict:
-    """``reference``'s manifest.json and its tables (module docstring); the manifest."""
+    """``reference``'s manifest.json and its tables (module docstring); the manifest. The caller holds the claims
+    of ``reference``, its ``tables`` and its ``learning`` (:func:`unpack`)."""
     from ..results.loading import load_manifest
-    from ..results.report import build_report
+    from ..results.report import write_report
 
     manifest = reference_manifest(campaign, reference)
     write_json(reference / "manifest.json", manifest)
@@ -668,7 +674,7 @@ def write_reference_tables(campaign: Campaign, reference: Path) -> dict:
         if len(manifest["runs"]) == len(campaign.sweep.runs):
             write_learning_tables(campaign, reference)
     elif manifest["runs"]:
-        build_report(load_manifest(reference / "manifest.json"), reference / "tables")
+        write_report(load_manifest(reference / "manifest.json"), reference / "tables")
     return manifest
 
 
@@ -679,7 +685,7 @@ def write_learning_tables(campaign: Campaign, reference: Path) -> None:
     and the plots drawn from the runs alone (reward against iteration and time, the held-out reward against
     cost and CPU time, the Pareto plot); the pre-trained model's own sample grid is its ``samples.png`` in
     ``pretrained/``."""
-    from ..outdir import claimed_folders, replaced_folders
+    from ..outdir import replaced_folders
     from ..results.learning_tables import load_runs
     from .learning import DEFAULT_REFERENCE, learning_plots_into, learning_tables_into
 
@@ -688,8 +694,7 @@ def write_learning_tables(campaign: Campaign, reference: Path) -> None:
     runs = load_runs(reference / "manifest.json")
     label = options.reference or DEFAULT_REFERENCE
     folder = reference / "learning"
-    # claimed and replaced whole as `agg-bench learning` writes a folder, so the two never write it at once
-    with claimed_folders([(folder, LEARNING_CONTENTS)], ("--reference",), replaced_whole=True), \
-            replaced_folders(folder) as staged:
+    # replaced whole as `agg-bench learning` writes a folder, under the claim the unpack holds (:func:`unpack`)
+    with replaced_folders(folder) as staged:
         learning_tables_into(staged(folder), runs, options, label)
         learning_plots_into(staged(folder), runs)

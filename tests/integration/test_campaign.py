@@ -363,6 +363,32 @@ def unpack_to_its_first_check(cpu_campaign, tmp_path: Path, reference: Path, mon
         archive_module.unpack(cpu_campaign, tmp_path / "campaign.tar.gz", reference)
 
 
+@pytest.mark.parametrize("folder", ["tables", "learning"])
+def test_an_unpack_while_a_report_writes_the_reference_s_tables_is_refused_before_it_changes_anything(
+        cpu_campaign, tmp_path, monkeypatch, folder):
+    """`agg-bench report --tables REF/tables` (or `agg-bench learning` into REF/learning) writing while an unpack
+    went on: the unpack moved its runs in and wrote the manifest, was refused the tables only then, and its
+    rollback removed and put back the tables folder the report held, under the report's rename. The unpack holds
+    the reference's tables and learning report from its start instead: refused first, one line naming the
+    holder, nothing of the reference touched."""
+    from agg_bench.io import file_identity
+    from agg_bench.outdir import Busy, Claim
+
+    reference = tmp_path / "reference"
+    (reference / "tables").mkdir(parents=True)
+    (reference / "tables" / "summary.csv").write_text("method\n")
+    reached = []
+    monkeypatch.setattr(archive_module, "read_archive", lambda path: {})
+    monkeypatch.setattr(archive_module, "check_hardware", lambda *args: reached.append(args))
+    before = (tree(reference), file_identity(reference / "tables"))
+    with Claim(reference / folder, folder=True, lock_inside=False).acquire():  # the report's, writing
+        with pytest.raises(Busy) as refused:
+            archive_module.unpack(cpu_campaign, tmp_path / "campaign.tar.gz", reference)
+    assert str(refused.value) == (f"--reference {reference / folder}: another agg-bench process (PID {os.getpid()}) "
+                                  "is writing this folder; wait until it ends or give another folder")
+    assert not reached and (tree(reference), file_identity(reference / "tables")) == before
+
+
 def test_an_unpack_removes_the_temporaries_a_killed_unpack_left_of_the_files_it_generates(cpu_campaign, tmp_path,
                                                                                           monkeypatch):
     """An unpack killed (SIGKILL) while it wrote the reference's manifest.json, or a report of it killed while
