@@ -391,8 +391,9 @@ def claimed_markers(markers: list[tuple[Path, str]]) -> Iterator[None]:
 
 def write_marker(path: Path, out: Path, status: str) -> None:
     """Write the marker ``path`` of the run folder ``out`` that ended with ``status`` (its folder made if
-    missing). A marker has no claim of its own, so the temporaries that killed writers of it left beside it (in a
-    folder of every job's markers) go here, those of a live process kept."""
+    missing). Its job holds its claim (:func:`claimed_markers`), whose check removes nothing, so the temporaries
+    that killed writers of it left beside it (in a folder of every job's markers) go here, those of a live process
+    kept."""
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
     write_json(path, {"out": str(out), "status": status})
