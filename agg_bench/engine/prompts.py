@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -21,11 +22,15 @@ from .models import Conditioning
 
 
 MAX_PROMPT_FILE_BYTES = 64 * 2**20  # read whole: far above a public prompt set (HPDv2's 100k prompts: ~10 MB)
+# a line ends at \n, \r\n or \r only: str.splitlines also ends one at U+2028, U+0085 and the form feed, which a
+# prompt (and a JSON string, which may hold them raw) can contain
+LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
     """Prompts from a .txt file (one per line) or a .jsonl file (``{"prompt": ...}`` per line), at most
-    :data:`MAX_PROMPT_FILE_BYTES` (refused before it is read). An error names the file and the line, never
+    :data:`MAX_PROMPT_FILE_BYTES` (refused before it is read), in UTF-8 with or without a byte-order mark, lines
+    ended by ``\\n``, ``\\r\\n`` or ``\\r``; blank lines are skipped. An error names the file and the line, never
     more than 200 characters of what it holds. ``path`` as written, a ``str``: one that names nothing this user
     can read (:func:`~agg_bench.outdir.named_path_problem`; a folder on its way this user may not search raised
     PermissionError from the look below) is refused for what it is."""
@@ -45,8 +50,9 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
         raise ConfigError(key, str(path), f"a UTF-8 text file ({err.reason} at byte {err.start})") from err
     except OSError as err:
         raise ConfigError(key, str(path), f"a readable file ({err.strerror or err})") from None
+    text = text.removeprefix("\ufeff")  # the mark some editors write first is no part of the first prompt
     prompts: list[str] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(LINE_END.split(text), 1):
         line = line.strip()
         if not line:
             continue
