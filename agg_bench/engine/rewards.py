@@ -8,6 +8,7 @@ A reward is a callable ``reward(images, prompts) -> Tensor (B,)`` where ``images
 from __future__ import annotations
 
 import io
+import math
 from typing import Callable
 
 import numpy as np
@@ -34,6 +35,14 @@ def reward_details(reward: RewardFn) -> dict[str, float]:
     """Batch means of the sub-scores a reward keeps of its last call (its ``details``: name -> (B,)), as
     extra record keys; {} for rewards without sub-scores."""
     return {name: float(values.float().mean()) for name, values in getattr(reward, "details", {}).items()}
+
+
+def unscored_if_not_finite(scores: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    """``scores`` (B,) of ``images`` (B, ...), NaN where an image holds a NaN or an infinity: the built-in rewards
+    clamp pixels to [0, 1] and would score a NaN image as a black one, so a blown-up rollout would look like a
+    finite reward. Those who read the scores see the NaN (a run ends as diverged there)."""
+    bad = ~torch.isfinite(images).flatten(1).all(dim=1).to(scores.device)
+    return scores.masked_fill(bad, math.nan) if bool(bad.any()) else scores
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

@@ -31,7 +31,7 @@ import torch
 
 from ..engine.counters import PassCounter
 from ..engine.models import Conditioning, Policy
-from ..engine.rewards import RewardFn
+from ..engine.rewards import RewardFn, unscored_if_not_finite
 from ..engine.rollout import rollout
 from ..errors import UserError
 
@@ -104,8 +104,8 @@ class Evaluation:
         """Per-image reward (``reward``) and the reward's sub-scores (``reward_color`` ...) of ``images``."""
         total = self.reward(images, captions)
         details = getattr(self.reward, "details", {})
-        return {"reward": total.detach().float().cpu().numpy(),
-                **{k: v.detach().float().cpu().numpy() for k, v in details.items()}}
+        return {k: unscored_if_not_finite(v.detach().float().cpu(), images).numpy()
+                for k, v in {"reward": total, **details}.items()}
 
     def evaluate(self, keep: int = 0) -> tuple[dict[str, float], torch.Tensor]:
         """The evaluation of the policy's current weights: ``eval_reward`` and ``eval_<sub-score>``, means

@@ -21,7 +21,7 @@ from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.models import Conditioning, Policy, build_policy
 from ..engine.moving_average import MovingAverage, warmup_decay
 from ..engine.trained_steps import draw_plan
-from ..engine.rewards import build_reward, reward_details
+from ..engine.rewards import build_reward, reward_details, unscored_if_not_finite
 from ..engine.rollout import Trajectory, initial_noise
 from ..engine.sampler import check_sigmas, flow_sigmas, linspace_sigmas, sampler_dtype, stochastic_steps
 from ..engine.text import empty_prompt_conditioning, prompt_conditioning, prompt_set
@@ -164,7 +164,9 @@ class Session:
         with phase("reward"):
             images = self.policy.decode(rewarded_latents(traj, cfg.reward.on))
             # float64: advantages divide by the group's spread, which rounding rewards to float32 would blur
-            rewards = self.reward_fn(images, prompts).detach().to(torch.float64).cpu()
+            # a NaN reward (of an image that is not finite) ends the run as diverged, and its NaN advantage keeps the
+            # update's step from the weights
+            rewards = unscored_if_not_finite(self.reward_fn(images, prompts).detach().to(torch.float64).cpu(), images)
         advantages = self.estimator.advantages(rewards, traj, cfg.grpo).to(self.device)
         train_steps = self.estimator.trained_steps(cfg.train, traj, total, gen)
         train_steps = distributed.take(train_steps, shard, total).to(self.device)

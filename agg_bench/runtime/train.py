@@ -195,10 +195,12 @@ class Training:
         try:
             stopping.check()  # a signal while the folder's files were started
             evaluated = self._evaluate_if_due(self.start)  # the starting weights (or a resumed run's missing one)
-            if evaluated and self.log_lines:
+            if isinstance(evaluated, tuple):
+                status, error = evaluated
+            elif evaluated and self.log_lines:
                 print(evaluated, file=sys.stderr, flush=True)
             assert self.bar is not None  # begin() opened it
-            for iteration in self.bar:
+            for iteration in self.bar if status == "ok" else ():
                 if self.budget_reached:  # a resumed run whose checkpoint spent the budget already
                     break
                 stopping.check()
@@ -284,7 +286,10 @@ class Training:
                                    status="oom"))
             return "oom", None
         diverging = [k for k in DIVERGING_KEYS if not _finite(fields.get(k))]
-        reason = fields.pop("diverged", None) or next(iter(diverging), None)
+        update_failed = fields.pop("diverged", None)
+        # the reward comes first in an iteration: a non-finite one is the cause, and the update's non-finite loss or
+        # gradient only its consequence
+        reason = ("reward_mean" if "reward_mean" in diverging else None) or update_failed or next(iter(diverging), None)
         # null, as a NaN is written: a number past the record contract's magnitude would make the run unreadable
         fields.update(dict.fromkeys(diverging))
         self.cost += passes_cost(fields, self.prices)
@@ -304,9 +309,9 @@ class Training:
         self.bar.set_postfix(reward=f"{record['reward_mean']:.3g}", loss=f"{record['loss'] or 0:.3g}")
         if self.log_lines:
             print(progress_line(record, self.cfg.train.iterations), file=sys.stderr, flush=True)
-            if evaluated:
+            if isinstance(evaluated, str):
                 print(evaluated, file=sys.stderr, flush=True)
-        return None
+        return evaluated if isinstance(evaluated, tuple) else None
 
     def _write(self, record: dict) -> None:
         """Append ``record`` to ``metrics.jsonl`` (rank 0), keep its line for the checkpoints and add its
@@ -316,12 +321,13 @@ class Training:
         if self.scalar_events is not None:
             self.scalar_events.write(record)
 
-    def _evaluate_if_due(self, done: int) -> str | None:
+    def _evaluate_if_due(self, done: int) -> str | tuple[str, str] | None:
         """Evaluate the weights after ``done`` iterations (every process: a sharded forward needs them all)
         and append the line (rank 0), if ``eval.every`` asks for that state and it is not evaluated yet
         (with ``train.eval_ema``, the state's moving average: :meth:`Session.evaluated_weights`):
         every ``eval.every``-th state from 0 on, and the last one (``train.iterations`` or the budget).
-        The job log's line about it, or None when nothing was evaluated."""
+        The job log's line about it, or None when nothing was evaluated; or, where a score is not finite (the
+        weights blew up), ``("diverged", error)`` and no line: the evaluations file holds finite scores only."""
         every = self.cfg.eval.every
         last = done >= self.cfg.train.iterations or self.budget_reached
         if self.evaluation is None or done in self.evaluated or not (done % every == 0 or last):
@@ -329,6 +335,9 @@ class Training:
         # with train.eval_ema the moving average's weights, the trained ones put back after
         with tel.PhaseTimer(self.session.device) as timer, self.session.evaluated_weights():
             scores, _ = self.evaluation.evaluate()
+        diverging = [key for key, value in scores.items() if not _finite(value)]
+        if diverging:
+            return "diverged", f"non-finite {diverging[0]} in the evaluation after {done} iterations"
         line = {"iteration": done, **scores, "t_eval_s": timer.elapsed_s, "t_eval_cpu_s": timer.cpu_s}
         if self.eval_writer is not None:
             self.eval_lines.append(self.eval_writer.write(line))

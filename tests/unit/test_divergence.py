@@ -1,0 +1,84 @@
+"""A run whose numbers blow up ends as ``diverged`` with the first number that did, and leaves a folder its readers
+take back: an image that is not finite has no reward (the built-in rewards would score it as black), and an
+evaluation that is not finite ends the run rather than writing a line no reader accepts."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from agg_bench.config import load_config
+from agg_bench.engine.models import Policy
+from agg_bench.engine.rewards import build_reward, unscored_if_not_finite
+from agg_bench.io import read_jsonl
+from agg_bench.reading import RunFolder
+from agg_bench.runtime import evaluation as evaluation_module
+from agg_bench.runtime.train import train
+
+SMALL = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "grpo.prompts_per_iteration=1",
+         "progress=false", "train.iterations=3", "telemetry.enabled=false"]
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("reward", ["jpeg_compressibility", "smoothness"])
+def test_an_image_that_is_not_finite_scores_nan(reward):
+    images = torch.rand(3, 3, 8, 8)
+    images[1, 0, 2, 3] = math.nan
+    images[2, 2, 0, 0] = math.inf
+    scores = unscored_if_not_finite(build_reward(reward)(images, ["a"] * 3), images)
+    assert torch.isfinite(scores[0]) and scores[1:].isnan().all()
+
+
+def poison_decode(monkeypatch, call: int) -> None:
+    """The ``call``-th decode (from 1) gives its first image a NaN pixel, as a rollout that blew up would."""
+    decode, calls = Policy.decode, []
+
+    def poisoned(self, latents):
+        images = decode(self, latents)
+        calls.append(1)
+        if len(calls) == call:
+            images = images.clone()
+            images[0, 0, 0, 0] = math.nan
+        return images
+
+    monkeypatch.setattr(Policy, "decode", poisoned)
+
+
+@pytest.mark.parametrize("reward", ["jpeg_compressibility", "smoothness"])
+def test_a_non_finite_image_ends_the_run_at_its_reward(tmp_path, monkeypatch, reward):
+    """JPEG scored the NaN image as a black one and the run went on ok; smoothness's NaN reward made a NaN loss,
+    and the run named the loss, the consequence, not the reward."""
+    poison_decode(monkeypatch, call=2)  # iteration 1's rollout
+    out = tmp_path / "run"
+    s = train(load_config(None, [*SMALL, f"reward.name={reward}"]), out)
+    assert (s["status"], s["last_good_iteration"], s["error"]) == \
+        ("diverged", 0, "non-finite reward_mean at iteration 1")
+    recs = list(read_jsonl(out / "metrics.jsonl"))
+    assert [(r["status"], r["reward_mean"], r["loss"]) for r in recs[1:]] == [("diverged", None, None)]
+
+
+def test_a_non_finite_evaluation_ends_the_run_and_leaves_a_readable_folder(tmp_path, monkeypatch):
+    """The evaluation of the weights after an ok iteration was written with a null eval_reward, which the run
+    folder's reader (and so ``agg-bench learning``) refused."""
+    sample, calls = evaluation_module.Evaluation.sample, []
+
+    def poisoned(self, chunk):
+        images = sample(self, chunk)
+        calls.append(1)
+        return images.fill_(math.nan) if len(calls) == 2 else images  # the weights after iteration 0
+
+    monkeypatch.setattr(evaluation_module.Evaluation, "sample", poisoned)
+    out = tmp_path / "run"
+    s = train(load_config(None, [*SMALL, "reward.name=smoothness", "eval.every=1", "eval.noises=1",
+                                 "train.checkpoint_every=1"]), out)
+    assert (s["status"], s["last_good_iteration"], s["checkpoint_iteration"], s["error"]) == \
+        ("diverged", 0, 0, "non-finite eval_reward in the evaluation after 1 iterations")
+    folder = RunFolder(out)
+    assert [e["iteration"] for e in folder.evaluations()] == [0]
+    assert [r["status"] for r in folder.records()] == ["ok"]
