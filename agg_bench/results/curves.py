@@ -213,7 +213,10 @@ def gain_columns(first: pd.DataFrame, last: pd.DataFrame, unseen: tuple[str, ...
     the scores come from the runs' curves or from agg-bench learning's checkpoint evaluation."""
     gains = last["eval_reward"].to_numpy(float) - first["eval_reward"].to_numpy(float)
     std = seed_std(gains)
-    row = {"eval_initial": float(first["eval_reward"].mean()), "eval_final": float(last["eval_reward"].mean()),
+    # a seed whose score is NaN (its final weights gave images that are not finite) leaves the mean empty, as it leaves
+    # the gain: a mean of the other seeds would stand for every seed the row counts
+    row = {"eval_initial": float(first["eval_reward"].mean(skipna=False)),
+           "eval_final": float(last["eval_reward"].mean(skipna=False)),
            "eval_gain": float(gains.mean()), "eval_gain_std": std,
            "eval_gain_over_spread": float(gains.mean()) / std if std > 0 else math.nan}
     changes = {}

@@ -455,3 +455,15 @@ def test_a_run_another_process_is_writing_is_refused(manifest, tmp_path):
     finally:
         holder.close()
     assert len(load_runs(manifest)) == 10
+
+
+def test_a_seed_whose_held_out_score_is_nan_leaves_the_method_s_scores_empty():
+    """The checkpoint evaluation of a run whose final weights gave images that are not finite scores NaN: eval_final
+    was the other seeds' mean under a row counting every seed, while eval_gain was empty."""
+    from agg_bench.results.curves import gain_columns
+
+    first = pd.DataFrame({"eval_reward": [-0.2, -0.2]})
+    last = pd.DataFrame({"eval_reward": [-0.1, math.nan]})
+    row = gain_columns(first, last, None)
+    assert row["eval_initial"] == -0.2
+    assert all(math.isnan(row[key]) for key in ("eval_final", "eval_gain", "eval_gain_std"))
