@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.engine.models import Policy
 from agg_bench.engine.rewards import build_reward, unscored_if_not_finite
@@ -63,22 +64,25 @@ def test_a_non_finite_image_ends_the_run_at_its_reward(tmp_path, monkeypatch, re
     assert [(r["status"], r["reward_mean"], r["loss"]) for r in recs[1:]] == [("diverged", None, None)]
 
 
-def test_a_non_finite_evaluation_ends_the_run_and_leaves_a_readable_folder(tmp_path, monkeypatch):
-    """The evaluation of the weights after an ok iteration was written with a null eval_reward, which the run
-    folder's reader (and so ``agg-bench learning``) refused."""
+@pytest.mark.parametrize("call, last_good", [(1, None), (2, 0)])  # the starting weights, those after iteration 0
+def test_a_non_finite_evaluation_ends_the_run_and_leaves_a_readable_folder(tmp_path, monkeypatch, capsys, call,
+                                                                             last_good):
+    """The evaluation of weights that blew up was written with a null eval_reward, which the run folder's reader
+    (and so ``agg-bench learning``) refused."""
     sample, calls = evaluation_module.Evaluation.sample, []
 
     def poisoned(self, chunk):
         images = sample(self, chunk)
         calls.append(1)
-        return images.fill_(math.nan) if len(calls) == 2 else images  # the weights after iteration 0
+        return images.fill_(math.nan) if len(calls) == call else images
 
     monkeypatch.setattr(evaluation_module.Evaluation, "sample", poisoned)
     out = tmp_path / "run"
     s = train(load_config(None, [*SMALL, "reward.name=smoothness", "eval.every=1", "eval.noises=1",
                                  "train.checkpoint_every=1"]), out)
     assert (s["status"], s["last_good_iteration"], s["checkpoint_iteration"], s["error"]) == \
-        ("diverged", 0, 0, "non-finite eval_reward in the evaluation after 1 iterations")
+        ("diverged", last_good, last_good, f"non-finite eval_reward in the evaluation after {call - 1} iterations")
     folder = RunFolder(out)
-    assert [e["iteration"] for e in folder.evaluations()] == [0]
-    assert [r["status"] for r in folder.records()] == ["ok"]
+    assert [e["iteration"] for e in folder.evaluations() or []] == list(range(call - 1))
+    assert [r["status"] for r in folder.records()] == ["ok"] * (call - 1)
+    assert main(["report", "--runs", str(out), "--tables", str(tmp_path / "tables")]) == 0
