@@ -345,6 +345,7 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
     entries = list(entries)
     check_distinct_runs(entries)
     rows = []
+    rewards: dict[str, str] = {}  # run folder -> its reward section (JSON), for runs with a config
     for entry in entries:
         run_dir = Path(entry.dir)
         folder = RunFolder(run_dir)  # every file read and checked by the one reader of a run folder
@@ -369,6 +370,8 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
         # optimizer steps per iteration, which the cost model prices: a record's own count where the method's
         # steps are not the config's (branch's method.transitions_per_step); unknown without a config
         optimizer_steps = config.train.optimizer_steps if config is not None else None
+        if config is not None:
+            rewards[path_text(run_dir)] = json.dumps(config.reward.to_dict(), sort_keys=True)
         for record in records:
             row = dict(record)
             steps = record.get(OPTIMIZER_STEPS_KEY)  # checked by the record contract
@@ -399,6 +402,7 @@ def load_records(entries: Iterable[RunEntry]) -> pd.DataFrame:
     df["hardware"] = [_hardware(g, n, d, s) for g, n, d, s in zip(df["gpu_name"], df["n_gpus"], df["device"],
                                                                     df["source"])]
     check_distinct_run_ids(df)
+    check_one_setting_per_row(df, rewards)
     return df
 
 
@@ -423,6 +427,29 @@ def check_distinct_run_ids(records: pd.DataFrame) -> None:
             raise UserError(f"run {quote(run_dir)} has run_id {quote(key[0])}, as run {quote(seen)} has, with the same "
                             f"method, model, resolution, hardware and seed; expected each run once (a copied run "
                             "folder counts its records twice; a repeat takes its own run_id: --set run_id=NAME)")
+
+
+# columns that identify a row of the efficiency table; its runs are averaged as seeds (without a manifest, a run's
+# method label is its method's name)
+ROW_KEYS = ["method", "model", "resolution", "hardware", "source"]
+
+
+def check_one_setting_per_row(records: pd.DataFrame, rewards: Mapping[str, str]) -> None:
+    """A UserError naming two run folders of one table row (:data:`ROW_KEYS`) with other method options or another
+    reward (``rewards``: run folder -> its config's reward section, JSON; a run without a config is not compared):
+    the row's means would mix two settings' times, or two rewards' scales, under a ``seeds`` count of neither."""
+    first: dict[tuple, tuple[str, str, str | None]] = {}
+    columns = [records[key] for key in ROW_KEYS]
+    for *values, run_dir, options in zip(*columns, records["run_dir"], records["method_options"]):
+        key = tuple(None if isinstance(v, float) and math.isnan(v) else v for v in values)
+        reward = rewards.get(run_dir)
+        seen_dir, seen_options, seen_reward = first.setdefault(key, (run_dir, options, reward))
+        what = ("method options", seen_options, options) if options != seen_options else \
+            ("reward", seen_reward, reward) if None not in (reward, seen_reward) and reward != seen_reward else None
+        if what is not None:
+            raise UserError(f"runs {quote(seen_dir)} and {quote(run_dir)} share the table row of method {quote(key[0])} "
+                            f"with {what[0]} {what[1]} and {what[2]}; expected the runs of one row to differ only in "
+                            "their seed (a manifest gives each setting its own method label)")
 
 
 def _hardware(gpu_name, n_gpus, device, source=None) -> str:

@@ -35,7 +35,7 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
-from .loading import ADDED_COLUMNS, as_bool, check_time_basis, is_number
+from .loading import ADDED_COLUMNS, ROW_KEYS, as_bool, check_time_basis, is_number
 from ..records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE_PEAK_KEY, PHASE_TIME_KEYS, RECORD_KEYS,
                       STANDARD_PHASES, TRAIN_PASS_KEYS)
 from ..jsonfiles import loads
@@ -55,8 +55,6 @@ MEMORY_KEYS = {  # record key (bytes, max over a run) -> table column (MiB)
     "planned_activation_bytes": "planned_act_mib",
     "planned_total_bytes": "planned_total_mib",
 }
-# columns that identify a row of the efficiency table; seeds are averaged inside a row
-ROW_KEYS = ["method", "model", "resolution", "hardware", "source"]
 # rows compared with each other: speedup and the wall-clock horizon are taken within these
 GROUP_KEYS = ["model", "resolution", "hardware", "source"]
 STATUS_ORDER = ("error", "oom", "diverged", "interrupted", "ok")

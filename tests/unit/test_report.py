@@ -1159,3 +1159,28 @@ def test_report_of_a_folder_of_runs_skips_staging_folders_and_refuses_a_run_bein
     assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "t")]) == 0
     summary = pd.read_csv(tmp_path / "t" / "summary.csv")
     assert len(summary) == 1 and set(load_records(discover_runs([runs]))["run_dir"]) == {str(run)}
+
+
+@pytest.mark.parametrize("first, other, words", [
+    (["reward.name=smoothness"], ["reward.name=jpeg_compressibility"], "with reward"),
+    (['method={"name": "agg", "window": 3}'], ['method={"name": "agg", "window": 4}'], "with method options"),
+])
+def test_runs_of_one_row_with_another_setting_are_refused(tmp_path, capsys, first, other, words):
+    """``report --runs`` labels a run by its method's name: two rewards' scores, or two windows' times, were
+    averaged into one row as if the runs were its seeds."""
+    from agg_bench.config import load_config
+    from agg_bench.runtime.train import train
+
+    small = ["model.resolution=32", "sampling.steps=4", "grpo.group_size=2", "grpo.prompts_per_iteration=1",
+             "train.iterations=1", "progress=false", "telemetry.enabled=false"]
+    runs = {name: tmp_path / name for name in ("a", "b", "c")}
+    train(load_config(None, [*small, *first, "run_id=a"]), runs["a"])
+    train(load_config(None, [*small, *first, "seed=1", "run_id=b"]), runs["b"])  # a seed of the same setting
+    train(load_config(None, [*small, *other, "run_id=c"]), runs["c"])
+    assert main(["report", "--runs", str(runs["a"]), str(runs["b"]), "--tables", str(tmp_path / "ok")]) == 0
+    capsys.readouterr()
+    tables = tmp_path / "tables"
+    assert main(["report", "--runs", *map(str, runs.values()), "--tables", str(tables)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and str(runs["a"]) in err[0] and str(runs["c"]) in err[0], err
+    assert not tables.exists()
