@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config.reward_options import SCENE_PARTS, SceneOptions, reward_options
-from ..errors import UserError
-from .scenes import COLORS, POSITIONS, SHAPES, Scene, parse_caption, shape_mask
+from ..errors import ConfigError, UserError
+from .scenes import COLORS, POSITIONS, SHAPES, Scene, caption_problem, parse_caption, shape_mask
 
 SUBSCORES = tuple(f"reward_{part}" for part in SCENE_PARTS)
 SHAPE_TEMPERATURE = 0.05  # IoU gap of 0.05 between two templates = a factor e in probability
@@ -129,6 +129,14 @@ class SceneReward:
                 target_shape = SHAPES.index(scene.shape)
                 shape[i] = torch.stack([shape_probabilities(labels[i] == k)[target_shape] for k in kept]).mean()
         return {"reward_color": color, "reward_shape": shape, "reward_position": position, "reward_count": count}
+
+    def check_prompts(self, prompts: Sequence[str], key: str, value: object) -> None:
+        """A ConfigError naming ``key`` (the setting that gave ``prompts``) and ``value`` unless every prompt is a
+        scene caption: one that is not would stop a run in its first iteration, after its folder was written."""
+        problem = caption_problem(list(prompts))
+        if problem is not None:
+            raise ConfigError(key, value, f"prompts that are scene captions, the only ones reward 'scene' scores "
+                                          f"({problem})")
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)

@@ -66,6 +66,17 @@ def parse_caption(caption: str) -> Scene:
     return scene
 
 
+def caption_problem(captions: list[str]) -> str | None:
+    """The first caption the scene reward cannot score, with its number from 1 (quoted, at most 200 characters),
+    or None."""
+    for k, caption in enumerate(captions, 1):
+        try:
+            parse_caption(caption)
+        except ValueError as err:
+            return f"caption {k} {err}"
+    return None
+
+
 def shape_mask(shape: str, cx: float, cy: float, r: float, size: int, ry: float | None = None) -> torch.Tensor:
     """Boolean (size, size) mask of ``shape`` centred at pixel coordinates (cx, cy), half-width ``r`` and
     half-height ``ry`` (default ``r``).

@@ -35,18 +35,6 @@ MAX_EVAL_SEED = 2**32 - 1  # eval.seed's maximum: the seed of the first chunk's 
 DEFAULT_REFERENCE = "full"  # the reference method when --reference is not given
 
 
-def scene_caption_problem(captions: list[str]) -> str | None:
-    """The first caption the scene reward cannot score (quoted, at most 200 characters), or None."""
-    from ..engine.scenes import parse_caption
-
-    for k, caption in enumerate(captions, 1):
-        try:
-            parse_caption(caption)
-        except ValueError as err:
-            return f"caption {k} {err}"
-    return None
-
-
 class CheckpointEvaluation:
     """The held-out evaluation (:class:`agg_bench.runtime.evaluation.Evaluation`) of the runs' starting
     weights and of each run's final ``checkpoint.pt``: the model, prompts, schedule, SDE and reward of the
@@ -62,6 +50,7 @@ class CheckpointEvaluation:
                  config=None, grid: bool = False):
         from ..engine.models import load_policy
         from ..engine.rewards import build_reward
+        from ..engine.scenes import caption_problem
         from ..engine.text import prompt_conditioning, prompt_set
         from ..runtime.config_check import check_paths
         from ..runtime.evaluation import Evaluation
@@ -79,9 +68,9 @@ class CheckpointEvaluation:
         prompts = prompt_set(config.prompts.file)
         self.keep = min(len(prompts.prompts), GRID_CAPTIONS)  # what the sample grid shows of each state
         where = f"{runs[0].dir / 'config.json'}: prompts.file"
-        if config.reward.name == "scene" and (problem := scene_caption_problem(prompts.prompts)):
+        if config.reward.name == "scene" and (problem := caption_problem(prompts.prompts)):
             raise UserError(f"{where}: {problem}; the run's reward 'scene' scores scene captions only")
-        if grid and (problem := scene_caption_problem(prompts.prompts[:self.keep])):
+        if grid and (problem := caption_problem(prompts.prompts[:self.keep])):
             raise UserError(f"{where}: {problem}; --plots scores the sample grid (samples.png) with the scene "
                             "reward, which scores scene captions only")
         check_weights_fit(config)

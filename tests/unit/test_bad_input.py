@@ -670,3 +670,17 @@ def test_signal_trials_work_folder_that_cannot_be_made(tmp_path):
         assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
         assert proc.stderr.startswith(f"--work {work}: cannot make the folder (") and "expected a folder path" in proc.stderr
     assert (tmp_path / "file").read_text() == "kept"
+
+
+@pytest.mark.parametrize("prompts, key", [(None, "reward.name"), ("one green circle on the right\nthree apples\n",
+                                                                    "prompts.file")])
+def test_prompts_the_scene_reward_cannot_score(tmp_path, capsys, prompts, key):
+    """The scene reward refused the first prompt it could not parse in the run's first iteration, after the run
+    folder was written (a summary with status error)."""
+    args = ["--set", "reward.name=scene"]
+    if prompts is not None:
+        (tmp_path / "prompts.txt").write_text(prompts)
+        args += ["--set", f"prompts.file={tmp_path / 'prompts.txt'}"]
+    line = run_fails(tmp_path / "out", capsys, *args)
+    assert f"config error: {key} = " in line and "is not a scene caption" in line, line
+    assert prompts is None or "'three apples'" in line
