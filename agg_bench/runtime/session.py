@@ -98,10 +98,6 @@ class Session:
         self.cond_all = prompt_conditioning(cfg, self.policy.transformer, prompts, self.device)
         stopping.check()
         self.reward_fn = build_reward(cfg.reward.name, cfg.reward.options, self.device)
-        check_prompts = getattr(self.reward_fn, "check_prompts", None)  # a reward that scores some prompts only
-        if check_prompts is not None:  # the built-in prompts are the reward's to refuse, a file's the file's
-            check_prompts(self.prompts, *(("prompts.file", cfg.prompts.file) if cfg.prompts.file is not None else
-                                          ("reward.name", cfg.reward.name)))
         stopping.check()
         ready_estimator(estimator, cfg, self.policy, self.device)  # the empty prompt, where its rollout guides
         self.estimator = estimator
@@ -120,6 +116,10 @@ class Session:
         estimator.check_schedule(cfg, self.sigmas)
         # train.eval_ema: the moving average the evaluations use; the rollout and training never do
         self.eval_ema = MovingAverage(self.policy) if cfg.train.eval_ema is not None else None
+        check_prompts = getattr(self.reward_fn, "check_prompts", None)  # a reward that scores some prompts only
+        if check_prompts is not None:  # the built-in prompts are the reward's to refuse, a file's the file's
+            check_prompts(self.prompts, *(("prompts.file", cfg.prompts.file) if cfg.prompts.file is not None else
+                                          ("reward.name", cfg.reward.name)))
 
     def evaluated_weights(self):
         """A context in which the policy computes with the weights an evaluation takes: the moving average of

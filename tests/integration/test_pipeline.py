@@ -355,8 +355,8 @@ def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
     """Issue 37: a cell job whose second run failed made Snakemake remove every output of the job, the finished
     run's metrics.jsonl, summary.json and env.json with them. The cell records the failed run and succeeds; the
     manifest fails naming it (the tables wait), and the next invocation reruns the cell. The failure injected:
-    the scene reward on captions that are not scenes, which the sweep's checks accept and the first reward of
-    the run refuses."""
+    the scene reward on captions that are not scenes, which the sweep's checks accept and the run refuses as it
+    starts."""
     work = workdir(tmp_path)
     sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
     sweep["methods"] = {"full": {"method": {"name": "full"}},
@@ -368,7 +368,7 @@ def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
     proc = snakemake(work, "--cores", "2", "--configfile", "fail.yaml", "--keep-going")
     assert proc.returncode != 0
     broken, full = work / "results/runs/broken_sd3_32px_s0_cpu", work / "results/runs/full_sd3_32px_s0_cpu"
-    assert "1 run of this sweep failed" in proc.stderr and "broken_sd3_32px_s0_cpu: UserError: reward 'scene'" \
+    assert "1 run of this sweep failed" in proc.stderr and "broken_sd3_32px_s0_cpu: ConfigError: config error: reward.name = 'scene'" \
         in proc.stderr and "results/logs/cell/sd3_32px_cpu.log" in proc.stderr, proc.stderr[-4000:]
     assert json.loads((full / "summary.json").read_text())["status"] == "ok"
     assert len((full / "metrics.jsonl").read_text().splitlines()) == 2 and (full / "env.json").is_file()

@@ -45,9 +45,11 @@ def model_copy(model: Path, tmp_path: Path) -> Path:
 
 
 def model_config(folder: Path, *overrides: str):
+    """A run of the scene model ``folder``: the scene reward on the scene captions it was trained on."""
     return load_config(None, ["model.family=sd3", "model.preset=pretrained", f"model.pretrained={folder}",
                               "model.resolution=32", "sampling.steps=2", "grpo.group_size=2", "progress=false",
-                              "reward.name=scene", *overrides])
+                              "reward.name=scene", f"prompts.file={ROOT / 'config' / 'prompts' / 'scenes.txt'}",
+                              *overrides])
 
 
 def one_line(capsys, code: int) -> str:
