@@ -241,3 +241,24 @@ def test_a_document_that_holds_no_generated_table_is_one_line(tmp_path, capsys, 
     assert exit_info.value.code == 2 and len(err) == 1, err
     assert f"{flag} {doc}: " in err[0] and words in err[0] and "expected a Markdown document" in err[0], err
     assert (doc.read_bytes() if doc.is_file() else None) == before
+
+
+@pytest.mark.parametrize("module", ["agg_bench.config.docs", "agg_bench.methods.option_tables"])
+def test_a_reader_of_the_schema_that_has_gone_is_no_bug(capsys, monkeypatch, module):
+    """`python -m agg_bench.methods.option_tables --schema | head`: the reader closed the pipe and the generator
+    ended with a BrokenPipeError traceback and exit code 1; it ends quietly with 128 + SIGPIPE, as every
+    agg-bench verb does."""
+    import importlib
+    import os
+    import signal
+    import sys
+
+    main = importlib.import_module(module).main
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    capsys.readouterr()
+    with os.fdopen(write_end, "w") as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        assert main(["--schema"]) == 128 + signal.SIGPIPE
+        monkeypatch.undo()
+    assert capsys.readouterr().err == ""
