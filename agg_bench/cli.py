@@ -380,6 +380,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from .machine import fsdp
     from .methods.base import build_estimator
     from .runtime.memplan import GIB, format_plan, plan_memory
     from .runtime.session import check_trained_steps
@@ -394,6 +395,7 @@ def cmd_plan(args) -> int:
     # refused here too, not planned as a run that fits
     build_estimator(cfg).check_run(cfg)
     check_trained_steps(cfg)
+    fsdp.check_options(cfg)  # not the device's part: a plan may be made on another machine than the run's
     plan = plan_memory(cfg, args.gpus, memory)
     print(json.dumps(plan.as_dict()) if args.json else format_plan(plan))
     return 0

@@ -45,14 +45,21 @@ def enabled(cfg: RunConfig) -> bool:
     return cfg.train.shard == "fsdp"
 
 
-def check_run(cfg: RunConfig) -> None:
-    """Raise a ConfigError for sharding options that cannot be honoured, before anything is written."""
+def check_options(cfg: RunConfig) -> None:
+    """Raise a ConfigError for sharding options that no device can honour (what ``agg-bench plan`` refuses too)."""
     train = cfg.train
     if train.cpu_offload and not enabled(cfg):
         raise ConfigError("train.cpu_offload", True, "false unless train.shard is 'fsdp' (it offloads FSDP shards)")
     if train.eval_ema is not None and enabled(cfg):
         raise ConfigError("train.eval_ema", train.eval_ema, "null with train.shard 'fsdp' (the evaluation average is "
                           "a whole copy of the trained parameters, saved whole in checkpoint.pt)")
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Raise a ConfigError for sharding options that cannot be honoured on this machine, before anything is
+    written."""
+    check_options(cfg)
+    train = cfg.train
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     if train.cpu_offload and on_cpu:
         raise ConfigError("train.cpu_offload", True, f"false with device {cfg.device!r} (it moves GPU shards to "

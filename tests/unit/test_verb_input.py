@@ -706,3 +706,12 @@ def test_an_import_stopped_part_way_leaves_the_earlier_import_as_it_was(tmp_path
         import_log(log(tmp_path / "b.jsonl", 5), out, method="other")
     assert tree(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "imported"]
+
+
+@pytest.mark.parametrize("overrides, key", [(["train.cpu_offload=true"], "train.cpu_offload = True"),
+                                            (["train.shard=fsdp", "train.eval_ema=0.9"], "train.eval_ema = 0.9")])
+def test_plan_refuses_the_sharding_options_a_run_refuses(capsys, overrides, key):
+    """`plan --set train.cpu_offload=true` (without train.shard: fsdp) said 'fits: yes' for a config that `run`
+    refuses before it builds anything (docs/sharding.md: an error without fsdp)."""
+    line = fails(capsys, ["plan", *(a for o in overrides for a in ("--set", o))])
+    assert line.startswith(f"agg-bench plan: config error: {key}: expected "), line
