@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from .. import stopping
 from ..config import check_data_parallel, read_number
-from ..errors import JobLost, UserError, mark_alike, raised_by
+from ..errors import JobLost, UserError, alike_on_every_process, mark_alike, raised_by
 from ..records import MAX_GPUS
 from . import fsdp
 
@@ -193,7 +193,8 @@ def process_group(device: torch.device, single: bool = False) -> Iterator[Shard]
     joined = False
     launched_rank(), launched_local_rank(0)  # the launcher's variables are checked, joined or not
     if not dist.is_initialized() and (launched_world_size() > 1 or single):
-        timeout = collective_timeout()
+        with alike_on_every_process():  # the launcher gives every process of a machine the same environment
+            timeout = collective_timeout()
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":  # torchrun: the GPU of LOCAL_RANK; one process: the configured one
             torch.cuda.set_device(launched_local_rank(device.index or 0))

@@ -684,3 +684,23 @@ def test_prompts_the_scene_reward_cannot_score(tmp_path, capsys, prompts, key):
     line = run_fails(tmp_path / "out", capsys, *args)
     assert f"config error: {key} = " in line and "is not a scene caption" in line, line
     assert prompts is None or "'three apples'" in line
+
+
+@pytest.mark.parametrize("rank, printed", [(0, True), (1, False)])
+def test_a_bad_collective_timeout_is_printed_once_per_machine(monkeypatch, rank, printed):
+    """torchrun gives every process of a machine the same AGG_BENCH_DIST_TIMEOUT_S, so every one refuses it alike:
+    each printed it (`agg-bench run: rank 1: environment variable ...` beside rank 0's line), where an error raised
+    alike is the machine's first process's to print (docs/sharding.md)."""
+    from agg_bench.errors import user_error_line
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500", distributed.TIMEOUT_ENV: "0"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError) as raised:
+        with distributed.process_group(torch.device("cpu")):
+            pytest.fail("a process group was joined with a timeout of 0 s")
+    line = user_error_line("agg-bench run", raised.value)
+    if printed:
+        assert line is not None and line.startswith(f"agg-bench run: environment variable {distributed.TIMEOUT_ENV}="), line
+    else:
+        assert line is None, line
