@@ -25,6 +25,7 @@ Without sharding nothing here communicates: :func:`lockstep` yields its items an
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, Iterator, Literal, Sequence, TypeVar
 
 import torch
@@ -169,6 +170,26 @@ def padding_pass(policy, batch, kind: Kind, reference=None) -> None:
 
 
 # ----- gradients -----------------------------------------------------------------------------
+def parameters_finite(params: Sequence[torch.nn.Parameter]) -> bool:
+    """Whether every element of ``params`` is finite: over whole tensors, or for sharded (DTensor) parameters
+    over every process's shard, the same answer on every process. One reduction per tensor (its largest
+    magnitude, which allocates nothing of a parameter's size and cannot overflow as a sum of squares could)
+    and one synchronisation."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for p in params]
+    tensors = [t for t in tensors if t.numel()]  # a process's empty shard has no largest element
+    device = tensors[0].device if tensors else torch.device("cpu")
+    finite = [torch.isfinite(torch.linalg.vector_norm(t, ord=math.inf)).to(device) for t in tensors]
+    bad = ~torch.stack(finite).all() if finite else torch.zeros((), dtype=torch.bool)
+    if any(isinstance(p, DTensor) for p in params):
+        flag = bad.to(torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+                      else torch.device("cpu"), torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        bad = flag
+    return not bool(bad)
+
+
 def gradient_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     """The global L2 norm (float64) of the ``.grad`` of ``params``: over whole tensors, or for sharded
     (DTensor) gradients over every process's shard (each element is held by exactly one process)."""

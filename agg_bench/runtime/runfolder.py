@@ -18,7 +18,8 @@ A run folder holds these files and nothing else (:data:`agg_bench.outputs.RUN_CO
 - ``summary.json``: written last, so that it exists only once an attempt has ended. Its ``status`` is
   ``ok``; ``oom`` (out of memory while building the model or in an iteration, on any process: the run
   ends and returns, so a sweep goes on); ``diverged`` (a non-finite reward, loss or gradient: that update
-  never reached the weights, and ``last_good_iteration`` is the one before); ``interrupted`` (SIGTERM or
+  never reached the weights; or an optimizer step that left a trainable parameter not finite; either way
+  ``last_good_iteration`` is the one before); ``interrupted`` (SIGTERM or
   SIGINT) or ``error`` (any other exception; both are raised again once the summary is written).
 
 Every file but the metric lines is written to a temporary name and renamed (:mod:`agg_bench.io`), so a

@@ -208,8 +208,9 @@ class Session:
         Each step: zero the gradient, the method's gradient of its mini-batch's loss (the mean over the mini-batch's
         terms), the average over the processes, the clip (unless the part says not: ``clip_gradient``), the
         divergence check, with ``train.eval_ema_updates`` u > 1 the evaluation average's u - 1 updates left of the
-        previous step (:meth:`take_in_eval_average`; the weights are still that step's), the optimizer's step, and
-        with ``train.eval_ema`` the evaluation average's update. ``loss``, ``clip_frac``, ``approx_kl`` and ``grad_norm`` are the means over
+        previous step (:meth:`take_in_eval_average`; the weights are still that step's), the optimizer's step, the
+        check that it left every trainable parameter finite (else the update ends: ``diverged``), and with
+        ``train.eval_ema`` the evaluation average's update. ``loss``, ``clip_frac``, ``approx_kl`` and ``grad_norm`` are the means over
         the steps taken; the update's other statistics (``ratio_dev``) are its first step's. One mini-batch is the
         batch itself, not a copy.
         """
@@ -251,7 +252,8 @@ class Session:
     def _step(self, minibatch: TrainBatch, params: list) -> tuple[dict, float] | str:
         """One optimizer step of :meth:`update` on ``minibatch``: its statistics and the gradient's norm before the
         clip; or, where the gradient or the loss is not finite, which of them (``gradient`` or ``loss``), and no
-        step."""
+        step; or, where the step made a trainable parameter not finite, ``parameters after optimizer step k of the
+        update`` (the step is taken and counted)."""
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         stats = UpdateStats(cfg.grpo.clip_range)
@@ -273,6 +275,10 @@ class Session:
         self.optimizer.step()
         self.steps_taken += 1
         self.policy.version += 1
+        # a finite gradient can still blow the weights up (a huge learning rate, an optimizer state that did):
+        # caught at this step, not at the next rollout or evaluation, and kept out of the evaluation average
+        if not fsdp.parameters_finite(params):
+            return f"parameters after optimizer step {self.steps_taken} of the update"
         self.take_in_eval_average(1)
         return stats.as_dict(), float(norm)
 

@@ -15,6 +15,7 @@ from agg_bench.config import load_config
 from agg_bench.engine.models import Policy
 from agg_bench.engine.rewards import build_reward, unscored_if_not_finite
 from agg_bench.io import read_jsonl
+from agg_bench.machine import fsdp
 from agg_bench.reading import RunFolder
 from agg_bench.runtime import evaluation as evaluation_module
 from agg_bench.runtime.train import train
@@ -86,3 +87,36 @@ def test_a_non_finite_evaluation_ends_the_run_and_leaves_a_readable_folder(tmp_p
     assert [e["iteration"] for e in folder.evaluations() or []] == list(range(call - 1))
     assert [r["status"] for r in folder.records()] == ["ok"] * (call - 1)
     assert main(["report", "--runs", str(out), "--tables", str(tmp_path / "tables")]) == 0
+
+
+def test_an_optimizer_step_that_blows_up_the_weights_ends_the_run_there(tmp_path, monkeypatch):
+    """A finite gradient whose step left a weight infinite ended the run ok: nothing looked at the weights after
+    the step, so a last iteration's blow-up showed nowhere (and an earlier one only in the next rollout)."""
+    steps = []
+
+    class BlowingUp(torch.optim.AdamW):
+        def step(self, closure=None):
+            result = super().step(closure)
+            steps.append(1)
+            if len(steps) == 2:  # iteration 1's (one step per iteration here)
+                with torch.no_grad():
+                    self.param_groups[0]["params"][0].view(-1)[0] = math.inf
+            return result
+
+    monkeypatch.setattr(torch.optim, "AdamW", BlowingUp)
+    out = tmp_path / "run"
+    s = train(load_config(None, [*SMALL, "train.iterations=2"]), out)
+    assert (s["status"], s["last_good_iteration"], s["error"]) == \
+        ("diverged", 0, "non-finite parameters after optimizer step 1 of the update at iteration 1")
+    assert [r["status"] for r in read_jsonl(out / "metrics.jsonl")] == ["ok", "diverged"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_parameters_finite_sees_one_bad_element_and_no_false_alarm(dtype):
+    big = torch.finfo(dtype).max  # finite, though its square (a norm's) is not
+    params = [torch.nn.Parameter(torch.full((3, 4), big, dtype=dtype)), torch.nn.Parameter(torch.zeros(5, dtype=dtype))]
+    assert fsdp.parameters_finite(params) and fsdp.parameters_finite([])
+    for bad in (math.nan, math.inf, -math.inf):
+        with torch.no_grad():
+            params[1][2] = bad
+        assert not fsdp.parameters_finite(params)
