@@ -234,7 +234,9 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
     """method x model x resolution x hardware (x source) -> times (median and quartiles of the iterations
     after ``warmup``, seeds pooled), speedups with 95 % intervals, the cost model's predicted train and
     rollout speedups (with ``calibration``, from :func:`load_calibration`), passes, memory, rewards, gradient
-    cosine to ``full``; other numbers averaged over seeds; OOM/diverged runs keep their status."""
+    cosine to ``full``; other numbers averaged over seeds; OOM/diverged runs keep their status. A cell whose
+    seeds partly ended ok averages the ok runs only, and ``seeds`` counts those; its ``status`` is the worst of
+    all its runs' (:func:`combine_status`)."""
     check_time_basis(time, "time")
     if records.empty:
         return pd.DataFrame(columns=EFFICIENCY_COLUMNS)
@@ -264,9 +266,11 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
         first = group.iloc[0]
         cell.update(method_name=first["method_name"], method_options=first["method_options"],
                     device=first["device"], gpu_name=first["gpu_name"], weights=first["weights"],
-                    status=combine_status(group["status"]), seeds=int(group["seed"].nunique(dropna=False)))
+                    status=combine_status(group["status"]))
         ok = group[group["status"] == "ok"]
         measured = ok if len(ok) else group  # a failed cell shows what its runs measured before failing
+        # the seeds the row's numbers average: a seed that diverged beside ok ones is in the status, not the means
+        cell["seeds"] = int(measured["seed"].nunique(dropna=False))
         for column in numeric:
             values = pd.to_numeric(measured[column], errors="coerce").dropna()
             cell[column] = float(values.mean()) if len(values) else float("nan")

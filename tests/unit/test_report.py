@@ -118,6 +118,18 @@ def test_efficiency_cells_from_known_numbers(sweep):
     assert math.isnan(agg["images_per_s"])
 
 
+def test_a_cell_with_a_diverged_seed_counts_the_seeds_it_averages(tmp_path):
+    """A seed that diverged beside an ok one: the row averaged the ok run alone but counted both seeds."""
+    runs = tmp_path / "runs"
+    entries = [RunEntry(make_run(runs, "full_s0", "full", [it(10.0, 0.0), it(2.0, 1.0), it(2.0, 3.0)]),
+                        method="full", model="sd3", seed=0),
+               RunEntry(make_run(runs, "full_s1", "full", [it(10.0, 0.0), {**it(8.0, math.nan), "status": "diverged"}],
+                                 status="diverged", seed=1), method="full", model="sd3", seed=1)]
+    row = cell(efficiency_table(load_records(entries), warmup=1), "full", 64)
+    assert (row["status"], row["seeds"], row["iterations"]) == ("diverged", 1, 3)
+    assert row["t_iter_s"] == pytest.approx(2.0, abs=1e-12) and row["final_reward"] == 3.0
+
+
 def test_reward_area_uses_the_shortest_run_as_horizon():
     # curve through (0, r0), (end of iteration i, r_i); mean over [0, 1.5]
     assert mean_reward_until([1.0, 2.0, 3.0], [0.0, 1.0, 2.0], 1.5) == pytest.approx(0.125 / 1.5, abs=1e-12)
