@@ -91,7 +91,8 @@ def load_runs(manifest: str | Path) -> list[Run]:
     """Every run of the manifest, its records ordered by iteration (a run without a record is refused). Each run folder is read by
     :class:`agg_bench.reading.RunFolder`: every record by the record contract, with ``status`` and
     ``iteration``, and ``reward_mean`` in an ok one; the in-run evaluations checked. A folder listed twice,
-    or two runs of one method and seed, is refused (a seed counts once)."""
+    two runs of one method and seed (a seed counts once), a run that has not ended and one that ended other
+    than ok (diverged, oom, error) are refused."""
     path = Path(manifest)
     check_path(path, "manifest")
     runs = []
@@ -138,6 +139,15 @@ def load_runs(manifest: str | Path) -> list[Run]:
             ended = f"{SUMMARY_FILE} says it was interrupted" if summary else f"it has no {SUMMARY_FILE}"
             raise UserError(f"{where}: run {folder.dir} has not ended ({ended}); expected runs that ended "
                             "(agg-bench run --resume ends it), or the entry left out")
+        # a run that diverged (or ran out of memory, or failed) has no final state of its iterations: its last ok
+        # records and checkpoint would stand as the method's gain and cost, shortening every seed's curve to its
+        # own, and leaving it out silently would show the method better than it ran
+        if summary.get("status") != "ok":
+            error = summary.get("error")
+            raise UserError(f"{where}: run {folder.dir} ended {quote(summary.get('status'))}"
+                            + (f" ({error.splitlines()[0]})" if isinstance(error, str) and error.strip() else "")
+                            + "; expected runs that ended ok (a gain and a target cost are of whole runs), "
+                              "or the entry left out")
         records = pd.DataFrame(lines)
         records = records[records["status"] == "ok"].sort_values("iteration").reset_index(drop=True)
         runs.append(Run(method, seed, folder.dir, records,

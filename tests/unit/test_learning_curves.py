@@ -429,6 +429,10 @@ def test_an_evaluation_its_records_cannot_place_names_the_run_before_any_samplin
      "has not ended (summary.json says it was interrupted)"),
     (lambda run: (run / "summary.json").write_text(json.dumps({"status": "ok", "last_good_iteration": 7})),
      "no ok record of iteration 7"),
+    # a diverged run counted as a seed with the gain of its iterations before the blow-up
+    (lambda run: (run / "summary.json").write_text(json.dumps({
+        "status": "diverged", "last_good_iteration": 3, "error": "non-finite loss at iteration 4"})),
+     "ended 'diverged' (non-finite loss at iteration 4); expected runs that ended ok"),
 ])
 def test_a_run_that_has_not_ended_is_refused(manifest, tmp_path, capsys, edit, words):
     """A run killed or stopped before its end counted as a seed, its last evaluation standing as its final one."""
