@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,9 +102,15 @@ def encoder_dtype(model_dtype: str) -> torch.dtype:
 
 def cache_key(family: str, pretrained: str | Path, prompts: PromptSet, max_sequence_length: int | None,
               dtype: torch.dtype) -> str:
-    """The cache key: model identity, prompt-file content and encoding settings."""
-    parts = [FORMAT, family, model_identity(family, pretrained), prompts.sha256, str(max_sequence_length),
-             str(dtype).removeprefix("torch.")]
+    """The cache key: model identity, prompt-file content, the prompts as parsed from it and encoding settings.
+
+    The parsed prompts are keyed besides the file's bytes because the same bytes were once read as other
+    prompts (a byte-order mark kept on the first, lines split at U+2028, U+2029 and U+0085): an entry keyed
+    before that holds embeddings of those prompts and misses, as does any entry whose prompts a later reading
+    of its file would not give."""
+    parsed = hashlib.sha256(json.dumps(prompts.prompts, ensure_ascii=True).encode()).hexdigest()
+    parts = [FORMAT, family, model_identity(family, pretrained), prompts.sha256, f"prompts {parsed}",
+             str(max_sequence_length), str(dtype).removeprefix("torch.")]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 

@@ -279,3 +279,25 @@ def test_an_embeddings_file_of_other_tensors_is_refused_naming_it(tmp_path, tens
         load_embeddings(path)
     assert str(path) in str(err.value) and words in str(err.value), str(err.value)
     assert len(str(err.value).splitlines()) == 1
+
+
+def test_an_entry_keyed_on_the_file_bytes_alone_misses(folders, tmp_path, monkeypatch):
+    """The key hashed the prompt file's bytes only, and the reading of those bytes changed (a byte-order mark
+    dropped, lines no longer split at U+2028): an entry made before held embeddings of other prompts, and hit."""
+    import hashlib
+
+    folder = folders("flux")
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes("\ufeffa red cat\u2028on the moon\ntwo dogs\n".encode())
+    current = prompt_set(prompts)
+    assert current.prompts == ["a red cat\u2028on the moon", "two dogs"]
+    # the key as it was computed before the prompts were part of it
+    old = hashlib.sha256("\0".join([text.FORMAT, "flux", text.model_identity("flux", folder), current.sha256,
+                                    "None", "float32"]).encode()).hexdigest()
+    assert cache_key("flux", folder, current, None, torch.float32) != old
+    # the same bytes read as other prompts are another key
+    monkeypatch.setattr(text, "load_prompts", lambda file: ["\ufeffa red cat", "on the moon", "two dogs"])
+    other = prompt_set(prompts)
+    assert other.sha256 == current.sha256
+    assert cache_key("flux", folder, other, None, torch.float32) != cache_key("flux", folder, current, None,
+                                                                             torch.float32)
