@@ -304,7 +304,8 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
     """Train one iteration on every process; the record fields of the whole batch: telemetry, pass
     counts, learning statistics, the method's fields and the reward statistics, the processes'
     shares combined (:func:`agg_bench.machine.distributed.combine`). ``diverged`` is set when the update
-    stopped before its optimizer step."""
+    stopped before its optimizer step or after one that left a parameter not finite; ``reward_overflow`` (no
+    record key) says why ``reward_mean`` is not finite where every reward is: they are past float32's range."""
     counter = session.policy.counter
     before = counter.copy()
     with telemetry.iteration():
@@ -325,8 +326,14 @@ def run_iteration(session: Session, telemetry: tel.Telemetry, iteration: int) ->
              **reward_details(session.reward_fn)}
     parts = distributed.gather((share, collected.rewards.tolist(), len(collected.prompts)))
     fields = distributed.combine([p for p, _, _ in parts])
-    rewards = torch.tensor([r for _, rs, _ in parts for r in rs], dtype=torch.float32)
+    scored = torch.tensor([r for _, rs, _ in parts for r in rs], dtype=torch.float64)
+    rewards = scored.to(torch.float32)
     fields["reward_mean"] = float(rewards.mean())
     fields["reward_std"] = float(rewards.std(unbiased=False))
+    if bool(scored.isfinite().all()) and not math.isfinite(fields["reward_mean"]):
+        # every reward is a number, but the float32 the statistics are kept in cannot hold their mean
+        fields["reward_overflow"] = (f"the rewards are finite, but their mean overflows float32 (largest magnitude "
+                                     f"{float(scored.abs().max()):.3g}, float32's limit "
+                                     f"{torch.finfo(torch.float32).max:.3g})")
     fields["images_per_s"] = sum(n for _, _, n in parts) / fields["t_iter_s"] if fields.get("t_iter_s") else None
     return fields

@@ -287,6 +287,7 @@ class Training:
             return "oom", None
         diverging = [k for k in DIVERGING_KEYS if not _finite(fields.get(k))]
         update_failed = fields.pop("diverged", None)
+        overflow = fields.pop("reward_overflow", None)
         # the reward comes first in an iteration: a non-finite one is the cause, and the update's non-finite loss or
         # gradient only its consequence
         reason = ("reward_mean" if "reward_mean" in diverging else None) or update_failed or next(iter(diverging), None)
@@ -298,7 +299,8 @@ class Training:
         self._write(record)
         stopping.release()  # the weights match the records again: a signal now stops the run with them
         if reason:
-            return "diverged", f"non-finite {reason} at iteration {iteration}"
+            why = f": {overflow}" if reason == "reward_mean" and overflow else ""
+            return "diverged", f"non-finite {reason} at iteration {iteration}{why}"
         self.last_good = iteration
         budget = self.cfg.train.budget
         self.budget_reached = budget is not None and self.cost >= budget

@@ -120,3 +120,27 @@ def test_parameters_finite_sees_one_bad_element_and_no_false_alarm(dtype):
         with torch.no_grad():
             params[1][2] = bad
         assert not fsdp.parameters_finite(params)
+
+
+def test_a_finite_reward_past_float32_says_why_its_mean_is_not_finite(tmp_path, monkeypatch):
+    """A plug-in reward of 1e39 (a float64 number) ended the run with "non-finite reward_mean", as if a reward were
+    NaN: the mean is kept in float32, which overflowed."""
+    from agg_bench.runtime import session as session_module
+
+    build, calls = session_module.build_reward, []
+
+    def huge_on_second_call(*args, **kwargs):
+        reward = build(*args, **kwargs)
+
+        def wrapped(images, prompts):
+            calls.append(1)
+            out = reward(images, prompts).to(torch.float64)
+            return out.fill_(1e39) if len(calls) == 2 else out
+
+        return wrapped
+
+    monkeypatch.setattr(session_module, "build_reward", huge_on_second_call)
+    s = train(load_config(None, SMALL), tmp_path / "run")
+    assert (s["status"], s["last_good_iteration"]) == ("diverged", 0)
+    assert s["error"].startswith("non-finite reward_mean at iteration 1: the rewards are finite, but their mean "
+                                 "overflows float32 (largest magnitude 1e+39"), s["error"]
