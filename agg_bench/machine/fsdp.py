@@ -177,7 +177,7 @@ def parameters_finite(params: Sequence[torch.nn.Parameter]) -> bool:
     and one synchronisation."""
     from torch.distributed.tensor import DTensor
 
-    tensors = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for p in params]
+    tensors = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
     tensors = [t for t in tensors if t.numel()]  # a process's empty shard has no largest element
     device = tensors[0].device if tensors else torch.device("cpu")
     finite = [torch.isfinite(torch.linalg.vector_norm(t, ord=math.inf)).to(device) for t in tensors]
