@@ -205,8 +205,14 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
         if key in SETTINGS and _written_as(settled, SETTINGS[key], value):
             continue
         if (value is not None or key == "lora") and value != expected:
-            source = f"the snapshot's config.json {SETTINGS.get(key, 'train.lora_*')}" if run is not None \
-                else "the settings it names"
+            source = "the snapshot's config.json" if run is not None else "the settings it names"
+            if key in SETTINGS and (differs := _older_value_differs(settled, SETTINGS[key], value)) is not None:
+                # an older value stands for several of today's keys: the line names the one that differs
+                dotted, said, wanted = differs
+                raise UserError(f"{path}: {key} = {quote(value)} stands for {dotted} = {quote(said)}: expected "
+                                f"{dotted} = {quote(wanted)}, as {source}")
+            if run is not None:
+                source += f" {SETTINGS.get(key, 'train.lora_*')}"
             raise UserError(f"{path}: {key} = {quote(value)}: expected {quote(expected)}, as {source}")
     factor = meta.get("vae_scale_factor")
     if factor is not None and not (type(factor) is int and 1 <= factor <= MAX_MODEL_SIZE):
@@ -221,6 +227,18 @@ def _written_as(cfg: RunConfig, dotted: str, value: Any) -> bool:
     section, key = dotted.split(".")
     now = written_before(section, key, value)
     return now is not None and all(getattr(getattr(cfg, section), name) == want for name, want in now.items())
+
+
+def _older_value_differs(cfg: RunConfig, dotted: str, value: Any) -> tuple[str, Any, Any] | None:
+    """For ``value``, an older snapshot's setting ``dotted`` that stands for keys ``cfg`` says otherwise
+    (``adv_std: sample`` is ``grpo.adv_std: group, grpo.adv_ddof: 1``): the first such key, dotted, with the value
+    ``value`` stands for and ``cfg``'s. None where ``value`` is no older value or ``cfg`` agrees with it."""
+    section, key = dotted.split(".")
+    for name, said in (written_before(section, key, value) or {}).items():
+        wanted = getattr(getattr(cfg, section), name)
+        if wanted != said:
+            return f"{section}.{name}", said, wanted
+    return None
 
 
 def _first_line(err: BaseException) -> str:

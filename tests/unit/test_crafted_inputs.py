@@ -772,7 +772,9 @@ def test_replay_reads_an_older_snapshot_s_adv_std_as_its_config_does(snapshot, t
     assert old.keys() == now.keys() and all(torch.equal(old[k], now[k]) for k in now)  # the same computation
     edit_json(snap, "rollout.json", lambda c: c.update(adv_std="sample"))  # ddof 1 against config.json's 0
     for line in refused_by_replay_and_gradcheck(snap, tmp_path, capsys):
-        assert "rollout.json: adv_std = 'sample': expected 'group'" in line, line
+        # the key that differs, not adv_std's today's value, which both say
+        assert ("rollout.json: adv_std = 'sample' stands for grpo.adv_ddof = 1: expected grpo.adv_ddof = 0, as the "
+                "snapshot's config.json") in line, line
 
 
 def edit_tensors(path: Path, change) -> None:
