@@ -220,6 +220,10 @@ def passes_cost(counts: Mapping[str, float], prices: Mapping[str, float]) -> flo
 # Estimator options that get their own gradcheck column (whichever method has them).
 GRADCHECK_OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
                             "cache_in")
+# (method, option column) -> what that method's rows computed with in a gradcheck CSV written before the column
+# existed: the option's default (AGG's endpoint_velocity, agg_bench.methods.agg.AGGConfig), which the report fills
+# in, so that an older CSV's rows are the same setting as a newer CSV's, not a row of their own.
+GRADCHECK_OPTION_DEFAULTS = {("agg", "endpoint_velocity"): "recompute"}
 
 # Tables ``agg-bench report --tables DIR`` writes, each as ``DIR/<name>.<format>`` for every format of
 # TABLE_FORMATS (HTML is what the Snakemake report shows in the page), besides ``DIR/records.csv``

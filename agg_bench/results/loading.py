@@ -24,7 +24,8 @@ from ..io import file_identity, path_text
 from ..jsonfiles import check_path, read_json_object
 from ..outdir import LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, path_problem, reach_problem
 from ..reading import RunFolder
-from ..records import OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS, is_finite_number, is_integer
+from ..records import (GRADCHECK_OPTION_DEFAULTS, OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS,
+                       is_finite_number, is_integer)
 
 
 @dataclass
@@ -473,7 +474,9 @@ def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
     gradcheck writes the model label a run of the snapshot's config records, so the rows match that run's). Each file is read
     by :func:`parse_table`: a table with a ``method`` and a ``cosine_to_full`` column, every column the report
     reads holding what ``agg-bench gradcheck`` writes there (``GRADCHECK_CELLS``); anything else, or a file
-    given twice, is a UserError naming the file."""
+    given twice, is a UserError naming the file. A CSV written before an option column of
+    :data:`~agg_bench.records.GRADCHECK_OPTION_DEFAULTS` existed gets it, holding the default for its method's
+    rows and nothing for the others."""
     frames = []
     seen: dict[Path, Path] = {}
     for entry in entries:
@@ -491,6 +494,9 @@ def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
         if entry.resolution is not None or "resolution" not in df:
             # a CSV given without a manifest's labels keeps the resolution gradcheck wrote into it
             df["resolution"] = entry.resolution
+        for (method, column), default in GRADCHECK_OPTION_DEFAULTS.items():
+            if column not in df:  # written before the option existed: its method's rows ran with the default
+                df[column] = [default if name == method else None for name in df["method"]]
         frames.append(df)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 

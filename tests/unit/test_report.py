@@ -950,6 +950,26 @@ def test_a_gradcheck_csv_as_gradcheck_writes_it_is_read(tmp_path):
     assert list(table["window"].iloc[:2].isna()) == [True, False] and table["window"].iloc[1] == 3
 
 
+def test_an_older_gradcheck_csv_s_agg_rows_hold_the_endpoint_velocity_default(tmp_path):
+    """A gradcheck CSV written before the endpoint_velocity column existed (write_gradcheck_csv's) ran AGG with
+    the option's default: beside a newer CSV that writes the default, the ablation table holds one setting, not
+    an empty cell and the default as two; a method without the option keeps the cell empty."""
+    from agg_bench.methods.agg import AGGConfig
+    old = write_gradcheck_csv(tmp_path / "old.csv")
+    assert "endpoint_velocity" not in pd.read_csv(old)
+    new = tmp_path / "new.csv"
+    pd.read_csv(old).assign(endpoint_velocity=lambda df: df["method"].map({"agg": AGGConfig().endpoint_velocity})) \
+        .to_csv(new, index=False)
+    table = ablation_table(load_gradcheck([GradcheckEntry(old, model="sd3", resolution=64),
+                                           GradcheckEntry(new, model="sd3", resolution=128)]))
+    agg = table[table["method"] == "agg"]
+    assert len(agg) == 6 and set(agg["endpoint_velocity"]) == {AGGConfig().endpoint_velocity}
+    assert table.loc[table["method"] == "full", "endpoint_velocity"].isna().all()
+    old_rows = table[table["resolution"] == 64].drop(columns="resolution").reset_index(drop=True)
+    new_rows = table[table["resolution"] == 128].drop(columns="resolution").reset_index(drop=True)
+    pd.testing.assert_frame_equal(old_rows, new_rows)  # the same settings, whichever CSV holds them
+
+
 def test_a_gradcheck_csv_given_without_labels_keeps_its_resolution(tmp_path):
     """`report --gradcheck FILE` names no resolution: the one gradcheck wrote is the row's, and the replays
     of one snapshot are compared with its full replay."""
