@@ -108,11 +108,13 @@ class UserError(Exception):
 
 
 class ConfigError(UserError):
-    """A config key has a value the run cannot use."""
+    """A config key has a value the run cannot use. ``written``: the text the user wrote for ``value`` (a
+    ``--set`` override's ``1e3`` for 1000.0), which the message shows instead of the value as read."""
 
-    def __init__(self, key: str, value: object, expected: str):
+    def __init__(self, key: str, value: object, expected: str, written: str | None = None):
         self.key, self.value, self.expected = key, value, expected
-        super().__init__(f"config error: {clip(str(key))} = {quote(value)}: expected {expected}")
+        shown = quote(value) if written is None else clip(written)
+        super().__init__(f"config error: {clip(str(key))} = {shown}: expected {expected}")
 
 
 _ALIKE = "_agg_bench_alike"
