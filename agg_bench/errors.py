@@ -84,6 +84,17 @@ def clip(text: str, limit: int = QUOTE_CHARS, unit: str = "characters") -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} {unit})"
 
 
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``count`` and ``noun`` for a message, the noun plural unless the count is 1 (``1 iteration``,
+    ``2 iterations``, ``0 iterations``); ``plural`` where it is not the noun and an s (``entries``)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def numbered(noun: str, first: int, last: int) -> str:
+    """``noun`` with the numbers ``first`` to ``last`` for a message: ``run 3`` for one, ``runs 2-4`` for more."""
+    return f"{noun} {first}" if first == last else f"{noun}s {first}-{last}"
+
+
 def quote(value: object) -> str:
     """``repr(value)`` for a message: at most :data:`QUOTE_CHARS` characters of it, then an ellipsis and
     how long the value is (characters of a string, items of a list or mapping)."""

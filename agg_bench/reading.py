@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, overload
 
-from .errors import UserError, quote
+from .errors import UserError, counted, quote
 from .io import read_jsonl
 from .jsonfiles import read_json_object
 from .outdir import check_not_written, is_harness_name
@@ -190,7 +190,7 @@ class RunFolder:
                             "integer >= 0 or null")
         if not any(r.get("iteration") == last_good and r.get("status") == "ok" for r in records):
             raise UserError(f"{self.path(METRICS_FILE)}: no ok record of iteration {last_good}, the last good one "
-                            f"{SUMMARY_FILE} names ({len(records)} records); expected the records the run wrote "
+                            f"{SUMMARY_FILE} names ({counted(len(records), 'record')}); expected the records the run wrote "
                             "(the file is cut or was edited)")
 
     def summary(self) -> dict:

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import yaml
 
-from ..errors import ConfigError, quote
+from ..errors import ConfigError, counted, quote
 from .schema import check_config_values, run_schema
 from .sections import (DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, device_expected, device_parts,
                        folder_under_random_preset, written_before)
@@ -162,7 +162,7 @@ def check_minibatches(cfg: RunConfig, processes: int) -> None:
         return
     per = "" if processes == 1 else f" / {processes} data-parallel processes"
     raise ConfigError("train.minibatches", minibatches,
-                      f"a divisor of the {groups} prompt group{'s' * (groups != 1)} of one process's batch, at most "
+                      f"a divisor of the {counted(groups, 'prompt group')} of one process's batch, at most "
                       f"{groups} (grpo.prompts_per_iteration = {cfg.grpo.prompts_per_iteration}{per}): every "
                       "mini-batch holds the same number of whole groups")
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import jsonschema
 
-from ..errors import ConfigError, clip
+from ..errors import ConfigError, clip, counted
 from ..records import is_integer
 from .sections import RunConfig, Section, section_class
 
@@ -158,12 +158,12 @@ TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string
               "object": "a mapping", "array": "a list", "null": "null"}
 
 
-SIZE_WORDS = {"minLength": lambda n: f"at least {n} characters",
-              "maxLength": lambda n: f"at most {n} characters",
-              "minItems": lambda n: f"a list of at least {n} items",
-              "maxItems": lambda n: f"a list of at most {n} items",
-              "minProperties": lambda n: f"at least {n} entries",
-              "maxProperties": lambda n: f"at most {n} entries",
+SIZE_WORDS = {"minLength": lambda n: f"at least {counted(n, 'character')}",
+              "maxLength": lambda n: f"at most {counted(n, 'character')}",
+              "minItems": lambda n: f"a list of at least {counted(n, 'item')}",
+              "maxItems": lambda n: f"a list of at most {counted(n, 'item')}",
+              "minProperties": lambda n: f"at least {counted(n, 'entry', 'entries')}",
+              "maxProperties": lambda n: f"at most {counted(n, 'entry', 'entries')}",
               "uniqueItems": lambda _: "a list without repeated items"}
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..errors import UserError
+from ..errors import UserError, counted
 from ..io import save_figure
 from .plotting import method_style, pyplot
 from .stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
@@ -68,7 +68,7 @@ def run_curve(evaluations: pd.DataFrame, records: pd.DataFrame, times: np.ndarra
     for _, line in evaluations.iterrows():
         n = int(line["iteration"])
         if n not in spent:
-            raise UserError(f"an evaluation after {n} iterations without an ok record of iteration {n - 1}")
+            raise UserError(f"an evaluation after {counted(n, 'iteration')} without an ok record of iteration {n - 1}")
         rows.append({"iteration": n, "cost": spent[n][0], "cpu_s": spent[n][1], **line.drop("iteration").to_dict()})
     return pd.DataFrame(rows)
 
@@ -259,7 +259,7 @@ def plot_curves(curves: dict, methods: dict, path: str | Path, x: str, time_labe
         xs = np.stack([c[x].to_numpy(float)[:n] for c in mine]).mean(0)
         mean, std = rewards.mean(0), rewards.std(0)
         style = method_style(k)
-        ax.plot(xs, mean, **style, markersize=4, label=f"{method} ({len(mine)} seeds)")
+        ax.plot(xs, mean, **style, markersize=4, label=f"{method} ({counted(len(mine), 'seed')})")
         ax.fill_between(xs, mean - std, mean + std, color=style["color"], alpha=0.15, linewidth=0)
     ax.set_title("mean over seeds, band +- 1 std", fontsize=8)
     _finish(ax, "cost units (train.pass_costs)" if x == "cost" else f"cumulative {time_label}", curves)
@@ -283,7 +283,7 @@ def plot_pareto(curves: dict, methods: dict, path: str | Path, unseen: dict | No
         bars = [0.0 if math.isnan(v) else v for v in (columns["unseen_change_std"], columns["eval_gain_std"])]
         style = method_style(k)
         ax.errorbar(columns["unseen_change"], columns["eval_gain"], xerr=bars[0], yerr=bars[1], fmt=style["marker"],
-                    color=style["color"], capsize=3, label=f"{method} ({len(mine)} seeds)")
+                    color=style["color"], capsize=3, label=f"{method} ({counted(len(mine), 'seed')})")
         drawn = True
     ax.axhline(0, color="0.6", linewidth=0.8)
     ax.axvline(0, color="0.6", linewidth=0.8)

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..errors import UserError, quote
+from ..errors import UserError, counted, quote
 from ..io import save_figure, write_text
 from ..jsonfiles import check_path, read_json_object
 from .curves import (TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
@@ -187,7 +187,7 @@ def iteration_times(records: pd.DataFrame) -> tuple[np.ndarray, str]:
 def run_gain(records: pd.DataFrame, average: int) -> dict:
     """Initial, final and gain of one run's reward (and of each scene sub-score it records)."""
     if len(records) < 2 * average:
-        raise UserError(f"a run of {len(records)} iterations: the learning table needs at least {2 * average}")
+        raise UserError(f"a run of {counted(len(records), 'iteration')}: the learning table needs at least {2 * average}")
     out = {}
     for key in ("reward_mean", *SUBSCORES):
         if key in records and records[key].notna().all():
@@ -338,7 +338,7 @@ def plot_rewards(runs: list[Run], path: str | Path, x: str) -> Path:
             xs = np.stack([np.cumsum(iteration_times(r.records)[0][:n]) for r in mine]).mean(0)
         mean, std = rewards.mean(0), rewards.std(0)
         style = method_style(k)
-        ax.plot(xs, mean, **style, markersize=3, markevery=max(1, n // 10), label=f"{method} ({len(mine)} seeds)")
+        ax.plot(xs, mean, **style, markersize=3, markevery=max(1, n // 10), label=f"{method} ({counted(len(mine), 'seed')})")
         ax.fill_between(xs, mean - std, mean + std, color=style["color"], alpha=0.15, linewidth=0)
     key = iteration_times(runs[0].records)[1]
     ax.set_xlabel("iteration" if x == "iteration" else

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .. import stopping
-from ..errors import UserError, quote, run_command
+from ..errors import UserError, numbered, quote, run_command
 from ..io import as_written, file_identity, remove_stale_temps, write_json
 from ..outdir import Busy, Claim, check_file, check_path_names, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
@@ -305,7 +305,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
             print(json.dumps({"out": str(job.out), "status": kept}), flush=True)
             continue
         if deadline is not None and longest > 0 and time.time() + longest > deadline:
-            print(f"agg-bench cell: runs {number}-{len(jobs)} not started: the longest run so far "
+            print(f"agg-bench cell: {numbered('run', number, len(jobs))} not started: the longest run so far "
                   f"({longest:.1f} s) would end after the deadline", file=sys.stderr, flush=True)
             break
         print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} started", file=sys.stderr, flush=True)
@@ -348,7 +348,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
             # another process writes this run: an earlier attempt of this job still running (snakemake killed
             # with kill -9 leaves its jobs running), which goes on to the next runs, and the calibrations, too
             if number < len(jobs):
-                print(f"agg-bench cell: runs {number + 1}-{len(jobs)} not started: another process writes "
+                print(f"agg-bench cell: {numbered('run', number + 1, len(jobs))} not started: another process writes "
                       f"{failure[0].target} (an earlier attempt of this job still running?); run the job again once "
                       "it has ended", file=sys.stderr, flush=True)
             return max(worst, code, key=SEVERITY.__getitem__)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from .. import stopping
 from ..config import RunConfig
-from ..errors import ConfigError, UserError, alike_on_every_process
+from ..errors import ConfigError, UserError, alike_on_every_process, counted
 from ..io import JsonlWriter, path_text
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
@@ -159,7 +159,7 @@ class Training:
         if self.restored is not None and cfg.train.iterations <= self.restored.iteration:
             raise ConfigError("train.iterations", cfg.train.iterations,
                               f"more than the checkpoint's last iteration {self.restored.iteration} (it holds "
-                              f"{self.restored.iteration + 1} iterations) to resume the run in {out}")
+                              f"{counted(self.restored.iteration + 1, 'iteration')}) to resume the run in {out}")
         self.lines = list(self.restored.records) if self.restored is not None else []  # records written, as JSON lines
         self.start = self.restored.iteration + 1 if self.restored is not None else 0
         self.prices = cfg.train.pass_costs.to_dict()
@@ -339,12 +339,12 @@ class Training:
             scores, _ = self.evaluation.evaluate()
         diverging = [key for key, value in scores.items() if not _finite(value)]
         if diverging:
-            return "diverged", f"non-finite {diverging[0]} in the evaluation after {done} iterations"
+            return "diverged", f"non-finite {diverging[0]} in the evaluation after {counted(done, 'iteration')}"
         line = {"iteration": done, **scores, "t_eval_s": timer.elapsed_s, "t_eval_cpu_s": timer.cpu_s}
         if self.eval_writer is not None:
             self.eval_lines.append(self.eval_writer.write(line))
         self.evaluated.add(done)
-        return (f"{self.run_id} evaluation after {done} iterations: reward {scores['eval_reward']:.4g} "
+        return (f"{self.run_id} evaluation after {counted(done, 'iteration')}: reward {scores['eval_reward']:.4g} "
                 f"({timer.cpu_s:.3f} CPU-s)")
 
     def _checkpoint(self, iteration: int) -> None:

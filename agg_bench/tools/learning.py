@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..config import dotted_value
-from ..errors import ConfigError, UserError, quote
+from ..errors import ConfigError, UserError, counted, quote
 from ..io import write_text
 from ..outdir import claimed_folders, replaced_folders
 from ..outputs import LEARNING_CONTENTS
@@ -279,7 +279,7 @@ def check_lengths(runs: list[Run], average: int) -> None:
     UserError naming the first run (method, seed and folder) that has fewer."""
     for run in runs:
         if len(run.records) < 2 * average:
-            raise UserError(f"run {run.method}/{run.seed} ({run.dir}): {len(run.records)} iterations with status ok; "
+            raise UserError(f"run {run.method}/{run.seed} ({run.dir}): {counted(len(run.records), 'iteration')} with status ok; "
                             f"the learning table needs at least {2 * average} (--average {average} at each end)")
 
 

@@ -36,7 +36,7 @@ from ..engine.pixel_decoder import PixelDecoder
 from ..engine.prompts import TOKEN_HASH_FILE, hash_embed
 from ..engine.scenes import all_scenes, draw_batch, sample_scenes
 from ..engine.sampler import check_sigmas, flow_sigmas, ode_step
-from ..errors import ConfigError, UserError, quote
+from ..errors import ConfigError, UserError, counted, quote
 from ..io import atomic_target, remove_stale_temps, save_figure, write_json, write_text
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Claim, check_folder, is_harness_name
@@ -312,7 +312,7 @@ def _train_and_save(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
         FlowMatchEulerDiscreteScheduler(shift=cfg.shift).save_pretrained(tmp / "scheduler")
         write_text(tmp / TOKEN_HASH_FILE, json.dumps({"max_tokens": cfg.max_tokens, "seed": cfg.seed}) + "\n")
         save_grid(tmp / "samples.png", images, captions, scores.tolist(),
-                  title=f"{cfg.family}, {cfg.steps} steps, {cfg.sample_steps} Euler steps: "
+                  title=f"{cfg.family}, {counted(cfg.steps, 'step')}, {counted(cfg.sample_steps, 'Euler step')}: "
                         f"mean scene reward {float(scores.mean()):.2f}")
         summary["wall_s"] = time.perf_counter() - start_wall
         write_json(tmp / MARKER, summary)

@@ -496,7 +496,7 @@ def test_a_cell_stops_at_a_run_another_process_writes(tmp_path, capsys):
     with Claim(tmp_path / "b", folder=True, lock_inside=True).acquire():  # the earlier attempt, writing b
         assert main(["cell", "--keep-going", "--resume", "--keep-journal", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"runs 3-3 not started: another process writes {tmp_path / 'b'} (an earlier attempt of this job still " \
+    assert f"run 3 not started: another process writes {tmp_path / 'b'} (an earlier attempt of this job still " \
         "running?); run the job again once it has ended" in err, err
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["status"] == "ok"
     assert not (tmp_path / "b" / "summary.json").exists() and not (tmp_path / "c").exists()

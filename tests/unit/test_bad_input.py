@@ -51,6 +51,11 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, name, args, exp
         assert word in line, (name, line)
 
 
+def test_a_size_bound_of_one_reads_singular(tmp_path, capsys):
+    line = run_fails(tmp_path / "out", capsys, "--set", "train.lora_rank=4", "--set", "train.lora_target_modules=[]")
+    assert line.endswith("train.lora_target_modules = []: expected a list of at least 1 item"), line
+
+
 @pytest.mark.parametrize("verb", ["run", "plan"])
 def test_the_pretrained_preset_without_a_folder_is_refused_by_every_verb(tmp_path, capsys, verb):
     # `plan` used to size the tiny model for it and exit 0, while `run` refused the same config

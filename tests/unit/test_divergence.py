@@ -65,9 +65,10 @@ def test_a_non_finite_image_ends_the_run_at_its_reward(tmp_path, monkeypatch, re
     assert [(r["status"], r["reward_mean"], r["loss"]) for r in recs[1:]] == [("diverged", None, None)]
 
 
-@pytest.mark.parametrize("call, last_good", [(1, None), (2, 0)])  # the starting weights, those after iteration 0
+@pytest.mark.parametrize("call, last_good, after", [(1, None, "0 iterations"), (2, 0, "1 iteration")])  # the
+# starting weights, those after iteration 0
 def test_a_non_finite_evaluation_ends_the_run_and_leaves_a_readable_folder(tmp_path, monkeypatch, capsys, call,
-                                                                             last_good):
+                                                                             last_good, after):
     """The evaluation of weights that blew up was written with a null eval_reward, which the run folder's reader
     (and so ``agg-bench learning``) refused."""
     sample, calls = evaluation_module.Evaluation.sample, []
@@ -82,7 +83,7 @@ def test_a_non_finite_evaluation_ends_the_run_and_leaves_a_readable_folder(tmp_p
     s = train(load_config(None, [*SMALL, "reward.name=smoothness", "eval.every=1", "eval.noises=1",
                                  "train.checkpoint_every=1"]), out)
     assert (s["status"], s["last_good_iteration"], s["checkpoint_iteration"], s["error"]) == \
-        ("diverged", last_good, last_good, f"non-finite eval_reward in the evaluation after {call - 1} iterations")
+        ("diverged", last_good, last_good, f"non-finite eval_reward in the evaluation after {after}")
     folder = RunFolder(out)
     assert [e["iteration"] for e in folder.evaluations() or []] == list(range(call - 1))
     assert [r["status"] for r in folder.records()] == ["ok"] * (call - 1)

@@ -364,6 +364,23 @@ def test_runs_measured_differently_are_refused(manifest, tmp_path, capsys, key, 
     assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 0
 
 
+def test_a_count_of_one_reads_singular_in_the_learning_refusals(tmp_path):
+    """`learning` said "1 iterations with status ok" of a run with one ok record."""
+    from agg_bench.results.curves import run_curve
+    from agg_bench.results.learning_tables import Run, run_gain
+    from agg_bench.tools.learning import check_lengths
+
+    one = pd.DataFrame({"iteration": [0], "reward_mean": [0.5]})
+    with pytest.raises(UserError, match=r"\): 1 iteration with status ok; the learning table needs at least 2 "):
+        check_lengths([Run("full", 0, tmp_path, one)], 1)
+    with pytest.raises(UserError, match=r"^a run of 1 iteration: the learning table needs at least 2$"):
+        run_gain(one, 1)
+    with pytest.raises(UserError, match=r"^an evaluation after 2 iterations without an ok record of iteration 1$"):
+        run_curve(pd.DataFrame({"iteration": [2], "eval_reward": [0.5]}), one, np.ones(1))
+    with pytest.raises(UserError, match=r"^an evaluation after 1 iteration without an ok record of iteration 0$"):
+        run_curve(pd.DataFrame({"iteration": [1], "eval_reward": [0.5]}), one.iloc[:0], np.ones(0))
+
+
 def test_evaluation_csv_keeps_seeds_integers():
     """evaluation.csv wrote each run's seed as 0.0, 1.0: the pre-trained row's empty seed made the column float."""
     from agg_bench.results.learning_tables import Run
