@@ -10,6 +10,7 @@ from agg_bench.cli import main
 from agg_bench.engine.rollout import rollout
 from agg_bench.errors import ConfigError
 from agg_bench.methods.base import METHODS as METHOD_REGISTRY
+from agg_bench.records import MAX_LABEL
 from agg_bench.tools.calibrate import CalibrationConfig
 from baselines.full import FullEstimator
 
@@ -84,6 +85,16 @@ def test_calibrate_times_each_methods_train_phase_in_rounds_with_its_counted_pas
     assert methods["fora"]["replay"] == "not_applicable" and "cpu_s" not in methods["fora"]
     assert methods["eta"]["replay"] == "not_applicable" and "sampling.eta" in methods["eta"]["replay_note"]
     assert json.loads(capsys.readouterr().out)["methods_timed"] == ["full", "agg-w4"]
+
+
+@pytest.mark.parametrize("label", ["", "a\tb", "two\nlines", "\x1b[31mred", "x" * 201])
+def test_a_method_label_a_table_row_cannot_show_is_exit_2_before_anything_runs(tmp_path, capsys, label):
+    """A label is a row of the report's tables (records.is_label): 1 to MAX_LABEL printable characters."""
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--method", label, "{method: {name: full}}", "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agg-bench calibrate: config error: --method = "), lines
+    assert f"expected a label of 1 to {MAX_LABEL} printable characters" in lines[0] and not out.exists()
 
 
 @pytest.mark.parametrize("label, text, expected", [
