@@ -108,15 +108,18 @@ def test_a_vision_tower_from_a_full_clip_folder_loads_silently_and_restores_the_
                                                                                           capfd, loud):
     """engine/reward_models/hf_clip.py: the aesthetic reward's vision tower from a full CLIP folder (whose text
     tower transformers reports as unused weights) prints nothing, loaded or refused, and restores the libraries."""
+    from agg_bench.config.reward_options import reward_options
     from agg_bench.engine.reward_models.hf_clip import HFClip
 
     capfd.readouterr()
-    HFClip("aesthetic", {"model": str(clip_folder)}, "cpu", transform="openai", vision_only=True)
+    HFClip("aesthetic", reward_options("pickscore", {"model": str(clip_folder)}), "cpu", transform="openai",
+           vision_only=True)
     assert capfd.readouterr() == ("", "") and state() == loud
     broken = tmp_path / "cut"
     shutil.copytree(clip_folder, broken)
     (broken / "model.safetensors").write_bytes((clip_folder / "model.safetensors").read_bytes()[:7])
     capfd.readouterr()
     with pytest.raises(UserError, match="cannot load a CLIPVisionModelWithProjection"):
-        HFClip("aesthetic", {"model": str(broken)}, "cpu", transform="openai", vision_only=True)
+        HFClip("aesthetic", reward_options("pickscore", {"model": str(broken)}), "cpu", transform="openai",
+               vision_only=True)
     assert capfd.readouterr() == ("", "") and state() == loud

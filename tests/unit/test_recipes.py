@@ -477,7 +477,8 @@ def test_every_preset_runs_with_its_described_passes_and_their_cost(preset, tmp_
     sets = ["model.resolution=32", "train.iterations=2", "progress=false", "telemetry.enabled=false"]
     if preset == "qwenimage_720_reference":  # its algorithm on the tiny model: the same sampling, plan and AGG
         sets += ["device=cpu", "model.family=sd3", "model.preset=tiny", "model.pretrained=null",
-                 "model.dtype=float32", "reward.name=jpeg_compressibility", "grpo.prompts_per_iteration=1",
+                 "model.dtype=float32", "reward.options={}", "reward.name=jpeg_compressibility",
+                 "grpo.prompts_per_iteration=1",
                  "method.nograd_batch=null", "method.micro_batch=null"]
     cfg = load_config(PRESETS / f"{preset}.yaml", sets)
     train(cfg, tmp_path / preset)

@@ -64,7 +64,7 @@ PRESET_SHRUNK = {
     "mixgrpo_flash": ["method.window_size=2", "method.window_interval=1", "method.window_end=3",
                       "grpo.group_size=4"],
     "qwenimage_720_reference": ["train.plan_window=2", "method.window=2", "grpo.prompts_per_iteration=1",
-                                "reward.name=jpeg_compressibility", "model.pretrained=null"],
+                                "reward.options={}", "reward.name=jpeg_compressibility", "model.pretrained=null"],
     "tiny_sd3_reference_cpu": ["train.plan_window=2", "method.window=2"],
 }
 # caches the sweep does not run, in the rollout and in training
