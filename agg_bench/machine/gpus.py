@@ -10,7 +10,8 @@ Which devices exist, in order of precedence:
 
 - ``AGG_BENCH_GPUS``: a count (``"4"``: devices 0-3) or a comma list of ids (``"0,2,5"``); also how
   tests fake a machine;
-- ``CUDA_VISIBLE_DEVICES`` when set (the devices a scheduler gave this process);
+- ``CUDA_VISIBLE_DEVICES`` when set (the devices a scheduler gave this process), read as CUDA reads it: up
+  to the first entry that names no device (``-1``, SLURM's ``NoDevFiles``);
 - NVML's device count (``nvidia-ml-py``), else none.
 
 Lock files live in ``AGG_BENCH_GPU_LOCK_DIR`` (default ``$TMPDIR/agg-bench-gpus-$USER``). Inside a
@@ -59,6 +60,8 @@ def _nvml_count() -> int:
         return 0
     try:
         return int(pynvml.nvmlDeviceGetCount())
+    except Exception:  # a driver that answers init but not the count (a GPU fallen off the bus): none known
+        return 0
     finally:
         try:
             pynvml.nvmlShutdown()
@@ -100,9 +103,14 @@ def visible_devices(environ: dict[str, str] | None = None) -> list[str]:
         return _parse_ids(env[ENV_DEVICES], ENV_DEVICES)
     cuda = env.get("CUDA_VISIBLE_DEVICES")
     if cuda is not None:
-        # set but empty (or -1) means "no GPU", as CUDA reads it
-        ids = [part.strip() for part in cuda.split(",") if part.strip()]
-        return [] if ids in ([], ["-1"]) else ids
+        # CUDA sees the devices listed before the first entry that names none: set but empty, -1, or SLURM's
+        # NoDevFiles (a job given no GPU) means no GPU, and 0,1,-1,2 means 0 and 1
+        ids = []
+        for part in cuda.split(","):
+            if not _is_device_id(part.strip()):
+                break
+            ids.append(part.strip())
+        return ids
     return [str(i) for i in range(_nvml_count())]
 
 

@@ -27,6 +27,28 @@ def test_visible_devices_precedence():
             visible_devices({"AGG_BENCH_GPUS": value})
 
 
+def test_cuda_visible_devices_ends_at_the_first_entry_that_names_no_device():
+    """As CUDA reads it: a scheduler's NoDevFiles (a job given no GPU) or a -1 in the list hides what follows, so
+    a job asking for a GPU is told this machine has none, rather than locking "NoDevFiles" and failing in CUDA."""
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}) == []
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "0,1,-1,2"}) == ["0", "1"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": " 2, 3"}) == ["2", "3"]
+    mig = "MIG-GPU-8a7c4b1e-2f3d-4c5b-9e6f-0a1b2c3d4e5f/1/0"  # the MIG id form of drivers before R470
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": mig}) == [mig]
+
+
+def test_an_nvml_that_cannot_count_its_devices_means_none(monkeypatch):
+    """A driver that initialises but fails the count (a GPU fallen off the bus) is no device, not a traceback."""
+    import types
+
+    def count():
+        raise RuntimeError("NVML: Unknown Error")
+
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=count)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert visible_devices({}) == []
+
+
 def test_slurm_jobs_get_their_own_lock_folder(tmp_path):
     env = {"AGG_BENCH_GPU_LOCK_DIR": str(tmp_path)}
     assert default_lock_dir(env) == tmp_path
