@@ -46,7 +46,8 @@ class NVMLSummary:
     power_mean_w: mean of the sampled power draws, in watts.
     energy_j: energy between start and stop, from the difference of the GPU's total-energy counter,
         or from integrating the sampled power over time (trapezoids) where that counter is unsupported or
-        went down between them; never negative.
+        went down between them; never negative, and None where neither covers the whole window (the power
+        readings failed part-way: the handle went, or NVML did).
     n_samples: number of samples taken.
     """
 
@@ -196,7 +197,7 @@ class NVMLSampler:
         if (self._energy_start_mj is not None and energy_end_mj is not None
                 and energy_end_mj >= self._energy_start_mj):
             energy_j: float | None = (energy_end_mj - self._energy_start_mj) / 1000.0
-        elif self._power_n >= 2:
+        elif self._power_n >= 2 and "power" not in self._unsupported:
             energy_j = self._power_integral_j
         else:
             energy_j = None

@@ -204,6 +204,30 @@ def test_nvml_energy_counter_that_went_down_is_not_a_negative_energy(monkeypatch
     sampler.close()
 
 
+def test_nvml_readings_that_fail_part_way_are_no_energy(monkeypatch, fake_cuda):
+    """A device handle that errors mid-window (the GPU fell off the bus, NVML went away): the integrated power
+    covers only the start of the window, so the energy is unknown (None), not a smaller number; the samples
+    taken before still count, and the run goes on."""
+    power = iter([300_000, 300_000])
+
+    def power_then_lost():
+        for reading in power:
+            yield reading
+        raise FakeNVMLError("GPU is lost")
+
+    install(monkeypatch, FakeNVML(NVML_UUIDS, memory_used=itertools.repeat(8), util=itertools.repeat(50),
+                                  power_mw=power_then_lost(), energy_mj=None))
+    times = iter([0.0, 1.0, 2.0, 3.0])
+    sampler = NVMLSampler("cuda:0", NEVER_S, clock=lambda: next(times))
+    sampler.start()
+    sampler.sample()
+    sampler.sample()  # the power reading fails from here
+    summary = sampler.stop()
+    sampler.close()
+    assert summary.energy_j is None
+    assert summary.n_samples == 4 and summary.power_mean_w == 300.0 and summary.nvml_peak_used_bytes == 8
+
+
 def test_nvml_unsupported_quantities_are_none(monkeypatch, fake_cuda):
     install(monkeypatch, FakeNVML(NVML_UUIDS, memory_used=[5, 9], util=None, power_mw=None,
                                   energy_mj=None))
