@@ -1,0 +1,50 @@
+"""What a workflow job asks a cluster for: a job that takes no GPU asks for none (agg_bench/tools/jobresources.py)."""
+import pytest
+
+from agg_bench.tools.jobresources import drop_gpu_settings_without_gpus
+
+resources = pytest.importorskip("snakemake.resources")
+
+
+def settings_for(rule_resources, gpus: int) -> dict:
+    """The settings a job of a rule with ``rule_resources`` gets, evaluated as Snakemake evaluates them (the
+    keyword arguments it passes a resource function, the None values it drops)."""
+    wildcards = {"gpus": str(gpus)}
+    aux = {"input": [], "attempt": 1, "threads": 4, "rulename": "run", "async_run": None}
+    values = {name: res.evaluate(wildcards, **aux).value for name, res in rule_resources.items()}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def slurm_rule(**extra):
+    """A rule's resources as the SLURM profile leaves them: its settings given as command-line expressions (as
+    Snakemake reads a profile's set-resources), the GPU count a function of the job's wildcards."""
+    rule = resources.Resources.from_mapping({"gpu": lambda wildcards: int(wildcards["gpus"]), "mem_mb": 16000})
+    for name, text in {"gpu_model": "h100", "cpus_per_gpu": "8", "slurm_partition": "gpu", **extra}.items():
+        rule[name] = resources.Resource.from_cli_expression(name, text)
+    return rule
+
+
+def test_a_job_without_gpus_asks_for_no_gpu_model_and_not_the_gpu_partition():
+    """The SLURM executor sends a gpu_model as --gpus=<model>:<gpu> whatever gpu is: a CPU sweep's jobs went out as
+    --gpus=h100:0 -p gpu, which a cluster may refuse or queue on GPU nodes."""
+    rule = slurm_rule()
+    drop_gpu_settings_without_gpus(rule)
+    assert settings_for(rule, 0) == {"gpu": 0, "mem_mb": 16000}
+    assert settings_for(rule, 2) == {"gpu": 2, "mem_mb": 16000, "gpu_model": "h100", "cpus_per_gpu": 8,
+                                     "slurm_partition": "gpu"}
+
+
+def test_a_job_without_gpus_goes_to_the_cpu_partition_where_one_is_named():
+    rule = slurm_rule(cpu_partition="batch")
+    drop_gpu_settings_without_gpus(rule)
+    assert settings_for(rule, 0)["slurm_partition"] == "batch"
+    assert settings_for(rule, 1)["slurm_partition"] == "gpu"
+
+
+def test_rules_without_a_gpu_resource_or_the_settings_are_left_alone():
+    rule = resources.Resources.from_mapping({"mem_mb": 100, "slurm_partition": "gpu"})
+    drop_gpu_settings_without_gpus(rule)
+    assert settings_for(rule, 0) == {"mem_mb": 100, "slurm_partition": "gpu"}
+    local = resources.Resources.from_mapping({"gpu": 0})
+    drop_gpu_settings_without_gpus(local)
+    assert settings_for(local, 0) == {"gpu": 0}
