@@ -271,6 +271,17 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
         return _run_jobs(Path(path), jobs, keep_going, deadline, progress, overwrite, keep_journal, after_runs)
 
 
+def _free_finished_run() -> None:
+    """Free the finished run's models and tensors before the next run measures its memory, and on a GPU hand
+    the blocks they held back to the device: the CUDA caching allocator keeps them reserved otherwise, so the
+    next run's ``peak_reserved_bytes`` counted them (a peak statistic resets to what is reserved now), and
+    the blocks an out-of-memory run left cut up could make the next run fail where a fresh process would not."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def _imports_frozen() -> Iterator[None]:
     """The training engine imported, and what exists then kept out of the garbage collector's way
@@ -353,7 +364,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
                       "it has ended", file=sys.stderr, flush=True)
             return max(worst, code, key=SEVERITY.__getitem__)
         worst = max(worst, code, key=SEVERITY.__getitem__)
-        gc.collect()  # the finished run's models and tensors, before the next run measures its memory
+        _free_finished_run()
     every_run_ended = len(ended) == len(jobs)
     if progress is not None and not keep_journal and every_run_ended and \
             all(status in ENDED for status in ended.values()):

@@ -258,6 +258,26 @@ def test_each_run_ends_on_its_own(tmp_path, capsys, monkeypatch, outcomes, code,
     assert all(f"{tmp_path / n}: refused" in err for n, o in zip("abc", outcomes) if o == "user")
 
 
+def test_on_a_gpu_the_next_run_starts_without_the_blocks_an_oom_run_left_cached(tmp_path, capsys, monkeypatch):
+    """A one-GPU cell runs its runs in one process: the caching allocator's blocks of a run that ended (an
+    out-of-memory one above all) go back to the device before the next run starts, so it measures and
+    allocates as a fresh process would."""
+    import torch
+
+    events = []
+
+    def fake_train(cfg, out, resume=False, overwrite=False, resume_stopped=False):
+        events.append(Path(out).name)
+        return {"status": "oom" if Path(out).name == "a" else "ok"}
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    assert main(["cell", str(job_file(tmp_path, [run(tmp_path / name) for name in "ab"]))]) == 0
+    assert events[:2] == ["a", "empty_cache"] and events.index("b") > 1
+    assert [json.loads(line)["status"] for line in capsys.readouterr().out.splitlines()] == ["oom", "ok"]
+
+
 @pytest.mark.parametrize("keep_going", [True, False])
 def test_keep_going_records_a_failed_run_and_keeps_the_others(tmp_path, capsys, monkeypatch, keep_going):
     """Issue 37: a failed run made the cell job fail, and Snakemake removed every output of the job, the
