@@ -329,14 +329,27 @@ class Training:
         (with ``train.eval_ema``, the state's moving average: :meth:`Session.evaluated_weights`):
         every ``eval.every``-th state from 0 on, and the last one (``train.iterations`` or the budget).
         The job log's line about it, or None when nothing was evaluated; or, where a score is not finite (the
-        weights blew up), ``("diverged", error)`` and no line: the evaluations file holds finite scores only."""
+        weights blew up), ``("diverged", error)`` and no line: the evaluations file holds finite scores only; or,
+        where the evaluation ran out of memory on any process, ``("oom", error)`` and no line."""
         every = self.cfg.eval.every
         last = done >= self.cfg.train.iterations or self.budget_reached
         if self.evaluation is None or done in self.evaluated or not (done % every == 0 or last):
             return None
         # with train.eval_ema the moving average's weights, the trained ones put back after
-        with tel.PhaseTimer(self.session.device) as timer, self.session.evaluated_weights():
-            scores, _ = self.evaluation.evaluate()
+        try:
+            with tel.PhaseTimer(self.session.device) as timer, self.session.evaluated_weights():
+                scores, _ = self.evaluation.evaluate()
+        except Exception as exc:  # out of memory in the evaluation ends the run as in an iteration: oom, not a bug
+            if isinstance(exc, distributed.PeerFailure):
+                oom = exc.is_oom
+            else:
+                oom = tel.is_oom_error(exc)
+                if oom:
+                    distributed.report_failure(exc, tel.memory_at_failure(self.session.device))
+            if not oom:
+                raise
+            return "oom", f"out of memory in the evaluation after {done} iterations: {type(exc).__name__}: {exc}" \
+                .splitlines()[0]
         diverging = [key for key, value in scores.items() if not _finite(value)]
         if diverging:
             return "diverged", f"non-finite {diverging[0]} in the evaluation after {counted(done, 'iteration')}"

@@ -101,6 +101,30 @@ def test_oom_ends_the_run_with_status_oom_and_exit_code_0(tmp_path, monkeypatch,
     assert s["status"] == "oom" and s["last_good_iteration"] == 0 and s["error"] is None
 
 
+def test_oom_in_the_evaluation_ends_the_run_as_oom(tmp_path, monkeypatch, capsys):
+    """The periodic evaluation (eval.every) generates images on the run's device and can run out of memory
+    where training did not: the run ends oom with exit code 0 (it was an error, exit code 1 and a traceback
+    reported as a bug), its records and evaluations up to the failure kept."""
+    from agg_bench.runtime.evaluation import Evaluation
+
+    original, calls = Evaluation.evaluate, []
+
+    def evaluate(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # after the first iteration
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Evaluation, "evaluate", evaluate)
+    out = tmp_path / "run"
+    assert run_cli(out, "--set", "train.iterations=2", "--set", "eval.every=1") == 0
+    assert json.loads(capsys.readouterr().out) == {"out": str(out), "status": "oom"}
+    assert [(r["iteration"], r["status"]) for r in records(out)] == [(0, "ok")]
+    s = summary(out)
+    assert s["status"] == "oom" and s["last_good_iteration"] == 0
+    assert s["error"].startswith("out of memory in the evaluation after 1 iterations: OutOfMemoryError")
+
+
 def test_agg_bench_run_process_exits_0_on_oom(tmp_path):
     out = tmp_path / "run"
     script = (
