@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
 
     def take_devices() -> int:
+        if args.count < 0:  # the pool's own check says >= 1: it is never asked for none
+            raise ConfigError("--count", args.count, "a number of GPUs >= 0 (0: run the command as is)")
         if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout >= 0):
             raise ConfigError("--timeout", args.timeout, "seconds >= 0")
         if args.count != 0:

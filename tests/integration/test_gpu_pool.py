@@ -174,6 +174,17 @@ def test_command_line_reports_impossible_request(tmp_path):
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "asks for 2 GPU" in proc.stderr
 
 
+def test_a_negative_count_names_what_the_command_line_takes(tmp_path, monkeypatch, capsys):
+    """--count 0 runs the command as is, so a negative count is refused naming >= 0, not the pool's >= 1."""
+    from agg_bench.machine.gpus import main
+
+    monkeypatch.setenv("AGG_BENCH_GPUS", "1")
+    monkeypatch.setenv("AGG_BENCH_GPU_LOCK_DIR", str(tmp_path))
+    assert main(["--count", "-1", "--", "true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "--count = -1: expected a number of GPUs >= 0" in err
+
+
 def test_count_zero_runs_the_command_untouched(tmp_path):
     env = {**os.environ, "AGG_BENCH_GPUS": "0", "AGG_BENCH_GPU_LOCK_DIR": str(tmp_path)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
