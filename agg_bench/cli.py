@@ -636,20 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     (:func:`agg_bench.errors.run_command`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    return run_command(f"agg-bench {args.command}", lambda: _command(args), ["agg-bench", *argv],
+    return run_command(f"agg-bench {args.command}", lambda: args.func(args), ["agg-bench", *argv],
                        getattr(args, "out", None))
-
-
-def _command(args) -> int:
-    """The verb ``args`` names. A ConfigError refusing a value a ``--set`` gave, whichever check of the verb
-    raises it, shows the value as the user wrote it (:func:`agg_bench.config.as_written`)."""
-    overrides = getattr(args, "overrides", None)
-    if not overrides:
-        return args.func(args)
-    from .config import as_written
-
-    with as_written(overrides):
-        return args.func(args)
 
 
 if __name__ == "__main__":

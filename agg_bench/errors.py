@@ -119,13 +119,11 @@ class UserError(Exception):
 
 
 class ConfigError(UserError):
-    """A config key has a value the run cannot use. ``written``: the text the user wrote for ``value`` (a
-    ``--set`` override's ``1e3`` for 1000.0), which the message shows instead of the value as read."""
+    """A config key has a value the run cannot use."""
 
-    def __init__(self, key: str, value: object, expected: str, written: str | None = None):
+    def __init__(self, key: str, value: object, expected: str):
         self.key, self.value, self.expected = key, value, expected
-        shown = quote(value) if written is None else clip(written)
-        super().__init__(f"config error: {clip(str(key))} = {shown}: expected {expected}")
+        super().__init__(f"config error: {clip(str(key))} = {quote(value)}: expected {expected}")
 
 
 _ALIKE = "_agg_bench_alike"

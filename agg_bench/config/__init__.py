@@ -11,8 +11,8 @@
 The package imports no torch, no diffusers and no method: the workflow checks every composed run config while
 Snakemake parses, and a report reads any run folder's ``config.json``.
 """
-from .load import (apply_overrides, as_written, check_data_parallel, deep_merge, dotted_value, load_config,
-                   parse_override, validate)
+from .load import (apply_overrides, check_data_parallel, deep_merge, dotted_value, load_config, parse_override,
+                   validate)
 from .schema import check_finite, check_override_values, check_schema, run_schema
 from .sections import (DEFAULTS, EvalConfig, GRPOConfig, MethodSection, ModelConfig, PassCosts, PromptsConfig,
                        RewardConfig, RunConfig, SamplingConfig, TelemetryConfig, TrainConfig, bound,
@@ -22,7 +22,7 @@ from .yamlio import (MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, YamlRefuse
 
 __all__ = ["DEFAULTS", "EvalConfig", "GRPOConfig", "MAX_YAML_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_VALUES",
            "MethodSection", "ModelConfig", "PassCosts", "PromptsConfig", "RewardConfig", "RunConfig", "SamplingConfig", "TelemetryConfig",
-           "TrainConfig", "YamlRefused", "apply_overrides", "as_written", "bound", "check_data_parallel", "check_expanded_size",
+           "TrainConfig", "YamlRefused", "apply_overrides", "bound", "check_data_parallel", "check_expanded_size",
            "check_finite", "check_override_values", "check_schema", "deep_merge", "device_expected", "device_parts",
            "dotted_value", "gpu_index", "integer_arg", "load_config", "number_arg", "parse_override", "read_number",
            "read_yaml_mapping", "run_schema", "upgrade_written", "validate", "weights_label", "yaml_load"]

@@ -7,15 +7,14 @@ whoever runs something (:func:`agg_bench.runtime.config_check.check_config`).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Mapping
 
 import yaml
 
-from ..errors import ConfigError, counted, quote
+from ..errors import ConfigError, counted
 from .schema import check_config_values, run_schema
 from .sections import (DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, device_expected, device_parts,
                        folder_under_random_preset, written_before)
@@ -47,30 +46,6 @@ def parse_override(item: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     return key, value
-
-
-@contextlib.contextmanager
-def as_written(overrides: Iterable[str]) -> Iterator[None]:
-    """Re-raise a ConfigError raised inside that refuses the value the last of ``overrides`` setting its key
-    gave (``--set sampling.steps=1e3``, read as 1000.0) with the value as the override wrote it: the user finds
-    what they typed in the message. A string value is shown as read (quoted), and a value that came from
-    elsewhere (a YAML file, a default, another key) as before."""
-    try:
-        yield
-    except ConfigError as err:
-        written = None
-        for item in overrides:
-            try:
-                key, value = parse_override(item)
-            except ConfigError:
-                continue
-            if key == err.key:
-                raw = item.split("=", 1)[1].strip()
-                same = not isinstance(value, str) and quote(value) == quote(err.value)
-                written = raw if same and raw else None
-        if written is None:
-            raise
-        raise ConfigError(err.key, err.value, err.expected, written) from None
 
 
 def dotted_value(config: Mapping, key: str) -> Any:
@@ -217,5 +192,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if "method" in user and "name" in user["method"]:
         # a method section replaces the default one, so options of another method do not leak in
         merged["method"] = copy.deepcopy(user["method"])
-    with as_written(overrides or []):
-        return validate(apply_overrides(merged, overrides or []))
+    return validate(apply_overrides(merged, overrides or []))

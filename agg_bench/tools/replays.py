@@ -8,7 +8,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..config import RunConfig, apply_overrides, as_written, parse_override, validate
+from ..config import RunConfig, apply_overrides, parse_override, validate
 from ..errors import ConfigError
 from ..methods.base import Estimator, build_estimator
 
@@ -99,9 +99,8 @@ def replay_setup(config: dict, method: str, overrides: list[str],
     (calibrate's plan keys of a method timed on its own rollout)."""
     config = dict(config)
     config["method"] = {"name": method}
-    with as_written(overrides):
-        cfg = validate(apply_overrides(config, overrides))
-        estimator = build_estimator(cfg)
+    cfg = validate(apply_overrides(config, overrides))
+    estimator = build_estimator(cfg)
     for item in overrides:
         key, value = parse_override(item)
         if key == "method" or key.startswith("method.") or key in also:

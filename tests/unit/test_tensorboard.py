@@ -128,7 +128,7 @@ def test_without_a_writer_the_run_is_refused_before_anything_is_written(tmp_path
     out = tmp_path / "run"
     assert run_cli(out, ON) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "telemetry.tensorboard = true" in err[0] and "agg-bench[profile]" in err[0]
+    assert len(err) == 1 and "telemetry.tensorboard = True" in err[0] and "agg-bench[profile]" in err[0]
     assert not out.exists()
     assert run_cli(out, "train.iterations=1") == 0  # off, no writer is needed
 

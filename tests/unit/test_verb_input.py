@@ -708,7 +708,7 @@ def test_an_import_stopped_part_way_leaves_the_earlier_import_as_it_was(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "imported"]
 
 
-@pytest.mark.parametrize("overrides, key", [(["train.cpu_offload=true"], "train.cpu_offload = true"),
+@pytest.mark.parametrize("overrides, key", [(["train.cpu_offload=true"], "train.cpu_offload = True"),
                                             (["train.shard=fsdp", "train.eval_ema=0.9"], "train.eval_ema = 0.9")])
 def test_plan_refuses_the_sharding_options_a_run_refuses(capsys, overrides, key):
     """`plan --set train.cpu_offload=true` (without train.shard: fsdp) said 'fits: yes' for a config that `run`
