@@ -128,7 +128,11 @@ def test_a_damaged_line_before_the_last_names_the_file_and_the_line(tmp_path):
     assert list(read_jsonl(path)) == [{"iteration": 0}]
 
 
-@pytest.mark.parametrize("verb, extra", [("snapshot", []), ("profile", ["--method", "full", "--active", "1"])])
+# the profile as short as it goes: what is tested is where it writes, not what it records
+PROFILE_ONE_STEP = ["--method", "full", "--phase", "train", "--wait", "0", "--warmup", "0", "--active", "1"]
+
+
+@pytest.mark.parametrize("verb, extra", [("snapshot", []), ("profile", PROFILE_ONE_STEP)])
 def test_snapshot_and_profile_refuse_a_folder_of_other_files_and_rerun_into_their_own(tmp_path, capsys, verb, extra):
     sets = [a for o in SMALL for a in ("--set", o)]
     home = tmp_path / "home"
