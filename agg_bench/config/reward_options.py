@@ -6,7 +6,7 @@ the refusals of :func:`reward_options` (an unknown key, a wrong type, NaN, a val
 not given, a path that names nothing this user can use: one ConfigError naming ``reward.options.<key>``), made
 when a run config is checked (:func:`agg_bench.runtime.config_check.check_config`: ``agg-bench run``, ``plan``, a
 cell's jobs and the sweep's check before any job starts) and again by each reward as it is built, and the option
-tables of ``docs/rewards.md`` (:mod:`agg_bench.methods.option_tables`). What only the files can tell (that a
+tables of ``docs/configuration.md`` (:mod:`agg_bench.config.docs`). What only the files can tell (that a
 checkpoint exists and holds the model) is the reward's to say when it loads them.
 
 A reward registered by other code (a method's module) is not listed here: its options are its own to check.
@@ -25,19 +25,21 @@ from .options import MAX_BATCH, Options, option_names, typed_options
 from .sections import option
 
 SCENE_PARTS = ("color", "shape", "position", "count")  # the scene reward's sub-scores (reward_<part>)
+SCENE_WEIGHTS = "null or a mapping of color, shape, position, count to numbers >= 0, not all 0"
 
-# what the learned rewards' files are (their refusals name them too)
+# what the learned rewards' files are (their refusals when loading them name them too)
 CLIP_MODEL = "a folder with a transformers CLIP model (config.json + model.safetensors or pytorch_model.bin)"
 CLIP_PROCESSOR = "a folder with the CLIP processor files (preprocessor_config.json, tokenizer files)"
 CLIP_TOKENIZER = "a folder with CLIP tokenizer files (vocab.json + merges.txt, or tokenizer.json)"
 
 
 def path_option(doc: str, file: bool, required: bool = True) -> Any:
-    """A ``file`` (else a folder) the reward loads: a string, as written (no ``~`` expanded); null where not given,
-    which a ``required`` one refuses."""
+    """A ``file`` (else a folder) the reward loads: a string, never empty (which would name the current folder), as
+    written (no ``~`` expanded), in the words of the run config's path keys (``prompts.file``); null where not
+    given, which a ``required`` one refuses."""
     kind = "a file's path" if file else "a folder's path"
-    expected = f"{kind} (required: null is refused)" if required else f"{kind} or null"
-    return dataclasses.field(default=None, metadata={"doc": doc, "constraints": {"expected": expected},
+    expected = f"{kind} (required: null is refused)" if required else f"{kind}, or null"
+    return dataclasses.field(default=None, metadata={"doc": doc, "constraints": {"min_length": 1, "expected": expected},
                                                      "path": {"file": file, "required": required}})
 
 
@@ -56,8 +58,7 @@ class RewardOptions(Options):
                 continue
             if value is None:
                 raise ConfigError(f"reward.options.{f.name}", value, f"{f.metadata['doc']}, which this reward loads")
-            problem = "an empty path would mean the current folder" if value == "" else \
-                named_path_problem(value, path["file"])
+            problem = named_path_problem(value, path["file"])
             if problem is not None:
                 raise ConfigError(f"reward.options.{f.name}", value, f"{f.metadata['doc']} ({problem})")
 
@@ -86,7 +87,7 @@ class SceneOptions(RewardOptions):
         None, "each sub-score's weight in the reward: null, their plain mean; a mapping of some of `color`, "
               "`shape`, `position`, `count` to numbers >= 0, not all 0 (an unnamed one weighs 0: what the reward "
               "does not see)",
-        expected="null or a mapping of color, shape, position, count to numbers >= 0, not all 0")
+        expected=SCENE_WEIGHTS)
 
     def check(self) -> None:
         value = self.weights
@@ -95,8 +96,7 @@ class SceneOptions(RewardOptions):
                 or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
                        for w in value.values())
                 or not sum(value.values()) > 0):
-            raise ConfigError("reward.options.weights", value,
-                              "null or a mapping of color, shape, position, count to numbers >= 0, not all 0")
+            raise ConfigError("reward.options.weights", value, SCENE_WEIGHTS)
 
 
 @dataclass
@@ -181,4 +181,5 @@ def reward_options(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
     return {key: getattr(typed, key) for key in option_names(cls)}
 
 
-__all__ = ["REWARD_OPTIONS", "RewardOptions", "SCENE_PARTS", "reward_options"]
+__all__ = ["CLIP_MODEL", "CLIP_PROCESSOR", "CLIP_TOKENIZER", "REWARD_OPTIONS", "RewardOptions", "SCENE_PARTS",
+           "reward_options"]

@@ -25,11 +25,10 @@ from PIL import Image
 
 from ...errors import UserError
 from ..hf_logging import quiet_loading
+from ...config.reward_options import CLIP_MODEL, CLIP_PROCESSOR
 from ..rewards import to_uint8
 from .common import (ClipTransform, feature_dtype, first_line, load_pretrained, require_package, require_path,
                      reward_dtype)
-
-MODEL_FOLDER = "a folder with a transformers CLIP model (config.json + model.safetensors or pytorch_model.bin)"
 
 
 def _load(reward: str, model_class, model_dir: Path, quiet: bool, **kwargs):
@@ -45,12 +44,12 @@ def _load(reward: str, model_class, model_dir: Path, quiet: bool, **kwargs):
                                                       ignore_mismatched_sizes=True, **kwargs)
     except Exception as err:  # OSError, ValueError, safetensors errors for a missing or corrupt weights file
         raise UserError(f"reward {reward!r}: cannot load a {model_class.__name__} from '{model_dir}' "
-                        f"({first_line(err)}); expected {MODEL_FOLDER}") from None
+                        f"({first_line(err)}); expected {CLIP_MODEL}") from None
     absent = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
     if absent:
         raise UserError(f"reward {reward!r}: '{model_dir}' does not hold a complete {model_class.__name__}; "
                         f"missing or mis-shaped weights {absent[:5]}{' ...' if len(absent) > 5 else ''}; "
-                        f"expected {MODEL_FOLDER}")
+                        f"expected {CLIP_MODEL}")
     return model
 
 
@@ -62,15 +61,14 @@ class HFClip:
 
     def __init__(self, reward: str, options: Mapping, device, transform: str, vision_only: bool = False):
         transformers = require_package(reward, "transformers")
-        model_dir = require_path(reward, options, "model", MODEL_FOLDER)
-        processor_dir = require_path(reward, options, "processor", "a folder with the CLIP processor files",
-                                     default=str(model_dir))
+        model_dir = require_path(reward, options, "model", CLIP_MODEL)
+        processor_dir = require_path(reward, options, "processor", CLIP_PROCESSOR, default=str(model_dir))
         self.device, self.dtype = torch.device(device), reward_dtype(options)
         try:
             config = transformers.AutoConfig.from_pretrained(str(model_dir))
         except Exception as err:  # OSError / ValueError / JSON errors for a missing or broken config.json
             raise UserError(f"reward {reward!r}: cannot read a model config in '{model_dir}' ({first_line(err)}); "
-                            f"expected {MODEL_FOLDER}") from None
+                            f"expected {CLIP_MODEL}") from None
         accepted = ("clip", "clip_vision_model") if vision_only else ("clip",)
         if config.model_type not in accepted:
             raise UserError(f"reward {reward!r}: '{model_dir}' holds a {config.model_type!r} model; "
@@ -84,11 +82,10 @@ class HFClip:
         else:
             self.model = _load(reward, transformers.CLIPModel, model_dir, quiet=False, dtype=self.dtype)
         self.model.to(self.device).eval().requires_grad_(False)
-        processor_files = "a folder with the CLIP processor files (preprocessor_config.json, tokenizer files)"
-        processor = load_pretrained(reward, transformers.CLIPImageProcessorPil, processor_dir, processor_files)
+        processor = load_pretrained(reward, transformers.CLIPImageProcessorPil, processor_dir, CLIP_PROCESSOR)
         self.preprocess = hf_transform(processor) if transform == "hf" else openai_transform(reward, processor)
         self.tokenizer = None if vision_only else load_pretrained(reward, transformers.CLIPTokenizer, processor_dir,
-                                                                 processor_files)
+                                                                 CLIP_PROCESSOR)
 
     def image_features(self, images: torch.Tensor) -> torch.Tensor:
         """L2-normalised projected image embeddings (B, D), float32 (float64 for a float64 model)."""

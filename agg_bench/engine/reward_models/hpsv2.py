@@ -38,14 +38,14 @@ from torch import nn
 
 from ...errors import UserError
 from ...jsonfiles import read_json_object
-from ...config.reward_options import reward_options
+from ...config.reward_options import CLIP_TOKENIZER, reward_options
 from .common import (CLIP_MEAN, CLIP_STD, ClipTransform, feature_dtype, load_pretrained,
                      load_state_dict, load_weights, make_reward_fn, option_path, require_package, require_path,
                      reward_dtype)
 
 REWARD = "hpsv2"
 CHECKPOINT = "the HPSv2 state dict (HPS_v2.1_compressed.pt, or .safetensors)"
-TOKENIZER = "a folder with CLIP tokenizer files (vocab.json + merges.txt, or tokenizer.json)"
+TOKENIZER = CLIP_TOKENIZER
 
 MODEL_CONFIGS = {
     "ViT-H-14": {
