@@ -272,16 +272,9 @@ class Training:
         try:
             fields = run_iteration(self.session, self.telemetry, iteration)
         except Exception as exc:  # an OOM ends the run but not the sweep
-            memory: dict | None
-            if isinstance(exc, distributed.PeerFailure):
-                oom, memory = exc.is_oom, exc.memory
-            else:
-                oom = tel.is_oom_error(exc)
-                memory = tel.memory_at_failure(self.session.device) if oom else None
-            distributed.report_failure(exc, memory)
-            if not oom:
+            memory = self._out_of_memory(exc)
+            if memory is None:
                 raise
-            assert memory is not None  # taken for every out-of-memory error above
             self._write(new_record(self.identity, {"iteration": iteration}, self.telemetry.record(), memory,
                                    status="oom"))
             return "oom", None
@@ -315,6 +308,21 @@ class Training:
                 print(evaluated, file=sys.stderr, flush=True)
         return evaluated if isinstance(evaluated, tuple) else None
 
+    def _out_of_memory(self, exc: Exception) -> dict | None:
+        """The allocator's state when ``exc`` (this process's failure, or another process's that reached this one)
+        is out of memory, else None; ``exc`` told to the other processes either way
+        (:func:`~agg_bench.machine.distributed.report_failure`), so that none waits for this one alone."""
+        memory: dict | None
+        if isinstance(exc, distributed.PeerFailure):
+            oom, memory = exc.is_oom, exc.memory
+        else:
+            oom = tel.is_oom_error(exc)
+            memory = tel.memory_at_failure(self.session.device) if oom else None
+        distributed.report_failure(exc, memory)
+        if oom:
+            assert memory is not None  # taken for every out-of-memory error above, and sent with another's
+        return memory if oom else None
+
     def _write(self, record: dict) -> None:
         """Append ``record`` to ``metrics.jsonl`` (rank 0), keep its line for the checkpoints and add its
         numbers to the TensorBoard events."""
@@ -340,13 +348,7 @@ class Training:
             with tel.PhaseTimer(self.session.device) as timer, self.session.evaluated_weights():
                 scores, _ = self.evaluation.evaluate()
         except Exception as exc:  # out of memory in the evaluation ends the run as in an iteration: oom, not a bug
-            if isinstance(exc, distributed.PeerFailure):
-                oom = exc.is_oom
-            else:
-                oom = tel.is_oom_error(exc)
-                if oom:
-                    distributed.report_failure(exc, tel.memory_at_failure(self.session.device))
-            if not oom:
+            if self._out_of_memory(exc) is None:
                 raise
             return "oom", f"out of memory in the evaluation after {done} iterations: {type(exc).__name__}: {exc}" \
                 .splitlines()[0]
