@@ -225,8 +225,7 @@ def _written_as(cfg: RunConfig, dotted: str, value: Any) -> bool:
     population``), stands for what ``cfg`` says today: every key it stands for equal to ``cfg``'s. Such a
     snapshot's config.json reads upgraded, and its rollout.json must read the same way."""
     section, key = dotted.split(".")
-    now = written_before(section, key, value)
-    return now is not None and all(getattr(getattr(cfg, section), name) == want for name, want in now.items())
+    return written_before(section, key, value) is not None and _older_value_differs(cfg, dotted, value) is None
 
 
 def _older_value_differs(cfg: RunConfig, dotted: str, value: Any) -> tuple[str, Any, Any] | None:
