@@ -231,8 +231,6 @@ def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path
 
 
 @pytest.mark.parametrize("value, words", [
-    ("{device: gpu}", "pretrain.sd3-scenes: config error: device = 'gpu': expected cpu, cuda or cuda:N"),
-    ("{threads: -1}", "pretrain.sd3-scenes: config error: threads = -1: expected an integer from 0 to 1024"),
     # a value the pretrain job is given as the text '7' (its --set quoted): read as the number 7 here, it passed the
     # dry run and failed the job
     ("{seed: '7'}", "pretrain.sd3-scenes: config error: seed = '7': expected an integer"),
@@ -243,7 +241,7 @@ def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path
 def test_a_pretrain_entry_that_its_config_refuses_is_one_line(tmp_path, value, words):
     """A pretrain entry whose config or set the pretrain command refuses ended Snakemake's dry run in an
     InputFunctionException traceback of the job's threads; one line names the entry and the key, nothing is
-    written."""
+    written. (Its other refusals, read by the same function, in-process below.)"""
     from test_pipeline import refusal, snakemake, workdir
 
     work = workdir(tmp_path)
@@ -251,6 +249,21 @@ def test_a_pretrain_entry_that_its_config_refuses_is_one_line(tmp_path, value, w
                      f"pretrain={{sd3-scenes: {{config: config/pretrain.yaml, set: {value}}}}}")
     assert words in refusal(proc), proc.stderr
     assert not (work / "results").exists()
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"device": "gpu"}, "sweep config: pretrain.sd3-scenes: config error: device = 'gpu': expected cpu, cuda or "
+     "cuda:N (N: a GPU index from 0 to 127 in decimal digits, e.g. cuda:1)"),
+    ({"threads": -1}, "sweep config: pretrain.sd3-scenes: config error: threads = -1: expected an integer from 0 "
+     "to 1024"),
+])
+def test_a_pretrain_entrys_refusals_name_the_entry_and_the_key(value, words):
+    """What the workflow's dry run reads each pretrain entry with (the test above shows the wiring)."""
+    from agg_bench.tools.pretrain import sweep_entry_config
+
+    with pytest.raises(UserError) as err:
+        sweep_entry_config("sd3-scenes", {"config": str(ROOT / "config" / "pretrain.yaml"), "set": value})
+    assert str(err.value) == words
 
 
 def test_evaluation_columns_by_hand():
