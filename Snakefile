@@ -62,10 +62,10 @@ for CELL in SWEEP.cells:
     use_run_settings(workflow, workflow.get_rule(SWEEP.cell_rule(CELL)))
 
 
-# a job that takes no GPU (a CPU device's) asks a cluster for none: no gpu_model, cpus_per_gpu or GPU partition
-# from the SLURM profile, whose per-rule settings cannot tell a rule's CPU jobs from its GPU jobs
+# a job that takes no GPU (a CPU device's) asks a cluster for none: no gpu_model, cpus_per_gpu, GPU partition or
+# GPU node's memory from the SLURM profile, whose per-rule settings cannot tell a rule's CPU jobs from its GPU jobs
 for RULE in workflow.rules:
-    drop_gpu_settings_without_gpus(RULE.resources)
+    drop_gpu_settings_without_gpus(RULE.resources, workflow.resource_settings._parsed_default_resources)
 
 
 # a cell job and a run job leave their journal (agg-bench cell --keep-journal, agg-bench run --journal) for a rerun

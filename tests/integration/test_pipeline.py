@@ -164,19 +164,28 @@ def job_resources(stdout: str) -> list[tuple[str, dict[str, str]]]:
 def test_the_slurm_profiles_run_resources_reach_the_cell_jobs(tmp_path):
     """The SLURM profile's set-resources name rule `run`, but a cell job (a one-GPU device's runs in one process,
     config/h200.yaml) has a rule of its own name, so Snakemake gave it the default resources: 60 minutes, 16 GB
-    and any GPU model for a job of a dozen runs. A cell job gets the `run` entry, as a run job does."""
+    and any GPU model for a job of a dozen runs. A cell job gets the `run` entry, as a run job does. A CPU
+    device's cell job takes no GPU, and asked for the entry's memory of a GPU node (128 GB) all the same: it
+    asks for the profile's default mem_mb."""
     pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
     work = workdir(tmp_path)
     profile = yaml.safe_load((work / "workflow/profiles/slurm/config.yaml").read_text())
     expected = {key: str(value) for key, value in profile["set-resources"]["run"].items()}
-    proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/h200.yaml")
+    proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/h200.yaml",
+                     "--config", "devices={cpu: {device: cpu, gpus: 0, threads: 4}}")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     jobs = job_resources(proc.stdout)
-    cells = [(rule, res) for rule, res in jobs if rule.startswith("cell_") and rule != "cell_jobs"]
+    cells = [(rule, res) for rule, res in jobs if rule.startswith("cell_") and rule.endswith("_h200")]
     assert len(cells) == 8
     for rule, res in cells:
         assert {key: res.get(key) for key in expected} == expected, rule
         assert res["gpu"] == "1", rule  # the GPUs still from the sweep's device
+    cpu_cells = [(rule, res) for rule, res in jobs if rule.startswith("cell_") and rule.endswith("_cpu")]
+    assert len(cpu_cells) == 8
+    for rule, res in cpu_cells:
+        assert (res["gpu"], res["mem_mb"], res["runtime"]) == ("0", str(profile["default-resources"]["mem_mb"]),
+                                                               expected["runtime"]), rule
+        assert not {"gpu_model", "cpus_per_gpu", "slurm_partition"} & set(res), rule
     # the jobs that do no run's work keep the defaults
     (_, cell_jobs), *_ = [job for job in jobs if job[0] == "cell_jobs"]
     assert (cell_jobs["runtime"], cell_jobs["mem_mb"], "gpu_model" in cell_jobs) == ("60", "16000", False)

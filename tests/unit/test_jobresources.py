@@ -41,9 +41,42 @@ def test_a_job_without_gpus_goes_to_the_cpu_partition_where_one_is_named():
     assert settings_for(rule, 1)["slurm_partition"] == "gpu"
 
 
+def gpu_entry_rule(**extra):
+    """A rule as the SLURM profile leaves it: the default resources, then the rule's entry (a GPU node's memory)."""
+    rule = resources.Resources.from_mapping({"gpu": lambda wildcards: int(wildcards["gpus"]), "mem_mb": 16000})
+    for name, text in {"gpu_model": "h100", "slurm_partition": "gpu", "mem_mb": "128000", **extra}.items():
+        rule[name] = resources.Resource.from_cli_expression(name, text)
+    return rule
+
+
+def test_a_job_without_gpus_asks_for_the_default_memory_not_the_gpu_entrys():
+    """A CPU job of a rule with a GPU entry asked for that entry's mem_mb (128 GB for a run, sized for a GPU node); it
+    asks for the profile's default mem_mb, as a job of a rule without an entry does, while a GPU job's is unchanged."""
+    defaults = resources.Resources.parse(["mem_mb=16000", "runtime=60"], allow_expressions=True)
+    rule = gpu_entry_rule()
+    drop_gpu_settings_without_gpus(rule, defaults)
+    assert settings_for(rule, 0) == {"gpu": 0, "mem_mb": 16000}
+    assert settings_for(rule, 1) == {"gpu": 1, "mem_mb": 128000, "gpu_model": "h100", "slurm_partition": "gpu"}
+    # memory given as mem (a size) or mem_mib is the same resource
+    rule = gpu_entry_rule()
+    drop_gpu_settings_without_gpus(rule, resources.Resources.parse(["mem=8G"], allow_expressions=True))
+    assert settings_for(rule, 0)["mem_mb"] == 8000
+
+
+def test_a_job_without_gpus_asks_for_cpu_mem_mb_where_it_is_set():
+    defaults = resources.Resources.from_mapping({"mem_mb": 16000})
+    rule = gpu_entry_rule(cpu_mem_mb="32000")
+    drop_gpu_settings_without_gpus(rule, defaults)
+    assert settings_for(rule, 0)["mem_mb"] == 32000 and settings_for(rule, 2)["mem_mb"] == 128000
+    # no cpu_mem_mb and no default memory: the rule's own
+    rule = gpu_entry_rule()
+    drop_gpu_settings_without_gpus(rule, resources.Resources.from_mapping({}))
+    assert settings_for(rule, 0)["mem_mb"] == 128000
+
+
 def test_rules_without_a_gpu_resource_or_the_settings_are_left_alone():
     rule = resources.Resources.from_mapping({"mem_mb": 100, "slurm_partition": "gpu"})
-    drop_gpu_settings_without_gpus(rule)
+    drop_gpu_settings_without_gpus(rule, resources.Resources.from_mapping({"mem_mb": 16000}))
     assert settings_for(rule, 0) == {"mem_mb": 100, "slurm_partition": "gpu"}
     local = resources.Resources.from_mapping({"gpu": 0})
     drop_gpu_settings_without_gpus(local)
