@@ -14,6 +14,13 @@ Which devices exist, in order of precedence:
   to the first entry that names no device (``-1``, SLURM's ``NoDevFiles``);
 - NVML's device count (``nvidia-ml-py``), else none.
 
+Inside a SLURM job (``SLURM_JOB_ID`` set) that SLURM gave devices through ``CUDA_VISIBLE_DEVICES``, those are
+the job's and win: ``AGG_BENCH_GPUS`` may only narrow them, naming a subset of their ids as
+``CUDA_VISIBLE_DEVICES`` names them (a count ``n`` names ids 0 to n-1). Anything else, such as an
+``AGG_BENCH_GPUS=8`` exported in a shell profile for a workstation, is refused in one line naming both
+variables: the pool would hand out ids the job does not own, which the job's ``CUDA_VISIBLE_DEVICES``, replaced by
+the lease's, no longer hides (another job's device, or one the job's cgroup forbids).
+
 Lock files live in ``AGG_BENCH_GPU_LOCK_DIR`` (default ``$TMPDIR/agg-bench-gpus-$USER``). Inside a
 SLURM job the folder gets the job id appended: SLURM already gives each job its own devices, and two
 jobs on one node may both see their (different) device as ``0``.
@@ -96,22 +103,42 @@ def _parse_ids(text: str, source: str) -> list[str]:
     return parts
 
 
+def _cuda_devices(text: str) -> list[str]:
+    """The devices CUDA sees of ``CUDA_VISIBLE_DEVICES=text``: those listed before the first entry that names none
+    (set but empty, -1, or SLURM's NoDevFiles, a job given no GPU, means no GPU; 0,1,-1,2 means 0 and 1)."""
+    ids = []
+    for part in text.split(","):
+        if not _is_device_id(part.strip()):
+            break
+        ids.append(part.strip())
+    return ids
+
+
 def visible_devices(environ: dict[str, str] | None = None) -> list[str]:
-    """The device ids jobs on this machine may take (see the module docstring for the precedence)."""
+    """The device ids jobs on this machine may take (see the module docstring for the precedence, and for
+    ``AGG_BENCH_GPUS`` inside a SLURM job)."""
     env = os.environ if environ is None else environ
-    if env.get(ENV_DEVICES, "").strip():
-        return _parse_ids(env[ENV_DEVICES], ENV_DEVICES)
     cuda = env.get("CUDA_VISIBLE_DEVICES")
-    if cuda is not None:
-        # CUDA sees the devices listed before the first entry that names none: set but empty, -1, or SLURM's
-        # NoDevFiles (a job given no GPU) means no GPU, and 0,1,-1,2 means 0 and 1
-        ids = []
-        for part in cuda.split(","):
-            if not _is_device_id(part.strip()):
-                break
-            ids.append(part.strip())
+    if env.get(ENV_DEVICES, "").strip():
+        ids = _parse_ids(env[ENV_DEVICES], ENV_DEVICES)
+        if env.get("SLURM_JOB_ID") and cuda is not None:
+            _check_within_job(ids, env[ENV_DEVICES], cuda, env["SLURM_JOB_ID"])
         return ids
+    if cuda is not None:
+        return _cuda_devices(cuda)
     return [str(i) for i in range(_nvml_count())]
+
+
+def _check_within_job(ids: list[str], text: str, cuda: str, job: str) -> None:
+    """A UserError naming both variables unless ``ids`` (``AGG_BENCH_GPUS=text``'s) are devices of SLURM job ``job``,
+    whose ``CUDA_VISIBLE_DEVICES`` is ``cuda``."""
+    owned = _cuda_devices(cuda)
+    outside = [device for device in ids if device not in owned]
+    if outside:
+        raise UserError(f"environment variable {ENV_DEVICES}={quote(text.strip())} names device(s) "
+                        f"{quote(','.join(outside))} that this SLURM job (SLURM_JOB_ID={quote(job)}) was not given: "
+                        f"its CUDA_VISIBLE_DEVICES={quote(cuda)}; expected a subset of those ids, or {ENV_DEVICES} "
+                        "unset inside the job (the job's devices)")
 
 
 def default_lock_dir(environ: dict[str, str] | None = None) -> Path:

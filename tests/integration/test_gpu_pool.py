@@ -37,6 +37,47 @@ def test_cuda_visible_devices_ends_at_the_first_entry_that_names_no_device():
     assert visible_devices({"CUDA_VISIBLE_DEVICES": mig}) == [mig]
 
 
+def test_inside_a_slurm_job_agg_bench_gpus_only_narrows_the_jobs_devices():
+    """SLURM gives a job its devices through CUDA_VISIBLE_DEVICES; an AGG_BENCH_GPUS exported for a workstation
+    (8) took precedence, and the pool handed out ids the job was not given, which the lease's CUDA_VISIBLE_DEVICES
+    then showed the job. A subset of the job's ids narrows them; anything else is refused naming both variables."""
+    job = {"SLURM_JOB_ID": "42", "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert visible_devices(job) == ["2", "3"]
+    assert visible_devices({**job, "AGG_BENCH_GPUS": "3,2"}) == ["3", "2"]
+    assert visible_devices({**job, "AGG_BENCH_GPUS": " "}) == ["2", "3"]
+    for value, outside in (("8", "0,1,4,5,6,7"), ("0,1,2,3", "0,1"), ("2", "0,1")):
+        with pytest.raises(UserError) as err:
+            visible_devices({**job, "AGG_BENCH_GPUS": value})
+        assert str(err.value) == (
+            f"environment variable AGG_BENCH_GPUS={value!r} names device(s) {outside!r} that this SLURM job "
+            "(SLURM_JOB_ID='42') was not given: its CUDA_VISIBLE_DEVICES='2,3'; expected a subset of those ids, or "
+            "AGG_BENCH_GPUS unset inside the job (the job's devices)")
+    # a count names ids 0 to n-1, which is a subset where SLURM numbers the job's devices from 0
+    assert visible_devices({**job, "CUDA_VISIBLE_DEVICES": "0,1,2,3", "AGG_BENCH_GPUS": "2"}) == ["0", "1"]
+    uuid = "MIG-0c9d7e6f-1a2b-3c4d-5e6f-7a8b9c0d1e2f"
+    assert visible_devices({**job, "CUDA_VISIBLE_DEVICES": uuid, "AGG_BENCH_GPUS": uuid}) == [uuid]
+    # a job given no GPU (NoDevFiles) owns none
+    with pytest.raises(UserError, match="names device\\(s\\) '0' that this SLURM job"):
+        visible_devices({**job, "CUDA_VISIBLE_DEVICES": "NoDevFiles", "AGG_BENCH_GPUS": "1"})
+    # outside a SLURM job, or in one SLURM gave no CUDA_VISIBLE_DEVICES, AGG_BENCH_GPUS is the machine's devices
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "2,3", "AGG_BENCH_GPUS": "8"}) == [str(i) for i in range(8)]
+    assert visible_devices({"SLURM_JOB_ID": "42", "AGG_BENCH_GPUS": "2"}) == ["0", "1"]
+
+
+def test_the_command_line_refuses_devices_outside_the_slurm_job_before_locking(tmp_path, monkeypatch, capsys):
+    from agg_bench.machine import gpus
+
+    monkeypatch.setattr(gpus.os, "execvpe", lambda *args: pytest.fail("the command ran"))
+    for name, value in {"SLURM_JOB_ID": "42", "CUDA_VISIBLE_DEVICES": "0", "AGG_BENCH_GPUS": "0,1,2,3",
+                        "AGG_BENCH_GPU_LOCK_DIR": str(tmp_path / "locks")}.items():
+        monkeypatch.setenv(name, value)
+    assert gpus.main(["--count", "1", "--", "true"]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith("agg-bench gpus: environment variable AGG_BENCH_GPUS='0,1,2,3' names device(s) '1,2,3'")
+    assert "CUDA_VISIBLE_DEVICES='0'" in line
+    assert not (tmp_path / "locks").exists()
+
+
 def test_an_nvml_that_cannot_count_its_devices_means_none(monkeypatch):
     """A driver that initialises but fails the count (a GPU fallen off the bus) is no device, not a traceback."""
     import types
