@@ -1,7 +1,12 @@
 """NVML sampling (nvidia-ml-py, imported only when a CUDA device is measured): GPU utilisation, power
 and energy of the GPU a run uses, sampled on a background thread (``NVMLSampler``) and summarised per
 phase (``NVMLSummary``). Part of the run's telemetry (:mod:`agg_bench.machine.telemetry`, which
-re-exports these names); without NVML or a GPU every value is None, never 0."""
+re-exports these names); without NVML or a GPU every value is None, never 0.
+
+On a MIG instance (``CUDA_VISIBLE_DEVICES=MIG-<uuid>``) only the instance's memory is its own: NVML gives its
+utilisation no number, and power and energy only for the whole GPU, which other instances' jobs share. The
+sampler reads the instance's memory and leaves the rest None; a whole GPU in MIG mode (what CUDA names where it
+gives the GPU's UUID for an instance) is not read at all."""
 from __future__ import annotations
 
 import threading
@@ -26,10 +31,9 @@ def _normalize_uuid(uuid: Any) -> str:
     return text.replace("-", "")
 
 
-def _nvml_index_for(nvml: Any, cuda_index: int) -> int | None:
-    """NVML index of the GPU torch calls ``cuda:cuda_index``, matched by UUID (so that
-    ``CUDA_VISIBLE_DEVICES`` renumbering is respected); None when no NVML device matches."""
-    wanted = _normalize_uuid(torch.cuda.get_device_properties(cuda_index).uuid)
+def _nvml_index_for(nvml: Any, wanted: str) -> int | None:
+    """NVML index of the whole GPU whose UUID is ``wanted`` (as :func:`_normalize_uuid` writes it), so that
+    ``CUDA_VISIBLE_DEVICES`` renumbering is respected; None when no NVML device matches."""
     for nvml_index in range(nvml.nvmlDeviceGetCount()):
         handle = nvml.nvmlDeviceGetHandleByIndex(nvml_index)
         if _normalize_uuid(nvml.nvmlDeviceGetUUID(handle)) == wanted:
@@ -37,17 +41,44 @@ def _nvml_index_for(nvml: Any, cuda_index: int) -> int | None:
     return None
 
 
+def _mig_handle_for(nvml: Any, wanted: str) -> Any:
+    """NVML handle of the MIG instance whose UUID is ``wanted`` (as :func:`_normalize_uuid` writes it), which NVML's
+    index list of whole GPUs does not hold; None where there is none."""
+    if len(wanted) != 32:
+        return None
+    dashed = f"{wanted[:8]}-{wanted[8:12]}-{wanted[12:16]}-{wanted[16:20]}-{wanted[20:]}"
+    try:
+        return nvml.nvmlDeviceGetHandleByUUID(f"MIG-{dashed}")
+    except Exception:  # not a MIG instance, or an NVML without MIG
+        return None
+
+
+def _in_mig_mode(nvml: Any, handle: Any) -> bool:
+    """Whether the whole GPU ``handle`` is split into MIG instances: a process then runs on one of them, and the
+    GPU's readings are every instance's."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except Exception:  # a GPU without MIG (NVML: not supported), or an NVML without the call
+        return False
+    return bool(current == getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1))
+
+
+# what NVML measures for a whole GPU only: on a MIG instance these are other jobs' too (or not supported)
+WHOLE_GPU_ONLY = frozenset({"utilization", "power", "energy"})
+
+
 @dataclass
 class NVMLSummary:
     """What an ``NVMLSampler`` saw between start and stop; every field None when NVML was unusable.
 
-    nvml_peak_used_bytes: largest ``memory.used`` sampled; NVML counts every process on the GPU.
-    gpu_util_mean: mean of the sampled ``utilization.gpu`` percentages.
-    power_mean_w: mean of the sampled power draws, in watts.
+    nvml_peak_used_bytes: largest ``memory.used`` sampled; NVML counts every process on the GPU (on a MIG
+        instance, on the instance).
+    gpu_util_mean: mean of the sampled ``utilization.gpu`` percentages; None on a MIG instance.
+    power_mean_w: mean of the sampled power draws, in watts; None on a MIG instance (the whole GPU's power).
     energy_j: energy between start and stop, from the difference of the GPU's total-energy counter,
         or from integrating the sampled power over time (trapezoids) where that counter is unsupported or
         went down between them; never negative, and None where neither covers the whole window (the power
-        readings failed part-way: the handle went, or NVML did).
+        readings failed part-way: the handle went, or NVML did), and on a MIG instance.
     n_samples: number of samples taken.
     """
 
@@ -65,9 +96,10 @@ class NVMLSampler:
     """Background thread that polls NVML for one GPU every ``interval_s`` between start and stop.
 
     Takes one sample on start and one on stop, so even a block shorter than the interval has data.
-    The GPU is the one torch calls ``device``, found by UUID. When ``pynvml`` is missing, NVML fails
-    to initialize, no NVML device matches, or ``device`` is not CUDA, the sampler does nothing and its
-    summary is all None; a quantity the GPU does not support is None on its own.
+    The GPU is the one torch calls ``device``, found by UUID: a whole GPU (``nvml_index``), or a MIG instance
+    (``mig``; ``nvml_index`` None), of which only the memory is read. When ``pynvml`` is missing, NVML fails
+    to initialize, no NVML device matches, the match is a whole GPU in MIG mode, or ``device`` is not CUDA, the
+    sampler does nothing and its summary is all None; a quantity the GPU does not support is None on its own.
 
     ``clock`` (seconds, monotonic) times the power samples for the energy fallback.
     """
@@ -89,6 +121,7 @@ class NVMLSampler:
         self._nvml: Any = None
         self._handle: Any = None
         self.nvml_index: int | None = None
+        self.mig = False
         self._unsupported: set[str] = set()
         self._summary = NVMLSummary()
         self._open()
@@ -110,15 +143,25 @@ class NVMLSampler:
             pynvml.nvmlInit()
         except Exception:
             return
+        mig = False
         try:
-            index = _nvml_index_for(pynvml, cuda_index(self.device))
-            handle = None if index is None else pynvml.nvmlDeviceGetHandleByIndex(index)
+            wanted = _normalize_uuid(torch.cuda.get_device_properties(cuda_index(self.device)).uuid)
+            index = _nvml_index_for(pynvml, wanted)
+            if index is None:
+                handle = _mig_handle_for(pynvml, wanted)
+                mig = handle is not None
+            else:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                if _in_mig_mode(pynvml, handle):
+                    index = handle = None
         except Exception:
             index = handle = None
         if handle is None:
             _shutdown_quietly(pynvml)
             return
-        self._nvml, self._handle, self.nvml_index = pynvml, handle, index
+        self._nvml, self._handle, self.nvml_index, self.mig = pynvml, handle, index, mig
+        if mig:  # never asked, so that no driver's answer for the whole GPU is taken for the instance's
+            self._unsupported.update(WHOLE_GPU_ONLY)
 
     def _clear(self) -> None:
         self._n_samples = 0

@@ -5,7 +5,8 @@ benchmark, a test or the training loop can wrap any block with it. ``Telemetry``
 the per-iteration fields of a metric record.
 
 A value that does not apply on a device is ``None``, never 0: on CPU there is no allocator peak, no
-NVML and no energy reading, and a table must be able to tell "not measured" from "zero".
+NVML and no energy reading, on a MIG instance no utilisation, power or energy of its own (:mod:`.nvml`), and a
+table must be able to tell "not measured" from "zero".
 
 This module holds the timers, the memory peaks, the failure helpers and the ``Telemetry`` facade; the
 saved-activation trackers live in :mod:`.activations`, NVML sampling in :mod:`.nvml` and the run's

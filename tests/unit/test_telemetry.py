@@ -269,6 +269,119 @@ def test_nvml_degrades_to_none(monkeypatch, fake_cuda, how):
     sampler.close()
 
 
+class FakeMigNVML(FakeNVML):
+    """One A100 split into MIG instances, as NVML shows it to a process that CUDA_VISIBLE_DEVICES=MIG-<uuid> gives
+    one of them: nvmlDeviceGetCount and nvmlDeviceGetHandleByIndex list the whole GPU (whose readings are every
+    instance's: memory used by all of them, the board's power and energy); nvmlDeviceGetHandleByUUID finds an
+    instance by its MIG UUID, whose memory is its own and whose utilization, power and energy NVML does not
+    support."""
+
+    PARENT = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
+    INSTANCE = "MIG-bbbbbbbb-5555-6666-7777-888888888888"
+
+    def __init__(self, instance_used, power_on_instance=None):
+        super().__init__([self.PARENT], memory_used=itertools.repeat(70_000_000_000), util=itertools.repeat(90),
+                         power_mw=itertools.repeat(400_000), energy_mj=itertools.count(0, 1_000_000))
+        self.instance_used = iter(instance_used)
+        self.power_on_instance = power_on_instance  # a driver that answers the board's power for an instance
+        self.instance_queries: list[str] = []
+
+    def module(self) -> types.ModuleType:
+        module = super().module()
+        whole = {name: getattr(module, name) for name in (
+            "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage",
+            "nvmlDeviceGetTotalEnergyConsumption")}
+        instance = ("mig", 0)
+
+        def not_supported(name):
+            def read(handle):
+                if handle != instance:
+                    return whole[name](handle)
+                self.instance_queries.append(name)
+                if name == "nvmlDeviceGetPowerUsage" and self.power_on_instance is not None:
+                    return self.power_on_instance
+                raise module.NVMLError_NotSupported("Not Supported")
+            return read
+
+        def memory(handle):
+            if handle != instance:
+                return whole["nvmlDeviceGetMemoryInfo"](handle)
+            self.instance_queries.append("nvmlDeviceGetMemoryInfo")
+            return SimpleNamespace(used=next(self.instance_used))
+
+        def by_uuid(uuid):
+            if uuid.lower() == self.INSTANCE.lower():
+                return instance
+            raise module.NVMLError_NotFound("Not Found")
+
+        module.NVMLError_NotSupported = type("NVMLError_NotSupported", (FakeNVMLError,), {})
+        module.NVMLError_NotFound = type("NVMLError_NotFound", (FakeNVMLError,), {})
+        module.NVML_DEVICE_MIG_ENABLE = 1
+        module.nvmlDeviceGetMigMode = lambda handle: [1, 1]
+        module.nvmlDeviceGetHandleByUUID = by_uuid
+        module.nvmlDeviceGetUUID = lambda handle: self.INSTANCE if handle == instance else self.PARENT
+        module.nvmlDeviceGetMemoryInfo = memory
+        for name in ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage",
+                     "nvmlDeviceGetTotalEnergyConsumption"):
+            setattr(module, name, not_supported(name))
+        return module
+
+
+def cuda_device_uuid(monkeypatch, uuid: str) -> None:
+    """torch's one visible device has ``uuid`` (as CUDA reports it: no GPU-/MIG- prefix)."""
+    properties = SimpleNamespace(uuid=FakeCudaUuid(uuid.split("-", 1)[1]))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.mark.parametrize("power_on_instance", [None, 400_000])
+def test_a_mig_instance_records_its_own_memory_and_none_of_the_whole_gpus_readings(monkeypatch, power_on_instance):
+    """CUDA_VISIBLE_DEVICES=MIG-<uuid>: CUDA names the device by its MIG UUID, which no whole GPU of NVML's index
+    list has, so the sampler measured nothing; the instance's memory is its own (found by nvmlDeviceGetHandleByUUID),
+    while utilization, power and energy are the whole GPU's, which other instances share: null, never asked for,
+    even where a driver would answer them."""
+    fake = install(monkeypatch, FakeMigNVML(instance_used=[1_000, 3_000, 2_000], power_on_instance=power_on_instance))
+    cuda_device_uuid(monkeypatch, FakeMigNVML.INSTANCE)
+    sampler = NVMLSampler("cuda:0", NEVER_S)
+    assert sampler.available and sampler.nvml_index is None
+    sampler.start()
+    sampler.sample()
+    summary = sampler.stop()
+    sampler.close()
+    assert summary == NVMLSummary(nvml_peak_used_bytes=3_000, n_samples=3)
+    assert fake.queried_handles == set()  # the whole GPU: never read
+    assert set(fake.instance_queries) == {"nvmlDeviceGetMemoryInfo"}
+    assert fake.shutdown_calls == fake.init_calls == 1
+
+
+def test_a_whole_gpu_in_mig_mode_is_not_read_as_the_runs_device(monkeypatch):
+    """Where CUDA names the device by its GPU's UUID (drivers or CUDA versions before MIG UUIDs), the matching NVML
+    device is the whole GPU, whose memory, utilization, power and energy are every instance's: the summary is all
+    null rather than another job's numbers as this run's."""
+    fake = install(monkeypatch, FakeMigNVML(instance_used=[]))
+    cuda_device_uuid(monkeypatch, FakeMigNVML.PARENT)
+    with NVMLSampler("cuda:0", NEVER_S) as sampler:
+        pass
+    assert not sampler.available and sampler.summary() == NVMLSummary()
+    assert fake.queried_handles == set() and fake.instance_queries == []
+    assert fake.shutdown_calls == fake.init_calls == 1
+
+
+def test_a_run_record_on_a_mig_instance_has_nulls_not_the_whole_gpus_numbers(monkeypatch):
+    """What a run's record holds on a MIG instance: its memory, and null where NVML has only the whole GPU's."""
+    gpu = FakeCudaClock(monkeypatch)
+    FakeAllocator().install(monkeypatch)
+    install(monkeypatch, FakeMigNVML(instance_used=itertools.repeat(5_000)))
+    cuda_device_uuid(monkeypatch, FakeMigNVML.INSTANCE)
+    with Telemetry("cuda", nvml_interval_s=NEVER_S) as tel:
+        with tel.iteration():
+            with tel.phase("train"):
+                gpu.advance(100.0)
+        record = tel.record()
+    assert record["nvml_peak_used_bytes"] == 5_000 and record["t_train_s"] == 0.1
+    assert (record["gpu_util_mean"], record["power_mean_w"], record["energy_j"]) == (None, None, None)
+
+
 # --------------------------------------------------------------------------------------------------
 # SavedActivations
 # --------------------------------------------------------------------------------------------------
