@@ -29,6 +29,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 from .. import stopping
 from ..config import RunConfig, TrainConfig
 from ..errors import ConfigError, UserError, first_message_line, quote
+from ..io import file_identity
 from ..jsonfiles import MAX_CONFIG_BYTES, JsonFileError, read_json_object
 from ..machine import fsdp
 from ..machine.activations import saved_activation_region
@@ -591,15 +592,6 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
     return transformer, vae, scheduler_config
 
 
-def _inode(path: str) -> tuple[int, int] | None:
-    """The (device, inode) of the folder at ``path``, None where there is none: another after a replacement."""
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return None
-    return stat.st_dev, stat.st_ino
-
-
 def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "float32",
                 device: str | torch.device = "cpu", seed: int = 0, architecture: str | None = None) -> Policy:
     """Build the tiny preset, a public ``architecture`` with random weights (preset ``random``, created on
@@ -610,12 +602,14 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
     scheduler_config = None
     if pretrained:
         # agg-bench pretrain replaces its folder whole (the earlier one renamed aside, the new one in): a folder being
-        # written, or replaced while read, is refused rather than loaded from two models or from none
+        # written, or replaced while read, is refused rather than loaded from two models or from none. Its
+        # modification time counts as well as its inode: a part renamed into it (a new transformer/) changes only
+        # that, and a folder removed and made again may get the freed inode back.
         check_not_written(pretrained, "model.pretrained", lock_inside=False)
-        before = _inode(pretrained)
+        before = file_identity(pretrained)
         transformer, vae, scheduler_config = load_pretrained(family, pretrained, prec.param_dtype)
         check_not_written(pretrained, "model.pretrained", lock_inside=False)
-        if _inode(pretrained) != before:
+        if file_identity(pretrained) != before:
             raise UserError(f"model.pretrained {pretrained}: replaced by another process while it was loaded; run "
                             "again once it is written")
     elif preset == "tiny":

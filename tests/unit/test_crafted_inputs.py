@@ -336,8 +336,8 @@ def test_a_dynamic_shift_is_the_folder_s_at_the_run_s_resolution(model, tmp_path
 def test_a_model_folder_being_written_or_replaced_meanwhile_is_not_loaded(model, tmp_path, capsys, monkeypatch):
     """agg-bench pretrain replaces its --out whole, the earlier folder renamed aside and the new one in: a run that
     loaded the folder meanwhile read it from two models, or found none. A folder whose claim another process holds
-    is one line naming it and the PID, before anything is loaded; one replaced while it was loaded is refused after;
-    once the writer is done it loads."""
+    is one line naming it and the PID, before anything is loaded; one replaced while it was loaded, whole or a part
+    renamed into it, is refused after; once the writer is done it loads."""
     from agg_bench.engine import models
     from agg_bench.outdir import Busy
 
@@ -362,10 +362,19 @@ def test_a_model_folder_being_written_or_replaced_meanwhile_is_not_loaded(model,
         shutil.copytree(tmp_path / "aside", folder)
         return parts
 
-    monkeypatch.setattr(models, "load_pretrained", replaced_meanwhile)
-    with pytest.raises(UserError, match="replaced by another process while it was loaded"):
-        Session(model_config(folder))
-    monkeypatch.undo()
+    def part_replaced_meanwhile(family, pretrained, dtype):
+        # a new transformer/ renamed into the folder: the folder keeps its inode, and the model loaded was the old one
+        parts = real(family, pretrained, dtype)
+        shutil.copytree(folder / "transformer", tmp_path / "transformer")
+        os.replace(folder / "transformer", tmp_path / "old")
+        os.replace(tmp_path / "transformer", folder / "transformer")
+        return parts
+
+    for replace in (replaced_meanwhile, part_replaced_meanwhile):
+        monkeypatch.setattr(models, "load_pretrained", replace)
+        with pytest.raises(UserError, match="replaced by another process while it was loaded"):
+            Session(model_config(folder))
+        monkeypatch.undo()
     assert Session(model_config(folder)).policy is not None
 
 
