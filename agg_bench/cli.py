@@ -18,14 +18,11 @@ MAX_PROFILE_STEPS = 1000
 
 
 def path_arg(text: str) -> Path:
-    """The type of every file or folder argument of every verb: a path, never the empty string (which the
-    OS reads as the current folder, so that ``--runs ''`` would read it and ``--out ''`` write into it), nor
-    one that can name no file (a name too long for the file system) nor one behind a folder this user may not
-    search (:func:`~agg_bench.outdir.named_path_problem`). A refusal is
-    argparse's one line naming the option, exit code 2."""
-    if not text:
-        raise argparse.ArgumentTypeError("'': expected a file or folder name (an empty path would mean the "
-                                         "current folder)")
+    """The type of every file or folder argument of every verb: a path that names something this user can use
+    (:func:`~agg_bench.outdir.named_path_problem`): never the empty string (which the OS reads as the current
+    folder, so that ``--runs ''`` would read it and ``--out ''`` write into it), nor one that can name no file (a
+    name too long for the file system) nor one behind a folder this user may not search. A refusal is argparse's
+    one line naming the option, exit code 2."""
     problem = named_path_problem(text)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{quote(text)}: {problem}; expected a file or folder name")
@@ -34,7 +31,8 @@ def path_arg(text: str) -> Path:
 
 def file_arg(text: str) -> Path:
     """:func:`path_arg` for a file a verb writes: a path that ends with ``/`` names a folder (pathlib drops the
-    slash, so such a path was written as a file named after the folder)."""
+    slash, so such a path was written as a file named after the folder). Every other refusal is path_arg's, in
+    its words; the second look finds only the slash."""
     path = path_arg(text)
     problem = named_path_problem(text, file=True)
     if problem is not None:

@@ -250,12 +250,20 @@ NAME_MAX = 255  # bytes of one name of a path (Linux's file systems; macOS's too
 PATH_MAX = 4096  # bytes of a path a system call takes (Linux)
 
 
+# why an empty path names nothing of the user's: the system reads it as the current folder (`--out $DIR` with DIR
+# unset trained into it), never as "none"
+EMPTY_PATH = "an empty path, which names the current folder"
+
+
 def path_problem(text: str) -> str | None:
-    """Why the text ``text`` can name no file or folder, or None: a NUL character (which ends a path for the
-    system), a character without bytes in the file system's encoding (a lone surrogate of a JSON string), a
-    name of more than :data:`NAME_MAX` bytes or a path of more than :data:`PATH_MAX` (every system call on it
-    fails with "File name too long"), or a first name ``~`` (a home folder no shell expanded: quoted, or written
-    in a file; the path would be a folder named ``~`` in the current one)."""
+    """Why the text ``text`` can name no file or folder, or None: the empty text (:data:`EMPTY_PATH`), a NUL
+    character (which ends a path for the system), a character without bytes in the file system's encoding (a
+    lone surrogate of a JSON string), a name of more than :data:`NAME_MAX` bytes or a path of more than
+    :data:`PATH_MAX` (every system call on it fails with "File name too long"), or a first name ``~`` (a home
+    folder no shell expanded: quoted, or written in a file; the path would be a folder named ``~`` in the
+    current one)."""
+    if text == "":
+        return EMPTY_PATH
     if "\0" in text:
         return "holds a NUL character, which no file name can"
     if text == "~" or text.startswith("~/"):

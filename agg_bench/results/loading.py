@@ -22,7 +22,8 @@ from ..config import ModelConfig, TrainConfig, bound, weights_label
 from ..errors import ConfigError, UserError, quote
 from ..io import file_identity, path_text
 from ..jsonfiles import check_path, read_json_object
-from ..outdir import LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, path_problem, reach_problem
+from ..outdir import (LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, named_path_problem,
+                      reach_problem)
 from ..reading import RunFolder
 from ..records import (GRADCHECK_OPTION_DEFAULTS, OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS,
                        is_finite_number, is_integer)
@@ -132,11 +133,8 @@ COUNT = (lambda v: is_number(v) and 0 <= v <= MAX_COUNT, "a number >= 0 and <= 1
 # a calibration's batch: the samples of the batch it timed, each process's share under torchrun
 BATCH = (lambda v: is_integer(v) and 1 <= v <= MAX_COUNT, "an integer >= 1 (the samples calibrate timed)")
 # manifest section -> (its entry class, the key every entry needs, the keys an entry may have)
-# a file or folder an entry names: '' would be the current folder; a path no system call takes (a NUL, a lone
-# surrogate, a name over 255 bytes, an unexpanded ~: outdir.path_problem) names none
-PATH = (lambda v: isinstance(v, str) and v != "" and path_problem(v) is None,
-        "a file or folder name (an empty path would mean the current folder; no NUL character or lone surrogate, "
-        "names of at most 255 bytes, no leading ~: no shell expands it here)")
+# a file or folder an entry names: text, which then names something this user can use (outdir.named_path_problem)
+PATH = (lambda v: isinstance(v, str), "a file or folder name")
 # a row's resolution: what a run config's model.resolution may be
 RESOLUTION = (lambda v: is_integer(v) and 1 <= v <= bound(ModelConfig, "resolution"),
               f"an integer from 1 to {bound(ModelConfig, 'resolution'):,}")
@@ -182,9 +180,10 @@ def load_manifest(path: str | Path) -> Manifest:
                 if key not in keys:
                     raise UserError(f"{where}: unknown key {key!r}; expected some of {', '.join(keys)}")
                 _check(f"{where}.{key}", value, keys[key], nullable=key != required)
-            problem = reach_problem(entry[required])
+            problem = named_path_problem(entry[required])
             if problem is not None:
-                raise UserError(f"{where}.{required} = {quote(entry[required])}: {problem}")
+                raise UserError(f"{where}.{required} = {quote(entry[required])}: {problem}; expected a file or "
+                                "folder name")
             sections[section].append(entry_class(**{**entry, required: Path(entry[required])}))
     warmup = check_warmup(data.get("warmup", 1), f"manifest {path}: warmup")
     return Manifest(sections["runs"], sections["gradcheck"], warmup,

@@ -91,11 +91,6 @@ def job_entry(config: str | None, overrides: list[str], out: str, done: str | No
     return entry
 
 
-def _kind(value: Any) -> str:
-    """What ``value`` is in JSON's words, an empty string as such ("an empty string", "a number", ...)."""
-    return "an empty string" if value == "" else json_type(value)
-
-
 def _keys(unknown: list[str]) -> str:
     """"unknown key 'x'" or "unknown keys 'x', 'y'" (each quoted, the first 12)."""
     shown = ", ".join(quote(key) for key in unknown[:12]) + (", ..." if len(unknown) > 12 else "")
@@ -110,15 +105,16 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
     if unknown:
         raise UserError(f"{path}: {where}: {_keys(unknown)} (allowed in a run: {', '.join(ENTRY_KEYS)})")
     config, overrides, out = entry.get("config"), entry.get("set", []), entry.get("out")
-    if config is not None and not (isinstance(config, str) and config):
-        raise UserError(f"{path}: {where}.config is {_kind(config)}; expected a run config file or null")
+    # an empty path is refused by check_path_names below, in the words of every path's refusal
+    if config is not None and not isinstance(config, str):
+        raise UserError(f"{path}: {where}.config is {json_type(config)}; expected a run config file or null")
     if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
         raise UserError(f"{path}: {where}.set is {json_type(overrides)}; expected a list of KEY=VALUE strings")
-    if not (isinstance(out, str) and out):
-        raise UserError(f"{path}: {where}.out is {_kind(out)}; expected the run folder")
+    if not isinstance(out, str):
+        raise UserError(f"{path}: {where}.out is {json_type(out)}; expected the run folder")
     done = entry.get("done")
-    if done is not None and not (isinstance(done, str) and done):
-        raise UserError(f"{path}: {where}.done is {_kind(done)}; expected a marker file or null")
+    if done is not None and not isinstance(done, str):
+        raise UserError(f"{path}: {where}.done is {json_type(done)}; expected a marker file or null")
     if done is not None and done.endswith("/"):  # pathlib drops the slash: the marker was a file of that name
         raise UserError(f"{path}: {where}.done {quote(done)}: ends with /, which names a folder; expected a marker "
                         "file or null")

@@ -107,12 +107,14 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
     if unknown:
         raise UserError(f"{where}: unknown key {unknown[0]!r} (allowed in a calibration: {', '.join(ENTRY_KEYS)})")
     config, overrides = entry.get("config"), entry.get("set", [])
-    if config is not None and not (isinstance(config, str) and config):
+    # an empty path is refused by check_path_names below, in the words of every path's refusal (a test of its
+    # truth here said that '' "is a string")
+    if config is not None and not isinstance(config, str):
         raise UserError(f"{where}.config is {json_type(config)}; expected a run config file or null")
     if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
         raise UserError(f"{where}.set is {json_type(overrides)}; expected a list of KEY=VALUE strings")
     for key in ("out", "report"):
-        if not (isinstance(entry.get(key), str) and entry[key]):
+        if not isinstance(entry.get(key), str):
             raise UserError(f"{where}.{key} is {json_type(entry.get(key))}; expected a file")
     methods = entry.get("methods")
     if not (isinstance(methods, dict) and methods):
@@ -131,7 +133,7 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
     for label, folder in runs.items():
         if label not in methods:
             raise UserError(f"{where}.runs: {label!r} is not one of the methods ({', '.join(map(repr, methods))})")
-        if not (isinstance(folder, str) and folder):
+        if not isinstance(folder, str):
             raise UserError(f"{where}.runs.{label} is {json_type(folder)}; expected the method's run folder")
     check_path_names(where, [("config", config), ("out", entry["out"]), ("report", entry["report"]),
                              *((f"runs.{label}", folder) for label, folder in runs.items())])

@@ -89,9 +89,9 @@ def run(out: Path, *overrides: str) -> dict:
     # a key of the file other than runs was ignored, and the runs ran
     (lambda t: {"runs": [run(t / "a")], "x": 1}, ["jobs.json: unknown key 'x' (allowed: runs, the list of runs; calibrations, the calibrations to take after them)"]),
     # an empty string was "a string"
-    (lambda t: {"runs": [{**run(t / "a"), "out": ""}]}, ["runs[0].out is an empty string; expected the run folder"]),
-    (lambda t: {"runs": [{**run(t / "a"), "config": ""}]}, ["runs[0].config is an empty string; expected a run config"]),
-    (lambda t: {"runs": [{**run(t / "a"), "done": ""}]}, ["runs[0].done is an empty string; expected a marker file"]),
+    (lambda t: {"runs": [{**run(t / "a"), "out": ""}]}, ["runs[0].out '': an empty path, which names the current folder"]),
+    (lambda t: {"runs": [{**run(t / "a"), "config": ""}]}, ["runs[0].config '': an empty path, which names the"]),
+    (lambda t: {"runs": [{**run(t / "a"), "done": ""}]}, ["runs[0].done '': an empty path, which names the current"]),
     (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "set": "seed=1"}]}, ["runs[1].set", "a string", "KEY=VALUE"]),
     (lambda t: {"runs": [run(t / "a"), run(t / "a")]}, ["runs[1].out", "also runs[0].out"]),
     # issue 37: a run folder inside another's, in either order, is refused before either run writes

@@ -271,6 +271,11 @@ PLACES = [
     ("a long name", lambda tmp, r, e: e.update(config="c" * 300), "calibrations[0].config 'ccc"),
     ("a run's long name", lambda tmp, r, e: r.update(out=str(tmp / ("r" * 300))), "runs[0].out '"),
     ("a run's marker's NUL", lambda tmp, r, e: r.update(done="d\0"), "runs[0].done 'd\\x00': holds a NUL"),
+    # an empty path (the current folder) was said to be "a string"
+    ("an empty report", lambda tmp, r, e: e.update(report=""),
+     "calibrations[0].report '': an empty path, which names the current folder; expected a file or folder name"),
+    ("an empty config", lambda tmp, r, e: e.update(config=""), "calibrations[0].config '': an empty path"),
+    ("an empty run folder", lambda tmp, r, e: e.update(runs={"full": ""}), "calibrations[0].runs.full '': an empty"),
 ]
 
 

@@ -301,7 +301,8 @@ def test_a_manifest_entry_with_an_empty_path_is_refused(run, tmp_path, capsys, m
     before = tree(tmp_path)
     line = fails(capsys, [verb, "--manifest", str(manifest), "--tables", str(tmp_path / "tables")])
     key = "dir" if section == "runs" else "file"
-    assert f"manifest {manifest}: {section}[0].{key} = '': expected a file or folder name" in line
+    assert f"manifest {manifest}: {section}[0].{key} = '': an empty path, which names the current folder; expected " \
+           "a file or folder name" in line, line
     assert tree(tmp_path) == before
 
 
@@ -310,8 +311,8 @@ def test_a_manifest_entry_with_an_unexpanded_home_is_refused(run, tmp_path, caps
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"runs": [{"dir": "~/runs/a", "method": "full", "seed": 0}]}))
     line = fails(capsys, ["report", "--manifest", str(manifest), "--tables", str(tmp_path / "tables")])
-    assert f"manifest {manifest}: runs[0].dir = '~/runs/a': expected a file or folder name" in line, line
-    assert "no leading ~" in line, line
+    assert f"manifest {manifest}: runs[0].dir = '~/runs/a': starts with ~, which names the home folder only" in line, line
+    assert line.endswith("; expected a file or folder name"), line
     assert not (tmp_path / "tables").exists()
 
 
@@ -572,7 +573,7 @@ def test_a_run_folder_file_that_is_no_regular_file_is_refused_unread(run, tmp_pa
 
 
 @pytest.mark.parametrize("section, key, value, words", [
-    ("runs", "dir", "run\0x", "runs[0].dir = 'run\\x00x': expected a file or folder name"),
+    ("runs", "dir", "run\0x", "runs[0].dir = 'run\\x00x': holds a NUL character"),
     ("runs", "dir", "r" * 300, "runs[0].dir = 'rrrr"),
     ("calibration", "file", "c" * 300, "calibration[0].file = 'cccc"),
     ("runs", "resolution", 10**30, f"runs[0].resolution = {10**30}: expected an integer from 1 to 4,096 or null"),
