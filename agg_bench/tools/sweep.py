@@ -45,7 +45,7 @@ from ..config import (YamlRefused, check_data_parallel, check_expanded_size, che
                       check_schema, dotted_value, load_config, read_yaml_mapping, run_schema, yaml_load)
 from ..engine.families import architecture, check_own_schedule, check_resolution
 from ..errors import ConfigError, UserError, clip, quote
-from ..io import atomic_path
+from ..io import write_text
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Contents, check_folder, named_path_problem
 from ..outputs import (IMPORT_CONTENTS, LEARNING_CONTENTS, PRETRAIN_CONTENTS, REPORT_CONTENTS, RUN_CONTENTS,
@@ -598,9 +598,7 @@ def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Pat
         raise UserError(answer["error"])
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = atomic_path(cached)
-        tmp.write_text(json.dumps(answer))
-        os.replace(tmp, cached)
+        write_text(cached, json.dumps(answer))
     return answer["options"]
 
 
