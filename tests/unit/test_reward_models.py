@@ -332,3 +332,16 @@ def test_a_json_config_file_that_is_not_a_json_object_is_one_clear_error(name, o
     code, stderr = run_cli(tmp_path, capsys, name, {**assets[name], option: str(path)})
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and problem in stderr, stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value, words", [(None, "reward.options.checkpoint is not given; expected the file"),
+                                          ("", "reward.options.checkpoint = '': an empty path, which names the "
+                                               "current folder; expected the file")])
+def test_a_reward_path_not_given_or_empty_is_not_the_current_folder(value, words):
+    """require_path read null (no default) and '' as Path(''), the current folder, which exists: a builder given
+    options without their check took it for its file."""
+    from agg_bench.engine.reward_models.common import require_path
+
+    with pytest.raises(UserError) as err:
+        require_path("hpsv2", {"checkpoint": value}, "checkpoint", "the file")
+    assert words in str(err.value), err.value

@@ -66,7 +66,11 @@ def require_path(reward: str, options: Mapping, key: str, what: str, default: st
 
     ``what`` describes the expected content, e.g. "the HPSv2 checkpoint file (.pt)".
     """
-    path = Path(options.get(key) or default or "")
+    value = options.get(key)
+    value = default if value is None else value
+    if value is None:  # Path("") would be the current folder, which exists
+        raise UserError(f"reward {reward!r}: reward.options.{key} is not given; expected {what}")
+    path = option_path(reward, key, value, what)  # '' too refused as every path is
     if not path.exists():
         raise UserError(f"reward {reward!r}: reward.options.{key} = '{path}' does not exist; expected {what}")
     return path
