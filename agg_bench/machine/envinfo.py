@@ -67,6 +67,15 @@ def _driver_version() -> str | None:
         _shutdown_quietly(pynvml)
 
 
+def measured_on(device: torch.device) -> dict[str, Any]:
+    """What a run on ``device`` measures with, in :func:`environment`'s keys: the code (``source_digest``), the
+    GPU (``gpu_name``, None on the CPU) and the CPU model (``cpu_model``). A resumed run continues only where the
+    run folder's env.json names the same (:func:`agg_bench.runtime.runfolder.machine_change`)."""
+    return {"source_digest": source_digest(),
+            "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "cpu_model": _cpu_model()}
+
+
 def environment(device: torch.device | None = None) -> dict[str, Any]:
     """The machine and software a result was measured on, for ``env.json`` and every benchmark row.
 

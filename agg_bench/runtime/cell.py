@@ -37,7 +37,8 @@ failed runs. With ``--keep-journal`` (the workflow's cell jobs) an attempt that 
 for the caller to remove once it has recorded the job's end (the workflow, once Snakemake has recorded it): a cell job that
 ended after Snakemake itself was killed (``kill -9`` of snakemake leaves its jobs running), which Snakemake
 reruns as incomplete, then keeps every run instead of running them all again. The run the stop cut short continues from its last checkpoint (``train.checkpoint_every``),
-as ``agg-bench run --resume-stopped`` continues it, when its config and code are unchanged.
+as ``agg-bench run --resume-stopped`` continues it, when its config, code and kind of machine are unchanged
+(:func:`~agg_bench.runtime.runfolder.stopped_attempt`); a kept run is whole, its env.json the machine it ran on.
 
 This module imports no torch at module level: the workflow's parse (:mod:`agg_bench.tools.sweep`)
 writes job files with :func:`job_entry`.

@@ -58,8 +58,9 @@ FORMAT = 1
 SAME_RUN_CHANGES = ("progress", "train.checkpoint_every", "telemetry.tensorboard")
 # Config keys that may differ between a run and its resumption: those above, and keys that change what is
 # measured or how far the run goes but not the iterations' numbers (the device may: a run can move to another
-# machine; numbers then follow that device's arithmetic). A finished run rerun with other values of these
-# is another run: its records would differ.
+# device of the same kind, or be requeued onto another node; the code and the kind of machine are checked apart,
+# runfolder.machine_change). A finished run rerun with other values of these is another run: its records would
+# differ.
 RESUMABLE_CHANGES = (*SAME_RUN_CHANGES, "device", "telemetry", "train.iterations", "train.budget")
 
 

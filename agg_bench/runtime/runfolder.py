@@ -31,8 +31,10 @@ killed run leaves whole files. The rules, in the order a run meets them:
    nothing but the harness's files inside ``tensorboard/`` and the shard folders, which a run removes. An earlier attempt of the same config,
    or one that never finished (no ``summary.json``, as when Snakemake reruns a job), is replaced; a
    finished run of another config only with ``--overwrite``; ``--resume`` with a checkpoint compares the
-   config with the checkpoint's instead. The claim locks the folder against a second writer for the
-   whole run and removes the folder it made if the run fails before writing into it.
+   config with the checkpoint's instead, and continues only on the code and the kind of machine ``env.json``
+   names (:func:`machine_change`), so that one run's records never come from two. The claim locks the folder
+   against a second writer for the whole run and removes the folder it made if the run fails before writing
+   into it.
 2. **Starting** (:func:`start_files`, :func:`write_plan`). An earlier attempt's summary, a killed
    process's temporaries and, unless resuming, its checkpoint go, and its ``tensorboard/`` folder unless
    this attempt continues it; then ``config.json``, ``env.json``, ``metrics.jsonl`` (holding the records a
@@ -43,18 +45,19 @@ killed run leaves whole files. The rules, in the order a run meets them:
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import DEFAULTS
-from ..errors import UserError
+from ..errors import UserError, counted, quote
 from ..io import JsonlWriter, is_temp_name, write_json, write_lines
-from ..machine.envinfo import environment
+from ..machine.devices import resolve_device
+from ..machine.envinfo import environment, measured_on
 from ..outdir import Claim, remove_owned
 from ..outputs import EVENTS_CONTENTS, EVENTS_FOLDER, SHARD_CONTENTS, check_run_folder
 from ..reading import RunFolder
 from ..records import EVALUATIONS_FILE
-from ..sources import source_digest
 from .checkpoint import RESUMABLE_CHANGES, SAME_RUN_CHANGES, SHARDS_PREFIX, checkpoint_path, first_difference
 
 if TYPE_CHECKING:
@@ -66,10 +69,16 @@ def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> Non
     not write, or a symbolic link (:func:`~agg_bench.outdir.check_folder`), a run's file names without a
     run's config, and (unless ``overwrite``) a finished run of another config: another but in the keys a
     resumed run may change (:data:`RESUMABLE_CHANGES`) when resuming from a checkpoint, which is checked
-    against the config itself where it is loaded. Reads only."""
+    against the config itself where it is loaded; resuming from a checkpoint, a folder whose ``env.json`` names
+    other code or another kind of machine than this run's (:func:`machine_change`). Reads only."""
     previous = check_run_folder(out)
     if previous is None:
         return
+    if resume and checkpoint_path(out).is_file():
+        change = machine_change(RunFolder(out).env(), resolve_device(config["device"]))
+        if change is not None:
+            raise UserError(f"--resume: {out}: {change}: start it over with --overwrite in place of --resume, or "
+                            "give another folder")
     if overwrite or not (out / "summary.json").is_file():
         return
     # a checkpoint is compared with the config where it is loaded; here the run the folder holds is, so that a
@@ -98,20 +107,83 @@ def stopped_attempt(out: Path, config: dict) -> bool:
     checkpoint to continue from: a ``checkpoint.pt``; no ``summary.json`` (a killed process, or a workflow
     that removed it with the job's other outputs) or one that says ``interrupted``; a ``config.json`` that
     differs from ``config`` at most in the keys a resumed run may change (:data:`RESUMABLE_CHANGES`); and an
-    ``env.json`` written by this code (its ``source_digest``), so that one run's records never come from two
-    versions of it. What ``agg-bench run --resume-stopped`` continues; a run that ended (ok, oom, diverged,
-    error) or any other folder starts over. Reads only; a folder it cannot read is not such an attempt."""
+    ``env.json`` written by this code (its ``source_digest``) on this kind of machine (:func:`machine_change`),
+    so that one run's records never come from two versions of it or two machines. What ``agg-bench run
+    --resume-stopped`` continues; a run that ended (ok, oom, diverged, error) or any other folder starts over.
+    Reads only; a folder it cannot read is not such an attempt."""
     if not checkpoint_path(out).is_file():
         return False
     folder = RunFolder(out)
     try:
         status = folder.summary().get("status")
         previous, env = folder.config_object(), folder.env()
+        change = machine_change(env, resolve_device(config["device"]))
     except UserError:
         return False
-    if status not in (None, "interrupted") or env.get("source_digest") != source_digest():
+    if status not in (None, "interrupted") or change is not None:
         return False
     return first_difference(previous, config, RESUMABLE_CHANGES, DEFAULTS) is None
+
+
+def machine_change(env: dict, device: torch.device) -> str | None:
+    """How the code and the kind of machine a run folder's ``env`` (its env.json) names differ from what this
+    process measures with on ``device`` (:func:`~agg_bench.machine.envinfo.measured_on`), in words; None where
+    they do not, so that the folder's records and a resumed attempt's would come from one version of the code
+    and one kind of machine. The machine is the GPU a run measured on, or for a run on the CPU the CPU model:
+    timings depend on either. Host names and library versions are not compared: a run requeued onto another node
+    of the same kind continues."""
+    now = measured_on(device)
+    before = env.get("source_digest")
+    if before != now["source_digest"]:
+        said = f"source_digest {_short(before)}" if before is not None else "no source_digest"
+        return (f"env.json names {said}, this code {_short(now['source_digest'])}; a resumed run's records would "
+                "come from two versions of the code")
+    before, after = _machine(env), _machine(now)
+    if before != after:
+        return f"env.json says {before}, this machine {after}; a resumed run's records would come from two machines"
+    return None
+
+
+# the identity fields of a record that name the hardware it was measured on
+HARDWARE_KEYS = ("device", "gpu_name", "n_gpus")
+
+
+def check_resumed_records(out: Path, lines: list[str], identity: dict) -> None:
+    """Refuse to continue a checkpoint's records (``lines``, JSON lines of iterations 0 to k) that were measured on
+    other hardware than a run of ``identity`` measures on: another kind of device, GPU or number of GPUs (a run's
+    records say it; its env.json names rank 0's GPU, not how many processes ran, and a checkpoint may be continued
+    in a folder without one)."""
+    before = {key: json.loads(lines[0]).get(key) for key in HARDWARE_KEYS}
+    after = {key: identity[key] for key in HARDWARE_KEYS}
+    if before != after:
+        raise UserError(f"--resume: {checkpoint_path(out)}: its records were measured on {_hardware(before)}, this "
+                        f"run on {_hardware(after)}; a resumed run's records would come from two machines: start it "
+                        "over with --overwrite in place of --resume, or give another folder")
+
+
+def _hardware(fields: dict) -> str:
+    """The hardware a record's :data:`HARDWARE_KEYS` name, in words."""
+    if fields["device"] != "cuda":
+        return "the CPU" if fields["device"] == "cpu" else f"device {quote(fields['device'])}"
+    count = fields["n_gpus"]
+    gpus = counted(count, "GPU") if type(count) is int else f"GPUs {quote(count)}"
+    gpu = fields["gpu_name"]
+    return f"{gpus} ({gpu if isinstance(gpu, str) else quote(gpu)})"
+
+
+def _machine(env: dict) -> str:
+    """The GPU an env.json names, or where it names none (a run on the CPU), its CPU model, in words."""
+    gpu, cpu = env.get("gpu_name"), env.get("cpu_model")
+    if gpu is not None:
+        return gpu if isinstance(gpu, str) else quote(gpu)
+    if cpu is None:
+        return "the CPU (no model named)"
+    return f"the CPU {cpu if isinstance(cpu, str) else quote(cpu)}"
+
+
+def _short(digest: object) -> str:
+    """A source digest for a message: its first 12 characters (a hash's, enough to tell two apart)."""
+    return f"{digest[:12]}..." if isinstance(digest, str) and len(digest) > 12 else quote(digest)
 
 
 def remove_stale_files(out_dir: str | Path, keep_checkpoint: bool, keep_events: bool) -> None:

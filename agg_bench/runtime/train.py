@@ -173,6 +173,8 @@ class Training:
         self.saved_at = self.restored.iteration if self.restored is not None else None  # the checkpoint's iteration
         self.run_id = cfg.run_id or folder_run_id(out)
         self.identity = identity(cfg, self.run_id, session.device, shard.world_size)
+        if self.restored is not None:  # rank 0's hardware is the one its records name; every process follows
+            distributed.on_main(runfolder.check_resumed_records, out, self.restored.records, self.identity)
         # a job log (not a terminal) gets one line per iteration instead of a bar it cannot redraw
         self.log_lines = shard.is_main and not sys.stderr.isatty()
         self.telemetry: tel.Telemetry | None = None

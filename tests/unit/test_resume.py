@@ -305,6 +305,10 @@ CRAFTED = {
         lambda s: next(iter(s["optimizer"]["state"].values())).update(exp_avg=torch.zeros(7)), "optimizer state"),
     "random states of another kind": (lambda s: s["rng"].update(torch=torch.zeros(3)), "rng.torch"),
     "shard folder outside the run": (lambda s: s.update(shards="../../elsewhere"), "shards"),
+    # a checkpoint continued in a folder whose env.json says nothing of its records (copied in, say)
+    "records of another machine": (lambda s: s.update(records=[
+        json.dumps({**json.loads(line), "device": "cuda", "gpu_name": "NVIDIA H100 80GB HBM3", "n_gpus": 2})
+        for line in s["records"]]), "measured on 2 GPUs (NVIDIA H100 80GB HBM3), this run on the CPU"),
 }
 
 
@@ -323,3 +327,57 @@ def test_a_crafted_checkpoint_is_refused_in_one_line_and_nothing_is_touched(case
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and CHECKPOINT_NAME in err[0] and expected in err[0] and "Traceback" not in err[0], err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+# what env.json says of the attempt that wrote the checkpoint, and what a refusal to resume it then says
+OTHER_MACHINE = {
+    "GPU": ({"gpu_name": "NVIDIA H100 80GB HBM3"}, "env.json says NVIDIA H100 80GB HBM3, this machine the CPU"),
+    "CPU model": ({"cpu_model": "Another CPU 9000"}, "env.json says the CPU Another CPU 9000, this machine the CPU"),
+    "code": ({"source_digest": "0" * 64}, "env.json names source_digest 000000000000..., this code"),
+    "no env.json": (None, "env.json names no source_digest"),
+}
+
+
+def _moved(checkpointed, out: Path, change: dict | None) -> dict:
+    """A copy of the checkpointed run at ``out`` whose env.json ``change`` edits (None: removes); its files' bytes."""
+    import shutil
+
+    shutil.copytree(checkpointed[0], out)
+    if change is None:
+        (out / "env.json").unlink()
+    else:
+        env = json.loads((out / "env.json").read_text())
+        (out / "env.json").write_text(json.dumps({**env, **change}))
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+
+@pytest.mark.parametrize("case", list(OTHER_MACHINE))
+def test_resume_on_another_machine_or_code_is_refused_and_nothing_is_touched(case, checkpointed, tmp_path, capsys):
+    """--resume continued a run started on another GPU (or CPU, or by other code) and rewrote env.json with this
+    machine's: the records then came from two machines while env.json named one. It is refused in one line naming
+    both, exit 2, the folder as it was; a workflow's --resume-stopped starts such an attempt over instead."""
+    from agg_bench.runtime.runfolder import stopped_attempt
+
+    out = tmp_path / "run"
+    change, expected = OTHER_MACHINE[case]
+    before = _moved(checkpointed, out, change)
+    capsys.readouterr()
+    assert main(["run", *checkpointed[1], "--set", "train.iterations=3", "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"agg-bench run: --resume: {out}: {expected}"), err
+    assert "--overwrite" in err[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    (out / "summary.json").unlink()  # a killed attempt, which --resume-stopped would continue on this machine
+    assert not stopped_attempt(out, load_config(None, [*SMALL, "train.iterations=3"]).to_dict())
+
+
+def test_resume_on_another_host_of_the_same_kind_continues(checkpointed, tmp_path):
+    """A job requeued onto another node with the same GPU (here the CPU) and code continues its run."""
+    from agg_bench.runtime.runfolder import stopped_attempt
+
+    out = tmp_path / "run"
+    _moved(checkpointed, out, {"hostname": "another-node", "timestamp": "2000-01-01T00:00:00+00:00"})
+    (out / "summary.json").unlink()
+    assert stopped_attempt(out, load_config(None, [*SMALL, "train.iterations=3"]).to_dict())
+    assert main(["run", *checkpointed[1], "--set", "train.iterations=3", "--resume", "--out", str(out)]) == 0
+    assert summary(out)["resumed_from"] == 1 and [r["iteration"] for r in records(out)] == [0, 1, 2]
