@@ -235,8 +235,26 @@ def cmd_gradcheck(args) -> int:
 def cmd_report(args) -> int:
     from .results.loading import (CalibrationEntry, GradcheckEntry, Manifest, check_time_basis, check_warmup,
                                   discover_runs, load_manifest)
+    from .outputs import check_no_unpack
+    from .results.loading import check_report
     from .results.report import build_report, plot_tables
 
+    if args.manifest is not None:  # a reference's manifest while an unpack into it is under way or was cut off
+        check_no_unpack(args.manifest.parent, f"manifest {args.manifest}")
+    if args.check:
+        given = [flag for flag, value in (("--runs", args.runs), ("--gradcheck", args.gradcheck),
+                                          ("--calibration", args.calibration), ("--warmup", args.warmup),
+                                          ("--time", args.time), ("--tables-in", args.tables_in))
+                 if value not in (None, [])]
+        if given:
+            raise UserError(f"--check reads a report already written (--tables, --plots, --manifest); {given[0]} is "
+                            "for writing one (leave it out)")
+        if args.tables is None:
+            raise UserError("--check needs the report's --tables DIR (and its --plots DIR, --manifest FILE to compare)")
+        check_report(args.tables, args.plots, load_manifest(args.manifest) if args.manifest else None)
+        print(json.dumps({"tables": str(args.tables), "plots": str(args.plots) if args.plots else None,
+                          "manifest": str(args.manifest) if args.manifest else None, "consistent": True}))
+        return 0
     if args.tables_in is not None:
         given = [flag for flag, value in (("--manifest", args.manifest), ("--runs", args.runs),
                                           ("--gradcheck", args.gradcheck), ("--calibration", args.calibration),
@@ -269,10 +287,12 @@ def cmd_report(args) -> int:
 
 
 def cmd_learning(args) -> int:
+    from .outputs import check_no_unpack
     from .tools.learning import LearningOptions, learning_report
 
     if args.tables is None and args.plots is None:  # else every checkpoint was evaluated and nothing written
         raise UserError("give --tables DIR and/or --plots DIR")
+    check_no_unpack(args.manifest.parent, f"manifest {args.manifest}")  # a reference's, being unpacked into
     options = LearningOptions(args.average, args.fraction, args.eval_noises, args.eval_seed, args.eval_sampler,
                               args.target_fraction, args.reference, args.eval_source)
     runs = learning_report(args.manifest, args.tables, args.plots, options)
@@ -308,6 +328,12 @@ def cmd_campaign(args) -> int:
     elif args.action == "unpack":
         print(json.dumps(unpack(campaign, args.archive, args.reference)))
     else:
+        from .outputs import unpack_under_way
+
+        cut_off = unpack_under_way(args.reference) if args.reference is not None else None
+        if cut_off is not None:  # its runs count as done; its manifest and tables may lag behind them
+            print(f"agg-bench campaign: --reference {args.reference}: an unpack into it is under way or was cut off "
+                  f"({cut_off.name}); run that unpack again to finish its manifest and tables", file=sys.stderr)
         print(json.dumps(status(campaign, args.reference, args.work), indent=1))
     return 0
 
@@ -532,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tables-in", type=path_arg, metavar="DIR",
                    help="draw the plots from the tables an earlier --tables DIR wrote (records.csv, efficiency.csv, "
                         "ablation.csv) instead of reading runs")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing: check that --tables DIR is one report's, that --plots DIR was drawn from those "
+                        "tables and that --manifest FILE is what they were made from (their stamp.json); exit 2 if not")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("learning", help="the learning sweep's tables and plots: each method's reward gain, its "

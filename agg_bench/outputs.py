@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import UserError
+from .io import temp_owner
 from .outdir import Contents, check_folder
 from .reading import RunFolder
 from .records import EVALUATIONS_FILE, PLOTS, TABLE_FORMATS, TABLES
@@ -32,12 +33,40 @@ RUN_CONTENTS = Contents("an agg-bench run", ("config.json", "env.json", "metrics
                         folders=((EVENTS_FOLDER, EVENTS_CONTENTS), (f"{SHARDS_PREFIX}*", SHARD_CONTENTS)))
 
 # ----- agg-bench report: --tables DIR and --plots DIR --------------------------------------------------
+# in each folder a report writes, the same stamp: {"manifest": a digest of what the report read (its manifest's
+# entries), "tables": a digest of the tables the plots are drawn from}. The two folders are renamed into place one
+# after the other; a report killed between them leaves stamps that differ (agg-bench report --check)
+STAMP_FILE = "stamp.json"
+STAMP_KEYS = ("manifest", "tables")
 TABLES_CONTENTS = Contents("agg-bench report tables",
-                           ("records.csv", *(f"{name}.{ext}" for name in TABLES for ext in TABLE_FORMATS)))
+                           ("records.csv", STAMP_FILE, *(f"{name}.{ext}" for name in TABLES for ext in TABLE_FORMATS)))
 # what either folder may hold: `--tables DIR --plots DIR` writes both into one folder, and a later run of the
 # verb with one of them into that folder finds the other's files there, which are its own, not someone's
 REPORT_CONTENTS = Contents("agg-bench report tables or plots",
                            TABLES_CONTENTS.names + tuple(f"{name}.png" for name in PLOTS))
+
+# ----- agg-bench campaign unpack --reference DIR ------------------------------------------------------
+# inside the reference, the name whose atomic_path an unpack stages its files under: the folder is made before the
+# unpack changes anything there and removed once its runs, manifest and tables are all in place, so while one is
+# there the reference is being written or an unpack was cut off (killed) half-way
+UNPACK_STAGING = "unpack"
+
+
+def unpack_under_way(reference: Path) -> Path | None:
+    """An unpack's staging folder in ``reference`` (a live unpack's or a killed one's), or None."""
+    if not reference.is_dir():
+        return None
+    return next((entry for entry in sorted(reference.iterdir())
+                 if temp_owner(reference / UNPACK_STAGING, entry.name) is not None), None)
+
+
+def check_no_unpack(reference: Path, what: str) -> None:
+    """A UserError, one line naming ``what`` (the file read from ``reference``), while :func:`unpack_under_way`
+    finds an unpack there: its manifest, tables and runs may be of two states."""
+    staging = unpack_under_way(reference)
+    if staging is not None:
+        raise UserError(f"{what}: agg-bench campaign unpack into {reference} is under way or was cut off ({staging.name} "
+                        "is there), so its manifest, tables and runs may disagree; run that unpack (again) first")
 
 # ----- agg-bench learning: its --tables DIR and --plots DIR (the workflow writes its manifest.json there) -----
 CURVE_PLOTS = ("eval_reward_cost", "eval_reward_cpu", "eval_pareto")  # held-out reward against cost (curves.py)

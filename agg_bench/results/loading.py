@@ -8,6 +8,8 @@ come from the records themselves (:func:`discover_runs`).
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import re
@@ -22,6 +24,7 @@ from ..config import ModelConfig, TrainConfig, bound, weights_label
 from ..errors import ConfigError, UserError, quote
 from ..io import file_identity, path_text
 from ..jsonfiles import check_path, read_json_object
+from ..outputs import STAMP_FILE, STAMP_KEYS
 from ..outdir import (LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, named_path_problem,
                       reach_problem)
 from ..reading import RunFolder
@@ -92,6 +95,17 @@ class Manifest:
         if self.file is not None and file_identity(self.file) != self.file_identity:
             raise UserError(f"manifest {self.file}: replaced by another process while it was read; run again once "
                             "that process has ended")
+
+    def digest(self) -> str:
+        """A SHA-256 of what this lists (its entries as given, warmup, time; not where it was read from): the
+        ``manifest`` of the report's :data:`~agg_bench.outputs.STAMP_FILE`."""
+        def entries(items) -> list[dict]:
+            return [{key: path_text(value) if isinstance(value, Path) else value
+                     for key, value in vars(entry).items() if value is not None} for entry in items]
+
+        listed = {"runs": entries(self.runs), "gradcheck": entries(self.gradcheck),
+                  "calibration": entries(self.calibration), "warmup": self.warmup, "time": self.time}
+        return hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()
 
 
 def check_time_basis(value, key: str = "report.time") -> str:
@@ -584,7 +598,7 @@ class Cell:
         return number
 
 
-def parse_table(source: str | Path | IO[str], where: str | Path, columns: Iterable[str] = (),
+def parse_table(source: str | Path | IO[str] | IO[bytes], where: str | Path, columns: Iterable[str] = (),
                 cells: Mapping[str, Cell] | None = None,
                 expected: str = "the table agg-bench report --tables writes") -> pd.DataFrame:
     """A table CSV as :func:`agg_bench.results.formatting.table_csv` writes it: an empty cell is NaN (and
@@ -665,11 +679,68 @@ def load_tables(folder: str | Path) -> dict[str, pd.DataFrame]:
     """The tables the plots read (``PLOT_TABLES``) from ``folder``, as an earlier ``agg-bench report --tables
     folder`` wrote them: each with the columns of ``PLOT_COLUMNS``, their numbers and flags as ``PLOT_CELLS``
     says (:func:`parse_table`)."""
+    return load_tables_and_digest(folder)[0]
+
+
+def load_tables_and_digest(folder: str | Path) -> tuple[dict[str, pd.DataFrame], str]:
+    """:func:`load_tables`, and the :func:`tables_digest` of the very bytes read (a report replacing the folder
+    meanwhile cannot give the plots a stamp of tables they were not drawn from)."""
     check_path(folder, "--tables-in", "the folder of tables that agg-bench report --tables DIR writes", folder=True)
-    tables = {}
+    tables, texts = {}, {}
     for name in PLOT_TABLES:
         path = Path(folder) / f"{name}.csv"
         if not path.is_file():
             raise UserError(f"--tables-in {folder}: no {name}.csv (agg-bench report --tables {folder} writes it)")
-        tables[name] = parse_table(path, path, PLOT_COLUMNS[name], PLOT_CELLS[name])
-    return tables
+        texts[name] = path.read_bytes()
+        tables[name] = parse_table(io.BytesIO(texts[name]), path, PLOT_COLUMNS[name], PLOT_CELLS[name])
+    return tables, tables_digest(texts)
+
+
+# ----- the stamp of a report's folders ---------------------------------------------------------------------------
+def tables_digest(texts: Mapping[str, bytes]) -> str:
+    """A SHA-256 of the bytes of the tables the plots are drawn from (``PLOT_TABLES``, ``{name: CSV bytes}``)."""
+    digest = hashlib.sha256()
+    for name in PLOT_TABLES:
+        digest.update(f"{name}.csv {len(texts[name])}\n".encode())
+        digest.update(texts[name])
+    return digest.hexdigest()
+
+
+def folder_tables_digest(folder: Path) -> str | None:
+    """:func:`tables_digest` of the table CSVs in ``folder``; None when one is missing."""
+    paths = {name: folder / f"{name}.csv" for name in PLOT_TABLES}
+    if not all(path.is_file() for path in paths.values()):
+        return None
+    return tables_digest({name: path.read_bytes() for name, path in paths.items()})
+
+
+def read_stamp(folder: Path) -> dict | None:
+    """The :data:`~agg_bench.outputs.STAMP_FILE` of a report's folder, or None where it has none that reads."""
+    try:
+        stamp = read_json_object(folder / STAMP_FILE, "a report's stamp")
+    except UserError:
+        return None
+    return stamp if set(stamp) == set(STAMP_KEYS) else None
+
+
+def check_report(tables_dir: str | Path, plots_dir: str | Path | None = None,
+                 manifest: Manifest | None = None) -> None:
+    """A UserError, one line, unless the report in ``tables_dir`` (and ``plots_dir``) is one whole report: the
+    tables' stamp names the tables beside it, the plots' stamp is the tables' (drawn from those tables), and,
+    given ``manifest``, the tables were made from what it lists. Reads only."""
+    tables_dir = Path(tables_dir)
+    check_path(tables_dir, "--tables", "the folder of tables that agg-bench report --tables DIR writes", folder=True)
+    stamp = read_stamp(tables_dir)
+    if stamp is None or stamp["tables"] != folder_tables_digest(tables_dir):
+        raise UserError(f"--tables {tables_dir}: no {STAMP_FILE} that names its tables (not a whole report, or of an "
+                        "earlier version); run agg-bench report again")
+    if plots_dir is not None:
+        plots_dir = Path(plots_dir)
+        check_path(plots_dir, "--plots", "the folder of plots that agg-bench report --plots DIR writes", folder=True)
+        if read_stamp(plots_dir) != stamp:
+            raise UserError(f"--plots {plots_dir}: not drawn from the tables in {tables_dir} (its {STAMP_FILE} differs: "
+                            "a report stopped between the two folders, or another report's); run agg-bench report "
+                            "again")
+    if manifest is not None and stamp["manifest"] != manifest.digest():
+        raise UserError(f"--tables {tables_dir}: not made from what manifest {manifest.file} lists (its {STAMP_FILE} "
+                        "names another manifest); run agg-bench report again")

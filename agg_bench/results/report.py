@@ -6,6 +6,9 @@ Inputs are what other commands wrote: run folders (``metrics.jsonl``, ``summary.
 ``agg-bench gradcheck`` and calibrations from ``agg-bench calibrate``. The plots are drawn from the
 tables as written (``records.csv``, ``efficiency.csv``, ``ablation.csv``), so that the workflow's plots
 job reads its tables job's outputs (``--tables-in``) and a report that writes both draws the same plots.
+Both folders hold the same ``stamp.json`` (the digests of the manifest read and of the tables the plots are
+drawn from): a report killed between renaming the two into place leaves stamps that differ, which
+:func:`~agg_bench.results.loading.check_report` (``agg-bench report --check``) tells.
 The rooms of the report:
 
 - :mod:`~agg_bench.results.loading`: the manifest and every input, checked as it is read; the written tables;
@@ -23,10 +26,11 @@ import pandas as pd
 
 from ..errors import UserError
 from ..outdir import claimed_folders, replaced_folders
-from ..outputs import REPORT_CONTENTS  # what --tables DIR and --plots DIR may hold
+from ..io import write_json
+from ..outputs import REPORT_CONTENTS, STAMP_FILE  # what --tables DIR and --plots DIR may hold
 from .formatting import table_csv, write_tables
-from .loading import (PLOT_CELLS, PLOT_COLUMNS, Manifest, load_calibration, load_gradcheck, load_records,
-                      load_tables, parse_table)
+from .loading import (PLOT_CELLS, PLOT_COLUMNS, Manifest, folder_tables_digest, load_calibration, load_gradcheck,
+                      load_records, load_tables_and_digest, parse_table, read_stamp, tables_digest)
 from .plots import write_plots
 from ..records import PLOT_TABLES
 from .tables import build_tables, unmatched_gradcheck
@@ -64,10 +68,19 @@ def write_report(manifest: Manifest, tables_dir: str | Path | None = None,
     with replaced_folders(tables_dir, plots_dir) as staged:
         if tables_dir is not None:
             write_tables(records, tables, staged(tables_dir))
+            digest = folder_tables_digest(staged(tables_dir))
+        else:
+            digest = tables_digest({name: table_csv({"records": records, **tables}[name]).encode()
+                                    for name in PLOT_TABLES})
         if plots_dir is not None:
-            written = load_tables(staged(tables_dir)) if tables_dir is not None else \
+            written = load_tables_and_digest(staged(tables_dir))[0] if tables_dir is not None else \
                 _as_written({"records": records, **tables})
             write_plots(written, staged(plots_dir))
+        # the same stamp in both folders, which are renamed into place one after the other: a report killed
+        # between the two renames leaves stamps that differ (check_report)
+        for folder in (tables_dir, plots_dir):
+            if folder is not None:
+                write_json(staged(folder) / STAMP_FILE, {"manifest": manifest.digest(), "tables": digest})
         # under the claims, before the swap: a writer of the manifest that writes these tables after it (an
         # unpack into its reference) holds them from before, so tables that pass here are never of an earlier
         # manifest than the one beside them
@@ -80,9 +93,13 @@ def plot_tables(tables_dir: str | Path, plots_dir: str | Path) -> dict[str, pd.D
     (which may be that folder; replaced whole once every plot is drawn, as :func:`build_report` replaces it);
     returns the tables read."""
     with claimed_folders([(plots_dir, REPORT_CONTENTS)], ("--plots",), replaced_whole=True):
-        tables = load_tables(tables_dir)
+        tables, digest = load_tables_and_digest(tables_dir)
+        # the tables' stamp's manifest where it names these tables (a report's whole folder), else none known
+        stamp = read_stamp(Path(tables_dir))
+        made_from = stamp["manifest"] if stamp is not None and stamp["tables"] == digest else None
         with replaced_folders(plots_dir) as staged:
             write_plots(tables, staged(plots_dir))
+            write_json(staged(plots_dir) / STAMP_FILE, {"manifest": made_from, "tables": digest})
         return tables
 
 

@@ -25,7 +25,10 @@ iteration equal what the same schedule counts on the tiny model on the CPU (:fun
 that counterpart: counts depend on neither the device, the size, the precision nor the weights). A file or
 run the reference holds already is skipped when its bytes are the same and refused when they differ. The new
 files are written beside the reference under a harness temporary name and renamed into place; if the tables
-cannot be written, they are moved back out and the folders made for them removed.
+cannot be written, they are moved back out and the folders made for them removed. The staging folder stays
+in the reference until the runs, the manifest and the tables are all in place: an unpack killed half-way leaves
+it, readers of the reference's manifest refuse it meanwhile (:func:`agg_bench.outputs.check_no_unpack`), and the
+same unpack again finishes the job (what the reference holds with the same bytes is skipped).
 
 Then the reference's ``manifest.json`` (every run and calibration there, with the sweep's labels and ``source:
 reference``) and its tables: the efficiency report (``tables/``: ``agg-bench report --manifest
@@ -56,7 +59,7 @@ from ..io import atomic_path, atomic_target, remove_stale_temps, write_json
 from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
 from ..outdir import Contents, claim_folder, claimed_folders
 from ..outputs import LEARNING_CONTENTS
-from ..outputs import REPORT_CONTENTS, TABLES_CONTENTS
+from ..outputs import REPORT_CONTENTS, TABLES_CONTENTS, UNPACK_STAGING
 from ..reading import RunFolder
 
 if TYPE_CHECKING:
@@ -511,7 +514,6 @@ def _held(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-UNPACK_STAGING = "unpack"  # inside the reference, the name whose atomic_path an unpack stages its files under
 
 
 def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> dict:

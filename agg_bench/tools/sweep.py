@@ -49,7 +49,7 @@ from ..io import write_text
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Contents, check_folder, named_path_problem
 from ..outputs import (IMPORT_CONTENTS, LEARNING_CONTENTS, PRETRAIN_CONTENTS, REPORT_CONTENTS, RUN_CONTENTS,
-                       check_run_folder)
+                       check_no_unpack, check_run_folder)
 from ..runtime.cell import Progress, job_entry, journal_ends
 from ..sources import source_digest
 from .importlog import label_problem
@@ -983,6 +983,10 @@ def reference_manifest(folder: str, key: str = "report.compare_with") -> dict[st
     nothing this user can use (:func:`check_sweep_path`)."""
     check_sweep_path(key, folder, "a reference folder", file=False)
     path = Path(folder) / "manifest.json"
+    try:  # an unpack into it under way or cut off: its manifest may not be its tables' or list all its runs
+        check_no_unpack(Path(folder), f"{key}: {path}")
+    except UserError as err:
+        raise SweepError(str(err)) from None
     if not path.is_file():
         raise SweepError(f"{key}: {quote(folder)} has no manifest.json (a reference folder that "
                          "agg-bench campaign unpack wrote, e.g. results/reference/h200)")

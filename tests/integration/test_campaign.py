@@ -409,6 +409,75 @@ def test_an_unpack_removes_the_temporaries_a_killed_unpack_left_of_the_files_it_
     assert sorted(p.name for p in reference.iterdir()) == [alive.name]
 
 
+# `agg-bench ARGS` (a campaign unpack, its pass counts not compared: the tests above do) killed (SIGKILL) at a
+# point of the unpack: once a run is moved into the reference, or once its manifest is written
+KILLED_UNPACK = """
+import os, signal, sys
+from agg_bench.cli import main
+from agg_bench.tools import archive
+archive.check_counts = lambda *args: None
+kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+rename, write_json = os.rename, archive.write_json
+def moved(src, dst):
+    rename(src, dst)
+    if os.path.basename(os.path.dirname(dst)) == "runs":
+        kill()
+def written(path, data):
+    write_json(path, data)
+    kill()
+if sys.argv[1] == "a run moved in":
+    os.rename = moved
+else:
+    archive.write_json = written
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+def test_an_unpack_killed_half_way_is_refused_by_readers_and_finished_by_the_same_unpack(window, cpu_campaign,
+                                                                                         tmp_path, monkeypatch, capsys):
+    """An unpack killed (SIGKILL) half-way into a reference that held an earlier window's runs left some of the
+    archive's runs in it beside the earlier manifest and tables, or its new manifest beside the earlier tables:
+    `agg-bench report` on the reference's manifest reported it as if whole. While the unpack's staging folder is
+    there, a report of the reference's manifest refuses in one line; campaign status counts what is there; the same
+    unpack again finishes the job, and the reference is, byte for byte, what the unpack uninterrupted leaves."""
+    monkeypatch.setattr(archive_module, "check_counts", lambda *args: None)  # its own tests time it
+    members = archive_module.read_archive(window["archive"])
+    last = max(name.split("/")[1] for name in members if name.startswith("runs/"))
+    first = tmp_path / "first.tar.gz"  # an earlier window's archive: all but the last run (a window log at least)
+    with tarfile.open(first, "w:gz") as tar:
+        for name, data in members.items():
+            if not name.startswith(f"runs/{last}/"):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    reference = Path("ref")  # the manifests' run folders are relative to the working folder: the same in each
+    points = ["a run moved in", "the manifest written"]
+    (tmp_path / "uninterrupted").mkdir()
+    monkeypatch.chdir(tmp_path / "uninterrupted")
+    archive_module.unpack(cpu_campaign, first, reference)
+    for point in points:
+        shutil.copytree(reference, tmp_path / point / reference)
+    archive_module.unpack(cpu_campaign, window["archive"], reference)
+    expected = tree(reference)
+    for point in points:
+        monkeypatch.chdir(tmp_path / point)
+        killed = subprocess.run([sys.executable, "-c", KILLED_UNPACK, point, "campaign", "unpack", "--config",
+                                 str(CONFIG), "--cpu", "--archive", str(window["archive"]), "--reference", "ref"],
+                                capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        assert tree(reference) != expected
+        capsys.readouterr()
+        assert main(["report", "--manifest", "ref/manifest.json", "--tables", "t"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "agg-bench campaign unpack into ref is under way or was cut off" in err[0], err
+        assert not Path("t").exists()
+        assert campaign_module.status(cpu_campaign, reference)["done"] >= 1
+        archive_module.unpack(cpu_campaign, window["archive"], reference)
+        assert tree(reference) == expected, point
+        assert main(["report", "--check", "--manifest", "ref/manifest.json", "--tables", "ref/tables"]) == 0
+
+
 def test_a_small_archive_that_unpacks_to_more_than_the_bound_is_refused_as_it_inflates(tmp_path, capsys,
                                                                                        monkeypatch):
     """A tar's long-name header is read whole by the tar reader: the inflated stream is bounded first, so an

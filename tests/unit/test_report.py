@@ -486,6 +486,83 @@ def test_a_report_stopped_part_way_leaves_the_earlier_set_whole(sweep, tmp_path,
     assert "reward_iteration.png" in changed and ("records.csv" in changed) == ("tables-in" not in stop)
 
 
+def one_plot(tables, folder) -> None:
+    """A stand-in for the plots (what they are drawn from, in one file): drawing them takes seconds."""
+    (Path(folder) / "reward_iteration.png").write_text(f"{len(tables['records'])} records")
+
+
+# `agg-bench report ARGS` killed (SIGKILL) once the first of its two folders is renamed into place
+KILLED_AFTER_ONE_FOLDER = """
+import os, signal, sys
+from pathlib import Path
+from agg_bench.cli import main
+from agg_bench.results import report
+report.write_plots = lambda tables, folder: (Path(folder) / "reward_iteration.png").write_text(
+    f"{len(tables['records'])} records")
+folders, replace = {os.path.abspath(p) for p in sys.argv[1:3]}, os.replace
+def renamed(src, dst):
+    replace(src, dst)
+    if os.path.abspath(dst) in folders and ".agg-bench-tmp" in os.path.basename(src):
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = renamed
+main(["report", *sys.argv[3:]])
+"""
+
+
+def test_a_report_killed_between_its_tables_and_its_plots_is_told_by_their_stamps_and_repaired(sweep, tmp_path,
+                                                                                                  monkeypatch, capsys):
+    """`agg-bench report --tables T --plots P` renames its two folders into place one after the other: killed
+    (SIGKILL) between the two renames, it left one folder of the new report beside one of the earlier, and nothing
+    could tell. Both folders hold the same stamp.json (the digest of the manifest read and of the tables the plots
+    are drawn from): `report --check` refuses such a pair in one line, and the same report again repairs it."""
+    import signal
+    import subprocess
+    import sys
+
+    from agg_bench.results import report
+
+    monkeypatch.setattr(report, "write_plots", one_plot)
+    runs, tables, plots = tmp_path / "runs", tmp_path / "T", tmp_path / "P"
+    earlier = ["--runs", str(runs / "full_s0"), str(runs / "agg"), "--tables", str(tables), "--plots", str(plots)]
+    assert main(["report", *earlier]) == 0
+    check = ["report", "--check", "--tables", str(tables), "--plots", str(plots)]
+    assert main(check) == 0
+    later = ["--runs", str(runs), "--tables", str(tables), "--plots", str(plots)]
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_ONE_FOLDER, str(tables), str(plots), *later],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert json.loads((tables / "stamp.json").read_text()) != json.loads((plots / "stamp.json").read_text())
+    capsys.readouterr()
+    assert main(check) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"agg-bench report: --plots {plots}: not drawn from the tables in {tables} (its stamp.json differs: "
+                   "a report stopped between the two folders, or another report's); run agg-bench report again"]
+    assert main(["report", *later]) == 0 and main(check) == 0
+
+
+def test_a_reports_stamp_names_its_manifest_and_its_tables(sweep, tmp_path, monkeypatch, capsys):
+    """The plots drawn from written tables (--tables-in) carry their stamp; tables made from another manifest
+    than the one given, or tables a file of which was replaced, are refused by --check in one line."""
+    from agg_bench.results import report
+
+    monkeypatch.setattr(report, "write_plots", one_plot)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"runs": [{"dir": str(e.dir)} for e in sweep]}))
+    tables, plots = tmp_path / "T", tmp_path / "P"
+    assert main(["report", "--manifest", str(manifest), "--tables", str(tables)]) == 0
+    assert main(["report", "--tables-in", str(tables), "--plots", str(plots)]) == 0
+    assert (plots / "stamp.json").read_bytes() == (tables / "stamp.json").read_bytes()
+    assert main(["report", "--check", "--manifest", str(manifest), "--tables", str(tables), "--plots", str(plots)]) == 0
+    manifest.write_text(json.dumps({"runs": [{"dir": str(e.dir)} for e in sweep[:2]]}))
+    capsys.readouterr()
+    assert main(["report", "--check", "--manifest", str(manifest), "--tables", str(tables)]) == 2
+    assert "names another manifest" in capsys.readouterr().err
+    (tables / "records.csv").write_text((tables / "records.csv").read_text() + "\n")
+    assert main(["report", "--check", "--tables", str(tables)]) == 2
+    assert "no stamp.json that names its tables" in capsys.readouterr().err
+
+
 def test_a_manifest_replaced_while_the_report_reads_it_leaves_the_tables_beside_it_as_they_were(sweep, tmp_path,
                                                                                                    monkeypatch, capsys):
     """`campaign unpack` into a reference while `agg-bench report --manifest REF/manifest.json --tables REF/tables`
