@@ -6,8 +6,10 @@
 # resolutions (train-phase time, CUDA and NVML peaks, energy, saved activations against the planner's
 # prediction; bf16 autocast on the GPU); a cached rollout; FSDP (train.shard fsdp) under torchrun with one
 # process (nccl on the GPU, gloo on the CPU); a run through the GPU pool; a profile with the CUDA memory
-# snapshot. Writes results/gpu_check/summary.json and summary.md (AGG_BENCH_CHECK_OUT changes the folder)
-# and exits 1 if any step failed.
+# snapshot. On the GPU each training run has a process of its own (its own peaks); --cpu runs the seven that
+# need no launcher of their own in one `agg_bench cell` process, each still a step. Writes
+# results/gpu_check/summary.json and summary.md (AGG_BENCH_CHECK_OUT changes the folder) and exits 1 if any
+# step failed.
 # Python: the project's .venv, set up first by scripts/setup.sh as `make` does (fast when it is already
 # set up); PYTHON=/path/to/python runs another interpreter that has agg-bench installed instead. A missing
 # environment (no torch, no agg-bench, no CUDA device for the GPU check) is one line and exit code 2,
@@ -57,7 +59,32 @@ step() {
 }
 run() {  # run NAME [--set ...]: one training run into $OUT/runs/NAME
   local name=$1; shift
-  step "$name" "$PY" -m agg_bench run "${COMMON[@]}" --set train.iterations=$ITERATIONS "$@" --out "$OUT/runs/$name"
+  if [[ $MODE == gpu ]]; then
+    step "$name" "$PY" -m agg_bench run "${COMMON[@]}" --set train.iterations=$ITERATIONS "$@" --out "$OUT/runs/$name"
+  else  # the same run's entry in the cell job that run_cell runs
+    CELL+=("$name")
+    "$PY" -c 'import json, sys; assert set(sys.argv[2::2]) == {"--set"}, sys.argv[2:]
+print(json.dumps({"config": None, "set": sys.argv[3::2], "out": sys.argv[1]}))' \
+        "$OUT/runs/$name" "${COMMON[@]}" --set train.iterations=$ITERATIONS "$@" >> "$OUT/cell.jsonl"
+  fi
+}
+# run_cell (--cpu): the runs queued by run, one after the other in one process (`agg_bench cell`, as the
+# workflow's cell jobs run them), which imports torch and diffusers once where each run's process spent most
+# of its time doing so; each run is then a step of its own, ok when its summary.json says so
+CELL=()
+run_cell() {
+  local log="$OUT/logs/cell.log" cell_code code name
+  echo "gpu_check: ${CELL[*]} (one process)" >&2
+  { printf '{"runs": ['; paste -sd, "$OUT/cell.jsonl"; printf ']}\n'; } > "$OUT/cell.json"
+  "$PY" -m agg_bench cell "$OUT/cell.json" > "$log" 2>&1
+  cell_code=$?
+  for name in "${CELL[@]}"; do
+    code=0
+    "$PY" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["status"] != "ok")' \
+        "$OUT/runs/$name/summary.json" 2>/dev/null || code=$(( cell_code ? cell_code : 1 ))
+    printf '%s\t%s\t%s\n' "$name" "$code" "$log" >> "$OUT/steps.tsv"
+    [[ $code -eq 0 ]] || echo "gpu_check: $name FAILED (exit $code, see $log)" >&2
+  done
 }
 
 # the inner sh expands $0 and $1 (the interpreter and the file), not this script
@@ -70,6 +97,7 @@ for res in "${RESOLUTIONS[@]}"; do
       --set 'method={"name": "agg", "window": 5, "alpha": "sigma", "reuse_rollout_velocity": true}'
 done
 run "cached-fora_${SMALL}" --set model.resolution="$SMALL" --set 'method={"name": "cached", "cache": "fora", "cache_in": "rollout"}'
+[[ $MODE == gpu ]] || run_cell
 step "fsdp_${SMALL}" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m agg_bench run "${COMMON[@]}" \
     --set train.iterations=1 --set model.resolution="$SMALL" --set train.shard=fsdp --out "$OUT/runs/fsdp_${SMALL}"
 if [[ $MODE == gpu ]]; then
