@@ -1,26 +1,63 @@
 """The benchmark suite's own options: a bad one is one usage line before any case runs."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
+from agg_bench.config import integer_arg
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.mark.parametrize("option, value, words", [
+BAD_OPTIONS = [
     ("--bench-config", "missing.yaml", "expected an existing YAML file"),
     ("--bench-config", "folder", "expected an existing YAML file"),
     ("--bench-config", "unknown.yaml", "expected a known key here"),
     ("--bench-threads", "0", "expected an integer >= 1"),
-])
-def test_a_bad_option_is_one_usage_line(tmp_path, option, value, words):
+]
+
+
+def bad_inputs(tmp_path: Path, option: str, value: str) -> str:
+    """The files the bad options name; the option's value as given on the command line."""
     (tmp_path / "folder").mkdir()
     (tmp_path / "unknown.yaml").write_text("bogus: 1\n")
-    arg = value if option != "--bench-config" else str(tmp_path / value)
+    return value if option != "--bench-config" else str(tmp_path / value)
+
+
+def load(name: str, file: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/FILE as the module ``name``, gone after the test."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("option, value, words", BAD_OPTIONS)
+def test_a_bad_option_is_one_usage_line(tmp_path, monkeypatch, option, value, words):
+    """The suite's checks themselves (benchmarks/conftest.py's pytest_configure), given the options as pytest
+    parses them; the subprocess test below shows how pytest prints their refusal."""
+    load("cases", "cases.py", monkeypatch)  # what the suite's conftest imports, as pytest finds it there
+    conftest = load("benchmarks_conftest", "conftest.py", monkeypatch)
+    given = {"--bench-config": str(conftest.DEFAULT_CONFIG), "--bench-device": "auto", "--bench-threads": None}
+    arg = bad_inputs(tmp_path, option, value)
+    given[option] = integer_arg(arg) if option == "--bench-threads" else arg
+    config = SimpleNamespace(getoption=lambda name, default=None: given.get(name, default), option=SimpleNamespace())
+    with pytest.raises(pytest.UsageError) as refused:
+        conftest.pytest_configure(config)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(option) and words in message, message
+
+
+@pytest.mark.parametrize("option, value, words", [BAD_OPTIONS[2]])
+def test_a_bad_option_is_one_usage_line_from_pytest(tmp_path, option, value, words):
+    """Through pytest itself: its exit code 4 (a usage error) and one ERROR line, no traceback."""
+    arg = bad_inputs(tmp_path, option, value)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "pytest", "benchmarks", "--collect-only", "-q", "-p", "no:cacheprovider",
                            f"{option}={arg}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
