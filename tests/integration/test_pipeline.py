@@ -444,15 +444,19 @@ def cell_processes(work: Path) -> list[int]:
     return [pid for pid, parent in found.items() if parent not in found]
 
 
+LONG = 20  # iterations of the run the signal stops: it runs them all again after it
+
+
 @pytest.mark.slow
 def test_a_cell_job_stopped_by_a_signal_keeps_its_finished_runs(tmp_path):
     """A cell job stopped by SIGTERM (a scheduler's time limit, a kill) fails, and Snakemake removes its
     outputs: they are the runs' markers, so the finished run's files stay, and the next invocation keeps that
-    run (its summary untouched) and runs the one the signal stopped."""
+    run (its summary untouched) and runs the one the signal stopped. The cell is frozen (SIGSTOP) while the
+    signal is sent, so the second run is still running when it arrives however short it is."""
     work = workdir(tmp_path)
     sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
     sweep["methods"] = {"first": {"method": {"name": "full"}},
-                        "long": {"method": {"name": "full"}, "train": {"iterations": 400}}}
+                        "long": {"method": {"name": "full"}, "train": {"iterations": LONG}}}
     del sweep["gradcheck"]
     sweep["calibrate"] = {"enabled": False}
     (work / "stop.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
@@ -463,9 +467,14 @@ def test_a_cell_job_stopped_by_a_signal_keeps_its_finished_runs(tmp_path):
         deadline = time.monotonic() + 300
         while not (first / "summary.json").exists() or not (long / "config.json").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "the cell's first run did not finish"
-            time.sleep(0.1)
+            time.sleep(0.05)
         [cell] = cell_processes(work)
-        os.kill(cell, signal.SIGTERM)
+        os.kill(cell, signal.SIGSTOP)
+        try:
+            assert not (long / "summary.json").exists(), "the second run ended before the signal could stop it"
+            os.kill(cell, signal.SIGTERM)
+        finally:
+            os.kill(cell, signal.SIGCONT)
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -481,5 +490,5 @@ def test_a_cell_job_stopped_by_a_signal_keeps_its_finished_runs(tmp_path):
     assert "run 1/2 results/runs/first_sd3_32px_s0_cpu kept: it ended ok" in log, log[-3000:]
     assert (first / "summary.json").stat().st_mtime_ns == finished.st_mtime_ns
     assert json.loads((long / "summary.json").read_text())["status"] == "ok"
-    assert len((long / "metrics.jsonl").read_text().splitlines()) == 400
+    assert len((long / "metrics.jsonl").read_text().splitlines()) == LONG
     assert (work / "results/tables/efficiency.csv").is_file()
