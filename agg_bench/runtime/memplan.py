@@ -669,9 +669,12 @@ _SHAPES: dict[str, ShapeModel] = {}
 _SHAPES_KEPT = 2
 
 
-# train keys that schedule the loop and build nothing: runs that differ only in them (a resumed run's
-# checkpoint_every, a longer run) share a count
-SCHEDULE_ONLY = ("iterations", "checkpoint_every")
+# train keys that schedule the loop or the update and build nothing a count depends on: runs that differ only in
+# them (a resumed run's checkpoint_every, a longer run, methods that train other steps or at another rate) share
+# a count. The train keys a ShapeModel reads are the adapter's and gradient checkpointing (the policy it builds);
+# the rest reach a plan through the run's layout (run_layout) or its config (ShapeModel.for_run).
+SCHEDULE_ONLY = ("iterations", "checkpoint_every", "lr", "weight_decay", "max_grad_norm", "timestep_fraction", "plan",
+                 "plan_window", "inner_epochs", "budget", "pass_costs", "ignore_last")
 
 
 def shape_key(cfg: RunConfig) -> str:

@@ -13,7 +13,8 @@ from helpers import exit_code, tiny_config
 from agg_bench.cli import main
 from agg_bench.machine import telemetry as tel
 from agg_bench.machine.activations import WorkingMemory
-from agg_bench.runtime.memplan import PHASES, gpu_memory_bytes, ShapeModel, _Search, optimizer_step_bytes, plan_memory, run_layout
+from agg_bench.runtime.memplan import (PHASES, gpu_memory_bytes, ShapeModel, _Search, optimizer_step_bytes, plan_memory,
+                                      run_layout, shape_key)
 from agg_bench.runtime.train import Session, run_iteration
 
 ROOT = Path(__file__).parents[2]
@@ -285,10 +286,16 @@ def test_every_paper_scale_layout_fits_one_8_gpu_node(tmp_path):
                     key = (model, device, json.dumps(memory, sort_keys=True))
                     pairs = {**model_set, "model.resolution": resolution, **method_set, "device": "cuda"}
                     largest[key] = (resolution, labels, pairs, spec["gpus"])
+    shapes: dict[str, ShapeModel] = {}  # the methods of one model share its counts on fake tensors, as runs do
     for _resolution, labels, pairs, gpus in largest.values():
         cfg = load_config(base, [f"{k}={json.dumps(v)}" for k, v in pairs.items()])
-        plan = plan_memory(cfg, gpus, gpu_memory=139 * 1024 ** 3, suggest=False)
+        shaped = shapes.get(shape_key(cfg))
+        if shaped is None:
+            shaped = shapes[shape_key(cfg)] = ShapeModel(cfg)
+        plan = plan_memory(cfg, gpus, gpu_memory=139 * 1024 ** 3, suggest=False, shapes=shaped)
         assert plan.fits, (labels, plan.bytes)
+    # one count per model and gradient checkpointing: the methods differ in keys that only schedule
+    assert len(shapes) == 4, list(shapes)
     assert {gpus for *_, gpus in largest.values()} == {1, 8}
     assert {labels["resolution"] for _, labels, _, _ in largest.values()} == {720, 1024}
 
