@@ -63,7 +63,8 @@ for CELL in SWEEP.cells:
 
 
 # a job that takes no GPU (a CPU device's) asks a cluster for none: no gpu_model, cpus_per_gpu, GPU partition or
-# GPU node's memory from the SLURM profile, whose per-rule settings cannot tell a rule's CPU jobs from its GPU jobs
+# GPU node's memory from the SLURM profile, whose per-rule settings cannot tell a rule's CPU jobs from its GPU jobs,
+# and cpu_runtime where set (both read before the sweep: common.smk)
 for RULE in workflow.rules:
     drop_gpu_settings_without_gpus(RULE.resources, workflow.resource_settings._parsed_default_resources)
 

@@ -166,11 +166,14 @@ def test_the_slurm_profiles_run_resources_reach_the_cell_jobs(tmp_path):
     config/h200.yaml) has a rule of its own name, so Snakemake gave it the default resources: 60 minutes, 16 GB
     and any GPU model for a job of a dozen runs. A cell job gets the `run` entry, as a run job does. A CPU
     device's cell job takes no GPU, and asked for the entry's memory of a GPU node (128 GB) all the same: it
-    asks for the profile's default mem_mb."""
+    asks for the profile's default mem_mb, and for the entry's cpu_runtime where it has one, not its runtime."""
     pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
     work = workdir(tmp_path)
-    profile = yaml.safe_load((work / "workflow/profiles/slurm/config.yaml").read_text())
+    profile_file = work / "workflow/profiles/slurm/config.yaml"
+    profile = yaml.safe_load(profile_file.read_text())
     expected = {key: str(value) for key, value in profile["set-resources"]["run"].items()}
+    profile["set-resources"]["run"]["cpu_runtime"] = 30
+    profile_file.write_text(yaml.safe_dump(profile))
     proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/h200.yaml",
                      "--config", "devices={cpu: {device: cpu, gpus: 0, threads: 4}}")
     assert proc.returncode == 0, proc.stderr + proc.stdout
@@ -184,11 +187,20 @@ def test_the_slurm_profiles_run_resources_reach_the_cell_jobs(tmp_path):
     assert len(cpu_cells) == 8
     for rule, res in cpu_cells:
         assert (res["gpu"], res["mem_mb"], res["runtime"]) == ("0", str(profile["default-resources"]["mem_mb"]),
-                                                               expected["runtime"]), rule
+                                                               "30"), rule
         assert not {"gpu_model", "cpus_per_gpu", "slurm_partition"} & set(res), rule
     # the jobs that do no run's work keep the defaults
     (_, cell_jobs), *_ = [job for job in jobs if job[0] == "cell_jobs"]
     assert (cell_jobs["runtime"], cell_jobs["mem_mb"], "gpu_model" in cell_jobs) == ("60", "16000", False)
+
+
+def test_a_cpu_setting_that_is_no_number_is_refused_before_any_job(tmp_path):
+    """Snakemake takes any text as a resource: cpu_mem_mb: lots failed once a job without a GPU was submitted, after
+    the jobs before it, in words about mem_mb (the values: tests/unit/test_jobresources.py)."""
+    proc = snakemake(workdir(tmp_path), "-n", "--configfile", "config/test.yaml", "--set-resources",
+                     "run:cpu_mem_mb=lots")
+    assert refusal(proc) == ("set-resources: run:cpu_mem_mb = 'lots': expected a whole number of MB >= 0 (the memory "
+                             "of a job without a GPU)")
 
 
 @pytest.mark.parametrize("edit, words", [

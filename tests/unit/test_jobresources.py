@@ -1,7 +1,10 @@
 """What a workflow job asks a cluster for: a job that takes no GPU asks for none (agg_bench/tools/jobresources.py)."""
+import re
+
 import pytest
 
-from agg_bench.tools.jobresources import drop_gpu_settings_without_gpus
+from agg_bench.errors import UserError
+from agg_bench.tools.jobresources import check_cpu_settings, drop_gpu_settings_without_gpus
 
 resources = pytest.importorskip("snakemake.resources")
 
@@ -81,3 +84,41 @@ def test_rules_without_a_gpu_resource_or_the_settings_are_left_alone():
     local = resources.Resources.from_mapping({"gpu": 0})
     drop_gpu_settings_without_gpus(local)
     assert settings_for(local, 0) == {"gpu": 0}
+
+
+def test_a_job_without_gpus_takes_cpu_runtime_where_it_is_set():
+    """A CPU job of a rule with a GPU entry took that entry's runtime (240 minutes for a run) whatever cpu_mem_mb said
+    of its memory: cpu_runtime gives a job without GPUs its own time limit, in minutes or as a duration."""
+    defaults = resources.Resources.from_mapping({"mem_mb": 16000, "runtime": 60})
+    rule = gpu_entry_rule(runtime="240", cpu_runtime="30")
+    drop_gpu_settings_without_gpus(rule, defaults)
+    assert settings_for(rule, 0)["runtime"] == 30 and settings_for(rule, 1)["runtime"] == 240
+    rule = gpu_entry_rule(runtime="240", cpu_runtime="'8h'")
+    drop_gpu_settings_without_gpus(rule, defaults)
+    assert settings_for(rule, 0)["runtime"] == 480
+    # none set: the rule's own, not the shorter default (a run on a CPU takes longer than on a GPU)
+    rule = gpu_entry_rule(runtime="240")
+    drop_gpu_settings_without_gpus(rule, defaults)
+    assert settings_for(rule, 0)["runtime"] == 240
+
+
+@pytest.mark.parametrize("name, text, shown", [("cpu_mem_mb", "lots", "'lots'"), ("cpu_mem_mb", "-5.0", "-5"),
+                                               ("cpu_mem_mb", "'32G'", "'32G'"), ("cpu_mem_mb", "True", "True"),
+                                               ("cpu_runtime", "forever", "'forever'"), ("cpu_runtime", "-2.0", "-2")])
+def test_a_cpu_setting_that_is_no_number_is_refused_before_any_job(name, text, shown):
+    """Snakemake takes any text from a profile or --set-resources as a resource: cpu_mem_mb: lots failed only when a
+    job without a GPU was submitted (after the jobs before it), as "Resource 'mem_mb' must be assigned an int"."""
+    defaults = resources.Resources.from_mapping({"mem_mb": 16000})
+    with pytest.raises(UserError, match=rf"^set-resources: run:{name} = {re.escape(shown)}: expected a whole number "):
+        check_cpu_settings(defaults, {"embed": gpu_entry_rule(), "run": gpu_entry_rule(**{name: text})})
+    given = resources.Resources.parse([f"{name}={text}"], allow_expressions=True)
+    with pytest.raises(UserError, match=rf"^default-resources: {name} = {re.escape(shown)}: expected a whole number "):
+        check_cpu_settings(given, {})
+
+
+def test_cpu_settings_that_read_as_numbers_or_need_a_job_pass():
+    defaults = resources.Resources.parse(["cpu_mem_mb=attempt * 8000", "cpu_runtime='4h'"], allow_expressions=True)
+    check_cpu_settings(defaults, {"run": gpu_entry_rule(cpu_mem_mb="0", cpu_runtime="90")})
+    # evaluated per job by Snakemake: nothing to read before one
+    check_cpu_settings(defaults, {"run": gpu_entry_rule(cpu_mem_mb="input.size_mb * 4",
+                                                         cpu_runtime="wildcards.minutes")})

@@ -9,7 +9,7 @@ import sys
 from snakemake.exceptions import WorkflowError
 
 from agg_bench.errors import UserError
-from agg_bench.tools.jobresources import drop_gpu_settings_without_gpus
+from agg_bench.tools.jobresources import check_cpu_settings, drop_gpu_settings_without_gpus
 from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, LEARNING_DIR, PRETRAINED_DIR, PYTHON, Sweep,
                                    SweepError, check_input_files, check_markers, check_output_contents,
                                    check_output_folders, failed_runs, report_failed_runs, runs_behind_manifest, set_arg,
@@ -24,6 +24,10 @@ def refuse(message: str):
 
 
 try:
+    # what a job without a GPU asks a cluster for (the Snakefile), read before any job: Snakemake takes any text as a
+    # resource, and one that is no number failed only once such a job was submitted
+    check_cpu_settings(workflow.resource_settings._parsed_default_resources,
+                       workflow.resource_settings._parsed_overwrite_resources)
     # a list or mapping given with --config reads as in a sweep file (Snakemake's parse makes its numbers text)
     type_config_args(config, workflow.config_settings.config_args, workflow.config_settings.config)
     # the files the config came from are read again with agg-bench's YAML loader first (Snakemake's takes
