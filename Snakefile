@@ -33,6 +33,13 @@ localrules: all, manifest, tables, plots, import_log, cell_jobs
 # fails with "/bin/sh: 1: /tmp/my: not found". Refused before any job instead (once the execution settings
 # are known: not while the Snakefile is parsed).
 onstart:
+    # the learning report's rules run under any sweep, on the learning section's defaults where it has none: the
+    # runs are checked as it will check them before any job (which jobs the targets ask for is known only here)
+    if any(job.rule.name in LEARNING_RULES for job in workflow.dag.jobs):
+        try:
+            SWEEP.check_learning()
+        except UserError as err:
+            refuse(str(err))
     if not workflow.execution_settings.use_threads and any(c.isspace() for c in sys.executable):
         raise WorkflowError(f"the interpreter's path {sys.executable!r} holds a space, and Snakemake starts the "
                             "workflow's run: jobs through a shell with that path unquoted: clone the repository (or "

@@ -120,6 +120,7 @@ def learning_command_options(section: dict | None) -> list[str]:
             out += [option, str(settings[key])]
     return out
 LEARNING_DIR = "results/learning"  # the learning report's tables and plots, and its manifest (workflow/rules/learning.smk)
+LEARNING_RULES = ("learning", "learning_report", "learning_manifest")  # the rules of the learning report
 DONE_DIR = "results/done"  # each run's marker: the output of its job (a run job or a cell job)
 # Runs in one sweep. Composing and checking them costs little (runs that differ only in their seed are checked
 # once), but Snakemake's own DAG grows faster than the runs: `snakemake -n` on one method x model x resolution
@@ -618,6 +619,9 @@ class Sweep:
         schema = schema if isinstance(schema, dict) else yaml.safe_load(Path(schema).read_text())
         check_sweep(sweep, schema, read)
         self.sweep = sweep
+        # the learning section the runs are checked against (None: none, until check_learning)
+        self.learning = sweep.get("learning")
+        self._run_checks: list[tuple[str, list, str]] = []  # (job, its pairs, its device) of each run checked
         base = sweep["base"]
         self.base_file = base if isinstance(base, str) else None
         self.base_pairs = [] if isinstance(base, str) else flatten(base)
@@ -652,6 +656,7 @@ class Sweep:
                                 if key not in checked:
                                     checked[key] = f"run {run_id} (methods.{method}, models.{model})"
                                     self._check(checked[key], pairs, device, learning_ends=True)
+                                    self._run_checks.append((checked[key], pairs, device))
                                     checks[checked[key]] = pairs
                                 self.runs[run_id] = {**labels, "pairs": pairs, "check": checked[key]}
                                 if len(self.runs) > MAX_RUNS:
@@ -702,6 +707,16 @@ class Sweep:
         self.cells = self._cells()
         in_cells = {run_id for run_ids in self.cells.values() for run_id in run_ids}
         self.single_runs = [run_id for run_id in self.runs if run_id not in in_cells]  # one `run` job each
+
+    def check_learning(self) -> None:
+        """The runs checked as the learning report checks them (their iterations against its two ends, measured
+        alike), on the ``learning`` section's defaults where the sweep has none: the workflow's learning target
+        runs under any sweep, and a sweep without the section was checked for it only after its runs."""
+        if self.learning is not None:
+            return  # checked with the runs
+        self.learning = {}
+        for what, pairs, device in self._run_checks:
+            self._check(what, pairs, device, learning_ends=True)
 
     # ----- cells: runs that share one process --------------------------------------------------
     def runs_per_job(self, device: str) -> int:
@@ -821,7 +836,7 @@ class Sweep:
         learning table's two ends; an error names the job and the key."""
         try:
             cfg = load_config(self.base_file, overrides_of(pairs))
-            learning = self.sweep.get("learning")
+            learning = self.learning
             average = learning_settings(learning)["average_iterations"]
             if learning_ends and learning is not None:
                 self._check_measure(what, cfg.to_dict())

@@ -329,6 +329,19 @@ def test_the_learning_reference_is_a_method_of_the_sweep(in_process):
 
 
 
+def test_a_sweep_asked_for_the_learning_report_is_checked_as_a_learning_sweep(in_process):
+    """The workflow's learning target runs under any sweep, on the learning section's defaults where it has none:
+    `snakemake learning` on config/test.yaml (runs of 2 iterations) ran every run, then agg-bench learning refused
+    them for averaging 3 iterations at each end. Refused before any job now (the Snakefile's onstart)."""
+    config = sweep_config()
+    sweep = Sweep(config, SCHEMA)
+    assert "learning" not in config and len(sweep.runs) == 2
+    with pytest.raises(SweepError, match=r"config error: learning\.average_iterations = 3: expected at most 1: "):
+        sweep.check_learning()
+    config["learning"] = {"average_iterations": 1}  # a learning sweep's runs were checked with the sweep
+    Sweep(config, SCHEMA).check_learning()
+
+
 @pytest.mark.parametrize("override, key", [
     ({"reward.options.quality": 50}, "reward"),
     ({"prompts.file": "config/prompts/scenes.txt"}, "prompts.file"),

@@ -10,10 +10,10 @@ from snakemake.exceptions import WorkflowError
 
 from agg_bench.errors import UserError
 from agg_bench.tools.jobresources import check_cpu_settings, drop_gpu_settings_without_gpus
-from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, LEARNING_DIR, PRETRAINED_DIR, PYTHON, Sweep,
-                                   SweepError, check_input_files, check_markers, check_output_contents,
-                                   check_output_folders, failed_runs, report_failed_runs, runs_behind_manifest, set_arg,
-                                   type_config_args)
+from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, LEARNING_DIR, LEARNING_RULES, PRETRAINED_DIR, PYTHON,
+                                   Sweep, SweepError, check_input_files, check_markers, check_output_contents,
+                                   check_output_folders, failed_runs, report_failed_runs,
+                                   runs_behind_manifest, set_arg, type_config_args)
 from agg_bench.tools.sweep import pretrain_gpus as sweep_pretrain_gpus
 
 def refuse(message: str):
