@@ -30,7 +30,7 @@ from ..stopping import Interrupted
 from . import runfolder, scalar_events
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from .config_check import check_config
-from .evaluation import Evaluation
+from .evaluation import Evaluation, non_finite_key
 from .memplan import run_memory_plan
 from .session import Session, check_trained_steps, identity, iteration_generator, run_iteration, weights_label
 
@@ -354,9 +354,9 @@ class Training:
                 raise
             return "oom", f"out of memory in the evaluation after {done} iterations: {type(exc).__name__}: {exc}" \
                 .splitlines()[0]
-        diverging = [key for key, value in scores.items() if not _finite(value)]
-        if diverging:
-            return "diverged", f"non-finite {diverging[0]} in the evaluation after {counted(done, 'iteration')}"
+        diverging = non_finite_key(scores)
+        if diverging is not None:
+            return "diverged", f"non-finite {diverging} in the evaluation after {counted(done, 'iteration')}"
         line = {"iteration": done, **scores, "t_eval_s": timer.elapsed_s, "t_eval_cpu_s": timer.cpu_s}
         if self.eval_writer is not None:
             self.eval_lines.append(self.eval_writer.write(line))

@@ -27,7 +27,7 @@ from ..results.learning_tables import (EVAL_SOURCES, Run, held_out_curves, learn
 from ..results.loading import MAX_ITERATIONS, Manifest, load_manifest
 from ..reading import CONFIG_FILE, RunFolder, run_config
 from ..records import MAX_LABEL, is_label
-from ..runtime.evaluation import SAMPLERS
+from ..runtime.evaluation import SAMPLERS, non_finite_key
 from .sweep import MeasuredAlike
 
 GRID_CAPTIONS = 6  # the sample grid's columns: the first captions of the evaluation's first noise
@@ -120,7 +120,8 @@ def evaluate(runs: list[Run], evaluation: CheckpointEvaluation) -> tuple[pd.Data
     """One row per model state (``pre-trained``, then every run with a checkpoint): method, seed and the
     mean evaluation reward and sub-scores (``eval_reward``, ``eval_reward_color`` ...); and the first images
     of each state (the captions of the first noise, as many as the sample grid shows), by label
-    (``pre-trained`` or ``method/seed``). An error names the run it came from."""
+    (``pre-trained`` or ``method/seed``). An error names the run it came from, a mean that is not finite (any
+    sub-score's) included."""
     rows, images = [], {}
     for run in [None, *runs]:
         try:
@@ -133,6 +134,11 @@ def evaluate(runs: list[Run], evaluation: CheckpointEvaluation) -> tuple[pd.Data
             continue
         label = "pre-trained" if run is None else f"{run.method}/{run.seed}"
         means, images[label] = evaluated
+        # a NaN or infinite mean (the weights blew up under this sampler) would stand in the tables as a gain
+        if (key := non_finite_key(means)) is not None:
+            where = "the pre-trained weights" if run is None else f"run {label} ({run.dir})"
+            raise UserError(f"{where}: non-finite {key} in the checkpoint evaluation; expected finite scores "
+                            "(the evaluated weights blew up)")
         rows.append({"state": label, "method": None if run is None else run.method,
                      "seed": None if run is None else run.seed, **means})
     # the pre-trained row has no seed: a nullable integer column keeps the runs' seeds integers in evaluation.csv

@@ -397,6 +397,25 @@ def test_evaluation_csv_keeps_seeds_integers():
     assert lines[3].startswith("full/7,full,7,"), lines
 
 
+@pytest.mark.parametrize("bad_state, key, value", [(7, "eval_reward_shape", math.nan), (7, "eval_reward_count", math.inf),
+                                                    (None, "eval_reward_colour", -math.inf)])
+def test_a_checkpoint_evaluation_with_a_non_finite_sub_score_is_refused(bad_state, key, value):
+    """A NaN or infinite sub-score beside a finite eval_reward went into evaluation.csv and the learning table's
+    held-out gains: only the run's own evaluations were checked, and those for every key."""
+    from agg_bench.results.learning_tables import Run
+    from agg_bench.tools.learning import evaluate
+
+    class Scored:
+        def evaluate_weights(self, run):
+            means = {"eval_reward": 0.5, "eval_reward_shape": 0.4, "eval_reward_count": 0.3}
+            return {**means, key: value} if (None if run is None else run.seed) == bad_state else means, []
+
+    runs = [Run("full", seed, Path(f"full{seed}"), pd.DataFrame()) for seed in (0, 7)]
+    where = r"the pre-trained weights" if bad_state is None else r"run full/7 \(full7\)"
+    with pytest.raises(UserError, match=rf"^{where}: non-finite {key} in the checkpoint evaluation; "):
+        evaluate(runs, Scored())
+
+
 @pytest.mark.parametrize("source, without", [("checkpoint", "agg1"), ("auto", "plain0")])
 def test_a_run_without_the_checkpoint_its_columns_need_is_refused(manifest, tmp_path, capsys, source, without):
     """A run without checkpoint.pt was left out of the checkpoint evaluation, so its method's held-out gain
