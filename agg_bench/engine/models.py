@@ -592,6 +592,36 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
     return transformer, vae, scheduler_config
 
 
+def folder_identity(pretrained: str | None) -> tuple[int, int] | None:
+    """The identity of the model folder ``pretrained`` (:func:`~agg_bench.io.file_identity`; None for no folder or
+    none there): another once ``agg-bench pretrain`` replaced it whole. A kept model (a cell job's) is one of this
+    folder."""
+    return file_identity(pretrained) if pretrained else None
+
+
+@contextlib.contextmanager
+def unreplaced_folder(pretrained: str | None):
+    """A block that reads the model folder ``pretrained`` (nothing for None): a folder being written is refused
+    before it (:func:`~agg_bench.outdir.check_not_written`), one replaced while the block read it after it. Every
+    read from one model's folder (the transformer, VAE and scheduler, the token-hash settings, the text encoders
+    and tokenizers, the cache key of their embeddings) belongs in one such block, or a run is one model's
+    transformer conditioned by another's encoders."""
+    if not pretrained:
+        yield
+        return
+    # agg-bench pretrain replaces its folder whole (the earlier one renamed aside, the new one in): a folder being
+    # written, or replaced while read, is refused rather than loaded from two models or from none. Its modification
+    # time counts as well as its inode: a part renamed into it (a new transformer/) changes only that, and a folder
+    # removed and made again may get the freed inode back.
+    check_not_written(pretrained, "model.pretrained", lock_inside=False)
+    before = file_identity(pretrained)
+    yield
+    check_not_written(pretrained, "model.pretrained", lock_inside=False)
+    if file_identity(pretrained) != before:
+        raise UserError(f"model.pretrained {pretrained}: replaced by another process while it was loaded; run "
+                        "again once it is written")
+
+
 def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "float32",
                 device: str | torch.device = "cpu", seed: int = 0, architecture: str | None = None) -> Policy:
     """Build the tiny preset, a public ``architecture`` with random weights (preset ``random``, created on
@@ -601,17 +631,8 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
     prec = precision(dtype)
     scheduler_config = None
     if pretrained:
-        # agg-bench pretrain replaces its folder whole (the earlier one renamed aside, the new one in): a folder being
-        # written, or replaced while read, is refused rather than loaded from two models or from none. Its
-        # modification time counts as well as its inode: a part renamed into it (a new transformer/) changes only
-        # that, and a folder removed and made again may get the freed inode back.
-        check_not_written(pretrained, "model.pretrained", lock_inside=False)
-        before = file_identity(pretrained)
-        transformer, vae, scheduler_config = load_pretrained(family, pretrained, prec.param_dtype)
-        check_not_written(pretrained, "model.pretrained", lock_inside=False)
-        if file_identity(pretrained) != before:
-            raise UserError(f"model.pretrained {pretrained}: replaced by another process while it was loaded; run "
-                            "again once it is written")
+        with unreplaced_folder(pretrained):  # a caller that reads more of the folder holds a block of its own around
+            transformer, vae, scheduler_config = load_pretrained(family, pretrained, prec.param_dtype)
     elif preset == "tiny":
         transformer = build_tiny_transformer(family, seed, prec.param_dtype)
         vae = build_tiny_vae(seed, family=family)

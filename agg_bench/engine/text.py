@@ -31,7 +31,7 @@ from ..errors import ConfigError, UserError, first_message_line, quote
 from ..io import atomic_target, remove_stale_temps
 from .families import family_spec
 from .hf_logging import quiet_loading
-from .models import Conditioning, folder_json, text_dims
+from .models import Conditioning, folder_json, text_dims, unreplaced_folder
 from .prompts import TOKEN_HASH_FILE, hash_embed, load_prompts, token_hash_settings
 
 FORMAT = "agg-bench-embeddings/1"
@@ -317,16 +317,18 @@ def run_embeddings(cfg: RunConfig, prompts: PromptSet, device: str | torch.devic
     dtype = encoder_dtype(cfg.model.dtype)
     if pretrained is None or not Path(pretrained).is_dir():
         raise ConfigError("model.pretrained", pretrained, "an existing local diffusers folder")
-    key = cache_key(family, pretrained, prompts, max_len, dtype)
-    cache_dir = cfg.prompts.cache_dir or "results/embeddings"
-    hit = find_cached(cache_dir, key)
-    if hit is not None:
-        cond, _ = load_embeddings(hit)
-        return Embeddings(cond, hit, False, key)
-    target = write_to if write_to is not None else default_cache_path(cache_dir, family, pretrained, prompts, key)
-    if write_to is None:  # a file the caller names is its own claim (agg-bench embed --out)
-        check_cache_target(cache_dir, Path(target))
-    cond = encode_prompts(family, pretrained, prompts.prompts, device, max_len, dtype)
+    # the key's files and the encoders that make the embeddings kept under it read from one model folder
+    with unreplaced_folder(pretrained):
+        key = cache_key(family, pretrained, prompts, max_len, dtype)
+        cache_dir = cfg.prompts.cache_dir or "results/embeddings"
+        hit = find_cached(cache_dir, key)
+        if hit is not None:
+            cond, _ = load_embeddings(hit)
+            return Embeddings(cond, hit, False, key)
+        target = write_to if write_to is not None else default_cache_path(cache_dir, family, pretrained, prompts, key)
+        if write_to is None:  # a file the caller names is its own claim (agg-bench embed --out)
+            check_cache_target(cache_dir, Path(target))
+        cond = encode_prompts(family, pretrained, prompts.prompts, device, max_len, dtype)
     meta = {"key": key, "family": family, "pretrained": str(Path(pretrained).resolve()),
             "prompts_file": str(prompts.path), "prompts_sha256": prompts.sha256, "n_prompts": len(prompts.prompts),
             "max_sequence_length": max_len, "encoder_dtype": str(dtype).removeprefix("torch.")}

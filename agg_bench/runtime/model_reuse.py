@@ -29,14 +29,16 @@ from typing import Iterator
 import torch
 
 from ..config import RunConfig
-from ..engine.models import Policy, build_policy
+from ..engine.models import Policy, build_policy, folder_identity
 from ..machine import fsdp
 
 
 def build_key(cfg: RunConfig, device: torch.device) -> str:
-    """What a built policy depends on: runs with equal keys build equal modules."""
+    """What a built policy depends on: runs with equal keys build equal modules. A model folder replaced since
+    (``agg-bench pretrain`` again) is another key: its path alone would keep the earlier model for its runs."""
     train = cfg.train
-    return json.dumps({"model": cfg.model.to_dict(), "seed": cfg.seed, "device": str(device),
+    return json.dumps({"model": cfg.model.to_dict(), "folder": folder_identity(cfg.model.pretrained),
+                       "seed": cfg.seed, "device": str(device),
                        "gradient_checkpointing": train.gradient_checkpointing, "lora_rank": train.lora_rank,
                        "lora_alpha": train.lora_alpha, "lora_target_modules": train.lora_target_modules},
                       sort_keys=True)

@@ -18,7 +18,7 @@ from .. import stopping
 from ..config import RunConfig, weights_label
 from ..engine import families
 from ..engine.grpo import TrainBatch, UpdateStats
-from ..engine.models import Conditioning, Policy, build_policy
+from ..engine.models import Conditioning, Policy, build_policy, unreplaced_folder
 from ..engine.moving_average import MovingAverage, warmup_decay
 from ..engine.trained_steps import draw_plan
 from ..engine.rewards import build_reward, reward_details, unscored_if_not_finite
@@ -87,19 +87,21 @@ class Session:
         estimator.check_run(cfg)  # the method's bounds (its sizes among them) before anything is allocated
         check_weights_fit(cfg)  # a model folder's sizes, and whether its weights fit, before it is loaded
         torch.manual_seed(cfg.seed)
-        # model + precision + gradient checkpointing + LoRA (built, or a cell job's kept model as built); the
-        # reference below is LoRA-aware
-        self.policy: Policy = policy_for(cfg, self.device, build_policy)
-        stopping.check()  # a signal while the model was built (a run takes it only at safe points)
-        self.latent_shape = self.policy.latent_shape(cfg.model.resolution)
-        prompts = prompt_set(cfg.prompts.file)
-        self.prompts = prompts.prompts
-        # text-encoder embeddings (cached per model and prompt file) for a local model, token hashes for tiny
-        self.cond_all = prompt_conditioning(cfg, self.policy.transformer, prompts, self.device)
-        stopping.check()
-        self.reward_fn = build_reward(cfg.reward.name, cfg.reward.options, self.device)
-        stopping.check()
-        ready_estimator(estimator, cfg, self.policy, self.device)  # the empty prompt, where its rollout guides
+        # the model and its conditioning read from one model folder: one replaced in between is refused
+        with unreplaced_folder(cfg.model.pretrained):
+            # model + precision + gradient checkpointing + LoRA (built, or a cell job's kept model as built); the
+            # reference below is LoRA-aware
+            self.policy: Policy = policy_for(cfg, self.device, build_policy)
+            stopping.check()  # a signal while the model was built (a run takes it only at safe points)
+            self.latent_shape = self.policy.latent_shape(cfg.model.resolution)
+            prompts = prompt_set(cfg.prompts.file)
+            self.prompts = prompts.prompts
+            # text-encoder embeddings (cached per model and prompt file) for a local model, token hashes for tiny
+            self.cond_all = prompt_conditioning(cfg, self.policy.transformer, prompts, self.device)
+            stopping.check()
+            self.reward_fn = build_reward(cfg.reward.name, cfg.reward.options, self.device)
+            stopping.check()
+            ready_estimator(estimator, cfg, self.policy, self.device)  # the empty prompt, where its rollout guides
         self.estimator = estimator
         self.reference = self.policy.frozen_copy() if cfg.grpo.beta > 0 else None
         fsdp.shard_run(cfg, self.policy, self.reference)  # train.shard: fsdp; before the optimizer sees the parameters

@@ -48,7 +48,7 @@ class CheckpointEvaluation:
 
     def __init__(self, runs: list[Run], noises: int = 16, seed: int = 0, sampler: str = "ode",
                  config=None, grid: bool = False):
-        from ..engine.models import load_policy
+        from ..engine.models import load_policy, unreplaced_folder
         from ..engine.rewards import build_reward
         from ..engine.scenes import caption_problem
         from ..engine.text import prompt_conditioning, prompt_set
@@ -74,10 +74,12 @@ class CheckpointEvaluation:
             raise UserError(f"{where}: {problem}; --plots scores the sample grid (samples.png) with the scene "
                             "reward, which scores scene captions only")
         check_weights_fit(config)
-        policy = load_policy(model.family, model.preset, model.pretrained, model.dtype)
+        with unreplaced_folder(model.pretrained):  # the model and its conditioning from one model folder
+            policy = load_policy(model.family, model.preset, model.pretrained, model.dtype)
+            conditioning = prompt_conditioning(config, policy.transformer, prompts)
         latent_shape = policy.latent_shape(model.resolution)
         self.evaluation = Evaluation(
-            policy, prompts.prompts, prompt_conditioning(config, policy.transformer, prompts), latent_shape,
+            policy, prompts.prompts, conditioning, latent_shape,
             run_sigmas(config, policy, latent_shape), config.sampling.sde, config.sampling.eta,
             build_reward(config.reward.name, config.reward.options), noises, seed, sampler, config.eval.batch_size)
         self.captions = self.evaluation.captions

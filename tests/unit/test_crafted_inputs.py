@@ -378,6 +378,32 @@ def test_a_model_folder_being_written_or_replaced_meanwhile_is_not_loaded(model,
     assert Session(model_config(folder)).policy is not None
 
 
+def test_a_model_folder_replaced_after_its_weights_before_its_conditioning_is_refused(model, tmp_path, monkeypatch):
+    """The folder's identity was checked around the transformer's loading only: its token-hash settings (or text
+    encoders) were read after, so a folder replaced in between conditioned one model's transformer with another's
+    settings, silently; and a cell job kept its model for a later run of a folder replaced since."""
+    from agg_bench.runtime import session as session_module
+    from agg_bench.runtime.model_reuse import build_key
+
+    folder = model_copy(model, tmp_path)
+    cfg = model_config(folder)
+    key = build_key(cfg, torch.device("cpu"))
+    real = session_module.prompt_set
+
+    def replaced_meanwhile(file):  # read between the weights and the conditioning
+        os.replace(folder, tmp_path / "aside")
+        shutil.copytree(tmp_path / "aside", folder)
+        settings = folder / "token_hash.json"
+        settings.write_text(json.dumps({**json.loads(settings.read_text()), "seed": 1}))
+        return real(file)
+
+    monkeypatch.setattr(session_module, "prompt_set", replaced_meanwhile)
+    with pytest.raises(UserError, match=f"^model.pretrained {folder}: replaced by another process while it was "
+                                        "loaded"):
+        Session(cfg)
+    assert build_key(cfg, torch.device("cpu")) != key
+
+
 def test_a_model_whose_weights_do_not_fit_is_refused_before_it_is_loaded(model, monkeypatch):
     """The memory planner counts the folder's transformer on the meta device before a run loads it: weights
     larger than the device's memory are refused ("does not fit"), the committed model fits."""
