@@ -6,7 +6,7 @@ adapter in ``lora/`` and the adapter settings under ``lora`` in ``rollout.json``
 
 ``agg-bench snapshot`` writes the whole snapshot into a temporary folder inside ``--out`` and moves it into
 place once every file is written: a failure (a full disk among them) leaves an earlier snapshot as it was and
-nothing of its own. Reading one (:func:`load_snapshot`) checks every file against what the writer writes
+nothing of its own; a rollout holding a NaN or an infinity is refused before anything is written. Reading one (:func:`load_snapshot`) checks every file against what the writer writes
 before a gradient is computed: ``rollout.json``'s settings through the typed run config and equal to the
 snapshot's ``config.json``, the transformer's config, loadable and finite weights, and every tensor of
 ``rollout.safetensors`` of the shape those settings imply, of the dtype the writer writes and finite, and its
@@ -122,6 +122,12 @@ def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
         "velocities": batch.velocities,
         **batch.cond.tensors(),  # encoder_hidden_states, and pooled_projections / encoder_attention_mask if set
     }
+    # a rollout that blew up (a NaN reward, latents past float range) is one load_snapshot refuses: written, it
+    # would replace an earlier snapshot with one no replay or gradcheck reads
+    bad = _nonfinite({k: v for k, v in tensors.items() if v is not None})
+    if bad is not None:
+        raise UserError(f"the rollout of iteration 0 holds {quote(bad[1])} in {bad[0]}: expected finite numbers "
+                        "(the rollout or its reward blew up); no snapshot written")
     staging = atomic_path(staging_target(out))  # a harness temporary: never taken for a snapshot or anyone's file
     shutil.rmtree(staging, ignore_errors=True)  # a killed earlier process of the same PID
     try:

@@ -334,3 +334,29 @@ def test_a_snapshot_another_process_is_writing_is_refused(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and f"PID {holder.proc.pid}" in err and not out.exists()
     finally:
         holder.close()
+
+
+def test_a_snapshot_of_a_rollout_that_blew_up_is_refused_and_leaves_the_earlier_one(tmp_path, monkeypatch, capsys):
+    """A rollout with a NaN (here a NaN image, so a NaN reward and advantage) was written as a snapshot, exit 0,
+    in place of the earlier one: a snapshot replay and gradcheck then refused. It is one line now, nothing
+    written."""
+    import math
+
+    from agg_bench.engine.models import Policy
+
+    snap = tmp_path / "snap"
+    assert main(["snapshot", *SET, "--out", str(snap)]) == 0
+    before = {p.relative_to(snap): p.read_bytes() for p in snap.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    decode = Policy.decode
+
+    def blown_up(self, latents):
+        images = decode(self, latents).clone()
+        images[0, 0, 0, 0] = math.nan
+        return images
+
+    monkeypatch.setattr(Policy, "decode", blown_up)
+    assert main(["snapshot", *SET, "--out", str(snap)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "the rollout of iteration 0 holds nan in advantages: expected finite" in lines[0]
+    assert {p.relative_to(snap): p.read_bytes() for p in snap.rglob("*") if p.is_file()} == before
