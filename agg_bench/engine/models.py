@@ -592,7 +592,7 @@ def load_pretrained(family: str, pretrained: str, param_dtype: torch.dtype):
     return transformer, vae, scheduler_config
 
 
-def folder_identity(pretrained: str | None) -> tuple[int, int] | None:
+def folder_identity(pretrained: str | None) -> tuple[int, int, int] | None:
     """The identity of the model folder ``pretrained`` (:func:`~agg_bench.io.file_identity`; None for no folder or
     none there): another once ``agg-bench pretrain`` replaced it whole. A kept model (a cell job's) is one of this
     folder."""
