@@ -103,6 +103,10 @@ def replay_setup(config: dict, method: str, overrides: list[str],
     estimator = build_estimator(cfg)
     for item in overrides:
         key, value = parse_override(item)
+        if key in ("method", "method.name") and cfg.method.name != method:
+            # the replay would be another method's, written and labelled as ``method``'s
+            raise ConfigError(key, value, f"the options of method '{method}' (its name is given once, as the "
+                                          "method replayed, not by an option)")
         if key == "method" or key.startswith("method.") or key in also:
             continue
         if not (estimator.replans and key in REPLAN_KEYS):

@@ -128,6 +128,7 @@ def test_parse_values():
     (["--route-fracs", "2"], "method.route_frac"),
     (["--methods", "agg:nope=1"], "method.nope"),
     (["--methods", "sgd"], "method.name"),
+    (["--methods", "agg:name=full"], "method.name"),  # full's gradient would be written as agg's row
     (["--windows", "2,7"], "method.window"),  # longer than the snapshot's 6 trained steps
     (["--methods", "fraction"], "train.plan"),  # the snapshot's groups plan is not DanceGRPO's
     (["--methods", "full:train.plan=steps"], "train.plan"),  # full trains the snapshot's own steps
