@@ -91,6 +91,18 @@ def agg_grid(windows: list[int], alphas: list[str], route_fracs: list[float],
 REPLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "train.ignore_last", "seed")
 
 
+def check_method_kept(method: str, overrides: Iterable[str], cfg: RunConfig) -> None:
+    """Refuse an override that names a method other than ``method``, the one the verb was given: its result
+    would be the other method's, written and labelled as ``method``'s."""
+    if cfg.method.name == method:
+        return
+    for item in reversed(list(overrides)):
+        key, value = parse_override(item)
+        if key in ("method", "method.name"):
+            raise ConfigError(key, value, f"the options of method '{method}' (its name is given once, as the "
+                                          "method itself, not by an option)")
+
+
 def replay_setup(config: dict, method: str, overrides: list[str],
                  also: tuple[str, ...] = ()) -> tuple[RunConfig, Estimator]:
     """The replay's run config (the snapshot's ``config`` with ``method`` and the ``--set`` overrides)
@@ -101,12 +113,9 @@ def replay_setup(config: dict, method: str, overrides: list[str],
     config["method"] = {"name": method}
     cfg = validate(apply_overrides(config, overrides))
     estimator = build_estimator(cfg)
+    check_method_kept(method, overrides, cfg)
     for item in overrides:
         key, value = parse_override(item)
-        if key in ("method", "method.name") and cfg.method.name != method:
-            # the replay would be another method's, written and labelled as ``method``'s
-            raise ConfigError(key, value, f"the options of method '{method}' (its name is given once, as the "
-                                          "method replayed, not by an option)")
         if key == "method" or key.startswith("method.") or key in also:
             continue
         if not (estimator.replans and key in REPLAN_KEYS):
