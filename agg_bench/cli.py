@@ -224,9 +224,17 @@ def cmd_gradcheck(args) -> int:
             parse_values(args.route_fracs, "--route-fracs", float), parse_values(args.reuse, "--reuse", bool))
     parse_method_specs(args.methods)
     existing = args.snapshot is not None and (args.snapshot / "rollout.json").exists()
-    if existing and (args.config or args.overrides):
-        raise UserError(f"--snapshot {args.snapshot} already holds a snapshot; --config/--set would not apply to it")
-    cfg = None if existing else _run_config(args.config, args.overrides)
+    cfg = None if existing and not (args.config or args.overrides) else _run_config(args.config, args.overrides)
+    if existing and cfg is not None:
+        # the snapshot an earlier gradcheck of this config made and kept (one killed before its table, say)
+        # is this one's; a snapshot of another config is not
+        from .jsonfiles import read_json_object
+
+        held = read_json_object(args.snapshot / "config.json", "a snapshot's run config")
+        if {**json.loads(json.dumps(cfg.to_dict())), "progress": None} != {**held, "progress": None}:
+            raise UserError(f"--snapshot {args.snapshot} already holds a snapshot of another run config; "
+                            "--config/--set would not apply to it (give them as it was made, or neither)")
+        cfg = None
     rows = gradcheck(args.out, cfg, args.snapshot, *grid, args.methods, args.device)
     print(json.dumps({"out": str(args.out), "rows": len(rows)}))
     return 0

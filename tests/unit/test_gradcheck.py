@@ -90,8 +90,23 @@ def test_gradcheck_on_an_existing_snapshot_matches_replay(tmp_path):
     assert 0 < stats["cache_hit_rate"] < 1
     assert float(row["cache_hit_rate"]) == pytest.approx(stats["cache_hit_rate"], rel=1e-12)
     assert {k: int(row[k]) for k in counts} == counts
-    # a config for an existing snapshot would be silently ignored: refuse it
-    assert main(["gradcheck", "--snapshot", str(snap), *SET, "--out", str(out)]) == 2
+    # a config other than the existing snapshot's would be silently ignored: refuse it
+    assert main(["gradcheck", "--snapshot", str(snap), *SET, "--set", "seed=3", "--out", str(out)]) == 2
+
+
+def test_a_gradcheck_run_again_uses_the_snapshot_it_kept_and_refuses_another_configs(tmp_path, capsys):
+    """The same command again (after one killed once its --snapshot was written) takes that snapshot; --set
+    values it was not made with are refused, not ignored."""
+    snap, out = tmp_path / "snap", tmp_path / "table.csv"
+    argv = ["gradcheck", *SET, "--snapshot", str(snap), "--windows", "3", "--alphas", "index", "--route-fracs", "1"]
+    assert main(["snapshot", *SET, "--out", str(snap)]) == 0
+    before = (snap / "rollout.safetensors").read_bytes()
+    assert main([*argv, "--out", str(out)]) == 0 and len(read_rows(out)) == 2
+    assert (snap / "rollout.safetensors").read_bytes() == before
+    capsys.readouterr()
+    assert main([*argv, "--set", "seed=3", "--out", str(tmp_path / "other.csv")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--snapshot" in line and "another run config" in line and not (tmp_path / "other.csv").exists()
 
 
 def test_parse_method_specs():
