@@ -213,7 +213,7 @@ BAD = [
     ({"runs": "x"}, "runs is a string; expected an object of the methods' labels"),
     ({"set": "model.preset=tiny"}, "set is a string; expected a list of KEY=VALUE"),
     ({"set": [*TINY, "train.lr=-1"]}, "train.lr"),
-    ({"out": ""}, "out is a string; expected a file"),
+    ({"out": ""}, "calibrations[0].out '': an empty path, which names the current folder"),
     ({"report": None}, "report is null; expected a file"),
 ]
 
