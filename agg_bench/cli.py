@@ -240,6 +240,11 @@ def cmd_gradcheck(args) -> int:
     return 0
 
 
+def _first_given(args, *flags: str) -> str | None:
+    """The first of ``flags`` (``--name``) that the command line gave ``args`` a value for, or None."""
+    return next((flag for flag in flags if getattr(args, flag[2:].replace("-", "_")) not in (None, [])), None)
+
+
 def cmd_report(args) -> int:
     from .results.loading import (CalibrationEntry, GradcheckEntry, Manifest, check_time_basis, check_warmup,
                                   discover_runs, load_manifest)
@@ -250,12 +255,9 @@ def cmd_report(args) -> int:
     if args.manifest is not None:  # a reference's manifest while an unpack into it is under way or was cut off
         check_no_unpack(args.manifest.parent, f"manifest {args.manifest}")
     if args.check:
-        given = [flag for flag, value in (("--runs", args.runs), ("--gradcheck", args.gradcheck),
-                                          ("--calibration", args.calibration), ("--warmup", args.warmup),
-                                          ("--time", args.time), ("--tables-in", args.tables_in))
-                 if value not in (None, [])]
+        given = _first_given(args, "--runs", "--gradcheck", "--calibration", "--warmup", "--time", "--tables-in")
         if given:
-            raise UserError(f"--check reads a report already written (--tables, --plots, --manifest); {given[0]} is "
+            raise UserError(f"--check reads a report already written (--tables, --plots, --manifest); {given} is "
                             "for writing one (leave it out)")
         if args.tables is None:
             raise UserError("--check needs the report's --tables DIR (and its --plots DIR, --manifest FILE to compare)")
@@ -264,12 +266,10 @@ def cmd_report(args) -> int:
                           "manifest": str(args.manifest) if args.manifest else None, "consistent": True}))
         return 0
     if args.tables_in is not None:
-        given = [flag for flag, value in (("--manifest", args.manifest), ("--runs", args.runs),
-                                          ("--gradcheck", args.gradcheck), ("--calibration", args.calibration),
-                                          ("--warmup", args.warmup), ("--time", args.time), ("--tables", args.tables))
-                 if value not in (None, [])]
+        given = _first_given(args, "--manifest", "--runs", "--gradcheck", "--calibration", "--warmup", "--time",
+                             "--tables")
         if given:
-            raise UserError(f"--tables-in plots tables already written; {given[0]} is for writing them "
+            raise UserError(f"--tables-in plots tables already written; {given} is for writing them "
                             "(give one or the other)")
         if args.plots is None:
             raise UserError("--tables-in DIR needs --plots DIR")
