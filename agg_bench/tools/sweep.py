@@ -252,6 +252,7 @@ def check_sweep(sweep: dict, schema: dict, files: Sequence[dict] = ()) -> None:
         check_finite(sweep)  # JSON Schema's numbers admit NaN and infinities (gradcheck.route_fracs, learning.*)
     except UserError as err:
         raise SweepError(str(err)) from None
+    check_device_gpus(sweep["devices"])
     for section in ("gradcheck", "embed"):
         part = sweep.get(section) or {}
         for label in part.get("models", []):
@@ -286,6 +287,17 @@ def check_sweep(sweep: dict, schema: dict, files: Sequence[dict] = ()) -> None:
     if learning["eval_source"] == "checkpoint" and learning["eval_noises"] == 0:
         raise SweepError("learning.eval_source: 'checkpoint' with learning.eval_noises = 0; expected eval_noises >= 1 "
                          "(the checkpoint evaluation's noises per caption: agg-bench learning refuses it after the runs)")
+
+
+def check_device_gpus(devices: dict) -> None:
+    """No ``gpus`` above 0 on a ``device: cpu`` entry of a (schema-checked) ``devices`` section: its jobs would
+    take that many GPUs from the pool, which no other job could then use, for a torchrun of CPU processes. A
+    job on the CPU is one process; its ``threads`` set how many cores it uses."""
+    for label, spec in devices.items():
+        if spec["device"] == "cpu" and spec.get("gpus", 0) > 0:
+            raise SweepError(f"devices.{label}.gpus: {spec['gpus']}: a cpu device takes no GPUs from the pool (its "
+                             f"job is one process; devices.{label}.threads sets its threads); expected 0, or "
+                             "device: cuda")
 
 
 def check_label_case(sweep: dict) -> None:

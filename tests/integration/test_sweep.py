@@ -236,6 +236,22 @@ def test_cells_group_a_cpu_devices_runs(in_process):
                                                  "--keep-journal --overwrite results/cells/sd3_32px_gpu1.json")
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_a_cpu_device_takes_no_gpus(in_process, gpus):
+    """A device: cpu entry with gpus: 2 was accepted: each of its jobs took 2 GPUs from the pool, which no other
+    job could then use, for a torchrun of 2 CPU processes. Refused in one line naming the key, before any check
+    of the runs."""
+    config = sweep_config()
+    config["devices"] = {"cpu": {"device": "cpu", "gpus": gpus}}
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    assert (f"devices.cpu.gpus: {gpus}: a cpu device takes no GPUs from the pool (its job is one process; "
+            "devices.cpu.threads sets its threads); expected 0, or device: cuda") in str(err.value)
+    assert "\n" not in str(err.value) and in_process == []
+    config["devices"]["cpu"]["gpus"] = 0
+    assert Sweep(config, SCHEMA).gpus("cpu") == 0
+
+
 def test_a_summary_that_is_a_named_pipe_is_no_failed_run(tmp_path):
     """The workflow reads every run's summary.json when it ends: a named pipe there made Snakemake wait for ever."""
     import os
