@@ -326,6 +326,13 @@ def check_path_names(where: str, named) -> None:
             raise UserError(f"{where}.{key} {quote(text)}: {problem}; expected a file or folder name")
 
 
+def check_suffix(path: str | Path, suffix: str, flag: str = "--out") -> None:
+    """Refuse a file output ``path`` whose name does not end in ``suffix`` (``.json``, ``.csv``, ``.safetensors``:
+    what the verbs that read it back, and the workflow, look for); one line naming ``flag``. Reads nothing."""
+    if Path(path).suffix != suffix:
+        raise UserError(f"{flag} {path}: expected a FILE{suffix} path")
+
+
 def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = "--out",
                remedy: str = "give a new path") -> None:
     """Refuse ``path`` unless it is new or ``what`` (``ours(path)``): not a folder, not a link. ``remedy`` ends

@@ -399,8 +399,10 @@ def embed(cfg: RunConfig, out: str | Path | None = None, device: str | torch.dev
     The tiny preset needs no cache (its token-hash embedding is computed in no time); the file is still
     written so that a workflow can treat every model alike.
     """
-    if out is not None and Path(out).suffix != ".safetensors":
-        raise UserError(f"--out {out}: expected a FILE.safetensors path")
+    from ..outdir import check_suffix
+
+    if out is not None:
+        check_suffix(out, ".safetensors")
     prompts = prompt_set(cfg.prompts.file)
     if not cfg.model.pretrained:
         family = cfg.model.family

@@ -63,7 +63,7 @@ from ..engine import families
 from ..errors import ConfigError, UserError, alike_on_every_process
 from ..io import write_json
 from ..machine.telemetry import PhaseTimer, environment
-from ..outdir import claim_files, json_file_with
+from ..outdir import check_suffix, claim_files, json_file_with
 from ..records import PASS_KEYS, is_integer
 from ..results.costmodel import fit_call_cost
 from ..results.stats import quartiles
@@ -470,6 +470,8 @@ def write_calibration(cfg: RunConfig, out: str | Path, options: CalibrationConfi
     from ..machine.devices import resolve_device
 
     out = Path(out)
+    with alike_on_every_process():  # what `agg-bench report --calibration` and the workflow read: FILE.json
+        check_suffix(out, ".json")
     with distributed.process_group(resolve_device(cfg.device), single=fsdp.enabled(cfg)) as shard:
         with alike_on_every_process():  # every process joined the group, and this depends on cfg alone
             shard.check_run(cfg)  # whole groups per process, as a run checks it

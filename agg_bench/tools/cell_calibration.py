@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from ..errors import UserError, quote, run_command
 from ..io import read_jsonl, write_json
 from ..jsonfiles import JsonFileError, json_type, read_json_object
-from ..outdir import check_file, check_path_names, check_writable, json_file_where, json_file_with
+from ..outdir import check_file, check_path_names, check_suffix, check_writable, json_file_where, json_file_with
 from ..records import MAX_LABEL, is_finite_number, is_label
 from ..runtime.cell import SEVERITY, Progress, read_job_file
 
@@ -137,6 +137,7 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
             raise UserError(f"{where}.runs.{label} is {json_type(folder)}; expected the method's run folder")
     check_path_names(where, [("config", config), ("out", entry["out"]), ("report", entry["report"]),
                              *((f"runs.{label}", folder) for label, folder in runs.items())])
+    check_suffix(entry["out"], ".json", f"{where}.out")  # as agg-bench calibrate --out
     per = entry.get("per_method_s")
     if per is not None and not _number(per):
         raise UserError(f"{where}.per_method_s is {quote(per)}; expected seconds (a finite number from 0) or null")

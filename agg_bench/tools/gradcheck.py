@@ -26,7 +26,7 @@ from ..config import RunConfig, read_number, yaml_load
 from ..engine.families import model_label
 from ..errors import ConfigError, UserError
 from ..io import atomic_file, atomic_path, remove_stale_temps
-from ..outdir import claim_files
+from ..outdir import check_suffix, claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS
 from ..machine.devices import resolve_device
 from .replays import ReplayJob, agg_grid, build_estimators, parse_method_specs
@@ -172,8 +172,7 @@ def gradcheck(out: str | Path, cfg: RunConfig | None = None, snapshot_dir: str |
     ``device`` defaults to ``cfg.device``, or cpu for an existing snapshot (as ``replay``).
     """
     out = Path(out)
-    if out.suffix != ".csv":
-        raise UserError(f"--out {out}: expected a FILE.csv path")
+    check_suffix(out, ".csv")
     if snapshot_dir is not None:
         check_outside_snapshot(out, snapshot_dir, "--snapshot")
     # the device first: a GPU this machine lacks is refused before anything is written or computed

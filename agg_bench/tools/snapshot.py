@@ -41,7 +41,7 @@ from ..errors import ConfigError, UserError, quote
 from ..io import atomic_path, atomic_target, follow_umask, remove_stale_temps, write_json
 from ..jsonfiles import open_regular, read_json_object
 from ..methods.base import Estimator, ReplayCase, build_estimator
-from ..outdir import Contents, check_not_written, claim_files, claim_folder, json_file_with, remove_owned
+from ..outdir import Contents, check_not_written, check_suffix, claim_files, claim_folder, json_file_with, remove_owned
 from ..reading import run_config
 from ..runtime.memplan import check_transformer_fits
 from ..runtime.session import Session
@@ -568,8 +568,7 @@ def replay(snapshot_dir: str | Path, method: str, overrides: list[str], out_file
     scope, :class:`~agg_bench.methods.base.ReplayCase`) to ``out_file`` .json; returns the pass counts.
     Every check runs before anything is written."""
     out_file = Path(out_file)
-    if out_file.suffix != ".safetensors":
-        raise UserError(f"--out {out_file}: expected a FILE.safetensors path")
+    check_suffix(out_file, ".safetensors")
     check_outside_snapshot(out_file, snapshot_dir, "the snapshot")
     snapshot = load_snapshot(snapshot_dir, device)
     cfg, estimator = replay_setup(snapshot.config, method, overrides)

@@ -276,6 +276,9 @@ PLACES = [
      "calibrations[0].report '': an empty path, which names the current folder; expected a file or folder name"),
     ("an empty config", lambda tmp, r, e: e.update(config=""), "calibrations[0].config '': an empty path"),
     ("an empty run folder", lambda tmp, r, e: e.update(runs={"full": ""}), "calibrations[0].runs.full '': an empty"),
+    # written after the runs as a calibration no report or workflow reads: agg-bench calibrate --out's rule
+    ("another suffix", lambda tmp, r, e: e.update(out=str(tmp / "c.txt")),
+     "calibrations[0].out {tmp}/c.txt: expected a FILE.json path"),
 ]
 
 

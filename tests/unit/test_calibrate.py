@@ -58,6 +58,17 @@ def test_bad_repeats_on_the_command_line_is_exit_2_and_writes_nothing(tmp_path, 
     assert "config error: --repeats = 0: expected an integer from 1" in capsys.readouterr().err and not out.exists()
 
 
+@pytest.mark.parametrize("name", ["cal.txt", "cal", "cal.json.tmp"])
+def test_an_out_that_is_no_json_file_is_exit_2_and_writes_nothing(tmp_path, capsys, name):
+    """--out cal.txt was written as a calibration that agg-bench report --calibration and the workflow, which
+    look for FILE.json, never read; refused in one line, as embed, replay and gradcheck refuse their suffixes."""
+    out = tmp_path / name
+    assert main(["calibrate", *SMALL, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f"--out {out}: expected a FILE.json path"), err
+    assert list(tmp_path.iterdir()) == []
+
+
 METHODS = ["--method", "full", "{method: {name: full}}",
            "--method", "agg-w4", "{method: {name: agg, window: 4, alpha: sigma}}",
            "--method", "fora", "{method: {name: cached, cache: fora, cache_in: rollout}}",
