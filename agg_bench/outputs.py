@@ -53,11 +53,16 @@ UNPACK_STAGING = "unpack"
 
 
 def unpack_under_way(reference: Path) -> Path | None:
-    """An unpack's staging folder in ``reference`` (a live unpack's or a killed one's), or None."""
+    """An unpack's staging folder in ``reference`` (a live unpack's or a killed one's), or None; None too for a
+    folder this user may search but not list (the parent of a run folder a reader is given), where no unpack of
+    this user's can be under way."""
     if not reference.is_dir():
         return None
-    return next((entry for entry in sorted(reference.iterdir())
-                 if temp_owner(reference / UNPACK_STAGING, entry.name) is not None), None)
+    try:
+        names = sorted(reference.iterdir())
+    except OSError:
+        return None
+    return next((entry for entry in names if temp_owner(reference / UNPACK_STAGING, entry.name) is not None), None)
 
 
 def check_no_unpack(reference: Path, what: str) -> None:

@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from ..config import ModelConfig, TrainConfig, bound, weights_label
 from ..errors import ConfigError, UserError, quote
 from ..io import file_identity, path_text
 from ..jsonfiles import check_path, read_json_object
-from ..outputs import STAMP_FILE, STAMP_KEYS
+from ..outputs import STAMP_FILE, STAMP_KEYS, check_no_unpack
 from ..outdir import (LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, named_path_problem,
                       reach_problem)
 from ..reading import RunFolder
@@ -295,13 +296,22 @@ def _is_run_folder(path: Path) -> bool:
 def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
     """Run folders in ``paths``: each path is a run folder or a folder of run folders. A path that does not
     exist, is a file, is a folder holding no run folder, or holds a folder this user may not search is a UserError
-    naming it."""
+    naming it; so is one of a reference folder that a ``campaign unpack`` is writing or left cut off (the folder
+    that holds the run folders looked into: its parent, the reference, holds the unpack's staging folder), as
+    its manifest is (:func:`agg_bench.outputs.check_no_unpack`)."""
     out = []
+    looked: set[Path] = set()  # the references looked into: --runs REF/runs/* looks into REF once
     for path in map(Path, paths):
         if not path.exists():
             raise UserError(f"--runs {quote(str(path))}: no such folder; expected a run folder or a folder of "
                             "run folders")
-        if _is_run_folder(path):
+        run = _is_run_folder(path)
+        folder = Path(os.path.abspath(path))  # the folder as named (`runs/..`, `.` included), links not followed
+        reference = (folder.parent if run else folder).parent
+        if reference not in looked:
+            looked.add(reference)
+            check_no_unpack(reference, f"--runs {path}")
+        if run:
             out.append(RunEntry(path))
         elif path.is_dir():
             found = []

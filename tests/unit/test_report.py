@@ -1270,6 +1270,32 @@ def test_report_of_a_folder_of_runs_skips_staging_folders_and_refuses_a_run_bein
     assert len(summary) == 1 and set(load_records(discover_runs([runs]))["run_dir"]) == {str(run)}
 
 
+@pytest.mark.parametrize("given", ["runs", "a run", "each run"])
+def test_the_runs_of_a_reference_an_unpack_was_cut_off_in_are_refused(tmp_path, capsys, given):
+    """report --manifest REF/manifest.json refused a reference whose `campaign unpack` is under way or was cut off,
+    but report --runs REF/runs read its runs, of two states, as if whole: refused in the manifest's words, found
+    in the reference that holds the folder of runs (looked into once for all of them), nothing written."""
+    from agg_bench.io import atomic_path
+    from agg_bench.outputs import UNPACK_STAGING
+    from helpers import ENDED_PID
+
+    runs = tmp_path / "ref" / "runs"
+    for name in ("a", "b"):
+        make_run(runs, name, "full", [it(1.0, 0.1), it(1.0, 0.2)])
+    paths = {"runs": [runs], "a run": [runs / "a"], "each run": [runs / "a", runs / "b"]}[given]
+    tables = tmp_path / "t"
+    assert main(["report", "--runs", *map(str, paths), "--tables", str(tables)]) == 0  # a whole reference
+    capsys.readouterr()
+    staging = atomic_path(tmp_path / "ref" / UNPACK_STAGING, ENDED_PID)  # a killed unpack's
+    staging.mkdir()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert main(["report", "--runs", *map(str, paths), "--tables", str(tmp_path / "t2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and (f"--runs {paths[0]}: agg-bench campaign unpack into {tmp_path / 'ref'} is under way "
+                              f"or was cut off ({staging.name} is there)") in err[0], err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 @pytest.mark.parametrize("first, other, words", [
     (["reward.name=smoothness"], ["reward.name=jpeg_compressibility"], "with reward"),
     (['method={"name": "agg", "window": 3}'], ['method={"name": "agg", "window": 4}'], "with method options"),
