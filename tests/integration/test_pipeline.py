@@ -1,6 +1,8 @@
 """The Snakemake workflow: sweep configs check out before any job starts (dry runs of the default, the
 paper-scale config and the SLURM profile), errors name the key, and the smallest sweep runs end to end."""
+import contextlib
 import fnmatch
+import io
 import itertools
 import json
 import os
@@ -10,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -24,19 +28,59 @@ TABLES = table_files()
 PLOTS = plot_files()
 
 
-def workdir(tmp_path: Path) -> Path:
-    """A clean working directory holding what a fresh clone has: the Snakefile, workflow/ and config/."""
+def workdir(tmp_path: Path, shared_checks: bool = False) -> Path:
+    """A clean working directory holding what a fresh clone has: the Snakefile, workflow/ and config/. With
+    ``shared_checks``, its cache of the sweep's methods check (.snakemake/agg-bench, a child process of about
+    3 CPU-seconds at each parse of a sweep it has not seen) is one folder for every such working directory of
+    the test session: an answer is keyed by its request, the interpreter and the sources, and a check that
+    fails is never cached (tests/integration/test_sweep.py tests the cache itself)."""
     work = tmp_path / "work"
     work.mkdir()
     shutil.copy(ROOT / "Snakefile", work)
     shutil.copytree(ROOT / "workflow", work / "workflow")
     shutil.copytree(ROOT / "config", work / "config")
+    if shared_checks:
+        shared = tmp_path.parent / "shared-methods-checks"  # tmp_path.parent: the session's base temporary folder
+        shared.mkdir(exist_ok=True)
+        (work / ".snakemake").mkdir()
+        (work / ".snakemake" / "agg-bench").symlink_to(shared, target_is_directory=True)
     return work
 
 
 def snakemake(work: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=work, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def snakemake_here(work: Path, *args: str) -> subprocess.CompletedProcess:
+    """``snakemake ARGS`` run in ``work`` by Snakemake's command-line entry point in this process (for dry runs:
+    the same parse of the Snakefile and the same plan, without an interpreter's start-up and Snakemake's
+    imports each time), as :func:`snakemake` reports it: the exit code SystemExit carries, and an exception
+    that escapes Snakemake as the interpreter shows it, its traceback on stderr and exit code 1. Whether the
+    workflow refuses with a process's exit code is shown by the tests that start one. What Snakemake changes in
+    the process (its scheduler's SIGTERM handler, sys.path, warning filters, the working directory) is put back."""
+    from snakemake.cli import main
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    cwd, path = os.getcwd(), list(sys.path)
+    handlers = {signum: signal.getsignal(signum) for signum in signal.valid_signals()
+                if signum not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(signum) is not None}
+    os.chdir(work)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            main(list(args))
+    except SystemExit as end:
+        code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
+    except Exception:
+        err.write(traceback.format_exc())
+        code = 1
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+        for signum, handler in handlers.items():
+            if signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
+    return subprocess.CompletedProcess(["snakemake", *args], code, out.getvalue(), err.getvalue())
 
 
 def refusal(proc: subprocess.CompletedProcess) -> str:
@@ -105,10 +149,10 @@ def expected_runs(sweep: dict) -> int:
     ("gpu_random.yaml", ["--cores", "64", "--resources", "gpu=8"]),
 ])
 def test_dry_run_expands_every_job(tmp_path, name, extra):
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     sweep = yaml.safe_load((work / "config" / name).read_text())
     args = ["--configfile", f"config/{name}"] if name != "config.yaml" else []  # the default needs no flag
-    proc = snakemake(work, "-n", "-p", *args, *extra)
+    proc = snakemake_here(work, "-n", "-p", *args, *extra)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     counts = job_counts(proc.stdout)
     # every job declares the GPUs its command takes, so that Snakemake and SLURM give it as many
@@ -136,7 +180,7 @@ def test_dry_run_expands_every_job(tmp_path, name, extra):
 
 def test_dry_run_of_the_slurm_profile(tmp_path):
     pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/gpu.yaml")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     # the profile's per-rule resources reach the run jobs
@@ -168,7 +212,7 @@ def test_the_slurm_profiles_run_resources_reach_the_cell_jobs(tmp_path):
     device's cell job takes no GPU, and asked for the entry's memory of a GPU node (128 GB) all the same: it
     asks for the profile's default mem_mb, and for the entry's cpu_runtime where it has one, not its runtime."""
     pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     profile_file = work / "workflow/profiles/slurm/config.yaml"
     profile = yaml.safe_load(profile_file.read_text())
     expected = {key: str(value) for key, value in profile["set-resources"]["run"].items()}
@@ -197,13 +241,14 @@ def test_the_slurm_profiles_run_resources_reach_the_cell_jobs(tmp_path):
 def test_a_cpu_setting_that_is_no_number_is_refused_before_any_job(tmp_path):
     """Snakemake takes any text as a resource: cpu_mem_mb: lots failed once a job without a GPU was submitted, after
     the jobs before it, in words about mem_mb (the values: tests/unit/test_jobresources.py)."""
-    proc = snakemake(workdir(tmp_path), "-n", "--configfile", "config/test.yaml", "--set-resources",
+    proc = snakemake(workdir(tmp_path, shared_checks=True), "-n", "--configfile", "config/test.yaml", "--set-resources",
                      "run:cpu_mem_mb=lots")
     assert refusal(proc) == ("set-resources: run:cpu_mem_mb = 'lots': expected a whole number of MB >= 0 (the memory "
                              "of a job without a GPU)")
 
 
 @pytest.mark.parametrize("edit, words", [
+    # this one through a snakemake process (its exit code), the others in this process (snakemake_here)
     (lambda s: s.update(resolutions=["large"]), ["resolutions.0", "large"]),
     (lambda s: s["methods"]["agg-w3"]["method"].update(windw=3), ["methods.agg-w3", "method.windw"]),
     (lambda s: s["methods"].update({"bad_label": {"method": {"name": "full"}}}), ["methods", "bad_label"]),
@@ -219,11 +264,12 @@ def test_a_cpu_setting_that_is_no_number_is_refused_before_any_job(tmp_path):
      ["models.sd3", "model.pretrained", "results/pretrained/x", "pretrain has none"]),
 ])
 def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
     edit(sweep)
     (work / "bad.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
-    proc = snakemake(work, "--cores", "1", "--configfile", "bad.yaml")
+    run = snakemake if words == ["resolutions.0", "large"] else snakemake_here
+    proc = run(work, "--cores", "1", "--configfile", "bad.yaml")
     line = refusal(proc)
     assert line.startswith("sweep config"), proc.stderr
     for word in words:
@@ -236,8 +282,8 @@ def test_config_overrides_read_as_in_a_sweep_file(tmp_path):
     text: `resolutions=[64]` was refused as `'64'`, and no nested key of the sweep could be changed from the
     command line. They read as they do in the sweep file, merged into it (a method section replaced whole), and a
     key that is not text is refused in one line."""
-    work = workdir(tmp_path)
-    proc = snakemake(work, "-n", "-p", "--cores", "1", "--configfile", "config/test.yaml", "--config",
+    work = workdir(tmp_path, shared_checks=True)
+    proc = snakemake_here(work, "-n", "-p", "--cores", "1", "--configfile", "config/test.yaml", "--config",
                      "resolutions=[64]", "set={train.iterations: 3, progress: true}", "gradcheck={resolutions: [64]}")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert sorted(planned_runs(proc.stdout)) == ["agg-w3_sd3_64px_s0_cpu", "full_sd3_64px_s0_cpu"]
@@ -247,11 +293,11 @@ def test_config_overrides_read_as_in_a_sweep_file(tmp_path):
     assert "--set train.iterations=3 " in calibrate and "--set progress=true " in calibrate
     assert "--set sampling.steps=6 " in calibrate, calibrate
     # a method section replaces the file's whole, as in a sweep file: full takes no window
-    proc = snakemake(work, "-n", "-p", "--cores", "1", "--configfile", "config/test.yaml", "--config",
+    proc = snakemake_here(work, "-n", "-p", "--cores", "1", "--configfile", "config/test.yaml", "--config",
                      "methods={agg-w3: {method: {name: full}}}")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "--method agg-w3 '{method: {name: full}}'" in proc.stdout
-    proc = snakemake(work, "-n", "--cores", "1", "--configfile", "config/test.yaml", "--config", "set={1: 3}")
+    proc = snakemake_here(work, "-n", "--cores", "1", "--configfile", "config/test.yaml", "--config", "set={1: 3}")
     line = refusal(proc)
     assert "--config = 'set={1: 3}'" in line and "quote it" in line, proc.stderr
     assert not (work / "results").exists()
@@ -261,11 +307,11 @@ def test_a_run_folder_removed_by_hand_is_named_with_its_marker(tmp_path):
     """A run's job output is its marker in results/done/, not its folder: a folder removed by hand (to run it
     again) left the marker, Snakemake took the run as done, and the tables job failed on the missing folder.
     The workflow names the run and the marker to remove before any job, and removes nothing itself."""
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     marker = work / "results/done/full_sd3_32px_s0_cpu.json"
     marker.parent.mkdir(parents=True)
     marker.write_text(json.dumps({"out": "results/runs/full_sd3_32px_s0_cpu", "status": "ok"}))
-    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    proc = snakemake_here(work, "-n", "--configfile", "config/test.yaml")
     message = refusal(proc)
     assert ("results/runs/full_sd3_32px_s0_cpu has no summary.json, but its marker says the run ended (its folder "
             "removed?); to run it again, remove the marker: rm results/done/full_sd3_32px_s0_cpu.json") in message, message
@@ -275,7 +321,7 @@ def test_a_run_folder_removed_by_hand_is_named_with_its_marker(tmp_path):
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"model": {}, "train": {}, "method": {"name": "full"}}))
     (run / "summary.json").write_text(json.dumps({"status": "ok"}))
-    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    proc = snakemake_here(work, "-n", "--configfile", "config/test.yaml")
     assert proc.returncode == 0, proc.stderr + proc.stdout  # a run with its summary: its marker stands
 
 
@@ -285,16 +331,16 @@ def test_a_run_without_its_marker_behind_a_manifest_is_named_with_the_flag_that_
     stood, ran nothing and said "Nothing to be done". The workflow names the runs and the flag that runs them
     (a warning: whether a snakemake is forced is known only after the Snakefile is parsed); nothing is written or
     removed."""
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     manifest = work / "results/manifest.json"
     manifest.parent.mkdir(parents=True)
     manifest.write_text("{}")  # another sweep's: its rule's parameters changed, so Snakemake writes it again
-    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    proc = snakemake_here(work, "-n", "--configfile", "config/test.yaml")
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr + proc.stdout
     monkeypatch.chdir(work)
     manifest.write_text(json.dumps(Sweep(yaml.safe_load((work / "config/test.yaml").read_text()),
                                          work / "workflow/schemas/config.schema.yaml", None).manifest()))
-    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    proc = snakemake_here(work, "-n", "--configfile", "config/test.yaml")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert ("warning: full_sd3_32px_s0_cpu, agg-w3_sd3_32px_s0_cpu have no marker in results/done/ but the manifest "
             "that waits for them is there: Snakemake takes the tables as up to date and runs them only with --forcerun "
@@ -306,7 +352,7 @@ def test_a_run_without_its_marker_behind_a_manifest_is_named_with_the_flag_that_
         run.mkdir(parents=True)
         (run / "config.json").write_text(json.dumps({"model": {}, "train": {}, "method": {"name": "full"}}))
         (run / "summary.json").write_text(json.dumps({"status": "ok"}))
-    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    proc = snakemake_here(work, "-n", "--configfile", "config/test.yaml")
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr + proc.stdout
     shutil.rmtree(work / "results/done")
     shutil.rmtree(work / "results/runs")
@@ -318,10 +364,11 @@ def test_a_file_where_a_folder_of_the_workflow_goes_is_one_line(tmp_path, where)
     """A file named `results` (or a log folder's name) ended Snakemake in a NotADirectoryError traceback, before
     any job or when a job's log was opened; one line names it, and it is left as it was. `results/runs`, which
     holds the run folders but is no rule's output, passed the dry run and failed every run job."""
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     (work / where).parent.mkdir(parents=True, exist_ok=True)
     (work / where).write_text("mine")
-    proc = snakemake(work, "-n", "--configfile", "config/test.yaml")
+    # the first case through a snakemake process (its exit code), the others in this process
+    proc = (snakemake if where == "results" else snakemake_here)(work, "-n", "--configfile", "config/test.yaml")
     message = refusal(proc)
     assert f"{where} is not a folder, and the workflow keeps its files in a folder of that name; move it away" \
         in message and "Traceback" not in message, message
@@ -336,7 +383,7 @@ def dancegrpo_log(path: Path) -> Path:
 
 @pytest.mark.slow
 def test_smallest_sweep_end_to_end(tmp_path):
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
     sweep["references"] = [{"label": "dancegrpo-ref", "log": str(dancegrpo_log(tmp_path / "log.jsonl")),
                             "method": "full", "model": "flux", "resolution": 720, "gpu_name": "NVIDIA H800",
@@ -344,7 +391,7 @@ def test_smallest_sweep_end_to_end(tmp_path):
     (work / "e2e.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
     proc = snakemake(work, "--cores", "2", "--configfile", "e2e.yaml", timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = snakemake(work, "--configfile", "e2e.yaml", "--report", "results/report.html")
+    proc = snakemake_here(work, "--configfile", "e2e.yaml", "--report", "results/report.html")
     assert proc.returncode == 0, proc.stderr[-4000:]
     for path in [*TABLES, "results/tables/records.csv", *PLOTS, "results/report.html"]:
         assert (work / path).stat().st_size > 0, path
@@ -378,7 +425,7 @@ def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
     manifest fails naming it (the tables wait), and the next invocation reruns the cell. The failure injected:
     the scene reward on captions that are not scenes, which the sweep's checks accept and the run refuses as it
     starts."""
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
     sweep["methods"] = {"full": {"method": {"name": "full"}},
                         "broken": {"method": {"name": "full"}, "reward": {"name": "scene"}}}
@@ -397,7 +444,7 @@ def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
     assert not (work / "results/tables").exists()
     # the failed run's marker went with its summary; the journal keeps the finished run for the cell's rerun
     assert sorted(p.name for p in (work / "results/done").iterdir()) == ["full_sd3_32px_s0_cpu.json"]
-    plan = snakemake(work, "-n", "--configfile", "fail.yaml")
+    plan = snakemake_here(work, "-n", "--configfile", "fail.yaml")
     assert job_counts(plan.stdout).get("cell_sd3_32px_cpu") == 1, plan.stdout[-3000:]
     # the broken method mended: the cell reruns the failed run only, and the tables are made
     finished = (full / "summary.json").stat()
@@ -419,7 +466,7 @@ def test_a_cell_journal_goes_when_snakemake_ends_short_of_the_manifest(tmp_path)
     then kept every run instead of measuring them again. Snakemake removes the journal of each cell job it ran
     when it ends; the journal a cell job left that this invocation did not run (a job of a snakemake killed with
     kill -9) stays for the rerun of that job."""
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
     sweep.update(resolutions=[32, 64], calibrate={"enabled": False})
     del sweep["gradcheck"]
@@ -465,7 +512,7 @@ def test_a_cell_job_stopped_by_a_signal_keeps_its_finished_runs(tmp_path):
     outputs: they are the runs' markers, so the finished run's files stay, and the next invocation keeps that
     run (its summary untouched) and runs the one the signal stopped. The cell is frozen (SIGSTOP) while the
     signal is sent, so the second run is still running when it arrives however short it is."""
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)
     sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
     sweep["methods"] = {"first": {"method": {"name": "full"}},
                         "long": {"method": {"name": "full"}, "train": {"iterations": LONG}}}
