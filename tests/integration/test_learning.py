@@ -182,14 +182,26 @@ def test_the_committed_scene_model_is_the_recipes():
     assert sum(p.numel() for p in policy.transformer.parameters()) == summary["parameters"]
 
 
-def test_learning_sweep_dry_run(tmp_path):
+@pytest.fixture(scope="module")
+def learning_dry_run(tmp_path_factory):
+    """One dry run of `make learning`'s target on config/learning.yaml with -p, one core and one GPU in the pool:
+    what the dry-run test and the GPU test below read (the GPU in the pool changes nothing of the CPU sweep's
+    jobs)."""
+    from test_pipeline import snakemake, workdir
+
+    work = workdir(tmp_path_factory.mktemp("learning-dry-run"))
+    proc = snakemake(work, "learning", "-n", "-p", "--cores", "1", "--resources", "gpu=1", "--configfile",
+                     "config/learning.yaml")
+    return work, proc
+
+
+def test_learning_sweep_dry_run(learning_dry_run):
     """`make learning`'s Snakemake target expands to one pre-training, every method x seed, the gradcheck
     and the learning report, and writes nothing. With one core the pre-training (2 threads in its config)
     runs on the one thread it gets."""
-    from test_pipeline import job_counts, snakemake, workdir
+    from test_pipeline import job_counts
 
-    work = workdir(tmp_path)
-    proc = snakemake(work, "learning", "-n", "-p", "--cores", "1", "--configfile", "config/learning.yaml")
+    work, proc = learning_dry_run
     assert proc.returncode == 0, proc.stderr + proc.stdout
     counts = job_counts(proc.stdout)
     assert counts["pretrain"] == 1 and counts["gradcheck"] == 1 and counts["learning_report"] == 1
@@ -205,24 +217,33 @@ def test_learning_sweep_dry_run(tmp_path):
     assert not (work / "results").exists()
 
 
-def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path):
+def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path, learning_dry_run):
     """config/learning_gpu.yaml pre-trains on CUDA: its pretrain job declares one GPU (which Snakemake and SLURM
     then give it) and takes it from the pool, as a run does; the CPU sweep's declares and takes none."""
     from test_pipeline import gpu_claims, job_resources, snakemake, workdir
 
-    work = workdir(tmp_path)
-    for config, gpus in (("config/learning_gpu.yaml", 1), ("config/learning.yaml", 0)):
-        proc = snakemake(work, "learning", "-n", "-p", "--cores", "16", "--resources", "gpu=1", "--configfile", config)
+    def check_claims(proc, gpus):
         assert proc.returncode == 0, proc.stderr + proc.stdout
         claims = gpu_claims(proc.stdout)
         assert [c for c in claims if c[0] == "pretrain"] == [("pretrain", gpus, gpus)], claims
         assert [c for c in claims if c[1] != c[2]] == []
-    # through SLURM the GPU pretrain job gets the profile's own entry, not the defaults (60 minutes, any GPU)
-    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
+
+    check_claims(learning_dry_run[1], 0)  # the CPU sweep's, with a GPU in the pool
+    work = workdir(tmp_path)
+    try:
+        import snakemake_executor_plugin_slurm  # noqa: F401
+    except ImportError:  # the GPU sweep's claims on the local executor; its SLURM resources need the plugin
+        proc = snakemake(work, "learning", "-n", "-p", "--cores", "16", "--resources", "gpu=1", "--configfile",
+                         "config/learning_gpu.yaml")
+        check_claims(proc, 1)
+        pytest.skip("pip install 'agg-bench[slurm]'")
+    # through SLURM (whose profile prints the shell commands) the GPU pretrain job declares and takes its GPU, and
+    # gets the profile's own entry, not the defaults (60 minutes, any GPU)
     proc = snakemake(work, "learning", "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile",
                      "config/learning_gpu.yaml")
-    assert proc.returncode == 0, proc.stderr + proc.stdout
     profile = yaml.safe_load((work / "workflow/profiles/slurm/config.yaml").read_text())
+    assert profile["printshellcmds"] is True  # what the claims are read from
+    check_claims(proc, 1)
     [pretrain] = [resources for rule, resources in job_resources(proc.stdout) if rule == "pretrain"]
     assert {key: pretrain.get(key) for key in profile["set-resources"]["pretrain"]} == \
         {key: str(value) for key, value in profile["set-resources"]["pretrain"].items()}
