@@ -1,8 +1,10 @@
 """`agg-bench profile`: traces, an operator table and the run's config and machine for one method."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
+import io
 import json
 import shutil
 from pathlib import Path
@@ -19,24 +21,30 @@ SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "
          "--set", "grpo.prompts_per_iteration=1", "--set", "progress=false"]
 
 
-# the profile the tests that rerun into a folder start from: a train-phase profile of one active update
-FIRST = ["profile", "--method", "full", *SMALL, "--phase", "train", "--wait", "0", "--warmup", "0", "--active", "1"]
+# the profile the tests that rerun into a folder start from: a train-phase profile of one active update after one
+# waited one; the config file names another method with its own option, which --method replaces
+FIRST = ["profile", "--method", "full", *SMALL, "--phase", "train", "--wait", "1", "--warmup", "0", "--active", "1"]
 
 
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory) -> Path:
-    """A folder FIRST wrote (made once; tests take a copy)."""
-    out = tmp_path_factory.mktemp("first") / "prof"
-    assert main([*FIRST, "--out", str(out)]) == 0
-    return out
+def profiled(tmp_path_factory) -> tuple[Path, dict]:
+    """A folder FIRST wrote and the paths it printed (made once: profiling is costly; tests take a copy)."""
+    folder = tmp_path_factory.mktemp("first")
+    config = folder / "run.yaml"
+    config.write_text("method:\n  name: window\n  window_size: 2\n")
+    out = folder / "prof"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main([*FIRST, "--config", str(config), "--out", str(out)]) == 0
+    return out, json.loads(printed.getvalue())
 
 
-def earlier_profile(profiled: Path, tmp_path: Path, capsys) -> Path:
-    """A copy of ``profiled`` at tmp_path/prof: the folder a profile left (its profile.json names the original's
-    paths, which nothing reads back)."""
-    capsys.readouterr()  # the fixture's result line, when this test made it
+def earlier_profile(profiled: tuple[Path, dict], tmp_path: Path, capsys) -> Path:
+    """A copy of ``profiled``'s folder at tmp_path/prof: the folder a profile left (its profile.json names the
+    original's paths, which nothing reads back)."""
+    capsys.readouterr()
     out = tmp_path / "prof"
-    shutil.copytree(profiled, out)
+    shutil.copytree(profiled[0], out)
     return out
 
 
@@ -55,14 +63,8 @@ def operator_calls(path: Path) -> dict[str, int]:
     return calls
 
 
-def test_profile_train_phase_writes_trace_and_operator_table(tmp_path, capsys):
-    # the config file names another method with its own option: --method replaces that section
-    config = tmp_path / "run.yaml"
-    config.write_text("method:\n  name: window\n  window_size: 2\n")
-    out = tmp_path / "prof"
-    assert main(["profile", "--config", str(config), "--method", "full", *SMALL, "--phase", "train",
-                 "--wait", "1", "--warmup", "0", "--active", "1", "--out", str(out)]) == 0
-    written = json.loads(capsys.readouterr().out)
+def test_profile_train_phase_writes_trace_and_operator_table(profiled):
+    out, written = profiled  # FIRST: a config file of another method, --method full, one waited and one active step
 
     traces = sorted(out.glob("*.pt.trace.json*"))
     assert [str(t) for t in traces] == [written["trace_0"]]  # one cycle, one trace
@@ -78,8 +80,8 @@ def test_profile_train_phase_writes_trace_and_operator_table(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["method"] == {"name": "full"}
     assert "torch" in json.loads((out / "env.json").read_text())
     manifest = json.loads((out / "profile.json").read_text())
-    assert manifest["phase"] == "train" and manifest["active"] == 1 and manifest["files"] == {
-        k: v for k, v in written.items() if k != "out"}
+    assert manifest["phase"] == "train" and manifest["wait"] == 1 and manifest["active"] == 1
+    assert manifest["files"] == {k: v for k, v in written.items() if k != "out"}
 
 
 @pytest.mark.skipif("agg" not in available_methods(), reason="the agg method is not registered")
