@@ -1,5 +1,7 @@
 """Table builders on synthetic run folders with known numbers -> known cells; plots exist."""
+import contextlib
 import csv
+import io
 import json
 import math
 import os
@@ -410,14 +412,16 @@ def test_plots_are_drawn_from_the_written_tables(sweep, gradcheck_csv, tmp_path,
     assert main(["report", "--manifest", str(manifest), *both]) == 0
     assert main(["report", "--manifest", str(manifest), "--plots", str(tmp_path / "alone")]) == 0
     capsys.readouterr()
-    assert main(["report", "--tables-in", str(tables), "--plots", str(tmp_path / "from_tables")]) == 0
+    # drawn from the tables into the tables' own folder, which the plots may share (one report less to draw: each
+    # set of plots takes seconds)
+    tables_before = {p.name: p.read_bytes() for p in tables.iterdir() if p.name != "stamp.json"}
+    assert main(["report", "--tables-in", str(tables), "--plots", str(tables)]) == 0
     assert json.loads(capsys.readouterr().out)["efficiency_rows"] == len(pd.read_csv(tables / "efficiency.csv"))
+    assert {p.name: p.read_bytes() for p in tables.iterdir() if p.name in tables_before} == tables_before
     for name in PLOTS:
-        image = (tmp_path / "from_tables" / f"{name}.png").read_bytes()
+        image = (tables / f"{name}.png").read_bytes()
         assert image == (tmp_path / "both" / f"{name}.png").read_bytes() == \
             (tmp_path / "alone" / f"{name}.png").read_bytes(), name
-    # the plots may go into the tables' own folder
-    assert main(["report", "--tables-in", str(tables), "--plots", str(tables)]) == 0
     assert (tables / "time_breakdown.png").is_file() and (tables / "efficiency.csv").is_file()
 
 
@@ -441,22 +445,43 @@ def test_tables_and_plots_share_a_folder_across_runs_of_the_report(sweep, tmp_pa
     assert {p.name: p.read_bytes() for p in both.iterdir()} == before
 
 
+@pytest.fixture(scope="module")
+def earlier_reports(tmp_path_factory) -> Path:
+    """The ``sweep`` runs in a folder of their own (runs/), the report of them all in out/ (tables and plots) and the
+    tables of two of them in tables_in/: made once (a set of plots takes seconds), each test takes a copy of the
+    reports and reads the runs where they are."""
+    root = tmp_path_factory.mktemp("earlier")
+    sweep_entries(root)
+    runs = root / "runs"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["report", "--runs", str(runs), "--tables", str(root / "out"), "--plots", str(root / "out")]) == 0
+        assert main(["report", "--runs", str(runs / "full_s0"), str(runs / "agg"), "--tables",
+                     str(root / "tables_in")]) == 0
+    return root
+
+
 @pytest.mark.parametrize("stop", ["a full disk at the third table file", "SIGTERM at the third plot",
                                   "SIGTERM at the third plot drawn from --tables-in"])
-def test_a_report_stopped_part_way_leaves_the_earlier_set_whole(sweep, tmp_path, monkeypatch, capsys, stop):
+def test_a_report_stopped_part_way_leaves_the_earlier_set_whole(earlier_reports, tmp_path, monkeypatch, capsys, stop):
     """A report stopped part-way (a full disk, a signal) left its first files new beside the earlier report's
     others, a set that no report wrote. The earlier set stays whole, byte for byte, with no temporary beside it;
     the next report that ends replaces it whole."""
     import errno
     import os
+    import shutil
     import signal
 
     from agg_bench.results import formatting, plots
 
-    runs, out, tables_in = tmp_path / "runs", tmp_path / "out", tmp_path / "tables_in"
-    assert main(["report", "--runs", str(runs), "--tables", str(out), "--plots", str(out)]) == 0
-    assert main(["report", "--runs", str(runs / "full_s0"), str(runs / "agg"), "--tables", str(tables_in)]) == 0
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    runs, out, tables_in = earlier_reports / "runs", tmp_path / "out", tmp_path / "tables_in"
+    shutil.copytree(earlier_reports / "out", out)  # `report --runs RUNS --tables out --plots out`
+    shutil.copytree(earlier_reports / "tables_in", tables_in)  # `report --runs full_s0 agg --tables tables_in`
+    (tmp_path / "mine.txt").write_text("mine")
+
+    def beside() -> dict:
+        return {p.name: p.read_bytes() if p.is_file() else None for p in tmp_path.iterdir()}
+
+    before = beside()
     written = {p.name: p.read_bytes() for p in out.iterdir()}
     module, name = (formatting, "write_text") if "full disk" in stop else (plots, "save_figure")
     original, calls = getattr(module, name), []
@@ -477,7 +502,7 @@ def test_a_report_stopped_part_way_leaves_the_earlier_set_whole(sweep, tmp_path,
     assert main(["report", *other]) == (143 if "SIGTERM" in stop else 2)
     assert len(calls) == 3
     assert {p.name: p.read_bytes() for p in out.iterdir()} == written  # the earlier set, and nothing else
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # no temporary beside it
+    assert beside() == before  # no temporary beside it
     monkeypatch.undo()
     assert main(["report", *other]) == 0
     now = {p.name: p.read_bytes() for p in out.iterdir()}
