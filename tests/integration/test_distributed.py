@@ -12,10 +12,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from agg_bench import errors
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.errors import ConfigError
@@ -217,52 +219,70 @@ def test_share_view_runs_the_transformer_on_its_rows_only():
 
 
 # ----- two processes ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The folder and the process of one two-process torchrun launch of :func:`_worker`."""
+    out = tmp_path_factory.mktemp("ddp")
+    return out, torchrun(__file__, str(out))
+
+
 @pytest.mark.slow
-def test_two_process_gradient_equals_single_process_gradient_and_failures_stop_both(tmp_path):
-    proc = torchrun(__file__, str(tmp_path))
+def test_two_process_gradient_equals_single_process_gradient_and_failures_stop_both(launched):
+    out, proc = launched
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for method, overrides in METHODS.items():
         single = one_update_gradient(config(*overrides))
-        both = torch.load(tmp_path / f"{method}.pt")
+        both = torch.load(out / f"{method}.pt")
         assert set(both) == set(single)
         err = relative_error(both, single)
         assert err <= GRAD_TOL, (method, err)
         print(f"{method}: relative gradient error, 2 processes vs 1: {err:.2e}")
     # an OOM on process 1 stopped both processes; rank 0 wrote it down and both exited normally
-    summary = json.loads((tmp_path / "oom/summary.json").read_text())
+    summary = json.loads((out / "oom/summary.json").read_text())
     assert (summary["status"], summary["last_good_iteration"], summary["world_size"]) == ("oom", 0, 2)
-    assert [r["status"] for r in read_jsonl(tmp_path / "oom/metrics.jsonl")] == ["ok", "oom"]
+    assert [r["status"] for r in read_jsonl(out / "oom/metrics.jsonl")] == ["ok", "oom"]
+
+
+RECORDS = {"one-step": [], "minibatches": ["train.minibatches=2"],
+           "minibatches-routed": ["train.minibatches=2", "method.route_frac=0.3"]}
+
+
+def records_args(steps: list[str]) -> list[str]:
+    return [a for o in [*DDP, 'method={"name": "agg", "window": 3}', *steps] for a in ("--set", o)] + [
+        "--set", "train.iterations=2", "--set", "run_id=ddp", "--set", "eval.every=1", "--set", "eval.noises=2"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("steps", [[], ["train.minibatches=2"], ["train.minibatches=2", "method.route_frac=0.3"]],
-                         ids=["one-step", "minibatches", "minibatches-routed"])
-def test_torchrun_run_writes_the_single_process_records(tmp_path, steps):
+@pytest.mark.parametrize("case", list(RECORDS))
+def test_torchrun_run_writes_the_single_process_records(launched, tmp_path, case):
     """With train.minibatches, each process's k-th mini-batch is part of the single-process k-th one, so the
     records are the single-process run's too; with a partial route, so is the count each mini-batch routes (0.3 of
-    the epoch's 24 candidate groups so far: 4, then 3)."""
+    the epoch's 24 candidate groups so far: 4, then 3). The launch runs ``agg-bench run`` (:func:`main`, as
+    ``python -m agg_bench run`` does) once per case, one after the other."""
     from agg_bench.runtime.train import TIMING_KEYS
 
-    args = [a for o in [*DDP, 'method={"name": "agg", "window": 3}', *steps] for a in ("--set", o)] + [
-        "--set", "train.iterations=2", "--set", "run_id=ddp", "--set", "eval.every=1", "--set", "eval.noises=2"]
-    proc = torchrun("-m", "agg_bench", "run", *args, "--out", str(tmp_path / "two"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    # one result line for the job: rank 0's, not one per process
-    assert [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")] == \
-        [{"out": str(tmp_path / "two"), "status": "ok"}]
+    launch, proc = launched
+    steps, two = RECORDS[case], launch / case
+    codes = [(launch / f"{case}.{rank}.code").read_text() if (launch / f"{case}.{rank}.code").exists() else None
+             for rank in (0, 1)]
+    assert codes == ["0", "0"], proc.stdout[-3000:] + proc.stderr[-5000:]
+    # one result line for the run: rank 0's, not one per process
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r for r in results if r.get("out") == str(two)] == [{"out": str(two), "status": "ok"}], results
+    args = records_args(steps)
     assert main(["run", *args, "--out", str(tmp_path / "one")]) == 0
-    two = list(read_jsonl(tmp_path / "two/metrics.jsonl"))
+    two_records = list(read_jsonl(two / "metrics.jsonl"))
     one = list(read_jsonl(tmp_path / "one/metrics.jsonl"))
-    assert [r["iteration"] for r in two] == [0, 1]
+    assert [r["iteration"] for r in two_records] == [0, 1]
     if "method.route_frac=0.3" in steps:
-        assert [r["agg_groups_routed"] for r in two] == [4 + 3] * 2
-    summary = json.loads((tmp_path / "two/summary.json").read_text())
+        assert [r["agg_groups_routed"] for r in two_records] == [4 + 3] * 2
+    summary = json.loads((two / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["n_gpus"] == 0
     skip = set(TIMING_KEYS) | {"saved_activation_peak_bytes"}
     # float64 throughout, with a continuous reward (DDP): the two runs differ by the order of additions,
     # ~1e-16 relative per operation, grown by at most a few orders of magnitude over two iterations of
     # this small model; 1e-9 leaves room for that and still catches any real difference.
-    for r2, r1 in zip(two, one):
+    for r2, r1 in zip(two_records, one):
         assert set(r2) == set(r1)
         for key in set(r1) - skip:
             if isinstance(r1[key], float):
@@ -275,10 +295,10 @@ def test_torchrun_run_writes_the_single_process_records(tmp_path, steps):
             else:
                 assert r2[key] == r1[key], key
     # work is counted over both processes: the same total as one process, and so is the cost
-    assert [r["backward"] for r in two] == [r["backward"] for r in one]
-    assert [r["cost"] for r in two] == [r["cost"] for r in one]
+    assert [r["backward"] for r in two_records] == [r["backward"] for r in one]
+    assert [r["cost"] for r in two_records] == [r["cost"] for r in one]
     # every process evaluates (a sharded forward needs them all), rank 0 writes each evaluation once
-    evals_two = list(read_jsonl(tmp_path / "two/evaluations.jsonl"))
+    evals_two = list(read_jsonl(two / "evaluations.jsonl"))
     evals_one = list(read_jsonl(tmp_path / "one/evaluations.jsonl"))
     assert [e["iteration"] for e in evals_two] == [0, 1, 2]
     for e2, e1 in zip(evals_two, evals_one):
@@ -289,17 +309,61 @@ def agg_bench_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("agg-bench run:")]
 
 
-@pytest.mark.parametrize("args, error", [
+def as_each_process(monkeypatch, capsys, command) -> list[tuple[object, list[str], list[float]]]:
+    """``command()`` in this process as each of torchrun's two processes in turn (its variables set, those
+    of a job whose collectives would fail at once): per process its exit code, its ``agg-bench run:`` lines
+    and how long it waited to be ended, leaving its line to another process. torchrun ends a process that
+    waits once another has failed; here the wait is ended at once, as that end is (a signal, which the
+    process takes as an interruption)."""
+    waits: list[float] = []
+
+    def ended_by_torchrun(seconds: float) -> None:
+        waits.append(seconds)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(errors, "time", SimpleNamespace(sleep=ended_by_torchrun))
+    for key, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9",
+                       errors.TORCHRUN_AGENT_VARIABLE: "none", distributed.TIMEOUT_ENV: "1"}.items():
+        monkeypatch.setenv(key, value)
+    seen = []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        capsys.readouterr()
+        try:
+            code: object = command()
+        except SystemExit as end:  # argparse's usage error
+            code = end.code
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("agg-bench run:")]
+        seen.append((code, lines, list(waits)))
+        waits.clear()
+    return seen
+
+
+EVERY_PROCESS = [
     (["--set", "train.iterations=abc"], "agg-bench run: config error: train.iterations = 'abc': expected an integer"),
     (["--resume", "--resume-stopped"], "agg-bench run: --resume and --resume-stopped: give one"),
     ([], "agg-bench run: the following arguments are required: --out"),  # argparse
-    # after the processes joined the group, from the config alone
-    (["--set", "grpo.prompts_per_iteration=3"], "agg-bench run: config error: grpo.prompts_per_iteration = 3: "
-                                                "expected a multiple of the 2 data-parallel processes"),
-])
-def test_a_user_error_every_process_raises_is_printed_once(tmp_path, args, error):
+]
+
+
+@pytest.mark.parametrize("args, error", EVERY_PROCESS)
+def test_a_user_error_every_process_raises_is_printed_by_process_0_alone(tmp_path, capsys, monkeypatch, args, error):
+    """Raised alike before the processes join a group: process 0 prints the line, process 1 prints none and waits
+    to be ended by torchrun, which ends the job once process 0 has failed (as the launch below shows)."""
     out = [] if not args else ["--set", "progress=false", "--set", "telemetry.enabled=false", "--out", str(tmp_path / "o")]
-    proc = torchrun("-m", "agg_bench", "run", *args, *out, timeout=240)
+    (code0, lines0, waits0), (code1, lines1, waits1) = as_each_process(
+        monkeypatch, capsys, lambda: main(["run", *args, *out]))
+    assert code0 == 2 and len(lines0) == 1 and lines0[0].startswith(error) and waits0 == [], (code0, lines0, waits0)
+    assert code1 != 0 and lines1 == [] and waits1 == [errors.ALIKE_WAIT_S], (code1, lines1, waits1)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_user_error_every_process_raises_is_printed_once(tmp_path):
+    """After the processes joined the group, from the config alone: process 0 prints it, torchrun ends process 1."""
+    error = "agg-bench run: config error: grpo.prompts_per_iteration = 3: expected a multiple of the 2 data-parallel processes"
+    proc = torchrun("-m", "agg_bench", "run", "--set", "grpo.prompts_per_iteration=3", "--set", "progress=false",
+                    "--set", "telemetry.enabled=false", "--out", str(tmp_path / "o"), timeout=240)
     lines = agg_bench_lines(proc)
     assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith(error), proc.stderr[-3000:]
     assert not (tmp_path / "o").exists()
@@ -308,14 +372,21 @@ def test_a_user_error_every_process_raises_is_printed_once(tmp_path, args, error
 @pytest.mark.parametrize("which, expected", [
     ("one", ["agg-bench run: rank 1: process 1's own problem"]),
     ("each", ["agg-bench run: process 0's own problem", "agg-bench run: rank 1: process 1's own problem"]),
-    # passed on to process 0 at a point both reach: printed by process 1, whose error it is, alone
-    ("passed", ["agg-bench run: rank 1: process 1's own problem"]),
 ])
-def test_a_user_error_of_one_process_is_printed_by_it(tmp_path, which, expected):
+def test_a_user_error_of_one_process_is_printed_by_it(capsys, monkeypatch, which, expected):
     """An error that not every process raised alike is printed by each process that raised it, which says whose
-    it is: none is left to another process that does not have it, and none passed on is printed twice."""
-    proc = torchrun(__file__, str(tmp_path), "--user-error", which, timeout=240)
-    assert sorted(agg_bench_lines(proc)) == expected, proc.stderr[-3000:]
+    it is, at once: none is left to another process that does not have it."""
+    seen = as_each_process(monkeypatch, capsys, lambda: _user_error(which))
+    assert [code for code, _, _ in seen] == [2 if which == "each" else 0, 2]
+    assert sorted(line for _, lines, _ in seen for line in lines) == expected, seen
+    assert [waits for _, _, waits in seen] == [[], []]
+
+
+def test_a_user_error_passed_on_is_printed_by_the_process_that_raised_it(tmp_path):
+    """Passed on to process 0 at a point both reach: printed by process 1, whose error it is, alone (torchrun
+    ends process 0, which leaves it to process 1), and not twice."""
+    proc = torchrun(__file__, str(tmp_path), "--user-error", "passed", timeout=240)
+    assert agg_bench_lines(proc) == ["agg-bench run: rank 1: process 1's own problem"], proc.stderr[-3000:]
 
 
 def test_an_error_of_process_0_alone_passed_on_to_the_others_is_printed_once(tmp_path):
@@ -355,11 +426,16 @@ def _user_error(which: str) -> int:
 
 
 def _worker(out: Path) -> None:
-    """Run by torchrun: one update per method, rank 0 saving the averaged gradients; then a run in which
-    process 1 runs out of memory in its second update."""
+    """Run by torchrun: ``agg-bench run`` of each RECORDS case (:func:`main`, as ``python -m agg_bench run`` runs
+    it, in the process group of the launch: a gloo group joined again after one was left may read the address
+    the last one left), its exit code written per process; then one update per method, rank 0 saving the
+    averaged gradients; then a run in which process 1 runs out of memory in its second update."""
     torch.set_num_threads(1)
     with distributed.process_group(torch.device("cpu")) as shard:
         assert shard.world_size == 2
+        for case, steps in RECORDS.items():
+            code = main(["run", *records_args(steps), "--out", str(out / case)])
+            (out / f"{case}.{shard.rank}.code").write_text(str(code))
         for method, overrides in METHODS.items():
             grads = one_update_gradient(config(*overrides))
             if shard.is_main:

@@ -2,9 +2,9 @@
 same global batch for every method, make the same sequence of transformer calls on every process, and a
 sharded checkpoint resumes to the uninterrupted run's records.
 
-One torchrun launch runs every two-process case (this file is also its worker:
-``python -m torch.distributed.run ... tests/integration/test_fsdp.py OUT``); the tests compare its files with
-single-process sessions here. float64 throughout (``model.dtype: float64``), so two processes differ
+One torchrun launch runs every two-process case and a sharded ``agg-bench calibrate`` (this file is also its
+worker: ``python -m torch.distributed.run ... tests/integration/test_fsdp.py OUT``); the tests compare its files with
+single-process sessions here, and resume a copy of its sharded checkpoint. float64 throughout (``model.dtype: float64``), so two processes differ
 from one only in the order of additions: relative error <= 1e-6 is float64 rounding with a wide margin.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +54,12 @@ CASES = {
 }
 RESUME = [*BASE, 'method={"name": "agg", "window": 3, "route_frac": 0.5}']
 TOL = 1e-6
+# the sharded calibration the launch runs after its other cases
+CALIBRATE = ["calibrate", "--config", "config/run.yaml",
+             *[a for item in ("model.resolution=32", "sampling.steps=4", "grpo.prompts_per_iteration=2",
+                              "train.shard=fsdp", "progress=false") for a in ("--set", item)],
+             "--repeats", "2", "--warmup", "1", "--method-repeats", "2", "--method", "full", "{method: {name: full}}",
+             "--method", "agg", "{method: {name: agg, window: 4}}"]
 LAUNCH_TIMEOUT_S = 600
 
 
@@ -261,32 +266,54 @@ def test_two_process_sharded_resume_equals_the_uninterrupted_run(launched):
     assert (summary["status"], summary["resumed_from"], summary["world_size"]) == ("ok", 0, 2)
 
 
+# process 1 hangs (alive, never joining the second collective) longer than the launch may take; a worker of its
+# own, which imports no trainer (two processes importing the model libraries cost more than the rest of the test)
+HANG_WORKER = """
+import sys, time
+from pathlib import Path
+import torch
+from agg_bench.machine import distributed
+with distributed.process_group(torch.device("cpu")) as shard:
+    distributed.gather()
+    if shard.rank == 1:
+        time.sleep(float(sys.argv[2]))
+    try:
+        distributed.gather()
+    except RuntimeError as err:
+        (Path(sys.argv[1]) / "hang.txt").write_text(f"rank 0 timed out: {err}")
+        raise
+"""
+HANG_S = 200
+
+
 @pytest.mark.slow
 def test_a_stuck_process_ends_the_job_at_the_collective_timeout(tmp_path):
     """Process 1 hangs (alive, never joining); process 0's next collective fails after
     AGG_BENCH_DIST_TIMEOUT_S, and torchrun ends the job. Without the timeout the launch would wait
     past the subprocess timeout (process 1 sleeps longer) and the test would fail."""
-    proc = torchrun(__file__, str(tmp_path), "--hang", env={distributed.TIMEOUT_ENV: "3"}, timeout=240)
+    worker = tmp_path / "hang.py"
+    worker.write_text(HANG_WORKER)
+    proc = torchrun(str(worker), str(tmp_path), str(HANG_S + 60), env={distributed.TIMEOUT_ENV: "3"}, timeout=240)
     assert proc.returncode != 0
     assert "rank 0 timed out" in (tmp_path / "hang.txt").read_text()
 
 
 @pytest.mark.slow
-def test_two_processes_refuse_a_crafted_shard_metadata_in_one_line_unexecuted(tmp_path):
-    """A two-process sharded checkpoint whose ``.metadata`` was crafted to run a command: every process refuses
-    it unread (the command runs on none), one line names the file, and the run folder is as it was."""
+def test_two_processes_refuse_a_crafted_shard_metadata_in_one_line_unexecuted(launched, tmp_path):
+    """A two-process sharded checkpoint (a copy of the launch's resumed run) whose ``.metadata`` was crafted to run a
+    command: every process refuses it unread (the command runs on none), one line names the file, and the run
+    folder is as it was."""
     import pickle  # noqa: TID251 (crafts the file the resume must refuse)
+    import shutil
 
     out, marker = tmp_path / "run", tmp_path / "ran"
-    sets = [a for item in ("model.resolution=32", "sampling.steps=2", "grpo.group_size=2", "grpo.prompts_per_iteration=2",
-                           "progress=false", "telemetry.enabled=false", "train.shard=fsdp", "train.checkpoint_every=1")
-            for a in ("--set", item)]
-    proc = torchrun("-m", "agg_bench", "run", *sets, "--set", "train.iterations=1", "--out", str(out), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    metadata = out / "checkpoint_shards_000000" / ".metadata"
+    shutil.copytree(launched / "resumed", out)
+    sets = [a for item in [*RESUME, "train.shard=fsdp", "train.checkpoint_every=1"] for a in ("--set", item)]
+    metadata = out / "checkpoint_shards_000001" / ".metadata"
+    assert metadata.is_file()
     metadata.write_bytes(pickle.dumps(Calls(os.system, f"touch {marker}")))
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    proc = torchrun("-m", "agg_bench", "run", *sets, "--set", "train.iterations=2", "--resume", "--out", str(out),
+    proc = torchrun("-m", "agg_bench", "run", *sets, "--set", "train.iterations=3", "--resume", "--out", str(out),
                     timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("agg-bench run:")]
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
@@ -303,9 +330,6 @@ def test_timeout_variable_is_checked(monkeypatch):
         with pytest.raises(Exception) as err:
             distributed.collective_timeout()
         assert distributed.TIMEOUT_ENV in str(err.value)
-
-
-HANG_S = 200
 
 
 # ----- the worker ---------------------------------------------------------------------------------
@@ -328,6 +352,7 @@ def _record_calls() -> list[str]:
 
 def _worker(out: Path) -> None:
     torch.set_num_threads(1)
+    velocity = Policy.velocity
     with distributed.process_group(torch.device("cpu")) as shard:
         assert shard.world_size == 2
         calls = _record_calls()
@@ -344,38 +369,32 @@ def _worker(out: Path) -> None:
         assert train(cfg("train.iterations=2"), out / "whole")["status"] == "ok"
         assert train(cfg("train.iterations=1", "train.checkpoint_every=1"), out / "resumed")["status"] == "ok"
         assert train(cfg("train.iterations=2", "train.checkpoint_every=1"), out / "resumed", resume=True)["status"] == "ok"
+        # `agg-bench calibrate` (main, as `python -m agg_bench calibrate` runs it) in the launch's process group: a
+        # gloo group joined again after one was left may read the address the last one left
+        from agg_bench.cli import main
 
-
-def _hang(out: Path) -> None:
-    with distributed.process_group(torch.device("cpu")) as shard:
-        distributed.gather()
-        if shard.rank == 1:
-            time.sleep(HANG_S + 60)
-        try:
-            distributed.gather()
-        except RuntimeError as err:
-            (out / "hang.txt").write_text(f"rank 0 timed out: {err}")
-            raise
+        Policy.velocity = velocity
+        (out / "calibration").mkdir(exist_ok=True)
+        code = main([*CALIBRATE, "--out", str(out / "calibration" / "cal.json")])
+        (out / f"calibrate.{shard.rank}.code").write_text(str(code))
 
 
 if __name__ == "__main__":
-    (_hang if "--hang" in sys.argv else _worker)(Path(sys.argv[1]))
+    _worker(Path(sys.argv[1]))
 
 
-def test_a_sharded_calibration_runs_on_two_processes_and_rank_0_writes_it(tmp_path):
+@pytest.mark.slow
+def test_a_sharded_calibration_runs_on_two_processes_and_rank_0_writes_it(launched):
     """The workflow calibrates a sharded cell on its runs' GPUs: every process measures its share with
-    the collectives the runs pay (the model may fit only when sharded), and one file is written."""
-    out = tmp_path / "cal.json"
-    sets = [a for item in ("model.resolution=32", "sampling.steps=4", "grpo.prompts_per_iteration=2",
-                           "train.shard=fsdp", "progress=false") for a in ("--set", item)]
-    proc = torchrun("-m", "agg_bench", "calibrate", "--config", "config/run.yaml", *sets, "--repeats", "2",
-                    "--warmup", "1", "--method-repeats", "2", "--method", "full", "{method: {name: full}}",
-                    "--method", "agg", "{method: {name: agg, window: 4}}", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    the collectives the runs pay (the model may fit only when sharded), and one file is written (the launch ran
+    ``agg-bench calibrate``, :data:`CALIBRATE`, last)."""
+    codes = [(launched / f"calibrate.{rank}.code").read_text() for rank in (0, 1)]
+    assert codes == ["0", "0"], codes
+    folder = launched / "calibration"
+    result = json.loads((folder / "cal.json").read_text())
     b, steps = 4, 4  # each process: one of the 2 groups of 4 images
     assert (result["processes"], result["batch"]) == (2, b)
     assert result["methods"]["full"]["passes"] == {"forward_nograd": 0, "forward_grad": b * steps, "backward": b * steps}
     assert result["methods"]["agg"]["passes"] == {"forward_nograd": b * steps, "forward_grad": 2 * b, "backward": 2 * b}
     assert all(len(m["cpu_s"]) == 2 for m in result["methods"].values())
-    assert [p.name for p in tmp_path.iterdir()] == ["cal.json"]
+    assert [p.name for p in folder.iterdir()] == ["cal.json"]
