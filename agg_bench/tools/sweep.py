@@ -567,32 +567,56 @@ def _check_replays(what: str, config: dict, grid: dict) -> None:
         raise SweepError(f"{what}: gradcheck.methods: {err}") from None
 
 
+def check_pretrain_entries(entries: dict[str, dict]) -> dict[str, dict]:
+    """Each pretrain entry of a sweep read as its job is given it (:func:`agg_bench.tools.pretrain.sweep_entry_config`:
+    its config file, its ``set``, the model's sizes against this machine's memory) and its device as the GPU pool
+    takes it (:func:`pretrain_gpus`): {label: {"threads", "device"}}, what the workflow's pretrain jobs reserve.
+    Raises a SweepError naming the first entry that fails. Runs in the child process (torch, diffusers)."""
+    from .pretrain import sweep_entry_config
+
+    out = {}
+    for label, spec in entries.items():
+        cfg = sweep_entry_config(label, spec)
+        pretrain_gpus(label, cfg.device)  # a fixed cuda:N, which the GPU pool cannot honour
+        out[label] = {"threads": cfg.threads, "device": cfg.device}
+    return out
+
+
 def _main() -> int:
-    """``python -m agg_bench.tools.sweep``: {"base", "jobs", "replays"} on stdin -> {"options"} or {"error"} on
-    stdout."""
+    """``python -m agg_bench.tools.sweep``: {"base", "jobs", "replays"} (the methods' check) or {"pretrain"}
+    (the pretrain entries' check) on stdin -> {"answer"} or {"error"} on stdout."""
     request = json.load(sys.stdin)
     answer: dict[str, object]
     try:
-        answer = {"options": check_methods(request["base"], request["jobs"], request.get("replays"))}
+        if "pretrain" in request:
+            answer = {"answer": check_pretrain_entries(request["pretrain"])}
+        else:
+            answer = {"answer": check_methods(request["base"], request["jobs"], request.get("replays"))}
     except UserError as err:
         answer = {"error": str(err)}
     json.dump(answer, sys.stdout)
     return 0
 
 
-def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Path | None = CACHE_DIR,
-                    replays: dict[str, dict] | None = None) -> dict[str, dict]:
-    """:func:`check_methods` in a child process, its answer cached in ``cache_dir`` (None: not cached)."""
-    request = {"base": base_file, "jobs": jobs, "replays": replays or {}}
+def _checked_in_child(kind: str, request: dict, files: Sequence[str | None], cache_dir: Path | None,
+                      machine: object = None) -> dict:
+    """The answer of :func:`_main` to ``request`` from a child process (torch and the model libraries stay out of
+    Snakemake's process: seconds of every start), cached in ``cache_dir`` (None: not cached) under a key of the
+    request, the interpreter, the sources, the texts of ``files`` (the config files the answer reads) and
+    ``machine`` (what else of this machine it depends on). A refusal is raised, and never cached."""
+    texts: dict[str, str | None] = {}
+    for name in filter(None, files):
+        try:
+            texts[name] = Path(name).read_text()
+        except (OSError, ValueError):
+            texts[name] = None  # the child names what is wrong with it
     key = hashlib.sha256(json.dumps({
-        # what the method check's answer depends on besides the jobs themselves
-        "request": request, "python": sys.executable, "sources": source_digest(),
-        "base_text": Path(base_file).read_text() if base_file else None,
+        "request": request, "python": sys.executable, "sources": source_digest(), "texts": texts, "machine": machine,
     }, sort_keys=True, default=str).encode()).hexdigest()
-    cached = None if cache_dir is None else cache_dir / f"methods-{key[:32]}.json"
+    cached = None if cache_dir is None else cache_dir / f"{kind}-{key[:32]}.json"
     if cached is not None and cached.is_file():
         try:
-            return json.loads(cached.read_text())["options"]
+            return json.loads(cached.read_text())["answer"]
         except (ValueError, KeyError):
             pass  # a torn or foreign file: check again
     # the child imports agg_bench from where this process did; it builds configs, no tensors: one thread
@@ -606,13 +630,29 @@ def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Pat
         answer = json.loads(proc.stdout)
     except ValueError:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        raise SweepError(f"checking the methods' options failed: {tail[0]}") from None
+        raise SweepError(f"checking the {'pretrain entries' if kind == 'pretrain' else 'methods'}' options failed: "
+                         f"{tail[0]}") from None
     if "error" in answer:
         raise UserError(answer["error"])
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         write_text(cached, json.dumps(answer))
-    return answer["options"]
+    return answer["answer"]
+
+
+def checked_pretrain(entries: dict[str, dict], cache_dir: Path | None = CACHE_DIR) -> dict[str, dict]:
+    """:func:`check_pretrain_entries` in a child process, its answer cached in ``cache_dir`` (None: not cached).
+    The model's sizes are checked against this machine's memory, which is part of the key."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return _checked_in_child("pretrain", {"pretrain": entries}, [spec.get("config") for spec in entries.values()],
+                             cache_dir, memory)
+
+
+def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Path | None = CACHE_DIR,
+                    replays: dict[str, dict] | None = None) -> dict[str, dict]:
+    """:func:`check_methods` in a child process, its answer cached in ``cache_dir`` (None: not cached)."""
+    request = {"base": base_file, "jobs": jobs, "replays": replays or {}}
+    return _checked_in_child("methods", request, [base_file], cache_dir)
 
 
 # ----- the jobs -----------------------------------------------------------------------------------------

@@ -142,20 +142,28 @@ def test_the_methods_checks_import_no_diffusers():
     assert {"diffusers", "peft", "transformers"} & set(answer["modules"]) == set()
 
 
-def test_the_workflows_start_on_a_sweep_without_pretraining_imports_no_model_library(tmp_path):
-    """Snakemake parses the Snakefile at every start (a dry run, `make pipeline`'s two commands, each test of the
-    workflow): on a sweep without pretrain entries it imports no diffusers, torch or matplotlib (the pretrain
-    module's imports made every start of the default sweep's snakemake about five CPU-seconds longer)."""
+@pytest.mark.parametrize("config", ["test.yaml", "learning.yaml"])
+def test_the_workflows_start_imports_no_model_library(tmp_path, config):
+    """Snakemake parses the Snakefile at every start (a dry run, `make pipeline`'s two commands, each job with a
+    run: block, each test of the workflow): it imports no diffusers, torch or matplotlib (the pretrain module's
+    imports made every start about five CPU-seconds longer). A sweep's pretrain entries are read in a child
+    process, whose answer is kept for the next start."""
     from test_pipeline import workdir
 
     work = workdir(tmp_path)
-    script = ("import runpy, sys; sys.argv = ['snakemake', '-n', '--configfile', 'config/test.yaml']\n"
+    script = ("import runpy, sys; sys.argv = ['snakemake', '-n', '--configfile', 'config/%s']\n"
               "try:\n    runpy.run_module('snakemake', run_name='__main__')\n"
               "except SystemExit as end:\n    assert not end.code, end.code\n"
-              "print(sorted(m for m in ('diffusers', 'torch', 'matplotlib') if m in sys.modules), file=sys.stderr)")
+              "print(sorted(m for m in ('diffusers', 'torch', 'matplotlib') if m in sys.modules), file=sys.stderr)"
+              % config)
     proc = subprocess.run([sys.executable, "-c", script], cwd=work, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.rstrip().splitlines()[-1] == "[]", proc.stderr[-3000:]
+    kept = list(work.glob(".snakemake/agg-bench/pretrain-*.json"))
+    assert len(kept) == (config == "learning.yaml")
+    if kept:
+        sweep = yaml.safe_load((work / "config" / config).read_text())
+        assert set(json.loads(kept[0].read_text())["answer"]) == set(sweep["pretrain"])
 
 
 def test_a_refused_run_imports_no_trainer_or_model_library(tmp_path):

@@ -270,6 +270,7 @@ def test_a_pretrain_entry_that_its_config_refuses_is_one_line(tmp_path, value, w
                      f"pretrain={{sd3-scenes: {{config: config/pretrain.yaml, set: {value}}}}}")
     assert words in refusal(proc), proc.stderr
     assert not (work / "results").exists()
+    assert not list(work.glob(".snakemake/agg-bench/pretrain-*.json"))  # a refusal is never kept
 
 
 @pytest.mark.parametrize("value, words", [
@@ -279,11 +280,12 @@ def test_a_pretrain_entry_that_its_config_refuses_is_one_line(tmp_path, value, w
      "to 1024"),
 ])
 def test_a_pretrain_entrys_refusals_name_the_entry_and_the_key(value, words):
-    """What the workflow's dry run reads each pretrain entry with (the test above shows the wiring)."""
-    from agg_bench.tools.pretrain import sweep_entry_config
+    """What the workflow's dry run reads each pretrain entry with, in its child process (the test above shows
+    the wiring)."""
+    from agg_bench.tools.sweep import check_pretrain_entries
 
     with pytest.raises(UserError) as err:
-        sweep_entry_config("sd3-scenes", {"config": str(ROOT / "config" / "pretrain.yaml"), "set": value})
+        check_pretrain_entries({"sd3-scenes": {"config": str(ROOT / "config" / "pretrain.yaml"), "set": value}})
     assert str(err.value) == words
 
 

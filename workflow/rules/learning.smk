@@ -2,7 +2,7 @@
 # results/pretrained/<label>/ (later runs reuse them), then the learning tables and plots of the sweep's runs
 # (with the runs' in-run evaluations, eval.every > 0: the held-out curves against cost and the cost to a target).
 #   snakemake --cores 2 --configfile config/learning.yaml learning      (make learning)
-from agg_bench.tools.sweep import learning_command_options
+from agg_bench.tools.sweep import checked_pretrain, learning_command_options
 
 PRETRAIN = config.get("pretrain") or {}
 LEARNING = config.get("learning") or {}
@@ -24,39 +24,35 @@ def pretrain_command(name: str, threads: int) -> str:
 
 
 def load_pretrain_configs() -> dict:
-    """Each pretrain entry's config, its --set applied: read once, before any job, so that one the pretrain
-    command refuses is one line naming the entry (in a job's threads it was an InputFunctionException)."""
-    if not PRETRAIN:  # the pretrain module imports diffusers and matplotlib: seconds of every snakemake's start
+    """Each pretrain entry's threads and device, its config read with its --set applied: once, before any job,
+    so that one the pretrain command refuses is one line naming the entry (in a job's threads it was an
+    InputFunctionException). Read in a child process whose answer is kept in .snakemake/agg-bench (the pretrain
+    module imports torch, diffusers and matplotlib: seconds of every snakemake's start)."""
+    if not PRETRAIN:
         return {}
-    from agg_bench.tools.pretrain import sweep_entry_config
-
-    configs = {}
-    for name, spec in PRETRAIN.items():
-        try:
-            configs[name] = sweep_entry_config(name, spec)  # its set as pretrain_command passes it
-            sweep_pretrain_gpus(name, configs[name].device)  # a fixed cuda:N, which the GPU pool cannot honour
-        except UserError as err:
-            refuse(str(err))
-    return configs
+    try:
+        return checked_pretrain(PRETRAIN)
+    except UserError as err:
+        refuse(str(err))
 
 
 PRETRAIN_CONFIGS = load_pretrain_configs()
 
 
 def pretrain_config(name: str):
-    """The pretrain entry's config, its --set applied."""
+    """The pretrain entry's {"threads", "device"}, its --set applied."""
     return PRETRAIN_CONFIGS[name]
 
 
 def pretrain_threads(name: str) -> int:
     """The pretrain config's `threads` (its --set first; 0 or absent: 1), so Snakemake reserves those cores."""
-    return max(1, pretrain_config(name).threads)
+    return max(1, pretrain_config(name)["threads"])
 
 
 def pretrain_gpus(name: str) -> int:
     """The GPUs a pretrain job takes from the pool (its gpu resource, which Snakemake and SLURM give it): 1 on
     CUDA."""
-    return sweep_pretrain_gpus(name, pretrain_config(name).device)
+    return sweep_pretrain_gpus(name, pretrain_config(name)["device"])
 
 
 localrules: learning, learning_manifest
