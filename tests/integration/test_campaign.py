@@ -34,6 +34,7 @@ from agg_bench.tools import cell_calibration
 from agg_bench.tools import archive as archive_module
 from agg_bench.tools.archive import tiny_counterpart
 from agg_bench.tools.campaign import Campaign, cpu_resolution
+from agg_bench.tools.sweep import CACHE_DIR
 from helpers import ENDED_PID, Holder, bash_script, exit_code, not_hung, running_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -713,8 +714,8 @@ def test_a_pretrain_device_set_in_the_entry_s_config_file_is_checked_too(tmp_pat
     [label] = sweep["pretrain"]
     sweep["pretrain"][label]["config"] = str(tmp_path / "pretrain.yaml")
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
-    with pytest.raises(UserError) as refused:
-        Campaign(tmp_path / "sweep.yaml", cache_dir=tmp_path / "cache").check_devices()
+    with pytest.raises(UserError) as refused:  # the methods' check: the answer kept for config/learning.yaml's runs
+        Campaign(tmp_path / "sweep.yaml").check_devices()
     assert f"pretrain.{label}.device = 'cuda': expected cpu: CUDA is not available" in str(refused.value)
     assert "--cpu" in str(refused.value)
 
@@ -1510,6 +1511,12 @@ def test_a_model_folder_of_another_pretrain_config_is_not_used(tmp_path, monkeyp
     from agg_bench.tools.pretrain import load_pretrain_config
 
     copy_sweep(tmp_path, "learning.yaml")
+    # the methods' check of config/learning.yaml's runs as the repository keeps it (each Campaign reads it from
+    # .snakemake/ under the current folder): not checked again in child processes
+    kept = ROOT / CACHE_DIR
+    kept.mkdir(parents=True, exist_ok=True)
+    (tmp_path / CACHE_DIR).parent.mkdir(parents=True)
+    (tmp_path / CACHE_DIR).symlink_to(kept)
     monkeypatch.chdir(tmp_path)
     config = "config/learning.yaml"
     campaign = Campaign(config)
