@@ -659,7 +659,7 @@ def test_replay_and_calibrate_keep_a_user_s_files(tmp_path, capsys, snapshot_dir
     assert main(["replay", str(snapshot_dir), "--method", "full", "--out", str(out)]) == 0
     assert main(["replay", str(snapshot_dir), "--method", "full", "--out", str(out)]) == 0
     # calibrate: a folder given as its file, and someone's JSON
-    folder = tmp_path / "folder"
+    folder = tmp_path / "folder.json"  # named as its file must be
     folder.mkdir()
     refused(capsys, ["calibrate", *SETS, "--out", str(folder)], str(folder), "is a folder")
     refused(capsys, ["calibrate", *SETS, "--out", str(mine)], "not a calibration")
