@@ -35,7 +35,7 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -50,6 +50,7 @@ from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Contents, check_folder, named_path_problem
 from ..outputs import (IMPORT_CONTENTS, LEARNING_CONTENTS, PRETRAIN_CONTENTS, REPORT_CONTENTS, RUN_CONTENTS,
                        check_no_unpack, check_run_folder)
+from ..records import is_integer
 from ..runtime.cell import Progress, job_entry, journal_ends
 from ..sources import source_digest
 from .importlog import label_problem
@@ -599,11 +600,14 @@ def _main() -> int:
 
 
 def _checked_in_child(kind: str, request: dict, files: Sequence[str | None], cache_dir: Path | None,
-                      machine: object = None) -> dict:
+                      machine: object = None, whole: Callable[[Any], bool] = lambda answer: isinstance(answer, dict)
+                      ) -> dict:
     """The answer of :func:`_main` to ``request`` from a child process (torch and the model libraries stay out of
     Snakemake's process: seconds of every start), cached in ``cache_dir`` (None: not cached) under a key of the
     request, the interpreter, the sources, the texts of ``files`` (the config files the answer reads) and
-    ``machine`` (what else of this machine it depends on). A refusal is raised, and never cached."""
+    ``machine`` (what else of this machine it depends on). A refusal is raised, and never cached; a kept answer
+    that is not ``whole`` (torn, or edited) is checked again, and a cache that cannot be written (a file where its
+    folder goes, no room) keeps nothing: the answer stands."""
     texts: dict[str, str | None] = {}
     for name in filter(None, files):
         try:
@@ -616,9 +620,11 @@ def _checked_in_child(kind: str, request: dict, files: Sequence[str | None], cac
     cached = None if cache_dir is None else cache_dir / f"{kind}-{key[:32]}.json"
     if cached is not None and cached.is_file():
         try:
-            return json.loads(cached.read_text())["answer"]
-        except (ValueError, KeyError):
-            pass  # a torn or foreign file: check again
+            kept = json.loads(cached.read_text())["answer"]
+        except (OSError, ValueError, KeyError, TypeError):
+            kept = None  # a torn or foreign file: check again
+        if whole(kept):
+            return kept
     # the child imports agg_bench from where this process did; it builds configs, no tensors: one thread
     # (with the short OpenMP waits this process's `import agg_bench` put in the environment)
     root = str(Path(__file__).resolve().parents[2])
@@ -635,8 +641,11 @@ def _checked_in_child(kind: str, request: dict, files: Sequence[str | None], cac
     if "error" in answer:
         raise UserError(answer["error"])
     if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        write_text(cached, json.dumps(answer))
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            write_text(cached, json.dumps(answer))
+        except OSError:
+            pass  # the next start checks again
     return answer["answer"]
 
 
@@ -644,8 +653,14 @@ def checked_pretrain(entries: dict[str, dict], cache_dir: Path | None = CACHE_DI
     """:func:`check_pretrain_entries` in a child process, its answer cached in ``cache_dir`` (None: not cached).
     The model's sizes are checked against this machine's memory, which is part of the key."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def whole(answer: Any) -> bool:  # each entry's threads and device, as check_pretrain_entries gives them
+        return isinstance(answer, dict) and set(answer) == set(entries) and all(
+            isinstance(one, dict) and is_integer(one.get("threads")) and isinstance(one.get("device"), str)
+            for one in answer.values())
+
     return _checked_in_child("pretrain", {"pretrain": entries}, [spec.get("config") for spec in entries.values()],
-                             cache_dir, memory)
+                             cache_dir, memory, whole)
 
 
 def checked_methods(base_file: str | None, jobs: dict[str, list], cache_dir: Path | None = CACHE_DIR,

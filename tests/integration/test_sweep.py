@@ -185,6 +185,34 @@ def test_a_failing_methods_check_is_one_line_and_not_cached(tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_kept_pretrain_answer_is_taken_whole_or_checked_again(tmp_path, monkeypatch):
+    """The pretrain entries' answer kept in the cache folder is taken at the next start; one that is torn or
+    edited (a workflow read threads "x" and failed in a job's threads) is checked again, and a cache folder that
+    cannot be written (a file in its place) keeps nothing, the answer standing."""
+    monkeypatch.chdir(ROOT)
+    entries = {"scenes": {"config": "config/pretrain.yaml"}}
+    answer = {"scenes": {"threads": 2, "device": "cpu"}}
+    children = []
+
+    def child(argv, **kwargs):  # the child process's answer, without its imports
+        children.append(json.loads(kwargs["input"]))
+        return subprocess.CompletedProcess(argv, 0, json.dumps({"answer": answer}), "")
+
+    monkeypatch.setattr(sweep_module.subprocess, "run", child)
+    cache = tmp_path / "cache"
+    assert sweep_module.checked_pretrain(entries, cache) == answer and children == [{"pretrain": entries}]
+    assert sweep_module.checked_pretrain(entries, cache) == answer and len(children) == 1
+    (kept,) = cache.glob("pretrain-*.json")
+    for edited in ('{"answer": {"scenes": {"threads": "x", "device": "cpu"}}}', '{"answer": {}}', "{", "[]"):
+        kept.write_text(edited)
+        assert sweep_module.checked_pretrain(entries, cache) == answer, edited
+        assert json.loads(kept.read_text()) == {"answer": answer}
+    assert len(children) == 5
+    blocked = tmp_path / "file"
+    blocked.write_text("mine")
+    assert sweep_module.checked_pretrain(entries, blocked / "cache") == answer and blocked.read_text() == "mine"
+
+
 def test_a_run_imports_only_its_own_method():
     script = ("import sys; from agg_bench.methods.base import build_method; build_method('agg', {}); "
               "print([m for m in ('baselines.cached', 'baselines.caches', 'baselines.subsample') if m in sys.modules])")
