@@ -283,6 +283,7 @@ def cmd_report(args) -> int:
         manifest.runs += discover_runs(args.runs)
         manifest.gradcheck += [GradcheckEntry(path) for path in args.gradcheck]
         manifest.calibration += [CalibrationEntry(path) for path in args.calibration]
+        _check_no_unpack_of_files(("--gradcheck", args.gradcheck), ("--calibration", args.calibration))
         if args.time is not None:
             manifest.time = check_time_basis(args.time, "--time")
         if args.warmup is not None:
@@ -292,6 +293,18 @@ def cmd_report(args) -> int:
                       "plots": str(args.plots) if args.plots else None,
                       "efficiency_rows": len(tables["efficiency"])}))
     return 0
+
+
+def _check_no_unpack_of_files(*given: tuple[str, list]) -> None:
+    """A file given to ``report`` (``--calibration REF/calibration/X.json``) from a reference that a ``campaign
+    unpack`` is writing or left cut off is refused, as its runs and manifest are: the folder two above the file,
+    looked into once (:func:`agg_bench.outputs.check_no_unpack`)."""
+    from .outputs import check_no_unpack_above
+
+    looked: set[Path] = set()
+    for flag, paths in given:
+        for path in paths:
+            check_no_unpack_above(path, 2, f"{flag} {path}", looked)
 
 
 def cmd_learning(args) -> int:

@@ -10,6 +10,7 @@ the basics only.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .errors import UserError
@@ -72,6 +73,18 @@ def check_no_unpack(reference: Path, what: str) -> None:
     if staging is not None:
         raise UserError(f"{what}: agg-bench campaign unpack into {reference} is under way or was cut off ({staging.name} "
                         "is there), so its manifest, tables and runs may disagree; run that unpack (again) first")
+
+def check_no_unpack_above(path: str | Path, up: int, what: str, looked: set[Path]) -> None:
+    """:func:`check_no_unpack` of the folder ``up`` levels above ``path`` as named (``runs/..`` and ``.``
+    resolved, links not followed: ``REF/runs/X`` two levels, ``REF/calibration/X.json`` two), unless ``looked``
+    already holds it (several paths of one reference look into it once); adds it to ``looked``."""
+    folder = Path(os.path.abspath(path))
+    for _ in range(up):
+        folder = folder.parent
+    if folder not in looked:
+        looked.add(folder)
+        check_no_unpack(folder, what)
+
 
 # ----- agg-bench learning: its --tables DIR and --plots DIR (the workflow writes its manifest.json there) -----
 CURVE_PLOTS = ("eval_reward_cost", "eval_reward_cpu", "eval_pareto")  # held-out reward against cost (curves.py)

@@ -12,7 +12,6 @@ import hashlib
 import io
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from ..config import ModelConfig, TrainConfig, bound, weights_label
 from ..errors import ConfigError, UserError, quote
 from ..io import file_identity, path_text
 from ..jsonfiles import check_path, read_json_object
-from ..outputs import STAMP_FILE, STAMP_KEYS, check_no_unpack
+from ..outputs import STAMP_FILE, STAMP_KEYS, check_no_unpack_above
 from ..outdir import (LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, named_path_problem,
                       reach_problem)
 from ..reading import RunFolder
@@ -306,11 +305,7 @@ def discover_runs(paths: Iterable[str | Path]) -> list[RunEntry]:
             raise UserError(f"--runs {quote(str(path))}: no such folder; expected a run folder or a folder of "
                             "run folders")
         run = _is_run_folder(path)
-        folder = Path(os.path.abspath(path))  # the folder as named (`runs/..`, `.` included), links not followed
-        reference = (folder.parent if run else folder).parent
-        if reference not in looked:
-            looked.add(reference)
-            check_no_unpack(reference, f"--runs {path}")
+        check_no_unpack_above(path, 2 if run else 1, f"--runs {path}", looked)
         if run:
             out.append(RunEntry(path))
         elif path.is_dir():

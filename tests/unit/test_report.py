@@ -1299,7 +1299,8 @@ def test_report_of_a_folder_of_runs_skips_staging_folders_and_refuses_a_run_bein
 def test_the_runs_of_a_reference_an_unpack_was_cut_off_in_are_refused(tmp_path, capsys, given):
     """report --manifest REF/manifest.json refused a reference whose `campaign unpack` is under way or was cut off,
     but report --runs REF/runs read its runs, of two states, as if whole: refused in the manifest's words, found
-    in the reference that holds the folder of runs (looked into once for all of them), nothing written."""
+    in the reference that holds the folder of runs (looked into once for all of them), nothing written; and so
+    were --calibration and --gradcheck files of that reference."""
     from agg_bench.io import atomic_path
     from agg_bench.outputs import UNPACK_STAGING
     from helpers import ENDED_PID
@@ -1319,6 +1320,19 @@ def test_the_runs_of_a_reference_an_unpack_was_cut_off_in_are_refused(tmp_path, 
     assert len(err) == 1 and (f"--runs {paths[0]}: agg-bench campaign unpack into {tmp_path / 'ref'} is under way "
                               f"or was cut off ({staging.name} is there)") in err[0], err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    # so are the reference's calibrations and gradcheck CSVs given beside a user's runs
+    mine = tmp_path / "mine" / "runs"
+    make_run(mine, "c", "full", [it(1.0, 0.1), it(1.0, 0.2)])
+    for flag, name in (("--calibration", "calibration/cal.json"), ("--gradcheck", "gradcheck/g.csv")):
+        (tmp_path / "ref" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "ref" / name).write_text("{}")
+        before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+        assert main(["report", "--runs", str(mine), flag, str(tmp_path / "ref" / name), "--tables",
+                     str(tmp_path / "t3")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and (f"{flag} {tmp_path / 'ref' / name}: agg-bench campaign unpack into "
+                                  f"{tmp_path / 'ref'} is under way") in err[0], err
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 @pytest.mark.parametrize("first, other, words", [
