@@ -74,6 +74,7 @@ def check_no_unpack(reference: Path, what: str) -> None:
         raise UserError(f"{what}: agg-bench campaign unpack into {reference} is under way or was cut off ({staging.name} "
                         "is there), so its manifest, tables and runs may disagree; run that unpack (again) first")
 
+
 def check_no_unpack_above(path: str | Path, up: int, what: str, looked: set[Path]) -> None:
     """:func:`check_no_unpack` of the folder ``up`` levels above ``path`` as named (``runs/..`` and ``.``
     resolved, links not followed: ``REF/runs/X`` two levels, ``REF/calibration/X.json`` two), unless ``looked``

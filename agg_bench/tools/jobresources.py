@@ -105,7 +105,7 @@ def check_cpu_settings(defaults: Any, per_rule: Any) -> None:
             if name == CPU_RUNTIME and isinstance(value, str):
                 try:  # as Snakemake reads the runtime the job takes it as ('4h': 240 minutes)
                     read = type(resource)(RUNTIME, value).value
-                except Exception:  # Snakemake's WorkflowError: not a duration
-                    read = value
+                except Exception:  # Snakemake's WorkflowError: not a duration, refused below as the text given
+                    pass
             if isinstance(read, bool) or not isinstance(read, int) or read < 0:
                 raise UserError(f"{where}{name} = {quote(value)}: expected {expected}")

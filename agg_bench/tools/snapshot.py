@@ -6,8 +6,8 @@ adapter in ``lora/`` and the adapter settings under ``lora`` in ``rollout.json``
 
 ``agg-bench snapshot`` writes the whole snapshot into a temporary folder inside ``--out`` and moves it into
 place once every file is written: a failure (a full disk among them) leaves an earlier snapshot as it was and
-nothing of its own; a rollout holding a NaN or an infinity is refused before anything is written. Reading one (:func:`load_snapshot`) checks every file against what the writer writes
-before a gradient is computed: ``rollout.json``'s settings through the typed run config and equal to the
+nothing of its own; a rollout holding a NaN or an infinity is refused before anything is written. Reading one
+(:func:`load_snapshot`) checks every file against what the writer writes before a gradient is computed: ``rollout.json``'s settings through the typed run config and equal to the
 snapshot's ``config.json``, the transformer's config, loadable and finite weights, and every tensor of
 ``rollout.safetensors`` of the shape those settings imply, of the dtype the writer writes and finite, and its
 timesteps those the snapshot's method gives the model at its sigmas.
