@@ -129,6 +129,13 @@ def is_finite_number(value: object) -> TypeGuard[int | float]:
         return False
 
 
+def is_recordable_number(value: object) -> bool:
+    """``value`` is a number a record can hold: :func:`is_finite_number` and at most :data:`MAX_MAGNITUDE` in
+    magnitude. The one test of a run's own numbers before they are written (an iteration's loss, an
+    evaluation's mean): one that fails it is a divergence, written as null."""
+    return is_finite_number(value) and abs(value) <= MAX_MAGNITUDE
+
+
 def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     """What is wrong with a metric record (or a run summary, which repeats its identity keys): a key of
     ``required`` missing or null, or the first known key holding the wrong kind of value, e.g. ``'t_iter_s' =

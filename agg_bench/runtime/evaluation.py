@@ -34,7 +34,7 @@ from ..engine.models import Conditioning, Policy
 from ..engine.rewards import RewardFn, unscored_if_not_finite
 from ..engine.rollout import rollout
 from ..errors import UserError
-from ..records import MAX_MAGNITUDE, is_finite_number
+from ..records import is_recordable_number
 
 if TYPE_CHECKING:
     from .session import Session
@@ -46,8 +46,7 @@ def non_finite_key(means: dict[str, float]) -> str | None:
     """The first of an evaluation's means (``eval_reward`` and every ``eval_<sub-score>``) that is no finite
     number within the record contract's :data:`~agg_bench.records.MAX_MAGNITUDE`, or None: a mean is NaN where
     any image's score is, and a line or table holding it is one no reader takes back."""
-    return next((key for key, value in means.items()
-                 if not (is_finite_number(value) and abs(value) <= MAX_MAGNITUDE)), None)
+    return next((key for key, value in means.items() if not is_recordable_number(value)), None)
 
 
 class Evaluation:

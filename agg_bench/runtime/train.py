@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
 from ..reading import RunFolder
-from ..records import DIVERGING_KEYS, MAX_MAGNITUDE, RECORD_KEYS, TIMING_KEYS, new_record, passes_cost
+from ..records import DIVERGING_KEYS, RECORD_KEYS, TIMING_KEYS, is_recordable_number, new_record, passes_cost
 from ..stopping import Interrupted
 from . import runfolder, scalar_events
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
@@ -49,12 +48,6 @@ def folder_run_id(out: Path) -> str:
     as escapes and the report could not write into a table (UnicodeEncodeError); a byte that is no UTF-8 is
     written as ``\\xNN``, so that two such names stay two ids (:func:`agg_bench.io.path_text`)."""
     return path_text(out.name)
-
-
-def _finite(x) -> bool:
-    """Not a divergence: None, or a number within the record contract's :data:`~agg_bench.records.MAX_MAGNITUDE`
-    (a float64 loss past it is a divergence too, and a record holding it would not be read back)."""
-    return x is None or (math.isfinite(x) and abs(x) <= MAX_MAGNITUDE)
 
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False,
@@ -280,7 +273,8 @@ class Training:
             self._write(new_record(self.identity, {"iteration": iteration}, self.telemetry.record(), memory,
                                    status="oom"))
             return "oom", None
-        diverging = [k for k in DIVERGING_KEYS if not _finite(fields.get(k))]
+        # None: not measured; a float64 loss past MAX_MAGNITUDE is a divergence too (no reader would take it back)
+        diverging = [k for k in DIVERGING_KEYS if fields.get(k) is not None and not is_recordable_number(fields[k])]
         update_failed = fields.pop("diverged", None)
         overflow = fields.pop("reward_overflow", None)
         # the reward comes first in an iteration: a non-finite one is the cause, and the update's non-finite loss or

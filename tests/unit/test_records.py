@@ -40,3 +40,22 @@ def test_only_rewards_losses_and_the_kl_estimate_may_be_negative():
     assert record_problem(new_record(resolution=16384, n_gpus=0)) is None
     assert "expected an integer from 1 to 16,384" in record_problem(new_record(resolution=0))
     assert "expected an integer from 0 to 65,536" in record_problem(new_record(n_gpus=2.5))
+
+
+def test_a_run_writes_as_a_number_exactly_what_the_record_reader_takes_back():
+    """The run's divergence test (an iteration's loss, an evaluation's mean) and the record reader share one
+    bound: a number the run keeps is one :func:`record_problem` accepts, and one it writes as null (a divergence)
+    is one the reader would refuse."""
+    import numpy as np
+
+    from agg_bench.records import MAX_MAGNITUDE, is_recordable_number, new_record, record_problem
+    from agg_bench.runtime.evaluation import non_finite_key
+
+    values = [0.0, -2.5, 7, np.float32(0.5), MAX_MAGNITUDE, -MAX_MAGNITUDE, 1e301, -1e301, float("nan"),
+              float("inf"), -float("inf"), 10 ** 400, True, "0.5"]
+    for value in values:
+        kept = is_recordable_number(value)
+        assert kept == (record_problem(new_record({"loss": value})) is None), value
+        assert non_finite_key({"eval_reward": 0.5, "eval_reward_shape": value}) == (None if kept else
+                                                                                     "eval_reward_shape"), value
+    assert [is_recordable_number(v) for v in values] == [True] * 6 + [False] * 8
