@@ -165,13 +165,14 @@ def cmd_snapshot(args) -> int:
 
 def cmd_embed(args) -> int:
     from .engine.text import describe, embed, is_embeddings_file
-    from .outdir import claim_files
+    from .outdir import check_suffix, claim_files
     from .machine.devices import resolve_device
 
     cfg = _run_config(args.config, args.overrides)
     if args.out is None:
         print(json.dumps(describe(embed(cfg, None, resolve_device(cfg.device)))))
         return 0
+    check_suffix(args.out, ".safetensors")  # before the lock file beside it is made
     with claim_files({args.out: (is_embeddings_file, "an agg-bench embedding file")}):
         print(json.dumps(describe(embed(cfg, args.out, resolve_device(cfg.device)))))
     return 0

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from ..config import RunConfig
 from ..errors import ConfigError, UserError, first_message_line, quote
 from ..io import atomic_target, remove_stale_temps
+from ..outdir import check_file, check_suffix, check_writable
 from .families import family_spec
 from .hf_logging import quiet_loading
 from .models import Conditioning, folder_json, text_dims, unreplaced_folder
@@ -280,8 +281,6 @@ def check_cache_target(cache_dir: str | Path, path: Path) -> None:
     file; ``path`` new or an embedding file of this module (someone's file of that name is left alone). What
     killed writers of ``path`` left beside it goes (the whole file, each attempt's under its own PID; a live
     writer's stays): the cache folder has no claim that would remove it."""
-    from ..outdir import check_file, check_writable
-
     folder = Path(cache_dir)
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         raise ConfigError("prompts.cache_dir", str(cache_dir), "a folder (made if missing), not a file or a "
@@ -399,8 +398,6 @@ def embed(cfg: RunConfig, out: str | Path | None = None, device: str | torch.dev
     The tiny preset needs no cache (its token-hash embedding is computed in no time); the file is still
     written so that a workflow can treat every model alike.
     """
-    from ..outdir import check_suffix
-
     if out is not None:
         check_suffix(out, ".safetensors")
     prompts = prompt_set(cfg.prompts.file)

@@ -47,13 +47,18 @@ def test_temporary_names_are_the_harness_s_own():
 @pytest.mark.parametrize("verb, suffix", [("embed", ".safetensors"), ("replay", ".safetensors"), ("gradcheck", ".csv")])
 def test_a_file_output_of_another_suffix_is_refused_and_nothing_written(tmp_path, capsys, verb, suffix):
     """Each verb that writes one file takes the suffix its readers look for (outdir.check_suffix), in one line
-    (calibrate's: test_calibrate.py)."""
+    (calibrate's: test_calibrate.py), before anything else: a file of that name, someone's, is named as the wrong
+    suffix (not as a foreign file, a lock held or a folder missing) and left as it was, with no lock beside it."""
     out = tmp_path / "out.txt"
     args = [str(tmp_path / "snap"), "--method", "full"] if verb == "replay" else \
         [a for o in SMALL for a in ("--set", o)]
     assert main([verb, *args, "--out", str(out)]) == 2
     assert one_error_line(capsys).endswith(f"--out {out}: expected a FILE{suffix} path")
     assert list(tmp_path.iterdir()) == []
+    out.write_text("notes")
+    assert main([verb, *args, "--out", str(out)]) == 2
+    assert one_error_line(capsys).endswith(f"--out {out}: expected a FILE{suffix} path")
+    assert list(tmp_path.iterdir()) == [out] and out.read_text() == "notes"
 
 
 def test_a_user_folder_is_refused_and_left_as_it_was(tmp_path, capsys):
