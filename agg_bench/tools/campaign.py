@@ -103,9 +103,11 @@ STOP_MARGIN_S = 20.0  # no process starts, and the running ones get SIGTERM, thi
 KILL_AFTER_S = 12.0  # a process that has not ended this long after SIGTERM is killed
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal a child gets when the thread that started it ends
 POLL_S = 0.25
-# the --cpu form of a learning sweep: a few iterations of every method on the pre-trained model, on the CPU
+# the --cpu form of a learning sweep: a few iterations of every method on the pre-trained model, on the CPU, each
+# on one prompt's group (the group size and the sampling schedule, on which the methods lay out their windows,
+# trees and guessed generations, stay as written)
 CPU_LEARNING_SET = {"train.budget": None, "train.iterations": 2, "eval.every": 1, "eval.noises": 1,
-                    "train.checkpoint_every": 0}
+                    "train.checkpoint_every": 0, "grpo.prompts_per_iteration": 1}
 CPU_PRETRAIN_SET = {"device": "cpu", "steps": 20, "batch_size": 8, "sample_steps": 4, "threads": 1}
 # the --cpu form's model of pretrain label L is pretrain label L + this, in results/pretrained/<L>-cpu: never the
 # folder the sweep itself reads
@@ -158,8 +160,8 @@ def cpu_sweep(data: dict) -> dict:
     ``pretrain`` section (the learning sweep) keeps its model's recipe, pre-trained on the CPU in a few steps
     (:data:`CPU_PRETRAIN_SET`) under a label and into a folder of its own (``<label>-cpu``,
     :data:`CPU_MODEL_SUFFIX`: the sweep's own model folder is never written or read), and its runs train for 2
-    iterations, evaluated on one noise per caption, on its first seed (:data:`CPU_LEARNING_SET`), their tables
-    averaging one iteration at each end."""
+    iterations of one prompt's group each (the group size and schedule as written), evaluated on one noise per
+    caption, on its first seed (:data:`CPU_LEARNING_SET`), their tables averaging one iteration at each end."""
     data = json.loads(json.dumps(data))
     learning = bool(data.get("pretrain"))
     runs_per_job = max([spec.get("runs_per_job", 0) for spec in data["devices"].values()] or [0]) or 100
