@@ -1361,6 +1361,16 @@ def test_a_campaign_gpu_with_space_at_an_end_is_one_line(tmp_path, capsys, monke
 LEARNING_GPU = ROOT / "config" / "learning_gpu.yaml"
 
 
+def share_kept_checks(folder: Path) -> None:
+    """The methods' checks of the sweeps' runs as the repository keeps them (each Campaign reads them from
+    .snakemake/ under the current folder, here ``folder``): not checked again in child processes, which import
+    torch and the model libraries."""
+    kept = ROOT / CACHE_DIR
+    kept.mkdir(parents=True, exist_ok=True)
+    (folder / CACHE_DIR).parent.mkdir(parents=True)
+    (folder / CACHE_DIR).symlink_to(kept)
+
+
 def test_the_gpu_learning_sweep_is_the_cpu_sweeps_methods_on_10_seeds():
     """config/learning_gpu.yaml runs every method of config/learning.yaml with the same base, recipes and
     settings, on 10 seeds, 128 noises per caption every 10 iterations and 3 times the budget, on CUDA."""
@@ -1390,6 +1400,7 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
     for name in ("learning_gpu.yaml", "pretrain.yaml", "prompts/scenes.txt"):  # the sweep's relative paths
         (tmp_path / "config" / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(ROOT / "config" / name, tmp_path / "config" / name)
+    share_kept_checks(tmp_path)
     monkeypatch.chdir(tmp_path)
     config, reference = "config/learning_gpu.yaml", tmp_path / "reference"
     assert main(["campaign", "run", "--config", config, "--cpu", "--minutes", "3", "--work", "w1"]) == 0
@@ -1511,12 +1522,7 @@ def test_a_model_folder_of_another_pretrain_config_is_not_used(tmp_path, monkeyp
     from agg_bench.tools.pretrain import load_pretrain_config
 
     copy_sweep(tmp_path, "learning.yaml")
-    # the methods' check of config/learning.yaml's runs as the repository keeps it (each Campaign reads it from
-    # .snakemake/ under the current folder): not checked again in child processes
-    kept = ROOT / CACHE_DIR
-    kept.mkdir(parents=True, exist_ok=True)
-    (tmp_path / CACHE_DIR).parent.mkdir(parents=True)
-    (tmp_path / CACHE_DIR).symlink_to(kept)
+    share_kept_checks(tmp_path)
     monkeypatch.chdir(tmp_path)
     config = "config/learning.yaml"
     campaign = Campaign(config)
