@@ -7,7 +7,8 @@
 # prediction; bf16 autocast on the GPU); a cached rollout; FSDP (train.shard fsdp) under torchrun with one
 # process (nccl on the GPU, gloo on the CPU); a run through the GPU pool; a profile with the CUDA memory
 # snapshot. On the GPU each training run has a process of its own (its own peaks); --cpu runs the seven that
-# need no launcher of their own in one `agg_bench cell` process, each still a step. Writes
+# need no launcher of their own in one `agg_bench cell` process, each still a step, and the pool's command
+# there checks the device and lock it was given (a run under it would repeat the FSDP step's). Writes
 # results/gpu_check/summary.json and summary.md (AGG_BENCH_CHECK_OUT changes the folder) and exits 1 if any
 # step failed.
 # Python: the project's .venv, set up first by scripts/setup.sh as `make` does (fast when it is already
@@ -103,10 +104,16 @@ step "fsdp_${SMALL}" "$PY" -m torch.distributed.run --standalone --nproc_per_nod
 if [[ $MODE == gpu ]]; then
   step "pool_${SMALL}" "$PY" -m agg_bench.machine.gpus --count 1 --timeout 60 -- "$PY" -m agg_bench run "${COMMON[@]}" \
       --set train.iterations=1 --set model.resolution="$SMALL" --out "$OUT/runs/pool_${SMALL}"
-else  # a pretend one-GPU machine: the pool's locking and CUDA_VISIBLE_DEVICES, the run itself on the CPU
+else  # a pretend one-GPU machine: the pool's locking and what it hands its command. The command checks them
+  # itself: on the CPU a run there would only repeat the fsdp step's `agg_bench run` (and import the model code
+  # again), so it checks that it sees device 0 as the pool sets it and holds device 0's lock (a second try fails)
   step "pool_${SMALL}" env AGG_BENCH_GPUS=1 AGG_BENCH_GPU_LOCK_DIR="$OUT/locks" "$PY" -m agg_bench.machine.gpus --count 1 \
-      --timeout 60 -- "$PY" -m agg_bench run "${COMMON[@]}" --set train.iterations=1 --set model.resolution="$SMALL" \
-      --out "$OUT/runs/pool_${SMALL}"
+      --timeout 60 -- "$PY" -c 'import os
+from agg_bench.machine.gpus import GpuPool
+seen = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+assert seen == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, seen
+assert GpuPool.from_environment().try_acquire(1) is None, "the command does not hold the lock of device 0"
+print("pool: CUDA_VISIBLE_DEVICES=0, the lock of device 0 held")'
 fi
 step "profile_${SMALL}" "$PY" -m agg_bench profile "${COMMON[@]}" --set model.resolution="$SMALL" --method agg \
     --set method.window=5 --phase train --wait 0 --warmup 0 --active 1 --out "$OUT/profile"

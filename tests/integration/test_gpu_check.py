@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh --cpu: every step of the GPU check on the tiny models on the CPU, so the script
-cannot rot (about 1 CPU-minute: 5 agg-bench processes, the seven plain runs in one cell). And what it does before any step: it sets up and uses
+cannot rot (about 45 CPU-s: 4 agg-bench processes that import the model code, the seven plain runs in one cell,
+and the pool's command a check of its lease). And what it does before any step: it sets up and uses
 the project's .venv unless PYTHON names an interpreter, and a missing torch, agg-bench or CUDA device is
 one line and exit code 2; a step that fails before writing its files is a failed step in the summary."""
 from __future__ import annotations
