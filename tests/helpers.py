@@ -498,3 +498,58 @@ class Calls:
 
     def __reduce__(self):
         return self.function, self.args
+
+
+# ----- agg-bench processes that share their imports -------------------------------------------------------------
+FORKS = """
+import atexit, json, os, sys, threading, traceback
+import agg_bench.runtime.train  # torch, diffusers and the engine: what each command imports before its work
+from agg_bench.cli import main
+
+for cwd, argv in json.loads(sys.argv[1]):
+    pid = os.fork()
+    if pid == 0:  # as `python -m agg_bench ARGV` in cwd: sys.exit(main()), the exit handlers, the exit code
+        code = 1
+        try:
+            os.chdir(cwd)
+            sys.argv = [os.path.join(os.path.dirname(agg_bench.__file__), "__main__.py"), *argv]
+            try:
+                code = main(argv)
+            except SystemExit as stop:
+                code = stop.code
+            if code is not None and not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+            threading._shutdown()  # as the interpreter's exit: its threads joined, then the exit handlers
+            atexit._run_exitfuncs()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code or 0)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code:
+        sys.exit(f"{argv[:1]} in {cwd}: exit code {code}")
+"""
+
+
+def agg_bench_processes(commands: list[tuple[str, Path]], env: dict[str, str]) -> None:
+    """Run each (``python -m agg_bench ...`` command line, folder) one after the other, each a process of its own
+    forked from one interpreter that has imported the model code and run nothing else: each starts as a fresh
+    ``python -m agg_bench`` process is once its imports are done (no state of another command, in memory or in
+    torch), without each paying the imports (about 6 CPU-s). Fails on the first command that exits non-zero."""
+    import json
+    import shlex
+
+    jobs, python = [], None
+    for command, cwd in commands:
+        words = shlex.split(command)
+        assert words[1:3] == ["-m", "agg_bench"] and python in (None, words[0]), command
+        python = words[0]
+        jobs.append((str(cwd), words[3:]))
+    assert python is not None
+    proc = subprocess.run([python, "-c", FORKS, json.dumps(jobs)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from agg_bench.config import load_config
 from agg_bench.io import atomic_path, read_jsonl
 from agg_bench.runtime import train as train_module
 from agg_bench.tools.sweep import Sweep
-from helpers import ENDED_PID, interrupted_updates, running_process
+from helpers import ENDED_PID, agg_bench_processes, interrupted_updates, running_process
 from pinned import pinned_fields
 from test_pinned_records import differences
 
@@ -40,12 +39,6 @@ def small_cell() -> Sweep:
     return Sweep(sweep, SCHEMA, cache_dir=None)
 
 
-def shell(command: str, cwd: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # as the workflow's jobs run
-    proc = subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
 def test_a_cell_writes_the_records_of_separate_runs(tmp_path):
     sweep = small_cell()
     [cell] = sweep.cells
@@ -53,10 +46,12 @@ def test_a_cell_writes_the_records_of_separate_runs(tmp_path):
     together, apart = tmp_path / "cell", tmp_path / "runs"
     (together / "results" / "cells").mkdir(parents=True)
     (together / "results" / "cells" / f"{cell}.json").write_text(json.dumps(sweep.cell_jobs(cell)))
-    shell(sweep.cell_command(cell), together)
     apart.mkdir()
-    for run_id in sweep.cells[cell]:
-        shell(sweep.run_command(run_id), apart)
+    # the cell's process and each run's: each forked from one interpreter that only imported the model code,
+    # so each starts with no other command's state, and the five pay the imports once
+    agg_bench_processes([(sweep.cell_command(cell), together), *((sweep.run_command(run_id), apart)
+                                                                  for run_id in sweep.cells[cell])],
+                        {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})  # as the workflow's jobs run
     for run_id in sweep.cells[cell]:
         a, b = together / "results" / "runs" / run_id, apart / "results" / "runs" / run_id
         assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
