@@ -494,7 +494,9 @@ def test_killed_workflow_reruns_the_incomplete_run(tmp_path):
     shutil.copytree(ROOT / "workflow", work / "workflow")
     shutil.copytree(ROOT / "config", work / "config")
     sweep = yaml.safe_load((work / "config/test.yaml").read_text())
-    iterations = 12
+    # killed once 2 records are written: the other 6 keep the run going past the kill (this test looks every
+    # 0.02 s) and leave checkpoints the rerun continues from; each of them runs twice more (the rerun, the forced one)
+    iterations = 8
     sweep["set"].update({"train.iterations": iterations, "train.checkpoint_every": 1})
     sweep["methods"] = {"full": {"method": {"name": "full"}}}
     (work / "kill.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
@@ -632,7 +634,7 @@ def test_torchrun_processes_stop_together_at_the_next_sampler_step_or_sharded_ca
     step (every process samples the whole batch) and, for a sharded model, at the next transformer call (its
     forward is a collective): one process received the signal, both stop after exactly as many calls, before
     the update's optimizer step, with the records and checkpoint of iteration 0."""
-    steps = 6
+    steps = 4  # the 2nd step of the rollout is inside it, the update's first forward after the whole rollout
     base = [*SMALL, f"sampling.steps={steps}", "grpo.prompts_per_iteration=2", "train.iterations=3",
             "train.checkpoint_every=1"]
     cases = {  # the signal at the 2nd sampler step, or at the 1st forward with grad of the update
