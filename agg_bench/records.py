@@ -59,6 +59,16 @@ def is_label(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_LABEL and value.isprintable()
 
 
+def is_utf8_text(value: str) -> bool:
+    """``value`` can be written as UTF-8: no lone surrogate, which a JSON string can hold as an escape
+    (``"\\udcff"``) and a UTF-8 writer refuses (UnicodeEncodeError)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 # On a CUDA device a record also holds, for each phase that ran (``rollout``, ``reward``: the VAE decode and the
 # reward model, ``train``: the backward passes and the optimizer step, and any other), the peak bytes the CUDA
 # allocator allocated within it: this key with the phase's name. ``peak_alloc_bytes`` is the largest of them and
@@ -155,6 +165,8 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
             continue
         if key in TEXT_KEYS and not isinstance(value, str):
             return f"{key!r} = {quote(value)}: expected a string or null"
+        if key in TEXT_KEYS and not is_utf8_text(value):  # a JSON escape of a lone surrogate: no table can write it
+            return f"{key!r} = {quote(value)}: expected UTF-8 text (no lone surrogate) or null"
         if key == "status" and value not in STATUSES:  # a run of another agg-bench, or an edited file
             return f"'status' = {quote(value)}: expected one of {', '.join(STATUSES)} or null"
         if key not in TEXT_KEYS and not is_finite_number(value):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, UserError, quote
-from ..io import JsonlWriter, write_json, write_lines
+from ..io import JsonlWriter, path_text, write_json, write_lines
 from ..jsonfiles import JsonProblem, TooLarge, check_path, json_type, loads, read_bounded
 from ..outdir import Claim, check_folder, replaced_folders
 from ..outputs import IMPORT_CONTENTS
@@ -211,7 +211,8 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
     log, out = Path(log), Path(out_dir)
     notes: list[str] = []  # said once the import is written: a refusal is its one line
     lines = read_log(log, notes)
-    run_id = run_id or out.name
+    # the folder's name as UTF-8 text, as a run's (a non-UTF-8 name held lone surrogates that no table can write)
+    run_id = run_id or path_text(out.name)
     identity = {"run_id": run_id, "method": method, "model": model, "resolution": resolution,
                 "device": "cuda" if gpu_name else None, "gpu_name": gpu_name, "n_gpus": n_gpus, "seed": None}
     records, diverged = convert_records(lines, identity, f"log {log}")
@@ -219,7 +220,7 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
     good = [record["iteration"] for record in records if record["status"] == "ok"]
     summary = {"run_id": run_id, "status": "diverged" if diverged else "ok", "iterations": len(records),
                "last_good_iteration": good[-1] if good else None, "error": diverged, **identity,
-               "source": SOURCE, "imported_from": str(log)}
+               "source": SOURCE, "imported_from": path_text(log)}
     left = len(lines) - len(records)
     if diverged and left:
         notes.append(f"log {log}: {diverged}; the run ends there, as a run that diverges does (the {left} "
@@ -230,7 +231,7 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
             replaced_folders(out) as staged:
         folder = staged(out)
         write_lines(folder / "metrics.jsonl", [JsonlWriter.line(record) for record in records])
-        write_json(folder / "env.json", {"source": SOURCE, "imported_from": str(log.resolve())})
+        write_json(folder / "env.json", {"source": SOURCE, "imported_from": path_text(log.resolve())})
         write_json(folder / "summary.json", summary)
     for note in notes:
         print(f"agg-bench import-log: {note}", file=sys.stderr, flush=True)

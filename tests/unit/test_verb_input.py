@@ -716,3 +716,37 @@ def test_plan_refuses_the_sharding_options_a_run_refuses(capsys, overrides, key)
     refuses before it builds anything (docs/sharding.md: an error without fsdp)."""
     line = fails(capsys, ["plan", *(a for o in overrides for a in ("--set", o))])
     assert line.startswith(f"agg-bench plan: config error: {key}: expected "), line
+
+
+def test_an_import_into_a_non_utf8_folder_is_a_run_the_report_can_write(tmp_path, capsys):
+    """import-log took a folder's name undecoded for the run id: a name that is no UTF-8 held a lone surrogate,
+    written into the records as an escape, and the report of that run ended in a UnicodeEncodeError traceback. The
+    id is the name as a run's is (``\\xNN`` for such a byte); the report reads and writes it."""
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"step": i, "avg_reward": 0.1 * i, "step_time": 1.5, "grad_norm": 0.3}) + "\n"
+                           for i in range(3)))
+    out = os.fsdecode(os.fsencode(str(tmp_path)) + b"/run\xff")
+    assert cli.main(["import-log", str(log), "--out", out]) == 0
+    assert json.loads(Path(out, "summary.json").read_text())["run_id"] == "run\\xff"
+    assert cli.main(["report", "--runs", out, "--tables", str(tmp_path / "tables")]) == 0
+    assert "run\\xff" in (tmp_path / "tables" / "records.csv").read_text()
+
+
+@pytest.mark.parametrize("key", ["run_id", "method", "model"])
+def test_report_refuses_a_record_text_that_no_table_can_write(tmp_path, capsys, key):
+    """A record or summary text holding a lone surrogate (a JSON escape, "\\udcff") passed the record contract and
+    ended the report in a UnicodeEncodeError traceback when it wrote the tables."""
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"step": i, "avg_reward": 0.1 * i, "step_time": 1.5, "grad_norm": 0.3}) + "\n"
+                           for i in range(3)))
+    run = tmp_path / "run"
+    assert cli.main(["import-log", str(log), "--out", str(run)]) == 0
+    for name in ("metrics.jsonl", "summary.json"):
+        lines = Path(run, name).read_text().splitlines()
+        Path(run, name).write_text("\n".join(json.dumps({**json.loads(line), key: "x\udcff"}) for line in lines)
+                                   + "\n" if name.endswith("l") else
+                                   json.dumps({**json.loads("\n".join(lines)), key: "x\udcff"}))
+    before = tree(tmp_path)
+    line = fails(capsys, ["report", "--runs", str(run), "--tables", str(tmp_path / "tables")])
+    assert f"{key!r} = 'x\\udcff': expected UTF-8 text (no lone surrogate) or null" in line
+    assert tree(tmp_path) == before
