@@ -39,7 +39,7 @@ from typing import Callable, Iterator
 from . import stopping
 from .errors import UserError, quote
 from .jsonfiles import JsonFileError, read_json_object
-from .io import (atomic_path, atomic_target, is_temp_name, process_running, remove_stale_temps,
+from .io import (TEMP_TAG, atomic_path, atomic_target, is_temp_name, process_running, remove_stale_temps,
                  temp_name_owner)
 
 LOCK_SUFFIX = ".agg-bench.lock"
@@ -248,6 +248,9 @@ def _remove_unheld_lock(path: Path) -> None:
 
 NAME_MAX = 255  # bytes of one name of a path (Linux's file systems; macOS's too)
 PATH_MAX = 4096  # bytes of a path a system call takes (Linux)
+# bytes a name of an output gains in the names written beside it while it is written: its temporary
+# (".NAME.agg-bench-tmpPID", a PID of up to 7 digits) and its lock (".NAME.agg-bench.lock"), the longer
+SIBLING_BYTES = max(1 + len(TEMP_TAG) + 7, 1 + len(LOCK_SUFFIX))
 
 
 # why an empty path names nothing of the user's: the system reads it as the current folder (`--out $DIR` with DIR
@@ -421,6 +424,11 @@ class Claim:
         if not self.target.name:
             raise UserError(f"{flag} {target}: give a named folder or file, not the current folder or a "
                             "file-system root")
+        size = len(os.fsencode(self.target.name))
+        if not lock_inside and size > NAME_MAX - SIBLING_BYTES:  # its lock and temporary are written beside it
+            raise UserError(f"{flag} {quote(str(target))}: a name of {size} bytes; expected a name of at most "
+                            f"{NAME_MAX - SIBLING_BYTES} bytes (the names written beside it while it is written, "
+                            f".NAME{TEMP_TAG}PID and .NAME{LOCK_SUFFIX}, are {SIBLING_BYTES} bytes longer)")
         self.lock_path = lock_path(self.target, lock_inside)
         self._fd: int | None = None
         self._created: list[Path] = []

@@ -750,3 +750,24 @@ def test_report_refuses_a_record_text_that_no_table_can_write(tmp_path, capsys, 
     line = fails(capsys, ["report", "--runs", str(run), "--tables", str(tmp_path / "tables")])
     assert f"{key!r} = 'x\\udcff': expected UTF-8 text (no lone surrogate) or null" in line
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("verb", ["import-log", "report"])
+def test_an_output_name_without_room_for_its_temporary_is_refused_naming_the_flag(tmp_path, capsys, verb):
+    """A name of 234 to 255 bytes passed the flag's check, but the lock and temporary written beside it are 22 bytes
+    longer: the refusal was 'output folder DIR: cannot write there (File name too long)', naming neither the flag
+    nor the name nor what is allowed."""
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"step": 0, "avg_reward": 0.1, "step_time": 1.5, "grad_norm": 0.3}) + "\n")
+    out = tmp_path / ("L" * 240)
+    argv = (["import-log", str(log), "--out", str(out)] if verb == "import-log"
+            else ["report", "--runs", str(tmp_path / "run"), "--tables", str(out)])
+    if verb == "report":
+        assert cli.main(["import-log", str(log), "--out", str(tmp_path / "run")]) == 0
+    before = tree(tmp_path)
+    flag = "--out" if verb == "import-log" else "--tables"
+    line = fails(capsys, argv)
+    assert line.startswith(f"agg-bench {verb}: {flag} '{tmp_path}/LLL") and "a name of 240 bytes; expected a name of " \
+        "at most 233 bytes" in line
+    assert tree(tmp_path) == before
+    assert cli.main([*argv[:-1], str(tmp_path / ("L" * 233))]) == 0
