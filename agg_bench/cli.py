@@ -11,6 +11,7 @@ from pathlib import Path
 from .errors import ConfigError, OneLineParser, UserError, alike_on_every_process, quote, run_command
 from .outdir import check_file, check_writable, named_path_problem
 
+DEFAULT_CAMPAIGN_WORK = Path("results/campaign")  # campaign run's and status's --work
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
 # profile's --wait, --warmup, --active: each step is a training iteration (a trace keeps every active one), so far
 # above any profile worth reading; a huge count was a command that never ended
@@ -334,6 +335,12 @@ def cmd_campaign(args) -> int:
             if value is not None:
                 raise UserError(f"campaign {args.action}: {flag} is an option of campaign run (one window); "
                                 f"leave it out")
+    # so would status's --archive and unpack's --work (an unpack reads its archive and writes the reference only)
+    ignored = {"status": ("--archive", "run and unpack"), "unpack": ("--work", "run and status")}.get(args.action)
+    if ignored is not None and _first_given(args, ignored[0]):
+        raise UserError(f"campaign {args.action}: {ignored[0]} is an option of campaign {ignored[1]}; leave it out")
+    if args.work is None:
+        args.work = DEFAULT_CAMPAIGN_WORK
     if args.action == "unpack" and args.archive is None:
         raise UserError("campaign unpack needs the archive (--archive FILE)")
     if args.action == "unpack" and args.reference is None:
@@ -624,9 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "what the test suite runs)")
     p.add_argument("--reference", type=path_arg, help="the reference folder (e.g. results/reference/h200): its runs "
                                                   "count as done; unpack writes into it")
-    p.add_argument("--work", type=path_arg, default=Path("results/campaign"),
+    p.add_argument("--work", type=path_arg, default=None,
                    help="run: the window's runs, logs and calibrations (default results/campaign; earlier windows' "
-                        "finished runs there count as done)")
+                        "finished runs there count as done, for status too)")
     p.add_argument("--minutes", type=number_arg, help="run: the window's length; it stops cleanly before its end")
     p.add_argument("--started", type=number_arg, help="run: when the window's clock started, in seconds since the epoch "
                                                  "(default: now); scripts/gpu_campaign.sh passes its own start, so "

@@ -771,3 +771,16 @@ def test_an_output_name_without_room_for_its_temporary_is_refused_naming_the_fla
         "at most 233 bytes" in line
     assert tree(tmp_path) == before
     assert cli.main([*argv[:-1], str(tmp_path / ("L" * 233))]) == 0
+
+
+@pytest.mark.parametrize("action, flag, value", [("status", "--archive", "a.tar.gz"), ("unpack", "--work", "w")])
+def test_campaign_refuses_an_option_its_action_would_ignore(tmp_path, capsys, monkeypatch, action, flag, value):
+    """campaign status --archive A and campaign unpack --work W were taken and ignored (status reads no archive, an
+    unpack writes the reference only), where --minutes and --started given to them are refused."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["campaign", action, "--config", str(ROOT / "config" / "test.yaml"), "--cpu", flag, value]
+    if action == "unpack":
+        argv += ["--archive", "a.tar.gz", "--reference", "ref"]
+    assert fails(capsys, argv) == f"agg-bench campaign: campaign {action}: {flag} is an option of campaign " + (
+        "run and unpack; leave it out" if action == "status" else "run and status; leave it out")
+    assert list(tmp_path.iterdir()) == []
