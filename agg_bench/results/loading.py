@@ -736,9 +736,13 @@ def check_report(tables_dir: str | Path, plots_dir: str | Path | None = None,
     tables_dir = Path(tables_dir)
     check_path(tables_dir, "--tables", "the folder of tables that agg-bench report --tables DIR writes", folder=True)
     stamp = read_stamp(tables_dir)
-    if stamp is None or stamp["tables"] != folder_tables_digest(tables_dir):
+    if stamp is None:
         raise UserError(f"--tables {tables_dir}: no {STAMP_FILE} that names its tables (not a whole report, or of an "
                         "earlier version); run agg-bench report again")
+    if stamp["tables"] != folder_tables_digest(tables_dir):
+        raise UserError(f"--tables {tables_dir}: its tables are not the ones its {STAMP_FILE} names (one of "
+                        f"{', '.join(f'{name}.csv' for name in PLOT_TABLES)} edited, replaced or missing since the "
+                        "report wrote them); run agg-bench report again")
     if plots_dir is not None:
         plots_dir = Path(plots_dir)
         check_path(plots_dir, "--plots", "the folder of plots that agg-bench report --plots DIR writes", folder=True)

@@ -585,6 +585,11 @@ def test_a_reports_stamp_names_its_manifest_and_its_tables(sweep, tmp_path, monk
     assert "names another manifest" in capsys.readouterr().err
     (tables / "records.csv").write_text((tables / "records.csv").read_text() + "\n")
     assert main(["report", "--check", "--tables", str(tables)]) == 2
+    err = capsys.readouterr().err
+    assert f"--tables {tables}: its tables are not the ones its stamp.json names (one of " in err
+    assert "records.csv" in err and "edited, replaced or missing since the report wrote them" in err
+    (tables / "stamp.json").unlink()
+    assert main(["report", "--check", "--tables", str(tables)]) == 2
     assert "no stamp.json that names its tables" in capsys.readouterr().err
 
 
