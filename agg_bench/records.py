@@ -142,8 +142,9 @@ def is_finite_number(value: object) -> TypeGuard[int | float]:
 def is_recordable_number(value: object) -> bool:
     """``value`` is a number a record can hold: :func:`is_finite_number` and at most :data:`MAX_MAGNITUDE` in
     magnitude. The one test of a run's own numbers before they are written (an iteration's loss, an
-    evaluation's mean): one that fails it is a divergence, written as null."""
-    return is_finite_number(value) and abs(value) <= MAX_MAGNITUDE
+    evaluation's mean): one that fails it is a divergence, written as null. Compared as a Python float: numpy's
+    float32 compared with the bound cast the bound to float32 (an overflow warning, and infinity)."""
+    return is_finite_number(value) and abs(float(value)) <= MAX_MAGNITUDE
 
 
 def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
@@ -171,7 +172,7 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
             return f"'status' = {quote(value)}: expected one of {', '.join(STATUSES)} or null"
         if key not in TEXT_KEYS and not is_finite_number(value):
             return f"{key!r} = {quote(value)}: expected a finite number or null"
-        if key not in TEXT_KEYS and abs(value) > MAX_MAGNITUDE:
+        if key not in TEXT_KEYS and abs(float(value)) > MAX_MAGNITUDE:  # a float32's bound: no cast warning
             return f"{key!r} = {quote(value)}: expected a number of magnitude at most {MAX_MAGNITUDE:g} or null"
         if key in INTEGER_RANGES:
             low, high = INTEGER_RANGES[key]

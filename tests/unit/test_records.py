@@ -1,5 +1,6 @@
 """The record contract owns every record key, and the engine's names are its names. (That importing it and the
 results readers loads no torch needs a fresh interpreter: tests/integration/test_fresh_interpreters.py.)"""
+import pytest
 
 
 def test_engine_names_are_the_records_names():
@@ -42,10 +43,12 @@ def test_only_rewards_losses_and_the_kl_estimate_may_be_negative():
     assert "expected an integer from 0 to 65,536" in record_problem(new_record(n_gpus=2.5))
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_a_run_writes_as_a_number_exactly_what_the_record_reader_takes_back():
     """The run's divergence test (an iteration's loss, an evaluation's mean) and the record reader share one
     bound: a number the run keeps is one :func:`record_problem` accepts, and one it writes as null (a divergence)
-    is one the reader would refuse."""
+    is one the reader would refuse. A float32 is compared without numpy's overflow warning (the bound cast to
+    float32)."""
     import numpy as np
 
     from agg_bench.records import MAX_MAGNITUDE, is_recordable_number, new_record, record_problem
