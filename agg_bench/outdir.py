@@ -11,6 +11,8 @@ before anything is written, and holds the claim until it is done:
   ``transformer/``) is checked the same way, since the command removes or replaces it whole; a file
   output may be new or that command's earlier output. Anything else is someone's: the command refuses
   (one line, exit 2) and touches nothing.
+  A folder output inside another command's output folder (a run's, a snapshot's, a profile's, a pretrain
+  output's: :data:`OUTPUT_MARKS`) is refused too: it would be a stranger there.
 - **No symbolic links.** An output that is a link, or a folder holding one anywhere inside, is refused,
   so no write can land outside the folder the user named. Files are opened with ``O_NOFOLLOW`` and
   replaced by rename, which replaces a link instead of writing through it.
@@ -434,6 +436,8 @@ class Claim:
         self._created: list[Path] = []
 
     def _make_folders(self) -> None:
+        if self.folder:
+            check_not_inside_output(self.target, self.flag)
         folder = self.target if self.lock_inside else self.target.parent
         missing = []
         for p in (folder, *folder.parents):
@@ -540,6 +544,24 @@ class Claim:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.release(failed=exc_type is not None)
+
+
+# the files that mark a folder as one command's output (each holds that command's files only): a folder output
+# made inside one would be a stranger there, and the command that wrote it would refuse its own folder next time
+OUTPUT_MARKS = (("an agg-bench run", ("config.json", "env.json", "metrics.jsonl")),
+                ("a snapshot", ("rollout.json", "rollout.safetensors")),
+                ("a profile", ("profile.json", "config.json", "env.json")),
+                ("an agg-bench pretrain output", ("pretrain.json",)))
+
+
+def check_not_inside_output(target: Path, flag: str = "--out") -> None:
+    """Refuse a folder output ``target`` that lies inside another command's output folder (one that holds
+    every file of a mark of :data:`OUTPUT_MARKS`). Reads only."""
+    for folder in Path(os.path.abspath(target)).parents:
+        for what, names in OUTPUT_MARKS:
+            if all(os.path.isfile(folder / name) for name in names):
+                raise UserError(f"{flag} {quote(str(target))}: inside {what} {quote(str(folder))}; expected a folder "
+                                "outside it (its folder holds that command's files only)")
 
 
 def claim_folder(out: str | Path, contents: Contents, flag: str = "--out", replaced_whole: bool = False) -> Claim:

@@ -596,3 +596,15 @@ def test_a_sigterm_while_a_snapshot_is_renamed_into_place_waits_for_the_last_ren
         stopping.handled(stopped.value)
     assert {name: (out / name).read_text() if (out / name).exists() else None for name in names} == \
         dict.fromkeys(names, "new")
+
+
+def test_a_folder_output_inside_another_output_is_refused(tmp_path, capsys):
+    # a folder made inside a run folder is a stranger there: the run's rerun would refuse its own folder
+    first = tmp_path / "run"
+    assert main(run(first)) == 0
+    before = snapshot(first)
+    capsys.readouterr()
+    for argv in (run(first / "inner"), ["snapshot", "--set", "model.resolution=32", "--out", str(first / "a" / "b")]):
+        assert main(argv) == 2
+        assert "inside an agg-bench run" in one_error_line(capsys)
+        assert snapshot(first) == before
