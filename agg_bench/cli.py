@@ -12,6 +12,9 @@ from .errors import ConfigError, OneLineParser, UserError, alike_on_every_proces
 from .outdir import check_file, check_writable, named_path_problem
 
 DEFAULT_CAMPAIGN_WORK = Path("results/campaign")  # campaign run's and status's --work
+# the campaign actions that read each option that not all of them read
+CAMPAIGN_OPTION_ACTIONS = {"--minutes": ("run",), "--started": ("run",), "--archive": ("run", "unpack"),
+                           "--work": ("run", "status")}
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
 # profile's --wait, --warmup, --active: each step is a training iteration (a trace keeps every active one), so far
 # above any profile worth reading; a huge count was a command that never ended
@@ -328,17 +331,14 @@ def cmd_campaign(args) -> int:
     from .tools.archive import unpack
     from .tools.campaign import Campaign, check_minutes, check_started, run_window, status
 
+    # an option given to an action that does not read it would be ignored: refused (an unpack reads its archive and
+    # writes the reference only; status reads no archive)
+    for flag, actions in CAMPAIGN_OPTION_ACTIONS.items():
+        if args.action not in actions and _first_given(args, flag):
+            raise UserError(f"campaign {args.action}: {flag} is an option of campaign {' and '.join(actions)}"
+                            f"{' (one window)' if actions == ('run',) else ''}; leave it out")
     if args.action == "run":
         check_started(args.started, check_minutes(args.minutes))
-    else:  # a window's options given to another action would be ignored
-        for flag, value in (("--minutes", args.minutes), ("--started", args.started)):
-            if value is not None:
-                raise UserError(f"campaign {args.action}: {flag} is an option of campaign run (one window); "
-                                f"leave it out")
-    # so would status's --archive and unpack's --work (an unpack reads its archive and writes the reference only)
-    ignored = {"status": ("--archive", "run and unpack"), "unpack": ("--work", "run and status")}.get(args.action)
-    if ignored is not None and _first_given(args, ignored[0]):
-        raise UserError(f"campaign {args.action}: {ignored[0]} is an option of campaign {ignored[1]}; leave it out")
     if args.work is None:
         args.work = DEFAULT_CAMPAIGN_WORK
     if args.action == "unpack" and args.archive is None:
