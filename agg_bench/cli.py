@@ -189,8 +189,12 @@ def cmd_calibrate(args) -> int:
     from .tools.calibrate import CalibrationConfig, write_calibration
     from .records import MAX_LABEL, is_label
 
+    if not args.methods and _first_given(args, "--method-repeats"):  # it would time nothing, and be recorded
+        raise UserError(f"--method-repeats {args.method_repeats}: rounds of the --method timings, and no --method "
+                        "is given (it needs --method LABEL OVERRIDES; or leave --method-repeats out)")
+    repeats = {} if args.method_repeats is None else {"method_repeats": args.method_repeats}
     try:
-        options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup, method_repeats=args.method_repeats)
+        options = CalibrationConfig(repeats=args.repeats, warmup=args.warmup, **repeats)
     except ConfigError as err:  # named as the flag it was given as, not as the sweep's calibrate.<key>
         raise ConfigError(f"--{err.key.rpartition('.')[2].replace('_', '-')}", err.value, err.expected) from None
     methods = {}
@@ -545,8 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time this method's train phase on the same rollout, interleaved with the others "
                         "given: LABEL and a YAML mapping of run-config overrides, e.g. agg-w5 "
                         "'{method: {name: agg, window: 5}}' (repeatable)")
-    p.add_argument("--method-repeats", type=integer_arg, default=9,
-                   help="timed rounds of the methods' train phases (default 9)")
+    p.add_argument("--method-repeats", type=integer_arg, default=None,  # None: not given (9), refused without --method
+                   help="timed rounds of the methods' train phases (default 9; needs --method)")
     p.add_argument("--out", required=True, type=file_arg, help="FILE.json")
     p.set_defaults(func=cmd_calibrate)
 

@@ -991,9 +991,11 @@ class Sweep:
 
     def calibrate_command(self, name: str) -> str:
         job, part = self.calibrations[name], self.sweep.get("calibrate") or {}
+        timed = bool(part.get("time_methods", True) and job["methods"])  # method_repeats: the rounds of these only
         options = " ".join(f"--{key.replace('_', '-')} {int(part[key])}"
-                           for key in ("repeats", "warmup", "method_repeats") if key in part)
-        if part.get("time_methods", True):
+                           for key in ("repeats", "warmup", "method_repeats")
+                           if key in part and (timed or key != "method_repeats"))
+        if timed:
             options += "".join(f" --method {shlex.quote(label)} {shlex.quote(yaml_text(self.sweep['methods'][label]))}"
                                for label in job["methods"])
         # on the GPUs of the cell's runs: a sharded model needs them all, and the times include the

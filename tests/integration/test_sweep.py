@@ -59,6 +59,13 @@ def test_sweep_jobs_commands_and_manifest(in_process):
     assert options["name"] == "agg" and (options["window"], options["alpha"]) == (3, "sigma")
     assert (options["route_frac"], options["endpoint_velocity"]) == (1.0, "recompute")
     assert runs["full_sd3_32px_s0_cpu"]["method_options"] == {"name": "full", "micro_batch": None}
+    # --method-repeats only beside the --method timings it sets the rounds of (calibrate refuses it alone)
+    [calibration] = sweep.calibrations
+    sweep.sweep["calibrate"] = {"repeats": 5, "method_repeats": 3}
+    assert "--repeats 5 --method-repeats 3 --method full " in sweep.calibrate_command(calibration)
+    sweep.sweep["calibrate"]["time_methods"] = False
+    command = sweep.calibrate_command(calibration)
+    assert "--repeats 5 " in command and "--method" not in command
 
 
 def test_flatten_keeps_method_sections_whole():

@@ -126,8 +126,18 @@ def test_a_label_given_twice_and_bad_method_repeats_are_refused(tmp_path, capsys
     twice = ["--method", "a", "{method: {name: full}}", "--method", "a", "{method: {name: agg}}"]
     assert main(["calibrate", *SMALL, *twice, "--out", str(out)]) == 2
     assert "given twice" in capsys.readouterr().err
-    assert main(["calibrate", *SMALL, "--method-repeats", "0", "--out", str(out)]) == 2
+    assert main(["calibrate", *SMALL, "--method-repeats", "0", *METHODS[:3], "--out", str(out)]) == 2
     assert "config error: --method-repeats = 0: expected an integer from 1" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_method_repeats_without_a_method_is_refused(tmp_path, capsys):
+    """--method-repeats without --method timed nothing, and the calibration recorded its rounds all the same."""
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *SMALL, "--method-repeats", "3", "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agg-bench calibrate: --method-repeats 3: ") and \
+        "it needs --method LABEL OVERRIDES" in lines[0], lines
     assert not out.exists()
 
 
