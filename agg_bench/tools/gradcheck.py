@@ -42,6 +42,7 @@ COLUMNS = (
 )
 # estimator options that get their own column (whichever method has them)
 OPTION_COLUMNS = GRADCHECK_OPTION_COLUMNS
+REFERENCE = ReplayJob("full")  # every gradcheck's first replay and row, whether --methods names it or not
 
 
 def parse_values(text: str, flag: str, kind: type) -> list:
@@ -96,8 +97,9 @@ def _timed_replay(snapshot: Snapshot, estimator, cfg: RunConfig, case) -> tuple[
 
 def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = True) -> list[dict]:
     """Replay ``full`` and then every job on ``snapshot``; one row (COLUMNS) per replay, reference first.
-    A job whose replay is not applicable gets a row with its options and ``replay_note`` and no numbers."""
-    jobs = [ReplayJob("full"), *jobs]
+    A job whose replay is not applicable gets a row with its options and ``replay_note`` and no numbers.
+    A job of ``full`` without options is the reference itself: its row is the reference's, replayed once."""
+    jobs = [REFERENCE, *(job for job in jobs if job != REFERENCE)]
     setups = build_estimators(snapshot.config, jobs)  # a bad option fails before any replay runs
     cases = [replay_case_of(snapshot, estimator, cfg) for cfg, estimator in setups]
     for (_, estimator), case in zip(setups, cases):  # and steps a method cannot train, too

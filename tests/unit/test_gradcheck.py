@@ -23,10 +23,13 @@ def read_rows(path):
 def test_gradcheck_table_against_full(tmp_path):
     out = tmp_path / "gc" / "table.csv"
     assert main(["gradcheck", *SET, "--windows", "2,3", "--alphas", "sigma", "--route-fracs", "1",
-                 "--reuse", "false,true", "--methods", "full", "--out", str(out)]) == 0
+                 "--reuse", "false,true", "--methods", "full,full:micro_batch=null", "--out", str(out)]) == 0
     rows = read_rows(out)
     assert list(rows[0]) == list(COLUMNS)
+    # `full` in --methods is the reference, replayed and written once (it was replayed again, a second `full`
+    # row); `full` with an option is a replay of its own
     assert [r["method"] for r in rows] == ["full"] + ["agg"] * 4 + ["full"]
+    assert (rows[0]["options"], rows[-1]["options"]) == ("", "micro_batch=null")
     assert [(r["window"], r["reuse_rollout_velocity"]) for r in rows[1:-1]] == [
         ("2", "False"), ("2", "True"), ("3", "False"), ("3", "True")]
     assert sorted(p.name for p in out.parent.iterdir()) == ["table.csv"]  # no snapshot or temp file left
@@ -35,7 +38,7 @@ def test_gradcheck_table_against_full(tmp_path):
     assert float(ref["cosine_to_full"]) == pytest.approx(1.0, abs=1e-12)
     b, n = int(ref["batch_size"]), int(ref["steps_per_sample"])
     assert (int(ref["forward_grad"]), int(ref["backward"])) == (b * n, b * n)
-    # a second replay of `full` is the same computation: exactly no error
+    # a second replay of `full` (its default micro_batch) is the same computation: exactly no error
     assert float(rows[-1]["relative_error"]) == 0.0 and rows[-1]["window"] == ""
     for row in rows[1:-1]:
         window, frac, reuse = int(row["window"]), float(row["route_frac"]), row["reuse_rollout_velocity"] == "True"
@@ -289,12 +292,13 @@ def test_a_snapshot_folder_of_someone_elses_files_is_named_by_its_own_flag(tmp_p
 
 def test_report_of_runs_and_a_gradcheck_without_a_manifest_gives_each_run_its_cosine(tmp_path):
     """`report --runs R --gradcheck CSV`, as docs/cli.md shows it: gradcheck's rows name the model as a run of
-    the same config records it (`sd3-tiny`, not the family `sd3`), so the run's row gets its cosine."""
+    the same config records it (`sd3-tiny`, not the family `sd3`), so the run's row gets its cosine. `full` in
+    --methods is the reference's one row (a second `full` row left the run's cosine empty: two rows matched)."""
     one = [*SET, "--set", "train.iterations=1"]
     assert main(["run", *one, "--out", str(tmp_path / "runs" / "full")]) == 0
     out = tmp_path / "gc.csv"
     assert main(["gradcheck", *one, "--windows", "3", "--alphas", "sigma", "--route-fracs", "1",
-                 "--out", str(out)]) == 0
+                 "--methods", "full", "--out", str(out)]) == 0
     assert {row["model"] for row in read_rows(out)} == {"sd3-tiny"}
     tables = tmp_path / "tables"
     assert main(["report", "--runs", str(tmp_path / "runs"), "--gradcheck", str(out), "--tables", str(tables)]) == 0
