@@ -281,7 +281,7 @@ class TrainConfig(Section):
     checkpoint_every: int = option(
         0, "save a resumable `DIR/checkpoint.pt` every K iterations, at the end and on SIGTERM/SIGINT "
         "(`agg-bench run --resume` continues from it); 0: never (a run resumed with 0 that ends ok removes the "
-        "checkpoint it resumed from, as a fresh run leaves none)", minimum=0)
+        "checkpoint it resumed from, as a fresh run leaves none)", minimum=0, maximum=100_000)
     shard: Literal["none", "fsdp"] = option(
         "none", "`none`: each process holds the whole model; `fsdp`: FSDP2 `fully_shard` of each transformer "
         "block and the root, under torchrun (docs/sharding.md)")

@@ -143,6 +143,19 @@ def test_a_number_past_any_use_is_refused_before_it_overflows(tmp_path, capsys, 
     assert key in line and "<= 1e30" in line, line
 
 
+@pytest.mark.parametrize("value, expected", [
+    ("100001", "100001: expected an integer from 0 to 100,000"),
+    (str(10**30), f"{10**30}: expected an integer from 0 to 100,000"),
+    ("-1", "-1: expected an integer from 0 to 100,000"),
+    ("1e300", "1e+300: expected an integer"), ("nan", "'nan': expected an integer"),
+    (".nan", "nan: expected an integer"), ("x", "'x': expected an integer"), ("true", "True: expected an integer")])
+def test_checkpoint_every_is_bounded_as_train_iterations_is(tmp_path, capsys, value, expected):
+    """train.checkpoint_every had no maximum: 10**30 ran (a checkpoint never due), where train.iterations and
+    eval.every stop at 100,000."""
+    line = run_fails(tmp_path / "out", capsys, "--set", f"train.checkpoint_every={value}")
+    assert line == f"agg-bench run: config error: train.checkpoint_every = {expected}", line
+
+
 @pytest.mark.parametrize("key", ["run_id", "model.pretrained", "model.architecture", "prompts.file",
                                  "prompts.cache_dir"])
 def test_an_empty_name_or_path_is_refused(tmp_path, capsys, key):
