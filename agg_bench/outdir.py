@@ -12,7 +12,8 @@ before anything is written, and holds the claim until it is done:
   output may be new or that command's earlier output. Anything else is someone's: the command refuses
   (one line, exit 2) and touches nothing.
   A folder output inside another command's output folder (a run's, a snapshot's, a profile's, a pretrain
-  output's: :data:`OUTPUT_MARKS`) is refused too: it would be a stranger there.
+  output's: :data:`OUTPUT_MARKS`), and a file output whose folder is one or lies inside one, is refused too:
+  it would be a stranger there.
 - **No symbolic links.** An output that is a link, or a folder holding one anywhere inside, is refused,
   so no write can land outside the folder the user named. Files are opened with ``O_NOFOLLOW`` and
   replaced by rename, which replaces a link instead of writing through it.
@@ -340,9 +341,11 @@ def check_suffix(path: str | Path, suffix: str, flag: str = "--out") -> None:
 
 def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = "--out",
                remedy: str = "give a new path") -> None:
-    """Refuse ``path`` unless it is new or ``what`` (``ours(path)``): not a folder, not a link. ``remedy`` ends
-    the line about someone else's file (for a path the user did not name, such as a cell's journal, what to
-    do instead of giving another). Reads only."""
+    """Refuse the file output ``path`` unless it is new or ``what`` (``ours(path)``): not a folder, not a link, not
+    inside another command's output folder (:func:`check_not_inside_output`). ``remedy`` ends the line about
+    someone else's file (for a path the user did not name, such as a cell's journal, what to do instead of
+    giving another). Reads only."""
+    check_not_inside_output(path, flag, file=True)
     if path.is_symlink():
         raise UserError(f"{flag} {path}: is a symbolic link; give a plain file path")
     if path.is_dir():
@@ -436,8 +439,7 @@ class Claim:
         self._created: list[Path] = []
 
     def _make_folders(self) -> None:
-        if self.folder:
-            check_not_inside_output(self.target, self.flag)
+        check_not_inside_output(self.target, self.flag, file=not self.folder)
         folder = self.target if self.lock_inside else self.target.parent
         missing = []
         for p in (folder, *folder.parents):
@@ -554,14 +556,16 @@ OUTPUT_MARKS = (("an agg-bench run", ("config.json", "env.json", "metrics.jsonl"
                 ("an agg-bench pretrain output", ("pretrain.json",)))
 
 
-def check_not_inside_output(target: Path, flag: str = "--out") -> None:
-    """Refuse a folder output ``target`` that lies inside another command's output folder (one that holds
-    every file of a mark of :data:`OUTPUT_MARKS`). Reads only."""
+def check_not_inside_output(target: str | Path, flag: str = "--out", file: bool = False) -> None:
+    """Refuse an output ``target``, a folder (or with ``file`` a file), that lies inside another command's output
+    folder (one that holds every file of a mark of :data:`OUTPUT_MARKS`): for a file, its own folder is such a
+    folder or lies inside one. Reads only."""
     for folder in Path(os.path.abspath(target)).parents:
         for what, names in OUTPUT_MARKS:
             if all(os.path.isfile(folder / name) for name in names):
-                raise UserError(f"{flag} {quote(str(target))}: inside {what} {quote(str(folder))}; expected a folder "
-                                "outside it (its folder holds that command's files only)")
+                raise UserError(f"{flag} {quote(str(target))}: inside {what} {quote(str(folder))}; expected "
+                                f"{'a file' if file else 'a folder'} outside it (its folder holds that command's "
+                                "files only)")
 
 
 def claim_folder(out: str | Path, contents: Contents, flag: str = "--out", replaced_whole: bool = False) -> Claim:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.io import atomic_path, is_temp_name, read_jsonl
-from agg_bench.outdir import FOLDER_LOCK, Busy, Claim, Contents, remove_owned
+from agg_bench.outdir import FOLDER_LOCK, OUTPUT_MARKS, Busy, Claim, Contents, claim_files, remove_owned
 from agg_bench.runtime.checkpoint import RESUMABLE_CHANGES, SAME_RUN_CHANGES
 from helpers import ENDED_PID, Holder, running_process
 
@@ -552,7 +553,7 @@ def test_a_file_claim_removes_what_killed_writers_of_its_files_left_beside_them(
     good, each attempt's under its own PID. Once the claim is held the ended processes' temporaries of the claimed
     files go; a live process's, and a user's file of a like name, stay."""
 
-    from agg_bench.outdir import claim_files, json_file_with
+    from agg_bench.outdir import json_file_with
 
     out, counts = tmp_path / "r.safetensors", tmp_path / "r.json"
 
@@ -598,13 +599,48 @@ def test_a_sigterm_while_a_snapshot_is_renamed_into_place_waits_for_the_last_ren
         dict.fromkeys(names, "new")
 
 
-def test_a_folder_output_inside_another_output_is_refused(tmp_path, capsys):
-    # a folder made inside a run folder is a stranger there: the run's rerun would refuse its own folder
-    first = tmp_path / "run"
+def test_an_output_inside_another_output_is_refused(tmp_path, capsys):
+    # a folder or a file made inside a run folder is a stranger there: the run's rerun would refuse its own folder
+    first, other = tmp_path / "run", tmp_path / "other"
     assert main(run(first)) == 0
     before = snapshot(first)
     capsys.readouterr()
-    for argv in (run(first / "inner"), ["snapshot", "--set", "model.resolution=32", "--out", str(first / "a" / "b")]):
+    small = [a for o in SMALL for a in ("--set", o)]
+    for argv, flag, path, kind in (
+            (run(first / "inner"), "--out", first / "inner", "a folder"),
+            (["snapshot", "--set", "model.resolution=32", "--out", str(first / "a" / "b")], "--out", first / "a" / "b",
+             "a folder"),
+            (run(other, "--done", str(first / "done.json")), "--done", first / "done.json", "a file"),
+            (run(other, "--done", str(first / "a" / "done.json")), "--done", first / "a" / "done.json", "a file"),
+            (run(other, "--journal", str(first / "j.json")), "--journal", first / "j.json", "a file"),
+            (["embed", "--out", str(first / "e.safetensors")], "--out", first / "e.safetensors", "a file"),
+            (["calibrate", *small, "--out", str(first / "c.json")], "--out", first / "c.json", "a file"),
+            (["gradcheck", *small, "--out", str(first / "g.csv")], "--out", first / "g.csv", "a file")):
         assert main(argv) == 2
-        assert "inside an agg-bench run" in one_error_line(capsys)
-        assert snapshot(first) == before
+        line = one_error_line(capsys)
+        assert f"{flag} '{path}': inside an agg-bench run '{first}'; expected {kind} outside it" in line, line
+        assert snapshot(first) == before and not other.exists()
+
+
+@pytest.mark.parametrize("mark", OUTPUT_MARKS, ids=[what for what, _ in OUTPUT_MARKS])
+def test_a_file_claim_inside_another_output_is_refused_and_makes_nothing(tmp_path, mark):
+    """A file output's claim (claim_files, a marker's or a journal's Claim) whose folder is, or is inside, another
+    command's output folder is refused before its lock or a missing folder is made."""
+    what, names = mark
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_text("{}")
+    before = sorted(tmp_path.rglob("*"))
+    for target in (folder / "f.json", folder / "a" / "b" / "f.json"):
+        expected = f"--x '{target}': inside {what} '{folder}'; expected a file outside it"
+        with pytest.raises(UserError, match=re.escape(expected)):
+            claim_files({target: (lambda path: True, "a file of ours")}, "--x")
+        with pytest.raises(UserError, match=re.escape(expected)):
+            Claim(target, folder=False, lock_inside=False, flag="--x").acquire()
+        assert sorted(tmp_path.rglob("*")) == before
+    # beside the output folder, or in a folder that holds only part of a mark, a file output is its own
+    (folder / names[0]).unlink()
+    for target in (tmp_path / "f.json", folder / "f.json"):
+        with claim_files({target: (lambda path: True, "a file of ours")}, "--x"):
+            pass
