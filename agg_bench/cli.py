@@ -257,12 +257,12 @@ def _first_given(args, *flags: str) -> str | None:
 def cmd_report(args) -> int:
     from .results.loading import (CalibrationEntry, GradcheckEntry, Manifest, check_time_basis, check_warmup,
                                   discover_runs, load_manifest)
-    from .outputs import check_no_unpack
+    from .outputs import check_no_unpack_above
     from .results.loading import check_report
     from .results.report import build_report, plot_tables
 
     if args.manifest is not None:  # a reference's manifest while an unpack into it is under way or was cut off
-        check_no_unpack(args.manifest.parent, f"manifest {args.manifest}")
+        check_no_unpack_above(args.manifest, 1, f"--manifest {args.manifest}", set())
     if args.check:
         given = _first_given(args, "--runs", "--gradcheck", "--calibration", "--warmup", "--time", "--tables-in")
         if given:
@@ -317,12 +317,13 @@ def _check_no_unpack_of_files(*given: tuple[str, list]) -> None:
 
 
 def cmd_learning(args) -> int:
-    from .outputs import check_no_unpack
+    from .outputs import check_no_unpack_above
     from .tools.learning import LearningOptions, learning_report
 
     if args.tables is None and args.plots is None:  # else every checkpoint was evaluated and nothing written
         raise UserError("give --tables DIR and/or --plots DIR")
-    check_no_unpack(args.manifest.parent, f"manifest {args.manifest}")  # a reference's, being unpacked into
+    # a reference's manifest while an unpack into it is under way or was cut off
+    check_no_unpack_above(args.manifest, 1, f"--manifest {args.manifest}", set())
     options = LearningOptions(args.average, args.fraction, args.eval_noises, args.eval_seed, args.eval_sampler,
                               args.target_fraction, args.reference, args.eval_source)
     runs = learning_report(args.manifest, args.tables, args.plots, options)

@@ -473,7 +473,8 @@ def test_an_unpack_killed_half_way_is_refused_by_readers_and_finished_by_the_sam
         capsys.readouterr()
         assert main(["report", "--manifest", "ref/manifest.json", "--tables", "t"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "agg-bench campaign unpack into ref is under way or was cut off" in err[0], err
+        assert len(err) == 1 and (f"--manifest ref/manifest.json: agg-bench campaign unpack into "
+                                  f"{os.path.abspath('ref')} is under way or was cut off") in err[0], err
         assert not Path("t").exists()
         assert campaign_module.status(cpu_campaign, reference)["done"] >= 1
         archive_module.unpack(cpu_campaign, window["archive"], reference)

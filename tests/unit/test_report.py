@@ -1301,7 +1301,7 @@ def test_report_of_a_folder_of_runs_skips_staging_folders_and_refuses_a_run_bein
 
 
 @pytest.mark.parametrize("given", ["runs", "a run", "each run"])
-def test_the_runs_of_a_reference_an_unpack_was_cut_off_in_are_refused(tmp_path, capsys, given):
+def test_the_runs_of_a_reference_an_unpack_was_cut_off_in_are_refused(tmp_path, capsys, monkeypatch, given):
     """report --manifest REF/manifest.json refused a reference whose `campaign unpack` is under way or was cut off,
     but report --runs REF/runs read its runs, of two states, as if whole: refused in the manifest's words, found
     in the reference that holds the folder of runs (looked into once for all of them), nothing written; and so
@@ -1325,6 +1325,15 @@ def test_the_runs_of_a_reference_an_unpack_was_cut_off_in_are_refused(tmp_path, 
     assert len(err) == 1 and (f"--runs {paths[0]}: agg-bench campaign unpack into {tmp_path / 'ref'} is under way "
                               f"or was cut off ({staging.name} is there)") in err[0], err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    # its manifest, named as written, the reference named as the runs' checks name it (its absolute path)
+    (tmp_path / "ref" / "manifest.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    for verb in (["report", "--tables", "t4"], ["learning", "--tables", "t4"]):
+        assert main([*verb, "--manifest", "ref/manifest.json"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and (f"--manifest ref/manifest.json: agg-bench campaign unpack into {tmp_path / 'ref'} "
+                                  f"is under way or was cut off ({staging.name} is there)") in err[0], err
+        assert not (tmp_path / "t4").exists()
     # so are the reference's calibrations and gradcheck CSVs given beside a user's runs
     mine = tmp_path / "mine" / "runs"
     make_run(mine, "c", "full", [it(1.0, 0.1), it(1.0, 0.2)])
