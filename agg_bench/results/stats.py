@@ -9,6 +9,7 @@ give the same interval. Only numpy is used: the report reads these without the e
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -16,6 +17,10 @@ import numpy as np
 # iterations of the bootstrap; 2000 keeps the 2.5 / 97.5 percentiles stable to a few permille
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
+# drawn indices a bootstrap holds at once (a block of resamples, 4 MiB as int32): a run of 100,000 iterations
+# resampled 2000 times drew one (2000, 100000) array of indices and gathered one of values, 3.2 GB, where the
+# same draws in blocks stay in the cache
+BOOTSTRAP_BLOCK = 2**20
 
 
 def _finite(values: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -47,6 +52,66 @@ def _percentile_interval(ratios: np.ndarray, level: float) -> tuple[float, float
     return float(lo), float(hi)
 
 
+def _resampled_medians(columns: Sequence[np.ndarray], rng: np.random.Generator,
+                       resamples: int) -> list[np.ndarray]:
+    """The median of each of ``resamples`` bootstrap resamples of each of ``columns`` (finite values, all of one
+    length n), every column resampled with the same draws: ``rng.integers(0, n, size=(resamples, n))``, the draws
+    of that one call (drawn here in blocks of rows, in the same order: a bounded draw below 2**32 takes the
+    generator's 32-bit values one at a time, whatever the block or the integer type), and each median what
+    ``np.median(column[draws], axis=1)`` gives (the mean of the two middle values of an even count).
+
+    A resample's median is a middle order statistic, so it is read from the ranks drawn: the values sorted once,
+    each drawn index replaced by its value's rank, and each row's middle ranks selected among the draws within a
+    window of ranks around the middle (all but a vanishing share of rows have them there; a row that has not is
+    partitioned whole), instead of gathering and partitioning n floats per resample."""
+    n = columns[0].size
+    dtype = np.int32 if n <= 2**31 else np.int64
+    lo_k, hi_k = (n - 1) // 2, n // 2  # the order statistics the median averages (one when n is odd)
+    # a drawn rank is below n / 2 with probability 1/2 each, so the middle order statistics' ranks spread by
+    # about sqrt(n) / 2 around n / 2: 16 of those either side
+    half = 8 * math.isqrt(n) + 16
+    window = (max(0, n // 2 - half), min(n, n // 2 + half + 1))
+    sorted_columns = []
+    for values in columns:
+        order = np.argsort(values, kind="stable")
+        ranks = np.empty(n, dtype=dtype)
+        ranks[order] = np.arange(n, dtype=dtype)
+        sorted_columns.append((ranks, values[order]))
+    medians = [np.empty(resamples) for _ in columns]
+    rows = max(1, BOOTSTRAP_BLOCK // n)
+    for start in range(0, resamples, rows):
+        stop = min(resamples, start + rows)
+        draws = rng.integers(0, n, size=(stop - start, n), dtype=dtype)
+        for (ranks, ordered), out in zip(sorted_columns, medians):
+            lo_rank, hi_rank = _middle_ranks(ranks[draws], (lo_k, hi_k), window)
+            out[start:stop] = ordered[lo_rank] if lo_k == hi_k else (ordered[lo_rank] + ordered[hi_rank]) / 2
+    return medians
+
+
+def _middle_ranks(drawn: np.ndarray, middle: tuple[int, int], window: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's ``middle[0]``-th and ``middle[1]``-th smallest of ``drawn`` (ranks from 0 to n - 1, one row per
+    resample), 0-based: sorted among the row's ranks within ``window`` (from, to), after those below it."""
+    count, n = drawn.shape
+    low, high = window
+    below = np.count_nonzero(drawn < low, axis=1)
+    inside = (drawn >= low) & (drawn < high)
+    within = np.count_nonzero(inside, axis=1)
+    # the draws within the window, sorted by row and then by rank: row r's from starts[r]
+    keyed = np.sort(np.repeat(np.arange(count, dtype=np.int64) * n, within) + drawn[inside])
+    starts = np.cumsum(within) - within
+    found = (below <= middle[0]) & (below + within > middle[1])
+    picked = []
+    for k in middle:
+        ranks = np.empty(count, dtype=np.int64)
+        rows = np.flatnonzero(found)
+        ranks[rows] = keyed[starts[rows] + k - below[rows]] - rows * n
+        picked.append(ranks)
+    for row in np.flatnonzero(~found):  # a middle outside the window: the whole row
+        part = np.partition(drawn[row], middle)
+        picked[0][row], picked[1][row] = part[middle[0]], part[middle[1]]
+    return picked[0], picked[1]
+
+
 def ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float], level: float = 0.95,
                         resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
     """Percentile bootstrap interval of median(numerator) / median(denominator).
@@ -58,14 +123,29 @@ def ratio_of_medians_ci(numerator: Sequence[float], denominator: Sequence[float]
     numerator index, as a (resamples, n) array, then every denominator index. NaNs when either side has
     no finite value.
     """
+    return ratios_of_medians_ci([(numerator, denominator)], level, resamples, seed)[0]
+
+
+def ratios_of_medians_ci(pairs: Sequence[tuple[Sequence[float], Sequence[float]]], level: float = 0.95,
+                         resamples: int = BOOTSTRAP_RESAMPLES,
+                         seed: int = BOOTSTRAP_SEED) -> list[tuple[float, float]]:
+    """:func:`ratio_of_medians_ci` of each (numerator, denominator) of ``pairs``, the same intervals; pairs with
+    as many finite values on each side as one another take the same draws (the same seed), so they are drawn
+    once for all of them (a table row's iteration and train-phase speedups)."""
     _check_bootstrap(level, resamples)
-    num, den = _finite(numerator), _finite(denominator)
-    if num.size == 0 or den.size == 0:
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    num_idx = rng.integers(0, num.size, size=(resamples, num.size))
-    den_idx = rng.integers(0, den.size, size=(resamples, den.size))
-    return _percentile_interval(np.median(num[num_idx], axis=1) / np.median(den[den_idx], axis=1), level)
+    finite = [(_finite(num), _finite(den)) for num, den in pairs]
+    intervals: list[tuple[float, float]] = [(float("nan"), float("nan"))] * len(finite)
+    sizes: dict[tuple[int, int], list[int]] = {}
+    for i, (num, den) in enumerate(finite):
+        if num.size and den.size:
+            sizes.setdefault((num.size, den.size), []).append(i)
+    for members in sizes.values():
+        rng = np.random.default_rng(seed)
+        nums = _resampled_medians([finite[i][0] for i in members], rng, resamples)
+        dens = _resampled_medians([finite[i][1] for i in members], rng, resamples)
+        for i, num, den in zip(members, nums, dens):
+            intervals[i] = _percentile_interval(num / den, level)
+    return intervals
 
 
 def paired_ratio_of_medians_ci(numerator: Sequence[float] | np.ndarray, denominator: Sequence[float] | np.ndarray,
@@ -84,8 +164,8 @@ def paired_ratio_of_medians_ci(numerator: Sequence[float] | np.ndarray, denomina
     num, den = num[both], den[both]
     if num.size == 0:
         return float("nan"), float("nan")
-    idx = np.random.default_rng(seed).integers(0, num.size, size=(resamples, num.size))
-    return _percentile_interval(np.median(num[idx], axis=1) / np.median(den[idx], axis=1), level)
+    num_medians, den_medians = _resampled_medians([num, den], np.random.default_rng(seed), resamples)
+    return _percentile_interval(num_medians / den_medians, level)
 
 
 def paired_speedup(reference: Sequence[float], own: Sequence[float]) -> tuple[float, float, float]:

@@ -40,7 +40,7 @@ from ..records import (GRADCHECK_OPTION_COLUMNS, IMPORTED_KEYS, PASS_KEYS, PHASE
                       STANDARD_PHASES, TRAIN_PASS_KEYS)
 from ..jsonfiles import loads
 from .costmodel import calibration_of, counted_seconds, per_sample_seconds
-from .stats import paired_speedup, quartiles, ratio_of_medians_ci
+from .stats import paired_speedup, quartiles, ratios_of_medians_ci
 
 MIB = 1024 ** 2
 PHASES = PHASE_TIME_KEYS
@@ -321,11 +321,14 @@ def efficiency_table(records: pd.DataFrame, gradcheck: pd.DataFrame | None = Non
     usable = (table["_ref_status"] == "ok") & (table["status"] == "ok")
     table["speedup"] = (table["_ref_iter"] / table["t_iter_s"]).where(usable)
     table["run_train_speedup"] = (table["_ref_train"] / table["t_train_s"]).where(usable)
-    for name, phase in (("speedup", "iter"), ("run_train_speedup", "train")):
-        bounds = [ratio_of_medians_ci(ref[phase], own[phase]) if ok and isinstance(ref, dict) else (float("nan"),) * 2
-                  for ok, ref, own in zip(usable, table["_ref_samples"], table["_samples"])]
-        table[f"{name}_lo"] = [lo for lo, _ in bounds]
-        table[f"{name}_hi"] = [hi for _, hi in bounds]
+    # each row's two intervals at once: a row's phases hold as many iterations, so they take the same draws
+    speedups = (("speedup", "iter"), ("run_train_speedup", "train"))
+    bounds = [ratios_of_medians_ci([(ref[phase], own[phase]) for _, phase in speedups])
+              if ok and isinstance(ref, dict) else [(float("nan"),) * 2] * len(speedups)
+              for ok, ref, own in zip(usable, table["_ref_samples"], table["_samples"])]
+    for j, (name, _) in enumerate(speedups):
+        table[f"{name}_lo"] = [row[j][0] for row in bounds]
+        table[f"{name}_hi"] = [row[j][1] for row in bounds]
     # the train speedup from the calibration's side-by-side timings where both rows have them (paired
     # rounds: one machine state for both), else from the runs' own iterations
     paired = [bool(ok) and isinstance(ref, np.ndarray) and len(ref) > 0 and len(ref) == len(own)

@@ -10,7 +10,9 @@ import pytest
 
 from agg_bench.results.loading import CalibrationEntry, RunEntry, load_calibration, load_records
 from agg_bench.results.costmodel import fit_call_cost, priced_calls
-from agg_bench.results.stats import paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci
+from agg_bench.results import stats
+from agg_bench.results.stats import (paired_ratio_of_medians_ci, predicted_seconds, quartiles, ratio_of_medians_ci,
+                                      ratios_of_medians_ci)
 from agg_bench.results.tables import efficiency_table, summary_table
 from helpers import seeded
 
@@ -77,6 +79,69 @@ def test_bootstrap_is_seeded_and_handles_degenerate_input():
     for bad in ({"level": 1.0}, {"level": float("nan")}, {"resamples": 0}):
         with pytest.raises(ValueError):
             ratio_of_medians_ci(num, den, **bad)
+
+
+DEFAULT_RNG = np.random.default_rng
+
+
+class CountedDraws:
+    """A numpy Generator that records the size of each draw of indices (``integers``) it makes."""
+
+    def __init__(self, seed, sizes: list):
+        self.rng, self.sizes = DEFAULT_RNG(seed), sizes
+
+    def integers(self, *args, size, **kwargs):
+        self.sizes.append(int(np.prod(size)))
+        return self.rng.integers(*args, size=size, **kwargs)
+
+
+def one_array_interval(num, den, resamples, paired=False):
+    """The bootstrap as one (resamples, n) array of indices a side, medians by np.median (seed 0, level 0.95)."""
+    draws = DEFAULT_RNG(0)
+    num_idx = draws.integers(0, len(num), size=(resamples, len(num)))
+    den_idx = num_idx if paired else draws.integers(0, len(den), size=(resamples, len(den)))
+    tail = (1 - 0.95) / 2
+    lo, hi = np.percentile(np.median(num[num_idx], axis=1) / np.median(den[den_idx], axis=1),
+                           [100 * tail, 100 * (1 - tail)])
+    return float(lo), float(hi)
+
+
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 3), (7, 6), (200, 200), (501, 499)])
+def test_the_bootstrap_draws_in_blocks_and_gives_the_one_array_interval(monkeypatch, sizes):
+    """A run of 100,000 iterations drew 2000 x 100,000 indices a side at once (3.2 GB with the values): the draws
+    come in blocks of at most BOOTSTRAP_BLOCK, the medians from the ranks drawn (a window around the middle, the
+    whole row where the middle lies outside it), and the interval is the one array's to the last bit (values with
+    ties and without, an odd and an even count, every row outside the window)."""
+    rng = DEFAULT_RNG(seeded(21))
+    resamples = 200
+    monkeypatch.setattr(stats, "BOOTSTRAP_BLOCK", 500)
+    for values in (rng.lognormal(size=sum(sizes)), rng.integers(1, 4, size=sum(sizes)).astype(float)):
+        num, den = values[:sizes[0]], values[sizes[0]:]
+        for outside in (False, True):  # True: every row's middle outside the window
+            with monkeypatch.context() as m:
+                if outside:
+                    m.setattr(stats.math, "isqrt", lambda n: -1)
+                drawn: list[int] = []
+                m.setattr(stats.np.random, "default_rng", lambda seed, drawn=drawn: CountedDraws(seed, drawn))
+                assert ratio_of_medians_ci(num, den, resamples=resamples) == one_array_interval(num, den, resamples)
+                assert max(drawn) <= max(500, *sizes) and sum(drawn) == resamples * sum(sizes)
+                if sizes[0] == sizes[1]:
+                    assert paired_ratio_of_medians_ci(num, den, resamples=resamples) == one_array_interval(
+                        num, den, resamples, paired=True)
+
+
+def test_pairs_of_the_same_sizes_share_their_draws(monkeypatch):
+    """A table row's iteration and train-phase speedups resample as many values: one draw serves both, and each
+    interval is the one ratio_of_medians_ci gives alone; a pair of other sizes, or without a value, is its own."""
+    rng = DEFAULT_RNG(seeded(5))
+    pairs = [(rng.lognormal(size=9), rng.lognormal(size=8)), (rng.lognormal(size=9), rng.lognormal(size=8)),
+             (rng.lognormal(size=5), rng.lognormal(size=8)), ([], rng.lognormal(size=8))]
+    alone = [ratio_of_medians_ci(num, den, resamples=200) for num, den in pairs]
+    drawn: list[int] = []
+    monkeypatch.setattr(stats.np.random, "default_rng", lambda seed: CountedDraws(seed, drawn))
+    together = ratios_of_medians_ci(pairs, resamples=200)
+    assert together[:3] == alone[:3] and all(math.isnan(v) for v in together[3]) and all(math.isnan(v) for v in alone[3])
+    assert sum(drawn) == 200 * (9 + 8 + 5 + 8)
 
 
 def test_predicted_seconds_is_the_priced_count_and_nan_when_part_is_missing():
