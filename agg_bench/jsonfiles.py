@@ -37,11 +37,13 @@ def _no_constant(name: str) -> Any:
 
 def _object(pairs: list[tuple[str, Any]]) -> dict:
     """A JSON object; a key given twice is refused (JSON readers differ on which one wins)."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise JsonProblem(f"the key {quote(key)} is given twice in one object")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) < len(pairs):  # the first key given again, named
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise JsonProblem(f"the key {quote(key)} is given twice in one object")
+            seen.add(key)
     return out
 
 
@@ -53,9 +55,10 @@ def loads(text: str | bytes, nonfinite: bool = False) -> Any:
     an archive or a results folder goes through here, so a crafted file is refused with a line instead of
     crashing the reader. ``nonfinite``: NaN, Infinity and -Infinity are read as floats, for a log another code
     base wrote with Python's ``json.dumps`` (which writes them), where the caller decides what they mean."""
-    constant = float if nonfinite else _no_constant
     try:
-        return json.loads(text, parse_constant=constant, object_pairs_hook=_object)
+        if isinstance(text, str) and not text.startswith("\ufeff"):  # json.loads's own check of a BOM, and of bytes
+            return _DECODERS[nonfinite].decode(text)  # one decoder: json.loads built one per call (a run's records)
+        return json.loads(text, parse_constant=float if nonfinite else _no_constant, object_pairs_hook=_object)
     except JsonProblem:
         raise
     except json.JSONDecodeError as err:
@@ -68,6 +71,11 @@ def loads(text: str | bytes, nonfinite: bool = False) -> Any:
         raise JsonProblem("nested too deeply") from None
     except ValueError as err:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
         raise JsonProblem(str(err).splitlines()[0][:200] or "not JSON") from None
+
+
+# loads' decoders of text, by ``nonfinite``
+_DECODERS = {nonfinite: json.JSONDecoder(parse_constant=float if nonfinite else _no_constant, object_pairs_hook=_object)
+             for nonfinite in (False, True)}
 
 
 def _size(n: int) -> str:

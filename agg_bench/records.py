@@ -160,26 +160,22 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     for key in required:
         if record.get(key) is None:
             return f"no {key!r} (expected in every record)"
-    for key in (*TEXT_KEYS, *NUMBER_KEYS, *PHASE_PEAK_KEYS):
-        value = record.get(key)
+    get = record.get
+    for key in CHECKED_KEYS:
+        value = get(key)
         if value is None:
             continue
-        if key in TEXT_KEYS and not isinstance(value, str):
-            return f"{key!r} = {quote(value)}: expected a string or null"
-        if key in TEXT_KEYS and not is_utf8_text(value):  # a JSON escape of a lone surrogate: no table can write it
-            return f"{key!r} = {quote(value)}: expected UTF-8 text (no lone surrogate) or null"
-        if key == "status" and value not in STATUSES:  # a run of another agg-bench, or an edited file
-            return f"'status' = {quote(value)}: expected one of {', '.join(STATUSES)} or null"
-        if key not in TEXT_KEYS and not is_finite_number(value):
-            return f"{key!r} = {quote(value)}: expected a finite number or null"
-        if key not in TEXT_KEYS and abs(float(value)) > MAX_MAGNITUDE:  # a float32's bound: no cast warning
-            return f"{key!r} = {quote(value)}: expected a number of magnitude at most {MAX_MAGNITUDE:g} or null"
-        if key in INTEGER_RANGES:
-            low, high = INTEGER_RANGES[key]
-            if type(value) is not int or not low <= value <= high:
-                return f"{key!r} = {quote(value)}: expected an integer from {low} to {high:,} or null"
-        elif key not in (*TEXT_KEYS, *SIGNED_KEYS, "iteration") and value < 0:  # iteration: below
-            return f"{key!r} = {quote(value)}: expected a finite number >= 0 or null"
+        kind = type(value)
+        # what almost every value is, taken at a glance: a plain float or int within its key's bounds, ASCII text
+        if kind is float or kind is int:
+            bounds = _PLAIN_BOUNDS.get(key)
+            if bounds is not None and bounds[0] <= value <= bounds[1] and (kind is int or key not in INTEGER_RANGES):
+                continue
+        elif kind is str and key in TEXT_KEYS and value.isascii() and (key != "status" or value in STATUSES):
+            continue
+        problem = _value_problem(key, value)
+        if problem is not None:
+            return problem
     iteration = record.get("iteration")
     if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
         return f"'iteration' = {quote(iteration)}: expected an integer >= 0"
@@ -187,6 +183,35 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     if steps is not None and (not is_integer(steps) or not 0 <= steps <= MAX_OPTIMIZER_STEPS):
         return (f"{OPTIMIZER_STEPS_KEY!r} = {quote(steps)}: expected an integer from 0 to "
                 f"{MAX_OPTIMIZER_STEPS:,} or null")
+    return None
+
+
+# the keys :func:`record_problem` checks the values of, in the order it checks them
+CHECKED_KEYS = (*TEXT_KEYS, *NUMBER_KEYS, *PHASE_PEAK_KEYS)
+# the bounds within which a plain float or int of a number key passes every check of :func:`_value_problem` (a
+# NaN compares false with both; ``iteration``'s own check follows the loop)
+_PLAIN_BOUNDS = {key: INTEGER_RANGES.get(key, (-MAX_MAGNITUDE if key in SIGNED_KEYS else 0, MAX_MAGNITUDE))
+                 for key in (*NUMBER_KEYS, *PHASE_PEAK_KEYS)}
+
+
+def _value_problem(key: str, value: Any) -> str | None:
+    """What is wrong with ``value`` (not null) of ``key`` by :func:`record_problem`'s rules; None when nothing is."""
+    if key in TEXT_KEYS and not isinstance(value, str):
+        return f"{key!r} = {quote(value)}: expected a string or null"
+    if key in TEXT_KEYS and not is_utf8_text(value):  # a JSON escape of a lone surrogate: no table can write it
+        return f"{key!r} = {quote(value)}: expected UTF-8 text (no lone surrogate) or null"
+    if key == "status" and value not in STATUSES:  # a run of another agg-bench, or an edited file
+        return f"'status' = {quote(value)}: expected one of {', '.join(STATUSES)} or null"
+    if key not in TEXT_KEYS and not is_finite_number(value):
+        return f"{key!r} = {quote(value)}: expected a finite number or null"
+    if key not in TEXT_KEYS and abs(float(value)) > MAX_MAGNITUDE:  # a float32's bound: no cast warning
+        return f"{key!r} = {quote(value)}: expected a number of magnitude at most {MAX_MAGNITUDE:g} or null"
+    if key in INTEGER_RANGES:
+        low, high = INTEGER_RANGES[key]
+        if type(value) is not int or not low <= value <= high:
+            return f"{key!r} = {quote(value)}: expected an integer from {low} to {high:,} or null"
+    elif key not in (*TEXT_KEYS, *SIGNED_KEYS, "iteration") and value < 0:  # iteration: below
+        return f"{key!r} = {quote(value)}: expected a finite number >= 0 or null"
     return None
 
 

@@ -92,3 +92,24 @@ def test_a_file_that_grows_past_the_bound_while_read_is_refused_at_the_bound(tmp
     with pytest.raises((ConfigError, UserError)) as err:
         reader(path)
     assert words.format(path=path) in str(err.value)
+
+
+def test_json_text_is_read_by_one_decoder_with_every_check_of_json_loads(monkeypatch):
+    """A run's records are read line by line through jsonfiles.loads: one decoder serves every line (json.loads built
+    one per call), and it refuses what json.loads with the hooks refused: a key given twice (the first named), NaN,
+    a byte order mark; bytes are read as json.loads reads them."""
+    import json
+
+    built = []
+    monkeypatch.setattr(json.JSONDecoder, "__init__", lambda self, *a, __init__=json.JSONDecoder.__init__, **k: (
+        built.append(1), __init__(self, *a, **k))[1])
+    assert [jsonfiles.loads(f'{{"iteration": {i}}}') for i in range(50)] == [{"iteration": i} for i in range(50)]
+    assert not built
+    monkeypatch.undo()
+    for text, problem in (('{"a": 1, "b": {"c": 1, "c": 2}, "a": 3}', "the key 'c' is given twice in one object"),
+                          ('{"a": NaN}', "NaN is not a JSON number"), ("\ufeff{}", "Unexpected UTF-8 BOM"),
+                          ('{"a": 1', "Expecting ',' delimiter")):
+        with pytest.raises(jsonfiles.JsonProblem, match=problem):
+            jsonfiles.loads(text)
+    assert jsonfiles.loads('{"a": NaN}', nonfinite=True)["a"] != jsonfiles.loads('{"a": NaN}', nonfinite=True)["a"]
+    assert jsonfiles.loads(b'{"a": [1, 2.5, "x"]}') == {"a": [1, 2.5, "x"]}

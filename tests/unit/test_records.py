@@ -62,3 +62,25 @@ def test_a_run_writes_as_a_number_exactly_what_the_record_reader_takes_back():
         assert non_finite_key({"eval_reward": 0.5, "eval_reward_shape": value}) == (None if kept else
                                                                                      "eval_reward_shape"), value
     assert [is_recordable_number(v) for v in values] == [True] * 6 + [False] * 8
+
+
+def test_a_value_taken_at_a_glance_is_one_the_full_check_takes():
+    """record_problem takes a plain float or int within its key's bounds, and ASCII text, at a glance (a run's
+    100,000 records were 30 s of checks); any other value gets the full check: for every key it checks and every
+    edge value, its answer is the full check's (``iteration``'s own check follows, and adds its refusals)."""
+    import numpy as np
+
+    from agg_bench.records import CHECKED_KEYS, MAX_MAGNITUDE, _value_problem, record_problem
+
+    values = [0, 1, -1, 0.0, -0.0, 1.5, -1.5, MAX_MAGNITUDE, -MAX_MAGNITUDE, 1e301, 10**300, 10**301, 10**400,
+              float("nan"), float("inf"), -float("inf"), True, False, 64, 64.0, 16384, 16385, 65536, 65537, "ok",
+              "diverged", "bogus", "x", "é", "\udcff", "", [1], {"a": 1}, np.float64(1.0), np.float32(-2.0)]
+    for key in CHECKED_KEYS:
+        for value in values:
+            want, got = _value_problem(key, value), record_problem({key: value})
+            if key == "iteration" and want is None and got is not None:
+                assert got.startswith("'iteration' = ") and "expected an integer >= 0" in got, (key, value, got)
+            else:
+                assert got == want, (key, value)
+    # the first key in CHECKED_KEYS order is the one named, whichever order the record has them in
+    assert record_problem({"t_iter_s": -1.0, "status": "bogus", "loss": float("nan")}).startswith("'status'")
