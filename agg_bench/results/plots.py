@@ -62,12 +62,19 @@ def _label(row) -> str:
     return f"{row['method']} (imported)" if row.get("source") == "imported" else str(row["method"])
 
 
+def _labels(df: pd.DataFrame) -> pd.Series:
+    """:func:`_label` of every row of ``df``, read a column at a time (a run's 100,000 records are as many rows)."""
+    sources = df["source"] if "source" in df else [None] * len(df)
+    return pd.Series([f"{method} (imported)" if source == "imported" else str(method)
+                      for method, source in zip(df["method"], sources)], index=df.index)
+
+
 def reward_curves(panel: pd.DataFrame, x: str) -> dict[str, dict]:
     """Per method label of one panel: x (iteration, or the median over seeds of the cumulative wall
     seconds at each iteration), the mean reward over seeds and its band: +-1 standard deviation over
     seeds, or with one seed over the iteration's images (``reward_std``); ``band`` names which."""
     curves = {}
-    for label, rows in panel.assign(label=panel.apply(_label, axis=1)).groupby("label", sort=False):
+    for label, rows in panel.assign(label=_labels(panel)).groupby("label", sort=False):
         rows = rows.sort_values("iteration").assign(_t=lambda d: d.groupby("run_dir")["t_iter_s"].cumsum())
         by_iteration = rows.groupby("iteration", sort=True)
         seeds = rows["run_dir"].nunique()
@@ -91,7 +98,7 @@ def plot_rewards(records: pd.DataFrame, path: Path, x: str) -> None:
         return _empty_figure(plt, path, "no iteration finished")
     keys = _panel_keys(ok, ("model", "resolution", "hardware"))
     fig, axes = _panels(plt, keys, ncols=min(3, len(keys)))
-    colors = _colors(ok.apply(_label, axis=1))
+    colors = _colors(list(_labels(ok)))
     for ax, key in zip(axes, keys):
         panel = _rows(ok, ("model", "resolution", "hardware"), key)
         bands = set()
