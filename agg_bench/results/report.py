@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import io
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 
-from ..errors import UserError
+from ..errors import UserError, counted
 from ..outdir import claimed_folders, replaced_folders
 from ..io import write_json
 from ..outputs import REPORT_CONTENTS, STAMP_FILE  # what --tables DIR and --plots DIR may hold
@@ -37,6 +39,27 @@ from .tables import build_tables, unmatched_gradcheck
 
 
 
+# seconds between two of a report's progress lines, and before the first: a report done sooner prints none
+PROGRESS_EVERY_S = 5.0
+
+
+class Progress:
+    """Progress lines of a long report on stderr, ``agg-bench report: <what> (<seconds> s)``, as ``cell`` and
+    ``campaign`` print theirs: called as each step ends, it prints the step at most once every ``every`` seconds,
+    so that a report of big runs (100,000 records each) shows where it is and a quick one prints nothing. stdout
+    keeps the report's one JSON line."""
+
+    def __init__(self, every: float | None = None):
+        self.every = PROGRESS_EVERY_S if every is None else every
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            print(f"agg-bench report: {what} ({now - self.start:.1f} s)", file=sys.stderr, flush=True)
+            self.last = now
+
+
 def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
                  plots_dir: str | Path | None = None) -> dict[str, pd.DataFrame]:
     """Load ``manifest``'s runs, gradcheck CSVs and calibrations; write the tables and/or the plots (drawn
@@ -47,17 +70,19 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
         raise UserError("no runs to report (give --manifest or --runs)")
     with claimed_folders([(tables_dir, REPORT_CONTENTS), (plots_dir, REPORT_CONTENTS)], ("--tables", "--plots"),
                          replaced_whole=True):
-        return write_report(manifest, tables_dir, plots_dir)
+        return write_report(manifest, tables_dir, plots_dir, Progress())
 
 
-def write_report(manifest: Manifest, tables_dir: str | Path | None = None,
-                 plots_dir: str | Path | None = None) -> dict[str, pd.DataFrame]:
+def write_report(manifest: Manifest, tables_dir: str | Path | None = None, plots_dir: str | Path | None = None,
+                 progress: Callable[[str], None] = lambda what: None) -> dict[str, pd.DataFrame]:
     """What :func:`build_report` writes, for a caller that holds the folders' claims itself (replaced whole: their
-    locks beside them), from before it changes what the report reads (``campaign unpack``: its reference's tables)."""
-    records = load_records(manifest.runs)
+    locks beside them), from before it changes what the report reads (``campaign unpack``: its reference's tables);
+    ``progress`` is told of each step done (:class:`Progress`; ``build_report``'s)."""
+    records = load_records(manifest.runs, progress)
     gradcheck = load_gradcheck(manifest.gradcheck)
     calibration = load_calibration(manifest.calibration)
     tables = build_tables(records, gradcheck, manifest.warmup, manifest.time, calibration)
+    progress(f"tables of {counted(len(records), 'record')} computed")
     unmatched = unmatched_gradcheck(tables["efficiency"], gradcheck)
     if unmatched:
         runs = [f"{m} at {r} px" for m, r in sorted(set(zip(records["model"], records["resolution"])))]
@@ -69,6 +94,7 @@ def write_report(manifest: Manifest, tables_dir: str | Path | None = None,
         if tables_dir is not None:
             write_tables(records, tables, staged(tables_dir))
             digest = folder_tables_digest(staged(tables_dir))
+            progress("tables written")
         else:
             digest = tables_digest({name: table_csv({"records": records, **tables}[name]).encode()
                                     for name in PLOT_TABLES})

@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -423,6 +424,32 @@ def test_plots_are_drawn_from_the_written_tables(sweep, gradcheck_csv, tmp_path,
         assert image == (tmp_path / "both" / f"{name}.png").read_bytes() == \
             (tmp_path / "alone" / f"{name}.png").read_bytes(), name
     assert (tables / "time_breakdown.png").is_file() and (tables / "efficiency.csv").is_file()
+
+
+def test_a_long_report_prints_its_progress_on_stderr(sweep, tmp_path, capsys, monkeypatch):
+    """A report of big runs (100,000 records each) took most of a minute with nothing printed: stderr gets a line
+    per step done, each run folder read among them, at most one every PROGRESS_EVERY_S seconds (a quick report
+    prints none); stdout keeps its one JSON line."""
+    from agg_bench.results import report
+
+    runs = tmp_path / "runs"
+    capsys.readouterr()
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0.0)
+    assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "t")]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"tables": str(tmp_path / "t"), "plots": None,
+                               "efficiency_rows": len(pd.read_csv(tmp_path / "t" / "efficiency.csv"))}
+    folders = sorted(runs.iterdir())
+    expected = [*(rf"read run {i}/{len(folders)} {re.escape(str(folder))}: \d+ records?"
+                  for i, folder in enumerate(folders, 1)),
+                rf"tables of {len(pd.read_csv(tmp_path / 't' / 'records.csv'))} records computed", "tables written"]
+    lines = err.splitlines()
+    assert len(lines) == len(expected) and all(re.fullmatch(rf"agg-bench report: {what} \(\d+\.\d s\)", line)
+                                               for what, line in zip(expected, lines)), lines
+    monkeypatch.undo()
+    quiet = report.Progress()
+    quiet("read run 1/1")
+    assert capsys.readouterr().err == ""
 
 
 def test_tables_and_plots_share_a_folder_across_runs_of_the_report(sweep, tmp_path, capsys):
