@@ -697,6 +697,16 @@ class Sweep:
             if not Path(self.base_file).is_file():
                 raise SweepError(f"base: {quote(self.base_file)} is not a file "
                                  "(a run config YAML, relative to the working directory)")
+            try:  # a file that is no YAML mapping named as the sweep's key, not as each run's --config
+                sections = read_yaml_mapping(self.base_file, "run config sections", "base")
+            except UserError as err:
+                raise SweepError(str(err)) from None
+            known = run_schema()["properties"]
+            other = next((key for key in sections if key not in known), None)
+            if other is not None:  # a sweep file given as its own base was refused for its `base` key, run by run
+                raise SweepError(f"base: {quote(self.base_file)} holds {quote(other)}, which is no run config section "
+                                 f"(one of {', '.join(sorted(known))}); expected a run config YAML, relative to the "
+                                 "working directory")
         self.devices = sweep["devices"]
         self.embed = sweep.get("embed")
         # models whose runs read prompt embeddings made by the embed rule

@@ -662,3 +662,30 @@ def test_a_repeated_item_of_a_gradcheck_or_embed_list_is_refused(in_process, sec
     config.setdefault(section, {})[key] = value
     with pytest.raises(SweepError, match=re.escape(f"{section}.{key} = ") + r".*expected a list without repeated items"):
         Sweep(config, SCHEMA)
+
+
+@pytest.fixture
+def parse_only(monkeypatch):
+    """The sweep's parse with the methods' check answered without building any method (no torch)."""
+    monkeypatch.setattr(sweep_module, "checked_methods", lambda base, jobs, *args, **kwargs: {job: {} for job in jobs})
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.mark.parametrize("text, words", [
+    (b"\xff\xfe: 1\n", "expected UTF-8 text"),
+    (b"# nothing here\n", "expected a YAML mapping of run config sections (the file holds none"),
+    (b"- train\n", "expected a YAML mapping of run config sections"),
+    ((ROOT / "config" / "test.yaml").read_bytes(), "holds 'base', which is no run config section"),
+])
+def test_a_base_file_that_is_no_run_config_is_named_as_the_sweeps_base(parse_only, tmp_path, text, words):
+    """A base file that is no YAML mapping was refused run by run as the run's `--config`, and a sweep file given as
+    its own base for its `base` key: the sweep's key is named, with the file."""
+    base = tmp_path / "base.yaml"
+    base.write_bytes(text)
+    config = sweep_config()
+    config["base"] = str(base)
+    with pytest.raises(SweepError) as refused:
+        Sweep(config, SCHEMA, cache_dir=None)
+    message = str(refused.value)
+    assert message.startswith(("sweep config: config error: base = ", "sweep config: base: ")), message
+    assert str(base) in message and words in message and "--config" not in message, message
