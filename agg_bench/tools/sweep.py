@@ -746,7 +746,7 @@ class Sweep:
                              "device combination matches an entry)")
         self.gradchecks: dict[str, dict] = {}
         part = sweep.get("gradcheck")
-        if part:
+        if part is not None:  # `gradcheck: {}` replays the defaults, as `embed: {}` embeds for every model
             device = part.get("device", next(iter(self.devices)))
             for model in part.get("models", list(sweep["models"])):
                 for resolution in part.get("resolutions", sweep["resolutions"][:1]):

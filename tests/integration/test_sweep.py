@@ -689,3 +689,18 @@ def test_a_base_file_that_is_no_run_config_is_named_as_the_sweeps_base(parse_onl
     message = str(refused.value)
     assert message.startswith(("sweep config: config error: base = ", "sweep config: base: ")), message
     assert str(base) in message and words in message and "--config" not in message, message
+
+
+def test_an_empty_gradcheck_section_replays_the_defaults(parse_only):
+    """`gradcheck: {}` ran no replay, where `embed: {}` embeds for every model and a gradcheck section of one key
+    takes the defaults of the others; an empty list of its or embed's models ran none without a word."""
+    config = sweep_config()
+    config["gradcheck"] = {}
+    sweep = Sweep(config, SCHEMA, cache_dir=None)
+    assert list(sweep.gradchecks) == ["sd3_32px_cpu"]
+    assert "--windows 2,3,5 --alphas index,sigma --route-fracs 0,0.5,1" in sweep.gradcheck_command("sd3_32px_cpu")
+    for section in ("gradcheck", "embed"):
+        config = sweep_config()
+        config[section] = {"models": []}
+        with pytest.raises(SweepError, match=re.escape(f"{section}.models = []: expected a list of at least 1 item")):
+            Sweep(config, SCHEMA, cache_dir=None)
