@@ -704,3 +704,23 @@ def test_an_empty_gradcheck_section_replays_the_defaults(parse_only):
         config[section] = {"models": []}
         with pytest.raises(SweepError, match=re.escape(f"{section}.models = []: expected a list of at least 1 item")):
             Sweep(config, SCHEMA, cache_dir=None)
+
+
+@pytest.mark.parametrize("where, key, words", [
+    (("methods", "full"), "train lr", "methods.full = 'train lr': expected a run config key: names of letters"),
+    (("set",), "train..lr", "set = 'train..lr': expected a run config key"),
+    (("pretrain", "p", "set"), "threads=3 --out", "pretrain.p.set = 'threads=3 --out': expected a pretrain config key"),
+])
+def test_a_key_that_is_no_dotted_name_is_refused_in_words(parse_only, where, key, words):
+    """An override's key that is no dotted name was refused with the schema's regular expression; a pretrain entry's
+    `set` key was not checked at all, and one holding `=` was read as another key's value (`threads = '3 --out=1'`)."""
+    config = sweep_config()
+    if where[0] == "pretrain":
+        config["pretrain"] = {"p": {"config": "config/pretrain.yaml"}}
+    part = config
+    for name in where:
+        part = part.setdefault(name, {})
+    part[key] = 1
+    with pytest.raises(SweepError) as refused:
+        Sweep(config, SCHEMA, cache_dir=None)
+    assert words in str(refused.value) and "^[" not in str(refused.value), str(refused.value)
