@@ -158,6 +158,15 @@ TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string
               "object": "a mapping", "array": "a list", "null": "null"}
 
 
+class _NotGiven:
+    """The value of a required key left out, as an error shows it."""
+
+    def __repr__(self) -> str:
+        return "(not given)"
+
+
+NOT_GIVEN = _NotGiven()
+
 SIZE_WORDS = {"minLength": lambda n: f"at least {counted(n, 'character')}",
               "maxLength": lambda n: f"at most {counted(n, 'character')}",
               "minItems": lambda n: f"a list of at least {counted(n, 'item')}",
@@ -178,8 +187,15 @@ def _describe(error: jsonschema.ValidationError) -> ConfigError:
         return ConfigError(key, instance[extra[0]], f"a known key here (one of {', '.join(allowed)})")
     if error.validator == "enum":
         return ConfigError(path, error.instance, f"one of {schema['enum']}")
-    if error.validator == "required":
-        return ConfigError(path or "(top level)", error.instance, error.message)
+    if error.validator == "required":  # the key left out named, with what it takes, not the mapping that lacks it
+        required = list(error.validator_value) if isinstance(error.validator_value, list) else []
+        missing = next((name for name in required if name not in instance), required[0] if required else "?")
+        given = schema.get("properties", {}).get(missing)
+        given = given if isinstance(given, dict) else {}
+        what = given.get("x-expected") or _words(given) or "a value"
+        if "description" in given and "x-expected" not in given:
+            what += f" ({given['description']})"
+        return ConfigError(f"{path}.{missing}" if path else str(missing), NOT_GIVEN, f"{what}: a required key")
     if error.validator == "type":
         types_ = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         return ConfigError(path, error.instance, " or ".join(TYPE_WORDS.get(t, str(t)) for t in types_))

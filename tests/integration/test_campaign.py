@@ -772,7 +772,7 @@ def test_an_option_another_action_would_ignore_is_one_line(tmp_path, capsys, act
 @pytest.mark.parametrize("action", ["run", "status"])
 @pytest.mark.parametrize("text, words", [
     ((ROOT / "config" / "run.yaml").read_text(), "device = 'cpu': expected a known key here"),
-    ("devices: {}\n", "'base' is a required property"),
+    ("devices: {}\n", "base = (not given): expected a string or a mapping"),
 ])
 def test_a_config_that_is_not_a_sweep_is_one_line_with_cpu(tmp_path, capsys, action, text, words):
     """--cpu made the CPU form of the config before checking it: a run config, or a sweep without models, ended

@@ -724,3 +724,21 @@ def test_a_key_that_is_no_dotted_name_is_refused_in_words(parse_only, where, key
     with pytest.raises(SweepError) as refused:
         Sweep(config, SCHEMA, cache_dir=None)
     assert words in str(refused.value) and "^[" not in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("path, words", [
+    (("base",), "config error: base = (not given): expected a string or a mapping (the base run config"),
+    (("devices", "cpu", "device"), "config error: devices.cpu.device = (not given): expected a string"),
+    (("methods", "full", "method"), "config error: methods.full.method = (not given): expected a mapping"),
+])
+def test_a_required_key_left_out_is_named(parse_only, path, words):
+    """A required key left out was told as the whole mapping that lacked it (the sweep's top level, clipped) and
+    jsonschema's sentence, without what the key takes."""
+    config = sweep_config()
+    part = config
+    for name in path[:-1]:
+        part = part[name]
+    del part[path[-1]]
+    with pytest.raises(SweepError) as refused:
+        Sweep(config, SCHEMA, cache_dir=None)
+    assert words in str(refused.value) and str(refused.value).endswith(": a required key"), str(refused.value)
