@@ -187,11 +187,12 @@ def learning_dry_run(tmp_path_factory):
     """One dry run of `make learning`'s target on config/learning.yaml with -p, one core and one GPU in the pool:
     what the dry-run test and the GPU test below read (the GPU in the pool changes nothing of the CPU sweep's
     jobs)."""
-    from test_pipeline import snakemake, workdir
+    from test_pipeline import snakemake_here, workdir
 
-    work = workdir(tmp_path_factory.mktemp("learning-dry-run"))
-    proc = snakemake(work, "learning", "-n", "-p", "--cores", "1", "--resources", "gpu=1", "--configfile",
-                     "config/learning.yaml")
+    # a dry run's plan in this process (no exit code is at stake), with the session's kept methods checks
+    work = workdir(tmp_path_factory.mktemp("learning-dry-run"), shared_checks=True)
+    proc = snakemake_here(work, "learning", "-n", "-p", "--cores", "1", "--resources", "gpu=1", "--configfile",
+                          "config/learning.yaml")
     return work, proc
 
 
@@ -220,7 +221,7 @@ def test_learning_sweep_dry_run(learning_dry_run):
 def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path, learning_dry_run):
     """config/learning_gpu.yaml pre-trains on CUDA: its pretrain job declares one GPU (which Snakemake and SLURM
     then give it) and takes it from the pool, as a run does; the CPU sweep's declares and takes none."""
-    from test_pipeline import gpu_claims, job_resources, snakemake, workdir
+    from test_pipeline import gpu_claims, job_resources, snakemake_here, workdir
 
     def check_claims(proc, gpus):
         assert proc.returncode == 0, proc.stderr + proc.stdout
@@ -229,18 +230,18 @@ def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path
         assert [c for c in claims if c[1] != c[2]] == []
 
     check_claims(learning_dry_run[1], 0)  # the CPU sweep's, with a GPU in the pool
-    work = workdir(tmp_path)
+    work = workdir(tmp_path, shared_checks=True)  # dry runs' plans, in this process: no exit code is at stake
     try:
         import snakemake_executor_plugin_slurm  # noqa: F401
     except ImportError:  # the GPU sweep's claims on the local executor; its SLURM resources need the plugin
-        proc = snakemake(work, "learning", "-n", "-p", "--cores", "16", "--resources", "gpu=1", "--configfile",
-                         "config/learning_gpu.yaml")
+        proc = snakemake_here(work, "learning", "-n", "-p", "--cores", "16", "--resources", "gpu=1",
+                              "--configfile", "config/learning_gpu.yaml")
         check_claims(proc, 1)
         pytest.skip("pip install 'agg-bench[slurm]'")
     # through SLURM (whose profile prints the shell commands) the GPU pretrain job declares and takes its GPU, and
     # gets the profile's own entry, not the defaults (60 minutes, any GPU)
-    proc = snakemake(work, "learning", "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile",
-                     "config/learning_gpu.yaml")
+    proc = snakemake_here(work, "learning", "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile",
+                          "config/learning_gpu.yaml")
     profile = yaml.safe_load((work / "workflow/profiles/slurm/config.yaml").read_text())
     assert profile["printshellcmds"] is True  # what the claims are read from
     check_claims(proc, 1)
@@ -253,7 +254,7 @@ def test_the_gpu_learning_sweeps_pretraining_declares_and_takes_its_gpu(tmp_path
 
 @pytest.mark.parametrize("value, words", [
     # a value the pretrain job is given as the text '7' (its --set quoted): read as the number 7 here, it passed the
-    # dry run and failed the job
+    # dry run and failed the job (this one through a snakemake process, its exit code; the other in this process)
     ("{seed: '7'}", "pretrain.sd3-scenes: config error: seed = '7': expected an integer"),
     # the GPU pool gives a job a free device and shows it only that one: a fixed index would be another job's
     ("{device: 'cuda:1'}", "sweep config: pretrain.sd3-scenes: device = 'cuda:1': the pretrain job takes a free "
@@ -263,14 +264,16 @@ def test_a_pretrain_entry_that_its_config_refuses_is_one_line(tmp_path, value, w
     """A pretrain entry whose config or set the pretrain command refuses ended Snakemake's dry run in an
     InputFunctionException traceback of the job's threads; one line names the entry and the key, nothing is
     written. (Its other refusals, read by the same function, in-process below.)"""
-    from test_pipeline import refusal, snakemake, workdir
+    from test_pipeline import refusal, snakemake, snakemake_here, workdir
 
-    work = workdir(tmp_path)
-    proc = snakemake(work, "learning", "-n", "--configfile", "config/learning.yaml", "--config",
-                     f"pretrain={{sd3-scenes: {{config: config/pretrain.yaml, set: {value}}}}}")
+    work = workdir(tmp_path, shared_checks=True)
+    run = snakemake if value == "{seed: '7'}" else snakemake_here
+    kept = set(work.glob(".snakemake/agg-bench/pretrain-*.json"))  # the session's: other sweeps' answers
+    proc = run(work, "learning", "-n", "--configfile", "config/learning.yaml", "--config",
+               f"pretrain={{sd3-scenes: {{config: config/pretrain.yaml, set: {value}}}}}")
     assert words in refusal(proc), proc.stderr
     assert not (work / "results").exists()
-    assert not list(work.glob(".snakemake/agg-bench/pretrain-*.json"))  # a refusal is never kept
+    assert set(work.glob(".snakemake/agg-bench/pretrain-*.json")) == kept  # a refusal is never kept
 
 
 @pytest.mark.parametrize("value, words", [
