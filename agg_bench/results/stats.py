@@ -45,10 +45,13 @@ def _check_bootstrap(level: float, resamples: int) -> None:
         raise ValueError(f"resamples = {resamples!r}: expected at least 1")
 
 
-def _percentile_interval(ratios: np.ndarray, level: float) -> tuple[float, float]:
-    """The ``(1 - level) / 2`` and ``(1 + level) / 2`` percentiles of the resampled ``ratios``."""
+def _percentile_interval(numerators: np.ndarray, denominators: np.ndarray, level: float) -> tuple[float, float]:
+    """The ``(1 - level) / 2`` and ``(1 + level) / 2`` percentiles of the resampled ratios ``numerators /
+    denominators``. A median of 0 s (a record may hold it) gives infinite or undefined ratios, which the tables
+    show as empty cells: numpy's warnings about them are not the user's to read."""
     tail = (1 - level) / 2
-    lo, hi = np.percentile(ratios, [100 * tail, 100 * (1 - tail)])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lo, hi = np.percentile(numerators / denominators, [100 * tail, 100 * (1 - tail)])
     return float(lo), float(hi)
 
 
@@ -144,7 +147,7 @@ def ratios_of_medians_ci(pairs: Sequence[tuple[Sequence[float], Sequence[float]]
         nums = _resampled_medians([finite[i][0] for i in members], rng, resamples)
         dens = _resampled_medians([finite[i][1] for i in members], rng, resamples)
         for i, num, den in zip(members, nums, dens):
-            intervals[i] = _percentile_interval(num / den, level)
+            intervals[i] = _percentile_interval(num, den, level)
     return intervals
 
 
@@ -165,7 +168,7 @@ def paired_ratio_of_medians_ci(numerator: Sequence[float] | np.ndarray, denomina
     if num.size == 0:
         return float("nan"), float("nan")
     num_medians, den_medians = _resampled_medians([num, den], np.random.default_rng(seed), resamples)
-    return _percentile_interval(num_medians / den_medians, level)
+    return _percentile_interval(num_medians, den_medians, level)
 
 
 def paired_speedup(reference: Sequence[float], own: Sequence[float]) -> tuple[float, float, float]:
