@@ -305,17 +305,23 @@ def test_every_method_has_its_own_colour_and_marker_and_the_pareto_plots_gain_ag
         assert (x, y) == pytest.approx((table.loc[method, "unseen_change"], table.loc[method, "eval_gain"]))
 
 
-def one_resample_cost(curves: list[pd.DataFrame], target: float) -> float:
-    """The module docstring's crossing of one resample's mean curve, one evaluation at a time in float64:
-    the seeds' mean (added in their order) up to the shortest, the first evaluation at or above the starting
-    reward + target, interpolated from the one before; inf where none is."""
-    n = min(len(c) for c in curves)
+def mean_curve(curves: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """The module docstring's mean curve of one resample, one evaluation at a time in float64: the seeds'
+    columns (each as float lists: :func:`float_columns`) added in their order up to the shortest, over their
+    number."""
+    n = min(len(c["iteration"]) for c in curves)
     mean = {}
     for key in ("iteration", "cost", "eval_reward"):
         total = [0.0] * n
         for c in curves:
-            total = [t + float(v) for t, v in zip(total, c[key].to_numpy(float)[:n])]
+            total = [t + v for t, v in zip(total, c[key][:n])]
         mean[key] = [t / len(curves) for t in total]
+    return mean
+
+
+def crossing_cost(mean: dict[str, list[float]], target: float) -> float:
+    """Where ``mean`` (:func:`mean_curve`) first reaches its starting reward + target: the first evaluation
+    at or above it, interpolated from the one before; inf where none is."""
     threshold = mean["eval_reward"][mean["iteration"].index(0.0)] + target
     for k, reward in enumerate(mean["eval_reward"]):
         if reward >= threshold:
@@ -324,6 +330,10 @@ def one_resample_cost(curves: list[pd.DataFrame], target: float) -> float:
             r0, c0, c1 = mean["eval_reward"][k - 1], mean["cost"][k - 1], mean["cost"][k]
             return c0 + (threshold - r0) / (reward - r0) * (c1 - c0)
     return math.inf
+
+
+def float_columns(curve: pd.DataFrame) -> dict[str, list[float]]:
+    return {key: [float(v) for v in curve[key].to_numpy(float)] for key in ("iteration", "cost", "eval_reward")}
 
 
 @pytest.mark.parametrize("seeds", [1, 3, 10])
@@ -338,8 +348,11 @@ def test_the_resamples_crossed_at_once_are_each_crossed_as_one_mean_curve(seeds)
         curves.append(pd.DataFrame({"iteration": np.arange(n) * 5, "cost": np.cumsum(rng.random(n)) - 0.1,
                                     "eval_reward": np.r_[0.5, 0.5 + np.cumsum(rng.normal(0.01, 0.03, n - 1))]}))
     picks = np.random.default_rng(BOOTSTRAP_SEED).integers(0, seeds, size=(BOOTSTRAP_RESAMPLES, seeds))
+    # each resample's mean curve does not depend on the target: made once (from columns read once), crossed per target
+    columns = [float_columns(c) for c in curves]
+    means = [mean_curve([columns[i] for i in pick]) for pick in picks]
     for target in (-0.01, 0.0, 0.02, 0.05, 10.0):
-        expected = [one_resample_cost([curves[i] for i in pick], target) for pick in picks]
+        expected = [crossing_cost(mean, target) for mean in means]
         assert resampled_costs(curves, target).tolist() == expected
 
 
