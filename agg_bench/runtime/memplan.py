@@ -500,6 +500,11 @@ class _Search:
         self.has_micro_batch, self.group_size = has_micro_batch, group_size
 
     def fits(self, layout: Layout) -> bool:
+        # the weights, moments and gradients alone are a lower bound of every phase's total (phase_totals adds
+        # only bytes to them): a layout they exceed does not fit, and its forward on fake tensors is not counted
+        state = self.shapes.state_bytes(layout)
+        if state["params"] + state["optimizer"] + state["grads"] > self.budget:
+            return False
         return self.shapes.bytes_per_gpu(layout)["total_per_gpu"] <= self.budget
 
     def sharded(self, layout: Layout, gpus: int, **changes) -> Layout:
