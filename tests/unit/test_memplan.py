@@ -178,7 +178,8 @@ def test_suggestions_fit_and_the_run_does_not():
     total = shapes.bytes_per_gpu(base)["total_per_gpu"]
     half = shapes.bytes_per_gpu(replace(base, micro_batch=base.micro_batch // 2))["total_per_gpu"]
     budget = (total + half) // 2  # between: half the micro-batch fits, the whole one does not
-    plan = plan_memory(cfg, gpu_memory=budget / 0.9 + 1)
+    # the plan counts on the model its search is checked on below (plan_memory's own search shares its model too)
+    plan = plan_memory(cfg, gpu_memory=budget / 0.9 + 1, shapes=shapes)
     assert not plan.fits
     assert plan.suggestions and plan.suggestions[0].startswith(f"method.micro_batch={base.micro_batch // 2}:")
     search = _Search(shapes, base, plan.gpu_memory_bytes - plan.reserve_bytes, True, cfg.grpo.group_size)
