@@ -553,3 +553,18 @@ def agg_bench_processes(commands: list[tuple[str, Path]], env: dict[str, str]) -
     proc = subprocess.run([python, "-c", FORKS, json.dumps(jobs)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def methods_checked_here(monkeypatch) -> list[list[str]]:
+    """A sweep's methods' check (agg_bench.tools.sweep.checked_methods, a child process that imports the model code:
+    seconds) run in this process, where torch is imported already; the jobs of each call, in order."""
+    from agg_bench.tools import sweep
+
+    calls: list[list[str]] = []
+
+    def check(base_file, jobs, cache_dir=None, replays=None):
+        calls.append(list(jobs))
+        return sweep.check_methods(base_file, jobs, replays)
+
+    monkeypatch.setattr(sweep, "checked_methods", check)
+    return calls

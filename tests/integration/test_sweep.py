@@ -16,6 +16,7 @@ from agg_bench.errors import ConfigError, UserError
 from agg_bench.tools import sweep as sweep_module
 from agg_bench.tools.importlog import check_labels
 from agg_bench.tools.sweep import Sweep, SweepError, flatten, set_arg
+from helpers import methods_checked_here
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -29,13 +30,7 @@ def sweep_config(name: str = "test.yaml") -> dict:
 @pytest.fixture
 def in_process(monkeypatch):
     """The methods' check run in this process (torch is already imported here), counting its calls."""
-    calls = []
-
-    def check(base_file, jobs, cache_dir=None, replays=None):
-        calls.append(list(jobs))
-        return sweep_module.check_methods(base_file, jobs, replays)
-
-    monkeypatch.setattr(sweep_module, "checked_methods", check)
+    calls = methods_checked_here(monkeypatch)
     monkeypatch.chdir(ROOT)  # base: config/run.yaml is relative to the working directory
     return calls
 

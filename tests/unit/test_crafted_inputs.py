@@ -25,7 +25,7 @@ from agg_bench.engine.scenes import all_scenes
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.runtime import memplan
 from agg_bench.runtime.train import Session, train
-from helpers import Holder
+from helpers import Holder, methods_checked_here
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENE_MODEL = ROOT / "tests" / "data" / "sd3-scenes"
@@ -684,6 +684,7 @@ def test_the_workflow_s_manifest_passes_the_learning_manifest_check(tmp_path, mo
     from agg_bench.tools.sweep import Sweep
 
     monkeypatch.chdir(ROOT)
+    methods_checked_here(monkeypatch)  # what is checked here is the manifest, not the child process of the check
     sweep = Sweep(yaml.safe_load((ROOT / "config" / name).read_text()), ROOT / "workflow" / "schemas" /
                   "config.schema.yaml", cache_dir=None)
     manifest = tmp_path / "manifest.json"
