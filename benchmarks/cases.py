@@ -4,14 +4,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from agg_bench.config import load_config
-from agg_bench.engine.grpo import TrainBatch
 from agg_bench.methods.base import available_methods
-from agg_bench.runtime.session import Session
+
+if TYPE_CHECKING:  # the model code is imported by the cases that run, not by the options' checks before them
+    from agg_bench.engine.grpo import TrainBatch
+    from agg_bench.runtime.session import Session
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "config" / "run.yaml"  # the embedded default's base run config

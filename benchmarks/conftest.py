@@ -28,7 +28,6 @@ from agg_bench.config import integer_arg
 from agg_bench.errors import ConfigError
 from agg_bench.machine import telemetry as tel
 from agg_bench.machine.devices import resolve_device
-from agg_bench.runtime.session import Session
 from cases import DEFAULT_CONFIG, FULL, Case, Prepared, case_config
 
 DEFAULT_STORAGE = "file://./.benchmarks"
@@ -108,6 +107,9 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
 def prepare(request: pytest.FixtureRequest):
     """``prepare(case, resolution)``: a :class:`Prepared` session for ``case`` at ``resolution``, closed
     after the test; skips the case when its method rejects the benchmark's settings."""
+    # imported here: a bad option of the suite is refused before the model code is imported (seconds)
+    from agg_bench.runtime.session import Session
+
     config = request.config
     made: list[Session] = []
 
