@@ -20,7 +20,7 @@ from agg_bench.engine.text import hash_tokens
 from agg_bench.errors import ConfigError
 from agg_bench.engine.families import model_label
 from agg_bench.runtime.train import weights_label
-from helpers import seeded
+from helpers import methods_checked_here, seeded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,7 +142,7 @@ def test_bad_architecture_settings(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["flux.1-dev", "qwen-image"])
-def test_full_size_lora_models_are_built_as_a_gpu_run_builds_them_without_memory(name):
+def test_full_size_lora_models_are_built_as_a_gpu_run_builds_them_without_memory(name, monkeypatch):
     """config/h200.yaml's FLUX.1-dev and Qwen-Image cells (LoRA rank 64, gradient checkpointing, bf16 autocast
     over float32 weights), whose runs build them only on the GPU: every module of the full-size transformer and
     VAE is initialised from the seed (on fake tensors: shapes, no memory), and the adapters and checkpointing
@@ -153,6 +153,7 @@ def test_full_size_lora_models_are_built_as_a_gpu_run_builds_them_without_memory
     from agg_bench.engine.models import precision, prepare_training
     from agg_bench.tools.campaign import Campaign
 
+    methods_checked_here(monkeypatch)  # the run's config is what is used here, not the methods' check's child process
     campaign = Campaign(ROOT / "config" / "h200.yaml")
     run_id = next(r for r, run in campaign.sweep.runs.items() if run["method"] == "full"
                   and F.ARCHITECTURES[name].family == campaign.config_of(r)["model"]["family"]
