@@ -58,12 +58,9 @@ def _rows(df: pd.DataFrame, columns: tuple[str, ...], key: tuple) -> pd.DataFram
     return df[match]
 
 
-def _label(row) -> str:
-    return f"{row['method']} (imported)" if row.get("source") == "imported" else str(row["method"])
-
-
 def _labels(df: pd.DataFrame) -> pd.Series:
-    """:func:`_label` of every row of ``df``, read a column at a time (a run's 100,000 records are as many rows)."""
+    """Each row's method label in the plots: its method, marked ``(imported)`` for a run converted from another code
+    base's log; read a column at a time (a run's 100,000 records are as many rows)."""
     sources = df["source"] if "source" in df else [None] * len(df)
     return pd.Series([f"{method} (imported)" if source == "imported" else str(method)
                       for method, source in zip(df["method"], sources)], index=df.index)
@@ -202,7 +199,7 @@ def plot_time_breakdown(efficiency: pd.DataFrame, path: Path) -> None:
     ylabel, basis_in_titles = _seconds_label(df, "seconds per iteration, median", ("model", "resolution", "hardware"))
     for ax, key in zip(axes, keys):
         panel = _rows(df, ("model", "resolution", "hardware"), key)
-        labels = [_label(r) for _, r in panel.iterrows()]
+        labels = list(_labels(panel))
         bottom = np.zeros(len(panel))
         for phase in PHASES:
             values = panel[phase].fillna(0).to_numpy(float)

@@ -769,8 +769,11 @@ def test_reward_curve_labels_are_read_a_column_at_a_time(monkeypatch):
     frame = pd.DataFrame({"method": ["agg", "full", None, "agg"], "source": ["measured", "imported", "imported", None],
                           "iteration": [0, 1, 2, 3]})
     monkeypatch.setattr(pd.DataFrame, "apply", lambda *a, **k: pytest.fail("a row at a time"))
+    def row_label(row) -> str:  # the rule, a row at a time
+        return f"{row['method']} (imported)" if row.get("source") == "imported" else str(row["method"])
+
     for df in (frame, frame.drop(columns="source")):
-        assert list(plots._labels(df)) == [plots._label(row) for _, row in df.iterrows()]
+        assert list(plots._labels(df)) == [row_label(row) for _, row in df.iterrows()]
     assert list(plots._labels(frame)) == ["agg", "full (imported)", "nan (imported)", "agg"]
     curves = plots.reward_curves(frame.assign(run_dir="r", reward_mean=1.0, reward_std=0.0, t_iter_s=1.0), "iteration")
     assert list(curves) == ["agg", "full (imported)", "nan (imported)"]
