@@ -501,11 +501,21 @@ class Calls:
 
 
 # ----- agg-bench processes that share their imports -------------------------------------------------------------
+# Child scripts that run agg-bench's main in their own process, not as `python -m agg_bench` (FORKS here,
+# test_permissions' SERVER), take its SystemExit as the interpreter ends a process with one: None 0, an int
+# itself, anything else printed on stderr and 1. The function, as script text (it needs sys imported).
+EXIT_CODE = """
+def exit_code(stop):
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)
+    return 1
+"""
 FORKS = """
 import atexit, json, os, sys, threading, traceback
 import agg_bench.runtime.train  # torch, diffusers and the engine: what each command imports before its work
 from agg_bench.cli import main
-
+""" + EXIT_CODE + """
 for cwd, argv in json.loads(sys.argv[1]):
     pid = os.fork()
     if pid == 0:  # as `python -m agg_bench ARGV` in cwd: sys.exit(main()), the exit handlers, the exit code
@@ -516,10 +526,7 @@ for cwd, argv in json.loads(sys.argv[1]):
             try:
                 code = main(argv)
             except SystemExit as stop:
-                code = stop.code
-            if code is not None and not isinstance(code, int):
-                print(code, file=sys.stderr)
-                code = 1
+                code = exit_code(stop)
             threading._shutdown()  # as the interpreter's exit: its threads joined, then the exit handlers
             atexit._run_exitfuncs()
         except BaseException:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from agg_bench.cli import main
+from helpers import EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.resolution=32", "sampling.steps=3", "grpo.group_size=2", "grpo.prompts_per_iteration=1",
@@ -38,14 +39,7 @@ def call(program, argv):
         return main(argv)
     from snakemake.cli import main
     return main(argv)
-
-
-def exit_code(stop):
-    if stop.code is None or isinstance(stop.code, int):
-        return stop.code or 0
-    print(stop.code, file=sys.stderr)
-    return 1
-
+""" + EXIT_CODE + r"""
 
 for line in sys.stdin:
     program, argv, folder = json.loads(line)
