@@ -45,7 +45,8 @@ no weights change. The policy's counter around each rollout gives its no-grad fo
 (``rollout_forwards``), and its passes and calls (``rollout_passes``, ``rollout_calls``), which the cost
 model prices like a train phase's; the report takes its ``rollout_speedup`` from these rounds.
 A method's rollout is timed whether or not its train phase can be replayed, unless its overrides change
-what the rounds share (:data:`ROLLOUT_SHARED_KEYS`).
+what the rounds share (:data:`ROLLOUT_SHARED_KEYS`). ``method_repeats`` in the result is the rounds of these
+timings, null where no method's train phase or rollout was timed (no ``methods``, or none that could be).
 """
 from __future__ import annotations
 
@@ -377,6 +378,9 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
     # after the train rounds, which warmed the forwards up: no untimed rollouts
     for label, timed in (time_rollouts(session, parsed, options) if parsed else {}).items():
         timed_methods[label].update(timed)
+    # the rounds of the methods' timings, or null where no method was timed (none given, or none that could be)
+    rounds = options.method_repeats if any(m.get("cpu_s") or m.get("rollout_cpu_s")
+                                           for m in timed_methods.values()) else None
     b, steps = batch.latents.shape[0], batch.timesteps.shape[0]
     rows = torch.arange(b, device=batch.latents.device)
     every_row = rows.repeat_interleave(steps)
@@ -451,7 +455,7 @@ def calibrate(cfg: RunConfig, options: CalibrationConfig | None = None,
         "model": families.model_label(cfg.model), "resolution": cfg.model.resolution, "device": device.type,
         "gpu_name": env["gpu_name"] if device.type == "cuda" else None, "batch": b,
         "repeats": options.repeats, "warmup": options.warmup, "threads": torch.get_num_threads(),
-        "unit_s_per_sample": units, "unit_s_per_call": per_call, "method_repeats": options.method_repeats,
+        "unit_s_per_sample": units, "unit_s_per_call": per_call, "method_repeats": rounds,
         "methods": timed_methods, "env": env,
     }
 

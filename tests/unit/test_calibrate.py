@@ -24,6 +24,8 @@ def test_calibrate_writes_a_unit_cost_per_pass_and_basis(tmp_path, capsys):
     assert main(["calibrate", *SMALL, "--repeats", "3", "--warmup", "0", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert (result["model"], result["resolution"], result["device"], result["batch"]) == ("sd3-tiny", 32, "cpu", 4)
+    # no --method: no method rounds ran, and none are recorded (the default's 9 were)
+    assert result["methods"] == {} and result["method_repeats"] is None
     units = result["unit_s_per_sample"]
     assert set(units) == {"forward_nograd", "forward_grad", "backward", "optimizer_step"}
     for kind, by_basis in units.items():
@@ -79,7 +81,9 @@ def test_calibrate_times_each_methods_train_phase_in_rounds_with_its_counted_pas
     out = tmp_path / "cal.json"
     assert main(["calibrate", *SMALL, "--repeats", "2", "--warmup", "1", "--method-repeats", "3", *METHODS,
                  "--out", str(out)]) == 0
-    methods = json.loads(out.read_text())["methods"]
+    result = json.loads(out.read_text())
+    methods = result["methods"]
+    assert result["method_repeats"] == 3
     b, steps = 4, 4  # one prompt x a group of 4 images, 4 steps, every step trained
     assert methods["full"]["passes"] == {"forward_nograd": 0, "forward_grad": b * steps, "backward": b * steps}
     # AGG with one group of W=4: a forward with grad and a backward at both ends, W no-grad velocities
