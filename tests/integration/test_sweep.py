@@ -702,9 +702,9 @@ def test_an_empty_gradcheck_section_replays_the_defaults(parse_only):
 
 
 @pytest.mark.parametrize("where, key, words", [
-    (("methods", "full"), "train lr", "methods.full = 'train lr': expected a run config key: names of letters"),
-    (("set",), "train..lr", "set = 'train..lr': expected a run config key"),
-    (("pretrain", "p", "set"), "threads=3 --out", "pretrain.p.set = 'threads=3 --out': expected a pretrain config key"),
+    (("methods", "full"), "train lr", "methods.full = 'train lr': expected a dotted key: names of letters"),
+    (("set",), "train..lr", "set = 'train..lr': expected a dotted key"),
+    (("pretrain", "p", "set"), "threads=3 --out", "pretrain.p.set = 'threads=3 --out': expected a dotted key"),
 ])
 def test_a_key_that_is_no_dotted_name_is_refused_in_words(parse_only, where, key, words):
     """An override's key that is no dotted name was refused with the schema's regular expression; a pretrain entry's
@@ -718,7 +718,10 @@ def test_a_key_that_is_no_dotted_name_is_refused_in_words(parse_only, where, key
     part[key] = 1
     with pytest.raises(SweepError) as refused:
         Sweep(config, SCHEMA, cache_dir=None)
-    assert words in str(refused.value) and "^[" not in str(refused.value), str(refused.value)
+    # one line, in the words of the one definition both kinds of key share
+    message = str(refused.value)
+    assert words in message and "^[" not in message and "\n" not in message.strip(), message
+    assert message.endswith("(lr, train.lr)"), message
 
 
 @pytest.mark.parametrize("path, words", [
