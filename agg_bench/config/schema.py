@@ -15,7 +15,7 @@ import json
 import math
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import jsonschema
 
@@ -176,8 +176,17 @@ SIZE_WORDS = {"minLength": lambda n: f"at least {counted(n, 'character')}",
               "uniqueItems": lambda _: "a list without repeated items"}
 
 
+def _key_path(parts: Iterable[str | int]) -> str:
+    """A place in a config as errors name it: mapping keys joined by '.', a list's items by their index in
+    brackets (``references[0].label``, ``resolutions[1]``): a label may itself be digits or hold a '.'."""
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
+    return text
+
+
 def _describe(error: jsonschema.ValidationError) -> ConfigError:
-    path = ".".join(str(p) for p in error.absolute_path)
+    path = _key_path(error.absolute_path)
     schema = error.schema if isinstance(error.schema, dict) else {}
     instance: Any = error.instance
     if error.validator == "additionalProperties":

@@ -266,13 +266,13 @@ def check_sweep(sweep: dict, schema: dict, files: Sequence[dict] = ()) -> None:
     for index, entry in enumerate(sweep.get("exclude", [])):  # a pattern that matches no label is a typo
         for key, section in (("method", "methods"), ("model", "models"), ("device", "devices")):
             if key in entry and not any(fnmatch.fnmatchcase(label, entry[key]) for label in sweep[section]):
-                raise SweepError(f"exclude.{index}.{key}: {quote(entry[key])} matches no label under {section} "
+                raise SweepError(f"exclude[{index}].{key}: {quote(entry[key])} matches no label under {section} "
                                  f"({', '.join(sweep[section])})")
     values = listed_values(sweep, files)
     for index, entry in enumerate(sweep.get("exclude", [])):  # a resolution or seed no list of the sweep names
         for key, section in LISTED_LABELS.items():
             if key in entry and not any(fnmatch.fnmatchcase(value, str(entry[key])) for value in values[key]):
-                raise SweepError(f"exclude.{index}.{key}: {quote(entry[key])} matches no value under {section} "
+                raise SweepError(f"exclude[{index}].{key}: {quote(entry[key])} matches no value under {section} "
                                  f"({_named(values[key])})")
     labels = [ref["label"] for ref in sweep.get("references", [])]
     if len(set(labels)) != len(labels):
@@ -336,7 +336,7 @@ def check_reference(index: int, ref: dict) -> None:
                                if key in ref})
     if problem is not None:
         key, value, allowed = problem
-        raise SweepError(f"references.{index}.{key}: {quote(value)}: expected {allowed}")
+        raise SweepError(f"references[{index}].{key}: {quote(value)}: expected {allowed}")
 
 
 def check_sweep_path(key: str, text: str, expected: str, file: bool = True) -> None:
@@ -361,13 +361,13 @@ def check_input_files(sweep: dict) -> None:
     for index, folder in enumerate((sweep.get("report") or {}).get("compare_with", [])):
         first = named.setdefault(os.path.realpath(folder), index)
         if first != index:
-            raise SweepError(f"report.compare_with.{index}: {quote(folder)} is the folder of report.compare_with."
-                             f"{first}; expected each reference folder once (its runs would count twice in the tables)")
-        reference_manifest(folder, f"report.compare_with.{index}")
+            raise SweepError(f"report.compare_with[{index}]: {quote(folder)} is the folder of report.compare_with"
+                             f"[{first}]; expected each reference folder once (its runs would count twice in the tables)")
+        reference_manifest(folder, f"report.compare_with[{index}]")
     for index, ref in enumerate(sweep.get("references", [])):
-        check_sweep_path(f"references.{index}.log", ref["log"], "a DanceGRPO JSONL log")
+        check_sweep_path(f"references[{index}].log", ref["log"], "a DanceGRPO JSONL log")
         if not Path(ref["log"]).is_file():
-            raise SweepError(f"references.{index}.log: {quote(ref['log'])} is not a file (a DanceGRPO JSONL log, "
+            raise SweepError(f"references[{index}].log: {quote(ref['log'])} is not a file (a DanceGRPO JSONL log, "
                              "relative to the working directory)")
     pretrain = sweep.get("pretrain") or {}
     for label, spec in pretrain.items():

@@ -370,10 +370,10 @@ def test_an_exclude_that_removes_every_run(no_methods_check):
 @pytest.mark.parametrize("edit, words", [
     (lambda s: s["set"].update({"train.iterations": 2.0}),
      ["run full_sd3_32px", "train.iterations = 2.0", "an integer"]),
-    (lambda s: s.update(resolutions=[32.0]), ["resolutions.0 = 32.0", "an integer"]),
-    (lambda s: s.update(seeds=[True]), ["seeds.0 = True", "an integer"]),
+    (lambda s: s.update(resolutions=[32.0]), ["resolutions[0] = 32.0", "an integer"]),
+    (lambda s: s.update(seeds=[True]), ["seeds[0] = True", "an integer"]),
     (lambda s: s["devices"]["cpu"].update(gpus=1.0), ["devices.cpu.gpus = 1.0", "an integer"]),
-    (lambda s: s.update(resolutions=[8192]), ["resolutions.0 = 8192", "an integer from 1 to 4096"]),
+    (lambda s: s.update(resolutions=[8192]), ["resolutions[0] = 8192", "an integer from 1 to 4096"]),
     (lambda s: s["methods"].update({"m" * 41: {"method": {"name": "full"}}}), ["methods", "at most 40 characters"]),
 ])
 def test_sweep_integers_and_bounds(no_methods_check, edit, words):

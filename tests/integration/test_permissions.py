@@ -209,8 +209,8 @@ def test_sweep_paths_behind_a_closed_folder(tmp_path, as_user):
     closed.mkdir(mode=0)
     test = (work / "config" / "test.yaml").read_text()
     cases = {"base": test.replace("base: config/run.yaml", f"base: {closed / 'run.yaml'}"),
-             "references.0.log": test.replace("references: []", f"references: [{{label: ref, log: {closed / 'l'}}}]"),
-             "report.compare_with.0": f"{test}report: {{compare_with: [{closed / 'ref'}]}}\n",
+             "references[0].log": test.replace("references: []", f"references: [{{label: ref, log: {closed / 'l'}}}]"),
+             "report.compare_with[0]": f"{test}report: {{compare_with: [{closed / 'ref'}]}}\n",
              "pretrain.scene.config": f"{test}pretrain: {{scene: {{config: {closed / 'p.yaml'}}}}}\n"}
     try:
         for key, text in cases.items():

@@ -249,7 +249,7 @@ def test_a_cpu_setting_that_is_no_number_is_refused_before_any_job(tmp_path):
 
 @pytest.mark.parametrize("edit, words", [
     # this one through a snakemake process (its exit code), the others in this process (snakemake_here)
-    (lambda s: s.update(resolutions=["large"]), ["resolutions.0", "large"]),
+    (lambda s: s.update(resolutions=["large"]), ["resolutions[0]", "large"]),
     (lambda s: s["methods"]["agg-w3"]["method"].update(windw=3), ["methods.agg-w3", "method.windw"]),
     (lambda s: s["methods"].update({"bad_label": {"method": {"name": "full"}}}), ["methods", "bad_label"]),
     (lambda s: s["gradcheck"].update(models=["sdxl"]), ["gradcheck.models", "sdxl"]),
@@ -257,7 +257,7 @@ def test_a_cpu_setting_that_is_no_number_is_refused_before_any_job(tmp_path):
     (lambda s: s.update(resolutions=[30]), ["run full_sd3_30px", "model.resolution", "30", "multiple of 16"]),
     # the files jobs read that no job makes: a MissingInputException of a job, or a KeyError traceback
     (lambda s: s.update(references=[{"label": "ref", "log": "logs/none.jsonl"}]),
-     ["references.0.log", "logs/none.jsonl", "not a file"]),
+     ["references[0].log", "logs/none.jsonl", "not a file"]),
     (lambda s: s.update(pretrain={"scenes": {"config": "config/none.yaml"}}),
      ["pretrain.scenes.config", "config/none.yaml", "not a file"]),
     (lambda s: s["models"]["sd3"].update({"model.preset": "pretrained", "model.pretrained": "results/pretrained/x"}),
@@ -268,7 +268,7 @@ def test_sweep_errors_name_the_key_before_any_job(tmp_path, edit, words):
     sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
     edit(sweep)
     (work / "bad.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
-    run = snakemake if words == ["resolutions.0", "large"] else snakemake_here
+    run = snakemake if words == ["resolutions[0]", "large"] else snakemake_here
     proc = run(work, "--cores", "1", "--configfile", "bad.yaml")
     line = refusal(proc)
     assert line.startswith("sweep config"), proc.stderr

@@ -408,11 +408,11 @@ def test_a_learning_sweeps_runs_are_measured_alike(in_process, override, key):
     assert len(Sweep(config, SCHEMA).runs) == 2
 
 @pytest.mark.parametrize("key, value, words", [
-    ("resolution", 100_000, "references.0.resolution: 100000: expected an integer from 1 to 16384"),
-    ("n_gpus", 10**9, "references.0.n_gpus: 1000000000: expected an integer from 1 to 65536"),
-    ("method", "a\nb", "references.0.method: 'a\\nb': expected 1 to 200 printable characters"),
-    ("gpu_name", "", "references.0.gpu_name: '': expected 1 to 200"),
-    ("model", "x" * 201, "references.0.model: 'xxx"),
+    ("resolution", 100_000, "references[0].resolution: 100000: expected an integer from 1 to 16384"),
+    ("n_gpus", 10**9, "references[0].n_gpus: 1000000000: expected an integer from 1 to 65536"),
+    ("method", "a\nb", "references[0].method: 'a\\nb': expected 1 to 200 printable characters"),
+    ("gpu_name", "", "references[0].gpu_name: '': expected 1 to 200"),
+    ("model", "x" * 201, "references[0].model: 'xxx"),
 ])
 def test_a_reference_is_refused_as_its_import_would_refuse_it(in_process, tmp_path, key, value, words):
     """A reference's labels and numbers as `agg-bench import-log` takes them: refused with the sweep, not by
@@ -466,9 +466,9 @@ def test_the_sweeps_learning_defaults_are_the_commands():
     assert {key: parsed[field] for key, field in fields.items()} == sweep_module.LEARNING_DEFAULTS
 
 @pytest.mark.parametrize("entry, words", [
-    ({"model": "sdxl"}, "exclude.0.model: 'sdxl' matches no label under models (sd3)"),
-    ({"method": "cach-*", "model": "sd3"}, "exclude.0.method: 'cach-*' matches no label under methods (full, agg-w3)"),
-    ({"device": "gpu"}, "exclude.0.device: 'gpu' matches no label under devices (cpu)"),
+    ({"model": "sdxl"}, "exclude[0].model: 'sdxl' matches no label under models (sd3)"),
+    ({"method": "cach-*", "model": "sd3"}, "exclude[0].method: 'cach-*' matches no label under methods (full, agg-w3)"),
+    ({"device": "gpu"}, "exclude[0].device: 'gpu' matches no label under devices (cpu)"),
 ])
 def test_an_exclude_pattern_that_matches_no_label_is_refused(in_process, entry, words):
     """An exclude entry whose method, model or device pattern matches no label (a typo) excluded nothing, and
@@ -484,10 +484,10 @@ def test_an_exclude_pattern_that_matches_no_label_is_refused(in_process, entry, 
 
 
 @pytest.mark.parametrize("entry, words", [
-    ({"method": "full", "seed": "1O"}, "exclude.0.seed: '1O' matches no value under seeds (0, 1, 2, 3, 4, 5, 6, 7, "
+    ({"method": "full", "seed": "1O"}, "exclude[0].seed: '1O' matches no value under seeds (0, 1, 2, 3, 4, 5, 6, 7, "
                                        "8, 9, 10, 11 and 8 more)"),
-    ({"resolution": "5l2"}, "exclude.0.resolution: '5l2' matches no value under resolutions (32)"),
-    ({"resolution": 64}, "exclude.0.resolution: 64 matches no value under resolutions (32)"),
+    ({"resolution": "5l2"}, "exclude[0].resolution: '5l2' matches no value under resolutions (32)"),
+    ({"resolution": 64}, "exclude[0].resolution: 64 matches no value under resolutions (32)"),
 ])
 def test_an_exclude_resolution_or_seed_that_the_sweep_file_never_lists_is_refused(in_process, tmp_path, entry, words):
     """A typo in an exclude entry's seed or resolution pattern matched no run and passed: the runs it was written
@@ -508,7 +508,7 @@ def test_the_learning_sweeps_seed_excludes_stand_when_the_seeds_are_narrowed(in_
     --config, its entries match no run but still name values of the file's list."""
     config = sweep_config("learning.yaml")
     config["seeds"] = [0]
-    with pytest.raises(SweepError, match=re.escape("""exclude.0.seed: '[34]' matches no value under seeds (0)""")):
+    with pytest.raises(SweepError, match=re.escape("""exclude[0].seed: '[34]' matches no value under seeds (0)""")):
         Sweep(config, SCHEMA)
     sweep = Sweep(config, SCHEMA, files=[ROOT / "config" / "learning.yaml"])
     assert len(sweep.runs) == len(config["methods"])
@@ -597,11 +597,11 @@ def test_a_compare_with_folder_is_checked_before_any_job(tmp_path, monkeypatch):
     config["report"] = {"compare_with": ["ref"]}
     sweep_module.check_input_files(config)
     config["report"] = {"compare_with": ["ref", "nothing"]}
-    with pytest.raises(SweepError, match=r"^sweep config: report.compare_with.1: 'nothing' has no manifest.json"):
+    with pytest.raises(SweepError, match=r"^sweep config: report\.compare_with\[1\]: 'nothing' has no manifest.json"):
         sweep_module.check_input_files(config)
     config["report"] = {"compare_with": ["ref", "./ref/"]}
-    with pytest.raises(SweepError, match=re.escape("report.compare_with.1: './ref/' is the folder of "
-                                                   "report.compare_with.0; expected each reference folder once")):
+    with pytest.raises(SweepError, match=re.escape("report.compare_with[1]: './ref/' is the folder of "
+                                                   "report.compare_with[0]; expected each reference folder once")):
         sweep_module.check_input_files(config)
 
 

@@ -37,6 +37,8 @@ def run_fails(out: Path, capsys, *args: str) -> str:
 @pytest.mark.parametrize("name, args, expected", [
     ("unknown cache", ["--set", 'method={"name": "cached", "cache": "nocache"}'], ["method.cache", "nocache", "fora"]),
     ("resolution above the model's", ["--set", "model.resolution=4096"], ["model.resolution", "at most"]),
+    ("a list's item, named by its index", ["--set", "train.lora_rank=4", "--set", "train.lora_target_modules=[to_q, 3]"],
+     ["train.lora_target_modules[1] = 3: expected a string"]),
     ("missing weight folder", ["--set", "model.preset=pretrained", "--set", "model.pretrained={tmp}/weights"],
      ["model.pretrained", "weights"]),
     ("missing prompts file", ["--set", "prompts.file={tmp}/prompts.txt"], ["prompts.file", "prompts.txt"]),
