@@ -185,7 +185,20 @@ def _key_path(parts: Iterable[str | int]) -> str:
     return text
 
 
-def _describe(error: jsonschema.ValidationError) -> ConfigError:
+def _resolved(schema: dict, root: dict) -> dict:
+    """``schema`` with a local ``$ref`` (``#/$defs/label``) of ``root`` taken in, its own keys over the target's."""
+    ref = schema.get("$ref")
+    if not (isinstance(ref, str) and ref.startswith("#/")):
+        return schema
+    target: Any = root
+    for name in ref[2:].split("/"):
+        target = target.get(name) if isinstance(target, dict) else None
+    if not isinstance(target, dict):
+        return schema
+    return {**_resolved(target, root), **{k: v for k, v in schema.items() if k != "$ref"}}
+
+
+def _describe(error: jsonschema.ValidationError, root: dict) -> ConfigError:
     path = _key_path(error.absolute_path)
     schema = error.schema if isinstance(error.schema, dict) else {}
     instance: Any = error.instance
@@ -200,7 +213,7 @@ def _describe(error: jsonschema.ValidationError) -> ConfigError:
         required = list(error.validator_value) if isinstance(error.validator_value, list) else []
         missing = next((name for name in required if name not in instance), required[0] if required else "?")
         given = schema.get("properties", {}).get(missing)
-        given = given if isinstance(given, dict) else {}
+        given = _resolved(given, root) if isinstance(given, dict) else {}
         what = given.get("x-expected") or _words(given) or "a value"
         if "description" in given and "x-expected" not in given:
             what += f" ({given['description']})"
@@ -273,7 +286,7 @@ def check_schema(instance: Any, schema: dict) -> None:
     """Raise a ConfigError for ``instance``'s first violation of ``schema`` (the shallowest key first)."""
     errors = _errors(instance, schema)
     if errors:
-        raise _describe(errors[0])
+        raise _describe(errors[0], schema)
 
 
 # the validators that compare a number with a bound: every comparison with NaN is false, and an infinity is
@@ -315,10 +328,10 @@ def check_config_values(instance: Any, schema: dict) -> None:
     errors = _errors(instance, schema)
     kind = next((e for e in errors if e.validator not in BOUND_VALIDATORS), None)
     if kind is not None:
-        raise _describe(kind)
+        raise _describe(kind, schema)
     check_finite(_described_part(instance, schema))
     if errors:
-        raise _describe(errors[0])
+        raise _describe(errors[0], schema)
 
 
 def _described_part(instance: Any, schema: Any) -> Any:

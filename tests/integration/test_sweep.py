@@ -728,11 +728,15 @@ def test_a_key_that_is_no_dotted_name_is_refused_in_words(parse_only, where, key
     (("base",), "config error: base = (not given): expected a string or a mapping (the base run config"),
     (("devices", "cpu", "device"), "config error: devices.cpu.device = (not given): expected a string"),
     (("methods", "full", "method"), "config error: methods.full.method = (not given): expected a mapping"),
+    # a key whose schema is a shared definition ($defs/label) says what that definition takes
+    (("references", 0, "label"), "config error: references[0].label = (not given): expected a string (a label: "
+                                  "letters, digits, '.' and '-', at most 40 characters"),
 ])
 def test_a_required_key_left_out_is_named(parse_only, path, words):
     """A required key left out was told as the whole mapping that lacked it (the sweep's top level, clipped) and
     jsonschema's sentence, without what the key takes."""
     config = sweep_config()
+    config["references"] = [{"label": "dance", "log": "a.jsonl"}]
     part = config
     for name in path[:-1]:
         part = part[name]
