@@ -277,6 +277,11 @@ def check_sweep(sweep: dict, schema: dict, files: Sequence[dict] = ()) -> None:
     labels = [ref["label"] for ref in sweep.get("references", [])]
     if len(set(labels)) != len(labels):
         raise SweepError(f"references: labels must be unique ({', '.join(labels)})")
+    for index, label in enumerate(labels):  # the label is the imported runs' method label in every manifest
+        if label in sweep["methods"]:
+            raise SweepError(f"references[{index}].label: {quote(label)} is also a label under methods; expected a "
+                             "label of its own (the learning report would take the imported log as one of the "
+                             "method's seeds)")
     check_label_case(sweep)
     for index, ref in enumerate(sweep.get("references", [])):
         check_reference(index, ref)

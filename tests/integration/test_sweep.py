@@ -433,6 +433,23 @@ def test_a_reference_is_refused_as_its_import_would_refuse_it(in_process, tmp_pa
     assert "ref" in Sweep(config, SCHEMA).references
 
 
+def test_a_reference_labelled_as_a_method_is_refused(in_process, tmp_path):
+    """A reference's label is its imported runs' method label in the manifests: one that is also a method's label
+    put the imported log among that method's runs in the learning report (a seed of it, or a seed it refused at the
+    end of the workflow). The report's tables keep the two apart (their source), the learning report does not."""
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0, "avg_reward": 0.1, "step_time": 1.0, "grad_norm": 0.5}\n')
+    config = sweep_config()
+    config["references"] = [{"label": "dance", "log": str(log)}, {"label": "full", "log": str(log)}]
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    message = str(err.value)
+    assert message.startswith("sweep config: references[1].label: 'full' is also a label under methods; expected a "
+                              "label of its own") and "\n" not in message, message
+    config["references"] = [{"label": "dance", "log": str(log), "method": "full"}]  # its method may be any
+    assert list(Sweep(config, SCHEMA).references) == ["dance"]
+
+
 def test_the_sweeps_learning_defaults_are_the_commands():
     """A sweep's ``learning`` section defaults every key as ``agg-bench learning`` does (its LearningOptions and
     its options' defaults), but the checkpoint evaluation's noises (16 in a sweep, none in the command), and the
