@@ -129,15 +129,15 @@ def _check_marker(done: Path, out: Path) -> None:
 
 def _run_journal(path: Path, out: Path, done: Path | None):
     """``--journal FILE``: outside the run folder, not the marker, and a cell journal or nothing
-    (:meth:`agg_bench.runtime.cell.Progress.read`)."""
-    from .runtime.cell import Progress
+    (:meth:`agg_bench.runtime.cell.Journal.read`)."""
+    from .runtime.cell import Journal
 
     folder = path.resolve()
     if folder == out.resolve() or out.resolve() in folder.parents:
         raise UserError(f"--journal {path}: inside --out {out}; expected a journal outside the run folder")
     if done is not None and folder == done.resolve():
         raise UserError(f"--journal {path}: the same file as --done; expected a file of its own")
-    journal = Progress.read(path, "agg-bench run", "--journal", f"{out} runs again")
+    journal = Journal.read(path, "agg-bench run", "--journal", f"{out} runs again")
     check_writable(path, "--journal")  # written when the run has ended: a place it cannot be written, refused first
     return journal
 

@@ -67,7 +67,7 @@ EXPECTED = ('an agg-bench cell job file: {"runs": [{"config": FILE or null, "set
             '"out": DIR, "done": FILE (optional)}, ...]}')
 ENTRY_KEYS = ("config", "set", "out", "done")
 ENDED = ("ok", "oom", "diverged")  # the ends of a run that a resumed attempt keeps (an error runs again)
-PROGRESS_EXPECTED = 'an agg-bench cell journal: {"code": HASH, "runs": {DIR: {"config": {...}, "status": STATUS}}}'
+JOURNAL_EXPECTED = 'an agg-bench cell journal: {"code": HASH, "runs": {DIR: {"config": {...}, "status": STATUS}}}'
 
 MAX_RUNS = 4096  # a cell is one model x resolution: its methods x seeds; every run's config is checked first
 # the exit codes of failed runs, mildest first: a user error (2), then a bug in agg-bench (1)
@@ -167,7 +167,7 @@ def read_jobs(path: str | Path, calibrations: bool = False, data: dict | None = 
                             "expected run folders that do not hold one another")
     # the job's journal beside the job file is the cell's own too: a marker written there replaced the journal
     # (and the next attempt refused it as no journal), a run folder there left the journal nowhere to go
-    journal = Progress.path_of(path)
+    journal = Journal.path_of(path)
     for index, job in enumerate(jobs):
         for key, given in (("out", job.out), ("done", job.done)):
             if given is not None and Path(given).resolve() == journal.resolve():
@@ -229,7 +229,7 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
     that cannot be recorded (the folder holds someone else's files, another process writes it) still
     counts.
 
-    With ``resume`` the runs an earlier attempt of this job file finished are kept (:class:`Progress`, the
+    With ``resume`` the runs an earlier attempt of this job file finished are kept (:class:`Journal`, the
     module's docstring), and a run it stopped half-way continues from its checkpoint (``agg-bench run
     --resume-stopped``); with ``overwrite`` a run's folder that holds a finished run of another config is
     replaced (``agg-bench run --overwrite``); with ``keep_journal`` (and ``resume``) an attempt that ended
@@ -262,10 +262,10 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
         except UserError as err:
             raise UserError(f"{path}: runs[{index}] (--out {job.out}): {err}") from None
 
-    progress = Progress.resume(Path(path)) if resume else None
+    journal = Journal.resume(Path(path)) if resume else None
     with claimed_markers([(job.done, f"{path}: runs[{index}].done") for index, (job, _) in enumerate(jobs)
                           if job.done is not None]), reusing_models(), _imports_frozen():
-        return _run_jobs(Path(path), jobs, keep_going, deadline, progress, overwrite, keep_journal, after_runs)
+        return _run_jobs(Path(path), jobs, keep_going, deadline, journal, overwrite, keep_journal, after_runs)
 
 
 def _free_finished_run() -> None:
@@ -297,7 +297,7 @@ def _imports_frozen() -> Iterator[None]:
 
 
 def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, deadline: float | None,
-              progress: "Progress | None", overwrite: bool, keep_journal: bool = False,
+              journal: "Journal | None", overwrite: bool, keep_journal: bool = False,
               after_runs: Callable[[dict[Path, str]], int] | None = None) -> int:
     from .train import record_failure, train
 
@@ -305,7 +305,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
     ended: dict[Path, str] = {}  # each run's end, by folder: what its marker says
     for number, (job, cfg) in enumerate(jobs, 1):
         stopping.check()  # a signal between two runs stops the cell before the next one starts
-        kept = progress.kept(job, cfg) if progress is not None else None
+        kept = journal.kept(job, cfg) if journal is not None else None
         if kept is not None:
             ended[job.out] = kept
             print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} kept: it ended {kept} in an earlier "
@@ -326,7 +326,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
         def one_run(job: CellRun = job, cfg: Any = cfg, status: list[str] = status,
                     failure: list[Exception] = failure) -> int:
             try:
-                status.append(train(cfg, job.out, overwrite=overwrite, resume_stopped=progress is not None)["status"])
+                status.append(train(cfg, job.out, overwrite=overwrite, resume_stopped=journal is not None)["status"])
             except Exception as exc:
                 failure.append(exc)
                 raise
@@ -337,8 +337,8 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
         end = status[0] if status else f"failed (exit code {code})"
         if status:
             ended[job.out] = status[0]
-            if progress is not None and status[0] in ENDED:
-                progress.add(job, cfg, status[0])
+            if journal is not None and status[0] in ENDED:
+                journal.add(job, cfg, status[0])
         if keep_going and failure and code < 128 and not isinstance(failure[0], Busy):  # Busy: not this job's
             error = f"{type(failure[0]).__name__}: {failure[0]}".splitlines()[0]
             written = file_identity(job.out / "summary.json") != summary_before  # by this attempt, on failing
@@ -363,9 +363,9 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
         worst = max(worst, code, key=SEVERITY.__getitem__)
         _free_finished_run()
     every_run_ended = len(ended) == len(jobs)
-    if progress is not None and not keep_journal and every_run_ended and \
+    if journal is not None and not keep_journal and every_run_ended and \
             all(status in ENDED for status in ended.values()):
-        progress.remove()  # this attempt ended: a later one (a forced rerun) runs everything again
+        journal.remove()  # this attempt ended: a later one (a forced rerun) runs everything again
     if worst == 0 and every_run_ended:
         for job, _ in jobs:
             if job.done is not None:
@@ -412,18 +412,18 @@ def _journal_shape(data: dict) -> bool:
         and all(isinstance(r, dict) for r in data["runs"].values())
 
 
-# whether a file is a cell's journal (:class:`Progress`), which the cell may replace
+# whether a file is a cell's journal (:class:`Journal`), which the cell may replace
 is_journal = json_file_where(_journal_shape)
 
 
 def journal_ends(path: Path, outs: list[str]) -> bool:
-    """Whether ``path`` is a cell's journal (:class:`Progress`) that records each run folder of ``outs`` as
+    """Whether ``path`` is a cell's journal (:class:`Journal`) that records each run folder of ``outs`` as
     ended (:data:`ENDED`): the journal an attempt that ended would remove itself without ``--keep-journal``."""
     return json_file_where(lambda data: _journal_shape(data) and all(
         data["runs"].get(out, {}).get("status") in ENDED for out in outs))(path)
 
 
-class Progress:
+class Journal:
     """The journal of a cell job's attempts (``<job>.progress.json`` beside the job file): the runs that
     ended ``ok``, ``oom`` or ``diverged``, each with its config as written, and the code they ran. Written
     atomically as each run ends; read by the next attempt (:meth:`kept`)."""
@@ -437,13 +437,13 @@ class Progress:
         return jobs_path.with_name(f"{jobs_path.name.removesuffix('.json')}.progress.json")
 
     @classmethod
-    def resume(cls, jobs_path: Path) -> "Progress":
+    def resume(cls, jobs_path: Path) -> "Journal":
         """The journal of ``jobs_path``'s earlier attempt (:meth:`read`)."""
         return cls.read(cls.path_of(jobs_path), "agg-bench cell", f"{jobs_path}: its journal",
                         f"every run of {jobs_path} runs")
 
     @classmethod
-    def read(cls, path: Path, verb: str, flag: str, rerun: str) -> "Progress":
+    def read(cls, path: Path, verb: str, flag: str, rerun: str) -> "Journal":
         """The journal at ``path``, or an empty one when there is none or it was written by other code (stderr
         says so, ``verb``: that ``rerun``); a UserError naming ``flag``, before any run, when the file there is
         not a journal (a folder, a link, someone else's file: it is never replaced)."""
@@ -497,5 +497,5 @@ def _recorded_runs(path: Path, code: str) -> dict[str, dict] | None:
     ``code``."""
     if not path.exists():
         return {}
-    journal = read_json_object(path, PROGRESS_EXPECTED)
+    journal = read_json_object(path, JOURNAL_EXPECTED)
     return journal["runs"] if journal.get("code") == code else None

@@ -49,7 +49,7 @@ from ..io import read_jsonl, write_json
 from ..jsonfiles import JsonFileError, json_type, read_json_object
 from ..outdir import check_file, check_path_names, check_suffix, check_writable, json_file_where, json_file_with
 from ..records import MAX_LABEL, is_finite_number, is_label
-from ..runtime.cell import SEVERITY, Progress, read_job_file
+from ..runtime.cell import SEVERITY, Journal, read_job_file
 
 if TYPE_CHECKING:  # the calibration itself imports torch: only when a cell reads its entries
     from .calibrate import CalibrationConfig
@@ -171,7 +171,7 @@ def read_calibrations(path: str | Path, run_folders: list[Path], markers: Sequen
         raise UserError(f"{path}: calibrations lists {len(entries):,}; expected at most {MAX_CALIBRATIONS}")
     out = [_entry(path, index, entry) for index, entry in enumerate(entries)]
     folders = {folder.resolve() for folder in run_folders}
-    seen: dict[Path, str] = {Progress.path_of(path).resolve(): f"the job's journal {Progress.path_of(path)}"}
+    seen: dict[Path, str] = {Journal.path_of(path).resolve(): f"the job's journal {Journal.path_of(path)}"}
     seen.update((marker.resolve(), f"{path}: runs[{index}].done") for index, marker in enumerate(markers)
                 if marker is not None)
     for index, item in enumerate(out):

@@ -51,7 +51,7 @@ from ..outdir import Contents, check_folder, named_path_problem
 from ..outputs import (IMPORT_CONTENTS, LEARNING_CONTENTS, PRETRAIN_CONTENTS, REPORT_CONTENTS, RUN_CONTENTS,
                        check_no_unpack, check_run_folder)
 from ..records import is_integer
-from ..runtime.cell import Progress, job_entry, journal_ends
+from ..runtime.cell import Journal, job_entry, journal_ends
 from ..sources import source_digest
 from .importlog import label_problem
 
@@ -861,7 +861,7 @@ class Sweep:
         """The journal of a cell job (``job``: a cell) or of a run job (``job``: one of :attr:`single_runs`),
         beside the cells' job files: a cell's its ``agg-bench cell --resume`` keeps, a run's its ``agg-bench run
         --journal`` keeps. Labels hold no ``_``, so a run's id never names a cell."""
-        return str(Progress.path_of(Path(CELL_DIR, f"{job}.json")))
+        return str(Journal.path_of(Path(CELL_DIR, f"{job}.json")))
 
     def forget_attempts(self, jobs=None) -> None:
         """Remove the journal (:meth:`journal`) of each job of ``jobs`` (cells and run ids of

@@ -636,11 +636,11 @@ def test_a_cell_journal_error_names_the_cell_journal_not_an_option(tmp_path):
     symbolic link) names the job file's journal; `agg-bench run --journal` names its option."""
     from agg_bench.errors import UserError
     from agg_bench.outdir import LOCK_SUFFIX
-    from agg_bench.runtime.cell import CellRun, Progress
+    from agg_bench.runtime.cell import CellRun, Journal
 
     jobs = tmp_path / "jobs.json"
-    for progress, named in ((Progress.resume(jobs), f"{jobs}: its journal"),
-                            (Progress.read(tmp_path / "mine.json", "agg-bench run", "--journal", "it runs"),
+    for progress, named in ((Journal.resume(jobs), f"{jobs}: its journal"),
+                            (Journal.read(tmp_path / "mine.json", "agg-bench run", "--journal", "it runs"),
                              "--journal")):
         lock = progress.path.parent / f".{progress.path.name}{LOCK_SUFFIX}"
         lock.symlink_to(tmp_path / "elsewhere")

@@ -342,9 +342,9 @@ class _Written:
 
 
 def _record_runs(path: Path, outs: list[str], ready) -> None:
-    from agg_bench.runtime.cell import CellRun, Progress
+    from agg_bench.runtime.cell import CellRun, Journal
 
-    journal = Progress.read(path, "agg-bench run", "--journal", "its run runs again")  # as `run` does, at its start
+    journal = Journal.read(path, "agg-bench run", "--journal", "its run runs again")  # as `run` does, at its start
     ready.wait()
     for i, out in enumerate(outs):
         journal.add(CellRun(None, (), Path(out)), _Written(i), "ok")
