@@ -502,40 +502,44 @@ class Calls:
 
 # ----- agg-bench processes that share their imports -------------------------------------------------------------
 # Child scripts that run agg-bench's main in their own process, not as `python -m agg_bench` (FORKS here,
-# test_permissions' SERVER), take its SystemExit as the interpreter ends a process with one: None 0, an int
-# itself, anything else printed on stderr and 1. The function, as script text (it needs sys imported).
+# test_permissions' SERVER), end a call as the interpreter ends a process: a SystemExit's code None is 0, an int
+# itself, anything else printed on stderr and 1; an uncaught exception a traceback and 1; stdout and stderr
+# flushed. The function, as script text (it needs sys and traceback imported).
 EXIT_CODE = """
-def exit_code(stop):
-    if stop.code is None or isinstance(stop.code, int):
-        return stop.code or 0
-    print(stop.code, file=sys.stderr)
-    return 1
+def exit_code(call):
+    try:
+        return call() or 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 """
 FORKS = """
 import atexit, json, os, sys, threading, traceback
 import agg_bench.runtime.train  # torch, diffusers and the engine: what each command imports before its work
 from agg_bench.cli import main
 """ + EXIT_CODE + """
+
+def as_main(cwd, argv):  # as `python -m agg_bench ARGV` in cwd: sys.exit(main()), then the exit handlers
+    os.chdir(cwd)
+    sys.argv = [os.path.join(os.path.dirname(agg_bench.__file__), "__main__.py"), *argv]
+    code = exit_code(lambda: main(argv))
+    threading._shutdown()  # as the interpreter's exit: its threads joined, then the exit handlers
+    atexit._run_exitfuncs()
+    return code
+
+
 for cwd, argv in json.loads(sys.argv[1]):
     pid = os.fork()
-    if pid == 0:  # as `python -m agg_bench ARGV` in cwd: sys.exit(main()), the exit handlers, the exit code
-        code = 1
-        try:
-            os.chdir(cwd)
-            sys.argv = [os.path.join(os.path.dirname(agg_bench.__file__), "__main__.py"), *argv]
-            try:
-                code = main(argv)
-            except SystemExit as stop:
-                code = exit_code(stop)
-            threading._shutdown()  # as the interpreter's exit: its threads joined, then the exit handlers
-            atexit._run_exitfuncs()
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code or 0)
+    if pid == 0:  # the outer exit_code: a traceback of what failed around main (the folder, an exit handler)
+        os._exit(exit_code(lambda: as_main(cwd, argv)))
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     if code:
         sys.exit(f"{argv[:1]} in {cwd}: exit code {code}")

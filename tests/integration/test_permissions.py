@@ -48,20 +48,10 @@ for line in sys.stdin:
         saved = os.dup(1), os.dup(2)
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
-        try:
-            try:
-                code = call(program, argv) or 0
-            except SystemExit as stop:
-                code = exit_code(stop)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for fd, copy in zip((1, 2), saved):
-                os.dup2(copy, fd)
-                os.close(copy)
+        code = exit_code(lambda: call(program, argv))
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
         out.seek(0)
         err.seek(0)
         replies.write(json.dumps([code, out.read().decode(errors="replace"), err.read().decode(errors="replace")])
