@@ -29,12 +29,38 @@ from ..stopping import Interrupted
 from . import runfolder, scalar_events
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from .config_check import check_config
-from .evaluation import Evaluation, non_finite_key
-from .memplan import run_memory_plan
-from .session import Session, check_trained_steps, identity, iteration_generator, run_iteration, weights_label
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
+
+    from .evaluation import Evaluation, non_finite_key
+    from .memplan import run_memory_plan
+    from .session import Session, check_trained_steps, identity, iteration_generator, run_iteration, weights_label
+
+# the model code (the session, the evaluation, the memory plan: the model libraries, seconds of imports) is imported
+# when a run first needs it, once its config and folder are accepted: a run refused before (its config on this
+# launch, its folder) ends without those imports. Its names are this module's all the same (:func:`__getattr__`),
+# and one a caller put in their place (a test's monkeypatch) is the one used here.
+_MODEL_CODE = {"evaluation": ("Evaluation", "non_finite_key"), "memplan": ("run_memory_plan",),
+               "session": ("Session", "check_trained_steps", "identity", "iteration_generator", "run_iteration",
+                           "weights_label")}
+
+
+def _import_model_code() -> None:
+    """Make :data:`_MODEL_CODE`'s names this module's, keeping any already set."""
+    import importlib
+
+    for module, names in _MODEL_CODE.items():
+        loaded = importlib.import_module(f"{__package__}.{module}")
+        for name in names:
+            globals().setdefault(name, getattr(loaded, name))
+
+
+def __getattr__(name: str) -> object:
+    if any(name in names for names in _MODEL_CODE.values()):
+        _import_model_code()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # the names callers import from here, wherever they are defined
 __all__ = ["RECORD_KEYS", "TIMING_KEYS", "Interrupted", "Session", "Training", "check_trained_steps",
@@ -110,6 +136,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
             # run fails or is stopped before writing into it
             claim = distributed.on_main(runfolder.claim, out, cfg.to_dict(), resume, overwrite)
             with claim or contextlib.nullcontext():
+                _import_model_code()
                 try:
                     session = Session(cfg)  # every input error surfaces here, before anything is written
                 except Exception as exc:
@@ -144,6 +171,7 @@ class Training:
 
     def __init__(self, cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, session: Session):
         self.cfg, self.out, self.resume, self.shard, self.session = cfg, out, resume, shard, session
+        _import_model_code()
         check_trained_steps(cfg)
         # planned next to measured memory; a run that measures nothing (telemetry off) plans nothing
         self.memory_plan = run_memory_plan(cfg, shard.world_size) if shard.is_main and cfg.telemetry.enabled else None
@@ -431,6 +459,7 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
     the memory at failure and the RSS peak) so that the tables show the cell as OOM. With ``resume``
     and a checkpoint in ``out`` the earlier records and checkpoint stay; only the summary says how
     this attempt ended."""
+    _import_model_code()
     device = resolve_device(cfg.device)
     memory = tel.memory_at_failure(device)
     distributed.report_failure(exc, memory)
@@ -466,6 +495,7 @@ def record_failure(cfg: RunConfig, out_dir: str | Path, error: str, overwrite: b
     except UserError:
         return False
     with stopping.safe_points(), claim:
+        _import_model_code()
         base = identity(cfg, cfg.run_id or folder_run_id(out), device)
         runfolder.start_files(out, config, [], keep_checkpoint=False, keep_events=False, device=device)
         runfolder.write_plan(out, None)

@@ -168,16 +168,25 @@ def test_the_workflows_start_imports_no_model_library(tmp_path, config):
 
 def test_a_refused_run_imports_no_trainer_or_model_library(tmp_path):
     """`agg-bench run` with a config it refuses prints its one line before the trainer and the model libraries are
-    imported (they made a refused run about three times as long, paid by each process under torchrun)."""
-    script = ("import sys; from agg_bench.cli import main; code = main(sys.argv[1:]); "
-              "print(sorted(m for m in ('agg_bench.runtime.train', 'diffusers', 'matplotlib') if m in sys.modules), "
-              "file=sys.stderr); sys.exit(code)")
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", script, "run", "--set", "train.iterations=abc", "--out", str(out)],
+    imported (they made a refused run about three times as long, paid by each process under torchrun); one whose
+    config passes and whose folder the trainer refuses (someone's files), before the model code (the session, the
+    model libraries)."""
+    script = ("import sys; from agg_bench.cli import main\n"
+              "for args, modules in ((sys.argv[1:6], ('agg_bench.runtime.train', 'diffusers', 'matplotlib')),\n"
+              "                      (sys.argv[1:2] + sys.argv[6:], ('agg_bench.runtime.session', 'diffusers'))):\n"
+              "    code = main(args)\n"
+              "    print(code, sorted(m for m in modules if m in sys.modules), file=sys.stderr)")
+    out, theirs = tmp_path / "run", tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    proc = subprocess.run([sys.executable, "-c", script, "run", "--set", "train.iterations=abc", "--out", str(out),
+                           "--set", "progress=false", "--out", str(theirs)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and lines[-1] == "[]" and "train.iterations" in lines[0], proc.stderr[-3000:]
-    assert not out.exists()
+    assert proc.returncode == 0 and len(lines) == 4, proc.stderr[-3000:]
+    assert "train.iterations" in lines[0] and lines[1] == "2 []", proc.stderr[-3000:]
+    assert f"--out {theirs}" in lines[2] and "notes.txt" in lines[2] and lines[3] == "2 []", proc.stderr[-3000:]
+    assert not out.exists() and [p.name for p in theirs.iterdir()] == ["notes.txt"]
 
 
 # ----- a run with telemetry.tensorboard off (tests/unit/test_tensorboard.py) -----
