@@ -14,13 +14,15 @@ from typing import Any, Mapping
 
 import yaml
 
-from ..errors import ConfigError, counted
+from ..errors import ConfigError, UserError, counted, quote
 from .schema import check_config_values, run_schema
 from .sections import (DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, device_expected, device_parts,
                        folder_under_random_preset, written_before)
 from .yamlio import read_yaml_mapping, yaml_load
 
 NOT_A_METHOD_MAPPING = "a mapping with a name, e.g. {name: agg, window: 5}"
+# the keys every sweep config has (config/config.yaml's, the workflow's and a campaign's), none of them a run config's
+SWEEP_MARKS = ("base", "methods")
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -186,6 +188,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     user: dict = {}
     if path is not None:
         user = read_yaml_mapping(path)
+        if all(key in user for key in SWEEP_MARKS):  # config/config.yaml given where config/run.yaml is meant
+            raise UserError(f"{path}: a sweep config (its keys {', '.join(SWEEP_MARKS)}: snakemake --configfile and "
+                            f"agg-bench campaign --config take it); expected a run config (keys "
+                            f"{', '.join(sorted(DEFAULTS))})"
+                            + (f", e.g. its base {quote(user['base'])}" if isinstance(user["base"], str) else ""))
         if "method" in user and not isinstance(user["method"], dict):
             raise ConfigError("method", user["method"], NOT_A_METHOD_MAPPING)
     merged = deep_merge(DEFAULTS, user)

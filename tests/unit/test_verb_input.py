@@ -333,6 +333,19 @@ def test_an_empty_config_file_is_refused_not_taken_for_the_defaults(tmp_path, ca
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("argv", [["plan"], ["run", "--out", "{tmp}/run"], ["snapshot", "--out", "{tmp}/snap"]])
+@pytest.mark.parametrize("sweep", ["config.yaml", "h200.yaml"])
+def test_a_sweep_config_given_for_a_run_config_is_named_as_one(tmp_path, capsys, argv, sweep):
+    """config/config.yaml, the config a user meets first, given to plan or run: the line named its key 'base' as
+    unknown, not the file as a sweep's."""
+    before = tree(tmp_path)
+    line = fails(capsys, [*(a.replace("{tmp}", str(tmp_path)) for a in argv), "--config", f"{ROOT}/config/{sweep}"])
+    assert f"{ROOT}/config/{sweep}: a sweep config (its keys base, methods: " in line, line
+    assert "expected a run config (keys device, " in line, line
+    assert (", e.g. its base 'config/run.yaml'" in line) == (sweep == "config.yaml"), line
+    assert tree(tmp_path) == before
+
+
 @pytest.mark.parametrize("value", ["", ",", "fraction,", "fraction,,full"])
 def test_gradcheck_refuses_an_empty_methods_item(tmp_path, capsys, monkeypatch, value):
     """--methods '' (or a stray comma) was read as no method and the gradcheck ran without it."""
