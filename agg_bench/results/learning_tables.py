@@ -116,11 +116,12 @@ def load_runs(manifest: str | Path) -> list[Run]:
             raise UserError(f"{where}: method {quote(method)} seed {seed} is also runs[{seeds[method, seed]}]'s; "
                             "expected one run per method and seed (each counts as a seed)")
         folders[resolved], seeds[method, seed] = i, i
+        check_path(folder.dir, f"{where}: dir", "a run folder (what agg-bench run --out writes)", folder=True)
         # one attempt's files, never a run's that another process is resuming or replacing; what is read of the
         # folder later (a checkpoint) is read against this state
         with folder.whole() as state:
             if not folder.has(METRICS_FILE):
-                raise UserError(f"{folder.path(METRICS_FILE)}: no such file (has the run finished?)")
+                raise UserError(f"{where}: {folder.path(METRICS_FILE)}: no such file (has the run finished?)")
             lines = folder.records(required=("status", "iteration"))
             summary = folder.summary()
             evaluations = folder.evaluations()

@@ -413,3 +413,20 @@ def test_a_run_without_records_is_refused_not_dropped(manifest, tmp_path, capsys
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "runs[1]" in lines[0] and "holds no record" in lines[0], lines
     assert not out.exists()
+
+
+@pytest.mark.parametrize("gone", ["folder", "metrics.jsonl"])
+def test_a_manifest_run_that_is_not_there_is_named_by_its_entry(manifest, tmp_path, capsys, gone):
+    """A manifest entry whose folder is missing (a typo, a moved results folder) said only
+    'DIR/metrics.jsonl: no such file', not which entry, nor that the folder itself was not there."""
+    import shutil
+
+    runs = json.loads(manifest.read_text())["runs"]
+    folder = Path(runs[4]["dir"])
+    shutil.rmtree(folder) if gone == "folder" else (folder / "metrics.jsonl").unlink()
+    out = tmp_path / "t"
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"manifest {manifest}: runs[4]: " in lines[0], lines
+    assert (f"dir {folder}: no such folder; expected a run folder" in lines[0]) == (gone == "folder"), lines
+    assert not out.exists()
