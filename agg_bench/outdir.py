@@ -12,7 +12,7 @@ before anything is written, and holds the claim until it is done:
   output may be new or that command's earlier output. Anything else is someone's: the command refuses
   (one line, exit 2) and touches nothing.
   A folder output inside another command's output folder (a run's, a snapshot's, a profile's, a pretrain
-  output's: :data:`OUTPUT_MARKS`), and a file output whose folder is one or lies inside one, is refused too:
+  output's, an imported log's: :data:`OUTPUT_MARKS`), and a file output whose folder is one or lies inside one, is refused too:
   it would be a stranger there.
 - **No symbolic links.** An output that is a link, or a folder holding one anywhere inside, is refused,
   so no write can land outside the folder the user named. Files are opened with ``O_NOFOLLOW`` and
@@ -553,7 +553,9 @@ class Claim:
 OUTPUT_MARKS = (("an agg-bench run", ("config.json", "env.json", "metrics.jsonl")),
                 ("a snapshot", ("rollout.json", "rollout.safetensors")),
                 ("a profile", ("profile.json", "config.json", "env.json")),
-                ("an agg-bench pretrain output", ("pretrain.json",)))
+                ("an agg-bench pretrain output", ("pretrain.json",)),
+                # after a run's, whose folder holds these too: an import-log output (outputs.IMPORT_CONTENTS)
+                ("an imported log", ("env.json", "metrics.jsonl", "summary.json")))
 
 
 def check_not_inside_output(target: str | Path, flag: str = "--out", file: bool = False) -> None:

@@ -278,6 +278,19 @@ def run(tmp_path) -> Path:
     return tmp_path / "run"
 
 
+@pytest.mark.parametrize("argv", [["import-log", "{log}", "--out", "{run}/nested"],
+                                  ["report", "--runs", "{run}", "--tables", "{run}/tables"]])
+def test_an_output_inside_an_imported_log_is_refused(run, tmp_path, capsys, argv):
+    """An import (or a report) into a folder inside an earlier import was written; the earlier import's folder then
+    held a stranger, and importing its log again was refused."""
+    before = tree(tmp_path)
+    argv = [a.replace("{log}", str(tmp_path / "log.jsonl")).replace("{run}", str(run)) for a in argv]
+    line = fails(capsys, argv)
+    assert f"'{argv[-1]}': inside an imported log '{run}'; expected a folder outside it" in line, line
+    assert tree(tmp_path) == before
+    assert cli.main(["import-log", str(tmp_path / "log.jsonl"), "--out", str(run)]) == 0  # its own folder again
+
+
 @pytest.mark.parametrize("name", ["summary.json", "env.json"])
 def test_report_refuses_another_verbs_json_as_a_calibration(run, tmp_path, capsys, name):
     """A run's summary.json or env.json passed every check of a calibration (each key may be null) and priced
