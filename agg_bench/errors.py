@@ -277,11 +277,15 @@ def run_command(name: str, body: Callable[[], int], argv: Sequence[str], out: st
     128 + the signal's number, as a shell reports a process ended by it (130 SIGINT, 143 SIGTERM), and a
     second signal ends the process at once with that code. Another process of a distributed job that ended
     (:class:`JobLost`) is one line and exit code 1. A reader of stdout that has gone (a pipe into
-    ``head``) ends it quietly with 128 + SIGPIPE, as a shell reports a process that signal ended. Anything else
+    ``head``) ends it quietly with 128 + SIGPIPE, as a shell reports a process that signal ended; a stdout closed
+    before it started (``>&-``) is a user error, before ``body`` runs. Anything else
     is a bug in agg-bench: one line that says so and names the command to report (``argv``), then the
     traceback, exit code 1.
     """
     try:
+        if sys.stdout is None:  # `agg-bench env >&-`: its result would be lost, after the work, in a traceback
+            raise UserError("stdout is closed; give it a file, a pipe or /dev/null (the command prints its result "
+                            "there)")
         with stop_signals(name):
             code = body()
         sys.stdout.flush()  # what it printed reaches its reader here, where a reader that has gone is caught

@@ -237,6 +237,26 @@ def test_a_reader_of_stdout_that_has_gone_is_no_bug(capsys, monkeypatch, bufferi
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("argv", [["env"], ["plan", "--gpus", "1"]])
+def test_a_closed_stdout_is_one_line_before_the_command_runs(capsys, monkeypatch, argv):
+    """`agg-bench env >&-` (Python's sys.stdout None): the command ran, its result went nowhere, and the flush after
+    it printed 'internal error: this is a bug in agg-bench' with an AttributeError's traceback."""
+    import sys
+
+    from agg_bench.machine import envinfo
+    from agg_bench.runtime import memplan
+
+    for module, name in ((envinfo, "environment"), (memplan, "plan_memory")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the command ran"))
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", None)
+    code = cli.main(argv)
+    monkeypatch.undo()
+    assert (code, capsys.readouterr().err.splitlines()) == (2, [
+        f"agg-bench {argv[0]}: stdout is closed; give it a file, a pipe or /dev/null (the command prints its result "
+        "there)"])
+
+
 def test_a_broken_pipe_to_a_child_is_still_a_bug(capsys):
     """Only stdout's reader going is quiet: a broken pipe elsewhere (a child's stdin) keeps the bug's line."""
     code, err = contract(capsys, raises(BrokenPipeError(32, "Broken pipe")))
