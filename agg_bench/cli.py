@@ -16,6 +16,7 @@ DEFAULT_CAMPAIGN_WORK = Path("results/campaign")  # campaign run's and status's 
 CAMPAIGN_OPTION_ACTIONS = {"--minutes": ("run",), "--started": ("run",), "--archive": ("run", "unpack"),
                            "--work": ("run", "status")}
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
+MIN_GPU_MEMORY_GIB = 1 / 2**30  # and one byte at least: 1e-300 GiB was taken and planned as 0 bytes
 # profile's --wait, --warmup, --active: each step is a training iteration (a trace keeps every active one), so far
 # above any profile worth reading; a huge count was a command that never ended
 MAX_PROFILE_STEPS = 1000
@@ -447,8 +448,9 @@ def cmd_plan(args) -> int:
 
     memory = None
     if args.gpu_memory is not None:
-        if not (math.isfinite(args.gpu_memory) and 0 < args.gpu_memory <= MAX_GPU_MEMORY_GIB):
-            raise ConfigError("--gpu-memory", args.gpu_memory, f"a number of GiB > 0 and at most {MAX_GPU_MEMORY_GIB:,}")
+        if not (math.isfinite(args.gpu_memory) and MIN_GPU_MEMORY_GIB <= args.gpu_memory <= MAX_GPU_MEMORY_GIB):
+            raise ConfigError("--gpu-memory", args.gpu_memory,
+                              f"a number of GiB of at least {MIN_GPU_MEMORY_GIB:.3g} (one byte) and at most {MAX_GPU_MEMORY_GIB:,}")
         memory = args.gpu_memory * GIB
     cfg = _run_config(args.config, args.overrides)
     # what a run refuses before it builds the model (the method's bounds against the schedule, the step plan) is

@@ -351,6 +351,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.flags_given: dict[str, str] = {}  # the flags of this parse, for _StoreOnce
         return super().parse_known_args(args, namespace)
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """argparse's, with arguments no option takes named by the verb they were given to (``agg-bench env
+        extra`` is ``agg-bench env``'s error, and its --help lists the options), not by the top parser."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            verb = next((a.choices.get(getattr(parsed, a.dest, None) or "") for a in self._actions
+                         if isinstance(a, argparse._SubParsersAction)), None)
+            (verb or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
     def error(self, message: str) -> NoReturn:
         _print_user_error(self.prog, mark_alike(UserError(f"{message} ({self.prog} --help lists the options)")))
         self.exit(2)

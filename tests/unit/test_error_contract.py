@@ -178,6 +178,10 @@ def test_gpus_entry_point_refuses_a_timeout_that_never_ends(capsys, monkeypatch)
     (["profile", "--method", "agg", "--phase", "bogus", "--out", "x"], "argument --phase: invalid choice: 'bogus'"),
     (["bogus"], "agg-bench: argument command: invalid choice: 'bogus'"),
     (["run"], "the following arguments are required: --out"),
+    # an argument no option takes is the verb's error, and the verb's --help lists its options
+    (["env", "extra"], "agg-bench env: unrecognized arguments: extra (agg-bench env --help lists the options)"),
+    (["campaign", "status", "--config", "c.yaml", "x", "y"],
+     "agg-bench campaign: unrecognized arguments: x y (agg-bench campaign --help lists the options)"),
 ])
 def test_a_flag_argparse_refuses_is_one_line_too(capsys, argv, words):
     """argparse printed its usage block before the error (3-4 lines): the parser's errors are one line."""

@@ -211,6 +211,8 @@ def test_cli_plan_json_and_nowhere_to_fit(capsys):
 @pytest.mark.parametrize("args, key", [
     (["--gpu-memory", "-1"], "--gpu-memory"), (["--gpu-memory", "nan"], "--gpu-memory"),
     (["--gpu-memory", "inf"], "--gpu-memory"), (["--gpus", "0"], "--gpus"),
+    # under one byte: planned as 0 bytes, against the bound the message gave
+    (["--gpu-memory", "1e-300"], "--gpu-memory = 1e-300: expected a number of GiB of at least 9.31e-10 (one byte)"),
     (["--gpus", "3"], "grpo.prompts_per_iteration"),
     # far past any batch: the message named grpo.prompts_per_iteration's multiple, not --gpus and its bound
     (["--gpus", str(10**12)], "--gpus = 1000000000000: expected an integer from 1 to 1,024"),
