@@ -19,11 +19,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
 
 SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "grpo.group_size=2",
          "--set", "grpo.prompts_per_iteration=1", "--set", "progress=false"]
+# SMALL's profile of one denoising step (of one prompt's group), for the tests of what is written where and what a
+# rerun leaves, and of the operators that do not depend on the steps: torch's parse of the profiler's events, most of
+# a profile's cost, is about half SMALL's
+ONE_STEP = [*SMALL, "--set", "sampling.steps=1"]
 
 
 # the profile the tests that rerun into a folder start from: a train-phase profile of one active update after one
 # waited one; the config file names another method with its own option, which --method replaces
-FIRST = ["profile", "--method", "full", *SMALL, "--phase", "train", "--wait", "1", "--warmup", "0", "--active", "1"]
+FIRST = ["profile", "--method", "full", *ONE_STEP, "--phase", "train", "--wait", "1", "--warmup", "0", "--active", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +121,8 @@ def test_a_profile_run_again_replaces_the_earlier_one(tmp_path, capsys, profiled
     """A second profile into the same folder leaves its own traces only, those profile.json lists (the first
     run's trace was kept beside them), and a CUDA run's memory snapshot does not outlive a CPU rerun."""
     out = earlier_profile(profiled, tmp_path, capsys)
-    args = ["profile", "--method", "full", *SMALL, "--phase", "train", "--wait", "0", "--warmup", "0", "--out", str(out)]
+    args = ["profile", "--method", "full", *ONE_STEP, "--phase", "train", "--wait", "0", "--warmup", "0",
+            "--out", str(out)]
     first = str(out / Path(json.loads((out / "profile.json").read_text())["files"]["trace_0"]).name)
     assert Path(first).is_file()
     (out / "memory_snapshot.pickle").write_bytes(b"an earlier CUDA profile's")
@@ -160,8 +165,9 @@ def test_a_profile_stopped_while_it_writes_leaves_the_earlier_profile_whole(tmp_
     from agg_bench.tools import profiling
 
     out = earlier_profile(profiled, tmp_path, capsys)
-    argv = ["profile", "--method", "full", *SMALL, "--phase", "train", "--wait", "0", "--warmup", "0",
-            "--active", "1", "--out", str(out)]
+    # two denoising steps, the fewest AGG's window of 2 takes: what is checked is what a failed write leaves
+    argv = ["profile", "--method", "full", *SMALL, "--set", "sampling.steps=2", "--phase", "train", "--wait", "0",
+            "--warmup", "0", "--active", "1", "--out", str(out)]
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     class FullDisk(csv.DictWriter):
