@@ -363,9 +363,20 @@ def test_markdown_escapes_and_marks_empty_cells():
     assert to_markdown(df).splitlines()[2] == "| a\\|b | ok | — | measured |"
 
 
-def test_build_report_writes_every_table_and_plot(sweep, gradcheck_csv, tmp_path):
-    manifest = Manifest(sweep, [GradcheckEntry(gradcheck_csv, model="sd3", resolution=64)])
-    build_report(manifest, tmp_path / "tables", tmp_path / "plots")
+@pytest.fixture(scope="module")
+def sweep_report(tmp_path_factory) -> tuple[Path, list[RunEntry], Path]:
+    """The ``sweep`` runs and the ``gradcheck_csv`` in a folder of their own, and build_report's tables/ and plots/ of
+    them there: made once (a set of plots takes seconds); a test that writes beside them takes a copy. Returns the
+    folder, the runs and the CSV."""
+    root = tmp_path_factory.mktemp("sweep_report")
+    entries, gradcheck = sweep_entries(root), write_gradcheck_csv(root / "gc.csv")
+    build_report(Manifest(entries, [GradcheckEntry(gradcheck, model="sd3", resolution=64)]), root / "tables",
+                 root / "plots")
+    return root, entries, gradcheck
+
+
+def test_build_report_writes_every_table_and_plot(sweep_report):
+    tmp_path = sweep_report[0]  # build_report(the sweep and the gradcheck CSV, tmp_path / "tables", tmp_path / "plots")
     for name in TABLES:
         assert (tmp_path / "tables" / f"{name}.csv").stat().st_size > 0
         assert (tmp_path / "tables" / f"{name}.md").read_text().startswith("| ")
@@ -401,17 +412,21 @@ def test_report_cli(sweep, tmp_path, capsys):
 
 
 
-def test_plots_are_drawn_from_the_written_tables(sweep, gradcheck_csv, tmp_path, capsys):
+def test_plots_are_drawn_from_the_written_tables(sweep_report, tmp_path, capsys):
     """The plots job reads the tables job's files (--tables-in); a report that writes both, or the plots
     alone, draws the same images from the same tables."""
+    import shutil
+
+    root, sweep, gradcheck_csv = sweep_report
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"runs": [{"dir": str(e.dir), **{k: v for k, v in vars(e).items()
                                                                     if k != "dir" and v is not None}}
                                              for e in sweep],
                                     "gradcheck": [{"file": str(gradcheck_csv), "model": "sd3", "resolution": 64}]}))
+    # the report that writes both: the fixture's build_report of these runs (tables/ copied: plots are drawn there)
     tables = tmp_path / "tables"
-    both = ["--tables", str(tables), "--plots", str(tmp_path / "both")]
-    assert main(["report", "--manifest", str(manifest), *both]) == 0
+    shutil.copytree(root / "tables", tables)
+    shutil.copytree(root / "plots", tmp_path / "both")
     assert main(["report", "--manifest", str(manifest), "--plots", str(tmp_path / "alone")]) == 0
     capsys.readouterr()
     # drawn from the tables into the tables' own folder, which the plots may share (one report less to draw: each
@@ -453,12 +468,17 @@ def test_a_long_report_prints_its_progress_on_stderr(sweep, tmp_path, capsys, mo
     assert capsys.readouterr().err == ""
 
 
-def test_tables_and_plots_share_a_folder_across_runs_of_the_report(sweep, tmp_path, capsys):
+def test_tables_and_plots_share_a_folder_across_runs_of_the_report(sweep, tmp_path, capsys, monkeypatch):
     """A folder that `--tables D --plots D` wrote holds the report's own files only: a later `--tables D`, or
     `--plots D` alone, rewrites it (it was refused: the other's files counted as someone's); a file of someone's
     there is still refused, one line, exit 2, nothing touched."""
+    from agg_bench.results import report
+
     runs, both = tmp_path / "runs", tmp_path / "both"
     assert main(["report", "--runs", str(runs), "--tables", str(both), "--plots", str(both)]) == 0
+    # the later reports rewrite that folder with every plot's file drawn by a stand-in: what is checked is which
+    # files the folder may hold, and each set of plots drawn takes seconds
+    monkeypatch.setattr(report, "write_plots", every_plot)
     assert main(["report", "--runs", str(runs), "--tables", str(both)]) == 0
     assert main(["report", "--runs", str(runs), "--plots", str(both)]) == 0
     assert main(["report", "--tables-in", str(both), "--plots", str(both)]) == 0
@@ -542,6 +562,13 @@ def test_a_report_stopped_part_way_leaves_the_earlier_set_whole(earlier_reports,
 def one_plot(tables, folder) -> None:
     """A stand-in for the plots (what they are drawn from, in one file): drawing them takes seconds."""
     (Path(folder) / "reward_iteration.png").write_text(f"{len(tables['records'])} records")
+
+
+def every_plot(tables, folder) -> None:
+    """A stand-in for the plots that writes each of their files (what they are drawn from): drawing them takes
+    seconds."""
+    for name in PLOTS:
+        (Path(folder) / f"{name}.png").write_text(f"{name}: {len(tables['records'])} records")
 
 
 # `agg-bench report ARGS` killed (SIGKILL) once the first of its two folders is renamed into place
