@@ -8,7 +8,8 @@
 # process (nccl on the GPU, gloo on the CPU); a run through the GPU pool; a profile with the CUDA memory
 # snapshot. On the GPU each training run has a process of its own (its own peaks); --cpu runs the seven that
 # need no launcher of their own in one `agg_bench cell` process, each still a step, and the pool's command
-# there checks the device and lock it was given (a run under it would repeat the FSDP step's). Writes
+# there checks the device and lock it was given (a run under it would repeat the FSDP step's); its profile is of a
+# smaller update (5 steps of 2 images: one AGG group). Writes
 # results/gpu_check/summary.json and summary.md (AGG_BENCH_CHECK_OUT changes the folder) and exits 1 if any
 # step failed.
 # Python: the project's .venv, set up first by scripts/setup.sh as `make` does (fast when it is already
@@ -41,10 +42,14 @@ if [[ $MODE == gpu ]]; then
   COMMON+=(--set device=cuda --set model.dtype=bfloat16 --set model.preset=random --set model.architecture=sd3.5-medium)
   RESOLUTIONS=(512 1024)
   ITERATIONS=3
+  PROFILE=()
 else
   COMMON+=(--set device=cpu --set model.dtype=float32 --set model.preset=tiny)
   RESOLUTIONS=(32 64)
   ITERATIONS=2
+  # the profile's update on the CPU is smaller, through the same code: 5 steps (one AGG group of W=5) of 2 images,
+  # since torch's parse of the profiler's events, most of the step's cost, grows with them
+  PROFILE=(--set sampling.steps=5 --set grpo.group_size=2)
 fi
 SMALL=${RESOLUTIONS[0]}
 
@@ -115,8 +120,8 @@ assert seen == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
 assert GpuPool.from_environment().try_acquire(1) is None, "the command does not hold the lock of device 0"
 print("pool: CUDA_VISIBLE_DEVICES=0, the lock of device 0 held")'
 fi
-step "profile_${SMALL}" "$PY" -m agg_bench profile "${COMMON[@]}" --set model.resolution="$SMALL" --method agg \
-    --set method.window=5 --phase train --wait 0 --warmup 0 --active 1 --out "$OUT/profile"
+step "profile_${SMALL}" "$PY" -m agg_bench profile "${COMMON[@]}" "${PROFILE[@]}" --set model.resolution="$SMALL" \
+    --method agg --set method.window=5 --phase train --wait 0 --warmup 0 --active 1 --out "$OUT/profile"
 if [[ $MODE == gpu ]]; then
   step memory_snapshot test -s "$OUT/profile/memory_snapshot.pickle"
 fi
