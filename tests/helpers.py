@@ -566,6 +566,42 @@ def agg_bench_processes(commands: list[tuple[str, Path]], env: dict[str, str]) -
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@contextmanager
+def sweep_checks_here() -> Iterator[None]:
+    """The child process of a sweep's checks (agg_bench.tools.sweep._checked_in_child starts ``python -m
+    agg_bench.tools.sweep``: about three CPU-seconds of imports for each request its cache has not seen) run in
+    this process, where torch is imported already: the same request on stdin, the same answer on stdout, kept
+    in the same cache under the same key; an exception that escapes it is the child's exit code 1 and its
+    traceback. Other uses of subprocess go on as they are."""
+    import io
+    import traceback
+    import types
+    from contextlib import redirect_stdout
+
+    from agg_bench.tools import sweep
+
+    def run(args, *, input, capture_output, text, env):
+        assert args[1:] == ["-m", "agg_bench.tools.sweep"] and capture_output and text, args
+        stdin, out = sys.stdin, io.StringIO()
+        sys.stdin = io.StringIO(input)
+        try:
+            with redirect_stdout(out):
+                code, err = sweep._main(), ""
+        except Exception:
+            code, err = 1, traceback.format_exc()
+        finally:
+            sys.stdin = stdin
+        return subprocess.CompletedProcess(args, code, out.getvalue(), err)
+
+    here = types.SimpleNamespace(run=run)
+    sweep.subprocess = here
+    try:
+        yield
+    finally:
+        if sweep.subprocess is here:
+            sweep.subprocess = subprocess
+
+
 def methods_checked_here(monkeypatch) -> list[list[str]]:
     """A sweep's methods' check (agg_bench.tools.sweep.checked_methods, a child process that imports the model code:
     seconds) run in this process, where torch is imported already; the jobs of each call, in order."""

@@ -57,9 +57,14 @@ def snakemake_here(work: Path, *args: str) -> subprocess.CompletedProcess:
     the same parse of the Snakefile and the same plan, without an interpreter's start-up and Snakemake's
     imports each time), as :func:`snakemake` reports it: the exit code SystemExit carries, and an exception
     that escapes Snakemake as the interpreter shows it, its traceback on stderr and exit code 1. Whether the
-    workflow refuses with a process's exit code is shown by the tests that start one. What Snakemake changes in
-    the process (its scheduler's SIGTERM handler, sys.path, warning filters, the working directory) is put back."""
+    workflow refuses with a process's exit code is shown by the tests that start one. The sweep's checks that
+    Snakemake's process hands to a child process run in this one too (:func:`helpers.sweep_checks_here`: the
+    same answers, kept in the same cache); the jobs of a run that is not a dry run are still child processes of
+    their own. What Snakemake changes in the process (its scheduler's SIGTERM handler, sys.path, warning
+    filters, the working directory) is put back."""
     from snakemake.cli import main
+
+    from helpers import sweep_checks_here
 
     out, err, code = io.StringIO(), io.StringIO(), 0
     cwd, path = os.getcwd(), list(sys.path)
@@ -67,7 +72,8 @@ def snakemake_here(work: Path, *args: str) -> subprocess.CompletedProcess:
                 if signum not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(signum) is not None}
     os.chdir(work)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(), \
+                sweep_checks_here():
             main(list(args))
     except SystemExit as end:
         code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
