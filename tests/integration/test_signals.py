@@ -503,6 +503,14 @@ def test_killed_workflow_reruns_the_incomplete_run(tmp_path):
     run_dir = work / "results/runs/full_sd3_32px_s0_cpu"
     target = "results/done/full_sd3_32px_s0_cpu.json"  # the run job's output: its marker
     command = [sys.executable, "-m", "snakemake", target, "--cores", "1", "--configfile", "kill.yaml"]
+    # Snakemake's entry point in this process (tests/integration/test_pipeline.py) wherever no signal or exit code
+    # of a snakemake process is at stake: a real run there still starts its job as a process of its own. This dry
+    # run also keeps the sweep's methods check in work/.snakemake/agg-bench, where the snakemake process started
+    # below finds it instead of starting a child process of the model code to make it.
+    from test_pipeline import snakemake_here
+
+    planned = snakemake_here(work, *command[3:], "-n")
+    assert planned.returncode == 0 and "run_id=full_sd3_32px_s0_cpu" in planned.stdout, planned.stderr[-3000:]
     log = open(tmp_path / "snakemake.log", "w")
     proc = subprocess.Popen(command, cwd=work, stdout=log, stderr=log, start_new_session=True)
     metrics = run_dir / "metrics.jsonl"
@@ -511,13 +519,11 @@ def test_killed_workflow_reruns_the_incomplete_run(tmp_path):
     proc.wait()
     log.close()
     assert not (run_dir / "summary.json").exists()
-    # a killed snakemake leaves its lock and marks the job's outputs incomplete: --unlock (Snakemake's entry point
-    # in this process: it only removes the lock), then rerun them
-    from test_pipeline import snakemake_here
-
+    # a killed snakemake leaves its lock and marks the job's outputs incomplete: --unlock (it only removes the
+    # lock), then rerun them
     unlocked = snakemake_here(work, *command[3:], "--unlock")
     assert unlocked.returncode == 0, unlocked.stderr[-3000:]
-    rerun = subprocess.run([*command, "--rerun-incomplete"], cwd=work, capture_output=True, text=True, timeout=900)
+    rerun = snakemake_here(work, *command[3:], "--rerun-incomplete")
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     assert summary(run_dir)["status"] == "ok"
     assert [r["iteration"] for r in records(run_dir)] == list(range(iterations))
@@ -526,7 +532,7 @@ def test_killed_workflow_reruns_the_incomplete_run(tmp_path):
     assert resumed is not None and 0 <= resumed < iterations, rerun.stderr[-3000:]
     assert json.loads((work / target).read_text()) == {"out": "results/runs/full_sd3_32px_s0_cpu", "status": "ok"}
     # a forced rerun of the run that ended starts over
-    forced = subprocess.run([*command, "--forcerun", "run"], cwd=work, capture_output=True, text=True, timeout=900)
+    forced = snakemake_here(work, *command[3:], "--forcerun", "run")
     assert forced.returncode == 0, forced.stderr[-4000:]
     assert summary(run_dir)["resumed_from"] is None and len(records(run_dir)) == iterations
 
