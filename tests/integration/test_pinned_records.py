@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 
+from helpers import methods_checked_here
 from pinned import PINNED, compute, pinned_fields
 
 from agg_bench.config import DEFAULTS
@@ -74,8 +75,9 @@ def checked_cost(records: list[dict]) -> list[dict]:
 ADDED_KEYS = {"cost": checked_cost}
 
 
-def test_every_method_gives_the_pinned_records():
+def test_every_method_gives_the_pinned_records(monkeypatch):
     expected = json.loads(PINNED.read_text())
+    methods_checked_here(monkeypatch)  # the sweep's methods check: the same answer without a child process's imports
     actual = json.loads(json.dumps(compute()))  # as stored: NaN and tuples as JSON has them
     assert sorted(actual) == sorted(expected)
     assert not {key for records in expected.values() for r in records for key in r} & set(ADDED_KEYS)
