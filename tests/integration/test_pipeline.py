@@ -399,7 +399,7 @@ def test_smallest_sweep_end_to_end(tmp_path):
     # any number of rounds; the per-pass measurements (repeats) the cost model prices stay the sweep's
     sweep["calibrate"].update(warmup=1, method_repeats=3)
     (work / "e2e.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
-    proc = snakemake(work, "--cores", "2", "--configfile", "e2e.yaml", timeout=900)
+    proc = snakemake_here(work, "--cores", "2", "--configfile", "e2e.yaml")  # the jobs: processes of their own
     assert proc.returncode == 0, proc.stderr[-4000:]
     proc = snakemake_here(work, "--configfile", "e2e.yaml", "--report", "results/report.html")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -460,7 +460,7 @@ def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
     finished = (full / "summary.json").stat()
     del sweep["methods"]["broken"]["reward"]
     (work / "fail.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
-    proc = snakemake(work, "tables", "--cores", "2", "--configfile", "fail.yaml")  # the plots need no checking here
+    proc = snakemake_here(work, "tables", "--cores", "2", "--configfile", "fail.yaml")  # no plots needed here
     assert proc.returncode == 0, proc.stderr[-4000:]
     log = (work / "results/logs/cell/sd3_32px_cpu.log").read_text()
     assert "run 1/2 results/runs/full_sd3_32px_s0_cpu kept: it ended ok" in log and "run 2/2" in log, log[-3000:]
@@ -486,12 +486,13 @@ def test_a_cell_journal_goes_when_snakemake_ends_short_of_the_manifest(tmp_path)
     other = cells / "sd3_64px_cpu.progress.json"
     other.write_text(json.dumps({"code": "x", "runs": {}}))
     target, summary = "results/done/full_sd3_32px_s0_cpu.json", work / "results/runs/full_sd3_32px_s0_cpu/summary.json"
-    proc = snakemake(work, target, "--cores", "2", "--configfile", "short.yaml")
+    proc = snakemake_here(work, target, "--cores", "2", "--configfile", "short.yaml")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not (work / "results/manifest.json").exists() and (work / target).is_file()
     assert sorted(p.name for p in cells.iterdir()) == ["sd3_32px_cpu.json", other.name]
     first = summary.stat().st_mtime_ns
-    proc = snakemake(work, target, "--cores", "2", "--forcerun", "cell_sd3_32px_cpu", "--configfile", "short.yaml")
+    proc = snakemake_here(work, target, "--cores", "2", "--forcerun", "cell_sd3_32px_cpu", "--configfile",
+                          "short.yaml")
     assert proc.returncode == 0, proc.stderr[-4000:]
     log = (work / "results/logs/cell/sd3_32px_cpu.log").read_text()
     assert "kept:" not in log and summary.stat().st_mtime_ns != first, log[-3000:]
@@ -556,7 +557,7 @@ def test_a_cell_job_stopped_by_a_signal_keeps_its_finished_runs(tmp_path):
     assert json.loads((first / "summary.json").read_text())["status"] == "ok"
     assert (first / "metrics.jsonl").is_file() and (first / "env.json").is_file()
     assert not (work / "results/done").exists() or not any((work / "results/done").iterdir())
-    again = snakemake(work, "tables", "--cores", "2", "--configfile", "stop.yaml")  # the plots need no checking here
+    again = snakemake_here(work, "tables", "--cores", "2", "--configfile", "stop.yaml")  # no plots needed here
     assert again.returncode == 0, again.stderr[-4000:]
     log = (work / "results/logs/cell/sd3_32px_cpu.log").read_text()
     assert "run 1/2 results/runs/first_sd3_32px_s0_cpu kept: it ended ok" in log, log[-3000:]
