@@ -1,6 +1,7 @@
 """The Snakemake workflow: sweep configs check out before any job starts (dry runs of the default, the
 paper-scale config and the SLURM profile), errors name the key, and the smallest sweep runs end to end."""
 import contextlib
+import faulthandler
 import fnmatch
 import io
 import itertools
@@ -52,7 +53,7 @@ def snakemake(work: Path, *args: str, timeout: float = 300) -> subprocess.Comple
                           timeout=timeout)
 
 
-def snakemake_here(work: Path, *args: str) -> subprocess.CompletedProcess:
+def snakemake_here(work: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """``snakemake ARGS`` run in ``work`` by Snakemake's command-line entry point in this process (for dry runs:
     the same parse of the Snakefile and the same plan, without an interpreter's start-up and Snakemake's
     imports each time), as :func:`snakemake` reports it: the exit code SystemExit carries, and an exception
@@ -61,7 +62,9 @@ def snakemake_here(work: Path, *args: str) -> subprocess.CompletedProcess:
     Snakemake's process hands to a child process run in this one too (:func:`helpers.sweep_checks_here`: the
     same answers, kept in the same cache); the jobs of a run that is not a dry run are still child processes of
     their own. What Snakemake changes in the process (its scheduler's SIGTERM handler, sys.path, warning
-    filters, the working directory) is put back."""
+    filters, the working directory) is put back. A call that runs past ``timeout`` seconds ends the test process
+    with every thread's stack (faulthandler), as :func:`snakemake`'s timeout ends its process: a hung job fails
+    the suite instead of blocking it."""
     from snakemake.cli import main
 
     from helpers import sweep_checks_here
@@ -71,6 +74,7 @@ def snakemake_here(work: Path, *args: str) -> subprocess.CompletedProcess:
     handlers = {signum: signal.getsignal(signum) for signum in signal.valid_signals()
                 if signum not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(signum) is not None}
     os.chdir(work)
+    faulthandler.dump_traceback_later(timeout, exit=True)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(), \
                 sweep_checks_here():
@@ -81,6 +85,7 @@ def snakemake_here(work: Path, *args: str) -> subprocess.CompletedProcess:
         err.write(traceback.format_exc())
         code = 1
     finally:
+        faulthandler.cancel_dump_traceback_later()
         os.chdir(cwd)
         sys.path[:] = path
         for signum, handler in handlers.items():
