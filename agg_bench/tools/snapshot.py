@@ -475,7 +475,11 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
     prec = precision(meta["dtype"])
     transformer = _load_transformer(root, meta, device)
     policy = POLICIES[family](transformer, None, autocast_dtype=prec.autocast_dtype)
-    t = {k: v.to(device) for k, v in _rollout_tensors(root, policy, meta, _snapshot_method(config_path, run)).items()}
+    method = _snapshot_method(config_path, run)
+    tensors = _rollout_tensors(root, policy, meta, method)
+    if run is not None:
+        _check_rollout_size(config_path, run, method, tensors)
+    t = {k: v.to(device) for k, v in tensors.items()}
     batch = TrainBatch(
         latents=t["latents"], log_probs=t["log_probs"], sigmas=t["sigmas"], timesteps=t["timesteps"],
         advantages=t["advantages"], train_steps=t["train_steps"],
@@ -485,6 +489,24 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
     )
     check_not_written(root, "snapshot")  # a snapshot that began while its files were read
     return Snapshot(policy, batch, meta, run.to_dict() if run is not None else {}, root)
+
+
+def _check_rollout_size(config_path: Path, run: RunConfig, method: Estimator, tensors: dict[str, torch.Tensor]) -> None:
+    """The snapshot's run config ``run`` (``config_path``) against the size of its rollout ``tensors``: B samples
+    of ``grpo.prompts_per_iteration`` x ``grpo.group_size``, and, where the snapshot's ``method`` samples on the
+    run's own grid (the default rollout), T = ``sampling.steps``. A replay's run checks (AGG's W <= N, a plan's
+    steps) read the config, so a config.json edited after the snapshot would check a window against steps the
+    rollout does not have."""
+    samples, steps = tensors["latents"].shape[0], tensors["latents"].shape[1] - 1
+    rollout = f"{config_path.parent / 'rollout.safetensors'}"
+    grpo = run.grpo
+    if grpo.prompts_per_iteration * grpo.group_size != samples:
+        raise UserError(f"{config_path}: grpo.prompts_per_iteration x grpo.group_size = {grpo.prompts_per_iteration} x "
+                        f"{grpo.group_size}: expected {samples} samples in all, as {rollout} holds")
+    run_grid = type(method).rollout is Estimator.rollout  # awm, dgpo, mixgrpo_flash sample on grids of their own
+    if run_grid and run.sampling.steps != steps:
+        raise UserError(f"{config_path}: sampling.steps = {run.sampling.steps}: expected {steps}, the steps of "
+                        f"the rollout {rollout} holds")
 
 
 def _snapshot_method(config_path: Path, run: RunConfig | None) -> Estimator:

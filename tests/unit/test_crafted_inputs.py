@@ -754,6 +754,11 @@ def edit_json(snap: Path, name: str, change) -> None:
 @pytest.mark.parametrize("name, change, words", [
     ("config.json", lambda c: c["sampling"].update(steps=10_000_000), "config.json: config error: sampling.steps"),
     ("config.json", lambda c: [1], "config.json: holds a list"),
+    # edited after the snapshot: AGG's W <= N was checked against steps the rollout does not have (W = 4 on 3)
+    ("config.json", lambda c: c["sampling"].update(steps=4), "config.json: sampling.steps = 4: expected 3, the steps "
+                                                             "of the rollout"),
+    ("config.json", lambda c: c["grpo"].update(group_size=4), "config.json: grpo.prompts_per_iteration x "
+                                                              "grpo.group_size = 1 x 4: expected 2 samples"),
     ("rollout.json", lambda c: c.update(family="nosuch"), "rollout.json: family = 'nosuch': expected one of"),
     ("rollout.json", lambda c: c.update(eta="x"), "rollout.json: eta = 'x': expected a number"),
     ("rollout.json", lambda c: c.update(clip_range=-1), "rollout.json: clip_range = -1: expected a number > 0"),
