@@ -399,8 +399,8 @@ def cmd_profile(args) -> int:
         if not least <= value <= MAX_PROFILE_STEPS:
             raise ConfigError(flag, value, f"an integer from {least} to {MAX_PROFILE_STEPS}")
     # as in replay: --method replaces the config's method section; --set method.KEY=VALUE adds options
+    check_method_kept(args.method, args.overrides)
     cfg = _run_config(args.config, [f"method={json.dumps({'name': args.method})}", *args.overrides])
-    check_method_kept(args.method, args.overrides, cfg)
     out = args.out
     # the profile is written into a new folder renamed over --out when whole: a profile killed while it wrote
     # left a torn operators.csv, or this profile's traces under the earlier one's profile.json, in the folder

@@ -91,16 +91,20 @@ def agg_grid(windows: list[int], alphas: list[str], route_fracs: list[float],
 REPLAN_KEYS = ("train.timestep_fraction", "train.plan", "train.plan_window", "train.ignore_last", "seed")
 
 
-def check_method_kept(method: str, overrides: Iterable[str], cfg: RunConfig) -> None:
+def check_method_kept(method: str, overrides: Iterable[str]) -> None:
     """Refuse an override that names a method other than ``method``, the one the verb was given: its result
-    would be the other method's, written and labelled as ``method``'s."""
-    if cfg.method.name == method:
-        return
+    would be the other method's, written and labelled as ``method``'s. Called before the config is validated,
+    so that the line names the override that changed the method, not an option of ``method`` the other one
+    lacks (``--set method.window=3 --set method.name=full``)."""
     for item in reversed(list(overrides)):
         key, value = parse_override(item)
-        if key in ("method", "method.name"):
+        if key not in ("method", "method.name"):
+            continue
+        named = value.get("name") if key == "method" and isinstance(value, dict) else value
+        if named != method:  # a method section without a name is the default method's
             raise ConfigError(key, value, f"the options of method '{method}' (its name is given once, as the "
                                           "method itself, not by an option)")
+        return
 
 
 def replay_setup(config: dict, method: str, overrides: list[str],
@@ -109,11 +113,11 @@ def replay_setup(config: dict, method: str, overrides: list[str],
     and the estimator, after the method's own run checks (``check_run``: W <= N, train.plan compatibility).
     ``also``: keys beyond ``method.*`` (and :data:`REPLAN_KEYS` for a method that replans) the caller honours
     (calibrate's plan keys of a method timed on its own rollout)."""
+    check_method_kept(method, overrides)
     config = dict(config)
     config["method"] = {"name": method}
     cfg = validate(apply_overrides(config, overrides))
     estimator = build_estimator(cfg)
-    check_method_kept(method, overrides, cfg)
     for item in overrides:
         key, value = parse_override(item)
         if key == "method" or key.startswith("method.") or key in also:

@@ -147,6 +147,8 @@ def test_parse_values():
     (["--methods", "agg:nope=1"], "method.nope"),
     (["--methods", "sgd"], "method.name"),
     (["--methods", "agg:name=full"], "method.name"),  # full's gradient would be written as agg's row
+    # named the option full lacks (method.window) rather than the override that made the method full
+    (["--methods", "agg:window=3,name=full"], "method.name = 'full'"),
     (["--windows", "2,7"], "method.window"),  # longer than the snapshot's 6 trained steps
     (["--methods", "fraction"], "train.plan"),  # the snapshot's groups plan is not DanceGRPO's
     (["--methods", "full:train.plan=steps"], "train.plan"),  # full trains the snapshot's own steps

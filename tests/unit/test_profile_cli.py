@@ -108,6 +108,8 @@ def test_profile_iterations_of_a_method_with_options(tmp_path, capsys):
     (["--method", "full", "--set", "method.window=3"], "method.window"),
     (["--method", "agg", "--set", "method.name=full"], "method.name"),  # full's profile, labelled agg's
     (["--method", "agg", "--set", "method={name: full}"], "method = "),
+    # the override that made the method full, not the option of agg's full lacks (method.window)
+    (["--method", "agg", "--set", "method.window=3", "--set", "method.name=full"], "method.name = 'full'"),
 ])
 def test_profile_user_errors_are_one_line_and_exit_code_2(tmp_path, capsys, args, key):
     out = tmp_path / "prof"
