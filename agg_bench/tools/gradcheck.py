@@ -13,6 +13,8 @@ or ``not_applicable`` (a rollout-only cache: the row has no numbers); ``replay_n
 from __future__ import annotations
 
 import csv
+import dataclasses
+import json
 import shutil
 import time
 from pathlib import Path
@@ -70,6 +72,38 @@ def parse_values(text: str, flag: str, kind: type) -> list:
     return out
 
 
+def _canonical(value: Any) -> Any:
+    """``value`` (a config's dict) with every number a float, so that ``route_frac=1`` and ``1.0`` compare equal."""
+    if isinstance(value, dict):
+        return {key: _canonical(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item) for item in value]
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def check_distinct(jobs: list[ReplayJob], setups: list[tuple[RunConfig, Any]]) -> None:
+    """Refuse a job whose replay (method, every option with its default, the run config it replays under)
+    another job before it already makes: ``--methods agg:window=3,alpha=sigma,route_frac=1`` beside a grid row
+    of those settings would replay one gradient again and write its row twice. The reference is left out:
+    ``full`` with options equal to its own (``full:micro_batch=null``) is a replay of its own, a check that the
+    replay is deterministic."""
+    seen: dict[str, ReplayJob] = {}
+    for job, (cfg, estimator) in zip(jobs, setups):
+        if job == REFERENCE:
+            continue
+        rest = {key: value for key, value in cfg.to_dict().items() if key != "method"}
+        config = estimator.config
+        options = dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else {}
+        key = json.dumps(_canonical({"name": estimator.name, "options": options, "run": rest}), sort_keys=True,
+                         default=str)
+        first = seen.setdefault(key, job)
+        if first is not job:
+            given = f"{job.method}:{job.label}" if job.label else job.method
+            made = first.method + (f" with {first.label}" if first.label else "")
+            raise ConfigError("--methods", given, f"a replay the grid and the other --methods do not make already "
+                                                  f"(this is {made} again, its row written twice)")
+
+
 def compare(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, float, float]:
     """(cosine, relative error ||g - g_ref|| / ||g_ref||, ||g||) over all parameters, in float64."""
     dot = num = ref_sq = sq = 0.0
@@ -101,6 +135,7 @@ def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = Tr
     A job of ``full`` without options is the reference itself: its row is the reference's, replayed once."""
     jobs = [REFERENCE, *(job for job in jobs if job != REFERENCE)]
     setups = build_estimators(snapshot.config, jobs)  # a bad option fails before any replay runs
+    check_distinct(jobs, setups)
     cases = [replay_case_of(snapshot, estimator, cfg) for cfg, estimator in setups]
     for (_, estimator), case in zip(setups, cases):  # and steps a method cannot train, too
         if case.scope != "not_applicable":
@@ -199,7 +234,9 @@ def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, 
     else:
         if cfg is None:
             raise UserError("gradcheck needs a run config to make a snapshot from (or --snapshot DIR of one)")
-        build_estimators(cfg.to_dict(), jobs)  # fail on a bad option before the rollout, not after
+        # fail on a bad option, or a replay asked for twice, before the rollout, not after
+        every = [REFERENCE, *(job for job in jobs if job != REFERENCE)]
+        check_distinct(every, build_estimators(cfg.to_dict(), every))
         if snapshot_dir is None:  # a killed earlier gradcheck's snapshot: a model's weights
             remove_stale_temps(snapshot_target(out))
         folder = Path(snapshot_dir) if snapshot_dir is not None else \

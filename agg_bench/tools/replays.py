@@ -51,11 +51,11 @@ def parse_method_specs(specs: Iterable[str]) -> list[ReplayJob]:
                 key, text = item.split("=", 1)
                 jobs[-1][1].append((key.strip(), text.strip()))
                 continue
-            name, _, option = item.partition(":")
+            name, colon, option = item.partition(":")
             if not name.strip():
                 raise ConfigError("--methods", spec, "name or name:key=value items, e.g. fraction,cached:cache=fora")
             jobs.append((name.strip(), []))
-            if option:
+            if colon:  # 'agg:' with nothing after it: an option left out by mistake
                 if "=" not in option:
                     raise ConfigError("--methods", spec, f"key=value after '{name}:'")
                 key, text = option.split("=", 1)

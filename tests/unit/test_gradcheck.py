@@ -117,7 +117,7 @@ def test_parse_method_specs():
         ReplayJob("full"), ReplayJob("fraction"), ReplayJob("cached", (("cache", "fora"), ("interval", "2"))),
         ReplayJob("agg", (("window", "4"),))]
     assert ReplayJob("cached", (("cache", "fora"),)).overrides == ["method.cache=fora"]
-    for bad in ("interval=2", ":x=1", "cached:fora"):
+    for bad in ("interval=2", ":x=1", "cached:fora", "agg:"):
         with pytest.raises(ConfigError):
             parse_method_specs([bad])
     # the same replay twice (options in any order) would replay one gradient again and write its row twice
@@ -149,6 +149,8 @@ def test_parse_values():
     (["--methods", "agg:name=full"], "method.name"),  # full's gradient would be written as agg's row
     # named the option full lacks (method.window) rather than the override that made the method full
     (["--methods", "agg:window=3,name=full"], "method.name = 'full'"),
+    # a row of the grid again (route_frac 1 is 1.0, reuse_rollout_velocity its default): its row written twice
+    (["--methods", "agg:window=3,alpha=sigma,route_frac=1"], "--methods = 'agg:window=3,alpha=sigma,route_frac=1'"),
     (["--windows", "2,7"], "method.window"),  # longer than the snapshot's 6 trained steps
     (["--methods", "fraction"], "train.plan"),  # the snapshot's groups plan is not DanceGRPO's
     (["--methods", "full:train.plan=steps"], "train.plan"),  # full trains the snapshot's own steps
