@@ -40,6 +40,9 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(key, str(path), "an existing .txt or .jsonl prompts file")
+    if path.suffix not in (".txt", ".jsonl"):  # a .json list or a .csv read as lines: each line a prompt
+        raise ConfigError(key, str(path), "a .txt (one prompt per line) or .jsonl ({\"prompt\": ...} per line) "
+                                          "prompts file")
     try:
         text = read_bounded(path, MAX_PROMPT_FILE_BYTES).decode("utf-8")
     except TooLarge as err:

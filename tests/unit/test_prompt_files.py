@@ -33,3 +33,20 @@ def test_a_unicode_line_separator_inside_a_prompt_does_not_split_it(tmp_path, se
     (tmp_path / "prompts.jsonl").write_text(f'{{"prompt": "{text}"}}\n', encoding="utf-8")
     assert load_prompts(tmp_path / "prompts.txt") == [text, "blue sphere"]
     assert load_prompts(tmp_path / "prompts.jsonl") == [text]
+
+
+@pytest.mark.parametrize("name, data", [
+    ("prompts.json", b'["a red cube",\n "blue sphere"]\n'),  # each line was a prompt: '["a red cube",'
+    ("prompts.csv", b"prompt,seed\na red cube,1\n"),
+    ("prompts", b"a red cube\n"),
+])
+def test_a_prompts_file_of_another_kind_is_refused_by_its_suffix(tmp_path, capsys, name, data):
+    from agg_bench.cli import main
+
+    path = tmp_path / name
+    path.write_bytes(data)
+    out = tmp_path / "e" / "x.safetensors"
+    assert main(["embed", "--set", f"prompts.file={path}", "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"prompts.file = '{path}': expected a .txt" in lines[0], lines
+    assert not out.parent.exists()
