@@ -464,6 +464,9 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
     root = Path(snapshot_dir)
     # a snapshot being written replaces its files one by one: meanwhile they are part of two snapshots
     check_not_written(root, "snapshot")
+    if not root.is_dir():  # a mistyped path, or a file of the snapshot given for its folder
+        raise UserError(f"snapshot {root}: {'no such folder' if not root.exists() else 'not a folder'}; expected "
+                        "the folder `agg-bench snapshot --out` wrote")
     for name in ("transformer", "rollout.safetensors", "rollout.json"):
         if not (root / name).exists():
             raise UserError(f"snapshot {root}: missing {name} (make one with `agg-bench snapshot`)")

@@ -751,6 +751,18 @@ def edit_json(snap: Path, name: str, change) -> None:
     (snap / name).write_text(json.dumps(changed if changed is not None else data))
 
 
+@pytest.mark.parametrize("given, words", [("nope", "no such folder"), ("snap.json", "not a folder")])
+def test_replay_of_a_path_that_is_no_folder_says_so(tmp_path, capsys, given, words):
+    """`replay nope` and `replay SNAP/config.json` said `missing transformer`, as if the folder were a snapshot
+    short of a file."""
+    (tmp_path / "snap.json").write_text("{}")
+    out = tmp_path / "g.safetensors"
+    assert main(["replay", str(tmp_path / given), "--method", "agg", "--out", str(out)]) == 2
+    line, = capsys.readouterr().err.strip().splitlines()
+    assert f"snapshot {tmp_path / given}: {words}; expected the folder `agg-bench snapshot --out` wrote" in line, line
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name, change, words", [
     ("config.json", lambda c: c["sampling"].update(steps=10_000_000), "config.json: config error: sampling.steps"),
     ("config.json", lambda c: [1], "config.json: holds a list"),
