@@ -29,7 +29,7 @@ from ..engine.families import model_label
 from ..errors import ConfigError, UserError
 from ..io import atomic_file, atomic_path, remove_stale_temps
 from ..outdir import check_suffix, claim_files
-from ..records import GRADCHECK_OPTION_COLUMNS
+from ..records import GRADCHECK_OPTION_COLUMNS, is_integer
 from ..machine.devices import resolve_device
 from .replays import ReplayJob, agg_grid, build_estimators, parse_method_specs
 from .snapshot import (Snapshot, check_outside_snapshot, check_trainable, load_snapshot, replay_case_of,
@@ -78,7 +78,12 @@ def _canonical(value: Any) -> Any:
         return {key: _canonical(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_canonical(item) for item in value]
-    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    return float(value) if is_integer(value) else value
+
+
+def reference_first(jobs: list[ReplayJob]) -> list[ReplayJob]:
+    """``jobs`` with the reference (``full`` without options) first and once: the replays a gradcheck makes."""
+    return [REFERENCE, *(job for job in jobs if job != REFERENCE)]
 
 
 def check_distinct(jobs: list[ReplayJob], setups: list[tuple[RunConfig, Any]]) -> None:
@@ -133,7 +138,7 @@ def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = Tr
     """Replay ``full`` and then every job on ``snapshot``; one row (COLUMNS) per replay, reference first.
     A job whose replay is not applicable gets a row with its options and ``replay_note`` and no numbers.
     A job of ``full`` without options is the reference itself: its row is the reference's, replayed once."""
-    jobs = [REFERENCE, *(job for job in jobs if job != REFERENCE)]
+    jobs = reference_first(jobs)
     setups = build_estimators(snapshot.config, jobs)  # a bad option fails before any replay runs
     check_distinct(jobs, setups)
     cases = [replay_case_of(snapshot, estimator, cfg) for cfg, estimator in setups]
@@ -235,7 +240,7 @@ def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, 
         if cfg is None:
             raise UserError("gradcheck needs a run config to make a snapshot from (or --snapshot DIR of one)")
         # fail on a bad option, or a replay asked for twice, before the rollout, not after
-        every = [REFERENCE, *(job for job in jobs if job != REFERENCE)]
+        every = reference_first(jobs)
         check_distinct(every, build_estimators(cfg.to_dict(), every))
         if snapshot_dir is None:  # a killed earlier gradcheck's snapshot: a model's weights
             remove_stale_temps(snapshot_target(out))
