@@ -1,7 +1,8 @@
 """Frozen rollouts for replay: every method's gradient can be computed on the very same rollout.
 
 A snapshot folder holds ``transformer/`` (diffusers ``save_pretrained``), ``rollout.safetensors``,
-``rollout.json`` and the run's ``config.json``. A LoRA run keeps its base weights in ``transformer/``, the
+``rollout.json`` (with ``rollout_sha256``, the SHA-256 of the ``rollout.safetensors`` written with it) and the run's
+``config.json``. A LoRA run keeps its base weights in ``transformer/``, the
 adapter in ``lora/`` and the adapter settings under ``lora`` in ``rollout.json``.
 
 ``agg-bench snapshot`` writes the whole snapshot into a temporary folder inside ``--out`` and moves it into
@@ -10,7 +11,9 @@ nothing of its own; a rollout holding a NaN or an infinity is refused before any
 (:func:`load_snapshot`) checks every file against what the writer writes before a gradient is computed: ``rollout.json``'s settings through the typed run config and equal to the
 snapshot's ``config.json``, the transformer's config, loadable and finite weights, and every tensor of
 ``rollout.safetensors`` of the shape those settings imply, of the dtype the writer writes and finite, and its
-timesteps those the snapshot's method gives the model at its sigmas.
+timesteps those the snapshot's method gives the model at its sigmas. A ``rollout.safetensors`` whose SHA-256 is not
+the one ``rollout.json`` records (another snapshot's rollout, of the same shapes) is refused; a snapshot written
+before the digest was recorded is read without that check.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from ..engine.lora import ADAPTER_FILE, load_adapter, lora_settings, save_transf
 from ..engine.models import (MAX_MODEL_SIZE, POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, _load_component,
                              precision, text_dims)
 from ..engine.sampler import sampler_dtype
+from ..engine.text import file_sha256
 from ..engine.trained_steps import NO_STEP
 from .. import stopping
 from ..errors import ConfigError, UserError, quote
@@ -66,6 +70,8 @@ SETTINGS = {"family": "model.family", "sde": "sampling.sde", "eta": "sampling.et
             "adv_std": "grpo.adv_std", "dtype": "model.dtype", "resolution": "model.resolution"}
 LORA_SETTINGS = {"rank": "train.lora_rank", "alpha": "train.lora_alpha", "target_modules": "train.lora_target_modules"}
 REQUIRED_SETTINGS = ("family", "sde", "eta", "clip_range")  # every snapshot has them; the rest may be older than it
+# rollout.json's record of the rollout.safetensors written with it (hex SHA-256 of its bytes); older snapshots lack it
+DIGEST_KEY = "rollout_sha256"
 
 # what a snapshot folder holds; any other file in --out is someone else's. transformer/ and lora/ are replaced
 # whole by a new snapshot, so what they hold is checked too.
@@ -136,7 +142,8 @@ def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items() if v is not None},
                   str(staging / "rollout.safetensors"))
         write_json(staging / "rollout.json", {**rollout_settings(cfg),
-                                              "vae_scale_factor": session.policy.vae_scale_factor})
+                                              "vae_scale_factor": session.policy.vae_scale_factor,
+                                              DIGEST_KEY: file_sha256(staging / "rollout.safetensors")})
         write_json(staging / "config.json", cfg.to_dict())
         follow_umask(staging)  # safetensors writes its files 0600
         _move_into_place(staging, out)
@@ -177,8 +184,8 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
     """``rollout.json`` of the snapshot folder ``root``, checked against what ``agg-bench snapshot`` writes
     (:func:`rollout_settings`): its settings within the typed run config's bounds and equal to those of the
     snapshot's run config ``run`` (checked already; None for a snapshot without one). A UserError naming
-    the file and key otherwise. Returns every setting (a key an older snapshot lacks: its run config's) and
-    ``vae_scale_factor`` (None where the snapshot predates it)."""
+    the file and key otherwise. Returns every setting (a key an older snapshot lacks: its run config's),
+    ``vae_scale_factor`` and ``rollout_sha256`` (each None where the snapshot predates it)."""
     path = root / "rollout.json"
     meta = read_json_object(path, "the rollout settings of an agg-bench snapshot (a JSON object)")
     for key in REQUIRED_SETTINGS:
@@ -223,7 +230,12 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
     factor = meta.get("vae_scale_factor")
     if factor is not None and not (type(factor) is int and 1 <= factor <= MAX_MODEL_SIZE):
         raise UserError(f"{path}: vae_scale_factor = {quote(factor)}: expected an integer from 1 to {MAX_MODEL_SIZE}")
-    return {**made, "vae_scale_factor": factor}
+    digest = meta.get(DIGEST_KEY)
+    if digest is not None and not (isinstance(digest, str) and len(digest) == 64
+                                   and all(c in "0123456789abcdef" for c in digest)):
+        raise UserError(f"{path}: {DIGEST_KEY} = {quote(digest)}: expected the SHA-256 of rollout.safetensors "
+                        "(64 lowercase hex digits), as agg-bench snapshot writes it")
+    return {**made, "vae_scale_factor": factor, DIGEST_KEY: digest}
 
 
 def _written_as(cfg: RunConfig, dotted: str, value: Any) -> bool:
@@ -350,6 +362,7 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimato
     except (SafetensorError, OSError, ValueError) as err:
         raise UserError(f"{path}: not a readable safetensors file ({_first_line(err)}); expected the rollout "
                         "agg-bench snapshot wrote") from None
+    _check_digest(path, meta[DIGEST_KEY])
     text_dim, pooled_dim = text_dims(policy.transformer)
     dims: dict[str, int] = {"D": text_dim}
     if pooled_dim is not None:
@@ -426,6 +439,22 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimato
                         f"{quote(float(expected[j]))}, the value the rollout gives the model at its sigma "
                         f"{quote(float(sigmas[j]))}")
     return tensors
+
+
+def _check_digest(path: Path, recorded: str | None) -> None:
+    """Refuse the rollout file ``path`` whose SHA-256 is not ``recorded``, the one ``rollout.json`` records (None:
+    a snapshot older than the record, not checked): another snapshot's rollout of the same shapes passes every
+    other check, and its gradients are not those of the rollout the snapshot's config.json describes."""
+    if recorded is None:
+        return
+    try:
+        found = file_sha256(path)
+    except OSError as err:
+        raise UserError(f"{path}: {_first_line(err)}; expected the rollout agg-bench snapshot wrote") from None
+    if found != recorded:
+        raise UserError(f"{path}: not the rollout this snapshot recorded: its SHA-256 is {found[:16]}..., "
+                        f"{path.parent / 'rollout.json'} records {DIGEST_KEY} {recorded[:16]}... (a rollout file of "
+                        "another snapshot?); expected the rollout.safetensors agg-bench snapshot wrote with it")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -9,6 +9,7 @@ learning runs are one run of 2 iterations on it, copied and edited.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -781,6 +782,8 @@ def test_replay_of_a_path_that_is_no_folder_says_so(tmp_path, capsys, given, wor
     ("rollout.json", lambda c: c.update(family="flux"), "rollout.json: family = 'flux': expected 'sd3'"),
     ("rollout.json", lambda c: c.update(lora={"rank": 2}), "rollout.json: lora = {'rank': 2}: expected null or"),
     ("rollout.json", lambda c: c.update(vae_scale_factor=0), "rollout.json: vae_scale_factor = 0: expected an integer"),
+    ("rollout.json", lambda c: c.update(rollout_sha256="abc"), "rollout.json: rollout_sha256 = 'abc': expected the "
+                                                               "SHA-256 of rollout.safetensors"),
     ("transformer/config.json", lambda c: c.update(num_layers=100_000), "num_layers = 100000: expected an integer"),
     # each size within its bound, together 10^20 parameters: a RuntimeError of the allocator, exit 1
     ("transformer/config.json", lambda c: c.update(num_layers=256, num_attention_heads=16384, attention_head_dim=16384,
@@ -800,6 +803,26 @@ def test_replay_reads_a_snapshot_through_the_same_checks(snapshot, tmp_path, cap
     edit_json(snap, name, change)
     for line in refused_by_replay_and_gradcheck(snap, tmp_path, capsys):
         assert words in line, line
+
+
+def test_replay_refuses_the_rollout_file_of_another_snapshot(snapshot, tmp_path, capsys):
+    """The rollout.safetensors of another snapshot (another seed, the same shapes) in place of the snapshot's own
+    passes every check of its tensors: replay and gradcheck computed the gradients of a rollout the snapshot's
+    config.json does not describe, with exit 0. A snapshot written before the digest was recorded reads as before."""
+    from agg_bench.tools.snapshot import DIGEST_KEY, load_snapshot
+
+    other = tmp_path / "other"
+    settings = ["model.resolution=32", "sampling.steps=3", "grpo.group_size=2", "grpo.prompts_per_iteration=1",
+                "progress=false", "telemetry.enabled=false", "seed=1"]
+    assert main(["snapshot", *[a for s in settings for a in ("--set", s)], "--out", str(other)]) == 0
+    assert (other / "rollout.safetensors").read_bytes() != (snapshot / "rollout.safetensors").read_bytes()
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshot, snap)
+    shutil.copyfile(other / "rollout.safetensors", snap / "rollout.safetensors")
+    for line in refused_by_replay_and_gradcheck(snap, tmp_path, capsys):
+        assert f"{snap / 'rollout.safetensors'}: not the rollout this snapshot recorded" in line, line
+    edit_json(snap, "rollout.json", lambda c: {k: v for k, v in c.items() if k != DIGEST_KEY})  # an older snapshot
+    assert load_snapshot(snap).meta[DIGEST_KEY] is None
 
 
 def written_before_adv_ddof(config: dict) -> None:
@@ -831,9 +854,16 @@ def test_replay_reads_an_older_snapshot_s_adv_std_as_its_config_does(snapshot, t
 
 
 def edit_tensors(path: Path, change) -> None:
+    """Rewrite the safetensors file ``path`` with ``change`` of its tensors; a snapshot's rollout with the digest
+    rollout.json records of it rewritten too (a crafted pair: the checks behind the digest are what is tested)."""
     from safetensors.torch import load_file, save_file
 
+    from agg_bench.engine.text import file_sha256
+    from agg_bench.tools.snapshot import DIGEST_KEY
+
     save_file(change(load_file(str(path))), str(path))
+    if path.name == "rollout.safetensors":
+        edit_json(path.parent, "rollout.json", lambda c: c.update({DIGEST_KEY: file_sha256(path)}))
 
 
 def every_float(value: float):
@@ -952,7 +982,8 @@ def test_every_snapshot_the_writer_makes_reads_back(tmp_path, sets):
                              "grpo.prompts_per_iteration=1", "progress=false", "telemetry.enabled=false", *sets])
     snap = save_snapshot(cfg, tmp_path / "snap")
     loaded = load_snapshot(snap)
-    assert loaded.meta == {**rollout_settings(cfg), "vae_scale_factor": 8}
+    assert loaded.meta == {**rollout_settings(cfg), "vae_scale_factor": 8,
+                           "rollout_sha256": hashlib.sha256((snap / "rollout.safetensors").read_bytes()).hexdigest()}
     assert (loaded.meta["lora"] is not None) == ("train.lora_rank=2" in sets)
     written = load_file(str(snap / "rollout.safetensors"))
     kept = {"advantages": loaded.batch.advantages, "train_steps": loaded.batch.train_steps,
