@@ -226,13 +226,13 @@ def cmd_replay(args) -> int:
 
 
 def cmd_gradcheck(args) -> int:
-    from .tools.gradcheck import gradcheck, parse_values
-    from .tools.replays import parse_method_specs
+    from .tools.gradcheck import GRID_OPTIONS, gradcheck, parse_values
+    from .tools.replays import agg_grid, check_replay_count, parse_method_specs
 
     # the grid and the methods first: a bad item is refused before a config is read or a model built
     grid = (parse_values(args.windows, "--windows", int), parse_values(args.alphas, "--alphas", str),
             parse_values(args.route_fracs, "--route-fracs", float), parse_values(args.reuse, "--reuse", bool))
-    parse_method_specs(args.methods)
+    check_replay_count(agg_grid(*grid), parse_method_specs(args.methods), GRID_OPTIONS)
     existing = args.snapshot is not None and (args.snapshot / "rollout.json").exists()
     cfg = None if existing and not (args.config or args.overrides) else _run_config(args.config, args.overrides)
     if existing and cfg is not None:
@@ -481,6 +481,7 @@ def cmd_env(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .records import MAX_REPLAYS
 
     parser = OneLineParser(
         prog="agg-bench", description="AGG and the GRPO baselines on diffusion transformers: training runs, "
@@ -566,7 +567,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=file_arg, help="FILE.safetensors (+ FILE.json pass counts)")
     p.set_defaults(func=cmd_replay)
 
-    p = sub.add_parser("gradcheck", help="every estimator's gradient error against full on one snapshot -> CSV")
+    p = sub.add_parser("gradcheck", help="every estimator's gradient error against full on one snapshot -> CSV",
+                       description="Replays full, then every row of the AGG grid (--windows x --alphas x "
+                                   "--route-fracs x --reuse), then every --methods item, on one snapshot: at most "
+                                   f"{MAX_REPLAYS} replays in all, each one backward pass over the whole rollout.")
     _add_config_args(p)
     p.add_argument("--snapshot", type=path_arg, help="use this snapshot (or make one here and keep it)")
     p.add_argument("--windows", default="2,3,4,5,8", help="AGG windows W (default: 2,3,4,5,8)")

@@ -262,6 +262,11 @@ def passes_cost(counts: Mapping[str, float], prices: Mapping[str, float]) -> flo
     return sum(float(counts[key]) * float(prices[key]) for key in PASS_KEYS)
 
 
+# The most replays one gradcheck makes (the full reference, every row of the AGG grid, every --methods item:
+# tools.replays.check_replay_count). Each is a backward pass over the whole frozen rollout, about one training
+# iteration's update, so a gradcheck of this many costs what a run of as many iterations spends on its updates:
+# 4x the largest grid config/ holds (60 rows and its methods).
+MAX_REPLAYS = 256
 # Estimator options that get their own gradcheck column (whichever method has them).
 GRADCHECK_OPTION_COLUMNS = ("window", "alpha", "route_frac", "reuse_rollout_velocity", "endpoint_velocity", "cache",
                             "cache_in")

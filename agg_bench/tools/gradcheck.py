@@ -31,7 +31,7 @@ from ..io import atomic_file, atomic_path, remove_stale_temps
 from ..outdir import check_suffix, claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS, is_integer
 from ..machine.devices import resolve_device
-from .replays import ReplayJob, agg_grid, build_estimators, parse_method_specs
+from .replays import ReplayJob, agg_grid, build_estimators, check_replay_count, parse_method_specs
 from .snapshot import (Snapshot, check_outside_snapshot, check_trainable, load_snapshot, replay_case_of,
                        replay_gradient, save_snapshot)
 
@@ -45,6 +45,7 @@ COLUMNS = (
 # estimator options that get their own column (whichever method has them)
 OPTION_COLUMNS = GRADCHECK_OPTION_COLUMNS
 REFERENCE = ReplayJob("full")  # every gradcheck's first replay and row, whether --methods names it or not
+GRID_OPTIONS = "--windows x --alphas x --route-fracs x --reuse, --methods"  # what sets a gradcheck's replays
 
 
 def parse_values(text: str, flag: str, kind: type) -> list:
@@ -232,7 +233,9 @@ def snapshot_target(out: Path) -> Path:
 
 def _gradcheck(out: Path, cfg: RunConfig | None, snapshot_dir, windows, alphas, route_fracs, reuse, methods,
                device: torch.device) -> list[dict]:
-    jobs = agg_grid(list(windows), list(alphas), list(route_fracs), list(reuse)) + parse_method_specs(methods)
+    grid, extra = agg_grid(list(windows), list(alphas), list(route_fracs), list(reuse)), parse_method_specs(methods)
+    check_replay_count(grid, extra, GRID_OPTIONS)  # before the rollout: a grid no one can wait for
+    jobs = grid + extra
     temporary = None
     if snapshot_dir is not None and _has_snapshot(Path(snapshot_dir)):
         folder = Path(snapshot_dir)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..config import RunConfig, apply_overrides, parse_override, validate
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
+from ..records import MAX_REPLAYS
 from ..methods.base import Estimator, build_estimator
 
 
@@ -84,6 +85,20 @@ def agg_grid(windows: list[int], alphas: list[str], route_fracs: list[float],
                           ("reuse_rollout_velocity", "true" if r else "false")))
         for w, a, f, r in itertools.product(windows, alphas, route_fracs, reuse)
     ]
+
+
+
+
+def check_replay_count(grid: list[ReplayJob], methods: list[ReplayJob], named: str) -> None:
+    """Refuse a gradcheck of more than :data:`MAX_REPLAYS` replays: the ``full`` reference, the AGG ``grid`` and
+    ``methods`` (a ``full`` without options among them is the reference). ``named``: the options or keys that set
+    the grid, as the line names them."""
+    extra = sum(1 for job in methods if job != ReplayJob("full"))
+    count = 1 + len(grid) + extra
+    if count > MAX_REPLAYS:
+        raise UserError(f"{named}: {len(grid)} grid rows + {extra} methods + the full reference = {count} replays: "
+                        f"expected at most {MAX_REPLAYS} (each one backward pass over the whole rollout); split the "
+                        "grid over several gradchecks")
 
 
 # Keys outside the method section that a replay may set: the trained-step draw (train.plan) of a method that draws its own

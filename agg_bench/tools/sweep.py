@@ -561,8 +561,14 @@ def _check_replays(what: str, config: dict, grid: dict) -> None:
     """Each replay of gradcheck job ``what``'s ``grid`` (the AGG grid, then its ``methods``) set up on the job's
     ``config`` as `agg-bench gradcheck` sets it up before its rollout; a SweepError naming the job and the
     sweep's keys otherwise. Runs in the child process (torch)."""
-    from .replays import agg_grid, build_estimators, parse_method_specs
+    from .replays import agg_grid, build_estimators, check_replay_count, parse_method_specs
 
+    try:
+        check_replay_count(agg_grid(grid["windows"], grid["alphas"], grid["route_fracs"], grid["reuse"]),
+                           parse_method_specs(grid["methods"]), "gradcheck.windows x alphas x route_fracs x reuse, "
+                                                                "methods")
+    except UserError as err:
+        raise SweepError(f"{what}: {err}") from None
     try:
         build_estimators(config, agg_grid(grid["windows"], grid["alphas"], grid["route_fracs"], grid["reuse"]))
     except UserError as err:

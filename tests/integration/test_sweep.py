@@ -649,6 +649,10 @@ def test_labels_that_differ_only_in_case_are_refused(in_process, section, make):
     # the test sweep samples 6 steps: a window of 7 groups more steps than a sample trains
     ({"windows": [3, 7]}, "gradcheck.windows x alphas x route_fracs x reuse: config error: method.window = 7: "
                           "expected at most the 6 trained steps"),
+    # more replays than one gradcheck makes: refused before each is set up
+    ({"windows": list(range(1, 101)), "alphas": ["index", "sigma"], "route_fracs": [0, 1]},
+     "gradcheck.windows x alphas x route_fracs x reuse, methods: 400 grid rows + 0 methods + the full reference = "
+     "401 replays: expected at most 256"),
 ])
 def test_a_gradcheck_replay_that_its_job_would_refuse_is_refused_before_any_job(in_process, part, words):
     """The gradcheck job sets up each replay of its grid and its --methods before its rollout, and refused a bad

@@ -372,6 +372,31 @@ def test_gradcheck_refuses_an_empty_methods_item(tmp_path, capsys, monkeypatch, 
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("grid, methods, words", [
+    (["--windows", ",".join(map(str, range(1, 1001)))], [], "6000 grid rows + 0 methods + the full reference = 6001"),
+    (["--windows", ",".join(map(str, range(1, 65))), "--route-fracs", "0,1"], ["full,fraction"],
+     "256 grid rows + 1 methods + the full reference = 258 replays"),
+])
+def test_gradcheck_refuses_a_grid_over_its_bound_before_the_rollout(tmp_path, capsys, monkeypatch, grid, methods, words):
+    """A grid of thousands of replays (--windows 1,...,1000 x two alphas) started without a word: a rollout, then
+    one backward pass over it per replay, for days. Refused before a config is read or the rollout computed, by
+    the CLI and by gradcheck() itself; the bound is the one --help states."""
+    from agg_bench.records import MAX_REPLAYS
+    from agg_bench.tools import gradcheck
+
+    monkeypatch.setattr(cli, "_run_config", lambda *a: pytest.fail("the grid was not refused first"))
+    monkeypatch.setattr(gradcheck, "save_snapshot", lambda *a: pytest.fail("the grid was not refused first"))
+    line = fails(capsys, ["gradcheck", *grid, *(a for m in methods for a in ("--methods", m)),
+                          "--out", str(tmp_path / "g.csv")])
+    assert f"--windows x --alphas x --route-fracs x --reuse, --methods: {words}" in line, line
+    assert f"expected at most {MAX_REPLAYS}" in line, line
+    with pytest.raises(UserError, match=f"expected at most {MAX_REPLAYS}"):
+        gradcheck.gradcheck(tmp_path / "g.csv", None, tmp_path / "snap", windows=range(1, 1001))
+    assert not any(tmp_path.iterdir())
+    assert f"at most {MAX_REPLAYS} replays" in " ".join(cli.build_parser()._subparsers._group_actions[0]
+                                                       .choices["gradcheck"].format_help().split())
+
+
 @pytest.mark.parametrize("value, key", [("cached:cache=fora,cache=fbc", "cache"),
                                         ("fraction:seed=1,train.plan=steps,seed=2", "seed")])
 def test_gradcheck_refuses_a_method_option_given_twice(tmp_path, capsys, monkeypatch, value, key):
