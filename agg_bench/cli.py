@@ -325,8 +325,19 @@ def cmd_learning(args) -> int:
         raise UserError("give --tables DIR and/or --plots DIR")
     # a reference's manifest while an unpack into it is under way or was cut off
     check_no_unpack_above(args.manifest, 1, f"--manifest {args.manifest}", set())
-    options = LearningOptions(args.average, args.fraction, args.eval_noises, args.eval_seed, args.eval_sampler,
+    given = {"--eval-seed": args.eval_seed, "--eval-sampler": args.eval_sampler}
+    defaults = LearningOptions()
+    options = LearningOptions(args.average, args.fraction, args.eval_noises,
+                              defaults.eval_seed if args.eval_seed is None else args.eval_seed,
+                              defaults.eval_sampler if args.eval_sampler is None else args.eval_sampler,
                               args.target_fraction, args.reference, args.eval_source)
+    options.check()  # a value out of range is named first
+    flag = _first_given(args, *given)
+    if flag is not None and not args.eval_noises and args.plots is None:
+        # the checkpoint evaluation samples only for the evaluation columns or the sample grid: the option would
+        # change nothing written
+        raise UserError(f"{flag} {given[flag]}: sets the checkpoint evaluation's noise, which runs only with "
+                        f"--eval-noises >= 1 or --plots; give one of them, or leave {flag} out")
     runs = learning_report(args.manifest, args.tables, args.plots, options)
     print(json.dumps({"tables": str(args.tables) if args.tables else None,
                       "plots": str(args.plots) if args.plots else None, "runs": len(runs)}))
@@ -617,9 +628,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fraction", type=number_arg, default=0.8, help="fraction of full's gain to reach (default 0.8)")
     p.add_argument("--eval-noises", type=integer_arg, default=0,
                    help="held-out evaluation: noises per caption (default 0: no evaluation columns)")
-    p.add_argument("--eval-seed", type=integer_arg, default=0, help="seed of the evaluation's noise (default 0)")
-    p.add_argument("--eval-sampler", default="ode",
-                   help="ode: deterministic Euler; sde: the rollouts' SDE with seeded step noise (default ode)")
+    p.add_argument("--eval-seed", type=integer_arg,
+                   help="seed of the evaluation's noise (default 0; needs --eval-noises >= 1 or --plots)")
+    p.add_argument("--eval-sampler",
+                   help="ode: deterministic Euler; sde: the rollouts' SDE with seeded step noise (default ode; needs "
+                        "--eval-noises >= 1 or --plots)")
     p.add_argument("--target-fraction", type=number_arg, default=0.9,
                    help="the held-out target: this fraction of the reference's mean held-out gain (default 0.9)")
     p.add_argument("--reference", default=None,

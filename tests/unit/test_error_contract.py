@@ -123,6 +123,15 @@ def test_learning_keeps_the_contract(tmp_path, capsys, monkeypatch):
     assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables, "--eval-sampler", "euler"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "agg-bench learning: config error: --eval-sampler = 'euler': expected one of ode, sde"]
+    # the evaluation's noise with neither --eval-noises nor --plots: no evaluation runs, the option changed nothing
+    for option, value in (("--eval-sampler", "sde"), ("--eval-seed", "7")):
+        for evaluation in ([], ["--eval-noises", "0"]):
+            assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables, option, value,
+                             *evaluation]) == 2
+            assert capsys.readouterr().err.splitlines() == [
+                f"agg-bench learning: {option} {value}: sets the checkpoint evaluation's noise, which runs only with "
+                f"--eval-noises >= 1 or --plots; give one of them, or leave {option} out"]
+    assert not (tmp_path / "t").exists()
     (tmp_path / "m.json").write_text('{"runs": [{"dir": "run", "method": "full", "seed": 0}]}')
     monkeypatch.setattr(learning, "load_runs", lambda path: [][0])  # noqa: PLE0643 (a bug on purpose)
     assert cli.main(["learning", "--manifest", str(tmp_path / "m.json"), *tables]) == 1
