@@ -111,7 +111,8 @@ class ModelConfig(Section):
 class PromptsConfig(Section):
     """``prompts``: the prompt set and how it becomes the transformer's text conditioning."""
 
-    file: str | None = option(None, '`.txt` (one per line) or `.jsonl` (`{"prompt": ...}`); null: the built-in set',
+    file: str | None = option(None, '`.txt` (one per line) or `.jsonl` (`{"prompt": ...}`), UTF-8, no control '
+                                    'character in a prompt but the tab; null: the built-in set',
                               min_length=1, expected="a file's path, or null")
     max_tokens: int = option(16, "tokens of the tiny models' download-free hash embedding", minimum=1, maximum=4096)
     max_sequence_length: int | None = option(

@@ -17,7 +17,7 @@ from ..errors import ConfigError, quote
 from ..jsonfiles import JsonFileError, TooLarge, loads, read_bounded, read_json_object
 from ..outdir import named_path_problem
 from ..outputs import TOKEN_HASH_FILE  # in a model folder: its conditioning is this embedding, not text encoders
-from ..records import is_integer
+from ..records import is_integer, is_utf8_text
 from .models import Conditioning
 
 
@@ -25,12 +25,17 @@ MAX_PROMPT_FILE_BYTES = 64 * 2**20  # read whole: far above a public prompt set 
 # a line ends at \n, \r\n or \r only: str.splitlines also ends one at U+2028, U+0085 and the form feed, which a
 # prompt (and a JSON string, which may hold them raw) can contain
 LINE_END = re.compile(r"\r\n|\r|\n")
+# a control character (Unicode category Cc: C0, DEL, C1) but the tab: a NUL, an escape sequence ("\x1b[31m"), a
+# carriage return or a newline held by a .jsonl string, a form feed; none is part of a caption a text encoder was
+# trained on, and each garbles the logs, tables and sample grids that show the prompt
+CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
 def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
     """Prompts from a .txt file (one per line) or a .jsonl file (``{"prompt": ...}`` per line), at most
     :data:`MAX_PROMPT_FILE_BYTES` (refused before it is read), in UTF-8 with or without a byte-order mark, lines
-    ended by ``\\n``, ``\\r\\n`` or ``\\r``; blank lines are skipped. An error names the file and the line, never
+    ended by ``\\n``, ``\\r\\n`` or ``\\r``; blank lines are skipped; a prompt holding a control character other
+    than the tab, or a lone surrogate, is refused (:func:`_check_prompt`). An error names the file and the line, never
     more than 200 characters of what it holds. ``path`` as written, a ``str``: one that names nothing this user
     can read (:func:`~agg_bench.outdir.named_path_problem`; a folder on its way this user may not search raised
     PermissionError from the look below) is refused for what it is."""
@@ -67,12 +72,27 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
                     raise TypeError
             except (ValueError, KeyError, TypeError) as err:
                 raise ConfigError(key, f"{path}:{lineno}", 'one JSON object per line with a string "prompt"') from err
-            prompts.append(prompt)
         else:
-            prompts.append(line)
+            prompt = line
+        _check_prompt(prompt, path, lineno, key)
+        prompts.append(prompt)
     if not prompts:
         raise ConfigError(key, str(path), "a file with at least one prompt")
     return prompts
+
+
+def _check_prompt(prompt: str, path: Path, lineno: int, key: str) -> None:
+    """Refuse a prompt of ``path``'s line ``lineno`` holding a control character (:data:`CONTROL`; a tab is
+    allowed) or a lone surrogate (a JSON escape ``\\udcff``, which no UTF-8 writer of captions takes), naming the
+    character and where it is."""
+    bad = CONTROL.search(prompt)
+    if bad is not None:
+        char = bad.group()
+        raise ConfigError(key, f"{path}:{lineno}", f"prompts without control characters (tab is allowed): it holds "
+                                                   f"{quote(char)} (U+{ord(char):04X}) at character {bad.start() + 1}")
+    if not is_utf8_text(prompt):
+        raise ConfigError(key, f"{path}:{lineno}", "prompts of UTF-8 text: it holds a lone surrogate, which UTF-8 "
+                                                   "cannot encode")
 
 
 def _token_vector(token: str, dim: int, seed: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agg_bench.engine.prompts import load_prompts
+from agg_bench.errors import ConfigError
 
 
 @pytest.mark.parametrize("data", [
@@ -24,7 +25,7 @@ def test_a_jsonl_file_with_a_byte_order_mark(tmp_path):
     assert load_prompts(path) == ["a red cube", "blue sphere"]
 
 
-@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029"])  # U+0085, a control character: refused below
 def test_a_unicode_line_separator_inside_a_prompt_does_not_split_it(tmp_path, separator):
     """str.splitlines ended a line there, so one prompt became two, and a JSON string holding one raw (which JSON
     allows) was refused as malformed."""
@@ -50,3 +51,39 @@ def test_a_prompts_file_of_another_kind_is_refused_by_its_suffix(tmp_path, capsy
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"prompts.file = '{path}': expected a .txt" in lines[0], lines
     assert not out.parent.exists()
+
+
+@pytest.mark.parametrize("name, data, lineno, shown", [
+    ("prompts.txt", b"a red cube\nblue\x00 sphere\n", 2, "'\\x00' (U+0000) at character 5"),
+    ("prompts.txt", b"\x1b[31ma red cube\n", 1, "'\\x1b' (U+001B) at character 1"),
+    ("prompts.txt", b"a red\x0ccube\n", 1, "'\\x0c' (U+000C) at character 6"),
+    ("prompts.txt", "a red\x85cube\n".encode(), 1, "'\\x85' (U+0085) at character 6"),  # NEL: a C1 control
+    ("prompts.jsonl", b'{"prompt": "a red cube"}\n{"prompt": "two\\nlines"}\n', 2, "'\\n' (U+000A) at character 4"),
+    ("prompts.jsonl", b'{"prompt": "a red\\rcube"}\n', 1, "'\\r' (U+000D) at character 6"),
+    ("prompts.jsonl", b'{"prompt": "a red \\u007f"}\n', 1, "'\\x7f' (U+007F) at character 7"),
+])
+def test_a_prompt_with_a_control_character_is_refused(tmp_path, capsys, name, data, lineno, shown):
+    """A NUL, an escape sequence, a form feed or a newline inside a .jsonl string became part of a prompt: given to
+    the text encoder and printed raw into logs, tables and sample grids. One line naming the file, the line and the
+    character (escaped), exit 2, before anything is written."""
+    from agg_bench.cli import main
+
+    path = tmp_path / name
+    path.write_bytes(data)
+    out = tmp_path / "e" / "x.safetensors"
+    assert main(["embed", "--set", f"prompts.file={path}", "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].isprintable(), lines
+    assert (f"prompts.file = '{path}:{lineno}': expected prompts without control characters (tab is allowed): "
+            f"it holds {shown}") in lines[0], lines
+    assert not out.parent.exists()
+
+
+def test_a_tab_is_allowed_and_a_lone_surrogate_refused(tmp_path):
+    (tmp_path / "prompts.txt").write_text("a red\tcube\n", encoding="utf-8")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "a\\tb"}\n', encoding="utf-8")
+    assert load_prompts(tmp_path / "prompts.txt") == ["a red\tcube"]
+    assert load_prompts(tmp_path / "prompts.jsonl") == ["a\tb"]
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "x"}\n{"prompt": "a \\udcff"}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:2': expected prompts of UTF-8 text: it holds a lone surrogate"):
+        load_prompts(tmp_path / "prompts.jsonl")
