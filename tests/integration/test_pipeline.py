@@ -192,7 +192,9 @@ def test_dry_run_expands_every_job(tmp_path, name, extra):
 def test_dry_run_of_the_slurm_profile(tmp_path):
     pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'agg-bench[slurm]'")
     work = workdir(tmp_path, shared_checks=True)
-    proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/gpu.yaml")
+    # a dry run's plan in this process: what Snakemake would submit, no exit code at stake
+    proc = snakemake_here(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile",
+                          "config/gpu.yaml")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     # the profile's per-rule resources reach the run jobs
     assert re.search(r"rule run:.*?resources:[^\n]*gpu=1[^\n]*gpu_model=h100[^\n]*cpus_per_gpu=8", proc.stdout, re.S)
@@ -229,8 +231,9 @@ def test_the_slurm_profiles_run_resources_reach_the_cell_jobs(tmp_path):
     expected = {key: str(value) for key, value in profile["set-resources"]["run"].items()}
     profile["set-resources"]["run"]["cpu_runtime"] = 30
     profile_file.write_text(yaml.safe_dump(profile))
-    proc = snakemake(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/h200.yaml",
-                     "--config", "devices={cpu: {device: cpu, gpus: 0, threads: 4}}")
+    # a dry run's plan in this process: what Snakemake would submit, no exit code at stake
+    proc = snakemake_here(work, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile",
+                          "config/h200.yaml", "--config", "devices={cpu: {device: cpu, gpus: 0, threads: 4}}")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     jobs = job_resources(proc.stdout)
     cells = [(rule, res) for rule, res in jobs if rule.startswith("cell_") and rule.endswith("_h200")]
