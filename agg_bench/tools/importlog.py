@@ -40,6 +40,10 @@ SOURCE = "imported"
 # an import folder holds these and nothing else; an earlier import is replaced, anything else is refused
 MAX_LOG_BYTES = 64 * 2**20  # a DanceGRPO log of 100,000 steps is about 15 MB
 MAX_STEP = 10**9  # far above any training run (agg-bench's own train.iterations stops at 100,000)
+# the number keys a line holds are checked in this order: the first wrong one is the one a refusal names
+_NUMBER_ORDER = {key: index for index, key in enumerate(NUMBER_KEYS)}
+# a number within these bounds is finite: taken at a glance (_number_problem), any other tested in full
+_PLAIN_NUMBER = 1e300
 
 
 def _diverged(value: Any) -> bool:
@@ -52,6 +56,9 @@ def _number_problem(key: str, value: Any, name: str | None = None) -> str | None
     if value is None:
         return None
     signed = key in SIGNED_KEYS
+    kind = type(value)
+    if (kind is float or kind is int) and (-_PLAIN_NUMBER if signed else 0) <= value <= _PLAIN_NUMBER:
+        return None
     if not is_finite_number(value) or (not signed and value < 0):
         return f"{name or key!r} = {quote(value)}: expected a finite number{'' if signed else ' >= 0'} or null"
     return None
@@ -68,6 +75,8 @@ def convert_records(lines: list[tuple[int, Any]], identity: dict,
     reward, loss or gradient norm is not finite is the last record, with status ``diverged`` (module
     docstring); the lines after it are not converted."""
     records: list[dict] = []
+    # the line's other record keys are kept; the identity, step, status and the DanceGRPO numbers are set below
+    kept_keys = frozenset(RECORD_KEYS) - {*identity, *DANCEGRPO_KEYS.values(), "status"}
     for n, line in lines:
         at = f"{where} line {n}"
         if not isinstance(line, dict):
@@ -82,19 +91,17 @@ def convert_records(lines: list[tuple[int, Any]], identity: dict,
         if records and step <= records[-1]["iteration"]:
             raise UserError(f"{at}: 'step' = {step} after step {records[-1]['iteration']}: expected steps in "
                             "increasing order, each once")
-        # the line's other record keys; the identity, step, status and the DanceGRPO numbers are set below
-        taken = {*identity, *DANCEGRPO_KEYS.values(), "status"}
-        kept = {k: v for k, v in line.items() if k in RECORD_KEYS and k not in taken}
-        numbers = {DANCEGRPO_KEYS[k]: line[k] for k in ("avg_reward", "step_time", "grad_norm")}
-        diverged = [key for key in DIVERGING_KEYS if _diverged({**kept, **numbers}.get(key))]
+        kept = {k: v for k, v in line.items() if k in kept_keys}
+        numbers = {"reward_mean": line["avg_reward"], "t_iter_s": line["step_time"], "grad_norm": line["grad_norm"]}
+        diverged = [key for key in DIVERGING_KEYS if _diverged(numbers[key] if key in numbers else kept.get(key))]
         for key in diverged:  # null in the record, as agg-bench run writes a value that is not finite
             (numbers if key in numbers else kept)[key] = None
         for name in ("avg_reward", "step_time", "grad_norm"):
             problem = _number_problem(DANCEGRPO_KEYS[name], numbers[DANCEGRPO_KEYS[name]], name)
             if problem is not None:
                 raise UserError(f"{at}: {problem}")
-        for key in NUMBER_KEYS:
-            problem = _number_problem(key, kept.get(key))
+        for key in sorted(_NUMBER_ORDER.keys() & kept.keys(), key=_NUMBER_ORDER.__getitem__):  # in NUMBER_KEYS' order
+            problem = _number_problem(key, kept[key])
             if problem is not None:
                 raise UserError(f"{at}: {problem}")
         numbers = {key: None if value is None else float(value) for key, value in numbers.items()}
