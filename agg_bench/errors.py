@@ -1,5 +1,5 @@
-"""Errors that speak to the user: which key, what value, what was expected; and the error contract every
-command's ``main`` keeps (:func:`run_command`).
+"""Errors that speak to the user: which key, what value, what was expected; the error contract every
+command's ``main`` keeps (:func:`run_command`); and a long command's progress lines on stderr (:class:`Progress`).
 
 A message stays one short line whatever the input: a ConfigError quotes at most :data:`QUOTE_CHARS`
 characters of a key or value (and says how long it was), and any UserError keeps at most
@@ -93,6 +93,29 @@ def counted(count: int, noun: str, plural: str | None = None) -> str:
 def numbered(noun: str, first: int, last: int) -> str:
     """``noun`` with the numbers ``first`` to ``last`` for a message: ``run 3`` for one, ``runs 2-4`` for more."""
     return f"{noun} {first}" if first == last else f"{noun}s {first}-{last}"
+
+
+# seconds between two of a long command's progress lines, and before the first: a command done sooner prints none
+PROGRESS_EVERY_S = 5.0
+
+
+class Progress:
+    """Progress lines of a long command on stderr, ``agg-bench <verb>: <what> (<seconds> s)``, as ``cell`` and
+    ``campaign`` print theirs: called as each step ends, it prints the step at most once every ``every`` seconds
+    (default :data:`PROGRESS_EVERY_S`), so that a command on big inputs (a report of runs of 100,000 records, an
+    import of a log of a million lines) shows where it is and a quick one prints nothing. stdout keeps the
+    command's one JSON line."""
+
+    def __init__(self, verb: str, every: float | None = None):
+        self.verb = verb
+        self.every = PROGRESS_EVERY_S if every is None else every
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            print(f"agg-bench {self.verb}: {what} ({now - self.start:.1f} s)", file=sys.stderr, flush=True)
+            self.last = now
 
 
 def quote(value: object) -> str:

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import io
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import pandas as pd
 
-from ..errors import UserError, counted
+from ..errors import PROGRESS_EVERY_S, Progress, UserError, counted
 from ..outdir import claimed_folders, replaced_folders
 from ..io import write_json
 from ..outputs import REPORT_CONTENTS, STAMP_FILE  # what --tables DIR and --plots DIR may hold
@@ -36,28 +35,6 @@ from .loading import (PLOT_CELLS, PLOT_COLUMNS, Manifest, folder_tables_digest, 
 from .plots import write_plots
 from ..records import PLOT_TABLES
 from .tables import build_tables, unmatched_gradcheck
-
-
-
-# seconds between two of a report's progress lines, and before the first: a report done sooner prints none
-PROGRESS_EVERY_S = 5.0
-
-
-class Progress:
-    """Progress lines of a long report on stderr, ``agg-bench report: <what> (<seconds> s)``, as ``cell`` and
-    ``campaign`` print theirs: called as each step ends, it prints the step at most once every ``every`` seconds,
-    so that a report of big runs (100,000 records each) shows where it is and a quick one prints nothing. stdout
-    keeps the report's one JSON line."""
-
-    def __init__(self, every: float | None = None):
-        self.every = PROGRESS_EVERY_S if every is None else every
-        self.start = self.last = time.perf_counter()
-
-    def __call__(self, what: str) -> None:
-        now = time.perf_counter()
-        if now - self.last >= self.every:
-            print(f"agg-bench report: {what} ({now - self.start:.1f} s)", file=sys.stderr, flush=True)
-            self.last = now
 
 
 def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
@@ -70,7 +47,7 @@ def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
         raise UserError("no runs to report (give --manifest or --runs)")
     with claimed_folders([(tables_dir, REPORT_CONTENTS), (plots_dir, REPORT_CONTENTS)], ("--tables", "--plots"),
                          replaced_whole=True):
-        return write_report(manifest, tables_dir, plots_dir, Progress())
+        return write_report(manifest, tables_dir, plots_dir, Progress("report", PROGRESS_EVERY_S))
 
 
 def write_report(manifest: Manifest, tables_dir: str | Path | None = None, plots_dir: str | Path | None = None,

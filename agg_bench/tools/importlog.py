@@ -23,9 +23,9 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from ..errors import ConfigError, UserError, quote
+from ..errors import ConfigError, Progress, UserError, quote
 from ..io import JsonlWriter, path_text, write_json, write_lines
 from ..jsonfiles import JsonProblem, TooLarge, check_path, json_type, loads, read_bounded
 from ..outdir import Claim, check_folder, replaced_folders
@@ -40,6 +40,9 @@ SOURCE = "imported"
 # an import folder holds these and nothing else; an earlier import is replaced, anything else is refused
 MAX_LOG_BYTES = 64 * 2**20  # a DanceGRPO log of 100,000 steps is about 15 MB
 MAX_STEP = 10**9  # far above any training run (agg-bench's own train.iterations stops at 100,000)
+# lines read, checked or written between two calls of an import's progress (a line on stderr at most every
+# PROGRESS_EVERY_S seconds): a log of a million lines took a minute with nothing printed
+PROGRESS_LINES = 10_000
 # the number keys a line holds are checked in this order: the first wrong one is the one a refusal names
 _NUMBER_ORDER = {key: index for index, key in enumerate(NUMBER_KEYS)}
 # a number within these bounds is finite: taken at a glance (_number_problem), any other tested in full
@@ -64,8 +67,8 @@ def _number_problem(key: str, value: Any, name: str | None = None) -> str | None
     return None
 
 
-def convert_records(lines: list[tuple[int, Any]], identity: dict,
-                    where: str = "log") -> tuple[list[dict], str | None]:
+def convert_records(lines: list[tuple[int, Any]], identity: dict, where: str = "log",
+                    progress: Callable[[str], None] = lambda what: None) -> tuple[list[dict], str | None]:
     """Metric records for DanceGRPO log lines (``(line number, value)`` pairs), and what ended the run if it
     diverged (else None); ``identity`` fills run_id, method, model, ...
 
@@ -73,11 +76,14 @@ def convert_records(lines: list[tuple[int, Any]], identity: dict,
     checked by the record contract as it is made (module docstring): a UserError names the log line and
     the key (the log's own name for ``step``, ``avg_reward``, ``step_time`` and ``grad_norm``). A line whose
     reward, loss or gradient norm is not finite is the last record, with status ``diverged`` (module
-    docstring); the lines after it are not converted."""
+    docstring); the lines after it are not converted. ``progress`` is told of every :data:`PROGRESS_LINES` lines
+    checked (:class:`~agg_bench.errors.Progress`)."""
     records: list[dict] = []
     # the line's other record keys are kept; the identity, step, status and the DanceGRPO numbers are set below
     kept_keys = frozenset(RECORD_KEYS) - {*identity, *DANCEGRPO_KEYS.values(), "status"}
-    for n, line in lines:
+    for index, (n, line) in enumerate(lines):
+        if index % PROGRESS_LINES == 0 and index:
+            progress(f"checked {index:,} of {len(lines):,} lines")
         at = f"{where} line {n}"
         if not isinstance(line, dict):
             raise UserError(f"{at}: holds {json_type(line)}; expected a JSON object per line")
@@ -171,14 +177,19 @@ def read_log_text(log: Path) -> str:
         raise UserError(f"log {log}: cannot be read ({err.strerror or err})") from None
 
 
-def read_log(log: Path, notes: list[str]) -> list[tuple[int, Any]]:
+def read_log(log: Path, notes: list[str],
+             progress: Callable[[str], None] = lambda what: None) -> list[tuple[int, Any]]:
     """The JSON lines of ``log`` with their line numbers (blank lines left out). A line that is not JSON
     is a UserError naming it, except a last line without a newline that is not whole JSON: a log still
-    being written, or cut by a crash. That one is left out, and a line in ``notes`` says so."""
+    being written, or cut by a crash. That one is left out, and a line in ``notes`` says so. ``progress`` is
+    told of every :data:`PROGRESS_LINES` lines read."""
     text = read_log_text(log)
     lines = text.split("\n")
+    total = len(lines) - (lines[-1] == "")  # the lines of the log: no line after its last newline
     out = []
     for n, line in enumerate(lines, 1):
+        if n > 1 and (n - 1) % PROGRESS_LINES == 0:
+            progress(f"read {n - 1:,} of {total:,} lines")
         if not line.strip():
             continue
         try:
@@ -217,12 +228,13 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
     check_labels(resolution, n_gpus, method=method, model=model, gpu_name=gpu_name, run_id=run_id)
     log, out = Path(log), Path(out_dir)
     notes: list[str] = []  # said once the import is written: a refusal is its one line
-    lines = read_log(log, notes)
+    progress = Progress("import-log")  # a line on stderr at most every few seconds: a long log shows where it is
+    lines = read_log(log, notes, progress)
     # the folder's name as UTF-8 text, as a run's (a non-UTF-8 name held lone surrogates that no table can write)
     run_id = run_id or path_text(out.name)
     identity = {"run_id": run_id, "method": method, "model": model, "resolution": resolution,
                 "device": "cuda" if gpu_name else None, "gpu_name": gpu_name, "n_gpus": n_gpus, "seed": None}
-    records, diverged = convert_records(lines, identity, f"log {log}")
+    records, diverged = convert_records(lines, identity, f"log {log}", progress)
     check_import_folder(out)
     good = [record["iteration"] for record in records if record["status"] == "ok"]
     summary = {"run_id": run_id, "status": "diverged" if diverged else "ok", "iterations": len(records),
@@ -237,7 +249,12 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
     with Claim(out, folder=True, lock_inside=False, check=lambda: check_import_folder(out)), \
             replaced_folders(out) as staged:
         folder = staged(out)
-        write_lines(folder / "metrics.jsonl", [JsonlWriter.line(record) for record in records])
+        metrics = []
+        for index, record in enumerate(records):
+            if index % PROGRESS_LINES == 0 and index:
+                progress(f"formatted {index:,} of {len(records):,} records")
+            metrics.append(JsonlWriter.line(record))
+        write_lines(folder / "metrics.jsonl", metrics)
         write_json(folder / "env.json", {"source": SOURCE, "imported_from": path_text(log.resolve())})
         write_json(folder / "summary.json", summary)
     for note in notes:

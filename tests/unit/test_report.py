@@ -284,6 +284,31 @@ def test_an_imported_log_that_diverged_at_its_last_line_or_one_before(tmp_path, 
         assert (err == []) if note is None else (len(err) == 1 and note in err[0]), err
 
 
+def test_a_long_import_prints_its_progress_on_stderr(tmp_path, capsys, monkeypatch):
+    """An import of a log of a million lines took a minute with nothing printed: stderr gets a line as lines are
+    read, checked and formatted, at most one every PROGRESS_EVERY_S seconds (a quick import prints none, as the
+    tests above check); stdout keeps its one JSON line and the folder is the same."""
+    from agg_bench import errors
+    from agg_bench.tools import importlog
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({**GOOD_STEP, "step": s}) + "\n" for s in range(5)))
+    assert main(["import-log", str(log), "--out", str(tmp_path / "quiet")]) == 0
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(errors, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(importlog, "PROGRESS_LINES", 2)
+    assert main(["import-log", str(log), "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"out": str(tmp_path / "out"), "iterations": 5, "status": "ok"}
+    expected = ["read 2 of 5 lines", "read 4 of 5 lines", "checked 2 of 5 lines", "checked 4 of 5 lines",
+                "formatted 2 of 5 records", "formatted 4 of 5 records"]
+    lines = err.splitlines()
+    assert len(lines) == len(expected) and all(re.fullmatch(rf"agg-bench import-log: {what} \(\d+\.\d s\)", line)
+                                               for what, line in zip(expected, lines)), lines
+    assert (tmp_path / "out" / "metrics.jsonl").read_text() == \
+        (tmp_path / "quiet" / "metrics.jsonl").read_text().replace('"quiet"', '"out"')
+
+
 def test_an_imported_log_is_what_report_reads(tmp_path, capsys):
     """Record keys of the log that may be negative (loss, approx_kl) are kept; the folder reads back through
     the one reader of run folders. A torn last line is left out and stderr says so."""
@@ -463,7 +488,7 @@ def test_a_long_report_prints_its_progress_on_stderr(sweep, tmp_path, capsys, mo
     assert len(lines) == len(expected) and all(re.fullmatch(rf"agg-bench report: {what} \(\d+\.\d s\)", line)
                                                for what, line in zip(expected, lines)), lines
     monkeypatch.undo()
-    quiet = report.Progress()
+    quiet = report.Progress("report")
     quiet("read run 1/1")
     assert capsys.readouterr().err == ""
 
