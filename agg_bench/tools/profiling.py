@@ -91,9 +91,16 @@ def profile_steps(
         except UnicodeDecodeError as err:
             # torch's parser of the profiler's memory events sometimes meets a garbled event name: the
             # cycle's rows are summed from the trace just written instead (trace_operators)
-            print(f"agg-bench profile: cycle {len(cycles)}: torch could not read the profiler's events ({err}); "
-                  "its operator rows are summed from its trace", file=sys.stderr)
-            cycles.append(trace_operators(cycle_traces[0], on_cuda) if cycle_traces else None)
+            said = f"agg-bench profile: cycle {len(cycles)}: torch could not read the profiler's events ({err})"
+            try:
+                rows = trace_operators(cycle_traces[0], on_cuda)
+            except (IndexError, OSError, ValueError, KeyError, TypeError, AttributeError) as trace_err:
+                print(f"{said}, nor its trace ({type(trace_err).__name__}: {trace_err}): no operator rows; "
+                      "its trace is written", file=sys.stderr)
+                rows = None
+            else:
+                print(f"{said}; its operator rows are summed from its trace", file=sys.stderr)
+            cycles.append(rows)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     profiler = profile(

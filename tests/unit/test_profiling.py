@@ -107,6 +107,28 @@ def test_a_cycle_whose_events_cannot_be_parsed_keeps_its_trace_and_operator_tabl
     assert "cycle 0: torch could not read the profiler's events" in capsys.readouterr().err
 
 
+def test_a_cycle_whose_events_and_trace_cannot_be_read_keeps_its_trace(tmp_path, monkeypatch, capsys):
+    """Where the trace cannot be summed either, the cycle has no operator rows and the profile is still written."""
+    from torch.profiler import profile
+
+    from agg_bench.tools import profiling
+
+    def garbled(self, *args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid continuation byte")
+
+    def unreadable(path, on_cuda):
+        raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+    monkeypatch.setattr(profile, "key_averages", garbled)
+    monkeypatch.setattr(profiling, "trace_operators", unreadable)
+    step, _ = tiny_step()
+    written = profile_steps(step, tmp_path / "profile", "cpu", wait=0, warmup=0, active=1, with_stack=False)
+    assert read_trace(Path(written["trace_0"]))["traceEvents"]
+    assert read_operators(Path(written["operators"])) == []
+    err = capsys.readouterr().err
+    assert "cycle 0: torch could not read the profiler's events" in err and "nor its trace (ValueError" in err
+
+
 def chrome_trace() -> list[dict]:
     """A CUDA cycle's trace as torch.profiler writes it (times in us): a profiler step holding a linear (an
     addmm inside it, launching a kernel) and a mean called through a mean of its own name; allocations in
