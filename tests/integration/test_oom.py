@@ -32,6 +32,7 @@ DESIGN_KEYS = (
     "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
     "reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "approx_kl",
     "t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
+    "t_rollout_cpu_s", "t_reward_cpu_s", "t_train_cpu_s", "t_iter_cpu_s",
     "forward_nograd", "forward_grad", "backward",
     "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
     "rss_peak_bytes", "energy_j", "status",

@@ -284,3 +284,30 @@ def test_the_architecture_tree_lists_every_module():
     modules = {m[:-len("/__init__.py")] if m.endswith("/__init__.py") else m for m in modules}
     assert len(modules) > 80 and sorted(modules - listed) == []
     assert [name for name in sorted(listed) if not (ROOT / name).exists()] == []
+
+
+# The command lines that tools outside the repository run (docs/design.md, Contracts), written out here as they
+# give them: a verb or an option renamed in the code and the documents alike is still caught.
+CONTRACT_COMMANDS = [
+    ["run", "--config", "c.yaml", "--set", "train.lr=1e-5", "--set", "seed=1", "--out", "runs/r"],
+    ["snapshot", "--config", "c.yaml", "--set", "seed=1", "--out", "snap"],
+    ["replay", "snap", "--method", "agg", "--set", "method.window=5", "--out", "g.safetensors"],
+    ["plan", "--config", "c.yaml", "--set", "seed=1", "--gpu-memory", "80", "--gpus", "2", "--json"],
+    ["pretrain", "--config", "p.yaml", "--out", "model"],
+    ["gradcheck", "--out", "g.csv"], ["report", "--runs", "runs/r", "--tables", "t"],
+    ["profile", "--method", "full", "--out", "p"], ["env"],
+]
+
+
+def test_the_contract_command_lines_parse():
+    from agg_bench.cli import build_parser
+
+    parser = build_parser()
+    for argv in CONTRACT_COMMANDS:
+        args = parser.parse_args(argv)
+        assert args.command == argv[0], argv
+    replay = parser.parse_args(CONTRACT_COMMANDS[2])
+    assert (str(replay.snapshot), replay.method, replay.overrides, str(replay.out)) == (
+        "snap", "agg", ["method.window=5"], "g.safetensors")
+    plan = parser.parse_args(CONTRACT_COMMANDS[3])
+    assert (plan.gpu_memory, plan.gpus, plan.json, plan.overrides) == (80, 2, True, ["seed=1"])

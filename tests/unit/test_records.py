@@ -14,6 +14,25 @@ def test_engine_names_are_the_records_names():
     assert plots.PLOTS is records.PLOTS
 
 
+# The metric record's keys and statuses that tools outside the repository read (docs/design.md, Metric record),
+# written out here: a key renamed in records.py (and everywhere it is used) is still caught.
+DESIGN_RECORD_KEYS = (
+    "run_id", "method", "model", "resolution", "device", "gpu_name", "n_gpus", "seed", "iteration",
+    "reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "approx_kl",
+    "t_rollout_s", "t_reward_s", "t_train_s", "t_iter_s", "images_per_s",
+    "t_rollout_cpu_s", "t_reward_cpu_s", "t_train_cpu_s", "t_iter_cpu_s",
+    "forward_nograd", "forward_grad", "backward", "train_forward_nograd", "train_forward_grad", "train_backward",
+    "cost", "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
+    "rss_peak_bytes", "energy_j", "status",
+)
+
+
+def test_the_record_holds_the_design_keys_and_statuses():
+    from agg_bench.records import RECORD_KEYS, STATUSES
+
+    assert [key for key in DESIGN_RECORD_KEYS if key not in RECORD_KEYS] == []
+    assert {"ok", "oom", "diverged", "error", "interrupted"} <= set(STATUSES)
+
 def test_records_own_every_key_and_the_builder_gives_each():
     """Every key a record can hold is in records.py: what telemetry measures, the weights label; the builder
     gives a record with each of them (null where not given), in order, and keeps a method's own after."""
