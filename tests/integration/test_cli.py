@@ -36,6 +36,10 @@ def test_run_writes_contract_files(tmp_path, capsys):
     summary = json.loads((tmp_path / "r/summary.json").read_text())
     assert summary["status"] == "ok"
     assert "torch" in json.loads((tmp_path / "r/env.json").read_text())
+    # config.json: the resolved run config (the file's keys, the overrides and the defaults of the rest)
+    from agg_bench.config import load_config
+    resolved = load_config(ROOT / "config/run.yaml", [arg for arg in SMALL if arg != "--set"]).to_dict()
+    assert json.loads((tmp_path / "r/config.json").read_text()) == resolved and resolved["train"]["iterations"] == 2
 
 
 def test_same_seed_twice_gives_identical_non_timing_fields(tmp_path):

@@ -64,3 +64,41 @@ def test_a_bad_option_is_one_usage_line_from_pytest(tmp_path, option, value, wor
     errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR:")]
     assert done.returncode == 4 and len(errors) == 1, (done.stdout, done.stderr)
     assert option in errors[0] and words in errors[0] and "Traceback" not in done.stderr + done.stdout
+
+
+def test_a_train_case_carries_the_contract_pass_counts(monkeypatch):
+    """Each train-phase case's extra_info holds method, resolution and one update's pass counts by the names tools
+    outside the repository read (docs/design.md, Benchmarks): benchmarks/test_bench_train.py's case run once on
+    the smallest resolution, with a stand-in for pytest-benchmark's fixture."""
+    cases = load("cases", "cases.py", monkeypatch)
+    bench = load("bench_train", "test_bench_train.py", monkeypatch)
+    from agg_bench.runtime.session import Session
+
+    case = next(c for c in cases.CASES if c.id == "agg")
+
+    sessions = []
+
+    def prepare(case, resolution):
+        sessions.append(Session(cases.case_config(cases.DEFAULT_CONFIG, "cpu", case, resolution)))
+        return cases.Prepared(sessions[-1], sessions[-1].collect(0).batch)
+
+    class Benchmark:  # what the case uses of pytest-benchmark's fixture; the timed function is only kept
+        def __init__(self):
+            self.extra_info: dict = {}
+            self.group = None
+
+        def __call__(self, function):
+            calls.append(function)
+
+    calls: list = []
+    fixture = Benchmark()
+    try:
+        bench.test_train_phase(fixture, prepare, case, 32)
+    finally:
+        for session in sessions:
+            session.estimator.close()
+    info = fixture.extra_info
+    assert (info["method"], info["resolution"], len(calls)) == ("agg", 32, 1)
+    # one group of W = 5 steps per sample: W no-grad forwards and two endpoint passes (docs/design.md, AGG)
+    b = info["batch_size"]
+    assert (info["forward_nograd"], info["forward_grad"], info["backward"]) == (5 * b, 2 * b, 2 * b)

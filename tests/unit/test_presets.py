@@ -27,6 +27,16 @@ def test_every_preset_loads_as_it_is_and_at_full_size(path):
     assert full.model.preset == "random" and full.method == cfg.method
 
 
+# The presets other tools run by name (docs/design.md, "Files and names outside the command line") and the
+# method each one runs.
+CONTRACT_PRESETS = {"mixgrpo_flash": "mixgrpo_flash", "flow_grpo_fast": "window", "branchgrpo": "branch",
+                    "guess_ab2": "guess", "diffusionnft": "nft", "awm": "awm", "dgpo": "dgpo"}
+
+
+def test_the_contract_presets_are_there_and_run_their_method():
+    methods = {path.stem: load_config(path).method.name for path in PRESETS}
+    assert {name: methods.get(name) for name in CONTRACT_PRESETS} == CONTRACT_PRESETS
+
 def test_flow_grpo_fast_keeps_the_public_schedule():
     cfg = check_config(load_config(ROOT / "config/presets/flow_grpo_fast.yaml"))
     assert (cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (10, "cps_unscaled", 0.8, 3.0)

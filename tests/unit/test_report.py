@@ -1289,6 +1289,15 @@ def test_the_tables_are_the_pinned_ones():
     actual = compute()
     assert sorted(actual) == sorted(expected)
     assert [name for name in expected if actual[name] != expected[name]] == []
+    # the efficiency table's columns other tools read (docs/design.md, Tables), by name, and its sources
+    import csv
+    import io
+
+    rows = list(csv.DictReader(io.StringIO(actual["efficiency.csv"])))
+    contract = ("method", "method_name", "method_options", "model", "resolution", "source", "train_speedup",
+                "predicted_train_speedup", "speedup_lo", "speedup_hi")
+    assert [column for column in contract if column not in rows[0]] == []
+    assert {row["source"] for row in rows} == {"measured", "imported"}
 
 
 def test_each_phases_cuda_peak_is_a_column_in_mib_and_not_a_methods_own_number():

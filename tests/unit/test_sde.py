@@ -1,4 +1,5 @@
 import copy
+import inspect
 import math
 
 import pytest
@@ -162,3 +163,11 @@ def test_the_contract_path_is_the_engine_step():
 
     assert agg_bench.sde.sde_step is agg_bench.engine.sampler.sde_step
     assert agg_bench.sde.__all__ == ["sde_step"]
+    # the signature and the result's fields other tools call by name
+    params = inspect.signature(agg_bench.sde.sde_step).parameters
+    assert list(params) == ["kind", "model_output", "sample", "sigmas", "index", "eta", "prev_sample", "generator"]
+    assert params["prev_sample"].default is None and params["generator"].default is None
+    x = torch.zeros(1, 1, 2, 2)
+    out = agg_bench.sde.sde_step(kind="flow_grpo", model_output=x, sample=x, sigmas=flow_sigmas(3, 1.0), index=1,
+                                 eta=0.5, prev_sample=None, generator=torch.Generator().manual_seed(0))
+    assert all(isinstance(getattr(out, name), torch.Tensor) for name in ("prev_sample", "log_prob", "mean", "std"))
