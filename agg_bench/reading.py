@@ -33,7 +33,7 @@ from .errors import UserError, counted, quote
 from .io import read_jsonl
 from .jsonfiles import read_json_object
 from .outdir import check_not_written, is_harness_name
-from .records import EVALUATIONS_FILE, is_finite_number, record_problem, records_problem
+from .records import EVALUATIONS_FILE, STATUSES, is_finite_number, record_problem, records_problem
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -194,8 +194,13 @@ class RunFolder:
                             "(the file is cut or was edited)")
 
     def summary(self) -> dict:
-        """``summary.json`` ({} when the run has not ended), its identity keys by the record contract."""
+        """``summary.json`` ({} when the run has not ended), its identity keys by the record contract. A summary
+        without a ``status`` is none an agg-bench run wrote (every attempt's ends with one): a folder of someone
+        else's ``summary.json`` was read as an interrupted run."""
         summary = self._object(SUMMARY_FILE, f"the {SUMMARY_FILE} of an agg-bench run (a JSON object)")
+        if self.path(SUMMARY_FILE).exists() and summary.get("status") is None:
+            raise UserError(f"{self.path(SUMMARY_FILE)}: no 'status'; expected the {SUMMARY_FILE} of an agg-bench "
+                            f"run, whose status is one of {', '.join(STATUSES)}")
         problem = record_problem(summary)
         if problem is not None:
             raise UserError(f"{self.path(SUMMARY_FILE)}: {problem}")

@@ -921,6 +921,17 @@ def test_a_summary_whose_last_good_iteration_is_no_iteration(tmp_path, capsys, v
     assert f"summary.json: 'last_good_iteration' = {value!r}: expected an integer >= 0 or null" in line
 
 
+@pytest.mark.parametrize("summary", ["{}", '{"x": 1}', '{"run_id": "a", "status": null}'])
+def test_a_summary_without_a_status_is_no_run_s(tmp_path, capsys, summary):
+    """Every attempt's summary.json says how it ended: someone's summary.json without one was reported as an
+    interrupted run of no method."""
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "summary.json").write_text(summary)
+    line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "theirs"))
+    assert f"{tmp_path / 'theirs' / 'summary.json'}: no 'status'; expected the summary.json of an agg-bench run, " \
+           "whose status is one of ok, oom, diverged, interrupted, error" in line, line
+
+
 @pytest.mark.parametrize("tables, plots", [("out", "out/plots"), ("out/tables", "out")])
 def test_tables_and_plots_one_inside_the_other_are_refused(sweep, tmp_path, capsys, tables, plots):
     """The inner folder would be a folder the outer one's report files do not include, so the same command
