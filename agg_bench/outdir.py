@@ -12,7 +12,7 @@ before anything is written, and holds the claim until it is done:
   output may be new or that command's earlier output. Anything else is someone's: the command refuses
   (one line, exit 2) and touches nothing.
   A folder output inside another command's output folder (a run's, a snapshot's, a profile's, a pretrain
-  output's, an imported log's: :data:`OUTPUT_MARKS`), and a file output whose folder is one or lies inside one, is refused too:
+  output's, a report's tables or plots, an imported log's: :data:`OUTPUT_MARKS`), and a file output whose folder is one or lies inside one, is refused too:
   it would be a stranger there.
 - **No symbolic links.** An output that is a link, or a folder holding one anywhere inside, is refused,
   so no write can land outside the folder the user named. Files are opened with ``O_NOFOLLOW`` and
@@ -554,6 +554,9 @@ OUTPUT_MARKS = (("an agg-bench run", ("config.json", "env.json", "metrics.jsonl"
                 ("a snapshot", ("rollout.json", "rollout.safetensors")),
                 ("a profile", ("profile.json", "config.json", "env.json")),
                 ("an agg-bench pretrain output", ("pretrain.json",)),
+                # a report's --tables DIR and --plots DIR (outputs.STAMP_FILE and what each always holds)
+                ("the tables of an agg-bench report", ("stamp.json", "records.csv", "summary.csv")),
+                ("the plots of an agg-bench report", ("stamp.json", "reward_iteration.png")),
                 # after a run's, whose folder holds these too: an import-log output (outputs.IMPORT_CONTENTS)
                 ("an imported log", ("env.json", "metrics.jsonl", "summary.json")))
 

@@ -400,6 +400,26 @@ def sweep_report(tmp_path_factory) -> tuple[Path, list[RunEntry], Path]:
     return root, entries, gradcheck
 
 
+def test_an_output_inside_a_report_s_tables_or_plots_is_refused(sweep_report, capsys):
+    """A folder or file another command made inside a report's folder was a stranger there: the same report run
+    again refused its own folder."""
+    root = sweep_report[0]
+    before = sorted((p, p.read_bytes()) for p in root.rglob("*") if p.is_file())
+    run_yaml = str(Path(__file__).resolve().parents[2] / "config" / "run.yaml")
+    for folder, what in (("tables", "the tables of an agg-bench report"), ("plots", "the plots of an agg-bench report")):
+        inside = root / folder / "a"
+        for argv, kind in ((["report", "--runs", str(root / "runs"), "--tables", str(inside)], "a folder"),
+                           (["pretrain", "--out", str(inside)], "a folder"),
+                           (["calibrate", "--config", run_yaml, "--out", str(inside / "c.json")], "a file")):
+            capsys.readouterr()
+            assert main(argv) == 2, argv
+            lines = capsys.readouterr().err.splitlines()
+            path = inside / "c.json" if kind == "a file" else inside
+            assert len(lines) == 1 and f"'{path}': inside {what} '{root / folder}'; expected {kind} outside it" \
+                in lines[0], lines
+    assert sorted((p, p.read_bytes()) for p in root.rglob("*") if p.is_file()) == before
+
+
 def test_build_report_writes_every_table_and_plot(sweep_report):
     tmp_path = sweep_report[0]  # build_report(the sweep and the gradcheck CSV, tmp_path / "tables", tmp_path / "plots")
     for name in TABLES:
