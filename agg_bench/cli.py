@@ -345,6 +345,7 @@ def cmd_learning(args) -> int:
 
 
 def cmd_campaign(args) -> int:
+    from .outdir import check_suffix
     from .tools.archive import unpack
     from .tools.campaign import Campaign, check_minutes, check_started, run_window, status
 
@@ -366,6 +367,8 @@ def cmd_campaign(args) -> int:
     for flag, folder in (("--reference", args.reference), ("--work", args.work)):
         if folder is not None and (folder.is_symlink() or (folder.exists() and not folder.is_dir())):
             raise UserError(f"campaign {args.action}: {flag} {folder} is not a folder")
+    if args.action == "run" and args.archive is not None:
+        check_suffix(args.archive, ".tar.gz", "--archive")  # what unpack reads: a gzip-compressed tar
     campaign = Campaign(args.config, cpu=args.cpu)
     if args.action == "run":
         log = run_window(campaign, args.minutes, args.work, args.reference, args.archive, started=args.started)

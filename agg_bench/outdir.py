@@ -334,8 +334,10 @@ def check_path_names(where: str, named) -> None:
 
 def check_suffix(path: str | Path, suffix: str, flag: str = "--out") -> None:
     """Refuse a file output ``path`` whose name does not end in ``suffix`` (``.json``, ``.csv``, ``.safetensors``:
-    what the verbs that read it back, and the workflow, look for); one line naming ``flag``. Reads nothing."""
-    if Path(path).suffix != suffix:
+    what the verbs that read it back, and the workflow, look for; ``.tar.gz`` too); one line naming ``flag``. Reads
+    nothing."""
+    name = Path(path).name
+    if not (name.endswith(suffix) and len(name) > len(suffix)):
         raise UserError(f"{flag} {path}: expected a FILE{suffix} path")
 
 

@@ -764,6 +764,20 @@ def test_a_window_s_folders_that_overlap_are_one_line(tmp_path, capsys, args, wo
 
 
 @pytest.mark.parametrize("action, args, words", [
+    # a window wrote a gzip-compressed tar under any name, which unpack would then be given
+    ("run", ["--minutes", "1", "--work", "{t}/w", "--archive", "{t}/a.zip"], "--archive {t}/a.zip: expected a FILE.tar.gz"),
+    ("run", ["--minutes", "1", "--work", "{t}/w", "--archive", "{t}/.tar.gz"], "--archive {t}/.tar.gz: expected a FILE"),
+])
+def test_an_archive_name_or_a_folder_a_window_or_status_cannot_take_is_one_line(tmp_path, capsys, action, args, words):
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    code = main(["campaign", action, "--config", str(CONFIG), "--cpu", *(a.format(t=tmp_path) for a in args)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words.format(t=tmp_path) in err[0], err
+    assert tree(tmp_path) == {"theirs/notes.txt": b"mine"} and sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]
+
+
+@pytest.mark.parametrize("action, args, words", [
     ("status", ["--minutes", "3"], "campaign status: --minutes is an option of campaign run"),
     ("status", ["--started", "1"], "campaign status: --started is an option of campaign run"),
     ("unpack", ["--archive", "a.tar.gz", "--reference", "r", "--minutes", "3"], "campaign unpack: --minutes is"),
