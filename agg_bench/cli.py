@@ -345,9 +345,9 @@ def cmd_learning(args) -> int:
 
 
 def cmd_campaign(args) -> int:
-    from .outdir import check_suffix
-    from .tools.archive import unpack
-    from .tools.campaign import Campaign, check_minutes, check_started, run_window, status
+    from .outdir import check_folder, check_suffix
+    from .tools.archive import REFERENCE_CONTENTS, unpack
+    from .tools.campaign import WORK_CONTENTS, Campaign, check_minutes, check_started, run_window, status
 
     # an option given to an action that does not read it would be ignored: refused (an unpack reads its archive and
     # writes the reference only; status reads no archive)
@@ -369,6 +369,10 @@ def cmd_campaign(args) -> int:
             raise UserError(f"campaign {args.action}: {flag} {folder} is not a folder")
     if args.action == "run" and args.archive is not None:
         check_suffix(args.archive, ".tar.gz", "--archive")  # what unpack reads: a gzip-compressed tar
+    if args.action != "unpack":  # what status and a window read: someone's folder was read as holding no run
+        if args.reference is not None:
+            check_folder(args.reference, REFERENCE_CONTENTS, "--reference")
+        check_folder(args.work, WORK_CONTENTS, "--work")
     campaign = Campaign(args.config, cpu=args.cpu)
     if args.action == "run":
         log = run_window(campaign, args.minutes, args.work, args.reference, args.archive, started=args.started)

@@ -767,6 +767,13 @@ def test_a_window_s_folders_that_overlap_are_one_line(tmp_path, capsys, args, wo
     # a window wrote a gzip-compressed tar under any name, which unpack would then be given
     ("run", ["--minutes", "1", "--work", "{t}/w", "--archive", "{t}/a.zip"], "--archive {t}/a.zip: expected a FILE.tar.gz"),
     ("run", ["--minutes", "1", "--work", "{t}/w", "--archive", "{t}/.tar.gz"], "--archive {t}/.tar.gz: expected a FILE"),
+    # someone's folder (a run's) as the reference or the work folder was read as holding nothing: all runs missing
+    ("status", ["--reference", "{t}/theirs"], "--reference {t}/theirs: the folder holds files that are not agg-bench "
+                                              "reference results (notes.txt)"),
+    ("status", ["--work", "{t}/theirs"], "--work {t}/theirs: the folder holds files that are not an agg-bench "
+                                         "campaign work folder (notes.txt)"),
+    ("run", ["--minutes", "1", "--work", "{t}/w", "--reference", "{t}/theirs"], "--reference {t}/theirs: the folder "
+                                                                                "holds files that are not"),
 ])
 def test_an_archive_name_or_a_folder_a_window_or_status_cannot_take_is_one_line(tmp_path, capsys, action, args, words):
     (tmp_path / "theirs").mkdir()
