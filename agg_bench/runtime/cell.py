@@ -109,8 +109,11 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
     # an empty path is refused by check_path_names below, in the words of every path's refusal
     if config is not None and not isinstance(config, str):
         raise UserError(f"{path}: {where}.config is {json_type(config)}; expected a run config file or null")
-    if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
+    if not isinstance(overrides, list):
         raise UserError(f"{path}: {where}.set is {json_type(overrides)}; expected a list of KEY=VALUE strings")
+    for number, item in enumerate(overrides):  # "set is a list; expected a list" named no item
+        if not isinstance(item, str):
+            raise UserError(f"{path}: {where}.set[{number}] is {json_type(item)}; expected a KEY=VALUE string")
     if not isinstance(out, str):
         raise UserError(f"{path}: {where}.out is {json_type(out)}; expected the run folder")
     done = entry.get("done")

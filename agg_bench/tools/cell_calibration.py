@@ -111,8 +111,11 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
     # truth here said that '' "is a string")
     if config is not None and not isinstance(config, str):
         raise UserError(f"{where}.config is {json_type(config)}; expected a run config file or null")
-    if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
+    if not isinstance(overrides, list):
         raise UserError(f"{where}.set is {json_type(overrides)}; expected a list of KEY=VALUE strings")
+    for number, item in enumerate(overrides):  # "set is a list; expected a list" named no item
+        if not isinstance(item, str):
+            raise UserError(f"{where}.set[{number}] is {json_type(item)}; expected a KEY=VALUE string")
     for key in ("out", "report"):
         if not isinstance(entry.get(key), str):
             raise UserError(f"{where}.{key} is {json_type(entry.get(key))}; expected a file")

@@ -88,6 +88,8 @@ def run(out: Path, *overrides: str) -> dict:
     (lambda t: {"runs": [{**run(t / "a"), "config": ""}]}, ["runs[0].config '': an empty path, which names the"]),
     (lambda t: {"runs": [{**run(t / "a"), "done": ""}]}, ["runs[0].done '': an empty path, which names the current"]),
     (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "set": "seed=1"}]}, ["runs[1].set", "a string", "KEY=VALUE"]),
+    (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "set": ["seed=1", 3]}]},
+     ["runs[1].set[1] is a number; expected a KEY=VALUE string"]),
     (lambda t: {"runs": [run(t / "a"), run(t / "a")]}, ["runs[1].out", "also runs[0].out"]),
     # issue 37: a run folder inside another's, in either order, is refused before either run writes
     (lambda t: {"runs": [run(t / "n1"), run(t / "n1" / "inner")]}, ["runs[1].out", "inside runs[0].out"]),

@@ -212,6 +212,7 @@ BAD = [
     ({"runs": {"full": 3}}, "runs.full is a number; expected the method's run folder"),
     ({"runs": "x"}, "runs is a string; expected an object of the methods' labels"),
     ({"set": "model.preset=tiny"}, "set is a string; expected a list of KEY=VALUE"),
+    ({"set": ["model.preset=tiny", None]}, "calibrations[0].set[1] is null; expected a KEY=VALUE string"),
     ({"set": [*TINY, "train.lr=-1"]}, "train.lr"),
     ({"out": ""}, "calibrations[0].out '': an empty path, which names the current folder"),
     ({"report": None}, "report is null; expected a file"),
