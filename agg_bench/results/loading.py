@@ -620,8 +620,10 @@ def parse_table(source: str | Path | IO[str] | IO[bytes], where: str | Path, col
     try:  # the columns of ``cells`` as text, each cell checked and converted here
         table = pd.read_csv(source, keep_default_na=False, na_values=[""], low_memory=False,
                             dtype={**dict.fromkeys(TEXT_COLUMNS, str), **dict.fromkeys(cells, str)})
+    except UnicodeDecodeError as err:  # said as every other reader of agg-bench says it
+        raise UserError(f"{where}: not a table CSV: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except (ValueError, OSError) as err:
-        # pandas' parser and empty-data errors and UnicodeDecodeError are ValueErrors; a folder, an OSError
+        # pandas' parser and empty-data errors are ValueErrors; a folder, an OSError
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"{where}: not a table CSV ({text})") from err
     missing = [column for column in columns if column not in table.columns]

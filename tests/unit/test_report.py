@@ -1130,7 +1130,7 @@ GRADCHECK_ROWS = ["full,,,,,1.0,0.0,0,8,8,0.03,,sd3\n", "agg,3,sigma,1.0,False,0
     (b"", "not a table CSV (No columns to parse from file)"),
     (b"a,b\n1,2\n", "no column 'method' (expected the table agg-bench gradcheck writes)"),
     (b"method,window\nagg,3\n", "no column 'cosine_to_full'"),
-    (b"method,cosine_to_full\n\xff\xfe,1\n", "not a table CSV ('utf-8' codec can't decode byte 0xff"),
+    (b"method,cosine_to_full\n\xff\xfe,1\n", "not a table CSV: not UTF-8 text (invalid start byte at byte "),
     ('"unclosed\n' + GRADCHECK_HEADER, "not a table CSV"),
     ("FOLDER", "is a folder; expected a gradcheck CSV"),
     ("NOWHERE", "no such file; expected a gradcheck CSV"),
