@@ -1,9 +1,11 @@
 """Frozen rollouts for replay: every method's gradient can be computed on the very same rollout.
 
 A snapshot folder holds ``transformer/`` (diffusers ``save_pretrained``), ``rollout.safetensors``,
-``rollout.json`` (with ``rollout_sha256``, the SHA-256 of the ``rollout.safetensors`` written with it) and the run's
-``config.json``. A LoRA run keeps its base weights in ``transformer/``, the
-adapter in ``lora/`` and the adapter settings under ``lora`` in ``rollout.json``.
+``rollout.json`` (with ``rollout_sha256``, the SHA-256 of the ``rollout.safetensors`` written with it, and
+``weights_sha256``, that of each weight file written with it: ``transformer/diffusion_pytorch_model*.safetensors``,
+shards and index included, and ``lora/adapter_model.safetensors``) and the run's ``config.json``. A LoRA run keeps
+its base weights in ``transformer/``, the adapter in ``lora/`` and the adapter settings under ``lora`` in
+``rollout.json``.
 
 ``agg-bench snapshot`` writes the whole snapshot into a temporary folder inside ``--out`` and moves it into
 place once every file is written: a failure (a full disk among them) leaves an earlier snapshot as it was and
@@ -11,14 +13,17 @@ nothing of its own; a rollout holding a NaN or an infinity is refused before any
 (:func:`load_snapshot`) checks every file against what the writer writes before a gradient is computed: ``rollout.json``'s settings through the typed run config and equal to the
 snapshot's ``config.json``, the transformer's config, loadable and finite weights, and every tensor of
 ``rollout.safetensors`` of the shape those settings imply, of the dtype the writer writes and finite, and its
-timesteps those the snapshot's method gives the model at its sigmas. A ``rollout.safetensors`` whose SHA-256 is not
-the one ``rollout.json`` records (another snapshot's rollout, of the same shapes) is refused; a snapshot written
-before the digest was recorded is read without that check.
+timesteps those the snapshot's method gives the model at its sigmas. A ``rollout.safetensors`` or a weight file
+whose SHA-256 is not the one ``rollout.json`` records (another snapshot's rollout or weights, of the same shapes:
+another seed, another training state) is refused, and so are a recorded weight file gone and a weight file not
+recorded, before any weight is loaded; a snapshot written before the digests were recorded is read without those
+checks. Hashing reads every weight file once more (about 5 s for SD3.5-M's 5 GB at 1 GB/s).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import math
 import os
 import shutil
@@ -72,6 +77,8 @@ LORA_SETTINGS = {"rank": "train.lora_rank", "alpha": "train.lora_alpha", "target
 REQUIRED_SETTINGS = ("family", "sde", "eta", "clip_range")  # every snapshot has them; the rest may be older than it
 # rollout.json's record of the rollout.safetensors written with it (hex SHA-256 of its bytes); older snapshots lack it
 DIGEST_KEY = "rollout_sha256"
+# rollout.json's record of the weight files written with it: {path relative to the snapshot folder: hex SHA-256}
+WEIGHTS_KEY = "weights_sha256"
 
 # what a snapshot folder holds; any other file in --out is someone else's. transformer/ and lora/ are replaced
 # whole by a new snapshot, so what they hold is checked too.
@@ -80,6 +87,9 @@ TRANSFORMER_CONTENTS = Contents("a snapshot's transformer", ("config.json",),
 LORA_CONTENTS = Contents("a snapshot's LoRA adapter", (ADAPTER_FILE,))
 SNAPSHOT_CONTENTS = Contents("a snapshot", ("rollout.safetensors", "rollout.json", "config.json"),
                              folders=(("transformer", TRANSFORMER_CONTENTS), ("lora", LORA_CONTENTS)))
+# the names of the weight files in each folder of a snapshot (WEIGHTS_KEY): the transformer's single file, or its
+# shards and their index, and the LoRA adapter
+WEIGHT_PATTERNS = {"transformer": TRANSFORMER_CONTENTS.patterns, "lora": LORA_CONTENTS.names}
 # what a replay's FILE.json holds (its pass counts); an existing FILE.json without them is someone else's
 REPLAY_KEYS = ("forward_nograd", "forward_grad", "backward", "method", "replay")
 REPLAY_FORMAT = "agg-bench-replay/1"  # in a replay's gradient file's safetensors metadata
@@ -143,12 +153,40 @@ def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
                   str(staging / "rollout.safetensors"))
         write_json(staging / "rollout.json", {**rollout_settings(cfg),
                                               "vae_scale_factor": session.policy.vae_scale_factor,
-                                              DIGEST_KEY: file_sha256(staging / "rollout.safetensors")})
+                                              DIGEST_KEY: file_sha256(staging / "rollout.safetensors"),
+                                              WEIGHTS_KEY: weight_digests(staging)})
         write_json(staging / "config.json", cfg.to_dict())
         follow_umask(staging)  # safetensors writes its files 0600
         _move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def is_weight_file(rel: str) -> bool:
+    """Whether ``rel``, a path relative to a snapshot folder, names one of its weight files
+    (:data:`WEIGHT_PATTERNS`): ``transformer/diffusion_pytorch_model*.safetensors`` (and ``.index.json``) or
+    ``lora/adapter_model.safetensors``."""
+    folder, _, name = rel.partition("/")
+    return bool(name) and "/" not in name and any(fnmatch.fnmatchcase(name, pattern)
+                                                  for pattern in WEIGHT_PATTERNS.get(folder, ()))
+
+
+def weight_files(root: Path) -> dict[str, Path]:
+    """Every weight file (:func:`is_weight_file`) in the snapshot folder ``root``: {its path relative to ``root``,
+    with ``/``: its path}, in name order."""
+    found = {}
+    for folder in WEIGHT_PATTERNS:
+        if (root / folder).is_dir():
+            for path in sorted((root / folder).iterdir()):
+                if is_weight_file(f"{folder}/{path.name}"):
+                    found[f"{folder}/{path.name}"] = path
+    return found
+
+
+def weight_digests(root: Path) -> dict[str, str]:
+    """What ``rollout.json`` records of the weight files of the snapshot folder ``root`` (:data:`WEIGHTS_KEY`): the
+    SHA-256 of each (:func:`weight_files`), by its path relative to ``root``."""
+    return {rel: file_sha256(path) for rel, path in weight_files(root).items()}
 
 
 def _move_into_place(staging: Path, out: Path) -> None:
@@ -185,7 +223,7 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
     (:func:`rollout_settings`): its settings within the typed run config's bounds and equal to those of the
     snapshot's run config ``run`` (checked already; None for a snapshot without one). A UserError naming
     the file and key otherwise. Returns every setting (a key an older snapshot lacks: its run config's),
-    ``vae_scale_factor`` and ``rollout_sha256`` (each None where the snapshot predates it)."""
+    ``vae_scale_factor``, ``rollout_sha256`` and ``weights_sha256`` (each None where the snapshot predates it)."""
     path = root / "rollout.json"
     meta = read_json_object(path, "the rollout settings of an agg-bench snapshot (a JSON object)")
     for key in REQUIRED_SETTINGS:
@@ -231,11 +269,25 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
     if factor is not None and not (type(factor) is int and 1 <= factor <= MAX_MODEL_SIZE):
         raise UserError(f"{path}: vae_scale_factor = {quote(factor)}: expected an integer from 1 to {MAX_MODEL_SIZE}")
     digest = meta.get(DIGEST_KEY)
-    if digest is not None and not (isinstance(digest, str) and len(digest) == 64
-                                   and all(c in "0123456789abcdef" for c in digest)):
+    if digest is not None and not _is_sha256(digest):
         raise UserError(f"{path}: {DIGEST_KEY} = {quote(digest)}: expected the SHA-256 of rollout.safetensors "
                         "(64 lowercase hex digits), as agg-bench snapshot writes it")
-    return {**made, "vae_scale_factor": factor, DIGEST_KEY: digest}
+    weights = meta.get(WEIGHTS_KEY)
+    if weights is not None and not isinstance(weights, dict):
+        raise UserError(f"{path}: {WEIGHTS_KEY} = {quote(weights)}: expected an object of the snapshot's weight "
+                        "files and their SHA-256, as agg-bench snapshot writes it")
+    for rel, value in (weights or {}).items():  # a name outside the snapshot's weight files is no file it wrote
+        if not is_weight_file(rel) or not _is_sha256(value):
+            raise UserError(f"{path}: {WEIGHTS_KEY} {quote(rel)} = {quote(value)}: expected a weight file of the "
+                            "snapshot (transformer/diffusion_pytorch_model*.safetensors[.index.json], "
+                            f"lora/{ADAPTER_FILE}) and its SHA-256 (64 lowercase hex digits), as agg-bench snapshot "
+                            "writes them")
+    return {**made, "vae_scale_factor": factor, DIGEST_KEY: digest, WEIGHTS_KEY: weights}
+
+
+def _is_sha256(value: Any) -> bool:
+    """Whether ``value`` is a SHA-256 as :func:`~agg_bench.engine.text.file_sha256` writes it (lowercase hex)."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _written_as(cfg: RunConfig, dotted: str, value: Any) -> bool:
@@ -278,12 +330,14 @@ def _nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, float] | None:
 def _load_transformer(root: Path, meta: dict, device: str | torch.device) -> torch.nn.Module:
     """The snapshot's transformer, as a model folder's is loaded: its config of ``meta``'s family, within
     bounds and its weights within ``device``'s memory (:func:`~agg_bench.runtime.memplan.check_transformer_fits`,
-    before anything is allocated), loadable weights
+    before anything is allocated), readable weight files of the SHA-256 ``rollout.json`` records
+    (:func:`_check_weight_digests`, before any is loaded), loadable weights
     (:func:`~agg_bench.engine.models._load_component`), then the LoRA adapter; every weight finite."""
     family = meta["family"]
     try:
         buffers = check_transformer_fits(str(root), family, meta["dtype"], str(torch.device(device)))
         _check_weight_files(root, root / "transformer", buffers)
+        _check_weight_digests(root, meta[WEIGHTS_KEY])  # before any weight is loaded, the adapter's too
         transformer = _load_component(TRANSFORMER_CLASSES[family], str(root / "transformer"), str(root),
                                       "transformer weights", torch_dtype=precision(meta["dtype"]).param_dtype,
                                       use_safetensors=True)  # as snapshot writes them: never a pickle
@@ -362,7 +416,7 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimato
     except (SafetensorError, OSError, ValueError) as err:
         raise UserError(f"{path}: not a readable safetensors file ({_first_line(err)}); expected the rollout "
                         "agg-bench snapshot wrote") from None
-    _check_digest(path, meta[DIGEST_KEY])
+    _check_digest(root, path, meta[DIGEST_KEY], DIGEST_KEY, "rollout")
     text_dim, pooled_dim = text_dims(policy.transformer)
     dims: dict[str, int] = {"D": text_dim}
     if pooled_dim is not None:
@@ -441,20 +495,43 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimato
     return tensors
 
 
-def _check_digest(path: Path, recorded: str | None) -> None:
-    """Refuse the rollout file ``path`` whose SHA-256 is not ``recorded``, the one ``rollout.json`` records (None:
-    a snapshot older than the record, not checked): another snapshot's rollout of the same shapes passes every
-    other check, and its gradients are not those of the rollout the snapshot's config.json describes."""
+def _check_digest(root: Path, path: Path, recorded: str | None, key: str, what: str) -> None:
+    """Refuse the file ``path`` of the snapshot folder ``root`` (its ``what``: "rollout", "weight file") whose
+    SHA-256 is not ``recorded``, the one ``rollout.json`` records under ``key`` (None: a snapshot older than the
+    record, not checked): another snapshot's file of the same shapes passes every other check, and the gradients
+    replayed with it are not those of the rollout the snapshot's model sampled."""
     if recorded is None:
         return
     try:
         found = file_sha256(path)
     except OSError as err:
-        raise UserError(f"{path}: {_first_line(err)}; expected the rollout agg-bench snapshot wrote") from None
+        raise UserError(f"{path}: {_first_line(err)}; expected the {what} agg-bench snapshot wrote") from None
     if found != recorded:
-        raise UserError(f"{path}: not the rollout this snapshot recorded: its SHA-256 is {found[:16]}..., "
-                        f"{path.parent / 'rollout.json'} records {DIGEST_KEY} {recorded[:16]}... (a rollout file of "
-                        "another snapshot?); expected the rollout.safetensors agg-bench snapshot wrote with it")
+        raise UserError(f"{path}: not the {what} this snapshot recorded: its SHA-256 is {found[:16]}..., "
+                        f"{root / 'rollout.json'} records {key} {recorded[:16]}... (a {what} of another "
+                        f"snapshot?); expected the {path.name} agg-bench snapshot wrote with it")
+
+
+def _check_weight_digests(root: Path, recorded: dict[str, str] | None) -> None:
+    """The weight files of the snapshot folder ``root`` (:func:`weight_files`) against ``recorded``, what
+    ``rollout.json`` records of them (None: a snapshot older than the record, not checked): each recorded file
+    there, of its SHA-256 (:func:`_check_digest`), and no other. A recorded file gone is a folder that is not the
+    snapshot written (a shard removed, a copy cut short); a weight file not recorded may be the one loaded
+    (diffusers picks files by name: an index beside a single file loads the shards it names), so it is refused
+    too rather than left unchecked."""
+    if recorded is None:
+        return
+    present = weight_files(root)
+    missing = next((rel for rel in recorded if rel not in present), None)
+    if missing is not None:
+        raise UserError(f"{root / missing}: missing: {root / 'rollout.json'} records {WEIGHTS_KEY} of it; expected "
+                        "the weight files agg-bench snapshot wrote")
+    extra = next((rel for rel in present if rel not in recorded), None)
+    if extra is not None:
+        raise UserError(f"{root / extra}: a weight file {root / 'rollout.json'} does not record in {WEIGHTS_KEY}: "
+                        f"expected only the weight files agg-bench snapshot wrote ({', '.join(sorted(recorded))})")
+    for rel, digest in recorded.items():
+        _check_digest(root, root / rel, digest, f"{WEIGHTS_KEY} {quote(rel)}", "weight file")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

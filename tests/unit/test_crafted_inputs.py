@@ -23,9 +23,11 @@ import yaml
 from agg_bench.cli import main
 from agg_bench.config import load_config
 from agg_bench.engine.scenes import all_scenes
+from agg_bench.engine.text import file_sha256
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.runtime import memplan
 from agg_bench.runtime.train import Session, train
+from agg_bench.tools.snapshot import DIGEST_KEY, WEIGHTS_KEY
 from helpers import Holder, methods_checked_here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -724,6 +726,9 @@ def test_learning_checks_the_captions_before_writing_anything(trained, tmp_path,
 
 
 # ----- agg-bench replay: a snapshot folder --------------------------------------------------------------
+WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
+
+
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory) -> Path:
     snap = tmp_path_factory.mktemp("snapshot") / "snap"
@@ -744,6 +749,11 @@ def refused_by_replay_and_gradcheck(snap: Path, tmp_path: Path, capsys) -> list[
         lines.append(one_line(capsys, main([*args, "--out", str(out)])))
         assert not out.parent.exists(), lines[-1]
     return lines
+
+
+def without_key(key: str):
+    """rollout.json as a snapshot older than its ``key`` wrote it."""
+    return lambda c: {k: v for k, v in c.items() if k != key}
 
 
 def edit_json(snap: Path, name: str, change) -> None:
@@ -784,6 +794,14 @@ def test_replay_of_a_path_that_is_no_folder_says_so(tmp_path, capsys, given, wor
     ("rollout.json", lambda c: c.update(vae_scale_factor=0), "rollout.json: vae_scale_factor = 0: expected an integer"),
     ("rollout.json", lambda c: c.update(rollout_sha256="abc"), "rollout.json: rollout_sha256 = 'abc': expected the "
                                                                "SHA-256 of rollout.safetensors"),
+    ("rollout.json", lambda c: c.update(weights_sha256=["abc"]), "rollout.json: weights_sha256 = ['abc']: expected an "
+                                                                 "object of the snapshot's weight files"),
+    # a name outside the snapshot's weight files would have any file hashed and taken for one of them
+    ("rollout.json", lambda c: c["weights_sha256"].update({"../config.json": "0" * 64}),
+     "rollout.json: weights_sha256 '../config.json' = '0000000000000000000000000000000000000000000000000000000000000000': "
+     "expected a weight file of the snapshot"),
+    ("rollout.json", lambda c: c["weights_sha256"].update({"transformer/diffusion_pytorch_model.safetensors": "ABC"}),
+     "rollout.json: weights_sha256 'transformer/diffusion_pytorch_model.safetensors' = 'ABC': expected a weight file"),
     ("transformer/config.json", lambda c: c.update(num_layers=100_000), "num_layers = 100000: expected an integer"),
     # each size within its bound, together 10^20 parameters: a RuntimeError of the allocator, exit 1
     ("transformer/config.json", lambda c: c.update(num_layers=256, num_attention_heads=16384, attention_head_dim=16384,
@@ -805,11 +823,12 @@ def test_replay_reads_a_snapshot_through_the_same_checks(snapshot, tmp_path, cap
         assert words in line, line
 
 
-def test_replay_refuses_the_rollout_file_of_another_snapshot(snapshot, tmp_path, capsys):
-    """The rollout.safetensors of another snapshot (another seed, the same shapes) in place of the snapshot's own
-    passes every check of its tensors: replay and gradcheck computed the gradients of a rollout the snapshot's
-    config.json does not describe, with exit 0. A snapshot written before the digest was recorded reads as before."""
-    from agg_bench.tools.snapshot import DIGEST_KEY, load_snapshot
+def test_replay_refuses_the_rollout_or_weights_of_another_snapshot(snapshot, tmp_path, capsys):
+    """The rollout.safetensors or the transformer weights of another snapshot (another seed, the same shapes) in
+    place of the snapshot's own pass every check of their tensors: replay and gradcheck computed the gradients of a
+    rollout the snapshot's config.json does not describe, or of a model the rollout was not sampled from, with
+    exit 0. A snapshot written before the digests were recorded reads as before."""
+    from agg_bench.tools.snapshot import load_snapshot
 
     other = tmp_path / "other"
     settings = ["model.resolution=32", "sampling.steps=3", "grpo.group_size=2", "grpo.prompts_per_iteration=1",
@@ -821,8 +840,51 @@ def test_replay_refuses_the_rollout_file_of_another_snapshot(snapshot, tmp_path,
     shutil.copyfile(other / "rollout.safetensors", snap / "rollout.safetensors")
     for line in refused_by_replay_and_gradcheck(snap, tmp_path, capsys):
         assert f"{snap / 'rollout.safetensors'}: not the rollout this snapshot recorded" in line, line
-    edit_json(snap, "rollout.json", lambda c: {k: v for k, v in c.items() if k != DIGEST_KEY})  # an older snapshot
+    edit_json(snap, "rollout.json", without_key(DIGEST_KEY))  # an older snapshot
     assert load_snapshot(snap).meta[DIGEST_KEY] is None
+
+    swapped = tmp_path / "swapped"
+    shutil.copytree(snapshot, swapped)
+    assert (other / WEIGHTS).read_bytes() != (snapshot / WEIGHTS).read_bytes()
+    shutil.copyfile(other / WEIGHTS, swapped / WEIGHTS)
+    for line in refused_by_replay_and_gradcheck(swapped, tmp_path, capsys):
+        assert (f"{swapped / WEIGHTS}: not the weight file this snapshot recorded: its SHA-256 is "
+                f"{file_sha256(other / WEIGHTS)[:16]}..., {swapped / 'rollout.json'} records {WEIGHTS_KEY} "
+                f"'{WEIGHTS}' {file_sha256(snapshot / WEIGHTS)[:16]}...") in line, line
+    edit_json(swapped, "rollout.json", without_key(WEIGHTS_KEY))  # an older snapshot
+    assert load_snapshot(swapped).meta[WEIGHTS_KEY] is None
+
+
+def test_a_sharded_snapshot_s_every_shard_and_its_index_are_recorded_and_checked(snapshot, tmp_path):
+    """A large transformer is saved in shards with an index naming them: each shard and the index are recorded as
+    the single file is, and a shard of other weights or a missing index is refused before anything is loaded."""
+    from agg_bench.engine.models import TRANSFORMER_CLASSES
+    from agg_bench.tools.snapshot import load_snapshot, weight_digests
+
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshot, snap)
+    transformer = TRANSFORMER_CLASSES["sd3"].from_pretrained(snap / "transformer")
+    os.remove(snap / WEIGHTS)
+    transformer.save_pretrained(snap / "transformer", max_shard_size="1MB")
+    recorded = weight_digests(snap)
+    index = f"{WEIGHTS}.index.json"
+    shards = sorted(rel for rel in recorded if rel != index)
+    assert index in recorded and len(shards) > 1 and all(rel.endswith(f"-of-{len(shards):05d}.safetensors")
+                                                         for rel in shards)
+    edit_json(snap, "rollout.json", lambda c: c.update({WEIGHTS_KEY: recorded}))
+    assert load_snapshot(snap).meta[WEIGHTS_KEY] == recorded
+
+    shard = snap / shards[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # one weight's last byte: another number, of the same shape
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError) as err:
+        load_snapshot(snap)
+    assert str(err.value).startswith(f"{shard}: not the weight file this snapshot recorded: "), err.value
+    os.remove(snap / index)
+    with pytest.raises(UserError) as err:
+        load_snapshot(snap)
+    assert str(err.value).startswith(f"{snap / index}: missing: "), err.value
 
 
 def written_before_adv_ddof(config: dict) -> None:
@@ -855,15 +917,16 @@ def test_replay_reads_an_older_snapshot_s_adv_std_as_its_config_does(snapshot, t
 
 def edit_tensors(path: Path, change) -> None:
     """Rewrite the safetensors file ``path`` with ``change`` of its tensors; a snapshot's rollout with the digest
-    rollout.json records of it rewritten too (a crafted pair: the checks behind the digest are what is tested)."""
+    rollout.json records of it rewritten too (a crafted pair: the checks behind the digest are what is tested), and
+    so a snapshot's weight file."""
     from safetensors.torch import load_file, save_file
-
-    from agg_bench.engine.text import file_sha256
-    from agg_bench.tools.snapshot import DIGEST_KEY
 
     save_file(change(load_file(str(path))), str(path))
     if path.name == "rollout.safetensors":
         edit_json(path.parent, "rollout.json", lambda c: c.update({DIGEST_KEY: file_sha256(path)}))
+    else:  # a weight file
+        edit_json(path.parent.parent, "rollout.json",
+                  lambda c: c[WEIGHTS_KEY].update({f"{path.parent.name}/{path.name}": file_sha256(path)}))
 
 
 def every_float(value: float):
@@ -873,9 +936,6 @@ def every_float(value: float):
 def header_length(path: Path, length: int) -> None:
     data = path.read_bytes()
     path.write_bytes(length.to_bytes(8, "little") + data[8:])
-
-
-WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
 
 
 @pytest.mark.parametrize("edit, words", [
@@ -945,9 +1005,15 @@ WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
     # a weight the file lacks stayed on the meta device: "Cannot copy out of meta tensor", exit 1
     (lambda s: edit_tensors(s / WEIGHTS, lambda t: {k: v for k, v in t.items() if k != "context_embedder.bias"}),
      "transformer (no weight context_embedder.bias)"),
-    # a pickle instead: diffusers fell back to it (and, without the weights, to the meta device)
-    (lambda s: [os.remove(s / WEIGHTS), torch.save({}, s / "transformer" / "diffusion_pytorch_model.bin")],
+    # a pickle instead: diffusers fell back to it (and, without the weights, to the meta device); a snapshot older
+    # than the weights' digests, which refuse the missing file first
+    (lambda s: [os.remove(s / WEIGHTS), torch.save({}, s / "transformer" / "diffusion_pytorch_model.bin"),
+                edit_json(s, "rollout.json", without_key(WEIGHTS_KEY))],
      "(Error no file named diffusion_pytorch_model.safetensors found"),
+    (lambda s: os.remove(s / WEIGHTS), f"{WEIGHTS}: missing: "),
+    # an unrecorded weight file may be the one loaded: an index beside the single file loads the shards it names
+    (lambda s: (s / "transformer" / "diffusion_pytorch_model.safetensors.index.json").write_text("{}"),
+     "transformer/diffusion_pytorch_model.safetensors.index.json: a weight file "),
     (lambda s: edit_tensors(s / WEIGHTS, every_float(float("inf"))), "holds inf: expected finite weights"),
 ])
 def test_replay_reads_a_snapshot_s_tensors_and_weights_through_the_writer_s_shapes(snapshot, tmp_path, capsys, edit,
@@ -982,8 +1048,13 @@ def test_every_snapshot_the_writer_makes_reads_back(tmp_path, sets):
                              "grpo.prompts_per_iteration=1", "progress=false", "telemetry.enabled=false", *sets])
     snap = save_snapshot(cfg, tmp_path / "snap")
     loaded = load_snapshot(snap)
+    weights = {WEIGHTS: hashlib.sha256((snap / WEIGHTS).read_bytes()).hexdigest()}
+    if "train.lora_rank=2" in sets:
+        adapter = "lora/adapter_model.safetensors"
+        weights[adapter] = hashlib.sha256((snap / adapter).read_bytes()).hexdigest()
     assert loaded.meta == {**rollout_settings(cfg), "vae_scale_factor": 8,
-                           "rollout_sha256": hashlib.sha256((snap / "rollout.safetensors").read_bytes()).hexdigest()}
+                           "rollout_sha256": hashlib.sha256((snap / "rollout.safetensors").read_bytes()).hexdigest(),
+                           "weights_sha256": weights}
     assert (loaded.meta["lora"] is not None) == ("train.lora_rank=2" in sets)
     written = load_file(str(snap / "rollout.safetensors"))
     kept = {"advantages": loaded.batch.advantages, "train_steps": loaded.batch.train_steps,

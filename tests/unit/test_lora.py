@@ -4,12 +4,12 @@ import json
 import pytest
 import torch
 from helpers import fresh_seed, relative_error, tiny_config
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from agg_bench.engine.grpo import UpdateStats, step_terms
 from agg_bench.engine.lora import LORA_TARGETS, lora_info
 from agg_bench.engine.models import TRANSFORMER_CLASSES, build_tiny_transformer
-from agg_bench.errors import ConfigError
+from agg_bench.errors import ConfigError, UserError
 from agg_bench.runtime.memplan import SUGGESTED_LORA_RANK, ShapeModel, plan_memory
 from agg_bench.runtime.train import Session
 from agg_bench.tools.snapshot import load_snapshot, replay_gradient, save_snapshot
@@ -129,6 +129,19 @@ def test_lora_snapshot_keeps_plain_base_weights_and_replays_the_same_gradient(tm
     assert relative_error(grads, expected) <= 1e-10
     b, n = batch.train_steps.shape
     assert counts == {"forward_nograd": 0, "forward_grad": b * n, "backward": b * n}
+
+    # another training state of the adapter, of the same shapes and loadable (one weight's lowest bit flipped):
+    # replayed as the gradient of a model the rollout was not sampled from, until rollout.json recorded its digest
+    adapter = snap / "lora" / "adapter_model.safetensors"
+    written = adapter.read_bytes()
+    data = bytearray(written)
+    data[8 + int.from_bytes(data[:8], "little")] ^= 1  # the first byte after the header: a weight's mantissa
+    adapter.write_bytes(bytes(data))
+    before, after = load(written), load_file(str(adapter))
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(UserError) as err:
+        load_snapshot(snap)
+    assert str(err.value).startswith(f"{adapter}: not the weight file this snapshot recorded: "), err.value
 
 
 def test_unknown_target_module_is_a_config_error():
