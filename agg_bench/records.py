@@ -152,9 +152,8 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
     ``required`` missing or null, or the first known key holding the wrong kind of value, e.g. ``'t_iter_s' =
     'fast': expected a finite number or null``; None when nothing is. A number is finite (a run writes a
     non-finite value as null), at most :data:`MAX_MAGNITUDE` in magnitude and >= 0 but for :data:`SIGNED_KEYS`,
-    ``resolution`` and ``n_gpus`` integers in :data:`INTEGER_RANGES`, ``status`` one of :data:`STATUSES`,
-    ``iteration`` an integer >= 0 and
-    ``optimizer_steps``, where a method records it, a count the report prices. The other keys a method adds are
+    ``resolution`` and ``n_gpus`` integers in :data:`INTEGER_RANGES`, text printable (a label a table row shows),
+    ``status`` one of :data:`STATUSES`, ``iteration`` an integer >= 0 and ``optimizer_steps``, where a method records it, a count the report prices. The other keys a method adds are
     its own business, but for the standard phases' CUDA peaks (:data:`PHASE_PEAK_KEYS`), which the tables read as
     numbers."""
     for key in required:
@@ -171,7 +170,8 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
             bounds = _PLAIN_BOUNDS.get(key)
             if bounds is not None and bounds[0] <= value <= bounds[1] and (kind is int or key not in INTEGER_RANGES):
                 continue
-        elif kind is str and key in TEXT_KEYS and value.isascii() and (key != "status" or value in STATUSES):
+        elif kind is str and key in TEXT_KEYS and value.isascii() and value.isprintable() and \
+                (key != "status" or value in STATUSES):
             continue
         problem = _value_problem(key, value)
         if problem is not None:
@@ -200,6 +200,8 @@ def _value_problem(key: str, value: Any) -> str | None:
         return f"{key!r} = {quote(value)}: expected a string or null"
     if key in TEXT_KEYS and not is_utf8_text(value):  # a JSON escape of a lone surrogate: no table can write it
         return f"{key!r} = {quote(value)}: expected UTF-8 text (no lone surrogate) or null"
+    if key in TEXT_KEYS and not value.isprintable():  # a newline or a tab split a row of the Markdown tables
+        return f"{key!r} = {quote(value)}: expected printable text (no newline, tab or other control character) or null"
     if key == "status" and value not in STATUSES:  # a run of another agg-bench, or an edited file
         return f"'status' = {quote(value)}: expected one of {', '.join(STATUSES)} or null"
     if key not in TEXT_KEYS and not is_finite_number(value):

@@ -93,7 +93,7 @@ def test_a_value_taken_at_a_glance_is_one_the_full_check_takes():
 
     values = [0, 1, -1, 0.0, -0.0, 1.5, -1.5, MAX_MAGNITUDE, -MAX_MAGNITUDE, 1e301, 10**300, 10**301, 10**400,
               float("nan"), float("inf"), -float("inf"), True, False, 64, 64.0, 16384, 16385, 65536, 65537, "ok",
-              "diverged", "bogus", "x", "é", "\udcff", "", [1], {"a": 1}, np.float64(1.0), np.float32(-2.0)]
+              "diverged", "bogus", "x", "é", "a\nb", "\t", "é\x85", "\udcff", "", [1], {"a": 1}, np.float64(1.0), np.float32(-2.0)]
     for key in CHECKED_KEYS:
         for value in values:
             want, got = _value_problem(key, value), record_problem({key: value})
