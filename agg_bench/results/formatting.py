@@ -1,8 +1,9 @@
 """The report's tables as files: CSV (every column, empty where not measured, counts as integers),
 GitHub Markdown and a standalone HTML page (what the Snakemake report shows in place).
 
-In the Markdown and HTML, a row whose run did not finish shows its status (``OOM``, ``DIVERGED``, ...) in
-the time, speedup and reward cells it left empty, and an imported row is marked in the method column.
+Every cell and column name of the Markdown and HTML is shown as text (escaped: a label is never markup). In
+both, a row whose run did not finish shows its status (``OOM``, ``DIVERGED``, ...) in the time, speedup and
+reward cells it left empty, and an imported row is marked in the method column.
 """
 from __future__ import annotations
 
@@ -99,9 +100,20 @@ def formatted_cells(df: pd.DataFrame, status_column: str | None = "status", empt
 def to_markdown(df: pd.DataFrame, status_column: str | None = "status", empty: str = "—") -> str:
     """A GitHub Markdown table (cells as :func:`formatted_cells` gives them)."""
     columns, rows = formatted_cells(df, status_column, empty)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in rows]
+    lines = ["| " + " | ".join(map(markdown_text, columns)) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(map(markdown_text, cells)) + " |" for cells in rows]
     return "\n".join(lines) + "\n"
+
+
+# what a Markdown table cell shows as the text itself: a backslash and a pipe escaped (an unescaped pipe ends the
+# cell, and a backslash before one escapes it), and the characters of HTML as entities (a Markdown viewer renders
+# inline HTML: a label from a shared run folder such as <img src=x onerror=...> was markup, not text)
+_MARKDOWN_ESCAPES = str.maketrans({"\\": "\\\\", "|": "\\|", "&": "&amp;", "<": "&lt;", ">": "&gt;"})
+
+
+def markdown_text(text: str) -> str:
+    """``text`` (a label, a column name or a formatted number) as a Markdown table cell shows it, unchanged."""
+    return text.translate(_MARKDOWN_ESCAPES)
 
 
 _HTML_STYLE = ("body{font-family:sans-serif;font-size:13px;margin:0}"

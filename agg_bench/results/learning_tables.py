@@ -43,6 +43,7 @@ import pandas as pd
 from ..errors import UserError, counted, quote
 from ..io import save_figure, write_text
 from ..jsonfiles import check_path, read_json_object
+from .formatting import markdown_text
 from .curves import (TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
                      plot_pareto, run_curve, target_columns)
 from .plotting import method_style, pyplot
@@ -269,8 +270,9 @@ def to_markdown(table: pd.DataFrame, caption: str) -> str:
             return "—" if math.isnan(value) else f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
         return str(value)
 
-    lines = [caption, "", "| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    lines = [caption, "", "| " + " | ".join(markdown_text(str(c)) for c in table.columns) + " |",
+             "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(markdown_text(cell(v)) for v in row) + " |" for row in table.itertuples(index=False)]
     return "\n".join(lines) + "\n"
 
 

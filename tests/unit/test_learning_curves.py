@@ -520,3 +520,13 @@ def test_a_seed_whose_held_out_score_is_nan_leaves_the_method_s_scores_empty():
     row = gain_columns(first, last, None)
     assert row["eval_initial"] == -0.2
     assert all(math.isnan(row[key]) for key in ("eval_final", "eval_gain", "eval_gain_std"))
+
+
+def test_the_learning_markdown_shows_a_label_as_text():
+    """A method label of a shared manifest is text in learning.md: a pipe split its row, HTML was markup."""
+    from agg_bench.results.learning_tables import to_markdown
+
+    table = pd.DataFrame([{"method": "a|b <img src=x onerror=alert(1)>", "reward_gain": 0.5}])
+    lines = to_markdown(table, "caption").splitlines()
+    assert lines[2:] == ["| method | reward_gain |", "|---|---|",
+                         "| a\\|b &lt;img src=x onerror=alert(1)&gt; | 0.500 |"]

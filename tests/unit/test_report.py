@@ -386,6 +386,13 @@ def test_gpus_table_pivots_by_gpu_name(tmp_path):
 def test_markdown_escapes_and_marks_empty_cells():
     df = pd.DataFrame([{"method": "a|b", "status": "ok", "x": float("nan"), "source": "measured"}])
     assert to_markdown(df).splitlines()[2] == "| a\\|b | ok | — | measured |"
+    # a label from a shared run folder is text in every cell, the gpus table's column names included: a pipe in a
+    # column name split the header, a backslash before a pipe escaped the escape, and HTML was rendered as markup
+    df = pd.DataFrame([{"method": "x\\|y", "t_iter_s [<img src=x onerror=alert(1)>|a]": "<b>&amp;",
+                        "status": "ok"}])
+    header, _, row = to_markdown(df).splitlines()
+    assert header == "| method | t_iter_s [&lt;img src=x onerror=alert(1)&gt;\\|a] | status |"
+    assert row == "| x\\\\\\|y | &lt;b&gt;&amp;amp; | ok |"
 
 
 @pytest.fixture(scope="module")
