@@ -28,8 +28,8 @@ from ..outputs import STAMP_FILE, STAMP_KEYS, check_no_unpack_above
 from ..outdir import (LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, named_path_problem,
                       reach_problem)
 from ..reading import RunFolder
-from ..records import (GRADCHECK_OPTION_DEFAULTS, OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES, TEXT_KEYS,
-                       is_finite_number, is_integer)
+from ..records import (GRADCHECK_OPTION_DEFAULTS, MAX_LABEL, OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES,
+                       TEXT_KEYS, is_finite_number, is_integer, is_label)
 
 
 @dataclass
@@ -130,7 +130,8 @@ def check_warmup(value, key: str = "report.warmup") -> int:
 
 
 # what a value of a report input holds: (test, words for the error)
-TEXT = (lambda v: isinstance(v, str), "a string")
+# a row's method, model or device label: what a table row shows (a newline split the rows of the Markdown tables)
+LABEL = (is_label, f"a label of 1 to {MAX_LABEL} printable characters")
 INTEGER = (is_integer, "an integer")
 OBJECT = (lambda v: isinstance(v, dict), "an object")
 SOURCE = (lambda v: v in ENTRY_SOURCES, f"one of {', '.join(ENTRY_SOURCES)}")
@@ -153,10 +154,10 @@ PATH = (lambda v: isinstance(v, str), "a file or folder name")
 RESOLUTION = (lambda v: is_integer(v) and 1 <= v <= bound(ModelConfig, "resolution"),
               f"an integer from 1 to {bound(ModelConfig, 'resolution'):,}")
 MANIFEST_SECTIONS = {
-    "runs": (RunEntry, "dir", {"dir": PATH, "method": TEXT, "model": TEXT, "resolution": RESOLUTION, "device": TEXT,
+    "runs": (RunEntry, "dir", {"dir": PATH, "method": LABEL, "model": LABEL, "resolution": RESOLUTION, "device": LABEL,
                                "seed": INTEGER, "method_options": OBJECT, "source": SOURCE}),
-    "gradcheck": (GradcheckEntry, "file", {"file": PATH, "model": TEXT, "resolution": RESOLUTION}),
-    "calibration": (CalibrationEntry, "file", {"file": PATH, "model": TEXT, "resolution": RESOLUTION, "device": TEXT,
+    "gradcheck": (GradcheckEntry, "file", {"file": PATH, "model": LABEL, "resolution": RESOLUTION}),
+    "calibration": (CalibrationEntry, "file", {"file": PATH, "model": LABEL, "resolution": RESOLUTION, "device": LABEL,
                                                "source": SOURCE}),
 }
 
@@ -216,7 +217,7 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
         path = Path(entry.file)
         data = read_json_object(path, "an agg-bench calibrate JSON")
         where = f"calibration {path}"
-        for key, kind in (("model", TEXT), ("resolution", RESOLUTION), ("device", TEXT), ("batch", BATCH),
+        for key, kind in (("model", LABEL), ("resolution", RESOLUTION), ("device", LABEL), ("batch", BATCH),
                           ("unit_s_per_sample", OBJECT), ("unit_s_per_call", OBJECT), ("methods", OBJECT)):
             _check(f"{where}: {key}", data.get(key), kind)
         row = {"model": entry.model if entry.model is not None else data.get("model"),

@@ -1052,6 +1052,11 @@ MANIFEST_RUN = {"dir": "RUN", "method": "full", "model": "sd3", "resolution": 64
     ({"runs": [{**MANIFEST_RUN, "seed": 1.5}]}, "runs[0].seed = 1.5: expected an integer"),
     ({"runs": [{**MANIFEST_RUN, "method_options": "agg"}]}, "runs[0].method_options = 'agg': expected an object"),
     ({"runs": [{**MANIFEST_RUN, "colour": "red"}]}, "runs[0]: unknown key 'colour'"),
+    # a label no table row can show: a newline split the row in the Markdown tables
+    ({"runs": [{**MANIFEST_RUN, "method": "a\nb"}]},
+     "runs[0].method = 'a\\nb': expected a label of 1 to 200 printable characters or null"),
+    ({"runs": [{**MANIFEST_RUN, "device": ""}]}, "runs[0].device = '': expected a label of 1 to 200 printable"),
+    ({"runs": [MANIFEST_RUN], "gradcheck": [{"file": "G", "model": "x" * 201}]}, "gradcheck[0].model = 'xxx"),
     ({"runs": [MANIFEST_RUN], "gradcheck": [{"file": 3}]}, "gradcheck[0].file = 3: expected a file or folder name"),
     ({"runs": [MANIFEST_RUN], "calibration": [{"model": "sd3"}]}, "calibration[0]: missing 'file'"),
     ({"runs": [MANIFEST_RUN], "warmup": -1}, "warmup = -1: expected an integer from 0 to 100,000"),
