@@ -410,7 +410,8 @@ def cmd_profile(args) -> int:
     from .machine.envinfo import environment
     from .outdir import claimed_folders, replaced_folders
     from .runtime.session import Session
-    from .tools.profiling import PROFILE_CONTENTS, profile_steps
+    from .outputs import PROFILE_CONTENTS
+    from .tools.profiling import profile_steps
     from .tools.replays import check_method_kept
 
     for flag, value, least in (("--wait", args.wait, 0), ("--warmup", args.warmup, 0), ("--active", args.active, 1)):

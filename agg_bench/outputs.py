@@ -87,6 +87,30 @@ def check_no_unpack_above(path: str | Path, up: int, what: str, looked: set[Path
         check_no_unpack(folder, what)
 
 
+# ----- agg-bench profile --out DIR (agg_bench.tools.profiling) -----------------------------------------
+MEMORY_SNAPSHOT = "memory_snapshot.pickle"
+
+
+def is_trace_file(name: str) -> bool:
+    """Whether ``name`` is a trace the profiler writes (one per profiled cycle)."""
+    return name.endswith((".pt.trace.json", ".pt.trace.json.gz"))
+
+
+def is_profile_file(name: str) -> bool:
+    """Whether ``name`` is one that ``agg-bench profile`` writes into its folder."""
+    return name in ("config.json", "env.json", "profile.json", "operators.csv", MEMORY_SNAPSHOT) or is_trace_file(name)
+
+
+PROFILE_CONTENTS = Contents("a profile", match=is_profile_file)
+
+# ----- scripts/gpu_check.sh: its AGG_BENCH_CHECK_OUT folder (removed whole before the check writes it again) ----
+GPU_CHECK_CONTENTS = Contents("a scripts/gpu_check.sh output", (
+    "env.json", "steps.tsv", "cell.json", "cell.jsonl", "summary.json", "summary.md"), folders=(
+    ("runs", Contents("gpu_check runs", folders=(("*", RUN_CONTENTS),))),
+    ("logs", Contents("gpu_check logs", patterns=("*.log",))),
+    ("profile", PROFILE_CONTENTS), ("locks", Contents("GPU locks", patterns=("gpu-*.lock",)))))
+
+
 # ----- agg-bench learning: its --tables DIR and --plots DIR (the workflow writes its manifest.json there) -----
 CURVE_PLOTS = ("eval_reward_cost", "eval_reward_cpu", "eval_pareto")  # held-out reward against cost (curves.py)
 # what either folder may hold: `--tables DIR --plots DIR` writes both into one folder (as for the report's)

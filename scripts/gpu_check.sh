@@ -10,8 +10,8 @@
 # need no launcher of their own in one `agg_bench cell` process, each still a step, and the pool's command
 # there checks the device and lock it was given (a run under it would repeat the FSDP step's); its profile is of a
 # smaller update (5 steps of 2 images: one AGG group). Writes
-# results/gpu_check/summary.json and summary.md (AGG_BENCH_CHECK_OUT changes the folder) and exits 1 if any
-# step failed.
+# results/gpu_check/summary.json and summary.md (AGG_BENCH_CHECK_OUT changes the folder; it is removed first, so
+# one that holds anything but an earlier check's output is refused, exit code 2) and exits 1 if any step failed.
 # Python: the project's .venv, set up first by scripts/setup.sh as `make` does (fast when it is already
 # set up); PYTHON=/path/to/python runs another interpreter that has agg-bench installed instead. A missing
 # environment (no torch, no agg-bench, no CUDA device for the GPU check) is one line and exit code 2,
@@ -31,6 +31,8 @@ if [[ $MODE == gpu ]]; then
   require_cuda gpu_check "run scripts/gpu_check.sh --cpu on a machine without one, or install torch's CUDA build \
 (TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh)"
 fi
+# the folder is removed whole: one that holds anything but an earlier check's output is refused, not emptied
+"$PY" -m agg_bench.tools.gpucheck --check-out "$OUT" || exit 2
 rm -rf "$OUT"
 mkdir -p "$OUT/runs" "$OUT/logs"
 : > "$OUT/steps.tsv"

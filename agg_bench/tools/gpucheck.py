@@ -4,6 +4,11 @@ time, the memory peaks and the planner's prediction, as ``summary.json`` and ``s
 ``python -m agg_bench.tools.gpucheck DIR`` reads ``DIR/steps.tsv`` (one ``name<TAB>exit code<TAB>log`` line per
 step the script ran) and the run folders under ``DIR/runs/``, and writes ``DIR/summary.json`` and
 ``DIR/summary.md``. It exits 1 when a step failed, so the script fails with it.
+
+``python -m agg_bench.tools.gpucheck --check-out DIR``, run by the script before it removes DIR to write it
+again, exits 2 with one line unless DIR is new or holds only what the script writes there
+(:data:`~agg_bench.outputs.GPU_CHECK_CONTENTS`): an ``AGG_BENCH_CHECK_OUT`` that named a folder of someone's
+files removed them.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from pathlib import Path
 from ..errors import UserError, run_command
 from ..io import read_jsonl, write_json
 from ..jsonfiles import read_json_object
+from ..outdir import check_folder
+from ..outputs import GPU_CHECK_CONTENTS
 
 MIB = 1024 ** 2
 WARMUP = 1  # the first iteration (allocator and kernel warm-up) is left out of the time means
@@ -116,8 +123,19 @@ def summarize(root: str | Path, mode: str) -> dict:
     return summary
 
 
+def check_out(folder: str) -> int:
+    """0 when the script may remove ``folder`` and write its output there; a UserError naming
+    AGG_BENCH_CHECK_OUT otherwise."""
+    check_folder(Path(folder), GPU_CHECK_CONTENTS, flag="AGG_BENCH_CHECK_OUT",
+                 remedy="the check removes the folder before it writes there; give a new folder or one an earlier "
+                        "check wrote")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) == 2 and argv[0] == "--check-out":
+        return run_command("gpu_check", lambda: check_out(argv[1]), ["python", "-m", "agg_bench.tools.gpucheck", *argv])
     if len(argv) != 2 or argv[1] not in ("gpu", "cpu"):
         print("usage: python -m agg_bench.tools.gpucheck DIR gpu|cpu", file=sys.stderr)
         return 2

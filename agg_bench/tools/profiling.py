@@ -17,23 +17,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from ..io import atomic_file, atomic_target
-from ..outdir import Contents
+from ..outputs import MEMORY_SNAPSHOT, is_trace_file
 
 MEMORY_HISTORY_MAX_ENTRIES = 100_000
-MEMORY_SNAPSHOT = "memory_snapshot.pickle"
-
-
-def is_trace_file(name: str) -> bool:
-    """Whether ``name`` is a trace :func:`profile_steps` writes (one per profiled cycle)."""
-    return name.endswith((".pt.trace.json", ".pt.trace.json.gz"))
-
-
-def is_profile_file(name: str) -> bool:
-    """Whether ``name`` is one that ``agg-bench profile`` writes into its folder."""
-    return name in ("config.json", "env.json", "profile.json", "operators.csv", MEMORY_SNAPSHOT) or is_trace_file(name)
-
-
-PROFILE_CONTENTS = Contents("a profile", match=is_profile_file)
 
 
 def profile_steps(

@@ -120,3 +120,37 @@ def test_gpucheck_summary_of_steps_that_failed_before_writing(tmp_path, capsys):
     assert captured.err == "" and json.loads(captured.out)["failed_steps"] == ["env", "full_32"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["runs"][0]["status"] == "missing" and summary["gpu_name"] is None
+
+
+@pytest.mark.parametrize("holds", ["notes", "file"])
+def test_an_out_folder_of_someone_s_files_is_refused_not_removed(tmp_path, holds):
+    """AGG_BENCH_CHECK_OUT naming a folder of other files (a home, a project) removed it whole (rm -rf) before the
+    first step. Now one line names it, exit code 2, and the folder or file is left as it was; the folder of an
+    earlier check's output is still taken (the interpreter here passes the module checks at once and fails
+    every step, so that nothing but the script's own handling of the folder runs)."""
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/bash\nif [[ $1 == -c && $2 == import\\ * ]]; then exit 0; fi\n'
+                      f'if [[ $1 == -m && $2 == agg_bench.tools.gpucheck ]]; then exec "{sys.executable}" "$@"; fi\n'
+                      'exit 1\n')
+    python.chmod(0o755)
+    out = tmp_path / "mine"
+    if holds == "notes":
+        (out / "runs").mkdir(parents=True)
+        (out / "notes.txt").write_text("mine")
+    else:
+        out.write_text("mine")
+    env = {**os.environ, "PYTHON": str(python), "AGG_BENCH_CHECK_OUT": str(out), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"gpu_check: AGG_BENCH_CHECK_OUT {out}"), lines
+    assert ("notes.txt" in lines[0]) if holds == "notes" else lines[0].endswith("exists and is not a folder")
+    assert (out / "notes.txt").read_text() == "mine" if holds == "notes" else out.read_text() == "mine"
+    # an earlier check's output is removed and written again
+    if holds == "notes":
+        (out / "notes.txt").unlink()
+        (out / "steps.tsv").write_text("")
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert "AGG_BENCH_CHECK_OUT" not in proc.stderr and (out / "logs" / "env.log").exists(), proc.stderr
