@@ -31,17 +31,25 @@ MINUTES=
 CONFIG=config/h200.yaml
 REFERENCE=$(here "${AGG_BENCH_CAMPAIGN_REFERENCE:-}")
 REFERENCE=${REFERENCE:-results/reference/h200}
-usage() { echo "usage: scripts/gpu_campaign.sh [--cpu] [--config FILE] [--reference DIR] --minutes N" >&2; exit 2; }
+USAGE="usage: scripts/gpu_campaign.sh [--cpu] [--config FILE] [--reference DIR] --minutes N"
+usage() { echo "gpu_campaign: $1; $USAGE" >&2; exit 2; }
+# each option with a value once, as agg-bench's own: a second --minutes (say) replaced the first without a word
+once() {  # once OPTION ARGS_LEFT VALUE: GIVEN_<option> holds the value given
+  local var=GIVEN_${1#--}
+  [[ $2 -ge 2 ]] || usage "$1 needs a value"
+  [[ -z "${!var+x}" ]] || usage "$1 given twice ('${!var}', then '$3'); expected it once"
+  printf -v "$var" '%s' "$3"
+}
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --cpu) MODE=cpu; shift ;;
-    --minutes) [[ $# -ge 2 ]] || usage; MINUTES=$2; shift 2 ;;
-    --config) [[ $# -ge 2 ]] || usage; CONFIG=$(here "$2"); shift 2 ;;
-    --reference) [[ $# -ge 2 ]] || usage; REFERENCE=$(here "$2"); shift 2 ;;
-    *) usage ;;
+    --minutes) once "$1" $# "${2-}"; MINUTES=$2; shift 2 ;;
+    --config) once "$1" $# "${2-}"; CONFIG=$(here "$2"); shift 2 ;;
+    --reference) once "$1" $# "${2-}"; REFERENCE=$(here "$2"); shift 2 ;;
+    *) usage "unknown option '$1'" ;;
   esac
 done
-[[ -n "$MINUTES" ]] || usage
+[[ -n "${GIVEN_minutes+x}" ]] || usage "--minutes N is required (the window's length in minutes)"
 # WORK, not OUT: an OUT that the caller exports (the folder a machine collects a command's files from) stays as
 # it is for every process the window starts
 WORK=$(here "${AGG_BENCH_CAMPAIGN_OUT:-}")

@@ -862,9 +862,18 @@ def test_the_script_says_in_one_line_what_is_missing(tmp_path):
         code, err = script("--minutes", "1", PYTHON=str(stub_python(tmp_path / "bin", has_modules=True)))
         assert code == 2 and len(err) == 1 and "sees no CUDA device" in err[0] and "--cpu" in err[0]
     code, err = script("--gpu")
-    assert code == 2 and "usage" in err[-1]
+    assert code == 2 and err[-1].startswith("gpu_campaign: unknown option '--gpu'; usage: ")
     code, err = script("--cpu")  # no --minutes
-    assert code == 2 and "usage" in err[-1]
+    assert code == 2 and err[-1].startswith("gpu_campaign: --minutes N is required") and "usage" in err[-1]
+    # an option given twice: the second replaced the first without a word (a window of 2 minutes, not 1)
+    for option, values in (("--minutes", ("1", "2")), ("--config", ("a.yaml", "b.yaml")), ("--reference", ("r", "s"))):
+        code, err = script("--cpu", *(["--minutes", "1"] if option != "--minutes" else []), option, values[0], option,
+                           values[1])
+        assert code == 2 and err == [f"gpu_campaign: {option} given twice ('{values[0]}', then '{values[1]}'); expected "
+                                     f"it once; usage: scripts/gpu_campaign.sh [--cpu] [--config FILE] [--reference "
+                                     "DIR] --minutes N"], err
+    code, err = script("--cpu", "--minutes")
+    assert code == 2 and err[-1].startswith("gpu_campaign: --minutes needs a value; usage: ")
     code, err = script("--cpu", "--minutes", "1", PYTHON="/nonexistent/python")
     assert code == 2 and len(err) == 1 and "cannot import torch" in err[0]
     assert not (tmp_path / "work").exists()
