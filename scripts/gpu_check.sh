@@ -19,9 +19,12 @@
 set -uo pipefail
 
 MODE=gpu
-if [[ "${1:-}" == "--cpu" ]]; then MODE=cpu; elif [[ $# -gt 0 ]]; then
-  echo "usage: scripts/gpu_check.sh [--cpu]" >&2; exit 2
+# one argument at most: a second (--cpu --cpu, --cpu --gpu) was dropped without a word
+if [[ $# -gt 1 || ( $# -eq 1 && "$1" != "--cpu" ) ]]; then
+  echo "gpu_check: $(if [[ $# -gt 1 ]]; then echo "$# arguments ($*), expected at most one"; else echo "unknown \
+argument '$1'"; fi); usage: scripts/gpu_check.sh [--cpu]" >&2; exit 2
 fi
+[[ $# -eq 0 ]] || MODE=cpu
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${AGG_BENCH_CHECK_OUT:-results/gpu_check}
 # shellcheck source=scripts/python_env.sh

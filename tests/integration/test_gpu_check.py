@@ -100,6 +100,16 @@ def test_without_python_it_sets_up_and_uses_the_project_venv(tmp_path):
                                    "see its message above)"], lines
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--gpu"], "unknown argument '--gpu'"),
+    (["--cpu", "--cpu"], "2 arguments (--cpu --cpu), expected at most one"),  # the second was dropped
+    (["--cpu", "--gpu"], "2 arguments (--cpu --gpu), expected at most one"),  # a CPU check, --gpu unread
+])
+def test_bad_arguments_are_one_line_before_anything(tmp_path, args, words):
+    code, lines = check(tmp_path, *args, PYTHON="/nonexistent/python")  # refused before the interpreter is asked
+    assert code == 2 and lines == [f"gpu_check: {words}; usage: scripts/gpu_check.sh [--cpu]"], lines
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_the_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
     code, lines = check(tmp_path, PYTHON=sys.executable)
