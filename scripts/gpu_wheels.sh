@@ -8,8 +8,15 @@
 #   scripts/gpu_wheels.sh [PYTHON_VERSION]     e.g. scripts/gpu_wheels.sh 3.12
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VERSION=${1:-3.12}
-[[ $VERSION =~ ^3\.[0-9]+$ ]] || { echo "usage: scripts/gpu_wheels.sh [PYTHON_VERSION, e.g. 3.12]" >&2; exit 2; }
+VERSION=${1-3.12}
+# one argument at most: a second (3.12 3.11) was dropped without a word, and the wheels were for the first only
+if [[ $# -gt 1 ]]; then
+  echo "gpu_wheels: $# arguments ($*), expected at most one; usage: scripts/gpu_wheels.sh [PYTHON_VERSION, e.g. 3.12]" >&2
+  exit 2
+fi
+[[ $VERSION =~ ^3\.[0-9]+$ ]] || {
+  echo "gpu_wheels: PYTHON_VERSION '$VERSION': expected 3.N (e.g. 3.12); usage: scripts/gpu_wheels.sh [PYTHON_VERSION]" >&2
+  exit 2; }
 PIN() { sed -n "s/^$1==//p" requirements/constraints.txt; }
 WHEELS=("diffusers==$(PIN diffusers)" "jsonschema==$(PIN jsonschema)" "jsonschema-specifications" "referencing"
         "rpds-py")

@@ -1621,6 +1621,20 @@ def run_wheels(checkout: Path, bin_dir: Path, fetched: str = "", code: int = 0) 
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.parametrize("args, words", [
+    (["3.12", "3.11"], "2 arguments (3.12 3.11), expected at most one"),  # the second was dropped without a word
+    (["py3.12"], "PYTHON_VERSION 'py3.12': expected 3.N (e.g. 3.12)"),
+    ([""], "PYTHON_VERSION '': expected 3.N (e.g. 3.12)"),  # an unset variable given, not the default
+])
+def test_gpu_wheels_refuses_bad_arguments_in_one_line(tmp_path, args, words):
+    checkout = wheels_checkout(tmp_path / "checkout")
+    proc = subprocess.run(["bash", str(checkout / "scripts" / "gpu_wheels.sh"), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"gpu_wheels: {words}; usage: "), lines
+    assert not (checkout / ".whl").exists()
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_gpu_wheels_ignores_whl_in_a_worktree_and_runs_outside_git(tmp_path):
     """.git is a file in a worktree (and a submodule): the script finds the exclude file through git; without
