@@ -9,6 +9,17 @@
 # Without flock, or where the clone cannot be written, there is no lock and Snakemake's own stays.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# a command to run, found from the clone (where the Makefile runs it): none took the lock, ran nothing and
+# exited 0; one not found was the shell's "exec: ...: not found", exit code 127, after the lock and the caches
+if [[ $# -eq 0 ]]; then
+  echo "one-workflow: no COMMAND given; usage: scripts/one-workflow.sh COMMAND [ARGS...] (.venv/bin/snakemake ...)" >&2
+  exit 2
+fi
+if ! command -v -- "$1" >/dev/null 2>&1; then
+  echo "one-workflow: COMMAND '$1': no such command from $(pwd -P) (a path from the clone, or a name on PATH);" \
+       "usage: scripts/one-workflow.sh COMMAND [ARGS...]" >&2
+  exit 2
+fi
 # shellcheck source=scripts/turns.sh
 source scripts/turns.sh
 if take_turn .workflow.lock "make: another make pipeline or make learning of this clone is running"; then

@@ -274,6 +274,24 @@ def test_make_test_fast_in_a_path_with_a_space_runs(tmp_path):
     assert "venv python -m pytest -q tests/unit" in proc.stdout
 
 
+@pytest.mark.parametrize("args, words", [
+    ([], "no COMMAND given"),  # it ran nothing and exited 0
+    (["snakemake", "-n"], "COMMAND 'snakemake': no such command from"),  # the shell's `exec: not found`, 127
+])
+def test_one_workflow_without_a_command_to_run_is_one_line(tmp_path, args, words):
+    repo = make_clone(tmp_path / "repo")
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}  # no snakemake on it: the clone's is .venv/bin/snakemake
+    proc = subprocess.run(["bash", str(repo / "scripts" / "one-workflow.sh"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"one-workflow: {words}"), lines
+    assert "usage: scripts/one-workflow.sh COMMAND [ARGS...]" in lines[0] and proc.stdout == ""
+    assert not (repo / ".workflow.lock").exists() and not (repo / ".snakemake").exists()
+    proc = subprocess.run(["bash", str(repo / "scripts" / "one-workflow.sh"), ".venv/bin/snakemake", "-n"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and (repo / "snakemake-calls").read_text() == "snakemake -n\n", proc.stderr
+
+
 def make(repo: Path, *args: str, **kwargs) -> subprocess.Popen:
     """`make ARGS` in ``repo`` as a user's shell starts it (not as a sub-make of `make test`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "CORES")}
