@@ -8,6 +8,12 @@
 #   PYTHON=python3.12     the interpreter for the venv (3.11 or newer)
 #   EXTRAS=test,workflow  the extras to install
 set -euo pipefail
+# no arguments: one (setup.sh --cpu, say) was dropped without a word, and the set-up that ran was the default one
+if [ $# -gt 0 ]; then
+  echo "setup: takes no arguments ('$*' given); set TORCH_INDEX_URL, PYTHON or EXTRAS instead (scripts/setup.sh's" \
+       "first lines)" >&2
+  exit 2
+fi
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 EXTRAS=${EXTRAS:-test,workflow,slurm,gpu,models,clipscore}

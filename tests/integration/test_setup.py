@@ -34,6 +34,20 @@ def setup(repo: Path, **env_vars: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
+@pytest.mark.parametrize("args", [["--cpu"], ["--help"], ["cu128", "x"]])
+def test_arguments_are_refused_before_anything(tmp_path, args):
+    """setup.sh reads no arguments: `setup.sh --cpu` set up the default (a CUDA torch where a GPU is found)
+    without a word. The interpreter here does not run, so nothing could be installed either way."""
+    repo = clone(tmp_path)
+    env = {**os.environ, "PYTHON": "/nonexistent/python", "TORCH_INDEX_URL": ""}
+    proc = subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), *args], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"setup: takes no arguments ('{' '.join(args)}' given); set TORCH_INDEX_URL, PYTHON or EXTRAS instead "
+        "(scripts/setup.sh's first lines)"], proc.stderr
+    assert sorted(p.name for p in repo.iterdir()) == ["pyproject.toml", "requirements", "scripts"]
+
+
 def files(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): os.readlink(p) if p.is_symlink() else p.read_text()
             for p in sorted(folder.rglob("*")) if p.is_symlink() or p.is_file()}
