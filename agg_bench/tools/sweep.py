@@ -936,6 +936,16 @@ class Sweep:
             if cfg.model.preset == "random" and not cfg.model.pretrained:  # the name, from the specs (no torch)
                 architecture(cfg.model.family, cfg.model.architecture)
             check_resolution(cfg.model.to_dict())
+            # the prompts file, which no job makes: a missing one (or a folder, a .yaml) failed every run job at its
+            # start (engine.prompts.load_prompts, which imports torch, reads it then)
+            prompts_file = cfg.prompts.file
+            if isinstance(prompts_file, str) and named_path_problem(prompts_file, True) is None:
+                if not Path(prompts_file).is_file():
+                    raise ConfigError("prompts.file", prompts_file, "an existing .txt or .jsonl prompts file, "
+                                                                    "relative to the working directory")
+                if Path(prompts_file).suffix not in (".txt", ".jsonl"):
+                    raise ConfigError("prompts.file", prompts_file, "a .txt (one prompt per line) or .jsonl "
+                                                                    "({\"prompt\": ...} per line) prompts file")
             # a model folder's own schedule, read here rather than in the methods' check, whose answer is kept
             # by the folder's name and not by what its files hold
             check_own_schedule(cfg.model.to_dict(), cfg.sampling.to_dict())

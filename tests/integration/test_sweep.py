@@ -104,6 +104,25 @@ def test_an_unknown_reward_is_refused_before_any_job(in_process):
     assert "reward.name = 'colour'" in str(err.value) and "'scene'" in str(err.value)
 
 
+@pytest.mark.parametrize("path, words", [
+    ("config/prompts/nope.txt", "prompts.file = 'config/prompts/nope.txt': expected an existing .txt or .jsonl "
+                                "prompts file"),
+    ("config/prompts", "prompts.file = 'config/prompts': expected an existing .txt or .jsonl prompts file"),
+    ("config/run.yaml", "prompts.file = 'config/run.yaml': expected a .txt (one prompt per line) or .jsonl"),
+])
+def test_a_prompts_file_that_its_run_would_refuse_is_refused_before_any_job(in_process, path, words):
+    """A prompts.file that is no file, or no prompts file, passed the sweep's checks (`snakemake -n` too), and
+    every run job then failed at its start, when the run read its prompts."""
+    config = sweep_config()
+    config["methods"]["agg-w3"]["prompts.file"] = path
+    with pytest.raises(SweepError) as err:
+        Sweep(config, SCHEMA)
+    assert "run agg-w3_sd3_32px_s0_cpu (methods.agg-w3, models.sd3)" in str(err.value)
+    assert words in str(err.value), err.value
+    config["methods"]["agg-w3"]["prompts.file"] = "config/prompts/scenes.txt"
+    assert len(Sweep(config, SCHEMA).runs) == 2
+
+
 @pytest.mark.parametrize("reward, words", [
     ({"name": "jpeg_compressibility", "options": {"qualty": 90}}, "reward.options.qualty = 90: expected a known option"),
     ({"name": "scene", "options": {"weights": {"colour": 1}}}, "reward.options.weights"),
