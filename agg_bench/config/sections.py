@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, Self
 
 from ..errors import ConfigError
@@ -105,6 +107,25 @@ class ModelConfig(Section):
         None, "with preset `random`: `sd3.5-medium` (sd3 default), `sd3.5-large`, `flux.1-dev` (flux default), "
         "`qwen-image` (qwenimage default); null: the family's default; null unless the preset is `random`",
         min_length=1, expected="an architecture's name, or null")
+
+
+def check_prompts_path(text: str, key: str = "prompts.file") -> Path:
+    """The prompts file ``text`` names (a config's ``prompts.file``, as written), refused in one line naming
+    ``key`` unless it is a path this user can read (:func:`~agg_bench.outdir.named_path_problem`) of an existing
+    ``.txt`` or ``.jsonl`` file. Reads nothing but the file's kind: what the run reads then
+    (:func:`~agg_bench.engine.prompts.load_prompts`) and the sweep checks before any job, without torch."""
+    from ..outdir import named_path_problem
+
+    problem = named_path_problem(os.fspath(text), file=True)
+    if problem is not None:
+        raise ConfigError(key, str(text), f"a prompts file's path ({problem})")
+    path = Path(text)
+    if not path.is_file():
+        raise ConfigError(key, str(path), "an existing .txt or .jsonl prompts file")
+    if path.suffix not in (".txt", ".jsonl"):  # a .json list or a .csv read as lines: each line a prompt
+        raise ConfigError(key, str(path), "a .txt (one prompt per line) or .jsonl ({\"prompt\": ...} per line) "
+                                          "prompts file")
+    return path
 
 
 @dataclass

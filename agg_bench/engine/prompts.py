@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError, quote
 from ..jsonfiles import JsonFileError, TooLarge, loads, read_bounded, read_json_object
-from ..outdir import named_path_problem
+from ..config import check_prompts_path
 from ..outputs import TOKEN_HASH_FILE  # in a model folder: its conditioning is this embedding, not text encoders
 from ..records import is_integer, is_utf8_text
 from .models import Conditioning
@@ -39,15 +39,7 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
     more than 200 characters of what it holds. ``path`` as written, a ``str``: one that names nothing this user
     can read (:func:`~agg_bench.outdir.named_path_problem`; a folder on its way this user may not search raised
     PermissionError from the look below) is refused for what it is."""
-    problem = named_path_problem(os.fspath(path), file=True)
-    if problem is not None:
-        raise ConfigError(key, str(path), f"a prompts file's path ({problem})")
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(key, str(path), "an existing .txt or .jsonl prompts file")
-    if path.suffix not in (".txt", ".jsonl"):  # a .json list or a .csv read as lines: each line a prompt
-        raise ConfigError(key, str(path), "a .txt (one prompt per line) or .jsonl ({\"prompt\": ...} per line) "
-                                          "prompts file")
+    path = check_prompts_path(os.fspath(path), key)
     try:
         text = read_bounded(path, MAX_PROMPT_FILE_BYTES).decode("utf-8")
     except TooLarge as err:

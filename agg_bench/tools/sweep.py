@@ -42,7 +42,8 @@ from typing import Any, TypeGuard
 import yaml
 
 from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_override_values,
-                      check_schema, dotted_value, load_config, read_yaml_mapping, run_schema, yaml_load)
+                      check_prompts_path, check_schema, dotted_value, load_config, read_yaml_mapping, run_schema,
+                      yaml_load)
 from ..engine.families import architecture, check_own_schedule, check_resolution
 from ..errors import ConfigError, UserError, clip, quote
 from ..io import write_text
@@ -937,15 +938,9 @@ class Sweep:
                 architecture(cfg.model.family, cfg.model.architecture)
             check_resolution(cfg.model.to_dict())
             # the prompts file, which no job makes: a missing one (or a folder, a .yaml) failed every run job at its
-            # start (engine.prompts.load_prompts, which imports torch, reads it then)
-            prompts_file = cfg.prompts.file
-            if isinstance(prompts_file, str) and named_path_problem(prompts_file, True) is None:
-                if not Path(prompts_file).is_file():
-                    raise ConfigError("prompts.file", prompts_file, "an existing .txt or .jsonl prompts file, "
-                                                                    "relative to the working directory")
-                if Path(prompts_file).suffix not in (".txt", ".jsonl"):
-                    raise ConfigError("prompts.file", prompts_file, "a .txt (one prompt per line) or .jsonl "
-                                                                    "({\"prompt\": ...} per line) prompts file")
+            # start, when engine.prompts.load_prompts (which imports torch) read it
+            if isinstance(cfg.prompts.file, str):
+                check_prompts_path(cfg.prompts.file)
             # a model folder's own schedule, read here rather than in the methods' check, whose answer is kept
             # by the folder's name and not by what its files hold
             check_own_schedule(cfg.model.to_dict(), cfg.sampling.to_dict())
