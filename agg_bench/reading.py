@@ -8,8 +8,9 @@ each file is checked once and the same way, before anything is computed from it 
   names code to load (a caller that builds the method checks them with
   :func:`agg_bench.runtime.config_check.check_config`).
 - ``metrics.jsonl``: records by the record contract (:func:`agg_bench.records.records_problem`):
-  every known key of its kind, numbers finite, ``iteration`` an integer >= 0 and recorded once, and the keys
-  the caller needs (``required``) present.
+  every known key of its kind, numbers finite, ``iteration`` an integer >= 0 and recorded once, and
+  ``iteration`` and ``status`` (:data:`~agg_bench.records.REQUIRED_RECORD_KEYS`, which every record a run or an
+  import writes holds) and the keys the caller needs (``required``) present.
 - ``summary.json``: the identity keys it repeats, by the same contract.
 - ``evaluations.jsonl``: ``iteration`` an integer >= 0, once each, ``eval_reward`` a finite number (the
   sub-scores and times finite numbers or null), and the starting weights' evaluation (iteration 0) among them.
@@ -33,7 +34,8 @@ from .errors import UserError, counted, quote
 from .io import read_jsonl
 from .jsonfiles import read_json_object
 from .outdir import check_not_written, is_harness_name
-from .records import EVALUATIONS_FILE, STATUSES, is_finite_number, record_problem, records_problem
+from .records import (EVALUATIONS_FILE, REQUIRED_RECORD_KEYS, STATUSES, is_finite_number, record_problem,
+                      records_problem)
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -168,12 +170,12 @@ class RunFolder:
 
     def records(self, required: tuple[str, ...] = ()) -> list[dict]:
         """The metric records of ``metrics.jsonl`` in file order ([] when there is none), each by the record
-        contract with the keys of ``required`` present."""
+        contract with :data:`~agg_bench.records.REQUIRED_RECORD_KEYS` and the keys of ``required`` present."""
         path = self.path(METRICS_FILE)
         if not path.exists():
             return []
         records = list(read_jsonl(path))
-        problem = records_problem(records, required)
+        problem = records_problem(records, tuple(dict.fromkeys((*REQUIRED_RECORD_KEYS, *required))))
         if problem is not None:
             raise UserError(f"{path}: {problem}")
         return records

@@ -51,6 +51,10 @@ RECORD_KEYS = (
     "cost", "peak_alloc_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes", "saved_activation_peak_bytes",
     "rss_peak_bytes", "energy_j", "status", "weights", "gpu_util_mean", "power_mean_w",
 )
+# The keys every record holds a value of: a run writes both in every record (:func:`new_record`'s callers), an
+# import too (``agg-bench import-log``); a reader of a run folder requires them (a record without them was read as
+# an iteration of no number, or of no status, by the report)
+REQUIRED_RECORD_KEYS = ("iteration", "status")
 MAX_LABEL = 200  # characters of a method, model, GPU or run label: a row of the report's tables
 
 

@@ -123,7 +123,7 @@ def load_runs(manifest: str | Path) -> list[Run]:
         with folder.whole() as state:
             if not folder.has(METRICS_FILE):
                 raise UserError(f"{where}: {folder.path(METRICS_FILE)}: no such file (has the run finished?)")
-            lines = folder.records(required=("status", "iteration"))
+            lines = folder.records()
             summary = folder.summary()
             evaluations = folder.evaluations()
             config = folder.config_object() if folder.has(CONFIG_FILE) else None

@@ -334,7 +334,7 @@ def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, byt
         run = RunFolder(folder)
         try:
             summary = run.summary()
-            records = run.records(("iteration", "status"))  # the record contract, each iteration once
+            records = run.records()  # the record contract (iteration and status in each), each iteration once
             env = run.env()
             run.plan()
             run.evaluations()

@@ -30,7 +30,8 @@ from ..io import JsonlWriter, path_text, write_json, write_lines
 from ..jsonfiles import JsonProblem, TooLarge, check_path, json_type, loads, read_bounded
 from ..outdir import Claim, check_folder, replaced_folders
 from ..outputs import IMPORT_CONTENTS
-from ..records import (DIVERGING_KEYS, INTEGER_RANGES, MAX_LABEL, NUMBER_KEYS, RECORD_KEYS, SIGNED_KEYS,
+from ..records import (DIVERGING_KEYS, INTEGER_RANGES, MAX_LABEL, NUMBER_KEYS, RECORD_KEYS, REQUIRED_RECORD_KEYS,
+                       SIGNED_KEYS,
                        is_finite_number, is_integer, is_label, new_record, record_problem)
 
 # DanceGRPO key -> metric record key
@@ -113,7 +114,7 @@ def convert_records(lines: list[tuple[int, Any]], identity: dict, where: str = "
         numbers = {key: None if value is None else float(value) for key, value in numbers.items()}
         record = new_record(kept, identity, numbers, iteration=step, status="diverged" if diverged else "ok",
                             source=SOURCE)
-        problem = record_problem(record, required=("iteration", "status"))
+        problem = record_problem(record, required=REQUIRED_RECORD_KEYS)
         if problem is not None:  # a text key of the log holding something else
             raise UserError(f"{at}: {problem}")
         records.append(record)

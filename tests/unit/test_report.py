@@ -902,6 +902,21 @@ def test_a_record_with_the_wrong_kind_of_value(tmp_path, capsys, key, value, exp
     assert f"{tmp_path / 'runs' / 'a' / 'metrics.jsonl'}: record 2: {key!r} = {value!r}: {expected}" in line
 
 
+@pytest.mark.parametrize("key", ["iteration", "status"])
+@pytest.mark.parametrize("value", ["absent", None])
+def test_a_record_without_its_iteration_or_status(tmp_path, capsys, key, value):
+    """Every record a run or an import writes holds both: one without was shown as an iteration of no number or
+    no status."""
+    record = {**it(2.0, 1.0), key: value}
+    run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), record])
+    if value == "absent":
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        lines[1] = json.dumps({k: v for k, v in json.loads(lines[1]).items() if k != key})
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
+    assert f"{run / 'metrics.jsonl'}: record 2: no {key!r} (expected in every record)" in line
+
+
 @pytest.mark.parametrize("name, content, expected", [
     ("summary.json", "[1, 2]", "summary.json: holds a list, not a JSON object"),
     ("summary.json", '{"status": ', "summary.json: is not JSON"),
