@@ -8,7 +8,7 @@ each file is checked once and the same way, before anything is computed from it 
   names code to load (a caller that builds the method checks them with
   :func:`agg_bench.runtime.config_check.check_config`).
 - ``metrics.jsonl``: records by the record contract (:func:`agg_bench.records.records_problem`):
-  every known key of its kind, numbers finite, ``iteration`` an integer >= 0 and recorded once, and
+  every known key of its kind, numbers finite, ``iteration`` an integer >= 0, recorded once and increasing in file order, and
   ``iteration`` and ``status`` (:data:`~agg_bench.records.REQUIRED_RECORD_KEYS`, which every record a run or an
   import writes holds) and the keys the caller needs (``required``) present.
 - ``summary.json``: the identity keys it repeats, by the same contract.

@@ -223,8 +223,12 @@ def _value_problem(key: str, value: Any) -> str | None:
 
 def records_problem(records: list[dict], required: tuple[str, ...] = ()) -> str | None:
     """What is wrong with a run's records: the first record's :func:`record_problem` (``record k: ...``,
-    counted from 1), or an iteration recorded twice; None when nothing is."""
+    counted from 1), or an iteration recorded twice or after a later one; None when nothing is. A run writes its
+    records in iteration order (a resumed run rewrites the checkpoint's records, then appends the iterations after
+    them) and an import in the order of its log's increasing steps, so the iterations of a run's records
+    increase."""
     seen: dict[int, int] = {}
+    last: tuple[int, int] | None = None  # the record number and iteration of the last record with one
     for k, record in enumerate(records, 1):
         problem = record_problem(record, required)
         if problem is not None:
@@ -234,7 +238,11 @@ def records_problem(records: list[dict], required: tuple[str, ...] = ()) -> str 
             if iteration in seen:
                 return (f"record {k}: 'iteration' = {iteration}: expected each iteration once (record "
                         f"{seen[iteration]} has it)")
+            if last is not None and iteration < last[1]:
+                return (f"record {k}: 'iteration' = {iteration} after iteration {last[1]} (record {last[0]}): "
+                        "expected the iterations in increasing order, as a run writes them")
             seen[iteration] = k
+            last = (k, iteration)
     return None
 
 

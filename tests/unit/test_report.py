@@ -902,6 +902,19 @@ def test_a_record_with_the_wrong_kind_of_value(tmp_path, capsys, key, value, exp
     assert f"{tmp_path / 'runs' / 'a' / 'metrics.jsonl'}: record 2: {key!r} = {value!r}: {expected}" in line
 
 
+@pytest.mark.parametrize("order, expected", [
+    ([1, 0, 2, 3], "record 2: 'iteration' = 0 after iteration 1 (record 1): expected the iterations in increasing "
+                   "order, as a run writes them"),
+    ([0, 2, 1, 3], "record 3: 'iteration' = 1 after iteration 2 (record 2)"),
+    ([0, 1, 1, 2], "record 3: 'iteration' = 1: expected each iteration once (record 2 has it)"),
+])
+def test_records_out_of_iteration_order(tmp_path, capsys, order, expected):
+    """A run writes its records in iteration order, a resumed one too (tests/integration/test_signals.py), and an
+    import in its log's increasing steps: records out of order are no run's."""
+    run = make_run(tmp_path / "runs", "a", "full", [{**it(2.0, 1.0), "iteration": n} for n in order])
+    assert f"{run / 'metrics.jsonl'}: {expected}" in report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
+
+
 @pytest.mark.parametrize("key", ["iteration", "status"])
 @pytest.mark.parametrize("value", ["absent", None])
 def test_a_record_without_its_iteration_or_status(tmp_path, capsys, key, value):
