@@ -12,6 +12,9 @@ each file is checked once and the same way, before anything is computed from it 
   ``iteration`` and ``status`` (:data:`~agg_bench.records.REQUIRED_RECORD_KEYS`, which every record a run or an
   import writes holds) and the keys the caller needs (``required``) present.
 - ``summary.json``: the identity keys it repeats, by the same contract.
+- The files together (:meth:`RunFolder.check_identity`): one run's identity (:data:`IDENTITY_KEYS`) in every
+  record, the summary and what the caller reads of ``config.json``, and a summary of an ``ok`` end over ok
+  records, as many as the iterations it names (unless its budget ended it).
 - ``evaluations.jsonl``: ``iteration`` an integer >= 0, once each, ``eval_reward`` a finite number (the
   sub-scores and times finite numbers or null), and the starting weights' evaluation (iteration 0) among them.
 - ``plan.json``: ``bytes`` an object of byte counts (finite numbers >= 0, or null).
@@ -28,7 +31,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, overload
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, overload
 
 from .errors import UserError, counted, quote
 from .io import read_jsonl
@@ -45,6 +48,10 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PLAN_FILE = "plan.json"
 ENV_FILE = "env.json"
+# The identity keys every record and the summary of one run repeat, each the same in all of them: agg-bench run
+# takes them from its config (agg_bench.runtime.session.identity; none may change when a run is resumed, as the
+# hardware may not: runfolder.check_resumed_records), import-log from its flags.
+IDENTITY_KEYS = ("run_id", "method", "model", "resolution", "seed", "weights")
 
 
 def run_config(data: Any, where: str | Path) -> RunConfig:
@@ -78,6 +85,18 @@ def evaluations_problem(lines: list[dict]) -> str | None:
         seen.add(iteration)
     if lines and 0 not in seen:  # every gain and target is measured from it
         return "no evaluation of the starting weights (iteration 0)"
+    return None
+
+
+def identity_mismatch(expected: Mapping[str, Any], named: Iterable[tuple[str, Mapping]]) -> tuple[str, str, Any] | None:
+    """The first ``(what, key, value)`` where a record or summary of ``named`` (``(what, record)`` pairs) holds
+    another value of a key of ``expected`` than ``expected`` does (a key it lacks: null); None when none does.
+    The one comparison of a run's files with the identity they should share: the report's
+    (:meth:`RunFolder.check_identity`) and a campaign unpack's (against the run its sweep composes)."""
+    for what, record in named:
+        for key, value in expected.items():
+            if record.get(key) != value:
+                return what, key, record.get(key)
     return None
 
 
@@ -194,6 +213,44 @@ class RunFolder:
             raise UserError(f"{self.path(METRICS_FILE)}: no ok record of iteration {last_good}, the last good one "
                             f"{SUMMARY_FILE} names ({counted(len(records), 'record')}); expected the records the run wrote "
                             "(the file is cut or was edited)")
+
+    def check_identity(self, summary: dict, records: list[dict], config: Mapping[str, Any] | None = None) -> None:
+        """A UserError naming the folder, the file, the key and both values where the run's files contradict each
+        other: a record or ``summary`` (from :meth:`summary`) holding another value of an identity key
+        (:data:`IDENTITY_KEYS`) than ``config`` (the identity ``config.json`` gives, as the caller reads it; None:
+        none), else the first record, else the summary; a record not ok before the last (an iteration out of
+        memory or diverged ends a run); a summary of an ``ok`` end over a record that is not ok, or over another
+        number of records than its ``iterations`` where its budget did not end it (an import's summary counts its
+        records). A summary of another end may follow ok records: a run stopped, failed, or out of memory in an
+        evaluation or while resuming."""
+        sources: list[tuple[str, Mapping]] = [*((f"{METRICS_FILE} record {k}", r) for k, r in enumerate(records, 1)),
+                                              *([(SUMMARY_FILE, summary)] if summary else [])]
+        expected: dict[str, Any] = {}
+        owner: dict[str, str] = {}
+        for what, values in [(CONFIG_FILE, config or {}), *sources[:1], *sources[-1:]]:
+            for key in IDENTITY_KEYS:
+                if key not in expected and (what != CONFIG_FILE or key in values):
+                    expected[key], owner[key] = values.get(key), what
+        found = identity_mismatch(expected, sources)
+        if found is not None:
+            what, key, value = found
+            raise UserError(f"run {self.dir}: {what}: {key} = {quote(value)}, where {owner[key]} has "
+                            f"{quote(expected[key])}; expected one run's identity in all its files")
+        statuses = [r.get("status") for r in records]
+        ended = next((k for k, status in enumerate(statuses[:-1], 1) if status != "ok"), None)
+        if ended is not None:
+            raise UserError(f"run {self.dir}: {METRICS_FILE} record {ended}: status = {quote(statuses[ended - 1])}, "
+                            f"followed by record {ended + 1}; expected an iteration that ends the run as its last record")
+        if summary.get("status") != "ok" or not records:
+            return
+        if statuses[-1] != "ok":
+            raise UserError(f"run {self.dir}: {SUMMARY_FILE}: status = 'ok', where {METRICS_FILE} record "
+                            f"{len(records)} has {quote(statuses[-1])}; expected the end its last record says")
+        iterations = summary.get("iterations")
+        if type(iterations) is int and not summary.get("budget_reached") and iterations != len(records):
+            raise UserError(f"run {self.dir}: {SUMMARY_FILE}: iterations = {iterations}, where {METRICS_FILE} holds "
+                            f"{counted(len(records), 'record')}; expected a run that ended ok to have recorded "
+                            "each of its iterations")
 
     def summary(self) -> dict:
         """``summary.json`` ({} when the run has not ended), its identity keys by the record contract. A summary

@@ -20,14 +20,14 @@ from typing import IO, Callable, Iterable, Mapping, TypeGuard
 import numpy as np
 import pandas as pd
 
-from ..config import ModelConfig, TrainConfig, bound, weights_label
+from ..config import ModelConfig, RunConfig, TrainConfig, bound, weights_label
 from ..errors import ConfigError, UserError, counted, quote
 from ..io import file_identity, path_text
 from ..jsonfiles import check_path, read_json_object
 from ..outputs import STAMP_FILE, STAMP_KEYS, check_no_unpack_above
 from ..outdir import (LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, named_path_problem,
                       reach_problem)
-from ..reading import RunFolder
+from ..reading import CONFIG_FILE, RunFolder, run_config
 from ..records import (GRADCHECK_OPTION_DEFAULTS, MAX_LABEL, OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES,
                        TEXT_KEYS, is_finite_number, is_integer, is_label)
 
@@ -372,10 +372,13 @@ def load_records(entries: Iterable[RunEntry], progress: Callable[[str], None] | 
         folder = RunFolder(run_dir)  # every file read and checked by the one reader of a run folder
         with folder.whole():  # one attempt's files, never a run's that another process is replacing
             summary = folder.summary()
-            config = folder.config(required=False)
+            written = folder.config_object() if folder.has(CONFIG_FILE) else None
+            config = run_config(written, folder.path(CONFIG_FILE)) if written is not None else None
             records = folder.records()
             planned = folder.plan()
         folder.check_records_ended(summary, records)
+        # the files name one run (config.json's identity where there is one): RunFolder.check_identity
+        folder.check_identity(summary, records, None if written is None or config is None else config_identity(written, config))
         if not summary and not records:
             raise UserError(f"run {run_dir}: no summary.json or metrics.jsonl")
         # a run killed before writing its summary has records but no final status
@@ -429,6 +432,33 @@ def load_records(entries: Iterable[RunEntry], progress: Callable[[str], None] | 
     check_distinct_run_ids(df)
     check_one_setting_per_row(df, rewards)
     return df
+
+
+def run_identity(cfg: RunConfig, run_id: str) -> dict:
+    """The identity fields every record and the summary of ``run_id`` carry, from its typed config (the device
+    where the config names one, not ``auto``): what agg-bench run records (agg_bench.runtime.session.identity)."""
+    from ..engine.families import model_label
+
+    out = {"run_id": run_id, "method": cfg.method.name, "model": model_label(cfg.model), "resolution": cfg.model.resolution,
+           "seed": cfg.seed, "weights": weights_label(cfg)}
+    if cfg.device in ("cpu", "cuda"):
+        out["device"] = cfg.device
+    return out
+
+
+def config_identity(written: Mapping, cfg: RunConfig) -> dict:
+    """The identity keys (:data:`agg_bench.reading.IDENTITY_KEYS`) a run folder's ``config.json`` (``written``,
+    typed as ``cfg``) gives its records and summary (:func:`run_identity`), of those it writes: the method; the
+    run id where it names one (else the run's folder name when it ran, which a copied folder no longer has); the
+    seed where it holds one; the resolution where its model section does (a key an older file lacks takes today's
+    default, which its run may not have had). Not the model's and weights' labels, whose words an older version
+    chose otherwise (records before ``weights`` have none); the records and the summary agree on them among
+    themselves. Nor the device: a run may be resumed on another device of the same kind."""
+    identity = run_identity(cfg, cfg.run_id or "")
+    model = written.get("model")
+    keys = ["method", *(["run_id"] if written.get("run_id") is not None else []), *(["seed"] if "seed" in written else []),
+            *(["resolution"] if isinstance(model, dict) and "resolution" in model else [])]
+    return {key: identity[key] for key in keys}
 
 
 # what puts two runs' records in one table row as the same seed

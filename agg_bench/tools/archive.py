@@ -17,7 +17,7 @@ tar is read: :func:`gunzip_bounded`), every member is a plain file at one of the
 bounds, every JSON file parses as agg-bench writes JSON (:func:`agg_bench.jsonfiles.loads`: a JSON object, or
 JSON lines of objects), every run is finished, of this sweep (the config it composes for that run id), with
 files :class:`~agg_bench.reading.RunFolder` accepts and records and a summary naming that run on one device
-(:func:`run_identity`), every calibration is what ``agg-bench calibrate`` writes for the cell it is named
+(:func:`agg_bench.results.loading.run_identity`), every calibration is what ``agg-bench calibrate`` writes for the cell it is named
 after, every window log is one, every run and calibration of the archive and the reference names one GPU, the
 one ``campaign.gpu`` names (:func:`check_hardware`), every safetensors file's header describes exactly the
 bytes after it and every PNG starts as a PNG does, and every new run's passes per sample in its first
@@ -60,7 +60,7 @@ from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
 from ..outdir import Contents, claim_folder, claimed_folders
 from ..outputs import LEARNING_CONTENTS
 from ..outputs import REPORT_CONTENTS, TABLES_CONTENTS, UNPACK_STAGING
-from ..reading import RunFolder
+from ..reading import RunFolder, identity_mismatch
 
 if TYPE_CHECKING:
     from .campaign import Campaign
@@ -353,13 +353,15 @@ def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, byt
     if records[0].get("iteration") != 0:
         raise UserError(f"{where}: runs/{run_id}/metrics.jsonl starts at iteration "
                         f"{quote(records[0].get('iteration'))}; expected 0")
+    from ..results.loading import run_identity
+
     expected = run_identity(typed, run_id)
-    for what, record in [("summary.json", summary),
-                         *((f"metrics.jsonl iteration {r['iteration']}", r) for r in records)]:
-        for key, value in expected.items():
-            if record.get(key) != value:
-                raise UserError(f"{where}: runs/{run_id}/{what}: {key} = {quote(record.get(key))}; the sweep's "
-                                f"run {run_id} has {quote(value)}")
+    found = identity_mismatch(expected, [("summary.json", summary),
+                                         *((f"metrics.jsonl iteration {r['iteration']}", r) for r in records)])
+    if found is not None:
+        what, key, value = found
+        raise UserError(f"{where}: runs/{run_id}/{what}: {key} = {quote(value)}; the sweep's run {run_id} has "
+                        f"{quote(expected[key])}")
     devices = {(r.get("device"), r.get("gpu_name"), r.get("n_gpus")) for r in (summary, *records)}
     if len(devices) > 1:
         raise UserError(f"{where}: runs/{run_id}: its records name more than one device ({quote(sorted(map(str, devices)))})")
@@ -368,19 +370,6 @@ def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, byt
         raise UserError(f"{where}: runs/{run_id}: its records name the GPU {quote(gpu)} and its env.json "
                         f"{quote(env.get('gpu_name'))}; expected the same GPU")
     return gpu if device == "cuda" else None
-
-
-def run_identity(cfg, run_id: str) -> dict:
-    """The identity fields every record and the summary of ``run_id`` carry, from its typed config (the device
-    where the config names one, not ``auto``)."""
-    from ..config import weights_label
-    from ..engine.families import model_label
-
-    out = {"run_id": run_id, "method": cfg.method.name, "model": model_label(cfg.model), "resolution": cfg.model.resolution,
-           "seed": cfg.seed, "weights": weights_label(cfg)}
-    if cfg.device in ("cpu", "cuda"):
-        out["device"] = cfg.device
-    return out
 
 
 def check_hardware(campaign: Campaign, where: str, gpus: dict[str, str | None], reference: Path) -> None:
@@ -483,7 +472,7 @@ def _check_calibration(campaign: Campaign, where: str, name: str, data: bytes) -
     """What ``agg-bench calibrate`` writes for the cell the file is named after (its model, resolution and
     device that cell's); returns its GPU's name (None on a CPU)."""
     from ..config import validate
-    from ..results.loading import CalibrationEntry, load_calibration
+    from ..results.loading import CalibrationEntry, load_calibration, run_identity
 
     run = campaign.calibration_cell(name)
     if run is None:

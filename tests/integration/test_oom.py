@@ -278,6 +278,8 @@ def test_oom_while_building_keeps_a_resumed_runs_records_and_replaces_a_rerun(tm
     assert run_cli(out, "--checkpoint-every", "1", "--resume") == 0
     assert records(out) == earlier and (out / "checkpoint.pt").exists()  # the resumed run's state stays
     assert summary(out)["status"] == "oom"
+    # an oom end over ok records, as this attempt leaves them, is one run's files to the report
+    assert main(["report", "--runs", str(out), "--tables", str(tmp_path / "tables")]) == 0
     assert run_cli(out, "--checkpoint-every", "1") == 0  # not resumed: the folder is this attempt's alone
     (record,) = records(out)
     assert record["status"] == "oom" and not (out / "checkpoint.pt").exists()

@@ -372,6 +372,8 @@ def test_kill_9_leaves_whole_lines_and_a_folder_that_a_rerun_completes(tmp_path,
     assert summary(out)["status"] == "ok" and summary(out)["resumed_from"] is not None  # from its checkpoint
     assert [r["iteration"] for r in records(out)] == list(range(iterations))
     assert all(line.strip() for line in metrics.read_text().splitlines())
+    # the resumed run's records, in order, under one identity, read as one run
+    assert main(["report", "--runs", str(out), "--tables", str(tmp_path / "tables")]) == 0
 
 
 # Kills itself (SIGKILL) before the ``KILL_AT``-th rollout; otherwise ``agg-bench run`` with the arguments given.

@@ -915,6 +915,75 @@ def test_records_out_of_iteration_order(tmp_path, capsys, order, expected):
     assert f"{run / 'metrics.jsonl'}: {expected}" in report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
 
 
+def _branch_run(tmp_path: Path) -> Path:
+    """Four ok records of method branch, its summary (ended ok after its 4 iterations) and config."""
+    run = make_run(tmp_path / "runs", "b", "branch", [it(1.0, 0.1), it(1.0, 0.2), it(1.0, 0.3), it(1.0, 0.4)])
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "iterations": 4}))
+    return run
+
+
+def _edit(run: Path, name: str, change) -> None:
+    """Rewrite the JSON file (or the JSON lines) ``name`` of ``run`` by ``change`` (each line: ``change(k, line)``)."""
+    path = run / name
+    if name.endswith(".jsonl"):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps(change(k, line)) + "\n" for k, line in enumerate(lines, 1)))
+    else:
+        path.write_text(json.dumps(change(0, json.loads(path.read_text()))))
+
+
+@pytest.mark.parametrize("name, change, expected", [
+    # a summary of another run over these records (the one an edit or a copy put beside them)
+    ("summary.json", lambda k, s: {**s, "status": "oom", "method": "full", "iterations": 99},
+     "summary.json: method = 'full', where config.json has 'branch'"),
+    ("summary.json", lambda k, s: {**s, "run_id": "other"}, "summary.json: run_id = 'other', where metrics.jsonl record 1 has 'b'"),
+    ("summary.json", lambda k, s: {**s, "resolution": 128}, "summary.json: resolution = 128, where metrics.jsonl record 1 has 64"),
+    ("metrics.jsonl", lambda k, r: {**r, "method": "full"} if k == 3 else r,
+     "metrics.jsonl record 3: method = 'full', where config.json has 'branch'"),
+    ("metrics.jsonl", lambda k, r: {**r, "seed": 1} if k == 2 else r, "metrics.jsonl record 2: seed = 1, where metrics.jsonl record 1 has 0"),
+    ("metrics.jsonl", lambda k, r: {**r, "model": "flux-tiny"} if k == 4 else r,
+     "metrics.jsonl record 4: model = 'flux-tiny', where metrics.jsonl record 1 has 'sd3-tiny'"),
+    ("config.json", lambda k, c: {"method": {"name": "full"}}, "metrics.jsonl record 1: method = 'branch', where config.json has 'full'"),
+    ("config.json", lambda k, c: {**c, "seed": 3}, "metrics.jsonl record 1: seed = 0, where config.json has 3"),
+    ("config.json", lambda k, c: {**c, "run_id": "x"}, "metrics.jsonl record 1: run_id = 'b', where config.json has 'x'"),
+    # statuses: an iteration out of memory or diverged ends a run; an ok end is its records' and counts them
+    ("metrics.jsonl", lambda k, r: {**r, "status": "oom"} if k == 2 else r,
+     "metrics.jsonl record 2: status = 'oom', followed by record 3; expected an iteration that ends the run as its "
+     "last record"),
+    ("metrics.jsonl", lambda k, r: {**r, "status": "diverged"} if k == 4 else r,
+     "summary.json: status = 'ok', where metrics.jsonl record 4 has 'diverged'"),
+    ("summary.json", lambda k, s: {**s, "iterations": 99},
+     "summary.json: iterations = 99, where metrics.jsonl holds 4 records; expected a run that ended ok to have "
+     "recorded each of its iterations"),
+])
+def test_a_run_folder_that_contradicts_itself(tmp_path, capsys, name, change, expected):
+    """Its files name one run: the identity keys the same in every record, the summary and the config; the summary's
+    end the one its records say."""
+    run = _branch_run(tmp_path)
+    assert main(["report", "--runs", str(run), "--tables", str(tmp_path / "whole")]) == 0
+    _edit(run, name, change)
+    line = report_fails(capsys, tmp_path, "--runs", str(run))
+    assert f"run {run}: {expected}" in line, line
+
+
+@pytest.mark.parametrize("name, change", [
+    # a run that ran out of memory in an evaluation, or while building the model it resumes: ok records, oom end
+    ("summary.json", lambda k, s: {**s, "status": "oom"}),
+    ("summary.json", lambda k, s: {**s, "status": "interrupted", "iterations": 10}),
+    # the budget ended it before its iterations
+    ("summary.json", lambda k, s: {**s, "iterations": 10, "budget_reached": True}),
+    ("metrics.jsonl", lambda k, r: {**r, "status": "oom"} if k == 4 else r),  # its last iteration ran out of memory
+    ("config.json", lambda k, c: {**c, "run_id": "b", "seed": 0, "model": {"resolution": 64}}),
+])
+def test_a_run_folder_whose_files_agree_reads(tmp_path, name, change):
+    run = _branch_run(tmp_path)
+    _edit(run, name, change)
+    if name == "metrics.jsonl":
+        _edit(run, "summary.json", lambda k, s: {**s, "status": "oom"})
+    assert main(["report", "--runs", str(run), "--tables", str(tmp_path / "t")]) == 0
+
+
 @pytest.mark.parametrize("key", ["iteration", "status"])
 @pytest.mark.parametrize("value", ["absent", None])
 def test_a_record_without_its_iteration_or_status(tmp_path, capsys, key, value):
