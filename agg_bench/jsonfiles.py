@@ -7,7 +7,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 from .errors import UserError, quote
 
@@ -142,6 +142,25 @@ def read_bounded(path: str | Path, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise TooLarge(None)
     return data
+
+
+def read_bounded_lines(path: str | Path, max_bytes: int) -> Iterator[bytes]:
+    """The bytes :func:`read_bounded` reads, a line at a time: each line with its ``\n`` (the last without one
+    where the file does not end in a newline), joined back where a writer appending meanwhile had not written its
+    newline yet. A file over ``max_bytes`` is :class:`TooLarge` before anything is read; one that grows past the
+    bound while it is read raises it when the read reaches the bound, after the lines before it."""
+    with open_regular(path) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > max_bytes:
+            raise TooLarge(size)
+        left = max_bytes + 1  # the bytes read until the bound is passed
+        while line := handle.readline(left):
+            while not line.endswith(b"\n") and len(line) < left and (more := handle.readline(left - len(line))):
+                line += more
+            left -= len(line)
+            if not left:
+                raise TooLarge(None)
+            yield line
 
 
 def read_json_object(path: str | Path, expected: str, max_bytes: int = MAX_JSON_BYTES) -> dict:
