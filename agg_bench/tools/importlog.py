@@ -7,32 +7,39 @@
 log does not have are ``None`` (not measured), never 0.
 
 Every converted record passes the record contract (:func:`agg_bench.records.record_problem`, what
-``report`` and ``learning`` read a run folder by) before anything is written: a value of the wrong kind, a
-number that is not finite or a negative time, count, size or norm is one line naming the log line and the
-key, exit code 2. The one exception is a run that diverged: Python's ``json.dumps`` writes a NaN reward, loss or
+``report`` and ``learning`` read a run folder by): a value of the wrong kind, a number that is not finite or a
+negative time, count, size or norm is one line naming the log line and the key, exit code 2. The one
+exception is a run that diverged: Python's ``json.dumps`` writes a NaN reward, loss or
 gradient norm as ``NaN`` (an overflow as ``Infinity``), and DanceGRPO goes on logging after it. The first line
 holding one ends the import as ``agg-bench run`` ends a run that diverges: its record has status ``diverged``
 and the value as null, the summary says ``diverged`` and which value, and the lines after it are left out
 (stderr says how many). A time or a count that is not finite is still refused: it does not diverge. Steps are integers from 0 to
 :data:`MAX_STEP`, increasing. A last line that has no newline and is not whole JSON is a line still being
 written (or cut by a crash): it is left out, and stderr says so.
+
+The log is read, checked and written :data:`CHUNK_LINES` lines at a time into a temporary folder beside the
+output, renamed over it once the whole log has passed (a log of a million lines held as records took 2.4 GB): a
+refused or stopped import leaves nothing, and its refusal is the one it had when the whole log was read before
+anything was written (the log's size, then its text, then its JSON, then its records, and only then the output
+folder or the disk).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import ConfigError, Progress, UserError, quote
-from ..io import JsonlWriter, path_text, write_json, write_lines
-from ..jsonfiles import JsonProblem, TooLarge, check_path, json_type, loads, read_bounded
+from ..io import JsonlWriter, atomic_file, path_text, write_json
+from ..jsonfiles import JsonProblem, TooLarge, check_path, json_type, loads, read_bounded_lines
 from ..outdir import Claim, check_folder, replaced_folders
 from ..outputs import IMPORT_CONTENTS
 from ..records import (DIVERGING_KEYS, INTEGER_RANGES, MAX_LABEL, NUMBER_KEYS, RECORD_KEYS, REQUIRED_RECORD_KEYS,
-                       SIGNED_KEYS,
-                       is_finite_number, is_integer, is_label, new_record, record_problem)
+                       SIGNED_KEYS, is_finite_number, is_integer, is_label, new_record, record_problem)
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",
@@ -41,9 +48,12 @@ SOURCE = "imported"
 # an import folder holds these and nothing else; an earlier import is replaced, anything else is refused
 MAX_LOG_BYTES = 64 * 2**20  # a DanceGRPO log of 100,000 steps is about 15 MB
 MAX_STEP = 10**9  # far above any training run (agg-bench's own train.iterations stops at 100,000)
-# lines read, checked or written between two calls of an import's progress (a line on stderr at most every
+# lines read (checked and written) between two calls of an import's progress (a line on stderr at most every
 # PROGRESS_EVERY_S seconds): a log of a million lines took a minute with nothing printed
 PROGRESS_LINES = 10_000
+# lines read, then checked, then written together (each step over many lines runs faster than the three a line at
+# a time): the records an import holds at once, a few MB, where a log of a million lines held as records took 2.4 GB
+CHUNK_LINES = 1_000
 # the number keys a line holds are checked in this order: the first wrong one is the one a refusal names
 _NUMBER_ORDER = {key: index for index, key in enumerate(NUMBER_KEYS)}
 # a number within these bounds is finite: taken at a glance (_number_problem), any other tested in full
@@ -68,59 +78,94 @@ def _number_problem(key: str, value: Any, name: str | None = None) -> str | None
     return None
 
 
-def convert_records(lines: list[tuple[int, Any]], identity: dict, where: str = "log",
-                    progress: Callable[[str], None] = lambda what: None) -> tuple[list[dict], str | None]:
-    """Metric records for DanceGRPO log lines (``(line number, value)`` pairs), and what ended the run if it
-    diverged (else None); ``identity`` fills run_id, method, model, ...
+@dataclass
+class Converted:
+    """What :func:`convert_records` made of a log, once it has gone through all of it: ``iterations`` records,
+    the step of the last with status ``ok``, what ended the run if it diverged, and the lines ``left`` out after
+    that."""
+    iterations: int = 0
+    last_good_iteration: int | None = None
+    diverged: str | None = None
+    left: int = 0
+
+
+def convert_records(chunks: Iterable[list[tuple[int, Any]]], identity: dict, where: str = "log",
+                    converted: Converted | None = None) -> Iterator[list[dict]]:
+    """Metric records for DanceGRPO log lines, made a chunk at a time as :func:`read_log` gives the lines (lists of
+    ``(line number, value)`` pairs): a list of records for each; ``identity`` fills run_id, method, model, ... and
+    ``converted`` is told what the log held (:class:`Converted`).
 
     Keys of a line that are already record keys (e.g. ``loss``, ``reward_std``) are kept. Each record is
     checked by the record contract as it is made (module docstring): a UserError names the log line and
     the key (the log's own name for ``step``, ``avg_reward``, ``step_time`` and ``grad_norm``). A line whose
     reward, loss or gradient norm is not finite is the last record, with status ``diverged`` (module
-    docstring); the lines after it are not converted. ``progress`` is told of every :data:`PROGRESS_LINES` lines
-    checked (:class:`~agg_bench.errors.Progress`)."""
-    records: list[dict] = []
+    docstring); the lines after it are not converted. Either way the rest of ``chunks`` is gone through before
+    the generator ends or raises: a refusal of the lines themselves (:func:`read_log`) comes first, as it did
+    when the whole log was read before its records were made."""
+    converted = Converted() if converted is None else converted
+    chunks = iter(chunks)
     # the line's other record keys are kept; the identity, step, status and the DanceGRPO numbers are set below
     kept_keys = frozenset(RECORD_KEYS) - {*identity, *DANCEGRPO_KEYS.values(), "status"}
-    for index, (n, line) in enumerate(lines):
-        if index % PROGRESS_LINES == 0 and index:
-            progress(f"checked {index:,} of {len(lines):,} lines")
-        at = f"{where} line {n}"
-        if not isinstance(line, dict):
-            raise UserError(f"{at}: holds {json_type(line)}; expected a JSON object per line")
-        missing = [key for key in DANCEGRPO_KEYS if key not in line]
-        if missing:
-            raise UserError(f"{at}: missing {', '.join(repr(k) for k in missing)} "
-                            f"(DanceGRPO log lines have {', '.join(DANCEGRPO_KEYS)})")
-        step = line["step"]
-        if not is_integer(step) or not 0 <= step <= MAX_STEP:
-            raise UserError(f"{at}: 'step' = {quote(step)}: expected an integer >= 0 (at most {MAX_STEP:,})")
-        if records and step <= records[-1]["iteration"]:
-            raise UserError(f"{at}: 'step' = {step} after step {records[-1]['iteration']}: expected steps in "
-                            "increasing order, each once")
-        kept = {k: v for k, v in line.items() if k in kept_keys}
-        numbers = {"reward_mean": line["avg_reward"], "t_iter_s": line["step_time"], "grad_norm": line["grad_norm"]}
-        diverged = [key for key in DIVERGING_KEYS if _diverged(numbers[key] if key in numbers else kept.get(key))]
-        for key in diverged:  # null in the record, as agg-bench run writes a value that is not finite
-            (numbers if key in numbers else kept)[key] = None
-        for name in ("avg_reward", "step_time", "grad_norm"):
-            problem = _number_problem(DANCEGRPO_KEYS[name], numbers[DANCEGRPO_KEYS[name]], name)
-            if problem is not None:
-                raise UserError(f"{at}: {problem}")
-        for key in sorted(_NUMBER_ORDER.keys() & kept.keys(), key=_NUMBER_ORDER.__getitem__):  # in NUMBER_KEYS' order
-            problem = _number_problem(key, kept[key])
-            if problem is not None:
-                raise UserError(f"{at}: {problem}")
-        numbers = {key: None if value is None else float(value) for key, value in numbers.items()}
-        record = new_record(kept, identity, numbers, iteration=step, status="diverged" if diverged else "ok",
-                            source=SOURCE)
-        problem = record_problem(record, required=REQUIRED_RECORD_KEYS)
-        if problem is not None:  # a text key of the log holding something else
+    last_step = None
+    try:
+        for chunk in chunks:
+            records = []
+            for index, (n, line) in enumerate(chunk):
+                record, diverged = _record(line, f"{where} line {n}", last_step, identity, kept_keys)
+                records.append(record)
+                if diverged is not None:  # as agg-bench run's summary says it
+                    converted.iterations += len(records)
+                    converted.last_good_iteration = last_step  # the step before, if any
+                    converted.diverged = f"non-finite {diverged} at iteration {record['iteration']}"
+                    yield records
+                    converted.left = len(chunk) - index - 1 + sum(len(rest) for rest in chunks)
+                    return
+                last_step = record["iteration"]
+            converted.iterations += len(records)
+            converted.last_good_iteration = last_step
+            yield records
+    except UserError:
+        for _ in chunks:  # a refusal of the log's text or JSON further on comes first
+            pass
+        raise
+
+
+def _record(line: Any, at: str, last_step: int | None, identity: dict,
+            kept_keys: frozenset) -> tuple[dict, str | None]:
+    """The metric record of the log line ``line`` (named ``at``) after step ``last_step``, and the key whose
+    value diverged (None if none did)."""
+    if not isinstance(line, dict):
+        raise UserError(f"{at}: holds {json_type(line)}; expected a JSON object per line")
+    missing = [key for key in DANCEGRPO_KEYS if key not in line]
+    if missing:
+        raise UserError(f"{at}: missing {', '.join(repr(k) for k in missing)} "
+                        f"(DanceGRPO log lines have {', '.join(DANCEGRPO_KEYS)})")
+    step = line["step"]
+    if not is_integer(step) or not 0 <= step <= MAX_STEP:
+        raise UserError(f"{at}: 'step' = {quote(step)}: expected an integer >= 0 (at most {MAX_STEP:,})")
+    if last_step is not None and step <= last_step:
+        raise UserError(f"{at}: 'step' = {step} after step {last_step}: expected steps in increasing order, "
+                        "each once")
+    kept = {k: v for k, v in line.items() if k in kept_keys}
+    numbers = {"reward_mean": line["avg_reward"], "t_iter_s": line["step_time"], "grad_norm": line["grad_norm"]}
+    diverged = [key for key in DIVERGING_KEYS if _diverged(numbers[key] if key in numbers else kept.get(key))]
+    for key in diverged:  # null in the record, as agg-bench run writes a value that is not finite
+        (numbers if key in numbers else kept)[key] = None
+    for name in ("avg_reward", "step_time", "grad_norm"):
+        problem = _number_problem(DANCEGRPO_KEYS[name], numbers[DANCEGRPO_KEYS[name]], name)
+        if problem is not None:
             raise UserError(f"{at}: {problem}")
-        records.append(record)
-        if diverged:  # as agg-bench run's summary says it
-            return records, f"non-finite {diverged[0]} at iteration {step}"
-    return records, None
+    for key in sorted(_NUMBER_ORDER.keys() & kept.keys(), key=_NUMBER_ORDER.__getitem__):  # in NUMBER_KEYS' order
+        problem = _number_problem(key, kept[key])
+        if problem is not None:
+            raise UserError(f"{at}: {problem}")
+    numbers = {key: None if value is None else float(value) for key, value in numbers.items()}
+    record = new_record(kept, identity, numbers, iteration=step, status="diverged" if diverged else "ok",
+                        source=SOURCE)
+    problem = record_problem(record, required=REQUIRED_RECORD_KEYS)
+    if problem is not None:  # a text key of the log holding something else
+        raise UserError(f"{at}: {problem}")
+    return record, diverged[0] if diverged else None
 
 
 # What an import may say of its run. Its n_gpus starts at 1 where a record's (INTEGER_RANGES) starts at 0: a log to
@@ -164,46 +209,63 @@ def _whole_json(text: str) -> bool:
     return True
 
 
-def read_log_text(log: Path) -> str:
-    """The text of ``log``, refused beyond MAX_LOG_BYTES before it is read."""
+def read_log(log: Path, notes: list[str],
+             progress: Callable[[str], None] = lambda what: None) -> Iterator[list[tuple[int, Any]]]:
+    """The JSON lines of ``log`` with their line numbers (blank lines left out), read a line at a time and given
+    in chunks of :data:`CHUNK_LINES` (the last may be shorter, none is empty). A log over
+    MAX_LOG_BYTES is refused before it is read. A line that is not JSON is a UserError naming it, except a last line
+    without a newline that is not whole JSON: a log still being written, or cut by a crash. That one is left out,
+    and a line in ``notes`` says so. ``progress`` is told of every :data:`PROGRESS_LINES` lines read.
+
+    A refusal is the one of the whole log read first, its lines then (as it was read before): the lines are read
+    to the end after the first that is not JSON (a byte that is no UTF-8 further on is the refusal), and after
+    one that is no UTF-8 (the log may be growing past the bound); no lines are given after either, nor the chunk
+    that held them."""
     check_path(log, "log", "a DanceGRPO JSONL log file")
+    not_text = not_json = None  # the refusals found, given once the log is read to its end
+    n = offset = given = 0
+    chunk: list[tuple[int, Any]] = []
     try:
-        return read_bounded(log, MAX_LOG_BYTES).decode("utf-8")
+        size = os.stat(log).st_size
+        for raw in read_bounded_lines(log, MAX_LOG_BYTES):
+            n, offset = n + 1, offset + len(raw)
+            if n % PROGRESS_LINES == 0:
+                progress(f"read {n:,} lines, {offset:,} of {size:,} bytes")
+            if not_text is not None:
+                continue
+            try:
+                text = raw.decode("utf-8")  # no UTF-8 sequence holds a newline: as the whole text decodes
+            except UnicodeDecodeError as err:
+                not_text = f"log {log}: not UTF-8 text ({err.reason} at byte {offset - len(raw) + err.start})"
+                continue
+            line = text[:-1] if raw.endswith(b"\n") else text
+            if not_json is not None or not line.strip():
+                continue
+            try:
+                value = loads(line, nonfinite=True)  # NaN: a diverged step (module docstring)
+            except JsonProblem as err:
+                if not raw.endswith(b"\n") and not _whole_json(line):  # the last line, no newline after it: torn
+                    notes.append(f"log {log} line {n}: left out, not a whole JSON line ({err}; a log still being "
+                                 "written?)")
+                    continue
+                not_json = f"log {log} line {n}: not JSON ({err}); expected one JSON object per line"
+                continue
+            given += 1
+            chunk.append((n, value))
+            if len(chunk) == CHUNK_LINES:
+                yield chunk
+                chunk = []
     except TooLarge as err:
-        size = "more bytes" if err.size is None else f"{err.size:,} bytes"
-        raise UserError(f"log {log}: {size}, over the {MAX_LOG_BYTES // 2**20} MiB an import reads") from None
-    except UnicodeDecodeError as err:
-        raise UserError(f"log {log}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        size_words = "more bytes" if err.size is None else f"{err.size:,} bytes"
+        raise UserError(f"log {log}: {size_words}, over the {MAX_LOG_BYTES // 2**20} MiB an import reads") from None
     except OSError as err:
         raise UserError(f"log {log}: cannot be read ({err.strerror or err})") from None
-
-
-def read_log(log: Path, notes: list[str],
-             progress: Callable[[str], None] = lambda what: None) -> list[tuple[int, Any]]:
-    """The JSON lines of ``log`` with their line numbers (blank lines left out). A line that is not JSON
-    is a UserError naming it, except a last line without a newline that is not whole JSON: a log still
-    being written, or cut by a crash. That one is left out, and a line in ``notes`` says so. ``progress`` is
-    told of every :data:`PROGRESS_LINES` lines read."""
-    text = read_log_text(log)
-    lines = text.split("\n")
-    total = len(lines) - (lines[-1] == "")  # the lines of the log: no line after its last newline
-    out = []
-    for n, line in enumerate(lines, 1):
-        if n > 1 and (n - 1) % PROGRESS_LINES == 0:
-            progress(f"read {n - 1:,} of {total:,} lines")
-        if not line.strip():
-            continue
-        try:
-            out.append((n, loads(line, nonfinite=True)))  # NaN: a diverged step (module docstring)
-        except JsonProblem as err:
-            if n == len(lines) and not _whole_json(line):  # the last line, no newline after it: torn
-                notes.append(f"log {log} line {n}: left out, not a whole JSON line ({err}; a log still being "
-                             "written?)")
-                continue
-            raise UserError(f"log {log} line {n}: not JSON ({err}); expected one JSON object per line") from None
-    if not out:
+    if not_text is not None or not_json is not None:
+        raise UserError(not_text or not_json)
+    if not given:
         raise UserError(f"log {log}: no records")
-    return out
+    if chunk:
+        yield chunk
 
 
 def check_import_folder(out: Path) -> None:
@@ -224,40 +286,45 @@ def check_import_folder(out: Path) -> None:
 def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model: str = "unknown",
                resolution: int | None = None, gpu_name: str | None = None, n_gpus: int | None = None,
                run_id: str | None = None) -> dict:
-    """Write ``out_dir`` as a reference run from the DanceGRPO log ``log``; returns its summary. Every
-    record is checked before anything is written (module docstring)."""
+    """Write ``out_dir`` as a reference run from the DanceGRPO log ``log``; returns its summary. The log is read,
+    checked and written a chunk of lines at a time into a temporary folder, renamed over ``out_dir`` once all of
+    it has passed (module docstring)."""
     check_labels(resolution, n_gpus, method=method, model=model, gpu_name=gpu_name, run_id=run_id)
     log, out = Path(log), Path(out_dir)
     notes: list[str] = []  # said once the import is written: a refusal is its one line
     progress = Progress("import-log")  # a line on stderr at most every few seconds: a long log shows where it is
-    lines = read_log(log, notes, progress)
     # the folder's name as UTF-8 text, as a run's (a non-UTF-8 name held lone surrogates that no table can write)
     run_id = run_id or path_text(out.name)
     identity = {"run_id": run_id, "method": method, "model": model, "resolution": resolution,
                 "device": "cuda" if gpu_name else None, "gpu_name": gpu_name, "n_gpus": n_gpus, "seed": None}
-    records, diverged = convert_records(lines, identity, f"log {log}", progress)
-    check_import_folder(out)
-    good = [record["iteration"] for record in records if record["status"] == "ok"]
-    summary = {"run_id": run_id, "status": "diverged" if diverged else "ok", "iterations": len(records),
-               "last_good_iteration": good[-1] if good else None, "error": diverged, **identity,
-               "source": SOURCE, "imported_from": path_text(log)}
-    left = len(lines) - len(records)
-    if diverged and left:
-        notes.append(f"log {log}: {diverged}; the run ends there, as a run that diverges does (the {left} "
+    converted = Converted()
+    records = convert_records(read_log(log, notes, progress), identity, f"log {log}", converted)
+    try:
+        check_import_folder(out)
+        # written beside the folder and renamed over it whole: a refused or stopped import leaves the earlier import
+        # as it was, where it left the new metrics without a summary (an interrupted run to the report), the earlier
+        # lost
+        with Claim(out, folder=True, lock_inside=False, check=lambda: check_import_folder(out)), \
+                replaced_folders(out) as staged:
+            folder = staged(out)
+            with atomic_file(folder / "metrics.jsonl") as fh:
+                for chunk in records:
+                    fh.write("".join([JsonlWriter.line(record) + "\n" for record in chunk]))
+            summary = {"run_id": run_id, "status": "diverged" if converted.diverged else "ok",
+                       "iterations": converted.iterations, "last_good_iteration": converted.last_good_iteration,
+                       "error": converted.diverged, **identity, "source": SOURCE, "imported_from": path_text(log)}
+            write_json(folder / "env.json", {"source": SOURCE, "imported_from": path_text(log.resolve())})
+            write_json(folder / "summary.json", summary)
+    except Exception:
+        # the output folder or the disk refused: the log is checked to its end all the same, since a refusal of
+        # the log comes first (as when the log was read before anything was written)
+        for _ in records:
+            pass
+        raise
+    if converted.diverged and converted.left:
+        left = converted.left
+        notes.append(f"log {log}: {converted.diverged}; the run ends there, as a run that diverges does (the {left} "
                      f"line{'s' if left > 1 else ''} after it left out)")
-    # written beside the folder and renamed over it whole: an import stopped part-way leaves the earlier import as
-    # it was, where it left the new metrics without a summary (an interrupted run to the report), the earlier lost
-    with Claim(out, folder=True, lock_inside=False, check=lambda: check_import_folder(out)), \
-            replaced_folders(out) as staged:
-        folder = staged(out)
-        metrics = []
-        for index, record in enumerate(records):
-            if index % PROGRESS_LINES == 0 and index:
-                progress(f"formatted {index:,} of {len(records):,} records")
-            metrics.append(JsonlWriter.line(record))
-        write_lines(folder / "metrics.jsonl", metrics)
-        write_json(folder / "env.json", {"source": SOURCE, "imported_from": path_text(log.resolve())})
-        write_json(folder / "summary.json", summary)
     for note in notes:
         print(f"agg-bench import-log: {note}", file=sys.stderr, flush=True)
     return summary

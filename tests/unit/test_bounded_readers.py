@@ -1,5 +1,6 @@
 """The readers of whole files a user hands to a command (a YAML config, a prompts file, a log to import, a campaign
-archive) read through the one bounded read, ``jsonfiles.read_bounded``: a file over a reader's bound is refused
+archive) read through the one bounded read, ``jsonfiles.read_bounded`` (a log to import a line at a time, through
+``jsonfiles.read_bounded_lines``): a file over a reader's bound is refused
 unread by its size, one that grows past the bound while it is read is refused at the bound, each in the reader's
 own words."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from agg_bench.config import MAX_YAML_BYTES, read_yaml_mapping
 from agg_bench.engine.prompts import MAX_PROMPT_FILE_BYTES, load_prompts
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.tools.archive import MAX_ARCHIVE_BYTES, read_archive
-from agg_bench.tools.importlog import MAX_LOG_BYTES, read_log_text
+from agg_bench.tools.importlog import MAX_LOG_BYTES, read_log
 
 # (reader, file name, bound, its words for a file of `size` bytes, its words for one that grew past the bound)
 READERS = {
@@ -25,7 +26,7 @@ READERS = {
     "prompts": (load_prompts, "big.txt", MAX_PROMPT_FILE_BYTES,
                 "prompts.file = '{path}': expected a prompts file of at most 67,108,864 bytes (it has {size:,})",
                 "(it has more)"),
-    "import log": (read_log_text, "big.jsonl", MAX_LOG_BYTES,
+    "import log": (lambda path: list(read_log(path, [])), "big.jsonl", MAX_LOG_BYTES,
                    "log {path}: {size:,} bytes, over the 64 MiB an import reads",
                    "log {path}: more bytes, over the 64 MiB an import reads"),
     "archive": (read_archive, "big.tar.gz", MAX_ARCHIVE_BYTES,

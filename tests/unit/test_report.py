@@ -286,8 +286,8 @@ def test_an_imported_log_that_diverged_at_its_last_line_or_one_before(tmp_path, 
 
 def test_a_long_import_prints_its_progress_on_stderr(tmp_path, capsys, monkeypatch):
     """An import of a log of a million lines took a minute with nothing printed: stderr gets a line as lines are
-    read, checked and formatted, at most one every PROGRESS_EVERY_S seconds (a quick import prints none, as the
-    tests above check); stdout keeps its one JSON line and the folder is the same."""
+    read (checked and written as they are), at most one every PROGRESS_EVERY_S seconds (a quick import prints none,
+    as the tests above check); stdout keeps its one JSON line and the folder is the same."""
     from agg_bench import errors
     from agg_bench.tools import importlog
 
@@ -300,13 +300,64 @@ def test_a_long_import_prints_its_progress_on_stderr(tmp_path, capsys, monkeypat
     assert main(["import-log", str(log), "--out", str(tmp_path / "out")]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out) == {"out": str(tmp_path / "out"), "iterations": 5, "status": "ok"}
-    expected = ["read 2 of 5 lines", "read 4 of 5 lines", "checked 2 of 5 lines", "checked 4 of 5 lines",
-                "formatted 2 of 5 records", "formatted 4 of 5 records"]
+    size = len(json.dumps(GOOD_STEP)) + 1  # each line's bytes
+    expected = [f"read 2 lines, {2 * size} of {5 * size} bytes", f"read 4 lines, {4 * size} of {5 * size} bytes"]
     lines = err.splitlines()
     assert len(lines) == len(expected) and all(re.fullmatch(rf"agg-bench import-log: {what} \(\d+\.\d s\)", line)
                                                for what, line in zip(expected, lines)), lines
     assert (tmp_path / "out" / "metrics.jsonl").read_text() == \
         (tmp_path / "quiet" / "metrics.jsonl").read_text().replace('"quiet"', '"out"')
+
+
+def test_an_import_writes_each_chunk_of_the_log_before_it_reads_the_next(tmp_path, monkeypatch):
+    """An import held every record of the log before it wrote one: a log of a million lines took 2.4 GB. It reads,
+    checks and writes CHUNK_LINES lines at a time, so the records of a chunk are written before the next line of
+    the log is read; the folder is the one an import of the log in one chunk writes."""
+    from agg_bench import jsonfiles
+    from agg_bench.tools import importlog
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({**GOOD_STEP, "step": s}) + "\n" for s in range(10)))
+    import_log(log, tmp_path / "whole")
+    written: list[int] = []  # the steps formatted for metrics.jsonl, in order
+    at_read: list[int] = []  # how many were, at each read of the log
+    real_open, real_line = jsonfiles.open_regular, JsonlWriter.line
+
+    class Watched:
+        """The opened log, telling each read."""
+
+        def __init__(self, path):
+            self.handle = real_open(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def fileno(self):
+            return self.handle.fileno()
+
+        def read(self, *args):
+            at_read.append(len(written))
+            return self.handle.read(*args)
+
+        def readline(self, *args):
+            at_read.append(len(written))
+            return self.handle.readline(*args)
+
+    class Writer(JsonlWriter):
+        @staticmethod
+        def line(record):
+            written.append(record["iteration"])
+            return real_line(record)
+
+    monkeypatch.setattr(importlog, "CHUNK_LINES", 2, raising=False)  # an import holding the whole log has none
+    monkeypatch.setattr(jsonfiles, "open_regular", Watched)
+    monkeypatch.setattr(importlog, "JsonlWriter", Writer)
+    import_log(log, tmp_path / "chunks", run_id="whole")
+    assert at_read[:10] == [0, 0, 2, 2, 4, 4, 6, 6, 8, 8] and written == list(range(10)), at_read
+    assert (tmp_path / "chunks" / "metrics.jsonl").read_bytes() == (tmp_path / "whole" / "metrics.jsonl").read_bytes()
 
 
 def test_an_imported_log_is_what_report_reads(tmp_path, capsys):
