@@ -13,7 +13,9 @@ An archive is a ``tar.gz`` of plain files at these paths, and nothing else:
 
 :func:`unpack` reads the archive as data (never ``extractall``) and refuses it whole, with one line and exit
 code 2 and the reference untouched, unless it is one whole gzip stream (inflated within the bounds before the
-tar is read: :func:`gunzip_bounded`), every member is a plain file at one of these paths within the size
+tar is read: :func:`gunzip_bounded`) of a tar as the tar module writes one (each member's data padded with zeros,
+nothing but zero blocks after the last: the tar reader stops at a block that is no header without a word, and
+would leave what follows unread), every member is a plain file at one of these paths within the size
 bounds, every JSON file parses as agg-bench writes JSON (:func:`agg_bench.jsonfiles.loads`: a JSON object, or
 JSON lines of objects), every run is finished, of this sweep (the config it composes for that run id), with
 files :class:`~agg_bench.reading.RunFolder` accepts and records and a summary naming that run on one device
@@ -172,8 +174,9 @@ def read_archive(path: Path) -> dict[str, bytes]:
                 if member.isdir():
                     _check_path(where, name, directory=True)
                     continue
-                if not member.isreg():
-                    raise UserError(f"{where}: {shown} is not a plain file (links, devices and the like are refused)")
+                if not member.isreg() or member.issparse():  # a sparse member's holes are no bytes of the archive
+                    raise UserError(f"{where}: {shown} is not a plain file (links, devices, sparse files and the "
+                                    "like are refused)")
                 _check_path(where, name)
                 if name in files:
                     raise UserError(f"{where}: {shown} is in the archive twice")
@@ -187,9 +190,20 @@ def read_archive(path: Path) -> dict[str, bytes]:
                 data = handle.read(MAX_MEMBER_BYTES + 1) if handle is not None else b""
                 if len(data) != member.size:
                     raise UserError(f"{where}: {shown} is truncated")
+                # a header whose size is smaller than the bytes that follow it leaves them in the padding
+                padding = raw[member.offset_data + member.size:member.offset_data - (-member.size // 512) * 512]
+                if padding.count(0) != len(padding):
+                    raise UserError(f"{where}: {shown} is followed by {len(padding) - padding.count(0):,} bytes "
+                                    "its header does not count (its size field is smaller than its data)")
                 files[name] = data
         except (tarfile.TarError, OSError, EOFError) as err:
             raise UserError(f"{where}: not a readable tar archive ({err})") from None
+        # the tar reader stops at the first block that is no header and says nothing: what follows would be left
+        # out unread (a second tar appended, members after a damaged header); a tar ends in zero blocks only
+        rest = raw[tar.offset:]
+        if rest.count(0) != len(rest):
+            raise UserError(f"{where}: holds {len(rest) - rest.count(0):,} bytes that are no member after byte "
+                            f"{tar.offset:,} of its tar stream (a tar ends with zero blocks only)")
     if not files:
         raise UserError(f"{where}: holds no files")
     return files

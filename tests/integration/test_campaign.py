@@ -508,6 +508,66 @@ def test_a_small_archive_that_unpacks_to_more_than_the_bound_is_refused_as_it_in
     assert not (tmp_path / "reference").exists()
 
 
+def window_logs(*stamps: str) -> dict[str, bytes]:
+    """Window logs named after their start: an archive's smallest valid members, which unpack checks in-process."""
+    return {f"windows/{stamp}.json": json.dumps({"started": stamp}).encode() for stamp in stamps}
+
+
+def tar_bytes(members: dict) -> bytes:
+    """The uncompressed tar of ``members`` ({name: bytes or (TarInfo, bytes)}) as the tar module writes it."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, data in members.items():
+            info, data = data if isinstance(data, tuple) else (tarfile.TarInfo(name), data)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def size_field_smaller() -> bytes:
+    """A member whose header counts 2 of the 8 bytes that follow it (within its block's padding)."""
+    info = tarfile.TarInfo("windows/20260101T000000.json")
+    info.size = 2
+    return info.tobuf() + b'{"a": 1}'.ljust(512, b"\0") + b"\0" * 1024
+
+
+def sparse_member() -> bytes:
+    """An old GNU sparse member: 8 bytes in the archive, 5,000 once its hole is filled with zeros."""
+    info = tarfile.TarInfo("windows/20260101T000000.json")
+    info.type, info.size = tarfile.GNUTYPE_SPARSE, 8
+    header = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+    header[386:410] = b"%011o\0%011o\0" % (0, 8)  # one region: offset 0, 8 bytes
+    header[483:495] = b"%011o\0" % 5000  # the real size
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header) + b"{}      ".ljust(512, b"\0") + b"\0" * 1024
+
+
+@pytest.mark.parametrize("raw, words", [
+    # the tar reader stops at the first block that is no header without a word: the rest went unread
+    (lambda: tar_bytes(window_logs("20260101T000000")) + b"not a tar block" * 100, "bytes that are no member"),
+    (lambda: tar_bytes(window_logs("20260101T000000")) + tar_bytes(window_logs("20260102T000000")),
+     "bytes that are no member"),
+    (lambda: tar_bytes(window_logs("20260101T000000"))[:512 * 2] + b"x" * 512 + tar_bytes(window_logs("20260102T000000")),
+     "bytes that are no member"),
+    (size_field_smaller, "6 bytes its header does not count"),
+    (sparse_member, "is not a plain file"),
+], ids=["trailing bytes", "a second tar", "a block that is no header", "size field smaller", "sparse member"])
+def test_a_tar_stream_the_harness_did_not_write_is_refused_and_the_reference_untouched(tmp_path, cpu_campaign, raw,
+                                                                                       words):
+    reference = tmp_path / "reference"
+    good = tmp_path / "good.tar.gz"
+    good.write_bytes(gzip.compress(tar_bytes(window_logs("20251231T000000"))))
+    archive_module.unpack(cpu_campaign, good, reference)
+    before = tree(reference)
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(gzip.compress(raw()))
+    with pytest.raises(UserError) as refused:
+        archive_module.unpack(cpu_campaign, bad, reference)
+    assert words in str(refused.value) and "\n" not in str(refused.value), refused.value
+    assert tree(reference) == before
+
+
 def test_a_reference_holds_one_gpus_runs_and_the_one_the_campaign_names(tmp_path):
     """Unpack refuses runs of another GPU than the reference's, and with campaign.gpu (config/h200.yaml: H200)
     runs and calibrations of any other GPU."""
