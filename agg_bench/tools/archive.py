@@ -25,7 +25,9 @@ one ``campaign.gpu`` names (:func:`check_hardware`), every safetensors file's he
 bytes after it and every PNG starts as a PNG does, and every new run's passes per sample in its first
 iteration equal what the same schedule counts on the tiny model on the CPU (:func:`check_counts`, which runs
 that counterpart: counts depend on neither the device, the size, the precision nor the weights). A file or
-run the reference holds already is skipped when its bytes are the same and refused when they differ. The new
+run the reference holds already is skipped when its bytes are the same and refused when they differ, and two paths,
+of the archive or one of it and one of the reference, that differ only in case are refused (the reference is
+committed, and checked out where case is not told apart too: :func:`case_clash`). The new
 files are written beside the reference under a harness temporary name and renamed into place; if the tables
 cannot be written, they are moved back out and the folders made for them removed. The staging folder stays
 in the reference until the runs, the manifest and the tables are all in place: an unpack killed half-way leaves
@@ -52,7 +54,7 @@ import tarfile
 import tempfile
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from tqdm import tqdm
 
@@ -206,7 +208,32 @@ def read_archive(path: Path) -> dict[str, bytes]:
                             f"{tar.offset:,} of its tar stream (a tar ends with zero blocks only)")
     if not files:
         raise UserError(f"{where}: holds no files")
+    clash = case_clash(files, ())
+    if clash is not None:
+        raise UserError(f"{where}: {quote(clash[0])} and {quote(clash[1])} differ only in case; {CASE_WHY}")
     return files
+
+
+CASE_WHY = ("a reference is committed and checked out on file systems that do not tell case apart, where the two "
+            "are one file")
+
+
+def case_clash(names: Iterable[str], held: Iterable[str]) -> tuple[str, str] | None:
+    """Two paths of ``names`` (member paths), or one of them and one of ``held`` (paths a reference holds), that
+    differ only in case, themselves or a folder on the way to them (``runs/A/x`` and ``runs/a/y``); None when none
+    do. A new path and a held one of the same spelling are the same file, not a clash."""
+    kept = set(held)
+    seen: dict[str, str] = {path.lower(): path for path in sorted(kept)}
+    for name in names:
+        parts = name.split("/")
+        for depth in range(1, len(parts) + 1):
+            path = "/".join(parts[:depth])
+            if path in kept:
+                continue
+            other = seen.setdefault(path.lower(), path)
+            if other != path:
+                return path, other
+    return None
 
 
 def _check_path(where: str, name: str, directory: bool = False) -> None:
@@ -557,6 +584,11 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
         for name in (UNPACK_STAGING, *GENERATED):
             remove_stale_temps(reference / name)
         check_hardware(campaign, where, gpus, reference)
+        held = [str(p.relative_to(reference)) for p in reference.rglob("*")] if reference.is_dir() else []
+        clash = case_clash(files, held)
+        if clash is not None:
+            raise UserError(f"{where}: {quote(clash[0])} and the reference's {quote(clash[1])} differ only in case; "
+                            f"{CASE_WHY}")
         # what the reference already holds: the same bytes are skipped, other bytes refused
         new_groups, new_others = {}, {}
         for group, members in groups.items():

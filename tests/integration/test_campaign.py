@@ -552,7 +552,9 @@ def sparse_member() -> bytes:
      "bytes that are no member"),
     (size_field_smaller, "6 bytes its header does not count"),
     (sparse_member, "is not a plain file"),
-], ids=["trailing bytes", "a second tar", "a block that is no header", "size field smaller", "sparse member"])
+    # one file on a checkout where case is not told apart (macOS, Windows): one log would overwrite the other
+    (lambda: tar_bytes(window_logs("20260101T000000", "20260101t000000")), "differ only in case"),
+], ids=["trailing bytes", "a second tar", "a block that is no header", "size field smaller", "sparse member", "names differing in case"])
 def test_a_tar_stream_the_harness_did_not_write_is_refused_and_the_reference_untouched(tmp_path, cpu_campaign, raw,
                                                                                        words):
     reference = tmp_path / "reference"
@@ -565,6 +567,23 @@ def test_a_tar_stream_the_harness_did_not_write_is_refused_and_the_reference_unt
     with pytest.raises(UserError) as refused:
         archive_module.unpack(cpu_campaign, bad, reference)
     assert words in str(refused.value) and "\n" not in str(refused.value), refused.value
+    assert tree(reference) == before
+
+
+def test_a_file_the_reference_holds_in_another_case_is_refused(tmp_path, cpu_campaign):
+    reference = tmp_path / "reference"
+    first = tmp_path / "first.tar.gz"
+    first.write_bytes(gzip.compress(tar_bytes(window_logs("20260101T000000"))))
+    archive_module.unpack(cpu_campaign, first, reference)
+    before = tree(reference)
+    second = tmp_path / "second.tar.gz"
+    second.write_bytes(gzip.compress(tar_bytes(window_logs("20260101T000000", "20260102T000000"))))
+    archive_module.unpack(cpu_campaign, second, reference)  # the same file again, and another: no clash
+    before = tree(reference)
+    second.write_bytes(gzip.compress(tar_bytes(window_logs("20260101t000000"))))
+    with pytest.raises(UserError, match="'windows/20260101t000000.json' and the reference's "
+                                        "'windows/20260101T000000.json' differ only in case"):
+        archive_module.unpack(cpu_campaign, second, reference)
     assert tree(reference) == before
 
 
