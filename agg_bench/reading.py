@@ -37,8 +37,8 @@ from .errors import UserError, counted, quote
 from .io import read_jsonl
 from .jsonfiles import read_json_object
 from .outdir import check_not_written, is_harness_name
-from .records import (EVALUATIONS_FILE, REQUIRED_RECORD_KEYS, STATUSES, is_finite_number, record_problem,
-                      records_problem)
+from .records import (EVALUATIONS_FILE, MAX_MAGNITUDE, REQUIRED_RECORD_KEYS, STATUSES, is_finite_number,
+                      is_recordable_number, record_problem, records_problem)
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -70,16 +70,19 @@ def run_config(data: Any, where: str | Path) -> RunConfig:
 def evaluations_problem(lines: list[dict]) -> str | None:
     """What is wrong with a run's held-out evaluations (``evaluations.jsonl``); None when nothing is. A line's
     sub-scores (``eval_<name>``) and times (``t_eval_s``, ``t_eval_cpu_s``), which the learning tables average, are
-    finite numbers or null."""
+    finite numbers of magnitude at most :data:`~agg_bench.records.MAX_MAGNITUDE` (what a run writes: a larger mean
+    ends it, :func:`agg_bench.runtime.evaluation.non_finite_key`; the tables' means of larger ones overflow) or
+    null."""
     seen = set()
     for k, line in enumerate(lines, 1):
         iteration, reward = line.get("iteration"), line.get("eval_reward")
-        if type(iteration) is not int or iteration < 0 or not is_finite_number(reward):
-            return (f"line {k}: expected an iteration (an integer >= 0) and an eval_reward (a finite number), "
-                    f"not {quote(line)}")
+        if type(iteration) is not int or iteration < 0 or not is_recordable_number(reward):
+            return (f"line {k}: expected an iteration (an integer >= 0) and an eval_reward (a finite number, at "
+                    f"most {MAX_MAGNITUDE:g} in magnitude), not {quote(line)}")
         for key, value in line.items():
-            if key.startswith(("eval_", "t_eval_")) and value is not None and not is_finite_number(value):
-                return f"line {k}: {key} = {quote(value)}: expected a finite number or null"
+            if key.startswith(("eval_", "t_eval_")) and value is not None and not is_recordable_number(value):
+                return (f"line {k}: {key} = {quote(value)}: expected a finite number or null (at most "
+                        f"{MAX_MAGNITUDE:g} in magnitude)")
         if iteration in seen:
             return f"line {k}: iteration {iteration} is evaluated twice"
         seen.add(iteration)

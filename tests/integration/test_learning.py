@@ -442,3 +442,30 @@ def test_a_manifest_run_that_is_not_there_is_named_by_its_entry(manifest, tmp_pa
     assert len(lines) == 1 and f"manifest {manifest}: runs[4]: " in lines[0], lines
     assert (f"dir {folder}: no such folder; expected a run folder" in lines[0]) == (gone == "folder"), lines
     assert not out.exists()
+
+
+def with_evaluations(manifest: Path, lines_of) -> list[dict]:
+    """The manifest's runs, each given the ``evaluations.jsonl`` of ``lines_of(entry)`` (a list of lines)."""
+    runs = json.loads(manifest.read_text())["runs"]
+    for entry in runs:
+        (Path(entry["dir"]) / "evaluations.jsonl").write_text("".join(json.dumps(line) + "\n"
+                                                                      for line in lines_of(entry)))
+    return runs
+
+
+def refused_learning(manifest: Path, out: Path, capsys) -> str:
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and not out.exists(), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("key, value", [("eval_reward", 1e308), ("eval_reward", -1e301), ("eval_reward_shape", 1e308),
+                                        ("t_eval_cpu_s", 1e305)])
+def test_an_evaluation_number_no_run_writes_is_refused(manifest, tmp_path, capsys, key, value):
+    """A run ends when an evaluation's mean passes the records' bound (1e300): a line beyond it, which only an edited
+    file holds, made the seeds' mean of the gain overflow to inf, with numpy's warnings on stderr and exit 0."""
+    with_evaluations(manifest, lambda entry: [{"iteration": 0, "eval_reward": 0.1},
+                                              {"iteration": 8, "eval_reward": 0.5, key: value}])
+    line = refused_learning(manifest, tmp_path / "t", capsys)
+    assert "evaluations.jsonl: line 2" in line and "at most 1e+300 in magnitude" in line, line
