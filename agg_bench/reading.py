@@ -29,6 +29,7 @@ with it, and the results readers read run folders with it; it imports no torch.
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, overload
@@ -67,10 +68,16 @@ def run_config(data: Any, where: str | Path) -> RunConfig:
         raise UserError(f"{where}: {err}") from None
 
 
+# the keys of an evaluation's line besides ``iteration``: its scores (``eval_reward``, the reward's sub-scores
+# ``eval_reward_<name>``) and its times
+EVALUATION_KEY = re.compile(r"eval_[a-z][a-z0-9_]{0,63}")
+EVALUATION_TIMES = ("t_eval_s", "t_eval_cpu_s")
+
+
 def evaluations_problem(lines: list[dict]) -> str | None:
-    """What is wrong with a run's held-out evaluations (``evaluations.jsonl``); None when nothing is. A line's
-    sub-scores (``eval_<name>``) and times (``t_eval_s``, ``t_eval_cpu_s``), which the learning tables average, are
-    finite numbers of magnitude at most :data:`~agg_bench.records.MAX_MAGNITUDE` (what a run writes: a larger mean
+    """What is wrong with a run's held-out evaluations (``evaluations.jsonl``); None when nothing is. A line's keys
+    are those a run writes (:data:`EVALUATION_KEY`, :data:`EVALUATION_TIMES`); its sub-scores (``eval_<name>``) and
+    times (``t_eval_s``, ``t_eval_cpu_s``), which the learning tables average, are finite numbers of magnitude at most :data:`~agg_bench.records.MAX_MAGNITUDE` (what a run writes: a larger mean
     ends it, :func:`agg_bench.runtime.evaluation.non_finite_key`; the tables' means of larger ones overflow) or
     null."""
     seen = set()
@@ -80,6 +87,11 @@ def evaluations_problem(lines: list[dict]) -> str | None:
             return (f"line {k}: expected an iteration (an integer >= 0) and an eval_reward (a finite number, at "
                     f"most {MAX_MAGNITUDE:g} in magnitude), not {quote(line)}")
         for key, value in line.items():
+            # a sub-score's key names columns of learning.csv and learning.md: text a run never writes there (a
+            # newline, an escape sequence) is no key of a run's evaluation
+            if key not in EVALUATION_TIMES and key != "iteration" and not EVALUATION_KEY.fullmatch(key):
+                return (f"line {k}: key {quote(key)}: expected iteration, {', '.join(EVALUATION_TIMES)} or "
+                        "eval_<score> (lower-case letters, digits and _, at most 64 characters)")
             if key.startswith(("eval_", "t_eval_")) and value is not None and not is_recordable_number(value):
                 return (f"line {k}: {key} = {quote(value)}: expected a finite number or null (at most "
                         f"{MAX_MAGNITUDE:g} in magnitude)")

@@ -13,6 +13,7 @@ import yaml
 from agg_bench.errors import UserError
 from agg_bench.results.learning_tables import cpu_time_to_reach, learning_table, load_runs, plot_rewards
 from agg_bench.cli import main
+from agg_bench.config.reward_options import SCENE_PARTS
 from agg_bench.tools.sweep import flatten, overrides_of
 from helpers import exit_code
 
@@ -469,3 +470,23 @@ def test_an_evaluation_number_no_run_writes_is_refused(manifest, tmp_path, capsy
                                               {"iteration": 8, "eval_reward": 0.5, key: value}])
     line = refused_learning(manifest, tmp_path / "t", capsys)
     assert "evaluations.jsonl: line 2" in line and "at most 1e+300 in magnitude" in line, line
+
+
+@pytest.mark.parametrize("key", ["eval_reward_\x1b[31mred\nline", "eval_reward_Shape", "notes", "t_eval_wall_s",
+                                 "eval_" + "x" * 80])
+def test_an_evaluation_key_no_run_writes_is_refused(manifest, tmp_path, capsys, key):
+    """A sub-score's key names columns of learning.csv and learning.md: an escape sequence and a newline in one went
+    into the CSV's header as they were."""
+    with_evaluations(manifest, lambda entry: [{"iteration": 0, "eval_reward": 0.1, key: 0.2},
+                                              {"iteration": 8, "eval_reward": 0.5, key: 0.3}])
+    line = refused_learning(manifest, tmp_path / "t", capsys)
+    assert "evaluations.jsonl: line 1: key " in line and "expected iteration, t_eval_s, t_eval_cpu_s or eval_<score>" \
+        in line and "\x1b" not in line, line
+
+
+def test_the_keys_a_run_writes_in_its_evaluations_pass(manifest, tmp_path):
+    with_evaluations(manifest, lambda entry: [
+        {"iteration": n, "eval_reward": 0.1 + n / 100, **{f"eval_reward_{part}": 0.2 for part in SCENE_PARTS},
+         "t_eval_s": 1.0, "t_eval_cpu_s": 1.5} for n in (0, 4, 8)])
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "2"]) == 0
+    assert "eval_reward_count_gain" in (tmp_path / "t" / "learning.csv").read_text()
