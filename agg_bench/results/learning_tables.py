@@ -92,7 +92,8 @@ def load_runs(manifest: str | Path) -> list[Run]:
     """Every run of the manifest, its records ordered by iteration (a run without a record is refused). Each run folder is read by
     :class:`agg_bench.reading.RunFolder`: every record by the record contract, with ``status`` and
     ``iteration``, and ``reward_mean`` in an ok one; the in-run evaluations checked. A folder listed twice,
-    two runs of one method and seed (a seed counts once), a run that has not ended and one that ended other
+    two runs of one method and seed (a seed counts once), an entry whose seed or method is not its run's
+    (:func:`check_entry_names_run`), a run that has not ended and one that ended other
     than ok (diverged, oom, error) are refused."""
     path = Path(manifest)
     check_path(path, "manifest")
@@ -127,6 +128,7 @@ def load_runs(manifest: str | Path) -> list[Run]:
             summary = folder.summary()
             evaluations = folder.evaluations()
             config = folder.config_object() if folder.has(CONFIG_FILE) else None
+        check_entry_names_run(where, entry, folder, lines, summary, config)
         unweighted = unweighted_parts(config, folder.path(CONFIG_FILE))
         missing = next((k for k, r in enumerate(lines, 1) if r["status"] == "ok" and r.get("reward_mean") is None),
                        None)
@@ -159,6 +161,28 @@ def load_runs(manifest: str | Path) -> list[Run]:
     if not runs:
         raise UserError(f"manifest {path}: lists no run; expected at least one")
     return runs
+
+
+def check_entry_names_run(where: str, entry: dict, folder: RunFolder, lines: list[dict], summary: dict,
+                          config: dict | None) -> None:
+    """A UserError naming the file and the key where the run folder says another seed than the manifest entry's
+    ``seed``, or another method than the entry's ``method_options.name`` (the sweep's manifest gives both; the
+    ``method`` label is the sweep's own name of a setting): its records, summary and ``config.json``, where they
+    say. A copied run folder listed under another seed counted as one more seed of its method."""
+    places = [(f"{folder.path(METRICS_FILE)}: record {k}", record) for k, record in enumerate(lines, 1)]
+    places.append((str(folder.path(SUMMARY_FILE)), summary))
+    if config is not None:
+        method = config.get("method")
+        places.append((str(folder.path(CONFIG_FILE)), {"seed": config.get("seed"),
+                                                        "method": method.get("name") if isinstance(method, dict) else None}))
+    options = entry.get("method_options")
+    wanted = {"seed": entry.get("seed"), "method": options.get("name") if isinstance(options, dict) else None}
+    for key, entry_key in (("seed", "seed"), ("method", "method_options.name")):
+        for place, values in places if wanted[key] is not None else ():
+            if values.get(key) is not None and values.get(key) != wanted[key]:
+                raise UserError(f"{where}: {entry_key} = {quote(wanted[key])}, but {place} has {key} = "
+                                f"{quote(values.get(key))}; expected the manifest entry of the run in its folder (a "
+                                "copied run folder counts as another seed)")
 
 
 def held_out_curves(runs: list[Run]) -> tuple[dict[int, pd.DataFrame], dict[str, list[int]]]:

@@ -490,3 +490,25 @@ def test_the_keys_a_run_writes_in_its_evaluations_pass(manifest, tmp_path):
          "t_eval_s": 1.0, "t_eval_cpu_s": 1.5} for n in (0, 4, 8)])
     assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "2"]) == 0
     assert "eval_reward_count_gain" in (tmp_path / "t" / "learning.csv").read_text()
+
+
+def test_a_copied_run_under_another_seed_or_a_run_of_another_method_is_refused(manifest, tmp_path, capsys):
+    """A run folder copied and listed under another seed counted as one more seed of its method (its gain twice,
+    the spread shrunk); an entry whose method_options name another method than the run's was read as that method's."""
+    import shutil
+
+    runs = json.loads(manifest.read_text())["runs"]
+    shutil.copytree(runs[0]["dir"], tmp_path / "copy")
+    manifest.write_text(json.dumps({"runs": [*runs, {"dir": str(tmp_path / "copy"), "method": "full", "seed": 5}]}))
+    line = refused_learning(manifest, tmp_path / "t", capsys)
+    assert "runs[6]: seed = 5, but " in line and "copy/metrics.jsonl: record 1 has seed = 0" in line, line
+    manifest.write_text(json.dumps({"runs": [{**runs[0], "method_options": {"name": "full"}},
+                                             {**runs[1], "method_options": {"name": "branch"}}, *runs[2:]]}))
+    line = refused_learning(manifest, tmp_path / "t", capsys)
+    assert "runs[1]: method_options.name = 'branch', but " in line and "record 1 has method = 'agg'" in line, line
+    # the config.json too, where the records and summary leave the key out
+    folder = Path(runs[1]["dir"])
+    (folder / "config.json").write_text(json.dumps({"seed": 3}))
+    manifest.write_text(json.dumps({"runs": runs}))
+    line = refused_learning(manifest, tmp_path / "t", capsys)
+    assert "runs[1]: seed = 0, but " in line and "config.json has seed = 3" in line, line
