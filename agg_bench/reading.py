@@ -77,9 +77,9 @@ EVALUATION_TIMES = ("t_eval_s", "t_eval_cpu_s")
 def evaluations_problem(lines: list[dict]) -> str | None:
     """What is wrong with a run's held-out evaluations (``evaluations.jsonl``); None when nothing is. A line's keys
     are those a run writes (:data:`EVALUATION_KEY`, :data:`EVALUATION_TIMES`); its sub-scores (``eval_<name>``) and
-    times (``t_eval_s``, ``t_eval_cpu_s``), which the learning tables average, are finite numbers of magnitude at most :data:`~agg_bench.records.MAX_MAGNITUDE` (what a run writes: a larger mean
-    ends it, :func:`agg_bench.runtime.evaluation.non_finite_key`; the tables' means of larger ones overflow) or
-    null."""
+    times (``t_eval_s``, ``t_eval_cpu_s``), which the learning tables average, are finite numbers of magnitude at
+    most :data:`~agg_bench.records.MAX_MAGNITUDE` (what a run writes: a larger mean ends it,
+    :func:`agg_bench.runtime.evaluation.non_finite_key`; the tables' means of larger ones overflow) or null."""
     seen = set()
     for k, line in enumerate(lines, 1):
         iteration, reward = line.get("iteration"), line.get("eval_reward")
