@@ -233,8 +233,8 @@ class RunFolder:
         """A UserError naming the folder, the file, the key and both values where the run's files contradict each
         other: a record or ``summary`` (from :meth:`summary`) holding another value of an identity key
         (:data:`IDENTITY_KEYS`) than ``config`` (the identity ``config.json`` gives, as the caller reads it; None:
-        none), else the first record, else the summary; a record not ok before the last (an iteration out of
-        memory or diverged ends a run); a summary of an ``ok`` end over a record that is not ok, or over another
+        none), else the first record, else the summary (a key a file lacks is not compared); a record not ok
+        before the last (an iteration out of memory or diverged ends a run); a summary of an ``ok`` end over a record that is not ok, or over another
         number of records than its ``iterations`` where its budget did not end it (an import's summary counts its
         records). A summary of another end may follow ok records: a run stopped, failed, or out of memory in an
         evaluation or while resuming."""
@@ -244,9 +244,10 @@ class RunFolder:
         owner: dict[str, str] = {}
         for what, values in [(CONFIG_FILE, config or {}), *sources[:1], *sources[-1:]]:
             for key in IDENTITY_KEYS:
-                if key not in expected and (what != CONFIG_FILE or key in values):
-                    expected[key], owner[key] = values.get(key), what
-        found = identity_mismatch(expected, sources)
+                if key not in expected and key in values:
+                    expected[key], owner[key] = values[key], what
+        # a key a file does not write names no other run (a summary of an older run, a hand-made fixture)
+        found = identity_mismatch(expected, [(what, {**expected, **values}) for what, values in sources])
         if found is not None:
             what, key, value = found
             raise UserError(f"run {self.dir}: {what}: {key} = {quote(value)}, where {owner[key]} has "

@@ -26,7 +26,7 @@ from ..results.learning_tables import (EVAL_SOURCES, Run, held_out_curves, learn
                                        plot_rewards, write_curves, write_table)
 from ..results.loading import MAX_ITERATIONS, Manifest, load_manifest
 from ..reading import CONFIG_FILE, RunFolder, run_config
-from ..records import MAX_LABEL, is_label
+from ..records import MAX_LABEL
 from ..runtime.evaluation import SAMPLERS, non_finite_key
 from .sweep import MeasuredAlike
 
@@ -270,16 +270,9 @@ def check_manifest(manifest: str | Path) -> Manifest:
     """The manifest as read (:func:`agg_bench.results.loading.load_manifest`), its form checked before any run
     folder is read: the report's manifest (``agg-bench report
     --manifest``, :func:`agg_bench.results.loading.load_manifest`: its keys and each entry's, each of its
-    kind; the workflow writes one manifest for both), and each run's method label 1 to :data:`MAX_LABEL`
-    printable characters (a row of learning.md and a label in every plot). A UserError naming the manifest
-    and the entry otherwise."""
-    read = load_manifest(manifest)
-    for i, entry in enumerate(read.runs):
-        method = entry.method
-        if isinstance(method, str) and not is_label(method):
-            raise UserError(f"manifest {manifest}: runs[{i}].method = {quote(method)}: expected a method label "
-                            f"of 1 to {MAX_LABEL} printable characters")
-    return read
+    kind, each label 1 to :data:`MAX_LABEL` printable characters: a row of learning.md and a label in every plot;
+    the workflow writes one manifest for both). A UserError naming the manifest and the entry otherwise."""
+    return load_manifest(manifest)
 
 
 def check_lengths(runs: list[Run], average: int) -> None:

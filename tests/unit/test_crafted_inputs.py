@@ -507,6 +507,12 @@ def learning_runs(trained, tmp_path: Path, n: int = 2) -> tuple[Path, list[Path]
     for seed in range(n):
         runs.append(tmp_path / f"full{seed}")
         shutil.copytree(trained[0], runs[-1])
+        if seed:  # each copy the seed its entry names, in every file that names it (the reader compares them)
+            metrics, summary, config = (runs[-1] / name for name in ("metrics.jsonl", "summary.json", "config.json"))
+            metrics.write_text("".join(json.dumps({**json.loads(line), "seed": seed}) + "\n"
+                                       for line in metrics.read_text().splitlines()))
+            for path in (summary, config):
+                path.write_text(json.dumps({**json.loads(path.read_text()), "seed": seed}))
     manifest = tmp_path / "manifest.json"
     entries = [{"dir": str(r), "method": "full", "seed": i} for i, r in enumerate(runs)]
     manifest.write_text(json.dumps({"runs": entries}))
@@ -662,9 +668,9 @@ def test_learning_refuses_a_run_listed_twice(trained, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, words", [
-    (lambda m: m["runs"][1].update(method=""), "runs[1].method = '': expected a method label of 1 to 200 printable"),
-    (lambda m: m["runs"][1].update(method="full\nx"), "runs[1].method = 'full\\nx': expected a method label"),
-    (lambda m: m["runs"][0].update(method="x" * 201), "(201 characters): expected a method label"),
+    (lambda m: m["runs"][1].update(method=""), "runs[1].method = '': expected a label of 1 to 200 printable"),
+    (lambda m: m["runs"][1].update(method="full\nx"), "runs[1].method = 'full\\nx': expected a label of 1 to 200"),
+    (lambda m: m["runs"][0].update(method="x" * 201), "(201 characters): expected a label of 1 to 200"),
     (lambda m: m["runs"][1].update(bogus=1), "runs[1]: unknown key 'bogus'; expected some of dir, method, model"),
     (lambda m: m.update(bogus=1), "unknown key 'bogus'; expected some of runs, gradcheck, calibration, warmup"),
 ])

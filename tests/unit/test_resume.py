@@ -291,7 +291,7 @@ CRAFTED = {
     "records not JSON": (lambda s: s.update(records=["{not json"]), "records line 1"),
     "records not lines": (lambda s: s.update(records="x"), "records"),
     "a record's text iteration": (lambda s: s["records"].__setitem__(0, '{"iteration": "0"}'), "iteration"),
-    "records of other iterations": (lambda s: s["records"].reverse(), "records: iterations"),
+    "records of other iterations": (lambda s: s["records"].reverse(), "expected the iterations in increasing order"),
     "text iteration": (lambda s: s.update(iteration="1"), "iteration = '1'"),
     "negative iteration": (lambda s: s.update(iteration=-5), "iteration = -5"),
     "negative policy version": (lambda s: s.update(policy_version=-1), "policy_version"),
