@@ -96,9 +96,14 @@ def test_a_cycle_whose_events_cannot_be_parsed_keeps_its_trace_and_operator_tabl
     written = profile_steps(step, tmp_path / "profile", "cpu", wait=0, warmup=0, active=1, with_stack=False)
     assert read_trace(Path(written["trace_0"]))["traceEvents"]
     rows = read_operators(Path(written["operators"]))
-    expected = sorted(parsed[0], key=lambda event: event.self_cpu_time_total, reverse=True)
-    assert [row["name"] for row in rows] == [event.key for event in expected]
-    for row, event in zip(rows, expected):
+    # the rows sorted by self time, as torch's table; rows of equal self time (to the summing order's rounding) may
+    # come in either order
+    self_times = [float(row["self_cpu_time_us"]) for row in rows]
+    assert all(a >= b - 1e-6 for a, b in zip(self_times, self_times[1:])), self_times
+    by_name = {event.key: event for event in parsed[0]}
+    assert sorted(row["name"] for row in rows) == sorted(by_name) and len(rows) == len(by_name)
+    for row in rows:
+        event = by_name[row["name"]]
         assert row["cycle"] == "0" and int(row["calls"]) == event.count, row
         assert float(row["self_cpu_time_us"]) == pytest.approx(event.self_cpu_time_total, abs=1e-3)
         assert float(row["cpu_time_total_us"]) == pytest.approx(event.cpu_time_total, abs=1e-3)
