@@ -615,3 +615,34 @@ def methods_checked_here(monkeypatch) -> list[list[str]]:
 
     monkeypatch.setattr(sweep, "checked_methods", check)
     return calls
+
+
+def watched_open(on_read):
+    """A stand-in for ``jsonfiles.open_regular`` (monkeypatch it in): the file opened by the real one, calling
+    ``on_read()`` before each ``read`` and ``readline``, which may record the call or raise."""
+    from agg_bench import jsonfiles
+
+    real_open = jsonfiles.open_regular
+
+    class Watched:
+        def __init__(self, path):
+            self.handle = real_open(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def fileno(self):
+            return self.handle.fileno()
+
+        def read(self, *args):
+            on_read()
+            return self.handle.read(*args)
+
+        def readline(self, *args):
+            on_read()
+            return self.handle.readline(*args)
+
+    return Watched

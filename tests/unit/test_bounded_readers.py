@@ -17,6 +17,7 @@ from agg_bench.engine.prompts import MAX_PROMPT_FILE_BYTES, load_prompts
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.tools.archive import MAX_ARCHIVE_BYTES, read_archive
 from agg_bench.tools.importlog import MAX_LOG_BYTES, read_log
+from helpers import watched_open
 
 # (reader, file name, bound, its words for a file of `size` bytes, its words for one that grew past the bound)
 READERS = {
@@ -46,30 +47,10 @@ def test_a_file_over_the_bound_is_refused_by_its_size_unread(tmp_path, monkeypat
     reader, file, bound, words, _ = READERS[name]
     path = sparse(tmp_path / file, bound + 1)
 
-    real_open = jsonfiles.open_regular
-
-    class Unread:
-        """The opened file, whose bytes must not be read."""
-
-        def __init__(self, path):
-            self.handle = real_open(path)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-        def fileno(self):
-            return self.handle.fileno()
-
-        def read(self, *args):
-            raise AssertionError("the oversized file was read")
-
     def no_read(*args, **kwargs):
         raise AssertionError("the oversized file was read")
 
-    monkeypatch.setattr(jsonfiles, "open_regular", Unread)
+    monkeypatch.setattr(jsonfiles, "open_regular", watched_open(no_read))
     monkeypatch.setattr(Path, "read_text", no_read)
     monkeypatch.setattr(Path, "read_bytes", no_read)
     with pytest.raises((ConfigError, UserError)) as err:

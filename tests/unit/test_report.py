@@ -321,30 +321,10 @@ def test_an_import_writes_each_chunk_of_the_log_before_it_reads_the_next(tmp_pat
     import_log(log, tmp_path / "whole")
     written: list[int] = []  # the steps formatted for metrics.jsonl, in order
     at_read: list[int] = []  # how many were, at each read of the log
-    real_open, real_line = jsonfiles.open_regular, JsonlWriter.line
+    from helpers import watched_open
 
-    class Watched:
-        """The opened log, telling each read."""
-
-        def __init__(self, path):
-            self.handle = real_open(path)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-        def fileno(self):
-            return self.handle.fileno()
-
-        def read(self, *args):
-            at_read.append(len(written))
-            return self.handle.read(*args)
-
-        def readline(self, *args):
-            at_read.append(len(written))
-            return self.handle.readline(*args)
+    real_line = JsonlWriter.line
+    Watched = watched_open(lambda: at_read.append(len(written)))  # each read of the log
 
     class Writer(JsonlWriter):
         @staticmethod
