@@ -463,7 +463,8 @@ class RunConfig(Section):
     """
 
     run_id: str | None = option(None, "name of the run in its records, summary and tables, never a path: 1 to 200 "
-                                "printable characters (null: the output folder's name)", min_length=1,
+                                "printable characters (null: the output folder's name when the run starts; a "
+                                "resumed run keeps its records' one)", min_length=1,
                                 expected="a name of 1 to 200 printable characters, or null")
     seed: int = option(0, "all randomness of iteration i comes from a generator seeded by (seed, i)",
                           minimum=0, maximum=2**32 - 1)

@@ -19,11 +19,11 @@ from tqdm import tqdm
 from .. import stopping
 from ..config import RunConfig
 from ..errors import ConfigError, UserError, alike_on_every_process, counted
-from ..io import JsonlWriter, path_text
+from ..io import JsonlWriter, path_text, read_jsonl
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
 from ..machine.devices import resolve_device
-from ..reading import RunFolder
+from ..reading import METRICS_FILE, RunFolder
 from ..records import DIVERGING_KEYS, RECORD_KEYS, TIMING_KEYS, is_recordable_number, new_record, passes_cost
 from ..stopping import Interrupted
 from . import runfolder, scalar_events
@@ -74,6 +74,26 @@ def folder_run_id(out: Path) -> str:
     as escapes and the report could not write into a table (UnicodeEncodeError); a byte that is no UTF-8 is
     written as ``\\xNN``, so that two such names stay two ids (:func:`agg_bench.io.path_text`)."""
     return path_text(out.name)
+
+
+def written_run_id(cfg: RunConfig, out: Path, continued: dict | None = None) -> str:
+    """The run id a run of ``cfg`` writes into ``out``: ``run_id``; without one, that of ``continued``, the first
+    record the run continues (a resumed run's, from its checkpoint or the folder's records), so that a folder renamed
+    or moved since its run started keeps one run id in all its records and its summary; else the folder's name
+    (:func:`folder_run_id`)."""
+    if cfg.run_id:
+        return cfg.run_id
+    kept = continued.get("run_id") if continued is not None else None
+    return kept if isinstance(kept, str) and kept else folder_run_id(out)
+
+
+def _first_record(out: Path) -> dict | None:
+    """The first record of ``out``'s ``metrics.jsonl``, or None when there is none or it cannot be read (the
+    reader that later takes the whole file says what is wrong with it)."""
+    try:
+        return next(read_jsonl(out / METRICS_FILE), None)
+    except (OSError, UserError):
+        return None
 
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False,
@@ -192,7 +212,8 @@ class Training:
         self.evaluated = {json.loads(line)["iteration"] for line in self.eval_lines}
         self.last_good = self.start - 1 if self.start else None  # the last iteration whose record is ok
         self.saved_at = self.restored.iteration if self.restored is not None else None  # the checkpoint's iteration
-        self.run_id = cfg.run_id or folder_run_id(out)
+        # a resumed run keeps the run id of the records it continues, in a folder renamed since they were written too
+        self.run_id = written_run_id(cfg, out, json.loads(self.lines[0]) if self.lines else None)
         self.identity = identity(cfg, self.run_id, session.device, shard.world_size)
         if self.restored is not None:  # rank 0's hardware is the one its records name; every process follows
             distributed.on_main(runfolder.check_resumed_records, out, self.restored.records, self.identity)
@@ -463,11 +484,12 @@ def _out_of_memory_at_build(cfg: RunConfig, out: Path, resume: bool, shard: dist
     device = resolve_device(cfg.device)
     memory = tel.memory_at_failure(device)
     distributed.report_failure(exc, memory)
-    base = identity(cfg, cfg.run_id or folder_run_id(out), device, shard.world_size)
+    kept = resume and checkpoint_path(out).exists()  # the earlier records stay: this attempt's summary names their run
+    base = identity(cfg, written_run_id(cfg, out, _first_record(out) if kept else None), device, shard.world_size)
     error = f"out of memory while building the model: {type(exc).__name__}: {exc}".splitlines()[0]
     summary = runfolder.run_summary(base, "oom", error, cfg.train.iterations, shard.world_size)
     if shard.is_main:
-        if not (resume and checkpoint_path(out).exists()):
+        if not kept:
             record = new_record(base, {"iteration": 0, "rss_peak_bytes": tel.rss_peak_bytes()}, memory, status="oom")
             runfolder.start_files(out, cfg.to_dict(), [JsonlWriter.line(record)], keep_checkpoint=False,
                                   keep_events=False, device=device)

@@ -271,13 +271,14 @@ def test_oom_while_building_the_model_is_an_oom_run(tmp_path, monkeypatch, capsy
 
 def test_oom_while_building_keeps_a_resumed_runs_records_and_replaces_a_rerun(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    assert run_cli(out, "--checkpoint-every", "1") == 0
+    assert run_cli(tmp_path / "first", "--checkpoint-every", "1") == 0
+    (tmp_path / "first").rename(out)  # the summary names the run of the records it keeps, not the renamed folder
     earlier = records(out)
     monkeypatch.setattr(session_module, "build_policy",
                         lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("out of memory")))
     assert run_cli(out, "--checkpoint-every", "1", "--resume") == 0
     assert records(out) == earlier and (out / "checkpoint.pt").exists()  # the resumed run's state stays
-    assert summary(out)["status"] == "oom"
+    assert summary(out)["status"] == "oom" and summary(out)["run_id"] == "first"
     # an oom end over ok records, as this attempt leaves them, is one run's files to the report
     assert main(["report", "--runs", str(out), "--tables", str(tmp_path / "tables")]) == 0
     assert run_cli(out, "--checkpoint-every", "1") == 0  # not resumed: the folder is this attempt's alone

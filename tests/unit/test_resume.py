@@ -141,6 +141,18 @@ def test_a_finished_run_resumes_to_more_iterations(tmp_path, tmp_path_factory):
     assert learned(records(out)) == learned(expected)
 
 
+def test_a_run_resumed_in_a_renamed_folder_keeps_its_run_id(tmp_path):
+    """A run without run_id is named after its folder. Resumed after the folder was renamed, its later records and
+    summary took the new name beside the checkpoint's records of the old one, and the report refused the folder's two
+    run ids; they keep the run id of the records the run continues."""
+    first, out = tmp_path / "first", tmp_path / "renamed"
+    train(config("full", "run_id=null", "train.iterations=2", "train.checkpoint_every=1"), first)
+    first.rename(out)
+    train(config("full", "run_id=null", "train.iterations=3", "train.checkpoint_every=1"), out, resume=True)
+    assert [r["run_id"] for r in records(out)] == ["first"] * 3 and summary(out)["run_id"] == "first"
+    assert main(["report", "--runs", str(out), "--tables", str(tmp_path / "tables")]) == 0
+
+
 def test_a_run_resumed_without_checkpoints_leaves_no_checkpoint_of_an_earlier_iteration(tmp_path, monkeypatch,
                                                                                           tmp_path_factory):
     """Resumed with --checkpoint-every 0, a run that ended ok left the checkpoint it resumed from (iteration 0)
