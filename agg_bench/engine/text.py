@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from ..config import RunConfig
 from ..errors import ConfigError, UserError, first_message_line, quote
 from ..io import atomic_target, remove_stale_temps
+from ..jsonfiles import open_regular
 from ..outdir import check_file, check_suffix, check_writable
 from .families import family_spec
 from .hf_logging import quiet_loading
@@ -63,8 +64,10 @@ class PromptSet:
 
 
 def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of the regular file ``path`` (lowercase hex); a pipe or a device put in a file's place is an
+    OSError (:func:`~agg_bench.jsonfiles.open_regular`), never read forever."""
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

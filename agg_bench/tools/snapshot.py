@@ -3,7 +3,8 @@
 A snapshot folder holds ``transformer/`` (diffusers ``save_pretrained``), ``rollout.safetensors``,
 ``rollout.json`` (with ``rollout_sha256``, the SHA-256 of the ``rollout.safetensors`` written with it, and
 ``weights_sha256``, that of each weight file written with it: ``transformer/diffusion_pytorch_model*.safetensors``,
-shards and index included, and ``lora/adapter_model.safetensors``) and the run's ``config.json``. A LoRA run keeps
+shards and index included, and ``lora/adapter_model.safetensors``, and ``transformer_config_sha256``, that of the
+``transformer/config.json`` written with it) and the run's ``config.json``. A LoRA run keeps
 its base weights in ``transformer/``, the adapter in ``lora/`` and the adapter settings under ``lora`` in
 ``rollout.json``.
 
@@ -13,11 +14,13 @@ nothing of its own; a rollout holding a NaN or an infinity is refused before any
 (:func:`load_snapshot`) checks every file against what the writer writes before a gradient is computed: ``rollout.json``'s settings through the typed run config and equal to the
 snapshot's ``config.json``, the transformer's config, loadable and finite weights, and every tensor of
 ``rollout.safetensors`` of the shape those settings imply, of the dtype the writer writes and finite, and its
-timesteps those the snapshot's method gives the model at its sigmas. A ``rollout.safetensors`` or a weight file
-whose SHA-256 is not the one ``rollout.json`` records (another snapshot's rollout or weights, of the same shapes:
-another seed, another training state) is refused, and so are a recorded weight file gone and a weight file not
-recorded, before any weight is loaded; a snapshot written before the digests were recorded is read without those
-checks. Hashing reads every weight file once more (about 5 s for SD3.5-M's 5 GB at 1 GB/s).
+timesteps those the snapshot's method gives the model at its sigmas. A ``rollout.safetensors``, a weight file or the
+transformer's ``config.json`` whose SHA-256 is not the one ``rollout.json`` records (another snapshot's rollout or
+weights, of the same shapes: another seed, another training state; a config of the same shapes that builds another
+model around them: another position-embedding grid, norm or attention setting) is refused, and so are a recorded weight file gone and a
+weight file not recorded, before any weight is loaded (the config before it is read); a snapshot written before a
+digest was recorded is read without its check. Hashing reads every weight file once more (about 5 s for SD3.5-M's
+5 GB at 1 GB/s).
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ from ..engine.trained_steps import NO_STEP
 from .. import stopping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_path, atomic_target, follow_umask, remove_stale_temps, write_json
-from ..jsonfiles import open_regular, read_json_object
+from ..jsonfiles import NotRegularFile, open_regular, read_json_object
 from ..methods.base import Estimator, ReplayCase, build_estimator
 from ..outdir import Contents, check_not_written, check_suffix, claim_files, claim_folder, json_file_with, remove_owned
 from ..reading import run_config
@@ -79,6 +82,10 @@ REQUIRED_SETTINGS = ("family", "sde", "eta", "clip_range")  # every snapshot has
 DIGEST_KEY = "rollout_sha256"
 # rollout.json's record of the weight files written with it: {path relative to the snapshot folder: hex SHA-256}
 WEIGHTS_KEY = "weights_sha256"
+# rollout.json's record of the transformer/config.json written with it (hex SHA-256); it decides the architecture
+# the weights load into. Snapshots older than the record lack it.
+TRANSFORMER_CONFIG_KEY = "transformer_config_sha256"
+TRANSFORMER_CONFIG = "transformer/config.json"
 
 # what a snapshot folder holds; any other file in --out is someone else's. transformer/ and lora/ are replaced
 # whole by a new snapshot, so what they hold is checked too.
@@ -154,7 +161,8 @@ def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
         write_json(staging / "rollout.json", {**rollout_settings(cfg),
                                               "vae_scale_factor": session.policy.vae_scale_factor,
                                               DIGEST_KEY: file_sha256(staging / "rollout.safetensors"),
-                                              WEIGHTS_KEY: weight_digests(staging)})
+                                              WEIGHTS_KEY: weight_digests(staging),
+                                              TRANSFORMER_CONFIG_KEY: file_sha256(staging / TRANSFORMER_CONFIG)})
         write_json(staging / "config.json", cfg.to_dict())
         follow_umask(staging)  # safetensors writes its files 0600
         _move_into_place(staging, out)
@@ -223,7 +231,8 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
     (:func:`rollout_settings`): its settings within the typed run config's bounds and equal to those of the
     snapshot's run config ``run`` (checked already; None for a snapshot without one). A UserError naming
     the file and key otherwise. Returns every setting (a key an older snapshot lacks: its run config's),
-    ``vae_scale_factor``, ``rollout_sha256`` and ``weights_sha256`` (each None where the snapshot predates it)."""
+    ``vae_scale_factor``, ``rollout_sha256``, ``weights_sha256`` and ``transformer_config_sha256`` (each None where
+    the snapshot predates it)."""
     path = root / "rollout.json"
     meta = read_json_object(path, "the rollout settings of an agg-bench snapshot (a JSON object)")
     for key in REQUIRED_SETTINGS:
@@ -268,10 +277,11 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
     factor = meta.get("vae_scale_factor")
     if factor is not None and not (type(factor) is int and 1 <= factor <= MAX_MODEL_SIZE):
         raise UserError(f"{path}: vae_scale_factor = {quote(factor)}: expected an integer from 1 to {MAX_MODEL_SIZE}")
-    digest = meta.get(DIGEST_KEY)
-    if digest is not None and not _is_sha256(digest):
-        raise UserError(f"{path}: {DIGEST_KEY} = {quote(digest)}: expected the SHA-256 of rollout.safetensors "
-                        "(64 lowercase hex digits), as agg-bench snapshot writes it")
+    digests = {DIGEST_KEY: "rollout.safetensors", TRANSFORMER_CONFIG_KEY: TRANSFORMER_CONFIG}
+    for key, name in digests.items():
+        if meta.get(key) is not None and not _is_sha256(meta[key]):
+            raise UserError(f"{path}: {key} = {quote(meta[key])}: expected the SHA-256 of {name} (64 lowercase hex "
+                            "digits), as agg-bench snapshot writes it")
     weights = meta.get(WEIGHTS_KEY)
     if weights is not None and not isinstance(weights, dict):
         raise UserError(f"{path}: {WEIGHTS_KEY} = {quote(weights)}: expected an object of the snapshot's weight "
@@ -282,7 +292,7 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
                             "snapshot (transformer/diffusion_pytorch_model*.safetensors[.index.json], "
                             f"lora/{ADAPTER_FILE}) and its SHA-256 (64 lowercase hex digits), as agg-bench snapshot "
                             "writes them")
-    return {**made, "vae_scale_factor": factor, DIGEST_KEY: digest, WEIGHTS_KEY: weights}
+    return {**made, "vae_scale_factor": factor, **{key: meta.get(key) for key in digests}, WEIGHTS_KEY: weights}
 
 
 def _is_sha256(value: Any) -> bool:
@@ -330,10 +340,14 @@ def _nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, float] | None:
 def _load_transformer(root: Path, meta: dict, device: str | torch.device) -> torch.nn.Module:
     """The snapshot's transformer, as a model folder's is loaded: its config of ``meta``'s family, within
     bounds and its weights within ``device``'s memory (:func:`~agg_bench.runtime.memplan.check_transformer_fits`,
-    before anything is allocated), readable weight files of the SHA-256 ``rollout.json`` records
-    (:func:`_check_weight_digests`, before any is loaded), loadable weights
+    before anything is allocated; the config of the SHA-256 ``rollout.json`` records, before it is read), readable
+    weight files of the SHA-256 ``rollout.json`` records (:func:`_check_weight_digests`, before any is loaded),
+    loadable weights
     (:func:`~agg_bench.engine.models._load_component`), then the LoRA adapter; every weight finite."""
     family = meta["family"]
+    # the config decides the architecture the weights load into: another of the same shapes loads them silently
+    _check_digest(root, root / TRANSFORMER_CONFIG, meta[TRANSFORMER_CONFIG_KEY], TRANSFORMER_CONFIG_KEY,
+                  "transformer config")
     try:
         buffers = check_transformer_fits(str(root), family, meta["dtype"], str(torch.device(device)))
         _check_weight_files(root, root / "transformer", buffers)
@@ -496,16 +510,18 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimato
 
 
 def _check_digest(root: Path, path: Path, recorded: str | None, key: str, what: str) -> None:
-    """Refuse the file ``path`` of the snapshot folder ``root`` (its ``what``: "rollout", "weight file") whose
-    SHA-256 is not ``recorded``, the one ``rollout.json`` records under ``key`` (None: a snapshot older than the
-    record, not checked): another snapshot's file of the same shapes passes every other check, and the gradients
-    replayed with it are not those of the rollout the snapshot's model sampled."""
+    """Refuse the file ``path`` of the snapshot folder ``root`` (its ``what``: "rollout", "weight file", "transformer
+    config") whose SHA-256 is not ``recorded``, the one ``rollout.json`` records under ``key`` (None: a snapshot
+    older than the record, not checked): another snapshot's file of the same shapes passes every other check, and
+    the gradients replayed with it are not those of the rollout the snapshot's model sampled (a config of the same
+    shapes builds another architecture around the same weights)."""
     if recorded is None:
         return
     try:
         found = file_sha256(path)
-    except OSError as err:
-        raise UserError(f"{path}: {_first_line(err)}; expected the {what} agg-bench snapshot wrote") from None
+    except OSError as err:  # a pipe in the file's place too: refused, never read forever
+        why = "not a regular file" if isinstance(err, NotRegularFile) else _first_line(err)
+        raise UserError(f"{path}: {why}; expected the {what} agg-bench snapshot wrote") from None
     if found != recorded:
         raise UserError(f"{path}: not the {what} this snapshot recorded: its SHA-256 is {found[:16]}..., "
                         f"{root / 'rollout.json'} records {key} {recorded[:16]}... (a {what} of another "

@@ -27,7 +27,7 @@ from agg_bench.engine.text import file_sha256
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.runtime import memplan
 from agg_bench.runtime.train import Session, train
-from agg_bench.tools.snapshot import DIGEST_KEY, WEIGHTS_KEY
+from agg_bench.tools.snapshot import DIGEST_KEY, TRANSFORMER_CONFIG, TRANSFORMER_CONFIG_KEY, WEIGHTS_KEY
 from helpers import Holder, methods_checked_here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -763,9 +763,13 @@ def without_key(key: str):
 
 
 def edit_json(snap: Path, name: str, change) -> None:
+    """Rewrite the snapshot file ``name`` with ``change`` of its JSON; the transformer's config with the digest
+    rollout.json records of it rewritten too (a crafted pair: the checks behind the digest are what is tested)."""
     data = json.loads((snap / name).read_text())
     changed = change(data)
     (snap / name).write_text(json.dumps(changed if changed is not None else data))
+    if name == TRANSFORMER_CONFIG:
+        edit_json(snap, "rollout.json", lambda c: c.update({TRANSFORMER_CONFIG_KEY: file_sha256(snap / name)}))
 
 
 @pytest.mark.parametrize("given, words", [("nope", "no such folder"), ("snap.json", "not a folder")])
@@ -800,6 +804,8 @@ def test_replay_of_a_path_that_is_no_folder_says_so(tmp_path, capsys, given, wor
     ("rollout.json", lambda c: c.update(vae_scale_factor=0), "rollout.json: vae_scale_factor = 0: expected an integer"),
     ("rollout.json", lambda c: c.update(rollout_sha256="abc"), "rollout.json: rollout_sha256 = 'abc': expected the "
                                                                "SHA-256 of rollout.safetensors"),
+    ("rollout.json", lambda c: c.update(transformer_config_sha256=1), "rollout.json: transformer_config_sha256 = 1: "
+                                                                      "expected the SHA-256 of transformer/config.json"),
     ("rollout.json", lambda c: c.update(weights_sha256=["abc"]), "rollout.json: weights_sha256 = ['abc']: expected an "
                                                                  "object of the snapshot's weight files"),
     # a name outside the snapshot's weight files would have any file hashed and taken for one of them
@@ -861,6 +867,27 @@ def test_replay_refuses_the_rollout_or_weights_of_another_snapshot(snapshot, tmp
     assert load_snapshot(swapped).meta[WEIGHTS_KEY] is None
 
 
+def test_replay_refuses_a_transformer_config_the_snapshot_did_not_record(snapshot, tmp_path, capsys):
+    """The transformer's config.json decides the model the weights load into: one of the same shapes with another
+    sample_size (SD3's position-embedding grid, other values in a buffer of the same shape) loaded the snapshot's
+    weights into another model, and replay and gradcheck computed its gradients with exit 0. It is refused before
+    it is read; a snapshot written before its digest was recorded reads as before."""
+    from agg_bench.tools.snapshot import load_snapshot
+
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshot, snap)
+    recorded = file_sha256(snap / TRANSFORMER_CONFIG)
+    assert json.loads((snap / "rollout.json").read_text())[TRANSFORMER_CONFIG_KEY] == recorded
+    config = json.loads((snap / TRANSFORMER_CONFIG).read_text())
+    (snap / TRANSFORMER_CONFIG).write_text(json.dumps({**config, "sample_size": 2 * config["sample_size"]}))  # no digest rewritten
+    for line in refused_by_replay_and_gradcheck(snap, tmp_path, capsys):
+        assert (f"{snap / TRANSFORMER_CONFIG}: not the transformer config this snapshot recorded: its SHA-256 is "
+                f"{file_sha256(snap / TRANSFORMER_CONFIG)[:16]}..., {snap / 'rollout.json'} records "
+                f"{TRANSFORMER_CONFIG_KEY} {recorded[:16]}...") in line, line
+    edit_json(snap, "rollout.json", without_key(TRANSFORMER_CONFIG_KEY))  # an older snapshot
+    assert load_snapshot(snap).meta[TRANSFORMER_CONFIG_KEY] is None
+
+
 def test_a_sharded_snapshot_s_every_shard_and_its_index_are_recorded_and_checked(snapshot, tmp_path):
     """A large transformer is saved in shards with an index naming them: each shard and the index are recorded as
     the single file is, and a shard of other weights or a missing index is refused before anything is loaded."""
@@ -877,7 +904,9 @@ def test_a_sharded_snapshot_s_every_shard_and_its_index_are_recorded_and_checked
     shards = sorted(rel for rel in recorded if rel != index)
     assert index in recorded and len(shards) > 1 and all(rel.endswith(f"-of-{len(shards):05d}.safetensors")
                                                          for rel in shards)
-    edit_json(snap, "rollout.json", lambda c: c.update({WEIGHTS_KEY: recorded}))
+    # save_pretrained writes its config.json anew (its loading path among its keys): recorded as the snapshot would
+    edit_json(snap, "rollout.json", lambda c: c.update({WEIGHTS_KEY: recorded,
+                                                        TRANSFORMER_CONFIG_KEY: file_sha256(snap / TRANSFORMER_CONFIG)}))
     assert load_snapshot(snap).meta[WEIGHTS_KEY] == recorded
 
     shard = snap / shards[-1]
@@ -1021,6 +1050,9 @@ def header_length(path: Path, length: int) -> None:
     (lambda s: (s / "transformer" / "diffusion_pytorch_model.safetensors.index.json").write_text("{}"),
      "transformer/diffusion_pytorch_model.safetensors.index.json: a weight file "),
     (lambda s: edit_tensors(s / WEIGHTS, every_float(float("inf"))), "holds inf: expected finite weights"),
+    # hashed before it is read: a pipe in its place was opened for hashing and waited for a writer
+    (lambda s: [os.remove(s / TRANSFORMER_CONFIG), os.mkfifo(s / TRANSFORMER_CONFIG)],
+     "transformer/config.json: not a regular file; expected the transformer config agg-bench snapshot wrote"),
 ])
 def test_replay_reads_a_snapshot_s_tensors_and_weights_through_the_writer_s_shapes(snapshot, tmp_path, capsys, edit,
                                                                                  words):
@@ -1060,7 +1092,9 @@ def test_every_snapshot_the_writer_makes_reads_back(tmp_path, sets):
         weights[adapter] = hashlib.sha256((snap / adapter).read_bytes()).hexdigest()
     assert loaded.meta == {**rollout_settings(cfg), "vae_scale_factor": 8,
                            "rollout_sha256": hashlib.sha256((snap / "rollout.safetensors").read_bytes()).hexdigest(),
-                           "weights_sha256": weights}
+                           "weights_sha256": weights,
+                           "transformer_config_sha256": hashlib.sha256((snap / TRANSFORMER_CONFIG).read_bytes())
+                           .hexdigest()}
     assert (loaded.meta["lora"] is not None) == ("train.lora_rank=2" in sets)
     written = load_file(str(snap / "rollout.safetensors"))
     kept = {"advantages": loaded.batch.advantages, "train_steps": loaded.batch.train_steps,
