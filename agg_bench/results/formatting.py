@@ -1,6 +1,13 @@
 """The report's tables as files: CSV (every column, empty where not measured, counts as integers),
 GitHub Markdown and a standalone HTML page (what the Snakemake report shows in place).
 
+Every CSV that ``report``, ``learning`` and ``campaign`` write goes through :func:`csv_text`: a text cell that a
+spreadsheet program would run as a formula (one beginning with ``=``, ``+``, ``-``, ``@``, a tab or a carriage
+return: a label, a GPU name or a run folder's path from shared results) is written with a single quote before it
+(OWASP's CSV injection advice), and so is one beginning with a single quote, so that
+:func:`~agg_bench.results.loading.parse_table` (``quoted``) gives every cell back as it was; numbers are written as
+numbers, a negative one too.
+
 Every cell and column name of the Markdown and HTML is shown as text (escaped: a label is never markup). In
 both, a row whose run did not finish shows its status (``OOM``, ``DIVERGED``, ...) in the time, speedup and
 reward cells it left empty, and an imported row is marked in the method column.
@@ -136,9 +143,33 @@ def to_html(df: pd.DataFrame, title: str, status_column: str | None = "status", 
             f"<tbody>{body}</tbody></table></body></html>\n")
 
 
+# the first characters that make a spreadsheet program take a cell for a formula (OWASP: CSV injection)
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+CSV_QUOTE = "'"  # what a text cell that begins with one of them (or with it) is written after
+
+
+def csv_cell(value: object) -> object:
+    """``value`` as a CSV cell holds it: a text that begins with one of :data:`FORMULA_STARTS` or with
+    :data:`CSV_QUOTE` after a :data:`CSV_QUOTE`; anything else (a number, a negative one too) as it is."""
+    if isinstance(value, str) and value.startswith((*FORMULA_STARTS, CSV_QUOTE)):
+        return CSV_QUOTE + value
+    return value
+
+
+def csv_text(df: pd.DataFrame) -> str:
+    """``df`` as a CSV file of agg-bench holds it, every text cell as :func:`csv_cell` writes it (the module
+    docstring): every CSV the report, ``learning`` and ``campaign`` write."""
+    out = df.copy()
+    for column in out.columns:
+        if pd.api.types.is_object_dtype(out[column]) or pd.api.types.is_string_dtype(out[column]):  # text, or mixed
+            out[column] = out[column].map(csv_cell)
+    return out.to_csv(index=False)
+
+
 def table_csv(df: pd.DataFrame) -> str:
-    """``df`` as its CSV file holds it: every column, NaN as empty, counts as integers."""
-    return integer_columns(df).to_csv(index=False)
+    """``df`` as its CSV file holds it: every column, NaN as empty, counts as integers, text cells as
+    :func:`csv_text` writes them."""
+    return csv_text(integer_columns(df))
 
 
 def write_table(df: pd.DataFrame, out_dir: str | Path, name: str, status_column: str | None = "status") -> list[Path]:
@@ -151,7 +182,7 @@ def write_table(df: pd.DataFrame, out_dir: str | Path, name: str, status_column:
     paths = [out_dir / f"{name}.{ext}" for ext in TABLE_FORMATS]
     for path in paths:
         if path.suffix == ".csv":
-            write_text(path, df.to_csv(index=False))
+            write_text(path, csv_text(df))
         elif path.suffix == ".md":
             write_text(path, to_markdown(df, status))
         else:

@@ -43,7 +43,7 @@ import pandas as pd
 from ..errors import UserError, counted, quote
 from ..io import save_figure, write_text
 from ..jsonfiles import check_path, read_json_object
-from .formatting import markdown_text
+from .formatting import csv_text, markdown_text
 from .curves import (TARGET_COLUMNS, curve_gain_columns, curves_table, gain_columns, plot_curves,
                      plot_pareto, run_curve, target_columns)
 from .plotting import method_style, pyplot
@@ -308,7 +308,7 @@ def write_table(table: pd.DataFrame, out_dir: str | Path, average: int, fraction
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv, md = out / "learning.csv", out / "learning.md"
-    write_text(csv, table.to_csv(index=False))
+    write_text(csv, csv_text(table))
     caption = (f"Reward gain per method (final - initial: means of the last and first {average} iterations), "
                f"mean and standard deviation over seeds; CPU seconds until the running reward first gains "
                f"{fraction:g} x {reference}'s mean gain. Held-out evaluation (eval_*; eval_source: in-run or "
@@ -334,7 +334,7 @@ def write_curves(runs: list[Run], out_dir: str | Path) -> Path:
     curves, _ = held_out_curves(runs)
     table = curves_table(curves, {i: (runs[i].method, runs[i].seed) for i in curves})
     path = Path(out_dir) / "curves.csv"
-    write_text(path, table.to_csv(index=False))
+    write_text(path, csv_text(table))
     return path
 
 

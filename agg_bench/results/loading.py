@@ -641,9 +641,11 @@ class Cell:
 
 def parse_table(source: str | Path | IO[str] | IO[bytes], where: str | Path, columns: Iterable[str] = (),
                 cells: Mapping[str, Cell] | None = None,
-                expected: str = "the table agg-bench report --tables writes") -> pd.DataFrame:
+                expected: str = "the table agg-bench report --tables writes", quoted: bool = False) -> pd.DataFrame:
     """A table CSV as :func:`agg_bench.results.formatting.table_csv` writes it: an empty cell is NaN (and
-    nothing else is: a label "NA" stays text), ``TEXT_COLUMNS`` are text. A file that is not such a CSV,
+    nothing else is: a label "NA" stays text), ``TEXT_COLUMNS`` are text; with ``quoted`` (a table the report
+    wrote) a text cell's leading single quote, which the writer puts before a text a spreadsheet would run as a
+    formula (:func:`~agg_bench.results.formatting.csv_cell`), is dropped. A file that is not such a CSV,
     lacks one of ``columns``, or holds in a column of ``cells`` a cell that is not what its :class:`Cell`
     allows (text in a number column, NaN or an infinity, a value out of bounds), is a UserError naming
     ``where``, the row, the column and the value (``expected``: what the file should be)."""
@@ -660,6 +662,11 @@ def parse_table(source: str | Path | IO[str] | IO[bytes], where: str | Path, col
     missing = [column for column in columns if column not in table.columns]
     if missing:
         raise UserError(f"{where}: no column {missing[0]!r} (expected {expected})")
+    if quoted:  # the text columns (a number or flag cell holds no quote: its check says so)
+        for column in table.columns:
+            if (column not in cells or cells[column].kind == "text") and \
+                    (pd.api.types.is_object_dtype(table[column]) or pd.api.types.is_string_dtype(table[column])):
+                table[column] = table[column].map(lambda v: v[1:] if isinstance(v, str) and v.startswith("'") else v)
     for column, cell in cells.items():
         if column in table.columns:
             table[column] = _checked_column(table[column], cell, where, column)
@@ -735,7 +742,7 @@ def load_tables_and_digest(folder: str | Path) -> tuple[dict[str, pd.DataFrame],
         if not path.is_file():
             raise UserError(f"--tables-in {folder}: no {name}.csv (agg-bench report --tables {folder} writes it)")
         texts[name] = path.read_bytes()
-        tables[name] = parse_table(io.BytesIO(texts[name]), path, PLOT_COLUMNS[name], PLOT_CELLS[name])
+        tables[name] = parse_table(io.BytesIO(texts[name]), path, PLOT_COLUMNS[name], PLOT_CELLS[name], quoted=True)
     return tables, tables_digest(texts)
 
 

@@ -109,5 +109,5 @@ def plot_tables(tables_dir: str | Path, plots_dir: str | Path) -> dict[str, pd.D
 def _as_written(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     """The tables the plots read as their CSV files would give them back, without writing the files."""
     return {name: parse_table(io.StringIO(table_csv(tables[name])), f"the {name} table", PLOT_COLUMNS[name],
-                              PLOT_CELLS[name])
+                              PLOT_CELLS[name], quoted=True)
             for name in PLOT_TABLES}

@@ -22,6 +22,7 @@ from ..errors import ConfigError, UserError, counted, quote
 from ..io import write_text
 from ..outdir import claimed_folders, replaced_folders
 from ..outputs import LEARNING_CONTENTS
+from ..results.formatting import csv_text
 from ..results.learning_tables import (EVAL_SOURCES, Run, held_out_curves, learning_table, load_runs, plot_held_out,
                                        plot_rewards, write_curves, write_table)
 from ..results.loading import MAX_ITERATIONS, Manifest, load_manifest
@@ -315,7 +316,7 @@ def learning_tables_into(folder: Path, runs: list[Run], options: LearningOptions
     write_table(table, folder, options.average, options.fraction, options.target_fraction, reference)
     write_curves(runs, folder)
     if scores is not None:
-        write_text(folder / "evaluation.csv", scores.to_csv(index=False))
+        write_text(folder / "evaluation.csv", csv_text(scores))
     else:
         (folder / "evaluation.csv").unlink(missing_ok=True)
 

@@ -819,6 +819,61 @@ def test_labels_that_look_like_numbers_or_missing_values_stay_labels(tmp_path):
     efficiency = load_tables(tmp_path / "t")["efficiency"]
     assert sorted(efficiency["method"]) == ["NA", "full"] and list(efficiency["model"]) == ["1", "1"]
 
+FORMULA = '=HYPERLINK("http://example.com","x")'
+
+
+def test_a_label_a_spreadsheet_would_run_is_written_as_text_and_read_back(tmp_path):
+    """A text cell beginning with =, +, -, @, a tab or a carriage return is a formula to a spreadsheet program (a
+    label from shared results: a method, a model, a run named after its folder). Every CSV of the report writes it
+    after a single quote, numbers (negative ones too) as numbers, and the plots read the labels back as they were."""
+    from agg_bench.results.loading import NUMBER_TEXT, load_tables
+
+    runs = tmp_path / "runs"
+    make_run(runs, "-run", FORMULA, [it(2.0, -1.5, backward=8), it(2.0, -2.5, backward=8)], model="@sd3")
+    make_run(runs, "b", "full", [it(1.0, -1.0, backward=4), it(1.0, 3.0, backward=4)], model="@sd3")
+    assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "t")]) == 0
+    with open(tmp_path / "t" / "records.csv", newline="") as fh:
+        records = list(csv.DictReader(fh))
+    assert [(r["run_id"], r["method"], r["model"], r["reward_mean"]) for r in records[:2]] == [
+        ("'-run", f"'{FORMULA}", "'@sd3", "-1.5"), ("'-run", f"'{FORMULA}", "'@sd3", "-2.5")]
+    for path in (tmp_path / "t").glob("*.csv"):
+        with open(path, newline="") as fh:
+            cells = [cell for row in csv.reader(fh) for cell in row]
+        assert [c for c in cells if c.startswith(("=", "+", "-", "@", "\t", "\r")) and not NUMBER_TEXT.fullmatch(c)] == [], path
+    efficiency = load_tables(tmp_path / "t")["efficiency"]
+    assert sorted(efficiency["method"]) == sorted([FORMULA, "full"]) and set(efficiency["model"]) == {"@sd3"}
+
+
+def test_learning_csv_quotes_a_formula_label_too(tmp_path):
+    """learning.csv (and curves.csv, evaluation.csv: the same writer) holds the manifest's method labels."""
+    from agg_bench.results.learning_tables import write_table
+
+    table = pd.DataFrame({"method": [FORMULA, "full"], "seeds": [2, 2], "gain": [-0.5, 1.0],
+                          "target_reached": [math.nan] * 2, "target_cost": [math.nan] * 2})
+    path = write_table(table, tmp_path, 2, 0.5)[0]
+    with open(path, newline="") as fh:
+        assert [(r["method"], r["gain"]) for r in csv.DictReader(fh)] == [(f"'{FORMULA}", "-0.5"), ("full", "1.0")]
+
+
+def test_csv_text_quotes_formula_cells_and_parse_table_gives_them_back():
+    """The one writer of the report's, learning's and campaign's CSVs quotes a text that begins with a formula's
+    first character (OWASP) or with the quote itself, and nothing else; a reader of the report's tables drops it."""
+    from agg_bench.results.formatting import csv_cell, csv_text
+    from agg_bench.results.loading import parse_table
+
+    # a carriage return, which no label holds (a label is printable), ends a row of a CSV where it stands
+    assert csv_cell("\rx") == "'\rx" and csv_cell(-2.5) == -2.5 and csv_cell(None) is None
+    texts = ["=1+1", "+1", "-1+2", "@SUM(A1)", "\tx", "'q", "plain", "1", "a=b"]
+    table = pd.DataFrame({"label": texts, "number": [-1.5] * len(texts),
+                          "count": pd.array([-3] * len(texts), dtype="Int64")})
+    written = csv_text(table)
+    rows = list(csv.reader(io.StringIO(written)))[1:]
+    assert [row[0] for row in rows] == [f"'{text}" for text in texts[:6]] + texts[6:]
+    assert all(row[1:] == ["-1.5", "-3"] for row in rows)
+    back = parse_table(io.StringIO(written), "the table", quoted=True)
+    assert list(back["label"]) == texts and list(back["number"]) == [-1.5] * len(texts)
+
+
 def test_random_weight_rows_keep_rewards_out_and_show_the_plan(tmp_path):
     """A random-weights run: labelled, its rewards out of the table; planned bytes beside the measured peak."""
     run = make_run(tmp_path, "full_random", "full", [it(2.0, 5.0, saved_activation_peak_bytes=3 * MIB),
