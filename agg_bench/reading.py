@@ -3,10 +3,11 @@ each file is checked once and the same way, before anything is computed from it 
 
 - ``config.json``: a JSON object of at most :data:`agg_bench.jsonfiles.MAX_JSON_BYTES`, then the typed run
   config with its bounds (:func:`run_config`: :func:`agg_bench.config.validate`, the schema's types and
-  limits, ``sampling.steps <= 1000`` among them). A key an older ``config.json`` lacks takes its default.
-  The method's options stay as written: reading a folder never imports a method, so a results folder never
-  names code to load (a caller that builds the method checks them with
-  :func:`agg_bench.runtime.config_check.check_config`).
+  limits, ``sampling.steps <= 1000`` among them), its ``method.name`` one of the harness's methods or a dotted
+  path ``package.module:Class`` (:func:`agg_bench.config.sections.check_method_name`; a label is no method). A
+  key an older ``config.json`` lacks takes its default. The method's options stay as written: reading a folder
+  never imports a method, so a results folder never names code to load (a caller that builds the method checks
+  them with :func:`agg_bench.runtime.config_check.check_config`).
 - ``metrics.jsonl``: records by the record contract (:func:`agg_bench.records.records_problem`):
   every known key of its kind, numbers finite, ``iteration`` an integer >= 0, recorded once and increasing in file order, and
   ``iteration`` and ``status`` (:data:`~agg_bench.records.REQUIRED_RECORD_KEYS`, which every record a run or an
@@ -59,11 +60,15 @@ def run_config(data: Any, where: str | Path) -> RunConfig:
     """The run config ``data`` (a ``config.json``'s or a checkpoint's) checked and typed as ``agg-bench
     run`` loads a config (:func:`agg_bench.config.validate`); a UserError naming ``where`` otherwise."""
     from .config import upgrade_written, validate
+    from .config.sections import check_method_name
 
     if not isinstance(data, dict):
         raise UserError(f"{where}: holds {quote(data)}; expected a run config (a JSON object)")
     try:  # values an older run wrote read as the keys they stand for today (grpo.adv_std: population)
-        return validate(upgrade_written(data))
+        cfg = validate(upgrade_written(data))
+        # a run ran one of the harness's methods: a name of none (a sweep's label written there) is no run's
+        check_method_name(cfg.method.name)
+        return cfg
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
 

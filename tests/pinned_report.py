@@ -87,15 +87,16 @@ def build_inputs(root: Path):
                                "rollout_forwards": 4}}}))
     # the same methods on two GPUs
     for gpu, (full_s, agg_s) in {"GPU-A": (2.0, 1.0), "GPU-B": (4.0, 1.5)}.items():
-        entries += [RunEntry(run(f"{method}_{gpu}", method,
+        # each run's config.json and records name its method; the manifest's label is the table's row
+        entries += [RunEntry(run(f"{label}_{gpu}", method,
                                  [it(seconds * k, r, backward=b, peak_alloc_bytes=int(b * MIB), energy_j=7.5,
                                      # each phase's own CUDA peak; the train phase's is the iteration's
                                      peak_alloc_rollout_bytes=int(b * MIB) // 2 + n,
                                      peak_alloc_reward_bytes=int(b * MIB) * 3 // 4, peak_alloc_train_bytes=int(b * MIB))
                                   for n, (k, r) in enumerate(((3.0, 0.0), (1.0, 0.5), (1.1, 0.7)))],
                                  device="cuda", gpu_name=gpu, n_gpus=1, resolution=256),
-                             method=method, model="sd3")
-                    for method, seconds, b in (("full", full_s, 80), ("agg-w5", agg_s, 32))]
+                             method=label, model="sd3")
+                    for label, method, seconds, b in (("full", "full", full_s, 80), ("agg-w5", "agg", agg_s, 32))]
     # random weights, with the run's memory plan
     random_run = run("full_random", "full", [it(2.0, 5.0, 2.0, 80, saved_activation_peak_bytes=3 * MIB),
                                              it(2.0, 6.0, 2.0, 80)], weights="random", model="sd3.5-medium-random")

@@ -358,6 +358,37 @@ class TrainConfig(Section):
         return self.inner_epochs * self.minibatches
 
 
+# Method name -> the module whose import registers it (agg_bench.methods.base.METHODS); a run imports only its own
+# method's module (``cached`` brings in every cache and diffusers' hooks). Written here, among the basics, so that
+# a reader of a run folder knows the harness's methods without importing one.
+METHOD_MODULES = {"full": "baselines.full", "fraction": "baselines.subsample", "window": "baselines.subsample",
+                  "agg": "agg_bench.methods.agg", "cached": "baselines.cached", "guess": "baselines.guess",
+                  "branch": "baselines.branch", "mixgrpo_flash": "baselines.mixgrpo_flash",
+                  "nft": "baselines.nft", "dgpo": "baselines.dgpo", "awm": "baselines.awm"}
+METHOD_NAME_WORDS = (f"a registered method (one of {sorted(METHOD_MODULES)}) or a path package.module:Class to an "
+                     "Estimator subclass")
+
+
+def is_method_path(name: Any) -> bool:
+    """Whether ``method.name`` is a dotted path ``package.module:Class`` rather than a registered name."""
+    return isinstance(name, str) and ":" in name
+
+
+def is_method_path_shape(name: str) -> bool:
+    """Whether dotted path ``name`` is ``package.module:Class`` with identifiers for parts (nothing imported)."""
+    module_name, _, attr = name.partition(":")
+    return bool(module_name and attr) and all(part.isidentifier() for part in (*module_name.split("."), attr))
+
+
+def check_method_name(name: Any) -> None:
+    """A ConfigError naming ``method.name`` unless ``name`` is one of :data:`METHOD_MODULES` or has the shape of a
+    dotted path ``package.module:Class``, which is not imported: what a run folder's ``config.json`` may name (a
+    run ran one of them), checked by its reader without importing any method."""
+    if not (name in METHOD_MODULES if isinstance(name, str) and not is_method_path(name)
+            else is_method_path(name) and is_method_path_shape(name)):
+        raise ConfigError("method.name", name, METHOD_NAME_WORDS)
+
+
 @dataclass
 class MethodSection(Section):
     """``method``: the gradient estimator, by its registered name, with its own options.
@@ -372,7 +403,7 @@ class MethodSection(Section):
     OPEN = True  # the options are checked by the method's config class, not by the run schema
 
     name: str = option("full", "a registered method: `full`, `fraction`, `window`, `agg`, `cached`, ... "
-                               "(`METHOD_MODULES` in `agg_bench/methods/base.py` names each one's module), or "
+                               "(`METHOD_MODULES` in `agg_bench/config/sections.py` names each one's module), or "
                                "a dotted path `package.module:Class` to an Estimator of your own")
     options: Any = field(default=None, metadata={
         "key": "<option>", "default": "per method", "allowed": "the method's options (docs/methods.md)",

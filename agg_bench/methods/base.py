@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import torch
 
 from ..config import RunConfig
+from ..config.sections import METHOD_MODULES, METHOD_NAME_WORDS, is_method_path, is_method_path_shape
 from ..config.options import Options, typed_options
 from ..engine.grpo import TrainBatch, UpdateStats, grpo_advantages, minibatch_rows
 from ..engine.trained_steps import draw_plan
@@ -40,12 +41,6 @@ if TYPE_CHECKING:  # annotations only: checking a method's options imports neith
     from ..engine.models import Conditioning, Policy
     from ..engine.rollout import Trajectory
 
-# Method name -> the module whose import registers it; a run imports only its own method's module
-# (``cached`` brings in every cache and diffusers' hooks).
-METHOD_MODULES = {"full": "baselines.full", "fraction": "baselines.subsample", "window": "baselines.subsample",
-                  "agg": "agg_bench.methods.agg", "cached": "baselines.cached", "guess": "baselines.guess",
-                  "branch": "baselines.branch", "mixgrpo_flash": "baselines.mixgrpo_flash",
-                  "nft": "baselines.nft", "dgpo": "baselines.dgpo", "awm": "baselines.awm"}
 METHODS = Registry("method.name", modules=METHOD_MODULES)
 
 
@@ -243,20 +238,14 @@ def available_methods() -> list[str]:
     return METHODS.names()
 
 
-def is_method_path(name: Any) -> bool:
-    """Whether ``method.name`` is a dotted path ``package.module:Class`` rather than a registered name."""
-    return isinstance(name, str) and ":" in name
-
-
 def resolve_method(name: str) -> type[Estimator]:
     """The Estimator class ``method.name`` names: a registered method, or the class a dotted path
     ``package.module:Class`` names, imported now (module docstring); a ConfigError otherwise."""
     if not is_method_path(name):
         return METHODS.resolve(name)
     module_name, _, attr = name.partition(":")
-    expected = (f"a registered method (one of {sorted(METHOD_MODULES)}) or a path package.module:Class to an "
-                "Estimator subclass")
-    if not module_name or not attr or not all(part.isidentifier() for part in (*module_name.split("."), attr)):
+    expected = METHOD_NAME_WORDS
+    if not is_method_path_shape(name):
         raise ConfigError("method.name", name, expected)
     try:
         module = importlib.import_module(module_name)

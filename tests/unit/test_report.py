@@ -28,9 +28,11 @@ MIB = 1024 ** 2
 
 
 def make_run(root: Path, name: str, method: str, iterations: list[dict], status: str = "ok",
-             options: dict | None = None, keys: tuple[str, ...] = RECORD_KEYS, **identity) -> Path:
+             options: dict | None = None, keys: tuple[str, ...] = RECORD_KEYS, config: bool = True,
+             **identity) -> Path:
     """A run folder as `agg-bench run` writes it, with the given per-iteration fields (every record holds
-    ``keys``, null where not given)."""
+    ``keys``, null where not given); ``method`` is a method of the harness, which its ``config.json`` names. With
+    ``config=False`` it has no ``config.json``, as an imported log's folder, whose ``method`` is a label."""
     run = root / name
     run.mkdir(parents=True)
     base = {"run_id": name, "method": method, "model": "sd3-tiny", "resolution": 64, "device": "cpu",
@@ -42,7 +44,8 @@ def make_run(root: Path, name: str, method: str, iterations: list[dict], status:
             record.update(fields)
             writer.write(record)
     (run / "summary.json").write_text(json.dumps({"run_id": name, "status": status, **base}))
-    (run / "config.json").write_text(json.dumps({"method": options or {"name": method}}))
+    if config:
+        (run / "config.json").write_text(json.dumps({"method": options or {"name": method}}))
     return run
 
 
@@ -808,10 +811,10 @@ def test_tables_in_names_a_table_that_is_not_what_the_report_wrote(sweep, tmp_pa
 
 
 def test_labels_that_look_like_numbers_or_missing_values_stay_labels(tmp_path):
-    """A written table gives its labels back as text: a method called "NA" or "1" is not a missing value
-    or a number."""
+    """A written table gives its labels back as text: a method called "NA" or "1" (an imported log's label) is
+    not a missing value or a number."""
     runs = tmp_path / "runs"
-    make_run(runs, "a", "NA", [it(2.0, 1.0, backward=8), it(2.0, 2.0, backward=8)], model="1")
+    make_run(runs, "a", "NA", [it(2.0, 1.0, backward=8), it(2.0, 2.0, backward=8)], model="1", config=False)
     make_run(runs, "b", "full", [it(1.0, 1.0, backward=4), it(1.0, 3.0, backward=4)], model="1")
     assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "t")]) == 0
     from agg_bench.results.loading import load_tables
@@ -1106,6 +1109,19 @@ def test_a_run_file_that_is_not_what_a_run_writes(tmp_path, capsys, name, conten
     assert expected in report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
 
 
+def test_a_run_config_naming_no_method_of_the_harness_is_refused(tmp_path, capsys):
+    """A config.json whose method.name is a label (a sweep's ``agg-w5``), its records agreeing, names no method a
+    run ran: refused naming the folder, the key, the value and the methods, not shown as a row of that label. A
+    dotted path to a method of the user's own is a run's method (not imported by the reader)."""
+    runs = tmp_path / "runs"
+    make_run(runs, "own", "mine.methods:Estimator", [it(2.0, 1.0)])
+    assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "whole")]) == 0
+    run = make_run(runs, "a", "agg-w5", [it(2.0, 1.0)])
+    line = report_fails(capsys, tmp_path, "--runs", str(runs))
+    assert (f"{run / 'config.json'}: config error: method.name = 'agg-w5': expected a registered method (one of "
+            "['agg', ") in line and "or a path package.module:Class" in line, line
+
+
 @pytest.mark.parametrize("damage", ["cut", "emptied", "removed"])
 def test_an_ended_run_whose_records_were_cut_afterwards(tmp_path, capsys, damage):
     """A run writes its summary after its last record, so a finished run's records end at the last good
@@ -1178,7 +1194,8 @@ def test_labels_with_dollars_are_drawn_as_text(tmp_path, capsys):
     """Matplotlib's mathtext would parse $...$ in a model or method label (and fail on an unbalanced one)."""
     runs = tmp_path / "runs"
     make_run(runs, "a", "full", [it(2.0, 1.0, backward=8), it(2.0, 2.0, backward=8)], model="$x^$")
-    make_run(runs, "b", "agg$W=5$", [it(1.0, 1.0, backward=4), it(1.0, 3.0, backward=4)], model="$x^$")
+    make_run(runs, "b", "agg$W=5$", [it(1.0, 1.0, backward=4), it(1.0, 3.0, backward=4)], model="$x^$",
+             config=False)  # an imported log's label
     assert main(["report", "--runs", str(runs), "--plots", str(tmp_path / "plots")]) == 0
     for name in PLOTS:
         assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

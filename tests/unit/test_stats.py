@@ -197,7 +197,9 @@ def test_priced_calls_charge_every_call_and_every_latent():
     assert math.isnan(priced_calls(*ROUTED_WORK, None, PER_CALL, PER_LATENT, PER_STEP))
 
 
-def _run(root, name, method, t_train_cpu, passes, iterations=6, **fields):
+def _run(root, name, method, t_train_cpu, passes, iterations=6, label=None, **fields):
+    """A run folder of ``method`` (a method of the harness, which its config.json names) and its manifest entry,
+    labelled ``label`` (the method's name unless given)."""
     run = root / name
     run.mkdir(parents=True)
     lines = []
@@ -210,7 +212,7 @@ def _run(root, name, method, t_train_cpu, passes, iterations=6, **fields):
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (run / "summary.json").write_text(json.dumps({"status": "ok"}))
     (run / "config.json").write_text(json.dumps({"method": {"name": method}, "train": {"inner_epochs": 1}}))
-    return RunEntry(run, method=method)
+    return RunEntry(run, method=label or method)
 
 
 def test_efficiency_table_times_in_cpu_seconds_and_predicts_from_counts(tmp_path):
@@ -265,7 +267,8 @@ def test_train_speedup_comes_from_the_calibrations_paired_rounds_when_both_rows_
                 {"forward_nograd": 0, "forward_grad": 40, "backward": 40})
     agg = _run(tmp_path, "agg", "agg", [50, 2, 2.1, 1.9, 2.05, 1.95],
                {"forward_nograd": 40, "forward_grad": 16, "backward": 16})
-    other = _run(tmp_path, "other", "other", [50, 1, 1, 1, 1, 1], {"forward_nograd": 0, "forward_grad": 8, "backward": 8})
+    other = _run(tmp_path, "other", "fraction", [50, 1, 1, 1, 1, 1], {"forward_nograd": 0, "forward_grad": 8, "backward": 8},
+                 label="other")
     units = {"forward_nograd": 0.02, "forward_grad": 0.04, "backward": 0.05, "optimizer_step": 0.1}
     rounds = {"full": [6.0, 6.6, 5.4], "agg": [2.0, 2.2, 1.8]}  # 3x, where the runs say 2x
     cal = tmp_path / "cal.json"
@@ -288,8 +291,8 @@ def test_train_speedup_comes_from_the_calibrations_paired_rounds_when_both_rows_
 def test_prediction_prices_the_calls_of_the_timed_updates_where_both_rows_have_them(tmp_path):
     full = _run(tmp_path, "full", "full", [50, 4, 4.2, 3.8, 4.1, 3.9], FULL_WORK[0])
     routed = _run(tmp_path, "agg", "agg", [50, 5, 5.2, 4.8, 5.1, 4.9], ROUTED_WORK[0])
-    other = _run(tmp_path, "other", "other", [50, 1, 1, 1, 1, 1],
-                 {"forward_nograd": 0, "forward_grad": 8, "backward": 8})
+    other = _run(tmp_path, "other", "fraction", [50, 1, 1, 1, 1, 1],
+                 {"forward_nograd": 0, "forward_grad": 8, "backward": 8}, label="other")
     rounds = {"full": [FULL_S, 1.1 * FULL_S, 0.9 * FULL_S], "agg": [ROUTED_S, 0.9 * ROUTED_S, 1.1 * ROUTED_S]}
     sizes = {"forward_nograd": [40, 1], "forward_grad": [4, 1], "backward": [4, 1]}
     calibration = {"model": "m", "resolution": 64, "device": "cpu",
@@ -366,7 +369,7 @@ def test_rollout_speedup_comes_from_the_calibrations_paired_rollout_rounds_and_i
     # 16 rollout forwards besides the train phase's 40
     guess = _run(tmp_path, "guess", "guess", [50, 4, 4.2, 3.8, 4.1, 3.9], {**train, "forward_nograd": 40},
                  forward_nograd=56, images_per_s=8 / 9)
-    other = _run(tmp_path, "other", "other", [50, 1, 1, 1, 1, 1], train)
+    other = _run(tmp_path, "other", "fraction", [50, 1, 1, 1, 1, 1], train, label="other")
     # every round's full rollout is above twice the guessing one's: so is every resampled ratio of medians
     rollouts = {"full": [3.0, 3.3, 2.7, 3.6, 2.4], "guess": [1.2, 1.3, 1.1, 1.5, 1.0]}
     units = {"forward_nograd": 0.02, "forward_grad": 0.04, "backward": 0.05, "optimizer_step": 0.1}
