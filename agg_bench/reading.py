@@ -19,6 +19,8 @@ each file is checked once and the same way, before anything is computed from it 
 - ``evaluations.jsonl``: ``iteration`` an integer >= 0, once each, ``eval_reward`` a finite number (the
   sub-scores and times finite numbers or null), and the starting weights' evaluation (iteration 0) among them.
 - ``plan.json``: ``bytes`` an object of byte counts (finite numbers >= 0, or null).
+- A manifest's entry of the run (:func:`check_entry_names_run`): its seed and its method's name those the run's
+  files say, in the report's and the learning tables' manifests alike.
 
 Every problem is a :class:`~agg_bench.errors.UserError` that names the file (and the record or key), quotes
 at most 200 characters of the value and says what was expected. ``checkpoint.pt`` holds tensors, so torch
@@ -313,3 +315,26 @@ class RunFolder:
         if problem is not None:
             raise UserError(f"{path}: {problem}")
         return lines or None
+
+def check_entry_names_run(where: str, entry: dict, folder: RunFolder, lines: list[dict], summary: dict,
+                          config: dict | None) -> None:
+    """A UserError naming the file and the key where the run ``folder`` says another seed than the manifest entry's
+    ``seed``, or another method than the entry's ``method_options.name`` (the sweep's manifest gives both; the
+    ``method`` label is the sweep's own name of a setting): its records (``lines``), ``summary`` and ``config.json``
+    (``config``, the JSON object; None: none), where they say. A copied run folder listed under another seed
+    counted as one more seed of its method. The check of a manifest's entry of both readers of manifests, the
+    learning tables' and the report's."""
+    places = [(f"{folder.path(METRICS_FILE)}: record {k}", record) for k, record in enumerate(lines, 1)]
+    places.append((str(folder.path(SUMMARY_FILE)), summary))
+    if config is not None:
+        method = config.get("method")
+        places.append((str(folder.path(CONFIG_FILE)), {"seed": config.get("seed"),
+                                                        "method": method.get("name") if isinstance(method, dict) else None}))
+    options = entry.get("method_options")
+    wanted = {"seed": entry.get("seed"), "method": options.get("name") if isinstance(options, dict) else None}
+    for key, entry_key in (("seed", "seed"), ("method", "method_options.name")):
+        for place, values in places if wanted[key] is not None else ():
+            if values.get(key) is not None and values.get(key) != wanted[key]:
+                raise UserError(f"{where}: {entry_key} = {quote(wanted[key])}, but {place} has {key} = "
+                                f"{quote(values.get(key))}; expected the manifest entry of the run in its folder (a "
+                                "copied run folder counts as another seed)")

@@ -48,7 +48,7 @@ from .curves import (TARGET_COLUMNS, curve_gain_columns, curves_table, gain_colu
                      plot_pareto, run_curve, target_columns)
 from .plotting import method_style, pyplot
 from ..config.reward_options import SCENE_PARTS
-from ..reading import CONFIG_FILE, FolderState, METRICS_FILE, RunFolder, SUMMARY_FILE
+from ..reading import CONFIG_FILE, FolderState, METRICS_FILE, RunFolder, SUMMARY_FILE, check_entry_names_run
 
 SUBSCORES = tuple(f"reward_{part}" for part in SCENE_PARTS)  # the scene reward's sub-scores' record keys
 TIME_KEYS = ("t_iter_cpu_s", "t_iter_s")  # preferred first
@@ -161,28 +161,6 @@ def load_runs(manifest: str | Path) -> list[Run]:
     if not runs:
         raise UserError(f"manifest {path}: lists no run; expected at least one")
     return runs
-
-
-def check_entry_names_run(where: str, entry: dict, folder: RunFolder, lines: list[dict], summary: dict,
-                          config: dict | None) -> None:
-    """A UserError naming the file and the key where the run folder says another seed than the manifest entry's
-    ``seed``, or another method than the entry's ``method_options.name`` (the sweep's manifest gives both; the
-    ``method`` label is the sweep's own name of a setting): its records, summary and ``config.json``, where they
-    say. A copied run folder listed under another seed counted as one more seed of its method."""
-    places = [(f"{folder.path(METRICS_FILE)}: record {k}", record) for k, record in enumerate(lines, 1)]
-    places.append((str(folder.path(SUMMARY_FILE)), summary))
-    if config is not None:
-        method = config.get("method")
-        places.append((str(folder.path(CONFIG_FILE)), {"seed": config.get("seed"),
-                                                        "method": method.get("name") if isinstance(method, dict) else None}))
-    options = entry.get("method_options")
-    wanted = {"seed": entry.get("seed"), "method": options.get("name") if isinstance(options, dict) else None}
-    for key, entry_key in (("seed", "seed"), ("method", "method_options.name")):
-        for place, values in places if wanted[key] is not None else ():
-            if values.get(key) is not None and values.get(key) != wanted[key]:
-                raise UserError(f"{where}: {entry_key} = {quote(wanted[key])}, but {place} has {key} = "
-                                f"{quote(values.get(key))}; expected the manifest entry of the run in its folder (a "
-                                "copied run folder counts as another seed)")
 
 
 def held_out_curves(runs: list[Run]) -> tuple[dict[int, pd.DataFrame], dict[str, list[int]]]:

@@ -27,7 +27,7 @@ from ..jsonfiles import check_path, read_json_object
 from ..outputs import STAMP_FILE, STAMP_KEYS, check_no_unpack_above
 from ..outdir import (LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_name, named_path_problem,
                       reach_problem)
-from ..reading import CONFIG_FILE, RunFolder, run_config
+from ..reading import CONFIG_FILE, RunFolder, check_entry_names_run, run_config
 from ..records import (GRADCHECK_OPTION_DEFAULTS, MAX_LABEL, OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES,
                        TEXT_KEYS, is_finite_number, is_integer, is_label)
 
@@ -352,7 +352,8 @@ ADDED_COLUMNS = ("method_name", "method_options", "source", "weights", "planned_
                  "planned_total_bytes", "run_status", "run_dir", "optimizer_steps", "hardware")
 
 
-def load_records(entries: Iterable[RunEntry], progress: Callable[[str], None] | None = None) -> pd.DataFrame:
+def load_records(entries: Iterable[RunEntry], progress: Callable[[str], None] | None = None,
+                 manifest: Path | None = None) -> pd.DataFrame:
     """One row per iteration record, with the labels the tables group by.
 
     Added columns: ``method_name`` (the estimator), ``method_options`` (JSON), ``hardware``, ``source``
@@ -360,8 +361,11 @@ def load_records(entries: Iterable[RunEntry], progress: Callable[[str], None] | 
     record (it failed while starting) still gets one row, with its status and no measurements. Each run
     folder is read by :class:`agg_bench.reading.RunFolder` (its config typed and bounded, its
     records by the record contract); a folder given twice is refused (:func:`check_distinct_runs`), and so is
-    a run id given twice for one row and seed (:func:`check_distinct_run_ids`). ``progress`` is told of each
-    run folder read (a line such as ``read run 2/40 DIR: 100000 records``).
+    a run id given twice for one row and seed (:func:`check_distinct_run_ids`), and an entry whose ``seed`` or
+    ``method_options.name`` is not what its run's files say (:func:`agg_bench.reading.check_entry_names_run`, named
+    as ``runs[k]`` of the ``manifest`` file where given): a copied run folder listed under another seed counted as
+    one more seed of its row. ``progress`` is told of each run folder read (a line such as ``read run 2/40 DIR:
+    100000 records``).
     """
     entries = list(entries)
     check_distinct_runs(entries)
@@ -377,6 +381,9 @@ def load_records(entries: Iterable[RunEntry], progress: Callable[[str], None] | 
             records = folder.records()
             planned = folder.plan()
         folder.check_records_ended(summary, records)
+        where = f"manifest {manifest}: runs[{number - 1}]" if manifest is not None else f"run {run_dir}"
+        check_entry_names_run(where, {"seed": entry.seed, "method_options": entry.method_options}, folder, records,
+                              summary, written)
         # the files name one run (config.json's identity where there is one): RunFolder.check_identity
         folder.check_identity(summary, records, None if written is None or config is None else config_identity(written, config))
         if not summary and not records:

@@ -55,7 +55,7 @@ def write_report(manifest: Manifest, tables_dir: str | Path | None = None, plots
     """What :func:`build_report` writes, for a caller that holds the folders' claims itself (replaced whole: their
     locks beside them), from before it changes what the report reads (``campaign unpack``: its reference's tables);
     ``progress`` is told of each step done (:class:`Progress`; ``build_report``'s)."""
-    records = load_records(manifest.runs, progress)
+    records = load_records(manifest.runs, progress, manifest.file)
     gradcheck = load_gradcheck(manifest.gradcheck)
     calibration = load_calibration(manifest.calibration)
     tables = build_tables(records, gradcheck, manifest.warmup, manifest.time, calibration)

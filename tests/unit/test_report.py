@@ -1122,6 +1122,28 @@ def test_a_run_config_naming_no_method_of_the_harness_is_refused(tmp_path, capsy
             "['agg', ") in line and "or a path package.module:Class" in line, line
 
 
+@pytest.mark.parametrize("key, value, expected", [
+    ("seed", 1, "runs[1]: seed = 1, but {run}/metrics.jsonl: record 1 has seed = 0"),
+    ("method_options", {"name": "agg"}, "runs[1]: method_options.name = 'agg', but {run}/metrics.jsonl: record 1 has "
+                                        "method = 'full'"),
+])
+def test_a_manifest_entry_that_is_not_its_runs_seed_or_method_is_refused(tmp_path, capsys, key, value, expected):
+    """A manifest's seed is its run's (records, summary, config.json), as the learning manifest's is
+    (reading.check_entry_names_run): a copied run folder listed under another seed counted as one more seed of its
+    row, its records relabelled with the manifest's seed."""
+    runs = tmp_path / "runs"
+    first = make_run(runs, "a", "full", [it(2.0, 1.0)])
+    run = make_run(runs, "b", "full", [it(2.0, 1.0)])
+    manifest = tmp_path / "manifest.json"
+    entries = [{"dir": str(first), "method": "full", "seed": 0}, {"dir": str(run), "method": "full", "seed": 0}]
+    manifest.write_text(json.dumps({"runs": entries}))
+    assert main(["report", "--manifest", str(manifest), "--tables", str(tmp_path / "whole")]) == 0
+    entries[1][key] = value
+    manifest.write_text(json.dumps({"runs": entries}))
+    line = report_fails(capsys, tmp_path, "--manifest", str(manifest))
+    assert f"agg-bench report: manifest {manifest}: {expected.format(run=run)}" in line, line
+
+
 @pytest.mark.parametrize("damage", ["cut", "emptied", "removed"])
 def test_an_ended_run_whose_records_were_cut_afterwards(tmp_path, capsys, damage):
     """A run writes its summary after its last record, so a finished run's records end at the last good
