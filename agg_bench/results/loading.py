@@ -206,16 +206,42 @@ def load_manifest(path: str | Path) -> Manifest:
                     path, identity)
 
 
+def calibration_identity(data: Mapping) -> str:
+    """What identifies a calibration: its content, the JSON object ``agg-bench calibrate`` wrote (the cell it timed,
+    its batch and machine, and every time it measured), as a SHA-256 of it with its keys sorted. Its file's name
+    (``<stamp>_<n>_<cell>.json`` in a campaign) is not: two measurements never agree on every time, so the same
+    content under two names is one calibration copied, which counts once."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def check_distinct_calibrations(named: Iterable[tuple[str, Mapping]]) -> None:
+    """A UserError naming two of ``named`` (``(name, content)`` pairs) that hold one calibration
+    (:func:`calibration_identity`): a calibration copied under another name (another stamp), which stood twice
+    among a cell's calibrations, the copy's stamp placing it after the calibrations taken since."""
+    seen: dict[str, str] = {}
+    for name, data in named:
+        identity = calibration_identity(data)
+        if identity in seen:
+            first = seen[identity]
+            twice = "is given twice" if first == name else f"holds the same calibration as {quote(first)}"
+            raise UserError(f"calibration {quote(name)} {twice} (the same content: one measurement); expected each "
+                            "calibration once (a copy under another name counts it twice: remove the copy)")
+        seen[identity] = name
+
+
 def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
     """One row per calibration file: model, resolution, device labels and the unit costs as columns
     ``unit_<basis>_<kind>`` (seconds per sample, per optimizer step for ``optimizer_step``) and, where the
     file has them, ``call_<basis>_<kind>`` and ``latent_<basis>_<kind>`` (a call of n latents costs
     call + latent * n seconds); ``methods``, the side-by-side timings. A file that is not what
-    ``agg-bench calibrate`` writes is a UserError naming it and the key."""
+    ``agg-bench calibrate`` writes is a UserError naming it and the key; so is one calibration given twice,
+    the same file or its content under another name (:func:`check_distinct_calibrations`)."""
     rows = []
+    contents: list[tuple[str, dict]] = []
     for entry in entries:
         path = Path(entry.file)
         data = read_json_object(path, "an agg-bench calibrate JSON")
+        contents.append((path_text(path), data))
         where = f"calibration {path}"
         for key, kind in (("model", LABEL), ("resolution", RESOLUTION), ("device", LABEL), ("batch", BATCH),
                           ("unit_s_per_sample", OBJECT), ("unit_s_per_call", OBJECT), ("methods", OBJECT)):
@@ -259,6 +285,7 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
             raise UserError(f"{where}: no unit_s_per_sample; expected an agg-bench calibrate JSON (its unit costs)")
         row["methods"] = data.get("methods") or {}
         rows.append(row)
+    check_distinct_calibrations(contents)
     return pd.DataFrame(rows)
 
 

@@ -538,6 +538,23 @@ def _check_calibration(campaign: Campaign, where: str, name: str, data: bytes) -
     return gpu if content.get("device") == "cuda" and isinstance(gpu, str) else None
 
 
+def check_one_name_per_calibration(campaign: Campaign, where: str, files: dict[str, bytes], reference: Path) -> None:
+    """A UserError naming two calibrations, of the archive (``files``: path in it -> bytes) or one of it and one the
+    reference holds under another name, that are one calibration (the same content,
+    :func:`agg_bench.results.loading.calibration_identity`): a calibration copied under another stamp stood twice in
+    the reference's manifest, the copy's stamp placing it after the calibrations of that cell taken since. The same
+    name with the same bytes is the reference's file already (skipped)."""
+    from ..results.loading import check_distinct_calibrations
+
+    named = {f"reference {reference}: calibration/{path.name}": (f"calibration/{path.name}", path.read_bytes())
+             for path in campaign.finished_files(reference, "calibration")}
+    held = {name for name, _ in named.values()}
+    for name, data in files.items():
+        if name.startswith("calibration/") and not (name in held and (reference / name).read_bytes() == data):
+            named[f"{where}: {name}"] = (name, data)
+    check_distinct_calibrations((label, json_object(label, data)) for label, (_, data) in named.items())
+
+
 # ----- unpacking into the reference -----------------------------------------------------------------------------
 def _held(folder: Path) -> dict[str, bytes]:
     """Every file under ``folder`` by its path inside it."""
@@ -584,6 +601,7 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
         for name in (UNPACK_STAGING, *GENERATED):
             remove_stale_temps(reference / name)
         check_hardware(campaign, where, gpus, reference)
+        check_one_name_per_calibration(campaign, where, others, reference)
         held = [str(p.relative_to(reference)) for p in reference.rglob("*")] if reference.is_dir() else []
         clash = case_clash(files, held)
         if clash is not None:

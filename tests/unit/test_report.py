@@ -1357,6 +1357,55 @@ def test_a_calibration_as_calibrate_writes_it_is_read(tmp_path, capsys):
                  "--tables", str(tmp_path / "tables")]) == 0, capsys.readouterr().err
 
 
+CALIBRATION = {"model": "sd3-tiny", "resolution": 64, "device": "cpu",
+               "unit_s_per_sample": {"backward": {"cpu": {"median": 0.05}, "wall": {"median": 0.06}}},
+               "methods": {"full": {"cpu_s": [1.5, 1.6]}}}
+
+
+def test_one_calibration_under_two_names_is_refused(tmp_path, capsys):
+    """A calibration is its content (loading.calibration_identity), not its file's name: one copied under another
+    stamp stood twice among its cell's calibrations, the copy's stamp placing it after those taken since (the
+    cost model prices a row from the last one); so does one file given twice. Another measurement is read."""
+    make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), it(2.0, 1.0)])
+    (tmp_path / "cal").mkdir()
+    first, copy, other = (tmp_path / "cal" / f"2026010{k}T000000_01_sd3_64px_cpu.json" for k in (1, 2, 3))
+    first.write_text(json.dumps(CALIBRATION))
+    copy.write_text(json.dumps(CALIBRATION, indent=1))  # the same content, written otherwise
+    other.write_text(json.dumps({**CALIBRATION, "methods": {"full": {"cpu_s": [1.5, 1.7]}}}))
+    runs = ["--runs", str(tmp_path / "runs")]
+    assert main(["report", *runs, "--calibration", str(first), str(other), "--tables", str(tmp_path / "t")]) == 0
+    line = report_fails(capsys, tmp_path, *runs, "--calibration", str(first), str(other), str(copy))
+    assert f"calibration '{copy}' holds the same calibration as '{first}' (the same content" in line, line
+    line = report_fails(capsys, tmp_path, *runs, "--calibration", str(first), str(first))
+    assert f"calibration '{first}' is given twice" in line, line
+
+
+def test_an_archive_calibration_the_reference_holds_under_another_name_is_refused(tmp_path):
+    """campaign unpack: a calibration of the archive that the reference holds under another stamp (or that the
+    archive holds twice) is refused naming both, before anything moves; the reference's own file again (the same
+    name and bytes) is no copy."""
+    from types import SimpleNamespace
+
+    from agg_bench.tools.archive import check_one_name_per_calibration
+    from agg_bench.tools.campaign import Campaign
+
+    campaign = SimpleNamespace(finished_files=Campaign.finished_files)
+    reference = tmp_path / "ref"
+    (reference / "calibration").mkdir(parents=True)
+    held = json.dumps(CALIBRATION).encode()
+    (reference / "calibration" / "20260101T000000_01_sd3_64px_cpu.json").write_bytes(held)
+    other = json.dumps({**CALIBRATION, "methods": {"full": {"cpu_s": [1.5, 1.7]}}}).encode()
+    check_one_name_per_calibration(campaign, "archive A", {"calibration/20260101T000000_01_sd3_64px_cpu.json": held,
+                                                           "calibration/20260102T000000_01_sd3_64px_cpu.json": other,
+                                                           "windows/20260102T000000.json": b"{}"}, reference)
+    for files in ({"calibration/20260105T000000_01_sd3_64px_cpu.json": held},
+                  {"calibration/20260102T000000_01_sd3_64px_cpu.json": other,
+                   "calibration/20260103T000000_02_sd3_64px_cpu.json": other}):
+        with pytest.raises(UserError, match="holds the same calibration as") as err:
+            check_one_name_per_calibration(campaign, "archive A", files, reference)
+        assert str(err.value).count("calibration/2026010") == 2 and "\n" not in str(err.value), err.value
+
+
 # ----- gradcheck CSVs: what agg-bench gradcheck writes, or one line -----------------------------------------
 GRADCHECK_HEADER = "method,window,alpha,route_frac,reuse_rollout_velocity,cosine_to_full,relative_error," \
     "forward_nograd,forward_grad,backward,seconds,cache_hit_rate,model\n"
