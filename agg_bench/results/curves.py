@@ -12,7 +12,8 @@ state, ``iteration`` n = the iterations trained before it, 0 = the starting weig
   ``target_fraction`` (default 0.9) x the reference method's (``full``) mean held-out gain, the gain of a
   run being its final evaluation minus its starting one. A method's held-out curve is the mean over its
   seeds (:func:`mean_curve`: evaluations matched by position, each coordinate averaged, up to the shortest
-  run: the curve the plots draw). It reaches the target at the first evaluation whose mean reward is at
+  run: the curve the plots draw; the reader refuses seeds of one method evaluated on other schedules,
+  :func:`agg_bench.results.learning_tables.check_one_schedule`). It reaches the target at the first evaluation whose mean reward is at
   least its starting reward + target; ``target_cost`` is the cost there, linearly interpolated between that
   evaluation and the one before (the curve is taken as straight between evaluations: cost = c0 + (start +
   target - r0) / (r1 - r0) x (c1 - c0)), and ``target_cpu_s`` the same for CPU seconds; NaN where the mean

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..config import dotted_value
 from ..errors import UserError, counted, quote
 from ..io import save_figure, write_text
 from ..jsonfiles import check_path, read_json_object
@@ -166,7 +167,8 @@ def load_runs(manifest: str | Path) -> list[Run]:
 def held_out_curves(runs: list[Run]) -> tuple[dict[int, pd.DataFrame], dict[str, list[int]]]:
     """The runs' held-out curves (:func:`agg_bench.results.curves.run_curve`) by their index in ``runs``
     (runs without in-run evaluations have none), and each method's run indices (order of first appearance).
-    A UserError names the run whose evaluations its records cannot place."""
+    A UserError names the run whose evaluations its records cannot place, and two runs of one method evaluated on
+    other schedules (:func:`check_one_schedule`)."""
     curves = {}
     for i, run in enumerate(runs):
         if run.evaluations is not None:
@@ -177,7 +179,36 @@ def held_out_curves(runs: list[Run]) -> tuple[dict[int, pd.DataFrame], dict[str,
     methods: dict[str, list[int]] = {}
     for i, run in enumerate(runs):
         methods.setdefault(run.method, []).append(i)
+    for indices in methods.values():
+        check_one_schedule([(runs[i], curves[i]) for i in indices if i in curves])
     return curves, methods
+
+
+def check_one_schedule(seeds: list[tuple[Run, pd.DataFrame]]) -> None:
+    """A UserError naming two runs of one method (``seeds``: each run with its held-out curve) evaluated on other
+    schedules: another ``eval.every`` in their ``config.json``, or, whatever their configs say, other iterations
+    among their evaluations before each one's last (the one after its last iteration, which a run that its budget
+    ended takes where it ended). A method's mean curve and its resamples pair the k-th evaluation of every seed
+    (:func:`agg_bench.results.curves.mean_curve`): seeds of ``eval.every`` 5 and 10 were averaged at iterations
+    5 and 10 as one point."""
+    if not seeds:
+        return
+    first, first_curve = seeds[0]
+    every = dotted_value(first.config or {}, "eval.every")
+    regular = first_curve["iteration"].to_numpy(int)[:-1]
+    for run, curve in seeds[1:]:
+        other_every = dotted_value(run.config or {}, "eval.every")
+        other = curve["iteration"].to_numpy(int)[:-1]
+        n = min(len(regular), len(other))
+        if (every is not None and other_every is not None and every != other_every) \
+                or not np.array_equal(regular[:n], other[:n]):
+            def schedule(who: Run, value, iterations: np.ndarray) -> str:
+                shown = ", ".join(map(str, iterations[:6])) + (", ..." if len(iterations) > 6 else "")
+                return (f"run {who.method}/{who.seed} ({who.dir}) eval.every = {quote(value)}, evaluated after "
+                        f"iterations {shown}")
+            raise UserError(f"{schedule(run, other_every, curve['iteration'].to_numpy(int))}, where "
+                            f"{schedule(first, every, first_curve['iteration'].to_numpy(int))}; expected the seeds of "
+                            "a method evaluated on one schedule (its mean curve pairs their k-th evaluations)")
 
 
 def iteration_times(records: pd.DataFrame) -> tuple[np.ndarray, str]:

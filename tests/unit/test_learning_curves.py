@@ -377,6 +377,40 @@ def test_runs_measured_differently_are_refused(manifest, tmp_path, capsys, key, 
     assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 0
 
 
+@pytest.mark.parametrize("every, iterations", [(None, (0, 1, 2, 3, 4)), (4, (0, 4))])
+def test_seeds_of_a_method_evaluated_on_other_schedules_are_refused(manifest, tmp_path, capsys, every, iterations):
+    """A method's mean curve pairs its seeds' k-th evaluations: a seed evaluated every iteration beside seeds
+    evaluated every 2 had its evaluation after 1 iteration averaged with theirs after 2. Refused, one line naming
+    both runs and their eval.every (from config.json where it is written; the evaluations' iterations tell a
+    schedule too), before anything is written."""
+    runs = json.loads(manifest.read_text())["runs"]
+    agg = [run for run in runs if run["method"] == "agg"]
+    if every is not None:  # eval.every 4 evaluates after 0 and 4 iterations of 4: the iterations alone agree
+        for run in agg:
+            config = {"method": {"name": "agg"}, "eval": {"every": every if run is agg[1] else 2}}
+            (Path(run["dir"]) / "config.json").write_text(json.dumps(config))
+    (Path(agg[1]["dir"]) / "evaluations.jsonl").write_text("".join(
+        json.dumps({"iteration": n, "eval_reward": 0.5 + n / 20}) + "\n" for n in iterations))
+    out = tmp_path / "t"
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(out), "--average", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    shown = {None: "None", 4: "4"}[every]
+    assert len(lines) == 1 and f"run agg/1 ({agg[1]['dir']}) eval.every = {shown}, evaluated after iterations " \
+        f"{', '.join(map(str, iterations))}, where run agg/0 ({agg[0]['dir']}) eval.every = " \
+        f"{'None' if every is None else '2'}, evaluated after iterations 0, 2, 4; expected the seeds of a method " \
+        "evaluated on one schedule" in lines[0], lines
+    assert not out.exists()
+
+
+def test_a_seed_its_budget_ended_elsewhere_keeps_its_last_evaluation_there(manifest, tmp_path):
+    """A run that its budget ended takes its last evaluation where it ended (after 3 iterations, not 4): one
+    schedule, the seeds' last evaluations paired as their final ones."""
+    runs = json.loads(manifest.read_text())["runs"]
+    (Path(runs[1]["dir"]) / "evaluations.jsonl").write_text("".join(
+        json.dumps({"iteration": n, "eval_reward": r}) + "\n" for n, r in ((0, 0.5), (2, 0.62), (3, 0.7))))
+    assert main(["learning", "--manifest", str(manifest), "--tables", str(tmp_path / "t"), "--average", "1"]) == 0
+
+
 def test_a_count_of_one_reads_singular_in_the_learning_refusals(tmp_path):
     """`learning` said "1 iterations with status ok" of a run with one ok record."""
     from agg_bench.results.curves import run_curve
