@@ -52,7 +52,7 @@ from .. import stopping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_path, atomic_target, follow_umask, remove_stale_temps, write_json
 from ..jsonfiles import NotRegularFile, open_regular, read_json_object
-from ..methods.base import Estimator, ReplayCase, build_estimator
+from ..methods.base import METHOD_MODULES, Estimator, ReplayCase, build_estimator, is_method_path
 from ..outdir import Contents, check_not_written, check_suffix, claim_files, claim_folder, json_file_with, remove_owned
 from ..reading import run_config
 from ..runtime.memplan import check_transformer_fits
@@ -100,6 +100,9 @@ WEIGHT_PATTERNS = {"transformer": TRANSFORMER_CONTENTS.patterns, "lora": LORA_CO
 # what a replay's FILE.json holds (its pass counts); an existing FILE.json without them is someone else's
 REPLAY_KEYS = ("forward_nograd", "forward_grad", "backward", "method", "replay")
 REPLAY_FORMAT = "agg-bench-replay/1"  # in a replay's gradient file's safetensors metadata
+# why a snapshot's run config names a registered method only: reading a snapshot builds the method that made its
+# rollout, and a dotted path package.module:Class would be a module imported, its code run, by reading a folder
+NAMES_NO_CODE = "a snapshot's run config names no code to load (not a dotted path package.module:Class)"
 
 
 def rollout_settings(cfg: RunConfig) -> dict:
@@ -119,6 +122,9 @@ def save_snapshot(cfg: RunConfig, out_dir: str | Path, flag: str = "--out") -> P
     """Collect iteration 0 of ``cfg`` and freeze it into ``out_dir`` (new, empty or an earlier snapshot); a
     refusal names ``flag``, the option that named the folder."""
     out = Path(out_dir)
+    if is_method_path(cfg.method.name):  # a snapshot no replay or gradcheck would read
+        raise ConfigError("method.name", cfg.method.name, f"a registered method ({', '.join(sorted(METHOD_MODULES))}) "
+                                                          f"for a snapshot: {NAMES_NO_CODE}")
     with claim_folder(out, SNAPSHOT_CONTENTS, flag):
         # a killed earlier snapshot's staging folder (a whole transformer's weights) would stay in the folder for
         # good: the folder's checks take it for the harness's, and each attempt's has its own PID in its name
@@ -637,6 +643,9 @@ def _check_rollout_size(config_path: Path, run: RunConfig, method: Estimator, te
 def _snapshot_method(config_path: Path, run: RunConfig | None) -> Estimator:
     """The estimator of the run the snapshot was made by, set up as that run set it up (``check_run``): the
     default method for a snapshot without a run config."""
+    if run is not None and is_method_path(run.method.name):  # imported, its module would run
+        raise UserError(f"{config_path}: method.name = {quote(run.method.name)}: expected a registered method "
+                        f"({', '.join(sorted(METHOD_MODULES))}): {NAMES_NO_CODE}")
     cfg = run if run is not None else validate(copy.deepcopy(DEFAULTS))
     estimator = build_estimator(cfg)
     try:

@@ -835,6 +835,29 @@ def test_replay_reads_a_snapshot_through_the_same_checks(snapshot, tmp_path, cap
         assert words in line, line
 
 
+def test_a_snapshot_names_no_code_to_load(snapshot, tmp_path, capsys, monkeypatch):
+    """A snapshot's config.json naming its method by a dotted path package.module:Class: reading the snapshot built
+    that method, so replay and gradcheck imported the module (its code ran) before refusing it; and `snapshot` of a
+    config with such a method wrote a snapshot they would not read."""
+    imported = tmp_path / "imported"
+    (tmp_path / "own_method.py").write_text(f"import pathlib\npathlib.Path({str(imported)!r}).write_text('ran')\n"
+                                            "from agg_bench.methods.base import METHODS\nEst = METHODS.resolve('full')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshot, snap)
+    edit_json(snap, "config.json", lambda c: c.update(method={"name": "own_method:Est"}))
+    for line in refused_by_replay_and_gradcheck(snap, tmp_path, capsys):
+        assert "config.json: method.name = 'own_method:Est': expected a registered method" in line, line
+        assert "names no code to load" in line, line
+    assert not imported.exists()
+    # the user's own config may name it (imported as the user asked), but no snapshot of it is written
+    out = tmp_path / "made"
+    line = one_line(capsys, main(["snapshot", "--set", "method.name=own_method:Est", "--set", "progress=false",
+                                  "--out", str(out)]))
+    assert "config error: method.name = 'own_method:Est': expected a registered method" in line, line
+    assert imported.exists() and not out.exists()
+
+
 def test_replay_refuses_the_rollout_or_weights_of_another_snapshot(snapshot, tmp_path, capsys):
     """The rollout.safetensors or the transformer weights of another snapshot (another seed, the same shapes) in
     place of the snapshot's own pass every check of their tensors: replay and gradcheck computed the gradients of a
