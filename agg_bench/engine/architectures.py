@@ -24,12 +24,14 @@ import torch
 from diffusers.models.embeddings import PatchEmbed, get_2d_sincos_pos_embed
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
+from .hf_logging import cast_quietly
+
 
 def build_on_meta(cls, config: dict, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """``cls(**config)`` on the meta device: shapes only, no memory, no initialisation work."""
     with torch.device("meta"):
         module = cls(**config)
-    return module if dtype == torch.float32 else module.to(dtype)
+    return module if dtype == torch.float32 else cast_quietly(module, dtype)
 
 
 # Norm modules whose scale parameter has no reset_parameters of its own (diffusers' RMSNorm, the

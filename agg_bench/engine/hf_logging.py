@@ -48,3 +48,13 @@ def quiet_loading(level: int | None = logging.ERROR) -> Iterator[None]:
             lib.enable_progress_bar()
         if hub_bars:
             hub_utils.enable_progress_bars()
+
+
+def cast_quietly(module, dtype):
+    """``module.to(dtype)`` without the warning diffusers logs on every dtype cast of one of its models ("There are
+    modules in X that should be kept in float32: []. Casting directly with `to()` ..."): the harness keeps its own
+    precision (:data:`agg_bench.engine.models.PRECISIONS`: float32 master weights under bfloat16, float64 whole),
+    and a float64 run of the tiny model printed it for the transformer and the VAE, before a refusal's one line
+    too."""
+    with quiet_loading():
+        return module.to(dtype)

@@ -40,7 +40,7 @@ from .families import (  # noqa: F401 (TINY_*: the tiny presets' configs, also i
     DEFAULT_VAE_SCALE_FACTOR, FAMILY_SPECS, TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, FamilySpec, ImageGeometry,
     family_spec,
 )
-from .hf_logging import quiet_loading
+from .hf_logging import cast_quietly, quiet_loading
 from .lora import adapters_disabled, apply_lora, has_adapters
 from .pixel_decoder import PixelDecoder, is_pixel_decoder_folder, normalisation_problem
 
@@ -131,7 +131,7 @@ def build_tiny_transformer(family: str, seed: int = 0, dtype: torch.dtype = torc
     with torch.random.fork_rng(devices=[]):
         _seeded(seed)
         model = spec.transformer_cls()(**spec.tiny_transformer)
-    return model if dtype == torch.float32 else model.to(dtype)
+    return model if dtype == torch.float32 else cast_quietly(model, dtype)
 
 
 def build_tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32, family: str = "sd3"):
@@ -140,7 +140,7 @@ def build_tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32, family: st
     with torch.random.fork_rng(devices=[]):
         _seeded(seed + 1)
         vae = spec.vae_cls()(**spec.tiny_vae)
-    vae = vae if dtype == torch.float32 else vae.to(dtype)
+    vae = vae if dtype == torch.float32 else cast_quietly(vae, dtype)
     return vae.eval().requires_grad_(False)
 
 
@@ -657,7 +657,7 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
     # .to(dtype) only when it changes something: diffusers warns about any dtype cast of a model
     vae.to(device)
     if vae.dtype != vae_dtype(prec):
-        vae.to(vae_dtype(prec))
+        cast_quietly(vae, vae_dtype(prec))
     return policy_cls(transformer, vae, latent_channels, autocast_dtype=prec.autocast_dtype,
                       scheduler_config=scheduler_config)
 

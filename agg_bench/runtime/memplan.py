@@ -67,6 +67,7 @@ import torch
 
 from ..config import GRPOConfig, RunConfig, bound
 from ..engine.families import family_spec
+from ..engine.hf_logging import cast_quietly
 from ..engine.lora import narrowest_adapted_layer
 from ..engine.models import (Conditioning, Policy, build_tiny_transformer, build_tiny_vae, policy_class,
                              precision, prepare_training, pretrained_transformer_config, pretrained_vae_config,
@@ -178,7 +179,7 @@ def _shapes(cfg: RunConfig, part: str, dtype: torch.dtype = torch.float32) -> to
             module = build_tiny_transformer(family, cfg.seed)
         else:
             module = build_tiny_vae(cfg.seed, family=family)
-    return module if dtype == torch.float32 else module.to(dtype)
+    return module if dtype == torch.float32 else cast_quietly(module, dtype)
 
 
 def _to_fake(module: torch.nn.Module, mode) -> torch.nn.Module:
@@ -359,9 +360,8 @@ class ShapeModel:
                 transformer = _shapes(self.cfg, "transformer", self.precision.param_dtype)
                 with torch.device("meta"):
                     prepare_training(transformer, self.family, train)
-                # only when it changes something: diffusers warns about any dtype cast of a model
                 if any(p.dtype != self.precision.param_dtype for p in transformer.parameters()):
-                    transformer.to(self.precision.param_dtype)
+                    cast_quietly(transformer, self.precision.param_dtype)
             _to_fake(transformer, self.mode)
             self._policies[key] = policy_class(self.family)(transformer, self.vae,
                                                             autocast_dtype=self.precision.autocast_dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -84,6 +85,27 @@ def test_what_the_run_refuses_before_building_its_model_plan_refuses_too(tmp_pat
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"config error: {key} = " in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("sets, code", [(["model.resolution=4096"], 2), (["train.lora_rank=2"], 0)])
+def test_a_float64_model_logs_nothing_before_the_one_line(capsys, sets, code):
+    """diffusers logs a warning on every dtype cast of one of its models ("There are modules in X that should be
+    kept in float32: []"): a float64 run of the tiny model printed it for the transformer and the VAE (and the
+    memory plan for each adapted model), two lines before a refusal's one line."""
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append  # type: ignore[method-assign]
+    library = logging.getLogger("diffusers")
+    library.addHandler(handler)
+    try:
+        capsys.readouterr()
+        assert main(["plan", *SMALL, "--set", "model.dtype=float64", *(a for s in sets for a in ("--set", s))]) == code
+    finally:
+        library.removeHandler(handler)
+    assert [record.getMessage() for record in logged] == []
+    if code == 2:
+        line, = capsys.readouterr().err.strip().splitlines()
+        assert "model.resolution = 4096" in line, line
 
 
 def test_malformed_prompts_file(tmp_path, capsys):
