@@ -832,7 +832,9 @@ def test_a_label_a_spreadsheet_would_run_is_written_as_text_and_read_back(tmp_pa
     from agg_bench.results.loading import NUMBER_TEXT, load_tables
 
     runs = tmp_path / "runs"
-    make_run(runs, "-run", FORMULA, [it(2.0, -1.5, backward=8), it(2.0, -2.5, backward=8)], model="@sd3")
+    # no config.json: the method of a folder without one (an imported log's) is a label, which a config names never
+    make_run(runs, "-run", FORMULA, [it(2.0, -1.5, backward=8), it(2.0, -2.5, backward=8)], model="@sd3",
+             config=False)
     make_run(runs, "b", "full", [it(1.0, -1.0, backward=4), it(1.0, 3.0, backward=4)], model="@sd3")
     assert main(["report", "--runs", str(runs), "--tables", str(tmp_path / "t")]) == 0
     with open(tmp_path / "t" / "records.csv", newline="") as fh:
