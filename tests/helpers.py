@@ -646,3 +646,13 @@ def watched_open(on_read):
             return self.handle.readline(*args)
 
     return Watched
+
+
+def torchrun(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc_per_node 2 ARGS`` in the repository, one OpenMP thread
+    per process; its processes import the shared helpers and the test files from tests/ (a test file or
+    tests/integration/two_processes.py is their script)."""
+    shared = os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": shared, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

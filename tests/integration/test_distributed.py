@@ -2,8 +2,10 @@
 batch, the averaged gradient equals the single-process gradient, and a torchrun run writes the records
 of a single-process run.
 
-The torchrun tests start ``torch.distributed.run`` with two CPU processes (gloo); this file is also the
-worker they run (``python -m torch.distributed.run ... tests/integration/test_distributed.py OUT``).
+The torchrun tests start ``torch.distributed.run`` with two CPU processes (gloo): the session's one launch of the model
+code (tests/integration/two_processes.py, which runs :func:`two_process_part`), and launches of the error contract,
+whose worker is this file (``python -m torch.distributed.run ... tests/integration/test_distributed.py OUT
+--user-error WHICH``).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from agg_bench.config import load_config
 from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.machine import distributed
-from helpers import relative_error
+from helpers import relative_error, torchrun
 
 # the trainer (agg_bench.runtime.train) is imported where it is used: the workers that check the error contract
 # (--user-error) need none of it, and its imports (the model libraries) doubled each one's start-up
@@ -54,14 +56,6 @@ def one_update_gradient(cfg) -> dict[str, torch.Tensor]:
     session = Session(cfg)
     session.update(session.collect(0).batch)
     return {name: p.grad.detach().clone() for name, p in session.policy.named_parameters()}
-
-
-def torchrun(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    # this file is the workers' script too: they import the shared helpers from tests/
-    shared = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": shared}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 # ----- one process, as each rank would see it ---------------------------------------------------
@@ -220,10 +214,11 @@ def test_share_view_runs_the_transformer_on_its_rows_only():
 
 # ----- two processes ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The folder and the process of one two-process torchrun launch of :func:`_worker`."""
-    out = tmp_path_factory.mktemp("ddp")
-    return out, torchrun(__file__, str(out))
+def launched(two_processes) -> tuple[Path, subprocess.CompletedProcess]:
+    """The folder :func:`two_process_part` wrote in the session's two-process torchrun launch, and that launch's
+    process."""
+    out, proc = two_processes
+    return out / "ddp", proc
 
 
 @pytest.mark.slow
@@ -425,8 +420,8 @@ def _user_error(which: str) -> int:
     return run_command("agg-bench run", body, ["agg-bench", "run"])
 
 
-def _worker(out: Path) -> None:
-    """Run by torchrun: ``agg-bench run`` of each RECORDS case (:func:`main`, as ``python -m agg_bench run`` runs
+def two_process_part(out: Path) -> None:
+    """Run in each process of the session's two-process launch (tests/integration/two_processes.py): ``agg-bench run`` of each RECORDS case (:func:`main`, as ``python -m agg_bench run`` runs
     it, in the process group of the launch: a gloo group joined again after one was left may read the address
     the last one left), its exit code written per process; then one update per method, rank 0 saving the
     averaged gradients; then a run in which process 1 runs out of memory in its second update."""
@@ -460,6 +455,5 @@ def oom_on_rank_1(shard, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    if "--user-error" in sys.argv:
-        sys.exit(_user_error(sys.argv[-1]))
-    _worker(Path(sys.argv[1]))
+    assert "--user-error" in sys.argv, sys.argv
+    sys.exit(_user_error(sys.argv[-1]))

@@ -2,9 +2,9 @@
 same global batch for every method, make the same sequence of transformer calls on every process, and a
 sharded checkpoint resumes to the uninterrupted run's records.
 
-One torchrun launch runs every two-process case and a sharded ``agg-bench calibrate`` (this file is also its
-worker: ``python -m torch.distributed.run ... tests/integration/test_fsdp.py OUT``); the tests compare its files with
-single-process sessions here, and resume a copy of its sharded checkpoint. float64 throughout (``model.dtype: float64``), so two processes differ
+The session's one two-process torchrun launch (tests/integration/two_processes.py) runs every two-process case and a
+sharded ``agg-bench calibrate`` (:func:`two_process_part`); the tests compare its files with single-process sessions
+here, and resume a copy of its sharded checkpoint. float64 throughout (``model.dtype: float64``), so two processes differ
 from one only in the order of additions: relative error <= 1e-6 is float64 rounding with a wide margin.
 """
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ from agg_bench.errors import ConfigError
 from agg_bench.io import read_jsonl
 from agg_bench.machine import distributed, fsdp
 from agg_bench.runtime.train import TIMING_KEYS, Session, train
-from helpers import Calls, relative_error
+from helpers import Calls, relative_error, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["model.resolution=32", "model.dtype=float64", "sampling.steps=6", "grpo.group_size=3",
@@ -62,7 +60,6 @@ CALIBRATE = ["calibrate", "--config", "config/run.yaml",
                               "train.shard=fsdp", "progress=false") for a in ("--set", item)],
              "--repeats", "1", "--warmup", "0", "--method-repeats", "2", "--method", "full", "{method: {name: full}}",
              "--method", "agg", "{method: {name: agg, window: 4}}"]
-LAUNCH_TIMEOUT_S = 600
 
 
 def config(*overrides: str):
@@ -85,14 +82,6 @@ def one_update(cfg) -> dict:
             "grads": {n: full_tensor(p.grad) for n, p in session.policy.named_parameters()},
             "delta": {n: after[n] - before[n] for n in after},
             "counts": session.policy.counter.as_dict(), "padding": session.policy.padding_passes}
-
-
-def torchrun(*args: str, env: dict | None = None, timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    # this file is the workers' script too: they import the shared helpers from tests/
-    shared = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": shared, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 # ----- one process -------------------------------------------------------------------------------
@@ -224,12 +213,11 @@ def assert_same_records(got: list[dict], want: list[dict], rel: float) -> None:
 
 # ----- two processes ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """The files of one two-process torchrun launch of :func:`_worker`."""
-    out = tmp_path_factory.mktemp("fsdp")
-    proc = torchrun(__file__, str(out))
+def launched(two_processes):
+    """The files :func:`two_process_part` wrote in the session's two-process torchrun launch."""
+    out, proc = two_processes
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return out
+    return out / "fsdp"
 
 
 @pytest.mark.slow
@@ -352,7 +340,8 @@ def _record_calls() -> list[str]:
     return calls
 
 
-def _worker(out: Path) -> None:
+def two_process_part(out: Path) -> None:
+    """Run in each process of the session's two-process launch (tests/integration/two_processes.py)."""
     torch.set_num_threads(1)
     velocity = Policy.velocity
     with distributed.process_group(torch.device("cpu")) as shard:
@@ -380,9 +369,6 @@ def _worker(out: Path) -> None:
         code = main([*CALIBRATE, "--out", str(out / "calibration" / "cal.json")])
         (out / f"calibrate.{shard.rank}.code").write_text(str(code))
 
-
-if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
 
 
 @pytest.mark.slow

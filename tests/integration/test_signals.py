@@ -595,76 +595,77 @@ def test_a_nan_reward_stops_the_run_as_diverged(tmp_path, monkeypatch):
     assert recs[1]["reward_mean"] is None  # NaN is written as null
 
 
-# a torchrun worker: rank 1 sends itself SIGTERM at its K-th transformer call of iteration 1 (rank 0 receives
-# none); every process writes how many calls it made in iteration 1 before the run stopped
-STOP_WORKER = """
-import json, os, signal, sys
-from pathlib import Path
-import torch
-from agg_bench.config import load_config
-from agg_bench.engine.models import Policy
-from agg_bench.machine import distributed
-from agg_bench.runtime import session as session_module
-from agg_bench.runtime.train import Interrupted, train
-torch.set_num_threads(1)
-out, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
-calls, iteration = [], [None]
-velocity, collect = Policy.velocity, session_module.Session.collect
-def counted(self, latents, timesteps, cond):
-    if iteration[0] == 1:
-        calls.append(torch.is_grad_enabled())
-        if distributed.current().rank == 1 and len(calls) == stop_at:
-            os.kill(os.getpid(), signal.SIGTERM)
-    return velocity(self, latents, timesteps, cond)
-def collecting(self, it, *args, **kwargs):
-    iteration[0] = it
-    return collect(self, it, *args, **kwargs)
-Policy.velocity, session_module.Session.collect = counted, collecting
-with distributed.process_group(torch.device("cpu")) as shard:
-    for name, (overrides, stop_at) in cases.items():
-        calls.clear(); iteration[0] = None
-        try:
-            train(load_config(None, overrides), out / name)
-            ended = "finished"
-        except Interrupted:
-            ended = "interrupted"
-        (out / f"{name}.{shard.rank}.json").write_text(json.dumps({"calls": len(calls), "ended": ended}))
-        if name == "update_fsdp":  # continued, and a run that was not stopped
-            stop_at = 0
-            train(load_config(None, overrides), out / name, resume=True)
-            train(load_config(None, overrides), out / "whole")
-"""
+# the cases of the two-process launch: the signal at the 2nd sampler step, or at the 1st forward with grad of the
+# update (its K-th transformer call of iteration 1)
+STOP_STEPS = 4  # the 2nd step of the rollout is inside it, the update's first forward after the whole rollout
+STOP_BASE = [*SMALL, f"sampling.steps={STOP_STEPS}", "grpo.prompts_per_iteration=2", "train.iterations=3",
+             "train.checkpoint_every=1"]
+STOP_CASES = {"rollout": (STOP_BASE, 2), "rollout_fsdp": ([*STOP_BASE, "train.shard=fsdp"], 2),
+              "update_fsdp": ([*STOP_BASE, "train.shard=fsdp"], STOP_STEPS + 1)}
 
 
-def test_torchrun_processes_stop_together_at_the_next_sampler_step_or_sharded_call(tmp_path):
+def two_process_part(out: Path) -> None:
+    """Run in each process of the session's two-process launch (tests/integration/two_processes.py): rank 1 sends
+    itself SIGTERM at its K-th transformer call of iteration 1 (rank 0 receives none); every process writes how many
+    calls it made in iteration 1 before the run stopped."""
+    from agg_bench.engine.models import Policy
+    from agg_bench.machine import distributed
+
+    torch.set_num_threads(1)
+    calls, iteration, stop_at = [], [None], [0]
+    velocity, collect = Policy.velocity, Session.collect
+
+    def counted(self, latents, timesteps, cond):
+        if iteration[0] == 1:
+            calls.append(torch.is_grad_enabled())
+            if distributed.current().rank == 1 and len(calls) == stop_at[0]:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return velocity(self, latents, timesteps, cond)
+
+    def collecting(self, it, *args, **kwargs):
+        iteration[0] = it
+        return collect(self, it, *args, **kwargs)
+
+    Policy.velocity, Session.collect = counted, collecting
+    with distributed.process_group(torch.device("cpu")) as shard:
+        for name, (overrides, stop) in STOP_CASES.items():
+            calls.clear()
+            iteration[0], stop_at[0] = None, stop
+            try:
+                train(load_config(None, overrides), out / name)
+                ended = "finished"
+            except Interrupted:
+                ended = "interrupted"
+            (out / f"{name}.{shard.rank}.json").write_text(json.dumps({"calls": len(calls), "ended": ended}))
+            if name == "update_fsdp":  # continued, and a run that was not stopped
+                stop_at[0] = 0
+                train(load_config(None, overrides), out / name, resume=True)
+                train(load_config(None, overrides), out / "whole")
+
+
+@pytest.fixture
+def stop_launch(two_processes) -> Path:
+    """The folder :func:`two_process_part` wrote in the session's two-process torchrun launch."""
+    out, proc = two_processes
+    assert proc.returncode == 0, proc.stderr[-4000:]  # a hang fails the launch
+    return out / "stop"
+
+
+def test_torchrun_processes_stop_together_at_the_next_sampler_step_or_sharded_call(stop_launch):
     """Under torchrun a signal used to wait for the end of the phase (the whole rollout, the whole update):
     on a large model minutes past a scheduler's deadline. The processes now stop together at the next sampler
     step (every process samples the whole batch) and, for a sharded model, at the next transformer call (its
     forward is a collective): one process received the signal, both stop after exactly as many calls, before
     the update's optimizer step, with the records and checkpoint of iteration 0."""
-    steps = 4  # the 2nd step of the rollout is inside it, the update's first forward after the whole rollout
-    base = [*SMALL, f"sampling.steps={steps}", "grpo.prompts_per_iteration=2", "train.iterations=3",
-            "train.checkpoint_every=1"]
-    cases = {  # the signal at the 2nd sampler step, or at the 1st forward with grad of the update
-        "rollout": [base, 2], "rollout_fsdp": [[*base, "train.shard=fsdp"], 2],
-        "update_fsdp": [[*base, "train.shard=fsdp"], steps + 1],
-    }
-    worker = tmp_path / "worker.py"
-    worker.write_text(STOP_WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(worker), str(tmp_path), json.dumps(cases)], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=ROOT)  # a hang fails here
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for name, (_, stop_at) in cases.items():
-        ranks = [json.loads((tmp_path / f"{name}.{rank}.json").read_text()) for rank in (0, 1)]
+    for name, (_, stop_at) in STOP_CASES.items():
+        ranks = [json.loads((stop_launch / f"{name}.{rank}.json").read_text()) for rank in (0, 1)]
         assert ranks == [{"calls": stop_at, "ended": "interrupted"}] * 2, name
-        out = tmp_path / name
+        out = stop_launch / name
         if name == "update_fsdp":  # continued from its checkpoint: the records of the run that was not stopped
             assert summary(out)["status"] == "ok"
             untimed = lambda folder: [{k: v for k, v in r.items() if k not in TIMING_KEYS and k != "run_id"}
                                       for r in records(folder)]
-            assert untimed(out) == untimed(tmp_path / "whole") and len(untimed(out)) == 3
+            assert untimed(out) == untimed(stop_launch / "whole") and len(untimed(out)) == 3
             continue
         assert summary(out)["status"] == "interrupted"
         assert [r["iteration"] for r in records(out)] == [0]
