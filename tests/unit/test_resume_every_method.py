@@ -31,6 +31,7 @@ import yaml
 from agg_bench import stopping
 from agg_bench.config import load_config
 from agg_bench.io import read_jsonl
+from agg_bench.runtime import memplan
 from agg_bench.runtime.train import TIMING_KEYS, Interrupted, Session, train
 from helpers import signal_after_first_optimizer_step
 
@@ -105,6 +106,21 @@ def learned(out: Path) -> list[dict]:
 
 
 _REFERENCE: dict[str, list[dict]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _every_plan_kept():
+    """Every memory plan of the module's runs, and every model on fake tensors they were counted on, kept in the
+    process (run_memory_plan keeps a few only, enough for a cell job's runs of one model): each case's plan is
+    counted once, not again when its later stop points come after other cases' runs. A kept plan is the plan a
+    fresh count makes (plan.json, which no case compares). The module's own caches: the process's come back
+    after it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(memplan, "_RUN_PLANS", {})
+        mp.setattr(memplan, "_SHAPES", {})
+        mp.setattr(memplan, "_RUN_PLANS_KEPT", len(CASES) * 2)
+        mp.setattr(memplan, "_SHAPES_KEPT", len(CASES))
+        yield
 
 
 def reference(case: str, tmp_path_factory) -> list[dict]:
