@@ -3,7 +3,7 @@
 #   make test       ruff, shellcheck and mypy, then the test suite: tests/unit and tests/integration, as two streams
 #                   on two cores (scripts/test.sh; what CI runs)
 #   make test-fast  ruff, shellcheck and mypy, then tests/unit only (in-process, a few minutes)
-#   make learning   the learning testbed: a DiT pre-trained on drawn scenes, GRPO per method x 3 seeds (docs/learning.md)
+#   make learning   the learning testbed: a DiT pre-trained on drawn scenes, GRPO per method x 3 seeds (5 for full and AGG; docs/learning.md)
 #   make clean      removes what the workflows made in results/ (not results/reference/), and .snakemake/
 # the recipes take paths in the clone: `make -f CLONE/Makefile` from another folder ran them there and failed
 ifeq ($(filter Makefile ./Makefile $(CURDIR)/Makefile,$(firstword $(MAKEFILE_LIST))),)

@@ -4,7 +4,7 @@
 # One pytest process keeps about one core busy (most tests wait for a process they started, or run small
 # tensors on one thread), so on two cores the suite's wall time halves when it runs as two streams of about
 # equal length: tests/unit with the integration files that each run one long process chain (the learning
-# run, the GPU check script, the pre-training recipe, the cells' runs), and the rest of tests/integration (measured
+# run, the GPU check script, the cells' runs), and the rest of tests/integration (measured
 # on a fresh clone on a quiet 2-core AMD EPYC: 11 min 4 s each with 3,792 tests in all; 13 min 39 s and 13 min 2 s with
 # 3,897 on a slower day of the host). Each stream runs
 # with OMP_NUM_THREADS=1 unless it is set (the suite passes at any thread count). With fewer than two usable
@@ -19,8 +19,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # shellcheck source=scripts/caches.sh
 source scripts/caches.sh
 home_caches
-LONG=(tests/integration/test_learning.py tests/integration/test_gpu_check.py tests/integration/test_pretrain.py
-      tests/integration/test_cell.py)
+LONG=(tests/integration/test_learning.py tests/integration/test_gpu_check.py tests/integration/test_cell.py)
 
 first=(tests/unit "${LONG[@]}")
 second=(tests/integration)
