@@ -316,6 +316,7 @@ class RunFolder:
             raise UserError(f"{path}: {problem}")
         return lines or None
 
+
 def check_entry_names_run(where: str, entry: dict, folder: RunFolder, lines: list[dict], summary: dict,
                           config: dict | None) -> None:
     """A UserError naming the file and the key where the run ``folder`` says another seed than the manifest entry's

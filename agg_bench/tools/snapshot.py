@@ -52,7 +52,8 @@ from .. import stopping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_path, atomic_target, follow_umask, remove_stale_temps, write_json
 from ..jsonfiles import NotRegularFile, open_regular, read_json_object
-from ..methods.base import METHOD_MODULES, Estimator, ReplayCase, build_estimator, is_method_path
+from ..config.sections import METHOD_MODULES, is_method_path
+from ..methods.base import Estimator, ReplayCase, build_estimator
 from ..outdir import Contents, check_not_written, check_suffix, claim_files, claim_folder, json_file_with, remove_owned
 from ..reading import run_config
 from ..runtime.memplan import check_transformer_fits

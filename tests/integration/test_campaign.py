@@ -513,6 +513,12 @@ def window_logs(*stamps: str) -> dict[str, bytes]:
     return {f"windows/{stamp}.json": json.dumps({"started": stamp}).encode() for stamp in stamps}
 
 
+def logs_archive(path: Path, *stamps: str) -> Path:
+    """``path``, written as a campaign archive (gzip) of the window logs of ``stamps`` (:func:`window_logs`)."""
+    path.write_bytes(gzip.compress(tar_bytes(window_logs(*stamps))))
+    return path
+
+
 def tar_bytes(members: dict) -> bytes:
     """The uncompressed tar of ``members`` ({name: bytes or (TarInfo, bytes)}) as the tar module writes it."""
     out = io.BytesIO()
@@ -558,9 +564,7 @@ def sparse_member() -> bytes:
 def test_a_tar_stream_the_harness_did_not_write_is_refused_and_the_reference_untouched(tmp_path, cpu_campaign, raw,
                                                                                        words):
     reference = tmp_path / "reference"
-    good = tmp_path / "good.tar.gz"
-    good.write_bytes(gzip.compress(tar_bytes(window_logs("20251231T000000"))))
-    archive_module.unpack(cpu_campaign, good, reference)
+    archive_module.unpack(cpu_campaign, logs_archive(tmp_path / "good.tar.gz", "20251231T000000"), reference)
     before = tree(reference)
     bad = tmp_path / "bad.tar.gz"
     bad.write_bytes(gzip.compress(raw()))
@@ -572,15 +576,11 @@ def test_a_tar_stream_the_harness_did_not_write_is_refused_and_the_reference_unt
 
 def test_a_file_the_reference_holds_in_another_case_is_refused(tmp_path, cpu_campaign):
     reference = tmp_path / "reference"
-    first = tmp_path / "first.tar.gz"
-    first.write_bytes(gzip.compress(tar_bytes(window_logs("20260101T000000"))))
-    archive_module.unpack(cpu_campaign, first, reference)
-    before = tree(reference)
-    second = tmp_path / "second.tar.gz"
-    second.write_bytes(gzip.compress(tar_bytes(window_logs("20260101T000000", "20260102T000000"))))
+    archive_module.unpack(cpu_campaign, logs_archive(tmp_path / "first.tar.gz", "20260101T000000"), reference)
+    second = logs_archive(tmp_path / "second.tar.gz", "20260101T000000", "20260102T000000")
     archive_module.unpack(cpu_campaign, second, reference)  # the same file again, and another: no clash
     before = tree(reference)
-    second.write_bytes(gzip.compress(tar_bytes(window_logs("20260101t000000"))))
+    logs_archive(second, "20260101t000000")
     with pytest.raises(UserError, match="'windows/20260101t000000.json' and the reference's "
                                         "'windows/20260101T000000.json' differ only in case"):
         archive_module.unpack(cpu_campaign, second, reference)
