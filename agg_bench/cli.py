@@ -187,6 +187,7 @@ def cmd_calibrate(args) -> int:
     import yaml
 
     from .config import yaml_load
+    from .machine.distributed import result_line
     from .tools.calibrate import CalibrationConfig, write_calibration
     from .records import MAX_LABEL, is_label
 
@@ -210,13 +211,9 @@ def cmd_calibrate(args) -> int:
         except yaml.YAMLError as err:
             raise UserError(f"--method {label}: not YAML ({str(err).splitlines()[0]})") from None
     result = write_calibration(_run_config(args.config, args.overrides), args.out, options, methods)
-    from .machine.distributed import launched_rank
-
-    if launched_rank() != 0:  # one result line for the job, not one per torchrun process (rank 0 wrote the file)
-        return 0
-    print(json.dumps({"out": str(args.out), "unit_s_per_sample": result["unit_s_per_sample"],
-                      "methods_timed": [label for label, m in result["methods"].items() if m.get("cpu_s")],
-                      "rollouts_timed": [label for label, m in result["methods"].items() if m.get("rollout_cpu_s")]}))
+    result_line({"out": str(args.out), "unit_s_per_sample": result["unit_s_per_sample"],
+                 "methods_timed": [label for label, m in result["methods"].items() if m.get("cpu_s")],
+                 "rollouts_timed": [label for label, m in result["methods"].items() if m.get("rollout_cpu_s")]})
     return 0
 
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -146,6 +147,13 @@ def launched_rank() -> int:
     """This process's rank among those torchrun started (0 without torchrun); valid before and after
     the process group exists."""
     return _launch_variable("RANK", 0, 0, launched_world_size() - 1)
+
+
+def result_line(result: dict) -> None:
+    """Print a verb's JSON result line on stdout, from rank 0 only: one line per job, not one per torchrun
+    process (the processes share one pipe, where two lines may run into each other)."""
+    if launched_rank() == 0:
+        print(json.dumps(result), flush=True)
 
 
 def launched_local_rank(default: int) -> int:

@@ -973,6 +973,11 @@ class Sweep:
         spec = self.devices[device]
         return int(spec.get("gpus", 1 if spec["device"] == "cuda" else 0))
 
+    def tool_gpus(self, device: str) -> int:
+        """The GPUs an ``embed`` or ``gradcheck`` job of ``device`` takes: one of a several-GPU device's (each is
+        one process; under torchrun every process did the whole job, and wrote the same file)."""
+        return min(self.gpus(device), 1)
+
     def threads(self, device: str) -> int:
         return int(self.devices[device].get("threads", 1))
 
@@ -1012,7 +1017,8 @@ class Sweep:
         args = " ".join(f"{flag} {shlex.quote(','.join(json.dumps(v) if not isinstance(v, str) else v for v in values))}"
                         for flag, values in lists.items())
         methods = " ".join(f"--methods {shlex.quote(m)}" for m in grid["methods"])
-        return (f"{self.launch(job['device'], 'gradcheck')} {self._config_args(job['pairs'])} {args} {methods} "
+        return (f"{self.launch(job['device'], 'gradcheck', self.tool_gpus(job['device']))} "
+                f"{self._config_args(job['pairs'])} {args} {methods} "
                 f"--out results/gradcheck/{name}.csv")
 
     def calibrate_command(self, name: str) -> str:
@@ -1031,7 +1037,8 @@ class Sweep:
 
     def embed_command(self, model: str) -> str:
         job = self.embeddings[model]
-        return f"{self.launch(job['device'], 'embed')} {self._config_args(job['pairs'])} --out {EMBED_DIR}/{model}.safetensors"
+        return (f"{self.launch(job['device'], 'embed', self.tool_gpus(job['device']))} "
+                f"{self._config_args(job['pairs'])} --out {EMBED_DIR}/{model}.safetensors")
 
     def import_command(self, label: str) -> str:
         ref = self.references[label]

@@ -274,6 +274,15 @@ def test_cells_group_a_cpu_devices_runs(in_process):
     config["set"]["grpo.prompts_per_iteration"] = 2
     with pytest.raises(SweepError, match=r"devices\.gpu2\.runs_per_job: 2: a job on several GPUs runs one run"):
         Sweep(config, SCHEMA)
+    del config["devices"]["gpu2"]["runs_per_job"]
+    two = Sweep({**config, "embed": {}}, SCHEMA)
+    # embed and gradcheck are one process each: one GPU of the device's two, no torchrun (every process did the
+    # whole job and wrote the same file); calibrate times the runs' shares on both
+    pool = f"{sweep_module.PYTHON} -m agg_bench.machine.gpus --count"
+    assert two.embed_command("sd3").startswith(f"{pool} 1 -- {sweep_module.PYTHON} -m agg_bench embed ")
+    assert two.gradcheck_command("sd3_32px_gpu2").startswith(f"{pool} 1 -- {sweep_module.PYTHON} -m agg_bench gradcheck ")
+    assert two.tool_gpus("gpu2") == 1 and two.gpus("gpu2") == 2
+    assert f"{pool} 2 -- {sweep_module.PYTHON} -m torch.distributed.run" in two.calibrate_command("sd3_32px_gpu2")
     config["devices"] = {"gpu1": {"device": "cuda", "gpus": 1}}
     del config["set"]["grpo.prompts_per_iteration"]
     assert Sweep(config, SCHEMA).cells == {}  # by default a GPU run is a job of its own

@@ -12,7 +12,7 @@ rule embed:
         "results/benchmarks/embed/{model}.tsv"
     threads: lambda wc: SWEEP.threads(SWEEP.embeddings[wc.model]["device"])
     resources:
-        gpu=lambda wc: SWEEP.gpus(SWEEP.embeddings[wc.model]["device"]),
+        gpu=lambda wc: SWEEP.tool_gpus(SWEEP.embeddings[wc.model]["device"]),
     params:
         command=lambda wc: SWEEP.embed_command(wc.model),
     shell:
@@ -98,7 +98,7 @@ rule gradcheck:
         "results/benchmarks/gradcheck/{name}.tsv"
     threads: lambda wc: SWEEP.threads(SWEEP.gradchecks[wc.name]["device"])
     resources:
-        gpu=lambda wc: SWEEP.gpus(SWEEP.gradchecks[wc.name]["device"]),
+        gpu=lambda wc: SWEEP.tool_gpus(SWEEP.gradchecks[wc.name]["device"]),
     params:
         command=lambda wc: SWEEP.gradcheck_command(wc.name),
     shell:
