@@ -723,7 +723,9 @@ def replay(snapshot_dir: str | Path, method: str, overrides: list[str], out_file
            device: str | torch.device = "cpu") -> dict:
     """Write ``method``'s gradient on the snapshot to ``out_file`` and its pass counts (and the replay's
     scope, :class:`~agg_bench.methods.base.ReplayCase`) to ``out_file`` .json; returns the pass counts.
-    Every check runs before anything is written."""
+    Every check runs before anything is written. An earlier replay's ``.json`` is removed once the new gradient
+    is written and before it is renamed over the earlier one, and the new ``.json`` is written last: the two
+    files on disk are always of one replay (or the gradient is there alone)."""
     out_file = Path(out_file)
     check_suffix(out_file, ".safetensors")
     check_outside_snapshot(out_file, snapshot_dir, "the snapshot")
@@ -739,6 +741,9 @@ def replay(snapshot_dir: str | Path, method: str, overrides: list[str], out_file
         with atomic_target(out_file) as tmp:
             save_file({k: v.contiguous().cpu() for k, v in grads.items()}, str(tmp),
                       metadata={"format": REPLAY_FORMAT, "method": method})
+            # an earlier replay's counts go before its gradient is replaced: a process killed between the two
+            # renames leaves the new gradient without counts, never beside counts of another replay
+            counts_file.unlink(missing_ok=True)
         write_json(counts_file, {**counts, "method": method, "overrides": overrides, "replay": case.scope,
                                  "stats": stats})
     return counts

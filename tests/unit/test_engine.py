@@ -144,6 +144,37 @@ def test_snapshot_then_replay_full_reproduces_gradient(tmp_path):
     assert json.loads((tmp_path / "full.json").read_text())["backward"] == b * n
 
 
+def test_a_replay_killed_between_its_two_files_leaves_no_pair_of_two_replays(tmp_path, monkeypatch):
+    """A replay renames its gradient into place, then writes its pass counts beside it. Killed between the two,
+    it left the new gradient beside the earlier replay's counts, which a reader took for this gradient's. The
+    earlier counts go before the gradient is replaced; the same command run again writes both."""
+    from safetensors import safe_open
+
+    from agg_bench.tools import snapshot as snapshots
+
+    snap = save_snapshot(tiny_config("train.timestep_fraction=0.5"), tmp_path / "snap")
+    out, counts = tmp_path / "grad.safetensors", tmp_path / "grad.json"
+
+    def pair() -> tuple[str, str | None]:
+        with safe_open(str(out), "pt") as handle:
+            written = handle.metadata()["method"]
+        return written, json.loads(counts.read_text())["method"] if counts.exists() else None
+
+    replay(snap, "full", [], out)
+    assert pair() == ("full", "full")
+
+    def killed(path, data):
+        raise KeyboardInterrupt  # the process ends after the gradient's rename, before the counts are written
+
+    monkeypatch.setattr(snapshots, "write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        replay(snap, "fraction", [], out)
+    assert pair() == ("fraction", None)  # the new gradient alone, not beside full's counts
+    monkeypatch.undo()
+    replay(snap, "fraction", [], out)  # the same replay again takes its own gradient file
+    assert pair() == ("fraction", "fraction")
+
+
 def test_step_terms_clip_is_pessimistic():
     """l = max(-A r, -A clip(r)): for A>0 and r above 1+eps the clipped value wins."""
     from agg_bench.engine.grpo import TrainBatch
