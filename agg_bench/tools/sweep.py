@@ -23,7 +23,8 @@ peft). The checks come in two stages:
    resolved options (the manifest records them). The answer is kept in ``.snakemake/agg-bench/``
    under a hash of all it depends on (the composed jobs, the base config file, the ``agg_bench`` and
    ``baselines`` sources, the interpreter), so parsing the same sweep again (another dry run, a cluster
-   job) does not start the child again.
+   job) does not start the child again. With its answer, two labels of ``methods`` whose runs resolve to one
+   run config (the method's options left out at their defaults) are refused (:func:`check_same_runs`).
 """
 from __future__ import annotations
 
@@ -332,6 +333,27 @@ def run_overrides(sweep: dict) -> list[tuple[str, dict]]:
                for label, overrides in (sweep.get(section) or {}).items()),
              ("gradcheck.set", (sweep.get("gradcheck") or {}).get("set"))]
     return [(prefix, overrides) for prefix, overrides in parts if isinstance(overrides, dict)]
+
+
+def check_same_runs(runs: dict[str, dict], configs: dict[str, dict], options: dict[str, dict]) -> None:
+    """No two method labels of a sweep compose the same run: for each model, resolution, seed and device, the
+    runs' configs as loaded (``configs``: {job checked: its run config}, the job a run's ``check`` names, with
+    the run's own seed), their method sections as the methods resolve them (``options``: {job checked: the
+    method's options, name first}, the defaults of the options left out filled in), and without the run's
+    ``run_id``, the label's, are compared whole. Two labels that compose one run would run it twice and show it
+    as two rows; a SweepError naming both labels."""
+    seen: dict[str, str] = {}
+    for run_id, run in runs.items():
+        config = {key: value for key, value in configs[run["check"]].items() if key != "run_id"}
+        config["seed"] = [value for key, value in run["pairs"] if key == "seed"][-1]  # a method's own wins
+        config["method"] = {**config["method"], **options[run["check"]]}  # its section with the defaults
+        same = json.dumps([run["model"], run["resolution"], run["device"], config], sort_keys=True, default=repr)
+        first = seen.setdefault(same, run_id)
+        if first != run_id:
+            raise SweepError(f"methods.{runs[first]['method']} and methods.{run['method']} compose the same run "
+                             f"(runs {first} and {run_id} resolve to one run config, the method's options left out at their "
+                             "defaults); "
+                             "give one")
 
 
 def check_reference(index: int, ref: dict) -> None:
@@ -729,6 +751,7 @@ class Sweep:
         # Runs that differ only in their seed are checked once: no check but the seed's own range (the sweep
         # schema's, the run schema's) reads the seed, so the first seed's job stands for the others.
         checked: dict[str, str] = {}  # the composed pairs but the seed (JSON) -> the job checked for them
+        resolved: dict[str, dict] = {}  # the job checked -> its run config as loaded (the first seed's)
         for method in sweep["methods"]:
             for model in sweep["models"]:
                 for resolution in sweep["resolutions"]:
@@ -744,7 +767,8 @@ class Sweep:
                                                  default=repr)
                                 if key not in checked:
                                     checked[key] = f"run {run_id} (methods.{method}, models.{model})"
-                                    self._check(checked[key], pairs, device, learning_ends=True)
+                                    resolved[checked[key]] = self._check(checked[key], pairs, device,
+                                                                         learning_ends=True)
                                     self._run_checks.append((checked[key], pairs, device))
                                     checks[checked[key]] = pairs
                                 self.runs[run_id] = {**labels, "pairs": pairs, "check": checked[key]}
@@ -791,6 +815,7 @@ class Sweep:
                     self.calibrations[name]["methods"].append(run["method"])
         replays = {f"gradcheck {name}": self.gradcheck_grid() for name in self.gradchecks}
         options = checked_methods(self.base_file, checks, cache_dir, replays) if checks else {}
+        check_same_runs(self.runs, resolved, options)
         for run in self.runs.values():
             run["method_options"] = options[run.pop("check")]
         self.cells = self._cells()
@@ -918,11 +943,11 @@ class Sweep:
         return pairs
 
     def _check(self, what: str, pairs: list[tuple[str, Any]], device: str | None = None,
-               learning_ends: bool = False) -> None:
+               learning_ends: bool = False) -> dict:
         """The composed run config against the run schema, its resolution against its model's configs,
         and (on ``device``) its batch against the device's processes, as `agg-bench run` would check
         them; with ``learning_ends`` (a run of a sweep with a ``learning`` section) its iterations against the
-        learning table's two ends; an error names the job and the key."""
+        learning table's two ends; an error names the job and the key. Returns the run config as loaded."""
         try:
             cfg = load_config(self.base_file, overrides_of(pairs))
             learning = self.learning
@@ -951,6 +976,7 @@ class Sweep:
             check_data_parallel(cfg, processes)
         except UserError as err:
             raise SweepError(f"{what}: {err} (devices.{device}.gpus: {processes})") from None
+        return cfg.to_dict()
 
     def _check_measure(self, what: str, config: dict) -> None:
         """A run of a learning sweep measured as its first run (:class:`MeasuredAlike`; the in-run evaluation's

@@ -671,6 +671,34 @@ def test_labels_that_differ_only_in_case_are_refused(in_process, section, make):
         Sweep(config, SCHEMA)
 
 
+@pytest.mark.parametrize("label, overrides, first", [
+    ("agg-copy", {"method": {"name": "agg", "window": 3, "alpha": "sigma"}}, "agg-w3"),
+    # the same once the method's defaults are filled in, and the sweep's seed given again
+    ("agg-default", {"method": {"name": "agg", "window": 3, "alpha": "sigma", "route_frac": 1.0}, "seed": 0},
+     "agg-w3"),
+    ("full-plain", {"method": {"name": "full", "micro_batch": None}}, "full"),
+])
+def test_two_method_labels_that_compose_the_same_run_are_refused(in_process, label, overrides, first):
+    """Two labels of methods whose runs resolve to one run config ran it twice and showed it as two rows of the
+    tables. Refused before any job, naming both labels (a label that differs in anything the run reads stays:
+    the test below)."""
+    config = sweep_config()
+    config["methods"][label] = overrides
+    with pytest.raises(SweepError, match=re.escape(f"sweep config: methods.{first} and methods.{label} compose the "
+                                                   "same run (")) as refused:
+        Sweep(config, SCHEMA)
+    assert str(refused.value).endswith("; give one") and "\n" not in str(refused.value)
+
+
+def test_method_labels_that_differ_in_what_the_run_reads_are_kept(in_process):
+    config = sweep_config()
+    agg = {"name": "agg", "window": 3, "alpha": "sigma"}
+    config["methods"].update({"agg-w2": {"method": {**agg, "window": 2}},  # another option
+                              "agg-lr": {"method": agg, "train.lr": 2e-4},  # another run key
+                              "agg-s1": {"method": agg, "seed": 1}})  # another seed
+    assert len(Sweep(config, SCHEMA).runs) == 5
+
+
 @pytest.mark.parametrize("part, words", [
     ({"methods": ["nosuch"]}, "gradcheck.methods: config error: method.name = 'nosuch': expected one of"),
     ({"methods": ["cached:cache=nosuch"]}, "gradcheck.methods: config error: method.cache = 'nosuch'"),
