@@ -189,7 +189,7 @@ def cmd_calibrate(args) -> int:
     from .config import yaml_load
     from .machine.distributed import result_line
     from .tools.calibrate import CalibrationConfig, write_calibration
-    from .records import MAX_LABEL, is_label
+    from .records import MAX_LABEL, is_label, unprintable_words
 
     if not args.methods and _first_given(args, "--method-repeats"):  # it would time nothing, and be recorded
         raise UserError(f"--method-repeats {args.method_repeats}: rounds of the --method timings, and no --method "
@@ -203,7 +203,7 @@ def cmd_calibrate(args) -> int:
     for label, text in args.methods:
         if not is_label(label):  # a row of the report's tables
             raise ConfigError("--method", label, f"a label of 1 to {MAX_LABEL} printable characters, then the "
-                                                 "overrides")
+                                                 f"overrides{unprintable_words(label)}")
         if label in methods:
             raise UserError(f"--method {label}: given twice (each label once)")
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import unicodedata
 from typing import Any, Mapping, TypeGuard
 
 from .errors import quote
@@ -59,8 +60,28 @@ MAX_LABEL = 200  # characters of a method, model, GPU or run label: a row of the
 
 
 def is_label(value: Any) -> bool:
-    """``value`` is a label a table row can show: a string of 1 to :data:`MAX_LABEL` printable characters."""
+    """``value`` is a label a table row can show: a string of 1 to :data:`MAX_LABEL` printable characters (no
+    control or format character: :func:`unprintable_words` names one in a refusal)."""
     return isinstance(value, str) and 0 < len(value) <= MAX_LABEL and value.isprintable()
+
+
+def character_words(text: str, index: int) -> str:
+    """Character ``index`` of ``text`` for a message: its code point, name and Unicode category, and where it is
+    (``U+202E RIGHT-TO-LEFT OVERRIDE (category Cf) at character 2``), never the character itself, which may
+    reorder or hide the line that shows it."""
+    char = text[index]
+    name = unicodedata.name(char, "")
+    return f"U+{ord(char):04X}{' ' + name if name else ''} (category {unicodedata.category(char)}) at character {index + 1}"
+
+
+def unprintable_words(value: Any) -> str:
+    """For a message refusing ``value`` as a label (:func:`is_label`): where a string ``value`` holds a character
+    that is not printable (a control character; a format character, Unicode category Cf, such as a bidi override
+    U+202E or a zero-width space U+200B, which make a shown label read differently from its bytes; a separator
+    but the space), ``"; it holds "`` and :func:`character_words` of the first; ``""`` otherwise."""
+    if not isinstance(value, str) or value.isprintable():
+        return ""
+    return "; it holds " + character_words(value, next(i for i, char in enumerate(value) if not char.isprintable()))
 
 
 def is_utf8_text(value: str) -> bool:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from ..errors import ConfigError, UserError, counted, quote
+from ..records import unprintable_words
 from .schema import check_config_values, run_schema
 from .sections import (DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, device_expected, device_parts,
                        folder_under_random_preset, written_before)
@@ -94,7 +95,8 @@ def validate(config: dict) -> RunConfig:
     # a label of the records, the summary, the tables and the progress lines, never a path (the folder is --out):
     # a newline or a control character split or garbled those lines, and the tables' rows
     if cfg.run_id is not None and not (len(cfg.run_id) <= MAX_RUN_ID and cfg.run_id.isprintable()):
-        raise ConfigError("run_id", cfg.run_id, f"a name of 1 to {MAX_RUN_ID} printable characters, or null")
+        raise ConfigError("run_id", cfg.run_id, f"a name of 1 to {MAX_RUN_ID} printable characters, or null"
+                                                f"{unprintable_words(cfg.run_id)}")
     model = cfg.model
     if model.preset == "pretrained" and not model.pretrained:  # else the planner sized the tiny model for it
         raise ConfigError("model.preset", model.preset, "'tiny' or 'random', or 'pretrained' with model.pretrained "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import unicodedata
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from ..errors import ConfigError, quote
 from ..jsonfiles import JsonFileError, TooLarge, loads, read_bounded, read_json_object
 from ..config import check_prompts_path
 from ..outputs import TOKEN_HASH_FILE  # in a model folder: its conditioning is this embedding, not text encoders
-from ..records import is_integer, is_utf8_text
+from ..records import character_words, is_integer, is_utf8_text
 from .models import Conditioning
 
 
@@ -29,13 +30,18 @@ LINE_END = re.compile(r"\r\n|\r|\n")
 # carriage return or a newline held by a .jsonl string, a form feed; none is part of a caption a text encoder was
 # trained on, and each garbles the logs, tables and sample grids that show the prompt
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+# a format character (Unicode category Cf): a bidi override or isolate (U+202E, U+2066), a zero-width space or
+# joiner (U+200B, U+200D), the soft hyphen, a byte-order mark past the file's start; each makes a prompt shown in
+# the logs, tables and sample grids read differently from the bytes the text encoder is given
+FORMAT_WORDS = ("prompts without format characters (Unicode category Cf: bidi overrides and isolates, zero-width "
+                "spaces and joiners, the soft hyphen), which make a shown prompt read differently from its bytes")
 
 
 def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
     """Prompts from a .txt file (one per line) or a .jsonl file (``{"prompt": ...}`` per line), at most
     :data:`MAX_PROMPT_FILE_BYTES` (refused before it is read), in UTF-8 with or without a byte-order mark, lines
     ended by ``\\n``, ``\\r\\n`` or ``\\r``; blank lines are skipped; a prompt holding a control character other
-    than the tab, or a lone surrogate, is refused (:func:`_check_prompt`). An error names the file and the line, never
+    than the tab, a format character (Unicode category Cf), or a lone surrogate, is refused (:func:`_check_prompt`). An error names the file and the line, never
     more than 200 characters of what it holds. ``path`` as written, a ``str``: one that names nothing this user
     can read (:func:`~agg_bench.outdir.named_path_problem`; a folder on its way this user may not search raised
     PermissionError from the look below) is refused for what it is."""
@@ -75,13 +81,17 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
 
 def _check_prompt(prompt: str, path: Path, lineno: int, key: str) -> None:
     """Refuse a prompt of ``path``'s line ``lineno`` holding a control character (:data:`CONTROL`; a tab is
-    allowed) or a lone surrogate (a JSON escape ``\\udcff``, which no UTF-8 writer of captions takes), naming the
+    allowed), a format character (Unicode category Cf: :data:`FORMAT_WORDS`) or a lone surrogate (a JSON escape ``\\udcff``, which no UTF-8 writer of captions takes), naming the
     character and where it is."""
     bad = CONTROL.search(prompt)
     if bad is not None:
         char = bad.group()
         raise ConfigError(key, f"{path}:{lineno}", f"prompts without control characters (tab is allowed): it holds "
                                                    f"{quote(char)} (U+{ord(char):04X}) at character {bad.start() + 1}")
+    if not prompt.isprintable():  # every format character is unprintable, as a tab or a no-break space is
+        index = next((i for i, char in enumerate(prompt) if unicodedata.category(char) == "Cf"), None)
+        if index is not None:
+            raise ConfigError(key, f"{path}:{lineno}", f"{FORMAT_WORDS}: it holds {character_words(prompt, index)}")
     if not is_utf8_text(prompt):
         raise ConfigError(key, f"{path}:{lineno}", "prompts of UTF-8 text: it holds a lone surrogate, which UTF-8 "
                                                    "cannot encode")

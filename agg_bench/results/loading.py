@@ -29,7 +29,7 @@ from ..outdir import (LOCK_SUFFIX, check_not_written, is_harness_name, is_lock_n
                       reach_problem)
 from ..reading import CONFIG_FILE, RunFolder, check_entry_names_run, run_config
 from ..records import (GRADCHECK_OPTION_DEFAULTS, MAX_LABEL, OPTIMIZER_STEPS_KEY, PASS_KEYS, PLOT_TABLES,
-                       TEXT_KEYS, is_finite_number, is_integer, is_label)
+                       TEXT_KEYS, is_finite_number, is_integer, is_label, unprintable_words)
 
 
 @dataclass
@@ -166,7 +166,8 @@ def _check(where: str, value, kind: tuple, nullable: bool = True) -> None:
     """A UserError naming ``where`` unless ``value`` is of ``kind`` (or None, when ``nullable``)."""
     test, words = kind
     if not (test(value) or (nullable and value is None)):
-        raise UserError(f"{where} = {quote(value)}: expected {words}{' or null' if nullable else ''}")
+        raise UserError(f"{where} = {quote(value)}: expected {words}{' or null' if nullable else ''}"
+                        f"{unprintable_words(value) if kind is LABEL else ''}")
 
 
 def load_manifest(path: str | Path) -> Manifest:

@@ -48,7 +48,7 @@ from ..errors import UserError, quote, run_command
 from ..io import read_jsonl, write_json
 from ..jsonfiles import JsonFileError, json_type, read_json_object
 from ..outdir import check_file, check_path_names, check_suffix, check_writable, json_file_where, json_file_with
-from ..records import MAX_LABEL, is_finite_number, is_label
+from ..records import MAX_LABEL, is_finite_number, is_label, unprintable_words
 from ..runtime.cell import SEVERITY, Journal, read_job_file
 
 if TYPE_CHECKING:  # the calibration itself imports torch: only when a cell reads its entries
@@ -149,7 +149,8 @@ def _entry(path: Path, index: int, entry: Any) -> CellCalibration:
         calibration = CalibrationConfig(**options)
         for label, value in methods.items():
             if not is_label(label):
-                raise UserError(f"methods: label {label!r}: expected 1 to {MAX_LABEL} printable characters")
+                raise UserError(f"methods: label {label!r}: expected 1 to {MAX_LABEL} printable characters"
+                                f"{unprintable_words(label)}")
             check_method(cfg, label, method_overrides(label, value)[1])
     except UserError as err:
         raise UserError(f"{where}: {err}") from None

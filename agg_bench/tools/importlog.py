@@ -39,7 +39,8 @@ from ..jsonfiles import JsonProblem, TooLarge, check_path, json_type, loads, rea
 from ..outdir import Claim, check_folder, replaced_folders
 from ..outputs import IMPORT_CONTENTS
 from ..records import (DIVERGING_KEYS, INTEGER_RANGES, MAX_LABEL, NUMBER_KEYS, RECORD_KEYS, REQUIRED_RECORD_KEYS,
-                       SIGNED_KEYS, is_finite_number, is_integer, is_label, new_record, record_problem)
+                       SIGNED_KEYS, is_finite_number, is_integer, is_label, new_record, record_problem,
+                       unprintable_words)
 
 # DanceGRPO key -> metric record key
 DANCEGRPO_KEYS = {"step": "iteration", "avg_reward": "reward_mean", "step_time": "t_iter_s",
@@ -187,7 +188,8 @@ def label_problem(**values: Any) -> tuple[str, Any, str] | None:
             if not low <= value <= high:
                 return key, value, f"an integer from {low} to {high}{_ALLOWED_NUMBER[key]}"
         elif not is_label(value):
-            return key, value, f"1 to {MAX_LABEL} printable characters (a row of the report's tables)"
+            return key, value, f"1 to {MAX_LABEL} printable characters (a row of the report's tables)" \
+                               f"{unprintable_words(value)}"
     return None
 
 

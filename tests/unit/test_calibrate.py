@@ -102,14 +102,22 @@ def test_calibrate_times_each_methods_train_phase_in_rounds_with_its_counted_pas
     assert json.loads(capsys.readouterr().out)["methods_timed"] == ["full", "agg-w4"]
 
 
-@pytest.mark.parametrize("label", ["", "a\tb", "two\nlines", "\x1b[31mred", "x" * 201])
-def test_a_method_label_a_table_row_cannot_show_is_exit_2_before_anything_runs(tmp_path, capsys, label):
-    """A label is a row of the report's tables (records.is_label): 1 to MAX_LABEL printable characters."""
+@pytest.mark.parametrize("label, held", [
+    ("", None), ("a\tb", "U+0009 (category Cc) at character 2"), ("two\nlines", "U+000A (category Cc) at character 4"),
+    ("\x1b[31mred", "U+001B (category Cc) at character 1"), ("x" * 201, None),
+    # a format character: the row would show 'agg-w3' for the bytes 'agg-\u202e3w'
+    ("agg-\u202e3w", "U+202E RIGHT-TO-LEFT OVERRIDE (category Cf) at character 5"),
+    ("fu\u200bll", "U+200B ZERO WIDTH SPACE (category Cf) at character 3"),
+])
+def test_a_method_label_a_table_row_cannot_show_is_exit_2_before_anything_runs(tmp_path, capsys, label, held):
+    """A label is a row of the report's tables (records.is_label): 1 to MAX_LABEL printable characters. The line
+    names an unprintable character by its code point."""
     out = tmp_path / "cal.json"
     assert main(["calibrate", *SMALL, "--method", label, "{method: {name: full}}", "--out", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("agg-bench calibrate: config error: --method = "), lines
     assert f"expected a label of 1 to {MAX_LABEL} printable characters" in lines[0] and not out.exists()
+    assert lines[0].endswith("then the overrides" if held is None else f"; it holds {held}"), lines
 
 
 @pytest.mark.parametrize("label, text, expected", [

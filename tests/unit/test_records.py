@@ -103,3 +103,20 @@ def test_a_value_taken_at_a_glance_is_one_the_full_check_takes():
                 assert got == want, (key, value)
     # the first key in CHECKED_KEYS order is the one named, whichever order the record has them in
     assert record_problem({"t_iter_s": -1.0, "status": "bogus", "loss": float("nan")}).startswith("'status'")
+
+
+def test_a_label_with_a_format_character_is_refused_naming_its_code_point():
+    """A bidi override or a zero-width character made a label read differently from its bytes in every table row
+    and plot legend; is_label refuses every character str.isprintable refuses, and the refusals name it."""
+    from agg_bench.errors import ConfigError
+    from agg_bench.records import is_label, unprintable_words
+    from agg_bench.tools.importlog import check_labels
+
+    for label in ("agg-\u202e3w", "fu\u200dll", "a\u2066b", "x\u00ad", "\ufeffrtx"):
+        assert not is_label(label)
+    assert unprintable_words("agg-w3") == unprintable_words(None) == ""
+    assert unprintable_words("agg-\u202e3w") == "; it holds U+202E RIGHT-TO-LEFT OVERRIDE (category Cf) at character 5"
+    with pytest.raises(ConfigError, match=r"^config error: --gpu-name = .*: expected 1 to 200 printable characters "
+                                          r"\(a row of the report's tables\); it holds U\+200B ZERO WIDTH SPACE "
+                                          r"\(category Cf\) at character 2$"):
+        check_labels(None, None, gpu_name="H\u200b100")
