@@ -133,8 +133,8 @@ class PromptsConfig(Section):
     """``prompts``: the prompt set and how it becomes the transformer's text conditioning."""
 
     file: str | None = option(None, '`.txt` (one per line) or `.jsonl` (`{"prompt": ...}`), UTF-8, no control '
-                                    'character in a prompt but the tab and no format character (Unicode category '
-                                    'Cf: a bidi override, a zero-width space); null: the built-in set',
+                                    'character in a prompt but the tab and no bidi embedding, override or isolate '
+                                    '(U+202A to U+202E, U+2066 to U+2069); null: the built-in set',
                               min_length=1, expected="a file's path, or null")
     max_tokens: int = option(16, "tokens of the tiny models' download-free hash embedding", minimum=1, maximum=4096)
     max_sequence_length: int | None = option(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import unicodedata
 from pathlib import Path
 
 import torch
@@ -30,19 +29,21 @@ LINE_END = re.compile(r"\r\n|\r|\n")
 # carriage return or a newline held by a .jsonl string, a form feed; none is part of a caption a text encoder was
 # trained on, and each garbles the logs, tables and sample grids that show the prompt
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
-# a format character (Unicode category Cf): a bidi override or isolate (U+202E, U+2066), a zero-width space or
-# joiner (U+200B, U+200D), the soft hyphen, a byte-order mark past the file's start; each makes a prompt shown in
-# the logs, tables and sample grids read differently from the bytes the text encoder is given
-FORMAT_WORDS = ("prompts without format characters (Unicode category Cf: bidi overrides and isolates, zero-width "
-                "spaces and joiners, the soft hyphen), which make a shown prompt read differently from its bytes")
+# the bidi embeddings, overrides and isolates (U+202A-U+202E, U+2066-U+2069): each reorders the characters after it
+# where a prompt is shown (logs, tables, sample grids), so that the prompt reads differently from the text the encoder
+# is given ("red \u202eebuc" shows as "red cube"); the other format characters (Unicode category Cf) are part of
+# real captions (a zero-width joiner in an emoji, a zero-width non-joiner in Persian, a soft hyphen) and pass
+BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")
+FORMAT_WORDS = ("prompts without bidi embeddings, overrides or isolates (U+202A to U+202E, U+2066 to U+2069), which "
+                "make a shown prompt read differently from its bytes")
 
 
 def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
     """Prompts from a .txt file (one per line) or a .jsonl file (``{"prompt": ...}`` per line), at most
     :data:`MAX_PROMPT_FILE_BYTES` (refused before it is read), in UTF-8 with or without a byte-order mark, lines
     ended by ``\\n``, ``\\r\\n`` or ``\\r``; blank lines are skipped; a prompt holding a control character other
-    than the tab, a format character (Unicode category Cf), or a lone surrogate, is refused (:func:`_check_prompt`). An error names the file and the line, never
-    more than 200 characters of what it holds. ``path`` as written, a ``str``: one that names nothing this user
+    than the tab, a bidi embedding, override or isolate (:data:`BIDI_CONTROLS`), or a lone surrogate, is refused
+    (:func:`_check_prompt`). An error names the file and the line, never more than 200 characters of what it holds. ``path`` as written, a ``str``: one that names nothing this user
     can read (:func:`~agg_bench.outdir.named_path_problem`; a folder on its way this user may not search raised
     PermissionError from the look below) is refused for what it is."""
     path = check_prompts_path(os.fspath(path), key)
@@ -81,17 +82,16 @@ def load_prompts(path: str | Path, key: str = "prompts.file") -> list[str]:
 
 def _check_prompt(prompt: str, path: Path, lineno: int, key: str) -> None:
     """Refuse a prompt of ``path``'s line ``lineno`` holding a control character (:data:`CONTROL`; a tab is
-    allowed), a format character (Unicode category Cf: :data:`FORMAT_WORDS`) or a lone surrogate (a JSON escape ``\\udcff``, which no UTF-8 writer of captions takes), naming the
-    character and where it is."""
+    allowed), a bidi embedding, override or isolate (:data:`BIDI_CONTROLS`) or a lone surrogate (a JSON escape
+    ``\\udcff``, which no UTF-8 writer of captions takes), naming the character and where it is."""
     bad = CONTROL.search(prompt)
     if bad is not None:
         char = bad.group()
         raise ConfigError(key, f"{path}:{lineno}", f"prompts without control characters (tab is allowed): it holds "
                                                    f"{quote(char)} (U+{ord(char):04X}) at character {bad.start() + 1}")
-    if not prompt.isprintable():  # every format character is unprintable, as a tab or a no-break space is
-        index = next((i for i, char in enumerate(prompt) if unicodedata.category(char) == "Cf"), None)
-        if index is not None:
-            raise ConfigError(key, f"{path}:{lineno}", f"{FORMAT_WORDS}: it holds {character_words(prompt, index)}")
+    bidi = BIDI_CONTROLS.search(prompt)
+    if bidi is not None:
+        raise ConfigError(key, f"{path}:{lineno}", f"{FORMAT_WORDS}: it holds {character_words(prompt, bidi.start())}")
     if not is_utf8_text(prompt):
         raise ConfigError(key, f"{path}:{lineno}", "prompts of UTF-8 text: it holds a lone surrogate, which UTF-8 "
                                                    "cannot encode")
