@@ -351,9 +351,8 @@ def check_same_runs(runs: dict[str, dict], configs: dict[str, dict], options: di
         first = seen.setdefault(same, run_id)
         if first != run_id:
             raise SweepError(f"methods.{runs[first]['method']} and methods.{run['method']} compose the same run "
-                             f"(runs {first} and {run_id} resolve to one run config, the method's options left out at their "
-                             "defaults); "
-                             "give one")
+                             f"(runs {first} and {run_id} resolve to one run config, the method's options left out "
+                             "at their defaults); give one")
 
 
 def check_reference(index: int, ref: dict) -> None:
