@@ -1,10 +1,11 @@
 """The report's tables as files: CSV (every column, empty where not measured, counts as integers),
 GitHub Markdown and a standalone HTML page (what the Snakemake report shows in place).
 
-Every CSV that ``report``, ``learning`` and ``campaign`` write goes through :func:`csv_text`: a text cell that a
-spreadsheet program would run as a formula (one beginning with ``=``, ``+``, ``-``, ``@``, a tab or a carriage
-return: a label, a GPU name or a run folder's path from shared results) is written with a single quote before it
-(OWASP's CSV injection advice), and so is one beginning with a single quote, so that
+Every CSV that ``report``, ``learning`` and ``campaign`` write goes through :func:`csv_text`, and every cell of
+``gradcheck``'s CSV and ``profile``'s ``operators.csv`` (written row by row) through :func:`csv_cell`: a text cell
+that a spreadsheet program would run as a formula (one beginning with ``=``, ``+``, ``-``, ``@``, a tab or a
+carriage return: a label, a GPU name or a run folder's path from shared results, an operator's name) is written with
+a single quote before it (OWASP's CSV injection advice), and so is one beginning with a single quote, so that
 :func:`~agg_bench.results.loading.parse_table` (``quoted``) gives every cell back as it was; numbers are written as
 numbers, a negative one too.
 

@@ -563,7 +563,8 @@ def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
     gradcheck writes the model label a run of the snapshot's config records, so the rows match that run's). Each file is read
     by :func:`parse_table`: a table with a ``method`` and a ``cosine_to_full`` column, every column the report
     reads holding what ``agg-bench gradcheck`` writes there (``GRADCHECK_CELLS``); anything else, or a file
-    given twice, is a UserError naming the file. A CSV written before an option column of
+    given twice, is a UserError naming the file. A text cell's leading single quote, which gradcheck writes before
+    a text a spreadsheet would run as a formula, is dropped (``quoted``). A CSV written before an option column of
     :data:`~agg_bench.records.GRADCHECK_OPTION_DEFAULTS` existed gets it, holding the default for its method's
     rows and nothing for the others."""
     frames = []
@@ -576,7 +577,7 @@ def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
             raise UserError(f"gradcheck {quote(str(path))} is also given as {quote(str(first))} (the same file); "
                             "expected each gradcheck CSV once")
         df = parse_table(path, f"gradcheck {path}", GRADCHECK_REQUIRED, GRADCHECK_CELLS,
-                         "the table agg-bench gradcheck writes")
+                         "the table agg-bench gradcheck writes", quoted=True)
         if entry.model is not None or "model" not in df:
             # without a manifest's label, the one gradcheck wrote: the model label the snapshot's run records
             df["model"] = entry.model

@@ -30,6 +30,7 @@ from ..errors import ConfigError, UserError
 from ..io import atomic_file, atomic_path, remove_stale_temps
 from ..outdir import check_suffix, claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS, is_integer
+from ..results.formatting import csv_cell
 from ..machine.devices import resolve_device
 from .replays import ReplayJob, agg_grid, build_estimators, check_replay_count, parse_method_specs
 from .snapshot import (Snapshot, check_outside_snapshot, check_trainable, load_snapshot, replay_case_of,
@@ -180,13 +181,15 @@ def run_gradcheck(snapshot: Snapshot, jobs: list[ReplayJob], progress: bool = Tr
 
 
 def write_csv(rows: list[dict], out: str | Path) -> Path:
-    """Write ``rows`` (COLUMNS) to ``out`` atomically; missing values are empty cells."""
+    """Write ``rows`` (COLUMNS) to ``out`` atomically; missing values are empty cells, and a text cell a
+    spreadsheet would run as a formula is written after a single quote, as in every CSV of agg-bench
+    (:func:`~agg_bench.results.formatting.csv_cell`)."""
     out = Path(out)
     with atomic_file(out) as fh:
         writer = csv.DictWriter(fh, fieldnames=list(COLUMNS))
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in COLUMNS})
+            writer.writerow({k: ("" if row.get(k) is None else csv_cell(row[k])) for k in COLUMNS})
     return out
 
 

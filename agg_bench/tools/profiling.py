@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 
 from ..io import atomic_file, atomic_target
 from ..outputs import MEMORY_SNAPSHOT, is_trace_file
+from ..results.formatting import csv_cell
 
 MEMORY_HISTORY_MAX_ENTRIES = 100_000
 
@@ -40,7 +41,8 @@ def profile_steps(
       ``trace_0``, ``trace_1``, ...;
     - ``operators.csv`` (``operators``): per cycle and operator, calls, self and total CPU time (us),
       CPU memory (bytes) and, on a CUDA device, CUDA time and memory; rows sorted by self device time
-      on CUDA, self CPU time otherwise. Where torch cannot parse a cycle's events (a garbled event name), that
+      on CUDA, self CPU time otherwise; an operator name a spreadsheet would run as a formula is written after a
+      single quote (:func:`~agg_bench.results.formatting.csv_cell`). Where torch cannot parse a cycle's events (a garbled event name), that
       cycle's rows are summed from its trace by :func:`trace_operators`, and a line on stderr says so;
     - on a CUDA device, ``memory_snapshot.pickle`` (``memory_snapshot``) from the allocator's memory
       history, for https://pytorch.org/memory_viz.
@@ -152,7 +154,7 @@ def _write_operator_table(path: Path, cycles: list[Any], on_cuda: bool) -> None:
             for event in sorted(events or [], key=sort_key, reverse=True):
                 row = {
                     "cycle": cycle,
-                    "name": event.key,
+                    "name": csv_cell(event.key),  # a record_function label is any text
                     "calls": event.count,
                     "self_cpu_time_us": event.self_cpu_time_total,
                     "cpu_time_total_us": event.cpu_time_total,

@@ -234,3 +234,18 @@ def test_a_failing_profile_removes_its_own_traces_and_keeps_the_earlier_ones(tmp
         profile_steps(failing, tmp_path, "cpu", wait=0, warmup=0, active=1, repeat=2, with_stack=False)
     assert len(calls) == 2  # its first cycle ran and wrote a trace
     assert sorted(str(p) for p in tmp_path.glob("*.pt.trace.json*")) == [earlier["trace_0"]]
+
+
+def test_an_operator_name_a_spreadsheet_would_run_is_written_after_a_quote(tmp_path):
+    """operators.csv goes through the CSV cell writer of every agg-bench CSV (formatting.csv_cell): a
+    record_function label such as ``=cmd|...`` or ``-x`` is written after a single quote, a number (a negative
+    memory delta too) as it is."""
+    from agg_bench.tools.profiling import TraceOperator, _write_operator_table
+
+    table = tmp_path / "operators.csv"
+    cycle = [TraceOperator("=cmd|' /C calc'!A0", count=1, self_cpu_time_total=3.0, self_cpu_memory_usage=-512),
+             TraceOperator("-x", count=2, self_cpu_time_total=2.0), TraceOperator("aten::mm", count=1)]
+    _write_operator_table(table, [cycle], on_cuda=False)
+    rows = read_operators(table)
+    assert [row["name"] for row in rows] == ["'=cmd|' /C calc'!A0", "'-x", "aten::mm"]
+    assert rows[0]["self_cpu_memory_bytes"] == "-512" and rows[1]["calls"] == "2"

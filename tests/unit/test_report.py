@@ -1803,3 +1803,25 @@ def test_runs_of_one_row_with_another_setting_are_refused(tmp_path, capsys, firs
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0] and str(runs["a"]) in err[0] and str(runs["c"]) in err[0], err
     assert not tables.exists()
+
+
+def test_a_gradcheck_csv_s_formula_cells_are_quoted_and_read_back(tmp_path):
+    """gradcheck writes its CSV through the cell writer of every agg-bench CSV (formatting.csv_cell): a text
+    cell a spreadsheet would run as a formula (a model label, a device, a note) is written after a single quote,
+    and so is one that begins with a quote; a negative number is a number. The report reads each back as it was."""
+    from agg_bench.tools.gradcheck import COLUMNS, write_csv
+
+    rows = [{"method": "full", "cosine_to_full": 1.0, "relative_error": 0.0, "backward": 8, "seconds": 0.03,
+             "model": "=sd3", "device": "@cpu", "replay_note": "-note"},
+            {"method": "agg", "window": 3, "alpha": "sigma", "route_frac": 1.0, "reuse_rollout_velocity": False,
+             "cosine_to_full": -0.5, "relative_error": 1.5, "backward": 6, "seconds": 0.02, "model": "=sd3",
+             "device": "@cpu", "replay_note": "'quoted"}]
+    path = write_csv([dict.fromkeys(COLUMNS) | row for row in rows], tmp_path / "gc.csv")
+    with open(path, newline="") as handle:
+        cells = list(csv.DictReader(handle))
+    assert [(c["model"], c["device"], c["replay_note"]) for c in cells] == \
+        [("'=sd3", "'@cpu", "'-note"), ("'=sd3", "'@cpu", "''quoted")]
+    assert cells[1]["cosine_to_full"] == "-0.5"
+    table = load_gradcheck([GradcheckEntry(path)])
+    assert list(table["model"]) == ["=sd3", "=sd3"] and list(table["device"]) == ["@cpu", "@cpu"]
+    assert list(table["replay_note"]) == ["-note", "'quoted"] and list(table["cosine_to_full"]) == [1.0, -0.5]
