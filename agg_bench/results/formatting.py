@@ -7,7 +7,7 @@ that a spreadsheet program would run as a formula (one beginning with ``=``, ``+
 carriage return: a label, a GPU name or a run folder's path from shared results, an operator's name) is written with
 a single quote before it (OWASP's CSV injection advice), and so is one beginning with a single quote, so that
 :func:`~agg_bench.results.loading.parse_table` (``quoted``) gives every cell back as it was; numbers are written as
-numbers, a negative one too.
+numbers, a negative one too. A cell holding a carriage return or a newline is quoted, so that a row is never split.
 
 Every cell and column name of the Markdown and HTML is shown as text (escaped: a label is never markup). In
 both, a row whose run did not finish shows its status (``OOM``, ``DIVERGED``, ...) in the time, speedup and
@@ -15,6 +15,8 @@ reward cells it left empty, and an imported row is marked in the method column.
 """
 from __future__ import annotations
 
+import csv
+import io
 import math
 from pathlib import Path
 from typing import Callable
@@ -159,12 +161,28 @@ def csv_cell(value: object) -> object:
 
 def csv_text(df: pd.DataFrame) -> str:
     """``df`` as a CSV file of agg-bench holds it, every text cell as :func:`csv_cell` writes it (the module
-    docstring): every CSV the report, ``learning`` and ``campaign`` write."""
+    docstring): every CSV the report, ``learning`` and ``campaign`` write. Rows end in a newline; a cell holding a
+    carriage return or a newline (a run folder's path may) is quoted, so that a reader gives it back whole."""
     out = df.copy()
     for column in out.columns:
         if pd.api.types.is_object_dtype(out[column]) or pd.api.types.is_string_dtype(out[column]):  # text, or mixed
             out[column] = out[column].map(csv_cell)
-    return out.to_csv(index=False)
+    text = out.to_csv(index=False, lineterminator="\n")
+    if "\r" not in text:
+        return text
+    # Python's csv writer (pandas' too) quotes a field holding a character of its line terminator, so under "\n"
+    # a lone "\r" went unquoted and a reader ended the row there: the rows are written with "\r\n", which quotes
+    # every field holding either, and each is given its "\n" back (the quoted fields as written)
+    rows = csv.reader(io.StringIO(out.to_csv(index=False, lineterminator="\r\n"), newline=""))
+    return "".join(map(_csv_line, rows))
+
+
+def _csv_line(cells: list[str]) -> str:
+    """One row of cells as :func:`csv_text` writes it: quoted where pandas quotes, and where a cell holds a
+    carriage return."""
+    line = io.StringIO()
+    csv.writer(line, lineterminator="\r\n").writerow(cells)
+    return line.getvalue()[:-2] + "\n"
 
 
 def table_csv(df: pd.DataFrame) -> str:

@@ -828,10 +828,11 @@ FORMULA = '=HYPERLINK("http://example.com","x")'
 def test_a_label_a_spreadsheet_would_run_is_written_as_text_and_read_back(tmp_path):
     """A text cell beginning with =, +, -, @, a tab or a carriage return is a formula to a spreadsheet program (a
     label from shared results: a method, a model, a run named after its folder). Every CSV of the report writes it
-    after a single quote, numbers (negative ones too) as numbers, and the plots read the labels back as they were."""
+    after a single quote, numbers (negative ones too) as numbers, and the plots read the labels back as they were.
+    A run folder's path holding a carriage return is a quoted cell, read back whole."""
     from agg_bench.results.loading import NUMBER_TEXT, load_tables
 
-    runs = tmp_path / "runs"
+    runs = tmp_path / "shared\rruns"  # pandas quotes a field holding a newline, not one holding a lone CR
     # no config.json: the method of a folder without one (an imported log's) is a label, which a config names never
     make_run(runs, "-run", FORMULA, [it(2.0, -1.5, backward=8), it(2.0, -2.5, backward=8)], model="@sd3",
              config=False)
@@ -845,8 +846,10 @@ def test_a_label_a_spreadsheet_would_run_is_written_as_text_and_read_back(tmp_pa
         with open(path, newline="") as fh:
             cells = [cell for row in csv.reader(fh) for cell in row]
         assert [c for c in cells if c.startswith(("=", "+", "-", "@", "\t", "\r")) and not NUMBER_TEXT.fullmatch(c)] == [], path
-    efficiency = load_tables(tmp_path / "t")["efficiency"]
+    tables = load_tables(tmp_path / "t")
+    efficiency = tables["efficiency"]
     assert sorted(efficiency["method"]) == sorted([FORMULA, "full"]) and set(efficiency["model"]) == {"@sd3"}
+    assert sorted(set(tables["records"]["run_dir"])) == [str(runs / "-run"), str(runs / "b")]
 
 
 def test_learning_csv_quotes_a_formula_label_too(tmp_path):
@@ -866,7 +869,6 @@ def test_csv_text_quotes_formula_cells_and_parse_table_gives_them_back():
     from agg_bench.results.formatting import csv_cell, csv_text
     from agg_bench.results.loading import parse_table
 
-    # a carriage return, which no label holds (a label is printable), ends a row of a CSV where it stands
     assert csv_cell("\rx") == "'\rx" and csv_cell(-2.5) == -2.5 and csv_cell(None) is None
     texts = ["=1+1", "+1", "-1+2", "@SUM(A1)", "\tx", "'q", "plain", "1", "a=b"]
     table = pd.DataFrame({"label": texts, "number": [-1.5] * len(texts),
@@ -877,6 +879,13 @@ def test_csv_text_quotes_formula_cells_and_parse_table_gives_them_back():
     assert all(row[1:] == ["-1.5", "-3"] for row in rows)
     back = parse_table(io.StringIO(written), "the table", quoted=True)
     assert list(back["label"]) == texts and list(back["number"]) == [-1.5] * len(texts)
+
+    # a cell holding a carriage return or a newline (a run folder's path may) is quoted, and every row ends in "\n"
+    paths = ["/runs/a\rb", "/runs/c\nd", "/runs/e\r\nf", "\r/runs/g", "/runs/h"]
+    written = csv_text(pd.DataFrame({"run_dir": paths, "seed": [1, 2, 3, 4, 5]}))
+    assert written == 'run_dir,seed\n"/runs/a\rb",1\n"/runs/c\nd",2\n"/runs/e\r\nf",3\n"\'\r/runs/g",4\n/runs/h,5\n'
+    back = parse_table(io.StringIO(written), "the table", quoted=True)
+    assert list(back["run_dir"]) == paths and list(back["seed"]) == [1, 2, 3, 4, 5]
 
 
 def test_random_weight_rows_keep_rewards_out_and_show_the_plan(tmp_path):
