@@ -91,9 +91,14 @@ def profile_steps(
             cycles.append(rows)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with warnings.catch_warnings():
+        # warmup=0 is the caller's choice (profile --warmup 0), not a fault of the run: torch's warning that the
+        # first recorded step may skew the times is left out of a run's output
+        warnings.filterwarnings("ignore", message="Profiler won't be using warmup", category=UserWarning)
+        steps = schedule(wait=wait, warmup=warmup, active=active, repeat=repeat)
     profiler = profile(
         activities=activities,
-        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=repeat),
+        schedule=steps,
         on_trace_ready=on_trace_ready,
         record_shapes=record_shapes,
         profile_memory=profile_memory,

@@ -7,15 +7,13 @@ import gzip
 import io
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 
 from agg_bench.cli import main
 from agg_bench.methods.base import available_methods
-
-# a schedule without warmup is fine for checking what gets written
-pytestmark = pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
 
 SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "grpo.group_size=2",
          "--set", "grpo.prompts_per_iteration=1", "--set", "progress=false"]
@@ -32,14 +30,20 @@ FIRST = ["profile", "--method", "full", *ONE_STEP, "--phase", "train", "--wait",
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory) -> tuple[Path, dict]:
-    """A folder FIRST wrote and the paths it printed (made once: profiling is costly; tests take a copy)."""
+    """A folder FIRST wrote and the paths it printed (made once: profiling is costly; tests take a copy).
+    FIRST's run (--warmup 0) prints nothing on stderr and warns of nothing: torch's warning about a schedule
+    without warmup is not the run's."""
     folder = tmp_path_factory.mktemp("first")
     config = folder / "run.yaml"
     config.write_text("method:\n  name: window\n  window_size: 2\n")
     out = folder / "prof"
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    printed, said = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning recorded, as a run's stderr would show it
         assert main([*FIRST, "--config", str(config), "--out", str(out)]) == 0
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    assert "warn" not in said.getvalue().lower(), said.getvalue()
     return out, json.loads(printed.getvalue())
 
 
