@@ -14,7 +14,7 @@ from .outdir import check_file, check_writable, named_path_problem
 DEFAULT_CAMPAIGN_WORK = Path("results/campaign")  # campaign run's and status's --work
 # the campaign actions that read each option that not all of them read
 CAMPAIGN_OPTION_ACTIONS = {"--minutes": ("run",), "--started": ("run",), "--archive": ("run", "unpack"),
-                           "--work": ("run", "status")}
+                           "--work": ("run", "status"), "--work-name": ("run", "status")}
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
 MIN_GPU_MEMORY_GIB = 1 / 2**30  # and one byte at least: 1e-300 GiB was taken and planned as 0 bytes
 # profile's --wait, --warmup, --active: each step is a training iteration (a trace keeps every active one), so far
@@ -43,6 +43,14 @@ def file_arg(text: str) -> Path:
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{quote(text)}: {problem}; expected a file path")
     return path
+
+
+def name_arg(text: str) -> str:
+    """The type of a name a verb shows in its messages: printable, without space at either end, never empty."""
+    if not text or not text.isprintable() or text.strip() != text:
+        raise argparse.ArgumentTypeError(f"{quote(text)}: expected a name of printable characters, without space "
+                                         "at either end")
+    return text
 
 
 # The number flags' types, the config package's (one way to read a number), imported when a number flag is read:
@@ -360,12 +368,13 @@ def cmd_campaign(args) -> int:
         check_started(args.started, check_minutes(args.minutes))
     if args.work is None:
         args.work = DEFAULT_CAMPAIGN_WORK
+    work_name = args.work_name or "--work"  # what errors call the work folder: what its user gave
     if args.action == "unpack" and args.archive is None:
         raise UserError("campaign unpack needs the archive (--archive FILE)")
     if args.action == "unpack" and args.reference is None:
         raise UserError("campaign unpack needs the reference folder to add the archive to (--reference DIR, "
                         "e.g. results/reference/h200)")
-    for flag, folder in (("--reference", args.reference), ("--work", args.work)):
+    for flag, folder in (("--reference", args.reference), (work_name, args.work)):
         if folder is not None and (folder.is_symlink() or (folder.exists() and not folder.is_dir())):
             raise UserError(f"campaign {args.action}: {flag} {folder} is not a folder")
     if args.action == "run" and args.archive is not None:
@@ -373,10 +382,11 @@ def cmd_campaign(args) -> int:
     if args.action != "unpack":  # what status and a window read: someone's folder was read as holding no run
         if args.reference is not None:
             check_folder(args.reference, REFERENCE_CONTENTS, "--reference")
-        check_folder(args.work, WORK_CONTENTS, "--work")
+        check_folder(args.work, WORK_CONTENTS, work_name)
     campaign = Campaign(args.config, cpu=args.cpu)
     if args.action == "run":
-        log = run_window(campaign, args.minutes, args.work, args.reference, args.archive, started=args.started)
+        log = run_window(campaign, args.minutes, args.work, args.reference, args.archive, started=args.started,
+                         work_name=work_name)
         print(json.dumps({"archive": log["archive"], "finished": len(log["finished_in_window"]), "left": log["left"],
                           "seconds": log["seconds"]}))
     elif args.action == "unpack":
@@ -667,6 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=path_arg, default=None,
                    help="run: the window's runs, logs and calibrations (default results/campaign; earlier windows' "
                         "finished runs there count as done, for status too)")
+    p.add_argument("--work-name", type=name_arg, metavar="NAME",
+                   help="run, status: what a one-line error calls the work folder (default --work); "
+                        "scripts/gpu_campaign.sh passes AGG_BENCH_CAMPAIGN_OUT, the variable its user sets")
     p.add_argument("--minutes", type=number_arg, help="run: the window's length; it stops cleanly before its end")
     p.add_argument("--started", type=number_arg, help="run: when the window's clock started, in seconds since the epoch "
                                                  "(default: now); scripts/gpu_campaign.sh passes its own start, so "

@@ -829,24 +829,27 @@ def visible_gpu_name(device: str, python: str = sys.executable, until: float | N
 
 def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: str | Path | None,
                archive: str | Path | None = None, python: str = sys.executable,
-               started: float | None = None) -> dict:
+               started: float | None = None, work_name: str = "--work") -> dict:
     """One window of ``minutes`` from ``started`` (default now; module docstring); returns its log (also in the
-    archive)."""
+    archive). ``work_name``: what errors call ``work``, as its user gave it (scripts/gpu_campaign.sh's user sets
+    AGG_BENCH_CAMPAIGN_OUT, not --work)."""
     start = check_started(started, check_minutes(minutes))
     deadline = start + minutes * 60
     stop_at = deadline - min(STOP_MARGIN_S, minutes * 60 / 4)
     work = Path(work)
     reference = Path(reference) if reference is not None else None
+    # the default archive is the work folder's: errors about it name what named that folder
+    archive_name = "--archive" if archive is not None else work_name
     archive = Path(archive) if archive is not None else work / "campaign.tar.gz"
-    check_places(work, reference, archive)
+    check_places(work, reference, archive, work_name)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(start))
     if not (type(campaign.parallel) is int and 1 <= campaign.parallel <= MAX_PARALLEL):
         raise ConfigError("campaign.parallel", campaign.parallel, f"an integer from 1 to {MAX_PARALLEL}")
     campaign.check_devices(until=stop_at, python=python)
     # a first SIGTERM / SIGINT is only remembered here: the processes in flight are stopped, the finished runs
     # are packed, and the end of the block raises it (exit code 128 + N)
-    with claim_folder(work, WORK_CONTENTS, "--work"), \
-            claim_files({archive: (archives.is_archive, "a campaign archive")}, "--archive"), stopping.safe_points():
+    with claim_folder(work, WORK_CONTENTS, work_name), \
+            claim_files({archive: (archives.is_archive, "a campaign archive")}, archive_name), stopping.safe_points():
         to_pretrain = campaign.prepare_models(reference)  # before anything is written: it may refuse
         for sub in ("runs", "cells", "calibration", "logs", "windows"):
             (work / sub).mkdir(exist_ok=True)
@@ -866,7 +869,7 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
         campaign.read_calibration_times(reference, work)
         if all(entry["ok"] for entry in log["pretrained"]):
             log["processes"] = _run_processes(campaign, campaign.work(done, calibrated), stamp, work, stop_at,
-                                              deadline, python)
+                                              deadline, python, work_name)
         received = stopping.pending()
         log["stopped_by_signal"] = signal.Signals(received).name if received is not None else None
         log["seconds"] = round(time.time() - start, 1)
@@ -881,23 +884,24 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     return log
 
 
-def check_places(work: Path, reference: Path | None, archive: Path) -> None:
+def check_places(work: Path, reference: Path | None, archive: Path, work_name: str = "--work") -> None:
     """A window's folders apart: ``--reference`` neither ``--work`` nor inside it or around it (a run there
     counted as the reference's, and the archive packed none of the window's runs), and ``--archive`` outside
     the reference and, in the work folder, only its own ``campaign.tar.gz`` (elsewhere there it was a file
-    where the work folder keeps its runs, logs or cells: every later window was refused). Writes nothing."""
+    where the work folder keeps its runs, logs or cells: every later window was refused). ``work_name``: what
+    a refusal calls the work folder. Writes nothing."""
     def within(path: Path, folder: Path) -> bool:
         path, folder = path.resolve(), folder.resolve()
         return path == folder or folder in path.parents
 
     if reference is not None and (within(reference, work) or within(work, reference)):
         raise UserError(f"--reference {reference}: the work folder {work} or a folder in or around it; expected the "
-                        "reference apart from --work (the archive holds the runs the reference lacks)")
+                        f"reference apart from {work_name} (the archive holds the runs the reference lacks)")
     if reference is not None and within(archive, reference):
         raise UserError(f"--archive {archive}: inside --reference {reference}, which holds reference results only; "
                         "expected a path outside it (campaign unpack adds the archive to it)")
     if within(archive, work) and archive.resolve() != (work / "campaign.tar.gz").resolve():
-        raise UserError(f"--archive {archive}: inside --work {work}, whose folders hold the window's runs, cells, "
+        raise UserError(f"--archive {archive}: inside {work_name} {work}, whose folders hold the window's runs, cells, "
                         f"calibrations, logs and window logs; expected {work / 'campaign.tar.gz'} or a path outside it")
 
 
@@ -915,14 +919,14 @@ def _pretrain(campaign: Campaign, label: str, stamp: str, work: Path, stop_at: f
 
 
 def _run_processes(campaign: Campaign, items: list[Process | Calibration], stamp: str, work: Path,
-                   stop_at: float, deadline: float, python: str) -> list[dict]:
+                   stop_at: float, deadline: float, python: str, work_name: str) -> list[dict]:
     """Every work item (:meth:`Campaign.work`) whose process starts before ``stop_at``, ``campaign.parallel`` at
     a time in their order; the log entries of their processes, in that order: a cell process's (none for
     a process of calibrations only), then one per calibration it was given (``{"cell", "calibration"}``)."""
     def one(number: int, item: Process | Calibration) -> list[dict]:
         if time.time() >= stop_at or _stopped():
             return []
-        return _run_process(campaign, item, number, stamp, work, stop_at, deadline, python)
+        return _run_process(campaign, item, number, stamp, work, stop_at, deadline, python, work_name)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=campaign.parallel) as pool:
         futures = [pool.submit(one, number, item) for number, item in enumerate(items, 1)]
@@ -932,7 +936,7 @@ def _run_processes(campaign: Campaign, items: list[Process | Calibration], stamp
 
 
 def _run_process(campaign: Campaign, item: Process | Calibration, number: int, stamp: str, work: Path,
-                 stop_at: float, deadline: float, python: str) -> list[dict]:
+                 stop_at: float, deadline: float, python: str, work_name: str) -> list[dict]:
     """One ``agg-bench cell`` process of ``item``: a process's runs, then (unless ``campaign.calibrate`` is
     false) the calibrations of their methods, in chunks (:meth:`Campaign.chunks`); or the calibrations left of
     a cell only (a :class:`Calibration`), not started when the first one would not end before ``stop_at``.
@@ -944,7 +948,7 @@ def _run_process(campaign: Campaign, item: Process | Calibration, number: int, s
     name = f"{stamp}_{number:02d}_{cell}"
     run_ids, busy = [], []
     for run_id in item.run_ids if isinstance(item, Process) else ():
-        if _clear_attempt(campaign, work / "runs" / run_id, run_id):
+        if _clear_attempt(campaign, work / "runs" / run_id, run_id, work_name):
             run_ids.append(run_id)
         else:
             busy.append(run_id)
@@ -1002,7 +1006,7 @@ def _run_process(campaign: Campaign, item: Process | Calibration, number: int, s
 
 
 
-def _clear_attempt(campaign: Campaign, folder: Path, run_id: str) -> bool:
+def _clear_attempt(campaign: Campaign, folder: Path, run_id: str, work_name: str) -> bool:
     """Make ``folder`` ready for ``run_id``'s process: an earlier attempt there that is not finished is removed
     (its files only, :func:`~agg_bench.outdir.remove_owned`) under the folder's claim. False, with one line on
     stderr, when another process holds that claim (a run writing there): its folder is neither removed nor
@@ -1010,7 +1014,7 @@ def _clear_attempt(campaign: Campaign, folder: Path, run_id: str) -> bool:
     if not folder.exists() or campaign.finished(folder, run_id):
         return True
     try:
-        with Claim(folder, folder=True, lock_inside=True, flag="--work"):
+        with Claim(folder, folder=True, lock_inside=True, flag=work_name):
             remove_owned(folder, RUN_CONTENTS)
     except Busy as err:
         holder = f" (PID {err.pid})" if err.pid is not None else ""

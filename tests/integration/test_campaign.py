@@ -663,6 +663,9 @@ def test_an_archive_of_the_cpu_form_given_to_the_gpu_reference_names_campaign_gp
     (["--minutes", "1", "--started", "1e12"], "--started = 1000000000000.0: expected seconds since the epoch, "
                                               "not after now"),
     (["--minutes", "1", "--started", "0"], "the window has no time left"),
+    # what errors call the work folder: one printable name
+    (["--minutes", "1", "--work-name", ""], "argument --work-name: '': expected a name of printable characters"),
+    (["--minutes", "1", "--work-name", "A\nB"], "argument --work-name: 'A\\nB': expected a name of printable"),
 ])
 def test_bad_options_are_one_line(tmp_path, capsys, args, words):
     code = exit_code(["campaign", "run", "--config", str(CONFIG), "--cpu", "--work", str(tmp_path / "w"), *args])
@@ -867,6 +870,7 @@ def test_an_archive_name_or_a_folder_a_window_or_status_cannot_take_is_one_line(
     ("status", ["--minutes", "3"], "campaign status: --minutes is an option of campaign run"),
     ("status", ["--started", "1"], "campaign status: --started is an option of campaign run"),
     ("unpack", ["--archive", "a.tar.gz", "--reference", "r", "--minutes", "3"], "campaign unpack: --minutes is"),
+    ("unpack", ["--archive", "a.tar.gz", "--reference", "r", "--work-name", "W"], "campaign unpack: --work-name is"),
     ("unpack", ["--reference", "r"], "campaign unpack needs the archive (--archive FILE)"),
     ("unpack", ["--archive", "a.tar.gz"], "campaign unpack needs the reference folder"),
 ])
@@ -989,6 +993,7 @@ def test_the_script_takes_relative_paths_from_the_folder_it_is_started_in(tmp_pa
     given = dict(zip(argv[4::2], argv[5::2]))
     assert given["--config"] == str(start / "mine.yaml") and given["--reference"] == str(start / "ref")
     assert given["--work"] == str(start / "w") and "--cpu" in argv
+    assert given["--work-name"] == "AGG_BENCH_CAMPAIGN_OUT"  # what its errors call the work folder
     # a ~ that no shell expanded (quoted) is passed on as it is, for agg-bench to refuse: under the start folder
     # it named a folder called ~
     proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", "1", "--reference", "~/ref"], cwd=start,
@@ -1286,7 +1291,7 @@ def test_a_signal_to_the_campaign_stops_it_and_packs_what_finished(tmp_path, mon
     are written, and the command exits 143."""
     started = []
 
-    def process(campaign, process, number, stamp, work, stop_at, deadline, python):
+    def process(campaign, process, number, stamp, work, stop_at, deadline, python, work_name):
         started.append(process.cell)
         os.kill(os.getpid(), signal.SIGTERM)  # arrives while the window runs; only remembered there
         time.sleep(0.1)
@@ -1339,6 +1344,37 @@ def test_a_run_folder_another_process_is_writing_is_left_alone(tmp_path, monkeyp
     assert entry["busy"] == [busy_id] and busy_id not in entry["runs"]
     with tarfile.open(work / "campaign.tar.gz") as tar:
         assert not any(name.startswith(f"runs/{busy_id}/") for name in tar.getnames())
+
+
+@pytest.mark.parametrize("work_name", [None, "AGG_BENCH_CAMPAIGN_OUT"])
+def test_a_work_folder_another_campaign_holds_is_one_line_naming_what_its_user_gave(tmp_path, capsys, cpu_campaign,
+                                                                                    work_name):
+    """A second window on a work folder that a window holds is refused in one line. Through
+    scripts/gpu_campaign.sh it named --work, which the script's user never typed (they set
+    AGG_BENCH_CAMPAIGN_OUT): the script passes --work-name, and every error about the work folder, its run folders
+    and its default archive names that instead."""
+    from agg_bench.outdir import Claim, lock_path
+
+    work = tmp_path / "w"
+    named = work_name or "--work"
+    argv = ["campaign", "run", "--config", str(CONFIG), "--cpu", "--minutes", "1", "--work", str(work),
+            *(["--work-name", work_name] if work_name else [])]
+    with Claim(work, folder=True, lock_inside=True).acquire():  # the other window's
+        capsys.readouterr()
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert lines == [f"agg-bench campaign: {named} {work}: another agg-bench process (PID {os.getpid()}) is "
+                         "writing this folder; wait until it ends or give another folder"], lines
+        assert sorted(p.name for p in work.iterdir()) == [".agg-bench.lock"]
+    # an archive in the work folder other than its campaign.tar.gz, and a run folder's lock that is a link
+    code = main([*argv, "--archive", str(work / "runs" / "a.tar.gz")])
+    assert code == 2 and f"--archive {work / 'runs' / 'a.tar.gz'}: inside {named} {work}," in capsys.readouterr().err
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    folder = work / "runs" / run_id
+    folder.mkdir(parents=True)
+    lock_path(folder, lock_inside=True).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UserError, match=f"^{named} {folder}: .* is a symbolic link"):
+        campaign_module._clear_attempt(cpu_campaign, folder, run_id, named)
 
 
 class FakeProcesses:
