@@ -10,8 +10,9 @@
 # need no launcher of their own in one `agg_bench cell` process, each still a step, and the pool's command
 # there checks the device and lock it was given (a run under it would repeat the FSDP step's); its profile is of a
 # smaller update (5 steps of 2 images: one AGG group). Writes
-# results/gpu_check/summary.json and summary.md (AGG_BENCH_CHECK_OUT changes the folder; it is removed first, so
-# one that holds anything but an earlier check's output is refused, exit code 2) and exits 1 if any step failed.
+# results/gpu_check/summary.json and summary.md in the repository, from whatever folder it is started in
+# (AGG_BENCH_CHECK_OUT changes the folder, a path from the folder it is started in; it is removed first, so one that
+# holds anything but an earlier check's output is refused, exit code 2) and exits 1 if any step failed.
 # Python: the project's .venv, set up first by scripts/setup.sh as `make` does (fast when it is already
 # set up); PYTHON=/path/to/python runs another interpreter that has agg-bench installed instead. A missing
 # environment (no torch, no agg-bench, no CUDA device for the GPU check) is one line and exit code 2,
@@ -26,7 +27,9 @@ argument '$1'"; fi); usage: scripts/gpu_check.sh [--cpu]" >&2; exit 2
 fi
 [[ $# -eq 0 ]] || MODE=cpu
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${AGG_BENCH_CHECK_OUT:-results/gpu_check}
+# the repository's, wherever the script is started: a default relative to the current folder wrote (and first
+# removed) a results/gpu_check under whatever folder that was
+OUT=${AGG_BENCH_CHECK_OUT:-$ROOT/results/gpu_check}
 # shellcheck source=scripts/python_env.sh
 source "$ROOT/scripts/python_env.sh" || exit 2
 pick_python gpu_check "agg-bench installed" torch agg_bench

@@ -132,18 +132,25 @@ def test_gpucheck_summary_of_steps_that_failed_before_writing(tmp_path, capsys):
     assert summary["runs"][0]["status"] == "missing" and summary["gpu_name"] is None
 
 
-@pytest.mark.parametrize("holds", ["notes", "file"])
-def test_an_out_folder_of_someone_s_files_is_refused_not_removed(tmp_path, holds):
-    """AGG_BENCH_CHECK_OUT naming a folder of other files (a home, a project) removed it whole (rm -rf) before the
-    first step. Now one line names it, exit code 2, and the folder or file is left as it was; the folder of an
-    earlier check's output is still taken (the interpreter here passes the module checks at once and fails
-    every step, so that nothing but the script's own handling of the folder runs)."""
-    python = tmp_path / "bin" / "python"
-    python.parent.mkdir()
+def failing_python(folder: Path) -> Path:
+    """An interpreter that passes the script's module checks at once, runs agg_bench.tools.gpucheck (its folder's
+    check and the summary) as this one does, and fails every step: nothing but the script's own handling of its
+    folder runs."""
+    python = folder / "python"
+    python.parent.mkdir(parents=True)
     python.write_text(f'#!/bin/bash\nif [[ $1 == -c && $2 == import\\ * ]]; then exit 0; fi\n'
                       f'if [[ $1 == -m && $2 == agg_bench.tools.gpucheck ]]; then exec "{sys.executable}" "$@"; fi\n'
                       'exit 1\n')
     python.chmod(0o755)
+    return python
+
+
+@pytest.mark.parametrize("holds", ["notes", "file"])
+def test_an_out_folder_of_someone_s_files_is_refused_not_removed(tmp_path, holds):
+    """AGG_BENCH_CHECK_OUT naming a folder of other files (a home, a project) removed it whole (rm -rf) before the
+    first step. Now one line names it, exit code 2, and the folder or file is left as it was; the folder of an
+    earlier check's output is still taken (:func:`failing_python`)."""
+    python = failing_python(tmp_path / "bin")
     out = tmp_path / "mine"
     if holds == "notes":
         (out / "runs").mkdir(parents=True)
@@ -164,3 +171,25 @@ def test_an_out_folder_of_someone_s_files_is_refused_not_removed(tmp_path, holds
         proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu"], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=300)
         assert "AGG_BENCH_CHECK_OUT" not in proc.stderr and (out / "logs" / "env.log").exists(), proc.stderr
+
+
+def test_the_default_folder_is_the_repository_s_wherever_the_check_is_started(tmp_path):
+    """Without AGG_BENCH_CHECK_OUT the folder was results/gpu_check under the current folder: started elsewhere, the
+    check removed (rm -rf) and wrote a results/gpu_check there, an earlier check's output of that folder's or
+    not. It is the repository's (the script's folder's parent), and the folder it is started in is left alone."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("gpu_check.sh", "python_env.sh"):
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts" / name)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "results" / "gpu_check").mkdir(parents=True)
+    (elsewhere / "results" / "gpu_check" / "steps.tsv").write_text("theirs\t0\tx\n")  # another check's
+    env = {k: v for k, v in os.environ.items() if k != "AGG_BENCH_CHECK_OUT"}
+    env.update(PYTHON=str(failing_python(tmp_path / "bin")), PYTHONPATH=str(ROOT))
+    proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--cpu"], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "AGG_BENCH_CHECK_OUT" not in proc.stderr, proc.stderr  # every step failed
+    out = repo / "results" / "gpu_check"
+    assert json.loads(proc.stdout)["out"] == str(out / "summary.json") and (out / "logs" / "env.log").exists()
+    assert {str(p.relative_to(elsewhere)): p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()} == \
+        {"results/gpu_check/steps.tsv": b"theirs\t0\tx\n"}
