@@ -8,8 +8,8 @@ Each ``campaign run --minutes N`` is one window:
 1. It reads the sweep (every check of the workflow's, :class:`~agg_bench.tools.sweep.Sweep`) and takes as done
    every run that is already finished, in the reference folder (``--reference``, e.g.
    ``results/reference/h200``) or in its own work folder (``--work``, from an earlier window on the same
-   machine): a run folder whose summary says ``ok`` and whose ``config.json`` is the run's config as the sweep
-   composes it today.
+   machine): a run folder with every file ``campaign unpack`` requires of a finished run, whose summary says
+   ``ok`` and whose ``config.json`` is the run's config as the sweep composes it today.
 2. A sweep whose runs read a model that its ``pretrain`` section makes (``results/pretrained/<label>``) gets
    it first: from the reference (``pretrained/<label>``, packed by the window that made it), else by an
    ``agg-bench pretrain`` process. A model there that is not the reference's is refused: the reference's runs
@@ -288,7 +288,11 @@ class Campaign:
         return next((run for run in self.sweep.runs.values() if self.cell_of(run) == cell), None)
 
     def finished(self, folder: Path, run_id: str) -> bool:
-        """Whether ``folder`` holds ``run_id`` finished: summary ``ok`` and the config the sweep composes."""
+        """Whether ``folder`` holds ``run_id`` finished: every file ``campaign unpack`` requires of a finished run
+        (:data:`~agg_bench.tools.archive.REQUIRED_RUN_FILES`, each a regular file: a reference run without its
+        records was done, and no window ran it again), summary ``ok`` and the config the sweep composes."""
+        if not all((folder / name).is_file() for name in archives.REQUIRED_RUN_FILES):
+            return False
         try:  # a regular file's only: a named pipe there waited for ever, a device was read until memory ran out
             summary = read_json_object(folder / "summary.json", "a run's summary")
             config = read_json_object(folder / "config.json", "a run's config")

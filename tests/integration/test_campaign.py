@@ -811,20 +811,46 @@ def test_a_pretrain_device_set_in_the_entry_s_config_file_is_checked_too(tmp_pat
     assert "--cpu" in str(refused.value)
 
 
-@pytest.mark.parametrize("name", ["summary.json", "config.json"])
+def finished_run(campaign: Campaign, folder: Path) -> None:
+    """A finished run of ``campaign`` in ``folder`` (named after its run id) as a window takes it: the files campaign
+    unpack requires of one (summary ok, the config the sweep composes, env.json, metrics.jsonl)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(campaign.config_of(folder.name)))
+    (folder / "summary.json").write_text(json.dumps({"status": "ok"}))
+    (folder / "env.json").write_text("{}")
+    (folder / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "status": "ok"}) + "\n")
+
+
+@pytest.mark.parametrize("name", archive_module.REQUIRED_RUN_FILES)
 def test_a_run_folder_file_that_is_a_named_pipe_is_no_finished_run(tmp_path, cpu_campaign, name):
     """A window reads the reference's and work folder's runs to find those finished: a named pipe there (a shared
     results folder) made the window wait on it for ever."""
     run_id = next(iter(cpu_campaign.sweep.runs))
     folder = tmp_path / "runs" / run_id
-    folder.mkdir(parents=True)
-    (folder / "summary.json").write_text(json.dumps({"status": "ok"}))
-    (folder / "config.json").write_text(json.dumps(cpu_campaign.config_of(run_id)))
+    finished_run(cpu_campaign, folder)
     assert cpu_campaign.finished(folder, run_id)
     (folder / name).unlink()
     os.mkfifo(folder / name)
     with not_hung():
         assert not cpu_campaign.finished(folder, run_id) and cpu_campaign.done(tmp_path) == set()
+
+
+@pytest.mark.parametrize("name", ["env.json", "metrics.jsonl"])
+def test_a_reference_run_without_a_file_unpack_requires_is_missing_in_status(tmp_path, capsys, cpu_campaign, name):
+    """campaign status (and a window) counted a run as done from its summary and config alone: a reference run
+    folder without its records or its env.json, which campaign unpack refuses and the tables cannot read, was
+    done, and no window ran it again. A run is done only with every file unpack requires of a finished one."""
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    reference = tmp_path / "ref"
+    finished_run(cpu_campaign, reference / "runs" / run_id)
+    args = ["campaign", "status", "--config", str(CONFIG), "--cpu", "--reference", str(reference), "--work",
+            str(tmp_path / "w")]
+    assert main(args) == 0 and json.loads(capsys.readouterr().out)["done"] == 1
+    (reference / "runs" / run_id / name).unlink()
+    assert main(args) == 0
+    shown = json.loads(capsys.readouterr().out)
+    run = cpu_campaign.sweep.runs[run_id]
+    assert shown["done"] == 0 and run["method"] in shown["cells"][Campaign.cell_of(run)]["missing"]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -1378,8 +1404,8 @@ def test_a_work_folder_another_campaign_holds_is_one_line_naming_what_its_user_g
 
 
 class FakeProcesses:
-    """``_supervise`` without processes: a cell process finishes those of its runs in ``runs`` (their
-    config.json as the sweep composes it, summary ok) and no other, then takes its calibrations as the cell does
+    """``_supervise`` without processes: a cell process finishes those of its runs in ``runs`` (:func:`finished_run`)
+    and no other, then takes its calibrations as the cell does
     (:func:`agg_bench.tools.cell_calibration.run_calibrations`), each of which writes its file when ``calibrate``
     is true, else fails and writes nothing. ``calls``: (verb, cell or methods), a calibration's when it starts."""
 
@@ -1396,9 +1422,7 @@ class FakeProcesses:
         for out in outs:
             if out.name not in self.runs:
                 continue
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(self.campaign.config_of(out.name)))
-            (out / "summary.json").write_text(json.dumps({"status": "ok"}))
+            finished_run(self.campaign, out)
             ended[out] = "ok"
 
         def measure(item, labels):
