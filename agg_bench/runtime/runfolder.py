@@ -46,6 +46,7 @@ killed run leaves whole files. The rules, in the order a run meets them:
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,8 +111,10 @@ def stopped_attempt(out: Path, config: dict) -> bool:
     ``env.json`` written by this code (its ``source_digest``) on this kind of machine (:func:`machine_change`),
     so that one run's records never come from two versions of it or two machines. What ``agg-bench run
     --resume-stopped`` continues; a run that ended (ok, oom, diverged, error) or any other folder starts over.
-    Reads only; a folder it cannot read is not such an attempt."""
-    if not checkpoint_path(out).is_file():
+    Reads only; a folder it cannot read is not such an attempt, nor is a ``checkpoint.pt`` that is no whole zip
+    archive (what ``torch.save`` writes): the empty or cut file a machine that lost power after its rename
+    can leave, which ``--resume`` refuses."""
+    if not checkpoint_path(out).is_file() or not zipfile.is_zipfile(checkpoint_path(out)):
         return False
     folder = RunFolder(out)
     try:

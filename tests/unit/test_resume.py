@@ -393,3 +393,22 @@ def test_resume_on_another_host_of_the_same_kind_continues(checkpointed, tmp_pat
     assert stopped_attempt(out, load_config(None, [*SMALL, "train.iterations=3"]).to_dict())
     assert main(["run", *checkpointed[1], "--set", "train.iterations=3", "--resume", "--out", str(out)]) == 0
     assert summary(out)["resumed_from"] == 1 and [r["iteration"] for r in records(out)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("size", [0, 1000])
+def test_resume_stopped_starts_over_from_a_cut_checkpoint(checkpointed, tmp_path, capsys, size):
+    """A node that lost power after the rename of checkpoint.pt but before its data reached the disk leaves an
+    empty or cut file. --resume-stopped took it for a stopped attempt's checkpoint and refused it (exit 2, naming
+    --resume), so the workflow's rerun of the job failed until someone removed the file; such a folder is no
+    attempt to continue, and the run starts over."""
+    from agg_bench.runtime.runfolder import stopped_attempt
+
+    out = tmp_path / "run"
+    _moved(checkpointed, out, {})
+    (out / "summary.json").unlink()
+    with open(out / CHECKPOINT_NAME, "r+b") as fh:
+        fh.truncate(size)
+    assert not stopped_attempt(out, load_config(None, [*SMALL, "train.iterations=3"]).to_dict())
+    capsys.readouterr()
+    assert main(["run", *checkpointed[1], "--set", "train.iterations=3", "--resume-stopped", "--out", str(out)]) == 0
+    assert summary(out)["resumed_from"] is None and [r["iteration"] for r in records(out)] == [0, 1, 2]
