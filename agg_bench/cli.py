@@ -146,7 +146,8 @@ def _run_journal(path: Path, out: Path, done: Path | None):
         raise UserError(f"--journal {path}: inside --out {out}; expected a journal outside the run folder")
     if done is not None and folder == done.resolve():
         raise UserError(f"--journal {path}: the same file as --done; expected a file of its own")
-    journal = Journal.read(path, "agg-bench run", "--journal", f"{out} runs again")
+    # a path the command line chose: another is given, as for --done (never "remove it": it may be the user's file)
+    journal = Journal.read(path, "agg-bench run", "--journal", f"{out} runs again", "give a new path")
     check_writable(path, "--journal")  # written when the run has ended: a place it cannot be written, refused first
     return journal
 

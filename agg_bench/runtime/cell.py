@@ -446,12 +446,14 @@ class Journal:
                         f"every run of {jobs_path} runs")
 
     @classmethod
-    def read(cls, path: Path, verb: str, flag: str, rerun: str) -> "Journal":
+    def read(cls, path: Path, verb: str, flag: str, rerun: str, advice: str | None = None) -> "Journal":
         """The journal at ``path``, or an empty one when there is none or it was written by other code (stderr
         says so, ``verb``: that ``rerun``); a UserError naming ``flag``, before any run, when the file there is
-        not a journal (a folder, a link, someone else's file: it is never replaced)."""
+        not a journal (a folder, a link, someone else's file: it is never replaced), ending with ``advice``
+        (default: remove it, for a journal whose place the job file fixes)."""
         code = source_digest()
-        check_file(path, is_journal, "a cell job's journal", flag, f"remove it ({verb} writes its journal there)")
+        check_file(path, is_journal, "a cell job's journal", flag,
+                   f"remove it ({verb} writes its journal there)" if advice is None else advice)
         runs = _recorded_runs(path, code)
         if runs is None:
             print(f"{verb}: {path}: its runs ran other code (agg_bench or baselines changed since); {rerun}",

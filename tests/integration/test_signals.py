@@ -464,7 +464,9 @@ def test_resume_stopped_continues_only_a_stopped_attempt(tmp_path, monkeypatch, 
     (["--done", "{tmp}/notes.txt"], ["--done", "the file exists and is not a run's marker"]),
     (["--journal", "{out}/journal.json"], ["--journal", "inside --out", "outside the run folder"]),
     (["--journal", "{tmp}/folder"], ["--journal", "is a folder", "expected a file path"]),
-    (["--journal", "{tmp}/notes.txt"], ["--journal", "the file exists and is not a cell job's journal"]),
+    # a path the user chose: another is given, as for --done (the message told to remove the user's own file)
+    (["--journal", "{tmp}/notes.txt"], ["--journal", "the file exists and is not a cell job's journal",
+                                        "give a new path"]),
     (["--done", "{tmp}/done.json", "--journal", "{tmp}/done.json"], ["--journal", "the same file as --done"]),
     # written when the run has ended: a place they cannot be written failed with a traceback after the whole run
     (["--done", "{tmp}/notes.txt/done.json"], ["--done", "notes.txt is not a folder", "expected a file path"]),
