@@ -409,6 +409,12 @@ def check_input_files(sweep: dict) -> None:
                              f"is made by the pretrain entry of its name (pretrain has "
                              f"{', '.join(pretrain) if pretrain else 'none'}); add one, or keep a model made by "
                              "hand in another folder")
+        # a model made by hand may be on the GPU node only (a dry run elsewhere), but a file there is no model:
+        # every run job of the model failed at its start
+        if isinstance(folder, str) and not is_pretrained_here(folder) and os.path.exists(folder) \
+                and not os.path.isdir(folder):
+            raise SweepError(f"models.{label}: model.pretrained = {quote(folder)} is a file; expected a model "
+                             "folder (a diffusers pipeline's, or one agg-bench pretrain wrote)")
 
 
 def pretrain_gpus(label: str, device: str) -> int:

@@ -652,6 +652,21 @@ def test_a_compare_with_folder_is_checked_before_any_job(tmp_path, monkeypatch):
         sweep_module.check_input_files(config)
 
 
+def test_a_model_folder_that_is_a_file_is_refused_before_any_job(tmp_path, monkeypatch):
+    """A sweep model's ``model.pretrained`` naming a file passed the parse, and every run job of the model failed at
+    its start. A folder made by hand elsewhere that is not here (a dry run away from the GPU node) still passes."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    config = sweep_config()
+    for folder in ("models/on-the-gpu-node", str(tmp_path)):
+        config["models"]["sd3"]["model.pretrained"] = folder
+        sweep_module.check_input_files(config)
+    config["models"]["sd3"]["model.pretrained"] = "notes.txt"
+    with pytest.raises(SweepError, match=re.escape("models.sd3: model.pretrained = 'notes.txt' is a file; expected a "
+                                                   "model folder")):
+        sweep_module.check_input_files(config)
+
+
 @pytest.mark.parametrize("section, make", [
     ("methods", lambda c: c["methods"].update({"Full": {"method": {"name": "full"}}})),
     ("models", lambda c: c["models"].update({"SD3": dict(c["models"]["sd3"])})),
