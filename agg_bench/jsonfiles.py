@@ -69,8 +69,11 @@ def loads(text: str | bytes, nonfinite: bool = False) -> Any:
         raise JsonProblem(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
     except RecursionError:
         raise JsonProblem("nested too deeply") from None
-    except ValueError as err:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
-        raise JsonProblem(str(err).splitlines()[0][:200] or "not JSON") from None
+    except ValueError as err:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion: ..."
+        message = str(err).splitlines()[0] if str(err) else "not JSON"
+        if "integer string conversion" in message:  # Python's advice (sys.set_int_max_str_digits) is for a programmer
+            message = message.split("; use sys.set_int_max_str_digits")[0]
+        raise JsonProblem(message[:200]) from None
 
 
 # loads' decoders of text, by ``nonfinite``

@@ -95,3 +95,12 @@ def test_json_text_is_read_by_one_decoder_with_every_check_of_json_loads(monkeyp
             jsonfiles.loads(text)
     assert jsonfiles.loads('{"a": NaN}', nonfinite=True)["a"] != jsonfiles.loads('{"a": NaN}', nonfinite=True)["a"]
     assert jsonfiles.loads(b'{"a": [1, 2.5, "x"]}') == {"a": [1, 2.5, "x"]}
+
+
+def test_an_integer_too_long_to_read_is_refused_without_python_s_advice():
+    """A 5,000-digit integer: the line said Python's advice to a programmer ('use sys.set_int_max_str_digits() to
+    increase the limit'), which no user of a log or a manifest can follow."""
+    with pytest.raises(jsonfiles.JsonProblem) as refused:
+        jsonfiles.loads('{"iteration": ' + "9" * 5000 + "}")
+    assert str(refused.value) == ("Exceeds the limit (4300 digits) for integer string conversion: value has 5000 "
+                                  "digits"), str(refused.value)
