@@ -456,7 +456,7 @@ class Claim:
             if blocker is not None and not blocker.is_dir():
                 raise UserError(f"{self.flag} {self.target}: {blocker} is a file, not a folder (expected a folder "
                                 "there, or nothing: missing folders are made)") from None
-            raise UserError(f"output folder {folder}: cannot write there ({err.strerror or err})") from None
+            raise UserError(f"{self.flag} {self.target}: cannot write in {folder} ({err.strerror or err})") from None
         self._created = missing  # deepest first
 
     def acquire(self) -> "Claim":
@@ -480,7 +480,7 @@ class Claim:
                 if err.errno == errno.ELOOP:
                     raise UserError(f"{self.flag} {self.target}: {self.lock_path.name} is a symbolic link; "
                                     "remove it") from None
-                raise UserError(f"output folder {self.lock_path.parent}: cannot write there "
+                raise UserError(f"{self.flag} {self.target}: cannot write in {self.lock_path.parent} "
                                 f"({err.strerror or err})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)

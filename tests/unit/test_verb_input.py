@@ -824,6 +824,15 @@ def test_an_output_name_without_room_for_its_temporary_is_refused_naming_the_fla
     assert cli.main([*argv[:-1], str(tmp_path / ("L" * 233))]) == 0
 
 
+def test_an_output_where_nothing_can_be_written_is_refused_naming_the_flag(tmp_path, capsys):
+    """An output under a folder of a file system that takes no new entry (/proc) was refused as 'output folder
+    /proc: cannot write there', naming neither the flag nor the output."""
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"step": 0, "avg_reward": 0.1, "step_time": 1.5, "grad_norm": 0.3}) + "\n")
+    line = fails(capsys, ["import-log", str(log), "--out", "/proc/agg-bench-run"])
+    assert line.startswith("agg-bench import-log: --out /proc/agg-bench-run: cannot write in /proc ("), line
+
+
 @pytest.mark.parametrize("action, flag, value", [("status", "--archive", "a.tar.gz"), ("unpack", "--work", "w")])
 def test_campaign_refuses_an_option_its_action_would_ignore(tmp_path, capsys, monkeypatch, action, flag, value):
     """campaign status --archive A and campaign unpack --work W were taken and ignored (status reads no archive, an
