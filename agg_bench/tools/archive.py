@@ -48,6 +48,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import sys
 import tarfile
@@ -61,10 +62,11 @@ from tqdm import tqdm
 from ..errors import UserError, quote
 from ..io import atomic_path, atomic_target, remove_stale_temps, write_json
 from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
-from ..outdir import Contents, claim_folder, claimed_folders
+from ..outdir import Contents, claim_folder, claimed_folders, path_problem
 from ..outputs import LEARNING_CONTENTS
 from ..outputs import REPORT_CONTENTS, TABLES_CONTENTS, UNPACK_STAGING
 from ..reading import RunFolder, identity_mismatch
+from ..records import is_finite_number, is_integer
 
 if TYPE_CHECKING:
     from .campaign import Campaign
@@ -444,7 +446,7 @@ WINDOW_LOG_KEYS: dict[str, type | tuple[type, ...]] = {
 
 
 def _check_window_log(where: str, name: str, data: bytes) -> None:
-    """A window's log as ``campaign run`` writes it: its keys, each of its kind, named after its start."""
+    """A window's log as ``campaign run`` writes it: its keys, each of its kind and value, named after its start."""
     log = json_object(f"{where}: windows/{name}", data)
     for key, value in log.items():
         kinds = WINDOW_LOG_KEYS.get(key)
@@ -454,6 +456,27 @@ def _check_window_log(where: str, name: str, data: bytes) -> None:
     if log.get("started") is None or f"{log['started']}.json" != name:
         raise UserError(f"{where}: windows/{name}: started = {quote(log.get('started'))}; a window's log is "
                         "named after its start (<started>.json)")
+    for key, value in log.items():  # each value as a window writes it, not only of its kind
+        allowed = _window_log_value_problem(key, value)
+        if allowed is not None:
+            raise UserError(f"{where}: windows/{name}: {quote(key)} = {quote(value)}; expected {allowed}")
+
+
+def _window_log_value_problem(key: str, value: object) -> str | None:
+    """What a window's log holds under ``key`` (of its kind already), in words, where ``value`` is not that."""
+    from .campaign import MAX_MINUTES
+
+    if key == "minutes" and not (is_finite_number(value) and 0 < value <= MAX_MINUTES):
+        return f"the window's minutes, a number in (0, {MAX_MINUTES}]"
+    if key == "seconds" and not (is_finite_number(value) and value >= 0):
+        return "the window's seconds, a finite number >= 0"
+    if key in ("done_before", "runs", "left", "calibrations_left") and not (is_integer(value) and value >= 0):
+        return "a count of runs or calibrations, an integer >= 0"
+    if key == "stopped_by_signal" and value is not None and value not in signal.Signals.__members__:
+        return "the name of the signal that stopped the window (e.g. 'SIGTERM') or null"
+    if key == "config" and (path_problem(str(value)) is not None or Path(str(value)).suffix not in (".yaml", ".yml")):
+        return "the window's campaign config file (a .yaml or .yml path)"
+    return None
 
 
 COUNT_KEYS = ("forward_nograd", "forward_grad", "backward", "train_forward_nograd", "train_forward_grad",

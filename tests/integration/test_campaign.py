@@ -587,6 +587,33 @@ def test_a_file_the_reference_holds_in_another_case_is_refused(tmp_path, cpu_cam
     assert tree(reference) == before
 
 
+@pytest.mark.parametrize("key, value, words", [
+    ("seconds", -1, "the window's seconds, a finite number >= 0"),
+    ("minutes", 0, "the window's minutes, a number in (0, 1440]"),
+    ("runs", -1, "a count of runs or calibrations, an integer >= 0"),
+    ("left", -3, "a count of runs or calibrations"),
+    ("config", "x", "the window's campaign config file"),
+    ("config", "", "the window's campaign config file"),
+    ("stopped_by_signal", "x", "the name of the signal that stopped the window"),
+])
+def test_a_window_log_value_no_window_writes_is_refused_and_the_reference_untouched(tmp_path, cpu_campaign, key,
+                                                                                    value, words):
+    """The keys of a window's log were checked for their kind only: a negative count or seconds, a config that
+    is no config file or a signal that is none went into the reference."""
+    reference = tmp_path / "reference"
+    archive_module.unpack(cpu_campaign, logs_archive(tmp_path / "good.tar.gz", "20251231T000000"), reference)
+    before = tree(reference)
+    stamp = "20260101T000000"
+    log = {"started": stamp, "minutes": 60, "config": "config/h200.yaml", "runs": 3, "left": 1, "seconds": 12.5,
+           "stopped_by_signal": "SIGTERM", key: value}
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(gzip.compress(tar_bytes({f"windows/{stamp}.json": json.dumps(log).encode()})))
+    with pytest.raises(UserError) as refused:
+        archive_module.unpack(cpu_campaign, bad, reference)
+    assert f"windows/{stamp}.json: {key!r} = {value!r}; expected {words}" in str(refused.value), refused.value
+    assert "\n" not in str(refused.value) and tree(reference) == before
+
+
 def test_a_reference_holds_one_gpus_runs_and_the_one_the_campaign_names(tmp_path):
     """Unpack refuses runs of another GPU than the reference's, and with campaign.gpu (config/h200.yaml: H200)
     runs and calibrations of any other GPU."""
