@@ -357,7 +357,8 @@ def cmd_learning(args) -> int:
 def cmd_campaign(args) -> int:
     from .outdir import check_folder, check_suffix
     from .tools.archive import REFERENCE_CONTENTS, unpack
-    from .tools.campaign import WORK_CONTENTS, Campaign, check_minutes, check_started, run_window, status
+    from .tools.campaign import (WORK_CONTENTS, Campaign, check_minutes, check_places, check_started, run_window,
+                                 status)
 
     # an option given to an action that does not read it would be ignored: refused (an unpack reads its archive and
     # writes the reference only; status reads no archive)
@@ -380,6 +381,8 @@ def cmd_campaign(args) -> int:
             raise UserError(f"campaign {args.action}: {flag} {folder} is not a folder")
     if args.action == "run" and args.archive is not None:
         check_suffix(args.archive, ".tar.gz", "--archive")  # what unpack reads: a gzip-compressed tar
+    if args.action == "status":  # the folders a window keeps apart (run checks them in run_window)
+        check_places(args.work, args.reference, work_name=work_name)
     if args.action != "unpack":  # what status and a window read: someone's folder was read as holding no run
         if args.reference is not None:
             check_folder(args.reference, REFERENCE_CONTENTS, "--reference")

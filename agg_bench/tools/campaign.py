@@ -888,12 +888,13 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     return log
 
 
-def check_places(work: Path, reference: Path | None, archive: Path, work_name: str = "--work") -> None:
+def check_places(work: Path, reference: Path | None, archive: Path | None = None, work_name: str = "--work") -> None:
     """A window's folders apart: ``--reference`` neither ``--work`` nor inside it or around it (a run there
     counted as the reference's, and the archive packed none of the window's runs), and ``--archive`` outside
     the reference and, in the work folder, only its own ``campaign.tar.gz`` (elsewhere there it was a file
-    where the work folder keeps its runs, logs or cells: every later window was refused). ``work_name``: what
-    a refusal calls the work folder. Writes nothing."""
+    where the work folder keeps its runs, logs or cells: every later window was refused). ``archive`` None:
+    the folders only (``campaign status``, which writes no archive). ``work_name``: what a refusal calls the work
+    folder. Writes nothing."""
     def within(path: Path, folder: Path) -> bool:
         path, folder = path.resolve(), folder.resolve()
         return path == folder or folder in path.parents
@@ -901,6 +902,8 @@ def check_places(work: Path, reference: Path | None, archive: Path, work_name: s
     if reference is not None and (within(reference, work) or within(work, reference)):
         raise UserError(f"--reference {reference}: the work folder {work} or a folder in or around it; expected the "
                         f"reference apart from {work_name} (the archive holds the runs the reference lacks)")
+    if archive is None:
+        return
     if reference is not None and within(archive, reference):
         raise UserError(f"--archive {archive}: inside --reference {reference}, which holds reference results only; "
                         "expected a path outside it (campaign unpack adds the archive to it)")

@@ -898,6 +898,17 @@ def test_a_window_s_folders_that_overlap_are_one_line(tmp_path, capsys, args, wo
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("reference, work", [("{t}/r", "{t}/r"), ("{t}/r/w", "{t}/r"), ("{t}/w/r", "{t}/w")])
+def test_status_of_a_reference_and_work_folder_that_overlap_is_one_line(tmp_path, capsys, reference, work):
+    """campaign run keeps the reference and the work folder apart; status counted the same runs as both."""
+    reference, work = reference.format(t=tmp_path), work.format(t=tmp_path)
+    code = main(["campaign", "status", "--config", str(CONFIG), "--cpu", "--reference", reference, "--work", work])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"--reference {reference}: the work folder {work} or a folder in or around it" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("action, args, words", [
     # a window wrote a gzip-compressed tar under any name, which unpack would then be given
     ("run", ["--minutes", "1", "--work", "{t}/w", "--archive", "{t}/a.zip"], "--archive {t}/a.zip: expected a FILE.tar.gz"),
