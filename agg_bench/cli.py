@@ -355,7 +355,7 @@ def cmd_learning(args) -> int:
 
 
 def cmd_campaign(args) -> int:
-    from .outdir import check_folder, check_suffix
+    from .outdir import check_folder, check_folder_path, check_suffix
     from .tools.archive import REFERENCE_CONTENTS, unpack
     from .tools.campaign import (WORK_CONTENTS, Campaign, check_minutes, check_places, check_started, run_window,
                                  status)
@@ -377,8 +377,8 @@ def cmd_campaign(args) -> int:
         raise UserError("campaign unpack needs the reference folder to add the archive to (--reference DIR, "
                         "e.g. results/reference/h200)")
     for flag, folder in (("--reference", args.reference), (work_name, args.work)):
-        if folder is not None and (folder.is_symlink() or (folder.exists() and not folder.is_dir())):
-            raise UserError(f"campaign {args.action}: {flag} {folder} is not a folder")
+        if folder is not None:
+            check_folder_path(folder, flag)
     if args.action == "run" and args.archive is not None:
         check_suffix(args.archive, ".tar.gz", "--archive")  # what unpack reads: a gzip-compressed tar
     if args.action == "status":  # the folders a window keeps apart (run checks them in run_window)

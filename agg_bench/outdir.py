@@ -160,18 +160,26 @@ def _strangers(folder: Path, contents: Contents, prefix: str = "") -> tuple[list
     return foreign, wrong_kind
 
 
+def check_folder_path(out: Path, flag: str = "--out") -> bool:
+    """Refuse ``out`` where it is a symbolic link or exists as something other than a folder; whether it
+    exists. Reads only."""
+    if out.is_symlink():
+        raise UserError(f"{flag} {out}: is a symbolic link; give the folder it points to, or another folder")
+    if not out.exists():
+        return False
+    if not out.is_dir():
+        raise UserError(f"{flag} {out}: exists and is not a folder")
+    return True
+
+
 def check_folder(out: Path, contents: Contents, flag: str = "--out", remedy: str | None = None) -> None:
     """Refuse ``out`` unless it is new, or a folder holding only ``contents`` (harness temporaries and
     locks aside), each of its kind (a file where the command writes a file, a folder where it owns one),
     with nothing but their own contents in the folders it owns, and no symbolic link. Reads only.
     ``remedy`` ends a refusal of what the folder holds instead of the advice to give another folder (for a
     folder the user did not name: the workflow's)."""
-    if out.is_symlink():
-        raise UserError(f"{flag} {out}: is a symbolic link; give the folder it points to, or another folder")
-    if not out.exists():
+    if not check_folder_path(out, flag):
         return
-    if not out.is_dir():
-        raise UserError(f"{flag} {out}: exists and is not a folder")
     foreign, wrong_kind = _strangers(out, contents)
     if wrong_kind:
         kind = "a folder" if wrong_kind[0].endswith("/") else "a file"

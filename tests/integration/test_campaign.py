@@ -930,6 +930,22 @@ def test_an_archive_name_or_a_folder_a_window_or_status_cannot_take_is_one_line(
     assert tree(tmp_path) == {"theirs/notes.txt": b"mine"} and sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]
 
 
+@pytest.mark.parametrize("action, flag, args", [
+    ("run", "--reference", ["--minutes", "1", "--work", "{t}/w"]), ("run", "--work", ["--minutes", "1"]),
+    ("status", "--reference", ["--work", "{t}/w"]), ("status", "--work", ["--reference", "{t}/r"]),
+    ("unpack", "--reference", ["--archive", "{t}/a.tar.gz"])])
+def test_a_symlinked_reference_or_work_folder_is_one_line_naming_the_link(tmp_path, capsys, action, flag, args):
+    """A link given as --reference or --work was refused as "is not a folder", where it points to one."""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "folder")
+    code = main(["campaign", action, "--config", str(CONFIG), "--cpu", *(a.format(t=tmp_path) for a in args),
+                 flag, str(tmp_path / "link")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"{flag} {tmp_path / 'link'}: is a symbolic link; give the folder it points to" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "link"] and not any((tmp_path / "folder").iterdir())
+
+
 @pytest.mark.parametrize("action, args, words", [
     ("status", ["--minutes", "3"], "campaign status: --minutes is an option of campaign run"),
     ("status", ["--started", "1"], "campaign status: --started is an option of campaign run"),
