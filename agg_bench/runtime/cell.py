@@ -170,11 +170,14 @@ def read_jobs(path: str | Path, calibrations: bool = False, data: dict | None = 
                             "expected run folders that do not hold one another")
     # the job's journal beside the job file is the cell's own too: a marker written there replaced the journal
     # (and the next attempt refused it as no journal), a run folder there left the journal nowhere to go
+    # (or a path inside it: the run wrote its folder, then the journal could not be written, exit 2)
     journal = Journal.path_of(path)
     for index, job in enumerate(jobs):
         for key, given in (("out", job.out), ("done", job.done)):
-            if given is not None and Path(given).resolve() == journal.resolve():
-                raise UserError(f"{path}: runs[{index}].{key} {given} is the job's journal {journal}; expected "
+            resolved = Path(given).resolve() if given is not None else None
+            if resolved is not None and journal.resolve() in (resolved, *resolved.parents):
+                where = "" if resolved == journal.resolve() else "inside "
+                raise UserError(f"{path}: runs[{index}].{key} {given} is {where}the job's journal {journal}; expected "
                                 "another path (agg-bench cell writes its journal there)")
     # a marker is the cell's own file: one per run, never inside a run folder (a run's folder holds its files only)
     markers: dict[Path, int] = {}

@@ -115,6 +115,10 @@ def run(out: Path, *overrides: str) -> dict:
     (lambda t: {"runs": [{**run(t / "a"), "done": str(t / "jobs.progress.json")}]},
      ["runs[0].done", "is the job's journal", "jobs.progress.json"]),
     (lambda t: {"runs": [run(t / "jobs.progress.json")]}, ["runs[0].out", "is the job's journal"]),
+    # a path inside it: the run wrote its folder, then its journal could not be written (exit 2)
+    (lambda t: {"runs": [run(t / "jobs.progress.json" / "r")]}, ["runs[0].out", "is inside the job's journal"]),
+    (lambda t: {"runs": [{**run(t / "a"), "done": str(t / "jobs.progress.json" / "d")}]},
+     ["runs[0].done", "is inside the job's journal"]),
     (lambda t: " " * (64 * 2**20 + 1), ["jobs.json", "over the 64 MiB"]),
     # a config error in a later run: found before the first run writes anything
     (lambda t: {"runs": [run(t / "a"), run(t / "b", "train.lr=fast")]}, ["runs[1]", "train.lr", "'fast'"]),
