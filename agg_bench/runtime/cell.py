@@ -194,6 +194,15 @@ def read_jobs(path: str | Path, calibrations: bool = False, data: dict | None = 
                             "expected a marker of its own for each run")
         check_file(job.done, is_marker, "a run's marker", f"{path}: runs[{index}].done")
         markers[marker] = index
+    # nor a marker a folder on another path of the job: a run folder or marker below it made a folder of it, and
+    # the marker could not be written there (a traceback once every run had ended)
+    for index, job in enumerate(jobs):
+        for key, given in (("out", job.out), ("done", job.done)):
+            holder = next((markers[p] for p in Path(given).resolve().parents if p in markers), None) \
+                if given is not None else None
+            if holder is not None:
+                raise UserError(f"{path}: runs[{index}].{key} {given} is inside runs[{holder}].done "
+                                f"{jobs[holder].done}; expected a path outside every marker (a marker is a file)")
     return jobs
 
 

@@ -102,6 +102,11 @@ def run(out: Path, *overrides: str) -> dict:
      ["runs[1].done", "inside runs[0].out", "outside every run folder"]),
     (lambda t: {"runs": [{**run(t / "a"), "done": str(t / "m")}, {**run(t / "b"), "done": str(t / "m")}]},
      ["runs[1].done", "also runs[0].done"]),
+    # a run folder or another marker below a marker's path: the marker could not be written (a traceback)
+    (lambda t: {"runs": [{**run(t / "m" / "a"), "done": str(t / "m")}]},
+     ["runs[0].out", "is inside runs[0].done", "expected a path outside every marker"]),
+    (lambda t: {"runs": [{**run(t / "a"), "done": str(t / "m")}, {**run(t / "b"), "done": str(t / "m" / "b")}]},
+     ["runs[1].done", "is inside runs[0].done", "expected a path outside every marker"]),
     (lambda t: {"runs": [{**run(t / "a"), "done": 3}]}, ["runs[0].done is a number", "a marker file or null"]),
     # pathlib drops a trailing slash: the marker was written as a file named m
     (lambda t: {"runs": [{**run(t / "a"), "done": str(t / "m") + "/"}]},
