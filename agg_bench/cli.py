@@ -130,6 +130,8 @@ def _check_marker(done: Path, out: Path) -> None:
     folder = out.resolve()
     if done.resolve() == folder or folder in done.resolve().parents:
         raise UserError(f"--done {done}: inside --out {out}; expected a marker outside the run folder")
+    if done.resolve() in folder.parents:  # the run made a folder of the marker's path: a traceback at its end
+        raise UserError(f"--out {out}: inside --done {done}; expected a run folder outside the marker (a file)")
     from .runtime.cell import is_marker
 
     check_file(done, is_marker, "a run's marker", "--done")
@@ -146,6 +148,13 @@ def _run_journal(path: Path, out: Path, done: Path | None):
         raise UserError(f"--journal {path}: inside --out {out}; expected a journal outside the run folder")
     if done is not None and folder == done.resolve():
         raise UserError(f"--journal {path}: the same file as --done; expected a file of its own")
+    # a path below the other made a folder of it, where the file was then written at the run's end
+    if folder in out.resolve().parents:
+        raise UserError(f"--out {out}: inside --journal {path}; expected a run folder outside the journal (a file)")
+    if done is not None and folder in done.resolve().parents:
+        raise UserError(f"--done {done}: inside --journal {path}; expected a marker outside the journal (a file)")
+    if done is not None and done.resolve() in folder.parents:
+        raise UserError(f"--journal {path}: inside --done {done}; expected a journal outside the marker (a file)")
     # a path the command line chose: another is given, as for --done (never "remove it": it may be the user's file)
     journal = Journal.read(path, "agg-bench run", "--journal", f"{out} runs again", "give a new path")
     check_writable(path, "--journal")  # written when the run has ended: a place it cannot be written, refused first

@@ -468,6 +468,11 @@ def test_resume_stopped_continues_only_a_stopped_attempt(tmp_path, monkeypatch, 
     (["--journal", "{tmp}/notes.txt"], ["--journal", "the file exists and is not a cell job's journal",
                                         "give a new path"]),
     (["--done", "{tmp}/done.json", "--journal", "{tmp}/done.json"], ["--journal", "the same file as --done"]),
+    # one inside the other's path: the run made a folder there, and the file failed to be written at its end
+    (["--out", "{tmp}/m/run", "--done", "{tmp}/m"], ["--out", "inside --done", "outside the marker"]),
+    (["--out", "{tmp}/j/run", "--journal", "{tmp}/j"], ["--out", "inside --journal", "outside the journal"]),
+    (["--done", "{tmp}/j/done.json", "--journal", "{tmp}/j"], ["--done", "inside --journal", "outside the journal"]),
+    (["--done", "{tmp}/m", "--journal", "{tmp}/m/j.json"], ["--journal", "inside --done", "outside the marker"]),
     # written when the run has ended: a place they cannot be written failed with a traceback after the whole run
     (["--done", "{tmp}/notes.txt/done.json"], ["--done", "notes.txt is not a folder", "expected a file path"]),
     (["--journal", "{tmp}/notes.txt/sub/journal.json"], ["--journal", "notes.txt is not a folder"]),
@@ -479,6 +484,8 @@ def test_run_flags_that_cannot_go_together_are_one_line(tmp_path, capsys, flags,
     (tmp_path / "folder").mkdir()
     (tmp_path / "notes.txt").write_text("mine")
     flags = [f.format(out=out, tmp=tmp_path) for f in flags]
+    if flags[:1] == ["--out"]:  # a case's own run folder
+        out, flags = Path(flags[1]), flags[2:]
     assert main(["run", "--config", str(ROOT / "config/run.yaml"), *SET, "--out", str(out), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(word in err for word in words), err
