@@ -114,8 +114,9 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
     for number, item in enumerate(overrides):  # "set is a list; expected a list" named no item
         if not isinstance(item, str):
             raise UserError(f"{path}: {where}.set[{number}] is {json_type(item)}; expected a KEY=VALUE string")
-    if not isinstance(out, str):
-        raise UserError(f"{path}: {where}.out is {json_type(out)}; expected the run folder")
+    if not isinstance(out, str):  # a missing key is not given, not null
+        raise UserError(f"{path}: {where}.out is {json_type(out) if 'out' in entry else 'not given'}; expected the "
+                        "run folder")
     done = entry.get("done")
     if done is not None and not isinstance(done, str):
         raise UserError(f"{path}: {where}.done is {json_type(done)}; expected a marker file or null")
@@ -150,8 +151,8 @@ def read_jobs(path: str | Path, calibrations: bool = False, data: dict | None = 
     if isinstance(runs, list) and not runs and data.get("calibrations"):
         return []  # a job of calibrations only
     if not isinstance(runs, list) or not runs:
-        raise UserError(f"{path}: runs is {json_type(runs) if runs != [] else 'an empty list'}; "
-                        "expected a list of one or more runs")
+        found = "not given" if "runs" not in data else json_type(runs) if runs != [] else "an empty list"
+        raise UserError(f"{path}: runs is {found}; expected a list of one or more runs")
     if len(runs) > MAX_RUNS:
         raise UserError(f"{path}: runs lists {len(runs):,} runs; expected at most {MAX_RUNS:,} in one cell")
     jobs = [_entry(path, index, entry) for index, entry in enumerate(runs)]

@@ -77,6 +77,10 @@ def run(out: Path, *overrides: str) -> dict:
 @pytest.mark.parametrize("make, words", [
     (lambda t: "not json", ["jobs.json", "is not JSON"]),
     (lambda t: {"runs": []}, ["runs is an empty list"]),
+    # a key left out was "null", a value the file does not hold
+    (lambda t: {}, ["jobs.json: runs is not given; expected a list of one or more runs"]),
+    (lambda t: {"runs": [{"set": []}]}, ["runs[0].out is not given; expected the run folder"]),
+    (lambda t: {"runs": [{"set": [], "out": None}]}, ["runs[0].out is null; expected the run folder"]),
     (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "resume": True}]},
      ["runs[1]: unknown key 'resume' (allowed in a run: config, set, out, done)"]),
     (lambda t: {"runs": [run(t / "a"), {**run(t / "b"), "bogus": 1, "x": 2}]},
