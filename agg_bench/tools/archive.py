@@ -53,6 +53,7 @@ import struct
 import sys
 import tarfile
 import tempfile
+import time
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
@@ -464,8 +465,13 @@ def _check_window_log(where: str, name: str, data: bytes) -> None:
 
 def _window_log_value_problem(key: str, value: object) -> str | None:
     """What a window's log holds under ``key`` (of its kind already), in words, where ``value`` is not that."""
-    from .campaign import MAX_MINUTES
+    from .campaign import MAX_MINUTES, STAMP_FORMAT
 
+    if key == "started":
+        try:
+            time.strptime(str(value), STAMP_FORMAT)
+        except ValueError:
+            return "the window's start, as YYYYMMDDTHHMMSS"
     if key == "minutes" and not (is_finite_number(value) and 0 < value <= MAX_MINUTES):
         return f"the window's minutes, a number in (0, {MAX_MINUTES}]"
     if key == "seconds" and not (is_finite_number(value) and value >= 0):

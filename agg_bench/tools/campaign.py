@@ -95,6 +95,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 MAX_MINUTES = 24 * 60
+STAMP_FORMAT = "%Y%m%dT%H%M%S"  # a window's start (UTC), which names its log, cells and calibrations
 MAX_PARALLEL = 64
 MAX_CALIBRATE_METHODS = 32  # campaign.calibrate_methods: at most this many methods a calibration
 DEFAULT_CALIBRATE_METHODS = 3
@@ -846,7 +847,7 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     archive_name = "--archive" if archive is not None else work_name
     archive = Path(archive) if archive is not None else work / "campaign.tar.gz"
     check_places(work, reference, archive, work_name)
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(start))
+    stamp = time.strftime(STAMP_FORMAT, time.gmtime(start))
     if not (type(campaign.parallel) is int and 1 <= campaign.parallel <= MAX_PARALLEL):
         raise ConfigError("campaign.parallel", campaign.parallel, f"an integer from 1 to {MAX_PARALLEL}")
     campaign.check_devices(until=stop_at, python=python)

@@ -595,6 +595,7 @@ def test_a_file_the_reference_holds_in_another_case_is_refused(tmp_path, cpu_cam
     ("config", "x", "the window's campaign config file"),
     ("config", "", "the window's campaign config file"),
     ("stopped_by_signal", "x", "the name of the signal that stopped the window"),
+    ("started", "evil", "the window's start, as YYYYMMDDTHHMMSS"),
 ])
 def test_a_window_log_value_no_window_writes_is_refused_and_the_reference_untouched(tmp_path, cpu_campaign, key,
                                                                                     value, words):
@@ -603,7 +604,7 @@ def test_a_window_log_value_no_window_writes_is_refused_and_the_reference_untouc
     reference = tmp_path / "reference"
     archive_module.unpack(cpu_campaign, logs_archive(tmp_path / "good.tar.gz", "20251231T000000"), reference)
     before = tree(reference)
-    stamp = "20260101T000000"
+    stamp = value if key == "started" else "20260101T000000"
     log = {"started": stamp, "minutes": 60, "config": "config/h200.yaml", "runs": 3, "left": 1, "seconds": 12.5,
            "stopped_by_signal": "SIGTERM", key: value}
     bad = tmp_path / "bad.tar.gz"
