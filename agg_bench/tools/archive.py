@@ -480,8 +480,8 @@ def _window_log_value_problem(key: str, value: object) -> str | None:
         return "a count of runs or calibrations, an integer >= 0"
     if key == "stopped_by_signal" and value is not None and value not in signal.Signals.__members__:
         return "the name of the signal that stopped the window (e.g. 'SIGTERM') or null"
-    if key == "config" and (path_problem(str(value)) is not None or Path(str(value)).suffix not in (".yaml", ".yml")):
-        return "the window's campaign config file (a .yaml or .yml path)"
+    if key == "config" and path_problem(str(value)) is not None:  # any name: campaign run --config takes any
+        return "the window's campaign config file (a path)"
     return None
 
 

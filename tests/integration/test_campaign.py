@@ -592,7 +592,7 @@ def test_a_file_the_reference_holds_in_another_case_is_refused(tmp_path, cpu_cam
     ("minutes", 0, "the window's minutes, a number in (0, 1440]"),
     ("runs", -1, "a count of runs or calibrations, an integer >= 0"),
     ("left", -3, "a count of runs or calibrations"),
-    ("config", "x", "the window's campaign config file"),
+    ("config", "~/h200.yaml", "the window's campaign config file"),
     ("config", "", "the window's campaign config file"),
     ("stopped_by_signal", "x", "the name of the signal that stopped the window"),
     ("started", "evil", "the window's start, as YYYYMMDDTHHMMSS"),
