@@ -877,7 +877,9 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
                                               deadline, python, work_name)
         received = stopping.pending()
         log["stopped_by_signal"] = signal.Signals(received).name if received is not None else None
-        log["seconds"] = round(time.time() - start, 1)
+        # from a --started up to STARTED_SLACK_S ahead of the clock, a short window ended before it: 0, never a
+        # negative time (which unpack refuses)
+        log["seconds"] = round(max(0.0, time.time() - start), 1)
         log["finished_in_window"] = sorted(r for p in log["processes"] for r in p.get("finished", []))
         done = campaign.done(reference, work)
         log["left"] = len(campaign.sweep.runs) - len(done)

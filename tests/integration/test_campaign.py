@@ -615,6 +615,17 @@ def test_a_window_log_value_no_window_writes_is_refused_and_the_reference_untouc
     assert "\n" not in str(refused.value) and tree(reference) == before
 
 
+def test_a_window_started_ahead_of_the_clock_writes_a_log_unpack_takes(tmp_path, monkeypatch, cpu_campaign):
+    """--started may be a few seconds ahead of the clock (STARTED_SLACK_S); a window with nothing to run ended
+    before it, logged negative seconds, and unpack refused its archive."""
+    monkeypatch.setattr(campaign_module, "_run_processes", lambda *args: [])
+    started = time.time() + campaign_module.STARTED_SLACK_S - 1
+    log = campaign_module.run_window(Campaign(CONFIG, cpu=True), 1, tmp_path / "w", None, started=started)
+    assert log["seconds"] >= 0, log
+    archive_module.unpack(cpu_campaign, Path(log["archive"]), tmp_path / "reference")
+    assert (tmp_path / "reference" / "windows" / f"{log['started']}.json").is_file()
+
+
 def test_a_reference_holds_one_gpus_runs_and_the_one_the_campaign_names(tmp_path):
     """Unpack refuses runs of another GPU than the reference's, and with campaign.gpu (config/h200.yaml: H200)
     runs and calibrations of any other GPU."""
