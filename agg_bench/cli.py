@@ -385,7 +385,9 @@ def cmd_campaign(args) -> int:
     if args.action == "unpack" and args.reference is None:
         raise UserError("campaign unpack needs the reference folder to add the archive to (--reference DIR, "
                         "e.g. results/reference/h200)")
-    for flag, folder in (("--reference", args.reference), (work_name, args.work)):
+    # the work folder of the actions that read it: unpack reads none, and its default was refused as a link
+    for flag, folder in (("--reference", args.reference),
+                         (work_name, args.work if args.action != "unpack" else None)):
         if folder is not None:
             check_folder_path(folder, flag)
     if args.action == "run" and args.archive is not None:

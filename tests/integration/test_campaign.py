@@ -958,6 +958,20 @@ def test_a_symlinked_reference_or_work_folder_is_one_line_naming_the_link(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "link"] and not any((tmp_path / "folder").iterdir())
 
 
+def test_an_unpack_does_not_look_at_the_work_folder_it_never_reads(tmp_path, capsys, monkeypatch):
+    """unpack reads no --work (it refuses one), yet the default results/campaign was checked: where it is a link
+    (to scratch storage), every unpack was refused as '--work results/campaign: is a symbolic link'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "campaign").symlink_to(tmp_path / "scratch")
+    archive = logs_archive(tmp_path / "a.tar.gz", "20251231T000000")
+    code = main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(archive),
+                 "--reference", "reference"])
+    assert code == 0, capsys.readouterr().err
+    assert (tmp_path / "reference" / "windows" / "20251231T000000.json").is_file()
+
+
 @pytest.mark.parametrize("action, args, words", [
     ("status", ["--minutes", "3"], "campaign status: --minutes is an option of campaign run"),
     ("status", ["--started", "1"], "campaign status: --started is an option of campaign run"),
