@@ -468,8 +468,9 @@ def _window_log_value_problem(key: str, value: object) -> str | None:
     from .campaign import MAX_MINUTES, STAMP_FORMAT
 
     if key == "started":
-        try:
-            time.strptime(str(value), STAMP_FORMAT)
+        try:  # and written back the same: strptime also takes a field of one digit, which strftime never writes
+            if time.strftime(STAMP_FORMAT, time.strptime(str(value), STAMP_FORMAT)) != value:
+                raise ValueError(value)
         except ValueError:
             return "the window's start, as YYYYMMDDTHHMMSS"
     if key == "minutes" and not (is_finite_number(value) and 0 < value <= MAX_MINUTES):
