@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterator
 
 from .. import stopping
 from ..errors import UserError, numbered, quote, run_command
-from ..io import as_written, file_identity, remove_stale_temps, write_json
+from ..io import as_written, file_identity, process_running, remove_stale_temps, temp_owner, write_json
 from ..outdir import Busy, Claim, check_file, check_path_names, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
 from ..jsonfiles import json_type, read_json_object
@@ -463,10 +463,14 @@ class Journal:
         """The journal at ``path``, or an empty one when there is none or it was written by other code (stderr
         says so, ``verb``: that ``rerun``); a UserError naming ``flag``, before any run, when the file there is
         not a journal (a folder, a link, someone else's file: it is never replaced), ending with ``advice``
-        (default: remove it, for a journal whose place the job file fixes)."""
+        (default: remove it, for a journal whose place the job file fixes). The temporaries that killed writers
+        of the journal left beside it go first (:meth:`add` removes them too, but an attempt that keeps every run,
+        or whose runs all fail, adds nothing)."""
         code = source_digest()
-        check_file(path, is_journal, "a cell job's journal", flag,
-                   f"remove it ({verb} writes its journal there)" if advice is None else advice)
+        check = functools.partial(check_file, path, is_journal, "a cell job's journal", flag,
+                                  f"remove it ({verb} writes its journal there)" if advice is None else advice)
+        check()
+        _remove_stale_temps(path, flag, check)
         runs = _recorded_runs(path, code)
         if runs is None:
             print(f"{verb}: {path}: its runs ran other code (agg_bench or baselines changed since); {rerun}",
@@ -508,6 +512,16 @@ class Journal:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _remove_stale_temps(path: Path, flag: str, check: Callable[[], None]) -> None:
+    """Remove the temporaries of the journal ``path`` that processes which have ended left beside it
+    (:func:`~agg_bench.io.remove_stale_temps`), under its claim as :meth:`Journal.add` writes it; nothing is
+    claimed where there is none (a folder not made yet, one this attempt only reads)."""
+    if path.parent.is_dir() and any((pid := temp_owner(path, entry.name)) is not None and not process_running(pid)
+                                    for entry in path.parent.iterdir()):
+        with Claim(path, folder=False, lock_inside=False, flag=flag, wait=True, check=check):
+            remove_stale_temps(path)
 
 
 def _recorded_runs(path: Path, code: str) -> dict[str, dict] | None:

@@ -664,6 +664,30 @@ def test_a_cell_journal_error_names_the_cell_journal_not_an_option(tmp_path):
             progress.add(job, load_config(None, ["model.resolution=32"]), "ok")
 
 
+def test_an_attempt_that_records_nothing_removes_the_journal_temporaries_of_killed_writers(tmp_path):
+    """An attempt that keeps every run, or whose runs all fail, adds nothing to its journal, which removed the
+    temporaries killed writers of it left only when adding a run: reading the journal removes those of ended
+    processes (a live writer's stays) and leaves no lock behind; a journal whose folder holds none claims nothing."""
+    from agg_bench.outdir import LOCK_SUFFIX
+    from agg_bench.runtime.cell import Journal
+
+    jobs = tmp_path / "jobs.json"
+    for journal in (Journal.path_of(jobs), tmp_path / "mine.json"):
+        journal.write_text(json.dumps({"code": "other", "runs": {}}))
+        stale, alive = atomic_path(journal, ENDED_PID), atomic_path(journal, os.getpid())
+        stale.write_text("{")
+        alive.write_text("{")
+        if journal == tmp_path / "mine.json":
+            Journal.read(journal, "agg-bench run", "--journal", "it runs")
+        else:
+            Journal.resume(jobs)
+        assert not stale.exists() and alive.exists() and journal.exists()
+        assert not (tmp_path / f".{journal.name}{LOCK_SUFFIX}").exists()
+        alive.unlink()
+    Journal.read(tmp_path / "new" / "mine.json", "agg-bench run", "--journal", "it runs")
+    assert not (tmp_path / "new").exists()
+
+
 def test_the_runs_collect_their_garbage_past_a_frozen_import_heap_and_thaw_it_after(tmp_path, monkeypatch, capsys):
     """What exists once the engine is imported is frozen (gc.freeze) while the runs go, so a collection between
     runs walks only what they made; the heap is thawed when the cell ends, by an error too, and an object a run
