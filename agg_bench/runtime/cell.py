@@ -342,7 +342,8 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
         def one_run(job: CellRun = job, cfg: Any = cfg, status: list[str] = status,
                     failure: list[Exception] = failure) -> int:
             try:
-                status.append(train(cfg, job.out, overwrite=overwrite, resume_stopped=journal is not None)["status"])
+                status.append(train(cfg, job.out, overwrite=overwrite, resume_stopped=journal is not None,
+                                    resume_flag="--resume")["status"])
             except Exception as exc:
                 failure.append(exc)
                 raise

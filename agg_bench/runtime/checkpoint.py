@@ -108,14 +108,15 @@ def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = (),
     return None
 
 
-def check_same_run(saved: dict, cfg: dict, out_dir: Path) -> None:
-    """Raise a ConfigError naming the first key whose value differs from the checkpoint's config."""
+def check_same_run(saved: dict, cfg: dict, out_dir: Path, flag: str = "--resume") -> None:
+    """Raise a ConfigError naming the first key whose value differs from the checkpoint's config (``flag``: the
+    option that asked to resume)."""
     from ..config import DEFAULTS
 
     diff = first_difference(saved, cfg, RESUMABLE_CHANGES, DEFAULTS)
     if diff is not None:
         key, old, new = diff
-        raise ConfigError(key, new, f"{old!r} as in the checkpoint in {out_dir} (or run without --resume)")
+        raise ConfigError(key, new, f"{old!r} as in the checkpoint in {out_dir} (or run without {flag})")
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -399,8 +400,10 @@ def load_parameters(module_params: Mapping[str, torch.Tensor], saved: dict, path
             p.copy_(saved[name])
 
 
-def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | None:
-    """Restore ``session`` from DIR/checkpoint.pt; None (and nothing changed) when there is none.
+def load_checkpoint(out_dir: str | Path, session, config: dict, flag: str = "--resume") -> Checkpoint | None:
+    """Restore ``session`` from DIR/checkpoint.pt; None (and nothing changed) when there is none. ``flag``: the
+    option that asked to resume (``--resume``, ``--resume-stopped``), which every refusal starts with and advises
+    running without.
 
     Raises a ConfigError when ``config`` differs from the checkpoint's in a key that changes what is
     computed, and a UserError when the file is not a checkpoint of this model (:func:`read_checkpoint`,
@@ -409,25 +412,25 @@ def load_checkpoint(out_dir: str | Path, session, config: dict) -> Checkpoint | 
     path = checkpoint_path(out_dir)
     if not path.is_file():
         return None
-    advice = "; delete it or run without --resume"
-    state = read_checkpoint(path, "--resume: ", advice)
-    check_same_run(state["config"], config, Path(out_dir))
+    advice = f"; delete it or run without {flag}"
+    state = read_checkpoint(path, f"{flag}: ", advice)
+    check_same_run(state["config"], config, Path(out_dir), flag)
     if "shards" in state:
-        _load_shards(Path(out_dir), session, state["shards"], path)
+        _load_shards(Path(out_dir), session, state["shards"], path, flag)
     else:
-        _load_parameters(session, state, path, advice)
+        _load_parameters(session, state, path, advice, flag)
     session.policy.version = state["policy_version"]
     if isinstance(state.get("method_state"), dict):
         session.estimator.load_state_dict(state["method_state"], session.policy)
     if session.eval_ema is not None:  # the config matched the checkpoint's, whose run kept one
         if "eval_ema" not in state:
-            raise UserError(f"--resume: {path} holds no evaluation average (train.eval_ema){advice}")
+            raise UserError(f"{flag}: {path} holds no evaluation average (train.eval_ema){advice}")
         session.eval_ema = type(session.eval_ema).from_state(session.policy, state["eval_ema"],
                                                              f"evaluation average (train.eval_ema) in {path}")
     try:
         _set_rng_state(state["rng"], session.device)
     except (TypeError, ValueError, RuntimeError) as err:
-        raise UserError(f"--resume: {path}: rng: not random states this machine takes ({type(err).__name__}){advice}") \
+        raise UserError(f"{flag}: {path}: rng: not random states this machine takes ({type(err).__name__}){advice}") \
             from None
     return Checkpoint(iteration=state["iteration"], records=list(state["records"]),
                       evaluations=list(state.get("evaluations", [])))
@@ -577,14 +580,15 @@ class ShardMetadataUnpickler(_PythonUnpickler):
     dispatch[pickle.BUILD[0]] = load_build
 
 
-def read_shard_metadata(path: str | Path) -> Any:
+def read_shard_metadata(path: str | Path, flag: str = "--resume") -> Any:
     """The ``torch.distributed.checkpoint`` metadata in ``path`` (a shard folder's ``.metadata``), read with
     :class:`ShardMetadataUnpickler`: a file that refers to anything else, or that is not a whole pickle of a
     ``Metadata``, is a UserError naming the file (and what it referred to), refused before anything it names runs;
-    so is a file over :data:`MAX_SHARD_METADATA_BYTES`, before it is read."""
+    so is a file over :data:`MAX_SHARD_METADATA_BYTES`, before it is read (``flag``: the option that asked to
+    resume, as :func:`load_checkpoint` names it)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    advice = "; delete the checkpoint or run without --resume"
+    advice = f"; delete the checkpoint or run without {flag}"
     path = Path(path)
     try:
         data = read_bounded(path, MAX_SHARD_METADATA_BYTES)
@@ -592,29 +596,29 @@ def read_shard_metadata(path: str | Path) -> Any:
         metadata = ShardMetadataUnpickler(io.BytesIO(data), _metadata_globals()).load()
     except TooLarge as err:
         size = "" if err.size is None else f"{err.size:,} bytes, "
-        raise UserError(f"--resume: {path} is {size}over the {MAX_SHARD_METADATA_BYTES // 2**20} MiB a sharded "
+        raise UserError(f"{flag}: {path} is {size}over the {MAX_SHARD_METADATA_BYTES // 2**20} MiB a sharded "
                         f"checkpoint's metadata may have; refused unread{advice}") from None
     except _Refused as err:
-        raise UserError(f"--resume: {path} is not a sharded checkpoint's metadata: it {err}; refused unread{advice}") \
+        raise UserError(f"{flag}: {path} is not a sharded checkpoint's metadata: it {err}; refused unread{advice}") \
             from None
     except OSError as err:
-        raise UserError(f"--resume: {path} cannot be read ({err.strerror or type(err).__name__}){advice}") from None
+        raise UserError(f"{flag}: {path} cannot be read ({err.strerror or type(err).__name__}){advice}") from None
     except Exception as err:  # a cut or foreign file fails in many ways inside pickle
         reason = ": ".join([type(err).__name__, *[clip(line) for line in str(err).splitlines()[:1]]])
-        raise UserError(f"--resume: {path} is not a sharded checkpoint's metadata ({reason}){advice}") from None
+        raise UserError(f"{flag}: {path} is not a sharded checkpoint's metadata ({reason}){advice}") from None
     if not (isinstance(metadata, Metadata) and isinstance(getattr(metadata, "state_dict_metadata", None), dict)
             and isinstance(getattr(metadata, "storage_data", None), dict)):
-        raise UserError(f"--resume: {path} is not a sharded checkpoint's metadata (it holds "
+        raise UserError(f"{flag}: {path} is not a sharded checkpoint's metadata (it holds "
                         f"{type(metadata).__name__}){advice}")
     return metadata
 
 
-def data_only_io(folder: Path, metadata: Any) -> tuple[Any, Any]:
+def data_only_io(folder: Path, metadata: Any, flag: str = "--resume") -> tuple[Any, Any]:
     """The storage reader and load planner with which ``torch.distributed.checkpoint.load`` reads the shard folder
     ``folder`` as data only: its metadata ``metadata``, which :func:`read_shard_metadata` read from the folder's
     ``.metadata`` (so the file is read once, and what loads is what was checked), its entries that are not tensors
     (the optimizer's settings, which torch's default planner unpickles whole) with ``weights_only=True`` (one that
-    is anything else is a UserError naming the folder and the entry), its tensors as torch reads them
+    is anything else is a UserError naming ``flag``, the folder and the entry), its tensors as torch reads them
     (``weights_only=True``)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -622,7 +626,7 @@ def data_only_io(folder: Path, metadata: Any) -> tuple[Any, Any]:
     class DataOnlyReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
             rank = kwargs.get("rank")  # torch's fallback to a process's own metadata, which our saves never write
-            found = metadata if rank is None else read_shard_metadata(folder / f"__{rank}.metadata")
+            found = metadata if rank is None else read_shard_metadata(folder / f"__{rank}.metadata", flag)
             if getattr(found, "storage_meta", None) is None:
                 found.storage_meta = StorageMeta()
             found.storage_meta.load_id = getattr(self, "load_id", None)
@@ -633,8 +637,8 @@ def data_only_io(folder: Path, metadata: Any) -> tuple[Any, Any]:
             try:
                 data = torch.load(value, map_location="cpu", weights_only=True)
             except Exception as err:
-                raise UserError(f"--resume: {folder}: entry {quote(read_item.dest_index.fqn)} is not plain data "
-                                f"({type(err).__name__}); delete the checkpoint or run without --resume") from None
+                raise UserError(f"{flag}: {folder}: entry {quote(read_item.dest_index.fqn)} is not plain data "
+                                f"({type(err).__name__}); delete the checkpoint or run without {flag}") from None
             plain = io.BytesIO()  # the default planner unpickles what it is given: give it what was just checked
             torch.save(data, plain)
             plain.seek(0)
@@ -643,7 +647,7 @@ def data_only_io(folder: Path, metadata: Any) -> tuple[Any, Any]:
     return DataOnlyReader(folder), DataOnlyPlanner()
 
 
-def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:
+def _load_shards(out_dir: Path, session, name: str, path: Path, flag: str) -> None:
     """Load the shard folder ``name`` that ``path`` names into the sharded session, as data only
     (:func:`data_only_io`). Its metadata is read and checked by every process before any loads: a problem on
     one process is a UserError on all."""
@@ -657,10 +661,10 @@ def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:
     folder = out_dir / name
     with distributed.failures_shared():
         if not is_sharded(session.policy) or not (folder / ".metadata").is_file():
-            raise UserError(f"--resume: {path} names the shard folder {folder}, which is missing or incomplete; "
-                            "delete the checkpoint or run without --resume")
-        metadata = read_shard_metadata(folder / ".metadata")
-    reader, planner = data_only_io(folder, metadata)
+            raise UserError(f"{flag}: {path} names the shard folder {folder}, which is missing or incomplete; "
+                            f"delete the checkpoint or run without {flag}")
+        metadata = read_shard_metadata(folder / ".metadata", flag)
+    reader, planner = data_only_io(folder, metadata, flag)
     state = _sharded_state(session)
     try:
         dcp.load(state, storage_reader=reader, planner=planner)
@@ -668,14 +672,14 @@ def _load_shards(out_dir: Path, session, name: str, path: Path) -> None:
         cause = first_failure(err)
         if isinstance(cause, UserError):
             raise cause from None
-        raise UserError(f"--resume: {folder} is damaged or does not match the model's trainable parameters "
+        raise UserError(f"{flag}: {folder} is damaged or does not match the model's trainable parameters "
                         f"({': '.join([type(cause).__name__, *str(cause).splitlines()[:1]])}); delete "
-                        "the checkpoint or run without --resume") from err
+                        f"the checkpoint or run without {flag}") from err
     set_state_dict(session.policy.transformer, session.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"], options=StateDictOptions(ignore_frozen_params=True))
 
 
-def _load_parameters(session, state: dict, path: Path, advice: str) -> None:
+def _load_parameters(session, state: dict, path: Path, advice: str, flag: str) -> None:
     """Copy a whole (unsharded) checkpoint's parameters and optimizer state into the session, both checked
     against the session's trainable parameters first (nothing is changed when either does not match)."""
     params = dict(session.policy.named_parameters())
@@ -683,12 +687,12 @@ def _load_parameters(session, state: dict, path: Path, advice: str) -> None:
     if problem is None:
         problem = _optimizer_problem(state["optimizer"], list(params.values()))
     if problem is not None:
-        raise UserError(f"--resume: {path} does not match the model: it {problem}{advice}")
-    load_parameters(params, state["parameters"], path, "--resume: ", advice)
+        raise UserError(f"{flag}: {path} does not match the model: it {problem}{advice}")
+    load_parameters(params, state["parameters"], path, f"{flag}: ", advice)
     try:
         session.optimizer.load_state_dict(state["optimizer"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
-        raise UserError(f"--resume: {path}: optimizer: not this run's optimizer state ({type(err).__name__})"
+        raise UserError(f"{flag}: {path}: optimizer: not this run's optimizer state ({type(err).__name__})"
                         f"{advice}") from None
 
 

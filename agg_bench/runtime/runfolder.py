@@ -113,7 +113,8 @@ def stopped_attempt(out: Path, config: dict) -> bool:
     --resume-stopped`` continues; a run that ended (ok, oom, diverged, error) or any other folder starts over.
     Reads only; a folder it cannot read is not such an attempt, nor is a ``checkpoint.pt`` that is no whole zip
     archive (what ``torch.save`` writes): the empty or cut file a machine that lost power after its rename
-    can leave, which ``--resume`` refuses."""
+    can leave, which ``--resume`` refuses. A whole archive that is no checkpoint of this run is a stopped
+    attempt's: continuing it is refused in one line naming ``--resume-stopped``, the folder untouched."""
     if not checkpoint_path(out).is_file() or not zipfile.is_zipfile(checkpoint_path(out)):
         return False
     folder = RunFolder(out)
@@ -151,17 +152,17 @@ def machine_change(env: dict, device: torch.device) -> str | None:
 HARDWARE_KEYS = ("device", "gpu_name", "n_gpus")
 
 
-def check_resumed_records(out: Path, lines: list[str], identity: dict) -> None:
+def check_resumed_records(out: Path, lines: list[str], identity: dict, flag: str = "--resume") -> None:
     """Refuse to continue a checkpoint's records (``lines``, JSON lines of iterations 0 to k) that were measured on
     other hardware than a run of ``identity`` measures on: another kind of device, GPU or number of GPUs (a run's
     records say it; its env.json names rank 0's GPU, not how many processes ran, and a checkpoint may be continued
-    in a folder without one)."""
+    in a folder without one). ``flag``: the option that asked to resume, which the refusal names."""
     before = {key: json.loads(lines[0]).get(key) for key in HARDWARE_KEYS}
     after = {key: identity[key] for key in HARDWARE_KEYS}
     if before != after:
-        raise UserError(f"--resume: {checkpoint_path(out)}: its records were measured on {_hardware(before)}, this "
+        raise UserError(f"{flag}: {checkpoint_path(out)}: its records were measured on {_hardware(before)}, this "
                         f"run on {_hardware(after)}; a resumed run's records would come from two machines: start it "
-                        "over with --overwrite in place of --resume, or give another folder")
+                        f"over with --overwrite in place of {flag}, or give another folder")
 
 
 def _hardware(fields: dict) -> str:

@@ -97,7 +97,8 @@ def _first_record(out: Path) -> dict | None:
 
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False,
-          resume_stopped: bool = False, kept: Callable[[], str | None] | None = None) -> dict:
+          resume_stopped: bool = False, kept: Callable[[], str | None] | None = None,
+          resume_flag: str | None = None) -> dict:
     """Run ``train.iterations`` GRPO iterations into the run folder ``out_dir`` (with ``train.budget``, until
     the first iteration whose cumulative ``cost`` reaches it, if that comes first); return the summary.
 
@@ -108,7 +109,10 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     checkpoint's iteration (later records are dropped and recomputed, so none is duplicated or missing),
     or starts over when there is no checkpoint; with ``resume_stopped`` it does so only when the folder holds
     an attempt of this run that was stopped before it ended (:func:`~agg_bench.runtime.runfolder.
-    stopped_attempt`: killed or interrupted, same config, same code), and starts over otherwise;
+    stopped_attempt`: killed or interrupted, same config, same code), and starts over otherwise (a checkpoint of
+    such an attempt that cannot be continued is refused, as with ``resume``); a refusal to resume names
+    ``resume_flag``, the option that asked for it (default ``--resume-stopped`` with ``resume_stopped``, else
+    ``--resume``);
     ``train.checkpoint_every`` = K > 0 writes ``checkpoint.pt`` every K iterations, at the end and on interruption
     (K = 0 on a resumed run that ends ok removes the one it resumed from). ``eval.every`` = K > 0 evaluates
     the policy on held-out noise (:mod:`agg_bench.runtime.evaluation`) before the first iteration, every K
@@ -129,6 +133,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
     lock are released however it ends, so one process may call it again.
     """
     out = Path(out_dir)
+    flag = resume_flag or ("--resume-stopped" if resume_stopped and not resume else "--resume")
     with stopping.stop_signals("agg-bench run"), stopping.safe_points():
         stopping.check()  # a signal that came before (while the command loaded): nothing is made
         check_config(cfg)  # the method's options and a random preset's architecture, before the folder is claimed
@@ -163,7 +168,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
                     if not tel.is_oom_error(exc):
                         raise
                     return _out_of_memory_at_build(cfg, out, resume, shard, exc)
-                return Training(cfg, out, resume, shard, session).run()
+                return Training(cfg, out, resume, shard, session, flag).run()
 
 
 class Training:
@@ -189,14 +194,16 @@ class Training:
     run first evaluates its starting state if that is due and the checkpoint does not hold it.
     """
 
-    def __init__(self, cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, session: Session):
+    def __init__(self, cfg: RunConfig, out: Path, resume: bool, shard: distributed.Shard, session: Session,
+                 flag: str = "--resume"):
         self.cfg, self.out, self.resume, self.shard, self.session = cfg, out, resume, shard, session
         _import_model_code()
         check_trained_steps(cfg)
         # planned next to measured memory; a run that measures nothing (telemetry off) plans nothing
         self.memory_plan = run_memory_plan(cfg, shard.world_size) if shard.is_main and cfg.telemetry.enabled else None
         self.config = cfg.to_dict()
-        self.restored = load_checkpoint(out, session, self.config) if resume else None
+        # a refusal names ``flag``, the option that asked to resume (``--resume-stopped``: the workflow's run jobs)
+        self.restored = load_checkpoint(out, session, self.config, flag) if resume else None
         if self.restored is not None and cfg.train.iterations <= self.restored.iteration:
             raise ConfigError("train.iterations", cfg.train.iterations,
                               f"more than the checkpoint's last iteration {self.restored.iteration} (it holds "
@@ -216,7 +223,7 @@ class Training:
         self.run_id = written_run_id(cfg, out, json.loads(self.lines[0]) if self.lines else None)
         self.identity = identity(cfg, self.run_id, session.device, shard.world_size)
         if self.restored is not None:  # rank 0's hardware is the one its records name; every process follows
-            distributed.on_main(runfolder.check_resumed_records, out, self.restored.records, self.identity)
+            distributed.on_main(runfolder.check_resumed_records, out, self.restored.records, self.identity, flag)
         # a job log (not a terminal) gets one line per iteration instead of a bar it cannot redraw
         self.log_lines = shard.is_main and not sys.stderr.isatty()
         self.telemetry: tel.Telemetry | None = None

@@ -395,6 +395,32 @@ def test_resume_on_another_host_of_the_same_kind_continues(checkpointed, tmp_pat
     assert summary(out)["resumed_from"] == 1 and [r["iteration"] for r in records(out)] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("archive", ["not a checkpoint", "another file"])
+def test_resume_stopped_refuses_a_whole_archive_that_is_no_checkpoint_naming_its_own_flag(checkpointed, tmp_path,
+                                                                                          capsys, archive):
+    """A checkpoint.pt that is a whole zip archive (no power cut left it) of a stopped attempt but no checkpoint
+    of this run is refused untouched, as --resume refuses it; the line started "--resume:" and advised running
+    without --resume, a flag the user had not given."""
+    import zipfile
+
+    out = tmp_path / "run"
+    _moved(checkpointed, out, {})
+    (out / "summary.json").unlink()
+    if archive == "not a checkpoint":
+        with zipfile.ZipFile(out / CHECKPOINT_NAME, "w") as fh:
+            fh.writestr("data.txt", "not a pickle")
+    else:
+        torch.save({"other": torch.zeros(1)}, out / CHECKPOINT_NAME)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["run", *checkpointed[1], "--set", "train.iterations=3", "--resume-stopped", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("agg-bench run: continuing the stopped attempt"), err
+    assert err[1].startswith(f"agg-bench run: --resume-stopped: {out / CHECKPOINT_NAME}"), err
+    assert err[1].endswith("delete it or run without --resume-stopped"), err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
 @pytest.mark.parametrize("size", [0, 1000])
 def test_resume_stopped_starts_over_from_a_cut_checkpoint(checkpointed, tmp_path, capsys, size):
     """A node that lost power after the rename of checkpoint.pt but before its data reached the disk leaves an
