@@ -79,6 +79,14 @@ def first_message_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def shown(path: str | Path) -> str:
+    """``path`` as a progress or status line writes it: as it is, or quoted (:func:`quote`) where it holds a
+    character that is not printable (a newline or carriage return, which split the line it is on; an escape
+    sequence), so that each such line stays one line."""
+    text = str(path)
+    return text if text.isprintable() else quote(text)
+
+
 def clip(text: str, limit: int = QUOTE_CHARS, unit: str = "characters") -> str:
     """``text`` itself, or its first ``limit`` characters, an ellipsis and how long it was."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} {unit})"

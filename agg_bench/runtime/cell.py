@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .. import stopping
-from ..errors import UserError, numbered, quote, run_command
+from ..errors import UserError, numbered, quote, run_command, shown
 from ..io import as_written, file_identity, process_running, remove_stale_temps, temp_owner, write_json
 from ..outdir import Busy, Claim, check_file, check_path_names, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
@@ -324,7 +324,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
         kept = journal.kept(job, cfg) if journal is not None else None
         if kept is not None:
             ended[job.out] = kept
-            print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} kept: it ended {kept} in an earlier "
+            print(f"agg-bench cell: run {number}/{len(jobs)} {shown(job.out)} kept: it ended {kept} in an earlier "
                   "attempt of this job whose end was not recorded", file=sys.stderr, flush=True)
             print(json.dumps({"out": str(job.out), "status": kept}), flush=True)
             continue
@@ -332,7 +332,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
             print(f"agg-bench cell: {numbered('run', number, len(jobs))} not started: the longest run so far "
                   f"({longest:.1f} s) would end after the deadline", file=sys.stderr, flush=True)
             break
-        print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} started", file=sys.stderr, flush=True)
+        print(f"agg-bench cell: run {number}/{len(jobs)} {shown(job.out)} started", file=sys.stderr, flush=True)
         start = time.perf_counter()
         status: list[str] = []
         failure: list[Exception] = []
@@ -350,7 +350,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
             print(json.dumps({"out": str(job.out), "status": status[0]}), flush=True)
             return 0
 
-        code = run_command(f"agg-bench cell: {job.out}", one_run, ["agg-bench", "cell", str(path)], job.out)
+        code = run_command(f"agg-bench cell: {shown(job.out)}", one_run, ["agg-bench", "cell", str(path)], job.out)
         end = status[0] if status else f"failed (exit code {code})"
         if status:
             ended[job.out] = status[0]
@@ -365,7 +365,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
                 ended[job.out] = "error"
         seconds = time.perf_counter() - start
         longest = max(longest, seconds)
-        print(f"agg-bench cell: run {number}/{len(jobs)} {job.out} {end} in {seconds:.1f} s",
+        print(f"agg-bench cell: run {number}/{len(jobs)} {shown(job.out)} {end} in {seconds:.1f} s",
               file=sys.stderr, flush=True)
         if code >= 128:  # stopped by a signal: the cell stops with it (the journal keeps what ended)
             return code
@@ -374,7 +374,7 @@ def _run_jobs(path: Path, jobs: list[tuple[CellRun, Any]], keep_going: bool, dea
             # with kill -9 leaves its jobs running), which goes on to the next runs, and the calibrations, too
             if number < len(jobs):
                 print(f"agg-bench cell: {numbered('run', number + 1, len(jobs))} not started: another process writes "
-                      f"{failure[0].target} (an earlier attempt of this job still running?); run the job again once "
+                      f"{shown(failure[0].target)} (an earlier attempt of this job still running?); run the job again once "
                       "it has ended", file=sys.stderr, flush=True)
             return max(worst, code, key=SEVERITY.__getitem__)
         worst = max(worst, code, key=SEVERITY.__getitem__)
@@ -474,7 +474,7 @@ class Journal:
         _remove_stale_temps(path, flag, check)
         runs = _recorded_runs(path, code)
         if runs is None:
-            print(f"{verb}: {path}: its runs ran other code (agg_bench or baselines changed since); {rerun}",
+            print(f"{verb}: {shown(path)}: its runs ran other code (agg_bench or baselines changed since); {rerun}",
                   file=sys.stderr, flush=True)
         return cls(path, runs or {}, code, flag)
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from .. import stopping
 from ..config import RunConfig
-from ..errors import ConfigError, UserError, alike_on_every_process, counted
+from ..errors import ConfigError, UserError, alike_on_every_process, counted, shown
 from ..io import JsonlWriter, path_text, read_jsonl
 from ..machine import distributed, fsdp
 from ..machine import telemetry as tel
@@ -148,14 +148,14 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: 
                 status = distributed.gather(distributed.on_main(kept))[0]
                 if status is not None:
                     if shard.is_main:
-                        print(f"agg-bench run: {out} kept: it ended {status} in an earlier attempt whose end was "
+                        print(f"agg-bench run: {shown(out)} kept: it ended {status} in an earlier attempt whose end was "
                               "not recorded", file=sys.stderr, flush=True)
                     return RunFolder(out).summary()
             if resume_stopped and not resume:  # rank 0 reads the folder; every process follows its answer
                 stopped = distributed.on_main(runfolder.stopped_attempt, out, cfg.to_dict())
                 resume = any(distributed.gather(bool(stopped)))
                 if resume and shard.is_main:
-                    print(f"agg-bench run: continuing the stopped attempt in {out} from its checkpoint",
+                    print(f"agg-bench run: continuing the stopped attempt in {shown(out)} from its checkpoint",
                           file=sys.stderr, flush=True)
             # rank 0 checks, locks and (if new) makes the folder; a folder it made and left empty goes if the
             # run fails or is stopped before writing into it
@@ -300,7 +300,7 @@ class Training:
 
     def _start_files(self) -> None:
         if self.resume and self.restored is None:
-            print(f"agg-bench run: no checkpoint in {self.out}; starting at iteration 0", file=sys.stderr)
+            print(f"agg-bench run: no checkpoint in {shown(self.out)}; starting at iteration 0", file=sys.stderr)
         resumed = self.restored is not None
         runfolder.start_files(self.out, self.config, self.lines, keep_checkpoint=resumed,
                               keep_events=resumed and self.cfg.telemetry.tensorboard,

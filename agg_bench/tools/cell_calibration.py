@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..errors import UserError, quote, run_command
+from ..errors import UserError, quote, run_command, shown
 from ..io import read_jsonl, write_json
 from ..jsonfiles import JsonFileError, json_type, read_json_object
 from ..outdir import check_file, check_path_names, check_suffix, check_writable, json_file_where, json_file_with
@@ -270,7 +270,7 @@ def run_calibrations(items: list[CellCalibration], run_folders: list[Path], ende
                 return 0
 
             began = time.perf_counter()
-            code = run_command(f"agg-bench cell: calibration {item.out}", body, argv, item.out)
+            code = run_command(f"agg-bench cell: calibration {shown(item.out)}", body, argv, item.out)
             seconds = round(time.perf_counter() - began, 1)
             how = FINISHED if code == 0 and item.out.is_file() else ("interrupted" if code >= 128 else "failed")
             if how == FINISHED and labels:
@@ -278,7 +278,7 @@ def run_calibrations(items: list[CellCalibration], run_folders: list[Path], ende
             worst = code if code >= 128 else max(worst, code, key=SEVERITY.__getitem__)
         write_json(item.report, {"out": str(item.out), "methods": labels, "exit_code": code, "ended": how,
                                  "seconds": seconds})
-        print(f"agg-bench cell: calibration {number}/{len(items)} {item.out}: {how} ({seconds} s)",
+        print(f"agg-bench cell: calibration {number}/{len(items)} {shown(item.out)}: {how} ({seconds} s)",
               file=sys.stderr, flush=True)
         if code is not None and code >= 128:
             return code

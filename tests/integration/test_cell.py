@@ -245,7 +245,7 @@ def test_each_run_ends_on_its_own(tmp_path, capsys, monkeypatch, outcomes, code,
 
     calls = []
 
-    def fake_train(cfg, out, resume=False, overwrite=False, resume_stopped=False):
+    def fake_train(cfg, out, resume=False, overwrite=False, resume_stopped=False, resume_flag=None):
         outcome = outcomes[len(calls)]
         calls.append(Path(out).name)
         if outcome == "user":
@@ -268,6 +268,26 @@ def test_each_run_ends_on_its_own(tmp_path, capsys, monkeypatch, outcomes, code,
     assert all(f"{tmp_path / n}: refused" in err for n, o in zip("abc", outcomes) if o == "user")
 
 
+def test_a_run_folder_with_a_line_break_keeps_each_progress_line_one_line(tmp_path, capsys, monkeypatch):
+    """A run folder's name may hold a newline or a carriage return, which split the cell's line per run (and a
+    failed run's line) on stderr: such a path is written quoted, a plain one as it is."""
+    from agg_bench.errors import UserError
+
+    def fake_train(cfg, out, resume=False, overwrite=False, resume_stopped=False, resume_flag=None):
+        if Path(out).name == "c\rd":
+            raise UserError("refused")
+        return {"status": "ok"}
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    outs = [tmp_path / "a\nb", tmp_path / "c\rd", tmp_path / "plain"]
+    assert main(["cell", str(job_file(tmp_path, [run(out) for out in outs]))]) == 2
+    lines = re.split(r"\r\n|\r|\n", capsys.readouterr().err.strip())
+    assert [line.split(" ")[4] for line in lines if line.startswith("agg-bench cell: run ")] == \
+        [repr(str(outs[0]))] * 2 + [repr(str(outs[1]))] * 2 + [str(outs[2])] * 2, lines
+    assert f"agg-bench cell: {str(outs[1])!r}: refused" in lines, lines
+    assert len(lines) == 7, lines
+
+
 def test_on_a_gpu_the_next_run_starts_without_the_blocks_an_oom_run_left_cached(tmp_path, capsys, monkeypatch):
     """A one-GPU cell runs its runs in one process: the caching allocator's blocks of a run that ended (an
     out-of-memory one above all) go back to the device before the next run starts, so it measures and
@@ -276,7 +296,7 @@ def test_on_a_gpu_the_next_run_starts_without_the_blocks_an_oom_run_left_cached(
 
     events = []
 
-    def fake_train(cfg, out, resume=False, overwrite=False, resume_stopped=False):
+    def fake_train(cfg, out, resume=False, overwrite=False, resume_stopped=False, resume_flag=None):
         events.append(Path(out).name)
         return {"status": "oom" if Path(out).name == "a" else "ok"}
 
