@@ -20,7 +20,8 @@ bounds, every JSON file parses as agg-bench writes JSON (:func:`agg_bench.jsonfi
 JSON lines of objects), every run is finished, of this sweep (the config it composes for that run id), with
 files :class:`~agg_bench.reading.RunFolder` accepts and records and a summary naming that run on one device
 (:func:`agg_bench.results.loading.run_identity`), every calibration is what ``agg-bench calibrate`` writes for the cell it is named
-after, every window log is one, every run and calibration of the archive and the reference names one GPU, the
+after, every window log is one (its keys, and its values and the entries of its lists as a window writes them),
+every run and calibration of the archive and the reference names one GPU, the
 one ``campaign.gpu`` names (:func:`check_hardware`), every safetensors file's header describes exactly the
 bytes after it and every PNG starts as a PNG does, and every new run's passes per sample in its first
 iteration equal what the same schedule counts on the tiny model on the CPU (:func:`check_counts`, which runs
@@ -56,7 +57,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from tqdm import tqdm
 
@@ -67,7 +68,7 @@ from ..outdir import Contents, claim_folder, claimed_folders, path_problem
 from ..outputs import LEARNING_CONTENTS
 from ..outputs import REPORT_CONTENTS, TABLES_CONTENTS, UNPACK_STAGING
 from ..reading import RunFolder, identity_mismatch
-from ..records import is_finite_number, is_integer
+from ..records import is_finite_number, is_integer, is_label
 
 if TYPE_CHECKING:
     from .campaign import Campaign
@@ -461,6 +462,10 @@ def _check_window_log(where: str, name: str, data: bytes) -> None:
         allowed = _window_log_value_problem(key, value)
         if allowed is not None:
             raise UserError(f"{where}: windows/{name}: {quote(key)} = {quote(value)}; expected {allowed}")
+        item = _window_log_item_problem(key, value) if key in WINDOW_LOG_ITEMS else None
+        if item is not None:  # an entry of a list, as a window writes it too
+            at, found, allowed = item
+            raise UserError(f"{where}: windows/{name}: {quote(key)}{at} = {quote(found)}; expected {allowed}")
 
 
 def _window_log_value_problem(key: str, value: object) -> str | None:
@@ -483,6 +488,71 @@ def _window_log_value_problem(key: str, value: object) -> str | None:
         return "the name of the signal that stopped the window (e.g. 'SIGTERM') or null"
     if key == "config" and path_problem(str(value)) is not None:  # any name: campaign run --config takes any
         return "the window's campaign config file (a path)"
+    return None
+
+
+def _run_names(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) and NAME.match(v) for v in value)
+
+
+# a window log's entries (campaign.run_window): each field's test and what it holds, in words
+_ENTRY_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "label": (lambda v: isinstance(v, str) and bool(NAME.match(v)), "a pre-trained model's label (a name of "
+              "letters, digits, '.', '_' and '-')"),
+    "ok": (lambda v: isinstance(v, bool), "true or false"),
+    "cell": (is_label, "a cell's name, printable text of 1 to 200 characters"),
+    "runs": (_run_names, "a list of run folder names (letters, digits, '.', '_' and '-')"),
+    "finished": (_run_names, "a list of run folder names (letters, digits, '.', '_' and '-')"),
+    "busy": (_run_names, "a list of run folder names (letters, digits, '.', '_' and '-')"),
+    "file": (lambda v: v is None or (isinstance(v, str) and bool(NAME.match(v))), "a calibration's file name or null"),
+    "methods": (lambda v: isinstance(v, list) and all(is_label(m) for m in v), "a list of method labels"),
+    "exit_code": (lambda v: v is None or is_integer(v), "an exit code (an integer) or null"),
+    "ended": (is_label, "how it ended, printable text of 1 to 200 characters"),
+    "seconds": (lambda v: is_finite_number(v) and v >= 0, "seconds, a finite number >= 0"),
+}
+# the keys of the entries a window writes (of any version: a cell process's busy came later, and its calibration
+# was once a key of its entry, now an entry of its own), each with the keys it holds at least
+PRETRAINED_ENTRY = ("label", "ok", "exit_code", "ended", "seconds")
+PROCESS_ENTRY = ("cell", "runs", "finished", "busy", "exit_code", "ended", "seconds", "calibration")
+CALIBRATION_ENTRY = ("file", "methods", "exit_code", "ended", "seconds")
+WINDOW_LOG_ITEMS = {"pretrained": (PRETRAINED_ENTRY, ("label", "ok")), "processes": (PROCESS_ENTRY, ("cell",)),
+                    "finished_in_window": None}
+
+
+def _window_log_item_problem(key: str, value: list) -> tuple[str, object, str] | None:
+    """The first item of a window log's list ``value`` under ``key`` (:data:`WINDOW_LOG_ITEMS`) that is not as
+    a window writes it: (where in the list, ``[2]`` or ``[2]['runs']``; the item; what is expected there, in
+    words); None when every item is. A cell process's entry holds its runs, its calibration, or both."""
+    shape = WINDOW_LOG_ITEMS[key]
+    for index, item in enumerate(value):
+        if shape is None:
+            if not _run_names([item]):
+                return f"[{index}]", item, "a run folder name (letters, digits, '.', '_' and '-')"
+            continue
+        keys, required = shape
+        problem = _entry_problem(item, keys, required, f"[{index}]")
+        if problem is None and key == "processes" and not {"runs", "calibration"} & set(item):
+            problem = f"[{index}]", item, "a cell process's entry, with its runs, its calibration or both"
+        if problem is not None:
+            return problem
+    return None
+
+
+def _entry_problem(entry: object, keys: tuple[str, ...], required: tuple[str, ...],
+                   at: str) -> tuple[str, object, str] | None:
+    """What of a window log's ``entry`` (at ``at`` in its list) is not as a window writes it: an object of
+    ``keys``, ``required`` among them, each value of its field's shape (:data:`_ENTRY_FIELDS`)."""
+    if not (isinstance(entry, dict) and set(required) <= set(entry) <= set(keys)):
+        return at, entry, f"an object with keys among {', '.join(keys)} ({', '.join(required)} at least)"
+    for field, item in entry.items():
+        if field == "calibration":
+            problem = _entry_problem(item, CALIBRATION_ENTRY, ("methods",), f"{at}['calibration']")
+            if problem is not None:
+                return problem
+            continue
+        test, words = _ENTRY_FIELDS[field]
+        if not test(item):
+            return f"{at}[{quote(field)}]", item, words
     return None
 
 

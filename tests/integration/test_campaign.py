@@ -628,6 +628,59 @@ def test_a_window_started_ahead_of_the_clock_writes_a_log_unpack_takes(tmp_path,
     assert (tmp_path / "reference" / "windows" / f"{log['started']}.json").is_file()
 
 
+GOOD_PROCESS = {"cell": "sd3_32px_cpu", "runs": ["r1", "r2"], "finished": ["r1"], "busy": [], "exit_code": 0,
+                "ended": "finished", "seconds": 2.0}
+GOOD_CALIBRATION = {"cell": "sd3_32px_cpu", "calibration": {"file": "20260101T000000_01_sd3_32px_cpu.json",
+                                                            "methods": ["full", "agg-w5"], "exit_code": 0,
+                                                            "ended": "finished", "seconds": 1.5}}
+GOOD_PRETRAINED = {"label": "scene", "ok": True, "exit_code": 0, "ended": "finished", "seconds": 3.5}
+
+
+@pytest.mark.parametrize("key, value, at, item, words", [
+    ("finished_in_window", ["r1", "../evil"], "[1]", "../evil", "a run folder name"),
+    ("finished_in_window", [3], "[0]", 3, "a run folder name"),
+    ("pretrained", [{"ok": True}], "[0]", {"ok": True}, "an object with keys among label, ok, exit_code"),
+    ("pretrained", [{**GOOD_PRETRAINED, "path": "/etc"}], "[0]", {**GOOD_PRETRAINED, "path": "/etc"},
+     "an object with keys among label, ok"),
+    ("pretrained", [{**GOOD_PRETRAINED, "label": "a/b"}], "[0]['label']", "a/b", "a pre-trained model's label"),
+    ("pretrained", [{**GOOD_PRETRAINED, "ok": 1}], "[0]['ok']", 1, "true or false"),
+    ("processes", ["x"], "[0]", "x", "an object with keys among cell, runs, finished, busy"),
+    ("processes", [{"cell": "c"}], "[0]", {"cell": "c"}, "a cell process's entry, with its runs, its calibration"),
+    ("processes", [{**GOOD_PROCESS, "runs": ["a\nb"]}], "[0]['runs']", ["a\nb"], "a list of run folder names"),
+    ("processes", [{**GOOD_PROCESS, "exit_code": "0"}], "[0]['exit_code']", "0", "an exit code (an integer) or null"),
+    ("processes", [GOOD_PROCESS, {**GOOD_PROCESS, "cell": "a\x1b[31m"}], "[1]['cell']", "a\x1b[31m", "a cell's name"),
+    ("processes", [{"cell": "c", "calibration": []}], "[0]['calibration']", [],
+     "an object with keys among file, methods"),
+    ("processes", [{"cell": "c", "calibration": {**GOOD_CALIBRATION["calibration"], "seconds": -1}}],
+     "[0]['calibration']['seconds']", -1, "seconds, a finite number >= 0"),
+    ("processes", [{"cell": "c", "calibration": {**GOOD_CALIBRATION["calibration"], "methods": [None]}}],
+     "[0]['calibration']['methods']", [None], "a list of method labels"),
+])
+def test_a_window_log_entry_no_window_writes_is_refused_and_the_reference_untouched(tmp_path, cpu_campaign, key,
+                                                                                    value, at, item, words):
+    """The lists of a window's log (pretrained, processes, finished_in_window) were checked as lists only: their
+    entries went into the reference whatever they held. Each entry is checked as the window writes it; a log of
+    such entries is let in, and so is one of an earlier window's (a cell process's entry without busy, or with
+    its calibration in it: the committed reference's)."""
+    reference = tmp_path / "reference"
+    good = {"started": "20251231T000000", "minutes": 60, "config": "config/h200.yaml", "runs": 3, "left": 1,
+            "seconds": 12.5, "stopped_by_signal": None, "pretrained": [GOOD_PRETRAINED],
+            "processes": [GOOD_PROCESS, GOOD_CALIBRATION, {**GOOD_PROCESS, **GOOD_CALIBRATION},
+                          {key: v for key, v in GOOD_PROCESS.items() if key != "busy"}], "finished_in_window": ["r1"]}
+    first = tmp_path / "good.tar.gz"
+    first.write_bytes(gzip.compress(tar_bytes({"windows/20251231T000000.json": json.dumps(good).encode()})))
+    archive_module.unpack(cpu_campaign, first, reference)
+    before = tree(reference)
+    stamp = "20260101T000000"
+    bad = tmp_path / "bad.tar.gz"
+    log = {**good, "started": stamp, key: value}
+    bad.write_bytes(gzip.compress(tar_bytes({f"windows/{stamp}.json": json.dumps(log).encode()})))
+    with pytest.raises(UserError) as refused:
+        archive_module.unpack(cpu_campaign, bad, reference)
+    assert f"windows/{stamp}.json: {key!r}{at} = {item!r}; expected {words}" in str(refused.value), refused.value
+    assert "\n" not in str(refused.value) and tree(reference) == before
+
+
 def test_a_reference_holds_one_gpus_runs_and_the_one_the_campaign_names(tmp_path):
     """Unpack refuses runs of another GPU than the reference's, and with campaign.gpu (config/h200.yaml: H200)
     runs and calibrations of any other GPU."""
