@@ -306,11 +306,11 @@ def test_config_overrides_read_as_in_a_sweep_file(tmp_path):
     # the override merged into the file's `set`, each value of its type
     assert "--set train.iterations=3 " in calibrate and "--set progress=true " in calibrate
     assert "--set sampling.steps=6 " in calibrate, calibrate
-    # a method section replaces the file's whole, as in a sweep file: full takes no window
+    # a method section replaces the file's whole, as in a sweep file: fraction takes no window
     proc = snakemake_here(work, "-n", "-p", "--cores", "1", "--configfile", "config/test.yaml", "--config",
-                     "methods={agg-w3: {method: {name: full}}}")
+                     "methods={agg-w3: {method: {name: fraction}}}")
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    assert "--method agg-w3 '{method: {name: full}}'" in proc.stdout
+    assert "--method agg-w3 '{method: {name: fraction}}'" in proc.stdout
     proc = snakemake_here(work, "-n", "--cores", "1", "--configfile", "config/test.yaml", "--config", "set={1: 3}")
     line = refusal(proc)
     assert "--config = 'set={1: 3}'" in line and "quote it" in line, proc.stderr
@@ -442,11 +442,12 @@ def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
     run's metrics.jsonl, summary.json and env.json with them. The cell records the failed run and succeeds; the
     manifest fails naming it (the tables wait), and the next invocation reruns the cell. The failure injected:
     the scene reward on captions that are not scenes, which the sweep's checks accept and the run refuses as it
-    starts."""
+    starts (its own learning rate keeps it, mended, another run than full's: the sweep refuses two labels of one
+    run)."""
     work = workdir(tmp_path, shared_checks=True)
     sweep = yaml.safe_load((work / "config" / "test.yaml").read_text())
     sweep["methods"] = {"full": {"method": {"name": "full"}},
-                        "broken": {"method": {"name": "full"}, "reward": {"name": "scene"}}}
+                        "broken": {"method": {"name": "full"}, "train": {"lr": 2.0e-4}, "reward": {"name": "scene"}}}
     sweep["set"]["sampling.steps"] = 4
     del sweep["gradcheck"]
     sweep["calibrate"] = {"enabled": False}
