@@ -497,9 +497,9 @@ def test_resume_reads_a_shard_metadata_once(tmp_path, monkeypatch, sharded_run):
     out, _ = shard_copy(sharded_run, tmp_path)
     reads = []
 
-    def counted(path):
+    def counted(path, *args, **kwargs):
         reads.append(Path(path).name)
-        return read(path)
+        return read(path, *args, **kwargs)
 
     read = checkpoint.read_shard_metadata
     monkeypatch.setattr(checkpoint, "read_shard_metadata", counted)
