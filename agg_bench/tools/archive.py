@@ -496,14 +496,15 @@ def _run_names(value: object) -> bool:
 
 
 # a window log's entries (campaign.run_window): each field's test and what it holds, in words
+_RUN_NAMES_FIELD = (_run_names, "a list of run folder names (letters, digits, '.', '_' and '-')")
 _ENTRY_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "label": (lambda v: isinstance(v, str) and bool(NAME.match(v)), "a pre-trained model's label (a name of "
               "letters, digits, '.', '_' and '-')"),
     "ok": (lambda v: isinstance(v, bool), "true or false"),
     "cell": (is_label, "a cell's name, printable text of 1 to 200 characters"),
-    "runs": (_run_names, "a list of run folder names (letters, digits, '.', '_' and '-')"),
-    "finished": (_run_names, "a list of run folder names (letters, digits, '.', '_' and '-')"),
-    "busy": (_run_names, "a list of run folder names (letters, digits, '.', '_' and '-')"),
+    "runs": _RUN_NAMES_FIELD,
+    "finished": _RUN_NAMES_FIELD,
+    "busy": _RUN_NAMES_FIELD,
     "file": (lambda v: v is None or (isinstance(v, str) and bool(NAME.match(v))), "a calibration's file name or null"),
     "methods": (lambda v: isinstance(v, list) and all(is_label(m) for m in v), "a list of method labels"),
     "exit_code": (lambda v: v is None or is_integer(v), "an exit code (an integer) or null"),
