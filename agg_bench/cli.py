@@ -14,7 +14,8 @@ from .outdir import check_file, check_writable, named_path_problem
 DEFAULT_CAMPAIGN_WORK = Path("results/campaign")  # campaign run's and status's --work
 # the campaign actions that read each option that not all of them read
 CAMPAIGN_OPTION_ACTIONS = {"--minutes": ("run",), "--started": ("run",), "--archive": ("run", "unpack"),
-                           "--work": ("run", "status"), "--work-name": ("run", "status")}
+                           "--work": ("run", "status"), "--work-name": ("run", "status"),
+                           "--reference-name": ("run", "status")}
 MAX_GPU_MEMORY_GIB = 10**6  # --gpu-memory: far above any GPU's, and a finite number of bytes
 MIN_GPU_MEMORY_GIB = 1 / 2**30  # and one byte at least: 1e-300 GiB was taken and planned as 0 bytes
 # profile's --wait, --warmup, --active: each step is a training iteration (a trace keeps every active one), so far
@@ -380,28 +381,32 @@ def cmd_campaign(args) -> int:
     if args.work is None:
         args.work = DEFAULT_CAMPAIGN_WORK
     work_name = args.work_name or "--work"  # what errors call the work folder: what its user gave
+    if args.reference_name is not None and args.reference is None:  # it names nothing: ignored, as it was
+        raise UserError(f"--reference-name {args.reference_name}: names --reference in errors, but no --reference "
+                        "was given; give --reference DIR too, or leave it out")
+    reference_name = args.reference_name or "--reference"  # what errors call the reference: what its user gave
     if args.action == "unpack" and args.archive is None:
         raise UserError("campaign unpack needs the archive (--archive FILE)")
     if args.action == "unpack" and args.reference is None:
         raise UserError("campaign unpack needs the reference folder to add the archive to (--reference DIR, "
                         "e.g. results/reference/h200)")
     # the work folder of the actions that read it: unpack reads none, and its default was refused as a link
-    for flag, folder in (("--reference", args.reference),
+    for flag, folder in ((reference_name, args.reference),
                          (work_name, args.work if args.action != "unpack" else None)):
         if folder is not None:
             check_folder_path(folder, flag)
     if args.action == "run" and args.archive is not None:
         check_suffix(args.archive, ".tar.gz", "--archive")  # what unpack reads: a gzip-compressed tar
     if args.action == "status":  # the folders a window keeps apart (run checks them in run_window)
-        check_places(args.work, args.reference, work_name=work_name)
+        check_places(args.work, args.reference, work_name=work_name, reference_name=reference_name)
     if args.action != "unpack":  # what status and a window read: someone's folder was read as holding no run
         if args.reference is not None:
-            check_folder(args.reference, REFERENCE_CONTENTS, "--reference")
+            check_folder(args.reference, REFERENCE_CONTENTS, reference_name)
         check_folder(args.work, WORK_CONTENTS, work_name)
     campaign = Campaign(args.config, cpu=args.cpu)
     if args.action == "run":
         log = run_window(campaign, args.minutes, args.work, args.reference, args.archive, started=args.started,
-                         work_name=work_name)
+                         work_name=work_name, reference_name=reference_name)
         print(json.dumps({"archive": log["archive"], "finished": len(log["finished_in_window"]), "left": log["left"],
                           "seconds": log["seconds"]}))
     elif args.action == "unpack":
@@ -411,7 +416,7 @@ def cmd_campaign(args) -> int:
 
         cut_off = unpack_under_way(args.reference) if args.reference is not None else None
         if cut_off is not None:  # its runs count as done; its manifest and tables may lag behind them
-            print(f"agg-bench campaign: --reference {args.reference}: an unpack into it is under way or was cut off "
+            print(f"agg-bench campaign: {reference_name} {args.reference}: an unpack into it is under way or was cut off "
                   f"({cut_off.name}); run that unpack again to finish its manifest and tables", file=sys.stderr)
         print(json.dumps(status(campaign, args.reference, args.work), indent=1))
     return 0
@@ -695,6 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-name", type=name_arg, metavar="NAME",
                    help="run, status: what a one-line error calls the work folder (default --work); "
                         "scripts/gpu_campaign.sh passes AGG_BENCH_CAMPAIGN_OUT, the variable its user sets")
+    p.add_argument("--reference-name", type=name_arg, metavar="NAME",
+                   help="run, status: what a one-line error calls the reference folder (default --reference); "
+                        "scripts/gpu_campaign.sh passes AGG_BENCH_CAMPAIGN_REFERENCE when that variable set it")
     p.add_argument("--minutes", type=number_arg, help="run: the window's length; it stops cleanly before its end")
     p.add_argument("--started", type=number_arg, help="run: when the window's clock started, in seconds since the epoch "
                                                  "(default: now); scripts/gpu_campaign.sh passes its own start, so "

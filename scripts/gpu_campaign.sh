@@ -61,9 +61,13 @@ pick_python gpu_campaign "agg-bench's requirements" torch diffusers agg_bench
 # every other module a window's processes import: one missing (peft, say) failed only the runs that reach it,
 # minutes in
 require_modules gpu_campaign "agg-bench's requirements" peft safetensors numpy yaml jsonschema pandas PIL tqdm
-# errors about the work folder name AGG_BENCH_CAMPAIGN_OUT, which this script's user sets, not --work
+# errors about the work folder name AGG_BENCH_CAMPAIGN_OUT, which this script's user sets, not --work; errors about
+# the reference name AGG_BENCH_CAMPAIGN_REFERENCE where that variable set it (no --reference given to this script)
 ARGS=(--config "$CONFIG" --minutes "$MINUTES" --started "$STARTED" --work "$WORK" --work-name AGG_BENCH_CAMPAIGN_OUT
       --reference "$REFERENCE")
+if [[ -z "${GIVEN_reference+x}" && -n "${AGG_BENCH_CAMPAIGN_REFERENCE:-}" ]]; then
+  ARGS+=(--reference-name AGG_BENCH_CAMPAIGN_REFERENCE)
+fi
 if [[ $MODE == gpu ]]; then
   require_cuda gpu_campaign "run scripts/gpu_campaign.sh --cpu on a machine without one, or install torch's CUDA build"
 else

@@ -496,14 +496,14 @@ class Campaign:
                     out[label] = Path(path)
         return out
 
-    def prepare_models(self, reference: Path | None) -> list[str]:
+    def prepare_models(self, reference: Path | None, reference_name: str = "--reference") -> list[str]:
         """Put each pre-trained model the runs read in place from the reference where the reference holds it
         and this machine does not; the labels still to pre-train. A model folder is used only when its
         ``pretrain.json`` records the config the sweep's ``pretrain.<label>`` composes (:meth:`model_problem`).
         The --cpu form pre-trains its own folder anew when it records another (the folder is that form's alone,
         and ``agg-bench pretrain`` replaces only its own output); anywhere else that is a UserError, as it is
         where this machine's model is not the reference's or the reference holds runs but not their model:
-        one line, nothing changed."""
+        one line naming ``reference_name`` (what the user gave the reference as), nothing changed."""
         from .pretrain import check_out_dir
 
         missing = []
@@ -512,14 +512,15 @@ class Campaign:
             if held is not None and held.is_dir():
                 problem = self.model_problem(label, held)
                 if problem:
-                    raise UserError(f"--reference {reference}: pretrained/{label} {problem}; give another reference")
+                    raise UserError(f"{reference_name} {reference}: pretrained/{label} {problem}; "
+                                    "give another reference")
                 if local.exists():
                     if _files(local, archives.MODEL_FILES) != _files(held, archives.MODEL_FILES):
                         raise UserError(f"{local}: not the model of the reference {reference} (its "
                                         f"pretrained/{label}), which its runs were trained from; move it aside")
                 continue
             if reference is not None and local.exists() and self.done(reference):
-                raise UserError(f"--reference {reference}: holds runs but not pretrained/{label}, the model they "
+                raise UserError(f"{reference_name} {reference}: holds runs but not pretrained/{label}, the model they "
                                 "were trained from; add it, or give another reference")
             if not local.exists():
                 missing.append(label)
@@ -834,10 +835,11 @@ def visible_gpu_name(device: str, python: str = sys.executable, until: float | N
 
 def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: str | Path | None,
                archive: str | Path | None = None, python: str = sys.executable,
-               started: float | None = None, work_name: str = "--work") -> dict:
+               started: float | None = None, work_name: str = "--work", reference_name: str = "--reference") -> dict:
     """One window of ``minutes`` from ``started`` (default now; module docstring); returns its log (also in the
     archive). ``work_name``: what errors call ``work``, as its user gave it (scripts/gpu_campaign.sh's user sets
-    AGG_BENCH_CAMPAIGN_OUT, not --work)."""
+    AGG_BENCH_CAMPAIGN_OUT, not --work); ``reference_name`` what they call ``reference`` (AGG_BENCH_CAMPAIGN_REFERENCE
+    where that variable set it)."""
     start = check_started(started, check_minutes(minutes))
     deadline = start + minutes * 60
     stop_at = deadline - min(STOP_MARGIN_S, minutes * 60 / 4)
@@ -846,7 +848,7 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     # the default archive is the work folder's: errors about it name what named that folder
     archive_name = "--archive" if archive is not None else work_name
     archive = Path(archive) if archive is not None else work / "campaign.tar.gz"
-    check_places(work, reference, archive, work_name)
+    check_places(work, reference, archive, work_name, reference_name)
     stamp = time.strftime(STAMP_FORMAT, time.gmtime(start))
     if not (type(campaign.parallel) is int and 1 <= campaign.parallel <= MAX_PARALLEL):
         raise ConfigError("campaign.parallel", campaign.parallel, f"an integer from 1 to {MAX_PARALLEL}")
@@ -855,7 +857,7 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     # are packed, and the end of the block raises it (exit code 128 + N)
     with claim_folder(work, WORK_CONTENTS, work_name), \
             claim_files({archive: (archives.is_archive, "a campaign archive")}, archive_name), stopping.safe_points():
-        to_pretrain = campaign.prepare_models(reference)  # before anything is written: it may refuse
+        to_pretrain = campaign.prepare_models(reference, reference_name)  # before anything is written: it may refuse
         for sub in ("runs", "cells", "calibration", "logs", "windows"):
             (work / sub).mkdir(exist_ok=True)
         for sub in ("cells", "calibration", "windows"):  # what killed windows' processes left under new names
@@ -891,24 +893,25 @@ def run_window(campaign: Campaign, minutes: float, work: str | Path, reference: 
     return log
 
 
-def check_places(work: Path, reference: Path | None, archive: Path | None = None, work_name: str = "--work") -> None:
+def check_places(work: Path, reference: Path | None, archive: Path | None = None, work_name: str = "--work",
+                 reference_name: str = "--reference") -> None:
     """A window's folders apart: ``--reference`` neither ``--work`` nor inside it or around it (a run there
     counted as the reference's, and the archive packed none of the window's runs), and ``--archive`` outside
     the reference and, in the work folder, only its own ``campaign.tar.gz`` (elsewhere there it was a file
     where the work folder keeps its runs, logs or cells: every later window was refused). ``archive`` None:
-    the folders only (``campaign status``, which writes no archive). ``work_name``: what a refusal calls the work
-    folder. Writes nothing."""
+    the folders only (``campaign status``, which writes no archive). ``work_name``, ``reference_name``: what a
+    refusal calls the work folder and the reference. Writes nothing."""
     def within(path: Path, folder: Path) -> bool:
         path, folder = path.resolve(), folder.resolve()
         return path == folder or folder in path.parents
 
     if reference is not None and (within(reference, work) or within(work, reference)):
-        raise UserError(f"--reference {reference}: the work folder {work} or a folder in or around it; expected the "
+        raise UserError(f"{reference_name} {reference}: the work folder {work} or a folder in or around it; expected the "
                         f"reference apart from {work_name} (the archive holds the runs the reference lacks)")
     if archive is None:
         return
     if reference is not None and within(archive, reference):
-        raise UserError(f"--archive {archive}: inside --reference {reference}, which holds reference results only; "
+        raise UserError(f"--archive {archive}: inside {reference_name} {reference}, which holds reference results only; "
                         "expected a path outside it (campaign unpack adds the archive to it)")
     if within(archive, work) and archive.resolve() != (work / "campaign.tar.gz").resolve():
         raise UserError(f"--archive {archive}: inside {work_name} {work}, whose folders hold the window's runs, cells, "

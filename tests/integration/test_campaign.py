@@ -1158,6 +1158,7 @@ def test_the_script_takes_relative_paths_from_the_folder_it_is_started_in(tmp_pa
     assert given["--config"] == str(start / "mine.yaml") and given["--reference"] == str(start / "ref")
     assert given["--work"] == str(start / "w") and "--cpu" in argv
     assert given["--work-name"] == "AGG_BENCH_CAMPAIGN_OUT"  # what its errors call the work folder
+    assert "--reference-name" not in argv  # the reference is the script's --reference, which its user typed
     # a ~ that no shell expanded (quoted) is passed on as it is, for agg-bench to refuse: under the start folder
     # it named a folder called ~
     proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", "1", "--reference", "~/ref"], cwd=start,
@@ -1166,6 +1167,16 @@ def test_the_script_takes_relative_paths_from_the_folder_it_is_started_in(tmp_pa
     assert proc.returncode == 0, proc.stderr
     given = dict(zip(*[iter((start / "bin" / "argv").read_text().splitlines()[5:])] * 2))
     assert (given["--work"], given["--reference"]) == ("~/w", "~/ref")
+    # the reference from AGG_BENCH_CAMPAIGN_REFERENCE: errors about it name that variable; without it, the default
+    for env, named in (({"AGG_BENCH_CAMPAIGN_REFERENCE": "ref2"}, "AGG_BENCH_CAMPAIGN_REFERENCE"),
+                       ({"AGG_BENCH_CAMPAIGN_REFERENCE": ""}, None)):
+        proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", "1"], cwd=start,
+                              env=script_env(tmp_path, PYTHON="bin/python", **env), capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        given = dict(zip(*[iter((start / "bin" / "argv").read_text().splitlines()[5:])] * 2))
+        assert given["--reference"] == (str(start / "ref2") if named else "results/reference/h200")
+        assert given.get("--reference-name") == named, given
 
 
 def test_the_script_checks_every_module_a_window_imports(tmp_path):
@@ -1539,6 +1550,66 @@ def test_a_work_folder_another_campaign_holds_is_one_line_naming_what_its_user_g
     lock_path(folder, lock_inside=True).symlink_to(tmp_path / "elsewhere")
     with pytest.raises(UserError, match=f"^{named} {folder}: .* is a symbolic link"):
         campaign_module._clear_attempt(cpu_campaign, folder, run_id, named)
+
+
+NAMED_REFERENCE = "AGG_BENCH_CAMPAIGN_REFERENCE"
+
+
+@pytest.mark.parametrize("action, args, words", [
+    ("run", ["--minutes", "1", "--reference", "{w}"], "{n} {w}: the work folder {w} or a folder in or around it"),
+    ("run", ["--minutes", "1", "--reference", "{r}", "--archive", "{r}/a.tar.gz"], "--archive {r}/a.tar.gz: inside {n} {r}"),
+    ("status", ["--reference", "{w}/r"], "{n} {w}/r: the work folder {w} or a folder in or around it"),
+    ("status", ["--reference", "{t}/theirs"], "{n} {t}/theirs: the folder holds files that are not agg-bench"),
+    ("run", ["--minutes", "1", "--reference", "{t}/link"], "{n} {t}/link: is a symbolic link"),
+])
+def test_errors_about_the_reference_name_what_its_user_gave(tmp_path, capsys, action, args, words):
+    """Through scripts/gpu_campaign.sh, a reference that AGG_BENCH_CAMPAIGN_REFERENCE set was refused naming
+    --reference, which the script's user never typed. --reference-name NAME (the script passes that variable's
+    name) is what every error about the reference calls it; --reference unless given."""
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    (tmp_path / "link").symlink_to(tmp_path / "theirs")
+    before = tree(tmp_path)
+    values = {"w": tmp_path / "w", "r": tmp_path / "r", "t": tmp_path}
+    argv = ["campaign", action, "--config", str(CONFIG), "--cpu", "--work", str(tmp_path / "w"),
+            *(a.format(**values) for a in args)]
+    for name in (None, NAMED_REFERENCE):
+        code = main([*argv, *(["--reference-name", name] if name else [])])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and words.format(n=name or "--reference", **values) in err[0], err
+        assert tree(tmp_path) == before and not (tmp_path / "w").exists()
+
+
+def test_a_reference_name_without_a_reference_or_to_unpack_is_one_line(tmp_path, capsys):
+    """--reference-name names --reference: without it, or to unpack (whose --reference its user types), it was
+    ignored."""
+    code = main(["campaign", "status", "--config", str(CONFIG), "--cpu", "--reference-name", NAMED_REFERENCE])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"agg-bench campaign: --reference-name {NAMED_REFERENCE}: names --reference in "
+                                 "errors, but no --reference was given; give --reference DIR too, or leave it out"], err
+    code = main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", "a.tar.gz", "--reference", "r",
+                 "--reference-name", NAMED_REFERENCE])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "campaign unpack: --reference-name is an option of campaign run and " \
+        "status" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_reference_without_the_runs_model_names_what_its_user_gave(tmp_path, monkeypatch, cpu_campaign):
+    """The reference's model checks (a window's first step) named --reference whatever the user gave."""
+    reference, local = tmp_path / "reference", tmp_path / "pretrained" / "toy"
+    local.mkdir(parents=True)
+    (reference / "runs").mkdir(parents=True)
+    monkeypatch.setattr(cpu_campaign, "pretrained_models", lambda: {"toy": local})
+    monkeypatch.setattr(cpu_campaign, "done", lambda *folders: {"a run"})
+    for name in ("--reference", NAMED_REFERENCE):
+        with pytest.raises(UserError, match=f"^{name} {reference}: holds runs but not pretrained/toy, "):
+            cpu_campaign.prepare_models(reference, *([name] if name != "--reference" else []))
+    (reference / "pretrained" / "toy").mkdir(parents=True)
+    monkeypatch.setattr(cpu_campaign, "model_problem", lambda label, folder: "is no model")
+    for name in ("--reference", NAMED_REFERENCE):
+        with pytest.raises(UserError, match=f"^{name} {reference}: pretrained/toy is no model; give another"):
+            cpu_campaign.prepare_models(reference, *([name] if name != "--reference" else []))
 
 
 class FakeProcesses:
