@@ -108,6 +108,15 @@ def check_path(path: str | Path, what: str, expected: str | None = None, folder:
         raise UserError(f"{what} {path}: {found}" + (f"; expected {expected}" if expected else ""))
 
 
+def is_regular_file(path: str | Path) -> bool:
+    """Whether ``path`` itself is a regular file: not a symbolic link (to a regular file or not), a folder, a
+    device or a pipe. Looks without following a link and reads nothing; False where nothing is there."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 class NotRegularFile(OSError):
     """A path that is neither a regular file nor a folder: a device or a pipe (:func:`open_regular`)."""
 

@@ -8,8 +8,9 @@ Each ``campaign run --minutes N`` is one window:
 1. It reads the sweep (every check of the workflow's, :class:`~agg_bench.tools.sweep.Sweep`) and takes as done
    every run that is already finished, in the reference folder (``--reference``, e.g.
    ``results/reference/h200``) or in its own work folder (``--work``, from an earlier window on the same
-   machine): a run folder with every file ``campaign unpack`` requires of a finished run, whose summary says
-   ``ok`` and whose ``config.json`` is the run's config as the sweep composes it today.
+   machine): a run folder with every file ``campaign unpack`` requires of a finished run (each of its files
+   there a regular file, not a symbolic link, as unpack takes them), whose summary says ``ok`` and whose
+   ``config.json`` is the run's config as the sweep composes it today.
 2. A sweep whose runs read a model that its ``pretrain`` section makes (``results/pretrained/<label>``) gets
    it first: from the reference (``pretrained/<label>``, packed by the window that made it), else by an
    ``agg-bench pretrain`` process. A model there that is not the reference's is refused: the reference's runs
@@ -78,7 +79,7 @@ from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, is_temp_name, remove_stale_temps, write_json
-from ..jsonfiles import JsonFileError, read_json_object
+from ..jsonfiles import JsonFileError, is_regular_file, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned, remove_stale_harness_files
 from ..records import is_finite_number
 from ..runtime.cell import job_entry
@@ -290,10 +291,14 @@ class Campaign:
 
     def finished(self, folder: Path, run_id: str) -> bool:
         """Whether ``folder`` holds ``run_id`` finished: every file ``campaign unpack`` requires of a finished run
-        (:data:`~agg_bench.tools.archive.REQUIRED_RUN_FILES`, each a regular file: a reference run without its
-        records was done, and no window ran it again), summary ``ok`` and the config the sweep composes."""
-        if not all((folder / name).is_file() for name in archives.REQUIRED_RUN_FILES):
-            return False
+        (:data:`~agg_bench.tools.archive.REQUIRED_RUN_FILES`: a reference run without its records was done, and no
+        window ran it again), summary ``ok`` and the config the sweep composes. Each of the run's files
+        (:data:`~agg_bench.tools.archive.RUN_FILES`) that is there is a regular file, not a symbolic link (to a
+        file or not: ``is_file`` follows one): unpack refuses an archive's link, which a window packed as one."""
+        for name in archives.RUN_FILES:
+            path = folder / name
+            if not is_regular_file(path) and (name in archives.REQUIRED_RUN_FILES or os.path.lexists(path)):
+                return False
         try:  # a regular file's only: a named pipe there waited for ever, a device was read until memory ran out
             summary = read_json_object(folder / "summary.json", "a run's summary")
             config = read_json_object(folder / "config.json", "a run's config")
@@ -1070,7 +1075,7 @@ def _pack(campaign: Campaign, work: Path, reference: Path | None, archive: Path)
     for run_id in sorted(campaign.done(work) - in_reference):
         for name in archives.RUN_FILES:
             path = work / "runs" / run_id / name
-            if path.is_file():
+            if is_regular_file(path):  # a link went into the archive as one, which unpack refuses
                 members.append((f"runs/{run_id}/{name}", path))
     for label, local in campaign.pretrained_models().items():
         if local.is_dir() and not (reference is not None and (reference / "pretrained" / label).is_dir()):

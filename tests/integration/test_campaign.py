@@ -932,6 +932,24 @@ def test_a_run_folder_file_that_is_a_named_pipe_is_no_finished_run(tmp_path, cpu
         assert not cpu_campaign.finished(folder, run_id) and cpu_campaign.done(tmp_path) == set()
 
 
+@pytest.mark.parametrize("name", archive_module.RUN_FILES)
+def test_a_run_folder_file_that_is_a_symbolic_link_is_no_finished_run(tmp_path, cpu_campaign, name):
+    """A run folder (of the reference or the work folder) whose summary.json or another of its files was a link to
+    a file counted as finished: is_file() follows the link, though unpack refuses an archive's link, which a
+    window packed as one. Each of a run's files there is a regular file, not a link."""
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    folder = tmp_path / "runs" / run_id
+    finished_run(cpu_campaign, folder)
+    if not (folder / name).exists():  # a file a finished run may have
+        (folder / name).write_text("{}\n" if name.endswith(".json") else "")
+    assert cpu_campaign.finished(folder, run_id)
+    (tmp_path / "elsewhere").mkdir()
+    (folder / name).rename(tmp_path / "elsewhere" / name)
+    (folder / name).symlink_to(tmp_path / "elsewhere" / name)
+    assert (folder / name).is_file() and not cpu_campaign.finished(folder, run_id)
+    assert cpu_campaign.done(tmp_path) == set()
+
+
 @pytest.mark.parametrize("name", ["env.json", "metrics.jsonl"])
 def test_a_reference_run_without_a_file_unpack_requires_is_missing_in_status(tmp_path, capsys, cpu_campaign, name):
     """campaign status (and a window) counted a run as done from its summary and config alone: a reference run
