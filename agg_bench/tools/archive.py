@@ -68,7 +68,7 @@ from ..outdir import Contents, claim_folder, claimed_folders, path_problem
 from ..outputs import LEARNING_CONTENTS
 from ..outputs import REPORT_CONTENTS, TABLES_CONTENTS, UNPACK_STAGING
 from ..reading import RunFolder, identity_mismatch
-from ..records import is_finite_number, is_integer, is_label
+from ..records import REQUIRED_RECORD_KEYS, is_finite_number, is_integer, is_label, records_problem
 
 if TYPE_CHECKING:
     from .campaign import Campaign
@@ -279,6 +279,24 @@ def json_lines(where: str, data: bytes) -> list[dict]:
     return out
 
 
+def check_records(where: str, data: bytes) -> list[dict]:
+    """The records of a finished run's ``metrics.jsonl`` (``data``; ``where`` names the file) as unpack takes
+    them: every line whole (:func:`json_lines`: a torn last line, which readers of a run folder skip, is no
+    finished run's), by the record contract (:func:`~agg_bench.records.records_problem`: iteration and status in
+    each, each iteration once, in increasing order), at least one, the first of iteration 0. A window and
+    ``campaign status`` count a run finished only with such records (:meth:`~agg_bench.tools.campaign.Campaign.
+    finished`): a run they counted done that unpack then refused was never run again."""
+    records = json_lines(where, data)
+    problem = records_problem(records, REQUIRED_RECORD_KEYS)
+    if problem is not None:
+        raise UserError(f"{where}: {problem}")
+    if not records:
+        raise UserError(f"{where} holds no records")
+    if records[0].get("iteration") != 0:
+        raise UserError(f"{where} starts at iteration {quote(records[0].get('iteration'))}; expected 0")
+    return records
+
+
 def _check_safetensors(where: str, data: bytes) -> None:
     """The safetensors layout as the safetensors reader accepts it: an 8-byte little-endian header length, a JSON
     header naming each tensor's dtype, shape (dimensions and their products, left to right, within 64 bits) and
@@ -367,9 +385,11 @@ def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, byt
         raise UserError(f"{where}: runs/{run_id} lacks {missing[0]} (a finished run has "
                         f"{', '.join(REQUIRED_RUN_FILES)})")
     # every line of the JSON lines whole: RunFolder, which reads every file below, skips a torn last line (a
-    # run killed mid-write), which no finished run has and a reference would keep
+    # run killed mid-write), which no finished run has and a reference would keep; the records as a window
+    # counts a run finished (check_records)
+    records = check_records(f"{where}: runs/{run_id}/metrics.jsonl", files["metrics.jsonl"])
     for name, data in files.items():
-        if name.endswith(".jsonl"):
+        if name.endswith(".jsonl") and name != "metrics.jsonl":
             json_lines(f"{where}: runs/{run_id}/{name}", data)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / run_id
@@ -379,7 +399,7 @@ def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, byt
         run = RunFolder(folder)
         try:
             summary = run.summary()
-            records = run.records()  # the record contract (iteration and status in each), each iteration once
+            run.records()  # as a reader of a run folder reads them (each line within its bound)
             env = run.env()
             run.plan()
             run.evaluations()
@@ -390,14 +410,9 @@ def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, byt
     if summary.get("status") != "ok":
         raise UserError(f"{where}: runs/{run_id} is not finished (status {quote(summary.get('status'))}, "
                         "expected ok)")
-    if not records:
-        raise UserError(f"{where}: runs/{run_id}/metrics.jsonl holds no records")
     if config != campaign.config_of(run_id):
         raise UserError(f"{where}: runs/{run_id}/config.json is not the config {campaign.config_path} composes "
                         "for that run (another version of the sweep?)")
-    if records[0].get("iteration") != 0:
-        raise UserError(f"{where}: runs/{run_id}/metrics.jsonl starts at iteration "
-                        f"{quote(records[0].get('iteration'))}; expected 0")
     from ..results.loading import run_identity
 
     expected = run_identity(typed, run_id)

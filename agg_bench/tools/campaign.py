@@ -9,8 +9,9 @@ Each ``campaign run --minutes N`` is one window:
    every run that is already finished, in the reference folder (``--reference``, e.g.
    ``results/reference/h200``) or in its own work folder (``--work``, from an earlier window on the same
    machine): a run folder with every file ``campaign unpack`` requires of a finished run (each of its files
-   there a regular file, not a symbolic link, as unpack takes them), whose summary says ``ok`` and whose
-   ``config.json`` is the run's config as the sweep composes it today.
+   there a regular file, not a symbolic link, as unpack takes them), whose summary says ``ok``, whose
+   ``config.json`` is the run's config as the sweep composes it today and whose ``metrics.jsonl`` holds records
+   unpack takes (:func:`~agg_bench.tools.archive.check_records`).
 2. A sweep whose runs read a model that its ``pretrain`` section makes (``results/pretrained/<label>``) gets
    it first: from the reference (``pretrained/<label>``, packed by the window that made it), else by an
    ``agg-bench pretrain`` process. A model there that is not the reference's is refused: the reference's runs
@@ -79,7 +80,7 @@ from .. import stopping
 from ..config import load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote
 from ..io import atomic_target, is_temp_name, remove_stale_temps, write_json
-from ..jsonfiles import JsonFileError, is_regular_file, read_json_object
+from ..jsonfiles import JsonFileError, TooLarge, is_regular_file, read_bounded, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned, remove_stale_harness_files
 from ..records import is_finite_number
 from ..runtime.cell import job_entry
@@ -292,7 +293,9 @@ class Campaign:
     def finished(self, folder: Path, run_id: str) -> bool:
         """Whether ``folder`` holds ``run_id`` finished: every file ``campaign unpack`` requires of a finished run
         (:data:`~agg_bench.tools.archive.REQUIRED_RUN_FILES`: a reference run without its records was done, and no
-        window ran it again), summary ``ok`` and the config the sweep composes. Each of the run's files
+        window ran it again), summary ``ok``, the config the sweep composes, and records that unpack takes
+        (:func:`~agg_bench.tools.archive.check_records`: a run whose ``metrics.jsonl`` was empty or torn was
+        done, though unpack refuses it, and no window ran it again). Each of the run's files
         (:data:`~agg_bench.tools.archive.RUN_FILES`) that is there is a regular file, not a symbolic link (to a
         file or not: ``is_file`` follows one): unpack refuses an archive's link, which a window packed as one."""
         for name in archives.RUN_FILES:
@@ -304,7 +307,14 @@ class Campaign:
             config = read_json_object(folder / "config.json", "a run's config")
         except JsonFileError:
             return False
-        return summary.get("status") == "ok" and config == self.config_of(run_id)
+        if summary.get("status") != "ok" or config != self.config_of(run_id):
+            return False
+        try:  # unpack's bound of an archive's file, and its checks of a run's records
+            archives.check_records(str(folder / "metrics.jsonl"),
+                                   read_bounded(folder / "metrics.jsonl", archives.MAX_MEMBER_BYTES))
+        except (UserError, OSError, TooLarge):
+            return False
+        return True
 
     def done(self, *folders: Path | None) -> set[str]:
         """The run ids finished in any of ``folders`` (reference or work folders: their ``runs/<id>``)."""

@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -948,6 +949,33 @@ def test_a_run_folder_file_that_is_a_symbolic_link_is_no_finished_run(tmp_path, 
     (folder / name).symlink_to(tmp_path / "elsewhere" / name)
     assert (folder / name).is_file() and not cpu_campaign.finished(folder, run_id)
     assert cpu_campaign.done(tmp_path) == set()
+
+
+RECORD_0 = json.dumps({"iteration": 0, "status": "ok"}) + "\n"
+
+
+@pytest.mark.parametrize("records, words", [
+    ("", "metrics.jsonl holds no records"),
+    ("\n", "metrics.jsonl holds no records"),
+    (RECORD_0 + '{"iteration": 1, "sta', "metrics.jsonl: line 2: not JSON"),  # torn: a run killed mid-write
+    (RECORD_0.replace("0", "1"), "metrics.jsonl starts at iteration 1; expected 0"),
+    (RECORD_0 * 2, "'iteration' = 0: expected each iteration once"),
+    (json.dumps({"iteration": 0}) + "\n", "record 1: "),
+    ("[]\n", "expected a JSON object"),
+])
+def test_a_run_whose_records_unpack_refuses_is_not_done(tmp_path, cpu_campaign, records, words):
+    """campaign status and a window counted a run done from its files, summary and config: an empty (or torn)
+    metrics.jsonl was done, though campaign unpack refuses it, and no window ran it again. A run is done only with
+    records that unpack's own check of a run takes."""
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    folder = tmp_path / "runs" / run_id
+    finished_run(cpu_campaign, folder)
+    assert cpu_campaign.done(tmp_path) == {run_id}
+    (folder / "metrics.jsonl").write_text(records)
+    assert not cpu_campaign.finished(folder, run_id) and cpu_campaign.done(tmp_path) == set()
+    files = {path.name: path.read_bytes() for path in folder.iterdir()}
+    with pytest.raises(UserError, match=f"^archive A: runs/{run_id}/.*{re.escape(words)}"):
+        archive_module._check_run(cpu_campaign, "archive A", run_id, files)
 
 
 @pytest.mark.parametrize("name", ["env.json", "metrics.jsonl"])
@@ -2119,7 +2147,8 @@ def test_a_cells_first_calibration_is_estimated_from_its_runs(tmp_path, monkeypa
         for run_id in finished:  # a warm-up iteration (left out), then two whose medians count
             times = [(1e6, 1e6), (seconds, 2 * seconds), (3 * seconds, 4 * seconds)]
             (work / "runs" / run_id / "metrics.jsonl").write_text("".join(
-                json.dumps({"iteration": i, "t_rollout_s": r, "t_train_s": t}) + "\n" for i, (r, t) in enumerate(times)))
+                json.dumps({"iteration": i, "status": "ok", "t_rollout_s": r, "t_train_s": t}) + "\n"
+                for i, (r, t) in enumerate(times)))
         expected = cell_calibration.CALIBRATION_OVERHEAD * rounds * len(labels) * (3 * seconds + 4 * seconds)
         assert cpu_campaign.rounds_seconds(cell, labels, work) == pytest.approx(expected)
         for old in (work / "windows").glob("*.json"):
