@@ -376,14 +376,17 @@ def check_sweep_path(key: str, text: str, expected: str, file: bool = True) -> N
         raise SweepError(f"{key}: {quote(text)}: {problem}; expected {expected}")
 
 
-def check_input_files(sweep: dict) -> None:
+def check_input_files(jobs: Sweep) -> None:
     """The files the workflow's jobs read that no job makes, for the Snakefile (``agg-bench campaign`` reads no
     reference log and takes a model folder made by hand): each reference's log and each pretrain config are
     files, a model folder under results/pretrained/ is one that a ``pretrain`` entry makes (Snakemake
     ended in a KeyError traceback or a MissingInputException for a job instead), and each
     ``report.compare_with`` folder holds a reference manifest and is named once (the manifest job's parameters
     read it while the workflow is parsed: a folder without one ended Snakemake in a traceback; a folder named
-    twice counted its runs twice in the tables). ``sweep``: a checked one."""
+    twice counted its runs twice in the tables). The model folders are those the jobs' composed configs name
+    (:attr:`Sweep.pretrained`, each once, from ``set``, the base config, a ``models`` or ``methods`` entry or
+    ``gradcheck.set``), and a refusal names the key that gives the folder."""
+    sweep = jobs.sweep
     named: dict[str, int] = {}  # a folder's real path -> the index of the entry that named it first
     for index, folder in enumerate((sweep.get("report") or {}).get("compare_with", [])):
         first = named.setdefault(os.path.realpath(folder), index)
@@ -402,18 +405,16 @@ def check_input_files(sweep: dict) -> None:
         if not Path(spec["config"]).is_file():
             raise SweepError(f"pretrain.{label}.config: {quote(spec['config'])} is not a file (a pretrain config "
                              "YAML, relative to the working directory)")
-    for label, overrides in sweep["models"].items():
-        folder = dict(flatten(overrides)).get("model.pretrained")
+    for folder, (place, _) in jobs.pretrained.items():
         if is_pretrained_here(folder) and folder[len(PRETRAINED_DIR) + 1:].rstrip("/") not in pretrain:
-            raise SweepError(f"models.{label}: model.pretrained = {quote(folder)}: a folder under {PRETRAINED_DIR}/ "
+            raise SweepError(f"{place}: model.pretrained = {quote(folder)}: a folder under {PRETRAINED_DIR}/ "
                              f"is made by the pretrain entry of its name (pretrain has "
                              f"{', '.join(pretrain) if pretrain else 'none'}); add one, or keep a model made by "
                              "hand in another folder")
         # a model made by hand may be on the GPU node only (a dry run elsewhere), but a file there is no model:
         # every run job of the model failed at its start
-        if isinstance(folder, str) and not is_pretrained_here(folder) and os.path.exists(folder) \
-                and not os.path.isdir(folder):
-            raise SweepError(f"models.{label}: model.pretrained = {quote(folder)} is a file; expected a model "
+        if not is_pretrained_here(folder) and os.path.exists(folder) and not os.path.isdir(folder):
+            raise SweepError(f"{place}: model.pretrained = {quote(folder)} is a file; expected a model "
                              "folder (a diffusers pipeline's, or one agg-bench pretrain wrote)")
 
 
@@ -533,6 +534,11 @@ def flatten(overrides: dict, prefix: str = "") -> list[tuple[str, Any]]:
         else:
             out.append((dotted, value))
     return out
+
+
+def joined(parts: list[tuple[str, list[tuple[str, Any]]]]) -> list[tuple[str, Any]]:
+    """The (key, value) pairs of a job's override parts (:meth:`Sweep._parts`), in order."""
+    return [pair for _, part in parts for pair in part]
 
 
 def yaml_text(value: Any) -> str:
@@ -731,6 +737,7 @@ class Sweep:
         base = sweep["base"]
         self.base_file = base if isinstance(base, str) else None
         self.base_pairs = [] if isinstance(base, str) else flatten(base)
+        self._base_pretrained = None  # the base config file's model.pretrained (None: none, or no file)
         if self.base_file is not None:
             check_sweep_path("base", self.base_file, "a run config YAML, relative to the working directory")
             if not Path(self.base_file).is_file():
@@ -746,7 +753,10 @@ class Sweep:
                 raise SweepError(f"base: {quote(self.base_file)} holds {quote(other)}, which is no run config section "
                                  f"(one of {', '.join(sorted(known))}); expected a run config YAML, relative to the "
                                  "working directory")
+            self._base_pretrained = dotted_value(sections, "model.pretrained")
         self.devices = sweep["devices"]
+        # each model.pretrained folder a job reads, once -> the sweep's key that gives it and the first such job
+        self.pretrained: dict[str, tuple[str, str]] = {}
         self.embed = sweep.get("embed")
         # models whose runs read prompt embeddings made by the embed rule
         self.embed_models = [] if self.embed is None else self.embed.get("models", list(sweep["models"]))
@@ -767,16 +777,19 @@ class Sweep:
                             if not self.excluded(labels):
                                 run_id = f"{method}_{model}_{resolution}px_s{seed}_{device}"
                                 extra = sweep["methods"][method]
-                                pairs = self._pairs(device, model, resolution, seed, extra)
+                                parts = self._parts(device, model, resolution, seed, extra, f"methods.{method}")
+                                pairs = joined(parts)
                                 key = json.dumps([device, self._pairs(device, model, resolution, None, extra)],
                                                  default=repr)
                                 if key not in checked:
                                     checked[key] = f"run {run_id} (methods.{method}, models.{model})"
+                                    self._note_pretrained(checked[key], parts)
                                     resolved[checked[key]] = self._check(checked[key], pairs, device,
                                                                          learning_ends=True)
                                     self._run_checks.append((checked[key], pairs, device))
                                     checks[checked[key]] = pairs
-                                self.runs[run_id] = {**labels, "pairs": pairs, "check": checked[key]}
+                                self.runs[run_id] = {**labels, "pairs": pairs, "check": checked[key],
+                                                     "pretrained": self._pretrained(parts)[0]}
                                 if len(self.runs) > MAX_RUNS:
                                     raise SweepError(
                                         f"methods x models x resolutions x seeds x devices: more than {MAX_RUNS:,} "
@@ -792,16 +805,20 @@ class Sweep:
             for model in part.get("models", list(sweep["models"])):
                 for resolution in part.get("resolutions", sweep["resolutions"][:1]):
                     name = f"{model}_{resolution}px_{device}"
-                    pairs = self._pairs(device, model, resolution, None, part.get("set") or {})
+                    parts = self._parts(device, model, resolution, None, part.get("set") or {}, "gradcheck.set")
+                    pairs = joined(parts)
                     self._check(f"gradcheck {name}", pairs)
                     checks[f"gradcheck {name}"] = pairs
                     self.gradchecks[name] = {"model": model, "resolution": resolution, "device": device,
-                                             "pairs": pairs}
+                                             "pairs": pairs, "pretrained": self._note_pretrained(f"gradcheck {name}",
+                                                                                                 parts)}
         self.embeddings = {}
         if self.embed is not None:
             device = self.embed.get("device", next(iter(self.devices)))
             for model in self.embed_models:
-                self.embeddings[model] = {"device": device, "pairs": self._pairs(device, model, None, None, {})}
+                parts = self._parts(device, model, None, None, {})
+                self.embeddings[model] = {"device": device, "pairs": joined(parts),
+                                          "pretrained": self._note_pretrained(f"embed {model}", parts)}
         self.references = {ref["label"]: ref for ref in sweep.get("references", [])}
         # one calibration of the cost model per (model, resolution, device) that runs measure
         self.calibrations: dict[str, dict] = {}
@@ -810,8 +827,9 @@ class Sweep:
                 name = f"{run['model']}_{run['resolution']}px_{run['device']}"
                 if name not in self.calibrations:
                     self.calibrations[name] = {key: run[key] for key in ("model", "resolution", "device")}
-                    self.calibrations[name]["pairs"] = self._pairs(run["device"], run["model"], run["resolution"],
-                                                                   None, {})
+                    parts = self._parts(run["device"], run["model"], run["resolution"], None, {})
+                    self.calibrations[name]["pairs"] = joined(parts)
+                    self.calibrations[name]["pretrained"] = self._note_pretrained(f"calibrate {name}", parts)
                     self.calibrations[name]["methods"] = []
                     if self.gpus(run["device"]) > 1:  # timed on the cell's processes, each with its share
                         self._check(f"calibrate {name}", self.calibrations[name]["pairs"], run["device"])
@@ -935,17 +953,41 @@ class Sweep:
                    for entry in self.sweep.get("exclude", []))
 
     # ----- composing run configs ----------------------------------------------------------------
-    def _pairs(self, device: str, model: str, resolution, seed, extra: dict) -> list[tuple[str, Any]]:
-        pairs = [*self.base_pairs, *flatten(self.sweep.get("set") or {}),
-                 ("device", self.devices[device]["device"]), *flatten(self.sweep["models"][model])]
+    def _parts(self, device: str, model: str, resolution, seed, extra: dict,
+               place: str = "") -> list[tuple[str, list[tuple[str, Any]]]]:
+        """A job's overrides in the order they apply, each part with the sweep's key that gives it (``place``:
+        that of ``extra``, the job's own, ``methods.<label>`` or ``gradcheck.set``)."""
+        parts = [("base", self.base_pairs), ("set", flatten(self.sweep.get("set") or {})),
+                 (f"devices.{device}.device", [("device", self.devices[device]["device"])]),
+                 (f"models.{model}", flatten(self.sweep["models"][model]))]
         if resolution is not None:
-            pairs.append(("model.resolution", resolution))
+            parts.append(("resolutions", [("model.resolution", resolution)]))
         if seed is not None:
-            pairs.append(("seed", seed))
-        pairs.extend(flatten(extra))
+            parts.append(("seeds", [("seed", seed)]))
+        parts.append((place, flatten(extra)))
         if model in self.embed_models:
-            pairs.append(("prompts.cache_dir", EMBED_DIR))
-        return pairs
+            parts.append(("embed", [("prompts.cache_dir", EMBED_DIR)]))
+        return parts
+
+    def _pairs(self, device: str, model: str, resolution, seed, extra: dict) -> list[tuple[str, Any]]:
+        return joined(self._parts(device, model, resolution, seed, extra))
+
+    def _pretrained(self, parts: list[tuple[str, list[tuple[str, Any]]]]) -> tuple[Any, str]:
+        """The ``model.pretrained`` of a job composed of ``parts`` (:meth:`_parts`) and the sweep's key that
+        gives it: the last part that sets it, else the base config file (None: the default, no folder)."""
+        for place, part in reversed(parts):
+            for key, value in reversed(part):
+                if key == "model.pretrained":
+                    return value, place
+        return self._base_pretrained, "base" if self.base_file is None else f"base {quote(self.base_file)}"
+
+    def _note_pretrained(self, what: str, parts: list[tuple[str, list[tuple[str, Any]]]]) -> Any:
+        """The ``model.pretrained`` of job ``what`` composed of ``parts``, kept in :attr:`pretrained` with its key
+        where it is the first job to read that folder (:func:`check_input_files` checks each folder once)."""
+        folder, place = self._pretrained(parts)
+        if isinstance(folder, str) and folder not in self.pretrained:
+            self.pretrained[folder] = (place, what)
+        return folder
 
     def _check(self, what: str, pairs: list[tuple[str, Any]], device: str | None = None,
                learning_ends: bool = False) -> dict:
@@ -1082,14 +1124,17 @@ class Sweep:
                 f"--out results/imported/{label}")
 
     # ----- files --------------------------------------------------------------------------------
-    def inputs(self, model: str) -> list[str]:
-        """Files a run or gradcheck of ``model`` reads: the base config and the model's embeddings."""
+    def inputs(self, *jobs: dict) -> list[str]:
+        """Files that ``jobs`` (runs, a cell's runs, a gradcheck or a calibration, of one model) read: the base
+        config, the model's embeddings, and each model folder under results/pretrained/ that their composed
+        configs name (made by rule pretrain)."""
         files = [self.base_file] if self.base_file else []
+        model = jobs[0]["model"]
         if model in self.embed_models:
             files.append(f"{EMBED_DIR}/{model}.safetensors")
-        pretrained = dict(flatten(self.sweep["models"][model])).get("model.pretrained")
-        if is_pretrained_here(pretrained):  # made by rule pretrain
-            files.append(pretrained)
+        for job in jobs:
+            if is_pretrained_here(job["pretrained"]) and job["pretrained"] not in files:
+                files.append(job["pretrained"])
         return files
 
     def summaries(self) -> list[str]:

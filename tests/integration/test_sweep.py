@@ -631,7 +631,7 @@ def test_the_learning_folder_is_checked_under_every_sweep(in_process, tmp_path, 
     assert (tmp_path / "results/learning/notes.txt").read_text() == "mine"
 
 
-def test_a_compare_with_folder_is_checked_before_any_job(tmp_path, monkeypatch):
+def test_a_compare_with_folder_is_checked_before_any_job(in_process, tmp_path, monkeypatch):
     """The manifest job's parameters read each ``report.compare_with`` folder while Snakemake parses the workflow,
     outside the Snakefile's checks: a folder without a reference manifest ended the parse in a traceback. A folder
     named twice (once with a trailing slash, say) put its runs in the manifest twice. Both are one line from the
@@ -639,32 +639,86 @@ def test_a_compare_with_folder_is_checked_before_any_job(tmp_path, monkeypatch):
     reference = tmp_path / "ref"
     reference.mkdir()
     (reference / "manifest.json").write_text(json.dumps({"runs": [], "calibration": []}))
+    sweep = Sweep(sweep_config(), SCHEMA)
     monkeypatch.chdir(tmp_path)
-    config = sweep_config()
-    config["report"] = {"compare_with": ["ref"]}
-    sweep_module.check_input_files(config)
-    config["report"] = {"compare_with": ["ref", "nothing"]}
+    sweep.sweep["report"] = {"compare_with": ["ref"]}
+    sweep_module.check_input_files(sweep)
+    sweep.sweep["report"] = {"compare_with": ["ref", "nothing"]}
     with pytest.raises(SweepError, match=r"^sweep config: report\.compare_with\[1\]: 'nothing' has no manifest.json"):
-        sweep_module.check_input_files(config)
-    config["report"] = {"compare_with": ["ref", "./ref/"]}
+        sweep_module.check_input_files(sweep)
+    sweep.sweep["report"] = {"compare_with": ["ref", "./ref/"]}
     with pytest.raises(SweepError, match=re.escape("report.compare_with[1]: './ref/' is the folder of "
                                                    "report.compare_with[0]; expected each reference folder once")):
-        sweep_module.check_input_files(config)
+        sweep_module.check_input_files(sweep)
 
 
-def test_a_model_folder_that_is_a_file_is_refused_before_any_job(tmp_path, monkeypatch):
+def test_a_model_folder_that_is_a_file_is_refused_before_any_job(in_process, tmp_path):
     """A sweep model's ``model.pretrained`` naming a file passed the parse, and every run job of the model failed at
     its start. A folder made by hand elsewhere that is not here (a dry run away from the GPU node) still passes."""
-    monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("mine")
     config = sweep_config()
     for folder in ("models/on-the-gpu-node", str(tmp_path)):
         config["models"]["sd3"]["model.pretrained"] = folder
-        sweep_module.check_input_files(config)
-    config["models"]["sd3"]["model.pretrained"] = "notes.txt"
-    with pytest.raises(SweepError, match=re.escape("models.sd3: model.pretrained = 'notes.txt' is a file; expected a "
-                                                   "model folder")):
-        sweep_module.check_input_files(config)
+        sweep_module.check_input_files(Sweep(config, SCHEMA))
+    config["models"]["sd3"]["model.pretrained"] = str(tmp_path / "notes.txt")
+    with pytest.raises(SweepError, match=re.escape(f"models.sd3: model.pretrained = '{tmp_path}/notes.txt' is a file; "
+                                                   "expected a model folder")):
+        sweep_module.check_input_files(Sweep(config, SCHEMA))
+
+
+def base_with(config: dict, overrides: dict) -> dict:
+    """The sweep's base config file as a mapping, with ``overrides`` (dotted keys) set in it."""
+    base = yaml.safe_load((ROOT / config["base"]).read_text())
+    for key, value in overrides.items():
+        *parents, last = key.split(".")
+        node = base
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return base
+
+
+def base_file_with(config: dict, value, tmp_path) -> None:
+    """The sweep's base a config file in ``tmp_path`` that sets ``model.pretrained`` to ``value``."""
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base_with(config, {"model.pretrained": value})))
+    config["base"] = str(tmp_path / "base.yaml")
+
+
+@pytest.mark.parametrize("place, edit, methods, gradcheck", [
+    ("models.sd3", lambda c, value, tmp: c["models"]["sd3"].update({"model.pretrained": value}), ["agg-w3", "full"], True),
+    ("set", lambda c, value, tmp: c["set"].update({"model.pretrained": value}), ["agg-w3", "full"], True),
+    ("methods.full", lambda c, value, tmp: c["methods"]["full"].update(model={"pretrained": value}), ["full"], False),
+    ("gradcheck.set", lambda c, value, tmp: c["gradcheck"].update(set={"model.pretrained": value}), [], True),
+    ("base", lambda c, value, tmp: c.update(base=base_with(c, {"model.pretrained": value})), ["agg-w3", "full"], True),
+    ("base 'TMP/base.yaml'", base_file_with, ["agg-w3", "full"], True),  # a base config file that names it
+])
+def test_a_model_folder_is_checked_wherever_the_sweep_sets_it(in_process, tmp_path, place, edit, methods, gradcheck):
+    """``model.pretrained`` was checked only where a ``models`` entry set it: a folder under results/pretrained/ that
+    no pretrain entry makes, or a file, given in ``set``, in the base config (a file or a mapping), in a ``methods``
+    entry or in ``gradcheck.set``, passed the parse, and the jobs that read it failed at their start (a folder that a
+    pretrain entry makes was no input of theirs, so they did not wait for it). Each job's composed value is checked,
+    each folder once, and the refusal names the key that gives it."""
+    place = place.replace("TMP", str(tmp_path))
+    config = sweep_config()
+    edit(config, "results/pretrained/scenes", tmp_path)
+    sweep = Sweep(config, SCHEMA)
+    with pytest.raises(SweepError, match="^" + re.escape(
+            f"sweep config: {place}: model.pretrained = 'results/pretrained/scenes': a folder under results/pretrained/ "
+            "is made by the pretrain entry of its name (pretrain has none); add one")):
+        sweep_module.check_input_files(sweep)
+    sweep.sweep["pretrain"] = {"scenes": {"config": "config/pretrain.yaml"}}
+    sweep_module.check_input_files(sweep)
+    # the jobs that read the folder wait for the pretrain job that makes it (a cell's, for any of its runs)
+    assert sorted(run["method"] for run in sweep.runs.values()
+                  if "results/pretrained/scenes" in sweep.inputs(run)) == methods
+    assert ("results/pretrained/scenes" in sweep.inputs(*sweep.runs.values())) == bool(methods)
+    assert ("results/pretrained/scenes" in sweep.inputs(*sweep.gradchecks.values())) == gradcheck
+    folder = tmp_path / "notes.txt"
+    folder.write_text("mine")
+    config = sweep_config()
+    edit(config, str(folder), tmp_path)
+    with pytest.raises(SweepError, match=re.escape(f"sweep config: {place}: model.pretrained = '{folder}' is a file")):
+        sweep_module.check_input_files(Sweep(config, SCHEMA))
 
 
 @pytest.mark.parametrize("section, make", [

@@ -35,7 +35,7 @@ try:
     SWEEP = Sweep(config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml",
                   files=workflow.configfiles)
     # the files its jobs read that no job makes, and the runs whose marker outlived their folder
-    check_input_files(SWEEP.sweep)
+    check_input_files(SWEEP)
     check_markers(SWEEP)
 except UserError as err:
     refuse(str(err))

@@ -24,7 +24,7 @@ rule run:
     wildcard_constraints:
         run_id="|".join(re.escape(run_id) for run_id in SWEEP.single_runs) or "(?!)",
     input:
-        lambda wc: SWEEP.inputs(SWEEP.runs[wc.run_id]["model"]),
+        lambda wc: SWEEP.inputs(SWEEP.runs[wc.run_id]),
     output:
         # the run's marker, not its files: Snakemake removes the outputs of a job that fails or is stopped,
         # and a stopped run continues from its checkpoint (agg-bench run --resume-stopped)
@@ -71,7 +71,7 @@ for CELL, RUN_IDS in SWEEP.cells.items():
             SWEEP.cell_rule(CELL)
         input:
             f"{CELL_DIR}/{CELL}.json",
-            SWEEP.inputs(SWEEP.runs[RUN_IDS[0]]["model"]),
+            SWEEP.inputs(*(SWEEP.runs[run_id] for run_id in RUN_IDS)),
         output:
             SWEEP.cell_outputs(CELL),
         log:
@@ -89,7 +89,7 @@ for CELL, RUN_IDS in SWEEP.cells.items():
 
 rule gradcheck:
     input:
-        lambda wc: SWEEP.inputs(SWEEP.gradchecks[wc.name]["model"]),
+        lambda wc: SWEEP.inputs(SWEEP.gradchecks[wc.name]),
     output:
         "results/gradcheck/{name}.csv",
     log:
@@ -107,7 +107,7 @@ rule gradcheck:
 
 rule calibrate:
     input:
-        lambda wc: SWEEP.inputs(SWEEP.calibrations[wc.name]["model"]),
+        lambda wc: SWEEP.inputs(SWEEP.calibrations[wc.name]),
     output:
         "results/calibration/{name}.json",
     log:
