@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from .errors import ConfigError, OneLineParser, UserError, alike_on_every_process, quote, run_command
+from .errors import ConfigError, OneLineParser, UserError, alike_on_every_process, quote, run_command, shown
 from .outdir import check_file, check_writable, named_path_problem
 
 DEFAULT_CAMPAIGN_WORK = Path("results/campaign")  # campaign run's and status's --work
@@ -130,9 +130,9 @@ def _check_marker(done: Path, out: Path) -> None:
     """``--done FILE``: outside the run folder (which holds the run's files only), and a file or nothing."""
     folder = out.resolve()
     if done.resolve() == folder or folder in done.resolve().parents:
-        raise UserError(f"--done {done}: inside --out {out}; expected a marker outside the run folder")
+        raise UserError(f"--done {shown(done)}: inside --out {shown(out)}; expected a marker outside the run folder")
     if done.resolve() in folder.parents:  # the run made a folder of the marker's path: a traceback at its end
-        raise UserError(f"--out {out}: inside --done {done}; expected a run folder outside the marker (a file)")
+        raise UserError(f"--out {shown(out)}: inside --done {shown(done)}; expected a run folder outside the marker (a file)")
     from .runtime.cell import is_marker
 
     check_file(done, is_marker, "a run's marker", "--done")
@@ -146,16 +146,16 @@ def _run_journal(path: Path, out: Path, done: Path | None):
 
     folder = path.resolve()
     if folder == out.resolve() or out.resolve() in folder.parents:
-        raise UserError(f"--journal {path}: inside --out {out}; expected a journal outside the run folder")
+        raise UserError(f"--journal {shown(path)}: inside --out {shown(out)}; expected a journal outside the run folder")
     if done is not None and folder == done.resolve():
-        raise UserError(f"--journal {path}: the same file as --done; expected a file of its own")
+        raise UserError(f"--journal {shown(path)}: the same file as --done; expected a file of its own")
     # a path below the other made a folder of it, where the file was then written at the run's end
     if folder in out.resolve().parents:
-        raise UserError(f"--out {out}: inside --journal {path}; expected a run folder outside the journal (a file)")
+        raise UserError(f"--out {shown(out)}: inside --journal {shown(path)}; expected a run folder outside the journal (a file)")
     if done is not None and folder in done.resolve().parents:
-        raise UserError(f"--done {done}: inside --journal {path}; expected a marker outside the journal (a file)")
+        raise UserError(f"--done {shown(done)}: inside --journal {shown(path)}; expected a marker outside the journal (a file)")
     if done is not None and done.resolve() in folder.parents:
-        raise UserError(f"--journal {path}: inside --done {done}; expected a journal outside the marker (a file)")
+        raise UserError(f"--journal {shown(path)}: inside --done {shown(done)}; expected a journal outside the marker (a file)")
     # a path the command line chose: another is given, as for --done (never "remove it": it may be the user's file)
     journal = Journal.read(path, "agg-bench run", "--journal", f"{out} runs again", "give a new path")
     check_writable(path, "--journal")  # written when the run has ended: a place it cannot be written, refused first
@@ -262,7 +262,7 @@ def cmd_gradcheck(args) -> int:
 
         held = read_json_object(args.snapshot / "config.json", "a snapshot's run config")
         if {**json.loads(json.dumps(cfg.to_dict())), "progress": None} != {**held, "progress": None}:
-            raise UserError(f"--snapshot {args.snapshot} already holds a snapshot of another run config; "
+            raise UserError(f"--snapshot {shown(args.snapshot)} already holds a snapshot of another run config; "
                             "--config/--set would not apply to it (give them as it was made, or neither)")
         cfg = None
     rows = gradcheck(args.out, cfg, args.snapshot, *grid, args.methods, args.device)
@@ -283,7 +283,7 @@ def cmd_report(args) -> int:
     from .results.report import build_report, plot_tables
 
     if args.manifest is not None:  # a reference's manifest while an unpack into it is under way or was cut off
-        check_no_unpack_above(args.manifest, 1, f"--manifest {args.manifest}", set())
+        check_no_unpack_above(args.manifest, 1, f"--manifest {shown(args.manifest)}", set())
     if args.check:
         given = _first_given(args, "--runs", "--gradcheck", "--calibration", "--warmup", "--time", "--tables-in")
         if given:
@@ -334,7 +334,7 @@ def _check_no_unpack_of_files(*given: tuple[str, list]) -> None:
     looked: set[Path] = set()
     for flag, paths in given:
         for path in paths:
-            check_no_unpack_above(path, 2, f"{flag} {path}", looked)
+            check_no_unpack_above(path, 2, f"{flag} {shown(path)}", looked)
 
 
 def cmd_learning(args) -> int:
@@ -344,7 +344,7 @@ def cmd_learning(args) -> int:
     if args.tables is None and args.plots is None:  # else every checkpoint was evaluated and nothing written
         raise UserError("give --tables DIR and/or --plots DIR")
     # a reference's manifest while an unpack into it is under way or was cut off
-    check_no_unpack_above(args.manifest, 1, f"--manifest {args.manifest}", set())
+    check_no_unpack_above(args.manifest, 1, f"--manifest {shown(args.manifest)}", set())
     given = {"--eval-seed": args.eval_seed, "--eval-sampler": args.eval_sampler}
     defaults = LearningOptions()
     options = LearningOptions(args.average, args.fraction, args.eval_noises,

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from . import stopping
-from .errors import UserError, quote
+from .errors import UserError, quote, shown
 from .jsonfiles import JsonFileError, read_json_object
 from .io import (TEMP_TAG, atomic_path, atomic_target, is_temp_name, process_running, remove_stale_temps,
                  temp_name_owner)
@@ -112,7 +112,7 @@ class Contents:
 
 
 def _shown(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return ", ".join(shown(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def find_links(folder: Path) -> list[str]:
@@ -135,28 +135,28 @@ def _strangers(folder: Path, contents: Contents, prefix: str = "") -> tuple[list
         name = path.name
         if is_harness_name(name):
             continue
-        shown = prefix + name
+        relative = prefix + name
         if path.is_symlink():
             if not contents.ours(name):
-                foreign.append(shown)
+                foreign.append(relative)
             continue
         owned, inner = contents.folder(name)
         if path.is_dir():
             if owned:
                 if inner is not None:
-                    more, kinds = _strangers(path, inner, shown + "/")
+                    more, kinds = _strangers(path, inner, relative + "/")
                     foreign += more
                     wrong_kind += kinds
             elif contents.file(name):
-                wrong_kind.append(shown + "/")
+                wrong_kind.append(relative + "/")
             else:
-                foreign.append(shown + "/")
+                foreign.append(relative + "/")
         elif contents.file(name):
             continue
         elif owned:
-            wrong_kind.append(shown)
+            wrong_kind.append(relative)
         else:
-            foreign.append(shown)
+            foreign.append(relative)
     return foreign, wrong_kind
 
 
@@ -164,11 +164,11 @@ def check_folder_path(out: Path, flag: str = "--out") -> bool:
     """Refuse ``out`` where it is a symbolic link or exists as something other than a folder; whether it
     exists. Reads only."""
     if out.is_symlink():
-        raise UserError(f"{flag} {out}: is a symbolic link; give the folder it points to, or another folder")
+        raise UserError(f"{flag} {shown(out)}: is a symbolic link; give the folder it points to, or another folder")
     if not out.exists():
         return False
     if not out.is_dir():
-        raise UserError(f"{flag} {out}: exists and is not a folder")
+        raise UserError(f"{flag} {shown(out)}: exists and is not a folder")
     return True
 
 
@@ -183,15 +183,15 @@ def check_folder(out: Path, contents: Contents, flag: str = "--out", remedy: str
     foreign, wrong_kind = _strangers(out, contents)
     if wrong_kind:
         kind = "a folder" if wrong_kind[0].endswith("/") else "a file"
-        raise UserError(f"{flag} {out}: {wrong_kind[0].rstrip('/')} is {kind}, where {contents.what} has "
+        raise UserError(f"{flag} {shown(out)}: {shown(wrong_kind[0].rstrip('/'))} is {kind}, where {contents.what} has "
                         f"{'a file' if kind == 'a folder' else 'a folder'}; "
                         f"{remedy or 'remove or rename it, or give another folder'}")
     if foreign:
-        raise UserError(f"{flag} {out}: the folder holds files that are not {contents.what} ({_shown(foreign)}); "
+        raise UserError(f"{flag} {shown(out)}: the folder holds files that are not {contents.what} ({_shown(foreign)}); "
                         f"{remedy or 'give a new or empty folder'}")
     links = find_links(out)
     if links:
-        raise UserError(f"{flag} {out}: holds symbolic links ({_shown(links)}), which a write could follow out "
+        raise UserError(f"{flag} {shown(out)}: holds symbolic links ({_shown(links)}), which a write could follow out "
                         f"of the folder; {remedy or 'remove them or give another folder'}")
 
 
@@ -346,7 +346,7 @@ def check_suffix(path: str | Path, suffix: str, flag: str = "--out") -> None:
     nothing."""
     name = Path(path).name
     if not (name.endswith(suffix) and len(name) > len(suffix)):
-        raise UserError(f"{flag} {path}: expected a FILE{suffix} path")
+        raise UserError(f"{flag} {shown(path)}: expected a FILE{suffix} path")
 
 
 def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = "--out",
@@ -357,11 +357,11 @@ def check_file(path: Path, ours: Callable[[Path], bool], what: str, flag: str = 
     giving another). Reads only."""
     check_not_inside_output(path, flag, file=True)
     if path.is_symlink():
-        raise UserError(f"{flag} {path}: is a symbolic link; give a plain file path")
+        raise UserError(f"{flag} {shown(path)}: is a symbolic link; give a plain file path")
     if path.is_dir():
-        raise UserError(f"{flag} {path}: is a folder; expected a file path")
+        raise UserError(f"{flag} {shown(path)}: is a folder; expected a file path")
     if path.exists() and not ours(path):
-        raise UserError(f"{flag} {path}: the file exists and is not {what}; {remedy}")
+        raise UserError(f"{flag} {shown(path)}: the file exists and is not {what}; {remedy}")
 
 
 def check_writable(path: Path, flag: str) -> None:
@@ -374,12 +374,12 @@ def check_writable(path: Path, flag: str) -> None:
     while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
-        raise UserError(f"{flag} {path}: {folder} is not a folder; expected a file path in a folder")
+        raise UserError(f"{flag} {shown(path)}: {shown(folder)} is not a folder; expected a file path in a folder")
     probe = atomic_path(folder / path.name)
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as err:
-        raise UserError(f"{flag} {path}: cannot write in {folder} ({err.strerror or err}); give a path where "
+        raise UserError(f"{flag} {shown(path)}: cannot write in {shown(folder)} ({err.strerror or err}); give a path where "
                         "files can be written") from None
     os.close(fd)
     probe.unlink(missing_ok=True)
@@ -420,7 +420,7 @@ def check_not_written(target: str | Path, what: str, lock_inside: bool = True) -
     held, pid = writer(target, lock_inside)
     if held:
         holder = f" (PID {pid})" if pid is not None else ""
-        raise Busy(f"{what} {target}: another agg-bench process{holder} is writing it; wait until it ends, or leave "
+        raise Busy(f"{what} {shown(target)}: another agg-bench process{holder} is writing it; wait until it ends, or leave "
                    "it out", Path(target), pid)
 
 
@@ -437,7 +437,7 @@ class Claim:
         self.folder, self.lock_inside, self.flag, self.check = folder, lock_inside, flag, check
         self.wait = wait
         if not self.target.name:
-            raise UserError(f"{flag} {target}: give a named folder or file, not the current folder or a "
+            raise UserError(f"{flag} {shown(target)}: give a named folder or file, not the current folder or a "
                             "file-system root")
         size = len(os.fsencode(self.target.name))
         if not lock_inside and size > NAME_MAX - SIBLING_BYTES:  # its lock and temporary are written beside it
@@ -462,9 +462,9 @@ class Claim:
             # a file where a folder of the path goes: mkdir says only "File exists" or "Not a directory"
             blocker = next((p for p in (folder, *folder.parents) if p.exists() or p.is_symlink()), None)
             if blocker is not None and not blocker.is_dir():
-                raise UserError(f"{self.flag} {self.target}: {blocker} is a file, not a folder (expected a folder "
+                raise UserError(f"{self.flag} {shown(self.target)}: {shown(blocker)} is a file, not a folder (expected a folder "
                                 "there, or nothing: missing folders are made)") from None
-            raise UserError(f"{self.flag} {self.target}: cannot write in {folder} ({err.strerror or err})") from None
+            raise UserError(f"{self.flag} {shown(self.target)}: cannot write in {shown(folder)} ({err.strerror or err})") from None
         self._created = missing  # deepest first
 
     def acquire(self) -> "Claim":
@@ -486,9 +486,9 @@ class Claim:
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
             except OSError as err:
                 if err.errno == errno.ELOOP:
-                    raise UserError(f"{self.flag} {self.target}: {self.lock_path.name} is a symbolic link; "
+                    raise UserError(f"{self.flag} {shown(self.target)}: {shown(self.lock_path.name)} is a symbolic link; "
                                     "remove it") from None
-                raise UserError(f"{self.flag} {self.target}: cannot write in {self.lock_path.parent} "
+                raise UserError(f"{self.flag} {shown(self.target)}: cannot write in {shown(self.lock_path.parent)} "
                                 f"({err.strerror or err})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -496,7 +496,7 @@ class Claim:
                 pid = _holder(fd)
                 os.close(fd)
                 holder = f" (PID {pid})" if pid is not None else ""
-                raise Busy(f"{self.flag} {self.target}: another agg-bench process{holder} is writing this "
+                raise Busy(f"{self.flag} {shown(self.target)}: another agg-bench process{holder} is writing this "
                            f"{what}; wait until it ends or give another {what}", self.target, pid) from None
             # a holder that was releasing may have removed the file between our open and our lock
             try:
@@ -509,7 +509,7 @@ class Claim:
                 stopping.at_exit_at_once(id(self), self._release_at_once)
                 return fd
             os.close(fd)
-        raise UserError(f"{self.flag} {self.target}: the lock {self.lock_path} keeps changing; another process "
+        raise UserError(f"{self.flag} {shown(self.target)}: the lock {shown(self.lock_path)} keeps changing; another process "
                         "is claiming it, try again")
 
     def release(self, failed: bool = False) -> None:

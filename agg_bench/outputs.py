@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, shown
 from .io import temp_owner
 from .outdir import Contents, check_folder
 from .reading import RunFolder
@@ -71,7 +71,7 @@ def check_no_unpack(reference: Path, what: str) -> None:
     finds an unpack there: its manifest, tables and runs may be of two states."""
     staging = unpack_under_way(reference)
     if staging is not None:
-        raise UserError(f"{what}: agg-bench campaign unpack into {reference} is under way or was cut off ({staging.name} "
+        raise UserError(f"{what}: agg-bench campaign unpack into {shown(reference)} is under way or was cut off ({shown(staging.name)} "
                         "is there), so its manifest, tables and runs may disagree; run that unpack (again) first")
 
 

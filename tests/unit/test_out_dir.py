@@ -62,6 +62,29 @@ def test_a_file_output_of_another_suffix_is_refused_and_nothing_written(tmp_path
     assert list(tmp_path.iterdir()) == [out] and out.read_text() == "notes"
 
 
+@pytest.mark.parametrize("name", ["a\nb", "a\rb", "a\x1b[31mb"])
+def test_a_path_with_a_control_character_is_quoted_in_a_refusal(tmp_path, capsys, name):
+    """A refusal is one line, so a path holding a newline or carriage return was joined into it unquoted (and an
+    escape sequence written as it is), and where the path ended could not be told. Such a path, and such a name in
+    the folder, are quoted as a progress line quotes them (errors.shown); an ordinary path stays as it is (the
+    tests above)."""
+    out = tmp_path / f"{name}.txt"
+    assert main(["embed", *[a for o in SMALL for a in ("--set", o)], "--out", str(out)]) == 2
+    assert one_error_line(capsys).endswith(f"--out {str(out)!r}: expected a FILE.safetensors path")
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / name).write_text("mine")
+    assert main(run(folder)) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"agg-bench run: --out {str(folder)!r}: the folder holds files that are not ")
+    assert f" ({name!r}); " in line
+    (folder / name).unlink()
+    assert main(run(folder, "--done", str(folder / name))) == 2
+    assert one_error_line(capsys).endswith(f"--done {str(folder / name)!r}: inside --out {str(folder)!r}; expected a "
+                                           "marker outside the run folder")
+    assert list(folder.iterdir()) == []
+
+
 def test_a_user_folder_is_refused_and_left_as_it_was(tmp_path, capsys):
     out = tmp_path / "home"
     out.mkdir()
