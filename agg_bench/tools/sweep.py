@@ -416,6 +416,14 @@ def check_input_files(jobs: Sweep) -> None:
         if not is_pretrained_here(folder) and os.path.exists(folder) and not os.path.isdir(folder):
             raise SweepError(f"{place}: model.pretrained = {quote(folder)} is a file; expected a model "
                              "folder (a diffusers pipeline's, or one agg-bench pretrain wrote)")
+    # agg-bench pretrain's model is conditioned on token hashes, which each run computes: its embed job, which the
+    # runs of the model wait for, failed ("nothing to embed") and none of them ran
+    for model, job in jobs.embeddings.items():
+        if is_pretrained_here(job["pretrained"]):
+            given = "embed.models" if "models" in (jobs.embed or {}) else "embed (every model unless embed.models)"
+            raise SweepError(f"{given}: {model} reads model.pretrained = {quote(job['pretrained'])}, a model "
+                             "agg-bench pretrain makes, conditioned on token hashes that every run computes "
+                             f"itself (no text encoders, nothing to embed); expected embed.models without {model}")
 
 
 def pretrain_gpus(label: str, device: str) -> int:

@@ -721,6 +721,25 @@ def test_a_model_folder_is_checked_wherever_the_sweep_sets_it(in_process, tmp_pa
         sweep_module.check_input_files(Sweep(config, SCHEMA))
 
 
+@pytest.mark.parametrize("embed", [{}, {"models": ["sd3"]}])
+def test_an_embed_of_a_model_that_pretrain_makes_is_refused(in_process, embed):
+    """A model that agg-bench pretrain makes is conditioned on token hashes: its embed job failed ("nothing to
+    embed"), and every run of the model, which waits for its embeddings, never ran. Refused at the parse, naming
+    embed.models where it was given and the default (every model) where not; leaving the model out passes."""
+    config = sweep_config()
+    config["models"]["sd3"]["model.pretrained"] = "results/pretrained/scenes"
+    config["pretrain"] = {"scenes": {"config": "config/pretrain.yaml"}}
+    config["embed"] = embed
+    given = "embed.models" if embed else "embed (every model unless embed.models)"
+    with pytest.raises(SweepError, match="^" + re.escape(
+            f"sweep config: {given}: sd3 reads model.pretrained = 'results/pretrained/scenes', a model agg-bench "
+            "pretrain makes, conditioned on token hashes")):
+        sweep_module.check_input_files(Sweep(config, SCHEMA))
+    config["models"]["flux"] = {"model.family": "flux", "model.preset": "tiny"}
+    config["embed"] = {"models": ["flux"]}
+    sweep_module.check_input_files(Sweep(config, SCHEMA))
+
+
 @pytest.mark.parametrize("section, make", [
     ("methods", lambda c: c["methods"].update({"Full": {"method": {"name": "full"}}})),
     ("models", lambda c: c["models"].update({"SD3": dict(c["models"]["sd3"])})),
