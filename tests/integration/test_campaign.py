@@ -1824,8 +1824,19 @@ def test_the_gpu_learning_sweep_is_the_cpu_sweeps_methods_on_10_seeds():
         ["agg-w5-sigma-reuse"] * 10
 
 
+@pytest.fixture
+def checks_here():
+    """The methods' checks this process asks for that the kept ones lack, in this process
+    (:func:`helpers.sweep_checks_here`): the same answers, kept alike, without a child's imports of torch and the
+    model libraries."""
+    from helpers import sweep_checks_here
+
+    with sweep_checks_here():
+        yield
+
+
 @pytest.mark.slow
-def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys):
+def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys, checks_here):
     """--cpu: the model pre-trained first, every method's run, the model and the runs packed; unpacked, the
     reference's learning tables regenerate byte for byte, and the next window takes the reference's model
     (and refuses another)."""
@@ -1936,7 +1947,7 @@ def copy_sweep(folder: Path, config: str) -> None:
 
 
 @pytest.mark.parametrize("config", ["learning.yaml", "learning_gpu.yaml"])
-def test_the_cpu_form_of_a_learning_sweep_has_a_model_folder_of_its_own(config):
+def test_the_cpu_form_of_a_learning_sweep_has_a_model_folder_of_its_own(config, checks_here):
     gpu, cpu = Campaign(ROOT / "config" / config), Campaign(ROOT / "config" / config, cpu=True)
     assert set(gpu.pretrained_models().values()).isdisjoint(cpu.pretrained_models().values())
     assert set(gpu.pretrain).isdisjoint(cpu.pretrain)
