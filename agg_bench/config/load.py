@@ -8,6 +8,7 @@ whoever runs something (:func:`agg_bench.runtime.config_check.check_config`).
 from __future__ import annotations
 
 import copy
+import functools
 import typing
 from pathlib import Path
 from typing import Any, Mapping
@@ -44,11 +45,24 @@ def parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not all(part.strip() for part in key.split(".")):  # '' or '.x' or 'train..lr': a key no config has
         raise ConfigError("--set", item, "key=value with a key of non-empty dotted parts, e.g. train.lr=1e-5")
+    # a copy: the parsed value of a short override is kept (a sweep's runs give the same overrides each, parsed
+    # 3,600 times for config/h200.yaml's 115 runs), and the caller may change what it gets
+    value = _override_value(raw, item) if len(item) <= _KEPT_OVERRIDE_CHARS else _parse_value(raw, item)
+    return key, copy.deepcopy(value)
+
+
+_KEPT_OVERRIDE_CHARS = 1000  # longer overrides are parsed each time, not kept
+
+
+def _parse_value(raw: str, item: str) -> Any:
+    """The value of override ``item`` (``key=raw``), YAML-parsed; ``raw`` as it is where it is not YAML."""
     try:
-        value = yaml_load(raw, "--set", item) if raw.strip() else ""
+        return yaml_load(raw, "--set", item) if raw.strip() else ""
     except yaml.YAMLError:
-        value = raw
-    return key, value
+        return raw
+
+
+_override_value = functools.lru_cache(maxsize=4096)(_parse_value)  # a refusal (ConfigError) is not kept
 
 
 def dotted_value(config: Mapping, key: str) -> Any:

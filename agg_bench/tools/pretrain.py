@@ -69,6 +69,12 @@ def _check(cfg: PretrainConfig) -> PretrainConfig:
     return cfg
 
 
+# the counts on fake tensors this process made already, by the sizes they depend on: a campaign or a sweep reads
+# its pretrain entries at each start, and a count takes about a CPU-second
+_COUNTED: dict[str, dict[str, int]] = {}
+_COUNTED_KEPT = 16
+
+
 def check_size(cfg: PretrainConfig, memory: int | None = None) -> dict[str, int]:
     """The model's sizes together, counted before anything is allocated (a shape-only model on the meta
     device and the memory planner's count of a training step on fake tensors,
@@ -86,8 +92,14 @@ def check_size(cfg: PretrainConfig, memory: int | None = None) -> dict[str, int]
     if parameters > MAX_PARAMETERS:
         raise ConfigError("num_layers", cfg.num_layers, f"sizes of at most {MAX_PARAMETERS:,} parameters together "
                           f"({sizes}: {parameters:,} parameters)")
-    plan = training_bytes(transformer, cfg.family, PixelDecoder(cfg.pixel_factor), cfg.resolution, cfg.batch_size,
-                          cfg.max_tokens, STATE_COPIES)
+    key = json.dumps([cfg.family, transformer_config(cfg), cfg.pixel_factor, cfg.resolution, cfg.batch_size,
+                      cfg.max_tokens], sort_keys=True)
+    if key not in _COUNTED:
+        if len(_COUNTED) >= _COUNTED_KEPT:
+            _COUNTED.pop(next(iter(_COUNTED)))
+        _COUNTED[key] = training_bytes(transformer, cfg.family, PixelDecoder(cfg.pixel_factor), cfg.resolution,
+                                       cfg.batch_size, cfg.max_tokens, STATE_COPIES)
+    plan = dict(_COUNTED[key])
     budget = memory if memory is not None else int((1 - RESERVE_FRACTION) * gpu_memory_bytes("cpu"))
     if plan["total"] > budget:
         raise ConfigError("batch_size", cfg.batch_size,
