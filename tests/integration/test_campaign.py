@@ -1065,6 +1065,7 @@ def test_a_symlinked_reference_or_work_folder_is_one_line_naming_the_link(tmp_pa
 def test_an_unpack_does_not_look_at_the_work_folder_it_never_reads(tmp_path, capsys, monkeypatch):
     """unpack reads no --work (it refuses one), yet the default results/campaign was checked: where it is a link
     (to scratch storage), every unpack was refused as '--work results/campaign: is a symbolic link'."""
+    share_kept_checks(tmp_path)  # the campaign's methods check, not made again in a child process
     monkeypatch.chdir(tmp_path)
     (tmp_path / "scratch").mkdir()
     (tmp_path / "results").mkdir()
@@ -1172,17 +1173,18 @@ def test_the_script_says_in_one_line_what_is_missing(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
-def stub_python(folder: Path, lacks: str | None = None, has_modules: bool = False) -> Path:
+def stub_python(folder: Path, lacks: str | None = None, has_modules: bool = False, imports: bool = False) -> Path:
     """An interpreter that imports as this one does (``lacks``: a module it has not: neither imported nor found)
     and, asked to run agg_bench, writes its folder and arguments to ``<folder>/argv`` instead. ``has_modules``:
     the script's module checks (pick_python's ``import A,B,C``, require_modules' look for each) pass at once,
-    without a Python that imports torch; every other ``-c`` runs in this interpreter."""
+    without a Python that imports torch; ``imports``: pick_python's passes at once, require_modules' looks for
+    each module in this interpreter; every other ``-c`` runs in this interpreter."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "site").mkdir(exist_ok=True)
     if lacks:  # a module None in sys.modules is neither imported nor found by importlib.util.find_spec
         (folder / "site" / "sitecustomize.py").write_text(f"import sys\nsys.modules[{lacks!r}] = None\n")
     checks = "if [[ $1 == -c && ( $2 =~ ^import\\ [A-Za-z_.,]+$ || $2 == *find_spec* ) ]]; then exit 0; fi\n" \
-        if has_modules else ""
+        if has_modules else "if [[ $1 == -c && $2 =~ ^import\\ [A-Za-z_.,]+$ ]]; then exit 0; fi\n" if imports else ""
     return bash_script(folder / "python", f'{checks}if [[ $1 == -c ]]; then PYTHONPATH="{folder / "site"}:$PYTHONPATH" '
                                           f'exec "{sys.executable}" "$@"; fi\n{{ pwd; printf "%s\\n" "$@"; }} > '
                                           f'"{folder}/argv"')
@@ -1228,7 +1230,9 @@ def test_the_script_takes_relative_paths_from_the_folder_it_is_started_in(tmp_pa
 def test_the_script_checks_every_module_a_window_imports(tmp_path):
     """An interpreter without peft passed the script's check and ran the window: each LoRA run (FLUX.1-dev,
     Qwen-Image) then failed on it, minutes in. It is one line and exit code 2 before anything runs."""
-    stub = stub_python(tmp_path / "bin", lacks="peft")
+    # pick_python's import of torch, diffusers and agg_bench passes as it did (it needs no peft) without a Python
+    # that imports them (5 CPU-seconds); require_modules looks for peft in this interpreter, which lacks it
+    stub = stub_python(tmp_path / "bin", lacks="peft", imports=True)
     proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", "1"], cwd=tmp_path,
                           env=script_env(tmp_path, PYTHON=str(stub)), capture_output=True, text=True, timeout=300)
     err = proc.stderr.strip().splitlines()
@@ -1239,7 +1243,7 @@ def test_the_script_checks_every_module_a_window_imports(tmp_path):
 def test_an_interpreter_that_cannot_look_for_the_modules_is_one_plain_line(tmp_path):
     """The module check's own failure was shown as a list of modules, its words comma-separated ("cannot import
     (the, check, failed:, ...)"); it is its last line of error, as it stands."""
-    stub = stub_python(tmp_path / "bin")
+    stub = stub_python(tmp_path / "bin", imports=True)  # pick_python's import passes without importing torch
     text = stub.read_text()
     stub.write_text(text.replace("#!/bin/bash\n", '#!/bin/bash\nif [[ $2 == *find_spec* ]]; then '
                                                    'echo "MemoryError: no room" >&2; exit 1; fi\n', 1))
