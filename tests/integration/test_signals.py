@@ -344,51 +344,81 @@ def wait_for_lines(proc: subprocess.Popen, metrics: Path, count: int, log: Path)
     assert proc.poll() is None, "the run ended before it was killed: " + log.read_text()[-3000:]
 
 
-def test_kill_9_leaves_whole_lines_and_a_folder_that_a_rerun_completes(tmp_path, capsys):
-    out = tmp_path / "run"
-    iterations = 12
-    args = [sys.executable, "-m", "agg_bench", "run", *SET, "--set", f"train.iterations={iterations}",
-            "--checkpoint-every", "1", "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / "run.log", "w")
-    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log, stderr=log)
+LEFT_ITERATIONS = 12  # the run killed once 2 records are written: the rest keep it going past the kill
+
+
+def left_args(out: Path) -> list[str]:
+    return ["run", *SET, "--set", f"train.iterations={LEFT_ITERATIONS}", "--checkpoint-every", "1", "--out", str(out)]
+
+
+def test_kill_9_leaves_whole_lines_and_a_folder_that_a_rerun_completes(killed_runs, tmp_path, capsys):
+    """A run killed (SIGKILL, by another process: :func:`killed_runs`) once 2 records are written, as it goes on."""
+    outs, ends, killed = killed_runs
+    out = outs["left"]
+    assert ends["left"] == -signal.SIGKILL, ("the run ended before it was killed", ends, killed.stderr[-3000:])
     metrics = out / "metrics.jsonl"
-    wait_for_lines(proc, metrics, 2, tmp_path / "run.log")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    log.close()
     lines = metrics.read_text().split("\n")
     for line in lines[:-1]:  # every line but an unfinished last one is a whole record
         json.loads(line)
     killed_at = len(records(out))
-    assert 2 <= killed_at < iterations
+    assert 2 <= killed_at < LEFT_ITERATIONS
     assert not (out / "summary.json").exists()  # the workflow's declared output: absent, so the job reruns
     with open(metrics, "a") as fh:  # the worst case: the kill came in the middle of a line
         fh.write('{"iteration": 99, "loss": 0.')
     assert len(records(out)) == killed_at  # readers skip the torn line
     # the rerun in this process: none of the killed process's memory, only the folder it left
     capsys.readouterr()
-    assert main([*args[3:], "--resume"]) == 0, capsys.readouterr().err[-3000:]
+    assert main([*left_args(out), "--resume"]) == 0, capsys.readouterr().err[-3000:]
     assert summary(out)["status"] == "ok" and summary(out)["resumed_from"] is not None  # from its checkpoint
-    assert [r["iteration"] for r in records(out)] == list(range(iterations))
+    assert [r["iteration"] for r in records(out)] == list(range(LEFT_ITERATIONS))
     assert all(line.strip() for line in metrics.read_text().splitlines())
     # the resumed run's records, in order, under one identity, read as one run
     assert main(["report", "--runs", str(out), "--tables", str(tmp_path / "tables")]) == 0
 
 
-# Kills itself (SIGKILL) before the ``KILL_AT``-th rollout; otherwise ``agg-bench run`` with the arguments given.
+# One process of the model code for the runs that are killed (SIGKILL): it imports the model libraries once (about 6
+# CPU-seconds a process), then forks one process per run, one after the other, each a process of its own running
+# ``agg-bench run`` with the arguments given. A run is given as JSON: {"argv": [...], "kill_at": K} kills itself
+# before its K-th rollout; {"argv": [...], "kill_after": [FILE, N]} is killed by this process once FILE holds N
+# whole lines (looked at every 0.02 s, as long as the run goes on). It prints each run's wait status (the negative
+# signal that ended it, or its exit code) as a JSON list.
 KILLED_AT = """
-import os, signal, sys
+import json, os, signal, sys, time
+import agg_bench.engine.models, agg_bench.runtime.train  # the model libraries, before the forks
 from agg_bench.cli import main
 from agg_bench.runtime.session import Session
-collect, calls = Session.collect, []
-def collect_or_die(self, *args, **kwargs):
-    calls.append(1)
-    if len(calls) == int(os.environ["KILL_AT"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return collect(self, *args, **kwargs)
-Session.collect = collect_or_die
-sys.exit(main(sys.argv[1:]))
+ends = []
+for spec in map(json.loads, sys.argv[1:]):
+    pid = os.fork()
+    if pid == 0:
+        collect, calls = Session.collect, []
+        def collect_or_die(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == spec.get("kill_at"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return collect(self, *args, **kwargs)
+        Session.collect = collect_or_die
+        try:
+            code = main(spec["argv"])
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    ended = None
+    if "kill_after" in spec:
+        path, count = spec["kill_after"]
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            done, ended = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break  # it ended before it was killed
+            ended = None
+            if os.path.exists(path) and open(path).read().count("\\n") >= count:
+                os.kill(pid, signal.SIGKILL)  # still running (not reaped)
+                break
+            time.sleep(0.02)
+    status = os.waitpid(pid, 0)[1] if ended is None else ended
+    ends.append(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+print(json.dumps(ends))
 """
 # the runs with the most state a process holds between iterations: AWM's EMA-KL average, SA-Solver noise and the
 # evaluation average; DGPO's ema_ref as sampler, clip and reference
@@ -399,27 +429,48 @@ KILLED = {
 }
 
 
+def killed_args(method: str) -> list[str]:
+    return ["run", *KILLED[method], *SET, "--set", "train.iterations=4", "--set", "run_id=killed"]
+
+
+def killed_command(method: str, out: Path) -> list[str]:
+    return [*killed_args(method), "--checkpoint-every", "2", "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory) -> tuple[dict[str, Path], dict[str, int], subprocess.CompletedProcess]:
+    """The run folders of the killed runs (:data:`KILLED_AT`, one process that forks one per run): each
+    :data:`KILLED` method's, killed before the rollout of iteration 3, and "left", killed by that process once 2
+    records are written; each run's wait status, and that process."""
+    folder = tmp_path_factory.mktemp("killed")
+    outs = {name: folder / name / "run" for name in [*KILLED, "left"]}
+    specs = [{"argv": killed_command(method, outs[method]), "kill_at": 4} for method in KILLED]
+    specs.append({"argv": left_args(outs["left"]), "kill_after": [str(outs["left"] / "metrics.jsonl"), 2]})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILLED_AT, *map(json.dumps, specs)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return outs, dict(zip(outs, json.loads(proc.stdout.strip().splitlines()[-1]))), proc
+
+
 @pytest.mark.parametrize("method", list(KILLED))
-def test_kill_9_then_resume_writes_the_records_of_an_uninterrupted_run(tmp_path, capsys, method):
+def test_kill_9_then_resume_writes_the_records_of_an_uninterrupted_run(killed_runs, tmp_path, capsys, method):
     """A process killed (SIGKILL) before the rollout of iteration 3, with a checkpoint after iteration 1 only, and a
     resumption of it in another process: the records of a run never stopped, every field but timings. The
     in-process cases (tests/unit/test_resume_every_method.py) go on in the process that failed; here nothing of
-    the killed process's memory is left. The resumption runs in this process (as the rerun of
+    the killed process's memory is left. The killed process is forked, per method, from one process that imported
+    the model code once (:func:`killed_runs`). The resumption runs in this process (as the rerun of
     test_kill_9_leaves_whole_lines_and_a_folder_that_a_rerun_completes does): it is not the killed one, and a
     child of its own would import the model code again; it runs before the reference run, so this process has
     not run this config when it resumes."""
-    args = ["run", *KILLED[method], *SET, "--set", "train.iterations=4", "--set", "run_id=killed"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_AT": "4"}
-    out = tmp_path / "run"
-    command = [*args, "--checkpoint-every", "2", "--out", str(out)]
-    killed = subprocess.run([sys.executable, "-c", KILLED_AT, *command], cwd=ROOT, env=env, capture_output=True,
-                            text=True)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    outs, ends, killed = killed_runs
+    out = outs[method]
+    assert ends[method] == -signal.SIGKILL, (ends, killed.stderr[-3000:])
     assert [r["iteration"] for r in records(out)] == [0, 1, 2] and not (out / "summary.json").exists()
     capsys.readouterr()
-    assert main([*command, "--resume"]) == 0, capsys.readouterr().err[-3000:]
+    assert main([*killed_command(method, out), "--resume"]) == 0, capsys.readouterr().err[-3000:]
     assert summary(out)["resumed_from"] == 1
-    assert main([*args, "--out", str(tmp_path / "reference")]) == 0
+    assert main([*killed_args(method), "--out", str(tmp_path / "reference")]) == 0
     learned = lambda folder: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records(folder)]
     assert learned(out) == learned(tmp_path / "reference")
 
