@@ -16,7 +16,7 @@ import pytest
 from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.io import JsonlWriter
-from agg_bench.records import PLOTS, RECORD_KEYS, TABLES
+from agg_bench.records import PLOT_TABLES, PLOTS, RECORD_KEYS, TABLES
 from agg_bench.results.formatting import to_markdown
 from agg_bench.results.loading import (GradcheckEntry, Manifest, RunEntry, discover_runs, load_gradcheck,
                                        load_records)
@@ -498,10 +498,41 @@ def test_report_cli(sweep, tmp_path, capsys):
 
 
 
-def test_plots_are_drawn_from_the_written_tables(sweep_report, tmp_path, capsys):
+class DrawnOnce:
+    """A stand-in for the report's write_plots in a test whose reports draw the plots of the same tables more than
+    once (a set of plots takes seconds): the first call draws them (plots.write_plots); each later call checks that
+    it was given the same tables, cell for cell and dtype for dtype, and writes the images the first call drew. The
+    plots are a function of their tables: test_plots_are_drawn_from_the_written_tables draws them twice, from the
+    tables as written and from the same tables' CSV text, and compares the bytes."""
+
+    def __init__(self):
+        self.tables: dict[str, pd.DataFrame] | None = None
+        self.images: dict[str, bytes] = {}
+        self.calls = 0
+
+    def __call__(self, tables, folder) -> list[Path]:
+        from agg_bench.results import plots
+
+        self.calls += 1
+        folder = Path(folder)
+        if self.tables is None:
+            paths = plots.write_plots(tables, folder)
+            self.tables = {name: tables[name].copy() for name in PLOT_TABLES}
+            self.images = {path.name: path.read_bytes() for path in paths}
+            return paths
+        for name in PLOT_TABLES:
+            pd.testing.assert_frame_equal(tables[name], self.tables[name], check_exact=True, obj=name)
+        for name, image in self.images.items():
+            (folder / name).write_bytes(image)
+        return [folder / name for name in self.images]
+
+
+def test_plots_are_drawn_from_the_written_tables(sweep_report, tmp_path, capsys, monkeypatch):
     """The plots job reads the tables job's files (--tables-in); a report that writes both, or the plots
     alone, draws the same images from the same tables."""
     import shutil
+
+    from agg_bench.results import report
 
     root, sweep, gradcheck_csv = sweep_report
     manifest = tmp_path / "manifest.json"
@@ -513,12 +544,17 @@ def test_plots_are_drawn_from_the_written_tables(sweep_report, tmp_path, capsys)
     tables = tmp_path / "tables"
     shutil.copytree(root / "tables", tables)
     shutil.copytree(root / "plots", tmp_path / "both")
+    # the plots alone are drawn (and compared with the fixture's below); the report from --tables-in is checked to
+    # hand the plots the same tables, exactly, and writes those images (each set of plots drawn takes seconds)
+    drawn = DrawnOnce()
+    monkeypatch.setattr(report, "write_plots", drawn)
     assert main(["report", "--manifest", str(manifest), "--plots", str(tmp_path / "alone")]) == 0
     capsys.readouterr()
     # drawn from the tables into the tables' own folder, which the plots may share (one report less to draw: each
     # set of plots takes seconds)
     tables_before = {p.name: p.read_bytes() for p in tables.iterdir() if p.name != "stamp.json"}
     assert main(["report", "--tables-in", str(tables), "--plots", str(tables)]) == 0
+    assert drawn.calls == 2
     assert json.loads(capsys.readouterr().out)["efficiency_rows"] == len(pd.read_csv(tables / "efficiency.csv"))
     assert {p.name: p.read_bytes() for p in tables.iterdir() if p.name in tables_before} == tables_before
     for name in PLOTS:
@@ -554,14 +590,17 @@ def test_a_long_report_prints_its_progress_on_stderr(sweep, tmp_path, capsys, mo
     assert capsys.readouterr().err == ""
 
 
-def test_tables_and_plots_share_a_folder_across_runs_of_the_report(sweep, tmp_path, capsys, monkeypatch):
+def test_tables_and_plots_share_a_folder_across_runs_of_the_report(earlier_reports, tmp_path, capsys, monkeypatch):
     """A folder that `--tables D --plots D` wrote holds the report's own files only: a later `--tables D`, or
     `--plots D` alone, rewrites it (it was refused: the other's files counted as someone's); a file of someone's
     there is still refused, one line, exit 2, nothing touched."""
+    import shutil
+
     from agg_bench.results import report
 
-    runs, both = tmp_path / "runs", tmp_path / "both"
-    assert main(["report", "--runs", str(runs), "--tables", str(both), "--plots", str(both)]) == 0
+    runs, both = earlier_reports / "runs", tmp_path / "both"
+    # what `report --runs RUNS --tables D --plots D` wrote: the fixture's out/ (its set of plots drawn once)
+    shutil.copytree(earlier_reports / "out", both)
     # the later reports rewrite that folder with every plot's file drawn by a stand-in: what is checked is which
     # files the folder may hold, and each set of plots drawn takes seconds
     monkeypatch.setattr(report, "write_plots", every_plot)
@@ -605,7 +644,7 @@ def test_a_report_stopped_part_way_leaves_the_earlier_set_whole(earlier_reports,
     import shutil
     import signal
 
-    from agg_bench.results import formatting, plots
+    from agg_bench.results import formatting, plots, report
 
     runs, out, tables_in = earlier_reports / "runs", tmp_path / "out", tmp_path / "tables_in"
     shutil.copytree(earlier_reports / "out", out)  # `report --runs RUNS --tables out --plots out`
@@ -638,6 +677,9 @@ def test_a_report_stopped_part_way_leaves_the_earlier_set_whole(earlier_reports,
     assert {p.name: p.read_bytes() for p in out.iterdir()} == written  # the earlier set, and nothing else
     assert beside() == before  # no temporary beside it
     monkeypatch.undo()
+    # the next report writes every plot's file by a stand-in: what is checked is that it replaces the set whole, and
+    # each set of plots drawn takes seconds (the stopped one above drew its first ones)
+    monkeypatch.setattr(report, "write_plots", every_plot)
     assert main(["report", *other]) == 0
     now = {p.name: p.read_bytes() for p in out.iterdir()}
     assert set(now) == set(written)
@@ -1549,10 +1591,16 @@ def test_tables_in_names_a_cell_that_is_not_what_the_report_wrote(sweep, gradche
     assert not (tmp_path / "out").exists()
 
 
-def test_a_ratio_over_zero_seconds_is_an_empty_cell(tmp_path, capsys):
+def test_a_ratio_over_zero_seconds_is_an_empty_cell(tmp_path, capsys, monkeypatch):
     """A record may hold 0 s (the record contract takes any finite number): the speedups over it are not defined,
     empty cells rather than infinities, so the tables as written are read back (--tables-in) and drawn; numpy's
     warnings about the ratios are not printed."""
+    from agg_bench.results import report
+
+    # the first report draws the plots; the one from --tables-in is checked to hand them the same tables, exactly
+    # (each set of plots drawn takes seconds)
+    drawn = DrawnOnce()
+    monkeypatch.setattr(report, "write_plots", drawn)
     runs = tmp_path / "runs"
     make_run(runs, "a", "full", [it(2.0, 1.0, backward=8), it(2.0, 2.0, backward=8)])
     make_run(runs, "b", "agg", [it(0.0, 1.0, 0.0, backward=4), it(0.0, 3.0, 0.0, backward=4)])
@@ -1568,6 +1616,8 @@ def test_a_ratio_over_zero_seconds_is_an_empty_cell(tmp_path, capsys):
     agg = cell(pd.read_csv(tables / "efficiency.csv"), "agg", 64)
     assert agg["t_iter_s"] == 0 and math.isnan(agg["speedup"]) and math.isnan(agg["train_speedup"])
     assert main(["report", "--tables-in", str(tables), "--plots", str(tmp_path / "again")]) == 0
+    assert drawn.calls == 2 and sorted(p.name for p in (tmp_path / "again").glob("*.png")) == \
+        sorted(f"{name}.png" for name in PLOTS)
 
 
 # ----- run folders: each once, each there --------------------------------------------------------------------
