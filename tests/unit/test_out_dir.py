@@ -176,8 +176,16 @@ PROFILE_ONE_STEP = ["--method", "full", "--phase", "train", "--wait", "0", "--wa
 
 
 @pytest.mark.parametrize("verb, extra", [("snapshot", []), ("profile", PROFILE_ONE_STEP)])
-def test_snapshot_and_profile_refuse_a_folder_of_other_files_and_rerun_into_their_own(tmp_path, capsys, verb, extra):
+def test_snapshot_and_profile_refuse_a_folder_of_other_files_and_rerun_into_their_own(tmp_path, capsys, monkeypatch,
+                                                                                       verb, extra):
     sets = [a for o in SMALL for a in ("--set", o)]
+    if verb == "profile":
+        # where it writes is tested, not what it records: the profiler (traces, operators.csv) runs around an empty
+        # step instead of the update, whose events' parse is most of a profile's cost
+        from agg_bench.tools import profiling
+
+        real = profiling.profile_steps
+        monkeypatch.setattr(profiling, "profile_steps", lambda step, *args, **kwargs: real(lambda: None, *args, **kwargs))
     home = tmp_path / "home"
     home.mkdir()
     (home / "config.json").write_text('{"mine": true}\n')  # a name the verb writes too, beside one it doesn't
