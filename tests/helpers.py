@@ -525,6 +525,10 @@ FORKS = """
 import atexit, json, os, sys, threading, traceback
 import agg_bench.runtime.train  # torch, diffusers and the engine: what each command imports before its work
 from agg_bench.cli import main
+
+# and the model code a run imports once its config and folder are accepted (the session, the evaluation: the
+# model libraries' classes, most of a run's start-up), as each command would import it first thing
+agg_bench.runtime.train._import_model_code()
 """ + EXIT_CODE + """
 
 def as_main(cwd, argv):  # as `python -m agg_bench ARGV` in cwd: sys.exit(main()), then the exit handlers
