@@ -47,9 +47,12 @@ require_modules() {
 }
 
 # require_cuda NAME ADVICE: exits 2 with one line when PY's torch sees no CUDA device; ADVICE ends that line.
+# One interpreter start gives both the version and the answer (an import of torch takes seconds).
 require_cuda() {
-  if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-    echo "$1: torch $("$PY" -c 'import torch; print(torch.__version__)') in $PY sees no CUDA device; $2" >&2
+  local version
+  if ! version=$("$PY" -c 'import sys, torch; print(torch.__version__); sys.exit(not torch.cuda.is_available())' \
+                 2>/dev/null); then
+    echo "$1: torch $version in $PY sees no CUDA device; $2" >&2
     exit 2
   fi
 }
