@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -151,56 +151,11 @@ def test_bad_config_names_the_key(override, key):
         load_pretrain_config(None, [override])
 
 
-def forked_agg_bench(argv: list[str], log: Path, timeout_s: float = 120) -> int:
-    """The exit status of ``python -m agg_bench ARGV`` run in a process forked from this one, its stdout and
-    stderr written to ``log``: agg_bench/__main__.py run as ``-m`` runs it, its SystemExit ending the process as
-    the interpreter ends one (an int its status, None 0), without a fresh interpreter's imports of torch and the
-    model code (about 6 CPU-s), which this process holds already. Killed after ``timeout_s``."""
-    import runpy
-    import time
-    import traceback
-
-    with open(log, "w") as fh:
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            code = 1
-            try:
-                os.dup2(fh.fileno(), 1)
-                os.dup2(fh.fileno(), 2)
-                sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
-                sys.argv = ["agg_bench", *argv]
-                try:
-                    runpy.run_module("agg_bench", run_name="__main__", alter_sys=True)
-                    code = 0
-                except SystemExit as stop:
-                    if stop.code is None or isinstance(stop.code, int):
-                        code = stop.code or 0
-                    else:
-                        print(stop.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"agg-bench {argv} still ran after {timeout_s} s")
-        time.sleep(0.05)
-
-
 def test_cli_errors_exit_2_and_leave_nothing(tmp_path):
-    """The process's exit status (the in-process refusals: test_every_bad_pretrain_value_is_one_line_naming_the_key),
-    in a process of its own forked from this one (forked_agg_bench)."""
-    out, log = tmp_path / "out", tmp_path / "log"
-    code = forked_agg_bench(["pretrain", "--set", "steps=0", "--out", str(out)], log)
-    assert code == 2 and "steps = 0" in log.read_text(), log.read_text()
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "agg_bench", "pretrain", "--set", "steps=0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "steps = 0" in proc.stderr
     assert not out.exists()
 
 
