@@ -514,9 +514,14 @@ def cmd_plan(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from .tools.pretrain import load_pretrain_config, pretrain
+    from .config.pretrain_keys import read_pretrain_config
 
-    summary = pretrain(load_pretrain_config(args.config, args.overrides), args.out)
+    # each key's refusal (a file, a type, a bound) before the model code's imports (about five CPU-seconds);
+    # the checks of the keys together need it
+    cfg = read_pretrain_config(args.config, args.overrides)
+    from .tools.pretrain import check_pretrain_config, pretrain
+
+    summary = pretrain(check_pretrain_config(cfg), args.out)
     print(json.dumps({"out": str(args.out), "train_cpu_s": round(summary["train_cpu_s"], 1),
                       "sample_reward": round(summary["sample_reward"], 4)}))
     return 0

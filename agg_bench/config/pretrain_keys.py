@@ -2,7 +2,8 @@
 
 Each key of :class:`PretrainConfig` is written once: its default, its meaning and its bounds. From those fields
 come the refusals of :func:`typed_pretrain_config` (an unknown key, a wrong type, NaN, a value out of bounds: one
-ConfigError naming the key, as a run key's), the JSON schema (:func:`pretrain_schema`) and the key table of
+ConfigError naming the key, as a run key's), :func:`read_pretrain_config` (the file and the overrides read and
+typed so: ``agg-bench pretrain`` refuses them before it imports torch), the JSON schema (:func:`pretrain_schema`) and the key table of
 ``docs/configuration.md`` (:mod:`agg_bench.config.docs`). What depends on several keys, on the model family or on
 the machine (the resolution's multiple, the sample schedule, the sizes together, the device's presence) is
 checked by :func:`agg_bench.tools.pretrain.load_pretrain_config` and :func:`agg_bench.tools.pretrain.pretrain`.
@@ -13,12 +14,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from ..errors import ConfigError
+from .load import apply_overrides
 from .options import typed_fields
 from .schema import check_config_values, section_schema
 from .sections import Section, device_expected, device_parts, option
+from .yamlio import read_yaml_mapping
 
 MAX_SEED = 2**32 - 1  # as a run's seed; the data, noise and sample generators take seed + 1, + 2, + 3
 # a warm-up past any run's steps: 10**400 overflowed the learning rate's float in the first step
@@ -91,4 +95,13 @@ def typed_pretrain_config(given: Mapping[str, Any]) -> PretrainConfig:
     return cfg
 
 
-__all__ = ["MAX_SEED", "MAX_STEPS", "MAX_THREADS", "PretrainConfig", "pretrain_schema", "typed_pretrain_config"]
+def read_pretrain_config(path: str | Path | None, overrides: list[str] | None = None) -> PretrainConfig:
+    """PretrainConfig defaults <- YAML file <- ``--set key=value`` overrides, typed and bounded by its fields
+    (:func:`typed_pretrain_config`); what needs the model code is checked after
+    (:func:`agg_bench.tools.pretrain.load_pretrain_config`)."""
+    user = read_yaml_mapping(path, "pretrain keys") if path is not None else {}
+    return typed_pretrain_config(apply_overrides(user, overrides or []))
+
+
+__all__ = ["MAX_SEED", "MAX_STEPS", "MAX_THREADS", "PretrainConfig", "pretrain_schema", "read_pretrain_config",
+           "typed_pretrain_config"]

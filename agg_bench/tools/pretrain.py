@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
-from ..config import apply_overrides, bound, read_yaml_mapping
-from ..config.pretrain_keys import PretrainConfig, typed_pretrain_config
+from ..config import bound
+from ..config.pretrain_keys import PretrainConfig, read_pretrain_config
 from ..engine.families import FAMILY_SPECS
 from ..engine.models import Conditioning, Policy, policy_class
 from ..engine.pixel_decoder import PixelDecoder
@@ -54,9 +54,9 @@ MAX_PARAMETERS = 100_000_000
 STATE_COPIES = 5
 
 
-def _check(cfg: PretrainConfig) -> PretrainConfig:
-    """What depends on several keys or on the family (each key's type and bounds are its field's: the loaded
-    config holds them), as ConfigErrors naming a key."""
+def check_pretrain_config(cfg: PretrainConfig) -> PretrainConfig:
+    """What depends on several keys or on the family (each key's type and bounds are its field's: a config of
+    :func:`~agg_bench.config.pretrain_keys.read_pretrain_config` holds them), as ConfigErrors naming a key."""
     step, low, high = (4 * cfg.pixel_factor, bound(PretrainConfig, "resolution", "minimum"),
                        bound(PretrainConfig, "resolution"))
     if cfg.resolution % step:
@@ -112,9 +112,9 @@ def check_size(cfg: PretrainConfig, memory: int | None = None) -> dict[str, int]
 
 def load_pretrain_config(path: str | Path | None, overrides: list[str] | None = None) -> PretrainConfig:
     """PretrainConfig defaults <- YAML file <- ``--set key=value`` overrides, typed and bounded by its fields
-    (:func:`agg_bench.config.pretrain_keys.typed_pretrain_config`), then checked together (:func:`_check`)."""
-    user = read_yaml_mapping(path, "pretrain keys") if path is not None else {}
-    return _check(typed_pretrain_config(apply_overrides(user, overrides or [])))
+    (:func:`agg_bench.config.pretrain_keys.read_pretrain_config`), then checked together
+    (:func:`check_pretrain_config`)."""
+    return check_pretrain_config(read_pretrain_config(path, overrides))
 
 
 def sweep_entry_config(label: str, spec: dict) -> PretrainConfig:
