@@ -406,6 +406,13 @@ def check_input_files(jobs: Sweep) -> None:
             raise SweepError(f"pretrain.{label}.config: {quote(spec['config'])} is not a file (a pretrain config "
                              "YAML, relative to the working directory)")
     for folder, (place, _) in jobs.pretrained.items():
+        # a folder of the pretrain rule's written otherwise (./, //, .., an absolute path) is no output of that
+        # rule to Snakemake: the jobs that read it did not wait for its pretrain job, or ran without one
+        normal = os.path.relpath(os.path.abspath(folder))
+        if normal.startswith(PRETRAINED_DIR + "/") and normal != folder.rstrip("/"):
+            raise SweepError(f"{place}: model.pretrained = {quote(folder)}: the folder {normal} under "
+                             f"{PRETRAINED_DIR}/, written otherwise; expected {quote(normal)}, as the pretrain "
+                             "entry of its name makes it (the jobs that read it wait for that entry's job)")
         if is_pretrained_here(folder) and folder[len(PRETRAINED_DIR) + 1:].rstrip("/") not in pretrain:
             raise SweepError(f"{place}: model.pretrained = {quote(folder)}: a folder under {PRETRAINED_DIR}/ "
                              f"is made by the pretrain entry of its name (pretrain has "

@@ -911,3 +911,21 @@ def test_a_required_key_left_out_is_named(parse_only, path, words):
     with pytest.raises(SweepError) as refused:
         Sweep(config, SCHEMA, cache_dir=None)
     assert words in str(refused.value) and str(refused.value).endswith(": a required key"), str(refused.value)
+
+
+def test_a_model_folder_of_a_pretrain_entry_written_otherwise_is_refused(in_process):
+    """``./results/pretrained/scenes`` (or with ``//``, ``..`` or as an absolute path) names the folder that the
+    pretrain entry ``scenes`` makes, but is no output of the pretrain rule to Snakemake: the sweep passed, no job
+    waited for (or ran) the pretrain job, and every job of the model failed at its start. A trailing / is the same
+    file to Snakemake and passes."""
+    config = sweep_config()
+    config["pretrain"] = {"scenes": {"config": "config/pretrain.yaml"}}
+    config["models"]["sd3"]["model.pretrained"] = "results/pretrained/scenes/"
+    sweep_module.check_input_files(Sweep(config, SCHEMA))
+    for folder in ("./results/pretrained/scenes", "results//pretrained/scenes", "results/pretrained/x/../scenes",
+                   str(ROOT / "results" / "pretrained" / "scenes")):
+        config["models"]["sd3"]["model.pretrained"] = folder
+        with pytest.raises(SweepError, match="^" + re.escape(
+                f"sweep config: models.sd3: model.pretrained = '{folder}': the folder results/pretrained/scenes under "
+                "results/pretrained/, written otherwise; expected 'results/pretrained/scenes'")):
+            sweep_module.check_input_files(Sweep(config, SCHEMA))
