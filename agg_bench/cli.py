@@ -417,8 +417,8 @@ def cmd_campaign(args) -> int:
 
         cut_off = unpack_under_way(args.reference) if args.reference is not None else None
         if cut_off is not None:  # its runs count as done; its manifest and tables may lag behind them
-            print(f"agg-bench campaign: {reference_name} {args.reference}: an unpack into it is under way or was cut off "
-                  f"({cut_off.name}); run that unpack again to finish its manifest and tables", file=sys.stderr)
+            print(f"agg-bench campaign: {reference_name} {shown(args.reference)}: an unpack into it is under way or was cut "
+                  f"off ({shown(cut_off.name)}); run that unpack again to finish its manifest and tables", file=sys.stderr)
         print(json.dumps(status(campaign, args.reference, args.work), indent=1))
     return 0
 

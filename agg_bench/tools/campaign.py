@@ -78,7 +78,7 @@ import yaml
 
 from .. import stopping
 from ..config import load_config, read_yaml_mapping
-from ..errors import ConfigError, UserError, quote
+from ..errors import ConfigError, UserError, quote, shown
 from ..io import atomic_target, is_temp_name, remove_stale_temps, write_json
 from ..jsonfiles import JsonFileError, TooLarge, is_regular_file, read_bounded, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned, remove_stale_harness_files
@@ -527,15 +527,15 @@ class Campaign:
             if held is not None and held.is_dir():
                 problem = self.model_problem(label, held)
                 if problem:
-                    raise UserError(f"{reference_name} {reference}: pretrained/{label} {problem}; "
+                    raise UserError(f"{reference_name} {shown(reference)}: pretrained/{label} {problem}; "
                                     "give another reference")
                 if local.exists():
                     if _files(local, archives.MODEL_FILES) != _files(held, archives.MODEL_FILES):
-                        raise UserError(f"{local}: not the model of the reference {reference} (its "
+                        raise UserError(f"{shown(local)}: not the model of the reference {shown(reference)} (its "
                                         f"pretrained/{label}), which its runs were trained from; move it aside")
                 continue
             if reference is not None and local.exists() and self.done(reference):
-                raise UserError(f"{reference_name} {reference}: holds runs but not pretrained/{label}, the model they "
+                raise UserError(f"{reference_name} {shown(reference)}: holds runs but not pretrained/{label}, the model they "
                                 "were trained from; add it, or give another reference")
             if not local.exists():
                 missing.append(label)
@@ -921,16 +921,16 @@ def check_places(work: Path, reference: Path | None, archive: Path | None = None
         return path == folder or folder in path.parents
 
     if reference is not None and (within(reference, work) or within(work, reference)):
-        raise UserError(f"{reference_name} {reference}: the work folder {work} or a folder in or around it; expected the "
+        raise UserError(f"{reference_name} {shown(reference)}: the work folder {shown(work)} or a folder in or around it; expected the "
                         f"reference apart from {work_name} (the archive holds the runs the reference lacks)")
     if archive is None:
         return
     if reference is not None and within(archive, reference):
-        raise UserError(f"--archive {archive}: inside {reference_name} {reference}, which holds reference results only; "
+        raise UserError(f"--archive {shown(archive)}: inside {reference_name} {shown(reference)}, which holds reference results only; "
                         "expected a path outside it (campaign unpack adds the archive to it)")
     if within(archive, work) and archive.resolve() != (work / "campaign.tar.gz").resolve():
-        raise UserError(f"--archive {archive}: inside {work_name} {work}, whose folders hold the window's runs, cells, "
-                        f"calibrations, logs and window logs; expected {work / 'campaign.tar.gz'} or a path outside it")
+        raise UserError(f"--archive {shown(archive)}: inside {work_name} {shown(work)}, whose folders hold the window's runs, cells, "
+                        f"calibrations, logs and window logs; expected {shown(work / 'campaign.tar.gz')} or a path outside it")
 
 
 def _pretrain(campaign: Campaign, label: str, stamp: str, work: Path, stop_at: float, deadline: float,

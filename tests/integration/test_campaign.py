@@ -1630,6 +1630,27 @@ def test_errors_about_the_reference_name_what_its_user_gave(tmp_path, capsys, ac
         assert tree(tmp_path) == before and not (tmp_path / "w").exists()
 
 
+def test_a_campaign_folder_with_a_control_character_is_quoted_in_its_refusal_and_warning(tmp_path, capsys):
+    """A reference, work folder or archive path with a newline was joined into the one-line refusal unquoted
+    (``w/in side``: a path that is not there), and status's warning about an unpack under way split its line."""
+    from agg_bench.outputs import UNPACK_STAGING
+    from helpers import ENDED_PID
+
+    work, inside = tmp_path / "w", tmp_path / "w" / "in\nside"
+    with pytest.raises(UserError) as refused:
+        campaign_module.check_places(work, inside, None, "AGG_BENCH_CAMPAIGN_OUT", NAMED_REFERENCE)
+    assert str(refused.value).startswith(f"{NAMED_REFERENCE} {str(inside)!r}: the work folder {work} or ")
+    for archive, reference in ((tmp_path / "r" / "a\x1b.tar.gz", tmp_path / "r"), (work / "x\n.tar.gz", None)):
+        with pytest.raises(UserError, match=re.escape(f"--archive {str(archive)!r}: inside ")):
+            campaign_module.check_places(work, reference, archive)
+    reference = tmp_path / "ref\nerence"
+    atomic_path(reference / UNPACK_STAGING, ENDED_PID).mkdir(parents=True)  # a killed unpack's
+    assert main(["campaign", "status", "--config", str(CONFIG), "--cpu", "--reference", str(reference), "--work",
+                 str(tmp_path / "elsewhere")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"agg-bench campaign: --reference {str(reference)!r}: an unpack "), err
+
+
 def test_a_reference_name_without_a_reference_or_to_unpack_is_one_line(tmp_path, capsys):
     """--reference-name names --reference: without it, or to unpack (whose --reference its user types), it was
     ignored."""
