@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .. import stopping
-from ..config import load_config, read_yaml_mapping
+from ..config import dotted_value, load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote, shown
 from ..io import atomic_target, is_temp_name, remove_stale_temps, write_json
 from ..jsonfiles import JsonFileError, TooLarge, is_regular_file, read_bounded, read_json_object
@@ -180,12 +180,34 @@ def cpu_sweep(data: dict) -> dict:
                                  "has that label; rename one of them")
         data["pretrain"] = {label + CPU_MODEL_SUFFIX: {**spec, "set": {**(spec.get("set") or {}), **CPU_PRETRAIN_SET}}
                             for label, spec in labels.items()}
+        # the model folder a pretrain entry makes, its --cpu form's instead wherever the sweep sets it: a `set`,
+        # base or methods entry's was left as it was, and the runs read the sweep's own model (none pre-trained)
+        def cpu_model(path: Any) -> Any:
+            return f"{PRETRAINED_DIR}/{Path(path).name}{CPU_MODEL_SUFFIX}" \
+                if is_pretrained_here(path) and Path(path).name in labels else path
+
+        def cpu_models(overrides: dict) -> dict:
+            pairs = dict(flatten(overrides))
+            if cpu_model(pairs.get("model.pretrained")) == pairs.get("model.pretrained"):
+                return overrides
+            return {**pairs, "model.pretrained": cpu_model(pairs["model.pretrained"])}
+
         for name, overrides in data["models"].items():
-            model = dict(flatten(overrides))
-            path = model.get("model.pretrained")
-            if is_pretrained_here(path) and Path(path).name in labels:
-                model["model.pretrained"] = f"{PRETRAINED_DIR}/{Path(path).name}{CPU_MODEL_SUFFIX}"
-            data["models"][name] = model
+            data["models"][name] = dict(flatten(cpu_models(overrides)))
+        for name, overrides in data["methods"].items():
+            data["methods"][name] = cpu_models(overrides)
+        if isinstance(data.get("gradcheck"), dict) and isinstance(data["gradcheck"].get("set"), dict):
+            data["gradcheck"]["set"] = cpu_models(data["gradcheck"]["set"])
+        if isinstance(data.get("base"), dict):
+            data["base"] = cpu_models(data["base"])
+        elif isinstance(data.get("base"), str):  # a base config file's, overridden by `set` (the sweep reads it)
+            try:
+                held = dotted_value(read_yaml_mapping(data["base"], "run config sections", "base"), "model.pretrained")
+            except (UserError, OSError):
+                held = None
+            if cpu_model(held) != held:
+                data["set"] = {"model.pretrained": cpu_model(held), **data["set"]}
+        data["set"] = cpu_models(data["set"])
         data["learning"] = {**(data.get("learning") or {}), "average_iterations": 1}  # 2 iterations a run
     else:
         data["set"] = {**(data.get("set") or {}), "model.dtype": "float32", "train.iterations": 1}
@@ -504,7 +526,7 @@ class Campaign:
         """{pretrain label: the model folder its runs read} for the ``pretrain`` labels the runs use."""
         out = {}
         for run in self.sweep.runs.values():
-            path = dict(run["pairs"]).get("model.pretrained")
+            path = run["pretrained"]  # the composed config's: a base config file's too
             if is_pretrained_here(path):
                 label = Path(path).name
                 if label in self.pretrain:

@@ -909,6 +909,41 @@ def test_a_pretrain_device_set_in_the_entry_s_config_file_is_checked_too(tmp_pat
     assert "--cpu" in str(refused.value)
 
 
+@pytest.mark.parametrize("where", ["set", "methods", "base file"])
+def test_a_pretrain_entrys_model_set_outside_models_is_pretrained_and_the_cpu_forms(tmp_path, monkeypatch, where):
+    """The sweep's jobs read the model.pretrained of their composed config, wherever the sweep sets it; the window
+    took the models to pre-train from the runs' overrides (a base config file's was none: nothing pre-trained, every
+    run failed), and the --cpu form put its own model folder (<label>-cpu) in the models entries only: with `set`,
+    a base file or a methods entry naming it, its runs read the sweep's own model and none was pre-trained."""
+    from helpers import sweep_checks_here
+
+    monkeypatch.chdir(ROOT)
+    sweep = yaml.safe_load((ROOT / "config" / "learning_gpu.yaml").read_text())
+    [label] = sweep["pretrain"]
+    folder = sweep["models"][label].pop("model.pretrained")
+    if where == "set":
+        sweep["set"]["model.pretrained"] = folder
+    elif where == "methods":
+        for overrides in sweep["methods"].values():
+            overrides["model"] = {"pretrained": folder}
+    else:
+        base: dict = {}
+        for key, value in {**sweep["base"], "model.pretrained": folder}.items():
+            *parents, last = key.split(".")
+            node = base
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = value
+        (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+        sweep["base"] = str(tmp_path / "base.yaml")
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    with sweep_checks_here():
+        for cpu, suffix in ((False, ""), (True, campaign_module.CPU_MODEL_SUFFIX)):
+            campaign = Campaign(tmp_path / "sweep.yaml", cpu=cpu)
+            assert campaign.pretrained_models() == {label + suffix: Path(folder + suffix)}, cpu
+            assert {run["pretrained"] for run in campaign.sweep.runs.values()} == {folder + suffix}, cpu
+
+
 def finished_run(campaign: Campaign, folder: Path) -> None:
     """A finished run of ``campaign`` in ``folder`` (named after its run id) as a window takes it: the files campaign
     unpack requires of one (summary ok, the config the sweep composes, env.json, metrics.jsonl)."""
