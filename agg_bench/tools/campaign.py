@@ -11,7 +11,7 @@ Each ``campaign run --minutes N`` is one window:
    machine): a run folder with every file ``campaign unpack`` requires of a finished run (each of its files
    there a regular file, not a symbolic link, as unpack takes them), whose summary says ``ok``, whose
    ``config.json`` is the run's config as the sweep composes it today and whose ``metrics.jsonl`` holds records
-   unpack takes (:func:`~agg_bench.tools.archive.check_records`).
+   unpack takes (:func:`~agg_bench.tools.archive.check_records`), as unpack reads its other files too.
 2. A sweep whose runs read a model that its ``pretrain`` section makes (``results/pretrained/<label>``) gets
    it first: from the reference (``pretrained/<label>``, packed by the window that made it), else by an
    ``agg-bench pretrain`` process. A model there that is not the reference's is refused: the reference's runs
@@ -85,6 +85,7 @@ from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_ow
 from ..records import is_finite_number
 from ..runtime.cell import job_entry
 from ..outputs import RUN_CONTENTS
+from ..reading import RunFolder
 from . import archive as archives
 from . import cell_calibration
 from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep, flatten, is_pretrained_here,
@@ -317,7 +318,9 @@ class Campaign:
         (:data:`~agg_bench.tools.archive.REQUIRED_RUN_FILES`: a reference run without its records was done, and no
         window ran it again), summary ``ok``, the config the sweep composes, and records that unpack takes
         (:func:`~agg_bench.tools.archive.check_records`: a run whose ``metrics.jsonl`` was empty or torn was
-        done, though unpack refuses it, and no window ran it again). Each of the run's files
+        done, though unpack refuses it, and no window ran it again), and an ``env.json``, ``plan.json`` and
+        ``evaluations.jsonl`` that unpack reads (:class:`~agg_bench.reading.RunFolder`'s readers, each line of the
+        evaluations whole: one that is not JSON was done as well). Each of the run's files
         (:data:`~agg_bench.tools.archive.RUN_FILES`) that is there is a regular file, not a symbolic link (to a
         file or not: ``is_file`` follows one): unpack refuses an archive's link, which a window packed as one."""
         for name in archives.RUN_FILES:
@@ -331,9 +334,14 @@ class Campaign:
             return False
         if summary.get("status") != "ok" or config != self.config_of(run_id):
             return False
-        try:  # unpack's bound of an archive's file, and its checks of a run's records
+        try:  # unpack's bound of an archive's file, its checks of a run's records, and its reads of the others
             archives.check_records(str(folder / "metrics.jsonl"),
                                    read_bounded(folder / "metrics.jsonl", archives.MAX_MEMBER_BYTES))
+            evaluations = folder / "evaluations.jsonl"
+            if is_regular_file(evaluations):  # every line whole (a reader of the run skips a torn last one)
+                archives.json_lines(str(evaluations), read_bounded(evaluations, archives.MAX_MEMBER_BYTES))
+            run = RunFolder(folder)
+            run.env(), run.plan(), run.evaluations()
         except (UserError, OSError, TooLarge):
             return False
         return True

@@ -1013,6 +1013,25 @@ def test_a_run_whose_records_unpack_refuses_is_not_done(tmp_path, cpu_campaign, 
         archive_module._check_run(cpu_campaign, "archive A", run_id, files)
 
 
+@pytest.mark.parametrize("name, text, words", [
+    ("env.json", "not json", "env.json: is not JSON"),
+    ("env.json", "[]", "env.json: holds a list"),
+    ("plan.json", '{"bytes": 3}', "bytes = 3: expected an object or null"),
+    ("evaluations.jsonl", '{"iteration": 0', "evaluations.jsonl: line 1: not JSON"),  # torn: killed mid-write
+])
+def test_a_run_whose_other_files_unpack_refuses_is_not_done(tmp_path, cpu_campaign, name, text, words):
+    """Records aside, a run whose env.json, plan.json or evaluations.jsonl unpack refuses was done too, and no
+    window ran it again: each is read as unpack reads it."""
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    folder = tmp_path / "runs" / run_id
+    finished_run(cpu_campaign, folder)
+    (folder / name).write_text(text)
+    assert not cpu_campaign.finished(folder, run_id) and cpu_campaign.done(tmp_path) == set()
+    files = {path.name: path.read_bytes() for path in folder.iterdir()}
+    with pytest.raises(UserError, match=f"^archive A: runs/{run_id}/.*{re.escape(words)}"):
+        archive_module._check_run(cpu_campaign, "archive A", run_id, files)
+
+
 @pytest.mark.parametrize("name", ["env.json", "metrics.jsonl"])
 def test_a_reference_run_without_a_file_unpack_requires_is_missing_in_status(tmp_path, capsys, cpu_campaign, name):
     """campaign status (and a window) counted a run as done from its summary and config alone: a reference run
