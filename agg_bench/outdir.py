@@ -306,7 +306,7 @@ def reach_problem(text: str) -> str | None:
     except PermissionError as err:
         # the deepest folder that can be looked at is the one that cannot be searched
         folder = next((p for p in (path, *path.parents) if _can_stat(p)), path)
-        return f"cannot be reached: this user may not search the folder {folder} ({err.strerror})"
+        return f"cannot be reached: this user may not search the folder {shown(folder)} ({err.strerror})"
     except (OSError, ValueError):
         pass
     return None

@@ -62,6 +62,27 @@ def test_a_file_output_of_another_suffix_is_refused_and_nothing_written(tmp_path
     assert list(tmp_path.iterdir()) == [out] and out.read_text() == "notes"
 
 
+def test_a_folder_that_cannot_be_searched_with_a_control_character_is_quoted(tmp_path, monkeypatch):
+    """reach_problem named the folder this user may not search as it is: a newline in its path was joined into the
+    one-line refusal. A look inside it is refused here as it is for a user without search permission."""
+    import os
+
+    from agg_bench import outdir
+
+    folder = tmp_path / "a\nb"
+    folder.mkdir()
+    real = os.stat
+
+    def stat(path, *args, **kwargs):
+        if os.fspath(path) == os.path.join(folder, "."):
+            raise PermissionError(13, "Permission denied")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(outdir.os, "stat", stat)
+    assert outdir.reach_problem(str(folder)) == (f"cannot be reached: this user may not search the folder "
+                                                 f"{str(folder)!r} (Permission denied)")
+
+
 @pytest.mark.parametrize("name", ["a\nb", "a\rb", "a\x1b[31mb"])
 def test_a_path_with_a_control_character_is_quoted_in_a_refusal(tmp_path, capsys, name):
     """A refusal is one line, so a path holding a newline or carriage return was joined into it unquoted (and an
