@@ -557,11 +557,11 @@ class Campaign:
             if held is not None and held.is_dir():
                 problem = self.model_problem(label, held)
                 if problem:
-                    raise UserError(f"{reference_name} {shown(reference)}: pretrained/{label} {problem}; "
+                    raise UserError(f"{reference_name} {shown(str(reference))}: pretrained/{label} {problem}; "
                                     "give another reference")
                 if local.exists():
                     if _files(local, archives.MODEL_FILES) != _files(held, archives.MODEL_FILES):
-                        raise UserError(f"{shown(local)}: not the model of the reference {shown(reference)} (its "
+                        raise UserError(f"{shown(local)}: not the model of the reference {shown(str(reference))} (its "
                                         f"pretrained/{label}), which its runs were trained from; move it aside")
                 continue
             if reference is not None and local.exists() and self.done(reference):
