@@ -57,7 +57,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
@@ -297,6 +297,40 @@ def check_records(where: str, data: bytes) -> list[dict]:
     return records
 
 
+def read_run(where: str, folder: Path) -> tuple[list[dict], dict, dict, dict]:
+    """The records, summary, env and config (as JSON) of the run files in ``folder``, read as unpack takes a
+    finished run's: ``metrics.jsonl`` by :func:`check_records`, every other JSON lines file's lines whole
+    (:class:`~agg_bench.reading.RunFolder`, which reads every file below, skips a torn last line: a run killed
+    mid-write, which no finished run has and a reference would keep), then each file as every reader of a run
+    folder reads it. Each file within :data:`MAX_MEMBER_BYTES` (:class:`~agg_bench.jsonfiles.TooLarge`). A
+    UserError names the file after ``where``. Unpack reads an archive's run so (on a copy), and a window and
+    ``campaign status`` count a run finished only when its folder reads so
+    (:meth:`~agg_bench.tools.campaign.Campaign.finished`): a run they counted done that unpack then refused was
+    never run again."""
+    records = check_records(f"{where}/metrics.jsonl", read_bounded(folder / "metrics.jsonl", MAX_MEMBER_BYTES))
+    for name in RUN_FILES:
+        if name.endswith(".jsonl") and name != "metrics.jsonl" and (folder / name).is_file():
+            json_lines(f"{where}/{name}", read_bounded(folder / name, MAX_MEMBER_BYTES))
+    run = RunFolder(folder)
+    with _named_as(where, folder):
+        summary = run.summary()
+        run.records()  # as a reader of a run folder reads them (each line within its bound)
+        env = run.env()
+        run.plan()
+        run.evaluations()
+        config = run.config_object()
+    return records, summary, env, config
+
+
+@contextlib.contextmanager
+def _named_as(where: str, folder: Path) -> Iterator[None]:
+    """A UserError raised inside names its file of ``folder`` after ``where`` instead of the folder's path."""
+    try:
+        yield
+    except UserError as err:
+        raise UserError(f"{where}/{str(err).replace(f'{folder}/', '')}") from None
+
+
 def _check_safetensors(where: str, data: bytes) -> None:
     """The safetensors layout as the safetensors reader accepts it: an 8-byte little-endian header length, a JSON
     header naming each tensor's dtype, shape (dimensions and their products, left to right, within 64 bits) and
@@ -384,29 +418,14 @@ def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, byt
     if missing:
         raise UserError(f"{where}: runs/{run_id} lacks {missing[0]} (a finished run has "
                         f"{', '.join(REQUIRED_RUN_FILES)})")
-    # every line of the JSON lines whole: RunFolder, which reads every file below, skips a torn last line (a
-    # run killed mid-write), which no finished run has and a reference would keep; the records as a window
-    # counts a run finished (check_records)
-    records = check_records(f"{where}: runs/{run_id}/metrics.jsonl", files["metrics.jsonl"])
-    for name, data in files.items():
-        if name.endswith(".jsonl") and name != "metrics.jsonl":
-            json_lines(f"{where}: runs/{run_id}/{name}", data)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / run_id
         folder.mkdir()
         for name, data in files.items():
             (folder / name).write_bytes(data)
-        run = RunFolder(folder)
-        try:
-            summary = run.summary()
-            run.records()  # as a reader of a run folder reads them (each line within its bound)
-            env = run.env()
-            run.plan()
-            run.evaluations()
-            config = run.config_object()
-            typed = run.config()
-        except UserError as err:
-            raise UserError(f"{where}: runs/{run_id}/{str(err).replace(f'{folder}/', '')}") from None
+        records, summary, env, config = read_run(f"{where}: runs/{run_id}", folder)
+        with _named_as(f"{where}: runs/{run_id}", folder):
+            typed = RunFolder(folder).config()
     if summary.get("status") != "ok":
         raise UserError(f"{where}: runs/{run_id} is not finished (status {quote(summary.get('status'))}, "
                         "expected ok)")

@@ -80,12 +80,11 @@ from .. import stopping
 from ..config import dotted_value, load_config, read_yaml_mapping
 from ..errors import ConfigError, UserError, quote, shown
 from ..io import atomic_target, is_temp_name, remove_stale_temps, write_json
-from ..jsonfiles import JsonFileError, TooLarge, is_regular_file, read_bounded, read_json_object
+from ..jsonfiles import JsonFileError, TooLarge, is_regular_file, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned, remove_stale_harness_files
 from ..records import is_finite_number
 from ..runtime.cell import job_entry
 from ..outputs import RUN_CONTENTS
-from ..reading import RunFolder
 from . import archive as archives
 from . import cell_calibration
 from .sweep import (PRETRAINED_DIR, Sweep, SweepError, check_sweep, flatten, is_pretrained_here,
@@ -316,35 +315,21 @@ class Campaign:
     def finished(self, folder: Path, run_id: str) -> bool:
         """Whether ``folder`` holds ``run_id`` finished: every file ``campaign unpack`` requires of a finished run
         (:data:`~agg_bench.tools.archive.REQUIRED_RUN_FILES`: a reference run without its records was done, and no
-        window ran it again), summary ``ok``, the config the sweep composes, and records that unpack takes
-        (:func:`~agg_bench.tools.archive.check_records`: a run whose ``metrics.jsonl`` was empty or torn was
-        done, though unpack refuses it, and no window ran it again), and an ``env.json``, ``plan.json`` and
-        ``evaluations.jsonl`` that unpack reads (:class:`~agg_bench.reading.RunFolder`'s readers, each line of the
-        evaluations whole: one that is not JSON was done as well). Each of the run's files
+        window ran it again), summary ``ok``, the config the sweep composes, and files that read as unpack reads
+        a finished run's (:func:`~agg_bench.tools.archive.read_run`: a run whose ``metrics.jsonl`` was empty or
+        torn, or whose ``env.json``, ``plan.json`` or ``evaluations.jsonl`` unpack refused, was done, and no
+        window ran it again). Each of the run's files
         (:data:`~agg_bench.tools.archive.RUN_FILES`) that is there is a regular file, not a symbolic link (to a
         file or not: ``is_file`` follows one): unpack refuses an archive's link, which a window packed as one."""
         for name in archives.RUN_FILES:
             path = folder / name
             if not is_regular_file(path) and (name in archives.REQUIRED_RUN_FILES or os.path.lexists(path)):
                 return False
-        try:  # a regular file's only: a named pipe there waited for ever, a device was read until memory ran out
-            summary = read_json_object(folder / "summary.json", "a run's summary")
-            config = read_json_object(folder / "config.json", "a run's config")
-        except JsonFileError:
-            return False
-        if summary.get("status") != "ok" or config != self.config_of(run_id):
-            return False
-        try:  # unpack's bound of an archive's file, its checks of a run's records, and its reads of the others
-            archives.check_records(str(folder / "metrics.jsonl"),
-                                   read_bounded(folder / "metrics.jsonl", archives.MAX_MEMBER_BYTES))
-            evaluations = folder / "evaluations.jsonl"
-            if is_regular_file(evaluations):  # every line whole (a reader of the run skips a torn last one)
-                archives.json_lines(str(evaluations), read_bounded(evaluations, archives.MAX_MEMBER_BYTES))
-            run = RunFolder(folder)
-            run.env(), run.plan(), run.evaluations()
+        try:  # regular files only (above): a named pipe there waited for ever, a device was read until memory ran out
+            _, summary, _, config = archives.read_run(str(folder), folder)
         except (UserError, OSError, TooLarge):
             return False
-        return True
+        return summary.get("status") == "ok" and config == self.config_of(run_id)
 
     def done(self, *folders: Path | None) -> set[str]:
         """The run ids finished in any of ``folders`` (reference or work folders: their ``runs/<id>``)."""
