@@ -11,7 +11,7 @@ Each ``campaign run --minutes N`` is one window:
    machine): a run folder with every file ``campaign unpack`` requires of a finished run (each of its files
    there a regular file, not a symbolic link, as unpack takes them), whose summary says ``ok``, whose
    ``config.json`` is the run's config as the sweep composes it today and whose ``metrics.jsonl`` holds records
-   unpack takes (:func:`~agg_bench.tools.archive.check_records`), as unpack reads its other files too.
+   unpack takes, with its other files read as unpack reads them (:func:`~agg_bench.tools.archive.read_run`).
 2. A sweep whose runs read a model that its ``pretrain`` section makes (``results/pretrained/<label>``) gets
    it first: from the reference (``pretrained/<label>``, packed by the window that made it), else by an
    ``agg-bench pretrain`` process. A model there that is not the reference's is refused: the reference's runs
