@@ -24,7 +24,8 @@ MAX_PROFILE_STEPS = 1000
 
 
 def path_arg(text: str) -> Path:
-    """The type of every file or folder argument of every verb: a path that names something this user can use
+    """The type of every file or folder argument of every verb (campaign's --reference and --work: their check
+    once parsed, :func:`_named_path_arg`): a path that names something this user can use
     (:func:`~agg_bench.outdir.named_path_problem`): never the empty string (which the OS reads as the current
     folder, so that ``--runs ''`` would read it and ``--out ''`` write into it), nor one that can name no file (a
     name too long for the file system) nor one behind a folder this user may not search. A refusal is argparse's
@@ -44,6 +45,18 @@ def file_arg(text: str) -> Path:
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{quote(text)}: {problem}; expected a file path")
     return path
+
+
+def _named_path_arg(text: str | Path | None, name: str) -> Path | None:
+    """:func:`path_arg` of an option's ``text`` (None: not given; a Path: its default), its refusal a UserError
+    naming ``name``: what the option's user gave it as (``campaign run --work-name``), which argparse's refusal,
+    made as the command line is parsed, could not name."""
+    if text is None or isinstance(text, Path):
+        return text
+    try:
+        return path_arg(text)
+    except argparse.ArgumentTypeError as err:
+        raise UserError(f"{name} {err}") from None
 
 
 def name_arg(text: str) -> str:
@@ -386,6 +399,9 @@ def cmd_campaign(args) -> int:
         raise UserError(f"--reference-name {args.reference_name}: names --reference in errors, but no --reference "
                         "was given; give --reference DIR too, or leave it out")
     reference_name = args.reference_name or "--reference"  # what errors call the reference: what its user gave
+    # path_arg's check, here rather than as the command line is parsed, where the refusal could name only the flag
+    args.reference = _named_path_arg(args.reference, reference_name)
+    args.work = _named_path_arg(args.work, work_name)
     if args.action == "unpack" and args.archive is None:
         raise UserError("campaign unpack needs the archive (--archive FILE)")
     if args.action == "unpack" and args.reference is None:
@@ -698,9 +714,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, type=path_arg, help="the campaign's sweep config (e.g. config/h200.yaml)")
     p.add_argument("--cpu", action="store_true", help="the same campaign on the tiny models on the CPU (minutes; "
                                                       "what the test suite runs)")
-    p.add_argument("--reference", type=path_arg, help="the reference folder (e.g. results/reference/h200): its runs "
-                                                  "count as done; unpack writes into it")
-    p.add_argument("--work", type=path_arg, default=None,
+    # --reference and --work: path_arg's check once --reference-name and --work-name are known (cmd_campaign)
+    p.add_argument("--reference", help="the reference folder (e.g. results/reference/h200): its runs "
+                                       "count as done; unpack writes into it")
+    p.add_argument("--work", default=None,
                    help="run: the window's runs, logs and calibrations (default results/campaign; earlier windows' "
                         "finished runs there count as done, for status too)")
     p.add_argument("--work-name", type=name_arg, metavar="NAME",

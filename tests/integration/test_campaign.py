@@ -1244,7 +1244,7 @@ def stub_python(folder: Path, lacks: str | None = None, has_modules: bool = Fals
                                           f'"{folder}/argv"')
 
 
-def test_the_script_takes_relative_paths_from_the_folder_it_is_started_in(tmp_path):
+def test_the_script_takes_relative_paths_from_the_folder_it_is_started_in(tmp_path, capsys):
     """Started outside the repository, --config, --reference, AGG_BENCH_CAMPAIGN_OUT and a relative PYTHON name
     paths from there: the script runs the campaign in the repository, where they named other files (or none)."""
     start = tmp_path / "start"
@@ -1279,6 +1279,19 @@ def test_the_script_takes_relative_paths_from_the_folder_it_is_started_in(tmp_pa
         given = dict(zip(*[iter((start / "bin" / "argv").read_text().splitlines()[5:])] * 2))
         assert given["--reference"] == (str(start / "ref2") if named else "results/reference/h200")
         assert given.get("--reference-name") == named, given
+    # a ~ in either variable: the campaign's refusal of it (the command line the script built, run here) names
+    # the variable, not --reference or --work, which the script's user never typed
+    for env, named in (({"AGG_BENCH_CAMPAIGN_REFERENCE": "~/ref", "AGG_BENCH_CAMPAIGN_OUT": "~/w"},
+                        "AGG_BENCH_CAMPAIGN_REFERENCE '~/ref'"),
+                       ({"AGG_BENCH_CAMPAIGN_OUT": "~/w"}, "AGG_BENCH_CAMPAIGN_OUT '~/w'")):
+        proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--minutes", "1"], cwd=start,
+                              env=script_env(tmp_path, PYTHON="bin/python", **env), capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        capsys.readouterr()
+        assert main((start / "bin" / "argv").read_text().splitlines()[3:]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"agg-bench campaign: {named}: starts with ~,"), err
 
 
 def test_the_script_checks_every_module_a_window_imports(tmp_path):
@@ -1703,6 +1716,28 @@ def test_a_campaign_folder_with_a_control_character_is_quoted_in_its_refusal_and
                  str(tmp_path / "elsewhere")]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"agg-bench campaign: --reference {str(reference)!r}: an unpack "), err
+
+
+@pytest.mark.parametrize("flag, name, path", [
+    ("--reference", NAMED_REFERENCE, "~/ref"),
+    ("--work", "AGG_BENCH_CAMPAIGN_OUT", "~/w"),
+    ("--work", "AGG_BENCH_CAMPAIGN_OUT", ""),
+])
+@pytest.mark.parametrize("action", ["run", "status"])
+def test_a_path_a_variable_gave_is_refused_naming_the_variable(tmp_path, capsys, monkeypatch, flag, name, path,
+                                                              action):
+    """A ~ path (or another that path_arg refuses) that AGG_BENCH_CAMPAIGN_REFERENCE or AGG_BENCH_CAMPAIGN_OUT
+    gave scripts/gpu_campaign.sh was refused as the command line was parsed, naming --reference or --work, which
+    the script's user never typed; it is refused in path_arg's words, naming what the -name option says."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["campaign", action, "--config", str(CONFIG), "--cpu", *(["--minutes", "1"] if action == "run" else []),
+            flag, path]
+    for named in (None, name):
+        code = main([*argv, *([f"{flag}-name", named] if named else [])])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"agg-bench campaign: {named or flag} '{path}': "), err
+        assert "expected a file or folder name" in err[0], err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_reference_name_without_a_reference_or_to_unpack_is_one_line(tmp_path, capsys):
