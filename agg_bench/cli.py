@@ -259,13 +259,14 @@ def cmd_replay(args) -> int:
 
 
 def cmd_gradcheck(args) -> int:
-    from .tools.gradcheck import GRID_OPTIONS, gradcheck, parse_values
-    from .tools.replays import agg_grid, check_replay_count, parse_method_specs
+    from .tools.replays import GRID_OPTIONS, agg_grid, check_replay_count, parse_method_specs, parse_values
 
-    # the grid and the methods first: a bad item is refused before a config is read or a model built
+    # the grid and the methods first: a bad item is refused before a config is read or a model built, and before
+    # torch and the model code are imported (they made the one line take seconds)
     grid = (parse_values(args.windows, "--windows", int), parse_values(args.alphas, "--alphas", str),
             parse_values(args.route_fracs, "--route-fracs", float), parse_values(args.reuse, "--reuse", bool))
     check_replay_count(agg_grid(*grid), parse_method_specs(args.methods), GRID_OPTIONS)
+    from .tools.gradcheck import gradcheck
     existing = args.snapshot is not None and (args.snapshot / "rollout.json").exists()
     cfg = None if existing and not (args.config or args.overrides) else _run_config(args.config, args.overrides)
     if existing and cfg is not None:

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-import yaml
 from tqdm import tqdm
 
-from ..config import RunConfig, read_number, yaml_load
+from ..config import RunConfig
 from ..engine.families import model_label
 from ..errors import ConfigError, UserError
 from ..io import atomic_file, atomic_path, remove_stale_temps
@@ -32,7 +31,7 @@ from ..outdir import check_suffix, claim_files
 from ..records import GRADCHECK_OPTION_COLUMNS, is_integer
 from ..results.formatting import csv_cell
 from ..machine.devices import resolve_device
-from .replays import ReplayJob, agg_grid, build_estimators, check_replay_count, parse_method_specs
+from .replays import GRID_OPTIONS, ReplayJob, agg_grid, build_estimators, check_replay_count, parse_method_specs
 from .snapshot import (Snapshot, check_outside_snapshot, check_trainable, load_snapshot, replay_case_of,
                        replay_gradient, save_snapshot)
 
@@ -46,32 +45,6 @@ COLUMNS = (
 # estimator options that get their own column (whichever method has them)
 OPTION_COLUMNS = GRADCHECK_OPTION_COLUMNS
 REFERENCE = ReplayJob("full")  # every gradcheck's first replay and row, whether --methods names it or not
-GRID_OPTIONS = "--windows x --alphas x --route-fracs x --reuse, --methods"  # what sets a gradcheck's replays
-
-
-def parse_values(text: str, flag: str, kind: type) -> list:
-    """Comma-separated ``text`` of ``--flag`` as a list of ``kind`` (int, float, str or bool)."""
-    expected = {int: "comma-separated integers, e.g. 2,3,5", float: "comma-separated numbers, e.g. 0,0.5,1",
-                str: "comma-separated names, e.g. index,sigma", bool: "comma-separated booleans, e.g. false,true"}
-    items = [item.strip() for item in str(text).split(",")]
-    if not items or any(not item for item in items):
-        raise ConfigError(flag, text, expected[kind])
-    out = []
-    for item in items:
-        value: Any
-        if kind in (int, float):  # as every number flag and config key reads it
-            value = read_number(item, kind)
-        else:
-            try:
-                value = item if kind is str else yaml_load(item, flag, text)
-            except yaml.YAMLError:
-                raise ConfigError(flag, text, expected[kind]) from None
-        if not isinstance(value, kind):  # None: not a number of that kind
-            raise ConfigError(flag, text, expected[kind])
-        if value in out:  # the same replay again, and its row written twice
-            raise ConfigError(flag, text, f"{expected[kind]}, each once")
-        out.append(value)
-    return out
 
 
 def _canonical(value: Any) -> Any:

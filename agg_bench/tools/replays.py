@@ -1,17 +1,50 @@
 """The replays of a frozen rollout that ``agg-bench gradcheck`` (and ``calibrate``) make: the jobs a gradcheck's grid
 and ``--methods`` ask for, and each replay's run config and estimator set up and checked. Nothing here imports
 diffusers, peft or transformers, so the workflow's methods' check (:mod:`agg_bench.tools.sweep`) checks a sweep's
-gradcheck jobs before they run, as the gradcheck itself checks them before its rollout."""
+gradcheck jobs before they run, as the gradcheck itself checks them before its rollout. Torch and the methods are
+imported by the estimators' set-up (:func:`replay_setup`) only: ``agg-bench gradcheck`` refuses a bad grid option
+(:func:`parse_values`, :func:`parse_method_specs`, :func:`check_replay_count`) before it imports them."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from ..config import RunConfig, apply_overrides, parse_override, validate
+import yaml
+
+from ..config import RunConfig, apply_overrides, parse_override, read_number, validate, yaml_load
 from ..errors import ConfigError, UserError
 from ..records import MAX_REPLAYS
-from ..methods.base import Estimator, build_estimator
+
+if TYPE_CHECKING:
+    from ..methods.base import Estimator
+
+GRID_OPTIONS = "--windows x --alphas x --route-fracs x --reuse, --methods"  # what sets a gradcheck's replays
+
+
+def parse_values(text: str, flag: str, kind: type) -> list:
+    """Comma-separated ``text`` of ``--flag`` as a list of ``kind`` (int, float, str or bool)."""
+    expected = {int: "comma-separated integers, e.g. 2,3,5", float: "comma-separated numbers, e.g. 0,0.5,1",
+                str: "comma-separated names, e.g. index,sigma", bool: "comma-separated booleans, e.g. false,true"}
+    items = [item.strip() for item in str(text).split(",")]
+    if not items or any(not item for item in items):
+        raise ConfigError(flag, text, expected[kind])
+    out = []
+    for item in items:
+        value: Any
+        if kind in (int, float):  # as every number flag and config key reads it
+            value = read_number(item, kind)
+        else:
+            try:
+                value = item if kind is str else yaml_load(item, flag, text)
+            except yaml.YAMLError:
+                raise ConfigError(flag, text, expected[kind]) from None
+        if not isinstance(value, kind):  # None: not a number of that kind
+            raise ConfigError(flag, text, expected[kind])
+        if value in out:  # the same replay again, and its row written twice
+            raise ConfigError(flag, text, f"{expected[kind]}, each once")
+        out.append(value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -128,6 +161,8 @@ def replay_setup(config: dict, method: str, overrides: list[str],
     and the estimator, after the method's own run checks (``check_run``: W <= N, train.plan compatibility).
     ``also``: keys beyond ``method.*`` (and :data:`REPLAN_KEYS` for a method that replans) the caller honours
     (calibrate's plan keys of a method timed on its own rollout)."""
+    from ..methods.base import build_estimator  # torch: imported once a replay is set up
+
     check_method_kept(method, overrides)
     config = dict(config)
     config["method"] = {"name": method}

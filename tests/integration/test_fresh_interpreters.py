@@ -172,28 +172,36 @@ def test_a_refused_run_or_pretrain_imports_no_trainer_or_model_library(tmp_path)
     config passes and whose folder the trainer refuses (someone's files), before the model code (the session, the
     model libraries). `agg-bench pretrain` refuses a key's value before torch: its module's imports made the
     one line take about six CPU-seconds, and `agg-bench learning` without an output to write says so before torch.
-    One process runs the four, the run last (the run's check of its config imports torch)."""
+    `agg-bench gradcheck` refuses a bad grid option (--windows, --methods) before torch and the model code: they
+    made its one line take about eight CPU-seconds. One process runs the six, the run last (the run's check of its
+    config imports torch)."""
     script = ("import json, sys; from agg_bench.cli import main\n"
               "for args, modules in json.loads(sys.argv[1]):\n"
               "    code = main(args)\n"
               "    print(code, sorted(m for m in modules if m in sys.modules), file=sys.stderr)")
-    out, theirs, model = tmp_path / "run", tmp_path / "theirs", tmp_path / "model"
+    out, theirs, model, table = tmp_path / "run", tmp_path / "theirs", tmp_path / "model", tmp_path / "grad.csv"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")
     cases = [(["learning", "--manifest", str(tmp_path / "manifest.json")], ["torch", "agg_bench.tools.learning"]),
              (["pretrain", "--set", "steps=0", "--out", str(model)], ["torch", "diffusers", "agg_bench.tools.pretrain"]),
+             *((["gradcheck", *grid, "--out", str(table)], ["torch", "diffusers", "agg_bench.tools.gradcheck",
+                                                            "agg_bench.methods.base"])
+               for grid in (["--windows", "2,x"], ["--methods", "fraction,,agg"])),
              (["run", "--set", "train.iterations=abc", "--out", str(out)],
               ["agg_bench.runtime.train", "diffusers", "matplotlib"]),
              (["run", "--set", "progress=false", "--out", str(theirs)], ["agg_bench.runtime.session", "diffusers"])]
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 0 and len(lines) == 8, proc.stderr[-3000:]
+    assert proc.returncode == 0 and len(lines) == 12, proc.stderr[-3000:]
     assert "give --tables DIR and/or --plots DIR" in lines[0] and lines[1] == "2 []", proc.stderr[-3000:]
     assert "steps = 0" in lines[2] and lines[3] == "2 []", proc.stderr[-3000:]
-    assert "train.iterations" in lines[4] and lines[5] == "2 []", proc.stderr[-3000:]
-    assert f"--out {theirs}" in lines[6] and "notes.txt" in lines[6] and lines[7] == "2 []", proc.stderr[-3000:]
-    assert not out.exists() and not model.exists() and [p.name for p in theirs.iterdir()] == ["notes.txt"]
+    assert "--windows = '2,x'" in lines[4] and lines[5] == "2 []", proc.stderr[-3000:]
+    assert "--methods = 'fraction,,agg'" in lines[6] and lines[7] == "2 []", proc.stderr[-3000:]
+    assert "train.iterations" in lines[8] and lines[9] == "2 []", proc.stderr[-3000:]
+    assert f"--out {theirs}" in lines[10] and "notes.txt" in lines[10] and lines[11] == "2 []", proc.stderr[-3000:]
+    assert not out.exists() and not model.exists() and not table.exists()
+    assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
 
 
 # ----- a run with telemetry.tensorboard off (tests/unit/test_tensorboard.py) -----

@@ -5,7 +5,8 @@ import pytest
 
 from agg_bench.cli import main
 from agg_bench.errors import ConfigError
-from agg_bench.tools.gradcheck import COLUMNS, parse_values
+from agg_bench.tools.gradcheck import COLUMNS
+from agg_bench.tools.replays import parse_values
 from agg_bench.tools.replays import ReplayJob, build_estimators, parse_method_specs
 from agg_bench.tools.snapshot import load_snapshot, method_from, replay_gradient
 from helpers import TINY, seeded
