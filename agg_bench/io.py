@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from .errors import DISK_FULL, UserError, disk_full
+from .errors import DISK_FULL, UserError, disk_full, shown
 from .jsonfiles import JsonProblem, NotRegularFile, loads, open_regular
 
 
@@ -312,21 +312,21 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
     try:
         fh = open_regular(path)
     except NotRegularFile:
-        raise UserError(f"{path}: is not a regular file; expected a JSONL file of agg-bench records") from None
+        raise UserError(f"{shown(path)}: is not a regular file; expected a JSONL file of agg-bench records") from None
     except IsADirectoryError:
-        raise UserError(f"{path}: is a folder; expected a JSONL file of agg-bench records") from None
+        raise UserError(f"{shown(path)}: is a folder; expected a JSONL file of agg-bench records") from None
     with fh:
         number, offset = 0, 0
         line = fh.readline(MAX_JSONL_LINE_BYTES + 1)
         while line:  # b"" at the end of the file
             number, following = number + 1, fh.readline(MAX_JSONL_LINE_BYTES + 1)
             if len(line.rstrip(b"\r\n")) > MAX_JSONL_LINE_BYTES:
-                raise UserError(f"{path}: line {number} is longer than {MAX_JSONL_LINE_BYTES:,} bytes; expected a "
-                                "record of agg-bench (a JSON object of a few KB per line)")
+                raise UserError(f"{shown(path)}: line {number} is longer than {MAX_JSONL_LINE_BYTES:,} bytes; "
+                                "expected a record of agg-bench (a JSON object of a few KB per line)")
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {offset + err.start})") from err
+                raise UserError(f"{shown(path)}: not UTF-8 text ({err.reason} at byte {offset + err.start})") from err
             offset += len(line)
             if text.strip():
                 try:
@@ -334,8 +334,9 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
                 except JsonProblem as err:
                     if not following:  # torn: a writer killed mid-line
                         return
-                    raise UserError(f"{path}: line {number} is not valid JSON ({err}); the file is damaged") from None
+                    raise UserError(f"{shown(path)}: line {number} is not valid JSON ({err}); the file is "
+                                    "damaged") from None
                 if not isinstance(record, dict):
-                    raise UserError(f"{path}: line {number} is not a JSON object")
+                    raise UserError(f"{shown(path)}: line {number} is not a JSON object")
                 yield record
             line = following

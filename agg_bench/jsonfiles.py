@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from .errors import UserError, quote
+from .errors import UserError, quote, shown
 
 MAX_JSON_BYTES = 64 * 2**20  # far above any manifest, calibration or config; read whole, so bounded
 MAX_CONFIG_BYTES = 2**20  # a model folder's config files: a diffusers config.json is a few KB
@@ -105,7 +105,7 @@ def check_path(path: str | Path, what: str, expected: str | None = None, folder:
         found = None if path.is_file() else \
             ("is a folder" if path.is_dir() else "is not a regular file") if path.exists() else "no such file"
     if found is not None:
-        raise UserError(f"{what} {path}: {found}" + (f"; expected {expected}" if expected else ""))
+        raise UserError(f"{what} {shown(path)}: {found}" + (f"; expected {expected}" if expected else ""))
 
 
 def is_regular_file(path: str | Path) -> bool:

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, overload
 
-from .errors import UserError, counted, quote
+from .errors import UserError, counted, quote, shown
 from .io import read_jsonl
 from .jsonfiles import read_json_object
 from .outdir import check_not_written, is_harness_name
@@ -205,7 +205,7 @@ class RunFolder:
         path = self.path(CONFIG_FILE)
         if not path.exists():
             if required:
-                raise UserError(f"run {self.dir}: no {CONFIG_FILE} (every run folder holds its run config)")
+                raise UserError(f"run {shown(self.dir)}: no {CONFIG_FILE} (every run folder holds its run config)")
             return None
         return run_config(self.config_object(), path)
 
@@ -218,7 +218,7 @@ class RunFolder:
         records = list(read_jsonl(path))
         problem = records_problem(records, tuple(dict.fromkeys((*REQUIRED_RECORD_KEYS, *required))))
         if problem is not None:
-            raise UserError(f"{path}: {problem}")
+            raise UserError(f"{shown(path)}: {problem}")
         return records
 
     def check_records_ended(self, summary: dict, records: list[dict]) -> None:
@@ -229,12 +229,12 @@ class RunFolder:
         if last_good is None:
             return
         if type(last_good) is not int or last_good < 0:
-            raise UserError(f"{self.path(SUMMARY_FILE)}: 'last_good_iteration' = {quote(last_good)}: expected an "
-                            "integer >= 0 or null")
+            raise UserError(f"{shown(self.path(SUMMARY_FILE))}: 'last_good_iteration' = {quote(last_good)}: expected "
+                            "an integer >= 0 or null")
         if not any(r.get("iteration") == last_good and r.get("status") == "ok" for r in records):
-            raise UserError(f"{self.path(METRICS_FILE)}: no ok record of iteration {last_good}, the last good one "
-                            f"{SUMMARY_FILE} names ({counted(len(records), 'record')}); expected the records the run wrote "
-                            "(the file is cut or was edited)")
+            raise UserError(f"{shown(self.path(METRICS_FILE))}: no ok record of iteration {last_good}, the last good "
+                            f"one {SUMMARY_FILE} names ({counted(len(records), 'record')}); expected the records the "
+                            "run wrote (the file is cut or was edited)")
 
     def check_identity(self, summary: dict, records: list[dict], config: Mapping[str, Any] | None = None) -> None:
         """A UserError naming the folder, the file, the key and both values where the run's files contradict each
@@ -257,22 +257,23 @@ class RunFolder:
         found = identity_mismatch(expected, [(what, {**expected, **values}) for what, values in sources])
         if found is not None:
             what, key, value = found
-            raise UserError(f"run {self.dir}: {what}: {key} = {quote(value)}, where {owner[key]} has "
+            raise UserError(f"run {shown(self.dir)}: {what}: {key} = {quote(value)}, where {owner[key]} has "
                             f"{quote(expected[key])}; expected one run's identity in all its files")
         statuses = [r.get("status") for r in records]
         ended = next((k for k, status in enumerate(statuses[:-1], 1) if status != "ok"), None)
         if ended is not None:
-            raise UserError(f"run {self.dir}: {METRICS_FILE} record {ended}: status = {quote(statuses[ended - 1])}, "
-                            f"followed by record {ended + 1}; expected an iteration that ends the run as its last record")
+            raise UserError(f"run {shown(self.dir)}: {METRICS_FILE} record {ended}: status = "
+                            f"{quote(statuses[ended - 1])}, followed by record {ended + 1}; expected an iteration "
+                            "that ends the run as its last record")
         if summary.get("status") != "ok" or not records:
             return
         if statuses[-1] != "ok":
-            raise UserError(f"run {self.dir}: {SUMMARY_FILE}: status = 'ok', where {METRICS_FILE} record "
+            raise UserError(f"run {shown(self.dir)}: {SUMMARY_FILE}: status = 'ok', where {METRICS_FILE} record "
                             f"{len(records)} has {quote(statuses[-1])}; expected the end its last record says")
         iterations = summary.get("iterations")
         if type(iterations) is int and not summary.get("budget_reached") and iterations != len(records):
-            raise UserError(f"run {self.dir}: {SUMMARY_FILE}: iterations = {iterations}, where {METRICS_FILE} holds "
-                            f"{counted(len(records), 'record')}; expected a run that ended ok to have recorded "
+            raise UserError(f"run {shown(self.dir)}: {SUMMARY_FILE}: iterations = {iterations}, where {METRICS_FILE} "
+                            f"holds {counted(len(records), 'record')}; expected a run that ended ok to have recorded "
                             "each of its iterations")
 
     def summary(self) -> dict:
@@ -281,11 +282,11 @@ class RunFolder:
         else's ``summary.json`` was read as an interrupted run."""
         summary = self._object(SUMMARY_FILE, f"the {SUMMARY_FILE} of an agg-bench run (a JSON object)")
         if self.path(SUMMARY_FILE).exists() and summary.get("status") is None:
-            raise UserError(f"{self.path(SUMMARY_FILE)}: no 'status'; expected the {SUMMARY_FILE} of an agg-bench "
-                            f"run, whose status is one of {', '.join(STATUSES)}")
+            raise UserError(f"{shown(self.path(SUMMARY_FILE))}: no 'status'; expected the {SUMMARY_FILE} of an "
+                            f"agg-bench run, whose status is one of {', '.join(STATUSES)}")
         problem = record_problem(summary)
         if problem is not None:
-            raise UserError(f"{self.path(SUMMARY_FILE)}: {problem}")
+            raise UserError(f"{shown(self.path(SUMMARY_FILE))}: {problem}")
         return summary
 
     def env(self) -> dict:
@@ -297,10 +298,10 @@ class RunFolder:
         plan = self._object(PLAN_FILE, f"the {PLAN_FILE} of an agg-bench run (a JSON object)")
         value = plan.get("bytes")
         if value is not None and not isinstance(value, dict):
-            raise UserError(f"{self.path(PLAN_FILE)}: bytes = {quote(value)}: expected an object or null")
+            raise UserError(f"{shown(self.path(PLAN_FILE))}: bytes = {quote(value)}: expected an object or null")
         for key, n in (value or {}).items():
             if n is not None and not (is_finite_number(n) and n >= 0):
-                raise UserError(f"{self.path(PLAN_FILE)}: bytes.{key} = {quote(n)}: expected a number of bytes "
+                raise UserError(f"{shown(self.path(PLAN_FILE))}: bytes.{key} = {quote(n)}: expected a number of bytes "
                                 "(a finite number >= 0) or null")
         return value or {}
 
@@ -313,7 +314,7 @@ class RunFolder:
         lines = list(read_jsonl(path))
         problem = evaluations_problem(lines)
         if problem is not None:
-            raise UserError(f"{path}: {problem}")
+            raise UserError(f"{shown(path)}: {problem}")
         return lines or None
 
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from ..errors import ConfigError, UserError, counted, quote
+from ..errors import ConfigError, UserError, counted, quote, shown
 from ..records import unprintable_words
 from .schema import check_config_values, run_schema
 from .sections import (DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, device_expected, device_parts,
@@ -205,8 +205,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         user = read_yaml_mapping(path)
         if all(key in user for key in SWEEP_MARKS):  # config/config.yaml given where config/run.yaml is meant
-            raise UserError(f"{path}: a sweep config (its keys {', '.join(SWEEP_MARKS)}: snakemake --configfile and "
-                            f"agg-bench campaign --config take it); expected a run config (keys "
+            raise UserError(f"{shown(path)}: a sweep config (its keys {', '.join(SWEEP_MARKS)}: snakemake "
+                            "--configfile and agg-bench campaign --config take it); expected a run config (keys "
                             f"{', '.join(sorted(DEFAULTS))})"
                             + (f", e.g. its base {quote(user['base'])}" if isinstance(user["base"], str) else ""))
         if "method" in user and not isinstance(user["method"], dict):

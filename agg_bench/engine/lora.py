@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError, UserError, shown
 from .families import FAMILY_SPECS, family_spec
 
 # The default train.lora_target_modules of each registered family.
@@ -151,10 +151,10 @@ def load_adapter(transformer: torch.nn.Module, family: str, settings: dict, fold
 
     path = Path(folder) / ADAPTER_FILE
     if not path.is_file():
-        raise UserError(f"{folder}: missing {ADAPTER_FILE} for the LoRA adapter")
+        raise UserError(f"{shown(folder)}: missing {ADAPTER_FILE} for the LoRA adapter")
     apply_lora(transformer, family, settings["rank"], settings["alpha"], settings["target_modules"])
     device = next(transformer.parameters()).device
     result = set_peft_model_state_dict(transformer, {k: v.to(device) for k, v in load_file(str(path)).items()})
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
-        raise UserError(f"{path}: adapter weights that fit no module: {unexpected[:3]}")
+        raise UserError(f"{shown(path)}: adapter weights that fit no module: {unexpected[:3]}")

@@ -28,7 +28,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 
 from .. import stopping
 from ..config import RunConfig, TrainConfig
-from ..errors import ConfigError, UserError, first_message_line, quote
+from ..errors import ConfigError, UserError, first_message_line, quote, shown
 from ..io import file_identity
 from ..jsonfiles import MAX_CONFIG_BYTES, JsonFileError, read_json_object
 from ..machine import fsdp
@@ -394,7 +394,7 @@ def _subfolder(pretrained: str, name: str, what: str) -> str:
     path = os.path.join(pretrained, name)
     if not os.path.isdir(path):
         raise ConfigError("model.pretrained", pretrained,
-                          f"a local diffusers folder with {what} in {name}/ (missing: {path})")
+                          f"a local diffusers folder with {what} in {name}/ (missing: {shown(path)})")
     return path
 
 
@@ -530,12 +530,12 @@ def _load_component(cls, path: str, pretrained: str, what: str, **kwargs):
     # (a patch wider than the sample)
     except (OSError, ValueError, TypeError, ArithmeticError) as err:
         raise ConfigError("model.pretrained", pretrained,
-                          f"loadable {what} in {path} ({first_message_line(err)})") from err
+                          f"loadable {what} in {shown(path)} ({first_message_line(err)})") from err
     if isinstance(component, torch.nn.Module):  # a weight the file lacks is left on the meta device, unloaded
         missing = next((name for name, t in itertools.chain(component.named_parameters(), component.named_buffers())
                         if t.is_meta), None)
         if missing is not None:
-            raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {path} (no weight {missing})")
+            raise ConfigError("model.pretrained", pretrained, f"loadable {what} in {shown(path)} (no weight {missing})")
     return component
 
 

@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..config import RunConfig
-from ..errors import ConfigError, UserError, first_message_line, quote
+from ..errors import ConfigError, UserError, first_message_line, quote, shown
 from ..io import atomic_target, remove_stale_temps
 from ..jsonfiles import open_regular
 from ..outdir import check_file, check_suffix, check_writable
@@ -226,14 +226,14 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 def load_embeddings(path: str | Path) -> tuple[Conditioning, dict[str, str]]:
     meta = read_metadata(path)
     if meta.get("format") != FORMAT:
-        raise UserError(f"{path}: not an agg-bench embeddings file (write one with `agg-bench embed`)")
+        raise UserError(f"{shown(path)}: not an agg-bench embeddings file (write one with `agg-bench embed`)")
     tensors = load_file(str(path))
     if "encoder_hidden_states" not in tensors:
-        raise UserError(f"{path}: holds no encoder_hidden_states tensor (the prompts' token embeddings); "
+        raise UserError(f"{shown(path)}: holds no encoder_hidden_states tensor (the prompts' token embeddings); "
                         "write the file again with `agg-bench embed`")
     problem = tensors_problem(tensors)
     if problem is not None:
-        raise UserError(f"{path}: {problem}, not the embeddings `agg-bench embed` writes; write the file again "
+        raise UserError(f"{shown(path)}: {problem}, not the embeddings `agg-bench embed` writes; write the file again "
                         "with it")
     return Conditioning.from_tensors(tensors), meta
 
@@ -417,7 +417,7 @@ def embed(cfg: RunConfig, out: str | Path | None = None, device: str | torch.dev
                 "prompts_sha256": prompts.sha256, "n_prompts": len(prompts.prompts)}
         return Embeddings(cond, save_embeddings(path, cond, meta), False, key)
     if token_hash_settings(cfg.model.pretrained) is not None:
-        raise UserError(f"model.pretrained {cfg.model.pretrained}: conditioned on token hashes "
+        raise UserError(f"model.pretrained {shown(cfg.model.pretrained)}: conditioned on token hashes "
                         f"({TOKEN_HASH_FILE}), which every run computes itself; no text encoders, nothing to embed")
     emb = run_embeddings(cfg, prompts, device, write_to=out)
     if out is not None and Path(out).resolve() != emb.path.resolve():

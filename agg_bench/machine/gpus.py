@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import gpu_index, integer_arg, number_arg, read_number
-from ..errors import ConfigError, OneLineParser, UserError, quote, run_command
+from ..errors import ConfigError, OneLineParser, UserError, quote, run_command, shown
 from ..outdir import NAME_MAX, path_problem
 
 ENV_DEVICES = "AGG_BENCH_GPUS"
@@ -242,7 +242,7 @@ class GpuPool:
                     lease._fds.append(fd)
         except OSError as err:
             lease.release()
-            raise UserError(f"GPU lock folder {self.lock_dir}: cannot make or lock files there "
+            raise UserError(f"GPU lock folder {shown(self.lock_dir)}: cannot make or lock files there "
                             f"({err.strerror or err}); set {ENV_LOCK_DIR} to a folder this user can write") from None
         if len(lease.devices) < count:
             # hold nothing while waiting, so two jobs asking for 2 of 3 devices cannot deadlock
@@ -259,7 +259,7 @@ class GpuPool:
                 return lease
             if deadline is not None and time.monotonic() >= deadline:
                 raise UserError(f"no {count} free GPU(s) among {','.join(self.devices)} after {timeout_s:g} s "
-                                f"(locks in {self.lock_dir})")
+                                f"(locks in {shown(self.lock_dir)})")
             time.sleep(self.poll_s)
 
     def _check(self, count: int) -> None:

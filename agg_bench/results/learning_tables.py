@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 
 from ..config import dotted_value
-from ..errors import UserError, counted, quote
+from ..errors import UserError, counted, quote, shown
 from ..io import save_figure, write_text
 from ..jsonfiles import check_path, read_json_object
 from .formatting import csv_text, markdown_text
@@ -85,7 +85,7 @@ def unweighted_parts(config: dict | None, path: Path) -> tuple[str, ...] | None:
     if weights is None:
         return ()
     if not isinstance(weights, dict):
-        raise UserError(f"{path}: reward.options.weights = {quote(weights)}: expected a mapping of sub-scores")
+        raise UserError(f"{shown(path)}: reward.options.weights = {quote(weights)}: expected a mapping of sub-scores")
     return tuple(part for part in SCENE_PARTS if not weights.get(part))
 
 
@@ -101,16 +101,16 @@ def load_runs(manifest: str | Path) -> list[Run]:
     runs = []
     entries = read_json_object(path, "a learning manifest (an object with a list of runs)").get("runs", [])
     if not isinstance(entries, list):
-        raise UserError(f"manifest {path}: runs = {quote(entries)}: expected a list")
+        raise UserError(f"manifest {shown(path)}: runs = {quote(entries)}: expected a list")
     folders: dict[Path, int] = {}
     seeds: dict[tuple[str, int], int] = {}
     for i, entry in enumerate(entries):
         if not (isinstance(entry, dict) and isinstance(entry.get("dir"), str) and entry["dir"] != ""
                 and isinstance(entry.get("method"), str) and type(entry.get("seed")) in (int, type(None))):
-            raise UserError(f"manifest {path}: runs[{i}] = {quote(entry)}: expected an object with the run's "
+            raise UserError(f"manifest {shown(path)}: runs[{i}] = {quote(entry)}: expected an object with the run's "
                             "dir (a folder name, not '') and method (strings) and its seed (an integer)")
         method, seed, folder = entry["method"], int(entry.get("seed") or 0), RunFolder(entry["dir"])
-        where = f"manifest {path}: runs[{i}]"
+        where = f"manifest {shown(path)}: runs[{i}]"
         resolved = folder.dir.resolve()
         if resolved in folders:
             raise UserError(f"{where}: dir {quote(entry['dir'])} is also runs[{folders[resolved]}]'s; expected each "
@@ -124,7 +124,7 @@ def load_runs(manifest: str | Path) -> list[Run]:
         # folder later (a checkpoint) is read against this state
         with folder.whole() as state:
             if not folder.has(METRICS_FILE):
-                raise UserError(f"{where}: {folder.path(METRICS_FILE)}: no such file (has the run finished?)")
+                raise UserError(f"{where}: {shown(folder.path(METRICS_FILE))}: no such file (has the run finished?)")
             lines = folder.records()
             summary = folder.summary()
             evaluations = folder.evaluations()
@@ -134,22 +134,23 @@ def load_runs(manifest: str | Path) -> list[Run]:
         missing = next((k for k, r in enumerate(lines, 1) if r["status"] == "ok" and r.get("reward_mean") is None),
                        None)
         if missing is not None:
-            raise UserError(f"{folder.path(METRICS_FILE)}: record {missing}: no 'reward_mean' (an ok record has one)")
+            raise UserError(f"{shown(folder.path(METRICS_FILE))}: record {missing}: no 'reward_mean' (an ok record "
+                            "has one)")
         if not lines:  # skipped, the method would lose a seed without a word (killed before its first record)
-            raise UserError(f"{where}: {folder.path(METRICS_FILE)} holds no record (was the run killed before its "
-                            "first iteration?); expected a run with records, or the entry left out")
+            raise UserError(f"{where}: {shown(folder.path(METRICS_FILE))} holds no record (was the run killed before "
+                            "its first iteration?); expected a run with records, or the entry left out")
         folder.check_records_ended(summary, lines)
         # its last evaluation would stand as its final one, a gain of fewer iterations than its seeds'
         if summary.get("status") in (None, "interrupted"):
             ended = f"{SUMMARY_FILE} says it was interrupted" if summary else f"it has no {SUMMARY_FILE}"
-            raise UserError(f"{where}: run {folder.dir} has not ended ({ended}); expected runs that ended "
+            raise UserError(f"{where}: run {shown(folder.dir)} has not ended ({ended}); expected runs that ended "
                             "(agg-bench run --resume ends it), or the entry left out")
         # a run that diverged (or ran out of memory, or failed) has no final state of its iterations: its last ok
         # records and checkpoint would stand as the method's gain and cost, shortening every seed's curve to its
         # own, and leaving it out silently would show the method better than it ran
         if summary.get("status") != "ok":
             error = summary.get("error")
-            raise UserError(f"{where}: run {folder.dir} ended {quote(summary.get('status'))}"
+            raise UserError(f"{where}: run {shown(folder.dir)} ended {quote(summary.get('status'))}"
                             + (f" ({error.splitlines()[0]})" if isinstance(error, str) and error.strip() else "")
                             + "; expected runs that ended ok (a gain and a target cost are of whole runs), "
                               "or the entry left out")
@@ -160,7 +161,7 @@ def load_runs(manifest: str | Path) -> list[Run]:
                         pd.DataFrame(evaluations).sort_values("iteration").reset_index(drop=True),
                         unweighted, config, state))
     if not runs:
-        raise UserError(f"manifest {path}: lists no run; expected at least one")
+        raise UserError(f"manifest {shown(path)}: lists no run; expected at least one")
     return runs
 
 
@@ -175,7 +176,7 @@ def held_out_curves(runs: list[Run]) -> tuple[dict[int, pd.DataFrame], dict[str,
             try:
                 curves[i] = run_curve(run.evaluations, run.records, iteration_times(run.records)[0])
             except UserError as err:
-                raise UserError(f"run {run.method}/{run.seed} ({run.dir}): {err}") from None
+                raise UserError(f"run {run.method}/{run.seed} ({shown(run.dir)}): {err}") from None
     methods: dict[str, list[int]] = {}
     for i, run in enumerate(runs):
         methods.setdefault(run.method, []).append(i)

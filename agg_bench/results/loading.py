@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from ..config import ModelConfig, RunConfig, TrainConfig, bound, weights_label
-from ..errors import ConfigError, UserError, counted, quote
+from ..errors import ConfigError, UserError, counted, quote, shown
 from ..io import file_identity, path_text
 from ..jsonfiles import check_path, read_json_object
 from ..outputs import STAMP_FILE, STAMP_KEYS, check_no_unpack_above
@@ -93,8 +93,8 @@ class Manifest:
         ``campaign unpack`` into its reference, a workflow): what was read from it may no longer be what it
         lists, and a report of it beside it would be of an earlier manifest."""
         if self.file is not None and file_identity(self.file) != self.file_identity:
-            raise UserError(f"manifest {self.file}: replaced by another process while it was read; run again once "
-                            "that process has ended")
+            raise UserError(f"manifest {shown(self.file)}: replaced by another process while it was read; run again "
+                            "once that process has ended")
 
     def digest(self) -> str:
         """A SHA-256 of what this lists (its entries as given, warmup, time; not where it was read from): the
@@ -180,7 +180,7 @@ def load_manifest(path: str | Path) -> Manifest:
     data = read_json_object(path, "a report manifest (an object with runs, gradcheck, calibration, warmup, time)")
     unknown = sorted(set(data) - {*MANIFEST_SECTIONS, "warmup", "time"})
     if unknown:
-        raise UserError(f"manifest {path}: unknown key {unknown[0]!r}; expected some of "
+        raise UserError(f"manifest {shown(path)}: unknown key {unknown[0]!r}; expected some of "
                         f"{', '.join([*MANIFEST_SECTIONS, 'warmup', 'time'])}")
     sections: dict[str, list] = {}
     for section, (entry_class, required, keys) in MANIFEST_SECTIONS.items():
@@ -188,7 +188,7 @@ def load_manifest(path: str | Path) -> Manifest:
         _check(f"manifest {path}: {section}", entries, (lambda v: isinstance(v, list), "a list"))
         sections[section] = []
         for i, entry in enumerate(entries or []):
-            where = f"manifest {path}: {section}[{i}]"
+            where = f"manifest {shown(path)}: {section}[{i}]"
             _check(where, entry, OBJECT, nullable=False)
             if required not in entry:
                 raise UserError(f"{where}: missing {required!r}")
@@ -243,7 +243,7 @@ def load_calibration(entries: Iterable[CalibrationEntry]) -> pd.DataFrame:
         path = Path(entry.file)
         data = read_json_object(path, "an agg-bench calibrate JSON")
         contents.append((path_text(path), data))
-        where = f"calibration {path}"
+        where = f"calibration {shown(path)}"
         for key, kind in (("model", LABEL), ("resolution", RESOLUTION), ("device", LABEL), ("batch", BATCH),
                           ("unit_s_per_sample", OBJECT), ("unit_s_per_call", OBJECT), ("methods", OBJECT)):
             _check(f"{where}: {key}", data.get(key), kind)
@@ -409,13 +409,13 @@ def load_records(entries: Iterable[RunEntry], progress: Callable[[str], None] | 
             records = folder.records()
             planned = folder.plan()
         folder.check_records_ended(summary, records)
-        where = f"manifest {manifest}: runs[{number - 1}]" if manifest is not None else f"run {run_dir}"
+        where = f"manifest {shown(manifest)}: runs[{number - 1}]" if manifest is not None else f"run {shown(run_dir)}"
         check_entry_names_run(where, {"seed": entry.seed, "method_options": entry.method_options}, folder, records,
                               summary, written)
         # the files name one run (config.json's identity where there is one): RunFolder.check_identity
         folder.check_identity(summary, records, None if written is None or config is None else config_identity(written, config))
         if not summary and not records:
-            raise UserError(f"run {run_dir}: no summary.json or metrics.jsonl")
+            raise UserError(f"run {shown(run_dir)}: no summary.json or metrics.jsonl")
         # a run killed before writing its summary has records but no final status
         status = summary.get("status") or "interrupted"
         if not records:
@@ -776,7 +776,8 @@ def load_tables_and_digest(folder: str | Path) -> tuple[dict[str, pd.DataFrame],
     for name in PLOT_TABLES:
         path = Path(folder) / f"{name}.csv"
         if not path.is_file():
-            raise UserError(f"--tables-in {folder}: no {name}.csv (agg-bench report --tables {folder} writes it)")
+            raise UserError(f"--tables-in {shown(folder)}: no {name}.csv (agg-bench report --tables {shown(folder)} "
+                            "writes it)")
         texts[name] = path.read_bytes()
         tables[name] = parse_table(io.BytesIO(texts[name]), path, PLOT_COLUMNS[name], PLOT_CELLS[name], quoted=True)
     return tables, tables_digest(texts)
@@ -818,19 +819,19 @@ def check_report(tables_dir: str | Path, plots_dir: str | Path | None = None,
     check_path(tables_dir, "--tables", "the folder of tables that agg-bench report --tables DIR writes", folder=True)
     stamp = read_stamp(tables_dir)
     if stamp is None:
-        raise UserError(f"--tables {tables_dir}: no {STAMP_FILE} that names its tables (not a whole report, or of an "
-                        "earlier version); run agg-bench report again")
+        raise UserError(f"--tables {shown(tables_dir)}: no {STAMP_FILE} that names its tables (not a whole report, or "
+                        "of an earlier version); run agg-bench report again")
     if stamp["tables"] != folder_tables_digest(tables_dir):
-        raise UserError(f"--tables {tables_dir}: its tables are not the ones its {STAMP_FILE} names (one of "
+        raise UserError(f"--tables {shown(tables_dir)}: its tables are not the ones its {STAMP_FILE} names (one of "
                         f"{', '.join(f'{name}.csv' for name in PLOT_TABLES)} edited, replaced or missing since the "
                         "report wrote them); run agg-bench report again")
     if plots_dir is not None:
         plots_dir = Path(plots_dir)
         check_path(plots_dir, "--plots", "the folder of plots that agg-bench report --plots DIR writes", folder=True)
         if read_stamp(plots_dir) != stamp:
-            raise UserError(f"--plots {plots_dir}: not drawn from the tables in {tables_dir} (its {STAMP_FILE} differs: "
-                            "a report stopped between the two folders, or another report's); run agg-bench report "
-                            "again")
+            raise UserError(f"--plots {shown(plots_dir)}: not drawn from the tables in {shown(tables_dir)} (its "
+                            f"{STAMP_FILE} differs: a report stopped between the two folders, or another report's); "
+                            "run agg-bench report again")
     if manifest is not None and stamp["manifest"] != manifest.digest():
-        raise UserError(f"--tables {tables_dir}: not made from what manifest {manifest.file} lists (its {STAMP_FILE} "
-                        "names another manifest); run agg-bench report again")
+        raise UserError(f"--tables {shown(tables_dir)}: not made from what manifest {shown(str(manifest.file))} lists "
+                        f"(its {STAMP_FILE} names another manifest); run agg-bench report again")

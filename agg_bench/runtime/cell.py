@@ -101,28 +101,29 @@ def _keys(unknown: list[str]) -> str:
 def _entry(path: Path, index: int, entry: Any) -> CellRun:
     where = f"runs[{index}]"
     if not isinstance(entry, dict):
-        raise UserError(f"{path}: {where} is {json_type(entry)}; expected an object with keys {', '.join(ENTRY_KEYS)}")
+        raise UserError(f"{shown(path)}: {where} is {json_type(entry)}; expected an object with keys "
+                        f"{', '.join(ENTRY_KEYS)}")
     unknown = [key for key in entry if key not in ENTRY_KEYS]
     if unknown:
-        raise UserError(f"{path}: {where}: {_keys(unknown)} (allowed in a run: {', '.join(ENTRY_KEYS)})")
+        raise UserError(f"{shown(path)}: {where}: {_keys(unknown)} (allowed in a run: {', '.join(ENTRY_KEYS)})")
     config, overrides, out = entry.get("config"), entry.get("set", []), entry.get("out")
     # an empty path is refused by check_path_names below, in the words of every path's refusal
     if config is not None and not isinstance(config, str):
-        raise UserError(f"{path}: {where}.config is {json_type(config)}; expected a run config file or null")
+        raise UserError(f"{shown(path)}: {where}.config is {json_type(config)}; expected a run config file or null")
     if not isinstance(overrides, list):
-        raise UserError(f"{path}: {where}.set is {json_type(overrides)}; expected a list of KEY=VALUE strings")
+        raise UserError(f"{shown(path)}: {where}.set is {json_type(overrides)}; expected a list of KEY=VALUE strings")
     for number, item in enumerate(overrides):  # "set is a list; expected a list" named no item
         if not isinstance(item, str):
-            raise UserError(f"{path}: {where}.set[{number}] is {json_type(item)}; expected a KEY=VALUE string")
+            raise UserError(f"{shown(path)}: {where}.set[{number}] is {json_type(item)}; expected a KEY=VALUE string")
     if not isinstance(out, str):  # a missing key is not given, not null
-        raise UserError(f"{path}: {where}.out is {json_type(out) if 'out' in entry else 'not given'}; expected the "
-                        "run folder")
+        raise UserError(f"{shown(path)}: {where}.out is {json_type(out) if 'out' in entry else 'not given'}; expected "
+                        "the run folder")
     done = entry.get("done")
     if done is not None and not isinstance(done, str):
-        raise UserError(f"{path}: {where}.done is {json_type(done)}; expected a marker file or null")
+        raise UserError(f"{shown(path)}: {where}.done is {json_type(done)}; expected a marker file or null")
     if done is not None and done.endswith("/"):  # pathlib drops the slash: the marker was a file of that name
-        raise UserError(f"{path}: {where}.done {quote(done)}: ends with /, which names a folder; expected a marker "
-                        "file or null")
+        raise UserError(f"{shown(path)}: {where}.done {quote(done)}: ends with /, which names a folder; expected a "
+                        "marker file or null")
     check_path_names(f"{path}: {where}", (("config", config), ("out", out), ("done", done)))
     return CellRun(config, tuple(overrides), Path(out), Path(done) if done is not None else None)
 
@@ -146,29 +147,30 @@ def read_jobs(path: str | Path, calibrations: bool = False, data: dict | None = 
         allowed["calibrations"] = "the calibrations to take after them"
     unknown = [key for key in data if key not in allowed]
     if unknown:
-        raise UserError(f"{path}: {_keys(unknown)} (allowed: {'; '.join(f'{k}, {v}' for k, v in allowed.items())})")
+        raise UserError(f"{shown(path)}: {_keys(unknown)} (allowed: "
+                        f"{'; '.join(f'{k}, {v}' for k, v in allowed.items())})")
     runs = data.get("runs")
     if isinstance(runs, list) and not runs and data.get("calibrations"):
         return []  # a job of calibrations only
     if not isinstance(runs, list) or not runs:
         found = "not given" if "runs" not in data else json_type(runs) if runs != [] else "an empty list"
-        raise UserError(f"{path}: runs is {found}; expected a list of one or more runs")
+        raise UserError(f"{shown(path)}: runs is {found}; expected a list of one or more runs")
     if len(runs) > MAX_RUNS:
-        raise UserError(f"{path}: runs lists {len(runs):,} runs; expected at most {MAX_RUNS:,} in one cell")
+        raise UserError(f"{shown(path)}: runs lists {len(runs):,} runs; expected at most {MAX_RUNS:,} in one cell")
     jobs = [_entry(path, index, entry) for index, entry in enumerate(runs)]
     seen: dict[Path, int] = {}
     for index, job in enumerate(jobs):
         folder = Path(job.out).resolve()
         if folder in seen:
-            raise UserError(f"{path}: runs[{index}].out {job.out} is also runs[{seen[folder]}].out; "
+            raise UserError(f"{shown(path)}: runs[{index}].out {shown(job.out)} is also runs[{seen[folder]}].out; "
                             "expected a folder of its own for each run")
         seen[folder] = index
     # a run folder holds only a run's files: another run's folder inside it would be someone else's
     for index, job in enumerate(jobs):
         outer = next((seen[p] for p in Path(job.out).resolve().parents if p in seen), None)
         if outer is not None:
-            raise UserError(f"{path}: runs[{index}].out {job.out} is inside runs[{outer}].out {jobs[outer].out}; "
-                            "expected run folders that do not hold one another")
+            raise UserError(f"{shown(path)}: runs[{index}].out {shown(job.out)} is inside runs[{outer}].out "
+                            f"{shown(jobs[outer].out)}; expected run folders that do not hold one another")
     # the job's journal beside the job file is the cell's own too: a marker written there replaced the journal
     # (and the next attempt refused it as no journal), a run folder there left the journal nowhere to go
     # (or a path inside it: the run wrote its folder, then the journal could not be written, exit 2)
@@ -178,8 +180,8 @@ def read_jobs(path: str | Path, calibrations: bool = False, data: dict | None = 
             resolved = Path(given).resolve() if given is not None else None
             if resolved is not None and journal.resolve() in (resolved, *resolved.parents):
                 where = "" if resolved == journal.resolve() else "inside "
-                raise UserError(f"{path}: runs[{index}].{key} {given} is {where}the job's journal {journal}; expected "
-                                "another path (agg-bench cell writes its journal there)")
+                raise UserError(f"{shown(path)}: runs[{index}].{key} {shown(str(given))} is {where}the job's journal "
+                                f"{shown(journal)}; expected another path (agg-bench cell writes its journal there)")
     # a marker is the cell's own file: one per run, never inside a run folder (a run's folder holds its files only)
     markers: dict[Path, int] = {}
     for index, job in enumerate(jobs):
@@ -188,11 +190,11 @@ def read_jobs(path: str | Path, calibrations: bool = False, data: dict | None = 
         marker = job.done.resolve()
         owner = next((seen[p] for p in (marker, *marker.parents) if p in seen), None)
         if owner is not None:
-            raise UserError(f"{path}: runs[{index}].done {job.done} is inside runs[{owner}].out {jobs[owner].out}; "
-                            "expected a marker outside every run folder")
+            raise UserError(f"{shown(path)}: runs[{index}].done {shown(job.done)} is inside runs[{owner}].out "
+                            f"{shown(jobs[owner].out)}; expected a marker outside every run folder")
         if marker in markers:
-            raise UserError(f"{path}: runs[{index}].done {job.done} is also runs[{markers[marker]}].done; "
-                            "expected a marker of its own for each run")
+            raise UserError(f"{shown(path)}: runs[{index}].done {shown(job.done)} is also "
+                            f"runs[{markers[marker]}].done; expected a marker of its own for each run")
         check_file(job.done, is_marker, "a run's marker", f"{path}: runs[{index}].done")
         markers[marker] = index
     # nor a marker a folder on another path of the job: a run folder or marker below it made a folder of it, and
@@ -202,8 +204,9 @@ def read_jobs(path: str | Path, calibrations: bool = False, data: dict | None = 
             holder = next((markers[p] for p in Path(given).resolve().parents if p in markers), None) \
                 if given is not None else None
             if holder is not None:
-                raise UserError(f"{path}: runs[{index}].{key} {given} is inside runs[{holder}].done "
-                                f"{jobs[holder].done}; expected a path outside every marker (a marker is a file)")
+                raise UserError(f"{shown(path)}: runs[{index}].{key} {shown(str(given))} is inside runs[{holder}].done "
+                                f"{shown(str(jobs[holder].done))}; expected a path outside every marker (a marker is "
+                                "a file)")
     return jobs
 
 
@@ -221,7 +224,7 @@ def load_jobs(path: str | Path, calibrations: bool = False,
         try:
             loaded.append((job, check_config(load_config(job.config, list(job.overrides)))))
         except UserError as err:
-            raise UserError(f"{path}: runs[{index}] (--out {job.out}): {err}") from None
+            raise UserError(f"{shown(path)}: runs[{index}] (--out {shown(job.out)}): {err}") from None
     return loaded
 
 
@@ -276,7 +279,7 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
         try:
             check_out_dir(job.out, cfg.to_dict(), resume and stopped_attempt(job.out, cfg.to_dict()), overwrite)
         except UserError as err:
-            raise UserError(f"{path}: runs[{index}] (--out {job.out}): {err}") from None
+            raise UserError(f"{shown(path)}: runs[{index}] (--out {shown(job.out)}): {err}") from None
 
     journal = Journal.resume(Path(path)) if resume else None
     with claimed_markers([(job.done, f"{path}: runs[{index}].done") for index, (job, _) in enumerate(jobs)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, UserError, clip, quote
+from ..errors import ConfigError, UserError, clip, quote, shown
 from ..io import atomic_file
 from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
 from ..outputs import CHECKPOINT_NAME, SHARDS_PREFIX
@@ -116,7 +116,7 @@ def check_same_run(saved: dict, cfg: dict, out_dir: Path, flag: str = "--resume"
     diff = first_difference(saved, cfg, RESUMABLE_CHANGES, DEFAULTS)
     if diff is not None:
         key, old, new = diff
-        raise ConfigError(key, new, f"{old!r} as in the checkpoint in {out_dir} (or run without {flag})")
+        raise ConfigError(key, new, f"{old!r} as in the checkpoint in {shown(out_dir)} (or run without {flag})")
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -364,11 +364,12 @@ def read_checkpoint(path: str | Path, prefix: str = "", advice: str = "") -> dic
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle / zip errors come in many types; all mean "not our checkpoint"
-        raise UserError(f"{prefix}{path} is not a readable agg-bench checkpoint ({type(err).__name__}){advice}") \
+        raise UserError(f"{prefix}{shown(path)} is not a readable agg-bench checkpoint "
+                        f"({type(err).__name__}){advice}") \
             from None
     problem = checkpoint_problem(state)
     if problem is not None:
-        raise UserError(f"{prefix}{path}: {problem}{advice}")
+        raise UserError(f"{prefix}{shown(path)}: {problem}{advice}")
     return state
 
 
@@ -394,7 +395,7 @@ def load_parameters(module_params: Mapping[str, torch.Tensor], saved: dict, path
     a UserError naming ``path`` unless they are exactly those parameters, each of its shape."""
     problem = parameters_problem(saved, module_params)
     if problem is not None:
-        raise UserError(f"{prefix}{path} does not match the model: it {problem}{advice}")
+        raise UserError(f"{prefix}{shown(path)} does not match the model: it {problem}{advice}")
     with torch.no_grad():
         for name, p in module_params.items():
             p.copy_(saved[name])
@@ -424,13 +425,14 @@ def load_checkpoint(out_dir: str | Path, session, config: dict, flag: str = "--r
         session.estimator.load_state_dict(state["method_state"], session.policy)
     if session.eval_ema is not None:  # the config matched the checkpoint's, whose run kept one
         if "eval_ema" not in state:
-            raise UserError(f"{flag}: {path} holds no evaluation average (train.eval_ema){advice}")
+            raise UserError(f"{flag}: {shown(path)} holds no evaluation average (train.eval_ema){advice}")
         session.eval_ema = type(session.eval_ema).from_state(session.policy, state["eval_ema"],
                                                              f"evaluation average (train.eval_ema) in {path}")
     try:
         _set_rng_state(state["rng"], session.device)
     except (TypeError, ValueError, RuntimeError) as err:
-        raise UserError(f"{flag}: {path}: rng: not random states this machine takes ({type(err).__name__}){advice}") \
+        raise UserError(f"{flag}: {shown(path)}: rng: not random states this machine takes "
+                        f"({type(err).__name__}){advice}") \
             from None
     return Checkpoint(iteration=state["iteration"], records=list(state["records"]),
                       evaluations=list(state.get("evaluations", [])))
@@ -596,19 +598,21 @@ def read_shard_metadata(path: str | Path, flag: str = "--resume") -> Any:
         metadata = ShardMetadataUnpickler(io.BytesIO(data), _metadata_globals()).load()
     except TooLarge as err:
         size = "" if err.size is None else f"{err.size:,} bytes, "
-        raise UserError(f"{flag}: {path} is {size}over the {MAX_SHARD_METADATA_BYTES // 2**20} MiB a sharded "
+        raise UserError(f"{flag}: {shown(path)} is {size}over the {MAX_SHARD_METADATA_BYTES // 2**20} MiB a sharded "
                         f"checkpoint's metadata may have; refused unread{advice}") from None
     except _Refused as err:
-        raise UserError(f"{flag}: {path} is not a sharded checkpoint's metadata: it {err}; refused unread{advice}") \
+        raise UserError(f"{flag}: {shown(path)} is not a sharded checkpoint's metadata: it {err}; refused "
+                        f"unread{advice}") \
             from None
     except OSError as err:
-        raise UserError(f"{flag}: {path} cannot be read ({err.strerror or type(err).__name__}){advice}") from None
+        raise UserError(f"{flag}: {shown(path)} cannot be read "
+                        f"({err.strerror or type(err).__name__}){advice}") from None
     except Exception as err:  # a cut or foreign file fails in many ways inside pickle
         reason = ": ".join([type(err).__name__, *[clip(line) for line in str(err).splitlines()[:1]]])
-        raise UserError(f"{flag}: {path} is not a sharded checkpoint's metadata ({reason}){advice}") from None
+        raise UserError(f"{flag}: {shown(path)} is not a sharded checkpoint's metadata ({reason}){advice}") from None
     if not (isinstance(metadata, Metadata) and isinstance(getattr(metadata, "state_dict_metadata", None), dict)
             and isinstance(getattr(metadata, "storage_data", None), dict)):
-        raise UserError(f"{flag}: {path} is not a sharded checkpoint's metadata (it holds "
+        raise UserError(f"{flag}: {shown(path)} is not a sharded checkpoint's metadata (it holds "
                         f"{type(metadata).__name__}){advice}")
     return metadata
 
@@ -637,7 +641,7 @@ def data_only_io(folder: Path, metadata: Any, flag: str = "--resume") -> tuple[A
             try:
                 data = torch.load(value, map_location="cpu", weights_only=True)
             except Exception as err:
-                raise UserError(f"{flag}: {folder}: entry {quote(read_item.dest_index.fqn)} is not plain data "
+                raise UserError(f"{flag}: {shown(folder)}: entry {quote(read_item.dest_index.fqn)} is not plain data "
                                 f"({type(err).__name__}); delete the checkpoint or run without {flag}") from None
             plain = io.BytesIO()  # the default planner unpickles what it is given: give it what was just checked
             torch.save(data, plain)
@@ -661,8 +665,8 @@ def _load_shards(out_dir: Path, session, name: str, path: Path, flag: str) -> No
     folder = out_dir / name
     with distributed.failures_shared():
         if not is_sharded(session.policy) or not (folder / ".metadata").is_file():
-            raise UserError(f"{flag}: {path} names the shard folder {folder}, which is missing or incomplete; "
-                            f"delete the checkpoint or run without {flag}")
+            raise UserError(f"{flag}: {shown(path)} names the shard folder {shown(folder)}, which is missing or "
+                            f"incomplete; delete the checkpoint or run without {flag}")
         metadata = read_shard_metadata(folder / ".metadata", flag)
     reader, planner = data_only_io(folder, metadata, flag)
     state = _sharded_state(session)
@@ -672,7 +676,7 @@ def _load_shards(out_dir: Path, session, name: str, path: Path, flag: str) -> No
         cause = first_failure(err)
         if isinstance(cause, UserError):
             raise cause from None
-        raise UserError(f"{flag}: {folder} is damaged or does not match the model's trainable parameters "
+        raise UserError(f"{flag}: {shown(folder)} is damaged or does not match the model's trainable parameters "
                         f"({': '.join([type(cause).__name__, *str(cause).splitlines()[:1]])}); delete "
                         f"the checkpoint or run without {flag}") from err
     set_state_dict(session.policy.transformer, session.optimizer, model_state_dict=state["model"],
@@ -687,12 +691,12 @@ def _load_parameters(session, state: dict, path: Path, advice: str, flag: str) -
     if problem is None:
         problem = _optimizer_problem(state["optimizer"], list(params.values()))
     if problem is not None:
-        raise UserError(f"{flag}: {path} does not match the model: it {problem}{advice}")
+        raise UserError(f"{flag}: {shown(path)} does not match the model: it {problem}{advice}")
     load_parameters(params, state["parameters"], path, f"{flag}: ", advice)
     try:
         session.optimizer.load_state_dict(state["optimizer"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
-        raise UserError(f"{flag}: {path}: optimizer: not this run's optimizer state ({type(err).__name__})"
+        raise UserError(f"{flag}: {shown(path)}: optimizer: not this run's optimizer state ({type(err).__name__})"
                         f"{advice}") from None
 
 

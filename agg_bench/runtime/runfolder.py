@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import DEFAULTS
-from ..errors import UserError, counted, quote
+from ..errors import UserError, counted, quote, shown
 from ..io import JsonlWriter, is_temp_name, write_json, write_lines
 from ..machine.devices import resolve_device
 from ..machine.envinfo import environment, measured_on
@@ -78,8 +78,8 @@ def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> Non
     if resume and checkpoint_path(out).is_file():
         change = machine_change(RunFolder(out).env(), resolve_device(config["device"]))
         if change is not None:
-            raise UserError(f"--resume: {out}: {change}: start it over with --overwrite in place of --resume, or "
-                            "give another folder")
+            raise UserError(f"--resume: {shown(out)}: {change}: start it over with --overwrite in place of --resume, "
+                            "or give another folder")
     if overwrite or not (out / "summary.json").is_file():
         return
     # a checkpoint is compared with the config where it is loaded; here the run the folder holds is, so that a
@@ -90,7 +90,7 @@ def check_out_dir(out: Path, config: dict, resume: bool, overwrite: bool) -> Non
         key, old, new = diff
         advice = ("--resume continues it with its own config (or pass --overwrite to replace it, or give another "
                   "folder)") if same_run is RESUMABLE_CHANGES else "pass --overwrite to replace it, or give another folder"
-        raise UserError(f"--out {out}: holds a finished run of another config ({key} = {old!r} there, {new!r} "
+        raise UserError(f"--out {shown(out)}: holds a finished run of another config ({key} = {old!r} there, {new!r} "
                         f"here); {advice}")
 
 
@@ -160,9 +160,9 @@ def check_resumed_records(out: Path, lines: list[str], identity: dict, flag: str
     before = {key: json.loads(lines[0]).get(key) for key in HARDWARE_KEYS}
     after = {key: identity[key] for key in HARDWARE_KEYS}
     if before != after:
-        raise UserError(f"{flag}: {checkpoint_path(out)}: its records were measured on {_hardware(before)}, this "
-                        f"run on {_hardware(after)}; a resumed run's records would come from two machines: start it "
-                        f"over with --overwrite in place of {flag}, or give another folder")
+        raise UserError(f"{flag}: {shown(checkpoint_path(out))}: its records were measured on {_hardware(before)}, "
+                        f"this run on {_hardware(after)}; a resumed run's records would come from two machines: start "
+                        f"it over with --overwrite in place of {flag}, or give another folder")
 
 
 def _hardware(fields: dict) -> str:

@@ -207,7 +207,7 @@ class Training:
         if self.restored is not None and cfg.train.iterations <= self.restored.iteration:
             raise ConfigError("train.iterations", cfg.train.iterations,
                               f"more than the checkpoint's last iteration {self.restored.iteration} (it holds "
-                              f"{counted(self.restored.iteration + 1, 'iteration')}) to resume the run in {out}")
+                              f"{counted(self.restored.iteration + 1, 'iteration')}) to resume the run in {shown(out)}")
         self.lines = list(self.restored.records) if self.restored is not None else []  # records written, as JSON lines
         self.start = self.restored.iteration + 1 if self.restored is not None else 0
         self.prices = cfg.train.pass_costs.to_dict()

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
-from ..errors import UserError, quote
+from ..errors import UserError, quote, shown
 from ..io import atomic_path, atomic_target, remove_stale_temps, write_json
 from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
 from ..outdir import Contents, claim_folder, claimed_folders, path_problem
@@ -158,7 +158,7 @@ def read_archive(path: Path) -> dict[str, bytes]:
     """{member path: bytes} of a campaign archive, every member checked before any is read: plain files of
     the layout, bounded sizes. The tar stream is inflated first, bounded (:func:`gunzip_bounded`), so what
     the tar reader holds in memory (a long name's header included) is bounded by it."""
-    where = f"archive {path}"
+    where = f"archive {shown(path)}"
     if not path.is_file() or path.is_symlink():
         raise UserError(f"{where}: not a file")
     try:
@@ -176,18 +176,18 @@ def read_archive(path: Path) -> dict[str, bytes]:
             for count, member in enumerate(tar, 1):
                 if count > MAX_MEMBERS:
                     raise UserError(f"{where}: more than {MAX_MEMBERS:,} members")
-                name, shown = member.name, quote(member.name)
+                name, named = member.name, quote(member.name)
                 if member.isdir():
                     _check_path(where, name, directory=True)
                     continue
                 if not member.isreg() or member.issparse():  # a sparse member's holes are no bytes of the archive
-                    raise UserError(f"{where}: {shown} is not a plain file (links, devices, sparse files and the "
+                    raise UserError(f"{where}: {named} is not a plain file (links, devices, sparse files and the "
                                     "like are refused)")
                 _check_path(where, name)
                 if name in files:
-                    raise UserError(f"{where}: {shown} is in the archive twice")
+                    raise UserError(f"{where}: {named} is in the archive twice")
                 if member.size > MAX_MEMBER_BYTES:
-                    raise UserError(f"{where}: {shown} holds {member.size:,} bytes; expected at most "
+                    raise UserError(f"{where}: {named} holds {member.size:,} bytes; expected at most "
                                     f"{MAX_MEMBER_BYTES:,}")
                 total += member.size
                 if total > MAX_TOTAL_BYTES:
@@ -195,11 +195,11 @@ def read_archive(path: Path) -> dict[str, bytes]:
                 handle = tar.extractfile(member)
                 data = handle.read(MAX_MEMBER_BYTES + 1) if handle is not None else b""
                 if len(data) != member.size:
-                    raise UserError(f"{where}: {shown} is truncated")
+                    raise UserError(f"{where}: {named} is truncated")
                 # a header whose size is smaller than the bytes that follow it leaves them in the padding
                 padding = raw[member.offset_data + member.size:member.offset_data - (-member.size // 512) * 512]
                 if padding.count(0) != len(padding):
-                    raise UserError(f"{where}: {shown} is followed by {len(padding) - padding.count(0):,} bytes "
+                    raise UserError(f"{where}: {named} is followed by {len(padding) - padding.count(0):,} bytes "
                                     "its header does not count (its size field is smaller than its data)")
                 files[name] = data
         except (tarfile.TarError, OSError, EOFError) as err:
@@ -748,15 +748,16 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
             folder = reference / group
             if folder.exists():
                 if _held(folder) != members:
-                    raise UserError(f"{where}: {group} is in the reference {reference} already, with other contents; "
-                                    "remove it there first to replace it")
+                    raise UserError(f"{where}: {group} is in the reference {shown(reference)} already, with other "
+                                    "contents; remove it there first to replace it")
                 continue
             new_groups[group] = members
         for name, data in others.items():
             path = reference / name
             if path.exists():
                 if path.read_bytes() != data:
-                    raise UserError(f"{where}: {name} is in the reference {reference} already, with other contents")
+                    raise UserError(f"{where}: {name} is in the reference {shown(reference)} already, with other "
+                                    "contents")
                 continue
             new_others[name] = data
         new_runs = {group.split("/")[1]: members for group, members in new_groups.items() if group.startswith("runs/")}

@@ -170,9 +170,9 @@ def read_calibrations(path: str | Path, run_folders: list[Path], markers: Sequen
     data = read_job_file(path) if data is None else data
     entries = data.get("calibrations", [])
     if not isinstance(entries, list):
-        raise UserError(f"{path}: calibrations is {json_type(entries)}; expected a list of calibrations")
+        raise UserError(f"{shown(path)}: calibrations is {json_type(entries)}; expected a list of calibrations")
     if len(entries) > MAX_CALIBRATIONS:
-        raise UserError(f"{path}: calibrations lists {len(entries):,}; expected at most {MAX_CALIBRATIONS}")
+        raise UserError(f"{shown(path)}: calibrations lists {len(entries):,}; expected at most {MAX_CALIBRATIONS}")
     out = [_entry(path, index, entry) for index, entry in enumerate(entries)]
     folders = {folder.resolve() for folder in run_folders}
     seen: dict[Path, str] = {Journal.path_of(path).resolve(): f"the job's journal {Journal.path_of(path)}"}

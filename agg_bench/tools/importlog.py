@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from ..errors import ConfigError, Progress, UserError, quote
+from ..errors import ConfigError, Progress, UserError, quote, shown
 from ..io import JsonlWriter, atomic_file, path_text, write_json
 from ..jsonfiles import JsonProblem, TooLarge, check_path, json_type, loads, read_bounded_lines
 from ..outdir import Claim, check_folder, replaced_folders
@@ -259,13 +259,14 @@ def read_log(log: Path, notes: list[str],
                 chunk = []
     except TooLarge as err:
         size_words = "more bytes" if err.size is None else f"{err.size:,} bytes"
-        raise UserError(f"log {log}: {size_words}, over the {MAX_LOG_BYTES // 2**20} MiB an import reads") from None
+        raise UserError(f"log {shown(log)}: {size_words}, over the {MAX_LOG_BYTES // 2**20} MiB an import "
+                        "reads") from None
     except OSError as err:
-        raise UserError(f"log {log}: cannot be read ({err.strerror or err})") from None
+        raise UserError(f"log {shown(log)}: cannot be read ({err.strerror or err})") from None
     if not_text is not None or not_json is not None:
         raise UserError(not_text or not_json)
     if not given:
-        raise UserError(f"log {log}: no records")
+        raise UserError(f"log {shown(log)}: no records")
     if chunk:
         yield chunk
 
@@ -281,7 +282,7 @@ def check_import_folder(out: Path) -> None:
         except (OSError, ValueError, AttributeError):
             source = None
         if source != SOURCE:
-            raise UserError(f"--out {out}: holds a summary.json that is not an imported log's; give a new or "
+            raise UserError(f"--out {shown(out)}: holds a summary.json that is not an imported log's; give a new or "
                             "empty folder")
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..config import dotted_value
-from ..errors import ConfigError, UserError, counted, quote
+from ..errors import ConfigError, UserError, counted, quote, shown
 from ..io import write_text
 from ..outdir import claimed_folders, replaced_folders
 from ..outputs import LEARNING_CONTENTS
@@ -64,11 +64,11 @@ class CheckpointEvaluation:
         try:  # a config read from a run folder was never checked: a quoted ~, a closed folder, as a run refuses
             check_paths(config)
         except ConfigError as err:
-            raise UserError(f"{runs[0].dir / 'config.json'}: {err}") from None
+            raise UserError(f"{shown(runs[0].dir / 'config.json')}: {err}") from None
         model = config.model
         prompts = prompt_set(config.prompts.file)
         self.keep = min(len(prompts.prompts), GRID_CAPTIONS)  # what the sample grid shows of each state
-        where = f"{runs[0].dir / 'config.json'}: prompts.file"
+        where = f"{shown(runs[0].dir / 'config.json')}: prompts.file"
         if config.reward.name == "scene" and (problem := caption_problem(prompts.prompts)):
             raise UserError(f"{where}: {problem}; the run's reward 'scene' scores scene captions only")
         if grid and (problem := caption_problem(prompts.prompts[:self.keep])):
@@ -108,11 +108,11 @@ class CheckpointEvaluation:
                 state = read_checkpoint(path)
             last = int(run.records["iteration"].iloc[-1]) if len(run.records) else None
             if state["iteration"] != last:  # e.g. the checkpoint a resumed attempt that kept none started from
-                raise UserError(f"{path}: holds iteration {state['iteration']}, not the run's last good iteration "
-                                f"{last}; expected the run's final state (train.checkpoint_every > 0 writes it at "
-                                "the end of a run)")
+                raise UserError(f"{shown(path)}: holds iteration {state['iteration']}, not the run's last good "
+                                f"iteration {last}; expected the run's final state (train.checkpoint_every > 0 writes "
+                                "it at the end of a run)")
             if "shards" in state:  # a sharded run's checkpoint names its shard folder instead
-                raise UserError(f"{path}: holds no whole parameters (a sharded run's checkpoint); the "
+                raise UserError(f"{shown(path)}: holds no whole parameters (a sharded run's checkpoint); the "
                                 "evaluation reads unsharded runs")
             params = {name: p for name, p in transformer.named_parameters() if p.requires_grad}
             load_parameters(params, evaluated_parameters(state), path)
@@ -132,14 +132,14 @@ def evaluate(runs: list[Run], evaluation: CheckpointEvaluation) -> tuple[pd.Data
         except UserError as err:
             if run is None:
                 raise
-            raise UserError(f"run {run.method}/{run.seed} ({run.dir}): {err}") from None
+            raise UserError(f"run {run.method}/{run.seed} ({shown(run.dir)}): {err}") from None
         if evaluated is None:
             continue
         label = "pre-trained" if run is None else f"{run.method}/{run.seed}"
         means, images[label] = evaluated
         # a NaN or infinite mean (the weights blew up under this sampler) would stand in the tables as a gain
         if (key := non_finite_key(means)) is not None:
-            where = "the pre-trained weights" if run is None else f"run {label} ({run.dir})"
+            where = "the pre-trained weights" if run is None else f"run {label} ({shown(run.dir)})"
             raise UserError(f"{where}: non-finite {key} in the checkpoint evaluation; expected finite scores "
                             "(the evaluated weights blew up)")
         rows.append({"state": label, "method": None if run is None else run.method,
@@ -159,10 +159,10 @@ def one_model(runs: list[Run]):
         other = config.model.to_dict()
         key = next((k for k in first if first[k] != other.get(k)), None)
         if key is not None:
-            raise UserError(f"run {run.method}/{run.seed} ({run.dir}) trains model.{key} = {quote(other.get(key))}, "
-                            f"run {runs[0].method}/{runs[0].seed} model.{key} = {quote(first[key])}; expected "
-                            "one model per manifest (the evaluation loads every checkpoint into the first run's "
-                            "model)")
+            raise UserError(f"run {run.method}/{run.seed} ({shown(run.dir)}) trains model.{key} = "
+                            f"{quote(other.get(key))}, run {runs[0].method}/{runs[0].seed} model.{key} = "
+                            f"{quote(first[key])}; expected one model per manifest (the evaluation loads every "
+                            "checkpoint into the first run's model)")
     return configs[0]
 
 
@@ -181,7 +181,7 @@ def one_measure(runs: list[Run]) -> None:
         found = measured.add(run, config, run.evaluations is not None)
         if found is not None:
             key, first, first_config = found
-            raise UserError(f"run {run.method}/{run.seed} ({run.dir}) has {key} = "
+            raise UserError(f"run {run.method}/{run.seed} ({shown(run.dir)}) has {key} = "
                             f"{quote(dotted_value(config, key))}, run {first.method}/{first.seed} {key} = "
                             f"{quote(dotted_value(first_config, key))}; expected the runs of one manifest "
                             "measured alike (the table compares their gains against one target)")
@@ -281,8 +281,9 @@ def check_lengths(runs: list[Run], average: int) -> None:
     UserError naming the first run (method, seed and folder) that has fewer."""
     for run in runs:
         if len(run.records) < 2 * average:
-            raise UserError(f"run {run.method}/{run.seed} ({run.dir}): {counted(len(run.records), 'iteration')} with status ok; "
-                            f"the learning table needs at least {2 * average} (--average {average} at each end)")
+            raise UserError(f"run {run.method}/{run.seed} ({shown(run.dir)}): "
+                            f"{counted(len(run.records), 'iteration')} with status ok; the learning table needs at "
+                            f"least {2 * average} (--average {average} at each end)")
 
 
 def check_checkpoints(runs: list[Run], eval_source: str) -> None:
@@ -300,7 +301,7 @@ def check_checkpoints(runs: list[Run], eval_source: str) -> None:
         missing = [run for run in mine if not (run.dir / "checkpoint.pt").is_file()]
         if missing and (eval_source == "checkpoint" or len(missing) < len(mine)):
             run = missing[0]
-            raise UserError(f"run {run.method}/{run.seed} ({run.dir}): no checkpoint.pt, whose evaluation gives "
+            raise UserError(f"run {run.method}/{run.seed} ({shown(run.dir)}): no checkpoint.pt, whose evaluation gives "
                             f"the held-out columns of method {quote(method)} (--eval-source {eval_source}); expected every run "
                             "of the method with its final checkpoint (train.checkpoint_every)")
 

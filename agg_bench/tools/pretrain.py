@@ -36,7 +36,7 @@ from ..engine.pixel_decoder import PixelDecoder
 from ..engine.prompts import TOKEN_HASH_FILE, hash_embed
 from ..engine.scenes import all_scenes, draw_batch, sample_scenes
 from ..engine.sampler import check_sigmas, flow_sigmas, ode_step
-from ..errors import ConfigError, UserError, counted, quote
+from ..errors import ConfigError, UserError, counted, quote, shown
 from ..io import atomic_target, remove_stale_temps, save_figure, write_json, write_text
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Claim, check_folder, is_harness_name
@@ -233,7 +233,7 @@ def check_out_dir(out: Path) -> None:
         if written == FORMAT:
             return
         found = f"format {quote(written)}"
-    raise UserError(f"--out {out}: a non-empty folder that is not an agg-bench pretrain output ({MARKER}: "
+    raise UserError(f"--out {shown(out)}: a non-empty folder that is not an agg-bench pretrain output ({MARKER}: "
                     f"{found}, expected format {FORMAT}); give a new or empty folder")
 
 

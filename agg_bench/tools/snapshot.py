@@ -49,7 +49,7 @@ from ..engine.sampler import sampler_dtype
 from ..engine.text import file_sha256
 from ..engine.trained_steps import NO_STEP
 from .. import stopping
-from ..errors import ConfigError, UserError, quote
+from ..errors import ConfigError, UserError, quote, shown
 from ..io import atomic_path, atomic_target, follow_umask, remove_stale_temps, write_json
 from ..jsonfiles import NotRegularFile, open_regular, read_json_object
 from ..config.sections import METHOD_MODULES, is_method_path
@@ -244,7 +244,7 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
     meta = read_json_object(path, "the rollout settings of an agg-bench snapshot (a JSON object)")
     for key in REQUIRED_SETTINGS:
         if meta.get(key) is None:
-            raise UserError(f"{path}: {key} = None: expected the {SETTINGS[key]} of the snapshot's run "
+            raise UserError(f"{shown(path)}: {key} = None: expected the {SETTINGS[key]} of the snapshot's run "
                             "(agg-bench snapshot writes it)")
     names = {dotted: key for key, dotted in SETTINGS.items()}
     overlay = run.to_dict() if run is not None else copy.deepcopy(DEFAULTS)
@@ -252,7 +252,7 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
     lora = meta.get("lora")
     if lora is not None:
         if not isinstance(lora, dict) or set(lora) != set(LORA_SETTINGS):
-            raise UserError(f"{path}: lora = {quote(lora)}: expected null or the LoRA adapter's settings "
+            raise UserError(f"{shown(path)}: lora = {quote(lora)}: expected null or the LoRA adapter's settings "
                             f"({', '.join(LORA_SETTINGS)})")
         names.update({dotted: f"lora.{key}" for key, dotted in LORA_SETTINGS.items()})
         given.update({dotted: lora[key] for key, dotted in LORA_SETTINGS.items()})
@@ -263,8 +263,8 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
         cfg = validate(upgrade_written(overlay))
     except ConfigError as err:
         if err.key in names:
-            raise UserError(f"{path}: {names[err.key]} = {quote(err.value)}: expected {err.expected}") from None
-        raise UserError(f"{path}: {err}") from None
+            raise UserError(f"{shown(path)}: {names[err.key]} = {quote(err.value)}: expected {err.expected}") from None
+        raise UserError(f"{shown(path)}: {err}") from None
     settled = run if run is not None else cfg
     made = rollout_settings(settled)
     for key, expected in made.items():
@@ -276,27 +276,28 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
             if key in SETTINGS and (differs := _older_value_differs(settled, SETTINGS[key], value)) is not None:
                 # an older value stands for several of today's keys: the line names the one that differs
                 dotted, said, wanted = differs
-                raise UserError(f"{path}: {key} = {quote(value)} stands for {dotted} = {quote(said)}: expected "
+                raise UserError(f"{shown(path)}: {key} = {quote(value)} stands for {dotted} = {quote(said)}: expected "
                                 f"{dotted} = {quote(wanted)}, as {source}")
             if run is not None:
                 source += f" {SETTINGS.get(key, 'train.lora_*')}"
-            raise UserError(f"{path}: {key} = {quote(value)}: expected {quote(expected)}, as {source}")
+            raise UserError(f"{shown(path)}: {key} = {quote(value)}: expected {quote(expected)}, as {source}")
     factor = meta.get("vae_scale_factor")
     if factor is not None and not (type(factor) is int and 1 <= factor <= MAX_MODEL_SIZE):
-        raise UserError(f"{path}: vae_scale_factor = {quote(factor)}: expected an integer from 1 to {MAX_MODEL_SIZE}")
+        raise UserError(f"{shown(path)}: vae_scale_factor = {quote(factor)}: expected an integer from 1 to "
+                        f"{MAX_MODEL_SIZE}")
     digests = {DIGEST_KEY: "rollout.safetensors", TRANSFORMER_CONFIG_KEY: TRANSFORMER_CONFIG}
     for key, name in digests.items():
         if meta.get(key) is not None and not _is_sha256(meta[key]):
-            raise UserError(f"{path}: {key} = {quote(meta[key])}: expected the SHA-256 of {name} (64 lowercase hex "
-                            "digits), as agg-bench snapshot writes it")
+            raise UserError(f"{shown(path)}: {key} = {quote(meta[key])}: expected the SHA-256 of {name} (64 lowercase "
+                            "hex digits), as agg-bench snapshot writes it")
     weights = meta.get(WEIGHTS_KEY)
     if weights is not None and not isinstance(weights, dict):
-        raise UserError(f"{path}: {WEIGHTS_KEY} = {quote(weights)}: expected an object of the snapshot's weight "
+        raise UserError(f"{shown(path)}: {WEIGHTS_KEY} = {quote(weights)}: expected an object of the snapshot's weight "
                         "files and their SHA-256, as agg-bench snapshot writes it")
     for rel, value in (weights or {}).items():  # a name outside the snapshot's weight files is no file it wrote
         if not is_weight_file(rel) or not _is_sha256(value):
-            raise UserError(f"{path}: {WEIGHTS_KEY} {quote(rel)} = {quote(value)}: expected a weight file of the "
-                            "snapshot (transformer/diffusion_pytorch_model*.safetensors[.index.json], "
+            raise UserError(f"{shown(path)}: {WEIGHTS_KEY} {quote(rel)} = {quote(value)}: expected a weight file of "
+                            "the snapshot (transformer/diffusion_pytorch_model*.safetensors[.index.json], "
                             f"lora/{ADAPTER_FILE}) and its SHA-256 (64 lowercase hex digits), as agg-bench snapshot "
                             "writes them")
     return {**made, "vae_scale_factor": factor, **{key: meta.get(key) for key in digests}, WEIGHTS_KEY: weights}
@@ -364,20 +365,21 @@ def _load_transformer(root: Path, meta: dict, device: str | torch.device) -> tor
                                       use_safetensors=True)  # as snapshot writes them: never a pickle
     except ConfigError as err:
         if err.key == "model.family":
-            raise UserError(f"{root / 'rollout.json'}: family = {quote(family)}: expected {err.expected}") from None
-        raise UserError(f"snapshot {root}: expected {err.expected}") from None
+            raise UserError(f"{shown(root / 'rollout.json')}: family = {quote(family)}: expected "
+                            f"{err.expected}") from None
+        raise UserError(f"snapshot {shown(root)}: expected {err.expected}") from None
     transformer.to(device)
     if meta["lora"]:
         try:
             load_adapter(transformer, family, meta["lora"], root / "lora")
         except (SafetensorError, OSError, RuntimeError, ValueError) as err:  # a torn file, weights of other shapes
-            raise UserError(f"{root / 'lora' / ADAPTER_FILE}: expected the LoRA adapter agg-bench snapshot wrote for "
-                            f"{quote(meta['lora'])} ({_first_line(err)})") from None
+            raise UserError(f"{shown(root / 'lora' / ADAPTER_FILE)}: expected the LoRA adapter agg-bench snapshot "
+                            f"wrote for {quote(meta['lora'])} ({_first_line(err)})") from None
     bad = _nonfinite(transformer.state_dict())
     if bad is not None:
         name, value = bad
         folder = root / ("lora" if ".lora_" in name else "transformer")
-        raise UserError(f"{folder}: weight {name} holds {quote(value)}: expected finite weights")
+        raise UserError(f"{shown(folder)}: weight {name} holds {quote(value)}: expected finite weights")
     return transformer
 
 
@@ -393,10 +395,10 @@ def _check_weight_files(root: Path, folder: Path, buffers: int) -> None:
             with safe_open(str(path), "pt") as handle:
                 held += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
         except (SafetensorError, OSError, ValueError) as err:
-            raise UserError(f"snapshot {root}: expected loadable transformer weights in {folder} "
+            raise UserError(f"snapshot {shown(root)}: expected loadable transformer weights in {shown(folder)} "
                             f"({path.name}: {_first_line(err)})") from None
     if held and buffers > held:  # no file at all: the loader names it
-        raise UserError(f"{folder / 'config.json'}: describes a transformer whose buffers hold {buffers:,} "
+        raise UserError(f"{shown(folder / 'config.json')}: describes a transformer whose buffers hold {buffers:,} "
                         f"numbers: expected at most the {held:,} its weight files hold")
 
 
@@ -410,7 +412,8 @@ def _latent_shape(root: Path, policy: Policy, meta: dict) -> tuple[int, int, int
     try:
         size = geometry.latent_size(meta["resolution"])
     except ConfigError as err:
-        raise UserError(f"{root / 'rollout.json'}: resolution = {quote(err.value)}: expected {err.expected}") from None
+        raise UserError(f"{shown(root / 'rollout.json')}: resolution = {quote(err.value)}: expected "
+                        f"{err.expected}") from None
     return policy.latent_channels, size, size
 
 
@@ -435,7 +438,7 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimato
         with safe_open(str(path), "pt") as handle:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     except (SafetensorError, OSError, ValueError) as err:
-        raise UserError(f"{path}: not a readable safetensors file ({_first_line(err)}); expected the rollout "
+        raise UserError(f"{shown(path)}: not a readable safetensors file ({_first_line(err)}); expected the rollout "
                         "agg-bench snapshot wrote") from None
     _check_digest(root, path, meta[DIGEST_KEY], DIGEST_KEY, "rollout")
     text_dim, pooled_dim = text_dims(policy.transformer)
@@ -452,65 +455,67 @@ def _rollout_tensors(root: Path, policy: Policy, meta: dict, estimator: Estimato
         required.append("pooled_projections")
     for name in required:
         if name not in tensors:
-            raise UserError(f"{path}: no tensor {quote(name)}: expected the rollout agg-bench snapshot wrote "
+            raise UserError(f"{shown(path)}: no tensor {quote(name)}: expected the rollout agg-bench snapshot wrote "
                             f"({', '.join(required)})")
     allowed = [name for name in ROLLOUT_SHAPES if name in required or name in OPTIONAL_TENSORS]
     unknown = next((name for name in tensors if name not in allowed), None)
     if unknown is not None:
-        raise UserError(f"{path}: holds a tensor {quote(unknown)}: expected only {', '.join(allowed)}")
+        raise UserError(f"{shown(path)}: holds a tensor {quote(unknown)}: expected only {', '.join(allowed)}")
     for name in (name for name in ROLLOUT_SHAPES if name in tensors):  # latents first: B, T (and H, W) from them
         problem = _tensor_problem(name, tensors[name], dims)
         if problem is not None:
-            raise UserError(f"{path}: {name} {problem}")
+            raise UserError(f"{shown(path)}: {name} {problem}")
     for name, tensor in tensors.items():  # one tensor in another precision replays a gradient no run computes
         expected_dtype = written_dtype(name, meta["dtype"])
         if expected_dtype is not None and tensor.dtype != expected_dtype:
-            raise UserError(f"{path}: {name} holds {_dtype_name(tensor.dtype)}: expected {_dtype_name(expected_dtype)}, "
-                            f"as agg-bench snapshot writes it for model.dtype {meta['dtype']}")
+            raise UserError(f"{shown(path)}: {name} holds {_dtype_name(tensor.dtype)}: expected "
+                            f"{_dtype_name(expected_dtype)}, as agg-bench snapshot writes it for model.dtype "
+                            f"{meta['dtype']}")
     if shape is None:  # an older snapshot: its latents' side, within what the transformer takes
         geometry = ImageGeometry(policy.family, 1, policy.latent_multiple, policy.max_latent_size())
         try:
             geometry.latent_size(dims["H"])
         except ConfigError as err:
-            raise UserError(f"{path}: latents have {dims['H']} a side: expected {err.expected}") from None
+            raise UserError(f"{shown(path)}: latents have {dims['H']} a side: expected {err.expected}") from None
     steps = tensors["train_steps"]
     if steps.dtype != torch.int64:  # a narrower integer indexes as something else (uint8: a mask)
-        raise UserError(f"{path}: train_steps holds {_dtype_name(steps.dtype)}: expected int64 step "
+        raise UserError(f"{shown(path)}: train_steps holds {_dtype_name(steps.dtype)}: expected int64 step "
                         "indices")
     if steps.numel() and not (0 <= int(steps.min()) and int(steps.max()) < dims["T"]):
         value = int(steps.min()) if int(steps.min()) < 0 else int(steps.max())
-        raise UserError(f"{path}: train_steps holds {quote(value)}: expected step indices from 0 to {dims['T'] - 1}")
+        raise UserError(f"{shown(path)}: train_steps holds {quote(value)}: expected step indices from 0 to "
+                        f"{dims['T'] - 1}")
     ordered = steps.sort(dim=1).values
     repeated = (ordered[:, 1:] == ordered[:, :-1]).nonzero()
     if len(repeated):  # a step twice would be trained twice, which no method does
         row, col = (int(i) for i in repeated[0])
-        raise UserError(f"{path}: train_steps row {row} holds step {int(ordered[row, col])} twice: expected each "
-                        "row's steps once")
+        raise UserError(f"{shown(path)}: train_steps row {row} holds step {int(ordered[row, col])} twice: expected "
+                        "each row's steps once")
     unordered = (steps[:, 1:] < steps[:, :-1]).nonzero()
     if len(unordered) and not estimator.draws_step_order:  # the order the snapshot's method writes them in
         row, col = (int(i) for i in unordered[0])
-        raise UserError(f"{path}: train_steps row {row} holds {quote(steps[row, col:col + 2].tolist())}: expected "
-                        f"each row's steps in denoising order (increasing), as method '{estimator.name}' trains "
-                        "them")
+        raise UserError(f"{shown(path)}: train_steps row {row} holds {quote(steps[row, col:col + 2].tolist())}: "
+                        f"expected each row's steps in denoising order (increasing), as method '{estimator.name}' "
+                        "trains them")
     mask = tensors.get("encoder_attention_mask")
     if mask is not None and not ((mask == 0) | (mask == 1)).all():
-        raise UserError(f"{path}: encoder_attention_mask holds {quote(int(mask[(mask != 0) & (mask != 1)][0]))}: "
-                        "expected 0 or 1")
+        raise UserError(f"{shown(path)}: encoder_attention_mask holds "
+                        f"{quote(int(mask[(mask != 0) & (mask != 1)][0]))}: expected 0 or 1")
     bad = _nonfinite(tensors)
     if bad is not None:
-        raise UserError(f"{path}: {bad[0]} holds {quote(bad[1])}: expected finite numbers")
+        raise UserError(f"{shown(path)}: {bad[0]} holds {quote(bad[1])}: expected finite numbers")
     sigmas = tensors["sigmas"]
     outside = ((sigmas < 0) | (sigmas > 1)).nonzero()
     if len(outside) or not bool((sigmas[1:] < sigmas[:-1]).all()):  # the SDE steps divide by s and by s_j - s_j+1
         held = float(sigmas[int(outside[0])]) if len(outside) else sigmas.tolist()
-        raise UserError(f"{path}: sigmas holds {quote(held)}: expected a noise schedule, decreasing from at most 1 "
-                        "to at least 0")
+        raise UserError(f"{shown(path)}: sigmas holds {quote(held)}: expected a noise schedule, decreasing from at "
+                        "most 1 to at least 0")
     timesteps = tensors["timesteps"]
     expected = estimator.rollout_timesteps(policy, sigmas).to(timesteps.dtype)
     differ = (timesteps != expected).nonzero()
     if len(differ):  # the model would be told one noise level while the SDE steps at another
         j = int(differ[0])
-        raise UserError(f"{path}: timesteps holds {quote(float(timesteps[j]))} at step {j}: expected "
+        raise UserError(f"{shown(path)}: timesteps holds {quote(float(timesteps[j]))} at step {j}: expected "
                         f"{quote(float(expected[j]))}, the value the rollout gives the model at its sigma "
                         f"{quote(float(sigmas[j]))}")
     return tensors
@@ -528,10 +533,10 @@ def _check_digest(root: Path, path: Path, recorded: str | None, key: str, what: 
         found = file_sha256(path)
     except OSError as err:  # a pipe in the file's place too: refused, never read forever
         why = "not a regular file" if isinstance(err, NotRegularFile) else _first_line(err)
-        raise UserError(f"{path}: {why}; expected the {what} agg-bench snapshot wrote") from None
+        raise UserError(f"{shown(path)}: {why}; expected the {what} agg-bench snapshot wrote") from None
     if found != recorded:
-        raise UserError(f"{path}: not the {what} this snapshot recorded: its SHA-256 is {found[:16]}..., "
-                        f"{root / 'rollout.json'} records {key} {recorded[:16]}... (a {what} of another "
+        raise UserError(f"{shown(path)}: not the {what} this snapshot recorded: its SHA-256 is {found[:16]}..., "
+                        f"{shown(root / 'rollout.json')} records {key} {recorded[:16]}... (a {what} of another "
                         f"snapshot?); expected the {path.name} agg-bench snapshot wrote with it")
 
 
@@ -547,12 +552,13 @@ def _check_weight_digests(root: Path, recorded: dict[str, str] | None) -> None:
     present = weight_files(root)
     missing = next((rel for rel in recorded if rel not in present), None)
     if missing is not None:
-        raise UserError(f"{root / missing}: missing: {root / 'rollout.json'} records {WEIGHTS_KEY} of it; expected "
-                        "the weight files agg-bench snapshot wrote")
+        raise UserError(f"{shown(root / missing)}: missing: {shown(root / 'rollout.json')} records {WEIGHTS_KEY} of "
+                        "it; expected the weight files agg-bench snapshot wrote")
     extra = next((rel for rel in present if rel not in recorded), None)
     if extra is not None:
-        raise UserError(f"{root / extra}: a weight file {root / 'rollout.json'} does not record in {WEIGHTS_KEY}: "
-                        f"expected only the weight files agg-bench snapshot wrote ({', '.join(sorted(recorded))})")
+        raise UserError(f"{shown(root / extra)}: a weight file {shown(root / 'rollout.json')} does not record in "
+                        f"{WEIGHTS_KEY}: expected only the weight files agg-bench snapshot wrote "
+                        f"({', '.join(sorted(recorded))})")
     for rel, digest in recorded.items():
         _check_digest(root, root / rel, digest, f"{WEIGHTS_KEY} {quote(rel)}", "weight file")
 
@@ -594,11 +600,11 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
     # a snapshot being written replaces its files one by one: meanwhile they are part of two snapshots
     check_not_written(root, "snapshot")
     if not root.is_dir():  # a mistyped path, or a file of the snapshot given for its folder
-        raise UserError(f"snapshot {root}: {'no such folder' if not root.exists() else 'not a folder'}; expected "
-                        "the folder `agg-bench snapshot --out` wrote")
+        raise UserError(f"snapshot {shown(root)}: {'no such folder' if not root.exists() else 'not a folder'}; "
+                        "expected the folder `agg-bench snapshot --out` wrote")
     for name in ("transformer", "rollout.safetensors", "rollout.json"):
         if not (root / name).exists():
-            raise UserError(f"snapshot {root}: missing {name} (make one with `agg-bench snapshot`)")
+            raise UserError(f"snapshot {shown(root)}: missing {name} (make one with `agg-bench snapshot`)")
     config_path = root / "config.json"
     run = run_config(read_json_object(config_path, "the run config of an agg-bench snapshot (a JSON object)"),
                      config_path) if config_path.exists() else None
@@ -633,11 +639,12 @@ def _check_rollout_size(config_path: Path, run: RunConfig, method: Estimator, te
     rollout = f"{config_path.parent / 'rollout.safetensors'}"
     grpo = run.grpo
     if grpo.prompts_per_iteration * grpo.group_size != samples:
-        raise UserError(f"{config_path}: grpo.prompts_per_iteration x grpo.group_size = {grpo.prompts_per_iteration} x "
-                        f"{grpo.group_size}: expected {samples} samples in all, as {rollout} holds")
+        raise UserError(f"{shown(config_path)}: grpo.prompts_per_iteration x grpo.group_size = "
+                        f"{grpo.prompts_per_iteration} x {grpo.group_size}: expected {samples} samples in all, as "
+                        f"{rollout} holds")
     run_grid = type(method).rollout is Estimator.rollout  # awm, dgpo, mixgrpo_flash sample on grids of their own
     if run_grid and run.sampling.steps != steps:
-        raise UserError(f"{config_path}: sampling.steps = {run.sampling.steps}: expected {steps}, the steps of "
+        raise UserError(f"{shown(config_path)}: sampling.steps = {run.sampling.steps}: expected {steps}, the steps of "
                         f"the rollout {rollout} holds")
 
 
@@ -645,14 +652,14 @@ def _snapshot_method(config_path: Path, run: RunConfig | None) -> Estimator:
     """The estimator of the run the snapshot was made by, set up as that run set it up (``check_run``): the
     default method for a snapshot without a run config."""
     if run is not None and is_method_path(run.method.name):  # imported, its module would run
-        raise UserError(f"{config_path}: method.name = {quote(run.method.name)}: expected a registered method "
+        raise UserError(f"{shown(config_path)}: method.name = {quote(run.method.name)}: expected a registered method "
                         f"({', '.join(sorted(METHOD_MODULES))}): {NAMES_NO_CODE}")
     cfg = run if run is not None else validate(copy.deepcopy(DEFAULTS))
     estimator = build_estimator(cfg)
     try:
         estimator.check_run(cfg)
     except ConfigError as err:
-        raise UserError(f"{config_path}: {err}") from None
+        raise UserError(f"{shown(config_path)}: {err}") from None
     return estimator
 
 
@@ -680,8 +687,8 @@ def check_trainable(snapshot: Snapshot, estimator: Estimator, train_steps: torch
     (:meth:`~agg_bench.methods.base.Estimator.check_train_steps`: AGG's groups on another method's steps)."""
     problem = estimator.check_train_steps(train_steps)
     if problem is not None:
-        raise UserError(f"snapshot {snapshot.root}: method '{estimator.name}' cannot replay the steps of its "
-                        f"train_steps: {problem}")
+        raise UserError(f"snapshot {shown(str(snapshot.root))}: method '{estimator.name}' cannot replay the steps of "
+                        f"its train_steps: {problem}")
 
 
 def replay_gradient(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | None = None,
@@ -710,9 +717,9 @@ def replay_gradient(snapshot: Snapshot, estimator: Estimator, cfg: RunConfig | N
              for n, p in policy.named_parameters()}
     bad = _nonfinite(grads)
     if bad is not None:  # finite rollout numbers far outside any rollout's (advantages of 1e38, say)
-        raise UserError(f"snapshot {snapshot.root}: method '{estimator.name}': gradient {bad[0]} holds {quote(bad[1])}: expected "
-                        "a finite gradient (the snapshot's latents, log_probs or advantages are far outside what a "
-                        "rollout gives)")
+        raise UserError(f"snapshot {shown(str(snapshot.root))}: method '{estimator.name}': gradient {bad[0]} holds "
+                        f"{quote(bad[1])}: expected a finite gradient (the snapshot's latents, log_probs or "
+                        "advantages are far outside what a rollout gives)")
     for p in policy.parameters():
         p.grad = None
     return grads, counts, {**stats.as_dict(), **estimator.iteration_metrics(), "replay": case.scope,
@@ -755,8 +762,8 @@ def check_outside_snapshot(out: Path, snapshot_dir: str | Path, named: str) -> N
     the folder, and the snapshot's own files share its names (``rollout.json`` beside ``rollout.safetensors``)."""
     folder = Path(snapshot_dir).resolve()
     if folder == out.resolve() or folder in out.resolve().parents:
-        raise UserError(f"--out {out}: inside {named} {snapshot_dir}; expected a file outside the snapshot's folder, "
-                        "which holds the snapshot's files only")
+        raise UserError(f"--out {shown(out)}: inside {named} {shown(snapshot_dir)}; expected a file outside the "
+                        "snapshot's folder, which holds the snapshot's files only")
 
 
 def _is_replay_gradient(path: Path, counts_file: Path) -> bool:

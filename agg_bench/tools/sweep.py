@@ -46,7 +46,7 @@ from ..config import (YamlRefused, check_data_parallel, check_expanded_size, che
                       check_prompts_path, check_schema, dotted_value, load_config, read_yaml_mapping, run_schema,
                       yaml_load)
 from ..engine.families import architecture, check_own_schedule, check_resolution
-from ..errors import ConfigError, UserError, clip, quote
+from ..errors import ConfigError, UserError, clip, quote, shown
 from ..io import write_text
 from ..jsonfiles import JsonFileError, read_json_object
 from ..outdir import Contents, check_folder, named_path_problem
@@ -506,8 +506,8 @@ def check_output_folders(paths) -> None:
                 continue
             seen.add(folder)
             if os.path.lexists(folder) and not os.path.isdir(folder):
-                raise UserError(f"{folder} is not a folder, and the workflow keeps its files in a folder of that "
-                                "name; move it away")
+                raise UserError(f"{shown(folder)} is not a folder, and the workflow keeps its files in a folder of "
+                                "that name; move it away")
 
 
 # ends the refusal of a folder the workflow writes into that holds someone's files
@@ -1206,7 +1206,7 @@ def reference_manifest(folder: str, key: str = "report.compare_with") -> dict[st
     for section in ("runs", "calibration"):
         entries = data.get(section, [])
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-            raise SweepError(f"{key}: {path}: {section} is not a list of objects")
+            raise SweepError(f"{key}: {shown(path)}: {section} is not a list of objects")
         out[section] = [{**entry, "source": "reference"} for entry in entries]
     return out
 

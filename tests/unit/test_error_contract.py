@@ -441,3 +441,45 @@ def test_the_run_config_is_refused_alike_before_any_check_of_the_process(tmp_pat
     assert cli.main(["run", "--set", "train.iterations=1", "--out", out]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("agg-bench run: rank 7: environment variable RANK='7'"), lines
+
+
+def _sweep_config(path):
+    path.write_text("base: run.yaml\nmethods: {}\n")
+    from agg_bench.config import load_config
+    load_config(path)
+
+
+def _manifest(path):
+    path.write_text(json.dumps({"runs": [], "extra": 1}))
+    from agg_bench.results.loading import load_manifest
+    load_manifest(path)
+
+
+def _tables_in(path):
+    path.mkdir()
+    from agg_bench.results.loading import load_tables_and_digest
+    load_tables_and_digest(path)
+
+
+def _records_folder(path):
+    path.mkdir()
+    from agg_bench.io import read_jsonl
+    list(read_jsonl(path))
+
+
+@pytest.mark.parametrize("name", ["a\nb", "c\rd", "e\x1b[2Jf"])
+@pytest.mark.parametrize("refused, words", [
+    (_sweep_config, ": a sweep config"),  # agg-bench run --config
+    (_manifest, ": unknown key 'extra'"),  # agg-bench report --manifest
+    (_tables_in, ": no "),  # agg-bench report --tables-in
+    (_records_folder, ": is a folder; expected a JSONL file"),  # a run's metrics.jsonl, read by report
+])
+def test_a_path_with_a_control_character_is_quoted_in_its_refusal(tmp_path, refused, words, name):
+    """A refusal that named a path as it is split its line at a newline or carriage return (the one line printed
+    joined the parts: a path that is not there) or sent an escape sequence to the terminal; the path is quoted
+    (errors.shown), as outdir's and campaign's refusals quote theirs."""
+    path = tmp_path / name
+    with pytest.raises(UserError) as refused_error:
+        refused(path)
+    message = str(refused_error.value)
+    assert message.isprintable() and repr(str(path)) in message and words in message, message
