@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import socket
@@ -37,8 +38,7 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def _git(*args: str) -> str | None:
-    repo_dir = Path(__file__).resolve().parent
+def _git(repo_dir: Path, *args: str) -> str | None:
     try:
         result = subprocess.run(
             ["git", "--no-optional-locks", "-C", str(repo_dir), *args],
@@ -47,6 +47,17 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return result.stdout.strip()
+
+
+@functools.cache
+def _git_state(repo_dir: Path) -> tuple[str | None, str | None]:
+    """The commit of the repository holding ``repo_dir`` (None outside git) and ``git status --porcelain`` of its
+    tracked files (None without a commit): read once per process and folder, as :func:`source_digest` is (a cell
+    or campaign window runs many runs in one process, each writing its env.json). Like the digest, it describes
+    the code the process loaded, whatever the repository holds later."""
+    commit = _git(repo_dir, "rev-parse", "HEAD")
+    status = _git(repo_dir, "status", "--porcelain", "--untracked-files=no") if commit else None
+    return commit, status
 
 
 def _driver_version() -> str | None:
@@ -96,8 +107,7 @@ def environment(device: torch.device | None = None) -> dict[str, Any]:
     else:
         index = cuda_index(device) if device is not None else torch.cuda.current_device()
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    commit, status = _git_state(Path(__file__).resolve().parent)
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import re
+import subprocess
 import sys
 import time
 import types
@@ -725,12 +726,41 @@ def test_a_cpu_run_on_a_machine_with_gpus_names_no_gpu_and_plans_for_the_host(mo
     assert plan["device"] == "cpu" and plan["gpu_memory_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def test_environment_without_nvml_or_git(monkeypatch):
+@pytest.fixture
+def fresh_git_state():
+    """envinfo's git state read anew in the test (it is read once per process) and again after it."""
+    envinfo._git_state.cache_clear()
+    yield
+    envinfo._git_state.cache_clear()
+
+
+def test_environment_without_nvml_or_git(monkeypatch, fresh_git_state):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     monkeypatch.setattr(envinfo, "_git", lambda *args: None)
     env = environment()
     assert env["driver_version"] is None
     assert env["git_commit"] is None and env["git_dirty"] is None
+
+
+def test_git_runs_once_per_process_for_many_runs(monkeypatch, fresh_git_state):
+    """Each run's env.json ran git twice (the commit, then the status): a cell or campaign window that runs many
+    runs in one process ran it for each. It runs once per process for the repository's folder; every run's
+    environment says the same commit and state."""
+    calls = []
+
+    def fake_run(argv, **kwargs):
+        if argv[0] != "git":
+            return real_run(argv, **kwargs)
+        calls.append(argv[4])
+        return subprocess.CompletedProcess(argv, 0, stdout="0" * 40 if "rev-parse" in argv else " M x.py", stderr="")
+
+    real_run = subprocess.run
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr(envinfo.subprocess, "run", fake_run)
+    envs = [environment(torch.device("cpu")) for _ in range(3)]
+    assert calls == ["rev-parse", "status"], calls
+    assert {(env["git_commit"], env["git_dirty"]) for env in envs} == {("0" * 40, True)}
 
 
 class FakeAllocator:
