@@ -18,6 +18,7 @@ inside ``transformer/`` refuses it).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import sys
@@ -69,37 +70,46 @@ def check_pretrain_config(cfg: PretrainConfig) -> PretrainConfig:
     return cfg
 
 
-# the counts on fake tensors this process made already, by the sizes they depend on: a campaign or a sweep reads
-# its pretrain entries at each start, and a count takes about a CPU-second
-_COUNTED: dict[str, dict[str, int]] = {}
-_COUNTED_KEPT = 16
+# the keys a model's sizes depend on: the parameters (through transformer_config) and a training step's bytes
+SIZE_KEYS = ("family", "pixel_factor", "resolution", "num_layers", "num_attention_heads", "attention_head_dim",
+             "text_dim", "batch_size", "max_tokens")
+
+
+# the last counts on fake tensors this process made, by the keys they depend on: a campaign or a sweep reads its
+# pretrain entries at each start, and a count takes about a CPU-second
+@functools.lru_cache(maxsize=16)
+def _counts(sizes: tuple) -> tuple[int, dict[str, int] | None]:
+    """The parameters of the model of the :data:`SIZE_KEYS` values ``sizes`` (built on the meta device) and the
+    memory planner's count of its training step, None where the parameters are over :data:`MAX_PARAMETERS`."""
+    from ..runtime.memplan import training_bytes
+
+    cfg = PretrainConfig(**dict(zip(SIZE_KEYS, sizes)))
+    with torch.device("meta"):
+        transformer = FAMILY_SPECS[cfg.family].transformer_cls()(**transformer_config(cfg))
+    parameters = sum(p.numel() for p in transformer.parameters())
+    if parameters > MAX_PARAMETERS:
+        return parameters, None
+    return parameters, training_bytes(transformer, cfg.family, PixelDecoder(cfg.pixel_factor), cfg.resolution,
+                                      cfg.batch_size, cfg.max_tokens, STATE_COPIES)
 
 
 def check_size(cfg: PretrainConfig, memory: int | None = None) -> dict[str, int]:
     """The model's sizes together, counted before anything is allocated (a shape-only model on the meta
     device and the memory planner's count of a training step on fake tensors,
-    :func:`agg_bench.runtime.memplan.training_bytes`): at most :data:`MAX_PARAMETERS` parameters, and the
-    weights, gradients, AdamW's moments, the average and one batch's saved activations within ``memory``
-    (default: this machine's, :func:`agg_bench.runtime.memplan.gpu_memory_bytes` less the planner's
-    reserve). A ConfigError names the sizes otherwise; the plan's numbers when they fit."""
-    from ..runtime.memplan import RESERVE_FRACTION, bytes_text, gpu_memory_bytes, training_bytes
+    :func:`agg_bench.runtime.memplan.training_bytes`, made once per process for the same sizes): at most
+    :data:`MAX_PARAMETERS` parameters, and the weights, gradients, AdamW's moments, the average and one batch's
+    saved activations within ``memory`` (default: this machine's, :func:`agg_bench.runtime.memplan.gpu_memory_bytes`
+    less the planner's reserve, compared at each call). A ConfigError names the sizes otherwise; the plan's
+    numbers when they fit."""
+    from ..runtime.memplan import RESERVE_FRACTION, bytes_text, gpu_memory_bytes
 
     sizes = (f"num_layers={cfg.num_layers}, num_attention_heads={cfg.num_attention_heads}, "
              f"attention_head_dim={cfg.attention_head_dim}, text_dim={cfg.text_dim}")
-    with torch.device("meta"):
-        transformer = FAMILY_SPECS[cfg.family].transformer_cls()(**transformer_config(cfg))
-    parameters = sum(p.numel() for p in transformer.parameters())
-    if parameters > MAX_PARAMETERS:
+    parameters, counted_plan = _counts(tuple(getattr(cfg, key) for key in SIZE_KEYS))
+    if counted_plan is None:
         raise ConfigError("num_layers", cfg.num_layers, f"sizes of at most {MAX_PARAMETERS:,} parameters together "
                           f"({sizes}: {parameters:,} parameters)")
-    key = json.dumps([cfg.family, transformer_config(cfg), cfg.pixel_factor, cfg.resolution, cfg.batch_size,
-                      cfg.max_tokens], sort_keys=True)
-    if key not in _COUNTED:
-        if len(_COUNTED) >= _COUNTED_KEPT:
-            _COUNTED.pop(next(iter(_COUNTED)))
-        _COUNTED[key] = training_bytes(transformer, cfg.family, PixelDecoder(cfg.pixel_factor), cfg.resolution,
-                                       cfg.batch_size, cfg.max_tokens, STATE_COPIES)
-    plan = dict(_COUNTED[key])
+    plan = dict(counted_plan)
     budget = memory if memory is not None else int((1 - RESERVE_FRACTION) * gpu_memory_bytes("cpu"))
     if plan["total"] > budget:
         raise ConfigError("batch_size", cfg.batch_size,

@@ -488,6 +488,28 @@ def test_pretrain_memory_is_planned_before_anything_is_allocated():
     assert check_size(PretrainConfig(num_layers=1, batch_size=8))["activations"] > plan["activations"]
 
 
+def test_pretrain_memory_is_counted_once_per_sizes_and_compared_with_each_budget(monkeypatch):
+    """A campaign or sweep reads its pretrain entries at each start: the count on fake tensors (about a
+    CPU-second) is made once per process for the same sizes, in a bounded cache (functools.lru_cache), while
+    each check compares it with the memory it is given."""
+    from agg_bench.runtime import memplan
+    from agg_bench.tools import pretrain
+
+    counts = []
+    real = memplan.training_bytes
+    monkeypatch.setattr(memplan, "training_bytes", lambda *args: counts.append(args[3:6]) or real(*args))
+    pretrain._counts.cache_clear()
+    cfg = pretrain.PretrainConfig(num_layers=1, batch_size=4)
+    plan = pretrain.check_size(cfg)
+    assert pretrain.check_size(pretrain.PretrainConfig(num_layers=1, batch_size=4, seed=7)) == plan  # seed: no size
+    with pytest.raises(ConfigError, match="does not fit"):
+        pretrain.check_size(cfg, memory=plan["total"] - 1)
+    pretrain.check_size(pretrain.PretrainConfig(num_layers=1, batch_size=8))
+    assert counts == [(32, 4, 6), (32, 8, 6)], counts
+    assert pretrain._counts.cache_info().maxsize == 16
+    pretrain._counts.cache_clear()
+
+
 # ----- agg-bench learning: the run folders it reads --------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(model, tmp_path_factory) -> tuple[Path, Path]:
