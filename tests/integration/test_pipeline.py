@@ -94,6 +94,24 @@ def snakemake_here(work: Path, *args: str, timeout: float = 900) -> subprocess.C
     return subprocess.CompletedProcess(["snakemake", *args], code, out.getvalue(), err.getvalue())
 
 
+def check_methods_here(work: Path, configfile: str) -> None:
+    """The sweep's methods check of ``snakemake --configfile CONFIGFILE`` in ``work`` made in this process (where
+    torch and the model code are imported already) and kept in ``work``'s cache of them (:func:`workdir`'s
+    ``shared_checks``): the same request, so a Snakemake process started next finds the answer kept instead of
+    paying for a child process's imports (:func:`helpers.sweep_checks_here`). What that process checks and runs is
+    unchanged: the answer is the one its child would give, kept under the same key."""
+    from helpers import sweep_checks_here
+
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        with sweep_checks_here():
+            Sweep(yaml.safe_load(Path(configfile).read_text()), Path("workflow") / "schemas" / "config.schema.yaml",
+                  files=[configfile])
+    finally:
+        os.chdir(cwd)
+
+
 def refusal(proc: subprocess.CompletedProcess) -> str:
     """The one line a sweep refused while the workflow is parsed ends Snakemake's output with (exit code 2, as
     an agg-bench verb's refusal; no traceback, not Snakemake's WorkflowError with the Snakefile's place)."""
@@ -452,6 +470,7 @@ def test_a_failed_run_in_a_cell_keeps_the_cell_s_finished_runs(tmp_path):
     del sweep["gradcheck"]
     sweep["calibrate"] = {"enabled": False}
     (work / "fail.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    check_methods_here(work, "fail.yaml")  # the Snakemake process below finds the answer kept
     proc = snakemake(work, "--cores", "2", "--configfile", "fail.yaml", "--keep-going")
     assert proc.returncode != 0
     broken, full = work / "results/runs/broken_sd3_32px_s0_cpu", work / "results/runs/full_sd3_32px_s0_cpu"
@@ -542,6 +561,7 @@ def test_a_cell_job_stopped_by_a_signal_keeps_its_finished_runs(tmp_path):
     del sweep["gradcheck"]
     sweep["calibrate"] = {"enabled": False}
     (work / "stop.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    check_methods_here(work, "stop.yaml")  # the Snakemake process below finds the answer kept
     first, long = work / "results/runs/first_sd3_32px_s0_cpu", work / "results/runs/long_sd3_32px_s0_cpu"
     proc = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "stop.yaml"],
                             cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
