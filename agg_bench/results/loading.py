@@ -13,6 +13,7 @@ import io
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterable, Mapping, TypeGuard
@@ -684,17 +685,38 @@ def parse_table(source: str | Path | IO[str] | IO[bytes], where: str | Path, col
     formula (:func:`~agg_bench.results.formatting.csv_cell`), is dropped. A file that is not such a CSV,
     lacks one of ``columns``, or holds in a column of ``cells`` a cell that is not what its :class:`Cell`
     allows (text in a number column, NaN or an infinity, a value out of bounds), is a UserError naming
-    ``where``, the row, the column and the value (``expected``: what the file should be)."""
+    ``where``, the row, the column and the value (``expected``: what the file should be); so is a file whose
+    last line has no newline (cut), a header naming a column twice, or a row of more cells than the header."""
     cells = cells or {}
+    try:
+        data = Path(source).read_bytes() if isinstance(source, (str, Path)) else source.read()
+    except OSError as err:  # a folder, say
+        raise UserError(f"{where}: not a table CSV ({err.strerror or type(err).__name__})") from err
     try:  # the columns of ``cells`` as text, each cell checked and converted here
-        table = pd.read_csv(source, keep_default_na=False, na_values=[""], low_memory=False,
-                            dtype={**dict.fromkeys(TEXT_COLUMNS, str), **dict.fromkeys(cells, str)})
+        with warnings.catch_warnings():
+            # index_col=False: a row of more cells than the header is refused, where pandas would read every row
+            # of one more as an index column and each cell under the column to its left; it warns of that
+            warnings.simplefilter("error", pd.errors.ParserWarning)
+            table = pd.read_csv(_stream(data), keep_default_na=False, na_values=[""], low_memory=False,
+                                index_col=False,
+                                dtype={**dict.fromkeys(TEXT_COLUMNS, str), **dict.fromkeys(cells, str)})
+            header = pd.read_csv(_stream(data), header=None, nrows=1, dtype=str, keep_default_na=False)
     except UnicodeDecodeError as err:  # said as every other reader of agg-bench says it
         raise UserError(f"{where}: not a table CSV: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except (ValueError, OSError) as err:
-        # pandas' parser and empty-data errors are ValueErrors; a folder, an OSError
+    except pd.errors.ParserWarning:
+        raise UserError(f"{where}: its rows hold more cells than the header names columns; expected "
+                        f"{expected}") from None
+    except ValueError as err:  # pandas' parser and empty-data errors
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"{where}: not a table CSV ({text})") from err
+    if data and data[-1:] not in (b"\n", "\n"):
+        # the writer ends every line: a last line without its end is one cut short (a copy or a write stopped),
+        # whose last cell would be read as a shorter number
+        raise UserError(f"{where}: the last line ends without a newline (the file is cut); expected {expected}")
+    names = [str(name) for name in header.iloc[0]] if len(header) else []
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:  # pandas would read the second as "NAME.1", a column no reader looks at
+        raise UserError(f"{where}: the header names column {twice!r} twice; expected {expected}, each column once")
     missing = [column for column in columns if column not in table.columns]
     if missing:
         raise UserError(f"{where}: no column {missing[0]!r} (expected {expected})")
@@ -707,6 +729,11 @@ def parse_table(source: str | Path | IO[str] | IO[bytes], where: str | Path, col
         if column in table.columns:
             table[column] = _checked_column(table[column], cell, where, column)
     return table
+
+
+def _stream(data: bytes | str) -> IO[bytes] | IO[str]:
+    """A file object reading ``data`` from its start."""
+    return io.BytesIO(data) if isinstance(data, bytes) else io.StringIO(data)
 
 
 def _checked_column(texts: pd.Series, cell: Cell, where: str | Path, column: str) -> pd.Series:

@@ -840,6 +840,14 @@ def test_tables_in_takes_only_plots(sweep, tmp_path, capsys, args, expected):
     ("efficiency.csv", lambda text: text.replace("t_iter_p25_s", "t_iter_q1_s"), "no column 't_iter_p25_s'"),
     ("records.csv", lambda text: "", "records.csv: not a table CSV"),
     ("ablation.csv", lambda text: '"unclosed\n' + text, "ablation.csv: not a table CSV"),
+    # cut mid-line (a copy stopped): its last cell would read as a shorter number
+    ("records.csv", lambda text: text[:-3], "records.csv: the last line ends without a newline (the file is cut)"),
+    # a cell more in every row: pandas read the first as an index and each cell under the column to its left
+    ("efficiency.csv", lambda text: text.replace("\n", ",x\n").replace(",x\n", "\n", 1),
+     "efficiency.csv: its rows hold more cells than the header names columns"),
+    # pandas read the second as "window.1", a column no reader looks at
+    ("ablation.csv", lambda text: text.replace(",alpha,", ",window,", 1),
+     "ablation.csv: the header names column 'window' twice"),
 ])
 def test_tables_in_names_a_table_that_is_not_what_the_report_wrote(sweep, tmp_path, capsys, name, edit, expected):
     tables = tmp_path / "tables"
@@ -850,6 +858,19 @@ def test_tables_in_names_a_table_that_is_not_what_the_report_wrote(sweep, tmp_pa
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and str(tables / name) in lines[0] and expected in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gradcheck_csv_of_shifted_or_twice_named_columns_is_refused(tmp_path):
+    """A row of one cell more than the header made pandas read its first cell as an index and the others one
+    column to the left (here the model under ``method``); a header naming a column twice kept the first alone."""
+    for text, expected in [
+        ("method,cosine_to_full,model,resolution\nx,agg,0.5,sd3-tiny,64\n", "its rows hold more cells than"),
+        ("method,cosine_to_full,cosine_to_full\nagg,0.5,-1\n", "the header names column 'cosine_to_full' twice"),
+        ("method,cosine_to_full\nagg,0.5", "the last line ends without a newline (the file is cut)"),
+    ]:
+        (tmp_path / "g.csv").write_text(text)
+        with pytest.raises(UserError, match=re.escape(expected)):
+            load_gradcheck([GradcheckEntry(tmp_path / "g.csv")])
 
 
 def test_labels_that_look_like_numbers_or_missing_values_stay_labels(tmp_path):
