@@ -444,12 +444,19 @@ class RewardConfig(Section):
         "In a YAML file quote the key, `\"on\": x0` (YAML reads a bare `on` as true)")
 
 
+MAX_NVML_INTERVAL_S = 3600  # seconds
+
+
 @dataclass
 class TelemetryConfig(Section):
     """``telemetry``: what a run measures besides wall-clock time."""
 
     enabled: bool = option(True, "off: wall-clock timings only")
-    nvml_interval_s: float = option(0.05, "NVML sampling period in seconds", exclusive_minimum=0)
+    # at most an hour: the sampler's thread waits this long between samples, and a wait past the platform's time_t
+    # (about 9.2e9 s) ended that thread in an OverflowError mid-run, leaving the start and stop samples alone
+    nvml_interval_s: float = option(0.05, "NVML sampling period in seconds (the start and stop of each measured "
+                                          "block are sampled whatever the period)",
+                                    exclusive_minimum=0, maximum=MAX_NVML_INTERVAL_S)
     saved_activations: Literal["every", "first", "never"] = option(
         "first", "iterations whose saved-activation peak is counted: `every`, `first` (the run's first "
         "iteration; a resumed run records what an uninterrupted one does), `never`; the others record null")

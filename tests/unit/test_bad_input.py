@@ -167,6 +167,16 @@ def test_a_number_past_any_use_is_refused_before_it_overflows(tmp_path, capsys, 
     assert key in line and "<= 1e30" in line, line
 
 
+@pytest.mark.parametrize("value", ["3600.5", "1e10", "1e30"])
+def test_the_nvml_period_is_at_most_an_hour(tmp_path, capsys, value):
+    """telemetry.nvml_interval_s took any number up to 1e30: the NVML sampler's thread waits that long between
+    samples, and a wait past the platform's time_t (about 9.2e9 s) ended that thread in an OverflowError
+    traceback on the first measured block of a GPU run, which went on without its samples."""
+    line = run_fails(tmp_path / "out", capsys, "--set", f"telemetry.nvml_interval_s={value}")
+    assert line == (f"agg-bench run: config error: telemetry.nvml_interval_s = {float(value)!r}: expected a number > 0 "
+                    "and <= 3600"), line
+
+
 @pytest.mark.parametrize("value, expected", [
     ("100001", "100001: expected an integer from 0 to 100,000"),
     (str(10**30), f"{10**30}: expected an integer from 0 to 100,000"),
