@@ -251,7 +251,7 @@ class Campaign:
     def __init__(self, config: str | Path, cpu: bool = False, cache_dir: Path | None = None):
         self.config_path = Path(config)
         self.cpu = cpu
-        data = read_yaml_mapping(self.config_path, "sweep sections", "--config")
+        data = written = read_yaml_mapping(self.config_path, "sweep sections", "--config")
         if not SCHEMA.is_file():
             raise UserError(f"agg-bench campaign: the sweep schema {SCHEMA} is missing; run it from the repository")
         kwargs = {} if cache_dir is None else {"cache_dir": cache_dir}
@@ -284,6 +284,12 @@ class Campaign:
                     raise SweepError(f"campaign.priority[{i}].methods: {quote(label)} is not a label under methods")
             if "model" in selector and selector["model"] not in self.sweep.sweep["models"]:
                 raise SweepError(f"campaign.priority[{i}].model: {quote(selector['model'])} is not a label under models")
+        # the resolutions as written (the --cpu form maps them, and two of them may map to one): a selector of a
+        # resolution the sweep does not run matched no run, and the runs it put first went in sweep order
+        for i, selector in enumerate((written.get("campaign") or {}).get("priority", [])):
+            if "resolution" in selector and selector["resolution"] not in written["resolutions"]:
+                raise SweepError(f"campaign.priority[{i}].resolution: {selector['resolution']} is not one of resolutions "
+                                 f"({', '.join(map(str, written['resolutions']))})")
         self._configs: dict[str, dict] = {}
 
     def config_of(self, run_id: str) -> dict:

@@ -35,7 +35,7 @@ from agg_bench.tools import cell_calibration
 from agg_bench.tools import archive as archive_module
 from agg_bench.tools.archive import tiny_counterpart
 from agg_bench.tools.campaign import Campaign, cpu_resolution
-from agg_bench.tools.sweep import CACHE_DIR
+from agg_bench.tools.sweep import CACHE_DIR, SweepError
 from helpers import ENDED_PID, Holder, bash_script, exit_code, not_hung, running_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1886,6 +1886,19 @@ def test_a_bad_calibrate_methods_is_one_line(tmp_path, capsys, value, words):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and words in err[0], err
     assert not work.exists()
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_a_priority_resolution_the_sweep_does_not_run_is_refused(tmp_path, cpu):
+    """A selector's model and methods were checked against the sweep's labels, its resolution not: 1000 for 1024
+    matched no run, and the runs it was to put first went in sweep order. The resolution is checked as written,
+    before the --cpu form maps the sizes (1000 and 1024 may map to one)."""
+    sweep = yaml.safe_load(CONFIG.read_text())
+    sweep["campaign"]["priority"] = [{"model": "sd35m", "methods": ["full"]}, {"model": "sd35m", "resolution": 1000}]
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    with pytest.raises(SweepError, match=r"^sweep config: campaign.priority\[1\].resolution: 1000 is not one of "
+                                         r"resolutions \(512, 720, 1024\)$"):
+        Campaign(tmp_path / "sweep.yaml", cpu=cpu)
 
 
 @pytest.mark.parametrize("value", [" ", " H200", "H200 ", "H200\n"])
