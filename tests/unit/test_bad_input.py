@@ -18,6 +18,7 @@ import torch
 from agg_bench.cli import main
 from agg_bench.errors import ConfigError, UserError
 from agg_bench.machine import distributed
+from helpers import exit_code
 
 SMALL = ["--set", "model.resolution=32", "--set", "sampling.steps=4", "--set", "train.iterations=1",
          "--set", "progress=false"]
@@ -345,10 +346,9 @@ def test_an_empty_path_option_is_refused(tmp_path, capsys, monkeypatch, verb):
     """`--out $DIR` with DIR unset was the current folder: the run trained into it when it was empty."""
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exit_:
-        main([a.replace("{root}", str(root)) for a in verb])
+    code = exit_code([a.replace("{root}", str(root)) for a in verb])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and len(lines) == 1 and "an empty path" in lines[0], lines
+    assert code == 2 and len(lines) == 1 and "an empty path" in lines[0], lines
     assert list(tmp_path.iterdir()) == []
 
 
