@@ -87,8 +87,21 @@ def apply_overrides(config: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(".".join(parts[: i + 1]), child, f"a section to hold '{key}'")
             node = child
-        node[parts[-1]] = value
+        node[parts[-1]] = _section_over(node.get(parts[-1]), value, key)
     return config
+
+
+def _section_over(current: Any, value: Any, key: str) -> Any:
+    """What ``--set key=value`` leaves at ``key``: a mapping given for a section merges into the section there
+    is, as the config file's sections merge into the defaults (:func:`deep_merge`), so that ``--set
+    'train={lr: 1e-3}'`` keeps the file's other train keys; an ``options`` mapping, and a ``method`` mapping
+    that names its method, replace the one there is whole, as in a file (options of another method never leak
+    in). Any other value replaces what is there."""
+    if not (isinstance(value, dict) and isinstance(current, dict)) or key.rsplit(".", 1)[-1] == "options":
+        return value
+    if key == "method" and "name" in value:
+        return value
+    return deep_merge(current, value)
 
 
 MAX_RUN_ID = 200  # characters of run_id, as of import-log's labels

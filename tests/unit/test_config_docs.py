@@ -9,6 +9,7 @@ from typing import Literal
 import pytest
 
 from agg_bench.config import DEFAULTS, RunConfig, load_config, run_schema
+from agg_bench.errors import ConfigError
 from agg_bench.config import docs as config_docs
 from agg_bench.config.sections import Section
 from agg_bench.runtime.config_check import check_config
@@ -182,6 +183,24 @@ def test_sections_are_typed():
     assert isinstance(cfg.train, Section) and cfg.train.lr == 1e-4 and cfg.model.family == "sd3"
     assert cfg.method.name == "agg" and cfg.method.options.window == 2 and cfg.method.options.route_frac == 1.0
     assert load_config(None).method.options is None
+
+
+def test_a_section_given_by_set_merges_as_a_file_s_section_does(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train: {iterations: 6, lr: 0.5}\nmethod: {name: agg, window: 3}\n"
+                    "reward: {name: scene, options: {weights: {color: 1}}}\n")
+    cfg = load_config(path, ["train.max_grad_norm=2.0", "train={lr: 1.0e-3}", "method={route_frac: 0.5}",
+                             "reward={options: {weights: {shape: 1}}}"])
+    # the file's and the earlier --set's train keys stay; only lr changes
+    assert (cfg.train.iterations, cfg.train.lr, cfg.train.max_grad_norm) == (6, 1e-3, 2.0)
+    # a method mapping without a name adds to the method there is; one with a name replaces it whole
+    assert cfg.method.name == "agg" and cfg.method.given == {"window": 3, "route_frac": 0.5}
+    replaced = load_config(path, ['method={"name": "guess"}']).method
+    assert replaced.name == "guess" and replaced.given == {}
+    # options replace the options there are whole, as a file's do
+    assert cfg.reward.name == "scene" and cfg.reward.options == {"weights": {"shape": 1}}
+    with pytest.raises(ConfigError, match="train = 3: expected a mapping"):
+        load_config(path, ["train=3"])
 
 
 def test_the_method_is_checked_and_typed_once(monkeypatch):
