@@ -5,9 +5,9 @@ so every check below happens before any job starts, and a bad sweep fails with o
 job and the key. Parsing stays fast because this module imports nothing heavy (no torch, diffusers or
 peft). The checks come in two stages:
 
-1. In this process, from configs alone: the sweep's files read again with agg-bench's YAML loader
-   (Snakemake's takes repeated keys, last wins, and aliases that nest without a bound) and the parsed
-   sweep's size with its aliases written out (:func:`agg_bench.config.check_expanded_size`), both before
+1. In this process, from configs alone: the sweep as its files read with agg-bench's YAML loader
+   (:func:`read_sweep_config`: Snakemake's parse is YAML 1.1, where ``017`` is 15 and ``1e-5`` text, and takes
+   repeated keys, last wins, and aliases that nest without a bound) and the parsed sweep's size with its aliases written out (:func:`agg_bench.config.check_expanded_size`), both before
    anything walks the whole sweep; the sweep against ``workflow/schemas/config.schema.yaml`` and
    its cross-references; each composed run config against the run schema; each run's resolution against
    its model family's latent multiple and maximum (:mod:`agg_bench.engine.families`); an ``exclude`` pattern
@@ -229,15 +229,35 @@ def _all_text(value: Any) -> bool:
     return True
 
 
-def _merge_config(config: dict, update: dict) -> None:
-    """``update`` merged into ``config`` as Snakemake merges config (``snakemake.utils.update_config``), but a
-    method section (``method``, ``options``) replaced whole, as in a sweep file: a method given on the command
-    line does not keep the options of the one it replaces."""
+def _merge_config(config: dict, update: dict, whole: Sequence[str] = WHOLE_SECTIONS) -> None:
+    """``update`` merged into ``config`` as Snakemake merges config (``snakemake.utils.update_config``: mappings key
+    by key, copied, anything else replaced), but a section named in ``whole`` (by default a method section,
+    ``method`` or ``options``) replaced whole, as in a sweep file: a method given on the command line does not
+    keep the options of the one it replaces. ``whole=()``: as Snakemake merges."""
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict) and key not in WHOLE_SECTIONS:
-            _merge_config(config[key], value)
+        if isinstance(value, dict):
+            if key in whole or not isinstance(config.get(key), dict):
+                config[key] = {}
+            _merge_config(config[key], value, whole)
         else:
             config[key] = value
+
+
+def read_sweep_config(paths, config_args: Any = (), parsed: Any = None) -> dict:
+    """The sweep config the workflow runs: what Snakemake composes from its config files (``paths``:
+    ``workflow.configfiles``, merged in order) and its ``--config`` (``parsed``: what Snakemake made of it,
+    ``workflow.config_settings.config``; ``config_args``: its words, read again by :func:`type_config_args`),
+    but each file as agg-bench's YAML loader reads it (:func:`check_sweep_files`), as ``agg-bench campaign
+    --config`` reads it. Snakemake's own parse is YAML 1.1 and reads some values otherwise (``017`` as 15,
+    ``0x10`` as 16, ``1:30`` as 90, ``1e-5`` as text), where the same file would give other runs, or none, to a
+    campaign."""
+    config: dict = {}
+    for data in check_sweep_files(paths):
+        _merge_config(config, data, whole=())
+    if isinstance(parsed, Mapping):
+        _merge_config(config, dict(parsed), whole=())
+    type_config_args(config, config_args, parsed)
+    return config
 
 
 def check_sweep(sweep: dict, schema: dict, files: Sequence[dict] = ()) -> None:

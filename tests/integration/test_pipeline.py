@@ -332,6 +332,10 @@ def test_config_overrides_read_as_in_a_sweep_file(tmp_path):
     proc = snakemake_here(work, "-n", "--cores", "1", "--configfile", "config/test.yaml", "--config", "set={1: 3}")
     line = refusal(proc)
     assert "--config = 'set={1: 3}'" in line and "quote it" in line, proc.stderr
+    # the sweep file reads as agg-bench's loader (and a campaign) reads it: Snakemake's YAML 1.1 ran seed 15
+    (work / "octal.yaml").write_text((work / "config" / "test.yaml").read_text().replace("seeds: [0]", "seeds: [017]"))
+    proc = snakemake_here(work, "-n", "--cores", "1", "--configfile", "octal.yaml")
+    assert "seeds[0] = '017': expected an integer" in refusal(proc), proc.stderr
     assert not (work / "results").exists()
 
 

@@ -561,6 +561,59 @@ def test_the_learning_sweeps_seed_excludes_stand_when_the_seeds_are_narrowed(in_
     assert len(sweep.runs) == len(config["methods"])
 
 
+@pytest.mark.parametrize("text, yaml11, words", [
+    ("seeds: [017]", {"seeds": [15]}, "seeds[0] = '017': expected an integer"),
+    ("resolutions: [0x20]", {"resolutions": [32]}, "resolutions[0] = '0x20': expected an integer"),
+    ("seeds: [1:30]", {"seeds": [90]}, "seeds[0] = '1:30': expected an integer"),
+    ("set: {train.iterations: 0b11}", {"set": {"train.iterations": 3}}, "train.iterations = '0b11': expected an integer"),
+    ("gradcheck: {resolutions: [32], route_fracs: [5e-1]}", {"gradcheck": {"resolutions": [32], "route_fracs": ["5e-1"]}},
+     None),
+])
+def test_the_workflow_reads_the_sweep_files_as_a_campaign_does(parse_only, tmp_path, text, yaml11, words):
+    """Snakemake's parse of a sweep file is YAML 1.1: `seeds: [017]` ran seed 15, `0x20` 32 px and `1:30` seed 90,
+    where `agg-bench campaign --config` (agg-bench's loader) refuses them; `route_fracs: [5e-1]` was text to the
+    workflow, refused, and a number to a campaign. The workflow's sweep is the files as agg-bench's loader reads
+    them, with the --config overrides merged as Snakemake merges them."""
+    from snakemake.common.configfile import load_configfile
+
+    from agg_bench.config import read_yaml_mapping
+    from agg_bench.tools.sweep import read_sweep_config
+
+    file = tmp_path / "sweep.yaml"
+    rest = {key: value for key, value in sweep_config().items() if key != text.split(":")[0]}
+    file.write_text(yaml.safe_dump(rest, sort_keys=False) + text + "\n")
+    snakemakes = load_configfile(file)
+    assert {key: snakemakes[key] for key in yaml11} == yaml11  # what the workflow ran before
+    config = read_sweep_config([file])
+    assert config == read_yaml_mapping(file, "sweep sections", "--config")  # what a campaign reads
+    if words is None:
+        assert Sweep(config, SCHEMA, cache_dir=None, files=[file]).sweep["gradcheck"]["route_fracs"] == [0.5]
+    else:
+        with pytest.raises(SweepError, match=re.escape(words)):
+            Sweep(config, SCHEMA, cache_dir=None, files=[file])
+
+
+def test_the_workflows_sweep_merges_its_files_and_config_overrides_as_snakemake_does(tmp_path):
+    """Files merged in order and the --config overrides over them, mappings key by key, as Snakemake merges config;
+    a list or mapping of --config read as in a sweep file, and a method section it gives replaced whole."""
+    from agg_bench.tools.sweep import read_sweep_config
+
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("base: config/run.yaml\nset: {progress: false, train.iterations: 2}\nseeds: [0]\n"
+                     "methods: {agg: {method: {name: agg, window: 3}}}\n")
+    second.write_text("set: {train.iterations: 3}\nmethods: {agg: {method: {alpha: sigma}}}\n")
+    config = read_sweep_config([first, second])
+    assert config["set"] == {"progress": False, "train.iterations": 3}
+    assert config["methods"] == {"agg": {"method": {"name": "agg", "window": 3, "alpha": "sigma"}}}
+    # what Snakemake makes of `--config 'seeds=[0, 1]' base=other.yaml 'methods={agg: {method: {name: full}}}'`
+    args = ["seeds=[0, 1]", "base=other.yaml", "methods={agg: {method: {name: full}}}"]
+    parsed = {"seeds": ["0", "1"], "base": "other.yaml", "methods": {"agg": {"method": {"name": "full"}}}}
+    config = read_sweep_config([first, second], args, parsed)
+    assert (config["seeds"], config["base"]) == ([0, 1], "other.yaml")
+    assert config["methods"] == {"agg": {"method": {"name": "full"}}}
+    assert config["set"] == {"progress": False, "train.iterations": 3}
+
+
 @pytest.mark.parametrize("section, value, words", [
     ("gradcheck", {"resolutions": [32], "route_fracs": [float("nan")]}, "gradcheck.route_fracs[0] = nan"),
     ("learning", {"fraction_of_full": float("nan")}, "learning.fraction_of_full = nan"),

@@ -13,7 +13,7 @@ from agg_bench.tools.jobresources import check_cpu_settings, drop_gpu_settings_w
 from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, LEARNING_DIR, LEARNING_RULES, PRETRAINED_DIR, PYTHON,
                                    Sweep, SweepError, check_input_files, check_markers, check_output_contents,
                                    check_output_folders, failed_runs, report_failed_runs,
-                                   runs_behind_manifest, set_arg, type_config_args)
+                                   read_sweep_config, runs_behind_manifest, set_arg)
 from agg_bench.tools.sweep import pretrain_gpus as sweep_pretrain_gpus
 
 def refuse(message: str):
@@ -28,10 +28,14 @@ try:
     # resource, and one that is no number failed only once such a job was submitted
     check_cpu_settings(workflow.resource_settings._parsed_default_resources,
                        workflow.resource_settings._parsed_overwrite_resources)
-    # a list or mapping given with --config reads as in a sweep file (Snakemake's parse makes its numbers text)
-    type_config_args(config, workflow.config_settings.config_args, workflow.config_settings.config)
-    # the files the config came from are read again with agg-bench's YAML loader first (Snakemake's takes
-    # repeated keys and nesting aliases without a bound)
+    # the sweep as agg-bench's YAML loader reads its files, as `agg-bench campaign --config` reads them (Snakemake's
+    # parse is YAML 1.1: 017 is 15, 0x10 is 16, 1e-5 is text; it takes repeated keys and nesting aliases without a
+    # bound), with the --config overrides merged as Snakemake merges them, and a list or mapping given with --config
+    # read as in a sweep file (Snakemake's parse makes its numbers text)
+    SWEEP_CONFIG = read_sweep_config(workflow.configfiles, workflow.config_settings.config_args,
+                                     workflow.config_settings.config)
+    config.clear()
+    config.update(SWEEP_CONFIG)
     SWEEP = Sweep(config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml",
                   files=workflow.configfiles)
     # the files its jobs read that no job makes, and the runs whose marker outlived their folder
