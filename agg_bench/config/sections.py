@@ -440,8 +440,7 @@ class RewardConfig(Section):
     on: Literal["final", "x0"] = option(
         "final", "what the reward scores: `final`, the decoded last latent; `x0`, the last step's data prediction "
         "x_{T-1} - s_{T-1} v_{T-1} (DanceGRPO, BranchGRPO, eff_grpo; refused with one step and "
-        "`sampling.same_noise_per_group`, where a group has one reward). The held-out evaluation scores the final latent. "
-        "In a YAML file quote the key, `\"on\": x0` (YAML reads a bare `on` as true)")
+        "`sampling.same_noise_per_group`, where a group has one reward). The held-out evaluation scores the final latent.")
 
 
 MAX_NVML_INTERVAL_S = 3600  # seconds

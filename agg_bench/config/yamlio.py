@@ -34,7 +34,8 @@ class YamlRefused(Exception):
 
 class _Loader(yaml.SafeLoader):
     """YAML as a person means it: numbers are decimal (:data:`_INTEGER`, :data:`_FLOAT`), and ``1e-5`` and
-    ``3E+2`` are numbers (YAML 1.1 wants a dot, ``1.0e-5``, and would read them as strings); every mapping key
+    ``3E+2`` are numbers (YAML 1.1 wants a dot, ``1.0e-5``, and would read them as strings); booleans are
+    ``true`` and ``false`` (:data:`_BOOL`: ``yes``, ``no``, ``on``, ``off`` are text); every mapping key
     is a string given once (a repeated key is refused instead of the last one winning; ``<<: *base`` merges
     stay allowed and its keys may be overridden)."""
 
@@ -68,10 +69,15 @@ _FLOAT = re.compile(rf"""^(?:[-+]?(?:{_DIGITS}\.(?:{_DIGITS})?|\.{_DIGITS})(?:[e
                 |[-+]?{_DIGITS}[eE][-+]?[0-9]+
                 |[-+]?\.(?:inf|Inf|INF)
                 |\.(?:nan|NaN|NAN))$""", re.X)
-_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+# Booleans are true and false (True, TRUE, False, FALSE), as in YAML 1.2: YAML 1.1 also reads yes, no, on and off
+# as booleans, so `method.cache=off` was refused as "= False", a value no one wrote, and a bare `on:` key was
+# true. They are text here, which a boolean key refuses and a key that takes words reads as written.
+_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_REPLACED_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool")
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBER_TAGS]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _REPLACED_TAGS]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", _BOOL, list("tTfF"))
 _Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INTEGER, list("-+0123456789"))
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 

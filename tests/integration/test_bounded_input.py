@@ -143,7 +143,7 @@ REPEATED, NOT_TEXT = "each key once", "text keys"  # what the refusal says is al
     (REPEATED, "method: {name: agg, name: full}\n", ["'name'", "line 1"]),
     (REPEATED, "train: {'lr': 1.0e-4, lr: 2.0e-4}\n", ["'lr'"]),
     (NOT_TEXT, "1: x\n", ["'1'", "int", "line 1"]),
-    (NOT_TEXT, "train: {iterations: 1}\nyes: 1\n", ["'yes'", "bool", "line 2"]),
+    (NOT_TEXT, "train: {iterations: 1}\ntrue: 1\n", ["'true'", "bool", "line 2"]),
     (NOT_TEXT, "null: 1\n", ["null"]),
     (NOT_TEXT, "[train]: 1\n", ["sequence"]),
     (NOT_TEXT, "? {a: 1}\n: 2\n", ["mapping"]),

@@ -566,6 +566,7 @@ def test_the_learning_sweeps_seed_excludes_stand_when_the_seeds_are_narrowed(in_
     ("resolutions: [0x20]", {"resolutions": [32]}, "resolutions[0] = '0x20': expected an integer"),
     ("seeds: [1:30]", {"seeds": [90]}, "seeds[0] = '1:30': expected an integer"),
     ("set: {train.iterations: 0b11}", {"set": {"train.iterations": 3}}, "train.iterations = '0b11': expected an integer"),
+    ("set: {progress: off}", {"set": {"progress": False}}, "progress = 'off': expected true or false"),
     ("gradcheck: {resolutions: [32], route_fracs: [5e-1]}", {"gradcheck": {"resolutions": [32], "route_fracs": ["5e-1"]}},
      None),
 ])

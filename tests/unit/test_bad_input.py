@@ -407,6 +407,39 @@ def test_a_number_means_the_same_in_a_set_a_config_file_and_a_flag(tmp_path, tex
         assert flag == expected and (flag is None or type(flag) is kind)
 
 
+# A boolean is true or false (True, TRUE, False, FALSE) in a --set and a config file alike, as in YAML 1.2: YAML
+# 1.1's yes, no, on and off are text, so `method.cache=off` is refused as 'off', not as False, a value no one wrote.
+BOOLEAN_FORMS = [("true", True), ("True", True), ("TRUE", True), ("false", False), ("False", False),
+                 ("FALSE", False), ("yes", None), ("no", None), ("on", None), ("off", None), ("Yes", None),
+                 ("OFF", None), ("y", None)]
+
+
+@pytest.mark.parametrize("text, expected", BOOLEAN_FORMS, ids=[repr(f[0]) for f in BOOLEAN_FORMS])
+def test_a_boolean_is_true_or_false_in_a_set_and_a_config_file(tmp_path, text, expected):
+    from agg_bench.config import load_config
+    from agg_bench.runtime.config_check import check_config
+    from agg_bench.errors import ConfigError
+
+    file = tmp_path / "run.yaml"
+    file.write_text(f"progress: {text}\n")
+    for path, overrides in ((None, [f"progress={text}"]), (file, [])):
+        if expected is None:
+            with pytest.raises(ConfigError, match=re.escape(f"progress = '{text}': expected true or false")):
+                load_config(path, overrides)
+        else:
+            assert load_config(path, overrides).progress is expected
+    if expected is None:  # the word as written, where a key takes words
+        with pytest.raises(ConfigError, match=re.escape(f"method.cache = '{text}': expected one of")):
+            check_config(load_config(None, ["method.name=cached", f"method.cache={text}"]))
+
+
+def test_a_bare_on_key_is_text():
+    """YAML 1.1 read `reward: {on: x0}` as the key true; it is the key `on`."""
+    from agg_bench.config import load_config
+
+    assert load_config(None, ["reward={name: jpeg_compressibility, on: x0}"]).reward.on == "x0"
+
+
 def _outcome(function):
     try:
         return function()
