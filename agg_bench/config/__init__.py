@@ -17,12 +17,12 @@ from .schema import check_finite, check_override_values, check_schema, run_schem
 from .sections import (DEFAULTS, EvalConfig, GRPOConfig, MethodSection, ModelConfig, PassCosts, PromptsConfig,
                        RewardConfig, RunConfig, SamplingConfig, TelemetryConfig, TrainConfig, bound,
                        check_prompts_path, device_expected, device_parts, gpu_index, upgrade_written, weights_label)
-from .yamlio import (MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, YamlRefused, check_expanded_size,
+from .yamlio import (MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, YamlDumper, YamlRefused, check_expanded_size,
                      integer_arg, number_arg, read_number, read_yaml_mapping, yaml_load)
 
 __all__ = ["DEFAULTS", "EvalConfig", "GRPOConfig", "MAX_YAML_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_VALUES",
            "MethodSection", "ModelConfig", "PassCosts", "PromptsConfig", "RewardConfig", "RunConfig",
-           "SamplingConfig", "TelemetryConfig", "TrainConfig", "YamlRefused", "apply_overrides", "bound",
+           "SamplingConfig", "TelemetryConfig", "TrainConfig", "YamlDumper", "YamlRefused", "apply_overrides", "bound",
            "check_data_parallel", "check_prompts_path", "check_expanded_size", "check_finite",
            "check_override_values", "check_schema", "deep_merge", "device_expected", "device_parts", "dotted_value",
            "gpu_index", "integer_arg", "load_config", "number_arg", "parse_override", "read_number",

@@ -82,6 +82,16 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INTEGER, list("-+0123456
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 
+class YamlDumper(yaml.SafeDumper):
+    """YAML written as :class:`_Loader` reads it back: a string that it would read as a number or a boolean is
+    quoted. SafeDumper quotes by YAML 1.1's rules, and wrote the text ``1e-5`` plain, which the loader (a run's
+    ``--set``) reads as the number 1e-05."""
+
+
+YamlDumper.yaml_implicit_resolvers = {first: list(resolvers)
+                                      for first, resolvers in _Loader.yaml_implicit_resolvers.items()}
+
+
 def _node_children(node: yaml.Node) -> list:
     if isinstance(node, yaml.SequenceNode):
         return node.value

@@ -42,7 +42,7 @@ from typing import Any, TypeGuard
 
 import yaml
 
-from ..config import (YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_override_values,
+from ..config import (YamlDumper, YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_override_values,
                       check_prompts_path, check_schema, dotted_value, load_config, read_yaml_mapping, run_schema,
                       yaml_load)
 from ..engine.families import architecture, check_own_schedule, check_resolution
@@ -577,8 +577,9 @@ def joined(parts: list[tuple[str, list[tuple[str, Any]]]]) -> list[tuple[str, An
 
 
 def yaml_text(value: Any) -> str:
-    """``value`` as one line of YAML, which is how `agg-bench --set key=value` parses it."""
-    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 30, sort_keys=False).strip()
+    """``value`` as one line of YAML, which is how `agg-bench --set key=value` parses it: written as agg-bench's
+    loader reads it back (:class:`~agg_bench.config.YamlDumper`: the text ``1e-5`` quoted)."""
+    text = yaml.dump(value, Dumper=YamlDumper, default_flow_style=True, width=1 << 30, sort_keys=False).strip()
     return text[:-3].strip() if text.endswith("\n...") else text
 
 

@@ -71,6 +71,18 @@ def test_flatten_keeps_method_sections_whole():
     assert set_arg("sampling.steps", 10) == "--set sampling.steps=10"
 
 
+@pytest.mark.parametrize("value", ["1e-5", "3E+2", "1.5e3", "017", "yes", "off", "true", "null", "1:30", 1e-5, 300.0,
+                                   17, True, None, {"run_id": "1e5", "on": "x0"}, ["2e3", 2e3]])
+def test_a_jobs_values_read_back_as_the_sweep_gives_them(value):
+    """A job's --set values and cell job files are read with agg-bench's loader: the text `1e-5` (quoted in the
+    sweep file) was written plain by YAML 1.1's rules and read back by the run as the number 1e-05."""
+    from agg_bench.config import parse_override
+    from agg_bench.tools.sweep import overrides_of
+
+    [pair] = overrides_of([("key", value)])
+    assert parse_override(pair) == ("key", value)
+
+
 @pytest.mark.parametrize("resolution, expected", [(30, "a positive multiple of 16 pixels for sd3"),
                                                   (1600, "at most 1536 pixels")])
 def test_resolutions_fail_before_the_methods_check(in_process, resolution, expected):
