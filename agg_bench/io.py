@@ -306,9 +306,8 @@ MAX_JSONL_LINE_BYTES = 2**20
 
 
 def read_jsonl(path: str | Path) -> Iterator[dict]:
-    """Records of a JSONL file, read a line at a time; a torn last line (a run killed mid-write) is skipped.
-    Any other line that is not a JSON object, or a line longer than :data:`MAX_JSONL_LINE_BYTES`, raises a
-    UserError naming the file and the line; so does a path that is a folder, a device or a pipe."""
+    """Records of a JSONL file, read a line at a time by :func:`jsonl_records` (a torn last line, a run killed
+    mid-write, skipped); a path that is a folder, a device or a pipe raises a UserError naming it."""
     try:
         fh = open_regular(path)
     except NotRegularFile:
@@ -316,27 +315,37 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
     except IsADirectoryError:
         raise UserError(f"{shown(path)}: is a folder; expected a JSONL file of agg-bench records") from None
     with fh:
-        number, offset = 0, 0
-        line = fh.readline(MAX_JSONL_LINE_BYTES + 1)
-        while line:  # b"" at the end of the file
-            number, following = number + 1, fh.readline(MAX_JSONL_LINE_BYTES + 1)
-            if len(line.rstrip(b"\r\n")) > MAX_JSONL_LINE_BYTES:
-                raise UserError(f"{shown(path)}: line {number} is longer than {MAX_JSONL_LINE_BYTES:,} bytes; "
-                                "expected a record of agg-bench (a JSON object of a few KB per line)")
+        yield from jsonl_records(fh, path)
+
+
+def jsonl_records(fh: IO[bytes], where: str | Path, torn: bool = True) -> Iterator[dict]:
+    """The records (JSON objects) of the JSONL text ``fh`` holds, read a line at a time: the one reading of
+    ``metrics.jsonl`` and ``evaluations.jsonl``, for a run folder's readers (:func:`read_jsonl`) and an archive's
+    (:func:`agg_bench.tools.archive.json_lines`). A line that is not a JSON object agg-bench reads
+    (:func:`~agg_bench.jsonfiles.loads`: NaN refused too), or is longer than :data:`MAX_JSONL_LINE_BYTES`,
+    raises a UserError naming ``where`` and the line. Only a last line WITHOUT its newline that is not JSON is
+    torn, a writer killed mid-line: skipped with ``torn``, refused as damaged without it (a finished run's file,
+    which no killed writer left); a whole last line, its newline written, is checked as every other line."""
+    number, offset = 0, 0
+    line = fh.readline(MAX_JSONL_LINE_BYTES + 1)
+    while line:  # b"" at the end of the file
+        number, following = number + 1, fh.readline(MAX_JSONL_LINE_BYTES + 1)
+        if len(line.rstrip(b"\r\n")) > MAX_JSONL_LINE_BYTES:
+            raise UserError(f"{shown(where)}: line {number} is longer than {MAX_JSONL_LINE_BYTES:,} bytes; "
+                            "expected a record of agg-bench (a JSON object of a few KB per line)")
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(f"{shown(where)}: not UTF-8 text ({err.reason} at byte {offset + err.start})") from err
+        offset += len(line)
+        if text.strip():
             try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise UserError(f"{shown(path)}: not UTF-8 text ({err.reason} at byte {offset + err.start})") from err
-            offset += len(line)
-            if text.strip():
-                try:
-                    record = loads(text)
-                except JsonProblem as err:
-                    if not following:  # torn: a writer killed mid-line
-                        return
-                    raise UserError(f"{shown(path)}: line {number} is not valid JSON ({err}); the file is "
-                                    "damaged") from None
-                if not isinstance(record, dict):
-                    raise UserError(f"{shown(path)}: line {number} is not a JSON object")
-                yield record
-            line = following
+                record = loads(text)
+            except JsonProblem as err:
+                if torn and not following and not line.endswith(b"\n"):  # torn: a writer killed mid-line
+                    return
+                raise UserError(f"{shown(where)}: line {number} is not valid JSON ({err}); the file is damaged") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{shown(where)}: line {number} is not a JSON object")
+            yield record
+        line = following

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 from tqdm import tqdm
 
 from ..errors import UserError, quote, shown
-from ..io import atomic_path, atomic_target, remove_stale_temps, write_json
+from ..io import atomic_path, atomic_target, jsonl_records, remove_stale_temps, write_json
 from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
 from ..outdir import Contents, claim_folder, claimed_folders, path_problem
 from ..outputs import LEARNING_CONTENTS
@@ -268,15 +268,9 @@ def json_object(where: str, data: bytes) -> dict:
 
 
 def json_lines(where: str, data: bytes) -> list[dict]:
-    out = []
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise UserError(f"{where}: not UTF-8 text ({err.reason})") from None
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            out.append(json_object(f"{where}: line {number}", line.encode()))
-    return out
+    """The records of the JSON lines file ``data`` (``where`` names it) as every reader of a run folder reads
+    them (:func:`~agg_bench.io.jsonl_records`), but a torn last line refused: a finished run's file holds none."""
+    return list(jsonl_records(io.BytesIO(data), where, torn=False))
 
 
 def check_records(where: str, data: bytes) -> list[dict]:

@@ -992,11 +992,11 @@ RECORD_0 = json.dumps({"iteration": 0, "status": "ok"}) + "\n"
 @pytest.mark.parametrize("records, words", [
     ("", "metrics.jsonl holds no records"),
     ("\n", "metrics.jsonl holds no records"),
-    (RECORD_0 + '{"iteration": 1, "sta', "metrics.jsonl: line 2: not JSON"),  # torn: a run killed mid-write
+    (RECORD_0 + '{"iteration": 1, "sta', "metrics.jsonl: line 2 is not valid JSON"),  # torn: a run killed mid-write
     (RECORD_0.replace("0", "1"), "metrics.jsonl starts at iteration 1; expected 0"),
     (RECORD_0 * 2, "'iteration' = 0: expected each iteration once"),
     (json.dumps({"iteration": 0}) + "\n", "record 1: "),
-    ("[]\n", "expected a JSON object"),
+    ("[]\n", "line 1 is not a JSON object"),
 ])
 def test_a_run_whose_records_unpack_refuses_is_not_done(tmp_path, cpu_campaign, records, words):
     """campaign status and a window counted a run done from its files, summary and config: an empty (or torn)
@@ -1017,7 +1017,7 @@ def test_a_run_whose_records_unpack_refuses_is_not_done(tmp_path, cpu_campaign, 
     ("env.json", "not json", "env.json: is not JSON"),
     ("env.json", "[]", "env.json: holds a list"),
     ("plan.json", '{"bytes": 3}', "bytes = 3: expected an object or null"),
-    ("evaluations.jsonl", '{"iteration": 0', "evaluations.jsonl: line 1: not JSON"),  # torn: killed mid-write
+    ("evaluations.jsonl", '{"iteration": 0', "evaluations.jsonl: line 1 is not valid JSON"),  # torn: killed mid-write
 ])
 def test_a_run_whose_other_files_unpack_refuses_is_not_done(tmp_path, cpu_campaign, name, text, words):
     """Records aside, a run whose env.json, plan.json or evaluations.jsonl unpack refuses was done too, and no

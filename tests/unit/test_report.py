@@ -16,6 +16,7 @@ import pytest
 from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.io import JsonlWriter
+from agg_bench.reading import RunFolder
 from agg_bench.records import PLOT_TABLES, PLOTS, RECORD_KEYS, TABLES
 from agg_bench.results.formatting import to_markdown
 from agg_bench.results.loading import (GradcheckEntry, Manifest, RunEntry, discover_runs, load_gradcheck,
@@ -1235,6 +1236,25 @@ def test_an_ended_run_whose_records_were_cut_afterwards(tmp_path, capsys, damage
         metrics.unlink()
     line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
     assert f"{metrics}: no ok record of iteration 2" in line
+
+
+def test_a_nan_in_a_whole_last_line_is_named(tmp_path, capsys):
+    """Only a last line without its newline is torn (a writer killed mid-line); a last line whose newline was
+    written, holding NaN, was skipped as torn, and the refusal then said the records lacked the last good one.
+    The evaluations (which the learning tables read) are read so too."""
+    run = make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), it(2.0, 1.0)])
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "iterations": 2, "last_good_iteration": 1}))
+    metrics = run / "metrics.jsonl"
+    first, last = metrics.read_text().splitlines()
+    metrics.write_text(first + "\n" + last.replace('"reward_mean": 1.0', '"reward_mean": NaN') + "\n")
+    line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
+    nan = "NaN is not a JSON number (agg-bench writes a number that is not finite as null)"
+    assert line == f"agg-bench report: {metrics}: line 2 is not valid JSON ({nan}); the file is damaged"
+    (run / "evaluations.jsonl").write_text('{"iteration": 0, "eval_reward": 1.0}\n{"iteration": 1, "eval_reward": NaN}\n')
+    with pytest.raises(UserError) as err:
+        RunFolder(run).evaluations()
+    assert str(err.value) == f"{run / 'evaluations.jsonl'}: line 2 is not valid JSON ({nan}); the file is damaged"
 
 
 @pytest.mark.parametrize("value", ["2", -1, 1.5, True])

@@ -497,6 +497,10 @@ def test_jsonl_lines_are_read_as_before(tmp_path):
     path.write_bytes(b'{"a": 1}\n{"a": \n{"a": 3}\n')
     with pytest.raises(UserError, match=r"line 2 is not valid JSON .*; the file is damaged"):
         list(read_jsonl(path))
+    for last in (b'{"a": NaN}\n', b'{"a": \n', b'{"a": 3}}\r\n'):  # a last line whose newline was written is whole
+        path.write_bytes(b'{"a": 1}\n' + last)
+        with pytest.raises(UserError, match=r"line 2 is not valid JSON .*; the file is damaged"):
+            list(read_jsonl(path))
     path.write_bytes(b'{"a": 1}\n{"a": "\xff"}\n')
     with pytest.raises(UserError, match=r"not UTF-8 text \(invalid start byte at byte 16\)"):
         list(read_jsonl(path))
