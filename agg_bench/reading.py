@@ -224,13 +224,18 @@ class RunFolder:
     def check_records_ended(self, summary: dict, records: list[dict]) -> None:
         """A UserError when the run ended (``summary``, from :meth:`summary`) with a last good iteration that
         ``records`` lacks as an ok record: a ``metrics.jsonl`` cut, emptied or removed after the run wrote its
-        summary, which its last record precedes (the torn line a killed writer leaves is no run's last)."""
+        summary, which its last record precedes (the torn line a killed writer leaves is no run's last), the missing
+        file named as such."""
         last_good = summary.get("last_good_iteration")
         if last_good is None:
             return
         if type(last_good) is not int or last_good < 0:
             raise UserError(f"{shown(self.path(SUMMARY_FILE))}: 'last_good_iteration' = {quote(last_good)}: expected "
                             "an integer >= 0 or null")
+        if not self.has(METRICS_FILE):
+            raise UserError(f"{shown(self.path(METRICS_FILE))}: no such file, where {SUMMARY_FILE} names iteration "
+                            f"{last_good} as the last good one; expected the records the run wrote (the file was "
+                            "removed)")
         if not any(r.get("iteration") == last_good and r.get("status") == "ok" for r in records):
             raise UserError(f"{shown(self.path(METRICS_FILE))}: no ok record of iteration {last_good}, the last good "
                             f"one {SUMMARY_FILE} names ({counted(len(records), 'record')}); expected the records the "
