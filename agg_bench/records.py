@@ -193,7 +193,7 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
         # what almost every value is, taken at a glance: a plain float or int within its key's bounds, ASCII text
         if kind is float or kind is int:
             bounds = _PLAIN_BOUNDS.get(key)
-            if bounds is not None and bounds[0] <= value <= bounds[1] and (kind is int or key not in INTEGER_RANGES):
+            if bounds is not None and bounds[0] <= value <= bounds[1] and (kind is int or key not in _INTEGER_KEYS):
                 continue
         elif kind is str and key in TEXT_KEYS and value.isascii() and value.isprintable() and \
                 (key != "status" or value in STATUSES):
@@ -201,9 +201,6 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
         problem = _value_problem(key, value)
         if problem is not None:
             return problem
-    iteration = record.get("iteration")
-    if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
-        return f"'iteration' = {quote(iteration)}: expected an integer >= 0"
     steps = record.get(OPTIMIZER_STEPS_KEY)
     if steps is not None and (not is_integer(steps) or not 0 <= steps <= MAX_OPTIMIZER_STEPS):
         return (f"{OPTIMIZER_STEPS_KEY!r} = {quote(steps)}: expected an integer from 0 to "
@@ -213,32 +210,47 @@ def record_problem(record: dict, required: tuple[str, ...] = ()) -> str | None:
 
 # the keys :func:`record_problem` checks the values of, in the order it checks them
 CHECKED_KEYS = (*TEXT_KEYS, *NUMBER_KEYS, *PHASE_PEAK_KEYS)
+# the number keys that hold integers: ``iteration`` (>= 0) and those of :data:`INTEGER_RANGES`
+_INTEGER_KEYS = ("iteration", *INTEGER_RANGES)
 # the bounds within which a plain float or int of a number key passes every check of :func:`_value_problem` (a
-# NaN compares false with both; ``iteration``'s own check follows the loop)
+# NaN compares false with both; a float of an integer key never does)
 _PLAIN_BOUNDS = {key: INTEGER_RANGES.get(key, (-MAX_MAGNITUDE if key in SIGNED_KEYS else 0, MAX_MAGNITUDE))
                  for key in (*NUMBER_KEYS, *PHASE_PEAK_KEYS)}
 
 
+def _expected(key: str, value: Any, allowed: str) -> str:
+    """The refusal of ``value`` of ``key``: what the key allows (``allowed``), and null too but for the keys every
+    record holds (:data:`REQUIRED_RECORD_KEYS`: ``iteration``, ``status``), the one place a refusal says so."""
+    return f"{key!r} = {quote(value)}: expected {allowed}{'' if key in REQUIRED_RECORD_KEYS else ' or null'}"
+
+
 def _value_problem(key: str, value: Any) -> str | None:
-    """What is wrong with ``value`` (not null) of ``key`` by :func:`record_problem`'s rules; None when nothing is."""
+    """What is wrong with ``value`` (not null) of ``key`` by :func:`record_problem`'s rules; None when nothing is.
+    Each refusal says what its key allows (:func:`_expected`)."""
+    if key == "status":  # a run of another agg-bench, or an edited file
+        return None if isinstance(value, str) and value in STATUSES else \
+            _expected(key, value, f"one of {', '.join(STATUSES)}")
+    if key == "iteration":
+        if type(value) is not int or value < 0:
+            return _expected(key, value, "an integer >= 0")
+        return None if value <= MAX_MAGNITUDE else _expected(key, value, f"an integer >= 0, at most {MAX_MAGNITUDE:g}")
     if key in TEXT_KEYS and not isinstance(value, str):
-        return f"{key!r} = {quote(value)}: expected a string or null"
+        return _expected(key, value, "a string")
     if key in TEXT_KEYS and not is_utf8_text(value):  # a JSON escape of a lone surrogate: no table can write it
-        return f"{key!r} = {quote(value)}: expected UTF-8 text (no lone surrogate) or null"
+        return _expected(key, value, "UTF-8 text (no lone surrogate)")
     if key in TEXT_KEYS and not value.isprintable():  # a newline or a tab split a row of the Markdown tables
-        return f"{key!r} = {quote(value)}: expected printable text (no newline, tab or other control character) or null"
-    if key == "status" and value not in STATUSES:  # a run of another agg-bench, or an edited file
-        return f"'status' = {quote(value)}: expected one of {', '.join(STATUSES)} or null"
-    if key not in TEXT_KEYS and not is_finite_number(value):
-        return f"{key!r} = {quote(value)}: expected a finite number or null"
-    if key not in TEXT_KEYS and abs(float(value)) > MAX_MAGNITUDE:  # a float32's bound: no cast warning
-        return f"{key!r} = {quote(value)}: expected a number of magnitude at most {MAX_MAGNITUDE:g} or null"
+        return _expected(key, value, "printable text (no newline, tab or other control character)")
     if key in INTEGER_RANGES:
         low, high = INTEGER_RANGES[key]
         if type(value) is not int or not low <= value <= high:
-            return f"{key!r} = {quote(value)}: expected an integer from {low} to {high:,} or null"
-    elif key not in (*TEXT_KEYS, *SIGNED_KEYS, "iteration") and value < 0:  # iteration: below
-        return f"{key!r} = {quote(value)}: expected a finite number >= 0 or null"
+            return _expected(key, value, f"an integer from {low} to {high:,}")
+        return None
+    if key not in TEXT_KEYS and not is_finite_number(value):
+        return _expected(key, value, "a finite number")
+    if key not in TEXT_KEYS and abs(float(value)) > MAX_MAGNITUDE:  # a float32's bound: no cast warning
+        return _expected(key, value, f"a number of magnitude at most {MAX_MAGNITUDE:g}")
+    if key not in (*TEXT_KEYS, *SIGNED_KEYS) and value < 0:
+        return _expected(key, value, "a finite number >= 0")
     return None
 
 

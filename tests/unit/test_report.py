@@ -1041,7 +1041,8 @@ def report_fails(capsys, tmp_path, *args: str) -> str:
     ("iteration", 1.5, "expected an integer >= 0"),
     ("iteration", 0, "expected each iteration once (record 1 has it)"),
     ("model", {"name": "sd3"}, "expected a string or null"),
-    ("status", 1, "expected a string or null"),
+    ("status", 1, "expected one of ok, oom, diverged, interrupted, error"),
+    ("iteration", "1", "expected an integer >= 0"),
     # a label no run writes: a newline split the row of every Markdown table in two
     ("method", "agg\nx", "expected printable text (no newline, tab or other control character) or null"),
     ("gpu_name", "NVIDIA\tH200", "expected printable text (no newline, tab or other control character) or null"),
@@ -1063,7 +1064,7 @@ def report_fails(capsys, tmp_path, *args: str) -> str:
 def test_a_record_with_the_wrong_kind_of_value(tmp_path, capsys, key, value, expected):
     make_run(tmp_path / "runs", "a", "full", [it(2.0, 1.0), {**it(2.0, 1.0), key: value}])
     line = report_fails(capsys, tmp_path, "--runs", str(tmp_path / "runs"))
-    assert f"{tmp_path / 'runs' / 'a' / 'metrics.jsonl'}: record 2: {key!r} = {value!r}: {expected}" in line
+    assert line.endswith(f"{tmp_path / 'runs' / 'a' / 'metrics.jsonl'}: record 2: {key!r} = {value!r}: {expected}")
 
 
 @pytest.mark.parametrize("order, expected", [
@@ -1166,7 +1167,8 @@ def test_a_record_without_its_iteration_or_status(tmp_path, capsys, key, value):
 @pytest.mark.parametrize("name, content, expected", [
     ("summary.json", "[1, 2]", "summary.json: holds a list, not a JSON object"),
     ("summary.json", '{"status": ', "summary.json: is not JSON"),
-    ("summary.json", '{"status": ["ok"]}', "summary.json: 'status' = ['ok']: expected a string or null"),
+    ("summary.json", '{"status": ["ok"]}', "summary.json: 'status' = ['ok']: expected one of ok, oom, diverged, "
+     "interrupted, error"),
     ("config.json", '{"method": "agg"}', "config.json: config error: method = 'agg': expected a mapping"),
     ("config.json", '{"method": {"name": "agg"}, "train": {"inner_epochs": "2"}}', "train.inner_epochs = '2'"),
     ("config.json", '{"method": {"name": "agg"}, "sampling": {"steps": 10000000}}',
