@@ -562,7 +562,8 @@ def is_number(value) -> TypeGuard[float]:
 def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
     """All gradcheck rows, ``model`` and ``resolution`` the entry's (the CSV's own where the entry names none:
     gradcheck writes the model label a run of the snapshot's config records, so the rows match that run's). Each file is read
-    by :func:`parse_table`: a table with a ``method`` and a ``cosine_to_full`` column, every column the report
+    by :func:`parse_table`: a table with a ``method`` and a ``cosine_to_full`` column (and a ``model`` column, no cell
+    empty, where the entry names no model), every column the report
     reads holding what ``agg-bench gradcheck`` writes there (``GRADCHECK_CELLS``); anything else, or a file
     given twice, is a UserError naming the file. A text cell's leading single quote, which gradcheck writes before
     a text a spreadsheet would run as a formula, is dropped (``quoted``). A CSV written before an option column of
@@ -577,10 +578,16 @@ def load_gradcheck(entries: Iterable[GradcheckEntry]) -> pd.DataFrame:
         if first is not path:  # its rows would stand twice in the ablation table and match no run row
             raise UserError(f"gradcheck {quote(str(path))} is also given as {quote(str(first))} (the same file); "
                             "expected each gradcheck CSV once")
-        df = parse_table(path, f"gradcheck {path}", GRADCHECK_REQUIRED, GRADCHECK_CELLS,
+        # without a manifest's label, the one gradcheck wrote in every row: the model label the snapshot's run
+        # records (a CSV without it matched no run, and the report's note named its model "nan")
+        own_model = entry.model is None
+        df = parse_table(path, f"gradcheck {path}", GRADCHECK_REQUIRED,
+                         {**GRADCHECK_CELLS, **({"model": GRADCHECK_MODEL} if own_model else {})},
                          "the table agg-bench gradcheck writes", quoted=True)
-        if entry.model is not None or "model" not in df:
-            # without a manifest's label, the one gradcheck wrote: the model label the snapshot's run records
+        if own_model and "model" not in df:
+            raise UserError(f"gradcheck {path}: no column 'model' (expected the table agg-bench gradcheck writes, whose "
+                            "model column names the model of its rows, or a manifest's gradcheck entry naming it)")
+        if not own_model:
             df["model"] = entry.model
         if entry.resolution is not None or "resolution" not in df:
             # a CSV given without a manifest's labels keeps the resolution gradcheck wrote into it
@@ -765,6 +772,8 @@ def _checked_column(texts: pd.Series, cell: Cell, where: str | Path, column: str
 # to ``full`` (``nan``: the writer's word for one not defined, a gradient of norm 0), the passes and seconds
 # of the replay. The report's ablation table copies these.
 GRADCHECK_REQUIRED = ("method", "cosine_to_full")
+# The model label of each row, which a CSV given without a manifest's label for it needs (gradcheck writes it)
+GRADCHECK_MODEL = Cell("text", required=True)
 GRADCHECK_CELLS = {
     "method": Cell("text", required=True),
     "window": Cell(integer=True, least=1),

@@ -1535,6 +1535,11 @@ GRADCHECK_ROWS = ["full,,,,,1.0,0.0,0,8,8,0.03,,sd3\n", "agg,3,sigma,1.0,False,0
     (GRADCHECK_ROWS[1].replace("False", "maybe"), "row 2: reuse_rollout_velocity = 'maybe': expected True or False"),
     (GRADCHECK_ROWS[1].replace(",0.02,,", ",0.02,1.5,"), "row 2: cache_hit_rate = '1.5': expected a finite number >= 0 and <= 1"),
     (GRADCHECK_ROWS[1].replace("agg,", ",", 1), "row 2: method is empty; expected a text that is not empty"),
+    # the model its rows were measured at, which --gradcheck without a manifest's label reads from the CSV: the
+    # note on rows no run matches called it "nan"
+    ("method,cosine_to_full\nfull,1.0\n", "no column 'model' (expected the table agg-bench gradcheck writes, whose "
+     "model column names the model of its rows, or a manifest's gradcheck entry naming it)"),
+    (GRADCHECK_ROWS[1].replace(",sd3\n", ",\n"), "row 2: model is empty; expected a text that is not empty"),
 ])
 def test_a_bad_gradcheck_csv_names_the_file(tmp_path, capsys, content, expected):
     """A gradcheck CSV that is not what agg-bench gradcheck writes is one line naming it, the row, the column and
