@@ -353,11 +353,12 @@ def _check_no_unpack_of_files(*given: tuple[str, list]) -> None:
 
 def cmd_learning(args) -> int:
     from .outputs import check_no_unpack_above
+    # no torch: the model code is imported by the checkpoint evaluation alone, after every check of the options,
+    # the manifest and the run folders (learning_report), so a refusal of any of them takes no model import
+    from .tools.learning import LearningOptions, learning_report
 
     if args.tables is None and args.plots is None:  # else every checkpoint was evaluated and nothing written
         raise UserError("give --tables DIR and/or --plots DIR")
-    from .tools.learning import LearningOptions, learning_report  # torch and the model code: after that line
-
     # a reference's manifest while an unpack into it is under way or was cut off
     check_no_unpack_above(args.manifest, 1, f"--manifest {shown(args.manifest)}", set())
     given = {"--eval-seed": args.eval_seed, "--eval-sampler": args.eval_sampler}

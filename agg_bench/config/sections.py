@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, Self
@@ -489,6 +490,12 @@ class EvalConfig(Section):
     batch_size: int = option(64, "images sampled per call (memory: one call's trajectory, whatever the prompt file "
                                  "and noises; an evaluation of at most this many images is one call)",
                              minimum=1, maximum=4096)
+
+
+
+# the held-out evaluation's samplers, ``eval.sampler``'s values (and ``agg-bench learning --eval-sampler``'s): read
+# from its annotation, here where no torch is imported
+SAMPLERS: tuple[str, ...] = typing.get_args(typing.get_type_hints(EvalConfig)["sampler"])
 
 
 @dataclass

@@ -33,13 +33,13 @@ from ..engine.counters import PassCounter
 from ..engine.models import Conditioning, Policy
 from ..engine.rewards import RewardFn, unscored_if_not_finite
 from ..engine.rollout import rollout
+from ..config.sections import SAMPLERS
 from ..errors import UserError
 from ..records import is_recordable_number
 
 if TYPE_CHECKING:
     from .session import Session
 
-SAMPLERS = ("ode", "sde")
 
 
 def non_finite_key(means: dict[str, float]) -> str | None:

@@ -3,7 +3,7 @@
 The command, ``agg-bench learning --manifest FILE [--tables DIR] [--plots DIR] ...``
 (:func:`learning_report`), reads the runs of the workflow's manifest, evaluates the starting weights and
 each run's final checkpoint on held-out noise (:class:`CheckpointEvaluation`, which samples the models: the
-engine and torch are imported here, not in the results wing) and writes the tables and plots of
+engine and torch are imported there, not in the results wing, nor with this module) and writes the tables and plots of
 :mod:`agg_bench.results.learning_tables` and :mod:`agg_bench.results.curves` (their docstrings say what every
 column and plot is), the latter from the runs' own in-run evaluations. Every input is checked before a
 model is sampled or a file written (:func:`learning_report`), run folders through the one reader of a run
@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..config import dotted_value
+from ..config.sections import SAMPLERS
 from ..errors import ConfigError, UserError, counted, quote, shown
 from ..io import write_text
 from ..outdir import claimed_folders, replaced_folders
@@ -28,7 +29,6 @@ from ..results.learning_tables import (EVAL_SOURCES, Run, held_out_curves, learn
 from ..results.loading import MAX_ITERATIONS, Manifest, load_manifest
 from ..reading import CONFIG_FILE, RunFolder, run_config
 from ..records import MAX_LABEL
-from ..runtime.evaluation import SAMPLERS, non_finite_key
 from .sweep import MeasuredAlike
 
 GRID_CAPTIONS = 6  # the sample grid's columns: the first captions of the evaluation's first noise
@@ -125,6 +125,8 @@ def evaluate(runs: list[Run], evaluation: CheckpointEvaluation) -> tuple[pd.Data
     of each state (the captions of the first noise, as many as the sample grid shows), by label
     (``pre-trained`` or ``method/seed``). An error names the run it came from, a mean that is not finite (any
     sub-score's) included."""
+    from ..runtime.evaluation import non_finite_key  # the model code: imported with the evaluation already
+
     rows, images = [], {}
     for run in [None, *runs]:
         try:
@@ -346,7 +348,10 @@ def learning_report(manifest: str | Path, tables: Path | None, plots: Path | Non
     evaluated from (:func:`check_checkpoints`), and with an evaluation one model for
     every run (:func:`one_model`), the captions against the reward and the model folder
     (:class:`CheckpointEvaluation`); each checkpoint is checked as it is evaluated, still before anything
-    is written, its error naming the run."""
+    is written, its error naming the run. Torch and the model code are imported by the evaluation alone, after
+    every check but its own (the captions against the reward, the config's paths and the model folder, which
+    read the model code): a refusal of an option, the manifest or a run folder imports none of it, and tables
+    without an evaluation never do."""
     options = options or LearningOptions()
     options.check()
     read = check_manifest(manifest)

@@ -171,9 +171,10 @@ def test_a_refused_run_or_pretrain_imports_no_trainer_or_model_library(tmp_path)
     imported (they made a refused run about three times as long, paid by each process under torchrun); one whose
     config passes and whose folder the trainer refuses (someone's files), before the model code (the session, the
     model libraries). `agg-bench pretrain` refuses a key's value before torch: its module's imports made the
-    one line take about six CPU-seconds, and `agg-bench learning` without an output to write says so before torch.
+    one line take about six CPU-seconds, and `agg-bench learning` refuses an option's value, its manifest or a run
+    folder before torch and diffusers (about eight CPU-seconds), without an output to write too.
     `agg-bench gradcheck` refuses a bad grid option (--windows, --methods) before torch and the model code: they
-    made its one line take about eight CPU-seconds. One process runs the six, the run last (the run's check of its
+    made its one line take about eight CPU-seconds. One process runs them, the run last (the run's check of its
     config imports torch)."""
     script = ("import json, sys; from agg_bench.cli import main\n"
               "for args, modules in json.loads(sys.argv[1]):\n"
@@ -182,7 +183,15 @@ def test_a_refused_run_or_pretrain_imports_no_trainer_or_model_library(tmp_path)
     out, theirs, model, table = tmp_path / "run", tmp_path / "theirs", tmp_path / "model", tmp_path / "grad.csv"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")
-    cases = [(["learning", "--manifest", str(tmp_path / "manifest.json")], ["torch", "agg_bench.tools.learning"]),
+    tables, lean = str(tmp_path / "tables"), ["torch", "diffusers", "agg_bench.runtime.evaluation"]
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": [{"dir": str(tmp_path / "nowhere"), "method": "full",
+                                                              "seed": 0}]}))
+    cases = [(["learning", "--manifest", str(tmp_path / "manifest.json")], lean),
+             (["learning", "--manifest", str(tmp_path / "manifest.json"), "--tables", tables, "--eval-sampler", "euler",
+               "--eval-noises", "1"], lean),
+             (["learning", "--manifest", str(tmp_path / "manifest.json"), "--tables", tables, "--eval-seed", "1"], lean),
+             (["learning", "--manifest", str(tmp_path / "manifest.json"), "--plots", tables], lean),
+             (["learning", "--manifest", str(tmp_path / "runs.json"), "--plots", tables], lean),
              (["pretrain", "--set", "steps=0", "--out", str(model)], ["torch", "diffusers", "agg_bench.tools.pretrain"]),
              *((["gradcheck", *grid, "--out", str(table)], ["torch", "diffusers", "agg_bench.tools.gradcheck",
                                                             "agg_bench.methods.base"])
@@ -193,8 +202,13 @@ def test_a_refused_run_or_pretrain_imports_no_trainer_or_model_library(tmp_path)
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 0 and len(lines) == 12, proc.stderr[-3000:]
+    assert proc.returncode == 0 and len(lines) == 20, proc.stderr[-3000:]
     assert "give --tables DIR and/or --plots DIR" in lines[0] and lines[1] == "2 []", proc.stderr[-3000:]
+    assert "--eval-sampler = 'euler'" in lines[2] and lines[3] == "2 []", proc.stderr[-3000:]
+    assert "--eval-seed 1: sets the checkpoint evaluation's noise" in lines[4] and lines[5] == "2 []", proc.stderr[-3000:]
+    assert "manifest.json: no such file" in lines[6] and lines[7] == "2 []", proc.stderr[-3000:]
+    assert "nowhere" in lines[8] and lines[9] == "2 []", proc.stderr[-3000:]
+    lines = lines[8:]
     assert "steps = 0" in lines[2] and lines[3] == "2 []", proc.stderr[-3000:]
     assert "--windows = '2,x'" in lines[4] and lines[5] == "2 []", proc.stderr[-3000:]
     assert "--methods = 'fraction,,agg'" in lines[6] and lines[7] == "2 []", proc.stderr[-3000:]
@@ -202,6 +216,7 @@ def test_a_refused_run_or_pretrain_imports_no_trainer_or_model_library(tmp_path)
     assert f"--out {theirs}" in lines[10] and "notes.txt" in lines[10] and lines[11] == "2 []", proc.stderr[-3000:]
     assert not out.exists() and not model.exists() and not table.exists()
     assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
+    assert not (tmp_path / "tables").exists()
 
 
 # ----- a run with telemetry.tensorboard off (tests/unit/test_tensorboard.py) -----
