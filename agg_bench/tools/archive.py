@@ -684,6 +684,18 @@ def check_one_name_per_calibration(campaign: Campaign, where: str, files: dict[s
     check_distinct_calibrations((label, json_object(label, data)) for label, (_, data) in named.items())
 
 
+def _reusing_models(wanted: bool) -> contextlib.AbstractContextManager:
+    """The tiny counterparts of :func:`check_counts` sharing one built model where their model configurations
+    agree (:func:`agg_bench.runtime.model_reuse.reusing_models`, as a cell job's runs share one: each starts from
+    it as built, so its records are those of a counterpart that builds its own); ``wanted`` false: nothing
+    (no torch imported for an archive without new runs)."""
+    if not wanted:
+        return contextlib.nullcontext()
+    from ..runtime.model_reuse import reusing_models
+
+    return reusing_models()
+
+
 # ----- unpacking into the reference -----------------------------------------------------------------------------
 def _held(folder: Path) -> dict[str, bytes]:
     """Every file under ``folder`` by its path inside it."""
@@ -757,7 +769,8 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
         new_runs = {group.split("/")[1]: members for group, members in new_groups.items() if group.startswith("runs/")}
         # progress on a terminal only, cleared when done: a refusal stays the one line on stderr
         with tqdm(total=len(new_runs), desc="pass counts against the tiny models", unit="run", leave=False,
-                  file=sys.stderr, disable=not new_runs or not sys.stderr.isatty()) as bar:
+                  file=sys.stderr, disable=not new_runs or not sys.stderr.isatty()) as bar, \
+                _reusing_models(bool(new_runs)):
             for run_id, members in new_runs.items():
                 check_counts(where, run_id, json_lines(where, members["metrics.jsonl"]),
                              json.loads(members["config.json"]))

@@ -30,6 +30,7 @@ import yaml
 from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.io import atomic_path
+from agg_bench.runtime import model_reuse
 from agg_bench.tools import campaign as campaign_module
 from agg_bench.tools import cell_calibration
 from agg_bench.tools import archive as archive_module
@@ -1982,8 +1983,19 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys, c
     assert all(not path.exists() for path in gpu.pretrained_models().values())
     assert gpu.prepare_models(None) == list(gpu.pretrain)
     assert out["left"] == 0 and out["finished"] == len(campaign.sweep.runs)
+    reuses = []  # the count check's tiny counterparts (one model configuration) share one built model
+    original = model_reuse.reusing_models
+
+    @contextlib.contextmanager
+    def watched():
+        with original() as reuse:
+            reuses.append(reuse)
+            yield reuse
+
+    monkeypatch.setattr(model_reuse, "reusing_models", watched)
     assert main(["campaign", "unpack", "--config", config, "--cpu", "--archive", "w1/campaign.tar.gz",
                  "--reference", str(reference)]) == 0
+    assert [reuse.builds for reuse in reuses] == [1]
     label = next(iter(campaign.pretrained_models()))
     assert (reference / "pretrained" / label / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
     options = campaign.learning_options()
