@@ -25,7 +25,8 @@ every run and calibration of the archive and the reference names one GPU, the
 one ``campaign.gpu`` names (:func:`check_hardware`), every safetensors file's header describes exactly the
 bytes after it and every PNG starts as a PNG does, and every new run's passes per sample in its first
 iteration equal what the same schedule counts on the tiny model on the CPU (:func:`check_counts`, which runs
-that counterpart: counts depend on neither the device, the size, the precision nor the weights). A file or
+that counterpart: counts depend on neither the device, the size, the precision nor the weights; the counterparts
+of one model configuration start from one built model, as a cell job's runs do). A file or
 run the reference holds already is skipped when its bytes are the same and refused when they differ, and two paths,
 of the archive or one of it and one of the reference, that differ only in case are refused (the reference is
 committed, and checked out where case is not told apart too: :func:`case_clash`). The new
