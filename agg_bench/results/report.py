@@ -25,7 +25,7 @@ from typing import Callable
 
 import pandas as pd
 
-from ..errors import PROGRESS_EVERY_S, Progress, UserError, counted
+from ..errors import PROGRESS_EVERY_S, Progress, UserError, counted, shown
 from ..outdir import claimed_folders, replaced_folders
 from ..io import write_json
 from ..outputs import REPORT_CONTENTS, STAMP_FILE  # what --tables DIR and --plots DIR may hold
@@ -34,7 +34,7 @@ from .loading import (PLOT_CELLS, PLOT_COLUMNS, Manifest, folder_tables_digest, 
                       load_records, load_tables_and_digest, parse_table, read_stamp, tables_digest)
 from .plots import write_plots
 from ..records import PLOT_TABLES
-from .tables import build_tables, unmatched_gradcheck
+from .tables import build_tables, timed_whole, unmatched_gradcheck
 
 
 def build_report(manifest: Manifest, tables_dir: str | Path | None = None,
@@ -60,6 +60,12 @@ def write_report(manifest: Manifest, tables_dir: str | Path | None = None, plots
     calibration = load_calibration(manifest.calibration)
     tables = build_tables(records, gradcheck, manifest.warmup, manifest.time, calibration)
     progress(f"tables of {counted(len(records), 'record')} computed")
+    whole = timed_whole(records, manifest.warmup)
+    if whole:
+        print(f"agg-bench report: {counted(len(whole), 'run')} ({shown(whole[0])}"
+              f"{f' and {len(whole) - 1} more' if len(whole) > 1 else ''}) had no more ok iterations than the "
+              f"warm-up (report.warmup_iterations or --warmup: {manifest.warmup}); their timings include it",
+              file=sys.stderr)
     unmatched = unmatched_gradcheck(tables["efficiency"], gradcheck)
     if unmatched:
         runs = [f"{m} at {r} px" for m, r in sorted(set(zip(records["model"], records["resolution"])))]

@@ -185,6 +185,16 @@ def _after_warmup(ok: pd.DataFrame, warmup: int) -> pd.DataFrame:
     return ok.iloc[warmup:] if len(ok) > warmup else ok
 
 
+def timed_whole(records: pd.DataFrame, warmup: int) -> list[str]:
+    """The run folders whose timings include their warm-up: those with at least one and no more than ``warmup`` ok
+    iterations, which :func:`_after_warmup` times whole (a sweep's ``report.warmup_iterations`` left at its
+    default, 1, on runs of one iteration)."""
+    if warmup < 1 or records.empty or "iteration" not in records:
+        return []
+    counts = records[records["status"] == "ok"].groupby("run_dir", sort=False).size()
+    return [str(run_dir) for run_dir, count in counts.items() if count <= warmup]
+
+
 def timed_records(records: pd.DataFrame, warmup: int = 1) -> pd.DataFrame:
     """Every record that timings sample: each run's ok iterations after its first ``warmup``."""
     if records.empty or "iteration" not in records:

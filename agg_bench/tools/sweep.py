@@ -875,11 +875,29 @@ class Sweep:
         replays = {f"gradcheck {name}": self.gradcheck_grid() for name in self.gradchecks}
         options = checked_methods(self.base_file, checks, cache_dir, replays) if checks else {}
         check_same_runs(self.runs, resolved, options)
+        self._check_warmup(resolved)
         for run in self.runs.values():
             run["method_options"] = options[run.pop("check")]
         self.cells = self._cells()
         in_cells = {run_id for run_ids in self.cells.values() for run_id in run_ids}
         self.single_runs = [run_id for run_id in self.runs if run_id not in in_cells]  # one `run` job each
+
+    def _check_warmup(self, resolved: dict[str, dict]) -> None:
+        """A ``report.warmup_iterations`` the sweep gives below each run's ``train.iterations`` (``resolved``: each
+        run checked -> its run config): the tables time a run's iterations after the warm-up, and a run of no more
+        iterations is timed whole, warm-up included. Left out, the default (1) times a one-iteration run whole, which
+        ``agg-bench report`` notes (:func:`agg_bench.results.tables.timed_whole`)."""
+        warmup = (self.sweep.get("report") or {}).get("warmup_iterations")
+        if warmup is None:
+            return
+        for what, config in resolved.items():
+            iterations = config["train"]["iterations"]
+            if warmup >= iterations:
+                raise SweepError(f"{what}: " + str(ConfigError(
+                    "report.warmup_iterations", warmup,
+                    f"at most {iterations - 1}: the tables time each run's iterations after the warm-up, and this run "
+                    f"trains train.iterations = {iterations} (left out, the default 1 times a run of one iteration "
+                    "whole, and agg-bench report says so)")))
 
     def check_learning(self) -> None:
         """The runs checked as the learning report checks them (their iterations against its two ends, measured

@@ -428,6 +428,23 @@ def test_a_sweep_asked_for_the_learning_report_is_checked_as_a_learning_sweep(in
     Sweep(config, SCHEMA).check_learning()
 
 
+def test_a_warm_up_a_run_is_not_longer_than_is_refused(in_process):
+    """report.warmup_iterations at or above a run's train.iterations timed that run's every iteration, warm-up
+    included, with nothing said. Given, it is refused before any job; left out, the default (1) is kept for runs of
+    one iteration (the campaign's --cpu form), which agg-bench report names."""
+    config = sweep_config()  # runs of 2 iterations
+    for warmup in (2, 1000):
+        config["report"] = {"warmup_iterations": warmup}
+        with pytest.raises(SweepError) as err:
+            Sweep(config, SCHEMA)
+        assert f"config error: report.warmup_iterations = {warmup}: expected at most 1: " in str(err.value)
+        assert "train.iterations = 2" in str(err.value) and "\n" not in str(err.value), err.value
+    config["report"] = {"warmup_iterations": 1}
+    assert Sweep(config, SCHEMA).manifest()["warmup"] == 1
+    config["report"], config["set"] = {}, {**config["set"], "train.iterations": 1}
+    assert Sweep(config, SCHEMA).manifest()["warmup"] == 1
+
+
 @pytest.mark.parametrize("override, key", [
     ({"reward.options.quality": 50}, "reward"),
     ({"prompts.file": "config/prompts/scenes.txt"}, "prompts.file"),

@@ -498,6 +498,23 @@ def test_report_cli(sweep, tmp_path, capsys):
     assert "--tables" in capsys.readouterr().err
 
 
+def test_a_run_timed_with_its_warm_up_is_named_on_stderr(tmp_path, capsys):
+    """A run of no more ok iterations than the warm-up is timed whole, warm-up included: the tables held it with
+    nothing said. stderr names it (one line); a warm-up the runs are longer than says nothing."""
+    runs = tmp_path / "runs"
+    make_run(runs, "one", "full", [it(10.0, 0.0)])
+    make_run(runs, "two", "full", [it(10.0, 0.0), it(2.0, 1.0)], seed=1)
+    capsys.readouterr()
+    for warmup, named in (("1", ["one"]), ("2", ["one", "two"]), ("0", [])):
+        assert main(["report", "--runs", str(runs), "--warmup", warmup, "--tables", str(tmp_path / "t")]) == 0
+        lines = capsys.readouterr().err.splitlines()
+        if not named:
+            assert lines == []
+            continue
+        assert len(lines) == 1 and f"{len(named)} run" in lines[0] and "their timings include it" in lines[0], lines
+        assert str(runs / named[0]) in lines[0] and f"--warmup: {warmup})" in lines[0], lines
+
+
 
 class DrawnOnce:
     """A stand-in for the report's write_plots in a test whose reports draw the plots of the same tables more than
