@@ -124,7 +124,7 @@ def _entry(path: Path, index: int, entry: Any) -> CellRun:
     if done is not None and done.endswith("/"):  # pathlib drops the slash: the marker was a file of that name
         raise UserError(f"{shown(path)}: {where}.done {quote(done)}: ends with /, which names a folder; expected a "
                         "marker file or null")
-    check_path_names(f"{path}: {where}", (("config", config), ("out", out), ("done", done)))
+    check_path_names(f"{shown(path)}: {where}", (("config", config), ("out", out), ("done", done)))
     return CellRun(config, tuple(overrides), Path(out), Path(done) if done is not None else None)
 
 
@@ -195,7 +195,7 @@ def read_jobs(path: str | Path, calibrations: bool = False, data: dict | None = 
         if marker in markers:
             raise UserError(f"{shown(path)}: runs[{index}].done {shown(job.done)} is also "
                             f"runs[{markers[marker]}].done; expected a marker of its own for each run")
-        check_file(job.done, is_marker, "a run's marker", f"{path}: runs[{index}].done")
+        check_file(job.done, is_marker, "a run's marker", f"{shown(path)}: runs[{index}].done")
         markers[marker] = index
     # nor a marker a folder on another path of the job: a run folder or marker below it made a folder of it, and
     # the marker could not be written there (a traceback once every run had ended)
@@ -282,7 +282,7 @@ def run_cell(path: str | Path, keep_going: bool = False, deadline: float | None 
             raise UserError(f"{shown(path)}: runs[{index}] (--out {shown(job.out)}): {err}") from None
 
     journal = Journal.resume(Path(path)) if resume else None
-    with claimed_markers([(job.done, f"{path}: runs[{index}].done") for index, (job, _) in enumerate(jobs)
+    with claimed_markers([(job.done, f"{shown(path)}: runs[{index}].done") for index, (job, _) in enumerate(jobs)
                           if job.done is not None]), reusing_models(), _imports_frozen():
         return _run_jobs(Path(path), jobs, keep_going, deadline, journal, overwrite, keep_journal, after_runs)
 
@@ -459,8 +459,8 @@ class Journal:
     @classmethod
     def resume(cls, jobs_path: Path) -> "Journal":
         """The journal of ``jobs_path``'s earlier attempt (:meth:`read`)."""
-        return cls.read(cls.path_of(jobs_path), "agg-bench cell", f"{jobs_path}: its journal",
-                        f"every run of {jobs_path} runs")
+        return cls.read(cls.path_of(jobs_path), "agg-bench cell", f"{shown(jobs_path)}: its journal",
+                        f"every run of {shown(jobs_path)} runs")
 
     @classmethod
     def read(cls, path: Path, verb: str, flag: str, rerun: str, advice: str | None = None) -> "Journal":

@@ -106,6 +106,51 @@ def test_a_path_with_a_control_character_is_quoted_in_a_refusal(tmp_path, capsys
     assert list(folder.iterdir()) == []
 
 
+def _reward_checkpoint_missing(folder: Path):
+    from agg_bench.engine.reward_models.common import require_path
+
+    path = str(folder / "hps.pt")
+    return require_path, ("hpsv2", {"checkpoint": path}, "checkpoint", "the file"), \
+        f"reward.options.checkpoint = {path!r} does not exist"
+
+
+def _reward_checkpoint_a_folder(folder: Path):
+    from agg_bench.engine.reward_models.common import load_state_dict
+
+    return load_state_dict, ("hpsv2", folder, "the file"), f"reward 'hpsv2': {str(folder)!r} is a folder"
+
+
+def _cell_path_refused(folder: Path):
+    from agg_bench.runtime.cell import read_jobs
+
+    jobs = folder / "jobs.json"
+    jobs.write_text(json.dumps({"runs": [{"out": ""}]}))
+    return read_jobs, (jobs,), f"{str(jobs)!r}: runs[0].out '': "
+
+
+def _cell_marker_a_folder(folder: Path):
+    from agg_bench.runtime.cell import read_jobs
+
+    jobs, marker = folder / "jobs.json", folder / "marker.json"
+    marker.mkdir()
+    jobs.write_text(json.dumps({"runs": [{"out": str(folder / "run"), "done": str(marker)}]}))
+    return read_jobs, (jobs,), f"{str(jobs)!r}: runs[0].done {str(marker)!r}: is a folder"
+
+
+@pytest.mark.parametrize("refusal", [_reward_checkpoint_missing, _reward_checkpoint_a_folder, _cell_path_refused,
+                                     _cell_marker_a_folder])
+def test_a_path_with_a_newline_is_quoted_in_a_reward_model_or_cell_refusal(tmp_path, refusal):
+    """The reward models wrote a path between hand-written quotes, and a cell job file's refusals began with its path
+    as it is: a newline in it split the one-line refusal. Quoted as every refusal quotes a path (errors.quote,
+    errors.shown)."""
+    folder = tmp_path / "a\nb"
+    folder.mkdir()
+    function, args, words = refusal(folder)
+    with pytest.raises(UserError) as err:
+        function(*args)
+    assert "\n" not in str(err.value) and words in str(err.value), str(err.value)
+
+
 def test_a_user_folder_is_refused_and_left_as_it_was(tmp_path, capsys):
     out = tmp_path / "home"
     out.mkdir()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import UserError
+from ...errors import UserError, quote
 from ...config.reward_options import reward_options
 from .common import (feature_dtype, LinearStack, load_state_dict, load_weights, make_reward_fn,
                      require_package, require_path, reward_dtype)
@@ -37,7 +37,7 @@ def load_head(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
             head = LinearStack.from_state_dict(state)
         except ValueError:
             raise UserError(
-                f"reward 'aesthetic': head '{path}' is neither a linear layer (weight, bias) nor an "
+                f"reward 'aesthetic': head {quote(str(path))} is neither a linear layer (weight, bias) nor an "
                 f"aesthetic MLP (layers.<i>.weight), found keys {sorted(state)[:4]} ...; expected {HEAD}"
             ) from None
     head.to(dtype)  # before loading, so float64 weights stay float64

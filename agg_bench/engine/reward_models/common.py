@@ -72,7 +72,7 @@ def require_path(reward: str, options: Mapping, key: str, what: str, default: st
         raise UserError(f"reward {reward!r}: reward.options.{key} is not given; expected {what}")
     path = option_path(reward, key, value, what)  # '' too refused as every path is
     if not path.exists():
-        raise UserError(f"reward {reward!r}: reward.options.{key} = '{path}' does not exist; expected {what}")
+        raise UserError(f"reward {reward!r}: reward.options.{key} = {quote(str(path))} does not exist; expected {what}")
     return path
 
 
@@ -88,7 +88,7 @@ def load_pretrained(reward: str, cls, folder: Path, what: str):
     try:
         return cls.from_pretrained(str(folder))
     except Exception as err:  # OSError, ValueError, TypeError depending on which file is missing or broken
-        raise UserError(f"reward {reward!r}: cannot load a {cls.__name__} from '{folder}' "
+        raise UserError(f"reward {reward!r}: cannot load a {cls.__name__} from {quote(str(folder))} "
                         f"({first_line(err)}); "
                         f"expected {what}") from None
 
@@ -112,7 +112,7 @@ def load_state_dict(reward: str, path: Path, what: str) -> dict[str, torch.Tenso
     an unreadable or corrupt file, a pickled object that is not a state dict, or one holding no tensors.
     """
     def fail(problem: str) -> UserError:
-        return UserError(f"reward {reward!r}: '{path}' {problem}; expected {what}")
+        return UserError(f"reward {reward!r}: {quote(str(path))} {problem}; expected {what}")
 
     if path.is_dir():
         raise fail("is a folder")
@@ -169,7 +169,7 @@ def load_weights(
         found = "; ".join(f"{label} {keys[:5]}{' ...' if len(keys) > 5 else ''}"
                           for label, keys in problems.items() if keys)
         expected_file = f" (expected {what})" if what else ""
-        raise UserError(f"reward {reward!r}: checkpoint '{path}'{expected_file} does not fit the configured "
+        raise UserError(f"reward {reward!r}: checkpoint {quote(str(path))}{expected_file} does not fit the configured "
                         f"architecture: {found}")
     model.load_state_dict(state)
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from ...errors import UserError
+from ...errors import UserError, quote
 from ..hf_logging import quiet_loading
 from ...config.reward_options import CLIP_MODEL, CLIP_PROCESSOR
 from ..rewards import to_uint8
@@ -43,11 +43,11 @@ def _load(reward: str, model_class, model_dir: Path, quiet: bool, **kwargs):
             model, info = model_class.from_pretrained(str(model_dir), output_loading_info=True,
                                                       ignore_mismatched_sizes=True, **kwargs)
     except Exception as err:  # OSError, ValueError, safetensors errors for a missing or corrupt weights file
-        raise UserError(f"reward {reward!r}: cannot load a {model_class.__name__} from '{model_dir}' "
+        raise UserError(f"reward {reward!r}: cannot load a {model_class.__name__} from {quote(str(model_dir))} "
                         f"({first_line(err)}); expected {CLIP_MODEL}") from None
     absent = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
     if absent:
-        raise UserError(f"reward {reward!r}: '{model_dir}' does not hold a complete {model_class.__name__}; "
+        raise UserError(f"reward {reward!r}: {quote(str(model_dir))} does not hold a complete {model_class.__name__}; "
                         f"missing or mis-shaped weights {absent[:5]}{' ...' if len(absent) > 5 else ''}; "
                         f"expected {CLIP_MODEL}")
     return model
@@ -67,11 +67,12 @@ class HFClip:
         try:
             config = transformers.AutoConfig.from_pretrained(str(model_dir))
         except Exception as err:  # OSError / ValueError / JSON errors for a missing or broken config.json
-            raise UserError(f"reward {reward!r}: cannot read a model config in '{model_dir}' ({first_line(err)}); "
+            raise UserError(f"reward {reward!r}: cannot read a model config in {quote(str(model_dir))} "
+                            f"({first_line(err)}); "
                             f"expected {CLIP_MODEL}") from None
         accepted = ("clip", "clip_vision_model") if vision_only else ("clip",)
         if config.model_type not in accepted:
-            raise UserError(f"reward {reward!r}: '{model_dir}' holds a {config.model_type!r} model; "
+            raise UserError(f"reward {reward!r}: {quote(str(model_dir))} holds a {config.model_type!r} model; "
                             f"expected one of {list(accepted)}")
         if vision_only:
             if config.model_type == "clip":  # a full CLIP folder: keep its vision tower and projection

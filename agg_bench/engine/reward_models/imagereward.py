@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import UserError
+from ...errors import UserError, quote
 from ...jsonfiles import read_json_object
 from ...config.reward_options import reward_options
 from .common import (ClipTransform, feature_dtype, LinearStack, load_pretrained,
@@ -91,7 +91,7 @@ def _config(cls, value, option: str, strict: bool):
     if isinstance(value, (str, Path)):
         path = option_path(REWARD, option, value, "a JSON file", file=True)
         if not path.is_file():
-            raise UserError(f"reward {REWARD!r}: reward.options.{option} = '{path}' does not exist; "
+            raise UserError(f"reward {REWARD!r}: reward.options.{option} = {quote(str(path))} does not exist; "
                             f"expected a JSON file")
         try:
             value = read_json_object(path, "a JSON object of BLIP's text-encoder fields (med_config.json)")
