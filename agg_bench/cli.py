@@ -537,7 +537,8 @@ def cmd_pretrain(args) -> int:
 
     # each key's refusal (a file, a type, a bound) before the model code's imports (about five CPU-seconds);
     # the checks of the keys together need it
-    cfg = read_pretrain_config(args.config, args.overrides)
+    cfg = read_pretrain_config(args.config, args.overrides,
+                               warn=lambda line: print(f"agg-bench pretrain: {line}", file=sys.stderr, flush=True))
     from .tools.pretrain import check_pretrain_config, pretrain
 
     summary = pretrain(check_pretrain_config(cfg), args.out)

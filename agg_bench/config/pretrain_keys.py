@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from ..errors import ConfigError
 from .load import apply_overrides
@@ -45,7 +45,8 @@ class PretrainConfig(Section):
     batch_size: int = option(32, "images per step", minimum=1, maximum=4096)
     lr: float = option(1e-3, "AdamW's learning rate, reached by a linear warm-up over the first `warmup_steps`",
                        exclusive_minimum=0, maximum=1)
-    warmup_steps: int = option(50, "steps of the learning rate's linear warm-up", minimum=0, maximum=MAX_STEPS)
+    warmup_steps: int = option(50, "steps of the learning rate's linear warm-up; one given above `steps` (which "
+                                   "never reaches `lr`) is a warning line on stderr", minimum=0, maximum=MAX_STEPS)
     lr_schedule: Literal["constant", "cosine"] = option(
         "constant", "the learning rate after the warm-up: `constant`, or `cosine` down to 0 at the last step (late "
                     "steps refine instead of wander)")
@@ -95,13 +96,30 @@ def typed_pretrain_config(given: Mapping[str, Any]) -> PretrainConfig:
     return cfg
 
 
-def read_pretrain_config(path: str | Path | None, overrides: list[str] | None = None) -> PretrainConfig:
+def read_pretrain_config(path: str | Path | None, overrides: list[str] | None = None,
+                         warn: Callable[[str], None] | None = None) -> PretrainConfig:
     """PretrainConfig defaults <- YAML file <- ``--set key=value`` overrides, typed and bounded by its fields
     (:func:`typed_pretrain_config`); what needs the model code is checked after
-    (:func:`agg_bench.tools.pretrain.load_pretrain_config`)."""
-    user = read_yaml_mapping(path, "pretrain keys") if path is not None else {}
-    return typed_pretrain_config(apply_overrides(user, overrides or []))
+    (:func:`agg_bench.tools.pretrain.load_pretrain_config`). ``warn`` is given :func:`warmup_warning`'s line where
+    there is one."""
+    given = apply_overrides(read_yaml_mapping(path, "pretrain keys") if path is not None else {}, overrides or [])
+    cfg = typed_pretrain_config(given)
+    line = warmup_warning(given, cfg)
+    if warn is not None and line is not None:
+        warn(line)
+    return cfg
+
+
+def warmup_warning(given: Mapping[str, Any], cfg: PretrainConfig) -> str | None:
+    """One line where the keys ``given`` set ``warmup_steps`` above ``steps``: the warm-up never ends, and the last
+    step's learning rate is ``steps / warmup_steps`` of ``lr``; None otherwise. Only a warm-up given so: the default
+    (50) above a few test steps is not the user's, and refusing it would refuse those runs."""
+    if "warmup_steps" not in given or cfg.warmup_steps <= cfg.steps:
+        return None
+    return (f"warning: warmup_steps = {cfg.warmup_steps} is above steps = {cfg.steps}: the learning rate never "
+            f"reaches lr = {cfg.lr:g} (the last step's is {cfg.lr * cfg.steps / cfg.warmup_steps:.3g}); give "
+            "warmup_steps <= steps to reach it")
 
 
 __all__ = ["MAX_SEED", "MAX_STEPS", "MAX_THREADS", "PretrainConfig", "pretrain_schema", "read_pretrain_config",
-           "typed_pretrain_config"]
+           "typed_pretrain_config", "warmup_warning"]

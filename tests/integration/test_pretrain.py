@@ -131,6 +131,27 @@ def test_learning_rate_schedules():
     assert {learning_rate(constant, s) for s in range(10, 110)} == {0.5}
 
 
+def test_a_given_warm_up_longer_than_the_steps_is_one_warning_line(tmp_path, capsys):
+    """steps=10 warmup_steps=1000000 trained at a learning rate that never neared lr, with nothing said. A warm-up
+    given above the steps is one stderr line (before the model code); the default warm-up (50) above a few test
+    steps, and a warm-up that ends at the last step, say nothing."""
+    from agg_bench.cli import main
+    from agg_bench.config.pretrain_keys import read_pretrain_config
+
+    lines: list[str] = []
+    for overrides in (["steps=1"], ["steps=10", "warmup_steps=10"], ["steps=10", "warmup_steps=1000000", "lr=0.5"]):
+        read_pretrain_config(None, overrides, warn=lines.append)
+    assert lines == ["warning: warmup_steps = 1000000 is above steps = 10: the learning rate never reaches lr = 0.5 "
+                     "(the last step's is 5e-06); give warmup_steps <= steps to reach it"]
+    out = tmp_path / "out"
+    capsys.readouterr()  # a refusal after it (the resolution's multiple) still prints it, and nothing is written
+    assert main(["pretrain", "--set", "steps=10", "--set", "warmup_steps=11", "--set", "resolution=20", "--out",
+                 str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("agg-bench pretrain: warning: warmup_steps = 11 is above steps = 10")
+    assert "resolution" in err[1] and not out.exists(), err
+
+
 @pytest.mark.parametrize("override, key", [
     ("family=qwenimage", "family"), ("steps=-1", "steps"), ("steps=10000000", "steps"), ("lr=.nan", "lr"),
     ("lr=abc", "lr"), ("batch_size=2.5", "batch_size"), ("resolution=30", "resolution"),
