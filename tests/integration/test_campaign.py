@@ -1014,6 +1014,31 @@ def test_a_run_whose_records_unpack_refuses_is_not_done(tmp_path, cpu_campaign, 
         archive_module._check_run(cpu_campaign, "archive A", run_id, files)
 
 
+@pytest.mark.parametrize("summary, records, words", [
+    # a metrics.jsonl cut at a line's end after the summary was written: fewer records than the run's iterations
+    ({"last_good_iteration": 3}, RECORD_0, "metrics.jsonl: no ok record of iteration 3, the last good one"),
+    ({"iterations": 4}, RECORD_0, "summary.json: iterations = 4, where metrics.jsonl holds 1 record"),
+    ({}, RECORD_0.replace('"ok"', '"oom"'), "summary.json: status = 'ok', where metrics.jsonl record 1 has 'oom'"),
+    # lines json_lines takes that the reader of a run folder reads otherwise (as a torn last line: no record)
+    ({}, "\ufeff" + RECORD_0, "metrics.jsonl: a reader of a run folder reads 0 records where its lines hold 1"),
+    ({}, RECORD_0.replace("\n", "\u2028"), "metrics.jsonl: a reader of a run folder reads 0 records where its lines"),
+])
+def test_a_run_whose_summary_and_records_disagree_is_not_done(tmp_path, cpu_campaign, summary, records, words):
+    """A run whose summary says ok over records that do not end it (cut after the summary was written, the last
+    good iteration missing, a record of another end) was done for campaign status and a window, packed, and
+    refused only when unpack wrote the reference's tables, naming a path of the reference: no window ran it again.
+    Unpack's check of a run, and so a window's, makes the report's checks of a run that ended."""
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    folder = tmp_path / "runs" / run_id
+    finished_run(cpu_campaign, folder)
+    (folder / "summary.json").write_text(json.dumps({"status": "ok", **summary}))
+    (folder / "metrics.jsonl").write_text(records, encoding="utf-8")
+    assert not cpu_campaign.finished(folder, run_id) and cpu_campaign.done(tmp_path) == set()
+    files = {path.name: path.read_bytes() for path in folder.iterdir()}
+    with pytest.raises(UserError, match=f"^archive A: runs/{run_id}/{re.escape(words)}"):
+        archive_module._check_run(cpu_campaign, "archive A", run_id, files)
+
+
 @pytest.mark.parametrize("name, text, words", [
     ("env.json", "not json", "env.json: is not JSON"),
     ("env.json", "[]", "env.json: holds a list"),
