@@ -36,8 +36,8 @@ in the reference until the runs, the manifest and the tables are all in place: a
 it, readers of the reference's manifest refuse it meanwhile (:func:`agg_bench.outputs.check_no_unpack`), and the
 same unpack again finishes the job (what the reference holds with the same bytes is skipped).
 
-Then the reference's ``manifest.json`` (every run and calibration there, with the sweep's labels and ``source:
-reference``) and its tables: the efficiency report (``tables/``: ``agg-bench report --manifest
+Then the reference's ``manifest.json`` (every run there that a window counts done, and every calibration, with
+the sweep's labels and ``source: reference``) and its tables: the efficiency report (``tables/``: ``agg-bench report --manifest
 REF/manifest.json --tables REF/tables`` regenerates it byte for byte) or, for a sweep with a ``learning``
 section once every run is in, the learning report (``learning/``: ``agg-bench learning`` on the manifest,
 from the runs' in-run evaluations: a reference holds no checkpoints to evaluate).
@@ -851,7 +851,8 @@ def _remove(path: Path) -> None:
 
 
 def reference_manifest(campaign: Campaign, reference: Path) -> dict:
-    """The manifest of every run and calibration in ``reference``, with the sweep's labels and
+    """The manifest of every finished run (:meth:`~agg_bench.tools.campaign.Campaign.finished`) and every calibration
+    in ``reference``, with the sweep's labels and
     ``source: reference``; paths relative to the working directory where ``reference`` lies inside it (a
     committed reference is read from the repository's root)."""
     reference = _relative(reference)
@@ -859,7 +860,9 @@ def reference_manifest(campaign: Campaign, reference: Path) -> dict:
     runs = []
     for entry in full["runs"]:
         run_id = Path(entry["dir"]).name
-        if run_id in campaign.sweep.runs and (reference / "runs" / run_id / "summary.json").is_file():
+        # the runs a window and campaign status count done: a run folder there of another config, or one that did not
+        # end as a finished run (put there by hand), stood in the tables as the sweep's run while status called it missing
+        if run_id in campaign.sweep.runs and campaign.finished(reference / "runs" / run_id, run_id):
             runs.append({**entry, "dir": str(reference / "runs" / run_id), "source": "reference"})
     calibration = []
     for path in campaign.finished_files(reference, "calibration"):

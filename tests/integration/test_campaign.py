@@ -1058,6 +1058,23 @@ def test_a_run_whose_other_files_unpack_refuses_is_not_done(tmp_path, cpu_campai
         archive_module._check_run(cpu_campaign, "archive A", run_id, files)
 
 
+def test_the_reference_s_manifest_lists_only_the_runs_a_window_counts_done(tmp_path, cpu_campaign):
+    """A run folder of the reference that is not the sweep's finished run (another config, a summary that did not
+    end ok: put there by hand) went into the reference's manifest and tables as the sweep's run, while campaign
+    status counted it missing. The manifest lists the runs a window counts done; the folder is left as it is."""
+    reference = tmp_path / "reference"
+    done, other, ended = list(cpu_campaign.sweep.runs)[:3]
+    for run_id in (done, other, ended):
+        finished_run(cpu_campaign, reference / "runs" / run_id)
+    config = json.loads((reference / "runs" / other / "config.json").read_text())
+    (reference / "runs" / other / "config.json").write_text(json.dumps({**config, "progress": not config["progress"]}))
+    (reference / "runs" / ended / "summary.json").write_text(json.dumps({"status": "interrupted"}))
+    before = tree(reference)
+    manifest = archive_module.reference_manifest(cpu_campaign, reference)
+    assert [Path(entry["dir"]).name for entry in manifest["runs"]] == [done] == sorted(cpu_campaign.done(reference))
+    assert tree(reference) == before
+
+
 @pytest.mark.parametrize("name", ["env.json", "metrics.jsonl"])
 def test_a_reference_run_without_a_file_unpack_requires_is_missing_in_status(tmp_path, capsys, cpu_campaign, name):
     """campaign status (and a window) counted a run as done from its summary and config alone: a reference run
