@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
-from ..errors import UserError, counted, quote, shown
+from ..errors import UserError, quote, shown
 from ..io import atomic_path, atomic_target, jsonl_records, remove_stale_temps, write_json
 from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
 from ..outdir import Contents, claim_folder, claimed_folders, path_problem
@@ -297,7 +297,7 @@ def read_run(where: str, folder: Path) -> tuple[list[dict], dict, dict, dict]:
     finished run's: ``metrics.jsonl`` by :func:`check_records`, every other JSON lines file's lines whole
     (:class:`~agg_bench.reading.RunFolder`, which reads every file below, skips a torn last line: a run killed
     mid-write, which no finished run has and a reference would keep), then each file as every reader of a run
-    folder reads it (the records read the same by it), and the records ending as the summary says, as the report
+    folder reads it (both through :func:`~agg_bench.io.jsonl_records`), and the records ending as the summary says, as the report
     checks a run that ended (:meth:`~agg_bench.reading.RunFolder.check_records_ended`: the ok record of the last
     good iteration; :meth:`~agg_bench.reading.RunFolder.check_identity`: an ok summary over one record per
     iteration, each ok; a metrics.jsonl cut at a line's end after the summary was written was counted done,
@@ -314,15 +314,11 @@ def read_run(where: str, folder: Path) -> tuple[list[dict], dict, dict, dict]:
     run = RunFolder(folder)
     with _named_as(where, folder):
         summary = run.summary()
-        read = run.records()  # as a reader of a run folder reads them (each line within its bound)
+        run.records()  # as a reader of a run folder reads them (each line within its bound)
         env = run.env()
         run.plan()
         run.evaluations()
         config = run.config_object()
-        if read != records:  # a line the reader takes otherwise (a byte order mark, a line break inside a line)
-            raise UserError(f"{folder}/metrics.jsonl: a reader of a run folder reads "
-                            f"{counted(len(read), 'record')} where its lines hold {len(records)}; expected one "
-                            "JSON object a line, as a run writes them")
         # the checks the report makes of a run that ended: the ok record of the last good iteration its summary
         # names, and a summary and records of one run and one end (an ok summary over every iteration)
         run.check_records_ended(summary, records)

@@ -30,14 +30,13 @@ import yaml
 from agg_bench.cli import main
 from agg_bench.errors import UserError
 from agg_bench.io import atomic_path
-from agg_bench.runtime import model_reuse
 from agg_bench.tools import campaign as campaign_module
 from agg_bench.tools import cell_calibration
 from agg_bench.tools import archive as archive_module
 from agg_bench.tools.archive import tiny_counterpart
 from agg_bench.tools.campaign import Campaign, cpu_resolution
 from agg_bench.tools.sweep import CACHE_DIR, SweepError
-from helpers import ENDED_PID, Holder, bash_script, exit_code, not_hung, running_process
+from helpers import ENDED_PID, Holder, bash_script, exit_code, not_hung, running_process, watched_model_reuse
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config" / "h200.yaml"
@@ -270,7 +269,7 @@ BAD = {
                   "bytes.activations = 'lots'"),
     # records that are not the sweep's run, or not of its device
     "another run": (lambda m: replace(m, "metrics.jsonl", record_edit("run_id", "someone_else")),
-                    "run_id = 'someone_else'"),
+                    "where metrics.jsonl record 1 has 'someone_else'"),
     "another device": (lambda m: replace(m, "metrics.jsonl", lambda d: "".join(json.dumps(
         {**json.loads(line), "device": "cuda", "gpu_name": "NVIDIA A100"}) + "\n" for line in d.decode().splitlines()
         ).encode()), "device = 'cuda'"),
@@ -1019,9 +1018,9 @@ def test_a_run_whose_records_unpack_refuses_is_not_done(tmp_path, cpu_campaign, 
     ({"last_good_iteration": 3}, RECORD_0, "metrics.jsonl: no ok record of iteration 3, the last good one"),
     ({"iterations": 4}, RECORD_0, "summary.json: iterations = 4, where metrics.jsonl holds 1 record"),
     ({}, RECORD_0.replace('"ok"', '"oom"'), "summary.json: status = 'ok', where metrics.jsonl record 1 has 'oom'"),
-    # lines json_lines takes that the reader of a run folder reads otherwise (as a torn last line: no record)
-    ({}, "\ufeff" + RECORD_0, "metrics.jsonl: a reader of a run folder reads 0 records where its lines hold 1"),
-    ({}, RECORD_0.replace("\n", "\u2028"), "metrics.jsonl: a reader of a run folder reads 0 records where its lines"),
+    # lines a text reader would split or strip otherwise (a byte order mark, a line break inside a line)
+    ({}, "\ufeff" + RECORD_0, "metrics.jsonl: line 1 is not valid JSON (Unexpected UTF-8 BOM"),
+    ({}, RECORD_0.replace("\n", "\u2028"), "metrics.jsonl: line 1 is not valid JSON (Extra data"),
 ])
 def test_a_run_whose_summary_and_records_disagree_is_not_done(tmp_path, cpu_campaign, summary, records, words):
     """A run whose summary says ok over records that do not end it (cut after the summary was written, the last
@@ -2025,16 +2024,7 @@ def test_a_cpu_window_of_the_gpu_learning_sweep(tmp_path, monkeypatch, capsys, c
     assert all(not path.exists() for path in gpu.pretrained_models().values())
     assert gpu.prepare_models(None) == list(gpu.pretrain)
     assert out["left"] == 0 and out["finished"] == len(campaign.sweep.runs)
-    reuses = []  # the count check's tiny counterparts (one model configuration) share one built model
-    original = model_reuse.reusing_models
-
-    @contextlib.contextmanager
-    def watched():
-        with original() as reuse:
-            reuses.append(reuse)
-            yield reuse
-
-    monkeypatch.setattr(model_reuse, "reusing_models", watched)
+    reuses = watched_model_reuse(monkeypatch)  # the count check's tiny counterparts share one built model
     assert main(["campaign", "unpack", "--config", config, "--cpu", "--archive", "w1/campaign.tar.gz",
                  "--reference", str(reference)]) == 0
     assert [reuse.builds for reuse in reuses] == [1]
