@@ -621,6 +621,24 @@ def methods_checked_here(monkeypatch) -> list[list[str]]:
     return calls
 
 
+def watched_model_reuse(monkeypatch) -> list:
+    """``model_reuse.reusing_models`` watched (monkeypatch it in): each reuse scope entered, in order, whose
+    ``builds`` say how many models were built in it."""
+    from agg_bench.runtime import model_reuse
+
+    reuses: list = []
+    original = model_reuse.reusing_models
+
+    @contextmanager
+    def watched():
+        with original() as reuse:
+            reuses.append(reuse)
+            yield reuse
+
+    monkeypatch.setattr(model_reuse, "reusing_models", watched)
+    return reuses
+
+
 def watched_open(on_read):
     """A stand-in for ``jsonfiles.open_regular`` (monkeypatch it in): the file opened by the real one, calling
     ``on_read()`` before each ``read`` and ``readline``, which may record the call or raise."""

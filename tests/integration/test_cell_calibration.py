@@ -4,7 +4,6 @@ none that would end after the deadline, stop at a signal after their report, and
 code 2, nothing written."""
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -13,10 +12,11 @@ import pytest
 
 from agg_bench.cli import main
 from agg_bench.errors import UserError
-from agg_bench.runtime import cell as cell_module, model_reuse
+from agg_bench.runtime import cell as cell_module
 from agg_bench.runtime.cell import run_cell
 from agg_bench.tools import cell_calibration
 from agg_bench.tools.cell_calibration import CALIBRATION_OVERHEAD, NOT_TIMED, read_calibrations, run_calibrations
+from helpers import watched_model_reuse
 
 TINY = ["model.preset=tiny", "model.resolution=32", "train.iterations=2", "sampling.steps=6", "grpo.group_size=2",
         "grpo.prompts_per_iteration=1", "progress=false", "model.dtype=float64"]
@@ -54,16 +54,7 @@ def report(entry: dict) -> dict:
 def test_a_cells_calibration_times_its_methods_on_the_model_its_runs_built(tmp_path, monkeypatch, capsys):
     """Two runs, then a calibration of their methods in the same process: one model built for all three, and the
     calibration counts, method by method, the passes that `agg-bench calibrate` counts in a process of its own."""
-    reuses = []
-    original = model_reuse.reusing_models
-
-    @contextlib.contextmanager
-    def watched():
-        with original() as reuse:
-            reuses.append(reuse)
-            yield reuse
-
-    monkeypatch.setattr(model_reuse, "reusing_models", watched)
+    reuses = watched_model_reuse(monkeypatch)
     reads = []  # the job file's runs and calibrations come from one reading of it
     read = cell_module.read_json_object
     monkeypatch.setattr(cell_module, "read_json_object", lambda file, *a: reads.append(Path(file)) or read(file, *a))
