@@ -264,7 +264,7 @@ class Campaign:
             _pretrain_configs(data)  # its pretrain entries as written: a refusal names the file's label
             data = cpu_sweep(data)
         # the file's resolutions and seeds, which its exclude entries name, though a CPU form has fewer
-        self.sweep = Sweep(data, schema, files=[self.config_path], **kwargs)
+        self.sweep = Sweep(data, schema, files=[self.config_path], read=[written], **kwargs)
         part = data.get("campaign") or {}
         self.calibrate = part.get("calibrate", True)
         self.calibrate_methods = part.get("calibrate_methods", DEFAULT_CALIBRATE_METHODS)

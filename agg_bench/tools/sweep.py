@@ -7,7 +7,8 @@ peft). The checks come in two stages:
 
 1. In this process, from configs alone: the sweep as its files read with agg-bench's YAML loader
    (:func:`read_sweep_config`: Snakemake's parse is YAML 1.1, where ``017`` is 15 and ``1e-5`` text, and takes
-   repeated keys, last wins, and aliases that nest without a bound) and the parsed sweep's size with its aliases written out (:func:`agg_bench.config.check_expanded_size`), both before
+   repeated keys, last wins, and aliases that nest without a bound) and the parsed sweep's size with its aliases
+   written out (:func:`agg_bench.config.check_expanded_size`), both before
    anything walks the whole sweep; the sweep against ``workflow/schemas/config.schema.yaml`` and
    its cross-references; each composed run config against the run schema; each run's resolution against
    its model family's latent multiple and maximum (:mod:`agg_bench.engine.families`); an ``exclude`` pattern
@@ -42,9 +43,9 @@ from typing import Any, TypeGuard
 
 import yaml
 
-from ..config import (YamlDumper, YamlRefused, check_data_parallel, check_expanded_size, check_finite, check_override_values,
-                      check_prompts_path, check_schema, dotted_value, load_config, read_yaml_mapping, run_schema,
-                      yaml_load)
+from ..config import (YamlDumper, YamlRefused, check_data_parallel, check_expanded_size, check_finite,
+                      check_override_values, check_prompts_path, check_schema, dotted_value, load_config,
+                      read_yaml_mapping, run_schema, yaml_load)
 from ..engine.families import architecture, check_own_schedule, check_resolution
 from ..errors import ConfigError, UserError, clip, quote, shown
 from ..io import write_text
@@ -243,16 +244,16 @@ def _merge_config(config: dict, update: dict, whole: Sequence[str] = WHOLE_SECTI
             config[key] = value
 
 
-def read_sweep_config(paths, config_args: Any = (), parsed: Any = None) -> dict:
-    """The sweep config the workflow runs: what Snakemake composes from its config files (``paths``:
-    ``workflow.configfiles``, merged in order) and its ``--config`` (``parsed``: what Snakemake made of it,
-    ``workflow.config_settings.config``; ``config_args``: its words, read again by :func:`type_config_args`),
-    but each file as agg-bench's YAML loader reads it (:func:`check_sweep_files`), as ``agg-bench campaign
+def read_sweep_config(read: Sequence[dict], config_args: Any = (), parsed: Any = None) -> dict:
+    """The sweep config the workflow runs: what Snakemake composes from its config files (``read``: what
+    :func:`check_sweep_files` made of ``workflow.configfiles``, merged in order) and its ``--config``
+    (``parsed``: what Snakemake made of it, ``workflow.config_settings.config``; ``config_args``: its words, read
+    again by :func:`type_config_args`), but each file as agg-bench's YAML loader reads it, as ``agg-bench campaign
     --config`` reads it. Snakemake's own parse is YAML 1.1 and reads some values otherwise (``017`` as 15,
     ``0x10`` as 16, ``1:30`` as 90, ``1e-5`` as text), where the same file would give other runs, or none, to a
     campaign."""
     config: dict = {}
-    for data in check_sweep_files(paths):
+    for data in read:
         _merge_config(config, data, whole=())
     if isinstance(parsed, Mapping):
         _merge_config(config, dict(parsed), whole=())
@@ -758,12 +759,13 @@ class Sweep:
 
     ``schema``: the sweep schema (``workflow/schemas/config.schema.yaml``) as a path or a dict.
     ``cache_dir``: where the methods' check keeps its answers (None: not kept).
-    ``files``: the files ``sweep`` was read from (Snakemake's ``workflow.configfiles``), read again first.
+    ``files``: the files ``sweep`` was read from (Snakemake's ``workflow.configfiles``), read again first;
+    ``read``: what :func:`check_sweep_files` made of them already (a caller that read them first), not read again.
     """
 
     def __init__(self, sweep: dict, schema: str | Path | dict, cache_dir: Path | None = CACHE_DIR,
-                 files=()):
-        read = check_sweep_files(files)
+                 files=(), read: Sequence[dict] | None = None):
+        read = check_sweep_files(files) if read is None else read
         schema = schema if isinstance(schema, dict) else yaml.safe_load(Path(schema).read_text())
         check_sweep(sweep, schema, read)
         self.sweep = sweep

@@ -607,14 +607,14 @@ def test_the_workflow_reads_the_sweep_files_as_a_campaign_does(parse_only, tmp_p
     from snakemake.common.configfile import load_configfile
 
     from agg_bench.config import read_yaml_mapping
-    from agg_bench.tools.sweep import read_sweep_config
+    from agg_bench.tools.sweep import check_sweep_files, read_sweep_config
 
     file = tmp_path / "sweep.yaml"
     rest = {key: value for key, value in sweep_config().items() if key != text.split(":")[0]}
     file.write_text(yaml.safe_dump(rest, sort_keys=False) + text + "\n")
     snakemakes = load_configfile(file)
     assert {key: snakemakes[key] for key in yaml11} == yaml11  # what the workflow ran before
-    config = read_sweep_config([file])
+    config = read_sweep_config(check_sweep_files([file]))
     assert config == read_yaml_mapping(file, "sweep sections", "--config")  # what a campaign reads
     if words is None:
         assert Sweep(config, SCHEMA, cache_dir=None, files=[file]).sweep["gradcheck"]["route_fracs"] == [0.5]
@@ -626,19 +626,19 @@ def test_the_workflow_reads_the_sweep_files_as_a_campaign_does(parse_only, tmp_p
 def test_the_workflows_sweep_merges_its_files_and_config_overrides_as_snakemake_does(tmp_path):
     """Files merged in order and the --config overrides over them, mappings key by key, as Snakemake merges config;
     a list or mapping of --config read as in a sweep file, and a method section it gives replaced whole."""
-    from agg_bench.tools.sweep import read_sweep_config
+    from agg_bench.tools.sweep import check_sweep_files, read_sweep_config
 
     first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
     first.write_text("base: config/run.yaml\nset: {progress: false, train.iterations: 2}\nseeds: [0]\n"
                      "methods: {agg: {method: {name: agg, window: 3}}}\n")
     second.write_text("set: {train.iterations: 3}\nmethods: {agg: {method: {alpha: sigma}}}\n")
-    config = read_sweep_config([first, second])
+    config = read_sweep_config(check_sweep_files([first, second]))
     assert config["set"] == {"progress": False, "train.iterations": 3}
     assert config["methods"] == {"agg": {"method": {"name": "agg", "window": 3, "alpha": "sigma"}}}
     # what Snakemake makes of `--config 'seeds=[0, 1]' base=other.yaml 'methods={agg: {method: {name: full}}}'`
     args = ["seeds=[0, 1]", "base=other.yaml", "methods={agg: {method: {name: full}}}"]
     parsed = {"seeds": ["0", "1"], "base": "other.yaml", "methods": {"agg": {"method": {"name": "full"}}}}
-    config = read_sweep_config([first, second], args, parsed)
+    config = read_sweep_config(check_sweep_files([first, second]), args, parsed)
     assert (config["seeds"], config["base"]) == ([0, 1], "other.yaml")
     assert config["methods"] == {"agg": {"method": {"name": "full"}}}
     assert config["set"] == {"progress": False, "train.iterations": 3}

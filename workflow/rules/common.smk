@@ -12,7 +12,7 @@ from agg_bench.errors import UserError
 from agg_bench.tools.jobresources import check_cpu_settings, drop_gpu_settings_without_gpus
 from agg_bench.tools.sweep import (CELL_DIR, DONE_DIR, EMBED_DIR, LEARNING_DIR, LEARNING_RULES, PRETRAINED_DIR, PYTHON,
                                    Sweep, SweepError, check_input_files, check_markers, check_output_contents,
-                                   check_output_folders, failed_runs, report_failed_runs,
+                                   check_output_folders, check_sweep_files, failed_runs, report_failed_runs,
                                    read_sweep_config, runs_behind_manifest, set_arg)
 from agg_bench.tools.sweep import pretrain_gpus as sweep_pretrain_gpus
 
@@ -32,12 +32,12 @@ try:
     # parse is YAML 1.1: 017 is 15, 0x10 is 16, 1e-5 is text; it takes repeated keys and nesting aliases without a
     # bound), with the --config overrides merged as Snakemake merges them, and a list or mapping given with --config
     # read as in a sweep file (Snakemake's parse makes its numbers text)
-    SWEEP_CONFIG = read_sweep_config(workflow.configfiles, workflow.config_settings.config_args,
-                                     workflow.config_settings.config)
+    FILES = check_sweep_files(workflow.configfiles)  # each read once, here
+    SWEEP_CONFIG = read_sweep_config(FILES, workflow.config_settings.config_args, workflow.config_settings.config)
     config.clear()
     config.update(SWEEP_CONFIG)
     SWEEP = Sweep(config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml",
-                  files=workflow.configfiles)
+                  files=workflow.configfiles, read=FILES)
     # the files its jobs read that no job makes, and the runs whose marker outlived their folder
     check_input_files(SWEEP)
     check_markers(SWEEP)
