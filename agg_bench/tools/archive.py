@@ -296,9 +296,10 @@ def read_run(where: str, folder: Path) -> tuple[list[dict], dict, dict, dict]:
     """The records, summary, env and config (as JSON) of the run files in ``folder``, read as unpack takes a
     finished run's: ``metrics.jsonl`` by :func:`check_records`, every other JSON lines file's lines whole
     (:class:`~agg_bench.reading.RunFolder`, which reads every file below, skips a torn last line: a run killed
-    mid-write, which no finished run has and a reference would keep), then each file as every reader of a run
-    folder reads it (both through :func:`~agg_bench.io.jsonl_records`), and the records ending as the summary says, as the report
-    checks a run that ended (:meth:`~agg_bench.reading.RunFolder.check_records_ended`: the ok record of the last
+    mid-write, which no finished run has and a reference would keep), then each other file as every reader of a
+    run folder reads it (``metrics.jsonl``: :func:`check_records` reads its lines as they do, by
+    :func:`~agg_bench.io.jsonl_records` and the record contract, and is not read again), and the records ending as
+    the summary says, as the report checks a run that ended (:meth:`~agg_bench.reading.RunFolder.check_records_ended`: the ok record of the last
     good iteration; :meth:`~agg_bench.reading.RunFolder.check_identity`: an ok summary over one record per
     iteration, each ok; a metrics.jsonl cut at a line's end after the summary was written was counted done,
     packed, and refused only once unpack wrote the tables). Each file within :data:`MAX_MEMBER_BYTES`
@@ -314,7 +315,6 @@ def read_run(where: str, folder: Path) -> tuple[list[dict], dict, dict, dict]:
     run = RunFolder(folder)
     with _named_as(where, folder):
         summary = run.summary()
-        run.records()  # as a reader of a run folder reads them (each line within its bound)
         env = run.env()
         run.plan()
         run.evaluations()
