@@ -1,5 +1,6 @@
-"""The run configs in config/presets/: each loads as it is and at full size (``model.preset=random``),
-and the Flow-GRPO-Fast preset keeps the public schedule and trains only its window."""
+"""The run configs in config/presets/: each loads as it is and at full size (``model.preset=random``), the
+Flow-GRPO preset samples every step and trains the first nine with the KL reference, and the Flow-GRPO-Fast preset
+keeps the public schedule and trains only its window."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,13 +30,51 @@ def test_every_preset_loads_as_it_is_and_at_full_size(path):
 
 # The presets other tools run by name (docs/design.md, "Files and names outside the command line") and the
 # method each one runs.
-CONTRACT_PRESETS = {"mixgrpo_flash": "mixgrpo_flash", "flow_grpo_fast": "window", "branchgrpo": "branch",
-                    "guess_ab2": "guess", "diffusionnft": "nft", "awm": "awm", "dgpo": "dgpo"}
+CONTRACT_PRESETS = {"mixgrpo_flash": "mixgrpo_flash", "flow_grpo": "full", "flow_grpo_fast": "window",
+                    "branchgrpo": "branch", "guess_ab2": "guess", "diffusionnft": "nft", "awm": "awm", "dgpo": "dgpo"}
 
 
 def test_the_contract_presets_are_there_and_run_their_method():
     methods = {path.stem: load_config(path).method.name for path in PRESETS}
     assert {name: methods.get(name) for name in CONTRACT_PRESETS} == CONTRACT_PRESETS
+
+
+def test_flow_grpo_keeps_the_public_recipe():
+    """Flow-GRPO's `pickscore_sd3`: 10 steps of its SDE at noise level 0.7, each image its own noise, the batch's
+    np.std + 1e-4, ratio clip 1e-4, KL 0.01 in the code's form (no dt), two optimizer steps per epoch and the
+    evaluation EMA (decay 0.9, every 8th step, each taken in twice)."""
+    cfg = check_config(load_config(ROOT / "config/presets/flow_grpo.yaml"))
+    assert (cfg.method.name, cfg.sampling.steps, cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.shift) == (
+        "full", 10, "flow_grpo", 0.7, 3.0)
+    assert cfg.sampling.same_noise_per_group is False
+    assert (cfg.grpo.adv_std, cfg.grpo.adv_ddof, cfg.grpo.adv_eps, cfg.grpo.adv_clip_max) == ("global", 0, 1e-4, 5.0)
+    assert (cfg.grpo.clip_range, cfg.grpo.beta, cfg.grpo.kl_form) == (1e-4, 0.01, "no_dt")
+    assert (cfg.train.inner_epochs, cfg.train.minibatches, cfg.train.optimizer_steps) == (1, 2, 2)
+    assert (cfg.train.eval_ema, cfg.train.eval_ema_every, cfg.train.eval_ema_updates) == (0.9, 8, 2)
+    assert (cfg.train.weight_decay, cfg.train.max_grad_norm) == (1e-4, 1.0)
+
+
+def test_flow_grpo_samples_every_step_and_trains_the_first_nine():
+    """Every step is an SDE step with a density (the last too, into sigma 0); the trained steps are
+    range(int(10 x 0.99)) = 0..8 for every sample, as the code's loop over num_train_timesteps."""
+    cfg = load_config(ROOT / "config/presets/flow_grpo.yaml",
+                      ["model.resolution=32", "model.dtype=float64", "telemetry.enabled=false", "progress=false"])
+    batch = Session(cfg).collect(0).batch
+    assert (batch.log_probs != 0).all() and batch.log_probs.shape == (8, 10)
+    assert batch.train_steps.tolist() == [list(range(int(10 * 0.99)))] * 8
+
+
+def test_flow_grpo_runs_through_the_cli(tmp_path):
+    out = tmp_path / "flow_grpo"
+    assert main(["run", "--config", str(ROOT / "config/presets/flow_grpo.yaml"), "--set", "train.iterations=1",
+                 "--set", "model.resolution=32", "--set", "progress=false", "--out", str(out)]) == 0
+    (record,) = read_jsonl(out / "metrics.jsonl")
+    b, trained = 4 * 2, 9
+    assert record["status"] == "ok" and record["method"] == "full"
+    # the rollout's forward per step, and the KL reference's no-grad forward per trained step
+    assert record["forward_nograd"] == b * 10 + b * trained
+    assert record["forward_grad"] == record["backward"] == b * trained  # one forward with grad + backward each
+
 
 def test_flow_grpo_fast_keeps_the_public_schedule():
     cfg = check_config(load_config(ROOT / "config/presets/flow_grpo_fast.yaml"))

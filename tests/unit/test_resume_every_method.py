@@ -60,6 +60,7 @@ PRESET_SHRUNK = {
     "dgpo": ["method.trunc_steps=2", "method.times_per_sample=2", "train.eval_ema_every=2",
              "method.ema_rollout_after=1"],
     "diffusionnft": ["method.times_per_sample=3"],
+    "flow_grpo": ["train.eval_ema_every=2"],
     "flow_grpo_fast": ["method.window_size=2"],
     "guess_ab2": ["method.guessed=1", "grpo.group_size=3"],
     "mixgrpo_flash": ["method.window_size=2", "method.window_interval=1", "method.window_end=3",
@@ -88,12 +89,12 @@ CASES: dict[str, tuple[Path | None, list[str]]] = {
     "slices": (None, [*SMALL, "grpo.group_size=4", "train.minibatches=2", "train.minibatch_unit=slices"]),
 }
 # the cases with several optimizer steps per iteration
-SEVERAL_STEPS = ["sweep:agg-w5-sigma-reuse", "sweep:branch", "preset:flow_grpo_fast", "preset:mixgrpo_flash",
-                 "preset:branchgrpo", "lora", "slices"]
+SEVERAL_STEPS = ["sweep:agg-w5-sigma-reuse", "sweep:branch", "preset:flow_grpo", "preset:flow_grpo_fast",
+                 "preset:mixgrpo_flash", "preset:branchgrpo", "lora", "slices"]
 # the cases with the most state: moving averages, random windows and draws, caches, several steps
 MOST_STATE = ["sweep:dgpo", "sweep:guess", "sweep:agg-w5-route0.5", "preset:awm", "preset:dgpo",
-              "preset:diffusionnft", "preset:flow_grpo_fast", "preset:mixgrpo_flash", "preset:branchgrpo",
-              "cache:fastercache", "lora", "slices"]
+              "preset:diffusionnft", "preset:flow_grpo", "preset:flow_grpo_fast", "preset:mixgrpo_flash",
+              "preset:branchgrpo", "cache:fastercache", "lora", "slices"]
 
 
 def config(case: str, *overrides: str):
