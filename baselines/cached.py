@@ -205,6 +205,11 @@ class CachedEstimator(Estimator):
         if cfg.model.family not in BLOCK_LISTS:
             raise ConfigError("model.family", cfg.model.family,
                               f"one of {sorted(BLOCK_LISTS)} for method 'cached' (the families the caches support)")
+        steps = self.config.trajectory_steps
+        if steps is not None and steps != cfg.sampling.steps:
+            raise ConfigError("method.trajectory_steps", steps,
+                              f"null or sampling.steps = {cfg.sampling.steps} (the step the cache treats as the "
+                              "trajectory's last must be its last)")
         if cfg.train.shard == "fsdp" and self.config.cache in DATA_DEPENDENT_CACHES:
             raise ConfigError("method.cache", self.config.cache,
                               f"a cache that skips by step, not by data, with train.shard=fsdp (not one of "

@@ -48,6 +48,12 @@ def clock(doc: str) -> Any:
     return field(default=None, metadata={"doc": doc, "internal": True})
 
 
+def trajectory_steps_option(doc: str) -> Any:
+    """The trajectory's step count, which a cache that treats the last step apart needs (null: not given);
+    the ``cached`` method refuses one that is not the run's ``sampling.steps``."""
+    return option(None, doc, minimum=1, maximum=MAX_STEPS)
+
+
 def skip_range(default: tuple[float, float], doc: str) -> Any:
     """An open interval of timesteps (0-1000 scale): a pair [low, high] of numbers, low < high
     (:func:`check_skip_range`)."""
@@ -172,7 +178,18 @@ class ForaConfig(Options):
         3, "N: every block computes on steps with step % N == 0 and reuses its residual on the other N - 1 steps; "
         "1 never reuses. A block with nothing recorded yet (e.g. a trajectory that does not start at step 0) "
         "computes", minimum=1, maximum=MAX_STEPS)
+    trajectory_steps: int | None = trajectory_steps_option(
+        "the trajectory's step count T (`sampling.steps`): as in the public FORA code, which counts its steps down "
+        "from T - 1, the blocks compute on the first step and on every step whose index from the end, "
+        "T - 1 - step, is a multiple of N (so the last step computes); null counts from the first step "
+        "(step % N == 0). The two agree where T - 1 is a multiple of N")
     current_step_callback: Callable[[], int] | None = clock("returns the index of the current call's step")
+
+    def computes(self, step: int) -> bool:
+        """Whether the blocks compute on step ``step`` (they reuse their residuals otherwise)."""
+        if self.trajectory_steps is None:
+            return step % self.interval == 0
+        return step == 0 or (self.trajectory_steps - 1 - step) % self.interval == 0
 
 
 @dataclass
@@ -232,7 +249,14 @@ class TeaCacheConfig(Options):
         items={"minimum": -MAX_COEFFICIENT, "maximum": MAX_COEFFICIENT},
         expected="a non-empty list of numbers, highest degree first")
     warmup_steps: int = option(1, "steps with an index below this always compute", minimum=1, maximum=MAX_STEPS)
+    trajectory_steps: int | None = trajectory_steps_option(
+        "the trajectory's step count T (`sampling.steps`): its last step, T - 1, always computes, as in the "
+        "public TeaCache code; null: the cache does not know which step is the last and decides it like the others")
     current_step_callback: Callable[[], int] | None = clock("returns the index of the current call's step")
+
+    def always_computes(self, step: int) -> bool:
+        """Whether step ``step`` computes whatever the change: a warm-up step or the trajectory's last."""
+        return step < self.warmup_steps or step == (self.trajectory_steps or 0) - 1
 
     def rescale(self, change: float) -> float:
         value = 0.0

@@ -4,7 +4,8 @@ Before each call, the first block's timestep-modulated input (its ``norm1``/``no
 its attention) is compared with the previous call's. The relative L1 change, rescaled by a polynomial,
 is accumulated; while the sum stays below ``threshold`` every block is skipped and the transformer uses
 its current input plus the stack residual (output of the last block minus input of the first) recorded at
-the last computed step. Computing resets the sum.
+the last computed step. Computing resets the sum. The first ``warmup_steps`` steps and, with ``trajectory_steps``
+set, the trajectory's last step always compute.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class TeaCacheHeadHook(RunHeadHook):
         with torch.no_grad():
             current = modulated_input(module, args, kwargs)
         previous, self.tea.previous_modulated_input = self.tea.previous_modulated_input, current
-        if (step < self.config.warmup_steps or previous is None or previous.shape != current.shape
+        if (self.config.always_computes(step) or previous is None or previous.shape != current.shape
                 or self.state.residual is None):
             self.tea.accumulated_change = 0.0
             return RunDecision(reuse=False)

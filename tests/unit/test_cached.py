@@ -251,6 +251,16 @@ def test_training_cache_and_gradient_checkpointing_are_refused():
         cached("fora", "both").check_run(tiny_config(*SMALL, family=family, dtype="float32"))
 
 
+def test_a_trajectory_length_other_than_the_runs_is_refused():
+    """A cache told a different step count would force (or anchor its schedule on) a step that is not the last."""
+    cfg = tiny_config(*SMALL, dtype="float32")
+    for name in ("fora", "teacache"):
+        cached(name, "rollout", trajectory_steps=STEPS).check_run(cfg)
+        with pytest.raises(ConfigError) as err:
+            cached(name, "rollout", trajectory_steps=STEPS + 1).check_run(cfg)
+        assert (err.value.key, err.value.value) == ("method.trajectory_steps", STEPS + 1)
+
+
 def test_rollout_cache_runs_with_gradient_checkpointing_on():
     """Checkpointing acts only under grad, so a no-grad cached rollout pauses it; training is exact."""
     session = Session(tiny_config(*SMALL, "train.gradient_checkpointing=true", "method.name=cached",

@@ -152,6 +152,39 @@ def test_fora_interval_two_recomputes_every_other_step(policy, inputs):
     handle.remove()
 
 
+def computed_steps(policy, inputs, name, options) -> list[int]:
+    """The steps of a trajectory on which every block computed (the others reused every block)."""
+    handle = apply_cache(policy.transformer, name, options)
+    blocks, steps = len(handle.stats_by_module), []
+
+    def record(step):
+        computed, skipped = handle.stats["computed"], handle.stats["skipped"]
+        assert (computed, skipped) in ((blocks, 0), (0, blocks))
+        if computed:
+            steps.append(step)
+        handle.reset_stats()
+
+    trajectory(policy, inputs, handle, after_step=record)
+    handle.remove()
+    return steps
+
+
+def test_fora_counts_its_interval_from_the_last_step_as_the_public_code_does(policy, inputs):
+    """FORA's code counts steps down, i = T-1 .. 0, and computes where i = T-1 or i % N == 0: for T = 5, N = 3 the
+    steps 0, 1 and 4 (i = 4, 3, 0). Without the step count the harness counts up: steps 0 and 3."""
+    assert computed_steps(policy, inputs, "fora", {"interval": 3, "trajectory_steps": STEPS}) == [0, 1, 4]
+    assert computed_steps(policy, inputs, "fora", {"interval": 3}) == [0, 3]
+    # where T - 1 is a multiple of N the two schedules are one
+    assert computed_steps(policy, inputs, "fora", {"interval": 2, "trajectory_steps": STEPS}) == [0, 2, 4]
+
+
+def test_teacache_always_computes_the_first_and_the_last_step(policy, inputs):
+    """TeaCache's code computes its first and last steps whatever the change; in between, no change reaches a
+    threshold of 1e6."""
+    assert computed_steps(policy, inputs, "teacache", {"threshold": 1e6, "trajectory_steps": STEPS}) == [0, STEPS - 1]
+    assert computed_steps(policy, inputs, "teacache", {"threshold": 1e6}) == [0]
+
+
 def count_block_runs(policy) -> dict[str, int]:
     """Independent evidence of which blocks ran: calls of each block's attention layer."""
     runs = {}
