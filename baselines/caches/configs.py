@@ -245,7 +245,8 @@ class TeaCacheConfig(Options):
     coefficients: list[float] = option(
         [1.0, 0.0], "rescaling polynomial applied to each relative L1 change, highest degree first (as "
         "`numpy.polyval`). The default is the identity; TeaCache fits one per model so that the rescaled input "
-        "change tracks the change of the model's output", min_items=1, max_items=100,
+        "change tracks the change of the model's output (its authors publish FLUX.1-dev's, which "
+        "`config/presets/teacache_flux.yaml` sets; none for SD3 or Qwen-Image)", min_items=1, max_items=100,
         items={"minimum": -MAX_COEFFICIENT, "maximum": MAX_COEFFICIENT},
         expected="a non-empty list of numbers, highest degree first")
     warmup_steps: int = option(1, "steps with an index below this always compute", minimum=1, maximum=MAX_STEPS)

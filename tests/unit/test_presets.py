@@ -1,6 +1,6 @@
 """The run configs in config/presets/: each loads as it is and at full size (``model.preset=random``), the
-Flow-GRPO preset samples every step and trains the first nine with the KL reference, and the Flow-GRPO-Fast preset
-keeps the public schedule and trains only its window."""
+Flow-GRPO preset samples every step and trains the first nine with the KL reference, the Flow-GRPO-Fast preset
+keeps the public schedule and trains only its window, and the TeaCache preset keeps the authors' FLUX settings."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,7 +31,8 @@ def test_every_preset_loads_as_it_is_and_at_full_size(path):
 # The presets other tools run by name (docs/design.md, "Files and names outside the command line") and the
 # method each one runs.
 CONTRACT_PRESETS = {"mixgrpo_flash": "mixgrpo_flash", "flow_grpo": "full", "flow_grpo_fast": "window",
-                    "branchgrpo": "branch", "guess_ab2": "guess", "diffusionnft": "nft", "awm": "awm", "dgpo": "dgpo"}
+                    "branchgrpo": "branch", "guess_ab2": "guess", "diffusionnft": "nft", "awm": "awm", "dgpo": "dgpo",
+                    "teacache_flux": "cached"}
 
 
 def test_the_contract_presets_are_there_and_run_their_method():
@@ -85,6 +86,15 @@ def test_flow_grpo_fast_keeps_the_public_schedule():
     options = cfg.method.options
     assert (cfg.method.name, options.window_size, options.window_mode) == ("window", 3, "random")
     assert (options.window_start, options.window_max_start) == (0, 10 // 2 - 3)
+
+
+def test_teacache_flux_keeps_the_public_flux_settings():
+    cfg = check_config(load_config(ROOT / "config/presets/teacache_flux.yaml"))
+    options = cfg.method.options
+    assert (cfg.model.family, cfg.sampling.steps, cfg.sampling.schedule) == ("flux", 28, "diffusers")
+    assert (options.cache, options.cache_in, options.threshold, options.warmup_steps) == ("teacache", "rollout", 0.6, 1)
+    assert options.coefficients == [498.651651, -283.781631, 55.8554382, -3.82021401, 0.264230861]
+    assert options.trajectory_steps == cfg.sampling.steps  # the last step computes
 
 
 def test_flow_grpo_fast_samples_cps_in_its_window_only(tmp_path):

@@ -403,7 +403,9 @@ def described_passes(cfg: RunConfig, iteration: int) -> dict[str, int]:
     o, b, steps = cfg.method.options, cfg.grpo.group_size * cfg.grpo.prompts_per_iteration, cfg.sampling.steps
     name, kl = cfg.method.name, cfg.grpo.beta > 0
     last = int(cfg.train.ignore_last)  # the last step is then never trained
-    if name in ("full", "fraction"):  # every step with a density (cps: not the one into 0), or a fraction of them
+    # every step with a density (cps: not the one into 0), or a fraction of them; a cache in the rollout only leaves
+    # the counted passes as they are (its skipped blocks are counted apart, as cache work)
+    if name in ("full", "fraction") or (name == "cached" and o.cache_in == "rollout"):
         dense = steps - max(last, int(cfg.sampling.sde in ("cps", "cps_unscaled")))
         trained = b * round(cfg.train.timestep_fraction * dense)
         return {"forward_nograd": b * steps + trained * kl, "forward_grad": trained, "backward": trained}
