@@ -111,7 +111,8 @@ class Contents:
                         lambda name: self.file(name) or other.file(name), self.folders + other.folders)
 
 
-def _shown(names: list[str]) -> str:
+def shown_names(names: list[str]) -> str:
+    """The first three of ``names`` for a message, each :func:`~agg_bench.errors.shown`, and ``...`` for more."""
     return ", ".join(shown(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
 
 
@@ -187,11 +188,11 @@ def check_folder(out: Path, contents: Contents, flag: str = "--out", remedy: str
                         f"{'a file' if kind == 'a folder' else 'a folder'}; "
                         f"{remedy or 'remove or rename it, or give another folder'}")
     if foreign:
-        raise UserError(f"{flag} {shown(out)}: the folder holds files that are not {contents.what} ({_shown(foreign)}); "
+        raise UserError(f"{flag} {shown(out)}: the folder holds files that are not {contents.what} ({shown_names(foreign)}); "
                         f"{remedy or 'give a new or empty folder'}")
     links = find_links(out)
     if links:
-        raise UserError(f"{flag} {shown(out)}: holds symbolic links ({_shown(links)}), which a write could follow out "
+        raise UserError(f"{flag} {shown(out)}: holds symbolic links ({shown_names(links)}), which a write could follow out "
                         f"of the folder; {remedy or 'remove them or give another folder'}")
 
 

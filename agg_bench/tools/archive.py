@@ -36,6 +36,10 @@ in the reference until the runs, the manifest and the tables are all in place: a
 it, readers of the reference's manifest refuse it meanwhile (:func:`agg_bench.outputs.check_no_unpack`), and the
 same unpack again finishes the job (what the reference holds with the same bytes is skipped).
 
+A ``manifest.json`` of the reference that is not one unpack writes (:func:`check_manifest`: edited by hand), and a
+run folder there of no run of the sweep (:func:`check_runs_of_the_sweep`), are refused under the reference's claim
+before anything changes: unpack would replace the one and leave the other out of the manifest unseen.
+
 Then the reference's ``manifest.json`` (every run there that a window counts done, and every calibration, with
 the sweep's labels and ``source: reference``) and its tables: the efficiency report (``tables/``: ``agg-bench report --manifest
 REF/manifest.json --tables REF/tables`` regenerates it byte for byte) or, for a sweep with a ``learning``
@@ -62,10 +66,10 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
-from ..errors import UserError, quote, shown
+from ..errors import UserError, first_message_line, quote, shown
 from ..io import atomic_path, atomic_target, jsonl_records, remove_stale_temps, write_json
 from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
-from ..outdir import Contents, claim_folder, claimed_folders, path_problem
+from ..outdir import Contents, claim_folder, claimed_folders, is_harness_name, path_problem, shown_names
 from ..outputs import LEARNING_CONTENTS
 from ..outputs import REPORT_CONTENTS, TABLES_CONTENTS, UNPACK_STAGING
 from ..reading import RunFolder, identity_mismatch
@@ -752,6 +756,9 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
         # with it: the folder's checks take them for the harness's
         for name in (UNPACK_STAGING, *GENERATED):
             remove_stale_temps(reference / name)
+        # what is there of someone's that the manifest would lose or leave out: refused before anything changes
+        check_manifest(campaign, reference)
+        check_runs_of_the_sweep(campaign, reference)
         check_hardware(campaign, where, gpus, reference)
         check_one_name_per_calibration(campaign, where, others, reference)
         held = [str(p.relative_to(reference)) for p in reference.rglob("*")] if reference.is_dir() else []
@@ -853,20 +860,132 @@ def reference_manifest(campaign: Campaign, reference: Path) -> dict:
     committed reference is read from the repository's root)."""
     reference = _relative(reference)
     full = campaign.sweep.manifest()
-    runs = []
-    for entry in full["runs"]:
-        run_id = Path(entry["dir"]).name
-        # the runs a window and campaign status count done: a run folder there of another config, or one that did not
-        # end as a finished run (put there by hand), stood in the tables as the sweep's run while status called it missing
-        if run_id in campaign.sweep.runs and campaign.finished(reference / "runs" / run_id, run_id):
-            runs.append({**entry, "dir": str(reference / "runs" / run_id), "source": "reference"})
-    calibration = []
-    for path in campaign.finished_files(reference, "calibration"):
-        run = campaign.calibration_cell(path.name)
-        if run is not None:
-            calibration.append({"file": str(path), "model": run["model"], "resolution": run["resolution"],
-                                "device": run["device"], "source": "reference"})
+    entries = _run_entries(campaign, reference, full)
+    # the runs a window and campaign status count done: a run folder there of another config, or one that did not
+    # end as a finished run (put there by hand), stood in the tables as the sweep's run while status called it missing
+    runs = [entry for run_id, entry in entries.items() if campaign.finished(reference / "runs" / run_id, run_id)]
+    calibration = [entry for path in campaign.finished_files(reference, "calibration")
+                   if (entry := _calibration_entry(campaign, path)) is not None]
     return {"runs": runs, "gradcheck": [], "calibration": calibration, "warmup": full["warmup"], "time": full["time"]}
+
+
+def _run_entries(campaign: Campaign, reference: Path, full: dict | None = None) -> dict[str, dict]:
+    """The manifest entry of each run of the sweep in ``reference`` (as the path is written), by run id, in the
+    sweep's order, finished or not; ``full``: the sweep's manifest where the caller holds it."""
+    entries: dict[str, dict] = {}
+    for entry in (full or campaign.sweep.manifest())["runs"]:
+        run_id = Path(entry["dir"]).name
+        if run_id in campaign.sweep.runs and run_id not in entries:
+            entries[run_id] = {**entry, "dir": str(reference / "runs" / run_id), "source": "reference"}
+    return entries
+
+
+def _calibration_entry(campaign: Campaign, path: Path) -> dict | None:
+    """The manifest entry of the calibration file ``path`` (named after a cell of the sweep), or None."""
+    run = campaign.calibration_cell(path.name)
+    if run is None:
+        return None
+    return {"file": str(path), "model": run["model"], "resolution": run["resolution"], "device": run["device"],
+            "source": "reference"}
+
+
+def manifest_problem(campaign: Campaign, reference: Path, held: object) -> str | None:
+    """Why ``held`` (a reference's ``manifest.json``, read) is no manifest that unpack writes for ``reference``, or
+    None: one whose warmup and time are the sweep's, with no gradcheck, each run entry the one
+    :func:`reference_manifest` writes for a run of the sweep and each calibration entry the one it writes for a
+    calibration named after a cell, runs in the sweep's order and calibrations in the order of their names, every
+    path in one folder that is ``reference`` (written from any working folder: the folder as a path relative to
+    it, which ``reference`` ends with, or as ``reference``'s absolute path). Runs and calibrations it lacks or that
+    are gone are no problem: the manifest of an earlier unpack (one killed before it wrote the manifest, a run folder
+    removed since to be run again) lists other runs than the reference holds."""
+    full = campaign.sweep.manifest()
+    if not isinstance(held, dict):
+        return "not a JSON object"
+    expected_keys = ["runs", "gradcheck", "calibration", "warmup", "time"]
+    if sorted(held) != sorted(expected_keys):
+        return f"its keys are {quote(sorted(held))}; unpack writes {quote(expected_keys)}"
+    for key, value in (("gradcheck", []), ("warmup", full["warmup"]), ("time", full["time"])):
+        if held[key] != value:
+            return f"{key} = {quote(held[key])}; unpack writes {quote(value)} for this sweep"
+    runs = _run_entries(campaign, Path("."), full)  # the paths are compared apart, below
+    order = list(runs)
+    folders: set[Path] = set()
+    last = -1
+    for section, key in (("runs", "dir"), ("calibration", "file")):
+        if not isinstance(held[section], list):
+            return f"{section} = {quote(held[section])}; unpack writes a list"
+        previous = ""
+        for i, entry in enumerate(held[section]):
+            path = entry.get(key) if isinstance(entry, dict) else None
+            if not isinstance(path, str) or Path(path).parent.name != ("runs" if section == "runs" else "calibration"):
+                return f"{section}[{i}] = {quote(entry)} is no entry unpack writes"
+            name = Path(path).name
+            folders.add(Path(path).parent.parent)
+            if section == "runs":
+                wanted = runs.get(name)
+                if wanted is None:
+                    return f"{section}[{i}]: {quote(name)} is no run of the sweep"
+                if order.index(name) <= last:
+                    return f"{section}[{i}]: {quote(name)} is out of the sweep's order of runs"
+                last = order.index(name)
+            else:
+                wanted = _calibration_entry(campaign, Path(path))
+                if wanted is None:
+                    return f"{section}[{i}]: {quote(name)} is named after no cell of the sweep"
+                if name <= previous:
+                    return f"{section}[{i}]: {quote(name)} is out of the order of names"
+                previous = name
+            for field in sorted({*entry, *wanted} - {key}):
+                if entry.get(field, "<none>") != wanted.get(field, "<none>"):
+                    return (f"{section}[{i}].{field} = {quote(entry.get(field, '<none>'))}; unpack writes "
+                            f"{quote(wanted.get(field, '<none>'))}")
+    if len(folders) > 1:
+        return f"its paths lie in {len(folders)} folders ({quote(sorted(map(str, folders)))}); unpack writes one"
+    if folders:
+        [folder] = folders
+        place = reference.resolve()
+        if not (place == folder if folder.is_absolute() else
+                ".." not in folder.parts and place.parts[len(place.parts) - len(folder.parts):] == folder.parts):
+            return f"its paths lie in {quote(str(folder))}, not in the reference {shown(reference)}"
+    return None
+
+
+def check_manifest(campaign: Campaign, reference: Path) -> None:
+    """A UserError, one line naming the file, when ``reference`` holds a ``manifest.json`` that is not one unpack
+    writes (:func:`manifest_problem`: edited by hand, or someone's file): unpack would replace it, and what its
+    user put there would be lost."""
+    path = reference / "manifest.json"
+    if not path.exists():
+        return
+    problem: str | None
+    try:
+        held = loads(read_bounded(path, MAX_MEMBER_BYTES))
+    except OSError as err:  # a named pipe, say: someone's, not read
+        problem = f"not a JSON file unpack writes: {err.strerror or 'not a regular file'}"
+    except TooLarge:
+        problem = f"not a JSON file unpack writes: more than {MAX_MEMBER_BYTES:,} bytes"
+    except JsonProblem as err:
+        problem = f"not a JSON file unpack writes: {first_message_line(err)}"
+    else:
+        problem = manifest_problem(campaign, reference, held)
+    if problem is not None:
+        raise UserError(f"--reference {shown(reference)}: manifest.json is not the manifest campaign unpack writes "
+                        f"for {campaign.config_path}'s runs and calibrations there ({problem}); unpack would replace it: "
+                        "move it out of the reference (unpack writes it anew from the runs there), or give another "
+                        "reference")
+
+
+def check_runs_of_the_sweep(campaign: Campaign, reference: Path) -> None:
+    """A UserError, one line naming them, when ``reference/runs`` holds folders named after no run of the sweep:
+    the manifest and tables would leave them out without a word (a file of no kind the reference holds is refused
+    as someone's: :func:`~agg_bench.outdir.check_folder`)."""
+    folder = reference / "runs"
+    strangers = sorted(path.name for path in folder.iterdir() if path.is_dir() and not is_harness_name(path.name)
+                       and path.name not in campaign.sweep.runs) if folder.is_dir() else []
+    if strangers:
+        raise UserError(f"--reference {shown(reference)}: {shown_names([f'runs/{name}' for name in strangers])} {'is' if len(strangers) == 1 else 'are'} no run of "
+                        f"the sweep {campaign.config_path}, which the manifest and tables would leave out; move "
+                        f"{'it' if len(strangers) == 1 else 'them'} out of the reference, or give another reference")
 
 
 def _relative(path: Path) -> Path:

@@ -591,6 +591,78 @@ def test_a_file_the_reference_holds_in_another_case_is_refused(tmp_path, cpu_cam
     assert tree(reference) == before
 
 
+@pytest.mark.parametrize("edit, words", [
+    (lambda m, c, ref: m.update(warmup=2), "(warmup = 2; unpack writes 1 for this sweep)"),
+    (lambda m, c, ref: m.update(notes="mine"),
+     "its keys are ['calibration', 'gradcheck', 'notes', 'runs', 'time', 'warmup']"),
+    (lambda m, c, ref: m["runs"].append({"dir": str(ref / "runs" / "mine"), "method": "full"}),
+     "runs[0]: 'mine' is no run of the sweep"),
+    (lambda m, c, ref: m["runs"].append({**next(iter(archive_module._run_entries(c, ref).values())),
+                                         "method": "mine"}), "runs[0].method = 'mine'; unpack writes 'full'"),
+    (lambda m, c, ref: m["runs"].append(next(iter(archive_module._run_entries(c, ref.parent / "other").values()))),
+     "other', not in the reference"),
+    (lambda m, c, ref: "my notes\n", "(not a JSON file unpack writes: "),  # written instead of the manifest
+])
+def test_a_manifest_edited_by_hand_is_refused_and_kept(tmp_path, capsys, cpu_campaign, edit, words):
+    """An unpack wrote the reference's manifest.json anew over one its user had edited (a label changed, an entry
+    added, a run of another folder listed): what they put there was lost. It is refused, one line naming the file
+    and the first difference, exit code 2, nothing of the reference touched."""
+    reference = tmp_path / "ref"
+    archive_module.unpack(cpu_campaign, logs_archive(tmp_path / "first.tar.gz", "20260101T000000"), reference)
+    manifest = json.loads((reference / "manifest.json").read_text())
+    text = edit(manifest, cpu_campaign, reference)
+    (reference / "manifest.json").write_text(text if isinstance(text, str) else json.dumps(manifest))
+    before = tree(reference)
+    second = logs_archive(tmp_path / "second.tar.gz", "20260102T000000")
+    assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(second),
+                 "--reference", str(reference)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"agg-bench campaign: --reference {reference}: manifest.json is not "
+                                               "the manifest campaign unpack writes") and words in err[0], err
+    assert tree(reference) == before
+
+
+def test_a_manifest_an_earlier_unpack_wrote_is_replaced_from_any_working_folder(tmp_path, cpu_campaign,
+                                                                                 monkeypatch):
+    """The manifest unpack wrote is its own to replace: written from another working folder (its paths relative
+    to that one), in another layout, or listing a run folder removed since (to be run again) or lacking one an
+    unpack killed before its manifest moved in."""
+    reference = tmp_path / "results" / "ref"
+    done, gone = list(cpu_campaign.sweep.runs)[:2]
+    for run_id in (done, gone):
+        finished_run(cpu_campaign, reference / "runs" / run_id)
+    monkeypatch.chdir(tmp_path)
+    written = archive_module.reference_manifest(cpu_campaign, Path("results/ref"))
+    assert [Path(entry["dir"]) for entry in written["runs"]] == [Path("results/ref/runs", r) for r in (done, gone)]
+    shutil.rmtree(reference / "runs" / gone)
+    monkeypatch.chdir(reference.parent)
+    assert archive_module.manifest_problem(cpu_campaign, Path("ref"), written) is None
+    assert archive_module.manifest_problem(cpu_campaign, Path("ref"), {**written, "runs": []}) is None
+    (reference / "manifest.json").write_text(json.dumps(written, indent=None))
+    archive_module.check_manifest(cpu_campaign, Path("ref"))
+    # the same paths given to a reference of another place are someone's
+    assert archive_module.manifest_problem(cpu_campaign, tmp_path / "other" / "ref", written) == \
+        f"its paths lie in 'results/ref', not in the reference {tmp_path / 'other' / 'ref'}"
+
+
+def test_a_run_folder_of_no_run_of_the_sweep_is_refused_and_kept(tmp_path, capsys, cpu_campaign):
+    """A reference's run folder named after no run of the sweep (put there by hand) was left out of the manifest and
+    the tables without a word. It is refused as the reference's other strangers are, one line naming it, exit code
+    2, nothing touched."""
+    reference = tmp_path / "ref"
+    archive_module.unpack(cpu_campaign, logs_archive(tmp_path / "first.tar.gz", "20260101T000000"), reference)
+    (reference / "runs" / "mine").mkdir(parents=True)
+    (reference / "runs" / "mine" / "config.json").write_text("{}")
+    before = tree(reference)
+    second = logs_archive(tmp_path / "second.tar.gz", "20260102T000000")
+    assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(second),
+                 "--reference", str(reference)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"agg-bench campaign: --reference {reference}: runs/mine is no run of the sweep {CONFIG}, which the "
+                   "manifest and tables would leave out; move it out of the reference, or give another reference"]
+    assert tree(reference) == before
+
+
 @pytest.mark.parametrize("key, value, words", [
     ("seconds", -1, "the window's seconds, a finite number >= 0"),
     ("minutes", 0, "the window's minutes, a number in (0, 1440]"),

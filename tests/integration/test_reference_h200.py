@@ -165,6 +165,17 @@ def test_the_manifest_lists_exactly_the_run_folders_present(campaign, at_root):
     assert manifest == reference_manifest(campaign, Path("results/reference/h200"))
 
 
+def test_the_next_unpack_takes_the_manifest_for_its_own_from_any_working_folder(campaign, tmp_path, monkeypatch):
+    """An unpack refuses a manifest.json that is not one it writes (edited by hand); the committed one is, read from
+    a working folder other than the repository's root, where its paths were written from."""
+    manifest = json.loads((REFERENCE / "manifest.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert archive_module.manifest_problem(campaign, REFERENCE, manifest) is None
+    monkeypatch.chdir(REFERENCE.parent)
+    assert archive_module.manifest_problem(campaign, Path("h200"), manifest) is None
+    archive_module.check_runs_of_the_sweep(campaign, REFERENCE)
+
+
 # ----- the pass counts ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("run_id", RUN_IDS)
 def test_every_run_passes_the_unpacks_count_check(keep_trained, run_id):
