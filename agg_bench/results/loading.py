@@ -8,6 +8,7 @@ come from the records themselves (:func:`discover_runs`).
 """
 from __future__ import annotations
 
+import csv
 import hashlib
 import io
 import json
@@ -693,7 +694,8 @@ def parse_table(source: str | Path | IO[str] | IO[bytes], where: str | Path, col
     lacks one of ``columns``, or holds in a column of ``cells`` a cell that is not what its :class:`Cell`
     allows (text in a number column, NaN or an infinity, a value out of bounds), is a UserError naming
     ``where``, the row, the column and the value (``expected``: what the file should be); so is a file whose
-    last line has no newline (cut), a header naming a column twice, or a row of more cells than the header."""
+    last line has no newline (cut), a header naming a column twice, or a row of more or fewer cells than the header
+    names columns (:func:`_uneven_row`: pandas reads one of fewer as if its last cells were empty)."""
     cells = cells or {}
     try:
         data = Path(source).read_bytes() if isinstance(source, (str, Path)) else source.read()
@@ -711,11 +713,11 @@ def parse_table(source: str | Path | IO[str] | IO[bytes], where: str | Path, col
     except UnicodeDecodeError as err:  # said as every other reader of agg-bench says it
         raise UserError(f"{where}: not a table CSV: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except pd.errors.ParserWarning:
-        raise UserError(f"{where}: its rows hold more cells than the header names columns; expected "
-                        f"{expected}") from None
+        raise UserError(_uneven_row(data, where, expected) or f"{where}: its rows hold more cells than the header "
+                        f"names columns; expected {expected}") from None
     except ValueError as err:  # pandas' parser and empty-data errors
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UserError(f"{where}: not a table CSV ({text})") from err
+        raise UserError(_uneven_row(data, where, expected) or f"{where}: not a table CSV ({text})") from err
     if data and data[-1:] not in (b"\n", "\n"):
         # the writer ends every line: a last line without its end is one cut short (a copy or a write stopped),
         # whose last cell would be read as a shorter number
@@ -724,6 +726,9 @@ def parse_table(source: str | Path | IO[str] | IO[bytes], where: str | Path, col
     twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
     if twice is not None:  # pandas would read the second as "NAME.1", a column no reader looks at
         raise UserError(f"{where}: the header names column {twice!r} twice; expected {expected}, each column once")
+    uneven = _uneven_row(data, where, expected)  # pandas fills a row of fewer cells with empty ones, unsaid
+    if uneven is not None:
+        raise UserError(uneven)
     missing = [column for column in columns if column not in table.columns]
     if missing:
         raise UserError(f"{where}: no column {missing[0]!r} (expected {expected})")
@@ -736,6 +741,28 @@ def parse_table(source: str | Path | IO[str] | IO[bytes], where: str | Path, col
         if column in table.columns:
             table[column] = _checked_column(table[column], cell, where, column)
     return table
+
+
+def _uneven_row(data: bytes | str, where: str | Path, expected: str) -> str | None:
+    """The line saying which row of the CSV ``data`` (text pandas read) holds another count of cells than its
+    header names columns, by the line it starts on (the header is line 1) and both counts, or None when every row
+    holds as many (an empty last cell, written ``a,,``, is a cell; an empty line is no row, as pandas skips it)."""
+    text = data.decode("utf-8-sig") if isinstance(data, bytes) else data.removeprefix("\ufeff")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        width: int | None = None
+        line = 1
+        for row in reader:
+            if row and width is None:
+                width = len(row)
+            elif row and width is not None and len(row) != width:
+                return (f"{where}: line {line} holds {counted(len(row), 'cell')}, "
+                        f"{'more' if len(row) > width else 'fewer'} than the {width} columns its header names; "
+                        f"expected {expected}")
+            line = reader.line_num + 1
+    except csv.Error:  # what pandas read, the csv module reads too; left to pandas' own checks where not
+        return None
+    return None
 
 
 def _stream(data: bytes | str) -> IO[bytes] | IO[str]:

@@ -862,7 +862,10 @@ def test_tables_in_takes_only_plots(sweep, tmp_path, capsys, args, expected):
     ("records.csv", lambda text: text[:-3], "records.csv: the last line ends without a newline (the file is cut)"),
     # a cell more in every row: pandas read the first as an index and each cell under the column to its left
     ("efficiency.csv", lambda text: text.replace("\n", ",x\n").replace(",x\n", "\n", 1),
-     "efficiency.csv: its rows hold more cells than the header names columns"),
+     "efficiency.csv: line 2 holds "),
+    # a cell fewer in a row: pandas filled it with an empty one, and a number column's last cell read as missing
+    ("records.csv", lambda text: text.replace("\n", "\n" + text.splitlines()[1].rsplit(",", 1)[0] + "\n", 1),
+     "records.csv: line 2 holds "),
     # pandas read the second as "window.1", a column no reader looks at
     ("ablation.csv", lambda text: text.replace(",alpha,", ",window,", 1),
      "ablation.csv: the header names column 'window' twice"),
@@ -882,13 +885,30 @@ def test_a_gradcheck_csv_of_shifted_or_twice_named_columns_is_refused(tmp_path):
     """A row of one cell more than the header made pandas read its first cell as an index and the others one
     column to the left (here the model under ``method``); a header naming a column twice kept the first alone."""
     for text, expected in [
-        ("method,cosine_to_full,model,resolution\nx,agg,0.5,sd3-tiny,64\n", "its rows hold more cells than"),
+        ("method,cosine_to_full,model,resolution\nx,agg,0.5,sd3-tiny,64\n",
+         "line 2 holds 5 cells, more than the 4 columns its header names"),
+        ("method,cosine_to_full,model,resolution\nagg,0.5,sd3-tiny,64\nfull,1,sd3-tiny\n",
+         "line 3 holds 3 cells, fewer than the 4 columns its header names"),
         ("method,cosine_to_full,cosine_to_full\nagg,0.5,-1\n", "the header names column 'cosine_to_full' twice"),
         ("method,cosine_to_full\nagg,0.5", "the last line ends without a newline (the file is cut)"),
     ]:
         (tmp_path / "g.csv").write_text(text)
         with pytest.raises(UserError, match=re.escape(expected)):
             load_gradcheck([GradcheckEntry(tmp_path / "g.csv")])
+
+
+def test_a_table_row_of_fewer_cells_is_refused_and_empty_cells_are_cells():
+    """pandas reads a row of fewer cells than the header as if its last ones were empty: a row cut or a cell lost
+    was a run without those numbers. It is refused naming the line it starts on (a quoted cell may hold a newline)
+    and both counts; empty cells written as such (``a,,``) are cells, and an empty line is no row."""
+    from agg_bench.results.loading import parse_table
+
+    table = parse_table(io.StringIO('method,model,seed\n"a\nb",m,1\nc,,\n\nd,m,\n'), "T")
+    assert table.shape == (3, 3) and table["model"].isna().tolist() == [False, True, False]
+    with pytest.raises(UserError) as refused:
+        parse_table(io.StringIO('method,model,seed\n"a\nb",m,1\nc,m\n'), "T")
+    assert str(refused.value) == ("T: line 4 holds 2 cells, fewer than the 3 columns its header names; expected the "
+                                  "table agg-bench report --tables writes")
 
 
 def test_labels_that_look_like_numbers_or_missing_values_stay_labels(tmp_path):
