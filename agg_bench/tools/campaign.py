@@ -1070,7 +1070,7 @@ def _clear_attempt(campaign: Campaign, folder: Path, run_id: str, work_name: str
             remove_owned(folder, RUN_CONTENTS)
     except Busy as err:
         holder = f" (PID {err.pid})" if err.pid is not None else ""
-        print(f"agg-bench campaign: {folder}: another agg-bench process{holder} is writing this run folder; "
+        print(f"agg-bench campaign: {shown(folder)}: another agg-bench process{holder} is writing this run folder; "
               f"{run_id} is left alone, to a later window", file=sys.stderr, flush=True)
         return False
     return True

@@ -238,7 +238,7 @@ def read_log(log: Path, notes: list[str],
             try:
                 text = raw.decode("utf-8")  # no UTF-8 sequence holds a newline: as the whole text decodes
             except UnicodeDecodeError as err:
-                not_text = f"log {log}: not UTF-8 text ({err.reason} at byte {offset - len(raw) + err.start})"
+                not_text = f"log {shown(log)}: not UTF-8 text ({err.reason} at byte {offset - len(raw) + err.start})"
                 continue
             line = text[:-1] if raw.endswith(b"\n") else text
             if not_json is not None or not line.strip():
@@ -247,10 +247,10 @@ def read_log(log: Path, notes: list[str],
                 value = loads(line, nonfinite=True)  # NaN: a diverged step (module docstring)
             except JsonProblem as err:
                 if not raw.endswith(b"\n") and not _whole_json(line):  # the last line, no newline after it: torn
-                    notes.append(f"log {log} line {n}: left out, not a whole JSON line ({err}; a log still being "
+                    notes.append(f"log {shown(log)} line {n}: left out, not a whole JSON line ({err}; a log still being "
                                  "written?)")
                     continue
-                not_json = f"log {log} line {n}: not JSON ({err}); expected one JSON object per line"
+                not_json = f"log {shown(log)} line {n}: not JSON ({err}); expected one JSON object per line"
                 continue
             given += 1
             chunk.append((n, value))
@@ -301,7 +301,7 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
     identity = {"run_id": run_id, "method": method, "model": model, "resolution": resolution,
                 "device": "cuda" if gpu_name else None, "gpu_name": gpu_name, "n_gpus": n_gpus, "seed": None}
     converted = Converted()
-    records = convert_records(read_log(log, notes, progress), identity, f"log {log}", converted)
+    records = convert_records(read_log(log, notes, progress), identity, f"log {shown(log)}", converted)
     try:
         check_import_folder(out)
         # written beside the folder and renamed over it whole: a refused or stopped import leaves the earlier import
@@ -326,7 +326,7 @@ def import_log(log: str | Path, out_dir: str | Path, method: str = "full", model
         raise
     if converted.diverged and converted.left:
         left = converted.left
-        notes.append(f"log {log}: {converted.diverged}; the run ends there, as a run that diverges does (the {left} "
+        notes.append(f"log {shown(log)}: {converted.diverged}; the run ends there, as a run that diverges does (the {left} "
                      f"line{'s' if left > 1 else ''} after it left out)")
     for note in notes:
         print(f"agg-bench import-log: {note}", file=sys.stderr, flush=True)

@@ -1752,6 +1752,22 @@ def test_a_run_folder_another_process_is_writing_is_left_alone(tmp_path, monkeyp
         assert not any(name.startswith(f"runs/{busy_id}/") for name in tar.getnames())
 
 
+def test_a_busy_run_folder_with_a_control_character_is_one_quoted_line(tmp_path, capsys, cpu_campaign):
+    """The line on a run folder another process writes named the folder's raw path: a newline in it split the
+    line in two. The path is quoted as every progress line quotes one."""
+    from agg_bench.outdir import Claim
+
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    folder = tmp_path / "w\nx" / "runs" / run_id
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    with Claim(folder, folder=True, lock_inside=True).acquire():
+        assert not campaign_module._clear_attempt(cpu_campaign, folder, run_id, "--work")
+    assert capsys.readouterr().err.splitlines() == [
+        f"agg-bench campaign: {str(folder)!r}: another agg-bench process (PID {os.getpid()}) is writing this run "
+        f"folder; {run_id} is left alone, to a later window"]
+
+
 @pytest.mark.parametrize("work_name", [None, "AGG_BENCH_CAMPAIGN_OUT"])
 def test_a_work_folder_another_campaign_holds_is_one_line_naming_what_its_user_gave(tmp_path, capsys, cpu_campaign,
                                                                                     work_name):

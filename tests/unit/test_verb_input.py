@@ -525,6 +525,16 @@ def test_import_log_refusing_a_torn_log_says_one_line(tmp_path, capsys):
         "1 column 13; a log still being written?)"]
 
 
+def test_import_log_s_note_on_a_torn_line_quotes_a_log_path_with_a_control_character(tmp_path, capsys):
+    """The note on a torn last line named the log's raw path: a newline in it split the note in two lines."""
+    log = tmp_path / "a\rlog\n.jsonl"
+    log.write_text(json.dumps({"step": 1, "avg_reward": 0.1, "step_time": 2.0, "grad_norm": 1.0}) + '\n{"step": 2, "av')
+    assert cli.main(["import-log", str(log), "--out", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"agg-bench import-log: log {str(log)!r} line 2: left out, not a whole JSON line (Unterminated string "
+        "starting at line 1 column 13; a log still being written?)"]
+
+
 @pytest.mark.parametrize("log, what", [("folder", "is a folder"), ("/dev/null", "is not a regular file"),
                                        ("missing.jsonl", "no such file")])
 def test_import_log_names_what_its_log_is_instead_of_a_file(tmp_path, capsys, log, what):
