@@ -177,7 +177,7 @@ class RunFolder:
             raise self._changed("while they were read")
 
     def _changed(self, when: str) -> UserError:
-        return UserError(f"run {self.dir}: its files changed {when} (another agg-bench process wrote it); read it "
+        return UserError(f"run {shown(self.dir)}: its files changed {when} (another agg-bench process wrote it); read it "
                          "again once that process has ended")
 
     def has(self, name: str) -> bool:

@@ -333,11 +333,18 @@ def read_run(where: str, folder: Path) -> tuple[list[dict], dict, dict, dict]:
 @contextlib.contextmanager
 def _named_as(where: str, folder: Path) -> Iterator[None]:
     """A UserError raised inside names its file of ``folder`` after ``where`` instead of the folder's path (``run
-    FOLDER: FILE`` too, as the checks of a run's files across them name it)."""
+    FOLDER: FILE`` too, as the checks of a run's files across them name it), the path as the readers show it: a
+    folder whose path holds a newline or an escape is named quoted, and renamed all the same."""
     try:
         yield
     except UserError as err:
-        raise UserError(f"{where}/{str(err).replace(f'run {folder}: ', '').replace(f'{folder}/', '')}") from None
+        text = str(err).replace(f"run {shown(folder)}: ", "")
+        # each file as the readers name it (:func:`~agg_bench.errors.shown`: quoted where the path holds a
+        # character that is not printable), the folder's path itself too where it is written as it is
+        names = {*RUN_FILES, *(path.name for path in folder.iterdir())} if folder.is_dir() else set(RUN_FILES)
+        for name in sorted(names, key=len, reverse=True):
+            text = text.replace(shown(folder / name), name)
+        raise UserError(f"{where}/{text.replace(f'{folder}/', '')}") from None
 
 
 def _check_safetensors(where: str, data: bytes) -> None:

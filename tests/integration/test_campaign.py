@@ -1129,6 +1129,24 @@ def test_a_run_whose_other_files_unpack_refuses_is_not_done(tmp_path, cpu_campai
         archive_module._check_run(cpu_campaign, "archive A", run_id, files)
 
 
+@pytest.mark.parametrize("summary, words", [
+    ({}, "summary.json: no 'status'"),  # a file's own reading: the file's path
+    ({"status": "ok", "iterations": 2}, "summary.json: iterations = 2, where metrics.jsonl"),  # across files: run DIR
+])
+def test_a_run_read_from_a_folder_with_a_control_character_is_named_after_where(tmp_path, cpu_campaign, summary,
+                                                                                  words):
+    """read_run names a run's file after ``where`` instead of the folder's path; a folder whose path held a newline
+    was shown quoted by the readers and kept, quoted, in the line."""
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    folder = tmp_path / "a\nb" / run_id
+    finished_run(cpu_campaign, folder)
+    (folder / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(UserError) as refused:
+        archive_module.read_run(f"archive A: runs/{run_id}", folder)
+    assert str(refused.value).startswith(f"archive A: runs/{run_id}/{words}"), refused.value
+    assert "a\\nb" not in str(refused.value) and str(tmp_path) not in str(refused.value)
+
+
 def test_the_reference_s_manifest_lists_only_the_runs_a_window_counts_done(tmp_path, cpu_campaign):
     """A run folder of the reference that is not the sweep's finished run (another config, a summary that did not
     end ok: put there by hand) went into the reference's manifest and tables as the sweep's run, while campaign
