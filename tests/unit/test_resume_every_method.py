@@ -67,6 +67,7 @@ PRESET_SHRUNK = {
                       "grpo.group_size=4"],
     "qwenimage_720_reference": ["train.plan_window=2", "method.window=2", "grpo.prompts_per_iteration=1",
                                 "reward.options={}", "reward.name=jpeg_compressibility", "model.pretrained=null"],
+    "teacache_flux": ["method.trajectory_steps=4"],
     "tiny_sd3_reference_cpu": ["train.plan_window=2", "method.window=2"],
 }
 # caches the sweep does not run, in the rollout and in training
