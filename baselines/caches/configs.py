@@ -35,6 +35,9 @@ FactorDtype = Literal["bfloat16", "float16", "float32", "float64"]
 FACTOR_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}
 EARLY, LATE, ALWAYS = "early", "late", "always"  # when Delta-DiT reuses a run
+# FORA: what a reused block adds to its input
+ForaReuse = Literal["residual", "branches"]
+RESIDUAL, BRANCHES = typing.get_args(ForaReuse)
 # Bounds of the caches' numbers: a step index or a count of steps or blocks, a threshold on a relative change,
 # a timestep on the 0-1000 scale, a coefficient.
 MAX_STEPS = 1000
@@ -175,7 +178,7 @@ class ForaConfig(Options):
     """Options of FORA."""
 
     interval: int = option(
-        3, "N: every block computes on steps with step % N == 0 and reuses its residual on the other N - 1 steps; "
+        3, "N: every block computes on steps with step % N == 0 and reuses (`reuse` says what) on the other N - 1 steps; "
         "1 never reuses. A block with nothing recorded yet (e.g. a trajectory that does not start at step 0) "
         "computes", minimum=1, maximum=MAX_STEPS)
     trajectory_steps: int | None = trajectory_steps_option(
@@ -183,6 +186,12 @@ class ForaConfig(Options):
         "from T - 1, the blocks compute on the first step and on every step whose index from the end, "
         "T - 1 - step, is a multiple of N (so the last step computes); null counts from the first step "
         "(step % N == 0). The two agree where T - 1 is a multiple of N")
+    reuse: ForaReuse = option(
+        RESIDUAL, "what a reused block adds to its input. `residual`: its output minus its input at the last step it "
+        "computed, that step's adaLN gates included. `branches`, as the public FORA code: its attention and MLP "
+        "outputs recorded before their gates, each times its gate of the current step; FLUX's single blocks, whose "
+        "attention and MLP share one output projection and one gate, reuse that projection's output before the "
+        "gate; Qwen-Image is refused (see `baselines/caches/fora.py`)")
     current_step_callback: Callable[[], int] | None = clock("returns the index of the current call's step")
 
     def computes(self, step: int) -> bool:

@@ -366,3 +366,151 @@ def test_taylorseer_without_warm_up_predicts_only_after_a_computed_step(inputs):
         trajectory(policy, inputs, handle)
         assert (handle.stats["skipped"] > 0) == skips and handle.stats["computed"] > 0, options
         handle.remove()
+
+
+# FORA's `reuse: branches`, checked against the public rule (prathebaselva/FORA, src/models.py) written here in
+# float64: a reused block returns its input plus, per stream, each branch output recorded (before its adaLN gate)
+# at the last computed step times that branch's gate of the current step. The gates are read from each adaLN
+# layer's own projection of temb, in diffusers' chunk order: (shift, scale, gate) for the attention, then for the
+# MLP, then (SD3.5's SD35AdaLayerNormZeroX) for the second attention.
+ADALN_GATES = {"msa": 2, "mlp": 5, "msa2": 8}
+
+
+def adaln_gate(norm, temb, name: str) -> torch.Tensor:
+    emb = norm.linear(torch.nn.functional.silu(temb))
+    return emb.chunk(emb.shape[1] // temb.shape[1], dim=1)[ADALN_GATES[name]].unsqueeze(1)
+
+
+def public_fora_reuse(block, inputs: dict, stored: dict) -> tuple:
+    """``(image stream, text stream)`` a reused block returns under the public rule."""
+    h, e, temb = inputs["hidden_states"], inputs["encoder_hidden_states"], inputs["temb"]
+    if hasattr(block, "proj_out"):  # FLUX single block: gate * proj_out(cat(attn, mlp)) on the joined tokens
+        joint = torch.cat([e, h], dim=1) + adaln_gate(block.norm, temb, "msa") * stored["proj_out"]
+        return joint[:, e.shape[1]:], joint[:, :e.shape[1]]
+    h = h + adaln_gate(block.norm1, temb, "msa") * stored["attn"][0]
+    if getattr(block, "attn2", None) is not None:
+        h = h + adaln_gate(block.norm1, temb, "msa2") * stored["attn2"]
+    h = h + adaln_gate(block.norm1, temb, "mlp") * stored["ff"]
+    if getattr(block, "context_pre_only", False):
+        return h, None
+    e = e + adaln_gate(block.norm1_context, temb, "msa") * stored["attn"][1]
+    return h, e + adaln_gate(block.norm1_context, temb, "mlp") * stored["ff_context"]
+
+
+BRANCH_FAMILIES = {"sd3": {"dual_attention_layers": (0,)}, "flux": {}}  # SD3.5's second attention in block 0
+
+
+@pytest.mark.parametrize("family", BRANCH_FAMILIES)
+def test_fora_branches_reuse_is_the_public_rule_in_float64(inputs, family):
+    from baselines.caches.blocks import block_argument
+
+    policy = make_policy(family, **BRANCH_FAMILIES[family])
+    policy.transformer.double()
+    latents, cond = inputs
+    inputs64 = latents.double(), cond.to(dtype=torch.float64)
+    blocks = [b for name in ("transformer_blocks", "single_transformer_blocks")
+              for b in getattr(policy.transformer, name, [])]
+    seen = {"inputs": [], "outputs": [], "stored": {}, "computed": []}  # per block call, in order
+    steps: list[int] = []
+
+    def keep_inputs(block, args, kwargs):
+        seen["inputs"].append({name: block_argument(block, name, args, kwargs)
+                               for name in ("hidden_states", "encoder_hidden_states", "temb")})
+
+    def keep_output(block, args, kwargs, output):
+        seen["outputs"].append((block, output[1], output[0]))
+
+    def keep_branch(index, name):
+        def hook(module, args, output):
+            seen["stored"].setdefault(index, {})[name] = output
+            seen["computed"].append((index, len(steps)))
+        return hook
+
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(keep_inputs, with_kwargs=True)
+        block.register_forward_hook(keep_output, with_kwargs=True)
+        for name in ("attn", "attn2", "ff", "ff_context", "proj_out"):
+            if getattr(block, name, None) is not None:
+                getattr(block, name).register_forward_hook(keep_branch(index, name))
+    if family == "sd3":
+        assert blocks[0].attn2 is not None and blocks[-1].context_pre_only
+    handle = apply_cache(policy.transformer, "fora", {"interval": 2, "reuse": "branches"})
+    reused_calls = 0
+    last_computed: dict[int, dict] = {}  # block index -> its branch outputs at the last step it computed
+
+    def check(step):
+        nonlocal reused_calls
+        computes = step % 2 == 0
+        calls = list(zip(seen["inputs"], seen["outputs"]))
+        assert len(calls) == len(blocks)
+        for index, (block_inputs, (block, h_out, e_out)) in enumerate(calls):
+            assert ((index, step) in seen["computed"]) == computes
+            if computes:
+                last_computed[index] = seen["stored"].pop(index)
+                continue
+            assert index not in seen["stored"]
+            h_ref, e_ref = public_fora_reuse(block, block_inputs, last_computed[index])
+            torch.testing.assert_close(h_out, h_ref, rtol=1e-13, atol=1e-13)
+            if e_ref is None:
+                assert e_out is None
+            else:
+                torch.testing.assert_close(e_out, e_ref, rtol=1e-13, atol=1e-13)
+            reused_calls += 1
+        seen["inputs"].clear()
+        seen["outputs"].clear()
+        steps.append(step)
+
+    trajectory(policy, inputs64, handle, after_step=check)
+    assert steps == list(range(STEPS)) and reused_calls == 2 * len(blocks)  # steps 1 and 3
+    assert handle.stats == dict(computed=3 * len(blocks), skipped=2 * len(blocks), hit_rate=0.4)
+    handle.remove()
+
+
+@pytest.mark.parametrize("family", BRANCH_FAMILIES)
+def test_fora_branches_differ_from_the_residual_by_the_change_of_the_gates(inputs, family):
+    """The two rules compute on the same steps and agree where they compute; on a reused step the velocity differs
+    (the gates of a random model change with the timestep)."""
+    policy = make_policy(family, **BRANCH_FAMILIES[family])
+    assert computed_steps(policy, inputs, "fora", {"interval": 3, "reuse": "branches", "trajectory_steps": STEPS}) \
+        == [0, 1, 4]
+    assert computed_steps(policy, inputs, "fora", {"interval": 3, "reuse": "branches"}) == [0, 3]
+    runs = {}
+    for reuse in ("residual", "branches"):
+        handle = apply_cache(policy.transformer, "fora", {"interval": 2, "reuse": reuse})
+        runs[reuse] = trajectory(policy, inputs, handle)
+        handle.remove()
+    residual, branches = runs["residual"], runs["branches"]
+    assert torch.equal(residual[0], branches[0])
+    assert (residual[1] - branches[1]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("family", BRANCH_FAMILIES)
+def test_fora_branches_train_and_detach(inputs, family):
+    policy = make_policy(family, **BRANCH_FAMILIES[family])
+    handle = apply_cache(policy.transformer, "fora", {"interval": 2, "reuse": "branches"})
+    trajectory(policy, inputs, handle, train=True)
+    grads = [p.grad for p in policy.transformer.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    handle.reset()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        trajectory(policy, inputs, handle, train=True, detach=False)
+    handle.remove()
+
+
+def test_fora_branches_refuse_qwenimage():
+    policy = make_policy("qwenimage")
+    with pytest.raises(ConfigError) as err:
+        apply_cache(policy.transformer, "fora", {"reuse": "branches"})
+    assert (err.value.key, err.value.value) == ("method.reuse", "branches")
+    assert "\n" not in str(err.value)
+    assert_hook_free(policy.transformer)
+
+
+def test_fora_branches_refuse_a_feed_forward_run_in_chunks(inputs):
+    """A chunked feed-forward is called once per chunk: its branch output is no single call's."""
+    policy = make_policy("sd3")
+    policy.transformer.transformer_blocks[0].set_chunk_feed_forward(8, dim=1)
+    handle = apply_cache(policy.transformer, "fora", {"reuse": "branches"})
+    with pytest.raises(UserError, match="one call of 'ff'"):
+        trajectory(policy, inputs, handle)
+    handle.remove()
