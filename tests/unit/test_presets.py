@@ -83,6 +83,8 @@ def test_flow_grpo_fast_keeps_the_public_schedule():
     assert (cfg.grpo.clip_range, cfg.grpo.beta) == (1e-5, 0.0)
     # two optimizer steps per epoch (the code's gradient_accumulation_steps = num_batches_per_epoch // 2)
     assert (cfg.train.inner_epochs, cfg.train.minibatches, cfg.train.optimizer_steps) == (1, 2, 2)
+    # the evaluation EMA of the `*_fast_nocfg` configs (train.ema = True), as Flow-GRPO's
+    assert (cfg.train.eval_ema, cfg.train.eval_ema_every, cfg.train.eval_ema_updates) == (0.9, 8, 2)
     options = cfg.method.options
     assert (cfg.method.name, options.window_size, options.window_mode) == ("window", 3, "random")
     assert (options.window_start, options.window_max_start) == (0, 10 // 2 - 3)

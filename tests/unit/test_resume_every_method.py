@@ -61,7 +61,7 @@ PRESET_SHRUNK = {
              "method.ema_rollout_after=1"],
     "diffusionnft": ["method.times_per_sample=3"],
     "flow_grpo": ["train.eval_ema_every=2"],
-    "flow_grpo_fast": ["method.window_size=2"],
+    "flow_grpo_fast": ["method.window_size=2", "train.eval_ema_every=2"],
     "guess_ab2": ["method.guessed=1", "grpo.group_size=3"],
     "mixgrpo_flash": ["method.window_size=2", "method.window_interval=1", "method.window_end=3",
                       "grpo.group_size=4"],
