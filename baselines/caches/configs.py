@@ -38,6 +38,8 @@ EARLY, LATE, ALWAYS = "early", "late", "always"  # when Delta-DiT reuses a run
 # FORA: what a reused block adds to its input
 ForaReuse = Literal["residual", "branches"]
 RESIDUAL, BRANCHES = typing.get_args(ForaReuse)
+# FasterCache: the outputs a reused attention call extrapolates from
+ExtrapolateFrom = Literal["calls", "computed"]
 # Bounds of the caches' numbers: a step index or a count of steps or blocks, a threshold on a relative change,
 # a timestep on the 0-1000 scale, a coefficient.
 MAX_STEPS = 1000
@@ -107,13 +109,17 @@ class FasterCacheConfig(Options):
 
     spatial_attention_block_skip_range: int = option(
         2, "inside the timestep range, each attention layer computes on every N-th call and extrapolates from its "
-        "last two computed outputs on the others; 1 never reuses. diffusers' default", minimum=1, maximum=MAX_STEPS)
+        "last two outputs (`extrapolate_from`) on the others; 1 never reuses. diffusers' default", minimum=1, maximum=MAX_STEPS)
     spatial_attention_timestep_skip_range: tuple[float, float] = skip_range(
         (-1, 681), "open interval (low < high) of timesteps (0-1000 scale for every family) inside which attention may be "
         "reused. diffusers' default")
     attention_weight: float = option(
         0.5, "reused output = last + (last - second to last) * weight. diffusers' default",
         minimum=-MAX_COEFFICIENT, maximum=MAX_COEFFICIENT)
+    extrapolate_from: ExtrapolateFrom = option(
+        "calls", "what `last` and `second to last` are: `calls`, the layer's outputs on its last two calls, so a "
+        "reuse that follows a reuse extrapolates from an extrapolated output (diffusers); `computed`, its last two "
+        "computed outputs (the public FasterCache code)")
     current_timestep_callback: Callable[[], float] | None = clock("returns the current timestep (0-1000 scale)")
 
     def check(self) -> None:

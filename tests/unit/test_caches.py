@@ -205,6 +205,41 @@ def four_blocks(family: str) -> dict:
     return {"num_layers": 2} if family == "flux" else {"num_layers": 4}
 
 
+@pytest.mark.parametrize("extrapolate_from", ["calls", "computed"])
+def test_fastercache_extrapolates_from_computed_outputs_as_the_public_code_does(policy, inputs, extrapolate_from):
+    """A reused attention call returns last + (last - second to last) * w. The public FasterCache code
+    (github.com/Vchitect/FasterCache, scripts/latte/fastercache_sample_latte.py) caches computed outputs
+    only; diffusers caches every call's output, so from the third reuse on it extrapolates from an
+    extrapolated one. Every second call computes here: calls 0, 2, 4 compute, 1, 3, 5 reuse."""
+    weight = 0.3
+    handle = apply_cache(policy.transformer, "fastercache", {
+        "spatial_attention_timestep_skip_range": [-1000, 2000], "attention_weight": weight,
+        "extrapolate_from": extrapolate_from})
+    outputs: list[tuple[torch.Tensor, ...]] = []
+    recorder = policy.transformer.transformer_blocks[0].attn.register_forward_hook(
+        lambda module, args, output: outputs.append(output if isinstance(output, tuple) else (output,)))
+    latents, cond = inputs
+    timesteps = policy.timestep_values(torch.linspace(1.0, 0.0, 7))
+    for step in range(6):
+        handle.begin_step(step, float(timesteps[step]))
+        with torch.no_grad():
+            policy.velocity(latents, timesteps[step].expand(latents.shape[0]), cond)
+    recorder.remove()
+    assert handle.stats_by_module["transformer_blocks.0.attn"] == dict(computed=3, skipped=3)
+
+    def extrapolated(last, before):
+        return tuple(a + (a - b) * weight for a, b in zip(last, before))
+
+    o = outputs
+    assert_all_equal(list(o[1]), list(o[0]))  # nothing but the first output to extrapolate from
+    assert_all_equal(list(o[3]), list(extrapolated(o[2], o[0])))
+    public, diffusers = extrapolated(o[4], o[2]), extrapolated(o[4], o[3])
+    assert_all_equal(list(o[5]), list(public if extrapolate_from == "computed" else diffusers))
+    assert not all(torch.allclose(a, b) for a, b in zip(public, diffusers))
+    handle.remove()
+    assert_hook_free(policy.transformer)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_deltadit_skips_exactly_the_given_block_range(inputs, family):
     # Four blocks: SD3 and Qwen-Image with four joint blocks; FLUX with two double and two single blocks.
