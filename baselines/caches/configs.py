@@ -32,6 +32,7 @@ MagCachePreset = Literal["flux"]
 MAGCACHE_PRESETS = typing.get_args(MagCachePreset)
 # TaylorSeer: storage dtypes of the Taylor factors
 FactorDtype = Literal["bfloat16", "float16", "float32", "float64"]
+TaylorSeerSchedule = Literal["diffusers", "public"]  # which steps after the warm-up compute
 FACTOR_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}
 EARLY, LATE, ALWAYS = "early", "late", "always"  # when Delta-DiT reuses a run
@@ -161,9 +162,20 @@ class TaylorSeerConfig(Options):
         "stops predicting. diffusers' default",
         minimum=0, maximum=MAX_STEPS)
     max_order: int = option(1, "order of the Taylor expansion. diffusers' default", minimum=1, maximum=10)
+    schedule: TaylorSeerSchedule = option(
+        "diffusers", "which steps after the warm-up compute, with B = `disable_cache_before_step` and N = "
+        "`cache_interval`: `diffusers` (its rule) B + 1, B + 1 + N, ..., so step B predicts; `public` (TaylorSeer's "
+        "code, its warm-up `first_enhance` = B) B - 1 + N, B - 1 + 2N, ...: N - 1 predicted steps after the last "
+        "warm-up step and after every computed one. The two agree where N is 2")
     taylor_factors_dtype: FactorDtype = option(
         "float32", "storage dtype of the factors. diffusers defaults to bfloat16 to save memory; float32 keeps the "
         "rounding of the stored factors out of the measured cache error")
+
+    def computes(self, step: int) -> bool:
+        """Whether the attention layers compute on step ``step`` under :attr:`schedule` (the cooldown included)."""
+        before, interval, after = self.disable_cache_before_step, self.cache_interval, self.disable_cache_after_step
+        offset = before + 1 if self.schedule == "diffusers" else before - 1
+        return step < before or (step - offset) % interval == 0 or (after is not None and step >= after)
 
     def check(self) -> None:
         if self.disable_cache_before_step == 0 and self.cache_interval > 1:

@@ -549,3 +549,31 @@ def test_fora_branches_refuse_a_feed_forward_run_in_chunks(inputs):
     with pytest.raises(UserError, match="one call of 'ff'"):
         trajectory(policy, inputs, handle)
     handle.remove()
+
+
+def taylorseer_public_steps(first_enhance: int, fresh_threshold: int, steps: int) -> list[int]:
+    """The steps TaylorSeer's code computes in full (its ``cal_type``): every step below ``first_enhance``,
+    then a step whenever ``fresh_threshold - 1`` steps have predicted since the last computed one."""
+    computed, counter = [], 0
+    for step in range(steps):
+        if step < first_enhance or counter == fresh_threshold - 1:
+            computed.append(step)
+            counter = 0
+        else:
+            counter += 1
+    return computed
+
+
+@pytest.mark.parametrize("before, interval", [(3, 6), (1, 3), (2, 2), (3, 3)])
+def test_taylorseer_public_schedule_computes_the_steps_of_its_code(before, interval):
+    options = {"disable_cache_before_step": before, "cache_interval": interval, "schedule": "public"}
+    config = make_config("taylorseer", options)
+    # TaylorSeer-FLUX's setting (first_enhance 3, fresh_threshold 6, 50 steps) and smaller ones
+    assert [s for s in range(50) if config.computes(s)] == taylorseer_public_steps(before, interval, 50)
+
+
+def test_taylorseer_public_schedule_decides_every_attention_layer(policy, inputs):
+    # one warm-up step, interval 3: the public code computes steps 0 and 3, diffusers' rule steps 0 and 2
+    options = {"disable_cache_before_step": 1, "cache_interval": 3}
+    assert computed_steps(policy, inputs, "taylorseer", {**options, "schedule": "public"}) == [0, 3]
+    assert computed_steps(policy, inputs, "taylorseer", options) == [0, 2]
