@@ -108,6 +108,12 @@ class ModelConfig(Section):
         None, "with preset `random`: `sd3.5-medium` (sd3 default), `sd3.5-large`, `flux.1-dev` (flux default), "
         "`qwen-image` (qwenimage default); null: the family's default; null unless the preset is `random`",
         min_length=1, expected="an architecture's name, or null")
+    guidance: float = option(
+        1.0, "the guidance value a guidance-distilled transformer embeds (FLUX.1-dev: diffusers' `guidance` input, "
+        "scaled by 1000 inside; FluxPipeline's `guidance_scale`, 3.5 in DanceGRPO, MixGRPO and BranchGRPO), given "
+        "to every call: rollout, training, reference and old policies, evaluation; a value other than 1.0 is "
+        "refused for a transformer without a guidance embedding (SD3, Qwen-Image, the tiny FLUX, a folder whose "
+        "transformer/config.json has no `guidance_embeds`)", minimum=0, maximum=100)
 
 
 def check_prompts_path(text: str, key: str = "prompts.file") -> Path:

@@ -27,7 +27,7 @@ import torch
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 from .. import stopping
-from ..config import RunConfig, TrainConfig
+from ..config import DEFAULTS, RunConfig, TrainConfig
 from ..errors import ConfigError, UserError, first_message_line, quote, shown
 from ..io import file_identity
 from ..jsonfiles import MAX_CONFIG_BYTES, JsonFileError, read_json_object
@@ -38,7 +38,7 @@ from ..records import is_finite_number, is_integer
 from .counters import PassCounter, count_backward
 from .families import (  # noqa: F401 (TINY_*: the tiny presets' configs, also imported from here)
     DEFAULT_VAE_SCALE_FACTOR, FAMILY_SPECS, TINY_QWEN_VAE, TINY_TRANSFORMERS, TINY_VAE, FamilySpec, ImageGeometry,
-    family_spec,
+    check_guidance, family_spec,
 )
 from .hf_logging import cast_quietly, quiet_loading
 from .lora import adapters_disabled, apply_lora, has_adapters
@@ -48,6 +48,7 @@ FAMILIES = tuple(FAMILY_SPECS)
 TRANSFORMER_CLASSES = {name: spec.transformer_cls() for name, spec in FAMILY_SPECS.items()}
 VAE_CLASSES = {name: spec.vae_cls() for name, spec in FAMILY_SPECS.items()}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+GUIDANCE_DEFAULT = DEFAULTS["model"]["guidance"]  # the guidance value of every run before model.guidance
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,8 @@ class Policy:
     is the dtype of the transformer forward; the returned velocity always has the parameters' dtype.
     ``base_model`` is True for the KL reference of a LoRA policy: the same modules with adapters off.
     ``scheduler_config`` is the model's FlowMatchEulerDiscreteScheduler config (None: the folder has none).
+    ``guidance`` is the guidance value a guidance-distilled transformer embeds at every call (``model.guidance``;
+    FLUX.1-dev), refused other than its default for a transformer without that embedding.
     """
 
     family: str = ""
@@ -164,7 +167,8 @@ class Policy:
     padding_passes: int = 0  # lockstep padding calls of a sharded policy (agg_bench.machine.fsdp)
 
     def __init__(self, transformer: torch.nn.Module, vae: torch.nn.Module | None, latent_channels: int | None = None,
-                 *, autocast_dtype: torch.dtype | None = None, scheduler_config: dict | None = None):
+                 *, autocast_dtype: torch.dtype | None = None, scheduler_config: dict | None = None,
+                 guidance: float = GUIDANCE_DEFAULT):
         # diffusers models, whose classes are looked up by family name: their config and call keywords are
         # known at run time only
         self.transformer: Any = transformer
@@ -173,6 +177,10 @@ class Policy:
             self.latent_channels_of(transformer)
         self.autocast_dtype = autocast_dtype
         self.scheduler_config = None if scheduler_config is None else dict(scheduler_config)
+        if guidance != GUIDANCE_DEFAULT:  # the configs said so before the run (check_config); the model says it here
+            check_guidance({"family": self.family, "guidance": guidance},
+                           embeds=typing.cast(Any, transformer).config.get("guidance_embeds") is True)
+        self.guidance = guidance
         self.base_model = False
         self.counter = PassCounter()
         self.version = 0
@@ -299,7 +307,7 @@ class Policy:
         _, c, h, w = latents.shape
         hidden = pack_latents(latents) if self.packed else latents
         assert self.spec is not None  # a bare velocity model overrides _forward
-        inputs = self.spec.transformer_inputs(self.transformer, hidden, timesteps, cond, h, w)
+        inputs = self.spec.transformer_inputs(self.transformer, hidden, timesteps, cond, h, w, self.guidance)
         out = self.transformer(**inputs, return_dict=False)[0]
         return unpack_latents(out, c, h, w) if self.packed else out
 
@@ -623,10 +631,11 @@ def unreplaced_folder(pretrained: str | None):
 
 
 def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "float32",
-                device: str | torch.device = "cpu", seed: int = 0, architecture: str | None = None) -> Policy:
+                device: str | torch.device = "cpu", seed: int = 0, architecture: str | None = None,
+                guidance: float = GUIDANCE_DEFAULT) -> Policy:
     """Build the tiny preset, a public ``architecture`` with random weights (preset ``random``, created on
     the meta device and materialised on ``device``), or load a local diffusers folder (``transformer/``,
-    ``vae/``, ``scheduler/``)."""
+    ``vae/``, ``scheduler/``); its calls embed the guidance value ``guidance`` (``model.guidance``)."""
     spec = family_spec(family)
     prec = precision(dtype)
     scheduler_config = None
@@ -659,7 +668,7 @@ def load_policy(family: str, preset: str, pretrained: str | None, dtype: str = "
     if vae.dtype != vae_dtype(prec):
         cast_quietly(vae, vae_dtype(prec))
     return policy_cls(transformer, vae, latent_channels, autocast_dtype=prec.autocast_dtype,
-                      scheduler_config=scheduler_config)
+                      scheduler_config=scheduler_config, guidance=guidance)
 
 
 def build_policy(cfg: RunConfig, device: str | torch.device = "cpu") -> Policy:
@@ -670,7 +679,7 @@ def build_policy(cfg: RunConfig, device: str | torch.device = "cpu") -> Policy:
     """
     model = cfg.model
     policy = load_policy(model.family, model.preset, model.pretrained, model.dtype, device, cfg.seed,
-                         model.architecture)
+                         model.architecture, model.guidance)
     prepare_training(policy.transformer, policy.family, cfg.train)
     return policy
 

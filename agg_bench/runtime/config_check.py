@@ -16,6 +16,9 @@ methods check in its child process), before anything is written:
   and the model's own schedule with a ``shift_terminal`` (a random preset's architecture's, Qwen-Image; a model
   folder's ``scheduler/scheduler_config.json``) has 2 steps or more
   (:func:`agg_bench.engine.families.check_own_schedule`, no torch: the workflow's parse checks it too);
+- ``model.guidance`` other than its default is given to a transformer that embeds a guidance value (FLUX.1-dev's),
+  from the family specs or the model folder's ``transformer/config.json``
+  (:func:`agg_bench.engine.families.check_guidance`, no torch: the workflow's parse checks it too);
 - the paths of ``model.pretrained``, ``prompts.file`` and ``prompts.cache_dir`` name something this user can
   use (:func:`agg_bench.outdir.named_path_problem`: no unexpanded ``~``, no folder on the way this user may not
   search, no trailing ``/`` after a file), so that a quoted ``~`` is not a folder named ``~`` made in the current
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 from ..config import RunConfig
 from ..config.reward_options import reward_options
-from ..engine.families import architecture, check_own_schedule
+from ..engine.families import architecture, check_guidance, check_own_schedule
 from ..engine.rewards import REWARDS
 from ..engine.sampler import check_sigmas, flow_sigmas_formula, linspace_sigmas, sampler_dtype
 from ..errors import ConfigError
@@ -63,6 +66,7 @@ def check_config(cfg: RunConfig) -> RunConfig:
     if model.preset == "random" and not model.pretrained:
         architecture(model.family, model.architecture)
     check_own_schedule(model.to_dict(), sampling.to_dict())
+    check_guidance(model.to_dict())
     if sampling.shift is not None:  # before any job of a sweep, not when the run has built its model
         given = linspace_sigmas if sampling.schedule == "linspace" else flow_sigmas_formula  # no diffusers imported
         check_sigmas(given(sampling.steps, sampling.shift), sampling.shift,

@@ -364,7 +364,8 @@ class ShapeModel:
                     cast_quietly(transformer, self.precision.param_dtype)
             _to_fake(transformer, self.mode)
             self._policies[key] = policy_class(self.family)(transformer, self.vae,
-                                                            autocast_dtype=self.precision.autocast_dtype)
+                                                            autocast_dtype=self.precision.autocast_dtype,
+                                                            guidance=self.cfg.model.guidance)
         return self._policies[key]
 
     def suggested_lora_rank(self, checkpointing: bool) -> int:

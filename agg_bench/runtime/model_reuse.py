@@ -98,7 +98,7 @@ class _Built:
         _set_rng_state(self.rng)
         old = self.policy
         return type(old)(transformer, old.vae, old.latent_channels, autocast_dtype=old.autocast_dtype,
-                         scheduler_config=old.scheduler_config)
+                         scheduler_config=old.scheduler_config, guidance=old.guidance)
 
 
 class _Reuse:

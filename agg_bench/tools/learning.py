@@ -76,7 +76,8 @@ class CheckpointEvaluation:
                             "reward, which scores scene captions only")
         check_weights_fit(config)
         with unreplaced_folder(model.pretrained):  # the model and its conditioning from one model folder
-            policy = load_policy(model.family, model.preset, model.pretrained, model.dtype)
+            policy = load_policy(model.family, model.preset, model.pretrained, model.dtype,
+                                 guidance=model.guidance)
             conditioning = prompt_conditioning(config, policy.transformer, prompts)
         latent_shape = policy.latent_shape(model.resolution)
         self.evaluation = Evaluation(

@@ -76,7 +76,8 @@ OPTIONAL_TENSORS = ("velocities", "pooled_projections", "encoder_attention_mask"
 # rollout.json's settings and the run-config keys they are (rollout_settings); lora: train.lora_*
 SETTINGS = {"family": "model.family", "sde": "sampling.sde", "eta": "sampling.eta",
             "clip_range": "grpo.clip_range", "beta": "grpo.beta", "kl_form": "grpo.kl_form",
-            "adv_std": "grpo.adv_std", "dtype": "model.dtype", "resolution": "model.resolution"}
+            "adv_std": "grpo.adv_std", "dtype": "model.dtype", "resolution": "model.resolution",
+            "guidance": "model.guidance"}
 LORA_SETTINGS = {"rank": "train.lora_rank", "alpha": "train.lora_alpha", "target_modules": "train.lora_target_modules"}
 REQUIRED_SETTINGS = ("family", "sde", "eta", "clip_range")  # every snapshot has them; the rest may be older than it
 # rollout.json's record of the rollout.safetensors written with it (hex SHA-256 of its bytes); older snapshots lack it
@@ -612,7 +613,7 @@ def load_snapshot(snapshot_dir: str | Path, device: str | torch.device = "cpu") 
     family = meta["family"]
     prec = precision(meta["dtype"])
     transformer = _load_transformer(root, meta, device)
-    policy = POLICIES[family](transformer, None, autocast_dtype=prec.autocast_dtype)
+    policy = POLICIES[family](transformer, None, autocast_dtype=prec.autocast_dtype, guidance=meta["guidance"])
     method = _snapshot_method(config_path, run)
     tensors = _rollout_tensors(root, policy, meta, method)
     if run is not None:

@@ -46,7 +46,7 @@ import yaml
 from ..config import (YamlDumper, YamlRefused, check_data_parallel, check_expanded_size, check_finite,
                       check_override_values, check_prompts_path, check_schema, dotted_value, load_config,
                       read_yaml_mapping, run_schema, yaml_load)
-from ..engine.families import architecture, check_own_schedule, check_resolution
+from ..engine.families import architecture, check_guidance, check_own_schedule, check_resolution
 from ..errors import ConfigError, UserError, clip, quote, shown
 from ..io import write_text
 from ..jsonfiles import JsonFileError, read_json_object
@@ -1072,6 +1072,7 @@ class Sweep:
             # a model folder's own schedule, read here rather than in the methods' check, whose answer is kept
             # by the folder's name and not by what its files hold
             check_own_schedule(cfg.model.to_dict(), cfg.sampling.to_dict())
+            check_guidance(cfg.model.to_dict())  # a guidance value the model's transformer would not embed
         except UserError as err:
             raise SweepError(f"{what}: {err}") from None
         processes = 1 if device is None else max(1, self.gpus(device))

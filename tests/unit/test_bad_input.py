@@ -47,6 +47,13 @@ def run_fails(out: Path, capsys, *args: str) -> str:
     ("plan window longer than the trajectory", ["--set", "train.plan=groups", "--set", "train.plan_window=5"],
      ["train.plan_window", "5"]),
     ("negative checkpoint interval", ["--checkpoint-every", "-1"], ["train.checkpoint_every", "-1"]),
+    ("guidance of another type", ["--set", "model.guidance=high"], ["model.guidance = 'high': expected a number"]),
+    ("guidance a flag", ["--set", "model.guidance=true"], ["model.guidance = True: expected a number"]),
+    ("guidance not a number", ["--set", "model.guidance=.nan"], ["model.guidance = nan: expected a finite number"]),
+    ("negative guidance", ["--set", "model.guidance=-3.5"], ["model.guidance = -3.5: expected a number >= 0 and <= 100"]),
+    ("huge guidance", ["--set", "model.guidance=1e300"], ["model.guidance = 1e+300: expected a number >= 0 and <= 100"]),
+    ("guidance for a model without its embedding", ["--set", "model.family=flux", "--set", "model.guidance=3.5"],
+     ["model.guidance = 3.5: expected 1.0, the default: this flux model's transformer embeds no guidance value"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, name, args, expected):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

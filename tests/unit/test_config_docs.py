@@ -23,7 +23,7 @@ DOC = ROOT / "docs" / "configuration.md"
 WRITTEN_DEFAULTS = {
     "run_id": None, "seed": 0, "device": "cpu", "progress": True,
     "model": {"family": "sd3", "preset": "tiny", "pretrained": None, "resolution": 128, "dtype": "float32",
-              "architecture": None},
+              "architecture": None, "guidance": 1.0},
     "prompts": {"file": None, "max_tokens": 16, "max_sequence_length": None, "cache_dir": "results/embeddings"},
     "sampling": {"steps": 10, "sde": "flow_grpo", "eta": 0.7, "shift": 3.0, "same_noise_per_group": True,
                  "schedule": "diffusers"},
@@ -170,12 +170,13 @@ def test_an_older_config_json_reads_with_the_defaults_of_keys_it_lacks():
     older = json.loads(json.dumps(WRITTEN_DEFAULTS))
     del older["grpo"]["kl_form"], older["train"]["shard"], older["telemetry"], older["train"]["pass_costs"]
     del older["eval"], older["train"]["minibatches"], older["train"]["minibatch_unit"], older["train"]["eval_ema"]
-    del older["train"]["eval_ema_every"], older["train"]["eval_ema_updates"]
+    del older["train"]["eval_ema_every"], older["train"]["eval_ema_updates"], older["model"]["guidance"]
     cfg = RunConfig.from_dict(older)
     assert (cfg.grpo.kl_form, cfg.train.shard, cfg.telemetry.saved_activations) == ("transition", "none", "first")
     assert (cfg.train.pass_costs.backward, cfg.train.budget, cfg.eval.every) == (1.6, None, 0)
     assert (cfg.train.minibatches, cfg.train.optimizer_steps, cfg.train.minibatch_unit) == (1, 1, "groups")
     assert cfg.train.eval_ema is None and cfg.train.eval_ema_every == 1 and cfg.train.eval_ema_updates == 1
+    assert cfg.model.guidance == 1.0
 
 
 def test_sections_are_typed():

@@ -19,7 +19,7 @@ from agg_bench.engine.prompts import hash_embed
 from agg_bench.engine.rollout import rollout
 from agg_bench.engine.sampler import flow_sigmas
 from agg_bench.errors import ConfigError
-from helpers import seeded
+from helpers import seeded, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES_DIR = ROOT / "agg_bench" / "engine" / "families"
@@ -123,3 +123,93 @@ def test_a_fourth_family_registered_as_one_spec_builds_and_rolls_out(monkeypatch
     with torch.no_grad():
         assert torch.equal(policy.velocity(noise, traj.timesteps[:1].expand(2), cond),
                            sd3.velocity(noise, traj.timesteps[:1].expand(2), cond))
+
+
+# ----- the guidance value a guidance-distilled transformer embeds (model.guidance) ---------------------------
+
+GUIDED = {  # every kind of call: rollout, training, the KL reference (full); an old policy's forwards (nft)
+    "full": ["grpo.beta=0.04"],
+    "nft": ["method.name=nft", "sampling.same_noise_per_group=false", "method.old_decay_rate=0.001"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(GUIDED))
+def test_the_guidance_value_reaches_every_call_of_a_guided_flux(monkeypatch, case):
+    """The tiny FLUX given a guidance embedding (FLUX.1-dev's guidance_embeds): every transformer call of a run's
+    iterations (its rollout, the training forwards, a reference or old policy's forwards) and of its evaluation
+    gets model.guidance, exactly, one value per row; the embedding takes it (another value, other velocities)."""
+    from diffusers import FluxTransformer2DModel
+
+    from agg_bench.runtime.evaluation import Evaluation
+    from agg_bench.runtime.session import Session
+
+    monkeypatch.setitem(FAMILY_SPECS["flux"].tiny_transformer, "guidance_embeds", True)
+    seen: list[tuple[torch.Tensor | None, int]] = []
+    forward = FluxTransformer2DModel.forward
+
+    def recording(self, *args, **kwargs):
+        seen.append((kwargs["guidance"], kwargs["hidden_states"].shape[0]))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(FluxTransformer2DModel, "forward", recording)
+    session = Session(tiny_config(*GUIDED[case], "model.guidance=3.5", "eval.noises=1", family="flux"))
+    policy = session.policy
+    for iteration in range(2):  # nft's old policy differs from the policy from the 2nd iteration on
+        session.update(session.collect(iteration).batch)
+    counter = policy.counter
+    assert counter.forward_grad_calls > 0 and len(seen) == counter.forward_nograd_calls + counter.forward_grad_calls
+    evaluation = Evaluation.of_session(session)
+    evaluation.evaluate()
+    assert evaluation.policy.counter.forward_nograd_calls > 0
+    assert len(seen) == (counter.forward_nograd_calls + counter.forward_grad_calls
+                         + evaluation.policy.counter.forward_nograd_calls)
+    for value, rows in seen:
+        assert value is not None and torch.equal(value, torch.full((rows,), 3.5, dtype=torch.float64))
+    latents = torch.randn(2, *session.latent_shape, generator=torch.Generator().manual_seed(seeded(0)),
+                          dtype=torch.float64)
+    timesteps, cond = torch.full((2,), 0.5, dtype=torch.float64), session.cond_all[[0, 1]]
+    with torch.no_grad():
+        guided = policy.velocity(latents, timesteps, cond)
+        policy.guidance = 1.0
+        assert not torch.equal(policy.velocity(latents, timesteps, cond), guided)
+
+
+def test_a_reused_model_and_a_snapshot_keep_the_guidance_value(monkeypatch, tmp_path):
+    """The policy a cell's later run gets back from the kept model, and the one a snapshot's replay loads, embed the
+    run's model.guidance, not the default."""
+    from agg_bench.runtime.model_reuse import policy_for, reusing_models
+    from agg_bench.tools.snapshot import load_snapshot, save_snapshot
+
+    monkeypatch.setitem(FAMILY_SPECS["flux"].tiny_transformer, "guidance_embeds", True)
+    cfg = tiny_config("model.guidance=3.5", "train.iterations=1", family="flux")
+    with reusing_models() as reuse:
+        assert policy_for(cfg, torch.device("cpu")).guidance == 3.5
+        assert policy_for(cfg, torch.device("cpu")).guidance == 3.5 and reuse.builds == 1
+    save_snapshot(cfg, tmp_path / "snapshot")
+    assert load_snapshot(tmp_path / "snapshot").policy.guidance == 3.5
+
+
+def test_a_guidance_value_is_refused_for_a_transformer_without_its_embedding(tmp_path):
+    """model.guidance other than its default names the key before anything is built where the configs say that
+    the transformer embeds none (SD3, Qwen-Image, the tiny FLUX, a folder's config without guidance_embeds), and
+    where a built transformer says so; FLUX.1-dev's architecture takes it. The default passes everywhere."""
+    from agg_bench.config import load_config
+    from agg_bench.runtime.config_check import check_config
+
+    def checked(*sets: str):
+        return check_config(load_config(None, ["model.resolution=32", *sets]))
+
+    for family in FAMILY_SPECS:
+        checked(f"model.family={family}")
+        with pytest.raises(ConfigError, match=rf"^config error: model.guidance = 3.5: expected 1.0, the default: this "
+                                              rf"{family} model's transformer embeds no guidance value"):
+            checked(f"model.family={family}", "model.guidance=3.5")
+    assert checked("model.family=flux", "model.preset=random", "model.guidance=3.5").model.guidance == 3.5
+    folder = tmp_path / "model"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "transformer" / "config.json").write_text('{"_class_name": "FluxTransformer2DModel"}')
+    with pytest.raises(ConfigError, match="model.guidance = 2"):
+        checked("model.family=flux", "model.preset=pretrained", f"model.pretrained={folder}", "model.guidance=2")
+    with pytest.raises(ConfigError, match="model.guidance = 2"):
+        load_policy("flux", "tiny", None, guidance=2)
+    assert load_policy("flux", "tiny", None).guidance == 1.0

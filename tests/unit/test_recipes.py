@@ -172,6 +172,24 @@ def test_an_older_runs_adv_std_reads_as_todays_keys(written, ddof, tmp_path):
         load_config(None, [f"grpo.adv_std={written}"])
 
 
+def test_an_older_runs_config_without_model_guidance_reads_as_the_default(tmp_path):
+    """A run folder's config.json written before model.guidance (every FLUX run then embedded 1) reads as that
+    run: the key takes its default, the config compares equal to today's and differs from a guided one there."""
+    from agg_bench.reading import RunFolder
+    from agg_bench.runtime.checkpoint import check_same_run, first_difference
+
+    today = tiny_config(family="flux").to_dict()
+    older = copy.deepcopy(today)
+    del older["model"]["guidance"]
+    (tmp_path / "config.json").write_text(json.dumps(older))
+    cfg = RunFolder(tmp_path).config()
+    assert cfg.model.guidance == 1.0 and cfg.to_dict() == today
+    check_same_run(older, today, tmp_path)
+    assert first_difference(older, today, (), DEFAULTS) is None
+    guided = tiny_config("model.guidance=3.5", family="flux").to_dict()
+    assert first_difference(older, guided, (), DEFAULTS) == ("model.guidance", 1.0, 3.5)
+
+
 # ----- the moving averages ------------------------------------------------------------------------
 
 def test_moving_average_update_and_swap_are_exact():

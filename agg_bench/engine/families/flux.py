@@ -1,8 +1,9 @@
 """FLUX.1 (``model.family: flux``): FluxTransformer2DModel with SD3's AutoencoderKL.
 
 The transformer takes 2x2-packed latents with their RoPE position ids (``img_ids``; ``txt_ids`` zero),
-the timestep as sigma (the model scales it), the T5 token embeddings and CLIP's pooled embedding, and a
-guidance value of 1 where the model has a guidance embedding (FLUX.1-dev). It runs double-stream
+the timestep as sigma (the model scales it), the T5 token embeddings and CLIP's pooled embedding, and the run's
+``model.guidance`` (default 1; the FLUX GRPO recipes give 3.5, FluxPipeline's ``guidance_scale``) where the model
+has a guidance embedding (FLUX.1-dev: ``guidance_embeds``; the model scales it by 1000). It runs double-stream
 ``transformer_blocks`` and then ``single_transformer_blocks``.
 """
 from __future__ import annotations
@@ -22,16 +23,18 @@ def image_ids(height: int, width: int, device, dtype):
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
-def guidance(transformer, hidden_states):
-    """A guidance value of 1 per row where the transformer embeds one (None where it does not)."""
+def guidance(transformer, hidden_states, value: float):
+    """The guidance value ``value`` (``model.guidance``) per row where the transformer embeds one (None where it
+    does not): the one place a transformer call gets its guidance input."""
     import torch
 
     if not transformer.config.guidance_embeds:
         return None
-    return torch.full((hidden_states.shape[0],), 1.0, device=hidden_states.device, dtype=hidden_states.dtype)
+    return torch.full((hidden_states.shape[0],), value, device=hidden_states.device, dtype=hidden_states.dtype)
 
 
-def _transformer_inputs(transformer, hidden_states, timesteps, cond, height: int, width: int) -> dict:
+def _transformer_inputs(transformer, hidden_states, timesteps, cond, height: int, width: int,
+                        guidance_value: float) -> dict:
     import torch
 
     ehs = cond.encoder_hidden_states
@@ -39,7 +42,7 @@ def _transformer_inputs(transformer, hidden_states, timesteps, cond, height: int
     return dict(hidden_states=hidden_states, timestep=timesteps, encoder_hidden_states=ehs,
                 pooled_projections=cond.pooled_projections, img_ids=image_ids(height, width, device, dtype),
                 txt_ids=torch.zeros(ehs.shape[1], 3, device=device, dtype=dtype),
-                guidance=guidance(transformer, hidden_states))
+                guidance=guidance(transformer, hidden_states, guidance_value))
 
 
 def _encode_prompts(pipe, prompts: list[str], device, options: dict) -> tuple:

@@ -11,6 +11,10 @@ Qwen-Image pack 2x2 latents (multiple 2) and have no limit (RoPE).
 A model's own schedule (``sampling.shift: null``) may be stretched to end at its scheduler config's
 ``shift_terminal`` (Qwen-Image's 0.02) before 0, which one step cannot do (:func:`check_own_schedule`).
 
+A guidance-distilled transformer (FLUX.1-dev: ``guidance_embeds`` in its config) embeds a guidance value at every
+call; ``model.guidance`` other than its default is refused for a transformer without that embedding
+(:func:`check_guidance`), which the run would not use.
+
 This module imports nothing heavy, so that the workflow can check a sweep's resolutions and schedules while it
 plans (``agg_bench.tools.sweep``); the policies (``agg_bench.engine.models``) use the same ``ImageGeometry``, the
 sampler the same :func:`check_terminal_steps`.
@@ -126,6 +130,46 @@ def model_shift_terminal(model: dict) -> float | None:
     value = config.get("shift_terminal")
     # as the policy reads it (Policy.schedule_shift_terminal): 0 and null stretch nothing
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value else None
+
+
+def model_guidance_embeds(model: dict) -> bool | None:
+    """Whether the transformer of a run config's ``model`` section embeds a guidance value (``guidance_embeds`` in
+    its config: the tiny preset's, a random preset's public architecture's, a local diffusers folder's
+    ``transformer/config.json``); None when that cannot be known without the model (an unknown family or preset,
+    a folder without a readable config: the run reports what is wrong with it when it loads the folder)."""
+    family = model.get("family")
+    if not isinstance(family, str) or family not in FAMILY_SPECS:
+        return None
+    pretrained = model.get("pretrained")
+    if pretrained:
+        config = _read_json(Path(pretrained) / "transformer" / "config.json")
+    elif model.get("preset") == "random":
+        config = architecture(family, model.get("architecture")).transformer
+    elif model.get("preset") == "tiny":
+        config = FAMILY_SPECS[family].tiny_transformer
+    else:
+        return None
+    return None if config is None else config.get("guidance_embeds") is True
+
+
+def check_guidance(model: dict, embeds: bool | None = None) -> None:
+    """Raise a ConfigError naming ``model.guidance`` when a run config's ``model`` section gives a guidance value
+    other than the default to a transformer that embeds none: SD3 and Qwen-Image have no such embedding, nor have
+    the tiny FLUX and FLUX.1-schnell, so the value would change nothing. ``embeds``: whether the transformer embeds
+    one, where the caller has it built (None: read from the configs, :func:`model_guidance_embeds`)."""
+    from ...config import DEFAULTS
+
+    default = DEFAULTS["model"]["guidance"]
+    value = model.get("guidance", default)
+    if value == default:
+        return
+    if embeds is None:
+        embeds = model_guidance_embeds(model)
+    if embeds is False:
+        raise ConfigError("model.guidance", value, f"{default}, the default: this {model.get('family')} model's "
+                          "transformer embeds no guidance value (no guidance_embeds in its config), so the run would "
+                          "not use it; a guidance-distilled transformer such as FLUX.1-dev's (model.preset random) "
+                          "takes one")
 
 
 def check_own_schedule(model: dict, sampling: dict) -> None:

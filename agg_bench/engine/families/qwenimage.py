@@ -25,8 +25,10 @@ def _vae_scale_factor(vae: Mapping[str, Any]) -> int:
     return 2 ** len(vae["temperal_downsample"])
 
 
-def _transformer_inputs(transformer, hidden_states, timesteps, cond, height: int, width: int) -> dict:
-    return dict(hidden_states=hidden_states, timestep=timesteps, guidance=guidance(transformer, hidden_states),
+def _transformer_inputs(transformer, hidden_states, timesteps, cond, height: int, width: int,
+                        guidance_value: float) -> dict:
+    return dict(hidden_states=hidden_states, timestep=timesteps,
+                guidance=guidance(transformer, hidden_states, guidance_value),
                 encoder_hidden_states=cond.encoder_hidden_states,
                 encoder_hidden_states_mask=cond.encoder_attention_mask,
                 img_shapes=[[(1, height // 2, width // 2)]] * hidden_states.shape[0])

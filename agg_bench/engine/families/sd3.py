@@ -39,7 +39,10 @@ def _latent_grid(transformer: Mapping[str, Any]) -> tuple[int, int | None]:
     return patch, None if limit is None else int(limit) * patch
 
 
-def _transformer_inputs(transformer, hidden_states, timesteps, cond, height: int, width: int) -> dict:
+def _transformer_inputs(transformer, hidden_states, timesteps, cond, height: int, width: int,
+                        guidance_value: float) -> dict:
+    # SD3 embeds no guidance value: a model.guidance other than the default is refused before the run
+    # (engine.families.check_guidance)
     return dict(hidden_states=hidden_states, timestep=timesteps, encoder_hidden_states=cond.encoder_hidden_states,
                 pooled_projections=cond.pooled_projections)
 

@@ -70,9 +70,10 @@ class FamilySpec:
 
     - ``timestep_scale``: what sigma is multiplied by to give the transformer's timestep.
     - ``packed``: the transformer sees 2x2-packed latents (4x the latent channels, a quarter the tokens).
-    - ``transformer_inputs(transformer, hidden_states, timesteps, cond, height, width)``: the keyword
-      arguments of one transformer call (``hidden_states`` already packed when ``packed``; ``height`` /
-      ``width``: the unpacked latents' sides; ``cond``: a :class:`agg_bench.engine.models.Conditioning`).
+    - ``transformer_inputs(transformer, hidden_states, timesteps, cond, height, width, guidance_value)``: the
+      keyword arguments of one transformer call (``hidden_states`` already packed when ``packed``; ``height`` /
+      ``width``: the unpacked latents' sides; ``cond``: a :class:`agg_bench.engine.models.Conditioning`;
+      ``guidance_value``: the run's ``model.guidance``, for a transformer that embeds a guidance value).
     - ``vae_input(vae, latents)`` / ``vae_decode(vae, z)``: undo the latent normalization, decode to images
       in [-1, 1]; None: the AutoencoderKL way (``scaling_factor`` and ``shift_factor``; ``decode``).
 
