@@ -19,7 +19,7 @@ from ..errors import ConfigError, UserError, counted, quote, shown
 from ..records import unprintable_words
 from .schema import check_config_values, run_schema
 from .sections import (DEFAULTS, WRITTEN_BEFORE, RunConfig, check_cps_eta, device_expected, device_parts,
-                       folder_under_random_preset, written_before)
+                       folder_under_random_preset, upgrade_written, written_before)
 from .yamlio import read_yaml_mapping, yaml_load
 
 NOT_A_METHOD_MAPPING = "a mapping with a name, e.g. {name: agg, window: 5}"
@@ -229,3 +229,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         # a method section replaces the default one, so options of another method do not leak in
         merged["method"] = copy.deepcopy(user["method"])
     return validate(apply_overrides(merged, overrides or []))
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = (),
+                     defaults: dict | None = None) -> tuple[str, Any, Any] | None:
+    """(dotted key, old value, new value) of the first key where two configs differ, outside ``ignore``.
+    A key of ``defaults`` that ``old`` lacks (a config written before the key existed) counts as its
+    default there, and a value an older run wrote reads as the keys it stands for today
+    (:func:`agg_bench.config.upgrade_written`)."""
+    keep = lambda k: not any(k == c or k.startswith(c + ".") for c in ignore)
+    a = {**_flat(defaults or {}), **_flat(upgrade_written(old))}
+    a = {k: v for k, v in a.items() if keep(k)}
+    b = {k: v for k, v in _flat(new).items() if keep(k)}
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            return key, a.get(key), b.get(key)
+    return None

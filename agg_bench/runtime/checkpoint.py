@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config.load import first_difference
 from ..errors import ConfigError, UserError, clip, quote, shown
 from ..io import atomic_file
 from ..jsonfiles import JsonProblem, TooLarge, loads, read_bounded
@@ -76,36 +77,6 @@ class Checkpoint:
 
 def checkpoint_path(out_dir: str | Path) -> Path:
     return Path(out_dir) / CHECKPOINT_NAME
-
-
-def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
-
-
-
-def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = (),
-                     defaults: dict | None = None) -> tuple[str, Any, Any] | None:
-    """(dotted key, old value, new value) of the first key where two configs differ, outside ``ignore``.
-    A key of ``defaults`` that ``old`` lacks (a config written before the key existed) counts as its
-    default there, and a value an older run wrote reads as the keys it stands for today
-    (:func:`agg_bench.config.upgrade_written`)."""
-    from ..config import upgrade_written
-
-    keep = lambda k: not any(k == c or k.startswith(c + ".") for c in ignore)
-    a = {**_flat(defaults or {}), **_flat(upgrade_written(old))}
-    a = {k: v for k, v in a.items() if keep(k)}
-    b = {k: v for k, v in _flat(new).items() if keep(k)}
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key):
-            return key, a.get(key), b.get(key)
-    return None
 
 
 def check_same_run(saved: dict, cfg: dict, out_dir: Path, flag: str = "--resume") -> None:

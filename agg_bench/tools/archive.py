@@ -445,7 +445,7 @@ def _check_run(campaign: Campaign, where: str, run_id: str, files: dict[str, byt
     if summary.get("status") != "ok":
         raise UserError(f"{where}: runs/{run_id} is not finished (status {quote(summary.get('status'))}, "
                         "expected ok)")
-    if config != campaign.config_of(run_id):
+    if not campaign.composes(run_id, config):
         raise UserError(f"{where}: runs/{run_id}/config.json is not the config {campaign.config_path} composes "
                         "for that run (another version of the sweep?)")
     from ..results.loading import run_identity

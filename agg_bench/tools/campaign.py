@@ -77,7 +77,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .. import stopping
-from ..config import dotted_value, load_config, read_yaml_mapping
+from ..config import DEFAULTS, dotted_value, load_config, read_yaml_mapping
+from ..config.load import first_difference
 from ..errors import ConfigError, UserError, quote, shown
 from ..io import atomic_target, is_temp_name, remove_stale_temps, write_json
 from ..jsonfiles import JsonFileError, TooLarge, is_regular_file, read_json_object
@@ -302,6 +303,12 @@ class Campaign:
             self._configs[run_id] = load_config(self.sweep.base_file, overrides_of(run["pairs"])).to_dict()
         return self._configs[run_id]
 
+    def composes(self, run_id: str, written: dict) -> bool:
+        """Whether ``written`` (a run folder's ``config.json``) is the config the sweep composes for ``run_id``,
+        compared as a rerun compares a folder's config with its own: a key that an older run's file lacks counts
+        as its default, and a value an older run wrote as the keys it stands for today."""
+        return first_difference(written, self.config_of(run_id), (), DEFAULTS) is None
+
     @staticmethod
     def cell_of(run: dict) -> str:
         return f"{run['model']}_{run['resolution']}px_{run['device']}"
@@ -338,7 +345,7 @@ class Campaign:
             _, summary, _, config = archives.read_run(str(folder), folder)
         except (UserError, OSError, TooLarge):
             return False
-        return summary.get("status") == "ok" and config == self.config_of(run_id)
+        return summary.get("status") == "ok" and self.composes(run_id, config)
 
     def done(self, *folders: Path | None) -> set[str]:
         """The run ids finished in any of ``folders`` (reference or work folders: their ``runs/<id>``)."""

@@ -1026,6 +1026,22 @@ def finished_run(campaign: Campaign, folder: Path) -> None:
     (folder / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "status": "ok"}) + "\n")
 
 
+def test_a_run_written_before_a_key_existed_is_finished_and_another_value_is_not(tmp_path, cpu_campaign):
+    """A key added to the run config since a reference run was recorded (model.guidance) is absent from its
+    config.json: it counts as its default, as a rerun compares a folder's config, so the run stays finished and is
+    not run again; a value other than the sweep's is another run."""
+    run_id = next(iter(cpu_campaign.sweep.runs))
+    folder = tmp_path / "runs" / run_id
+    finished_run(cpu_campaign, folder)
+    written = json.loads((folder / "config.json").read_text())
+    assert written["model"].pop("guidance") == 1.0
+    (folder / "config.json").write_text(json.dumps(written))
+    assert cpu_campaign.finished(folder, run_id) and cpu_campaign.done(tmp_path) == {run_id}
+    written["model"]["guidance"] = 3.5
+    (folder / "config.json").write_text(json.dumps(written))
+    assert not cpu_campaign.finished(folder, run_id) and cpu_campaign.done(tmp_path) == set()
+
+
 @pytest.mark.parametrize("name", archive_module.REQUIRED_RUN_FILES)
 def test_a_run_folder_file_that_is_a_named_pipe_is_no_finished_run(tmp_path, cpu_campaign, name):
     """A window reads the reference's and work folder's runs to find those finished: a named pipe there (a shared
