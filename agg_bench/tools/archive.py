@@ -37,8 +37,9 @@ it, readers of the reference's manifest refuse it meanwhile (:func:`agg_bench.ou
 same unpack again finishes the job (what the reference holds with the same bytes is skipped).
 
 A ``manifest.json`` of the reference that is not one unpack writes (:func:`check_manifest`: edited by hand), and a
-run folder there of no run of the sweep (:func:`check_runs_of_the_sweep`), are refused under the reference's claim
-before anything changes: unpack would replace the one and leave the other out of the manifest unseen.
+run folder there of no run of the sweep or a calibration there named after no cell of it
+(:func:`check_files_of_the_sweep`), are refused under the reference's claim before anything changes: unpack would
+replace the one and leave the others out of the manifest unseen.
 
 Then the reference's ``manifest.json`` (every run there that a window counts done, and every calibration, with
 the sweep's labels and ``source: reference``) and its tables: the efficiency report (``tables/``: ``agg-bench report --manifest
@@ -765,7 +766,7 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
             remove_stale_temps(reference / name)
         # what is there of someone's that the manifest would lose or leave out: refused before anything changes
         check_manifest(campaign, reference)
-        check_runs_of_the_sweep(campaign, reference)
+        check_files_of_the_sweep(campaign, reference)
         check_hardware(campaign, where, gpus, reference)
         check_one_name_per_calibration(campaign, where, others, reference)
         held = [str(p.relative_to(reference)) for p in reference.rglob("*")] if reference.is_dir() else []
@@ -982,17 +983,26 @@ def check_manifest(campaign: Campaign, reference: Path) -> None:
                         "reference")
 
 
-def check_runs_of_the_sweep(campaign: Campaign, reference: Path) -> None:
-    """A UserError, one line naming them, when ``reference/runs`` holds folders named after no run of the sweep:
-    the manifest and tables would leave them out without a word (a file of no kind the reference holds is refused
-    as someone's: :func:`~agg_bench.outdir.check_folder`)."""
+def check_files_of_the_sweep(campaign: Campaign, reference: Path) -> None:
+    """A UserError, one line naming them, when ``reference/runs`` holds folders named after no run of the sweep, or
+    ``reference/calibration`` calibrations (:meth:`~agg_bench.tools.campaign.Campaign.finished_files`) named after
+    no cell of it (:meth:`~agg_bench.tools.campaign.Campaign.calibration_cell`): the manifest and tables would leave
+    them out without a word (a file of no kind the reference holds is refused as someone's:
+    :func:`~agg_bench.outdir.check_folder`)."""
     folder = reference / "runs"
-    strangers = sorted(path.name for path in folder.iterdir() if path.is_dir() and not is_harness_name(path.name)
-                       and path.name not in campaign.sweep.runs) if folder.is_dir() else []
-    if strangers:
-        raise UserError(f"--reference {shown(reference)}: {shown_names([f'runs/{name}' for name in strangers])} {'is' if len(strangers) == 1 else 'are'} no run of "
-                        f"the sweep {campaign.config_path}, which the manifest and tables would leave out; move "
-                        f"{'it' if len(strangers) == 1 else 'them'} out of the reference, or give another reference")
+    runs = sorted(f"runs/{path.name}" for path in folder.iterdir() if path.is_dir() and not is_harness_name(path.name)
+                  and path.name not in campaign.sweep.runs) if folder.is_dir() else []
+    calibrations = [f"calibration/{path.name}" for path in campaign.finished_files(reference, "calibration")
+                    if campaign.calibration_cell(path.name) is None]
+    if not runs and not calibrations:
+        return
+    sweep = f"the sweep {campaign.config_path}"
+    said = [f"{shown_names(names)} {'is' if len(names) == 1 else 'are'} {what}" for names, what in (
+        (runs, f"no run of {sweep}"),
+        (calibrations, f"named after no cell of {'it' if runs else sweep}")) if names]
+    one = len(runs) + len(calibrations) == 1
+    raise UserError(f"--reference {shown(reference)}: {' and '.join(said)}, which the manifest and tables would leave "
+                    f"out; move {'it' if one else 'them'} out of the reference, or give another reference")
 
 
 def _relative(path: Path) -> Path:

@@ -645,21 +645,40 @@ def test_a_manifest_an_earlier_unpack_wrote_is_replaced_from_any_working_folder(
         f"its paths lie in 'results/ref', not in the reference {tmp_path / 'other' / 'ref'}"
 
 
-def test_a_run_folder_of_no_run_of_the_sweep_is_refused_and_kept(tmp_path, capsys, cpu_campaign):
-    """A reference's run folder named after no run of the sweep (put there by hand) was left out of the manifest and
-    the tables without a word. It is refused as the reference's other strangers are, one line naming it, exit code
-    2, nothing touched."""
-    reference = tmp_path / "ref"
-    archive_module.unpack(cpu_campaign, logs_archive(tmp_path / "first.tar.gz", "20260101T000000"), reference)
+def stranger_run(reference: Path) -> str:
     (reference / "runs" / "mine").mkdir(parents=True)
     (reference / "runs" / "mine" / "config.json").write_text("{}")
+    return "runs/mine is no run of the sweep {config}"
+
+
+def stranger_calibration(reference: Path) -> str:
+    (reference / "calibration").mkdir(parents=True)
+    (reference / "calibration" / "20260101T000000_01_nocell.json").write_text("{}")
+    return "calibration/20260101T000000_01_nocell.json is named after no cell of the sweep {config}"
+
+
+def stranger_both(reference: Path) -> str:
+    run, calibration = stranger_run(reference), stranger_calibration(reference)
+    return f"{run} and {calibration.replace('the sweep {config}', 'it')}"
+
+
+@pytest.mark.parametrize("put, them", [(stranger_run, "it"), (stranger_calibration, "it"), (stranger_both, "them")],
+                         ids=["run folder", "calibration", "both"])
+def test_a_run_or_calibration_of_no_run_or_cell_of_the_sweep_is_refused_and_kept(tmp_path, capsys, cpu_campaign, put,
+                                                                                  them):
+    """A reference's run folder named after no run of the sweep, or calibration named after no cell of it (put there
+    by hand), was left out of the manifest and the tables without a word. It is refused as the reference's other
+    strangers are, one line naming it, exit code 2, nothing touched."""
+    reference = tmp_path / "ref"
+    archive_module.unpack(cpu_campaign, logs_archive(tmp_path / "first.tar.gz", "20260101T000000"), reference)
+    said = put(reference).format(config=CONFIG)
     before = tree(reference)
     second = logs_archive(tmp_path / "second.tar.gz", "20260102T000000")
     assert main(["campaign", "unpack", "--config", str(CONFIG), "--cpu", "--archive", str(second),
                  "--reference", str(reference)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"agg-bench campaign: --reference {reference}: runs/mine is no run of the sweep {CONFIG}, which the "
-                   "manifest and tables would leave out; move it out of the reference, or give another reference"]
+    assert err == [f"agg-bench campaign: --reference {reference}: {said}, which the manifest and tables would leave "
+                   f"out; move {them} out of the reference, or give another reference"]
     assert tree(reference) == before
 
 

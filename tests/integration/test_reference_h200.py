@@ -173,7 +173,7 @@ def test_the_next_unpack_takes_the_manifest_for_its_own_from_any_working_folder(
     assert archive_module.manifest_problem(campaign, REFERENCE, manifest) is None
     monkeypatch.chdir(REFERENCE.parent)
     assert archive_module.manifest_problem(campaign, Path("h200"), manifest) is None
-    archive_module.check_runs_of_the_sweep(campaign, REFERENCE)
+    archive_module.check_files_of_the_sweep(campaign, REFERENCE)
 
 
 # ----- the pass counts ---------------------------------------------------------------------------------------------
