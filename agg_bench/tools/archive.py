@@ -34,7 +34,9 @@ files are written beside the reference under a harness temporary name and rename
 cannot be written, they are moved back out and the folders made for them removed. The staging folder stays
 in the reference until the runs, the manifest and the tables are all in place: an unpack killed half-way leaves
 it, readers of the reference's manifest refuse it meanwhile (:func:`agg_bench.outputs.check_no_unpack`), and the
-same unpack again finishes the job (what the reference holds with the same bytes is skipped).
+same unpack again finishes the job (what the reference holds with the same bytes is skipped). A later unpack
+removes a killed one's staging folder only once its own runs, manifest and tables are in place: one refused or
+failed before that leaves it, and with it the readers' refusal.
 
 A ``manifest.json`` of the reference that is not one unpack writes (:func:`check_manifest`: edited by hand), and a
 run folder there of no run of the sweep or a calibration there named after no cell of it
@@ -759,10 +761,12 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
     with claim_folder(reference, REFERENCE_CONTENTS, "--reference"), \
             claimed_folders([(reference / "tables", REPORT_CONTENTS), (reference / "learning", LEARNING_CONTENTS)],
                             ("--reference", "--reference"), replaced_whole=True):
-        # a killed earlier unpack's staging folder (runs, tables), or its temporary of a file it generates (the
-        # manifest, written under no claim of its own), would stay in the reference for good, and be committed
-        # with it: the folder's checks take them for the harness's
-        for name in (UNPACK_STAGING, *GENERATED):
+        # a killed earlier unpack's temporary of a file it generates (the manifest, written under no claim of its
+        # own) would stay in the reference for good, and be committed with it: the folder's checks take it for the
+        # harness's. Its staging folder stays until this unpack has put its own runs, manifest and tables in
+        # place (below): it tells the readers that the manifest may lag behind the runs, and a refusal meanwhile
+        # leaves the reference as the killed unpack did
+        for name in GENERATED:
             remove_stale_temps(reference / name)
         # what is there of someone's that the manifest would lose or leave out: refused before anything changes
         check_manifest(campaign, reference)
@@ -837,6 +841,9 @@ def unpack(campaign: Campaign, archive: str | Path, reference: str | Path) -> di
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+        # the runs, the manifest and the tables in place: what a killed earlier unpack's staging folder said is
+        # true no more (a kill before this line leaves it, and the same unpack again removes it)
+        remove_stale_temps(reference / UNPACK_STAGING)
     return {"reference": str(reference), "runs_added": sorted(new_runs),
             "files_added": sorted([*(g for g in new_groups if not g.startswith("runs/")), *new_others]),
             "runs": len(manifest["runs"])}

@@ -346,20 +346,30 @@ def test_an_unpack_that_fails_while_writing_the_tables_leaves_no_trace(window, t
     assert not reference.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_an_unpack_removes_the_staging_folder_a_killed_unpack_left_in_the_reference(cpu_campaign, tmp_path,
-                                                                                   monkeypatch):
+def test_an_unpack_removes_the_staging_folder_a_killed_unpack_left_once_its_own_files_are_in_place(
+        cpu_campaign, tmp_path, monkeypatch):
     """An unpack killed (SIGKILL) while it moved the archive's files in left its staging folder inside the
     reference, which is committed: the reference's checks take it for the harness's, and each attempt stages
-    under its own PID. The next unpack removes it once it holds the reference's claim; a live process's stays."""
+    under its own PID. It tells the readers that the manifest may lag behind the runs: the next unpack removed it
+    as soon as it held the reference's claim, and when that unpack was then refused the readers took the manifest
+    for whole. An unpack refused leaves it (the readers go on refusing); one that puts its own runs, manifest and
+    tables in place removes it; a live process's stays."""
+    from agg_bench.outputs import check_no_unpack
+
     reference = tmp_path / "reference"
     stale = atomic_path(reference / "unpack", ENDED_PID)  # where an unpack stages
     (stale / "new" / "runs" / "r0").mkdir(parents=True)
     (stale / "new" / "runs" / "r0" / "metrics.jsonl").write_text("{}\n")
+    unpack_to_its_first_check(cpu_campaign, tmp_path, reference, monkeypatch)
+    assert [p.name for p in reference.iterdir()] == [stale.name]
+    with pytest.raises(UserError, match=re.escape(f"({stale.name} is there)")):
+        check_no_unpack(reference, "--manifest manifest.json")
+    monkeypatch.undo()
     with running_process() as live:
         alive = atomic_path(reference / "unpack", live)
         alive.mkdir()
-        unpack_to_its_first_check(cpu_campaign, tmp_path, reference, monkeypatch)
-    assert sorted(p.name for p in reference.iterdir()) == [alive.name]
+        archive_module.unpack(cpu_campaign, logs_archive(tmp_path / "logs.tar.gz", "20260101T000000"), reference)
+        assert sorted(p.name for p in reference.iterdir()) == sorted([alive.name, "manifest.json", "windows"])
 
 
 def unpack_to_its_first_check(cpu_campaign, tmp_path: Path, reference: Path, monkeypatch) -> None:
