@@ -12,7 +12,8 @@ its base weights in ``transformer/``, the adapter in ``lora/`` and the adapter s
 place once every file is written: a failure (a full disk among them) leaves an earlier snapshot as it was and
 nothing of its own; a rollout holding a NaN or an infinity is refused before anything is written. Reading one
 (:func:`load_snapshot`) checks every file against what the writer writes before a gradient is computed: ``rollout.json``'s settings through the typed run config and equal to the
-snapshot's ``config.json``, the transformer's config, loadable and finite weights, and every tensor of
+snapshot's ``config.json`` (a ``guidance`` other than the default only for a transformer whose config embeds one),
+the transformer's config, loadable and finite weights, and every tensor of
 ``rollout.safetensors`` of the shape those settings imply, of the dtype the writer writes and finite, and its
 timesteps those the snapshot's method gives the model at its sigmas. A ``rollout.safetensors``, a weight file or the
 transformer's ``config.json`` whose SHA-256 is not the one ``rollout.json`` records (another snapshot's rollout or
@@ -40,7 +41,7 @@ from safetensors.torch import save_file
 
 from ..config import RunConfig, validate
 from ..config.sections import DEFAULTS, upgrade_written, written_before
-from ..engine.families.geometry import ImageGeometry
+from ..engine.families.geometry import ImageGeometry, check_guidance
 from ..engine.grpo import TrainBatch, UpdateStats
 from ..engine.lora import ADAPTER_FILE, load_adapter, lora_settings, save_transformer
 from ..engine.models import (MAX_MODEL_SIZE, POLICIES, TRANSFORMER_CLASSES, Conditioning, Policy, _load_component,
@@ -301,7 +302,24 @@ def _rollout_meta(root: Path, run: RunConfig | None) -> dict:
                             "the snapshot (transformer/diffusion_pytorch_model*.safetensors[.index.json], "
                             f"lora/{ADAPTER_FILE}) and its SHA-256 (64 lowercase hex digits), as agg-bench snapshot "
                             "writes them")
+    # the guidance value given to the snapshot's transformer: rollout.json's, or (older than the key) config.json's
+    given_by = (path, "guidance") if meta.get("guidance") is not None else (root / "config.json", "model.guidance")
+    _check_guidance(root, made["family"], made["guidance"], meta.get(TRANSFORMER_CONFIG_KEY), *given_by)
     return {**made, "vae_scale_factor": factor, **{key: meta.get(key) for key in digests}, WEIGHTS_KEY: weights}
+
+
+def _check_guidance(root: Path, family: str, guidance: float, recorded: str | None, given_in: Path, key: str) -> None:
+    """A UserError naming ``key`` of ``given_in`` (the file that gives it) when ``guidance`` is a guidance value
+    other than the default and the snapshot's transformer embeds none (:func:`~agg_bench.engine.families.check_guidance`,
+    from its ``transformer/config.json``, of the SHA-256 ``rollout.json`` records, ``recorded``: before a weight is
+    loaded); the policy refuses it too, in the words of the run config (``model.guidance``)."""
+    if guidance == DEFAULTS["model"]["guidance"]:
+        return
+    _check_digest(root, root / TRANSFORMER_CONFIG, recorded, TRANSFORMER_CONFIG_KEY, "transformer config")
+    try:
+        check_guidance({"family": family, "guidance": guidance, "pretrained": str(root)})
+    except ConfigError as err:
+        raise UserError(f"{shown(given_in)}: {key} = {quote(err.value)}: expected {err.expected}") from None
 
 
 def _is_sha256(value: Any) -> bool:

@@ -857,6 +857,33 @@ def test_replay_reads_a_snapshot_through_the_same_checks(snapshot, tmp_path, cap
         assert words in line, line
 
 
+GUIDANCE_NOT_EMBEDDED = ("guidance = 3.5: expected 1.0, the default: this sd3 model's transformer embeds no "
+                         "guidance value")
+
+
+@pytest.mark.parametrize("config, rollout, words", [
+    (lambda c: c["model"].update(guidance=3.5), lambda c: c.update(guidance=3.5), f"rollout.json: {GUIDANCE_NOT_EMBEDDED}"),
+    (None, lambda c: c.update(guidance=3.5), f"rollout.json: {GUIDANCE_NOT_EMBEDDED}"),  # a snapshot without config.json
+    # a rollout.json older than the key: the value is config.json's
+    (lambda c: c["model"].update(guidance=3.5), without_key("guidance"), f"config.json: model.{GUIDANCE_NOT_EMBEDDED}"),
+], ids=["both", "rollout.json alone", "config.json"])
+def test_a_guidance_value_the_snapshots_transformer_does_not_embed_is_refused_naming_its_file(
+        snapshot, tmp_path, capsys, config, rollout, words):
+    """A rollout.json edited by hand to give a guidance value to a transformer without the guidance embedding (the
+    tiny SD3's) was refused in the run config's words, `config error: model.guidance = 3.5`, naming no file: the
+    line names the file that gives it and its key, as the other rollout.json refusals do, before a weight is
+    loaded."""
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshot, snap)
+    if config is None:
+        (snap / "config.json").unlink()
+    else:
+        edit_json(snap, "config.json", config)
+    edit_json(snap, "rollout.json", rollout)
+    for line in refused_by_replay_and_gradcheck(snap, tmp_path, capsys):
+        assert f"{snap / words.split(': ', 1)[0]}: {words.split(': ', 1)[1]}" in line, line
+
+
 def test_a_snapshot_names_no_code_to_load(snapshot, tmp_path, capsys, monkeypatch):
     """A snapshot's config.json naming its method by a dotted path package.module:Class: reading the snapshot built
     that method, so replay and gradcheck imported the module (its code ran) before refusing it; and `snapshot` of a
