@@ -79,7 +79,7 @@ import yaml
 from .. import stopping
 from ..config import DEFAULTS, dotted_value, load_config, read_yaml_mapping
 from ..config.load import first_difference
-from ..errors import ConfigError, UserError, quote, shown
+from ..errors import QUOTE_CHARS, ConfigError, UserError, quote, shown
 from ..io import atomic_target, is_temp_name, remove_stale_temps, write_json
 from ..jsonfiles import JsonFileError, TooLarge, is_regular_file, read_json_object
 from ..outdir import Busy, Claim, Contents, claim_files, claim_folder, remove_owned, remove_stale_harness_files
@@ -690,7 +690,9 @@ def _stopped() -> bool:
 # A supervised child's launcher (:func:`_dying_with_parent`): it has the kernel SIGKILL it when the campaign's thread
 # that started it ends, however the campaign ends (``kill -9`` included): Linux's ``prctl(PR_SET_PDEATHSIG)``, which
 # the exec keeps. Then it execs the child. In a process of its own, not in a ``preexec_fn``: a fork of the campaign,
-# whose thread pool runs, could find a lock held by another thread before its exec.
+# whose thread pool runs, could find a lock held by another thread before its exec. A command it cannot start is one
+# line, the command as :func:`agg_bench.errors.shown` writes a path (the standard library's repr where it is not
+# printable, clipped at QUOTE_CHARS: the interpreter imports nothing of agg_bench), and exit code 127.
 DIE_WITH_PARENT = """
 import os, signal, sys
 parent, argv = int(sys.argv[1]), sys.argv[2:]
@@ -705,10 +707,13 @@ if os.getppid() != parent:  # the campaign died before the call took hold
     os.kill(os.getpid(), signal.SIGKILL)
 try:
     os.execvp(argv[0], argv)
-except OSError as err:
-    sys.stderr.write(f"{argv[0]}: {err.strerror}\\n")
+except OSError as err:  # the command as agg_bench.errors.shown shows a path: quoted where it is not printable
+    name = argv[0]
+    if not name.isprintable():
+        name = repr(name) if len(name) <= %d else f"{name[:%d]!r}... ({len(name)} characters)"
+    sys.stderr.write(f"{name}: {err.strerror}\\n")
     sys.exit(127)
-""" % PR_SET_PDEATHSIG
+""" % (PR_SET_PDEATHSIG, QUOTE_CHARS, QUOTE_CHARS)
 
 
 def _dying_with_parent(argv: list[str]) -> list[str]:

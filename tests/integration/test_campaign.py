@@ -1668,6 +1668,22 @@ def test_a_child_started_through_the_launcher_dies_with_its_parent(tmp_path):
     assert (ran.returncode, ran.stderr) == (127, f"{missing}: No such file or directory\n")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the launcher of Linux's parent-death signal")
+@pytest.mark.parametrize("name", ["no\nwhere", "\x1b[31mred", "\udcffbyte", "a" * 190 + "\n" + "b" * 50],
+                         ids=["newline", "escape", "undecodable byte", "long"])
+def test_a_command_the_launcher_cannot_start_is_one_line_as_shown_writes_it(tmp_path, name):
+    """The launcher's line for a command it cannot start wrote the command as it is: a newline in its path split
+    the line, an escape sequence reached the terminal. It writes the path as agg_bench.errors.shown does (quoted,
+    clipped past its length), in an interpreter that imports nothing of agg_bench."""
+    from agg_bench.errors import shown
+
+    missing = str(tmp_path / name)
+    ran = subprocess.run(campaign_module._dying_with_parent([missing]), capture_output=True, text=True,
+                         errors="surrogateescape")
+    assert (ran.returncode, ran.stderr) == (127, f"{shown(missing)}: No such file or directory\n")
+    assert shown(missing) != missing and len(ran.stderr.splitlines()) == 1
+
+
 def test_a_cell_starts_no_run_that_would_end_after_its_deadline(tmp_path, capsys):
     tiny = ["model.preset=tiny", "model.resolution=32", "train.iterations=1", "sampling.steps=4", "grpo.group_size=2",
             "grpo.prompts_per_iteration=1", "progress=false"]
