@@ -210,6 +210,8 @@ class CachedEstimator(Estimator):
             raise ConfigError("method.trajectory_steps", steps,
                               f"null or sampling.steps = {cfg.sampling.steps} (the step the cache treats as the "
                               "trajectory's last must be its last)")
+        # what the cache refuses of the family (FORA's branches on Qwen-Image) before any model is built
+        make_config(self.config.cache, self.config.cache_settings()).check_family(cfg.model.family)
         if cfg.train.shard == "fsdp" and self.config.cache in DATA_DEPENDENT_CACHES:
             raise ConfigError("method.cache", self.config.cache,
                               f"a cache that skips by step, not by data, with train.shard=fsdp (not one of "

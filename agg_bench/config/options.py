@@ -43,6 +43,10 @@ class Options(Section):
         """Refuse settings that depend on several options (a ConfigError naming one of them); bounds of one
         option are its field's constraints."""
 
+    def check_family(self, family: str) -> None:
+        """Refuse settings that the model family ``family`` (``model.family``) cannot run (a ConfigError naming
+        one of them), before any model is built: a sweep's dry run checks them as a run does."""
+
 
 def batch_option(doc: str) -> Any:
     """A ``micro_batch`` or ``nograd_batch`` option: null (one call for everything) or a count >= 1."""

@@ -189,6 +189,7 @@ def apply_fora(module: torch.nn.Module, config: ForaConfig) -> None:
     if config.current_step_callback is None:
         raise ValueError("FORA needs `current_step_callback` in its config")
     family = family_of(module)
+    config.check_family(family)
     for _, block in transformer_blocks(module):
         if config.reuse == BRANCHES:
             hook = branch_hook(block, config, family)

@@ -261,6 +261,17 @@ def test_a_trajectory_length_other_than_the_runs_is_refused():
         assert (err.value.key, err.value.value) == ("method.trajectory_steps", STEPS + 1)
 
 
+def test_fora_branches_on_qwenimage_are_refused_before_a_model_is_built():
+    """The run's check (a sweep's dry run, gradcheck before its snapshot) refuses what applying the cache would."""
+    for family in ("sd3", "flux"):
+        cached("fora", "rollout", reuse="branches").check_run(tiny_config(*SMALL, family=family, dtype="float32"))
+    cfg = tiny_config(*SMALL, family="qwenimage", dtype="float32")
+    cached("fora", "rollout", reuse="residual").check_run(cfg)
+    with pytest.raises(ConfigError) as err:
+        cached("fora", "rollout", reuse="branches").check_run(cfg)
+    assert (err.value.key, err.value.value) == ("method.reuse", "branches") and "'residual'" in str(err.value)
+
+
 def test_rollout_cache_runs_with_gradient_checkpointing_on():
     """Checkpointing acts only under grad, so a no-grad cached rollout pauses it; training is exact."""
     session = Session(tiny_config(*SMALL, "train.gradient_checkpointing=true", "method.name=cached",
