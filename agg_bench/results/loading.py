@@ -749,6 +749,10 @@ def _uneven_row(data: bytes | str, where: str | Path, expected: str) -> str | No
     holds as many (an empty last cell, written ``a,,``, is a cell; an empty line is no row, as pandas skips it)."""
     text = data.decode("utf-8-sig") if isinstance(data, bytes) else data.removeprefix("\ufeff")
     reader = csv.reader(io.StringIO(text, newline=""))
+    # the csv module refuses a cell longer than its field limit (128 KiB), which pandas reads: no cell of the
+    # file is longer than the file
+    limit = csv.field_size_limit()
+    csv.field_size_limit(max(limit, len(text)))
     try:
         width: int | None = None
         line = 1
@@ -762,6 +766,8 @@ def _uneven_row(data: bytes | str, where: str | Path, expected: str) -> str | No
             line = reader.line_num + 1
     except csv.Error:  # what pandas read, the csv module reads too; left to pandas' own checks where not
         return None
+    finally:
+        csv.field_size_limit(limit)
     return None
 
 

@@ -911,6 +911,19 @@ def test_a_table_row_of_fewer_cells_is_refused_and_empty_cells_are_cells():
                                   "table agg-bench report --tables writes")
 
 
+def test_a_row_of_fewer_cells_after_a_cell_past_the_csv_modules_limit_is_refused():
+    """pandas reads a cell longer than the csv module's field limit (128 KiB); the count of the rows' cells does not
+    stop there, and the limit is the module's own again after."""
+    import csv
+
+    from agg_bench.results.loading import parse_table
+
+    limit = csv.field_size_limit()
+    with pytest.raises(UserError, match="^T: line 3 holds 2 cells, fewer than the 3 columns"):
+        parse_table(io.StringIO("method,model,seed\n" + "a" * (limit + 1) + ",m,1\nc,m\n"), "T")
+    assert csv.field_size_limit() == limit
+
+
 def test_labels_that_look_like_numbers_or_missing_values_stay_labels(tmp_path):
     """A written table gives its labels back as text: a method called "NA" or "1" (an imported log's label) is
     not a missing value or a number."""
