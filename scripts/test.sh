@@ -28,22 +28,45 @@ for file in "${LONG[@]}"; do second+=("--ignore=$file"); done
 
 passed() { [ "$1" -eq 0 ] || [ "$1" -eq 5 ]; }  # 5: pytest collected nothing
 
+# a file for a report printed later; a TMPDIR that names no folder fails mktemp (Python's tempfile, which the
+# tests use, takes /tmp then), and what was to write there never ran
+report_file() {
+  mktemp 2>/dev/null || mktemp -p /tmp || { echo "test.sh: cannot make a temporary file in TMPDIR or /tmp" >&2; exit 2; }
+}
+
+# AGG_BENCH_TEST_LINT (make test's ruff, shellcheck and mypy: one shell command) runs beside the streams, its
+# report kept in a file and printed after theirs; the suite fails when it fails
+pid="" log="" lint_pid="" lint_log=""
+trap 'kill $pid $lint_pid 2>/dev/null; rm -f "$log" "$lint_log"; exit 130' INT TERM  # background jobs ignore SIGINT
+if [ -n "${AGG_BENCH_TEST_LINT:-}" ]; then
+  lint_log=$(report_file) || exit 2
+  bash -c "$AGG_BENCH_TEST_LINT" >"$lint_log" 2>&1 &
+  lint_pid=$!
+fi
+lint_report() {  # wait for the lint steps and print their report; their exit code (0 without them)
+  [ -n "$lint_pid" ] || return 0
+  wait "$lint_pid"; local code=$?
+  echo "----- lint: $AGG_BENCH_TEST_LINT -----"
+  cat "$lint_log"
+  rm -f "$lint_log"
+  [ "$code" -eq 0 ] || echo "test.sh: the lint steps failed (exit $code)"
+  return "$code"
+}
+
 cores=$("$PYTHON" -c "import os; print(len(os.sched_getaffinity(0)))" 2>/dev/null || echo 1)
 if [ "$cores" -lt 2 ]; then
   "$PYTHON" -m pytest -q "${first[@]}" "$@"; a=$?
   "$PYTHON" -m pytest -q "${second[@]}" "$@"; b=$?
 else
-  # the second stream's report; a TMPDIR that names no folder fails mktemp (Python's tempfile, which the tests
-  # use, takes /tmp then), and the second stream never ran
-  log=$(mktemp 2>/dev/null || mktemp -p /tmp) || { echo "test.sh: cannot make a temporary file in TMPDIR or /tmp" >&2; exit 2; }
+  log=$(report_file) || { kill $lint_pid 2>/dev/null; exit 2; }  # the second stream's report
   "$PYTHON" -m pytest -q "${second[@]}" "$@" >"$log" 2>&1 &
   pid=$!
-  trap 'kill "$pid" 2>/dev/null; rm -f "$log"; exit 130' INT TERM
   "$PYTHON" -m pytest -q "${first[@]}" "$@"; a=$?
   wait "$pid"; b=$?
-  trap - INT TERM
   echo "----- ${second[*]} -----"
   cat "$log"
   rm -f "$log"
 fi
-passed "$a" && passed "$b"
+lint_report; l=$?
+trap - INT TERM
+passed "$a" && passed "$b" && [ "$l" -eq 0 ]

@@ -252,6 +252,23 @@ def test_make_test_runs_the_venv_whatever_python_names(tmp_path):
     assert "venv python -m pytest -q tests/unit" in proc.stdout and "/nonexistent" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("failing", [None, "ruff", "shellcheck", "mypy"])
+def test_make_test_runs_the_linters_beside_the_tests_and_fails_with_them(tmp_path, failing):
+    """The lint steps run beside the test streams: the tests run whatever the linters find, the linters' report
+    follows the tests', and the suite fails when a linter fails."""
+    repo = make_clone(tmp_path / "repo")
+    for name in ("ruff", "shellcheck", "mypy"):
+        bash_script(repo / ".venv" / "bin" / name, f'echo "{name} ran"; exit {int(name == failing)}')
+    proc = subprocess.run(["make", "-s", "-C", str(repo), "test"], capture_output=True, text=True, timeout=60)
+    out = proc.stdout
+    assert (proc.returncode == 0) == (failing is None), proc.stderr + out
+    tests, report = out.find("venv python -m pytest -q tests/integration"), out.find("----- lint: .venv/bin/ruff")
+    assert -1 < tests < report and "venv python -m pytest -q tests/unit" in out, out
+    ran = ["ruff", "shellcheck", "mypy"][:["ruff", "shellcheck", "mypy", None].index(failing) + 1]
+    assert [name for name in ("ruff", "shellcheck", "mypy") if f"{name} ran" in out[report:]] == ran, out
+    assert ("test.sh: the lint steps failed (exit 1)" in out) == (failing is not None), out
+
+
 @pytest.mark.parametrize("target", ["pipeline", "learning", "test"])
 def test_make_pipeline_in_a_path_with_a_space_is_refused_before_the_set_up(tmp_path, target):
     """The Snakefile refuses an interpreter's path with a space, but only once the set-up (minutes) had run; make
