@@ -247,9 +247,12 @@ def first_difference(old: dict, new: dict, ignore: tuple[str, ...] = (),
     """(dotted key, old value, new value) of the first key where two configs differ, outside ``ignore``.
     A key of ``defaults`` that ``old`` lacks (a config written before the key existed) counts as its
     default there, and a value an older run wrote reads as the keys it stands for today
-    (:func:`agg_bench.config.upgrade_written`)."""
+    (:func:`agg_bench.config.upgrade_written`). ``old`` is merged into ``defaults`` as a config file into the
+    defaults: a mapping ``old`` gives in place of an empty default one (``reward.options``) stands for it, where
+    flattening both on their own kept the empty default beside the keys under it, a difference in every config
+    that set one."""
     keep = lambda k: not any(k == c or k.startswith(c + ".") for c in ignore)
-    a = {**_flat(defaults or {}), **_flat(upgrade_written(old))}
+    a = _flat(deep_merge(defaults or {}, upgrade_written(old)))
     a = {k: v for k, v in a.items() if keep(k)}
     b = {k: v for k, v in _flat(new).items() if keep(k)}
     for key in sorted(set(a) | set(b)):

@@ -190,6 +190,18 @@ def test_an_older_runs_config_without_model_guidance_reads_as_the_default(tmp_pa
     assert first_difference(older, guided, (), DEFAULTS) == ("model.guidance", 1.0, 3.5)
 
 
+def test_a_config_with_reward_options_is_the_same_as_itself_beside_the_defaults():
+    """reward.options defaults to {}: a config that sets options (the learning sweeps' scene weights) compares
+    equal to itself with the defaults filled in, so that a campaign counts its finished runs done and a rerun
+    takes its folder, and differs from one with other options at the key that differs."""
+    from agg_bench.config.load import first_difference
+
+    weighted = tiny_config("reward.options={weights: {shape: 1}}").to_dict()
+    assert first_difference(weighted, copy.deepcopy(weighted), (), DEFAULTS) is None
+    other = tiny_config("reward.options={weights: {shape: 2}}").to_dict()
+    assert first_difference(weighted, other, (), DEFAULTS) == ("reward.options.weights.shape", 1, 2)
+
+
 # ----- the moving averages ------------------------------------------------------------------------
 
 def test_moving_average_update_and_swap_are_exact():
