@@ -54,7 +54,6 @@ done
 # it is for every process the window starts
 WORK=$(here "${AGG_BENCH_CAMPAIGN_OUT:-}")
 WORK=${WORK:-results/campaign}
-[[ -z "${PYTHON:-}" ]] || export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the tree, not an install
 # shellcheck source=scripts/python_env.sh
 source "$ROOT/scripts/python_env.sh" || exit 2
 pick_python gpu_campaign "agg-bench's requirements" torch diffusers agg_bench

@@ -14,7 +14,8 @@
 # (AGG_BENCH_CHECK_OUT changes the folder, a path from the folder it is started in; it is removed first, so one that
 # holds anything but an earlier check's output is refused, exit code 2) and exits 1 if any step failed.
 # Python: the project's .venv, set up first by scripts/setup.sh as `make` does (fast when it is already
-# set up); PYTHON=/path/to/python runs another interpreter that has agg-bench installed instead. A missing
+# set up); PYTHON=/path/to/python runs another interpreter that has agg-bench's requirements instead (the
+# repository is put on its path). A missing
 # environment (no torch, no agg-bench, no CUDA device for the GPU check) is one line and exit code 2,
 # before anything is run or written.
 set -uo pipefail
@@ -32,7 +33,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${AGG_BENCH_CHECK_OUT:-$ROOT/results/gpu_check}
 # shellcheck source=scripts/python_env.sh
 source "$ROOT/scripts/python_env.sh" || exit 2
-pick_python gpu_check "agg-bench installed" torch agg_bench
+pick_python gpu_check "agg-bench's requirements" torch agg_bench
 if [[ $MODE == gpu ]]; then
   require_cuda gpu_check "run scripts/gpu_check.sh --cpu on a machine without one, or install torch's CUDA build \
 (TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh)"

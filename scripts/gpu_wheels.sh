@@ -3,8 +3,9 @@
 # PyYAML and tqdm to run scripts/gpu_check.sh and scripts/gpu_campaign.sh: diffusers at the pinned version and
 # jsonschema with what it needs, for that machine's Python (default 3.12, x86-64 Linux), into .whl/ (ignored
 # by git where this folder is a git checkout, a worktree or submodule included), about 7 MB. On the GPU
-# machine, before PYTHON=python3 scripts/gpu_campaign.sh --minutes 8:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# machine, before PYTHON=python3 scripts/gpu_campaign.sh --minutes 9 (docs/paper-scale.md, "Running a window"):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+#       .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 #   scripts/gpu_wheels.sh [PYTHON_VERSION]     e.g. scripts/gpu_wheels.sh 3.12
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -5,7 +5,9 @@
 
 # pick_python NAME NEEDS MODULE...: sets PY to $PYTHON when it is set, else to the project's .venv after
 # scripts/setup.sh (fast when it is already set up); exits 2 with one line when setting up fails or PY cannot
-# import every MODULE. NEEDS says in that line what the interpreter must have.
+# import every MODULE. NEEDS says in that line what the interpreter must have. With PYTHON, the repository is put
+# first on PYTHONPATH (exported, for every process the script starts): the tree, not an install, as on a GPU
+# machine that gets the tree copied and agg-bench's requirements as wheels, from whatever folder it is started in.
 pick_python() {
   local name=$1 needs=$2 fix missing words
   shift 2
@@ -14,6 +16,7 @@ pick_python() {
     # a relative path to an interpreter, absolute: the scripts run it again after they change folder
     [[ $PY != */* || $PY == /* ]] || PY=$PWD/$PY
     fix="set PYTHON to an interpreter with $needs, or unset it to use $ROOT/.venv"
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   else
     bash "$ROOT/scripts/setup.sh" || {
       echo "$name: setting up $ROOT/.venv failed (bash scripts/setup.sh, exit $?; see its message above)" >&2

@@ -54,7 +54,7 @@ def check(tmp_path: Path, *args: str, script: Path = ROOT / "scripts" / "gpu_che
     """Run the script with ``env`` (PYTHON only when given); (exit code, stderr lines); nothing may be written."""
     out = tmp_path / "gpu_check"
     base = {k: v for k, v in os.environ.items() if k != "PYTHON"}
-    base.update(AGG_BENCH_CHECK_OUT=str(out), PYTHONPATH=str(ROOT), **env)
+    base.update({"AGG_BENCH_CHECK_OUT": str(out), "PYTHONPATH": str(ROOT), **env})
     proc = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=base, capture_output=True, text=True,
                           timeout=300)
     assert not out.exists()
@@ -75,7 +75,7 @@ def test_a_python_without_torch_is_one_line_and_exit_code_2(tmp_path):
     code, lines = check(tmp_path, "--cpu", PYTHON=str(python))
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"gpu_check: {python} cannot import torch and agg_bench (ModuleNotFoundError: "
-                               "No module named 'torch'); set PYTHON to an interpreter with agg-bench installed")
+                               "No module named 'torch'); set PYTHON to an interpreter with agg-bench's requirements")
 
 
 def test_without_python_it_sets_up_and_uses_the_project_venv(tmp_path):
@@ -91,7 +91,7 @@ def test_without_python_it_sets_up_and_uses_the_project_venv(tmp_path):
     code, lines = check(tmp_path, "--cpu", script=repo / "scripts" / "gpu_check.sh")
     assert code == 2 and len(lines) == 1 and (repo / "setup-ran").exists(), lines
     assert lines[0].startswith(f"gpu_check: {repo}/.venv/bin/python cannot import torch and agg_bench")
-    assert lines[0].endswith("run bash scripts/setup.sh (or set PYTHON to an interpreter with agg-bench installed)")
+    assert lines[0].endswith("run bash scripts/setup.sh (or set PYTHON to an interpreter with agg-bench's requirements)")
     # a setup that fails (no network, no Python 3.11) stops the check too
     (repo / "scripts" / "setup.sh").write_text('echo "setup: no Python 3.11" >&2; exit 3\n')
     code, lines = check(tmp_path, "--cpu", script=repo / "scripts" / "gpu_check.sh")
@@ -108,6 +108,23 @@ def test_without_python_it_sets_up_and_uses_the_project_venv(tmp_path):
 def test_bad_arguments_are_one_line_before_anything(tmp_path, args, words):
     code, lines = check(tmp_path, *args, PYTHON="/nonexistent/python")  # refused before the interpreter is asked
     assert code == 2 and lines == [f"gpu_check: {words}; usage: scripts/gpu_check.sh [--cpu]"], lines
+
+
+def test_python_is_given_the_repository_from_any_folder(tmp_path):
+    """A GPU machine gets the tree copied, not installed, and agg-bench's requirements as wheels on PYTHONPATH
+    (docs/paper-scale.md): PYTHON=python3 scripts/gpu_check.sh started outside the repository could not import
+    agg_bench (scripts/gpu_campaign.sh could). With PYTHON, the repository goes first on PYTHONPATH, before the
+    wheels' folder, for every process the check starts (here an interpreter that imports agg_bench only from the
+    repository, and records the PYTHONPATH its first step was given)."""
+    site, seen = tmp_path / "site", tmp_path / "seen"
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/bash\nif [[ $1 == -c ]]; then case ":$PYTHONPATH:" in *":{ROOT}:"*) exit 0 ;; esac\n'
+                      '  echo "ModuleNotFoundError: No module named \'agg_bench\'" >&2; exit 1; fi\n'
+                      f'printf %s "$PYTHONPATH" > "{seen}"; exit 3\n')
+    python.chmod(0o755)
+    code, lines = check(tmp_path, "--cpu", PYTHON=str(python), PYTHONPATH=str(site))
+    assert code == 2 and lines == [] and seen.read_text() == f"{ROOT}{os.pathsep}{site}", lines
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
