@@ -39,8 +39,6 @@ EARLY, LATE, ALWAYS = "early", "late", "always"  # when Delta-DiT reuses a run
 # FORA: what a reused block adds to its input
 ForaReuse = Literal["residual", "branches"]
 RESIDUAL, BRANCHES = typing.get_args(ForaReuse)
-# the families whose blocks' gated branches `reuse: branches` knows (fora.BRANCH_BLOCKS holds their block classes)
-FORA_BRANCH_FAMILIES = ("sd3", "flux")
 # FasterCache: the outputs a reused attention call extrapolates from
 ExtrapolateFrom = Literal["calls", "computed"]
 # Bounds of the caches' numbers: a step index or a count of steps or blocks, a threshold on a relative change,
@@ -215,10 +213,11 @@ class ForaConfig(Options):
     current_step_callback: Callable[[], int] | None = clock("returns the index of the current call's step")
 
     def check_family(self, family: str) -> None:
-        if self.reuse == BRANCHES and family not in FORA_BRANCH_FAMILIES:
+        if self.reuse == BRANCHES and not FAMILY_SPECS[family].gated_branches:
+            known = [name for name, spec in FAMILY_SPECS.items() if spec.gated_branches]
             raise ConfigError("method.reuse", BRANCHES,
                               f"{RESIDUAL!r} for model.family {family!r} ('branches' knows the gated attention and "
-                              f"MLP branches of the blocks of {list(FORA_BRANCH_FAMILIES)} only)")
+                              f"MLP branches of the blocks of {known} only)")
 
     def computes(self, step: int) -> bool:
         """Whether the blocks compute on step ``step`` (they reuse their residuals otherwise)."""

@@ -93,4 +93,5 @@ SPEC = FamilySpec(
     ),
     default_architecture="flux.1-dev",
     pixel_transformer=_pixel_transformer,
+    gated_branches=True,
 )

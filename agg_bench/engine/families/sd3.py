@@ -103,4 +103,5 @@ SPEC = FamilySpec(
     ),
     default_architecture="sd3.5-medium",
     pixel_transformer=_pixel_transformer,
+    gated_branches=True,
 )

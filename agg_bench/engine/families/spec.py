@@ -90,7 +90,8 @@ class FamilySpec:
 
     - ``lora_targets``: module names LoRA adapters attach to (``train.lora_target_modules`` default).
     - ``cache_block_lists``: the transformer's block lists, in the order it runs them: where the inference
-      caches (``baselines/caches``) hook.
+      caches (``baselines/caches``) hook. ``gated_branches``: FORA's ``reuse: branches`` knows its blocks'
+      attention and MLP outputs and their adaLN gates (``baselines/caches/fora.py``, ``BRANCH_BLOCKS``).
     - ``architectures``: the public checkpoints of ``model.preset: random``; ``default_architecture``: the
       one ``model.architecture: null`` means.
     - ``pixel_transformer(channels, side, num_layers, num_attention_heads, attention_head_dim, text_dim)``:
@@ -121,6 +122,7 @@ class FamilySpec:
     vae_input: Callable | None = None
     vae_decode: Callable | None = None
     pixel_transformer: Callable[..., dict] | None = None
+    gated_branches: bool = False
 
     def transformer_cls(self) -> type[Any]:
         return diffusers_class(self.transformer_class)
@@ -134,7 +136,7 @@ class FamilySpec:
     def problems(self) -> list[str]:
         """What keeps this spec from being complete: empty fields, architectures of another family, a
         default architecture it does not list. Empty when the spec is usable."""
-        optional = {"vae_input", "vae_decode", "pixel_transformer"}
+        optional = {"vae_input", "vae_decode", "pixel_transformer", "gated_branches"}
         out = [f"{f.name} is empty" for f in fields(self)
                if f.name not in optional and getattr(self, f.name) in (None, "", (), {})]
         out += [f"architecture {a.name} belongs to {a.family}" for a in self.architectures if a.family != self.name]
