@@ -259,11 +259,15 @@ def test_make_test_runs_the_linters_beside_the_tests_and_fails_with_them(tmp_pat
     repo = make_clone(tmp_path / "repo")
     for name in ("ruff", "shellcheck", "mypy"):
         bash_script(repo / ".venv" / "bin" / name, f'echo "{name} ran"; exit {int(name == failing)}')
+    # the streams do not get the lint command: a test that runs test.sh in a stand-in clone ran the linters there
+    bash_script(repo / ".venv" / "bin" / "python",
+                'if [ "$1" = -c ]; then echo 1; else echo "venv python $* lint=${AGG_BENCH_TEST_LINT-unset}"; fi')
     proc = subprocess.run(["make", "-s", "-C", str(repo), "test"], capture_output=True, text=True, timeout=60)
     out = proc.stdout
     assert (proc.returncode == 0) == (failing is None), proc.stderr + out
     tests, report = out.find("venv python -m pytest -q tests/integration"), out.find("----- lint: .venv/bin/ruff")
     assert -1 < tests < report and "venv python -m pytest -q tests/unit" in out, out
+    assert out.count("lint=unset") == 2, out
     ran = ["ruff", "shellcheck", "mypy"][:["ruff", "shellcheck", "mypy", None].index(failing) + 1]
     assert [name for name in ("ruff", "shellcheck", "mypy") if f"{name} ran" in out[report:]] == ran, out
     assert ("test.sh: the lint steps failed (exit 1)" in out) == (failing is not None), out
