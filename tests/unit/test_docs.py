@@ -22,6 +22,76 @@ def test_every_link_resolves():
     assert sum(len(relative_links(path)) for path in DOCS) > 20  # the check sees the links
 
 
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown file: lower case, punctuation but `-` and `_` dropped,
+    spaces as `-`, a repeated one numbered (`#dgpo`, `#dgpo-1`); headings inside fenced blocks are none."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_heading_anchors_are_githubs():
+    path = ROOT / "docs" / "methods.md"
+    assert {"options", "dgpo", "dgpo-1", "methodname-agg", "caches-fora-and-teacache",
+            "branch-branchgrpo"} <= heading_anchors(path)
+
+
+def test_every_link_to_a_section_finds_it():
+    """`[text](file.md#anchor)` and `[text](#anchor)` name a heading of that file (a section renamed or merged
+    left links that open the file at its top)."""
+    seen, broken = 0, []
+    for path in DOCS:
+        for target in (m.group(1) for m in LINK.finditer(path.read_text())):
+            name, _, anchor = target.partition("#")
+            if not anchor or re.match(r"^[a-z]+:", target) or not (name.endswith(".md") or not name):
+                continue
+            seen += 1
+            if anchor not in heading_anchors(path.parent / name if name else path):
+                broken.append(f"{path.relative_to(ROOT)} -> {target}")
+    assert seen >= 15 and not broken, broken
+
+
+def test_every_preset_is_in_the_readme_and_the_method_reference():
+    """Each run config of config/presets/ is named in the README's list of presets and in docs/methods.md (a new
+    preset missed the README's list), and the presets docs/design.md names as a contract are files there."""
+    presets = sorted(path.stem for path in (ROOT / "config" / "presets").glob("*.yaml"))
+    readme = (ROOT / "README.md").read_text().split("\n## Methods\n", 1)[1].split("\n## ", 1)[0]
+    methods = (ROOT / "docs" / "methods.md").read_text()
+    assert len(presets) >= 10
+    assert [name for name in presets if f"`{name}`" not in readme] == []
+    assert [name for name in presets if f"{name}.yaml" not in methods] == []
+    design = " ".join((ROOT / "docs" / "design.md").read_text().split())
+    (named,) = re.findall(r"`config/presets/\{([^}]*)\}\.yaml`", design)
+    names = [name.strip() for name in named.split(",")]
+    assert len(names) >= 8 and [name for name in names if name not in presets] == []
+
+
+NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def test_the_cache_lists_name_every_cache():
+    """docs/methods.md's `cached` row names every registered cache, and the README's count of them is theirs (its
+    introduction's "FBC, FORA, TeaCache and five more" and its methods table's `cached` row)."""
+    from baselines.caches import CACHES
+
+    caches = CACHES.names()
+    methods = (ROOT / "docs" / "methods.md").read_text()
+    row = next(line for line in methods.splitlines() if line.startswith("| `cached` |"))
+    assert len(caches) >= 8 and [name for name in caches if not re.search(rf"\b{name}\b", row)] == []
+    readme = (ROOT / "README.md").read_text()
+    named, more = re.search(r"inference caches \(([^)]*?) and (\w+) more\)", " ".join(readme.split())).groups()
+    assert len(named.split(", ")) + NUMBERS.index(more) == len(caches)
+    row = next(line for line in readme.splitlines() if line.startswith("| `cached` |"))
+    assert len(row.split("|")[2].split(",")) == len(caches)
+
+
 def test_the_readme_is_a_front_door():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 150
