@@ -404,3 +404,16 @@ def test_every_reference_folder_the_design_names_is_committed_or_said_not_to_be(
     unsaid = [name for name in absent if not any("not committed yet" in flat[at.start():at.start() + 400]
                                                  for at in re.finditer(re.escape(f"`results/reference/{name}/`"), flat))]
     assert "h200" in named and "h200" not in absent and unsaid == []
+
+
+def test_the_gpu_window_install_command_is_one_in_the_docs_and_the_wheel_script():
+    """docs/paper-scale.md's window command installs the wheels as scripts/gpu_wheels.sh's header says to (the two
+    were changed together once; one left behind would install into another folder or keep stale wheels)."""
+    def install(text: str) -> list[str]:
+        text = " ".join(text.replace("\\\n", " ").replace("#", " ").split())
+        (command,) = re.findall(r"python3 -m pip install (.*?\.whl/\*\.whl && export PYTHONPATH=\S+(?: \w+=\S+)*)", text)
+        return command.split()
+
+    docs = install((ROOT / "docs" / "paper-scale.md").read_text())
+    script = install((ROOT / "scripts" / "gpu_wheels.sh").read_text())
+    assert "--target" in docs and docs == script
