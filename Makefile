@@ -69,7 +69,7 @@ test: setup
 test-fast: lint
 	.venv/bin/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
-# What the workflows write in results/ (and their temporary names, .NAME.agg-bench-tmpPID): the rest stays, the
+# What the workflows write in results/ (and their temporary names, .NAME.agg-bench-tmpPID-RUN): the rest stays, the
 # committed reference results in results/reference/ among it, and so do files of the user's there (said in one
 # line), which `make clean` removed with the rest.
 RESULTS = benchmarks calibration cells done embeddings gradcheck imported learning logs manifest.json plots \

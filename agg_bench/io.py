@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,21 +57,49 @@ def as_written(data: Any) -> Any:
     return json.loads(json.dumps(_clean(data), default=_json_default))
 
 
-# Temporary names of the harness: ".STEM.agg-bench-tmpPID[.EXT]". Stale ones (a killed process's) are
-# removed by matching exactly this pattern, never a user's ".bashrc.tmpl" or ".notes.tmp".
+# Temporary names of the harness: ".STEM.agg-bench-tmpPID-RUN[.EXT]", PID the writing process's and RUN a token
+# drawn once per process start (:data:`RUN_TOKEN_CHARS` hex digits). Stale ones (a killed process's) are removed by
+# matching exactly this pattern, never a user's ".bashrc.tmpl" or ".notes.tmp". The PID says whether the writer
+# may still run; the token tells this process's own temporaries from those of an earlier process that had its PID
+# (PIDs are reused, in a fresh container's few from the start), which a process that is running cannot be. A name
+# without a token (".STEM.agg-bench-tmpPID[.EXT]", an earlier harness's) is a temporary too, never this run's.
 TEMP_TAG = ".agg-bench-tmp"
-_TEMP_NAME = re.compile(r"^\..+" + re.escape(TEMP_TAG) + r"([0-9]+)(\.[A-Za-z0-9]+)?$")
+RUN_TOKEN_CHARS = 8
+_OWNER = re.compile(r"([0-9]+)(?:-([0-9a-f]{%d}))?" % RUN_TOKEN_CHARS)
+_TEMP_NAME = re.compile(r"^\..+" + re.escape(TEMP_TAG) + "(" + _OWNER.pattern + r")(\.[A-Za-z0-9]+)?$")
+
+
+def _new_run() -> None:
+    _RUN[:] = [(os.getpid(), secrets.token_hex(RUN_TOKEN_CHARS // 2))]
+
+
+# (PID, token) of this process run, drawn as the module is imported, before any thread could race to draw it, and
+# again in a forked child
+_RUN: list[tuple[int, str]] = []
+_new_run()
+os.register_at_fork(after_in_child=_new_run)
+
+
+def _this_run() -> tuple[int, str]:
+    if _RUN[0][0] != os.getpid():  # a child forked by a way that ran no fork handler
+        _new_run()
+    return _RUN[0]
 
 
 def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is one of :func:`atomic_path`'s temporary names."""
+    """Whether ``name`` is one of :func:`atomic_path`'s temporary names (a name without a run token included)."""
     return _TEMP_NAME.match(name) is not None
 
 
-def temp_name_owner(name: str) -> int | None:
-    """The PID in one of :func:`atomic_path`'s temporary names, whatever its target; None for any other name."""
+def _temp_name_run(name: str) -> tuple[int, str] | None:
     match = _TEMP_NAME.match(name)
-    return int(match.group(1)) if match else None
+    return _run_of(match.group(1)) if match else None
+
+
+def _run_of(text: str) -> tuple[int, str] | None:
+    """(PID, run token, "" for none) of the part of a temporary name after :data:`TEMP_TAG`; None for other text."""
+    match = _OWNER.fullmatch(text)
+    return (int(match.group(1)), match.group(2) or "") if match else None
 
 
 def path_text(path: str | Path) -> str:
@@ -82,18 +111,42 @@ def path_text(path: str | Path) -> str:
 
 def atomic_path(path: str | Path, pid: int | None = None) -> Path:
     """A temporary sibling of ``path``; rename it onto ``path`` with ``os.replace`` when complete. Its name is this
-    process's, or process ``pid``'s (:func:`temp_owner` reads it back)."""
+    process run's: its PID and run token, which no earlier process of the same PID had. With ``pid``, the name
+    without a run token that process ``pid`` is taken to have given it: another process's, or with this process's
+    PID an earlier process's that had it (:func:`temp_owner` reads the PID back)."""
     path = Path(path)
-    return path.with_name(f".{path.stem}{TEMP_TAG}{os.getpid() if pid is None else pid}{path.suffix}")
+    owner = "-".join(map(str, _this_run())) if pid is None else str(pid)
+    return path.with_name(f".{path.stem}{TEMP_TAG}{owner}{path.suffix}")
+
+
+def _temp_run(path: str | Path, name: str) -> tuple[int, str] | None:
+    path = Path(path)
+    head, tail = f".{path.stem}{TEMP_TAG}", path.suffix
+    if not (name.startswith(head) and name.endswith(tail)) or len(name) < len(head) + len(tail):
+        return None
+    return _run_of(name[len(head):len(name) - len(tail)])
 
 
 def temp_owner(path: str | Path, name: str) -> int | None:
     """The PID of the process whose :func:`atomic_path` of ``path`` is named ``name`` (any process's, a killed
     one's included); None for any other name."""
-    path = Path(path)
-    head, tail = f".{path.stem}{TEMP_TAG}", path.suffix
-    pid = name[len(head):len(name) - len(tail)]
-    return int(pid) if name.startswith(head) and name.endswith(tail) and pid.isdigit() else None
+    owner = _temp_run(path, name)
+    return owner[0] if owner else None
+
+
+def _ended(owner: tuple[int, str]) -> bool:
+    """Whether the process run that named a temporary ``owner`` (PID, run token) has ended: no process has the
+    PID, or this process has it and the name is not this run's (a killed process's whose PID this one was given).
+    A running process of another PID keeps its temporaries, whichever process it is."""
+    pid = owner[0]
+    return owner != _this_run() if pid == os.getpid() else not process_running(pid)
+
+
+def is_stale_temp(name: str, path: str | Path | None = None) -> bool:
+    """Whether ``name`` is a temporary (of ``path`` where given: an :func:`atomic_path` of it) that a process run
+    which has ended left: :func:`remove_stale_temps`' test, and the one for a folder of many writers' files."""
+    owner = _temp_name_run(name) if path is None else _temp_run(path, name)
+    return owner is not None and _ended(owner)
 
 
 def file_identity(path: str | Path) -> tuple[int, int, int] | None:
@@ -128,16 +181,15 @@ def remove_stale_temps(path: str | Path) -> None:
     that have ended without cleaning up (SIGKILL runs no cleanup): its temporary, and an earlier folder it had
     moved aside, which goes back to ``path`` where a process killed between its two renames left nothing there
     (the earlier contents, never a loss). Only entries of exactly those names are touched, never a symbolic
-    link, and only when the PID in the name is no running process's (a live writer of the same name keeps its
-    temporary). The caller holds ``path``'s claim, so no live process of this harness writes a new one
-    meanwhile."""
+    link, and only when the process run in the name has ended (:func:`is_stale_temp`: a live writer of the same
+    name keeps its temporary, this process run its own). The caller holds ``path``'s claim, so no live process of
+    this harness writes a new one meanwhile."""
     path = Path(path)
     if not path.parent.is_dir():
         return
     aside = _aside(path)
     for entry in sorted(path.parent.iterdir()):
-        stale = [target for target in (path, aside) if (pid := temp_owner(target, entry.name)) is not None
-                 and not entry.is_symlink() and not process_running(pid)]
+        stale = [target for target in (path, aside) if not entry.is_symlink() and is_stale_temp(entry.name, target)]
         if stale == [aside] and entry.is_dir() and not os.path.lexists(path):
             os.replace(entry, path)
         elif stale:
@@ -196,7 +248,7 @@ def atomic_target(path: str | Path, umask_modes: bool = True) -> Iterator[Path]:
     there, whose modes are their owner's)."""
     path = Path(path)
     tmp = atomic_path(path)
-    _remove(tmp)  # a killed earlier process of the same PID
+    _remove(tmp)  # what this process run left of an earlier write of the same path that failed to clean up
     try:
         yield tmp
         if umask_modes and os.path.lexists(tmp):

@@ -42,8 +42,8 @@ from typing import Callable, Iterator
 from . import stopping
 from .errors import UserError, quote, shown
 from .jsonfiles import JsonFileError, read_json_object
-from .io import (TEMP_TAG, atomic_path, atomic_target, is_temp_name, process_running, remove_stale_temps,
-                 temp_name_owner)
+from .io import (RUN_TOKEN_CHARS, TEMP_TAG, atomic_path, atomic_target, is_stale_temp, is_temp_name,
+                 remove_stale_temps)
 
 LOCK_SUFFIX = ".agg-bench.lock"
 FOLDER_LOCK = LOCK_SUFFIX  # inside a folder output: DIR/.agg-bench.lock
@@ -225,7 +225,8 @@ def remove_owned(folder: Path, contents: Contents) -> None:
 
 def remove_stale_harness_files(folder: Path) -> None:
     """Remove the files of the harness that processes which have ended left in ``folder`` (not in its
-    folders): :func:`atomic_path` temporaries whose PID runs no process, and lock files no process holds. For a
+    folders): :func:`atomic_path` temporaries of process runs that have ended (:func:`~agg_bench.io.is_stale_temp`),
+    and lock files no process holds. For a
     folder of files that many processes write under names of their own (a campaign's calibrations, each under
     a new name), where no later write of the same name would remove them (:func:`remove_stale_temps`). The
     caller holds a claim that covers ``folder``."""
@@ -236,7 +237,7 @@ def remove_stale_harness_files(folder: Path) -> None:
             continue
         if is_lock_name(path.name):
             _remove_unheld_lock(path)
-        elif (pid := temp_name_owner(path.name)) is not None and not process_running(pid):
+        elif is_stale_temp(path.name):
             path.unlink(missing_ok=True)
 
 
@@ -261,8 +262,9 @@ def _remove_unheld_lock(path: Path) -> None:
 NAME_MAX = 255  # bytes of one name of a path (Linux's file systems; macOS's too)
 PATH_MAX = 4096  # bytes of a path a system call takes (Linux)
 # bytes a name of an output gains in the names written beside it while it is written: its temporary
-# (".NAME.agg-bench-tmpPID", a PID of up to 7 digits) and its lock (".NAME.agg-bench.lock"), the longer
-SIBLING_BYTES = max(1 + len(TEMP_TAG) + 7, 1 + len(LOCK_SUFFIX))
+# (".NAME.agg-bench-tmpPID-RUN", a PID of up to 7 digits and a run token) and its lock (".NAME.agg-bench.lock"),
+# the longer
+SIBLING_BYTES = max(1 + len(TEMP_TAG) + 7 + 1 + RUN_TOKEN_CHARS, 1 + len(LOCK_SUFFIX))
 
 
 # why an empty path names nothing of the user's: the system reads it as the current folder (`--out $DIR` with DIR
@@ -444,7 +446,7 @@ class Claim:
         if not lock_inside and size > NAME_MAX - SIBLING_BYTES:  # its lock and temporary are written beside it
             raise UserError(f"{flag} {quote(str(target))}: a name of {size} bytes; expected a name of at most "
                             f"{NAME_MAX - SIBLING_BYTES} bytes (the names written beside it while it is written, "
-                            f".NAME{TEMP_TAG}PID and .NAME{LOCK_SUFFIX}, are {SIBLING_BYTES} bytes longer)")
+                            f".NAME{TEMP_TAG}PID-RUN and .NAME{LOCK_SUFFIX}, are {SIBLING_BYTES} bytes longer)")
         self.lock_path = lock_path(self.target, lock_inside)
         self._fd: int | None = None
         self._created: list[Path] = []

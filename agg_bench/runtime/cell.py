@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterator
 
 from .. import stopping
 from ..errors import UserError, numbered, quote, run_command, shown
-from ..io import as_written, file_identity, process_running, remove_stale_temps, temp_owner, write_json
+from ..io import as_written, file_identity, is_stale_temp, remove_stale_temps, write_json
 from ..outdir import Busy, Claim, check_file, check_path_names, json_file_where
 from ..reading import ENV_FILE, METRICS_FILE, RunFolder
 from ..jsonfiles import json_type, read_json_object
@@ -522,8 +522,7 @@ def _remove_stale_temps(path: Path, flag: str, check: Callable[[], None]) -> Non
     """Remove the temporaries of the journal ``path`` that processes which have ended left beside it
     (:func:`~agg_bench.io.remove_stale_temps`), under its claim as :meth:`Journal.add` writes it; nothing is
     claimed where there is none (a folder not made yet, one this attempt only reads)."""
-    if path.parent.is_dir() and any((pid := temp_owner(path, entry.name)) is not None and not process_running(pid)
-                                    for entry in path.parent.iterdir()):
+    if path.parent.is_dir() and any(is_stale_temp(entry.name, path) for entry in path.parent.iterdir()):
         with Claim(path, folder=False, lock_inside=False, flag=flag, wait=True, check=check):
             remove_stale_temps(path)
 

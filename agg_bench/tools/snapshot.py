@@ -161,7 +161,7 @@ def _save_snapshot(session: Session, cfg: RunConfig, out: Path) -> None:
         raise UserError(f"the rollout of iteration 0 holds {quote(bad[1])} in {bad[0]}: expected finite numbers "
                         "(the rollout or its reward blew up); no snapshot written")
     staging = atomic_path(staging_target(out))  # a harness temporary: never taken for a snapshot or anyone's file
-    shutil.rmtree(staging, ignore_errors=True)  # a killed earlier process of the same PID
+    shutil.rmtree(staging, ignore_errors=True)  # this process run's, where an earlier snapshot in it failed to clean up
     try:
         staging.mkdir()
         save_transformer(session.policy.transformer, staging / "transformer")  # with LoRA: base weights + lora/

@@ -346,18 +346,21 @@ def test_an_unpack_that_fails_while_writing_the_tables_leaves_no_trace(window, t
     assert not reference.exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("reused", [False, True])
 def test_an_unpack_removes_the_staging_folder_a_killed_unpack_left_once_its_own_files_are_in_place(
-        cpu_campaign, tmp_path, monkeypatch):
+        cpu_campaign, tmp_path, monkeypatch, reused):
     """An unpack killed (SIGKILL) while it moved the archive's files in left its staging folder inside the
     reference, which is committed: the reference's checks take it for the harness's, and each attempt stages
     under its own PID. It tells the readers that the manifest may lag behind the runs: the next unpack removed it
     as soon as it held the reference's claim, and when that unpack was then refused the readers took the manifest
     for whole. An unpack refused leaves it (the readers go on refusing); one that puts its own runs, manifest and
-    tables in place removes it; a live process's stays."""
+    tables in place removes it; a live process's stays. The killed unpack may have had the PID of the next one (a
+    fresh container's PIDs are few and reused): its staging folder was taken for the live unpack's own, never
+    removed, and the unpack failed making its own (FileExistsError, an internal error)."""
     from agg_bench.outputs import check_no_unpack
 
     reference = tmp_path / "reference"
-    stale = atomic_path(reference / "unpack", ENDED_PID)  # where an unpack stages
+    stale = atomic_path(reference / "unpack", os.getpid() if reused else ENDED_PID)  # where an unpack stages
     (stale / "new" / "runs" / "r0").mkdir(parents=True)
     (stale / "new" / "runs" / "r0" / "metrics.jsonl").write_text("{}\n")
     unpack_to_its_first_check(cpu_campaign, tmp_path, reference, monkeypatch)
@@ -2250,8 +2253,9 @@ def test_a_window_removes_the_model_copy_a_killed_window_left_beside_the_model_f
 def test_a_window_removes_what_killed_windows_processes_left_in_the_work_folder(tmp_path, monkeypatch):
     """A window killed (SIGKILL) while a calibration ran left the calibration's lock file, and a killed write of
     a cell's report or a window log its temporary, under names no later window writes (each window has its own
-    stamp): nothing removed them. The next window removes them under its claim of the work folder; a live
-    process's temporary, a held lock and the finished files stay."""
+    stamp): nothing removed them. The next window removes them under its claim of the work folder, a temporary of a
+    killed process whose PID this one has too (PIDs reused in a fresh container) included; a live process's
+    temporary, a held lock and the finished files stay."""
     monkeypatch.setattr(campaign_module, "_run_processes", lambda *args: [])
     work = tmp_path / "w"
     held: list[int] = []
@@ -2262,7 +2266,8 @@ def test_a_window_removes_what_killed_windows_processes_left_in_the_work_folder(
                 (work / sub).mkdir(parents=True)
                 finished = work / sub / f"20261205T000000_{sub}.json"
                 finished.write_text("{}")
-                stale += [atomic_path(finished, ENDED_PID), work / sub / f".{finished.name}.agg-bench.lock"]
+                stale += [atomic_path(finished, ENDED_PID), work / sub / f".{finished.name}.agg-bench.lock",
+                          atomic_path(work / sub / f"20261204T000000_{sub}.json", os.getpid())]
                 kept += [finished, atomic_path(finished, live), work / sub / f".{sub}-held.json.agg-bench.lock"]
             for path in [*stale, *kept[1::3], *kept[2::3]]:
                 path.write_text("")

@@ -514,11 +514,13 @@ def test_a_run_job_that_ended_unseen_keeps_its_run_until_the_workflow_forgets_it
 def test_the_temporaries_a_killed_job_left_of_its_markers_and_journal_go(tmp_path, capsys, verb):
     """A job killed (SIGKILL) while it wrote a run's marker or its journal left that file's temporary beside it,
     where nothing claims the folder (the workflow's results/done and results/cells): every later attempt added
-    one. The next write of the file removes those of ended processes; a live process's stays."""
+    one. The next write of the file removes those of ended processes (one whose PID this process was given
+    again, as a fresh container gives its few PIDs, included); a live process's stays."""
     out, done, journal = tmp_path / "a", tmp_path / "done" / "a.json", tmp_path / "jobs.progress.json"
     done.parent.mkdir()
     with running_process() as live:
-        stale = [atomic_path(done, ENDED_PID), atomic_path(journal, ENDED_PID + 1)]
+        stale = [atomic_path(done, ENDED_PID), atomic_path(journal, ENDED_PID + 1), atomic_path(done, os.getpid()),
+                 atomic_path(journal, os.getpid())]
         alive = [atomic_path(done, live), atomic_path(journal, live)]
         for path in stale + alive:
             path.write_text("{")
@@ -687,23 +689,28 @@ def test_a_cell_journal_error_names_the_cell_journal_not_an_option(tmp_path):
 def test_an_attempt_that_records_nothing_removes_the_journal_temporaries_of_killed_writers(tmp_path):
     """An attempt that keeps every run, or whose runs all fail, adds nothing to its journal, which removed the
     temporaries killed writers of it left only when adding a run: reading the journal removes those of ended
-    processes (a live writer's stays) and leaves no lock behind; a journal whose folder holds none claims nothing."""
+    processes (a live writer's stays) and leaves no lock behind; a journal whose folder holds none claims nothing.
+    An ended process's is also one whose PID this process has (PIDs are reused: a fresh container's are few);
+    this process run's own temporary stays."""
     from agg_bench.outdir import LOCK_SUFFIX
     from agg_bench.runtime.cell import Journal
 
     jobs = tmp_path / "jobs.json"
-    for journal in (Journal.path_of(jobs), tmp_path / "mine.json"):
-        journal.write_text(json.dumps({"code": "other", "runs": {}}))
-        stale, alive = atomic_path(journal, ENDED_PID), atomic_path(journal, os.getpid())
-        stale.write_text("{")
-        alive.write_text("{")
-        if journal == tmp_path / "mine.json":
-            Journal.read(journal, "agg-bench run", "--journal", "it runs")
-        else:
-            Journal.resume(jobs)
-        assert not stale.exists() and alive.exists() and journal.exists()
-        assert not (tmp_path / f".{journal.name}{LOCK_SUFFIX}").exists()
-        alive.unlink()
+    with running_process() as live:
+        for journal in (Journal.path_of(jobs), tmp_path / "mine.json"):
+            for pid in (ENDED_PID, os.getpid()):
+                journal.write_text(json.dumps({"code": "other", "runs": {}}))
+                stale, alive, mine = atomic_path(journal, pid), atomic_path(journal, live), atomic_path(journal)
+                for path in (stale, alive, mine):
+                    path.write_text("{")
+                if journal == tmp_path / "mine.json":
+                    Journal.read(journal, "agg-bench run", "--journal", "it runs")
+                else:
+                    Journal.resume(jobs)
+                assert not stale.exists() and alive.exists() and mine.exists() and journal.exists()
+                assert not (tmp_path / f".{journal.name}{LOCK_SUFFIX}").exists()
+                alive.unlink()
+                mine.unlink()
     Journal.read(tmp_path / "new" / "mine.json", "agg-bench run", "--journal", "it runs")
     assert not (tmp_path / "new").exists()
 

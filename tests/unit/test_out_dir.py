@@ -41,8 +41,70 @@ def test_temporary_names_are_the_harness_s_own():
     tmp = atomic_path(Path("/x/summary.json"))
     assert is_temp_name(tmp.name) and tmp.name.startswith(".summary.") and tmp.suffix == ".json"
     assert is_temp_name(atomic_path(Path("checkpoint.pt")).name)
-    for name in (".bashrc.tmpl", ".notes.tmp", ".summary.json.tmp99", "summary.agg-bench-tmp1.json", ".x.tmp1"):
+    assert is_temp_name(".summary.agg-bench-tmp42.json") and is_temp_name(".m.agg-bench-tmp42-0123abcd")
+    for name in (".bashrc.tmpl", ".notes.tmp", ".summary.json.tmp99", "summary.agg-bench-tmp1.json", ".x.tmp1",
+                 ".x.agg-bench-tmp42-zz", ".x.agg-bench-tmp42-0123abcd0", ".x.agg-bench-tmp-0123abcd"):
         assert not is_temp_name(name), name
+
+
+def test_a_temporary_of_this_process_s_pid_is_its_own_only_when_this_process_run_named_it(tmp_path):
+    """PIDs are reused (a fresh container's few from the start): a temporary that a killed process left can carry
+    the PID of the process looking at it. The name says which run of the PID wrote it, so such a one is stale, and
+    never the name this process writes under; this process's own, and a running other process's, are not. A
+    forked child names its temporaries anew. The longest name an output may have still leaves room for its
+    temporary's (outdir.SIBLING_BYTES)."""
+    from agg_bench.io import is_stale_temp, temp_owner
+    from agg_bench.outdir import NAME_MAX, SIBLING_BYTES
+
+    path = tmp_path / "g.v1.csv"
+    mine, earlier = atomic_path(path), atomic_path(path, os.getpid())
+    assert mine != earlier and is_temp_name(earlier.name) and mine.suffix == earlier.suffix == ".csv"
+    assert temp_owner(path, mine.name) == temp_owner(path, earlier.name) == os.getpid()
+    assert is_stale_temp(earlier.name, path) and is_stale_temp(earlier.name)
+    assert not is_stale_temp(mine.name, path) and not is_stale_temp(mine.name)
+    assert not is_stale_temp(earlier.name, tmp_path / "other.csv") and not is_stale_temp("g.v1.csv", path)
+    with running_process() as live:
+        assert not is_stale_temp(atomic_path(path, live).name, path)
+        assert not is_stale_temp(mine.name.replace(f"{os.getpid()}-", f"{live}-"), path)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: only its temporary's name, then out without pytest's clean-up
+        os.write(write, atomic_path(path).name.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    with os.fdopen(read, "rb") as fh:
+        theirs = fh.read().decode()
+    assert temp_owner(path, theirs) == child and theirs.split("-")[-1] != mine.name.split("-")[-1]
+    longest = Path("L" * (NAME_MAX - SIBLING_BYTES))
+    assert len(atomic_path(longest).name.replace(str(os.getpid()), "9" * 7, 1)) <= NAME_MAX
+
+
+def test_a_folder_of_many_writers_files_loses_the_temporaries_of_a_killed_process_of_this_pid(tmp_path):
+    """A campaign window cleans its work folder's cells/, calibration/ and windows/ of every ended process's
+    temporary (outdir.remove_stale_harness_files): one of a killed process whose PID this one has too went
+    unremoved for good. This process run's own, and a running other process's, stay."""
+    from agg_bench.outdir import remove_stale_harness_files
+
+    with running_process() as live:
+        stale = [atomic_path(tmp_path / "a.json", os.getpid()), atomic_path(tmp_path / "b.json", ENDED_PID)]
+        kept = [atomic_path(tmp_path / "c.json"), atomic_path(tmp_path / "d.json", live), tmp_path / "e.json"]
+        for path in stale + kept:
+            path.write_text("{}")
+        remove_stale_harness_files(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in kept)
+
+
+def test_a_marker_s_folder_is_writable_beside_a_killed_probe_of_this_pid(tmp_path):
+    """check_writable tries a --done marker's folder by making its temporary there at once (O_EXCL): a killed
+    process whose PID this one has too (PIDs reused in a fresh container) left that name, and the marker was
+    refused as not writable ("File exists")."""
+    from agg_bench.outdir import check_writable
+
+    done = tmp_path / "done.json"
+    atomic_path(done, os.getpid()).write_text("")
+    check_writable(done, "--done")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [atomic_path(done, os.getpid()).name]
 
 
 @pytest.mark.parametrize("verb, suffix", [("embed", ".safetensors"), ("replay", ".safetensors"), ("gradcheck", ".csv")])
@@ -449,20 +511,22 @@ def _record_runs(path: Path, outs: list[str], ready) -> None:
         journal.add(CellRun(None, (), Path(out)), _Written(i), "ok")
 
 
-def test_pretrain_removes_what_a_killed_pretrain_left_beside_its_out_but_not_a_live_one_s(tmp_path):
+@pytest.mark.parametrize("reused", [False, True])
+def test_pretrain_removes_what_a_killed_pretrain_left_beside_its_out_but_not_a_live_one_s(tmp_path, reused):
     """A pretrain killed (SIGKILL) while it saved left its temporary model folder beside --out, and one killed
     while it renamed the new folder in left the earlier output moved aside: both stayed forever. A rerun removes
-    those of processes that have ended; a live process's temporary, and a user's look-alike, stay."""
+    those of processes that have ended, a killed one's whose PID the rerun has too (PIDs reused in a fresh
+    container) included; a live process's temporary, and a user's look-alike, stay."""
     import subprocess
     import sys
 
     out = tmp_path / "model"
-    ended = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                               text=True).stdout)
+    ended = os.getpid() if reused else int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                                          capture_output=True, text=True).stdout)
     live = os.getppid()
 
     def of(pid: int, path: Path) -> Path:
-        return path.with_name(atomic_path(path).name.replace(str(os.getpid()), str(pid)))
+        return atomic_path(path, pid)
 
     stale = [of(ended, out), of(ended, tmp_path / "model-old")]
     kept = [of(live, out), tmp_path / ".model.agg-bench-tmp", tmp_path / ".model.mine", of(ended, tmp_path / "other")]
@@ -527,19 +591,21 @@ def _ended_pid() -> int:
                               text=True).stdout)
 
 
+@pytest.mark.parametrize("reused", [False, True])
 @pytest.mark.parametrize("renamed_in", [False, True])
-def test_a_folder_replacement_killed_between_its_renames_keeps_a_whole_folder(tmp_path, renamed_in):
+def test_a_folder_replacement_killed_between_its_renames_keeps_a_whole_folder(tmp_path, renamed_in, reused):
     """A process killed (SIGKILL) after it moved the earlier folder aside and before it renamed the new one in
     left no folder at the path: the next writer's clean-up puts the earlier one back, where it removed it with
     the temporaries and the folder was lost. Killed after the second rename, the new folder stays and the
-    earlier one goes."""
+    earlier one goes. So too where the killed process had the PID of the one cleaning up (PIDs reused in a fresh
+    container), whose own they are not: they were left for good, the path empty."""
     from agg_bench.io import remove_stale_temps
 
-    dead = _ended_pid()
+    dead = os.getpid() if reused else _ended_pid()
     out = tmp_path / "tables"
 
     def of(path: Path) -> Path:
-        return path.with_name(atomic_path(path).name.replace(str(os.getpid()), str(dead)))
+        return atomic_path(path, dead)
 
     aside, new = of(tmp_path / "tables-old"), of(out)
     aside.mkdir()

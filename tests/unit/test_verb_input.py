@@ -411,12 +411,15 @@ def test_gradcheck_refuses_a_method_option_given_twice(tmp_path, capsys, monkeyp
 def test_a_rerun_of_a_killed_gradcheck_removes_the_snapshot_it_left(tmp_path, capsys):
     """A gradcheck killed (SIGKILL) while it replayed left its temporary snapshot, the model's weights, beside --out
     for good: a rerun made another. Only a temporary of that exact name goes, and only when the process it names
-    has ended (a gradcheck of another --out of the same stem, g.md, still writes its own); a user's folders stay."""
-    from agg_bench.io import TEMP_TAG
+    has ended (a gradcheck of another --out of the same stem, g.md, still writes its own); a user's folders stay.
+    A killed gradcheck's of the PID the rerun has (PIDs reused in a fresh container) goes too: the rerun took it
+    for its own temporary snapshot, and read it or wrote into it."""
+    from agg_bench.io import TEMP_TAG, atomic_path
 
-    stale = tmp_path / f".g-snapshot{TEMP_TAG}{ENDED_PID}"
-    (stale / "transformer").mkdir(parents=True)
-    (stale / "rollout.json").write_text("{}")
+    stale = [tmp_path / f".g-snapshot{TEMP_TAG}{ENDED_PID}", atomic_path(tmp_path / "g-snapshot", os.getpid())]
+    for folder in stale:
+        (folder / "transformer").mkdir(parents=True)
+        (folder / "rollout.json").write_text("{}")
     # a gradcheck of g.md (same stem, another claim) still running, which writes its snapshot there
     with running_process() as running:
         kept = [tmp_path / "g-snapshot", tmp_path / f".g-snapshot{TEMP_TAG}x1", tmp_path / f".h-snapshot{TEMP_TAG}7",
@@ -430,8 +433,8 @@ def test_a_rerun_of_a_killed_gradcheck_removes_the_snapshot_it_left(tmp_path, ca
                          "progress=false", "--windows", "2", "--alphas", "index", "--route-fracs", "1",
                          "--out", str(tmp_path / "g.csv")]) == 0, capsys.readouterr().err
     after = tree(tmp_path)
-    assert not stale.exists() and (tmp_path / "g.csv").is_file()
-    assert {k: v for k, v in before.items() if not k.startswith(stale.name)} == \
+    assert not any(folder.exists() for folder in stale) and (tmp_path / "g.csv").is_file()
+    assert {k: v for k, v in before.items() if not k.startswith(tuple(folder.name for folder in stale))} == \
         {k: v for k, v in after.items() if k != "g.csv"}
 
 
@@ -448,8 +451,7 @@ def test_a_killed_gradchecks_snapshot_is_found_by_atomic_paths_own_name(tmp_path
         assert temp_owner(path, path.name) is None and temp_owner(path, atomic_path(path).name + "x") is None
     out = tmp_path / "g.v1.csv"
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = atomic_path(snapshot_target(out)).with_name(
-        atomic_path(snapshot_target(out)).name.replace(str(os.getpid()), ended.stdout.strip()))
+    stale = atomic_path(snapshot_target(out), int(ended.stdout))
     stale.mkdir()
     mine = tmp_path / ".g.v1-snapshot.mine"
     mine.mkdir()
@@ -706,15 +708,17 @@ def test_evaluations_with_null_sub_scores_are_read(run):
 def test_a_snapshot_removes_the_staging_folder_a_killed_snapshot_left_in_its_folder(tmp_path, monkeypatch):
     """A snapshot killed (SIGKILL) after staging its files left the staging folder, a whole transformer's weights,
     inside --out for good: the folder's checks take it for the harness's, and every attempt stages under its own
-    PID. The next snapshot into the folder removes it once it holds the claim, before the model is built; a
-    live process's staging folder stays."""
+    PID. The next snapshot into the folder removes it once it holds the claim, before the model is built, one of
+    a killed snapshot whose PID this process has too (PIDs reused in a fresh container) included; a live
+    process's staging folder stays."""
     from agg_bench.io import atomic_path
     from agg_bench.tools import snapshot
 
     out = tmp_path / "snap"
-    stale = atomic_path(out / "snapshot", ENDED_PID)  # where _save_snapshot stages
-    (stale / "transformer").mkdir(parents=True)
-    (stale / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"weights")
+    for pid in (ENDED_PID, os.getpid()):
+        stale = atomic_path(out / "snapshot", pid)  # where _save_snapshot stages
+        (stale / "transformer").mkdir(parents=True)
+        (stale / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"weights")
 
     class Built(Exception):
         pass
@@ -833,9 +837,9 @@ def test_an_output_name_without_room_for_its_temporary_is_refused_naming_the_fla
     flag = "--out" if verb == "import-log" else "--tables"
     line = fails(capsys, argv)
     assert line.startswith(f"agg-bench {verb}: {flag} '{tmp_path}/LLL") and "a name of 240 bytes; expected a name of " \
-        "at most 233 bytes" in line
+        "at most 224 bytes" in line
     assert tree(tmp_path) == before
-    assert cli.main([*argv[:-1], str(tmp_path / ("L" * 233))]) == 0
+    assert cli.main([*argv[:-1], str(tmp_path / ("L" * 224))]) == 0
 
 
 def test_an_output_where_nothing_can_be_written_is_refused_naming_the_flag(tmp_path, capsys):
