@@ -8,7 +8,8 @@
 # on a fresh clone on a quiet 2-core AMD EPYC: 11 min 4 s each with 3,792 tests in all; 13 min 39 s and 13 min 2 s with
 # 3,897 on a slower day of the host; 12 min 7 s and 12 min 28 s with 3,910; 14 min 37 s and 15 min 4 s with 3,988 on
 # a day the pipeline's work took 460 CPU-s, against 404; 12 min 25 s and 12 min 26 s with 4,029 on a day it took
-# 456; 13 min 27 s and 13 min 38 s with 4,124 on a day it took 446). Each stream runs with OMP_NUM_THREADS=1 unless it is set (the suite passes at any thread count). With fewer
+# 456; 13 min 27 s and 13 min 38 s with 4,124 on a day it took 446; 8 min 24 s and 9 min 1 s, then 9 min 16 s
+# and 9 min 39 s, with 4,227 on a day it took 333 and 293). Each stream runs with OMP_NUM_THREADS=1 unless it is set (the suite passes at any thread count). With fewer
 # than two usable cores the streams run one after the other. Arguments go to both streams (make test
 # PYTEST_ARGS="-m 'not slow'"); a stream whose selection is empty counts as passed. The second stream's report follows the first's.
 set -uo pipefail
